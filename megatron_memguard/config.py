@@ -1,0 +1,50 @@
+"""What a reader produces: the settings as the user wrote them, under Megatron's argument names.
+
+Every reader (Megatron flags, functional-test YAML, launch commands, NeMo, Megatron-Bridge, Hugging
+Face) maps its input onto Megatron's argument ``dest`` names (``tensor_model_parallel_size``,
+``recompute_granularity``, ...) plus megatron-core config field names where Megatron has no flag
+(``store_param_remainders``). ``origin`` remembers how the user spelled each one, so that an error
+about ``tensor_model_parallel_size`` can name ``--tensor-model-parallel-size`` or
+``model.tensor_model_parallel_size``. Nothing here applies defaults: that is ``resolve``'s job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class RawConfig:
+    args: Mapping[str, Any]
+    origin: Mapping[str, str] = field(default_factory=dict)
+    source: str = "megatron flags"
+    world_size: int | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    best_effort: bool = False
+
+    def key(self, dest: str) -> str:
+        """How the user wrote ``dest`` (flag or key path); the Megatron flag spelling otherwise."""
+        return self.origin.get(dest) or "--" + dest.replace("_", "-")
+
+    def with_args(self, **updates: Any) -> "RawConfig":
+        """A copy with some arguments replaced (origin marks them as set by memguard)."""
+        args = dict(self.args)
+        origin = dict(self.origin)
+        for k, v in updates.items():
+            args[k] = v
+            origin.setdefault(k, "--" + k.replace("_", "-"))
+        return replace(self, args=args, origin=origin)
+
+    def merged(self, other: "RawConfig") -> "RawConfig":
+        """``other`` on top of this one (later sources win), warnings concatenated."""
+        args = {**self.args, **other.args}
+        origin = {**self.origin, **other.origin}
+        return RawConfig(
+            args=args, origin=origin, source=f"{self.source} + {other.source}",
+            world_size=other.world_size or self.world_size, nodes=other.nodes or self.nodes,
+            gpus_per_node=other.gpus_per_node or self.gpus_per_node, env={**self.env, **other.env},
+            warnings=self.warnings + other.warnings, best_effort=self.best_effort or other.best_effort,
+        )

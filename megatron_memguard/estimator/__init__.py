@@ -1,0 +1,5 @@
+"""The estimator: model state, activations and overheads per pipeline stage (pure Python, no torch)."""
+from .core import PROFILES, estimate
+from .result import Estimate, StageEstimate, Term
+
+__all__ = ["estimate", "Estimate", "StageEstimate", "Term", "PROFILES"]

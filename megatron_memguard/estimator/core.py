@@ -1,0 +1,293 @@
+"""Put the pieces together: per pipeline stage, persistent state plus the worst moment of the schedule.
+
+For each stage, the pipeline schedule (``schedule.rank_events``) is replayed with the activation
+bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest of
+* a forward: what earlier micro-batches hold + this one's saved tensors + the transient at its end
+  (the logits and the cross-entropy's fp32 copy on the last stage);
+* a backward: everything held + the backward working set of the chunk's top layer (or the
+  recomputed block under full recompute), and at the bottom the embedding's dense weight gradient;
+* the optimizer step: model state + the step's temporaries.
+Adam's moments are created at the first step, so the peak is that of the second iteration onwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..gpus import GpuSpec
+from ..layout import Chunk, Layout
+from ..units import format_bytes
+from ..schedule import rank_events
+from .activations import layer_activations, shapes, uses_unfused_attention
+from .head import batch_items, embedding_items, output_items
+from .overheads import FRAGMENTATION, gpu_fixed_terms
+from .result import Estimate, StageEstimate, Term
+from .states import stage_states
+
+PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
+
+
+@dataclass(frozen=True)
+class ChunkActivations:
+    """Bytes one micro-batch leaves on a chunk between its forward and its backward."""
+
+    layers: int            # transformer layers (full activations or checkpoint inputs)
+    layers_detail: str
+    ends: dict[str, int]   # embedding / batch / output items kept per micro-batch
+    fwd_extra: int         # transient at the end of this chunk's forward
+    bwd_top_extra: int     # working set at the start of this chunk's backward
+    bwd_bottom_extra: int  # working set at the end of the backward (embedding weight gradient)
+
+    @property
+    def held(self) -> int:
+        return self.layers + sum(self.ends.values())
+
+
+def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
+    la = layer_activations(L)
+    x = shapes(L)
+    n = c.num_layers
+    per_layer = la.total
+    ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
+    recompute_group = 0
+    if L.recompute_granularity == "full" and n:
+        k = L.recompute_num_layers or 1
+        if L.recompute_method == "uniform":
+            groups = -(-n // k)
+            layers = groups * ckpt_input
+            recompute_group = min(k, n)
+            detail = f"{groups} checkpointed blocks of <= {k} layers x {format_bytes(ckpt_input)} input"
+        else:  # block
+            k = min(k, n)
+            layers = k * ckpt_input + (n - k) * per_layer
+            recompute_group = 1 if k else 0
+            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + {n - k} layers x {format_bytes(per_layer)}"
+    else:
+        layers = n * per_layer
+        detail = f"{n} layers x {format_bytes(per_layer)}"
+
+    ends: dict[str, int] = {}
+    fwd_extra = la.fwd_transient if n else 0
+    bwd_top = la.bwd_transient if n else 0
+    if recompute_group:
+        # Backward of a checkpointed block first replays its forward with grad enabled.
+        bwd_top = recompute_group * per_layer + la.bwd_transient
+    bwd_bottom = 0
+    has_batch = c.has_embedding or c.has_output
+    if has_batch:
+        b = batch_items(L, first=c.has_embedding, last=c.has_output)
+        ends.update(b.saved)
+        fwd_extra += b.fwd_transient
+    if c.has_embedding:
+        e = embedding_items(L)
+        ends.update(e.saved)
+        fwd_extra = max(fwd_extra, e.fwd_transient)
+        # Dense weight gradient of the vocabulary-parallel embedding, added into main_grad afterwards.
+        bwd_bottom = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
+        if L.position_embedding_type == "learned_absolute":
+            bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
+    if c.has_output:
+        o = output_items(L)
+        ends.update(o.saved)
+        fwd_extra = max(fwd_extra, o.fwd_transient)
+        bwd_top = max(bwd_top, o.bwd_transient)
+    if not L.gradient_accumulation_fusion or L.transformer_impl == "local":
+        # Without fused wgrad accumulation each weight gradient is materialised, then added to main_grad.
+        largest_w = max(x.h * (L.ffn_hidden_size // L.tp) * (2 if L.gated_linear_unit else 1), 0)
+        if c.has_output:
+            largest_w = max(largest_w, L.padded_vocab_size // L.tp * L.hidden_size)
+        bwd_top += largest_w * L.act_bytes
+    return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
+                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
+
+
+def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
+    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached masks."""
+    x = shapes(L)
+    terms = []
+    sizes = []
+    if L.sequence_parallel:
+        sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
+    if uses_unfused_attention(L):
+        sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of the unfused attention
+    if sizes:
+        terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
+                          "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
+    chunks = L.stage_chunks(pp_rank)
+    if uses_unfused_attention(L) and any(not (c.has_embedding or c.has_output) for c in chunks):
+        terms.append(Term("causal_mask_cache", x.s * x.s, "transients", "allocated",
+                          "cached default causal mask of chunks that receive no batch"))
+    if L.position_embedding_type in ("rope", "yarn"):
+        rot = int(L.kv_channels * L.rotary_percent)
+        terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
+                          "cached fp32 rotary frequencies [s, 1, 1, d]"))
+    return terms
+
+
+def optimizer_step_transient(L: Layout, states, device: str) -> tuple[int, str]:
+    extra = states.main_grad_copy_bytes
+    detail = "fp32 copies of 16-bit gradients" if extra else ""
+    if device == "cpu":
+        # torch.optim.AdamW (megatron's fallback without TE/apex) runs per tensor: sqrt(v) and its
+        # quotient coexist, 8 bytes per element of the largest main-parameter tensor.
+        extra += 8 * states.largest_main_piece
+        detail = (detail + "; " if detail else "") + "torch AdamW temporaries of the largest tensor"
+    return extra, detail
+
+
+def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
+    """Replay the schedule; return (activation peak, phase, in-flight count, held-by-chunk at peak)."""
+    held = [0] * len(acts)          # micro-batches held per chunk
+    best, phase, best_held, best_extra = -1, "", [0] * len(acts), {}
+    mb_f = [0] * len(acts)
+    mb_b = [0] * len(acts)
+    for kind, ci in rank_events(L, pp_rank):
+        a = acts[ci]
+        base = sum(h * acts[i].held for i, h in enumerate(held))
+        if kind == "F":
+            cand = base + a.held + a.fwd_extra
+            extra = {"forward_transient": a.fwd_extra}
+            held_now = held.copy()
+            held_now[ci] += 1
+            where = f"forward of micro-batch {mb_f[ci] + 1}"
+            mb_f[ci] += 1
+            held[ci] += 1
+        else:
+            top = base + a.bwd_top_extra
+            bottom = base - a.held + a.bwd_bottom_extra
+            held_now = held.copy()
+            if bottom > top:
+                cand, extra = bottom, {"backward_transient": a.bwd_bottom_extra}
+                held_now[ci] -= 1
+                where = f"end of backward of micro-batch {mb_b[ci] + 1}"
+            else:
+                cand, extra = top, {"backward_transient": a.bwd_top_extra}
+                where = f"backward of micro-batch {mb_b[ci] + 1}"
+            mb_b[ci] += 1
+            held[ci] -= 1
+        if cand > best:
+            best, best_held, best_extra = cand, held_now, extra
+            chunk = f", chunk {ci}" if len(acts) > 1 else ""
+            phase = f"{where}{chunk} ({sum(held_now)} in flight)"
+    in_flight = 0
+    cur = 0
+    for kind, _ in rank_events(L, pp_rank):
+        cur += 1 if kind == "F" else -1
+        in_flight = max(in_flight, cur)
+    parts: dict[str, int] = {"__held__": 0}
+    layer_bytes = sum(h * acts[i].layers for i, h in enumerate(best_held))
+    parts["layer_activations"] = layer_bytes
+    for i, h in enumerate(best_held):
+        for k, v in acts[i].ends.items():
+            parts[k] = parts.get(k, 0) + h * v
+    parts.update(best_extra)
+    del parts["__held__"]
+    return best, phase, in_flight, parts
+
+
+_END_GROUPS = {
+    "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
+    "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
+}
+
+
+def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, dp_rank="max") -> StageEstimate:
+    st = stage_states(L, pp_rank, dp_rank)
+    chunks = L.stage_chunks(pp_rank)
+    acts = [chunk_activations(L, c) for c in chunks]
+    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts)
+
+    state_terms = [
+        Term("parameters", st.param_bytes, "weights", detail=f"{st.parameters:,} params x {L.param_bytes} B"
+             + (" (padded param buffer)" if L.use_distributed_optimizer else "")),
+        Term("gradient_buffer", st.grad_bytes, "gradients",
+             detail=f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"),
+    ]
+    shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
+    if st.main_param_bytes:
+        state_terms.append(Term("main_parameters", st.main_param_bytes, "optimizer", detail="fp32 master weights" + shard))
+    if L.optimizer == "adam":
+        state_terms.append(Term("adam_exp_avg", st.exp_avg_bytes, "optimizer", detail=f"{L.exp_avg_dtype} first moment" + shard))
+        state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", detail=f"{L.exp_avg_sq_dtype} second moment" + shard))
+    else:
+        state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", detail="fp32 momentum" + shard))
+    buffers = persistent_buffers(L, pp_rank)
+    fixed = gpu_fixed_terms(L, gpu_name) if device == "gpu" else []
+    fixed_alloc = [t for t in fixed if t.level == "allocated"]
+    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+
+    step_extra, step_detail = optimizer_step_transient(L, st, device)
+    if act_peak >= step_extra:
+        act_terms = []
+        for name, v in parts.items():
+            if not v:
+                continue
+            group = _END_GROUPS.get(name, "transients" if name.endswith("transient") else "activations")
+            det = ""
+            if name == "layer_activations":
+                det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+            act_terms.append(Term(name, v, group, detail=det))
+        peak_phase = phase
+    else:
+        act_terms = [Term("optimizer_step_transient", step_extra, "transients", detail=step_detail)]
+        peak_phase = "optimizer step"
+    peak_alloc = base + sum(t.bytes for t in act_terms)
+    terms = state_terms + buffers + fixed_alloc + act_terms
+    if device == "gpu":
+        frag = int(peak_alloc * FRAGMENTATION)
+        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
+                          f"caching-allocator slack, {FRAGMENTATION:.0%} of peak allocated"))
+        peak_reserved = peak_alloc + frag
+        device_only = [t for t in fixed if t.level == "device"]
+        terms += device_only
+        device_total = peak_reserved + sum(t.bytes for t in device_only)
+    else:
+        peak_reserved = device_total = peak_alloc
+    persistent = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+    return StageEstimate(
+        pp_rank=pp_rank, chunks=chunks, num_layers=sum(c.num_layers for c in chunks), parameters=st.parameters,
+        persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
+        device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
+    )
+
+
+def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
+    if not gpu_memory:
+        return "unknown"
+    frac = device_total / gpu_memory
+    if frac <= threshold:
+        return "fits"
+    if frac <= 1.0:
+        return "tight"
+    return "will not fit"
+
+
+def estimate(
+    layout: Layout,
+    profile: str = "auto",
+    device: str = "gpu",
+    gpu: GpuSpec | None = None,
+    gpu_memory: int | None = None,
+    threshold: float = 0.8,
+    dp_rank: int | str = "max",
+) -> Estimate:
+    """Per-stage peak memory of ``layout``. ``profile``: auto (by --transformer-impl), transformer_engine,
+    local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms)."""
+    if profile not in PROFILES:
+        from ..errors import ConfigError
+        raise ConfigError("--profile", f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
+    notes = list(layout.notes)
+    if profile == "fujii2024":
+        from .fujii2024 import estimate_fujii2024
+        return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
+    L = layout
+    if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
+        L = replace(layout, transformer_impl=profile)
+        notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
+    mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
+    gpu_name = gpu.name if gpu else None
+    stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank) for r in range(L.pp))
+    crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
+    verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
+    return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
+                    gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
+                    critical_stage=crit, notes=tuple(notes))

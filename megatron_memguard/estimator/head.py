@@ -1,0 +1,88 @@
+"""The ends of the model: batch tensors, the embedding, the final norm, the output layer and the loss.
+
+The last stage often peaks here: the output layer writes logits ``[s, b, V/t]`` in the param dtype,
+vocab-parallel cross entropy works on an fp32 copy that it keeps for backward as the softmax, and in
+backward the fp32 gradient and its cast back to the param dtype coexist
+(megatron/core/tensor_parallel/cross_entropy.py; the fused native path keeps the same fp32 working
+copy, fusions/fused_cross_entropy.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..layout import Layout
+from .activations import _norm_stats, shapes, uses_unfused_attention
+
+
+@dataclass(frozen=True)
+class EndItems:
+    saved: dict[str, int] = field(default_factory=dict)   # kept per micro-batch in flight
+    fwd_transient: int = 0                              # extra at the worst point of the forward
+    bwd_transient: int = 0                              # extra at the worst point of the backward
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved.values())
+
+
+def batch_items(L: Layout, first: bool, last: bool) -> EndItems:
+    """Batch tensors a micro-batch keeps alive on this stage while it is in flight.
+
+    pretrain_gpt.get_batch hands out tokens/position ids (first stage), labels/loss mask (last stage)
+    and, with --create-attention-mask-in-dataloader (Megatron's default), a bool [b, 1, s, s] mask on
+    every stage. The unfused (local) softmax keeps the mask for backward; fused attention ignores it
+    for causal masking, so it lives only during the forward of its micro-batch.
+    """
+    x = shapes(L)
+    saved: dict[str, int] = {}
+    fwd = 0
+    tokens = x.b * x.s * 8
+    if first:
+        if L.tp > 1:
+            saved["embedding_indices"] = tokens + x.b * x.s   # masked input ids + out-of-range mask
+            fwd += tokens                                     # the original token ids during forward
+        else:
+            saved["embedding_indices"] = tokens               # the token ids themselves
+        if L.position_embedding_type == "learned_absolute":
+            saved["position_ids"] = tokens
+    if last:
+        fwd += x.b * x.s * (8 + 4)                            # labels (int64) and loss mask (fp32)
+    if L.create_attention_mask_in_dataloader:
+        mask = x.b * x.s * x.s
+        if uses_unfused_attention(L):
+            saved["attention_mask"] = mask
+        else:
+            fwd += mask
+    return EndItems(saved=saved, fwd_transient=fwd)
+
+
+def embedding_items(L: Layout) -> EndItems:
+    """Embedding output transients: the full [s, b, h] before the TP reduce / SP reduce-scatter."""
+    x = shapes(L)
+    saved: dict[str, int] = {}
+    if L.hidden_dropout > 0:
+        saved["embedding_dropout_mask"] = x.T * x.h
+    fwd = 2 * x.Tf * x.h * x.e
+    return EndItems(saved=saved, fwd_transient=fwd)
+
+
+def output_items(L: Layout) -> EndItems:
+    """Final norm, output layer and vocab-parallel cross entropy on the last stage."""
+    x = shapes(L)
+    v_t = L.padded_vocab_size // L.tp
+    saved = {
+        "final_norm_input": x.T * x.h * x.r,
+        "final_norm_stats": _norm_stats(L, x.T),
+        "output_layer_input": x.T * x.h * x.e,
+    }
+    logits = x.Tf * v_t * x.e
+    if L.fp16_lm_cross_entropy:
+        saved["loss_softmax"] = logits                   # fp16 cross entropy: no fp32 upcast
+        fp32 = 0
+    else:
+        fp32 = x.Tf * v_t * 4
+        saved["loss_softmax_fp32"] = fp32                # exp(logits - max) / sum, kept for backward
+    saved["loss_targets"] = x.Tf * (8 + 1)               # masked target ids (int64) and target mask
+    fwd = logits                                          # logits in the param dtype next to the fp32 copy
+    bwd = max(logits, logits + x.Tf * x.h * x.e)         # fp32 grad cast back; then grad input of the output layer
+    return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd)

@@ -1,0 +1,74 @@
+"""Costs only a real GPU has: library workspaces, the CUDA context, NCCL buffers, allocator slack.
+
+Levels matter: cuBLAS and Transformer Engine workspaces are allocated through PyTorch's caching
+allocator (they appear in ``torch.cuda.memory_allocated``); the CUDA context and NCCL's communicator
+buffers are not (they appear only in ``nvidia-smi``); the caching allocator reserves more than it
+hands out (``memory_reserved - memory_allocated``).
+"""
+from __future__ import annotations
+
+import re
+
+from ..layout import Layout
+from ..units import MiB
+from .result import Term
+
+# CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default), incl. cuBLAS/cuDNN/NCCL
+# kernels loaded on first use: typically 400-600 MiB per process on A100/H100 (nvidia-smi minus
+# torch.cuda.memory_reserved right after initialisation).
+CUDA_CONTEXT_BYTES = 512 * MiB
+# NCCL allocates per communicator and channel a ring/tree buffer of NCCL_BUFFSIZE (default 4 MiB)
+# for each peer direction; Megatron uses TP, PP (p2p), DP-CP and CP communicators in training.
+NCCL_DEFAULT_BUFFSIZE = 4 * MiB
+NCCL_CHANNELS = 16
+# cuBLAS workspace per handle: PyTorch's default is ":4096:2:16:8" (2x4 MiB + 8x16 KiB), 32 MiB on
+# Hopper and newer (torch's getChosenWorkspaceSize); CUBLAS_WORKSPACE_CONFIG overrides it.
+CUBLAS_DEFAULT_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_HOPPER_BYTES = 32 * MiB
+# Caching-allocator slack on top of the peak of live tensors (reserved / allocated - 1).
+FRAGMENTATION = 0.05
+
+
+def cublas_workspace_bytes(L: Layout, gpu_name: str | None) -> int:
+    cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG")
+    if cfg:
+        total = 0
+        for size_kib, count in re.findall(r":(\d+):(\d+)", cfg):
+            total += int(size_kib) * 1024 * int(count)
+        if total:
+            return total
+    if gpu_name and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200")):
+        return CUBLAS_HOPPER_BYTES
+    return CUBLAS_DEFAULT_BYTES
+
+
+def nccl_bytes(L: Layout) -> tuple[int, str]:
+    buff = NCCL_DEFAULT_BUFFSIZE
+    m = L.env_dict.get("NCCL_BUFFSIZE")
+    if m and m.isdigit():
+        buff = int(m)
+    comms = []
+    if L.tp > 1:
+        comms.append("TP")
+    if L.pp > 1:
+        comms.append("PP")
+    if L.dp * L.cp > 1:
+        comms.append("DP-CP")
+    if L.cp > 1:
+        comms.append("CP")
+    per = NCCL_CHANNELS * 2 * buff
+    return per * len(comms), ", ".join(comms) or "none"
+
+
+def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
+    terms = [Term("cublas_workspace", cublas_workspace_bytes(L, gpu_name), "fixed", "allocated",
+                  "cuBLAS workspace of the compute stream (CUBLAS_WORKSPACE_CONFIG or PyTorch's default)")]
+    if L.transformer_impl == "transformer_engine":
+        te = 32 * MiB if gpu_name and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200")) else 4 * MiB
+        terms.append(Term("te_workspace", te, "fixed", "allocated", "Transformer Engine GEMM workspace"))
+    nccl, which = nccl_bytes(L)
+    terms.append(Term("cuda_context", CUDA_CONTEXT_BYTES, "fixed", "device", "CUDA context and loaded kernels"))
+    if nccl:
+        terms.append(Term("nccl_buffers", nccl, "fixed", "device",
+                          f"{NCCL_CHANNELS} channels x 2 x NCCL_BUFFSIZE per communicator ({which})"))
+    return terms

@@ -1,0 +1,112 @@
+"""What an estimate is made of: named terms per pipeline stage, three levels, and the verdict."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..layout import Chunk, Layout
+
+# Term groups, in the order reports show them.
+GROUPS = ("weights", "gradients", "optimizer", "activations", "logits_loss", "transients", "fixed", "allocator")
+# Levels: "allocated" terms are live tensors (torch.cuda.memory_allocated); "reserved" adds what the
+# caching allocator holds but has not handed out; "device" adds what lives outside PyTorch's allocator.
+LEVELS = ("allocated", "reserved", "device")
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    group: str
+    level: str = "allocated"
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.bytes, "group": self.group, "level": self.level, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    pp_rank: int
+    chunks: tuple[Chunk, ...]
+    num_layers: int
+    parameters: int
+    persistent_bytes: int          # live after the optimizer step: model state and persistent buffers
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    peak_phase: str
+    in_flight: int                 # most (micro-batch, chunk) forwards held at once
+    terms: tuple[Term, ...]        # breakdown at the peak moment, plus reserved/device terms
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return {t.name: t.bytes for t in self.terms}
+
+    def group_bytes(self, group: str) -> int:
+        return sum(t.bytes for t in self.terms if t.group == group)
+
+    @property
+    def dominant_term(self) -> Term:
+        return max(self.terms, key=lambda t: t.bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pp_rank": self.pp_rank,
+            "vpp_chunks": [{"vpp_rank": c.vpp_rank, "first_layer": c.first_layer, "num_layers": c.num_layers,
+                            "embedding": c.has_embedding, "output": c.has_output} for c in self.chunks],
+            "num_layers": self.num_layers,
+            "parameters": self.parameters,
+            "persistent_bytes": self.persistent_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "peak_phase": self.peak_phase,
+            "in_flight": self.in_flight,
+            "dominant_term": self.dominant_term.name,
+            "breakdown": self.breakdown,
+            "terms": [t.to_dict() for t in self.terms],
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    profile: str
+    device: str                    # "gpu" or "cpu"
+    gpu: str | None
+    gpu_memory_bytes: int | None
+    threshold: float
+    stages: tuple[StageEstimate, ...]
+    verdict: str                   # "fits" | "tight" | "will not fit" | "unknown"
+    critical_stage: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def critical(self) -> StageEstimate:
+        return self.stages[self.critical_stage]
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.critical.device_total_bytes
+
+    def stage(self, pp_rank: int) -> StageEstimate:
+        return self.stages[pp_rank]
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.critical
+        return {
+            "schema": "memguard.estimate/1",
+            "world_size": self.layout.world_size,
+            "profile": self.profile,
+            "device": self.device,
+            "gpu": self.gpu,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "threshold": self.threshold,
+            "verdict": self.verdict,
+            "critical_stage": self.critical_stage,
+            "critical_term": c.dominant_term.name,
+            "layout": self.layout.to_dict(),
+            "stages": [s.to_dict() for s in self.stages],
+            "notes": list(self.notes),
+        }

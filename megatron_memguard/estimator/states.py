@@ -1,0 +1,176 @@
+"""Weights, gradient buffers, main parameters and optimizer states of one pipeline rank.
+
+megatron-core wraps every model chunk in its own DistributedDataParallel with one contiguous buffer
+per (param dtype, grad dtype). Without the distributed optimizer only the gradient buffer is
+allocated and nothing is padded; with it, parameters move into a padded param buffer, each parameter
+start is aligned to 64 elements and each bucket end to ``lcm(DP*CP, 128)`` (or
+``lcm(DP*CP, 128, 2**16)`` with ``--ddp-pad-buckets-for-high-nccl-busbw``), and each DP rank's
+optimizer owns one equal slice of every bucket (megatron/core/distributed/param_and_grad_buffer.py,
+megatron/core/optimizer/distrib_optimizer.py). Buckets exist only with ``--overlap-grad-reduce``,
+on pipeline rank 0, for the first model chunk (training.py get_model: later chunks get one bucket).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..layout import DTYPE_BYTES, Chunk, Layout
+from .params import Param, chunk_params
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int
+    end: int                       # padded end
+    spans: tuple[tuple[int, int], ...]  # (start, end) of each parameter inside the buffer
+
+
+@dataclass(frozen=True)
+class ChunkBuffer:
+    numel: int                     # padded size of the contiguous buffer
+    numel_unpadded: int
+    buckets: tuple[Bucket, ...]
+    params: int                    # parameter count of the chunk
+
+
+def bucket_size_for(L: Layout, chunk: Chunk) -> int | None:
+    """Bucket size in elements, as DDP and get_model decide it (None: one bucket)."""
+    if not L.overlap_grad_reduce or chunk.pp_rank > 0 or chunk.vpp_rank > 0:
+        return None
+    return L.ddp_bucket_size or max(40_000_000, 1_000_000 * L.data_parallel_size)
+
+
+def build_buffer(L: Layout, params: list[Param], bucket_size: int | None) -> ChunkBuffer:
+    """Replicates ``_ParamAndGradBuffer``'s index arithmetic (params walked in reverse order)."""
+    dist = L.use_distributed_optimizer
+    shard = L.dp_shard_size
+    if L.ddp_pad_buckets_for_high_nccl_busbw:
+        divisor = math.lcm(shard, 128, 2**16)
+    else:
+        divisor = math.lcm(shard, 128)
+
+    def pad_end(i: int) -> int:
+        return -(-i // divisor) * divisor if dist else i
+
+    def pad_start(i: int) -> int:
+        return -(-i // 64) * 64 if dist else i
+
+    buckets: list[Bucket] = []
+    spans: list[tuple[int, int]] = []
+    start = bucket_start = 0
+    end = 0
+    for p in reversed(params):
+        start = pad_start(start)
+        if p.shared_embedding and dist and spans:
+            # The shared embedding gets a bucket of its own (close the current one first).
+            start = pad_end(start)
+            buckets.append(Bucket(bucket_start, start, tuple(spans)))
+            bucket_start, spans = start, []
+        end = start + p.numel
+        spans.append((start, end))
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or (p.shared_embedding and dist):
+            padded = pad_end(end)
+            buckets.append(Bucket(bucket_start, padded, tuple(spans)))
+            bucket_start, spans = padded, []
+            start = padded
+        else:
+            start = end
+    if spans:
+        buckets.append(Bucket(bucket_start, pad_end(end), tuple(spans)))
+    numel = buckets[-1].end if buckets else 0
+    unpadded = sum(p.numel for p in params)
+    return ChunkBuffer(numel=numel, numel_unpadded=unpadded, buckets=tuple(buckets), params=unpadded)
+
+
+def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
+    """Sizes of the fp32 main-parameter shards that DP rank ``rank`` owns (one per parameter range)."""
+    pieces = []
+    for b in buf.buckets:
+        size = (b.end - b.start) // shard
+        lo, hi = b.start + rank * size, b.start + (rank + 1) * size
+        for s, e in b.spans:
+            n = min(e, hi) - max(s, lo)
+            if n > 0:
+                pieces.append(n)
+    return pieces
+
+
+@dataclass(frozen=True)
+class StageStates:
+    """Persistent bytes of model state on one rank of a pipeline stage (sums over its chunks)."""
+
+    parameters: int                # count on this rank (before padding)
+    param_bytes: int               # model weights (padded param buffer with dist-opt)
+    grad_bytes: int                # DDP gradient buffer
+    main_param_bytes: int          # fp32 (or remainder) master weights
+    exp_avg_bytes: int             # Adam first moment / SGD momentum
+    exp_avg_sq_bytes: int          # Adam second moment
+    main_grad_copy_bytes: int      # fp32 copies of 16-bit grads made at the optimizer step
+    largest_main_piece: int        # elements of the largest main-param tensor (optimizer-step temporaries)
+    largest_param: int             # elements of the largest parameter (weight-gradient temporaries)
+    buffer_numel: int
+    buffer_numel_unpadded: int
+
+
+def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageStates:
+    """Model-state bytes for one rank of ``pp_rank``. ``dp_rank``: an index, "last", or "max" (the
+    larger of DP rank 0 and the last rank; only the distributed optimizer makes them differ)."""
+    chunks = L.stage_chunks(pp_rank)
+    shard = L.dp_shard_size
+    p_bytes = L.param_bytes
+    g_bytes = 2 if (L.use_precision_aware_optimizer and L.main_grads_dtype == "bf16") else L.grad_bytes
+    params = 0
+    param_bytes = grad_bytes = 0
+    numel = unpadded = 0
+    largest_param = 0
+    pieces_by_rank: dict[int, list[int]] = {}
+    ranks = [0, shard - 1] if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
+    all_pieces: list[int] = []
+    for c in chunks:
+        plist = chunk_params(L, c)
+        buf = build_buffer(L, plist, bucket_size_for(L, c))
+        params += buf.params
+        numel += buf.numel
+        unpadded += buf.numel_unpadded
+        largest_param = max([largest_param] + [p.numel for p in plist])
+        grad_bytes += buf.numel * g_bytes
+        if L.use_distributed_optimizer:
+            param_bytes += buf.numel * p_bytes
+            for r in ranks:
+                pieces_by_rank.setdefault(r, []).extend(shard_pieces(buf, shard, r))
+        else:
+            param_bytes += buf.params * p_bytes
+            all_pieces.extend(p.numel for p in plist)
+    if L.use_distributed_optimizer:
+        # The rank with the most optimizer state is the peak one.
+        best = max(ranks, key=lambda r: sum(pieces_by_rank.get(r, [])))
+        pieces = pieces_by_rank.get(best, [])
+    else:
+        pieces = all_pieces
+    main_elems = sum(pieces)
+
+    # Master weights: fp32 clones of 16-bit params; fp32 params are their own master weights.
+    if L.params_dtype == "fp32":
+        main_bytes = 0
+    elif L.use_precision_aware_optimizer:
+        if L.store_param_remainders and L.params_dtype == "bf16" and L.main_params_dtype == "fp32":
+            main_bytes = 2 * main_elems  # TE FusedAdam keeps the low 16 bits (the bf16 param is the high half)
+        else:
+            main_bytes = DTYPE_BYTES[L.main_params_dtype] * main_elems
+    else:
+        main_bytes = 4 * main_elems
+    if L.optimizer == "adam":
+        m1 = DTYPE_BYTES[L.exp_avg_dtype] * main_elems
+        m2 = DTYPE_BYTES[L.exp_avg_sq_dtype] * main_elems
+    else:  # SGD with momentum: one buffer
+        m1, m2 = 4 * main_elems, 0
+    # 16-bit gradients are copied to fp32 for the step (``main_grad.float()``); fp32 ones are viewed.
+    grad_copy = 0
+    if g_bytes == 2 and L.params_dtype != "fp32" and not L.use_precision_aware_optimizer:
+        grad_copy = 4 * main_elems
+    return StageStates(
+        parameters=params, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_bytes,
+        exp_avg_bytes=m1, exp_avg_sq_bytes=m2, main_grad_copy_bytes=grad_copy,
+        largest_main_piece=max(pieces) if pieces else 0, largest_param=largest_param,
+        buffer_numel=numel, buffer_numel_unpadded=unpadded,
+    )

@@ -1,0 +1,73 @@
+"""The GPU table: memory as PyTorch reports it, and the per-GPU numbers the planner's time model uses.
+
+``memory_bytes`` is ``torch.cuda.get_device_properties(i).total_memory`` (what PyTorch can ever use,
+after the driver's reservation), not the nominal size on the box. Sources: the "total capacity" that
+PyTorch prints in CUDA out-of-memory messages on each part, and nvidia-smi/rocm-smi totals minus the
+driver reservation; they vary by a few hundred MiB with driver and ECC settings, so ``--gpu-memory``
+takes a reading of your own. Peak dense bf16 FLOP/s, HBM and link bandwidths are the vendors'
+datasheet numbers (per GPU; link numbers per direction).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .units import GiB
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int          # total_memory as PyTorch reports it
+    nominal: str               # what the vendor calls it
+    gpus_per_node: int         # default node size for this part
+    nvlink_domain: int         # GPUs reachable over NVLink/xGMI (>= gpus_per_node for NVL72)
+    bf16_flops: float          # peak dense bf16 FLOP/s
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # per GPU, per direction
+    network_bytes_per_s: float  # per GPU, per direction (one NIC per GPU)
+    note: str = ""
+
+
+def _gib(x: float) -> int:
+    return int(round(x * GiB))
+
+
+GPUS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec("A100-40GB", _gib(39.59), "A100 SXM4 40GB", 8, 8, 312e12, 1.555e12, 300e9, 25e9),
+        GpuSpec("A100-80GB", _gib(79.35), "A100 SXM4 80GB", 8, 8, 312e12, 2.039e12, 300e9, 25e9),
+        GpuSpec("H100-80GB", _gib(79.11), "H100 SXM5 80GB HBM3", 8, 8, 989e12, 3.35e12, 450e9, 50e9),
+        GpuSpec("H100-94GB", _gib(93.10), "H100 SXM5/NVL 94GB", 4, 4, 989e12, 3.9e12, 450e9, 50e9,
+                "4 per node as on TSUBAME 4.0 (Fujii et al.); use --gpus-per-node for other systems"),
+        GpuSpec("H200-141GB", _gib(139.81), "H200 SXM 141GB", 8, 8, 989e12, 4.8e12, 450e9, 50e9),
+        GpuSpec("B200", _gib(178.36), "B200 180GB (HGX/DGX B200)", 8, 8, 2.25e15, 8.0e12, 900e9, 50e9),
+        GpuSpec("GB200", _gib(184.0), "GB200 NVL72, 186GB HBM3e per GPU", 4, 72, 2.5e15, 8.0e12, 900e9, 50e9,
+                "4 GPUs per compute tray, 72 in one NVLink domain"),
+        GpuSpec("MI300X", _gib(191.98), "AMD Instinct MI300X 192GB", 8, 8, 1.307e15, 5.3e12, 448e9, 50e9),
+    )
+}
+
+_ALIASES = {
+    "a100": "A100-80GB", "a10040gb": "A100-40GB", "a10040": "A100-40GB", "a10080gb": "A100-80GB", "a10080": "A100-80GB",
+    "h100": "H100-80GB", "h10080gb": "H100-80GB", "h10080": "H100-80GB", "h10094gb": "H100-94GB", "h10094": "H100-94GB",
+    "h100nvl": "H100-94GB", "h200": "H200-141GB", "h200141gb": "H200-141GB", "h200141": "H200-141GB",
+    "b200": "B200", "gb200": "GB200", "mi300x": "MI300X",
+}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def lookup_gpu(name: str, key: str = "--gpu") -> GpuSpec:
+    """Find a GPU by table name or a common spelling (``H100``, ``h100-80gb``, ``A100_40GB``)."""
+    k = _key(name)
+    for g in GPUS.values():
+        if _key(g.name) == k:
+            return g
+    if k in _ALIASES:
+        return GPUS[_ALIASES[k]]
+    raise ConfigError(key, f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --gpu-memory)")

@@ -1,0 +1,1 @@
+"""Readers turn what users have (flags, YAML, launch commands) into a RawConfig."""

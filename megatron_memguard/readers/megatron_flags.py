@@ -1,0 +1,161 @@
+"""Megatron command-line flags, spelled as ``megatron/training/arguments.py`` spells them.
+
+The option table (``data/megatron_flags.json``) is read off the real parser of megatron-core 0.19.2:
+it tells, for each of Megatron's ~840 option strings, its ``dest`` and whether a value follows. That
+lets memguard skip every flag that does not matter for memory (``--lr 3e-4``, ``--data-path a b c``)
+without misreading the next token. Accepted beyond argparse: ``--flag=value``, underscores in flag
+names (``--num_layers``), and ``--no-FLAG`` to switch off a store-true ``--FLAG``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Iterable, Mapping
+
+from ..config import RawConfig
+from ..errors import ConfigError
+
+# Flags of older Megatron releases that the 0.19 parser no longer has, but that change what memguard reads.
+_LEGACY_FLAGS = {
+    "--hybrid-override-pattern": ["hybrid_layer_pattern", "value", "str"],
+    "--num-experts": ["num_experts", "value", "int"],
+}
+_PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+
+
+@lru_cache(maxsize=1)
+def flag_table() -> dict[str, list]:
+    text = resources.files("megatron_memguard").joinpath("data/megatron_flags.json").read_text()
+    table = json.loads(text)["flags"]
+    for k, v in _LEGACY_FLAGS.items():
+        table.setdefault(k, v)
+    return table
+
+
+def _is_flag(tok: str) -> bool:
+    return tok.startswith("--") and len(tok) > 2
+
+
+def _convert(value: str, typ: str | None, flag: str) -> Any:
+    if typ == "int":
+        try:
+            return int(value)
+        except ValueError:
+            try:
+                f = float(value)
+            except ValueError:
+                raise ConfigError(flag, f"expects an integer, got {value!r}") from None
+            if f != int(f):
+                raise ConfigError(flag, f"expects an integer, got {value!r}") from None
+            return int(f)
+    if typ == "float":
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(flag, f"expects a number, got {value!r}") from None
+    if value.startswith("AttnBackend."):
+        return value.split(".", 1)[1]
+    return value
+
+
+def parse_megatron_flags(
+    argv: Iterable[str],
+    env: Mapping[str, str] | None = None,
+    source: str = "megatron flags",
+) -> RawConfig:
+    """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given."""
+    table = flag_table()
+    toks = [str(t) for t in argv]
+    args: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    warnings: list[str] = []
+    unknown: list[str] = []
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        i += 1
+        if not _is_flag(tok):
+            warnings.append(f"ignored stray argument {tok!r} (not after a flag that takes a value)")
+            continue
+        inline = None
+        if "=" in tok:
+            tok, inline = tok.split("=", 1)
+        name = "--" + tok[2:].replace("_", "-")
+        spec = table.get(name) or table.get(tok)
+        negate = False
+        if spec is None and name.startswith("--no-"):
+            pos = table.get("--" + name[5:])
+            if pos is not None and pos[1] == "true":
+                spec, negate = pos, True
+        if spec is None:
+            # Unknown to Megatron 0.19: take what follows as its values so we do not misread them.
+            unknown.append(tok)
+            if inline is None:
+                while i < len(toks) and not _is_flag(toks[i]):
+                    i += 1
+            continue
+        dest, kind = spec[0], spec[1]
+        typ = spec[2] if len(spec) > 2 else None
+        if kind in ("true", "false", "boolopt"):
+            if inline is not None:
+                val = inline.strip().lower() in ("1", "true", "yes", "on")
+            elif kind == "boolopt":
+                val = not name.startswith("--no-")
+            else:
+                val = kind == "true"
+            args[dest] = (not val) if negate else val
+        elif kind == "value":
+            if inline is None:
+                if i >= len(toks) or (_is_flag(toks[i]) and not _is_number(toks[i])):
+                    raise ConfigError(tok, "expects a value")
+                inline = toks[i]
+                i += 1
+            args[dest] = _convert(_substitute(inline, env, tok), typ, tok)
+        else:  # list
+            vals = [] if inline is None else [inline]
+            while inline is None and i < len(toks) and not _is_flag(toks[i]):
+                vals.append(toks[i])
+                i += 1
+            args[dest] = [_convert(_substitute(v, env, tok), typ, tok) for v in vals]
+        origin[dest] = tok
+    if unknown:
+        warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(unknown))
+    return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=dict(env or {}))
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+def _substitute(value: str, env: Mapping[str, str] | None, flag: str) -> str:
+    """Fill ``${VAR}`` from ``env``; leave unresolved placeholders for the resolver to judge."""
+    if "$" not in value or not env:
+        return value
+    return _PLACEHOLDER.sub(lambda m: str(env.get(m.group(1), m.group(0))), value)
+
+
+def has_placeholder(value: Any) -> bool:
+    return isinstance(value, str) and bool(_PLACEHOLDER.search(value))
+
+
+def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
+    """A YAML mapping of flags (``--num-layers: 12``, ``--bf16: true``) as a command line."""
+    argv: list[str] = []
+    for k, v in mapping.items():
+        flag = str(k) if str(k).startswith("-") else "--" + str(k)
+        if v is True:
+            argv.append(flag)
+        elif v is False or v is None:
+            continue
+        elif isinstance(v, (list, tuple)):
+            argv.append(flag)
+            argv.extend(str(x) for x in v)
+        else:
+            argv.extend([flag, str(v)])
+    return argv
