@@ -39,6 +39,8 @@ def _is_flag(tok: str) -> bool:
 
 
 def _convert(value: str, typ: str | None, flag: str) -> Any:
+    if typ in ("int", "float") and has_placeholder(value):
+        raise ConfigError(flag, f"has the unresolved placeholder {value!r}; set it in the environment or edit the value")
     if typ == "int":
         try:
             return int(value)

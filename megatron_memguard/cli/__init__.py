@@ -1,0 +1,1 @@
+"""The ``memguard`` command."""

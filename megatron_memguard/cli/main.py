@@ -1,0 +1,191 @@
+"""``memguard``: estimate, validate, plan and check Megatron training layouts.
+
+Exit codes (all commands): 0 fits, 1 tight or will not fit (or problems found), 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from ..errors import ConfigError, ConfigErrors, MemguardError
+
+EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage errors -> one line, exit 2
+        self.exit(EXIT_BAD_INPUT, f"memguard: error: {message}\n")
+
+
+def _split_dashdash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def add_target_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by commands that estimate: where the job runs and what is trusted."""
+    g = p.add_argument_group("cluster")
+    g.add_argument("--world-size", type=int, help="number of GPUs (ranks) of the job")
+    g.add_argument("--nnodes", "--nodes", type=int, dest="nnodes", help="nodes (with --nproc-per-node)")
+    g.add_argument("--nproc-per-node", "--gpus-per-node", type=int, dest="nproc_per_node", help="GPUs per node")
+    g.add_argument("--gpus", type=int, dest="gpus", help="same as --world-size")
+    g.add_argument("--gpu", help="GPU model from the table (memguard gpus), default H100-80GB")
+    g.add_argument("--gpu-memory", help="GPU memory as PyTorch reports it, e.g. 79.1GiB (overrides --gpu's)")
+    g.add_argument("--threshold", type=float, default=0.8,
+                   help="fraction of GPU memory the device total may use and still 'fit' (default 0.8, Fujii et al.)")
+    m = p.add_argument_group("model")
+    m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, "
+                                    "or a NeMo / Megatron-Bridge / Hugging Face config")
+    m.add_argument("--model", help="a model preset name or a Hugging Face config.json for the model shape")
+    m.add_argument("--vocab-size", type=int, help="vocabulary size when only a tokenizer is named")
+    m.add_argument("--megatron-version", default=None,
+                   help="Megatron core version whose defaults apply (default 0.19; e.g. 0.16 for the legacy era)")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (Bridge/NeMo style) before resolving; repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="memguard", description="Per-rank GPU memory of Megatron-LM / NeMo / Megatron-Bridge training.")
+    sub = p.add_subparsers(dest="command")
+    e = sub.add_parser("estimate", help="estimate per-stage peak memory and give a verdict",
+                       description="memguard estimate [options] -- <Megatron flags as pretrain_gpt.py takes them>")
+    add_target_options(e)
+    e.add_argument("--profile", default="auto", help="auto (by --transformer-impl), transformer_engine, local, fujii2024")
+    e.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="cpu: the same terms without GPU-only ones (for the CPU referee)")
+    e.add_argument("--dp-rank", default="max", help="DP rank whose optimizer shard to count: an index, last or max")
+    e.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/json-schema.md)")
+    e.add_argument("--detail", action="store_true", help="show how each term is computed")
+    e.add_argument("--all-stages", action="store_true", help="show the breakdown of every stage, not only the critical one")
+    g = sub.add_parser("gpus", help="list the GPU table")
+    g.add_argument("--json", action="store_true")
+    for name, helptext in (("validate", "check a config against Megatron's rules and the memory verdict"),
+                           ("plan", "search layouts that fit and rank them"),
+                           ("check", "pre-flight a launch command"),
+                           ("report", "render predicted vs actual memory of a run")):
+        sp = sub.add_parser(name, help=helptext, add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def resolve_world(ns: argparse.Namespace) -> int | None:
+    if ns.world_size:
+        return ns.world_size
+    if getattr(ns, "gpus", None):
+        return ns.gpus
+    if ns.nnodes and ns.nproc_per_node:
+        return ns.nnodes * ns.nproc_per_node
+    return None
+
+
+def load_raw(ns: argparse.Namespace, flags: list[str]):
+    """The RawConfig from --config / --model and the Megatron flags after ``--`` (flags win)."""
+    from ..config import RawConfig
+    from ..readers.megatron_flags import parse_megatron_flags
+
+    raw = RawConfig(args={}, source="")
+    if ns.config:
+        from ..readers.detect import read_config_file
+        raw = read_config_file(ns.config, environ=os.environ, overrides=ns.set)
+    elif ns.set:
+        raise ConfigError("--set", "needs --config (overrides apply to a config file)")
+    if getattr(ns, "model", None):
+        try:
+            from ..readers.models import read_model
+        except ImportError:
+            raise ConfigError("--model", "model presets need the readers module") from None
+        raw = read_model(ns.model).merged(raw) if raw.args else read_model(ns.model)
+    if flags:
+        raw = raw.merged(parse_megatron_flags(flags, env=os.environ)) if raw.args else parse_megatron_flags(flags, env=os.environ)
+    if not raw.args:
+        raise ConfigError("", "no model given: pass Megatron flags after --, or --config FILE, or --model NAME")
+    return raw
+
+
+def target_gpu(ns: argparse.Namespace):
+    from ..gpus import lookup_gpu
+    from ..units import parse_bytes
+
+    gpu = lookup_gpu(ns.gpu) if ns.gpu else (None if ns.gpu_memory else lookup_gpu("H100-80GB"))
+    mem = parse_bytes(ns.gpu_memory, "--gpu-memory") if ns.gpu_memory else None
+    if not 0 < ns.threshold <= 1.5:
+        raise ConfigError("--threshold", f"must be a fraction of GPU memory in (0, 1.5], got {ns.threshold}")
+    return gpu, mem
+
+
+def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
+    from ..estimator import estimate
+    from ..report.text import render
+    from ..resolve import resolve
+
+    raw = load_raw(ns, flags)
+    layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+    gpu, mem = target_gpu(ns)
+    dp_rank = ns.dp_rank if ns.dp_rank in ("max", "last") else int(ns.dp_rank)
+    est = estimate(layout, profile=ns.profile, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold,
+                   dp_rank=dp_rank)
+    if ns.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(render(est, detail=ns.detail, all_stages=ns.all_stages))
+    return EXIT_FITS if est.verdict in ("fits", "unknown") else EXIT_PROBLEM
+
+
+def cmd_gpus(ns: argparse.Namespace) -> int:
+    from ..gpus import GPUS
+    from ..report.text import table
+    from ..units import format_bytes
+
+    if ns.json:
+        print(json.dumps({g.name: {"memory_bytes": g.memory_bytes, "nominal": g.nominal, "gpus_per_node": g.gpus_per_node,
+                                   "bf16_flops": g.bf16_flops} for g in GPUS.values()}, indent=2))
+        return 0
+    rows = [[g.name, g.nominal, format_bytes(g.memory_bytes), str(g.gpus_per_node), f"{g.bf16_flops / 1e12:.0f}"]
+            for g in GPUS.values()]
+    print(table(rows, ["gpu", "part", "memory (as PyTorch reports)", "per node", "bf16 TFLOP/s"], right=(2, 3, 4)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, flags = _split_dashdash(argv)
+    parser = build_parser()
+    if not own:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    cmd = own[0]
+    try:
+        if cmd in ("validate", "plan", "check", "report"):
+            import importlib
+            try:
+                mod = importlib.import_module(f"megatron_memguard.cli.{cmd}")
+            except ModuleNotFoundError:
+                print(f"memguard: error: '{cmd}' is not available in this version", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            return mod.run(own[1:], flags)
+        ns = parser.parse_args(own)
+        if ns.command == "estimate":
+            return cmd_estimate(ns, flags)
+        if ns.command == "gpus":
+            return cmd_gpus(ns)
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    except ConfigErrors as e:
+        for err in e.errors:
+            print(f"memguard: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MemguardError as e:
+        print(f"memguard: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        return EXIT_FITS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

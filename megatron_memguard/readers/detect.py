@@ -1,0 +1,49 @@
+"""Read any supported input file: detect its format and hand it to the right reader."""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from ..config import RawConfig
+from ..errors import ReaderError
+
+
+def read_config_file(path: str, environ: Mapping[str, str] | None = None, overrides: list[str] | None = None) -> RawConfig:
+    """A Megatron functional-test YAML, a launch command / shell script, or (with the readers extra)
+    NeMo 1, NeMo 2, Megatron-Bridge and Hugging Face configs."""
+    if not os.path.exists(path):
+        raise ReaderError(f"{path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReaderError(f"{path}: cannot read ({e})") from None
+    lower = path.lower()
+    if lower.endswith((".yaml", ".yml", ".json")):
+        import yaml
+
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ReaderError(f"{path}:{where} YAML syntax error: {getattr(e, 'problem', e)}") from None
+        from .megatron_yaml import is_functional_test_config, read_functional_test_config
+
+        if is_functional_test_config(doc):
+            return read_functional_test_config(doc, path, environ)
+        try:
+            from .structured import read_structured_config
+        except ImportError:
+            read_structured_config = None
+        if read_structured_config is not None:
+            return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ)
+        raise ReaderError(f"{path}: not a Megatron functional-test config (no MODEL_ARGS mapping)")
+    from .launch_command import parse_launch_script
+    from .megatron_flags import parse_megatron_flags
+
+    cmd = parse_launch_script(text, environ)
+    raw = parse_megatron_flags(cmd.script_args, env={**(environ or {}), **cmd.env}, source=f"launch command in {path}")
+    return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
+                     nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=cmd.env,
+                     warnings=raw.warnings + tuple(cmd.notes))

@@ -1,0 +1,115 @@
+"""Terminal tables: a per-stage summary, the breakdown of the critical stage, the verdict."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from ..estimator.result import GROUPS, Estimate, StageEstimate
+from ..units import format_bytes
+
+_COLOURS = {"fits": "32", "tight": "33", "will not fit": "31", "unknown": "0"}
+
+
+def use_colour(stream=None) -> bool:
+    stream = stream or sys.stdout
+    return hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def _c(text: str, code: str, colour: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if colour else text
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Sequence[int] = ()) -> str:
+    """Aligned plain-text table; columns in ``right`` are right-aligned (numbers)."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    def fmt(r):
+        return "  ".join(str(v).rjust(widths[i]) if i in right else str(v).ljust(widths[i]) for i, v in enumerate(r)).rstrip()
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def describe_layout(est: Estimate) -> str:
+    L = est.layout
+    par = f"TP{L.tp} PP{L.pp}" + (f" (VPP {L.vpp})" if L.vpp > 1 else "") + f" CP{L.cp} DP{L.dp}"
+    rec = L.recompute_granularity or "none"
+    if L.recompute_granularity == "full":
+        rec += f" {L.recompute_method} {L.recompute_num_layers}"
+    elif L.recompute_granularity == "selective":
+        rec += " " + ",".join(L.recompute_modules)
+    model = (f"{L.num_layers} layers, hidden {L.hidden_size}, ffn {L.ffn_hidden_size}, {L.num_attention_heads} heads"
+             + (f" / {L.num_query_groups} groups" if L.num_query_groups != L.num_attention_heads else "")
+             + f", vocab {L.padded_vocab_size}")
+    batch = f"seq {L.seq_length}, MBS {L.micro_batch_size}, GBS {L.global_batch_size} ({L.num_microbatches} micro-batches)"
+    opts = [par, "SP" if L.sequence_parallel else "no SP", "dist-opt" if L.use_distributed_optimizer else "no dist-opt",
+            f"recompute {rec}", L.params_dtype, L.transformer_impl]
+    return f"model:  {model}\nbatch:  {batch}\nlayout: {', '.join(opts)}"
+
+
+def stage_summary(est: Estimate) -> str:
+    mem = est.gpu_memory_bytes
+    rows = []
+    for s in est.stages:
+        state = s.group_bytes("weights") + s.group_bytes("gradients") + s.group_bytes("optimizer")
+        act = s.group_bytes("activations") + s.group_bytes("logits_loss")
+        label = f"pp{s.pp_rank}" + (" *" if s.pp_rank == est.critical_stage and len(est.stages) > 1 else "")
+        rows.append([
+            label, str(s.num_layers), f"{s.parameters / 1e6:,.1f}M", format_bytes(state), format_bytes(act),
+            format_bytes(s.peak_allocated_bytes), format_bytes(s.peak_reserved_bytes), format_bytes(s.device_total_bytes),
+            f"{s.device_total_bytes / mem:.0%}" if mem else "-",
+        ])
+    return table(rows, ["stage", "layers", "params", "model state", "activations", "peak alloc", "peak reserved",
+                        "device total", "of GPU"], right=range(1, 9))
+
+
+def breakdown(s: StageEstimate, detail: bool = False) -> str:
+    order = {g: i for i, g in enumerate(GROUPS)}
+    lvl = {"allocated": 0, "reserved": 1, "device": 2}
+    terms = sorted(s.terms, key=lambda t: (lvl[t.level], order.get(t.group, 99)))
+    rows = []
+    subtotal = {"allocated": s.peak_allocated_bytes, "reserved": s.peak_reserved_bytes, "device": s.device_total_bytes}
+    label = {"allocated": "= peak allocated", "reserved": "= peak reserved", "device": "= device total"}
+    cur = "allocated"
+    for t in terms:
+        if t.level != cur:
+            rows.append([label[cur], "", format_bytes(subtotal[cur]), ""])
+            cur = t.level
+        rows.append(["  " + t.name, t.group, format_bytes(t.bytes), t.detail if detail else ""])
+    rows.append([label[cur], "", format_bytes(subtotal[cur]), ""])
+    return table(rows, ["term", "group", "bytes", "detail" if detail else ""], right=(2,))
+
+
+def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_stages: bool = False) -> str:
+    colour = use_colour() if colour is None else colour
+    out = []
+    gpu = f"{est.gpu} ({format_bytes(est.gpu_memory_bytes)})" if est.gpu else (
+        format_bytes(est.gpu_memory_bytes) if est.gpu_memory_bytes else "no GPU given")
+    out.append(f"memguard estimate - {est.layout.world_size} ranks on {gpu}, profile {est.profile}"
+               + (", CPU (no GPU-only terms)" if est.device == "cpu" else ""))
+    out.append(describe_layout(est))
+    out.append("")
+    out.append(stage_summary(est))
+    out.append("")
+    stages = est.stages if all_stages else [est.critical]
+    for s in stages:
+        out.append(f"pp{s.pp_rank} at its peak: {s.peak_phase}")
+        out.append(breakdown(s, detail))
+        out.append("")
+    out.append(verdict_line(est, colour))
+    if est.notes:
+        out.append("")
+        out.extend(f"note: {n}" for n in est.notes)
+    return "\n".join(out)
+
+
+def verdict_line(est: Estimate, colour: bool = False) -> str:
+    c = est.critical
+    dom = max((t for t in c.terms if t.level == "allocated"), key=lambda t: t.bytes)
+    v = _c(est.verdict.upper(), _COLOURS.get(est.verdict, "0"), colour)
+    if est.gpu_memory_bytes:
+        frac = c.device_total_bytes / est.gpu_memory_bytes
+        head = est.gpu_memory_bytes * est.threshold - c.device_total_bytes
+        return (f"verdict: {v} - critical stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = {frac:.0%} of "
+                f"{format_bytes(est.gpu_memory_bytes)} (threshold {est.threshold:.0%}, headroom {format_bytes(head)}); "
+                f"largest term: {dom.name} {format_bytes(dom.bytes)}")
+    return (f"verdict: {v} (no GPU memory given) - critical stage pp{c.pp_rank} peaks at "
+            f"{format_bytes(c.peak_allocated_bytes)} allocated; largest term: {dom.name} {format_bytes(dom.bytes)}")

@@ -1,0 +1,22 @@
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Published model shapes, used across tests (Meta's model cards / Hugging Face config.json files).
+LLAMA31_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+              "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+              "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+              "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
+              "--tokenizer-type NullTokenizer --vocab-size 128256 --bf16").split()
+LLAMA31_70B = ("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+               "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+               "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+               "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
+               "--tokenizer-type NullTokenizer --vocab-size 128256 --bf16").split()
+LLAMA2_7B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 "
+             "--seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope "
+             "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+             "--tokenizer-type NullTokenizer --vocab-size 32000 --bf16").split()

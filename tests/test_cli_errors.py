@@ -1,0 +1,44 @@
+"""Bad input: one line naming the flag and the rule, exit code 2, no traceback."""
+import pytest
+
+from megatron_memguard.cli.main import main
+
+BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 --micro-batch-size 2".split()
+
+
+@pytest.mark.parametrize("opts, extra, flag, rule", [
+    (["--world-size", "6"], ["--tensor-model-parallel-size", "4"], "--world-size", "not divisible by TP*PP*CP"),
+    (["--world-size", "3"], ["--pipeline-model-parallel-size", "3"], "--num-layers", "not divisible by pipeline-model-parallel size 3"),
+    (["--world-size", "8"], ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "16"],
+     "--num-layers-per-virtual-pipeline-stage", "does not divide"),
+    (["--world-size", "4"], ["--global-batch-size", "10"], "--global-batch-size", "not divisible by micro-batch size x DP"),
+    (["--world-size", "3"], ["--tensor-model-parallel-size", "3"], "--num-attention-heads", "not divisible by tensor-model-parallel size 3"),
+    (["--world-size", "2"], ["--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "3", "--num-attention-heads", "6", "--hidden-size", "384"],
+     "--num-query-groups", "multiple or a divisor"),
+    (["--world-size", "1", "--gpu", "V100"], [], "--gpu", "unknown GPU"),
+    (["--world-size", "1"], ["--hidden-size", "-5"], "--hidden-size", "must be >= 1"),
+    (["--world-size", "1"], ["--micro-batch-size", "x"], "--micro-batch-size", "expects an integer"),
+    ([], [], "--world-size", "number of GPUs is unknown"),
+    (["--world-size", "1"], ["--num-experts", "8"], "--num-experts", "not modelled yet"),
+])
+def test_bad_input(capsys, opts, extra, flag, rule):
+    code = main(["estimate", *opts, "--", *BASE, *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert any(flag in l and rule in l for l in lines), err
+    assert "Traceback" not in err
+
+
+def test_missing_required_flag(capsys):
+    code = main(["estimate", "--world-size", "1", "--", "--num-layers", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--hidden-size: is required" in err
+
+
+def test_all_errors_reported_at_once(capsys):
+    code = main(["estimate", "--world-size", "4", "--", *BASE, "--num-attention-heads", "6", "--hidden-size", "384",
+                 "--tensor-model-parallel-size", "4", "--global-batch-size", "3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--global-batch-size" in err

@@ -1,0 +1,69 @@
+"""Parameter counts: published model sizes and per-rank splits."""
+import pytest
+
+from megatron_memguard import layout_from_flags
+from megatron_memguard.estimator.params import chunk_params, total_parameters
+from megatron_memguard.estimator.states import stage_states
+
+from conftest import LLAMA2_7B, LLAMA31_70B, LLAMA31_8B
+
+NEW = ["--megatron-version", "0.19"]
+
+
+def flags(base, *extra):
+    return base + ["--micro-batch-size", "1"] + list(extra)
+
+
+@pytest.mark.parametrize("model, expected", [
+    (LLAMA31_8B, 8_030_261_248),    # Llama-3.1-8B model card / HF safetensors total
+    (LLAMA31_70B, 70_553_706_496),  # Llama-3.1-70B
+    (LLAMA2_7B, 6_738_415_616),     # Llama-2-7B
+])
+def test_published_model_sizes(model, expected):
+    L = layout_from_flags(flags(model), world_size=1)
+    assert total_parameters(L) == expected
+    # The one-rank inventory (every parameter in registration order) agrees with the closed form.
+    assert stage_states(L, 0).parameters == expected
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 2), (8, 4), (1, 8)])
+def test_rank_counts_add_up(tp, pp):
+    L = layout_from_flags(flags(LLAMA31_70B, "--tensor-model-parallel-size", str(tp),
+                                "--pipeline-model-parallel-size", str(pp)), world_size=tp * pp)
+    per_stage = [stage_states(L, r).parameters for r in range(pp)]
+    # One DP replica holds every parameter once per TP rank for sharded weights, and TP copies of the
+    # replicated ones: RMSNorm weights (2 per layer + final norm), here h each.
+    h = 8192
+    replicated = (2 * 80 + 1) * h
+    assert sum(per_stage) * tp == total_parameters(L) + (tp - 1) * replicated
+    # Even split: every stage has 80/pp layers; the first adds the embedding, the last the final
+    # norm and the untied output layer (V/t rows each).
+    V = L.padded_vocab_size  # 128256 padded to a multiple of 128 * TP
+    assert V == -(-128256 // (128 * tp)) * 128 * tp
+    layer = (total_parameters(L) - 2 * V * h - h) // 80
+    assert per_stage[0] - per_stage[-1] == (0 if pp == 1 else -h)
+    assert per_stage[0] == (80 // pp) * (layer - 2 * h) // tp + (80 // pp) * 2 * h + V * h // tp + (
+        (V * h // tp + h) if pp == 1 else 0)
+
+
+def test_tied_embedding_copy_on_last_stage():
+    base = [f for f in LLAMA2_7B if f != "--untie-embeddings-and-output-weights"]
+    L = layout_from_flags(flags(base, "--pipeline-model-parallel-size", "2"), world_size=2)
+    last = [p for p in chunk_params(L, L.chunks[-1]) if p.name == "output_layer.weight"]
+    first = [p for p in chunk_params(L, L.chunks[0]) if p.name.startswith("embedding.word")]
+    # Megatron keeps a copy of the tied weight on the last stage, flagged shared_embedding.
+    assert last and first and last[0].numel == first[0].numel == 32000 * 4096
+    assert last[0].shared_embedding and first[0].shared_embedding
+    L1 = layout_from_flags(flags(base), world_size=1)
+    assert not [p for p in chunk_params(L1, L1.chunks[0]) if p.name == "output_layer.weight"]
+
+
+def test_vocab_padding_per_tp():
+    # Megatron pads to a multiple of make_vocab_size_divisible_by * TP: 50257 -> 50304 (TP1), 50432 (TP4).
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1".split()
+    assert layout_from_flags(base, world_size=1).padded_vocab_size == 50304
+    assert layout_from_flags(base + ["--tensor-model-parallel-size", "4"], world_size=4).padded_vocab_size == 50688
+    null = base + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "131072"]
+    # NullTokenizer: one extra EOD token before core 0.18 (Megatron commit c9dfe34798), none after.
+    assert layout_from_flags(null, world_size=1, megatron_version="0.16").vocab_size == 131073
+    assert layout_from_flags(null, world_size=1, megatron_version="0.19").vocab_size == 131072
