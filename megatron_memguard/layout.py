@@ -82,6 +82,7 @@ class Layout:
     overlap_p2p_comm: bool
     # precision
     params_dtype: str               # bf16 | fp16 | fp32
+    autocast_dtype: str | None      # activations' dtype when it differs from the params' (NeMo O1 autocast)
     bf16: bool
     fp16: bool
     accumulate_allreduce_grads_in_fp32: bool
@@ -157,8 +158,8 @@ class Layout:
 
     @property
     def act_bytes(self) -> int:
-        """Bytes per activation element: the autocast/param dtype of the layers."""
-        return DTYPE_BYTES[self.params_dtype]
+        """Bytes per activation element: the autocast dtype when set, else the params' dtype."""
+        return DTYPE_BYTES[self.autocast_dtype or self.params_dtype]
 
     @property
     def grad_bytes(self) -> int:
