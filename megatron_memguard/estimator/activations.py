@@ -15,6 +15,7 @@ divided by CP. Bytes follow the dtype of each tensor (activations in the param d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..layout import Layout
 
@@ -34,6 +35,7 @@ class Shapes:
     r: int          # bytes per residual-stream element (fp32 with --fp32-residual-connection)
 
 
+@lru_cache(maxsize=256)
 def shapes(L: Layout) -> Shapes:
     s = L.seq_length // L.cp
     b = L.micro_batch_size
@@ -155,6 +157,7 @@ def mlp_items(L: Layout, x: Shapes) -> tuple[dict[str, int], int, int]:
     return saved, fwd_t, bwd_t
 
 
+@lru_cache(maxsize=256)
 def layer_activations(L: Layout) -> LayerActivations:
     """One layer, one micro-batch, no full recompute (that is applied per block by the caller)."""
     x = shapes(L)

@@ -135,52 +135,49 @@ def optimizer_step_transient(L: Layout, states, device: str) -> tuple[int, str]:
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
-    """Replay the schedule; return (activation peak, phase, in-flight count, held-by-chunk at peak)."""
-    held = [0] * len(acts)          # micro-batches held per chunk
-    best, phase, best_held, best_extra = -1, "", [0] * len(acts), {}
-    mb_f = [0] * len(acts)
-    mb_b = [0] * len(acts)
+    """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak)."""
+    n = len(acts)
+    held = [0] * n                  # micro-batches held per chunk
+    sizes = [a.held for a in acts]
+    base = 0                        # bytes held by earlier micro-batches
+    best, best_event, best_held = -1, None, held
+    mb_f = [0] * n
+    mb_b = [0] * n
+    in_flight = cur = 0
     for kind, ci in rank_events(L, pp_rank):
         a = acts[ci]
-        base = sum(h * acts[i].held for i, h in enumerate(held))
         if kind == "F":
-            cand = base + a.held + a.fwd_extra
-            extra = {"forward_transient": a.fwd_extra}
-            held_now = held.copy()
-            held_now[ci] += 1
-            where = f"forward of micro-batch {mb_f[ci] + 1}"
             mb_f[ci] += 1
             held[ci] += 1
-        else:
-            top = base + a.bwd_top_extra
-            bottom = base - a.held + a.bwd_bottom_extra
-            held_now = held.copy()
-            if bottom > top:
-                cand, extra = bottom, {"backward_transient": a.bwd_bottom_extra}
-                held_now[ci] -= 1
-                where = f"end of backward of micro-batch {mb_b[ci] + 1}"
+            base += sizes[ci]
+            cur += 1
+            in_flight = max(in_flight, cur)
+            if base + a.fwd_extra > best:
+                best, best_event, best_held = base + a.fwd_extra, ("F", ci, mb_f[ci], a.fwd_extra), held.copy()
+            continue
+        mb_b[ci] += 1
+        top = base + a.bwd_top_extra                       # this micro-batch's activations still held
+        bottom = base - sizes[ci] + a.bwd_bottom_extra     # released; the embedding wgrad remains
+        if max(top, bottom) > best:
+            best_held = held.copy()
+            if top >= bottom:
+                best, best_event = top, ("B", ci, mb_b[ci], a.bwd_top_extra)
             else:
-                cand, extra = top, {"backward_transient": a.bwd_top_extra}
-                where = f"backward of micro-batch {mb_b[ci] + 1}"
-            mb_b[ci] += 1
-            held[ci] -= 1
-        if cand > best:
-            best, best_held, best_extra = cand, held_now, extra
-            chunk = f", chunk {ci}" if len(acts) > 1 else ""
-            phase = f"{where}{chunk} ({sum(held_now)} in flight)"
-    in_flight = 0
-    cur = 0
-    for kind, _ in rank_events(L, pp_rank):
-        cur += 1 if kind == "F" else -1
-        in_flight = max(in_flight, cur)
-    parts: dict[str, int] = {"__held__": 0}
-    layer_bytes = sum(h * acts[i].layers for i, h in enumerate(best_held))
-    parts["layer_activations"] = layer_bytes
+                best, best_event = bottom, ("Bend", ci, mb_b[ci], a.bwd_bottom_extra)
+                best_held[ci] -= 1
+        held[ci] -= 1
+        base -= sizes[ci]
+        cur -= 1
+    kind, ci, mb, extra = best_event
+    where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[kind]
+    chunk = f", chunk {ci}" if n > 1 else ""
+    phase = f"{where} of micro-batch {mb}{chunk} ({sum(best_held)} held)"
+    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(best_held))}
     for i, h in enumerate(best_held):
-        for k, v in acts[i].ends.items():
-            parts[k] = parts.get(k, 0) + h * v
-    parts.update(best_extra)
-    del parts["__held__"]
+        if h:
+            for k, v in acts[i].ends.items():
+                parts[k] = parts.get(k, 0) + h * v
+    parts["forward_transient" if kind == "F" else "backward_transient"] = extra
     return best, phase, in_flight, parts
 
 

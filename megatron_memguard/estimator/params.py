@@ -12,6 +12,7 @@ embedding and output layer are vocabulary-parallel (V/t rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..layout import Chunk, Layout
 
@@ -75,6 +76,30 @@ def layer_params(L: Layout, prefix: str = "") -> list[Param]:
     if L.add_bias_linear:
         ps.append(Param(prefix + "mlp.linear_fc2.bias", h, tp_replicated=True))
     return ps
+
+
+@lru_cache(maxsize=256)
+def _layer_numels(L: Layout) -> tuple[int, ...]:
+    return tuple(p.numel for p in layer_params(L))
+
+
+def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
+    """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path)."""
+    layer = _layer_numels(L)
+    h, t = L.hidden_size, L.tp
+    vocab_rows = L.padded_vocab_size // t
+    tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
+    out: list[tuple[int, bool]] = []
+    if c.has_embedding:
+        out.append((vocab_rows * h, tied_pp))
+        if L.position_embedding_type == "learned_absolute":
+            out.append((L.max_position_embeddings * h, False))
+    out.extend([(n, False) for n in layer] * c.num_layers)
+    if c.has_output:
+        out.extend([(h, False)] * (2 if L.normalization == "LayerNorm" else 1))
+        if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
+            out.append((vocab_rows * h, c.has_tied_output_copy))
+    return out
 
 
 def chunk_params(L: Layout, c: Chunk) -> list[Param]:

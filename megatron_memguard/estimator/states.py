@@ -15,7 +15,9 @@ import math
 from dataclasses import dataclass
 
 from ..layout import DTYPE_BYTES, Chunk, Layout
-from .params import Param, chunk_params
+import bisect
+
+from .params import chunk_numels
 
 
 @dataclass(frozen=True)
@@ -40,45 +42,41 @@ def bucket_size_for(L: Layout, chunk: Chunk) -> int | None:
     return L.ddp_bucket_size or max(40_000_000, 1_000_000 * L.data_parallel_size)
 
 
-def build_buffer(L: Layout, params: list[Param], bucket_size: int | None) -> ChunkBuffer:
-    """Replicates ``_ParamAndGradBuffer``'s index arithmetic (params walked in reverse order)."""
+def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | None) -> ChunkBuffer:
+    """Replicates ``_ParamAndGradBuffer``'s index arithmetic; ``params`` are (numel, shared_embedding)
+    in registration order, walked in reverse as megatron does."""
     dist = L.use_distributed_optimizer
+    unpadded = sum(n for n, _ in params)
+    if not dist and bucket_size is None:
+        return ChunkBuffer(numel=unpadded, numel_unpadded=unpadded, buckets=(), params=unpadded)
     shard = L.dp_shard_size
-    if L.ddp_pad_buckets_for_high_nccl_busbw:
-        divisor = math.lcm(shard, 128, 2**16)
-    else:
-        divisor = math.lcm(shard, 128)
+    divisor = math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
 
     def pad_end(i: int) -> int:
         return -(-i // divisor) * divisor if dist else i
 
-    def pad_start(i: int) -> int:
-        return -(-i // 64) * 64 if dist else i
-
     buckets: list[Bucket] = []
     spans: list[tuple[int, int]] = []
-    start = bucket_start = 0
-    end = 0
-    for p in reversed(params):
-        start = pad_start(start)
-        if p.shared_embedding and dist and spans:
+    start = bucket_start = end = 0
+    for numel, shared in reversed(params):
+        if dist:
+            start = -(-start // 64) * 64
+        if shared and dist and spans:
             # The shared embedding gets a bucket of its own (close the current one first).
             start = pad_end(start)
             buckets.append(Bucket(bucket_start, start, tuple(spans)))
             bucket_start, spans = start, []
-        end = start + p.numel
+        end = start + numel
         spans.append((start, end))
-        if (bucket_size is not None and end - bucket_start >= bucket_size) or (p.shared_embedding and dist):
-            padded = pad_end(end)
-            buckets.append(Bucket(bucket_start, padded, tuple(spans)))
-            bucket_start, spans = padded, []
-            start = padded
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or (shared and dist):
+            start = pad_end(end)
+            buckets.append(Bucket(bucket_start, start, tuple(spans)))
+            bucket_start, spans = start, []
         else:
             start = end
     if spans:
         buckets.append(Bucket(bucket_start, pad_end(end), tuple(spans)))
     numel = buckets[-1].end if buckets else 0
-    unpadded = sum(p.numel for p in params)
     return ChunkBuffer(numel=numel, numel_unpadded=unpadded, buckets=tuple(buckets), params=unpadded)
 
 
@@ -88,10 +86,14 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
     for b in buf.buckets:
         size = (b.end - b.start) // shard
         lo, hi = b.start + rank * size, b.start + (rank + 1) * size
-        for s, e in b.spans:
+        spans = b.spans
+        i = max(0, bisect.bisect_right(spans, (lo, lo)) - 1)
+        while i < len(spans) and spans[i][0] < hi:
+            s, e = spans[i]
             n = min(e, hi) - max(s, lo)
             if n > 0:
                 pieces.append(n)
+            i += 1
     return pieces
 
 
@@ -125,14 +127,15 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
     largest_param = 0
     pieces_by_rank: dict[int, list[int]] = {}
     ranks = [0, shard - 1] if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
-    all_pieces: list[int] = []
+    all_pieces: list[int] = []   # without the distributed optimizer: only the largest matters
+    all_main = 0
     for c in chunks:
-        plist = chunk_params(L, c)
+        plist = chunk_numels(L, c)
         buf = build_buffer(L, plist, bucket_size_for(L, c))
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded
-        largest_param = max([largest_param] + [p.numel for p in plist])
+        largest_param = max(largest_param, max((n for n, _ in plist), default=0))
         grad_bytes += buf.numel * g_bytes
         if L.use_distributed_optimizer:
             param_bytes += buf.numel * p_bytes
@@ -140,14 +143,16 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
                 pieces_by_rank.setdefault(r, []).extend(shard_pieces(buf, shard, r))
         else:
             param_bytes += buf.params * p_bytes
-            all_pieces.extend(p.numel for p in plist)
+            all_pieces.append(max((n for n, _ in plist), default=0))
+            all_main += buf.params
     if L.use_distributed_optimizer:
         # The rank with the most optimizer state is the peak one.
         best = max(ranks, key=lambda r: sum(pieces_by_rank.get(r, [])))
         pieces = pieces_by_rank.get(best, [])
+        main_elems = sum(pieces)
     else:
         pieces = all_pieces
-    main_elems = sum(pieces)
+        main_elems = all_main
 
     # Master weights: fp32 clones of 16-bit params; fp32 params are their own master weights.
     if L.params_dtype == "fp32":
