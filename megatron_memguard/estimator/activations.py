@@ -1,4 +1,4 @@
-"""What one transformer layer keeps for backward, per micro-batch, op by op.
+"""What one transformer layer keeps for backward, per micro-batch, op by op, and its working sets.
 
 Two implementation tables, chosen by ``--transformer-impl``:
 
@@ -11,6 +11,12 @@ Two implementation tables, chosen by ``--transformer-impl``:
 Shapes per TP rank: ``T`` tokens of the sequence-sharded stream (``s*b/t`` with sequence
 parallelism, else ``s*b``), ``Tf = s*b`` tokens inside the tensor-parallel region, ``s`` already
 divided by CP. Bytes follow the dtype of each tensor (activations in the param dtype).
+
+Besides the saved tensors, a layer's backward runs as a sequence of steps (MLP first, then
+attention); at each step some saved tensors are already released and a working set of gradients
+is alive. ``bwd_steps`` lists them as (names released so far, working bytes); the backward peak of
+a layer is the largest ``working - released``. The forward is treated the same way with the names
+not yet created.
 """
 from __future__ import annotations
 
@@ -47,16 +53,31 @@ def shapes(L: Layout) -> Shapes:
     )
 
 
+Step = tuple[frozenset, int]   # (saved names released / not yet created, working bytes)
+
+
 @dataclass(frozen=True)
 class LayerActivations:
     saved: dict[str, int] = field(default_factory=dict)   # kept until this layer's backward
-    fwd_transient: int = 0     # extra bytes alive at the worst point of this layer's forward
-    bwd_transient: int = 0     # extra bytes alive at the worst point of this layer's backward
-    recompute_note: str = ""
+    fwd_steps: tuple[Step, ...] = ()
+    bwd_steps: tuple[Step, ...] = ()
 
     @property
     def total(self) -> int:
         return sum(self.saved.values())
+
+    def _peak(self, steps: tuple[Step, ...]) -> int:
+        return max((w - sum(self.saved.get(n, 0) for n in names) for names, w in steps), default=0)
+
+    @property
+    def fwd_transient(self) -> int:
+        """Largest extra over the layer's saved bytes during its forward (with later items not yet made)."""
+        return self._peak(self.fwd_steps)
+
+    @property
+    def bwd_transient(self) -> int:
+        """Largest extra over the layer's saved bytes during its backward (with released items gone)."""
+        return self._peak(self.bwd_steps)
 
 
 def uses_unfused_attention(L: Layout) -> bool:
@@ -69,24 +90,48 @@ def _norm_stats(L: Layout, n_tokens: int) -> int:
     return n_tokens * 4 * (2 if L.normalization == "LayerNorm" else 1)
 
 
-def attention_core(L: Layout, x: Shapes, recompute_core: bool) -> tuple[dict[str, int], int, int]:
-    """Saved bytes, forward transient and backward transient of q/k/v handling and core attention."""
-    saved: dict[str, int] = {}
-    a_t, g_t, d, e, Tf = x.a_t, x.g_t, x.d, x.e, x.Tf
+def _wgrad(L: Layout, rows: int, cols: int) -> int:
+    """A weight gradient materialised before it is added to main_grad (no fused accumulation)."""
+    from .head import fused_wgrad
+    return 0 if fused_wgrad(L) else rows * cols * L.act_bytes
+
+
+def mask_per_layer(L: Layout, has_batch_mask: bool) -> bool:
+    """The unfused softmax builds a causal mask in every layer when no batch mask arrives
+    (get_default_causal_mask in megatron/core/transformer/utils.py is not cached) and keeps it."""
+    return uses_unfused_attention(L) and not (has_batch_mask and L.create_attention_mask_in_dataloader)
+
+
+@lru_cache(maxsize=512)
+def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivations:
+    """One layer, one micro-batch, no full recompute (applied per block by the caller)."""
+    x = shapes(L)
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    recompute_core = "core_attn" in mods
+    te = L.transformer_impl == "transformer_engine"
+    T, Tf, h, e, r = x.T, x.Tf, x.h, x.e, x.r
+    a_t, g_t, d, f_t = x.a_t, x.g_t, x.d, x.f_t
     qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
+    fc1_w = (2 if L.gated_linear_unit else 1) * f_t
     rope = L.position_embedding_type in ("rope", "yarn")
     gqa = a_t > g_t or L.num_query_groups < L.tp
     q = Tf * a_t * d * e
-    kv1 = Tf * g_t * d * e            # one of k or v before repetition
-    scores = x.b * a_t * x.s * x.s    # elements of one s x s tensor per rank
+    kv1 = Tf * g_t * d * e
+    scores = x.b * a_t * x.s * x.s
     unfused = uses_unfused_attention(L)
-    te = L.transformer_impl == "transformer_engine"
+    drop_norm = "layernorm" in mods and not te
 
-    fwd_t = bwd_t = 0
+    saved: dict[str, int] = {}
+    saved["layer_input"] = T * h * r                          # residual stream, kept by the input norm
+    saved["norm1_stats"] = _norm_stats(L, T)
+    if not drop_norm:
+        saved["qkv_input"] = T * h * e                        # norm output, kept by linear_qkv (local shard under SP)
+
+    # --- q, k, v and the core attention -------------------------------------------------------
     if unfused:
         if recompute_core:
-            # tensor_parallel.checkpoint keeps its inputs: q (copy under GQA, rope output), k and v (views
-            # of the qkv output unless rope made a copy of k) -> the qkv output stays alive through v.
+            # tensor_parallel.checkpoint keeps its inputs: q (a copy under GQA or after rope), k and v
+            # (views of the qkv output unless rope copied k) -> the qkv output stays alive through v.
             saved["qkv_output"] = Tf * qkv_w * e
             if gqa and not rope:
                 saved["query"] = q
@@ -94,97 +139,100 @@ def attention_core(L: Layout, x: Shapes, recompute_core: bool) -> tuple[dict[str
                 saved["query_rope"] = q
                 saved["key_rope"] = kv1
         elif gqa:
-            # query reshaped (copy) or rope'd; key/value repeated to every head (repeat_interleave copies).
+            # query reshaped (a copy) or rope'd; key/value repeated to every head (repeat_interleave).
             saved["query"] = q
             saved["key_repeated"] = q
             saved["value_repeated"] = q
         else:
-            saved["qkv_output"] = Tf * qkv_w * e      # q, k, v are views; v is saved by the bmm
+            saved["qkv_output"] = Tf * qkv_w * e              # q, k, v are views; the bmm keeps v
             if rope:
                 saved["query_rope"] = q
                 saved["key_rope"] = kv1
         probs = scores * e
         if L.attention_softmax_in_fp32:
-            probs += scores * 4       # fp32 softmax output kept by softmax, bf16 copy kept by the bmm
+            probs += scores * 4      # fp32 softmax output kept by softmax, its cast kept by the bmm
         if L.attention_dropout > 0:
             probs += scores * (1 + e)  # dropout mask and dropped-out probs
-        if recompute_core:
-            # Recomputed in backward: the probs exist again, one layer at a time.
-            bwd_t += probs
-        else:
+        if not recompute_core:
             saved["attention_probs"] = probs
-        # Forward: the raw scores (and their fp32 copy) live next to the probs while softmax runs.
-        fwd_t = scores * e + (scores * 4 if L.attention_softmax_in_fp32 else 0) + (probs if recompute_core else 0)
-        # Backward: grad of probs and grad of scores next to the probs (softmax backward).
-        bwd_t += 2 * scores * e + (2 * scores * 4 if L.attention_softmax_in_fp32 else 0)
+        if not has_batch_mask or not L.create_attention_mask_in_dataloader:
+            saved["causal_mask"] = x.s * x.s                  # bool mask kept by masked_fill_
+        soft32 = L.attention_softmax_in_fp32
+        # forward at the softmax: raw scores (+ their fp32 copy) next to the probs being made
+        core_fwd = scores * e + (scores * 4 if soft32 else 0) + (8 * x.s * x.s if "causal_mask" in saved else 0)
+        # backward just after the softmax's (the probs are released by then): grads of probs and
+        # scores, the masked grad, the bmm's grad buffer, and the grads of the context and of v
+        core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + 2 * Tf * a_t * d * e
+        if recompute_core:
+            core_bwd += probs        # the recomputed forward makes the probs again
     else:
         # Fused/flash attention keeps q, k, v, the output and fp32 softmax statistics [b, a, s].
         stats = x.b * a_t * x.s * 4
-        if recompute_core:
-            saved["qkv_output"] = Tf * qkv_w * e
-            bwd_t += Tf * a_t * d * e + stats
-        else:
-            if te:
-                saved["qkv_output"] = Tf * qkv_w * e
-                if rope:
-                    saved["query_rope"] = q
-                    saved["key_rope"] = kv1
-            else:
-                saved["qkv_output"] = Tf * qkv_w * e
+        saved["qkv_output"] = Tf * qkv_w * e
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+        if not recompute_core:
             saved["attention_out"] = Tf * a_t * d * e
             saved["softmax_stats"] = stats
-        fwd_t = Tf * a_t * d * e
-        bwd_t += 3 * Tf * a_t * d * e
-    return saved, fwd_t, bwd_t
-
-
-def mlp_items(L: Layout, x: Shapes) -> tuple[dict[str, int], int, int]:
-    """Saved bytes of fc1 output, the activation and fc2 input; transients of the MLP."""
-    Tf, f_t, e = x.Tf, x.f_t, x.e
-    saved: dict[str, int] = {}
-    if L.gated_linear_unit:
-        saved["fc1_output"] = Tf * 2 * f_t * e
-        if not L.bias_activation_fusion:
-            saved["activation_gate"] = Tf * f_t * e   # silu(x0), kept by the product
-        saved["fc2_input"] = Tf * f_t * e
-        fwd_t = Tf * f_t * e
-        bwd_t = Tf * 2 * f_t * e + 2 * Tf * f_t * e
-    else:
-        saved["fc1_output"] = Tf * f_t * e
-        saved["fc2_input"] = Tf * f_t * e
-        fwd_t = Tf * f_t * e
-        bwd_t = 2 * Tf * f_t * e
-    return saved, fwd_t, bwd_t
-
-
-@lru_cache(maxsize=256)
-def layer_activations(L: Layout) -> LayerActivations:
-    """One layer, one micro-batch, no full recompute (that is applied per block by the caller)."""
-    x = shapes(L)
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
-    te = L.transformer_impl == "transformer_engine"
-    saved: dict[str, int] = {}
-    T, h, e, r = x.T, x.h, x.e, x.r
-
-    saved["layer_input"] = T * h * r
-    saved["norm_stats"] = 2 * _norm_stats(L, T)
-    if not ("layernorm" in mods and not te):
-        saved["qkv_input"] = T * h * e          # norm output, kept by linear_qkv (local shard under SP)
-    att, att_fwd, att_bwd = attention_core(L, x, recompute_core="core_attn" in mods)
-    saved.update(att)
-    saved["proj_input"] = x.Tf * x.a_t * x.d * e    # attention context, kept by linear_proj
+        core_fwd = Tf * a_t * d * e
+        core_bwd = 3 * Tf * a_t * d * e + (Tf * a_t * d * e + stats if recompute_core else 0)
+    if rope and not L.apply_rope_fusion and not te:
+        # unfused rope (rope_utils._apply_rotary_pos_emb_bshd) casts cos and sin to the activation
+        # dtype for q and for k; the products keep them: 4 x [s, 1, 1, rotary dim] per layer
+        saved["rope_cos_sin"] = 4 * x.s * int(d * L.rotary_percent) * e
+    saved["proj_input"] = Tf * a_t * d * e                    # attention context, kept by linear_proj
     if L.hidden_dropout > 0:
-        saved["dropout_masks"] = 2 * T * h         # bool masks after attention and after the MLP
+        saved["dropout_masks"] = 2 * T * h                    # bool masks after attention and after the MLP
     saved["mlp_norm_input"] = T * h * r
-    if not ("layernorm" in mods and not te):
+    saved["norm2_stats"] = _norm_stats(L, T)
+    if not drop_norm:
         saved["fc1_input"] = T * h * e
-    mlp, mlp_fwd, mlp_bwd = mlp_items(L, x)
-    if "mlp" in mods:
-        mlp_bwd += sum(mlp.values())
-        mlp = {}
-    saved.update(mlp)
-    if "layernorm" in mods and not te:
-        att_bwd += T * h * e
-    fwd_t = max(att_fwd, mlp_fwd) + x.Tf * h * e    # + the layer's output before the residual add
-    bwd_t = max(att_bwd, mlp_bwd) + 2 * T * h * e   # + incoming and outgoing activation grads
-    return LayerActivations(saved=saved, fwd_transient=fwd_t, bwd_transient=bwd_t)
+
+    # --- MLP ------------------------------------------------------------------------------------
+    mlp: dict[str, int] = {}
+    if L.gated_linear_unit:
+        mlp["fc1_output"] = Tf * fc1_w * e
+        if not L.bias_activation_fusion:
+            # unfused glu (mlp.py): silu(x0) * (x1 + glu_linear_offset); the product keeps both factors
+            mlp["activation_gate"] = Tf * f_t * e
+            mlp["activation_linear"] = Tf * f_t * e
+        mlp["fc2_input"] = Tf * f_t * e
+        act_bwd = 3 * Tf * f_t * e if not L.bias_activation_fusion else Tf * fc1_w * e
+    else:
+        mlp["fc1_output"] = Tf * f_t * e
+        mlp["fc2_input"] = Tf * f_t * e
+        act_bwd = Tf * f_t * e
+    mlp_names = frozenset(mlp)
+    if "mlp" not in mods:
+        saved.update(mlp)
+
+    G = T * h * e   # gradient of the layer output (received or from the layer above)
+    # Forward steps: (saved names not created yet, working bytes)
+    after_attn = frozenset({"proj_input", "mlp_norm_input", "norm2_stats", "fc1_input", "dropout_masks"}) | mlp_names
+    fwd_steps = (
+        (after_attn, core_fwd),
+        (frozenset(), T * h * r),                             # the layer's output (next layer's input)
+    )
+    # Backward steps: (saved names released, working bytes)
+    rel_mlp = frozenset({"fc2_input"})
+    rel_act = rel_mlp | mlp_names
+    rel_fc1 = rel_act | {"fc1_input"}
+    rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
+    rel_proj = rel_norm2 | {"proj_input"}
+    rel_softmax = rel_proj | {"attention_probs"}
+    rel_core = rel_proj | {"attention_probs", "attention_out", "softmax_stats", "causal_mask"}
+    rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
+                          "rope_cos_sin"}
+    mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0
+    bwd_steps = (
+        (frozenset(), G + mlp_recompute + Tf * f_t * e + _wgrad(L, h, f_t)),                      # fc2
+        (rel_mlp, G + mlp_recompute + Tf * f_t * e + Tf * fc1_w * e + act_bwd),                   # activation
+        (rel_act, G + Tf * fc1_w * e + Tf * h * e + _wgrad(L, fc1_w, h)),                         # fc1
+        (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
+        (rel_norm2, G + Tf * a_t * d * e + _wgrad(L, h, a_t * d)),                                 # linear_proj
+        (rel_softmax if unfused else rel_proj, G + core_bwd),                                      # core attention
+        (rel_core, G + Tf * qkv_w * e + Tf * h * e + _wgrad(L, qkv_w, h)),                        # linear_qkv
+        (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
+    )
+    return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)

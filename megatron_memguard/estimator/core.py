@@ -12,13 +12,14 @@ Adam's moments are created at the first step, so the peak is that of the second 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..units import format_bytes
 from ..schedule import rank_events
 from .activations import layer_activations, shapes, uses_unfused_attention
-from .head import batch_items, embedding_items, output_items
+from .head import batch_items, embedding_items, fused_wgrad, output_items
 from .overheads import FRAGMENTATION, gpu_fixed_terms
 from .result import Estimate, StageEstimate, Term
 from .states import stage_states
@@ -43,7 +44,7 @@ class ChunkActivations:
 
 
 def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
-    la = layer_activations(L)
+    la = layer_activations(L, has_batch_mask=c.has_embedding or c.has_output)
     x = shapes(L)
     n = c.num_layers
     per_layer = la.total
@@ -89,13 +90,9 @@ def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
         o = output_items(L)
         ends.update(o.saved)
         fwd_extra = max(fwd_extra, o.fwd_transient)
-        bwd_top = max(bwd_top, o.bwd_transient)
-    if not L.gradient_accumulation_fusion or L.transformer_impl == "local":
-        # Without fused wgrad accumulation each weight gradient is materialised, then added to main_grad.
-        largest_w = max(x.h * (L.ffn_hidden_size // L.tp) * (2 if L.gated_linear_unit else 1), 0)
-        if c.has_output:
-            largest_w = max(largest_w, L.padded_vocab_size // L.tp * L.hidden_size)
-        bwd_top += largest_w * L.act_bytes
+        # The loss and output layer are back-propagated first; the layers' working set comes once the
+        # output items are released.
+        bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
 
@@ -112,10 +109,6 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     if sizes:
         terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
                           "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
-    chunks = L.stage_chunks(pp_rank)
-    if uses_unfused_attention(L) and any(not (c.has_embedding or c.has_output) for c in chunks):
-        terms.append(Term("causal_mask_cache", x.s * x.s, "transients", "allocated",
-                          "cached default causal mask of chunks that receive no batch"))
     if L.position_embedding_type in ("rope", "yarn"):
         rot = int(L.kv_channels * L.rotary_percent)
         terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
@@ -124,19 +117,17 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
 
 
 def optimizer_step_transient(L: Layout, states, device: str) -> tuple[int, str]:
+    """Temporaries of the step. Fused Adam kernels (TE FusedAdam / apex on GPUs, torch's fused CPU
+    kernel in the referee) update in place; 16-bit gradients are first copied to fp32."""
     extra = states.main_grad_copy_bytes
-    detail = "fp32 copies of 16-bit gradients" if extra else ""
-    if device == "cpu":
-        # torch.optim.AdamW (megatron's fallback without TE/apex) runs per tensor: sqrt(v) and its
-        # quotient coexist, 8 bytes per element of the largest main-parameter tensor.
-        extra += 8 * states.largest_main_piece
-        detail = (detail + "; " if detail else "") + "torch AdamW temporaries of the largest tensor"
-    return extra, detail
+    return extra, "fp32 copies of 16-bit gradients" if extra else ""
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
     """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak)."""
     n = len(acts)
+    if n == 1:
+        return _peak_one_chunk(L, pp_rank, acts[0])
     held = [0] * n                  # micro-batches held per chunk
     sizes = [a.held for a in acts]
     base = 0                        # bytes held by earlier micro-batches
@@ -181,6 +172,25 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[in
     return best, phase, in_flight, parts
 
 
+def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, str, int, dict[str, int]]:
+    """1F1B / no pipelining in closed form: k = min(PP - rank, m) micro-batches in flight at most; the
+    peak is the k-th forward, the first backward's start, or its end (embedding weight gradient)."""
+    k = min(L.pp - pp_rank, L.num_microbatches)
+    cands = [
+        (k * a.held + a.fwd_extra, "forward", k, "forward_transient", a.fwd_extra),
+        (k * a.held + a.bwd_top_extra, "backward", k, "backward_transient", a.bwd_top_extra),
+        ((k - 1) * a.held + a.bwd_bottom_extra, "end of backward", k - 1, "backward_transient", a.bwd_bottom_extra),
+    ]
+    best = max(cands, key=lambda c: c[0])
+    peak, where, held, name, extra = best
+    mb = k if where == "forward" else 1
+    parts: dict[str, int] = {"layer_activations": held * a.layers}
+    for key, v in a.ends.items():
+        parts[key] = held * v
+    parts[name] = extra
+    return peak, f"{where} of micro-batch {mb} ({held} held)", k, parts
+
+
 _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
@@ -208,7 +218,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
     else:
         state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", detail="fp32 momentum" + shard))
     buffers = persistent_buffers(L, pp_rank)
-    fixed = gpu_fixed_terms(L, gpu_name) if device == "gpu" else []
+    fixed = _fixed_terms(L, gpu_name) if device == "gpu" else []
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
@@ -245,6 +255,11 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
     )
+
+
+@lru_cache(maxsize=256)
+def _fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
+    return gpu_fixed_terms(L, gpu_name)
 
 
 def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:

@@ -67,7 +67,13 @@ def embedding_items(L: Layout) -> EndItems:
 
 
 def output_items(L: Layout) -> EndItems:
-    """Final norm, output layer and vocab-parallel cross entropy on the last stage."""
+    """Final norm, output layer and vocab-parallel cross entropy on the last stage.
+
+    Backward runs in three steps: the cross-entropy backward turns the kept fp32 softmax into the
+    gradient in place, and autograd casts it to the logits' dtype (both alive); the output layer's
+    backward then holds that gradient, its input gradient and, without fused weight-gradient
+    accumulation, the dense [V/t, h] weight gradient; the fp32 buffer is gone by then.
+    """
     x = shapes(L)
     v_t = L.padded_vocab_size // L.tp
     saved = {
@@ -78,11 +84,19 @@ def output_items(L: Layout) -> EndItems:
     logits = x.Tf * v_t * x.e
     if L.fp16_lm_cross_entropy:
         saved["loss_softmax"] = logits                   # fp16 cross entropy: no fp32 upcast
-        fp32 = 0
+        kept = logits
     else:
-        fp32 = x.Tf * v_t * 4
-        saved["loss_softmax_fp32"] = fp32                # exp(logits - max) / sum, kept for backward
+        kept = x.Tf * v_t * 4
+        saved["loss_softmax_fp32"] = kept                # exp(logits - max) / sum, kept for backward
     saved["loss_targets"] = x.Tf * (8 + 1)               # masked target ids (int64) and target mask
     fwd = logits                                          # logits in the param dtype next to the fp32 copy
-    bwd = max(logits, logits + x.Tf * x.h * x.e)         # fp32 grad cast back; then grad input of the output layer
+    wgrad = 0 if fused_wgrad(L) else v_t * x.h * x.e
+    bwd = max(logits if not L.fp16_lm_cross_entropy else 0,
+              -kept + logits + x.Tf * x.h * x.e + wgrad)
     return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd)
+
+
+def fused_wgrad(L: Layout) -> bool:
+    """Weight gradients accumulated straight into main_grad (gradient_accumulation_fusion); the local
+    implementation on CPU and --no-gradient-accumulation-fusion materialise each one first."""
+    return L.gradient_accumulation_fusion

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..layout import DTYPE_BYTES, Chunk, Layout
 import bisect
+from functools import lru_cache
 
 from .params import chunk_numels
 
@@ -118,6 +119,18 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
     """Model-state bytes for one rank of ``pp_rank``. ``dp_rank``: an index, "last", or "max" (the
     larger of DP rank 0 and the last rank; only the distributed optimizer makes them differ)."""
     chunks = L.stage_chunks(pp_rank)
+    # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
+    sig = tuple((c.num_layers, c.has_embedding, c.has_output, c.has_tied_output_copy,
+                 bucket_size_for(L, c)) for c in chunks)
+    return _stage_states(L, sig, dp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
+    from ..layout import Chunk
+    chunks = [Chunk(pp_rank=-1, vpp_rank=i, first_layer=0, num_layers=n, has_embedding=e, has_output=o,
+                    has_tied_output_copy=tied) for i, (n, e, o, tied, _) in enumerate(sig)]
+    buckets = [b for *_, b in sig]
     shard = L.dp_shard_size
     p_bytes = L.param_bytes
     g_bytes = 2 if (L.use_precision_aware_optimizer and L.main_grads_dtype == "bf16") else L.grad_bytes
@@ -129,9 +142,9 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
     ranks = [0, shard - 1] if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
     all_pieces: list[int] = []   # without the distributed optimizer: only the largest matters
     all_main = 0
-    for c in chunks:
+    for c, bsize in zip(chunks, buckets):
         plist = chunk_numels(L, c)
-        buf = build_buffer(L, plist, bucket_size_for(L, c))
+        buf = build_buffer(L, plist, bsize)
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded

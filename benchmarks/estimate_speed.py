@@ -1,0 +1,65 @@
+"""How fast is an estimate? Targets (issue 2): one estimate < 1 ms, a cold `memguard estimate` < 0.3 s.
+
+    python benchmarks/estimate_speed.py
+
+Prints the median time of ``estimate()`` for a few layouts and the wall time of a cold
+``memguard estimate`` process (new interpreter, as a user runs it).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_memguard import estimate, layout_from_flags  # noqa: E402
+
+LLAMA_70B = ("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+             "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+             "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+             "--untie-embeddings-and-output-weights --tokenizer-type NullTokenizer --vocab-size 128256 --bf16 "
+             "--micro-batch-size 1 --global-batch-size 1024 --use-distributed-optimizer --sequence-parallel").split()
+CASES = {
+    "70B TP8 PP1 DP128": (LLAMA_70B + ["--tensor-model-parallel-size", "8"], 1024),
+    "70B TP8 PP4 DP32": (LLAMA_70B + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4"], 1024),
+    "70B TP8 PP4 VPP5 DP32": (LLAMA_70B + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
+                                           "--num-layers-per-virtual-pipeline-stage", "4"], 1024),
+    "70B TP4 PP16 DP16": (LLAMA_70B + ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "16"], 1024),
+}
+
+
+def time_estimate(layout, repeat: int = 200) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        estimate(layout)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    print("estimate() median over 200 calls (each on a fresh Layout-equal object's cached tables):")
+    for name, (flags, world) in CASES.items():
+        layout = layout_from_flags(flags, world_size=world)
+        estimate(layout)
+        print(f"  {name:24s} {time_estimate(layout) * 1e3:7.3f} ms   (target < 1 ms)")
+    cmd = [sys.executable, "-m", "megatron_memguard.cli.main", "estimate", "--config",
+           os.path.join(ROOT, "examples", "llama3_8b_h100.sh")]
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT)  # let the interpreter write .pyc files once
+    walls = []
+    for _ in range(5):
+        t = time.perf_counter()
+        subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT, check=False)
+        walls.append(time.perf_counter() - t)
+    print(f"cold `memguard estimate --config examples/llama3_8b_h100.sh`: median {statistics.median(walls):.3f} s "
+          f"over 5 runs (target < 0.3 s)")
+
+
+if __name__ == "__main__":
+    main()
