@@ -80,11 +80,6 @@ class LayerActivations:
         return self._peak(self.bwd_steps)
 
 
-def uses_unfused_attention(L: Layout) -> bool:
-    """Local spec always materialises the s x s scores; TE only with --attention-backend unfused."""
-    return L.transformer_impl == "local" or L.attention_backend in ("unfused", "local")
-
-
 def _norm_stats(L: Layout, n_tokens: int) -> int:
     # fp32 mean and rstd per token (LayerNorm), rstd only (RMSNorm)
     return n_tokens * 4 * (2 if L.normalization == "LayerNorm" else 1)
@@ -96,10 +91,92 @@ def _wgrad(L: Layout, rows: int, cols: int) -> int:
     return 0 if fused_wgrad(L) else rows * cols * L.act_bytes
 
 
-def mask_per_layer(L: Layout, has_batch_mask: bool) -> bool:
-    """The unfused softmax builds a causal mask in every layer when no batch mask arrives
-    (get_default_causal_mask in megatron/core/transformer/utils.py is not cached) and keeps it."""
-    return uses_unfused_attention(L) and not (has_batch_mask and L.create_attention_mask_in_dataloader)
+def attention_kind(L: Layout) -> str:
+    """Which core attention runs: local_unfused (megatron DotProductAttention, torch softmax),
+    local_fused_softmax (its fused scale-mask-softmax kernel), te_unfused (TE's
+    UnfusedDotProductAttention) or fused (flash / cuDNN: no s x s tensors)."""
+    x = shapes(L)
+    if L.transformer_impl == "local":
+        kernel = (L.masked_softmax_fusion and L.params_dtype in ("bf16", "fp16") and 16 < x.s <= 4096
+                  and x.s % 4 == 0 and (x.b * x.a_t) % 4 == 0)
+        return "local_fused_softmax" if kernel else "local_unfused"
+    if L.attention_backend in ("unfused", "local"):
+        return "te_unfused"
+    return "fused"
+
+
+def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask: bool) -> tuple[dict[str, int], int, int, bool]:
+    """Saved bytes of q/k/v handling and the core attention, its forward working set at the softmax
+    and its backward working set (with the probs already released), and whether s x s scores exist."""
+    kind = attention_kind(L)
+    e, Tf, a_t, g_t, d = x.e, x.Tf, x.a_t, x.g_t, x.d
+    qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
+    rope = L.position_embedding_type in ("rope", "yarn")
+    gqa = a_t > g_t or L.num_query_groups < L.tp
+    q = Tf * a_t * d * e
+    kv1 = Tf * g_t * d * e
+    scores = x.b * a_t * x.s * x.s
+    saved: dict[str, int] = {}
+    if kind == "fused":
+        # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
+        # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax
+        # statistics [b, a, s, 1] (TE FusedAttnFunc / FlashAttention autograd functions).
+        stats = x.b * a_t * x.s * 4
+        saved["qkv_output"] = Tf * qkv_w * e
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+        if not recompute_core:
+            saved["softmax_stats"] = stats
+        core_fwd = q                                   # the output being written
+        core_bwd = 3 * q + stats + (q if recompute_core else 0)   # dq, dk, dv (+ recomputed O)
+        return saved, core_fwd, core_bwd, False
+    # Unfused: the s x s scores and probs exist per layer.
+    if recompute_core:
+        # tensor_parallel.checkpoint keeps its inputs: q (a copy under GQA or after rope), k and v
+        # (views of the qkv output unless rope copied k) -> the qkv output stays alive through v.
+        saved["qkv_output"] = Tf * qkv_w * e
+        if gqa and not rope:
+            saved["query"] = q
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+    elif gqa:
+        # query reshaped (a copy) or rope'd; key/value repeated to every head (repeat_interleave).
+        saved["query"] = q
+        saved["key_repeated"] = q
+        saved["value_repeated"] = q
+    else:
+        saved["qkv_output"] = Tf * qkv_w * e          # q, k, v are views; the bmm keeps v
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+    fused_softmax = kind in ("local_fused_softmax", "te_unfused")
+    soft32 = L.attention_softmax_in_fp32 and not fused_softmax
+    probs = scores * e
+    if soft32:
+        probs += scores * 4          # fp32 softmax output kept by softmax, its cast kept by the bmm
+    if L.attention_dropout > 0:
+        probs += scores * (1 + e)    # dropout mask and dropped-out probs
+    if not recompute_core:
+        saved["attention_probs"] = probs
+    mask_made = kind == "local_unfused" and not (has_batch_mask and L.create_attention_mask_in_dataloader)
+    if mask_made:
+        saved["causal_mask"] = x.s * x.s               # bool mask kept by masked_fill_
+    # forward at the softmax: the raw scores (+ fp32 copy, + the mask being built; TE's unfused
+    # path also holds its preallocated output buffer) next to the probs being made
+    core_fwd = scores * e + (scores * 4 if soft32 else 0) + (8 * x.s * x.s if mask_made else 0)
+    if kind == "te_unfused":
+        core_fwd += scores * e
+    # backward just after the softmax's (the probs are released by then): grads of probs and
+    # scores, the masked grad, the bmm's grad buffer, and the grads of the context and of v
+    if kind == "local_unfused":
+        core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + 2 * q
+    else:
+        core_bwd = 2 * scores * e + 2 * q
+    if recompute_core:
+        core_bwd += probs            # the recomputed forward makes the probs again
+    return saved, core_fwd, core_bwd, True
 
 
 @lru_cache(maxsize=512)
@@ -110,15 +187,10 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     recompute_core = "core_attn" in mods
     te = L.transformer_impl == "transformer_engine"
     T, Tf, h, e, r = x.T, x.Tf, x.h, x.e, x.r
-    a_t, g_t, d, f_t = x.a_t, x.g_t, x.d, x.f_t
+    a_t, d, f_t = x.a_t, x.d, x.f_t
     qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
     fc1_w = (2 if L.gated_linear_unit else 1) * f_t
     rope = L.position_embedding_type in ("rope", "yarn")
-    gqa = a_t > g_t or L.num_query_groups < L.tp
-    q = Tf * a_t * d * e
-    kv1 = Tf * g_t * d * e
-    scores = x.b * a_t * x.s * x.s
-    unfused = uses_unfused_attention(L)
     drop_norm = "layernorm" in mods and not te
 
     saved: dict[str, int] = {}
@@ -128,55 +200,8 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
         saved["qkv_input"] = T * h * e                        # norm output, kept by linear_qkv (local shard under SP)
 
     # --- q, k, v and the core attention -------------------------------------------------------
-    if unfused:
-        if recompute_core:
-            # tensor_parallel.checkpoint keeps its inputs: q (a copy under GQA or after rope), k and v
-            # (views of the qkv output unless rope copied k) -> the qkv output stays alive through v.
-            saved["qkv_output"] = Tf * qkv_w * e
-            if gqa and not rope:
-                saved["query"] = q
-            if rope:
-                saved["query_rope"] = q
-                saved["key_rope"] = kv1
-        elif gqa:
-            # query reshaped (a copy) or rope'd; key/value repeated to every head (repeat_interleave).
-            saved["query"] = q
-            saved["key_repeated"] = q
-            saved["value_repeated"] = q
-        else:
-            saved["qkv_output"] = Tf * qkv_w * e              # q, k, v are views; the bmm keeps v
-            if rope:
-                saved["query_rope"] = q
-                saved["key_rope"] = kv1
-        probs = scores * e
-        if L.attention_softmax_in_fp32:
-            probs += scores * 4      # fp32 softmax output kept by softmax, its cast kept by the bmm
-        if L.attention_dropout > 0:
-            probs += scores * (1 + e)  # dropout mask and dropped-out probs
-        if not recompute_core:
-            saved["attention_probs"] = probs
-        if not has_batch_mask or not L.create_attention_mask_in_dataloader:
-            saved["causal_mask"] = x.s * x.s                  # bool mask kept by masked_fill_
-        soft32 = L.attention_softmax_in_fp32
-        # forward at the softmax: raw scores (+ their fp32 copy) next to the probs being made
-        core_fwd = scores * e + (scores * 4 if soft32 else 0) + (8 * x.s * x.s if "causal_mask" in saved else 0)
-        # backward just after the softmax's (the probs are released by then): grads of probs and
-        # scores, the masked grad, the bmm's grad buffer, and the grads of the context and of v
-        core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + 2 * Tf * a_t * d * e
-        if recompute_core:
-            core_bwd += probs        # the recomputed forward makes the probs again
-    else:
-        # Fused/flash attention keeps q, k, v, the output and fp32 softmax statistics [b, a, s].
-        stats = x.b * a_t * x.s * 4
-        saved["qkv_output"] = Tf * qkv_w * e
-        if rope:
-            saved["query_rope"] = q
-            saved["key_rope"] = kv1
-        if not recompute_core:
-            saved["attention_out"] = Tf * a_t * d * e
-            saved["softmax_stats"] = stats
-        core_fwd = Tf * a_t * d * e
-        core_bwd = 3 * Tf * a_t * d * e + (Tf * a_t * d * e + stats if recompute_core else 0)
+    att, core_fwd, core_bwd, unfused = attention_items(L, x, recompute_core, has_batch_mask)
+    saved.update(att)
     if rope and not L.apply_rope_fusion and not te:
         # unfused rope (rope_utils._apply_rotary_pos_emb_bshd) casts cos and sin to the activation
         # dtype for q and for k; the products keep them: 4 x [s, 1, 1, rotary dim] per layer
@@ -221,7 +246,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     rel_proj = rel_norm2 | {"proj_input"}
     rel_softmax = rel_proj | {"attention_probs"}
-    rel_core = rel_proj | {"attention_probs", "attention_out", "softmax_stats", "causal_mask"}
+    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin"}
     mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0

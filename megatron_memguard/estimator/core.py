@@ -18,7 +18,7 @@ from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..units import format_bytes
 from ..schedule import rank_events
-from .activations import layer_activations, shapes, uses_unfused_attention
+from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, embedding_items, fused_wgrad, output_items
 from .overheads import FRAGMENTATION, gpu_fixed_terms
 from .result import Estimate, StageEstimate, Term
@@ -98,14 +98,20 @@ def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
 
 
 def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
-    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached masks."""
+    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables.
+
+    megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
+    ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
+    entry; the buffer grows to the largest request and stays. With TE layers only the output layer
+    (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries."""
     x = shapes(L)
     terms = []
     sizes = []
-    if L.sequence_parallel:
+    last = pp_rank == L.pp - 1
+    if L.sequence_parallel and (L.transformer_impl == "local" or last):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
-    if uses_unfused_attention(L):
-        sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of the unfused attention
+    if attention_kind(L).startswith("local"):
+        sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of megatron's attention
     if sizes:
         terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
                           "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
@@ -117,10 +123,9 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
 
 
 def optimizer_step_transient(L: Layout, states, device: str) -> tuple[int, str]:
-    """Temporaries of the step. Fused Adam kernels (TE FusedAdam / apex on GPUs, torch's fused CPU
-    kernel in the referee) update in place; 16-bit gradients are first copied to fp32."""
-    extra = states.main_grad_copy_bytes
-    return extra, "fp32 copies of 16-bit gradients" if extra else ""
+    """Temporaries of the step beyond what it leaves behind. Fused Adam kernels (TE FusedAdam /
+    apex on GPUs, torch's fused CPU kernel in the referee) update in place."""
+    return 0, ""
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
@@ -212,6 +217,13 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
     shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
     if st.main_param_bytes:
         state_terms.append(Term("main_parameters", st.main_param_bytes, "optimizer", detail="fp32 master weights" + shard))
+    step_terms = []
+    if st.main_grad_copy_bytes:
+        # 16-bit gradients are copied to fp32 for the step (main_grad.float()); the copies stay
+        # attached as .grad of the main params until zero_grad at the start of the next iteration,
+        # so they count after the step but not during forward and backward.
+        step_terms.append(Term("main_grad_copies", st.main_grad_copy_bytes, "optimizer",
+                               detail="fp32 copies of 16-bit gradients, from the step until the next zero_grad" + shard))
     if L.optimizer == "adam":
         state_terms.append(Term("adam_exp_avg", st.exp_avg_bytes, "optimizer", detail=f"{L.exp_avg_dtype} first moment" + shard))
         state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", detail=f"{L.exp_avg_sq_dtype} second moment" + shard))
@@ -223,7 +235,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     step_extra, step_detail = optimizer_step_transient(L, st, device)
-    if act_peak >= step_extra:
+    step_bytes = sum(t.bytes for t in step_terms) + step_extra
+    if act_peak >= step_bytes:
         act_terms = []
         for name, v in parts.items():
             if not v:
@@ -235,7 +248,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = [Term("optimizer_step_transient", step_extra, "transients", detail=step_detail)]
+        act_terms = step_terms + ([Term("optimizer_step_transient", step_extra, "transients", detail=step_detail)]
+                                  if step_extra else [])
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
     terms = state_terms + buffers + fixed_alloc + act_terms
@@ -249,7 +263,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
         device_total = peak_reserved + sum(t.bytes for t in device_only)
     else:
         peak_reserved = device_total = peak_alloc
-    persistent = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+    persistent = base + sum(t.bytes for t in step_terms)
     return StageEstimate(
         pp_rank=pp_rank, chunks=chunks, num_layers=sum(c.num_layers for c in chunks), parameters=st.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,

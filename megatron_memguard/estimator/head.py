@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..layout import Layout
-from .activations import _norm_stats, shapes, uses_unfused_attention
+from .activations import _norm_stats, attention_kind, shapes
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,9 @@ def batch_items(L: Layout, first: bool, last: bool) -> EndItems:
 
     pretrain_gpt.get_batch hands out tokens/position ids (first stage), labels/loss mask (last stage)
     and, with --create-attention-mask-in-dataloader (Megatron's default), a bool [b, 1, s, s] mask on
-    every stage. The unfused (local) softmax keeps the mask for backward; fused attention ignores it
-    for causal masking, so it lives only during the forward of its micro-batch.
+    every stage. The unfused torch softmax of the local spec keeps the mask for backward; fused
+    kernels (flash/cuDNN, the causal scale-mask-softmax kernel) ignore it for causal masking, so it
+    lives only during the forward of its micro-batch.
     """
     x = shapes(L)
     saved: dict[str, int] = {}
@@ -49,7 +50,7 @@ def batch_items(L: Layout, first: bool, last: bool) -> EndItems:
         fwd += x.b * x.s * (8 + 4)                            # labels (int64) and loss mask (fp32)
     if L.create_attention_mask_in_dataloader:
         mask = x.b * x.s * x.s
-        if uses_unfused_attention(L):
+        if attention_kind(L) == "local_unfused":
             saved["attention_mask"] = mask
         else:
             fwd += mask
@@ -82,17 +83,27 @@ def output_items(L: Layout) -> EndItems:
         "output_layer_input": x.T * x.h * x.e,
     }
     logits = x.Tf * v_t * x.e
-    if L.fp16_lm_cross_entropy:
-        saved["loss_softmax"] = logits                   # fp16 cross entropy: no fp32 upcast
+    if L.fp16_lm_cross_entropy or x.e == 4:
+        # fp16 cross entropy, or fp32 logits: .float() is a no-op and the softmax is made in place
+        saved["loss_softmax" if x.e == 2 else "loss_softmax_fp32"] = logits
         kept = logits
+        fwd = 0
+        cast = 0
     else:
         kept = x.Tf * v_t * 4
         saved["loss_softmax_fp32"] = kept                # exp(logits - max) / sum, kept for backward
+        fwd = logits                                      # logits in the param dtype next to the fp32 copy
+        cast = logits                                     # the fp32 gradient cast back, next to it
+    if L.cross_entropy_loss_fusion and L.cross_entropy_fusion_impl == "native" and x.e == 2:
+        # megatron's fused cross entropy runs as torch.compile'd functions (megatron/core/jit.py
+        # jit_fuser): the in-place max-subtract/exp of the eager path produce a second fp32 buffer,
+        # in forward (exp_logits next to the fp32 logits) and in backward (the gradient next to
+        # the kept softmax); the cast to bf16 happens inside the fused backward.
+        fwd += kept
+        cast = kept + logits
     saved["loss_targets"] = x.Tf * (8 + 1)               # masked target ids (int64) and target mask
-    fwd = logits                                          # logits in the param dtype next to the fp32 copy
     wgrad = 0 if fused_wgrad(L) else v_t * x.h * x.e
-    bwd = max(logits if not L.fp16_lm_cross_entropy else 0,
-              -kept + logits + x.Tf * x.h * x.e + wgrad)
+    bwd = max(cast, -kept + logits + x.Tf * x.h * x.e + wgrad)
     return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd)
 
 

@@ -29,6 +29,10 @@ CUBLAS_HOPPER_BYTES = 32 * MiB
 FRAGMENTATION = 0.05
 
 
+def _hopper_or_newer(gpu_name: str | None) -> bool:
+    return bool(gpu_name) and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200"))
+
+
 def cublas_workspace_bytes(L: Layout, gpu_name: str | None) -> int:
     cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG")
     if cfg:
@@ -37,7 +41,7 @@ def cublas_workspace_bytes(L: Layout, gpu_name: str | None) -> int:
             total += int(size_kib) * 1024 * int(count)
         if total:
             return total
-    if gpu_name and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200")):
+    if _hopper_or_newer(gpu_name):
         return CUBLAS_HOPPER_BYTES
     return CUBLAS_DEFAULT_BYTES
 
@@ -60,11 +64,23 @@ def nccl_bytes(L: Layout) -> tuple[int, str]:
     return per * len(comms), ", ".join(comms) or "none"
 
 
+# PyTorch keeps one workspace per cuBLAS handle and one per cuBLASLt handle for the compute stream;
+# both are sized by CUBLAS_WORKSPACE_CONFIG in the NVIDIA PyTorch containers Megatron runs in
+# (recent open-source builds can share one allocation: TORCH_CUBLASLT_UNIFIED_WORKSPACE). Megatron's
+# CI shows the pair: steady allocated memory exceeds model state by 2 x 32 MiB + TE's workspace with
+# CUBLAS_WORKSPACE_CONFIG=:4096:8 on A100, H100 and GB200 alike.
+BLAS_WORKSPACES = 2
+
+
 def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
-    terms = [Term("cublas_workspace", cublas_workspace_bytes(L, gpu_name), "fixed", "allocated",
-                  "cuBLAS workspace of the compute stream (CUBLAS_WORKSPACE_CONFIG or PyTorch's default)")]
+    ws = cublas_workspace_bytes(L, gpu_name)
+    terms = [Term("cublas_workspaces", BLAS_WORKSPACES * ws, "fixed", "allocated",
+                  f"{BLAS_WORKSPACES} x {ws / 2**20:.2f} MiB cuBLAS/cuBLASLt workspaces of the compute stream "
+                  "(CUBLAS_WORKSPACE_CONFIG or PyTorch's default)")]
     if L.transformer_impl == "transformer_engine":
-        te = 32 * MiB if gpu_name and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200")) else 4 * MiB
+        # transformer_engine/pytorch/cpp_extensions/gemm.py get_cublas_workspace_size_bytes():
+        # 32 MiB + 1 KiB on compute capability >= 9 (Hopper, Blackwell), 4 MiB before
+        te = 32 * MiB + 1024 if _hopper_or_newer(gpu_name) else 4 * MiB
         terms.append(Term("te_workspace", te, "fixed", "allocated", "Transformer Engine GEMM workspace"))
     nccl, which = nccl_bytes(L)
     terms.append(Term("cuda_context", CUDA_CONTEXT_BYTES, "fixed", "device", "CUDA context and loaded kernels"))
