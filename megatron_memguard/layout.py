@@ -124,6 +124,8 @@ class Layout:
     deterministic_mode: bool
     calculate_per_token_loss: bool
     empty_unused_memory_level: int
+    defer_embedding_wgrad_compute: bool
+    wgrad_deferral_limit: int
     tp_comm_overlap: bool
     # provenance
     megatron_version: str

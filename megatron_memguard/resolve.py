@@ -42,11 +42,11 @@ _NOT_MODELLED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("delay_wgrad_compute", bool, "delayed weight-gradient computation"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps"),
+    ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),
     ("attention_output_gate", bool, "gated attention output"),
 ]
 _WARN_ONLY: list[tuple[str, Callable[[Any], bool], str]] = [
     ("tp_comm_overlap", bool, "TP communication overlap allocates userbuffers (a few hundred MiB) that memguard does not count"),
-    ("defer_embedding_wgrad_compute", bool, "deferred embedding wgrad keeps activation copies that memguard does not count"),
     ("use_nccl_ub", bool, "NCCL user buffers are not counted"),
 ]
 _RECOMPUTE_MODULES = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj", "mhc"}
@@ -565,6 +565,8 @@ class _Resolver:
             deterministic_mode=self.bool_arg("deterministic_mode", False),
             calculate_per_token_loss=self.bool_arg("calculate_per_token_loss", False),
             empty_unused_memory_level=self.int_arg("empty_unused_memory_level", 0, minimum=0),
+            defer_embedding_wgrad_compute=self.bool_arg("defer_embedding_wgrad_compute", False) and pp > 1,
+            wgrad_deferral_limit=self.int_arg("wgrad_deferral_limit", 0, minimum=0),
             tp_comm_overlap=tp_comm_overlap, megatron_version=str(version), tokenizer_type=tokenizer,
             env=env, notes=tuple(self.notes),
         )

@@ -19,7 +19,7 @@ from ..layout import Chunk, Layout
 from ..units import format_bytes
 from ..schedule import rank_events
 from .activations import attention_kind, layer_activations, shapes
-from .head import batch_items, embedding_items, fused_wgrad, output_items
+from .head import batch_items, deferred_wgrad_buffers, embedding_items, fused_wgrad, output_items
 from .overheads import FRAGMENTATION, gpu_fixed_terms
 from .result import Estimate, StageEstimate, Term
 from .states import stage_states
@@ -230,6 +230,11 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
     else:
         state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", detail="fp32 momentum" + shard))
     buffers = persistent_buffers(L, pp_rank)
+    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
+    if deferred:
+        # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
+        parts = {**parts, "deferred_output_wgrad_buffers": deferred}
+        act_peak += deferred
     fixed = _fixed_terms(L, gpu_name) if device == "gpu" else []
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)

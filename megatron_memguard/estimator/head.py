@@ -102,9 +102,23 @@ def output_items(L: Layout) -> EndItems:
         fwd += kept
         cast = kept + logits
     saved["loss_targets"] = x.Tf * (8 + 1)               # masked target ids (int64) and target mask
-    wgrad = 0 if fused_wgrad(L) else v_t * x.h * x.e
+    # the output layer's weight gradient: fused into main_grad, deferred to the pipeline flush
+    # (--defer-embedding-wgrad-compute), or materialised here
+    wgrad = 0 if (fused_wgrad(L) or L.defer_embedding_wgrad_compute) else v_t * x.h * x.e
     bwd = max(cast, -kept + logits + x.Tf * x.h * x.e + wgrad)
     return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd)
+
+
+def deferred_wgrad_buffers(L: Layout) -> int:
+    """--defer-embedding-wgrad-compute: the last stage keeps the output layer's input and its
+    gradient of the first ``--wgrad-deferral-limit`` micro-batches (all of them for 0) until the
+    pipeline flush computes the weight gradient (megatron/core/tensor_parallel/layers.py,
+    pipeline_parallel/schedules.py finish_embedding_wgrad_compute)."""
+    if not L.defer_embedding_wgrad_compute:
+        return 0
+    x = shapes(L)
+    n = L.num_microbatches if L.wgrad_deferral_limit == 0 else min(L.wgrad_deferral_limit, L.num_microbatches)
+    return n * (x.T * x.h * x.e + x.Tf * (L.padded_vocab_size // L.tp) * x.e)
 
 
 def fused_wgrad(L: Layout) -> bool:

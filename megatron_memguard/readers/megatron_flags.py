@@ -21,6 +21,9 @@ from ..errors import ConfigError
 _LEGACY_FLAGS = {
     "--hybrid-override-pattern": ["hybrid_layer_pattern", "value", "str"],
     "--num-experts": ["num_experts", "value", "int"],
+    # Model Optimizer knowledge distillation (Megatron-LM's modelopt integration): a teacher model too.
+    "--export-kd-teacher-load": ["export_kd_teacher_load", "value", "str"],
+    "--export-kd-cfg": ["export_kd_cfg", "value", "str"],
 }
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
