@@ -20,7 +20,7 @@ from ..units import format_bytes
 from ..schedule import rank_events
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, fused_wgrad, output_items
-from .overheads import FRAGMENTATION, gpu_fixed_terms
+from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes
 from .result import Estimate, StageEstimate, Term
 from .states import stage_states
 
@@ -237,6 +237,11 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
         act_peak += deferred
     fixed = _fixed_terms(L, gpu_name) if device == "gpu" else []
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
+    if device == "gpu":
+        p2p, count = p2p_in_flight_bytes(L)
+        if p2p:
+            fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
+                                              f"{count} pipeline send/receive buffers held by NCCL work objects")]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     step_extra, step_detail = optimizer_step_transient(L, st, device)
