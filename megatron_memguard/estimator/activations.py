@@ -223,11 +223,12 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
             mlp["activation_gate"] = Tf * f_t * e
             mlp["activation_linear"] = Tf * f_t * e
         mlp["fc2_input"] = Tf * f_t * e
-        act_bwd = 3 * Tf * f_t * e if not L.bias_activation_fusion else Tf * fc1_w * e
+        # unfused glu: grads of silu(x0) and of the product before they are concatenated
+        act_bwd = 3 * Tf * f_t * e if not L.bias_activation_fusion else 0
     else:
         mlp["fc1_output"] = Tf * f_t * e
         mlp["fc2_input"] = Tf * f_t * e
-        act_bwd = Tf * f_t * e
+        act_bwd = 0
     mlp_names = frozenset(mlp)
     if "mlp" not in mods:
         saved.update(mlp)

@@ -78,6 +78,23 @@ def breakdown(s: StageEstimate, detail: bool = False) -> str:
     return table(rows, ["term", "group", "bytes", "detail" if detail else ""], right=(2,))
 
 
+def layer_table(est: Estimate) -> str:
+    """What one transformer layer keeps per micro-batch, op by op (the per-layer activation table)."""
+    from dataclasses import replace
+
+    from ..estimator.activations import layer_activations
+
+    L = est.layout
+    if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
+        L = replace(L, transformer_impl=est.profile)
+    la = layer_activations(L)
+    rows = [[name, format_bytes(v)] for name, v in la.saved.items()]
+    rows.append(["= per layer and micro-batch", format_bytes(la.total)])
+    rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
+    rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
+    return table(rows, ["saved tensor (one layer, one micro-batch)", "bytes"], right=(1,))
+
+
 def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_stages: bool = False) -> str:
     colour = use_colour() if colour is None else colour
     out = []
@@ -93,6 +110,9 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
     for s in stages:
         out.append(f"pp{s.pp_rank} at its peak: {s.peak_phase}")
         out.append(breakdown(s, detail))
+        out.append("")
+    if detail and est.profile != "fujii2024":
+        out.append(layer_table(est))
         out.append("")
     out.append(verdict_line(est, colour))
     if est.notes:

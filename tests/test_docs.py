@@ -1,0 +1,31 @@
+"""Every term an estimate can show has a documentation page."""
+import os
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+
+from conftest import LLAMA2_7B
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "terms")
+
+VARIANTS = [
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+     "--use-distributed-optimizer"],
+    ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "2", "--grad-reduce-in-bf16",
+     "--hidden-dropout", "0.1", "--position-embedding-type", "learned_absolute", "--transformer-impl", "local"],
+    ["--fp16", "--fp16-lm-cross-entropy", "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "2", "--optimizer", "sgd", "--defer-embedding-wgrad-compute",
+     "--pipeline-model-parallel-size", "2"],
+]
+
+
+@pytest.mark.parametrize("extra", VARIANTS)
+@pytest.mark.parametrize("profile", ["auto", "fujii2024"])
+def test_every_term_is_documented(extra, profile):
+    flags = [f for f in LLAMA2_7B if f != "--bf16" or "--fp16" not in extra] + [
+        "--micro-batch-size", "1", "--global-batch-size", "64"] + extra
+    est = estimate(layout_from_flags(flags, world_size=16), profile=profile)
+    for stage in est.stages:
+        for term in stage.terms:
+            assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name
