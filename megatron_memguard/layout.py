@@ -185,6 +185,21 @@ class Layout:
     def stage_chunks(self, pp_rank: int) -> tuple[Chunk, ...]:
         return tuple(c for c in self.chunks if c.pp_rank == pp_rank)
 
+    @classmethod
+    def from_megatron_args(cls, namespace: Any, world_size: int | None = None,
+                           megatron_version: str | None = None) -> "Layout":
+        """A Layout from an ``argparse.Namespace`` as Megatron's parse_args/validate_args produce it."""
+        from .readers.megatron_namespace import raw_from_namespace
+        from .resolve import resolve
+        return resolve(raw_from_namespace(namespace), world_size=world_size, megatron_version=megatron_version)
+
+    @classmethod
+    def from_flags(cls, argv: list[str], world_size: int | None = None, megatron_version: str | None = None) -> "Layout":
+        """A Layout from Megatron command-line flags."""
+        from .readers.megatron_flags import parse_megatron_flags
+        from .resolve import resolve
+        return resolve(parse_megatron_flags(argv), world_size=world_size, megatron_version=megatron_version)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["recompute_modules"] = list(self.recompute_modules)

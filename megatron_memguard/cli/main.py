@@ -81,6 +81,9 @@ def resolve_world(ns: argparse.Namespace) -> int | None:
         return ns.gpus
     if ns.nnodes and ns.nproc_per_node:
         return ns.nnodes * ns.nproc_per_node
+    env = os.environ.get("WORLD_SIZE")
+    if env and env.isdigit():
+        return int(env)
     return None
 
 

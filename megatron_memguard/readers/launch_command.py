@@ -17,6 +17,7 @@ from typing import Mapping
 
 from ..errors import ReaderError
 
+_ASSIGN_TOKEN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-a\s+)?|local\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(\[@\]|\[\*\])?(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -130,34 +131,49 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
     """Parse a command line or a shell script holding one launch command."""
     vars: dict[str, object] = dict(environ or {})
     env_assigned: dict[str, str] = {}
+    exported_env: dict[str, str] = {}
     launch: list[str] | None = None
     for line in _logical_lines(text):
         m = _ASSIGN.match(line)
-        if m and not line.lstrip().startswith(("torchrun", "python", "srun")):
-            name, value = m.group(1), m.group(2).strip()
-            if value.startswith("(") and value.endswith(")"):
-                items = shlex.split(_expand(value[1:-1], vars), comments=True)
-                vars[name] = items
-            else:
-                try:
-                    parts = shlex.split(_expand(value, vars))
-                except ValueError as e:
-                    raise ReaderError(f"cannot parse assignment {line!r}: {e}") from None
-                vars[name] = parts[0] if len(parts) == 1 else " ".join(parts)
-                if len(parts) <= 1:
-                    env_assigned[name] = str(vars[name])
-            continue
+        if m and m.group(2).strip().startswith("("):
+            # bash array: NAME=( items ... )
+            value = m.group(2).strip()
+            if value.endswith(")"):
+                vars[m.group(1)] = shlex.split(_expand(value[1:-1], vars), comments=True)
+                continue
         try:
             toks = shlex.split(_expand(line, vars), comments=True)
         except ValueError as e:
-            raise ReaderError(f"cannot parse command {line!r}: {e}") from None
-        if toks and _is_launch_line(toks):
+            raise ReaderError(f"cannot parse line {line!r}: {e}") from None
+        if not toks:
+            continue
+        if toks[0] in ("export", "declare", "local", "readonly"):
+            exported = toks[0] == "export"
+            toks = [t for t in toks[1:] if not t.startswith("-")]
+            if all(_ASSIGN_TOKEN.match(t) for t in toks):
+                for t in toks:
+                    name, value = t.split("=", 1)
+                    vars[name] = env_assigned[name] = value
+                    if exported:
+                        exported_env[name] = value
+                continue
+        if all(_ASSIGN_TOKEN.match(t) for t in toks):
+            # plain assignments (VAR=value ...): shell variables for later lines
+            for t in toks:
+                name, value = t.split("=", 1)
+                vars[name] = env_assigned[name] = value
+            continue
+        if _is_launch_line(toks):
             if launch is not None:
                 raise ReaderError("found more than one launch command; give memguard the one to check")
             launch = toks
     if launch is None:
         raise ReaderError("no launch command found (expected torchrun, python -m torch.distributed.run, srun or python *.py)")
-    return parse_launch_tokens(launch, {**{k: str(v) for k, v in vars.items() if not isinstance(v, list)}, **env_assigned})
+    cmd = parse_launch_tokens(launch, {**{k: str(v) for k, v in vars.items() if not isinstance(v, list)}, **env_assigned})
+    # the job's environment: what the script exports, then the command's own VAR=value prefix
+    return LaunchCommand(launcher=cmd.launcher, script=cmd.script, script_args=cmd.script_args,
+                         env={**exported_env, **cmd.env}, nnodes=cmd.nnodes, nproc_per_node=cmd.nproc_per_node,
+                         world_size=cmd.world_size, notes=cmd.notes)
 
 
 def parse_launch_tokens(toks: list[str], environ: Mapping[str, str] | None = None) -> LaunchCommand:
