@@ -85,22 +85,50 @@ def resolve_world(ns: argparse.Namespace) -> int | None:
 
 
 def load_raw(ns: argparse.Namespace, flags: list[str]):
-    """The RawConfig from --config / --model and the Megatron flags after ``--`` (flags win)."""
+    """The RawConfig from --config / --model, ``--set`` and bare ``KEY=VALUE`` overrides, and the
+    Megatron flags after ``--`` (flags win over the config, the config over --model)."""
     from ..config import RawConfig
+    from ..readers._common import is_override_token, parse_overrides
     from ..readers.megatron_flags import parse_megatron_flags
 
     raw = RawConfig(args={}, source="")
+    overrides = list(getattr(ns, "set", None) or [])
+    model = getattr(ns, "model", None)
+    recipe = None
+    if model:
+        from ..readers.models import find_recipe
+        recipe = find_recipe(model)
+    structured = bool(ns.config) and ns.config.lower().endswith((".yaml", ".yml", ".json"))
+    if flags and (structured or (recipe and not ns.config)):
+        # Bridge / Hydra style: bare KEY=VALUE tokens after -- are config overrides, not Megatron flags.
+        overrides += [t for t in flags if is_override_token(t)]
+        flags = [t for t in flags if not is_override_token(t)]
+    model_applied = False
     if ns.config:
         from ..readers.detect import read_config_file
-        raw = read_config_file(ns.config, environ=os.environ, overrides=ns.set)
-    elif ns.set:
-        raise ConfigError("--set", "needs --config (overrides apply to a config file)")
-    if getattr(ns, "model", None):
+        raw = read_config_file(ns.config, environ=os.environ, overrides=overrides, model=model)
+        model_applied = bool(recipe) and raw.source.startswith("Megatron-Bridge")
+        if model_applied is False and raw.source.startswith("Megatron-Bridge") and "num_layers" not in raw.args and not model:
+            from ..readers.models import recipes_named_in
+            named = recipes_named_in(ns.config)
+            hint = f" (the file name suggests --model {named[0]})" if named else ""
+            raise ConfigError("--model", f"{ns.config} is a Megatron-Bridge override file without the model shape; "
+                                         f"name the recipe it applies to{hint}",
+                              "e.g. --model llama32_1b; memguard presets: see docs/readers.md")
+    elif overrides:
+        if not recipe:
+            raise ConfigError("--set", "KEY=VALUE overrides need --config FILE (a NeMo / Megatron-Bridge YAML) "
+                                       "or --model RECIPE (a Megatron-Bridge recipe)")
+        from ..readers.bridge import read_bridge
+        raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
+        model_applied = True
+    if model and not model_applied:
         try:
             from ..readers.models import read_model
         except ImportError:
             raise ConfigError("--model", "model presets need the readers module") from None
-        raw = read_model(ns.model).merged(raw) if raw.args else read_model(ns.model)
+        mraw = read_model(model, shape_only=bool(ns.config))
+        raw = mraw.merged(raw) if raw.args else mraw
     if flags:
         raw = raw.merged(parse_megatron_flags(flags, env=os.environ)) if raw.args else parse_megatron_flags(flags, env=os.environ)
     if not raw.args:

@@ -8,9 +8,11 @@ from ..config import RawConfig
 from ..errors import ReaderError
 
 
-def read_config_file(path: str, environ: Mapping[str, str] | None = None, overrides: list[str] | None = None) -> RawConfig:
-    """A Megatron functional-test YAML, a launch command / shell script, or (with the readers extra)
-    NeMo 1, NeMo 2, Megatron-Bridge and Hugging Face configs."""
+def read_config_file(path: str, environ: Mapping[str, str] | None = None, overrides: list[str] | None = None,
+                     model: str | None = None) -> RawConfig:
+    """A Megatron functional-test YAML, a launch command / shell script, or NeMo 1, NeMo 2,
+    Megatron-Bridge and Hugging Face configs. ``overrides`` (``KEY=VALUE``) apply to the latter;
+    ``model`` (``--model``) names the recipe a Megatron-Bridge override file applies to."""
     if not os.path.exists(path):
         raise ReaderError(f"{path}: no such file")
     try:
@@ -31,14 +33,12 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
         from .megatron_yaml import is_functional_test_config, read_functional_test_config
 
         if is_functional_test_config(doc):
+            _no_overrides(path, overrides)
             return read_functional_test_config(doc, path, environ)
-        try:
-            from .structured import read_structured_config
-        except ImportError:
-            read_structured_config = None
-        if read_structured_config is not None:
-            return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ)
-        raise ReaderError(f"{path}: not a Megatron functional-test config (no MODEL_ARGS mapping)")
+        from .structured import read_structured_config
+
+        return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ, model=model)
+    _no_overrides(path, overrides)
     from .launch_command import parse_launch_script
     from .megatron_flags import parse_megatron_flags
 
@@ -47,3 +47,9 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
                      nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=cmd.env,
                      warnings=raw.warnings + tuple(cmd.notes))
+
+
+def _no_overrides(path: str, overrides: list[str] | None) -> None:
+    if overrides:
+        raise ReaderError(f"{path}: KEY=VALUE overrides ({overrides[0]} ...) apply to NeMo / Megatron-Bridge / NeMo 2 YAML; "
+                          "for Megatron flags give the flag after --")
