@@ -315,6 +315,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         try:
             sizes = [int(b.args.get(n) or 1) for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")]
             b.world_size = int(dp_hint) * sizes[0] * sizes[1] * sizes[2]
+            b.origin["world_size"] = "comm_overlap.data_parallel_size x TP x PP x CP"
             b.warn(f"world size {b.world_size} taken from the data-parallel size the dump records ({dp_hint}) x TP x PP x CP")
         except (TypeError, ValueError):
             pass

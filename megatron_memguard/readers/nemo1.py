@@ -236,6 +236,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         devices, nodes = get("trainer.devices"), get("trainer.num_nodes", 1)
         if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 and isinstance(nodes, int) and nodes > 0:
             b.world_size, b.nodes, b.gpus_per_node = devices * nodes, nodes, devices
+            b.origin["world_size"] = "trainer.devices x trainer.num_nodes"
         elif devices is not None:
             b.warn(f"trainer.devices is {devices!r}: the number of GPUs is not known from the file (give --gpus N)")
         agb = get("trainer.accumulate_grad_batches", 1)
@@ -319,9 +320,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         elif get("model.activations_checkpoint_method") is not None:
             # NeMo accepts a method with selective recompute (it is ignored); Megatron's flags refuse it.
             b.warn(f"{k('model.activations_checkpoint_method')}: ignored with selective recompute")
-    else:
-        put("recompute_method", "model.activations_checkpoint_method")
-        put("recompute_num_layers", "model.activations_checkpoint_num_layers")
+    # Without a granularity NeMo (megatron-core) ignores activations_checkpoint_method / _num_layers.
     for name in ("model.num_micro_batches_with_partial_activation_checkpoints", "model.activations_checkpoint_layers_per_pipeline"):
         if get(name) is not None and gran == "full":
             raise NotModelledError(k(name), "partial activation checkpointing per micro-batch / pipeline stage")
