@@ -29,12 +29,12 @@ def presets() -> dict[str, Any]:
 
 
 def canonical(name: str) -> str:
-    """Case, separators, an organisation prefix, ``Meta-`` and ``-hf`` do not matter in model names."""
+    """Case, ``-`` and ``_``, an organisation prefix, ``Meta-`` and ``-hf`` do not matter in model names."""
     n = name.strip().lower()
     n = n.rsplit("/", 1)[-1]
     n = re.sub(r"^meta-", "", n)
     n = re.sub(r"-hf$", "", n)
-    return re.sub(r"[-_.\s]", "", n)
+    return re.sub(r"[-_\s]", "", n)  # dots stay: gpt3-1.3b is not gpt3-13b
 
 
 @lru_cache(maxsize=1)
@@ -122,7 +122,7 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
         close = difflib.get_close_matches(canonical(arg), list(_model_index()), n=3, cutoff=0.6)
         hint = ""
         if close:
-            hint = "; did you mean " + ", ".join(sorted({_model_index()[c] for c in close})) + "?"
+            hint = "; did you mean " + ", ".join(dict.fromkeys(_model_index()[c] for c in close)) + "?"
         raise ConfigError("--model", f"unknown model {arg!r} (not a preset and no such file){hint}",
                           "give a Hugging Face config.json path, or one of: " + ", ".join(known_names()))
     hf = model_hf(key)

@@ -71,8 +71,7 @@ _NEMO_OVERRIDDEN = frozenset({
 _LAUNCHER_ROOT_KEYS = ("base_results_dir", "data_dir", "launcher_scripts_path", "container", "container_mounts")
 _ACTIVATIONS = ("gelu", "geglu", "reglu", "swiglu", "squared-relu", "fast-geglu", "fast-swiglu", "fast-reglu", "approx-gelu")
 _ADAM = {"fused_adam", "adam", "adamw", "megatron_fused_adam", "distributed_fused_adam", "mcore_distributed_optim"}
-_NEMO_MARKERS = {"encoder_seq_length", "megatron_amp_O2", "activations_checkpoint_granularity", "mcore_gpt",
-                 "share_embeddings_and_output_weights", "tokenizer", "optim"}
+_NEMO_MARKERS = {"encoder_seq_length", "megatron_amp_O2", "activations_checkpoint_granularity", "mcore_gpt", "optim"}
 
 
 def looks_like_nemo1(doc: Mapping) -> bool:

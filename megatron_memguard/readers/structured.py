@@ -29,12 +29,12 @@ def detect_format(doc: Any) -> tuple[str | None, str]:
         return "hf", ""
     if looks_like_nemo2(doc):
         return "nemo2", ""
+    if looks_like_bridge(doc):
+        return "bridge", ""
     if looks_like_nemo1(doc):
         return "nemo1", ""
     if looks_like_nemo1_model_config(doc):
         return "nemo1-model", ""
-    if looks_like_bridge(doc):
-        return "bridge", ""
     keys = ", ".join(str(k) for k in list(doc)[:8]) or "none"
     return None, (f"not a training config memguard knows (top-level keys: {keys}); expected a NeMo config "
                   "(trainer: and model:), a Megatron-Bridge ConfigContainer (model/train/optimizer/ddp/...), a NeMo 2 "
