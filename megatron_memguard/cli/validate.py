@@ -73,7 +73,7 @@ def _memory_problem(raw, est) -> ConfigError:
 
 def run(own_args: list[str], flags: list[str]) -> int:
     p = build_parser()
-    ns = p.parse_args(own_args)
+    ns = p.parse_intermixed_args(own_args)  # FILE, KEY=VALUE and options in any order
     if ns.file and ns.config:
         print("memguard validate: error: give the config either as FILE or with --config, not both", file=sys.stderr)
         return EXIT_BAD_INPUT
