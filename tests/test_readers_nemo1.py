@@ -297,3 +297,20 @@ def test_without_omegaconf_the_message_says_how_to_get_it(tmp_path, monkeypatch)
 def test_bad_key_type_reports_key(tmp_path):
     with pytest.raises(ConfigError, match="model.num_layers"):
         resolve(read(tmp_path, BASE.replace("num_layers: 4", "num_layers: four")))
+
+
+def test_nemo_archive(tmp_path):
+    import io
+    import tarfile
+
+    cfg = ("micro_batch_size: 1\nglobal_batch_size: 8\nencoder_seq_length: 512\nnum_layers: 2\nhidden_size: 128\n"
+           "ffn_hidden_size: 512\nnum_attention_heads: 4\nprecision: bf16\nmegatron_amp_O2: true\n"
+           "tokenizer: {library: megatron, type: GPT2BPETokenizer}\noptim: {name: fused_adam}\n").encode()
+    p = tmp_path / "model.nemo"
+    with tarfile.open(p, "w:") as tar:
+        info = tarfile.TarInfo("./model_config.yaml")
+        info.size = len(cfg)
+        tar.addfile(info, io.BytesIO(cfg))
+    raw = read_config_file(str(p))
+    assert raw.args["num_layers"] == 2 and raw.args["bf16"] is True
+    assert resolve(raw, world_size=8).dp == 8

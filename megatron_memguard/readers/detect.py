@@ -15,12 +15,16 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
     ``model`` (``--model``) names the recipe a Megatron-Bridge override file applies to."""
     if not os.path.exists(path):
         raise ReaderError(f"{path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReaderError(f"{path}: cannot read ({e})") from None
     lower = path.lower()
+    if lower.endswith(".nemo"):
+        text = _nemo_archive_config(path)
+        lower += "/model_config.yaml"
+    else:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ReaderError(f"{path}: cannot read ({e})") from None
     if lower.endswith((".yaml", ".yml", ".json")):
         import yaml
 
@@ -53,3 +57,19 @@ def _no_overrides(path: str, overrides: list[str] | None) -> None:
     if overrides:
         raise ReaderError(f"{path}: KEY=VALUE overrides ({overrides[0]} ...) apply to NeMo / Megatron-Bridge / NeMo 2 YAML; "
                           "for Megatron flags give the flag after --")
+
+
+def _nemo_archive_config(path: str) -> str:
+    """The model_config.yaml inside a NeMo 1 ``.nemo`` checkpoint (a tar archive)."""
+    import tarfile
+
+    try:
+        with tarfile.open(path) as tar:
+            for m in tar.getmembers():
+                if m.isfile() and os.path.basename(m.name) == "model_config.yaml":
+                    fh = tar.extractfile(m)
+                    if fh is not None:
+                        return fh.read().decode("utf-8")
+    except (OSError, tarfile.TarError, UnicodeDecodeError) as e:
+        raise ReaderError(f"{path}: cannot read the .nemo archive ({e})") from None
+    raise ReaderError(f"{path}: no model_config.yaml in this .nemo archive")
