@@ -40,9 +40,11 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=0.8,
                    help="fraction of GPU memory the device total may use and still 'fit' (default 0.8, Fujii et al.)")
     m = p.add_argument_group("model")
-    m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, "
-                                    "or a NeMo / Megatron-Bridge / Hugging Face config")
-    m.add_argument("--model", help="a model preset name or a Hugging Face config.json for the model shape")
+    m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, a NeMo 1 "
+                                    "(or launcher, .nemo) / Megatron-Bridge / NeMo 2 YAML, or a Hugging Face config.json")
+    m.add_argument("--model", help="the model shape from a preset (llama-3.1-8b, qwen2.5-7b, gpt3-175b, ...) or a Hugging "
+                                   "Face config.json; a Megatron-Bridge recipe name (llama32_1b, llama3_8b, ...) gives "
+                                   "the whole recipe, the one an override file applies to")
     m.add_argument("--vocab-size", type=int, help="vocabulary size when only a tokenizer is named")
     m.add_argument("--megatron-version", default=None,
                    help="Megatron core version whose defaults apply (default 0.19; e.g. 0.16 for the legacy era)")
@@ -54,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="memguard", description="Per-rank GPU memory of Megatron-LM / NeMo / Megatron-Bridge training.")
     sub = p.add_subparsers(dest="command")
     e = sub.add_parser("estimate", help="estimate per-stage peak memory and give a verdict",
-                       description="memguard estimate [options] -- <Megatron flags as pretrain_gpt.py takes them>")
+                       description="memguard estimate [options] -- <Megatron flags as pretrain_gpt.py takes them, "
+                                   "or KEY=VALUE overrides of a --config YAML>")
     add_target_options(e)
     e.add_argument("--profile", default="auto", help="auto (by --transformer-impl), transformer_engine, local, fujii2024")
     e.add_argument("--device", choices=["gpu", "cpu"], default="gpu",

@@ -16,7 +16,6 @@ from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import ArgsBuilder, map_mcore_fields, set_vocab
 
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "olmo2"}
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"}
 
 
