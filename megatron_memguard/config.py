@@ -24,6 +24,9 @@ class RawConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     best_effort: bool = False
+    # ConfigErrors a reader found that are rules of its format rather than Megatron's (two keys that
+    # must agree, a NeMo-only restriction): ``memguard validate`` reports them with the resolver's.
+    problems: tuple[Any, ...] = ()
 
     def key(self, dest: str) -> str:
         """How the user wrote ``dest`` (flag or key path); the Megatron flag spelling otherwise."""
@@ -47,4 +50,5 @@ class RawConfig:
             world_size=other.world_size or self.world_size, nodes=other.nodes or self.nodes,
             gpus_per_node=other.gpus_per_node or self.gpus_per_node, env={**self.env, **other.env},
             warnings=self.warnings + other.warnings, best_effort=self.best_effort or other.best_effort,
+            problems=self.problems + other.problems,
         )

@@ -191,10 +191,12 @@ class _Resolver:
         if not isinstance(world, int) or world < 1:
             raise ConfigError("--world-size", f"must be a positive integer, got {world!r}")
         model_parallel = tp * pp * cp
+        world_key = "--world-size" if self.world_override else self.raw.origin.get("world_size", "--world-size")
         if world % model_parallel:
-            raise ConfigError("--world-size", f"{world} GPUs is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}",
-                              "change the world size or the parallel sizes")
-        dp = world // model_parallel
+            # Recorded, not raised, so that the checks below still run (memguard validate lists them all).
+            self.errors.append(ConfigError(world_key, f"{world} GPUs is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}",
+                                           "change the world size or the parallel sizes"))
+        dp = max(1, world // model_parallel)
 
         # Model shape.
         num_layers = self.int_arg("num_layers", required=True)
@@ -228,8 +230,7 @@ class _Resolver:
             else:
                 self.fail("global_batch_size", f"{gbs} is not divisible by micro-batch size x DP = {mbs}*{dp} = {mbs * dp}",
                           f"use a multiple of {mbs * dp}")
-                return None
-        num_microbatches = gbs // (mbs * dp)
+        num_microbatches = max(1, gbs // (mbs * dp))  # (a placeholder after the error above: checks go on)
 
         # Sequence length.
         seq = self.int_arg("seq_length")

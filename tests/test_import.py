@@ -10,3 +10,17 @@ def test_import_is_pure():
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_readers_import_no_torch_nemo_or_megatron():
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; from megatron_memguard.cli.main import main; "
+            f"main(['validate', {os.path.join(here, 'data/configs/nemo-launcher/llama_llama3_1_70b.yaml')!r}]); "
+            f"main(['estimate', '--config', {os.path.join(here, 'data/configs/megatron-bridge/llama32_1b_pretrain_override.yaml')!r}, "
+            "'--model', 'llama32_1b', '--gpus', '8']); "
+            f"main(['estimate', '--config', {os.path.join(here, 'data/configs/nemo2/context_model.yaml')!r}, '--gpus', '8', '--', '--micro-batch-size', '1']); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'nemo', 'transformer_engine', 'fiddle', 'hydra')]; "
+            "print('BAD=' + ','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(here))
+    assert "BAD=\n" in out.stdout or out.stdout.rstrip().endswith("BAD="), out.stdout[-500:] + out.stderr[-2000:]

@@ -40,9 +40,11 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=0.8,
                    help="fraction of GPU memory the device total may use and still 'fit' (default 0.8, Fujii et al.)")
     m = p.add_argument_group("model")
-    m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, "
-                                    "or a NeMo / Megatron-Bridge / Hugging Face config")
-    m.add_argument("--model", help="a model preset name or a Hugging Face config.json for the model shape")
+    m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, a NeMo 1 "
+                                    "(or launcher, .nemo) / Megatron-Bridge / NeMo 2 YAML, or a Hugging Face config.json")
+    m.add_argument("--model", help="the model shape from a preset (llama-3.1-8b, qwen2.5-7b, gpt3-175b, ...) or a Hugging "
+                                   "Face config.json; a Megatron-Bridge recipe name (llama32_1b, llama3_8b, ...) gives "
+                                   "the whole recipe, the one an override file applies to")
     m.add_argument("--vocab-size", type=int, help="vocabulary size when only a tokenizer is named")
     m.add_argument("--megatron-version", default=None,
                    help="Megatron core version whose defaults apply (default 0.19; e.g. 0.16 for the legacy era)")
@@ -54,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="memguard", description="Per-rank GPU memory of Megatron-LM / NeMo / Megatron-Bridge training.")
     sub = p.add_subparsers(dest="command")
     e = sub.add_parser("estimate", help="estimate per-stage peak memory and give a verdict",
-                       description="memguard estimate [options] -- <Megatron flags as pretrain_gpt.py takes them>")
+                       description="memguard estimate [options] -- <Megatron flags as pretrain_gpt.py takes them, "
+                                   "or KEY=VALUE overrides of a --config YAML>")
     add_target_options(e)
     e.add_argument("--profile", default="auto", help="auto (by --transformer-impl), transformer_engine, local, fujii2024")
     e.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
@@ -88,22 +91,50 @@ def resolve_world(ns: argparse.Namespace) -> int | None:
 
 
 def load_raw(ns: argparse.Namespace, flags: list[str]):
-    """The RawConfig from --config / --model and the Megatron flags after ``--`` (flags win)."""
+    """The RawConfig from --config / --model, ``--set`` and bare ``KEY=VALUE`` overrides, and the
+    Megatron flags after ``--`` (flags win over the config, the config over --model)."""
     from ..config import RawConfig
+    from ..readers._common import is_override_token, parse_overrides
     from ..readers.megatron_flags import parse_megatron_flags
 
     raw = RawConfig(args={}, source="")
+    overrides = list(getattr(ns, "set", None) or [])
+    model = getattr(ns, "model", None)
+    recipe = None
+    if model:
+        from ..readers.models import find_recipe
+        recipe = find_recipe(model)
+    structured = bool(ns.config) and ns.config.lower().endswith((".yaml", ".yml", ".json"))
+    if flags and (structured or (recipe and not ns.config)):
+        # Bridge / Hydra style: bare KEY=VALUE tokens after -- are config overrides, not Megatron flags.
+        overrides += [t for t in flags if is_override_token(t)]
+        flags = [t for t in flags if not is_override_token(t)]
+    model_applied = False
     if ns.config:
         from ..readers.detect import read_config_file
-        raw = read_config_file(ns.config, environ=os.environ, overrides=ns.set)
-    elif ns.set:
-        raise ConfigError("--set", "needs --config (overrides apply to a config file)")
-    if getattr(ns, "model", None):
+        raw = read_config_file(ns.config, environ=os.environ, overrides=overrides, model=model)
+        model_applied = bool(recipe) and raw.source.startswith("Megatron-Bridge")
+        if model_applied is False and raw.source.startswith("Megatron-Bridge") and "num_layers" not in raw.args and not model:
+            from ..readers.models import recipes_named_in
+            named = recipes_named_in(ns.config)
+            hint = f" (the file name suggests --model {named[0]})" if named else ""
+            raise ConfigError("--model", f"{ns.config} is a Megatron-Bridge override file without the model shape; "
+                                         f"name the recipe it applies to{hint}",
+                              "e.g. --model llama32_1b; memguard presets: see docs/readers.md")
+    elif overrides:
+        if not recipe:
+            raise ConfigError("--set", "KEY=VALUE overrides need --config FILE (a NeMo / Megatron-Bridge YAML) "
+                                       "or --model RECIPE (a Megatron-Bridge recipe)")
+        from ..readers.bridge import read_bridge
+        raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
+        model_applied = True
+    if model and not model_applied:
         try:
             from ..readers.models import read_model
         except ImportError:
             raise ConfigError("--model", "model presets need the readers module") from None
-        raw = read_model(ns.model).merged(raw) if raw.args else read_model(ns.model)
+        mraw = read_model(model, shape_only=bool(ns.config))
+        raw = mraw.merged(raw) if raw.args else mraw
     if flags:
         raw = raw.merged(parse_megatron_flags(flags, env=os.environ)) if raw.args else parse_megatron_flags(flags, env=os.environ)
     if not raw.args:

@@ -8,17 +8,23 @@ from ..config import RawConfig
 from ..errors import ReaderError
 
 
-def read_config_file(path: str, environ: Mapping[str, str] | None = None, overrides: list[str] | None = None) -> RawConfig:
-    """A Megatron functional-test YAML, a launch command / shell script, or (with the readers extra)
-    NeMo 1, NeMo 2, Megatron-Bridge and Hugging Face configs."""
+def read_config_file(path: str, environ: Mapping[str, str] | None = None, overrides: list[str] | None = None,
+                     model: str | None = None) -> RawConfig:
+    """A Megatron functional-test YAML, a launch command / shell script, or NeMo 1, NeMo 2,
+    Megatron-Bridge and Hugging Face configs. ``overrides`` (``KEY=VALUE``) apply to the latter;
+    ``model`` (``--model``) names the recipe a Megatron-Bridge override file applies to."""
     if not os.path.exists(path):
         raise ReaderError(f"{path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReaderError(f"{path}: cannot read ({e})") from None
     lower = path.lower()
+    if lower.endswith(".nemo"):
+        text = _nemo_archive_config(path)
+        lower += "/model_config.yaml"
+    else:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ReaderError(f"{path}: cannot read ({e})") from None
     if lower.endswith((".yaml", ".yml", ".json")):
         import yaml
 
@@ -31,14 +37,12 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
         from .megatron_yaml import is_functional_test_config, read_functional_test_config
 
         if is_functional_test_config(doc):
+            _no_overrides(path, overrides)
             return read_functional_test_config(doc, path, environ)
-        try:
-            from .structured import read_structured_config
-        except ImportError:
-            read_structured_config = None
-        if read_structured_config is not None:
-            return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ)
-        raise ReaderError(f"{path}: not a Megatron functional-test config (no MODEL_ARGS mapping)")
+        from .structured import read_structured_config
+
+        return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ, model=model)
+    _no_overrides(path, overrides)
     from .launch_command import parse_launch_script
     from .megatron_flags import parse_megatron_flags
 
@@ -47,3 +51,25 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
                      nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=cmd.env,
                      warnings=raw.warnings + tuple(cmd.notes))
+
+
+def _no_overrides(path: str, overrides: list[str] | None) -> None:
+    if overrides:
+        raise ReaderError(f"{path}: KEY=VALUE overrides ({overrides[0]} ...) apply to NeMo / Megatron-Bridge / NeMo 2 YAML; "
+                          "for Megatron flags give the flag after --")
+
+
+def _nemo_archive_config(path: str) -> str:
+    """The model_config.yaml inside a NeMo 1 ``.nemo`` checkpoint (a tar archive)."""
+    import tarfile
+
+    try:
+        with tarfile.open(path) as tar:
+            for m in tar.getmembers():
+                if m.isfile() and os.path.basename(m.name) == "model_config.yaml":
+                    fh = tar.extractfile(m)
+                    if fh is not None:
+                        return fh.read().decode("utf-8")
+    except (OSError, tarfile.TarError, UnicodeDecodeError) as e:
+        raise ReaderError(f"{path}: cannot read the .nemo archive ({e})") from None
+    raise ReaderError(f"{path}: no model_config.yaml in this .nemo archive")

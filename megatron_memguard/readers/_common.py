@@ -1,0 +1,370 @@
+"""Pieces the structured-config readers share: KEY=VALUE overrides, dtype spellings, ``_target_``
+objects, and the mapping of megatron-core config field names onto Megatron argument names.
+
+No torch, NeMo or Megatron is imported here: megatron-core's field names come from
+``data/config_fields.json`` (generated at development time by ``scripts/gen_config_fields.py``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from ..config import RawConfig
+from ..errors import ConfigError, ReaderError
+
+MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
+
+
+# --------------------------------------------------------------------------------------------------
+# Known field names
+# --------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def config_fields() -> dict[str, frozenset[str]]:
+    text = resources.files("megatron_memguard").joinpath("data/config_fields.json").read_text()
+    data = json.loads(text)
+    return {k: frozenset(v) for k, v in data.items() if isinstance(v, list)}
+
+
+def mcore_model_fields() -> frozenset[str]:
+    """Every megatron-core TransformerConfig / MLATransformerConfig / ModelParallelConfig field name."""
+    f = config_fields()
+    return f["ModelParallelConfig"] | f["TransformerConfig"] | f["MLATransformerConfig"]
+
+
+@lru_cache(maxsize=1)
+def megatron_dests() -> frozenset[str]:
+    from .megatron_flags import flag_table
+    return frozenset(v[0] for v in flag_table().values())
+
+
+# Field names of older megatron-core releases that NeMo 2 checkpoints (and older Bridge dumps) still
+# carry; megatron-core 0.16.1 dropped or renamed them. Accepted silently.
+LEGACY_MCORE_FIELDS = frozenset({
+    "first_pipeline_num_layers", "last_pipeline_num_layers", "pipeline_model_parallel_split_rank",
+    "moe_layer_recompute", "activation_func_fp8_input_store", "memory_efficient_layer_norm",
+    "num_microbatches_with_partial_activation_checkpoints", "tp_comm_overlap_disable_qkv",
+    "tp_comm_overlap_disable_fc1", "moe_extended_tp", "moe_token_dropping", "encoder_num_layers",
+    "encoder_pipeline_model_parallel_size", "encoder_tensor_model_parallel_size", "use_te_rng_tracker",
+    "disable_parameter_transpose_cache", "enable_autocast", "autocast_dtype", "external_cuda_graph",
+    "config_logger_dir", "barrier_with_L1_time",
+})
+
+
+# --------------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------------
+def parse_scalar(text: str) -> Any:
+    """A KEY=VALUE value as Hydra reads it: YAML scalars/lists (4, true, null, [1,2]), else the string."""
+    try:
+        v = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(v, str):
+        return _number(v)
+    return v
+
+
+def _number(v: Any) -> Any:
+    """PyYAML reads ``1e-5`` as a string (YAML 1.1 wants a dot); OmegaConf reads it as a float."""
+    if isinstance(v, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", v.strip()):
+        f = float(v)
+        return int(f) if f.is_integer() and "e" not in v.lower() and "." not in v else f
+    return v
+
+
+def target_name(v: Any) -> str | None:
+    """``{_target_: torch.nn.functional.silu, _call_: false}`` -> ``silu``; a dotted string -> its last part."""
+    if isinstance(v, Mapping):
+        v = v.get("_target_")
+    if v is None:
+        return None
+    return str(v).rsplit(".", 1)[-1]
+
+
+_DTYPES = {
+    "bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "bf16_mixed": "bf16", "bf16-true": "bf16",
+    "16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16", "16-mixed": "fp16", "16_mixed": "fp16",
+    "fp16-mixed": "fp16", "fp16_mixed": "fp16", "16-true": "fp16",
+    "32": "fp32", "fp32": "fp32", "float32": "fp32", "float": "fp32", "32-true": "fp32", "fp32-true": "fp32",
+    "fp8": "fp8", "uint8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+
+
+def dtype_name(v: Any, key: str) -> str | None:
+    """Every way configs spell a dtype or a precision -> fp32 | bf16 | fp16 | fp8 (None stays None).
+
+    Accepts ``{_target_: torch.bfloat16, _call_: false}``, ``torch.bfloat16``, ``bf16``, ``bf16-mixed``,
+    ``16``, ``16-mixed``, ``32``, ``32-true``, as int or string (Lightning, NeMo and Bridge's DTYPE_MAP)."""
+    if v is None:
+        return None
+    if isinstance(v, Mapping):
+        v = v.get("_target_")
+    if isinstance(v, bool):
+        raise ConfigError(key, f"expects a dtype or precision (bf16, 16-mixed, 32, ...), got {v!r}")
+    name = str(v).strip().lower()
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    if name in _DTYPES:
+        return _DTYPES[name]
+    raise ConfigError(key, f"unknown dtype or precision {v!r}",
+                      "use bf16, bf16-mixed, 16, 16-mixed, 32, 32-true, or torch.bfloat16 / torch.float16 / torch.float32")
+
+
+def as_bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+def is_missing(v: Any) -> bool:
+    return isinstance(v, str) and v.strip() == MISSING
+
+
+# --------------------------------------------------------------------------------------------------
+# KEY=VALUE overrides (Hydra / Bridge style)
+# --------------------------------------------------------------------------------------------------
+_OVERRIDE = re.compile(r"^(\+{0,2}|~)([A-Za-z_][A-Za-z0-9_.\-]*)(?:=(.*))?$", re.S)
+
+
+def is_override_token(tok: str) -> bool:
+    """``model.tensor_model_parallel_size=4``, ``+train.x=1``, ``~model.teacher`` (not ``--flag=x``)."""
+    if tok.startswith("-"):
+        return False
+    m = _OVERRIDE.match(tok)
+    return bool(m) and (m.group(3) is not None or m.group(1) == "~")
+
+
+def parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
+    """``KEY=VALUE`` tokens -> (op, dotted key, value); op is ``set`` or ``del`` (Hydra's ``~key``)."""
+    out: list[tuple[str, str, Any]] = []
+    for tok in tokens:
+        m = _OVERRIDE.match(str(tok).strip())
+        if not m or (m.group(3) is None and m.group(1) != "~"):
+            raise ConfigError("--set", f"cannot read override {tok!r}", "write KEY=VALUE, e.g. model.tensor_model_parallel_size=4")
+        if m.group(1) == "~":
+            out.append(("del", m.group(2), None))
+        else:
+            out.append(("set", m.group(2), parse_scalar(m.group(3))))
+    return out
+
+
+def apply_overrides(doc: dict, overrides: list[tuple[str, str, Any]], strip_prefix: str | None = None) -> dict:
+    """A deep copy of ``doc`` with the overrides applied (intermediate mappings are created)."""
+    doc = copy.deepcopy(doc)
+    for op, key, value in overrides:
+        path = key
+        if strip_prefix and path.startswith(strip_prefix + "."):
+            path = path[len(strip_prefix) + 1:]
+        parts = path.split(".")
+        node = doc
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                if op == "del":
+                    node = None
+                    break
+                nxt = {}
+                node[p] = nxt
+            node = nxt
+        if node is None:
+            continue
+        if op == "del":
+            node.pop(parts[-1], None)
+        else:
+            node[parts[-1]] = value
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a RawConfig
+# --------------------------------------------------------------------------------------------------
+class ArgsBuilder:
+    """Collects Megatron args with the key path each came from, plus warnings and format problems."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.args: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}
+        self.warnings: list[str] = []
+        self.problems: list[ConfigError] = []
+        self.world_size: int | None = None
+        self.nodes: int | None = None
+        self.gpus_per_node: int | None = None
+        self.best_effort = False
+
+    def set(self, dest: str, value: Any, key: str) -> None:
+        self.args[dest] = value
+        self.origin[dest] = key
+
+    def default(self, dest: str, value: Any, key: str) -> None:
+        """Set ``dest`` unless already set (a format default that differs from Megatron's)."""
+        if dest not in self.args:
+            self.set(dest, value, key)
+
+    def warn(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+    def problem(self, key: str, rule: str, fix: str | None = None) -> None:
+        self.problems.append(ConfigError(key, rule, fix))
+        self.warn(f"{key}: {rule}" + (f" ({fix})" if fix else ""))
+
+    def build(self) -> RawConfig:
+        return RawConfig(args=dict(self.args), origin=dict(self.origin), source=self.source,
+                         world_size=self.world_size, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
+                         warnings=tuple(self.warnings), best_effort=self.best_effort, problems=tuple(self.problems))
+
+
+# Activation names (NeMo 2 / Bridge ``activation_func`` targets and Bridge's short names).
+_SILU = {"silu", "swish", "fast_silu"}
+_GELU = {"gelu", "fast_gelu", "openai_gelu", "erf_gelu", "approx_gelu"}
+
+
+def _attention_backend(v: Any) -> str | None:
+    if isinstance(v, Mapping):
+        args = v.get("_args_") or []
+        v = args[0] if args else v.get("value")
+    if isinstance(v, int) and not isinstance(v, bool):
+        return {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"}.get(v)
+    if v is None:
+        return None
+    return str(v).replace("AttnBackend.", "")
+
+
+# GPT-model-level settings (GPTModel / GPTConfig / GPTModelProvider) that are Megatron arguments too.
+GPT_LEVEL_FIELDS = frozenset({"make_vocab_size_divisible_by", "position_embedding_type", "rotary_percent",
+                              "rotary_base", "fp16_lm_cross_entropy"})
+_HANDLED = frozenset({
+    "gated_linear_unit", "activation_func", "num_moe_experts", "cpu_offloading", "cpu_offloading_num_layers",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "first_pipeline_num_layers",
+    "last_pipeline_num_layers", "params_dtype", "bf16", "fp16", "autocast_dtype", "enable_autocast",
+    "bias_activation_fusion", "attention_backend", "cross_entropy_fusion_impl", "fp8", "fp4",
+    "share_embeddings_and_output_weights", "transformer_layer_spec", "use_transformer_engine_full_layer_spec",
+    "seq_length", "vocab_size", "should_pad_vocab", "virtual_pipeline_model_parallel_size", "pipeline_dtype",
+    "bias_dropout_add_fusion",
+})
+
+
+def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extra_known: Iterable[str] = (),
+                     unknown_context: str | None = None, skip: Iterable[str] = ()) -> None:
+    """Map megatron-core config fields (``{name: (value, key path)}``) onto Megatron args.
+
+    Fields whose name is also a Megatron argument ``dest`` pass through; the handful whose name or
+    meaning differs are translated (num_moe_experts, gated_linear_unit + activation_func, params_dtype,
+    cpu_offloading, first/last pipeline stage layers, ...); other megatron-core fields do not change
+    memory and pass silently. Names that are neither megatron-core fields nor in ``extra_known`` get a
+    warning naming ``unknown_context`` (None: no warnings)."""
+    dests = megatron_dests()
+    passthrough = mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS
+    known = passthrough | frozenset(extra_known)
+    skip = set(skip)
+    fields = {n: v for n, v in fields.items() if n not in skip}
+
+    def val(name: str) -> Any:
+        return fields[name][0] if name in fields else None
+
+    def key(name: str) -> str:
+        return fields[name][1]
+
+    for name, (value, path) in fields.items():
+        if name in _HANDLED or name.startswith("_"):
+            continue
+        if name in dests and name in passthrough:
+            if value is None or isinstance(value, Mapping) or is_missing(value):
+                continue
+            b.set(name, _number(value), path)
+        elif name not in known and unknown_context is not None:
+            b.warn(f"{path}: not a {unknown_context} setting; ignored")
+
+    # Activation: gated MLP and its function.
+    act = target_name(val("activation_func")) if "activation_func" in fields else None
+    act = (act or "gelu").lower()
+    gated = as_bool(val("gated_linear_unit")) if "gated_linear_unit" in fields else False
+    gkey = key("gated_linear_unit") if "gated_linear_unit" in fields else (key("activation_func") if "activation_func" in fields else None)
+    if gated:
+        if act in _SILU:
+            b.set("swiglu", True, gkey)
+        elif act == "quick_gelu":
+            b.set("quick_geglu", True, gkey)
+        else:
+            b.set("gated_linear_unit", True, gkey)
+    elif act in ("squared_relu",):
+        b.set("squared_relu", True, key("activation_func"))
+    elif "gated_linear_unit" in fields:
+        b.set("swiglu", False, gkey)
+
+    if val("num_moe_experts"):
+        b.set("num_experts", val("num_moe_experts"), key("num_moe_experts"))
+    if as_bool(val("cpu_offloading")) and val("cpu_offloading_num_layers"):
+        b.set("cpu_offloading_num_layers", val("cpu_offloading_num_layers"), key("cpu_offloading_num_layers"))
+    for names, dest in ((("num_layers_in_first_pipeline_stage", "first_pipeline_num_layers"), "decoder_first_pipeline_num_layers"),
+                        (("num_layers_in_last_pipeline_stage", "last_pipeline_num_layers"), "decoder_last_pipeline_num_layers")):
+        for n in names:
+            if val(n) is not None:
+                b.set(dest, val(n), key(n))
+                break
+    vpp = val("virtual_pipeline_model_parallel_size")
+    if vpp is not None:
+        b.set("virtual_pipeline_model_parallel_size", vpp, key("virtual_pipeline_model_parallel_size"))
+    # Precision: bf16 / fp16 flags, else the params dtype.
+    for flag in ("bf16", "fp16"):
+        if flag in fields and val(flag) is not None:
+            b.set(flag, as_bool(val(flag)), key(flag))
+    if "params_dtype" in fields and val("params_dtype") is not None:
+        pd = dtype_name(val("params_dtype"), key("params_dtype"))
+        if pd in ("bf16", "fp16") and not any(as_bool(val(f)) for f in ("bf16", "fp16")):
+            b.set(pd, True, key("params_dtype"))
+    if as_bool(val("enable_autocast")) and val("autocast_dtype") is not None:
+        ad = dtype_name(val("autocast_dtype"), key("autocast_dtype"))
+        b.set("autocast_dtype", ad, key("autocast_dtype"))
+    if val("bias_activation_fusion") is not None:
+        b.set("bias_activation_fusion", as_bool(val("bias_activation_fusion")), key("bias_activation_fusion"))
+    if val("bias_dropout_add_fusion") is not None and "bias_dropout_fusion" not in fields:
+        b.set("bias_dropout_fusion", as_bool(val("bias_dropout_add_fusion")), key("bias_dropout_add_fusion"))
+    if val("attention_backend") is not None:
+        ab = _attention_backend(val("attention_backend"))
+        if ab:
+            b.set("attention_backend", ab, key("attention_backend"))
+    for flag in ("fp8", "fp4"):
+        v = val(flag)
+        if v not in (None, False, "", "none", "None"):
+            b.set(flag, v, key(flag))
+    if val("share_embeddings_and_output_weights") is not None:
+        b.set("untie_embeddings_and_output_weights", not as_bool(val("share_embeddings_and_output_weights")),
+              key("share_embeddings_and_output_weights"))
+    spec = target_name(val("transformer_layer_spec"))
+    if spec and "local" in spec.lower():
+        b.set("transformer_impl", "local", key("transformer_layer_spec"))
+    if val("seq_length") is not None:
+        b.set("seq_length", val("seq_length"), key("seq_length"))
+    # cross_entropy_fusion_impl is deliberately not passed: Megatron-LM's arguments.py rejects "te" with
+    # --cross-entropy-loss-fusion since core 0.18, but Bridge and NeMo 2 recipes use that pair (and it
+    # does not change memory).
+
+
+def set_vocab(b: ArgsBuilder, vocab_size: Any, vocab_key: str, pad: bool) -> None:
+    """A vocabulary size written in the config. ``pad``: Megatron's padding to a multiple of
+    make_vocab_size_divisible_by x TP applies (else the size is used as is, Bridge/NeMo 2's preset vocab)."""
+    if vocab_size is None:
+        return
+    if pad:
+        # A named tokenizer type that memguard's table does not know makes resolve() use vocab_size.
+        b.default("tokenizer_type", "HuggingFaceTokenizer", vocab_key)
+        b.set("vocab_size", vocab_size, vocab_key)
+    else:
+        b.set("padded_vocab_size", vocab_size, vocab_key)
+        b.set("vocab_size", vocab_size, vocab_key)
+
+
+def require(v: Any, key: str, what: str = "") -> Any:
+    """A value memguard needs: ``???`` (missing mandatory value) is an error naming the key."""
+    if is_missing(v):
+        raise ReaderError(f"{key}: is ??? (a mandatory value that the config leaves to the command line)"
+                          f"{' ' + what if what else ''}; set it with --set {key}=VALUE")
+    return v

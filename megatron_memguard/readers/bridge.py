@@ -1,0 +1,364 @@
+"""Megatron-Bridge ConfigContainer YAML: full ``run_config.yaml`` / ``save_config_filepath`` dumps and
+partial override files (``--config-file``), plus ``KEY=VALUE`` overrides.
+
+Read in Megatron-Bridge 0.6.2 (``training/config.py`` ConfigContainer and
+``_validate_and_sync_distributed_optimizer_settings``, ``training/mixed_precision.py`` presets,
+``models/gpt_provider.py`` GPTModelProvider, ``training/setup.py`` vocabulary handling).
+
+* Both model layouts: flat ``model.<field>`` (GPTModelProvider, releases up to 0.6.x) and nested
+  ``model.transformer.<field>`` (the builder config on main since mid-2026); a field is looked up in
+  ``model.transformer`` first, then ``model`` (Bridge proxies attributes both ways, so overrides may
+  use either spelling).
+* dtypes as ``{_target_: torch.bfloat16, _call_: false}`` or strings (``bf16``, ``torch.bfloat16``,
+  ``bf16-mixed``...); ``mixed_precision`` as a preset name or a MixedPrecisionConfig mapping, which
+  overwrites the model / optimizer / DDP precision fields as Bridge's ``MixedPrecisionConfig.setup`` does.
+* ``ddp.use_distributed_optimizer`` OR ``optimizer.use_distributed_optimizer`` (Bridge enables both
+  when either is set); the same for ``overlap_param_gather``.
+* Partial override files name no shape: the recipe comes from ``--model RECIPE`` (data/presets.yaml)
+  and the file is merged over it.
+* The world size is not in the file (``--gpus``); ``comm_overlap.data_parallel_size`` is used as a hint.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+from ..config import RawConfig
+from ..errors import ConfigError, NotModelledError, ReaderError
+from ._common import (
+    ArgsBuilder, as_bool, config_fields, dtype_name, is_missing, map_mcore_fields, set_vocab,
+)
+
+BRIDGE_SECTIONS = frozenset({
+    "train", "model", "optimizer", "ddp", "dist", "validation", "scheduler", "dataset", "logger", "tokenizer",
+    "checkpoint", "rng", "rerun_state_machine", "ft", "straggler", "nvrx_straggler", "profiling", "peft",
+    "comm_overlap", "mixed_precision", "tensor_inspect", "inprocess_restart", "env_vars",
+    "optimizer_config_override_provider", "_target_", "data_parallel_size",
+})
+# Bridge model-level keys that are neither megatron-core nor GPTModelProvider fields.
+_MODEL_EXTRAS = frozenset({
+    "_builder_", "transformer", "teacher", "kd_config", "generation_config", "pre_wrap_hooks", "hf_model_id",
+    "hf_model_revision", "use_arbitrary_attention_mask", "restore_modelopt_state", "rope_scaling",
+    "rope_scaling_factor", "rotary_scaling_factor", "seq_len_interpolation_factor", "mtp_enabled",
+    "use_te_activation_func", "pipeline_dtype", "vocab_size", "should_pad_vocab", "seq_length",
+    "share_embeddings_and_output_weights", "max_position_embeddings", "parallel_output",
+})
+
+# training/mixed_precision.py presets (underscore and hyphen names): the fields they set that decide
+# memory. fp8 / fp4 presets are refused later as not modelled.
+_BF16 = {"bf16": True, "fp16": False, "params_dtype": "bf16", "grad_reduce_in_fp32": True}
+_FP16 = {"bf16": False, "fp16": True, "params_dtype": "fp16", "grad_reduce_in_fp32": False}
+MIXED_PRECISION_PRESETS: dict[str, dict[str, Any]] = {
+    "bf16_mixed": _BF16,
+    "fp16_mixed": _FP16,
+    "bf16_with_fp8_delayed_scaling_mixed": {**_BF16, "fp8": "hybrid"},
+    "fp16_with_fp8_delayed_scaling_mixed": {**_FP16, "fp8": "hybrid"},
+    "bf16_with_mxfp8_mixed": {**_BF16, "fp8": "e4m3"},
+    "fp16_with_mxfp8_mixed": {**_FP16, "fp8": "e4m3"},
+    "bf16_with_fp8_current_scaling_mixed": {**_BF16, "fp8": "hybrid"},
+    "nemotron_h_bf16_with_fp8_current_scaling_mixed": {**_BF16, "fp8": "hybrid"},
+    "nanov2_bf16_with_fp8_current_scaling_mixed": {**_BF16, "fp8": "hybrid"},
+    "fp16_with_fp8_current_scaling_mixed": {**_FP16, "fp8": "hybrid"},
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, "fp8": "hybrid"},
+    "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16, "fp8": "hybrid"},
+    "bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1"},
+    "nemotron_3_super_bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1"},
+    "nemotron_3_ultra_bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1"},
+}
+# MixedPrecisionConfig defaults (a mapping overwrites these fields even where it does not write them).
+_MP_DEFAULTS = {"bf16": False, "fp16": False, "params_dtype": None, "grad_reduce_in_fp32": True, "fp8": None, "fp4": None,
+                "autocast_enabled": False, "autocast_dtype": None}
+
+
+def looks_like_bridge(doc: Mapping) -> bool:
+    tgt = str(doc.get("_target_", ""))
+    if tgt.endswith("ConfigContainer"):
+        return True
+    if "trainer" in doc:
+        return False
+    keys = set(doc)
+    return bool(keys & (BRIDGE_SECTIONS - {"model", "_target_"})) and keys <= BRIDGE_SECTIONS | {"defaults"}
+
+
+Field = tuple[Any, str]  # (value, key path as written)
+
+
+def _section(d: Any, prefix: str, tag: str = "") -> dict[str, Field]:
+    if not isinstance(d, Mapping):
+        return {}
+    return {str(k): (v, f"{prefix}.{k}{tag}") for k, v in d.items()}
+
+
+def _model_fields(m: Any, tag: str = "") -> dict[str, Field]:
+    """model.<f> and model.transformer.<f>, the nested one winning."""
+    if not isinstance(m, Mapping):
+        return {}
+    out = {str(k): (v, f"model.{k}{tag}") for k, v in m.items() if k != "transformer"}
+    tr = m.get("transformer")
+    if isinstance(tr, Mapping):
+        out.update({str(k): (v, f"model.transformer.{k}{tag}") for k, v in tr.items() if k != "_target_"})
+    return out
+
+
+def _set_nested(container: dict[str, Field], parts: list[str], value: Any, key: str, delete: bool) -> None:
+    head = parts[0]
+    if len(parts) == 1:
+        if delete:
+            container.pop(head, None)
+        else:
+            container[head] = (value, key)
+        return
+    cur = container.get(head, ({}, key))[0]
+    cur = copy.deepcopy(cur) if isinstance(cur, dict) else {}
+    node = cur
+    for p in parts[1:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    if delete:
+        node.pop(parts[-1], None)
+    else:
+        node[parts[-1]] = value
+    container[head] = (cur, container.get(head, (None, key))[1])
+
+
+def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], recipe: str | None = None) -> RawConfig:
+    from .models import recipe_doc
+
+    label = f"Megatron-Bridge config {path}" if path and not path.startswith("recipe ") else "Megatron-Bridge"
+    b = ArgsBuilder(label)
+    S: dict[str, dict[str, Field]] = {}
+    top: dict[str, Field] = {}
+    if recipe:
+        rdoc, model_key, src = recipe_doc(recipe)
+        tag = f" (recipe {recipe})"
+        b.source = f"{label} on recipe {recipe}" if doc else f"Megatron-Bridge recipe {recipe}"
+        for sec, val in rdoc.items():
+            if sec == "model":
+                S["model"] = _model_fields(val, tag)
+            elif isinstance(val, Mapping):
+                S[sec] = _section(val, sec, tag)
+            else:
+                top[sec] = (val, sec + tag)
+    for sec, val in doc.items():
+        if sec in ("defaults", "_target_"):
+            continue
+        if sec == "model":
+            S.setdefault("model", {}).update(_model_fields(val))
+        elif isinstance(val, Mapping):
+            if isinstance(top.get(sec, (None,))[0], str):
+                top.pop(sec)  # a mapping replaces a preset name
+            S.setdefault(sec, {}).update(_section(val, sec))
+        else:
+            top[sec] = (val, sec)
+            S.pop(sec, None)
+    for op, key, value in overrides:
+        parts = key.split(".")
+        sec = parts[0]
+        rest = parts[1:]
+        if sec == "model" and rest[:1] == ["transformer"]:
+            rest = rest[1:]
+        if not rest:
+            if op == "del":
+                top.pop(sec, None)
+                S.pop(sec, None)
+            elif isinstance(value, Mapping):
+                S[sec] = _model_fields(value) if sec == "model" else _section(value, sec)
+            else:
+                top[sec] = (value, key)
+                S.pop(sec, None)
+            continue
+        if sec == "mixed_precision" and "mixed_precision" in top:
+            preset = _mp_values(top.pop("mixed_precision"))
+            S["mixed_precision"] = {k: (v, "mixed_precision") for k, v in preset.items()}
+        _set_nested(S.setdefault(sec, {}), rest, value, key, op == "del")
+    for sec in S:
+        if sec not in BRIDGE_SECTIONS:
+            b.warn(f"{sec}: not a Megatron-Bridge ConfigContainer section; ignored")
+    _map(b, S, top, has_target="_target_" in doc or bool(recipe))
+    return b.build()
+
+
+def _mp_values(f: Field) -> dict[str, Any]:
+    """A mixed_precision preset name -> its fields."""
+    value, key = f
+    name = str(value).strip().replace("-", "_")
+    if name not in MIXED_PRECISION_PRESETS:
+        raise ConfigError(key, f"unknown mixed-precision recipe {value!r}",
+                          "known: " + ", ".join(sorted(MIXED_PRECISION_PRESETS)))
+    return dict(MIXED_PRECISION_PRESETS[name])
+
+
+def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool) -> None:  # noqa: C901
+    def v(sec: str, name: str, default: Any = None) -> Any:
+        f = S.get(sec, {}).get(name)
+        return default if f is None or f[0] is None or is_missing(f[0]) else f[0]
+
+    def k(sec: str, name: str) -> str:
+        f = S.get(sec, {}).get(name)
+        return f[1] if f else f"{sec}.{name}"
+
+    def has(sec: str, name: str) -> bool:
+        f = S.get(sec, {}).get(name)
+        return f is not None and f[0] is not None and not is_missing(f[0])
+
+    for sec, fields in S.items():
+        for name, (val, key) in fields.items():
+            if is_missing(val) and name in _NEEDED.get(sec, ()):
+                raise ReaderError(f"{key}: is ??? (a mandatory value); set it with {key.split(' ')[0]}=VALUE")
+
+    if top.get("peft", (None,))[0] is not None or S.get("peft"):
+        raise NotModelledError(top.get("peft", (None, "peft"))[1], "PEFT / LoRA fine-tuning (frozen base weights)")
+
+    # Model.
+    model = S.get("model", {})
+    gpt_fields = config_fields().get("GPTModelProvider", frozenset())
+    map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,
+                     unknown_context="megatron-core / Megatron-Bridge model")
+    if has("model", "num_query_groups"):
+        b.set("group_query_attention", True, k("model", "num_query_groups"))
+    if not has("model", "ffn_hidden_size") and has("model", "hidden_size"):
+        # megatron-core TransformerConfig.__post_init__: 4 * hidden_size (also for gated MLPs).
+        b.set("ffn_hidden_size", 4 * int(v("model", "hidden_size")), k("model", "hidden_size"))
+    # GPTModelProvider / TransformerConfig defaults that differ from Megatron's argument defaults.
+    b.default("bias_activation_fusion", False, "model.bias_activation_fusion")   # TransformerConfig: False
+    b.default("bias_dropout_fusion", False, "model.bias_dropout_fusion")         # TransformerConfig: False
+    b.default("apply_rope_fusion", False, "model.apply_rope_fusion")             # TransformerConfig: False
+    b.default("cross_entropy_loss_fusion", True, "model.cross_entropy_loss_fusion")  # GPTModelProvider: True
+    if as_bool(v("model", "overlap_p2p_comm", False)):
+        b.set("overlap_p2p_comm", True, k("model", "overlap_p2p_comm"))
+    elif "overlap_p2p_comm" in b.args:
+        del b.args["overlap_p2p_comm"]  # memory-neutral; Megatron's PP>2 rule for it is not Bridge's
+    if "teacher" in model and model["teacher"][0]:
+        b.warn(f"{model['teacher'][1]}: a knowledge-distillation teacher is not counted; memguard estimates "
+               "the student's training memory only (add the teacher's weights and forward activations)")
+
+    # Sequence length: model.seq_length (GPTModelProvider default 1024) must equal dataset.seq_length.
+    ds_name = "seq_length" if has("dataset", "seq_length") else "sequence_length"
+    if has("model", "seq_length"):
+        if has("dataset", ds_name) and v("dataset", ds_name) != v("model", "seq_length"):
+            b.problem(k("model", "seq_length"), f"{v('model', 'seq_length')} differs from {k('dataset', ds_name)} = "
+                      f"{v('dataset', ds_name)} (Bridge asserts they match)", "make the two equal")
+    elif has("dataset", ds_name):
+        b.set("seq_length", v("dataset", ds_name), k("dataset", ds_name))
+    elif has_target and "model" in S:
+        b.set("seq_length", 1024, "model.seq_length")  # GPTModelProvider default
+
+    # Batch.
+    for name in ("micro_batch_size", "global_batch_size", "decrease_batch_size_if_needed", "empty_unused_memory_level"):
+        if has("train", name):
+            b.set(name, v("train", name), k("train", name))
+    if has("train", "rampup_batch_size"):
+        b.warn(f"{k('train', 'rampup_batch_size')}: batch-size ramp-up is set; memguard estimates the final global batch size")
+
+    # Mixed precision overwrites model / optimizer / DDP fields of the same names.
+    mp: dict[str, Any] | None = None
+    mp_key = "mixed_precision"
+    if "mixed_precision" in top and top["mixed_precision"][0] is not None:
+        mp, mp_key = _mp_values(top["mixed_precision"]), top["mixed_precision"][1]
+    elif S.get("mixed_precision"):
+        mp = dict(_MP_DEFAULTS)
+        mp.update({name: val for name, (val, _) in S["mixed_precision"].items() if name != "_target_"})
+        mp_key = "mixed_precision"
+    if mp is not None:
+        pd = dtype_name(mp.get("params_dtype"), mp_key + ".params_dtype") if mp.get("params_dtype") is not None else None
+        bf16 = as_bool(mp.get("bf16")) or pd == "bf16"
+        fp16 = as_bool(mp.get("fp16")) or pd == "fp16"
+        b.set("bf16", bf16, mp_key)
+        b.set("fp16", fp16, mp_key)
+        if as_bool(mp.get("autocast_enabled")) and mp.get("autocast_dtype") is not None:
+            b.set("autocast_dtype", dtype_name(mp["autocast_dtype"], mp_key + ".autocast_dtype"), mp_key)
+        for flag in ("fp8", "fp4"):
+            if mp.get(flag):
+                b.set(flag, mp[flag], mp_key)
+            else:
+                b.args.pop(flag, None)
+    grad_fp32 = mp.get("grad_reduce_in_fp32") if mp is not None else v("ddp", "grad_reduce_in_fp32")
+    grad_key = mp_key if mp is not None else k("ddp", "grad_reduce_in_fp32")
+    if grad_fp32 is not None:
+        if as_bool(grad_fp32):
+            b.set("accumulate_allreduce_grads_in_fp32", True, grad_key)
+        elif b.args.get("bf16"):
+            b.set("grad_reduce_in_bf16", True, grad_key)
+        else:
+            b.set("accumulate_allreduce_grads_in_fp32", False, grad_key)
+
+    # Optimizer and DDP.
+    if has("optimizer", "optimizer"):
+        b.set("optimizer", v("optimizer", "optimizer"), k("optimizer", "optimizer"))
+    for flag in ("use_distributed_optimizer", "overlap_param_gather"):
+        on = [k(sec, flag) for sec in ("ddp", "optimizer") if as_bool(v(sec, flag, False))]
+        if on:
+            b.set(flag, True, on[0])
+        elif has("ddp", flag) or has("optimizer", flag):
+            b.set(flag, False, k("ddp", flag) if has("ddp", flag) else k("optimizer", flag))
+    for name in ("use_precision_aware_optimizer", "store_param_remainders", "optimizer_cpu_offload"):
+        if has("optimizer", name):
+            b.set(name, as_bool(v("optimizer", name)), k("optimizer", name))
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if has("optimizer", name):
+            b.set(name, dtype_name(v("optimizer", name), k("optimizer", name)), k("optimizer", name))
+    for name, dest in (("overlap_grad_reduce", "overlap_grad_reduce"), ("num_distributed_optimizer_instances", None),
+                       ("bucket_size", "ddp_bucket_size"), ("pad_buckets_for_high_nccl_busbw", "ddp_pad_buckets_for_high_nccl_busbw"),
+                       ("use_megatron_fsdp", None), ("use_custom_fsdp", None), ("nccl_ub", None), ("delay_wgrad_compute", None)):
+        if has("ddp", name):
+            b.set(dest or name, v("ddp", name), k("ddp", name))
+    for name in ("use_megatron_fsdp", "use_torch_fsdp2"):
+        if as_bool(v("dist", name, False)):
+            b.set(name, True, k("dist", name))
+    if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
+        b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
+    dp_hint = v("comm_overlap", "data_parallel_size") or (top.get("data_parallel_size", (None,))[0])
+    if dp_hint:
+        try:
+            sizes = [int(b.args.get(n) or 1) for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")]
+            b.world_size = int(dp_hint) * sizes[0] * sizes[1] * sizes[2]
+            b.origin["world_size"] = "comm_overlap.data_parallel_size x TP x PP x CP"
+            b.warn(f"world size {b.world_size} taken from the data-parallel size the dump records ({dp_hint}) x TP x PP x CP")
+        except (TypeError, ValueError):
+            pass
+    for sec, fields_name in (("optimizer", "OptimizerConfig"), ("ddp", "DistributedDataParallelConfig")):
+        known = config_fields().get(fields_name, frozenset()) | {"_target_", "param_name_patterns_for_fp32_local_accumulation"}
+        for name, (_, key) in S.get(sec, {}).items():
+            if name not in known:
+                b.warn(f"{key}: not a megatron-core {fields_name} field; ignored")
+
+    # Attention mask on the GPU: GPTDatasetConfig.create_attention_mask (True) unless the step skips it
+    # (skip_getting_attention_mask_from_dataset, True by default in gpt_step.get_batch).
+    cam = as_bool(v("dataset", "create_attention_mask", True)) and not as_bool(v("dataset", "skip_getting_attention_mask_from_dataset", True))
+    b.set("create_attention_mask_in_dataloader", cam,
+          k("dataset", "skip_getting_attention_mask_from_dataset") if has("dataset", "skip_getting_attention_mask_from_dataset")
+          else "dataset.skip_getting_attention_mask_from_dataset")
+
+    # Vocabulary (training/setup.py _validate_and_set_vocab_size): the tokenizer's size when
+    # use_tokenizer_vocab_size or no model.vocab_size, padded to make_vocab_size_divisible_by x TP; else
+    # model.vocab_size, padded only with model.should_pad_vocab.
+    use_tok = as_bool(v("tokenizer", "use_tokenizer_vocab_size", False))
+    if use_tok or not has("model", "vocab_size"):
+        ttype = v("tokenizer", "tokenizer_type")
+        if ttype:
+            b.set("tokenizer_type", ttype, k("tokenizer", "tokenizer_type"))
+        if has("tokenizer", "tokenizer_model"):
+            b.set("tokenizer_model", v("tokenizer", "tokenizer_model"), k("tokenizer", "tokenizer_model"))
+        if has("tokenizer", "vocab_size"):
+            b.set("vocab_size", v("tokenizer", "vocab_size"), k("tokenizer", "vocab_size"))
+            if not ttype:
+                b.set("tokenizer_type", "HuggingFaceTokenizer", k("tokenizer", "vocab_size"))
+        else:
+            b.origin["vocab_size"] = k("tokenizer", "tokenizer_model") if has("tokenizer", "tokenizer_model") else k("tokenizer", "tokenizer_type")
+            if not ttype and has("model", "vocab_size"):
+                set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=True)
+    else:
+        set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=as_bool(v("model", "should_pad_vocab", False)))
+
+
+_NEEDED = {
+    "model": {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels",
+              "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "seq_length",
+              "virtual_pipeline_model_parallel_size", "sequence_parallel", "vocab_size"},
+    "train": {"micro_batch_size", "global_batch_size"},
+    "dataset": {"seq_length"},
+}
+

@@ -1,0 +1,134 @@
+"""``--model NAME`` (a preset from data/presets.yaml) and ``--model path/to/config.json`` (Hugging Face).
+
+A model name gives the shape only. A Megatron-Bridge recipe name (``llama32_1b``, ``llama3_8b`` ...)
+gives the whole recipe: shape, sequence length, parallel sizes, batch, precision and optimizer as the
+recipe function sets them; flags and config files on top override any of it.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import re
+from dataclasses import replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from ..config import RawConfig
+from ..errors import ConfigError, ReaderError
+
+
+@lru_cache(maxsize=1)
+def presets() -> dict[str, Any]:
+    text = resources.files("megatron_memguard").joinpath("data/presets.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def canonical(name: str) -> str:
+    """Case, ``-`` and ``_``, an organisation prefix, ``Meta-`` and ``-hf`` do not matter in model names."""
+    n = name.strip().lower()
+    n = n.rsplit("/", 1)[-1]
+    n = re.sub(r"^meta-", "", n)
+    n = re.sub(r"-hf$", "", n)
+    return re.sub(r"[-_\s]", "", n)  # dots stay: gpt3-1.3b is not gpt3-13b
+
+
+@lru_cache(maxsize=1)
+def _model_index() -> dict[str, str]:
+    idx: dict[str, str] = {}
+    for key, m in presets()["models"].items():
+        for n in [key, *(m.get("aliases") or [])]:
+            c = canonical(n)
+            if idx.get(c, key) != key:
+                raise AssertionError(f"preset names collide: {n!r} ({key}) and {idx[c]}")
+            idx[c] = key
+    return idx
+
+
+def find_model(name: str) -> str | None:
+    return _model_index().get(canonical(name))
+
+
+def find_recipe(name: str) -> str | None:
+    n = name.strip().lower().replace("-", "_")
+    n = re.sub(r"_(pretrain|config|pretrain_config)$", "", n)
+    return n if n in presets().get("recipes", {}) else None
+
+
+def nemo2_model(class_name: str) -> str | None:
+    """The preset whose shape a NeMo 2 config class (``Llama31Config8B``) has."""
+    for key, m in presets()["models"].items():
+        if class_name in (m.get("nemo2") or []):
+            return key
+    return None
+
+
+def recipes_named_in(text: str) -> list[str]:
+    """Recipe names that appear in a file name (``quantized_llama3_8b_pretrain_override.yaml``)."""
+    low = os.path.basename(text).lower()
+    found = [r for r in presets().get("recipes", {}) if re.search(rf"(^|[^a-z0-9]){re.escape(r)}($|[^0-9])", low)]
+    return sorted(found, key=len, reverse=True)
+
+
+def known_names() -> list[str]:
+    return sorted(presets()["models"]) + sorted(presets().get("recipes", {}))
+
+
+def model_hf(key: str) -> dict[str, Any]:
+    return dict(presets()["models"][key]["hf"])
+
+
+def recipe_doc(name: str) -> tuple[dict[str, Any], str, str]:
+    """(Bridge ConfigContainer dict of the recipe with its model provider, the model preset, source)."""
+    from .hf import hf_to_provider
+
+    r = presets()["recipes"][name]
+    doc = copy.deepcopy(r["config"])
+    provider = hf_to_provider(model_hf(r["model"]))
+    provider.update(doc.get("model") or {})
+    doc["model"] = provider
+    return doc, r["model"], r.get("source", "")
+
+
+def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
+    """The RawConfig for ``--model``: a preset, a Bridge recipe, or a Hugging Face config.json.
+    ``shape_only``: for a recipe, only its model's shape (when a config file gives the rest)."""
+    from .hf import HF_KEYS, GPT2_KEYS, hf_to_provider, provider_to_raw, read_hf_config
+
+    arg = str(name_or_path)
+    path = os.path.join(arg, "config.json") if os.path.isdir(arg) else arg
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh) if path.lower().endswith(".json") else yaml.safe_load(fh)
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise ReaderError(f"{path}: cannot read a Hugging Face config ({e})") from None
+        if not isinstance(doc, dict):
+            raise ReaderError(f"{path}: not a Hugging Face config.json (not a JSON object)")
+        return read_hf_config(doc, path)
+    recipe = find_recipe(arg)
+    if recipe and shape_only:
+        arg = presets()["recipes"][recipe]["model"]
+    elif recipe:
+        from .bridge import read_bridge
+
+        return read_bridge({}, f"recipe {recipe}", [], recipe=recipe)
+    key = find_model(arg)
+    if key is None:
+        close = difflib.get_close_matches(canonical(arg), list(_model_index()), n=3, cutoff=0.6)
+        hint = ""
+        if close:
+            hint = "; did you mean " + ", ".join(dict.fromkeys(_model_index()[c] for c in close)) + "?"
+        raise ConfigError("--model", f"unknown model {arg!r} (not a preset and no such file){hint}",
+                          "give a Hugging Face config.json path, or one of: " + ", ".join(known_names()))
+    hf = model_hf(key)
+    names = GPT2_KEYS if hf.get("model_type") == "gpt2" else HF_KEYS
+    raw = provider_to_raw(hf_to_provider(hf), f"model preset {key}", key_prefix=f"--model {key}: ", hf_names=names)
+    if hf.get("sliding_window"):
+        raw = replace(raw, warnings=raw.warnings + (
+            f"--model {key}: sliding-window attention ({hf['sliding_window']} tokens) is estimated as full attention",))
+    return raw

@@ -1,0 +1,217 @@
+"""NeMo 2 YAML, best effort (NeMo 2's LLM collection is deprecated in favour of Megatron-Bridge).
+
+Two kinds of file, both written by NeMo-Run's YAML serializer (``_target_`` dotted paths, functions
+and torch dtypes as ``{_target_: ..., _call_: false}``):
+
+* a checkpoint's ``context/model.yaml`` (``IOMixin.io_dump``): the model with every GPTConfig field
+  filled in under ``config:``, the optimizer config, the tokenizer; no batch sizes, no world size;
+* a ``--to-yaml`` export / ``<task>_config.yaml`` of a recipe (``_target_: ...api.pretrain``): trainer
+  (devices, num_nodes, ``strategy`` with the parallel sizes, ``plugins`` with the precision), data
+  (batch sizes, sequence length), optim; the model config often only names its class
+  (``Llama3Config8B``) because fiddle keeps explicitly set arguments only. The class's shape comes from
+  the presets (data/presets.yaml ``nemo2:``).
+
+Defaults read in NeMo 2.5.0: ``nemo/collections/llm/gpt/model/base.py`` GPTConfig (and its
+``configure_model`` vocabulary handling), ``nemo/lightning/pytorch/strategies/megatron_strategy.py``,
+``nemo/collections/llm/gpt/data/{mock,pre_training}.py`` (create_attention_mask=False).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..config import RawConfig
+from ..errors import ReaderError
+from ._common import (
+    ArgsBuilder, apply_overrides, as_bool, config_fields, dtype_name, is_missing, map_mcore_fields, set_vocab, target_name,
+)
+
+_GPTCONFIG_EXTRAS = frozenset({
+    "forward_step_fn", "data_step_fn", "generation_config", "tp_comm_overlap_cfg", "transformer_layer_spec",
+    "use_transformer_engine_full_layer_spec", "vocab_size", "seq_length", "scatter_embedding_sequence_parallel",
+    "parallel_output", "share_embeddings_and_output_weights", "seq_len_interpolation_factor", "_target_",
+    "num_moe_experts", "scale_factor", "low_freq_factor", "high_freq_factor", "old_context_len",
+})
+_STRATEGY_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                  "context_parallel_size", "sequence_parallel", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage")
+
+
+def _is_nemo_target(v: Any) -> bool:
+    return isinstance(v, Mapping) and str(v.get("_target_", "")).startswith("nemo.")
+
+
+def looks_like_nemo2(doc: Mapping) -> bool:
+    return str(doc.get("_target_", "")).startswith("nemo.") or _is_nemo_target(doc.get("config")) or _is_nemo_target(doc.get("model"))
+
+
+def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -> RawConfig:
+    from .hf import hf_to_provider
+    from .models import model_hf, nemo2_model
+
+    doc = apply_overrides(dict(doc), overrides)
+    b = ArgsBuilder(f"NeMo 2 config {path} (best effort)")
+    b.best_effort = True
+    if "config" in doc and "model" not in doc:      # context/model.yaml: the model itself
+        model, mprefix = doc, ""
+    else:
+        model, mprefix = doc.get("model") or {}, "model."
+    if not isinstance(model, Mapping):
+        raise ReaderError(f"{path}: {mprefix or 'the file'}: not a NeMo 2 model mapping")
+    cfg = model.get("config") or {}
+    if not isinstance(cfg, Mapping):
+        raise ReaderError(f"{path}: {mprefix}config: not a mapping")
+    ckey = f"{mprefix}config"
+    cls = target_name(cfg) or "GPTConfig"
+    fields: dict[str, tuple[Any, str]] = {}
+    preset = nemo2_model(cls)
+    if preset:
+        # The class's own defaults (its shape) under what the file sets explicitly.
+        for name, value in hf_to_provider(model_hf(preset)).items():
+            if name not in ("seq_length",):
+                fields[name] = (value, f"{ckey}._target_ ({cls})")
+        if "num_layers" not in cfg:
+            b.warn(f"{ckey}: the export names only {cls}; its shape is taken from memguard's preset {preset}")
+    elif "num_layers" not in cfg:
+        b.warn(f"{ckey}: {cls} is not a class memguard knows and the file has no shape; give --model NAME")
+    for name, value in cfg.items():
+        if name == "_target_" or is_missing(value):
+            continue
+        fields[name] = (value, f"{ckey}.{name}")
+    extra = config_fields().get("GPTModelProvider", frozenset()) | _GPTCONFIG_EXTRAS
+    map_mcore_fields(b, fields, extra_known=extra, unknown_context="megatron-core / NeMo 2 GPTConfig")
+    if fields.get("num_query_groups", (None,))[0] is not None:
+        b.set("group_query_attention", True, fields["num_query_groups"][1])
+    if fields.get("ffn_hidden_size", (None,))[0] is None and fields.get("hidden_size", (None,))[0] is not None:
+        b.set("ffn_hidden_size", 4 * int(fields["hidden_size"][0]), fields["hidden_size"][1])  # TransformerConfig default
+    # GPTConfig / TransformerConfig defaults that differ from Megatron's argument defaults.
+    b.default("bias_activation_fusion", False, f"{ckey}.bias_activation_fusion")
+    b.default("bias_dropout_fusion", False, f"{ckey}.bias_dropout_fusion")
+    b.default("apply_rope_fusion", False, f"{ckey}.apply_rope_fusion")
+    b.default("cross_entropy_loss_fusion", True, f"{ckey}.cross_entropy_loss_fusion")
+    if not as_bool(b.args.get("overlap_p2p_comm", False)):
+        b.args.pop("overlap_p2p_comm", None)
+    if "seq_length" not in b.args:
+        b.set("seq_length", 1024, f"{ckey}.seq_length")  # GPTConfig default (the data module's wins below)
+
+    # Trainer: world size, strategy (parallel sizes, DDP), precision plugin.
+    trainer = doc.get("trainer") or {}
+    if isinstance(trainer, Mapping):
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+        if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0:
+            b.world_size, b.nodes, b.gpus_per_node = devices * nodes, nodes, devices
+            b.origin["world_size"] = "trainer.devices x trainer.num_nodes"
+        strategy = trainer.get("strategy") or {}
+        if isinstance(strategy, Mapping):
+            for name in _STRATEGY_KEYS:
+                if strategy.get(name) is not None:
+                    dest = {"num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+                            "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers"}.get(name, name)
+                    b.set(dest, strategy[name], f"trainer.strategy.{name}")
+            if strategy.get("num_distributed_optimizer_instances") is not None:
+                b.set("num_distributed_optimizer_instances", strategy["num_distributed_optimizer_instances"],
+                      "trainer.strategy.num_distributed_optimizer_instances")
+            ddp = strategy.get("ddp")
+            if isinstance(ddp, Mapping):
+                _ddp(b, ddp, "trainer.strategy.ddp")
+            if strategy.get("fsdp"):
+                b.set("use_torch_fsdp2", True, "trainer.strategy.fsdp")
+        plugins = trainer.get("plugins")
+        for i, plug in enumerate(plugins if isinstance(plugins, list) else [plugins] if plugins else []):
+            if isinstance(plug, Mapping) and "MixedPrecision" in str(plug.get("_target_", "")):
+                pkey = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
+                _precision(b, plug, pkey)
+
+    # Data module: batch sizes and sequence length.
+    data = doc.get("data") or {}
+    if isinstance(data, Mapping):
+        for name in ("micro_batch_size", "global_batch_size"):
+            if data.get(name) is not None:
+                b.set(name, data[name], f"data.{name}")
+        if data.get("seq_length") is not None:
+            if "seq_length" in cfg and cfg["seq_length"] != data["seq_length"]:
+                b.problem(f"{ckey}.seq_length", f"{cfg['seq_length']} differs from data.seq_length = {data['seq_length']}",
+                          "make the two equal")
+            b.set("seq_length", data["seq_length"], "data.seq_length")
+        b.set("create_attention_mask_in_dataloader", as_bool(data.get("create_attention_mask", False)),
+              "data.create_attention_mask")
+    else:
+        b.set("create_attention_mask_in_dataloader", False, "data.create_attention_mask")
+
+    # Optimizer.
+    optim = doc.get("optim") or model.get("optim") or {}
+    oprefix = "optim" if doc.get("optim") else f"{mprefix}optim"
+    ocfg = optim.get("config") if isinstance(optim, Mapping) else None
+    if isinstance(ocfg, Mapping):
+        okey = f"{oprefix}.config"
+        if ocfg.get("optimizer") is not None:
+            b.set("optimizer", ocfg["optimizer"], f"{okey}.optimizer")
+        for name in ("use_distributed_optimizer", "use_precision_aware_optimizer", "store_param_remainders",
+                     "overlap_param_gather", "optimizer_cpu_offload"):
+            if ocfg.get(name) is not None:
+                if name == "overlap_param_gather" and not as_bool(ocfg[name]):
+                    continue
+                b.set(name, as_bool(ocfg[name]), f"{okey}.{name}")
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if ocfg.get(name) is not None:
+                b.set(name, dtype_name(ocfg[name], f"{okey}.{name}"), f"{okey}.{name}")
+
+    # Vocabulary: GPTConfig.vocab_size is used as is; else the tokenizer's, padded (get_vocab_size).
+    vocab = cfg.get("vocab_size") if not is_missing(cfg.get("vocab_size")) else None
+    if vocab:
+        set_vocab(b, vocab, f"{ckey}.vocab_size", pad=False)
+    else:
+        tok, tkey = None, None
+        for cand, key in ((doc.get("tokenizer"), "tokenizer"), (model.get("tokenizer"), f"{mprefix}tokenizer"),
+                          (data.get("tokenizer") if isinstance(data, Mapping) else None, "data.tokenizer")):
+            if isinstance(cand, Mapping):
+                tok, tkey = cand, key
+                break
+        if tok is not None:
+            name = tok.get("pretrained_model_name") or tok.get("model_name") or tok.get("model_path")
+            if name:
+                b.set("tokenizer_type", "HuggingFaceTokenizer", f"{tkey}._target_")
+                b.set("tokenizer_model", name, f"{tkey}.pretrained_model_name")
+            else:
+                b.set("tokenizer_type", target_name(tok) or "NeMoTokenizer", f"{tkey}._target_")
+            if tok.get("vocab_size"):
+                b.set("vocab_size", tok["vocab_size"], f"{tkey}.vocab_size")
+        elif preset:
+            set_vocab(b, model_hf(preset).get("vocab_size"), f"{ckey}._target_ ({cls})", pad=True)
+        else:
+            b.set("tokenizer_type", "NeMoTokenizer", "tokenizer")
+            b.origin["vocab_size"] = "tokenizer"
+    return b.build()
+
+
+def _ddp(b: ArgsBuilder, ddp: Mapping, key: str) -> None:
+    for name, dest in (("use_distributed_optimizer", None), ("overlap_grad_reduce", None), ("overlap_param_gather", None),
+                       ("num_distributed_optimizer_instances", None), ("bucket_size", "ddp_bucket_size"),
+                       ("use_megatron_fsdp", None), ("use_custom_fsdp", None)):
+        if ddp.get(name) is not None:
+            b.set(dest or name, ddp[name], f"{key}.{name}")
+    if ddp.get("grad_reduce_in_fp32") is not None:
+        if as_bool(ddp["grad_reduce_in_fp32"]):
+            b.set("accumulate_allreduce_grads_in_fp32", True, f"{key}.grad_reduce_in_fp32")
+        else:
+            b.set("grad_reduce_in_bf16", True, f"{key}.grad_reduce_in_fp32")
+
+
+def _precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
+    """MegatronMixedPrecision: precision bf16-mixed / 16-mixed -> half-precision params (megatron-core
+    bf16/fp16), params_dtype, fp8, grad_reduce_in_fp32."""
+    prec = plug.get("precision")
+    dt = dtype_name(prec, f"{key}.precision") if prec is not None else None
+    pd = dtype_name(plug.get("params_dtype"), f"{key}.params_dtype") if plug.get("params_dtype") is not None else None
+    for flag in ("bf16", "fp16"):
+        b.set(flag, (pd or dt) == flag, f"{key}.precision")
+    if plug.get("fp8"):
+        b.set("fp8", plug["fp8"], f"{key}.fp8")
+    g = plug.get("grad_reduce_in_fp32")
+    if g is not None:
+        if as_bool(g):
+            b.set("accumulate_allreduce_grads_in_fp32", True, f"{key}.grad_reduce_in_fp32")
+            b.args.pop("grad_reduce_in_bf16", None)
+        elif (pd or dt) == "bf16":
+            b.set("grad_reduce_in_bf16", True, f"{key}.grad_reduce_in_fp32")
