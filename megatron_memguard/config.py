@@ -12,6 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+# Environment variables that change what a job allocates; only these are kept from a caller's
+# environment (the rest is neither needed nor anyone's business).
+MEMORY_ENV_VARS = (
+    "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "NCCL_BUFFSIZE",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN", "NVTE_UNFUSED_ATTN",
+    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_NCCL_AVOID_RECORD_STREAMS", "CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
+
+def memory_env(environ: Mapping[str, str] | None) -> dict[str, str]:
+    """The memory-relevant subset of an environment."""
+    return {k: str(environ[k]) for k in MEMORY_ENV_VARS if environ and k in environ}
+
 
 @dataclass(frozen=True)
 class RawConfig:

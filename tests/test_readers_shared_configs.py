@@ -143,7 +143,7 @@ def test_launcher_llama3_1_70b():
         LLAMA_LIKE + "--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
         "--group-query-attention --num-query-groups 8 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 4 "
         "--num-virtual-stages-per-pipeline-rank 10 --context-parallel-size 2 --sequence-parallel --tp-comm-overlap "
-        "--defer-embedding-wgrad-compute --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 "
+        "--defer-embedding-wgrad-compute --wgrad-deferral-limit 22 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 "
         "--global-batch-size 2048 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
         "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader "
         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model meta-llama/Meta-Llama-3.1-70B", 1024))

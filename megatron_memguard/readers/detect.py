@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from ..config import RawConfig
+from ..config import RawConfig, memory_env
 from ..errors import ReaderError
 
 
@@ -49,7 +49,7 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
     cmd = parse_launch_script(text, environ)
     raw = parse_megatron_flags(cmd.script_args, env={**(environ or {}), **cmd.env}, source=f"launch command in {path}")
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
-                     nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=cmd.env,
+                     nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=memory_env(cmd.env),
                      warnings=raw.warnings + tuple(cmd.notes))
 
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable, Mapping
 
-from ..config import RawConfig
+from ..config import RawConfig, memory_env
 from ..errors import ConfigError
 
 # Flags of older Megatron releases that the 0.19 parser no longer has, but that change what memguard reads.
@@ -127,7 +127,7 @@ def parse_megatron_flags(
         origin[dest] = tok
     if unknown:
         warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(unknown))
-    return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=dict(env or {}))
+    return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env))
 
 
 def _is_number(tok: str) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config import RawConfig
+from ..config import RawConfig, memory_env
 from ..errors import ReaderError
 from .megatron_flags import flags_from_mapping, parse_megatron_flags
 
@@ -25,4 +25,4 @@ def read_functional_test_config(doc: Mapping[str, Any], path: str = "", environ:
     fill = {**(environ or {}), **env}
     raw = parse_megatron_flags(flags_from_mapping(model_args), env=fill, source=f"Megatron functional-test config {path}")
     origin = {k: f"MODEL_ARGS.{v}" for k, v in raw.origin.items()}
-    return RawConfig(args=raw.args, origin=origin, source=raw.source, env=env, warnings=raw.warnings)
+    return RawConfig(args=raw.args, origin=origin, source=raw.source, env=memory_env(env), warnings=raw.warnings)
