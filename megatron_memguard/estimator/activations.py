@@ -117,6 +117,14 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
     kv1 = Tf * g_t * d * e
     scores = x.b * a_t * x.s * x.s
     saved: dict[str, int] = {}
+    if L.qk_layernorm:
+        # q_layernorm / k_layernorm keep fp32 statistics per (token, head); without rope their outputs
+        # are what the attention keeps (new tensors next to the qkv output)
+        heads = a_t + g_t
+        saved["qk_norm_stats"] = Tf * heads * 4 * (2 if L.normalization == "LayerNorm" else 1)
+        if not rope and not (gqa and kind != "fused"):
+            saved["query_norm"] = q
+            saved["key_norm"] = kv1
     if kind == "fused":
         # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
         # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax
@@ -153,11 +161,14 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
             saved["key_rope"] = kv1
     fused_softmax = kind in ("local_fused_softmax", "te_unfused")
     soft32 = L.attention_softmax_in_fp32 and not fused_softmax
-    probs = scores * e
-    if soft32:
-        probs += scores * 4          # fp32 softmax output kept by softmax, its cast kept by the bmm
+    # the softmax keeps its output (fp32 with the fp32 softmax); the bmm keeps what it multiplies: the
+    # cast back to the activation dtype, or the dropout output (then the cast is not kept, the dropout
+    # keeps its bool mask instead)
+    probs = scores * (4 if soft32 else e)
     if L.attention_dropout > 0:
-        probs += scores * (1 + e)    # dropout mask and dropped-out probs
+        probs += scores * (1 + e)
+    elif soft32:
+        probs += scores * e
     if not recompute_core:
         saved["attention_probs"] = probs
     mask_made = kind == "local_unfused" and not (has_batch_mask and L.create_attention_mask_in_dataloader)
@@ -249,7 +260,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     rel_softmax = rel_proj | {"attention_probs"}
     rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
-                          "rope_cos_sin"}
+                          "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0
     bwd_steps = (
         (frozenset(), G + mlp_recompute + Tf * f_t * e + _wgrad(L, h, f_t)),                      # fc2
