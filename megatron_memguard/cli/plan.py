@@ -9,7 +9,7 @@ Exit codes: 0 at least one layout fits, 1 none fits (or the explained layout doe
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import json
 from typing import Sequence
 
@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
 
 DEFAULT_TOP = 5
+_MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -73,10 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_model(ns: argparse.Namespace, flags: list[str]):
-    if ns.model and importlib.util.find_spec("megatron_memguard.readers.models") is None:
-        raise ConfigError("--model", f"model presets ({ns.model!r}) are not available in this version "
-                                     "(megatron_memguard.readers.models is missing); give the model as Megatron flags "
-                                     "after -- or with --config FILE")
+    """The model from --model (a preset, through readers.models.read_model), --config and/or flags."""
+    if ns.model:
+        try:
+            from ..readers.models import read_model  # noqa: F401  (load_raw calls it)
+        except ImportError:
+            raise ConfigError("--model", f"model presets ({ns.model!r}) are not available in this version "
+                                         "(megatron_memguard.readers.models is missing); give the model as Megatron "
+                                         "flags after -- or with --config FILE") from None
     return load_raw(ns, flags)
 
 
@@ -102,6 +107,9 @@ def make_planner(ns: argparse.Namespace, flags: list[str]):
     from ..planner import Cluster, Planner
 
     raw = _load_model(ns, flags)
+    # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
+    # the rest of the shell's environment has no business in the layouts the planner prints.
+    raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})
     world = resolve_world(ns) or raw.world_size or (
         raw.nodes * raw.gpus_per_node if raw.nodes and raw.gpus_per_node else None)
     if not world:
@@ -213,7 +221,10 @@ def plan_json(planner, res) -> dict:
 
 
 def run(own_args: Sequence[str], flags: list[str]) -> int:
-    ns = build_parser().parse_args(list(own_args))
+    try:
+        ns = build_parser().parse_args(list(own_args))
+    except SystemExit as e:          # --help (0) or a usage error, already printed (2)
+        return int(e.code or 0)
     if ns.top < 1:
         raise ConfigError("--top", f"must be >= 1, got {ns.top}")
     planner = make_planner(ns, flags)

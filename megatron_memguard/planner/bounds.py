@@ -8,7 +8,7 @@ The bound counts only what every pipeline stage certainly holds, a subset of the
   only adds;
 * activations: the tensors a layer keeps for its backward whatever the kernels are (the residual
   stream at the two norms, the inputs of linear_qkv and linear_fc1, q/k/v, the attention output,
-  the fc1 output and the input of linear_fc2; less what selective recompute of 'mlp' or the local
+  the fc1 output and the input of linear_fc2, the s x s softmax output of unfused attention; less what selective recompute of 'mlp' or the local
   'layernorm' drops), or only the checkpointed layer inputs under full recompute, times the layers
   of the stage times the
   micro-batches in flight on it (min(PP - rank, m) in 1F1B; the interleaved schedule holds more);
@@ -48,6 +48,8 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     # and selective recompute keeps them as the checkpoint's inputs
     kept += Tf * ((shape.heads + 2 * shape.groups) * shape.kv_channels // c.tp) * e
     kept += Tf * (shape.heads // c.tp) * shape.kv_channels * e     # attention output, input of linear_proj
+    if shape.unfused_attention and "core_attn" not in mods:
+        kept += c.mbs * (shape.heads // c.tp) * seq * seq * e       # softmax output, kept by the bmm with V
     if "mlp" not in mods:
         kept += Tf * (2 if shape.gated else 1) * f_t * e           # fc1 output (the activation's input)
         kept += Tf * f_t * e                                       # input of linear_fc2

@@ -130,6 +130,12 @@ class Planner:
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
         self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
         self.shape = model_shape(self.probe, raw)
+        self.notes.extend(n for n in self.probe.notes if n not in self.notes)
+        if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):
+            self.notes.append("the step-time model assumes fused (flash) attention kernels; the unfused attention "
+                              "this model uses is slower than predicted")
+        if self.probe.tp_comm_overlap:
+            self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs)
         self._bounds: dict[tuple, float] = {}
 

@@ -110,6 +110,7 @@ class ModelShape:
     transformer_impl: str
     rope: bool = True
     fp32_logits: bool = True       # cross entropy on an fp32 copy of the logits (not --fp16-lm-cross-entropy)
+    unfused_attention: bool = False  # the s x s scores are materialised (local spec, or --attention-backend unfused)
 
     def padded_vocab(self, tp: int) -> int:
         if self.fixed_padded_vocab:
@@ -167,6 +168,7 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
         optimizer_state_bytes=opt, dist_opt_instances=L.num_distributed_optimizer_instances,
         recompute_modules=L.recompute_modules, transformer_impl=L.transformer_impl,
         rope=L.position_embedding_type in ("rope", "yarn"), fp32_logits=not L.fp16_lm_cross_entropy,
+        unfused_attention=L.transformer_impl == "local" or L.attention_backend in ("unfused", "local"),
     )
 
 
