@@ -172,7 +172,7 @@ def render_plan(planner, res) -> str:
                 f"{t.tokens_per_s_per_gpu:,.0f}", f"{t.mfu:.1%}", f"{dom.name} {dom.seconds / t.seconds:.1%}",
             ])
         out.append(table(rows, ["#", "layout", "stage peaks GiB", "critical", "verdict", "step", "tok/s/GPU", "MFU",
-                                "largest overhead"], right=(0, 5, 6, 7)))
+                                "dominant cost"], right=(0, 5, 6, 7)))
         best = res.entries[0]
         L = best.layout
         out.append("")
@@ -195,9 +195,13 @@ def render_plan(planner, res) -> str:
             out.append(f"  every layout's model state and kept activations alone exceed {res.threshold:.0%} of "
                        f"{format_bytes(mem)}; the smallest is {format_bytes(lb)} ({c.label})")
         out.append("  more GPUs, a larger GPU, a smaller micro-batch / global batch, or fewer constraints may help")
-    if res.notes:
+    notes = list(res.notes)
+    if res.rejected:
+        top = "; ".join(f"{why} ({n}x)" for why, n in res.rejected.most_common(3))
+        notes.append(f"{sum(res.rejected.values())} candidate(s) broke a rule Megatron checks and were dropped: {top}")
+    if notes:
         out.append("")
-        out.extend(f"note: {n}" for n in res.notes)
+        out.extend(f"note: {n}" for n in notes)
     return "\n".join(out)
 
 

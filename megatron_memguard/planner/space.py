@@ -396,5 +396,7 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         stages = tuple([first if first is not None else mid] + [mid] * (pp - 2) + [last if last is not None else mid]) \
             if pp > 1 else (shape.num_layers,)
     sp = (tp > 1) if sp is None else (sp and tp > 1)
+    if pp == 1:
+        vpp = 1                    # Megatron ignores virtual stages without a pipeline
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt, dp,
                      global_batch_size // (mbs * dp), stages)
