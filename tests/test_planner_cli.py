@@ -202,3 +202,20 @@ def test_model_preset_goes_through_read_model(capsys, monkeypatch):
     assert code == 0, cap.err
     doc = json.loads(cap.out)
     assert code == 0 and seen == ["llama3.1-8b"] and doc["layouts"][0]["layout"]["num_layers"] == 32
+
+
+def test_planner_is_pure_python():
+    """Planning imports neither torch nor megatron (subprocess: a clean interpreter)."""
+    import subprocess
+    code = ("import sys; sys.path.insert(0, 'tests'); from conftest import LLAMA31_8B; "
+            "from megatron_memguard.cli.main import main; import contextlib, io; "
+            "f = io.StringIO(); "
+            "ctx = contextlib.redirect_stdout(f); ctx.__enter__(); "
+            "main(['plan', '--gpus', '16', '--seq-length', '8192', '--global-batch-size', '64', '--top', '1', '--', *LLAMA31_8B]); "
+            "ctx.__exit__(None, None, None); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'transformer_engine')]; "
+            "print(','.join(bad))")
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip() == ""
