@@ -6,6 +6,29 @@ PyTorch prints in CUDA out-of-memory messages on each part, and nvidia-smi/rocm-
 driver reservation; they vary by a few hundred MiB with driver and ECC settings, so ``--gpu-memory``
 takes a reading of your own. Peak dense bf16 FLOP/s, HBM and link bandwidths are the vendors'
 datasheet numbers (per GPU; link numbers per direction).
+
+The planner's step-time model (``megatron_memguard/planner/timing.py``, docs/planner.md) also needs
+what fraction of the peak real kernels reach:
+
+* ``gemm_efficiency``: the fraction of peak dense bf16 FLOP/s that a large bf16 GEMM sustains in
+  training (cuBLAS / hipBLASLt, all dimensions >= 4096, at the clocks a GPU holds under a long
+  training load rather than its boost clock). Typical measured values, not datasheet numbers:
+  A100 ~245 of 312 TFLOP/s (0.78); H100/H200 SXM ~640 of 989 (0.65: short benchmarks reach 700-750,
+  sustained power-capped training less); B200/GB200 assumed 0.60 (younger software); MI300X ~590
+  of 1307 (0.45, hipBLASLt, as public MI300X vs H100 comparisons report). Smaller GEMMs reach less
+  (the planner scales this by the GEMM's size).
+* ``attention_efficiency``: fraction of peak that fused causal attention (forward and backward)
+  reaches at long sequences. A100: FlashAttention-2 reaches 50-73% (Dao 2023, arXiv 2307.08691,
+  abstract), 0.55 taken (backward at the lower end). H100: FlashAttention-2 reaches 35% and
+  FlashAttention-3 up to 75% (Shah et al. 2024, arXiv 2407.08608, abstract); Transformer Engine's
+  cuDNN fused attention lies between, 0.45 taken; the same for H200 and assumed for B200/GB200.
+  MI300X assumed 0.30.
+
+With these, the planner predicts 45-55% MFU for dense Llama models on H100 at the best layouts,
+the range published for well-tuned Megatron runs (Megatron-LM's README reports up to 47% MFU on
+H100 clusters; Meta's Llama 3 paper 38-43% at 16K GPUs).
+Replace them with your own measurements where you have them: they shift predicted step times, not
+the memory verdicts.
 """
 from __future__ import annotations
 
@@ -28,6 +51,8 @@ class GpuSpec:
     nvlink_bytes_per_s: float  # per GPU, per direction
     network_bytes_per_s: float  # per GPU, per direction (one NIC per GPU)
     note: str = ""
+    gemm_efficiency: float = 0.70       # achieved / peak bf16 FLOP/s of a large GEMM (planner)
+    attention_efficiency: float = 0.45  # achieved / peak of fused causal attention at long sequences (planner)
 
 
 def _gib(x: float) -> int:
@@ -37,16 +62,23 @@ def _gib(x: float) -> int:
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("A100-40GB", _gib(39.59), "A100 SXM4 40GB", 8, 8, 312e12, 1.555e12, 300e9, 25e9),
-        GpuSpec("A100-80GB", _gib(79.35), "A100 SXM4 80GB", 8, 8, 312e12, 2.039e12, 300e9, 25e9),
-        GpuSpec("H100-80GB", _gib(79.11), "H100 SXM5 80GB HBM3", 8, 8, 989e12, 3.35e12, 450e9, 50e9),
+        GpuSpec("A100-40GB", _gib(39.59), "A100 SXM4 40GB", 8, 8, 312e12, 1.555e12, 300e9, 25e9,
+                gemm_efficiency=0.78, attention_efficiency=0.55),
+        GpuSpec("A100-80GB", _gib(79.35), "A100 SXM4 80GB", 8, 8, 312e12, 2.039e12, 300e9, 25e9,
+                gemm_efficiency=0.78, attention_efficiency=0.55),
+        GpuSpec("H100-80GB", _gib(79.11), "H100 SXM5 80GB HBM3", 8, 8, 989e12, 3.35e12, 450e9, 50e9,
+                gemm_efficiency=0.65, attention_efficiency=0.45),
         GpuSpec("H100-94GB", _gib(93.10), "H100 SXM5/NVL 94GB", 4, 4, 989e12, 3.9e12, 450e9, 50e9,
-                "4 per node as on TSUBAME 4.0 (Fujii et al.); use --gpus-per-node for other systems"),
-        GpuSpec("H200-141GB", _gib(139.81), "H200 SXM 141GB", 8, 8, 989e12, 4.8e12, 450e9, 50e9),
-        GpuSpec("B200", _gib(178.36), "B200 180GB (HGX/DGX B200)", 8, 8, 2.25e15, 8.0e12, 900e9, 50e9),
+                "4 per node as on TSUBAME 4.0 (Fujii et al.); use --gpus-per-node for other systems",
+                gemm_efficiency=0.65, attention_efficiency=0.45),
+        GpuSpec("H200-141GB", _gib(139.81), "H200 SXM 141GB", 8, 8, 989e12, 4.8e12, 450e9, 50e9,
+                gemm_efficiency=0.65, attention_efficiency=0.45),
+        GpuSpec("B200", _gib(178.36), "B200 180GB (HGX/DGX B200)", 8, 8, 2.25e15, 8.0e12, 900e9, 50e9,
+                gemm_efficiency=0.60, attention_efficiency=0.45),
         GpuSpec("GB200", _gib(184.0), "GB200 NVL72, 186GB HBM3e per GPU", 4, 72, 2.5e15, 8.0e12, 900e9, 50e9,
-                "4 GPUs per compute tray, 72 in one NVLink domain"),
-        GpuSpec("MI300X", _gib(191.98), "AMD Instinct MI300X 192GB", 8, 8, 1.307e15, 5.3e12, 448e9, 50e9),
+                "4 GPUs per compute tray, 72 in one NVLink domain", gemm_efficiency=0.60, attention_efficiency=0.45),
+        GpuSpec("MI300X", _gib(191.98), "AMD Instinct MI300X 192GB", 8, 8, 1.307e15, 5.3e12, 448e9, 50e9,
+                gemm_efficiency=0.45, attention_efficiency=0.30),
     )
 }
 

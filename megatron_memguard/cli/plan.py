@@ -1,0 +1,251 @@
+"""``memguard plan``: search the 4D layout space, keep the layouts that fit, rank them.
+
+    memguard plan --gpus 128 --gpu H100-80GB --seq-length 8192 --global-batch-size 1024 --model llama3.1-70b
+    memguard plan --gpus 64 --seq-length 8192 --global-batch-size 512 -- --num-layers 32 --hidden-size 4096 ...
+    memguard plan ... --explain tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none
+
+Exit codes: 0 at least one layout fits, 1 none fits (or the explained layout does not fit), 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Sequence
+
+from ..errors import ConfigError
+from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
+
+DEFAULT_TOP = 5
+_MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in str(text).replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects an integer or a comma-separated list of integers, got {text!r}")
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expects positive integers, got {text!r}")
+    return vals
+
+
+def _recompute_list(text: str) -> tuple[str, ...]:
+    from ..planner.space import RECOMPUTE_LEVELS
+    vals = tuple(x.strip().lower() for x in str(text).split(",") if x.strip())
+    bad = [v for v in vals if v not in RECOMPUTE_LEVELS]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"expects a comma-separated list of {', '.join(RECOMPUTE_LEVELS)}, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..planner.search import RULES
+    p = _Parser(prog="memguard plan", description="Search tensor / pipeline / context / data parallel layouts, "
+                "keep those the estimator says fit, rank them by a predicted step time.",
+                epilog="The model: --model NAME (a preset), --config FILE, or Megatron flags after --.")
+    add_target_options(p)
+    b = p.add_argument_group("batch")
+    b.add_argument("--seq-length", type=int, help="sequence length (default: the model config's)")
+    b.add_argument("--global-batch-size", type=int, help="global batch size in sequences (default: the model config's)")
+    c = p.add_argument_group("constraints (one value or a comma-separated list)")
+    c.add_argument("--tp", type=_int_list, help="allowed tensor-parallel sizes")
+    c.add_argument("--pp", type=_int_list, help="allowed pipeline-parallel sizes")
+    c.add_argument("--cp", type=_int_list, help="allowed context-parallel sizes")
+    c.add_argument("--vpp", type=_int_list, help="allowed virtual stages per pipeline rank (1: none)")
+    c.add_argument("--mbs", type=_int_list, help="allowed micro-batch sizes")
+    c.add_argument("--max-tp", type=int, help="largest tensor-parallel size")
+    c.add_argument("--allow-tp-across-nodes", action="store_true", help="let TP groups span nodes")
+    c.add_argument("--no-recompute", action="store_true", help="no activation recomputation")
+    c.add_argument("--recompute", type=_recompute_list, help="allowed recomputation: none,selective,full")
+    c.add_argument("--dist-opt", dest="dist_opt", action=argparse.BooleanOptionalAction, default=None,
+                   help="require (or, with --no-dist-opt, forbid) the distributed optimizer")
+    c.add_argument("--sp", dest="sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="require (or forbid) sequence parallelism when TP > 1")
+    c.add_argument("--no-uneven", action="store_true", help="only even pipeline splits")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=DEFAULT_TOP, help=f"how many layouts to show (default {DEFAULT_TOP})")
+    o.add_argument("--rule", choices=RULES, default="time",
+                   help="time: predicted step time (default); fujii2024: smallest TP*CP*PP that fits, then largest MBS")
+    o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.add_argument("--explain", metavar="LAYOUT", help="print each step-time term of one layout, "
+                   "e.g. tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none")
+    return p
+
+
+def _load_model(ns: argparse.Namespace, flags: list[str]):
+    """The model from --model (a preset, through readers.models.read_model), --config and/or flags."""
+    if ns.model:
+        try:
+            from ..readers.models import read_model  # noqa: F401  (load_raw calls it)
+        except ImportError:
+            raise ConfigError("--model", f"model presets ({ns.model!r}) are not available in this version "
+                                         "(megatron_memguard.readers.models is missing); give the model as Megatron "
+                                         "flags after -- or with --config FILE") from None
+    return load_raw(ns, flags)
+
+
+def _constraints(ns: argparse.Namespace):
+    from ..planner.space import RECOMPUTE_LEVELS, Constraints
+    recompute = ns.recompute or RECOMPUTE_LEVELS
+    if ns.no_recompute:
+        if ns.recompute and set(ns.recompute) - {"none"}:
+            raise ConfigError("--no-recompute", "contradicts --recompute " + ",".join(ns.recompute))
+        recompute = ("none",)
+    if ns.max_tp is not None and ns.max_tp < 1:
+        raise ConfigError("--max-tp", f"must be >= 1, got {ns.max_tp}")
+    return Constraints(
+        tp=ns.tp, pp=ns.pp, cp=ns.cp, vpp=ns.vpp, mbs=ns.mbs, max_tp=ns.max_tp,
+        allow_tp_across_nodes=ns.allow_tp_across_nodes, recompute=tuple(recompute),
+        dist_opt=(True, False) if ns.dist_opt is None else (ns.dist_opt,),
+        sp=(True, False) if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
+    )
+
+
+def make_planner(ns: argparse.Namespace, flags: list[str]):
+    from ..gpus import lookup_gpu
+    from ..planner import Cluster, Planner
+
+    raw = _load_model(ns, flags)
+    # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
+    # the rest of the shell's environment has no business in the layouts the planner prints.
+    raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})
+    world = resolve_world(ns) or raw.world_size or (
+        raw.nodes * raw.gpus_per_node if raw.nodes and raw.gpus_per_node else None)
+    if not world:
+        raise ConfigError("--gpus", "the number of GPUs is required (--gpus N, or --nnodes and --gpus-per-node)")
+    if world < 1:
+        raise ConfigError("--gpus", f"must be >= 1, got {world}")
+    gpu, mem = target_gpu(ns)
+    notes = []
+    if gpu is None:
+        gpu = lookup_gpu("H100-80GB")
+        notes.append("no --gpu given: H100-80GB's speeds are used for the step-time model")
+    gpn = ns.nproc_per_node or raw.gpus_per_node or gpu.gpus_per_node
+    if gpn < 1:
+        raise ConfigError("--gpus-per-node", f"must be >= 1, got {gpn}")
+    domain = gpu.nvlink_domain if (gpu.nvlink_domain > gpu.gpus_per_node and not ns.nproc_per_node) else gpn
+    cluster = Cluster(gpus=world, gpus_per_node=min(gpn, world), gpu=gpu, nvlink_domain=min(domain, world),
+                      gpu_memory_bytes=mem or gpu.memory_bytes)
+    planner = Planner(raw, cluster, seq_length=ns.seq_length, global_batch_size=ns.global_batch_size,
+                      threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+    planner.notes[:0] = notes
+    if planner.shape.param_bytes == 4:
+        planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
+    return planner
+
+
+def _stage_peaks(est) -> str:
+    vals = [s.device_total_bytes / 2**30 for s in est.stages]
+    if len(vals) <= 4:
+        return "/".join(f"{v:.1f}" for v in vals)
+    return f"{min(vals):.1f}..{max(vals):.1f} ({len(vals)})"
+
+
+def render_plan(planner, res) -> str:
+    from ..report.text import table
+    from ..units import format_bytes
+    from ..planner.export import bridge_overrides, megatron_flags, nemo2_overrides
+
+    cl, s = res.cluster, res.shape
+    mem = cl.gpu_memory_bytes
+    out = [f"memguard plan - {cl.gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, {format_bytes(mem)}), "
+           f"threshold {res.threshold:.0%}, rule: {'predicted step time' if res.rule == 'time' else 'Fujii et al. 2024'}"]
+    groups = f" / {s.groups} groups" if s.groups != s.heads else ""
+    out.append(f"model:  {s.num_layers} layers, hidden {s.hidden}, ffn {s.ffn}, {s.heads} heads{groups}, vocab {s.vocab}; "
+               f"seq {s.seq_length}, GBS {res.global_batch_size}")
+    sd = res.search_dict()
+    out.append(f"search: {sd['considered']:,} layouts, {sd['visited']:,} visited "
+               + ("fastest first" if res.rule == "time" else "by TP*CP*PP, then MBS") + f": "
+               f"{sd['pruned_by_memory_bound']:,} cannot fit (model state + kept activations), "
+               f"{sd['rejected_by_megatron_rules']:,} break a Megatron rule, {sd['estimated']:,} estimated, "
+               f"{sd['fitting']:,} fit ({res.seconds:.2f} s)")
+    out.append("")
+    if res.entries:
+        rows = []
+        for e in res.entries:
+            est, t = e.estimate, e.time
+            dom = t.dominant
+            rows.append([
+                str(e.rank), e.candidate.label, _stage_peaks(est),
+                f"pp{est.critical_stage} {est.peak_device_bytes / mem:.0%}", est.verdict, f"{t.seconds:.2f} s",
+                f"{t.tokens_per_s_per_gpu:,.0f}", f"{t.mfu:.1%}", f"{dom.name} {dom.seconds / t.seconds:.1%}",
+            ])
+        out.append(table(rows, ["#", "layout", "stage peaks GiB", "critical", "verdict", "step", "tok/s/GPU", "MFU",
+                                "dominant cost"], right=(0, 5, 6, 7)))
+        best = res.entries[0]
+        L = best.layout
+        out.append("")
+        out.append(f"chosen: #1 {best.candidate.label} ({best.candidate.name}); explain it with "
+                   f"--explain {best.candidate.name}")
+        out.append("")
+        out.append("Megatron flags:")
+        out.append("  " + " \\\n  ".join(megatron_flags(L)))
+        out.append("NeMo 2 (NeMo-Run recipe overrides):")
+        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node)))
+        out.append("Megatron-Bridge (ConfigContainer overrides):")
+        out.append("  " + " ".join(bridge_overrides(L)))
+    else:
+        out.append("no layout fits.")
+        for frac, c, est in res.closest:
+            out.append(f"  closest: {c.label} ({c.name}): {est.verdict}, pp{est.critical_stage} needs "
+                       f"{format_bytes(est.peak_device_bytes)} = {frac:.0%} of {format_bytes(mem)}")
+        if not res.closest and res.smallest_bound:
+            lb, c = res.smallest_bound
+            out.append(f"  every layout's model state and kept activations alone exceed {res.threshold:.0%} of "
+                       f"{format_bytes(mem)}; the smallest is {format_bytes(lb)} ({c.label})")
+        out.append("  more GPUs, a larger GPU, a smaller micro-batch / global batch, or fewer constraints may help")
+    notes = list(res.notes)
+    if res.rejected:
+        top = "; ".join(f"{why} ({n}x)" for why, n in res.rejected.most_common(3))
+        notes.append(f"{sum(res.rejected.values())} candidate(s) broke a rule Megatron checks and were dropped: {top}")
+    if notes:
+        out.append("")
+        out.extend(f"note: {n}" for n in notes)
+    return "\n".join(out)
+
+
+def plan_json(planner, res) -> dict:
+    cl, s = res.cluster, res.shape
+    return {
+        "schema": "memguard.plan/1",
+        "rule": res.rule,
+        "gpus": cl.gpus,
+        "gpu": cl.gpu.name,
+        "gpus_per_node": cl.gpus_per_node,
+        "gpu_memory_bytes": cl.gpu_memory_bytes,
+        "threshold": res.threshold,
+        "seq_length": s.seq_length,
+        "global_batch_size": res.global_batch_size,
+        "model_flops_per_token": planner.timer.flops_per_token,
+        "search": res.search_dict(),
+        "layouts": [e.to_dict(cl.gpus_per_node) for e in res.entries],
+        "notes": list(res.notes),
+    }
+
+
+def run(own_args: Sequence[str], flags: list[str]) -> int:
+    try:
+        ns = build_parser().parse_args(list(own_args))
+    except SystemExit as e:          # --help (0) or a usage error, already printed (2)
+        return int(e.code or 0)
+    if ns.top < 1:
+        raise ConfigError("--top", f"must be >= 1, got {ns.top}")
+    planner = make_planner(ns, flags)
+    if ns.explain:
+        from ..planner.explain import explain, render_explanation
+        x = explain(planner, ns.explain)
+        if ns.json:
+            print(json.dumps(x.to_dict(), indent=2))
+        else:
+            print(render_explanation(planner, x))
+        return EXIT_FITS if x.estimate.verdict == "fits" else EXIT_PROBLEM
+    res = planner.plan(_constraints(ns), top=ns.top, rule=ns.rule)
+    if ns.json:
+        print(json.dumps(plan_json(planner, res), indent=2))
+    else:
+        print(render_plan(planner, res))
+    return EXIT_FITS if res.entries else EXIT_PROBLEM
+
+
+__all__ = ["run", "build_parser", "EXIT_BAD_INPUT"]

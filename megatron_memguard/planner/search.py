@@ -1,0 +1,217 @@
+"""Search the layout space: keep the layouts the estimator says fit, rank them.
+
+Rule ``time`` (default): rank by the predicted step time of :mod:`.timing`. The search is
+best-first: every candidate's step time is computed (cheap, memoised per (TP, CP, MBS, SP)), the
+candidates are visited fastest first, and each is (1) skipped when the memory lower bound of
+:mod:`.bounds` already exceeds threshold x GPU memory, (2) resolved with Megatron's rules
+(``megatron_memguard.resolve``; a candidate that breaks one is dropped), (3) estimated. The search
+stops once ``top`` layouts fit: every faster candidate has been visited, so they are exactly the
+``top`` fastest fitting ones.
+
+Rule ``fujii2024``: Fujii et al. 2024 (arXiv 2411.06465) rank by the smallest TP x CP x PP that
+fits, then the largest micro-batch; the search space is theirs (TP x CP within a node, even
+pipeline splits, 1F1B without VPP, no recomputation, SP, distributed optimizer). Ties are broken
+by the predicted step time.
+"""
+from __future__ import annotations
+
+import time as _time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import RawConfig
+from ..errors import ConfigError, ConfigErrors
+from ..estimator import Estimate, estimate
+from ..layout import Layout
+from ..resolve import resolve
+from .bounds import memory_lower_bound
+from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_space, model_shape
+from .timing import StepTime, TimeModel
+
+RULES = ("time", "fujii2024")
+_RC_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    rank: int
+    candidate: Candidate
+    layout: Layout
+    estimate: Estimate
+    time: StepTime
+
+    def to_dict(self, gpus_per_node: int | None = None) -> dict[str, Any]:
+        from .export import bridge_overrides, megatron_flags, nemo2_overrides
+        est, t = self.estimate, self.time
+        return {
+            "rank": self.rank,
+            "name": self.candidate.name,
+            "label": self.candidate.label,
+            "layout": self.layout.to_dict(),
+            "verdict": est.verdict,
+            "critical_stage": est.critical_stage,
+            "peak_device_bytes": est.peak_device_bytes,
+            "peak_allocated_bytes": est.critical.peak_allocated_bytes,
+            "stage_device_bytes": [s.device_total_bytes for s in est.stages],
+            "gpu_memory_fraction": (est.peak_device_bytes / est.gpu_memory_bytes) if est.gpu_memory_bytes else None,
+            "step_time_s": t.seconds,
+            "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu,
+            "mfu": t.mfu,
+            "step_time_terms": t.term_seconds,
+            "slowest_stage": t.critical_stage,
+            "dominant_cost": t.dominant.name,
+            "megatron_flags": megatron_flags(self.layout),
+            "nemo2_overrides": nemo2_overrides(self.layout, gpus_per_node),
+            "bridge_overrides": bridge_overrides(self.layout),
+        }
+
+
+@dataclass
+class PlanResult:
+    rule: str
+    cluster: Cluster
+    shape: ModelShape
+    global_batch_size: int
+    threshold: float
+    entries: list[PlanEntry]
+    considered: int = 0            # candidates enumerated (and timed)
+    visited: int = 0               # candidates looked at before the search stopped
+    pruned_by_bound: int = 0       # skipped: memory lower bound above threshold x GPU memory
+    rejected: Counter = field(default_factory=Counter)   # Megatron rule -> count
+    estimated: int = 0
+    verdicts: Counter = field(default_factory=Counter)   # verdict -> count among the estimated
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    closest: list = field(default_factory=list)          # (fraction of GPU memory, Candidate, Estimate), not fitting
+    smallest_bound: tuple | None = None                  # (bytes, Candidate) when everything was bounded out
+
+    @property
+    def fitting(self) -> int:
+        return self.verdicts.get("fits", 0)
+
+    def search_dict(self) -> dict[str, Any]:
+        return {
+            "considered": self.considered, "visited": self.visited, "pruned_by_memory_bound": self.pruned_by_bound,
+            "rejected_by_megatron_rules": sum(self.rejected.values()), "estimated": self.estimated,
+            "fitting": self.fitting, "tight": self.verdicts.get("tight", 0),
+            "will_not_fit": self.verdicts.get("will not fit", 0), "seconds": self.seconds,
+        }
+
+
+class Planner:
+    """One model on one cluster: candidates, their step times, layouts and estimates."""
+
+    def __init__(self, raw: RawConfig, cluster: Cluster, seq_length: int | None = None,
+                 global_batch_size: int | None = None, threshold: float = 0.8, megatron_version: str | None = None,
+                 vocab_size: int | None = None):
+        self.raw = raw
+        self.cluster = cluster
+        self.threshold = threshold
+        self.megatron_version = megatron_version
+        self.vocab_size = vocab_size
+        self.notes: list[str] = []
+        seq = seq_length or raw.args.get("seq_length") or raw.args.get("encoder_seq_length")
+        if not seq:
+            raise ConfigError("--seq-length", "is required (give --seq-length or set it in the model config)")
+        gbs = global_batch_size or raw.args.get("global_batch_size")
+        if not gbs:
+            raise ConfigError("--global-batch-size", "is required (give --global-batch-size or set it in the model config)")
+        self.seq_length, self.gbs = int(seq), int(gbs)
+        if self.seq_length < 1 or self.gbs < 1:
+            raise ConfigError("--seq-length" if self.seq_length < 1 else "--global-batch-size", "must be >= 1")
+        ignored = [raw.key(k) for k in SEARCHED_ARGS
+                   if raw.args.get(k) not in (None, False) and k not in ("overlap_grad_reduce",)]
+        if ignored:
+            self.notes.append("the planner chooses " + ", ".join(ignored) + " itself; the model config's values are "
+                              "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
+        # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
+        probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
+        probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
+        self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
+        self.shape = model_shape(self.probe, raw)
+        self.notes.extend(n for n in self.probe.notes if n not in self.notes)
+        if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):
+            self.notes.append("the step-time model assumes fused (flash) attention kernels; the unfused attention "
+                              "this model uses is slower than predicted")
+        if self.probe.tp_comm_overlap:
+            self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
+        self.timer = TimeModel(self.shape, cluster, self.gbs)
+        self._bounds: dict[tuple, float] = {}
+
+    # ---- per candidate ------------------------------------------------------------------------------
+    def step_time(self, c: Candidate) -> StepTime:
+        return self.timer.step_time(c)
+
+    def lower_bound(self, c: Candidate) -> float:
+        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m))
+        b = self._bounds.get(key)
+        if b is None:
+            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params)
+        return b
+
+    def layout(self, c: Candidate) -> Layout:
+        """The candidate resolved with Megatron's rules (raises ConfigError / ConfigErrors)."""
+        raw = self.raw.with_args(**c.overrides(self.gbs, self.seq_length))
+        return resolve(raw, world_size=self.cluster.gpus, megatron_version=self.megatron_version,
+                       vocab_size=self.vocab_size)
+
+    def estimate(self, layout: Layout) -> Estimate:
+        return estimate(layout, gpu=self.cluster.gpu, gpu_memory=self.cluster.gpu_memory_bytes,
+                        threshold=self.threshold)
+
+    @property
+    def limit(self) -> float:
+        return self.cluster.gpu_memory_bytes * self.threshold
+
+    # ---- the search ----------------------------------------------------------------------------------
+    def order_key(self, rule: str):
+        if rule == "fujii2024":
+            return lambda c: (c.model_parallel, -c.mbs, self.step_time(c).seconds, c.tp, c.pp)
+        return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
+                          not c.dist_opt, c.mbs, c.tp, c.pp)
+
+    def plan(self, constraints: Constraints | None = None, top: int = 10, rule: str = "time") -> PlanResult:
+        if rule not in RULES:
+            raise ConfigError("--rule", f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+        if top < 1:
+            raise ConfigError("--top", f"must be >= 1, got {top}")
+        t0 = _time.perf_counter()
+        cons = constraints or Constraints()
+        cands = enumerate_space(self.shape, self.cluster, self.gbs, cons, rule=rule)
+        res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
+                         threshold=self.threshold, entries=[], considered=len(cands), notes=list(self.notes))
+        cands.sort(key=self.order_key(rule))
+        limit = self.limit
+        for c in cands:
+            res.visited += 1
+            lb = self.lower_bound(c)
+            if lb > limit:
+                res.pruned_by_bound += 1
+                if res.smallest_bound is None or lb < res.smallest_bound[0]:
+                    res.smallest_bound = (lb, c)
+                continue
+            try:
+                L = self.layout(c)
+            except ConfigErrors as e:
+                for err in e.errors:
+                    res.rejected[str(err)] += 1
+                continue
+            except ConfigError as e:
+                res.rejected[str(e)] += 1
+                continue
+            est = self.estimate(L)
+            res.estimated += 1
+            res.verdicts[est.verdict] += 1
+            if est.verdict == "fits":
+                res.entries.append(PlanEntry(len(res.entries) + 1, c, L, est, self.step_time(c)))
+                if len(res.entries) >= top:
+                    break
+            elif est.gpu_memory_bytes:
+                res.closest.append((est.peak_device_bytes / est.gpu_memory_bytes, c, est))
+                res.closest.sort(key=lambda x: x[0])
+                del res.closest[3:]
+        res.seconds = _time.perf_counter() - t0
+        if not cands:
+            res.notes.append("no layout satisfies the constraints and Megatron's divisibility rules")
+        return res
