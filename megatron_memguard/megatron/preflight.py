@@ -177,6 +177,10 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
         say(render(est, colour=False))
     elif settings.mode == "abort":
         d.action = "abort"
+        c = est.critical
+        say(f"{PREFIX} ABORT: stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
+            f"{c.device_total_bytes / est.gpu_memory_bytes:.0%} of {format_bytes(est.gpu_memory_bytes)}, over the "
+            f"{settings.threshold:.0%} threshold")
         say(render(est, colour=False))
         say(_suggestion(raw, est, d.gpu, settings, megatron_version, args, defaults, validate))
         say(f"{PREFIX} aborting on every rank before any GPU memory is allocated (--memguard abort, exit code "
