@@ -190,3 +190,57 @@ def test_unsupported_configuration_is_said_not_guessed(legacy, capsys):
     out = capsys.readouterr().out
     assert "cannot estimate this configuration" in out and "not modelled" in out
     assert args.num_experts == 8
+
+
+def test_unknown_gpu_memory_is_said(legacy, capsys, monkeypatch):
+    import torch
+
+    def no_gpu(i=None):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    out = capsys.readouterr().out
+    assert "GPU memory unknown" in out and "--memguard-gpu-memory" in out
+    assert legacy.hook.STATE.decision.action == "unknown"
+
+
+def test_runtime_wrappers_survive_restart_and_report_oom(legacy, tmp_path, capsys):
+    import json
+    from megatron_memguard.megatron import hook as h
+    from megatron_memguard.runtime import Reading, StaticSource
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard-log-dir", tmp_path,
+               "--memguard-log-interval", 2)
+    pred = legacy.hook.STATE.decision.estimate.stages[0]
+    src = StaticSource(Reading(allocated=pred.persistent_bytes, max_allocated=pred.peak_allocated_bytes,
+                               reserved=pred.peak_reserved_bytes, max_reserved=pred.peak_reserved_bytes,
+                               device_used=pred.device_total_bytes))
+    legacy.hook.set_memory_source(src)
+    setup = h._wrap_setup(lambda *a, **k: ("model", "optimizer", None))
+    log = h._wrap_training_log(lambda *a, **k: "report_memory_flag")
+
+    def train_ok():
+        for it in range(1, 5):
+            assert log({}, {}, 1e-4, it, 1.0, True, 0, 1.0, None, 0) == "report_memory_flag"
+        return 4, 0
+
+    def train_oom():
+        log({}, {}, 1e-4, 2, 1.0, True, 0, 1.0, None, 0)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monitors = []
+    for train_fn in (train_ok, train_oom):        # an in-process restart re-enters setup and train
+        assert setup(None, None) == ("model", "optimizer", None)
+        monitors.append(legacy.hook.STATE.monitor)
+        wrapped_train = h._wrap_train(train_fn)
+        if train_fn is train_ok:
+            assert wrapped_train() == (4, 0)
+        else:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                wrapped_train()
+    assert monitors[0] is not monitors[1] and all(m.finished for m in monitors)
+    recs = [json.loads(l) for l in open(tmp_path / "memguard-rank00000.jsonl")]
+    assert [r["event"] for r in recs] == ["start", "sample", "sample", "summary", "start", "sample", "oom", "summary"]
+    assert recs[1]["iteration"] == 2 and recs[2]["iteration"] == 4
+    assert recs[1]["predicted"]["peak_allocated"] == pred.peak_allocated_bytes
+    err = capsys.readouterr().err
+    assert "rank 0 (pp0) ran out of GPU memory" in err and "= peak allocated" in err
