@@ -21,13 +21,13 @@ fi
 if [ "${MEMGUARD_SKIP_PY312:-0}" = "1" ]; then
     exit 0
 fi
+is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
 PY312=${PYTHON312:-}
 if [ -z "$PY312" ]; then
-    if command -v python3.12 >/dev/null 2>&1; then
-        PY312=$(command -v python3.12)
-    elif command -v pyenv >/dev/null 2>&1 && [ -x "$(pyenv root)/versions/3.12.1/bin/python3" ]; then
-        PY312="$(pyenv root)/versions/3.12.1/bin/python3"
-    fi
+    # a pyenv shim named python3.12 exists even when 3.12 is not the selected version: try each candidate
+    for cand in python3.12 $(command -v pyenv >/dev/null 2>&1 && ls -d "$(pyenv root)"/versions/3.12*/bin/python3 2>/dev/null); do
+        if is_py312 "$cand"; then PY312=$cand; break; fi
+    done
 fi
 if [ -z "$PY312" ]; then
     echo "tests/run.sh: no Python 3.12 found; the config-container era tests did not run" >&2

@@ -200,3 +200,17 @@ def test_no_prediction_still_logs_actuals():
     m.step(1)
     assert c.records[0]["predicted"] is None and c.records[0]["actual"]["max_allocated"] > 0
     assert m.finish()["ratio"] is None
+
+
+def test_errors_go_to_the_integrations_reporter():
+    class Broken(Sink):
+        def write(self, record):
+            raise OSError("disk full")
+
+    seen = []
+    m = MemoryMonitor(StaticSource(reading()), PRED, interval=1, sinks=[Broken()], emit=lambda s: None,
+                      emit_error=lambda s: seen.append(("printed", s)), on_error=lambda where, e: seen.append((where, str(e))))
+    m.step(1)
+    m.step(2)
+    assert seen and all(kind != "printed" for kind, _ in seen) and seen[0][1] == "disk full"
+    assert m.errors == len(seen)

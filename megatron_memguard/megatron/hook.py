@@ -196,6 +196,7 @@ def _wrap_validate(original):
         settings = _read_settings(args)
         STATE.settings = settings
         if settings.mode == "off":
+            STATE.decision = None
             return original(args, defaults, *a, **k)
         decision = None
         try:
@@ -319,20 +320,29 @@ def build_monitor(source):
     ranks = _parallel_ranks()
     prediction = stage_predictions = None
     note = ""
+    # Every step below may fail alone without leaving this rank without a monitor: the ranks of rank 0's
+    # pipeline group must all reach the per-stage gather.
     if d is not None and d.layout is not None:
         if d.layout.pp != ranks["pp_size"]:
             note = f"pipeline size {ranks['pp_size']} differs from the estimated layout's {d.layout.pp}: no prediction"
         else:
-            est = estimate(d.layout, device=source.device, gpu=d.gpu, gpu_memory=d.gpu_memory,
-                           threshold=settings.threshold, dp_rank=ranks["dp_rank"])
-            prediction = Prediction.from_estimate(est, ranks["pp_rank"])
-            stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
+            try:
+                est = estimate(d.layout, device=source.device, gpu=d.gpu, gpu_memory=d.gpu_memory,
+                               threshold=settings.threshold, dp_rank=ranks["dp_rank"])
+                prediction = Prediction.from_estimate(est, ranks["pp_rank"])
+                stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
+            except Exception as e:
+                STATE.error("the runtime prediction", e)
+                note = "the runtime prediction failed"
     else:
         note = "no pre-allocation estimate (" + (d.reason if d is not None and d.reason else "the check did not run") + ")"
     interval = settings.log_interval or getattr(args, "log_interval", None) or 100
     sinks = []
     if settings.log_dir:
-        sinks.append(JsonlSink(JsonlSink.path_for(settings.log_dir, ranks["rank"])))
+        try:
+            sinks.append(JsonlSink(JsonlSink.path_for(settings.log_dir, ranks["rank"])))
+        except Exception as e:
+            STATE.error("opening the JSONL log", e)
     tb, wb = _writers()
     if tb is not None or wb is not None:
         sinks.append(WriterSink(tb, wb))
@@ -347,7 +357,7 @@ def build_monitor(source):
         source, prediction, rank=ranks["rank"], pp_rank=ranks["pp_rank"], interval=interval, reset_peak=settings.reset_peak,
         sinks=sinks, emit=STATE.emit, emit_error=STATE.emit_error, log_stages=ranks["rank"] == 0,
         stage_predictions=stage_predictions, gather=gather,
-        print_warnings=ranks["dp_rank"] == 0 and ranks["cp_rank"] == 0, context=context)
+        print_warnings=ranks["dp_rank"] == 0 and ranks["cp_rank"] == 0, context=context, on_error=STATE.error)
 
 
 def _oom_observer(device, alloc, device_alloc, device_free):

@@ -126,7 +126,8 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
            emit: Callable[[str], None] | None = None) -> Decision:
     """Take the pre-allocation decision for ``args`` (the raw arguments, before validation)."""
     environ = os.environ if environ is None else environ
-    rank0 = int(getattr(args, "rank", None) or environ.get("RANK", "0") or 0) == 0
+    rank = getattr(args, "rank", None)
+    rank0 = int(rank if rank is not None else (environ.get("RANK") or 0)) == 0
     out: list[str] = []
 
     def say(text: str) -> None:

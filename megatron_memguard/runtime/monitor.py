@@ -113,6 +113,7 @@ class MemoryMonitor:
         gather: Callable[[list[float]], list[list[float]] | None] | None = None,
         print_warnings: bool = True,
         context: Mapping[str, Any] | None = None,
+        on_error: Callable[[str, BaseException], None] | None = None,
     ):
         self.source = source
         self.prediction = prediction
@@ -131,6 +132,7 @@ class MemoryMonitor:
         self.gather = gather
         self.print_warnings = print_warnings
         self.context = dict(context or {})
+        self.on_error = on_error
         self.samples = 0
         self.errors = 0
         self.warned: dict[str, Any] | None = None
@@ -145,6 +147,12 @@ class MemoryMonitor:
     # -- robustness ------------------------------------------------------------------------------
     def _error(self, where: str, exc: BaseException) -> None:
         self.errors += 1
+        if self.on_error is not None:  # the integration reports (once per process)
+            try:
+                self.on_error(where, exc)
+            except Exception:
+                pass
+            return
         if self._error_logged:
             return
         self._error_logged = True
