@@ -20,3 +20,8 @@ LLAMA2_7B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-a
              "--seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope "
              "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
              "--tokenizer-type NullTokenizer --vocab-size 32000 --bf16").split()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "megatron_training: needs the real megatron.training of the config-container era "
+                            "(Python 3.12, megatron-core >= 0.18); tests/run.sh runs these in .venv312")

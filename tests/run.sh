@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Install what the tests need into .venv (Python 3.11: torch 2.13.0 CPU wheel, megatron-core 0.16.1)
-# and run the whole suite. Used by CI (.ci/run) and by the README's quick start.
+# Install what the tests need and run the suite twice:
+#   .venv    Python 3.11: torch 2.13.0 CPU wheel, megatron-core 0.16.1 (megatron.core only). Runs everything;
+#            the legacy-era hook tests use the stand-in megatron.training in tests/legacy_standin.
+#   .venv312 Python 3.12: torch 2.14.1, megatron-core 0.19.2 with the real megatron.training of the
+#            config-container era. Runs the suite again, which now includes the tests marked
+#            megatron_training (they skip cleanly under 3.11).
+# Used by CI (.ci/run) and by the README's quick start. Arguments go to both pytest runs.
+# MEMGUARD_SKIP_PY312=1 skips the second run; PYTHON312=/path/to/python3.12 picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -11,3 +17,26 @@ fi
 # torch is pinned to the CPU wheel on the CI machines (a looser pin pulls a multi-GB CUDA build).
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 .venv/bin/python -m pytest -q "$@"
+
+if [ "${MEMGUARD_SKIP_PY312:-0}" = "1" ]; then
+    exit 0
+fi
+is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
+PY312=${PYTHON312:-}
+if [ -z "$PY312" ]; then
+    # a pyenv shim named python3.12 exists even when 3.12 is not the selected version: try each candidate
+    for cand in python3.12 $(command -v pyenv >/dev/null 2>&1 && ls -d "$(pyenv root)"/versions/3.12*/bin/python3 2>/dev/null); do
+        if is_py312 "$cand"; then PY312=$cand; break; fi
+    done
+fi
+if [ -z "$PY312" ]; then
+    echo "tests/run.sh: no Python 3.12 found; the config-container era tests did not run" >&2
+    exit 1
+fi
+if [ ! -x .venv312/bin/python ]; then
+    "$PY312" -m venv .venv312
+fi
+# megatron-core >= 0.17 ships megatron.training and needs Python >= 3.12 (about a minute, 5.5 GB with torch).
+.venv312/bin/python -m pip install -q --disable-pip-version-check torch==2.14.1 megatron-core==0.19.2 pytest pyyaml packaging
+.venv312/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "$@"

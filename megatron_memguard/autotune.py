@@ -1,0 +1,337 @@
+"""Find a micro-batch size and pipeline size (and, if allowed, activation recomputation) that fit.
+
+Framework-free: works on a ``RawConfig`` (what the user wrote, under Megatron's argument names)
+through ``resolve`` and ``estimate``, so the Megatron hook, the CLI and NeMo / Megatron-Bridge
+integrations share one search.
+
+Rules (the ones Megatron checks later, some of them only after memory is allocated):
+* the global batch size stays what it is; when the user left it to default (``MBS x DP``) it is
+  pinned to that value, because a new MBS or DP would otherwise change it silently;
+* ``GBS % (MBS x DP) == 0`` for the new DP (also every step of ``--rampup-batch-size`` and an
+  explicit ``--eval-global-batch-size`` / ``--eval-micro-batch-size``);
+* ``world % (TP x PP x CP) == 0``; layers divide into the new stages (or the uneven first/last
+  counts leave an even split of the middle stages); the virtual-pipeline rules; the interleaved
+  schedule's micro-batch grouping rule (``PP <= group <= num_microbatches``, last group 0 or >= PP);
+  all of these are ``resolve``'s checks, so a candidate that breaks one is rejected with its message;
+* PP is never changed when ``--pipeline-model-parallel-layout`` gives an explicit layout, nor when the
+  checkpoint to load cannot be resharded across pipeline stages (``--ckpt-format torch``,
+  ``--non-persistent-ckpt-type local``), nor with ``--step-batch-size-schedule`` (MBS neither).
+
+Order of preference (Fujii et al. 2024, arXiv 2411.06465: model parallelism costs more than a smaller
+micro-batch): without recomputation before with it (only with ``allow_recompute``); then the least
+pipeline parallelism; then the largest micro-batch size. The first candidate whose critical stage
+stays within ``threshold`` of GPU memory wins; if none does, the first one that stays within 100%
+("tight") is taken; if none does either, the result is ``impossible``. The search is a pure function
+of its inputs, so every rank of a job reaches the same decision without communicating.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .config import RawConfig
+from .errors import ConfigError, ConfigErrors, MemguardError
+from .estimator import Estimate, estimate
+from .gpus import GpuSpec
+from .layout import Layout
+from .resolve import resolve
+from .units import format_bytes
+
+# Recomputation levels the search may add (only with allow_recompute), weakest first.
+_SELECTIVE = {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None}
+_FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+_RESHARD_BLOCKERS = (
+    ("ckpt_format", lambda v: v == "torch", "the legacy 'torch' checkpoint format cannot be resharded across pipeline stages"),
+    ("non_persistent_ckpt_type", lambda v: v == "local", "local non-persistent checkpoints cannot be resharded across pipeline stages"),
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout the search tried and could estimate."""
+
+    changes: Mapping[str, Any]      # argument updates relative to the input (Megatron dest names)
+    layout: Layout
+    estimate: Estimate
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.layout.micro_batch_size
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return self.layout.pipeline_model_parallel_size
+
+    @property
+    def fraction(self) -> float | None:
+        mem = self.estimate.gpu_memory_bytes
+        return self.estimate.peak_device_bytes / mem if mem else None
+
+    def describe(self) -> str:
+        return describe_layout_choice(self.layout)
+
+
+@dataclass(frozen=True)
+class AutotuneResult:
+    status: str                      # "fits" (nothing to do) | "changed" | "tight" (best effort) | "impossible"
+    original: Estimate
+    chosen: Candidate | None         # None when status is "fits" or "impossible"
+    changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # dest -> (old, new)
+    reasons: tuple[str, ...] = ()    # why, in sentences
+    considered: int = 0              # candidates estimated
+    rejected: tuple[tuple[str, str], ...] = ()  # (candidate, rule it breaks)
+
+    @property
+    def updates(self) -> dict[str, Any]:
+        """The argument updates to apply (dest -> new value)."""
+        return {k: new for k, (_, new) in self.changes.items()}
+
+    @property
+    def final_estimate(self) -> Estimate:
+        return self.chosen.estimate if self.chosen is not None else self.original
+
+    def summary(self) -> str:
+        """One paragraph for logs: what changed and why, or why nothing could."""
+        lines = list(self.reasons)
+        if self.rejected:
+            counts: dict[str, int] = {}
+            for _, why in self.rejected:
+                counts[why] = counts.get(why, 0) + 1
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:4]
+            lines.append(f"{len(self.rejected)} candidate(s) broke a rule Megatron checks: "
+                         + "; ".join(f"{why} ({n}x)" for why, n in top))
+        return "\n".join(lines)
+
+
+def describe_layout_choice(L: Layout) -> str:
+    rec = L.recompute_granularity or "no recompute"
+    if L.recompute_granularity == "full":
+        rec = f"full recompute ({L.recompute_method} {L.recompute_num_layers})"
+    elif L.recompute_granularity == "selective":
+        rec = "selective recompute"
+    vpp = f" VPP{L.vpp}" if L.vpp > 1 else ""
+    return f"MBS {L.micro_batch_size}, PP {L.pp}{vpp} (DP {L.dp}), {rec}"
+
+
+def _pct(est: Estimate) -> str:
+    mem = est.gpu_memory_bytes
+    return f"{est.peak_device_bytes / mem:.0%}" if mem else "?"
+
+
+def _recompute_levels(L: Layout, allow: bool) -> list[dict[str, Any]]:
+    levels: list[dict[str, Any]] = [{}]
+    if not allow:
+        return levels
+    if L.recompute_granularity is None:
+        levels += [dict(_SELECTIVE), dict(_FULL)]
+    elif L.recompute_granularity == "selective":
+        levels.append(dict(_FULL))
+    elif L.recompute_granularity == "full" and (L.recompute_method != "uniform" or (L.recompute_num_layers or 1) > 1):
+        levels.append(dict(_FULL))
+    return levels
+
+
+def _ramp_values(raw: RawConfig, gbs: int) -> list[int]:
+    ramp = raw.args.get("rampup_batch_size")
+    if not ramp:
+        return []
+    try:
+        start, inc = int(ramp[0]), int(ramp[1])
+    except (TypeError, ValueError, IndexError):
+        return []
+    if inc <= 0:
+        return []
+    return list(range(start, gbs + 1, inc))
+
+
+def _extra_batch_rules(raw: RawConfig, gbs: int, mbs: int, dp: int) -> str | None:
+    """Batch rules resolve() does not check: ramp-up steps and explicit eval batch sizes."""
+    for g in _ramp_values(raw, gbs):
+        if g % (mbs * dp):
+            return f"--rampup-batch-size step {g} is not divisible by MBS x DP = {mbs * dp}"
+    a = raw.args
+    eval_gbs = a.get("eval_global_batch_size")
+    eval_mbs = a.get("eval_micro_batch_size")
+    if eval_gbs is not None or eval_mbs is not None:
+        eg = int(eval_gbs) if eval_gbs is not None else gbs
+        em = int(eval_mbs) if eval_mbs is not None else mbs
+        if eg % (em * dp):
+            return f"--eval-global-batch-size {eg} is not divisible by eval MBS x DP = {em}*{dp}"
+    return None
+
+
+def autotune(
+    raw: RawConfig,
+    *,
+    world_size: int | None = None,
+    megatron_version: str | None = None,
+    vocab_size: int | None = None,
+    gpu: GpuSpec | None = None,
+    gpu_memory: int | None = None,
+    threshold: float = 0.8,
+    profile: str = "auto",
+    allow_recompute: bool = False,
+    allow_pp: bool = True,
+    accept: Callable[[Mapping[str, Any]], str | None] | None = None,
+    original: Estimate | None = None,
+) -> AutotuneResult:
+    """Search MBS downwards and PP upwards (recompute only with ``allow_recompute``) for a layout that fits.
+
+    ``accept(updates)`` may veto a winning candidate (return the reason, e.g. from a dry run of the
+    framework's own validation); the search then continues with the next one. Raises ConfigError(s)
+    when the input itself breaks a rule, MemguardError when GPU memory is unknown.
+    """
+    L0 = original.layout if original is not None else resolve(raw, world_size=world_size, megatron_version=megatron_version,
+                                                                vocab_size=vocab_size)
+    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
+    E0 = original if original is not None else estimate(L0, **est_kw)
+    if not E0.gpu_memory_bytes:
+        raise MemguardError("autotune needs the GPU memory (give --memguard-gpu-memory or a GPU)")
+    if E0.verdict == "fits":
+        return AutotuneResult("fits", E0, None, reasons=(f"{describe_layout_choice(L0)} fits: critical stage "
+                                                         f"pp{E0.critical_stage} needs {_pct(E0)} of GPU memory",))
+    world = L0.world_size
+    mbs0, pp0, gbs0 = L0.micro_batch_size, L0.pp, L0.global_batch_size
+    gbs_defaulted = raw.args.get("global_batch_size") is None
+    notes: list[str] = []
+
+    # Which knobs may move.
+    if raw.args.get("step_batch_size_schedule"):
+        return AutotuneResult("impossible", E0, None, reasons=(
+            "--step-batch-size-schedule: every scheduled global batch size would have to be re-checked; "
+            "autotune leaves micro-batch and pipeline sizes alone",))
+    pp_fixed = None
+    if L0.pipeline_model_parallel_layout:
+        pp_fixed = f"{raw.key('pipeline_model_parallel_layout')} encodes PP {pp0} explicitly"
+    elif not allow_pp:
+        pp_fixed = "pipeline size changes are disabled"
+    elif raw.args.get("load") is not None or raw.args.get("pretrained_checkpoint") is not None:
+        for dest, pred, why in _RESHARD_BLOCKERS:
+            if pred(raw.args.get(dest)):
+                pp_fixed = f"{raw.key(dest)}: {why}"
+    tp, cp = L0.tp, L0.cp
+    if pp_fixed:
+        pps = [pp0]
+        notes.append(f"pipeline size kept at {pp0}: {pp_fixed}")
+    else:
+        pps = [p for p in range(pp0, L0.num_layers + 1) if world % (tp * p * cp) == 0]
+    mbss = list(range(mbs0, 0, -1))
+    levels = _recompute_levels(L0, allow_recompute)
+    if not allow_recompute and L0.recompute_granularity != "full":
+        notes.append("activation recomputation not tried (allow it with --memguard-allow-recompute)")
+
+    rejected: list[tuple[str, str]] = []
+    considered = 0
+    first_tight: Candidate | None = None
+    best: Candidate | None = None
+    gbs_pin = {"global_batch_size": gbs0} if gbs_defaulted else {}
+    alias_off = {"recompute_activations": False} if raw.args.get("recompute_activations") else {}
+
+    for level in levels:
+        for pp in pps:
+            dp = world // (tp * pp * cp)
+            for mbs in mbss:
+                updates: dict[str, Any] = {}
+                if mbs != mbs0:
+                    updates["micro_batch_size"] = mbs
+                if pp != pp0:
+                    updates["pipeline_model_parallel_size"] = pp
+                if level:
+                    updates.update(level)
+                    updates.update(alias_off)
+                if updates:
+                    updates.update(gbs_pin)
+                label = f"MBS {mbs}, PP {pp}" + (f", {level['recompute_granularity']} recompute" if level else "")
+                if gbs0 % (mbs * dp):
+                    rejected.append((label, f"GBS {gbs0} is not divisible by MBS x DP"))
+                    continue
+                why = _extra_batch_rules(raw, gbs0, mbs, dp)
+                if why is None and pp > 1 and raw.args.get("overlap_param_gather_with_optimizer_step"):
+                    vpp_given = any(raw.args.get(k) for k in ("num_layers_per_virtual_pipeline_stage",
+                                                              "num_virtual_stages_per_pipeline_rank"))
+                    if not vpp_given:
+                        why = "--overlap-param-gather-with-optimizer-step with PP > 1 needs virtual pipeline stages"
+                if why:
+                    rejected.append((label, why))
+                    continue
+                if not updates:
+                    L, E = L0, E0
+                else:
+                    try:
+                        L = resolve(raw.with_args(**updates), world_size=world_size or L0.world_size,
+                                    megatron_version=megatron_version, vocab_size=vocab_size)
+                    except ConfigErrors as e:
+                        rejected.append((label, _rule_text(e.errors[0])))
+                        continue
+                    except ConfigError as e:
+                        rejected.append((label, _rule_text(e)))
+                        continue
+                    except MemguardError as e:
+                        rejected.append((label, str(e)))
+                        continue
+                    E = estimate(L, **est_kw)
+                considered += 1
+                cand = Candidate(updates, L, E)
+                if E.verdict == "fits":
+                    veto = accept(updates) if (accept is not None and updates) else None
+                    if veto:
+                        rejected.append((label, veto))
+                        continue
+                    best = cand
+                    break
+                if E.verdict == "tight" and first_tight is None:
+                    veto = accept(updates) if (accept is not None and updates) else None
+                    if veto:
+                        rejected.append((label, veto))
+                    else:
+                        first_tight = cand
+            if best is not None:
+                break
+        if best is not None:
+            break
+
+    head = (f"{describe_layout_choice(L0)}: needs {format_bytes(E0.peak_device_bytes)} = {_pct(E0)} of "
+            f"{format_bytes(E0.gpu_memory_bytes)} on stage pp{E0.critical_stage} (threshold {threshold:.0%}); "
+            f"largest term {E0.critical.dominant_term.name} {format_bytes(E0.critical.dominant_term.bytes)}")
+    chosen, status = (best, "changed") if best is not None else (first_tight, "tight") if first_tight is not None else (None, "impossible")
+    if chosen is not None and not chosen.changes:
+        # The input itself is the best we found (tight, nothing under the threshold).
+        return AutotuneResult("tight", E0, None, reasons=(head, *notes,
+                              "no candidate stays within the threshold; keeping the layout as it is (tight)"),
+                              considered=considered, rejected=tuple(rejected))
+    if chosen is None:
+        return AutotuneResult("impossible", E0, None, reasons=(head, *notes,
+                              f"none of {considered} valid candidates fits in {format_bytes(E0.gpu_memory_bytes)}"),
+                              considered=considered, rejected=tuple(rejected))
+    changes: dict[str, tuple[Any, Any]] = {}
+    old = {"micro_batch_size": mbs0, "pipeline_model_parallel_size": pp0, "global_batch_size": raw.args.get("global_batch_size"),
+           "recompute_granularity": L0.recompute_granularity, "recompute_method": L0.recompute_method,
+           "recompute_num_layers": L0.recompute_num_layers, "recompute_activations": raw.args.get("recompute_activations")}
+    for k, v in chosen.changes.items():
+        if old.get(k, raw.args.get(k)) != v:
+            changes[k] = (old.get(k, raw.args.get(k)), v)
+    E = chosen.estimate
+    L = chosen.layout
+    reasons = [head]
+    if "micro_batch_size" in changes:
+        reasons.append(f"micro-batch size {mbs0} -> {L.micro_batch_size}: activations scale with the micro-batch "
+                       f"({L.num_microbatches} micro-batches per step instead of {L0.num_microbatches})")
+    if "pipeline_model_parallel_size" in changes:
+        reasons.append(f"pipeline-model-parallel size {pp0} -> {L.pp}: each stage holds fewer layers and a smaller share of "
+                       f"the model state (DP {L0.dp} -> {L.dp})")
+    if "recompute_granularity" in changes:
+        reasons.append(f"activation recomputation -> {L.recompute_granularity}"
+                       + (f" ({L.recompute_method}, {L.recompute_num_layers} layer per block)" if L.recompute_granularity == "full" else "")
+                       + ": activations are recomputed in the backward pass instead of kept")
+    if "global_batch_size" in changes:
+        reasons.append(f"global batch size pinned at {gbs0}: it defaulted to MBS x DP, which the new layout would change")
+    reasons.extend(notes)
+    reasons.append(f"chosen: {describe_layout_choice(L)}: needs {format_bytes(E.peak_device_bytes)} = {_pct(E)} on stage "
+                   f"pp{E.critical_stage}" + (" (within the threshold)" if status == "changed" else
+                                              " (over the threshold but within GPU memory: the best found)")
+                   + f"; least model parallelism first, then the largest micro-batch ({considered} candidates estimated)")
+    return AutotuneResult(status, E0, chosen, changes, tuple(reasons), considered, tuple(rejected))
+
+
+def _rule_text(e: ConfigError) -> str:
+    return str(e)

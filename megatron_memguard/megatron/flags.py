@@ -1,0 +1,191 @@
+"""The ``--memguard*`` flags added to Megatron's parser, and their ``MEMGUARD_*`` environment variables.
+
+A flag on the command line wins over its environment variable, which wins over the default. Bad
+values are argparse errors naming the flag (and the variable when the value came from it), exactly
+as Megatron reports its own bad flags: ``pretrain_gpt.py: error: argument --memguard-threshold: ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..errors import ConfigError
+from ..units import parse_bytes
+
+MODES = ("off", "report", "warn", "abort", "autotune")
+DEFAULT_MODE = "warn"
+DEFAULT_THRESHOLD = 0.8
+
+
+class _EnvValue(str):
+    """A default taken from an environment variable (so that errors can name the variable)."""
+
+    env: str = ""
+
+
+def _from(value: str) -> str:
+    env = getattr(value, "env", "")
+    return f" (from {env})" if env else ""
+
+
+def _mode(value: str) -> str:
+    v = str(value).strip().lower()
+    if v not in MODES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {str(value)!r}{_from(value)} (choose from {', '.join(MODES)})")
+    return v
+
+
+def _threshold(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: expected a fraction of GPU memory such as 0.8") from None
+    if not 0 < v <= 1.5:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: must be in (0, 1.5]")
+    return v
+
+
+def _gpu_memory(value: str) -> int:
+    try:
+        return parse_bytes(str(value), "--memguard-gpu-memory")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: {e.rule}") from None
+
+
+def _interval(value: str) -> int:
+    try:
+        v = int(str(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: expected a positive integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: must be >= 1")
+    return v
+
+
+def _directory(value: str) -> str:
+    v = str(value).strip()
+    if not v:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: empty path")
+    if os.path.exists(v) and not os.path.isdir(v):
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: exists and is not a directory")
+    return v
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _boolean(value: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: expected true or false")
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    flag: str
+    dest: str
+    env: str
+    convert: Callable[[str], Any]
+    default: Any
+    boolean: bool
+    metavar: str | None
+    help: str
+
+
+FLAGS: tuple[FlagSpec, ...] = (
+    FlagSpec("--memguard", "memguard", "MEMGUARD", _mode, DEFAULT_MODE, False, "{" + ",".join(MODES) + "}",
+             "memguard's pre-allocation check: off, report (print the estimate), warn (default: warn when it does not "
+             "fit), abort (exit on every rank before allocating), autotune (change micro-batch / pipeline size to fit)"),
+    FlagSpec("--memguard-threshold", "memguard_threshold", "MEMGUARD_THRESHOLD", _threshold, DEFAULT_THRESHOLD, False, "FRACTION",
+             "fraction of GPU memory the predicted device total may use and still fit (default 0.8)"),
+    FlagSpec("--memguard-gpu-memory", "memguard_gpu_memory", "MEMGUARD_GPU_MEMORY", _gpu_memory, None, False, "SIZE",
+             "GPU memory to check against, e.g. 79.1GiB (default: the device's total memory)"),
+    FlagSpec("--memguard-log-interval", "memguard_log_interval", "MEMGUARD_LOG_INTERVAL", _interval, None, False, "N",
+             "compare actual with predicted memory every N iterations (default: --log-interval)"),
+    FlagSpec("--memguard-log-dir", "memguard_log_dir", "MEMGUARD_LOG_DIR", _directory, None, False, "DIR",
+             "write memguard-rankNNNNN.jsonl per rank here (default: no files)"),
+    FlagSpec("--memguard-reset-peak", "memguard_reset_peak", "MEMGUARD_RESET_PEAK", _boolean, False, True, None,
+             "reset PyTorch's peak memory stats after each memguard sample (per-interval peaks; changes what "
+             "Megatron's own 'max allocated' reports mean)"),
+    FlagSpec("--memguard-allow-recompute", "memguard_allow_recompute", "MEMGUARD_ALLOW_RECOMPUTE", _boolean, False, True, None,
+             "let --memguard autotune also turn on activation recomputation (selective, then full) when "
+             "micro-batch and pipeline size alone do not fit"),
+)
+DESTS = tuple(f.dest for f in FLAGS)
+
+
+def _env_default(spec: FlagSpec, environ: Mapping[str, str]) -> Any:
+    if spec.env in environ:
+        v = _EnvValue(environ[spec.env])
+        v.env = spec.env
+        return v
+    return spec.default
+
+
+def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Add the memguard group to ``parser`` (once per parser)."""
+    if "--memguard" in getattr(parser, "_option_string_actions", {}):
+        return parser
+    environ = os.environ if environ is None else environ
+    g = parser.add_argument_group(title="memguard", description="GPU memory check before allocation and predicted vs "
+                                  "actual memory while training (megatron_memguard); each flag also reads MEMGUARD_*")
+    for spec in FLAGS:
+        helptext = f"{spec.help} [env {spec.env}]"
+        if spec.boolean:
+            g.add_argument(spec.flag, dest=spec.dest, nargs="?", const=True, type=spec.convert,
+                           default=_env_default(spec, environ), metavar="BOOL", help=helptext)
+        else:
+            g.add_argument(spec.flag, dest=spec.dest, type=spec.convert, default=_env_default(spec, environ),
+                           metavar=spec.metavar, help=helptext)
+    return parser
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = DEFAULT_MODE
+    threshold: float = DEFAULT_THRESHOLD
+    gpu_memory: int | None = None
+    log_interval: int | None = None
+    log_dir: str | None = None
+    reset_peak: bool = False
+    allow_recompute: bool = False
+    from_flags: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "threshold": self.threshold, "gpu_memory": self.gpu_memory,
+                "log_interval": self.log_interval, "log_dir": self.log_dir, "reset_peak": self.reset_peak,
+                "allow_recompute": self.allow_recompute}
+
+
+def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from Megatron's parsed args; from the environment when the flags were not added
+    (a parser built before the hook was imported, or a YAML config). Raises ConfigError naming the
+    variable for a bad environment value in that case."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    from_flags = all(hasattr(args, s.dest) for s in FLAGS)
+    for spec in FLAGS:
+        if hasattr(args, spec.dest):
+            v = getattr(args, spec.dest)
+            if isinstance(v, str) and not isinstance(v, bool) and spec.convert is not _directory:
+                v = spec.convert(v)  # a default that argparse did not convert
+        else:
+            v = _env_default(spec, environ)
+            if isinstance(v, str):
+                try:
+                    v = spec.convert(v)
+                except argparse.ArgumentTypeError as e:
+                    raise ConfigError(spec.env, str(e)) from None
+        values[spec.dest] = v
+    return Settings(mode=values["memguard"], threshold=values["memguard_threshold"], gpu_memory=values["memguard_gpu_memory"],
+                    log_interval=values["memguard_log_interval"], log_dir=values["memguard_log_dir"],
+                    reset_peak=bool(values["memguard_reset_peak"]), allow_recompute=bool(values["memguard_allow_recompute"]),
+                    from_flags=from_flags)

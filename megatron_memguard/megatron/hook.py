@@ -1,0 +1,473 @@
+"""Installing the hook: wrap call-time globals of ``megatron.training`` (both eras).
+
+Megatron has no plugin API, and ``pretrain_gpt.py`` binds ``pretrain`` / ``parse_and_validate_args``
+at import time (in-process restart wraps ``pretrain`` too), so the hook wraps only functions that
+Megatron looks up in a module's globals when it calls them (megatron.md section 3.3):
+
+============================================  ==============================  ===============================
+purpose                                       config-container era (>= 0.18)  legacy era (<= 0.17)
+============================================  ==============================  ===============================
+``--memguard*`` flags                         arguments.add_megatron_arguments (both: parse_args calls it)
+pre-allocation decision                       arguments.validate_args         initialize.validate_args
+                                              (parse_and_validate_args)       (imported by name) and
+                                                                              arguments.validate_args
+``--yaml-cfg`` path (check only)              yaml_arguments.validate_yaml    initialize.validate_yaml
+monitor set-up (after mpu, around the build)  training.setup_model_and_optimizer (both)
+per-iteration sample                          training.training_log (both; iteration is its 4th argument)
+end-of-training summary, OOM report           training.train (both) + torch's CUDA OOM observer
+============================================  ==============================  ===============================
+
+Each wrapper keeps the original in ``__memguard_original__``; installing twice, or again after an
+in-process restart, wraps nothing twice; a module reloaded since gets wrapped afresh.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+from .flags import Settings, add_arguments, settings_from_args
+from .preflight import PREFIX, Decision, MemguardAbort, decide
+
+_TARGETS = (
+    ("megatron.training.arguments", "add_megatron_arguments", "flags"),
+    ("megatron.training.arguments", "validate_args", "validate"),
+    ("megatron.training.initialize", "validate_args", "validate"),
+    ("megatron.training.yaml_arguments", "validate_yaml", "validate_yaml"),
+    ("megatron.training.initialize", "validate_yaml", "validate_yaml"),
+    ("megatron.training.training", "setup_model_and_optimizer", "setup"),
+    ("megatron.training.training", "training_log", "training_log"),
+    ("megatron.training.training", "train", "train"),
+)
+
+
+class HookState:
+    def __init__(self):
+        self.era: str | None = None
+        self.megatron_version: str | None = None
+        self.wrapped: list[tuple[Any, str, Callable]] = []   # (module, name, original)
+        self.settings: Settings | None = None
+        self.decision: Decision | None = None
+        self.monitor = None
+        self.source_factory: Callable[[], Any] | None = None
+        self.observer_attached = False
+        self.atexit_registered = False
+        self.errors = 0
+        self._error_logged = False
+        self.emit: Callable[[str], None] = lambda s: print(s, flush=True)
+        self.emit_error: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        """An exception inside memguard: reported once, training goes on."""
+        self.errors += 1
+        if self._error_logged:
+            return
+        self._error_logged = True
+        try:
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            self.emit_error(f"{PREFIX} internal error in {where} ({text}); training continues without it, "
+                            "further memguard errors are counted silently")
+        except Exception:
+            pass
+
+
+STATE = HookState()
+
+
+# -- installation ----------------------------------------------------------------------------------------
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None
+
+
+def detect_era(arguments_mod, initialize_mod) -> str:
+    """config-container (core >= 0.18: pretrain_gpt.py calls parse_and_validate_args) or legacy."""
+    if arguments_mod is not None and hasattr(arguments_mod, "parse_and_validate_args"):
+        return "config-container"
+    if initialize_mod is not None and hasattr(initialize_mod, "parse_args"):
+        return "legacy"
+    return "unknown"
+
+
+def _megatron_version() -> str | None:
+    for mod in ("megatron.core.package_info", "megatron.core"):
+        m = _import(mod)
+        v = getattr(m, "__version__", None) if m is not None else None
+        if v:
+            return str(v)
+    return None
+
+
+def install(quiet: bool = False) -> bool:
+    """Wrap Megatron's call-time globals (idempotent). Returns False when megatron.training is absent."""
+    arguments = _import("megatron.training.arguments")
+    training = _import("megatron.training.training")
+    if arguments is None or training is None:
+        if not quiet:
+            STATE.emit_error(f"{PREFIX} megatron.training is not importable here; the hook is inactive")
+        return False
+    initialize = _import("megatron.training.initialize")
+    STATE.era = detect_era(arguments, initialize)
+    STATE.megatron_version = _megatron_version()
+    makers = {"flags": _wrap_flags, "validate": _wrap_validate, "validate_yaml": _wrap_validate_yaml,
+              "setup": _wrap_setup, "training_log": _wrap_training_log, "train": _wrap_train}
+    for modname, attr, kind in _TARGETS:
+        mod = sys.modules.get(modname) or (_import(modname) if kind == "validate_yaml" else None)
+        if mod is None or not hasattr(mod, attr):
+            continue
+        current = getattr(mod, attr)
+        if getattr(current, "__memguard_original__", None) is not None:
+            continue  # already wrapped
+        wrapper = makers[kind](current)
+        wrapper.__memguard_original__ = current
+        setattr(mod, attr, wrapper)
+        STATE.wrapped.append((mod, attr, current))
+    if not STATE.atexit_registered:
+        atexit.register(_at_exit)
+        STATE.atexit_registered = True
+    return True
+
+
+def uninstall() -> None:
+    """Restore every wrapped function (tests)."""
+    for mod, attr, original in reversed(STATE.wrapped):
+        cur = getattr(mod, attr, None)
+        if getattr(cur, "__memguard_original__", None) is original:
+            setattr(mod, attr, original)
+    STATE.wrapped.clear()
+    if STATE.monitor is not None:
+        try:
+            STATE.monitor.finish()
+        except Exception:
+            pass
+    STATE.monitor = None
+    STATE.decision = None
+    STATE.settings = None
+
+
+def wrapped_targets() -> list[str]:
+    return [f"{mod.__name__}.{attr}" for mod, attr, _ in STATE.wrapped]
+
+
+def set_memory_source(source) -> None:
+    """Use another memory source for the runtime monitor: a ``MemorySource``, a callable returning one, or
+    None for the default (``CudaMemorySource`` when CUDA is available, otherwise no runtime monitoring)."""
+    from ..runtime.sources import MemorySource
+    if source is None:
+        STATE.source_factory = None
+    elif isinstance(source, MemorySource):
+        STATE.source_factory = lambda: source
+    else:
+        STATE.source_factory = source
+
+
+# -- flags -------------------------------------------------------------------------------------------------
+def _wrap_flags(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser, *a, **k):
+        parser = original(parser, *a, **k)
+        try:
+            add_arguments(parser)
+        except Exception as e:  # a conflicting option added by someone else
+            STATE.error("adding --memguard flags", e)
+        return parser
+    return add_megatron_arguments
+
+
+# -- pre-allocation ----------------------------------------------------------------------------------------
+def _read_settings(args) -> Settings:
+    from ..errors import ConfigError
+    try:
+        return settings_from_args(args)
+    except ConfigError as e:  # a bad MEMGUARD_* value while the flags were not added to the parser
+        STATE.emit_error(f"pretrain_gpt.py: error: {e}")
+        raise SystemExit(2) from None
+
+
+def _wrap_validate(original):
+    @functools.wraps(original)
+    def validate_args(args, defaults={}, *a, **k):  # noqa: B006 (Megatron's own signature)
+        settings = _read_settings(args)
+        STATE.settings = settings
+        if settings.mode == "off":
+            STATE.decision = None
+            return original(args, defaults, *a, **k)
+        decision = None
+        try:
+            decision = decide(args, defaults, lambda ns, d: original(ns, d, *a, **k), settings,
+                              megatron_version=STATE.megatron_version, emit=STATE.emit)
+        except Exception as e:
+            STATE.error("the pre-allocation check", e)
+        STATE.decision = decision
+        if decision is not None and decision.action == "abort":
+            raise MemguardAbort(decision.message, decision)
+        if decision is not None and decision.updates:
+            for key, value in decision.updates.items():
+                setattr(args, key, value)
+        return original(args, defaults, *a, **k)
+    return validate_args
+
+
+def _wrap_validate_yaml(original):
+    @functools.wraps(original)
+    def validate_yaml(args, defaults={}, *a, **k):  # noqa: B006
+        result = original(args, defaults, *a, **k)
+        try:
+            settings = settings_from_args(result if result is not None else args)
+            STATE.settings = settings
+            if settings.mode != "off":
+                rank0 = int(getattr(result, "rank", 0) or 0) == 0
+                if rank0:
+                    STATE.emit(f"{PREFIX} --yaml-cfg: memguard does not read YAML-built arguments yet; no pre-allocation "
+                               "check (the runtime monitor still runs, without predictions)")
+        except Exception as e:
+            STATE.error("the YAML check", e)
+        return result
+    return validate_yaml
+
+
+# -- runtime -----------------------------------------------------------------------------------------------
+def _default_source():
+    import torch
+    if torch.cuda.is_available():
+        from ..runtime.sources import CudaMemorySource
+        return CudaMemorySource()
+    return None
+
+
+def _runtime_enabled() -> bool:
+    s = STATE.settings
+    return s is None or s.mode != "off"
+
+
+def _get_args():
+    gv = sys.modules.get("megatron.training.global_vars") or _import("megatron.training.global_vars")
+    try:
+        return gv.get_args() if gv is not None else None
+    except Exception:
+        return None
+
+
+def _writers():
+    gv = sys.modules.get("megatron.training.global_vars")
+    tb = wb = None
+    if gv is not None:
+        try:
+            tb = gv.get_tensorboard_writer()
+        except Exception:
+            tb = None
+        try:
+            wb = gv.get_wandb_writer()
+        except Exception:
+            wb = None
+    return tb, wb
+
+
+def _parallel_ranks() -> dict[str, int]:
+    """This rank's coordinates from megatron.core.parallel_state (after initialize_model_parallel)."""
+    out = {"rank": 0, "world_size": 1, "pp_rank": 0, "pp_size": 1, "tp_rank": 0, "dp_rank": 0, "cp_rank": 0}
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            out["rank"], out["world_size"] = dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    mpu = _import("megatron.core.parallel_state")
+    if mpu is None:
+        return out
+    for key, fn in (("pp_rank", "get_pipeline_model_parallel_rank"), ("pp_size", "get_pipeline_model_parallel_world_size"),
+                    ("tp_rank", "get_tensor_model_parallel_rank"), ("dp_rank", "get_data_parallel_rank"),
+                    ("cp_rank", "get_context_parallel_rank")):
+        try:
+            out[key] = int(getattr(mpu, fn)())
+        except Exception:
+            pass
+    return out
+
+
+def _stage_gather(source, ranks):
+    """All-gather of sample vectors over rank 0's pipeline group (its members are the ranks with
+    TP = DP = CP = 0): rank 0 then logs one line per pipeline stage."""
+    if ranks["pp_size"] <= 1 or ranks["tp_rank"] or ranks["dp_rank"] or ranks["cp_rank"]:
+        return None
+    import torch
+    import torch.distributed as dist
+    from ..runtime.monitor import torch_stage_gather
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mpu = _import("megatron.core.parallel_state")
+    group = mpu.get_pipeline_model_parallel_group()
+    device = None
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return torch_stage_gather(group, device)
+
+
+def build_monitor(source):
+    from ..estimator import estimate
+    from ..runtime.monitor import MemoryMonitor, Prediction
+    from ..runtime.sinks import JsonlSink, WriterSink
+
+    args = _get_args()
+    settings = STATE.settings or settings_from_args(args if args is not None else object())
+    d = STATE.decision
+    ranks = _parallel_ranks()
+    prediction = stage_predictions = None
+    note = ""
+    # Every step below may fail alone without leaving this rank without a monitor: the ranks of rank 0's
+    # pipeline group must all reach the per-stage gather.
+    if d is not None and d.layout is not None:
+        if d.layout.pp != ranks["pp_size"]:
+            note = f"pipeline size {ranks['pp_size']} differs from the estimated layout's {d.layout.pp}: no prediction"
+        else:
+            try:
+                est = estimate(d.layout, device=source.device, gpu=d.gpu, gpu_memory=d.gpu_memory,
+                               threshold=settings.threshold, dp_rank=ranks["dp_rank"])
+                prediction = Prediction.from_estimate(est, ranks["pp_rank"])
+                stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
+            except Exception as e:
+                STATE.error("the runtime prediction", e)
+                note = "the runtime prediction failed"
+    else:
+        note = "no pre-allocation estimate (" + (d.reason if d is not None and d.reason else "the check did not run") + ")"
+    interval = settings.log_interval or getattr(args, "log_interval", None) or 100
+    sinks = []
+    if settings.log_dir:
+        try:
+            sinks.append(JsonlSink(JsonlSink.path_for(settings.log_dir, ranks["rank"])))
+        except Exception as e:
+            STATE.error("opening the JSONL log", e)
+    tb, wb = _writers()
+    if tb is not None or wb is not None:
+        sinks.append(WriterSink(tb, wb))
+    gather = None
+    try:
+        gather = _stage_gather(source, ranks)
+    except Exception as e:
+        STATE.error("setting up the per-stage gather", e)
+    context = {"era": STATE.era, "megatron_version": STATE.megatron_version, "mode": settings.mode,
+               "decision": d.to_dict() if d is not None else None, "note": note, **ranks}
+    return MemoryMonitor(
+        source, prediction, rank=ranks["rank"], pp_rank=ranks["pp_rank"], interval=interval, reset_peak=settings.reset_peak,
+        sinks=sinks, emit=STATE.emit, emit_error=STATE.emit_error, log_stages=ranks["rank"] == 0,
+        stage_predictions=stage_predictions, gather=gather,
+        print_warnings=ranks["dp_rank"] == 0 and ranks["cp_rank"] == 0, context=context, on_error=STATE.error)
+
+
+def _oom_observer(device, alloc, device_alloc, device_free):
+    m = STATE.monitor
+    try:
+        if m is not None:
+            m.on_oom(device, alloc, device_alloc, device_free)
+    except Exception as e:
+        STATE.error("the OOM report", e)
+
+
+def _attach_oom_observer() -> None:
+    if STATE.observer_attached:
+        return
+    import torch
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is not None and torch.cuda.is_available():
+        attach(_oom_observer)
+        STATE.observer_attached = True
+
+
+def _wrap_setup(original):
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*a, **k):
+        if not _runtime_enabled():
+            return original(*a, **k)
+        source = None
+        try:
+            if STATE.monitor is not None:  # an in-process restart re-enters pretrain
+                STATE.monitor.finish()
+                STATE.monitor = None
+            source = (STATE.source_factory or _default_source)()
+            if source is not None:
+                source.start()
+                STATE.monitor = build_monitor(source)  # before the build: an OOM there gets the breakdown too
+                if source.device == "gpu":
+                    _attach_oom_observer()
+        except Exception as e:
+            STATE.error("setting up the runtime monitor", e)
+            STATE.monitor = None
+            if source is not None:
+                try:
+                    source.stop()
+                except Exception:
+                    pass
+        result = original(*a, **k)
+        if STATE.monitor is not None:
+            try:
+                STATE.monitor.start()
+            except Exception as e:
+                STATE.error("starting the runtime monitor", e)
+        return result
+    return setup_model_and_optimizer
+
+
+def _iteration_of(a, k):
+    if "iteration" in k:
+        return k["iteration"]
+    return a[3] if len(a) > 3 else None
+
+
+def _wrap_training_log(original):
+    @functools.wraps(original)
+    def training_log(*a, **k):
+        result = original(*a, **k)
+        m = STATE.monitor
+        if m is not None:
+            try:
+                m.step(_iteration_of(a, k))
+            except Exception as e:
+                STATE.error("the runtime sample", e)
+        return result
+    return training_log
+
+
+def _is_oom(exc: BaseException) -> bool:
+    try:
+        import torch
+        oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+        if oom is not None and isinstance(exc, oom):
+            return True
+    except Exception:
+        pass
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _wrap_train(original):
+    @functools.wraps(original)
+    def train(*a, **k):
+        try:
+            return original(*a, **k)
+        except BaseException as e:
+            m = STATE.monitor
+            if m is not None and not m.oom_reported and _is_oom(e):
+                m.on_oom()
+            raise
+        finally:
+            m = STATE.monitor
+            if m is not None:
+                try:
+                    m.finish()
+                except Exception as e:
+                    STATE.error("the end-of-training summary", e)
+    return train
+
+
+def _at_exit() -> None:
+    m = STATE.monitor
+    if m is not None and not m.finished:
+        try:
+            m.finish()
+        except Exception:
+            pass

@@ -1,0 +1,244 @@
+"""The pre-allocation decision, taken inside Megatron's ``validate_args`` before it runs for real.
+
+1. Megatron's own ``validate_args`` runs on a deep copy of the raw arguments with its output
+   silenced (it is not idempotent: it deletes deprecated attributes). If it rejects them, memguard
+   stays out of the way and the real call reports Megatron's error.
+2. The raw arguments (plus ``args_defaults``) become a ``RawConfig``; ``resolve`` applies Megatron's
+   rules and ``estimate`` predicts every pipeline stage against this rank's GPU (or
+   ``--memguard-gpu-memory``).
+3. By mode: ``report`` prints the estimate; ``warn`` prints one line, or a warning with the breakdown
+   when the critical stage exceeds the threshold; ``abort`` raises ``MemguardAbort`` (a clean
+   ``SystemExit``) on every rank, rank 0 printing the breakdown and a layout that would fit;
+   ``autotune`` searches (``megatron_memguard.autotune``) and returns the argument updates, each
+   winning candidate first dry-run through Megatron's ``validate_args`` as well.
+
+Everything here is a pure function of the arguments, the GPU memory and the threshold, so every rank
+decides the same without communicating.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..autotune import AutotuneResult, autotune, describe_layout_choice
+from ..estimator import Estimate, estimate
+from ..errors import MemguardError
+from ..gpus import GpuSpec
+from ..layout import Layout
+from ..readers.megatron_namespace import raw_from_namespace
+from ..report.text import render, stage_summary, verdict_line
+from ..resolve import resolve
+from ..units import format_bytes
+from .device import device_properties, gpu_spec_for
+from .flags import Settings
+
+ABORT_EXIT_CODE = 3  # distinct from Python errors (1) and argparse errors (2)
+PREFIX = "[memguard]"
+
+
+class MemguardAbort(SystemExit):
+    """Raised on every rank when the layout will not fit (``--memguard abort``, or autotune found nothing)."""
+
+    def __init__(self, message: str, decision: "Decision | None" = None):
+        super().__init__(ABORT_EXIT_CODE)
+        self.message = message
+        self.decision = decision
+
+
+@dataclass
+class Decision:
+    mode: str
+    action: str                       # skipped | unsupported | unknown | fits | reported | warned | tuned | abort
+    layout: Layout | None = None
+    estimate: Estimate | None = None
+    updates: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+    gpu: GpuSpec | None = None
+    gpu_memory: int | None = None
+    gpu_memory_source: str = ""
+    megatron_version: str | None = None
+    autotune: AutotuneResult | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {"mode": self.mode, "action": self.action, "updates": dict(self.updates), "gpu": self.gpu.name if self.gpu else None,
+                "gpu_memory": self.gpu_memory, "gpu_memory_source": self.gpu_memory_source,
+                "megatron_version": self.megatron_version, "reason": self.reason,
+                "verdict": e.verdict if e else None, "critical_stage": e.critical_stage if e else None,
+                "predicted_device_total": e.peak_device_bytes if e else None}
+
+
+@contextlib.contextmanager
+def silenced():
+    """Swallow stdout, stderr, warnings and logging (Megatron's validate_args prints the whole arg table)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                yield
+    finally:
+        logging.disable(previous)
+
+
+def dry_run(validate: Callable, args: Any, defaults: Mapping[str, Any] | None, updates: Mapping[str, Any] | None = None):
+    """Run ``validate`` on a copy of ``args`` (with ``updates``); return its exception, or None if it passes."""
+    ns = copy.deepcopy(args)
+    for k, v in (updates or {}).items():
+        setattr(ns, k, v)
+    try:
+        with silenced():
+            validate(ns, copy.deepcopy(dict(defaults or {})))
+    except (Exception, SystemExit) as e:  # Megatron calls exit() for some deprecated flags
+        return e
+    return None
+
+
+def _describe_exc(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def raw_config_from_args(args: Any, defaults: Mapping[str, Any] | None = None):
+    """The RawConfig validate_args sees: parsed arguments with ``args_defaults`` filled in where unset."""
+    ns = copy.copy(args)
+    for k, v in (defaults or {}).items():
+        if getattr(ns, k, None) is None:
+            setattr(ns, k, v)
+    return raw_from_namespace(ns)
+
+
+def _settings_line(settings: Settings, gpu: GpuSpec | None, mem: int | None, source: str) -> str:
+    where = f"{gpu.name if gpu else 'GPU'} {format_bytes(mem)}" if mem else "unknown GPU memory"
+    return f"{PREFIX} mode {settings.mode}, threshold {settings.threshold:.0%}, {where} ({source})"
+
+
+def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, settings: Settings, *,
+           megatron_version: str | None, environ: Mapping[str, str] | None = None,
+           emit: Callable[[str], None] | None = None) -> Decision:
+    """Take the pre-allocation decision for ``args`` (the raw arguments, before validation)."""
+    environ = os.environ if environ is None else environ
+    rank = getattr(args, "rank", None)
+    rank0 = int(rank if rank is not None else (environ.get("RANK") or 0)) == 0
+    out: list[str] = []
+
+    def say(text: str) -> None:
+        out.append(text)
+
+    d = Decision(mode=settings.mode, action="skipped", megatron_version=megatron_version)
+    err = dry_run(validate, args, defaults)
+    if err is not None:
+        d.reason = f"Megatron's validate_args rejects the arguments ({_describe_exc(err)}); it will report it"
+        return d
+
+    # GPU memory of this rank's device (or the flag).
+    if settings.gpu_memory:
+        d.gpu_memory, d.gpu_memory_source = settings.gpu_memory, "--memguard-gpu-memory"
+        name, _, _ = device_properties(environ)  # the device name still picks GPU-specific workspaces
+        d.gpu = gpu_spec_for(name, settings.gpu_memory)
+    else:
+        name, total, src = device_properties(environ)
+        d.gpu, d.gpu_memory, d.gpu_memory_source = gpu_spec_for(name, total), total, src
+
+    try:
+        raw = raw_config_from_args(args, defaults)
+        layout = resolve(raw, world_size=getattr(args, "world_size", None), megatron_version=megatron_version)
+    except MemguardError as e:
+        d.action, d.reason = "unsupported", str(e)
+        if rank0:
+            (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; training continues unchecked")
+        return d
+    est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold)
+    d.layout, d.estimate = layout, est
+    say(_settings_line(settings, d.gpu, d.gpu_memory, d.gpu_memory_source))
+
+    if est.verdict == "unknown":
+        d.action = "unknown"
+        say(f"{PREFIX} GPU memory unknown ({d.gpu_memory_source or 'no device'}): give --memguard-gpu-memory to check; "
+            "the estimate follows")
+        say(render(est, colour=False, all_stages=settings.mode == "report"))
+    elif settings.mode == "report":
+        d.action = "reported"
+        say(render(est, colour=False, all_stages=True))
+    elif est.verdict == "fits":
+        d.action = "fits"
+        say(f"{PREFIX} {verdict_line(est)}")
+    elif settings.mode == "warn":
+        d.action = "warned"
+        say(f"{PREFIX} WARNING: the critical stage exceeds {settings.threshold:.0%} of GPU memory; training continues "
+            "(--memguard abort stops here, --memguard autotune changes micro-batch / pipeline size)")
+        say(render(est, colour=False))
+    elif settings.mode == "abort":
+        d.action = "abort"
+        c = est.critical
+        say(f"{PREFIX} ABORT: stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
+            f"{c.device_total_bytes / est.gpu_memory_bytes:.0%} of {format_bytes(est.gpu_memory_bytes)}, over the "
+            f"{settings.threshold:.0%} threshold")
+        say(render(est, colour=False))
+        say(_suggestion(raw, est, d.gpu, settings, megatron_version, args, defaults, validate))
+        say(f"{PREFIX} aborting on every rank before any GPU memory is allocated (--memguard abort, exit code "
+            f"{ABORT_EXIT_CODE}); --memguard warn trains anyway, --memguard autotune applies a layout that fits")
+    elif settings.mode == "autotune":
+        _autotune(d, raw, est, settings, megatron_version, args, defaults, validate, say)
+    d.message = "\n".join(out)
+    if rank0 and d.message:
+        (emit or print)(d.message)
+    return d
+
+
+def _accept(validate, args, defaults):
+    def accept(updates: Mapping[str, Any]) -> str | None:
+        e = dry_run(validate, args, defaults, updates)
+        return f"Megatron's validate_args rejects it ({_describe_exc(e)})" if e is not None else None
+    return accept
+
+
+def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, args, defaults, validate) -> str:
+    try:
+        r = autotune(raw, original=est, megatron_version=version, gpu=gpu, gpu_memory=est.gpu_memory_bytes,
+                     threshold=settings.threshold, allow_recompute=settings.allow_recompute,
+                     accept=_accept(validate, args, defaults))
+    except Exception as e:  # a suggestion is a courtesy
+        return f"{PREFIX} (no suggestion: {_describe_exc(e)})"
+    if r.chosen is None:
+        return f"{PREFIX} no micro-batch / pipeline size" + (" / recompute" if settings.allow_recompute else "") + \
+            " change found that fits:\n" + r.summary()
+    ch = ", ".join(f"--{k.replace('_', '-')} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
+            f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
+
+
+def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, args, defaults, validate, say) -> None:
+    r = autotune(raw, original=est, megatron_version=version, gpu=d.gpu, gpu_memory=d.gpu_memory,
+                 threshold=settings.threshold, allow_recompute=settings.allow_recompute,
+                 accept=_accept(validate, args, defaults))
+    d.autotune = r
+    if r.chosen is not None:
+        d.action = "tuned"
+        d.updates = r.updates
+        d.layout, d.estimate = r.chosen.layout, r.chosen.estimate
+        changed = ", ".join(f"{k} {old if old is not None else '(default)'} -> {new}" for k, (old, new) in r.changes.items())
+        say(f"{PREFIX} autotune changed {changed}")
+        say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
+        say(stage_summary(r.chosen.estimate))
+        return
+    if r.status == "tight" or est.verdict == "tight":
+        d.action = "warned"
+        say(f"{PREFIX} WARNING: autotune found nothing within {settings.threshold:.0%}; keeping the layout (tight)")
+        say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
+        say(render(est, colour=False))
+        return
+    d.action = "abort"
+    say(render(est, colour=False))
+    say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
+    say(f"{PREFIX} autotune found no layout that fits in GPU memory; aborting on every rank before any GPU memory is "
+        f"allocated (exit code {ABORT_EXIT_CODE})" + ("" if settings.allow_recompute else
+                                                       "; --memguard-allow-recompute lets it try activation recomputation"))

@@ -1,0 +1,175 @@
+"""The framework-free autotuner: MBS down, PP up, Megatron's rules kept, Fujii et al.'s order."""
+import pytest
+
+from conftest import LLAMA31_8B
+from megatron_memguard import estimate, lookup_gpu, resolve
+from megatron_memguard.autotune import autotune
+from megatron_memguard.errors import ConfigError, ConfigErrors, MemguardError
+from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+from megatron_memguard.units import GiB
+
+H100 = lookup_gpu("H100")
+
+
+def raw_of(*extra):
+    return parse_megatron_flags(LLAMA31_8B + [str(x) for x in extra])
+
+
+def test_fits_already_changes_nothing():
+    r = autotune(raw_of("--micro-batch-size", 1, "--tensor-model-parallel-size", 8), world_size=16, gpu=H100)
+    assert r.status == "fits" and r.chosen is None and not r.changes
+
+
+def test_mbs_down_pp_up_and_defaulted_gbs_pinned():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+    r = autotune(raw, world_size=16, gpu=H100)
+    assert r.status == "changed"
+    L = r.chosen.layout
+    assert r.changes["global_batch_size"] == (None, 32)           # MBS 4 x DP 8, pinned
+    assert L.global_batch_size == 32
+    assert L.micro_batch_size < 4 and L.pp >= 1
+    assert r.chosen.estimate.verdict == "fits"
+    # The updates, applied to the raw config, resolve to the same layout (what the hook relies on).
+    again = resolve(raw.with_args(**r.updates), world_size=16)
+    assert again.micro_batch_size == L.micro_batch_size and again.pp == L.pp and again.global_batch_size == 32
+    assert "micro-batch size 4 -> " in r.summary() and "pinned at 32" in r.summary()
+
+
+def test_order_is_least_pipeline_then_largest_micro_batch():
+    """Brute force every (PP, MBS) candidate independently: the chosen one is the first that fits."""
+    raw = raw_of("--micro-batch-size", 4, "--global-batch-size", 64, "--tensor-model-parallel-size", 2)
+    r = autotune(raw, world_size=16, gpu=H100)
+    fitting = []
+    for pp in (1, 2, 4, 8):
+        for mbs in (4, 3, 2, 1):
+            try:
+                L = resolve(raw.with_args(micro_batch_size=mbs, pipeline_model_parallel_size=pp), world_size=16)
+            except (ConfigError, ConfigErrors):
+                continue
+            if estimate(L, gpu=H100).verdict == "fits":
+                fitting.append((pp, -mbs))
+    assert fitting, "test setup: something must fit"
+    pp, neg_mbs = min(fitting)
+    assert (r.chosen.layout.pp, r.chosen.layout.micro_batch_size) == (pp, -neg_mbs)
+
+
+def test_explicit_gbs_is_kept_and_divisible():
+    raw = raw_of("--micro-batch-size", 4, "--global-batch-size", 32, "--tensor-model-parallel-size", 2)
+    r = autotune(raw, world_size=16, gpu=H100)
+    L = r.chosen.layout
+    assert "global_batch_size" not in r.changes and L.global_batch_size == 32
+    assert 32 % (L.micro_batch_size * L.dp) == 0
+    assert any("not divisible by MBS x DP" in why for _, why in r.rejected)
+
+
+def test_deterministic():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+    a = autotune(raw, world_size=16, gpu=H100)
+    b = autotune(raw, world_size=16, gpu=H100)
+    assert a.changes == b.changes and a.reasons == b.reasons
+
+
+def test_explicit_pipeline_layout_keeps_pp():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+                 "--pipeline-model-parallel-layout", "Et*16|t*16L")
+    r = autotune(raw, world_size=16, gpu=H100)
+    assert any("encodes PP 2" in line for line in r.reasons)
+    if r.chosen is not None:
+        assert r.chosen.layout.pp == 2 and "pipeline_model_parallel_size" not in r.changes
+
+
+def test_checkpoint_that_cannot_be_resharded_keeps_pp():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--load", "/ckpt", "--ckpt-format", "torch")
+    r = autotune(raw, world_size=16, gpu=H100)
+    assert any("cannot be resharded" in line for line in r.reasons)
+    assert r.chosen is None or r.chosen.layout.pp == 1
+
+
+def test_interleaved_rules_hold_for_the_chosen_layout():
+    # 32 layers, VPP via 2 layers per virtual stage; GBS 16 with DP shrinking as PP grows.
+    raw = raw_of("--micro-batch-size", 2, "--global-batch-size", 16, "--tensor-model-parallel-size", 2,
+                 "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 2)
+    r = autotune(raw, world_size=16, gpu=H100, threshold=0.5)
+    assert r.chosen is not None, r.summary()
+    L = r.chosen.layout
+    m, pp, g = L.num_microbatches, L.pp, L.microbatch_group_size_per_vp_stage or L.pp
+    if L.vpp > 1:
+        assert pp <= g <= m and (m % g == 0 or m % g >= pp)
+        assert (L.num_layers // pp) % 2 == 0
+    # every rejection names a rule
+    assert all(why for _, why in r.rejected)
+
+
+def test_uneven_first_last_stage_counts_are_respected():
+    # 32 layers on PP3 as 10 | 12 | 10; world 24 with TP2 allows PP 3, 4, 6, 12.
+    raw = raw_of("--micro-batch-size", 4, "--global-batch-size", 48, "--tensor-model-parallel-size", 2,
+                 "--pipeline-model-parallel-size", 3, "--decoder-first-pipeline-num-layers", 10,
+                 "--decoder-last-pipeline-num-layers", 10)
+    r = autotune(raw, world_size=24, gpu=H100)
+    assert r.chosen is not None
+    L = r.chosen.layout
+    assert L.decoder_first_pipeline_num_layers == 10 and (32 - 20) % (L.pp - 2) == 0
+    # Nothing stays within 5%: the search walks every PP; PP 12 leaves 12 layers for 10 middle stages.
+    none = autotune(raw, world_size=24, gpu=H100, threshold=0.05)
+    assert none.status in ("tight", "impossible")
+    assert any("PP 12" in cand and "middle" in why for cand, why in none.rejected)
+
+
+def test_recompute_only_when_allowed():
+    # TP8 on 8 GPUs leaves no room for PP and MBS is 1 already: 64k tokens only fit with recomputation.
+    raw = raw_of("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--sequence-parallel",
+                 "--seq-length", 65536, "--max-position-embeddings", 65536)
+    without = autotune(raw, world_size=8, gpu=H100)
+    assert without.chosen is None and without.status in ("tight", "impossible")
+    assert any("--memguard-allow-recompute" in line for line in without.reasons)
+    with_rc = autotune(raw, world_size=8, gpu=H100, allow_recompute=True)
+    assert with_rc.status == "changed"
+    assert with_rc.changes["recompute_granularity"] == (None, "full")
+    assert with_rc.chosen.layout.recompute_method == "uniform" and with_rc.chosen.layout.recompute_num_layers == 1
+    assert with_rc.considered >= 3  # the layout itself, then selective recompute, then full
+
+
+def test_accept_veto_moves_to_the_next_candidate():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+    first = autotune(raw, world_size=16, gpu=H100)
+    vetoed = dict(first.updates)
+    second = autotune(raw, world_size=16, gpu=H100, accept=lambda u: "vetoed by the test" if dict(u) == vetoed else None)
+    assert second.chosen is not None and second.updates != vetoed
+    assert any("vetoed by the test" in why for _, why in second.rejected)
+
+
+def test_rampup_steps_must_stay_divisible():
+    raw = raw_of("--micro-batch-size", 4, "--global-batch-size", 64, "--tensor-model-parallel-size", 2,
+                 "--rampup-batch-size", "8", "8", "1000")
+    r = autotune(raw, world_size=16, gpu=H100)
+    if r.chosen is not None:
+        L = r.chosen.layout
+        assert all(g % (L.micro_batch_size * L.dp) == 0 for g in range(8, 65, 8))
+
+
+def test_tight_best_effort_and_impossible():
+    raw = raw_of("--micro-batch-size", 1, "--global-batch-size", 8, "--tensor-model-parallel-size", 8)
+    # 8 GPUs: TP8 leaves no room for PP; give just enough memory that it is tight but not over 100%.
+    E = estimate(resolve(raw, world_size=8), gpu=H100)
+    need = E.peak_device_bytes
+    tight = autotune(raw, world_size=8, gpu_memory=int(need / 0.9), threshold=0.8)
+    assert tight.status == "tight" and tight.chosen is None
+    impossible = autotune(raw, world_size=8, gpu_memory=int(need / 1.5), threshold=0.8)
+    assert impossible.status == "impossible" and impossible.chosen is None
+
+
+def test_unknown_gpu_memory_is_an_error():
+    with pytest.raises(MemguardError):
+        autotune(raw_of("--micro-batch-size", 4), world_size=8)
+
+
+def test_step_batch_size_schedule_is_left_alone():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2).with_args(step_batch_size_schedule="0:16,100:32")
+    r = autotune(raw, world_size=16, gpu=H100)
+    assert r.status == "impossible" and "step-batch-size-schedule" in r.reasons[0]
+
+
+def test_gib_sanity():
+    raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+    r = autotune(raw, world_size=16, gpu=H100)
+    assert r.chosen.estimate.peak_device_bytes <= 0.8 * H100.memory_bytes < 80 * GiB

@@ -1,0 +1,207 @@
+"""The hook in the config-container era (core >= 0.18), for real: megatron-core 0.19.2's megatron.training on
+Python 3.12, through the real parse_and_validate_args (argparse, validate_args, set_global_variables with
+the micro-batch calculator and tokenizer) and the config snapshot pretrain_gpt.py takes afterwards.
+torch.cuda.get_device_properties answers with an H100's properties; nothing else needs a GPU."""
+import collections
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from conftest import LLAMA31_8B
+
+
+def _container_era() -> bool:
+    try:
+        spec = importlib.util.find_spec("megatron.training.arguments")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and sys.version_info >= (3, 12)
+
+
+pytestmark = [
+    pytest.mark.megatron_training,
+    pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                       "tests/run.sh runs these in .venv312"),
+]
+
+Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
+H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion".split()
+DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}   # what pretrain_gpt.py passes
+
+
+@pytest.fixture(scope="module")
+def hook():
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    import megatron_memguard.megatron as hook
+    assert hook.install(quiet=True)
+    return hook
+
+
+@pytest.fixture
+def run(hook, monkeypatch):
+    import torch
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for k in ("MEMGUARD", "MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "MEMGUARD_ALLOW_RECOMPUTE"):
+        monkeypatch.delenv(k, raising=False)
+    hook.STATE.decision = None
+
+    def run(*flags):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in flags]])
+        return parse_and_validate_args(extra_args_provider=None, args_defaults=DEFAULTS)
+    yield run
+    global_vars.unset_global_variables()
+
+
+def test_era_and_targets(hook):
+    assert hook.STATE.era == "config-container"
+    targets = hook.wrapped_targets()
+    for t in ("megatron.training.arguments.add_megatron_arguments", "megatron.training.arguments.validate_args",
+              "megatron.training.training.setup_model_and_optimizer", "megatron.training.training.training_log",
+              "megatron.training.training.train"):
+        assert t in targets
+    assert not any(t.startswith("megatron.training.initialize.") for t in targets)  # nothing to patch there any more
+    assert hook.install(quiet=True) and hook.wrapped_targets() == targets          # idempotent
+
+
+def test_warn_fits(run, capsys):
+    args = run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+    out = capsys.readouterr().out
+    assert "[memguard] verdict: FITS" in out and "torch.cuda.get_device_properties(0)" in out
+    assert out.count("------------------------ arguments ------------------------") == 1  # the dry run was silent
+    assert args.memguard == "warn" and args.micro_batch_size == 1
+
+
+def test_warn_not_fitting_changes_nothing(run, capsys):
+    args = run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+    out = capsys.readouterr().out
+    assert "[memguard] WARNING" in out and "WILL NOT FIT" in out and "= peak allocated" in out
+    assert (args.micro_batch_size, args.pipeline_model_parallel_size, args.global_batch_size) == (4, 1, 32)
+
+
+def test_report(run, capsys):
+    run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--memguard", "report")
+    out = capsys.readouterr().out
+    assert "memguard estimate - 16 ranks on H100-80GB" in out and "pp0 at its peak" in out and "pp1 at its peak" in out
+
+
+def test_abort(run, capsys):
+    from megatron.training import global_vars
+    from megatron_memguard.megatron import ABORT_EXIT_CODE
+    with pytest.raises(SystemExit) as e:
+        run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    assert e.value.code == ABORT_EXIT_CODE
+    out = capsys.readouterr().out
+    assert out.count("[memguard] ABORT: stage pp0 needs") == 1
+    assert "= peak allocated" in out and "layer_activations" in out
+    assert "[memguard] a layout that fits: MBS 1, PP" in out and "--global-batch-size 32" in out
+    assert global_vars._GLOBAL_ARGS is None   # set_global_variables never ran
+
+
+def test_abort_on_other_ranks_is_silent(run, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("LOCAL_RANK", "7")
+    with pytest.raises(SystemExit):
+        run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    assert "[memguard]" not in capsys.readouterr().out
+
+
+def test_autotune_then_config_snapshot(run, capsys):
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    args = run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "autotune")
+    out = capsys.readouterr().out
+    assert "[memguard] autotune changed micro_batch_size 4 -> 1, pipeline_model_parallel_size 1 -> " in out
+    assert "global_batch_size (default) -> 32" in out
+    assert args.micro_batch_size == 1 and args.pipeline_model_parallel_size in (2, 4, 8)
+    assert args.global_batch_size == 32 and args.eval_micro_batch_size == 1
+    assert args.data_parallel_size == 16 // (2 * args.pipeline_model_parallel_size)
+    assert get_num_microbatches() == 32 // args.data_parallel_size
+    # what pretrain_gpt.py freezes next carries the tuned layout
+    model_cfg = gpt_config_from_args(args)
+    container = pretrain_cfg_container_from_args(args, model_cfg)
+    assert model_cfg.transformer.pipeline_model_parallel_size == args.pipeline_model_parallel_size
+    assert container.train.micro_batch_size == 1 and container.train.global_batch_size == 32
+
+
+def test_autotune_keeps_an_explicit_gbs_and_the_layout_flag(run, capsys):
+    args = run("--micro-batch-size", 4, "--global-batch-size", 64, "--tensor-model-parallel-size", 2,
+               "--memguard", "autotune")
+    assert args.global_batch_size == 64 and 64 % (args.micro_batch_size * args.data_parallel_size) == 0
+    capsys.readouterr()
+    args2 = None
+    from megatron.training import global_vars
+    global_vars.unset_global_variables()
+    args2 = run("--micro-batch-size", 4, "--global-batch-size", 64, "--tensor-model-parallel-size", 2,
+                "--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "Et*16|t*16L",
+                "--memguard", "autotune")
+    assert args2.pipeline_model_parallel_size == 2
+    assert "encodes PP 2" in capsys.readouterr().out
+
+
+def test_autotune_with_recompute_allowed_from_environment(run, monkeypatch):
+    monkeypatch.setenv("MEMGUARD", "autotune")
+    monkeypatch.setenv("MEMGUARD_ALLOW_RECOMPUTE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")   # TP8 on 8 GPUs: no room for PP; MBS is 1 already
+    args = run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--sequence-parallel",
+               "--seq-length", 65536, "--max-position-embeddings", 65536)
+    assert args.memguard == "autotune" and args.memguard_allow_recompute is True
+    assert args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers == 1
+
+
+def test_threshold_and_gpu_memory_flags(run, capsys):
+    run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard-gpu-memory", "40GiB",
+        "--memguard-threshold", "0.95")
+    out = capsys.readouterr().out
+    assert "threshold 95%, H100-80GB 40.00 GiB (--memguard-gpu-memory)" in out
+
+
+def test_env_threshold_aborts(run, monkeypatch):
+    monkeypatch.setenv("MEMGUARD", "abort")
+    monkeypatch.setenv("MEMGUARD_THRESHOLD", "0.05")
+    with pytest.raises(SystemExit) as e:
+        run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+    assert e.value.code == 3
+
+
+@pytest.mark.parametrize("flags, env, text", [
+    (["--memguard", "maybe"], {}, "argument --memguard: invalid choice: 'maybe'"),
+    (["--memguard-threshold", "1.7"], {}, "argument --memguard-threshold: invalid value '1.7': must be in (0, 1.5]"),
+    (["--memguard-gpu-memory", "80 apples"], {}, "argument --memguard-gpu-memory: invalid value '80 apples'"),
+    ([], {"MEMGUARD_LOG_INTERVAL": "-3"}, "argument --memguard-log-interval: invalid value '-3' (from MEMGUARD_LOG_INTERVAL)"),
+])
+def test_bad_values(run, capsys, monkeypatch, flags, env, text):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        run("--micro-batch-size", 1, *flags)
+    assert e.value.code == 2
+    assert f"pretrain_gpt.py: error: {text}" in capsys.readouterr().err
+
+
+def test_megatron_keeps_its_own_errors(run, capsys):
+    with pytest.raises(AssertionError, match="not divisible"):
+        run("--micro-batch-size", 1, "--tensor-model-parallel-size", 3)
+    assert "[memguard]" not in capsys.readouterr().out
+
+
+def test_flags_on_megatrons_parser(hook):
+    # (megatron-core 0.19.2's own --help crashes on a '%' in --moe-paged-stash-buffer-size-factor-cuda's help,
+    # so the group is checked on the parser add_megatron_arguments builds rather than through --help)
+    import argparse
+    from megatron.training import arguments
+    from megatron_memguard.megatron import FLAGS
+    p = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    for spec in FLAGS:
+        assert spec.flag in p._option_string_actions
+    group = next(g for g in p._action_groups if g.title == "memguard")
+    assert [a.option_strings[0] for a in group._group_actions] == [f.flag for f in FLAGS]
+    assert p.parse_args(["--memguard", "report"]).memguard == "report"

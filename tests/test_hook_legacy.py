@@ -1,0 +1,246 @@
+"""The hook in the legacy era (core <= 0.17: pretrain() parses and validates inside initialize_megatron),
+against stand-ins with core_v0.16.1's names, signatures and call order (tests/legacy_standin)."""
+import collections
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from conftest import LLAMA31_8B
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STANDIN = os.path.join(HERE, "legacy_standin")
+
+
+def _real_megatron_training() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+pytestmark = [
+    pytest.mark.skipif(_real_megatron_training(), reason="a real megatron.training is installed; the legacy-era "
+                       "stand-ins are exercised where it is absent (Python 3.11)"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron.core") is None,
+                       reason="needs torch and megatron-core"),
+]
+
+Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
+H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+BASE = LLAMA31_8B + ["--lr", "1e-4", "--train-iters", "10"]
+
+
+@pytest.fixture
+def legacy(monkeypatch):
+    import torch
+    sys.path.insert(0, STANDIN)
+    for m in [k for k in sys.modules if k == "megatron.training" or k.startswith("megatron.training.")]:
+        del sys.modules[m]
+    import megatron.training.global_vars as gv
+    import megatron.training.initialize as initialize
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+    import megatron_memguard.megatron as hook
+    hook.uninstall()
+    assert hook.install()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
+    for k in ("MEMGUARD", "MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+    class L:
+        pass
+    ns = L()
+    ns.gv, ns.initialize, ns.arguments, ns.training, ns.hook = gv, initialize, arguments, training, hook
+
+    def run(*flags):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in flags]])
+        initialize.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, allow_no_cuda=True,
+                                       skip_mpu_initialization=True)
+        return gv.get_args()
+    ns.run = run
+    yield ns
+    hook.uninstall()
+    gv.unset_global_variables()
+    for m in [k for k in sys.modules if k == "megatron.training" or k.startswith("megatron.training.")]:
+        del sys.modules[m]
+    sys.path.remove(STANDIN)
+
+
+def test_era_and_targets(legacy):
+    assert legacy.hook.STATE.era == "legacy"
+    targets = legacy.hook.wrapped_targets()
+    for t in ("megatron.training.arguments.add_megatron_arguments", "megatron.training.initialize.validate_args",
+              "megatron.training.arguments.validate_args", "megatron.training.initialize.validate_yaml",
+              "megatron.training.training.setup_model_and_optimizer", "megatron.training.training.training_log",
+              "megatron.training.training.train"):
+        assert t in targets
+    # installing again wraps nothing twice
+    assert legacy.hook.install()
+    v = legacy.initialize.validate_args
+    assert getattr(v.__memguard_original__, "__memguard_original__", None) is None
+    assert len(legacy.hook.wrapped_targets()) == len(targets)
+
+
+def test_warn_fits_one_line_and_validation_runs_once_loudly(legacy, capsys):
+    args = legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+    out = capsys.readouterr().out
+    assert "[memguard] verdict: FITS" in out
+    assert out.count("------------------------ arguments ------------------------") == 1  # the dry run is silent
+    assert args.micro_batch_size == 1 and args.memguard == "warn"
+
+
+def test_warn_prints_breakdown_and_changes_nothing(legacy, capsys):
+    args = legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+    out = capsys.readouterr().out
+    assert "[memguard] WARNING" in out and "= peak allocated" in out and "WILL NOT FIT" in out
+    assert (args.micro_batch_size, args.pipeline_model_parallel_size, args.global_batch_size) == (4, 1, 32)
+
+
+def test_report_prints_every_stage(legacy, capsys):
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+               "--memguard", "report")
+    out = capsys.readouterr().out
+    assert "pp0 at its peak" in out and "pp1 at its peak" in out
+
+
+def test_abort_exits_cleanly_on_every_rank_before_allocation(legacy, capsys, monkeypatch):
+    from megatron_memguard.megatron import ABORT_EXIT_CODE, MemguardAbort
+    with pytest.raises(MemguardAbort) as e:
+        legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    assert isinstance(e.value, SystemExit) and e.value.code == ABORT_EXIT_CODE
+    out = capsys.readouterr().out
+    assert out.count("[memguard] ABORT") == 1 and "= peak allocated" in out and "a layout that fits" in out
+    assert legacy.gv._GLOBAL_ARGS is None  # set_global_variables never ran: nothing initialised, nothing allocated
+    # another rank: the same decision, silently
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(MemguardAbort):
+        legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    assert "[memguard]" not in capsys.readouterr().out
+
+
+def test_abort_from_environment(legacy, monkeypatch):
+    from megatron_memguard.megatron import MemguardAbort
+    monkeypatch.setenv("MEMGUARD", "abort")
+    with pytest.raises(MemguardAbort):
+        legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+
+
+def test_autotune_applies_before_the_real_validation(legacy, capsys):
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    args = legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "autotune")
+    out = capsys.readouterr().out
+    assert "[memguard] autotune changed micro_batch_size 4 -> " in out
+    assert args.global_batch_size == 32                      # pinned: it defaulted to MBS 4 x DP 8
+    assert args.micro_batch_size < 4
+    assert args.data_parallel_size == 16 // (2 * args.pipeline_model_parallel_size)
+    assert get_num_microbatches() == 32 // (args.micro_batch_size * args.data_parallel_size)
+    d = legacy.hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.verdict == "fits"
+    assert d.layout.micro_batch_size == args.micro_batch_size and d.layout.pp == args.pipeline_model_parallel_size
+
+
+def test_autotune_vpp_keeps_megatrons_rules(legacy):
+    args = legacy.run("--micro-batch-size", 2, "--global-batch-size", 64, "--tensor-model-parallel-size", 2,
+                      "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 2,
+                      "--memguard", "autotune", "--memguard-threshold", "0.5")
+    pp = args.pipeline_model_parallel_size
+    assert (32 // pp) % 2 == 0
+    m = 64 // (args.micro_batch_size * args.data_parallel_size)
+    if args.virtual_pipeline_model_parallel_size:
+        assert pp <= m and (m % pp == 0 or m % pp >= pp)
+
+
+def test_megatron_errors_are_megatrons(legacy, capsys):
+    with pytest.raises(AssertionError, match="not divisible"):
+        legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 3)
+    assert "[memguard]" not in capsys.readouterr().out
+
+
+def test_off_is_off(legacy, capsys):
+    legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "off")
+    assert "[memguard]" not in capsys.readouterr().out
+    assert legacy.hook.STATE.decision is None
+
+
+def test_bad_flag_value_is_a_megatron_style_error(legacy, capsys):
+    with pytest.raises(SystemExit) as e:
+        legacy.run("--micro-batch-size", 1, "--memguard-threshold", "3")
+    assert e.value.code == 2
+    assert "pretrain_gpt.py: error: argument --memguard-threshold: invalid value '3'" in capsys.readouterr().err
+
+
+def test_internal_error_is_reported_once_and_training_goes_on(legacy, capsys, monkeypatch):
+    import megatron_memguard.megatron.preflight as pf
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("estimator bug")
+    monkeypatch.setattr(pf, "estimate", boom)
+    args = legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    err = capsys.readouterr().err
+    assert err.count("internal error") == 1 and "estimator bug" in err and "training continues" in err
+    assert args.micro_batch_size == 4 and legacy.gv.get_args() is args
+
+
+def test_unsupported_configuration_is_said_not_guessed(legacy, capsys):
+    args = legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--num-experts", 8, "--memguard", "abort")
+    out = capsys.readouterr().out
+    assert "cannot estimate this configuration" in out and "not modelled" in out
+    assert args.num_experts == 8
+
+
+def test_unknown_gpu_memory_is_said(legacy, capsys, monkeypatch):
+    import torch
+
+    def no_gpu(i=None):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    out = capsys.readouterr().out
+    assert "GPU memory unknown" in out and "--memguard-gpu-memory" in out
+    assert legacy.hook.STATE.decision.action == "unknown"
+
+
+def test_runtime_wrappers_survive_restart_and_report_oom(legacy, tmp_path, capsys):
+    import json
+    from megatron_memguard.megatron import hook as h
+    from megatron_memguard.runtime import Reading, StaticSource
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard-log-dir", tmp_path,
+               "--memguard-log-interval", 2)
+    pred = legacy.hook.STATE.decision.estimate.stages[0]
+    src = StaticSource(Reading(allocated=pred.persistent_bytes, max_allocated=pred.peak_allocated_bytes,
+                               reserved=pred.peak_reserved_bytes, max_reserved=pred.peak_reserved_bytes,
+                               device_used=pred.device_total_bytes))
+    legacy.hook.set_memory_source(src)
+    setup = h._wrap_setup(lambda *a, **k: ("model", "optimizer", None))
+    log = h._wrap_training_log(lambda *a, **k: "report_memory_flag")
+
+    def train_ok():
+        for it in range(1, 5):
+            assert log({}, {}, 1e-4, it, 1.0, True, 0, 1.0, None, 0) == "report_memory_flag"
+        return 4, 0
+
+    def train_oom():
+        log({}, {}, 1e-4, 2, 1.0, True, 0, 1.0, None, 0)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monitors = []
+    for train_fn in (train_ok, train_oom):        # an in-process restart re-enters setup and train
+        assert setup(None, None) == ("model", "optimizer", None)
+        monitors.append(legacy.hook.STATE.monitor)
+        wrapped_train = h._wrap_train(train_fn)
+        if train_fn is train_ok:
+            assert wrapped_train() == (4, 0)
+        else:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                wrapped_train()
+    assert monitors[0] is not monitors[1] and all(m.finished for m in monitors)
+    recs = [json.loads(l) for l in open(tmp_path / "memguard-rank00000.jsonl")]
+    assert [r["event"] for r in recs] == ["start", "sample", "sample", "summary", "start", "sample", "oom", "summary"]
+    assert recs[1]["iteration"] == 2 and recs[2]["iteration"] == 4
+    assert recs[1]["predicted"]["peak_allocated"] == pred.peak_allocated_bytes
+    err = capsys.readouterr().err
+    assert "rank 0 (pp0) ran out of GPU memory" in err and "= peak allocated" in err

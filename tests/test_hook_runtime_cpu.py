@@ -1,0 +1,119 @@
+"""End to end on CPU: two gloo ranks (PP2) train a tiny GPTModel with real megatron-core (DDP, optimizer,
+1F1B schedule) through the legacy-era stand-in pretrain(), with `import megatron_memguard.megatron` in the
+script. Each rank's JSONL must hold its own stage's prediction next to the real measured numbers (the CPU
+live-bytes source's readings, recorded independently by the script)."""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPT = os.path.join(HERE, "e2e", "pretrain_gpt_cpu.py")
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
+                       reason="a real megatron.training is installed; this driver uses the legacy-era stand-in"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron.core") is None,
+                       reason="needs torch and megatron-core"),
+]
+
+MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
+         "--ffn-hidden-size 688 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --seq-length 128 --max-position-embeddings 128 "
+         "--tokenizer-type NullTokenizer --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8 --bf16 "
+         "--transformer-impl local --hidden-dropout 0 --attention-dropout 0 --no-gradient-accumulation-fusion "
+         "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-rope-fusion --use-cpu-initialization").split()
+RUN = "--distributed-backend gloo --train-iters 3 --lr 1e-4 --log-interval 1".split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memguard-e2e")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), MEMGUARD_TEST_OUT=str(out), PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+                   MEMGUARD_LOG_DIR=str(out))  # the log dir comes from the environment, the rest from flags
+        cmd = [sys.executable, SCRIPT, *MODEL, *RUN, "--pipeline-model-parallel-size", "2",
+               "--memguard", "warn", "--memguard-gpu-memory", "80GiB", "--memguard-log-interval", "1"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return out, logs
+
+
+def _records(out, rank):
+    with open(os.path.join(out, f"memguard-rank{rank:05d}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_jsonl_per_rank_holds_the_real_numbers(pp2_run):
+    out, _ = pp2_run
+    for rank in (0, 1):
+        recs = _records(out, rank)
+        assert [r["event"] for r in recs] == ["start", "sample", "sample", "sample", "summary"]
+        assert all(r["rank"] == rank and r["pp_rank"] == rank for r in recs)
+        with open(os.path.join(out, f"readings-rank{rank}.json")) as f:
+            side = json.load(f)
+        readings = side["readings"]
+        # every reading the source handed out is in the file, unchanged: start, then one per sample
+        assert recs[0]["actual"] == readings[0]
+        assert [r["actual"] for r in recs[1:4]] == readings[1:4]
+        # the numbers are physical: after each optimizer step this rank holds its bf16 params (2 B), the fp32
+        # gradient buffer (4 B), fp32 main params (4 B) and Adam's two moments (8 B) per parameter
+        params = side["parameters"]
+        for r in recs[2:4]:
+            held = r["actual"]["allocated"]
+            assert 18 * params <= held <= 18 * params * 1.05 + 2 * 2**20, (held, 18 * params)
+            assert r["actual"]["max_allocated"] > held
+            assert r["ratio"]["max_allocated"] == pytest.approx(r["actual"]["max_allocated"] / r["predicted"]["peak_allocated"], abs=1e-4)
+        summary = recs[-1]
+        assert summary["samples"] == 3 and summary["errors"] == 0
+        assert summary["max"]["max_allocated"] == max(r["max_allocated"] for r in readings)
+
+
+def test_prediction_is_this_ranks_stage(pp2_run):
+    from megatron_memguard import estimate, layout_from_flags
+    out, _ = pp2_run
+    layout = layout_from_flags(MODEL + ["--pipeline-model-parallel-size", "2"], world_size=2, megatron_version="0.16.1")
+    est = estimate(layout, device="cpu", gpu_memory=80 * 2**30, dp_rank=0)
+    for rank in (0, 1):
+        start = _records(out, rank)[0]
+        assert start["predicted"]["pp_rank"] == rank and start["predicted"]["device"] == "cpu"
+        assert start["predicted"]["peak_allocated"] == est.stages[rank].peak_allocated_bytes
+        assert start["predicted"]["breakdown"] == est.stages[rank].breakdown
+        assert start["context"]["era"] == "legacy" and start["context"]["pp_size"] == 2
+        # the prediction and the measurement agree to a few percent on this tiny model
+        last = _records(out, rank)[3]
+        assert 0.85 < last["ratio"]["max_allocated"] < 1.15
+
+
+def test_rank0_logs_one_line_per_stage_and_a_summary(pp2_run):
+    _, logs = pp2_run
+    rank0 = logs[0]
+    for it in (1, 2, 3):
+        assert f"[memguard] iteration {it} pp0: max allocated" in rank0
+        assert f"[memguard] iteration {it} pp1: max allocated" in rank0
+    assert "[memguard] summary pp0" in rank0 and "[memguard] summary pp1" in rank0
+    assert "[memguard] iteration" not in logs[1]       # only rank 0 prints the per-stage lines
+    assert "[memguard] verdict: FITS" in rank0 and "[memguard] verdict" not in logs[1]
