@@ -7,7 +7,7 @@ shows the layout in the vocabulary users already know.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -132,6 +132,15 @@ class Layout:
     tokenizer_type: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __hash__(self) -> int:
+        # Layouts key the estimator's caches; hashing ~90 fields on every lookup is the cost, so the
+        # hash is computed once (frozen: it cannot change).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+            self.__dict__["_hash"] = h
+        return h
 
     # ----- derived quantities used across the estimator -----
     @property

@@ -21,7 +21,7 @@ not yet created.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from ..layout import Layout
 
@@ -69,12 +69,12 @@ class LayerActivations:
     def _peak(self, steps: tuple[Step, ...]) -> int:
         return max((w - sum(self.saved.get(n, 0) for n in names) for names, w in steps), default=0)
 
-    @property
+    @cached_property
     def fwd_transient(self) -> int:
         """Largest extra over the layer's saved bytes during its forward (with later items not yet made)."""
         return self._peak(self.fwd_steps)
 
-    @property
+    @cached_property
     def bwd_transient(self) -> int:
         """Largest extra over the layer's saved bytes during its backward (with released items gone)."""
         return self._peak(self.bwd_steps)

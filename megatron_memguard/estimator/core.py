@@ -44,6 +44,14 @@ class ChunkActivations:
 
 
 def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
+    return _chunk_activations(L, c.num_layers, c.has_embedding, c.has_output)
+
+
+@lru_cache(maxsize=1024)
+def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool) -> ChunkActivations:
+    from ..layout import Chunk
+    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=n, has_embedding=has_embedding,
+              has_output=has_output, has_tied_output_copy=False)
     la = layer_activations(L, has_batch_mask=c.has_embedding or c.has_output)
     x = shapes(L)
     n = c.num_layers
