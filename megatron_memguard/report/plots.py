@@ -352,12 +352,15 @@ def report_figure(log, metrics: Sequence[str] = ("max_allocated", "max_reserved"
     if table_rows is not None:
         tax = bottom.subplots()
         tax.axis("off")
-        header, rows = table_rows
+        header, rows, hot = (tuple(table_rows) + (set(),))[:3]
         t = tax.table(cellText=rows or [["-"] * len(header)], colLabels=header, loc="upper center", cellLoc="right",
                       colLoc="center")
         t.auto_set_font_size(False)
         t.set_fontsize(8)
         t.auto_set_column_width(list(range(len(header))))
+        for (i, j) in hot:
+            t[i + 1, j].get_text().set_color("#c0392b")
+            t[i + 1, j].get_text().set_fontweight("bold")
         plot.data["table"] = t
     plot.data.update({"metrics": list(metrics), "stages": {pp: [r.rank for r in rs] for pp, rs in stages.items()}})
     plot.caption = ("Solid: each rank's actual peak (torch.cuda.max_memory_allocated / max_memory_reserved) at each "
@@ -417,8 +420,8 @@ def plan_figure(points: Sequence[dict], gpu_memory: int, threshold: float, title
         plot.lines["chosen"] = ax.plot([bx], [by], marker="*", markersize=17, color="#f1c40f", markeredgecolor="#222222",
                                        linestyle="none", zorder=6, label="chosen (#1)")[0]
         plot.data["chosen_annotation"] = ax.annotate(
-            f"#1 {best['label']}", (bx, by), xytext=(0.5, 0.03), textcoords="axes fraction", ha="center", fontsize=9,
-            fontweight="bold", arrowprops={"arrowstyle": "->", "color": "#222222", "linewidth": 1.0},
+            f"#1 {best['label']}", (bx, by), xytext=(-14, 16), textcoords="offset points", ha="right", va="bottom",
+            fontsize=9, fontweight="bold", arrowprops={"arrowstyle": "->", "color": "#222222", "linewidth": 1.0},
             bbox={"boxstyle": "round,pad=0.3", "fc": "#fffbe6", "ec": "#c9a800"}, zorder=7)
     if gpu_memory:
         plot.lines["threshold"] = ax.axvline(gpu_memory * threshold / div, color=THRESHOLD_COLOUR, linestyle="--",
@@ -427,16 +430,18 @@ def plan_figure(points: Sequence[dict], gpu_memory: int, threshold: float, title
         plot.lines["capacity"] = ax.axvline(gpu_memory / div, color=CAPACITY_COLOUR, linewidth=1.6,
                                             label=f"GPU capacity {format_bytes(gpu_memory)}")
         ax.set_xlim(0, gpu_memory / div * 1.04)
-    ymax = max((p["tokens_per_s_per_gpu"] for p in points), default=1)
-    ax.set_ylim(0, ymax * 1.1)
+    ys = [p["tokens_per_s_per_gpu"] for p in points] or [0.0, 1.0]
+    lo, hi = min(ys), max(ys)
+    pad = max(hi - lo, 0.02 * hi, 1e-9)
+    ax.set_ylim(max(0.0, lo - 0.15 * pad), hi + 0.35 * pad)     # room above for the chosen layout's label
     ax.set_xlabel(f"predicted peak memory of the critical stage, device total ({unit})")
     ax.set_ylabel("predicted tokens / s / GPU")
     ax.grid(color="#ececec", zorder=0)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5, frameon=False)
-    fig.suptitle(title, fontsize=11.5, fontweight="bold")
-    ax.set_title(caption, fontsize=8.5, color="#444444")
+    fig.suptitle(_wrap(title, 10.5 * 9.5), fontsize=11.5, fontweight="bold")
+    ax.set_title(_wrap(caption, 8.0 * 13), fontsize=8.5, color="#444444")
     plot.caption = caption
     plot.data["points"] = list(points)
     return plot
