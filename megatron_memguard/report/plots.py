@@ -114,6 +114,24 @@ def write(plot: Plot, path: str, fmt: str, html_page) -> None:
         plot.save(path, fmt)
 
 
+def _widen_for_ticks(fig, ax, n: int, max_width: float = 40.0) -> None:
+    """Make the figure wide enough that the x tick labels do not touch (measured with a renderer)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    for _ in range(4):
+        canvas = FigureCanvasAgg(fig)
+        r = canvas.get_renderer()
+        fig.draw(r)   # runs the constrained layout
+        widths = [t.get_window_extent(r).width for t in ax.get_xticklabels() if t.get_text()]
+        if not widths:
+            return
+        slot = ax.get_window_extent(r).width / max(n, 1)
+        need = max(widths) * 1.12 + 6
+        w, h = fig.get_size_inches()
+        if slot >= need or w >= max_width:
+            return
+        fig.set_size_inches(min(max_width, w + (need - slot) * n / fig.dpi * 1.05), h)
+
+
 # ---- estimate: stacked bars per pipeline stage -------------------------------------------------------
 def stage_label(s, vpp: int) -> str:
     """Tick label of a stage: its name and layers (chunks x layers when interleaved)."""
@@ -202,6 +220,7 @@ def estimate_figure(est) -> Plot:
                                                           if k in plot.lines]
     ax.legend(handles, [h.get_label() for h in handles], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
               frameon=False, title="per GPU, at the stage's peak", title_fontsize=8)
+    _widen_for_ticks(fig, ax, n)
     plot.data = {
         "verdict": est.verdict, "critical_stage": est.critical_stage, "gpu_memory_bytes": mem, "threshold": est.threshold,
         "groups": groups,
