@@ -362,11 +362,11 @@ def report_figure(log, metrics: Sequence[str] = ("max_allocated", "max_reserved"
             seen.setdefault(lab, h)
     order = sorted(seen, key=lambda k: (not k.startswith(("actual", "predicted")), k.split()[-1], k))
     if seen:
-        top.legend([seen[k] for k in order], order, loc="outside lower center", ncols=min(len(order), 5),
+        plot.data["legend"] = top.legend([seen[k] for k in order], order, loc="outside lower center", ncols=min(len(order), 5),
                    fontsize=8.5, frameon=False)
     its = [s.iteration for r in log.ranks for s in r.samples]
     span = f", iterations {min(its)}-{max(its)}" if its else ", no samples"
-    top.suptitle(f"memguard: predicted vs actual peak memory per rank - {len(log.ranks)} rank(s), "
+    plot.data["title"] = top.suptitle(f"memguard: predicted vs actual peak memory per rank - {len(log.ranks)} rank(s), "
                  f"{len(stages)} pipeline stage(s){span}", fontsize=11.5, fontweight="bold")
     if table_rows is not None:
         tax = bottom.subplots()
