@@ -189,7 +189,8 @@ def estimate_figure(est) -> Plot:
             for x, t in zip(xs, totals):
                 ax.text(x, t / div, f"{t / mem:.0%}", ha="center", va="bottom", fontsize=8, color="#333333", zorder=5)
     ax.set_ylim(0, top / div * 1.12 if top else 1)
-    ax.set_xlim(-0.6, n - 0.4)
+    side = max(0.6, (3 - n) / 2 + 0.6)     # one or two bars stay bar-sized
+    ax.set_xlim(-side, n - 1 + side)
     ax.set_xticks(xs)
     labels = ax.set_xticklabels([f"pp{s.pp_rank}" for s in stages] if compact else [stage_label(s, L.vpp) for s in stages],
                                 fontsize=8 if compact else 9, rotation=90 if compact else 0)
