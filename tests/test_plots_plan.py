@@ -43,7 +43,7 @@ def plan_and_plot(tmp_path, args, name="plan.png"):
     planner = make_planner(ns, [])
     res = planner.plan(_constraints(ns), top=ns.plot_layouts or 10**9)
     path = str(tmp_path / name)
-    plot = plot_plan(planner, res, path, name.rsplit(".", 1)[1], ns.plot_layouts)
+    plot = plot_plan(planner, res, path, name.rsplit(".", 1)[1])
     return res, plot, path
 
 
@@ -112,3 +112,12 @@ def test_cli_plot_errors(tmp_path, capsys, extra, msg):
     code = main(["plan", *BASE, "--plot", str(tmp_path / "p.png"), *extra])
     err = capsys.readouterr().err
     assert code == 2 and msg in err
+
+
+def test_no_layout_fits(tmp_path, capsys):
+    path = tmp_path / "none.png"
+    code = main(["plan", "--gpus", "2", "--seq-length", "8192", "--global-batch-size", "64", "--model", "llama3.1-70b",
+                 "--plot", str(path)])
+    out = capsys.readouterr()
+    assert code == 1 and "no layout fits." in out.out and path.exists()
+    assert decode_png(str(path)).shape[0] > 100

@@ -278,13 +278,13 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     else:
         print(render_plan(planner, res))
     if ns.plot:
-        plot_plan(planner, full, ns.plot, fmt, ns.plot_layouts)
+        plot_plan(planner, full, ns.plot, fmt)
         print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
     return EXIT_FITS if res.entries else EXIT_PROBLEM
 
 
-def plot_caption(res, limit: int) -> str:
-    """What the plot shows: every fitting layout, or the best ``limit`` of them (the search stopped there)."""
+def plot_caption(res) -> str:
+    """What the plot shows: every fitting layout, or the best of them (the search stopped there)."""
     k = len(res.entries)
     order = "fastest" if res.rule == "time" else "first in the Fujii et al. order"
     if not k:
@@ -297,12 +297,13 @@ def plot_caption(res, limit: int) -> str:
             f"{res.pruned_by_bound:,} ruled out by the memory bound")
 
 
-def plot_plan(planner, res, path: str, fmt: str, limit: int):
+def plot_plan(planner, res, path: str, fmt: str):
+    """Draw ``res.entries`` (throughput against memory) to ``path``; returns the Plot."""
     from ..report.plots import plan_figure, plan_html, plan_points, write
     cl, s = res.cluster, res.shape
     title = (f"memguard plan: {s.num_layers} layers, hidden {s.hidden} on {cl.gpus} x {cl.gpu.name} - "
              "predicted throughput vs peak memory")
-    caption = plot_caption(res, limit)
+    caption = plot_caption(res)
     plot = plan_figure(plan_points(res.entries), cl.gpu_memory_bytes, res.threshold, title, caption)
     subtitle = render_plan(planner, dataclasses.replace(res, entries=res.entries[:1])).split("\n\n")[0]
     write(plot, path, fmt, lambda p: plan_html(p, title, subtitle))

@@ -214,8 +214,10 @@ def estimate_figure(est) -> Plot:
         head = (f"{est.verdict.upper()} (no GPU memory given): critical stage pp{c.pp_rank} peaks at "
                 f"{format_bytes(c.peak_allocated_bytes)} allocated")
     fig.suptitle(_wrap(head, width * 9.5), color=crit_colour, fontsize=12, fontweight="bold")
-    model, batch, layout = (line.split(":", 1)[1].strip() for line in describe_layout(est).splitlines())
-    ax.set_title(_wrap(f"{layout}; {model}; {batch}", (width - 2.6) * 13), fontsize=8.5, color="#444444")
+    # describe_layout's lines ("model: ...", "batch: ...", "layout: ..."), the layout first.
+    lines = [ln.split(":", 1)[-1].strip() for ln in sorted(describe_layout(est).splitlines(),
+                                                            key=lambda ln: not ln.startswith("layout:"))]
+    ax.set_title(_wrap("; ".join(ln for ln in lines if ln), (width - 2.6) * 13), fontsize=8.5, color="#444444")
     # Stack order top-down in the legend, then the tick and the lines.
     handles = [plot.bars[g] for g in reversed(groups)] + [plot.lines[k] for k in ("peak_allocated", "threshold", "capacity")
                                                           if k in plot.lines]
