@@ -171,3 +171,14 @@ def test_cli_plot_bad_file_names(tmp_path, capsys, name, msg):
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
     assert out.err.startswith("memguard: error: --plot:") and msg in out.err and out.err.count("\n") == 1
+
+
+def test_html_without_virtual_stages_has_no_chunk_column(tmp_path):
+    est = estimate(layout_from_flags(LLAMA31_8B + ["--micro-batch-size", "1", "--tensor-model-parallel-size", "2",
+                                                   "--pipeline-model-parallel-size", "2", "--global-batch-size", "64",
+                                                   "--use-distributed-optimizer", "--sequence-parallel"], world_size=8),
+                   gpu=lookup_gpu("H100-80GB"))
+    write_estimate_plot(est, str(tmp_path / "e.html"))
+    header, rows = html_tables((tmp_path / "e.html").read_text())["stages"]
+    assert header[:3] == ["stage", "layers", "weights"] and all(len(r) == len(header) for r in rows)
+    assert [int(r[1][1]) for r in rows] == [s.num_layers for s in est.stages]

@@ -244,17 +244,19 @@ def estimate_html(est, plot: Plot) -> str:
 
     groups = plot.data["groups"]
     mem = est.gpu_memory_bytes
+    vpp = est.layout.vpp > 1
     rows = []
     for s in est.stages:
-        chunks = ", ".join(f"{c.label}: {c.num_layers}" for c in s.chunks) if est.layout.vpp > 1 else ""
         row = [f"pp{s.pp_rank}" + (" (critical)" if s.pp_rank == est.critical_stage and len(est.stages) > 1 else ""),
-               H.Cell(s.num_layers, s.num_layers), chunks]
+               H.Cell(s.num_layers, s.num_layers)]
+        if vpp:
+            row.append(", ".join(f"{c.label}: {c.num_layers}" for c in s.chunks))
         row += [H.Cell(format_bytes(s.group_bytes(g)), s.group_bytes(g)) for g in groups]
         row += [H.Cell(format_bytes(v), v) for v in (s.peak_allocated_bytes, s.peak_reserved_bytes, s.device_total_bytes)]
         row.append(H.Cell(f"{s.device_total_bytes / mem:.0%}" if mem else "-",
                           round(s.device_total_bytes / mem, 6) if mem else None))
         rows.append(row)
-    header = ["stage", "layers", "virtual stages (layers)" if est.layout.vpp > 1 else "",
+    header = ["stage", "layers", *(["virtual stages (layers)"] if vpp else []),
               *(GROUP_LABELS.get(g, g) for g in groups), "peak allocated", "peak reserved", "device total", "of GPU"]
     c = est.critical
     terms = [[t.name, t.group, t.level, H.Cell(format_bytes(t.bytes), t.bytes), t.detail] for t in c.terms]
