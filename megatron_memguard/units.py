@@ -50,5 +50,14 @@ def format_bytes(n: float, width: int = 0) -> str:
     return s.rjust(width) if width else s
 
 
+def byte_unit(n: float) -> tuple[str, int]:
+    """The unit ``format_bytes`` would choose for ``n`` (name, bytes per unit), e.g. for a plot axis."""
+    n = abs(n)
+    for name, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return name, size
+    return "B", 1
+
+
 def gib(n: float) -> float:
     return n / GiB

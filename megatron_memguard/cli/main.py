@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/json-schema.md)")
     e.add_argument("--detail", action="store_true", help="show how each term is computed")
     e.add_argument("--all-stages", action="store_true", help="show the breakdown of every stage, not only the critical one")
+    e.add_argument("--plot", metavar="FILE", help="also draw every stage's terms as stacked bars with the GPU capacity and "
+                                                  "threshold: FILE.png, FILE.svg or FILE.html (one offline page); "
+                                                  "needs matplotlib: pip install 'megatron-memguard[plot]'")
     g = sub.add_parser("gpus", help="list the GPU table")
     g.add_argument("--json", action="store_true")
     for name, helptext in (("validate", "check a config against Megatron's rules and the memory verdict"),
@@ -158,6 +161,10 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     from ..report.text import render
     from ..resolve import resolve
 
+    if ns.plot:  # fail before any output when the file name or matplotlib is wrong
+        from ..report.plots import output_format, require_matplotlib
+        output_format(ns.plot)
+        require_matplotlib()
     raw = load_raw(ns, flags)
     layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
@@ -168,6 +175,10 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
         print(json.dumps(est.to_dict(), indent=2))
     else:
         print(render(est, detail=ns.detail, all_stages=ns.all_stages))
+    if ns.plot:
+        from ..report.plots import write_estimate_plot
+        write_estimate_plot(est, ns.plot)
+        print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
     return EXIT_FITS if est.verdict in ("fits", "unknown") else EXIT_PROBLEM
 
 

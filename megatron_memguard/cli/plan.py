@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Sequence
 
 from ..errors import ConfigError
 from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
 
 DEFAULT_TOP = 5
+DEFAULT_PLOT_LAYOUTS = 200
 _MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_")
 
 
@@ -70,7 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--explain", metavar="LAYOUT", help="print each step-time term of one layout, "
                    "e.g. tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none")
+    o.add_argument("--plot", metavar="FILE", help="draw predicted throughput against peak memory of the layouts that fit, "
+                   "the Pareto front and the chosen layout: FILE.png, FILE.svg or FILE.html (needs matplotlib: "
+                   "pip install 'megatron-memguard[plot]')")
+    o.add_argument("--plot-layouts", type=_plot_layouts, default=DEFAULT_PLOT_LAYOUTS, metavar="N|all",
+                   help=f"how many fitting layouts --plot draws: the N best by the rule (default {DEFAULT_PLOT_LAYOUTS}),"
+                        " or all of them (estimates every candidate: seconds to tens of seconds)")
     return p
+
+
+def _plot_layouts(text: str) -> int:
+    if str(text).lower() == "all":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a positive integer or 'all', got {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expects a positive integer or 'all', got {text!r}")
+    return n
 
 
 def _load_model(ns: argparse.Namespace, flags: list[str]):
@@ -231,6 +251,13 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         return int(e.code or 0)
     if ns.top < 1:
         raise ConfigError("--top", f"must be >= 1, got {ns.top}")
+    fmt = None
+    if ns.plot:  # fail before searching when the file name or matplotlib is wrong
+        if ns.explain:
+            raise ConfigError("--plot", "draws the ranked layouts; it does not combine with --explain")
+        from ..report.plots import output_format, require_matplotlib
+        fmt = output_format(ns.plot)
+        require_matplotlib()
     planner = make_planner(ns, flags)
     if ns.explain:
         from ..planner.explain import explain, render_explanation
@@ -240,12 +267,47 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         else:
             print(render_explanation(planner, x))
         return EXIT_FITS if x.estimate.verdict == "fits" else EXIT_PROBLEM
-    res = planner.plan(_constraints(ns), top=ns.top, rule=ns.rule)
+    top = ns.top
+    if ns.plot:
+        # The ranked search visits layouts best first, so a longer search keeps the same first entries.
+        top = max(ns.top, ns.plot_layouts) if ns.plot_layouts else 10**9
+    full = planner.plan(_constraints(ns), top=top, rule=ns.rule)
+    res = dataclasses.replace(full, entries=full.entries[:ns.top])
     if ns.json:
         print(json.dumps(plan_json(planner, res), indent=2))
     else:
         print(render_plan(planner, res))
+    if ns.plot:
+        plot_plan(planner, full, ns.plot, fmt)
+        print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
     return EXIT_FITS if res.entries else EXIT_PROBLEM
+
+
+def plot_caption(res) -> str:
+    """What the plot shows: every fitting layout, or the best of them (the search stopped there)."""
+    k = len(res.entries)
+    order = "fastest" if res.rule == "time" else "first in the Fujii et al. order"
+    if not k:
+        return "no layout fits: nothing to plot"
+    if res.visited >= res.considered:
+        what = f"all {k} layouts that fit"
+    else:
+        what = f"the {k} {order} layouts that fit (the search stopped there; --plot-layouts all plots every one)"
+    return (f"{what}; {res.estimated:,} of {res.considered:,} candidates estimated, "
+            f"{res.pruned_by_bound:,} ruled out by the memory bound")
+
+
+def plot_plan(planner, res, path: str, fmt: str):
+    """Draw ``res.entries`` (throughput against memory) to ``path``; returns the Plot."""
+    from ..report.plots import plan_figure, plan_html, plan_points, write
+    cl, s = res.cluster, res.shape
+    title = (f"memguard plan: {s.num_layers} layers, hidden {s.hidden} on {cl.gpus} x {cl.gpu.name} - "
+             "predicted throughput vs peak memory")
+    caption = plot_caption(res)
+    plot = plan_figure(plan_points(res.entries), cl.gpu_memory_bytes, res.threshold, title, caption)
+    subtitle = render_plan(planner, dataclasses.replace(res, entries=res.entries[:1])).split("\n\n")[0]
+    write(plot, path, fmt, lambda p: plan_html(p, title, subtitle))
+    return plot
 
 
 __all__ = ["run", "build_parser", "EXIT_BAD_INPUT"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -20,11 +21,24 @@ def _c(text: str, code: str, colour: bool) -> str:
     return f"\033[{code}m{text}\033[0m" if colour else text
 
 
+_ANSI = re.compile(r"\033\[[0-9;]*m")
+
+
+def visible_len(text: str) -> int:
+    """Length on the terminal: colour escape codes take no room."""
+    return len(_ANSI.sub("", str(text)))
+
+
 def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Sequence[int] = ()) -> str:
-    """Aligned plain-text table; columns in ``right`` are right-aligned (numbers)."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    """Aligned plain-text table; columns in ``right`` are right-aligned (numbers). Cells may be coloured."""
+    widths = [max(visible_len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def pad(v, i):
+        fill = " " * (widths[i] - visible_len(v))
+        return fill + str(v) if i in right else str(v) + fill
+
     def fmt(r):
-        return "  ".join(str(v).rjust(widths[i]) if i in right else str(v).ljust(widths[i]) for i, v in enumerate(r)).rstrip()
+        return "  ".join(pad(v, i) for i, v in enumerate(r)).rstrip()
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 

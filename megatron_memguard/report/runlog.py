@@ -1,0 +1,321 @@
+"""Read the runtime JSONL files of a run (schema ``memguard.runtime/1``) and compare actual with predicted.
+
+The Megatron hook (``--memguard-log-dir``) and the framework callbacks write one file per rank,
+``memguard-rank{rank:05d}.jsonl``, one JSON object per line (events ``start``, ``sample``,
+``warning``, ``oom``, ``summary``; docs/hook.md). A restarted job appends to the same files: each
+``start`` record opens a new run segment, and the report shows the last one unless asked for all.
+
+Pure Python (no torch, no matplotlib). Every problem names the file and the line.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from ..errors import ReaderError
+from ..runtime.monitor import COMPARED
+from ..runtime.sinks import SCHEMA
+
+EVENTS = ("start", "sample", "warning", "oom", "summary")
+FILE_GLOB = "memguard-rank*.jsonl"
+METRICS = tuple(a for a, _ in COMPARED)          # max_allocated, max_reserved, device_used
+PREDICTED_OF = dict(COMPARED)                      # actual field -> predicted field
+METRIC_LABELS = {"max_allocated": "peak allocated", "max_reserved": "peak reserved", "device_used": "device used"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    iteration: int
+    actual: dict[str, int | None]
+    predicted: dict[str, int | None]
+    line: int
+
+    def value(self, metric: str) -> int | None:
+        return self.actual.get(metric)
+
+    def prediction(self, metric: str) -> int | None:
+        return self.predicted.get(PREDICTED_OF[metric])
+
+
+@dataclass
+class RankRun:
+    """One rank's records of one run segment (or of all segments, with ``--run all``)."""
+
+    rank: int
+    path: str
+    pp_rank: int | None = None
+    source: str | None = None
+    interval: int | None = None
+    tolerance: float | None = None
+    reset_peak: bool | None = None
+    start: dict[str, Any] | None = None
+    samples: list[Sample] = field(default_factory=list)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    ooms: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    segments: int = 1          # run segments in the file
+    segment: str = "last"      # which this is: "last" or "all"
+
+    # -- comparisons ------------------------------------------------------------------------------
+    def predicted(self, metric: str) -> int | None:
+        """The prediction compared with ``metric`` (the last sample's, else the start record's)."""
+        for s in reversed(self.samples):
+            v = s.prediction(metric)
+            if v:
+                return v
+        p = (self.start or {}).get("predicted") or {}
+        return p.get(PREDICTED_OF[metric]) or None
+
+    def peak(self, metric: str) -> int | None:
+        """The largest actual value over the samples."""
+        vals = [s.value(metric) for s in self.samples if s.value(metric) is not None]
+        return max(vals) if vals else None
+
+    def ratio(self, metric: str) -> float | None:
+        """Largest actual / predicted over the samples (each sample against its own prediction)."""
+        best = None
+        for s in self.samples:
+            a, p = s.value(metric), s.prediction(metric)
+            if a is not None and p:
+                r = a / p
+                best = r if best is None or r > best else best
+        return best
+
+    def error(self, metric: str) -> float | None:
+        """Relative error of the prediction: actual peak / predicted - 1 (positive: under-predicted)."""
+        r = self.ratio(metric)
+        return None if r is None else r - 1.0
+
+    @property
+    def iterations(self) -> list[int]:
+        return [s.iteration for s in self.samples]
+
+    def exceeded(self, tolerance: float) -> list[str]:
+        """The metrics whose actual exceeded the prediction by more than ``tolerance``."""
+        return [m for m in METRICS if (self.ratio(m) or 0.0) > 1.0 + tolerance + 1e-12]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "pp_rank": self.pp_rank, "file": self.path, "source": self.source,
+            "interval": self.interval, "reset_peak": self.reset_peak, "segments": self.segments,
+            "samples": len(self.samples),
+            "first_iteration": self.samples[0].iteration if self.samples else None,
+            "last_iteration": self.samples[-1].iteration if self.samples else None,
+            **{f"predicted_{PREDICTED_OF[m]}": self.predicted(m) for m in METRICS},
+            **{f"actual_{m}": self.peak(m) for m in METRICS},
+            **{f"error_{m}": self.error(m) for m in METRICS},
+            "warnings": self.warnings, "ooms": self.ooms,
+        }
+
+
+@dataclass
+class RunLog:
+    location: str
+    ranks: list[RankRun]
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+    skipped_lines: list[str] = field(default_factory=list)
+
+    @property
+    def stages(self) -> dict[int, list[RankRun]]:
+        """Ranks per pipeline stage (ranks without a stage under -1)."""
+        out: dict[int, list[RankRun]] = {}
+        for r in self.ranks:
+            out.setdefault(r.pp_rank if r.pp_rank is not None else -1, []).append(r)
+        return dict(sorted(out.items()))
+
+    @property
+    def tolerance(self) -> float:
+        tols = [r.tolerance for r in self.ranks if r.tolerance is not None]
+        return max(tols) if tols else 0.05
+
+    def rank(self, rank: int) -> RankRun:
+        return next(r for r in self.ranks if r.rank == rank)
+
+    def has(self, metric: str) -> bool:
+        return any(r.peak(metric) is not None and r.predicted(metric) for r in self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "memguard.report/1", "location": self.location, "files": self.files,
+                "tolerance": self.tolerance, "ranks": [r.to_dict() for r in self.ranks], "notes": self.notes}
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+def find_files(paths: Sequence[str]) -> list[str]:
+    """The JSONL files of the run: ``memguard-rank*.jsonl`` in each directory (any ``*.jsonl`` when there
+    is none), or the files given."""
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(glob.glob(os.path.join(p, FILE_GLOB)))
+            if not found:
+                found = sorted(glob.glob(os.path.join(p, "*.jsonl")))
+            if not found:
+                raise ReaderError(f"{p}: no {FILE_GLOB} files in this directory (the hook writes them with "
+                                  "--memguard-log-dir DIR or MEMGUARD_LOG_DIR)")
+            files += found
+        elif os.path.isfile(p):
+            files.append(p)
+        elif os.path.exists(p):
+            raise ReaderError(f"{p}: not a directory or a file")
+        else:
+            raise ReaderError(f"{p}: no such directory")
+    seen: set[str] = set()
+    unique = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            unique.append(f)
+    return unique
+
+
+def _int(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+        raise ValueError(f"expected a number, got {v!r}")
+    return int(v)
+
+
+def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]:
+    if not isinstance(d, dict):
+        raise ValueError(f"'{what}' must be an object, got {type(d).__name__}")
+    out = {}
+    for k in keys:
+        try:
+            out[k] = _int(d.get(k))
+        except ValueError as e:
+            raise ValueError(f"'{what}.{k}': {e}") from None
+    return out
+
+
+def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
+              warn: Callable[[str], None] | None = None) -> RankRun | None:
+    """One rank's file. ``run``: ``last`` (the last start-to-end segment) or ``all``. Returns None for a
+    file without records."""
+    segments: list[list[tuple[int, dict]]] = [[]]
+    rank: int | None = None
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
+
+    def bad(n: int, why: str) -> None:
+        msg = f"{path} line {n}: {why}"
+        if not skip_bad_lines:
+            raise ReaderError(msg + " (--skip-bad-lines skips such lines)")
+        if warn:
+            warn(msg + "; skipped")
+
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                bad(n, f"not valid JSON ({e.msg} at column {e.colno})")
+                continue
+            if not isinstance(rec, dict):
+                bad(n, f"expected a JSON object, got {type(rec).__name__}")
+                continue
+            schema = rec.get("schema")
+            if schema != SCHEMA:
+                bad(n, f"not a {SCHEMA} record (schema {schema!r})" if schema else
+                    f"not a memguard runtime record (no 'schema' field; expected {SCHEMA!r})")
+                continue
+            event = rec.get("event")
+            if event not in EVENTS:
+                bad(n, f"unknown event {event!r} (expected one of {', '.join(EVENTS)})")
+                continue
+            r = rec.get("rank")
+            if isinstance(r, bool) or not isinstance(r, int):
+                bad(n, f"'rank' must be an integer, got {r!r}")
+                continue
+            if rank is None:
+                rank = r
+            elif r != rank:
+                bad(n, f"rank {r} in the file of rank {rank} (one file per rank)")
+                continue
+            if event == "sample":
+                it = rec.get("iteration")
+                if isinstance(it, bool) or not isinstance(it, int):
+                    bad(n, f"sample without an integer 'iteration' (got {it!r})")
+                    continue
+                if not isinstance(rec.get("actual"), dict):
+                    bad(n, "sample without an 'actual' object")
+                    continue
+            if event == "start" and segments[-1]:
+                segments.append([])
+            segments[-1].append((n, rec))
+    if rank is None:
+        return None
+    chosen = [x for seg in segments for x in seg] if run == "all" else segments[-1]
+    out = RankRun(rank=rank, path=path, segments=len(segments), segment=run)
+    for n, rec in chosen:
+        ev = rec["event"]
+        if rec.get("pp_rank") is not None:
+            out.pp_rank = rec["pp_rank"]
+        try:
+            if ev == "start":
+                out.start = rec
+                out.source = rec.get("source")
+                out.interval = rec.get("interval")
+                out.tolerance = rec.get("tolerance")
+                out.reset_peak = rec.get("reset_peak")
+            elif ev == "sample":
+                actual = _bytes_dict(rec["actual"], ("allocated", "reserved", *METRICS), "actual")
+                pred = rec.get("predicted") or {}
+                predicted = _bytes_dict(pred, ("peak_allocated", "peak_reserved", "device_total", "persistent"), "predicted")
+                out.samples.append(Sample(rec["iteration"], actual, predicted, n))
+            elif ev == "warning":
+                out.warnings.append(rec)
+            elif ev == "oom":
+                out.ooms.append(rec)
+            elif ev == "summary":
+                out.summary = rec
+        except ValueError as e:
+            bad(n, str(e))
+    return out
+
+
+def read_run(paths: str | Sequence[str], run: str = "last", skip_bad_lines: bool = False,
+             warn: Callable[[str], None] | None = None) -> RunLog:
+    """Every rank's records from a log directory (or files). Raises ReaderError naming file and line."""
+    if run not in ("last", "all"):
+        raise ReaderError(f"--run: expected 'last' or 'all', got {run!r}")
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    files = find_files(paths)
+    ranks: dict[int, RankRun] = {}
+    notes: list[str] = []
+    empty: list[str] = []
+    for path in files:
+        rr = read_file(path, run=run, skip_bad_lines=skip_bad_lines, warn=warn)
+        if rr is None:
+            empty.append(path)
+            continue
+        if rr.rank in ranks:
+            raise ReaderError(f"{path}: rank {rr.rank} is also in {ranks[rr.rank].path}; give the files of one run")
+        ranks[rr.rank] = rr
+    if not ranks:
+        raise ReaderError(f"{', '.join(paths)}: no memguard records in {len(files)} file(s)"
+                          + (" (all empty)" if empty else ""))
+    if empty:
+        notes.append(f"{len(empty)} file(s) without records: " + ", ".join(os.path.basename(p) for p in empty[:4])
+                     + (" ..." if len(empty) > 4 else ""))
+    restarted = [r for r in ranks.values() if r.segments > 1]
+    if restarted:
+        most = max(r.segments for r in restarted)
+        notes.append(f"{len(restarted)} rank file(s) hold {most} runs (the job restarted and appended); "
+                     + ("showing the last run (--run all shows every run)" if run == "last" else "showing every run"))
+    nosample = [r.rank for r in ranks.values() if not r.samples]
+    if nosample:
+        notes.append(f"{len(nosample)} rank(s) without samples (did the run reach its first log interval?): "
+                     + ", ".join(map(str, nosample[:8])) + (" ..." if len(nosample) > 8 else ""))
+    location = paths[0] if len(paths) == 1 else f"{len(paths)} paths"
+    return RunLog(location=location, ranks=[ranks[k] for k in sorted(ranks)], files=files, notes=notes)
