@@ -623,7 +623,7 @@ def _torchrun_option(opt: str) -> str | None:
     norm = opt.replace("_", "-") if opt.startswith("--") else opt
     if norm in _TORCHRUN_VALUE_OPTS or norm in _TORCHRUN_FLAG_OPTS:
         return norm
-    if norm.startswith("--") and len(norm) > 3:
+    if norm.startswith("--") and len(norm) > 2:
         cands = [o for o in _TORCHRUN_LONG if o.startswith(norm)]
         if len(cands) == 1:
             return cands[0]
