@@ -389,7 +389,8 @@ def _launch_kind(toks: Sequence[str]) -> str | None:
         while j < len(rest) and rest[j].startswith("-") and rest[j] != "-m":
             j += 2 if rest[j] in _PYTHON_VALUE_OPTS else 1
         if j < len(rest) and (rest[j] == "-m" or rest[j].endswith(".py")):
-            if rest[j] == "-m" and j + 1 < len(rest) and rest[j + 1] in ("pip", "venv", "ensurepip", "site"):
+            if rest[j] == "-m" and j + 1 < len(rest) and (rest[j + 1] in ("pip", "venv", "ensurepip", "site")
+                                                         or rest[j + 1].startswith("megatron_memguard")):
                 return None
             return "python"
         return None
