@@ -337,3 +337,16 @@ def test_split_script_args_kinds():
     assert sa.kind == "hydra" and (sa.config_name, sa.config_path) == ("x", "conf")
     assert kind("run.py", "model.tensor_model_parallel_size=2").kind == "bridge"
     assert kind("run.py", "trainer.devices=2", "model.x=1").kind == "hydra"
+
+
+def test_the_hooks_own_flags_are_read_not_reported_as_unknown(capsys):
+    code, doc, _ = check_json(capsys, "--", "torchrun", "--nproc-per-node", "8", "--nnodes", "2", "pretrain_gpt.py", *SMALL,
+                              "--memguard", "abort", "--memguard-threshold", "0.5", "--memguard-reset-peak",
+                              "--memguard-gpu-memory=40GiB", "--memguard-log-dir", "logs")
+    assert doc["threshold"] == 0.5 and doc["gpu_memory_bytes"] == 40 * 2**30
+    assert not any("not Megatron flags" in n and "--memguard" in n for n in doc["notes"])
+    assert any("--memguard abort" in n and "--memguard-reset-peak" in n for n in doc["notes"])
+    # memguard's own options win
+    code, doc, _ = check_json(capsys, "--threshold", "0.9", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
+                              *SMALL, "--memguard-threshold", "0.5")
+    assert doc["threshold"] == 0.9

@@ -135,6 +135,12 @@ def test_run_pretrain_gpt_script_prints_the_flags():
     for flag in ("--memguard abort", "--memguard-threshold 0.85", "--memguard-log-dir memguard-logs",
                  "--memguard-log-interval 10"):
         assert flag in line
+    # memguard check reads the script, the hook's flags included (its threshold applies)
+    plain = {k: v for k, v in env().items() if k not in ("MEMGUARD_LAUNCH_STUB", "MEMGUARD_CMD")}
+    c = subprocess.run([*MEMGUARD.split(), "check", "--json", "--file", os.path.join(EX, "megatron", "run_pretrain_gpt.sh")],
+                       env=plain, capture_output=True, text=True, timeout=120)
+    doc = json.loads(c.stdout)
+    assert c.returncode == 0 and doc["launch"]["world_size"] == 16 and doc["threshold"] == 0.85
 
 
 def _free_port():

@@ -121,7 +121,16 @@ def read_launch(ns, flags: list[str], environ=None):
         if ns.set:
             raise ConfigError("--set", "KEY=VALUE overrides apply to NeMo / Megatron-Bridge configs; this launch passes "
                                        "Megatron flags (add the flag to the command instead)")
-        raw = parse_megatron_flags(sa.flags, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
+        flags_, hook = _hook_flags(sa.flags)
+        if hook:
+            notes.append("memguard hook flags on the launch: " + " ".join(f"{k} {v}" if v is not None else k
+                                                                        for k, v in hook.items()))
+            if ns.threshold == 0.8 and hook.get("--memguard-threshold"):
+                ns.threshold = float(hook["--memguard-threshold"])
+                notes.append(f"threshold {ns.threshold} from the launch's --memguard-threshold")
+            if not ns.gpu_memory and hook.get("--memguard-gpu-memory"):
+                ns.gpu_memory = hook["--memguard-gpu-memory"]
+        raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
         if ns.model:
             from ..readers.models import read_model
             raw = read_model(ns.model).merged(raw)
@@ -272,3 +281,25 @@ def _verdict_words(est) -> str:
     if est.verdict == "tight":
         return f"the critical stage is tight ({pct} of GPU memory, over the {est.threshold:.0%} threshold)"
     return f"the critical stage will not fit ({pct} of GPU memory)"
+
+
+_HOOK_BOOLEAN = ("--memguard-reset-peak", "--memguard-allow-recompute")
+
+
+def _hook_flags(flags: list[str]) -> tuple[list[str], dict[str, str | None]]:
+    """Split the Megatron hook's own --memguard* flags (docs/hook.md) from Megatron's."""
+    rest: list[str] = []
+    hook: dict[str, str | None] = {}
+    i = 0
+    while i < len(flags):
+        t = flags[i]
+        if t.startswith("--memguard"):
+            name, _, val = t.partition("=")
+            if not _ and name not in _HOOK_BOOLEAN and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+                val = flags[i + 1]
+                i += 1
+            hook[name] = val if (val or _) else None
+        else:
+            rest.append(t)
+        i += 1
+    return rest, hook
