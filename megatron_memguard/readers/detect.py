@@ -43,10 +43,14 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
 
         return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ, model=model)
     _no_overrides(path, overrides)
-    from .launch_command import parse_launch_script
+    from .launch_command import parse_launch_script, split_script_args
     from .megatron_flags import parse_megatron_flags
 
     cmd = parse_launch_script(text, environ)
+    kind = split_script_args(cmd).kind
+    if kind != "megatron":
+        raise ReaderError(f"{path}: this launch runs {cmd.script} with a {'NeMo 1 (Hydra)' if kind == 'hydra' else 'Megatron-Bridge'} "
+                          f"config and overrides; check it with memguard check --file {path}")
     raw = parse_megatron_flags(cmd.script_args, env={**(environ or {}), **cmd.env}, source=f"launch command in {path}")
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
                      nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=memory_env(cmd.env),

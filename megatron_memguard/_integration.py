@@ -1,0 +1,462 @@
+"""What the framework integrations (``megatron_memguard.bridge``, ``megatron_memguard.lightning``) share:
+turning live config objects into plain mappings the readers understand, the pre-flight decision on a
+``RawConfig`` (report / warn / abort), and building the runtime monitor (``megatron_memguard.runtime``:
+the same monitor, sources and sinks as the Megatron hook) for one rank.
+
+Nothing here imports torch, Lightning, NeMo or Megatron-Bridge at import time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import sys
+import traceback
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from .config import RawConfig
+from .errors import ConfigError, MemguardError
+
+PREFIX = "[memguard]"
+ABORT_EXIT_CODE = 3  # as the Megatron hook's --memguard abort
+MODES = ("off", "report", "warn", "abort")
+
+
+class PreflightAbort(SystemExit):
+    """Raised on every rank when the layout does not fit and the mode is ``abort`` (exit code 3)."""
+
+    def __init__(self, message: str, result: "PreflightResult | None" = None):
+        super().__init__(ABORT_EXIT_CODE)
+        self.message = message
+        self.result = result
+
+
+# --------------------------------------------------------------------------------------------------
+# Live objects -> plain mappings
+# --------------------------------------------------------------------------------------------------
+def _qualname(obj: Any) -> str:
+    mod = getattr(obj, "__module__", None) or ""
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+    return f"{mod}.{name}" if mod else str(name)
+
+
+def to_plain(obj: Any, depth: int = 0, max_depth: int = 6, _seen: set | None = None) -> Any:
+    """A config object (dataclasses such as Bridge's ConfigContainer and its model provider, NeMo 2's
+    GPTConfig, SimpleNamespace, mappings) as the plain dict / list / scalar tree its YAML dump would
+    hold: torch dtypes as ``torch.bfloat16``, functions as ``{_target_: module.name, _call_: false}``,
+    enums by name, dataclasses with their ``_target_``. Objects it cannot represent become None."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return obj.name
+    tname = type(obj).__name__
+    tmod = type(obj).__module__ or ""
+    if tmod.startswith("torch") and tname == "dtype":
+        return str(obj)
+    if depth >= max_depth:
+        return None
+    _seen = set() if _seen is None else _seen
+    if id(obj) in _seen:
+        return None
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)) or tname == "partial":
+        target = getattr(obj, "func", obj)
+        return {"_target_": _qualname(target), "_call_": False}
+    if isinstance(obj, type):
+        return {"_target_": _qualname(obj), "_call_": False}
+    if isinstance(obj, (types.ModuleType,)):
+        return None
+    _seen.add(id(obj))
+    try:
+        if isinstance(obj, Mapping):
+            return {str(k): to_plain(v, depth + 1, max_depth, _seen) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [to_plain(v, depth + 1, max_depth, _seen) for v in obj]
+        if dataclasses.is_dataclass(obj):
+            out: dict[str, Any] = {"_target_": _qualname(type(obj))}
+            for f in dataclasses.fields(obj):
+                if f.name.startswith("__"):
+                    continue
+                try:
+                    out[f.name] = to_plain(getattr(obj, f.name), depth + 1, max_depth, _seen)
+                except Exception:
+                    continue
+            return out
+        if isinstance(obj, types.SimpleNamespace) or (hasattr(obj, "__dict__") and not callable(obj)
+                                                        and not tmod.startswith(("torch", "numpy"))):
+            return {k: to_plain(v, depth + 1, max_depth, _seen) for k, v in vars(obj).items()
+                    if not k.startswith("_") or k == "_target_"}
+        if callable(obj):
+            return {"_target_": _qualname(type(obj)), "_call_": False}
+    finally:
+        _seen.discard(id(obj))
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# World, rank, GPU
+# --------------------------------------------------------------------------------------------------
+def _dist():
+    """torch.distributed when torch is already imported and a process group exists (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        dist = torch.distributed
+        return dist if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def world_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    environ = os.environ if environ is None else environ
+    d = _dist()
+    if d is not None:
+        return int(d.get_world_size()), "torch.distributed"
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        v = environ.get(name)
+        if v and str(v).isdigit():
+            return int(v), name
+    return None, ""
+
+
+def this_rank(environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    d = _dist()
+    if d is not None:
+        return int(d.get_rank())
+    for name in ("RANK", "SLURM_PROCID"):
+        v = environ.get(name)
+        if v and str(v).isdigit():
+            return int(v)
+    return 0
+
+
+def parallel_ranks() -> dict[str, int]:
+    """This rank's coordinates from megatron.core.parallel_state when model parallelism is initialized
+    (NeMo 2 and Bridge initialize it); PP rank 0 and the process rank otherwise."""
+    out = {"rank": this_rank(), "world_size": world_from_environment()[0] or 1, "pp_rank": 0, "pp_size": 1, "tp_rank": 0,
+           "dp_rank": 0, "cp_rank": 0}
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is None:
+        return out
+    try:
+        if not mpu.model_parallel_is_initialized():
+            return out
+    except Exception:
+        return out
+    for key, fn in (("pp_rank", "get_pipeline_model_parallel_rank"), ("pp_size", "get_pipeline_model_parallel_world_size"),
+                    ("tp_rank", "get_tensor_model_parallel_rank"), ("dp_rank", "get_data_parallel_rank"),
+                    ("cp_rank", "get_context_parallel_rank")):
+        try:
+            out[key] = int(getattr(mpu, fn)())
+        except Exception:
+            pass
+    return out
+
+
+def resolve_gpu(gpu: Any = None, gpu_memory: Any = None, environ: Mapping[str, str] | None = None):
+    """(GpuSpec or None, memory in bytes or None, where it came from). ``gpu``: a GPU table name or a
+    GpuSpec; ``gpu_memory``: bytes or a size such as ``79.1GiB``; else MEMGUARD_GPU_MEMORY; else this
+    rank's device (as the Megatron hook reads it)."""
+    from .gpus import GpuSpec, lookup_gpu
+    from .units import parse_bytes
+
+    environ = os.environ if environ is None else environ
+    spec = gpu if isinstance(gpu, GpuSpec) else (lookup_gpu(str(gpu)) if gpu else None)
+    mem = None
+    src = ""
+    if gpu_memory is not None:
+        mem = int(gpu_memory) if isinstance(gpu_memory, (int, float)) else parse_bytes(str(gpu_memory), "gpu_memory")
+        src = "gpu_memory"
+    elif environ.get("MEMGUARD_GPU_MEMORY"):
+        mem, src = parse_bytes(environ["MEMGUARD_GPU_MEMORY"], "MEMGUARD_GPU_MEMORY"), "MEMGUARD_GPU_MEMORY"
+    if spec is not None:
+        return spec, mem or spec.memory_bytes, src or f"gpu={spec.name}"
+    from .runtime.device import device_properties, gpu_spec_for
+    name, total, dsrc = device_properties(environ)
+    if mem is not None:
+        return gpu_spec_for(name, mem), mem, src
+    if total:
+        return gpu_spec_for(name, total), total, dsrc
+    return None, None, dsrc or "no GPU"
+
+
+# --------------------------------------------------------------------------------------------------
+# The pre-flight decision
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class PreflightResult:
+    mode: str
+    action: str          # skipped | unsupported | unknown | fits | reported | warned | abort
+    raw: RawConfig | None = None
+    layout: Any = None
+    estimate: Any = None
+    gpu: Any = None
+    gpu_memory: int | None = None
+    gpu_memory_source: str = ""
+    world_size: int | None = None
+    world_size_from: str = ""
+    message: str = ""
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str | None:
+        return self.estimate.verdict if self.estimate is not None else None
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict == "fits"
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {"mode": self.mode, "action": self.action, "verdict": self.verdict, "reason": self.reason,
+                "world_size": self.world_size, "world_size_from": self.world_size_from,
+                "gpu": self.gpu.name if self.gpu is not None else None, "gpu_memory": self.gpu_memory,
+                "gpu_memory_source": self.gpu_memory_source, "critical_stage": e.critical_stage if e else None,
+                "predicted_device_total": e.peak_device_bytes if e else None,
+                "source": self.raw.source if self.raw is not None else None}
+
+
+def mode_from(mode: str | None, environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    m = (mode if mode is not None else environ.get("MEMGUARD", "warn")).strip().lower()
+    if m == "autotune":
+        raise ConfigError("mode", "autotune is the Megatron hook's (it rewrites Megatron's arguments); the Bridge / "
+                                  "Lightning pre-flight reports, warns or aborts", "use report, warn or abort")
+    if m not in MODES:
+        raise ConfigError("mode", f"unknown mode {m!r}", "use off, report, warn or abort")
+    return m
+
+
+def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, world_size: int | None = None,
+                  world_size_from: str = "", gpu: Any = None, gpu_memory: Any = None, threshold: float | None = None,
+                  megatron_version: str | None = None, profile: str = "auto", emit: Callable[[str], None] | None = None,
+                  rank0: bool | None = None, label: str = "memguard", environ: Mapping[str, str] | None = None,
+                  strict: bool = False) -> PreflightResult:
+    """Read the config (``raw_fn``), resolve and estimate it against the GPU, and act by ``mode``:
+    ``report`` prints the estimate of every stage; ``warn`` (default) one line, or a warning with the
+    breakdown when the critical stage exceeds the threshold; ``abort`` raises PreflightAbort on every
+    rank (rank 0 prints the breakdown and a layout that fits). A config memguard cannot read or model
+    is reported and training goes on (``strict=True`` raises instead)."""
+    from .estimator import estimate
+    from .report.text import render, verdict_line
+    from .resolve import resolve
+    from .units import format_bytes
+
+    environ = os.environ if environ is None else environ
+    emit = emit or (lambda s: print(s, flush=True))
+    rank0 = this_rank(environ) == 0 if rank0 is None else rank0
+    mode = mode_from(mode, environ)
+    if threshold is None:
+        threshold = float(environ.get("MEMGUARD_THRESHOLD", 0.8))
+    r = PreflightResult(mode=mode, action="skipped")
+    if mode == "off":
+        return r
+    try:
+        raw = raw_fn()
+        r.raw = raw
+        if world_size is None:
+            world_size, world_size_from = world_from_environment(environ)
+        if world_size is None and raw.world_size:
+            world_size, world_size_from = raw.world_size, raw.origin.get("world_size", "the config")
+        if world_size is None:
+            raise ConfigError("world_size", "the number of GPUs is unknown (no WORLD_SIZE / SLURM_NTASKS, no process "
+                                            "group yet)", "pass world_size=N")
+        r.world_size, r.world_size_from = world_size, world_size_from or "world_size"
+        layout = resolve(raw, world_size=world_size, megatron_version=megatron_version)
+        r.gpu, r.gpu_memory, r.gpu_memory_source = resolve_gpu(gpu, gpu_memory, environ)
+        est = estimate(layout, profile=profile, gpu=r.gpu, gpu_memory=r.gpu_memory, threshold=threshold)
+    except MemguardError as e:
+        if strict:
+            raise
+        r.action, r.reason = "unsupported", str(e)
+        if rank0:
+            emit(f"{PREFIX} {label}: cannot estimate this configuration: {e}; training continues unchecked")
+        return r
+    r.layout, r.estimate = layout, est
+    r.notes = list(raw.warnings) + [n for n in layout.notes if n not in raw.warnings]
+    out: list[str] = []
+    where = f"{r.gpu.name if r.gpu else 'GPU'} {format_bytes(r.gpu_memory)}" if r.gpu_memory else "unknown GPU memory"
+    out.append(f"{PREFIX} {label}: mode {mode}, threshold {threshold:.0%}, {where} ({r.gpu_memory_source}); "
+               f"{world_size} ranks ({r.world_size_from}); {raw.source}")
+    if est.verdict == "unknown":
+        r.action = "unknown"
+        out.append(f"{PREFIX} GPU memory unknown ({r.gpu_memory_source}): pass gpu= or gpu_memory= to check; the estimate follows")
+        out.append(render(est, colour=False))
+    elif mode == "report":
+        r.action = "reported"
+        out.append(render(est, colour=False, all_stages=True))
+    elif est.verdict == "fits":
+        r.action = "fits"
+        out.append(f"{PREFIX} {verdict_line(est)}")
+    elif mode == "warn":
+        r.action = "warned"
+        out.append(f"{PREFIX} WARNING: the critical stage exceeds {threshold:.0%} of GPU memory; training continues "
+                   "(mode='abort' stops here)")
+        out.append(render(est, colour=False))
+    else:
+        r.action = "abort"
+        c = est.critical
+        out.append(f"{PREFIX} ABORT: stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
+                   f"{c.device_total_bytes / est.gpu_memory_bytes:.0%} of {format_bytes(est.gpu_memory_bytes)}, over the "
+                   f"{threshold:.0%} threshold")
+        out.append(render(est, colour=False))
+        out.append(suggestion(raw, est, world_size, r.gpu, r.gpu_memory, threshold, megatron_version, profile))
+        out.append(f"{PREFIX} aborting on every rank before training starts (exit code {ABORT_EXIT_CODE}); mode='warn' "
+                   "trains anyway")
+    r.message = "\n".join(out)
+    if rank0:
+        emit(r.message)
+    if r.action == "abort":
+        raise PreflightAbort(r.message, r)
+    return r
+
+
+def suggestion(raw, est, world_size, gpu, gpu_memory, threshold, megatron_version, profile) -> str:
+    """A layout that fits (micro-batch, pipeline size, recomputation), spelled with the config's keys."""
+    from .autotune import autotune, describe_layout_choice
+    from .units import format_bytes
+    try:
+        r = autotune(raw, world_size=world_size, megatron_version=megatron_version, gpu=gpu, gpu_memory=gpu_memory,
+                     threshold=threshold, profile=profile, allow_recompute=True, original=est)
+    except Exception as e:  # a suggestion is a courtesy
+        return f"{PREFIX} (no suggestion: {type(e).__name__}: {e})"
+    if r.chosen is None:
+        return f"{PREFIX} no micro-batch / pipeline size / recompute change fits:\n" + r.summary()
+    ch = ", ".join(f"{raw.key(k)}={new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
+            f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The runtime monitor for one rank
+# --------------------------------------------------------------------------------------------------
+class Reporter:
+    """Reports an exception inside memguard once per process; training goes on."""
+
+    def __init__(self, emit_error: Callable[[str], None] | None = None):
+        self.emit_error = emit_error or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.errors = 0
+        self._logged = False
+
+    def __call__(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self._logged:
+            return
+        self._logged = True
+        try:
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            self.emit_error(f"{PREFIX} internal error in {where} ({text}); training continues without it, "
+                            "further memguard errors are counted silently")
+        except Exception:
+            pass
+
+
+def default_source():
+    """CudaMemorySource when CUDA is available (torch already imported by the framework), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if torch.cuda.is_available():
+            from .runtime.sources import CudaMemorySource
+            return CudaMemorySource()
+    except Exception:
+        pass
+    return None
+
+
+def build_monitor(source, result: PreflightResult | None, *, ranks: Mapping[str, int], interval: int,
+                  log_dir: str | None, extra_sinks: Iterable[Any] = (), reset_peak: bool = False,
+                  context: Mapping[str, Any] | None = None, report: Reporter | None = None,
+                  emit: Callable[[str], None] | None = None, threshold: float = 0.8):
+    """The runtime monitor of this rank: its stage's prediction (from the pre-flight layout, on the
+    source's device), a JSONL file per rank under ``log_dir``, and the given sinks."""
+    from .estimator import estimate
+    from .runtime.monitor import MemoryMonitor, Prediction
+    from .runtime.sinks import JsonlSink
+
+    report = report or Reporter()
+    prediction = stage_predictions = None
+    note = ""
+    if result is not None and result.layout is not None:
+        if result.layout.pp != ranks.get("pp_size", 1) and ranks.get("pp_size", 1) != 1:
+            note = f"pipeline size {ranks['pp_size']} differs from the estimated layout's {result.layout.pp}: no prediction"
+        else:
+            try:
+                est = estimate(result.layout, device=source.device, gpu=result.gpu, gpu_memory=result.gpu_memory,
+                               threshold=threshold, dp_rank=ranks.get("dp_rank", 0))
+                pp_rank = ranks.get("pp_rank", 0)
+                prediction = Prediction.from_estimate(est, pp_rank)
+                stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
+            except Exception as e:
+                report("the runtime prediction", e)
+                note = "the runtime prediction failed"
+    else:
+        note = "no pre-flight estimate (" + (result.reason if result is not None and result.reason else "it did not run") + ")"
+    sinks = []
+    if log_dir:
+        try:
+            sinks.append(JsonlSink(JsonlSink.path_for(log_dir, ranks.get("rank", 0))))
+        except Exception as e:
+            report("opening the JSONL log", e)
+    sinks.extend(extra_sinks)
+    ctx = {"decision": result.to_dict() if result is not None else None, "note": note, **dict(ranks), **dict(context or {})}
+    return MemoryMonitor(source, prediction, rank=ranks.get("rank", 0), pp_rank=ranks.get("pp_rank", 0), interval=interval,
+                         reset_peak=reset_peak, sinks=sinks, emit=emit, emit_error=report.emit_error,
+                         log_stages=ranks.get("rank", 0) == 0, stage_predictions=stage_predictions,
+                         print_warnings=ranks.get("dp_rank", 0) == 0 and ranks.get("cp_rank", 0) == 0, context=ctx,
+                         on_error=report)
+
+
+_OOM = {"monitor": None, "attached": False}
+
+
+def attach_oom_observer(monitor) -> None:
+    """Print the rank's predicted breakdown next to PyTorch's out-of-memory error (CUDA only)."""
+    _OOM["monitor"] = monitor
+    if _OOM["attached"]:
+        return
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    try:
+        if attach is not None and torch.cuda.is_available():
+            def observer(device, alloc, device_alloc, device_free):
+                m = _OOM["monitor"]
+                try:
+                    if m is not None:
+                        m.on_oom(device, alloc, device_alloc, device_free)
+                except Exception:
+                    pass
+            attach(observer)
+            _OOM["attached"] = True
+    except Exception:
+        pass
+
+
+def is_oom(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+        if oom is not None and isinstance(exc, oom):
+            return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
+    environ = os.environ if environ is None else environ
+    v = environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ConfigError(name, f"expects a positive integer, got {v!r}") from None
+    if n < 1:
+        raise ConfigError(name, f"must be >= 1, got {n}")
+    return n

@@ -1,0 +1,305 @@
+"""``memguard check -- <launch command>``: the pre-flight a launch wrapper runs before it submits or starts a job.
+
+Takes the command the wrapper would run (``torchrun ... pretrain_gpt.py <flags>``, ``python -m
+torch.distributed.run ...``, ``srun ... python ...``, a NeMo 1 launch with ``--config-path`` /
+``--config-name`` and Hydra overrides, a Megatron-Bridge launch with ``--config-file`` / ``--recipe``
+and ``KEY=VALUE`` overrides), or a whole script with ``--file``. The world size comes from the
+launcher's own options (or SLURM_* / WORLD_SIZE, or the NeMo config's trainer.devices x num_nodes);
+``--world-size`` overrides it. Prints the verdict on one screen. Never starts the job.
+
+Exit codes, as ``memguard estimate``: 0 fits; 1 tight, will not fit, or the launch contradicts its
+config; 2 the command cannot be understood or something memguard needs is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from dataclasses import replace
+
+from ..errors import ConfigError, ConfigErrors, MemguardError, ReaderError
+from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu
+
+MAX_NOTES = 6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="memguard check",
+                description="memguard check [options] -- <launch command>   |   memguard check [options] --file SCRIPT\n"
+                            "Pre-flight a launch: estimate the job it would start and exit 0 (fits), 1 (tight / will not "
+                            "fit) or 2 (cannot understand the command). The job is never started.",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--file", "-f", help="a launch script (sbatch script, shell wrapper) holding one launch command")
+    p.add_argument("--cwd", help="directory the job starts in (relative config paths), default: the current one")
+    add_target_options(p)
+    p.add_argument("--profile", default="auto", help="auto (by --transformer-impl), transformer_engine, local, fujii2024")
+    p.add_argument("--json", action="store_true", help="machine-readable output: the estimate document plus 'launch'")
+    p.add_argument("--full", action="store_true", help="the whole breakdown of the critical stage (more than a screen)")
+    p.add_argument("--no-suggest", action="store_true", help="do not search for a layout that fits when it does not")
+    return p
+
+
+def run(own_args: list[str], flags: list[str]) -> int:
+    p = build_parser()
+    ns = p.parse_args(own_args)
+    if ns.config:
+        print("memguard check: error: --config is for memguard estimate / validate; give the launch command after -- "
+              "or a script with --file", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if ns.file and flags:
+        print("memguard check: error: give the launch command either after -- or with --file, not both", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not ns.file and not flags:
+        p.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return _check(ns, flags)
+    except ConfigErrors as e:
+        _fail(ns, [str(x) for x in e.errors], understood=True)
+    except ReaderError as e:
+        _fail(ns, [str(e)], understood=False)
+    except MemguardError as e:
+        _fail(ns, [str(e)], understood=True)
+    return EXIT_BAD_INPUT
+
+
+def _fail(ns, messages: list[str], understood: bool) -> None:
+    if ns.json:
+        print(json.dumps({"schema": "memguard.check/1", "understood": understood, "ok": False, "verdict": None,
+                          "errors": messages}, indent=2))
+    head = "error" if understood else "cannot understand the launch command"
+    for m in messages:
+        print(f"memguard check: {head}: {m}", file=sys.stderr)
+    print("memguard check: DO NOT LAUNCH - not checked (exit 2)", file=sys.stderr)
+
+
+def cli_world(ns) -> tuple[int | None, str]:
+    """The world size given on memguard's own command line (the launcher's environment does not count)."""
+    if ns.world_size:
+        return ns.world_size, "--world-size"
+    if ns.gpus:
+        return ns.gpus, "--gpus"
+    if ns.nnodes and ns.nproc_per_node:
+        return ns.nnodes * ns.nproc_per_node, "--nnodes x --nproc-per-node"
+    if ns.nnodes or ns.nproc_per_node:
+        raise ConfigError("--nnodes" if ns.nnodes else "--nproc-per-node", "needs the other one too",
+                          "or give --world-size")
+    return None, ""
+
+
+def read_launch(ns, flags: list[str], environ=None):
+    """(LaunchCommand, ScriptArgs, RawConfig, notes) of the launch command or script ``ns`` names."""
+    from ..config import memory_env
+    from ..readers.launch_command import hydra_config_file, parse_launch_command, split_script_args
+    from ..readers.megatron_flags import parse_megatron_flags
+    from ..readers.models import find_recipe, recipes_named_in
+
+    environ = dict(os.environ if environ is None else environ)
+    if ns.file:
+        try:
+            with open(ns.file, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise MemguardError(f"{ns.file}: cannot read ({e})") from None
+        cmd = parse_launch_command(text, environ)
+    else:
+        cmd = parse_launch_command(flags, environ)
+    sa = split_script_args(cmd)
+    notes: list[str] = list(cmd.notes)
+    if sa.unreadable:
+        raise MemguardError(f"{cmd.script}: " + "; ".join(sa.unreadable) + " - memguard does not read these script "
+                            "options; give them as KEY=VALUE overrides")
+    job_env = {**environ, **cmd.env}
+    cwd = ns.cwd or os.getcwd()
+
+    def here(path: str) -> str:
+        return path if os.path.isabs(path) or not ns.cwd else os.path.join(cwd, path)
+
+    if sa.kind == "megatron":
+        if ns.set:
+            raise ConfigError("--set", "KEY=VALUE overrides apply to NeMo / Megatron-Bridge configs; this launch passes "
+                                       "Megatron flags (add the flag to the command instead)")
+        flags_, hook = _hook_flags(sa.flags)
+        if hook:
+            notes.append("memguard hook flags on the launch: " + " ".join(f"{k} {v}" if v is not None else k
+                                                                        for k, v in hook.items()))
+            if ns.threshold == 0.8 and hook.get("--memguard-threshold"):
+                ns.threshold = float(hook["--memguard-threshold"])
+                notes.append(f"threshold {ns.threshold} from the launch's --memguard-threshold")
+            if not ns.gpu_memory and hook.get("--memguard-gpu-memory"):
+                ns.gpu_memory = hook["--memguard-gpu-memory"]
+        raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
+        if ns.model:
+            from ..readers.models import read_model
+            raw = read_model(ns.model).merged(raw)
+        return cmd, sa, raw, notes
+    if sa.ignored:
+        notes.append(f"{os.path.basename(cmd.script)} options not read (no memory setting memguard knows): "
+                     + " ".join(sa.ignored))
+    sub = copy.copy(ns)
+    sub.set = list(sa.overrides) + list(ns.set or [])
+    recipe = ns.model
+    if sa.kind == "hydra":
+        sub.config = hydra_config_file(sa, cmd.script, cwd)
+    else:
+        sub.config = here(sa.config_file) if sa.config_file else None
+        if not recipe and sa.recipe:
+            recipe = sa.recipe
+            if not find_recipe(recipe):
+                raise ConfigError("--recipe", f"{recipe!r} is not a Megatron-Bridge recipe memguard has",
+                                  "give the model shape with --model NAME or a full run_config.yaml")
+        if not recipe and not _has_shape(sub.config):
+            named = recipes_named_in(cmd.script)
+            if named:
+                recipe = named[0]
+                notes.append(f"recipe {recipe} taken from the script name {os.path.basename(cmd.script)} (--model overrides it)")
+        if not sub.config and not recipe:
+            raise ConfigError(cmd.script, "this Megatron-Bridge launch names no --config-file and no recipe memguard knows",
+                              "give --model RECIPE (or a full run_config.yaml with --config-file)")
+    sub.model = recipe
+    raw = load_raw(sub, [])
+    if cmd.env:
+        raw = replace(raw, env={**raw.env, **memory_env(cmd.env)})
+    return cmd, sa, raw, notes
+
+
+def _has_shape(path: str | None) -> bool:
+    if not path or not os.path.exists(path):
+        return False
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except Exception:
+        return False
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, dict):
+        return False
+    return "num_layers" in model or "num_layers" in (model.get("transformer") or {})
+
+
+def _check(ns, flags: list[str]) -> int:
+    from ..estimator import estimate
+    from ..report.text import describe_layout, render, stage_summary, verdict_line
+    from ..resolve import resolve
+    from ..units import format_bytes
+
+    cmd, sa, raw, notes = read_launch(ns, flags)
+    world, wsrc = cli_world(ns)
+    problems: list[str] = []
+    if world is None and cmd.world_size is not None:
+        world, wsrc = cmd.world_size, cmd.world_size_from
+    cfg_world = raw.world_size
+    if cfg_world and world and cfg_world != world and wsrc:
+        key = raw.origin.get("world_size", "the config's world size")
+        problems.append(f"{key} = {cfg_world} but {wsrc} starts {world} ranks; the job would fail at start-up")
+    if world is None and cfg_world:
+        world, wsrc = cfg_world, raw.origin.get("world_size", "the config")
+    if world is None:
+        raise ConfigError("--world-size", f"the number of GPUs is unknown: {cmd.launcher} {os.path.basename(cmd.script)} "
+                          "gives no --nnodes / --nproc-per-node (srun --ntasks / --nodes x --ntasks-per-node) and "
+                          "WORLD_SIZE / SLURM_NTASKS are not set", "give --world-size N")
+    layout = resolve(raw, world_size=world, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+    gpu, mem = target_gpu(ns)
+    est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold)
+    fits = est.verdict in ("fits", "unknown") and not problems
+    suggestion = None
+    if est.verdict in ("tight", "will not fit") and not ns.no_suggest:
+        suggestion = _suggest(raw, est, ns, world, gpu, mem)
+    notes += [w for w in raw.warnings if w not in notes]
+    notes += [n for n in layout.notes if n not in notes]
+
+    what = {"megatron": "Megatron-LM flags", "hydra": "NeMo 1 Hydra config", "bridge": "Megatron-Bridge config"}[sa.kind]
+    launch = {"launcher": cmd.launcher, "wrappers": list(cmd.wrappers), "script": cmd.script, "kind": sa.kind,
+              "source": raw.source, "world_size": world, "world_size_from": wsrc,
+              "config_file": getattr(sa, "config_file", None), "overrides": sa.overrides, "env": dict(cmd.env)}
+    if ns.json:
+        doc = est.to_dict()
+        doc.update({"schema": "memguard.check/1", "understood": True, "launch": launch, "problems": problems,
+                    "notes": notes, "ok": fits, "suggestion": suggestion})
+        print(json.dumps(doc, indent=2, default=str))
+        return EXIT_FITS if fits else EXIT_PROBLEM
+
+    out = []
+    wrap = " ".join(cmd.wrappers) + " " if cmd.wrappers else ""
+    src = what if sa.kind == "megatron" else (raw.source if raw.source.startswith(("Megatron-Bridge", "NeMo")) else
+                                              f"{what}: {raw.source}")
+    out.append(f"memguard check: {wrap}{cmd.launcher} {os.path.basename(cmd.script)} ({src})")
+    gpu_text = f"{est.gpu} ({format_bytes(est.gpu_memory_bytes)})" if est.gpu else format_bytes(est.gpu_memory_bytes)
+    out.append(f"world:  {world} ranks ({wsrc}) on {gpu_text}")
+    out.append(describe_layout(est))
+    out.append("")
+    out.append(stage_summary(est))
+    out.append("")
+    if ns.full:
+        out.append(render(est, colour=False))
+    else:
+        c = est.critical
+        top = sorted((t for t in c.terms if t.level == "allocated"), key=lambda t: -t.bytes)[:4]
+        out.append(f"pp{c.pp_rank} peaks at {c.peak_phase}; largest terms: "
+                   + ", ".join(f"{t.name} {format_bytes(t.bytes)}" for t in top))
+        out.append(verdict_line(est))
+    for pr in problems:
+        out.append(f"problem: {pr}")
+    if suggestion:
+        out.append(f"a layout that fits: {suggestion}")
+    if notes:
+        shown = notes[:MAX_NOTES]
+        out += [f"note: {n}" for n in shown]
+        if len(notes) > MAX_NOTES:
+            out.append(f"note: ... {len(notes) - MAX_NOTES} more (--json lists them all)")
+    out.append("memguard check: OK to launch" if fits else
+               "memguard check: DO NOT LAUNCH - " + ("; ".join(problems) if problems and est.verdict == "fits" else
+                                                   _verdict_words(est)))
+    print("\n".join(out))
+    return EXIT_FITS if fits else EXIT_PROBLEM
+
+
+def _suggest(raw, est, ns, world, gpu, mem) -> str | None:
+    """The smallest change of micro-batch / pipeline size / recomputation that fits, spelled as the
+    launch spells its settings."""
+    from ..autotune import autotune, describe_layout_choice
+    from ..units import format_bytes
+
+    try:
+        r = autotune(raw, world_size=world, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
+                     gpu=gpu, gpu_memory=mem or est.gpu_memory_bytes,
+                     threshold=ns.threshold, profile=ns.profile, allow_recompute=True, original=est)
+    except Exception:
+        return None
+    if r.chosen is None:
+        return None
+    ch = ", ".join(f"{raw.key(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    return (f"{describe_layout_choice(r.chosen.layout)}, {format_bytes(r.chosen.estimate.peak_device_bytes)} "
+            f"({r.chosen.estimate.verdict}): {ch}")
+
+
+def _verdict_words(est) -> str:
+    pct = f"{est.peak_device_bytes / est.gpu_memory_bytes:.0%}" if est.gpu_memory_bytes else "?"
+    if est.verdict == "tight":
+        return f"the critical stage is tight ({pct} of GPU memory, over the {est.threshold:.0%} threshold)"
+    return f"the critical stage will not fit ({pct} of GPU memory)"
+
+
+_HOOK_BOOLEAN = ("--memguard-reset-peak", "--memguard-allow-recompute")
+
+
+def _hook_flags(flags: list[str]) -> tuple[list[str], dict[str, str | None]]:
+    """Split the Megatron hook's own --memguard* flags (docs/hook.md) from Megatron's."""
+    rest: list[str] = []
+    hook: dict[str, str | None] = {}
+    i = 0
+    while i < len(flags):
+        t = flags[i]
+        if t.startswith("--memguard"):
+            name, _, val = t.partition("=")
+            if not _ and name not in _HOOK_BOOLEAN and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+                val = flags[i + 1]
+                i += 1
+            hook[name] = val if (val or _) else None
+        else:
+            rest.append(t)
+        i += 1
+    return rest, hook

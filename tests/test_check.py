@@ -1,0 +1,352 @@
+"""memguard check: launch commands as wrappers run them (Megatron-LM example scripts, NeMo launcher sbatch
+scripts, Megatron-Bridge run_recipe launches, srun with --ntasks-per-node), exit codes, never guessing."""
+import json
+import os
+import shutil
+import textwrap
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags, lookup_gpu
+from megatron_memguard.cli.main import main
+from megatron_memguard.readers.launch_command import parse_launch_command, parse_launch_script, split_script_args
+
+from conftest import LLAMA31_8B, LLAMA31_70B
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LAUNCH = os.path.join(HERE, "data", "launch")
+CONFIGS = os.path.join(HERE, "data", "configs")
+
+SMALL = LLAMA31_8B + ["--micro-batch-size", "1", "--global-batch-size", "64", "--tensor-model-parallel-size", "2",
+                      "--sequence-parallel", "--use-distributed-optimizer"]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "PET_", "MEMGUARD")) or k in ("WORLD_SIZE", "NNODES", "NUM_NODES"):
+            monkeypatch.delenv(k)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def check_json(capsys, *argv):
+    code, out, err = run(capsys, "check", "--json", *argv)
+    return code, json.loads(out), err
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM launches
+# --------------------------------------------------------------------------------------------------
+def test_torchrun_fits_and_prints_one_screen(capsys):
+    code, out, _ = run(capsys, "check", "--", "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL)
+    assert code == 0
+    assert "world:  16 ranks (torchrun --nnodes 2 x --nproc-per-node 8)" in out
+    assert "verdict: FITS" in out and out.rstrip().endswith("memguard check: OK to launch")
+    assert len(out.splitlines()) <= 25  # one screen
+    # the same numbers as memguard estimate for that layout
+    est = estimate(layout_from_flags(SMALL, world_size=16), gpu=lookup_gpu("H100-80GB"))
+    code, doc, _ = check_json(capsys, "--", "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL)
+    assert doc["stages"][0]["device_total_bytes"] == est.stages[0].device_total_bytes
+    assert doc["launch"]["world_size"] == 16 and doc["launch"]["kind"] == "megatron" and doc["ok"] is True
+
+
+def test_will_not_fit_exits_1_with_a_suggestion(capsys):
+    big = LLAMA31_70B + ["--micro-batch-size", "4", "--global-batch-size", "256", "--tensor-model-parallel-size", "8",
+                         "--use-distributed-optimizer", "--sequence-parallel"]
+    code, out, _ = run(capsys, "check", "--", "torchrun", "--nnodes=8", "--nproc_per_node=8", "pretrain_gpt.py", *big)
+    assert code == 1 and "WILL NOT FIT" in out
+    assert "a layout that fits: MBS" in out and "--micro-batch-size" in out
+    assert out.rstrip().splitlines()[-1].startswith("memguard check: DO NOT LAUNCH - the critical stage will not fit")
+
+
+def test_python_m_torch_distributed_run_and_launch(capsys):
+    for mod in ("torch.distributed.run", "torch.distributed.launch"):
+        code, doc, _ = check_json(capsys, "--", "python3", "-u", "-m", mod, "--nproc_per_node=4", "--nnodes=2",
+                                  "--use-env" if mod.endswith("launch") else "--standalone", "pretrain_gpt.py", *SMALL)
+        assert code == 0 and doc["launch"]["world_size"] == 8 and doc["launch"]["launcher"] == mod
+
+
+def test_megatron_example_script_style(capsys):
+    # Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh: arrays expanded unquoted, comments inside
+    # arrays, $1..$5, $((arithmetic)).
+    code, doc, _ = check_json(capsys, "--vocab-size", "50257", "--file", os.path.join(LAUNCH, "train_gpt3_175b_distributed.sh"))
+    lay = doc["layout"]
+    assert doc["launch"]["world_size"] == 128 and lay["tensor_model_parallel_size"] == 8
+    assert lay["pipeline_model_parallel_size"] == 8 and lay["data_parallel_size"] == 2 and lay["num_layers"] == 96
+    assert lay["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and lay["attention_backend"] == "auto"
+    assert code in (0, 1)
+
+
+def test_bundled_example_still_works(capsys):
+    code, out, _ = run(capsys, "check", "--file", os.path.join(ROOT, "examples", "llama3_8b_h100.sh"))
+    assert code == 0 and "16 ranks" in out
+
+
+def test_environment_assignments_quoting_and_continuations(capsys):
+    script = textwrap.dedent("""\
+        #!/bin/bash
+        set -euo pipefail
+        cd "$(dirname "$0")"   # the launcher's directory
+        echo "starting pretrain_gpt.py (attempt 1)"
+        MODEL="--num-layers 32 --hidden-size 4096"
+        CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FUSED_ATTN=0 exec env -u PYTHONPATH torchrun \\
+            --nproc-per-node=8 --nnodes 2 --rdzv-backend=c10d --rdzv-endpoint "${MASTER_ADDR:-node001}:29500" \\
+            pretrain_gpt.py $MODEL --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention \\
+            --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --swiglu \\
+            --untie-embeddings-and-output-weights --normalization RMSNorm --disable-bias-linear \\
+            --position-embedding-type rope --tokenizer-type NullTokenizer --vocab-size 128256 --bf16 \\
+            --micro-batch-size 1 --global-batch-size 64 --tensor-model-parallel-size 2 --sequence-parallel \\
+            --use-distributed-optimizer --data-path "/data/my corpus_text_document" \\
+            --wandb-exp-name 'run; with && odd | chars' 2>&1 | tee "logs/run $(date +%s).log"
+        """)
+    cmd = parse_launch_script(script, environ={})
+    assert cmd.world_size == 16 and cmd.script == "pretrain_gpt.py"
+    assert cmd.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_FUSED_ATTN": "0"}
+    assert "/data/my corpus_text_document" in cmd.script_args
+    assert "run; with && odd | chars" in cmd.script_args
+    assert cmd.script_args[-1] == "run; with && odd | chars"  # the redirection and the pipe to tee are gone
+    i = cmd.script_args.index("--num-layers")
+    assert cmd.script_args[i + 1] == "32"
+
+
+def test_unknown_launcher_options(capsys):
+    # An option not in torchrun's table: followed by the program -> a flag; followed by a word that cannot be
+    # the program -> its value. Both noted; the world size is still torchrun's.
+    cmd = parse_launch_command(["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--future-flag",
+                                "pretrain_gpt.py", "--num-layers", "2"], {})
+    assert cmd.world_size == 16 and cmd.script == "pretrain_gpt.py"
+    assert any("--future-flag" in n and "flag" in n for n in cmd.notes)
+    cmd = parse_launch_command(["torchrun", "--future-opt", "value", "--nproc_per_node", "4", "train.py"], {})
+    assert cmd.script == "train.py" and cmd.world_size == 4 and any("'value'" in n for n in cmd.notes)
+    # argparse prefixes: --nproc is torchrun's --nproc-per-node
+    assert parse_launch_command(["torchrun", "--nproc", "4", "--nn", "3", "x.py"], {}).world_size == 12
+    # srun options with values never taken for the program; unknown ones with = are fine
+    cmd = parse_launch_command(["srun", "-N", "2", "--ntasks-per-node=8", "--mpi", "pmix", "-l", "--kill-on-bad-exit=1",
+                                "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3", "--some-new-opt=3", "-K",
+                                "python", "-u", "pretrain_gpt.py", "--num-layers", "4"], {})
+    assert cmd.world_size == 16 and cmd.script == "pretrain_gpt.py" and cmd.launcher == "srun"
+    assert cmd.world_size_from == "srun --nodes 2 x --ntasks-per-node 8"
+
+
+def test_srun_world_sizes(capsys):
+    flags = " ".join(SMALL)
+    assert parse_launch_script(f"srun -n 32 python pretrain_gpt.py {flags}", {}).world_size == 32
+    assert parse_launch_script(f"srun -N2 --ntasks-per-node 8 python pretrain_gpt.py {flags}", {}).world_size == 16
+    # inside an allocation: srun without sizes takes the job's
+    env = {"SLURM_NNODES": "4", "SLURM_NTASKS_PER_NODE": "8(x4)"}
+    assert parse_launch_script(f"srun python pretrain_gpt.py {flags}", env).world_size == 32
+    assert parse_launch_script(f"srun python pretrain_gpt.py {flags}", {"SLURM_NTASKS": "24"}).world_size == 24
+    # srun starting one torchrun per node
+    cmd = parse_launch_script(
+        "srun --nodes=4 --ntasks-per-node=1 bash -c 'torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 "
+        "--rdzv-endpoint $MASTER_ADDR:29500 --rdzv-backend c10d pretrain_gpt.py --num-layers 2'", {"SLURM_NNODES": "4"})
+    assert cmd.world_size == 32 and cmd.launcher == "torchrun" and cmd.wrappers == ("srun", "bash -c")
+    # mpirun
+    assert parse_launch_script(f"mpirun -np 16 --map-by ppr:8:node -x NCCL_DEBUG python pretrain_gpt.py {flags}",
+                               {}).world_size == 16
+
+
+def test_sbatch_script_with_ntasks_per_node(capsys, tmp_path, monkeypatch):
+    script = tmp_path / "job.sbatch"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --job-name=llama3-8b
+        #SBATCH --nodes=4
+        #SBATCH --ntasks-per-node=8      # one task per GPU
+        #SBATCH --gpus-per-node=8
+        #SBATCH --exclusive
+        ARGS=({' '.join(SMALL)})
+        srun --container-image nvcr.io/nvidia/pytorch:25.01-py3 --container-mounts "/lustre:/lustre" \\
+             --no-container-mount-home --mpi=pmix -l \\
+             python -u pretrain_gpt.py "${{ARGS[@]}}" 2>&1 | tee log.txt
+        """))
+    code, doc, _ = check_json(capsys, "--file", str(script))
+    assert code == 0 and doc["launch"]["world_size"] == 32
+    assert doc["launch"]["world_size_from"] == "srun SLURM_NNODES 4 x SLURM_NTASKS_PER_NODE 8"
+    assert any("#SBATCH" in n for n in doc["notes"])
+    # inside the job the allocation's variables win over the directives
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    code, doc, _ = check_json(capsys, "--file", str(script))
+    assert doc["launch"]["world_size"] == 16
+
+
+def test_world_size_sources(capsys, monkeypatch):
+    # python SCRIPT.py: WORLD_SIZE; --world-size wins over everything
+    code, doc, _ = check_json(capsys, "--", "python", "pretrain_gpt.py", *SMALL)
+    assert code == 2 and "number of GPUs is unknown" in doc["errors"][0]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    code, doc, _ = check_json(capsys, "--", "python", "pretrain_gpt.py", *SMALL)
+    assert code == 0 and doc["launch"]["world_size"] == 8 and doc["launch"]["world_size_from"] == "WORLD_SIZE"
+    code, doc, _ = check_json(capsys, "--world-size", "32", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL)
+    assert doc["launch"]["world_size"] == 32 and doc["launch"]["world_size_from"] == "--world-size"
+    # torchrun's PET_* variables are its options' defaults
+    monkeypatch.setenv("PET_NNODES", "4")
+    cmd = parse_launch_command(["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py"], dict(os.environ))
+    assert cmd.world_size == 32
+
+
+def test_a_single_quoted_command_string(capsys):
+    line = "CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 8 --nnodes 2 pretrain_gpt.py " + " ".join(SMALL)
+    code, doc, _ = check_json(capsys, "--", line)
+    assert code == 0 and doc["launch"]["world_size"] == 16 and doc["launch"]["env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Not understood: exit 2, never a guess
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,needle", [
+    (["deepspeed", "--num_gpus", "8", "train.py"], "deepspeed"),
+    (["bash", "run.sh"], "not another script"),
+    (["python", "-c", "import torch"], "inline code"),
+    (["torchrun", "--nproc-per-node", "gpu", "pretrain_gpt.py"], "depends on the machine"),
+    (["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "8", "pretrain_gpt.py"], "cannot evaluate"),
+    (["torchrun", "--nnodes", "$(scontrol show hostnames | wc -l)", "--nproc-per-node", "8", "pretrain_gpt.py"], "cannot evaluate"),
+    (["nsys", "profile", "-o", "x", "torchrun", "pretrain_gpt.py"], "Nsight"),
+    (["torchrun", "--n", "8", "pretrain_gpt.py"], "ambiguous"),
+    (["my_launcher", "--gpus", "8"], "cannot understand the launcher"),
+])
+def test_not_understood_exits_2(capsys, argv, needle):
+    code, out, err = run(capsys, "check", "--", *argv)
+    assert code == 2 and out == ""
+    assert "cannot understand the launch command" in err and needle in err and "DO NOT LAUNCH" in err
+
+
+def test_two_launch_commands_are_not_guessed(capsys, tmp_path):
+    script = tmp_path / "two.sh"
+    script.write_text("torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 2\n"
+                      "torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 4\n")
+    code, _, err = run(capsys, "check", "--file", str(script))
+    assert code == 2 and "found 2 launch commands" in err
+    # a data-preprocessing python next to the distributed launch is not the job
+    script.write_text("python tools/preprocess_data.py --input x.json\n"
+                      f"torchrun --nproc-per-node 8 pretrain_gpt.py {' '.join(SMALL)}\n")
+    code, doc, _ = check_json(capsys, "--file", str(script))
+    assert code == 0 and doc["launch"]["script"] == "pretrain_gpt.py"
+    assert any("preprocess_data.py" in n for n in doc["notes"])
+
+
+def test_usage_errors(capsys, tmp_path):
+    assert run(capsys, "check")[0] == 2
+    assert run(capsys, "check", "--file", str(tmp_path / "missing.sh"))[0] == 2
+    code, _, err = run(capsys, "check", "--config", "x.yaml")
+    assert code == 2 and "--file" in err
+    code, _, err = run(capsys, "check", "--set", "a.b=1", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL)
+    assert code == 2 and "KEY=VALUE" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo 1 (Hydra) launches
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def nemo_tree(tmp_path):
+    """A NeMo checkout's examples/nlp/language_modeling: the script with its @hydra_runner and conf/."""
+    d = tmp_path / "language_modeling"
+    (d / "conf").mkdir(parents=True)
+    shutil.copy(os.path.join(CONFIGS, "nemo1", "megatron_gpt_config.yaml"), d / "conf")
+    (d / "megatron_gpt_pretraining.py").write_text(
+        'from nemo.core.config import hydra_runner\n\n\n@hydra_runner(config_path="conf", config_name="megatron_gpt_config")\n'
+        "def main(cfg) -> None:\n    ...\n")
+    return d
+
+
+def test_nemo1_launch_uses_the_scripts_hydra_defaults(capsys, nemo_tree):
+    script = str(nemo_tree / "megatron_gpt_pretraining.py")
+    code, doc, _ = check_json(capsys, "--", "python", script, "trainer.devices=8", "trainer.num_nodes=2",
+                              "model.tensor_model_parallel_size=2", "model.global_batch_size=64")
+    assert code == 0 and doc["launch"]["kind"] == "hydra"
+    assert doc["launch"]["world_size"] == 16 and doc["launch"]["world_size_from"] == "trainer.devices x trainer.num_nodes"
+    assert doc["layout"]["tensor_model_parallel_size"] == 2 and doc["layout"]["global_batch_size"] == 64
+    # --config-path is relative to the script (as Hydra resolves it), --config-name may have .yaml
+    code, doc2, _ = check_json(capsys, "--", "python", script, "--config-path", "conf", "--config-name=megatron_gpt_config.yaml",
+                               "trainer.devices=8", "trainer.num_nodes=2", "model.tensor_model_parallel_size=2",
+                               "model.global_batch_size=64")
+    assert doc2["stages"] == doc["stages"]
+
+
+def test_nemo1_world_size_contradiction_is_a_problem(capsys, nemo_tree):
+    code, out, _ = run(capsys, "check", "--", "torchrun", "--nproc-per-node", "4", str(nemo_tree / "megatron_gpt_pretraining.py"),
+                       "trainer.devices=8", "model.global_batch_size=64")
+    assert code == 1 and "problem: trainer.devices x trainer.num_nodes = 8 but torchrun" in out
+
+
+def test_nemo1_missing_config_is_reported(capsys, tmp_path):
+    code, _, err = run(capsys, "check", "--", "python", str(tmp_path / "nowhere" / "megatron_gpt_pretraining.py"),
+                       "trainer.devices=8")
+    assert code == 2 and "--config-path and --config-name" in err
+
+
+def test_nemo_launcher_sbatch_script(capsys, tmp_path, monkeypatch):
+    # The sbatch script NeMo-Framework-Launcher writes: #SBATCH sizes, srun with pyxis options and a multi-line
+    # bash -c "..." whose python3 reads the resolved <run>_hydra.yaml.
+    shutil.copy(os.path.join(CONFIGS, "nemo-launcher", "gpt3_5b.yaml"), tmp_path / "gpt3_5b_hydra.yaml")
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    code, doc, _ = check_json(capsys, "--file", os.path.join(LAUNCH, "nemo_launcher_gpt3_5b.sbatch"))
+    assert doc["launch"]["kind"] == "hydra" and doc["launch"]["wrappers"] == ["srun", "bash -c"]
+    assert doc["launch"]["world_size"] == 128 and doc["launch"]["script"].endswith("megatron_gpt_pretraining.py")
+    assert doc["problems"] == [] and code == 0
+    assert doc["layout"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert doc["layout"]["env"]["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-Bridge launches
+# --------------------------------------------------------------------------------------------------
+def test_bridge_run_recipe_with_overrides(capsys):
+    code, doc, _ = check_json(capsys, "--", "torchrun", "--nproc_per_node=8", "--nnodes=2", "scripts/training/run_recipe.py",
+                              "--recipe", "llama3_8b_pretrain_config", "model.tensor_model_parallel_size=2",
+                              "model.sequence_parallel=true", "train.global_batch_size=128")
+    assert code == 0 and doc["launch"]["kind"] == "bridge" and doc["launch"]["world_size"] == 16
+    lay = doc["layout"]
+    assert lay["tensor_model_parallel_size"] == 2 and lay["sequence_parallel"] and lay["global_batch_size"] == 128
+    assert lay["num_layers"] == 32 and lay["hidden_size"] == 4096
+
+
+def test_bridge_config_file_with_recipe_from_script_name(capsys):
+    override = os.path.join(CONFIGS, "megatron-bridge", "llama32_1b_pretrain_override.yaml")
+    code, doc, _ = check_json(capsys, "--", "python", "-m", "torch.distributed.run", "--nproc_per_node", "8",
+                              "examples/recipes/llama/pretrain_llama32_1b.py", "--config-file", override,
+                              "train.micro_batch_size=2", "train.global_batch_size=32")
+    assert code == 0 and doc["launch"]["config_file"] == override
+    assert doc["layout"]["micro_batch_size"] == 2 and doc["layout"]["seq_length"] == 4096
+    assert any("taken from the script name" in n for n in doc["notes"])
+    # without a recipe anywhere the override file has no shape: reported, with the hint from its name
+    code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node", "8", "run.py", "--config-file", override)
+    assert code == 2 and "--model llama32_1b" in err
+
+
+def test_bridge_shortcuts_are_not_taken_on_trust(capsys):
+    code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "scripts/training/run_recipe.py",
+                       "--recipe", "llama3_8b", "-tp", "4")
+    assert code == 2 and "model.tensor_model_parallel_size=4" in err
+
+
+def test_split_script_args_kinds():
+    def kind(*args):
+        return split_script_args(parse_launch_command(["torchrun", "--nproc-per-node", "8", *args], {}))
+    assert kind("pretrain_gpt.py", "--num-layers", "2").kind == "megatron"
+    sa = kind("run.py", "--config-file", "a.yaml", "+train.x=1", "~model.teacher", "--dataset", "mock")
+    assert sa.kind == "bridge" and sa.config_file == "a.yaml" and sa.overrides == ["+train.x=1", "~model.teacher"]
+    assert sa.ignored == ["--dataset", "mock"]
+    sa = kind("megatron_gpt_pretraining.py", "-cn", "x", "-cp", "conf", "trainer.devices=2")
+    assert sa.kind == "hydra" and (sa.config_name, sa.config_path) == ("x", "conf")
+    assert kind("run.py", "model.tensor_model_parallel_size=2").kind == "bridge"
+    assert kind("run.py", "trainer.devices=2", "model.x=1").kind == "hydra"
+
+
+def test_the_hooks_own_flags_are_read_not_reported_as_unknown(capsys):
+    code, doc, _ = check_json(capsys, "--", "torchrun", "--nproc-per-node", "8", "--nnodes", "2", "pretrain_gpt.py", *SMALL,
+                              "--memguard", "abort", "--memguard-threshold", "0.5", "--memguard-reset-peak",
+                              "--memguard-gpu-memory=40GiB", "--memguard-log-dir", "logs")
+    assert doc["threshold"] == 0.5 and doc["gpu_memory_bytes"] == 40 * 2**30
+    assert not any("not Megatron flags" in n and "--memguard" in n for n in doc["notes"])
+    assert any("--memguard abort" in n and "--memguard-reset-peak" in n for n in doc["notes"])
+    # memguard's own options win
+    code, doc, _ = check_json(capsys, "--threshold", "0.9", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
+                              *SMALL, "--memguard-threshold", "0.5")
+    assert doc["threshold"] == 0.9
