@@ -42,6 +42,10 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _r512(n: int) -> int:
+    return (n + 511) // 512 * 512
+
+
 def _storage_of(t: torch.Tensor):
     try:
         if t.is_meta or t.is_sparse or t.is_nested:
@@ -52,10 +56,12 @@ def _storage_of(t: torch.Tensor):
 
 
 class _Region:
-    __slots__ = ("name", "start_bytes", "peak", "peak_seq", "start_seq", "end_seq", "end_bytes")
+    __slots__ = ("name", "start_bytes", "peak", "peak_seq", "start_seq", "end_seq", "end_bytes",
+                 "peak_r512")
 
-    def __init__(self, name: str, current: int, seq: int):
+    def __init__(self, name: str, current: int, seq: int, current_r512: int = 0):
         self.name = name
+        self.peak_r512 = current_r512
         self.start_bytes = current
         self.peak = current
         self.peak_seq = seq
@@ -83,6 +89,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.peak_seq = 0
+        # The same accounting with every storage rounded up to the CUDA caching allocator's 512-byte
+        # granularity (what torch.cuda.memory_allocated() would add per block, ignoring unsplit
+        # remainders of large segments).
+        self.current_r512 = 0
+        self.peak_r512 = 0
         self.seq = 0  # increases on every allocation and every free
         self.phase = "init"
         self.keep_log = keep_log
@@ -111,7 +122,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def region(self, name: str):
         """Record the peak of live bytes between entry and exit under `name`."""
         with self._lock:
-            r = _Region(name, self.current, self.seq)
+            r = _Region(name, self.current, self.seq, self.current_r512)
             self._regions[name] = r
             self._active.append(r)
         try:
@@ -130,6 +141,7 @@ class LiveBytesTracker(TorchDispatchMode):
             "peak_bytes": r.peak,
             "peak_seq": r.peak_seq,
             "peak_phase": self.phase_at(r.peak_seq),
+            "peak_bytes_rounded512": r.peak_r512,
         }
 
     # ------------------------------------------------------------------ accounting
@@ -143,6 +155,7 @@ class LiveBytesTracker(TorchDispatchMode):
             )
             self._live[key] = idx
             self.current += nbytes
+            self.current_r512 += _r512(nbytes)
             self._update_peaks()
         weakref.finalize(storage, self._on_free, key, idx)
 
@@ -155,6 +168,7 @@ class LiveBytesTracker(TorchDispatchMode):
             self.seq += 1
             rec[1] = self.seq
             self.current -= rec[2]
+            self.current_r512 -= _r512(rec[2])
 
     def _on_resize(self, key: int, nbytes: int) -> None:
         with self._lock:
@@ -172,16 +186,21 @@ class LiveBytesTracker(TorchDispatchMode):
             new[3] = rec[3] + "+resize"
             new[6] = self.phase
             self.current += nbytes - rec[2]
+            self.current_r512 += _r512(nbytes) - _r512(rec[2])
             self.records.append(new)
             self._live[key] = len(self.records) - 1
             self._update_peaks()
 
     def _update_peaks(self) -> None:
         cur = self.current
+        if self.current_r512 > self.peak_r512:
+            self.peak_r512 = self.current_r512
         if cur > self.peak:
             self.peak = cur
             self.peak_seq = self.seq
         for r in self._active:
+            if self.current_r512 > r.peak_r512:
+                r.peak_r512 = self.current_r512
             if cur > r.peak:
                 r.peak = cur
                 r.peak_seq = self.seq

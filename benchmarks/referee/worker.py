@@ -618,6 +618,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                         torch.distributed.all_reduce(
                             val, group=mpu.get_data_parallel_group(with_context_parallel=True))
                         loss = float(val[0] / val[1])
+                        del val
                     del losses_reduced
                 r_it = tracker.region_result(f"iter{it}")
                 r_fb = tracker.region_result(f"iter{it}/fwd_bwd")
@@ -641,6 +642,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                 })
         tracker.set_phase("done")
         bytes_after_step = tracker.current
+        bytes_after_step_r512 = tracker.current_r512
         r_all = tracker.region_result("iterations")
         top = args.referee_dump_top
         peak_seq = r_all["peak_seq"]
@@ -672,6 +674,8 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         "live_bytes_after_step": bytes_after_step,
         "peak_bytes": r_all["peak_bytes"],
         "peak_phase": r_all["peak_phase"],
+        "peak_bytes_rounded512": r_all["peak_bytes_rounded512"],
+        "live_bytes_after_step_rounded512": bytes_after_step_r512,
         "peak_bytes_per_iteration": [i["peak_bytes"] for i in iters],
         "optimizer_step_peak_bytes": last["optimizer_peak_bytes"],
         "optimizer_step_peak_bytes_per_iteration": [i["optimizer_peak_bytes"] for i in iters],
