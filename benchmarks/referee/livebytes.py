@@ -153,18 +153,20 @@ class LiveBytesTracker(TorchDispatchMode):
             self.records.append(
                 [self.seq, None, nbytes, op, str(t.dtype).replace("torch.", ""), tuple(t.shape), self.phase]
             )
-            self._live[key] = idx
+            token = object()
+            self._live[key] = [idx, token]
             self.current += nbytes
             self.current_r512 += _r512(nbytes)
             self._update_peaks()
-        weakref.finalize(storage, self._on_free, key, idx)
+        weakref.finalize(storage, self._on_free, key, token)
 
-    def _on_free(self, key: int, idx: int) -> None:
+    def _on_free(self, key: int, token) -> None:
         with self._lock:
-            if self._live.get(key) != idx:
+            ent = self._live.get(key)
+            if ent is None or ent[1] is not token:
                 return
             del self._live[key]
-            rec = self.records[idx]
+            rec = self.records[ent[0]]
             self.seq += 1
             rec[1] = self.seq
             self.current -= rec[2]
@@ -172,8 +174,8 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _on_resize(self, key: int, nbytes: int) -> None:
         with self._lock:
-            idx = self._live[key]
-            rec = self.records[idx]
+            ent = self._live[key]
+            rec = self.records[ent[0]]
             if rec[2] == nbytes:
                 return
             # Model a resize as free of the old size + allocation of the new size.
@@ -188,7 +190,7 @@ class LiveBytesTracker(TorchDispatchMode):
             self.current += nbytes - rec[2]
             self.current_r512 += _r512(nbytes) - _r512(rec[2])
             self.records.append(new)
-            self._live[key] = len(self.records) - 1
+            ent[0] = len(self.records) - 1
             self._update_peaks()
 
     def _update_peaks(self) -> None:
@@ -272,7 +274,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def live_now(self) -> List[list]:
         with self._lock:
-            return [self.records[i] for i in self._live.values()]
+            return [self.records[e[0]] for e in self._live.values()]
 
     @staticmethod
     def group(records: List[list], top: Optional[int] = None, by_phase: bool = True) -> List[Dict[str, Any]]:
