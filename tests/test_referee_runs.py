@@ -84,9 +84,10 @@ def test_tp1_param_count_and_18_bytes_per_param():
     assert r["live_bytes_after_step"] == 18 * P + small
     # before the first step there are no Adam moments yet: 2 + 4 + 4 bytes per parameter
     assert r["live_bytes_after_build"] == 10 * P + 4
-    # the peak is above the steady state (activations), the optimizer step adds nothing on top
+    # the peak is above the steady state (activations); during the optimizer step only
+    # scalars (per-tensor grad norms, clip coefficient) come on top of the steady state
     assert r["peak_bytes"] > r["live_bytes_after_step"]
-    assert r["optimizer_step_peak_bytes"] == r["live_bytes_after_step"]
+    assert 0 <= r["optimizer_step_peak_bytes"] - r["live_bytes_after_step"] < 1024
     assert r["peak_top_storages"]
 
 
