@@ -302,8 +302,9 @@ class LiveBytesTracker(TorchDispatchMode):
     def format_dump(rows: List[Dict[str, Any]]) -> str:
         lines = []
         for g in rows:
+            op = g["op"] if ":" in g["op"] else "aten." + g["op"]
             lines.append(
                 f"{format_bytes(g['bytes']):>12}  {g['count']:>4}x {g['dtype']:<9} {str(g['shape']):<22} "
-                f"from aten.{g['op']:<28} in phase {g['phase']}"
+                f"from {op:<28} in phase {g['phase']}"
             )
         return "\n".join(lines)

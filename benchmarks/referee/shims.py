@@ -81,12 +81,12 @@ class _LayerNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, zero_centered):
         shape = (x.shape[-1],)
 
-        def _fwd(x, weight, bias):
+        def layer_norm_fwd(x, weight, bias):
             w = weight + 1 if zero_centered else weight
             y, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, w, bias, eps)
             return y, mean.float().view(-1), rstd.float().view(-1)
 
-        y, mean, rstd = fused_kernel(_fwd, x, weight, bias)
+        y, mean, rstd = fused_kernel(layer_norm_fwd, x, weight, bias)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.zero_centered = zero_centered
         return y
@@ -96,7 +96,7 @@ class _LayerNormFn(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         zc = ctx.zero_centered
 
-        def _bwd(dy, x, weight, bias, mean, rstd):
+        def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
             w = weight + 1 if zc else weight
             stat_shape = x.shape[:-1] + (1,)
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
@@ -105,7 +105,7 @@ class _LayerNormFn(torch.autograd.Function):
             )
             return dx, dw.to(weight.dtype), (db.to(bias.dtype) if db is not None else None)
 
-        dx, dw, db = fused_kernel(_bwd, dy, x, weight, bias, mean, rstd)
+        dx, dw, db = fused_kernel(layer_norm_bwd, dy, x, weight, bias, mean, rstd)
         return dx, dw, db, None, None
 
 
@@ -114,12 +114,12 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps, zero_centered):
         shape = (x.shape[-1],)
 
-        def _fwd(x, weight):
+        def rms_norm_fwd(x, weight):
             w = weight + 1 if zero_centered else weight
             y, rstd = torch.ops.aten._fused_rms_norm(x, shape, w, eps)
             return y, rstd.float().view(-1)
 
-        y, rstd = fused_kernel(_fwd, x, weight)
+        y, rstd = fused_kernel(rms_norm_fwd, x, weight)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered = zero_centered
         return y
@@ -129,7 +129,7 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         zc = ctx.zero_centered
 
-        def _bwd(dy, x, weight, rstd):
+        def rms_norm_bwd(dy, x, weight, rstd):
             w = (weight + 1 if zc else weight).float()
             xf = x.float()
             r = rstd.view(x.shape[:-1] + (1,))
@@ -140,7 +140,7 @@ class _RMSNormFn(torch.autograd.Function):
             dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
             return dx.to(x.dtype), dw.to(weight.dtype)
 
-        dx, dw = fused_kernel(_bwd, dy, x, weight, rstd)
+        dx, dw = fused_kernel(rms_norm_bwd, dy, x, weight, rstd)
         return dx, dw, None, None
 
 
