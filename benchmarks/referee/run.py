@@ -22,7 +22,9 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 class RefereeError(RuntimeError):
-    pass
+    def __init__(self, msg: str, root_cause_known: bool = False):
+        super().__init__(msg)
+        self.root_cause_known = root_cause_known
 
 
 def _free_port() -> int:
@@ -31,9 +33,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Errors of the loopback transport itself (a port taken by another job, a peer killed from outside);
+# a run that fails with one of these is retried once on a fresh port.
+_TRANSPORT_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Address already in use",
+                     "Connection refused", "Socket Timeout")
+
+
 def run_referee(settings: Dict[str, Any], world_size: int, timeout: float = 600.0,
-                python: Optional[str] = None, threads_per_rank: Optional[int] = None) -> List[Dict[str, Any]]:
-    """Run the referee for `settings` on `world_size` local processes; return per-rank results."""
+                python: Optional[str] = None, threads_per_rank: Optional[int] = None,
+                retries: int = 1) -> List[Dict[str, Any]]:
+    """Run the referee for `settings` on `world_size` local processes; return per-rank results,
+    sorted by global rank. Raises RefereeError with the failing rank's traceback."""
+    for attempt in range(retries + 1):
+        try:
+            return _run_once(settings, world_size, timeout, python, threads_per_rank)
+        except RefereeError as e:
+            transport = any(t in str(e) for t in _TRANSPORT_ERRORS) and not e.root_cause_known
+            if attempt < retries and transport:
+                continue
+            raise
+
+
+def _run_once(settings, world_size, timeout, python, threads_per_rank):
     python = python or sys.executable
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
@@ -80,24 +101,29 @@ def run_referee(settings: Dict[str, Any], world_size: int, timeout: float = 600.
                     p.wait()
                 log.close()
         if failed is not None:
-            msgs = []
-            ranks = range(world_size) if failed == -1 else [failed] + [
-                r for r in range(world_size) if r != failed]
-            for r in ranks:
+            # Report the rank whose error is not a consequence of another rank dying (a gloo
+            # connection error), falling back to the first failing rank, then to log tails.
+            errs = {}
+            for r in range(world_size):
                 errf = os.path.join(tmp, f"rank{r}.json.err")
-                logf = os.path.join(tmp, f"rank{r}.log")
                 if os.path.exists(errf):
                     with open(errf) as f:
-                        msgs.append(f"--- rank {r} traceback ---\n{f.read()}")
-                    break
-            if not msgs:
-                for r in ranks:
-                    with open(os.path.join(tmp, f"rank{r}.log")) as f:
-                        tail = f.read()[-4000:]
-                    msgs.append(f"--- rank {r} log tail ---\n{tail}")
-                    break
+                        errs[r] = f.read()
+            primary = [r for r, t in errs.items() if not any(x in t for x in _TRANSPORT_ERRORS)]
+            msgs = []
+            if primary:
+                r = primary[0]
+                msgs.append(f"--- rank {r} traceback ---\n{errs[r]}")
+            elif errs:
+                r = failed if failed in errs else sorted(errs)[0]
+                msgs.append(f"--- rank {r} traceback ---\n{errs[r]}")
+            else:
+                r = failed if failed >= 0 else 0
+                with open(os.path.join(tmp, f"rank{r}.log")) as f:
+                    msgs.append(f"--- rank {r} log tail ---\n{f.read()[-4000:]}")
             what = "timed out" if failed == -1 else f"rank {failed} failed"
-            raise RefereeError(f"referee run {what} (world size {world_size})\n" + "\n".join(msgs))
+            raise RefereeError(f"referee run {what} (world size {world_size})\n" + "\n".join(msgs),
+                               root_cause_known=bool(primary))
         results = []
         for r, (_, out, _) in enumerate(procs):
             with open(out) as f:
