@@ -322,6 +322,51 @@ def install(tracker=None) -> None:
     mclip.multi_tensor_scale_impl = _multi_tensor_scale_inplace
     mopt.multi_tensor_scale_impl = _multi_tensor_scale_inplace
 
+    # -- asynchronous point-to-point sends ------------------------------------------------------
+    # p2p_communication._p2p_ops (interleaved schedule, overlap_p2p_comm) isends an output and the
+    # schedule then frees it with deallocate_output_tensor (out.data = torch.empty(1)) before the
+    # send is waited for. On a GPU the send is ordered on the CUDA stream; gloo reads the buffer
+    # later from its own thread, so it would send freed memory. Send an untracked snapshot instead
+    # (no GPU counterpart, so it is not counted) and keep it until the send has completed.
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    _orig_isend = c10d.isend
+
+    def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+        with _disable_current_modes():
+            snap = tensor.detach().clone()
+        work = _orig_isend(snap, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        _PENDING_SENDS.append((work, snap))
+        _reap_sends()
+        return work
+
+    c10d.isend = isend
+    dist.isend = isend
+
+
+_PENDING_SENDS: list = []
+
+
+def _reap_sends() -> None:
+    still = []
+    for work, snap in _PENDING_SENDS:
+        try:
+            done = work is None or work.is_completed()
+        except Exception:
+            done = False
+        if not done:
+            still.append((work, snap))
+    _PENDING_SENDS[:] = still
+
+
+def pending_sends() -> int:
+    """Number of snapshot sends not (yet) seen completed. Send works that megatron never waits for
+    are not marked completed by gloo, so their snapshots are kept until the process exits (they
+    must not be waited for here: a second wait() on a gloo send blocks forever)."""
+    _reap_sends()
+    return len(_PENDING_SENDS)
+
 
 def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:
     """Choose the torch.optim kernel used under megatron's optimizer wrapper.

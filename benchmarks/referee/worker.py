@@ -740,6 +740,10 @@ def main(argv=None):
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if os.environ.get("REFEREE_STACK_DUMP_AFTER"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["REFEREE_STACK_DUMP_AFTER"]), exit=True)
     with open(a.settings) as f:
         settings = json.load(f)
     try:
