@@ -214,6 +214,54 @@ def _cuda_manual_seed(seed):
     _CUDA_GEN.manual_seed(int(seed))
 
 
+class _NullCtx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class _DummyStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return _DummyEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class _DummyEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
 def install(tracker=None) -> None:
     """Apply all shims (idempotent). `tracker`: LiveBytesTracker to register untracked creations."""
     global _INSTALLED
@@ -231,6 +279,16 @@ def install(tracker=None) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     # training.py-style empty_cache calls and DDP.free_overlap_buffers:
     torch.cuda.empty_cache = lambda *a, **k: None
+
+    # -- CUDA streams / events: no-op stand-ins (CPU work is synchronous) -----------------------
+    # distributed_data_parallel.py (num_distributed_optimizer_instances > 1) creates a
+    # communication torch.cuda.Stream; param_and_grad_buffer.py enters torch.cuda.stream(...) and
+    # calls wait_stream / torch.cuda.default_stream():
+    torch.cuda.Stream = _DummyStream
+    torch.cuda.Event = _DummyEvent
+    torch.cuda.stream = lambda s=None: _NullCtx()
+    torch.cuda.current_stream = lambda *a, **k: _DummyStream()
+    torch.cuda.default_stream = lambda *a, **k: _DummyStream()
 
     # -- Tensor.cuda / Module.cuda -------------------------------------------------------------
     # get_model's model_module.cuda(...), language_module.py weight.data.cuda(), data .cuda():
