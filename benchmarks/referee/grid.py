@@ -1,0 +1,384 @@
+"""The referee grid: configurations given as pretrain_gpt.py command lines.
+
+    python -m benchmarks.referee.grid [--ci] [--only NAME ...] [--out benchmarks/results/referee-measured.json]
+
+Each entry: name, world size, the Megatron flags (exactly as pretrain_gpt.py would take them) and
+whether it belongs to the CI subset. `_settings_from_flags` turns the flags into the resolved
+settings the worker takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+# Flags every configuration shares: the local implementation with all fusions off, dropout 0,
+# CPU initialisation, a NullTokenizer vocabulary and mock data, bf16 (unless a config overrides).
+COMMON = [
+    "--transformer-impl", "local",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+    "--use-cpu-initialization",
+    "--tokenizer-type", "NullTokenizer", "--mock-data",
+    "--train-iters", "2", "--lr", "3.0e-4", "--min-lr", "3.0e-5", "--clip-grad", "1.0",
+    "--weight-decay", "0.01", "--seed", "1234",
+]
+
+# A small GPT: 4 layers, hidden 256, 8 heads, GELU, LayerNorm, learned absolute positions, tied.
+BASE = [
+    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+    "--seq-length", "256", "--max-position-embeddings", "256",
+    "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--vocab-size", "8000", "--make-vocab-size-divisible-by", "128",
+    "--bf16",
+]
+
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def _cfg(name: str, world_size: int, extra: List[str], ci: bool = False, base=None, note: str = "",
+         requires=()):
+    flags = list(base if base is not None else BASE)
+    # later flags override earlier ones (argparse semantics); `requires`: extra Python modules
+    # megatron-core needs for this configuration (the run is marked skipped without them)
+    return {"name": name, "world_size": world_size, "flags": COMMON + flags + extra, "ci": ci,
+            "note": note, "requires": list(requires)}
+
+
+GRID: List[Dict[str, Any]] = [
+    # --- tensor parallel, sequence parallel
+    _cfg("tp1_base", 1, [], ci=True, note="TP1 PP1 DP1, GELU, LayerNorm, tied, 2 micro-batches"),
+    _cfg("tp2_nosp", 2, ["--tensor-model-parallel-size", "2"]),
+    _cfg("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ci=True),
+    _cfg("tp4_nosp", 4, ["--tensor-model-parallel-size", "4"]),
+    _cfg("tp4_sp", 4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
+    # --- pipeline parallel: more and fewer micro-batches than stages
+    _cfg("pp2_mb4", 2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], ci=True),
+    _cfg("pp2_mb1", 2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2"], ci=True,
+         note="1 micro-batch < 2 stages"),
+    _cfg("pp4_mb8", 4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                        "--global-batch-size", "16"]),
+    _cfg("pp4_mb2", 4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                        "--global-batch-size", "4"], note="2 micro-batches < 4 stages"),
+    _cfg("pp2_uneven", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+                           "--decoder-first-pipeline-num-layers", "2", "--global-batch-size", "8"],
+         note="uneven split 2+3"),
+    # --- interleaved (virtual) pipeline
+    _cfg("vpp_pp2_v2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                           "--num-layers-per-virtual-pipeline-stage", "2",
+                           "--global-batch-size", "8"], ci=True),
+    _cfg("vpp_pp4_v2", 4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                           "--num-layers-per-virtual-pipeline-stage", "1",
+                           "--global-batch-size", "16"]),
+    # --- data parallel, distributed optimizer
+    _cfg("dp2", 2, ["--global-batch-size", "8"], ci=True),
+    _cfg("dp2_distopt", 2, ["--global-batch-size", "8", "--use-distributed-optimizer"], ci=True),
+    _cfg("dp2_distopt_overlap", 2, ["--global-batch-size", "8", "--use-distributed-optimizer",
+                                    "--overlap-grad-reduce", "--overlap-param-gather"]),
+    _cfg("dp4_distopt", 4, ["--global-batch-size", "8", "--use-distributed-optimizer"]),
+    _cfg("dp4_distopt_2inst", 4, ["--global-batch-size", "8", "--use-distributed-optimizer",
+                                  "--num-distributed-optimizer-instances", "2"],
+         note="optimizer state sharded over DP/2 = 2 ranks", requires=("einops",)),
+    _cfg("tp2_pp2_dp2_sp_distopt", 8, ["--tensor-model-parallel-size", "2",
+                                       "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                                       "--use-distributed-optimizer", "--global-batch-size", "16"],
+         note="3D: 8 ranks"),
+    # --- micro-batch size
+    _cfg("mbs1", 1, ["--micro-batch-size", "1", "--global-batch-size", "4"]),
+    _cfg("mbs4", 1, ["--micro-batch-size", "4", "--global-batch-size", "8"]),
+    # --- recomputation
+    _cfg("recomp_selective", 1, ["--recompute-granularity", "selective"], ci=True),
+    _cfg("recomp_selective_tp2_sp", 2, ["--recompute-granularity", "selective",
+                                        "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+         ci=True),
+    _cfg("recomp_full_uniform1", 1, ["--recompute-granularity", "full", "--recompute-method",
+                                     "uniform", "--recompute-num-layers", "1"], ci=True),
+    _cfg("recomp_full_uniform2", 1, ["--recompute-granularity", "full", "--recompute-method",
+                                     "uniform", "--recompute-num-layers", "2"]),
+    _cfg("recomp_full_block1", 1, ["--recompute-granularity", "full", "--recompute-method", "block",
+                                   "--recompute-num-layers", "1"]),
+    _cfg("recomp_full_block2_pp2", 2, ["--recompute-granularity", "full", "--recompute-method",
+                                       "block", "--recompute-num-layers", "2",
+                                       "--pipeline-model-parallel-size", "2",
+                                       "--global-batch-size", "8"], ci=True),
+    _cfg("recomp_full_uniform1_tp2_sp", 2, ["--recompute-granularity", "full", "--recompute-method",
+                                            "uniform", "--recompute-num-layers", "1",
+                                            "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # --- attention variants
+    _cfg("gqa", 1, ["--group-query-attention", "--num-query-groups", "2"]),
+    _cfg("gqa_tp2", 2, ["--group-query-attention", "--num-query-groups", "2",
+                        "--tensor-model-parallel-size", "2"]),
+    _cfg("mqa", 1, ["--group-query-attention", "--num-query-groups", "1"]),
+    _cfg("mqa_tp2_sp", 2, ["--group-query-attention", "--num-query-groups", "1",
+                           "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+         note="fewer KV groups than TP ranks"),
+    # --- MLP / norm / embedding variants
+    _cfg("llama_swiglu_rms_rope", 1, LLAMA + ["--group-query-attention", "--num-query-groups", "4"]),
+    _cfg("llama_tp2_sp", 2, LLAMA + ["--group-query-attention", "--num-query-groups", "4",
+                                     "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+         ci=True),
+    _cfg("llama_qk_layernorm", 1, LLAMA + ["--qk-layernorm"]),
+    _cfg("untied", 1, ["--untie-embeddings-and-output-weights"]),
+    _cfg("untied_pp2", 2, ["--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size",
+                           "2", "--global-batch-size", "8"]),
+    _cfg("vocab50257_tp4_sp", 4, ["--vocab-size", "50257", "--tensor-model-parallel-size", "4",
+                                  "--sequence-parallel"], note="GPT-2 vocabulary, padded to 50688"),
+    # --- sequence lengths
+    _cfg("seq128", 1, ["--seq-length", "128", "--max-position-embeddings", "128",
+                       "--micro-batch-size", "4", "--global-batch-size", "8"]),
+    _cfg("seq1024", 1, ["--seq-length", "1024", "--max-position-embeddings", "1024",
+                        "--micro-batch-size", "1", "--global-batch-size", "2"]),
+    _cfg("seq512_tp2_sp_rope", 2, ["--seq-length", "512", "--max-position-embeddings", "512",
+                                   "--position-embedding-type", "rope",
+                                   "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    _cfg("no_dataloader_mask", 1, ["--no-create-attention-mask-in-dataloader"]),
+    # --- precision / optimizer variants
+    _cfg("bf16_grads", 1, ["--grad-reduce-in-bf16"], note="bf16 grad buffer: fp32 accumulation off"),
+    _cfg("bf16_grads_dp2_distopt", 2, ["--grad-reduce-in-bf16", "--use-distributed-optimizer",
+                                       "--global-batch-size", "8"]),
+    _cfg("fp16", 1, ["--fp16", "--initial-loss-scale", "4096"], base=[f for f in BASE if f != "--bf16"],
+         note="fp16 params and fp16 grad buffer, dynamic loss scaler"),
+    _cfg("fp32", 1, [], base=[f for f in BASE if f != "--bf16"]),
+    _cfg("sgd", 1, ["--optimizer", "sgd"]),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# TEMPORARY flag reader. The project's own reader (megatron_memguard) will replace this; its
+# resolved layout uses the same Megatron dest names. It knows only the flags the grid uses and
+# applies Megatron's (core_v0.16) defaults and validate_args/tokenizer derivations for them.
+# ------------------------------------------------------------------------------------------------
+_IGNORED_WITH_VALUE = {"--tokenizer-type", "--train-iters", "--lr", "--min-lr", "--clip-grad",
+                       "--weight-decay", "--seed"}
+_IGNORED_SWITCHES = {"--mock-data", "--use-cpu-initialization"}
+
+
+def _settings_from_flags(flags: List[str], world_size: int) -> Dict[str, Any]:
+    """TEMPORARY: resolve grid flags into the worker's settings (Megatron dest names)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    a = p.add_argument
+    a("--num-layers", type=int)
+    a("--hidden-size", type=int)
+    a("--ffn-hidden-size", type=int, default=None)
+    a("--num-attention-heads", type=int)
+    a("--group-query-attention", action="store_true")
+    a("--num-query-groups", type=int, default=1)
+    a("--kv-channels", type=int, default=None)
+    a("--seq-length", type=int)
+    a("--max-position-embeddings", type=int)
+    a("--vocab-size", type=int)
+    a("--make-vocab-size-divisible-by", type=int, default=128)
+    a("--micro-batch-size", type=int)
+    a("--global-batch-size", type=int, default=None)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    a("--decoder-first-pipeline-num-layers", type=int, default=None)
+    a("--decoder-last-pipeline-num-layers", type=int, default=None)
+    a("--context-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true")
+    a("--use-distributed-optimizer", action="store_true")
+    a("--num-distributed-optimizer-instances", type=int, default=1)
+    a("--overlap-grad-reduce", action="store_true")
+    a("--overlap-param-gather", action="store_true")
+    a("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    a("--grad-reduce-in-bf16", action="store_true")
+    a("--bf16", action="store_true")
+    a("--fp16", action="store_true")
+    a("--recompute-granularity", default=None)
+    a("--recompute-method", default=None)
+    a("--recompute-num-layers", type=int, default=None)
+    a("--recompute-modules", nargs="*", default=None)
+    a("--swiglu", action="store_true")
+    a("--squared-relu", action="store_true")
+    a("--normalization", default="LayerNorm")
+    a("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    a("--add-qkv-bias", action="store_true")
+    a("--qk-layernorm", action="store_true")
+    a("--position-embedding-type", default="learned_absolute")
+    a("--untie-embeddings-and-output-weights", action="store_true")
+    a("--hidden-dropout", type=float, default=0.1)
+    a("--attention-dropout", type=float, default=0.1)
+    a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+      action="store_false")
+    a("--optimizer", default="adam")
+    a("--initial-loss-scale", type=float, default=2 ** 32)
+    a("--transformer-impl", default="transformer_engine")
+    a("--cross-entropy-loss-fusion", action="store_true")
+    a("--calculate-per-token-loss", action="store_true")
+    for f in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+              "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion"):
+        a(f, action="store_true")
+    for f in _IGNORED_WITH_VALUE:
+        a(f)
+    for f in _IGNORED_SWITCHES:
+        a(f, action="store_true")
+    ns = p.parse_args(flags)
+
+    tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
+    assert world_size % (tp * pp * cp) == 0
+    dp = world_size // (tp * pp * cp)
+    h, heads = ns.hidden_size, ns.num_attention_heads
+    ffn = ns.ffn_hidden_size
+    if ffn is None:
+        ffn = int((4 * h * 2 / 3) / 64) * 64 if ns.swiglu else 4 * h
+    kv = ns.kv_channels if ns.kv_channels is not None else h // heads
+    # NullTokenizer: vocab_size = --vocab-size + 1 (the EOD token); padded to a multiple of
+    # make_vocab_size_divisible_by * TP.
+    mult = ns.make_vocab_size_divisible_by * tp
+    tokenizer_vocab = ns.vocab_size + 1
+    padded = int(math.ceil(tokenizer_vocab / mult) * mult)
+    vpp = None
+    if ns.num_layers_per_virtual_pipeline_stage is not None:
+        vpp = ns.num_layers // pp // ns.num_layers_per_virtual_pipeline_stage
+        if vpp == 1:
+            vpp = None
+    bf16 = ns.bf16
+    acc_fp32 = ns.accumulate_allreduce_grads_in_fp32
+    if bf16:
+        acc_fp32 = False if ns.grad_reduce_in_bf16 else True
+    add_qkv_bias = ns.add_qkv_bias or ns.add_bias_linear
+    return {
+        "num_layers": ns.num_layers,
+        "hidden_size": h,
+        "ffn_hidden_size": ffn,
+        "num_attention_heads": heads,
+        "num_query_groups": ns.num_query_groups if ns.group_query_attention else heads,
+        "group_query_attention": ns.group_query_attention,
+        "kv_channels": kv,
+        "seq_length": ns.seq_length,
+        "max_position_embeddings": ns.max_position_embeddings,
+        "vocab_size": tokenizer_vocab,
+        "padded_vocab_size": padded,
+        "micro_batch_size": ns.micro_batch_size,
+        "global_batch_size": ns.global_batch_size or ns.micro_batch_size * dp,
+        "data_parallel_size": dp,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp,
+        "decoder_first_pipeline_num_layers": ns.decoder_first_pipeline_num_layers,
+        "decoder_last_pipeline_num_layers": ns.decoder_last_pipeline_num_layers,
+        "context_parallel_size": cp,
+        "sequence_parallel": bool(ns.sequence_parallel and tp > 1),
+        "use_distributed_optimizer": ns.use_distributed_optimizer,
+        "num_distributed_optimizer_instances": ns.num_distributed_optimizer_instances,
+        "overlap_grad_reduce": ns.overlap_grad_reduce,
+        "overlap_param_gather": ns.overlap_param_gather,
+        "accumulate_allreduce_grads_in_fp32": acc_fp32,
+        "bf16": bf16,
+        "fp16": ns.fp16,
+        "recompute_granularity": ns.recompute_granularity,
+        "recompute_method": ns.recompute_method,
+        "recompute_num_layers": ns.recompute_num_layers,
+        "recompute_modules": ns.recompute_modules,
+        "swiglu": ns.swiglu,
+        "squared_relu": ns.squared_relu,
+        "normalization": ns.normalization,
+        "add_bias_linear": ns.add_bias_linear,
+        "add_qkv_bias": add_qkv_bias,
+        "qk_layernorm": ns.qk_layernorm,
+        "position_embedding_type": ns.position_embedding_type,
+        "untie_embeddings_and_output_weights": ns.untie_embeddings_and_output_weights,
+        "hidden_dropout": ns.hidden_dropout,
+        "attention_dropout": ns.attention_dropout,
+        "create_attention_mask_in_dataloader": ns.create_attention_mask_in_dataloader,
+        "optimizer": ns.optimizer,
+        "transformer_impl": ns.transformer_impl,
+        "cross_entropy_loss_fusion": ns.cross_entropy_loss_fusion,
+        "calculate_per_token_loss": ns.calculate_per_token_loss,
+        "initial_loss_scale": ns.initial_loss_scale,
+    }
+
+
+def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    cfgs = [c for c in GRID if (c["ci"] or not ci)]
+    if only:
+        names = set(only)
+        unknown = names - {c["name"] for c in GRID}
+        if unknown:
+            raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
+        cfgs = [c for c in cfgs if c["name"] in names]
+    return cfgs
+
+
+def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True) -> Dict[str, Any]:
+    from .run import RefereeError, run_referee, summary_line
+
+    out = {"configs": []}
+    t_all = time.time()
+    for c in cfgs:
+        settings = _settings_from_flags(c["flags"], c["world_size"])
+        t0 = time.time()
+        entry = {"name": c["name"], "world_size": c["world_size"], "ci": c["ci"], "note": c["note"],
+                 "flags": c["flags"], "settings": settings}
+        import importlib.util
+
+        missing = [m for m in c.get("requires", []) if importlib.util.find_spec(m) is None]
+        try:
+            if missing:
+                entry["status"] = "skipped"
+                entry["error"] = f"missing Python module(s) {missing} needed by megatron-core"
+            else:
+                ranks = run_referee(settings, c["world_size"], timeout=timeout)
+                entry["ranks"] = ranks
+                entry["status"] = "ok"
+        except RefereeError as e:
+            entry["status"] = "failed"
+            entry["error"] = str(e)[-6000:]
+        entry["run_time_s"] = round(time.time() - t0, 2)
+        out["configs"].append(entry)
+        if verbose:
+            print(f"[{entry['status']}] {c['name']} (ws {c['world_size']}) {entry['run_time_s']:.1f}s",
+                  flush=True)
+            if entry["status"] == "ok":
+                for r in entry["ranks"]:
+                    print("    " + summary_line(r), flush=True)
+            else:
+                print(entry["error"][-3000:], flush=True)
+    out["total_run_time_s"] = round(time.time() - t_all, 2)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ci", action="store_true", help="run only the CI subset")
+    p.add_argument("--only", nargs="*", default=None, help="run only these configuration names")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--out", default=None, help="write all measurements to this JSON file")
+    p.add_argument("--timeout", type=float, default=900.0)
+    a = p.parse_args(argv)
+    cfgs = select(a.ci, a.only)
+    if a.list:
+        for c in cfgs:
+            print(f"{c['name']:<32} ws={c['world_size']} ci={c['ci']}")
+        return
+    res = run_grid(cfgs, timeout=a.timeout)
+    import torch
+    import megatron.core
+
+    res["environment"] = {
+        "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "subset": "ci" if a.ci else ("only" if a.only else "full"),
+    }
+    n_fail = sum(1 for c in res["configs"] if c["status"] == "failed")
+    print(f"grid: {len(res['configs'])} configurations, {n_fail} failed, "
+          f"total {res['total_run_time_s']:.1f}s")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if n_fail:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

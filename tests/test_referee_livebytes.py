@@ -1,0 +1,74 @@
+"""Unit tests of the live-bytes tracker (no megatron needed)."""
+
+import gc
+
+import torch
+
+from benchmarks.referee.livebytes import LiveBytesTracker
+
+
+def test_alloc_free_exact_bytes():
+    tr = LiveBytesTracker()
+    with tr:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 B
+        b = torch.zeros(10, 10, dtype=torch.bfloat16)  # 200 B
+        assert tr.current == 4200 and tr.peak == 4200
+        v = a.view(10, 100)  # a view allocates nothing
+        a.add_(1.0)  # in-place allocates nothing
+        assert tr.current == 4200
+        del a
+        gc.collect()
+        assert tr.current == 4200  # the view keeps the storage alive
+        del v
+        assert tr.current == 200
+        c = torch.ones(5, dtype=torch.int64)  # 40 B
+        assert tr.current == 240 and tr.peak == 4200
+        del b, c
+        assert tr.current == 0
+    assert tr.peak == 4200
+
+
+def test_peak_and_regions_and_dump():
+    tr = LiveBytesTracker()
+    with tr:
+        keep = torch.empty(256, dtype=torch.float32)  # 1024 B
+        with tr.region("r"):
+            tr.set_phase("work")
+            t1 = torch.empty(1024, dtype=torch.float32)  # 4096 B
+            t2 = t1 * 2  # 4096 B
+            del t1
+            t3 = torch.empty(512, dtype=torch.bfloat16)  # 1024 B
+            del t2, t3
+        res = tr.region_result("r")
+        assert res["start_bytes"] == 1024
+        assert res["peak_bytes"] == 1024 + 4096 + 4096
+        assert res["end_bytes"] == 1024
+        assert res["peak_phase"] == "work"
+        rows = tr.dump(res["peak_seq"])
+        got = {(r["op"], r["dtype"], tuple(r["shape"])): r["bytes"] for r in rows}
+        assert got == {("empty", "float32", (256,)): 1024, ("empty", "float32", (1024,)): 4096,
+                       ("mul", "float32", (1024,)): 4096}
+        del keep
+    assert tr.current == 0
+
+
+def test_backward_and_resize_are_tracked():
+    tr = LiveBytesTracker()
+    with tr:
+        x = torch.randn(64, 64, requires_grad=True)  # 16384 B
+        w = torch.randn(64, 64, requires_grad=True)  # 16384 B
+        y = (x @ w).relu().sum()
+        y.backward()
+        # grads were created inside the mode by the autograd engine
+        assert x.grad is not None
+        live = tr.current
+        assert live >= 4 * 16384
+        del y
+        x.grad = None
+        w.grad = None
+        assert tr.current == 2 * 16384
+        t = torch.empty(10, dtype=torch.float32)
+        t.resize_(1000)
+        assert tr.current == 2 * 16384 + 4000
+        del t, x, w
+    assert tr.current == 0
