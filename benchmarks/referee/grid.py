@@ -3,15 +3,14 @@
     python -m benchmarks.referee.grid [--ci] [--only NAME ...] [--out benchmarks/results/referee-measured.json]
 
 Each entry: name, world size, the Megatron flags (exactly as pretrain_gpt.py would take them) and
-whether it belongs to the CI subset. `_settings_from_flags` turns the flags into the resolved
-settings the worker takes.
+whether it belongs to the CI subset. `resolve_config` turns the flags into the resolved settings the
+worker takes, with memguard's own reader and rules.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -151,151 +150,26 @@ GRID: List[Dict[str, Any]] = [
 ]
 
 
-# ------------------------------------------------------------------------------------------------
-# TEMPORARY flag reader. The project's own reader (megatron_memguard) will replace this; its
-# resolved layout uses the same Megatron dest names. It knows only the flags the grid uses and
-# applies Megatron's (core_v0.16) defaults and validate_args/tokenizer derivations for them.
-# ------------------------------------------------------------------------------------------------
-_IGNORED_WITH_VALUE = {"--tokenizer-type", "--train-iters", "--lr", "--min-lr", "--clip-grad",
-                       "--weight-decay", "--seed"}
-_IGNORED_SWITCHES = {"--mock-data", "--use-cpu-initialization"}
+# Megatron-core 0.16.1 is what the referee runs: its NullTokenizer counts one extra EOD token.
+REFEREE_MEGATRON_VERSION = "0.16.1"
+
+
+def resolve_config(flags: List[str], world_size: int):
+    """The grid flags resolved by memguard itself (the same reader and rules `memguard estimate`
+    uses): returns (layout, settings for the worker under Megatron's argument names)."""
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.resolve import resolve
+
+    raw = parse_megatron_flags(flags)
+    layout = resolve(raw, world_size=world_size, megatron_version=REFEREE_MEGATRON_VERSION)
+    settings = layout.to_dict()
+    # Settings the worker needs that do not change memory (so the Layout does not carry them).
+    settings["initial_loss_scale"] = raw.args.get("initial_loss_scale", 2 ** 32)
+    return layout, settings
 
 
 def _settings_from_flags(flags: List[str], world_size: int) -> Dict[str, Any]:
-    """TEMPORARY: resolve grid flags into the worker's settings (Megatron dest names)."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    a = p.add_argument
-    a("--num-layers", type=int)
-    a("--hidden-size", type=int)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--num-attention-heads", type=int)
-    a("--group-query-attention", action="store_true")
-    a("--num-query-groups", type=int, default=1)
-    a("--kv-channels", type=int, default=None)
-    a("--seq-length", type=int)
-    a("--max-position-embeddings", type=int)
-    a("--vocab-size", type=int)
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-    a("--micro-batch-size", type=int)
-    a("--global-batch-size", type=int, default=None)
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--pipeline-model-parallel-size", type=int, default=1)
-    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    a("--decoder-first-pipeline-num-layers", type=int, default=None)
-    a("--decoder-last-pipeline-num-layers", type=int, default=None)
-    a("--context-parallel-size", type=int, default=1)
-    a("--sequence-parallel", action="store_true")
-    a("--use-distributed-optimizer", action="store_true")
-    a("--num-distributed-optimizer-instances", type=int, default=1)
-    a("--overlap-grad-reduce", action="store_true")
-    a("--overlap-param-gather", action="store_true")
-    a("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    a("--grad-reduce-in-bf16", action="store_true")
-    a("--bf16", action="store_true")
-    a("--fp16", action="store_true")
-    a("--recompute-granularity", default=None)
-    a("--recompute-method", default=None)
-    a("--recompute-num-layers", type=int, default=None)
-    a("--recompute-modules", nargs="*", default=None)
-    a("--swiglu", action="store_true")
-    a("--squared-relu", action="store_true")
-    a("--normalization", default="LayerNorm")
-    a("--disable-bias-linear", dest="add_bias_linear", action="store_false")
-    a("--add-qkv-bias", action="store_true")
-    a("--qk-layernorm", action="store_true")
-    a("--position-embedding-type", default="learned_absolute")
-    a("--untie-embeddings-and-output-weights", action="store_true")
-    a("--hidden-dropout", type=float, default=0.1)
-    a("--attention-dropout", type=float, default=0.1)
-    a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
-      action="store_false")
-    a("--optimizer", default="adam")
-    a("--initial-loss-scale", type=float, default=2 ** 32)
-    a("--transformer-impl", default="transformer_engine")
-    a("--cross-entropy-loss-fusion", action="store_true")
-    a("--calculate-per-token-loss", action="store_true")
-    for f in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-              "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion"):
-        a(f, action="store_true")
-    for f in _IGNORED_WITH_VALUE:
-        a(f)
-    for f in _IGNORED_SWITCHES:
-        a(f, action="store_true")
-    ns = p.parse_args(flags)
-
-    tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
-    assert world_size % (tp * pp * cp) == 0
-    dp = world_size // (tp * pp * cp)
-    h, heads = ns.hidden_size, ns.num_attention_heads
-    ffn = ns.ffn_hidden_size
-    if ffn is None:
-        ffn = int((4 * h * 2 / 3) / 64) * 64 if ns.swiglu else 4 * h
-    kv = ns.kv_channels if ns.kv_channels is not None else h // heads
-    # NullTokenizer: vocab_size = --vocab-size + 1 (the EOD token); padded to a multiple of
-    # make_vocab_size_divisible_by * TP.
-    mult = ns.make_vocab_size_divisible_by * tp
-    tokenizer_vocab = ns.vocab_size + 1
-    padded = int(math.ceil(tokenizer_vocab / mult) * mult)
-    vpp = None
-    if ns.num_layers_per_virtual_pipeline_stage is not None:
-        vpp = ns.num_layers // pp // ns.num_layers_per_virtual_pipeline_stage
-        if vpp == 1:
-            vpp = None
-    bf16 = ns.bf16
-    acc_fp32 = ns.accumulate_allreduce_grads_in_fp32
-    if bf16:
-        acc_fp32 = False if ns.grad_reduce_in_bf16 else True
-    add_qkv_bias = ns.add_qkv_bias or ns.add_bias_linear
-    return {
-        "num_layers": ns.num_layers,
-        "hidden_size": h,
-        "ffn_hidden_size": ffn,
-        "num_attention_heads": heads,
-        "num_query_groups": ns.num_query_groups if ns.group_query_attention else heads,
-        "group_query_attention": ns.group_query_attention,
-        "kv_channels": kv,
-        "seq_length": ns.seq_length,
-        "max_position_embeddings": ns.max_position_embeddings,
-        "vocab_size": tokenizer_vocab,
-        "padded_vocab_size": padded,
-        "micro_batch_size": ns.micro_batch_size,
-        "global_batch_size": ns.global_batch_size or ns.micro_batch_size * dp,
-        "data_parallel_size": dp,
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "virtual_pipeline_model_parallel_size": vpp,
-        "decoder_first_pipeline_num_layers": ns.decoder_first_pipeline_num_layers,
-        "decoder_last_pipeline_num_layers": ns.decoder_last_pipeline_num_layers,
-        "context_parallel_size": cp,
-        "sequence_parallel": bool(ns.sequence_parallel and tp > 1),
-        "use_distributed_optimizer": ns.use_distributed_optimizer,
-        "num_distributed_optimizer_instances": ns.num_distributed_optimizer_instances,
-        "overlap_grad_reduce": ns.overlap_grad_reduce,
-        "overlap_param_gather": ns.overlap_param_gather,
-        "accumulate_allreduce_grads_in_fp32": acc_fp32,
-        "bf16": bf16,
-        "fp16": ns.fp16,
-        "recompute_granularity": ns.recompute_granularity,
-        "recompute_method": ns.recompute_method,
-        "recompute_num_layers": ns.recompute_num_layers,
-        "recompute_modules": ns.recompute_modules,
-        "swiglu": ns.swiglu,
-        "squared_relu": ns.squared_relu,
-        "normalization": ns.normalization,
-        "add_bias_linear": ns.add_bias_linear,
-        "add_qkv_bias": add_qkv_bias,
-        "qk_layernorm": ns.qk_layernorm,
-        "position_embedding_type": ns.position_embedding_type,
-        "untie_embeddings_and_output_weights": ns.untie_embeddings_and_output_weights,
-        "hidden_dropout": ns.hidden_dropout,
-        "attention_dropout": ns.attention_dropout,
-        "create_attention_mask_in_dataloader": ns.create_attention_mask_in_dataloader,
-        "optimizer": ns.optimizer,
-        "transformer_impl": ns.transformer_impl,
-        "cross_entropy_loss_fusion": ns.cross_entropy_loss_fusion,
-        "calculate_per_token_loss": ns.calculate_per_token_loss,
-        "initial_loss_scale": ns.initial_loss_scale,
-    }
+    return resolve_config(flags, world_size)[1]
 
 
 def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str, Any]]:

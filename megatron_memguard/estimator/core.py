@@ -20,7 +20,7 @@ from ..units import format_bytes
 from ..schedule import rank_events
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, fused_wgrad, output_items
-from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes
+from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .result import Estimate, StageEstimate, Term
 from .states import stage_states
 
@@ -123,6 +123,14 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     if sizes:
         terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
                           "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
+    receiving = sum(1 for c in L.stage_chunks(pp_rank) if not (c.pp_rank == 0 and c.vpp_rank == 0))
+    if L.pp > 1 and receiving:
+        # TransformerBlock.set_input_tensor keeps the last received activation of each chunk, and
+        # with it its gradient (.grad, retained by the schedule), until that chunk's next input
+        # arrives: two activation-sized tensors per receiving chunk after the schedule (measured by
+        # the CPU referee on every pipeline rank past the first).
+        terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
+                          f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.position_embedding_type in ("rope", "yarn"):
         rot = int(L.kv_channels * L.rotary_percent)
         terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",

@@ -91,14 +91,18 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
 
 
 def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:
-    """Pipeline send/receive buffers still referenced after use: NCCL work objects keep the tensors
-    of point-to-point operations until the watchdog finds them completed (with
-    TORCH_NCCL_AVOID_RECORD_STREAMS=1, as NVIDIA's containers set it; the caching allocator's
-    record-stream path holds them the same way otherwise). Megatron's CI shows 2*VPP+1 such buffers
-    of [s/CP, b, h] (/TP under sequence parallelism) on the last pipeline rank after the step and
-    at its peak. Returns (bytes, count)."""
+    """The last pipeline send/receive buffer still referenced by an NCCL work object: NCCL keeps the
+    tensors of point-to-point operations until its watchdog finds them completed (with
+    TORCH_NCCL_AVOID_RECORD_STREAMS=1, as NVIDIA's containers set it; the record-stream path holds
+    them the same way otherwise). Megatron's CI shows one such [s/CP, b, h] (/TP under sequence
+    parallelism) buffer on the last pipeline rank, besides the retained inputs (core.py). Returns
+    (bytes, count)."""
     if L.pp == 1:
         return 0, 0
+    return p2p_tensor_bytes(L), 1
+
+
+def p2p_tensor_bytes(L: Layout) -> int:
+    """Bytes of one activation sent between pipeline stages: [s/CP, b, h], /TP under SP."""
     tokens = (L.seq_length // L.cp) * L.micro_batch_size // (L.tp if L.sequence_parallel else 1)
-    count = 2 * L.vpp + 1
-    return count * tokens * L.hidden_size * L.act_bytes, count
+    return tokens * L.hidden_size * L.act_bytes
