@@ -11,13 +11,13 @@ import dataclasses
 import enum
 import os
 import sys
-import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .config import RawConfig
 from .errors import ConfigError, MemguardError
+from .runtime.reporting import ErrorReporter
 
 PREFIX = "[memguard]"
 ABORT_EXIT_CODE = 3  # as the Megatron hook's --memguard abort
@@ -334,25 +334,8 @@ def suggestion(raw, est, world_size, gpu, gpu_memory, threshold, megatron_versio
 # --------------------------------------------------------------------------------------------------
 # The runtime monitor for one rank
 # --------------------------------------------------------------------------------------------------
-class Reporter:
-    """Reports an exception inside memguard once per process; training goes on."""
-
-    def __init__(self, emit_error: Callable[[str], None] | None = None):
-        self.emit_error = emit_error or (lambda s: print(s, file=sys.stderr, flush=True))
-        self.errors = 0
-        self._logged = False
-
-    def __call__(self, where: str, exc: BaseException) -> None:
-        self.errors += 1
-        if self._logged:
-            return
-        self._logged = True
-        try:
-            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            self.emit_error(f"{PREFIX} internal error in {where} ({text}); training continues without it, "
-                            "further memguard errors are counted silently")
-        except Exception:
-            pass
+# One reporter for memguard's own errors, shared with the hook and the monitor.
+Reporter = ErrorReporter
 
 
 def default_source():

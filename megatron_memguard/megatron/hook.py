@@ -27,10 +27,10 @@ import functools
 import importlib
 import os
 import sys
-import traceback
 from typing import Any, Callable
 
 from .flags import Settings, add_arguments, settings_from_args
+from ..runtime.reporting import ErrorReporter
 from .preflight import PREFIX, Decision, MemguardAbort, decide
 
 _TARGETS = (
@@ -56,23 +56,14 @@ class HookState:
         self.source_factory: Callable[[], Any] | None = None
         self.observer_attached = False
         self.atexit_registered = False
-        self.errors = 0
-        self._error_logged = False
         self.emit: Callable[[str], None] = lambda s: print(s, flush=True)
         self.emit_error: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+        # an exception inside memguard: reported once, training goes on
+        self.error = ErrorReporter(lambda s: self.emit_error(s), prefix=PREFIX)
 
-    def error(self, where: str, exc: BaseException) -> None:
-        """An exception inside memguard: reported once, training goes on."""
-        self.errors += 1
-        if self._error_logged:
-            return
-        self._error_logged = True
-        try:
-            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            self.emit_error(f"{PREFIX} internal error in {where} ({text}); training continues without it, "
-                            "further memguard errors are counted silently")
-        except Exception:
-            pass
+    @property
+    def errors(self) -> int:
+        return self.error.errors
 
 
 STATE = HookState()

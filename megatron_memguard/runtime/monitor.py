@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..estimator.result import StageEstimate, Term
 from ..units import format_bytes
+from .reporting import ErrorReporter
 from .sinks import SCHEMA, Sink
 from .sources import MemorySource, Reading
 
@@ -142,24 +142,14 @@ class MemoryMonitor:
         self.stage_rows: dict[int, list[float]] = {}
         self.oom_reported = False
         self.finished = False
-        self._error_logged = False
+        self._reporter = ErrorReporter(lambda s: self.emit_error(s), prefix=f"[memguard] rank {rank}:")
 
     # -- robustness ------------------------------------------------------------------------------
     def _error(self, where: str, exc: BaseException) -> None:
         self.errors += 1
-        if self.on_error is not None:  # the integration reports (once per process)
-            try:
-                self.on_error(where, exc)
-            except Exception:
-                pass
-            return
-        if self._error_logged:
-            return
-        self._error_logged = True
-        tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         try:
-            self.emit_error(f"[memguard] rank {self.rank}: internal error in {where} ({tb}); training continues, "
-                            "further memguard errors are counted silently")
+            # the integration's reporter (once per process), or the monitor's own
+            (self.on_error or self._reporter)(where, exc)
         except Exception:
             pass
 
