@@ -1,5 +1,6 @@
 """memguard check: launch commands as wrappers run them (Megatron-LM example scripts, NeMo launcher sbatch
 scripts, Megatron-Bridge run_recipe launches, srun with --ntasks-per-node), exit codes, never guessing."""
+import importlib.util
 import json
 import os
 import shutil
@@ -17,6 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LAUNCH = os.path.join(HERE, "data", "launch")
 CONFIGS = os.path.join(HERE, "data", "configs")
+needs_omegaconf = pytest.mark.skipif(importlib.util.find_spec("omegaconf") is None,
+                                     reason="reading NeMo YAML needs omegaconf")
 
 SMALL = LLAMA31_8B + ["--micro-batch-size", "1", "--global-batch-size", "64", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel", "--use-distributed-optimizer"]
@@ -255,6 +258,7 @@ def nemo_tree(tmp_path):
     return d
 
 
+@needs_omegaconf
 def test_nemo1_launch_uses_the_scripts_hydra_defaults(capsys, nemo_tree):
     script = str(nemo_tree / "megatron_gpt_pretraining.py")
     code, doc, _ = check_json(capsys, "--", "python", script, "trainer.devices=8", "trainer.num_nodes=2",
@@ -269,6 +273,7 @@ def test_nemo1_launch_uses_the_scripts_hydra_defaults(capsys, nemo_tree):
     assert doc2["stages"] == doc["stages"]
 
 
+@needs_omegaconf
 def test_nemo1_world_size_contradiction_is_a_problem(capsys, nemo_tree):
     code, out, _ = run(capsys, "check", "--", "torchrun", "--nproc-per-node", "4", str(nemo_tree / "megatron_gpt_pretraining.py"),
                        "trainer.devices=8", "model.global_batch_size=64")
@@ -281,6 +286,7 @@ def test_nemo1_missing_config_is_reported(capsys, tmp_path):
     assert code == 2 and "--config-path and --config-name" in err
 
 
+@needs_omegaconf
 def test_nemo_launcher_sbatch_script(capsys, tmp_path, monkeypatch):
     # The sbatch script NeMo-Framework-Launcher writes: #SBATCH sizes, srun with pyxis options and a multi-line
     # bash -c "..." whose python3 reads the resolved <run>_hydra.yaml.

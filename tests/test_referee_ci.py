@@ -13,6 +13,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from benchmarks.referee.run import unsupported_reason  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
+
 from benchmarks.referee.compare import BOUNDS, compare_entry  # noqa: E402
 from benchmarks.referee.grid import resolve_config, select  # noqa: E402
 from benchmarks.referee.run import run_referee  # noqa: E402

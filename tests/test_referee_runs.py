@@ -10,6 +10,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from benchmarks.referee.run import unsupported_reason  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
+
 from benchmarks.referee.run import run_referee  # noqa: E402
 
 BF16, FP32 = 2, 4

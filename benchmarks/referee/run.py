@@ -21,6 +21,25 @@ from typing import Any, Dict, List, Optional
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# The shims and phase hooks in worker.py follow megatron-core 0.16.1's internals (schedules'
+# backward_step signature, the local layer-spec provider); other versions fail in those hooks.
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+
+
+def unsupported_reason() -> Optional[str]:
+    """Why the referee cannot run in this environment, or None when it can."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "megatron-core is not installed (the referee runs megatron-core %s)" % SUPPORTED_MEGATRON_CORE
+    if version != SUPPORTED_MEGATRON_CORE:
+        return ("the referee's CPU shims target megatron-core %s; this environment has %s"
+                % (SUPPORTED_MEGATRON_CORE, version))
+    return None
+
+
 class RefereeError(RuntimeError):
     def __init__(self, msg: str, root_cause_known: bool = False):
         super().__init__(msg)
@@ -44,6 +63,9 @@ def run_referee(settings: Dict[str, Any], world_size: int, timeout: float = 600.
                 retries: int = 1) -> List[Dict[str, Any]]:
     """Run the referee for `settings` on `world_size` local processes; return per-rank results,
     sorted by global rank. Raises RefereeError with the failing rank's traceback."""
+    reason = unsupported_reason()
+    if reason:
+        raise RefereeError(reason, root_cause_known=True)
     for attempt in range(retries + 1):
         try:
             return _run_once(settings, world_size, timeout, python, threads_per_rank)

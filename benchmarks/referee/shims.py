@@ -365,7 +365,7 @@ def install(tracker=None) -> None:
     import megatron.core.models.gpt.gpt_layer_specs as mspecs
     import megatron.core.transformer.transformer_block as mblock
 
-    mbackends.LocalSpecProvider.layer_norm = lambda self, rms_norm=False, for_qk=False: CpuFusedNorm
+    mbackends.LocalSpecProvider.layer_norm = lambda self, rms_norm=False, for_qk=False, **_: CpuFusedNorm
     mbackends.LNImpl = CpuFusedNorm
     mspecs.LNImpl = CpuFusedNorm
     mblock.LayerNormImpl = CpuFusedNorm
