@@ -35,9 +35,10 @@ CASES = {
 def _clear_caches() -> None:
     """Forget the per-layout tables so that every call pays the whole estimate (a planner sees new
     layouts all the time)."""
+    from megatron_memguard import schedule
     from megatron_memguard.estimator import activations, core, params, states
-    for fn in (activations.shapes, activations.layer_activations, params._layer_numels, states._stage_states,
-               core._fixed_terms, core._chunk_activations):
+    for fn in (activations.shapes, activations.layer_activations, params._layer_numels, states._stage_states, states._chunk_buffer,
+               core._fixed_terms, core._chunk_activations, schedule.key_events):
         fn.cache_clear()
 
 

@@ -9,9 +9,9 @@ virtual micro-batches (G = micro-batches per group, default PP), chunks visited 
 """
 from __future__ import annotations
 
-from .layout import Layout
+from functools import lru_cache
 
-Event = tuple[str, int]   # ("F" | "B", chunk index on this rank)
+from .layout import Layout
 
 
 def _schedule_table(m: int, vpp: int, group: int) -> list[tuple[int, int]]:
@@ -33,33 +33,27 @@ def effective_microbatches(L: Layout) -> int:
     return m if m <= cap else cap
 
 
-def rank_events(L: Layout, pp_rank: int) -> list[Event]:
-    m = effective_microbatches(L)
-    pp, vpp = L.pp, L.vpp
+def schedule_key(L: Layout, pp_rank: int) -> tuple[int, int, int, int, int]:
+    """What the schedule of one rank depends on: (PP, VPP, micro-batches simulated, group size, rank)."""
+    return (L.pp, L.vpp, effective_microbatches(L), L.microbatch_group_size_per_vp_stage or L.pp, pp_rank)
+
+
+@lru_cache(maxsize=512)
+def key_events(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[bool, int], ...]:
+    """The forward (True) and backward (False) passes of one rank, in order, with the chunk each runs
+    on. A function of five integers, so layouts that differ elsewhere (a planner's sweep over TP, MBS,
+    recomputation) share it."""
     if pp == 1:
-        return [ev for _ in range(m) for ev in (("F", 0), ("B", 0))]
+        return ((True, 0), (False, 0)) * m
     if vpp == 1:
         warm = min(pp - pp_rank - 1, m)
-        ev: list[Event] = [("F", 0)] * warm
-        for _ in range(m - warm):
-            ev += [("F", 0), ("B", 0)]
-        return ev + [("B", 0)] * warm
-    group = L.microbatch_group_size_per_vp_stage or pp
+        return ((True, 0),) * warm + ((True, 0), (False, 0)) * (m - warm) + ((False, 0),) * warm
     table = _schedule_table(m, vpp, group)
     total = m * vpp
     warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, total)
-    ev = [("F", table[k][1]) for k in range(warm)]
+    ev = [(True, table[k][1]) for k in range(warm)]
     for k in range(total - warm):
-        ev.append(("F", table[k + warm][1]))
-        ev.append(("B", vpp - 1 - table[k][1]))
-    ev += [("B", vpp - 1 - table[k][1]) for k in range(total - warm, total)]
-    return ev
-
-
-def max_in_flight(L: Layout, pp_rank: int) -> int:
-    """Largest number of (micro-batch, chunk) forwards held at once on this rank."""
-    held = best = 0
-    for kind, _ in rank_events(L, pp_rank):
-        held += 1 if kind == "F" else -1
-        best = max(best, held)
-    return best
+        ev.append((True, table[k + warm][1]))
+        ev.append((False, vpp - 1 - table[k][1]))
+    ev += [(False, vpp - 1 - table[k][1]) for k in range(total - warm, total)]
+    return tuple(ev)

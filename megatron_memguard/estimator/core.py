@@ -1,6 +1,6 @@
 """Put the pieces together: per pipeline stage, persistent state plus the worst moment of the schedule.
 
-For each stage, the pipeline schedule (``schedule.rank_events``) is replayed with the activation
+For each stage, the pipeline schedule (``schedule.key_events``) is replayed with the activation
 bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest of
 * a forward: what earlier micro-batches hold + this one's saved tensors + the transient at its end
   (the logits and the cross-entropy's fp32 copy on the last stage);
@@ -17,7 +17,7 @@ from functools import lru_cache
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..units import format_bytes
-from ..schedule import rank_events
+from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, fused_wgrad, output_items
 from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
@@ -145,51 +145,59 @@ def optimizer_step_transient(L: Layout, states, device: str) -> tuple[int, str]:
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
-    """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak)."""
+    """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak).
+
+    One pass finds the peak event; a second pass up to it recovers what is held there (cheaper than
+    copying the held counts at every new maximum)."""
     n = len(acts)
     if n == 1:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    held = [0] * n                  # micro-batches held per chunk
+    events = key_events(*schedule_key(L, pp_rank))
     sizes = [a.held for a in acts]
-    base = 0                        # bytes held by earlier micro-batches
-    best, best_event, best_held = -1, None, held
-    mb_f = [0] * n
-    mb_b = [0] * n
-    in_flight = cur = 0
-    for kind, ci in rank_events(L, pp_rank):
-        a = acts[ci]
-        if kind == "F":
-            mb_f[ci] += 1
-            held[ci] += 1
+    fwd_extra = [a.fwd_extra for a in acts]
+    top_extra = [a.bwd_top_extra for a in acts]
+    bottom_extra = [a.bwd_bottom_extra - a.held for a in acts]   # this micro-batch released
+    base = 0                        # bytes held by the micro-batches in flight
+    cur = in_flight = 0
+    best, best_i, best_kind = -1, 0, "F"
+    for i, (fwd, ci) in enumerate(events):
+        if fwd:
             base += sizes[ci]
             cur += 1
-            in_flight = max(in_flight, cur)
-            if base + a.fwd_extra > best:
-                best, best_event, best_held = base + a.fwd_extra, ("F", ci, mb_f[ci], a.fwd_extra), held.copy()
-            continue
-        mb_b[ci] += 1
-        top = base + a.bwd_top_extra                       # this micro-batch's activations still held
-        bottom = base - sizes[ci] + a.bwd_bottom_extra     # released; the embedding wgrad remains
-        if max(top, bottom) > best:
-            best_held = held.copy()
-            if top >= bottom:
-                best, best_event = top, ("B", ci, mb_b[ci], a.bwd_top_extra)
-            else:
-                best, best_event = bottom, ("Bend", ci, mb_b[ci], a.bwd_bottom_extra)
-                best_held[ci] -= 1
+            if cur > in_flight:
+                in_flight = cur
+            v = base + fwd_extra[ci]
+            if v > best:
+                best, best_i, best_kind = v, i, "F"
+        else:
+            top = base + top_extra[ci]
+            bottom = base + bottom_extra[ci]
+            if top > best or bottom > best:
+                if top >= bottom:
+                    best, best_i, best_kind = top, i, "B"
+                else:
+                    best, best_i, best_kind = bottom, i, "Bend"
+            base -= sizes[ci]
+            cur -= 1
+    held = [0] * n
+    mb = [0] * n
+    for fwd, ci in events[:best_i]:
+        held[ci] += 1 if fwd else -1
+    ci = events[best_i][1]
+    mb[ci] = sum(1 for f, c in events[:best_i + 1] if c == ci and f == (best_kind == "F"))
+    if best_kind == "F":
+        held[ci] += 1
+    elif best_kind == "Bend":
         held[ci] -= 1
-        base -= sizes[ci]
-        cur -= 1
-    kind, ci, mb, extra = best_event
-    where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[kind]
-    chunk = f", chunk {ci}" if n > 1 else ""
-    phase = f"{where} of micro-batch {mb}{chunk} ({sum(best_held)} held)"
-    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(best_held))}
-    for i, h in enumerate(best_held):
+    extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
+    where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[best_kind]
+    phase = f"{where} of micro-batch {mb[ci]}, chunk {ci} ({sum(held)} held)"
+    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held))}
+    for i, h in enumerate(held):
         if h:
             for k, v in acts[i].ends.items():
                 parts[k] = parts.get(k, 0) + h * v
-    parts["forward_transient" if kind == "F" else "backward_transient"] = extra
+    parts["forward_transient" if best_kind == "F" else "backward_transient"] = extra
     return best, phase, in_flight, parts
 
 

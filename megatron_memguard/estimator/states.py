@@ -98,6 +98,21 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
     return pieces
 
 
+@lru_cache(maxsize=1024)
+def _chunk_buffer(L: Layout, num_layers: int, has_embedding: bool, has_output: bool, tied_copy: bool,
+                  bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, int, tuple[tuple[int, ...], ...]]:
+    """Buffer, largest parameter and per-rank shard pieces of one chunk shape (the chunks of a deep
+    pipeline mostly share one shape)."""
+    from ..layout import Chunk
+    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=num_layers, has_embedding=has_embedding,
+              has_output=has_output, has_tied_output_copy=tied_copy)
+    plist = chunk_numels(L, c)
+    buf = build_buffer(L, plist, bucket_size)
+    largest = max((n for n, _ in plist), default=0)
+    pieces = tuple(tuple(shard_pieces(buf, L.dp_shard_size, r)) for r in ranks) if L.use_distributed_optimizer else ()
+    return buf, largest, pieces
+
+
 @dataclass(frozen=True)
 class StageStates:
     """Persistent bytes of model state on one rank of a pipeline stage (sums over its chunks)."""
@@ -143,20 +158,20 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     all_pieces: list[int] = []   # without the distributed optimizer: only the largest matters
     all_main = 0
     for c, bsize in zip(chunks, buckets):
-        plist = chunk_numels(L, c)
-        buf = build_buffer(L, plist, bsize)
+        buf, largest, pieces_of = _chunk_buffer(L, c.num_layers, c.has_embedding, c.has_output,
+                                                c.has_tied_output_copy, bsize, tuple(ranks))
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded
-        largest_param = max(largest_param, max((n for n, _ in plist), default=0))
+        largest_param = max(largest_param, largest)
         grad_bytes += buf.numel * g_bytes
         if L.use_distributed_optimizer:
             param_bytes += buf.numel * p_bytes
-            for r in ranks:
-                pieces_by_rank.setdefault(r, []).extend(shard_pieces(buf, shard, r))
+            for r, piece_list in zip(ranks, pieces_of):
+                pieces_by_rank.setdefault(r, []).extend(piece_list)
         else:
             param_bytes += buf.params * p_bytes
-            all_pieces.append(max((n for n, _ in plist), default=0))
+            all_pieces.append(largest)
             all_main += buf.params
     if L.use_distributed_optimizer:
         # The rank with the most optimizer state is the peak one.
