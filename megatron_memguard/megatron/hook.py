@@ -30,6 +30,7 @@ import sys
 from typing import Any, Callable
 
 from .flags import Settings, add_arguments, settings_from_args
+from .._integration import parallel_ranks
 from ..runtime.reporting import ErrorReporter
 from .preflight import PREFIX, Decision, MemguardAbort, decide
 
@@ -260,28 +261,6 @@ def _writers():
     return tb, wb
 
 
-def _parallel_ranks() -> dict[str, int]:
-    """This rank's coordinates from megatron.core.parallel_state (after initialize_model_parallel)."""
-    out = {"rank": 0, "world_size": 1, "pp_rank": 0, "pp_size": 1, "tp_rank": 0, "dp_rank": 0, "cp_rank": 0}
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            out["rank"], out["world_size"] = dist.get_rank(), dist.get_world_size()
-    except Exception:
-        pass
-    mpu = _import("megatron.core.parallel_state")
-    if mpu is None:
-        return out
-    for key, fn in (("pp_rank", "get_pipeline_model_parallel_rank"), ("pp_size", "get_pipeline_model_parallel_world_size"),
-                    ("tp_rank", "get_tensor_model_parallel_rank"), ("dp_rank", "get_data_parallel_rank"),
-                    ("cp_rank", "get_context_parallel_rank")):
-        try:
-            out[key] = int(getattr(mpu, fn)())
-        except Exception:
-            pass
-    return out
-
-
 def _stage_gather(source, ranks):
     """All-gather of sample vectors over rank 0's pipeline group (its members are the ranks with
     TP = DP = CP = 0): rank 0 then logs one line per pipeline stage."""
@@ -308,7 +287,7 @@ def build_monitor(source):
     args = _get_args()
     settings = STATE.settings or settings_from_args(args if args is not None else object())
     d = STATE.decision
-    ranks = _parallel_ranks()
+    ranks = parallel_ranks()
     prediction = stage_predictions = None
     note = ""
     # Every step below may fail alone without leaving this rank without a monitor: the ranks of rank 0's
