@@ -14,7 +14,7 @@ from packaging.version import InvalidVersion, Version
 from .config import RawConfig
 from .errors import ConfigError, ConfigErrors, NotModelledError
 from .layout import Layout
-from .partition import layers_per_rank, parse_pipeline_layout
+from .partition import parse_pipeline_layout
 from .tokenizers import GPT2_BPE, known_vocab_size, pad_vocab
 
 DEFAULT_MEGATRON_VERSION = "0.19"

@@ -3,8 +3,6 @@ from megatron_memguard.gpus import lookup_gpu
 from megatron_memguard.planner import Cluster, Planner
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags
 
-from conftest import LLAMA31_70B, LLAMA31_8B  # noqa: F401
-
 
 def make_planner(model, gpus, seq, gbs, gpu="H100-80GB", gpus_per_node=None, gpu_memory=None, threshold=0.8):
     g = lookup_gpu(gpu)

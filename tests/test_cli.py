@@ -3,8 +3,6 @@ import json
 import os
 import textwrap
 
-import pytest
-
 from megatron_memguard import Layout, estimate, lookup_gpu
 from megatron_memguard.cli.main import main
 from megatron_memguard.readers.launch_command import parse_launch_script

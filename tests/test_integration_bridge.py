@@ -14,7 +14,9 @@ import yaml
 
 from megatron_memguard import estimate
 from megatron_memguard.bridge import PreflightAbort, config_dict, preflight, raw_config
-from megatron_memguard.runtime import LiveBytesSource, Reading, StaticSource
+from megatron_memguard.runtime import Reading, StaticSource
+
+from e2e.recording import RecordingSource
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -276,8 +278,6 @@ class Writer:
 
 
 def test_callback_samples_every_interval_through_the_callback_manager(bridge, tmp_path):
-    from types import SimpleNamespace
-
     from megatron_memguard.bridge import MemguardCallback
     cbs, pt = bridge
     cfg = ConfigContainer(logger=LoggerConfig(log_interval=2))
@@ -317,16 +317,6 @@ def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
     from megatron_memguard import bridge as mb
     cbs, pt = bridge
 
-    class Recording(LiveBytesSource):
-        def __init__(self):
-            super().__init__()
-            self.readings = []
-
-        def read(self):
-            r = super().read()
-            self.readings.append(r.to_dict())
-            return r
-
     tiny = GPTModelProvider(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=4,
                             seq_length=32, vocab_size=256, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                             sequence_parallel=False, recompute_granularity=None, bf16=False, params_dtype=torch.float32,
@@ -335,7 +325,7 @@ def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
                           optimizer=OptimizerConfig(use_distributed_optimizer=False, bf16=False, params_dtype=torch.float32),
                           ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_param_gather=False), dataset=GPTDatasetConfig(seq_length=32),
                           logger=LoggerConfig(log_interval=1), mixed_precision=None)
-    src = Recording()
+    src = RecordingSource()
     src.start()
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -361,7 +351,7 @@ def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
     big = replace(cfg, model=replace(tiny, num_layers=2000, hidden_size=8192, ffn_hidden_size=28672))
     big.model.provide = lambda: built.append(1)
     with pytest.raises(PreflightAbort):
-        mb.pretrain(big, forward_step, world_size=1, gpu="H100-80GB", mode="abort", source=Recording())
+        mb.pretrain(big, forward_step, world_size=1, gpu="H100-80GB", mode="abort", source=RecordingSource())
     assert built == []
 
 

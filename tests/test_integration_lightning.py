@@ -23,7 +23,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 from megatron_memguard import estimate, layout_from_flags  # noqa: E402
 from megatron_memguard.lightning import MemguardCallback, PreflightAbort, raw_config  # noqa: E402
 from megatron_memguard.resolve import resolve  # noqa: E402
-from megatron_memguard.runtime import LiveBytesSource  # noqa: E402
+
+from e2e.recording import RecordingSource  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -35,19 +36,6 @@ def clean_env(monkeypatch):
     for k in list(os.environ):
         if k.startswith(("SLURM_", "MEMGUARD")) or k in ("WORLD_SIZE", "RANK"):
             monkeypatch.delenv(k)
-
-
-class Recording(LiveBytesSource):
-    """The CPU source, remembering every reading it hands out."""
-
-    def __init__(self):
-        super().__init__()
-        self.readings = []
-
-    def read(self):
-        r = super().read()
-        self.readings.append(r.to_dict())
-        return r
 
 
 class TinyGPT(pl.LightningModule):
@@ -117,7 +105,7 @@ def make_trainer(tmp_path, cb, steps=3):
 
 
 def test_real_trainer_on_cpu_logs_the_sources_readings_and_the_estimators_prediction(tmp_path):
-    src = Recording()
+    src = RecordingSource()
     lines = []
     cb = MemguardCallback(source=src, log_dir=str(tmp_path / "logs"), gpu_memory="1GiB", emit=lines.append)
     model = TinyGPT()
@@ -162,7 +150,7 @@ def test_real_trainer_on_cpu_logs_the_sources_readings_and_the_estimators_predic
 def test_abort_stops_before_configure_model(tmp_path):
     model = TinyGPT(num_layers=64, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16)
     lines = []
-    cb = MemguardCallback(mode="abort", source=Recording(), gpu_memory="1GiB", emit=lines.append)
+    cb = MemguardCallback(mode="abort", source=RecordingSource(), gpu_memory="1GiB", emit=lines.append)
     with pytest.raises(PreflightAbort) as e:
         make_trainer(tmp_path, cb).fit(model, datamodule=TokenData())
     assert e.value.code == 3 and not model.configured and model.net is None
@@ -170,14 +158,14 @@ def test_abort_stops_before_configure_model(tmp_path):
 
 
 def test_interval_follows_log_every_n_steps_and_off_does_nothing(tmp_path):
-    cb = MemguardCallback(source=Recording(), log_dir=str(tmp_path / "a"), gpu_memory="1GiB", emit=lambda s: None)
+    cb = MemguardCallback(source=RecordingSource(), log_dir=str(tmp_path / "a"), gpu_memory="1GiB", emit=lambda s: None)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", strategy=MegatronLikeStrategy(device="cpu"), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          precision="32-true", callbacks=[cb], log_every_n_steps=2)
     trainer.fit(TinyGPT(), datamodule=TokenData())
     recs = [json.loads(line) for line in open(tmp_path / "a" / "memguard-rank00000.jsonl")]
     assert [r["iteration"] for r in recs if r["event"] == "sample"] == [2, 4]
-    off = MemguardCallback(mode="off", source=Recording(), log_dir=str(tmp_path / "b"))
+    off = MemguardCallback(mode="off", source=RecordingSource(), log_dir=str(tmp_path / "b"))
     make_trainer(tmp_path, off, steps=1).fit(TinyGPT(), datamodule=TokenData())
     assert not os.path.exists(tmp_path / "b") and off.monitor is None
 

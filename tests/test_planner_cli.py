@@ -2,7 +2,6 @@
 import json
 import re
 import sys
-import types
 
 import pytest
 

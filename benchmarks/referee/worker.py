@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import sys
@@ -29,14 +28,14 @@ import traceback
 import warnings
 from functools import partial
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from .livebytes import LiveBytesTracker, format_bytes  # noqa: E402
+from .livebytes import LiveBytesTracker  # noqa: E402
 from . import shims  # noqa: E402
 
 # --------------------------------------------------------------------------------------------

@@ -94,14 +94,7 @@ def _plot_layouts(text: str) -> int:
 
 
 def _load_model(ns: argparse.Namespace, flags: list[str]):
-    """The model from --model (a preset, through readers.models.read_model), --config and/or flags."""
-    if ns.model:
-        try:
-            from ..readers.models import read_model  # noqa: F401  (load_raw calls it)
-        except ImportError:
-            raise ConfigError("--model", f"model presets ({ns.model!r}) are not available in this version "
-                                         "(megatron_memguard.readers.models is missing); give the model as Megatron "
-                                         "flags after -- or with --config FILE") from None
+    """The model from --model (a preset), --config and/or flags."""
     return load_raw(ns, flags)
 
 

@@ -19,7 +19,7 @@ from ..layout import Chunk, Layout
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
-from .head import batch_items, deferred_wgrad_buffers, embedding_items, fused_wgrad, output_items
+from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .result import Estimate, StageEstimate, Term
 from .states import stage_states

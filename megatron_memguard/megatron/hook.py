@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
-import os
 import sys
 from typing import Any, Callable
 

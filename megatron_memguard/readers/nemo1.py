@@ -88,7 +88,6 @@ def looks_like_nemo1_model_config(doc: Mapping) -> bool:
 
 def omegaconf_module():
     try:
-        import omegaconf  # noqa: F401
         from omegaconf import OmegaConf
     except ImportError:
         return None

@@ -80,8 +80,8 @@ def suspect_term(pred: Prediction, r: Reading, tolerance: float = 0.05) -> tuple
                    f"and buffers ({format_bytes(pred.persistent)})")
         else:
             t = largest(_TRANSIENT_GROUPS, "allocated")
-            why = (f"memory held between iterations matches the predicted model state, so the excess is transient "
-                   f"(activations, logits, step temporaries; the peak since start also covers model build and checkpoint load)")
+            why = ("memory held between iterations matches the predicted model state, so the excess is transient "
+                   "(activations, logits, step temporaries; the peak since start also covers model build and checkpoint load)")
         if t is not None:
             return t.name, why
         return "unknown", why

@@ -27,20 +27,7 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 
 from megatron_memguard.megatron import set_memory_source  # noqa: E402
-from megatron_memguard.runtime import LiveBytesSource, Reading  # noqa: E402
-
-
-class RecordingSource(LiveBytesSource):
-    """The CPU source, remembering every reading it handed out (the test compares them with the file)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log = []
-
-    def read(self) -> Reading:
-        r = super().read()
-        self.log.append(r.to_dict())
-        return r
+from recording import RecordingSource  # noqa: E402
 
 
 SOURCE = RecordingSource()
@@ -64,4 +51,4 @@ if __name__ == "__main__":
         if out:
             rank = int(os.environ.get("RANK", "0"))
             with open(os.path.join(out, f"readings-rank{rank}.json"), "w") as f:
-                json.dump({"readings": SOURCE.log, "parameters": PARAMS.get("count")}, f)
+                json.dump({"readings": SOURCE.readings, "parameters": PARAMS.get("count")}, f)
