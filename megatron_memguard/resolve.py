@@ -308,6 +308,13 @@ class _Resolver:
                 accumulate_fp32 = False
         if fp16 and main_grads_dtype == "bf16":
             self.fail("main_grads_dtype", "bf16 main grads cannot be used with --fp16")
+        # validate_args, "Mixed precision checks".
+        fp16_lm_ce = self.bool_arg("fp16_lm_cross_entropy", False)
+        if fp16_lm_ce and not fp16:
+            self.fail("fp16_lm_cross_entropy", "needs --fp16")
+        fp32_residual = self.bool_arg("fp32_residual_connection", False)
+        if fp32_residual and not (fp16 or bf16):
+            self.fail("fp32_residual_connection", "needs --fp16 or --bf16")
 
         # Sequence parallelism is switched off at TP=1 (validate_args).
         sp = self.bool_arg("sequence_parallel", False)
@@ -435,6 +442,9 @@ class _Resolver:
         elif recompute_granularity == "selective":
             if method is not None:
                 self.fail("recompute_method", "is not supported with selective recompute")
+            if rnl is not None:
+                # TransformerConfig.__post_init__: "recompute_num_layers must be None" with selective.
+                self.fail("recompute_num_layers", "must not be given with selective recompute")
             method, rnl = None, None
         else:
             if method is not None or rnl is not None:
@@ -448,6 +458,9 @@ class _Resolver:
         distribute_saved = self.bool_arg("distribute_saved_activations", False)
         if distribute_saved and (tp == 1 or recompute_granularity != "full"):
             self.fail("distribute_saved_activations", "needs full recompute and tensor-model-parallel size > 1")
+        elif distribute_saved and sp:
+            # TransformerConfig.__post_init__ refuses the pair.
+            self.fail("distribute_saved_activations", "cannot be combined with --sequence-parallel")
 
         # Optimizer and DDP.
         dist_opt = self.bool_arg("use_distributed_optimizer", False)
@@ -456,8 +469,9 @@ class _Resolver:
             self.fail("num_distributed_optimizer_instances", "needs --use-distributed-optimizer")
         if instances > 1 and (dp * cp) % instances:
             self.fail("num_distributed_optimizer_instances", f"{instances} must divide DP*CP = {dp * cp}")
-        if use_precision_aware and legacy and not dist_opt:
-            self.fail("use_precision_aware_optimizer", "needs --use-distributed-optimizer before Megatron core 0.17")
+        if use_precision_aware and not dist_opt:
+            # OptimizerConfig.__post_init__ asserts it (megatron-core 0.16.1 and 0.19.2 alike).
+            self.fail("use_precision_aware_optimizer", "needs --use-distributed-optimizer")
         overlap_grad = self.bool_arg("overlap_grad_reduce", False)
         overlap_param = self.bool_arg("overlap_param_gather", False)
         if overlap_param and not dist_opt:
@@ -522,6 +536,15 @@ class _Resolver:
                     return None
             padded = pad_vocab(vocab, divisible, tp) if self.bool_arg("pad_vocab_size", True) else vocab
 
+        # ModelParallelConfig.__post_init__ refuses deferral without a pipeline or without fused
+        # weight-gradient accumulation.
+        defer_wgrad = self.bool_arg("defer_embedding_wgrad_compute", False)
+        grad_acc_fusion = self.bool_arg("gradient_accumulation_fusion", True)
+        if defer_wgrad and pp == 1:
+            self.fail("defer_embedding_wgrad_compute", "needs pipeline-model-parallel size > 1")
+        if defer_wgrad and not grad_acc_fusion:
+            self.fail("defer_embedding_wgrad_compute", "cannot be used with --no-gradient-accumulation-fusion")
+
         hidden_dropout = self.float_arg("hidden_dropout", 0.1)
         attention_dropout = self.float_arg("attention_dropout", 0.1)
         env = tuple(sorted((str(k), str(v)) for k, v in self.raw.env.items()))
@@ -547,15 +570,15 @@ class _Resolver:
             microbatch_group_size_per_vp_stage=(group_size or pp) if vpp else group_size, overlap_p2p_comm=overlap_p2p,
             params_dtype=params_dtype, autocast_dtype=self.dtype_arg("autocast_dtype", params_dtype) if "autocast_dtype" in a else None,
             bf16=bf16, fp16=fp16, accumulate_allreduce_grads_in_fp32=accumulate_fp32,
-            grad_reduce_in_bf16=grad_reduce_in_bf16, fp32_residual_connection=self.bool_arg("fp32_residual_connection", False),
+            grad_reduce_in_bf16=grad_reduce_in_bf16, fp32_residual_connection=fp32_residual,
             attention_softmax_in_fp32=softmax_fp32, apply_query_key_layer_scaling=qk_scaling,
-            fp16_lm_cross_entropy=self.bool_arg("fp16_lm_cross_entropy", False) and fp16,
+            fp16_lm_cross_entropy=fp16_lm_ce,
             optimizer=optimizer, use_distributed_optimizer=dist_opt, use_precision_aware_optimizer=use_precision_aware,
             main_grads_dtype=main_grads_dtype, main_params_dtype=main_params_dtype, exp_avg_dtype=exp_avg_dtype,
             exp_avg_sq_dtype=exp_avg_sq_dtype, store_param_remainders=self.bool_arg("store_param_remainders", True),
             overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param, ddp_bucket_size=bucket,
             ddp_pad_buckets_for_high_nccl_busbw=self.bool_arg("ddp_pad_buckets_for_high_nccl_busbw", False),
-            gradient_accumulation_fusion=self.bool_arg("gradient_accumulation_fusion", True),
+            gradient_accumulation_fusion=grad_acc_fusion,
             recompute_granularity=recompute_granularity, recompute_method=method, recompute_num_layers=rnl,
             recompute_modules=tuple(modules), distribute_saved_activations=distribute_saved,
             transformer_impl=impl, attention_backend=backend,
@@ -566,7 +589,7 @@ class _Resolver:
             deterministic_mode=self.bool_arg("deterministic_mode", False),
             calculate_per_token_loss=self.bool_arg("calculate_per_token_loss", False),
             empty_unused_memory_level=self.int_arg("empty_unused_memory_level", 0, minimum=0),
-            defer_embedding_wgrad_compute=self.bool_arg("defer_embedding_wgrad_compute", False) and pp > 1,
+            defer_embedding_wgrad_compute=defer_wgrad,
             wgrad_deferral_limit=self.int_arg("wgrad_deferral_limit", 0, minimum=0),
             tp_comm_overlap=tp_comm_overlap, megatron_version=str(version), tokenizer_type=tokenizer,
             env=env, notes=tuple(self.notes),

@@ -20,6 +20,18 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
     (["--world-size", "1"], ["--micro-batch-size", "x"], "--micro-batch-size", "expects an integer"),
     ([], [], "--world-size", "number of GPUs is unknown"),
     (["--world-size", "1"], ["--num-experts", "8"], "--num-experts", "not modelled yet"),
+    # Rules of validate_args / TransformerConfig / ModelParallelConfig / OptimizerConfig (megatron-core 0.19.2)
+    (["--world-size", "1"], ["--fp16-lm-cross-entropy", "--bf16"], "--fp16-lm-cross-entropy", "needs --fp16"),
+    (["--world-size", "1"], ["--fp32-residual-connection"], "--fp32-residual-connection", "needs --fp16 or --bf16"),
+    (["--world-size", "1"], ["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "--recompute-num-layers", "must not be given with selective recompute"),
+    (["--world-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full",
+                             "--recompute-method", "uniform", "--recompute-num-layers", "1", "--distribute-saved-activations"],
+     "--distribute-saved-activations", "cannot be combined with --sequence-parallel"),
+    (["--world-size", "1"], ["--bf16", "--use-precision-aware-optimizer"], "--use-precision-aware-optimizer",
+     "needs --use-distributed-optimizer"),
+    (["--world-size", "1"], ["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute",
+     "needs pipeline-model-parallel size > 1"),
 ])
 def test_bad_input(capsys, opts, extra, flag, rule):
     code = main(["estimate", *opts, "--", *BASE, *extra])
