@@ -67,3 +67,13 @@ def test_vocab_padding_per_tp():
     # NullTokenizer: one extra EOD token before core 0.18 (Megatron commit c9dfe34798), none after.
     assert layout_from_flags(null, world_size=1, megatron_version="0.16").vocab_size == 131073
     assert layout_from_flags(null, world_size=1, megatron_version="0.19").vocab_size == 131072
+
+
+def test_default_bucket_size_scales_with_dp_times_cp():
+    # megatron/training/training.py (core 0.18.2 get_model, 0.19.2 resolve_ddp_bucket_size):
+    # max(40M, 1M x size of the DP x CP group) elements; DP = 32, CP = 2 -> 64M (DP alone would give 40M).
+    from megatron_memguard.estimator.states import bucket_size_for
+    L = layout_from_flags(flags(LLAMA2_7B, "--context-parallel-size", "2", "--overlap-grad-reduce",
+                                "--use-distributed-optimizer"), world_size=64)
+    assert (L.data_parallel_size, L.context_parallel_size) == (32, 2)
+    assert bucket_size_for(L, L.chunks[0]) == 64_000_000

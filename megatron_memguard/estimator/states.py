@@ -40,7 +40,9 @@ def bucket_size_for(L: Layout, chunk: Chunk) -> int | None:
     """Bucket size in elements, as DDP and get_model decide it (None: one bucket)."""
     if not L.overlap_grad_reduce or chunk.pp_rank > 0 or chunk.vpp_rank > 0:
         return None
-    return L.ddp_bucket_size or max(40_000_000, 1_000_000 * L.data_parallel_size)
+    # get_model's default scales with the DP x CP group, not DP alone
+    # (megatron/training/training.py resolve_ddp_bucket_size, core 0.19.2: 1M x dp_cp size).
+    return L.ddp_bucket_size or max(40_000_000, 1_000_000 * L.data_parallel_size * L.context_parallel_size)
 
 
 def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | None) -> ChunkBuffer:
