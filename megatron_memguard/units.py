@@ -58,6 +58,3 @@ def byte_unit(n: float) -> tuple[str, int]:
             return name, size
     return "B", 1
 
-
-def gib(n: float) -> float:
-    return n / GiB

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..units import format_bytes
@@ -49,7 +50,6 @@ def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
 
 @lru_cache(maxsize=1024)
 def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool) -> ChunkActivations:
-    from ..layout import Chunk
     c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=n, has_embedding=has_embedding,
               has_output=has_output, has_tied_output_copy=False)
     la = layer_activations(L, has_batch_mask=c.has_embedding or c.has_output)
@@ -138,12 +138,6 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     return terms
 
 
-def optimizer_step_transient(L: Layout, states, device: str) -> tuple[int, str]:
-    """Temporaries of the step beyond what it leaves behind. Fused Adam kernels (TE FusedAdam /
-    apex on GPUs, torch's fused CPU kernel in the referee) update in place."""
-    return 0, ""
-
-
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
     """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak).
 
@@ -226,7 +220,8 @@ _END_GROUPS = {
 }
 
 
-def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, dp_rank="max") -> StageEstimate:
+def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
+                   dp_rank: int | str = "max") -> StageEstimate:
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
     acts = [chunk_activations(L, c) for c in chunks]
@@ -268,8 +263,9 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
-    step_extra, step_detail = optimizer_step_transient(L, st, device)
-    step_bytes = sum(t.bytes for t in step_terms) + step_extra
+    # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
+    # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
+    step_bytes = sum(t.bytes for t in step_terms)
     if act_peak >= step_bytes:
         act_terms = []
         for name, v in parts.items():
@@ -282,8 +278,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = step_terms + ([Term("optimizer_step_transient", step_extra, "transients", detail=step_detail)]
-                                  if step_extra else [])
+        act_terms = step_terms
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
     terms = state_terms + buffers + fixed_alloc + act_terms
@@ -306,8 +301,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None, d
 
 
 @lru_cache(maxsize=256)
-def _fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
-    return gpu_fixed_terms(L, gpu_name)
+def _fixed_terms(L: Layout, gpu_name: str | None) -> tuple[Term, ...]:
+    return tuple(gpu_fixed_terms(L, gpu_name))  # a tuple: the cached value is shared
 
 
 def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
@@ -333,7 +328,6 @@ def estimate(
     """Per-stage peak memory of ``layout``. ``profile``: auto (by --transformer-impl), transformer_engine,
     local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms)."""
     if profile not in PROFILES:
-        from ..errors import ConfigError
         raise ConfigError("--profile", f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
     notes = list(layout.notes)
     if profile == "fujii2024":

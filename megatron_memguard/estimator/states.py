@@ -11,13 +11,12 @@ on pipeline rank 0, for the first model chunk (training.py get_model: later chun
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
-
-from ..layout import DTYPE_BYTES, Chunk, Layout
-import bisect
 from functools import lru_cache
 
+from ..layout import DTYPE_BYTES, Chunk, Layout
 from .params import chunk_numels
 
 
@@ -102,17 +101,15 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
 
 @lru_cache(maxsize=1024)
 def _chunk_buffer(L: Layout, num_layers: int, has_embedding: bool, has_output: bool, tied_copy: bool,
-                  bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, int, tuple[tuple[int, ...], ...]]:
-    """Buffer, largest parameter and per-rank shard pieces of one chunk shape (the chunks of a deep
-    pipeline mostly share one shape)."""
-    from ..layout import Chunk
+                  bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
+    """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
+    share one shape)."""
     c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=num_layers, has_embedding=has_embedding,
               has_output=has_output, has_tied_output_copy=tied_copy)
     plist = chunk_numels(L, c)
     buf = build_buffer(L, plist, bucket_size)
-    largest = max((n for n, _ in plist), default=0)
     pieces = tuple(tuple(shard_pieces(buf, L.dp_shard_size, r)) for r in ranks) if L.use_distributed_optimizer else ()
-    return buf, largest, pieces
+    return buf, pieces
 
 
 @dataclass(frozen=True)
@@ -126,8 +123,6 @@ class StageStates:
     exp_avg_bytes: int             # Adam first moment / SGD momentum
     exp_avg_sq_bytes: int          # Adam second moment
     main_grad_copy_bytes: int      # fp32 copies of 16-bit grads made at the optimizer step
-    largest_main_piece: int        # elements of the largest main-param tensor (optimizer-step temporaries)
-    largest_param: int             # elements of the largest parameter (weight-gradient temporaries)
     buffer_numel: int
     buffer_numel_unpadded: int
 
@@ -144,7 +139,6 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
 
 @lru_cache(maxsize=1024)
 def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
-    from ..layout import Chunk
     chunks = [Chunk(pp_rank=-1, vpp_rank=i, first_layer=0, num_layers=n, has_embedding=e, has_output=o,
                     has_tied_output_copy=tied) for i, (n, e, o, tied, _) in enumerate(sig)]
     buckets = [b for *_, b in sig]
@@ -154,18 +148,15 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     params = 0
     param_bytes = grad_bytes = 0
     numel = unpadded = 0
-    largest_param = 0
     pieces_by_rank: dict[int, list[int]] = {}
     ranks = [0, shard - 1] if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
-    all_pieces: list[int] = []   # without the distributed optimizer: only the largest matters
     all_main = 0
     for c, bsize in zip(chunks, buckets):
-        buf, largest, pieces_of = _chunk_buffer(L, c.num_layers, c.has_embedding, c.has_output,
-                                                c.has_tied_output_copy, bsize, tuple(ranks))
+        buf, pieces_of = _chunk_buffer(L, c.num_layers, c.has_embedding, c.has_output,
+                                       c.has_tied_output_copy, bsize, tuple(ranks))
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded
-        largest_param = max(largest_param, largest)
         grad_bytes += buf.numel * g_bytes
         if L.use_distributed_optimizer:
             param_bytes += buf.numel * p_bytes
@@ -173,15 +164,11 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
                 pieces_by_rank.setdefault(r, []).extend(piece_list)
         else:
             param_bytes += buf.params * p_bytes
-            all_pieces.append(largest)
             all_main += buf.params
     if L.use_distributed_optimizer:
         # The rank with the most optimizer state is the peak one.
-        best = max(ranks, key=lambda r: sum(pieces_by_rank.get(r, [])))
-        pieces = pieces_by_rank.get(best, [])
-        main_elems = sum(pieces)
+        main_elems = max(sum(pieces_by_rank.get(r, [])) for r in ranks)
     else:
-        pieces = all_pieces
         main_elems = all_main
 
     # Master weights: fp32 clones of 16-bit params; fp32 params are their own master weights.
@@ -206,6 +193,5 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     return StageStates(
         parameters=params, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_bytes,
         exp_avg_bytes=m1, exp_avg_sq_bytes=m2, main_grad_copy_bytes=grad_copy,
-        largest_main_piece=max(pieces) if pieces else 0, largest_param=largest_param,
         buffer_numel=numel, buffer_numel_unpadded=unpadded,
     )
