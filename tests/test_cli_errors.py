@@ -30,6 +30,8 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
      "--distribute-saved-activations", "cannot be combined with --sequence-parallel"),
     (["--world-size", "1"], ["--bf16", "--use-precision-aware-optimizer"], "--use-precision-aware-optimizer",
      "needs --use-distributed-optimizer"),
+    # DP = 2 with the distributed optimizer: ranks 0 and 1 only (rank 5 would own no optimizer state)
+    (["--world-size", "2", "--dp-rank", "5"], ["--use-distributed-optimizer"], "--dp-rank", "a rank 0..1"),
     (["--world-size", "1"], ["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute",
      "needs pipeline-model-parallel size > 1"),
 ])

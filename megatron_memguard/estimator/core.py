@@ -329,6 +329,11 @@ def estimate(
     local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms)."""
     if profile not in PROFILES:
         raise ConfigError("--profile", f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
+    if dp_rank not in ("max", "last") and not (
+            isinstance(dp_rank, int) and not isinstance(dp_rank, bool) and 0 <= dp_rank < layout.dp_shard_size):
+        # A rank outside the optimizer's shard group would own no optimizer state at all.
+        raise ConfigError("--dp-rank", f"must be max, last or a rank 0..{layout.dp_shard_size - 1} of the "
+                                       f"distributed optimizer's DP x CP group, got {dp_rank!r}")
     notes = list(layout.notes)
     if profile == "fujii2024":
         from .fujii2024 import estimate_fujii2024
