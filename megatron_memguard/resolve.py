@@ -47,7 +47,6 @@ _NOT_MODELLED: list[tuple[str, Callable[[Any], bool], str]] = [
 ]
 _WARN_ONLY: list[tuple[str, Callable[[Any], bool], str]] = [
     ("tp_comm_overlap", bool, "TP communication overlap allocates userbuffers (a few hundred MiB) that memguard does not count"),
-    ("use_nccl_ub", bool, "NCCL user buffers are not counted"),
 ]
 _RECOMPUTE_MODULES = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj", "mhc"}
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
