@@ -136,7 +136,13 @@ class _Resolver:
         if v is None:
             return default
         if isinstance(v, str):
-            return v.strip().lower() in ("1", "true", "yes", "on")
+            word = v.strip().lower()
+            if word in ("1", "true", "yes", "on"):
+                return True
+            if word in ("0", "false", "no", "off", ""):
+                return False
+            self.fail(dest, f"must be true or false, got {v!r}")
+            return default
         return bool(v)
 
     def float_arg(self, dest: str, default: float) -> float:
@@ -431,6 +437,9 @@ class _Resolver:
         modules = self.get("recompute_modules")
         if isinstance(modules, str):
             modules = modules.replace(",", " ").split()
+        elif modules is not None and not isinstance(modules, (list, tuple)):
+            self.fail("recompute_modules", f"must be a list of module names, got {modules!r}")
+            modules = None
         if recompute_granularity not in (None, "full", "selective"):
             self.fail("recompute_granularity", f"must be full or selective, got {recompute_granularity!r}")
         if recompute_granularity == "full":
@@ -490,7 +499,7 @@ class _Resolver:
         add_qkv_bias = self.bool_arg("add_qkv_bias", False) or add_bias
         bias_gelu = self.bool_arg("bias_gelu_fusion", True) and add_bias
         bias_swiglu = self.bool_arg("bias_swiglu_fusion", True)
-        bias_act_fusion = bool(self.a["bias_activation_fusion"]) if "bias_activation_fusion" in a else (bias_swiglu if swiglu else bias_gelu)
+        bias_act_fusion = self.bool_arg("bias_activation_fusion", bias_swiglu if swiglu else bias_gelu)
         if squared_relu:
             bias_act_fusion = False
         apply_rope_fusion = self.bool_arg("apply_rope_fusion", True) and position == "rope"

@@ -56,3 +56,19 @@ def test_all_errors_reported_at_once(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "--global-batch-size" in err
+
+
+@pytest.mark.parametrize("dest, value, rule", [
+    ("bf16", "maybe", "must be true or false, got 'maybe'"),
+    ("bias_activation_fusion", "perhaps", "must be true or false"),
+    ("recompute_modules", 5, "must be a list of module names, got 5"),
+])
+def test_bad_values_from_config_files_name_the_key(dest, value, rule):
+    # Readers hand over YAML values as written; a value resolve cannot read is a ConfigError, not a traceback.
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.resolve import resolve
+    args = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=512, micro_batch_size=2)
+    args[dest] = value
+    with pytest.raises(ConfigError, match=f"model.{dest}: {rule}"):
+        resolve(RawConfig(args=args, origin={dest: f"model.{dest}"}), world_size=1)
