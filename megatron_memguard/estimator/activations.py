@@ -10,7 +10,8 @@ Two implementation tables, chosen by ``--transformer-impl``:
 
 Shapes per TP rank: ``T`` tokens of the sequence-sharded stream (``s*b/t`` with sequence
 parallelism, else ``s*b``), ``Tf = s*b`` tokens inside the tensor-parallel region, ``s`` already
-divided by CP. Bytes follow the dtype of each tensor (activations in the param dtype).
+divided by CP. Bytes follow the dtype of each tensor (activations in the autocast dtype when one is
+set, else the param dtype).
 
 Besides the saved tensors, a layer's backward runs as a sequence of steps (MLP first, then
 attention); at each step some saved tensors are already released and a working set of gradients

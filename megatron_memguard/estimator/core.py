@@ -6,7 +6,7 @@ bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest o
   (the logits and the cross-entropy's fp32 copy on the last stage);
 * a backward: everything held + the backward working set of the chunk's top layer (or the
   recomputed block under full recompute), and at the bottom the embedding's dense weight gradient;
-* the optimizer step: model state + the step's temporaries.
+* the optimizer step: model state + the fp32 copies of 16-bit gradients it makes (main_grad_copies).
 Adam's moments are created at the first step, so the peak is that of the second iteration onwards.
 """
 from __future__ import annotations

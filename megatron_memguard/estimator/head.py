@@ -122,6 +122,6 @@ def deferred_wgrad_buffers(L: Layout) -> int:
 
 
 def fused_wgrad(L: Layout) -> bool:
-    """Weight gradients accumulated straight into main_grad (gradient_accumulation_fusion); the local
-    implementation on CPU and --no-gradient-accumulation-fusion materialise each one first."""
+    """Weight gradients accumulated straight into main_grad (gradient_accumulation_fusion); with
+    --no-gradient-accumulation-fusion (as the CPU referee runs) each one is materialised first."""
     return L.gradient_accumulation_fusion
