@@ -58,3 +58,36 @@ def test_bad_key_value_is_reported_with_its_key(capsys, tmp_path):
 def test_no_such_model_file(capsys):
     assert main(["estimate", "--config", "/nonexistent.yaml"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+BRIDGE = ("_target_: megatron.bridge.training.config.ConfigContainer\n"
+          "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, vocab_size: 128}\n"
+          "train: {micro_batch_size: 1, global_batch_size: 8}\n")
+NEMO1 = ("trainer: {devices: 8, num_nodes: 1, precision: bf16}\nmodel:\n  micro_batch_size: 1\n  global_batch_size: 8\n"
+         "  encoder_seq_length: 128\n  num_layers: 2\n  hidden_size: 64\n  num_attention_heads: 4\n"
+         "  tokenizer: {library: megatron, type: GPT2BPETokenizer}\n")
+NEMO2 = ("_target_: nemo.collections.llm.api.pretrain\n"
+         "model: {_target_: nemo.collections.llm.GPTModel, config: {_target_: nemo.collections.llm.GPTConfig, "
+         "num_layers: 2, hidden_size: 64, num_attention_heads: 4, vocab_size: 128}}\n"
+         "trainer: {devices: 8}\ndata: {micro_batch_size: 1, global_batch_size: 8, seq_length: 128}\n")
+
+
+@pytest.mark.parametrize("text, needle", [
+    # a value of the wrong type where memguard derives a default from it
+    (BRIDGE.replace("hidden_size: 64", "hidden_size: abc"), "model.hidden_size: must be an integer, got 'abc'"),
+    (NEMO1.replace("hidden_size: 64", "hidden_size: [64]"), "model.hidden_size: must be an integer, got [64]"),
+    (NEMO2.replace("hidden_size: 64", "hidden_size: abc"), "model.config.hidden_size: must be an integer, got 'abc'"),
+    (NEMO1 + "  optim: {name: [1]}\n", "model.optim.name: expects an optimizer name"),
+    ("MODEL_ARGS: {--num-layers: 2}\nENV_VARS: [1]\n", "ENV_VARS must be a mapping of environment variables, got a list"),
+])
+def test_wrongly_typed_values_name_the_key(capsys, tmp_path, text, needle):
+    code, err = run(capsys, tmp_path, text)
+    assert code == 2 and needle in err, err
+
+
+def test_attention_backend_args_not_a_list(tmp_path):
+    from megatron_memguard.readers.detect import read_config_file
+
+    p = tmp_path / "cfg.yaml"
+    p.write_text(BRIDGE.replace("vocab_size: 128", "vocab_size: 128, attention_backend: {_args_: 5}"))
+    assert read_config_file(str(p)).args["attention_backend"] == "auto"

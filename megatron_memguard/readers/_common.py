@@ -229,6 +229,8 @@ _GELU = {"gelu", "fast_gelu", "openai_gelu", "erf_gelu", "approx_gelu"}
 def _attention_backend(v: Any) -> str | None:
     if isinstance(v, Mapping):
         args = v.get("_args_") or []
+        if not isinstance(args, (list, tuple)):
+            args = [args]
         v = args[0] if args else v.get("value")
     if isinstance(v, int) and not isinstance(v, bool):
         return {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"}.get(v)
@@ -346,6 +348,15 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     # cross_entropy_fusion_impl is deliberately not passed: Megatron-LM's arguments.py rejects "te" with
     # --cross-entropy-loss-fusion since core 0.18, but Bridge and NeMo 2 recipes use that pair (and it
     # does not change memory).
+
+
+def default_ffn_hidden_size(b: ArgsBuilder, hidden: Any, key: str) -> None:
+    """megatron-core's TransformerConfig.__post_init__ default, 4 x hidden_size (also for gated MLPs,
+    unlike Megatron's --swiglu default of 8/3 h). A hidden size that is not an integer is left for
+    resolve() to report against its key."""
+    h = _number(hidden)
+    if isinstance(h, int) and not isinstance(h, bool):
+        b.set("ffn_hidden_size", 4 * h, key)
 
 
 def set_vocab(b: ArgsBuilder, vocab_size: Any, vocab_key: str, pad: bool) -> None:

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    MISSING, ArgsBuilder, apply_overrides, as_bool, dtype_name, is_missing, map_mcore_fields, _number,
+    MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
+    _number,
 )
 
 # NeMo 1 ``model.*`` keys that are not megatron-core field names (read by NeMo itself, or harmless
@@ -269,9 +270,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     put("seq_length", "model.encoder_seq_length")
     put("max_position_embeddings", "model.max_position_embeddings")
     if put("ffn_hidden_size", "model.ffn_hidden_size") is None and "hidden_size" in b.args:
-        # megatron-core TransformerConfig.__post_init__: ffn_hidden_size = 4 * hidden_size (also for
-        # gated MLPs, unlike Megatron's --swiglu default of 8/3 h).
-        b.set("ffn_hidden_size", 4 * int(b.args["hidden_size"]), k("model.hidden_size"))
+        default_ffn_hidden_size(b, b.args["hidden_size"], k("model.hidden_size"))
     put("kv_channels", "model.kv_channels")
     groups = get("model.num_query_groups", needed=True)
     if groups is not None and not is_missing(groups):
@@ -394,6 +393,8 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     gaf_key = k("model.gradient_accumulation_fusion") if t.has("model.gradient_accumulation_fusion") else "model.gradient_accumulation_fusion"
     name = get("model.optim.name", "fused_adam")
     okey = k("model.optim.name") if t.has("model.optim.name") else "model.optim.name"
+    if not isinstance(name, str):
+        raise ConfigError(okey, f"expects an optimizer name (fused_adam, distributed_fused_adam, ...), got {name!r}")
     distributed = name in ("distributed_fused_adam", "mcore_distributed_optim")
     if name in _ADAM:
         b.set("optimizer", "adam", okey)
