@@ -91,3 +91,34 @@ def test_attention_backend_args_not_a_list(tmp_path):
     p = tmp_path / "cfg.yaml"
     p.write_text(BRIDGE.replace("vocab_size: 128", "vocab_size: 128, attention_backend: {_args_: 5}"))
     assert read_config_file(str(p)).args["attention_backend"] == "auto"
+
+
+def test_config_json_indented_with_tabs(capsys, tmp_path):
+    text = ('{\n\t"model_type": "llama",\n\t"num_hidden_layers": 2,\n\t"hidden_size": 64,\n\t"num_attention_heads": 4,\n'
+            '\t"intermediate_size": 128,\n\t"vocab_size": 100,\n\t"rms_norm_eps": 1e-05\n}\n')
+    code, err = run(capsys, tmp_path, text, "--", "--micro-batch-size", "1", "--seq-length", "128", name="config.json")
+    assert code == 0, err
+    code, err = run(capsys, tmp_path, '{"model_type": "llama",}', name="config.json")
+    assert code == 2 and "config.json: line 1, column 24 JSON syntax error" in err
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "empty.sh: no launch command found"),
+    ('torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers "2\n', 'empty.sh: unterminated " quote'),
+    ("torchrun --nproc-per-node 8\n", "empty.sh: the launch command names no training script"),
+])
+def test_launch_script_errors_name_the_file(capsys, tmp_path, text, needle):
+    code, err = run(capsys, tmp_path, text, name="empty.sh")
+    assert code == 2 and needle in err, err
+    assert main(["check", "--file", str(tmp_path / "empty.sh")]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_model_directory_without_config_json(capsys, tmp_path):
+    assert main(["estimate", "--model", str(tmp_path), "--gpus", "1"]) == 2
+    assert f"{tmp_path}: a directory without config.json" in capsys.readouterr().err
+
+
+def test_a_scalar_file_is_not_a_config(capsys, tmp_path):
+    code, err = run(capsys, tmp_path, "42\n")
+    assert code == 2 and "the file is a number, not a mapping of settings" in err

@@ -103,10 +103,14 @@ def read_launch(ns, flags: list[str], environ=None):
                 text = fh.read()
         except (OSError, UnicodeDecodeError) as e:
             raise MemguardError(f"{ns.file}: cannot read ({e})") from None
-        cmd = parse_launch_command(text, environ)
+        try:
+            cmd = parse_launch_command(text, environ)
+            sa = split_script_args(cmd)
+        except ReaderError as e:
+            raise ReaderError(f"{ns.file}: {e}") from None
     else:
         cmd = parse_launch_command(flags, environ)
-    sa = split_script_args(cmd)
+        sa = split_script_args(cmd)
     notes: list[str] = list(cmd.notes)
     if sa.unreadable:
         raise MemguardError(f"{cmd.script}: " + "; ".join(sa.unreadable) + " - memguard does not read these script "

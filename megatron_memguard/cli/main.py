@@ -130,7 +130,7 @@ def load_raw(ns: argparse.Namespace, flags: list[str]):
     if model:
         from ..readers.models import find_recipe
         recipe = find_recipe(model)
-    structured = bool(ns.config) and ns.config.lower().endswith((".yaml", ".yml", ".json"))
+    structured = bool(ns.config) and ns.config.lower().endswith((".yaml", ".yml", ".json", ".nemo"))
     if flags and (structured or (recipe and not ns.config)):
         # Bridge / Hydra style: bare KEY=VALUE tokens after -- are config overrides, not Megatron flags.
         overrides += [t for t in flags if is_override_token(t)]
