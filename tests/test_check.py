@@ -280,6 +280,14 @@ def test_nemo1_world_size_contradiction_is_a_problem(capsys, nemo_tree):
     assert code == 1 and "problem: trainer.devices x trainer.num_nodes = 8 but torchrun" in out
 
 
+@needs_omegaconf
+def test_nemo1_format_problem_stops_the_launch(capsys, nemo_tree):
+    code, out, _ = run(capsys, "check", "--", "python", str(nemo_tree / "megatron_gpt_pretraining.py"),
+                       "trainer.devices=8", "model.global_batch_size=64", "trainer.accumulate_grad_batches=2")
+    assert code == 1 and "problem: trainer.accumulate_grad_batches: must be 1 for NeMo Megatron models, got 2" in out
+    assert "DO NOT LAUNCH" in out
+
+
 def test_nemo1_missing_config_is_reported(capsys, tmp_path):
     code, _, err = run(capsys, "check", "--", "python", str(tmp_path / "nowhere" / "megatron_gpt_pretraining.py"),
                        "trainer.devices=8")

@@ -122,3 +122,11 @@ def test_model_directory_without_config_json(capsys, tmp_path):
 def test_a_scalar_file_is_not_a_config(capsys, tmp_path):
     code, err = run(capsys, tmp_path, "42\n")
     assert code == 2 and "the file is a number, not a mapping of settings" in err
+
+
+def test_estimate_refuses_a_config_that_breaks_its_formats_rules(capsys, tmp_path):
+    # NeMo would fail at start-up; memguard validate lists it as a problem, estimate does not estimate it as fp32
+    code, err = run(capsys, tmp_path, NEMO1.replace("precision: bf16", "precision: bf17"))
+    assert code == 2 and "memguard: error: trainer.precision: unknown dtype or precision 'bf17'" in err
+    assert main(["validate", str(tmp_path / "cfg.yaml"), "--gpus", "8"]) == 1
+    assert "trainer.precision: unknown dtype or precision 'bf17'" in capsys.readouterr().out

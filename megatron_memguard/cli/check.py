@@ -192,7 +192,7 @@ def _check(ns, flags: list[str]) -> int:
 
     cmd, sa, raw, notes = read_launch(ns, flags)
     world, wsrc = cli_world(ns)
-    problems: list[str] = []
+    problems: list[str] = [str(p) for p in raw.problems]  # rules of the config's format the job would break
     if world is None and cmd.world_size is not None:
         world, wsrc = cmd.world_size, cmd.world_size_from
     cfg_world = raw.world_size
@@ -212,7 +212,7 @@ def _check(ns, flags: list[str]) -> int:
     suggestion = None
     if est.verdict in ("tight", "will not fit") and not ns.no_suggest:
         suggestion = _suggest(raw, est, ns, world, gpu, mem)
-    notes += [w for w in raw.warnings if w not in notes]
+    notes += [w for w in raw.warnings if w not in notes and w not in problems]
     notes += [n for n in layout.notes if n not in notes]
 
     what = {"megatron": "Megatron-LM flags", "hydra": "NeMo 1 Hydra config", "bridge": "Megatron-Bridge config"}[sa.kind]

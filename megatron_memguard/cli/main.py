@@ -189,6 +189,8 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
         output_format(ns.plot)
         require_matplotlib()
     raw = load_raw(ns, flags)
+    if raw.problems:  # the config breaks a rule of its own format (memguard validate lists them with the rest)
+        raise ConfigErrors(list(raw.problems))
     layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
     dp_rank = ns.dp_rank
