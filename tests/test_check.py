@@ -338,6 +338,10 @@ def test_bridge_shortcuts_are_not_taken_on_trust(capsys):
     code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "scripts/training/run_recipe.py",
                        "--recipe", "llama3_8b", "-tp", "4")
     assert code == 2 and "model.tensor_model_parallel_size=4" in err
+    # -cp is the context-parallel shortcut here, not Hydra's --config-path, wherever it stands
+    for args in (["--recipe", "llama3_8b", "-cp", "4"], ["-cp=4", "--recipe", "llama3_8b"]):
+        code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "run_recipe.py", *args)
+        assert code == 2 and "-cp 4 (write model.context_parallel_size=4)" in err, err
 
 
 def test_split_script_args_kinds():

@@ -919,11 +919,13 @@ def split_script_args(cmd: LaunchCommand) -> ScriptArgs:
     found: dict[str, str] = {}
     overrides: list[str] = []
     rest: list[str] = []
+    # -cp is Hydra's --config-path, but run_recipe.py's context-parallel shortcut in a Bridge launch.
+    bridge = any(t.split("=", 1)[0] in _BRIDGE_OPTS for t in args)
     i = 0
     while i < len(args):
         t = args[i]
         opt, val = (t.split("=", 1) + [None])[:2] if t.startswith("-") else (t, None)
-        if opt in _HYDRA_OPTS or opt in _BRIDGE_OPTS:
+        if (opt in _HYDRA_OPTS or opt in _BRIDGE_OPTS) and not (bridge and opt in _BRIDGE_SHORTCUTS):
             if val is None:
                 if i + 1 >= len(args):
                     raise ReaderError(f"{cmd.script} option {opt} expects a value")
@@ -1011,4 +1013,5 @@ def hydra_config_file(sa: ScriptArgs, script: str, cwd: str | None = None) -> st
     for c in cands:
         if os.path.exists(c):
             return c
-    raise ReaderError(f"{script}: the Hydra config {cname} is not in {' nor '.join(os.path.dirname(c) for c in cands)}")
+    dirs = dict.fromkeys(os.path.dirname(c) for c in cands)
+    raise ReaderError(f"{script}: the Hydra config {cname} is not in {' nor '.join(dirs)}")
