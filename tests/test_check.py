@@ -368,3 +368,24 @@ def test_the_hooks_own_flags_are_read_not_reported_as_unknown(capsys):
     code, doc, _ = check_json(capsys, "--threshold", "0.9", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
                               *SMALL, "--memguard-threshold", "0.5")
     assert doc["threshold"] == 0.9
+
+
+@pytest.mark.parametrize("hook, needle", [
+    (["--memguard-threshold", "abc"], "--memguard-threshold: must be a fraction of GPU memory in (0, 1.5], got 'abc'"),
+    (["--memguard-threshold", "7"], "--memguard-threshold: must be a fraction of GPU memory in (0, 1.5], got '7'"),
+    (["--memguard-threshold"], "--memguard-threshold: expects a value"),
+    (["--memguard-gpu-memory", "lots"], "--memguard-gpu-memory: cannot read size 'lots'"),
+    (["--memguard-bogus", "1"], "--memguard-bogus: is not a flag of memguard's Megatron hook"),
+])
+def test_bad_hook_flags_on_the_launch_exit_2(capsys, hook, needle):
+    code, _, err = run(capsys, "check", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL, *hook)
+    assert code == 2 and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_hook_flag_table_matches_the_hook():
+    from megatron_memguard.cli.check import HOOK_SWITCHES, HOOK_VALUE_FLAGS
+    from megatron_memguard.megatron.flags import FLAGS
+
+    assert set(HOOK_SWITCHES) == {f.flag for f in FLAGS if f.boolean}
+    assert set(HOOK_VALUE_FLAGS) == {f.flag for f in FLAGS if not f.boolean}

@@ -130,9 +130,17 @@ def read_launch(ns, flags: list[str], environ=None):
             notes.append("memguard hook flags on the launch: " + " ".join(f"{k} {v}" if v is not None else k
                                                                         for k, v in hook.items()))
             if ns.threshold == 0.8 and hook.get("--memguard-threshold"):
-                ns.threshold = float(hook["--memguard-threshold"])
+                try:
+                    ns.threshold = float(hook["--memguard-threshold"])
+                except ValueError:
+                    ns.threshold = -1.0
+                if not 0 < ns.threshold <= 1.5:
+                    raise ConfigError("--memguard-threshold", f"must be a fraction of GPU memory in (0, 1.5], got "
+                                                              f"{hook['--memguard-threshold']!r}")
                 notes.append(f"threshold {ns.threshold} from the launch's --memguard-threshold")
             if not ns.gpu_memory and hook.get("--memguard-gpu-memory"):
+                from ..units import parse_bytes
+                parse_bytes(hook["--memguard-gpu-memory"], "--memguard-gpu-memory")  # its key in the error
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
         if ns.model:
@@ -287,23 +295,31 @@ def _verdict_words(est) -> str:
     return f"the critical stage will not fit ({pct} of GPU memory)"
 
 
-_HOOK_BOOLEAN = ("--memguard-reset-peak", "--memguard-allow-recompute")
+# The Megatron hook's flags (megatron_memguard/megatron/flags.py FLAGS; importing that package would
+# install the hook): the switches, then those that take a value.
+HOOK_SWITCHES = ("--memguard-reset-peak", "--memguard-allow-recompute")
+HOOK_VALUE_FLAGS = ("--memguard", "--memguard-threshold", "--memguard-gpu-memory", "--memguard-log-interval",
+                    "--memguard-log-dir")
 
 
 def _hook_flags(flags: list[str]) -> tuple[list[str], dict[str, str | None]]:
-    """Split the Megatron hook's own --memguard* flags (docs/hook.md) from Megatron's."""
+    """Split the Megatron hook's own --memguard* flags (docs/hook.md) from Megatron's. A flag the hook
+    does not have, or one without its value, would stop the job at start-up: refused here too."""
     rest: list[str] = []
     hook: dict[str, str | None] = {}
     i = 0
     while i < len(flags):
         t = flags[i]
-        if t.startswith("--memguard"):
-            name, _, val = t.partition("=")
-            if not _ and name not in _HOOK_BOOLEAN and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-                val = flags[i + 1]
-                i += 1
-            hook[name] = val if (val or _) else None
-        else:
-            rest.append(t)
         i += 1
+        if not t.startswith("--memguard"):
+            rest.append(t)
+            continue
+        name, eq, val = t.partition("=")
+        if name not in HOOK_SWITCHES and name not in HOOK_VALUE_FLAGS:
+            raise ConfigError(name, "is not a flag of memguard's Megatron hook (docs/hook.md lists them)")
+        if name in HOOK_VALUE_FLAGS and not eq:
+            if i >= len(flags) or flags[i].startswith("--"):
+                raise ConfigError(name, "expects a value")
+            val, i = flags[i], i + 1
+        hook[name] = val if (eq or name in HOOK_VALUE_FLAGS) else None
     return rest, hook
