@@ -155,10 +155,8 @@ def load_raw(ns: argparse.Namespace, flags: list[str]):
         raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
         model_applied = True
     if model and not model_applied:
-        try:
-            from ..readers.models import read_model
-        except ImportError:
-            raise ConfigError("--model", "model presets need the readers module") from None
+        from ..readers.models import read_model
+
         mraw = read_model(model, shape_only=bool(ns.config))
         raw = mraw.merged(raw) if raw.args else mraw
     if flags:

@@ -95,11 +95,6 @@ def _plot_layouts(text: str) -> int:
     return n
 
 
-def _load_model(ns: argparse.Namespace, flags: list[str]):
-    """The model from --model (a preset), --config and/or flags."""
-    return load_raw(ns, flags)
-
-
 def _constraints(ns: argparse.Namespace):
     from ..planner.space import RECOMPUTE_LEVELS, Constraints
     recompute = ns.recompute or RECOMPUTE_LEVELS
@@ -121,7 +116,7 @@ def make_planner(ns: argparse.Namespace, flags: list[str]):
     from ..gpus import lookup_gpu
     from ..planner import Cluster, Planner
 
-    raw = _load_model(ns, flags)
+    raw = load_raw(ns, flags)  # --model, --config and/or flags
     # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
     # the rest of the shell's environment has no business in the layouts the planner prints.
     raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})

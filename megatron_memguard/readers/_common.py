@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from ..config import RawConfig
-from ..errors import ConfigError, ReaderError
+from ..errors import ConfigError
 
 MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
 
@@ -372,10 +372,3 @@ def set_vocab(b: ArgsBuilder, vocab_size: Any, vocab_key: str, pad: bool) -> Non
         b.set("padded_vocab_size", vocab_size, vocab_key)
         b.set("vocab_size", vocab_size, vocab_key)
 
-
-def require(v: Any, key: str, what: str = "") -> Any:
-    """A value memguard needs: ``???`` (missing mandatory value) is an error naming the key."""
-    if is_missing(v):
-        raise ReaderError(f"{key}: is ??? (a mandatory value that the config leaves to the command line)"
-                          f"{' ' + what if what else ''}; set it with --set {key}=VALUE")
-    return v
