@@ -18,9 +18,14 @@ import json
 import os
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError, ConfigErrors, MemguardError, ReaderError
 from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu
+
+if TYPE_CHECKING:
+    from ..config import RawConfig
+    from ..readers.launch_command import LaunchCommand, ScriptArgs
 
 MAX_NOTES = 6
 
@@ -75,7 +80,7 @@ def _fail(ns, messages: list[str], understood: bool) -> None:
     print("memguard check: DO NOT LAUNCH - not checked (exit 2)", file=sys.stderr)
 
 
-def cli_world(ns) -> tuple[int | None, str]:
+def cli_world(ns: argparse.Namespace) -> tuple[int | None, str]:
     """The world size given on memguard's own command line (the launcher's environment does not count)."""
     if ns.world_size:
         return ns.world_size, "--world-size"
@@ -89,7 +94,8 @@ def cli_world(ns) -> tuple[int | None, str]:
     return None, ""
 
 
-def read_launch(ns, flags: list[str], environ=None):
+def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, str] | None = None,
+                ) -> tuple[LaunchCommand, ScriptArgs, RawConfig, list[str]]:
     """(LaunchCommand, ScriptArgs, RawConfig, notes) of the launch command or script ``ns`` names."""
     from ..config import memory_env
     from ..readers.launch_command import hydra_config_file, parse_launch_command, split_script_args

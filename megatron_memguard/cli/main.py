@@ -8,15 +8,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from ..errors import ConfigError, ConfigErrors, MemguardError
+
+if TYPE_CHECKING:
+    from ..config import RawConfig
+    from ..gpus import GpuSpec
 
 EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage errors -> one line, exit 2
+    def error(self, message: str) -> NoReturn:  # argparse's usage errors -> one line, exit 2
         self.exit(EXIT_BAD_INPUT, f"memguard: error: {message}\n")
 
 
@@ -116,7 +120,7 @@ def resolve_world(ns: argparse.Namespace) -> int | None:
     return None
 
 
-def load_raw(ns: argparse.Namespace, flags: list[str]):
+def load_raw(ns: argparse.Namespace, flags: list[str]) -> RawConfig:
     """The RawConfig from --config / --model, ``--set`` and bare ``KEY=VALUE`` overrides, and the
     Megatron flags after ``--`` (flags win over the config, the config over --model)."""
     from ..config import RawConfig
@@ -166,7 +170,8 @@ def load_raw(ns: argparse.Namespace, flags: list[str]):
     return raw
 
 
-def target_gpu(ns: argparse.Namespace):
+def target_gpu(ns: argparse.Namespace) -> tuple[GpuSpec | None, int | None]:
+    """(--gpu's table entry, --gpu-memory in bytes); H100-80GB when neither is given."""
     from ..gpus import lookup_gpu
     from ..units import parse_bytes
 

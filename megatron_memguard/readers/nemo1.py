@@ -24,6 +24,7 @@ import inspect
 import math
 from typing import Any, Mapping
 
+from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
     MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
@@ -87,7 +88,8 @@ def looks_like_nemo1_model_config(doc: Mapping) -> bool:
     return "num_layers" in doc and "hidden_size" in doc and bool(_NEMO_MARKERS & set(doc)) and "model" not in doc
 
 
-def omegaconf_module():
+def omegaconf_module() -> Any:
+    """omegaconf's OmegaConf class, or None when the readers extra is not installed."""
     try:
         from omegaconf import OmegaConf
     except ImportError:
@@ -178,7 +180,7 @@ class _Tree:
     unresolved: list[str]
 
 
-def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], model_only: bool = False):
+def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], model_only: bool = False) -> RawConfig:
     OmegaConf = omegaconf_module()
     if OmegaConf is None:
         raise ReaderError(f"{path}: this is a NeMo YAML config; reading it needs omegaconf "
