@@ -234,6 +234,16 @@ def test_two_launch_commands_are_not_guessed(capsys, tmp_path):
     assert any("preprocess_data.py" in n for n in doc["notes"])
 
 
+def test_here_documents_are_input_not_commands(capsys, tmp_path):
+    # an apostrophe in a heredoc body is not an open quote; a launch line in a body is not the job
+    script = tmp_path / "job.sh"
+    script.write_text("cat > notes.txt <<EOF\nit's the 8B run\ntorchrun --nproc-per-node 2 other.py\nEOF\n"
+                      "cat <<-'END' >> notes.txt\n\ttorchrun --nproc-per-node 4 old.py\n\tEND\n"
+                      f"torchrun --nproc-per-node 8 pretrain_gpt.py {' '.join(SMALL)} <<< \"it's\"\n")
+    code, doc, _ = check_json(capsys, "--file", str(script))
+    assert code == 0 and doc["launch"]["script"] == "pretrain_gpt.py" and doc["launch"]["world_size"] == 8
+
+
 def test_usage_errors(capsys, tmp_path):
     assert run(capsys, "check")[0] == 2
     assert run(capsys, "check", "--file", str(tmp_path / "missing.sh"))[0] == 2
