@@ -378,6 +378,9 @@ def test_the_hooks_own_flags_are_read_not_reported_as_unknown(capsys):
     code, doc, _ = check_json(capsys, "--threshold", "0.9", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
                               *SMALL, "--memguard-threshold", "0.5")
     assert doc["threshold"] == 0.9
+    code, doc, _ = check_json(capsys, "--threshold", "0.8", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
+                              *SMALL, "--memguard-threshold", "0.5")
+    assert doc["threshold"] == 0.8
 
 
 @pytest.mark.parametrize("hook, needle", [

@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output: the estimate document plus 'launch'")
     p.add_argument("--full", action="store_true", help="the whole breakdown of the critical stage (more than a screen)")
     p.add_argument("--no-suggest", action="store_true", help="do not search for a layout that fits when it does not")
+    p.set_defaults(threshold=None)  # None: not given, so the launch's --memguard-threshold applies (else 0.8)
     return p
 
 
@@ -135,7 +136,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
         if hook:
             notes.append("memguard hook flags on the launch: " + " ".join(f"{k} {v}" if v is not None else k
                                                                         for k, v in hook.items()))
-            if ns.threshold == 0.8 and hook.get("--memguard-threshold"):
+            if ns.threshold is None and hook.get("--memguard-threshold"):
                 try:
                     ns.threshold = float(hook["--memguard-threshold"])
                 except ValueError:
@@ -205,6 +206,8 @@ def _check(ns, flags: list[str]) -> int:
     from ..units import format_bytes
 
     cmd, sa, raw, notes = read_launch(ns, flags)
+    if ns.threshold is None:
+        ns.threshold = 0.8
     world, wsrc = cli_world(ns)
     problems: list[str] = [str(p) for p in raw.problems]  # rules of the config's format the job would break
     if world is None and cmd.world_size is not None:
