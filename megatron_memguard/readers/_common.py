@@ -211,6 +211,17 @@ class ArgsBuilder:
         if text not in self.warnings:
             self.warnings.append(text)
 
+    def trainer_world(self, devices: Any, nodes: Any) -> None:
+        """The world size from a Lightning trainer's ``devices`` x ``num_nodes`` (NeMo 1 and NeMo 2)."""
+        def count(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        if count(devices) and count(nodes):
+            self.world_size, self.nodes, self.gpus_per_node = devices * nodes, nodes, devices
+            self.origin["world_size"] = "trainer.devices x trainer.num_nodes"
+        elif devices is not None:
+            self.warn(f"trainer.devices is {devices!r}: the number of GPUs is not known from the file (give --gpus N)")
+
     def problem(self, key: str, rule: str, fix: str | None = None) -> None:
         self.problems.append(ConfigError(key, rule, fix))
         self.warn(f"{key}: {rule}" + (f" ({fix})" if fix else ""))

@@ -234,12 +234,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
 
     # World size: trainer.devices x trainer.num_nodes.
     if not model_only:
-        devices, nodes = get("trainer.devices"), get("trainer.num_nodes", 1)
-        if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 and isinstance(nodes, int) and nodes > 0:
-            b.world_size, b.nodes, b.gpus_per_node = devices * nodes, nodes, devices
-            b.origin["world_size"] = "trainer.devices x trainer.num_nodes"
-        elif devices is not None:
-            b.warn(f"trainer.devices is {devices!r}: the number of GPUs is not known from the file (give --gpus N)")
+        b.trainer_world(get("trainer.devices"), get("trainer.num_nodes", 1))
         agb = get("trainer.accumulate_grad_batches", 1)
         if agb not in (None, 1):
             b.problem("trainer.accumulate_grad_batches", f"must be 1 for NeMo Megatron models, got {agb!r}",

@@ -98,11 +98,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     # Trainer: world size, strategy (parallel sizes, DDP), precision plugin.
     trainer = doc.get("trainer") or {}
     if isinstance(trainer, Mapping):
-        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
-        if (isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 and isinstance(nodes, int)
-                and nodes > 0):
-            b.world_size, b.nodes, b.gpus_per_node = devices * nodes, nodes, devices
-            b.origin["world_size"] = "trainer.devices x trainer.num_nodes"
+        b.trainer_world(trainer.get("devices"), trainer.get("num_nodes", 1))
         strategy = trainer.get("strategy") or {}
         if isinstance(strategy, Mapping):
             for name in _STRATEGY_KEYS:
