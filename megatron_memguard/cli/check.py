@@ -191,7 +191,7 @@ def _has_shape(path: str | None) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
-    except Exception:
+    except Exception:  # unreadable here: load_raw reads it again and reports why
         return False
     model = doc.get("model") if isinstance(doc, dict) else None
     if not isinstance(model, dict):
@@ -288,7 +288,7 @@ def _suggest(raw, est, ns, world, gpu, mem) -> str | None:
         r = autotune(raw, world_size=world, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
                      gpu=gpu, gpu_memory=mem or est.gpu_memory_bytes,
                      threshold=ns.threshold, profile=ns.profile, allow_recompute=True, original=est)
-    except Exception:
+    except Exception:  # the suggestion is an extra: a search that fails must not hide the verdict
         return None
     if r.chosen is None:
         return None
