@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--profile", default="auto", help="auto (by --transformer-impl), transformer_engine, local, fujii2024")
     e.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the same terms without GPU-only ones (for the CPU referee)")
-    e.add_argument("--dp-rank", type=_dp_rank, default="max", help="DP rank whose optimizer shard to count: an index, last or max")
+    e.add_argument("--dp-rank", type=_dp_rank, default="max",
+                   help="DP rank whose optimizer shard to count: an index, last or max")
     e.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/json-schema.md)")
     e.add_argument("--detail", action="store_true", help="show how each term is computed")
     e.add_argument("--all-stages", action="store_true", help="show the breakdown of every stage, not only the critical one")

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from ..planner.search import PlanResult
     from ..report.plots import Plot
 from .main import (
-    EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world, target_gpu,
+    EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
+    target_gpu,
 )
 
 DEFAULT_TOP = 5
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_options(p)
     b = p.add_argument_group("batch")
     b.add_argument("--seq-length", type=positive_int, help="sequence length (default: the model config's)")
-    b.add_argument("--global-batch-size", type=positive_int, help="global batch size in sequences (default: the model config's)")
+    b.add_argument("--global-batch-size", type=positive_int,
+                   help="global batch size in sequences (default: the model config's)")
     c = p.add_argument_group("constraints (one value or a comma-separated list)")
     c.add_argument("--tp", type=_int_list, help="allowed tensor-parallel sizes")
     c.add_argument("--pp", type=_int_list, help="allowed pipeline-parallel sizes")

@@ -22,7 +22,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import (
-    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields, set_vocab, target_name,
+    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
+    set_vocab, target_name,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
