@@ -234,6 +234,16 @@ def test_two_launch_commands_are_not_guessed(capsys, tmp_path):
     assert any("preprocess_data.py" in n for n in doc["notes"])
 
 
+def test_here_documents_are_input_not_commands(capsys, tmp_path):
+    # an apostrophe in a heredoc body is not an open quote; a launch line in a body is not the job
+    script = tmp_path / "job.sh"
+    script.write_text("cat > notes.txt <<EOF\nit's the 8B run\ntorchrun --nproc-per-node 2 other.py\nEOF\n"
+                      "cat <<-'END' >> notes.txt\n\ttorchrun --nproc-per-node 4 old.py\n\tEND\n"
+                      f"torchrun --nproc-per-node 8 pretrain_gpt.py {' '.join(SMALL)} <<< \"it's\"\n")
+    code, doc, _ = check_json(capsys, "--file", str(script))
+    assert code == 0 and doc["launch"]["script"] == "pretrain_gpt.py" and doc["launch"]["world_size"] == 8
+
+
 def test_usage_errors(capsys, tmp_path):
     assert run(capsys, "check")[0] == 2
     assert run(capsys, "check", "--file", str(tmp_path / "missing.sh"))[0] == 2
@@ -278,6 +288,14 @@ def test_nemo1_world_size_contradiction_is_a_problem(capsys, nemo_tree):
     code, out, _ = run(capsys, "check", "--", "torchrun", "--nproc-per-node", "4", str(nemo_tree / "megatron_gpt_pretraining.py"),
                        "trainer.devices=8", "model.global_batch_size=64")
     assert code == 1 and "problem: trainer.devices x trainer.num_nodes = 8 but torchrun" in out
+
+
+@needs_omegaconf
+def test_nemo1_format_problem_stops_the_launch(capsys, nemo_tree):
+    code, out, _ = run(capsys, "check", "--", "python", str(nemo_tree / "megatron_gpt_pretraining.py"),
+                       "trainer.devices=8", "model.global_batch_size=64", "trainer.accumulate_grad_batches=2")
+    assert code == 1 and "problem: trainer.accumulate_grad_batches: must be 1 for NeMo Megatron models, got 2" in out
+    assert "DO NOT LAUNCH" in out
 
 
 def test_nemo1_missing_config_is_reported(capsys, tmp_path):
@@ -330,6 +348,10 @@ def test_bridge_shortcuts_are_not_taken_on_trust(capsys):
     code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "scripts/training/run_recipe.py",
                        "--recipe", "llama3_8b", "-tp", "4")
     assert code == 2 and "model.tensor_model_parallel_size=4" in err
+    # -cp is the context-parallel shortcut here, not Hydra's --config-path, wherever it stands
+    for args in (["--recipe", "llama3_8b", "-cp", "4"], ["-cp=4", "--recipe", "llama3_8b"]):
+        code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "run_recipe.py", *args)
+        assert code == 2 and "-cp 4 (write model.context_parallel_size=4)" in err, err
 
 
 def test_split_script_args_kinds():
@@ -356,3 +378,27 @@ def test_the_hooks_own_flags_are_read_not_reported_as_unknown(capsys):
     code, doc, _ = check_json(capsys, "--threshold", "0.9", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
                               *SMALL, "--memguard-threshold", "0.5")
     assert doc["threshold"] == 0.9
+    code, doc, _ = check_json(capsys, "--threshold", "0.8", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
+                              *SMALL, "--memguard-threshold", "0.5")
+    assert doc["threshold"] == 0.8
+
+
+@pytest.mark.parametrize("hook, needle", [
+    (["--memguard-threshold", "abc"], "--memguard-threshold: must be a fraction of GPU memory in (0, 1.5], got 'abc'"),
+    (["--memguard-threshold", "7"], "--memguard-threshold: must be a fraction of GPU memory in (0, 1.5], got '7'"),
+    (["--memguard-threshold"], "--memguard-threshold: expects a value"),
+    (["--memguard-gpu-memory", "lots"], "--memguard-gpu-memory: cannot read size 'lots'"),
+    (["--memguard-bogus", "1"], "--memguard-bogus: is not a flag of memguard's Megatron hook"),
+])
+def test_bad_hook_flags_on_the_launch_exit_2(capsys, hook, needle):
+    code, _, err = run(capsys, "check", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL, *hook)
+    assert code == 2 and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_hook_flag_table_matches_the_hook():
+    from megatron_memguard.cli.check import HOOK_SWITCHES, HOOK_VALUE_FLAGS
+    from megatron_memguard.megatron.flags import FLAGS
+
+    assert set(HOOK_SWITCHES) == {f.flag for f in FLAGS if f.boolean}
+    assert set(HOOK_VALUE_FLAGS) == {f.flag for f in FLAGS if not f.boolean}

@@ -64,6 +64,19 @@ def test_flag_spellings_are_equivalent():
     assert not c.sequence_parallel
 
 
+def test_switch_with_a_value():
+    import pytest
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+
+    # a store_false flag given a value: =true switches it on (the dest off), =false leaves the dest on
+    assert parse_megatron_flags(["--no-gradient-accumulation-fusion=true"]).args == {"gradient_accumulation_fusion": False}
+    assert parse_megatron_flags(["--no-gradient-accumulation-fusion=false"]).args == {"gradient_accumulation_fusion": True}
+    assert parse_megatron_flags(["--no-bf16=false"]).args == {"bf16": True}
+    with pytest.raises(ConfigError, match="--bf16: is a switch: write --bf16 or --bf16=false, not --bf16=maybe"):
+        parse_megatron_flags(["--bf16=maybe"])
+
+
 def test_launch_script_with_arrays_and_continuations(tmp_path, capsys):
     # The example script uses bash arrays, "${ARR[@]}" and backslash continuations.
     code, out, _ = run(capsys, "estimate", "--json", "--config", os.path.join(ROOT, "examples", "llama3_8b_h100.sh"))

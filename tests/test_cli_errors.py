@@ -72,3 +72,28 @@ def test_bad_values_from_config_files_name_the_key(dest, value, rule):
     args[dest] = value
     with pytest.raises(ConfigError, match=f"model.{dest}: {rule}"):
         resolve(RawConfig(args=args, origin={dest: f"model.{dest}"}), world_size=1)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["estimate", "--gpus", "0"], "argument --gpus: must be a positive integer, got '0'"),
+    (["estimate", "--world-size", "-4"], "argument --world-size: must be a positive integer, got '-4'"),
+    (["estimate", "--world-size", "1", "--vocab-size", "0"], "argument --vocab-size: must be a positive integer, got '0'"),
+    (["estimate", "--world-size", "2", "--dp-rank", "abc"], "argument --dp-rank: expects a data-parallel rank index"),
+    (["check", "--nnodes", "x"], "argument --nnodes/--nodes: expects a positive integer, got 'x'"),
+    (["plan", "--gpus", "2", "--seq-length", "0"], "argument --seq-length: must be a positive integer, got '0'"),
+])
+def test_zero_negative_or_non_numeric_counts_are_refused(capsys, argv, needle):
+    try:
+        code = main([*argv, "--", *BASE])
+    except SystemExit as e:       # argparse's usage error (memguard estimate's own parser)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_dp_rank_beyond_the_layout_is_refused(capsys):
+    code = main(["estimate", "--world-size", "2", "--dp-rank", "2", "--", *BASE])
+    err = capsys.readouterr().err
+    assert code == 2 and "--dp-rank: 2 is not a data-parallel rank of this layout (0 .. 1" in err
+    assert main(["estimate", "--world-size", "2", "--dp-rank", "1", "--", *BASE]) == 0

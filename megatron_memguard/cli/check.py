@@ -18,9 +18,14 @@ import json
 import os
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError, ConfigErrors, MemguardError, ReaderError
 from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu
+
+if TYPE_CHECKING:
+    from ..config import RawConfig
+    from ..readers.launch_command import LaunchCommand, ScriptArgs
 
 MAX_NOTES = 6
 
@@ -38,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output: the estimate document plus 'launch'")
     p.add_argument("--full", action="store_true", help="the whole breakdown of the critical stage (more than a screen)")
     p.add_argument("--no-suggest", action="store_true", help="do not search for a layout that fits when it does not")
+    p.set_defaults(threshold=None)  # None: not given, so the launch's --memguard-threshold applies (else 0.8)
     return p
 
 
@@ -75,7 +81,7 @@ def _fail(ns, messages: list[str], understood: bool) -> None:
     print("memguard check: DO NOT LAUNCH - not checked (exit 2)", file=sys.stderr)
 
 
-def cli_world(ns) -> tuple[int | None, str]:
+def cli_world(ns: argparse.Namespace) -> tuple[int | None, str]:
     """The world size given on memguard's own command line (the launcher's environment does not count)."""
     if ns.world_size:
         return ns.world_size, "--world-size"
@@ -89,7 +95,8 @@ def cli_world(ns) -> tuple[int | None, str]:
     return None, ""
 
 
-def read_launch(ns, flags: list[str], environ=None):
+def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, str] | None = None,
+                ) -> tuple[LaunchCommand, ScriptArgs, RawConfig, list[str]]:
     """(LaunchCommand, ScriptArgs, RawConfig, notes) of the launch command or script ``ns`` names."""
     from ..config import memory_env
     from ..readers.launch_command import hydra_config_file, parse_launch_command, split_script_args
@@ -103,10 +110,14 @@ def read_launch(ns, flags: list[str], environ=None):
                 text = fh.read()
         except (OSError, UnicodeDecodeError) as e:
             raise MemguardError(f"{ns.file}: cannot read ({e})") from None
-        cmd = parse_launch_command(text, environ)
+        try:
+            cmd = parse_launch_command(text, environ)
+            sa = split_script_args(cmd)
+        except ReaderError as e:
+            raise ReaderError(f"{ns.file}: {e}") from None
     else:
         cmd = parse_launch_command(flags, environ)
-    sa = split_script_args(cmd)
+        sa = split_script_args(cmd)
     notes: list[str] = list(cmd.notes)
     if sa.unreadable:
         raise MemguardError(f"{cmd.script}: " + "; ".join(sa.unreadable) + " - memguard does not read these script "
@@ -125,10 +136,18 @@ def read_launch(ns, flags: list[str], environ=None):
         if hook:
             notes.append("memguard hook flags on the launch: " + " ".join(f"{k} {v}" if v is not None else k
                                                                         for k, v in hook.items()))
-            if ns.threshold == 0.8 and hook.get("--memguard-threshold"):
-                ns.threshold = float(hook["--memguard-threshold"])
+            if ns.threshold is None and hook.get("--memguard-threshold"):
+                try:
+                    ns.threshold = float(hook["--memguard-threshold"])
+                except ValueError:
+                    ns.threshold = -1.0
+                if not 0 < ns.threshold <= 1.5:
+                    raise ConfigError("--memguard-threshold", f"must be a fraction of GPU memory in (0, 1.5], got "
+                                                              f"{hook['--memguard-threshold']!r}")
                 notes.append(f"threshold {ns.threshold} from the launch's --memguard-threshold")
             if not ns.gpu_memory and hook.get("--memguard-gpu-memory"):
+                from ..units import parse_bytes
+                parse_bytes(hook["--memguard-gpu-memory"], "--memguard-gpu-memory")  # its key in the error
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
         if ns.model:
@@ -172,7 +191,7 @@ def _has_shape(path: str | None) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
-    except Exception:
+    except Exception:  # unreadable here: load_raw reads it again and reports why
         return False
     model = doc.get("model") if isinstance(doc, dict) else None
     if not isinstance(model, dict):
@@ -187,8 +206,10 @@ def _check(ns, flags: list[str]) -> int:
     from ..units import format_bytes
 
     cmd, sa, raw, notes = read_launch(ns, flags)
+    if ns.threshold is None:
+        ns.threshold = 0.8
     world, wsrc = cli_world(ns)
-    problems: list[str] = []
+    problems: list[str] = [str(p) for p in raw.problems]  # rules of the config's format the job would break
     if world is None and cmd.world_size is not None:
         world, wsrc = cmd.world_size, cmd.world_size_from
     cfg_world = raw.world_size
@@ -208,7 +229,7 @@ def _check(ns, flags: list[str]) -> int:
     suggestion = None
     if est.verdict in ("tight", "will not fit") and not ns.no_suggest:
         suggestion = _suggest(raw, est, ns, world, gpu, mem)
-    notes += [w for w in raw.warnings if w not in notes]
+    notes += [w for w in raw.warnings if w not in notes and w not in problems]
     notes += [n for n in layout.notes if n not in notes]
 
     what = {"megatron": "Megatron-LM flags", "hydra": "NeMo 1 Hydra config", "bridge": "Megatron-Bridge config"}[sa.kind]
@@ -267,7 +288,7 @@ def _suggest(raw, est, ns, world, gpu, mem) -> str | None:
         r = autotune(raw, world_size=world, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
                      gpu=gpu, gpu_memory=mem or est.gpu_memory_bytes,
                      threshold=ns.threshold, profile=ns.profile, allow_recompute=True, original=est)
-    except Exception:
+    except Exception:  # the suggestion is an extra: a search that fails must not hide the verdict
         return None
     if r.chosen is None:
         return None
@@ -283,23 +304,31 @@ def _verdict_words(est) -> str:
     return f"the critical stage will not fit ({pct} of GPU memory)"
 
 
-_HOOK_BOOLEAN = ("--memguard-reset-peak", "--memguard-allow-recompute")
+# The Megatron hook's flags (megatron_memguard/megatron/flags.py FLAGS; importing that package would
+# install the hook): the switches, then those that take a value.
+HOOK_SWITCHES = ("--memguard-reset-peak", "--memguard-allow-recompute")
+HOOK_VALUE_FLAGS = ("--memguard", "--memguard-threshold", "--memguard-gpu-memory", "--memguard-log-interval",
+                    "--memguard-log-dir")
 
 
 def _hook_flags(flags: list[str]) -> tuple[list[str], dict[str, str | None]]:
-    """Split the Megatron hook's own --memguard* flags (docs/hook.md) from Megatron's."""
+    """Split the Megatron hook's own --memguard* flags (docs/hook.md) from Megatron's. A flag the hook
+    does not have, or one without its value, would stop the job at start-up: refused here too."""
     rest: list[str] = []
     hook: dict[str, str | None] = {}
     i = 0
     while i < len(flags):
         t = flags[i]
-        if t.startswith("--memguard"):
-            name, _, val = t.partition("=")
-            if not _ and name not in _HOOK_BOOLEAN and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-                val = flags[i + 1]
-                i += 1
-            hook[name] = val if (val or _) else None
-        else:
-            rest.append(t)
         i += 1
+        if not t.startswith("--memguard"):
+            rest.append(t)
+            continue
+        name, eq, val = t.partition("=")
+        if name not in HOOK_SWITCHES and name not in HOOK_VALUE_FLAGS:
+            raise ConfigError(name, "is not a flag of memguard's Megatron hook (docs/hook.md lists them)")
+        if name in HOOK_VALUE_FLAGS and not eq:
+            if i >= len(flags) or flags[i].startswith("--"):
+                raise ConfigError(name, "expects a value")
+            val, i = flags[i], i + 1
+        hook[name] = val if (eq or name in HOOK_VALUE_FLAGS) else None
     return rest, hook

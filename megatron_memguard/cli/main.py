@@ -8,15 +8,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from ..errors import ConfigError, ConfigErrors, MemguardError
+
+if TYPE_CHECKING:
+    from ..config import RawConfig
+    from ..gpus import GpuSpec
 
 EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage errors -> one line, exit 2
+    def error(self, message: str) -> NoReturn:  # argparse's usage errors -> one line, exit 2
         self.exit(EXIT_BAD_INPUT, f"memguard: error: {message}\n")
 
 
@@ -28,13 +32,36 @@ def _split_dashdash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes: an integer >= 1 (0 and negatives are refused, not ignored)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def _dp_rank(text: str) -> int | str:
+    if text in ("max", "last"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expects a data-parallel rank index (0, 1, ...), last or max, got {text!r}")
+    return n
+
+
 def add_target_options(p: argparse.ArgumentParser) -> None:
     """Options shared by commands that estimate: where the job runs and what is trusted."""
     g = p.add_argument_group("cluster")
-    g.add_argument("--world-size", type=int, help="number of GPUs (ranks) of the job")
-    g.add_argument("--nnodes", "--nodes", type=int, dest="nnodes", help="nodes (with --nproc-per-node)")
-    g.add_argument("--nproc-per-node", "--gpus-per-node", type=int, dest="nproc_per_node", help="GPUs per node")
-    g.add_argument("--gpus", type=int, dest="gpus", help="same as --world-size")
+    g.add_argument("--world-size", type=positive_int, help="number of GPUs (ranks) of the job")
+    g.add_argument("--nnodes", "--nodes", type=positive_int, dest="nnodes", help="nodes (with --nproc-per-node)")
+    g.add_argument("--nproc-per-node", "--gpus-per-node", type=positive_int, dest="nproc_per_node", help="GPUs per node")
+    g.add_argument("--gpus", type=positive_int, dest="gpus", help="same as --world-size")
     g.add_argument("--gpu", help="GPU model from the table (memguard gpus), default H100-80GB")
     g.add_argument("--gpu-memory", help="GPU memory as PyTorch reports it, e.g. 79.1GiB (overrides --gpu's)")
     g.add_argument("--threshold", type=float, default=0.8,
@@ -45,7 +72,7 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", help="the model shape from a preset (llama-3.1-8b, qwen2.5-7b, gpt3-175b, ...) or a Hugging "
                                    "Face config.json; a Megatron-Bridge recipe name (llama32_1b, llama3_8b, ...) gives "
                                    "the whole recipe, the one an override file applies to")
-    m.add_argument("--vocab-size", type=int, help="vocabulary size when only a tokenizer is named")
+    m.add_argument("--vocab-size", type=positive_int, help="vocabulary size when only a tokenizer is named")
     m.add_argument("--megatron-version", default=None,
                    help="Megatron core version whose defaults apply (default 0.19; e.g. 0.16 for the legacy era)")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -62,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--profile", default="auto", help="auto (by --transformer-impl), transformer_engine, local, fujii2024")
     e.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the same terms without GPU-only ones (for the CPU referee)")
-    e.add_argument("--dp-rank", default="max", help="DP rank whose optimizer shard to count: an index, last or max")
+    e.add_argument("--dp-rank", type=_dp_rank, default="max",
+                   help="DP rank whose optimizer shard to count: an index, last or max")
     e.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/json-schema.md)")
     e.add_argument("--detail", action="store_true", help="show how each term is computed")
     e.add_argument("--all-stages", action="store_true", help="show the breakdown of every stage, not only the critical one")
@@ -93,7 +121,7 @@ def resolve_world(ns: argparse.Namespace) -> int | None:
     return None
 
 
-def load_raw(ns: argparse.Namespace, flags: list[str]):
+def load_raw(ns: argparse.Namespace, flags: list[str]) -> RawConfig:
     """The RawConfig from --config / --model, ``--set`` and bare ``KEY=VALUE`` overrides, and the
     Megatron flags after ``--`` (flags win over the config, the config over --model)."""
     from ..config import RawConfig
@@ -107,7 +135,7 @@ def load_raw(ns: argparse.Namespace, flags: list[str]):
     if model:
         from ..readers.models import find_recipe
         recipe = find_recipe(model)
-    structured = bool(ns.config) and ns.config.lower().endswith((".yaml", ".yml", ".json"))
+    structured = bool(ns.config) and ns.config.lower().endswith((".yaml", ".yml", ".json", ".nemo"))
     if flags and (structured or (recipe and not ns.config)):
         # Bridge / Hydra style: bare KEY=VALUE tokens after -- are config overrides, not Megatron flags.
         overrides += [t for t in flags if is_override_token(t)]
@@ -132,10 +160,8 @@ def load_raw(ns: argparse.Namespace, flags: list[str]):
         raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
         model_applied = True
     if model and not model_applied:
-        try:
-            from ..readers.models import read_model
-        except ImportError:
-            raise ConfigError("--model", "model presets need the readers module") from None
+        from ..readers.models import read_model
+
         mraw = read_model(model, shape_only=bool(ns.config))
         raw = mraw.merged(raw) if raw.args else mraw
     if flags:
@@ -145,7 +171,8 @@ def load_raw(ns: argparse.Namespace, flags: list[str]):
     return raw
 
 
-def target_gpu(ns: argparse.Namespace):
+def target_gpu(ns: argparse.Namespace) -> tuple[GpuSpec | None, int | None]:
+    """(--gpu's table entry, --gpu-memory in bytes); H100-80GB when neither is given."""
     from ..gpus import lookup_gpu
     from ..units import parse_bytes
 
@@ -166,9 +193,14 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
         output_format(ns.plot)
         require_matplotlib()
     raw = load_raw(ns, flags)
+    if raw.problems:  # the config breaks a rule of its own format (memguard validate lists them with the rest)
+        raise ConfigErrors(list(raw.problems))
     layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
-    dp_rank = ns.dp_rank if ns.dp_rank in ("max", "last") else int(ns.dp_rank)
+    dp_rank = ns.dp_rank
+    if isinstance(dp_rank, int) and dp_rank >= layout.dp_shard_size:
+        raise ConfigError("--dp-rank", f"{dp_rank} is not a data-parallel rank of this layout (0 .. "
+                                       f"{layout.dp_shard_size - 1}, the ranks the optimizer state is sharded over)")
     est = estimate(layout, profile=ns.profile, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold,
                    dp_rank=dp_rank)
     if ns.json:

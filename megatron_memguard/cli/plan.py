@@ -12,10 +12,18 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConfigError
-from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
+
+if TYPE_CHECKING:
+    from ..planner import Planner
+    from ..planner.search import PlanResult
+    from ..report.plots import Plot
+from .main import (
+    EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
+    target_gpu,
+)
 
 DEFAULT_TOP = 5
 DEFAULT_PLOT_LAYOUTS = 200
@@ -48,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="The model: --model NAME (a preset), --config FILE, or Megatron flags after --.")
     add_target_options(p)
     b = p.add_argument_group("batch")
-    b.add_argument("--seq-length", type=int, help="sequence length (default: the model config's)")
-    b.add_argument("--global-batch-size", type=int, help="global batch size in sequences (default: the model config's)")
+    b.add_argument("--seq-length", type=positive_int, help="sequence length (default: the model config's)")
+    b.add_argument("--global-batch-size", type=positive_int,
+                   help="global batch size in sequences (default: the model config's)")
     c = p.add_argument_group("constraints (one value or a comma-separated list)")
     c.add_argument("--tp", type=_int_list, help="allowed tensor-parallel sizes")
     c.add_argument("--pp", type=_int_list, help="allowed pipeline-parallel sizes")
@@ -93,11 +102,6 @@ def _plot_layouts(text: str) -> int:
     return n
 
 
-def _load_model(ns: argparse.Namespace, flags: list[str]):
-    """The model from --model (a preset), --config and/or flags."""
-    return load_raw(ns, flags)
-
-
 def _constraints(ns: argparse.Namespace):
     from ..planner.space import RECOMPUTE_LEVELS, Constraints
     recompute = ns.recompute or RECOMPUTE_LEVELS
@@ -115,11 +119,11 @@ def _constraints(ns: argparse.Namespace):
     )
 
 
-def make_planner(ns: argparse.Namespace, flags: list[str]):
+def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     from ..gpus import lookup_gpu
     from ..planner import Cluster, Planner
 
-    raw = _load_model(ns, flags)
+    raw = load_raw(ns, flags)  # --model, --config and/or flags
     # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
     # the rest of the shell's environment has no business in the layouts the planner prints.
     raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})
@@ -155,7 +159,7 @@ def _stage_peaks(est) -> str:
     return f"{min(vals):.1f}..{max(vals):.1f} ({len(vals)})"
 
 
-def render_plan(planner, res) -> str:
+def render_plan(planner: Planner, res: PlanResult) -> str:
     from ..report.text import table
     from ..units import format_bytes
     from ..planner.export import bridge_overrides, megatron_flags, nemo2_overrides
@@ -218,7 +222,7 @@ def render_plan(planner, res) -> str:
     return "\n".join(out)
 
 
-def plan_json(planner, res) -> dict:
+def plan_json(planner: Planner, res: PlanResult) -> dict:
     cl, s = res.cluster, res.shape
     return {
         "schema": "memguard.plan/1",
@@ -276,7 +280,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     return EXIT_FITS if res.entries else EXIT_PROBLEM
 
 
-def plot_caption(res) -> str:
+def plot_caption(res: PlanResult) -> str:
     """What the plot shows: every fitting layout, or the best of them (the search stopped there)."""
     k = len(res.entries)
     order = "fastest" if res.rule == "time" else "first in the Fujii et al. order"
@@ -290,7 +294,7 @@ def plot_caption(res) -> str:
             f"{res.pruned_by_bound:,} ruled out by the memory bound")
 
 
-def plot_plan(planner, res, path: str, fmt: str):
+def plot_plan(planner: Planner, res: PlanResult, path: str, fmt: str) -> Plot:
     """Draw ``res.entries`` (throughput against memory) to ``path``; returns the Plot."""
     from ..report.plots import plan_figure, plan_html, plan_points, write
     cl, s = res.cluster, res.shape

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from ..config import RawConfig
-from ..errors import ConfigError, ReaderError
+from ..errors import ConfigError
 
 MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
 
@@ -211,6 +211,17 @@ class ArgsBuilder:
         if text not in self.warnings:
             self.warnings.append(text)
 
+    def trainer_world(self, devices: Any, nodes: Any) -> None:
+        """The world size from a Lightning trainer's ``devices`` x ``num_nodes`` (NeMo 1 and NeMo 2)."""
+        def count(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        if count(devices) and count(nodes):
+            self.world_size, self.nodes, self.gpus_per_node = devices * nodes, nodes, devices
+            self.origin["world_size"] = "trainer.devices x trainer.num_nodes"
+        elif devices is not None:
+            self.warn(f"trainer.devices is {devices!r}: the number of GPUs is not known from the file (give --gpus N)")
+
     def problem(self, key: str, rule: str, fix: str | None = None) -> None:
         self.problems.append(ConfigError(key, rule, fix))
         self.warn(f"{key}: {rule}" + (f" ({fix})" if fix else ""))
@@ -229,6 +240,8 @@ _GELU = {"gelu", "fast_gelu", "openai_gelu", "erf_gelu", "approx_gelu"}
 def _attention_backend(v: Any) -> str | None:
     if isinstance(v, Mapping):
         args = v.get("_args_") or []
+        if not isinstance(args, (list, tuple)):
+            args = [args]
         v = args[0] if args else v.get("value")
     if isinstance(v, int) and not isinstance(v, bool):
         return {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"}.get(v)
@@ -348,6 +361,15 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     # does not change memory).
 
 
+def default_ffn_hidden_size(b: ArgsBuilder, hidden: Any, key: str) -> None:
+    """megatron-core's TransformerConfig.__post_init__ default, 4 x hidden_size (also for gated MLPs,
+    unlike Megatron's --swiglu default of 8/3 h). A hidden size that is not an integer is left for
+    resolve() to report against its key."""
+    h = _number(hidden)
+    if isinstance(h, int) and not isinstance(h, bool):
+        b.set("ffn_hidden_size", 4 * h, key)
+
+
 def set_vocab(b: ArgsBuilder, vocab_size: Any, vocab_key: str, pad: bool) -> None:
     """A vocabulary size written in the config. ``pad``: Megatron's padding to a multiple of
     make_vocab_size_divisible_by x TP applies (else the size is used as is, Bridge/NeMo 2's preset vocab)."""
@@ -361,10 +383,3 @@ def set_vocab(b: ArgsBuilder, vocab_size: Any, vocab_key: str, pad: bool) -> Non
         b.set("padded_vocab_size", vocab_size, vocab_key)
         b.set("vocab_size", vocab_size, vocab_key)
 
-
-def require(v: Any, key: str, what: str = "") -> Any:
-    """A value memguard needs: ``???`` (missing mandatory value) is an error naming the key."""
-    if is_missing(v):
-        raise ReaderError(f"{key}: is ??? (a mandatory value that the config leaves to the command line)"
-                          f"{' ' + what if what else ''}; set it with --set {key}=VALUE")
-    return v

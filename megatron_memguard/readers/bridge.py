@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, dtype_name, is_missing, map_mcore_fields, set_vocab,
+    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -220,8 +220,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     if has("model", "num_query_groups"):
         b.set("group_query_attention", True, k("model", "num_query_groups"))
     if not has("model", "ffn_hidden_size") and has("model", "hidden_size"):
-        # megatron-core TransformerConfig.__post_init__: 4 * hidden_size (also for gated MLPs).
-        b.set("ffn_hidden_size", 4 * int(v("model", "hidden_size")), k("model", "hidden_size"))
+        default_ffn_hidden_size(b, v("model", "hidden_size"), k("model", "hidden_size"))
     # GPTModelProvider / TransformerConfig defaults that differ from Megatron's argument defaults.
     b.default("bias_activation_fusion", False, "model.bias_activation_fusion")   # TransformerConfig: False
     b.default("bias_dropout_fusion", False, "model.bias_dropout_fusion")         # TransformerConfig: False

@@ -25,7 +25,15 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
                 text = fh.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ReaderError(f"{path}: cannot read ({e})") from None
-    if lower.endswith((".yaml", ".yml", ".json")):
+    if lower.endswith(".json"):
+        import json
+
+        try:  # strict JSON: YAML would refuse a config.json indented with tabs
+            doc = json.loads(text) if text.strip() else None
+        except ValueError as e:
+            where = f" line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise ReaderError(f"{path}:{where} JSON syntax error: {getattr(e, 'msg', e)}") from None
+    elif lower.endswith((".yaml", ".yml")):
         import yaml
 
         try:
@@ -34,6 +42,7 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             raise ReaderError(f"{path}:{where} YAML syntax error: {getattr(e, 'problem', e)}") from None
+    if lower.endswith((".yaml", ".yml", ".json")):
         from .megatron_yaml import is_functional_test_config, read_functional_test_config
 
         if is_functional_test_config(doc):
@@ -46,8 +55,11 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
     from .launch_command import parse_launch_script, split_script_args
     from .megatron_flags import parse_megatron_flags
 
-    cmd = parse_launch_script(text, environ)
-    kind = split_script_args(cmd).kind
+    try:
+        cmd = parse_launch_script(text, environ)
+        kind = split_script_args(cmd).kind
+    except ReaderError as e:
+        raise ReaderError(f"{path}: {e}") from None
     if kind != "megatron":
         raise ReaderError(f"{path}: this launch runs {cmd.script} with a {'NeMo 1 (Hydra)' if kind == 'hydra' else 'Megatron-Bridge'} "
                           f"config and overrides; check it with memguard check --file {path}")

@@ -160,13 +160,18 @@ def _expand(text: str, vars: Mapping[str, object]) -> str:
     return text
 
 
+_HEREDOC = re.compile(r"""<<(-?)[ \t]*(?:'([^']*)'|"([^"]*)"|([^\s;&|<>()'"]+))""")
+
+
 def _logical_lines(text: str) -> list[str]:
     """Bash's logical lines: continuations joined, comments dropped, quotes and ``( ... )`` arrays may
-    span lines (a newline inside quotes is kept, one inside an array becomes a space)."""
+    span lines (a newline inside quotes is kept, one inside an array becomes a space), here-document
+    bodies (``cat > hosts <<EOF ... EOF``) dropped: they are a command's input, not commands."""
     out: list[str] = []
     buf: list[str] = []
     quote: str | None = None
     depth = 0
+    heredocs: list[tuple[str, bool]] = []   # (delimiter, <<- strips leading tabs) waiting for the line's end
     i, n = 0, len(text)
     while i < n:
         c = text[i]
@@ -199,6 +204,17 @@ def _logical_lines(text: str) -> list[str]:
             while i < n and text[i] != "\n":
                 i += 1
             continue
+        if text.startswith("<<<", i):      # a here-string: one word of input, no body
+            buf.append("<<<")
+            i += 3
+            continue
+        if c == "<" and not depth and text.startswith("<<", i):
+            m = _HEREDOC.match(text, i)
+            if m:
+                heredocs.append((m.group(2) or m.group(3) or m.group(4), bool(m.group(1))))
+                buf.append(m.group(0))   # the operator and its word, dropped later as a redirection
+                i = m.end()
+                continue
         if c == "(":
             depth += 1
         elif c == ")" and depth:
@@ -212,6 +228,15 @@ def _logical_lines(text: str) -> list[str]:
                     out.append(line)
                 buf = []
             i += 1
+            for delim, strip_tabs in heredocs:
+                while i < n:
+                    end = text.find("\n", i)
+                    end = n if end < 0 else end
+                    body = text[i:end].rstrip("\r")
+                    i = end + 1
+                    if (body.lstrip("\t") if strip_tabs else body) == delim:
+                        break
+            heredocs = []
             continue
         buf.append(c)
         i += 1
@@ -919,11 +944,13 @@ def split_script_args(cmd: LaunchCommand) -> ScriptArgs:
     found: dict[str, str] = {}
     overrides: list[str] = []
     rest: list[str] = []
+    # -cp is Hydra's --config-path, but run_recipe.py's context-parallel shortcut in a Bridge launch.
+    bridge = any(t.split("=", 1)[0] in _BRIDGE_OPTS for t in args)
     i = 0
     while i < len(args):
         t = args[i]
         opt, val = (t.split("=", 1) + [None])[:2] if t.startswith("-") else (t, None)
-        if opt in _HYDRA_OPTS or opt in _BRIDGE_OPTS:
+        if (opt in _HYDRA_OPTS or opt in _BRIDGE_OPTS) and not (bridge and opt in _BRIDGE_SHORTCUTS):
             if val is None:
                 if i + 1 >= len(args):
                     raise ReaderError(f"{cmd.script} option {opt} expects a value")
@@ -1011,4 +1038,5 @@ def hydra_config_file(sa: ScriptArgs, script: str, cwd: str | None = None) -> st
     for c in cands:
         if os.path.exists(c):
             return c
-    raise ReaderError(f"{script}: the Hydra config {cname} is not in {' nor '.join(os.path.dirname(c) for c in cands)}")
+    dirs = dict.fromkeys(os.path.dirname(c) for c in cands)
+    raise ReaderError(f"{script}: the Hydra config {cname} is not in {' nor '.join(dirs)}")

@@ -104,12 +104,13 @@ def parse_megatron_flags(
         dest, kind = spec[0], spec[1]
         typ = spec[2] if len(spec) > 2 else None
         if kind in ("true", "false", "boolopt"):
+            # What the bare flag stores; ``--flag=false`` stores the opposite.
+            val = not name.startswith("--no-") if kind == "boolopt" else kind == "true"
             if inline is not None:
-                val = inline.strip().lower() in ("1", "true", "yes", "on")
-            elif kind == "boolopt":
-                val = not name.startswith("--no-")
-            else:
-                val = kind == "true"
+                word = inline.strip().lower()
+                if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ConfigError(tok, f"is a switch: write {tok} or {tok}=false, not {tok}={inline}")
+                val = val if word in ("1", "true", "yes", "on") else not val
             args[dest] = (not val) if negate else val
         elif kind == "value":
             if inline is None:

@@ -21,7 +21,10 @@ def read_functional_test_config(doc: Mapping[str, Any], path: str = "", environ:
     model_args = doc.get("MODEL_ARGS")
     if not isinstance(model_args, dict):
         raise ReaderError(f"{path}: MODEL_ARGS must be a mapping of Megatron flags")
-    env = {str(k): str(v) for k, v in (doc.get("ENV_VARS") or {}).items()}
+    env_vars = doc.get("ENV_VARS") or {}
+    if not isinstance(env_vars, dict):
+        raise ReaderError(f"{path}: ENV_VARS must be a mapping of environment variables, got a {type(env_vars).__name__}")
+    env = {str(k): str(v) for k, v in env_vars.items()}
     fill = {**(environ or {}), **env}
     raw = parse_megatron_flags(flags_from_mapping(model_args), env=fill, source=f"Megatron functional-test config {path}")
     origin = {k: f"MODEL_ARGS.{v}" for k, v in raw.origin.items()}

@@ -101,6 +101,9 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
 
     arg = str(name_or_path)
     path = os.path.join(arg, "config.json") if os.path.isdir(arg) else arg
+    if os.path.isdir(arg) and not os.path.isfile(path):
+        raise ReaderError(f"{arg}: a directory without config.json (--model takes a preset name, a Hugging Face "
+                          "config.json or the directory holding it)")
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as fh:

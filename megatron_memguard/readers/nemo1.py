@@ -24,9 +24,11 @@ import inspect
 import math
 from typing import Any, Mapping
 
+from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    MISSING, ArgsBuilder, apply_overrides, as_bool, dtype_name, is_missing, map_mcore_fields, _number,
+    MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
+    _number,
 )
 
 # NeMo 1 ``model.*`` keys that are not megatron-core field names (read by NeMo itself, or harmless
@@ -86,7 +88,8 @@ def looks_like_nemo1_model_config(doc: Mapping) -> bool:
     return "num_layers" in doc and "hidden_size" in doc and bool(_NEMO_MARKERS & set(doc)) and "model" not in doc
 
 
-def omegaconf_module():
+def omegaconf_module() -> Any:
+    """omegaconf's OmegaConf class, or None when the readers extra is not installed."""
     try:
         from omegaconf import OmegaConf
     except ImportError:
@@ -177,7 +180,7 @@ class _Tree:
     unresolved: list[str]
 
 
-def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], model_only: bool = False):
+def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], model_only: bool = False) -> RawConfig:
     OmegaConf = omegaconf_module()
     if OmegaConf is None:
         raise ReaderError(f"{path}: this is a NeMo YAML config; reading it needs omegaconf "
@@ -231,12 +234,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
 
     # World size: trainer.devices x trainer.num_nodes.
     if not model_only:
-        devices, nodes = get("trainer.devices"), get("trainer.num_nodes", 1)
-        if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 and isinstance(nodes, int) and nodes > 0:
-            b.world_size, b.nodes, b.gpus_per_node = devices * nodes, nodes, devices
-            b.origin["world_size"] = "trainer.devices x trainer.num_nodes"
-        elif devices is not None:
-            b.warn(f"trainer.devices is {devices!r}: the number of GPUs is not known from the file (give --gpus N)")
+        b.trainer_world(get("trainer.devices"), get("trainer.num_nodes", 1))
         agb = get("trainer.accumulate_grad_batches", 1)
         if agb not in (None, 1):
             b.problem("trainer.accumulate_grad_batches", f"must be 1 for NeMo Megatron models, got {agb!r}",
@@ -269,9 +267,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     put("seq_length", "model.encoder_seq_length")
     put("max_position_embeddings", "model.max_position_embeddings")
     if put("ffn_hidden_size", "model.ffn_hidden_size") is None and "hidden_size" in b.args:
-        # megatron-core TransformerConfig.__post_init__: ffn_hidden_size = 4 * hidden_size (also for
-        # gated MLPs, unlike Megatron's --swiglu default of 8/3 h).
-        b.set("ffn_hidden_size", 4 * int(b.args["hidden_size"]), k("model.hidden_size"))
+        default_ffn_hidden_size(b, b.args["hidden_size"], k("model.hidden_size"))
     put("kv_channels", "model.kv_channels")
     groups = get("model.num_query_groups", needed=True)
     if groups is not None and not is_missing(groups):
@@ -394,6 +390,8 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     gaf_key = k("model.gradient_accumulation_fusion") if t.has("model.gradient_accumulation_fusion") else "model.gradient_accumulation_fusion"
     name = get("model.optim.name", "fused_adam")
     okey = k("model.optim.name") if t.has("model.optim.name") else "model.optim.name"
+    if not isinstance(name, str):
+        raise ConfigError(okey, f"expects an optimizer name (fused_adam, distributed_fused_adam, ...), got {name!r}")
     distributed = name in ("distributed_fused_adam", "mcore_distributed_optim")
     if name in _ADAM:
         b.set("optimizer", "adam", okey)

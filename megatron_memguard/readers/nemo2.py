@@ -22,7 +22,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import (
-    ArgsBuilder, apply_overrides, as_bool, config_fields, dtype_name, is_missing, map_mcore_fields, set_vocab, target_name,
+    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
+    set_vocab, target_name,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -84,7 +85,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     if fields.get("num_query_groups", (None,))[0] is not None:
         b.set("group_query_attention", True, fields["num_query_groups"][1])
     if fields.get("ffn_hidden_size", (None,))[0] is None and fields.get("hidden_size", (None,))[0] is not None:
-        b.set("ffn_hidden_size", 4 * int(fields["hidden_size"][0]), fields["hidden_size"][1])  # TransformerConfig default
+        default_ffn_hidden_size(b, fields["hidden_size"][0], fields["hidden_size"][1])
     # GPTConfig / TransformerConfig defaults that differ from Megatron's argument defaults.
     b.default("bias_activation_fusion", False, f"{ckey}.bias_activation_fusion")
     b.default("bias_dropout_fusion", False, f"{ckey}.bias_dropout_fusion")
@@ -98,10 +99,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     # Trainer: world size, strategy (parallel sizes, DDP), precision plugin.
     trainer = doc.get("trainer") or {}
     if isinstance(trainer, Mapping):
-        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
-        if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0:
-            b.world_size, b.nodes, b.gpus_per_node = devices * nodes, nodes, devices
-            b.origin["world_size"] = "trainer.devices x trainer.num_nodes"
+        b.trainer_world(trainer.get("devices"), trainer.get("num_nodes", 1))
         strategy = trainer.get("strategy") or {}
         if isinstance(strategy, Mapping):
             for name in _STRATEGY_KEYS:

@@ -23,7 +23,9 @@ def detect_format(doc: Any) -> tuple[str | None, str]:
     from .nemo2 import looks_like_nemo2
 
     if not isinstance(doc, Mapping):
-        what = "empty" if doc is None else f"a {type(doc).__name__}, not a mapping of settings"
+        kind = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+            type(doc), f"a {type(doc).__name__}")
+        what = "empty" if doc is None else f"{kind}, not a mapping of settings"
         return None, f"the file is {what}"
     if looks_like_hf(doc):
         return "hf", ""
