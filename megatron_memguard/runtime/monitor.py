@@ -200,9 +200,14 @@ class MemoryMonitor:
                 self._check(iteration, reading, record)
             except Exception as e:
                 self._error("sample", e)
+        try:
+            vec = self._vector(reading)
+        except Exception as e:  # e.g. a source's value that is not a number: "no reading", and still gather
+            self._error("sample", e)
+            reading, vec = None, self._vector(None)
         if self.gather is not None:
             try:
-                rows = self.gather(self._vector(reading))  # a collective: reached whatever happened above
+                rows = self.gather(vec)  # a collective: reached whatever happened above
             except Exception as e:
                 self._error("gather", e)
                 self.gather = None
@@ -210,7 +215,7 @@ class MemoryMonitor:
             if rows:
                 self.stage_rows = {int(r[0]): list(r) for r in rows if r and r[0] >= 0}
         elif reading is not None and self.pp_rank is not None:
-            self.stage_rows = {self.pp_rank: self._vector(reading)}
+            self.stage_rows = {self.pp_rank: vec}
         if self.log_stages:
             try:
                 for line in self.stage_lines(iteration):
