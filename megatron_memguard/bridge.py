@@ -43,11 +43,12 @@ import os
 from typing import Any, Callable, Mapping
 
 from ._integration import (
-    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, Reporter, attach_oom_observer, build_monitor, default_source,
+    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, attach_oom_observer, build_monitor, default_source,
     env_int, is_oom, parallel_ranks, run_preflight, to_plain,
 )
 from .config import RawConfig
 from .errors import ReaderError
+from .runtime.reporting import ErrorReporter
 
 __all__ = ["ABORT_EXIT_CODE", "MemguardCallback", "PreflightAbort", "PreflightResult", "bridge_available", "config_dict",
            "preflight", "pretrain", "raw_config"]
@@ -131,6 +132,7 @@ class MemguardCallback:
         if require_bridge:
             _require_bridge("megatron_memguard.bridge.MemguardCallback")
         self.result = result
+        self._own_result = result is None   # the callback's own pre-flight, redone for each run
         self.log_dir = log_dir if log_dir is not None else (os.environ.get("MEMGUARD_LOG_DIR") or None)
         self.interval = interval if interval is not None else env_int("MEMGUARD_LOG_INTERVAL")
         self.source = source
@@ -138,7 +140,7 @@ class MemguardCallback:
         self.gpu, self.gpu_memory, self.threshold = gpu, gpu_memory, threshold
         self.writers = writers
         self.emit = emit
-        self.report = Reporter()
+        self.report = ErrorReporter()
         self.monitor = None
 
     # -- Bridge events ---------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class MemguardCallback:
 
         state = context.state
         cfg = getattr(state, "cfg", None)
-        if self.result is None and cfg is not None:
+        if self._own_result and cfg is not None:
             self.result = preflight(cfg, mode="warn", gpu=self.gpu, gpu_memory=self.gpu_memory, threshold=self.threshold,
                                     emit=self.emit)
         source = self.source if self.source is not None else default_source()

@@ -40,11 +40,12 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from ._integration import (
-    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, Reporter, attach_oom_observer, build_monitor, default_source,
+    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, attach_oom_observer, build_monitor, default_source,
     env_int, is_oom, parallel_ranks, run_preflight, to_plain,
 )
 from .config import RawConfig
 from .errors import ReaderError
+from .runtime.reporting import ErrorReporter
 from .runtime.sinks import SCALARS, Sink
 
 try:  # NeMo 2 uses lightning.pytorch
@@ -187,7 +188,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
         self.model_config = model_config
         self.log_to_loggers = log_to_loggers
         self.emit = emit
-        self.report = Reporter()
+        self.report = ErrorReporter()
         self.result: PreflightResult | None = None
         self.monitor = None
         self._source_started = False
@@ -223,6 +224,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
                 (self.emit or print)(f"{PREFIX} no CUDA device: runtime memory logging is off (pass source= to use "
                                      "another megatron_memguard.runtime memory source)")
             return
+        self._last_step = None  # a second fit() starts counting afresh
         try:
             track = getattr(self.source, "track", None)
             if track is not None:  # tensors made before the source started (the module built before fit())
@@ -250,7 +252,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
             return
         try:
             step = int(trainer.global_step)   # optimizer steps so far (Megatron's iteration numbering)
-            if step != self._last_step:      # gradient accumulation: one sample per optimizer step
+            if step > 0 and step != self._last_step:  # gradient accumulation: one sample per optimizer step
                 self._last_step = step
                 m.step(step)
         except Exception as e:

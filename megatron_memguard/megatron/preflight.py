@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .._integration import ABORT_EXIT_CODE, PREFIX  # exit code 3: distinct from Python (1) and argparse errors (2)
 from ..autotune import AutotuneResult, autotune, describe_layout_choice
 from ..estimator import Estimate, estimate
 from ..errors import MemguardError
@@ -38,8 +39,6 @@ from ..units import format_bytes
 from .device import device_properties, gpu_spec_for
 from .flags import Settings
 
-ABORT_EXIT_CODE = 3  # distinct from Python errors (1) and argparse errors (2)
-PREFIX = "[memguard]"
 
 
 class MemguardAbort(SystemExit):
