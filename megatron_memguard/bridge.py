@@ -15,7 +15,8 @@ or, in one call, ``megatron_memguard.bridge.pretrain(cfg, forward_step, mode="ab
 ``preflight`` reads the ConfigContainer object (attribute access; flat ``GPTModelProvider`` models and
 nested ``model.transformer`` builder configs) or its dict (``cfg.to_dict()``, a ``run_config.yaml`` loaded
 with ``yaml.safe_load``) through the same mapping as ``memguard estimate --config run_config.yaml``
-(megatron_memguard/readers/bridge.py). It needs neither Bridge nor torch. The world size is
+(megatron_memguard/readers/bridge.py). It needs neither Bridge nor torch (torch reads this rank's device
+when no GPU is given). The world size is
 ``world_size=`` or WORLD_SIZE / SLURM_NTASKS (torchrun and srun set them), or the container's
 ``data_parallel_size`` x TP x PP x CP after Bridge's ``runtime_config_update``.
 
@@ -34,7 +35,7 @@ What was assumed of Megatron-Bridge (read in megatron-bridge 0.6.2 and 0.3.1,
 * No callback fires between ``runtime_config_update`` and model construction, so the pre-flight runs in
   the launch script (or in ``megatron_memguard.bridge.pretrain``), not in a callback.
 * Bridge initializes ``megatron.core.parallel_state``; the callback reads this rank's pipeline stage
-  from it (stage 0 when it is not initialized).
+  from it (when it is not initialized and the layout has PP > 1, the stage is unknown: no prediction).
 """
 from __future__ import annotations
 
