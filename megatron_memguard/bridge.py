@@ -145,14 +145,14 @@ class MemguardCallback:
         self.monitor = None
 
     # -- Bridge events ---------------------------------------------------------------------------
-    def on_train_start(self, context) -> None:
+    def on_train_start(self, context: Any) -> None:
         try:
             self._start(context)
         except Exception as e:
             self.report("setting up the runtime monitor", e)
             self.monitor = None
 
-    def on_train_step_end(self, context) -> None:
+    def on_train_step_end(self, context: Any) -> None:
         m = self.monitor
         if m is None:
             return
@@ -161,7 +161,7 @@ class MemguardCallback:
         except Exception as e:
             self.report("the runtime sample", e)
 
-    def on_train_end(self, context) -> None:
+    def on_train_end(self, context: Any) -> None:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class MemguardCallback:
         except Exception as e:
             self.report("the end-of-training summary", e)
 
-    def _start(self, context) -> None:
+    def _start(self, context: Any) -> None:
         from .runtime.sinks import WriterSink
 
         state = context.state

@@ -195,7 +195,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
         self._last_step: int | None = None
 
     # -- Lightning hooks ---------------------------------------------------------------------------
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
         world = self.world_size or _attr(trainer, "world_size")
@@ -216,7 +216,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
             self.report("starting the memory source", e)
             self.source = None
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.result is None or self.result.mode == "off":
             return
         if self.source is None:
@@ -246,7 +246,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
             self.report("setting up the runtime monitor", e)
             self.monitor = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         m = self.monitor
         if m is None:
             return
@@ -258,13 +258,13 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
         except Exception as e:
             self.report("the runtime sample", e)
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._close(exception)
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._close()
 

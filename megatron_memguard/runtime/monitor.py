@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..estimator.result import StageEstimate, Term
+from ..estimator.result import Estimate, StageEstimate, Term
 from ..units import format_bytes
 from .reporting import ErrorReporter
 from .sinks import SCHEMA, Sink
@@ -52,7 +52,7 @@ class Prediction:
                    terms=tuple(stage.terms), device=device, stage=stage)
 
     @classmethod
-    def from_estimate(cls, est, pp_rank: int) -> "Prediction":
+    def from_estimate(cls, est: Estimate, pp_rank: int) -> "Prediction":
         return cls.from_stage(est.stages[pp_rank], device=est.device)
 
     def values(self) -> dict[str, int]:
@@ -368,7 +368,7 @@ class MemoryMonitor:
         return rec
 
 
-def torch_stage_gather(group=None, device=None) -> Callable[[list[float]], list[list[float]] | None]:
+def torch_stage_gather(group: Any = None, device: Any = None) -> Callable[[list[float]], list[list[float]] | None]:
     """An all-gather of each rank's sample vector over ``group`` (e.g. the pipeline group of rank 0).
 
     Every member must call it at the same iterations. Returns the rows on every member.
