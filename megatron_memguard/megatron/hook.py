@@ -130,7 +130,8 @@ def install(quiet: bool = False) -> bool:
 
 
 def uninstall() -> None:
-    """Restore every wrapped function (tests)."""
+    """Restore every wrapped function and forget the run's state: decision, settings, monitor (finished)
+    and a memory source set with ``set_memory_source`` (tests)."""
     for mod, attr, original in reversed(STATE.wrapped):
         cur = getattr(mod, attr, None)
         if getattr(cur, "__memguard_original__", None) is original:
@@ -144,6 +145,7 @@ def uninstall() -> None:
     STATE.monitor = None
     STATE.decision = None
     STATE.settings = None
+    STATE.source_factory = None
 
 
 def wrapped_targets() -> list[str]:
