@@ -20,8 +20,9 @@ from .errors import ConfigError, MemguardError
 from .runtime.reporting import ErrorReporter
 
 PREFIX = "[memguard]"
-ABORT_EXIT_CODE = 3  # as the Megatron hook's --memguard abort
+ABORT_EXIT_CODE = 3  # every memguard abort (the hook's too): distinct from Python (1) and argparse errors (2)
 MODES = ("off", "report", "warn", "abort")
+DEFAULT_THRESHOLD = 0.8  # as the hook's --memguard-threshold
 
 
 class PreflightAbort(SystemExit):
@@ -156,21 +157,23 @@ def parallel_ranks() -> dict[str, int]:
     return out
 
 
-def resolve_gpu(gpu: Any = None, gpu_memory: Any = None, environ: Mapping[str, str] | None = None):
+def resolve_gpu(gpu: Any = None, gpu_memory: Any = None,
+                environ: Mapping[str, str] | None = None) -> tuple[Any, int | None, str]:
     """(GpuSpec or None, memory in bytes or None, where it came from). ``gpu``: a GPU table name or a
-    GpuSpec; ``gpu_memory``: bytes or a size such as ``79.1GiB``; else MEMGUARD_GPU_MEMORY; else this
-    rank's device (as the Megatron hook reads it)."""
+    GpuSpec (its memory unless ``gpu_memory`` is given); ``gpu_memory``: bytes or a size such as
+    ``79.1GiB``; when neither is given, MEMGUARD_GPU_MEMORY, else this rank's device (as the Megatron
+    hook reads it). A bad value raises ConfigError naming the argument or variable."""
     from .gpus import GpuSpec, lookup_gpu
     from .units import parse_bytes
 
     environ = os.environ if environ is None else environ
-    spec = gpu if isinstance(gpu, GpuSpec) else (lookup_gpu(str(gpu)) if gpu else None)
+    spec = gpu if isinstance(gpu, GpuSpec) else (lookup_gpu(str(gpu), "gpu") if gpu else None)
     mem = None
     src = ""
     if gpu_memory is not None:
         mem = int(gpu_memory) if isinstance(gpu_memory, (int, float)) else parse_bytes(str(gpu_memory), "gpu_memory")
         src = "gpu_memory"
-    elif environ.get("MEMGUARD_GPU_MEMORY"):
+    elif spec is None and environ.get("MEMGUARD_GPU_MEMORY"):  # gpu= and gpu_memory= win over the variable
         mem, src = parse_bytes(environ["MEMGUARD_GPU_MEMORY"], "MEMGUARD_GPU_MEMORY"), "MEMGUARD_GPU_MEMORY"
     if spec is not None:
         return spec, mem or spec.memory_bytes, src or f"gpu={spec.name}"
@@ -221,14 +224,35 @@ class PreflightResult:
 
 
 def mode_from(mode: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """``mode``, else MEMGUARD, else ``warn``; a bad value raises ConfigError naming ``mode`` or MEMGUARD."""
     environ = os.environ if environ is None else environ
-    m = (mode if mode is not None else environ.get("MEMGUARD", "warn")).strip().lower()
+    key = "mode" if mode is not None else "MEMGUARD"
+    m = str(mode if mode is not None else environ.get("MEMGUARD", "warn")).strip().lower()
     if m == "autotune":
-        raise ConfigError("mode", "autotune is the Megatron hook's (it rewrites Megatron's arguments); the Bridge / "
-                                  "Lightning pre-flight reports, warns or aborts", "use report, warn or abort")
+        raise ConfigError(key, "autotune is the Megatron hook's (it rewrites Megatron's arguments); the Bridge / "
+                               "Lightning pre-flight reports, warns or aborts", "use report, warn or abort")
     if m not in MODES:
-        raise ConfigError("mode", f"unknown mode {m!r}", "use off, report, warn or abort")
+        raise ConfigError(key, f"unknown mode {m!r}", "use off, report, warn or abort")
     return m
+
+
+def threshold_from(threshold: float | None, environ: Mapping[str, str] | None = None) -> float:
+    """``threshold``, else MEMGUARD_THRESHOLD, else 0.8; must be in (0, 1.5] as the hook's
+    ``--memguard-threshold`` (ConfigError naming ``threshold`` or MEMGUARD_THRESHOLD otherwise)."""
+    environ = os.environ if environ is None else environ
+    if threshold is not None:
+        key, value = "threshold", threshold
+    elif environ.get("MEMGUARD_THRESHOLD"):
+        key, value = "MEMGUARD_THRESHOLD", environ["MEMGUARD_THRESHOLD"]
+    else:
+        return DEFAULT_THRESHOLD
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"expects a fraction of GPU memory such as 0.8, got {value!r}") from None
+    if not 0 < v <= 1.5:
+        raise ConfigError(key, f"must be in (0, 1.5], got {value!r}")
+    return v
 
 
 def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, world_size: int | None = None,
@@ -240,7 +264,9 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     ``report`` prints the estimate of every stage; ``warn`` (default) one line, or a warning with the
     breakdown when the critical stage exceeds the threshold; ``abort`` raises PreflightAbort on every
     rank (rank 0 prints the breakdown and a layout that fits). A config memguard cannot read or model
-    is reported and training goes on (``strict=True`` raises instead)."""
+    is reported and training goes on (``strict=True`` raises instead), as is an internal error of
+    memguard's own. A bad ``mode`` / ``threshold`` / ``gpu`` / ``gpu_memory`` (or MEMGUARD,
+    MEMGUARD_THRESHOLD, MEMGUARD_GPU_MEMORY) raises ConfigError naming it."""
     from .estimator import estimate
     from .report.text import render, verdict_line
     from .resolve import resolve
@@ -250,11 +276,11 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     emit = emit or (lambda s: print(s, flush=True))
     rank0 = this_rank(environ) == 0 if rank0 is None else rank0
     mode = mode_from(mode, environ)
-    if threshold is None:
-        threshold = float(environ.get("MEMGUARD_THRESHOLD", 0.8))
+    threshold = threshold_from(threshold, environ)
     r = PreflightResult(mode=mode, action="skipped")
     if mode == "off":
         return r
+    r.gpu, r.gpu_memory, r.gpu_memory_source = resolve_gpu(gpu, gpu_memory, environ)
     try:
         raw = raw_fn()
         r.raw = raw
@@ -267,7 +293,6 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
                                             "group yet)", "pass world_size=N")
         r.world_size, r.world_size_from = world_size, world_size_from or "world_size"
         layout = resolve(raw, world_size=world_size, megatron_version=megatron_version)
-        r.gpu, r.gpu_memory, r.gpu_memory_source = resolve_gpu(gpu, gpu_memory, environ)
         est = estimate(layout, profile=profile, gpu=r.gpu, gpu_memory=r.gpu_memory, threshold=threshold)
     except MemguardError as e:
         if strict:
@@ -276,38 +301,51 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
         if rank0:
             emit(f"{PREFIX} {label}: cannot estimate this configuration: {e}; training continues unchecked")
         return r
+    except Exception as e:  # memguard's own bug: never the training's problem
+        if strict:
+            raise
+        return _internal_error(r, label, e, emit if rank0 else None)
     r.layout, r.estimate = layout, est
-    r.notes = list(raw.warnings) + [n for n in layout.notes if n not in raw.warnings]
-    out: list[str] = []
-    where = f"{r.gpu.name if r.gpu else 'GPU'} {format_bytes(r.gpu_memory)}" if r.gpu_memory else "unknown GPU memory"
-    out.append(f"{PREFIX} {label}: mode {mode}, threshold {threshold:.0%}, {where} ({r.gpu_memory_source}); "
-               f"{world_size} ranks ({r.world_size_from}); {raw.source}")
     if est.verdict == "unknown":
         r.action = "unknown"
-        out.append(f"{PREFIX} GPU memory unknown ({r.gpu_memory_source}): pass gpu= or gpu_memory= to check; the estimate follows")
-        out.append(render(est, colour=False))
     elif mode == "report":
         r.action = "reported"
-        out.append(render(est, colour=False, all_stages=True))
     elif est.verdict == "fits":
         r.action = "fits"
-        out.append(f"{PREFIX} {verdict_line(est)}")
-    elif mode == "warn":
-        r.action = "warned"
-        out.append(f"{PREFIX} WARNING: the critical stage exceeds {threshold:.0%} of GPU memory; training continues "
-                   "(mode='abort' stops here)")
-        out.append(render(est, colour=False))
     else:
-        r.action = "abort"
-        c = est.critical
-        out.append(f"{PREFIX} ABORT: stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
-                   f"{c.device_total_bytes / est.gpu_memory_bytes:.0%} of {format_bytes(est.gpu_memory_bytes)}, over the "
-                   f"{threshold:.0%} threshold")
-        out.append(render(est, colour=False))
-        out.append(suggestion(raw, est, world_size, r.gpu, r.gpu_memory, threshold, megatron_version, profile))
-        out.append(f"{PREFIX} aborting on every rank before training starts (exit code {ABORT_EXIT_CODE}); mode='warn' "
-                   "trains anyway")
-    r.message = "\n".join(out)
+        r.action = "warned" if mode == "warn" else "abort"
+    try:
+        r.notes = list(raw.warnings) + [n for n in layout.notes if n not in raw.warnings]
+        out: list[str] = []
+        where = f"{r.gpu.name if r.gpu else 'GPU'} {format_bytes(r.gpu_memory)}" if r.gpu_memory else "unknown GPU memory"
+        out.append(f"{PREFIX} {label}: mode {mode}, threshold {threshold:.0%}, {where} ({r.gpu_memory_source}); "
+                   f"{world_size} ranks ({r.world_size_from}); {raw.source}")
+        if r.action == "unknown":
+            out.append(f"{PREFIX} GPU memory unknown ({r.gpu_memory_source}): pass gpu= or gpu_memory= to check; the estimate follows")
+            out.append(render(est, colour=False))
+        elif r.action == "reported":
+            out.append(render(est, colour=False, all_stages=True))
+        elif r.action == "fits":
+            out.append(f"{PREFIX} {verdict_line(est)}")
+        elif r.action == "warned":
+            out.append(f"{PREFIX} WARNING: the critical stage exceeds {threshold:.0%} of GPU memory; training continues "
+                       "(mode='abort' stops here)")
+            out.append(render(est, colour=False))
+        else:
+            c = est.critical
+            out.append(f"{PREFIX} ABORT: stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
+                       f"{c.device_total_bytes / est.gpu_memory_bytes:.0%} of {format_bytes(est.gpu_memory_bytes)}, over the "
+                       f"{threshold:.0%} threshold")
+            out.append(render(est, colour=False))
+            out.append(suggestion(raw, est, world_size, r.gpu, r.gpu_memory, threshold, megatron_version, profile))
+            out.append(f"{PREFIX} aborting on every rank before training starts (exit code {ABORT_EXIT_CODE}); mode='warn' "
+                       "trains anyway")
+        r.message = "\n".join(out)
+    except Exception as e:  # only the explanation failed: the decision stands
+        if strict:
+            raise
+        r.message = (f"{PREFIX} {label}: {r.action} (critical stage pp{est.critical_stage}); internal error while "
+                     f"explaining it ({type(e).__name__}: {e})")
     if rank0:
         emit(r.message)
     if r.action == "abort":
@@ -315,7 +353,16 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     return r
 
 
-def suggestion(raw, est, world_size, gpu, gpu_memory, threshold, megatron_version, profile) -> str:
+def _internal_error(r: PreflightResult, label: str, e: BaseException, emit: Callable[[str], None] | None) -> PreflightResult:
+    text = f"{type(e).__name__}: {e}"
+    r.action, r.reason = "skipped", f"memguard internal error ({text})"
+    if emit is not None:
+        emit(f"{PREFIX} {label}: internal error ({text}); training continues unchecked")
+    return r
+
+
+def suggestion(raw: RawConfig, est: Any, world_size: int | None, gpu: Any, gpu_memory: int | None, threshold: float,
+               megatron_version: str | None, profile: str) -> str:
     """A layout that fits (micro-batch, pipeline size, recomputation), spelled with the config's keys."""
     from .autotune import autotune, describe_layout_choice
     from .units import format_bytes
@@ -334,11 +381,7 @@ def suggestion(raw, est, world_size, gpu, gpu_memory, threshold, megatron_versio
 # --------------------------------------------------------------------------------------------------
 # The runtime monitor for one rank
 # --------------------------------------------------------------------------------------------------
-# One reporter for memguard's own errors, shared with the hook and the monitor.
-Reporter = ErrorReporter
-
-
-def default_source():
+def default_source() -> Any:
     """CudaMemorySource when CUDA is available (torch already imported by the framework), else None."""
     torch = sys.modules.get("torch")
     if torch is None:
@@ -352,34 +395,42 @@ def default_source():
     return None
 
 
-def build_monitor(source, result: PreflightResult | None, *, ranks: Mapping[str, int], interval: int,
-                  log_dir: str | None, extra_sinks: Iterable[Any] = (), reset_peak: bool = False,
-                  context: Mapping[str, Any] | None = None, report: Reporter | None = None,
-                  emit: Callable[[str], None] | None = None, threshold: float = 0.8):
-    """The runtime monitor of this rank: its stage's prediction (from the pre-flight layout, on the
-    source's device), a JSONL file per rank under ``log_dir``, and the given sinks."""
+def build_monitor(source: Any, result: Any, *, ranks: Mapping[str, int], interval: int, log_dir: str | None,
+                  extra_sinks: Iterable[Any] = (), reset_peak: bool = False, context: Mapping[str, Any] | None = None,
+                  report: ErrorReporter | None = None, emit: Callable[[str], None] | None = None,
+                  threshold: float = DEFAULT_THRESHOLD, gather: Callable[[list[float]], Any] | None = None,
+                  what: str = "pre-flight") -> Any:
+    """The runtime monitor of this rank (the Megatron hook's and the callbacks'): its stage's prediction
+    from ``result`` (a PreflightResult or the hook's Decision: its layout and GPU), on the source's device,
+    a JSONL file per rank under ``log_dir``, the given sinks and the optional per-stage ``gather``.
+
+    Each part may fail alone (reported through ``report``) without leaving this rank without a monitor:
+    the ranks sharing a ``gather`` must all reach it."""
     from .estimator import estimate
     from .runtime.monitor import MemoryMonitor, Prediction
     from .runtime.sinks import JsonlSink
 
-    report = report or Reporter()
+    report = report or ErrorReporter()
     prediction = stage_predictions = None
     note = ""
-    if result is not None and result.layout is not None:
-        if result.layout.pp != ranks.get("pp_size", 1) and ranks.get("pp_size", 1) != 1:
-            note = f"pipeline size {ranks['pp_size']} differs from the estimated layout's {result.layout.pp}: no prediction"
-        else:
-            try:
-                est = estimate(result.layout, device=source.device, gpu=result.gpu, gpu_memory=result.gpu_memory,
-                               threshold=threshold, dp_rank=ranks.get("dp_rank", 0))
-                pp_rank = ranks.get("pp_rank", 0)
-                prediction = Prediction.from_estimate(est, pp_rank)
-                stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
-            except Exception as e:
-                report("the runtime prediction", e)
-                note = "the runtime prediction failed"
+    layout = getattr(result, "layout", None)
+    pp_size = ranks.get("pp_size", 1)
+    if layout is None:
+        reason = getattr(result, "reason", "") if result is not None else ""
+        note = f"no {what} estimate ({reason or 'it did not run'})"
+    elif layout.pp != pp_size:
+        note = (f"this rank's pipeline stage is unknown (model parallelism is not initialized; the layout has PP "
+                f"{layout.pp}): no prediction" if pp_size == 1 else
+                f"pipeline size {pp_size} differs from the estimated layout's {layout.pp}: no prediction")
     else:
-        note = "no pre-flight estimate (" + (result.reason if result is not None and result.reason else "it did not run") + ")"
+        try:
+            est = estimate(layout, device=source.device, gpu=result.gpu, gpu_memory=result.gpu_memory,
+                           threshold=threshold, dp_rank=ranks.get("dp_rank", 0))
+            prediction = Prediction.from_estimate(est, ranks.get("pp_rank", 0))
+            stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
+        except Exception as e:
+            report("the runtime prediction", e)
+            note = "the runtime prediction failed"
     sinks = []
     if log_dir:
         try:
@@ -387,10 +438,16 @@ def build_monitor(source, result: PreflightResult | None, *, ranks: Mapping[str,
         except Exception as e:
             report("opening the JSONL log", e)
     sinks.extend(extra_sinks)
-    ctx = {"decision": result.to_dict() if result is not None else None, "note": note, **dict(ranks), **dict(context or {})}
+    decision = None
+    if result is not None:
+        try:
+            decision = result.to_dict()
+        except Exception as e:
+            report("recording the decision", e)
+    ctx = {**dict(context or {}), "decision": decision, "note": note, **dict(ranks)}
     return MemoryMonitor(source, prediction, rank=ranks.get("rank", 0), pp_rank=ranks.get("pp_rank", 0), interval=interval,
                          reset_peak=reset_peak, sinks=sinks, emit=emit, emit_error=report.emit_error,
-                         log_stages=ranks.get("rank", 0) == 0, stage_predictions=stage_predictions,
+                         log_stages=ranks.get("rank", 0) == 0, stage_predictions=stage_predictions, gather=gather,
                          print_warnings=ranks.get("dp_rank", 0) == 0 and ranks.get("cp_rank", 0) == 0, context=ctx,
                          on_error=report)
 
@@ -398,7 +455,7 @@ def build_monitor(source, result: PreflightResult | None, *, ranks: Mapping[str,
 _OOM = {"monitor": None, "attached": False}
 
 
-def attach_oom_observer(monitor) -> None:
+def attach_oom_observer(monitor: Any) -> None:
     """Print the rank's predicted breakdown next to PyTorch's out-of-memory error (CUDA only)."""
     _OOM["monitor"] = monitor
     if _OOM["attached"]:
@@ -423,6 +480,7 @@ def attach_oom_observer(monitor) -> None:
 
 
 def is_oom(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error (torch.OutOfMemoryError, or a RuntimeError saying so)."""
     torch = sys.modules.get("torch")
     if torch is not None:
         oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
@@ -432,6 +490,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
+    """A positive integer from the environment variable ``name`` (None if unset); ConfigError naming it otherwise."""
     environ = os.environ if environ is None else environ
     v = environ.get(name)
     if v is None or v == "":

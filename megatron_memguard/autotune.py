@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .config import RawConfig
-from .errors import ConfigError, ConfigErrors, MemguardError
+from .errors import ConfigErrors, MemguardError
 from .estimator import Estimate, estimate
 from .gpus import GpuSpec
 from .layout import Layout
@@ -261,12 +261,9 @@ def autotune(
                         L = resolve(raw.with_args(**updates), world_size=world_size or L0.world_size,
                                     megatron_version=megatron_version, vocab_size=vocab_size)
                     except ConfigErrors as e:
-                        rejected.append((label, _rule_text(e.errors[0])))
+                        rejected.append((label, str(e.errors[0])))
                         continue
-                    except ConfigError as e:
-                        rejected.append((label, _rule_text(e)))
-                        continue
-                    except MemguardError as e:
+                    except MemguardError as e:  # ConfigError, NotModelledError, ...
                         rejected.append((label, str(e)))
                         continue
                     E = estimate(L, **est_kw)
@@ -332,6 +329,3 @@ def autotune(
                    + f"; least model parallelism first, then the largest micro-batch ({considered} candidates estimated)")
     return AutotuneResult(status, E0, chosen, changes, tuple(reasons), considered, tuple(rejected))
 
-
-def _rule_text(e: ConfigError) -> str:
-    return str(e)

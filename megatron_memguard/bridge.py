@@ -15,7 +15,8 @@ or, in one call, ``megatron_memguard.bridge.pretrain(cfg, forward_step, mode="ab
 ``preflight`` reads the ConfigContainer object (attribute access; flat ``GPTModelProvider`` models and
 nested ``model.transformer`` builder configs) or its dict (``cfg.to_dict()``, a ``run_config.yaml`` loaded
 with ``yaml.safe_load``) through the same mapping as ``memguard estimate --config run_config.yaml``
-(megatron_memguard/readers/bridge.py). It needs neither Bridge nor torch. The world size is
+(megatron_memguard/readers/bridge.py). It needs neither Bridge nor torch (torch reads this rank's device
+when no GPU is given). The world size is
 ``world_size=`` or WORLD_SIZE / SLURM_NTASKS (torchrun and srun set them), or the container's
 ``data_parallel_size`` x TP x PP x CP after Bridge's ``runtime_config_update``.
 
@@ -34,7 +35,7 @@ What was assumed of Megatron-Bridge (read in megatron-bridge 0.6.2 and 0.3.1,
 * No callback fires between ``runtime_config_update`` and model construction, so the pre-flight runs in
   the launch script (or in ``megatron_memguard.bridge.pretrain``), not in a callback.
 * Bridge initializes ``megatron.core.parallel_state``; the callback reads this rank's pipeline stage
-  from it (stage 0 when it is not initialized).
+  from it (when it is not initialized and the layout has PP > 1, the stage is unknown: no prediction).
 """
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ import os
 from typing import Any, Callable, Mapping
 
 from ._integration import (
-    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, Reporter, attach_oom_observer, build_monitor, default_source,
+    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, attach_oom_observer, build_monitor, default_source,
     env_int, is_oom, parallel_ranks, run_preflight, to_plain,
 )
 from .config import RawConfig
 from .errors import ReaderError
+from .runtime.reporting import ErrorReporter
 
 __all__ = ["ABORT_EXIT_CODE", "MemguardCallback", "PreflightAbort", "PreflightResult", "bridge_available", "config_dict",
            "preflight", "pretrain", "raw_config"]
@@ -131,6 +133,7 @@ class MemguardCallback:
         if require_bridge:
             _require_bridge("megatron_memguard.bridge.MemguardCallback")
         self.result = result
+        self._own_result = result is None   # the callback's own pre-flight, redone for each run
         self.log_dir = log_dir if log_dir is not None else (os.environ.get("MEMGUARD_LOG_DIR") or None)
         self.interval = interval if interval is not None else env_int("MEMGUARD_LOG_INTERVAL")
         self.source = source
@@ -138,18 +141,18 @@ class MemguardCallback:
         self.gpu, self.gpu_memory, self.threshold = gpu, gpu_memory, threshold
         self.writers = writers
         self.emit = emit
-        self.report = Reporter()
+        self.report = ErrorReporter()
         self.monitor = None
 
     # -- Bridge events ---------------------------------------------------------------------------
-    def on_train_start(self, context) -> None:
+    def on_train_start(self, context: Any) -> None:
         try:
             self._start(context)
         except Exception as e:
             self.report("setting up the runtime monitor", e)
             self.monitor = None
 
-    def on_train_step_end(self, context) -> None:
+    def on_train_step_end(self, context: Any) -> None:
         m = self.monitor
         if m is None:
             return
@@ -158,7 +161,7 @@ class MemguardCallback:
         except Exception as e:
             self.report("the runtime sample", e)
 
-    def on_train_end(self, context) -> None:
+    def on_train_end(self, context: Any) -> None:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -173,12 +176,12 @@ class MemguardCallback:
         except Exception as e:
             self.report("the end-of-training summary", e)
 
-    def _start(self, context) -> None:
+    def _start(self, context: Any) -> None:
         from .runtime.sinks import WriterSink
 
         state = context.state
         cfg = getattr(state, "cfg", None)
-        if self.result is None and cfg is not None:
+        if self._own_result and cfg is not None:
             self.result = preflight(cfg, mode="warn", gpu=self.gpu, gpu_memory=self.gpu_memory, threshold=self.threshold,
                                     emit=self.emit)
         source = self.source if self.source is not None else default_source()

@@ -40,11 +40,12 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from ._integration import (
-    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, Reporter, attach_oom_observer, build_monitor, default_source,
+    ABORT_EXIT_CODE, PREFIX, PreflightAbort, PreflightResult, attach_oom_observer, build_monitor, default_source,
     env_int, is_oom, parallel_ranks, run_preflight, to_plain,
 )
 from .config import RawConfig
 from .errors import ReaderError
+from .runtime.reporting import ErrorReporter
 from .runtime.sinks import SCALARS, Sink
 
 try:  # NeMo 2 uses lightning.pytorch
@@ -187,14 +188,14 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
         self.model_config = model_config
         self.log_to_loggers = log_to_loggers
         self.emit = emit
-        self.report = Reporter()
+        self.report = ErrorReporter()
         self.result: PreflightResult | None = None
         self.monitor = None
         self._source_started = False
         self._last_step: int | None = None
 
     # -- Lightning hooks ---------------------------------------------------------------------------
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
         world = self.world_size or _attr(trainer, "world_size")
@@ -215,7 +216,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
             self.report("starting the memory source", e)
             self.source = None
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.result is None or self.result.mode == "off":
             return
         if self.source is None:
@@ -223,6 +224,7 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
                 (self.emit or print)(f"{PREFIX} no CUDA device: runtime memory logging is off (pass source= to use "
                                      "another megatron_memguard.runtime memory source)")
             return
+        self._last_step = None  # a second fit() starts counting afresh
         try:
             track = getattr(self.source, "track", None)
             if track is not None:  # tensors made before the source started (the module built before fit())
@@ -244,25 +246,25 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
             self.report("setting up the runtime monitor", e)
             self.monitor = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         m = self.monitor
         if m is None:
             return
         try:
             step = int(trainer.global_step)   # optimizer steps so far (Megatron's iteration numbering)
-            if step != self._last_step:      # gradient accumulation: one sample per optimizer step
+            if step > 0 and step != self._last_step:  # gradient accumulation: one sample per optimizer step
                 self._last_step = step
                 m.step(step)
         except Exception as e:
             self.report("the runtime sample", e)
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._close(exception)
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._close()
 

@@ -244,3 +244,17 @@ def test_runtime_wrappers_survive_restart_and_report_oom(legacy, tmp_path, capsy
     assert recs[1]["predicted"]["peak_allocated"] == pred.peak_allocated_bytes
     err = capsys.readouterr().err
     assert "rank 0 (pp0) ran out of GPU memory" in err and "= peak allocated" in err
+
+
+def test_yaml_run_has_no_decision_left_from_an_earlier_run(legacy, capsys):
+    import argparse
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+    assert legacy.hook.STATE.decision is not None
+    capsys.readouterr()
+    # a --yaml-cfg run in the same process (in-process restart, tests): its monitor must not predict from the old layout
+    yaml_args = argparse.Namespace(rank=0, memguard="warn", memguard_threshold=0.8, memguard_gpu_memory=None,
+                                   memguard_log_interval=None, memguard_log_dir=None, memguard_reset_peak=False,
+                                   memguard_allow_recompute=False)
+    assert legacy.initialize.validate_yaml(yaml_args, {}) is yaml_args
+    assert legacy.hook.STATE.decision is None
+    assert "--yaml-cfg: memguard does not read YAML-built arguments yet" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -236,6 +237,40 @@ def test_modes(capsys):
         preflight(big, world_size=8, mode="autotune")
 
 
+def test_bad_settings_name_the_variable_and_explicit_arguments_win():
+    from megatron_memguard.errors import ConfigError
+    cfg = ConfigContainer()
+    for environ, key in (({"MEMGUARD_THRESHOLD": "lots"}, "MEMGUARD_THRESHOLD"), ({"MEMGUARD_THRESHOLD": "2"}, "MEMGUARD_THRESHOLD"),
+                         ({"MEMGUARD": "abortt"}, "MEMGUARD"), ({"MEMGUARD_GPU_MEMORY": "80 parsecs"}, "MEMGUARD_GPU_MEMORY")):
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg, world_size=32, environ=environ, emit=quiet()[1])
+        assert e.value.key == key
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, world_size=32, gpu="H100-80GB", threshold=0, emit=quiet()[1])
+    assert e.value.key == "threshold" and "(0, 1.5]" in str(e.value)
+    # gpu= (and gpu_memory=) win over MEMGUARD_GPU_MEMORY; the variable applies when neither is given
+    r = preflight(cfg, world_size=32, gpu="H100-80GB", environ={"MEMGUARD_GPU_MEMORY": "40GiB"}, emit=quiet()[1])
+    assert r.gpu_memory == r.gpu.memory_bytes and r.gpu.name == "H100-80GB"
+    r = preflight(cfg, world_size=32, gpu_memory="24GiB", environ={"MEMGUARD_GPU_MEMORY": "40GiB"}, emit=quiet()[1])
+    assert r.gpu_memory == 24 * 2**30 and r.gpu_memory_source == "gpu_memory"
+    r = preflight(cfg, world_size=32, environ={"MEMGUARD_GPU_MEMORY": "40GiB", "MEMGUARD_THRESHOLD": "0.5"}, emit=quiet()[1])
+    assert r.gpu_memory == 40 * 2**30 and r.estimate.threshold == 0.5
+
+
+def test_internal_error_is_reported_and_training_goes_on(monkeypatch):
+    import megatron_memguard.estimator as est_mod
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("estimator bug")
+    monkeypatch.setattr(est_mod, "estimate", boom)
+    lines, emit = quiet()
+    r = preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", mode="abort", emit=emit)
+    assert r.action == "skipped" and r.estimate is None and "estimator bug" in r.reason
+    assert len(lines) == 1 and "internal error (ZeroDivisionError: estimator bug); training continues unchecked" in lines[0]
+    with pytest.raises(ZeroDivisionError):
+        preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", strict=True, emit=emit)
+
+
 def test_world_size_sources(monkeypatch):
     cfg = ConfigContainer()
     monkeypatch.setenv("WORLD_SIZE", "16")
@@ -277,9 +312,17 @@ class Writer:
         self.scalars.append((tag, value, step))
 
 
-def test_callback_samples_every_interval_through_the_callback_manager(bridge, tmp_path):
+def fake_parallel_state(pp_rank, pp_size):
+    """megatron.core.parallel_state as Bridge leaves it initialized (TP = DP = CP rank 0)."""
+    return types.SimpleNamespace(model_parallel_is_initialized=lambda: True, get_pipeline_model_parallel_rank=lambda: pp_rank,
+                                 get_pipeline_model_parallel_world_size=lambda: pp_size, get_tensor_model_parallel_rank=lambda: 0,
+                                 get_data_parallel_rank=lambda: 0, get_context_parallel_rank=lambda: 0)
+
+
+def test_callback_samples_every_interval_through_the_callback_manager(bridge, tmp_path, monkeypatch):
     from megatron_memguard.bridge import MemguardCallback
     cbs, pt = bridge
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", fake_parallel_state(1, 2))  # this rank: stage pp1
     cfg = ConfigContainer(logger=LoggerConfig(log_interval=2))
     result = preflight(cfg, world_size=32, gpu="H100-80GB", emit=quiet()[1])
     readings = [Reading(allocated=10 * 2**30 + i, max_allocated=20 * 2**30 + i, reserved=11 * 2**30, max_reserved=21 * 2**30,
@@ -301,14 +344,23 @@ def test_callback_samples_every_interval_through_the_callback_manager(bridge, tm
     assert [r["iteration"] for r in recs[1:3]] == [2, 4]      # cfg.logger.log_interval, Megatron's numbering
     assert recs[0]["actual"] == readings[0].to_dict() and [r["actual"] for r in recs[1:3]] == [readings[1].to_dict(),
                                                                                                 readings[2].to_dict()]
-    stage0 = result.estimate.stages[0]
-    assert recs[0]["predicted"]["peak_allocated"] == stage0.peak_allocated_bytes
-    assert recs[0]["predicted"]["breakdown"] == stage0.breakdown
-    assert recs[1]["ratio"]["max_allocated"] == pytest.approx(readings[1].max_allocated / stage0.peak_allocated_bytes, abs=1e-4)
+    stage1 = result.estimate.stages[1]
+    assert stage1.peak_allocated_bytes != result.estimate.stages[0].peak_allocated_bytes
+    assert recs[0]["pp_rank"] == 1 and recs[0]["predicted"]["pp_rank"] == 1
+    assert recs[0]["predicted"]["peak_allocated"] == stage1.peak_allocated_bytes
+    assert recs[0]["predicted"]["breakdown"] == stage1.breakdown
+    assert recs[1]["ratio"]["max_allocated"] == pytest.approx(readings[1].max_allocated / stage1.peak_allocated_bytes, abs=1e-4)
     assert recs[0]["context"]["framework"] == "megatron-bridge" and recs[0]["context"]["decision"]["verdict"] == result.verdict
     tags = {t for t, _, s in writer.scalars if s == 2}
     assert "memguard/max-allocated-bytes" in tags and "memguard/predicted-peak-allocated-bytes" in tags
     assert recs[-1]["samples"] == 2 and recs[-1]["errors"] == 0
+    # parallel state not initialized: with PP 2 this rank's stage is unknown, so no stage's prediction is taken for it
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", types.SimpleNamespace(model_parallel_is_initialized=lambda: False))
+    cb2 = MemguardCallback(result, log_dir=str(tmp_path / "uninit"), source=StaticSource(readings), emit=quiet()[1])
+    cb2.on_train_start(ctx())
+    cb2.on_train_end(ctx())
+    start = json.loads(open(tmp_path / "uninit" / "memguard-rank00000.jsonl").readline())
+    assert start["predicted"] is None and "pipeline stage is unknown" in start["context"]["note"]
 
 
 def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):

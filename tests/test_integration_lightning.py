@@ -268,3 +268,15 @@ def test_without_lightning_the_callback_says_what_it_needs():
     lines = out.stdout.splitlines()
     assert lines[0] == "False"
     assert lines[1].startswith("ImportError: megatron_memguard.lightning.MemguardCallback needs Lightning (pip install lightning")
+
+
+def test_one_sample_per_optimizer_step_and_none_before_the_first():
+    from megatron_memguard.runtime import CallbackSink, MemoryMonitor, Reading, StaticSource
+    records = []
+    cb = MemguardCallback(emit=lambda s: None)
+    cb.monitor = MemoryMonitor(StaticSource(Reading(allocated=1, max_allocated=2)), None, interval=1,
+                               sinks=[CallbackSink(records.append)], emit=lambda s: None)
+    # gradient accumulation over 2 batches: global_step is 0 until the first optimizer step
+    for step in (0, 0, 1, 1, 2, 2):
+        cb.on_train_batch_end(types.SimpleNamespace(global_step=step), None, None, None, 0)
+    assert [r["iteration"] for r in records if r["event"] == "sample"] == [1, 2]

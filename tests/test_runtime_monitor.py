@@ -149,6 +149,17 @@ def test_gather_is_called_even_when_the_local_reading_fails():
     assert calls and calls[0][1:] == [-1.0] * 6
 
 
+def test_gather_is_called_even_when_a_reading_is_not_a_number():
+    calls, errors = [], []
+    bad = Reading(allocated=1, max_allocated="lots", reserved=1, max_reserved=1, device_used=None)
+    m = MemoryMonitor(StaticSource(bad), PRED, pp_rank=1, interval=1, emit=lambda s: None, emit_error=errors.append,
+                      gather=lambda v: calls.append(v) or [v])
+    m.step(1)
+    m.step(2)
+    assert calls == [[1.0] + [-1.0] * 6] * 2   # this rank took part in both all-gathers, with "no reading"
+    assert m.gather is not None and m.errors >= 2 and len(errors) == 1
+
+
 def test_reset_peak_after_each_sample():
     src = StaticSource(reading(0.5))
     m = MemoryMonitor(src, PRED, interval=2, reset_peak=True, emit=lambda s: None)

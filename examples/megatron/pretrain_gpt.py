@@ -7,7 +7,9 @@ then each rank logs its peak memory against its own stage's prediction. See run_
 the flags, docs/hook.md for the details.
 
 This skeleton keeps the shape of the core_v0.16 file (model_provider, the datasets provider, forward_step,
-pretrain) with random tokens instead of Megatron's GPT datasets, so that it runs anywhere Megatron does.
+pretrain) with random tokens instead of Megatron's GPT datasets, so that it runs anywhere Megatron does:
+the provider returns an iterator of batches, which Megatron takes as it is with ``--dataloader-type
+external`` (the default set below), and each batch goes to the current GPU as in the real ``get_batch``.
 """
 import torch
 
@@ -44,6 +46,8 @@ def train_valid_test_datasets_provider(num_samples):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
     def loss_func(output_tensor):
@@ -54,4 +58,4 @@ def forward_step(data_iterator, model):
 
 if __name__ == "__main__":
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"})

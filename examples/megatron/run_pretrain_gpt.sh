@@ -9,6 +9,7 @@
 #   --memguard-log-dir DIR           one memguard-rankNNNNN.jsonl per rank (predicted vs actual)
 #   --memguard-log-interval 10       compare every 10 iterations (default: --log-interval)
 #
+#   MEMGUARD_MODE=warn               this script's --memguard value (default abort; being a flag, it wins over MEMGUARD)
 #   MEMGUARD_LAUNCH_STUB=echo        print the torchrun command instead of running it
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -119,7 +119,6 @@ FLAGS: tuple[FlagSpec, ...] = (
              "let --memguard autotune also turn on activation recomputation (selective, then full) when "
              "micro-batch and pipeline size alone do not fit"),
 )
-DESTS = tuple(f.dest for f in FLAGS)
 
 
 def _env_default(spec: FlagSpec, environ: Mapping[str, str]) -> Any:
@@ -175,7 +174,7 @@ def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> S
     for spec in FLAGS:
         if hasattr(args, spec.dest):
             v = getattr(args, spec.dest)
-            if isinstance(v, str) and not isinstance(v, bool) and spec.convert is not _directory:
+            if isinstance(v, str) and spec.convert is not _directory:
                 v = spec.convert(v)  # a default that argparse did not convert
         else:
             v = _env_default(spec, environ)

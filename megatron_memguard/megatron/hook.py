@@ -26,12 +26,17 @@ import atexit
 import functools
 import importlib
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .flags import Settings, add_arguments, settings_from_args
-from .._integration import parallel_ranks
+from .._integration import attach_oom_observer, default_source, is_oom, parallel_ranks
+from .._integration import build_monitor as build_rank_monitor
 from ..runtime.reporting import ErrorReporter
 from .preflight import PREFIX, Decision, MemguardAbort, decide
+
+if TYPE_CHECKING:
+    from ..runtime.monitor import MemoryMonitor
+    from ..runtime.sources import MemorySource
 
 _TARGETS = (
     ("megatron.training.arguments", "add_megatron_arguments", "flags"),
@@ -52,9 +57,8 @@ class HookState:
         self.wrapped: list[tuple[Any, str, Callable]] = []   # (module, name, original)
         self.settings: Settings | None = None
         self.decision: Decision | None = None
-        self.monitor = None
+        self.monitor: MemoryMonitor | None = None
         self.source_factory: Callable[[], Any] | None = None
-        self.observer_attached = False
         self.atexit_registered = False
         self.emit: Callable[[str], None] = lambda s: print(s, flush=True)
         self.emit_error: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
@@ -77,7 +81,7 @@ def _import(name: str):
         return None
 
 
-def detect_era(arguments_mod, initialize_mod) -> str:
+def detect_era(arguments_mod: Any, initialize_mod: Any) -> str:
     """config-container (core >= 0.18: pretrain_gpt.py calls parse_and_validate_args) or legacy."""
     if arguments_mod is not None and hasattr(arguments_mod, "parse_and_validate_args"):
         return "config-container"
@@ -126,7 +130,8 @@ def install(quiet: bool = False) -> bool:
 
 
 def uninstall() -> None:
-    """Restore every wrapped function (tests)."""
+    """Restore every wrapped function and forget the run's state: decision, settings, monitor (finished)
+    and a memory source set with ``set_memory_source`` (tests)."""
     for mod, attr, original in reversed(STATE.wrapped):
         cur = getattr(mod, attr, None)
         if getattr(cur, "__memguard_original__", None) is original:
@@ -140,13 +145,14 @@ def uninstall() -> None:
     STATE.monitor = None
     STATE.decision = None
     STATE.settings = None
+    STATE.source_factory = None
 
 
 def wrapped_targets() -> list[str]:
     return [f"{mod.__name__}.{attr}" for mod, attr, _ in STATE.wrapped]
 
 
-def set_memory_source(source) -> None:
+def set_memory_source(source: MemorySource | Callable[[], MemorySource | None] | None) -> None:
     """Use another memory source for the runtime monitor: a ``MemorySource``, a callable returning one, or
     None for the default (``CudaMemorySource`` when CUDA is available, otherwise no runtime monitoring)."""
     from ..runtime.sources import MemorySource
@@ -209,6 +215,7 @@ def _wrap_validate_yaml(original):
     @functools.wraps(original)
     def validate_yaml(args, defaults={}, *a, **k):  # noqa: B006
         result = original(args, defaults, *a, **k)
+        STATE.decision = None  # no pre-allocation check for YAML-built arguments (nor one left from an earlier run)
         try:
             settings = settings_from_args(result if result is not None else args)
             STATE.settings = settings
@@ -224,14 +231,6 @@ def _wrap_validate_yaml(original):
 
 
 # -- runtime -----------------------------------------------------------------------------------------------
-def _default_source():
-    import torch
-    if torch.cuda.is_available():
-        from ..runtime.sources import CudaMemorySource
-        return CudaMemorySource()
-    return None
-
-
 def _runtime_enabled() -> bool:
     s = STATE.settings
     return s is None or s.mode != "off"
@@ -260,7 +259,7 @@ def _writers():
     return tb, wb
 
 
-def _stage_gather(source, ranks):
+def _stage_gather(ranks: dict[str, int]):
     """All-gather of sample vectors over rank 0's pipeline group (its members are the ranks with
     TP = DP = CP = 0): rank 0 then logs one line per pipeline stage."""
     if ranks["pp_size"] <= 1 or ranks["tp_rank"] or ranks["dp_rank"] or ranks["cp_rank"]:
@@ -278,74 +277,27 @@ def _stage_gather(source, ranks):
     return torch_stage_gather(group, device)
 
 
-def build_monitor(source):
-    from ..estimator import estimate
-    from ..runtime.monitor import MemoryMonitor, Prediction
-    from ..runtime.sinks import JsonlSink, WriterSink
+def build_monitor(source: MemorySource) -> MemoryMonitor:
+    """This rank's runtime monitor: its own pipeline stage's prediction from the pre-allocation decision
+    (the final layout, after autotune), the ``--memguard-log-*`` settings, Megatron's TensorBoard / W&B
+    writers and, on rank 0's pipeline group, the per-stage all-gather."""
+    from ..runtime.sinks import WriterSink
 
     args = _get_args()
     settings = STATE.settings or settings_from_args(args if args is not None else object())
-    d = STATE.decision
     ranks = parallel_ranks()
-    prediction = stage_predictions = None
-    note = ""
-    # Every step below may fail alone without leaving this rank without a monitor: the ranks of rank 0's
-    # pipeline group must all reach the per-stage gather.
-    if d is not None and d.layout is not None:
-        if d.layout.pp != ranks["pp_size"]:
-            note = f"pipeline size {ranks['pp_size']} differs from the estimated layout's {d.layout.pp}: no prediction"
-        else:
-            try:
-                est = estimate(d.layout, device=source.device, gpu=d.gpu, gpu_memory=d.gpu_memory,
-                               threshold=settings.threshold, dp_rank=ranks["dp_rank"])
-                prediction = Prediction.from_estimate(est, ranks["pp_rank"])
-                stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
-            except Exception as e:
-                STATE.error("the runtime prediction", e)
-                note = "the runtime prediction failed"
-    else:
-        note = "no pre-allocation estimate (" + (d.reason if d is not None and d.reason else "the check did not run") + ")"
-    interval = settings.log_interval or getattr(args, "log_interval", None) or 100
-    sinks = []
-    if settings.log_dir:
-        try:
-            sinks.append(JsonlSink(JsonlSink.path_for(settings.log_dir, ranks["rank"])))
-        except Exception as e:
-            STATE.error("opening the JSONL log", e)
     tb, wb = _writers()
-    if tb is not None or wb is not None:
-        sinks.append(WriterSink(tb, wb))
     gather = None
     try:
-        gather = _stage_gather(source, ranks)
+        gather = _stage_gather(ranks)
     except Exception as e:
         STATE.error("setting up the per-stage gather", e)
-    context = {"era": STATE.era, "megatron_version": STATE.megatron_version, "mode": settings.mode,
-               "decision": d.to_dict() if d is not None else None, "note": note, **ranks}
-    return MemoryMonitor(
-        source, prediction, rank=ranks["rank"], pp_rank=ranks["pp_rank"], interval=interval, reset_peak=settings.reset_peak,
-        sinks=sinks, emit=STATE.emit, emit_error=STATE.emit_error, log_stages=ranks["rank"] == 0,
-        stage_predictions=stage_predictions, gather=gather,
-        print_warnings=ranks["dp_rank"] == 0 and ranks["cp_rank"] == 0, context=context, on_error=STATE.error)
-
-
-def _oom_observer(device, alloc, device_alloc, device_free):
-    m = STATE.monitor
-    try:
-        if m is not None:
-            m.on_oom(device, alloc, device_alloc, device_free)
-    except Exception as e:
-        STATE.error("the OOM report", e)
-
-
-def _attach_oom_observer() -> None:
-    if STATE.observer_attached:
-        return
-    import torch
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if attach is not None and torch.cuda.is_available():
-        attach(_oom_observer)
-        STATE.observer_attached = True
+    return build_rank_monitor(
+        source, STATE.decision, ranks=ranks, interval=settings.log_interval or getattr(args, "log_interval", None) or 100,
+        log_dir=settings.log_dir, extra_sinks=[WriterSink(tb, wb)] if tb is not None or wb is not None else [],
+        reset_peak=settings.reset_peak, context={"era": STATE.era, "megatron_version": STATE.megatron_version,
+                                                 "mode": settings.mode},
+        report=STATE.error, emit=STATE.emit, threshold=settings.threshold, gather=gather, what="pre-allocation")
 
 
 def _wrap_setup(original):
@@ -358,12 +310,12 @@ def _wrap_setup(original):
             if STATE.monitor is not None:  # an in-process restart re-enters pretrain
                 STATE.monitor.finish()
                 STATE.monitor = None
-            source = (STATE.source_factory or _default_source)()
+            source = (STATE.source_factory or default_source)()
             if source is not None:
                 source.start()
                 STATE.monitor = build_monitor(source)  # before the build: an OOM there gets the breakdown too
                 if source.device == "gpu":
-                    _attach_oom_observer()
+                    attach_oom_observer(STATE.monitor)
         except Exception as e:
             STATE.error("setting up the runtime monitor", e)
             STATE.monitor = None
@@ -402,17 +354,6 @@ def _wrap_training_log(original):
     return training_log
 
 
-def _is_oom(exc: BaseException) -> bool:
-    try:
-        import torch
-        oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-        if oom is not None and isinstance(exc, oom):
-            return True
-    except Exception:
-        pass
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
 def _wrap_train(original):
     @functools.wraps(original)
     def train(*a, **k):
@@ -420,7 +361,7 @@ def _wrap_train(original):
             return original(*a, **k)
         except BaseException as e:
             m = STATE.monitor
-            if m is not None and not m.oom_reported and _is_oom(e):
+            if m is not None and not m.oom_reported and is_oom(e):
                 m.on_oom()
             raise
         finally:

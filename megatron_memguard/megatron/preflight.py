@@ -24,9 +24,11 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
+from .._integration import ABORT_EXIT_CODE, PREFIX  # exit code 3: distinct from Python (1) and argparse errors (2)
 from ..autotune import AutotuneResult, autotune, describe_layout_choice
+from ..config import RawConfig
 from ..estimator import Estimate, estimate
 from ..errors import MemguardError
 from ..gpus import GpuSpec
@@ -38,8 +40,6 @@ from ..units import format_bytes
 from .device import device_properties, gpu_spec_for
 from .flags import Settings
 
-ABORT_EXIT_CODE = 3  # distinct from Python errors (1) and argparse errors (2)
-PREFIX = "[memguard]"
 
 
 class MemguardAbort(SystemExit):
@@ -76,7 +76,7 @@ class Decision:
 
 
 @contextlib.contextmanager
-def silenced():
+def silenced() -> Iterator[None]:
     """Swallow stdout, stderr, warnings and logging (Megatron's validate_args prints the whole arg table)."""
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
@@ -89,7 +89,8 @@ def silenced():
         logging.disable(previous)
 
 
-def dry_run(validate: Callable, args: Any, defaults: Mapping[str, Any] | None, updates: Mapping[str, Any] | None = None):
+def dry_run(validate: Callable, args: Any, defaults: Mapping[str, Any] | None,
+            updates: Mapping[str, Any] | None = None) -> BaseException | None:
     """Run ``validate`` on a copy of ``args`` (with ``updates``); return its exception, or None if it passes."""
     ns = copy.deepcopy(args)
     for k, v in (updates or {}).items():
@@ -107,7 +108,7 @@ def _describe_exc(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def raw_config_from_args(args: Any, defaults: Mapping[str, Any] | None = None):
+def raw_config_from_args(args: Any, defaults: Mapping[str, Any] | None = None) -> RawConfig:
     """The RawConfig validate_args sees: parsed arguments with ``args_defaults`` filled in where unset."""
     ns = copy.copy(args)
     for k, v in (defaults or {}).items():

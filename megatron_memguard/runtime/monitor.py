@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..estimator.result import StageEstimate, Term
+from ..estimator.result import Estimate, StageEstimate, Term
 from ..units import format_bytes
 from .reporting import ErrorReporter
 from .sinks import SCHEMA, Sink
@@ -52,7 +52,7 @@ class Prediction:
                    terms=tuple(stage.terms), device=device, stage=stage)
 
     @classmethod
-    def from_estimate(cls, est, pp_rank: int) -> "Prediction":
+    def from_estimate(cls, est: Estimate, pp_rank: int) -> "Prediction":
         return cls.from_stage(est.stages[pp_rank], device=est.device)
 
     def values(self) -> dict[str, int]:
@@ -200,9 +200,14 @@ class MemoryMonitor:
                 self._check(iteration, reading, record)
             except Exception as e:
                 self._error("sample", e)
+        try:
+            vec = self._vector(reading)
+        except Exception as e:  # e.g. a source's value that is not a number: "no reading", and still gather
+            self._error("sample", e)
+            reading, vec = None, self._vector(None)
         if self.gather is not None:
             try:
-                rows = self.gather(self._vector(reading))  # a collective: reached whatever happened above
+                rows = self.gather(vec)  # a collective: reached whatever happened above
             except Exception as e:
                 self._error("gather", e)
                 self.gather = None
@@ -210,7 +215,7 @@ class MemoryMonitor:
             if rows:
                 self.stage_rows = {int(r[0]): list(r) for r in rows if r and r[0] >= 0}
         elif reading is not None and self.pp_rank is not None:
-            self.stage_rows = {self.pp_rank: self._vector(reading)}
+            self.stage_rows = {self.pp_rank: vec}
         if self.log_stages:
             try:
                 for line in self.stage_lines(iteration):
@@ -363,7 +368,7 @@ class MemoryMonitor:
         return rec
 
 
-def torch_stage_gather(group=None, device=None) -> Callable[[list[float]], list[list[float]] | None]:
+def torch_stage_gather(group: Any = None, device: Any = None) -> Callable[[list[float]], list[list[float]] | None]:
     """An all-gather of each rank's sample vector over ``group`` (e.g. the pipeline group of rank 0).
 
     Every member must call it at the same iterations. Returns the rows on every member.

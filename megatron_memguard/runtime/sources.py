@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class CudaMemorySource(MemorySource):
     name = "cuda"
     device = "gpu"
 
-    def __init__(self, device=None, device_used: bool = True):
+    def __init__(self, device: Any = None, device_used: bool = True):
         self._device = device
         self._want_device_used = device_used
         self._device_used_fn: Callable[[], int | None] | None = None
