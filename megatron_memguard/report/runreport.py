@@ -142,6 +142,9 @@ def result_line(log: RunLog, metrics: Sequence[str], colour: bool = False) -> st
                      + ("; ..." if len(by_rank) > 3 else ""))
     if parts:
         return "result: " + _c("OVER", "31", colour) + " - " + "; ".join(parts)
+    if v["worst"] is None:
+        return ("result: " + _c("NO PREDICTION", "33", colour) + " - the samples carry no prediction "
+                "(the run's estimate failed or was not given); nothing to compare")
     r, m, e = v["worst"]
     return ("result: " + _c("OK", "32", colour) + f" - every rank stayed within its prediction +{tol:.0%} "
             f"(largest: {e:+.1%}, rank {r.rank} pp{r.pp_rank} {METRIC_LABELS[m]})")
