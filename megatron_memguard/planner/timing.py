@@ -435,7 +435,9 @@ class TimeModel:
         p2p_detail = "no pipeline"
         if p > 1:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
-            same = c.tp * c.cp * c.dp < self.domain
+            # Stage i holds ranks [i X, (i+1) X), X = TP x CP x DP (rank order tp-cp-ep-dp-pp): unless the whole
+            # pipeline fits one NVLink domain, some stage boundary crosses it, and that transfer paces the pipeline.
+            same = c.tp * c.cp * c.dp * c.pp <= self.domain
             t1 = self.p2p(nbytes, same)
             if v > 1:
                 chunk = (comp + rc + tpc + cpc) / v / 3     # a chunk's forward, about a third of its work
