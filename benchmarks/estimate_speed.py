@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -42,7 +43,7 @@ def _clear_caches() -> None:
         fn.cache_clear()
 
 
-def time_estimate(layout, repeat: int = 200, cold: bool = True) -> float:
+def time_estimate(layout: Any, repeat: int = 200, cold: bool = True) -> float:
     times = []
     for _ in range(repeat):
         if cold:

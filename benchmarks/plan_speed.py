@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.cold_start import cold_process_seconds  # noqa: E402
 from megatron_memguard.gpus import lookup_gpu  # noqa: E402
-from megatron_memguard.planner import Cluster, Constraints, Planner  # noqa: E402
+from megatron_memguard.planner import Cluster, Constraints, Planner, PlanResult  # noqa: E402
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags  # noqa: E402
 
 # Llama-3.1-70B (Meta's config.json): 80 layers, h 8192, ffn 28672, 64 heads, 8 KV groups, vocab 128256,
@@ -33,7 +33,7 @@ GPUS, SEQ, GBS, TOP = 1024, 8192, 1024, 5
 TARGET_S = 2.0
 
 
-def plan_once():
+def plan_once() -> tuple[float, PlanResult]:
     gpu = lookup_gpu("H100-80GB")
     t = time.perf_counter()
     raw = parse_megatron_flags(LLAMA31_70B)

@@ -154,7 +154,7 @@ GRID: List[Dict[str, Any]] = [
 REFEREE_MEGATRON_VERSION = "0.16.1"
 
 
-def resolve_config(flags: List[str], world_size: int):
+def resolve_config(flags: List[str], world_size: int) -> tuple:
     """The grid flags resolved by memguard itself (the same reader and rules `memguard estimate`
     uses): returns (layout, settings for the worker under Megatron's argument names)."""
     from megatron_memguard.readers.megatron_flags import parse_megatron_flags
@@ -221,7 +221,7 @@ def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool =
     return out
 
 
-def main(argv=None):
+def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ci", action="store_true", help="run only the CI subset")
     p.add_argument("--only", nargs="*", default=None, help="run only these configuration names")

@@ -12,10 +12,14 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ConfigError
 from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
+
+if TYPE_CHECKING:
+    from ..planner import Planner, PlanResult
+    from ..report.plots import Plot
 
 DEFAULT_TOP = 5
 DEFAULT_PLOT_LAYOUTS = 200
@@ -115,7 +119,7 @@ def _constraints(ns: argparse.Namespace):
     )
 
 
-def make_planner(ns: argparse.Namespace, flags: list[str]):
+def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     from ..gpus import lookup_gpu
     from ..planner import Cluster, Planner
 
@@ -155,7 +159,7 @@ def _stage_peaks(est) -> str:
     return f"{min(vals):.1f}..{max(vals):.1f} ({len(vals)})"
 
 
-def render_plan(planner, res) -> str:
+def render_plan(planner: Planner, res: PlanResult) -> str:
     from ..report.text import table
     from ..units import format_bytes
     from ..planner.export import bridge_overrides, megatron_flags, nemo2_overrides
@@ -218,7 +222,7 @@ def render_plan(planner, res) -> str:
     return "\n".join(out)
 
 
-def plan_json(planner, res) -> dict:
+def plan_json(planner: Planner, res: PlanResult) -> dict[str, Any]:
     cl, s = res.cluster, res.shape
     return {
         "schema": "memguard.plan/1",
@@ -276,7 +280,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     return EXIT_FITS if res.entries else EXIT_PROBLEM
 
 
-def plot_caption(res) -> str:
+def plot_caption(res: PlanResult) -> str:
     """What the plot shows: every fitting layout, or the best of them (the search stopped there)."""
     k = len(res.entries)
     order = "fastest" if res.rule == "time" else "first in the Fujii et al. order"
@@ -290,7 +294,7 @@ def plot_caption(res) -> str:
             f"{res.pruned_by_bound:,} ruled out by the memory bound")
 
 
-def plot_plan(planner, res, path: str, fmt: str):
+def plot_plan(planner: Planner, res: PlanResult, path: str, fmt: str) -> Plot:
     """Draw ``res.entries`` (throughput against memory) to ``path``; returns the Plot."""
     from ..report.plots import plan_figure, plan_html, plan_points, write
     cl, s = res.cluster, res.shape

@@ -20,6 +20,8 @@ candidate whose bound exceeds threshold x GPU memory cannot be 'fits' and is not
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from .space import Candidate, ModelShape
 
 
@@ -56,7 +58,7 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     return kept
 
 
-def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params) -> float:
+def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int]) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
     rank of stage i (TimeModel.stage_params)."""
     per_layer = layer_activation_bytes(shape, c)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time as _time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
@@ -165,7 +165,7 @@ class Planner:
         return self.cluster.gpu_memory_bytes * self.threshold
 
     # ---- the search ----------------------------------------------------------------------------------
-    def order_key(self, rule: str):
+    def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
         if rule == "fujii2024":
             return lambda c: (c.model_parallel, -c.mbs, self.step_time(c).seconds, c.tp, c.pp)
         return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,

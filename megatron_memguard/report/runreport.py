@@ -234,7 +234,7 @@ def figure_table(log: RunLog) -> tuple[list[str], list[list[str]], set[tuple[int
     return header, rows, hot
 
 
-def report_html(log: RunLog, plot) -> str:
+def report_html(log: RunLog, plot: Any) -> str:
     from . import html as H
 
     metrics = metrics_of(log)
