@@ -168,10 +168,6 @@ def resolve_config(flags: List[str], world_size: int) -> tuple:
     return layout, settings
 
 
-def _settings_from_flags(flags: List[str], world_size: int) -> Dict[str, Any]:
-    return resolve_config(flags, world_size)[1]
-
-
 def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     cfgs = [c for c in GRID if (c["ci"] or not ci)]
     if only:
@@ -189,7 +185,7 @@ def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool =
     out = {"configs": []}
     t_all = time.time()
     for c in cfgs:
-        settings = _settings_from_flags(c["flags"], c["world_size"])
+        settings = resolve_config(c["flags"], c["world_size"])[1]
         t0 = time.time()
         entry = {"name": c["name"], "world_size": c["world_size"], "ci": c["ci"], "note": c["note"],
                  "flags": c["flags"], "settings": settings}
