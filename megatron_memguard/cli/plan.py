@@ -1,6 +1,6 @@
 """``memguard plan``: search the 4D layout space, keep the layouts that fit, rank them.
 
-    memguard plan --gpus 128 --gpu H100-80GB --seq-length 8192 --global-batch-size 1024 --model llama3.1-70b
+    memguard plan --gpus 128 --gpu H100-80GB --seq-length 8192 --global-batch-size 1024 --model llama3.1-70b -- --bf16
     memguard plan --gpus 64 --seq-length 8192 --global-batch-size 512 -- --num-layers 32 --hidden-size 4096 ...
     memguard plan ... --explain tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none
 
