@@ -72,6 +72,10 @@ def output_format(path: str, option: str = "--plot", formats: Sequence[str] = FO
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise ConfigError(option, f"directory {d} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(option, f"{path} is a directory", "give a file name")
+    if not os.access(d, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(option, f"cannot write {path}: permission denied")
     return ext
 
 
@@ -109,14 +113,17 @@ def _metadata(fmt: str) -> dict:
     return {"Date": None} if fmt == "svg" else {}
 
 
-def write(plot: Plot, path: str, fmt: str, html_page: Callable[[Plot], str]) -> None:
+def write(plot: Plot, path: str, fmt: str, html_page: Callable[[Plot], str], option: str = "--plot") -> None:
     """Write a plot as PNG / SVG, or as the HTML page ``html_page(plot)`` returns."""
-    if fmt == "html":
-        doc = html_page(plot)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(doc)
-    else:
-        plot.save(path, fmt)
+    try:
+        if fmt == "html":
+            doc = html_page(plot)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(doc)
+        else:
+            plot.save(path, fmt)
+    except OSError as e:
+        raise ConfigError(option, f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _widen_for_ticks(fig, ax, n: int, max_width: float = 40.0) -> None:
