@@ -192,6 +192,9 @@ def test_samples_without_a_prediction(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "result: NO PREDICTION - " in out and "3.00 GiB" in out
     assert to_json(read_run(str(d)))["ranks"][0]["error_max_allocated"] is None
+    pytest.importorskip("matplotlib")
+    assert main(["report", str(d), "--out", str(tmp_path / "r.html")]) == 0
+    assert '<h1 class="tight">result: NO PREDICTION - ' in (tmp_path / "r.html").read_text()
 
 
 def test_skip_bad_lines_warns_and_goes_on(run_dir, capsys):

@@ -264,7 +264,7 @@ def report_html(log: RunLog, plot: Any) -> str:
                     H.Cell(_range_bytes([r.peak(m) for r in rs]), ahi), err_cell(max(es) if es else None)]
         srows.append(row)
     v = verdict(log, metrics)
-    cls = "fits" if v["ok"] else "over"
+    cls = "over" if not v["ok"] else "fits" if v["worst"] is not None else "tight"   # amber: nothing to compare
     events = _event_lines(log, limit=200)
     body = [f"<h1 class=\"{cls}\">{H.esc(result_line(log, metrics))}</h1>",
             f"<p class=\"sub\">{H.esc(_headline(log))}\nfiles: {H.esc(', '.join(log.files[:6]))}"
