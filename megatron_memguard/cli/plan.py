@@ -283,13 +283,14 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
 def plot_caption(res: PlanResult) -> str:
     """What the plot shows: every fitting layout, or the best of them (the search stopped there)."""
     k = len(res.entries)
-    order = "fastest" if res.rule == "time" else "first in the Fujii et al. order"
     if not k:
         return "no layout fits: nothing to plot"
     if res.visited >= res.considered:
         what = f"all {k} layouts that fit"
     else:
-        what = f"the {k} {order} layouts that fit (the search stopped there; --plot-layouts all plots every one)"
+        which = f"the {k} fastest layouts that fit" if res.rule == "time" else \
+            f"the first {k} layouts that fit in the Fujii et al. order"
+        what = f"{which} (the search stopped there; --plot-layouts all plots every one)"
     return (f"{what}; {res.estimated:,} of {res.considered:,} candidates estimated, "
             f"{res.pruned_by_bound:,} ruled out by the memory bound")
 
