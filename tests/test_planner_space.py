@@ -112,3 +112,16 @@ def test_fujii_space():
     for c in cands:
         assert c.vpp == 1 and c.recompute == "none" and c.dist_opt and c.first is None
         assert c.sp == (c.tp > 1) and c.tp * c.cp <= 8
+
+
+def test_no_context_parallelism_with_megatrons_local_attention():
+    """megatron-core's DotProductAttention asserts context_parallel_size == 1; only TE's attention does CP."""
+    local = make_planner(LLAMA31_8B + ["--transformer-impl", "local"], 64, 8192, 512)
+    assert {c.cp for c in enumerate_space(local.shape, local.cluster, 512, Constraints())} == {1}
+    assert any("context parallelism is left out" in n for n in local.notes)
+    te = make_planner(LLAMA31_8B, 64, 8192, 512)
+    assert {c.cp for c in enumerate_space(te.shape, te.cluster, 512, Constraints())} == {1, 2, 4, 8}
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.planner.space import make_candidate
+    with pytest.raises(ConfigError, match="context parallelism needs --transformer-impl transformer_engine"):
+        make_candidate(local.shape, local.cluster, 512, tp=2, cp=2)

@@ -134,6 +134,9 @@ class Planner:
         if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):
             self.notes.append("the step-time model assumes fused (flash) attention kernels; the unfused attention "
                               "this model uses is slower than predicted")
+        if self.probe.transformer_impl == "local":
+            self.notes.append("--transformer-impl local: context parallelism is left out (megatron-core's local "
+                              "attention supports CP = 1 only)")
         if self.probe.tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs)

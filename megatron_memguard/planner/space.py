@@ -11,7 +11,7 @@ groups a multiple or divisor of TP; TP groups inside a node (TP divides the GPUs
 ``allow_tp_across_nodes``; ``seq % (2*CP) == 0``; PP <= layers, an even split or first/last stages
 that leave an even split of the middle ones; VPP dividing every stage's layers, with the interleaved
 schedule's micro-batch rule (``PP <= group <= m`` and a last group of 0 or >= PP, the group being PP);
-``GBS % (MBS*DP) == 0``; sequence parallelism only where TP divides the tokens of a CP rank (``seq/CP``;
+``GBS % (MBS*DP) == 0``; CP = 1 with ``--transformer-impl local``; sequence parallelism only where TP divides the tokens of a CP rank (``seq/CP``;
 megatron-core's scatter along the sequence asserts it). Every candidate the planner estimates or shows is then resolved by
 :func:`megatron_memguard.resolve.resolve`, which checks all of Megatron's rules again; a candidate
 it rejects is counted and dropped.
@@ -320,7 +320,8 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
         recompute = [r for r in recompute if r == "none"]
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
     for tp in tp_values(shape, cluster, cons):
-        for cp in divisors(world // tp):
+        # megatron-core's own attention (--transformer-impl local) asserts CP = 1; only TE's does ring attention
+        for cp in (divisors(world // tp) if shape.transformer_impl != "local" else [1]):
             if cp > 1 and s % (2 * cp):
                 continue
             if cons.cp is None and s // cp < MIN_TOKENS_PER_CP_RANK and cp > 1:
@@ -380,6 +381,9 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         raise ConfigError("--explain", f"recompute must be one of {', '.join(RECOMPUTE_LEVELS)}, got {recompute!r}")
     if world % (tp * pp * cp):
         raise ConfigError("--explain", f"{world} GPUs are not divisible by TP*PP*CP = {tp}*{pp}*{cp}")
+    if cp > 1 and shape.transformer_impl == "local":
+        raise ConfigError("--explain", f"cp={cp}: context parallelism needs --transformer-impl transformer_engine "
+                          "(megatron-core's local attention asserts CP = 1)")
     dp = world // (tp * pp * cp)
     if global_batch_size % (mbs * dp):
         raise ConfigError("--explain", f"global batch size {global_batch_size} is not divisible by MBS*DP = {mbs}*{dp}")
