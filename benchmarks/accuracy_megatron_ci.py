@@ -116,7 +116,7 @@ def summarise(rows: list[Row]) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="include records with quality flags")
     ap.add_argument("--verbose", action="store_true", help="print every record")

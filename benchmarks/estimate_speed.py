@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.cold_start import cold_process_seconds  # noqa: E402
 from megatron_memguard import estimate, layout_from_flags  # noqa: E402
 
 LLAMA_70B = ("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
@@ -42,7 +43,7 @@ def _clear_caches() -> None:
         fn.cache_clear()
 
 
-def time_estimate(layout, repeat: int = 200, cold: bool = True) -> float:
+def time_estimate(layout: Any, repeat: int = 200, cold: bool = True) -> float:
     times = []
     for _ in range(repeat):
         if cold:
@@ -63,14 +64,7 @@ def main() -> None:
               "   (target < 1 ms)")
     cmd = [sys.executable, "-m", "megatron_memguard.cli.main", "estimate", "--config",
            os.path.join(ROOT, "examples", "llama3_8b_h100.sh")]
-    env = dict(os.environ)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT)  # let the interpreter write .pyc files once
-    walls = []
-    for _ in range(5):
-        t = time.perf_counter()
-        subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT, check=False)
-        walls.append(time.perf_counter() - t)
+    walls = cold_process_seconds(cmd, 5, ROOT)
     print(f"cold `memguard estimate --config examples/llama3_8b_h100.sh`: median {statistics.median(walls):.3f} s "
           f"over 5 runs (target < 0.3 s)")
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.cold_start import cold_process_seconds  # noqa: E402
 from megatron_memguard.gpus import lookup_gpu  # noqa: E402
-from megatron_memguard.planner import Cluster, Constraints, Planner  # noqa: E402
+from megatron_memguard.planner import Cluster, Constraints, Planner, PlanResult  # noqa: E402
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags  # noqa: E402
 
 # Llama-3.1-70B (Meta's config.json): 80 layers, h 8192, ffn 28672, 64 heads, 8 KV groups, vocab 128256,
@@ -33,7 +33,7 @@ GPUS, SEQ, GBS, TOP = 1024, 8192, 1024, 5
 TARGET_S = 2.0
 
 
-def plan_once():
+def plan_once() -> tuple[float, PlanResult]:
     gpu = lookup_gpu("H100-80GB")
     t = time.perf_counter()
     raw = parse_megatron_flags(LLAMA31_70B)
@@ -62,13 +62,7 @@ def main() -> None:
           f"peak {best.estimate.peak_device_bytes / 2**30:.1f} GiB")
     cmd = [sys.executable, "-m", "megatron_memguard.cli.main", "plan", "--gpus", str(GPUS), "--gpu", "H100-80GB",
            "--seq-length", str(SEQ), "--global-batch-size", str(GBS), "--top", str(TOP), "--", *LLAMA31_70B]
-    env = dict(os.environ)
-    subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT)  # warm the .pyc cache once
-    walls = []
-    for _ in range(3):
-        t = time.perf_counter()
-        subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT, check=True)
-        walls.append(time.perf_counter() - t)
+    walls = cold_process_seconds(cmd, 3, ROOT)
     print(f"cold `memguard plan` process (interpreter start, imports, output): median {statistics.median(walls):.3f} s "
           f"over 3 runs")
 

@@ -67,6 +67,20 @@ def test_memory_lower_bound_stays_below_the_estimate():
             assert lb >= 0.4 * est.peak_device_bytes or c.recompute == "full", c.name
 
 
+def test_bound_counts_the_interleaved_warm_up():
+    """Megatron's interleaved schedule (groups of PP micro-batches): rank 0 runs 2 (PP-1) + (VPP-1) PP
+    warm-up chunk forwards and one more before its first backward, at most all m x VPP."""
+    from megatron_memguard.planner.bounds import first_stage_layers_held
+    from megatron_memguard.planner.space import Candidate
+
+    def cand(pp, vpp, m, layers):
+        return Candidate(1, pp, 1, vpp, None, None, False, 1, "none", True, 1, m, (layers,) * pp)
+    assert first_stage_layers_held(cand(4, 3, 128, 6)) == 15 * 2          # 6 + 8 + 1 chunks of 2 layers
+    assert first_stage_layers_held(cand(4, 2, 4, 8)) == 8 * 4             # capped at m x VPP = 8 chunks of 4
+    assert first_stage_layers_held(cand(4, 1, 128, 6)) == 4 * 6           # 1F1B: PP micro-batches
+    assert first_stage_layers_held(cand(4, 1, 2, 6)) == 2 * 6
+
+
 def test_selective_recompute_modules_are_respected_by_the_bound():
     flags = LLAMA31_8B + ["--recompute-modules", "mlp", "core_attn"]
     P = make_planner(flags, 16, 8192, 64)

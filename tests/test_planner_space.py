@@ -21,6 +21,28 @@ def test_tp_stays_inside_a_node_unless_allowed():
     assert {c.tp for c in enumerate_space(P2.shape, P2.cluster, 512, Constraints())} == {1, 2}
 
 
+def test_tp_groups_never_straddle_nodes():
+    # nodes of 6 GPUs: TP 4 would put some groups on two nodes, TP 8 and 16 are not whole nodes either
+    P = make_planner(LLAMA31_70B, 48, 8192, 96, gpus_per_node=6)
+    for allow in (False, True):
+        cands = enumerate_space(P.shape, P.cluster, 96, Constraints(allow_tp_across_nodes=allow))
+        assert {c.tp for c in cands} == {1, 2}
+
+
+def test_sequence_parallel_only_where_tp_divides_the_tokens():
+    """megatron-core scatters the [s/CP, b, h] activations along s over TP and asserts that it divides."""
+    P = make_planner(LLAMA31_8B, 64, 4100, 64)          # 4100 = 4 x 1025; per CP=2 rank 2050 = 2 x 1025
+    cands = enumerate_space(P.shape, P.cluster, 64, Constraints())
+    sp = {(c.tp, c.cp) for c in cands if c.sp}
+    assert sp == {(2, 1), (4, 1), (2, 2)}
+    assert {(c.tp, c.cp) for c in cands if c.tp > 1} >= {(8, 1), (4, 2), (8, 2)}
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.planner.space import make_candidate
+    assert not make_candidate(P.shape, P.cluster, 64, tp=8).sp
+    with pytest.raises(ConfigError, match="must divide"):
+        make_candidate(P.shape, P.cluster, 64, tp=8, sp=True)
+
+
 def test_max_tp_and_lists():
     P = make_planner(LLAMA31_70B, 256, 8192, 512)
     cands = enumerate_space(P.shape, P.cluster, 512, Constraints(max_tp=4, pp=(2, 4), mbs=(1,), recompute=("none",),
@@ -90,3 +112,16 @@ def test_fujii_space():
     for c in cands:
         assert c.vpp == 1 and c.recompute == "none" and c.dist_opt and c.first is None
         assert c.sp == (c.tp > 1) and c.tp * c.cp <= 8
+
+
+def test_no_context_parallelism_with_megatrons_local_attention():
+    """megatron-core's DotProductAttention asserts context_parallel_size == 1; only TE's attention does CP."""
+    local = make_planner(LLAMA31_8B + ["--transformer-impl", "local"], 64, 8192, 512)
+    assert {c.cp for c in enumerate_space(local.shape, local.cluster, 512, Constraints())} == {1}
+    assert any("context parallelism is left out" in n for n in local.notes)
+    te = make_planner(LLAMA31_8B, 64, 8192, 512)
+    assert {c.cp for c in enumerate_space(te.shape, te.cluster, 512, Constraints())} == {1, 2, 4, 8}
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.planner.space import make_candidate
+    with pytest.raises(ConfigError, match="context parallelism needs --transformer-impl transformer_engine"):
+        make_candidate(local.shape, local.cluster, 512, tp=2, cp=2)

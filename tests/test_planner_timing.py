@@ -145,3 +145,17 @@ def test_tp_across_nodes_costs_more_than_inside():
     assert across > inside
     # one member per node: every byte goes through the NIC (50 GB/s on H100 nodes)
     assert P.timer.collective("ag", S, 8, 1) > 5 * inside
+
+
+def test_pipeline_transfers_use_nvlink_only_when_the_pipeline_stays_in_a_node():
+    """PP is the outermost rank dimension: stage i holds ranks [4i, 4i+4) for TP2 DP2 below. On one 8-GPU node
+    every boundary is NVLink; on two nodes the stage 1 -> 2 boundary crosses nodes and paces the pipeline."""
+    from megatron_memguard.planner.space import make_candidate
+    from megatron_memguard.planner.timing import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, P2P_LATENCY
+    nbytes = 8192 * 4096 * 2 // 2                  # MBS 1 x seq x hidden x bf16 / TP (SP)
+    for gpus, link, eff in ((8, "nvlink_bytes_per_s", NVLINK_EFFICIENCY), (16, "network_bytes_per_s", NETWORK_EFFICIENCY)):
+        P = make_planner(LLAMA31_8B, gpus, 8192, 64)
+        c = make_candidate(P.shape, P.cluster, 64, tp=2, pp=4, mbs=1)
+        bw = getattr(P.cluster.gpu, link) * eff
+        assert P.step_time(c).term_seconds["pp_p2p"] == pytest.approx(2 * c.m * (P2P_LATENCY + nbytes / bw), rel=1e-12)
+        assert ("NVLink" if gpus == 8 else "the network") in P.timer.explain(c).terms[4].detail

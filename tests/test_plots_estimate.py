@@ -165,8 +165,9 @@ def test_cli_plot_does_not_fit_and_no_gpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name,msg", [("est.pdf", "cannot tell the format"), ("est", "cannot tell the format"),
-                                      ("missing-dir/est.png", "does not exist")])
+                                      ("missing-dir/est.png", "does not exist"), ("a-dir.png", "is a directory")])
 def test_cli_plot_bad_file_names(tmp_path, capsys, name, msg):
+    (tmp_path / "a-dir.png").mkdir()
     code = main(["estimate", "--world-size", "32", "--plot", str(tmp_path / name), "--", *VPP_FLAGS])
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
@@ -182,3 +183,15 @@ def test_html_without_virtual_stages_has_no_chunk_column(tmp_path):
     header, rows = html_tables((tmp_path / "e.html").read_text())["stages"]
     assert header[:3] == ["stage", "layers", "weights"] and all(len(r) == len(header) for r in rows)
     assert [int(r[1][1]) for r in rows] == [s.num_layers for s in est.stages]
+
+
+def test_a_failed_write_is_one_line(tmp_path, capsys, monkeypatch):
+    from megatron_memguard.report import plots
+
+    def full_disk(self, path, fmt=None):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(plots.Plot, "save", full_disk)
+    code = main(["estimate", "--world-size", "32", "--plot", str(tmp_path / "e.png"), "--", *VPP_FLAGS])
+    out = capsys.readouterr()
+    assert code == 2
+    assert out.err == f"memguard: error: --plot: cannot write {tmp_path / 'e.png'}: No space left on device\n"

@@ -165,12 +165,36 @@ def _break_line(path, n, text):
     ('{"schema":"memguard.runtime/1","event":"sample","rank":1,"actual":{}}', "without an integer 'iteration'"),
     ('{"schema":"memguard.runtime/1","event":"sample","rank":1,"iteration":5,"actual":{"max_allocated":"12GB"}}',
      "'actual.max_allocated': expected a number"),
+    ('{"schema":"memguard.runtime/1","event":"sample","rank":1,"pp_rank":"a","iteration":5,"actual":{}}',
+     "'pp_rank': expected a number, got 'a'"),
+    ('{"schema":"memguard.runtime/1","event":"start","rank":1,"tolerance":"5%"}', "'tolerance': expected a number >= 0"),
+    ('{"schema":"memguard.runtime/1","event":"start","rank":1,"source":3}', "'source': expected a string, got 3"),
+    ('{"schema":"memguard.runtime/1","event":"warning","rank":1,"iteration":5,"actual_bytes":"big"}',
+     "'actual_bytes': expected a number, got 'big'"),
+    ('{"schema":"memguard.runtime/1","event":"oom","rank":1,"iteration":[5]}', "'iteration': expected a number"),
 ])
 def test_malformed_lines_name_the_file_and_line(run_dir, capsys, text, why):
     path = run_dir / "memguard-rank00001.jsonl"
     _break_line(path, 3, text)
     err = _err(capsys, str(run_dir))
     assert f"{path} line 3: " in err and why in err and "--skip-bad-lines" in err
+
+
+def test_samples_without_a_prediction(tmp_path, capsys):
+    """The monitor writes ``"predicted": null`` when the run had no estimate: nothing to compare, no traceback."""
+    d = tmp_path / "nopred"
+    d.mkdir()
+    recs = [{"schema": "memguard.runtime/1", "event": "start", "rank": 0, "pp_rank": 0, "tolerance": 0.05},
+            {"schema": "memguard.runtime/1", "event": "sample", "rank": 0, "pp_rank": 0, "iteration": 10,
+             "actual": {"max_allocated": 3 << 30}, "predicted": None}]
+    (d / "memguard-rank00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["report", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "result: NO PREDICTION - " in out and "3.00 GiB" in out
+    assert to_json(read_run(str(d)))["ranks"][0]["error_max_allocated"] is None
+    pytest.importorskip("matplotlib")
+    assert main(["report", str(d), "--out", str(tmp_path / "r.html")]) == 0
+    assert '<h1 class="tight">result: NO PREDICTION - ' in (tmp_path / "r.html").read_text()
 
 
 def test_skip_bad_lines_warns_and_goes_on(run_dir, capsys):

@@ -48,7 +48,7 @@ class RankComparison:
         return out
 
 
-def default_estimator(layout, dp_rank: int):
+def default_estimator(layout: Any, dp_rank: int) -> Any:
     from megatron_memguard import estimate
     return estimate(layout, profile="local", device="cpu", dp_rank=dp_rank)
 

@@ -11,7 +11,7 @@ import json
 from .livebytes import LiveBytesTracker, format_bytes
 
 
-def explain_rank(r, top: int = 20) -> str:
+def explain_rank(r: dict, top: int = 20) -> str:
     mib = 1024 ** 2
     lines = [
         f"rank {r['rank']} (tp{r['tp_rank']} pp{r['pp_rank']} dp{r['dp_rank']}), "
@@ -28,7 +28,7 @@ def explain_rank(r, top: int = 20) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("results")
     p.add_argument("--config", nargs="*", default=None)

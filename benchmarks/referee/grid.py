@@ -154,7 +154,7 @@ GRID: List[Dict[str, Any]] = [
 REFEREE_MEGATRON_VERSION = "0.16.1"
 
 
-def resolve_config(flags: List[str], world_size: int):
+def resolve_config(flags: List[str], world_size: int) -> tuple:
     """The grid flags resolved by memguard itself (the same reader and rules `memguard estimate`
     uses): returns (layout, settings for the worker under Megatron's argument names)."""
     from megatron_memguard.readers.megatron_flags import parse_megatron_flags
@@ -166,10 +166,6 @@ def resolve_config(flags: List[str], world_size: int):
     # Settings the worker needs that do not change memory (so the Layout does not carry them).
     settings["initial_loss_scale"] = raw.args.get("initial_loss_scale", 2 ** 32)
     return layout, settings
-
-
-def _settings_from_flags(flags: List[str], world_size: int) -> Dict[str, Any]:
-    return resolve_config(flags, world_size)[1]
 
 
 def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
@@ -189,7 +185,7 @@ def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool =
     out = {"configs": []}
     t_all = time.time()
     for c in cfgs:
-        settings = _settings_from_flags(c["flags"], c["world_size"])
+        settings = resolve_config(c["flags"], c["world_size"])[1]
         t0 = time.time()
         entry = {"name": c["name"], "world_size": c["world_size"], "ci": c["ci"], "note": c["note"],
                  "flags": c["flags"], "settings": settings}
@@ -221,7 +217,7 @@ def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool =
     return out
 
 
-def main(argv=None):
+def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ci", action="store_true", help="run only the CI subset")
     p.add_argument("--only", nargs="*", default=None, help="run only these configuration names")

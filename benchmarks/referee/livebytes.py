@@ -110,15 +110,6 @@ class LiveBytesTracker(TorchDispatchMode):
         self.phase = phase
 
     @contextlib.contextmanager
-    def phase_ctx(self, phase: str):
-        old = self.phase
-        self.phase = phase
-        try:
-            yield
-        finally:
-            self.phase = old
-
-    @contextlib.contextmanager
     def region(self, name: str):
         """Record the peak of live bytes between entry and exit under `name`."""
         with self._lock:

@@ -56,7 +56,7 @@ def render(entries: list[dict], source: str) -> tuple[str, dict]:
     return "\n".join(head + lines) + "\n", s
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measured", help="compare these stored measurements instead of running the grid")
     ap.add_argument("--ci", action="store_true", help="run only the CI subset")

@@ -153,7 +153,7 @@ def _run_once(settings, world_size, timeout, python, threads_per_rank):
     return sorted(results, key=lambda d: d["rank"])
 
 
-def main(argv=None):
+def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--settings", required=True, help="JSON file with resolved Megatron settings")

@@ -403,6 +403,9 @@ def install(tracker=None) -> None:
     dist.isend = isend
 
 
+# Snapshot sends not yet seen completed. Send works megatron never waits for are not marked completed by
+# gloo, so their snapshots stay until the process exits (never wait() on them here: a second wait() on a
+# gloo send blocks forever).
 _PENDING_SENDS: list = []
 
 
@@ -416,14 +419,6 @@ def _reap_sends() -> None:
         if not done:
             still.append((work, snap))
     _PENDING_SENDS[:] = still
-
-
-def pending_sends() -> int:
-    """Number of snapshot sends not (yet) seen completed. Send works that megatron never waits for
-    are not marked completed by gloo, so their snapshots are kept until the process exits (they
-    must not be waited for here: a second wait() on a gloo send blocks forever)."""
-    _reap_sends()
-    return len(_PENDING_SENDS)
 
 
 def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:

@@ -97,21 +97,6 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
     referee_dump_top=30,
 )
 
-SETTINGS_KEYS = (
-    "num_layers hidden_size ffn_hidden_size num_attention_heads num_query_groups group_query_attention "
-    "kv_channels seq_length max_position_embeddings padded_vocab_size micro_batch_size "
-    "global_batch_size data_parallel_size tensor_model_parallel_size pipeline_model_parallel_size "
-    "virtual_pipeline_model_parallel_size decoder_first_pipeline_num_layers "
-    "decoder_last_pipeline_num_layers context_parallel_size sequence_parallel "
-    "use_distributed_optimizer num_distributed_optimizer_instances overlap_grad_reduce "
-    "overlap_param_gather accumulate_allreduce_grads_in_fp32 bf16 fp16 recompute_granularity "
-    "recompute_method recompute_num_layers recompute_modules swiglu squared_relu normalization "
-    "add_bias_linear add_qkv_bias qk_layernorm position_embedding_type "
-    "untie_embeddings_and_output_weights hidden_dropout attention_dropout "
-    "create_attention_mask_in_dataloader optimizer transformer_impl cross_entropy_loss_fusion "
-    "calculate_per_token_loss"
-).split()
-
 
 def build_args(settings: Dict[str, Any]) -> SimpleNamespace:
     """Megatron-style args namespace: defaults overlaid with the resolved settings."""

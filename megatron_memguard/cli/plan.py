@@ -1,6 +1,6 @@
 """``memguard plan``: search the 4D layout space, keep the layouts that fit, rank them.
 
-    memguard plan --gpus 128 --gpu H100-80GB --seq-length 8192 --global-batch-size 1024 --model llama3.1-70b
+    memguard plan --gpus 128 --gpu H100-80GB --seq-length 8192 --global-batch-size 1024 --model llama3.1-70b -- --bf16
     memguard plan --gpus 64 --seq-length 8192 --global-batch-size 512 -- --num-layers 32 --hidden-size 4096 ...
     memguard plan ... --explain tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none
 
@@ -14,6 +14,9 @@ import json
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+
+from typing import TYPE_CHECKING, Any, Sequence
+
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -24,6 +27,10 @@ from .main import (
     EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
     target_gpu,
 )
+
+if TYPE_CHECKING:
+    from ..planner import Planner, PlanResult
+    from ..report.plots import Plot
 
 DEFAULT_TOP = 5
 DEFAULT_PLOT_LAYOUTS = 200
@@ -223,6 +230,9 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
 
 
 def plan_json(planner: Planner, res: PlanResult) -> dict:
+
+
+def plan_json(planner: Planner, res: PlanResult) -> dict[str, Any]:
     cl, s = res.cluster, res.shape
     return {
         "schema": "memguard.plan/1",
@@ -283,13 +293,14 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
 def plot_caption(res: PlanResult) -> str:
     """What the plot shows: every fitting layout, or the best of them (the search stopped there)."""
     k = len(res.entries)
-    order = "fastest" if res.rule == "time" else "first in the Fujii et al. order"
     if not k:
         return "no layout fits: nothing to plot"
     if res.visited >= res.considered:
         what = f"all {k} layouts that fit"
     else:
-        what = f"the {k} {order} layouts that fit (the search stopped there; --plot-layouts all plots every one)"
+        which = f"the {k} fastest layouts that fit" if res.rule == "time" else \
+            f"the first {k} layouts that fit in the Fujii et al. order"
+        what = f"{which} (the search stopped there; --plot-layouts all plots every one)"
     return (f"{what}; {res.estimated:,} of {res.considered:,} candidates estimated, "
             f"{res.pruned_by_bound:,} ruled out by the memory bound")
 

@@ -63,7 +63,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         from ..report.plots import report_figure, write
         metrics = [m for m in metrics_of(log) if m != "device_used"] or ["max_allocated"]
         plot = report_figure(log, metrics=metrics, table_rows=None if fmt == "html" else figure_table(log))
-        write(plot, ns.out, fmt, lambda p: report_html(log, p))
+        write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out")
         print(f"memguard: report written to {ns.out}", file=sys.stderr)
     return EXIT_FITS if verdict(log, metrics_of(log))["ok"] else EXIT_PROBLEM
 

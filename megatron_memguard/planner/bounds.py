@@ -11,7 +11,8 @@ The bound counts only what every pipeline stage certainly holds, a subset of the
   the fc1 output and the input of linear_fc2, the s x s softmax output of unfused attention; less what selective recompute of 'mlp' or the local
   'layernorm' drops), or only the checkpointed layer inputs under full recompute, times the layers
   of the stage times the
-  micro-batches in flight on it (min(PP - rank, m) in 1F1B; the interleaved schedule holds more);
+  micro-batches in flight on the first stage when its first backward starts (min(PP, m) in 1F1B;
+  2 (PP - 1) + (VPP - 1) PP + 1 chunks of layers / VPP layers in the interleaved schedule) and one on the last;
 * on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy.
 
 No workspace, CUDA context, NCCL buffer, transient or allocator slack is counted, so the bound
@@ -19,6 +20,8 @@ stays below the estimator's device total (tests/test_planner_search.py checks it
 candidate whose bound exceeds threshold x GPU memory cannot be 'fits' and is not estimated.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from .space import Candidate, ModelShape
 
@@ -56,11 +59,23 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     return kept
 
 
-def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params) -> float:
+def first_stage_layers_held(c: Candidate) -> int:
+    """Layer activations (x micro-batches) the first stage holds when its first backward starts: the
+    warm-up forwards plus one. 1F1B: min(PP, m) micro-batches of all its layers. Interleaved (Megatron's
+    schedule with micro-batch groups of PP): 2 (PP - 1) + (VPP - 1) PP + 1 chunk forwards, at most all
+    m x VPP, each of layers / VPP layers."""
+    n = c.stage_layers[0]
+    if c.vpp == 1:
+        return min(c.pp, c.m) * n
+    chunks = min(c.m * c.vpp, 2 * (c.pp - 1) + (c.vpp - 1) * c.pp + 1)
+    return chunks * n // c.vpp
+
+
+def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int]) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
     rank of stage i (TimeModel.stage_params)."""
     per_layer = layer_activation_bytes(shape, c)
-    first = stage_state_bytes(shape, c, stage_params(c, 0)) + min(c.pp, c.m) * c.stage_layers[0] * per_layer
+    first = stage_state_bytes(shape, c, stage_params(c, 0)) + first_stage_layers_held(c) * per_layer
     if c.pp == 1:
         last = first                          # one stage holds everything
     else:

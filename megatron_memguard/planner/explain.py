@@ -3,7 +3,7 @@
 LAYOUT is the compact spelling the planner prints (``Candidate.name``):
 ``tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none`` with optional ``sp=on|off``, ``dist-opt=on|off``,
 ``first=N,last=N`` (uneven first/last pipeline stages). Missing keys take TP=PP=VPP=CP=MBS=1, no
-recomputation, SP on when TP > 1, the distributed optimizer on, and the pipeline split the search
+recomputation, SP on when TP > 1 (and TP divides seq / CP), the distributed optimizer on, and the pipeline split the search
 would choose.
 """
 from __future__ import annotations

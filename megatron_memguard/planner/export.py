@@ -43,24 +43,34 @@ def megatron_flags(L: Layout) -> list[str]:
     return f
 
 
+def _parallel(prefix: str, L: Layout) -> list[str]:
+    """The parallel sizes and the pipeline split: NeMo 2's strategy and Bridge's model config share the names."""
+    o = [f"{prefix}tensor_model_parallel_size={L.tp}", f"{prefix}pipeline_model_parallel_size={L.pp}",
+         f"{prefix}virtual_pipeline_model_parallel_size={L.vpp if L.vpp > 1 else 'null'}",
+         f"{prefix}context_parallel_size={L.cp}", f"{prefix}sequence_parallel={_b(L.sequence_parallel)}"]
+    if L.decoder_first_pipeline_num_layers is not None:
+        o.append(f"{prefix}num_layers_in_first_pipeline_stage={L.decoder_first_pipeline_num_layers}")
+    if L.decoder_last_pipeline_num_layers is not None:
+        o.append(f"{prefix}num_layers_in_last_pipeline_stage={L.decoder_last_pipeline_num_layers}")
+    return o
+
+
+def _recompute(prefix: str, L: Layout) -> list[str]:
+    o = [f"{prefix}recompute_granularity={L.recompute_granularity or 'null'}"]
+    if L.recompute_granularity == "full":
+        o += [f"{prefix}recompute_method={L.recompute_method}", f"{prefix}recompute_num_layers={L.recompute_num_layers}"]
+    return o
+
+
 def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
     s = "trainer.strategy."
-    o = [f"{s}tensor_model_parallel_size={L.tp}", f"{s}pipeline_model_parallel_size={L.pp}",
-         f"{s}virtual_pipeline_model_parallel_size={L.vpp if L.vpp > 1 else 'null'}",
-         f"{s}context_parallel_size={L.cp}", f"{s}sequence_parallel={_b(L.sequence_parallel)}"]
-    if L.decoder_first_pipeline_num_layers is not None:
-        o.append(f"{s}num_layers_in_first_pipeline_stage={L.decoder_first_pipeline_num_layers}")
-    if L.decoder_last_pipeline_num_layers is not None:
-        o.append(f"{s}num_layers_in_last_pipeline_stage={L.decoder_last_pipeline_num_layers}")
+    o = _parallel(s, L)
     o += [f"data.micro_batch_size={L.micro_batch_size}", f"data.global_batch_size={L.global_batch_size}",
           f"data.seq_length={L.seq_length}",
           f"optim.config.use_distributed_optimizer={_b(L.use_distributed_optimizer)}",
           f"{s}ddp.overlap_grad_reduce={_b(L.overlap_grad_reduce)}",
-          f"{s}ddp.overlap_param_gather={_b(L.overlap_param_gather)}",
-          f"model.config.recompute_granularity={L.recompute_granularity or 'null'}"]
-    if L.recompute_granularity == "full":
-        o += [f"model.config.recompute_method={L.recompute_method}",
-              f"model.config.recompute_num_layers={L.recompute_num_layers}"]
+          f"{s}ddp.overlap_param_gather={_b(L.overlap_param_gather)}"]
+    o += _recompute("model.config.", L)
     if gpus_per_node:
         nodes = -(-L.world_size // gpus_per_node)
         o += [f"trainer.devices={min(gpus_per_node, L.world_size)}", f"trainer.num_nodes={nodes}"]
@@ -68,20 +78,11 @@ def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
 
 
 def bridge_overrides(L: Layout) -> list[str]:
-    o = [f"model.tensor_model_parallel_size={L.tp}", f"model.pipeline_model_parallel_size={L.pp}",
-         f"model.virtual_pipeline_model_parallel_size={L.vpp if L.vpp > 1 else 'null'}",
-         f"model.context_parallel_size={L.cp}", f"model.sequence_parallel={_b(L.sequence_parallel)}"]
-    if L.decoder_first_pipeline_num_layers is not None:
-        o.append(f"model.num_layers_in_first_pipeline_stage={L.decoder_first_pipeline_num_layers}")
-    if L.decoder_last_pipeline_num_layers is not None:
-        o.append(f"model.num_layers_in_last_pipeline_stage={L.decoder_last_pipeline_num_layers}")
+    o = _parallel("model.", L)
     o += [f"model.seq_length={L.seq_length}", f"dataset.seq_length={L.seq_length}",
           f"train.micro_batch_size={L.micro_batch_size}", f"train.global_batch_size={L.global_batch_size}",
           f"ddp.use_distributed_optimizer={_b(L.use_distributed_optimizer)}",
           f"optimizer.use_distributed_optimizer={_b(L.use_distributed_optimizer)}",
           f"ddp.overlap_grad_reduce={_b(L.overlap_grad_reduce)}",
-          f"ddp.overlap_param_gather={_b(L.overlap_param_gather)}",
-          f"model.recompute_granularity={L.recompute_granularity or 'null'}"]
-    if L.recompute_granularity == "full":
-        o += [f"model.recompute_method={L.recompute_method}", f"model.recompute_num_layers={L.recompute_num_layers}"]
-    return o
+          f"ddp.overlap_param_gather={_b(L.overlap_param_gather)}"]
+    return o + _recompute("model.", L)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time as _time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
@@ -134,6 +134,9 @@ class Planner:
         if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):
             self.notes.append("the step-time model assumes fused (flash) attention kernels; the unfused attention "
                               "this model uses is slower than predicted")
+        if self.probe.transformer_impl == "local":
+            self.notes.append("--transformer-impl local: context parallelism is left out (megatron-core's local "
+                              "attention supports CP = 1 only)")
         if self.probe.tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs)
@@ -165,7 +168,7 @@ class Planner:
         return self.cluster.gpu_memory_bytes * self.threshold
 
     # ---- the search ----------------------------------------------------------------------------------
-    def order_key(self, rule: str):
+    def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
         if rule == "fujii2024":
             return lambda c: (c.model_parallel, -c.mbs, self.step_time(c).seconds, c.tp, c.pp)
         return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,

@@ -11,7 +11,8 @@ groups a multiple or divisor of TP; TP groups inside a node (TP divides the GPUs
 ``allow_tp_across_nodes``; ``seq % (2*CP) == 0``; PP <= layers, an even split or first/last stages
 that leave an even split of the middle ones; VPP dividing every stage's layers, with the interleaved
 schedule's micro-batch rule (``PP <= group <= m`` and a last group of 0 or >= PP, the group being PP);
-``GBS % (MBS*DP) == 0``. Every candidate the planner estimates or shows is then resolved by
+``GBS % (MBS*DP) == 0``; CP = 1 with ``--transformer-impl local``; sequence parallelism only where TP divides the tokens of a CP rank (``seq/CP``;
+megatron-core's scatter along the sequence asserts it). Every candidate the planner estimates or shows is then resolved by
 :func:`megatron_memguard.resolve.resolve`, which checks all of Megatron's rules again; a candidate
 it rejects is counted and dropped.
 """
@@ -296,10 +297,10 @@ def tp_values(shape: ModelShape, cluster: Cluster, cons: Constraints) -> list[in
             continue
         if cons.max_tp is not None and t > cons.max_tp:
             continue
-        if not cons.allow_tp_across_nodes and (t > dom or dom % t):
-            continue
-        if cons.allow_tp_across_nodes and t > dom and t % dom:
-            continue                   # a TP group straddling part of a node: never sensible
+        if t <= dom and dom % t:
+            continue                   # some TP groups would straddle two nodes
+        if t > dom and (not cons.allow_tp_across_nodes or t % dom):
+            continue                   # across nodes only when allowed, and then whole nodes
         out.append(t)
     return _allowed(out, cons.tp)
 
@@ -319,7 +320,8 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
         recompute = [r for r in recompute if r == "none"]
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
     for tp in tp_values(shape, cluster, cons):
-        for cp in divisors(world // tp):
+        # megatron-core's own attention (--transformer-impl local) asserts CP = 1; only TE's does ring attention
+        for cp in (divisors(world // tp) if shape.transformer_impl != "local" else [1]):
             if cp > 1 and s % (2 * cp):
                 continue
             if cons.cp is None and s // cp < MIN_TOKENS_PER_CP_RANK and cp > 1:
@@ -358,7 +360,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             m = per_dp // mbs
                             if vpp > 1 and (m < pp or m % pp):
                                 continue       # interleaved schedule: PP <= group (= PP) <= m, no short last group
-                            sps = [True, False] if tp > 1 else [False]
+                            sps = [True, False] if tp > 1 and (s // cp) % tp == 0 else [False]
                             sps = [x for x in sps if (tp == 1 or x in cons.sp)]
                             if fujii and tp > 1:
                                 sps = [x for x in sps if x]
@@ -379,6 +381,9 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         raise ConfigError("--explain", f"recompute must be one of {', '.join(RECOMPUTE_LEVELS)}, got {recompute!r}")
     if world % (tp * pp * cp):
         raise ConfigError("--explain", f"{world} GPUs are not divisible by TP*PP*CP = {tp}*{pp}*{cp}")
+    if cp > 1 and shape.transformer_impl == "local":
+        raise ConfigError("--explain", f"cp={cp}: context parallelism needs --transformer-impl transformer_engine "
+                          "(megatron-core's local attention asserts CP = 1)")
     dp = world // (tp * pp * cp)
     if global_batch_size % (mbs * dp):
         raise ConfigError("--explain", f"global batch size {global_batch_size} is not divisible by MBS*DP = {mbs}*{dp}")
@@ -395,7 +400,11 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         mid = rest // middle if middle else 0
         stages = tuple([first if first is not None else mid] + [mid] * (pp - 2) + [last if last is not None else mid]) \
             if pp > 1 else (shape.num_layers,)
-    sp = (tp > 1) if sp is None else (sp and tp > 1)
+    seq_rank = shape.seq_length // cp
+    if sp and tp > 1 and seq_rank % tp:
+        raise ConfigError("--explain", f"sequence parallelism splits the {seq_rank} tokens per CP rank over TP = {tp} "
+                          "ranks: they must divide (or give sp=off)")
+    sp = (tp > 1 and seq_rank % tp == 0) if sp is None else (sp and tp > 1)
     if pp == 1:
         vpp = 1                    # Megatron ignores virtual stages without a pipeline
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt, dp,

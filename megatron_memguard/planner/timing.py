@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..units import format_bytes
 from .space import Candidate, Cluster, ModelShape
 
 # ---- constants (each documented in docs/planner.md) ----------------------------------------------
@@ -435,19 +436,21 @@ class TimeModel:
         p2p_detail = "no pipeline"
         if p > 1:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
-            same = c.tp * c.cp * c.dp < self.domain
+            # Stage i holds ranks [i X, (i+1) X), X = TP x CP x DP (rank order tp-cp-ep-dp-pp): unless the whole
+            # pipeline fits one NVLink domain, some stage boundary crosses it, and that transfer paces the pipeline.
+            same = c.tp * c.cp * c.dp * c.pp <= self.domain
             t1 = self.p2p(nbytes, same)
             if v > 1:
                 chunk = (comp + rc + tpc + cpc) / v / 3     # a chunk's forward, about a third of its work
                 p2p = 2 * m * v * max(P2P_LATENCY, t1 - chunk)
                 if details:
                     p2p_detail = (f"2 x {m} micro-batches x {v} chunks x max({P2P_LATENCY * 1e6:.0f} us, {t1 * 1e3:.3f} ms "
-                                  f"transfer - {chunk * 1e3:.3f} ms chunk forward): {_fmt_bytes(nbytes)} on "
+                                  f"transfer - {chunk * 1e3:.3f} ms chunk forward): {format_bytes(nbytes)} on "
                                   f"{'NVLink' if same else 'the network'}, overlapped (--overlap-p2p-communication)")
             else:
                 p2p = 2 * m * t1
                 if details:
-                    p2p_detail = (f"2 x {m} micro-batches x {t1 * 1e3:.3f} ms: {_fmt_bytes(nbytes)} on "
+                    p2p_detail = (f"2 x {m} micro-batches x {t1 * 1e3:.3f} ms: {format_bytes(nbytes)} on "
                                   f"{'NVLink' if same else 'the network'}, blocking in 1F1B")
 
         # data parallel: gradients reduce-scatter (+ parameters all-gather) or all-reduce over DP x CP
@@ -471,7 +474,7 @@ class TimeModel:
                 ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
                 dp_comm = max(rs - w_b, tail * rs) + max(ag - w_f, tail * ag)
                 if details:
-                    dp_detail = (f"reduce-scatter of {_fmt_bytes(gbytes)} gradients {rs * 1e3:.1f} ms behind "
+                    dp_detail = (f"reduce-scatter of {format_bytes(gbytes)} gradients {rs * 1e3:.1f} ms behind "
                                  f"{w_b * 1e3:.1f} ms of the last backward + all-gather of parameters {ag * 1e3:.1f} ms "
                                  f"behind {w_f * 1e3:.1f} ms of the first forward; {n_dp} ranks, {k} per NVLink domain; "
                                  f"the last bucket ({tail:.0%}) stays exposed")
@@ -479,7 +482,7 @@ class TimeModel:
                 ar = self.collective("ar", gbytes, n_dp, k)
                 dp_comm = max(ar - w_b, tail * ar)
                 if details:
-                    dp_detail = (f"all-reduce of {_fmt_bytes(gbytes)} gradients {ar * 1e3:.1f} ms behind "
+                    dp_detail = (f"all-reduce of {format_bytes(gbytes)} gradients {ar * 1e3:.1f} ms behind "
                                  f"{w_b * 1e3:.1f} ms of the last backward; {n_dp} ranks, {k} per NVLink domain; "
                                  f"the last bucket ({tail:.0%}) stays exposed")
 
@@ -517,10 +520,3 @@ class TimeModel:
         return StepTime(candidate=c, values=values, details=texts, model_flops_per_token=self.flops_per_token,
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
                         critical_stage=crit)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= f:
-            return f"{n / f:.1f} {unit}"
-    return f"{n:.0f} B"

@@ -33,7 +33,7 @@ def esc(text: Any) -> str:
     return html.escape("" if text is None else str(text), quote=True)
 
 
-def svg_of(fig) -> str:
+def svg_of(fig: Any) -> str:
     """The figure as an inline ``<svg>`` element (text as paths: no fonts needed to view it)."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg")
@@ -75,7 +75,7 @@ def page(title: str, body: Sequence[str]) -> str:
             f"<title>{esc(title)}</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def figure(fig, caption: str = "") -> str:
+def figure(fig: Any, caption: str = "") -> str:
     cap = f"<figcaption>{esc(caption)}</figcaption>" if caption else ""
     return f"<figure>{svg_of(fig)}{cap}</figure>"
 

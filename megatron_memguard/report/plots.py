@@ -12,11 +12,16 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import ConfigError
 from ..estimator.result import GROUPS
 from ..units import byte_unit, format_bytes
+
+if TYPE_CHECKING:
+    from ..estimator.result import Estimate, StageEstimate
+    from ..planner.search import PlanEntry
+    from .runlog import RunLog
 
 FORMATS = ("png", "svg", "html")
 DPI = 100
@@ -43,7 +48,7 @@ class PlotUnavailable(ConfigError):
                          "pip install 'megatron-memguard[plot]'")
 
 
-def require_matplotlib(option: str = "--plot"):
+def require_matplotlib(option: str = "--plot") -> type:
     """The ``Figure`` class, or PlotUnavailable naming the ``plot`` extra."""
     try:
         import matplotlib
@@ -67,6 +72,10 @@ def output_format(path: str, option: str = "--plot", formats: Sequence[str] = FO
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise ConfigError(option, f"directory {d} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(option, f"{path} is a directory", "give a file name")
+    if not os.access(d, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(option, f"cannot write {path}: permission denied")
     return ext
 
 
@@ -104,14 +113,17 @@ def _metadata(fmt: str) -> dict:
     return {"Date": None} if fmt == "svg" else {}
 
 
-def write(plot: Plot, path: str, fmt: str, html_page) -> None:
+def write(plot: Plot, path: str, fmt: str, html_page: Callable[[Plot], str], option: str = "--plot") -> None:
     """Write a plot as PNG / SVG, or as the HTML page ``html_page(plot)`` returns."""
-    if fmt == "html":
-        doc = html_page(plot)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(doc)
-    else:
-        plot.save(path, fmt)
+    try:
+        if fmt == "html":
+            doc = html_page(plot)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(doc)
+        else:
+            plot.save(path, fmt)
+    except OSError as e:
+        raise ConfigError(option, f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _widen_for_ticks(fig, ax, n: int, max_width: float = 40.0) -> None:
@@ -133,7 +145,7 @@ def _widen_for_ticks(fig, ax, n: int, max_width: float = 40.0) -> None:
 
 
 # ---- estimate: stacked bars per pipeline stage -------------------------------------------------------
-def stage_label(s, vpp: int) -> str:
+def stage_label(s: StageEstimate, vpp: int) -> str:
     """Tick label of a stage: its name and layers (chunks x layers when interleaved)."""
     if vpp > 1 and s.chunks:
         per = {c.num_layers for c in s.chunks}
@@ -149,7 +161,7 @@ def _groups_present(est) -> list[str]:
     return [g for g in (*GROUPS, *extra) if any(s.group_bytes(g) for s in est.stages)]
 
 
-def estimate_figure(est) -> Plot:
+def estimate_figure(est: Estimate) -> Plot:
     """Stacked bars of every pipeline stage's terms by group; GPU capacity and threshold as lines."""
     Figure = require_matplotlib()
     from ..report.text import describe_layout
@@ -238,7 +250,7 @@ def estimate_figure(est) -> Plot:
     return plot
 
 
-def estimate_html(est, plot: Plot) -> str:
+def estimate_html(est: Estimate, plot: Plot) -> str:
     from . import html as H
     from .text import describe_layout, verdict_line
 
@@ -273,7 +285,7 @@ def estimate_html(est, plot: Plot) -> str:
     return H.page(f"memguard estimate: {est.verdict}", body)
 
 
-def write_estimate_plot(est, path: str) -> Plot:
+def write_estimate_plot(est: Estimate, path: str) -> Plot:
     fmt = output_format(path)
     plot = estimate_figure(est)
     write(plot, path, fmt, lambda p: estimate_html(est, p))
@@ -281,7 +293,8 @@ def write_estimate_plot(est, path: str) -> Plot:
 
 
 # ---- report: predicted vs actual over iterations, one panel per stage ---------------------------------
-def report_figure(log, metrics: Sequence[str] = ("max_allocated", "max_reserved"), table_rows=None) -> Plot:
+def report_figure(log: RunLog, metrics: Sequence[str] = ("max_allocated", "max_reserved"),
+                  table_rows: Sequence[Any] | None = None) -> Plot:
     """One panel per pipeline stage: each rank's actual peak allocated / reserved per sample (solid) and the
     prediction (dashed). ``table_rows`` (header, rows) adds a table under the panels (PNG / SVG)."""
     Figure = require_matplotlib("--out")
@@ -406,7 +419,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def plan_points(entries) -> list[dict[str, Any]]:
+def plan_points(entries: Sequence[PlanEntry]) -> list[dict[str, Any]]:
     pts = [{"rank": e.rank, "name": e.candidate.name, "label": e.candidate.label, "tp": e.candidate.tp,
             "pp": e.candidate.pp, "peak_device_bytes": e.estimate.peak_device_bytes,
             "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "mfu": e.time.mfu} for e in entries]

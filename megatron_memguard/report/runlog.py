@@ -182,6 +182,28 @@ def _int(v: Any) -> int | None:
     return int(v)
 
 
+def _field(rec: dict, key: str, check: Callable[[Any], Any]) -> Any:
+    """``check(rec[key])`` (None when absent), the error naming the field."""
+    try:
+        return check(rec.get(key))
+    except ValueError as e:
+        raise ValueError(f"'{key}': {e}") from None
+
+
+def _tolerance(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"expected a number >= 0, got {v!r}")
+    return float(v)
+
+
+def _text(v: Any) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
+
+
 def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]:
     if not isinstance(d, dict):
         raise ValueError(f"'{what}' must be an object, got {type(d).__name__}")
@@ -259,28 +281,33 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
     out = RankRun(rank=rank, path=path, segments=len(segments), segment=run)
     for n, rec in chosen:
         ev = rec["event"]
-        if rec.get("pp_rank") is not None:
-            out.pp_rank = rec["pp_rank"]
         try:
+            pp_rank = _field(rec, "pp_rank", _int)
             if ev == "start":
+                fields = (_field(rec, "source", _text), _field(rec, "interval", _int),
+                          _field(rec, "tolerance", _tolerance))
+                if rec.get("reset_peak") is not None and not isinstance(rec["reset_peak"], bool):
+                    raise ValueError(f"'reset_peak': expected true or false, got {rec['reset_peak']!r}")
                 out.start = rec
-                out.source = rec.get("source")
-                out.interval = rec.get("interval")
-                out.tolerance = rec.get("tolerance")
+                out.source, out.interval, out.tolerance = fields
                 out.reset_peak = rec.get("reset_peak")
             elif ev == "sample":
                 actual = _bytes_dict(rec["actual"], ("allocated", "reserved", *METRICS), "actual")
                 pred = rec.get("predicted") or {}
                 predicted = _bytes_dict(pred, ("peak_allocated", "peak_reserved", "device_total", "persistent"), "predicted")
                 out.samples.append(Sample(rec["iteration"], actual, predicted, n))
-            elif ev == "warning":
-                out.warnings.append(rec)
-            elif ev == "oom":
-                out.ooms.append(rec)
+            elif ev in ("warning", "oom"):
+                # the numbers the report draws and prints
+                for k in ("iteration", "actual_bytes", "predicted_bytes", "alloc_bytes"):
+                    _field(rec, k, _int)
+                (out.warnings if ev == "warning" else out.ooms).append(rec)
             elif ev == "summary":
                 out.summary = rec
         except ValueError as e:
             bad(n, str(e))
+            continue
+        if pp_rank is not None:
+            out.pp_rank = pp_rank
     return out
 
 

@@ -142,6 +142,9 @@ def result_line(log: RunLog, metrics: Sequence[str], colour: bool = False) -> st
                      + ("; ..." if len(by_rank) > 3 else ""))
     if parts:
         return "result: " + _c("OVER", "31", colour) + " - " + "; ".join(parts)
+    if v["worst"] is None:
+        return ("result: " + _c("NO PREDICTION", "33", colour) + " - the samples carry no prediction "
+                "(the run's estimate failed or was not given); nothing to compare")
     r, m, e = v["worst"]
     return ("result: " + _c("OK", "32", colour) + f" - every rank stayed within its prediction +{tol:.0%} "
             f"(largest: {e:+.1%}, rank {r.rank} pp{r.pp_rank} {METRIC_LABELS[m]})")
@@ -231,7 +234,7 @@ def figure_table(log: RunLog) -> tuple[list[str], list[list[str]], set[tuple[int
     return header, rows, hot
 
 
-def report_html(log: RunLog, plot) -> str:
+def report_html(log: RunLog, plot: Any) -> str:
     from . import html as H
 
     metrics = metrics_of(log)
@@ -261,7 +264,7 @@ def report_html(log: RunLog, plot) -> str:
                     H.Cell(_range_bytes([r.peak(m) for r in rs]), ahi), err_cell(max(es) if es else None)]
         srows.append(row)
     v = verdict(log, metrics)
-    cls = "fits" if v["ok"] else "over"
+    cls = "over" if not v["ok"] else "fits" if v["worst"] is not None else "tight"   # amber: nothing to compare
     events = _event_lines(log, limit=200)
     body = [f"<h1 class=\"{cls}\">{H.esc(result_line(log, metrics))}</h1>",
             f"<p class=\"sub\">{H.esc(_headline(log))}\nfiles: {H.esc(', '.join(log.files[:6]))}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Sequence
+from typing import IO, Sequence
 
 from ..estimator.result import GROUPS, Estimate, StageEstimate
 from ..units import format_bytes
@@ -12,7 +12,7 @@ from ..units import format_bytes
 _COLOURS = {"fits": "32", "tight": "33", "will not fit": "31", "unknown": "0"}
 
 
-def use_colour(stream=None) -> bool:
+def use_colour(stream: IO[str] | None = None) -> bool:
     stream = stream or sys.stdout
     return hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR")
 
