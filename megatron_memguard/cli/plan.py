@@ -12,9 +12,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import TYPE_CHECKING, Sequence
-
-
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ConfigError
@@ -27,10 +24,6 @@ from .main import (
     EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
     target_gpu,
 )
-
-if TYPE_CHECKING:
-    from ..planner import Planner, PlanResult
-    from ..report.plots import Plot
 
 DEFAULT_TOP = 5
 DEFAULT_PLOT_LAYOUTS = 200
@@ -227,9 +220,6 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         out.append("")
         out.extend(f"note: {n}" for n in notes)
     return "\n".join(out)
-
-
-def plan_json(planner: Planner, res: PlanResult) -> dict:
 
 
 def plan_json(planner: Planner, res: PlanResult) -> dict[str, Any]:
