@@ -46,6 +46,7 @@ class Row:
     est_steady: float | None = None
     error: str | None = None
     phase: str = ""
+    layout: object = None           # the resolved Layout (records with equal layouts get equal estimates)
 
     @property
     def peak_err(self) -> float | None:
@@ -96,6 +97,7 @@ def evaluate(r: dict) -> Row:
     row.est_peak = last.peak_allocated_bytes
     row.est_steady = last.persistent_bytes
     row.phase = last.peak_phase
+    row.layout = layout
     return row
 
 
@@ -114,6 +116,23 @@ def summarise(rows: list[Row]) -> list[str]:
             f"{sum(e <= 0.05 for e in pe) / len(rs):.0%} | {sum(e <= 0.10 for e in pe) / len(rs):.0%} | "
             f"{statistics.median(se):.2%} | {sum(e <= 0.03 for e in se) / len(rs):.0%} |")
     return lines
+
+
+def indistinguishable(rows: list[Row], spread: float = 0.03) -> list[list[Row]]:
+    """Groups of records on one platform whose flags and environment resolve to the same layout (so
+    memguard, or any model of the flags, predicts the same bytes) but whose measured steady or peak
+    values differ by more than ``spread``: the measurements themselves bound the achievable accuracy."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.layout is not None:
+            groups.setdefault((r.platform, r.layout), []).append(r)
+    out = []
+    for g in groups.values():
+        for vals in ([r.measured_steady for r in g], [r.measured_peak for r in g]):
+            if len(g) > 1 and (max(vals) - min(vals)) / min(vals) > spread:
+                out.append(sorted(g, key=lambda r: r.id))
+                break
+    return sorted(out, key=lambda g: g[0].id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,14 +155,25 @@ def main(argv: list[str] | None = None) -> int:
             table.append(f"| {r.id} | {r.measured_peak / 2**30:.3f} | {r.est_peak / 2**30:.3f} | {r.peak_err:+.1%} | "
                          f"{r.measured_steady / 2**30:.3f} | {r.est_steady / 2**30:.3f} | {r.steady_err:+.1%} | {r.phase} |")
     worst = sorted((r for r in rows if r.peak_err is not None), key=lambda r: -abs(r.peak_err))[:8]
+    twins = indistinguishable(rows)
+    twin_lines = []
+    for g in twins:
+        twin_lines += [f"- {g[0].platform}, estimate steady {g[0].est_steady / 2**30:.3f} GiB, peak {g[0].est_peak / 2**30:.3f} GiB:"]
+        twin_lines += [f"  - {r.id}: measured steady {r.measured_steady / 2**30:.3f} GiB ({r.steady_err:+.1%}), "
+                       f"peak {r.measured_peak / 2**30:.3f} GiB ({r.peak_err:+.1%})" for r in g]
     text = ["# memguard vs Megatron-LM CI measurements", "",
             f"{len(rows)} training records ({'all' if ns.all else 'empty quality_flags only'}); "
             "the last global rank; default profile (transformer_engine unless the record says local).", "",
             *summary, "", "Worst peak errors:", "",
             *[f"- {r.id}: {r.peak_err:+.1%} (measured {r.measured_peak / 2**30:.3f} GiB)" for r in worst], "",
+            "## Records memguard cannot tell apart", "",
+            f"{len(twins)} groups of records whose flags and environment resolve to the same layout on the same "
+            "platform (so they get the same estimate) but whose measurements differ by more than 3%:", "",
+            *twin_lines, "",
             "## Every record", "", *table, ""]
     print("\n".join(summary))
     print("worst:", *[f"{r.id} {r.peak_err:+.1%}" for r in worst], sep="\n  ")
+    print(f"same layout, measurements more than 3% apart: {len(twins)} groups, {sum(len(g) for g in twins)} records")
     if ns.verbose:
         print("\n".join(table))
     os.makedirs(os.path.dirname(ns.out), exist_ok=True)

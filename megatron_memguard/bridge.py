@@ -223,6 +223,8 @@ def pretrain(config: Any, forward_step_func: Any, callbacks: Any = None, *, worl
     from megatron.bridge.training.pretrain import pretrain as bridge_pretrain  # type: ignore
 
     result = preflight(config, world_size=world_size, gpu=gpu, gpu_memory=gpu_memory, mode=mode, threshold=threshold)
+    if result.mode == "off":  # off means off: no pre-flight and no runtime logging (as the hook and Lightning)
+        return bridge_pretrain(config, forward_step_func, callbacks=callbacks, **kwargs)
     cb = MemguardCallback(result, log_dir=log_dir, interval=interval, source=source, gpu=gpu, gpu_memory=gpu_memory,
                           threshold=threshold)
     if callbacks is None:

@@ -492,6 +492,16 @@ class _Resolver:
         impl = str(self.get("transformer_impl", "transformer_engine"))
         if impl not in ("transformer_engine", "local"):
             raise NotModelledError(self.key("transformer_impl"), f"transformer implementation {impl!r}")
+        if impl == "local" and cp > 1:
+            # megatron-core's DotProductAttention asserts context_parallel_size == 1 (only TE's
+            # attention implements context parallelism).
+            self.fail("context_parallel_size", "needs --transformer-impl transformer_engine (megatron's local "
+                      "attention has no context parallelism)")
+        if sp and seq and (seq // cp) % tp:
+            # The sequence-parallel scatter splits each rank's s/CP tokens over TP
+            # (tensor_parallel.mappings._split_along_first_dim asserts it divides).
+            self.fail("sequence_parallel", f"needs seq_length / context-parallel size = {seq // cp} divisible by "
+                      f"tensor-model-parallel size {tp}")
         backend = str(self.get("attention_backend", "auto")).replace("AttnBackend.", "")
         if backend not in ("auto", "flash", "fused", "unfused", "local"):
             self.fail("attention_backend", f"unknown backend {backend!r}")

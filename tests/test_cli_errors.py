@@ -34,6 +34,13 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
     (["--world-size", "2", "--dp-rank", "5"], ["--use-distributed-optimizer"], "--dp-rank", "a rank 0..1"),
     (["--world-size", "1"], ["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute",
      "needs pipeline-model-parallel size > 1"),
+    # megatron-core asserts at model build: local DotProductAttention has CP == 1; the SP scatter needs
+    # TP | s/CP (tensor_parallel.mappings._split_along_first_dim). 520 / 2 = 260 is not divisible by 8.
+    (["--world-size", "2"], ["--context-parallel-size", "2", "--transformer-impl", "local"], "--context-parallel-size",
+     "needs --transformer-impl transformer_engine"),
+    (["--world-size", "16"], ["--tensor-model-parallel-size", "8", "--context-parallel-size", "2", "--sequence-parallel",
+                              "--seq-length", "520", "--max-position-embeddings", "520"],
+     "--sequence-parallel", "seq_length / context-parallel size = 260 divisible by tensor-model-parallel size 8"),
 ])
 def test_bad_input(capsys, opts, extra, flag, rule):
     code = main(["estimate", *opts, "--", *BASE, *extra])
@@ -95,5 +102,5 @@ def test_zero_negative_or_non_numeric_counts_are_refused(capsys, argv, needle):
 def test_dp_rank_beyond_the_layout_is_refused(capsys):
     code = main(["estimate", "--world-size", "2", "--dp-rank", "2", "--", *BASE])
     err = capsys.readouterr().err
-    assert code == 2 and "--dp-rank: 2 is not a data-parallel rank of this layout (0 .. 1" in err
+    assert code == 2 and "--dp-rank: must be max, last or a rank 0..1 of the distributed optimizer's DP x CP group" in err
     assert main(["estimate", "--world-size", "2", "--dp-rank", "1", "--", *BASE]) == 0

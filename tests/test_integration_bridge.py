@@ -405,6 +405,11 @@ def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
     with pytest.raises(PreflightAbort):
         mb.pretrain(big, forward_step, world_size=1, gpu="H100-80GB", mode="abort", source=RecordingSource())
     assert built == []
+    # off: Bridge's pretrain alone, no memguard callback and no log file
+    off_dir = tmp_path / "off"
+    state = mb.pretrain(cfg, forward_step, world_size=1, gpu_memory="2GiB", log_dir=str(off_dir), mode="off",
+                        source=RecordingSource())
+    assert state.train_state.step == 3 and not off_dir.exists()
 
 
 def test_without_bridge_preflight_works_and_the_callback_says_what_it_needs(tmp_path):

@@ -250,3 +250,13 @@ def test_cpu_live_bytes_run(tmp_path):
     assert r.peak("max_allocated") >= 4 * 1024 * 256 * 4 + 3 * 1024 * 256 * 4
     text = render_text(log, colour=False)
     assert "device predicted" not in text and "alloc predicted" in text
+
+
+def test_binary_garbage_is_a_bad_line_not_a_traceback(run_dir, capsys):
+    path = run_dir / "memguard-rank00002.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = b"\xff\xfe\x00\x9c binary\n"     # not UTF-8: a truncated or overwritten file
+    path.write_bytes(b"".join(lines))
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} line 2: not valid JSON" in err and "Traceback" not in err

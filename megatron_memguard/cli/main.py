@@ -197,12 +197,8 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
         raise ConfigErrors(list(raw.problems))
     layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
-    dp_rank = ns.dp_rank
-    if isinstance(dp_rank, int) and dp_rank >= layout.dp_shard_size:
-        raise ConfigError("--dp-rank", f"{dp_rank} is not a data-parallel rank of this layout (0 .. "
-                                       f"{layout.dp_shard_size - 1}, the ranks the optimizer state is sharded over)")
     est = estimate(layout, profile=ns.profile, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold,
-                   dp_rank=dp_rank)
+                   dp_rank=ns.dp_rank)
     if ns.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:

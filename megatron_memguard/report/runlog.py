@@ -223,7 +223,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
     segments: list[list[tuple[int, dict]]] = [[]]
     rank: int | None = None
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, encoding="utf-8", errors="replace")  # binary garbage: a bad line, not a traceback
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
 
