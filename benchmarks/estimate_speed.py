@@ -38,8 +38,9 @@ def _clear_caches() -> None:
     layouts all the time)."""
     from megatron_memguard import schedule
     from megatron_memguard.estimator import activations, core, params, states
-    for fn in (activations.shapes, activations.layer_activations, params._layer_numels, states._stage_states, states._chunk_buffer,
-               core._fixed_terms, core._chunk_activations, schedule.key_events):
+    for fn in (activations.shapes, activations.layer_activations, params._layer_numels, states._stage_states,
+               states._chunk_buffer, core._fixed_terms, core._chunk_activations, core._state_terms,
+               core._persistent_buffers, schedule.key_events, schedule._schedule_table):
         fn.cache_clear()
 
 

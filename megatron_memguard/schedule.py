@@ -14,12 +14,14 @@ from functools import lru_cache
 from .layout import Layout
 
 
-def _schedule_table(m: int, vpp: int, group: int) -> list[tuple[int, int]]:
+@lru_cache(maxsize=128)
+def _schedule_table(m: int, vpp: int, group: int) -> tuple[tuple[int, int], ...]:
+    """(micro-batch, chunk) in the order every rank runs its forwards (the same on all ranks)."""
     table: list[tuple[int, int]] = []
     for lo in range(0, m, group):
         hi = m if lo + group >= m else lo + group
         table.extend((mb, chunk) for chunk in range(vpp) for mb in range(lo, hi))
-    return table
+    return tuple(table)
 
 
 def effective_microbatches(L: Layout) -> int:

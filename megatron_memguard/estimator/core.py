@@ -23,7 +23,7 @@ from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .result import Estimate, StageEstimate, Term
-from .states import stage_states
+from .states import StageStates, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
 
@@ -106,7 +106,14 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
 
 
 def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
-    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables.
+    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables."""
+    receiving = sum(1 for c in L.stage_chunks(pp_rank) if not (c.pp_rank == 0 and c.vpp_rank == 0))
+    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving))
+
+
+@lru_cache(maxsize=1024)
+def _persistent_buffers(L: Layout, last: bool, receiving: int) -> tuple[Term, ...]:
+    """``receiving``: the stage's chunks that get their input from a previous stage.
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -115,7 +122,6 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     x = shapes(L)
     terms = []
     sizes = []
-    last = pp_rank == L.pp - 1
     if L.sequence_parallel and (L.transformer_impl == "local" or last):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
     if attention_kind(L).startswith("local"):
@@ -123,7 +129,6 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     if sizes:
         terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
                           "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
-    receiving = sum(1 for c in L.stage_chunks(pp_rank) if not (c.pp_rank == 0 and c.vpp_rank == 0))
     if L.pp > 1 and receiving:
         # TransformerBlock.set_input_tensor keeps the last received activation of each chunk, and
         # with it its gradient (.grad, retained by the schedule), until that chunk's next input
@@ -135,7 +140,7 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
         rot = int(L.kv_channels * L.rotary_percent)
         terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
                           "cached fp32 rotary frequencies [s, 1, 1, d]"))
-    return terms
+    return tuple(terms)
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
@@ -220,13 +225,10 @@ _END_GROUPS = {
 }
 
 
-def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
-                   dp_rank: int | str = "max") -> StageEstimate:
-    st = stage_states(L, pp_rank, dp_rank)
-    chunks = L.stage_chunks(pp_rank)
-    acts = [chunk_activations(L, c) for c in chunks]
-    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts)
-
+@lru_cache(maxsize=1024)
+def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
+    """Model-state terms of a stage and the terms the optimizer step adds (shared by the stages whose
+    states are equal: the middle of a pipeline)."""
     state_terms = [
         Term("parameters", st.param_bytes, "weights", detail=f"{st.parameters:,} params x {L.param_bytes} B"
              + (" (padded param buffer)" if L.use_distributed_optimizer else "")),
@@ -248,6 +250,17 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", detail=f"{L.exp_avg_sq_dtype} second moment" + shard))
     else:
         state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", detail="fp32 momentum" + shard))
+    return tuple(state_terms), tuple(step_terms)
+
+
+def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
+                   dp_rank: int | str = "max") -> StageEstimate:
+    st = stage_states(L, pp_rank, dp_rank)
+    chunks = L.stage_chunks(pp_rank)
+    acts = [chunk_activations(L, c) for c in chunks]
+    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts)
+
+    state_terms, step_terms = _state_terms(L, st)
     buffers = persistent_buffers(L, pp_rank)
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
     if deferred:
@@ -278,10 +291,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = step_terms
+        act_terms = list(step_terms)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
-    terms = state_terms + buffers + fixed_alloc + act_terms
+    terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
     if device == "gpu":
         frag = int(peak_alloc * FRAGMENTATION)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
