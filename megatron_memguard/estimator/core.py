@@ -21,7 +21,8 @@ from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
-from .overheads import FRAGMENTATION, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .overheads import (FRAGMENTATION, dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes,
+                        p2p_tensor_bytes)
 from .result import Estimate, StageEstimate, Term
 from .states import StageStates, stage_states
 
@@ -274,6 +275,13 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         if p2p:
             fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
+        has_output = any(c.has_output for c in chunks)
+        dummies = dummy_wgrad_bytes(L, has_output)
+        if dummies:
+            n = len(dummy_wgrad_shapes(L, has_output))
+            fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
+                                              f"{n} placeholder weight gradients, one per weight shape, cached by "
+                                              "Transformer Engine under gradient-accumulation fusion")]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /

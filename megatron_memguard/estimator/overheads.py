@@ -11,6 +11,7 @@ import re
 
 from ..layout import Layout
 from ..units import MiB
+from .params import fc1_out_per_rank, qkv_out_per_rank
 from .result import Term
 
 # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default), incl. cuBLAS/cuDNN/NCCL
@@ -88,6 +89,34 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
         terms.append(Term("nccl_buffers", nccl, "fixed", "device",
                           f"{NCCL_CHANNELS} channels x 2 x NCCL_BUFFSIZE per communicator ({which})"))
     return terms
+
+
+def dummy_wgrad_shapes(L: Layout, has_output: bool) -> frozenset[tuple[int, int]]:
+    """Weight shapes for which Transformer Engine keeps a placeholder weight gradient.
+
+    With gradient-accumulation fusion the weight gradient goes straight into megatron's main_grad,
+    and autograd gets a dummy ``.grad`` instead (so that megatron DDP's hooks fire on the backward
+    thread). TE's ``get_dummy_wgrad`` (transformer_engine/pytorch/module/base.py, read in 2.20.2)
+    caches one such tensor per (shape, dtype) for the process lifetime. TE's Linear and
+    LayerNormLinear call it (linear_proj/linear_fc2 and linear_qkv/linear_fc1 of megatron's TE spec);
+    megatron-core >= 0.14 routes its own column/row-parallel layers to it too whenever TE is
+    installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
+    if not L.gradient_accumulation_fusion:
+        return frozenset()
+    h = L.hidden_size
+    shapes = {
+        (qkv_out_per_rank(L), h),                                     # linear_qkv
+        (h, L.num_attention_heads * L.kv_channels // L.tp),           # linear_proj
+        (fc1_out_per_rank(L), h),                                     # linear_fc1
+        (h, L.ffn_hidden_size // L.tp),                               # linear_fc2
+    }
+    if has_output:
+        shapes.add((L.padded_vocab_size // L.tp, h))                  # output_layer
+    return frozenset(shapes)
+
+
+def dummy_wgrad_bytes(L: Layout, has_output: bool) -> int:
+    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output)) * L.param_bytes
 
 
 def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:
