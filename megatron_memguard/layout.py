@@ -130,6 +130,13 @@ class Layout:
     # provenance
     megatron_version: str
     tokenizer_type: str | None = None
+    # multi-latent attention (DeepSeek-V2 style; megatron's MLASelfAttention), off by default
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected directly (linear_q_proj)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     env: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
 

@@ -23,7 +23,6 @@ DEFAULT_MEGATRON_VERSION = "0.19"
 # (dest, predicate on the value, what it is)
 _NOT_MODELLED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("num_experts", lambda v: bool(v), "mixture of experts (--num-experts)"),
-    ("multi_latent_attention", bool, "multi-latent attention"),
     ("mtp_num_layers", lambda v: bool(v), "multi-token prediction layers"),
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
@@ -130,6 +129,30 @@ class _Resolver:
             self.fail(dest, f"must be >= {minimum}, got {iv}")
             return default
         return iv
+
+    def _mla_shape(self, gqa: bool, impl: str, rope_fusion: bool) -> dict[str, Any]:
+        """Multi-latent attention's projection ranks and head dims (Megatron's defaults and rules)."""
+        if gqa:
+            self.fail("group_query_attention", "is mutually exclusive with --multi-latent-attention")
+        if impl != "transformer_engine":
+            # the local MLA spec splits the down projections over TP and gathers their outputs: a
+            # different set of tensors that memguard has not modelled
+            raise NotModelledError(self.key("transformer_impl"), "multi-latent attention with the local implementation")
+        for dest in ("mla_down_proj_fusion", "cache_mla_latents"):
+            if self.bool_arg(dest, False):
+                raise NotModelledError(self.key(dest), dest.replace("_", "-"))
+        rope_type = str(self.get("rope_type", "yarn"))
+        if rope_type not in ("rope", "yarn"):
+            self.fail("rope_type", f"must be rope or yarn, got {rope_type!r}")
+        elif rope_fusion and rope_type != "yarn":
+            self.fail("rope_type", "rope fusion for multi-latent attention works only with yarn (TransformerConfig)",
+                      "use --rope-type yarn or --no-rope-fusion")
+        pe = self.int_arg("qk_pos_emb_head_dim", 64)
+        if rope_fusion and pe % 4:
+            self.fail("qk_pos_emb_head_dim", f"({pe}) must be a multiple of 4 for the fused MLA rope kernels")
+        return dict(q_lora_rank=self.int_arg("q_lora_rank"), kv_lora_rank=self.int_arg("kv_lora_rank", 32),
+                    qk_head_dim=self.int_arg("qk_head_dim", 128), qk_pos_emb_head_dim=pe,
+                    v_head_dim=self.int_arg("v_head_dim", 128))
 
     def bool_arg(self, dest: str, default: bool) -> bool:
         v = self.a.get(dest)
@@ -513,6 +536,10 @@ class _Resolver:
         if squared_relu:
             bias_act_fusion = False
         apply_rope_fusion = self.bool_arg("apply_rope_fusion", True) and position == "rope"
+        mla = self.bool_arg("multi_latent_attention", False)
+        mla_shape = {}
+        if mla:
+            mla_shape = self._mla_shape(gqa, impl, apply_rope_fusion)
         normalization = str(self.get("normalization", "LayerNorm"))
         if normalization.lower() in ("layernorm", "layer_norm"):
             normalization = "LayerNorm"
@@ -610,5 +637,6 @@ class _Resolver:
             defer_embedding_wgrad_compute=defer_wgrad,
             wgrad_deferral_limit=self.int_arg("wgrad_deferral_limit", 0, minimum=0),
             tp_comm_overlap=tp_comm_overlap, megatron_version=str(version), tokenizer_type=tokenizer,
+            multi_latent_attention=mla, **mla_shape,
             env=env, notes=tuple(self.notes),
         )

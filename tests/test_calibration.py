@@ -1,11 +1,11 @@
 """memguard against GPU memory measured by Megatron-LM's own CI (benchmarks/data/, 121 clean records).
 
 Targets (issue 4): per platform (H100, A100, GB200), at least 90% of the records with empty
-quality_flags within +-5% of the measured peak allocated, and a median absolute error of at most 3%.
-The steady value after the optimizer step is checked against 84% of all clean records (refused
-MLA / distillation records count as misses); the issue asks for 90%: Megatron's GB200 goldens of
-NVTE_ALLOW_NONDETERMINISTIC_ALGO=1 runs sit ~45 MiB below the others for reasons memguard cannot
-tie to a flag yet (see docs/calibration.md).
+quality_flags within +-5% of the measured peak allocated, and a median absolute error of at most 3%;
+the steady value after the optimizer step within +-3% for at least 90% of the records (a refused
+record counts as a miss). A100 and H100 meet the steady target on their own; GB200 does not: ten of
+its goldens of NVTE_ALLOW_NONDETERMINISTIC_ALGO=1 runs sit ~46 MiB below records of the same layout
+and environment (docs/calibration.md), so GB200 is held at the 80% it reaches.
 """
 import os
 import statistics
@@ -29,14 +29,20 @@ def test_every_platform_meets_the_peak_targets():
         assert statistics.median(errs) <= 0.03, (platform, statistics.median(errs))
 
 
+def _steady_share(rows) -> float:
+    return sum(r.steady_err is not None and abs(r.steady_err) <= 0.03 for r in rows) / len(rows)
+
+
 def test_steady_state_after_the_step():
     errs = [abs(r.steady_err) for r in ROWS if r.steady_err is not None]
-    assert sum(e <= 0.03 for e in errs) / len(ROWS) >= 0.84
+    assert _steady_share(ROWS) >= 0.90
     assert statistics.median(errs) <= 0.01
+    for platform, share in (("A100", 0.90), ("H100", 0.90), ("GB200", 0.80)):
+        assert _steady_share([r for r in ROWS if r.platform == platform]) >= share, platform
 
 
 def test_refusals_are_explicit():
     # Records memguard does not estimate are refused with a "not modelled" message, never guessed.
     refused = [r for r in ROWS if r.error]
     assert all("not modelled yet" in r.error for r in refused)
-    assert len(refused) <= 4
+    assert len(refused) <= 1

@@ -191,6 +191,67 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
     return saved, core_fwd, core_bwd, True
 
 
+def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool) -> tuple[dict[str, int], int, int, bool, tuple[Step, ...]]:
+    """Multi-latent attention (megatron-core MLASelfAttention, TE spec): saved bytes from the down
+    projections to the core attention, the core's forward and backward working sets, whether s x s
+    scores exist, and the backward steps of the up and down projections.
+
+    The down projections (TE Linears, whole on every TP rank) keep the input norm's output; the up
+    projections keep the latents [T, q_lora] and [T, kv_lora + rope dim] (the kv latent is a view of
+    the down projection's output, so its storage stays); the core attention keeps query and key
+    [s b, a/t, qk + rope dim] and value [s b, a/t, v] (new tensors: the rope'd concatenation, the
+    fused kv rope kernel's outputs or a contiguous copy)."""
+    kind = attention_kind(L)
+    e, T, Tf, a_t = x.e, x.T, x.Tf, x.a_t
+    qh = L.qk_head_dim + L.qk_pos_emb_head_dim
+    pe, kvl, ql = L.qk_pos_emb_head_dim, L.kv_lora_rank, L.q_lora_rank
+    q_b = Tf * a_t * qh * e
+    v_b = Tf * a_t * L.v_head_dim * e
+    kv_up = Tf * a_t * (L.qk_head_dim + L.v_head_dim) * e       # output of linear_kv_up_proj
+    saved: dict[str, int] = {}
+    if ql:
+        saved["q_latent"] = T * ql * e
+    saved["kv_latent"] = T * (kvl + pe) * e
+    if L.qk_layernorm:
+        # the up projections become LayerNormLinears: they keep the normalised latents and statistics
+        stats = 4 * (2 if L.normalization == "LayerNorm" else 1)
+        saved["latent_norms"] = T * ((ql or 0) + kvl) * e + (2 if ql else 1) * T * stats
+    saved["query"] = q_b
+    saved["key"] = q_b
+    saved["value"] = v_b
+    if not L.apply_rope_fusion:
+        # unfused rope: cos and sin cast to the activation dtype, for q and for k
+        saved["rope_cos_sin"] = 4 * x.s * pe * e
+    scores = x.b * a_t * x.s * x.s
+    if kind == "fused":
+        stats = x.b * a_t * x.s * 4
+        if not recompute_core:
+            saved["softmax_stats"] = stats
+        core_fwd = v_b                                          # the output being written
+        core_bwd = 2 * q_b + v_b + stats + (v_b if recompute_core else 0)
+        unfused = False
+    else:
+        # TE's unfused attention with its fused softmax kernel (as for standard attention)
+        probs = scores * e + (scores * (1 + e) if L.attention_dropout > 0 else 0)
+        if not recompute_core:
+            saved["attention_probs"] = probs
+        core_fwd = 2 * scores * e
+        core_bwd = 2 * scores * e + 2 * v_b + (probs if recompute_core else 0)
+        unfused = True
+    rel_core = frozenset({"attention_probs", "softmax_stats"})
+    rel_up = rel_core | {"query", "key", "value", "rope_cos_sin"}
+    rel_down = rel_up | {"q_latent", "kv_latent", "latent_norms"}
+    latents = T * ((ql or 0) + kvl + pe) * e
+    bwd_steps = (
+        # rope and up projections: dq, dk, dv, the kv up projection's output gradient
+        (rel_up, 2 * q_b + v_b + kv_up + _wgrad(L, a_t * qh, ql or x.h)
+         + _wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
+        # down projections: the latents' gradients and the two gradients of the norm output
+        (rel_down, latents + 2 * T * x.h * e + _wgrad(L, kvl + pe, x.h) + (_wgrad(L, ql, x.h) if ql else 0)),
+    )
+    return saved, core_fwd, core_bwd, unfused, bwd_steps
+
+
 @lru_cache(maxsize=512)
 def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivations:
     """One layer, one micro-batch, no full recompute (applied per block by the caller)."""
@@ -212,13 +273,19 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
         saved["qkv_input"] = T * h * e                        # norm output, kept by linear_qkv (local shard under SP)
 
     # --- q, k, v and the core attention -------------------------------------------------------
-    att, core_fwd, core_bwd, unfused = attention_items(L, x, recompute_core, has_batch_mask)
+    mla = L.multi_latent_attention
+    if mla:
+        att, core_fwd, core_bwd, unfused, qkv_steps = mla_attention_items(L, x, recompute_core)
+        ctx_w = a_t * L.v_head_dim                            # width of the attention context
+    else:
+        att, core_fwd, core_bwd, unfused = attention_items(L, x, recompute_core, has_batch_mask)
+        ctx_w = a_t * d
     saved.update(att)
-    if rope and not L.apply_rope_fusion and not te:
+    if rope and not L.apply_rope_fusion and not te and not mla:
         # unfused rope (rope_utils._apply_rotary_pos_emb_bshd) casts cos and sin to the activation
         # dtype for q and for k; the products keep them: 4 x [s, 1, 1, rotary dim] per layer
         saved["rope_cos_sin"] = 4 * x.s * int(d * L.rotary_percent) * e
-    saved["proj_input"] = Tf * a_t * d * e                    # attention context, kept by linear_proj
+    saved["proj_input"] = Tf * ctx_w * e                      # attention context, kept by linear_proj
     if L.hidden_dropout > 0:
         saved["dropout_masks"] = 2 * T * h                    # bool masks after attention and after the MLP
     saved["mlp_norm_input"] = T * h * r
@@ -252,6 +319,10 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
         (after_attn, core_fwd),
         (frozenset(), T * h * r),                             # the layer's output (next layer's input)
     )
+    if mla:
+        # the kv up projection's output while key and value are made from it
+        fwd_steps += ((after_attn | {"attention_probs", "softmax_stats"},
+                       Tf * a_t * (L.qk_head_dim + L.v_head_dim) * e),)
     # Backward steps: (saved names released, working bytes)
     rel_mlp = frozenset({"fc2_input"})
     rel_act = rel_mlp | mlp_names
@@ -263,13 +334,21 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0
-    bwd_steps = (
+    mlp_steps = (
         (frozenset(), G + mlp_recompute + Tf * f_t * e + _wgrad(L, h, f_t)),                      # fc2
         (rel_mlp, G + mlp_recompute + Tf * f_t * e + Tf * fc1_w * e + act_bwd),                   # activation
         (rel_act, G + Tf * fc1_w * e + Tf * h * e + _wgrad(L, fc1_w, h)),                         # fc1
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
-        (rel_norm2, G + Tf * a_t * d * e + _wgrad(L, h, a_t * d)),                                 # linear_proj
+        (rel_norm2, G + Tf * ctx_w * e + _wgrad(L, h, ctx_w)),                                     # linear_proj
         (rel_softmax if unfused else rel_proj, G + core_bwd),                                      # core attention
+    )
+    if mla:
+        rel_all = rel_proj | qkv_steps[-1][0]
+        bwd_steps = mlp_steps + tuple((rel_proj | names, G + w) for names, w in qkv_steps) + (
+            (rel_all, G + T * h * e + T * h * e),                                                  # input norm
+        )
+        return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+    bwd_steps = mlp_steps + (
         (rel_core, G + Tf * qkv_w * e + Tf * h * e + _wgrad(L, qkv_w, h)),                        # linear_qkv
         (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
     )

@@ -138,7 +138,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int) -> tuple[Term, ..
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.position_embedding_type in ("rope", "yarn"):
-        rot = int(L.kv_channels * L.rotary_percent)
+        rot = L.qk_pos_emb_head_dim if L.multi_latent_attention else int(L.kv_channels * L.rotary_percent)
         terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
                           "cached fp32 rotary frequencies [s, 1, 1, d]"))
     return tuple(terms)

@@ -61,8 +61,12 @@ def fujii_bytes(L: Layout) -> tuple[float, float]:
 
 def estimate_fujii2024(layout: Layout, gpu: GpuSpec | None = None, gpu_memory: int | None = None,
                        threshold: float = 0.8) -> Estimate:
+    from ..errors import NotModelledError
     from .core import verdict_for
 
+    if layout.multi_latent_attention:
+        # the paper's P_layer and activation closed forms are those of Llama's grouped-query attention
+        raise NotModelledError("--profile fujii2024", "multi-latent attention in the paper's closed form")
     w, act = fujii_bytes(layout)
     _, phi = fujii_parameters(layout)
     total = int(round(w + act))

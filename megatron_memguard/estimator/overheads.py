@@ -8,10 +8,11 @@ hands out (``memory_reserved - memory_allocated``).
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from ..layout import Layout
 from ..units import MiB
-from .params import fc1_out_per_rank, qkv_out_per_rank
+from .params import layer_linear_shapes
 from .result import Term
 
 # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default), incl. cuBLAS/cuDNN/NCCL
@@ -91,6 +92,7 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
     return terms
 
 
+@lru_cache(maxsize=256)
 def dummy_wgrad_shapes(L: Layout, has_output: bool) -> frozenset[tuple[int, int]]:
     """Weight shapes for which Transformer Engine keeps a placeholder weight gradient.
 
@@ -103,15 +105,9 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool) -> frozenset[tuple[int, int]
     installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
     if not L.gradient_accumulation_fusion:
         return frozenset()
-    h = L.hidden_size
-    shapes = {
-        (qkv_out_per_rank(L), h),                                     # linear_qkv
-        (h, L.num_attention_heads * L.kv_channels // L.tp),           # linear_proj
-        (fc1_out_per_rank(L), h),                                     # linear_fc1
-        (h, L.ffn_hidden_size // L.tp),                               # linear_fc2
-    }
+    shapes = set(layer_linear_shapes(L).values())
     if has_output:
-        shapes.add((L.padded_vocab_size // L.tp, h))                  # output_layer
+        shapes.add((L.padded_vocab_size // L.tp, L.hidden_size))     # output_layer
     return frozenset(shapes)
 
 

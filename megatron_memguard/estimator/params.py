@@ -41,17 +41,69 @@ def _norm(name: str, size: int, L: Layout) -> list[Param]:
     return ps
 
 
+def mla_linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of multi-latent attention's projections (megatron-core's
+    MLASelfAttention with the TE spec): the down projections are TE Linears in "duplicated" mode,
+    whole on every TP rank; the up projections and linear_proj are split like column/row-parallel
+    layers."""
+    h, t, a = L.hidden_size, L.tp, L.num_attention_heads
+    q_head = L.qk_head_dim + L.qk_pos_emb_head_dim
+    shapes: dict[str, tuple[int, int]] = {}
+    if L.q_lora_rank is None:
+        shapes["linear_q_proj"] = (a * q_head // t, h)
+    else:
+        shapes["linear_q_down_proj"] = (L.q_lora_rank, h)
+        shapes["linear_q_up_proj"] = (a * q_head // t, L.q_lora_rank)
+    shapes["linear_kv_down_proj"] = (L.kv_lora_rank + L.qk_pos_emb_head_dim, h)
+    shapes["linear_kv_up_proj"] = (a * (L.qk_head_dim + L.v_head_dim) // t, L.kv_lora_rank)
+    shapes["linear_proj"] = (h, a * L.v_head_dim // t)
+    return shapes
+
+
+def layer_linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of every linear weight of one transformer layer."""
+    h, t = L.hidden_size, L.tp
+    if L.multi_latent_attention:
+        shapes = mla_linear_shapes(L)
+    else:
+        shapes = {"linear_qkv": (qkv_out_per_rank(L), h),
+                  "linear_proj": (h, L.num_attention_heads * L.kv_channels // t)}
+    shapes["linear_fc1"] = (fc1_out_per_rank(L), h)
+    shapes["linear_fc2"] = (h, L.ffn_hidden_size // t)
+    return shapes
+
+
+def _mla_attention_params(L: Layout, prefix: str) -> list[Param]:
+    """Registration order: input_layernorm (a separate TENorm: both down projections read its
+    output), linear_proj (built by the MultiLatentAttention base), then the q and kv projections.
+    With --qk-layernorm the up projections are TE LayerNormLinears holding the latent norms."""
+    sh = mla_linear_shapes(L)
+    ps = _norm(prefix + "input_layernorm", L.hidden_size, L)
+    out, inp = sh["linear_proj"]
+    ps.append(Param(prefix + "self_attention.linear_proj.weight", out * inp))
+    if L.add_bias_linear:
+        ps.append(Param(prefix + "self_attention.linear_proj.bias", out, tp_replicated=True))
+    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+        if name not in sh:
+            continue
+        out, inp = sh[name]
+        if name.endswith("_up_proj") and L.qk_layernorm:
+            ps += _norm(prefix + f"self_attention.{name}.layer_norm", inp, L)
+        ps.append(Param(prefix + f"self_attention.{name}.weight", out * inp, tp_replicated=name.endswith("down_proj")))
+    return ps
+
+
 def layer_params(L: Layout, prefix: str = "") -> list[Param]:
     """One transformer layer. Local spec order: input norm, linear_proj, linear_qkv, q/k norms,
     pre-MLP norm, fc1, fc2. The TE spec fuses the norms into linear_qkv/fc1
     (``layer_norm_weight``/``layer_norm_bias``); counts are the same, order differs slightly."""
     h, t = L.hidden_size, L.tp
+    te = L.transformer_impl == "transformer_engine"
+    if L.multi_latent_attention:
+        return _mla_attention_params(L, prefix) + _mlp_params(L, prefix, te)
     proj_in = L.num_attention_heads * L.kv_channels // t
     qkv = qkv_out_per_rank(L)
-    fc1 = fc1_out_per_rank(L)
-    fc2_in = L.ffn_hidden_size // t
     ps: list[Param] = []
-    te = L.transformer_impl == "transformer_engine"
     if not te:
         ps += _norm(prefix + "input_layernorm", h, L)
     ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in))
@@ -65,10 +117,14 @@ def layer_params(L: Layout, prefix: str = "") -> list[Param]:
     if L.qk_layernorm:
         ps += _norm(prefix + "self_attention.q_layernorm", L.kv_channels, L)
         ps += _norm(prefix + "self_attention.k_layernorm", L.kv_channels, L)
-    if not te:
-        ps += _norm(prefix + "pre_mlp_layernorm", h, L)
-    else:
-        ps += _norm(prefix + "mlp.linear_fc1.layer_norm", h, L)
+    return ps + _mlp_params(L, prefix, te)
+
+
+def _mlp_params(L: Layout, prefix: str, te: bool) -> list[Param]:
+    h = L.hidden_size
+    fc1 = fc1_out_per_rank(L)
+    fc2_in = L.ffn_hidden_size // L.tp
+    ps = _norm(prefix + ("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm"), h, L)
     ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h))
     if L.add_bias_linear:
         ps.append(Param(prefix + "mlp.linear_fc1.bias", fc1))
@@ -127,14 +183,21 @@ def total_parameters(L: Layout) -> int:
     h, V = L.hidden_size, L.padded_vocab_size
     a, g, d, f = L.num_attention_heads, L.num_query_groups, L.kv_channels, L.ffn_hidden_size
     norm = 2 if L.normalization == "LayerNorm" else 1
-    per_layer = h * a * d + (a + 2 * g) * d * h + (2 if L.gated_linear_unit else 1) * f * h + h * f
-    per_layer += 2 * norm * h
+    per_layer = (2 if L.gated_linear_unit else 1) * f * h + h * f + 2 * norm * h
     if L.add_bias_linear:
         per_layer += h + (2 if L.gated_linear_unit else 1) * f + h
-    if L.add_qkv_bias:
-        per_layer += (a + 2 * g) * d
-    if L.qk_layernorm:
-        per_layer += 2 * norm * d
+    if L.multi_latent_attention:
+        qh, kv = L.qk_head_dim + L.qk_pos_emb_head_dim, L.kv_lora_rank
+        per_layer += a * L.v_head_dim * h + (L.qk_pos_emb_head_dim + kv) * h + a * (L.qk_head_dim + L.v_head_dim) * kv
+        per_layer += a * qh * h if L.q_lora_rank is None else L.q_lora_rank * (h + a * qh)
+        if L.qk_layernorm:
+            per_layer += norm * (kv + (L.q_lora_rank or 0))
+    else:
+        per_layer += h * a * d + (a + 2 * g) * d * h
+        if L.add_qkv_bias:
+            per_layer += (a + 2 * g) * d
+        if L.qk_layernorm:
+            per_layer += 2 * norm * d
     total = L.num_layers * per_layer + norm * h + V * h
     if L.untie_embeddings_and_output_weights:
         total += V * h
