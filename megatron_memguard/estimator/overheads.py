@@ -35,8 +35,14 @@ def _hopper_or_newer(gpu_name: str | None) -> bool:
     return bool(gpu_name) and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200"))
 
 
+# --deterministic-mode sets CUBLAS_WORKSPACE_CONFIG=:4096:8 when the launcher left it unset
+# (megatron/training/determinism.py, DETERMINISM_ENV_VAR_DEFAULTS, Megatron 0.19); before that,
+# torch.use_deterministic_algorithms(True) refused cuBLAS calls without it.
+DETERMINISTIC_CUBLAS_CONFIG = ":4096:8"
+
+
 def cublas_workspace_bytes(L: Layout, gpu_name: str | None) -> int:
-    cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG")
+    cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG") or (DETERMINISTIC_CUBLAS_CONFIG if L.deterministic_mode else None)
     if cfg:
         total = 0
         for size_kib, count in re.findall(r":(\d+):(\d+)", cfg):

@@ -1,0 +1,56 @@
+"""GPU-only terms whose sizes follow from library source: TE's cached placeholder weight gradients
+and the cuBLAS workspaces that --deterministic-mode implies."""
+import os
+import sys
+
+from megatron_memguard import estimate, layout_from_flags, lookup_gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from accuracy_megatron_ci import evaluate, load_records  # noqa: E402
+
+# gpt3_mcore_te_tp2_pp2_resume_torch_dist_defer_embedding_wgrad_compute's model (Megatron-LM CI)
+CI = ["--num-layers", "12", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
+      "--max-position-embeddings", "1024", "--micro-batch-size", "4", "--global-batch-size", "32", "--bf16",
+      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--vocab-size", "50257"]
+
+
+def _term(stage, name):
+    return sum(t.bytes for t in stage.terms if t.name == name)
+
+
+def test_dummy_wgrads_one_per_weight_shape():
+    est = estimate(layout_from_flags(CI, world_size=8), gpu=lookup_gpu("H100-80GB"))
+    V = est.layout.padded_vocab_size
+    # bf16 [rows, cols] per TP rank: qkv [3*512/2, 512], proj [512, 256], fc1 [2048/2, 512], fc2 [512, 1024]
+    layers = (768 * 512 + 512 * 256 + 1024 * 512 + 512 * 1024) * 2
+    assert _term(est.stages[0], "dummy_wgrads") == layers                          # 3 MiB, however many layers
+    assert _term(est.stages[1], "dummy_wgrads") == layers + V // 2 * 512 * 2       # + the output layer [V/2, 512]
+    off = estimate(layout_from_flags(CI + ["--no-gradient-accumulation-fusion"], world_size=8), gpu=lookup_gpu("H100-80GB"))
+    assert _term(off.stages[1], "dummy_wgrads") == 0
+    cpu = estimate(layout_from_flags(CI, world_size=8), device="cpu")
+    assert _term(cpu.stages[1], "dummy_wgrads") == 0                              # no TE on the CPU referee
+
+
+def test_megatron_ci_records_with_gradient_accumulation_fusion():
+    # The only CI test that keeps fusion on: its goldens since megatron-core 0.14 (H100, A100, GB200,
+    # clean and resumed runs) keep 26.6-27.6 MiB more after the step than the twin without fusion.
+    rows = [evaluate(r) for r in load_records(include_flagged=True)
+            if "defer_embedding_wgrad" in r["id"] and r["golden_last_commit_date"] >= "2025-11"]
+    assert len(rows) >= 7
+    for r in rows:
+        assert abs(r.steady_err) <= 0.01, (r.id, r.steady_err)
+
+
+def test_deterministic_mode_implies_the_deterministic_cublas_workspace():
+    # A100: PyTorch's default workspace is 2 x 4 MiB + 8 x 16 KiB; --deterministic-mode sets
+    # CUBLAS_WORKSPACE_CONFIG=:4096:8 (8 x 4 MiB) when unset (megatron/training/determinism.py)
+    a100 = lookup_gpu("A100-80GB")
+    plain = estimate(layout_from_flags(CI, world_size=8), gpu=a100)
+    det = estimate(layout_from_flags(CI + ["--deterministic-mode"], world_size=8), gpu=a100)
+    assert _term(plain.stages[0], "cublas_workspaces") == 2 * (2 * 4 * 2**20 + 8 * 16 * 1024)
+    assert _term(det.stages[0], "cublas_workspaces") == 2 * 8 * 4 * 2**20
+    explicit = estimate(layout_from_flags(CI + ["--deterministic-mode"], world_size=8,
+                                          env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}), gpu=a100)
+    assert _term(explicit.stages[0], "cublas_workspaces") == 2 * 8 * 16 * 1024
