@@ -37,10 +37,10 @@ def _clear_caches() -> None:
     """Forget the per-layout tables so that every call pays the whole estimate (a planner sees new
     layouts all the time)."""
     from megatron_memguard import schedule
-    from megatron_memguard.estimator import activations, core, params, states
+    from megatron_memguard.estimator import activations, core, overheads, params, states
     for fn in (activations.shapes, activations.layer_activations, params._layer_numels, states._stage_states,
                states._chunk_buffer, core._fixed_terms, core._chunk_activations, core._state_terms,
-               core._persistent_buffers, schedule.key_events, schedule._schedule_table):
+               core._persistent_buffers, overheads.dummy_wgrad_shapes, schedule.key_events, schedule._schedule_table):
         fn.cache_clear()
 
 

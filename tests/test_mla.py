@@ -106,3 +106,12 @@ def test_terms_and_rules():
         layout_from_flags(CI_MLA + ["--position-embedding-type", "rope", "--rope-type", "rope"], world_size=1)
     with pytest.raises(MemguardError, match="fujii2024"):
         estimate(layout_from_flags(CI_MLA, world_size=1), profile="fujii2024")
+
+
+def test_up_projection_recompute_drops_query_key_value():
+    from megatron_memguard.estimator.activations import layer_activations
+    base = layout_from_flags(CI_MLA, world_size=1)
+    rec = layout_from_flags(CI_MLA + ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
+                            world_size=1)
+    # s*b = 4096 tokens, 8 heads: query and key 4096 x 8 x (16 + 8) x 2 B, value 4096 x 8 x 16 x 2 B
+    assert layer_activations(base).total - layer_activations(rec).total == 2 * 4096 * 8 * 24 * 2 + 4096 * 8 * 16 * 2

@@ -191,7 +191,8 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
     return saved, core_fwd, core_bwd, True
 
 
-def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool) -> tuple[dict[str, int], int, int, bool, tuple[Step, ...]]:
+def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool,
+                        recompute_up: bool) -> tuple[dict[str, int], int, int, bool, tuple[Step, ...]]:
     """Multi-latent attention (megatron-core MLASelfAttention, TE spec): saved bytes from the down
     projections to the core attention, the core's forward and backward working sets, whether s x s
     scores exist, and the backward steps of the up and down projections.
@@ -200,7 +201,9 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool) -> tuple[d
     projections keep the latents [T, q_lora] and [T, kv_lora + rope dim] (the kv latent is a view of
     the down projection's output, so its storage stays); the core attention keeps query and key
     [s b, a/t, qk + rope dim] and value [s b, a/t, v] (new tensors: the rope'd concatenation, the
-    fused kv rope kernel's outputs or a contiguous copy)."""
+    fused kv rope kernel's outputs or a contiguous copy). With ``--recompute-modules mla_up_proj``
+    megatron frees those three after the forward (CheckpointWithoutOutput) and remakes them from the
+    latents just before the core attention's backward."""
     kind = attention_kind(L)
     e, T, Tf, a_t = x.e, x.T, x.Tf, x.a_t
     qh = L.qk_head_dim + L.qk_pos_emb_head_dim
@@ -216,9 +219,10 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool) -> tuple[d
         # the up projections become LayerNormLinears: they keep the normalised latents and statistics
         stats = 4 * (2 if L.normalization == "LayerNorm" else 1)
         saved["latent_norms"] = T * ((ql or 0) + kvl) * e + (2 if ql else 1) * T * stats
-    saved["query"] = q_b
-    saved["key"] = q_b
-    saved["value"] = v_b
+    if not recompute_up:
+        saved["query"] = q_b
+        saved["key"] = q_b
+        saved["value"] = v_b
     if not L.apply_rope_fusion:
         # unfused rope: cos and sin cast to the activation dtype, for q and for k
         saved["rope_cos_sin"] = 4 * x.s * pe * e
@@ -238,6 +242,8 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool) -> tuple[d
         core_fwd = 2 * scores * e
         core_bwd = 2 * scores * e + 2 * v_b + (probs if recompute_core else 0)
         unfused = True
+    if recompute_up:
+        core_bwd += 2 * q_b + v_b                               # query, key and value made again
     rel_core = frozenset({"attention_probs", "softmax_stats"})
     rel_up = rel_core | {"query", "key", "value", "rope_cos_sin"}
     rel_down = rel_up | {"q_latent", "kv_latent", "latent_norms"}
@@ -275,7 +281,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     # --- q, k, v and the core attention -------------------------------------------------------
     mla = L.multi_latent_attention
     if mla:
-        att, core_fwd, core_bwd, unfused, qkv_steps = mla_attention_items(L, x, recompute_core)
+        att, core_fwd, core_bwd, unfused, qkv_steps = mla_attention_items(L, x, recompute_core, "mla_up_proj" in mods)
         ctx_w = a_t * L.v_head_dim                            # width of the attention context
     else:
         att, core_fwd, core_bwd, unfused = attention_items(L, x, recompute_core, has_batch_mask)
@@ -334,7 +340,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0
-    mlp_steps = (
+    steps_to_core = (
         (frozenset(), G + mlp_recompute + Tf * f_t * e + _wgrad(L, h, f_t)),                      # fc2
         (rel_mlp, G + mlp_recompute + Tf * f_t * e + Tf * fc1_w * e + act_bwd),                   # activation
         (rel_act, G + Tf * fc1_w * e + Tf * h * e + _wgrad(L, fc1_w, h)),                         # fc1
@@ -344,11 +350,11 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     )
     if mla:
         rel_all = rel_proj | qkv_steps[-1][0]
-        bwd_steps = mlp_steps + tuple((rel_proj | names, G + w) for names, w in qkv_steps) + (
+        bwd_steps = steps_to_core + tuple((rel_proj | names, G + w) for names, w in qkv_steps) + (
             (rel_all, G + T * h * e + T * h * e),                                                  # input norm
         )
         return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
-    bwd_steps = mlp_steps + (
+    bwd_steps = steps_to_core + (
         (rel_core, G + Tf * qkv_w * e + Tf * h * e + _wgrad(L, qkv_w, h)),                        # linear_qkv
         (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
     )
