@@ -98,6 +98,8 @@ def test_terms_and_rules():
     est = estimate(layout_from_flags(CI_MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2))
     names = {t.name for t in est.stages[0].terms}
     assert {"parameters", "layer_activations", "dummy_wgrads"} <= names
+    from megatron_memguard.report.text import describe_layout
+    assert "8 heads (MLA, q rank 192, kv rank 64)" in describe_layout(est)
     with pytest.raises(ConfigError, match="--group-query-attention"):
         layout_from_flags(CI_MLA + ["--group-query-attention", "--num-query-groups", "2"], world_size=1)
     with pytest.raises(NotModelledError, match="--transformer-impl"):

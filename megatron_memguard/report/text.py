@@ -52,6 +52,7 @@ def describe_layout(est: Estimate) -> str:
         rec += " " + ",".join(L.recompute_modules)
     model = (f"{L.num_layers} layers, hidden {L.hidden_size}, ffn {L.ffn_hidden_size}, {L.num_attention_heads} heads"
              + (f" / {L.num_query_groups} groups" if L.num_query_groups != L.num_attention_heads else "")
+             + (f" (MLA, q rank {L.q_lora_rank or '-'}, kv rank {L.kv_lora_rank})" if L.multi_latent_attention else "")
              + f", vocab {L.padded_vocab_size}")
     batch = f"seq {L.seq_length}, MBS {L.micro_batch_size}, GBS {L.global_batch_size} ({L.num_microbatches} micro-batches)"
     opts = [par, "SP" if L.sequence_parallel else "no SP", "dist-opt" if L.use_distributed_optimizer else "no dist-opt",
