@@ -7,6 +7,8 @@ or key the user wrote; ``resolve`` raises all of them at once.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 from packaging.version import InvalidVersion, Version
@@ -129,6 +131,23 @@ class _Resolver:
             self.fail(dest, f"must be >= {minimum}, got {iv}")
             return default
         return iv
+
+    def _check_cp_comm(self, cp: int) -> None:
+        """validate_args: hierarchical CP sizes multiply to CP; a2a+p2p needs them."""
+        sizes = self.get("hierarchical_context_parallel_sizes")
+        if sizes:
+            try:
+                sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes).split())]
+            except ValueError:
+                self.fail("hierarchical_context_parallel_sizes", f"must be integers, got {sizes!r}")
+                return
+            if math.prod(sizes) != cp:
+                self.fail("hierarchical_context_parallel_sizes",
+                          f"{sizes} multiply to {math.prod(sizes)}, not context-parallel-size {cp}")
+        comm = self.get("cp_comm_type", ["p2p"])
+        comm = comm if isinstance(comm, (list, tuple)) else [comm]
+        if any("a2a+p2p" in str(c) for c in comm) and not sizes:
+            self.fail("hierarchical_context_parallel_sizes", "must be set when --cp-comm-type is a2a+p2p")
 
     def _mla_shape(self, gqa: bool, impl: str, rope_fusion: bool) -> dict[str, Any]:
         """Multi-latent attention's projection ranks and head dims (Megatron's defaults and rules)."""
@@ -280,6 +299,7 @@ class _Resolver:
             self.fail("max_position_embeddings", f"({max_pos}) must be >= seq_length ({seq})")
         if cp > 1 and seq % (2 * cp):
             self.fail("seq_length", f"{seq} must be a multiple of 2 * context-parallel-size = {2 * cp}")
+        self._check_cp_comm(cp)
 
         # Shape defaults (validate_args).
         swiglu = self.bool_arg("swiglu", False)

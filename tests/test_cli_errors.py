@@ -41,6 +41,14 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
     (["--world-size", "16"], ["--tensor-model-parallel-size", "8", "--context-parallel-size", "2", "--sequence-parallel",
                               "--seq-length", "520", "--max-position-embeddings", "520"],
      "--sequence-parallel", "seq_length / context-parallel size = 260 divisible by tensor-model-parallel size 8"),
+    # validate_args: hierarchical CP sizes multiply to CP, and a2a+p2p needs them
+    (["--world-size", "4"], ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "4"],
+     "--hierarchical-context-parallel-sizes", "multiply to 8, not context-parallel-size 4"),
+    (["--world-size", "4"], ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"],
+     "--hierarchical-context-parallel-sizes", "must be set when --cp-comm-type is a2a+p2p"),
+    # multi-latent attention excludes GQA (validate_args)
+    (["--world-size", "1"], ["--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"],
+     "--group-query-attention", "mutually exclusive with --multi-latent-attention"),
 ])
 def test_bad_input(capsys, opts, extra, flag, rule):
     code = main(["estimate", *opts, "--", *BASE, *extra])

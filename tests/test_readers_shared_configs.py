@@ -265,3 +265,12 @@ def test_copies_match_shared_configs():
                 assert copy[0].startswith("# Copied unchanged below this line from")
                 assert copy[1] == a.read(), rel
     assert not filecmp.dircmp(SHARED, DATA).left_only
+
+
+def test_list_flag_written_as_one_yaml_string():
+    # Megatron's functional tests write list-valued flags as one string:
+    # gpt3_mcore_te_tp1_pp2_resume_torch_dist_cp4_a2a_p2p_nondeterministic/model_config.yaml
+    argv = flags_from_mapping({"--context-parallel-size": 4, "--cp-comm-type": "a2a+p2p",
+                               "--hierarchical-context-parallel-sizes": "[2 2]", "--bf16": True})
+    assert argv == ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                    "--hierarchical-context-parallel-sizes", "2", "2", "--bf16"]

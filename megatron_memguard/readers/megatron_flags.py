@@ -162,6 +162,10 @@ def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
         elif isinstance(v, (list, tuple)):
             argv.append(flag)
             argv.extend(str(x) for x in v)
+        elif isinstance(v, str) and len(v) > 1 and v[0] == "[" and v[-1] == "]":
+            # a list written as one YAML string, as Megatron's functional tests do ("[2 2]")
+            argv.append(flag)
+            argv.extend(x for x in re.split(r"[\s,]+", v[1:-1]) if x)
         else:
             argv.extend([flag, str(v)])
     return argv
