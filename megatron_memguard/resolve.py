@@ -132,6 +132,41 @@ class _Resolver:
             return default
         return iv
 
+    def bool_arg(self, dest: str, default: bool) -> bool:
+        v = self.a.get(dest)
+        if v is None:
+            return default
+        if isinstance(v, str):
+            word = v.strip().lower()
+            if word in ("1", "true", "yes", "on"):
+                return True
+            if word in ("0", "false", "no", "off", ""):
+                return False
+            self.fail(dest, f"must be true or false, got {v!r}")
+            return default
+        return bool(v)
+
+    def float_arg(self, dest: str, default: float) -> float:
+        v = self.a.get(dest)
+        if v is None:
+            return default
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            self.fail(dest, f"must be a number, got {v!r}")
+            return default
+
+    def dtype_arg(self, dest: str, default: str) -> str:
+        v = self.a.get(dest)
+        if v is None:
+            return default
+        name = str(v).replace("torch.", "").lower()
+        if name not in _DTYPE_NAMES:
+            self.fail(dest, f"unknown dtype {v!r}; use fp32, bf16, fp16 or fp8")
+            return default
+        return _DTYPE_NAMES[name]
+
+    # --- rules of one feature ----------------------------------------------------------------------
     def _check_cp_comm(self, cp: int) -> None:
         """validate_args: hierarchical CP sizes multiply to CP; a2a+p2p needs them."""
         sizes = self.get("hierarchical_context_parallel_sizes")
@@ -172,40 +207,6 @@ class _Resolver:
         return dict(q_lora_rank=self.int_arg("q_lora_rank"), kv_lora_rank=self.int_arg("kv_lora_rank", 32),
                     qk_head_dim=self.int_arg("qk_head_dim", 128), qk_pos_emb_head_dim=pe,
                     v_head_dim=self.int_arg("v_head_dim", 128))
-
-    def bool_arg(self, dest: str, default: bool) -> bool:
-        v = self.a.get(dest)
-        if v is None:
-            return default
-        if isinstance(v, str):
-            word = v.strip().lower()
-            if word in ("1", "true", "yes", "on"):
-                return True
-            if word in ("0", "false", "no", "off", ""):
-                return False
-            self.fail(dest, f"must be true or false, got {v!r}")
-            return default
-        return bool(v)
-
-    def float_arg(self, dest: str, default: float) -> float:
-        v = self.a.get(dest)
-        if v is None:
-            return default
-        try:
-            return float(v)
-        except (TypeError, ValueError):
-            self.fail(dest, f"must be a number, got {v!r}")
-            return default
-
-    def dtype_arg(self, dest: str, default: str) -> str:
-        v = self.a.get(dest)
-        if v is None:
-            return default
-        name = str(v).replace("torch.", "").lower()
-        if name not in _DTYPE_NAMES:
-            self.fail(dest, f"unknown dtype {v!r}; use fp32, bf16, fp16 or fp8")
-            return default
-        return _DTYPE_NAMES[name]
 
     # --- the resolution, in validate_args order ------------------------------------------------
     def run(self) -> Layout | None:
