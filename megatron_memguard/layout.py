@@ -198,8 +198,15 @@ class Layout:
         from .partition import partition_layers
         return partition_layers(self)
 
+    @cached_property
+    def _chunks_by_stage(self) -> dict[int, tuple[Chunk, ...]]:
+        by: dict[int, list[Chunk]] = {}
+        for c in self.chunks:
+            by.setdefault(c.pp_rank, []).append(c)
+        return {k: tuple(v) for k, v in by.items()}
+
     def stage_chunks(self, pp_rank: int) -> tuple[Chunk, ...]:
-        return tuple(c for c in self.chunks if c.pp_rank == pp_rank)
+        return self._chunks_by_stage.get(pp_rank, ())
 
     @classmethod
     def from_megatron_args(cls, namespace: Any, world_size: int | None = None,

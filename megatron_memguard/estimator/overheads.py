@@ -117,6 +117,7 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool) -> frozenset[tuple[int, int]
     return frozenset(shapes)
 
 
+@lru_cache(maxsize=256)
 def dummy_wgrad_bytes(L: Layout, has_output: bool) -> int:
     return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output)) * L.param_bytes
 
