@@ -205,3 +205,28 @@ def test_flags_on_megatrons_parser(hook):
     group = next(g for g in p._action_groups if g.title == "memguard")
     assert [a.option_strings[0] for a in group._group_actions] == [f.flag for f in FLAGS]
     assert p.parse_args(["--memguard", "report"]).memguard == "report"
+
+
+def test_multi_latent_attention_through_validate_args(hook, monkeypatch, capsys):
+    # MLA's flags as Megatron's own parser and validate_args leave them (rope type, latent ranks)
+    import torch
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    hook.STATE.decision = None
+    argv = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --multi-latent-attention --q-lora-rank 192 "
+            "--kv-lora-rank 64 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --seq-length 1024 "
+            "--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 32 --bf16 "
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+            "--lr 1e-4 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 "
+            "--memguard report").split()
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    try:
+        args = parse_and_validate_args(extra_args_provider=None, args_defaults=DEFAULTS)
+    finally:
+        global_vars.unset_global_variables()
+    out = capsys.readouterr().out
+    assert args.multi_latent_attention and "8 heads (MLA, q rank 192, kv rank 64)" in out and "pp1 at its peak" in out
