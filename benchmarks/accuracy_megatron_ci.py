@@ -118,6 +118,15 @@ def summarise(rows: list[Row]) -> list[str]:
     return lines
 
 
+def overall(rows: list[Row]) -> str:
+    """The shares over all records (a refused record counts as a miss)."""
+    peak = sum(r.peak_err is not None and abs(r.peak_err) <= 0.05 for r in rows)
+    steady = sum(r.steady_err is not None and abs(r.steady_err) <= 0.03 for r in rows)
+    n = len(rows)
+    return (f"All platforms: peak within 5% on {peak}/{n} ({peak / n:.1%}), "
+            f"steady within 3% on {steady}/{n} ({steady / n:.1%}) records.")
+
+
 def indistinguishable(rows: list[Row], spread: float = 0.03) -> list[list[Row]]:
     """Groups of records on one platform whose flags and environment resolve to the same layout (so
     memguard, or any model of the flags, predicts the same bytes) but whose measured steady or peak
@@ -145,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     head = ["| platform | records | estimated | median abs peak error | peak within 5% | peak within 10% | "
             "median abs steady error | steady within 3% |",
             "|---|---|---|---|---|---|---|---|"]
-    summary = head + summarise(rows)
+    summary = head + summarise(rows) + ["", overall(rows)]
     table = ["| record | measured peak GiB | est peak GiB | peak err | measured steady GiB | est steady GiB | steady err | est peak phase |",
              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r.platform, -abs(r.peak_err or 9))):
