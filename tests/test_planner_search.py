@@ -16,6 +16,14 @@ GPT_LOCAL = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --max-
              "--bf16").split()
 
 
+# A dense multi-latent-attention model shaped like MiniCPM3-4B (its config.json: q rank 768, kv rank 256,
+# head dims 64 + 32 rope, v 64), 24 of its 62 layers.
+MLA = ("--num-layers 24 --hidden-size 2560 --ffn-hidden-size 6400 --num-attention-heads 40 --multi-latent-attention "
+       "--q-lora-rank 768 --kv-lora-rank 256 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64 "
+       "--max-position-embeddings 4096 --position-embedding-type rope --normalization RMSNorm --swiglu "
+       "--disable-bias-linear --tokenizer-type NullTokenizer --vocab-size 73448 --bf16").split()
+
+
 def test_no_layout_the_estimator_rejects_ever_appears():
     P = make_planner(LLAMA31_70B, 256, 8192, 512)
     res = P.plan(top=25)
@@ -56,7 +64,7 @@ def test_best_first_search_finds_exactly_the_fastest_fitting_layouts():
 
 def test_memory_lower_bound_stays_below_the_estimate():
     for model, gpus, gbs in ((LLAMA31_70B, 256, 512), (LLAMA31_8B, 64, 256), (LLAMA2_7B, 32, 128),
-                             (GPT_LOCAL, 32, 128)):
+                             (GPT_LOCAL, 32, 128), (MLA, 32, 128)):
         P = make_planner(model, gpus, 2048 if model is GPT_LOCAL else 4096, gbs)
         cands = enumerate_space(P.shape, P.cluster, gbs, Constraints())
         rng = random.Random(1)
@@ -86,6 +94,20 @@ def test_selective_recompute_modules_are_respected_by_the_bound():
     P = make_planner(flags, 16, 8192, 64)
     for c in enumerate_space(P.shape, P.cluster, 64, Constraints(recompute=("selective",)))[:60]:
         assert memory_lower_bound(P.shape, c, P.timer.stage_params) <= P.estimate(P.layout(c)).peak_device_bytes
+    P = make_planner(MLA + ["--recompute-modules", "mla_up_proj", "core_attn"], 16, 4096, 64)
+    for c in enumerate_space(P.shape, P.cluster, 64, Constraints(recompute=("selective",)))[:60]:
+        assert memory_lower_bound(P.shape, c, P.timer.stage_params) <= P.estimate(P.layout(c)).peak_device_bytes
+
+
+def test_planner_parameters_match_the_estimator_for_mla():
+    # the time model's and the bound's per-rank parameter counts (ModelShape) against the estimator's
+    from megatron_memguard.estimator.params import chunk_params
+    P = make_planner(MLA, 32, 4096, 128)
+    for tp in (1, 2, 4, 8):
+        L = layout_from_flags(MLA + ["--seq-length", "4096", "--tensor-model-parallel-size", str(tp),
+                                     "--micro-batch-size", "1", "--global-batch-size", "128"], world_size=32)
+        layer = [p for p in chunk_params(L, L.chunks[0]) if p.name.startswith("decoder.layers.0.")]
+        assert P.shape.layer_params_per_rank(tp) == sum(p.numel for p in layer), tp
 
 
 def test_fujii_rule_orders_by_model_parallelism_then_micro_batch():

@@ -169,6 +169,8 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
     out = [f"memguard plan - {cl.gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, {format_bytes(mem)}), "
            f"threshold {res.threshold:.0%}, rule: {'predicted step time' if res.rule == 'time' else 'Fujii et al. 2024'}"]
     groups = f" / {s.groups} groups" if s.groups != s.heads else ""
+    if s.mla:
+        groups = f" (MLA, q rank {s.mla[0] or '-'}, kv rank {s.mla[1]})"
     out.append(f"model:  {s.num_layers} layers, hidden {s.hidden}, ffn {s.ffn}, {s.heads} heads{groups}, vocab {s.vocab}; "
                f"seq {s.seq_length}, GBS {res.global_batch_size}")
     sd = res.search_dict()

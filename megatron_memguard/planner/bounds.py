@@ -49,8 +49,14 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
         kept += 2 * T * h * e                 # inputs of linear_qkv and linear_fc1
     # q, k, v (or their repeated / rotated copies, which are larger): attention's backward needs them,
     # and selective recompute keeps them as the checkpoint's inputs
-    kept += Tf * ((shape.heads + 2 * shape.groups) * shape.kv_channels // c.tp) * e
-    kept += Tf * (shape.heads // c.tp) * shape.kv_channels * e     # attention output, input of linear_proj
+    a_t = shape.heads // c.tp
+    if shape.mla:
+        # MLA keeps query, key and value as separate tensors unless mla_up_proj is recomputed
+        if "mla_up_proj" not in mods:
+            kept += Tf * a_t * (2 * shape.qk_dim + shape.v_dim) * e
+    else:
+        kept += Tf * ((shape.heads + 2 * shape.groups) * shape.kv_channels // c.tp) * e
+    kept += Tf * a_t * shape.v_dim * e                            # attention output, input of linear_proj
     if shape.unfused_attention and "core_attn" not in mods:
         kept += c.mbs * (shape.heads // c.tp) * seq * seq * e       # softmax output, kept by the bmm with V
     if "mlp" not in mods:

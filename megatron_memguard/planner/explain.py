@@ -105,7 +105,7 @@ def render_explanation(planner: Planner, x: Explanation) -> str:
     mm = s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden
     out.append(f"throughput: {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {t.mfu:.1%} (model FLOPs "
                f"{t.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights + 12 x "
-               f"{s.num_layers} layers x {s.heads * s.kv_channels} x {s.seq_length} attention; peak "
+               f"{s.num_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} attention; peak "
                f"{cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s)")
     mem = est.gpu_memory_bytes
     stages = ", ".join(f"pp{st.pp_rank} {format_bytes(st.device_total_bytes)}" for st in est.stages)

@@ -112,6 +112,27 @@ class ModelShape:
     rope: bool = True
     fp32_logits: bool = True       # cross entropy on an fp32 copy of the logits (not --fp16-lm-cross-entropy)
     unfused_attention: bool = False  # the s x s scores are materialised (local spec, or --attention-backend unfused)
+    # multi-latent attention: (q_lora_rank or 0, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim)
+    mla: tuple[int, int, int, int, int] | None = None
+
+    @property
+    def qk_dim(self) -> int:
+        """Head dim of queries and keys (MLA: the content and rope parts)."""
+        return self.mla[2] + self.mla[3] if self.mla else self.kv_channels
+
+    @property
+    def v_dim(self) -> int:
+        return self.mla[4] if self.mla else self.kv_channels
+
+    def attention_weights(self) -> tuple[int, int]:
+        """(split over TP, whole on every TP rank) weights of one layer's attention projections."""
+        h, a = self.hidden, self.heads
+        if not self.mla:
+            return h * a * self.kv_channels + (a + 2 * self.groups) * self.kv_channels * h, 0
+        ql, kvl, qk, pe, v = self.mla
+        split = a * (qk + pe) * (ql or h) + a * (qk + v) * kvl + h * a * v       # q (up), kv up, linear_proj
+        whole = (ql * h if ql else 0) + (kvl + pe) * h                            # the down projections
+        return split, whole
 
     def padded_vocab(self, tp: int) -> int:
         if self.fixed_padded_vocab:
@@ -126,10 +147,15 @@ class ModelShape:
         """Parameters of one transformer layer on one TP rank (sharded weights / TP, replicated norms)."""
         h, a, g, d, f = self.hidden, self.heads, self.groups, self.kv_channels, self.ffn
         norm = 2 if self.normalization == "LayerNorm" else 1
-        sharded = h * a * d + (a + 2 * g) * d * h + (2 if self.gated else 1) * f * h + f * h
-        n = sharded // tp + 2 * norm * h
+        attn, whole = self.attention_weights()
+        sharded = attn + (2 if self.gated else 1) * f * h + f * h
+        n = sharded // tp + whole + 2 * norm * h
         if self.add_bias_linear:
             n += 2 * h + (2 if self.gated else 1) * f // tp
+        if self.mla:
+            if self.qk_layernorm:
+                n += norm * (self.mla[0] + self.mla[1])                          # the latent norms
+            return n
         if self.add_qkv_bias:
             n += (a + 2 * g) * d // tp
         if self.qk_layernorm:
@@ -138,8 +164,8 @@ class ModelShape:
 
     def layer_matmul_params(self) -> int:
         """Weights of one layer that multiply an activation (the '6N' of the FLOP count)."""
-        h, a, g, d, f = self.hidden, self.heads, self.groups, self.kv_channels, self.ffn
-        return h * a * d + (a + 2 * g) * d * h + (2 if self.gated else 1) * f * h + f * h
+        h, f = self.hidden, self.ffn
+        return sum(self.attention_weights()) + (2 if self.gated else 1) * f * h + f * h
 
 
 def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
@@ -170,6 +196,8 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
         recompute_modules=L.recompute_modules, transformer_impl=L.transformer_impl,
         rope=L.position_embedding_type in ("rope", "yarn"), fp32_logits=not L.fp16_lm_cross_entropy,
         unfused_attention=L.transformer_impl == "local" or L.attention_backend in ("unfused", "local"),
+        mla=((L.q_lora_rank or 0, L.kv_lora_rank, L.qk_head_dim, L.qk_pos_emb_head_dim, L.v_head_dim)
+             if L.multi_latent_attention else None),
     )
 
 

@@ -209,7 +209,7 @@ class TimeModel:
         self._params: dict[tuple, int] = {}
         s = shape
         self.flops_per_token = (6.0 * (s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden)
-                                + 12.0 * s.num_layers * s.heads * s.kv_channels * s.seq_length)
+                                + 6.0 * s.num_layers * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
 
     # ---- primitives ------------------------------------------------------------------------------
     def gemm(self, M: int, N: int, K: int) -> tuple[float, float]:
@@ -260,8 +260,16 @@ class TimeModel:
         h, d = s.hidden, s.kv_channels
         a_t, g_t, f_t = s.heads // tp, s.kv_heads_per_rank(tp), s.ffn // tp
         fc1_n = (2 if s.gated else 1) * f_t
-        qkv, fq = self.gemm(M, (a_t + 2 * g_t) * d, h)
-        proj, fp = self.gemm(M, h, a_t * d)
+        if s.mla:
+            # down projections (whole weights, on this rank's tokens) and up projections
+            ql, kvl, qk, pe, v = s.mla
+            tok = M // tp if sp else M
+            parts = [self.gemm(tok, kvl + pe, h), self.gemm(M, a_t * (qk + v), kvl),
+                     *((self.gemm(tok, ql, h), self.gemm(M, a_t * (qk + pe), ql)) if ql else (self.gemm(M, a_t * (qk + pe), h),))]
+            qkv, fq = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        else:
+            qkv, fq = self.gemm(M, (a_t + 2 * g_t) * d, h)
+        proj, fp = self.gemm(M, h, a_t * s.v_dim)
         fc1, f1 = self.gemm(M, fc1_n, h)
         fc2, f2 = self.gemm(M, h, f_t)
         gemm_fwd = qkv + proj + fc1 + fc2
@@ -269,14 +277,14 @@ class TimeModel:
         eff = gflops / (gemm_fwd * self.peak)
         # causal attention: each query attends to half the keys on average (also per CP rank, whose
         # sequence chunks Megatron load-balances)
-        attn_flops = 4.0 * b * seq * (s.seq_length / 2) * a_t * d
+        attn_flops = 2.0 * b * seq * (s.seq_length / 2) * a_t * (s.qk_dim + s.v_dim)
         attn_eff = self.cluster.gpu.attention_efficiency * seq / (seq + ATTN_HALF_SEQ)
         attn_fwd = attn_flops / (self.peak * attn_eff)
         attn_bwd = ATTN_BWD_FLOPS * attn_fwd
         scale = s.act_bytes / 2
         tok_h = M // tp if sp else M
         ef, ef_fwd = (ELEM_F_BYTES_GATED, ELEM_F_FWD_GATED) if s.gated else (ELEM_F_BYTES, ELEM_F_FWD)
-        rope_el = M * (a_t + g_t) * d if s.rope else 0
+        rope_el = (M * (a_t + 1) * s.mla[3] if s.mla else M * (a_t + g_t) * d) if (s.rope or s.mla) else 0
         elem = (ELEM_H_BYTES * tok_h * h + ef * M * f_t + ROPE_BYTES * rope_el) * scale / self.hbm
         elem_fwd = (ELEM_H_FWD * tok_h * h + ef_fwd * M * f_t + ROPE_FWD * rope_el) * scale / self.hbm
         act_fwd_fc = ef_fwd * M * f_t * scale / self.hbm
