@@ -137,6 +137,7 @@ class Layout:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)
     env: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
 

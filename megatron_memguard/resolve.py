@@ -45,6 +45,7 @@ _NOT_MODELLED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("perform_rl_step", bool, "RL training steps"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),
     ("attention_output_gate", bool, "gated attention output"),
+    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (gated delta net, DSA)"),
 ]
 _WARN_ONLY: list[tuple[str, Callable[[Any], bool], str]] = [
     ("tp_comm_overlap", bool, "TP communication overlap allocates userbuffers (a few hundred MiB) that memguard does not count"),
@@ -184,10 +185,18 @@ class _Resolver:
         if any("a2a+p2p" in str(c) for c in comm) and not sizes:
             self.fail("hierarchical_context_parallel_sizes", "must be set when --cp-comm-type is a2a+p2p")
 
-    def _mla_shape(self, gqa: bool, impl: str, rope_fusion: bool) -> dict[str, Any]:
+    def _mla_shape(self, gqa: bool, impl: str, rope_fusion: bool, position: str) -> dict[str, Any]:
         """Multi-latent attention's projection ranks and head dims (Megatron's defaults and rules)."""
         if gqa:
             self.fail("group_query_attention", "is mutually exclusive with --multi-latent-attention")
+        if position == "yarn":
+            # GPTModel builds a yarn embedding and passes it on; MLASelfAttention asserts it gets none
+            self.fail("position_embedding_type", "yarn cannot be combined with --multi-latent-attention "
+                      "(MLA applies its own rotary embedding)", "use --rope-type yarn")
+        if self.bool_arg("rotary_interleaved", False):
+            self.fail("rotary_interleaved", "does not work with --multi-latent-attention (TransformerConfig)")
+        if self.bool_arg("qk_l2_norm", False):
+            self.fail("qk_l2_norm", "is not supported with --multi-latent-attention (gpt_layer_specs)")
         if impl != "transformer_engine":
             # the local MLA spec splits the down projections over TP and gathers their outputs: a
             # different set of tensors that memguard has not modelled
@@ -206,7 +215,7 @@ class _Resolver:
             self.fail("qk_pos_emb_head_dim", f"({pe}) must be a multiple of 4 for the fused MLA rope kernels")
         return dict(q_lora_rank=self.int_arg("q_lora_rank"), kv_lora_rank=self.int_arg("kv_lora_rank", 32),
                     qk_head_dim=self.int_arg("qk_head_dim", 128), qk_pos_emb_head_dim=pe,
-                    v_head_dim=self.int_arg("v_head_dim", 128))
+                    v_head_dim=self.int_arg("v_head_dim", 128), rope_type=rope_type)
 
     # --- the resolution, in validate_args order ------------------------------------------------
     def run(self) -> Layout | None:
@@ -507,6 +516,9 @@ class _Resolver:
         for m in modules:
             if m not in _RECOMPUTE_MODULES:
                 self.fail("recompute_modules", f"unknown module {m!r}; known: {', '.join(sorted(_RECOMPUTE_MODULES))}")
+            elif (m == "mla_up_proj" and recompute_granularity == "selective"
+                  and not self.bool_arg("multi_latent_attention", False)):
+                self.fail("recompute_modules", "mla_up_proj needs --multi-latent-attention (TransformerConfig)")
         distribute_saved = self.bool_arg("distribute_saved_activations", False)
         if distribute_saved and (tp == 1 or recompute_granularity != "full"):
             self.fail("distribute_saved_activations", "needs full recompute and tensor-model-parallel size > 1")
@@ -560,7 +572,7 @@ class _Resolver:
         mla = self.bool_arg("multi_latent_attention", False)
         mla_shape = {}
         if mla:
-            mla_shape = self._mla_shape(gqa, impl, apply_rope_fusion)
+            mla_shape = self._mla_shape(gqa, impl, apply_rope_fusion, position)
         normalization = str(self.get("normalization", "LayerNorm"))
         if normalization.lower() in ("layernorm", "layer_norm"):
             normalization = "LayerNorm"
@@ -611,6 +623,11 @@ class _Resolver:
         if defer_wgrad and not grad_acc_fusion:
             self.fail("defer_embedding_wgrad_compute", "cannot be used with --no-gradient-accumulation-fusion")
 
+        deterministic = self.bool_arg("deterministic_mode", False)
+        cublas = self.raw.env.get("CUBLAS_WORKSPACE_CONFIG")
+        if deterministic and cublas and cublas not in (":4096:8", ":16:8") and version >= Version("0.19"):
+            # megatron/training/determinism.py (0.19): ACCEPTED_ENV_VAR_VALUES
+            self.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
         hidden_dropout = self.float_arg("hidden_dropout", 0.1)
         attention_dropout = self.float_arg("attention_dropout", 0.1)
         env = tuple(sorted((str(k), str(v)) for k, v in self.raw.env.items()))
@@ -652,7 +669,7 @@ class _Resolver:
             bias_dropout_fusion=self.bool_arg("bias_dropout_fusion", True), apply_rope_fusion=apply_rope_fusion,
             cross_entropy_loss_fusion=ce_fusion, cross_entropy_fusion_impl=ce_impl,
             create_attention_mask_in_dataloader=self.bool_arg("create_attention_mask_in_dataloader", True),
-            deterministic_mode=self.bool_arg("deterministic_mode", False),
+            deterministic_mode=deterministic,
             calculate_per_token_loss=self.bool_arg("calculate_per_token_loss", False),
             empty_unused_memory_level=self.int_arg("empty_unused_memory_level", 0, minimum=0),
             defer_embedding_wgrad_compute=defer_wgrad,

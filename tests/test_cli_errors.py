@@ -49,6 +49,14 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
     # multi-latent attention excludes GQA (validate_args)
     (["--world-size", "1"], ["--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"],
      "--group-query-attention", "mutually exclusive with --multi-latent-attention"),
+    (["--world-size", "1"], ["--multi-latent-attention", "--position-embedding-type", "yarn"],
+     "--position-embedding-type", "yarn cannot be combined with --multi-latent-attention"),
+    (["--world-size", "1"], ["--multi-latent-attention", "--rotary-interleaved"],
+     "--rotary-interleaved", "does not work with --multi-latent-attention"),
+    (["--world-size", "1"], ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
+     "--recompute-modules", "mla_up_proj needs --multi-latent-attention"),
+    (["--world-size", "1"], ["--experimental-attention-variant", "dsa"], "--experimental-attention-variant",
+     "not modelled yet"),
 ])
 def test_bad_input(capsys, opts, extra, flag, rule):
     code = main(["estimate", *opts, "--", *BASE, *extra])

@@ -54,3 +54,40 @@ def test_deterministic_mode_implies_the_deterministic_cublas_workspace():
     explicit = estimate(layout_from_flags(CI + ["--deterministic-mode"], world_size=8,
                                           env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}), gpu=a100)
     assert _term(explicit.stages[0], "cublas_workspaces") == 2 * 8 * 16 * 1024
+
+
+def test_dummy_wgrads_on_a_stage_without_layers():
+    # --pipeline-model-parallel-layout "Etttt|L": the last stage holds only the output layer
+    est = estimate(layout_from_flags(CI[:1] + ["4"] + CI[2:] + ["--pipeline-model-parallel-layout", "Etttt|L"],
+                                     world_size=8), gpu=lookup_gpu("H100-80GB"))
+    assert est.stages[1].num_layers == 0
+    assert _term(est.stages[1], "dummy_wgrads") == est.layout.padded_vocab_size // 2 * 512 * 2
+
+
+def test_replicated_gradients_all_reduced_after_the_backward():
+    # finalize_model_grads flattens the gradients every TP rank holds whole (sequence_parallel params)
+    # into one buffer. MLA with wide latents and a short sequence: that buffer is the peak.
+    h, ql, kvl, pe = 4096, 4096, 4096, 64
+    flags = ["--num-layers", "8", "--hidden-size", str(h), "--num-attention-heads", "32", "--multi-latent-attention",
+             "--q-lora-rank", str(ql), "--kv-lora-rank", str(kvl), "--qk-pos-emb-head-dim", str(pe),
+             "--normalization", "RMSNorm", "--disable-bias-linear", "--seq-length", "64", "--micro-batch-size", "1",
+             "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--vocab-size", "1000",
+             "--tokenizer-type", "NullTokenizer"]
+    stage = estimate(layout_from_flags(flags, world_size=2), gpu=lookup_gpu("H100-80GB")).stages[0]
+    # per layer: q down [4096, 4096], kv down [4096 + 64, 4096], input norm and fc1 norm; + final norm;
+    # fp32 main gradients
+    assert stage.peak_phase == "finalize_model_grads"
+    assert _term(stage, "replicated_grad_allreduce") == (8 * (ql * h + (kvl + pe) * h + 2 * h) + h) * 4
+    no_sp = estimate(layout_from_flags([f for f in flags if f != "--sequence-parallel"], world_size=2),
+                     gpu=lookup_gpu("H100-80GB")).stages[0]
+    assert _term(no_sp, "replicated_grad_allreduce") == 0
+
+
+def test_deterministic_mode_refuses_other_cublas_workspaces_since_0_19():
+    # megatron/training/determinism.py (0.19): only :4096:8 and :16:8 are deterministic
+    import pytest
+    from megatron_memguard.errors import ConfigError
+    flags = CI + ["--deterministic-mode"]
+    with pytest.raises(ConfigError, match="--deterministic-mode: needs CUBLAS_WORKSPACE_CONFIG"):
+        layout_from_flags(flags, world_size=8, env={"CUBLAS_WORKSPACE_CONFIG": ":1024:2"})
+    assert layout_from_flags(flags, world_size=8, megatron_version="0.16", env={"CUBLAS_WORKSPACE_CONFIG": ":1024:2"})

@@ -115,5 +115,27 @@ def test_up_projection_recompute_drops_query_key_value():
     base = layout_from_flags(CI_MLA, world_size=1)
     rec = layout_from_flags(CI_MLA + ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
                             world_size=1)
-    # s*b = 4096 tokens, 8 heads: query and key 4096 x 8 x (16 + 8) x 2 B, value 4096 x 8 x 16 x 2 B
-    assert layer_activations(base).total - layer_activations(rec).total == 2 * 4096 * 8 * 24 * 2 + 4096 * 8 * 16 * 2
+    # s*b = 4096 tokens, 8 heads: query and key 4096 x 8 x (16 + 8) x 2 B, value 4096 x 8 x 16 x 2 B are
+    # dropped; the checkpoint keeps the whole kv down-projection output (its rope part, 4096 x 8 x 2 B,
+    # included) where TE otherwise keeps a contiguous copy of the latent alone
+    dropped = 2 * 4096 * 8 * 24 * 2 + 4096 * 8 * 16 * 2 - 4096 * 8 * 2
+    assert layer_activations(base).total - layer_activations(rec).total == dropped
+
+
+def test_input_norm_recompute_drops_its_output():
+    # MLA's TE spec keeps input_layernorm as its own module: 'layernorm' recompute drops its output
+    # [s*b, h] bf16 and its fp32 statistics (LayerNorm: mean and rstd per token)
+    from megatron_memguard.estimator.activations import layer_activations
+    base = layout_from_flags(CI_MLA, world_size=1)
+    rec = layout_from_flags(CI_MLA + ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+                            world_size=1)
+    assert layer_activations(base).total - layer_activations(rec).total == 4096 * 512 * 2 + 4096 * 8
+
+
+def test_rotary_tables_of_every_mla_layer():
+    # CI model, last of 2 stages: 2 MLA layers, each with its own yarn rotary embedding. Unfused rope
+    # (learned positions turn rope fusion off): the forward's lru-cached fp32 table [1024, 1, 1, 8] per
+    # layer, plus the cos/sin buffers made at init for 4096 positions, in bf16 with the model.
+    est = estimate(layout_from_flags(CI_MLA + ["--pipeline-model-parallel-size", "2"], world_size=2), device="cpu")
+    rot = [t.bytes for t in est.stages[1].terms if t.name == "rotary_cache"]
+    assert rot == [2 * 1024 * 8 * 4 + 2 * 2 * 4096 * 8 * 2]

@@ -94,9 +94,10 @@ def test_selective_recompute_modules_are_respected_by_the_bound():
     P = make_planner(flags, 16, 8192, 64)
     for c in enumerate_space(P.shape, P.cluster, 64, Constraints(recompute=("selective",)))[:60]:
         assert memory_lower_bound(P.shape, c, P.timer.stage_params) <= P.estimate(P.layout(c)).peak_device_bytes
-    P = make_planner(MLA + ["--recompute-modules", "mla_up_proj", "core_attn"], 16, 4096, 64)
-    for c in enumerate_space(P.shape, P.cluster, 64, Constraints(recompute=("selective",)))[:60]:
-        assert memory_lower_bound(P.shape, c, P.timer.stage_params) <= P.estimate(P.layout(c)).peak_device_bytes
+    for mods in (["mla_up_proj", "core_attn"], ["layernorm"]):
+        P = make_planner(MLA + ["--recompute-modules", *mods], 16, 4096, 64)
+        for c in enumerate_space(P.shape, P.cluster, 64, Constraints(recompute=("selective",)))[:60]:
+            assert memory_lower_bound(P.shape, c, P.timer.stage_params) <= P.estimate(P.layout(c)).peak_device_bytes
 
 
 def test_planner_parameters_match_the_estimator_for_mla():

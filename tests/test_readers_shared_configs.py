@@ -274,3 +274,6 @@ def test_list_flag_written_as_one_yaml_string():
                                "--hierarchical-context-parallel-sizes": "[2 2]", "--bf16": True})
     assert argv == ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                     "--hierarchical-context-parallel-sizes", "2", "2", "--bf16"]
+    # only flags that take several values are split; a single value that is a Python list stays whole
+    assert flags_from_mapping({"--cp-comm-type": "['p2p', 'a2a']", "--moe-layer-freq": "[1,0,1]"}) == [
+        "--cp-comm-type", "p2p", "a2a", "--moe-layer-freq", "[1,0,1]"]

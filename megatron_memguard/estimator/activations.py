@@ -198,12 +198,15 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool,
     scores exist, and the backward steps of the up and down projections.
 
     The down projections (TE Linears, whole on every TP rank) keep the input norm's output; the up
-    projections keep the latents [T, q_lora] and [T, kv_lora + rope dim] (the kv latent is a view of
-    the down projection's output, so its storage stays); the core attention keeps query and key
+    projections keep the latents [T, q_lora] and [T, kv_lora] (TE copies the kv slice of the down
+    projection's output to contiguous memory); the core attention keeps query and key
     [s b, a/t, qk + rope dim] and value [s b, a/t, v] (new tensors: the rope'd concatenation, the
     fused kv rope kernel's outputs or a contiguous copy). With ``--recompute-modules mla_up_proj``
-    megatron frees those three after the forward (CheckpointWithoutOutput) and remakes them from the
-    latents just before the core attention's backward."""
+    megatron frees those three after the forward (CheckpointWithoutOutput) and remakes them just
+    before the core attention's backward; the checkpoint keeps its inputs instead (the whole kv
+    down-projection output through the slice, and the rope part gathered over TP under SP), and
+    the remade tensors exist twice (copied back into the freed storage and kept by the checkpoint)
+    until the core attention's backward is done."""
     kind = attention_kind(L)
     e, T, Tf, a_t = x.e, x.T, x.Tf, x.a_t
     qh = L.qk_head_dim + L.qk_pos_emb_head_dim
@@ -214,7 +217,12 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool,
     saved: dict[str, int] = {}
     if ql:
         saved["q_latent"] = T * ql * e
-    saved["kv_latent"] = T * (kvl + pe) * e
+    if recompute_up:
+        saved["kv_latent"] = T * (kvl + pe) * e
+        if L.sequence_parallel and L.tp > 1:
+            saved["k_rope_gathered"] = Tf * pe * e
+    else:
+        saved["kv_latent"] = T * kvl * e
     if L.qk_layernorm:
         # the up projections become LayerNormLinears: they keep the normalised latents and statistics
         stats = 4 * (2 if L.normalization == "LayerNorm" else 1)
@@ -242,15 +250,15 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool,
         core_fwd = 2 * scores * e
         core_bwd = 2 * scores * e + 2 * v_b + (probs if recompute_core else 0)
         unfused = True
-    if recompute_up:
-        core_bwd += 2 * q_b + v_b                               # query, key and value made again
+    remade = 2 * q_b + v_b if recompute_up else 0              # query, key and value made again
+    core_bwd += 2 * remade
     rel_core = frozenset({"attention_probs", "softmax_stats"})
     rel_up = rel_core | {"query", "key", "value", "rope_cos_sin"}
-    rel_down = rel_up | {"q_latent", "kv_latent", "latent_norms"}
+    rel_down = rel_up | {"q_latent", "kv_latent", "latent_norms", "k_rope_gathered"}
     latents = T * ((ql or 0) + kvl + pe) * e
     bwd_steps = (
         # rope and up projections: dq, dk, dv, the kv up projection's output gradient
-        (rel_up, 2 * q_b + v_b + kv_up + _wgrad(L, a_t * qh, ql or x.h)
+        (rel_up, 2 * q_b + v_b + kv_up + remade + _wgrad(L, a_t * qh, ql or x.h)
          + _wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
         # down projections: the latents' gradients and the two gradients of the norm output
         (rel_down, latents + 2 * T * x.h * e + _wgrad(L, kvl + pe, x.h) + (_wgrad(L, ql, x.h) if ql else 0)),
@@ -271,15 +279,19 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     fc1_w = (2 if L.gated_linear_unit else 1) * f_t
     rope = L.position_embedding_type in ("rope", "yarn")
     drop_norm = "layernorm" in mods and not te
+    mla = L.multi_latent_attention
+    # MLA's TE spec keeps the input norm as a module of its own (both down projections read it), so
+    # recomputing 'layernorm' drops its output and statistics; the pre-MLP norm stays inside fc1.
+    drop_norm1 = drop_norm or ("layernorm" in mods and mla)
 
     saved: dict[str, int] = {}
     saved["layer_input"] = T * h * r                          # residual stream, kept by the input norm
-    saved["norm1_stats"] = _norm_stats(L, T)
-    if not drop_norm:
+    if not (drop_norm1 and mla):
+        saved["norm1_stats"] = _norm_stats(L, T)
+    if not drop_norm1:
         saved["qkv_input"] = T * h * e                        # norm output, kept by linear_qkv (local shard under SP)
 
     # --- q, k, v and the core attention -------------------------------------------------------
-    mla = L.multi_latent_attention
     if mla:
         att, core_fwd, core_bwd, unfused, qkv_steps = mla_attention_items(L, x, recompute_core, "mla_up_proj" in mods)
         ctx_w = a_t * L.v_head_dim                            # width of the attention context
@@ -326,9 +338,11 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
         (frozenset(), T * h * r),                             # the layer's output (next layer's input)
     )
     if mla:
-        # the kv up projection's output while key and value are made from it
+        # the kv up projection's output while key and value are made from it (and, on the unfused rope
+        # path, the q up projection's output until the rope'd query is concatenated)
+        q_up = 0 if L.apply_rope_fusion else Tf * a_t * (L.qk_head_dim + L.qk_pos_emb_head_dim) * e
         fwd_steps += ((after_attn | {"attention_probs", "softmax_stats"},
-                       Tf * a_t * (L.qk_head_dim + L.v_head_dim) * e),)
+                       Tf * a_t * (L.qk_head_dim + L.v_head_dim) * e + q_up),)
     # Backward steps: (saved names released, working bytes)
     rel_mlp = frozenset({"fc2_input"})
     rel_act = rel_mlp | mlp_names
@@ -349,9 +363,13 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
         (rel_softmax if unfused else rel_proj, G + core_bwd),                                      # core attention
     )
     if mla:
+        # a recomputed input norm is remade when linear_proj's backward starts and exists twice (copied
+        # back into the storage the down projections saved, and kept by the checkpoint) until then
+        renorm = 2 * T * h * e + _norm_stats(L, T) if drop_norm1 else 0
+        attn = tuple((names, w + renorm) for names, w in steps_to_core[-2:])
         rel_all = rel_proj | qkv_steps[-1][0]
-        bwd_steps = steps_to_core + tuple((rel_proj | names, G + w) for names, w in qkv_steps) + (
-            (rel_all, G + T * h * e + T * h * e),                                                  # input norm
+        bwd_steps = steps_to_core[:-2] + attn + tuple((rel_proj | names, G + w + renorm) for names, w in qkv_steps) + (
+            (rel_all, G + T * h * e + T * h * e + renorm // 2),                                    # input norm
         )
         return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
     bwd_steps = steps_to_core + (

@@ -23,6 +23,7 @@ from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import (FRAGMENTATION, dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes,
                         p2p_tensor_bytes)
+from .params import layer_params
 from .result import Estimate, StageEstimate, Term
 from .states import StageStates, stage_states
 
@@ -108,12 +109,35 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
 
 def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables."""
-    receiving = sum(1 for c in L.stage_chunks(pp_rank) if not (c.pp_rank == 0 and c.vpp_rank == 0))
-    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving))
+    chunks = L.stage_chunks(pp_rank)
+    receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
+    layers = sum(c.num_layers for c in chunks) if L.multi_latent_attention else 0
+    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, layers))
+
+
+# MLATransformerConfig.original_max_position_embeddings: Megatron's --yarn-original-max-position-
+# embeddings does not reach MLA layers (argument_utils._apply_yarn_config_from_args returns early).
+MLA_YARN_ORIGINAL_MAX_POSITIONS = 4096
+# RotaryEmbedding.forward / YarnRotaryEmbedding.forward are functools.lru_cache(maxsize=32) methods.
+ROTARY_LRU_ENTRIES = 32
+
+
+def mla_rotary_bytes(L: Layout, layers: int) -> int:
+    """Every MLA layer builds its own rotary embedding: its forward's cached [s/CP, 1, 1, rope dim]
+    fp32 tables (one per layer, 32 at most in the process), and for yarn the cos/sin buffers, made at
+    init for 4096 positions (cast to the param dtype with the model) and remade for s/CP positions
+    in the activation dtype the first time the fused rope asks for them."""
+    s, pe = L.seq_length // L.cp, L.qk_pos_emb_head_dim
+    total = min(layers, ROTARY_LRU_ENTRIES) * s * pe * 4
+    if L.rope_type == "yarn":
+        rows, width = ((s, L.act_bytes) if L.apply_rope_fusion
+                       else (MLA_YARN_ORIGINAL_MAX_POSITIONS // L.cp, L.param_bytes))
+        total += layers * 2 * rows * pe * width
+    return total
 
 
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int) -> tuple[Term, ...]:
+def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int = 0) -> tuple[Term, ...]:
     """``receiving``: the stage's chunks that get their input from a previous stage.
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
@@ -137,8 +161,12 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int) -> tuple[Term, ..
         # the CPU referee on every pipeline rank past the first).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
-    if L.position_embedding_type in ("rope", "yarn"):
-        rot = L.qk_pos_emb_head_dim if L.multi_latent_attention else int(L.kv_channels * L.rotary_percent)
+    if L.multi_latent_attention:
+        if mla_layers:
+            terms.append(Term("rotary_cache", mla_rotary_bytes(L, mla_layers), "transients", "allocated",
+                              f"{L.rope_type} rotary tables of {mla_layers} MLA layer(s)"))
+    elif L.position_embedding_type in ("rope", "yarn"):
+        rot = int(L.kv_channels * L.rotary_percent)
         terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
                           "cached fp32 rotary frequencies [s, 1, 1, d]"))
     return tuple(terms)
@@ -276,9 +304,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
         has_output = any(c.has_output for c in chunks)
-        dummies = dummy_wgrad_bytes(L, has_output)
+        has_layers = any(c.num_layers for c in chunks)
+        dummies = dummy_wgrad_bytes(L, has_output, has_layers)
         if dummies:
-            n = len(dummy_wgrad_shapes(L, has_output))
+            n = len(dummy_wgrad_shapes(L, has_output, has_layers))
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
@@ -287,7 +316,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
-    if act_peak >= step_bytes:
+    finalize = replicated_grad_allreduce_bytes(L, sum(c.num_layers for c in chunks), any(c.has_output for c in chunks))
+    if finalize > max(act_peak, step_bytes):
+        # after the last backward, before the step: nothing but the coalesced gradients is in flight
+        act_terms = [Term("replicated_grad_allreduce", finalize, "transients",
+                          detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, MLA down "
+                                 "projections) all-reduced over TP by finalize_model_grads")]
+        peak_phase = "finalize_model_grads"
+    elif act_peak >= step_bytes:
         act_terms = []
         for name, v in parts.items():
             if not v:
@@ -319,6 +355,26 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
     )
+
+
+@lru_cache(maxsize=1024)
+def replicated_grad_allreduce_bytes(L: Layout, layers: int, has_output: bool) -> int:
+    """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
+    parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
+    marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
+    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
+    if L.tp == 1:
+        return 0
+    layer = layer_params(L)
+    if L.sequence_parallel:
+        n = layers * sum(p.numel for p in layer if p.tp_replicated)
+        if has_output:
+            n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
+    elif L.qk_layernorm:
+        n = layers * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
+    else:
+        return 0
+    return n * L.grad_bytes
 
 
 @lru_cache(maxsize=256)

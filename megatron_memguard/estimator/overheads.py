@@ -99,7 +99,7 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
 
 
 @lru_cache(maxsize=256)
-def dummy_wgrad_shapes(L: Layout, has_output: bool) -> frozenset[tuple[int, int]]:
+def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> frozenset[tuple[int, int]]:
     """Weight shapes for which Transformer Engine keeps a placeholder weight gradient.
 
     With gradient-accumulation fusion the weight gradient goes straight into megatron's main_grad,
@@ -111,15 +111,15 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool) -> frozenset[tuple[int, int]
     installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
     if not L.gradient_accumulation_fusion:
         return frozenset()
-    shapes = set(layer_linear_shapes(L).values())
+    shapes = set(layer_linear_shapes(L).values()) if has_layers else set()
     if has_output:
         shapes.add((L.padded_vocab_size // L.tp, L.hidden_size))     # output_layer
     return frozenset(shapes)
 
 
 @lru_cache(maxsize=256)
-def dummy_wgrad_bytes(L: Layout, has_output: bool) -> int:
-    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output)) * L.param_bytes
+def dummy_wgrad_bytes(L: Layout, has_output: bool, has_layers: bool = True) -> int:
+    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers)) * L.param_bytes
 
 
 def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:

@@ -46,7 +46,9 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     f_t = shape.ffn // c.tp
     kept = 2 * T * h * e                      # residual stream kept by the two norms
     if not ("layernorm" in mods and shape.transformer_impl == "local"):
-        kept += 2 * T * h * e                 # inputs of linear_qkv and linear_fc1
+        # inputs of linear_qkv (MLA: of the down projections, dropped by 'layernorm' recompute since
+        # MLA's input norm is a module of its own) and linear_fc1
+        kept += (1 if ("layernorm" in mods and shape.mla) else 2) * T * h * e
     # q, k, v (or their repeated / rotated copies, which are larger): attention's backward needs them,
     # and selective recompute keeps them as the checkpoint's inputs
     a_t = shape.heads // c.tp

@@ -162,10 +162,12 @@ def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
         elif isinstance(v, (list, tuple)):
             argv.append(flag)
             argv.extend(str(x) for x in v)
-        elif isinstance(v, str) and len(v) > 1 and v[0] == "[" and v[-1] == "]":
-            # a list written as one YAML string, as Megatron's functional tests do ("[2 2]")
+        elif (isinstance(v, str) and len(v) > 1 and v[0] == "[" and v[-1] == "]"
+              and (flag_table().get(flag) or [None, None])[1] == "list"):
+            # a list written as one YAML string, as Megatron's functional tests do ("[2 2]"); flags that
+            # take one value (--moe-layer-freq "[1,0,1]", a Python expression) keep it whole
             argv.append(flag)
-            argv.extend(x for x in re.split(r"[\s,]+", v[1:-1]) if x)
+            argv.extend(x.strip("'\"") for x in re.split(r"[\s,]+", v[1:-1]) if x.strip("'\""))
         else:
             argv.extend([flag, str(v)])
     return argv
