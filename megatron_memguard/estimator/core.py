@@ -286,6 +286,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                    dp_rank: int | str = "max") -> StageEstimate:
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
+    n_layers = sum(c.num_layers for c in chunks)
+    has_output = any(c.has_output for c in chunks)
     acts = [chunk_activations(L, c) for c in chunks]
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts)
 
@@ -303,11 +305,9 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         if p2p:
             fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
-        has_output = any(c.has_output for c in chunks)
-        has_layers = any(c.num_layers for c in chunks)
-        dummies = dummy_wgrad_bytes(L, has_output, has_layers)
+        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0)
         if dummies:
-            n = len(dummy_wgrad_shapes(L, has_output, has_layers))
+            n = len(dummy_wgrad_shapes(L, has_output, n_layers > 0))
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
@@ -316,7 +316,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, sum(c.num_layers for c in chunks), any(c.has_output for c in chunks))
+    finalize = replicated_grad_allreduce_bytes(L, n_layers, has_output)
     if finalize > max(act_peak, step_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
         act_terms = [Term("replicated_grad_allreduce", finalize, "transients",
@@ -351,7 +351,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         peak_reserved = device_total = peak_alloc
     persistent = base + sum(t.bytes for t in step_terms)
     return StageEstimate(
-        pp_rank=pp_rank, chunks=chunks, num_layers=sum(c.num_layers for c in chunks), parameters=st.parameters,
+        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=st.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
     )
