@@ -299,7 +299,8 @@ def test_bad_key_type_reports_key(tmp_path):
         resolve(read(tmp_path, BASE.replace("num_layers: 4", "num_layers: four")))
 
 
-def test_nemo_archive(tmp_path):
+def _nemo_archive(tmp_path):
+    """A .nemo checkpoint (a tar) holding a small model_config.yaml."""
     import io
     import tarfile
 
@@ -311,25 +312,20 @@ def test_nemo_archive(tmp_path):
         info = tarfile.TarInfo("./model_config.yaml")
         info.size = len(cfg)
         tar.addfile(info, io.BytesIO(cfg))
-    raw = read_config_file(str(p))
+    return p
+
+
+def test_nemo_archive(tmp_path):
+    raw = read_config_file(str(_nemo_archive(tmp_path)))
     assert raw.args["num_layers"] == 2 and raw.args["bf16"] is True
     assert resolve(raw, world_size=8).dp == 8
 
 
 def test_nemo_archive_takes_key_value_overrides_after_dashdash(tmp_path, capsys):
-    import io
     import json
-    import tarfile
 
     from megatron_memguard.cli.main import main
 
-    cfg = ("micro_batch_size: 1\nglobal_batch_size: 8\nencoder_seq_length: 512\nnum_layers: 2\nhidden_size: 128\n"
-           "ffn_hidden_size: 512\nnum_attention_heads: 4\nprecision: bf16\nmegatron_amp_O2: true\n"
-           "tokenizer: {library: megatron, type: GPT2BPETokenizer}\noptim: {name: fused_adam}\n").encode()
-    p = tmp_path / "model.nemo"
-    with tarfile.open(p, "w:") as tar:
-        info = tarfile.TarInfo("./model_config.yaml")
-        info.size = len(cfg)
-        tar.addfile(info, io.BytesIO(cfg))
+    p = _nemo_archive(tmp_path)
     assert main(["estimate", "--config", str(p), "--gpus", "8", "--json", "--", "num_layers=4"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["num_layers"] == 4
