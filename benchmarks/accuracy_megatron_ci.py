@@ -2,7 +2,7 @@
 
     python benchmarks/accuracy_megatron_ci.py [--all] [--verbose] [--out benchmarks/results/megatron-ci.md]
 
-Feeds each record of ``benchmarks/data/megatron-functional-dev.jsonl`` (flags, environment, world size
+Feeds each record of ``shared/groundtruth/megatron-functional-dev.jsonl`` (flags, environment, world size
 of a Megatron functional test; ``torch.cuda.memory_stats()`` of the last global rank per iteration on
 H100 80GB, A100 80GB and GB200) to the estimator with its default profile, predicts the measured rank
 (the last global rank: last pipeline stage, last TP and DP rank) and compares
@@ -28,7 +28,7 @@ from megatron_memguard.errors import MemguardError  # noqa: E402
 from megatron_memguard.readers.megatron_flags import flags_from_mapping, parse_megatron_flags  # noqa: E402
 from megatron_memguard.resolve import resolve  # noqa: E402
 
-DATA = os.path.join(ROOT, "benchmarks", "data", "megatron-functional-dev.jsonl")
+from benchmarks.shared_data import DENSE_RECORDS as DATA  # noqa: E402
 PLATFORM_GPU = {"dgx_h100": "H100-80GB", "dgxh100_dgxc": "H100-80GB", "dgx_a100": "A100-80GB",
                 "dgxa100_dracooci": "A100-80GB", "dgxa100_dracooci-ord": "A100-80GB", "dgx_gb200": "GB200", None: "A100-80GB"}
 PLATFORM_NAME = {"dgx_h100": "H100", "dgxh100_dgxc": "H100", "dgx_a100": "A100", "dgxa100_dracooci": "A100",

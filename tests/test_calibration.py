@@ -1,4 +1,4 @@
-"""memguard against GPU memory measured by Megatron-LM's own CI (benchmarks/data/, 121 clean records).
+"""memguard against GPU memory measured by Megatron-LM's own CI (shared/groundtruth/, 121 clean records).
 
 Targets (issue 4): per platform (H100, A100, GB200), at least 90% of the records with empty
 quality_flags within +-5% of the measured peak allocated, and a median absolute error of at most 3%;

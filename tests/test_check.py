@@ -17,7 +17,7 @@ from conftest import LLAMA31_8B, LLAMA31_70B
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LAUNCH = os.path.join(HERE, "data", "launch")
-CONFIGS = os.path.join(HERE, "data", "configs")
+from benchmarks.shared_data import CONFIGS  # noqa: E402
 needs_omegaconf = pytest.mark.skipif(importlib.util.find_spec("omegaconf") is None,
                                      reason="reading NeMo YAML needs omegaconf")
 

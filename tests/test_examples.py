@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from benchmarks.shared_data import CONFIGS as SHARED_CONFIGS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EX = os.path.join(ROOT, "examples")
@@ -120,7 +122,7 @@ def test_bridge_launch_script(tmp_path):
     # MEMGUARD=abort does the same from the environment
     assert py("--memguard-gpu", "H100-80GB", "train.micro_batch_size=4", WORLD_SIZE="2", MEMGUARD="abort").returncode == 3
     # an override file on top of the recipe (Bridge's --config-file)
-    override = os.path.join(HERE, "data", "configs", "megatron-bridge", "llama32_1b_pretrain_override.yaml")
+    override = os.path.join(SHARED_CONFIGS, "megatron-bridge", "llama32_1b_pretrain_override.yaml")
     f = py("--recipe", "llama32_1b", "--config-file", override, "--memguard", "report", "--memguard-gpu", "H100-80GB",
            WORLD_SIZE="8")
     assert f.returncode == 0 and "seq 4096" in f.stdout and "16 layers" in f.stdout

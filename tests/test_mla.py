@@ -1,7 +1,7 @@
 """Multi-latent attention (megatron-core's MLASelfAttention, TE spec).
 
 Parameters are checked against megatron-core's own model built on CPU; memory against the GPU
-memory Megatron-LM's CI measured for gpt3_mcore_te_tp2_pp2_mla (benchmarks/data/).
+memory Megatron-LM's CI measured for gpt3_mcore_te_tp2_pp2_mla (shared/groundtruth/).
 """
 import json
 import os

@@ -7,7 +7,7 @@ import pytest
 from megatron_memguard.cli.main import main
 
 pytest.importorskip("omegaconf")
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "configs")
+from benchmarks.shared_data import CONFIGS as DATA  # noqa: E402
 LLAMA8B = os.path.join(DATA, "nemo-launcher", "llama_llama3_1_8b.yaml")
 GPT = os.path.join(DATA, "nemo1", "megatron_gpt_config.yaml")
 BRIDGE = os.path.join(DATA, "megatron-bridge", "llama32_1b_pretrain_override.yaml")
