@@ -450,6 +450,11 @@ def build_monitor(source: Any, result: Any, *, ranks: Mapping[str, int], interva
         except Exception as e:
             report("recording the decision", e)
     ctx = {**dict(context or {}), "decision": decision, "note": note, **dict(ranks)}
+    if layout is not None:
+        try:  # what memguard calibrate needs to predict this run again with other site constants
+            ctx["layout"] = layout.to_dict()
+        except Exception as e:
+            report("recording the layout", e)
     return MemoryMonitor(source, prediction, rank=ranks.get("rank", 0), pp_rank=ranks.get("pp_rank", 0), interval=interval,
                          reset_peak=reset_peak, sinks=sinks, emit=emit, emit_error=report.emit_error,
                          log_stages=ranks.get("rank", 0) == 0, stage_predictions=stage_predictions, gather=gather,

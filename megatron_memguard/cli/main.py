@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("validate", "check a config against Megatron's rules and the memory verdict"),
                            ("plan", "search layouts that fit and rank them"),
                            ("check", "pre-flight a launch command"),
-                           ("report", "render predicted vs actual memory of a run")):
+                           ("report", "render predicted vs actual memory of a run (memguard's JSONL or Megatron's logs)"),
+                           ("calibrate", "fit a site's constants (CUDA context, NCCL buffers, workspaces, allocator "
+                                         "slack) from its runs' logs")):
         sp = sub.add_parser(name, help=helptext, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -246,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     cmd = own[0]
     try:
-        if cmd in ("validate", "plan", "check", "report"):
+        if cmd in ("validate", "plan", "check", "report", "calibrate"):
             import importlib
             try:
                 mod = importlib.import_module(f"megatron_memguard.cli.{cmd}")
