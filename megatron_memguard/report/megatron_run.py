@@ -30,9 +30,24 @@ def raw_from_log(log: MegatronLog) -> RawConfig:
     if not log.args:
         raise ReaderError(f"{', '.join(log.files[:3])}: no Megatron argument table ('---- arguments ----', printed on "
                           "rank 0 at start-up); give the run's configuration with --config FILE or its flags after --")
-    raw = raw_from_namespace(types.SimpleNamespace(**log.args))
+    raw = raw_from_namespace(types.SimpleNamespace(**post_validation(log.args)))
     return RawConfig(args=raw.args, origin={}, source=f"the argument table of {log.args_file}",
                      world_size=raw.world_size, env=raw.env)
+
+
+def post_validation(args: dict[str, Any]) -> dict[str, Any]:
+    """The table shows the arguments after validate_args, which fills some from others; those that only
+    restate a default are dropped so that they do not read as settings. 0.19's validate_args sets
+    --tensor-parallel-num-weight-shards to TP (x gtp_weight_remat_size, 1 without GTP:
+    megatron/core/model_parallel_config.py resolve_tensor_parallel_weight_shards)."""
+    out = dict(args)
+    for shards, tp, remat in (("tensor_parallel_num_weight_shards", "tensor_model_parallel_size", "gtp_weight_remat_size"),
+                              ("expert_tensor_parallel_num_weight_shards", "expert_tensor_parallel_size",
+                               "expert_gtp_weight_remat_size")):
+        if out.get(remat, 1) in (1, None) and out.get(shards) in (None, out.get(tp)):
+            out.pop(shards, None)
+            out.pop(remat, None)
+    return out
 
 
 def tp_pp_dp_mapping(raw: RawConfig | None) -> bool:
