@@ -158,6 +158,50 @@ def _start(level: str, names: Sequence[str], base: SiteConstants, runs: Sequence
     return [float(getattr(base, n)) for n in names]
 
 
+@dataclass
+class _Trial:
+    """One set of constants fitted on all runs and, leaving each run out, on the others."""
+
+    candidates: list[int]
+    theta: list[float]
+    wanted: list[float]
+    fitted: dict[str, float]
+    held_out: dict[str, float]
+    at_bound: list[int]
+    worse: dict[str, tuple[float, float]]
+    improves: bool
+
+    @property
+    def accepted(self) -> bool:
+        return self.improves and not self.worse and not self.at_bound
+
+
+def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], candidates: list[int],
+           before: dict[str, float]) -> _Trial:
+    sub = [Row(r.run, r.y, r.b + sum(r.a[j] * theta0[j] for j in range(len(names)) if j not in candidates),
+               tuple(r.a[j] for j in candidates)) for r in rows]
+    lo = [SPEC[names[j]].lower for j in candidates]
+    hi = [SPEC[names[j]].upper for j in candidates]
+    sc = [_scales(names)[j] for j in candidates]
+    st = [theta0[j] for j in candidates]
+    theta = fit(sub, lo, hi, st, sc)
+    wanted = unbounded(sub, st, sc)
+    full = list(theta0)
+    for p, j in enumerate(candidates):
+        full[j] = theta[p]
+    held: dict[str, float] = {}
+    for name in sorted({r.run for r in sub}):
+        others = [r for r in sub if r.run != name]
+        if others:
+            t = fit(others, lo, hi, st, sc)
+            held[name] = statistics.median(abs(r.error(t)) for r in sub if r.run == name)
+    at_bound = [p for p in range(len(candidates))
+                if abs(wanted[p] - theta[p]) > 1e-6 * sc[p] and (wanted[p] < lo[p] or wanted[p] > hi[p])]
+    worse = {n: (before[n], e) for n, e in held.items() if e > before[n] + GUARD}
+    improves = bool(held) and statistics.median(held.values()) < statistics.median(before[n] for n in held) - 1e-12
+    return _Trial(list(candidates), theta, wanted, _run_errors(rows, full), held, at_bound, worse, improves)
+
+
 def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, asked: set[str],
                min_runs: int) -> tuple[LevelResult, dict[str, float]]:
     names = list(LEVEL_CONSTANTS[level])
@@ -191,49 +235,36 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
                              f"{other} is fitted and absorbs it")
     if not candidates:
         return res, {}
-    sub_rows = [Row(r.run, r.y, r.b + sum(r.a[j] * theta0[j] for j in range(len(names)) if j not in candidates),
-                    tuple(r.a[j] for j in candidates)) for r in rows]
-    lo = [SPEC[names[j]].lower for j in candidates]
-    hi = [SPEC[names[j]].upper for j in candidates]
-    sc = [_scales(names)[j] for j in candidates]
-    st = [theta0[j] for j in candidates]
-    theta = fit(sub_rows, lo, hi, st, sc)
-    wanted = unbounded(sub_rows, st, sc)
-    full = list(theta0)
-    for p, j in enumerate(candidates):
-        full[j] = theta[p]
-    res.fitted = _run_errors(rows, full)
-    # leave one run out
-    for name in res.runs:
-        others = [r for r in sub_rows if r.run != name]
-        if not others:
-            continue
-        t = fit(others, lo, hi, st, sc)
-        mine = [r for r in sub_rows if r.run == name]
-        res.held_out[name] = statistics.median(abs(r.error(t)) for r in mine)
-    at_bound = [p for p, j in enumerate(candidates)
-                if abs(wanted[p] - theta[p]) > 1e-6 * sc[p] and (wanted[p] < lo[p] or wanted[p] > hi[p])]
-    worse = {n: (res.before[n], e) for n, e in res.held_out.items() if e > res.before[n] + GUARD}
-    improves = bool(res.held_out) and statistics.median(res.held_out.values()) < statistics.median(
-        res.before[n] for n in res.held_out) - 1e-12
+    trials = [_trial(rows, names, theta0, candidates, res.before)]
+    if not trials[0].accepted and len(candidates) > 1:   # each constant alone: one may hold where both do not
+        trials += [_trial(rows, names, theta0, [j], res.before) for j in candidates]
+    chosen = min((t for t in trials if t.accepted), key=lambda t: statistics.median(t.held_out.values()), default=None)
+    shown_trial = chosen or trials[0]
+    res.fitted, res.held_out = shown_trial.fitted, shown_trial.held_out
     values: dict[str, float] = {}
-    for p, j in enumerate(candidates):
+    first = trials[0]
+    for j in candidates:
         c = results[j]
-        if p in at_bound:
-            c.status, c.wanted = "at bound", wanted[p]
-            c.reason = (f"the runs ask for {SPEC[c.name].format(wanted[p])}, outside its bounds "
-                        f"[{SPEC[c.name].format(lo[p])}, {SPEC[c.name].format(hi[p])}]: a modelling gap, not a site constant")
-        elif worse:
+        if chosen is not None and j in chosen.candidates:
+            q = chosen.candidates.index(j)
+            c.status, c.value = "fitted", chosen.theta[q]
+            values[c.name] = chosen.theta[q]
+            continue
+        t = next((t for t in trials[1:] if t.candidates == [j]), first)   # its own trial where there is one
+        q = t.candidates.index(j)
+        if q in t.at_bound:
+            c.status, c.wanted = "at bound", t.wanted[q]
+            s_ = SPEC[c.name]
+            c.reason = (f"the runs ask for {s_.format(t.wanted[q])}, outside its bounds "
+                        f"[{s_.format(s_.lower)}, {s_.format(s_.upper)}]: a modelling gap, not a site constant")
+        elif t.worse:
             c.status = "inconsistent"
-            shown = ", ".join(f"{n} {b:.1%} -> {a:.1%}" for n, (b, a) in sorted(worse.items(), key=lambda kv: -kv[1][1])[:4])
-            c.reason = (f"the runs disagree: predicted from the others, {len(worse)} run(s) get worse by more than "
-                        f"{GUARD:.0%} ({shown}); defaults kept")
-        elif not improves:
+            shown = ", ".join(f"{n} {b:.1%} -> {a:.1%}" for n, (b, a) in sorted(t.worse.items(), key=lambda kv: -kv[1][1])[:4])
+            c.reason = (f"the runs disagree: predicted from the others, {len(t.worse)} run(s) get worse by more "
+                        f"than {GUARD:.0%} ({shown}); defaults kept")
+        else:
             c.status = "kept"
             c.reason = "the held-out error does not improve on the defaults; defaults kept"
-        else:
-            c.status, c.value = "fitted", theta[p]
-            values[c.name] = theta[p]
     res.accepted = bool(values)
     return res, values
 
