@@ -183,23 +183,13 @@ def _rank_of_prefix(line: str) -> int | None:
 def find_log_files(paths: Sequence[str]) -> list[str]:
     """The log files among ``paths``: files as given; in a directory, its files ending in .log, .out, .err,
     .txt (any file when there are none)."""
-    files: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            found = sorted(f for f in glob.glob(os.path.join(p, "*")) if os.path.isfile(f) and f.endswith(LOG_SUFFIXES))
-            if not found:
-                found = sorted(f for f in glob.glob(os.path.join(p, "*")) if os.path.isfile(f) and not f.endswith(".jsonl"))
-            if not found:
-                raise ReaderError(f"{p}: no log files in this directory")
-            files += found
-        elif os.path.isfile(p):
-            files.append(p)
-        elif os.path.exists(p):
-            raise ReaderError(f"{p}: not a file or a directory")
-        else:
-            raise ReaderError(f"{p}: no such file or directory")
-    seen: set[str] = set()
-    return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+    from .files import collect
+
+    def in_dir(p: str) -> list[str]:
+        every = sorted(f for f in glob.glob(os.path.join(p, "*")) if os.path.isfile(f))
+        return [f for f in every if f.endswith(LOG_SUFFIXES)] or [f for f in every if not f.endswith(".jsonl")]
+
+    return collect(paths, in_dir, lambda p: f"{p}: no log files in this directory")
 
 
 def _lines(path: str) -> Iterable[tuple[int, str]]:
