@@ -189,7 +189,8 @@ def find_log_files(paths: Sequence[str]) -> list[str]:
         every = sorted(f for f in glob.glob(os.path.join(p, "*")) if os.path.isfile(f))
         return [f for f in every if f.endswith(LOG_SUFFIXES)] or [f for f in every if not f.endswith(".jsonl")]
 
-    return collect(paths, in_dir, lambda p: f"{p}: no log files in this directory")
+    return collect(paths, in_dir, lambda p: f"{p}: no memguard-rank*.jsonl files in this directory, nor Megatron log "
+                   "files (the hook writes the first with --memguard-log-dir DIR or MEMGUARD_LOG_DIR)")
 
 
 def _lines(path: str) -> Iterable[tuple[int, str]]:
