@@ -209,8 +209,11 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
     results = [ConstantResult(n, level, getattr(base, n)) for n in names]
     res = LevelResult(level, LEVEL_METRIC[level], results, runs=sorted({r.run for r in rows}))
     if not rows:
+        cpu = level == "allocated" and all(r.device != "gpu" for r in runs)
         for c in results:
-            c.status, c.reason = "too little data", f"no run logged {METRIC_LABELS[LEVEL_METRIC[level]]}"
+            c.status = "too little data"
+            c.reason = "the runs ran on CPU: no GPU workspaces" if cpu else \
+                f"no run logged {METRIC_LABELS[LEVEL_METRIC[level]]}"
         return res, {}
     start = _start(level, names, base, runs)
     # the level's rows measure the constants at this base; ``theta0`` is what the defaults give

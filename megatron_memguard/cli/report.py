@@ -143,8 +143,9 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         if not mlog.memory:      # only an out-of-memory error: the forensics are the report
             return _oom_only(ns, mlog, forensics)
         log = megatron_runlog(mlog, est, tp_pp_dp)
-        log.notes.append(f"prediction from {raw.source}; {est.gpu or 'GPU'}"
-                         + ("" if ns.gpu or ns.gpu_memory else " (the default; --gpu names the run's GPU)"))
+        where = "a CPU run" if ns.device == "cpu" else (
+            f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory else " (the default; --gpu names the run's GPU)"))
+        log.notes.append(f"prediction from {raw.source}; {where}")
     if ns.json:
         doc = to_json(log)
         if kind == "megatron":

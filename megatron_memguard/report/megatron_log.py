@@ -31,6 +31,7 @@ anywhere in a line. Pure Python; problems name the file.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import glob
 import os
 import re
@@ -217,6 +218,8 @@ def read_megatron_logs(paths: str | Sequence[str]) -> MegatronLog:
     log = MegatronLog(files=files)
     for path in files:
         _read_one(path, log)
+    last = log.last_iteration          # an OOM ends the job: the last iteration any rank logged came before it
+    log.ooms = [dataclasses.replace(ev, iteration=last) for ev in log.ooms]
     return log
 
 
@@ -239,45 +242,38 @@ def _read_one(path: str, log: MegatronLog) -> None:
             elif (m := _ARG_LONG.search(line)) is not None:
                 table[m.group(1)] = m.group(2)
             continue
-        if ARGS_START.search(line):
+        # cheap substring tests first: a log has millions of lines, a few of them ours
+        if "arguments --" in line and ARGS_START.search(line):
             in_args, table = True, {}
             log.args_tables += 1
-            continue
-        m = MEMORY_RE.search(line)
-        if m:
-            name = m.group(2).strip()
-            it = _AFTER_IT.search(name) or _SAVE.search(name)
-            iteration = int(it.group(it.lastindex)) if it else None
-            rank = int(m.group(1))
-            file_ranks.add(rank)
-            log.memory.append(MemoryLine(rank=rank, name=name, iteration=iteration, allocated=_mib(m.group(3)),
-                                         max_allocated=_mib(m.group(4)), reserved=_mib(m.group(5)),
-                                         max_reserved=_mib(m.group(6)), device_used=_mib(m.group(7)), file=path, line=n))
-            continue
-        m = ITERATION_RE.search(line)
-        if m:
+        elif "memory (MB)" in line:
+            m = MEMORY_RE.search(line)
+            if m:
+                name = m.group(2).strip()
+                it = _AFTER_IT.search(name) or _SAVE.search(name)
+                rank = int(m.group(1))
+                file_ranks.add(rank)
+                log.memory.append(MemoryLine(rank=rank, name=name, iteration=int(it.group(it.lastindex)) if it else None,
+                                             allocated=_mib(m.group(3)), max_allocated=_mib(m.group(4)),
+                                             reserved=_mib(m.group(5)), max_reserved=_mib(m.group(6)),
+                                             device_used=_mib(m.group(7)), file=path, line=n))
+        elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None:
             log.iterations.append(int(m.group(1)))
             log.train_iters = int(m.group(2))
-            continue
-        m = THEORY_RE.search(line)
-        if m:
+        elif "Theoretical memory" in line and (m := THEORY_RE.search(line)) is not None:
             log.theoretical_mib = (float(m.group(1)), float(m.group(2)), float(m.group(3)))
-            continue
-        m = MEMGUARD_OOM_RE.search(line)
-        if m:
+        elif "ran out of GPU memory" in line and (m := MEMGUARD_OOM_RE.search(line)) is not None:
             pp = m.group(2)
             log.memguard_oom_ranks[int(m.group(1))] = None if pp == "None" else int(pp)
-            continue
-        if "CUDA out of memory" in line:
+        elif "CUDA out of memory" in line:
             ooms.append((n, line, _rank_of_prefix(line)))
     if in_args:
         log.notes.append(f"{path}: the argument table is cut off (no 'end of arguments' line); read as far as it goes")
         log.args_text, log.args, log.args_file = table, {k: arg_value(v) for k, v in table.items()}, path
     m = _FILE_RANK.search(os.path.basename(path))
     file_rank = next(iter(file_ranks)) if len(file_ranks) == 1 else (int(m.group(1)) if m else None)
-    last = log.last_iteration
     for n, text, prefix_rank in ooms:
-        ev = parse_oom(text, path, n, prefix_rank if prefix_rank is not None else file_rank, last)
+        ev = parse_oom(text, path, n, prefix_rank if prefix_rank is not None else file_rank)
         if ev is not None:
             log.ooms.append(ev)
 
