@@ -59,12 +59,17 @@ def render(res, out: str | None) -> str:
     lines = [f"memguard calibrate: {len(runs)} run(s), {sum(len(r.observations) for r in runs)} logged rank(s), "
              f"{', '.join(gpus)}; from {', '.join(sources)}", ""]
     rows = []
+    levels = {lv.level: lv.summary() for lv in res.levels}
     for c in res.constants:
         s = SPEC[c.name]
-        rows.append([c.name, c.level, str(c.runs), s.format(c.default), s.format(c.value) if c.fitted else "-",
+        sm = levels[c.level]
+        err = (f"{sm['median_error_before']:.2%} -> {sm['median_error_held_out']:.2%}"
+               if c.fitted and sm["median_error_held_out"] is not None else "-")
+        rows.append([c.name, c.level, str(c.runs), s.format(c.default), s.format(c.value) if c.fitted else "-", err,
                      "fitted" if c.fitted else f"{c.status}: {c.reason}"])
-    lines.append("constants (runs that show each; defaults -> fitted):")
-    lines.append(table(rows, ["constant", "level", "runs", "default", "fitted", "status"], right=(2, 3, 4)))
+    lines.append("constants (runs that show each; defaults -> fitted; the median run's error at its level, defaults -> "
+                 "leave-one-out):")
+    lines.append(table(rows, ["constant", "level", "runs", "default", "fitted", "error", "status"], right=(2, 3, 4, 5)))
     lines.append("")
     rows = []
     for lv in res.levels:
