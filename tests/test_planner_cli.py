@@ -199,3 +199,14 @@ def test_planner_is_pure_python():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == ""
+
+
+def test_config_breaking_its_own_format_rules_exits_2(capsys, tmp_path):
+    """A Bridge YAML whose dataset.seq_length disagrees with model.seq_length is refused by plan as by estimate."""
+    from test_readers_bridge import FLAT
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(FLAT.replace("dataset: {seq_length: 1024}", "dataset: {seq_length: 2048}"))
+    for cmd in (["plan", "--gpus", "8", "--global-batch-size", "32"], ["estimate", "--world-size", "8"]):
+        code = main([*cmd, "--config", str(cfg)])
+        err = capsys.readouterr().err
+        assert code == 2 and "model.seq_length" in err and "Traceback" not in err, (cmd, err)

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigErrors
 
 if TYPE_CHECKING:
     from ..planner import Planner
@@ -124,6 +124,8 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     from ..planner import Cluster, Planner
 
     raw = load_raw(ns, flags)  # --model, --config and/or flags
+    if raw.problems:  # the config breaks a rule of its own format, refused as estimate and check refuse it
+        raise ConfigErrors(list(raw.problems))
     # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
     # the rest of the shell's environment has no business in the layouts the planner prints.
     raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})
