@@ -179,13 +179,18 @@ def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str,
     return cfgs
 
 
-def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True) -> Dict[str, Any]:
+def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True,
+             settings_of=None) -> Dict[str, Any]:
+    """Run each configuration; `settings_of(cfg)` gives its worker settings (default: resolve_config)."""
     from .run import RefereeError, run_referee, summary_line
 
     out = {"configs": []}
     t_all = time.time()
     for c in cfgs:
-        settings = resolve_config(c["flags"], c["world_size"])[1]
+        if settings_of is None:
+            settings = resolve_config(c["flags"], c["world_size"])[1]
+        else:
+            settings = settings_of(c)
         t0 = time.time()
         entry = {"name": c["name"], "world_size": c["world_size"], "ci": c["ci"], "note": c["note"],
                  "flags": c["flags"], "settings": settings}

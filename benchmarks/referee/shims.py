@@ -402,6 +402,108 @@ def install(tracker=None) -> None:
     c10d.isend = isend
     dist.isend = isend
 
+    _install_moe_shims()
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture of experts (megatron-core 0.16.1, local spec: SequentialMLP experts, TopKRouter).
+# ----------------------------------------------------------------------------------------------
+def _te_general_gemm(A, B, out_dtype=None, layout="TN", out=None, bias=None, grad=False):
+    """Stand-in for megatron's te_general_gemm (TE general_gemm: one cuBLAS call that writes only
+    its output, in `out_dtype`, from inputs of any precision). Layouts as TE names them: "TN" -> B·Aᵀ
+    (+bias), "NN" -> B·A, "NT" -> Bᵀ·A."""
+
+    def general_gemm(A, B, bias):
+        a, b = A.float(), B.float()
+        if layout == "TN":
+            y = b @ a.t()
+        elif layout == "NN":
+            y = b @ a
+        elif layout == "NT":
+            y = b.t() @ a
+        else:
+            raise ValueError(f"layout {layout}")
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype or B.dtype)
+
+    assert out is None, "the referee's te_general_gemm stand-in does not write into `out`"
+    return [fused_kernel(general_gemm, A, B, bias), None, None, None]
+
+
+def _swiglu(y):
+    a, b = y.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(a) * b
+
+
+def _swiglu_grad(g, y):
+    a, b = y.float().chunk(2, dim=-1)
+    s = torch.sigmoid(a)
+    g = g.float()
+    return torch.cat((g * s * (1 + a * (1 - s)) * b, g * a * s), dim=-1)
+
+
+def _fused_swiglu_kernels():
+    """Eager versions of megatron/core/fusions/fused_bias_swiglu.py's jit-fused functions, run as
+    one fused kernel each (tracker off inside, only the outputs registered), as the compiled GPU
+    kernels allocate only their outputs."""
+
+    def swiglu(y):
+        return fused_kernel(lambda y: _swiglu(y).to(y.dtype), y)
+
+    def bias_swiglu(y, bias):
+        return fused_kernel(lambda y, bias: _swiglu(y + bias).to(y.dtype), y, bias)
+
+    def weighted_swiglu(y, weights):
+        return fused_kernel(lambda y, w: (_swiglu(y) * w.float()).to(y.dtype), y, weights)
+
+    def swiglu_back(g, y):
+        return fused_kernel(lambda g, y: _swiglu_grad(g, y).to(y.dtype), g, y)
+
+    def bias_swiglu_back(g, y, bias):
+        return fused_kernel(lambda g, y, bias: _swiglu_grad(g, y + bias).to(y.dtype), g, y, bias)
+
+    def weighted_swiglu_back(g, y, weights):
+        def kernel(g, y, w):
+            dy = _swiglu_grad(g.float() * w.float(), y)
+            dw = (_swiglu(y) * g.float()).sum(dim=-1, keepdim=True)
+            return dy.to(y.dtype), dw.to(w.dtype)
+
+        return fused_kernel(kernel, g, y, weights)
+
+    return dict(swiglu=swiglu, bias_swiglu=bias_swiglu, weighted_swiglu=weighted_swiglu,
+                swiglu_back=swiglu_back, bias_swiglu_back=bias_swiglu_back,
+                weighted_swiglu_back=weighted_swiglu_back)
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu for a run where every tensor stands for a GPU tensor: the
+    host copy (numpy for the all-to-all split sizes) is made untracked, as host memory is not GPU
+    memory. Megatron's version copies only `tensor.is_cuda` tensors, so on CPU the split sizes stay
+    tensors and `all_to_all_single` refuses them."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    with _disable_current_modes():
+        host = tensor.detach().clone()
+    return host.numpy() if as_numpy else host
+
+
+def _install_moe_shims() -> None:
+    import megatron.core.fusions.fused_bias_swiglu as mswiglu
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as mdispatch
+
+    # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize (device-to-host copy of the split sizes):
+    mdispatch.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+
+    # moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, a name 0.16.1 binds
+    # only when TE imports (NameError without TE); Megatron MoE on a GPU runs TE's gemm:
+    moe_utils.te_general_gemm = _te_general_gemm
+    # fused_bias_swiglu's @jit_fuser (torch.compile) functions, used with --bias-swiglu-fusion (the
+    # GPU default) by MLP, SharedExpertMLP and the experts' WeightedSwiGLUFunction:
+    for name, fn in _fused_swiglu_kernels().items():
+        setattr(mswiglu, name, fn)
+
 
 # Snapshot sends not yet seen completed. Send works megatron never waits for are not marked completed by
 # gloo, so their snapshots stay until the process exits (never wait() on them here: a second wait() on a
@@ -430,12 +532,12 @@ def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:
     torch's fused CPU kernel (no temporaries, like TE/apex FusedAdam); "foreach" reproduces torch's
     CUDA default without TE/apex (whole-list temporaries); "single" leaves torch's CPU default.
     """
-    inner = getattr(optimizer, "optimizer", optimizer)
-    opts = []
+    # ChainedOptimizer (dense + expert optimizers with MoE) refuses `.optimizer` when it holds several
     if hasattr(optimizer, "chained_optimizers"):
         opts = [getattr(o, "optimizer", o) for o in optimizer.chained_optimizers]
-    elif inner is not None:
-        opts = [inner]
+    else:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        opts = [inner] if inner is not None else []
     for opt in opts:
         if opt is None or not isinstance(opt, torch.optim.Optimizer):
             continue
