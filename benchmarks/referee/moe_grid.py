@@ -57,7 +57,9 @@ MOE_GRID: List[Dict[str, Any]] = [
          ["--global-batch-size", "4"], note="4 local experts on one rank (sort_chunks path of alltoall)"),
     _moe("moe_ep2_allgather", 2, [], note="EP2 = DP2, allgather dispatcher (the default)"),
     _moe("moe_ep2_alltoall", 2, ["--moe-token-dispatcher-type", "alltoall"]),
-    _moe("moe_ep2_top1", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "1"]),
+    # TransformerConfig (0.16.1) refuses top-1 with the softmax score function unless pre-softmax
+    _moe("moe_ep2_top1", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "1",
+                             "--moe-router-pre-softmax"], note="top-1 (needs --moe-router-pre-softmax)"),
     _moe("moe_ep2_aux_zloss", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2",
                                   "--moe-z-loss-coeff", "1e-3"], note="aux loss and z-loss on"),
     _moe("moe_ep2_router_fp32", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32"]),

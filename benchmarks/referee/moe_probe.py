@@ -109,8 +109,8 @@ def _install_moe_layer(moe, n: int, labels: _Labels, routing: List[Dict[str, Any
 
     def on_dispatched(out):
         dispatched, tokens_per_expert, _ = out
-        with _disable_current_modes():
-            tpe = torch.as_tensor(tokens_per_expert).tolist()
+        # a host tensor (or list); never through torch.as_tensor, whose referee wrapper registers it
+        tpe = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         rec = dict(current)
         rec["tokens_per_local_expert"] = [int(x) for x in tpe]  # what this rank's experts received
         rec["expert_input_rows"] = int(dispatched.shape[0])  # N (with drop-and-pad: the padded rows)

@@ -448,28 +448,43 @@ def _fused_swiglu_kernels():
     one fused kernel each (tracker off inside, only the outputs registered), as the compiled GPU
     kernels allocate only their outputs."""
 
+    def swiglu_fwd(y):
+        return _swiglu(y).to(y.dtype)
+
+    def bias_swiglu_fwd(y, bias):
+        return _swiglu(y + bias).to(y.dtype)
+
+    def weighted_swiglu_fwd(y, w):
+        return (_swiglu(y) * w.float()).to(y.dtype)
+
+    def swiglu_bwd(g, y):
+        return _swiglu_grad(g, y).to(y.dtype)
+
+    def bias_swiglu_bwd(g, y, bias):
+        return _swiglu_grad(g, y + bias).to(y.dtype)
+
+    def weighted_swiglu_bwd(g, y, w):
+        dy = _swiglu_grad(g.float() * w.float(), y)
+        dw = (_swiglu(y) * g.float()).sum(dim=-1, keepdim=True)
+        return dy.to(y.dtype), dw.to(w.dtype)
+
     def swiglu(y):
-        return fused_kernel(lambda y: _swiglu(y).to(y.dtype), y)
+        return fused_kernel(swiglu_fwd, y)
 
     def bias_swiglu(y, bias):
-        return fused_kernel(lambda y, bias: _swiglu(y + bias).to(y.dtype), y, bias)
+        return fused_kernel(bias_swiglu_fwd, y, bias)
 
     def weighted_swiglu(y, weights):
-        return fused_kernel(lambda y, w: (_swiglu(y) * w.float()).to(y.dtype), y, weights)
+        return fused_kernel(weighted_swiglu_fwd, y, weights)
 
     def swiglu_back(g, y):
-        return fused_kernel(lambda g, y: _swiglu_grad(g, y).to(y.dtype), g, y)
+        return fused_kernel(swiglu_bwd, g, y)
 
     def bias_swiglu_back(g, y, bias):
-        return fused_kernel(lambda g, y, bias: _swiglu_grad(g, y + bias).to(y.dtype), g, y, bias)
+        return fused_kernel(bias_swiglu_bwd, g, y, bias)
 
     def weighted_swiglu_back(g, y, weights):
-        def kernel(g, y, w):
-            dy = _swiglu_grad(g.float() * w.float(), y)
-            dw = (_swiglu(y) * g.float()).sum(dim=-1, keepdim=True)
-            return dy.to(y.dtype), dw.to(w.dtype)
-
-        return fused_kernel(kernel, g, y, weights)
+        return fused_kernel(weighted_swiglu_bwd, g, y, weights)
 
     return dict(swiglu=swiglu, bias_swiglu=bias_swiglu, weighted_swiglu=weighted_swiglu,
                 swiglu_back=swiglu_back, bias_swiglu_back=bias_swiglu_back,
@@ -488,6 +503,46 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     return host.numpy() if as_numpy else host
 
 
+def _uneven_list_collectives() -> None:
+    """all_gather into / reduce_scatter from lists of unequal tensors, which gloo refuses.
+
+    megatron's `_gather_along_first_dim` / `_reduce_scatter_along_first_dim` with split sizes (the
+    alltoall dispatcher's gather and reduce-scatter over the expert-TP group, ETP > 1) pass lists whose
+    tensors differ in rows. NCCL runs them as grouped broadcasts / reduces straight into and out of the
+    caller's tensors; here the data moves through untracked padded copies and lands in the same caller
+    tensors, so nothing extra is counted."""
+    import torch.distributed as dist
+
+    orig_all_gather, orig_reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def uneven(tensors):
+        return len({tuple(t.shape) for t in tensors}) > 1
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if not uneven(tensor_list) or async_op:
+            return orig_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        with _disable_current_modes():
+            send = tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))
+            send[: tensor.shape[0]].copy_(tensor)
+            recv = [torch.empty_like(send) for _ in tensor_list]
+            orig_all_gather(recv, send, group=group)
+            for out, got in zip(tensor_list, recv):
+                out.copy_(got[: out.shape[0]])
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not uneven(input_list) or async_op:
+            return orig_reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        with _disable_current_modes():
+            full = torch.cat([t.contiguous() for t in input_list])
+            dist.all_reduce(full, op=op, group=group)
+            start = sum(t.shape[0] for t in input_list[: dist.get_rank(group)])
+            output.copy_(full[start: start + output.shape[0]])
+
+    dist.all_gather = all_gather
+    dist.reduce_scatter = reduce_scatter
+
+
 def _install_moe_shims() -> None:
     import megatron.core.fusions.fused_bias_swiglu as mswiglu
     import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -495,6 +550,8 @@ def _install_moe_shims() -> None:
 
     # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize (device-to-host copy of the split sizes):
     mdispatch.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    # mappings._gather_along_first_dim / _reduce_scatter_along_first_dim with split sizes (ETP > 1):
+    _uneven_list_collectives()
 
     # moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, a name 0.16.1 binds
     # only when TE imports (NameError without TE); Megatron MoE on a GPU runs TE's gemm:

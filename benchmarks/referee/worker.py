@@ -677,6 +677,8 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         opt_region = tracker._regions[f"iter{args.num_iterations}/optimizer"]
         result["optimizer_peak_dump"] = tracker.dump(opt_region.peak_seq, top=15)
         result["after_step_dump"] = tracker.dump(None, top=15, by_phase=True)
+        if args.num_experts:
+            result["after_step_dump_all"] = tracker.dump(None, top=None, by_phase=True)
         result["num_tracked_allocations"] = tracker.num_allocs
 
     timings["total_s"] = time.time() - t_start
@@ -703,6 +705,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             "routing": routing,
             "routing_summary": moe_probe.summarize(routing),
             "peak_all_storages": result["peak_dump_all"],
+            "after_step_all_storages": result["after_step_dump_all"],
         })
     out = dict(pos)
     out.update({
