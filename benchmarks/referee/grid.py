@@ -248,11 +248,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"grid: {len(res['configs'])} configurations, {n_fail} failed, "
           f"total {res['total_run_time_s']:.1f}s")
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save_results(res, a.out)
     if n_fail:
         sys.exit(1)
+
+
+def save_results(res: Dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

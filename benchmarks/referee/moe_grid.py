@@ -19,7 +19,7 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
-from .grid import COMMON, REFEREE_MEGATRON_VERSION, resolve_config, run_grid
+from .grid import COMMON, REFEREE_MEGATRON_VERSION, resolve_config, run_grid, save_results
 
 # A small Llama-style model: 4 layers, hidden 256, 8 heads (4 KV groups), SwiGLU, RMSNorm, RoPE, no
 # biases (shared experts refuse biases), untied; s=256, b=2.
@@ -201,9 +201,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         res["configs"] = sorted(merged.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else 99)
         res["total_run_time_s"] = round(sum(c.get("run_time_s", 0) for c in res["configs"]), 2)
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save_results(res, a.out)
     if n_fail:
         sys.exit(1)
 
