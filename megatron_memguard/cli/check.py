@@ -265,7 +265,7 @@ def _check(ns, flags: list[str]) -> int:
     for pr in problems:
         out.append(f"problem: {pr}")
     if suggestion:
-        out.append(f"a layout that fits: {suggestion}")
+        out.append(suggestion)
     if notes:
         shown = notes[:MAX_NOTES]
         out += [f"note: {n}" for n in shown]
@@ -290,11 +290,12 @@ def _suggest(raw, est, ns, world, gpu, mem) -> str | None:
                      threshold=ns.threshold, profile=ns.profile, allow_recompute=True, original=est)
     except Exception:  # the suggestion is an extra: a search that fails must not hide the verdict
         return None
-    if r.chosen is None:
-        return None
+    if r.chosen is None:  # nothing within these GPUs: what would fit (more GPUs), if anything
+        return f"no micro-batch / pipeline / recompute change fits on {world} GPUs; it would fit {r.hints[-1]}" \
+            if r.hints else None
     ch = ", ".join(f"{raw.key(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
-    return (f"{describe_layout_choice(r.chosen.layout)}, {format_bytes(r.chosen.estimate.peak_device_bytes)} "
-            f"({r.chosen.estimate.verdict}): {ch}")
+    return (f"a layout that fits: {describe_layout_choice(r.chosen.layout)}, "
+            f"{format_bytes(r.chosen.estimate.peak_device_bytes)} ({r.chosen.estimate.verdict}): {ch}")
 
 
 def _verdict_words(est) -> str:
