@@ -214,7 +214,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
 
     # Model.
     model = S.get("model", {})
-    gpt_fields = config_fields().get("GPTModelProvider", frozenset())
+    gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,
                      unknown_context="megatron-core / Megatron-Bridge model")
     if has("model", "num_query_groups"):
@@ -319,7 +319,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         except (TypeError, ValueError):
             pass
     for sec, fields_name in (("optimizer", "OptimizerConfig"), ("ddp", "DistributedDataParallelConfig")):
-        known = config_fields().get(fields_name, frozenset()) | {"_target_", "param_name_patterns_for_fp32_local_accumulation"}
+        known = config_fields().get(fields_name, frozenset()) | {"_target_"}
         for name, (_, key) in S.get(sec, {}).items():
             if name not in known:
                 b.warn(f"{key}: not a megatron-core {fields_name} field; ignored")
