@@ -194,7 +194,7 @@ def _sync_seq_length(b: ArgsBuilder, S: dict[str, dict[str, Field]], who: str) -
     if f is None or "model" not in S:
         return
     old = S["model"].get("seq_length")
-    if old is not None and old[0] is not None and old[0] != f[0]:
+    if old is not None and old[0] is not None and old[0] != f[0] and " (recipe " not in old[1]:  # the user's own value
         b.warn(f"{old[1]} = {old[0]} is replaced by {f[1]} = {f[0]}: {who} copies dataset.seq_length into "
                "model.seq_length after the overrides (set dataset.seq_length, or -sl, instead)")
     S["model"]["seq_length"] = f
