@@ -363,20 +363,26 @@ def test_callback_samples_every_interval_through_the_callback_manager(bridge, tm
     assert start["predicted"] is None and "pipeline stage is unknown" in start["context"]["note"]
 
 
+def tiny_cpu_config():
+    """A two-layer fp32 GPT that trains on CPU in a second, without distributed optimizer or mixed precision."""
+    tiny = GPTModelProvider(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=4,
+                            seq_length=32, vocab_size=256, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                            sequence_parallel=False, recompute_granularity=None, bf16=False, params_dtype=torch.float32,
+                            transformer_impl="local")
+    return ConfigContainer(model=tiny, train=TrainingConfig(micro_batch_size=2, global_batch_size=2, train_iters=3),
+                           optimizer=OptimizerConfig(use_distributed_optimizer=False, bf16=False, params_dtype=torch.float32),
+                           ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_param_gather=False),
+                           dataset=GPTDatasetConfig(seq_length=32), logger=LoggerConfig(log_interval=1), mixed_precision=None)
+
+
 def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
     """megatron_memguard.bridge.pretrain: the pre-flight, then Bridge's pretrain with the callback; a tiny model
     trained on CPU, measured by the live-bytes source."""
     from megatron_memguard import bridge as mb
     cbs, pt = bridge
 
-    tiny = GPTModelProvider(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=4,
-                            seq_length=32, vocab_size=256, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                            sequence_parallel=False, recompute_granularity=None, bf16=False, params_dtype=torch.float32,
-                            transformer_impl="local")
-    cfg = ConfigContainer(model=tiny, train=TrainingConfig(micro_batch_size=2, global_batch_size=2, train_iters=3),
-                          optimizer=OptimizerConfig(use_distributed_optimizer=False, bf16=False, params_dtype=torch.float32),
-                          ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_param_gather=False), dataset=GPTDatasetConfig(seq_length=32),
-                          logger=LoggerConfig(log_interval=1), mixed_precision=None)
+    cfg = tiny_cpu_config()
+    tiny = cfg.model
     src = RecordingSource()             # not started here: the wrapper starts it before the model is built
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -416,14 +422,8 @@ def test_the_callback_starts_the_source_itself_as_the_lightning_callback_does(br
     the callback starts it at on_train_start and counts the model and optimizer built before that (issue 20)."""
     from megatron_memguard.bridge import MemguardCallback
     cbs, pt = bridge
-    tiny = GPTModelProvider(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=4,
-                            seq_length=32, vocab_size=256, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                            sequence_parallel=False, recompute_granularity=None, bf16=False, params_dtype=torch.float32,
-                            transformer_impl="local")
-    cfg = ConfigContainer(model=tiny, train=TrainingConfig(micro_batch_size=2, global_batch_size=2, train_iters=3),
-                          optimizer=OptimizerConfig(use_distributed_optimizer=False, bf16=False, params_dtype=torch.float32),
-                          ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_param_gather=False),
-                          dataset=GPTDatasetConfig(seq_length=32), logger=LoggerConfig(log_interval=1), mixed_precision=None)
+    cfg = tiny_cpu_config()
+    tiny = cfg.model
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     result = preflight(cfg, world_size=1, gpu_memory="2GiB", emit=quiet()[1])
     src = RecordingSource()
