@@ -68,6 +68,10 @@ def test_recipe_names_give_the_recipe():
     assert (L.seq_length, L.micro_batch_size, L.global_batch_size, L.padded_vocab_size, L.use_distributed_optimizer) == \
         (8192, 1, 512, 32000, True)
     assert "recipe llama32_1b" in raw.origin["global_batch_size"]
+    # the names Megatron-Bridge 0.6.2 exports the recipe function as (recipes/llama/llama3.py aliases)
+    from megatron_memguard.readers.models import find_recipe
+    assert find_recipe("llama3_8b_pretrain_config") == find_recipe("llama3_8b_pretrain_2gpu_h100_bf16_config") == "llama3_8b"
+    assert find_recipe("llama3_8b_pretrain_64gpu_h100_bf16_128k_config") is None
     shape_only = read_model("llama3_8b", shape_only=True)
     assert "context_parallel_size" not in shape_only.args and shape_only.args["num_layers"] == 32
 
