@@ -167,6 +167,17 @@ class MemguardCallback:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def start_source(self, source: Any = None) -> None:
+        """Start the memory source (idempotent), as the Lightning callback does: ``pretrain`` calls it before
+        Bridge builds the model; otherwise ``on_train_start`` does."""
+        source = source if source is not None else self.source
+        if source is None:
+            return
+        try:
+            source.start()
+        except Exception as e:
+            self.report("starting the memory source", e)
+
     def close(self, exc: BaseException | None = None) -> None:
         m = self.monitor
         if m is None:
@@ -191,6 +202,10 @@ class MemguardCallback:
             (self.emit or print)(f"{PREFIX} no CUDA device: runtime memory logging is off (pass source= to use another "
                                  "megatron_memguard.runtime memory source)")
             return
+        self.start_source(source)
+        track = getattr(source, "track", None)
+        if track is not None:  # what was built before the source started (Bridge has no event before the model)
+            track(*existing_tensors(getattr(context, "model", None), getattr(context, "optimizer", None)))
         interval = self.interval
         if interval is None:
             interval = getattr(getattr(cfg, "logger", None), "log_interval", None) or 100
@@ -216,6 +231,38 @@ class MemguardCallback:
         self.monitor.start()
 
 
+def existing_tensors(model: Any, optimizer: Any) -> list:
+    """The tensors a training run holds by ``on_train_start``: the model chunks' parameters, buffers and
+    gradients (``.grad``, megatron-core's ``.main_grad`` views of its gradient buffer, the DDP param / grad
+    buffers) and the optimizer's state (torch optimizers, and megatron-core's wrapped ``.optimizer``)."""
+    out: list = []
+    chunks = model if isinstance(model, (list, tuple)) else [model] if model is not None else []
+    for chunk in chunks:
+        for name in ("parameters", "buffers"):
+            fn = getattr(chunk, name, None)
+            if callable(fn):
+                for t in fn():
+                    out.append(t)
+                    if name == "parameters":
+                        out += [g for g in (getattr(t, "grad", None), getattr(t, "main_grad", None)) if g is not None]
+        for buf in list(getattr(chunk, "buffers", None) if isinstance(getattr(chunk, "buffers", None), list) else []):
+            out += [x for x in (getattr(buf, "param_data", None), getattr(buf, "grad_data", None)) if x is not None]
+    seen: set = set()
+    opt = optimizer
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        state = getattr(opt, "state", None)
+        if isinstance(state, Mapping):
+            for per_param in state.values():
+                if isinstance(per_param, Mapping):
+                    out += [v for v in per_param.values() if hasattr(v, "untyped_storage")]
+        for group in getattr(opt, "param_groups", None) or []:
+            if isinstance(group, Mapping):
+                out += [p for p in group.get("params", ()) if hasattr(p, "untyped_storage")]
+        opt = getattr(opt, "optimizer", None)
+    return [t for t in out if hasattr(t, "untyped_storage")]
+
+
 def pretrain(config: Any, forward_step_func: Any, callbacks: Any = None, *, world_size: int | None = None, gpu: Any = None,
              gpu_memory: Any = None, mode: str | None = None, threshold: float | None = None, log_dir: str | None = None,
              interval: int | None = None, source: Any = None, site_profile: str | None = None, **kwargs) -> Any:
@@ -230,6 +277,7 @@ def pretrain(config: Any, forward_step_func: Any, callbacks: Any = None, *, worl
         return bridge_pretrain(config, forward_step_func, callbacks=callbacks, **kwargs)
     cb = MemguardCallback(result, log_dir=log_dir, interval=interval, source=source, gpu=gpu, gpu_memory=gpu_memory,
                           threshold=threshold)
+    cb.start_source()   # before the model is built, so that a tracking source counts it as it is made
     if callbacks is None:
         callbacks = [cb]
     elif isinstance(callbacks, list):

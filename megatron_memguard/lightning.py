@@ -14,7 +14,9 @@ What it reads (as NeMo 2.5's ``MegatronStrategy``, ``GPTModel`` and data modules
   ``grad_reduce_in_fp32``, ``overlap_*``); attributes a plain Lightning strategy lacks take Megatron's
   defaults (no model parallelism);
 * the precision: ``trainer.precision`` (``bf16-mixed``, ``16-mixed``, ``32-true``) and, for NeMo's
-  ``MegatronMixedPrecision``, its ``dtype_config`` (``params_dtype``, ``grad_reduce_in_fp32``, ``fp8``);
+  ``MegatronMixedPrecision``, its ``dtype_config`` (``bf16`` / ``fp16``, ``params_dtype``,
+  ``grad_reduce_in_fp32``, ``fp8``), read as NeMo applies it: with bf16 or fp16 the model is wrapped in
+  megatron-core's Float16Module, which casts the parameters to that dtype whatever ``params_dtype`` says;
 * the model config: ``pl_module.config`` (NeMo 2's GPTConfig: megatron-core TransformerConfig names,
   ``seq_length``, ``vocab_size``, ``share_embeddings_and_output_weights``, recomputation ...), or
   ``model_config=``; the vocabulary from ``config.vocab_size`` or ``pl_module.tokenizer.vocab_size``;
@@ -105,11 +107,13 @@ def trainer_dict(trainer: Any, pl_module: Any, model_config: Any = None) -> dict
         ddp = _attr(strategy, "ddp")
     if ddp is not None:
         strat["ddp"] = to_plain(ddp)
-    plug: dict[str, Any] = {"_target_": "MixedPrecision", "precision": str(_attr(trainer, "precision") or "32-true")}
     pp = _attr(trainer, "precision_plugin")
-    dc = _attr(pp, "dtype_config")
+    name = type(pp).__name__
+    plug: dict[str, Any] = {"_target_": name if "MixedPrecision" in name else "MixedPrecision",
+                            "precision": str(_attr(trainer, "precision") or "32-true")}
+    dc = _attr(pp, "dtype_config")   # NeMo's MegatronMixedPrecision: what it decided (bf16 / fp16 and the rest)
     if dc is not None:
-        for name in ("params_dtype", "grad_reduce_in_fp32", "fp8"):
+        for name in ("bf16", "fp16", "params_dtype", "grad_reduce_in_fp32", "fp8"):
             v = _attr(dc, name)
             if v is not None:
                 plug[name] = to_plain(v)

@@ -157,6 +157,28 @@ def test_autotune_with_recompute_allowed_from_environment(run, monkeypatch):
     assert args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers == 1
 
 
+def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
+    # Llama-3.1-8B on 8 H100s with MBS 4 (issue 20): MBS 1 on PP 8 is the lowest peak and it is tight, so every
+    # rank aborts before allocating; allowed to recompute, Megatron's own validation takes the tuned layout.
+    from megatron.training import global_vars
+    from megatron_memguard.megatron import MemguardAbort
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(MemguardAbort) as e:
+        run("--micro-batch-size", 4, "--memguard", "autotune")
+    assert e.value.code == 3
+    out = capsys.readouterr().out
+    d = hook.STATE.decision
+    assert d.action == "abort" and d.autotune.chosen is None and 0.8 < d.autotune.nearest[0].fraction <= 1.0
+    assert "[memguard]   nearest: MBS 1, PP 8 (DP 1), no recompute" in out
+    assert "[memguard]   would fit with activation recomputation (--memguard-allow-recompute): " in out
+    global_vars.unset_global_variables()
+    args = run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
+    d = hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
+    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
+    assert args.pipeline_model_parallel_size == d.layout.pp
+
+
 def test_threshold_and_gpu_memory_flags(run, capsys):
     run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard-gpu-memory", "40GiB",
         "--memguard-threshold", "0.95")

@@ -236,15 +236,9 @@ def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, args
         say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
         say(stage_summary(r.chosen.estimate))
         return
-    if r.status == "tight" or est.verdict == "tight":
-        d.action = "warned"
-        say(f"{PREFIX} WARNING: autotune found nothing within {settings.threshold:.0%}; keeping the layout (tight)")
-        say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
-        say(render(est, colour=False))
-        return
+    # Nothing within the threshold: a tight job is not started either (it may run out of memory hours in).
     d.action = "abort"
     say(render(est, colour=False))
     say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
-    say(f"{PREFIX} autotune found no layout that fits in GPU memory; aborting on every rank before any GPU memory is "
-        f"allocated (exit code {ABORT_EXIT_CODE})" + ("" if settings.allow_recompute else
-                                                       "; --memguard-allow-recompute lets it try activation recomputation"))
+    say(f"{PREFIX} autotune found no layout within {settings.threshold:.0%} of GPU memory; aborting on every rank "
+        f"before any GPU memory is allocated (exit code {ABORT_EXIT_CODE})")
