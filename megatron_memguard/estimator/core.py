@@ -61,7 +61,9 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
-        k = L.recompute_num_layers or 1
+        # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
+        # refuses it for uniform, whose loop would not advance)
+        k = L.recompute_num_layers if L.recompute_num_layers is not None else 1
         if L.recompute_method == "uniform":
             groups = -(-n // k)
             layers = groups * ckpt_input
