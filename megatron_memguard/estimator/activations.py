@@ -187,7 +187,10 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
     else:
         core_bwd = 2 * scores * e + 2 * q
     if recompute_core:
-        core_bwd += probs            # the recomputed forward makes the probs again
+        # The recomputed forward makes the probs again, but the softmax's backward has consumed them
+        # by this step; CheckpointFunction.backward still holds the recomputed context and the
+        # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage).
+        core_bwd += 2 * q
     return saved, core_fwd, core_bwd, True
 
 
@@ -248,7 +251,7 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool,
         if not recompute_core:
             saved["attention_probs"] = probs
         core_fwd = 2 * scores * e
-        core_bwd = 2 * scores * e + 2 * v_b + (probs if recompute_core else 0)
+        core_bwd = 2 * scores * e + 2 * v_b + (2 * v_b if recompute_core else 0)   # as for standard attention
         unfused = True
     remade = 2 * q_b + v_b if recompute_up else 0              # query, key and value made again
     core_bwd += 2 * remade
@@ -320,12 +323,9 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
             mlp["activation_gate"] = Tf * f_t * e
             mlp["activation_linear"] = Tf * f_t * e
         mlp["fc2_input"] = Tf * f_t * e
-        # unfused glu: grads of silu(x0) and of the product before they are concatenated
-        act_bwd = 3 * Tf * f_t * e if not L.bias_activation_fusion else 0
     else:
         mlp["fc1_output"] = Tf * f_t * e
         mlp["fc2_input"] = Tf * f_t * e
-        act_bwd = 0
     mlp_names = frozenset(mlp)
     if "mlp" not in mods:
         saved.update(mlp)
@@ -349,14 +349,35 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     rel_fc1 = rel_act | {"fc1_input"}
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     rel_proj = rel_norm2 | {"proj_input"}
-    rel_softmax = rel_proj | {"attention_probs"}
+    # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
+    rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
     rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
-    mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0
+
+    def remade(released: frozenset) -> int:
+        """MLP tensors recomputed for the backward ('mlp' recompute) and not yet released."""
+        return sum(v for k, v in mlp.items() if k not in released) if "mlp" in mods else 0
+
+    u = Tf * f_t * e          # one [s b, ffn/t] tensor: fc2's input gradient, each activation gradient
+    if L.gated_linear_unit and not L.bias_activation_fusion:
+        # unfused glu, op by op: the product's backward makes the gradients of both factors next to
+        # fc2's input gradient (fc2_input released); silu's backward adds the gate's input gradient
+        # (the product's saved factors released, fc2's input gradient consumed); the chunk's backward
+        # concatenates the two halves' gradients into fc1's output gradient (fc1_output released).
+        rel_mul = rel_mlp | {"activation_gate", "activation_linear"}
+        act_steps = (
+            (rel_mlp, G + remade(rel_mlp) + 3 * u),                                                # mul
+            (rel_mul, G + remade(rel_mul) + 3 * u),                                                # silu
+            (rel_act, G + 2 * u + Tf * fc1_w * e),                                                 # chunk
+        )
+    else:
+        # one activation node (fused bias-activation, or a plain activation): fc1's output gradient
+        # next to fc2's input gradient
+        act_steps = ((rel_mlp, G + remade(rel_mlp) + u + Tf * fc1_w * e),)
     steps_to_core = (
-        (frozenset(), G + mlp_recompute + Tf * f_t * e + _wgrad(L, h, f_t)),                      # fc2
-        (rel_mlp, G + mlp_recompute + Tf * f_t * e + Tf * fc1_w * e + act_bwd),                   # activation
+        (frozenset(), G + remade(frozenset()) + u + _wgrad(L, h, f_t)),                           # fc2
+        *act_steps,                                                                                # activation
         (rel_act, G + Tf * fc1_w * e + Tf * h * e + _wgrad(L, fc1_w, h)),                         # fc1
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
         (rel_norm2, G + Tf * ctx_w * e + _wgrad(L, h, ctx_w)),                                     # linear_proj
