@@ -189,8 +189,9 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
     if recompute_core:
         # The recomputed forward makes the probs again, but the softmax's backward has consumed them
         # by this step; CheckpointFunction.backward still holds the recomputed context and the
-        # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage).
-        core_bwd += 2 * q
+        # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage),
+        # and under GQA the recomputed repeat of K that the scores' backward still needs.
+        core_bwd += 2 * q + (q if gqa else 0)
     return saved, core_fwd, core_bwd, True
 
 
