@@ -106,6 +106,51 @@ def attention_kind(L: Layout) -> str:
     return "fused"
 
 
+def _te_keeps_every_cp_step(L: Layout) -> bool:
+    """Transformer Engine up to 2.11 (megatron-core 0.16 pins TE < 2.12) keeps every ring step's K/V
+    buffer and partial output until the forward's end; TE 2.20.2 keeps two of each (double buffering).
+    Later megatron-core versions are assumed to run the newer TE."""
+    from packaging.version import Version
+    return Version(L.megatron_version) < Version("0.17")
+
+
+def _cp_attention_items(L: Layout, x: "Shapes", saved: dict[str, int], q: int, kv1: int, qkv_w: int,
+                        rope: bool) -> tuple[dict[str, int], int, int, bool]:
+    """Context parallelism's ring attention (TE AttnFuncWithCPAndKVP2P, cp_comm_type p2p, read in TE
+    2.11 and 2.20.2 context_parallel.py): the K/V of this rank are concatenated into the first ring
+    buffer and passed around; the function keeps q as it receives it (the rope'd query, a contiguous
+    copy, or with the flash backend a [b, s, h, d] copy), the last received K/V buffer
+    [2, s/CP, b, g/t, d], its output and the merged fp32 softmax statistics. So megatron's qkv
+    projection output and rope'd key die after the forward (unless q/k norms keep views of the qkv
+    output). The flash backend also keeps its [b, s, h, d] output next to the [s, b, h] copy that
+    linear_proj keeps."""
+    e, Tf = x.e, x.Tf
+    stats = x.b * x.a_t * x.s * 4
+    saved.pop("key_norm", None)                       # consumed into the ring buffer
+    if L.qk_layernorm:
+        saved["qkv_output"] = Tf * qkv_w * e          # the norms' saved inputs are views of it
+    if rope:
+        saved["query_rope"] = q
+    elif "query_norm" not in saved:
+        saved["query"] = q
+    saved["cp_kv_buffer"] = 2 * kv1
+    saved["softmax_stats"] = stats
+    if L.attention_backend == "flash":
+        saved["attention_output_bshd"] = q
+    cp = L.cp
+    if _te_keeps_every_cp_step(L):
+        # the output, every step's partial output (the last CP rank's are all full size) and the
+        # ring buffers other than the one kept
+        core_fwd = q + cp * q + (cp - 1) * 2 * kv1
+    else:
+        # the output, two partial outputs and two more ring buffers in flight
+        core_fwd = 3 * q + 2 * 2 * kv1
+    # backward: dq buffer, two [2, K/V] ring buffers of K/V and dK/dV, the step's dq/dk/dv and, on the
+    # upper-triangle steps of the early CP ranks, contiguous halves of q, the output and its gradient
+    core_bwd = 3 * q + 10 * kv1 + stats
+    return saved, core_fwd, core_bwd, False
+
+
 def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask: bool) -> tuple[dict[str, int], int, int, bool]:
     """Saved bytes of q/k/v handling and the core attention, its forward working set at the softmax
     and its backward working set (with the probs already released), and whether s x s scores exist."""
@@ -126,6 +171,8 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
         if not rope and not (gqa and kind != "fused"):
             saved["query_norm"] = q
             saved["key_norm"] = kv1
+    if kind == "fused" and L.cp > 1 and not recompute_core:
+        return _cp_attention_items(L, x, saved, q, kv1, qkv_w, rope)
     if kind == "fused":
         # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
         # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax

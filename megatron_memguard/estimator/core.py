@@ -170,8 +170,10 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int =
                               f"{L.rope_type} rotary tables of {mla_layers} MLA layer(s)"))
     elif L.position_embedding_type in ("rope", "yarn"):
         rot = int(L.kv_channels * L.rotary_percent)
-        terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
-                          "cached fp32 rotary frequencies [s, 1, 1, d]"))
+        # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
+        # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
+        terms.append(Term("rotary_cache", L.seq_length // L.cp * rot * 4, "transients", "allocated",
+                          "cached fp32 rotary frequencies [s/CP, 1, 1, d]"))
     return tuple(terms)
 
 
