@@ -186,6 +186,11 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
             saved["softmax_stats"] = stats
         core_fwd = q                                   # the output being written
         core_bwd = 3 * q + stats + (q if recompute_core else 0)   # dq, dk, dv (+ recomputed O)
+        if recompute_core and L.cp > 1:
+            # the checkpoint replays the ring forward (its K/V buffer, output and statistics kept) and
+            # runs the ring backward; it holds the recomputed output and the gradient handed to it
+            _, cp_fwd, cp_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_w, rope)
+            core_bwd = cp_bwd + 2 * kv1 + stats + 2 * q
         return saved, core_fwd, core_bwd, False
     # Unfused: the s x s scores and probs exist per layer.
     if recompute_core:
