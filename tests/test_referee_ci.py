@@ -1,8 +1,7 @@
 """The CPU referee's CI subset: real megatron-core training steps on CPU against memguard's estimate.
 
-Thirteen configurations of benchmarks/referee/grid.py (marked ci) covering TP, SP, PP with more and
-fewer micro-batches than stages, interleaved VPP, DP with and without the distributed optimizer (and
-TP2 with DP x CP = 1),
+Twelve configurations of benchmarks/referee/grid.py (marked ci) covering TP, SP, PP with more and
+fewer micro-batches than stages, interleaved VPP, DP with and without the distributed optimizer,
 selective and full (uniform and block) recompute, GQA + SwiGLU + RMSNorm + rope. Each rank's
 parameter count must be exact, its live bytes after the optimizer step within 1% and its peak live
 bytes within 3% of `memguard estimate --device cpu` (issue 3). Needs torch + megatron-core; about

@@ -95,7 +95,7 @@ GRID: List[Dict[str, Any]] = [
          note="optimizer state sharded over DP/2 = 2 ranks", requires=("einops",)),
     # DP x CP = 1: the one rank of the optimizer's group owns the whole stage's state (issue 13)
     _cfg("tp2_dp1_distopt", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                "--use-distributed-optimizer"], ci=True, note="TP2 DP1, distributed optimizer"),
+                                "--use-distributed-optimizer"], note="TP2 DP1, distributed optimizer"),
     _cfg("pp2_dp1_distopt", 2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
                                 "--use-distributed-optimizer"], note="PP2 DP1, distributed optimizer"),
     _cfg("tp2_pp2_dp2_sp_distopt", 8, ["--tensor-model-parallel-size", "2",
