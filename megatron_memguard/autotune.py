@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 
 from .config import RawConfig
 from .errors import ConfigErrors, MemguardError
-from .estimator import Estimate, estimate
+from .estimator import Estimate, SiteConstants, estimate
 from .gpus import GpuSpec
 from .layout import Layout
 from .resolve import resolve
@@ -174,6 +174,7 @@ def autotune(
     allow_pp: bool = True,
     accept: Callable[[Mapping[str, Any]], str | None] | None = None,
     original: Estimate | None = None,
+    site: SiteConstants | None = None,
 ) -> AutotuneResult:
     """Search MBS downwards and PP upwards (recompute only with ``allow_recompute``) for a layout that fits.
 
@@ -183,7 +184,9 @@ def autotune(
     """
     L0 = original.layout if original is not None else resolve(raw, world_size=world_size, megatron_version=megatron_version,
                                                                 vocab_size=vocab_size)
-    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
+    if site is None and original is not None:
+        site = original.site                    # candidates are estimated with the same site constants
+    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold, site=site)
     E0 = original if original is not None else estimate(L0, **est_kw)
     if not E0.gpu_memory_bytes:
         raise MemguardError("autotune needs the GPU memory (give --memguard-gpu-memory or a GPU)")
