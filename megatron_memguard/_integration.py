@@ -138,7 +138,7 @@ def parallel_ranks() -> dict[str, int]:
     """This rank's coordinates from megatron.core.parallel_state when model parallelism is initialized
     (NeMo 2 and Bridge initialize it); PP rank 0 and the process rank otherwise."""
     out = {"rank": this_rank(), "world_size": world_from_environment()[0] or 1, "pp_rank": 0, "pp_size": 1, "tp_rank": 0,
-           "dp_rank": 0, "cp_rank": 0}
+           "dp_rank": 0, "cp_rank": 0, "optimizer_rank": 0}
     mpu = sys.modules.get("megatron.core.parallel_state")
     if mpu is None:
         return out
@@ -154,6 +154,13 @@ def parallel_ranks() -> dict[str, int]:
             out[key] = int(getattr(mpu, fn)())
         except Exception:
             pass
+    # The distributed optimizer shards over the DP x CP group of one optimizer instance
+    # (process_groups_config.py: intra_dp_cp_group = get_data_parallel_group(with_context_parallel=True,
+    # partial_data_parallel=True)); the plain DP rank is not this rank's shard index when CP > 1.
+    try:
+        out["optimizer_rank"] = int(mpu.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True))
+    except Exception:
+        out["optimizer_rank"] = out["dp_rank"]
     return out
 
 
@@ -429,7 +436,8 @@ def build_monitor(source: Any, result: Any, *, ranks: Mapping[str, int], interva
     else:
         try:
             est = estimate(layout, device=source.device, gpu=result.gpu, gpu_memory=result.gpu_memory,
-                           threshold=threshold, dp_rank=ranks.get("dp_rank", 0),
+                           threshold=threshold,
+                           dp_rank=ranks.get("optimizer_rank", ranks.get("dp_rank", 0)),
                            site=getattr(getattr(result, "estimate", None), "site", None))
             prediction = Prediction.from_estimate(est, ranks.get("pp_rank", 0))
             stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]

@@ -486,7 +486,8 @@ class _Resolver:
 
         # Recompute.
         method = self.get("recompute_method")
-        rnl = self.int_arg("recompute_num_layers")
+        # 0 is a value Megatron takes (TransformerConfig.__post_init__ only refuses None with full recompute).
+        rnl = self.int_arg("recompute_num_layers", minimum=0)
         modules = self.get("recompute_modules")
         if isinstance(modules, str):
             modules = modules.replace(",", " ").split()
@@ -499,7 +500,19 @@ class _Resolver:
             if method not in ("uniform", "block"):
                 self.fail("recompute_method", "full recompute needs --recompute-method uniform or block")
             if rnl is None:
-                self.fail("recompute_num_layers", "full recompute needs --recompute-num-layers")
+                if self.get("recompute_num_layers") is None:   # (a bad value is reported by int_arg)
+                    self.fail("recompute_num_layers", "full recompute needs --recompute-num-layers")
+            elif rnl == 0 and method == "uniform":
+                # checkpointed_forward's uniform loop advances by recompute_num_layers: with 0 the
+                # first forward never ends (TransformerBlock, megatron-core 0.14-0.16; core/recompute.py 0.19).
+                self.fail("recompute_num_layers", "0 with --recompute-method uniform never finishes a forward "
+                          "(Megatron's uniform loop advances by --recompute-num-layers)",
+                          "give >= 1, or --recompute-method block with 0 to checkpoint no layer")
+            elif rnl == 0:
+                # Block: layers with index < recompute_num_layers are checkpointed, so none are; launch
+                # scripts use this as an off switch.
+                self.notes.append("--recompute-method block --recompute-num-layers 0 checkpoints no layer: "
+                                  "estimated as no recomputation")
         elif recompute_granularity == "selective":
             if method is not None:
                 self.fail("recompute_method", "is not supported with selective recompute")

@@ -39,7 +39,7 @@ if [ ! -x .venv312/bin/python ]; then
     "$PY312" -m venv .venv312
 fi
 # megatron-core >= 0.17 ships megatron.training and needs Python >= 3.12 (about a minute, 5.5 GB with torch).
-.venv312/bin/python -m pip install -q --disable-pip-version-check torch==2.14.1 megatron-core==0.19.2 pytest pyyaml packaging
+.venv312/bin/python -m pip install -q --disable-pip-version-check torch==2.14.1 megatron-core==0.19.2 pytest pyyaml packaging "hypothesis>=6.100"
 .venv312/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 .venv312/bin/python -m pip install -q --disable-pip-version-check "omegaconf>=2.1"
 CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "$@"

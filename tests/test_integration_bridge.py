@@ -331,6 +331,21 @@ def fake_parallel_state(pp_rank, pp_size):
                                  get_data_parallel_rank=lambda: 0, get_context_parallel_rank=lambda: 0)
 
 
+def test_optimizer_shard_rank_is_the_rank_in_the_dp_cp_group(monkeypatch):
+    """The runtime prediction takes the distributed optimizer's shard of this rank: its index in the
+    DP x CP group of one optimizer instance (megatron/core/process_groups_config.py intra_dp_cp_group),
+    not the plain DP rank. Global rank 3 of TP1 CP2 DP2 (order tp-cp-dp): DP rank 1, CP rank 1, shard 3."""
+    from megatron_memguard._integration import parallel_ranks
+
+    def dp_rank(with_context_parallel=False, partial_data_parallel=False):
+        return 3 if with_context_parallel else 1
+    mpu = types.SimpleNamespace(**{**vars(fake_parallel_state(0, 1)), "get_data_parallel_rank": dp_rank,
+                                   "get_context_parallel_rank": lambda: 1})
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", mpu)
+    ranks = parallel_ranks()
+    assert (ranks["dp_rank"], ranks["cp_rank"], ranks["optimizer_rank"]) == (1, 1, 3)
+
+
 def test_callback_samples_every_interval_through_the_callback_manager(bridge, tmp_path, monkeypatch):
     from megatron_memguard.bridge import MemguardCallback
     cbs, pt = bridge

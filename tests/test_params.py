@@ -79,6 +79,31 @@ def test_default_bucket_size_scales_with_dp_times_cp():
     assert bucket_size_for(L, L.chunks[0]) == 64_000_000
 
 
+@pytest.mark.parametrize("tp, pp", [(8, 1), (1, 4)])
+def test_distributed_optimizer_with_dp_cp_one_holds_the_state_once(tp, pp):
+    # A 12-layer Llama-3-70B shape on one 8-GPU node (TP8) or 4 GPUs (PP4): DP x CP = 1, so the
+    # distributed optimizer's only rank owns every parameter of its stage once
+    # (megatron/core/optimizer/distrib_optimizer.py _build_model_gbuf_range: one shard of the whole
+    # bucket per DP x CP rank; main params exclude the bucket padding).
+    shape = [a if a != "80" else "12" for a in LLAMA31_70B]
+    L = layout_from_flags(flags(shape, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                                str(pp), "--use-distributed-optimizer", "--sequence-parallel" if tp > 1 else "--bf16")
+                          + NEW, world_size=tp * pp)
+    assert L.data_parallel_size * L.context_parallel_size == 1
+    st = stage_states(L, 0)
+    if tp == 8:
+        # per TP8 rank: 12 layers x (qkv (64 + 2*8)*128*8192/8 + proj 8192^2/8 + fc1 2*28672*8192/8
+        # + fc2 28672*8192/8 + 2 RMSNorm 8192) + embedding and output 129024/8*8192 each + final norm
+        layer = 10_485_760 + 8_388_608 + 58_720_256 + 29_360_128 + 16_384
+        assert st.parameters == 12 * layer + 2 * 132_120_576 + 8192 == 1_547_902_976
+    # fp32 master weights and both Adam moments: 4 bytes per parameter each, not 8
+    assert st.main_param_bytes == st.exp_avg_bytes == st.exp_avg_sq_bytes == 4 * st.parameters
+    # the same as without the distributed optimizer, where every rank keeps the whole stage's state
+    L0 = layout_from_flags(flags(shape, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                                 str(pp), "--sequence-parallel" if tp > 1 else "--bf16") + NEW, world_size=tp * pp)
+    assert stage_states(L0, 0).main_param_bytes == st.main_param_bytes
+
+
 def test_distributed_optimizer_alone_in_its_group_holds_the_whole_state_once():
     """DP x CP = 1: the distributed optimizer's one rank owns every element once, as the plain optimizer
     does: fp32 master weights and two Adam moments, 4 B each per element of the (padded) buffer. Found on

@@ -27,6 +27,10 @@ class RankComparison:
     peak_predicted: int
     peak_phase_measured: str
     peak_phase_predicted: str
+    # the default estimate (dp_rank "max": what `memguard estimate` reports for the stage) against the
+    # largest measured rank of the same stage
+    after_default_err: float = 0.0
+    peak_default_err: float = 0.0
 
     @property
     def after_err(self) -> float:
@@ -45,6 +49,10 @@ class RankComparison:
             out.append(f"after-step error {self.after_err:+.2%}")
         if abs(self.peak_err) > BOUNDS["peak"]:
             out.append(f"peak error {self.peak_err:+.2%}")
+        if abs(self.after_default_err) > BOUNDS["after_step"]:
+            out.append(f"default (largest shard) after-step error {self.after_default_err:+.2%}")
+        if abs(self.peak_default_err) > BOUNDS["peak"]:
+            out.append(f"default (largest shard) peak error {self.peak_default_err:+.2%}")
         return out
 
 
@@ -58,18 +66,29 @@ def compare_entry(entry: dict[str, Any], estimator: Callable = default_estimator
     from .grid import resolve_config
 
     layout, _ = resolve_config(entry["flags"], entry["world_size"])
-    cache: dict[int, Any] = {}
+    cache: dict[int | str, Any] = {}
+    default = estimator(layout, "max")
+    stage_after: dict[int, int] = {}
+    stage_peak: dict[int, int] = {}
+    for r in entry["ranks"]:
+        p = r["pp_rank"]
+        stage_after[p] = max(stage_after.get(p, 0), r["live_bytes_after_step"])
+        stage_peak[p] = max(stage_peak.get(p, 0), r["peak_bytes"])
     out = []
     for r in entry["ranks"]:
+        # the rank's index in the optimizer's DP x CP group of one instance (consecutive DP ranks)
         shard = r["dp_rank"] % layout.dp_shard_size
         est = cache.get(shard) or cache.setdefault(shard, estimator(layout, shard))
         st = est.stages[r["pp_rank"]]
+        dst = default.stages[r["pp_rank"]]
         out.append(RankComparison(
             config=entry["name"], rank=r["rank"], pp_rank=r["pp_rank"],
             params_measured=r["num_params"], params_predicted=st.parameters,
             after_measured=r["live_bytes_after_step"], after_predicted=st.persistent_bytes,
             peak_measured=r["peak_bytes"], peak_predicted=st.peak_allocated_bytes,
             peak_phase_measured=r.get("peak_phase", ""), peak_phase_predicted=st.peak_phase,
+            after_default_err=dst.persistent_bytes / stage_after[r["pp_rank"]] - 1,
+            peak_default_err=dst.peak_allocated_bytes / stage_peak[r["pp_rank"]] - 1,
         ))
     return out
 
@@ -83,6 +102,8 @@ def summary(rows: Iterable[RankComparison]) -> dict[str, float]:
         "configs": len({r.config for r in rows}),
         "peak_max": max(pe), "peak_median": statistics.median(pe),
         "after_max": max(ae), "after_median": statistics.median(ae),
+        "default_after_max": max(abs(r.after_default_err) for r in rows),
+        "default_peak_max": max(abs(r.peak_default_err) for r in rows),
         "params_exact": sum(r.params_predicted == r.params_measured for r in rows),
         "failures": sum(bool(r.failures) for r in rows),
     }

@@ -49,7 +49,9 @@ def render(entries: list[dict], source: str) -> tuple[str, dict]:
         f"{BOUNDS['after_step']:.0%}, peak within {BOUNDS['peak']:.0%}.", "",
         f"**Summary: {s['configs']} configurations, {s['ranks']} ranks; parameters exact on {s['params_exact']}/{s['ranks']}; "
         f"after-step error max {s['after_max']:.4%}, median {s['after_median']:.4%}; peak error max {s['peak_max']:.2%}, "
-        f"median {s['peak_median']:.3%}; {s['failures']} rank(s) outside the bounds.**", "",
+        f"median {s['peak_median']:.3%}; default estimate (largest distributed-optimizer shard of the stage) against the "
+        f"stage's largest measured rank: after-step error max {s['default_after_max']:.4%}, peak error max "
+        f"{s['default_peak_max']:.2%}; {s['failures']} rank(s) outside the bounds.**", "",
     ]
     if skipped:
         head += ["Not compared: " + "; ".join(skipped), ""]

@@ -106,6 +106,51 @@ def attention_kind(L: Layout) -> str:
     return "fused"
 
 
+def _te_keeps_every_cp_step(L: Layout) -> bool:
+    """Transformer Engine up to 2.11 (megatron-core 0.16 pins TE < 2.12) keeps every ring step's K/V
+    buffer and partial output until the forward's end; TE 2.20.2 keeps two of each (double buffering).
+    Later megatron-core versions are assumed to run the newer TE."""
+    from packaging.version import Version
+    return Version(L.megatron_version) < Version("0.17")
+
+
+def _cp_attention_items(L: Layout, x: "Shapes", saved: dict[str, int], q: int, kv1: int, qkv_w: int,
+                        rope: bool) -> tuple[dict[str, int], int, int, bool]:
+    """Context parallelism's ring attention (TE AttnFuncWithCPAndKVP2P, cp_comm_type p2p, read in TE
+    2.11 and 2.20.2 context_parallel.py): the K/V of this rank are concatenated into the first ring
+    buffer and passed around; the function keeps q as it receives it (the rope'd query, a contiguous
+    copy, or with the flash backend a [b, s, h, d] copy), the last received K/V buffer
+    [2, s/CP, b, g/t, d], its output and the merged fp32 softmax statistics. So megatron's qkv
+    projection output and rope'd key die after the forward (unless q/k norms keep views of the qkv
+    output). The flash backend also keeps its [b, s, h, d] output next to the [s, b, h] copy that
+    linear_proj keeps."""
+    e, Tf = x.e, x.Tf
+    stats = x.b * x.a_t * x.s * 4
+    saved.pop("key_norm", None)                       # consumed into the ring buffer
+    if L.qk_layernorm:
+        saved["qkv_output"] = Tf * qkv_w * e          # the norms' saved inputs are views of it
+    if rope:
+        saved["query_rope"] = q
+    elif "query_norm" not in saved:
+        saved["query"] = q
+    saved["cp_kv_buffer"] = 2 * kv1
+    saved["softmax_stats"] = stats
+    if L.attention_backend == "flash":
+        saved["attention_output_bshd"] = q
+    cp = L.cp
+    if _te_keeps_every_cp_step(L):
+        # the output, every step's partial output (the last CP rank's are all full size) and the
+        # ring buffers other than the one kept
+        core_fwd = q + cp * q + (cp - 1) * 2 * kv1
+    else:
+        # the output, two partial outputs and two more ring buffers in flight
+        core_fwd = 3 * q + 2 * 2 * kv1
+    # backward: dq buffer, two [2, K/V] ring buffers of K/V and dK/dV, the step's dq/dk/dv and, on the
+    # upper-triangle steps of the early CP ranks, contiguous halves of q, the output and its gradient
+    core_bwd = 3 * q + 10 * kv1 + stats
+    return saved, core_fwd, core_bwd, False
+
+
 def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask: bool) -> tuple[dict[str, int], int, int, bool]:
     """Saved bytes of q/k/v handling and the core attention, its forward working set at the softmax
     and its backward working set (with the probs already released), and whether s x s scores exist."""
@@ -126,6 +171,8 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
         if not rope and not (gqa and kind != "fused"):
             saved["query_norm"] = q
             saved["key_norm"] = kv1
+    if kind == "fused" and L.cp > 1 and not recompute_core:
+        return _cp_attention_items(L, x, saved, q, kv1, qkv_w, rope)
     if kind == "fused":
         # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
         # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax
@@ -139,6 +186,11 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
             saved["softmax_stats"] = stats
         core_fwd = q                                   # the output being written
         core_bwd = 3 * q + stats + (q if recompute_core else 0)   # dq, dk, dv (+ recomputed O)
+        if recompute_core and L.cp > 1:
+            # the checkpoint replays the ring forward (its K/V buffer, output and statistics kept) and
+            # runs the ring backward; it holds the recomputed output and the gradient handed to it
+            _, cp_fwd, cp_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_w, rope)
+            core_bwd = cp_bwd + 2 * kv1 + stats + 2 * q
         return saved, core_fwd, core_bwd, False
     # Unfused: the s x s scores and probs exist per layer.
     if recompute_core:
@@ -187,7 +239,11 @@ def attention_items(L: Layout, x: "Shapes", recompute_core: bool, has_batch_mask
     else:
         core_bwd = 2 * scores * e + 2 * q
     if recompute_core:
-        core_bwd += probs            # the recomputed forward makes the probs again
+        # The recomputed forward makes the probs again, but the softmax's backward has consumed them
+        # by this step; CheckpointFunction.backward still holds the recomputed context and the
+        # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage),
+        # and under GQA the recomputed repeat of K that the scores' backward still needs.
+        core_bwd += 2 * q + (q if gqa else 0)
     return saved, core_fwd, core_bwd, True
 
 
@@ -248,7 +304,7 @@ def mla_attention_items(L: Layout, x: "Shapes", recompute_core: bool,
         if not recompute_core:
             saved["attention_probs"] = probs
         core_fwd = 2 * scores * e
-        core_bwd = 2 * scores * e + 2 * v_b + (probs if recompute_core else 0)
+        core_bwd = 2 * scores * e + 2 * v_b + (2 * v_b if recompute_core else 0)   # as for standard attention
         unfused = True
     remade = 2 * q_b + v_b if recompute_up else 0              # query, key and value made again
     core_bwd += 2 * remade
@@ -320,12 +376,9 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
             mlp["activation_gate"] = Tf * f_t * e
             mlp["activation_linear"] = Tf * f_t * e
         mlp["fc2_input"] = Tf * f_t * e
-        # unfused glu: grads of silu(x0) and of the product before they are concatenated
-        act_bwd = 3 * Tf * f_t * e if not L.bias_activation_fusion else 0
     else:
         mlp["fc1_output"] = Tf * f_t * e
         mlp["fc2_input"] = Tf * f_t * e
-        act_bwd = 0
     mlp_names = frozenset(mlp)
     if "mlp" not in mods:
         saved.update(mlp)
@@ -349,14 +402,35 @@ def layer_activations(L: Layout, has_batch_mask: bool = True) -> LayerActivation
     rel_fc1 = rel_act | {"fc1_input"}
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     rel_proj = rel_norm2 | {"proj_input"}
-    rel_softmax = rel_proj | {"attention_probs"}
+    # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
+    rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
     rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
-    mlp_recompute = sum(mlp.values()) if "mlp" in mods else 0
+
+    def remade(released: frozenset) -> int:
+        """MLP tensors recomputed for the backward ('mlp' recompute) and not yet released."""
+        return sum(v for k, v in mlp.items() if k not in released) if "mlp" in mods else 0
+
+    u = Tf * f_t * e          # one [s b, ffn/t] tensor: fc2's input gradient, each activation gradient
+    if L.gated_linear_unit and not L.bias_activation_fusion:
+        # unfused glu, op by op: the product's backward makes the gradients of both factors next to
+        # fc2's input gradient (fc2_input released); silu's backward adds the gate's input gradient
+        # (the product's saved factors released, fc2's input gradient consumed); the chunk's backward
+        # concatenates the two halves' gradients into fc1's output gradient (fc1_output released).
+        rel_mul = rel_mlp | {"activation_gate", "activation_linear"}
+        act_steps = (
+            (rel_mlp, G + remade(rel_mlp) + 3 * u),                                                # mul
+            (rel_mul, G + remade(rel_mul) + 3 * u),                                                # silu
+            (rel_act, G + 2 * u + Tf * fc1_w * e),                                                 # chunk
+        )
+    else:
+        # one activation node (fused bias-activation, or a plain activation): fc1's output gradient
+        # next to fc2's input gradient
+        act_steps = ((rel_mlp, G + remade(rel_mlp) + u + Tf * fc1_w * e),)
     steps_to_core = (
-        (frozenset(), G + mlp_recompute + Tf * f_t * e + _wgrad(L, h, f_t)),                      # fc2
-        (rel_mlp, G + mlp_recompute + Tf * f_t * e + Tf * fc1_w * e + act_bwd),                   # activation
+        (frozenset(), G + remade(frozenset()) + u + _wgrad(L, h, f_t)),                           # fc2
+        *act_steps,                                                                                # activation
         (rel_act, G + Tf * fc1_w * e + Tf * h * e + _wgrad(L, fc1_w, h)),                         # fc1
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
         (rel_norm2, G + Tf * ctx_w * e + _wgrad(L, h, ctx_w)),                                     # linear_proj

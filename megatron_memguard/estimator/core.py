@@ -61,7 +61,9 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
-        k = L.recompute_num_layers or 1
+        # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
+        # refuses it for uniform, whose loop would not advance)
+        k = L.recompute_num_layers if L.recompute_num_layers is not None else 1
         if L.recompute_method == "uniform":
             groups = -(-n // k)
             layers = groups * ckpt_input
@@ -158,7 +160,8 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int =
         # TransformerBlock.set_input_tensor keeps the last received activation of each chunk, and
         # with it its gradient (.grad, retained by the schedule), until that chunk's next input
         # arrives: two activation-sized tensors per receiving chunk after the schedule (measured by
-        # the CPU referee on every pipeline rank past the first).
+        # the CPU referee on every pipeline rank past the first). During the schedule a chunk's pair
+        # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.multi_latent_attention:
@@ -167,13 +170,18 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int =
                               f"{L.rope_type} rotary tables of {mla_layers} MLA layer(s)"))
     elif L.position_embedding_type in ("rope", "yarn"):
         rot = int(L.kv_channels * L.rotary_percent)
-        terms.append(Term("rotary_cache", L.seq_length * rot * 4, "transients", "allocated",
-                          "cached fp32 rotary frequencies [s, 1, 1, d]"))
+        # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
+        # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
+        terms.append(Term("rotary_cache", L.seq_length // L.cp * rot * 4, "transients", "allocated",
+                          "cached fp32 rotary frequencies [s/CP, 1, 1, d]"))
     return tuple(terms)
 
 
-def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[int, str, int, dict[str, int]]:
+def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
+              receiving: list[bool] | None = None) -> tuple[int, str, int, dict[str, int]]:
     """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak).
+    ``receiving``: which chunks get their input from a previous stage (their retained pairs count
+    where they overlap other chunks' passes).
 
     One pass finds the peak event; a second pass up to it recovers what is held there (cheaper than
     copying the held counts at every new maximum)."""
@@ -181,6 +189,11 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[in
     if n == 1:
         return _peak_one_chunk(L, pp_rank, acts[0])
     events = key_events(*schedule_key(L, pp_rank))
+    # Interleaved schedules keep each receiving chunk's last input and its gradient through the
+    # schedule (with received inputs and gradients queued ahead of their passes, which this does not
+    # count separately): the retained pairs are present at every event.
+    pairs = 2 * p2p_tensor_bytes(L) * sum(receiving or ())
+    retained = [pairs] * len(events)
     sizes = [a.held for a in acts]
     fwd_extra = [a.fwd_extra for a in acts]
     top_extra = [a.bwd_top_extra for a in acts]
@@ -194,12 +207,12 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[in
             cur += 1
             if cur > in_flight:
                 in_flight = cur
-            v = base + fwd_extra[ci]
+            v = base + fwd_extra[ci] + retained[i]
             if v > best:
                 best, best_i, best_kind = v, i, "F"
         else:
-            top = base + top_extra[ci]
-            bottom = base + bottom_extra[ci]
+            top = base + top_extra[ci] + retained[i]
+            bottom = base + bottom_extra[ci] + retained[i]
             if top > best or bottom > best:
                 if top >= bottom:
                     best, best_i, best_kind = top, i, "B"
@@ -226,31 +239,47 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations]) -> tuple[in
             for k, v in acts[i].ends.items():
                 parts[k] = parts.get(k, 0) + h * v
     parts["forward_transient" if best_kind == "F" else "backward_transient"] = extra
+    if retained[best_i]:
+        parts["pipeline_inputs_retained"] = retained[best_i]
     return best, phase, in_flight, parts
 
 
 def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, str, int, dict[str, int]]:
     """1F1B / no pipelining in closed form: k = min(PP - rank, m) micro-batches in flight at most; the
-    peak is the k-th forward, the first backward's start, or its end (embedding weight gradient)."""
+    peak is the k-th forward, the first backward's start, or its end (embedding weight gradient).
+
+    On a receiving stage, 1F1B's locals keep the last backward's micro-batch alive a little longer
+    (schedules.py forward_backward_pipelining_without_interleaving): its output, whose graph reaches the
+    AccumulateGrad of its received input, until the next forward_step returns (the input and its
+    gradient: two [s/CP, b, h] tensors), and its input gradient (input_tensor_grad) until the next
+    backward_step returns (one). Both overlap passes with k micro-batches held only when a steady-state
+    forward follows a backward, i.e. m >= warm-up + 2."""
     k = min(L.pp - pp_rank, L.num_microbatches)
+    warm = min(L.pp - pp_rank - 1, L.num_microbatches)
+    t = p2p_tensor_bytes(L) if pp_rank > 0 and L.num_microbatches >= warm + 2 else 0
     cands = [
-        (k * a.held + a.fwd_extra, "forward", k, "forward_transient", a.fwd_extra),
-        (k * a.held + a.bwd_top_extra, "backward", k, "backward_transient", a.bwd_top_extra),
-        ((k - 1) * a.held + a.bwd_bottom_extra, "end of backward", k - 1, "backward_transient", a.bwd_bottom_extra),
+        (k * a.held + a.fwd_extra + 2 * t, "forward", k, "forward_transient", a.fwd_extra, 2 * t),
+        (k * a.held + a.bwd_top_extra + t, "backward", k, "backward_transient", a.bwd_top_extra, t),
+        ((k - 1) * a.held + a.bwd_bottom_extra, "end of backward", k - 1, "backward_transient", a.bwd_bottom_extra, 0),
     ]
     best = max(cands, key=lambda c: c[0])
-    peak, where, held, name, extra = best
+    peak, where, held, name, extra, kept = best
     mb = k if where == "forward" else 1
+    if kept:
+        mb = k + 1 if where == "forward" else 2   # the first pass with k held after an earlier backward
     parts: dict[str, int] = {"layer_activations": held * a.layers}
     for key, v in a.ends.items():
         parts[key] = held * v
     parts[name] = extra
+    if kept:
+        parts["pipeline_inputs_retained"] = kept
     return peak, f"{where} of micro-batch {mb} ({held} held)", k, parts
 
 
 _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
+    "pipeline_inputs_retained": "transients",
 }
 
 
@@ -289,10 +318,15 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     n_layers = sum(c.num_layers for c in chunks)
     has_output = any(c.has_output for c in chunks)
     acts = [chunk_activations(L, c) for c in chunks]
-    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts)
+    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts,
+                                                  [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
 
     state_terms, step_terms = _state_terms(L, st)
     buffers = persistent_buffers(L, pp_rank)
+    # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
+    # state); during it only where _simulate placed them.
+    retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
+    buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
     if deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
@@ -317,13 +351,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
     finalize = replicated_grad_allreduce_bytes(L, n_layers, has_output)
-    if finalize > max(act_peak, step_bytes):
+    retained_bytes = sum(t.bytes for t in retained)
+    if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
-        act_terms = [Term("replicated_grad_allreduce", finalize, "transients",
-                          detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, MLA down "
-                                 "projections) all-reduced over TP by finalize_model_grads")]
+        act_terms = retained + [Term("replicated_grad_allreduce", finalize, "transients",
+                                     detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
+                                            "MLA down projections) all-reduced over TP by finalize_model_grads")]
         peak_phase = "finalize_model_grads"
-    elif act_peak >= step_bytes:
+    elif act_peak >= step_bytes + retained_bytes:
         act_terms = []
         for name, v in parts.items():
             if not v:
@@ -332,10 +367,12 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             det = ""
             if name == "layer_activations":
                 det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+            elif name == "pipeline_inputs_retained":
+                det = "last received input and its gradient of the chunks not started yet or already done"
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = list(step_terms)
+        act_terms = retained + list(step_terms)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
@@ -349,7 +386,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         device_total = peak_reserved + sum(t.bytes for t in device_only)
     else:
         peak_reserved = device_total = peak_alloc
-    persistent = base + sum(t.bytes for t in step_terms)
+    persistent = base + retained_bytes + sum(t.bytes for t in step_terms)
     return StageEstimate(
         pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=st.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,

@@ -149,7 +149,8 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     param_bytes = grad_bytes = 0
     numel = unpadded = 0
     pieces_by_rank: dict[int, list[int]] = {}
-    # (one rank when the shard is 1: DP rank 0 is also the last, and its pieces must not be counted twice)
+    # "max" inspects DP rank 0 and the last rank (only they can own a padded tail); with DP x CP = 1
+    # they are the same rank and must be listed once, or its shard would be counted twice.
     ranks = sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
     all_main = 0
     for c, bsize in zip(chunks, buckets):
