@@ -13,7 +13,7 @@ from planner_util import key_of, make_planner
 
 TiB = 2**40
 # what the pipeline bubble idles: the stage's own work and its exposed TP / CP communication
-WORK = ("gemm", "attention", "elementwise", "kernel_gaps", "recompute", "tp_comm", "cp_comm")
+WORK = ("gemm", "attention", "elementwise", "kernel_gaps", "input", "recompute", "tp_comm", "cp_comm")
 
 
 def test_model_flops_per_token_llama31_8b():
@@ -179,7 +179,8 @@ def test_tp_across_nodes_costs_more_than_inside():
 
 def test_pipeline_transfers_use_nvlink_only_when_the_pipeline_stays_in_a_node():
     """PP is the outermost rank dimension: stage i holds ranks [4i, 4i+4) for TP2 DP2 below. On one 8-GPU node
-    every boundary is NVLink; on two nodes the stage 1 -> 2 boundary crosses nodes and paces the pipeline."""
+    every boundary is NVLink; on two nodes the stage 1 -> 2 boundary crosses nodes and paces the pipeline.
+    Two blocking transfers per micro-batch, and 2 (PP - 1) more for the fill and the drain."""
     from megatron_memguard.planner.space import make_candidate
     from megatron_memguard.planner.comm import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, P2P_LATENCY
     nbytes = 8192 * 4096 * 2 // 2                  # MBS 1 x seq x hidden x bf16 / TP (SP)
@@ -187,5 +188,6 @@ def test_pipeline_transfers_use_nvlink_only_when_the_pipeline_stays_in_a_node():
         P = make_planner(LLAMA31_8B, gpus, 8192, 64)
         c = make_candidate(P.shape, P.cluster, 64, tp=2, pp=4, mbs=1)
         bw = getattr(P.cluster.gpu, link) * eff
-        assert P.step_time(c).term_seconds["pp_p2p"] == pytest.approx(2 * c.m * (P2P_LATENCY + nbytes / bw), rel=1e-12)
+        assert P.step_time(c).term_seconds["pp_p2p"] == pytest.approx((2 * c.m + 2 * 3) * (P2P_LATENCY + nbytes / bw),
+                                                                      rel=1e-12)
         assert ("NVLink" if gpus == 8 else "the network") in P.timer.explain(c).terms[TERM_NAMES.index("pp_p2p")].detail
