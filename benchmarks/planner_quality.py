@@ -439,13 +439,17 @@ def main(argv: list[str] | None = None) -> int:
                 pred = "" if s.seconds is None else f"{sw.gbs * sw.seq / s.seconds / sw.world:8.0f} tok/s/GPU"
                 meas = "FAILED" if s.run.failed else f"{s.run.throughput:8.3f}"
                 print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
+    scale_text = ""
+    if any(sw.family == "fujii" for sw in sweeps):
+        scale_text = ("\n### Megatron layouts across GPU counts: measured / predicted step time\n\n" + scaling(sweeps)
+                      + "\n\nThe excess is what the step measured at the largest count takes beyond the prediction "
+                        "scaled by the ratio at the smallest count (docs/planner.md section 5.2).\n")
     if ns.scaling:
-        print("\n### Megatron layouts across GPU counts: measured / predicted step time\n")
-        print(scaling(sweeps))
+        print(scale_text)
     if ns.write:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
-                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n")
+                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n" + scale_text)
     return 0
 
 
