@@ -10,3 +10,5 @@ GROUNDTRUTH = os.path.join(SHARED, "groundtruth")
 DENSE_RECORDS = os.path.join(GROUNDTRUTH, "megatron-functional-dev.jsonl")
 MOE_RECORDS = os.path.join(GROUNDTRUTH, "megatron-functional-moe-dev.jsonl")
 THROUGHPUT = os.path.join(GROUNDTRUTH, "throughput")
+# Megatron-Bridge's scripts/training/run_recipe.py and recipe_runner.py (not in its pip package), v0.6.0/ and main/.
+BRIDGE_SCRIPTS = os.path.join(SHARED, "reference", "megatron-bridge-scripts")

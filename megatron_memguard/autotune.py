@@ -20,9 +20,12 @@ Rules (the ones Megatron checks later, some of them only after memory is allocat
 Order of preference (Fujii et al. 2024, arXiv 2411.06465: model parallelism costs more than a smaller
 micro-batch): without recomputation before with it (only with ``allow_recompute``); then the least
 pipeline parallelism; then the largest micro-batch size. The first candidate whose critical stage
-stays within ``threshold`` of GPU memory wins; if none does, the first one that stays within 100%
-("tight") is taken; if none does either, the result is ``impossible``. The search is a pure function
-of its inputs, so every rank of a job reaches the same decision without communicating.
+stays within ``threshold`` of GPU memory wins. A layout that is only "tight" (over the threshold, within
+GPU memory) is never chosen: when no candidate stays within the threshold the result is
+``impossible``, with the nearest layouts (lowest peak first) and what would make one fit: activation
+recomputation when it was not allowed, or more GPUs (the same search on 2, 4 and 8 times as many, the
+global batch size kept). The search is a pure function of its inputs, so every rank of a job reaches
+the same decision without communicating.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 from .config import RawConfig
 from .errors import ConfigErrors, MemguardError
-from .estimator import Estimate, estimate
+from .estimator import Estimate, SiteConstants, estimate
 from .gpus import GpuSpec
 from .layout import Layout
 from .resolve import resolve
@@ -73,13 +76,15 @@ class Candidate:
 
 @dataclass(frozen=True)
 class AutotuneResult:
-    status: str                      # "fits" (nothing to do) | "changed" | "tight" (best effort) | "impossible"
+    status: str                      # "fits" (nothing to do) | "changed" | "impossible" (nothing within the threshold)
     original: Estimate
     chosen: Candidate | None         # None when status is "fits" or "impossible"
     changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # dest -> (old, new)
     reasons: tuple[str, ...] = ()    # why, in sentences
     considered: int = 0              # candidates estimated
     rejected: tuple[tuple[str, str], ...] = ()  # (candidate, rule it breaks)
+    nearest: tuple[Candidate, ...] = ()  # "impossible": the valid candidates with the lowest peaks, lowest first
+    hints: tuple[str, ...] = ()      # "impossible": what would make a layout fit (recomputation, more GPUs)
 
     @property
     def updates(self) -> dict[str, Any]:
@@ -174,6 +179,8 @@ def autotune(
     allow_pp: bool = True,
     accept: Callable[[Mapping[str, Any]], str | None] | None = None,
     original: Estimate | None = None,
+    site: SiteConstants | None = None,
+    _hints: bool = True,
 ) -> AutotuneResult:
     """Search MBS downwards and PP upwards (recompute only with ``allow_recompute``) for a layout that fits.
 
@@ -183,7 +190,9 @@ def autotune(
     """
     L0 = original.layout if original is not None else resolve(raw, world_size=world_size, megatron_version=megatron_version,
                                                                 vocab_size=vocab_size)
-    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
+    if site is None and original is not None:
+        site = original.site                    # candidates are estimated with the same site constants
+    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold, site=site)
     E0 = original if original is not None else estimate(L0, **est_kw)
     if not E0.gpu_memory_bytes:
         raise MemguardError("autotune needs the GPU memory (give --memguard-gpu-memory or a GPU)")
@@ -222,7 +231,7 @@ def autotune(
 
     rejected: list[tuple[str, str]] = []
     considered = 0
-    first_tight: Candidate | None = None
+    tried: list[Candidate] = []
     best: Candidate | None = None
     gbs_pin = {"global_batch_size": gbs0} if gbs_defaulted else {}
     alias_off = {"recompute_activations": False} if raw.args.get("recompute_activations") else {}
@@ -276,12 +285,7 @@ def autotune(
                         continue
                     best = cand
                     break
-                if E.verdict == "tight" and first_tight is None:
-                    veto = accept(updates) if (accept is not None and updates) else None
-                    if veto:
-                        rejected.append((label, veto))
-                    else:
-                        first_tight = cand
+                tried.append(cand)
             if best is not None:
                 break
         if best is not None:
@@ -290,16 +294,20 @@ def autotune(
     head = (f"{describe_layout_choice(L0)}: needs {format_bytes(E0.peak_device_bytes)} = {_pct(E0)} of "
             f"{format_bytes(E0.gpu_memory_bytes)} on stage pp{E0.critical_stage} (threshold {threshold:.0%}); "
             f"largest term {E0.critical.dominant_term.name} {format_bytes(E0.critical.dominant_term.bytes)}")
-    chosen, status = (best, "changed") if best is not None else (first_tight, "tight") if first_tight is not None else (None, "impossible")
-    if chosen is not None and not chosen.changes:
-        # The input itself is the best we found (tight, nothing under the threshold).
-        return AutotuneResult("tight", E0, None, reasons=(head, *notes,
-                              "no candidate stays within the threshold; keeping the layout as it is (tight)"),
-                              considered=considered, rejected=tuple(rejected))
-    if chosen is None:
-        return AutotuneResult("impossible", E0, None, reasons=(head, *notes,
-                              f"none of {considered} valid candidates fits in {format_bytes(E0.gpu_memory_bytes)}"),
-                              considered=considered, rejected=tuple(rejected))
+    if best is None:
+        nearest = tuple(sorted(tried, key=lambda c: c.estimate.peak_device_bytes)[:3])
+        hints: tuple[str, ...] = ()
+        if _hints:
+            hints = _what_would_fit(raw, L0, gbs0, megatron_version, vocab_size, est_kw, allow_recompute, allow_pp)
+        lines = [head, *notes, f"none of {considered} valid candidates stays within the {threshold:.0%} threshold "
+                 "(a tight layout is not started)"]
+        if nearest:
+            lines.append("nearest: " + "; ".join(f"{c.describe()} {format_bytes(c.estimate.peak_device_bytes)} = "
+                                                 f"{_pct(c.estimate)}" for c in nearest))
+        lines += [f"would fit {h}" for h in hints]
+        return AutotuneResult("impossible", E0, None, reasons=tuple(lines), considered=considered,
+                              rejected=tuple(rejected), nearest=nearest, hints=hints)
+    chosen, status = best, "changed"
     changes: dict[str, tuple[Any, Any]] = {}
     old = {"micro_batch_size": mbs0, "pipeline_model_parallel_size": pp0, "global_batch_size": raw.args.get("global_batch_size"),
            "recompute_granularity": L0.recompute_granularity, "recompute_method": L0.recompute_method,
@@ -324,8 +332,37 @@ def autotune(
         reasons.append(f"global batch size pinned at {gbs0}: it defaulted to MBS x DP, which the new layout would change")
     reasons.extend(notes)
     reasons.append(f"chosen: {describe_layout_choice(L)}: needs {format_bytes(E.peak_device_bytes)} = {_pct(E)} on stage "
-                   f"pp{E.critical_stage}" + (" (within the threshold)" if status == "changed" else
-                                              " (over the threshold but within GPU memory: the best found)")
-                   + f"; least model parallelism first, then the largest micro-batch ({considered} candidates estimated)")
+                   f"pp{E.critical_stage} (within the threshold); least model parallelism first, then the largest micro-batch ({considered} candidates estimated)")
     return AutotuneResult(status, E0, chosen, changes, tuple(reasons), considered, tuple(rejected))
 
+
+
+def _what_would_fit(raw: RawConfig, L0: Layout, gbs: int, megatron_version: str | None, vocab_size: int | None,
+                    est_kw: Mapping[str, Any], allow_recompute: bool, allow_pp: bool) -> tuple[str, ...]:
+    """What would make a layout fit when nothing within the knobs does: activation recomputation (when it
+    was not allowed) on these GPUs, else the same search on 2, 4 or 8 times as many GPUs, the global batch
+    size kept."""
+    def fitting(world: int, recompute: bool) -> Candidate | None:
+        try:
+            r = autotune(raw.with_args(global_batch_size=gbs), world_size=world, megatron_version=megatron_version,
+                         vocab_size=vocab_size, allow_recompute=recompute, allow_pp=allow_pp, _hints=False, **est_kw)
+        except MemguardError:  # the layout breaks a rule at that world size
+            return None
+        if r.status == "fits":
+            return Candidate({}, r.original.layout, r.original)
+        return r.chosen
+
+    def said(c: Candidate) -> str:
+        return f"{c.describe()}, {format_bytes(c.estimate.peak_device_bytes)} = {_pct(c.estimate)}"
+
+    out: list[str] = []
+    if not allow_recompute:
+        c = fitting(L0.world_size, True)
+        if c is not None:
+            out.append(f"with activation recomputation (--memguard-allow-recompute): {said(c)}")
+    for k in (2, 4, 8):
+        c = fitting(L0.world_size * k, allow_recompute)
+        if c is not None:
+            out.append(f"on {L0.world_size * k} GPUs ({k}x as many): {said(c)}")
+            break
+    return tuple(out)

@@ -14,7 +14,9 @@ What it reads (as NeMo 2.5's ``MegatronStrategy``, ``GPTModel`` and data modules
   ``grad_reduce_in_fp32``, ``overlap_*``); attributes a plain Lightning strategy lacks take Megatron's
   defaults (no model parallelism);
 * the precision: ``trainer.precision`` (``bf16-mixed``, ``16-mixed``, ``32-true``) and, for NeMo's
-  ``MegatronMixedPrecision``, its ``dtype_config`` (``params_dtype``, ``grad_reduce_in_fp32``, ``fp8``);
+  ``MegatronMixedPrecision``, its ``dtype_config`` (``bf16`` / ``fp16``, ``params_dtype``,
+  ``grad_reduce_in_fp32``, ``fp8``), read as NeMo applies it: with bf16 or fp16 the model is wrapped in
+  megatron-core's Float16Module, which casts the parameters to that dtype whatever ``params_dtype`` says;
 * the model config: ``pl_module.config`` (NeMo 2's GPTConfig: megatron-core TransformerConfig names,
   ``seq_length``, ``vocab_size``, ``share_embeddings_and_output_weights``, recomputation ...), or
   ``model_config=``; the vocabulary from ``config.vocab_size`` or ``pl_module.tokenizer.vocab_size``;
@@ -105,11 +107,13 @@ def trainer_dict(trainer: Any, pl_module: Any, model_config: Any = None) -> dict
         ddp = _attr(strategy, "ddp")
     if ddp is not None:
         strat["ddp"] = to_plain(ddp)
-    plug: dict[str, Any] = {"_target_": "MixedPrecision", "precision": str(_attr(trainer, "precision") or "32-true")}
     pp = _attr(trainer, "precision_plugin")
-    dc = _attr(pp, "dtype_config")
+    name = type(pp).__name__
+    plug: dict[str, Any] = {"_target_": name if "MixedPrecision" in name else "MixedPrecision",
+                            "precision": str(_attr(trainer, "precision") or "32-true")}
+    dc = _attr(pp, "dtype_config")   # NeMo's MegatronMixedPrecision: what it decided (bf16 / fp16 and the rest)
     if dc is not None:
-        for name in ("params_dtype", "grad_reduce_in_fp32", "fp8"):
+        for name in ("bf16", "fp16", "params_dtype", "grad_reduce_in_fp32", "fp8"):
             v = _attr(dc, name)
             if v is not None:
                 plug[name] = to_plain(v)
@@ -168,18 +172,20 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
 
     ``mode``: ``warn`` (default, or MEMGUARD), ``report``, ``abort``, ``off``. ``gpu`` / ``gpu_memory``: the
     GPU to check against (default MEMGUARD_GPU_MEMORY, else this rank's device). ``source``: a
-    megatron_memguard.runtime MemorySource (default: CUDA; e.g. ``LiveBytesSource()`` on CPU)."""
+    megatron_memguard.runtime MemorySource (default: CUDA; e.g. ``LiveBytesSource()`` on CPU). ``site_profile``: a
+    ``memguard calibrate`` profile file (default MEMGUARD_PROFILE)."""
 
     def __init__(self, *, mode: str | None = None, world_size: int | None = None, gpu: Any = None, gpu_memory: Any = None,
                  threshold: float | None = None, log_dir: str | None = None, interval: int | None = None, source: Any = None,
                  reset_peak: bool = False, megatron_version: str | None = None, model_config: Any = None,
-                 log_to_loggers: bool = True, emit: Callable[[str], None] | None = None):
+                 log_to_loggers: bool = True, emit: Callable[[str], None] | None = None, site_profile: str | None = None):
         if _pl is None:
             raise ImportError(f"megatron_memguard.lightning.MemguardCallback {NEEDS_LIGHTNING}")
         super().__init__()
         self.mode = mode
         self.world_size = world_size
         self.gpu, self.gpu_memory, self.threshold = gpu, gpu_memory, threshold
+        self.site_profile = site_profile
         self.log_dir = log_dir if log_dir is not None else (os.environ.get("MEMGUARD_LOG_DIR") or None)
         self.interval = interval if interval is not None else env_int("MEMGUARD_LOG_INTERVAL")
         self.source = source
@@ -203,7 +209,8 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
         self.result = run_preflight(lambda: raw_config(trainer, pl_module, self.model_config), mode=self.mode,
                                     world_size=world, world_size_from=src, gpu=self.gpu, gpu_memory=self.gpu_memory,
                                     threshold=self.threshold, megatron_version=self.megatron_version, emit=self.emit,
-                                    rank0=_attr(trainer, "global_rank") in (0, None), label="Lightning pre-flight")
+                                    rank0=_attr(trainer, "global_rank") in (0, None), label="Lightning pre-flight",
+                                    site_profile=self.site_profile)
         if self.result.mode == "off":
             return
         try:

@@ -6,7 +6,9 @@
 #            config-container era. Runs the suite again, which now includes the tests marked
 #            megatron_training (they skip cleanly under 3.11).
 # Used by CI (.ci/run) and by the README's quick start. Arguments go to both pytest runs.
-# MEMGUARD_SKIP_PY312=1 skips the second run; PYTHON312=/path/to/python3.12 picks the interpreter.
+#   .venv312-bridge  Megatron-Bridge 0.6.2 over .venv312 (tests/run_bridge.sh): tests/test_bridge_real.py.
+# MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one; PYTHON312=/path/to/python3.12
+# picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -41,3 +43,8 @@ fi
 .venv312/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 .venv312/bin/python -m pip install -q --disable-pip-version-check "omegaconf>=2.1"
 CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "$@"
+
+# Megatron-Bridge 0.6.2 itself, layered over .venv312 (MEMGUARD_SKIP_BRIDGE=1 skips it).
+if [ "${MEMGUARD_SKIP_BRIDGE:-0}" != "1" ]; then
+    bash tests/run_bridge.sh "$@"
+fi

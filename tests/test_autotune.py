@@ -6,7 +6,7 @@ from megatron_memguard import estimate, lookup_gpu, resolve
 from megatron_memguard.autotune import autotune
 from megatron_memguard.errors import ConfigError, ConfigErrors, MemguardError
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags
-from megatron_memguard.units import GiB
+from megatron_memguard.units import GiB, format_bytes
 
 H100 = lookup_gpu("H100")
 
@@ -89,7 +89,7 @@ def test_interleaved_rules_hold_for_the_chosen_layout():
     # 32 layers, VPP via 2 layers per virtual stage; GBS 16 with DP shrinking as PP grows.
     raw = raw_of("--micro-batch-size", 2, "--global-batch-size", 16, "--tensor-model-parallel-size", 2,
                  "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 2)
-    r = autotune(raw, world_size=16, gpu=H100, threshold=0.5)
+    r = autotune(raw, world_size=16, gpu=H100, threshold=0.65)
     assert r.chosen is not None, r.summary()
     L = r.chosen.layout
     m, pp, g = L.num_microbatches, L.pp, L.microbatch_group_size_per_vp_stage or L.pp
@@ -147,13 +147,42 @@ def test_rampup_steps_must_stay_divisible():
         assert all(g % (L.micro_batch_size * L.dp) == 0 for g in range(8, 65, 8))
 
 
-def test_tight_best_effort_and_impossible():
+def test_a_tight_layout_is_never_chosen():
+    # Llama-3.1-8B on 8 H100s with MBS 4 (issue 20): no micro-batch / pipeline size stays within 80%; the best,
+    # MBS 1 on PP 8, is tight. autotune must not start it: impossible, with the nearest layouts and what fits.
+    raw = raw_of("--micro-batch-size", 4)
+    r = autotune(raw, world_size=8, gpu=H100)
+    assert r.status == "impossible" and r.chosen is None and not r.changes
+    peaks = [c.estimate.peak_device_bytes for c in r.nearest]
+    assert peaks == sorted(peaks) and len(peaks) == 3
+    # the nearest is the lowest peak of every valid MBS / PP pair (GBS pinned at MBS 4 x DP 8 = 32)
+    every = [estimate(resolve(raw.with_args(micro_batch_size=m, pipeline_model_parallel_size=p, global_batch_size=32),
+                              world_size=8), gpu=H100).peak_device_bytes
+             for p in (1, 2, 4, 8) for m in (1, 2, 3, 4) if 32 % (m * (8 // p)) == 0]
+    assert peaks[0] == min(every) and 0.8 < r.nearest[0].fraction <= 1.0      # tight: over 80%, within the GPU
+    assert r.nearest[0].layout.micro_batch_size == 1 and r.nearest[0].layout.pp == 8
+    assert any(line.startswith("nearest: MBS 1, PP 8") for line in r.reasons)
+    # what would fit: recomputation (not allowed here); the same search with it allowed agrees
+    assert r.hints and r.hints[0].startswith("with activation recomputation (--memguard-allow-recompute): ")
+    allowed = autotune(raw, world_size=8, gpu=H100, allow_recompute=True)
+    assert allowed.status == "changed" and allowed.chosen.fraction <= 0.8
+    assert allowed.chosen.describe() in r.hints[0]
+
+
+def test_tight_input_is_not_kept_and_more_gpus_are_suggested():
     raw = raw_of("--micro-batch-size", 1, "--global-batch-size", 8, "--tensor-model-parallel-size", 8)
-    # 8 GPUs: TP8 leaves no room for PP; give just enough memory that it is tight but not over 100%.
-    E = estimate(resolve(raw, world_size=8), gpu=H100)
-    need = E.peak_device_bytes
+    # 8 GPUs: TP8 leaves no room for PP; give just enough memory that the layout itself is tight.
+    need = estimate(resolve(raw, world_size=8), gpu=H100).peak_device_bytes
+    E = estimate(resolve(raw, world_size=8), gpu_memory=int(need / 0.9), threshold=0.8)
     tight = autotune(raw, world_size=8, gpu_memory=int(need / 0.9), threshold=0.8)
-    assert tight.status == "tight" and tight.chosen is None
+    assert E.verdict == "tight" and tight.status == "impossible" and tight.chosen is None
+    assert tight.nearest[0].changes == {} and tight.nearest[0].estimate.peak_device_bytes == E.peak_device_bytes
+    # twice the GPUs allow PP 2, which halves the layers per stage: the hint names it, and it fits
+    two = autotune(raw, world_size=16, gpu_memory=int(need / 0.9), threshold=0.8)
+    assert two.status == "changed" and two.chosen.layout.pp == 2
+    assert tight.hints[0].startswith("with activation recomputation (--memguard-allow-recompute): MBS 1, PP 1")
+    assert tight.hints[1] == (f"on 16 GPUs (2x as many): {two.chosen.describe()}, "
+                              f"{format_bytes(two.chosen.estimate.peak_device_bytes)} = {two.chosen.fraction:.0%}")
     impossible = autotune(raw, world_size=8, gpu_memory=int(need / 1.5), threshold=0.8)
     assert impossible.status == "impossible" and impossible.chosen is None
 

@@ -344,14 +344,109 @@ def test_bridge_config_file_with_recipe_from_script_name(capsys):
     assert code == 2 and "--model llama32_1b" in err
 
 
-def test_bridge_shortcuts_are_not_taken_on_trust(capsys):
-    code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "scripts/training/run_recipe.py",
+def test_bridge_shortcuts_of_other_scripts_are_not_taken_on_trust(capsys):
+    # a script other than run_recipe.py: its -tp may mean anything, so the user writes the override
+    code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "scripts/my_pretrain.py",
                        "--recipe", "llama3_8b", "-tp", "4")
     assert code == 2 and "model.tensor_model_parallel_size=4" in err
     # -cp is the context-parallel shortcut here, not Hydra's --config-path, wherever it stands
     for args in (["--recipe", "llama3_8b", "-cp", "4"], ["-cp=4", "--recipe", "llama3_8b"]):
-        code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "run_recipe.py", *args)
+        code, _, err = run(capsys, "check", "--", "torchrun", "--nproc_per_node=8", "my_pretrain.py", *args)
         assert code == 2 and "-cp 4 (write model.context_parallel_size=4)" in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-Bridge scripts/training/run_recipe.py (v0.6.0 and main), read as the script reads its arguments
+# --------------------------------------------------------------------------------------------------
+RUN_RECIPE = ["--", "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "scripts/training/run_recipe.py"]
+
+
+def rr_layout(capsys, *args):
+    code, doc, err = check_json(capsys, *RUN_RECIPE, *args)
+    return code, doc["layout"], doc
+
+
+@pytest.mark.parametrize("args, needle", [
+    # run_recipe.py cannot infer the mode of a name without _pretrain_ / _sft_ / _peft_, and
+    # megatron.bridge.recipes exports no function named llama3_8b
+    (["--recipe", "llama3_8b", "model.tensor_model_parallel_size=4"],
+     "--mode: run_recipe.py cannot infer the training mode from --recipe llama3_8b (run_recipe.py takes the recipe "
+     "function's full name: --recipe llama3_8b_pretrain_config, or --model llama3_8b --mode pretrain)"),
+    (["--recipe", "llama3_8b", "--mode", "pretrain"], "run_recipe.py would stop with \"Recipe 'llama3_8b' not found\""),
+    (["--model", "llama3_8b"], "--mode: run_recipe.py needs --mode with --model"),
+    (["--recipe", "llama3_8b_pretrain_config", "--mode", "sft"], "--mode: sft is incompatible with recipe"),
+    (["--model", "llama3_8b", "--mode", "lora"], "--mode lora: PEFT / LoRA fine-tuning"),
+    (["--recipe", "llama3_8b_pretrain_config", "--micro", "8"], "--micro: Unknown option of run_recipe.py"),
+    (["--recipe", "llama3_8b_pretrain_config", "--config-file", "a.yaml"], "--config-file: Unknown option"),
+    (["--recipe", "llama3_8b_pretrain_config", "8"], "8: run_recipe.py expects overrides in KEY=VALUE form"),
+    (["--recipe", "llama3_8b_pretrain_config", "-mb", "two"], "argument -mb/--micro_batch_size: invalid int value"),
+    (["--recipe", "llama3_8b_pretrain_config", "--dataset", "squad"], "incompatible with dataset 'squad'"),
+    (["--recipe", "x_pretrain_config", "--model", "llama3_8b"], "not allowed with argument"),
+])
+def test_run_recipe_launches_that_cannot_start_exit_2(capsys, args, needle):
+    code, _, err = run(capsys, "check", *RUN_RECIPE, *args)
+    assert code == 2 and needle in err, err
+    assert "OK to launch" not in err and "Traceback" not in err
+
+
+def test_run_recipe_recipe_name_forms_load_the_same_recipe(capsys):
+    forms = [["--recipe", "llama3_8b_pretrain_config"], ["--model", "llama3_8b", "--mode", "pretrain"],
+             ["--recipe", "llama3_8b_pretrain_2gpu_h100_bf16_config", "--mode", "pretrain"],
+             ["--recipe=llama3_8b_pretrain_config", "--dataset", "mock", "--dry-run"]]
+    layouts = [rr_layout(capsys, *f)[1] for f in forms]
+    assert all(L == layouts[0] for L in layouts)
+    # the recipe: Llama 3 8B, CP 2, 8k tokens, MBS 1, GBS 512 (Bridge 0.6.2 llama3_8b_pretrain_2gpu_h100_bf16_config)
+    L = layouts[0]
+    assert (L["num_layers"], L["hidden_size"], L["context_parallel_size"], L["seq_length"]) == (32, 4096, 2, 8192)
+    assert (L["micro_batch_size"], L["global_batch_size"], L["num_microbatches"]) == (1, 512, 512 // 8)
+
+
+def test_run_recipe_options_change_memory_as_their_overrides(capsys):
+    # --micro_batch_size 8 is train.micro_batch_size=8: 16 GPUs at CP 2 give DP 8, so 512 / (8 x 8) = 8 micro-batches
+    _, opt, doc_opt = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "--micro_batch_size", "8")
+    _, ovr, doc_ovr = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "train.micro_batch_size=8")
+    assert opt == ovr and opt["micro_batch_size"] == 8 and opt["num_microbatches"] == 8
+    assert doc_opt["verdict"] == doc_ovr["verdict"] == "will not fit" and doc_opt["ok"] is False
+    short = ["-mb", "2", "-gb", "256", "-tp", "2", "-pp", "2", "-cp", "1", "-sl", "4096"]
+    long = ["--micro_batch_size=2", "--global_batch_size", "256", "--tensor_model_parallel_size", "2",
+            "--pipeline_model_parallel_size", "2", "--context_parallel_size", "1", "--seq_length", "4096"]
+    keys = ["train.micro_batch_size=2", "train.global_batch_size=256", "model.tensor_model_parallel_size=2",
+            "model.pipeline_model_parallel_size=2", "model.context_parallel_size=1", "dataset.seq_length=4096"]
+    a, b, c = (rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", *x)[1] for x in (short, long, keys))
+    assert a == b == c
+    assert (a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"], a["context_parallel_size"]) == (2, 2, 1)
+    assert (a["micro_batch_size"], a["global_batch_size"], a["seq_length"], a["num_microbatches"]) == (2, 256, 4096, 32)
+    # the options come first, the trailing KEY=VALUE overrides after them: the override wins
+    _, L, doc = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "-mb", "2", "train.micro_batch_size=4")
+    assert L["micro_batch_size"] == 4
+    assert doc["launch"]["overrides"] == ["train.micro_batch_size=2", "train.micro_batch_size=4"]
+    # options that do not change memory are named as such, not as unread
+    _, _, doc = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "--lr", "3e-4", "-ms", "10")
+    assert any(n.startswith("run_recipe.py settings that do not change memory: ") and "optimizer.lr=0.0003" in n
+               for n in doc["notes"])
+    assert not any("not read" in n for n in doc["notes"])
+
+
+def test_run_recipe_sequence_length_follows_the_dataset(capsys):
+    # sync_model_dataset_sequence_length copies dataset.seq_length into model.seq_length after the overrides
+    for args in (["-sl", "4096"], ["dataset.seq_length=4096"]):
+        _, L, doc = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", *args)
+        assert L["seq_length"] == 4096 and doc["problems"] == [] and doc["ok"] is True
+    _, L, doc = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "model.seq_length=4096")
+    assert L["seq_length"] == 8192 and doc["problems"] == []
+    assert any(n.startswith("model.seq_length = 4096 is replaced by dataset.seq_length (recipe llama3_8b) = 8192: "
+                            "run_recipe.py copies") for n in doc["notes"])
+    # --dataset mock: a new dataset of the recipe model's length (before the overrides), so -sl still applies
+    _, L, _ = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "--dataset", "mock", "-sl", "2048")
+    assert L["seq_length"] == 2048
+
+
+def test_run_recipe_deterministic(capsys):
+    _, L, _ = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config", "--deterministic")
+    _, base, _ = rr_layout(capsys, "--recipe", "llama3_8b_pretrain_config")
+    # determinism_utils.apply_determinism_overrides: model.cross_entropy_loss_fusion=False and CUBLAS_WORKSPACE_CONFIG
+    assert base["cross_entropy_loss_fusion"] is True and L["cross_entropy_loss_fusion"] is False
+    assert L["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
 def test_split_script_args_kinds():

@@ -157,6 +157,28 @@ def test_autotune_with_recompute_allowed_from_environment(run, monkeypatch):
     assert args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers == 1
 
 
+def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
+    # Llama-3.1-8B on 8 H100s with MBS 4 (issue 20): MBS 1 on PP 8 is the lowest peak and it is tight, so every
+    # rank aborts before allocating; allowed to recompute, Megatron's own validation takes the tuned layout.
+    from megatron.training import global_vars
+    from megatron_memguard.megatron import MemguardAbort
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(MemguardAbort) as e:
+        run("--micro-batch-size", 4, "--memguard", "autotune")
+    assert e.value.code == 3
+    out = capsys.readouterr().out
+    d = hook.STATE.decision
+    assert d.action == "abort" and d.autotune.chosen is None and 0.8 < d.autotune.nearest[0].fraction <= 1.0
+    assert "[memguard]   nearest: MBS 1, PP 8 (DP 1), no recompute" in out
+    assert "[memguard]   would fit with activation recomputation (--memguard-allow-recompute): " in out
+    global_vars.unset_global_variables()
+    args = run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
+    d = hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
+    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
+    assert args.pipeline_model_parallel_size == d.layout.pp
+
+
 def test_threshold_and_gpu_memory_flags(run, capsys):
     run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard-gpu-memory", "40GiB",
         "--memguard-threshold", "0.95")
@@ -230,3 +252,24 @@ def test_multi_latent_attention_through_validate_args(hook, monkeypatch, capsys)
         global_vars.unset_global_variables()
     out = capsys.readouterr().out
     assert args.multi_latent_attention and "8 heads (MLA, q rank 192, kv rank 64)" in out and "pp1 at its peak" in out
+
+
+def test_megatrons_argument_table_gives_the_same_layout(run, capsys, tmp_path):
+    # the table 0.19.2's validate_args prints (_print_args), read back from a log by memguard report / calibrate
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.report.megatron_log import read_megatron_logs
+    from megatron_memguard.report.megatron_run import raw_from_log
+    from megatron_memguard.resolve import resolve
+    flags = ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity", "selective",
+             "--memguard", "off"]
+    run(*flags)
+    log = tmp_path / "rank0.log"
+    log.write_text(capsys.readouterr().out)
+    parsed = read_megatron_logs(str(log))
+    assert parsed.args["world_size"] == 16 and parsed.args["tensor_model_parallel_size"] == 2
+    assert parsed.args["params_dtype"] == "torch.bfloat16" and parsed.args["recompute_granularity"] == "selective"
+    raw = raw_from_log(parsed)
+    got = resolve(raw, world_size=raw.world_size)
+    want = layout_from_flags(BASE + flags[:-2], world_size=16, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert got.to_dict() | {"notes": []} == want.to_dict() | {"notes": [], "env": got.to_dict()["env"]}

@@ -146,12 +146,34 @@ def test_autotune_applies_before_the_real_validation(legacy, capsys):
 def test_autotune_vpp_keeps_megatrons_rules(legacy):
     args = legacy.run("--micro-batch-size", 2, "--global-batch-size", 64, "--tensor-model-parallel-size", 2,
                       "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 2,
-                      "--memguard", "autotune", "--memguard-threshold", "0.5")
+                      "--memguard", "autotune", "--memguard-threshold", "0.65")
     pp = args.pipeline_model_parallel_size
     assert (32 // pp) % 2 == 0
     m = 64 // (args.micro_batch_size * args.data_parallel_size)
     if args.virtual_pipeline_model_parallel_size:
         assert pp <= m and (m % pp == 0 or m % pp >= pp)
+
+
+def test_autotune_never_starts_a_tight_job(legacy, monkeypatch, capsys):
+    # Llama-3.1-8B on 8 H100s with MBS 4 (issue 20): the best micro-batch / pipeline size is tight (over 80%),
+    # so autotune aborts on every rank before allocating, naming the nearest layouts and what would fit.
+    from megatron_memguard.megatron import MemguardAbort
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(MemguardAbort) as e:
+        legacy.run("--micro-batch-size", 4, "--memguard", "autotune")
+    assert e.value.code == 3
+    out = capsys.readouterr().out
+    d = legacy.hook.STATE.decision
+    assert d.action == "abort" and d.autotune.status == "impossible" and d.autotune.chosen is None
+    assert 0.8 < d.autotune.nearest[0].fraction <= 1.0
+    assert "[memguard]   nearest: MBS 1, PP 8 (DP 1), no recompute" in out
+    assert "[memguard]   would fit with activation recomputation (--memguard-allow-recompute): " in out
+    assert "autotune found no layout within 80% of GPU memory; aborting on every rank" in out
+    # allowed to recompute, it takes a layout within the threshold and Megatron's validation accepts it
+    args = legacy.run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
+    d = legacy.hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
+    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
 
 
 def test_megatron_errors_are_megatrons(legacy, capsys):
@@ -258,3 +280,21 @@ def test_yaml_run_has_no_decision_left_from_an_earlier_run(legacy, capsys):
     assert legacy.initialize.validate_yaml(yaml_args, {}) is yaml_args
     assert legacy.hook.STATE.decision is None
     assert "--yaml-cfg: memguard does not read YAML-built arguments yet" in capsys.readouterr().out
+
+
+def test_site_profile_reaches_the_check(legacy, capsys, tmp_path, monkeypatch):
+    from megatron_memguard.site_profile import dump_site_profile
+    p = tmp_path / "site.yaml"
+    p.write_text(dump_site_profile({"cuda_context": 3 * 2**30, "allocator_fragmentation": 0.2}))
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard", "report", "--memguard-profile", p)
+    est = legacy.hook.STATE.decision.estimate
+    assert all(s.breakdown["cuda_context"] == 3 * 2**30 for s in est.stages)
+    assert f"site profile {p}" in capsys.readouterr().out
+    # the variable, and a bad file named with the flag and the variable, as Megatron reports bad flags
+    p.write_text("schema: memguard.site/1\nconstants: {cuda_context: 1TiB}\n")
+    monkeypatch.setenv("MEMGUARD_PROFILE", str(p))
+    with pytest.raises(SystemExit) as e:
+        legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --memguard-profile:" in err and "(from MEMGUARD_PROFILE)" in err and "constants.cuda_context" in err

@@ -196,6 +196,18 @@ def test_object_dict_and_yaml_dump_give_the_same_layout():
     assert flat.estimate.to_dict()["stages"] == estimate(L, gpu=flat.gpu, threshold=0.8).to_dict()["stages"]
 
 
+def test_site_profile_argument_and_variable(tmp_path, monkeypatch):
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.site_profile import dump_site_profile
+    p = tmp_path / "site.yaml"
+    p.write_text(dump_site_profile({"cuda_context": 3 * 2**30}))
+    r = preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1], site_profile=str(p))
+    assert r.estimate.stages[0].breakdown["cuda_context"] == 3 * 2**30
+    monkeypatch.setenv("MEMGUARD_PROFILE", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="^MEMGUARD_PROFILE: cannot read site profile"):
+        preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1])
+
+
 def test_a_field_set_after_overrides_changes_the_estimate():
     cfg = ConfigContainer()
     a = preflight(cfg, world_size=32, gpu="H100-80GB", emit=quiet()[1])
@@ -363,22 +375,27 @@ def test_callback_samples_every_interval_through_the_callback_manager(bridge, tm
     assert start["predicted"] is None and "pipeline stage is unknown" in start["context"]["note"]
 
 
+def tiny_cpu_config():
+    """A two-layer fp32 GPT that trains on CPU in a second, without distributed optimizer or mixed precision."""
+    tiny = GPTModelProvider(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=4,
+                            seq_length=32, vocab_size=256, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                            sequence_parallel=False, recompute_granularity=None, bf16=False, params_dtype=torch.float32,
+                            transformer_impl="local")
+    return ConfigContainer(model=tiny, train=TrainingConfig(micro_batch_size=2, global_batch_size=2, train_iters=3),
+                           optimizer=OptimizerConfig(use_distributed_optimizer=False, bf16=False, params_dtype=torch.float32),
+                           ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_param_gather=False),
+                           dataset=GPTDatasetConfig(seq_length=32), logger=LoggerConfig(log_interval=1), mixed_precision=None)
+
+
 def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
     """megatron_memguard.bridge.pretrain: the pre-flight, then Bridge's pretrain with the callback; a tiny model
     trained on CPU, measured by the live-bytes source."""
     from megatron_memguard import bridge as mb
     cbs, pt = bridge
 
-    tiny = GPTModelProvider(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=4,
-                            seq_length=32, vocab_size=256, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                            sequence_parallel=False, recompute_granularity=None, bf16=False, params_dtype=torch.float32,
-                            transformer_impl="local")
-    cfg = ConfigContainer(model=tiny, train=TrainingConfig(micro_batch_size=2, global_batch_size=2, train_iters=3),
-                          optimizer=OptimizerConfig(use_distributed_optimizer=False, bf16=False, params_dtype=torch.float32),
-                          ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_param_gather=False), dataset=GPTDatasetConfig(seq_length=32),
-                          logger=LoggerConfig(log_interval=1), mixed_precision=None)
-    src = RecordingSource()
-    src.start()
+    cfg = tiny_cpu_config()
+    tiny = cfg.model
+    src = RecordingSource()             # not started here: the wrapper starts it before the model is built
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
     def forward_step(model):
@@ -410,6 +427,27 @@ def test_pretrain_wrapper_end_to_end_on_cpu(bridge, tmp_path):
     state = mb.pretrain(cfg, forward_step, world_size=1, gpu_memory="2GiB", log_dir=str(off_dir), mode="off",
                         source=RecordingSource())
     assert state.train_state.step == 3 and not off_dir.exists()
+
+
+def test_the_callback_starts_the_source_itself_as_the_lightning_callback_does(bridge, tmp_path):
+    """MemguardCallback(source=LiveBytesSource()) handed to Bridge's own pretrain, nobody calling source.start():
+    the callback starts it at on_train_start and counts the model and optimizer built before that (issue 20)."""
+    from megatron_memguard.bridge import MemguardCallback
+    cbs, pt = bridge
+    cfg = tiny_cpu_config()
+    tiny = cfg.model
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    result = preflight(cfg, world_size=1, gpu_memory="2GiB", emit=quiet()[1])
+    src = RecordingSource()
+    cb = MemguardCallback(result, log_dir=str(tmp_path), source=src, emit=quiet()[1])
+    pt.pretrain(cfg, lambda model: F.cross_entropy(model(tokens).view(-1, 256), tokens.view(-1)), callbacks=[cb])
+    recs = [json.loads(line) for line in open(tmp_path / "memguard-rank00000.jsonl")]
+    assert [r["event"] for r in recs] == ["start", "sample", "sample", "sample", "summary"]
+    params = sum(p.numel() for p in tiny.provide().parameters())
+    assert recs[0]["actual"]["allocated"] == 4 * params             # the fp32 model, built before the source started
+    held = recs[3]["actual"]["allocated"]                           # + gradients and Adam's two moments after a step
+    assert 16 * params <= held <= 16 * params * 1.05 + 2**20
+    assert src._mode is None                                        # stopped at the end of training
 
 
 def test_without_bridge_preflight_works_and_the_callback_says_what_it_needs(tmp_path):

@@ -2,6 +2,7 @@
 layout read from a NeMo 2-like strategy / model config / data module, abort before configure_model, and
 what happens without Lightning."""
 import csv
+import dataclasses
 import glob
 import json
 import os
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
-from megatron_memguard import estimate, layout_from_flags  # noqa: E402
+from megatron_memguard import estimate, layout_from_flags, lookup_gpu  # noqa: E402
 from megatron_memguard.lightning import MemguardCallback, PreflightAbort, raw_config  # noqa: E402
 from megatron_memguard.resolve import resolve  # noqa: E402
 
@@ -280,3 +281,95 @@ def test_one_sample_per_optimizer_step_and_none_before_the_first():
     for step in (0, 0, 1, 1, 2, 2):
         cb.on_train_batch_end(types.SimpleNamespace(global_step=step), None, None, None, 0)
     assert [r["iteration"] for r in records if r["event"] == "sample"] == [1, 2]
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo 2 precision: MegatronMixedPrecision("bf16-mixed") with the model config's params_dtype left at fp32
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class NemoDtypeConfig:               # NeMo 2.5.3 mixed_precision.py DtypeConfig (the fields memguard reads)
+    fp32: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: Any = None
+    pipeline_dtype: Any = None
+    autocast_dtype: Any = None
+    grad_reduce_in_fp32: bool = True
+    fp8: Optional[str] = None
+
+
+class MegatronMixedPrecision(pl.plugins.precision.Precision):
+    """Stand-in for NeMo 2.5.3's nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision: its
+    __init__ maps the precision string to a DtypeConfig exactly as NeMo's does (bf16 for 'bf16' / 'bf16-mixed',
+    fp16 for 'fp16' / 'fp16-mixed' / '16' / '16-mixed', params_dtype defaulting to fp32) and sets the
+    ``precision`` Lightning reports. The real one does not import here: nemo.lightning needs fiddle, absl,
+    libcst, hydra, onnx and more on top of NeMo."""
+
+    def __init__(self, precision, params_dtype=None, grad_reduce_in_fp32=True, fp8=None):
+        precision = str(precision)
+        dtype = torch.bfloat16 if precision in ("bf16", "bf16-mixed") else torch.float32
+        self.dtype_config = NemoDtypeConfig(
+            fp32=precision in ("fp32", "32"), fp16=precision in ("fp16", "fp16-mixed", "16", "16-mixed"),
+            bf16=precision in ("bf16", "bf16-mixed"), params_dtype=params_dtype or torch.float32, pipeline_dtype=dtype,
+            autocast_dtype=dtype, grad_reduce_in_fp32=grad_reduce_in_fp32, fp8=fp8)
+        super().__init__()
+        self.precision = "16-mixed" if self.dtype_config.fp16 else "bf16-mixed" if self.dtype_config.bf16 else "32-true"
+
+
+def update_config_with_dtype_overrides(dtype_config, config):
+    """NeMo 2.5.3 mixed_precision.py: every DtypeConfig field the config has is overwritten (MegatronStrategy.connect
+    does this to the model config before any callback's setup)."""
+    for f in dataclasses.fields(dtype_config):
+        if hasattr(config, f.name):
+            setattr(config, f.name, getattr(dtype_config, f.name))
+    return config
+
+
+@dataclass
+class Llama31Config8B(GPTConfig):     # NeMo 2's class, TransformerConfig's precision defaults left alone
+    seq_length: int = 8192
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    params_dtype: Any = torch.float32
+    bf16: bool = False
+    fp16: bool = False
+
+
+def nemo2_layout(precision):
+    plugin = MegatronMixedPrecision(precision=precision)
+    config = update_config_with_dtype_overrides(plugin.dtype_config, Llama31Config8B())
+    assert config.params_dtype == torch.float32            # NeMo leaves params_dtype at fp32 ...
+    strategy = types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
+                                     sequence_parallel=True,
+                                     ddp_config=types.SimpleNamespace(use_distributed_optimizer=True, grad_reduce_in_fp32=False))
+    trainer = types.SimpleNamespace(strategy=strategy, num_devices=8, num_nodes=1, world_size=8, precision=plugin.precision,
+                                    precision_plugin=plugin,
+                                    datamodule=types.SimpleNamespace(micro_batch_size=1, global_batch_size=64, seq_length=8192))
+    module = types.SimpleNamespace(config=config, tokenizer=types.SimpleNamespace(vocab_size=128256),
+                                   optim=types.SimpleNamespace(config=OptimizerConfig(bf16=precision != "32")))
+    return resolve(raw_config(trainer, module), world_size=8)
+
+
+def test_nemo2_bf16_mixed_trains_bf16_parameters_whatever_params_dtype_says():
+    L, L32 = nemo2_layout("bf16-mixed"), nemo2_layout("32")
+    # ... but Float16Module casts the parameters to bf16 (convert_module): the same job as Megatron-LM's --bf16 with
+    # fp32 gradient buffers (DtypeConfig.grad_reduce_in_fp32 defaults to True and overrides the DDP config's False)
+    flags = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+             "--num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope "
+             "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+             "--hidden-dropout 0 --attention-dropout 0 --tokenizer-type HuggingFaceTokenizer --vocab-size 128256 "
+             "--micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer --bf16 "
+             "--tensor-model-parallel-size 2 --sequence-parallel "
+             "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader").split()   # GPTConfig's / the mock data's
+    M = layout_from_flags(flags, world_size=8)
+    assert L.params_dtype == M.params_dtype == "bf16" and L32.params_dtype == "fp32"
+    E, F, E32 = (estimate(x, gpu=lookup_gpu("H100-80GB")) for x in (L, M, L32))
+    assert E.stages[0].breakdown == F.stages[0].breakdown
+    # 2 bytes per parameter instead of 4. Per TP2 rank: 32 layers x ((4096 x 6144 qkv + 4096 x 4096 proj + 4096 x 28672
+    # fc1 + 14336 x 4096 fc2) / 2 + 2 x 4096 norms) + 2 x 128256 x 4096 / 2 (embedding, untied output) + 4096 final norm
+    per_rank = 32 * ((4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) // 2 + 2 * 4096) + 128256 * 4096 + 4096
+    assert per_rank == 4015263744
+    assert E.stages[0].breakdown["parameters"] == 2 * per_rank and E32.stages[0].breakdown["parameters"] == 4 * per_rank
+    # on 8 H100s: bf16 fits (78%), the fp32 reading would not (104%)
+    assert E.verdict == "fits" and E32.verdict == "will not fit"

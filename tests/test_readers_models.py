@@ -68,6 +68,10 @@ def test_recipe_names_give_the_recipe():
     assert (L.seq_length, L.micro_batch_size, L.global_batch_size, L.padded_vocab_size, L.use_distributed_optimizer) == \
         (8192, 1, 512, 32000, True)
     assert "recipe llama32_1b" in raw.origin["global_batch_size"]
+    # the names Megatron-Bridge 0.6.2 exports the recipe function as (recipes/llama/llama3.py aliases)
+    from megatron_memguard.readers.models import find_recipe
+    assert find_recipe("llama3_8b_pretrain_config") == find_recipe("llama3_8b_pretrain_2gpu_h100_bf16_config") == "llama3_8b"
+    assert find_recipe("llama3_8b_pretrain_64gpu_h100_bf16_128k_config") is None
     shape_only = read_model("llama3_8b", shape_only=True)
     assert "context_parallel_size" not in shape_only.args and shape_only.args["num_layers"] == 32
 
@@ -162,3 +166,47 @@ def test_nemo2_to_yaml_export_takes_the_shape_from_the_class(tmp_path):
     assert (L.num_layers, L.hidden_size, L.num_query_groups, L.padded_vocab_size, L.params_dtype,
             L.use_distributed_optimizer) == (32, 4096, 8, 128256, "bf16", True)
     assert raw.origin["tensor_model_parallel_size"] == "trainer.strategy.tensor_model_parallel_size"
+
+
+@pytest.mark.parametrize("plugin, params_dtype, grads_fp32", [
+    # NeMo 2.5.3 MegatronMixedPrecision: bf16 / fp16 from the precision string; Float16Module casts the parameters
+    # whatever params_dtype says (absent: fp32); grad_reduce_in_fp32 defaults to True
+    ("precision: bf16-mixed", "bf16", True),
+    ("precision: bf16-mixed\n        params_dtype: torch.float32", "bf16", True),
+    ("precision: 16-mixed", "fp16", True),
+    ("precision: 16-mixed\n        grad_reduce_in_fp32: false", "fp16", False),
+    ("precision: '32'", "fp32", True),
+])
+def test_nemo2_megatron_mixed_precision_as_nemo_applies_it(tmp_path, plugin, params_dtype, grads_fp32):
+    text = f"""
+    _target_: nemo.collections.llm.api.pretrain
+    model:
+      _target_: nemo.collections.llm.gpt.model.llama.LlamaModel
+      config: {{_target_: nemo.collections.llm.gpt.model.llama.Llama31Config8B}}
+    trainer:
+      devices: 8
+      num_nodes: 1
+      strategy: {{tensor_model_parallel_size: 2, ddp: {{grad_reduce_in_fp32: false}}}}
+      plugins:
+        _target_: nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision
+        {plugin}
+    data: {{seq_length: 8192, global_batch_size: 64, micro_batch_size: 1}}
+    """
+    p = tmp_path / "pretrain.yaml"
+    p.write_text(textwrap.dedent(text))
+    from megatron_memguard.readers.detect import read_config_file
+
+    L = resolve(read_config_file(str(p)))
+    assert L.params_dtype == params_dtype
+    assert L.accumulate_allreduce_grads_in_fp32 == grads_fp32   # the DDP gradient buffer in fp32
+
+
+def test_nemo2_half_parameters_without_mixed_precision_are_refused(tmp_path):
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.detect import read_config_file
+    p = tmp_path / "pretrain.yaml"
+    p.write_text("_target_: nemo.collections.llm.api.pretrain\nmodel: {config: {_target_: Llama31Config8B}}\n"
+                 "trainer: {devices: 8, plugins: {_target_: MegatronMixedPrecision, precision: '32', "
+                 "params_dtype: torch.bfloat16}}\n")
+    with pytest.raises(NotModelledError, match="trainer.plugins.params_dtype: bf16 parameters without mixed precision"):
+        read_config_file(str(p))

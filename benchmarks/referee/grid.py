@@ -179,13 +179,18 @@ def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str,
     return cfgs
 
 
-def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True) -> Dict[str, Any]:
+def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True,
+             settings_of=None) -> Dict[str, Any]:
+    """Run each configuration; `settings_of(cfg)` gives its worker settings (default: resolve_config)."""
     from .run import RefereeError, run_referee, summary_line
 
     out = {"configs": []}
     t_all = time.time()
     for c in cfgs:
-        settings = resolve_config(c["flags"], c["world_size"])[1]
+        if settings_of is None:
+            settings = resolve_config(c["flags"], c["world_size"])[1]
+        else:
+            settings = settings_of(c)
         t0 = time.time()
         entry = {"name": c["name"], "world_size": c["world_size"], "ci": c["ci"], "note": c["note"],
                  "flags": c["flags"], "settings": settings}
@@ -243,11 +248,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"grid: {len(res['configs'])} configurations, {n_fail} failed, "
           f"total {res['total_run_time_s']:.1f}s")
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save_results(res, a.out)
     if n_fail:
         sys.exit(1)
+
+
+def save_results(res: Dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -402,6 +402,165 @@ def install(tracker=None) -> None:
     c10d.isend = isend
     dist.isend = isend
 
+    _install_moe_shims()
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture of experts (megatron-core 0.16.1, local spec: SequentialMLP experts, TopKRouter).
+# ----------------------------------------------------------------------------------------------
+def _te_general_gemm(A, B, out_dtype=None, layout="TN", out=None, bias=None, grad=False):
+    """Stand-in for megatron's te_general_gemm (TE general_gemm: one cuBLAS call that writes only
+    its output, in `out_dtype`, from inputs of any precision). Layouts as TE names them: "TN" -> B·Aᵀ
+    (+bias), "NN" -> B·A, "NT" -> Bᵀ·A."""
+
+    def general_gemm(A, B, bias):
+        a, b = A.float(), B.float()
+        if layout == "TN":
+            y = b @ a.t()
+        elif layout == "NN":
+            y = b @ a
+        elif layout == "NT":
+            y = b.t() @ a
+        else:
+            raise ValueError(f"layout {layout}")
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype or B.dtype)
+
+    assert out is None, "the referee's te_general_gemm stand-in does not write into `out`"
+    return [fused_kernel(general_gemm, A, B, bias), None, None, None]
+
+
+def _swiglu(y):
+    a, b = y.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(a) * b
+
+
+def _swiglu_grad(g, y):
+    a, b = y.float().chunk(2, dim=-1)
+    s = torch.sigmoid(a)
+    g = g.float()
+    return torch.cat((g * s * (1 + a * (1 - s)) * b, g * a * s), dim=-1)
+
+
+def _fused_swiglu_kernels():
+    """Eager versions of megatron/core/fusions/fused_bias_swiglu.py's jit-fused functions, run as
+    one fused kernel each (tracker off inside, only the outputs registered), as the compiled GPU
+    kernels allocate only their outputs."""
+
+    def swiglu_fwd(y):
+        return _swiglu(y).to(y.dtype)
+
+    def bias_swiglu_fwd(y, bias):
+        return _swiglu(y + bias).to(y.dtype)
+
+    def weighted_swiglu_fwd(y, w):
+        return (_swiglu(y) * w.float()).to(y.dtype)
+
+    def swiglu_bwd(g, y):
+        return _swiglu_grad(g, y).to(y.dtype)
+
+    def bias_swiglu_bwd(g, y, bias):
+        return _swiglu_grad(g, y + bias).to(y.dtype)
+
+    def weighted_swiglu_bwd(g, y, w):
+        dy = _swiglu_grad(g.float() * w.float(), y)
+        dw = (_swiglu(y) * g.float()).sum(dim=-1, keepdim=True)
+        return dy.to(y.dtype), dw.to(w.dtype)
+
+    def swiglu(y):
+        return fused_kernel(swiglu_fwd, y)
+
+    def bias_swiglu(y, bias):
+        return fused_kernel(bias_swiglu_fwd, y, bias)
+
+    def weighted_swiglu(y, weights):
+        return fused_kernel(weighted_swiglu_fwd, y, weights)
+
+    def swiglu_back(g, y):
+        return fused_kernel(swiglu_bwd, g, y)
+
+    def bias_swiglu_back(g, y, bias):
+        return fused_kernel(bias_swiglu_bwd, g, y, bias)
+
+    def weighted_swiglu_back(g, y, weights):
+        return fused_kernel(weighted_swiglu_bwd, g, y, weights)
+
+    return dict(swiglu=swiglu, bias_swiglu=bias_swiglu, weighted_swiglu=weighted_swiglu,
+                swiglu_back=swiglu_back, bias_swiglu_back=bias_swiglu_back,
+                weighted_swiglu_back=weighted_swiglu_back)
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu for a run where every tensor stands for a GPU tensor: the
+    host copy (numpy for the all-to-all split sizes) is made untracked, as host memory is not GPU
+    memory. Megatron's version copies only `tensor.is_cuda` tensors, so on CPU the split sizes stay
+    tensors and `all_to_all_single` refuses them."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    with _disable_current_modes():
+        host = tensor.detach().clone()
+    return host.numpy() if as_numpy else host
+
+
+def _uneven_list_collectives() -> None:
+    """all_gather into / reduce_scatter from lists of unequal tensors, which gloo refuses.
+
+    megatron's `_gather_along_first_dim` / `_reduce_scatter_along_first_dim` with split sizes (the
+    alltoall dispatcher's gather and reduce-scatter over the expert-TP group, ETP > 1) pass lists whose
+    tensors differ in rows. NCCL runs them as grouped broadcasts / reduces straight into and out of the
+    caller's tensors; here the data moves through untracked padded copies and lands in the same caller
+    tensors, so nothing extra is counted."""
+    import torch.distributed as dist
+
+    orig_all_gather, orig_reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def uneven(tensors):
+        return len({tuple(t.shape) for t in tensors}) > 1
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if not uneven(tensor_list) or async_op:
+            return orig_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        with _disable_current_modes():
+            send = tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))
+            send[: tensor.shape[0]].copy_(tensor)
+            recv = [torch.empty_like(send) for _ in tensor_list]
+            orig_all_gather(recv, send, group=group)
+            for out, got in zip(tensor_list, recv):
+                out.copy_(got[: out.shape[0]])
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not uneven(input_list) or async_op:
+            return orig_reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        with _disable_current_modes():
+            full = torch.cat([t.contiguous() for t in input_list])
+            dist.all_reduce(full, op=op, group=group)
+            start = sum(t.shape[0] for t in input_list[: dist.get_rank(group)])
+            output.copy_(full[start: start + output.shape[0]])
+
+    dist.all_gather = all_gather
+    dist.reduce_scatter = reduce_scatter
+
+
+def _install_moe_shims() -> None:
+    import megatron.core.fusions.fused_bias_swiglu as mswiglu
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as mdispatch
+
+    # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize (device-to-host copy of the split sizes):
+    mdispatch.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    # mappings._gather_along_first_dim / _reduce_scatter_along_first_dim with split sizes (ETP > 1):
+    _uneven_list_collectives()
+
+    # moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, a name 0.16.1 binds
+    # only when TE imports (NameError without TE); Megatron MoE on a GPU runs TE's gemm:
+    moe_utils.te_general_gemm = _te_general_gemm
+    # fused_bias_swiglu's @jit_fuser (torch.compile) functions, used with --bias-swiglu-fusion (the
+    # GPU default) by MLP, SharedExpertMLP and the experts' WeightedSwiGLUFunction:
+    for name, fn in _fused_swiglu_kernels().items():
+        setattr(mswiglu, name, fn)
+
 
 # Snapshot sends not yet seen completed. Send works megatron never waits for are not marked completed by
 # gloo, so their snapshots stay until the process exits (never wait() on them here: a second wait() on a
@@ -430,12 +589,12 @@ def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:
     torch's fused CPU kernel (no temporaries, like TE/apex FusedAdam); "foreach" reproduces torch's
     CUDA default without TE/apex (whole-list temporaries); "single" leaves torch's CPU default.
     """
-    inner = getattr(optimizer, "optimizer", optimizer)
-    opts = []
+    # ChainedOptimizer (dense + expert optimizers with MoE) refuses `.optimizer` when it holds several
     if hasattr(optimizer, "chained_optimizers"):
         opts = [getattr(o, "optimizer", o) for o in optimizer.chained_optimizers]
-    elif inner is not None:
-        opts = [inner]
+    else:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        opts = [inner] if inner is not None else []
     for opt in opts:
         if opt is None or not isinstance(opt, torch.optim.Optimizer):
             continue

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from .livebytes import LiveBytesTracker  # noqa: E402
-from . import shims  # noqa: E402
+from . import moe_probe, shims  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # Megatron argument defaults for everything the referee reads that is not a settings key.
@@ -57,7 +57,9 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
     fp32_residual_connection=False, apply_query_key_layer_scaling=False,
     attention_softmax_in_fp32=False,  # arg default False (TransformerConfig's own default is True)
     layernorm_zero_centered_gamma=False, no_persist_layer_norm=False,
-    num_experts=None, moe_grouped_gemm=False, multi_latent_attention=False,
+    num_experts=None, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
+    expert_model_parallel_size=1, expert_tensor_parallel_size=None, moe_ffn_hidden_size=None,
+    moe_layer_freq=1, moe_router_topk=2, multi_latent_attention=False,
     fp16_lm_cross_entropy=False, cross_entropy_loss_fusion=False, cross_entropy_fusion_impl="native",
     calculate_per_token_loss=False, transformer_impl="local",
     # fusions: off in the referee (the unfused PyTorch ops are what run on CPU and on GPU alike)
@@ -117,6 +119,15 @@ def build_args(settings: Dict[str, Any]) -> SimpleNamespace:
         a.global_batch_size = a.micro_batch_size * a.data_parallel_size
     if a.tensor_model_parallel_size == 1:
         a.sequence_parallel = False
+    if "bias_activation_fusion" in settings:
+        # the resolved switch decides (resolve() derives it from --no-bias-swiglu/gelu-fusion)
+        a.bias_swiglu_fusion = a.bias_gelu_fusion = bool(settings["bias_activation_fusion"])
+    if a.num_experts is not None:
+        # validate_args: ETP defaults to TP, the expert FFN width to ffn_hidden_size.
+        if a.expert_tensor_parallel_size is None:
+            a.expert_tensor_parallel_size = a.tensor_model_parallel_size
+        if a.moe_ffn_hidden_size is None:
+            a.moe_ffn_hidden_size = a.ffn_hidden_size
     if a.virtual_pipeline_model_parallel_size is None:
         a.overlap_p2p_comm = False
         a.align_param_gather = False
@@ -416,7 +427,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer import get_standard_config_overrides
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -428,6 +441,8 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         tp, pp, args.virtual_pipeline_model_parallel_size,
         context_parallel_size=cp,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         order="tp-cp-ep-dp-pp",
         get_embedding_ranks=get_embedding_ranks,
         create_gloo_process_groups=True,
@@ -448,10 +463,18 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             config = core_transformer_config_from_args(args)
 
             def model_provider(pre_process=True, post_process=True, vp_stage=None):
-                spec = get_gpt_layer_local_spec(
-                    args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
-                    args.multi_latent_attention, normalization=args.normalization,
-                )
+                if args.num_experts:
+                    # gpt_builders.gpt_builder: MoE models take the per-layer block spec
+                    # (dense and MoE layers from --moe-layer-freq), sliced for this stage/chunk.
+                    spec = get_gpt_decoder_block_spec(
+                        config, use_transformer_engine=False, normalization=args.normalization,
+                        qk_l2_norm=False, vp_stage=vp_stage,
+                    )
+                else:
+                    spec = get_gpt_layer_local_spec(
+                        args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                        args.multi_latent_attention, normalization=args.normalization,
+                    )
                 return GPTModel(
                     config=config, transformer_layer_spec=spec,
                     vocab_size=args.padded_vocab_size,
@@ -487,6 +510,12 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             num_params = _num_params(model)
             result["num_params_by_chunk"] = [_num_params([m]) for m in model]
             result["num_params"] = num_params
+            routing = None
+            if args.num_experts:
+                # expert parameters: what DDP puts in the expert buffers (allreduce=False)
+                result["num_params_expert"] = sum(p.nelement() for m in model for p in m.parameters()
+                                                  if not getattr(p, "allreduce", True))
+                routing = moe_probe.install(model, tracker)
             bytes_after_model_build = tracker.current
 
             if args.fp16 or args.bf16:
@@ -605,6 +634,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                         loss = float(val[0] / val[1])
                         del val
                     del losses_reduced
+                    if args.num_experts:
+                        tracker.set_phase(f"it{it} moe metrics")
+                        _track_moe_metrics(args, num_microbatches, it)
                 r_it = tracker.region_result(f"iter{it}")
                 r_fb = tracker.region_result(f"iter{it}/fwd_bwd")
                 r_opt = tracker.region_result(f"iter{it}/optimizer")
@@ -637,10 +669,16 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         peak_seq = r_all["peak_seq"]
         result["peak_dump"] = tracker.dump(peak_seq, top=top)
         result["peak_dump_by_phase"] = _sum_by(tracker.live_at(peak_seq), lambda r: _phase_class(r[6]))
+        if args.num_experts:
+            # every live storage at the peak grouped with its full label (schedule step + module), so
+            # that each saved tensor of a layer can be checked against a formula
+            result["peak_dump_all"] = tracker.group(tracker.live_at(peak_seq), top=None)
         last = iters[-1]
         opt_region = tracker._regions[f"iter{args.num_iterations}/optimizer"]
         result["optimizer_peak_dump"] = tracker.dump(opt_region.peak_seq, top=15)
         result["after_step_dump"] = tracker.dump(None, top=15, by_phase=True)
+        if args.num_experts:
+            result["after_step_dump_all"] = tracker.dump(None, top=None, by_phase=True)
         result["num_tracked_allocations"] = tracker.num_allocs
 
     timings["total_s"] = time.time() - t_start
@@ -655,6 +693,20 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         "num_model_chunks": len(model),
         "num_microbatches": num_microbatches,
     }
+    if args.num_experts:
+        pos.update({
+            "ep_rank": mpu.get_expert_model_parallel_rank(),
+            "ep_size": mpu.get_expert_model_parallel_world_size(),
+            "etp_rank": mpu.get_expert_tensor_parallel_rank(),
+            "etp_size": mpu.get_expert_tensor_parallel_world_size(),
+            "edp_rank": mpu.get_expert_data_parallel_rank(),
+            "edp_size": mpu.get_expert_data_parallel_world_size(),
+            "num_params_expert": result["num_params_expert"],
+            "routing": routing,
+            "routing_summary": moe_probe.summarize(routing),
+            "peak_all_storages": result["peak_dump_all"],
+            "after_step_all_storages": result["after_step_dump_all"],
+        })
     out = dict(pos)
     out.update({
         "num_params": result["num_params"],
@@ -683,6 +735,24 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
     mpu.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return out
+
+
+def _track_moe_metrics(args, num_microbatches: int, iteration: int) -> None:
+    """training.py training_log (core_v0.16 era): reduce and clear the MoE aux-loss trackers."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    lb = args_list(getattr(args, "moe_router_load_balancing_type", "aux_loss"))
+    names = [n for t, n in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
+                            ("global_aux_loss", "global_load_balancing_loss")) if t in lb]
+    if getattr(args, "moe_z_loss_coeff", None) is not None:
+        names.append("z_loss")
+    track_moe_metrics(loss_scale=1 / num_microbatches, iteration=iteration, force_initialize=True,
+                      track_names=names, num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq,
+                      mtp_num_layers=None)
+
+
+def args_list(v) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def _phase_class(phase: str) -> str:

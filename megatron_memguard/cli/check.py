@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError, ConfigErrors, MemguardError, ReaderError
-from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu
+from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu, target_site
 
 if TYPE_CHECKING:
     from ..config import RawConfig
@@ -102,6 +102,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
     from ..readers.launch_command import hydra_config_file, parse_launch_command, split_script_args
     from ..readers.megatron_flags import parse_megatron_flags
     from ..readers.models import find_recipe, recipes_named_in
+    from ..readers.run_recipe import is_run_recipe
 
     environ = dict(os.environ if environ is None else environ)
     if ns.file:
@@ -112,13 +113,15 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
             raise MemguardError(f"{ns.file}: cannot read ({e})") from None
         try:
             cmd = parse_launch_command(text, environ)
-            sa = split_script_args(cmd)
+            sa = None if is_run_recipe(cmd.script) else split_script_args(cmd)
         except ReaderError as e:
             raise ReaderError(f"{ns.file}: {e}") from None
     else:
         cmd = parse_launch_command(flags, environ)
-        sa = split_script_args(cmd)
+        sa = None if is_run_recipe(cmd.script) else split_script_args(cmd)
     notes: list[str] = list(cmd.notes)
+    if sa is None:
+        return _read_run_recipe(ns, cmd, notes)
     if sa.unreadable:
         raise MemguardError(f"{cmd.script}: " + "; ".join(sa.unreadable) + " - memguard does not read these script "
                             "options; give them as KEY=VALUE overrides")
@@ -127,6 +130,10 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
 
     def here(path: str) -> str:
         return path if os.path.isabs(path) or not ns.cwd else os.path.join(cwd, path)
+
+    if not ns.site_profile and cmd.env.get("MEMGUARD_PROFILE"):  # the hook would read the launch's variable
+        ns.site_profile = here(cmd.env["MEMGUARD_PROFILE"])
+        notes.append(f"site profile {ns.site_profile} from the launch's MEMGUARD_PROFILE")
 
     if sa.kind == "megatron":
         if ns.set:
@@ -149,6 +156,9 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
                 from ..units import parse_bytes
                 parse_bytes(hook["--memguard-gpu-memory"], "--memguard-gpu-memory")  # its key in the error
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
+            if not ns.site_profile and hook.get("--memguard-profile"):
+                ns.site_profile = here(hook["--memguard-profile"])
+                notes.append(f"site profile {ns.site_profile} from the launch's --memguard-profile")
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
         if ns.model:
             from ..readers.models import read_model
@@ -181,6 +191,26 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
     raw = load_raw(sub, [])
     if cmd.env:
         raw = replace(raw, env={**raw.env, **memory_env(cmd.env)})
+    return cmd, sa, raw, notes
+
+
+def _read_run_recipe(ns: argparse.Namespace, cmd: LaunchCommand, notes: list[str],
+                     ) -> tuple[LaunchCommand, ScriptArgs, RawConfig, list[str]]:
+    """A Megatron-Bridge scripts/training/run_recipe.py launch, read as the script reads its arguments
+    (megatron_memguard/readers/run_recipe.py)."""
+    from ..config import memory_env
+    from ..readers.launch_command import ScriptArgs
+    from ..readers.run_recipe import read_run_recipe
+
+    if ns.model:
+        raise ConfigError("--model", "run_recipe.py names its recipe itself (its --recipe, or --model and --mode after "
+                                     "--); memguard's --model does not apply to it")
+    rr, raw = read_run_recipe(cmd.script_args, extra_overrides=ns.set)
+    if rr.ignored:
+        notes.append("run_recipe.py settings that do not change memory: " + " ".join(rr.ignored))
+    if cmd.env:  # the recipe's env_vars (--deterministic) are applied over the launch's environment
+        raw = replace(raw, env={**memory_env(cmd.env), **raw.env})
+    sa = ScriptArgs(kind="bridge", recipe=rr.recipe, overrides=list(rr.overrides), ignored=list(rr.ignored))
     return cmd, sa, raw, notes
 
 
@@ -224,7 +254,7 @@ def _check(ns, flags: list[str]) -> int:
                           "WORLD_SIZE / SLURM_NTASKS are not set", "give --world-size N")
     layout = resolve(raw, world_size=world, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
-    est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold)
+    est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, site=target_site(ns))
     fits = est.verdict in ("fits", "unknown") and not problems
     suggestion = None
     if est.verdict in ("tight", "will not fit") and not ns.no_suggest:
@@ -265,7 +295,7 @@ def _check(ns, flags: list[str]) -> int:
     for pr in problems:
         out.append(f"problem: {pr}")
     if suggestion:
-        out.append(f"a layout that fits: {suggestion}")
+        out.append(suggestion)
     if notes:
         shown = notes[:MAX_NOTES]
         out += [f"note: {n}" for n in shown]
@@ -290,11 +320,12 @@ def _suggest(raw, est, ns, world, gpu, mem) -> str | None:
                      threshold=ns.threshold, profile=ns.profile, allow_recompute=True, original=est)
     except Exception:  # the suggestion is an extra: a search that fails must not hide the verdict
         return None
-    if r.chosen is None:
-        return None
+    if r.chosen is None:  # nothing within these GPUs: what would fit (more GPUs), if anything
+        return f"no micro-batch / pipeline / recompute change fits on {world} GPUs; it would fit {r.hints[-1]}" \
+            if r.hints else None
     ch = ", ".join(f"{raw.key(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
-    return (f"{describe_layout_choice(r.chosen.layout)}, {format_bytes(r.chosen.estimate.peak_device_bytes)} "
-            f"({r.chosen.estimate.verdict}): {ch}")
+    return (f"a layout that fits: {describe_layout_choice(r.chosen.layout)}, "
+            f"{format_bytes(r.chosen.estimate.peak_device_bytes)} ({r.chosen.estimate.verdict}): {ch}")
 
 
 def _verdict_words(est) -> str:
@@ -308,7 +339,7 @@ def _verdict_words(est) -> str:
 # install the hook): the switches, then those that take a value.
 HOOK_SWITCHES = ("--memguard-reset-peak", "--memguard-allow-recompute")
 HOOK_VALUE_FLAGS = ("--memguard", "--memguard-threshold", "--memguard-gpu-memory", "--memguard-log-interval",
-                    "--memguard-log-dir")
+                    "--memguard-log-dir", "--memguard-profile")
 
 
 def _hook_flags(flags: list[str]) -> tuple[list[str], dict[str, str | None]]:

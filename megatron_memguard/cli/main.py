@@ -14,6 +14,7 @@ from ..errors import ConfigError, ConfigErrors, MemguardError
 
 if TYPE_CHECKING:
     from ..config import RawConfig
+    from ..estimator.site import SiteConstants
     from ..gpus import GpuSpec
 
 EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
@@ -66,6 +67,9 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", help="GPU memory as PyTorch reports it, e.g. 79.1GiB (overrides --gpu's)")
     g.add_argument("--threshold", type=float, default=0.8,
                    help="fraction of GPU memory the device total may use and still 'fit' (default 0.8, Fujii et al.)")
+    g.add_argument("--site-profile", metavar="FILE",
+                   help="site constants fitted by memguard calibrate (CUDA context, NCCL buffers, workspaces, allocator "
+                        "slack); default $MEMGUARD_PROFILE, else memguard's defaults")
     m = p.add_argument_group("model")
     m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, a NeMo 1 "
                                     "(or launcher, .nemo) / Megatron-Bridge / NeMo 2 YAML, or a Hugging Face config.json")
@@ -102,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("validate", "check a config against Megatron's rules and the memory verdict"),
                            ("plan", "search layouts that fit and rank them"),
                            ("check", "pre-flight a launch command"),
-                           ("report", "render predicted vs actual memory of a run")):
+                           ("report", "render predicted vs actual memory of a run (memguard's JSONL or Megatron's logs)"),
+                           ("calibrate", "fit a site's constants (CUDA context, NCCL buffers, workspaces, allocator "
+                                         "slack) from its runs' logs")):
         sp = sub.add_parser(name, help=helptext, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -183,6 +189,14 @@ def target_gpu(ns: argparse.Namespace) -> tuple[GpuSpec | None, int | None]:
     return gpu, mem
 
 
+def target_site(ns: argparse.Namespace) -> SiteConstants | None:
+    """The constants of --site-profile (or $MEMGUARD_PROFILE); None: memguard's defaults."""
+    from ..site_profile import site_from
+
+    prof = site_from(getattr(ns, "site_profile", None))
+    return prof.constants if prof is not None else None
+
+
 def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     from ..estimator import estimate
     from ..report.text import render
@@ -198,7 +212,7 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
     est = estimate(layout, profile=ns.profile, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold,
-                   dp_rank=ns.dp_rank)
+                   dp_rank=ns.dp_rank, site=target_site(ns))
     if ns.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:
@@ -244,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     cmd = own[0]
     try:
-        if cmd in ("validate", "plan", "check", "report"):
+        if cmd in ("validate", "plan", "check", "report", "calibrate"):
             import importlib
             try:
                 mod = importlib.import_module(f"megatron_memguard.cli.{cmd}")

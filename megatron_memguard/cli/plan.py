@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..report.plots import Plot
 from .main import (
     EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
-    target_gpu,
+    target_gpu, target_site,
 )
 
 DEFAULT_TOP = 5
@@ -175,7 +175,8 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     cluster = Cluster(gpus=world, gpus_per_node=min(gpn, world), gpu=gpu, nvlink_domain=min(domain, world),
                       gpu_memory_bytes=mem or gpu.memory_bytes)
     planner = Planner(raw, cluster, seq_length=ns.seq_length, global_batch_size=ns.global_batch_size,
-                      threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+                      threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
+                      site=target_site(ns))
     planner.notes[:0] = notes
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")

@@ -124,7 +124,11 @@ def _set_nested(container: dict[str, Field], parts: list[str], value: Any, key: 
     container[head] = (cur, container.get(head, (None, key))[1])
 
 
-def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], recipe: str | None = None) -> RawConfig:
+def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], recipe: str | None = None,
+                sync_seq_length: str | None = None) -> RawConfig:
+    """``sync_seq_length``: the launcher (``run_recipe.py``) that copies ``dataset.seq_length`` into
+    ``model.seq_length`` after the overrides, as Bridge's ``recipe_runner.sync_model_dataset_sequence_length``
+    does; None for a config read as it is."""
     from .models import recipe_doc
 
     label = f"Megatron-Bridge config {path}" if path and not path.startswith("recipe ") else "Megatron-Bridge"
@@ -174,11 +178,26 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
             preset = _mp_values(top.pop("mixed_precision"))
             S["mixed_precision"] = {k: (v, "mixed_precision") for k, v in preset.items()}
         _set_nested(S.setdefault(sec, {}), rest, value, key, op == "del")
+    if sync_seq_length:
+        _sync_seq_length(b, S, sync_seq_length)
     for sec in S:
         if sec not in BRIDGE_SECTIONS:
             b.warn(f"{sec}: not a Megatron-Bridge ConfigContainer section; ignored")
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
     return b.build()
+
+
+def _sync_seq_length(b: ArgsBuilder, S: dict[str, dict[str, Field]], who: str) -> None:
+    """model.seq_length = dataset.seq_length (or its sequence_length), when the dataset has one."""
+    ds = S.get("dataset", {})
+    f = next((ds[n] for n in ("seq_length", "sequence_length") if ds.get(n, (None,))[0] is not None), None)
+    if f is None or "model" not in S:
+        return
+    old = S["model"].get("seq_length")
+    if old is not None and old[0] is not None and old[0] != f[0] and " (recipe " not in old[1]:  # the user's own value
+        b.warn(f"{old[1]} = {old[0]} is replaced by {f[1]} = {f[0]}: {who} copies dataset.seq_length into "
+               "model.seq_length after the overrides (set dataset.seq_length, or -sl, instead)")
+    S["model"]["seq_length"] = f
 
 
 def _mp_values(f: Field) -> dict[str, Any]:
@@ -214,7 +233,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
 
     # Model.
     model = S.get("model", {})
-    gpt_fields = config_fields().get("GPTModelProvider", frozenset())
+    gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,
                      unknown_context="megatron-core / Megatron-Bridge model")
     if has("model", "num_query_groups"):
@@ -319,7 +338,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         except (TypeError, ValueError):
             pass
     for sec, fields_name in (("optimizer", "OptimizerConfig"), ("ddp", "DistributedDataParallelConfig")):
-        known = config_fields().get(fields_name, frozenset()) | {"_target_", "param_name_patterns_for_fp32_local_accumulation"}
+        known = config_fields().get(fields_name, frozenset()) | {"_target_"}
         for name, (_, key) in S.get(sec, {}).items():
             if name not in known:
                 b.warn(f"{key}: not a megatron-core {fields_name} field; ignored")

@@ -54,9 +54,22 @@ def find_model(name: str) -> str | None:
 
 
 def find_recipe(name: str) -> str | None:
+    """memguard's recipe key for ``llama3_8b``, ``llama3-8b-pretrain`` or a name Megatron-Bridge exports the
+    recipe function under (``llama3_8b_pretrain_config``, ``llama3_8b_pretrain_2gpu_h100_bf16_config``)."""
     n = name.strip().lower().replace("-", "_")
+    key = recipe_for_function(n)
+    if key:
+        return key
     n = re.sub(r"_(pretrain|config|pretrain_config)$", "", n)
     return n if n in presets().get("recipes", {}) else None
+
+
+def recipe_for_function(name: str) -> str | None:
+    """memguard's recipe key for the exact name of a Megatron-Bridge recipe function, else None."""
+    for key, r in presets().get("recipes", {}).items():
+        if name in (r.get("functions") or ()):
+            return key
+    return None
 
 
 def nemo2_model(class_name: str) -> str | None:

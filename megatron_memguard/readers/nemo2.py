@@ -196,9 +196,22 @@ def _ddp(b: ArgsBuilder, ddp: Mapping, key: str) -> None:
             b.set("grad_reduce_in_bf16", True, f"{key}.grad_reduce_in_fp32")
 
 
+# NeMo 2.5.3 nemo/lightning/pytorch/plugins/mixed_precision.py, MegatronMixedPrecision.__init__: the
+# precision strings that make DtypeConfig.bf16 / .fp16 true.
+_NEMO_BF16 = ("bf16", "bf16-mixed")
+_NEMO_FP16 = ("fp16", "fp16-mixed", "16", "16-mixed")
+
+
 def _precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
-    """MegatronMixedPrecision: precision bf16-mixed / 16-mixed -> half-precision params (megatron-core
-    bf16/fp16), params_dtype, fp8, grad_reduce_in_fp32."""
+    """The precision plugin. NeMo's MegatronMixedPrecision as NeMo applies it: ``bf16`` / ``fp16`` from the
+    precision string (or the plugin's DtypeConfig); ``convert_module`` then wraps the model in megatron-core's
+    Float16Module, which casts every parameter to that dtype, so ``params_dtype`` (default fp32) only decides
+    the dtype parameters are created in; ``grad_reduce_in_fp32`` defaults to True and overrides the DDP config
+    (``update_config_with_dtype_overrides`` in MegatronStrategy.connect). Other plugins: the dtype of
+    ``params_dtype``, else of the precision."""
+    if "MegatronMixedPrecision" in str(plug.get("_target_", "")) or "bf16" in plug or "fp16" in plug:
+        _megatron_mixed_precision(b, plug, key)
+        return
     prec = plug.get("precision")
     dt = dtype_name(prec, f"{key}.precision") if prec is not None else None
     pd = dtype_name(plug.get("params_dtype"), f"{key}.params_dtype") if plug.get("params_dtype") is not None else None
@@ -206,10 +219,30 @@ def _precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
         b.set(flag, (pd or dt) == flag, f"{key}.precision")
     if plug.get("fp8"):
         b.set("fp8", plug["fp8"], f"{key}.fp8")
+    _grad_reduce(b, plug.get("grad_reduce_in_fp32"), pd or dt, key)
+
+
+def _megatron_mixed_precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
+    prec = str(plug.get("precision", "32")).strip().lower()
+    bf16 = as_bool(plug["bf16"]) if plug.get("bf16") is not None else prec in _NEMO_BF16
+    fp16 = as_bool(plug["fp16"]) if plug.get("fp16") is not None else prec in _NEMO_FP16
+    pd = dtype_name(plug.get("params_dtype"), f"{key}.params_dtype") if plug.get("params_dtype") is not None else None
+    if not (bf16 or fp16) and pd in ("bf16", "fp16"):
+        from ..errors import NotModelledError
+        raise NotModelledError(f"{key}.params_dtype", f"{pd} parameters without mixed precision (precision {prec})")
+    b.set("bf16", bf16, f"{key}.precision")
+    b.set("fp16", fp16, f"{key}.precision")
+    if plug.get("fp8"):
+        b.set("fp8", plug["fp8"], f"{key}.fp8")
     g = plug.get("grad_reduce_in_fp32")
-    if g is not None:
-        if as_bool(g):
-            b.set("accumulate_allreduce_grads_in_fp32", True, f"{key}.grad_reduce_in_fp32")
-            b.args.pop("grad_reduce_in_bf16", None)
-        elif (pd or dt) == "bf16":
-            b.set("grad_reduce_in_bf16", True, f"{key}.grad_reduce_in_fp32")
+    _grad_reduce(b, True if g is None else g, "bf16" if bf16 else "fp16" if fp16 else "fp32", key)
+
+
+def _grad_reduce(b: ArgsBuilder, g: Any, dtype: str | None, key: str) -> None:
+    if g is None:
+        return
+    if as_bool(g):
+        b.set("accumulate_allreduce_grads_in_fp32", True, f"{key}.grad_reduce_in_fp32")
+        b.args.pop("grad_reduce_in_bf16", None)
+    elif dtype == "bf16":
+        b.set("grad_reduce_in_bf16", True, f"{key}.grad_reduce_in_fp32")

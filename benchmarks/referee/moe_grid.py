@@ -1,0 +1,210 @@
+"""The referee's mixture-of-experts grid: MoE GPT models on real megatron-core 0.16.1 (CPU, gloo).
+
+    python -m benchmarks.referee.moe_grid [--list] [--only NAME ...] [--out benchmarks/results/referee-moe-measured.json]
+
+Each entry is a pretrain_gpt.py command line (the dense grid's COMMON flags plus a small Llama-style
+base) whose MoE flags are kept apart in ``moe_flags``. Per rank the worker measures what it measures
+for dense runs (parameters, live bytes after build / after the step / at the peak, the dump at the
+peak) plus the routing the run produced (``routing``: tokens per expert per MoE layer and
+micro-batch, see worker.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+from typing import Any, Dict, List, Optional
+
+from .grid import COMMON, REFEREE_MEGATRON_VERSION, resolve_config, run_grid, save_results
+
+# A small Llama-style model: 4 layers, hidden 256, 8 heads (4 KV groups), SwiGLU, RMSNorm, RoPE, no
+# biases (shared experts refuse biases), untied; s=256, b=2.
+MOE_BASE = [
+    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+    "--group-query-attention", "--num-query-groups", "4",
+    "--seq-length", "256", "--max-position-embeddings", "256",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--vocab-size", "8000", "--make-vocab-size-divisible-by", "128",
+    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--bf16",
+]
+
+# 4 experts of width 512 (ffn_hidden_size of the dense layers stays Megatron's SwiGLU default 640),
+# top-2, EP2, the default dispatcher (allgather), dropless, no aux loss.
+MOE_DEFAULT = [
+    "--num-experts", "4", "--moe-ffn-hidden-size", "512", "--moe-router-topk", "2",
+    "--expert-model-parallel-size", "2",
+]
+
+
+def _moe(name: str, world_size: int, moe: List[str], dense: Optional[List[str]] = None, note: str = "",
+         drop_common: tuple = ()):
+    """A grid entry: COMMON + MOE_BASE + dense overrides, and the MoE flags (later flags win)."""
+    common = [f for f in COMMON if f not in drop_common]
+    dense_flags = common + MOE_BASE + list(dense or [])
+    moe_flags = MOE_DEFAULT + list(moe)
+    return {"name": name, "world_size": world_size, "flags": dense_flags + moe_flags,
+            "dense_flags": dense_flags, "moe_flags": moe_flags, "ci": False, "note": note, "requires": []}
+
+
+MOE_GRID: List[Dict[str, Any]] = [
+    _moe("moe_ep1_e4", 1, ["--expert-model-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
+         ["--global-batch-size", "4"], note="4 local experts on one rank (sort_chunks path of alltoall)"),
+    _moe("moe_ep2_allgather", 2, [], note="EP2 = DP2, allgather dispatcher (the default)"),
+    _moe("moe_ep2_alltoall", 2, ["--moe-token-dispatcher-type", "alltoall"]),
+    # TransformerConfig (0.16.1) refuses top-1 with the softmax score function unless pre-softmax
+    _moe("moe_ep2_top1", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "1",
+                             "--moe-router-pre-softmax"], note="top-1 (needs --moe-router-pre-softmax)"),
+    _moe("moe_ep2_aux_zloss", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2",
+                                  "--moe-z-loss-coeff", "1e-3"], note="aux loss and z-loss on"),
+    _moe("moe_ep2_router_fp32", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32"]),
+    _moe("moe_ep2_router_fp32_allgather", 2, ["--moe-router-dtype", "fp32"]),
+    _moe("moe_ep2_shared", 2, ["--moe-token-dispatcher-type", "alltoall",
+                               "--moe-shared-expert-intermediate-size", "384"]),
+    _moe("moe_ep2_shared_gate", 2, ["--moe-token-dispatcher-type", "alltoall",
+                                    "--moe-shared-expert-intermediate-size", "384", "--moe-shared-expert-gate"]),
+    _moe("moe_ep2_dense_first", 2, ["--moe-token-dispatcher-type", "alltoall",
+                                    "--moe-layer-freq", "([0]*1+[1]*3)"], note="first layer dense"),
+    _moe("moe_ep2_swiglu_fusion", 2, ["--moe-token-dispatcher-type", "alltoall"],
+         drop_common=("--no-bias-swiglu-fusion",),
+         note="weighted SwiGLU fusion on (emulated fused kernel, the GPU default)"),
+    _moe("moe_ep2_capacity_pad", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
+                                     "1.0", "--moe-pad-expert-input-to-capacity"],
+         note="drop-and-pad: N fixed by the capacity"),
+    _moe("moe_ep2_recompute_moe", 2, ["--moe-token-dispatcher-type", "alltoall"],
+         ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"]),
+    _moe("moe_tp2_sp_ep2", 4, ["--moe-token-dispatcher-type", "alltoall"],
+         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
+         note="TP2+SP, EP2, ETP = TP = 2: expert grid 2x2, EDP 1"),
+    _moe("moe_tp2_sp_ep2_etp1", 4, ["--moe-token-dispatcher-type", "alltoall",
+                                    "--expert-tensor-parallel-size", "1"],
+         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
+         note="TP2+SP, EP2, ETP1: EDP 2"),
+    _moe("moe_tp2_sp_ep2_allgather", 4, [],
+         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
+         note="allgather over the TPxEP group"),
+    _moe("moe_pp2_ep2", 4, ["--moe-token-dispatcher-type", "alltoall"],
+         ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], note="PP2 DP2 EP2, 2 micro-batches"),
+    _moe("moe_dp4_ep2_distopt", 4, ["--moe-token-dispatcher-type", "alltoall"],
+         ["--use-distributed-optimizer", "--global-batch-size", "8"],
+         note="distributed optimizer: dense state over DP4, expert state over EDP2"),
+]
+
+# Settings keys that belong to MoE (dest names), split off before memguard's resolve().
+_MOE_DESTS = ("num_experts", "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
+def _is_moe_dest(dest: str) -> bool:
+    return dest in _MOE_DESTS or dest.startswith("moe_")
+
+
+def _moe_layer_pattern(value: Any, num_layers: int) -> Any:
+    """megatron/training/arguments.py moe_freq_type: an int N (layer i is MoE iff i % N == 0) or a
+    Python list expression such as "([0]*3+[1]*58)" whose length must be num_layers."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if "[" not in text:
+        return int(text)
+    if not re.fullmatch(r"[\[\]()0-9*+, ]+", text):
+        raise ValueError(f"--moe-layer-freq {text!r}: only list expressions of 0/1 are accepted")
+    pattern = eval(text, {"__builtins__": {}}, {})  # the same evaluation Megatron does, on a checked string
+    if len(pattern) != num_layers:
+        raise ValueError(f"--moe-layer-freq {text!r} has {len(pattern)} entries, --num-layers is {num_layers}")
+    return list(pattern)
+
+
+def moe_settings(entry: Dict[str, Any]) -> tuple:
+    """Worker settings for an MoE entry WITHOUT memguard's MoE resolution.
+
+    memguard's resolve() refuses MoE flags today. Until MoE lands there, the dense part is resolved by
+    memguard (the MoE flags removed) and the MoE settings are added from the flags with the rules
+    validate_args applies to them (core_v0.16 era). When resolve() models MoE, this function is
+    replaced by grid.resolve_config(entry["flags"], world_size).
+    """
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+
+    layout, settings = resolve_config(entry["dense_flags"], entry["world_size"])
+    moe = parse_megatron_flags(entry["moe_flags"]).args
+    bad = [k for k in moe if not _is_moe_dest(k)]
+    if bad:
+        raise ValueError(f"{entry['name']}: moe_flags hold non-MoE settings {bad}")
+    for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        # validate_args: a one-element list becomes a scalar
+        if isinstance(moe.get(key), list) and len(moe[key]) == 1:
+            moe[key] = moe[key][0]
+    if "moe_layer_freq" in moe:
+        moe["moe_layer_freq"] = _moe_layer_pattern(moe["moe_layer_freq"], settings["num_layers"])
+    tp, pp = settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"]
+    ep = moe.get("expert_model_parallel_size", 1)
+    etp = moe.setdefault("expert_tensor_parallel_size", tp)  # validate_args: ETP defaults to TP
+    moe.setdefault("moe_ffn_hidden_size", settings["ffn_hidden_size"])
+    if moe["num_experts"] % ep:
+        raise ValueError(f"{entry['name']}: --num-experts must be divisible by --expert-model-parallel-size")
+    ws = entry["world_size"]
+    if ws % (etp * ep * pp):
+        raise ValueError(f"{entry['name']}: world size {ws} is not divisible by ETP x EP x PP")
+    if tp > 1 and not settings["sequence_parallel"]:
+        raise ValueError(f"{entry['name']}: MoE training with TP > 1 needs --sequence-parallel")
+    settings.update(moe)
+    settings["expert_data_parallel_size"] = ws // (etp * ep * pp)
+    return layout, settings
+
+
+def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    if not only:
+        return list(MOE_GRID)
+    names = set(only)
+    unknown = names - {c["name"] for c in MOE_GRID}
+    if unknown:
+        raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
+    return [c for c in MOE_GRID if c["name"] in names]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", default=None, help="run only these configuration names")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--out", default=None, help="write all measurements to this JSON file")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--update", action="store_true",
+                   help="replace only the configurations run now in an existing --out file")
+    a = p.parse_args(argv)
+    cfgs = select(a.only)
+    if a.list:
+        for c in cfgs:
+            print(f"{c['name']:<32} ws={c['world_size']}  {c['note']}")
+        return
+    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: moe_settings(c)[1])
+    import megatron.core
+    import torch
+
+    res["environment"] = {
+        "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "subset": "only" if a.only else "full", "referee_megatron_version": REFEREE_MEGATRON_VERSION,
+    }
+    n_fail = sum(1 for c in res["configs"] if c["status"] == "failed")
+    print(f"moe grid: {len(res['configs'])} configurations, {n_fail} failed, total {res['total_run_time_s']:.1f}s")
+    if a.out and a.update and os.path.exists(a.out):
+        with open(a.out) as f:
+            old = json.load(f)
+        now = {c["name"]: c for c in res["configs"]}
+        order = [c["name"] for c in MOE_GRID]
+        merged = {c["name"]: c for c in old["configs"]}
+        merged.update(now)
+        res["configs"] = sorted(merged.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else 99)
+        res["total_run_time_s"] = round(sum(c.get("run_time_s", 0) for c in res["configs"]), 2)
+    if a.out:
+        save_results(res, a.out)
+    if n_fail:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Megatron-Bridge's ``scripts/training/run_recipe.py`` command line, read as the script reads it.
+
+Followed: ``run_recipe.py`` and ``recipe_runner.py`` of Megatron-Bridge v0.6.0 (the 0.6 line, pip
+releases up to 0.6.2) and of main (2026-08-22); they are in the repository, not in the pip package.
+What a ``torchrun ... run_recipe.py ARGS`` launch turns into a ConfigContainer, in the script's order:
+
+1. its argparse parser (``allow_abbrev=False``, ``parse_known_args``): ``--model`` or ``--recipe`` (one
+   of them, required), ``--mode {pretrain,sft,lora,dora}``, ``--dataset``, the convenience options
+   (``-mb/--micro_batch_size``, ``-gb``, ``-sl/--seq_length``, ``-tp``, ``-pp``, ``-cp``, ``-vp``, ``-ep``,
+   ``-etp``, ``-ms``, ``--lr``, ``--min_lr``, ``--warmup_iters``, the checkpoint paths), ``--deterministic``,
+   ``--dry-run``, ``--dump-env``, ``--step-func``; every other token must be ``KEY=VALUE``, else the
+   script stops ("Unknown option", "Expected override in KEY=VALUE form");
+2. the mode: ``--mode``, else inferred from a conventional ``--recipe`` name (``..._pretrain_...``);
+   none: the script stops; a ``--recipe`` whose name contradicts ``--mode`` stops it too;
+3. the recipe function: ``--recipe NAME`` exactly, or ``{model}_{task}_config`` for ``--model`` (task
+   ``pretrain``, ``sft``, or ``peft`` for lora / dora), looked up in ``megatron.bridge.recipes``: a
+   short name such as ``llama3_8b`` is not a function there, and the script stops;
+4. ``--dataset mock`` / ``megatron-indexed`` replace the recipe's dataset with a fresh one of the
+   recipe model's sequence length; ``--deterministic`` sets ``model.deterministic_mode`` and
+   ``model.cross_entropy_loss_fusion=False`` and the deterministic environment;
+5. the overrides: the convenience options first (``train.micro_batch_size=...``,
+   ``dataset.seq_length=...``, ``model.tensor_model_parallel_size=...``), then the trailing
+   ``KEY=VALUE`` tokens, so a trailing override wins;
+6. ``sync_model_dataset_sequence_length``: ``model.seq_length`` := ``dataset.seq_length``.
+
+Assumed where the scripts call helpers that are not in these two files (``recipe_metadata.py``):
+``recipe_task`` maps pretrain -> ``pretrain``, sft -> ``sft``, lora / dora -> ``peft`` (the names
+``megatron.bridge.recipes`` exports: ``llama3_8b_pretrain_config``, ``..._sft_config``, ``..._peft_config``),
+and ``infer_recipe_mode`` reads that task word from the recipe name. memguard estimates pretraining:
+fine-tuning modes are refused (PEFT is not modelled; memguard has no SFT recipes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, NotModelledError
+
+SCRIPT = "run_recipe.py"
+
+# run_recipe.py COMMON_OVERRIDE_FIELDS: option dest -> ConfigContainer key, in the script's order.
+COMMON_OVERRIDE_FIELDS = (
+    ("max_steps", "train.train_iters"), ("global_batch_size", "train.global_batch_size"),
+    ("micro_batch_size", "train.micro_batch_size"), ("seq_length", "dataset.seq_length"),
+    ("tensor_model_parallel_size", "model.tensor_model_parallel_size"),
+    ("pipeline_model_parallel_size", "model.pipeline_model_parallel_size"),
+    ("context_parallel_size", "model.context_parallel_size"),
+    ("virtual_pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size"),
+    ("expert_model_parallel_size", "model.expert_model_parallel_size"),
+    ("expert_tensor_parallel_size", "model.expert_tensor_parallel_size"),
+    ("lr", "optimizer.lr"), ("min_lr", "optimizer.min_lr"), ("warmup_iters", "scheduler.lr_warmup_iters"),
+    ("pretrained_checkpoint", "checkpoint.pretrained_checkpoint"), ("save_dir", "checkpoint.save"),
+    ("load_dir", "checkpoint.load"), ("save_interval", "checkpoint.save_interval"),
+)
+# (option strings, dest, type) of the convenience options.
+_OPTIONS = (
+    (("-ms", "--max_steps"), int), (("-gb", "--global_batch_size"), int), (("-mb", "--micro_batch_size"), int),
+    (("-sl", "--seq_length"), int), (("-tp", "--tensor_model_parallel_size"), int),
+    (("-pp", "--pipeline_model_parallel_size"), int), (("-cp", "--context_parallel_size"), int),
+    (("-vp", "--virtual_pipeline_model_parallel_size"), int), (("-ep", "--expert_model_parallel_size"), int),
+    (("-etp", "--expert_tensor_parallel_size"), int), (("--lr",), float), (("--min_lr",), float),
+    (("--warmup_iters",), int), (("--pretrained_checkpoint",), str), (("--save_dir",), str), (("--load_dir",), str),
+    (("--save_interval",), int),
+)
+MODES = ("pretrain", "sft", "lora", "dora")
+# megatron.bridge.recipes.utils.dataset_utils DATASET_PRESETS (0.6.2); mock and megatron-indexed build a
+# GPTDatasetConfig (pretraining), the others fine-tuning datasets.
+DATASETS = ("mock", "megatron-indexed", "squad", "tulu3", "openmathinstruct2", "openmathinstruct2-thinking", "gsm8k",
+            "local-jsonl", "local-vlm", "cord-v2", "llava-video-178k", "medpix", "raven", "rdr")
+PRETRAIN_DATASETS = ("mock", "megatron-indexed")
+# recipes/utils/determinism_utils.py apply_determinism_overrides (env_vars it adds to the config).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def is_run_recipe(script: str) -> bool:
+    return os.path.basename(script) == SCRIPT
+
+
+@dataclass(frozen=True)
+class RunRecipeArgs:
+    """What run_recipe.py makes of its command line."""
+
+    recipe: str                                     # the recipe function it loads
+    mode: str
+    overrides: list[str] = field(default_factory=list)   # ConfigContainer overrides, in the order applied
+    dataset: str | None = None
+    deterministic: bool = False
+    ignored: list[str] = field(default_factory=list)     # options that do not change memory
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit 2: the launch stops there
+        raise ConfigError(SCRIPT, f"{message}; the launch would stop at start-up")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=SCRIPT, allow_abbrev=False, add_help=False)
+    sel = p.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--model")
+    sel.add_argument("--recipe")
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--step-func", "--step_func", dest="step_func")
+    p.add_argument("--dataset", choices=sorted(DATASETS))
+    for opts, typ in _OPTIONS:
+        p.add_argument(*opts, type=typ)
+    p.add_argument("--dry-run", "--dry_run", action="store_true", dest="dryrun")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--dump-env", "--dump_env", action="store_true", dest="dump_env")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def recipe_task(mode: str) -> str:
+    return "peft" if mode in ("lora", "dora") else mode
+
+
+def infer_recipe_mode(recipe: str) -> str | None:
+    words = recipe.lower().split("_")
+    for task, mode in (("pretrain", "pretrain"), ("sft", "sft"), ("peft", "lora")):
+        if task in words:
+            return mode
+    return None
+
+
+def parse_run_recipe(argv: list[str]) -> RunRecipeArgs:
+    """run_recipe.py's ``parse_args`` and mode checks on the script's arguments (ConfigError where the
+    script would stop)."""
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.help:
+        raise ConfigError(f"{SCRIPT} --help", "prints the help and starts no training")
+    trailing = []
+    for value in unknown:
+        if value.startswith("-"):
+            raise ConfigError(value, f"Unknown option of {SCRIPT}; the launch would stop at start-up",
+                              "write the setting as a KEY=VALUE ConfigContainer override")
+        if "=" not in value:
+            raise ConfigError(value, f"{SCRIPT} expects overrides in KEY=VALUE form; the launch would stop at start-up")
+        trailing.append(value)
+    common = []
+    for dest, key in COMMON_OVERRIDE_FIELDS:
+        v = getattr(args, dest)
+        if v is not None:
+            common.append(f"{key}={json.dumps(v) if isinstance(v, str) else v}")
+    mode = args.mode
+    if mode is None and args.recipe:
+        mode = infer_recipe_mode(args.recipe)
+    if mode is None:
+        hint = _short_name_hint(args.recipe) if args.recipe else f"add --mode pretrain after --model {args.model}"
+        raise ConfigError("--mode", f"{SCRIPT} cannot infer the training mode from --recipe {args.recipe}"
+                          if args.recipe else f"{SCRIPT} needs --mode with --model", hint)
+    if args.recipe:
+        named = infer_recipe_mode(args.recipe)
+        if named is not None and recipe_task(named) != recipe_task(mode):
+            raise ConfigError("--mode", f"{mode} is incompatible with recipe {args.recipe!r} ({SCRIPT} stops)")
+    recipe = args.recipe or f"{args.model}_{recipe_task(mode)}_config"
+    ignored = [o for o, on in (("--dry-run", args.dryrun), ("--dump-env", args.dump_env),
+                               ("--step-func", args.step_func is not None)) if on]
+    ignored += [f"{k}={v}" for k, v in (o.split("=", 1) for o in common) if k.startswith(("optimizer.", "scheduler."))]
+    return RunRecipeArgs(recipe=recipe, mode=mode, overrides=common + trailing, dataset=args.dataset,
+                         deterministic=args.deterministic, ignored=ignored)
+
+
+def _short_name_hint(recipe: str) -> str:
+    return (f"{SCRIPT} takes the recipe function's full name: --recipe {recipe}_pretrain_config, "
+            f"or --model {recipe} --mode pretrain")
+
+
+def recipe_key(rr: RunRecipeArgs) -> str:
+    """memguard's recipe key for the function run_recipe.py would load (ConfigError / NotModelledError where
+    it cannot be estimated)."""
+    from .models import find_recipe, presets, recipe_for_function
+
+    if rr.mode in ("lora", "dora"):
+        raise NotModelledError(f"--mode {rr.mode}", "PEFT / LoRA fine-tuning (frozen base weights)")
+    key = recipe_for_function(rr.recipe)
+    if key:
+        return key
+    if find_recipe(rr.recipe):   # memguard's short name, which megatron.bridge.recipes does not export
+        raise ConfigError(f"--recipe {rr.recipe}", "is not a recipe function of megatron.bridge.recipes; "
+                          f"{SCRIPT} would stop with \"Recipe '{rr.recipe}' not found\"", _short_name_hint(rr.recipe))
+    names = sorted(f for r in presets().get("recipes", {}).values() for f in (r.get("functions") or ()))
+    raise ConfigError("--recipe" if not re.search(r"_(sft|peft)_", rr.recipe + "_") else "--mode",
+                      f"{rr.recipe} is not a Megatron-Bridge pretraining recipe memguard has",
+                      "memguard has: " + ", ".join(names) + " (or give a full run_config.yaml to memguard estimate "
+                      "--config)")
+
+
+def overrides_before_cli(rr: RunRecipeArgs, key: str) -> list[str]:
+    """The changes run_recipe.py makes between loading the recipe and applying the overrides: --dataset and
+    --deterministic, as KEY=VALUE overrides."""
+    from .models import recipe_doc
+
+    out: list[str] = []
+    if rr.dataset is not None:
+        if rr.dataset not in PRETRAIN_DATASETS:
+            raise ConfigError("--dataset", f"Mode '{rr.mode}' is incompatible with dataset '{rr.dataset}' ({SCRIPT} "
+                              "stops: it is a fine-tuning dataset)")
+        seq = (recipe_doc(key)[0].get("model") or {}).get("seq_length")
+        # dataset_utils._mock_dataset_config / _megatron_indexed_dataset_config: a new GPTDatasetConfig of the
+        # recipe model's sequence length that skips the attention mask.
+        out.append("dataset={seq_length: %s, skip_getting_attention_mask_from_dataset: true}" % seq)
+    if rr.deterministic:
+        out += ["model.deterministic_mode=true", "model.cross_entropy_loss_fusion=false"]
+    return out
+
+
+def read_run_recipe(argv: list[str], extra_overrides: list[str] | None = None) -> tuple[RunRecipeArgs, Any]:
+    """(RunRecipeArgs, RawConfig) of a run_recipe.py launch: the recipe, --dataset / --deterministic, the
+    overrides in run_recipe's order (``extra_overrides``, memguard's own --set, after them), then the
+    dataset-to-model sequence-length sync."""
+    from dataclasses import replace
+
+    from ..config import memory_env
+    from ._common import parse_overrides
+    from .bridge import read_bridge
+
+    rr = parse_run_recipe(argv)
+    key = recipe_key(rr)
+    overrides = overrides_before_cli(rr, key) + rr.overrides + list(extra_overrides or [])
+    raw = read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key, sync_seq_length=SCRIPT)
+    raw = replace(raw, source=f"Megatron-Bridge {SCRIPT} --recipe {rr.recipe} (memguard recipe {key})")
+    if rr.deterministic:
+        raw = replace(raw, env={**raw.env, **memory_env(DETERMINISTIC_ENV)})
+    return rr, raw

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The Megatron-Bridge tests against the real Megatron-Bridge 0.6.2 (tests/test_bridge_real.py).
+#
+# .venv312-bridge layers Bridge and its pure-Python dependencies over .venv312 (made by tests/run.sh: torch
+# 2.14.1, megatron-core 0.19.2, memguard): a .pth file puts .venv312's site-packages on its path, so torch is
+# neither downloaded nor replaced (pinned with a constraint) and .venv312 itself stays free of Bridge for the
+# main suite. megatron-bridge is installed with --no-deps: its declared dependencies include CUDA-only
+# packages (transformer-engine, flashinfer, nvidia-resiliency-ext, mamba-ssm); what its modules import on CPU
+# is listed below, and transformer_engine is stood in (tests/bridge_real/te_standin) when the tests run.
+# Arguments go to pytest. About 2 minutes the first time (pip cache warm: under one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv312/bin/python ]; then
+    echo "tests/run_bridge.sh: .venv312 is missing (tests/run.sh makes it)" >&2
+    exit 1
+fi
+BASE_SITE=$(.venv312/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ ! -x .venv312-bridge/bin/python ]; then
+    .venv312/bin/python -m venv .venv312-bridge
+fi
+SITE=$(.venv312-bridge/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$BASE_SITE')" > "$SITE/_memguard_venv312.pth"
+PIP=(.venv312-bridge/bin/python -m pip install -q --disable-pip-version-check)
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==2.14.1" > "$CONSTRAINTS"
+"${PIP[@]}" --no-deps megatron-bridge==0.6.2
+# What megatron.bridge's modules import at module level on CPU (found by importing them), with their own deps.
+"${PIP[@]}" -c "$CONSTRAINTS" "transformers>=5.8,<=5.12.1" einops datasets matplotlib ipython megatron-energon \
+    tensorboard diffusers nvidia-modelopt "hydra-core>=1.3.4,<1.4" "omegaconf>=2.3"
+CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312-bridge/bin/python -m pytest -q -p no:cacheprovider tests/test_bridge_real.py "$@"

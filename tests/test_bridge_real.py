@@ -1,0 +1,191 @@
+"""memguard against the real Megatron-Bridge 0.6.2 (tests/run_bridge.sh installs it with its pure-Python
+dependencies into .venv312-bridge and runs this file; elsewhere it skips).
+
+Real: Bridge's recipe functions (megatron.bridge.recipes), ConfigContainer, Hydra override processing
+(training/utils/omegaconf_utils.py), CallbackManager / CallbackContext, and its scripts/training/run_recipe.py
+and recipe_runner.py of v0.6.0 and main, run from ../shared/reference/megatron-bridge-scripts (read there, not
+copied). Stood in (tests/bridge_real/): transformer_engine (needs a GPU to install: placeholders so that
+Bridge's modules import), run_recipe's forward-step loader (the training step, which does not shape the
+config), the two helper modules the scripts import from Bridge's repository
+(recipe_metadata, benchmark_parallelism: library recipes only), and the Hugging Face hub: each recipe reads its
+model's config.json, written here from memguard's presets (the published config.json values), offline."""
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+import pytest
+
+from benchmarks.shared_data import BRIDGE_SCRIPTS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STANDINS = os.path.join(HERE, "bridge_real")
+
+pytestmark = [
+    pytest.mark.bridge,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None,
+                       reason="needs Megatron-Bridge 0.6.2 (tests/run_bridge.sh)"),
+]
+WORLD = 16
+
+
+def _hf_cache(root: str) -> None:
+    """config.json of each model a memguard recipe uses, where huggingface_hub looks for it offline."""
+    from megatron_memguard.readers.models import model_hf, presets
+
+    for r in presets()["recipes"].values():
+        m = presets()["models"][r["model"]]
+        repo = next(a for a in m["aliases"] if "/" in a)
+        snap = os.path.join(root, "hub", "models--" + repo.replace("/", "--"), "snapshots", "0")
+        os.makedirs(snap, exist_ok=True)
+        with open(os.path.join(snap, "config.json"), "w") as f:
+            json.dump({**model_hf(r["model"]), "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}, f)
+        refs = os.path.join(root, "hub", "models--" + repo.replace("/", "--"), "refs")
+        os.makedirs(refs, exist_ok=True)
+        with open(os.path.join(refs, "main"), "w") as f:
+            f.write("0")
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    home = tempfile.mkdtemp(prefix="memguard-hf-")
+    _hf_cache(home)
+    os.environ.update(HF_HOME=home, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    for p in (os.path.join(STANDINS, "te_standin"), os.path.join(STANDINS, "scripts_standin")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import megatron.bridge.recipes as r
+    return r
+
+
+def fields(L):
+    return {f.name: getattr(L, f.name) for f in dataclasses.fields(L) if f.name not in ("notes", "env")}
+
+
+def recipe_functions():
+    from megatron_memguard.readers.models import presets
+    return [(key, fn) for key, r in presets()["recipes"].items() for fn in r["functions"]]
+
+
+# --------------------------------------------------------------------------------------------------
+# memguard's recipe table against Bridge's recipe functions; no notes for fields that exist (issue 20, item 5)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key, function", recipe_functions())
+def test_memguards_recipes_are_bridges(recipes, key, function):
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers.models import read_model
+    from megatron_memguard.resolve import resolve
+
+    cfg = getattr(recipes, function)()
+    raw = raw_config(cfg)
+    assert [w for w in raw.warnings if "not a megatron-core" in w or "not a Megatron-Bridge" in w] == []
+    real, ours = resolve(raw, world_size=WORLD), resolve(read_model(key), world_size=WORLD)
+    assert fields(real) == fields(ours)
+
+
+# --------------------------------------------------------------------------------------------------
+# run_recipe.py itself (v0.6.0 and main) against memguard check's reading of the same command line
+# --------------------------------------------------------------------------------------------------
+def run_recipe_main(version: str, argv: list[str], monkeypatch):
+    """The ConfigContainer run_recipe.py's main() hands to run_config (which would train), or its exception."""
+    sdir = os.path.join(BRIDGE_SCRIPTS, version)
+    for m in ("recipe_runner", "run_recipe"):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    monkeypatch.syspath_prepend(sdir)
+    spec = importlib.util.spec_from_file_location("run_recipe", os.path.join(sdir, "run_recipe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    captured = {}
+    monkeypatch.setattr(mod, "run_config", lambda **kw: captured.update(kw))
+    # the forward-step function (gpt_step imports modelopt's Transformer Engine plugins): no part of the config
+    monkeypatch.setattr(mod, "load_forward_step", lambda name, mode=None: name)
+    cwd, env = os.getcwd(), dict(os.environ)
+    try:
+        mod.main(argv)
+    finally:  # main() changes directory and applies the recipe's environment variables
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+    return captured["config"]
+
+
+LAUNCHES = [
+    ["--recipe", "llama3_8b_pretrain_config"],
+    ["--model", "llama3_8b", "--mode", "pretrain", "--micro_batch_size", "2", "-tp", "2", "model.sequence_parallel=true"],
+    ["--recipe", "llama32_1b_pretrain_config", "-sl", "4096", "-gb", "128", "train.global_batch_size=256"],
+    ["--recipe", "llama3_8b_pretrain_config", "model.seq_length=4096"],
+    ["--recipe", "llama32_3b_pretrain_1gpu_h100_bf16_config", "--dataset", "mock", "-sl", "2048", "--deterministic"],
+    ["--recipe", "llama3_8b_pretrain_config", "-pp", "2", "-cp", "1", "-mb", "2", "train.micro_batch_size=4"],
+]
+
+
+@pytest.mark.parametrize("version", ["v0.6.0", "main"])
+@pytest.mark.parametrize("argv", LAUNCHES, ids=lambda a: " ".join(a))
+def test_run_recipe_gives_what_memguard_check_reads(recipes, monkeypatch, version, argv):
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+
+    cfg = run_recipe_main(version, argv, monkeypatch)
+    rr, raw = read_run_recipe(argv)
+    real, ours = resolve(raw_config(cfg), world_size=WORLD), resolve(raw, world_size=WORLD)
+    assert fields(real) == fields(ours)
+    assert real.seq_length == cfg.model.seq_length == cfg.dataset.seq_length
+    if "--deterministic" in argv:
+        assert dict(ours.env)["CUBLAS_WORKSPACE_CONFIG"] == cfg.env_vars["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--recipe", "llama3_8b", "model.tensor_model_parallel_size=4"],     # the README's old example
+    ["--recipe", "llama3_8b", "--mode", "pretrain"],
+    ["--model", "llama3_8b"],
+    ["--recipe", "llama3_8b_pretrain_config", "--micro", "8"],
+    ["--recipe", "llama3_8b_pretrain_config", "--config-file", "x.yaml"],
+], ids=lambda a: " ".join(a))
+def test_launches_run_recipe_refuses_are_refused(recipes, monkeypatch, argv):
+    from megatron_memguard.errors import MemguardError
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+
+    with pytest.raises((ValueError, AttributeError, SystemExit)):
+        run_recipe_main("v0.6.0", argv, monkeypatch)
+    with pytest.raises(MemguardError):
+        read_run_recipe(argv)
+
+
+# --------------------------------------------------------------------------------------------------
+# The callback through Bridge's real CallbackManager, its memory source started by the callback (item 6)
+# --------------------------------------------------------------------------------------------------
+def test_callback_through_bridges_callback_manager_starts_its_source(recipes, tmp_path):
+    import torch
+    from megatron.bridge.training.callbacks import CallbackContext, CallbackManager
+
+    from megatron_memguard.bridge import MemguardCallback, preflight
+    from megatron_memguard.runtime import LiveBytesSource
+
+    cfg = recipes.llama32_1b_pretrain_config()
+    result = preflight(cfg, world_size=1, gpu_memory="80GiB", emit=lambda s: None)
+    torch.manual_seed(0)
+    model = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))]
+    opt = torch.optim.Adam(model[0].parameters())
+    src = LiveBytesSource()
+    cb = MemguardCallback(result, log_dir=str(tmp_path), interval=1, source=src, emit=lambda s: None)
+    manager = CallbackManager()
+    manager.add(cb)
+    state = type("GlobalState", (), {"cfg": cfg, "train_state": type("TS", (), {"step": 0})(),
+                                     "tensorboard_logger": None, "wandb_logger": None})()
+    ctx = lambda: CallbackContext(state=state, model=model, user_state=manager.user_state, optimizer=opt)  # noqa: E731
+    manager.fire("on_train_start", ctx())
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model[0](x).sum().backward()
+        opt.step()
+        manager.fire("on_train_step_end", ctx())
+        state.train_state.step += 1
+    manager.fire("on_train_end", ctx())
+    recs = [json.loads(line) for line in open(tmp_path / "memguard-rank00000.jsonl")]
+    params = sum(p.numel() for p in model[0].parameters())
+    assert recs[0]["event"] == "start" and recs[0]["actual"]["allocated"] == 4 * params
+    assert recs[2]["event"] == "sample" and recs[2]["actual"]["allocated"] >= 16 * params   # + grads, Adam moments
