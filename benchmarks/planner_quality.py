@@ -14,7 +14,9 @@ the largest micro-batch). Printed per sweep and rule:
   ran and that memguard keeps;
 * how many layouts that failed (out of memory) memguard ranked as fitting.
 
-``--write`` also writes the tables to benchmarks/results/planner-quality.md.
+``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--scaling`` prints, for every
+Megatron layout that ran at several GPU counts, its measured step over the predicted one at each count and the
+measured step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
 
 Sweeps
 ------
@@ -387,11 +389,42 @@ def summary(family: str, time_q: list[Quality], fujii_q: list[Quality]) -> list[
     ]
 
 
+def scaling(sweeps: list[Sweep]) -> str:
+    """Measured / predicted step time of each Megatron layout across the GPU counts it ran at, and the excess
+    (seconds per step) of the measured step over the predicted one scaled by the ratio at the smallest count.
+    Measured steps come from Megatron's TFLOP/s per GPU and the model FLOPs per token (the same convention
+    up to the vocabulary padding)."""
+    cells: dict[tuple, dict[int, tuple[float, float]]] = {}
+    for sw in sweeps:
+        if sw.family != "fujii":
+            continue
+        p = planner_for(sw)
+        for sc in score(sw, p):
+            if sc.run.failed or sc.seconds is None:
+                continue
+            meas = sw.gbs * sw.seq * p.timer.flops_per_token / (sw.world * sc.run.throughput * 1e12)
+            cells.setdefault(sc.run.label, {})[sw.world] = (meas, sc.seconds)
+    worlds = sorted({w for d in cells.values() for w in d})
+    lines = ["| layout | " + " | ".join(f"{w} GPUs" for w in worlds) + " | excess at the largest count |",
+             "| --- | " + " | ".join("---:" for _ in worlds) + " | ---: |"]
+    for label, d in sorted(cells.items(), key=lambda kv: kv[0]):
+        if len(d) < 2:
+            continue
+        w0, wl = min(d), max(d)
+        r0 = d[w0][0] / d[w0][1]
+        excess = d[wl][0] - r0 * d[wl][1]
+        row = [f"{d[w][0] / d[w][1]:.2f}" if w in d else "" for w in worlds]
+        lines.append(f"| {label} | " + " | ".join(row) + f" | {excess:.2f} s of {d[wl][0]:.1f} s |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--write", action="store_true", help=f"write {os.path.relpath(RESULTS, ROOT)}")
     ap.add_argument("--family", choices=("fujii", "hagemann", *OTHER_KERNELS), help="only these sweeps")
     ap.add_argument("--detail", action="store_true", help="print every layout: measured vs predicted, verdict")
+    ap.add_argument("--scaling", action="store_true",
+                    help="Megatron layouts: measured / predicted step at each GPU count, and the excess that grows")
     ns = ap.parse_args(argv)
     sweeps = [s for s in fujii_sweeps() + hagemann_sweeps() + other_kernel_sweeps()
               if ns.family in (None, s.family)]
@@ -406,10 +439,17 @@ def main(argv: list[str] | None = None) -> int:
                 pred = "" if s.seconds is None else f"{sw.gbs * sw.seq / s.seconds / sw.world:8.0f} tok/s/GPU"
                 meas = "FAILED" if s.run.failed else f"{s.run.throughput:8.3f}"
                 print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
+    scale_text = ""
+    if any(sw.family == "fujii" for sw in sweeps):
+        scale_text = ("\n### Megatron layouts across GPU counts: measured / predicted step time\n\n" + scaling(sweeps)
+                      + "\n\nThe excess is what the step measured at the largest count takes beyond the prediction "
+                        "scaled by the ratio at the smallest count (docs/planner.md section 5.2).\n")
+    if ns.scaling:
+        print(scale_text)
     if ns.write:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
-                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n")
+                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n" + scale_text)
     return 0
 
 

@@ -23,6 +23,10 @@ what fraction of the peak real kernels reach:
   FlashAttention-3 up to 75% (Shah et al. 2024, arXiv 2407.08608, abstract); Transformer Engine's
   cuDNN fused attention lies between, 0.45 taken; the same for H200 and assumed for B200/GB200.
   MI300X assumed 0.30.
+* ``host_bytes_per_s``: the GPU's link to host memory, per direction (what Megatron's ``get_batch``
+  crosses to copy each micro-batch to the GPU): PCIe 4.0 x16 on A100 (32 GB/s), PCIe 5.0 x16 on
+  H100/H200/B200/MI300X (64 GB/s), NVLink-C2C on GB200 (900 GB/s bidirectional, 450 per direction);
+  vendors' datasheets.
 
 With these, the planner predicts 45-55% MFU for dense Llama models on H100 at the best layouts,
 the range published for well-tuned Megatron runs (Megatron-LM's README reports up to 47% MFU on
@@ -54,6 +58,7 @@ class GpuSpec:
     gemm_efficiency: float = 0.70       # achieved / peak bf16 FLOP/s of a large GEMM (planner)
     attention_efficiency: float = 0.45  # achieved / peak of fused causal attention at long sequences (planner)
     sms: int = 132                      # streaming multiprocessors (AMD: compute units): the waves of a kernel's tiles
+    host_bytes_per_s: float = 64e9      # host-to-device link per GPU and direction (PCIe 5.0 x16; NVLink-C2C on GB200)
 
 
 def _gib(x: float) -> int:
@@ -64,9 +69,9 @@ GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec("A100-40GB", _gib(39.59), "A100 SXM4 40GB", 8, 8, 312e12, 1.555e12, 300e9, 25e9,
-                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108),
+                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108, host_bytes_per_s=32e9),
         GpuSpec("A100-80GB", _gib(79.35), "A100 SXM4 80GB", 8, 8, 312e12, 2.039e12, 300e9, 25e9,
-                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108),
+                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108, host_bytes_per_s=32e9),
         GpuSpec("H100-80GB", _gib(79.11), "H100 SXM5 80GB HBM3", 8, 8, 989e12, 3.35e12, 450e9, 50e9,
                 gemm_efficiency=0.65, attention_efficiency=0.45),
         GpuSpec("H100-94GB", _gib(93.10), "H100 SXM5/NVL 94GB", 4, 4, 989e12, 3.9e12, 450e9, 50e9,
@@ -78,7 +83,7 @@ GPUS: dict[str, GpuSpec] = {
                 gemm_efficiency=0.60, attention_efficiency=0.45, sms=148),
         GpuSpec("GB200", _gib(184.0), "GB200 NVL72, 186GB HBM3e per GPU", 4, 72, 2.5e15, 8.0e12, 900e9, 50e9,
                 "4 GPUs per compute tray, 72 in one NVLink domain", gemm_efficiency=0.60, attention_efficiency=0.45,
-                sms=148),
+                sms=148, host_bytes_per_s=450e9),
         GpuSpec("MI300X", _gib(191.98), "AMD Instinct MI300X 192GB", 8, 8, 1.307e15, 5.3e12, 448e9, 50e9,
                 gemm_efficiency=0.45, attention_efficiency=0.30, sms=304),
     )

@@ -13,7 +13,7 @@ from planner_util import key_of, make_planner
 
 TiB = 2**40
 # what the pipeline bubble idles: the stage's own work and its exposed TP / CP communication
-WORK = ("gemm", "attention", "elementwise", "kernel_gaps", "recompute", "tp_comm", "cp_comm")
+WORK = ("gemm", "attention", "elementwise", "kernel_gaps", "input", "recompute", "tp_comm", "cp_comm")
 
 
 def test_model_flops_per_token_llama31_8b():
@@ -179,7 +179,8 @@ def test_tp_across_nodes_costs_more_than_inside():
 
 def test_pipeline_transfers_use_nvlink_only_when_the_pipeline_stays_in_a_node():
     """PP is the outermost rank dimension: stage i holds ranks [4i, 4i+4) for TP2 DP2 below. On one 8-GPU node
-    every boundary is NVLink; on two nodes the stage 1 -> 2 boundary crosses nodes and paces the pipeline."""
+    every boundary is NVLink; on two nodes the stage 1 -> 2 boundary crosses nodes and paces the pipeline.
+    Two blocking transfers per micro-batch, and 2 (PP - 1) more for the fill and the drain."""
     from megatron_memguard.planner.space import make_candidate
     from megatron_memguard.planner.comm import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, P2P_LATENCY
     nbytes = 8192 * 4096 * 2 // 2                  # MBS 1 x seq x hidden x bf16 / TP (SP)
@@ -187,5 +188,52 @@ def test_pipeline_transfers_use_nvlink_only_when_the_pipeline_stays_in_a_node():
         P = make_planner(LLAMA31_8B, gpus, 8192, 64)
         c = make_candidate(P.shape, P.cluster, 64, tp=2, pp=4, mbs=1)
         bw = getattr(P.cluster.gpu, link) * eff
-        assert P.step_time(c).term_seconds["pp_p2p"] == pytest.approx(2 * c.m * (P2P_LATENCY + nbytes / bw), rel=1e-12)
+        assert P.step_time(c).term_seconds["pp_p2p"] == pytest.approx((2 * c.m + 2 * 3) * (P2P_LATENCY + nbytes / bw),
+                                                                      rel=1e-12)
         assert ("NVLink" if gpus == 8 else "the network") in P.timer.explain(c).terms[TERM_NAMES.index("pp_p2p")].detail
+
+
+def test_get_batch_by_hand():
+    """Megatron's get_batch on A100 (PCIe 4.0 x16, 32 GB/s per direction, at 80%: 25.6 GB/s): one sequence of
+    8192 tokens is tokens, labels, position ids (int64) and the loss mask (fp32), 28 B per token, plus the
+    [1, 1, 8192, 8192] bool attention mask the data loader makes by default: 67,108,864 + 229,376 bytes copied
+    to TP rank 0, broadcast to the other TP ranks over NVLink (the whole tensor over each link of the ring),
+    and cut to 1/CP on each context-parallel rank (index_select: read and write 1/CP of it)."""
+    from megatron_memguard.planner.comm import HOST_LINK_EFFICIENCY, NVLINK_EFFICIENCY, NVLINK_STEP_LATENCY
+    from megatron_memguard.planner.kernels import HBM_EFFICIENCY
+    P = make_planner(LLAMA31_8B, 16, 8192, 64, gpu="A100-40GB")
+    g = P.cluster.gpu
+    nbytes = 8192 * 8192 + 8192 * 28
+    assert P.timer.batch_bytes(1) == nbytes == 67_338_240
+    copy = nbytes / (32e9 * HOST_LINK_EFFICIENCY)
+    assert P.timer.batch_seconds(1, 1, 1) == pytest.approx(copy, rel=1e-12)
+    assert 2.5e-3 < copy < 2.7e-3
+    bcast = nbytes / (g.nvlink_bytes_per_s * NVLINK_EFFICIENCY) + 3 * NVLINK_STEP_LATENCY
+    cut = 2 * nbytes / 2 / (g.hbm_bytes_per_s * HBM_EFFICIENCY)
+    assert P.timer.batch_seconds(4, 2, 1) == pytest.approx(copy + bcast + cut, rel=1e-12)
+    # the input term is m x get_batch on a single stage (it is both the first and the last)
+    from megatron_memguard.planner.space import make_candidate
+    c = make_candidate(P.shape, P.cluster, 64, tp=4, pp=1, cp=2, mbs=1)
+    assert P.step_time(c).term_seconds["input"] == pytest.approx(c.m * (copy + bcast + cut), rel=1e-12)
+    # without the mask only the 28 B per token remain
+    Q = make_planner(LLAMA31_8B + ["--no-create-attention-mask-in-dataloader"], 16, 8192, 64, gpu="A100-40GB")
+    assert Q.timer.batch_bytes(2) == 2 * 8192 * 28
+
+
+def test_dense_embedding_gradient_and_cross_entropy_bytes_by_hand():
+    """The input embedding's weight gradient is dense every micro-batch: PyTorch zero-fills a [V/t, h] bf16
+    gradient (2 B), Megatron's DDP hook adds it into the fp32 main_grad (read 2 B, read and write 4 + 4 B):
+    12 B x 128256 x 4096 = 6,304,038,912 bytes at TP1 (the vocabulary is a multiple of 128 already; at TP4 it is
+    padded to 128512, a multiple of 128 x 4). Megatron's unfused vocab-parallel cross entropy moves 52 B per logit (38 forward,
+    14 backward), the fused one 24."""
+    from megatron_memguard.planner.kernels import memory_seconds
+    from megatron_memguard.planner.timing import CE_BYTES, CE_BYTES_FUSED
+    P = make_planner(LLAMA31_8B, 8, 8192, 64, gpu="A100-40GB")
+    assert P.shape.padded_vocab(1) == 128256 and P.shape.padded_vocab(4) == 128512
+    assert P.timer.emb_grad_bytes(1) == 12 * 128256 * 4096 == 6_304_038_912
+    assert P.timer.emb_grad_bytes(4) == 12 * 128512 // 4 * 4096
+    ec = P.timer.ends_cost(1, 1, 1, False)
+    assert ec.emb_bwd == pytest.approx(memory_seconds(12 * 8192 * 4096 + 6_304_038_912, P.cluster.gpu), rel=1e-12)
+    assert ec.out_elem == pytest.approx(memory_seconds(52 * 8192 * 128256, P.cluster.gpu), rel=1e-12)
+    F = make_planner(LLAMA31_8B + ["--cross-entropy-loss-fusion"], 8, 8192, 64, gpu="A100-40GB")
+    assert F.timer.ends_cost(1, 1, 1, False).out_elem == pytest.approx(ec.out_elem * CE_BYTES_FUSED / CE_BYTES)

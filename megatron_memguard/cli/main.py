@@ -234,15 +234,16 @@ def cmd_gpus(ns: argparse.Namespace) -> int:
                                    "nvlink_domain": g.nvlink_domain, "bf16_flops": g.bf16_flops,
                                    "hbm_bytes_per_s": g.hbm_bytes_per_s, "nvlink_bytes_per_s": g.nvlink_bytes_per_s,
                                    "network_bytes_per_s": g.network_bytes_per_s, "gemm_efficiency": g.gemm_efficiency,
-                                   "attention_efficiency": g.attention_efficiency, "sms": g.sms}
+                                   "attention_efficiency": g.attention_efficiency, "sms": g.sms,
+                                   "host_bytes_per_s": g.host_bytes_per_s}
                           for g in GPUS.values()}, indent=2))
         return 0
     rows = [[g.name, g.nominal, format_bytes(g.memory_bytes), str(g.gpus_per_node), f"{g.bf16_flops / 1e12:.0f}",
              f"{g.hbm_bytes_per_s / 1e12:.2f}", f"{g.nvlink_bytes_per_s / 1e9:.0f}", f"{g.network_bytes_per_s * 8 / 1e9:.0f}",
-             f"{g.gemm_efficiency:.2f}", f"{g.attention_efficiency:.2f}", str(g.sms)] for g in GPUS.values()]
+             f"{g.host_bytes_per_s / 1e9:.0f}", f"{g.gemm_efficiency:.2f}", f"{g.attention_efficiency:.2f}", str(g.sms)] for g in GPUS.values()]
     print(table(rows, ["gpu", "part", "memory (as PyTorch reports)", "per node", "bf16 TFLOP/s", "HBM TB/s",
-                       "NVLink GB/s", "network Gb/s", "GEMM eff.", "attention eff.", "SMs"],
-                right=tuple(range(2, 11))))
+                       "NVLink GB/s", "network Gb/s", "host link GB/s", "GEMM eff.", "attention eff.", "SMs"],
+                right=tuple(range(2, 12))))
     print("\nLinks per GPU and direction. The speed columns (HBM to SMs) feed `memguard plan`'s step-time model; set your "
           "cluster's own with --network-gbps, --gemm-efficiency, --attention-efficiency (docs/planner.md).")
     return 0

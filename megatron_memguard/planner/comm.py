@@ -7,7 +7,8 @@ in docs/planner.md section 3.
 A ring over ``n`` ranks, ``k`` of them in one NVLink domain, runs hierarchically: (k - 1) steps on
 NVLink among the k, then n/k - 1 steps across domains on 1/k of the data per GPU, each GPU using its
 own NIC (a group with one member per node sees the bare NIC; eight members of a node share the node's
-eight NICs). An all-gather or reduce-scatter passes the data once, an all-reduce twice.
+eight NICs). An all-gather or reduce-scatter passes the data once, an all-reduce twice; a broadcast
+pipelines the whole tensor along the ring (every link carries all of it once).
 """
 from __future__ import annotations
 
@@ -18,24 +19,27 @@ NETWORK_EFFICIENCY = 0.85    # NCCL bus bandwidth / NIC bandwidth
 NVLINK_STEP_LATENCY = 3e-6   # seconds per ring step on NVLink
 NETWORK_STEP_LATENCY = 8e-6  # seconds per ring step across nodes
 P2P_LATENCY = 10e-6          # seconds per send/receive pair (pipeline stages, context-parallel ring)
+HOST_LINK_EFFICIENCY = 0.80  # pinned host-to-device copy / PCIe (or NVLink-C2C) bandwidth per direction
 
-PASSES = {"ag": 1, "rs": 1, "ar": 2}
+PASSES = {"ag": 1, "rs": 1, "ar": 2, "bc": 1}
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, per_domain: int, gpu: GpuSpec) -> float:
     """Ring collective of ``nbytes`` (the full tensor of one rank's view: the gathered output, the
     reduced input) over ``n`` ranks, ``per_domain`` of them sharing an NVLink domain. ``kind``: ag | rs
-    (one pass) or ar (two)."""
+    (one pass), ar (two) or bc (a broadcast: the whole tensor over every link of the ring, pipelined)."""
     if n <= 1:
         return 0.0
     f = PASSES[kind]
     k = max(1, min(n, per_domain))
     t = 0.0
     if k > 1:
-        t += f * (k - 1) / k * nbytes / (gpu.nvlink_bytes_per_s * NVLINK_EFFICIENCY) + f * (k - 1) * NVLINK_STEP_LATENCY
+        share = 1.0 if kind == "bc" else (k - 1) / k
+        t += f * share * nbytes / (gpu.nvlink_bytes_per_s * NVLINK_EFFICIENCY) + f * (k - 1) * NVLINK_STEP_LATENCY
     nodes = n // k
     if nodes > 1:
-        t += (f * (nodes - 1) / nodes * (nbytes / k) / (gpu.network_bytes_per_s * NETWORK_EFFICIENCY)
+        share = (1.0 if kind == "bc" else (nodes - 1) / nodes) / k
+        t += (f * share * nbytes / (gpu.network_bytes_per_s * NETWORK_EFFICIENCY)
               + f * (nodes - 1) * NETWORK_STEP_LATENCY)
     return t
 
@@ -44,3 +48,8 @@ def p2p_seconds(nbytes: float, same_domain: bool, gpu: GpuSpec) -> float:
     """One send/receive between two GPUs, on NVLink or through the NIC."""
     bw = gpu.nvlink_bytes_per_s * NVLINK_EFFICIENCY if same_domain else gpu.network_bytes_per_s * NETWORK_EFFICIENCY
     return P2P_LATENCY + nbytes / bw
+
+
+def host_copy_seconds(nbytes: float, gpu: GpuSpec) -> float:
+    """A pinned host-to-device copy (Megatron's ``get_batch``: ``tensor.cuda(non_blocking=True)``)."""
+    return nbytes / (gpu.host_bytes_per_s * HOST_LINK_EFFICIENCY)

@@ -112,6 +112,8 @@ class ModelShape:
     rope: bool = True
     fp32_logits: bool = True       # cross entropy on an fp32 copy of the logits (not --fp16-lm-cross-entropy)
     unfused_attention: bool = False  # the s x s scores are materialised (local spec, or --attention-backend unfused)
+    fused_cross_entropy: bool = False  # --cross-entropy-loss-fusion
+    mask_in_dataloader: bool = True  # --create-attention-mask-in-dataloader (Megatron's default): a [b, 1, s, s] bool mask per batch
     # multi-latent attention: (q_lora_rank or 0, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim)
     mla: tuple[int, int, int, int, int] | None = None
 
@@ -196,6 +198,8 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
         recompute_modules=L.recompute_modules, transformer_impl=L.transformer_impl,
         rope=L.position_embedding_type in ("rope", "yarn"), fp32_logits=not L.fp16_lm_cross_entropy,
         unfused_attention=L.transformer_impl == "local" or L.attention_backend in ("unfused", "local"),
+        fused_cross_entropy=bool(L.cross_entropy_loss_fusion),
+        mask_in_dataloader=bool(L.create_attention_mask_in_dataloader),
         mla=((L.q_lora_rank or 0, L.kv_lora_rank, L.qk_head_dim, L.qk_pos_emb_head_dim, L.v_head_dim)
              if L.multi_latent_attention else None),
     )

@@ -15,6 +15,11 @@ pipeline stage (m micro-batches of its forward and backward):
     entropy, the embedding, and the merges of partial attention results a context-parallel ring makes.
 ``kernel_gaps``
     the idle GPU time between dependent kernels, per kernel launched.
+``input``
+    Megatron's ``get_batch`` on the first and last stages: the micro-batch copied from pinned host
+    memory to TP rank 0 and broadcast to the other TP ranks, on the compute stream (the next kernels
+    wait for it); with ``--create-attention-mask-in-dataloader`` (the default) that includes a
+    [b, 1, s, s] bool mask of s^2 bytes per sequence, whole on every context-parallel rank.
 ``recompute``
     the forward work done again in the backward: the core attention (selective) or the whole layer
     with its forward collectives (full, one layer per checkpoint).
@@ -26,7 +31,8 @@ pipeline stage (m micro-batches of its forward and backward):
     attention of one ring step.
 ``pp_p2p``
     pipeline point-to-point transfers (blocking in 1F1B; overlapped with the next chunk in the
-    interleaved schedule with --overlap-p2p-communication).
+    interleaved schedule with --overlap-p2p-communication), and those of the fill and drain, which
+    nothing hides.
 ``bubble``
     pipeline fill and drain: (PP-1)/(VPP*m) of the stage's work, Narayanan et al. 2021 section 2.2.
 ``dp_comm``
@@ -53,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..units import format_bytes
-from .comm import P2P_LATENCY, collective_seconds, p2p_seconds
+from .comm import HOST_LINK_EFFICIENCY, P2P_LATENCY, collective_seconds, host_copy_seconds, p2p_seconds
 from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
 from .space import Candidate, Cluster, ModelShape
 
@@ -67,19 +73,32 @@ ELEM_F_BYTES = 12            # non-gated activation (GeLU): fwd 4 B, bwd 8 B
 ELEM_F_FWD = 4
 ROPE_BYTES = 8               # per q/k element: rotary embedding fwd 4 B (read + write bf16), bwd 4 B
 ROPE_FWD = 4
-CE_BYTES = 24                # per logit: bf16 logits, fp32 copy, max/exp/sum, gradient and its cast
+# Per logit, Megatron's vocab-parallel cross entropy (tensor_parallel/cross_entropy.py, unfused, fp32): forward
+# cast to fp32 (r2 w4), max (r4), subtract the max (r4 w4), exp (r4 w4), sum (r4), divide (r4 w4): 38 B;
+# backward scale the kept softmax by the loss gradient (r4 w4) and cast it to bf16 (r4 w2): 14 B.
+CE_BYTES = 52
+# --cross-entropy-loss-fusion (megatron/core/fusions/fused_cross_entropy.py): the cast with the max (r2 w4 r4),
+# exp and sum in one pass (r4 w4), the gradient in one pass to bf16 (r4 w2).
+CE_BYTES_FUSED = 24
 CP_MERGE_BYTES = 10          # per attention-output element and ring step: read the step's output (2 B),
 #                              read and write the fp32 running output (4 + 4 B)
 CP_GRAD_BYTES = 10           # per dQ / dK / dV element and ring step: add the step's gradient into fp32 (2 + 4 + 4 B)
 OPTIMIZER_BYTES_EXTRA = 10   # per parameter beyond 2 x state: grad read twice (norm, step), param write
 DDP_MIN_BUCKET = 40_000_000  # Megatron's default bucket: max(40M, 1M * DP) elements
+# The input embedding's weight gradient is dense (F.embedding, sparse=False: PyTorch's embedding_dense_backward
+# zero-fills a [V/t, h] gradient in the parameter dtype), and Megatron's DDP hook adds it into the main_grad
+# buffer every micro-batch (param.main_grad.add_(param.grad)): per vocabulary element, zero-fill 1 x param
+# bytes, then read the gradient (param bytes) and read and write main_grad (2 x grad bytes).
+# Per token of a micro-batch on the GPU, the batch tensors get_batch moves besides the mask: tokens, labels,
+# position ids (int64) and the loss mask (fp32).
+BATCH_BYTES_PER_TOKEN = 8 + 8 + 8 + 4
 KERNEL_GAP = 2e-6            # idle GPU time between two dependent kernels (launch and dependency latency)
 KERNELS_FWD = 14             # kernels of one layer's forward (TE: norm+GEMM fused, attention, rope, act, adds)
 KERNELS_BWD = 28             # and of its backward (dgrad and wgrad per GEMM, ...)
 CP_KERNELS_FWD = 4           # kernels per extra ring step: attention, merge (3 element-wise) ...
 CP_KERNELS_BWD = 6           # ... and in the backward: attention (3: pre, main, post), dQ and dK/dV adds, copy
 
-TERM_NAMES = ("gemm", "attention", "elementwise", "kernel_gaps", "recompute", "tp_comm", "cp_comm", "pp_p2p",
+TERM_NAMES = ("gemm", "attention", "elementwise", "kernel_gaps", "input", "recompute", "tp_comm", "cp_comm", "pp_p2p",
               "bubble", "dp_comm", "optimizer")
 _WORK_TERMS = ("gemm", "attention", "elementwise", "kernel_gaps")    # the model's own work on one GPU
 
@@ -206,6 +225,7 @@ class EndsCost:
     out_gemm_bwd: float
     out_elem: float                # cross entropy, forward and backward
     out_tp: float
+    batch: float = 0.0             # get_batch on the first or last stage (host-to-device copy, TP broadcast, CP slice)
 
     @property
     def out_fwd(self) -> float:
@@ -386,9 +406,10 @@ class TimeModel:
         v_t = s.padded_vocab(tp) // tp
         scale = s.act_bytes / 2
         emb_fwd = memory_seconds(4 * M * h * scale, gpu)           # gather rows, write the output
-        emb_bwd = memory_seconds(12 * M * h * scale, gpu)          # scatter-add into the (fp32) weight gradient
+        # scatter-add of the output gradient into a dense [V/t, h] weight gradient, then into main_grad
+        emb_bwd = memory_seconds(12 * M * h * scale + self.emb_grad_bytes(tp), gpu)
         out_f, out_d, out_w = linear_seconds(M, v_t, h, gpu, s.grad_bytes)
-        ce = memory_seconds(CE_BYTES * M * v_t, gpu)
+        ce = memory_seconds((CE_BYTES_FUSED if s.fused_cross_entropy else CE_BYTES) * M * v_t, gpu)
         emb_tp = out_tp = 0.0
         if tp > 1:
             S = M * h * s.act_bytes
@@ -400,9 +421,34 @@ class TimeModel:
             out_tp = (self.collective("ag", S, tp, k) if sp else 0.0) + max(
                 0.0, self.collective("rs" if sp else "ar", S, tp, k) - out_w) + 3 * self.collective(
                 "ar", M * 4, tp, k)
-        ec = EndsCost(emb_fwd, emb_bwd, emb_tp, out_f, out_d + out_w, ce, out_tp)
+        ec = EndsCost(emb_fwd, emb_bwd, emb_tp, out_f, out_d + out_w, ce, out_tp, self.batch_seconds(tp, cp, b))
         self._ends[key] = ec
         return ec
+
+    def emb_grad_bytes(self, tp: int) -> float:
+        """HBM bytes of the dense input-embedding weight gradient of one micro-batch: zero-filled by
+        PyTorch's embedding_dense_backward, added into main_grad by Megatron's DDP hook."""
+        s = self.shape
+        return (2 * s.param_bytes + 2 * s.grad_bytes) * s.padded_vocab(tp) // tp * s.hidden
+
+    def batch_bytes(self, b: int) -> int:
+        """Bytes get_batch copies to the GPU per micro-batch: the batch tensors and, when the data loader
+        makes it (--create-attention-mask-in-dataloader), the [b, 1, s, s] bool attention mask."""
+        s = self.shape
+        return b * s.seq_length * BATCH_BYTES_PER_TOKEN + (b * s.seq_length ** 2 if s.mask_in_dataloader else 0)
+
+    def batch_seconds(self, tp: int, cp: int, b: int) -> float:
+        """get_batch on a stage that loads data (megatron/training/utils.py get_batch_on_this_tp_rank and
+        get_batch_on_this_cp_rank): TP rank 0 copies the whole micro-batch from pinned host memory
+        (.cuda(non_blocking=True) on the compute stream), broadcasts it to the other TP ranks, and each
+        context-parallel rank keeps its 2 of 2 CP chunks (index_select: read and write 1/CP of it)."""
+        nbytes = self.batch_bytes(b)
+        t = host_copy_seconds(nbytes, self.gpu)
+        if tp > 1:
+            t += self.collective("bc", nbytes, tp, self.tp_per_domain(tp))
+        if cp > 1:
+            t += memory_seconds(2 * nbytes / cp, self.gpu)
+        return t
 
     def stage_params(self, c: Candidate, stage: int) -> int:
         """Parameters one rank of ``stage`` holds (before DDP padding)."""
@@ -456,13 +502,15 @@ class TimeModel:
         return 0.0, ""
 
     def _stage_work(self, c: Candidate, i: int, lc: LayerCost, ec: EndsCost) -> tuple[float, ...]:
-        """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, tp_comm)."""
+        """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, input, tp_comm)."""
         key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1)
         hit = self._work.get(key)
         if hit is not None:
             return hit
         n = c.stage_layers[i]
         gemm, attn, elem, gaps, tpc = (n * x for x in lc.per_layer)
+        # get_batch runs on the first and the last stage (once when they are the same)
+        inp = ec.batch if i in (0, c.pp - 1) else 0.0
         if i == 0:
             elem += ec.emb_fwd + ec.emb_bwd
             tpc += ec.emb_tp
@@ -471,7 +519,7 @@ class TimeModel:
             elem += ec.out_elem
             gaps += 6 * KERNEL_GAP
             tpc += ec.out_tp
-        self._work[key] = out = (gemm, attn, elem, gaps, tpc)
+        self._work[key] = out = (gemm, attn, elem, gaps, inp, tpc)
         return out
 
     def _step_time(self, c: Candidate, details: bool) -> StepTime:
@@ -490,8 +538,8 @@ class TimeModel:
             total = sum(work) + n * (rc_layer + layer_cp)
             if best is None or total > best[0] + 1e-15:
                 best = (total, i, work, n * rc_layer, n * layer_cp)
-        _, crit, (gemm, attn, elem, gaps, tpc), rc, cpc = best
-        mb = gemm + attn + elem + gaps + rc + tpc + cpc          # one micro-batch on the critical stage
+        _, crit, (gemm, attn, elem, gaps, inp, tpc), rc, cpc = best
+        mb = gemm + attn + elem + gaps + inp + rc + tpc + cpc    # one micro-batch on the critical stage
         work = m * mb
         bubble = (p - 1) / (v * m) * work
 
@@ -504,18 +552,22 @@ class TimeModel:
             # pipeline fits one NVLink domain, some stage boundary crosses it, and that transfer paces the pipeline.
             same = c.tp * c.cp * c.dp * c.pp <= self.domain
             t1 = self.p2p(nbytes, same)
+            # the fill and the drain: the first forward and the last backward cross the p - 1 boundaries
+            # one after the other, with nothing to overlap
+            edges = 2 * (p - 1) * t1
             if v > 1:
                 chunk = mb / v / 3     # a chunk's forward, about a third of its work
-                p2p = 2 * m * v * max(P2P_LATENCY, t1 - chunk)
+                p2p = 2 * m * v * max(P2P_LATENCY, t1 - chunk) + edges
                 if details:
                     p2p_detail = (f"2 x {m} micro-batches x {v} chunks x max({P2P_LATENCY * 1e6:.0f} us, {t1 * 1e3:.3f} ms "
                                   f"transfer - {chunk * 1e3:.3f} ms chunk forward): {format_bytes(nbytes)} on "
-                                  f"{'NVLink' if same else 'the network'}, overlapped (--overlap-p2p-communication)")
+                                  f"{'NVLink' if same else 'the network'}, overlapped (--overlap-p2p-communication); "
+                                  f"+ 2 x {p - 1} transfers of the fill and drain")
             else:
-                p2p = 2 * m * t1
+                p2p = (2 * m + 2 * (p - 1)) * t1
                 if details:
-                    p2p_detail = (f"2 x {m} micro-batches x {t1 * 1e3:.3f} ms: {format_bytes(nbytes)} on "
-                                  f"{'NVLink' if same else 'the network'}, blocking in 1F1B")
+                    p2p_detail = (f"(2 x {m} micro-batches + 2 x {p - 1} of the fill and drain) x {t1 * 1e3:.3f} ms: "
+                                  f"{format_bytes(nbytes)} on {'NVLink' if same else 'the network'}, blocking in 1F1B")
 
         dp_comm, dp_detail = self._dp_comm(c, lc, ec, rc_layer, details)
 
@@ -527,7 +579,8 @@ class TimeModel:
         per = 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
         optimizer = memory_seconds(elems * per, self.gpu)
 
-        values = (m * gemm, m * attn, m * elem, m * gaps, m * rc, m * tpc, m * cpc, p2p, bubble, dp_comm, optimizer)
+        values = (m * gemm, m * attn, m * elem, m * gaps, m * inp, m * rc, m * tpc, m * cpc, p2p, bubble, dp_comm,
+                  optimizer)
         texts = None
         if details:
             n = c.stage_layers[crit]
@@ -538,10 +591,16 @@ class TimeModel:
                 f"at {lc.gemm_eff:.0%} of peak, backward (input and weight gradients) {lc.gemm_bwd * 1e3:.3f} ms",
                 f"{m} x {n} layers x {(lc.attn_fwd + lc.attn_bwd) * 1e3:.3f} ms at {lc.attn_eff:.0%} of peak"
                 + (f", {c.cp} ring steps per layer" if c.cp > 1 else ", one causal kernel per layer"),
-                f"{m} x {elem * 1e3:.2f} ms of norms, residual adds, rope, activation, embedding, cross entropy"
+                f"{m} x {elem * 1e3:.2f} ms of norms, residual adds, rope, activation, embedding (with its dense weight "
+                f"gradient), cross entropy"
                 + (f", merges of the ring's partial results {lc.cp_merge_fwd * 1e3:.3f} ms per layer forward"
                    if c.cp > 1 else "") + f" at {self.gpu.hbm_bytes_per_s * HBM_EFFICIENCY / 1e12:.2f} TB/s",
                 f"{m} x {n} layers x {lc.kernels_fwd + lc.kernels_bwd} kernels x {KERNEL_GAP * 1e6:.0f} us",
+                (f"{m} x {inp * 1e3:.3f} ms: get_batch copies {format_bytes(self.batch_bytes(c.mbs))} per micro-batch"
+                 + (" (with the [b, 1, s, s] attention mask)" if s.mask_in_dataloader else "")
+                 + f" host to GPU at {self.gpu.host_bytes_per_s * HOST_LINK_EFFICIENCY / 1e9:.0f} GB/s"
+                 + (f", broadcasts it over TP{c.tp}" if c.tp > 1 else "")
+                 + (f", keeps 1/{c.cp} of it on each CP rank" if c.cp > 1 else "")) if inp else "no data on this stage",
                 f"{m} x {n} layers x {rc_layer * 1e3:.3f} ms: {rc_what}" if rc_layer else "no recomputation",
                 (f"{m} x ({n} layers x {(lc.tp_fwd + lc.tp_bwd) * 1e3:.3f} ms + embedding/output) exposed TP collectives, "
                  f"TP{c.tp} {'on NVLink' if c.tp <= self.domain else 'across nodes (hierarchical)'}"
