@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from ..errors import ConfigError, MemguardError, NotModelledError
+from ..errors import BadValueError, ConfigError, ConfigErrors, MemguardError, NotModelledError
 from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
 
 _NEEDS_INPUT = ("is required", "the number of GPUs is unknown", "unknown vocabulary")
@@ -93,6 +93,9 @@ def run(own_args: list[str], flags: list[str]) -> int:
     except NotModelledError as e:
         _emit_unusable(ns, [f"{e}"])
         return EXIT_BAD_INPUT
+    except ConfigErrors as e:
+        _emit_unusable(ns, [str(x) for x in e.errors])
+        return EXIT_BAD_INPUT
     except MemguardError as e:
         _emit_unusable(ns, [str(e)])
         return EXIT_BAD_INPUT
@@ -113,6 +116,9 @@ def _validate(ns: argparse.Namespace, flags: list[str]) -> int:
     raw = load_raw(ns, flags)
     gpu, mem = target_gpu(ns)
     layout, errors = check(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+    unreadable = [e for e in errors if isinstance(e, BadValueError)]
+    if unreadable:  # values memguard cannot compute with: the input cannot be read (exit 2), like estimate
+        raise ConfigErrors(unreadable)
     needs = [e for e in errors if _needs_input(e)]
     problems: list[ConfigError] = list(raw.problems) + [e for e in errors if not _needs_input(e)]
     est = None
