@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
+from ..numbers import shown
 from ._common import (
     MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
     _number,
@@ -173,7 +174,7 @@ class _Tree:
                 raise ReaderError(f"{self.path}: {self.shown(key)}: cannot resolve its value ({msg})") from None
             self.unresolved.append(f"{self.shown(key)}: cannot resolve ({msg}); ignored")
             return default
-        if v is not None and not isinstance(v, (str, int, float, bool)):
+        if self.OmegaConf.is_config(v):  # (a resolver such as oc.decode may return a plain list or dict)
             v = self.OmegaConf.to_container(v, resolve=False)
         return _number(v) if isinstance(v, str) else v
 
@@ -191,6 +192,8 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
         plain = {"model": plain}
         overrides = [(op, k if k.startswith("model.") else "model." + k, v) for op, k, v in overrides]
     plain = apply_overrides(plain, overrides)
+    if not isinstance(plain.get("model"), Mapping):  # (an override such as model=3)
+        raise ReaderError(f"{path}: model: must be a mapping of the model's settings, got {shown(plain.get('model'))}")
     root = dict(plain)
     root["training"] = copy.deepcopy(plain)  # launcher fragments interpolate ${training.<key>}
     for k in _LAUNCHER_ROOT_KEYS:
