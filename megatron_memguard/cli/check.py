@@ -149,7 +149,8 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
                 from ..units import parse_bytes
                 parse_bytes(hook["--memguard-gpu-memory"], "--memguard-gpu-memory")  # its key in the error
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
-        raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
+        raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags",
+                                   expand=False)
         if ns.model:
             from ..readers.models import read_model
             raw = read_model(ns.model).merged(raw)

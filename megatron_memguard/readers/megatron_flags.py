@@ -64,8 +64,11 @@ def parse_megatron_flags(
     argv: Iterable[str],
     env: Mapping[str, str] | None = None,
     source: str = "megatron flags",
+    expand: bool = True,
 ) -> RawConfig:
-    """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given."""
+    """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given, unless
+    ``expand`` is False: the flags of a launch command, which the shell reader expanded already (bash
+    expands once; a value is not expanded again)."""
     table = flag_table()
     toks = [str(t) for t in argv]
     args: dict[str, Any] = {}
@@ -113,13 +116,13 @@ def parse_megatron_flags(
                     raise ConfigError(tok, "expects a value")
                 inline = toks[i]
                 i += 1
-            args[dest] = _convert(_substitute(inline, env, tok), typ, tok)
+            args[dest] = _convert(_substitute(inline, env if expand else None, tok), typ, tok)
         else:  # list
             vals = [] if inline is None else [inline]
             while inline is None and i < len(toks) and not _is_flag(toks[i]):
                 vals.append(toks[i])
                 i += 1
-            args[dest] = [_convert(_substitute(v, env, tok), typ, tok) for v in vals]
+            args[dest] = [_convert(_substitute(v, env if expand else None, tok), typ, tok) for v in vals]
         origin[dest] = tok
     if unknown:
         warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(cut(u) for u in unknown))
