@@ -46,11 +46,16 @@ def gpu_count(text: str) -> int:
 
 
 def _bounded(text: str, maximum: int, why: str) -> int:
-    from ..numbers import to_int
+    from ..numbers import integral, shown
     try:
-        return to_int(text, "", 1, maximum, why)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(e.rule) from None
+        n = integral(text, "")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"expects a positive integer, got {shown(text)}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {shown(text)}")
+    if n > maximum:
+        raise argparse.ArgumentTypeError(f"must be <= {maximum}" + (f" ({why})" if why else "") + f", got {shown(text)}")
+    return n
 
 
 def _dp_rank(text: str) -> int | str:

@@ -434,7 +434,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         pp, cp = b.args.get("pipeline_model_parallel_size", 1), b.args.get("context_parallel_size", 1)
         try:
             dp = b.world_size // (int(tp) * int(pp) * int(cp))
-        except (TypeError, ValueError, ZeroDivisionError):
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError):
             dp = 1
         if dp > 1 and pp == 1:
             gaf = False
