@@ -86,7 +86,8 @@ def run(own_args: list[str], flags: list[str]) -> int:
         return EXIT_BAD_INPUT
     ns.set = list(ns.set) + list(ns.overrides)
     if not ns.config and not flags and not ns.model:
-        p.print_help(sys.stderr)
+        print("memguard validate: error: give a config FILE, --model NAME or Megatron flags after -- "
+              "(memguard validate --help describes the options)", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return _validate(ns, flags)

@@ -969,10 +969,10 @@ _HYDRA_DECORATOR = re.compile(r"@(?:hydra_runner|hydra\.main|main)\s*\(([^)]*)\)
 def hydra_defaults(script_path: str) -> tuple[str | None, str | None]:
     """(config_path, config_name) of a script's ``@hydra_runner(...)`` / ``@hydra.main(...)`` decorator,
     if the script can be read (None where it cannot)."""
+    from ..files import read_text
     try:
-        with open(script_path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
+        text = read_text(script_path)
+    except ReaderError:
         return None, None
     m = _HYDRA_DECORATOR.search(text)
     if not m:
