@@ -17,6 +17,7 @@ from typing import Mapping, MutableMapping
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 _BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(:?[-+=])?")
+MAX_NESTING = 32   # ${A:-${B:-...}} levels (scripts nest two or three)
 _DECLARATIONS = ("export", "declare", "local", "readonly", "typeset")
 _BLANK = " \t\n"
 _PLAIN = re.compile(r"[^\s\\'\"$`#]+")
@@ -56,10 +57,14 @@ def expand_word(word: str, vars: Mapping[str, object]) -> str:
 
 
 class _Words:
-    def __init__(self, text: str, vars: Vars, quoted: bool = False):
+    def __init__(self, text: str, vars: Vars, quoted: bool = False, depth: int = 0):
+        if depth > MAX_NESTING:
+            raise ValueError(f"parameter expansions nested deeper than {MAX_NESTING} levels")
         self.text = text
         self.vars = vars
         self.quoted = quoted         # the text is the word of ${VAR:-word} inside double quotes
+        self.depth = depth           # ${A:-${B:-...}} nesting
+        self.matches: dict[tuple[str, int], int | None] = {}   # where each ( or { closes (_matching)
         self.words: list[str] = []
         self.cur: list[str] = []
         self.started = False         # a word is being built (possibly empty: "")
@@ -210,7 +215,7 @@ class _Words:
         nxt = t[i + 1:i + 2]
         if nxt == "(":                                  # $(command), $((arithmetic)): kept as written
             try:
-                end = _matching(t, i + 1, "(", ")")
+                end = self._matching(t, i + 1, "(", ")")
             except ValueError:                          # no closing parenthesis: a plain $
                 self._add("$")
                 return i + 1
@@ -233,12 +238,14 @@ class _Words:
             if value.assign:
                 self._fields(self.default_value(value), quoted or self.quoted)
             else:  # the word is part of the command's text: scanned in place (its quotes group words)
-                saved = self.text, self.quoted
-                self.text, self.quoted = value.word, quoted or self.quoted
+                saved = self.text, self.quoted, self.depth
+                self.text, self.quoted, self.depth = value.word, quoted or self.quoted, self.depth + 1
+                if self.depth > MAX_NESTING:
+                    raise ValueError(f"parameter expansions nested deeper than {MAX_NESTING} levels")
                 try:
                     self._loop()
                 finally:
-                    self.text, self.quoted = saved
+                    self.text, self.quoted, self.depth = saved
         else:
             self._fields(value, quoted or self.quoted)
         return end
@@ -250,7 +257,7 @@ class _Words:
         t = self.text
         if t[i + 1:i + 2] == "{":
             try:
-                end = _matching(t, i + 1, "{", "}")
+                end = self._matching(t, i + 1, "{", "}")
             except ValueError:                          # no closing brace: a plain $
                 return None
             inner = t[i + 2:end - 1]
@@ -273,9 +280,20 @@ class _Words:
             return None
         return _lookup(self.vars.get(m.group(0)), None), m.end()
 
+    def _matching(self, t: str, i: int, open_: str, close: str) -> int:
+        """The index after the ``close`` matching ``t[i] == open_``; ValueError if there is none. Every
+        scan's results are kept: a line of 100,000 unclosed ``$(`` is read in one pass, not 100,000."""
+        key = (t, i)
+        if key not in self.matches:
+            _match_from(t, i, open_, close, self.matches)
+        end = self.matches.get(key)
+        if end is None:
+            raise ValueError(f"No closing {close!r}")
+        return end
+
     def default_value(self, d: "_Default") -> str:
         """The word of ``${VAR:-word}`` as one string (``${VAR:=word}`` also assigns it)."""
-        value = "".join(_Words(d.word, self.vars, quoted=True).run())
+        value = "".join(_Words(d.word, self.vars, quoted=True, depth=self.depth + 1).run())
         if d.assign:
             self.vars[d.assign] = value
         return value
@@ -309,9 +327,11 @@ def _lookup(value: object, index: str | None):
     return str(value)
 
 
-def _matching(t: str, i: int, open_: str, close: str) -> int:
-    """The index after the ``close`` that matches ``t[i] == open_`` (quotes skipped); ValueError if none."""
-    depth, n, k = 0, len(t), i
+def _match_from(t: str, i: int, open_: str, close: str, found: dict) -> None:
+    """Scan from ``t[i] == open_``: record in ``found`` the end (index after the matching ``close``) of
+    every ``open_`` the scan passes, None for those left open (quotes skipped in ``$( ... )``)."""
+    stack: list[int] = []
+    n, k = len(t), i
     while k < n:
         c = t[k]
         if c == "\\":
@@ -320,14 +340,15 @@ def _matching(t: str, i: int, open_: str, close: str) -> int:
         if c in "'\"" and open_ == "(":
             end = t.find(c, k + 1)
             if end < 0:
-                raise ValueError("No closing quotation")
+                break
             k = end + 1
             continue
         if c == open_:
-            depth += 1
-        elif c == close:
-            depth -= 1
-            if depth == 0:
-                return k + 1
+            stack.append(k)
+        elif c == close and stack:
+            found[(t, stack.pop())] = k + 1
+            if not stack:
+                return
         k += 1
-    raise ValueError(f"No closing {close!r}")
+    for j in stack:
+        found[(t, j)] = None
