@@ -23,7 +23,7 @@ from .errors import ReaderError
 
 MAX_FILE_BYTES = 2**20          # 1 MiB: 50 x the largest reference config
 MAX_DEPTH = 64                  # nesting levels of mappings and lists (real configs: under 10)
-MAX_VALUES = 20_000             # values of a document after alias expansion (real configs: under 500)
+MAX_VALUES = 10_000             # values of a document after alias expansion (real configs: under 500)
 _MAX_INT_DIGITS = 40            # longer integers stay text (so that the bound on their key names them)
 
 try:  # libyaml's parser when PyYAML has it (several times faster); the composer stays in Python
@@ -63,21 +63,29 @@ class _Loader(Composer, _Parser, _BoundedConstructor, Resolver):
         self._depth = 0
         self._values = 0
         self._size: dict[int, int] = {}
+        self._open: list[str] = []       # anchors whose node is being composed
 
     def compose_node(self, parent, index):  # type: ignore[override]
-        if self.check_event(AliasEvent):
-            mark = self.peek_event().start_mark
+        event = self.peek_event()
+        if isinstance(event, AliasEvent):
+            if event.anchor in self._open:  # &a [*a]: a structure that contains itself has no end to walk
+                raise ComposerError(None, None, f"alias *{event.anchor} is inside its own anchor (a recursive value)",
+                                    event.start_mark)
             node = super().compose_node(parent, index)
-            self._count(self._size.get(id(node), 1), mark)
+            self._count(self._size.get(id(node), 1), event.start_mark)
             return node
-        mark = self.peek_event().start_mark
         self._depth += 1
         if self._depth > MAX_DEPTH:
-            raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+            raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open.append(anchor)
         start = self._values
         node = super().compose_node(parent, index)
+        if anchor is not None:
+            self._open.pop()
         self._depth -= 1
-        self._count(1, mark)
+        self._count(1, event.start_mark)
         self._size[id(node)] = self._values - start
         return node
 

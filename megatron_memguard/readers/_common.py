@@ -14,8 +14,6 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable, Mapping
 
-import yaml
-
 from ..config import RawConfig
 from ..errors import ConfigError, ReaderError
 

@@ -195,7 +195,8 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
     if not isinstance(plain.get("model"), Mapping):  # (an override such as model=3)
         raise ReaderError(f"{path}: model: must be a mapping of the model's settings, got {shown(plain.get('model'))}")
     root = dict(plain)
-    root["training"] = copy.deepcopy(plain)  # launcher fragments interpolate ${training.<key>}
+    if _mentions(plain, "training."):  # launcher fragments interpolate ${training.<key>} (a copy doubles OmegaConf's work)
+        root["training"] = copy.deepcopy(plain)
     for k in _LAUNCHER_ROOT_KEYS:
         root.setdefault(k, "")
     try:
@@ -210,6 +211,22 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
     for w in t.unresolved:
         b.warn(w)
     return b.build()
+
+
+def _mentions(doc: Any, text: str) -> bool:
+    """Whether a string anywhere in ``doc`` (keys and values) contains ``text``."""
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if text in node:
+                return True
+        elif isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return False
 
 
 def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one table, read top to bottom)

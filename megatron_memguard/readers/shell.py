@@ -214,9 +214,8 @@ class _Words:
         t = self.text
         nxt = t[i + 1:i + 2]
         if nxt == "(":                                  # $(command), $((arithmetic)): kept as written
-            try:
-                end = self._matching(t, i + 1, "(", ")")
-            except ValueError:                          # no closing parenthesis: a plain $
+            end = self._matching(t, i + 1, "(", ")")
+            if end is None:                             # no closing parenthesis: a plain $
                 self._add("$")
                 return i + 1
             self._add(t[i:end])
@@ -256,9 +255,8 @@ class _Words:
         None when ``$`` starts no expansion."""
         t = self.text
         if t[i + 1:i + 2] == "{":
-            try:
-                end = self._matching(t, i + 1, "{", "}")
-            except ValueError:                          # no closing brace: a plain $
+            end = self._matching(t, i + 1, "{", "}")
+            if end is None:                             # no closing brace: a plain $
                 return None
             inner = t[i + 2:end - 1]
             m = _BRACED.match(inner)
@@ -280,16 +278,13 @@ class _Words:
             return None
         return _lookup(self.vars.get(m.group(0)), None), m.end()
 
-    def _matching(self, t: str, i: int, open_: str, close: str) -> int:
-        """The index after the ``close`` matching ``t[i] == open_``; ValueError if there is none. Every
-        scan's results are kept: a line of 100,000 unclosed ``$(`` is read in one pass, not 100,000."""
+    def _matching(self, t: str, i: int, open_: str, close: str) -> int | None:
+        """The index after the ``close`` matching ``t[i] == open_``, None if there is none. Every scan's
+        results are kept: a line of 100,000 unclosed ``$(`` is read in one pass, not 100,000."""
         key = (t, i)
         if key not in self.matches:
             _match_from(t, i, open_, close, self.matches)
-        end = self.matches.get(key)
-        if end is None:
-            raise ValueError(f"No closing {close!r}")
-        return end
+        return self.matches.get(key)
 
     def default_value(self, d: "_Default") -> str:
         """The word of ``${VAR:-word}`` as one string (``${VAR:=word}`` also assigns it)."""
