@@ -493,7 +493,10 @@ def parse_launch_command(command: str | Sequence[str], environ: Mapping[str, str
         raise ReaderError(f"cannot understand the launcher {word!r} ({_UNSUPPORTED[word]}); memguard reads torchrun, "
                           "python -m torch.distributed.run, srun, mpirun and python SCRIPT.py commands")
     # The caller's shell has expanded the words already; what is left of $VAR was quoted on purpose.
-    toks = [expand_word(t, environ or {}) if "$" in t else t for t in toks]
+    try:
+        toks = [expand_word(t, environ or {}) if "$" in t else t for t in toks]
+    except ValueError as e:
+        raise ReaderError(str(e)) from None
     return parse_launch_tokens(toks, environ)
 
 

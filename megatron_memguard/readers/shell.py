@@ -18,6 +18,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 _BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(:?[-+=])?")
 MAX_NESTING = 32   # ${A:-${B:-...}} levels (scripts nest two or three)
+MAX_EXPANDED = 16 * 2**20   # characters of one command after expansion (4 x issue 14's 4 MiB re-expansion case)
 _DECLARATIONS = ("export", "declare", "local", "readonly", "typeset")
 _BLANK = " \t\n"
 _PLAIN = re.compile(r"[^\s\\'\"$`#]+")
@@ -33,7 +34,7 @@ def words(text: str, vars: Vars) -> list[str]:
 
 def expand_word(word: str, vars: Mapping[str, object]) -> str:
     """``$VAR`` / ``${VAR}`` / ``${VAR:-default}`` in one word that a shell has split already (no
-    quotes to remove, no splitting); unset variables stay as written."""
+    quotes to remove, no splitting); unset variables stay as written. ValueError as ``words``."""
     w = _Words(word, dict(vars))
     out: list[str] = []
     i = 0
@@ -51,7 +52,9 @@ def expand_word(word: str, vars: Mapping[str, object]) -> str:
         value, end = ref
         if isinstance(value, _Default):
             value = w.default_value(value)
-        out.append(word[j:end] if value is _UNSET else value if isinstance(value, str) else " ".join(value))
+        text = word[j:end] if value is _UNSET else value if isinstance(value, str) else " ".join(value)
+        w.grow(len(text))
+        out.append(text)
         i = end
     return "".join(out)
 
@@ -65,6 +68,7 @@ class _Words:
         self.quoted = quoted         # the text is the word of ${VAR:-word} inside double quotes
         self.depth = depth           # ${A:-${B:-...}} nesting
         self.matches: dict[tuple[str, int], int | None] = {}   # where each ( or { closes (_matching)
+        self.size = 0                # characters of the expanded words so far
         self.words: list[str] = []
         self.cur: list[str] = []
         self.started = False         # a word is being built (possibly empty: "")
@@ -92,7 +96,15 @@ class _Words:
             self.in_assign = False
             self.assign_ok = False
 
+    def grow(self, n: int) -> None:
+        """Count ``n`` more characters of expansion (A='$A$A' doubled 40 times: bash would fill the
+        memory; memguard stops at MAX_EXPANDED)."""
+        self.size += n
+        if self.size > MAX_EXPANDED:
+            raise ValueError(f"the command expands to more than {MAX_EXPANDED // 2**20} MiB")
+
     def _add(self, s: str) -> None:
+        self.grow(len(s))
         self.cur.append(s)
         self.started = True
 
