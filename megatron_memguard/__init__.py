@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from .config import RawConfig
 from .errors import ConfigError, ConfigErrors, MemguardError, NotModelledError, ReaderError
-from .estimator import Estimate, StageEstimate, Term, estimate
+from .estimator import Estimate, SiteConstants, StageEstimate, Term, estimate
 from .gpus import GPUS, GpuSpec, lookup_gpu
 from .layout import Layout
 from .resolve import resolve
@@ -38,6 +38,6 @@ def layout_from_megatron_args(namespace: Any, world_size: int | None = None,
 
 __all__ = [
     "ConfigError", "ConfigErrors", "Estimate", "GPUS", "GpuSpec", "Layout", "MemguardError", "NotModelledError",
-    "RawConfig", "ReaderError", "StageEstimate", "Term", "estimate", "layout_from_flags",
+    "RawConfig", "ReaderError", "SiteConstants", "StageEstimate", "Term", "estimate", "layout_from_flags",
     "layout_from_megatron_args", "lookup_gpu", "resolve", "__version__",
 ]

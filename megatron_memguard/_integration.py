@@ -267,14 +267,15 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
                   world_size_from: str = "", gpu: Any = None, gpu_memory: Any = None, threshold: float | None = None,
                   megatron_version: str | None = None, profile: str = "auto", emit: Callable[[str], None] | None = None,
                   rank0: bool | None = None, label: str = "memguard", environ: Mapping[str, str] | None = None,
-                  strict: bool = False) -> PreflightResult:
+                  strict: bool = False, site_profile: str | None = None) -> PreflightResult:
     """Read the config (``raw_fn``), resolve and estimate it against the GPU, and act by ``mode``:
     ``report`` prints the estimate of every stage; ``warn`` (default) one line, or a warning with the
     breakdown when the critical stage exceeds the threshold; ``abort`` raises PreflightAbort on every
     rank (rank 0 prints the breakdown and a layout that fits). A config memguard cannot read or model
     is reported and training goes on (``strict=True`` raises instead), as is an internal error of
-    memguard's own. A bad ``mode`` / ``threshold`` / ``gpu`` / ``gpu_memory`` (or MEMGUARD,
-    MEMGUARD_THRESHOLD, MEMGUARD_GPU_MEMORY) raises ConfigError naming it."""
+    memguard's own. ``site_profile``: a ``memguard calibrate`` profile file (else MEMGUARD_PROFILE). A bad
+    ``mode`` / ``threshold`` / ``gpu`` / ``gpu_memory`` / ``site_profile`` (or MEMGUARD, MEMGUARD_THRESHOLD,
+    MEMGUARD_GPU_MEMORY, MEMGUARD_PROFILE) raises ConfigError naming it."""
     from .estimator import estimate
     from .report.text import render, verdict_line
     from .resolve import resolve
@@ -288,6 +289,8 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     r = PreflightResult(mode=mode, action="skipped")
     if mode == "off":
         return r
+    from .site_profile import site_from
+    site = site_from(site_profile, environ, key="site_profile")
     r.gpu, r.gpu_memory, r.gpu_memory_source = resolve_gpu(gpu, gpu_memory, environ)
     try:
         raw = raw_fn()
@@ -301,7 +304,8 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
                                             "group yet)", "pass world_size=N")
         r.world_size, r.world_size_from = world_size, world_size_from or "world_size"
         layout = resolve(raw, world_size=world_size, megatron_version=megatron_version)
-        est = estimate(layout, profile=profile, gpu=r.gpu, gpu_memory=r.gpu_memory, threshold=threshold)
+        est = estimate(layout, profile=profile, gpu=r.gpu, gpu_memory=r.gpu_memory, threshold=threshold,
+                       site=site.constants if site is not None else None)
     except MemguardError as e:
         if strict:
             raise
@@ -433,7 +437,8 @@ def build_monitor(source: Any, result: Any, *, ranks: Mapping[str, int], interva
     else:
         try:
             est = estimate(layout, device=source.device, gpu=result.gpu, gpu_memory=result.gpu_memory,
-                           threshold=threshold, dp_rank=ranks.get("dp_rank", 0))
+                           threshold=threshold, dp_rank=ranks.get("dp_rank", 0),
+                           site=getattr(getattr(result, "estimate", None), "site", None))
             prediction = Prediction.from_estimate(est, ranks.get("pp_rank", 0))
             stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
         except Exception as e:
@@ -453,6 +458,11 @@ def build_monitor(source: Any, result: Any, *, ranks: Mapping[str, int], interva
         except Exception as e:
             report("recording the decision", e)
     ctx = {**dict(context or {}), "decision": decision, "note": note, **dict(ranks)}
+    if layout is not None:
+        try:  # what memguard calibrate needs to predict this run again with other site constants
+            ctx["layout"] = layout.to_dict()
+        except Exception as e:
+            report("recording the layout", e)
     return MemoryMonitor(source, prediction, rank=ranks.get("rank", 0), pp_rank=ranks.get("pp_rank", 0), interval=interval,
                          reset_peak=reset_peak, sinks=sinks, emit=emit, emit_error=report.emit_error,
                          log_stages=ranks.get("rank", 0) == 0, stage_predictions=stage_predictions, gather=gather,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 from .config import RawConfig
 from .divisors import divisors
 from .errors import ConfigError, ConfigErrors, MemguardError
-from .estimator import Estimate, estimate
+from .estimator import Estimate, SiteConstants, estimate
 from .gpus import GpuSpec
 from .layout import Layout
 from .numbers import to_int
@@ -187,6 +187,7 @@ def autotune(
     allow_pp: bool = True,
     accept: Callable[[Mapping[str, Any]], str | None] | None = None,
     original: Estimate | None = None,
+    site: SiteConstants | None = None,
 ) -> AutotuneResult:
     """Search MBS downwards and PP upwards (recompute only with ``allow_recompute``) for a layout that fits.
 
@@ -196,7 +197,9 @@ def autotune(
     """
     L0 = original.layout if original is not None else resolve(raw, world_size=world_size, megatron_version=megatron_version,
                                                                 vocab_size=vocab_size)
-    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
+    if site is None and original is not None:
+        site = original.site                    # candidates are estimated with the same site constants
+    est_kw = dict(profile=profile, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold, site=site)
     E0 = original if original is not None else estimate(L0, **est_kw)
     if not E0.gpu_memory_bytes:
         raise MemguardError("autotune needs the GPU memory (give --memguard-gpu-memory or a GPU)")

@@ -98,7 +98,7 @@ def raw_config(config: Any, overrides: list[str] | None = None) -> RawConfig:
 def preflight(config: Any, world_size: int | None = None, gpu: Any = None, mode: str | None = None, *,
               gpu_memory: Any = None, threshold: float | None = None, megatron_version: str | None = None,
               profile: str = "auto", emit: Callable[[str], None] | None = None, strict: bool = False,
-              environ: Mapping[str, str] | None = None) -> PreflightResult:
+              environ: Mapping[str, str] | None = None, site_profile: str | None = None) -> PreflightResult:
     """Check a Megatron-Bridge ConfigContainer (object or dict) against GPU memory before ``pretrain()``.
 
     ``mode`` (default: the MEMGUARD variable, else ``warn``): ``report`` prints every stage's estimate;
@@ -106,12 +106,13 @@ def preflight(config: Any, world_size: int | None = None, gpu: Any = None, mode:
     MEMGUARD_THRESHOLD); ``abort`` raises ``PreflightAbort`` (a SystemExit with code 3) on every rank
     when it does not fit, rank 0 printing the breakdown and a layout that fits; ``off`` does nothing.
     ``gpu``: a name from ``memguard gpus`` or a GpuSpec; ``gpu_memory``: bytes or ``"79.1GiB"``; default:
-    MEMGUARD_GPU_MEMORY, else this rank's device. A config memguard cannot read is reported and
+    MEMGUARD_GPU_MEMORY, else this rank's device. ``site_profile``: a ``memguard calibrate`` profile file
+    (default MEMGUARD_PROFILE). A config memguard cannot read is reported and
     training goes on (``strict=True`` raises). Returns the decision (its ``estimate``, ``layout``)."""
     return run_preflight(lambda: raw_config(config), mode=mode, world_size=world_size,
                          world_size_from="world_size" if world_size else "", gpu=gpu, gpu_memory=gpu_memory,
                          threshold=threshold, megatron_version=megatron_version, profile=profile, emit=emit,
-                         label="Megatron-Bridge pre-flight", environ=environ, strict=strict)
+                         label="Megatron-Bridge pre-flight", environ=environ, strict=strict, site_profile=site_profile)
 
 
 class MemguardCallback:
@@ -129,7 +130,7 @@ class MemguardCallback:
     def __init__(self, result: PreflightResult | None = None, *, log_dir: str | None = None, interval: int | None = None,
                  source: Any = None, reset_peak: bool = False, gpu: Any = None, gpu_memory: Any = None,
                  threshold: float | None = None, writers: bool = True, emit: Callable[[str], None] | None = None,
-                 require_bridge: bool = True):
+                 require_bridge: bool = True, site_profile: str | None = None):
         if require_bridge:
             _require_bridge("megatron_memguard.bridge.MemguardCallback")
         self.result = result
@@ -139,6 +140,7 @@ class MemguardCallback:
         self.source = source
         self.reset_peak = reset_peak
         self.gpu, self.gpu_memory, self.threshold = gpu, gpu_memory, threshold
+        self.site_profile = site_profile
         self.writers = writers
         self.emit = emit
         self.report = ErrorReporter()
@@ -183,7 +185,7 @@ class MemguardCallback:
         cfg = getattr(state, "cfg", None)
         if self._own_result and cfg is not None:
             self.result = preflight(cfg, mode="warn", gpu=self.gpu, gpu_memory=self.gpu_memory, threshold=self.threshold,
-                                    emit=self.emit)
+                                    emit=self.emit, site_profile=self.site_profile)
         source = self.source if self.source is not None else default_source()
         if source is None:
             (self.emit or print)(f"{PREFIX} no CUDA device: runtime memory logging is off (pass source= to use another "
@@ -216,13 +218,14 @@ class MemguardCallback:
 
 def pretrain(config: Any, forward_step_func: Any, callbacks: Any = None, *, world_size: int | None = None, gpu: Any = None,
              gpu_memory: Any = None, mode: str | None = None, threshold: float | None = None, log_dir: str | None = None,
-             interval: int | None = None, source: Any = None, **kwargs) -> Any:
+             interval: int | None = None, source: Any = None, site_profile: str | None = None, **kwargs) -> Any:
     """Bridge's ``pretrain`` with the pre-flight first and the memguard callback added (a function
     wrapper for launch scripts): ``megatron_memguard.bridge.pretrain(cfg, forward_step, mode="abort")``."""
     _require_bridge("megatron_memguard.bridge.pretrain")
     from megatron.bridge.training.pretrain import pretrain as bridge_pretrain  # type: ignore
 
-    result = preflight(config, world_size=world_size, gpu=gpu, gpu_memory=gpu_memory, mode=mode, threshold=threshold)
+    result = preflight(config, world_size=world_size, gpu=gpu, gpu_memory=gpu_memory, mode=mode, threshold=threshold,
+                       site_profile=site_profile)
     if result.mode == "off":  # off means off: no pre-flight and no runtime logging (as the hook and Lightning)
         return bridge_pretrain(config, forward_step_func, callbacks=callbacks, **kwargs)
     cb = MemguardCallback(result, log_dir=log_dir, interval=interval, source=source, gpu=gpu, gpu_memory=gpu_memory,

@@ -53,6 +53,7 @@ class GpuSpec:
     note: str = ""
     gemm_efficiency: float = 0.70       # achieved / peak bf16 FLOP/s of a large GEMM (planner)
     attention_efficiency: float = 0.45  # achieved / peak of fused causal attention at long sequences (planner)
+    sms: int = 132                      # streaming multiprocessors (AMD: compute units): the waves of a kernel's tiles
 
 
 def _gib(x: float) -> int:
@@ -63,9 +64,9 @@ GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec("A100-40GB", _gib(39.59), "A100 SXM4 40GB", 8, 8, 312e12, 1.555e12, 300e9, 25e9,
-                gemm_efficiency=0.78, attention_efficiency=0.55),
+                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108),
         GpuSpec("A100-80GB", _gib(79.35), "A100 SXM4 80GB", 8, 8, 312e12, 2.039e12, 300e9, 25e9,
-                gemm_efficiency=0.78, attention_efficiency=0.55),
+                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108),
         GpuSpec("H100-80GB", _gib(79.11), "H100 SXM5 80GB HBM3", 8, 8, 989e12, 3.35e12, 450e9, 50e9,
                 gemm_efficiency=0.65, attention_efficiency=0.45),
         GpuSpec("H100-94GB", _gib(93.10), "H100 SXM5/NVL 94GB", 4, 4, 989e12, 3.9e12, 450e9, 50e9,
@@ -74,11 +75,12 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("H200-141GB", _gib(139.81), "H200 SXM 141GB", 8, 8, 989e12, 4.8e12, 450e9, 50e9,
                 gemm_efficiency=0.65, attention_efficiency=0.45),
         GpuSpec("B200", _gib(178.36), "B200 180GB (HGX/DGX B200)", 8, 8, 2.25e15, 8.0e12, 900e9, 50e9,
-                gemm_efficiency=0.60, attention_efficiency=0.45),
+                gemm_efficiency=0.60, attention_efficiency=0.45, sms=148),
         GpuSpec("GB200", _gib(184.0), "GB200 NVL72, 186GB HBM3e per GPU", 4, 72, 2.5e15, 8.0e12, 900e9, 50e9,
-                "4 GPUs per compute tray, 72 in one NVLink domain", gemm_efficiency=0.60, attention_efficiency=0.45),
+                "4 GPUs per compute tray, 72 in one NVLink domain", gemm_efficiency=0.60, attention_efficiency=0.45,
+                sms=148),
         GpuSpec("MI300X", _gib(191.98), "AMD Instinct MI300X 192GB", 8, 8, 1.307e15, 5.3e12, 448e9, 50e9,
-                gemm_efficiency=0.45, attention_efficiency=0.30),
+                gemm_efficiency=0.45, attention_efficiency=0.30, sms=304),
     )
 }
 

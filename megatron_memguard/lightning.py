@@ -168,18 +168,20 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
 
     ``mode``: ``warn`` (default, or MEMGUARD), ``report``, ``abort``, ``off``. ``gpu`` / ``gpu_memory``: the
     GPU to check against (default MEMGUARD_GPU_MEMORY, else this rank's device). ``source``: a
-    megatron_memguard.runtime MemorySource (default: CUDA; e.g. ``LiveBytesSource()`` on CPU)."""
+    megatron_memguard.runtime MemorySource (default: CUDA; e.g. ``LiveBytesSource()`` on CPU). ``site_profile``: a
+    ``memguard calibrate`` profile file (default MEMGUARD_PROFILE)."""
 
     def __init__(self, *, mode: str | None = None, world_size: int | None = None, gpu: Any = None, gpu_memory: Any = None,
                  threshold: float | None = None, log_dir: str | None = None, interval: int | None = None, source: Any = None,
                  reset_peak: bool = False, megatron_version: str | None = None, model_config: Any = None,
-                 log_to_loggers: bool = True, emit: Callable[[str], None] | None = None):
+                 log_to_loggers: bool = True, emit: Callable[[str], None] | None = None, site_profile: str | None = None):
         if _pl is None:
             raise ImportError(f"megatron_memguard.lightning.MemguardCallback {NEEDS_LIGHTNING}")
         super().__init__()
         self.mode = mode
         self.world_size = world_size
         self.gpu, self.gpu_memory, self.threshold = gpu, gpu_memory, threshold
+        self.site_profile = site_profile
         self.log_dir = log_dir if log_dir is not None else (os.environ.get("MEMGUARD_LOG_DIR") or None)
         self.interval = interval if interval is not None else env_int("MEMGUARD_LOG_INTERVAL")
         self.source = source
@@ -203,7 +205,8 @@ class MemguardCallback(_Base):  # type: ignore[misc, valid-type]
         self.result = run_preflight(lambda: raw_config(trainer, pl_module, self.model_config), mode=self.mode,
                                     world_size=world, world_size_from=src, gpu=self.gpu, gpu_memory=self.gpu_memory,
                                     threshold=self.threshold, megatron_version=self.megatron_version, emit=self.emit,
-                                    rank0=_attr(trainer, "global_rank") in (0, None), label="Lightning pre-flight")
+                                    rank0=_attr(trainer, "global_rank") in (0, None), label="Lightning pre-flight",
+                                    site_profile=self.site_profile)
         if self.result.mode == "off":
             return
         try:

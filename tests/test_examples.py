@@ -171,7 +171,11 @@ DRIVER = textwrap.dedent("""
     script = sys.argv[2]
     sys.argv = [script] + sys.argv[3:]
     import megatron_memguard.megatron as hook
-    hook.set_memory_source(LiveBytesSource())
+    src = LiveBytesSource()
+    hook.set_memory_source(src)
+    # Megatron's report_memory reads torch.cuda's allocator statistics: the CPU live bytes here
+    torch.cuda.memory_allocated = torch.cuda.memory_reserved = lambda *a, **k: src.current
+    torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = lambda *a, **k: src.peak
     runpy.run_path(script, run_name="__main__")
     """)
 
@@ -197,3 +201,11 @@ def test_pretrain_gpt_example_with_the_one_line(tmp_path):
     recs = [json.loads(line) for line in open(tmp_path / "memguard-rank00000.jsonl")]
     assert [r["event"] for r in recs] == ["start", "sample", "sample", "summary"]
     assert recs[0]["predicted"]["device"] == "cpu" and recs[1]["actual"]["max_allocated"] > 0
+    # the example's own output is a Megatron log memguard report reads: argument table and report_memory lines
+    (tmp_path / "stdout.log").write_text(ok.stdout)
+    rep = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "report", str(tmp_path / "stdout.log"),
+                          "--device", "cpu", "--megatron-version", "0.16", "--json"], capture_output=True, text=True,
+                         env=e, cwd=ROOT)
+    doc = json.loads(rep.stdout)
+    assert [(r["rank"], r["pp_rank"], r["samples"]) for r in doc["ranks"]] == [(0, 0, 2)], rep.stderr
+    assert doc["ranks"][0]["predicted_peak_allocated"] == recs[1]["predicted"]["peak_allocated"]

@@ -230,3 +230,24 @@ def test_multi_latent_attention_through_validate_args(hook, monkeypatch, capsys)
         global_vars.unset_global_variables()
     out = capsys.readouterr().out
     assert args.multi_latent_attention and "8 heads (MLA, q rank 192, kv rank 64)" in out and "pp1 at its peak" in out
+
+
+def test_megatrons_argument_table_gives_the_same_layout(run, capsys, tmp_path):
+    # the table 0.19.2's validate_args prints (_print_args), read back from a log by memguard report / calibrate
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.report.megatron_log import read_megatron_logs
+    from megatron_memguard.report.megatron_run import raw_from_log
+    from megatron_memguard.resolve import resolve
+    flags = ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity", "selective",
+             "--memguard", "off"]
+    run(*flags)
+    log = tmp_path / "rank0.log"
+    log.write_text(capsys.readouterr().out)
+    parsed = read_megatron_logs(str(log))
+    assert parsed.args["world_size"] == 16 and parsed.args["tensor_model_parallel_size"] == 2
+    assert parsed.args["params_dtype"] == "torch.bfloat16" and parsed.args["recompute_granularity"] == "selective"
+    raw = raw_from_log(parsed)
+    got = resolve(raw, world_size=raw.world_size)
+    want = layout_from_flags(BASE + flags[:-2], world_size=16, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert got.to_dict() | {"notes": []} == want.to_dict() | {"notes": [], "env": got.to_dict()["env"]}

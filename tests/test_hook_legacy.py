@@ -258,3 +258,21 @@ def test_yaml_run_has_no_decision_left_from_an_earlier_run(legacy, capsys):
     assert legacy.initialize.validate_yaml(yaml_args, {}) is yaml_args
     assert legacy.hook.STATE.decision is None
     assert "--yaml-cfg: memguard does not read YAML-built arguments yet" in capsys.readouterr().out
+
+
+def test_site_profile_reaches_the_check(legacy, capsys, tmp_path, monkeypatch):
+    from megatron_memguard.site_profile import dump_site_profile
+    p = tmp_path / "site.yaml"
+    p.write_text(dump_site_profile({"cuda_context": 3 * 2**30, "allocator_fragmentation": 0.2}))
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard", "report", "--memguard-profile", p)
+    est = legacy.hook.STATE.decision.estimate
+    assert all(s.breakdown["cuda_context"] == 3 * 2**30 for s in est.stages)
+    assert f"site profile {p}" in capsys.readouterr().out
+    # the variable, and a bad file named with the flag and the variable, as Megatron reports bad flags
+    p.write_text("schema: memguard.site/1\nconstants: {cuda_context: 1TiB}\n")
+    monkeypatch.setenv("MEMGUARD_PROFILE", str(p))
+    with pytest.raises(SystemExit) as e:
+        legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --memguard-profile:" in err and "(from MEMGUARD_PROFILE)" in err and "constants.cuda_context" in err

@@ -117,3 +117,49 @@ def test_rank0_logs_one_line_per_stage_and_a_summary(pp2_run):
     assert "[memguard] summary pp0" in rank0 and "[memguard] summary pp1" in rank0
     assert "[memguard] iteration" not in logs[1]       # only rank 0 prints the per-stage lines
     assert "[memguard] verdict: FITS" in rank0 and "[memguard] verdict" not in logs[1]
+
+
+def _stdout_logs(pp2_run, tmp_path):
+    _, logs = pp2_run
+    for rank, text in enumerate(logs):
+        (tmp_path / f"rank{rank}.log").write_text(text)
+    return tmp_path
+
+
+def test_report_reads_the_runs_own_megatron_output(pp2_run, tmp_path):
+    # the stand-in prints report_memory as core_v0.16.1 does (CPU live bytes for the allocator's numbers) and the
+    # argument table on rank 0: memguard report compares each rank with its stage, as for its own JSONL
+    from megatron_memguard.report.megatron_log import read_megatron_logs
+    out, _ = pp2_run
+    d = _stdout_logs(pp2_run, tmp_path)
+    log = read_megatron_logs(str(d))
+    assert log.ranks == [0, 1] and [m.iteration for m in log.rank_lines(1)] == [1, 2] and log.args["world_size"] == 2
+    r = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "report", str(d), "--device", "cpu",
+                        "--megatron-version", "0.16.1", "--json"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    doc = json.loads(r.stdout)
+    for x in doc["ranks"]:
+        start = _records(out, x["rank"])[0]
+        assert x["pp_rank"] == x["rank"] and x["predicted_peak_allocated"] == start["predicted"]["peak_allocated"]
+        # the same process's numbers as its JSONL samples, to report_memory's two decimals of MiB
+        jsonl_peak = max(s["actual"]["max_allocated"] for s in _records(out, x["rank"])[1:3])
+        assert abs(x["actual_max_allocated"] - jsonl_peak) <= 0.01 * jsonl_peak
+        assert 0.85 < 1 + x["error_max_allocated"] < 1.15
+
+
+def test_calibrate_reads_both_logs_of_the_run_and_wants_more_runs(pp2_run, tmp_path):
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.calibrate.runs import read_runs
+    out, _ = pp2_run
+    d = _stdout_logs(pp2_run, tmp_path)
+    jsonl, megatron = read_runs([str(out)])[0], read_runs([str(d)], device="cpu",
+                                                          resolve_kw={"megatron_version": "0.16.1"})[0]
+    want = layout_from_flags(MODEL + ["--pipeline-model-parallel-size", "2"], world_size=2, megatron_version="0.16.1")
+    assert jsonl.layout == want and megatron.layout.to_dict() | {"notes": []} == want.to_dict() | {"notes": []}
+    assert jsonl.device == megatron.device == "cpu"
+    for a, b in zip(jsonl.observations, megatron.observations):
+        assert (a.rank, a.pp_rank) == (b.rank, b.pp_rank)
+        assert abs(a.peak_allocated - b.peak_allocated) <= 0.01 * a.peak_allocated
+    r = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "calibrate", str(out)], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and "too little data: 1 run(s)" in r.stderr and r.stderr.count("\n") == 1

@@ -196,6 +196,18 @@ def test_object_dict_and_yaml_dump_give_the_same_layout():
     assert flat.estimate.to_dict()["stages"] == estimate(L, gpu=flat.gpu, threshold=0.8).to_dict()["stages"]
 
 
+def test_site_profile_argument_and_variable(tmp_path, monkeypatch):
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.site_profile import dump_site_profile
+    p = tmp_path / "site.yaml"
+    p.write_text(dump_site_profile({"cuda_context": 3 * 2**30}))
+    r = preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1], site_profile=str(p))
+    assert r.estimate.stages[0].breakdown["cuda_context"] == 3 * 2**30
+    monkeypatch.setenv("MEMGUARD_PROFILE", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="^MEMGUARD_PROFILE: cannot read site profile"):
+        preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1])
+
+
 def test_a_field_set_after_overrides_changes_the_estimate():
     cfg = ConfigContainer()
     a = preflight(cfg, world_size=32, gpu="H100-80GB", emit=quiet()[1])

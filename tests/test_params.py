@@ -77,3 +77,15 @@ def test_default_bucket_size_scales_with_dp_times_cp():
                                 "--use-distributed-optimizer"), world_size=64)
     assert (L.data_parallel_size, L.context_parallel_size) == (32, 2)
     assert bucket_size_for(L, L.chunks[0]) == 64_000_000
+
+
+def test_distributed_optimizer_alone_in_its_group_holds_the_whole_state_once():
+    """DP x CP = 1: the distributed optimizer's one rank owns every element once, as the plain optimizer
+    does: fp32 master weights and two Adam moments, 4 B each per element of the (padded) buffer. Found on
+    Fujii et al.'s TP4 PP2 run on 8 A100-40GB (DP 1), which ran while a doubled state would not fit."""
+    args = flags(LLAMA31_8B, "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                 "--sequence-parallel", "--use-distributed-optimizer")
+    st = stage_states(layout_from_flags(args, world_size=8), 0)
+    assert st.main_param_bytes == st.exp_avg_bytes == st.exp_avg_sq_bytes == 4 * st.buffer_numel
+    plain = stage_states(layout_from_flags([a for a in args if a != "--use-distributed-optimizer"], world_size=8), 0)
+    assert st.parameters == plain.parameters and st.buffer_numel - plain.parameters < 1_000_000

@@ -199,3 +199,50 @@ def test_planner_is_pure_python():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == ""
+
+
+def test_config_breaking_its_own_format_rules_exits_2(capsys, tmp_path):
+    """A Bridge YAML whose dataset.seq_length disagrees with model.seq_length is refused by plan as by estimate."""
+    from test_readers_bridge import FLAT
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(FLAT.replace("dataset: {seq_length: 1024}", "dataset: {seq_length: 2048}"))
+    for cmd in (["plan", "--gpus", "8", "--global-batch-size", "32"], ["estimate", "--world-size", "8"]):
+        code = main([*cmd, "--config", str(cfg)])
+        err = capsys.readouterr().err
+        assert code == 2 and "model.seq_length" in err and "Traceback" not in err, (cmd, err)
+
+
+def test_bare_explain_shows_the_chosen_layout_and_the_runner_up_side_by_side(capsys):
+    code, out, _ = run(capsys, *BASE, "--top", "2", "--json")
+    ranked = [e["name"] for e in json.loads(out)["layouts"]]
+    code, out, _ = run(capsys, *BASE, "--explain")
+    assert code == 0
+    assert f"A: #1 (chosen): " in out and f"({ranked[0]})" in out and f"B: #2 (runner-up): " in out and f"({ranked[1]})" in out
+    terms = _explain_text_terms(out)
+    step = terms.pop("= step")
+    assert list(terms) == list(TERM_NAMES) and sum(terms.values()) == pytest.approx(step, abs=1e-3)
+    code, out, _ = run(capsys, *BASE, "--explain", "--json")
+    doc = json.loads(out)
+    assert doc["name"] == ranked[0] and doc["compared_with"]["name"] == ranked[1]
+    assert doc["role"] == "#1 (chosen)" and doc["compared_with"]["role"] == "#2 (runner-up)"
+    diff = doc["term_differences_s"]
+    assert sum(diff.values()) == pytest.approx(doc["compared_with"]["step_time_s"] - doc["step_time_s"], rel=1e-9)
+    # a layout of one's own is shown next to the chosen one
+    code, out, _ = run(capsys, *BASE, "--explain", "tp=8,pp=1,cp=1,mbs=1", "--json")
+    doc = json.loads(out)
+    assert doc["role"] == "asked" and doc["compared_with"]["name"] == ranked[0]
+    assert doc["step_time_s"] > doc["compared_with"]["step_time_s"]
+
+
+def test_cluster_speeds_from_the_command_line(capsys):
+    """--network-gbps replaces the GPU table's network: data-parallel traffic slows on a slower fabric."""
+    args = ["plan", "--gpus", "256", "--gpu", "A100-40GB", "--seq-length", "8192", "--global-batch-size", "1024",
+            "--explain", "tp=4,pp=1,cp=2,mbs=1", "--json"]
+    doc = json.loads(run(capsys, *args)[1])
+    slow = json.loads(run(capsys, *args, "--network-gbps", "25")[1])
+    assert slow["step_time_terms"]["dp_comm"] > doc["step_time_terms"]["dp_comm"]
+    assert slow["step_time_terms"]["gemm"] == doc["step_time_terms"]["gemm"]
+    fast = json.loads(run(capsys, *args, "--gemm-efficiency", "0.39")[1])       # half the A100 table's 0.78
+    assert fast["step_time_terms"]["gemm"] == pytest.approx(2 * doc["step_time_terms"]["gemm"], rel=0.02)
+    code, _, err = run(capsys, *args, "--attention-efficiency", "0")
+    assert code == 2 and "--attention-efficiency" in err and "(0, 1]" in err

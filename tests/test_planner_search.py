@@ -138,24 +138,17 @@ def test_smallest_model_parallelism_that_fits_wins_when_memory_allows():
     assert (best.tp, best.pp, best.cp, best.mbs, best.recompute) == (2, 1, 1, 1, "none")
 
 
-def test_micro_batch_one_is_best_with_pipelines():
-    """With PP > 1 a larger micro-batch means fewer micro-batches and a larger bubble; at seq 8192 the
-    GEMMs are already large, so MBS 1 wins (Hagemann et al. 2023): the best layout has MBS 1, and in
-    plain 1F1B every layout is faster with MBS 1 than with MBS 2. (With many virtual stages the bubble
-    all but vanishes and MBS 2 can be marginally faster: 'often', not 'always'.)"""
+def test_micro_batch_one_wins_at_long_sequences_with_many_virtual_stages():
+    """Llama-3.1-70B on 1024 H100s at sequence 8192: the chosen layout has MBS 1 and no recomputation, the
+    shape of NVIDIA's Llama-3 70B recipes (TP4 PP4 CP2, virtual stages). That MBS 1 is best everywhere is
+    not claimed: Megatron ran Llama-3.1-8B faster with MBS 2 than with MBS 1 in every layout of Fujii et
+    al.'s A100 sweeps where both fit (tests/test_planner_measured.py), and Hagemann et al.'s sweeps go
+    both ways."""
     P = make_planner(LLAMA31_70B, 1024, 8192, 1024)
     res = P.plan(top=5)
-    assert res.entries[0].candidate.mbs == 1 and res.entries[0].candidate.recompute == "none"
-    cands = enumerate_space(P.shape, P.cluster, 1024, Constraints(cp=(1,)))
-    by = {(c.tp, c.pp, c.vpp, c.first, c.sp, c.recompute, c.dist_opt, c.mbs): c for c in cands}
-    n = 0
-    for (tp, pp, vpp, first, sp, rc, dist, mbs), c in by.items():
-        if pp > 1 and vpp == 1 and mbs == 2:
-            one = by.get((tp, pp, vpp, first, sp, rc, dist, 1))
-            if one is not None:
-                assert P.step_time(one).seconds < P.step_time(c).seconds
-                n += 1
-    assert n > 20
+    best = res.entries[0].candidate
+    assert best.mbs == 1 and best.recompute == "none"
+    assert (best.tp, best.pp, best.cp) == (4, 4, 2) and best.vpp > 1
 
 
 def test_tp_stays_inside_nodes_even_when_allowed_to_leave():

@@ -4,12 +4,16 @@ import pytest
 from megatron_memguard import layout_from_flags
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.planner.space import Constraints, enumerate_space
-from megatron_memguard.planner.timing import TERM_NAMES, gemm_efficiency
+from megatron_memguard.gpus import lookup_gpu
+from megatron_memguard.planner.kernels import attention_seconds, gemm_efficiency, wave_efficiency
+from megatron_memguard.planner.timing import TERM_NAMES, ring_attention_steps
 
 from conftest import LLAMA31_70B, LLAMA31_8B
 from planner_util import key_of, make_planner
 
 TiB = 2**40
+# what the pipeline bubble idles: the stage's own work and its exposed TP / CP communication
+WORK = ("gemm", "attention", "elementwise", "kernel_gaps", "recompute", "tp_comm", "cp_comm")
 
 
 def test_model_flops_per_token_llama31_8b():
@@ -42,7 +46,7 @@ def test_bubble_is_pp_minus_1_over_vpp_m_of_the_stage_work(model, gpus, gbs):
     checked = 0
     for c in cands:
         t = P.step_time(c).term_seconds
-        work = t["compute"] + t["recompute"] + t["tp_comm"] + t["cp_comm"]
+        work = sum(t[k] for k in WORK)
         assert t["bubble"] == pytest.approx((c.pp - 1) / (c.vpp * c.m) * work, rel=1e-12)
         if c.pp > 1:
             checked += 1
@@ -56,7 +60,7 @@ def test_bubble_by_hand_70b_tp8_pp4_vpp5():
     c = make_candidate(P.shape, P.cluster, 1024, tp=8, pp=4, vpp=5, cp=1, mbs=1)
     assert (c.dp, c.m) == (32, 32)
     t = P.step_time(c).term_seconds
-    work = t["compute"] + t["recompute"] + t["tp_comm"] + t["cp_comm"]
+    work = sum(t[k] for k in WORK)
     assert t["bubble"] / work == pytest.approx(0.01875)
 
 
@@ -129,12 +133,38 @@ def test_pp_never_ranks_higher_in_the_documented_example():
                 assert j < i
 
 
-def test_gemm_efficiency_grows_with_size_and_tp_shrinks_it():
-    e = [gemm_efficiency(n, n, n, 0.7) for n in (256, 1024, 4096, 16384)]
-    assert e == sorted(e) and 0.68 < e[-1] < 0.7
+def test_gemm_efficiency_by_hand():
+    """A100 (108 SMs, large-GEMM efficiency 0.78), 8192 x 8192 x 8192: 32 x 64 = 2048 output tiles of 256 x 128
+    = 18.96 waves, at 18.96 / 19.46 of the full rate (the last wave half full on average); the reduction of
+    8192 runs at 8192 / (8192 + 128)."""
+    a100 = lookup_gpu("A100-80GB")
+    w = 2048 / 108
+    assert gemm_efficiency(8192, 8192, 8192, a100) == pytest.approx(0.78 * w / (w + 0.5) * 8192 / 8320, rel=1e-12)
+    # half a wave keeps half the SMs busy; two waves lose a quarter wave's worth on average
+    assert wave_efficiency(54, 108) == pytest.approx(0.5) and wave_efficiency(216, 108) == pytest.approx(0.8)
+    # edge tiles count whole: 200 x 100 fills one 256 x 128 tile to 61%
+    assert gemm_efficiency(200, 100, 1024, a100) == pytest.approx(
+        0.78 * (1 / 108) * (200 * 100 / (256 * 128)) * 1024 / 1152, rel=1e-12)
+    e = [gemm_efficiency(n, n, n, a100) for n in (256, 1024, 4096, 16384)]
+    assert e == sorted(e) and 0.76 < e[-1] < 0.78
     P = make_planner(LLAMA31_70B, 64, 8192, 64)
     effs = [P.timer.layer_cost(tp, 1, 1, True).gemm_eff for tp in (1, 2, 4, 8)]
     assert effs == sorted(effs, reverse=True)
+
+
+def test_attention_flops_by_hand_and_the_context_parallel_ring():
+    """Causal attention of 8192 tokens, 32 heads of 128: QK^T and PV are 2 x 2 x 8192 x 8192 x 32 x 128 FLOPs,
+    half of it unmasked: 5.498e11. Megatron's load-balanced ring splits it over CP ranks exactly (each rank:
+    1/CP of it, in CP steps), with kernels on shorter blocks that run at a lower rate."""
+    h100 = lookup_gpu("H100-80GB")
+    fwd, bwd, flops = attention_seconds(1, 32, 8192, 8192, True, 128, 128, h100)
+    assert flops == 2 * 2 * 8192 * 8192 * 32 * 128 / 2 == 549_755_813_888
+    assert bwd == pytest.approx(2.5 * fwd)
+    for cp in (2, 4, 8):
+        steps = ring_attention_steps(1, 32, 8192, cp, 128, 128, h100)
+        assert len(steps) == cp
+        assert sum(x[2] for x in steps) == pytest.approx(flops / cp, rel=1e-12)
+        assert sum(x[0] for x in steps) > fwd / cp
 
 
 def test_tp_across_nodes_costs_more_than_inside():
@@ -151,11 +181,11 @@ def test_pipeline_transfers_use_nvlink_only_when_the_pipeline_stays_in_a_node():
     """PP is the outermost rank dimension: stage i holds ranks [4i, 4i+4) for TP2 DP2 below. On one 8-GPU node
     every boundary is NVLink; on two nodes the stage 1 -> 2 boundary crosses nodes and paces the pipeline."""
     from megatron_memguard.planner.space import make_candidate
-    from megatron_memguard.planner.timing import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, P2P_LATENCY
+    from megatron_memguard.planner.comm import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, P2P_LATENCY
     nbytes = 8192 * 4096 * 2 // 2                  # MBS 1 x seq x hidden x bf16 / TP (SP)
     for gpus, link, eff in ((8, "nvlink_bytes_per_s", NVLINK_EFFICIENCY), (16, "network_bytes_per_s", NETWORK_EFFICIENCY)):
         P = make_planner(LLAMA31_8B, gpus, 8192, 64)
         c = make_candidate(P.shape, P.cluster, 64, tp=2, pp=4, mbs=1)
         bw = getattr(P.cluster.gpu, link) * eff
         assert P.step_time(c).term_seconds["pp_p2p"] == pytest.approx(2 * c.m * (P2P_LATENCY + nbytes / bw), rel=1e-12)
-        assert ("NVLink" if gpus == 8 else "the network") in P.timer.explain(c).terms[4].detail
+        assert ("NVLink" if gpus == 8 else "the network") in P.timer.explain(c).terms[TERM_NAMES.index("pp_p2p")].detail

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError, ConfigErrors, MemguardError, ReaderError
-from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu
+from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, target_gpu, target_site
 
 if TYPE_CHECKING:
     from ..config import RawConfig
@@ -129,6 +129,10 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
     def here(path: str) -> str:
         return path if os.path.isabs(path) or not ns.cwd else os.path.join(cwd, path)
 
+    if not ns.site_profile and cmd.env.get("MEMGUARD_PROFILE"):  # the hook would read the launch's variable
+        ns.site_profile = here(cmd.env["MEMGUARD_PROFILE"])
+        notes.append(f"site profile {ns.site_profile} from the launch's MEMGUARD_PROFILE")
+
     if sa.kind == "megatron":
         if ns.set:
             raise ConfigError("--set", "KEY=VALUE overrides apply to NeMo / Megatron-Bridge configs; this launch passes "
@@ -150,6 +154,9 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
                 from ..units import parse_bytes
                 parse_bytes(hook["--memguard-gpu-memory"], "--memguard-gpu-memory")  # its key in the error
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
+            if not ns.site_profile and hook.get("--memguard-profile"):
+                ns.site_profile = here(hook["--memguard-profile"])
+                notes.append(f"site profile {ns.site_profile} from the launch's --memguard-profile")
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags",
                                    expand=False)
         if ns.model:
@@ -225,7 +232,7 @@ def _check(ns, flags: list[str]) -> int:
                           "WORLD_SIZE / SLURM_NTASKS are not set", "give --world-size N")
     layout = resolve(raw, world_size=world, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
-    est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold)
+    est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, site=target_site(ns))
     fits = est.verdict in ("fits", "unknown") and not problems
     suggestion = None
     if est.verdict in ("tight", "will not fit") and not ns.no_suggest:
@@ -309,7 +316,7 @@ def _verdict_words(est) -> str:
 # install the hook): the switches, then those that take a value.
 HOOK_SWITCHES = ("--memguard-reset-peak", "--memguard-allow-recompute")
 HOOK_VALUE_FLAGS = ("--memguard", "--memguard-threshold", "--memguard-gpu-memory", "--memguard-log-interval",
-                    "--memguard-log-dir")
+                    "--memguard-log-dir", "--memguard-profile")
 
 
 def _hook_flags(flags: list[str]) -> tuple[list[str], dict[str, str | None]]:

@@ -15,6 +15,7 @@ from ..numbers import INT32_MAX, MAX_WORLD_SIZE, WORLD_SIZE_WHY
 
 if TYPE_CHECKING:
     from ..config import RawConfig
+    from ..estimator.site import SiteConstants
     from ..gpus import GpuSpec
 
 EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
@@ -81,6 +82,9 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", help="GPU memory as PyTorch reports it, e.g. 79.1GiB (overrides --gpu's)")
     g.add_argument("--threshold", type=float, default=0.8,
                    help="fraction of GPU memory the device total may use and still 'fit' (default 0.8, Fujii et al.)")
+    g.add_argument("--site-profile", metavar="FILE",
+                   help="site constants fitted by memguard calibrate (CUDA context, NCCL buffers, workspaces, allocator "
+                        "slack); default $MEMGUARD_PROFILE, else memguard's defaults")
     m = p.add_argument_group("model")
     m.add_argument("--config", help="a Megatron functional-test model_config.yaml, a launch command / script, a NeMo 1 "
                                     "(or launcher, .nemo) / Megatron-Bridge / NeMo 2 YAML, or a Hugging Face config.json")
@@ -117,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("validate", "check a config against Megatron's rules and the memory verdict"),
                            ("plan", "search layouts that fit and rank them"),
                            ("check", "pre-flight a launch command"),
-                           ("report", "render predicted vs actual memory of a run")):
+                           ("report", "render predicted vs actual memory of a run (memguard's JSONL or Megatron's logs)"),
+                           ("calibrate", "fit a site's constants (CUDA context, NCCL buffers, workspaces, allocator "
+                                         "slack) from its runs' logs")):
         sp = sub.add_parser(name, help=helptext, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -199,6 +205,14 @@ def target_gpu(ns: argparse.Namespace) -> tuple[GpuSpec | None, int | None]:
     return gpu, mem
 
 
+def target_site(ns: argparse.Namespace) -> SiteConstants | None:
+    """The constants of --site-profile (or $MEMGUARD_PROFILE); None: memguard's defaults."""
+    from ..site_profile import site_from
+
+    prof = site_from(getattr(ns, "site_profile", None))
+    return prof.constants if prof is not None else None
+
+
 def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     from ..estimator import estimate
     from ..report.text import render
@@ -214,7 +228,7 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     layout = resolve(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
     est = estimate(layout, profile=ns.profile, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold,
-                   dp_rank=ns.dp_rank)
+                   dp_rank=ns.dp_rank, site=target_site(ns))
     if ns.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:
@@ -233,11 +247,20 @@ def cmd_gpus(ns: argparse.Namespace) -> int:
 
     if ns.json:
         print(json.dumps({g.name: {"memory_bytes": g.memory_bytes, "nominal": g.nominal, "gpus_per_node": g.gpus_per_node,
-                                   "bf16_flops": g.bf16_flops} for g in GPUS.values()}, indent=2))
+                                   "nvlink_domain": g.nvlink_domain, "bf16_flops": g.bf16_flops,
+                                   "hbm_bytes_per_s": g.hbm_bytes_per_s, "nvlink_bytes_per_s": g.nvlink_bytes_per_s,
+                                   "network_bytes_per_s": g.network_bytes_per_s, "gemm_efficiency": g.gemm_efficiency,
+                                   "attention_efficiency": g.attention_efficiency, "sms": g.sms}
+                          for g in GPUS.values()}, indent=2))
         return 0
-    rows = [[g.name, g.nominal, format_bytes(g.memory_bytes), str(g.gpus_per_node), f"{g.bf16_flops / 1e12:.0f}"]
-            for g in GPUS.values()]
-    print(table(rows, ["gpu", "part", "memory (as PyTorch reports)", "per node", "bf16 TFLOP/s"], right=(2, 3, 4)))
+    rows = [[g.name, g.nominal, format_bytes(g.memory_bytes), str(g.gpus_per_node), f"{g.bf16_flops / 1e12:.0f}",
+             f"{g.hbm_bytes_per_s / 1e12:.2f}", f"{g.nvlink_bytes_per_s / 1e9:.0f}", f"{g.network_bytes_per_s * 8 / 1e9:.0f}",
+             f"{g.gemm_efficiency:.2f}", f"{g.attention_efficiency:.2f}", str(g.sms)] for g in GPUS.values()]
+    print(table(rows, ["gpu", "part", "memory (as PyTorch reports)", "per node", "bf16 TFLOP/s", "HBM TB/s",
+                       "NVLink GB/s", "network Gb/s", "GEMM eff.", "attention eff.", "SMs"],
+                right=tuple(range(2, 11))))
+    print("\nLinks per GPU and direction. The speed columns (HBM to SMs) feed `memguard plan`'s step-time model; set your "
+          "cluster's own with --network-gbps, --gemm-efficiency, --attention-efficiency (docs/planner.md).")
     return 0
 
 
@@ -255,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _no_command()
     cmd = own[0]
     try:
-        if cmd in ("validate", "plan", "check", "report"):
+        if cmd in ("validate", "plan", "check", "report", "calibrate"):
             import importlib
             try:
                 mod = importlib.import_module(f"megatron_memguard.cli.{cmd}")

@@ -2,6 +2,7 @@
 
     memguard plan --gpus 128 --gpu H100-80GB --seq-length 8192 --global-batch-size 1024 --model llama3.1-70b -- --bf16
     memguard plan --gpus 64 --seq-length 8192 --global-batch-size 512 -- --num-layers 32 --hidden-size 4096 ...
+    memguard plan ... --explain                       # the chosen layout and the runner-up, term by term
     memguard plan ... --explain tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none
 
 Exit codes: 0 at least one layout fits, 1 none fits (or the explained layout does not fit), 2 bad input.
@@ -14,15 +15,16 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigErrors
 
 if TYPE_CHECKING:
+    from ..gpus import GpuSpec
     from ..planner import Planner
     from ..planner.search import PlanResult
     from ..report.plots import Plot
 from .main import (
     EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
-    target_gpu,
+    target_gpu, target_site,
 )
 
 DEFAULT_TOP = 5
@@ -74,13 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sp", dest="sp", action=argparse.BooleanOptionalAction, default=None,
                    help="require (or forbid) sequence parallelism when TP > 1")
     c.add_argument("--no-uneven", action="store_true", help="only even pipeline splits")
+    k = p.add_argument_group("cluster speeds (the step-time model; defaults: --gpu's row of `memguard gpus`)")
+    k.add_argument("--network-gbps", type=float, metavar="GBPS",
+                   help="network bandwidth per GPU and direction in Gb/s (400: one NDR NIC per GPU; 100: four "
+                        "200 Gb/s HDR ports shared by 8 GPUs)")
+    k.add_argument("--gemm-efficiency", type=float, metavar="FRACTION",
+                   help="fraction of peak bf16 FLOP/s a large GEMM sustains on your GPUs (measured)")
+    k.add_argument("--attention-efficiency", type=float, metavar="FRACTION",
+                   help="fraction of peak bf16 FLOP/s fused causal attention sustains at long sequences (measured)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=DEFAULT_TOP, help=f"how many layouts to show (default {DEFAULT_TOP})")
     o.add_argument("--rule", choices=RULES, default="time",
                    help="time: predicted step time (default); fujii2024: smallest TP*CP*PP that fits, then largest MBS")
     o.add_argument("--json", action="store_true", help="machine-readable output")
-    o.add_argument("--explain", metavar="LAYOUT", help="print each step-time term of one layout, "
-                   "e.g. tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none")
+    o.add_argument("--explain", metavar="LAYOUT", nargs="?", const="", default=None,
+                   help="print each step-time term of the chosen layout and the runner-up side by side; with "
+                        "LAYOUT (e.g. tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none), of that layout and the chosen one")
     o.add_argument("--plot", metavar="FILE", help="draw predicted throughput against peak memory of the layouts that fit, "
                    "the Pareto front and the chosen layout: FILE.png, FILE.svg or FILE.html (needs matplotlib: "
                    "pip install 'megatron-memguard[plot]')")
@@ -119,11 +130,29 @@ def _constraints(ns: argparse.Namespace):
     )
 
 
+def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace) -> GpuSpec:
+    """The GPU's row with the speeds the user measured on their cluster."""
+    changes: dict[str, float] = {}
+    if ns.network_gbps is not None:
+        if not ns.network_gbps > 0:
+            raise ConfigError("--network-gbps", f"must be > 0 Gb/s per GPU, got {ns.network_gbps}")
+        changes["network_bytes_per_s"] = ns.network_gbps * 1e9 / 8
+    for flag, field in (("--gemm-efficiency", "gemm_efficiency"), ("--attention-efficiency", "attention_efficiency")):
+        v = getattr(ns, field)
+        if v is not None:
+            if not 0 < v <= 1:
+                raise ConfigError(flag, f"must be a fraction of peak in (0, 1], got {v}")
+            changes[field] = v
+    return dataclasses.replace(gpu, **changes) if changes else gpu
+
+
 def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     from ..gpus import lookup_gpu
     from ..planner import Cluster, Planner
 
     raw = load_raw(ns, flags)  # --model, --config and/or flags
+    if raw.problems:  # the config breaks a rule of its own format, refused as estimate and check refuse it
+        raise ConfigErrors(list(raw.problems))
     # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
     # the rest of the shell's environment has no business in the layouts the planner prints.
     raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})
@@ -138,6 +167,7 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     if gpu is None:
         gpu = lookup_gpu("H100-80GB")
         notes.append("no --gpu given: H100-80GB's speeds are used for the step-time model")
+    gpu = cluster_speeds(gpu, ns)
     gpn = ns.nproc_per_node or raw.gpus_per_node or gpu.gpus_per_node
     if gpn < 1:
         raise ConfigError("--gpus-per-node", f"must be >= 1, got {gpn}")
@@ -145,7 +175,8 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     cluster = Cluster(gpus=world, gpus_per_node=min(gpn, world), gpu=gpu, nvlink_domain=min(domain, world),
                       gpu_memory_bytes=mem or gpu.memory_bytes)
     planner = Planner(raw, cluster, seq_length=ns.seq_length, global_batch_size=ns.global_batch_size,
-                      threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+                      threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
+                      site=target_site(ns))
     planner.notes[:0] = notes
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
@@ -195,8 +226,8 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         best = res.entries[0]
         L = best.layout
         out.append("")
-        out.append(f"chosen: #1 {best.candidate.label} ({best.candidate.name}); explain it with "
-                   f"--explain {best.candidate.name}")
+        out.append(f"chosen: #1 {best.candidate.label} ({best.candidate.name}); --explain shows its step-time "
+                   f"terms next to the runner-up's")
         out.append("")
         out.append("Megatron flags:")
         out.append("  " + " \\\n  ".join(megatron_flags(L)))
@@ -252,20 +283,20 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         raise ConfigError("--top", f"must be >= 1, got {ns.top}")
     fmt = None
     if ns.plot:  # fail before searching when the file name or matplotlib is wrong
-        if ns.explain:
+        if ns.explain is not None:
             raise ConfigError("--plot", "draws the ranked layouts; it does not combine with --explain")
         from ..report.plots import output_format, require_matplotlib
         fmt = output_format(ns.plot)
         require_matplotlib()
     planner = make_planner(ns, flags)
-    if ns.explain:
-        from ..planner.explain import explain, render_explanation
-        x = explain(planner, ns.explain)
+    if ns.explain is not None:
+        from ..planner.explain import compare, comparison_dict, render_explanation
+        xs = compare(planner, ns.explain or None, _constraints(ns), ns.rule)
         if ns.json:
-            print(json.dumps(x.to_dict(), indent=2))
+            print(json.dumps(comparison_dict(xs), indent=2))
         else:
-            print(render_explanation(planner, x))
-        return EXIT_FITS if x.estimate.verdict == "fits" else EXIT_PROBLEM
+            print(render_explanation(planner, xs))
+        return EXIT_FITS if xs[0].estimate.verdict == "fits" else EXIT_PROBLEM
     top = ns.top
     if ns.plot:
         # The ranked search visits layouts best first, so a longer search keeps the same first entries.

@@ -1,38 +1,104 @@
-"""``memguard report LOGDIR``: predicted vs actual memory of a run, from its runtime JSONL files.
+"""``memguard report LOGS...``: predicted vs actual memory of a run, from memguard's runtime JSONL files or
+from Megatron's own training logs.
 
     memguard report /path/to/memguard-logs                    # summary tables on the terminal
     memguard report /path/to/memguard-logs --out report.html  # one offline HTML page (figure + tables)
     memguard report /path/to/memguard-logs --out report.png   # the figure with the error table
+    memguard report train.log [rank*.log ...]                  # Megatron's stdout / stderr of any ranks
+    memguard report logs/ --config run.sh --gpu A100-80GB      # the configuration from a launch script
 
-LOGDIR is the ``--memguard-log-dir`` of the Megatron hook (or of the callbacks): one
-``memguard-rankNNNNN.jsonl`` per rank. Files may be given instead of a directory.
+A directory with ``memguard-rankNNNNN.jsonl`` files (the hook's / callbacks' ``--memguard-log-dir``) is read
+as memguard's own log, with the predictions it recorded. Any other log is read as Megatron's output: the
+``[Rank N] (after K iterations) memory (MB) | ...`` lines of ``report_memory``, compared with the
+prediction for each rank's pipeline stage; the configuration comes from ``--config`` / flags after ``--``,
+else from the argument table Megatron prints at start-up. A CUDA out-of-memory error in the log gets its
+forensics: the stage and term the estimate blames and how far off it was.
 
 Exit codes: 0 every rank within its prediction + tolerance; 1 a rank exceeded it or ran out of
-memory; 2 bad input (missing or empty directory, a malformed line: file and line are named).
+memory; 2 bad input (missing or empty directory, a malformed line, a log without memory lines).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser
+from .main import (EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world,
+                   target_gpu, target_site)
+
+FORMATS = ("auto", "jsonl", "megatron")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="memguard report", description="Predicted vs actual peak memory per rank of a run, from the "
-                "memguard-rankNNNNN.jsonl files the Megatron hook (--memguard-log-dir) or the callbacks write.")
-    p.add_argument("logdir", nargs="+", metavar="LOGDIR", help="the run's log directory (or its JSONL files)")
+                "memguard-rankNNNNN.jsonl files the Megatron hook (--memguard-log-dir) or the callbacks write, or from "
+                "Megatron's own training logs.")
+    p.add_argument("logdir", nargs="+", metavar="LOGS", help="the run's log directory, its JSONL files, or Megatron log "
+                                                              "files / directories")
     p.add_argument("--out", metavar="FILE", help="write the report: FILE.html (one offline page), FILE.png or FILE.svg "
                                                  "(needs matplotlib: pip install 'megatron-memguard[plot]')")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="jsonl: memguard's runtime files; megatron: Megatron's text logs; auto (default): jsonl when the "
+                        "logs hold memguard-rank*.jsonl files")
     p.add_argument("--run", choices=("last", "all"), default="last",
-                   help="a restarted job appends to its files: show the last run (default) or all of them")
+                   help="a restarted job appends to its JSONL files: show the last run (default) or all of them")
     p.add_argument("--all-ranks", action="store_true", help="list every rank on the terminal (default: at most 32)")
-    p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines with a warning instead of failing")
+    p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed JSONL lines with a warning instead of failing")
     p.add_argument("--json", action="store_true", help="the numbers as JSON (schema memguard.report/1)")
+    m = p.add_argument_group("Megatron logs (the prediction)")
+    m.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="the job's environment where it changes memory (CUBLAS_WORKSPACE_CONFIG, NCCL_BUFFSIZE, ...); "
+                        "Megatron's argument table does not show it")
+    m.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="cpu: a run on CPU (no GPU-only terms)")
+    add_target_options(p)
     return p
+
+
+def is_jsonl_run(paths: Sequence[str]) -> bool:
+    """Whether ``paths`` are memguard's runtime files (a .jsonl file, or a directory holding some)."""
+    import glob
+    for p in paths:
+        if os.path.isdir(p):
+            if glob.glob(os.path.join(p, "memguard-rank*.jsonl")) or glob.glob(os.path.join(p, "*.jsonl")):
+                return True
+        elif p.endswith(".jsonl"):
+            return True
+    return False
+
+
+def job_env(pairs: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for kv in pairs:
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise ConfigError("--env", f"expects KEY=VALUE, got {kv!r}")
+        env[k] = v
+    return env
+
+
+def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool]:
+    """(raw config, estimate, tp-pp-dp rank order) for a Megatron log: the configuration from --config / --model /
+    flags, else from the log's argument table."""
+    import dataclasses
+
+    from ..estimator import estimate
+    from ..report.megatron_run import raw_from_log, tp_pp_dp_mapping
+    from ..resolve import resolve
+
+    given = bool(ns.config or ns.model or flags or ns.set)
+    raw = load_raw(ns, flags) if given else raw_from_log(log)
+    env = job_env(ns.env)
+    if env:
+        raw = dataclasses.replace(raw, env={**raw.env, **env})
+    layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=ns.megatron_version,
+                     vocab_size=ns.vocab_size)
+    gpu, mem = target_gpu(ns)
+    est = estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=0,
+                   site=target_site(ns))
+    return raw, est, tp_pp_dp_mapping(raw)
 
 
 def run(own_args: Sequence[str], flags: list[str]) -> int:
@@ -40,9 +106,6 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         ns = build_parser().parse_args(list(own_args))
     except SystemExit as e:          # --help (0) or a usage error, already printed (2)
         return int(e.code or 0)
-    if flags:
-        raise ConfigError("--", f"memguard report takes no flags after -- (got {' '.join(flags)})")
-    from ..report.runlog import read_run
     from ..report.runreport import figure_table, metrics_of, render_text, report_html, to_json, verdict
 
     fmt = None
@@ -54,18 +117,69 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     def warn(msg: str) -> None:
         print(f"memguard: warning: {msg}", file=sys.stderr)
 
-    log = read_run(ns.logdir, run=ns.run, skip_bad_lines=ns.skip_bad_lines, warn=warn)
+    kind = ns.format if ns.format != "auto" else ("jsonl" if is_jsonl_run(ns.logdir) else "megatron")
+    forensics: list[Any] = []
+    if kind == "jsonl":
+        if flags:
+            raise ConfigError("--", f"memguard report takes no flags after -- for memguard's JSONL files (got "
+                                    f"{' '.join(flags)}); the files carry their predictions")
+        from ..report.runlog import read_run
+        log = read_run(ns.logdir, run=ns.run, skip_bad_lines=ns.skip_bad_lines, warn=warn)
+    else:
+        from ..report.megatron_log import read_megatron_logs
+        from ..report.megatron_run import megatron_runlog, pp_rank_of
+        from ..report.oom import blame
+
+        mlog = read_megatron_logs(ns.logdir)
+        if not mlog.memory and not mlog.ooms:
+            megatron_runlog(mlog, None)    # the one-line error naming the files
+        raw, est, tp_pp_dp = megatron_prediction(ns, flags, mlog)
+        for ev in mlog.ooms:
+            pp = mlog.memguard_oom_ranks.get(ev.rank) if ev.rank is not None else None
+            if pp is None and ev.rank is not None and ev.rank < est.layout.world_size:
+                pp = pp_rank_of(ev.rank, est.layout, tp_pp_dp)
+            started = bool(mlog.iterations) or any(m.iteration for m in mlog.memory)
+            forensics.append(blame(ev, est, pp, started))
+        if not mlog.memory:      # only an out-of-memory error: the forensics are the report
+            return _oom_only(ns, mlog, forensics)
+        log = megatron_runlog(mlog, est, tp_pp_dp)
+        where = "a CPU run" if ns.device == "cpu" else (
+            f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory else " (the default; --gpu names the run's GPU)"))
+        log.notes.append(f"prediction from {raw.source}; {where}")
     if ns.json:
-        print(json.dumps(to_json(log), indent=2))
+        doc = to_json(log)
+        if kind == "megatron":
+            doc["oom_forensics"] = [f.to_dict() for f in forensics]
+        print(json.dumps(doc, indent=2))
     else:
         print(render_text(log, all_ranks=ns.all_ranks))
+        for f in forensics:
+            print()
+            print("\n".join(f.lines()))
     if ns.out:
         from ..report.plots import report_figure, write
         metrics = [m for m in metrics_of(log) if m != "device_used"] or ["max_allocated"]
         plot = report_figure(log, metrics=metrics, table_rows=None if fmt == "html" else figure_table(log))
         write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out")
         print(f"memguard: report written to {ns.out}", file=sys.stderr)
-    return EXIT_FITS if verdict(log, metrics_of(log))["ok"] else EXIT_PROBLEM
+    return EXIT_FITS if verdict(log, metrics_of(log))["ok"] and not forensics else EXIT_PROBLEM
 
 
-__all__ = ["run", "build_parser", "EXIT_BAD_INPUT"]
+def _oom_only(ns: argparse.Namespace, mlog: Any, forensics: list[Any]) -> int:
+    if ns.out:
+        raise ConfigError("--out", "the log holds an out-of-memory error but no memory lines to draw")
+    if ns.json:
+        print(json.dumps({"schema": "memguard.report/1", "location": mlog.files[0] if len(mlog.files) == 1 else
+                          f"{len(mlog.files)} log files", "files": mlog.files, "ranks": [],
+                          "oom_forensics": [f.to_dict() for f in forensics], "notes": mlog.notes}, indent=2))
+    else:
+        print(f"memguard report - {', '.join(mlog.files[:3])}: no memory lines; {len(forensics)} out-of-memory error(s)")
+        for f in forensics:
+            print()
+            print("\n".join(f.lines()))
+        print()
+        print("result: OOM")
+    return EXIT_PROBLEM
+
+
+__all__ = ["run", "build_parser", "EXIT_BAD_INPUT", "is_jsonl_run", "job_env", "megatron_prediction"]

@@ -16,7 +16,8 @@ import json
 import sys
 
 from ..errors import BadValueError, ConfigError, ConfigErrors, MemguardError, NotModelledError
-from .main import EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu
+from .main import (EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu,
+                   target_site)
 
 _NEEDS_INPUT = ("is required", "the number of GPUs is unknown", "unknown vocabulary")
 
@@ -116,6 +117,7 @@ def _validate(ns: argparse.Namespace, flags: list[str]) -> int:
 
     raw = load_raw(ns, flags)
     gpu, mem = target_gpu(ns)
+    site = target_site(ns)
     layout, errors = check(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
     unreadable = [e for e in errors if isinstance(e, BadValueError)]
     if unreadable:  # values memguard cannot compute with: the input cannot be read (exit 2), like estimate
@@ -124,7 +126,7 @@ def _validate(ns: argparse.Namespace, flags: list[str]) -> int:
     problems: list[ConfigError] = list(raw.problems) + [e for e in errors if not _needs_input(e)]
     est = None
     if layout is not None and not needs:
-        est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold)
+        est = estimate(layout, profile=ns.profile, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, site=site)
         if est.verdict not in ("fits", "unknown"):
             problems.append(_memory_problem(raw, est))
     problem_texts = {str(pr) for pr in raw.problems}

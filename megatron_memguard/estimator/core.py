@@ -21,10 +21,10 @@ from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
-from .overheads import (FRAGMENTATION, dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes,
-                        p2p_tensor_bytes)
+from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term
+from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
@@ -283,7 +283,7 @@ def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Te
 
 
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
-                   dp_rank: int | str = "max") -> StageEstimate:
+                   dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
     n_layers = sum(c.num_layers for c in chunks)
@@ -298,7 +298,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
         parts = {**parts, "deferred_output_wgrad_buffers": deferred}
         act_peak += deferred
-    fixed = _fixed_terms(L, gpu_name) if device == "gpu" else []
+    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else []
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     if device == "gpu":
         p2p, count = p2p_in_flight_bytes(L)
@@ -340,9 +340,9 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     peak_alloc = base + sum(t.bytes for t in act_terms)
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
     if device == "gpu":
-        frag = int(peak_alloc * FRAGMENTATION)
+        frag = int(peak_alloc * site.allocator_fragmentation)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
-                          f"caching-allocator slack, {FRAGMENTATION:.0%} of peak allocated"))
+                          f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
         peak_reserved = peak_alloc + frag
         device_only = [t for t in fixed if t.level == "device"]
         terms += device_only
@@ -378,8 +378,8 @@ def replicated_grad_allreduce_bytes(L: Layout, layers: int, has_output: bool) ->
 
 
 @lru_cache(maxsize=256)
-def _fixed_terms(L: Layout, gpu_name: str | None) -> tuple[Term, ...]:
-    return tuple(gpu_fixed_terms(L, gpu_name))  # a tuple: the cached value is shared
+def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_SITE) -> tuple[Term, ...]:
+    return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
 def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
@@ -401,9 +401,12 @@ def estimate(
     gpu_memory: int | None = None,
     threshold: float = 0.8,
     dp_rank: int | str = "max",
+    site: SiteConstants | None = None,
 ) -> Estimate:
     """Per-stage peak memory of ``layout``. ``profile``: auto (by --transformer-impl), transformer_engine,
-    local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms)."""
+    local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms). ``site``:
+    the site constants (a ``memguard calibrate`` profile; None: memguard's defaults)."""
+    site = DEFAULT_SITE if site is None else site
     if profile not in PROFILES:
         raise ConfigError("--profile", f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
     if dp_rank not in ("max", "last") and not (
@@ -412,6 +415,8 @@ def estimate(
         raise ConfigError("--dp-rank", f"must be max, last or a rank 0..{layout.dp_shard_size - 1} of the "
                                        f"distributed optimizer's DP x CP group, got {dp_rank!r}")
     notes = list(layout.notes)
+    if site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
+        notes.append("site profile: " + site.describe())
     if profile == "fujii2024":
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
@@ -421,9 +426,9 @@ def estimate(
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None
-    stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank) for r in range(L.pp))
+    stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
-                    critical_stage=crit, notes=tuple(notes))
+                    critical_stage=crit, notes=tuple(notes), site=site)

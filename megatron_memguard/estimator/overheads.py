@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from ..layout import Layout
 from ..units import MiB
 from .params import layer_linear_shapes
 from .result import Term
+
+if TYPE_CHECKING:
+    from .site import SiteConstants
 
 # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default), incl. cuBLAS/cuDNN/NCCL
 # kernels loaded on first use: typically 400-600 MiB per process on A100/H100 (nvidia-smi minus
@@ -41,7 +45,8 @@ def _hopper_or_newer(gpu_name: str | None) -> bool:
 DETERMINISTIC_CUBLAS_CONFIG = ":4096:8"
 
 
-def cublas_workspace_bytes(L: Layout, gpu_name: str | None) -> int:
+def cublas_config_bytes(L: Layout) -> int | None:
+    """The workspace CUBLAS_WORKSPACE_CONFIG (or --deterministic-mode's default) sets, None if unset."""
     cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG") or (DETERMINISTIC_CUBLAS_CONFIG if L.deterministic_mode else None)
     if cfg:
         total = 0
@@ -49,16 +54,22 @@ def cublas_workspace_bytes(L: Layout, gpu_name: str | None) -> int:
             total += int(size_kib) * 1024 * int(count)
         if total:
             return total
+    return None
+
+
+def cublas_workspace_bytes(L: Layout, gpu_name: str | None, site: SiteConstants | None = None) -> int:
+    configured = cublas_config_bytes(L)
+    if configured is not None:
+        return configured
+    if site is not None and site.cublas_workspace is not None:
+        return site.cublas_workspace
     if _hopper_or_newer(gpu_name):
         return CUBLAS_HOPPER_BYTES
     return CUBLAS_DEFAULT_BYTES
 
 
-def nccl_bytes(L: Layout) -> tuple[int, str]:
-    buff = NCCL_DEFAULT_BUFFSIZE
-    m = L.env_dict.get("NCCL_BUFFSIZE")
-    if m and m.isdigit():
-        buff = int(m)
+def nccl_communicators(L: Layout) -> list[str]:
+    """The communicators Megatron's training uses on a rank and that NCCL gives buffers."""
     comms = []
     if L.tp > 1:
         comms.append("TP")
@@ -68,7 +79,17 @@ def nccl_bytes(L: Layout) -> tuple[int, str]:
         comms.append("DP-CP")
     if L.cp > 1:
         comms.append("CP")
-    per = NCCL_CHANNELS * 2 * buff
+    return comms
+
+
+def nccl_bytes(L: Layout, site: SiteConstants | None = None) -> tuple[int, str]:
+    buff = NCCL_DEFAULT_BUFFSIZE
+    m = L.env_dict.get("NCCL_BUFFSIZE")
+    if m and m.isdigit():
+        buff = int(m)
+    per = NCCL_CHANNELS * 2 * NCCL_DEFAULT_BUFFSIZE if site is None else site.nccl_per_communicator
+    per = per * buff // NCCL_DEFAULT_BUFFSIZE
+    comms = nccl_communicators(L)
     return per * len(comms), ", ".join(comms) or "none"
 
 
@@ -80,21 +101,30 @@ def nccl_bytes(L: Layout) -> tuple[int, str]:
 BLAS_WORKSPACES = 2
 
 
-def gpu_fixed_terms(L: Layout, gpu_name: str | None) -> list[Term]:
-    ws = cublas_workspace_bytes(L, gpu_name)
+def te_workspace_bytes(gpu_name: str | None, site: SiteConstants | None = None) -> int:
+    if site is not None and site.te_workspace is not None:
+        return site.te_workspace
+    # transformer_engine/pytorch/cpp_extensions/gemm.py get_cublas_workspace_size_bytes():
+    # 32 MiB + 1 KiB on compute capability >= 9 (Hopper, Blackwell), 4 MiB before
+    return 32 * MiB + 1024 if _hopper_or_newer(gpu_name) else 4 * MiB
+
+
+def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None = None) -> list[Term]:
+    """``site``: the site constants (None: memguard's defaults, estimator/site.py)."""
+    ws = cublas_workspace_bytes(L, gpu_name, site)
     terms = [Term("cublas_workspaces", BLAS_WORKSPACES * ws, "fixed", "allocated",
                   f"{BLAS_WORKSPACES} x {ws / 2**20:.2f} MiB cuBLAS/cuBLASLt workspaces of the compute stream "
                   "(CUBLAS_WORKSPACE_CONFIG or PyTorch's default)")]
     if L.transformer_impl == "transformer_engine":
-        # transformer_engine/pytorch/cpp_extensions/gemm.py get_cublas_workspace_size_bytes():
-        # 32 MiB + 1 KiB on compute capability >= 9 (Hopper, Blackwell), 4 MiB before
-        te = 32 * MiB + 1024 if _hopper_or_newer(gpu_name) else 4 * MiB
-        terms.append(Term("te_workspace", te, "fixed", "allocated", "Transformer Engine GEMM workspace"))
-    nccl, which = nccl_bytes(L)
-    terms.append(Term("cuda_context", CUDA_CONTEXT_BYTES, "fixed", "device", "CUDA context and loaded kernels"))
+        terms.append(Term("te_workspace", te_workspace_bytes(gpu_name, site), "fixed", "allocated",
+                          "Transformer Engine GEMM workspace"))
+    nccl, which = nccl_bytes(L, site)
+    context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
+    terms.append(Term("cuda_context", context, "fixed", "device", "CUDA context and loaded kernels"))
     if nccl:
-        terms.append(Term("nccl_buffers", nccl, "fixed", "device",
-                          f"{NCCL_CHANNELS} channels x 2 x NCCL_BUFFSIZE per communicator ({which})"))
+        default = site is None or site.nccl_per_communicator == NCCL_CHANNELS * 2 * NCCL_DEFAULT_BUFFSIZE
+        per = f"{NCCL_CHANNELS} channels x 2 x NCCL_BUFFSIZE" if default else "the site's NCCL buffers"
+        terms.append(Term("nccl_buffers", nccl, "fixed", "device", f"{per} per communicator ({which})"))
     return terms
 
 

@@ -81,6 +81,7 @@ class Estimate:
     verdict: str                   # "fits" | "tight" | "will not fit" | "unknown"
     critical_stage: int
     notes: tuple[str, ...] = field(default=())
+    site: Any = None               # the SiteConstants used (estimator/site.py); None: memguard's defaults
 
     @property
     def critical(self) -> StageEstimate:
@@ -108,5 +109,6 @@ class Estimate:
             "critical_term": c.dominant_term.name,
             "layout": self.layout.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
+            "site": self.site.to_dict() if self.site is not None else None,
             "notes": list(self.notes),
         }

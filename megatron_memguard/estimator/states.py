@@ -149,7 +149,8 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     param_bytes = grad_bytes = 0
     numel = unpadded = 0
     pieces_by_rank: dict[int, list[int]] = {}
-    ranks = [0, shard - 1] if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
+    # (one rank when the shard is 1: DP rank 0 is also the last, and its pieces must not be counted twice)
+    ranks = sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
     all_main = 0
     for c, bsize in zip(chunks, buckets):
         buf, pieces_of = _chunk_buffer(L, c.num_layers, c.has_embedding, c.has_output,

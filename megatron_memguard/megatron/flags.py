@@ -71,6 +71,19 @@ def _directory(value: str) -> str:
     return v
 
 
+def _site_profile(value: str) -> str:
+    """The path of a readable site profile (memguard calibrate's file); the path is what args keep
+    (Megatron saves its args in checkpoints)."""
+    from ..site_profile import load_site_profile
+
+    v = str(value).strip()
+    try:
+        load_site_profile(v, key="--memguard-profile")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: {e}") from None
+    return v
+
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -113,6 +126,9 @@ FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec("--memguard-reset-peak", "memguard_reset_peak", "MEMGUARD_RESET_PEAK", _boolean, False, True, None,
              "reset PyTorch's peak memory stats after each memguard sample (per-interval peaks; changes what "
              "Megatron's own 'max allocated' reports mean)"),
+    FlagSpec("--memguard-profile", "memguard_profile", "MEMGUARD_PROFILE", _site_profile, None, False, "FILE",
+             "site constants fitted by memguard calibrate (CUDA context, NCCL buffers, workspaces, allocator slack) "
+             "for the check and the runtime predictions (default: memguard's defaults)"),
     FlagSpec("--memguard-allow-recompute", "memguard_allow_recompute", "MEMGUARD_ALLOW_RECOMPUTE", _boolean, False, True, None,
              "let --memguard autotune also turn on activation recomputation (selective, then full) when "
              "micro-batch and pipeline size alone do not fit"),
@@ -154,12 +170,13 @@ class Settings:
     log_dir: str | None = None
     reset_peak: bool = False
     allow_recompute: bool = False
+    profile: str | None = None
     from_flags: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "threshold": self.threshold, "gpu_memory": self.gpu_memory,
                 "log_interval": self.log_interval, "log_dir": self.log_dir, "reset_peak": self.reset_peak,
-                "allow_recompute": self.allow_recompute}
+                "allow_recompute": self.allow_recompute, "profile": self.profile}
 
 
 def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Settings:
@@ -172,7 +189,7 @@ def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> S
     for spec in FLAGS:
         if hasattr(args, spec.dest):
             v = getattr(args, spec.dest)
-            if isinstance(v, str) and spec.convert is not _directory:
+            if isinstance(v, str) and spec.convert not in (_directory, _site_profile):
                 v = spec.convert(v)  # a default that argparse did not convert
         else:
             v = _env_default(spec, environ)
@@ -185,4 +202,4 @@ def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> S
     return Settings(mode=values["memguard"], threshold=values["memguard_threshold"], gpu_memory=values["memguard_gpu_memory"],
                     log_interval=values["memguard_log_interval"], log_dir=values["memguard_log_dir"],
                     reset_peak=bool(values["memguard_reset_peak"]), allow_recompute=bool(values["memguard_allow_recompute"]),
-                    from_flags=from_flags)
+                    profile=values["memguard_profile"], from_flags=from_flags)

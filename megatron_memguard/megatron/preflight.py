@@ -119,7 +119,8 @@ def raw_config_from_args(args: Any, defaults: Mapping[str, Any] | None = None) -
 
 def _settings_line(settings: Settings, gpu: GpuSpec | None, mem: int | None, source: str) -> str:
     where = f"{gpu.name if gpu else 'GPU'} {format_bytes(mem)}" if mem else "unknown GPU memory"
-    return f"{PREFIX} mode {settings.mode}, threshold {settings.threshold:.0%}, {where} ({source})"
+    site = f", site profile {settings.profile}" if settings.profile else ""
+    return f"{PREFIX} mode {settings.mode}, threshold {settings.threshold:.0%}, {where} ({source}){site}"
 
 
 def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, settings: Settings, *,
@@ -157,7 +158,11 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
         if rank0:
             (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; training continues unchecked")
         return d
-    est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold)
+    site = None
+    if settings.profile:
+        from ..site_profile import load_site_profile
+        site = load_site_profile(settings.profile, key="--memguard-profile").constants  # checked when parsed
+    est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     d.layout, d.estimate = layout, est
     say(_settings_line(settings, d.gpu, d.gpu_memory, d.gpu_memory_source))
 

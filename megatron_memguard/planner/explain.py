@@ -1,4 +1,7 @@
-"""``memguard plan --explain LAYOUT``: every cost term of the step-time model for one layout.
+"""``memguard plan --explain [LAYOUT]``: every cost term of the step-time model, two layouts side by side.
+
+Without LAYOUT: the planner's choice (#1) and the runner-up (#2). With LAYOUT: that layout next to the
+choice (or next to the runner-up when it is the choice), so a user sees which terms make the difference.
 
 LAYOUT is the compact spelling the planner prints (``Candidate.name``):
 ``tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none`` with optional ``sp=on|off``, ``dist-opt=on|off``,
@@ -8,6 +11,7 @@ would choose.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +20,7 @@ from ..estimator import Estimate
 from ..layout import Layout
 from ..units import format_bytes
 from .search import Planner
-from .space import Candidate, make_candidate
+from .space import Candidate, Constraints, make_candidate
 from .timing import StepTime
 
 _INT_KEYS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "cp": "cp", "mbs": "mbs", "first": "first", "last": "last"}
@@ -59,12 +63,14 @@ class Explanation:
     layout: Layout
     estimate: Estimate
     time: StepTime
+    role: str = ""                 # how the layout came: "asked", "#1 (chosen)", "#2 (runner-up)"
 
     def to_dict(self) -> dict[str, Any]:
         t, est = self.time, self.estimate
         return {
             "schema": "memguard.plan.explain/1",
             "name": self.candidate.name,
+            "role": self.role,
             "layout": self.layout.to_dict(),
             "step_time_s": t.seconds,
             "step_time_terms": t.term_seconds,
@@ -80,36 +86,95 @@ class Explanation:
         }
 
 
-def explain(planner: Planner, spec: str) -> Explanation:
+def explain(planner: Planner, spec: str, role: str = "asked") -> Explanation:
     kw = parse_layout_spec(spec)
     c = make_candidate(planner.shape, planner.cluster, planner.gbs, **kw)
     layout = planner.layout(c)      # Megatron's rules (raises naming the flag)
     est = planner.estimate(layout)
-    return Explanation(c, layout, est, planner.timer.explain(c))
+    return Explanation(c, layout, est, planner.timer.explain(c), role)
 
 
-def render_explanation(planner: Planner, x: Explanation) -> str:
-    c, t, est = x.candidate, x.time, x.estimate
+def compare(planner: Planner, spec: str | None, constraints: Constraints | None = None,
+            rule: str = "time") -> list[Explanation]:
+    """What ``--explain`` shows: the asked layout next to the planner's choice (or, when it is the
+    choice, the runner-up); with no layout asked, the choice (#1) next to the runner-up (#2). One
+    entry when nothing else fits."""
+    ranked = planner.plan(constraints, top=2, rule=rule).entries
+    tagged = [Explanation(e.candidate, e.layout, e.estimate, planner.timer.explain(e.candidate),
+                          "#1 (chosen)" if e.rank == 1 else "#2 (runner-up)") for e in ranked]
+    if spec is None:
+        if not tagged:
+            raise ConfigError("--explain", "no layout fits, so there is no chosen layout to explain; "
+                                           "give one, e.g. --explain tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none")
+        return tagged
+    asked = explain(planner, spec)
+    for i, x in enumerate(tagged):
+        if x.candidate == asked.candidate:          # asked for #1 (or #2): compare with the other
+            return [dataclasses.replace(asked, role="asked = " + x.role)] + [y for y in tagged if y is not x]
+    return [asked] + tagged[:1]
+
+
+def comparison_dict(xs: list[Explanation]) -> dict[str, Any]:
+    """The JSON of ``--explain``: the first layout's explanation at the top level (schema
+    memguard.plan.explain/1), the other under ``compared_with``, and per-term differences."""
+    doc = xs[0].to_dict()
+    if len(xs) > 1:
+        other = xs[1].to_dict()
+        doc["compared_with"] = other
+        doc["term_differences_s"] = {k: other["step_time_terms"][k] - v for k, v in doc["step_time_terms"].items()}
+    return doc
+
+
+def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) -> str:
+    if isinstance(xs, Explanation):
+        xs = [xs]
     cl, s = planner.cluster, planner.shape
-    out = [f"memguard plan --explain {c.name}",
-           f"cluster: {cl.gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node), seq {s.seq_length}, "
-           f"GBS {planner.gbs}",
-           f"layout:  {c.label}, {c.m} micro-batches per step, layers per stage "
-           + "/".join(str(n) for n in c.stage_layers), ""]
-    width = max(len(term.name) for term in t.terms)
-    for term in t.terms:
-        share = term.seconds / t.seconds if t.seconds else 0.0
-        out.append(f"  {term.name:<{width}}  {term.seconds:10.4f} s  {share:6.1%}  {term.detail}")
-    out.append(f"  {'= step':<{width}}  {t.seconds:10.4f} s  100.0%  sum of the terms above")
+    a = xs[0]
+    names = "ABCD"
+    out = [f"memguard plan --explain" + (f" {a.candidate.name}" if a.role.startswith("asked") else ""),
+           f"cluster: {cl.gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node), seq {s.seq_length}, GBS {planner.gbs}"]
+    for tag, x in zip(names, xs):
+        c = x.candidate
+        out.append(f"{tag}: {x.role + ': ' if x.role else ''}{c.label} ({c.name}), {c.m} micro-batches per step, "
+                   f"layers per stage " + "/".join(str(n) for n in c.stage_layers))
+    out.append("")
+    width = max(len(term.name) for term in a.time.terms)
+    head = f"  {'term':<{width}}  " + "  ".join(f"{tag + ': seconds':>12}  {'share':>6}" for tag in names[:len(xs)])
+    if len(xs) > 1:
+        head += f"  {'B - A':>10}"
+    out.append(head)
+    rows = list(zip(*(x.time.terms for x in xs)))
+    for terms in rows:
+        line = f"  {terms[0].name:<{width}}  " + "  ".join(
+            f"{t.seconds:10.4f} s  {t.seconds / x.time.seconds if x.time.seconds else 0.0:6.1%}"
+            for t, x in zip(terms, xs))
+        if len(xs) > 1:
+            line += f"  {terms[1].seconds - terms[0].seconds:+10.4f}"
+        out.append(line)
+    line = f"  {'= step':<{width}}  " + "  ".join(f"{x.time.seconds:10.4f} s  {1.0:6.1%}" for x in xs)
+    if len(xs) > 1:
+        line += f"  {xs[1].time.seconds - a.time.seconds:+10.4f}"
+    out.append(line + "  sum of the terms above")
     out.append("")
     mm = s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden
-    out.append(f"throughput: {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {t.mfu:.1%} (model FLOPs "
-               f"{t.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights + 12 x "
-               f"{s.num_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} attention; peak "
-               f"{cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s)")
-    mem = est.gpu_memory_bytes
-    stages = ", ".join(f"pp{st.pp_rank} {format_bytes(st.device_total_bytes)}" for st in est.stages)
-    out.append(f"memory: {est.verdict} - critical stage pp{est.critical_stage} needs "
-               f"{format_bytes(est.peak_device_bytes)} = {est.peak_device_bytes / mem:.0%} of {format_bytes(mem)} "
-               f"(threshold {est.threshold:.0%}); stages: {stages}")
+    out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights "
+               f"+ 12 x {s.num_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} attention; peak "
+               f"{cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
+    for tag, x in zip(names, xs):
+        t, est = x.time, x.estimate
+        mem = est.gpu_memory_bytes
+        stages = ", ".join(f"pp{st.pp_rank} {format_bytes(st.device_total_bytes)}" for st in est.stages)
+        out.append(f"{tag}: throughput {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {t.mfu:.1%}; memory: {est.verdict} - "
+                   f"critical stage pp{est.critical_stage} needs {format_bytes(est.peak_device_bytes)} = "
+                   f"{est.peak_device_bytes / mem:.0%} of {format_bytes(mem)} (threshold {est.threshold:.0%}); "
+                   f"stages: {stages}")
+    out.append("")
+    out.append("how each term is computed:")
+    for terms in rows:
+        out.append(f"  {terms[0].name}")
+        if len({t.detail for t in terms}) == 1:
+            out.append(f"    {', '.join(names[:len(terms)])}: {terms[0].detail}")
+            continue
+        for tag, t in zip(names, terms):
+            out.append(f"    {tag}: {t.detail}")
     return "\n".join(out)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
-from ..estimator import Estimate, estimate
+from ..estimator import Estimate, SiteConstants, estimate
 from ..layout import Layout
 from ..resolve import resolve
 from .bounds import memory_lower_bound
@@ -104,8 +104,9 @@ class Planner:
 
     def __init__(self, raw: RawConfig, cluster: Cluster, seq_length: int | None = None,
                  global_batch_size: int | None = None, threshold: float = 0.8, megatron_version: str | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, site: SiteConstants | None = None):
         self.raw = raw
+        self.site = site
         self.cluster = cluster
         self.threshold = threshold
         self.megatron_version = megatron_version
@@ -161,7 +162,7 @@ class Planner:
 
     def estimate(self, layout: Layout) -> Estimate:
         return estimate(layout, gpu=self.cluster.gpu, gpu_memory=self.cluster.gpu_memory_bytes,
-                        threshold=self.threshold)
+                        threshold=self.threshold, site=self.site)
 
     @property
     def limit(self) -> float:

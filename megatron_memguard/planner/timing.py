@@ -1,44 +1,51 @@
 """An analytic step-time model for Megatron-LM training layouts (formulas and sources in docs/planner.md).
 
-The step time of a layout is a sum of named terms, all in seconds per optimizer step:
+The step time of a layout is a sum of named terms, all in seconds per optimizer step, for the slowest
+pipeline stage (m micro-batches of its forward and backward):
 
-``compute``
-    m micro-batches x the forward and backward work of the slowest pipeline stage: its transformer
-    layers' GEMMs (at an efficiency that falls with the per-GPU GEMM size), fused causal attention
-    and memory-bound element-wise kernels, plus the embedding on the first stage and the output
-    layer and cross entropy on the last.
+``gemm``
+    the transformer layers' and the output layer's GEMMs (forward, input-gradient and weight-gradient),
+    each at an efficiency set by its per-GPU shape (:mod:`.kernels`: waves of output tiles on the SMs,
+    the length of the reduction).
+``attention``
+    fused causal attention (FlashAttention / cuDNN), forward and backward; with context parallelism one
+    kernel per step of the K/V ring, on the step's blocks (shorter blocks, fewer query tiles: slower).
+``elementwise``
+    memory-bound kernels: norms, residual adds, rotary embedding, the gated activation, the cross
+    entropy, the embedding, and the merges of partial attention results a context-parallel ring makes.
+``kernel_gaps``
+    the idle GPU time between dependent kernels, per kernel launched.
 ``recompute``
     the forward work done again in the backward: the core attention (selective) or the whole layer
     with its forward collectives (full, one layer per checkpoint).
 ``tp_comm``
-    the exposed part of the tensor-parallel collectives of each layer (all-gather / reduce-scatter
-    with sequence parallelism, all-reduce without), on NVLink inside a node, hierarchically over
-    the network when the TP group spans nodes. Collectives that Megatron overlaps with a GEMM
-    (the backward re-gather of sequence-parallel inputs, the dgrad reduce-scatter / all-reduce)
-    count only where they outlast it.
+    the exposed part of the tensor-parallel collectives (all-gather / reduce-scatter with sequence
+    parallelism, all-reduce without); those Megatron overlaps with a GEMM count only where they outlast it.
 ``cp_comm``
-    the exposed part of context parallelism's ring exchange of K/V blocks (and their gradients),
-    each step overlapped with the attention of one block.
+    the exposed part of the context-parallel ring's K/V (and dK/dV) transfers, each overlapped with the
+    attention of one ring step.
 ``pp_p2p``
-    pipeline point-to-point transfers of activations and gradients (blocking in 1F1B; overlapped
-    with the next chunk's compute in the interleaved schedule with --overlap-p2p-communication).
+    pipeline point-to-point transfers (blocking in 1F1B; overlapped with the next chunk in the
+    interleaved schedule with --overlap-p2p-communication).
 ``bubble``
-    pipeline fill and drain: (PP-1)/(VPP*m) of the stage's work (compute + recompute + tp_comm +
-    cp_comm), Narayanan et al. 2021 section 2.2.
+    pipeline fill and drain: (PP-1)/(VPP*m) of the stage's work, Narayanan et al. 2021 section 2.2.
 ``dp_comm``
-    the exposed part of the data-parallel gradient reduce-scatter and parameter all-gather
-    (distributed optimizer) or gradient all-reduce, over the DP x CP group, overlapped with the
-    backward of the last micro-batch / the forward of the first (--overlap-grad-reduce,
-    --overlap-param-gather); the last bucket cannot be hidden.
+    the exposed part of the data-parallel gradient reduce-scatter and parameter all-gather (distributed
+    optimizer) or gradient all-reduce over the DP x CP group, overlapped with the backward of the last
+    micro-batch / the forward of the first; the last bucket cannot be hidden.
 ``optimizer``
     the optimizer step, memory-bound: reading and writing the (sharded) fp32 state.
 
-Model FLOPs (for MFU) follow Narayanan et al. 2021 (eq. 3) and the PaLM paper's MFU appendix:
-6 FLOPs per token for every weight that multiplies an activation (all layer weights and the output
-layer; not the input embedding, which is a lookup, nor norm weights) plus 12 * L * (heads * head_dim)
-* s per token for the attention scores and their product with V, counted fully (no causal halving).
-The time model, in contrast, charges the FLOPs the GPUs really execute: causal attention as half of
-the full matrix (fused kernels skip masked blocks), the padded vocabulary, recomputation.
+There is one term per kind of communication (tp_comm, cp_comm, pp_p2p, dp_comm; expert-parallel
+all-to-all will be another). Every term is a pure function of the model shape, the candidate layout
+and the GPU's numbers.
+
+Model FLOPs (for MFU) follow Narayanan et al. 2021 (eq. 3) and the PaLM paper's MFU appendix: 6 FLOPs
+per token for every weight that multiplies an activation (all layer weights and the output layer; not
+the input embedding, which is a lookup, nor norm weights) plus 12 * L * (heads * head_dim) * s per token
+for the attention scores and their product with V, counted fully (no causal halving). The time model,
+in contrast, charges the FLOPs the GPUs really execute: causal attention as half of the full matrix
+(fused kernels skip masked blocks), the padded vocabulary, recomputation.
 """
 from __future__ import annotations
 
@@ -46,18 +53,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..units import format_bytes
+from .comm import P2P_LATENCY, collective_seconds, p2p_seconds
+from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
 from .space import Candidate, Cluster, ModelShape
 
 # ---- constants (each documented in docs/planner.md) ----------------------------------------------
-GEMM_HALF_DIM = 128          # a GEMM dimension of this size reaches half the efficiency of a huge one
-ATTN_HALF_SEQ = 256          # query-block length at which fused attention reaches half its efficiency
-ATTN_BWD_FLOPS = 2.5         # fused attention backward / forward FLOPs (5 vs 2 matmuls, FlashAttention-2)
-HBM_EFFICIENCY = 0.80        # fraction of HBM bandwidth memory-bound kernels reach
-NVLINK_EFFICIENCY = 0.80     # NCCL bus bandwidth / NVLink bandwidth
-NETWORK_EFFICIENCY = 0.85    # NCCL bus bandwidth / NIC bandwidth
-NVLINK_STEP_LATENCY = 3e-6   # seconds per ring step on NVLink
-NETWORK_STEP_LATENCY = 8e-6  # seconds per ring step across nodes
-P2P_LATENCY = 10e-6          # seconds per pipeline send/receive
 # Bytes each element-wise kernel moves per element, forward + backward (bf16; scaled by act bytes / 2):
 ELEM_H_BYTES = 50            # per token x hidden element per layer: 2 norms, 2 residual adds (fwd 20, bwd 30)
 ELEM_H_FWD = 20
@@ -68,11 +68,20 @@ ELEM_F_FWD = 4
 ROPE_BYTES = 8               # per q/k element: rotary embedding fwd 4 B (read + write bf16), bwd 4 B
 ROPE_FWD = 4
 CE_BYTES = 24                # per logit: bf16 logits, fp32 copy, max/exp/sum, gradient and its cast
+CP_MERGE_BYTES = 10          # per attention-output element and ring step: read the step's output (2 B),
+#                              read and write the fp32 running output (4 + 4 B)
+CP_GRAD_BYTES = 10           # per dQ / dK / dV element and ring step: add the step's gradient into fp32 (2 + 4 + 4 B)
 OPTIMIZER_BYTES_EXTRA = 10   # per parameter beyond 2 x state: grad read twice (norm, step), param write
 DDP_MIN_BUCKET = 40_000_000  # Megatron's default bucket: max(40M, 1M * DP) elements
 KERNEL_GAP = 2e-6            # idle GPU time between two dependent kernels (launch and dependency latency)
 KERNELS_FWD = 14             # kernels of one layer's forward (TE: norm+GEMM fused, attention, rope, act, adds)
 KERNELS_BWD = 28             # and of its backward (dgrad and wgrad per GEMM, ...)
+CP_KERNELS_FWD = 4           # kernels per extra ring step: attention, merge (3 element-wise) ...
+CP_KERNELS_BWD = 6           # ... and in the backward: attention (3: pre, main, post), dQ and dK/dV adds, copy
+
+TERM_NAMES = ("gemm", "attention", "elementwise", "kernel_gaps", "recompute", "tp_comm", "cp_comm", "pp_p2p",
+              "bubble", "dp_comm", "optimizer")
+_WORK_TERMS = ("gemm", "attention", "elementwise", "kernel_gaps")    # the model's own work on one GPU
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,6 @@ class TimeTerm:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "seconds": self.seconds, "detail": self.detail}
-
-
-TERM_NAMES = ("compute", "recompute", "tp_comm", "cp_comm", "pp_p2p", "bubble", "dp_comm", "optimizer")
 
 
 class StepTime:
@@ -126,8 +132,8 @@ class StepTime:
 
     @property
     def dominant(self) -> TimeTerm:
-        """The largest cost other than the model's own compute."""
-        rest = [t for t in self.terms if t.name != "compute"]
+        """The largest cost beyond the model's own math (GEMMs, attention, element-wise kernels)."""
+        rest = [t for t in self.terms if t.name not in ("gemm", "attention", "elementwise")]
         return max(rest, key=lambda t: t.seconds)
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,14 +153,19 @@ class LayerCost:
     """One transformer layer, one micro-batch, one GPU (seconds)."""
 
     gemm_fwd: float
-    gemm_bwd: float
-    gemm_eff: float                # FLOP-weighted efficiency of the layer's GEMMs (fraction of peak)
-    col_gemm_fwd: float            # linear_qkv + linear_fc1 forward (what overlapped collectives hide behind)
+    gemm_bwd: float                # input-gradient + weight-gradient GEMMs
+    gemm_eff: float                # FLOP-weighted efficiency of the layer's forward GEMMs (fraction of peak)
+    col_dgrad: float               # linear_qkv + linear_fc1 input-gradient GEMMs (what overlapped collectives hide behind)
+    col_wgrad: float               # and their weight-gradient GEMMs
     mlp_fwd: float                 # fc1 + fc2 GEMMs and the activation (selective recompute of 'mlp')
     attn_fwd: float
     attn_bwd: float
-    elem_fwd: float
+    attn_eff: float                # efficiency of the attention kernels (fraction of peak)
+    elem_fwd: float                # element-wise kernels, including context-parallel merges
     elem_bwd: float
+    cp_merge_fwd: float            # of which the merges of the ring's partial outputs (forward)
+    kernels_fwd: int               # kernels launched (for the gaps between them)
+    kernels_bwd: int
     tp_fwd: float                  # exposed TP collectives in the forward
     tp_bwd: float                  # exposed TP collectives in the backward
     cp_fwd: float
@@ -162,32 +173,71 @@ class LayerCost:
     flops_fwd: float               # executed FLOPs of the forward (GEMMs + attention)
 
     @property
+    def per_layer(self) -> tuple[float, float, float, float, float]:
+        """(gemm, attention, elementwise, kernel gaps, exposed TP) of the layer's forward and backward."""
+        return (self.gemm_fwd + self.gemm_bwd, self.attn_fwd + self.attn_bwd, self.elem_fwd + self.elem_bwd,
+                (self.kernels_fwd + self.kernels_bwd) * KERNEL_GAP, self.tp_fwd + self.tp_bwd)
+
+    @property
+    def gaps_fwd(self) -> float:
+        return self.kernels_fwd * KERNEL_GAP
+
+    @property
+    def gaps_bwd(self) -> float:
+        return self.kernels_bwd * KERNEL_GAP
+
+    @property
     def fwd(self) -> float:
-        return self.gemm_fwd + self.attn_fwd + self.elem_fwd
+        return self.gemm_fwd + self.attn_fwd + self.elem_fwd + self.gaps_fwd
 
     @property
     def bwd(self) -> float:
-        return self.gemm_bwd + self.attn_bwd + self.elem_bwd
+        return self.gemm_bwd + self.attn_bwd + self.elem_bwd + self.gaps_bwd
 
 
 @dataclass(frozen=True)
 class EndsCost:
-    """Embedding (first stage) and output layer + loss (last stage), one micro-batch."""
+    """Embedding (first stage) and output layer + loss (last stage), one micro-batch: (gemm, elementwise)."""
 
     emb_fwd: float
     emb_bwd: float
     emb_tp: float
-    out_fwd: float
-    out_bwd: float
+    out_gemm_fwd: float
+    out_gemm_bwd: float
+    out_elem: float                # cross entropy, forward and backward
     out_tp: float
 
+    @property
+    def out_fwd(self) -> float:
+        return self.out_gemm_fwd + self.out_elem / 2
 
-def gemm_efficiency(M: int, N: int, K: int, peak_fraction: float) -> float:
-    """Achieved fraction of peak for an M x N x K GEMM: the large-GEMM efficiency of the GPU scaled
-    by x / (x + GEMM_HALF_DIM) for each dimension (tile quantisation and the fixed cost of a tile
-    make small dimensions expensive)."""
-    h = GEMM_HALF_DIM
-    return peak_fraction * (M / (M + h)) * (N / (N + h)) * (K / (K + h))
+    @property
+    def out_bwd(self) -> float:
+        return self.out_gemm_bwd + self.out_elem / 2
+
+
+def linear_seconds(M: int, N: int, K: int, gpu, grad_bytes: int = 4) -> tuple[float, float, float]:
+    """(forward, input gradient, weight gradient) seconds of a linear layer: tokens M, output width N,
+    input width K. The weight gradient accumulates into the main_grad buffer (Megatron's gradient
+    accumulation fusion): ``grad_bytes`` per element read and written."""
+    return (gemm_seconds(M, N, K, gpu), gemm_seconds(M, K, N, gpu), gemm_seconds(N, K, M, gpu, c_bytes=2 * grad_bytes))
+
+
+def ring_attention_steps(b: int, heads: int, seq: int, cp: int, qk_dim: int, v_dim: int,
+                         gpu) -> list[tuple[float, float, float]]:
+    """(forward s, backward s, forward FLOPs) of each step of the attention on one rank. CP = 1: one
+    causal kernel over the sequence. CP > 1 (Megatron's load-balanced ring: each rank holds chunks i and
+    2 CP - 1 - i of 2 CP): step 0 is the causal attention of the rank's two chunks; each of the CP - 1
+    other steps attends two chunks of queries to one chunk of keys, or one to two (the ring paces at the
+    slower)."""
+    if cp == 1:
+        return [attention_seconds(b, heads, seq, seq, True, qk_dim, v_dim, gpu)]
+    ch = seq // (2 * cp)
+    steps = [attention_seconds(b, heads, 2 * ch, 2 * ch, True, qk_dim, v_dim, gpu)]
+    a = attention_seconds(b, heads, 2 * ch, ch, False, qk_dim, v_dim, gpu)
+    z = attention_seconds(b, heads, ch, 2 * ch, False, qk_dim, v_dim, gpu)
+    steps += [max(a, z)] * (cp - 1)
+    return steps
 
 
 class TimeModel:
@@ -196,47 +246,26 @@ class TimeModel:
     def __init__(self, shape: ModelShape, cluster: Cluster, global_batch_size: int):
         self.shape = shape
         self.cluster = cluster
+        self.gpu = cluster.gpu
         self.gbs = global_batch_size
-        g = cluster.gpu
-        self.peak = g.bf16_flops
-        self.hbm = g.hbm_bytes_per_s * HBM_EFFICIENCY
-        self.nvlink = g.nvlink_bytes_per_s * NVLINK_EFFICIENCY
-        self.net = g.network_bytes_per_s * NETWORK_EFFICIENCY
+        self.peak = cluster.gpu.bf16_flops
         self.domain = min(cluster.tp_domain, cluster.gpus)
         self._layer: dict[tuple, LayerCost] = {}
         self._ends: dict[tuple, EndsCost] = {}
         self._cache: dict[Candidate, StepTime] = {}
         self._params: dict[tuple, int] = {}
+        self._work: dict[tuple, tuple[float, ...]] = {}
+        self._dp: dict[tuple, float] = {}
         s = shape
         self.flops_per_token = (6.0 * (s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden)
                                 + 6.0 * s.num_layers * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
 
-    # ---- primitives ------------------------------------------------------------------------------
-    def gemm(self, M: int, N: int, K: int) -> tuple[float, float]:
-        """(seconds, flops) of one GEMM: compute at the size-dependent efficiency, or HBM traffic if longer."""
-        flops = 2.0 * M * N * K
-        t = flops / (self.peak * gemm_efficiency(M, N, K, self.cluster.gpu.gemm_efficiency))
-        mem = 2.0 * (M * K + K * N + M * N) / self.hbm
-        return max(t, mem), flops
-
+    # ---- primitives (kept for callers that time one collective) -------------------------------------
     def collective(self, kind: str, nbytes: float, n: int, per_domain: int) -> float:
-        """Ring collective over ``n`` ranks, ``per_domain`` of them sharing an NVLink domain: the
-        NVLink part among those, then (hierarchically) the network part on 1/per_domain of the data
-        per GPU, each GPU using its own NIC. ``kind``: ag | rs (one pass) or ar (two)."""
-        if n <= 1:
-            return 0.0
-        f = 2 if kind == "ar" else 1
-        k = max(1, min(n, per_domain))
-        t = 0.0
-        if k > 1:
-            t += f * (k - 1) / k * nbytes / self.nvlink + f * (k - 1) * NVLINK_STEP_LATENCY
-        nodes = n // k
-        if nodes > 1:
-            t += f * (nodes - 1) / nodes * (nbytes / k) / self.net + f * (nodes - 1) * NETWORK_STEP_LATENCY
-        return t
+        return collective_seconds(kind, nbytes, n, per_domain, self.gpu)
 
     def p2p(self, nbytes: float, same_domain: bool) -> float:
-        return P2P_LATENCY + nbytes / (self.nvlink if same_domain else self.net)
+        return p2p_seconds(nbytes, same_domain, self.gpu)
 
     # ---- where groups sit (Megatron's default rank order tp-cp-ep-dp-pp) --------------------------
     def tp_per_domain(self, tp: int) -> int:
@@ -254,40 +283,55 @@ class TimeModel:
         hit = self._layer.get(key)
         if hit is not None:
             return hit
-        s = self.shape
+        s, gpu = self.shape, self.gpu
         seq = s.seq_length // cp
         M = b * seq
+        tok = M // tp if sp else M          # tokens of the sequence-parallel region on this rank
         h, d = s.hidden, s.kv_channels
         a_t, g_t, f_t = s.heads // tp, s.kv_heads_per_rank(tp), s.ffn // tp
         fc1_n = (2 if s.gated else 1) * f_t
         if s.mla:
             # down projections (whole weights, on this rank's tokens) and up projections
             ql, kvl, qk, pe, v = s.mla
-            tok = M // tp if sp else M
-            parts = [self.gemm(tok, kvl + pe, h), self.gemm(M, a_t * (qk + v), kvl),
-                     *((self.gemm(tok, ql, h), self.gemm(M, a_t * (qk + pe), ql)) if ql else (self.gemm(M, a_t * (qk + pe), h),))]
-            qkv, fq = sum(p[0] for p in parts), sum(p[1] for p in parts)
+            shapes = [(tok, kvl + pe, h), (M, a_t * (qk + v), kvl)]
+            shapes += [(tok, ql, h), (M, a_t * (qk + pe), ql)] if ql else [(M, a_t * (qk + pe), h)]
         else:
-            qkv, fq = self.gemm(M, (a_t + 2 * g_t) * d, h)
-        proj, fp = self.gemm(M, h, a_t * s.v_dim)
-        fc1, f1 = self.gemm(M, fc1_n, h)
-        fc2, f2 = self.gemm(M, h, f_t)
-        gemm_fwd = qkv + proj + fc1 + fc2
-        gflops = fq + fp + f1 + f2
+            shapes = [(M, (a_t + 2 * g_t) * d, h)]
+        gb = s.grad_bytes
+        qkv = [linear_seconds(*x, gpu, gb) for x in shapes]
+        fq = sum(2.0 * x[0] * x[1] * x[2] for x in shapes)
+        proj = linear_seconds(M, h, a_t * s.v_dim, gpu, gb)
+        fc1 = linear_seconds(M, fc1_n, h, gpu, gb)
+        fc2 = linear_seconds(M, h, f_t, gpu, gb)
+        gflops = fq + 2.0 * M * (h * a_t * s.v_dim + fc1_n * h + h * f_t)
+        qkv_f, qkv_d, qkv_w = (sum(x[i] for x in qkv) for i in range(3))
+        gemm_fwd = qkv_f + proj[0] + fc1[0] + fc2[0]
+        gemm_bwd = qkv_d + qkv_w + proj[1] + proj[2] + fc1[1] + fc1[2] + fc2[1] + fc2[2]
         eff = gflops / (gemm_fwd * self.peak)
-        # causal attention: each query attends to half the keys on average (also per CP rank, whose
-        # sequence chunks Megatron load-balances)
-        attn_flops = 2.0 * b * seq * (s.seq_length / 2) * a_t * (s.qk_dim + s.v_dim)
-        attn_eff = self.cluster.gpu.attention_efficiency * seq / (seq + ATTN_HALF_SEQ)
-        attn_fwd = attn_flops / (self.peak * attn_eff)
-        attn_bwd = ATTN_BWD_FLOPS * attn_fwd
+        # attention, one kernel per ring step
+        steps = ring_attention_steps(b, a_t, s.seq_length, cp, s.qk_dim, s.v_dim, gpu)
+        attn_fwd = sum(x[0] for x in steps)
+        attn_bwd = sum(x[1] for x in steps)
+        attn_flops = sum(x[2] for x in steps)
+        attn_eff = attn_flops / (attn_fwd * self.peak)
+        # element-wise kernels
         scale = s.act_bytes / 2
-        tok_h = M // tp if sp else M
         ef, ef_fwd = (ELEM_F_BYTES_GATED, ELEM_F_FWD_GATED) if s.gated else (ELEM_F_BYTES, ELEM_F_FWD)
         rope_el = (M * (a_t + 1) * s.mla[3] if s.mla else M * (a_t + g_t) * d) if (s.rope or s.mla) else 0
-        elem = (ELEM_H_BYTES * tok_h * h + ef * M * f_t + ROPE_BYTES * rope_el) * scale / self.hbm
-        elem_fwd = (ELEM_H_FWD * tok_h * h + ef_fwd * M * f_t + ROPE_FWD * rope_el) * scale / self.hbm
-        act_fwd_fc = ef_fwd * M * f_t * scale / self.hbm
+        elem = (ELEM_H_BYTES * tok * h + ef * M * f_t + ROPE_BYTES * rope_el) * scale
+        elem_fwd = (ELEM_H_FWD * tok * h + ef_fwd * M * f_t + ROPE_FWD * rope_el) * scale
+        act_fwd = memory_seconds(ef_fwd * M * f_t * scale, gpu)
+        # context-parallel ring: merges of partial outputs, gradient accumulation, its kernels
+        cp_merge_f = cp_merge_b = 0.0
+        k_fwd, k_bwd = KERNELS_FWD, KERNELS_BWD
+        if cp > 1:
+            q_el, kv_el = M * a_t * s.v_dim, 2 * M * g_t * d
+            cp_merge_f = memory_seconds(CP_MERGE_BYTES * q_el * (cp - 1), gpu)
+            cp_merge_b = memory_seconds(CP_GRAD_BYTES * (M * a_t * s.qk_dim + kv_el) * (cp - 1), gpu)
+            k_fwd += CP_KERNELS_FWD * (cp - 1)
+            k_bwd += CP_KERNELS_BWD * (cp - 1)
+        elem_fwd_s = memory_seconds(elem_fwd, gpu) + cp_merge_f
+        elem_bwd_s = memory_seconds(elem - elem_fwd, gpu) + cp_merge_b
         # tensor-parallel collectives on the [s/cp, b, h] activation
         tp_fwd = tp_bwd = 0.0
         if tp > 1:
@@ -296,32 +340,36 @@ class TimeModel:
             ag = self.collective("ag", S, tp, k)
             rs = self.collective("rs", S, tp, k)
             ar = self.collective("ar", S, tp, k)
-            col_dgrad = qkv + fc1   # dgrad and wgrad GEMMs of the column-parallel layers ~ their forward
+            col_dgrad, col_wgrad = qkv_d + fc1[1], qkv_w + fc1[2]
             if sp:
                 # fwd: all-gather before linear_qkv and linear_fc1, reduce-scatter after linear_proj and
                 # linear_fc2; bwd: all-gather of the row-parallel layers' output gradients (exposed),
                 # re-gather of the column-parallel inputs (overlapped with their dgrad GEMM) and
                 # reduce-scatter of their input gradients (overlapped with their wgrad GEMM).
                 tp_fwd = 2 * ag + 2 * rs
-                tp_bwd = 2 * ag + max(0.0, 2 * ag - col_dgrad) + max(0.0, 2 * rs - col_dgrad)
+                tp_bwd = 2 * ag + max(0.0, 2 * ag - col_dgrad) + max(0.0, 2 * rs - col_wgrad)
             else:
                 # fwd: all-reduce after linear_proj and linear_fc2; bwd: all-reduce of the column-parallel
                 # input gradients, overlapped with their wgrad GEMM.
                 tp_fwd = 2 * ar
-                tp_bwd = max(0.0, 2 * ar - col_dgrad)
-        # context parallelism: ring exchange of K and V blocks (and dK, dV in the backward)
+                tp_bwd = max(0.0, 2 * ar - col_wgrad)
+        else:
+            col_dgrad = col_wgrad = 0.0
+        # context parallelism: ring exchange of K and V blocks (and dK, dV in the backward), each step's
+        # transfer overlapped with the attention of the step before it
         cp_fwd = cp_bwd = 0.0
         if cp > 1:
             kv = 2 * b * seq * g_t * d * s.act_bytes
             same = self.cp_per_domain(tp, cp) >= cp
             step_f = self.p2p(kv, same)
             step_b = self.p2p(2 * kv, same)
-            cp_fwd = (cp - 1) * max(0.0, step_f - attn_fwd / cp)
-            cp_bwd = (cp - 1) * max(0.0, step_b - attn_bwd / cp)
+            cp_fwd = sum(max(0.0, step_f - x[0]) for x in steps[:-1])
+            cp_bwd = sum(max(0.0, step_b - x[1]) for x in steps[:-1])
         lc = LayerCost(
-            gemm_fwd=gemm_fwd, gemm_bwd=2 * gemm_fwd, gemm_eff=eff, col_gemm_fwd=qkv + fc1,
-            mlp_fwd=fc1 + fc2 + act_fwd_fc, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem_fwd,
-            elem_bwd=elem - elem_fwd, tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd,
+            gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, gemm_eff=eff, col_dgrad=col_dgrad, col_wgrad=col_wgrad,
+            mlp_fwd=fc1[0] + fc2[0] + act_fwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, attn_eff=attn_eff,
+            elem_fwd=elem_fwd_s, elem_bwd=elem_bwd_s, cp_merge_fwd=cp_merge_f, kernels_fwd=k_fwd,
+            kernels_bwd=k_bwd, tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd,
             flops_fwd=gflops + attn_flops,
         )
         self._layer[key] = lc
@@ -332,17 +380,15 @@ class TimeModel:
         hit = self._ends.get(key)
         if hit is not None:
             return hit
-        s = self.shape
+        s, gpu = self.shape, self.gpu
         M = b * s.seq_length // cp
         h = s.hidden
         v_t = s.padded_vocab(tp) // tp
         scale = s.act_bytes / 2
-        emb_fwd = 4 * M * h * scale / self.hbm            # gather rows, write the output
-        emb_bwd = 12 * M * h * scale / self.hbm           # scatter-add into the (fp32) weight gradient
-        out_gemm, _ = self.gemm(M, v_t, h)
-        ce = CE_BYTES * M * v_t / self.hbm
-        out_fwd = out_gemm + ce * 0.5
-        out_bwd = 2 * out_gemm + ce * 0.5
+        emb_fwd = memory_seconds(4 * M * h * scale, gpu)           # gather rows, write the output
+        emb_bwd = memory_seconds(12 * M * h * scale, gpu)          # scatter-add into the (fp32) weight gradient
+        out_f, out_d, out_w = linear_seconds(M, v_t, h, gpu, s.grad_bytes)
+        ce = memory_seconds(CE_BYTES * M * v_t, gpu)
         emb_tp = out_tp = 0.0
         if tp > 1:
             S = M * h * s.act_bytes
@@ -352,9 +398,9 @@ class TimeModel:
             # output layer: all-gather of its input (SP), reduce-scatter / all-reduce of the input gradient
             # (overlapped with the wgrad GEMM), and cross entropy's three all-reduces of [s, b] fp32
             out_tp = (self.collective("ag", S, tp, k) if sp else 0.0) + max(
-                0.0, self.collective("rs" if sp else "ar", S, tp, k) - out_gemm) + 3 * self.collective(
+                0.0, self.collective("rs" if sp else "ar", S, tp, k) - out_w) + 3 * self.collective(
                 "ar", M * 4, tp, k)
-        ec = EndsCost(emb_fwd, emb_bwd, emb_tp, out_fwd, out_bwd, out_tp)
+        ec = EndsCost(emb_fwd, emb_bwd, emb_tp, out_f, out_d + out_w, ce, out_tp)
         self._ends[key] = ec
         return ec
 
@@ -393,50 +439,60 @@ class TimeModel:
 
     def _recompute_layer(self, lc: LayerCost, recompute: str) -> tuple[float, str]:
         if recompute == "full":
-            return (lc.fwd + lc.tp_fwd + lc.cp_fwd + KERNELS_FWD * KERNEL_GAP,
-                    "the whole layer's forward again, with its TP/CP communication")
+            return lc.fwd + lc.tp_fwd + lc.cp_fwd, "the whole layer's forward again, with its TP/CP communication"
         if recompute == "selective":
             mods = self.shape.recompute_modules
             t, what = 0.0, []
             if "core_attn" in mods:
-                t += lc.attn_fwd + KERNEL_GAP
+                t += lc.attn_fwd + lc.cp_fwd + lc.cp_merge_fwd + KERNEL_GAP
                 what.append("core attention")
             if "mlp" in mods:
                 t += lc.mlp_fwd + 3 * KERNEL_GAP
                 what.append("MLP")
             if "layernorm" in mods:
-                t += lc.elem_fwd * 0.4 + 2 * KERNEL_GAP
+                t += (lc.elem_fwd - lc.cp_merge_fwd) * 0.4 + 2 * KERNEL_GAP
                 what.append("norms")
             return t, "forward of the " + (", ".join(what) or "nothing") + " again"
         return 0.0, ""
+
+    def _stage_work(self, c: Candidate, i: int, lc: LayerCost, ec: EndsCost) -> tuple[float, ...]:
+        """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, tp_comm)."""
+        key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1)
+        hit = self._work.get(key)
+        if hit is not None:
+            return hit
+        n = c.stage_layers[i]
+        gemm, attn, elem, gaps, tpc = (n * x for x in lc.per_layer)
+        if i == 0:
+            elem += ec.emb_fwd + ec.emb_bwd
+            tpc += ec.emb_tp
+        if i == c.pp - 1:
+            gemm += ec.out_gemm_fwd + ec.out_gemm_bwd
+            elem += ec.out_elem
+            gaps += 6 * KERNEL_GAP
+            tpc += ec.out_tp
+        self._work[key] = out = (gemm, attn, elem, gaps, tpc)
+        return out
 
     def _step_time(self, c: Candidate, details: bool) -> StepTime:
         s = self.shape
         lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp)
         ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
         rc_layer, rc_what = self._recompute_layer(lc, c.recompute)
-        layer_work = lc.fwd + lc.bwd + (KERNELS_FWD + KERNELS_BWD) * KERNEL_GAP
-        layer_comm_tp = lc.tp_fwd + lc.tp_bwd
-        layer_comm_cp = lc.cp_fwd + lc.cp_bwd
+        layer_cp = lc.cp_fwd + lc.cp_bwd
         p, v, m = c.pp, c.vpp, c.m
+        stages = (0,) if p == 1 else (0, 1, p - 1) if p > 2 else (0, 1)
         # per-micro-batch work of the first, a middle and the last stage; the slowest sets the pace
         best = None
-        for i in ((0,) if p == 1 else (0, 1, p - 1) if p > 2 else (0, 1)):
+        for i in stages:
+            work = self._stage_work(c, i, lc, ec)
             n = c.stage_layers[i]
-            comp = n * layer_work
-            tpc = n * layer_comm_tp
-            if i == 0:
-                comp += ec.emb_fwd + ec.emb_bwd
-                tpc += ec.emb_tp
-            if i == p - 1:
-                comp += ec.out_fwd + ec.out_bwd
-                tpc += ec.out_tp
-            total = comp + n * (rc_layer + layer_comm_cp) + tpc
+            total = sum(work) + n * (rc_layer + layer_cp)
             if best is None or total > best[0] + 1e-15:
-                best = (total, i, comp, n * rc_layer, tpc, n * layer_comm_cp)
-        _, crit, comp, rc, tpc, cpc = best
-        compute, recompute, tp_comm, cp_comm = m * comp, m * rc, m * tpc, m * cpc
-        work = compute + recompute + tp_comm + cp_comm
+                best = (total, i, work, n * rc_layer, n * layer_cp)
+        _, crit, (gemm, attn, elem, gaps, tpc), rc, cpc = best
+        mb = gemm + attn + elem + gaps + rc + tpc + cpc          # one micro-batch on the critical stage
+        work = m * mb
         bubble = (p - 1) / (v * m) * work
 
         # pipeline point-to-point: activations forward, gradients backward, once per chunk and micro-batch
@@ -449,7 +505,7 @@ class TimeModel:
             same = c.tp * c.cp * c.dp * c.pp <= self.domain
             t1 = self.p2p(nbytes, same)
             if v > 1:
-                chunk = (comp + rc + tpc + cpc) / v / 3     # a chunk's forward, about a third of its work
+                chunk = mb / v / 3     # a chunk's forward, about a third of its work
                 p2p = 2 * m * v * max(P2P_LATENCY, t1 - chunk)
                 if details:
                     p2p_detail = (f"2 x {m} micro-batches x {v} chunks x max({P2P_LATENCY * 1e6:.0f} us, {t1 * 1e3:.3f} ms "
@@ -461,70 +517,84 @@ class TimeModel:
                     p2p_detail = (f"2 x {m} micro-batches x {t1 * 1e3:.3f} ms: {format_bytes(nbytes)} on "
                                   f"{'NVLink' if same else 'the network'}, blocking in 1F1B")
 
-        # data parallel: gradients reduce-scatter (+ parameters all-gather) or all-reduce over DP x CP
-        n_dp = c.dp * c.cp
-        dp_comm = 0.0
-        dp_detail = "DP x CP = 1: nothing to reduce"
-        if n_dp > 1:
-            psi0 = self.stage_params(c, 0)
-            k = self.dpcp_per_domain(c.tp, n_dp)
-            n0 = c.stage_layers[0]
-            w_b = n0 * (lc.bwd + lc.tp_bwd + lc.cp_bwd + rc_layer) + ec.emb_bwd
-            w_f = n0 * (lc.fwd + lc.tp_fwd + lc.cp_fwd) + ec.emb_fwd + ec.emb_tp
-            if p == 1:
-                w_b += ec.out_bwd
-                w_f += ec.out_fwd
-            bucket = max(DDP_MIN_BUCKET, 1_000_000 * c.dp)
-            tail = min(1.0, bucket / psi0)
-            gbytes = psi0 * s.grad_bytes
-            if c.dist_opt:
-                rs = self.collective("rs", gbytes, n_dp, k)
-                ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
-                dp_comm = max(rs - w_b, tail * rs) + max(ag - w_f, tail * ag)
-                if details:
-                    dp_detail = (f"reduce-scatter of {format_bytes(gbytes)} gradients {rs * 1e3:.1f} ms behind "
-                                 f"{w_b * 1e3:.1f} ms of the last backward + all-gather of parameters {ag * 1e3:.1f} ms "
-                                 f"behind {w_f * 1e3:.1f} ms of the first forward; {n_dp} ranks, {k} per NVLink domain; "
-                                 f"the last bucket ({tail:.0%}) stays exposed")
-            else:
-                ar = self.collective("ar", gbytes, n_dp, k)
-                dp_comm = max(ar - w_b, tail * ar)
-                if details:
-                    dp_detail = (f"all-reduce of {format_bytes(gbytes)} gradients {ar * 1e3:.1f} ms behind "
-                                 f"{w_b * 1e3:.1f} ms of the last backward; {n_dp} ranks, {k} per NVLink domain; "
-                                 f"the last bucket ({tail:.0%}) stays exposed")
+        dp_comm, dp_detail = self._dp_comm(c, lc, ec, rc_layer, details)
 
         # optimizer step: memory-bound over the (sharded) parameters of the largest stage
-        psi_max = max(self.stage_params(c, i) for i in ((0,) if p == 1 else (0, 1, p - 1) if p > 2 else (0, 1)))
+        psi_max = max(self.stage_params(c, i) for i in stages)
+        n_dp = c.dp * c.cp
         shard = max(1, n_dp // s.dist_opt_instances) if c.dist_opt else 1
         elems = psi_max / shard
         per = 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
-        optimizer = elems * per / self.hbm
+        optimizer = memory_seconds(elems * per, self.gpu)
 
-        values = (compute, recompute, tp_comm, cp_comm, p2p, bubble, dp_comm, optimizer)
+        values = (m * gemm, m * attn, m * elem, m * gaps, m * rc, m * tpc, m * cpc, p2p, bubble, dp_comm, optimizer)
+        texts = None
         if details:
             n = c.stage_layers[crit]
             where = f"stage {crit} ({n} layers" + (", embedding" if crit == 0 else "") + (
                 ", output layer and loss" if crit == p - 1 else "") + ")"
             texts = (
-                f"{m} micro-batches x {comp * 1e3:.2f} ms on {where}; per layer and micro-batch: GEMMs fwd "
-                f"{lc.gemm_fwd * 1e3:.3f} + bwd {lc.gemm_bwd * 1e3:.3f} ms at {lc.gemm_eff:.0%} of peak, attention "
-                f"{lc.attn_fwd * 1e3:.3f} + {lc.attn_bwd * 1e3:.3f} ms, element-wise {(lc.elem_fwd + lc.elem_bwd) * 1e3:.3f} ms, "
-                f"kernel gaps {(KERNELS_FWD + KERNELS_BWD) * KERNEL_GAP * 1e3:.3f} ms",
+                f"{m} micro-batches x {gemm * 1e3:.2f} ms on {where}; per layer: forward {lc.gemm_fwd * 1e3:.3f} ms "
+                f"at {lc.gemm_eff:.0%} of peak, backward (input and weight gradients) {lc.gemm_bwd * 1e3:.3f} ms",
+                f"{m} x {n} layers x {(lc.attn_fwd + lc.attn_bwd) * 1e3:.3f} ms at {lc.attn_eff:.0%} of peak"
+                + (f", {c.cp} ring steps per layer" if c.cp > 1 else ", one causal kernel per layer"),
+                f"{m} x {elem * 1e3:.2f} ms of norms, residual adds, rope, activation, embedding, cross entropy"
+                + (f", merges of the ring's partial results {lc.cp_merge_fwd * 1e3:.3f} ms per layer forward"
+                   if c.cp > 1 else "") + f" at {self.gpu.hbm_bytes_per_s * HBM_EFFICIENCY / 1e12:.2f} TB/s",
+                f"{m} x {n} layers x {lc.kernels_fwd + lc.kernels_bwd} kernels x {KERNEL_GAP * 1e6:.0f} us",
                 f"{m} x {n} layers x {rc_layer * 1e3:.3f} ms: {rc_what}" if rc_layer else "no recomputation",
-                (f"{m} x ({n} layers x {layer_comm_tp * 1e3:.3f} ms + embedding/output) exposed TP collectives, TP{c.tp} "
-                 f"{'on NVLink' if c.tp <= self.domain else 'across nodes (hierarchical)'}"
+                (f"{m} x ({n} layers x {(lc.tp_fwd + lc.tp_bwd) * 1e3:.3f} ms + embedding/output) exposed TP collectives, "
+                 f"TP{c.tp} {'on NVLink' if c.tp <= self.domain else 'across nodes (hierarchical)'}"
                  + (" with sequence parallelism" if c.sp else " without sequence parallelism")) if c.tp > 1 else "TP = 1",
-                f"{m} x {n} layers x {layer_comm_cp * 1e3:.3f} ms exposed K/V ring exchange" if c.cp > 1 else "CP = 1",
+                f"{m} x {n} layers x {layer_cp * 1e3:.3f} ms exposed K/V ring exchange" if c.cp > 1 else "CP = 1",
                 p2p_detail,
-                f"(PP-1)/(VPP*m) = {p - 1}/({v}*{m}) of {work:.3f} s (compute + recompute + tp_comm + cp_comm)"
-                if p > 1 else "no pipeline",
+                f"(PP-1)/(VPP*m) = {p - 1}/({v}*{m}) of {work:.3f} s (the stage's work above)" if p > 1 else "no pipeline",
                 dp_detail,
                 f"{elems / 1e6:,.1f}M parameters{' (a 1/' + str(shard) + ' shard)' if shard > 1 else ''} x {per:.0f} B "
-                f"read and written at {self.hbm / 1e12:.2f} TB/s",
+                f"read and written at {self.gpu.hbm_bytes_per_s * HBM_EFFICIENCY / 1e12:.2f} TB/s",
             )
-        else:
-            texts = None
         return StepTime(candidate=c, values=values, details=texts, model_flops_per_token=self.flops_per_token,
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
                         critical_stage=crit)
+
+    def _dp_comm(self, c: Candidate, lc: LayerCost, ec: EndsCost, rc_layer: float, details: bool) -> tuple[float, str]:
+        """Gradients reduce-scatter (+ parameters all-gather) or all-reduce over DP x CP, for the first
+        stage (it runs the last backward of the step), overlapped with the backward of the last
+        micro-batch (--overlap-grad-reduce) and the forward of the first (--overlap-param-gather)."""
+        s = self.shape
+        n_dp = c.dp * c.cp
+        if n_dp <= 1:
+            return 0.0, "DP x CP = 1: nothing to reduce"
+        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute)
+        if not details and key in self._dp:
+            return self._dp[key], ""
+        psi0 = self.stage_params(c, 0)
+        k = self.dpcp_per_domain(c.tp, n_dp)
+        n0 = c.stage_layers[0]
+        w_b = n0 * (lc.bwd + lc.tp_bwd + lc.cp_bwd + rc_layer) + ec.emb_bwd
+        w_f = n0 * (lc.fwd + lc.tp_fwd + lc.cp_fwd) + ec.emb_fwd + ec.emb_tp
+        if c.pp == 1:
+            w_b += ec.out_bwd
+            w_f += ec.out_fwd
+        bucket = max(DDP_MIN_BUCKET, 1_000_000 * c.dp)
+        tail = min(1.0, bucket / psi0)
+        gbytes = psi0 * s.grad_bytes
+        if c.dist_opt:
+            rs = self.collective("rs", gbytes, n_dp, k)
+            ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
+            t = max(rs - w_b, tail * rs) + max(ag - w_f, tail * ag)
+            self._dp[key] = t
+            if not details:
+                return t, ""
+            text = (f"reduce-scatter of {format_bytes(gbytes)} gradients {rs * 1e3:.1f} ms behind {w_b * 1e3:.1f} ms of "
+                    f"the last backward + all-gather of parameters {ag * 1e3:.1f} ms behind {w_f * 1e3:.1f} ms of the "
+                    f"first forward; {n_dp} ranks, {k} per NVLink domain; the last bucket ({tail:.0%}) stays exposed")
+        else:
+            ar = self.collective("ar", gbytes, n_dp, k)
+            t = max(ar - w_b, tail * ar)
+            self._dp[key] = t
+            if not details:
+                return t, ""
+            text = (f"all-reduce of {format_bytes(gbytes)} gradients {ar * 1e3:.1f} ms behind {w_b * 1e3:.1f} ms of the "
+                    f"last backward; {n_dp} ranks, {k} per NVLink domain; the last bucket ({tail:.0%}) stays exposed")
+        return t, text

@@ -151,30 +151,13 @@ class RunLog:
 def find_files(paths: Sequence[str]) -> list[str]:
     """The JSONL files of the run: ``memguard-rank*.jsonl`` in each directory (any ``*.jsonl`` when there
     is none), or the files given."""
-    files: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, FILE_GLOB)))
-            if not found:
-                found = sorted(glob.glob(os.path.join(p, "*.jsonl")))
-            if not found:
-                raise ReaderError(f"{p}: no {FILE_GLOB} files in this directory (the hook writes them with "
-                                  "--memguard-log-dir DIR or MEMGUARD_LOG_DIR)")
-            files += found
-        elif os.path.isfile(p):
-            files.append(p)
-        elif os.path.exists(p):
-            raise ReaderError(f"{p}: not a directory or a file")
-        else:
-            raise ReaderError(f"{p}: no such directory")
-    seen: set[str] = set()
-    unique = []
-    for f in files:
-        real = os.path.realpath(f)
-        if real not in seen:
-            seen.add(real)
-            unique.append(f)
-    return unique
+    from .files import collect
+
+    def in_dir(p: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(p, FILE_GLOB))) or sorted(glob.glob(os.path.join(p, "*.jsonl")))
+
+    return collect(paths, in_dir, lambda p: f"{p}: no {FILE_GLOB} files in this directory (the hook writes them "
+                   "with --memguard-log-dir DIR or MEMGUARD_LOG_DIR)", missing="no such directory")
 
 
 def _huge(v: Any) -> bool:

@@ -32,6 +32,10 @@ from recording import RecordingSource  # noqa: E402
 
 SOURCE = RecordingSource()
 set_memory_source(SOURCE)
+# Megatron's report_memory reads torch.cuda's allocator statistics: here the CPU live bytes the source counts
+# (reserved = allocated: no caching allocator on CPU)
+torch.cuda.memory_allocated = torch.cuda.memory_reserved = lambda *a, **k: SOURCE.current
+torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = lambda *a, **k: SOURCE.peak
 PARAMS = {}
 
 

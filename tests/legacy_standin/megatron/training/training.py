@@ -153,6 +153,12 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         msg = f" iteration {iteration:8d}/{args.train_iters:8d} | learning rate: {learning_rate:.3E} | {loss}"
         if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             print(msg, flush=True)
+        if report_memory_flag:
+            # Report memory after optimizer state has been initialized (until the second iteration).
+            from megatron.training.utils import report_memory
+            report_memory(f'(after {iteration} iterations)')
+            if iteration > 1:
+                report_memory_flag = False
     return report_memory_flag
 
 

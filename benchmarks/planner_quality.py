@@ -1,0 +1,417 @@
+"""Does `memguard plan` rank layouts the way measured sweeps do?
+
+    python benchmarks/planner_quality.py [--write]
+
+For every sweep of ``shared/groundtruth/throughput/`` (read from there, never copied: the Hagemann data are
+CC BY-NC-SA 4.0), the planner ranks exactly the layouts the sweep ran: each is resolved with Megatron's
+rules and estimated (memory verdicts included: only ``fits`` is kept, as `memguard plan` keeps), and the
+kept ones are ordered by the rule (``time``: predicted step time; ``fujii2024``: least TP x CP x PP, then
+the largest micro-batch). Printed per sweep and rule:
+
+* the first choice and its measured rank among the layouts that ran (1 = the fastest; ``OOM`` when it
+  failed), its measured throughput relative to the sweep's best;
+* Spearman's rank correlation of the rule's order with the measured throughput, over the layouts that
+  ran and that memguard keeps;
+* how many layouts that failed (out of memory) memguard ranked as fitting.
+
+``--write`` also writes the tables to benchmarks/results/planner-quality.md.
+
+Sweeps
+------
+* ``fujii`` (Megatron-LM v0.8, TE 1.9): Llama-3.1-8B, sequence 8192, GBS 1024 on A100-40GB, one sweep per
+  GPU count (8 ... 256) over the (TP, CP, PP, MBS) cells of the first author's draft table; SP, the
+  distributed optimizer with overlapped gradient reduce / parameter gather, fp32 gradient accumulation,
+  no recomputation (shared/reference/paper-2411.06465.md section 2). Status ``dash_failed_or_OOM`` counts
+  as failed; ``blank_not_run`` cells are left out. The system is ABCI's A-node: 8 A100-SXM4-40GB on
+  NVLink/NVSwitch, 4 InfiniBand HDR (200 Gb/s) ports per node, i.e. 100 Gb/s per GPU (ABCI 2.0 system
+  overview, https://docs.abci.ai/en/system-overview/); that is the cluster constant given to memguard
+  (``--network-gbps 100``), the rest comes from the A100-40GB row of the GPU table.
+* ``hagemann`` (Aleph Alpha's Megatron-style framework, not Megatron-LM): LLaMA-1 13B/30B/65B, one sweep per
+  (model, sequence, GPU count) sheet, over TP, PP, MBS, checkpointing (``every_layer`` = full recompute of
+  every layer) and, in the ``sequence_parallel`` sheets, SP (elsewhere SP is not recorded: taken as off).
+  Only the FlashAttention-2 + fused RMSNorm rows are used: the kernels closest to what Megatron runs with
+  Transformer Engine (the planner does not choose kernels). A100-80GB, 8 per node, the GPU table's network
+  (200 Gb/s per GPU: one HDR NIC per GPU as on DGX A100; the data do not say). GBS: 2048 sequences at 2k,
+  512 at 8k (about 4.2 M tokens per step, as the sheets' step times and MFU imply). ZeRO-1 is Megatron's
+  distributed optimizer. Gradients are taken in bf16 (``--grad-reduce-in-bf16``): the sweeps ran 13B at
+  TP1 PP1 on 80 GB, which fp32 gradient buffers (13B x (2 + 4) B = 78 GB) would not allow.
+  Memory: the framework is not Megatron, so its OOM labels check memguard's verdicts only loosely
+  (counted and reported, not a target).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.shared_data import THROUGHPUT  # noqa: E402
+from megatron_memguard.errors import ConfigError, ConfigErrors  # noqa: E402
+from megatron_memguard.gpus import lookup_gpu  # noqa: E402
+from megatron_memguard.planner import Cluster, Planner  # noqa: E402
+from megatron_memguard.planner.space import Candidate, make_candidate  # noqa: E402
+from megatron_memguard.readers.megatron_flags import parse_megatron_flags  # noqa: E402
+
+FUJII_CSV = os.path.join(THROUGHPUT, "fujii2024-draft-a100.csv")
+HAGEMANN_CSV = os.path.join(THROUGHPUT, "hagemann2023-layouts.csv")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "planner-quality.md")
+
+# Targets (issue 18)
+FIRST_WITHIN = 0.97
+SPEARMAN_TARGET = {"fujii": 0.85, "hagemann": 0.90, "hagemann-fa2": 0.90, "hagemann-fa1": 0.90}
+
+# Llama-3.1-8B (Meta's config.json), as Fujii et al. trained it: untied, RMSNorm, SwiGLU, GQA 8, rope.
+LLAMA31_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+              "--group-query-attention --num-query-groups 8 --max-position-embeddings 8192 "
+              "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+              "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
+              "--tokenizer-type NullTokenizer --vocab-size 128256 --bf16").split()
+# LLaMA-1 shapes (Touvron et al. 2023, table 2; the README of the sweep): layers, hidden, heads, ffn.
+LLAMA1 = {"LLaMA-13B": (40, 5120, 40, 13824), "LLaMA-30B": (60, 6656, 52, 17920), "LLaMA-65B": (80, 8192, 64, 22016)}
+
+
+def llama1_flags(model: str, seq: int) -> list[str]:
+    L, h, a, f = LLAMA1[model]
+    return (f"--num-layers {L} --hidden-size {h} --ffn-hidden-size {f} --num-attention-heads {a} "
+            f"--max-position-embeddings {seq} --position-embedding-type rope --normalization RMSNorm --swiglu "
+            "--disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
+            "--tokenizer-type NullTokenizer --vocab-size 32000 --bf16 --grad-reduce-in-bf16").split()
+
+
+@dataclass(frozen=True)
+class Run:
+    """One layout a sweep ran: its cell, and what happened (``throughput`` None when it failed)."""
+
+    tp: int
+    cp: int
+    pp: int
+    mbs: int
+    sp: bool
+    recompute: str
+    failed: bool
+    throughput: float | None       # any unit proportional to tokens/s per GPU within the sweep
+
+    @property
+    def label(self) -> str:
+        s = f"TP{self.tp} CP{self.cp} PP{self.pp} MBS{self.mbs}"
+        if self.tp > 1:
+            s += " SP" if self.sp else " noSP"
+        return s + (" full-rc" if self.recompute == "full" else "")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    family: str                    # fujii | hagemann
+    name: str
+    flags: tuple[str, ...]
+    gpu: str
+    gpus_per_node: int
+    network_gbps: float | None     # per GPU, from the system's specification; None: the GPU table's
+    world: int
+    seq: int
+    gbs: int
+    megatron_version: str | None
+    runs: tuple[Run, ...]
+
+
+def fujii_sweeps(path: str = FUJII_CSV) -> list[Sweep]:
+    by_world: dict[int, list[Run]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["status"] == "blank_not_run" or "impossible" in r["note"]:
+                continue
+            world = int(r["world_size"])
+            ok = r["status"] == "ok"
+            by_world.setdefault(world, []).append(Run(
+                tp=int(r["tp"]), cp=int(r["cp"]), pp=int(r["pp"]), mbs=int(r["micro_batch_size"]), sp=True,
+                recompute="none", failed=not ok,
+                throughput=float(r["throughput_tflops_per_gpu_presumed"]) if ok else None))
+    return [Sweep("fujii", f"Llama-3.1-8B s8192 {w} x A100-40GB", tuple(LLAMA31_8B), "A100-40GB", 8, 100.0, w,
+                  8192, 1024, "0.8", tuple(runs)) for w, runs in sorted(by_world.items())]
+
+
+HAGEMANN_KERNEL = "flash_attention2 + RMS kernel"
+# The same sheets' runs with other kernels (no fused RMSNorm; FlashAttention 1): not targets, a check on
+# rows the model was not looked at against (they include activation checkpointing of every layer).
+OTHER_KERNELS = {"hagemann-fa2": "flash_attention2", "hagemann-fa1": "flash_attentionv1.0.8"}
+
+
+def hagemann_sweeps(path: str = HAGEMANN_CSV, kernel: str = HAGEMANN_KERNEL, family: str = "hagemann",
+                    min_ran: int = 1) -> list[Sweep]:
+    sheets: dict[tuple, list[Run]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["kernel"] != kernel or r["status"] not in ("ok", "OOM"):
+                continue
+            key = (r["model"], int(r["seq_len"]), int(r["world_size"]))
+            ok = r["status"] == "ok"
+            sheets.setdefault(key, []).append(Run(
+                tp=int(r["tp"]), cp=1, pp=int(r["pp"]), mbs=int(r["micro_batch_size"]),
+                sp=r["sequence_parallel"] == "1" and int(r["tp"]) > 1, recompute="full" if r["activation_checkpointing"] == "every_layer"
+                else "none", failed=not ok, throughput=float(r["avg_mfu"]) if ok else None))
+    out = []
+    for (model, seq, world), runs in sorted(sheets.items()):
+        runs = _merge(runs)
+        if sum(1 for r in runs if not r.failed) < min_ran:
+            continue
+        out.append(Sweep(family, f"{model} s{seq} {world} x A100-80GB", tuple(llama1_flags(model, seq)),
+                         "A100-80GB", 8, None, world, seq, 2048 if seq == 2048 else 512, None, tuple(runs)))
+    return out
+
+
+def other_kernel_sweeps() -> list[Sweep]:
+    return [sw for fam, k in OTHER_KERNELS.items() for sw in hagemann_sweeps(kernel=k, family=fam, min_ran=3)]
+
+
+def _merge(runs: list[Run]) -> list[Run]:
+    """A cell run twice (a few Hagemann cells): one entry, the mean throughput of the runs that worked."""
+    cells: dict[tuple, list[Run]] = {}
+    for r in runs:
+        cells.setdefault((r.tp, r.cp, r.pp, r.mbs, r.sp, r.recompute), []).append(r)
+    out = []
+    for rs in cells.values():
+        ok = [r.throughput for r in rs if not r.failed]
+        out.append(dataclasses.replace(rs[0], failed=not ok, throughput=statistics.fmean(ok) if ok else None))
+    return out
+
+
+def planner_for(sweep: Sweep) -> Planner:
+    gpu = lookup_gpu(sweep.gpu)
+    if sweep.network_gbps:
+        gpu = dataclasses.replace(gpu, network_bytes_per_s=sweep.network_gbps * 1e9 / 8)
+    cluster = Cluster(gpus=sweep.world, gpus_per_node=sweep.gpus_per_node, gpu=gpu, nvlink_domain=sweep.gpus_per_node,
+                      gpu_memory_bytes=gpu.memory_bytes)
+    raw = parse_megatron_flags(list(sweep.flags))
+    return Planner(raw, cluster, seq_length=sweep.seq, global_batch_size=sweep.gbs,
+                   megatron_version=sweep.megatron_version)
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan with fewer than 3 points."""
+    if len(x) < 3:
+        return math.nan
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (vx * vy) if vx and vy else math.nan
+
+
+@dataclass
+class Scored:
+    run: Run
+    candidate: Candidate | None
+    verdict: str                   # fits | tight | will not fit | rejected: <rule>
+    seconds: float | None          # predicted step time
+    memory: float | None = None    # estimated peak device memory / GPU memory
+
+
+def score(sweep: Sweep, planner: Planner | None = None) -> list[Scored]:
+    """Every run of the sweep through Megatron's rules, the estimator and the time model."""
+    p = planner or planner_for(sweep)
+    out = []
+    for r in sweep.runs:
+        try:
+            c = make_candidate(p.shape, p.cluster, p.gbs, tp=r.tp, pp=r.pp, cp=r.cp, mbs=r.mbs, sp=r.sp,
+                               recompute=r.recompute, dist_opt=True)
+            est = p.estimate(p.layout(c))
+        except ConfigErrors as e:
+            out.append(Scored(r, None, "rejected: " + str(e.errors[0]), None))
+            continue
+        except ConfigError as e:
+            out.append(Scored(r, None, "rejected: " + str(e), None))
+            continue
+        out.append(Scored(r, c, est.verdict, p.step_time(c).seconds, est.peak_device_bytes / est.gpu_memory_bytes))
+    return out
+
+
+@dataclass(frozen=True)
+class Quality:
+    sweep: str
+    rule: str
+    ran: int                       # layouts that ran
+    failed: int                    # layouts that failed (OOM)
+    kept: int                      # layouts memguard keeps (fits)
+    first: str                     # the rule's first choice
+    first_rank: int | None         # its measured rank among the layouts that ran (None: it failed)
+    first_rel: float               # its measured throughput / the sweep's best (0 when it failed)
+    spearman: float
+    oom_fitting: int               # failed layouts memguard keeps
+
+    @property
+    def first_ok(self) -> bool:
+        return self.first_rel >= FIRST_WITHIN
+
+
+def fujii_order_key(s: Scored) -> tuple:
+    """Fujii et al.'s rule: their space first (no recomputation, SP whenever TP > 1), then the least
+    TP x CP x PP, the largest micro-batch, the predicted time (as the planner's --rule fujii2024)."""
+    r = s.run
+    return (r.recompute != "none" or (r.tp > 1 and not r.sp), r.tp * r.cp * r.pp, -r.mbs, s.seconds)
+
+
+def kept_by(sweep: Sweep, s: Scored, own_verdicts: bool = False) -> bool:
+    """Whether the ranking keeps a layout: memguard's verdict (``fits``) for Megatron sweeps; for the
+    Hagemann sweeps the framework's own outcome (it ran), since memguard's memory model is Megatron's and
+    that framework's memory differs (counted separately as ``oom_fitting``; ``own_verdicts`` uses
+    memguard's verdicts there too)."""
+    if sweep.family.startswith("hagemann") and not own_verdicts:
+        return s.candidate is not None and not s.run.failed
+    return s.verdict == "fits"
+
+
+def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False) -> Quality:
+    ran = [s for s in scored if not s.run.failed]
+    best = max(s.run.throughput for s in ran)
+    kept = [s for s in scored if kept_by(sweep, s, own_verdicts)]
+    key = (lambda s: (s.seconds,)) if rule == "time" else fujii_order_key
+    order = sorted(kept, key=key)
+    measured = sorted((s.run.throughput for s in ran), reverse=True)
+    if order:
+        top = order[0].run
+        first_rank = None if top.failed else 1 + sum(1 for t in measured if t > top.throughput)
+        first_rel = 0.0 if top.failed else top.throughput / best
+        first = top.label
+    else:
+        first, first_rank, first_rel = "(none kept)", None, 0.0
+    both = [s for s in order if not s.run.failed]
+    pos = {id(s): i for i, s in enumerate(order)}
+    rho = spearman([-pos[id(s)] for s in both], [s.run.throughput for s in both])
+    return Quality(sweep.name, rule, len(ran), len(scored) - len(ran), len(kept), first, first_rank, first_rel, rho,
+                   sum(1 for s in scored if s.verdict == "fits" and s.run.failed))
+
+
+def evaluate(sweeps: Iterable[Sweep]) -> list[tuple[Sweep, Quality, Quality, list[Scored]]]:
+    out = []
+    for sw in sweeps:
+        scored = score(sw)
+        out.append((sw, quality(sw, scored, "time"), quality(sw, scored, "fujii2024"), scored))
+    return out
+
+
+def memory_agreement(scored: list[Scored]) -> str:
+    """How well memguard's estimated peak separates the layouts that failed from those that ran: the
+    share of (ran, failed) pairs it orders correctly (ROC AUC), and the disagreements at the threshold."""
+    ran = [s.memory for s in scored if s.memory is not None and not s.run.failed]
+    bad = [s.memory for s in scored if s.memory is not None and s.run.failed]
+    if not ran or not bad:
+        return "memory: nothing to compare"
+    auc = sum((a < b) + 0.5 * (a == b) for a in ran for b in bad) / (len(ran) * len(bad))
+    return (f"memory: memguard's estimated peak orders {auc:.0%} of the (ran, failed) pairs right; "
+            f"{sum(1 for s in scored if s.run.failed and s.verdict == 'fits')} of {len(bad)} failed layouts are "
+            f"estimated to fit, {sum(1 for s in scored if not s.run.failed and s.verdict != 'fits')} of {len(ran)} "
+            f"that ran are not")
+
+
+def _fmt_rho(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:+.2f}"
+
+
+def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
+    lines = []
+    for fam, title in (("fujii", "Megatron-LM sweeps (Fujii et al. draft, A100-40GB)"),
+                       ("hagemann", "Hagemann et al. 2023 sweeps (Aleph Alpha framework, A100-80GB, FA2 + fused RMSNorm)"),
+                       ("hagemann-fa2", "Not a target: the same sheets with FlashAttention-2 and an unfused RMSNorm "
+                                        "(sheets with at least 3 runs)"),
+                       ("hagemann-fa1", "Not a target: the same sheets with FlashAttention 1.0.8")):
+        rows = [(sw, t, f) for sw, t, f, _ in results if sw.family == fam]
+        if not rows:
+            continue
+        scored_all = [x for sw, _, _, sc in results if sw.family == fam for x in sc]
+        lines += [f"### {title}", "",
+                  "| sweep | ran / failed | kept | time: first choice | rank | rel. | Spearman | OOM kept "
+                  "| fujii2024: first choice | rank | rel. | Spearman |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        for sw, t, f in rows:
+            lines.append(f"| {sw.name} | {t.ran} / {t.failed} | {t.kept} | {t.first} | {t.first_rank or 'OOM'} | "
+                         f"{t.first_rel:.1%} | {_fmt_rho(t.spearman)} | {t.oom_fitting} | {f.first} | "
+                         f"{f.first_rank or 'OOM'} | {f.first_rel:.1%} | {_fmt_rho(f.spearman)} |")
+        lines.append("")
+        lines += summary(fam, [t for _, t, _ in rows], [f for _, _, f in rows])
+        if fam == "hagemann":
+            own = [quality(sw, sc, "time", own_verdicts=True) for sw, _, _, sc in results if sw.family == fam]
+            lines.append(f"- with memguard's verdicts instead of the framework's outcomes (a user's view): first choice "
+                         f"within {1 - FIRST_WITHIN:.0%} in {sum(q.first_ok for q in own)} of {len(own)} sweeps, "
+                         f"median Spearman {_fmt_rho(_median([q.spearman for q in own]))}")
+        lines.append("- " + memory_agreement(scored_all))
+        kept_failed = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
+                       if x.run.failed and x.verdict == "fits"]
+        for sw, x in kept_failed:
+            lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def summary(family: str, time_q: list[Quality], fujii_q: list[Quality]) -> list[str]:
+    target = SPEARMAN_TARGET[family]
+    mt, mf = _median([q.spearman for q in time_q]), _median([q.spearman for q in fujii_q])
+    firsts = sum(q.first_ok for q in time_q)
+    worse = [t.sweep for t, f in zip(time_q, fujii_q)
+             if t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)]
+    oom = sum(q.oom_fitting for q in time_q)
+    return [
+        f"- time rule: first choice within {1 - FIRST_WITHIN:.0%} of the best in {firsts} of {len(time_q)} sweeps; "
+        f"median Spearman {_fmt_rho(mt)} (target >= {target}); fujii2024: first choice within {1 - FIRST_WITHIN:.0%} "
+        f"in {sum(q.first_ok for q in fujii_q)}, median Spearman {_fmt_rho(mf)}",
+        f"- sweeps where the time rule does worse than fujii2024 (first choice or Spearman): "
+        f"{', '.join(worse) if worse else 'none'}",
+        f"- failed layouts memguard keeps as fitting: {oom}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--write", action="store_true", help=f"write {os.path.relpath(RESULTS, ROOT)}")
+    ap.add_argument("--family", choices=("fujii", "hagemann", *OTHER_KERNELS), help="only these sweeps")
+    ap.add_argument("--detail", action="store_true", help="print every layout: measured vs predicted, verdict")
+    ns = ap.parse_args(argv)
+    sweeps = [s for s in fujii_sweeps() + hagemann_sweeps() + other_kernel_sweeps()
+              if ns.family in (None, s.family)]
+    results = evaluate(sweeps)
+    text = render(results)
+    print(text)
+    if ns.detail:
+        for sw in sweeps:
+            print(f"\n## {sw.name}")
+            scored = score(sw)
+            for s in sorted(scored, key=lambda s: -(s.run.throughput or 0)):
+                pred = "" if s.seconds is None else f"{sw.gbs * sw.seq / s.seconds / sw.world:8.0f} tok/s/GPU"
+                meas = "FAILED" if s.run.failed else f"{s.run.throughput:8.3f}"
+                print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
+    if ns.write:
+        with open(RESULTS, "w") as f:
+            f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
+                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

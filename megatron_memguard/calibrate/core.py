@@ -1,0 +1,323 @@
+"""``memguard calibrate``: fit the site constants from a site's own runs, openly and safely.
+
+Per level (allocated, reserved, device; :mod:`.model`), for the constants the runs can show:
+
+1. a constant is fitted only when at least ``MIN_RUNS`` runs show it (a coefficient that is not zero:
+   a TE workspace needs Transformer Engine runs, the cuBLAS default runs without CUBLAS_WORKSPACE_CONFIG,
+   NCCL buffers runs with communicators) and when it can be told apart from the level's other constant
+   (NCCL buffers need runs with different communicator counts, else the CUDA context absorbs them);
+2. the fit minimises the runs' relative absolute errors within the constant's physical bounds
+   (:mod:`.fit`); a fit that would need a value beyond a bound is a modelling gap, reported with the runs
+   that ask for it, not a site constant;
+3. leave-one-out: each run is predicted by the constants fitted on the others. The fitted constants
+   replace the defaults only when this held-out error improves the median run and makes no run worse by
+   more than ``GUARD``: runs that disagree about a constant (two groups a fixed offset apart) are
+   reported as inconsistent and the defaults stay.
+
+Modelled terms (weights, gradients, optimizer states, activations) are never fitted: runs whose error
+stays large after calibration are listed as modelling gaps, by level.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import MemguardError
+from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
+from .fit import Row, fit, identifiable, unbounded
+from .model import (LEVEL_CONSTANTS, LEVEL_METRIC, METRIC_LABELS, METRICS, CalibrationRun, allocated_rows, device_rows,
+                    errors, explicit, reserved_rows, with_values)
+
+MIN_RUNS = 3            # runs that must show a constant before it is fitted
+GUARD = 0.01            # no run's held-out error may grow by more than 1 percentage point
+GAP = 0.05              # error after calibration that makes a run a modelling gap (the monitor's tolerance)
+GAP_WHAT = {
+    "steady": "model state and persistent buffers (weights, gradients, optimizer states: modelled, not fitted)",
+    "peak_allocated": "activations and transients at the peak (modelled, not fitted)",
+    "peak_reserved": "the caching allocator's slack is not a constant fraction for these runs",
+    "device_used": "memory outside PyTorch beyond a CUDA context and per-communicator NCCL buffers",
+}
+
+
+class TooLittleData(MemguardError):
+    """Not enough runs for any constant: calibrate refuses to fit."""
+
+
+@dataclass
+class ConstantResult:
+    name: str
+    level: str
+    default: Any
+    value: Any = None                 # the fitted value (None: not fitted)
+    status: str = "not fitted"        # fitted | too little data | not identifiable | inconsistent | at bound | not asked
+    runs: int = 0                     # runs that show it
+    reason: str = ""
+    wanted: float | None = None       # the unbounded fit, where it lies outside the bounds
+
+    @property
+    def fitted(self) -> bool:
+        return self.status == "fitted"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "level": self.level, "default": self.default, "value": self.value,
+                "status": self.status, "runs": self.runs, "reason": self.reason, "wanted": self.wanted}
+
+
+@dataclass
+class LevelResult:
+    level: str
+    metric: str
+    constants: list[ConstantResult]
+    runs: list[str] = field(default_factory=list)
+    before: dict[str, float] = field(default_factory=dict)      # run -> median |relative error| with the defaults
+    fitted: dict[str, float] = field(default_factory=dict)      # ... with the constants fitted on every run
+    held_out: dict[str, float] = field(default_factory=dict)    # ... with the constants fitted on the other runs
+    accepted: bool = False
+
+    @staticmethod
+    def _med(d: dict[str, float]) -> float | None:
+        return statistics.median(d.values()) if d else None
+
+    def summary(self) -> dict[str, Any]:
+        return {"level": self.level, "metric": self.metric, "runs": len(self.runs), "accepted": self.accepted,
+                "median_error_before": self._med(self.before), "median_error_fitted": self._med(self.fitted),
+                "median_error_held_out": self._med(self.held_out),
+                "max_error_before": max(self.before.values(), default=None),
+                "max_error_held_out": max(self.held_out.values(), default=None)}
+
+
+@dataclass
+class Gap:
+    metric: str
+    runs: list[tuple[str, float]]
+    what: str
+
+    def text(self) -> str:
+        shown = ", ".join(f"{n} {e:+.1%}" for n, e in self.runs[:6]) + (" ..." if len(self.runs) > 6 else "")
+        return (f"{METRIC_LABELS[self.metric]}: {len(self.runs)} run(s) off by more than {GAP:.0%} after calibration "
+                f"({shown}) - {self.what}")
+
+
+@dataclass
+class CalibrationResult:
+    base: SiteConstants
+    site: SiteConstants
+    constants: list[ConstantResult]
+    levels: list[LevelResult]
+    runs: list[CalibrationRun]
+    before: dict[str, dict[str, float | None]]      # run -> metric -> median signed error
+    after: dict[str, dict[str, float | None]]
+    gaps: list[Gap]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fitted(self) -> dict[str, Any]:
+        return {c.name: c.value for c in self.constants if c.fitted}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "memguard.calibrate/1", "fitted": self.fitted, "site": self.site.to_dict(),
+                "constants": [c.to_dict() for c in self.constants], "levels": [lv.summary() for lv in self.levels],
+                "runs": [{"name": r.name, "source": r.source, "ranks": len(r.observations), "gpu": r.gpu.name if r.gpu else None,
+                          "before": self.before[r.name], "after": self.after[r.name]} for r in self.runs],
+                "gaps": [{"metric": g.metric, "runs": [{"run": n, "error": e} for n, e in g.runs], "what": g.what}
+                         for g in self.gaps],
+                "notes": self.notes}
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+def _median_signed(errs: Sequence[float]) -> float | None:
+    return statistics.median(errs) if errs else None
+
+
+def _run_errors(rows: Sequence[Row], theta: Sequence[float]) -> dict[str, float]:
+    """Per run: the median absolute relative error of its rows."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r.run, []).append(abs(r.error(theta)))
+    return {k: statistics.median(v) for k, v in by.items()}
+
+
+def _scales(names: Sequence[str]) -> list[float]:
+    return [1.0 if SPEC[n].unit == "ratio" else float(2**20) * 64 for n in names]
+
+
+def _level_rows(level: str, runs: Sequence[CalibrationRun], base: SiteConstants) -> list[Row]:
+    if level == "allocated":
+        return allocated_rows(runs, base)
+    if level == "reserved":
+        return reserved_rows(runs)
+    return device_rows(runs)
+
+
+def _start(level: str, names: Sequence[str], base: SiteConstants, runs: Sequence[CalibrationRun]) -> list[float]:
+    if level == "allocated":
+        gpu = next((r.gpu for r in runs if r.gpu is not None), None)
+        s = explicit(base, gpu)
+        return [float(getattr(s, n)) for n in names]
+    return [float(getattr(base, n)) for n in names]
+
+
+@dataclass
+class _Trial:
+    """One set of constants fitted on all runs and, leaving each run out, on the others."""
+
+    candidates: list[int]
+    theta: list[float]
+    wanted: list[float]
+    fitted: dict[str, float]
+    held_out: dict[str, float]
+    at_bound: list[int]
+    worse: dict[str, tuple[float, float]]
+    improves: bool
+
+    @property
+    def accepted(self) -> bool:
+        return self.improves and not self.worse and not self.at_bound
+
+
+def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], candidates: list[int],
+           before: dict[str, float]) -> _Trial:
+    sub = [Row(r.run, r.y, r.b + sum(r.a[j] * theta0[j] for j in range(len(names)) if j not in candidates),
+               tuple(r.a[j] for j in candidates)) for r in rows]
+    lo = [SPEC[names[j]].lower for j in candidates]
+    hi = [SPEC[names[j]].upper for j in candidates]
+    sc = [_scales(names)[j] for j in candidates]
+    st = [theta0[j] for j in candidates]
+    theta = fit(sub, lo, hi, st, sc)
+    wanted = unbounded(sub, st, sc)
+    full = list(theta0)
+    for p, j in enumerate(candidates):
+        full[j] = theta[p]
+    held: dict[str, float] = {}
+    for name in sorted({r.run for r in sub}):
+        others = [r for r in sub if r.run != name]
+        if others:
+            t = fit(others, lo, hi, st, sc)
+            held[name] = statistics.median(abs(r.error(t)) for r in sub if r.run == name)
+    at_bound = [p for p in range(len(candidates))
+                if abs(wanted[p] - theta[p]) > 1e-6 * sc[p] and (wanted[p] < lo[p] or wanted[p] > hi[p])]
+    worse = {n: (before[n], e) for n, e in held.items() if e > before[n] + GUARD}
+    improves = bool(held) and statistics.median(held.values()) < statistics.median(before[n] for n in held) - 1e-12
+    return _Trial(list(candidates), theta, wanted, _run_errors(rows, full), held, at_bound, worse, improves)
+
+
+def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, asked: set[str],
+               min_runs: int) -> tuple[LevelResult, dict[str, float]]:
+    names = list(LEVEL_CONSTANTS[level])
+    rows = _level_rows(level, runs, base)
+    results = [ConstantResult(n, level, getattr(base, n)) for n in names]
+    res = LevelResult(level, LEVEL_METRIC[level], results, runs=sorted({r.run for r in rows}))
+    if not rows:
+        cpu = level == "allocated" and all(r.device != "gpu" for r in runs)
+        for c in results:
+            c.status = "too little data"
+            c.reason = "the runs ran on CPU: no GPU workspaces" if cpu else \
+                f"no run logged {METRIC_LABELS[LEVEL_METRIC[level]]}"
+        return res, {}
+    start = _start(level, names, base, runs)
+    # the level's rows measure the constants at this base; ``theta0`` is what the defaults give
+    theta0 = list(start)
+    res.before = _run_errors(rows, theta0)
+    candidates = []
+    for j, c in enumerate(results):
+        c.runs = len({r.run for r in rows if r.a[j]})
+        if c.name not in asked:
+            c.status, c.reason = "not asked", "kept (not in --fit)"
+        elif c.runs < min_runs:
+            shows = {"cublas_workspace": "runs without CUBLAS_WORKSPACE_CONFIG", "te_workspace": "Transformer Engine runs",
+                     "nccl_per_communicator": "runs with NCCL communicators"}.get(c.name, "runs")
+            c.status, c.reason = "too little data", f"{c.runs} of the {shows} needed (at least {min_runs})"
+        else:
+            candidates.append(j)
+    if len(candidates) == 2 and not identifiable(rows, candidates[1], [candidates[0]]):
+        j = candidates.pop()
+        other = results[candidates[0]].name
+        results[j].status = "not identifiable"
+        results[j].reason = (f"every run has it in the same proportion to {other} (e.g. the same communicators); "
+                             f"{other} is fitted and absorbs it")
+    if not candidates:
+        return res, {}
+    trials = [_trial(rows, names, theta0, candidates, res.before)]
+    if not trials[0].accepted and len(candidates) > 1:   # each constant alone: one may hold where both do not
+        trials += [_trial(rows, names, theta0, [j], res.before) for j in candidates]
+    chosen = min((t for t in trials if t.accepted), key=lambda t: statistics.median(t.held_out.values()), default=None)
+    shown_trial = chosen or trials[0]
+    res.fitted, res.held_out = shown_trial.fitted, shown_trial.held_out
+    values: dict[str, float] = {}
+    first = trials[0]
+    for j in candidates:
+        c = results[j]
+        if chosen is not None and j in chosen.candidates:
+            q = chosen.candidates.index(j)
+            c.status, c.value = "fitted", chosen.theta[q]
+            values[c.name] = chosen.theta[q]
+            continue
+        t = next((t for t in trials[1:] if t.candidates == [j]), first)   # its own trial where there is one
+        q = t.candidates.index(j)
+        if q in t.at_bound:
+            c.status, c.wanted = "at bound", t.wanted[q]
+            s_ = SPEC[c.name]
+            c.reason = (f"the runs ask for {s_.format(t.wanted[q])}, outside its bounds "
+                        f"[{s_.format(s_.lower)}, {s_.format(s_.upper)}]: a modelling gap, not a site constant")
+        elif t.worse:
+            c.status = "inconsistent"
+            shown = ", ".join(f"{n} {b:.1%} -> {a:.1%}" for n, (b, a) in sorted(t.worse.items(), key=lambda kv: -kv[1][1])[:4])
+            c.reason = (f"the runs disagree: predicted from the others, {len(t.worse)} run(s) get worse by more "
+                        f"than {GUARD:.0%} ({shown}); defaults kept")
+        else:
+            c.status = "kept"
+            c.reason = "the held-out error does not improve on the defaults; defaults kept"
+    res.accepted = bool(values)
+    return res, values
+
+
+def calibrate(runs: Sequence[CalibrationRun], base: SiteConstants = DEFAULT_SITE, fit_only: Sequence[str] | None = None,
+              min_runs: int = MIN_RUNS) -> CalibrationResult:
+    """Fit the site constants from ``runs``; TooLittleData when no constant has enough runs."""
+    runs = list(runs)
+    asked = set(fit_only) if fit_only else set(SPEC)
+    unknown = asked - set(SPEC)
+    if unknown:
+        raise MemguardError(f"--fit: unknown constant(s) {', '.join(sorted(unknown))} (known: {', '.join(SPEC)})")
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise MemguardError("two runs have the same name: " + ", ".join(sorted({n for n in names if names.count(n) > 1})))
+    notes: list[str] = []
+    gpus = sorted({r.gpu.name for r in runs if r.gpu is not None})
+    if len(gpus) > 1:
+        raise MemguardError(f"the runs used {len(gpus)} GPU types ({', '.join(gpus)}): a site profile holds one GPU "
+                            "type's constants; calibrate each type's runs on their own")
+    if len(runs) < min_runs:
+        raise TooLittleData(f"too little data: {len(runs)} run(s); calibrate fits a constant only from at least "
+                            f"{min_runs} runs that show it (give more runs, or --min-runs)")
+    levels, values = [], {}
+    for level in LEVEL_CONSTANTS:
+        lr, v = _fit_level(level, runs, base, asked, min_runs)
+        levels.append(lr)
+        values.update(v)
+    constants = [c for lv in levels for c in lv.constants]
+    if not any(c.status not in ("too little data", "not asked") for c in constants):
+        why = "; ".join(f"{c.name}: {c.reason}" for c in constants if c.status == "too little data")
+        raise TooLittleData(f"too little data in {len(runs)} run(s) to fit any constant ({why})")
+    site = with_values(base, values)
+    for c in constants:
+        if c.fitted:
+            c.value = getattr(site, c.name)
+    before = {r.name: {m: _median_signed(errors(r, base, m)) for m in METRICS} for r in runs}
+    after = {r.name: {m: _median_signed(errors(r, site, m)) for m in METRICS} for r in runs}
+    gaps = []
+    for m in METRICS:
+        off = sorted(((n, e[m]) for n, e in after.items() if e[m] is not None and abs(e[m]) > GAP), key=lambda x: -abs(x[1]))
+        if off:
+            gaps.append(Gap(m, off, GAP_WHAT[m]))
+    for c in constants:
+        if c.status == "at bound":
+            lv = next(lv for lv in levels if lv.level == c.level)
+            worst = sorted(lv.before.items(), key=lambda kv: -kv[1])[:6]
+            gaps.append(Gap(LEVEL_METRIC[c.level], [(n, e) for n, e in worst], c.reason))
+    return CalibrationResult(base=base, site=site, constants=constants, levels=levels, runs=runs, before=before,
+                             after=after, gaps=gaps, notes=notes)
+
+
+__all__ = ["calibrate", "CalibrationResult", "ConstantResult", "LevelResult", "Gap", "TooLittleData", "MIN_RUNS", "GUARD"]

@@ -1,0 +1,177 @@
+"""Read the runs ``memguard calibrate`` learns from: memguard's runtime JSONL files or Megatron's own logs.
+
+Each path given is one run: a log file, or a directory of one run's files (memguard-rankNNNNN.jsonl, or
+Megatron's stdout / stderr of any ranks). A directory whose entries are all directories is a collection:
+each subdirectory is a run. A run's configuration comes from its JSONL ``start`` record (the layout the
+hook or callback estimated), else from ``--config`` / flags (the same for every run), else from the argument
+table Megatron prints at start-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, Callable, Sequence
+
+from ..config import RawConfig
+from ..errors import MemguardError, ReaderError
+from ..gpus import GpuSpec, lookup_gpu
+from ..layout import Layout
+from ..report.megatron_log import MegatronLog, read_megatron_logs
+from ..report.megatron_run import pp_rank_of, raw_from_log, tp_pp_dp_mapping
+from ..report.runlog import RankRun, read_run
+from ..resolve import resolve
+from .model import CalibrationRun, Observation
+
+
+def expand(paths: Sequence[str]) -> list[str]:
+    """One entry per run: a directory of directories stands for its subdirectories."""
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            entries = sorted(os.path.join(p, e) for e in os.listdir(p) if not e.startswith("."))
+            if entries and all(os.path.isdir(e) for e in entries):
+                out.extend(entries)
+                continue
+        if not os.path.exists(p):
+            raise ReaderError(f"{p}: no such file or directory")
+        out.append(p)
+    return out
+
+
+def _is_jsonl(path: str) -> bool:
+    if os.path.isdir(path):
+        return any(e.endswith(".jsonl") for e in os.listdir(path))
+    return path.endswith(".jsonl")
+
+
+def layout_from_dict(d: dict[str, Any], where: str) -> Layout:
+    """A Layout from its ``to_dict()`` (the JSONL start record's context); ReaderError for another version's."""
+    fields = {f.name: f for f in dataclasses.fields(Layout)}
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        raise ReaderError(f"{where}: the recorded layout has fields this memguard does not know ({', '.join(unknown[:4])}); "
+                          "give the run's configuration with --config")
+    hints = typing.get_type_hints(Layout)
+    kw = {}
+    for name, f in fields.items():
+        if name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+                raise ReaderError(f"{where}: the recorded layout lacks '{name}'; give the run's configuration with --config")
+            continue
+        v = d[name]
+        if "tuple" in str(hints.get(name, "")):
+            v = tuple(tuple(x) if isinstance(x, list) else x for x in (v.items() if isinstance(v, dict) else v or ()))
+        kw[name] = v
+    try:
+        return Layout(**kw)
+    except (TypeError, ValueError) as e:
+        raise ReaderError(f"{where}: the recorded layout cannot be read ({e}); give the run's configuration with --config") from None
+
+
+def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] | None) -> CalibrationRun:
+    log = read_run([path])
+    starts = [r.start for r in log.ranks if r.start]
+    ctx = (starts[0] or {}).get("context") or {} if starts else {}
+    predicted = (starts[0] or {}).get("predicted") or {} if starts else {}
+    device = predicted.get("device") or "gpu"
+    if layout_of is not None:
+        layout = layout_of()
+        source = "memguard JSONL + the given configuration"
+    elif isinstance(ctx.get("layout"), dict):
+        layout = layout_from_dict(ctx["layout"], path)
+        source = "memguard JSONL"
+    else:
+        raise ReaderError(f"{path}: the JSONL start records carry no layout (written by an older memguard); give the "
+                          "run's configuration with --config")
+    if gpu is None:
+        name = (ctx.get("decision") or {}).get("gpu")
+        gpu = lookup_gpu(name) if name else None
+    obs = [_jsonl_observation(r) for r in log.ranks if r.samples and r.pp_rank is not None and 0 <= r.pp_rank < layout.pp]
+    if not obs:
+        raise ReaderError(f"{path}: no rank with samples and a pipeline stage")
+    return CalibrationRun(name=path, layout=layout, gpu=gpu, observations=obs, device=device, source=source)
+
+
+def _dp(r: RankRun) -> int:
+    return int(((r.start or {}).get("context") or {}).get("dp_rank") or 0)
+
+
+def _jsonl_observation(r: RankRun) -> Observation:
+    last = r.samples[-1].actual
+    dev = max((s for s in r.samples if s.actual.get("device_used")), key=lambda s: s.actual["device_used"], default=None)
+    return Observation(rank=r.rank, pp_rank=r.pp_rank or 0, dp_rank=_dp(r), steady=last.get("allocated"),
+                       peak_allocated=r.peak("max_allocated"), peak_reserved=r.peak("max_reserved"),
+                       device_used=dev.actual["device_used"] if dev else None,
+                       reserved=dev.actual.get("reserved") if dev else None)
+
+
+def megatron_observations(log: MegatronLog, L: Layout, tp_pp_dp: bool) -> list[Observation]:
+    obs = []
+    for rank in log.ranks:
+        if rank >= L.world_size:
+            continue
+        lines = log.rank_lines(rank)
+        steady = [m for m in lines if not m.at_checkpoint and m.iteration]
+        dev = max((m for m in lines if m.device_used), key=lambda m: m.device_used or 0, default=None)
+        obs.append(Observation(rank=rank, pp_rank=pp_rank_of(rank, L, tp_pp_dp), dp_rank=0,
+                               steady=steady[-1].allocated if steady else None,
+                               peak_allocated=max(m.max_allocated for m in lines),
+                               peak_reserved=max(m.max_reserved for m in lines),
+                               device_used=dev.device_used if dev else None, reserved=dev.reserved if dev else None))
+    return obs
+
+
+def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[[MegatronLog], RawConfig],
+                  resolve_kw: dict[str, Any]) -> CalibrationRun:
+    log = read_megatron_logs([path])
+    if not log.memory:
+        raise ReaderError(f"{path}: no Megatron memory lines ('[Rank N] (after K iterations) memory (MB) | ...') and no "
+                          "memguard-rank*.jsonl files")
+    raw = raw_of(log)
+    L = resolve(raw, world_size=resolve_kw.get("world_size") or raw.world_size,
+                megatron_version=resolve_kw.get("megatron_version"), vocab_size=resolve_kw.get("vocab_size"))
+    obs = megatron_observations(log, L, tp_pp_dp_mapping(raw))
+    return CalibrationRun(name=path, layout=L, gpu=gpu, observations=obs, device=device,
+                          source="Megatron log (" + ("argument table" if raw.source.startswith("the argument table")
+                                                     else raw.source) + ")")
+
+
+def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str = "gpu",
+              raw: RawConfig | None = None, env: dict[str, str] | None = None,
+              resolve_kw: dict[str, Any] | None = None) -> list[CalibrationRun]:
+    """The runs under ``paths``. ``raw``: a configuration for every run (else each run's own); ``env``: the
+    jobs' memory-relevant environment (Megatron logs do not show it)."""
+    resolve_kw = resolve_kw or {}
+
+    def with_env(r: RawConfig) -> RawConfig:
+        return dataclasses.replace(r, env={**r.env, **(env or {})}) if env else r
+
+    def raw_of(log: MegatronLog) -> RawConfig:
+        return with_env(raw if raw is not None else raw_from_log(log))
+
+    def layout_of() -> Layout:
+        assert raw is not None
+        r = with_env(raw)
+        return resolve(r, world_size=resolve_kw.get("world_size") or r.world_size,
+                       megatron_version=resolve_kw.get("megatron_version"), vocab_size=resolve_kw.get("vocab_size"))
+
+    runs = []
+    for p in expand(paths):
+        try:
+            if _is_jsonl(p):
+                runs.append(_jsonl_run(p, gpu, layout_of if raw is not None else None))
+            else:
+                runs.append(_megatron_run(p, gpu, device, raw_of, resolve_kw))
+        except MemguardError as e:
+            text = str(e)
+            raise ReaderError(text if text.startswith(p) else f"{p}: {text}") from None
+    default = lookup_gpu("H100-80GB")
+    for r in runs:
+        if r.gpu is None and r.device == "gpu":
+            r.gpu = default
+            r.notes.append("GPU not recorded: H100-80GB assumed (--gpu names it)")
+    return runs
+
+
+__all__ = ["read_runs", "expand", "layout_from_dict", "megatron_observations"]

@@ -1,0 +1,306 @@
+"""Read Megatron-LM's own training logs: memory lines, the argument table, iterations and out-of-memory errors.
+
+What Megatron prints, from its source (megatron-core 0.17.0 ``megatron/training/utils.py`` and 0.19.2
+``megatron/training/utils/common_utils.py``, ``training.py``, ``arguments.py``; the same text since
+core_v0.16):
+
+* ``report_memory(name)`` on data-parallel rank 0 of every (TP, PP, CP) position, from ``training_log``
+  at the first logged iterations (until the second, once the optimizer state exists), every
+  ``--log-memory-interval`` and around the first checkpoint saves::
+
+      [Rank 3] (after 2 iterations) memory (MB) | allocated: 1234.56 | max allocated: 2345.67 | reserved: 2400.00 | max reserved: 2400.00
+
+  "MB" is MiB (``/ (1024 * 1024)``); ``--log-device-memory-used`` appends ``| total device memory used:
+  ...`` (NVML). Older Megatron printed the same fields unformatted (``allocated: 1234.5678...``).
+* ``_print_args`` on rank 0 at start-up: every argument after ``validate_args``, one per line
+  (``  name ......... value``, dots up to column 48) between ``---- arguments ----`` and
+  ``---- end of arguments ----``.
+* ``training_log``'s iteration line on the last rank (`` iteration   2/  10 | consumed samples: ...``)
+  and, on rank 0 with the first memory report, ``Theoretical memory footprints: weight and optimizer=...
+  MB, activation=... MB, total=... MB`` (Megatron's own estimate).
+* PyTorch's out-of-memory error (c10/cuda/CUDACachingAllocator.cpp since torch 2.1: ``CUDA out of
+  memory. Tried to allocate X. GPU 0 has a total capacity of X of which X is free. ... this process has X
+  memory in use. Of the allocated memory X is allocated by PyTorch, and X is reserved by PyTorch but
+  unallocated.``; torch 1.x / 2.0: ``(GPU 0; X total capacity; X already allocated; X free; X reserved
+  in total by PyTorch)``), and memguard's own ``[memguard] rank N (ppK) ran out of GPU memory`` line.
+
+Lines may carry launcher prefixes (``[default3]:``, ``3:``, ``[1,3]<stdout>:``), timestamps, and be
+interleaved with other ranks' output, warnings and progress bars: every pattern is searched for
+anywhere in a line. Pure Python; problems name the file.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import glob
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from ..errors import ReaderError
+
+MiB = 1024 * 1024
+MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlines) are cut, not read whole
+LOG_SUFFIXES = (".log", ".out", ".err", ".txt", ".stdout", ".stderr")
+
+_NUM = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
+MEMORY_RE = re.compile(
+    r"\[Rank (\d+)\] (.*?) ?memory \(MB\) \| allocated: " + _NUM + r" \| max allocated: " + _NUM
+    + r" \| reserved: " + _NUM + r" \| max reserved: " + _NUM + r"(?: \| total device memory used: " + _NUM + ")?")
+_AFTER_IT = re.compile(r"after (\d+) iterations?")
+_SAVE = re.compile(r"(before|after) save_checkpoint for iteration (\d+)")
+ARGS_START = re.compile(r"-{8,} arguments -{8,}")
+ARGS_END = re.compile(r"-{8,} end of arguments -{8,}")
+_ARG = re.compile(r"(?:^|[\s:>\]])([A-Za-z_][A-Za-z0-9_]*) (\.+) (.*?)\s*$")
+_ARG_LONG = re.compile(r"^\s*(?:\S*[:>\]])?\s+([A-Za-z_][A-Za-z0-9_]{47,})  (.*?)\s*$")   # names >= 48: no dots
+ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|")
+THEORY_RE = re.compile(r"Theoretical memory footprints: weight and optimizer=" + _NUM + r" MB, activation=" + _NUM
+                       + r" MB, total=" + _NUM + " MB")
+_SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB|TiB)"
+OOM_RE = re.compile(r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capacity of " + _SIZE
+                    + r" of which " + _SIZE + r" is free\.(.*?)Of the allocated memory " + _SIZE
+                    + r" is allocated by PyTorch, (?:with " + _SIZE + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?"
+                    + r"and " + _SIZE + r" is reserved by PyTorch but unallocated")
+OOM_OLD_RE = re.compile(r"CUDA out of memory\. Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE
+                        + r" total capacity; " + _SIZE + r" already allocated; " + _SIZE + r" free; " + _SIZE
+                        + r" reserved in total by PyTorch\)")
+_PROC = re.compile(r"Including non-PyTorch memory, this process has " + _SIZE + r" memory in use")
+_OTHER_PROC = re.compile(r"Process (\d+) has " + _SIZE + r" memory in use")
+MEMGUARD_OOM_RE = re.compile(r"\[memguard\] rank (\d+) \(pp(-?\d+|None)\) ran out of GPU memory")
+_PREFIX_RANK = (re.compile(r"^\[default(\d+)\]:"), re.compile(r"^(\d+): "), re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:"),
+                re.compile(r"^\[rank(\d+)\]:"))
+_FILE_RANK = re.compile(r"rank[_-]?0*(\d+)", re.IGNORECASE)
+_UNITS = {"bytes": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB, "TiB": 1024 ** 4}
+
+
+def _size(num: str, unit: str) -> int:
+    return int(round(float(num) * _UNITS[unit]))
+
+
+def _mib(text: str | None) -> int | None:
+    return None if text is None else int(round(float(text) * MiB))
+
+
+@dataclass(frozen=True)
+class MemoryLine:
+    """One ``report_memory`` line (bytes)."""
+
+    rank: int
+    name: str
+    iteration: int | None      # "after K iterations", or the checkpoint's iteration
+    allocated: int
+    max_allocated: int
+    reserved: int
+    max_reserved: int
+    device_used: int | None
+    file: str
+    line: int
+
+    @property
+    def at_checkpoint(self) -> bool:
+        return "save_checkpoint" in self.name
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """A CUDA out-of-memory error as PyTorch reports it (bytes; None where the message does not say)."""
+
+    file: str
+    line: int
+    rank: int | None
+    device: int
+    requested: int
+    capacity: int
+    free: int
+    allocated: int               # allocated by PyTorch (incl. private pools)
+    reserved_unallocated: int | None
+    process_used: int | None     # "this process has X memory in use" (incl. non-PyTorch memory)
+    other_processes: int         # other processes on the same GPU
+    reserved: int | None         # torch 1.x's "reserved in total"
+    iteration: int | None        # the last iteration the log reached before it
+
+    @property
+    def needed(self) -> int:
+        """Allocated memory the failed allocation would have brought the process to."""
+        return self.allocated + self.requested
+
+
+@dataclass
+class MegatronLog:
+    files: list[str]
+    memory: list[MemoryLine] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
+    args_text: dict[str, str] = field(default_factory=dict)
+    args_file: str | None = None
+    args_tables: int = 0
+    iterations: list[int] = field(default_factory=list)
+    train_iters: int | None = None
+    theoretical_mib: tuple[float, float, float] | None = None
+    ooms: list[OomEvent] = field(default_factory=list)
+    memguard_oom_ranks: dict[int, int | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({m.rank for m in self.memory})
+
+    def rank_lines(self, rank: int) -> list[MemoryLine]:
+        return [m for m in self.memory if m.rank == rank]
+
+    @property
+    def last_iteration(self) -> int | None:
+        its = self.iterations + [m.iteration for m in self.memory if m.iteration is not None and not m.at_checkpoint]
+        return max(its) if its else None
+
+
+# ---- values of the argument table ------------------------------------------------------------------
+def arg_value(text: str) -> Any:
+    """A value as ``_print_args`` printed it (``str(value)``) back to Python: numbers, booleans, None,
+    lists, tuples and dicts by ``ast.literal_eval``; ``torch.bfloat16`` stays a string; an enum member
+    (``AttnBackend.auto``) becomes its name; anything else (paths, names) is the text itself."""
+    t = text.strip()
+    if not t:
+        return ""
+    try:
+        return ast.literal_eval(t)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    m = re.fullmatch(r"<?([A-Z][A-Za-z0-9]*)\.([A-Za-z_][A-Za-z0-9_]*)(?::\s*[^>]*)?>?", t)
+    if m and not t.startswith("torch."):
+        return m.group(2)
+    return t
+
+
+def _rank_of_prefix(line: str) -> int | None:
+    for rx in _PREFIX_RANK:
+        m = rx.match(line)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+# ---- reading -----------------------------------------------------------------------------------------
+def find_log_files(paths: Sequence[str]) -> list[str]:
+    """The log files among ``paths``: files as given; in a directory, its files ending in .log, .out, .err,
+    .txt (any file when there are none)."""
+    from .files import collect
+
+    def in_dir(p: str) -> list[str]:
+        every = sorted(f for f in glob.glob(os.path.join(p, "*")) if os.path.isfile(f))
+        return [f for f in every if f.endswith(LOG_SUFFIXES)] or [f for f in every if not f.endswith(".jsonl")]
+
+    return collect(paths, in_dir, lambda p: f"{p}: no memguard-rank*.jsonl files in this directory, nor Megatron log "
+                   "files (the hook writes the first with --memguard-log-dir DIR or MEMGUARD_LOG_DIR)")
+
+
+def _lines(path: str) -> Iterable[tuple[int, str]]:
+    try:
+        f = open(path, encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
+    with f:
+        n = 0
+        while True:
+            line = f.readline(MAX_LINE)
+            if not line:
+                return
+            n += 1
+            # progress bars rewrite one line with carriage returns: each piece is a line of its own
+            for piece in line.rstrip("\n").split("\r"):
+                yield n, piece
+
+
+def read_megatron_logs(paths: str | Sequence[str]) -> MegatronLog:
+    """Parse Megatron training logs (stdout / stderr of any ranks, several files or directories)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    files = find_log_files(paths)
+    log = MegatronLog(files=files)
+    for path in files:
+        _read_one(path, log)
+    last = log.last_iteration          # an OOM ends the job: the last iteration any rank logged came before it
+    log.ooms = [dataclasses.replace(ev, iteration=last) for ev in log.ooms]
+    return log
+
+
+def _read_one(path: str, log: MegatronLog) -> None:
+    in_args = False
+    table: dict[str, str] = {}
+    file_ranks: set[int] = set()
+    ooms: list[tuple[int, str, int | None]] = []
+    for n, line in _lines(path):
+        if in_args:
+            if ARGS_END.search(line):
+                in_args = False
+                log.args_text = table
+                log.args = {k: arg_value(v) for k, v in table.items()}
+                log.args_file = path
+                continue
+            m = _ARG.search(line)
+            if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
+                table[m.group(1)] = m.group(3)
+            elif (m := _ARG_LONG.search(line)) is not None:
+                table[m.group(1)] = m.group(2)
+            continue
+        # cheap substring tests first: a log has millions of lines, a few of them ours
+        if "arguments --" in line and ARGS_START.search(line):
+            in_args, table = True, {}
+            log.args_tables += 1
+        elif "memory (MB)" in line:
+            m = MEMORY_RE.search(line)
+            if m:
+                name = m.group(2).strip()
+                it = _AFTER_IT.search(name) or _SAVE.search(name)
+                rank = int(m.group(1))
+                file_ranks.add(rank)
+                log.memory.append(MemoryLine(rank=rank, name=name, iteration=int(it.group(it.lastindex)) if it else None,
+                                             allocated=_mib(m.group(3)), max_allocated=_mib(m.group(4)),
+                                             reserved=_mib(m.group(5)), max_reserved=_mib(m.group(6)),
+                                             device_used=_mib(m.group(7)), file=path, line=n))
+        elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None:
+            log.iterations.append(int(m.group(1)))
+            log.train_iters = int(m.group(2))
+        elif "Theoretical memory" in line and (m := THEORY_RE.search(line)) is not None:
+            log.theoretical_mib = (float(m.group(1)), float(m.group(2)), float(m.group(3)))
+        elif "ran out of GPU memory" in line and (m := MEMGUARD_OOM_RE.search(line)) is not None:
+            pp = m.group(2)
+            log.memguard_oom_ranks[int(m.group(1))] = None if pp == "None" else int(pp)
+        elif "CUDA out of memory" in line:
+            ooms.append((n, line, _rank_of_prefix(line)))
+    if in_args:
+        log.notes.append(f"{path}: the argument table is cut off (no 'end of arguments' line); read as far as it goes")
+        log.args_text, log.args, log.args_file = table, {k: arg_value(v) for k, v in table.items()}, path
+    m = _FILE_RANK.search(os.path.basename(path))
+    file_rank = next(iter(file_ranks)) if len(file_ranks) == 1 else (int(m.group(1)) if m else None)
+    for n, text, prefix_rank in ooms:
+        ev = parse_oom(text, path, n, prefix_rank if prefix_rank is not None else file_rank)
+        if ev is not None:
+            log.ooms.append(ev)
+
+
+def parse_oom(text: str, file: str = "", line: int = 0, rank: int | None = None,
+              iteration: int | None = None) -> OomEvent | None:
+    """The numbers of a PyTorch CUDA out-of-memory message (None if ``text`` holds none)."""
+    m = OOM_RE.search(text)
+    if m:
+        g = m.groups()
+        middle = g[7]
+        proc = _PROC.search(middle)
+        others = sum(_size(x.group(2), x.group(3)) for x in _OTHER_PROC.finditer(middle))
+        allocated = _size(g[8], g[9])
+        return OomEvent(file=file, line=line, rank=rank, device=int(g[2]), requested=_size(g[0], g[1]),
+                        capacity=_size(g[3], g[4]), free=_size(g[5], g[6]), allocated=allocated,
+                        reserved_unallocated=_size(g[12], g[13]), process_used=_size(proc.group(1), proc.group(2)) if proc
+                        else None, other_processes=others, reserved=None, iteration=iteration)
+    m = OOM_OLD_RE.search(text)
+    if m:
+        g = m.groups()
+        allocated, reserved = _size(g[5], g[6]), _size(g[9], g[10])
+        return OomEvent(file=file, line=line, rank=rank, device=int(g[2]), requested=_size(g[0], g[1]),
+                        capacity=_size(g[3], g[4]), free=_size(g[7], g[8]), allocated=allocated,
+                        reserved_unallocated=reserved - allocated, process_used=None, other_processes=0,
+                        reserved=reserved, iteration=iteration)
+    return None
+
+
+__all__ = ["MegatronLog", "MemoryLine", "OomEvent", "read_megatron_logs", "parse_oom", "arg_value", "find_log_files"]

@@ -1,0 +1,206 @@
+"""Site profile files: the constants ``memguard calibrate`` fitted for one site, as small versioned YAML.
+
+    schema: memguard.site/1
+    memguard_version: 0.1.0
+    name: my-cluster                # optional
+    gpu: H100-80GB                  # optional: the GPU the runs used
+    constants:                      # only the fitted ones; the others keep memguard's defaults
+      cuda_context: 547356672       # bytes, or a size such as 522MiB
+      nccl_per_communicator: 96MiB
+      allocator_fragmentation: 0.071
+    fit: {...}                      # optional: how they were fitted (informational)
+
+Read by ``estimate``, ``validate``, ``check``, ``plan`` and ``report`` (``--site-profile FILE``), the
+Megatron hook (``--memguard-profile FILE`` / ``MEMGUARD_PROFILE``) and the Bridge / Lightning callbacks
+(``site_profile=`` / ``MEMGUARD_PROFILE``). A file from a newer memguard (schema or version) or with a key
+this version does not know is refused, naming the key: a constant silently ignored would make the
+estimate wrong without anyone noticing. The format is documented in docs/calibrate.md.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .estimator.site import DEFAULT_SITE, SPEC, SPECS, SiteConstants
+from .units import format_bytes
+
+SCHEMA = "memguard.site/1"
+_SCHEMA_RE = re.compile(r"^memguard\.site/(\d+)$")
+TOP_KEYS = ("schema", "memguard_version", "name", "gpu", "created", "constants", "fit")
+ENV = "MEMGUARD_PROFILE"
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass(frozen=True)
+class SiteProfile:
+    constants: SiteConstants
+    path: str = ""
+    name: str = ""
+    gpu: str | None = None
+    memguard_version: str = ""
+    created: str = ""
+    fit: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def label(self) -> str:
+        return self.name or (os.path.basename(self.path) if self.path else "site profile")
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def _newer(theirs: str, ours: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+    try:
+        return Version(theirs) > Version(ours)
+    except InvalidVersion:
+        return False
+
+
+def _bytes(v: Any, key: str) -> int:
+    if isinstance(v, bool):
+        raise ConfigError(key, f"expects a size in bytes (e.g. 512MiB), got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and math.isfinite(v) and v == int(v):
+        return int(v)
+    m = _SIZE.match(str(v)) if isinstance(v, str) else None
+    if not m:
+        raise ConfigError(key, f"expects a size in bytes (e.g. 512MiB or 536870912), got {v!r}")
+    return int(float(m.group(1)) * _UNIT[(m.group(2) or "").lower()])
+
+
+def _ratio(v: Any, key: str) -> float:
+    if isinstance(v, str) and v.strip().endswith("%"):
+        try:
+            return float(v.strip()[:-1]) / 100
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(key, f"expects a fraction such as 0.05 (or 5%), got {v!r}")
+    return float(v)
+
+
+def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
+    """A SiteProfile from the parsed YAML document; ConfigError naming ``source`` and the key otherwise."""
+    if not isinstance(doc, dict):
+        raise ConfigError(source, f"a site profile is a YAML mapping with 'schema: {SCHEMA}', got {type(doc).__name__}")
+    schema = doc.get("schema")
+    m = _SCHEMA_RE.match(str(schema)) if isinstance(schema, str) else None
+    if not m:
+        raise ConfigError(f"{source}: schema", f"expected {SCHEMA!r}, got {schema!r} (is this a memguard site profile?)")
+    if int(m.group(1)) > 1:
+        raise ConfigError(f"{source}: schema", f"{schema} was written by a newer memguard; this version ({_version()}) "
+                                               f"reads {SCHEMA}", "upgrade memguard or calibrate again with this version")
+    for k in doc:
+        if k not in TOP_KEYS:
+            raise ConfigError(f"{source}: {k}", f"unknown key in a {SCHEMA} profile (known: {', '.join(TOP_KEYS)})",
+                              "a profile from a newer memguard? upgrade memguard")
+    written_by = doc.get("memguard_version")
+    if written_by is not None and not isinstance(written_by, str):
+        raise ConfigError(f"{source}: memguard_version", f"expects a version string, got {written_by!r}")
+    if written_by and _newer(written_by, _version()):
+        raise ConfigError(f"{source}: memguard_version", f"written by memguard {written_by}, newer than this "
+                                                         f"memguard ({_version()})", "upgrade memguard")
+    for k in ("name", "gpu", "created"):
+        if doc.get(k) is not None and not isinstance(doc[k], (str, datetime.date)):
+            raise ConfigError(f"{source}: {k}", f"expects a string, got {doc[k]!r}")
+    consts = doc.get("constants")
+    if consts is None:
+        consts = {}
+    if not isinstance(consts, dict):
+        raise ConfigError(f"{source}: constants", f"expects a mapping of constant to value, got {type(consts).__name__}")
+    values: dict[str, Any] = {}
+    for k, v in consts.items():
+        key = f"{source}: constants.{k}"
+        if k not in SPEC:
+            raise ConfigError(key, f"unknown site constant (known: {', '.join(SPEC)})",
+                              "a profile from a newer memguard? upgrade memguard")
+        s = SPEC[k]
+        values[k] = _ratio(v, key) if s.unit == "ratio" else _bytes(v, key)
+        if not s.lower <= values[k] <= s.upper:
+            raise ConfigError(key, f"{s.format(values[k])} is outside the physical bounds "
+                                   f"[{s.format(s.lower)}, {s.format(s.upper)}] of {s.what}")
+    fit = doc.get("fit") or {}
+    if not isinstance(fit, dict):
+        raise ConfigError(f"{source}: fit", f"expects a mapping, got {type(fit).__name__}")
+    return SiteProfile(constants=replace(DEFAULT_SITE, **values), name=str(doc.get("name") or ""),
+                       gpu=doc.get("gpu"), memguard_version=written_by or "", created=str(doc.get("created") or ""),
+                       fit=fit)
+
+
+def load_site_profile(path: str, key: str = "--site-profile") -> SiteProfile:
+    """Read a site profile file; every problem is a ConfigError naming ``key`` (the flag or variable) and
+    the file."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except OSError as e:
+        raise ConfigError(key, f"cannot read site profile {path} ({e.strerror or e})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(key, f"{path} is not valid YAML{at}") from None
+    try:
+        prof = parse_site_profile(doc, path)
+    except ConfigError as e:
+        raise ConfigError(f"{key} {e.key}" if e.key else key, e.rule, e.fix) from None
+    return replace(prof, path=path)
+
+
+def site_from(path: str | None, environ: Mapping[str, str] | None = None,
+              key: str = "--site-profile") -> SiteProfile | None:
+    """The profile at ``path``, else at $MEMGUARD_PROFILE, else None."""
+    environ = os.environ if environ is None else environ
+    if path:
+        return load_site_profile(path, key)
+    if environ.get(ENV):
+        return load_site_profile(environ[ENV], ENV)
+    return None
+
+
+def dump_site_profile(constants: Mapping[str, Any], *, name: str = "", gpu: str | None = None,
+                      fit: Mapping[str, Any] | None = None) -> str:
+    """The YAML text of a profile holding ``constants`` (only those given), with a comment per constant."""
+    import yaml
+
+    lines = ["# memguard site profile: physical constants of one site, fitted by `memguard calibrate`",
+             "# (docs/calibrate.md). Use it with: memguard estimate|validate|check|plan|report --site-profile FILE;",
+             "# in Megatron: --memguard-profile FILE or MEMGUARD_PROFILE=FILE; in the callbacks: site_profile=FILE.",
+             "# Constants not listed keep memguard's defaults.",
+             f"schema: {SCHEMA}", f"memguard_version: {_version()}"]
+    if name:
+        lines.append(f"name: {json.dumps(name)}")
+    if gpu:
+        lines.append(f"gpu: {gpu}")
+    lines.append(f"created: '{datetime.date.today().isoformat()}'")
+    lines.append("constants:" + ("" if constants else " {}"))
+    for s in SPECS:
+        if s.name not in constants:
+            continue
+        v = constants[s.name]
+        default = getattr(DEFAULT_SITE, s.name)
+        lines.append(f"  # {s.what}")
+        if s.unit == "bytes":
+            lines.append(f"  {s.name}: {int(v)}    # {format_bytes(v)}; default {s.format(default)}")
+        else:
+            lines.append(f"  {s.name}: {round(float(v), 5)}    # default {s.format(default)}")
+    if fit:
+        lines.append(yaml.safe_dump({"fit": dict(fit)}, sort_keys=False, default_flow_style=None, width=120).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["SCHEMA", "ENV", "SiteProfile", "parse_site_profile", "load_site_profile", "site_from", "dump_site_profile"]

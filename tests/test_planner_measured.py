@@ -1,0 +1,70 @@
+"""The step-time model against Megatron-LM's measured throughput: Llama-3.1-8B at sequence 8192 on A100-40GB
+(Fujii et al.'s draft tables, shared/groundtruth/throughput/fujii2024-draft-a100.csv, read from there;
+benchmarks/planner_quality.py describes the sweeps and scores the whole ranking). Each test takes an
+ordering Megatron measured and checks the model predicts it for every pair of layouts that ran."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.planner_quality import FIRST_WITHIN, fujii_sweeps, planner_for, quality, score  # noqa: E402
+from megatron_memguard.planner.space import make_candidate  # noqa: E402
+
+SWEEPS = fujii_sweeps()
+
+
+def _pairs(sweep, a, b):
+    """(run a, run b) for every cell pair that both ran, cells keyed by (tp, cp, pp, mbs)."""
+    ran = {(r.tp, r.cp, r.pp, r.mbs): r for r in sweep.runs if not r.failed}
+    for key, r in ran.items():
+        other = b(*key)
+        if a(*key) and other in ran:
+            yield r, ran[other]
+
+
+def _seconds(P, r):
+    return P.step_time(make_candidate(P.shape, P.cluster, P.gbs, tp=r.tp, pp=r.pp, cp=r.cp, mbs=r.mbs)).seconds
+
+
+def _disagreements(a, b, min_gap=0.03):
+    """Pairs (world, label of a) where Megatron ran layout a more than ``min_gap`` faster than b and the
+    model predicts a slower; also returns how many such pairs there are."""
+    wrong, n = set(), 0
+    for sw in SWEEPS:
+        P = planner_for(sw)
+        for x, y in _pairs(sw, a, b):
+            if x.throughput > (1 + min_gap) * y.throughput:
+                n += 1
+                if _seconds(P, x) >= _seconds(P, y):
+                    wrong.add((sw.world, x.label))
+    return wrong, n
+
+
+def test_tensor_parallelism_beats_context_parallelism_at_8k_on_a100():
+    """Where Megatron ran TP4 CP2 more than 3% faster than TP2 CP4 (same PP, MBS, GPUs; 5-24% in 12 pairs),
+    the model agrees with one sequence per micro-batch: the ring's per-step kernels on short blocks and
+    their merges cost more than TP4's extra collectives on NVLink. With two sequences the model's margin
+    is reversed (about 1%; Megatron's is 8-21%): the known misses, listed so that no new one slips in."""
+    wrong, n = _disagreements(lambda tp, cp, pp, mbs: (tp, cp) == (4, 2), lambda tp, cp, pp, mbs: (2, 4, pp, mbs))
+    assert n == 12
+    assert wrong <= {(w, "TP4 CP2 PP2 MBS2 SP") for w in (32, 64, 128, 256)}
+
+
+def test_two_sequences_per_micro_batch_beat_one():
+    """Where Megatron ran MBS 2 more than 3% faster than MBS 1 (the same layout otherwise; 19 of 23 pairs), the
+    model agrees (larger GEMMs and attention kernels fill the SMs better), except at 256 GPUs for TP4 PP2,
+    where its 1F1B bubble over 16 micro-batches outweighs the gain (measured: +16%)."""
+    wrong, n = _disagreements(lambda tp, cp, pp, mbs: mbs == 2, lambda tp, cp, pp, mbs: (tp, cp, pp, 1))
+    assert n == 19
+    assert wrong <= {(256, "TP4 CP1 PP2 MBS2 SP")}
+
+
+@pytest.mark.parametrize("sweep", SWEEPS, ids=[s.name for s in SWEEPS])
+def test_first_choice_is_within_3_percent_of_the_measured_best(sweep):
+    """Restricted to the layouts the sweep ran and that the estimator says fit, the planner's first choice
+    reaches at least 97% of the best measured throughput (issue 18's target)."""
+    q = quality(sweep, score(sweep), "time")
+    assert q.first_rel >= FIRST_WITHIN, (q.first, q.first_rel)
