@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import signal
 import tempfile
 import time
@@ -221,6 +220,29 @@ RUNLOG_NUMBER_FIELDS = [(i, k) for i, k in RUNLOG_FIELDS
 
 
 
+# A Megatron log as its ranks print it: the argument table of tests/data (megatron-core 0.19.2), iteration
+# and report_memory lines, and PyTorch's out-of-memory error (formats in report/megatron_log.py).
+_MEM_LINE = ("[Rank 0] (after {k} iterations) memory (MB) | allocated: 20480.12 | max allocated: 39000.50 | "
+             "reserved: 41000.00 | max reserved: 41000.00\n")
+_IT_LINE = " [2026-01-01 00:00:0{k}] iteration        {k}/      10 | consumed samples:          {k} |\n"
+OOM_LINE = ("[default0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+            "capacity of 79.11 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.04 GiB "
+            "memory in use. Of the allocated memory 75.50 GiB is allocated by PyTorch, and 1.21 GiB is reserved by "
+            "PyTorch but unallocated.\n")
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "megatron-0.19.2-rank0-start.log"),
+          encoding="utf-8") as _f:
+    MEGATRON_LOG = _f.read() + "".join(_IT_LINE.format(k=k) + _MEM_LINE.format(k=k) for k in (1, 2, 3)) + OOM_LINE
+MEGATRON_LOG_LINES = {
+    "progress bar": ["\r".join(["iteration 1/10 |"] * 20_000) + "\n", "x" * BIG + "\n"],
+    "tables": ["-------------------- arguments --------------------\n", "  num_layers " + "." * 38 + " 1e400\n",
+               "  world_size " + "." * 38 + " " + "9" * 5000 + "\n"],
+    "memory": [_MEM_LINE.format(k="9" * 5000), _MEM_LINE.format(k=1).replace("20480.12", "1e400"),
+               _MEM_LINE.format(k=1).replace("[Rank 0]", "[Rank " + "9" * 5000 + "]")],
+    "oom": [OOM_LINE.replace("2.00", "9" * 400), OOM_LINE.replace("2.00", "1.2.3"), OOM_LINE.replace("GPU 0", "GPU " + "9" * 5000),
+            "[memguard] rank " + "9" * 5000 + " (pp0) ran out of GPU memory\n"],
+}
+
+
 class CaseTimeout(BaseException):  # (not an Exception: no except clause of memguard swallows it)
     pass
 
@@ -234,6 +256,7 @@ class Outcome:
     cpu: float = 0.0
     wall: float = 0.0
     error: str = ""              # an exception that escaped main(), with its traceback
+    where: str = ""              # memguard's innermost frame when it escaped (or the run was stopped)
     timed_out: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -272,9 +295,9 @@ def run_memguard(argv: list[str], files: dict[str, str | bytes] | None = None, e
             o.code = 0 if e.code is None else e.code
         except CaseTimeout as e:
             o.timed_out = True
-            o.error = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:]
+            o.error, o.where = _trace(e)
         except BaseException as e:  # noqa: BLE001 - the point is to catch anything that escapes
-            o.error = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:]
+            o.error, o.where = _trace(e)
         finally:
             signal.alarm(0)
             o.wall, o.cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -287,10 +310,19 @@ def run_memguard(argv: list[str], files: dict[str, str | bytes] | None = None, e
     return o
 
 
+def _trace(e: BaseException) -> tuple[str, str]:
+    """(the end of the traceback, where memguard's innermost frame was: ``file:line (function)``)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "megatron_memguard" in f.filename]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f"{f.filename[f.filename.rindex('megatron_memguard'):]}:{f.lineno} ({f.name})"
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:], where
+
+
 def _judge(o: Outcome, cpu_limit: float | None, wall_limit: int) -> None:
     p = o.problems
-    frames = re.findall(r'File ".*?(megatron_memguard/[^"]+)", line (\d+), in (\w+)', o.error)
-    where = f" at {frames[-1][0]}:{frames[-1][1]} ({frames[-1][2]})" if frames else ""
+    where = f" at {o.where}" if o.where else ""
     if o.timed_out:
         p.append(f"still running after {wall_limit} s (stopped{where})")
     elif o.error:

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzz_util import (  # noqa: E402
-    JSON_CLASSES, LAUNCH, LEAVES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG, RUNLOG_FIELDS,
+    JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG, RUNLOG_FIELDS,
     RUNLOG_NUMBER_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES, YAML_SEEDS, V, run_memguard,
     with_values,
 )
@@ -181,10 +181,14 @@ def config_case(data) -> tuple[list[str], dict[str, str]]:
             values.append((path, hostile(data, JSON_CLASSES if name.endswith(".json") else YAML_CLASSES, "raw")))
         elif how == "corrupt":
             damage += 1
-        elif how == "section":
+        elif how == "section":  # a whole section (model:, trainer:, train: ...) replaced by a scalar or a list
             top = [k for k in LEAVES[name] if len(k) == 1]
             key = data.draw(st.sampled_from(top or [("model",)]), label="section")[0]
-            sections.append(f"\n{key}: {data.draw(st.sampled_from(['3', '[1]', 'null', 'x', '???']), label='as')}\n")
+            value = data.draw(st.sampled_from(['3', '[1]', 'null', 'x', '???']), label='as')
+            if data.draw(st.booleans(), label="as an override") and not name.endswith(".json"):
+                overrides.append(f"{key}={value}")
+            else:
+                sections.append(f"\n{key}: {value}\n")
         elif not name.endswith(".json"):
             path = one_of(data, NUMBER_LEAVES[name], LEAVES[name], "override path")
             key = ".".join(str(p) for p in path)
@@ -298,6 +302,41 @@ def test_report_with_hostile_run_logs(data):
     files = {"memguard-rank00000.jsonl": text + "\n"}
     target = {"dir": ".", "file": "memguard-rank00000.jsonl", "missing": "nowhere"}[where]
     keep_promise(run_memguard(["report", target, *opts], files, cpu_limit=CPU_LIMIT, wall_limit=WALL))
+
+
+@fuzz(80)
+@given(data=st.data())
+def test_report_and_calibrate_with_hostile_megatron_logs(data):
+    import re
+    text = MEGATRON_LOG
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        how = data.draw(st.sampled_from(["number", "number", "argument", "line", "corrupt"]), label="how")
+        if how == "number":   # a number of a memory, iteration or OOM line
+            ours = [m for m in re.finditer(r"\d+(?:\.\d+)?", text[-3000:])]
+            if not ours:
+                continue
+            m = data.draw(st.sampled_from(ours), label="number")
+            at = len(text) - 3000 + m.start()
+            text = text[:at] + hostile(data, NUMBER_CLASSES, "value") + text[at + len(m.group(0)):]
+        elif how == "argument":
+            name = data.draw(st.sampled_from(["num_layers", "hidden_size", "seq_length", "micro_batch_size",
+                                              "global_batch_size", "world_size", "tensor_model_parallel_size",
+                                              "padded_vocab_size", "params_dtype"]), label="argument")
+            text = re.sub(rf"(\n  {name} \.+ )[^\n]*", lambda m: m.group(1) + any_value(data), text, count=1)
+        elif how == "line":
+            at = data.draw(st.sampled_from([0, len(text) // 2, len(text)]), label="at")
+            text = text[:at] + hostile(data, MEGATRON_LOG_LINES, "line") + text[at:]
+        else:
+            text = corrupt(text, data)
+    command = data.draw(st.sampled_from(["report", "report", "calibrate"]), label="command")
+    files = {"rank0.log": text}
+    if command == "calibrate":
+        files["run2.log"] = files["run3.log"] = text   # (calibrate needs three runs)
+        argv = ["calibrate", "rank0.log", "run2.log", "run3.log"]
+    else:
+        argv = ["report", "rank0.log", *data.draw(st.lists(st.sampled_from(["--json", "--gpu", "A100-80GB", "--all-ranks"]),
+                                                            max_size=2), label="options")]
+    keep_promise(run_memguard(argv, files, cpu_limit=CPU_LIMIT, wall_limit=WALL))
 
 
 @fuzz(15)
