@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzz_util import (  # noqa: E402
-    JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG, RUNLOG_FIELDS,
-    RUNLOG_NUMBER_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES, YAML_SEEDS, V, run_memguard,
+    JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG,
+    RUNLOG_RECORD_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES, YAML_SEEDS, V, run_memguard,
     with_values,
 )
 
@@ -117,8 +117,10 @@ OWN_OPTIONS = {   # (the options that take numbers first: tried two times in thr
 def flag_case(data, command: str) -> list[str]:
     flags = list(SMALL)
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        how = data.draw(st.sampled_from(["flag", "any-flag", "drop", "stray"]), label="how")
-        if how == "flag":
+        how = data.draw(st.sampled_from(["layers", "flag", "flag", "any-flag", "drop", "stray"]), label="how")
+        if how == "layers":  # the setting memguard's work grows with
+            flags += ["--num-layers", hostile(data, NUMBER_CLASSES, "layers")]
+        elif how == "flag":
             flag = data.draw(st.sampled_from(NUMERIC_FLAGS), label="flag")
             value = any_value(data)
             flags += [flag, value] if data.draw(st.booleans(), label="separate") else [f"{flag}={value}"]
@@ -220,7 +222,7 @@ def test_config_files_with_hostile_values_and_damage(data):
 # --------------------------------------------------------------------------------------------------
 # check: launch scripts and launch commands
 # --------------------------------------------------------------------------------------------------
-@fuzz(120)
+@fuzz(100)
 @given(data=st.data())
 def test_check_with_hostile_launch_scripts_and_commands(data):
     script = LAUNCH
@@ -268,7 +270,7 @@ def test_check_with_hostile_launch_scripts_and_commands(data):
 # --------------------------------------------------------------------------------------------------
 # report: run logs
 # --------------------------------------------------------------------------------------------------
-@fuzz(120)
+@fuzz(150)
 @given(data=st.data())
 def test_report_with_hostile_run_logs(data):
     records = json.loads(json.dumps(RUNLOG))
@@ -278,7 +280,8 @@ def test_report_with_hostile_run_logs(data):
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
         how = data.draw(st.sampled_from(["field", "field", "line", "corrupt"]), label="how")
         if how == "field":
-            i, key = one_of(data, RUNLOG_NUMBER_FIELDS, RUNLOG_FIELDS, "field")
+            i = data.draw(st.integers(0, len(RUNLOG) - 1), label="record")
+            key = one_of(data, *RUNLOG_RECORD_FIELDS[i], "field")
             node, leaf = (records[i][key[0]], key[1]) if isinstance(key, tuple) else (records[i], key)
             if isinstance(node, dict):
                 node[leaf] = f"{SENTINEL}{len(raws)}x"
@@ -304,7 +307,7 @@ def test_report_with_hostile_run_logs(data):
     keep_promise(run_memguard(["report", target, *opts], files, cpu_limit=CPU_LIMIT, wall_limit=WALL))
 
 
-@fuzz(80)
+@fuzz(60)
 @given(data=st.data())
 def test_report_and_calibrate_with_hostile_megatron_logs(data):
     import re
