@@ -1,20 +1,25 @@
 """Fuzz: no input makes memguard print a traceback or hang (issue 14).
 
-Every command (estimate, validate, check, plan, report, gpus) and every input kind (Megatron flags and
-memguard's own options, Megatron functional-test YAML, NeMo 1 / NeMo-launcher / Megatron-Bridge / NeMo 2
-YAML, Hugging Face config.json, launch scripts and commands, run logs, the environment) is run
-in-process from a valid seed with one to three hostile mutations drawn by hypothesis: numbers such as
-inf, nan, 1e400 or 5000 digits, YAML nesting and alias bombs, shell that re-expands itself, corrupted
-records, truncated or garbled text, values of 300,000 characters (every input stays under 1 MB).
+Every command (estimate, validate, check, plan, report, calibrate, gpus) and every input kind (Megatron
+flags and memguard's own options, Megatron functional-test YAML, NeMo 1 / NeMo-launcher / Megatron-Bridge /
+NeMo 2 YAML, Hugging Face config.json, launch scripts and commands, memguard run logs, Megatron logs, the
+environment) is run in-process from a valid seed with one to three hostile mutations drawn by
+hypothesis: a class of hostile value first (non-finite, huge, 5000 digits, out of range, extreme but
+valid, not a number; YAML nesting, alias bombs, interpolations, bad scalars; shell that re-expands
+itself, unterminated or nested constructs; corrupted records), then a value of it, placed mostly where
+memguard computes (shape settings, number fields); plus truncated or garbled text and values of
+300,000 characters (every input stays under 1 MB).
 
 Every case must keep the promise (tests/fuzz_util.py): exit code 0, 1 or 2; no traceback and no
 internal error; every stderr line from memguard and at most 1,200 characters (values are cut); at most
-CPU_LIMIT seconds of CPU (a case still running after WALL seconds is stopped and fails). The hook's flags and
-MEMGUARD_* variables and the Megatron-Bridge pre-flight are fuzzed through their Python entry points.
+CPU_LIMIT seconds of CPU (a case still running after WALL seconds is stopped and fails). The hook's
+flags and MEMGUARD_* variables and the Megatron-Bridge pre-flight are fuzzed through their Python entry
+points.
 
-Derandomized (the same cases on every run): 805 cases in all, about two minutes on two cores
-(ESTIMATE_CASES + ... below). ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
-failing (to audit an older memguard: tests/README of issue 14's report).
+Derandomized (the same cases on every run): 895 cases, 880 of them memguard runs (200 estimate, 60
+validate, 80 plan, 200 config files, 100 check, 150 report, 60 Megatron logs, 30 gpus / no command),
+about 1.5 minutes on two cores. ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
+failing, ``MEMGUARD_FUZZ_WALL=S`` stops a case after S seconds: how an older memguard is audited.
 """
 from __future__ import annotations
 
