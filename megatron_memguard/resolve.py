@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 from .config import RawConfig
 from .errors import ConfigError, ConfigErrors, NotModelledError
 from .layout import Layout
-from .numbers import MAX_WORLD_SIZE, WORLD_SIZE_WHY, bound_reason, to_float, to_int, upper_bound
+from .numbers import MAX_WORLD_SIZE, WORLD_SIZE_WHY, bound_reason, shown, to_float, to_int, upper_bound
 from .partition import parse_pipeline_layout
 from .tokenizers import GPT2_BPE, known_vocab_size, pad_vocab
 
@@ -58,9 +58,11 @@ _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf1
 
 def parse_version(text: str, key: str = "--megatron-version") -> Version:
     try:
+        if len(str(text)) > 40:   # (packaging converts each part to an int: 5000 digits would not convert)
+            raise InvalidVersion(text)
         return Version(str(text).lstrip("v").replace("core_v", "").replace("core_r", ""))
     except InvalidVersion:
-        raise ConfigError(key, f"cannot read Megatron version {text!r}; write e.g. 0.16 or 0.19.2") from None
+        raise ConfigError(key, f"cannot read Megatron version {shown(text)}; write e.g. 0.16 or 0.19.2") from None
 
 
 def resolve(

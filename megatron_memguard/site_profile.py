@@ -63,7 +63,7 @@ def _newer(theirs: str, ours: str) -> bool:
     from packaging.version import InvalidVersion, Version
     try:
         return Version(theirs) > Version(ours)
-    except InvalidVersion:
+    except (InvalidVersion, ValueError):  # (a 5000-digit part does not convert to an int)
         return False
 
 

@@ -262,10 +262,12 @@ class Outcome:
     where: str = ""              # memguard's innermost frame when it escaped (or the run was stopped)
     timed_out: bool = False
     problems: list[str] = field(default_factory=list)
+    note: str = ""               # what the fuzz case changed in its input files
 
     def describe(self) -> str:
         argv = " ".join(a if len(a) <= 80 else a[:40] + f"...({len(a)} chars)" for a in self.argv)
-        return f"memguard {argv}: " + "; ".join(self.problems)
+        note = f" [{self.note}]" if self.note else ""
+        return f"memguard {argv}{note}: " + "; ".join(self.problems)
 
 
 def run_memguard(argv: list[str], files: dict[str, str | bytes] | None = None, env: dict[str, str] | None = None,

@@ -16,8 +16,8 @@ CPU_LIMIT seconds of CPU (a case still running after WALL seconds is stopped and
 flags and MEMGUARD_* variables and the Megatron-Bridge pre-flight are fuzzed through their Python entry
 points.
 
-Derandomized (the same cases on every run): 895 cases, 880 of them memguard runs (200 estimate, 60
-validate, 80 plan, 200 config files, 100 check, 150 report, 60 Megatron logs, 30 gpus / no command),
+Derandomized (the same cases on every run): 2,690 cases, 2,630 of them memguard runs (600 estimate, 200
+validate, 240 plan, 600 config files, 300 check, 400 report, 200 Megatron logs, 60 gpus / no command),
 about 1.5 minutes on two cores. ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
 failing, ``MEMGUARD_FUZZ_WALL=S`` stops a case after S seconds: how an older memguard is audited.
 """
@@ -47,8 +47,55 @@ RECORD = os.environ.get("MEMGUARD_FUZZ_RECORD")
 
 
 def fuzz(n: int):
-    return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=False,
-                    suppress_health_check=list(HealthCheck))
+    """``n`` cases, the same on every run. Each case gets a Random seeded by hypothesis (``st.randoms``)
+    and makes every choice from it uniformly: hypothesis' own draws favour small, simple values, and a
+    fuzz with a fixed budget must try every class of hostile input about as often as the others."""
+    def wrap(test):
+        return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=False,
+                        suppress_health_check=list(HealthCheck))(given(rnd=st.randoms(use_true_random=True))(test))
+    return wrap
+
+
+class Draw:
+    """Uniform choices from a case's Random; the notable ones are noted for the report of a failure."""
+
+    def __init__(self, rnd):
+        self.rnd = rnd
+        self.notes: list[str] = []
+
+    def pick(self, items, note: str = ""):
+        x = self.rnd.choice(list(items))
+        if note:
+            self.notes.append(f"{note} {x!r}")
+        return x
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rnd.randint(lo, hi)
+
+    def coin(self) -> bool:
+        return self.rnd.random() < 0.5
+
+    def some(self, items, most: int) -> list:
+        return [self.rnd.choice(list(items)) for _ in range(self.int(0, most))]
+
+    def hostile(self, classes: dict, note: str = "") -> str:
+        """A class of hostile values, then a value of it (every class as often as the others)."""
+        cls = self.pick(classes)
+        return V(self.pick(classes[cls], note and f"{note} ({cls})"))
+
+    def any_value(self, note: str = "") -> str:
+        """A number two times in three (counts and sizes are what memguard computes with), else any text."""
+        return self.hostile(NUMBER_CLASSES if self.int(0, 2) else TEXT_CLASSES, note)
+
+    def one_of(self, preferred: list, others: list, note: str = ""):
+        """An element of ``preferred`` two times in three, else of ``others``."""
+        return self.pick(preferred if self.int(0, 2) else others, note)
+
+
+def run(d: Draw, argv, files=None, env=None) -> None:
+    o = run_memguard(argv, files, env, cpu_limit=CPU_LIMIT, wall_limit=WALL)
+    o.note = "; ".join(d.notes)
+    keep_promise(o)
 
 
 def keep_promise_of(case: str, problem: str | None) -> None:
@@ -71,38 +118,21 @@ def keep_promise(o) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Seeds: valid inputs of every kind
+# Text damage
 # --------------------------------------------------------------------------------------------------
-def corrupt(text: str, data) -> str:
+def corrupt(text: str, d: Draw) -> str:
     """Text-level damage: cut the text, insert a character, drop or repeat a line."""
-    kind = data.draw(st.sampled_from(["cut", "insert", "drop", "repeat"]), label="corruption")
-    i = data.draw(st.integers(0, max(0, len(text) - 1)), label="at")
+    kind = d.pick(["cut", "insert", "drop", "repeat"], "damage")
+    i = d.int(0, max(0, len(text) - 1))
     if kind == "cut":
         return text[:i]
     if kind == "insert":
-        return text[:i] + data.draw(st.sampled_from(list(":{}[]&*!|>'\"%@`#\t\n\\$\x00\ufeff")), label="char") + text[i:]
+        return text[:i] + d.pick(":{}[]&*!|>'\"%@`#\t\n\\$\x00\ufeff") + text[i:]
     lines = text.splitlines(keepends=True)
     j = i % max(1, len(lines))
     if kind == "drop":
         return "".join(lines[:j] + lines[j + 1:])
     return "".join(lines[:j] + [lines[j] if lines else ""] * 50 + lines[j:])
-
-
-def hostile(data, classes: dict, label: str) -> str:
-    """A class of hostile values, then a value of it (every class is tried as often as the others)."""
-    cls = data.draw(st.sampled_from(list(classes)), label=f"{label} class")
-    return V(data.draw(st.sampled_from(classes[cls]), label=label))
-
-
-def any_value(data, label="value") -> str:
-    """A number two times in three (counts and sizes are what memguard computes with), else any text."""
-    return hostile(data, NUMBER_CLASSES if data.draw(st.integers(0, 2), label=f"{label} kind") else TEXT_CLASSES, label)
-
-
-def one_of(data, preferred: list, others: list, label: str):
-    """An element of ``preferred`` two times in three, else of ``others``."""
-    return data.draw(st.sampled_from(preferred if data.draw(st.integers(0, 2), label=f"{label} kind") else others),
-                     label=label)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,34 +149,33 @@ OWN_OPTIONS = {   # (the options that take numbers first: tried two times in thr
 }
 
 
-def flag_case(data, command: str) -> list[str]:
+def flag_case(d: Draw, command: str) -> list[str]:
+    from megatron_memguard.readers.megatron_flags import flag_table
+
     flags = list(SMALL)
-    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        how = data.draw(st.sampled_from(["layers", "flag", "flag", "any-flag", "drop", "stray"]), label="how")
+    for _ in range(d.int(1, 3)):
+        how = d.pick(["layers", "flag", "flag", "any-flag", "drop", "stray"])
         if how == "layers":  # the setting memguard's work grows with
-            flags += ["--num-layers", hostile(data, NUMBER_CLASSES, "layers")]
+            flags += ["--num-layers", d.hostile(NUMBER_CLASSES)]
         elif how == "flag":
-            flag = data.draw(st.sampled_from(NUMERIC_FLAGS), label="flag")
-            value = any_value(data)
-            flags += [flag, value] if data.draw(st.booleans(), label="separate") else [f"{flag}={value}"]
+            flag, value = d.pick(NUMERIC_FLAGS), d.any_value()
+            flags += [flag, value] if d.coin() else [f"{flag}={value}"]
         elif how == "any-flag":  # any of Megatron's ~840 options with any value
-            from megatron_memguard.readers.megatron_flags import flag_table
-            flags += [data.draw(st.sampled_from(sorted(flag_table())), label="megatron flag"), any_value(data)]
+            flags += [d.pick(sorted(flag_table())), d.any_value()]
         elif how == "drop" and flags:
-            del flags[data.draw(st.integers(0, len(flags) - 1), label="drop")]
+            del flags[d.int(0, len(flags) - 1)]
         else:
-            flags += [any_value(data, "stray")]
+            flags += [d.any_value()]
     own = ["--world-size", "4"] if command != "plan" else ["--gpus", "4"]
     if command == "plan":
         own += ["--seq-length", "512", "--global-batch-size", "16"]
     numeric, other = OWN_OPTIONS[command]
-    for _ in range(data.draw(st.integers(0 if command != "plan" else 1, 2), label="own options")):
-        opt = one_of(data, numeric, other, "option")
+    for _ in range(d.int(0 if command != "plan" else 1, 2)):
+        opt = d.one_of(numeric, other)
         if opt == "--set":
-            value = data.draw(st.sampled_from(["model.num_layers", "a..b", "", "x" * 1000]), label="key") + "=" + \
-                any_value(data)
+            value = d.pick(["model.num_layers", "a..b", "", "x" * 1000]) + "=" + d.any_value()
         else:
-            value = hostile(data, NUMBER_CLASSES, "option value") if opt in numeric else any_value(data, "option value")
+            value = d.hostile(NUMBER_CLASSES) if opt in numeric else d.any_value()
         if opt in own:
             own[own.index(opt) + 1] = value
         else:
@@ -154,57 +183,57 @@ def flag_case(data, command: str) -> list[str]:
     return [command, *own, "--", *flags]
 
 
+@fuzz(600)
+def test_estimate_with_hostile_flags_and_options(rnd):
+    d = Draw(rnd)
+    run(d, flag_case(d, "estimate"))
+
+
 @fuzz(200)
-@given(data=st.data())
-def test_estimate_with_hostile_flags_and_options(data):
-    keep_promise(run_memguard(flag_case(data, "estimate"), cpu_limit=CPU_LIMIT, wall_limit=WALL))
+def test_validate_with_hostile_flags_and_options(rnd):
+    d = Draw(rnd)
+    run(d, flag_case(d, "validate"))
 
 
-@fuzz(60)
-@given(data=st.data())
-def test_validate_with_hostile_flags_and_options(data):
-    keep_promise(run_memguard(flag_case(data, "validate"), cpu_limit=CPU_LIMIT, wall_limit=WALL))
-
-
-@fuzz(80)
-@given(data=st.data())
-def test_plan_with_hostile_flags_and_options(data):
-    keep_promise(run_memguard(flag_case(data, "plan"), cpu_limit=CPU_LIMIT, wall_limit=WALL))
+@fuzz(240)
+def test_plan_with_hostile_flags_and_options(rnd):
+    d = Draw(rnd)
+    run(d, flag_case(d, "plan"))
 
 
 # --------------------------------------------------------------------------------------------------
 # Config files: Megatron functional-test, NeMo 1, NeMo launcher, Bridge, NeMo 2, Hugging Face
 # --------------------------------------------------------------------------------------------------
-def config_case(data) -> tuple[list[str], dict[str, str]]:
-    name, text, opts = data.draw(st.sampled_from(YAML_SEEDS), label="seed")
+def config_case(d: Draw) -> tuple[list[str], dict[str, str]]:
+    name, text, opts = d.pick(YAML_SEEDS)
+    d.notes.append(name)
     overrides: list[str] = []
     values: list[tuple[tuple, str]] = []
     sections: list[str] = []
     damage = 0
-    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        how = data.draw(st.sampled_from(["value", "value", "corrupt", "section", "override"]), label="how")
+    for _ in range(d.int(1, 3)):
+        how = d.pick(["value", "value", "corrupt", "section", "override"])
         if how == "value":
-            path = one_of(data, NUMBER_LEAVES[name], LEAVES[name], "path")
-            values.append((path, hostile(data, JSON_CLASSES if name.endswith(".json") else YAML_CLASSES, "raw")))
+            path = d.one_of(NUMBER_LEAVES[name], LEAVES[name], "at")
+            values.append((path, d.hostile(JSON_CLASSES if name.endswith(".json") else YAML_CLASSES, "value")))
         elif how == "corrupt":
             damage += 1
         elif how == "section":  # a whole section (model:, trainer:, train: ...) replaced by a scalar or a list
             top = [k for k in LEAVES[name] if len(k) == 1]
-            key = data.draw(st.sampled_from(top or [("model",)]), label="section")[0]
-            value = data.draw(st.sampled_from(['3', '[1]', 'null', 'x', '???']), label='as')
-            if data.draw(st.booleans(), label="as an override") and not name.endswith(".json"):
+            key = d.pick(top or [("model",)])[0]
+            value = d.pick(["3", "[1]", "null", "x", "???"])
+            if d.coin() and not name.endswith(".json"):
                 overrides.append(f"{key}={value}")
             else:
                 sections.append(f"\n{key}: {value}\n")
+                d.notes.append(f"section {key}: {value}")
         elif not name.endswith(".json"):
-            path = one_of(data, NUMBER_LEAVES[name], LEAVES[name], "override path")
-            key = ".".join(str(p) for p in path)
-            value = hostile(data, YAML_CLASSES if data.draw(st.booleans(), label="yaml") else NUMBER_CLASSES, "override")
-            overrides.append(key + "=" + value)
+            key = ".".join(str(p) for p in d.one_of(NUMBER_LEAVES[name], LEAVES[name]))
+            overrides.append(key + "=" + d.hostile(YAML_CLASSES if d.coin() else NUMBER_CLASSES))
     text = with_values(text, name, values) + "".join(sections)  # (a repeated top-level key: the last wins)
     for _ in range(damage):
-        text = corrupt(text, data)
-    command = data.draw(st.sampled_from(["validate", "estimate", "estimate", "plan"]), label="command")
+        text = corrupt(text, d)
+    command = d.pick(["validate", "estimate", "estimate", "plan"])
     flags = opts[opts.index("--"):] if "--" in opts else []
     own = opts[:opts.index("--")] if "--" in opts else list(opts)
     if command == "validate":
@@ -217,82 +246,79 @@ def config_case(data) -> tuple[list[str], dict[str, str]]:
     return argv, {name: text}
 
 
-@fuzz(200)
-@given(data=st.data())
-def test_config_files_with_hostile_values_and_damage(data):
-    argv, files = config_case(data)
-    keep_promise(run_memguard(argv, files, cpu_limit=CPU_LIMIT, wall_limit=WALL))
+@fuzz(600)
+def test_config_files_with_hostile_values_and_damage(rnd):
+    d = Draw(rnd)
+    argv, files = config_case(d)
+    run(d, argv, files)
 
 
 # --------------------------------------------------------------------------------------------------
 # check: launch scripts and launch commands
 # --------------------------------------------------------------------------------------------------
-@fuzz(100)
-@given(data=st.data())
-def test_check_with_hostile_launch_scripts_and_commands(data):
+@fuzz(300)
+def test_check_with_hostile_launch_scripts_and_commands(rnd):
+    d = Draw(rnd)
     script = LAUNCH
     env: dict[str, str] = {}
-    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        how = data.draw(st.sampled_from(["line", "value", "corrupt", "env"]), label="how")
+    for _ in range(d.int(1, 3)):
+        how = d.pick(["line", "value", "corrupt", "env"])
         if how == "line":
             lines = script.splitlines(keepends=True)
-            at = data.draw(st.integers(0, len(lines)), label="at")
-            extra = hostile(data, SHELL_CLASSES, "line")
+            at = d.int(0, len(lines))
+            extra = d.hostile(SHELL_CLASSES, "line")
             if extra.startswith("A='$A$A'"):
                 script = script.replace('--save "/ckpt/run 1"', '--save "$A" $OPTS')
             script = "".join(lines[:at] + [extra] + lines[at:])
         elif how == "value":
-            flag = data.draw(st.sampled_from(["--num-layers", "--hidden-size", "--nproc-per-node", "--nnodes",
-                                              "--micro-batch-size", "--tensor-model-parallel-size", "--save"]), label="flag")
-            value = any_value(data)
-            quoted = data.draw(st.booleans(), label="quoted")
-            script = script.replace(flag + " ", f"{flag} {shlex.quote(value) if quoted else value} _x ", 1)
+            flag = d.pick(["--num-layers", "--hidden-size", "--nproc-per-node", "--nnodes", "--micro-batch-size",
+                           "--tensor-model-parallel-size", "--save"], "flag")
+            value = d.any_value("value")
+            script = script.replace(flag + " ", f"{flag} {shlex.quote(value) if d.coin() else value} _x ", 1)
         elif how == "corrupt":
-            script = corrupt(script, data)
+            script = corrupt(script, d)
         else:
-            var = data.draw(st.sampled_from(["WORLD_SIZE", "SLURM_NTASKS", "SLURM_NNODES", "PET_NNODES", "NNODES",
-                                             "SLURM_GPUS_PER_NODE"]), label="variable")
-            env[var] = hostile(data, NUMBER_CLASSES, "variable value")
-    form = data.draw(st.sampled_from(["file", "file", "command", "estimate"]), label="form")
+            env[d.pick(["WORLD_SIZE", "SLURM_NTASKS", "SLURM_NNODES", "PET_NNODES", "NNODES", "SLURM_GPUS_PER_NODE"],
+                       "variable")] = d.hostile(NUMBER_CLASSES, "=")
+    form = d.pick(["file", "file", "command", "estimate"])
     opts = []
-    if data.draw(st.booleans(), label="own option"):
-        opts = [data.draw(st.sampled_from(["--world-size", "--gpu-memory", "--threshold", "--cwd", "--model", "--set",
-                                           "--gpu"]), label="option"), any_value(data, "option value")]
+    if d.coin():
+        opts = [d.pick(["--world-size", "--gpu-memory", "--threshold", "--cwd", "--model", "--set", "--gpu"]), d.any_value()]
     if form == "file":
         argv, files = ["check", *opts, "--file", "run.sh"], {"run.sh": script}
     elif form == "estimate":
         argv, files = ["estimate", *opts, "--config", "run.sh"], {"run.sh": script}
     else:
-        last = [l for l in script.splitlines() if "torchrun" in l] or [script]
+        last = [line for line in script.splitlines() if "torchrun" in line] or [script]
         try:
             toks = shlex.split(last[-1].rstrip("\\"))
         except ValueError:
             toks = last[-1].split()
         argv, files = ["check", *opts, "--", *toks], {}
-    keep_promise(run_memguard(argv, files, env=env, cpu_limit=CPU_LIMIT, wall_limit=WALL))
+    run(d, argv, files, env)
 
 
 # --------------------------------------------------------------------------------------------------
-# report: run logs
+# report: memguard's run logs; report and calibrate: Megatron's logs
 # --------------------------------------------------------------------------------------------------
-@fuzz(150)
-@given(data=st.data())
-def test_report_with_hostile_run_logs(data):
+@fuzz(400)
+def test_report_with_hostile_run_logs(rnd):
+    d = Draw(rnd)
     records = json.loads(json.dumps(RUNLOG))
     raws: list[str] = []
     inserts: list[tuple[int, str]] = []
     damage = 0
-    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        how = data.draw(st.sampled_from(["field", "field", "line", "corrupt"]), label="how")
-        if how == "field":
-            i = data.draw(st.integers(0, len(RUNLOG) - 1), label="record")
-            key = one_of(data, *RUNLOG_RECORD_FIELDS[i], "field")
+    for _ in range(d.int(1, 3)):
+        how = d.pick(["field", "field", "line", "corrupt"])
+        if how == "field":   # a record, then one of its fields (numbers two times in three)
+            i = d.int(0, len(RUNLOG) - 1)
+            key = d.one_of(*RUNLOG_RECORD_FIELDS[i], f"record {i} field")
             node, leaf = (records[i][key[0]], key[1]) if isinstance(key, tuple) else (records[i], key)
             if isinstance(node, dict):
                 node[leaf] = f"{SENTINEL}{len(raws)}x"
-                raws.append(hostile(data, JSON_CLASSES, "raw"))
+                raws.append(d.hostile(JSON_CLASSES, "="))
         elif how == "line":
-            inserts.append((data.draw(st.integers(0, len(RUNLOG)), label="at"), hostile(data, JSON_CLASSES, "line")))
+            inserts.append((d.int(0, len(RUNLOG)), d.hostile(JSON_CLASSES, "line")))
         else:
             damage += 1
     text = "\n".join(json.dumps(r) for r in records)
@@ -303,71 +329,67 @@ def test_report_with_hostile_run_logs(data):
         lines.insert(at, line)
     text = "\n".join(lines)
     for _ in range(damage):
-        text = corrupt(text, data)
-    opts = data.draw(st.lists(st.sampled_from(["--skip-bad-lines", "--json", "--all-ranks", "--run=all", "--run=x"]),
-                              max_size=2), label="options")
-    where = data.draw(st.sampled_from(["dir", "file", "missing"]), label="where")
-    files = {"memguard-rank00000.jsonl": text + "\n"}
-    target = {"dir": ".", "file": "memguard-rank00000.jsonl", "missing": "nowhere"}[where]
-    keep_promise(run_memguard(["report", target, *opts], files, cpu_limit=CPU_LIMIT, wall_limit=WALL))
+        text = corrupt(text, d)
+    opts = d.some(["--skip-bad-lines", "--json", "--all-ranks", "--run=all", "--run=x"], 2)
+    target = d.pick([".", ".", "memguard-rank00000.jsonl", "nowhere"])
+    run(d, ["report", target, *opts], {"memguard-rank00000.jsonl": text + "\n"})
 
 
-@fuzz(60)
-@given(data=st.data())
-def test_report_and_calibrate_with_hostile_megatron_logs(data):
+@fuzz(200)
+def test_report_and_calibrate_with_hostile_megatron_logs(rnd):
     import re
+
+    d = Draw(rnd)
     text = MEGATRON_LOG
-    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        how = data.draw(st.sampled_from(["number", "number", "argument", "line", "corrupt"]), label="how")
-        if how == "number":   # a number of a memory, iteration or OOM line
-            ours = [m for m in re.finditer(r"\d+(?:\.\d+)?", text[-3000:])]
-            if not ours:
-                continue
-            m = data.draw(st.sampled_from(ours), label="number")
-            at = len(text) - 3000 + m.start()
-            text = text[:at] + hostile(data, NUMBER_CLASSES, "value") + text[at + len(m.group(0)):]
+    for _ in range(d.int(1, 3)):
+        how = d.pick(["number", "number", "argument", "line", "corrupt"])
+        if how == "number":   # a number of a memory, iteration or OOM line (they end the log)
+            ours = list(re.finditer(r"\d+(?:\.\d+)?", text[-3000:]))
+            if ours:
+                m = d.pick(ours)
+                at = len(text) - 3000 + m.start()
+                text = text[:at] + d.hostile(NUMBER_CLASSES, "number") + text[at + len(m.group(0)):]
         elif how == "argument":
-            name = data.draw(st.sampled_from(["num_layers", "hidden_size", "seq_length", "micro_batch_size",
-                                              "global_batch_size", "world_size", "tensor_model_parallel_size",
-                                              "padded_vocab_size", "params_dtype"]), label="argument")
-            text = re.sub(rf"(\n  {name} \.+ )[^\n]*", lambda m: m.group(1) + any_value(data), text, count=1)
+            name = d.pick(["num_layers", "hidden_size", "seq_length", "micro_batch_size", "global_batch_size",
+                           "world_size", "tensor_model_parallel_size", "padded_vocab_size", "params_dtype"], "argument")
+            value = d.any_value("=")
+            text = re.sub(rf"(\n  {name} \.+ )[^\n]*", lambda m: m.group(1) + value, text, count=1)
         elif how == "line":
-            at = data.draw(st.sampled_from([0, len(text) // 2, len(text)]), label="at")
-            text = text[:at] + hostile(data, MEGATRON_LOG_LINES, "line") + text[at:]
+            at = d.pick([0, len(text) // 2, len(text)])
+            text = text[:at] + d.hostile(MEGATRON_LOG_LINES, "line") + text[at:]
         else:
-            text = corrupt(text, data)
-    command = data.draw(st.sampled_from(["report", "report", "calibrate"]), label="command")
+            text = corrupt(text, d)
     files = {"rank0.log": text}
-    if command == "calibrate":
+    if d.int(0, 2) == 0:
         files["run2.log"] = files["run3.log"] = text   # (calibrate needs three runs)
         argv = ["calibrate", "rank0.log", "run2.log", "run3.log"]
     else:
-        argv = ["report", "rank0.log", *data.draw(st.lists(st.sampled_from(["--json", "--gpu", "A100-80GB", "--all-ranks"]),
-                                                            max_size=2), label="options")]
-    keep_promise(run_memguard(argv, files, cpu_limit=CPU_LIMIT, wall_limit=WALL))
+        argv = ["report", "rank0.log", *d.some(["--json", "--gpu", "A100-80GB", "--all-ranks"], 2)]
+    run(d, argv, files)
 
 
-@fuzz(15)
-@given(extra=st.lists(st.sampled_from(["--json", "--help", "-x", "x" * 1000, "--json=1", "é"]), max_size=2))
-def test_gpus_and_no_command(extra):
-    keep_promise(run_memguard(["gpus", *extra], cpu_limit=CPU_LIMIT, wall_limit=WALL))
-    keep_promise(run_memguard(list(extra), cpu_limit=CPU_LIMIT, wall_limit=WALL))
+@fuzz(30)
+def test_gpus_and_no_command(rnd):
+    d = Draw(rnd)
+    extra = d.some(["--json", "--help", "-x", "x" * 1000, "--json=1", "é"], 2)
+    run(d, ["gpus", *extra])
+    run(d, extra)
 
 
 # --------------------------------------------------------------------------------------------------
 # The Megatron hook's flags and MEMGUARD_* variables; the Megatron-Bridge pre-flight
 # --------------------------------------------------------------------------------------------------
-@fuzz(15)
-@given(data=st.data())
-def test_hook_flags_and_variables(data, capsys):
+@fuzz(60)
+def test_hook_flags_and_variables(rnd, capsys):
     import argparse
 
     from megatron_memguard.errors import ConfigError
     from megatron_memguard.megatron.flags import FLAGS, add_arguments, settings_from_args
 
-    spec = data.draw(st.sampled_from(FLAGS), label="flag")
-    value = any_value(data)
-    env = {spec.env: value} if data.draw(st.booleans(), label="from the environment") else {}
+    d = Draw(rnd)
+    spec = d.pick(FLAGS)
+    value = d.any_value()
+    env = {spec.env: value} if d.coin() else {}
     p = add_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"), environ=env)
     problem = None
     try:
@@ -385,23 +407,21 @@ def test_hook_flags_and_variables(data, capsys):
     keep_promise_of(f"hook {spec.flag}{' (from ' + spec.env + ')' if env else ''} = {value!r}", problem)
 
 
-@fuzz(15)
-@given(data=st.data())
-def test_bridge_preflight_with_hostile_arguments(data):
+@fuzz(60)
+def test_bridge_preflight_with_hostile_arguments(rnd):
     from megatron_memguard.bridge import preflight
     from megatron_memguard.errors import ConfigError
 
+    d = Draw(rnd)
     cfg = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "seq_length": 128},
            "train": {"micro_batch_size": 1, "global_batch_size": 8}}
-    where = data.draw(st.sampled_from(["model", "train", "gpu_memory", "threshold", "mode", "env"]), label="where")
-    value = data.draw(st.sampled_from([float("inf"), float("nan"), 10**400, -1, [1], {}]), label="value") \
-        if data.draw(st.booleans(), label="python value") else any_value(data)
+    where = d.pick(["model", "train", "gpu_memory", "threshold", "mode", "env"])
+    value = d.pick([float("inf"), float("nan"), 10**400, -1, [1], {}]) if d.coin() else d.any_value()
     kw = {"world_size": 8, "gpu": "H100-80GB", "emit": lambda s: None, "environ": {}}
     if where in ("model", "train"):
-        cfg[where][data.draw(st.sampled_from(sorted(cfg[where])), label="key")] = value
+        cfg[where][d.pick(sorted(cfg[where]))] = value
     elif where == "env":
-        kw["environ"] = {data.draw(st.sampled_from(["MEMGUARD", "MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "WORLD_SIZE"]),
-                                   label="variable"): str(value)[:1000]}
+        kw["environ"] = {d.pick(["MEMGUARD", "MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "WORLD_SIZE"]): str(value)[:1000]}
         kw.pop("gpu")
     else:
         kw[where] = value
@@ -416,4 +436,4 @@ def test_bridge_preflight_with_hostile_arguments(data):
             problem = f"error of {len(str(e))} characters"
     except Exception as e:  # noqa: BLE001
         problem = f"exception escaped: {type(e).__name__}: {str(e)[:200]}"
-    keep_promise_of(f"bridge preflight {where} = {value!r}"[:300], problem)
+    keep_promise_of(f"bridge preflight {where} = {str(value)[:100]!r}", problem)

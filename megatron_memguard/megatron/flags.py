@@ -80,7 +80,7 @@ def _site_profile(value: str) -> str:
     try:
         load_site_profile(v, key="--memguard-profile")
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: {e}") from None
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {e}") from None
     return v
 
 
