@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .config import RawConfig
 from .errors import ConfigError, MemguardError
+from .numbers import INT64_MAX, shown, to_int
 from .runtime.reporting import ErrorReporter
 
 PREFIX = "[memguard]"
@@ -116,9 +117,9 @@ def world_from_environment(environ: Mapping[str, str] | None = None) -> tuple[in
     if d is not None:
         return int(d.get_world_size()), "torch.distributed"
     for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        v = environ.get(name)
-        if v and str(v).isdigit():
-            return int(v), name
+        v = _env_count(environ, name)
+        if v is not None:
+            return v, name
     return None, ""
 
 
@@ -128,10 +129,17 @@ def this_rank(environ: Mapping[str, str] | None = None) -> int:
     if d is not None:
         return int(d.get_rank())
     for name in ("RANK", "SLURM_PROCID"):
-        v = environ.get(name)
-        if v and str(v).isdigit():
-            return int(v)
+        v = _env_count(environ, name, minimum=0)
+        if v is not None:
+            return v
     return 0
+
+
+def _env_count(environ: Mapping[str, str], name: str, minimum: int = 1) -> int | None:
+    """A count from the environment (WORLD_SIZE, RANK, ...): None unless it is a number of GPUs a job can have."""
+    from .numbers import MAX_WORLD_SIZE, number_from_text
+    n = number_from_text(str(environ.get(name) or ""))
+    return n if isinstance(n, int) and minimum <= n <= MAX_WORLD_SIZE else None
 
 
 def parallel_ranks() -> dict[str, int]:
@@ -178,7 +186,7 @@ def resolve_gpu(gpu: Any = None, gpu_memory: Any = None,
     mem = None
     src = ""
     if gpu_memory is not None:
-        mem = int(gpu_memory) if isinstance(gpu_memory, (int, float)) else parse_bytes(str(gpu_memory), "gpu_memory")
+        mem = parse_bytes(gpu_memory if isinstance(gpu_memory, (int, float)) else str(gpu_memory), "gpu_memory")
         src = "gpu_memory"
     elif spec is None and environ.get("MEMGUARD_GPU_MEMORY"):  # gpu= and gpu_memory= win over the variable
         mem, src = parse_bytes(environ["MEMGUARD_GPU_MEMORY"], "MEMGUARD_GPU_MEMORY"), "MEMGUARD_GPU_MEMORY"
@@ -255,10 +263,10 @@ def threshold_from(threshold: float | None, environ: Mapping[str, str] | None = 
         return DEFAULT_THRESHOLD
     try:
         v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, f"expects a fraction of GPU memory such as 0.8, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(key, f"expects a fraction of GPU memory such as 0.8, got {shown(value)}") from None
     if not 0 < v <= 1.5:
-        raise ConfigError(key, f"must be in (0, 1.5], got {value!r}")
+        raise ConfigError(key, f"must be in (0, 1.5], got {shown(value)}")
     return v
 
 
@@ -513,10 +521,4 @@ def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     v = environ.get(name)
     if v is None or v == "":
         return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise ConfigError(name, f"expects a positive integer, got {v!r}") from None
-    if n < 1:
-        raise ConfigError(name, f"must be >= 1, got {n}")
-    return n
+    return to_int(v, name, 1, INT64_MAX, "a 64-bit integer")

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .config import RawConfig
-from .errors import ConfigErrors, MemguardError
+from .divisors import divisors
+from .errors import ConfigError, ConfigErrors, MemguardError
 from .estimator import Estimate, SiteConstants, estimate
 from .gpus import GpuSpec
 from .layout import Layout
+from .numbers import to_int
 from .resolve import resolve
 from .units import format_bytes
 
@@ -136,30 +138,41 @@ def _recompute_levels(L: Layout, allow: bool) -> list[dict[str, Any]]:
     return levels
 
 
-def _ramp_values(raw: RawConfig, gbs: int) -> list[int]:
+_MBS_SCAN = 1024   # micro-batch sizes up to this are all tried (and the non-dividing ones listed as rejected)
+
+
+def _ramp(raw: RawConfig) -> tuple[int, int] | None:
+    """(start, increment) of --rampup-batch-size, None without a usable one."""
     ramp = raw.args.get("rampup_batch_size")
     if not ramp:
-        return []
+        return None
     try:
         start, inc = int(ramp[0]), int(ramp[1])
-    except (TypeError, ValueError, IndexError):
-        return []
-    if inc <= 0:
-        return []
-    return list(range(start, gbs + 1, inc))
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return (start, inc) if inc > 0 else None
 
 
 def _extra_batch_rules(raw: RawConfig, gbs: int, mbs: int, dp: int) -> str | None:
     """Batch rules resolve() does not check: ramp-up steps and explicit eval batch sizes."""
-    for g in _ramp_values(raw, gbs):
-        if g % (mbs * dp):
-            return f"--rampup-batch-size step {g} is not divisible by MBS x DP = {mbs * dp}"
+    ramp = _ramp(raw)
+    if ramp is not None:
+        # the steps start, start + inc, ... <= GBS: all divisible by k iff start is and, when there is a
+        # second step, inc is (closed form: a ramp may have millions of steps)
+        start, inc = ramp
+        k = mbs * dp
+        bad = start if start % k else start + inc if (inc % k and start + inc <= gbs) else None
+        if bad is not None and bad <= gbs:
+            return f"--rampup-batch-size step {bad} is not divisible by MBS x DP = {k}"
     a = raw.args
     eval_gbs = a.get("eval_global_batch_size")
     eval_mbs = a.get("eval_micro_batch_size")
     if eval_gbs is not None or eval_mbs is not None:
-        eg = int(eval_gbs) if eval_gbs is not None else gbs
-        em = int(eval_mbs) if eval_mbs is not None else mbs
+        try:
+            eg = to_int(eval_gbs, raw.key("eval_global_batch_size")) if eval_gbs is not None else gbs
+            em = to_int(eval_mbs, raw.key("eval_micro_batch_size")) if eval_mbs is not None else mbs
+        except ConfigError as e:
+            return str(e)
         if eg % (em * dp):
             return f"--eval-global-batch-size {eg} is not divisible by eval MBS x DP = {em}*{dp}"
     return None
@@ -223,8 +236,12 @@ def autotune(
         pps = [pp0]
         notes.append(f"pipeline size kept at {pp0}: {pp_fixed}")
     else:
-        pps = [p for p in range(pp0, L0.num_layers + 1) if world % (tp * p * cp) == 0]
-    mbss = list(range(mbs0, 0, -1))
+        # the pipeline sizes that divide the GPUs left by TP and CP (from the factorisation, not a scan)
+        pps = [p for p in divisors(world // (tp * cp)) if pp0 <= p <= L0.num_layers]
+    # micro-batch sizes downwards; only those dividing GBS / DP can pass the batch rule, the others are
+    # counted as one rejection each (a scan from a micro-batch size of 10**9 would not end)
+    mbss = list(range(mbs0, 0, -1)) if mbs0 <= _MBS_SCAN else sorted({mbs0, *(d for d in divisors(gbs0) if d <= mbs0)},
+                                                                         reverse=True)
     levels = _recompute_levels(L0, allow_recompute)
     if not allow_recompute and L0.recompute_granularity != "full":
         notes.append("activation recomputation not tried (allow it with --memguard-allow-recompute)")

@@ -1,9 +1,39 @@
 """Errors memguard raises for bad input. Each names the flag or key at fault and the rule it breaks."""
 from __future__ import annotations
 
+import re
+
+# Words longer than this in an error message (a pasted value, a run-away path) are cut.
+MAX_WORD = 160
+MAX_MESSAGE = 1000
+_LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
+
+
+def _cut(text: str, keep: int) -> str:
+    return f"{text[:keep]}...{text[-keep:]} ({len(text)} characters)"
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of a readable length: line breaks become spaces, a word longer than
+    MAX_WORD characters and a message longer than MAX_MESSAGE are cut in the middle."""
+    text = str(text)
+    if "\n" in text or "\r" in text:
+        text = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    text = text.strip()
+    if len(text) > MAX_WORD:
+        text = _LONG_WORD.sub(lambda m: _cut(m.group(0), 50), text)
+    if len(text) > MAX_MESSAGE:
+        text = _cut(text, MAX_MESSAGE // 2 - 30)
+    return text
+
 
 class MemguardError(Exception):
     """Base class: a problem with the user's input that memguard reports in one line."""
+
+    def __init__(self, *args: object):
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (one_line(args[0]),)
+        super().__init__(*args)
 
 
 class ConfigError(MemguardError):
@@ -15,13 +45,19 @@ class ConfigError(MemguardError):
     """
 
     def __init__(self, key: str, rule: str, fix: str | None = None):
-        self.key = key
-        self.rule = rule
-        self.fix = fix
-        msg = f"{key}: {rule}" if key else rule
+        self.key = one_line(key)
+        self.rule = one_line(rule)
+        self.fix = one_line(fix) if fix else fix
+        msg = f"{self.key}: {self.rule}" if key else self.rule
         if fix:
-            msg += f" ({fix})"
+            msg += f" ({self.fix})"
         super().__init__(msg)
+
+
+class BadValueError(ConfigError):
+    """A value memguard cannot compute with: not a number where one is needed, not finite, not an
+    integer, or beyond memguard's bounds (numbers.py). The input cannot be read, rather than a layout
+    that breaks one of Megatron's rules."""
 
 
 class ConfigErrors(MemguardError):

@@ -19,9 +19,7 @@ if TYPE_CHECKING:
 
 def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:
     """Megatron's layout syntax: stages split by '|', 'E' embedding, 't' layer, 'L' loss, 'm' MTP, ``(x)*n``."""
-    s = text.replace(",", "")
-    s = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
-    s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    s = _repeat(_repeat(text.replace(",", ""), r"\(([^)]+)\)\*(\d+)", key), r"(.)\*(\d+)", key)
     stages = [list(stage) for stage in s.split("|")]
     for stage in stages:
         for ch in stage:
@@ -36,6 +34,25 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
         from .errors import NotModelledError
         raise NotModelledError(key, "multi-token prediction ('m') layers")
     return stages
+
+
+# Longest layout memguard expands: 10 x its bound on --num-layers (numbers.py), with room for E, L and '|'.
+MAX_LAYOUT = 100_000
+
+
+def _repeat(text: str, pattern: str, key: str) -> str:
+    """``text`` with every ``x*n`` of ``pattern`` written out, refusing a result longer than MAX_LAYOUT."""
+    total = len(text)
+
+    def rep(m: re.Match) -> str:
+        nonlocal total
+        n = int(m.group(2)) if len(m.group(2)) <= 6 else MAX_LAYOUT + 1
+        total += len(m.group(1)) * n - len(m.group(0))
+        if total > MAX_LAYOUT:
+            raise ConfigError(key, f"expands to more than {MAX_LAYOUT:,} entries (memguard's bound on --num-layers is 10,000)")
+        return m.group(1) * n
+
+    return re.sub(pattern, rep, text)
 
 
 def layers_per_rank(L: "Layout") -> list[int]:

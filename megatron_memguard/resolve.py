@@ -16,6 +16,7 @@ from packaging.version import InvalidVersion, Version
 from .config import RawConfig
 from .errors import ConfigError, ConfigErrors, NotModelledError
 from .layout import Layout
+from .numbers import MAX_WORLD_SIZE, WORLD_SIZE_WHY, bound_reason, shown, to_float, to_int, upper_bound
 from .partition import parse_pipeline_layout
 from .tokenizers import GPT2_BPE, known_vocab_size, pad_vocab
 
@@ -57,9 +58,11 @@ _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf1
 
 def parse_version(text: str, key: str = "--megatron-version") -> Version:
     try:
+        if len(str(text)) > 40:   # (packaging converts each part to an int: 5000 digits would not convert)
+            raise InvalidVersion(text)
         return Version(str(text).lstrip("v").replace("core_v", "").replace("core_r", ""))
     except InvalidVersion:
-        raise ConfigError(key, f"cannot read Megatron version {text!r}; write e.g. 0.16 or 0.19.2") from None
+        raise ConfigError(key, f"cannot read Megatron version {shown(text)}; write e.g. 0.16 or 0.19.2") from None
 
 
 def resolve(
@@ -118,20 +121,11 @@ class _Resolver:
                 self.fail(dest, "is required")
                 return None
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            self.fail(dest, f"must be an integer, got {v!r}")
-            return default
         try:
-            iv = int(v)
-            if float(v) != iv:
-                raise ValueError
-        except (TypeError, ValueError):
-            self.fail(dest, f"must be an integer, got {v!r}")
+            return to_int(v, self.key(dest), minimum, upper_bound(dest), bound_reason(dest))
+        except ConfigError as e:
+            self.errors.append(e)
             return default
-        if iv < minimum:
-            self.fail(dest, f"must be >= {minimum}, got {iv}")
-            return default
-        return iv
 
     def bool_arg(self, dest: str, default: bool) -> bool:
         v = self.a.get(dest)
@@ -152,9 +146,9 @@ class _Resolver:
         if v is None:
             return default
         try:
-            return float(v)
-        except (TypeError, ValueError):
-            self.fail(dest, f"must be a number, got {v!r}")
+            return to_float(v, self.key(dest))
+        except ConfigError as e:
+            self.errors.append(e)
             return default
 
     def dtype_arg(self, dest: str, default: str) -> str:
@@ -172,10 +166,11 @@ class _Resolver:
         """validate_args: hierarchical CP sizes multiply to CP; a2a+p2p needs them."""
         sizes = self.get("hierarchical_context_parallel_sizes")
         if sizes:
+            key = self.key("hierarchical_context_parallel_sizes")
             try:
-                sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes).split())]
-            except ValueError:
-                self.fail("hierarchical_context_parallel_sizes", f"must be integers, got {sizes!r}")
+                sizes = [to_int(x, key) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes).split())]
+            except ConfigError as e:
+                self.errors.append(e)
                 return
             if math.prod(sizes) != cp:
                 self.fail("hierarchical_context_parallel_sizes",
@@ -242,13 +237,12 @@ class _Resolver:
         world = self.world_override or self.raw.world_size
         if world is None and self.raw.nodes and self.raw.gpus_per_node:
             world = self.raw.nodes * self.raw.gpus_per_node
+        world_key = "--world-size" if self.world_override else self.raw.origin.get("world_size", "--world-size")
         if world is None:
             raise ConfigError("--world-size", "the number of GPUs is unknown",
                               "give --world-size N, or --nnodes and --nproc-per-node, or set WORLD_SIZE")
-        if not isinstance(world, int) or world < 1:
-            raise ConfigError("--world-size", f"must be a positive integer, got {world!r}")
+        world = to_int(world, world_key, 1, MAX_WORLD_SIZE, WORLD_SIZE_WHY)
         model_parallel = tp * pp * cp
-        world_key = "--world-size" if self.world_override else self.raw.origin.get("world_size", "--world-size")
         if world % model_parallel:
             # Recorded, not raised, so that the checks below still run (memguard validate lists them all).
             self.errors.append(ConfigError(world_key, f"{world} GPUs is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}",

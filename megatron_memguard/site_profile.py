@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 from .estimator.site import DEFAULT_SITE, SPEC, SPECS, SiteConstants
+from .numbers import shown
 from .units import format_bytes
 
 SCHEMA = "memguard.site/1"
@@ -62,7 +63,7 @@ def _newer(theirs: str, ours: str) -> bool:
     from packaging.version import InvalidVersion, Version
     try:
         return Version(theirs) > Version(ours)
-    except InvalidVersion:
+    except (InvalidVersion, ValueError):  # (a 5000-digit part does not convert to an int)
         return False
 
 
@@ -73,10 +74,13 @@ def _bytes(v: Any, key: str) -> int:
         return v
     if isinstance(v, float) and math.isfinite(v) and v == int(v):
         return int(v)
-    m = _SIZE.match(str(v)) if isinstance(v, str) else None
+    m = _SIZE.match(str(v)) if isinstance(v, str) and len(v) < 100 else None
     if not m:
-        raise ConfigError(key, f"expects a size in bytes (e.g. 512MiB or 536870912), got {v!r}")
-    return int(float(m.group(1)) * _UNIT[(m.group(2) or "").lower()])
+        raise ConfigError(key, f"expects a size in bytes (e.g. 512MiB or 536870912), got {shown(v)}")
+    size = float(m.group(1)) * _UNIT[(m.group(2) or "").lower()]
+    if not math.isfinite(size):   # (1e400MiB: the bounds check below names the constant's range)
+        size = float(2**63)
+    return int(size)
 
 
 def _ratio(v: Any, key: str) -> float:
@@ -98,7 +102,7 @@ def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
     m = _SCHEMA_RE.match(str(schema)) if isinstance(schema, str) else None
     if not m:
         raise ConfigError(f"{source}: schema", f"expected {SCHEMA!r}, got {schema!r} (is this a memguard site profile?)")
-    if int(m.group(1)) > 1:
+    if len(m.group(1)) > 3 or int(m.group(1)) > 1:
         raise ConfigError(f"{source}: schema", f"{schema} was written by a newer memguard; this version ({_version()}) "
                                                f"reads {SCHEMA}", "upgrade memguard or calibrate again with this version")
     for k in doc:
@@ -141,19 +145,13 @@ def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
 def load_site_profile(path: str, key: str = "--site-profile") -> SiteProfile:
     """Read a site profile file; every problem is a ConfigError naming ``key`` (the flag or variable) and
     the file."""
-    import yaml
+    from .errors import ReaderError
+    from .files import load_yaml, read_text
 
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(1 << 20)
-    except OSError as e:
-        raise ConfigError(key, f"cannot read site profile {path} ({e.strerror or e})") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError(key, f"{path} is not valid YAML{at}") from None
+        doc = load_yaml(read_text(path), path)
+    except ReaderError as e:   # unreadable, over 1 MiB, not YAML, nested too deep: one line with its position
+        raise ConfigError(key, f"cannot read site profile: {e}") from None
     try:
         prof = parse_site_profile(doc, path)
     except ConfigError as e:

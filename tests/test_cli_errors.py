@@ -17,7 +17,7 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
      "--num-query-groups", "multiple or a divisor"),
     (["--world-size", "1", "--gpu", "V100"], [], "--gpu", "unknown GPU"),
     (["--world-size", "1"], ["--hidden-size", "-5"], "--hidden-size", "must be >= 1"),
-    (["--world-size", "1"], ["--micro-batch-size", "x"], "--micro-batch-size", "expects an integer"),
+    (["--world-size", "1"], ["--micro-batch-size", "x"], "--micro-batch-size", "must be an integer"),
     ([], [], "--world-size", "number of GPUs is unknown"),
     (["--world-size", "1"], ["--num-experts", "8"], "--num-experts", "not modelled yet"),
     # Rules of validate_args / TransformerConfig / ModelParallelConfig / OptimizerConfig (megatron-core 0.19.2)

@@ -17,7 +17,9 @@ def run(capsys, tmp_path, text, *opts, name="cfg.yaml"):
 
 def test_yaml_syntax_error(capsys, tmp_path):
     code, err = run(capsys, tmp_path, "model:\n  num_layers: [1, 2\n")
-    assert code == 2 and "YAML syntax error" in err and "line" in err
+    # one line, FILE:LINE:COL where the parser stopped (the end of the file) and where the list began
+    assert code == 2 and "cfg.yaml:3:1: YAML syntax error: did not find expected ',' or ']'" in err
+    assert "(while parsing a flow sequence at 2:15)" in err and len(err.strip().splitlines()) == 1
 
 
 def test_not_a_training_config(capsys, tmp_path):
@@ -99,7 +101,7 @@ def test_config_json_indented_with_tabs(capsys, tmp_path):
     code, err = run(capsys, tmp_path, text, "--", "--micro-batch-size", "1", "--seq-length", "128", name="config.json")
     assert code == 0, err
     code, err = run(capsys, tmp_path, '{"model_type": "llama",}', name="config.json")
-    assert code == 2 and "config.json: line 1, column 24 JSON syntax error" in err
+    assert code == 2 and "config.json:1:24: JSON syntax error" in err
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -58,7 +58,8 @@ def run(own_args: list[str], flags: list[str]) -> int:
         print("memguard check: error: give the launch command either after -- or with --file, not both", file=sys.stderr)
         return EXIT_BAD_INPUT
     if not ns.file and not flags:
-        p.print_help(sys.stderr)
+        print("memguard check: error: give the launch command after -- or a script with --file "
+              "(memguard check --help describes the options)", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return _check(ns, flags)
@@ -106,11 +107,11 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
 
     environ = dict(os.environ if environ is None else environ)
     if ns.file:
+        from ..files import read_text
         try:
-            with open(ns.file, encoding="utf-8") as fh:
-                text = fh.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise MemguardError(f"{ns.file}: cannot read ({e})") from None
+            text = read_text(ns.file)
+        except ReaderError as e:   # the file, not its command, is the problem
+            raise MemguardError(str(e)) from None
         try:
             cmd = parse_launch_command(text, environ)
             sa = None if is_run_recipe(cmd.script) else split_script_args(cmd)
@@ -159,7 +160,8 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
             if not ns.site_profile and hook.get("--memguard-profile"):
                 ns.site_profile = here(hook["--memguard-profile"])
                 notes.append(f"site profile {ns.site_profile} from the launch's --memguard-profile")
-        raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags")
+        raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags",
+                                   expand=False)
         if ns.model:
             from ..readers.models import read_model
             raw = read_model(ns.model).merged(raw)
@@ -217,11 +219,10 @@ def _read_run_recipe(ns: argparse.Namespace, cmd: LaunchCommand, notes: list[str
 def _has_shape(path: str | None) -> bool:
     if not path or not os.path.exists(path):
         return False
-    import yaml
+    from ..files import load_yaml, read_text
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except Exception:  # unreadable here: load_raw reads it again and reports why
+        doc = load_yaml(read_text(path), path)
+    except MemguardError:  # unreadable here: load_raw reads it again and reports why
         return False
     model = doc.get("model") if isinstance(doc, dict) else None
     if not isinstance(model, dict):

@@ -10,7 +10,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
-from ..errors import ConfigError, ConfigErrors, MemguardError
+from ..errors import ConfigError, ConfigErrors, MemguardError, one_line
+from ..numbers import INT32_MAX, MAX_WORLD_SIZE, WORLD_SIZE_WHY
 
 if TYPE_CHECKING:
     from ..config import RawConfig
@@ -18,11 +19,12 @@ if TYPE_CHECKING:
     from ..gpus import GpuSpec
 
 EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
+COMMANDS = ("estimate", "validate", "check", "plan", "report", "gpus")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse's usage errors -> one line, exit 2
-        self.exit(EXIT_BAD_INPUT, f"memguard: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"memguard: error: {one_line(message)}\n")
 
 
 def _split_dashdash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -34,13 +36,26 @@ def _split_dashdash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def positive_int(text: str) -> int:
-    """argparse type of counts and sizes: an integer >= 1 (0 and negatives are refused, not ignored)."""
+    """argparse type of counts and sizes: an integer >= 1 (0 and negatives are refused, not ignored)
+    and at most 2**31 - 1 (numbers.py)."""
+    return _bounded(text, INT32_MAX, "")
+
+
+def gpu_count(text: str) -> int:
+    """argparse type of GPU and node counts: an integer in [1, numbers.MAX_WORLD_SIZE]."""
+    return _bounded(text, MAX_WORLD_SIZE, WORLD_SIZE_WHY)
+
+
+def _bounded(text: str, maximum: int, why: str) -> int:
+    from ..numbers import integral, shown
     try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a positive integer, got {text!r}") from None
+        n = integral(text, "")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"expects a positive integer, got {shown(text)}") from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {shown(text)}")
+    if n > maximum:
+        raise argparse.ArgumentTypeError(f"must be <= {maximum}" + (f" ({why})" if why else "") + f", got {shown(text)}")
     return n
 
 
@@ -59,10 +74,10 @@ def _dp_rank(text: str) -> int | str:
 def add_target_options(p: argparse.ArgumentParser) -> None:
     """Options shared by commands that estimate: where the job runs and what is trusted."""
     g = p.add_argument_group("cluster")
-    g.add_argument("--world-size", type=positive_int, help="number of GPUs (ranks) of the job")
-    g.add_argument("--nnodes", "--nodes", type=positive_int, dest="nnodes", help="nodes (with --nproc-per-node)")
-    g.add_argument("--nproc-per-node", "--gpus-per-node", type=positive_int, dest="nproc_per_node", help="GPUs per node")
-    g.add_argument("--gpus", type=positive_int, dest="gpus", help="same as --world-size")
+    g.add_argument("--world-size", type=gpu_count, help="number of GPUs (ranks) of the job")
+    g.add_argument("--nnodes", "--nodes", type=gpu_count, dest="nnodes", help="nodes (with --nproc-per-node)")
+    g.add_argument("--nproc-per-node", "--gpus-per-node", type=gpu_count, dest="nproc_per_node", help="GPUs per node")
+    g.add_argument("--gpus", type=gpu_count, dest="gpus", help="same as --world-size")
     g.add_argument("--gpu", help="GPU model from the table (memguard gpus), default H100-80GB")
     g.add_argument("--gpu-memory", help="GPU memory as PyTorch reports it, e.g. 79.1GiB (overrides --gpu's)")
     g.add_argument("--threshold", type=float, default=0.8,
@@ -120,10 +135,11 @@ def resolve_world(ns: argparse.Namespace) -> int | None:
     if getattr(ns, "gpus", None):
         return ns.gpus
     if ns.nnodes and ns.nproc_per_node:
-        return ns.nnodes * ns.nproc_per_node
+        return ns.nnodes * ns.nproc_per_node   # (resolve() bounds the product)
     env = os.environ.get("WORLD_SIZE")
-    if env and env.isdigit():
-        return int(env)
+    if env and env.strip().isdigit():
+        from ..numbers import to_int
+        return to_int(env, "WORLD_SIZE", 1, MAX_WORLD_SIZE, WORLD_SIZE_WHY)
     return None
 
 
@@ -249,13 +265,18 @@ def cmd_gpus(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _no_command() -> int:
+    print(f"memguard: error: no command given; choose one of {', '.join(COMMANDS)} (memguard --help describes them)",
+          file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, flags = _split_dashdash(argv)
     parser = build_parser()
     if not own:
-        parser.print_help()
-        return EXIT_BAD_INPUT
+        return _no_command()
     cmd = own[0]
     try:
         if cmd in ("validate", "plan", "check", "report", "calibrate"):
@@ -271,8 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_estimate(ns, flags)
         if ns.command == "gpus":
             return cmd_gpus(ns)
-        parser.print_help()
-        return EXIT_BAD_INPUT
+        return _no_command()
     except ConfigErrors as e:
         for err in e.errors:
             print(f"memguard: error: {err}", file=sys.stderr)
@@ -282,6 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return EXIT_FITS
+    except Exception as e:  # a bug of memguard's own: one line, not a traceback (MEMGUARD_DEBUG=1 shows it)
+        if os.environ.get("MEMGUARD_DEBUG"):
+            raise
+        print(f"memguard: internal error: {type(e).__name__}: {one_line(str(e))} (a bug in memguard, not in your input; "
+              "MEMGUARD_DEBUG=1 shows where)", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

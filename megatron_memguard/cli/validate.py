@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from ..errors import ConfigError, MemguardError, NotModelledError
+from ..errors import BadValueError, ConfigError, ConfigErrors, MemguardError, NotModelledError
 from .main import (EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_gpu,
                    target_site)
 
@@ -87,12 +87,16 @@ def run(own_args: list[str], flags: list[str]) -> int:
         return EXIT_BAD_INPUT
     ns.set = list(ns.set) + list(ns.overrides)
     if not ns.config and not flags and not ns.model:
-        p.print_help(sys.stderr)
+        print("memguard validate: error: give a config FILE, --model NAME or Megatron flags after -- "
+              "(memguard validate --help describes the options)", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return _validate(ns, flags)
     except NotModelledError as e:
         _emit_unusable(ns, [f"{e}"])
+        return EXIT_BAD_INPUT
+    except ConfigErrors as e:
+        _emit_unusable(ns, [str(x) for x in e.errors])
         return EXIT_BAD_INPUT
     except MemguardError as e:
         _emit_unusable(ns, [str(e)])
@@ -115,6 +119,9 @@ def _validate(ns: argparse.Namespace, flags: list[str]) -> int:
     gpu, mem = target_gpu(ns)
     site = target_site(ns)
     layout, errors = check(raw, world_size=resolve_world(ns), megatron_version=ns.megatron_version, vocab_size=ns.vocab_size)
+    unreadable = [e for e in errors if isinstance(e, BadValueError)]
+    if unreadable:  # values memguard cannot compute with: the input cannot be read (exit 2), like estimate
+        raise ConfigErrors(unreadable)
     needs = [e for e in errors if _needs_input(e)]
     problems: list[ConfigError] = list(raw.problems) + [e for e in errors if not _needs_input(e)]
     est = None

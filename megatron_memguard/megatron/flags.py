@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError
+from ..numbers import INT64_MAX, shown, to_int
 from ..units import parse_bytes
 
 MODES = ("off", "report", "warn", "abort", "autotune")
@@ -33,7 +34,7 @@ def _from(value: str) -> str:
 def _mode(value: str) -> str:
     v = str(value).strip().lower()
     if v not in MODES:
-        raise argparse.ArgumentTypeError(f"invalid choice: {str(value)!r}{_from(value)} (choose from {', '.join(MODES)})")
+        raise argparse.ArgumentTypeError(f"invalid choice: {shown(str(value))}{_from(value)} (choose from {', '.join(MODES)})")
     return v
 
 
@@ -41,9 +42,9 @@ def _threshold(value: str) -> float:
     try:
         v = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: expected a fraction of GPU memory such as 0.8") from None
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: expected a fraction of GPU memory such as 0.8") from None
     if not 0 < v <= 1.5:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: must be in (0, 1.5]")
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: must be in (0, 1.5]")
     return v
 
 
@@ -51,25 +52,22 @@ def _gpu_memory(value: str) -> int:
     try:
         return parse_bytes(str(value), "--memguard-gpu-memory")
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: {e.rule}") from None
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {e.rule}") from None
 
 
 def _interval(value: str) -> int:
     try:
-        v = int(str(value))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: expected a positive integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: must be >= 1")
-    return v
+        return to_int(str(value), "", 1, INT64_MAX, "a 64-bit integer")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {e.rule}") from None
 
 
 def _directory(value: str) -> str:
     v = str(value).strip()
     if not v:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: empty path")
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: empty path")
     if os.path.exists(v) and not os.path.isdir(v):
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: exists and is not a directory")
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: exists and is not a directory")
     return v
 
 
@@ -82,7 +80,7 @@ def _site_profile(value: str) -> str:
     try:
         load_site_profile(v, key="--memguard-profile")
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: {e}") from None
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {e}") from None
     return v
 
 
@@ -98,7 +96,7 @@ def _boolean(value: str) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise argparse.ArgumentTypeError(f"invalid value {str(value)!r}{_from(value)}: expected true or false")
+    raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: expected true or false")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..config import RawConfig
+from ..divisors import divisors
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import DTYPE_BYTES, Layout
@@ -273,18 +274,6 @@ class Candidate:
         return o
 
 
-def divisors(n: int) -> list[int]:
-    small, large = [], []
-    i = 1
-    while i * i <= n:
-        if n % i == 0:
-            small.append(i)
-            if i * i != n:
-                large.append(n // i)
-        i += 1
-    return small + large[::-1]
-
-
 def layer_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None, tuple[int, ...]]]:
     """Ways to split the layers over ``pp`` stages: the even split, or (where the layers do not divide)
     first/last stages around evenly split middle stages whose largest stage has ceil(L/PP) layers.
@@ -376,7 +365,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                         g = 0
                         for n in stages:
                             g = math.gcd(g, n)
-                        vpps = [v for v in divisors(g)]
+                        vpps = list(divisors(g))
                     if fujii:
                         vpps = [1]
                     vpps = _allowed(vpps, cons.vpp)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable, Mapping
 
-import yaml
-
 from ..config import RawConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, ReaderError
 
 MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
 
@@ -61,20 +60,28 @@ LEGACY_MCORE_FIELDS = frozenset({
 # --------------------------------------------------------------------------------------------------
 def parse_scalar(text: str) -> Any:
     """A KEY=VALUE value as Hydra reads it: YAML scalars/lists (4, true, null, [1,2]), else the string."""
+    from ..files import load_yaml
     try:
-        v = yaml.safe_load(text)
-    except yaml.YAMLError:
+        v = load_yaml(text, "--set")
+    except ReaderError:  # not YAML (or beyond the nesting / size limits): the text itself
         return text
     if isinstance(v, str):
         return _number(v)
     return v
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _number(v: Any) -> Any:
-    """PyYAML reads ``1e-5`` as a string (YAML 1.1 wants a dot); OmegaConf reads it as a float."""
-    if isinstance(v, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", v.strip()):
-        f = float(v)
-        return int(f) if f.is_integer() and "e" not in v.lower() and "." not in v else f
+    """PyYAML reads ``1e-5`` as a string (YAML 1.1 wants a dot); OmegaConf reads it as a float. A
+    number too long to hold stays text (resolve() refuses it under its key)."""
+    if isinstance(v, str) and len(v) <= 400 and _NUMBER.fullmatch(v.strip()):
+        t = v.strip()
+        if "e" not in t.lower() and "." not in t:
+            return int(t) if len(t.lstrip("+-")) <= 40 else v
+        f = float(t)
+        return f if math.isfinite(f) else v
     return v
 
 

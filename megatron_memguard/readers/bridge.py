@@ -335,7 +335,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.world_size = int(dp_hint) * sizes[0] * sizes[1] * sizes[2]
             b.origin["world_size"] = "comm_overlap.data_parallel_size x TP x PP x CP"
             b.warn(f"world size {b.world_size} taken from the data-parallel size the dump records ({dp_hint}) x TP x PP x CP")
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             pass
     for sec, fields_name in (("optimizer", "OptimizerConfig"), ("ddp", "DistributedDataParallelConfig")):
         known = config_fields().get(fields_name, frozenset()) | {"_target_"}

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..errors import ReaderError
+from .shell import expand_word, words
 
 _ASSIGN_TOKEN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-a\s+)?|local\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
-_VAR = re.compile(r"(?<!\\)\$\{([A-Za-z_][A-Za-z0-9_]*)(\[@\]|\[\*\])?(?::?-([^}]*))?\}|(?<!\\)\$([A-Za-z_][A-Za-z0-9_]*)")
 
 # torch.distributed.run (torch 2.13, get_args_parser()): options with a value, and flags. Each reads
 # PET_<DEST> from the environment when not given. argparse accepts unique prefixes (allow_abbrev).
@@ -128,38 +128,6 @@ class LaunchCommand:
 # --------------------------------------------------------------------------------------------------
 # Shell text
 # --------------------------------------------------------------------------------------------------
-_QUOTED_ARRAY = re.compile(r'(?<!\\)"\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}"')
-
-
-def _expand(text: str, vars: Mapping[str, object]) -> str:
-    def sub_array(m: re.Match) -> str:
-        # "${ARR[@]}" expands to one word per element, each quoted for the later shlex split.
-        val = vars.get(m.group(1))
-        if isinstance(val, list):
-            return " ".join(shlex.quote(v) for v in val)
-        return m.group(0)
-
-    text = _QUOTED_ARRAY.sub(sub_array, text)
-
-    def sub(m: re.Match) -> str:
-        name = m.group(1) or m.group(4)
-        default = m.group(3)
-        val = vars.get(name)
-        if val is None:
-            if default is not None:
-                return default
-            return m.group(0)
-        if isinstance(val, list):
-            return " ".join(shlex.quote(v) for v in val)
-        return str(val)
-    prev = None
-    for _ in range(20):  # nested ${A:-$B}; bounded (a variable may mention itself)
-        if prev == text:
-            break
-        prev, text = text, _VAR.sub(sub, text)
-    return text
-
-
 _HEREDOC = re.compile(r"""<<(-?)[ \t]*(?:'([^']*)'|"([^"]*)"|([^\s;&|<>()'"]+))""")
 
 
@@ -424,7 +392,7 @@ def _launch_kind(toks: Sequence[str]) -> str | None:
     if word in ("bash", "sh") and "-c" in rest[:2]:
         inner = rest[rest.index("-c") + 1] if rest.index("-c") + 1 < len(rest) else ""
         try:
-            return "shell" if any(_launch_kind(shlex.split(c, comments=True))
+            return "shell" if any(_launch_kind(words(c, {}))
                                   for line in _logical_lines(inner) for c in _simple_commands(line)) else None
         except (ValueError, ReaderError):
             return None
@@ -450,13 +418,13 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
             value = m.group(2).strip()
             if value.endswith(")"):
                 try:
-                    vars[m.group(1)] = shlex.split(_expand(value[1:-1], vars), comments=True)
+                    vars[m.group(1)] = words(value[1:-1], vars)
                 except ValueError as e:
                     raise ReaderError(f"cannot parse the array {m.group(1)}: {e}") from None
                 continue
         for cmd in _simple_commands(line):
             try:
-                toks = shlex.split(_expand(cmd, vars), comments=True)
+                toks = words(cmd, vars)   # one expansion, as bash: an expanded value is not expanded again
             except ValueError as e:
                 raise ReaderError(f"cannot parse line {cmd!r}: {e}") from None
             if not toks:
@@ -525,7 +493,10 @@ def parse_launch_command(command: str | Sequence[str], environ: Mapping[str, str
         raise ReaderError(f"cannot understand the launcher {word!r} ({_UNSUPPORTED[word]}); memguard reads torchrun, "
                           "python -m torch.distributed.run, srun, mpirun and python SCRIPT.py commands")
     # The caller's shell has expanded the words already; what is left of $VAR was quoted on purpose.
-    toks = [_expand(t, dict(environ or {})) if "$" in t else t for t in toks]
+    try:
+        toks = [expand_word(t, environ or {}) if "$" in t else t for t in toks]
+    except ValueError as e:
+        raise ReaderError(str(e)) from None
     return parse_launch_tokens(toks, environ)
 
 
@@ -1001,10 +972,10 @@ _HYDRA_DECORATOR = re.compile(r"@(?:hydra_runner|hydra\.main|main)\s*\(([^)]*)\)
 def hydra_defaults(script_path: str) -> tuple[str | None, str | None]:
     """(config_path, config_name) of a script's ``@hydra_runner(...)`` / ``@hydra.main(...)`` decorator,
     if the script can be read (None where it cannot)."""
+    from ..files import read_text
     try:
-        with open(script_path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
+        text = read_text(script_path)
+    except ReaderError:
         return None, None
     m = _HYDRA_DECORATOR.search(text)
     if not m:

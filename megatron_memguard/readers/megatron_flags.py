@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from ..config import RawConfig, memory_env
 from ..errors import ConfigError
+from ..numbers import INT64_MAX, cut, integral, shown
 
 # Flags of older Megatron releases that the 0.19 parser no longer has, but that change what memguard reads.
 _LEGACY_FLAGS = {
@@ -43,23 +44,17 @@ def _is_flag(tok: str) -> bool:
 
 def _convert(value: str, typ: str | None, flag: str) -> Any:
     if typ in ("int", "float") and has_placeholder(value):
-        raise ConfigError(flag, f"has the unresolved placeholder {value!r}; set it in the environment or edit the value")
+        raise ConfigError(flag, f"has the unresolved placeholder {shown(value)}; set it in the environment or edit the value")
     if typ == "int":
-        try:
-            return int(value)
-        except ValueError:
-            try:
-                f = float(value)
-            except ValueError:
-                raise ConfigError(flag, f"expects an integer, got {value!r}") from None
-            if f != int(f):
-                raise ConfigError(flag, f"expects an integer, got {value!r}") from None
-            return int(f)
+        # Megatron's argparse takes any int. One beyond 64 bits stays text: resolve() refuses it with the
+        # bound of its setting when memguard computes with it (memory-neutral flags are not checked).
+        n = integral(value, flag)
+        return n if abs(n) <= INT64_MAX else value
     if typ == "float":
         try:
             return float(value)
         except ValueError:
-            raise ConfigError(flag, f"expects a number, got {value!r}") from None
+            raise ConfigError(flag, f"expects a number, got {shown(value)}") from None
     if value.startswith("AttnBackend."):
         return value.split(".", 1)[1]
     return value
@@ -69,8 +64,11 @@ def parse_megatron_flags(
     argv: Iterable[str],
     env: Mapping[str, str] | None = None,
     source: str = "megatron flags",
+    expand: bool = True,
 ) -> RawConfig:
-    """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given."""
+    """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given, unless
+    ``expand`` is False: the flags of a launch command, which the shell reader expanded already (bash
+    expands once; a value is not expanded again)."""
     table = flag_table()
     toks = [str(t) for t in argv]
     args: dict[str, Any] = {}
@@ -82,7 +80,7 @@ def parse_megatron_flags(
         tok = toks[i]
         i += 1
         if not _is_flag(tok):
-            warnings.append(f"ignored stray argument {tok!r} (not after a flag that takes a value)")
+            warnings.append(f"ignored stray argument {shown(tok)} (not after a flag that takes a value)")
             continue
         inline = None
         if "=" in tok:
@@ -118,16 +116,16 @@ def parse_megatron_flags(
                     raise ConfigError(tok, "expects a value")
                 inline = toks[i]
                 i += 1
-            args[dest] = _convert(_substitute(inline, env, tok), typ, tok)
+            args[dest] = _convert(_substitute(inline, env if expand else None, tok), typ, tok)
         else:  # list
             vals = [] if inline is None else [inline]
             while inline is None and i < len(toks) and not _is_flag(toks[i]):
                 vals.append(toks[i])
                 i += 1
-            args[dest] = [_convert(_substitute(v, env, tok), typ, tok) for v in vals]
+            args[dest] = [_convert(_substitute(v, env if expand else None, tok), typ, tok) for v in vals]
         origin[dest] = tok
     if unknown:
-        warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(unknown))
+        warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(cut(u) for u in unknown))
     return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env))
 
 

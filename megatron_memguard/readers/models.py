@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import os
 import re
 from dataclasses import replace
@@ -20,6 +19,7 @@ import yaml
 
 from ..config import RawConfig
 from ..errors import ConfigError, ReaderError
+from ..numbers import shown
 
 
 @lru_cache(maxsize=1)
@@ -118,11 +118,10 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
         raise ReaderError(f"{arg}: a directory without config.json (--model takes a preset name, a Hugging Face "
                           "config.json or the directory holding it)")
     if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                doc = json.load(fh) if path.lower().endswith(".json") else yaml.safe_load(fh)
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            raise ReaderError(f"{path}: cannot read a Hugging Face config ({e})") from None
+        from ..files import load_json, load_yaml, read_text
+
+        text = read_text(path)
+        doc = load_json(text, path) if path.lower().endswith(".json") else load_yaml(text, path)
         if not isinstance(doc, dict):
             raise ReaderError(f"{path}: not a Hugging Face config.json (not a JSON object)")
         return read_hf_config(doc, path)
@@ -135,11 +134,12 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
         return read_bridge({}, f"recipe {recipe}", [], recipe=recipe)
     key = find_model(arg)
     if key is None:
-        close = difflib.get_close_matches(canonical(arg), list(_model_index()), n=3, cutoff=0.6)
+        # (difflib's matching is quadratic in the length: no hints for a run-away argument)
+        close = difflib.get_close_matches(canonical(arg), list(_model_index()), n=3, cutoff=0.6) if len(arg) < 100 else []
         hint = ""
         if close:
             hint = "; did you mean " + ", ".join(dict.fromkeys(_model_index()[c] for c in close)) + "?"
-        raise ConfigError("--model", f"unknown model {arg!r} (not a preset and no such file){hint}",
+        raise ConfigError("--model", f"unknown model {shown(arg)} (not a preset and no such file){hint}",
                           "give a Hugging Face config.json path, or one of: " + ", ".join(known_names()))
     hf = model_hf(key)
     names = GPT2_KEYS if hf.get("model_type") == "gpt2" else HF_KEYS

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
+from ..numbers import shown
 from ._common import (
     MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
     _number,
@@ -173,7 +174,7 @@ class _Tree:
                 raise ReaderError(f"{self.path}: {self.shown(key)}: cannot resolve its value ({msg})") from None
             self.unresolved.append(f"{self.shown(key)}: cannot resolve ({msg}); ignored")
             return default
-        if v is not None and not isinstance(v, (str, int, float, bool)):
+        if self.OmegaConf.is_config(v):  # (a resolver such as oc.decode may return a plain list or dict)
             v = self.OmegaConf.to_container(v, resolve=False)
         return _number(v) if isinstance(v, str) else v
 
@@ -191,8 +192,11 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
         plain = {"model": plain}
         overrides = [(op, k if k.startswith("model.") else "model." + k, v) for op, k, v in overrides]
     plain = apply_overrides(plain, overrides)
+    if not isinstance(plain.get("model"), Mapping):  # (an override such as model=3)
+        raise ReaderError(f"{path}: model: must be a mapping of the model's settings, got {shown(plain.get('model'))}")
     root = dict(plain)
-    root["training"] = copy.deepcopy(plain)  # launcher fragments interpolate ${training.<key>}
+    if _mentions(plain, "training."):  # launcher fragments interpolate ${training.<key>} (a copy doubles OmegaConf's work)
+        root["training"] = copy.deepcopy(plain)
     for k in _LAUNCHER_ROOT_KEYS:
         root.setdefault(k, "")
     try:
@@ -207,6 +211,22 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
     for w in t.unresolved:
         b.warn(w)
     return b.build()
+
+
+def _mentions(doc: Any, text: str) -> bool:
+    """Whether a string anywhere in ``doc`` (keys and values) contains ``text``."""
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if text in node:
+                return True
+        elif isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return False
 
 
 def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one table, read top to bottom)
@@ -431,7 +451,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         pp, cp = b.args.get("pipeline_model_parallel_size", 1), b.args.get("context_parallel_size", 1)
         try:
             dp = b.world_size // (int(tp) * int(pp) * int(cp))
-        except (TypeError, ValueError, ZeroDivisionError):
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError):
             dp = 1
         if dp > 1 and pp == 1:
             gaf = False

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import glob
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -74,12 +75,29 @@ _FILE_RANK = re.compile(r"rank[_-]?0*(\d+)", re.IGNORECASE)
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB, "TiB": 1024 ** 4}
 
 
+def _bytes(num: str, scale: int) -> int:
+    """``num`` x ``scale`` bytes; ValueError for what no GPU reports (``1.2.3``, ``1e400``, 2**63 bytes and up)."""
+    v = float(num) * scale
+    if not math.isfinite(v) or abs(v) >= 2**63:
+        raise ValueError(f"{num} x {scale} bytes is out of range")
+    return int(round(v))
+
+
 def _size(num: str, unit: str) -> int:
-    return int(round(float(num) * _UNITS[unit]))
+    return _bytes(num, _UNITS[unit])
 
 
 def _mib(text: str | None) -> int | None:
-    return None if text is None else int(round(float(text) * MiB))
+    return None if text is None else _bytes(text, MiB)
+
+
+def _sane(m: re.Match) -> bool:
+    """A memory line whose rank and numbers a real run prints (a 5000-digit rank or 1e400 MB is skipped)."""
+    try:
+        return len(m.group(1)) <= 19 and all(_mib(m.group(k)) is not None for k in range(3, 7)) and \
+            (m.group(7) is None or _mib(m.group(7)) is not None)
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -248,21 +266,22 @@ def _read_one(path: str, log: MegatronLog) -> None:
             log.args_tables += 1
         elif "memory (MB)" in line:
             m = MEMORY_RE.search(line)
-            if m:
+            if m and _sane(m):
                 name = m.group(2).strip()
                 it = _AFTER_IT.search(name) or _SAVE.search(name)
+                it = it if it and len(it.group(it.lastindex)) <= 19 else None
                 rank = int(m.group(1))
                 file_ranks.add(rank)
                 log.memory.append(MemoryLine(rank=rank, name=name, iteration=int(it.group(it.lastindex)) if it else None,
                                              allocated=_mib(m.group(3)), max_allocated=_mib(m.group(4)),
                                              reserved=_mib(m.group(5)), max_reserved=_mib(m.group(6)),
                                              device_used=_mib(m.group(7)), file=path, line=n))
-        elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None:
+        elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None and len(m.group(0)) < 64:
             log.iterations.append(int(m.group(1)))
             log.train_iters = int(m.group(2))
         elif "Theoretical memory" in line and (m := THEORY_RE.search(line)) is not None:
             log.theoretical_mib = (float(m.group(1)), float(m.group(2)), float(m.group(3)))
-        elif "ran out of GPU memory" in line and (m := MEMGUARD_OOM_RE.search(line)) is not None:
+        elif "ran out of GPU memory" in line and (m := MEMGUARD_OOM_RE.search(line)) is not None and len(m.group(0)) < 80:
             pp = m.group(2)
             log.memguard_oom_ranks[int(m.group(1))] = None if pp == "None" else int(pp)
         elif "CUDA out of memory" in line:
@@ -280,7 +299,14 @@ def _read_one(path: str, log: MegatronLog) -> None:
 
 def parse_oom(text: str, file: str = "", line: int = 0, rank: int | None = None,
               iteration: int | None = None) -> OomEvent | None:
-    """The numbers of a PyTorch CUDA out-of-memory message (None if ``text`` holds none)."""
+    """The numbers of a PyTorch CUDA out-of-memory message (None if ``text`` holds none, or numbers no GPU has)."""
+    try:
+        return _parse_oom(text, file, line, rank, iteration)
+    except ValueError:
+        return None
+
+
+def _parse_oom(text: str, file: str, line: int, rank: int | None, iteration: int | None) -> OomEvent | None:
     m = OOM_RE.search(text)
     if m:
         g = m.groups()

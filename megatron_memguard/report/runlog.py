@@ -14,9 +14,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Sequence
 
 from ..errors import ReaderError
+from ..files import json_int
+from ..numbers import INT64_MAX, shown
 from ..runtime.monitor import COMPARED
 from ..runtime.sinks import SCHEMA
 
@@ -24,6 +26,7 @@ EVENTS = ("start", "sample", "warning", "oom", "summary")
 FILE_GLOB = "memguard-rank*.jsonl"
 METRICS = tuple(a for a, _ in COMPARED)          # max_allocated, max_reserved, device_used
 PREDICTED_OF = dict(COMPARED)                      # actual field -> predicted field
+MAX_LINE = 2**20                                   # characters of one record line (real ones: under 2 KiB)
 METRIC_LABELS = {"max_allocated": "peak allocated", "max_reserved": "peak reserved", "device_used": "device used"}
 
 
@@ -157,11 +160,18 @@ def find_files(paths: Sequence[str]) -> list[str]:
                    "with --memguard-log-dir DIR or MEMGUARD_LOG_DIR)", missing="no such directory")
 
 
+def _huge(v: Any) -> bool:
+    """An integer too long to hold (json_int kept its digits as text) or beyond 64 bits."""
+    return (isinstance(v, str) and v.lstrip("-").isdigit()) or (isinstance(v, int) and abs(v) > INT64_MAX)
+
+
 def _int(v: Any) -> int | None:
     if v is None:
         return None
+    if _huge(v):  # counters are 64-bit (torch.cuda.memory_stats, iteration numbers)
+        raise ValueError(f"expected a number below 2**63, got {shown(v)}")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-        raise ValueError(f"expected a number, got {v!r}")
+        raise ValueError(f"expected a number, got {shown(v)}")
     return int(v)
 
 
@@ -177,13 +187,13 @@ def _tolerance(v: Any) -> float | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"expected a number >= 0, got {v!r}")
+        raise ValueError(f"expected a number >= 0, got {shown(v)}")
     return float(v)
 
 
 def _text(v: Any) -> str | None:
     if v is not None and not isinstance(v, str):
-        raise ValueError(f"expected a string, got {v!r}")
+        raise ValueError(f"expected a string, got {shown(v)}")
     return v
 
 
@@ -197,6 +207,20 @@ def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]
         except ValueError as e:
             raise ValueError(f"'{what}.{k}': {e}") from None
     return out
+
+
+def _lines(f: IO[str]) -> Iterator[str | None]:
+    """The lines of ``f``; None for a line longer than MAX_LINE characters (read past, not kept)."""
+    while True:
+        line = f.readline(MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE:
+            while line and not line.endswith("\n"):
+                line = f.readline(MAX_LINE)
+            yield None
+            continue
+        yield line
 
 
 def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
@@ -218,29 +242,35 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
             warn(msg + "; skipped")
 
     with f:
-        for n, line in enumerate(f, 1):
+        for n, line in enumerate(_lines(f), 1):
+            if line is None:
+                bad(n, f"longer than {MAX_LINE:,} characters (a memguard record is under 2 KiB)")
+                continue
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line, parse_int=json_int)
             except json.JSONDecodeError as e:
                 bad(n, f"not valid JSON ({e.msg} at column {e.colno})")
+                continue
+            except RecursionError:
+                bad(n, "not valid JSON (nested deeper than a record can be)")
                 continue
             if not isinstance(rec, dict):
                 bad(n, f"expected a JSON object, got {type(rec).__name__}")
                 continue
             schema = rec.get("schema")
             if schema != SCHEMA:
-                bad(n, f"not a {SCHEMA} record (schema {schema!r})" if schema else
+                bad(n, f"not a {SCHEMA} record (schema {shown(schema)})" if schema else
                     f"not a memguard runtime record (no 'schema' field; expected {SCHEMA!r})")
                 continue
             event = rec.get("event")
             if event not in EVENTS:
-                bad(n, f"unknown event {event!r} (expected one of {', '.join(EVENTS)})")
+                bad(n, f"unknown event {shown(event)} (expected one of {', '.join(EVENTS)})")
                 continue
             r = rec.get("rank")
-            if isinstance(r, bool) or not isinstance(r, int):
-                bad(n, f"'rank' must be an integer, got {r!r}")
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= INT64_MAX:
+                bad(n, f"'rank' must be an integer in [0, 2**63), got {shown(r)}")
                 continue
             if rank is None:
                 rank = r
@@ -249,8 +279,8 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
                 continue
             if event == "sample":
                 it = rec.get("iteration")
-                if isinstance(it, bool) or not isinstance(it, int):
-                    bad(n, f"sample without an integer 'iteration' (got {it!r})")
+                if isinstance(it, bool) or not isinstance(it, int) or abs(it) > INT64_MAX:
+                    bad(n, f"sample without an integer 'iteration' below 2**63 (got {shown(it)})")
                     continue
                 if not isinstance(rec.get("actual"), dict):
                     bad(n, "sample without an 'actual' object")
@@ -270,7 +300,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
                 fields = (_field(rec, "source", _text), _field(rec, "interval", _int),
                           _field(rec, "tolerance", _tolerance))
                 if rec.get("reset_peak") is not None and not isinstance(rec["reset_peak"], bool):
-                    raise ValueError(f"'reset_peak': expected true or false, got {rec['reset_peak']!r}")
+                    raise ValueError(f"'reset_peak': expected true or false, got {shown(rec['reset_peak'])}")
                 out.start = rec
                 out.source, out.interval, out.tolerance = fields
                 out.reset_peak = rec.get("reset_peak")

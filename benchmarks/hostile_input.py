@@ -1,0 +1,209 @@
+"""Does every command finish within 2 s on any input under 1 MB? (issue 14)
+
+    python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
+    python benchmarks/hostile_input.py --quick    # every tenth case
+
+Runs ``memguard`` in-process over a corpus of hostile inputs, every one under 1 MB: issue 14's
+thirteen reproductions; every numeric Megatron flag with every hostile value of tests/fuzz_util.py
+(inf, nan, 1e400, 5000 digits, 300,000 characters, ...); every config seed (NeMo 1, NeMo launcher,
+Megatron functional-test, Bridge, NeMo 2, Hugging Face) with every hostile YAML value (nesting,
+alias bombs, huge numbers) at its shape keys; every hostile shell line in a launch script; every
+hostile JSON value in every run-log field; and the largest inputs memguard accepts (1 MB files,
+10,000 YAML values, 2**20 GPUs). Prints, per command, the number of runs, how many broke the
+promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
+wall time with the input that took it. CPU time is the target's measure (the machines these run on
+are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from fuzz_util import (  # noqa: E402
+    JSON_VALUES, LAUNCH, LEAVES, NUMBERS, NUMERIC_FLAGS, RUNLOG, RUNLOG_FIELDS, SENTINEL, SHELL_LINES, SMALL, TEXTS, YAML_SEEDS,
+    YAML_VALUES, alias_bomb, run_memguard, with_values,
+)
+
+TARGET = 2.0          # seconds per command (CPU)
+LIMIT = 1_000_000     # bytes: the inputs stay under this
+S = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+     "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16").split()
+PLAN = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "64"]
+
+
+def _nemo(value: str) -> str:
+    text = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
+    return text.replace("  num_layers: 32 ", f"  num_layers: {value} ", 1)
+
+
+def reproductions():
+    """Issue 14's thirteen reproductions (tests/test_hostile_input.py asserts their output)."""
+    digits = "1" * 5000
+    start = json.dumps({"schema": "memguard.runtime/1", "event": "start", "rank": 0})
+    warning = json.dumps({"schema": "memguard.runtime/1", "event": "warning", "rank": 0, "iteration": 1,
+                          "actual_bytes": 1, "predicted_bytes": 100}).replace('"actual_bytes": 1', '"actual_bytes": 1' + "0" * 400)
+    script = "A='$A$A'\n" + "A=$A$A\n" * 20 + "torchrun --nproc-per-node 8 pretrain_gpt.py " + " ".join(S) + ' --save "$A"\n'
+    nemo_llama = os.path.join(os.environ.get("MEMGUARD_SHARED") or os.path.join(os.path.dirname(ROOT), "shared"),
+                              "configs", "nemo1", "megatron_llama_config.yaml")
+    yield "1 --num-layers inf", ["estimate", "--world-size", "1", "--", *S, "--num-layers", "inf"], {}
+    yield "1 --num-layers 5000 digits", ["estimate", "--world-size", "1", "--", *S, "--num-layers", digits], {}
+    yield "1 validate 1e309", ["validate", "--world-size", "1", "--", *S, "--num-layers", "1e309"], {}
+    yield "1 check nan", ["check", "--", "torchrun", "pretrain_gpt.py", *S, "--num-layers", "nan"], {}
+    yield "1 plan inf", [*PLAN, "--", *S, "--num-layers", "inf"], {}
+    yield "2 --gpu-memory 1e400", ["estimate", "--world-size", "8", "--gpu-memory", "1e400", "--", *S], {}
+    yield "2 --memguard-gpu-memory 1e400GiB", ["check", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *S,
+                                               "--memguard-gpu-memory", "1e400GiB"], {}
+    yield "3 --num-layers 1e30", ["estimate", "--world-size", "1", "--", *S, "--num-layers", "1e30"], {}
+    yield "4 NeMo num_layers: .inf", ["validate", "c.yaml"], {"c.yaml": _nemo(".inf")}
+    yield "5 100,000 [", ["estimate", "--config", "d.yaml"], {"d.yaml": "[" * 100_000}
+    yield "6 run log 100,000 [", ["report", "."], {"memguard-rank00000.jsonl": "[" * 100_000 + "\n"}
+    yield "6 run log 5000 digits", ["report", "."], {"memguard-rank00000.jsonl": start.replace("0}", digits + "}")}
+    yield "7 actual_bytes 1e400", ["report", "."], {"memguard-rank00000.jsonl": start + "\n" + warning + "\n"}
+    yield "8 --set 5000 digits", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", f"model.num_layers={digits}"], {}
+    yield "9 oc.decode", ["validate", "c.yaml"], {"c.yaml": _nemo("\"${oc.decode:'[1,2]'}\"")}
+    yield "10 model=3", ["validate", nemo_llama, "model=3"], {}
+    yield "11 GBS 1e30", ["plan", "--gpus", "8", "--seq-length", "4096", "--global-batch-size", "1" + "0" * 30,
+                          "--model", "llama-3.2-1b"], {}
+    yield "11 GBS 2**31-1, 2**20 GPUs", ["plan", "--gpus", "1048576", "--seq-length", "4096", "--global-batch-size",
+                                         "2147483647", "--model", "llama-3.2-1b"], {}
+    yield "12 A='$A$A' x 20", ["check", "--file", "s.sh"], {"s.sh": script}
+    yield "13 alias bomb, 4 levels", ["validate", "c.yaml"], {"c.yaml": _nemo(alias_bomb(4))}
+    yield "13 alias bomb, 5 levels", ["validate", "c.yaml"], {"c.yaml": _nemo(alias_bomb(5))}
+    yield "no command", [], {}
+
+
+def flag_cases():
+    for flag in NUMERIC_FLAGS:
+        for v in NUMBERS + TEXTS:
+            yield f"estimate {flag} {v!r}", ["estimate", "--world-size", "8", "--", *SMALL, flag, v], {}
+    for flag in ("--num-layers", "--pipeline-model-parallel-size", "--global-batch-size", "--seq-length",
+                 "--microbatch-group-size-per-vp-stage", "--pipeline-model-parallel-layout", "--micro-batch-size"):
+        for v in NUMBERS + TEXTS:
+            yield f"validate {flag} {v!r}", ["validate", "--world-size", "8", "--", *SMALL, flag, v], {}
+            yield f"plan {flag} {v!r}", [*PLAN, "--", *SMALL, flag, v], {}
+            yield f"check {flag} {v!r}", ["check", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL,
+                                          flag, v], {}
+    for opt in ("--gpus", "--seq-length", "--global-batch-size", "--tp", "--pp", "--mbs", "--explain", "--top",
+                "--gpu-memory", "--threshold"):
+        for v in NUMBERS + TEXTS:
+            argv = [*PLAN, "--model", "llama-3.2-1b"]
+            if opt in argv:
+                argv[argv.index(opt) + 1] = v
+            else:
+                argv += [opt, v]
+            yield f"plan {opt} {v!r}", argv, {}
+
+
+def config_cases():
+    shape_keys = ("num_layers", "num_hidden_layers", "hidden_size", "global_batch_size", "micro_batch_size", "devices",
+                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "--num-layers", "seq_length")
+    for name, text, opts in YAML_SEEDS:
+        paths = [p for p in LEAVES[name] if str(p[-1]) in shape_keys][:4] or LEAVES[name][:2]
+        raws = JSON_VALUES if name.endswith(".json") else YAML_VALUES
+        own = opts[:opts.index("--")] if "--" in opts else list(opts)
+        flags = opts[opts.index("--"):] if "--" in opts else []
+        for path in paths:
+            for raw in raws:
+                files = {name: with_values(text, name, [(path, raw)])}
+                yield f"validate {name} {'.'.join(map(str, path))}={raw!r}", ["validate", name, *own, *flags], files
+                yield f"estimate {name} {'.'.join(map(str, path))}={raw!r}", ["estimate", "--config", name, *own, *flags], files
+        if not name.endswith(".json"):
+            for raw in YAML_VALUES:
+                key = ".".join(map(str, paths[0]))
+                yield f"estimate {name} --set {key}={raw!r}", ["estimate", "--config", name, "--set", f"{key}={raw}", *own,
+                                                              *flags], {name: text}
+
+
+def launch_cases():
+    for line in SHELL_LINES:
+        script = LAUNCH.replace("export CUDA", line + "export CUDA", 1)
+        if line.startswith("A='$A$A'"):
+            script = script.replace('--save "/ckpt/run 1"', '--save "$A" $OPTS')
+        yield f"check line {line!r}", ["check", "--file", "run.sh"], {"run.sh": script}
+        yield f"estimate line {line!r}", ["estimate", "--config", "run.sh"], {"run.sh": script}
+
+
+def runlog_cases():
+    for i, key in RUNLOG_FIELDS:
+        for raw in JSON_VALUES:
+            records = json.loads(json.dumps(RUNLOG))
+            node, leaf = (records[i][key[0]], key[1]) if isinstance(key, tuple) else (records[i], key)
+            node[leaf] = SENTINEL
+            text = "\n".join(json.dumps(r) for r in records).replace(f'"{SENTINEL}"', raw)
+            yield f"report {i}.{key}={raw!r}", ["report", ".", "--skip-bad-lines"], {"memguard-rank00000.jsonl": text}
+
+
+def largest_cases():
+    """The largest inputs memguard accepts, each just under 1 MB."""
+    blend = ",".join(["x"] * 9_000)  # ~9,000 values: under the 10,000-value limit
+    nemo = _nemo("4\n  data_blend: [" + blend + "]")
+    yield "validate NeMo with 9,000 values", ["validate", "c.yaml", "--gpus", "8", "--vocab-size", "32000"], {"c.yaml": nemo}
+    comments = "# " + "x" * 78 + "\n"
+    script = comments * (950_000 // len(comments)) + LAUNCH
+    yield "check 950 kB script", ["check", "--file", "run.sh"], {"run.sh": script}
+    yield "check 950 kB of $(", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "$(" * 475_000 + "\n"}
+    yield "check 950 kB of ${A:-", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "${A:-x}" * 135_000 + "\n"}
+    yield "estimate 950 kB --save value", ["estimate", "--world-size", "8", "--", *SMALL, "--save", "x" * 950_000], {}
+    sample = json.dumps(RUNLOG[1])
+    log = "\n".join([json.dumps(RUNLOG[0])] + [sample.replace('"iteration": 10', f'"iteration": {10 * k}')
+                                              for k in range(1, 950_000 // len(sample))])
+    yield "report 950 kB run log", ["report", "."], {"memguard-rank00000.jsonl": log}
+    hf = json.loads(dict((n, t) for n, t, _ in YAML_SEEDS)["config.json"])
+    hf["padding"] = "x" * 950_000
+    yield "estimate 950 kB config.json", ["estimate", "--config", "config.json", "--gpus", "8", "--", "--micro-batch-size",
+                                         "1"], {"config.json": json.dumps(hf)}
+    yield "plan 2**20 GPUs", ["plan", "--gpus", "1048576", "--seq-length", "8192", "--global-batch-size", "1048576",
+                              "--model", "llama3.1-70b"], {}
+    yield "estimate 10,000 layers PP 1024", ["estimate", "--world-size", "1024", "--", *S, "--num-layers", "10000",
+                                             "--pipeline-model-parallel-size", "1024", "--global-batch-size", "1024"], {}
+
+
+def main(argv: list[str]) -> int:
+    step = 10 if "--quick" in argv else 1
+    groups = [("reproductions", reproductions()), ("flags", flag_cases()), ("configs", config_cases()),
+              ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases())]
+    worst: dict[str, tuple[float, float, str]] = {}
+    runs: dict[str, int] = defaultdict(int)
+    broken: dict[str, list[str]] = defaultdict(list)
+    rows = []
+    for group, cases in groups:
+        for k, (label, args, files) in enumerate(cases):
+            if step > 1 and group not in ("reproductions", "largest") and k % step:
+                continue
+            size = sum(len(c) for c in files.values()) + sum(len(a) for a in args)
+            assert size < LIMIT, (label, size)
+            o = run_memguard(args, files)
+            cmd = args[0] if args else "(none)"
+            runs[cmd] += 1
+            if o.problems:
+                broken[cmd].append(f"{label[:100]}: {'; '.join(o.problems)[:200]}")
+            if cmd not in worst or o.cpu > worst[cmd][0]:
+                worst[cmd] = (o.cpu, o.wall, label[:90])
+            if group == "reproductions":
+                rows.append(f"  {label:<34} exit {o.code}  {o.cpu:5.2f} s CPU  {o.wall:5.2f} s wall  "
+                            f"{(o.err.strip().splitlines() or [''])[0][:90]}")
+    print("issue 14's reproductions (CPU and wall time in-process):")
+    print("\n".join(rows))
+    print()
+    print(f"{'command':<10} {'runs':>6} {'broken':>7} {'worst CPU':>10} {'its wall':>9}  worst input")
+    for cmd in sorted(runs):
+        c, w, label = worst[cmd]
+        print(f"{cmd:<10} {runs[cmd]:>6} {len(broken[cmd]):>7} {c:>9.2f}s {w:>8.2f}s  {label}")
+    total = sum(runs.values())
+    over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
+    nbroken = sum(len(v) for v in broken.values())
+    print(f"\n{total} runs, {nbroken} broke the promise; every command under {TARGET:.0f} s of CPU: "
+          f"{'yes' if not over else 'no (' + ', '.join(over) + ')'}")
+    for cmd, items in broken.items():
+        for item in items[:5]:
+            print(f"  broken: {cmd}: {item}")
+    return 0 if not over and not nbroken else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,201 @@
+"""Input files, read in one place: a size limit, limits on YAML nesting and alias expansion, and every
+parser error as one line ``FILE:LINE:COL: what is wrong``.
+
+Training configs and launch scripts are a few KiB (the largest reference config, NeMo's
+megatron_gpt_config.yaml, is 20 KiB with 440 values); the limits are far above that and keep a
+hostile file (a 100,000-deep ``[[[[``, a kilobyte of aliases that expands to millions of values, a
+5000-digit number) from crashing or stalling memguard (docs/assumptions.md, "Bounds on inputs").
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+import yaml.parser
+import yaml.scanner
+from yaml.composer import Composer, ComposerError
+from yaml.constructor import SafeConstructor
+from yaml.events import AliasEvent
+from yaml.resolver import Resolver
+
+from .errors import ReaderError
+
+MAX_FILE_BYTES = 2**20          # 1 MiB: 50 x the largest reference config
+MAX_DEPTH = 64                  # nesting levels of mappings and lists (real configs: under 10)
+MAX_VALUES = 10_000             # values of a document after alias expansion (real configs: under 500)
+_MAX_INT_DIGITS = 40            # longer integers stay text (so that the bound on their key names them)
+
+try:  # libyaml's parser when PyYAML has it (several times faster); the composer stays in Python
+    from yaml.cyaml import CParser as _Parser
+except ImportError:  # pragma: no cover - PyYAML without libyaml
+    from yaml.parser import Parser as _ParserBase
+    from yaml.reader import Reader
+    from yaml.scanner import Scanner
+
+    class _Parser(Reader, Scanner, _ParserBase):  # type: ignore[no-redef]
+        def __init__(self, stream: str):
+            Reader.__init__(self, stream)
+            Scanner.__init__(self)
+            _ParserBase.__init__(self)
+
+
+class _BoundedConstructor(SafeConstructor):
+    def construct_yaml_int(self, node):  # type: ignore[override]
+        digits = str(node.value).replace("_", "").lstrip("+-")
+        if len(digits) > _MAX_INT_DIGITS:
+            return str(node.value)    # out of every range: resolve() refuses it under its key
+        return super().construct_yaml_int(node)
+
+
+_BoundedConstructor.add_constructor("tag:yaml.org,2002:int", _BoundedConstructor.construct_yaml_int)
+
+
+class _Loader(Composer, _Parser, _BoundedConstructor, Resolver):
+    """PyYAML's safe loader with a composer that refuses deep nesting and alias expansion beyond the
+    limits (PyYAML's own recurses until Python's stack runs out, and libyaml's crashes)."""
+
+    def __init__(self, stream: str):
+        _Parser.__init__(self, stream)
+        Composer.__init__(self)
+        _BoundedConstructor.__init__(self)
+        Resolver.__init__(self)
+        self._depth = 0
+        self._values = 0
+        self._size: dict[int, int] = {}
+        self._open: list[str] = []       # anchors whose node is being composed
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        event = self.peek_event()
+        if isinstance(event, AliasEvent):
+            if event.anchor in self._open:  # &a [*a]: a structure that contains itself has no end to walk
+                raise ComposerError(None, None, f"alias *{event.anchor} is inside its own anchor (a recursive value)",
+                                    event.start_mark)
+            node = super().compose_node(parent, index)
+            self._count(self._size.get(id(node), 1), event.start_mark)
+            return node
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open.append(anchor)
+        start = self._values
+        node = super().compose_node(parent, index)
+        if anchor is not None:
+            self._open.pop()
+        self._depth -= 1
+        self._count(1, event.start_mark)
+        self._size[id(node)] = self._values - start
+        return node
+
+    def _count(self, n: int, mark) -> None:
+        self._values += n
+        if self._values > MAX_VALUES:
+            raise ComposerError(None, None, f"more than {MAX_VALUES:,} values (after expanding aliases); "
+                                "memguard reads training configs up to that size", mark)
+
+
+def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of ``path``; ReaderError (one line, naming the file) when it cannot be read,
+    is larger than ``limit`` bytes or is not UTF-8."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except FileNotFoundError:
+        raise ReaderError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ReaderError(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
+    return decode(data, path, limit)
+
+
+def decode(data: bytes, where: str, limit: int = MAX_FILE_BYTES) -> str:
+    """``data`` (at most ``limit`` bytes) as UTF-8 text; ReaderError naming ``where`` otherwise."""
+    if len(data) > limit:
+        raise ReaderError(f"{where}: larger than {_size(limit)}; memguard reads configs and launch scripts up to that size")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ReaderError(f"{where}:{line}:{col}: not UTF-8 text (byte 0x{data[e.start]:02x}); is this a config file?") from None
+
+
+def _size(n: int) -> str:
+    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n:,} bytes"
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """A YAML document (safe types only) within the nesting and size limits; ReaderError
+    ``where:LINE:COL: YAML syntax error: ...`` otherwise."""
+    try:
+        loader = _Loader(text)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        raise ReaderError(yaml_error(e, where)) from None
+    except (ValueError, TypeError, OverflowError) as e:  # a constructor refusing a value (a bad date, base64)
+        raise ReaderError(f"{where}: YAML value error: {e}") from None
+
+
+def yaml_error(e: yaml.YAMLError, where: str) -> str:
+    """PyYAML's error (several lines) as one: ``where:LINE:COL: YAML syntax error: problem (context)``."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    pos = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    cmark = getattr(e, "context_mark", None)
+    if context and cmark is not None and cmark is not mark:
+        context = f"{context} at {cmark.line + 1}:{cmark.column + 1}"
+    what = "YAML syntax error" if isinstance(e, (yaml.scanner.ScannerError, yaml.parser.ParserError)) else "YAML error"
+    return f"{pos}: {what}: {problem}" + (f" ({context})" if context else "")
+
+
+def json_int(text: str) -> int | str:
+    """``json.loads``' ``parse_int``: integers longer than 40 digits stay text (Python refuses more than
+    4300 digits, and such a number is out of every range memguard checks)."""
+    return text if len(text.lstrip("-")) > _MAX_INT_DIGITS else int(text)
+
+
+def load_json(text: str, where: str) -> Any:
+    """A JSON document within the nesting and size limits; ReaderError ``where:LINE:COL: JSON syntax
+    error: ...`` otherwise. Integers longer than 40 digits stay text (out of every range)."""
+    try:
+        doc = json.loads(text, parse_int=json_int)
+    except json.JSONDecodeError as e:
+        raise ReaderError(f"{where}:{e.lineno}:{e.colno}: JSON syntax error: {e.msg}") from None
+    except RecursionError:
+        raise ReaderError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels") from None
+    check_shape(doc, where)
+    return doc
+
+
+def check_shape(doc: Any, where: str) -> None:
+    """Refuse a parsed document nested deeper than MAX_DEPTH or holding more than MAX_VALUES values
+    (shared sub-documents counted once per use, as a reader walking them sees them)."""
+    size: dict[int, int] = {}
+    total = _measure(doc, size, 1, where)
+    if total > MAX_VALUES:
+        raise ReaderError(f"{where}: more than {MAX_VALUES:,} values; memguard reads training configs up to that size")
+
+
+def _measure(node: Any, size: dict[int, int], depth: int, where: str) -> int:
+    if not isinstance(node, (dict, list)):
+        return 1
+    if id(node) in size:
+        return size[id(node)]
+    if depth > MAX_DEPTH:
+        raise ReaderError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    items = list(node.keys()) + list(node.values()) if isinstance(node, dict) else node
+    n = 1
+    for x in items:
+        n += _measure(x, size, depth + 1, where)
+        if n > MAX_VALUES:
+            break
+    size[id(node)] = n
+    return n
+

@@ -1,0 +1,361 @@
+"""Words of a shell command as bash makes them: quotes, parameter expansion, field splitting.
+
+One pass over the command's text, as bash does it (bash(1), "EXPANSION"): ``$VAR``, ``${VAR}``,
+``${VAR:-word}`` / ``${VAR-word}``, ``${VAR:+word}``, ``${VAR:=word}``, ``${ARR[@]}``, ``${ARR[*]}``,
+``${ARR[n]}`` are replaced by their values, and a value is never scanned again: ``A='$A$A'`` holds
+the four characters ``$A$A``, and ``A=$A$A`` doubles it once (a re-scanning expander grows it
+exponentially). Single quotes keep everything; double quotes keep spaces and expand; an unquoted
+value is split into words on whitespace (not in ``NAME=value`` assignments, as in bash). What memguard
+cannot evaluate is kept as written: an unset ``$VAR`` (the reader reports it where it matters),
+``$(command)``, backquotes, ``$((arithmetic))``, ``$1``, and the rarer ``${VAR...}`` operators.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping, MutableMapping
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
+_BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(:?[-+=])?")
+MAX_NESTING = 32   # ${A:-${B:-...}} levels (scripts nest two or three)
+MAX_EXPANDED = 16 * 2**20   # characters of one command after expansion (4 x issue 14's 4 MiB re-expansion case)
+_DECLARATIONS = ("export", "declare", "local", "readonly", "typeset")
+_BLANK = " \t\n"
+_PLAIN = re.compile(r"[^\s\\'\"$`#]+")
+
+Vars = MutableMapping[str, object]
+
+
+def words(text: str, vars: Vars) -> list[str]:
+    """The words of one simple command ``text`` after expansion and quote removal (``NAME=value``
+    words included). Raises ValueError for an unterminated quote, as shlex does."""
+    return _Words(text, vars).run()
+
+
+def expand_word(word: str, vars: Mapping[str, object]) -> str:
+    """``$VAR`` / ``${VAR}`` / ``${VAR:-default}`` in one word that a shell has split already (no
+    quotes to remove, no splitting); unset variables stay as written. ValueError as ``words``."""
+    w = _Words(word, dict(vars))
+    out: list[str] = []
+    i = 0
+    while i < len(word):
+        j = word.find("$", i)
+        if j < 0:
+            out.append(word[i:])
+            break
+        out.append(word[i:j])
+        ref = w.reference(j)
+        if ref is None:
+            out.append("$")
+            i = j + 1
+            continue
+        value, end = ref
+        if isinstance(value, _Default):
+            value = w.default_value(value)
+        text = word[j:end] if value is _UNSET else value if isinstance(value, str) else " ".join(value)
+        w.grow(len(text))
+        out.append(text)
+        i = end
+    return "".join(out)
+
+
+class _Words:
+    def __init__(self, text: str, vars: Vars, quoted: bool = False, depth: int = 0):
+        if depth > MAX_NESTING:
+            raise ValueError(f"parameter expansions nested deeper than {MAX_NESTING} levels")
+        self.text = text
+        self.vars = vars
+        self.quoted = quoted         # the text is the word of ${VAR:-word} inside double quotes
+        self.depth = depth           # ${A:-${B:-...}} nesting
+        self.matches: dict[tuple[str, int], int | None] = {}   # where each ( or { closes (_matching)
+        self.size = 0                # characters of the expanded words so far
+        self.words: list[str] = []
+        self.cur: list[str] = []
+        self.started = False         # a word is being built (possibly empty: "")
+        self.assign_ok = True        # only assignments so far: NAME=value words are assignments
+        self.in_assign = False       # the current word is an assignment (no field splitting)
+
+    # -- building words ----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        if self.started:
+            self.words.append("".join(self.cur))
+        self.cur = []
+        self.started = False
+        self.in_assign = False
+
+    def _begin(self, i: int) -> None:
+        """A word starts at ``i``: is it an assignment (no splitting of its expansions)?"""
+        if self.started:
+            return
+        first = self.words[0] if self.words else None
+        if self.assign_ok and _ASSIGN_WORD.match(self.text, i):
+            self.in_assign = True
+        elif first in _DECLARATIONS and _ASSIGN_WORD.match(self.text, i):
+            self.in_assign = True
+        else:
+            self.in_assign = False
+            self.assign_ok = False
+
+    def grow(self, n: int) -> None:
+        """Count ``n`` more characters of expansion (A='$A$A' doubled 40 times: bash would fill the
+        memory; memguard stops at MAX_EXPANDED)."""
+        self.size += n
+        if self.size > MAX_EXPANDED:
+            raise ValueError(f"the command expands to more than {MAX_EXPANDED // 2**20} MiB")
+
+    def _add(self, s: str) -> None:
+        self.grow(len(s))
+        self.cur.append(s)
+        self.started = True
+
+    def _fields(self, value: str | list[str], quoted: bool) -> None:
+        """Add an expanded value: quoted or in an assignment as it is; otherwise split on blanks."""
+        if isinstance(value, list):
+            if quoted:  # "${A[@]}": one word per element
+                for k, v in enumerate(value):
+                    if k:
+                        self._flush()
+                    self._add(v)
+                return
+            value = " ".join(value)
+        if quoted or self.in_assign:
+            self._add(value)
+            return
+        if not value:
+            return
+        parts = value.split()
+        if value[0] in _BLANK:
+            self._flush()
+        for k, p in enumerate(parts):
+            if k:
+                self._flush()
+            self._add(p)
+        if value[-1] in _BLANK:
+            self._flush()
+
+    # -- the scan ----------------------------------------------------------------------------------
+    def run(self) -> list[str]:
+        self._loop()
+        self._flush()
+        return self.words
+
+    def _loop(self) -> None:
+        t, n = self.text, len(self.text)
+        i = 0
+        while i < n:
+            c = t[i]
+            if c in _BLANK and not self.quoted:
+                self._flush()
+                i += 1
+                continue
+            self._begin(i)
+            if c == "#" and not self.started and not self.quoted:
+                break                                   # a comment (only at the start of a word)
+            m = _PLAIN.match(t, i)
+            if m:
+                self._add(m.group(0))
+                i = m.end()
+                continue
+            if c == "\\":
+                if i + 1 < n and t[i + 1] != "\n":
+                    self._add(t[i + 1])
+                i += 2
+                continue
+            if c == "'":
+                end = t.find("'", i + 1)
+                if end < 0:
+                    raise ValueError("No closing quotation")
+                self._add(t[i + 1:end])
+                i = end + 1
+                continue
+            if c == '"':
+                i = self._double(i + 1)
+                continue
+            if c == "$":
+                i = self._dollar(i, quoted=False)
+                continue
+            if c == "`":
+                i = self._literal_until(i, "`")
+                continue
+            self._add(c)
+            i += 1
+
+    def _double(self, i: int) -> int:
+        """Inside double quotes from ``i``; returns the index after the closing quote."""
+        t, n = self.text, len(self.text)
+        start_len, had_other, empty_array = len(self.cur), False, False
+        while i < n:
+            c = t[i]
+            if c == '"':
+                if had_other or not empty_array or len(self.cur) > start_len:
+                    self.started = True
+                return i + 1
+            if c == "\\" and i + 1 < n and t[i + 1] in '$`"\\\n':
+                if t[i + 1] != "\n":
+                    self._add(t[i + 1])
+                had_other = True
+                i += 2
+                continue
+            if c == "$":
+                before = (len(self.words), len(self.cur))
+                ref = self.reference(i)
+                if ref is not None and isinstance(ref[0], list) and not ref[0]:
+                    empty_array = True               # "${A[@]}" of an empty array: no word
+                    i = ref[1]
+                    continue
+                i = self._dollar(i, quoted=True)
+                had_other = had_other or (len(self.words), len(self.cur)) != before
+                continue
+            if c == "`":
+                i = self._literal_until(i, "`")
+                had_other = True
+                continue
+            self._add(c)
+            had_other = True
+            i += 1
+        raise ValueError("No closing quotation")
+
+    def _literal_until(self, i: int, close: str) -> int:
+        end = self.text.find(close, i + 1)
+        if end < 0:
+            raise ValueError("No closing quotation")
+        self._add(self.text[i:end + 1])
+        return end + 1
+
+    def _dollar(self, i: int, quoted: bool) -> int:
+        t = self.text
+        nxt = t[i + 1:i + 2]
+        if nxt == "(":                                  # $(command), $((arithmetic)): kept as written
+            end = self._matching(t, i + 1, "(", ")")
+            if end is None:                             # no closing parenthesis: a plain $
+                self._add("$")
+                return i + 1
+            self._add(t[i:end])
+            return end
+        if nxt == "'" and not quoted:                   # $'...': ANSI-C quoting, kept without its escapes
+            end = t.find("'", i + 2)
+            if end < 0:
+                raise ValueError("No closing quotation")
+            self._add(t[i + 2:end])
+            return end + 1
+        ref = self.reference(i)
+        if ref is None:
+            self._add("$")
+            return i + 1
+        value, end = ref
+        if value is _UNSET:
+            self._add(t[i:end])
+        elif isinstance(value, _Default):
+            if value.assign:
+                self._fields(self.default_value(value), quoted or self.quoted)
+            else:  # the word is part of the command's text: scanned in place (its quotes group words)
+                saved = self.text, self.quoted, self.depth
+                self.text, self.quoted, self.depth = value.word, quoted or self.quoted, self.depth + 1
+                if self.depth > MAX_NESTING:
+                    raise ValueError(f"parameter expansions nested deeper than {MAX_NESTING} levels")
+                try:
+                    self._loop()
+                finally:
+                    self.text, self.quoted, self.depth = saved
+        else:
+            self._fields(value, quoted or self.quoted)
+        return end
+
+    def reference(self, i: int):
+        """The parameter expansion at ``t[i] == '$'``: (value, end) where value is a str, a list
+        (``[@]``), a _Default (the word of ``${VAR:-word}`` that applies) or _UNSET (kept as written);
+        None when ``$`` starts no expansion."""
+        t = self.text
+        if t[i + 1:i + 2] == "{":
+            end = self._matching(t, i + 1, "{", "}")
+            if end is None:                             # no closing brace: a plain $
+                return None
+            inner = t[i + 2:end - 1]
+            m = _BRACED.match(inner)
+            if not m or (m.end() != len(inner) and not m.group(4)):
+                return _UNSET, end                     # ${#VAR}, ${VAR%x}, ${1}: not evaluated
+            name, index, op = m.group(1), m.group(3), m.group(4)
+            value = _lookup(self.vars.get(name), index)
+            if not op:
+                return value, end
+            word = inner[m.end():]
+            unset = value is _UNSET or (op.startswith(":") and value in ("", []))
+            if op.endswith("+"):
+                return ("" if unset else _Default(word, None)), end
+            if not unset:
+                return value, end
+            return _Default(word, name if op.endswith("=") else None), end
+        m = _NAME.match(t, i + 1)
+        if not m:
+            return None
+        return _lookup(self.vars.get(m.group(0)), None), m.end()
+
+    def _matching(self, t: str, i: int, open_: str, close: str) -> int | None:
+        """The index after the ``close`` matching ``t[i] == open_``, None if there is none. Every scan's
+        results are kept: a line of 100,000 unclosed ``$(`` is read in one pass, not 100,000."""
+        key = (t, i)
+        if key not in self.matches:
+            _match_from(t, i, open_, close, self.matches)
+        return self.matches.get(key)
+
+    def default_value(self, d: "_Default") -> str:
+        """The word of ``${VAR:-word}`` as one string (``${VAR:=word}`` also assigns it)."""
+        value = "".join(_Words(d.word, self.vars, quoted=True, depth=self.depth + 1).run())
+        if d.assign:
+            self.vars[d.assign] = value
+        return value
+
+
+_UNSET = object()
+
+
+class _Default:
+    """The word of ``${VAR:-word}``, ``${VAR:=word}`` or ``${VAR:+word}`` that applies."""
+
+    def __init__(self, word: str, assign: str | None):
+        self.word = word
+        self.assign = assign
+
+
+def _lookup(value: object, index: str | None):
+    if value is None:
+        return _UNSET
+    if isinstance(value, list):
+        if index in ("@",):
+            return list(value)
+        if index == "*":
+            return " ".join(value)
+        k = int(index) if index else 0
+        return value[k] if k < len(value) else ""
+    if index in ("@",):
+        return [str(value)]
+    if index and index != "*" and int(index) > 0:
+        return ""
+    return str(value)
+
+
+def _match_from(t: str, i: int, open_: str, close: str, found: dict) -> None:
+    """Scan from ``t[i] == open_``: record in ``found`` the end (index after the matching ``close``) of
+    every ``open_`` the scan passes, None for those left open (quotes skipped in ``$( ... )``)."""
+    stack: list[int] = []
+    n, k = len(t), i
+    while k < n:
+        c = t[k]
+        if c == "\\":
+            k += 2
+            continue
+        if c in "'\"" and open_ == "(":
+            end = t.find(c, k + 1)
+            if end < 0:
+                break
+            k = end + 1
+            continue
+        if c == open_:
+            stack.append(k)
+        elif c == close and stack:
+            found[(t, stack.pop())] = k + 1
+            if not stack:
+                return
+        k += 1
+    for j in stack:
+        found[(t, j)] = None
