@@ -1,0 +1,501 @@
+"""Mixture of experts: which layers are MoE, what an MoE layer holds per rank, and how many tokens reach it.
+
+Pure functions over a frozen ``MoeSpec`` (built from Megatron's flat argument names) and the dense
+layout (duck-typed: ``hidden_size``, ``tp``, ``cp``, ``seq_length``, ``micro_batch_size``,
+``sequence_parallel``, ``act_bytes``, ``gated_linear_unit``, ``bias_activation_fusion``,
+``add_bias_linear``, ``normalization``, ``megatron_version``).
+
+Sources: ``../shared/reference/moe-fp8.md`` section 1 (megatron-core 0.16.1 and main, read in the
+source) and the CPU referee's measurements on real megatron-core 0.16.1
+(``benchmarks/referee/MOE-NOTES.md``), which corrected the note in three places: the router keeps
+12, not 20, bytes per token choice; 0.16.1's permute keeps the transposed probs of its
+``masked_select``; the unfused GLU keeps three extra [N, F] tensors, not one.
+
+Notation: ``T`` tokens entering one MoE layer on one rank per micro-batch (``s*b/(TP*CP)``: MoE
+training with TP > 1 needs sequence parallelism), ``N`` token copies the rank's local experts
+process, ``E`` experts, ``E_l = E/EP`` local experts, ``k`` top-k, ``F`` expert width, ``p`` bytes
+of the router dtype, ``e`` bytes of an activation.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+DISPATCHERS = ("allgather", "alltoall", "flex")
+_ROUTER_BYTES = {"fp32": 4, "fp64": 8}
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+# ----------------------------------------------------------------------------------------------
+# which layers are MoE
+# ----------------------------------------------------------------------------------------------
+_LIST_EXPR = re.compile(r"[\[\]()0-9*+, ]+")
+
+
+def parse_moe_layer_freq(value: Any, num_layers: int, key: str = "--moe-layer-freq") -> tuple[bool, ...]:
+    """The MoE/dense pattern of all ``num_layers`` layers, as ``moe_freq_type`` (arguments.py) and
+    ``get_gpt_decoder_layer_specs`` read it: an int N makes layer i (0-based) MoE iff i % N == 0; a
+    list (or a string holding a Python list expression such as ``([0]*3+[1]*58)``) gives one 0/1 per
+    layer and must have ``num_layers`` entries."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"must be an integer or a list of 0/1, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(key, f"must be a positive integer (every N-th layer is MoE), got {value}")
+        return tuple(i % value == 0 for i in range(num_layers))
+    if isinstance(value, str):
+        text = value.strip()
+        if "[" not in text:
+            try:
+                n = int(text)
+            except ValueError:
+                raise ConfigError(key, f"must be an integer or a list expression like ([0]*3+[1]*5), "
+                                       f"got {text[:60]!r}") from None
+            return parse_moe_layer_freq(n, num_layers, key)
+        value = _eval_list_expr(text, key)
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_layers:
+            raise ConfigError(key, f"has {len(value)} entries but --num-layers is {num_layers}; give one 0/1 per layer")
+        if any(isinstance(v, bool) or v not in (0, 1) for v in value):
+            raise ConfigError(key, "list entries must be 0 (dense) or 1 (MoE)")
+        return tuple(bool(v) for v in value)
+    raise ConfigError(key, f"must be an integer or a list of 0/1, got {str(value)[:60]!r}")
+
+
+def _eval_list_expr(text: str, key: str) -> list[int]:
+    """Read ``([0]*3+[1]*5)``-style expressions without eval() (Megatron evals the string): lists of
+    numbers, ``*`` repetition, ``+`` concatenation and parentheses, nothing else."""
+    if len(text) > 10_000 or not _LIST_EXPR.fullmatch(text):
+        raise ConfigError(key, f"list expression may only use [ ] ( ) , * + and digits, got {text[:60]!r}")
+    pos = 0
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(key, f"cannot read list expression {text[:60]!r} ({what} at character {pos})")
+
+    def peek() -> str:
+        nonlocal pos
+        while pos < len(text) and text[pos] == " ":
+            pos += 1
+        return text[pos] if pos < len(text) else ""
+
+    def expect(ch: str) -> None:
+        nonlocal pos
+        if peek() != ch:
+            raise bad(f"{ch!r} expected")
+        pos += 1
+
+    def number() -> int:
+        nonlocal pos
+        peek()
+        m = re.match(r"\d{1,6}", text[pos:])
+        if not m:
+            raise bad("number expected")
+        pos += len(m.group(0))
+        return int(m.group(0))
+
+    def term() -> Any:
+        c = peek()
+        if c == "(":
+            expect("(")
+            v = expr()
+            expect(")")
+        elif c == "[":
+            expect("[")
+            v = []
+            if peek() != "]":
+                v.append(number())
+                while peek() == ",":
+                    expect(",")
+                    if peek() == "]":
+                        break
+                    v.append(number())
+            expect("]")
+        else:
+            v = number()
+        while peek() == "*":
+            expect("*")
+            n = number()
+            if isinstance(v, list) and len(v) * n > 100_000:
+                raise ConfigError(key, "list expression expands to more than 100,000 entries")
+            v = v * n
+        return v
+
+    def expr() -> Any:
+        v = term()
+        while peek() == "+":
+            expect("+")
+            w = term()
+            if isinstance(v, list) != isinstance(w, list):
+                raise bad("list + number")
+            v = v + w
+        return v
+
+    out = expr()
+    if peek():
+        raise bad("trailing text")
+    if not isinstance(out, list):
+        raise ConfigError(key, f"list expression {text[:60]!r} is not a list")
+    return out
+
+
+def moe_layers_in(pattern: tuple[bool, ...], first_layer: int, num_layers: int) -> int:
+    """MoE layers among the global layers ``first_layer .. first_layer + num_layers - 1`` (a stage's
+    or virtual chunk's slice, as get_gpt_decoder_block_spec slices the per-layer specs)."""
+    return sum(pattern[first_layer:first_layer + num_layers])
+
+
+# ----------------------------------------------------------------------------------------------
+# the spec
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoeSpec:
+    """The MoE settings that decide memory, under Megatron's argument names (resolved values)."""
+
+    num_experts: int
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0                       # resolved: ffn_hidden_size when unset
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_grouped_gemm: bool = False
+    moe_router_dtype: str | None = None                # None: the activation dtype; fp32; fp64
+    moe_token_dispatcher_type: str = "allgather"
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_layer_pattern: tuple[bool, ...] = ()           # resolved --moe-layer-freq, one entry per layer
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1               # resolved: TP when unset
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_recompute: tuple[str, ...] = field(default=())  # of moe, moe_act, shared_experts
+
+    @classmethod
+    def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
+                  moe_layer_freq: Any = 1, recompute_modules: tuple[str, ...] = (), **kw: Any) -> "MoeSpec":
+        """A spec from flat Megatron names with Megatron's defaults (ETP = TP, moe_ffn = ffn)."""
+        etp = kw.pop("expert_tensor_parallel_size", None) or tensor_model_parallel_size
+        ffn = kw.pop("moe_ffn_hidden_size", None) or ffn_hidden_size
+        lbt = kw.pop("moe_router_load_balancing_type", None) or "aux_loss"
+        if isinstance(lbt, (list, tuple)):
+            lbt = ",".join(str(t) for t in lbt)
+        coeff = kw.pop("moe_aux_loss_coeff", None) or 0.0
+        if isinstance(coeff, (list, tuple)):
+            coeff = sum(float(c) for c in coeff)
+        rec = tuple(m for m in recompute_modules if m in ("moe", "moe_act", "shared_experts"))
+        known = set(cls.__dataclass_fields__)
+        clean = {k: v for k, v in kw.items() if k in known and v is not None}
+        return cls(moe_ffn_hidden_size=ffn, expert_tensor_parallel_size=etp,
+                   moe_layer_pattern=parse_moe_layer_freq(moe_layer_freq if moe_layer_freq is not None else 1, num_layers),
+                   moe_router_load_balancing_type=str(lbt), moe_aux_loss_coeff=float(coeff),
+                   moe_recompute=rec, **clean)
+
+    # ----- derived -----
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_model_parallel_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern)
+
+    @property
+    def aux_loss(self) -> bool:
+        """Router.is_aux_loss_enabled: a load-balancing type with a loss and a non-zero coefficient."""
+        return self.moe_aux_loss_coeff > 0 and any(t in self.moe_router_load_balancing_type for t in AUX_LOSS_TYPES)
+
+
+def router_bytes(m: MoeSpec, act_bytes: int) -> int:
+    """Bytes per element of the router's logits and probs (--moe-router-dtype, else the activations')."""
+    return _ROUTER_BYTES.get(m.moe_router_dtype or "", act_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# process groups and parameters
+# ----------------------------------------------------------------------------------------------
+def expert_data_parallel_size(world_size: int, pp: int, ep: int, etp: int) -> int:
+    """initialize_model_parallel's expert grid: EDP = world / (ETP x EP x PP); there is no CP axis in
+    it, so context-parallel ranks are expert-data-parallel replicas. Raises when it does not divide."""
+    if world_size % (etp * ep * pp):
+        raise ConfigError("--expert-model-parallel-size",
+                          f"world size {world_size} is not divisible by ETP {etp} x EP {ep} x PP {pp}")
+    return world_size // (etp * ep * pp)
+
+
+def experts_use_expert_buffer(m: MoeSpec, tp: int, megatron_version: str) -> bool:
+    """Whether routed-expert parameters get the expert DDP buffer (reduced and sharded over the
+    expert-data-parallel group). 0.16.1: ``allreduce = not (is_expert and EP > 1)``; 0.19 and main:
+    ``use_expert_pgs = is_expert and (EP > 1 or ETP != TP)`` (TELinear, TEGroupedLinear and the local
+    column/row-parallel linears). With EP = 1 and ETP != TP 0.16 keeps them in the dense buffer."""
+    from packaging.version import Version
+    if Version(str(megatron_version)) < Version("0.17"):
+        return m.ep > 1
+    return m.ep > 1 or m.etp != tp
+
+
+@dataclass(frozen=True)
+class MoeParam:
+    name: str
+    numel: int
+    tp_replicated: bool = False    # whole on every TP rank, reduced over TP by finalize_model_grads under SP
+    expert: bool = False           # a routed expert's weight (expert buffer when experts_use_expert_buffer)
+
+
+def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
+    """The MLP half of one MoE layer on one rank, in registration order (MoELayer: router, experts,
+    shared experts), after its own pre-MLP norm (a separate TENorm in the TE spec: the router needs
+    its output). Routed experts: E/EP local experts with fc1 [g*F/ETP, h] and fc2 [h, F/ETP]
+    (``TEGroupedLinear`` divides by ETP itself); shared experts are split over the attention TP."""
+    h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
+    F, etp, El = m.moe_ffn_hidden_size, m.etp, m.local_experts
+    ps = [MoeParam(prefix + "pre_mlp_layernorm.weight", h, tp_replicated=True)]
+    if L.normalization == "LayerNorm":
+        ps.append(MoeParam(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
+    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h))
+    if L.add_bias_linear:
+        ps.append(MoeParam(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
+    fc1, fc2 = g * F // etp, F // etp
+    names: list[tuple[str, int]] = []
+    if m.moe_grouped_gemm:
+        names += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h) for i in range(El)]
+        if L.add_bias_linear:
+            names += [(f"mlp.experts.linear_fc1.bias{i}", fc1) for i in range(El)]
+        names += [(f"mlp.experts.linear_fc2.weight{i}", h * fc2) for i in range(El)]
+        if L.add_bias_linear:
+            names += [(f"mlp.experts.linear_fc2.bias{i}", h) for i in range(El)]
+    else:
+        for i in range(El):
+            names.append((f"mlp.experts.local_experts.{i}.linear_fc1.weight", fc1 * h))
+            if L.add_bias_linear:
+                names.append((f"mlp.experts.local_experts.{i}.linear_fc1.bias", fc1))
+            names.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2))
+            if L.add_bias_linear:
+                names.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h))
+    ps += [MoeParam(prefix + n, k, expert=True) for n, k in names]
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        tp = L.tp
+        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h))
+        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp)))
+        if m.moe_shared_expert_gate:
+            ps.append(MoeParam(prefix + "mlp.shared_experts.gate_weight", h, tp_replicated=True))
+    return ps
+
+
+def router_buffer_bytes(m: MoeSpec) -> int:
+    """fp32 buffers of one router that are not parameters: expert_bias and local_tokens_per_expert with
+    --moe-router-enable-expert-bias (kept fp32 by _maintain_float32_expert_bias), global_tokens_per_expert
+    with the global aux loss."""
+    n = 2 if m.moe_router_enable_expert_bias else 0
+    if "global_aux_loss" in m.moe_router_load_balancing_type:
+        n += 1
+    return n * 4 * m.num_experts
+
+
+# ----------------------------------------------------------------------------------------------
+# tokens
+# ----------------------------------------------------------------------------------------------
+def tokens_per_rank(L: Any) -> int:
+    """T: tokens entering an MoE layer on one rank per micro-batch (the sequence-parallel shard)."""
+    s = L.seq_length // L.cp
+    return s * L.micro_batch_size // (L.tp if L.sequence_parallel else 1)
+
+
+def capacity(m: MoeSpec, T: int) -> int | None:
+    """get_capacity: per expert per source rank, ceil(T*k/E * capacity factor); None when dropless."""
+    if m.moe_expert_capacity_factor is None:
+        return None
+    return math.ceil(T * m.moe_router_topk / m.num_experts * m.moe_expert_capacity_factor)
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """N: token copies the local experts of one rank process in one micro-batch."""
+
+    balanced: int        # expected value under balanced routing (the estimate)
+    worst: int           # the dispatcher's real limit
+    how: str
+
+
+def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
+    """Balanced: every token's k copies spread evenly over the E experts, so this rank's E_l experts
+    get T*k*ETP (the ETP ranks of an expert each get the tokens of their whole ETP group). Worst
+    (dropless): every token of the ETP x EP group picks as many of this rank's experts as it can,
+    T*ETP*EP*min(k, E_l). With a capacity factor: at most C*E*ETP (C per expert per source rank), and
+    exactly that with --moe-pad-expert-input-to-capacity."""
+    k, etp, ep, El = m.moe_router_topk, m.etp, m.ep, m.local_experts
+    C = capacity(m, T)
+    balanced = T * k * etp
+    if C is None:
+        return ExpertRows(balanced, T * etp * ep * min(k, El), "dropless")
+    full = C * m.num_experts * etp
+    if m.moe_pad_expert_input_to_capacity:
+        return ExpertRows(full, full, f"padded to a capacity of {C} per expert and source rank")
+    return ExpertRows(min(balanced, full), full, f"capacity {C} per expert and source rank")
+
+
+# ----------------------------------------------------------------------------------------------
+# activations of one MoE layer
+# ----------------------------------------------------------------------------------------------
+Step = tuple[frozenset, int]
+
+
+@dataclass(frozen=True)
+class MoeActivations:
+    """What one MoE layer's MLP half keeps for backward per micro-batch (``saved``, named terms), what
+    its dispatcher holds as attributes until that layer's next forward (``held``: one copy per layer,
+    whatever the number of micro-batches in flight), and its working sets: the largest extra during
+    its forward, and the backward steps as (saved names released so far, working bytes)."""
+
+    saved: dict[str, int]
+    held: int
+    fwd_transient: int
+    bwd_steps: tuple[Step, ...]
+    rows: int                      # N used
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved.values())
+
+
+def _before_017(L: Any) -> bool:
+    from packaging.version import Version
+    return Version(str(L.megatron_version)) < Version("0.17")
+
+
+def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
+    """The router's saved tensors (topk_routing_with_score_function, sinkhorn, aux and z losses)."""
+    E, k = m.num_experts, m.moe_router_topk
+    p = router_bytes(m, L.act_bytes)
+    out: dict[str, int] = {}
+    lbt = m.moe_router_load_balancing_type
+    if "sinkhorn" in lbt:
+        # Router.sinkhorn_load_balancing (training): top-1 takes a sigmoid (output saved, router dtype),
+        # top-k an fp32 softmax cast back (fp32 output saved, the cast kept by the product); `logits *
+        # map` keeps the activated logits and the bool map [T, E]
+        out["moe_router_scores"] = p * T * E + T * E + (4 * T * E if k > 1 else 0)
+    elif m.moe_router_score_function == "sigmoid":
+        # sigmoid over all experts in fp32 (output saved), int64 top-k indices, and for k > 1 the
+        # normalisation's operands (the gathered scores [T, k] and their sum [T, 1])
+        out["moe_router_scores"] = 4 * T * E + 8 * T * k + (4 * T * k + 4 * T if k > 1 else 0)
+    elif m.moe_router_pre_softmax:
+        # fp32 softmax over all experts (output saved), int64 top-k indices
+        out["moe_router_scores"] = 4 * T * E + 8 * T * k
+    else:
+        # int64 top-k indices (the scatter reuses them) and the fp32 softmax of the top-k: 12 bytes per
+        # choice (referee-measured; the note's 20 counts the indices twice)
+        out["moe_router_scores"] = 12 * T * k
+    if m.aux_loss:
+        # compute_routing_scores_for_aux_loss: fp32 scores over all experts, int64 tokens per expert, the loss
+        out["moe_aux_loss"] = 4 * T * E + 8 * E + 4
+    if m.moe_z_loss_coeff is not None:
+        # logsumexp keeps the logits and its output (router dtype), and the scalar loss
+        out["moe_z_loss"] = p * T * E + p * T + p
+    return out
+
+
+def moe_activations(L: Any, m: MoeSpec, rows: int | None = None) -> MoeActivations:
+    """One MoE layer's MLP half, one micro-batch, no full recompute. ``rows``: N (default: balanced).
+
+    Replaces the dense MLP's fc1_output / activation / fc2_input items; the pre-MLP norm's input,
+    statistics and output (the router's and the shared expert's input) stay with the dense layer."""
+    e, h = L.act_bytes, L.hidden_size
+    T = tokens_per_rank(L)
+    E, k, El, etp, ep = m.num_experts, m.moe_router_topk, m.local_experts, m.etp, m.ep
+    p = router_bytes(m, e)
+    N = expert_rows(m, T).balanced if rows is None else rows
+    g = 2 if L.gated_linear_unit else 1
+    Fr = m.moe_ffn_hidden_size // etp
+    rec = set(m.moe_recompute)
+    drop_pad = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is not None
+    saved: dict[str, int] = dict(router_saved(L, m, T))
+    disp = m.moe_token_dispatcher_type
+    if disp == "allgather":
+        G = T * etp * ep                # tokens of the ETP x EP group, gathered
+        # local_map [G, E_l] bool held; masked_select keeps local_probs transposed [E_l, G] and the
+        # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1])
+        held = G * El
+        saved["moe_permute_maps"] = p * G * El + G * El + (4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N)
+    else:
+        # alltoall (flex modelled alike): self.probs [T, E] and self.routing_map [T, E] held
+        held = (p + 1) * T * E
+        if m.moe_permute_fusion:
+            perm = 4 * T * (2 * E + 1)             # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
+        elif drop_pad:
+            perm = 16 * (N // etp)                 # int64 token and flat probs indices [E*C]
+        elif _before_017(L):
+            perm = p * T * E + T * E + 8 * T * k   # 0.16 masked_select keeps probs.T and the mask
+        else:
+            perm = 16 * T * k                      # 0.19: int64 flat_sorted and sorted_indices [T*k]
+        saved["moe_permute_maps"] = perm
+    # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
+    saved["moe_expert_input"] = e * N * h + p * N
+    # experts: fc1's output kept by the activation, the activation's own saves, fc2's input
+    if L.bias_activation_fusion and g == 2:
+        act = 3 * Fr                            # weighted fused SwiGLU: fc1 output [N, 2F]; fc2 input
+    elif g == 2:
+        act = 6 * Fr                            # fc1 out, silu, x2 + offset, product, product * probs
+    else:
+        act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
+    if "moe_act" in rec:
+        act -= Fr                               # CheckpointWithoutOutput drops fc2's input after fc2
+    saved["moe_expert_activations"] = e * N * act
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        Tf = T * L.tp if L.sequence_parallel else T
+        fs = Fs // L.tp
+        if "shared_experts" not in rec:
+            # a dense MLP of width F_s over the gathered sequence: fc1's output and fc2's input (the
+            # unfused GLU adds silu's output and the offset copy); its input is the router's
+            per_token = 5 * fs if (g == 2 and not L.bias_activation_fusion) else (g + 1) * fs
+            saved["moe_shared_experts"] = e * Tf * per_token
+        if m.moe_shared_expert_gate:
+            saved["moe_shared_expert_gate"] = e * T * h + e * T     # shared output [T, h], sigmoid [T, 1]
+        if m.moe_shared_expert_overlap and L.tp > 1:
+            saved["moe_shared_expert_overlap_input"] = e * (L.tp - 1) * T * h
+    if "moe" in rec:
+        # tensor_parallel.checkpoint around MoELayer.forward keeps only its input (the pre-MLP norm
+        # output, counted with the layer); the forward still leaves the dispatcher's held state
+        saved = {}
+    # forward working set at the combine (measured on the referee's first stage): the permuted tokens
+    # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
+    permuted = e * (N if disp == "allgather" else T * k) * h
+    fwd = permuted + 3 * e * N * h
+    # backward: the output gradient, then the gradients of the experts' output, fc2 input, fc1 output,
+    # expert input and permuted tokens as the layer's backward walks down
+    G_out = e * T * h
+    rel_exp = frozenset({"moe_expert_activations"})
+    rel_in = rel_exp | {"moe_expert_input"}
+    bwd = (
+        (frozenset(), G_out + e * N * h + e * N * Fr),                                        # fc2
+        (frozenset(), G_out + e * N * Fr + e * N * g * Fr),                                   # activation
+        (rel_exp, G_out + e * N * g * Fr + e * N * h),                                        # fc1
+        (rel_in, G_out + e * N * h + permuted),                                               # dispatch
+        (frozenset(saved), 2 * G_out),                                                        # router
+    )
+    return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N)
+
+
+def global_buffer_request(L: Any, m: MoeSpec) -> int:
+    """Bytes the allgather dispatcher asks of megatron's GlobalMemoryBuffer ('mpu', kept at the
+    largest request): the hidden states all-gathered over the ETP x EP group, [T*ETP*EP, h]."""
+    if m.moe_token_dispatcher_type != "allgather" or m.etp * m.ep == 1:
+        return 0
+    return tokens_per_rank(L) * m.etp * m.ep * L.hidden_size * L.act_bytes

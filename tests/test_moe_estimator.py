@@ -1,0 +1,188 @@
+"""The MoE estimator functions (megatron_memguard/estimator/moe.py) against numbers one can redo by hand
+and against the CPU referee's measurements on real megatron-core 0.16.1
+(benchmarks/results/referee-moe-measured.json, written by benchmarks/referee/moe_grid.py; what each
+module keeps is derived in benchmarks/referee/MOE-NOTES.md)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+
+import pytest
+
+from megatron_memguard.errors import ConfigError
+from megatron_memguard.estimator.moe import (
+    MoeSpec, expert_data_parallel_size, expert_rows, experts_use_expert_buffer, moe_activations,
+    moe_layers_in, moe_mlp_params, parse_moe_layer_freq, tokens_per_rank,
+)
+from megatron_memguard.estimator.params import chunk_params, layer_params
+from megatron_memguard.layout import Layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-moe-measured.json")
+_DT = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _referee() -> dict:
+    with open(MEASURED) as f:
+        return {c["name"]: c for c in json.load(f)["configs"] if c.get("status") == "ok"}
+
+
+def _layout(settings: dict) -> Layout:
+    names = {f.name for f in fields(Layout)}
+    kw = {k: v for k, v in settings.items() if k in names}
+    kw["recompute_modules"] = tuple(kw.get("recompute_modules") or ())
+    kw["env"] = tuple(sorted((kw.get("env") or {}).items())) if isinstance(kw.get("env"), dict) else tuple(kw.get("env") or ())
+    kw["notes"] = ()
+    return Layout(**kw)
+
+
+def _spec(settings: dict) -> MoeSpec:
+    kw = {k: v for k, v in settings.items() if k.startswith("moe_") or k in (
+        "num_experts", "expert_model_parallel_size", "expert_tensor_parallel_size")}
+    freq = kw.pop("moe_layer_freq", 1)
+    return MoeSpec.from_flat(num_layers=settings["num_layers"], ffn_hidden_size=settings["ffn_hidden_size"],
+                             tensor_model_parallel_size=settings["tensor_model_parallel_size"],
+                             moe_layer_freq=freq, recompute_modules=tuple(settings.get("recompute_modules") or ()),
+                             **kw)
+
+
+# ---- which layers are MoE (megatron/training/arguments.py moe_freq_type) ----------------------------
+def test_layer_freq_int_and_list_expressions():
+    assert parse_moe_layer_freq(1, 4) == (True,) * 4
+    assert parse_moe_layer_freq(2, 5) == (True, False, True, False, True)   # i % 2 == 0
+    assert parse_moe_layer_freq("([0]*3+[1]*5)", 8) == (False,) * 3 + (True,) * 5
+    assert parse_moe_layer_freq("[1,0]*2", 4) == (True, False, True, False)
+    # DeepSeek-V3: 61 layers, first 3 dense -> 58 MoE layers
+    assert sum(parse_moe_layer_freq("([0]*3+[1]*58)", 61)) == 58
+    pat = parse_moe_layer_freq("([0]*3+[1]*58)", 61)
+    assert moe_layers_in(pat, 0, 4) == 1 and moe_layers_in(pat, 4, 4) == 4
+
+
+@pytest.mark.parametrize("value", ["([0]*3+[1]*4)", "[2,1]", "__import__('os')", "0", "[1]*", True])
+def test_layer_freq_rejects_with_the_flag_named(value):
+    with pytest.raises(ConfigError) as e:
+        parse_moe_layer_freq(value, 8)
+    assert "--moe-layer-freq" in str(e.value)
+
+
+# ---- groups and buffers ------------------------------------------------------------------------------
+def test_expert_data_parallel_size():
+    # initialize_model_parallel: EDP = world / (ETP x EP x PP); 8 GPUs, TP4 PP2 EP2 ETP2 -> 1
+    assert expert_data_parallel_size(8, 2, 2, 2) == 1
+    # DeepSeek-V3-shaped: 1024 GPUs, PP16, EP64, ETP1 -> 1
+    assert expert_data_parallel_size(1024, 16, 64, 1) == 1
+    assert expert_data_parallel_size(4, 1, 2, 1) == 2
+    with pytest.raises(ConfigError):
+        expert_data_parallel_size(6, 1, 4, 1)
+
+
+def test_which_version_puts_experts_in_the_expert_buffer():
+    m = MoeSpec(num_experts=4, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    # moe-fp8.md 1.3: 0.16.1 allreduce = not (is_expert and EP > 1); 0.19: EP > 1 or ETP != TP
+    assert not experts_use_expert_buffer(m, tp=2, megatron_version="0.16.1")
+    assert experts_use_expert_buffer(m, tp=2, megatron_version="0.19")
+    assert not experts_use_expert_buffer(m, tp=1, megatron_version="0.19")
+    # referee moe_ep1_e4 (0.16.1, EP1): one DDP buffer, 0 expert params
+    s = _referee()["moe_ep1_e4"]
+    assert all(r["num_params_expert"] == 0 for r in s["ranks"])
+
+
+# ---- parameters (MOE-NOTES.md "Parameters and persistent memory", measured on every rank) -------------
+def _rank_params(L: Layout, m: MoeSpec, pp_rank: int = 0) -> tuple[int, int]:
+    """(all, expert) parameters of one rank: the dense chunk with every MoE layer's MLP swapped."""
+    dense_mlp = sum(p.numel for p in layer_params(L) if ".mlp." in "." + p.name or "pre_mlp" in p.name
+                    or "linear_fc1.layer_norm" in p.name)
+    moe = moe_mlp_params(L, m)
+    total = expert = 0
+    for c in L.stage_chunks(pp_rank):
+        total += sum(p.numel for p in chunk_params(L, c))
+        n_moe = moe_layers_in(m.moe_layer_pattern, c.first_layer, c.num_layers)
+        total += n_moe * (sum(p.numel for p in moe) - dense_mlp)
+        expert += n_moe * sum(p.numel for p in moe if p.expert)
+    return total, expert
+
+
+@pytest.mark.parametrize("name", ["moe_ep2_alltoall", "moe_ep2_allgather", "moe_ep2_shared", "moe_ep2_dense_first",
+                                  "moe_tp2_sp_ep2", "moe_tp2_sp_ep2_etp1", "moe_pp2_ep2", "moe_ep2_shared_gate"])
+def test_parameters_per_rank_equal_the_referee(name):
+    c = _referee()[name]
+    L, m = _layout(c["settings"]), _spec(c["settings"])
+    for r in c["ranks"]:
+        total, expert = _rank_params(L, m, r["pp_rank"])
+        assert total == r["num_params"], (name, r["rank"])
+        if experts_use_expert_buffer(m, L.tp, "0.16.1"):
+            assert expert == r["num_params_expert"], (name, r["rank"])
+
+
+def test_parameters_by_hand():
+    # MOE-NOTES.md: 2·V·h + 4·(2h + h(h+2·128) + h² + E·h + E_l·3·F·h) + h = 8,067,328 with V 8064,
+    # h 256, E 4, E_l 2, F 512; dense-first [0,1,1,1]: 7,771,392; expert params 4·2·3·F·h = 3,145,728
+    c = _referee()["moe_ep2_alltoall"]
+    L, m = _layout(c["settings"]), _spec(c["settings"])
+    assert _rank_params(L, m) == (8_067_328, 3_145_728)
+    c = _referee()["moe_ep2_dense_first"]
+    assert _rank_params(_layout(c["settings"]), _spec(c["settings"]))[0] == 7_771_392
+
+
+# ---- tokens ------------------------------------------------------------------------------------------
+def test_expert_rows_balanced_worst_and_capacity():
+    m = MoeSpec(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    r = expert_rows(m, 512)
+    assert (r.balanced, r.worst) == (1024, 2048)   # T·k·ETP; T·ETP·EP·min(k, E_l)
+    # referee moe_ep2_capacity_pad: capacity factor 1.0, T 512, k 2, E 4 -> C 256, N = C·E·ETP = 1024 every step
+    m = MoeSpec(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    assert expert_rows(m, 512).balanced == expert_rows(m, 512).worst == 1024
+    c = _referee()["moe_ep2_capacity_pad"]
+    assert {rec["expert_input_rows"] for r in c["ranks"] for rec in r["routing"]} == {1024}
+    # the referee's dropless runs stay within the worst-case bound
+    for name in ("moe_ep2_alltoall", "moe_tp2_sp_ep2_etp1", "moe_ep2_shared"):
+        c = _referee()[name]
+        L, m = _layout(c["settings"]), _spec(c["settings"])
+        bound = expert_rows(m, tokens_per_rank(L)).worst
+        assert max(rec["expert_input_rows"] for r in c["ranks"] for rec in r["routing"]) <= bound
+
+
+# ---- what an MoE layer keeps: every module of every MoE layer at the referee's peak --------------------
+MODULES = ("router", "dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts",
+           "shared_experts", "combine_preprocess", "token_combine", "combine_postprocess")
+
+
+def _measured_layer(rank: dict, phase: str, layer: int) -> int:
+    return sum(g["bytes"] for g in rank["peak_all_storages"]
+               if any(g["phase"] == f"{phase} L{layer}.{mod}" for mod in MODULES))
+
+
+def test_saved_and_held_bytes_equal_the_referee_per_layer():
+    checked = 0
+    for name, c in _referee().items():
+        s = c["settings"]
+        if "moe" in (s.get("recompute_modules") or []):
+            continue
+        L, m = _layout(s), _spec(s)
+        for r in c["ranks"]:
+            if " L" in r["peak_phase"]:
+                continue   # the peak is inside a layer: its transients are live too
+            words = r["peak_phase"].split()
+            phase = " ".join(words[:3 if words[2].startswith("mb") else 4])
+            for rec in r["routing"]:
+                if rec["phase"] != phase:
+                    continue
+                assert rec["tokens"] == tokens_per_rank(L)
+                a = moe_activations(L, m, rows=rec["expert_input_rows"])
+                want = a.total + a.held
+                if m.moe_pad_expert_input_to_capacity:
+                    want += 8 * m.num_experts * m.etp   # int64 chunk sizes: host memory on a GPU, counted on CPU
+                assert _measured_layer(r, phase, rec["layer"]) == want, (name, r["rank"], rec["layer"])
+                checked += 1
+    assert checked >= 60
+
+
+def test_recompute_moe_keeps_only_the_dispatcher_state():
+    # MOE-NOTES.md: with --recompute-modules moe the layer keeps (p+1)·T·E + 8·T·k = 14,336 B per MoE
+    # layer (the int64 mapping is the checkpointed forward's, held by the dispatcher)
+    c = _referee()["moe_ep2_recompute_moe"]
+    L, m = _layout(c["settings"]), _spec(c["settings"])
+    a = moe_activations(L, m)
+    assert a.total == 0 and a.held == 3 * 512 * 4 == 6_144
