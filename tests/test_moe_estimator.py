@@ -185,4 +185,7 @@ def test_recompute_moe_keeps_only_the_dispatcher_state():
     c = _referee()["moe_ep2_recompute_moe"]
     L, m = _layout(c["settings"]), _spec(c["settings"])
     a = moe_activations(L, m)
-    assert a.total == 0 and a.held == 3 * 512 * 4 == 6_144
+    # held: probs bf16 + bool map [T, E] = 3·512·4, and the checkpoint's input and its gradient after
+    # the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 = 4 layers x 524,288)
+    assert a.total == 0 and a.held == 3 * 512 * 4 + 4 * 512 * 256
+    assert (149_496_824 - 147_399_672) // 4 == 4 * 512 * 256

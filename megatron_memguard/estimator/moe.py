@@ -472,8 +472,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None) -> MoeActivatio
             saved["moe_shared_expert_overlap_input"] = e * (L.tp - 1) * T * h
     if "moe" in rec:
         # tensor_parallel.checkpoint around MoELayer.forward keeps only its input (the pre-MLP norm
-        # output, counted with the layer); the forward still leaves the dispatcher's held state
+        # output, counted with the layer); the forward still leaves the dispatcher's held state. After
+        # the last backward the checkpoint's detached input and the gradient accumulated into it stay
+        # referenced until the layer's next forward (referee: 4·T·h bytes per MoE layer after the step)
         saved = {}
+        held += 2 * e * T * h
     # forward working set at the combine (measured on the referee's first stage): the permuted tokens
     # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
     permuted = e * (N if disp == "allgather" else T * k) * h
