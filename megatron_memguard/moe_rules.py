@@ -20,7 +20,6 @@ from .errors import ConfigError
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
     ("moe_latent_size", lambda v: bool(v), "latent MoE projections (--moe-latent-size)"),
-    ("overlap_moe_expert_parallel_comm", bool, "expert-parallel all-to-all overlap (--overlap-moe-expert-parallel-comm)"),
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
     ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
     ("moe_use_legacy_grouped_gemm", bool, "the legacy GroupedMLP (--moe-use-legacy-grouped-gemm)"),
@@ -136,6 +135,22 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         elif n % groups or gtopk > groups:
             r.fail("moe_router_num_groups", f"must divide --num-experts {n} and be at least --moe-router-group-topk {gtopk}")
             ok = False
+    a2a_overlap = r.bool_arg("overlap_moe_expert_parallel_comm", False)
+    if a2a_overlap:
+        # TransformerConfig.__post_init__ (0.19.2): EP > 1, alltoall or flex, no full recompute, no 'moe'
+        # recompute, no shared-expert overlap; with PP > 1 it needs VPP and adds a warm-up micro-batch
+        # to the interleaved schedule, which memguard does not model
+        if pp > 1:
+            raise NotModelledError(r.key("overlap_moe_expert_parallel_comm"),
+                                   "expert-parallel all-to-all overlap with pipeline parallelism")
+        for bad_when, rule in ((ep == 1, "needs --expert-model-parallel-size > 1"),
+                               (disp not in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
+                               (recompute_granularity == "full", "cannot be used with full recompute"),
+                               ("moe" in mods, "cannot be used with 'moe' in --recompute-modules"),
+                               (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap")):
+            if bad_when:
+                r.fail("overlap_moe_expert_parallel_comm", rule)
+                ok = False
     rdtype = r.get("moe_router_dtype")
     if rdtype is not None and str(rdtype) not in ("fp32", "fp64"):
         r.fail("moe_router_dtype", f"must be fp32 or fp64, got {str(rdtype)[:60]!r}")
@@ -159,4 +174,5 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_router_pre_softmax=pre, moe_router_score_function=score,
         moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
+        overlap_moe_expert_parallel_comm=a2a_overlap,
     )

@@ -103,3 +103,14 @@ def test_unmodelled_moe_settings_are_refused_by_name(dest):
 def test_flex_dispatcher_is_refused_by_name():
     with pytest.raises(NotModelledError, match="--moe-token-dispatcher-type"):
         _read(num_experts=4, moe_token_dispatcher_type="flex")
+
+
+def test_expert_parallel_overlap_rules():
+    ok = dict(num_experts=8, expert_model_parallel_size=4, moe_token_dispatcher_type="alltoall",
+              overlap_moe_expert_parallel_comm=True)
+    spec, errors = _read(**ok)
+    assert errors == [] and spec.overlap_moe_expert_parallel_comm
+    spec, errors = _read(**{**ok, "moe_token_dispatcher_type": "allgather"})
+    assert errors == ["--overlap-moe-expert-parallel-comm: needs the alltoall or flex token dispatcher"]
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
+        _read({"pp": 2}, **ok)

@@ -178,6 +178,10 @@ class MoeSpec:
     moe_router_score_function: str = "softmax"
     moe_router_enable_expert_bias: bool = False
     moe_recompute: tuple[str, ...] = field(default=())  # of moe, moe_act, shared_experts
+    # the combined 1F1B schedule: a forward layer of the next micro-batch runs with each backward layer
+    overlap_moe_expert_parallel_comm: bool = False
+    # which N the activations use: "balanced" (the estimate) or "worst" (the dispatcher's limit)
+    routing: str = "balanced"
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -420,7 +424,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None) -> MoeActivatio
     T = tokens_per_rank(L)
     E, k, El, etp, ep = m.num_experts, m.moe_router_topk, m.local_experts, m.etp, m.ep
     p = router_bytes(m, e)
-    N = expert_rows(m, T).balanced if rows is None else rows
+    if rows is None:
+        er = expert_rows(m, T)
+        N = er.worst if m.routing == "worst" else er.balanced
+    else:
+        N = rows
     g = 2 if L.gated_linear_unit else 1
     Fr = m.moe_ffn_hidden_size // etp
     rec = set(m.moe_recompute)
