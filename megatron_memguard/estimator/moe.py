@@ -390,7 +390,11 @@ def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
     p = router_bytes(m, L.act_bytes)
     out: dict[str, int] = {}
     lbt = m.moe_router_load_balancing_type
-    if "sinkhorn" in lbt:
+    if m.moe_router_fusion and "sinkhorn" not in lbt:
+        # TE's FusedTopkScoreFunction (TE >= 2.6) keeps the bool routing map [T, E] and an intermediate
+        # [T, E] (taken as fp32; moe-fp8.md 1.5: dtype not verified) instead of the top-k tensors
+        out["moe_router_scores"] = T * E + 4 * T * E
+    elif "sinkhorn" in lbt:
         # Router.sinkhorn_load_balancing (training): top-1 takes a sigmoid (output saved, router dtype),
         # top-k an fp32 softmax cast back (fp32 output saved, the cast kept by the product); `logits *
         # map` keeps the activated logits and the bool map [T, E]
@@ -489,6 +493,13 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None) -> MoeActivatio
     # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
     permuted = e * (N if disp == "allgather" else T * k) * h
     fwd = permuted + 3 * e * N * h
+    if p > e:
+        # the combine casts the experts' output to the probs dtype before the reduce-scatter: a transient
+        # [T*ETP*EP, h] (allgather) or [N, h] (alltoall with ETP > 1) copy in the router dtype
+        if disp == "allgather" and etp * ep > 1:
+            fwd += p * T * etp * ep * h
+        elif disp != "allgather" and etp > 1:
+            fwd += p * N * h
     # backward: the output gradient, then the gradients of the experts' output, fc2 input, fc1 output,
     # expert input and permuted tokens as the layer's backward walks down
     G_out = e * T * h
@@ -510,3 +521,18 @@ def global_buffer_request(L: Any, m: MoeSpec) -> int:
     if m.moe_token_dispatcher_type != "allgather" or m.etp * m.ep == 1:
         return 0
     return tokens_per_rank(L) * m.etp * m.ep * L.hidden_size * L.act_bytes
+
+
+def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one MoE layer's MLP surely keeps per micro-batch with balanced routing (the planner's lower
+    bound): the router's input and, unless 'moe' is recomputed, the dispatched tokens and the experts'
+    fc1 output and fc2 input."""
+    m = L.moe
+    e, h = L.act_bytes, L.hidden_size
+    T = b * seq // (tp if sp else 1)
+    kept = T * h * e
+    if "moe" in mods:
+        return kept
+    N = T * m.moe_router_topk * m.etp
+    F = m.moe_ffn_hidden_size // m.etp
+    return kept + e * N * h + e * N * (2 if L.gated_linear_unit else 1) * F + e * N * F
