@@ -17,9 +17,10 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
+from ..partition import MIXER_MLA, LayerKind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
-from .activations import attention_kind, layer_activations, shapes
+from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .params import layer_params
@@ -47,17 +48,23 @@ class ChunkActivations:
 
 
 def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
-    return _chunk_activations(L, c.num_layers, c.has_embedding, c.has_output)
+    return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output)
 
 
 @lru_cache(maxsize=1024)
-def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool) -> ChunkActivations:
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=n, has_embedding=has_embedding,
-              has_output=has_output, has_tied_output_copy=False)
-    la = layer_activations(L, has_batch_mask=c.has_embedding or c.has_output)
+def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
+                       has_output: bool) -> ChunkActivations:
+    """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top)."""
+    has_batch = has_embedding or has_output
+    # a chunk without layers still names the model's layer in its detail
+    per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
-    n = c.num_layers
-    per_layer = la.total
+    n = sum(k for _, k in runs)
+    # With layers of different kinds, the largest layer's saved bytes and working sets stand for
+    # the one whose backward runs first (an upper bound); a uniform chunk has one kind.
+    per_layer = max((la.total for la, _ in per_kind), default=0)
+    fwd_transient = max((la.fwd_transient for la, _ in per_kind), default=0)
+    bwd_transient = max((la.bwd_transient for la, _ in per_kind), default=0)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
@@ -71,26 +78,25 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
             detail = f"{groups} checkpointed blocks of <= {k} layers x {format_bytes(ckpt_input)} input"
         else:  # block
             k = min(k, n)
-            layers = k * ckpt_input + (n - k) * per_layer
+            layers = k * ckpt_input + _layers_bytes(per_kind, k)
             recompute_group = 1 if k else 0
-            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + {n - k} layers x {format_bytes(per_layer)}"
+            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + " + _layers_detail(per_kind, k)
     else:
-        layers = n * per_layer
-        detail = f"{n} layers x {format_bytes(per_layer)}"
+        layers = _layers_bytes(per_kind, 0)
+        detail = _layers_detail(per_kind, 0)
 
     ends: dict[str, int] = {}
-    fwd_extra = la.fwd_transient if n else 0
-    bwd_top = la.bwd_transient if n else 0
+    fwd_extra = fwd_transient if n else 0
+    bwd_top = bwd_transient if n else 0
     if recompute_group:
         # Backward of a checkpointed block first replays its forward with grad enabled.
-        bwd_top = recompute_group * per_layer + la.bwd_transient
+        bwd_top = recompute_group * per_layer + bwd_transient
     bwd_bottom = 0
-    has_batch = c.has_embedding or c.has_output
     if has_batch:
-        b = batch_items(L, first=c.has_embedding, last=c.has_output)
+        b = batch_items(L, first=has_embedding, last=has_output)
         ends.update(b.saved)
         fwd_extra += b.fwd_transient
-    if c.has_embedding:
+    if has_embedding:
         e = embedding_items(L)
         ends.update(e.saved)
         fwd_extra = max(fwd_extra, e.fwd_transient)
@@ -98,7 +104,7 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
         bwd_bottom = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
-    if c.has_output:
+    if has_output:
         o = output_items(L)
         ends.update(o.saved)
         fwd_extra = max(fwd_extra, o.fwd_transient)
@@ -109,11 +115,32 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
 
 
+def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:
+    """Saved bytes of the chunk's layers above its first ``skip`` (bottom to top)."""
+    total = 0
+    for la, k in per_kind:
+        kept = max(0, k - skip)
+        skip = max(0, skip - k)
+        total += kept * la.total
+    return total
+
+
+def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
+    """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind."""
+    parts = []
+    for la, k in per_kind:
+        kept = max(0, k - skip)
+        skip = max(0, skip - k)
+        if kept or len(per_kind) == 1:
+            parts.append(f"{kept} layers x {format_bytes(la.total)}")
+    return " + ".join(parts)
+
+
 def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables."""
     chunks = L.stage_chunks(pp_rank)
     receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
-    layers = sum(c.num_layers for c in chunks) if L.multi_latent_attention else 0
+    layers = sum(n for c in chunks for kind, n in c.kind_runs if kind.mixer == MIXER_MLA)
     return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, layers))
 
 
@@ -350,7 +377,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, n_layers, has_output)
+    finalize = replicated_grad_allreduce_bytes(L, _kind_counts(chunks), has_output)
     retained_bytes = sum(t.bytes for t in retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
@@ -394,21 +421,31 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     )
 
 
+def _kind_counts(chunks: tuple[Chunk, ...]) -> tuple[tuple[LayerKind, int], ...]:
+    """How many layers of each kind the chunks of a stage hold (in order of first appearance)."""
+    counts: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, n in c.kind_runs:
+            counts[kind] = counts.get(kind, 0) + n
+    return tuple(counts.items())
+
+
 @lru_cache(maxsize=1024)
-def replicated_grad_allreduce_bytes(L: Layout, layers: int, has_output: bool) -> int:
+def replicated_grad_allreduce_bytes(L: Layout, kind_counts: tuple[tuple[LayerKind, int], ...], has_output: bool) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
     projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
     if L.tp == 1:
         return 0
-    layer = layer_params(L)
+    layers = [(layer_params(L, kind=kind), k) for kind, k in kind_counts]
     if L.sequence_parallel:
-        n = layers * sum(p.numel for p in layer if p.tp_replicated)
+        n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
         if has_output:
             n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
     elif L.qk_layernorm:
-        n = layers * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
+        n = sum(k * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
+                for layer, k in layers)
     else:
         return 0
     return n * L.grad_bytes
