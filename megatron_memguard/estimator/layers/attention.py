@@ -251,3 +251,26 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
     )
     return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one layer's attention surely keeps per micro-batch whatever the kernels (the planner's
+    memory lower bound, before any layout is resolved): linear_qkv's input (unless the local spec
+    recomputes the norm), q/k/v (or their larger repeated / rotated copies, which selective recompute
+    keeps as the checkpoint's inputs), the attention output that linear_proj keeps, and the s x s
+    softmax output of unfused attention. ``L``: the model (any TP); ``seq``: tokens per CP rank."""
+    e, h = L.act_bytes, L.hidden_size
+    Tf = b * seq
+    T = Tf // tp if sp else Tf
+    a_t = L.num_attention_heads // tp
+    kept = 0 if ("layernorm" in mods and L.transformer_impl == "local") else T * h * e
+    kept += Tf * ((L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // tp) * e
+    kept += Tf * a_t * L.kv_channels * e
+    if _unfused(L) and "core_attn" not in mods:
+        kept += b * a_t * seq * seq * e
+    return kept
+
+
+def _unfused(L: Layout) -> bool:
+    """The s x s scores are materialised (local spec, or --attention-backend unfused)."""
+    return L.transformer_impl == "local" or L.attention_backend in ("unfused", "local")

@@ -173,3 +173,23 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         (rel_all, G + T * h * e + T * h * e + renorm // 2),                                        # input norm
     )
     return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one layer's multi-latent attention surely keeps per micro-batch (the planner's memory
+    lower bound; arguments as for ``attention.bound_saved``): the input norm's output (dropped by
+    'layernorm' recompute: the norm is a module of its own), query, key and value as separate tensors
+    (unless mla_up_proj is recomputed), the attention output and unfused attention's softmax output."""
+    from .attention import _unfused
+    e, h = L.act_bytes, L.hidden_size
+    Tf = b * seq
+    T = Tf // tp if sp else Tf
+    a_t = L.num_attention_heads // tp
+    qk, v = L.qk_head_dim + L.qk_pos_emb_head_dim, L.v_head_dim
+    kept = 0 if "layernorm" in mods else T * h * e
+    if "mla_up_proj" not in mods:
+        kept += Tf * a_t * (2 * qk + v) * e
+    kept += Tf * a_t * v * e
+    if _unfused(L) and "core_attn" not in mods:
+        kept += b * a_t * seq * seq * e
+    return kept

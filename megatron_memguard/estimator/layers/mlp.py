@@ -94,3 +94,18 @@ def activations(L: Layout, mods: set, G: int) -> MlpActivations:
         (rel_act, G + Tf * fc1_w * e + Tf * h * e + wgrad(L, fc1_w, h)),                          # fc1
     )
     return MlpActivations(saved={} if recomputed else mlp, names=names, bwd_steps=bwd_steps, released=rel_act)
+
+
+def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one layer's MLP surely keeps per micro-batch (the planner's memory lower bound): linear_fc1's
+    input (unless the local spec recomputes the norm), fc1's output (the activation's input) and
+    linear_fc2's input, unless 'mlp' is recomputed."""
+    e, h = L.act_bytes, L.hidden_size
+    Tf = b * seq
+    T = Tf // tp if sp else Tf
+    f_t = L.ffn_hidden_size // tp
+    kept = 0 if ("layernorm" in mods and L.transformer_impl == "local") else T * h * e
+    if "mlp" not in mods:
+        kept += Tf * (2 if L.gated_linear_unit else 1) * f_t * e
+        kept += Tf * f_t * e
+    return kept
