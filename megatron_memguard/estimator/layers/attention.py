@@ -274,3 +274,18 @@ def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> in
 def _unfused(L: Layout) -> bool:
     """The s x s scores are materialised (local spec, or --attention-backend unfused)."""
     return L.transformer_impl == "local" or L.attention_backend in ("unfused", "local")
+
+
+def qkv_gemms(L: Layout, tp: int, M: int, tok: int) -> list[tuple[int, int, int]]:
+    """(tokens, output width, input width) of the GEMMs before the core attention on one TP rank, for
+    the planner's time model: linear_qkv on the gathered tokens ``M`` (KV heads replicated when
+    TP > query groups). ``tok``: the sequence-parallel tokens of the rank."""
+    a_t, g_t = L.num_attention_heads // tp, max(1, L.num_query_groups // tp)
+    return [(M, (a_t + 2 * g_t) * L.kv_channels, L.hidden_size)]
+
+
+def rope_elements(L: Layout, tp: int, M: int) -> int:
+    """Elements the rotary embedding rotates on one TP rank (q and k), 0 without rope."""
+    if L.position_embedding_type not in ("rope", "yarn"):
+        return 0
+    return M * (L.num_attention_heads // tp + max(1, L.num_query_groups // tp)) * L.kv_channels

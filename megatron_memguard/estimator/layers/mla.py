@@ -193,3 +193,20 @@ def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> in
     if _unfused(L) and "core_attn" not in mods:
         kept += b * a_t * seq * seq * e
     return kept
+
+
+def qkv_gemms(L: Layout, tp: int, M: int, tok: int) -> list[tuple[int, int, int]]:
+    """(tokens, output width, input width) of the projections before the core attention on one TP
+    rank (the planner's time model): the down projections are whole weights on the rank's own
+    (sequence-parallel) tokens ``tok``; the up projections are split over TP on all ``M`` tokens."""
+    h, a_t = L.hidden_size, L.num_attention_heads // tp
+    ql, kvl, qk, pe, v = L.q_lora_rank or 0, L.kv_lora_rank, L.qk_head_dim, L.qk_pos_emb_head_dim, L.v_head_dim
+    gemms = [(tok, kvl + pe, h), (M, a_t * (qk + v), kvl)]
+    gemms += [(tok, ql, h), (M, a_t * (qk + pe), ql)] if ql else [(M, a_t * (qk + pe), h)]
+    return gemms
+
+
+def rope_elements(L: Layout, tp: int, M: int) -> int:
+    """Elements MLA's rotary embedding rotates on one TP rank: the rope part of every query head and
+    of the one shared key."""
+    return M * (L.num_attention_heads // tp + 1) * L.qk_pos_emb_head_dim
