@@ -86,16 +86,21 @@ def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
     """The kind of every transformer layer of the model, in global order: the one place where a
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
     (dense and MoE layers), MTP layers and hybrid models make them differ per layer."""
-    mixer = MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION
+    mixer = _mixer(L)
     mlps = (MLP_DENSE,) * L.num_layers            # MoE: MLP_MOE where --moe-layer-freq says so
     made = {m: LayerKind(mixer, m) for m in set(mlps)}
     return tuple(made[m] for m in mlps)
 
 
+def _mixer(L: "Layout") -> str:
+    """The token mixer of the model's attention layers."""
+    return MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION
+
+
 def uniform_kind(L: "Layout") -> LayerKind:
-    """The kind of the model's layers when they are all alike (the per-layer table of a report)."""
-    mixer = MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION
-    return LayerKind(mixer, MLP_DENSE)
+    """The kind of the model's layers when they are all alike (the per-layer table of a report, the
+    planner): its mixer with the dense MLP."""
+    return LayerKind(_mixer(L), MLP_DENSE)
 
 
 def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:

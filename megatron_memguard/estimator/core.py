@@ -17,10 +17,12 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MIXER_MLA, LayerKind
+from ..partition import MIXER_MLA, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
+from .layers import mixer_recipe
+from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .params import layer_params
@@ -140,34 +142,16 @@ def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables."""
     chunks = L.stage_chunks(pp_rank)
     receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
-    layers = sum(n for c in chunks for kind, n in c.kind_runs if kind.mixer == MIXER_MLA)
+    mixer = uniform_kind(L).mixer
+    # only a mixer that keeps tables per layer (MLA) needs the count; 0 lets the other stages share one entry
+    layers = sum(n for c in chunks for kind, n in c.kind_runs if kind.mixer == mixer) if mixer == MIXER_MLA else 0
     return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, layers))
 
 
-# MLATransformerConfig.original_max_position_embeddings: Megatron's --yarn-original-max-position-
-# embeddings does not reach MLA layers (argument_utils._apply_yarn_config_from_args returns early).
-MLA_YARN_ORIGINAL_MAX_POSITIONS = 4096
-# RotaryEmbedding.forward / YarnRotaryEmbedding.forward are functools.lru_cache(maxsize=32) methods.
-ROTARY_LRU_ENTRIES = 32
-
-
-def mla_rotary_bytes(L: Layout, layers: int) -> int:
-    """Every MLA layer builds its own rotary embedding: its forward's cached [s/CP, 1, 1, rope dim]
-    fp32 tables (one per layer, 32 at most in the process), and for yarn the cos/sin buffers, made at
-    init for 4096 positions (cast to the param dtype with the model) and remade for s/CP positions
-    in the activation dtype the first time the fused rope asks for them."""
-    s, pe = L.seq_length // L.cp, L.qk_pos_emb_head_dim
-    total = min(layers, ROTARY_LRU_ENTRIES) * s * pe * 4
-    if L.rope_type == "yarn":
-        rows, width = ((s, L.act_bytes) if L.apply_rope_fusion
-                       else (MLA_YARN_ORIGINAL_MAX_POSITIONS // L.cp, L.param_bytes))
-        total += layers * 2 * rows * pe * width
-    return total
-
-
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int = 0) -> tuple[Term, ...]:
-    """``receiving``: the stage's chunks that get their input from a previous stage.
+def _persistent_buffers(L: Layout, last: bool, receiving: int, layers: int = 0) -> tuple[Term, ...]:
+    """``receiving``: the stage's chunks that get their input from a previous stage; ``layers``: the
+    stage's layers of the model's mixer kind (for the mixer's rotary tables, where it keeps one per layer).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -191,16 +175,9 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int =
         # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
-    if L.multi_latent_attention:
-        if mla_layers:
-            terms.append(Term("rotary_cache", mla_rotary_bytes(L, mla_layers), "transients", "allocated",
-                              f"{L.rope_type} rotary tables of {mla_layers} MLA layer(s)"))
-    elif L.position_embedding_type in ("rope", "yarn"):
-        rot = int(L.kv_channels * L.rotary_percent)
-        # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
-        # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
-        terms.append(Term("rotary_cache", L.seq_length // L.cp * rot * 4, "transients", "allocated",
-                          "cached fp32 rotary frequencies [s/CP, 1, 1, d]"))
+    rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
+    if rotary:
+        terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(terms)
 
 

@@ -236,14 +236,18 @@ class ModelShape:
 
     @property
     def qk_dim(self) -> int:
-        """Head dim of queries and keys (MLA: the content and rope parts)."""
-        L = self.layout
-        return L.qk_head_dim + L.qk_pos_emb_head_dim if L.multi_latent_attention else L.kv_channels
+        """Head dim of queries and keys (MLA: the content and rope parts), from the mixer's recipe."""
+        return self._mixer.head_dims(self.layout)[0]
 
     @property
     def v_dim(self) -> int:
-        L = self.layout
-        return L.v_head_dim if L.multi_latent_attention else L.kv_channels
+        return self._mixer.head_dims(self.layout)[1]
+
+    @property
+    def _mixer(self):
+        from ..estimator.layers import mixer_recipe
+        from ..partition import uniform_kind
+        return mixer_recipe(uniform_kind(self.layout))
 
     def padded_vocab(self, tp: int) -> int:
         if self.fixed_padded_vocab:

@@ -289,3 +289,19 @@ def rope_elements(L: Layout, tp: int, M: int) -> int:
     if L.position_embedding_type not in ("rope", "yarn"):
         return 0
     return M * (L.num_attention_heads // tp + max(1, L.num_query_groups // tp)) * L.kv_channels
+
+
+def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
+    """The persistent rotary table of a rank, (bytes, detail), or None without rope: one per process
+    whatever the layers (``layers`` is not needed)."""
+    if L.position_embedding_type not in ("rope", "yarn"):
+        return None
+    rot = int(L.kv_channels * L.rotary_percent)
+    # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
+    # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
+    return L.seq_length // L.cp * rot * 4, "cached fp32 rotary frequencies [s/CP, 1, 1, d]"
+
+
+def head_dims(L: Layout) -> tuple[int, int]:
+    """(query/key, value) head dims: both kv_channels."""
+    return L.kv_channels, L.kv_channels

@@ -210,3 +210,36 @@ def rope_elements(L: Layout, tp: int, M: int) -> int:
     """Elements MLA's rotary embedding rotates on one TP rank: the rope part of every query head and
     of the one shared key."""
     return M * (L.num_attention_heads // tp + 1) * L.qk_pos_emb_head_dim
+
+
+# MLATransformerConfig.original_max_position_embeddings: Megatron's --yarn-original-max-position-
+# embeddings does not reach MLA layers (argument_utils._apply_yarn_config_from_args returns early).
+MLA_YARN_ORIGINAL_MAX_POSITIONS = 4096
+# RotaryEmbedding.forward / YarnRotaryEmbedding.forward are functools.lru_cache(maxsize=32) methods.
+ROTARY_LRU_ENTRIES = 32
+
+
+def mla_rotary_bytes(L: Layout, layers: int) -> int:
+    """Every MLA layer builds its own rotary embedding: its forward's cached [s/CP, 1, 1, rope dim]
+    fp32 tables (one per layer, 32 at most in the process), and for yarn the cos/sin buffers, made at
+    init for 4096 positions (cast to the param dtype with the model) and remade for s/CP positions
+    in the activation dtype the first time the fused rope asks for them."""
+    s, pe = L.seq_length // L.cp, L.qk_pos_emb_head_dim
+    total = min(layers, ROTARY_LRU_ENTRIES) * s * pe * 4
+    if L.rope_type == "yarn":
+        rows, width = ((s, L.act_bytes) if L.apply_rope_fusion
+                       else (MLA_YARN_ORIGINAL_MAX_POSITIONS // L.cp, L.param_bytes))
+        total += layers * 2 * rows * pe * width
+    return total
+
+
+def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
+    """The persistent rotary tables of ``layers`` MLA layers on a rank: (bytes, detail), or None."""
+    if not layers:
+        return None
+    return mla_rotary_bytes(L, layers), f"{L.rope_type} rotary tables of {layers} MLA layer(s)"
+
+
+def head_dims(L: Layout) -> tuple[int, int]:
+    """(query/key, value) head dims: the content and rope parts of queries and keys, and v_head_dim."""
+    return L.qk_head_dim + L.qk_pos_emb_head_dim, L.v_head_dim
