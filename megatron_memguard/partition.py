@@ -13,8 +13,8 @@ layer from the recipes of its kind (``megatron_memguard.estimator.layers``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
 
@@ -28,9 +28,9 @@ MIXER_MLA = "mla"                 # MLASelfAttention (multi-latent attention, De
 MLP_DENSE = "dense"               # megatron-core MLP (linear_fc1, activation, linear_fc2)
 
 
-@dataclass(frozen=True)
-class LayerKind:
-    """What one transformer layer is built of: its token mixer and its MLP (one recipe each)."""
+class LayerKind(NamedTuple):
+    """What one transformer layer is built of: its token mixer and its MLP (one recipe each). An
+    immutable value (a named tuple: hashed and compared in C, as every cache lookup of a chunk does)."""
 
     mixer: str
     mlp: str
@@ -52,15 +52,18 @@ class Chunk:
     has_output: bool        # final norm, output layer and loss: last stage, last chunk
     has_tied_output_copy: bool  # last stage holds a copy of the tied embedding (PP > 1, tied)
     vpp_size: int = 1
-    layer_kinds: tuple[LayerKind, ...] = ()   # the kind of each of its layers, bottom to top
-    # (kind, count) of each run of equal kinds, bottom to top: what the caches key on (one entry for a
-    # uniform chunk, so a lookup hashes one kind, not one per layer)
-    kind_runs: tuple[tuple[LayerKind, int], ...] = field(init=False, repr=False, compare=False)
+    # (kind, count) of each run of consecutive equal kinds, bottom to top: the kinds of its layers,
+    # and what the caches key on (one entry for a uniform chunk: a lookup hashes one kind, not one
+    # per layer)
+    kind_runs: tuple[tuple[LayerKind, int], ...] = ()
 
-    def __post_init__(self) -> None:
-        if len(self.layer_kinds) != self.num_layers:
-            raise ValueError(f"chunk has {self.num_layers} layers but {len(self.layer_kinds)} layer kinds")
-        object.__setattr__(self, "kind_runs", kind_runs(self.layer_kinds))
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """The kind of each of its layers, bottom to top."""
+        kinds = self.__dict__.get("_layer_kinds")
+        if kinds is None:
+            kinds = self.__dict__["_layer_kinds"] = kinds_from_runs(self.kind_runs)
+        return kinds
 
     @property
     def label(self) -> str:
@@ -69,6 +72,10 @@ class Chunk:
 
 def kind_runs(kinds: tuple[LayerKind, ...]) -> tuple[tuple[LayerKind, int], ...]:
     """``kinds`` as (kind, count) runs of consecutive equal kinds, in order."""
+    if not kinds:
+        return ()
+    if kinds.count(kinds[0]) == len(kinds):   # a uniform run (the common case), compared in C
+        return ((kinds[0], len(kinds)),)
     runs: list[list] = []
     for k in kinds:
         if runs and (runs[-1][0] is k or runs[-1][0] == k):
@@ -79,7 +86,10 @@ def kind_runs(kinds: tuple[LayerKind, ...]) -> tuple[tuple[LayerKind, int], ...]
 
 
 def kinds_from_runs(runs: tuple[tuple[LayerKind, int], ...]) -> tuple[LayerKind, ...]:
-    return tuple(k for k, n in runs for _ in range(n))
+    out: tuple[LayerKind, ...] = ()
+    for k, n in runs:
+        out += (k,) * n
+    return out
 
 
 def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
@@ -89,6 +99,8 @@ def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
     mixer = _mixer(L)
     mlps = (MLP_DENSE,) * L.num_layers            # MoE: MLP_MOE where --moe-layer-freq says so
     made = {m: LayerKind(mixer, m) for m in set(mlps)}
+    if len(made) == 1:
+        return (made[mlps[0]],) * len(mlps)
     return tuple(made[m] for m in mlps)
 
 
@@ -196,6 +208,6 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
                 pp_rank=r, vpp_rank=v, first_layer=first_layer[(r, v)], num_layers=counts[(r, v)],
                 has_embedding=(r == 0 and v == 0), has_output=(r == pp - 1 and v == vpp - 1),
                 has_tied_output_copy=tied_copy and r == pp - 1 and v == vpp - 1, vpp_size=vpp,
-                layer_kinds=kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]],
+                kind_runs=kind_runs(kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]]),
             ))
     return tuple(chunks)

@@ -6,7 +6,7 @@ from megatron_memguard.estimator import core
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.layers import attention, mla, mlp
 from megatron_memguard.estimator.params import total_parameters
-from megatron_memguard.partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, Chunk, LayerKind, layer_kinds
+from megatron_memguard.partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, Chunk, LayerKind, kind_runs, layer_kinds
 
 from conftest import LLAMA31_8B
 from test_mla import CI_MLA
@@ -59,9 +59,10 @@ def test_uniform_chunks_carry_n_times_the_same_kind(pp, vpp):
     assert sum(len(c.layer_kinds) for c in L.chunks) == 32
 
 
-def test_chunk_refuses_kinds_that_do_not_match_its_layers():
-    with pytest.raises(ValueError):
-        Chunk(0, 0, 0, 2, True, True, False, layer_kinds=(ATTN,))
+def test_chunk_kinds_from_runs():
+    c = Chunk(0, 0, 0, 3, True, True, False, kind_runs=((ATTN, 2), (MLA, 1)))
+    assert c.layer_kinds == (ATTN, ATTN, MLA)
+    assert kind_runs(c.layer_kinds) == c.kind_runs
 
 
 def test_layouts_differing_in_a_layer_kind_do_not_share_a_cache_entry():

@@ -17,7 +17,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MIXER_MLA, LayerKind, uniform_kind
+from ..partition import LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -61,12 +61,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
-    n = sum(k for _, k in runs)
-    # With layers of different kinds, the largest layer's saved bytes and working sets stand for
-    # the one whose backward runs first (an upper bound); a uniform chunk has one kind.
-    per_layer = max((la.total for la, _ in per_kind), default=0)
-    fwd_transient = max((la.fwd_transient for la, _ in per_kind), default=0)
-    bwd_transient = max((la.bwd_transient for la, _ in per_kind), default=0)
+    if len(per_kind) == 1:                        # a uniform chunk (the common case)
+        la, n = per_kind[0]
+        per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
+    else:
+        # With layers of different kinds, the largest layer's saved bytes and working sets stand for
+        # the one whose backward runs first (an upper bound).
+        n = sum(k for _, k in runs)
+        per_layer = max(la.total for la, _ in per_kind)
+        fwd_transient = max(la.fwd_transient for la, _ in per_kind)
+        bwd_transient = max(la.bwd_transient for la, _ in per_kind)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
@@ -138,20 +142,20 @@ def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> s
     return " + ".join(parts)
 
 
-def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
-    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables."""
+def persistent_buffers(L: Layout, pp_rank: int, stage_runs: tuple | None = None) -> list[Term]:
+    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables.
+    ``stage_runs``: the kind runs of each of the stage's chunks (computed here when not given)."""
     chunks = L.stage_chunks(pp_rank)
     receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
-    mixer = uniform_kind(L).mixer
-    # only a mixer that keeps tables per layer (MLA) needs the count; 0 lets the other stages share one entry
-    layers = sum(n for c in chunks for kind, n in c.kind_runs if kind.mixer == mixer) if mixer == MIXER_MLA else 0
-    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, layers))
+    if stage_runs is None:
+        stage_runs = tuple(c.kind_runs for c in chunks)
+    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, stage_runs))
 
 
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int, layers: int = 0) -> tuple[Term, ...]:
-    """``receiving``: the stage's chunks that get their input from a previous stage; ``layers``: the
-    stage's layers of the model's mixer kind (for the mixer's rotary tables, where it keeps one per layer).
+def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[Term, ...]:
+    """``receiving``: the stage's chunks that get their input from a previous stage; ``stage_runs``: the
+    kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -175,6 +179,8 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, layers: int = 0) 
         # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
+    mixer = uniform_kind(L).mixer
+    layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
     if rotary:
         terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
@@ -326,7 +332,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                                                   [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
 
     state_terms, step_terms = _state_terms(L, st)
-    buffers = persistent_buffers(L, pp_rank)
+    stage_runs = tuple(c.kind_runs for c in chunks)
+    buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
@@ -354,7 +361,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, _kind_counts(chunks), has_output)
+    finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output)
     retained_bytes = sum(t.bytes for t in retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
@@ -398,24 +405,21 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     )
 
 
-def _kind_counts(chunks: tuple[Chunk, ...]) -> tuple[tuple[LayerKind, int], ...]:
-    """How many layers of each kind the chunks of a stage hold (in order of first appearance)."""
-    counts: dict[LayerKind, int] = {}
-    for c in chunks:
-        for kind, n in c.kind_runs:
-            counts[kind] = counts.get(kind, 0) + n
-    return tuple(counts.items())
-
-
 @lru_cache(maxsize=1024)
-def replicated_grad_allreduce_bytes(L: Layout, kind_counts: tuple[tuple[LayerKind, int], ...], has_output: bool) -> int:
+def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[LayerKind, int], ...], ...],
+                                     has_output: bool) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
     projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
     if L.tp == 1:
         return 0
-    layers = [(layer_params(L, kind=kind), k) for kind, k in kind_counts]
+    # ``stage_runs``: the (kind, count) runs of each chunk of the stage
+    counts: dict[LayerKind, int] = {}
+    for runs in stage_runs:
+        for kind, k in runs:
+            counts[kind] = counts.get(kind, 0) + k
+    layers = [(layer_params(L, kind=kind), k) for kind, k in counts.items()]
     if L.sequence_parallel:
         n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
         if has_output:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import DTYPE_BYTES, Chunk, Layout
-from ..partition import kinds_from_runs
 from .params import chunk_numels
 
 
@@ -105,9 +104,8 @@ def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
                   bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
     share one shape)."""
-    kinds = kinds_from_runs(kind_runs)
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=len(kinds), has_embedding=has_embedding,
-              has_output=has_output, has_tied_output_copy=tied_copy, layer_kinds=kinds)
+    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=sum(n for _, n in kind_runs),
+              has_embedding=has_embedding, has_output=has_output, has_tied_output_copy=tied_copy, kind_runs=kind_runs)
     plist = chunk_numels(L, c)
     buf = build_buffer(L, plist, bucket_size)
     pieces = tuple(tuple(shard_pieces(buf, L.dp_shard_size, r)) for r in ranks) if L.use_distributed_optimizer else ()
@@ -141,10 +139,6 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
 
 @lru_cache(maxsize=1024)
 def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
-    chunks = [Chunk(pp_rank=-1, vpp_rank=i, first_layer=0, num_layers=len(kinds_from_runs(runs)), has_embedding=e,
-                    has_output=o, has_tied_output_copy=tied, layer_kinds=kinds_from_runs(runs))
-              for i, (runs, e, o, tied, _) in enumerate(sig)]
-    buckets = [b for *_, b in sig]
     shard = L.dp_shard_size
     p_bytes = L.param_bytes
     g_bytes = 2 if (L.use_precision_aware_optimizer and L.main_grads_dtype == "bf16") else L.grad_bytes
@@ -156,9 +150,8 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     # they are the same rank and must be listed once, or its shard would be counted twice.
     ranks = sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
     all_main = 0
-    for c, bsize in zip(chunks, buckets):
-        buf, pieces_of = _chunk_buffer(L, c.kind_runs, c.has_embedding, c.has_output,
-                                       c.has_tied_output_copy, bsize, tuple(ranks))
+    for runs, has_embedding, has_output, tied, bsize in sig:
+        buf, pieces_of = _chunk_buffer(L, runs, has_embedding, has_output, tied, bsize, tuple(ranks))
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded
