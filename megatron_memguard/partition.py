@@ -201,6 +201,8 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
             first_layer[(r, v)] = offset
             offset += counts[(r, v)]
     kinds = layer_kinds(L)
+    # every layer of one kind (the common case): each chunk's runs without slicing the kinds
+    same = kinds[0] if kinds and kinds.count(kinds[0]) == len(kinds) else None
     chunks = []
     for r in range(pp):
         for v in range(vpp):
@@ -208,6 +210,7 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
                 pp_rank=r, vpp_rank=v, first_layer=first_layer[(r, v)], num_layers=counts[(r, v)],
                 has_embedding=(r == 0 and v == 0), has_output=(r == pp - 1 and v == vpp - 1),
                 has_tied_output_copy=tied_copy and r == pp - 1 and v == vpp - 1, vpp_size=vpp,
-                kind_runs=kind_runs(kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]]),
+                kind_runs=(((same, counts[(r, v)]),) if counts[(r, v)] > 0 else ()) if same is not None
+                else kind_runs(kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]]),
             ))
     return tuple(chunks)
