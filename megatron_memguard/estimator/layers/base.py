@@ -84,7 +84,7 @@ class MixerActivations:
 
     ``saved``: what it keeps for backward, in creation order. ``fwd_steps``: (names of the layer not
     yet created, working bytes) of its forward. ``bwd_steps``: its backward from linear_proj down to
-    the input norm, (names released so far, working bytes excluding the gradient of the layer output)."""
+    the input norm, (names released so far, working bytes including the gradient of the layer output)."""
 
     saved: dict[str, int]
     fwd_steps: tuple[Step, ...]
