@@ -31,6 +31,7 @@ from ..config import RawConfig
 from ..estimator import Estimate, estimate
 from ..errors import MemguardError
 from ..gpus import GpuSpec
+from ..knobs import flag_of
 from ..readers.megatron_namespace import raw_from_namespace
 from ..report.text import render, stage_summary, verdict_line
 from ..resolve import resolve
@@ -182,7 +183,7 @@ def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, args, defa
     if r.chosen is None:
         return f"{PREFIX} no micro-batch / pipeline size" + (" / recompute" if settings.allow_recompute else "") + \
             " change found that fits:\n" + r.summary()
-    ch = ", ".join(f"--{k.replace('_', '-')} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    ch = ", ".join(f"{flag_of(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
     return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
             f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
 
