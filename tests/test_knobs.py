@@ -64,3 +64,11 @@ def test_registry_is_one_row_per_dest_and_knows_the_planner_levels():
     assert len(BY_DEST) == len(KNOBS)
     assert knob("recompute_granularity").candidates == RECOMPUTE_LEVELS == ("none", "selective", "full")
     assert {k.short for k in KNOBS if k.short} >= {"tp", "pp", "vpp", "cp", "sp", "mbs", "dist_opt", "recompute"}
+
+
+def test_autotune_changes_only_registered_knobs():
+    # autotune's updates are pasted as flags (hook suggestion) and config keys: each must be a knob
+    from megatron_memguard.autotune import _FULL, _SELECTIVE
+    changed = set(_SELECTIVE) | set(_FULL) | {"micro_batch_size", "pipeline_model_parallel_size", "global_batch_size",
+                                              "recompute_activations"}
+    assert changed <= set(BY_DEST)
