@@ -12,7 +12,7 @@ recording broken rules in ``Args.errors`` as it goes. What memguard refuses to e
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from packaging.version import InvalidVersion, Version
 
@@ -21,7 +21,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
 from . import batch, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
-from .args import Args, Stop
+from .args import Args, Context, Stop
 from .refusals import refuse
 
 DEFAULT_MEGATRON_VERSION = "0.19"
@@ -38,46 +38,37 @@ def parse_version(text: str, key: str = "--megatron-version") -> Version:
         raise ConfigError(key, f"cannot read Megatron version {shown(text)}; write e.g. 0.16 or 0.19.2") from None
 
 
-class _Context:
-    """What sections need besides the flat names resolved so far: the version and the overrides."""
-
-    def __init__(self, version: Version, world_size: int | None, vocab_size: int | None):
-        self.version = version
-        self.legacy = version < Version("0.18")
-        self.world_size = world_size
-        self.vocab_size = vocab_size
-
-
-Section = Callable[[Args, dict, _Context], dict]
+# A section: (raw arguments, flat names resolved so far, context) -> its flat names. It records broken
+# rules in Args.errors and raises Stop only when it cannot go on.
+Section = Callable[[Args, Mapping[str, Any], Context], dict[str, Any]]
 
 # The sections in validate_args's order: the order decides the order of the errors a user sees (and
 # where a Stop ends the reading), so a new section goes where Megatron checks its flags.
 SECTIONS: tuple[tuple[str, Section], ...] = (
-    ("refusals", lambda a, kw, c: refuse(a)),
-    ("parallel", lambda a, kw, c: parallel.parallel(a, c.world_size)),
-    ("shape (required)", lambda a, kw, c: shape.required(a)),
-    ("recompute granularity", lambda a, kw, c: recompute.granularity(a)),
-    ("batch", lambda a, kw, c: batch.batch(a, kw)),
-    ("sequence", lambda a, kw, c: shape.sequence(a, kw)),
-    ("shape", lambda a, kw, c: shape.dense_shape(a, kw)),
-    ("precision", lambda a, kw, c: precision.precision(a, kw)),
-    ("sequence parallel", lambda a, kw, c: parallel.sequence_parallel(a, kw)),
-    ("pipeline split", lambda a, kw, c: pipeline.pipeline(a, kw)),
-    ("recompute", lambda a, kw, c: recompute.recompute(a, kw)),
-    ("optimizer", lambda a, kw, c: optimizer.optimizer(a, kw)),
-    ("kernels", lambda a, kw, c: kernels.implementation(a, kw)),
-    ("attention variant", lambda a, kw, c: shape.attention_variant(a, kw)),
-    ("numerics", lambda a, kw, c: kernels.numerics(a, kw, c.legacy)),
-    ("vocabulary", lambda a, kw, c: vocab.vocab(a, kw, c.legacy, c.vocab_size)),
-    ("weight-gradient deferral", lambda a, kw, c: kernels.wgrad(a, kw)),
-    ("runtime", lambda a, kw, c: runtime.runtime(a, kw, c.version)),
+    ("refusals", refuse),
+    ("parallel", parallel.parallel),
+    ("shape (required)", shape.required),
+    ("recompute granularity", recompute.granularity),
+    ("batch", batch.batch),
+    ("sequence", shape.sequence),
+    ("shape", shape.dense_shape),
+    ("precision", precision.precision),
+    ("sequence parallel", parallel.sequence_parallel),
+    ("pipeline split", pipeline.pipeline),
+    ("recompute", recompute.recompute),
+    ("optimizer", optimizer.optimizer),
+    ("kernels", kernels.implementation),
+    ("attention variant", shape.attention_variant),
+    ("numerics", kernels.numerics),
+    ("vocabulary", vocab.vocab),
+    ("weight-gradient deferral", kernels.wgrad),
+    ("runtime", runtime.runtime),
 )
 
 
 def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | None) -> Layout | None:
     """Every section in order; None when a rule is broken (the errors are in ``a.errors``)."""
-    version = parse_version(version_text)
-    ctx = _Context(version, world_size, vocab_size)
+    ctx = Context(parse_version(version_text), world_size, vocab_size)
     kw: dict[str, Any] = {}
     try:
         for _name, section in SECTIONS:
@@ -86,8 +77,8 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
         return None
     if a.errors:
         return None
-    kw.update(runtime.late_options(a, kw))
-    kw.update(megatron_version=str(version), notes=tuple(a.notes))
+    kw.update(runtime.late_options(a, kw, ctx))
+    kw.update(megatron_version=str(ctx.version), notes=tuple(a.notes))
     return Layout(**kw)
 
 

@@ -7,12 +7,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from packaging.version import Version
+
 from ..config import RawConfig
 from ..errors import ConfigError
 from ..numbers import bound_reason, to_float, to_int, upper_bound
 
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
+
+
+class Context:
+    """What sections need besides the raw arguments and the flat names resolved so far: the Megatron
+    version and the caller's overrides."""
+
+    def __init__(self, version: Version, world_size: int | None, vocab_size: int | None):
+        self.version = version
+        self.legacy = version < Version("0.18")   # NullTokenizer's extra EOD token, TE cross entropy
+        self.world_size = world_size
+        self.vocab_size = vocab_size
 
 
 class Stop(Exception):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .args import Args, Stop
+from .args import Args, Context, Stop
 
 
-def batch(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def batch(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     dp = kw["data_parallel_size"]
     mbs = a.int_arg("micro_batch_size", required=True)
     gbs = a.int_arg("global_batch_size")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import NotModelledError
-from .args import Args
+from .args import Args, Context
 
 
-def implementation(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     tp, cp, sp, seq = (kw["tensor_model_parallel_size"], kw["context_parallel_size"], kw["sequence_parallel"],
                        kw["seq_length"])
     impl = str(a.get("transformer_impl", "transformer_engine"))
@@ -39,7 +39,7 @@ def implementation(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
                 bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion)
 
 
-def numerics(a: Args, kw: Mapping[str, Any], legacy: bool) -> dict[str, Any]:
+def numerics(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     normalization = str(a.get("normalization", "LayerNorm"))
     if normalization.lower() in ("layernorm", "layer_norm"):
         normalization = "LayerNorm"
@@ -49,7 +49,7 @@ def numerics(a: Args, kw: Mapping[str, Any], legacy: bool) -> dict[str, Any]:
         a.fail("normalization", f"must be LayerNorm or RMSNorm, got {normalization!r}")
     ce_fusion = a.bool_arg("cross_entropy_loss_fusion", False)
     ce_impl = str(a.get("cross_entropy_fusion_impl", "native"))
-    if ce_fusion and ce_impl == "te" and not legacy:
+    if ce_fusion and ce_impl == "te" and not ctx.legacy:
         a.fail("cross_entropy_fusion_impl", "te is rejected together with --cross-entropy-loss-fusion since core 0.18")
     softmax_fp32 = a.bool_arg("attention_softmax_in_fp32", False)
     qk_scaling = a.bool_arg("apply_query_key_layer_scaling", False)
@@ -59,7 +59,7 @@ def numerics(a: Args, kw: Mapping[str, Any], legacy: bool) -> dict[str, Any]:
                 attention_softmax_in_fp32=softmax_fp32, apply_query_key_layer_scaling=qk_scaling)
 
 
-def wgrad(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def wgrad(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """ModelParallelConfig.__post_init__ refuses deferral without a pipeline or without fused
     weight-gradient accumulation."""
     defer_wgrad = a.bool_arg("defer_embedding_wgrad_compute", False)

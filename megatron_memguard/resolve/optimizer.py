@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .args import Args
+from .args import Args, Context
 
 
-def optimizer(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     dp, cp = kw["data_parallel_size"], kw["context_parallel_size"]
     dist_opt = a.bool_arg("use_distributed_optimizer", False)
     instances = a.int_arg("num_distributed_optimizer_instances", 1)

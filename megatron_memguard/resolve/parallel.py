@@ -5,17 +5,17 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, NotModelledError
 from ..numbers import MAX_WORLD_SIZE, WORLD_SIZE_WHY, to_int
-from .args import Args
+from .args import Args, Context
 
 
-def parallel(a: Args, world_override: int | None) -> dict[str, Any]:
+def parallel(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """TP, PP, CP, the world size (flag, launcher or nodes x GPUs) and DP = world / (TP*PP*CP)."""
     tp = a.int_arg("tensor_model_parallel_size", 1)
     pp = a.int_arg("pipeline_model_parallel_size", 1)
     cp = a.int_arg("context_parallel_size", 1)
     if a.get("expert_model_parallel_size", 1) not in (1, "1"):
         raise NotModelledError(a.key("expert_model_parallel_size"), "expert parallelism")
-    raw = a.raw
+    raw, world_override = a.raw, ctx.world_size
     world = world_override or raw.world_size
     if world is None and raw.nodes and raw.gpus_per_node:
         world = raw.nodes * raw.gpus_per_node
@@ -34,7 +34,7 @@ def parallel(a: Args, world_override: int | None) -> dict[str, Any]:
                 context_parallel_size=cp, data_parallel_size=dp)
 
 
-def sequence_parallel(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def sequence_parallel(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Sequence parallelism is switched off at TP=1 (validate_args); TP comm overlap needs it."""
     sp = a.bool_arg("sequence_parallel", False)
     if sp and kw["tensor_model_parallel_size"] == 1:

@@ -6,10 +6,10 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..partition import parse_pipeline_layout
-from .args import Args, Stop
+from .args import Args, Context, Stop
 
 
-def pipeline(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def pipeline(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     pp, num_layers, num_microbatches = kw["pipeline_model_parallel_size"], kw["num_layers"], kw["num_microbatches"]
     first = a.int_arg("decoder_first_pipeline_num_layers")
     last = a.int_arg("decoder_last_pipeline_num_layers")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .args import Args
+from .args import Args, Context
 
 
-def precision(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def precision(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     bf16, fp16 = a.bool_arg("bf16", False), a.bool_arg("fp16", False)
     if bf16 and fp16:
         a.fail("fp16", "cannot be combined with --bf16")

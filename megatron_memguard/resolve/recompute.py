@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .args import Args
+from .args import Args, Context
 
 RECOMPUTE_MODULES = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj", "mhc"}
 
 
-def granularity(a: Args) -> dict[str, Any]:
+def granularity(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The granularity, with the deprecated alias --recompute-activations (validate_args deletes it
     after use, early: read here in the same place so errors come in Megatron's order)."""
     recompute_granularity = a.get("recompute_granularity")
@@ -17,7 +17,7 @@ def granularity(a: Args) -> dict[str, Any]:
     return dict(recompute_granularity=recompute_granularity)
 
 
-def recompute(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     recompute_granularity, tp, sp = kw["recompute_granularity"], kw["tensor_model_parallel_size"], kw["sequence_parallel"]
     method = a.get("recompute_method")
     # 0 is a value Megatron takes (TransformerConfig.__post_init__ only refuses None with full recompute).

@@ -5,10 +5,10 @@ goes away here. Each row: (Megatron dest, predicate on the value, what it is, as
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..errors import NotModelledError
-from .args import Args
+from .args import Args, Context
 
 Row = tuple[str, Callable[[Any], bool], str]
 
@@ -44,7 +44,7 @@ WARN_ONLY: list[Row] = [
 OPTIMIZERS = ("adam", "sgd")
 
 
-def refuse(a: Args) -> dict[str, Any]:
+def refuse(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Raise NotModelledError for the first refused setting; note the warn-only ones. Returns the
     optimizer (the one refusal that is also a value of the Layout)."""
     for dest, pred, what in NOT_MODELLED:

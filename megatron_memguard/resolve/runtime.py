@@ -6,13 +6,13 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
-from .args import Args
+from .args import Args, Context
 
 
-def runtime(a: Args, kw: Mapping[str, Any], version: Version) -> dict[str, Any]:
+def runtime(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     deterministic = a.bool_arg("deterministic_mode", False)
     cublas = a.raw.env.get("CUBLAS_WORKSPACE_CONFIG")
-    if deterministic and cublas and cublas not in (":4096:8", ":16:8") and version >= Version("0.19"):
+    if deterministic and cublas and cublas not in (":4096:8", ":16:8") and ctx.version >= Version("0.19"):
         # megatron/training/determinism.py (0.19): ACCEPTED_ENV_VAR_VALUES
         a.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
     hidden_dropout = a.float_arg("hidden_dropout", 0.1)
@@ -22,7 +22,7 @@ def runtime(a: Args, kw: Mapping[str, Any], version: Version) -> dict[str, Any]:
                 env=env)
 
 
-def late_options(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def late_options(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Options without a rule of their own, read after the checks: a bad value here is reported only
     when everything else is right (as it always was: keeps the error lists users see unchanged)."""
     return dict(

@@ -7,10 +7,10 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, NotModelledError
 from ..numbers import to_int
-from .args import Args, Stop
+from .args import Args, Context, Stop
 
 
-def required(a: Args) -> dict[str, Any]:
+def required(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Layers, hidden size and heads: without them there is no model (stop after reporting all three)."""
     num_layers = a.int_arg("num_layers", required=True)
     if num_layers is None and a.get("decoder_num_layers") is not None:
@@ -22,7 +22,7 @@ def required(a: Args) -> dict[str, Any]:
     return dict(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads)
 
 
-def sequence(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def sequence(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Sequence length, position embedding, and context parallelism's rules on them."""
     cp = kw["context_parallel_size"]
     seq = a.int_arg("seq_length")
@@ -67,7 +67,7 @@ def _check_cp_comm(a: Args, cp: int) -> None:
         a.fail("hierarchical_context_parallel_sizes", "must be set when --cp-comm-type is a2a+p2p")
 
 
-def dense_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def dense_shape(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Shape defaults (validate_args): activation, FFN size, head dim, query groups and their TP rules."""
     hidden, heads, tp = kw["hidden_size"], kw["num_attention_heads"], kw["tensor_model_parallel_size"]
     swiglu = a.bool_arg("swiglu", False)
@@ -96,7 +96,7 @@ def dense_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
                 kv_channels=kv, group_query_attention=gqa, num_query_groups=groups)
 
 
-def attention_variant(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+def attention_variant(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Multi-latent attention or not; with it, its projection shape. Runs after the kernels section
     (it needs transformer_impl and apply_rope_fusion)."""
     mla = a.bool_arg("multi_latent_attention", False)

@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..tokenizers import GPT2_BPE, known_vocab_size, pad_vocab
-from .args import Args, Stop
+from .args import Args, Context, Stop
 
 
-def vocab(a: Args, kw: Mapping[str, Any], legacy: bool, vocab_override: int | None) -> dict[str, Any]:
+def vocab(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    legacy, vocab_override = ctx.legacy, ctx.vocab_size
     padded = a.int_arg("padded_vocab_size")
     tokenizer = a.get("tokenizer_type")
     size = None
