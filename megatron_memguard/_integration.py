@@ -248,7 +248,7 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     rank0 = this_rank(environ) == 0 if rank0 is None else rank0
     mode = mode_from(mode, environ)
     threshold = threshold_from(threshold, environ)
-    r = PreflightResult(mode=mode, action="skipped")
+    r = PreflightResult(mode=mode, action="skipped", taken_by="preflight")
     if mode == "off":
         return r
     from .site_profile import site_from

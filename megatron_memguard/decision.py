@@ -43,6 +43,7 @@ class Decision:
     world_size: int | None = None
     world_size_from: str = ""
     notes: list[str] = field(default_factory=list)
+    taken_by: str = "hook"            # "hook" (Megatron's validate_args) | "preflight" (Bridge / Lightning)
 
     @property
     def verdict(self) -> str | None:
@@ -53,13 +54,21 @@ class Decision:
         return self.verdict == "fits"
 
     def to_dict(self) -> dict[str, Any]:
+        """The decision as the run log's ``context.decision`` records it (docs/hook.md); the keys are
+        those each integration has always written."""
         e = self.estimate
+        critical = e.critical_stage if e else None
+        predicted = e.peak_device_bytes if e else None
+        gpu = self.gpu.name if self.gpu is not None else None
+        if self.taken_by == "hook":
+            return {"mode": self.mode, "action": self.action, "updates": dict(self.updates), "gpu": gpu,
+                    "gpu_memory": self.gpu_memory, "gpu_memory_source": self.gpu_memory_source,
+                    "megatron_version": self.megatron_version, "reason": self.reason, "verdict": self.verdict,
+                    "critical_stage": critical, "predicted_device_total": predicted}
         return {"mode": self.mode, "action": self.action, "verdict": self.verdict, "reason": self.reason,
-                "updates": dict(self.updates), "world_size": self.world_size, "world_size_from": self.world_size_from,
-                "gpu": self.gpu.name if self.gpu is not None else None, "gpu_memory": self.gpu_memory,
-                "gpu_memory_source": self.gpu_memory_source, "megatron_version": self.megatron_version,
-                "critical_stage": e.critical_stage if e is not None else None,
-                "predicted_device_total": e.peak_device_bytes if e is not None else None,
+                "world_size": self.world_size, "world_size_from": self.world_size_from, "gpu": gpu,
+                "gpu_memory": self.gpu_memory, "gpu_memory_source": self.gpu_memory_source,
+                "critical_stage": critical, "predicted_device_total": predicted,
                 "source": self.raw.source if self.raw is not None else None}
 
 

@@ -23,7 +23,12 @@ def test_one_result_type():
     assert PreflightResult is Decision is decision.Decision
     d = Decision(mode="warn", action="skipped")
     assert d.verdict is None and not d.fits
-    assert {"mode", "action", "verdict", "updates", "world_size", "gpu_memory", "critical_stage"} <= set(d.to_dict())
+    # the run log's context.decision keeps the keys each integration wrote (docs/hook.md, docs/integrations.md)
+    assert list(d.to_dict()) == ["mode", "action", "updates", "gpu", "gpu_memory", "gpu_memory_source", "megatron_version",
+                                 "reason", "verdict", "critical_stage", "predicted_device_total"]
+    assert list(Decision(mode="warn", action="skipped", taken_by="preflight").to_dict()) == [
+        "mode", "action", "verdict", "reason", "world_size", "world_size_from", "gpu", "gpu_memory", "gpu_memory_source",
+        "critical_stage", "predicted_device_total", "source"]
 
 
 def test_modes_and_threshold_defined_once():
