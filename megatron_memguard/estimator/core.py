@@ -148,7 +148,7 @@ def persistent_buffers(L: Layout, pp_rank: int, stage_runs: tuple | None = None)
     chunks = L.stage_chunks(pp_rank)
     receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
     if stage_runs is None:
-        stage_runs = tuple(c.kind_runs for c in chunks)
+        stage_runs = tuple([c.kind_runs for c in chunks])
     return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, stage_runs))
 
 
@@ -332,7 +332,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                                                   [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
 
     state_terms, step_terms = _state_terms(L, st)
-    stage_runs = tuple(c.kind_runs for c in chunks)
+    stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
