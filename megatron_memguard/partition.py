@@ -7,7 +7,7 @@ explicit ``--pipeline-model-parallel-layout`` ("Et*3|(tt|)*29,m|L"); each rank's
 over its virtual stages. Interleaved chunks take layers in global stage order ``vpp_rank * PP + pp_rank``.
 
 Every layer also has a kind (:class:`LayerKind`: its token mixer and its MLP), chosen in one place,
-:func:`layer_kinds`; a :class:`Chunk` carries the kinds of its layers, and the estimator builds each
+:func:`model_kind_runs`; a :class:`Chunk` carries the kinds of its layers, and the estimator builds each
 layer from the recipes of its kind (``megatron_memguard.estimator.layers``).
 """
 from __future__ import annotations
@@ -93,15 +93,22 @@ def kinds_from_runs(runs: tuple[tuple[LayerKind, int], ...]) -> tuple[LayerKind,
 
 
 def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
-    """The kind of every transformer layer of the model, in global order: the one place where a
+    """The kind of every transformer layer of the model, in global order."""
+    return kinds_from_runs(model_kind_runs(L))
+
+
+def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
+    """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
     (dense and MoE layers), MTP layers and hybrid models make them differ per layer."""
     mixer = _mixer(L)
     mlps = (MLP_DENSE,) * L.num_layers            # MoE: MLP_MOE where --moe-layer-freq says so
+    if not mlps:
+        return ()
+    if mlps.count(mlps[0]) == len(mlps):
+        return ((LayerKind(mixer, mlps[0]), len(mlps)),)
     made = {m: LayerKind(mixer, m) for m in set(mlps)}
-    if len(made) == 1:
-        return (made[mlps[0]],) * len(mlps)
-    return tuple(made[m] for m in mlps)
+    return kind_runs(tuple(made[m] for m in mlps))
 
 
 def _mixer(L: "Layout") -> str:
@@ -200,9 +207,10 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
         for r in range(pp):
             first_layer[(r, v)] = offset
             offset += counts[(r, v)]
-    kinds = layer_kinds(L)
-    # every layer of one kind (the common case): each chunk's runs without slicing the kinds
-    same = kinds[0] if kinds and kinds.count(kinds[0]) == len(kinds) else None
+    runs = model_kind_runs(L)
+    # every layer of one kind (the common case): each chunk's runs without listing the layers
+    same = runs[0][0] if len(runs) == 1 else None
+    kinds = kinds_from_runs(runs) if same is None else ()
     chunks = []
     for r in range(pp):
         for v in range(vpp):

@@ -2,7 +2,7 @@
 
 A transformer layer of kind ``LayerKind(mixer, mlp)`` (``megatron_memguard.partition``) is built from
 the recipe of its mixer, the recipe of its MLP and the norms between them. A new kind is one module
-here plus one entry below (and the line in ``partition.layer_kinds`` that says which layers have it).
+here plus one entry below (and the line in ``partition.model_kind_runs`` that says which layers have it).
 """
 from __future__ import annotations
 
