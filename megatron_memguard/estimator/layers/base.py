@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from ...layout import Layout
 
@@ -74,25 +75,30 @@ def norm_stats(L: Layout, n_tokens: int) -> int:
 
 def wgrad(L: Layout, rows: int, cols: int) -> int:
     """A weight gradient materialised before it is added to main_grad (no fused accumulation)."""
+    return 0 if _fused_wgrad()(L) else rows * cols * L.act_bytes
+
+
+@lru_cache(maxsize=1)
+def _fused_wgrad():
+    # head.py imports this package (through activations.py): imported on first use, once
     from ..head import fused_wgrad
-    return 0 if fused_wgrad(L) else rows * cols * L.act_bytes
+    return fused_wgrad
 
 
-@dataclass(frozen=True)
-class MixerActivations:
+class MixerActivations(NamedTuple):
     """The token mixer's share of a layer: from the input norm to linear_proj's input.
 
     ``saved``: what it keeps for backward, in creation order. ``fwd_steps``: (names of the layer not
     yet created, working bytes) of its forward. ``bwd_steps``: its backward from linear_proj down to
-    the input norm, (names released so far, working bytes including the gradient of the layer output)."""
+    the input norm, (names released so far, working bytes including the gradient of the layer output).
+    Immutable named tuples, like ``MlpActivations``: made for every layer kind of every new layout."""
 
     saved: dict[str, int]
     fwd_steps: tuple[Step, ...]
     bwd_steps: tuple[Step, ...]
 
 
-@dataclass(frozen=True)
-class MlpActivations:
+class MlpActivations(NamedTuple):
     """The MLP's share of a layer after the pre-MLP norm: ``saved`` (kept for backward, unless the
     layer recomputes the MLP), ``names`` (all of them), ``bwd_steps`` from linear_fc2 down to linear_fc1
     (released so far, working bytes including the gradient of the layer output) and ``released``
