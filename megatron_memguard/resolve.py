@@ -640,7 +640,7 @@ class _Resolver:
         env = tuple(sorted((str(k), str(v)) for k, v in self.raw.env.items()))
         if self.errors:
             return None
-        return Layout(
+        return Layout.from_flat(
             world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, data_parallel_size=dp,
             sequence_parallel=sp, num_distributed_optimizer_instances=instances,

@@ -11,7 +11,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import ConfigError
@@ -459,7 +459,7 @@ def estimate(
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
-        L = replace(layout, transformer_impl=profile)
+        L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None
