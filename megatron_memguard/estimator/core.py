@@ -23,7 +23,7 @@ from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .params import layer_params
-from .result import Estimate, StageEstimate, Term
+from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, stage_states
 
@@ -417,17 +417,6 @@ def replicated_grad_allreduce_bytes(L: Layout, layers: int, has_output: bool) ->
 @lru_cache(maxsize=256)
 def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_SITE) -> tuple[Term, ...]:
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
-
-
-def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
-    if not gpu_memory:
-        return "unknown"
-    frac = device_total / gpu_memory
-    if frac <= threshold:
-        return "fits"
-    if frac <= 1.0:
-        return "tight"
-    return "will not fit"
 
 
 def estimate(
