@@ -19,6 +19,8 @@ from .result import Term, TermGroup, TermLevel
 if TYPE_CHECKING:
     from .site import SiteConstants
 
+_ACTIVATION = TensorKind.ACTIVATION  # (an enum member lookup costs more than the rest of p2p_tensor_bytes)
+
 # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default), incl. cuBLAS/cuDNN/NCCL
 # kernels loaded on first use: typically 400-600 MiB per process on A100/H100 (nvidia-smi minus
 # torch.cuda.memory_reserved right after initialisation).
@@ -167,4 +169,4 @@ def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:
 def p2p_tensor_bytes(L: Layout) -> int:
     """Bytes of one activation sent between pipeline stages: [s/CP, b, h], /TP under SP."""
     tokens = (L.seq_length // L.cp) * L.micro_batch_size // (L.tp if L.sequence_parallel else 1)
-    return tokens * L.hidden_size * L.precision.bytes_of(TensorKind.ACTIVATION)
+    return tokens * L.hidden_size * L.precision.bytes_of(_ACTIVATION)

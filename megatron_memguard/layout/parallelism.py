@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class ShardGroup(Enum):
+class ShardGroup(str, Enum):
     """A group of ranks that shards (splits rather than replicates) some model state."""
 
     # The distributed optimizer's group for dense parameters: DP x CP ranks, split into
     # --num-distributed-optimizer-instances replicas (megatron/core/parallel_state.py,
     # get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)).
     DENSE_DP = "dense_dp"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class Parallelism:
 
     def shard_size(self, group: ShardGroup) -> int:
         """Ranks ``group`` shards its state over (1: every rank holds all of it)."""
-        if group is ShardGroup.DENSE_DP:
-            return max(1, self.data_parallel_size * self.context_parallel_size // self.num_distributed_optimizer_instances)
-        raise ValueError(f"no shard size for {group!r}")
+        sizes = self.__dict__.get("_shard_sizes")
+        if sizes is None:
+            # worked out once per (frozen) Parallelism: the estimator asks per chunk and stage
+            sizes = self.__dict__["_shard_sizes"] = {
+                ShardGroup.DENSE_DP: max(1, self.data_parallel_size * self.context_parallel_size
+                                         // self.num_distributed_optimizer_instances),
+            }
+        return sizes[group]

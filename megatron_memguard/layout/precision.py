@@ -48,25 +48,27 @@ class Precision:
     exp_avg_sq_dtype: str
 
     def dtype_of(self, kind: TensorKind) -> str:
-        if kind is TensorKind.PARAM:
-            return self.params_dtype
-        if kind is TensorKind.ACTIVATION:
-            return self.autocast_dtype or self.params_dtype
-        if kind is TensorKind.GRAD_REDUCE:
-            return "fp32" if self.accumulate_allreduce_grads_in_fp32 else self.params_dtype
-        if kind is TensorKind.MAIN_GRAD:
-            if self.use_precision_aware_optimizer and self.main_grads_dtype == "bf16":
-                return "bf16"
-            return self.dtype_of(TensorKind.GRAD_REDUCE)
-        if kind is TensorKind.MAIN_PARAM:
-            return self.main_params_dtype if self.use_precision_aware_optimizer else "fp32"
-        if kind is TensorKind.EXP_AVG:
-            return self.exp_avg_dtype
-        if kind is TensorKind.EXP_AVG_SQ:
-            return self.exp_avg_sq_dtype
-        if kind is TensorKind.MOMENTUM:
-            return "fp32"
-        raise ValueError(f"no dtype for {kind!r}")
+        return self._tables()[0][kind]
 
     def bytes_of(self, kind: TensorKind) -> int:
-        return DTYPE_BYTES[self.dtype_of(kind)]
+        return self._tables()[1][kind]
+
+    def _tables(self) -> tuple[dict[TensorKind, str], dict[TensorKind, int]]:
+        # Every kind's dtype, worked out once per (frozen) Precision: the estimator asks per stage.
+        t = self.__dict__.get("_tables_")
+        if t is None:
+            grad_reduce = "fp32" if self.accumulate_allreduce_grads_in_fp32 else self.params_dtype
+            dtypes = {
+                TensorKind.PARAM: self.params_dtype,
+                TensorKind.ACTIVATION: self.autocast_dtype or self.params_dtype,
+                TensorKind.GRAD_REDUCE: grad_reduce,
+                # --main-grads-dtype bf16 (precision-aware optimizer) allocates the buffer in bf16
+                TensorKind.MAIN_GRAD: ("bf16" if self.use_precision_aware_optimizer and self.main_grads_dtype == "bf16"
+                                       else grad_reduce),
+                TensorKind.MAIN_PARAM: self.main_params_dtype if self.use_precision_aware_optimizer else "fp32",
+                TensorKind.EXP_AVG: self.exp_avg_dtype,
+                TensorKind.EXP_AVG_SQ: self.exp_avg_sq_dtype,
+                TensorKind.MOMENTUM: "fp32",
+            }
+            t = self.__dict__["_tables_"] = (dtypes, {k: DTYPE_BYTES[v] for k, v in dtypes.items()})
+        return t
