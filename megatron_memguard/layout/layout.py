@@ -224,9 +224,10 @@ def _build(t: type, values: dict[str, Any]) -> Any:
 
 
 class _Flat:
-    """A flat Megatron name read from its part. A non-data descriptor: the first read stores the
-    value in the instance, so later reads are plain attribute reads (the estimator reads these in
-    its inner loops); writing is refused by the frozen dataclass like any other attribute."""
+    """A flat Megatron name read from its part. Building a Layout already stores every flat value
+    in the instance (the estimator reads them in its inner loops, where a property call per read is
+    the cost); this non-data descriptor is the fallback and stores the value at its first read.
+    Writing is refused by the frozen dataclass like any other attribute."""
 
     __slots__ = ("part", "name")
 
@@ -246,7 +247,5 @@ for _name, _part in FLAT.items():
         setattr(Layout, _name, _Flat(_part, _name))
 
 # flat names a Layout cannot be built without (no default in their part), in JSON order
-FLAT_REQUIRED: tuple[str, ...] = tuple(
-    n for n in FLAT_NAMES
-    if n in {f.name for t in PARTS.values() for f in dataclasses.fields(t)
-             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING})
+FLAT_REQUIRED: tuple[str, ...] = tuple(n for n in FLAT_NAMES if n in _PART_NAMES and not any(
+    n in defaults for defaults in _PART_DEFAULTS.values()))
