@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from dataclasses import replace as dc_replace
 from typing import Any, Iterable
 
 from ..config import RawConfig
@@ -264,8 +263,8 @@ class ModelShape:
         key = ("layout", tp)
         hit = self._per_tp.get(key)
         if hit is None:
-            hit = self._per_tp[key] = self.layout if tp == self.layout.tp else dc_replace(
-                self.layout, tensor_model_parallel_size=tp)
+            hit = self._per_tp[key] = self.layout if tp == self.layout.tp else self.layout.replace(
+                tensor_model_parallel_size=tp)
         return hit
 
     def layer_params_per_rank(self, tp: int) -> int:

@@ -75,14 +75,7 @@ def norm_stats(L: Layout, n_tokens: int) -> int:
 
 def wgrad(L: Layout, rows: int, cols: int) -> int:
     """A weight gradient materialised before it is added to main_grad (no fused accumulation)."""
-    return 0 if _fused_wgrad()(L) else rows * cols * L.act_bytes
-
-
-@lru_cache(maxsize=1)
-def _fused_wgrad():
-    # head.py imports this package (through activations.py): imported on first use, once
-    from ..head import fused_wgrad
-    return fused_wgrad
+    return 0 if L.fused_wgrad else rows * cols * L.act_bytes
 
 
 class MixerActivations(NamedTuple):
