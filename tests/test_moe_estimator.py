@@ -1,4 +1,4 @@
-"""The MoE estimator functions (megatron_memguard/estimator/moe.py) against numbers one can redo by hand
+"""The MoE estimator functions (megatron_memguard/estimator/layers/moe.py) against numbers one can redo by hand
 and against the CPU referee's measurements on real megatron-core 0.16.1
 (benchmarks/results/referee-moe-measured.json, written by benchmarks/referee/moe_grid.py; what each
 module keeps is derived in benchmarks/referee/MOE-NOTES.md)."""
@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields
-
 import pytest
 
 from megatron_memguard.errors import ConfigError
-from megatron_memguard.estimator.moe import (
+from megatron_memguard.estimator.layers.moe import (
     MoeSpec, expert_data_parallel_size, expert_rows, experts_use_expert_buffer, moe_activations,
     moe_layers_in, moe_mlp_params, parse_moe_layer_freq, tokens_per_rank,
 )
-from megatron_memguard.estimator.params import chunk_params, layer_params
+from benchmarks.referee.grid import resolve_config
+from benchmarks.referee.moe_grid import MOE_GRID
+from megatron_memguard.estimator.params import chunk_params
 from megatron_memguard.layout import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,23 +28,11 @@ def _referee() -> dict:
         return {c["name"]: c for c in json.load(f)["configs"] if c.get("status") == "ok"}
 
 
-def _layout(settings: dict) -> Layout:
-    names = {f.name for f in fields(Layout)}
-    kw = {k: v for k, v in settings.items() if k in names}
-    kw["recompute_modules"] = tuple(kw.get("recompute_modules") or ())
-    kw["env"] = tuple(sorted((kw.get("env") or {}).items())) if isinstance(kw.get("env"), dict) else tuple(kw.get("env") or ())
-    kw["notes"] = ()
-    return Layout(**kw)
-
-
-def _spec(settings: dict) -> MoeSpec:
-    kw = {k: v for k, v in settings.items() if k.startswith("moe_") or k in (
-        "num_experts", "expert_model_parallel_size", "expert_tensor_parallel_size")}
-    freq = kw.pop("moe_layer_freq", 1)
-    return MoeSpec.from_flat(num_layers=settings["num_layers"], ffn_hidden_size=settings["ffn_hidden_size"],
-                             tensor_model_parallel_size=settings["tensor_model_parallel_size"],
-                             moe_layer_freq=freq, recompute_modules=tuple(settings.get("recompute_modules") or ()),
-                             **kw)
+def _resolved(name: str) -> tuple[Layout, MoeSpec]:
+    """The referee configuration's flags resolved by memguard (its MoE section included)."""
+    cfg = next(c for c in MOE_GRID if c["name"] == name)
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+    return L, L.moe
 
 
 # ---- which layers are MoE (megatron/training/arguments.py moe_freq_type) ----------------------------
@@ -90,16 +78,12 @@ def test_which_version_puts_experts_in_the_expert_buffer():
 
 # ---- parameters (MOE-NOTES.md "Parameters and persistent memory", measured on every rank) -------------
 def _rank_params(L: Layout, m: MoeSpec, pp_rank: int = 0) -> tuple[int, int]:
-    """(all, expert) parameters of one rank: the dense chunk with every MoE layer's MLP swapped."""
-    dense_mlp = sum(p.numel for p in layer_params(L) if ".mlp." in "." + p.name or "pre_mlp" in p.name
-                    or "linear_fc1.layer_norm" in p.name)
-    moe = moe_mlp_params(L, m)
+    """(all, expert) parameters of one rank: its chunks' parameters (the MoE recipe on MoE layers)."""
     total = expert = 0
     for c in L.stage_chunks(pp_rank):
-        total += sum(p.numel for p in chunk_params(L, c))
-        n_moe = moe_layers_in(m.moe_layer_pattern, c.first_layer, c.num_layers)
-        total += n_moe * (sum(p.numel for p in moe) - dense_mlp)
-        expert += n_moe * sum(p.numel for p in moe if p.expert)
+        ps = chunk_params(L, c)
+        total += sum(p.numel for p in ps)
+        expert += sum(p.numel for p in ps if p.expert)
     return total, expert
 
 
@@ -107,7 +91,7 @@ def _rank_params(L: Layout, m: MoeSpec, pp_rank: int = 0) -> tuple[int, int]:
                                   "moe_tp2_sp_ep2", "moe_tp2_sp_ep2_etp1", "moe_pp2_ep2", "moe_ep2_shared_gate"])
 def test_parameters_per_rank_equal_the_referee(name):
     c = _referee()[name]
-    L, m = _layout(c["settings"]), _spec(c["settings"])
+    L, m = _resolved(name)
     for r in c["ranks"]:
         total, expert = _rank_params(L, m, r["pp_rank"])
         assert total == r["num_params"], (name, r["rank"])
@@ -118,11 +102,9 @@ def test_parameters_per_rank_equal_the_referee(name):
 def test_parameters_by_hand():
     # MOE-NOTES.md: 2·V·h + 4·(2h + h(h+2·128) + h² + E·h + E_l·3·F·h) + h = 8,067,328 with V 8064,
     # h 256, E 4, E_l 2, F 512; dense-first [0,1,1,1]: 7,771,392; expert params 4·2·3·F·h = 3,145,728
-    c = _referee()["moe_ep2_alltoall"]
-    L, m = _layout(c["settings"]), _spec(c["settings"])
+    L, m = _resolved("moe_ep2_alltoall")
     assert _rank_params(L, m) == (8_067_328, 3_145_728)
-    c = _referee()["moe_ep2_dense_first"]
-    assert _rank_params(_layout(c["settings"]), _spec(c["settings"]))[0] == 7_771_392
+    assert _rank_params(*_resolved("moe_ep2_dense_first"))[0] == 7_771_392
 
 
 # ---- tokens ------------------------------------------------------------------------------------------
@@ -139,7 +121,7 @@ def test_expert_rows_balanced_worst_and_capacity():
     # the referee's dropless runs stay within the worst-case bound
     for name in ("moe_ep2_alltoall", "moe_tp2_sp_ep2_etp1", "moe_ep2_shared"):
         c = _referee()[name]
-        L, m = _layout(c["settings"]), _spec(c["settings"])
+        L, m = _resolved(name)
         bound = expert_rows(m, tokens_per_rank(L)).worst
         assert max(rec["expert_input_rows"] for r in c["ranks"] for rec in r["routing"]) <= bound
 
@@ -160,7 +142,7 @@ def test_saved_and_held_bytes_equal_the_referee_per_layer():
         s = c["settings"]
         if "moe" in (s.get("recompute_modules") or []):
             continue
-        L, m = _layout(s), _spec(s)
+        L, m = _resolved(name)
         for r in c["ranks"]:
             if " L" in r["peak_phase"]:
                 continue   # the peak is inside a layer: its transients are live too
@@ -182,8 +164,7 @@ def test_saved_and_held_bytes_equal_the_referee_per_layer():
 def test_recompute_moe_keeps_only_the_dispatcher_state():
     # MOE-NOTES.md: with --recompute-modules moe the layer keeps (p+1)·T·E + 8·T·k = 14,336 B per MoE
     # layer (the int64 mapping is the checkpointed forward's, held by the dispatcher)
-    c = _referee()["moe_ep2_recompute_moe"]
-    L, m = _layout(c["settings"]), _spec(c["settings"])
+    L, m = _resolved("moe_ep2_recompute_moe")
     a = moe_activations(L, m)
     # held: probs bf16 + bool map [T, E] = 3·512·4, and the checkpoint's input and its gradient after
     # the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 = 4 layers x 524,288)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from megatron_memguard.errors import ConfigError, NotModelledError
-from megatron_memguard.moe_rules import read_moe
+from megatron_memguard.resolve.moe import read_moe
 
 
 class _Reader:

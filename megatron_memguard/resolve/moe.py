@@ -1,4 +1,4 @@
-"""Megatron's mixture-of-experts rules, read from the user's settings into a ``MoeSpec``.
+"""Section: mixture of experts. Megatron's MoE rules, read from the user's settings into a ``MoeSpec``.
 
 Mirrors ``validate_args`` (megatron/training/arguments.py: num_experts 0 means dense, moe_ffn_hidden_size
 defaults to ffn_hidden_size, EP divides the experts, ETP defaults to TP), ``initialize_model_parallel``
@@ -11,11 +11,11 @@ error naming the flag the user wrote.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
-from .errors import NotModelledError
-from .estimator.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
-from .errors import ConfigError
+from ..errors import ConfigError, NotModelledError
+from ..estimator.layers.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
+from .args import Args, Context
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
@@ -176,3 +176,16 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
         overlap_moe_expert_parallel_comm=a2a_overlap,
     )
+
+
+def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """The ``moe`` part (None for a dense model) and the expert-parallel sizes of the parallel part."""
+    tp = kw["tensor_model_parallel_size"]
+    spec = read_moe(a, num_layers=kw["num_layers"], ffn_hidden_size=kw["ffn_hidden_size"], tp=tp,
+                    pp=kw["pipeline_model_parallel_size"], world_size=kw["world_size"],
+                    sequence_parallel=kw["sequence_parallel"], add_bias_linear=kw["add_bias_linear"],
+                    recompute_modules=tuple(kw.get("recompute_modules") or ()),
+                    recompute_granularity=kw.get("recompute_granularity"))
+    if spec is None:
+        return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)

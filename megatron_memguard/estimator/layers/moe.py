@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 DISPATCHERS = ("allgather", "alltoall", "flex")
 _ROUTER_BYTES = {"fp32": 4, "fp64": 8}
@@ -149,7 +149,7 @@ def moe_layers_in(pattern: tuple[bool, ...], first_layer: int, num_layers: int) 
 
 
 # ----------------------------------------------------------------------------------------------
-# the spec
+# the spec (the Layout's ``moe`` part)
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MoeSpec:
@@ -202,6 +202,20 @@ class MoeSpec:
                    moe_layer_pattern=parse_moe_layer_freq(moe_layer_freq if moe_layer_freq is not None else 1, num_layers),
                    moe_router_load_balancing_type=str(lbt), moe_aux_loss_coeff=float(coeff),
                    moe_recompute=rec, **clean)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``layout.moe`` of ``memguard estimate --json``): the fields, lists for tuples."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
+        d["moe_recompute"] = list(self.moe_recompute)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MoeSpec":
+        kw = dict(d)
+        kw["moe_layer_pattern"] = tuple(bool(v) for v in kw.get("moe_layer_pattern", ()))
+        kw["moe_recompute"] = tuple(kw.get("moe_recompute", ()))
+        return cls(**kw)
 
     # ----- derived -----
     @property
@@ -419,8 +433,10 @@ def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
     return out
 
 
-def moe_activations(L: Any, m: MoeSpec, rows: int | None = None) -> MoeActivations:
-    """One MoE layer's MLP half, one micro-batch, no full recompute. ``rows``: N (default: balanced).
+def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | frozenset | None = None) -> MoeActivations:
+    """One MoE layer's MLP half, one micro-batch, no full recompute. ``rows``: N (default: balanced, or
+    the worst case with ``m.routing == "worst"``); ``mods``: the selectively recomputed modules (default
+    the spec's).
 
     Replaces the dense MLP's fc1_output / activation / fc2_input items; the pre-MLP norm's input,
     statistics and output (the router's and the shared expert's input) stay with the dense layer."""
@@ -435,7 +451,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None) -> MoeActivatio
         N = rows
     g = 2 if L.gated_linear_unit else 1
     Fr = m.moe_ffn_hidden_size // etp
-    rec = set(m.moe_recompute)
+    rec = set(m.moe_recompute) if mods is None else set(mods)
     drop_pad = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is not None
     saved: dict[str, int] = dict(router_saved(L, m, T))
     disp = m.moe_token_dispatcher_type
@@ -536,3 +552,70 @@ def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
     N = T * m.moe_router_topk * m.etp
     F = m.moe_ffn_hidden_size // m.etp
     return kept + e * N * h + e * N * (2 if L.gated_linear_unit else 1) * F + e * N * F
+
+
+# ----------------------------------------------------------------------------------------------
+# the recipe of the MLP kind "moe" (see layers/base.py): what estimator/activations.py, params.py,
+# overheads.py and the planner ask of every MLP kind
+# ----------------------------------------------------------------------------------------------
+def _spec(L: Any) -> MoeSpec:
+    return L.moe
+
+
+def params(L: Any, prefix: str = "") -> list:
+    """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts);
+    routed experts carry ``expert=True`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
+    from .base import Param
+    return [Param(p.name, p.numel, tp_replicated=p.tp_replicated, expert=p.expert) for p in moe_mlp_params(L, _spec(L), prefix)]
+
+
+def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
+    """[out, in] per rank of the expert and shared-expert linears (TE modules: their weight shapes key
+    TE's cached dummy weight gradients under gradient-accumulation fusion)."""
+    m = _spec(L)
+    h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
+    F = m.moe_ffn_hidden_size // m.etp
+    out = {"experts.linear_fc1": (g * F, h), "experts.linear_fc2": (h, F)}
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        out["shared_experts.linear_fc1"] = (g * Fs // L.tp, h)
+        out["shared_experts.linear_fc2"] = (h, Fs // L.tp)
+    return out
+
+
+def param_count(L: Any) -> int:
+    """Parameters of one MoE layer's MLP in the whole model (every expert, no split)."""
+    m = _spec(L)
+    h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
+    E, F = m.num_experts, m.moe_ffn_hidden_size
+    n = (2 if L.normalization == "LayerNorm" else 1) * h + E * h + E * (g + 1) * F * h
+    if L.add_bias_linear:
+        n += E + E * (g * F + h)
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        n += (g + 1) * Fs * h + (h if m.moe_shared_expert_gate else 0)
+    return n
+
+
+def activations(L: Any, mods: set, G: int) -> "MlpActivations":
+    """The MoE MLP's share of a layer (see ``moe_activations``): router, dispatcher, experts and shared
+    experts; ``G``: the gradient of the layer output. The dispatcher's held state is a stage term
+    (``held_bytes``), not a saved tensor."""
+    from .base import MlpActivations
+    a = moe_activations(L, L.moe, mods=mods)
+    names = frozenset(a.saved)
+    own_G = L.act_bytes * tokens_per_rank(L) * L.hidden_size
+    extra = 0
+    if L.moe.overlap_moe_expert_parallel_comm:
+        # the combined 1F1B schedule runs a forward layer of the next micro-batch next to each backward
+        # layer: about one more layer's MoE tensors alive during the backward (moe-fp8.md 1.11, derived)
+        extra = a.total
+    bwd = tuple((rel, w - own_G + G + extra) for rel, w in a.bwd_steps)
+    return MlpActivations(saved=a.saved, names=names, bwd_steps=bwd, released=names,
+                          fwd_steps=((frozenset(), a.fwd_transient),))
+
+
+def held_bytes(L: Any) -> int:
+    """What one MoE layer's dispatcher keeps from one forward to the next (moe_dispatcher_state)."""
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    return moe_activations(L, L.moe, mods=mods).held
