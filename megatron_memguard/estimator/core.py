@@ -482,6 +482,29 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
+def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gpu_name: str | None,
+                   dp_rank: int | str, site: SiteConstants) -> tuple[StageEstimate, ...]:
+    """The stages with their ``moe`` figures: the expert rows per MoE layer and micro-batch under
+    balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
+    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak with the
+    worst case (the same schedule replayed with the worst rows)."""
+    import dataclasses
+    from .layers.moe import expert_rows, tokens_per_rank
+    rows = expert_rows(L.moe, tokens_per_rank(L))
+    if rows.worst != rows.balanced:
+        Lw = L.replace(moe=dataclasses.replace(L.moe, routing="worst"))
+        worst = [estimate_stage(Lw, r, device, gpu_name, dp_rank, site) for r in range(L.pp)]
+    else:
+        worst = list(stages)
+    out = []
+    for s, w in zip(stages, worst):
+        moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+               "worst_case": {"peak_allocated_bytes": w.peak_allocated_bytes, "peak_reserved_bytes": w.peak_reserved_bytes,
+                              "device_total_bytes": w.device_total_bytes, "peak_phase": w.peak_phase}}
+        out.append(dataclasses.replace(s, moe=moe))
+    return tuple(out)
+
+
 def estimate(
     layout: Layout,
     profile: str = "auto",
@@ -516,6 +539,8 @@ def estimate(
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
+    if L.moe is not None:
+        stages = moe_worst_case(L, stages, device, gpu_name, dp_rank, site)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,

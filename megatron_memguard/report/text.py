@@ -1,6 +1,8 @@
 """Terminal tables: a per-stage summary, the breakdown of the critical stage, the verdict."""
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import re
 import sys
@@ -123,6 +125,8 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
     for s in stages:
         out.append(f"pp{s.pp_rank} at its peak: {s.peak_phase}")
         out.append(breakdown(s, detail))
+        if s.moe:
+            out.append(moe_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
         out.append(layer_table(est))
@@ -132,6 +136,14 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
         out.append("")
         out.extend(f"note: {n}" for n in est.notes)
     return "\n".join(out)
+
+
+def moe_line(s: Any) -> str:
+    """The MoE routing the estimate assumes, and the stage's peak in the dispatcher's worst case."""
+    m, w = s.moe, s.moe["worst_case"]
+    return (f"MoE routing: balanced, {m['expert_rows_balanced']:,} token rows per MoE layer and micro-batch on this "
+            f"rank's experts (the estimate); worst case ({m['routing']}): {m['expert_rows_worst']:,} rows, "
+            f"peak allocated {format_bytes(w['peak_allocated_bytes'])}, device total {format_bytes(w['device_total_bytes'])}")
 
 
 def verdict_line(est: Estimate, colour: bool = False) -> str:
