@@ -170,3 +170,38 @@ def test_recompute_moe_keeps_only_the_dispatcher_state():
     # the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 = 4 layers x 524,288)
     assert a.total == 0 and a.held == 3 * 512 * 4 + 4 * 512 * 256
     assert (149_496_824 - 147_399_672) // 4 == 4 * 512 * 256
+
+
+# ---- the worst case next to the estimate ---------------------------------------------------------------
+def test_worst_case_is_reported_and_bounds_the_estimate():
+    from megatron_memguard import estimate
+    L, m = _resolved("moe_ep2_alltoall")
+    for st in estimate(L, profile="local", device="cpu").stages:
+        w = st.moe["worst_case"]
+        # T 512, k 2, EP 2, 2 local experts: balanced 1,024 rows, worst 512 x 2 x min(2, 2) = 2,048
+        assert (st.moe["expert_rows_balanced"], st.moe["expert_rows_worst"]) == (1024, 2048)
+        assert w["peak_allocated_bytes"] > st.peak_allocated_bytes
+        # the referee's measured peaks (routing 1.2-1.4x balanced) lie between the two
+        for r in _referee()["moe_ep2_alltoall"]["ranks"]:
+            assert st.peak_allocated_bytes * 0.97 <= r["peak_bytes"] <= w["peak_allocated_bytes"]
+    # drop-and-pad: the rows are fixed, the worst case is the estimate
+    L, m = _resolved("moe_ep2_capacity_pad")
+    st = estimate(L, profile="local", device="cpu").stages[0]
+    assert st.moe["worst_case"]["peak_allocated_bytes"] == st.peak_allocated_bytes
+    # dense models have no moe figures
+    assert "moe" not in estimate(resolve_config(MOE_GRID[0]["dense_flags"], 1)[0]).stages[0].to_dict()
+
+
+def test_dense_layers_of_a_moe_model_keep_the_dense_recipe():
+    # --moe-layer-freq 2 on 4 layers: layers 0 and 2 MoE, 1 and 3 dense; a dense layer's parameters are the
+    # dense model's, an MoE layer's MLP is the router plus E/EP experts
+    from megatron_memguard.estimator.params import layer_params
+    from megatron_memguard.partition import MLP_DENSE, MLP_MOE
+    L, m = _resolved("moe_ep2_alltoall")
+    L2 = L.replace(moe=__import__("dataclasses").replace(m, moe_layer_pattern=(True, False, True, False)))
+    kinds = [c.layer_kinds for c in L2.chunks][0]
+    assert [k.mlp for k in kinds] == [MLP_MOE, MLP_DENSE, MLP_MOE, MLP_DENSE]
+    dense = sum(p.numel for p in layer_params(L2, kind=kinds[1]))
+    moe = sum(p.numel for p in layer_params(L2, kind=kinds[0]))
+    # MOE-NOTES.md: dense MLP 3·h·640, MoE MLP E·h + E_l·3·F·h (h 256, F 512, E 4, E_l 2)
+    assert moe - dense == 4 * 256 + 2 * 3 * 512 * 256 - 3 * 256 * 640

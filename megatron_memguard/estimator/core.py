@@ -486,21 +486,29 @@ def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gp
                    dp_rank: int | str, site: SiteConstants) -> tuple[StageEstimate, ...]:
     """The stages with their ``moe`` figures: the expert rows per MoE layer and micro-batch under
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
-    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak with the
-    worst case (the same schedule replayed with the worst rows)."""
+    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak at the same
+    moment of the schedule with the worst-case rows: the MoE layers in flight keep their worst-case
+    bytes and the working set grows by the worst-case layer's (no second schedule replay: the estimate
+    of a 1,024-GPU DeepSeek-V3 layout stays one replay per stage)."""
     import dataclasses
-    from .layers.moe import expert_rows, tokens_per_rank
+    from .layers.moe import expert_rows, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
-    if rows.worst != rows.balanced:
-        Lw = L.replace(moe=dataclasses.replace(L.moe, routing="worst"))
-        worst = [estimate_stage(Lw, r, device, gpu_name, dp_rank, site) for r in range(L.pp)]
-    else:
-        worst = list(stages)
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    bal = moe_activations(L, L.moe, rows=rows.balanced, mods=mods)
+    wst = moe_activations(L, L.moe, rows=rows.worst, mods=mods)
+    d_work = max(wst.fwd_transient - bal.fwd_transient,
+                 max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
+    frag = site.allocator_fragmentation if device == "gpu" else 0.0
     out = []
-    for s, w in zip(stages, worst):
+    for s in stages:
+        held = s.breakdown.get("moe_layer_activations", 0)
+        grow = (held * wst.total // bal.total - held) if bal.total else 0
+        extra = grow + (d_work if held else 0)
+        extra_reserved = extra + int(extra * frag)
         moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
-               "worst_case": {"peak_allocated_bytes": w.peak_allocated_bytes, "peak_reserved_bytes": w.peak_reserved_bytes,
-                              "device_total_bytes": w.device_total_bytes, "peak_phase": w.peak_phase}}
+               "worst_case": {"peak_allocated_bytes": s.peak_allocated_bytes + extra,
+                              "peak_reserved_bytes": s.peak_reserved_bytes + extra_reserved,
+                              "device_total_bytes": s.device_total_bytes + extra_reserved, "peak_phase": s.peak_phase}}
         out.append(dataclasses.replace(s, moe=moe))
     return tuple(out)
 
