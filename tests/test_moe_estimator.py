@@ -205,3 +205,34 @@ def test_dense_layers_of_a_moe_model_keep_the_dense_recipe():
     moe = sum(p.numel for p in layer_params(L2, kind=kinds[0]))
     # MOE-NOTES.md: dense MLP 3·h·640, MoE MLP E·h + E_l·3·F·h (h 256, F 512, E 4, E_l 2)
     assert moe - dense == 4 * 256 + 2 * 3 * 512 * 256 - 3 * 256 * 640
+
+
+# ---- whole-model parameter counts of published MoE models -------------------------------------------
+def _counts() -> dict:
+    with open(os.path.join(ROOT, "tests", "data", "moe_reference_counts.json")) as f:
+        return json.load(f)["models"]
+
+
+def test_mixtral_8x7b_parameters():
+    # 46,702,792,704: Mixtral-8x7B as transformers builds it from its config.json (tests/data/moe_reference_counts.json)
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.params import total_parameters
+    flags = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+             "--num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 --swiglu --normalization RMSNorm "
+             "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope --num-experts 8 "
+             "--moe-router-topk 2 --tokenizer-type NullTokenizer --vocab-size 32000 --micro-batch-size 1 --bf16 "
+             "--expert-model-parallel-size 8").split()
+    L = layout_from_flags(flags, world_size=64, megatron_version="0.19")
+    assert total_parameters(L) == _counts()["mixtral-8x7b"]["num_parameters"] == 46_702_792_704
+
+
+def test_deepseek_v3_parameters():
+    # 671,026,404,352 (transformers' DeepseekV3ForCausalLM on the meta device, MTP not built): MLA with the
+    # latent norms (--qk-layernorm), 3 dense layers, 58 MoE layers of 256 experts + 1 shared
+    import sys
+    sys.path.insert(0, ROOT)
+    from benchmarks.estimate_speed import DEEPSEEK_V3
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.params import total_parameters
+    L = layout_from_flags(DEEPSEEK_V3 + ["--qk-layernorm"], world_size=1024, megatron_version="0.19")
+    assert total_parameters(L) == _counts()["deepseek-v3"]["num_parameters"] == 671_026_404_352
