@@ -236,3 +236,63 @@ def test_deepseek_v3_parameters():
     from megatron_memguard.estimator.params import total_parameters
     L = layout_from_flags(DEEPSEEK_V3 + ["--qk-layernorm"], world_size=1024, megatron_version="0.19")
     assert total_parameters(L) == _counts()["deepseek-v3"]["num_parameters"] == 671_026_404_352
+
+
+# ---- properties over MoE layouts Megatron accepts -------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+MOE_PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=60)
+
+
+@st.composite
+def moe_flags(draw):
+    tp = draw(st.sampled_from([1, 2]))
+    pp = draw(st.sampled_from([1, 2]))
+    E = draw(st.sampled_from([2, 4, 8, 16]))
+    ep = draw(st.sampled_from([d for d in (1, 2, 4, 8) if E % d == 0]))
+    etp = draw(st.sampled_from(sorted({1, tp})))
+    k = draw(st.integers(1, min(4, E)))
+    world = pp * max(tp, etp * ep) * draw(st.sampled_from([1, 2]))
+    world = world * (etp * ep * pp) // __import__("math").gcd(world, etp * ep * pp)   # lcm: both grids divide
+    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+             "--max-position-embeddings", "256", "--micro-batch-size", str(draw(st.sampled_from([1, 2]))),
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--bf16", "--disable-bias-linear",
+             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+             "--num-experts", str(E), "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
+             "--moe-router-topk", str(k), "--moe-ffn-hidden-size", "512",
+             "--moe-token-dispatcher-type", draw(st.sampled_from(["allgather", "alltoall"])),
+             "--moe-layer-freq", draw(st.sampled_from(["1", "2", "([0]*1+[1]*3)"]))]
+    if tp > 1:
+        flags.append("--sequence-parallel")
+    if k == 1:
+        flags.append("--moe-router-pre-softmax")
+    for opt in ("--moe-grouped-gemm", "--use-distributed-optimizer", "--swiglu", "--moe-permute-fusion"):
+        if draw(st.booleans()):
+            flags.append(opt)
+    if draw(st.booleans()):
+        flags += ["--moe-shared-expert-intermediate-size", "256"]
+    return flags, world
+
+
+@MOE_PROPERTY
+@given(moe_flags())
+def test_every_moe_layout_estimates_consistently(fw):
+    from megatron_memguard import estimate, layout_from_flags
+    flags, world = fw
+    L = layout_from_flags(flags, world_size=world, megatron_version="0.19")
+    est = estimate(L, gpu_memory=80 * 2**30)
+    m = L.moe
+    for s in est.stages:
+        assert all(t.bytes >= 0 for t in s.terms)
+        assert sum(t.bytes for t in s.terms if t.level == "allocated") == s.peak_allocated_bytes
+        assert s.moe["worst_case"]["peak_allocated_bytes"] >= s.peak_allocated_bytes
+        assert s.moe["expert_rows_worst"] >= s.moe["expert_rows_balanced"] == tokens_per_rank(L) * m.moe_router_topk * m.etp
+    # the experts of one rank: E/EP local experts of width F/ETP, (g+1)·F·h/ETP each, on every MoE layer
+    g = 2 if L.gated_linear_unit else 1
+    experts = sum(p.numel for c in L.chunks for p in chunk_params(L, c) if p.expert)   # every stage
+    assert experts == m.num_moe_layers * m.local_experts * (g + 1) * 512 * 256 // m.etp
+    # doubling EP halves a rank's expert parameters and leaves the dense ones
+    if m.num_experts % (2 * m.ep) == 0:
+        L2 = L.replace(moe=__import__("dataclasses").replace(m, expert_model_parallel_size=2 * m.ep))
+        e2 = sum(p.numel for c in L2.chunks for p in chunk_params(L2, c) if p.expert)
+        assert 2 * e2 == experts
