@@ -102,12 +102,21 @@ def layer_table(est: Estimate) -> str:
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
         L = L.replace(transformer_impl=est.profile)
-    la = layer_activations(L)
-    rows = [[name, format_bytes(v)] for name, v in la.saved.items()]
-    rows.append(["= per layer and micro-batch", format_bytes(la.total)])
-    rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
-    rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
-    return table(rows, ["saved tensor (one layer, one micro-batch)", "bytes"], right=(1,))
+    if L.moe is None:
+        kinds = [None]
+    else:   # one table per kind of layer the model has (dense and MoE layers)
+        from ..partition import layer_kinds
+        kinds = list(dict.fromkeys(layer_kinds(L)))
+    out = []
+    for kind in kinds:
+        la = layer_activations(L, True, kind)
+        rows = [[name, format_bytes(v)] for name, v in la.saved.items()]
+        rows.append(["= per layer and micro-batch", format_bytes(la.total)])
+        rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
+        rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
+        what = "one layer" if kind is None else f"one {kind.mlp} layer"
+        out.append(table(rows, [f"saved tensor ({what}, one micro-batch)", "bytes"], right=(1,)))
+    return "\n\n".join(out)
 
 
 def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_stages: bool = False) -> str:
