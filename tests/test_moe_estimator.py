@@ -47,7 +47,8 @@ def test_layer_freq_int_and_list_expressions():
     assert moe_layers_in(pat, 0, 4) == 1 and moe_layers_in(pat, 4, 4) == 4
 
 
-@pytest.mark.parametrize("value", ["([0]*3+[1]*4)", "[2,1]", "__import__('os')", "0", "[1]*", True])
+@pytest.mark.parametrize("value", ["([0]*3+[1]*4)", "[2,1]", "__import__('os')", "0", "[1]*", True,
+                                   "(" * 3000 + "[1]" + ")" * 3000, "+".join(["[1]*99999"] * 900), "[1]*999999"])
 def test_layer_freq_rejects_with_the_flag_named(value):
     with pytest.raises(ConfigError) as e:
         parse_moe_layer_freq(value, 8)

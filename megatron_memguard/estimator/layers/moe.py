@@ -69,8 +69,15 @@ def parse_moe_layer_freq(value: Any, num_layers: int, key: str = "--moe-layer-fr
 def _eval_list_expr(text: str, key: str) -> list[int]:
     """Read ``([0]*3+[1]*5)``-style expressions without eval() (Megatron evals the string): lists of
     numbers, ``*`` repetition, ``+`` concatenation and parentheses, nothing else."""
-    if len(text) > 10_000 or not _LIST_EXPR.fullmatch(text):
+    if len(text) > 10_000:
+        raise ConfigError(key, f"list expression is longer than 10,000 characters ({len(text):,})")
+    if not _LIST_EXPR.fullmatch(text):
         raise ConfigError(key, f"list expression may only use [ ] ( ) , * + and digits, got {text[:60]!r}")
+    depth = 0
+    for ch in text:   # the reader below recurses per parenthesis
+        depth += (ch == "(") - (ch == ")")
+        if depth > 100:
+            raise ConfigError(key, "list expression nests parentheses more than 100 deep")
     pos = 0
 
     def bad(what: str) -> ConfigError:
@@ -131,6 +138,8 @@ def _eval_list_expr(text: str, key: str) -> list[int]:
             w = term()
             if isinstance(v, list) != isinstance(w, list):
                 raise bad("list + number")
+            if isinstance(v, list) and len(v) + len(w) > 100_000:
+                raise ConfigError(key, "list expression expands to more than 100,000 entries")
             v = v + w
         return v
 
