@@ -114,3 +114,10 @@ def test_expert_parallel_overlap_rules():
     assert errors == ["--overlap-moe-expert-parallel-comm: needs the alltoall or flex token dispatcher"]
     with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
         _read({"pp": 2}, **ok)
+
+
+def test_capacity_factor_is_bounded():
+    spec, errors = _read(num_experts=4, moe_expert_capacity_factor=1e300)
+    assert spec is None and errors[0].startswith("--moe-expert-capacity-factor: must be <= 1,000")
+    spec, errors = _read(num_experts=4, moe_expert_capacity_factor=-1.0)     # negative: dropless
+    assert errors == [] and spec.moe_expert_capacity_factor is None

@@ -28,6 +28,8 @@ NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
     ("moe_router_padding_for_fp8", bool, "router padding for FP8/FP4 alignment"),
     ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
 ]
+# memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
+MAX_CAPACITY_FACTOR = 1_000
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 _CAPACITY_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -103,6 +105,10 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     cf = None if cf_raw is None else r.float_arg("moe_expert_capacity_factor", -1.0)
     if cf is not None and cf < 0:
         cf = None   # TransformerConfig: a negative factor means dropless
+    if cf is not None and cf > MAX_CAPACITY_FACTOR:
+        r.fail("moe_expert_capacity_factor", f"must be <= {MAX_CAPACITY_FACTOR:,} (memguard's bound: published runs use "
+                                             f"1 to 4, and the padded expert input grows with it), got {cf:g}")
+        cf, ok = None, False
     if cf is not None and any(t not in _CAPACITY_BALANCING for t in types):
         r.fail("moe_expert_capacity_factor", "only works with aux_loss, seq_aux_loss, global_aux_loss or none load balancing")
         ok = False
