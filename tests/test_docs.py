@@ -21,6 +21,7 @@ VARIANTS = [
     ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-grouped-gemm",
      "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--moe-token-dispatcher-type",
      "alltoall", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "1024", "--disable-bias-linear"],
+    ["--num-experts", "8", "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex", "--disable-bias-linear"],
 ]
 
 

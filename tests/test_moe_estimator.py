@@ -297,3 +297,21 @@ def test_every_moe_layout_estimates_consistently(fw):
         L2 = L.replace(moe=__import__("dataclasses").replace(m, expert_model_parallel_size=2 * m.ep))
         e2 = sum(p.numel for c in L2.chunks for p in chunk_params(L2, c) if p.expert)
         assert 2 * e2 == experts
+
+
+# ---- the flex dispatcher (DeepEP) ------------------------------------------------------------------------
+def test_deepep_buffer_and_rows_by_hand():
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.layers.moe import deepep_buffer_bytes, flex_rows
+    flags = ("--num-layers 4 --hidden-size 7168 --num-attention-heads 56 --seq-length 4096 --micro-batch-size 1 "
+             "--num-experts 64 --moe-router-topk 8 --expert-model-parallel-size 8 --moe-token-dispatcher-type flex "
+             "--bf16 --disable-bias-linear --moe-router-pre-softmax").split()
+    L = layout_from_flags(flags, world_size=8, megatron_version="0.19")
+    # moe-fp8.md 1.6 (DeepEP csrc/config.hpp): C = 20 SMs / 2 = 10 channels, n = 8 ranks, r = 1;
+    # per channel and rank (2r+3)·4 + 256 x (2·7168 + 8 + 128·8 + 128·4 + 128·4) = 4,196,372 B;
+    # x 80 = 335,709,760, rounded up to 128 B: "about 336 MB" in the note
+    assert deepep_buffer_bytes(L, L.moe) == 335_709_824
+    # E 8, EP 4 (E_l 2), k 2: a token misses a rank's 2 experts with probability C(6,2)/C(8,2) = 15/28
+    m = MoeSpec(num_experts=8, moe_router_topk=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
+                moe_token_dispatcher_type="flex")
+    assert flex_rows(m, 1000) == 1858 and flex_rows(m, 1000, worst=True) == 4000     # ceil(4000·13/28); T·EP

@@ -140,6 +140,11 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
         n = TE_GEMM_STREAMS
         terms.append(Term("te_grouped_gemm_workspaces", n * te_workspace_bytes(gpu_name, site), TermGroup.FIXED,
                           TermLevel.ALLOCATED, f"{n} Transformer Engine multi-stream grouped-GEMM workspaces"))
+    if L.moe is not None and L.moe.moe_token_dispatcher_type == "flex":
+        from .layers.moe import deepep_buffer_bytes
+        terms.append(Term("deepep_buffer", deepep_buffer_bytes(L, L.moe), TermGroup.FIXED, TermLevel.DEVICE,
+                          f"DeepEP's NVLink communication buffer ({L.moe.moe_flex_dispatcher_num_sms} SMs, "
+                          f"{L.moe.etp * L.moe.ep} ranks), allocated outside PyTorch's allocator"))
     nccl, which = nccl_bytes(L, site)
     context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
     terms.append(Term("cuda_context", context, TermGroup.FIXED, TermLevel.DEVICE, "CUDA context and loaded kernels"))

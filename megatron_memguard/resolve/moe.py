@@ -80,8 +80,22 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     if disp not in DISPATCHERS:
         r.fail("moe_token_dispatcher_type", f"must be one of {', '.join(DISPATCHERS)}, got {disp[:60]!r}")
         ok = False
+    num_sms = 20
+    if r.bool_arg("moe_enable_deepep", False):
+        disp = "flex"     # TransformerConfig: the deprecated --moe-enable-deepep means flex with DeepEP
     if disp == "flex":
-        raise NotModelledError(r.key("moe_token_dispatcher_type"), "the flex token dispatcher (DeepEP / HybridEP buffers)")
+        backend = str(r.get("moe_flex_dispatcher_backend", "deepep"))
+        if backend != "deepep":
+            raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
+                                   f"the flex dispatcher's {backend[:20]} backend (its buffers)")
+        if etp * ep > 8:
+            raise NotModelledError(r.key("moe_token_dispatcher_type"),
+                                   "the flex dispatcher across nodes (DeepEP's NVSHMEM RDMA buffer; ETP x EP > 8)")
+        if r.bool_arg("moe_pad_expert_input_to_capacity", False):
+            r.fail("moe_pad_expert_input_to_capacity", "is not supported by the flex dispatcher with DeepEP")
+            ok = False
+        # --moe-flex-dispatcher-num-sms (0.19), --moe-deepep-num-sms (0.16, deprecated): DeepEP's 20 by default
+        num_sms = r.int_arg("moe_flex_dispatcher_num_sms", None) or r.int_arg("moe_deepep_num_sms", None) or 20
     lbt = r.get("moe_router_load_balancing_type", "aux_loss")
     types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
     for t in types:
@@ -180,7 +194,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_router_pre_softmax=pre, moe_router_score_function=score,
         moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
-        overlap_moe_expert_parallel_comm=a2a_overlap,
+        overlap_moe_expert_parallel_comm=a2a_overlap, moe_flex_dispatcher_num_sms=num_sms,
     )
 
 

@@ -191,6 +191,8 @@ class MoeSpec:
     overlap_moe_expert_parallel_comm: bool = False
     # which N the activations use: "balanced" (the estimate) or "worst" (the dispatcher's limit)
     routing: str = "balanced"
+    # the flex dispatcher's SMs (DeepEP's communication buffer has one channel per two SMs)
+    moe_flex_dispatcher_num_sms: int = 20
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -470,8 +472,24 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1])
         held = G * El
         saved["moe_permute_maps"] = p * G * El + G * El + (4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N)
+    elif disp == "flex":
+        # DeepEP (_DeepepManager): token_probs fp32 and int64 token_indices [T, ETP*k] held as attributes;
+        # each token reaches each destination rank once (R rows received), then is permuted to the local
+        # experts with fp32 probs: unfused keeps int64 indices (0.19: flat_sorted and sorted_indices [N];
+        # 0.16: masked_select's transposed probs and mask [E_l, R] and the int64 [N]), fused TE's int32
+        # row_id_map [R, 2E_l + 1]
+        held = 12 * T * etp * k
+        R = flex_rows(m, T, worst=rows is None and m.routing == "worst")
+        if m.moe_permute_fusion:
+            perm = 4 * R * (2 * El + 1)
+        elif _before_017(L):
+            perm = 4 * R * El + R * El + 8 * N
+        else:
+            perm = 16 * N
+        saved["moe_permute_maps"] = perm
+        p = 4                                   # the experts' probs are fp32 with DeepEP
     else:
-        # alltoall (flex modelled alike): self.probs [T, E] and self.routing_map [T, E] held
+        # alltoall: self.probs [T, E] and self.routing_map [T, E] held
         held = (p + 1) * T * E
         if m.moe_permute_fusion:
             perm = 4 * T * (2 * E + 1)             # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
@@ -516,14 +534,18 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         held += 2 * e * T * h
     # forward working set at the combine (measured on the referee's first stage): the permuted tokens
     # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
-    permuted = e * (N if disp == "allgather" else T * k) * h
+    if disp == "flex":
+        # DeepEP's received tokens [R, h] next to the permuted, the experts' output and the unpermuted rows
+        permuted = e * flex_rows(m, T, worst=rows is None and m.routing == "worst") * h
+    else:
+        permuted = e * (N if disp == "allgather" else T * k) * h
     fwd = permuted + 3 * e * N * h
     if p > e:
         # the combine casts the experts' output to the probs dtype before the reduce-scatter: a transient
         # [T*ETP*EP, h] (allgather) or [N, h] (alltoall with ETP > 1) copy in the router dtype
         if disp == "allgather" and etp * ep > 1:
             fwd += p * T * etp * ep * h
-        elif disp != "allgather" and etp > 1:
+        elif disp == "alltoall" and etp > 1:
             fwd += p * N * h
     # backward: the output gradient, then the gradients of the experts' output, fc2 input, fc1 output,
     # expert input and permuted tokens as the layer's backward walks down
@@ -538,6 +560,41 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         (frozenset(saved), 2 * G_out),                                                        # router
     )
     return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N)
+
+
+def flex_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
+    """R: token rows one rank receives from DeepEP's dispatch (each token once per destination rank).
+    Balanced: a token's k experts land on an EP rank with probability 1 - C(E - E_l, k) / C(E, k)
+    (drawn without repetition), each such EP rank's ETP ranks all receive it, and every rank of the
+    ETP x EP group sends T tokens, so R = T x ETP x EP x that probability. Worst: every token of the
+    group, T x ETP x EP."""
+    E, El, k = m.num_experts, m.local_experts, m.moe_router_topk
+    group = m.etp * m.ep
+    if worst:
+        return T * group
+    miss = math.comb(E - El, k) / math.comb(E, k) if E - El >= k else 0.0
+    return math.ceil(T * group * (1.0 - miss))
+
+
+# DeepEP's intranode receive chunk (Buffer.get_dispatch_config / get_combine_config: 256 tokens for up to 8 ranks)
+DEEPEP_NVL_RECV_TOKENS = 256
+# Per received token besides its hidden state (csrc/config.hpp get_nvl_buffer_size_hint): the source
+# metadata (two int32), the top-k indices (128 x int64), weights (128 x fp32) and scales (128 x fp32)
+DEEPEP_TOKEN_EXTRA = 8 + 128 * 8 + 128 * 4 + 128 * 4
+
+
+def deepep_buffer_bytes(L: Any, m: MoeSpec) -> int:
+    """DeepEP's NVLink buffer (``deep_ep.Buffer`` num_nvl_bytes, from Config::get_nvl_buffer_size_hint):
+    one per process, allocated by DeepEP outside PyTorch's caching allocator. C = num_sms / 2 channels,
+    n = the ranks of the ETP x EP group (intranode, at most 8), the receive queue of 256 tokens of
+    ``h x max(bytes, 2)`` plus their metadata; rounded up to 128 bytes. moe-fp8.md 1.6: not verified
+    against the DeepEP build a user runs."""
+    ranks = m.etp * m.ep
+    C = m.moe_flex_dispatcher_num_sms // 2
+    n = min(ranks, 8)
+    r = max(ranks // 8, 1)
+    per = (2 * r + 3) * 4 + DEEPEP_NVL_RECV_TOKENS * (L.hidden_size * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
+    return -(-C * n * per // 128) * 128
 
 
 def global_buffer_request(L: Any, m: MoeSpec) -> int:
