@@ -676,7 +676,14 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
         # the combined 1F1B schedule runs a forward layer of the next micro-batch next to each backward
         # layer: about one more layer's MoE tensors alive during the backward (moe-fp8.md 1.11, derived)
         extra = a.total
-    bwd = tuple((rel, w - own_G + G + extra) for rel, w in a.bwd_steps)
+    remade = 0
+    if "moe" in mods:
+        # the checkpointed MoE layer re-runs its forward when its backward starts: its tensors exist
+        # again until their backward steps release them (as the dense MLP's 'mlp' recompute)
+        full = moe_activations(L, L.moe, mods=set(mods) - {"moe"})
+        remade = full.total
+    bwd = tuple((rel, w - own_G + G + extra + (remade if i < len(a.bwd_steps) - 1 else 0))
+                for i, (rel, w) in enumerate(a.bwd_steps))
     return MlpActivations(saved=a.saved, names=names, bwd_steps=bwd, released=names,
                           fwd_steps=((frozenset(), a.fwd_transient),))
 
