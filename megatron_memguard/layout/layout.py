@@ -225,7 +225,7 @@ def _moe_part(value: Any) -> Any:
     """The ``moe`` part from a MoeSpec, its ``to_dict()`` (from_dict), or None."""
     if value is None or not isinstance(value, dict):
         return value
-    from ..estimator.layers.moe import MoeSpec
+    from .moe import MoeSpec
     return MoeSpec.from_dict(value)
 
 

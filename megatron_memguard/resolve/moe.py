@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from ..errors import ConfigError, NotModelledError
-from ..estimator.layers.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
+from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
 from .args import Args, Context
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
