@@ -256,8 +256,8 @@ def moe_flags(draw):
     world = pp * max(tp, etp * ep) * draw(st.sampled_from([1, 2]))
     world = world * (etp * ep * pp) // __import__("math").gcd(world, etp * ep * pp)   # lcm: both grids divide
     flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
-             "--max-position-embeddings", "256", "--micro-batch-size", str(draw(st.sampled_from([1, 2]))),
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--bf16", "--disable-bias-linear",
+             "--max-position-embeddings", "256", "--micro-batch-size", str(mbs := draw(st.sampled_from([1, 2]))),
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--disable-bias-linear",
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              "--num-experts", str(E), "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
              "--moe-router-topk", str(k), "--moe-ffn-hidden-size", "512",
@@ -267,8 +267,19 @@ def moe_flags(draw):
         flags.append("--sequence-parallel")
     if k == 1:
         flags.append("--moe-router-pre-softmax")
+    flags += draw(st.sampled_from([["--bf16"], [], ["--fp16"], ["--bf16", "--moe-router-dtype", "fp32"]]))
+    if pp == 2 and draw(st.booleans()):
+        flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    flags += draw(st.sampled_from([[], ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                        "--recompute-num-layers", "1"],
+                                   ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"],
+                                   ["--moe-grouped-gemm", "--recompute-granularity", "selective", "--recompute-modules",
+                                    "moe_act", "shared_experts"]]))
+    cp = draw(st.sampled_from([1, 2]))
+    world *= cp
+    flags += ["--context-parallel-size", str(cp), "--global-batch-size", str(mbs * world // (tp * pp * cp) * 2 * pp)]
     for opt in ("--moe-grouped-gemm", "--use-distributed-optimizer", "--swiglu", "--moe-permute-fusion"):
-        if draw(st.booleans()):
+        if draw(st.booleans()) and opt not in flags:
             flags.append(opt)
     if draw(st.booleans()):
         flags += ["--moe-shared-expert-intermediate-size", "256"]
