@@ -76,7 +76,8 @@ def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
     ps = [MoeParam(prefix + "pre_mlp_layernorm.weight", h, tp_replicated=True)]
     if L.normalization == "LayerNorm":
         ps.append(MoeParam(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
-    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h))
+    # Router.reset_parameters marks the weight sequence_parallel: finalize_model_grads all-reduces it over TP
+    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True))
     if L.add_bias_linear:
         ps.append(MoeParam(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
     fc1, fc2 = g * F // etp, F // etp
