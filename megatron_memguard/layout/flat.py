@@ -38,7 +38,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
                 "empty_unused_memory_level defer_embedding_wgrad_compute wgrad_deferral_limit tp_comm_overlap"),
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
-X
+    ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
