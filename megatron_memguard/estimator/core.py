@@ -17,7 +17,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import LayerKind, uniform_kind
+from ..partition import MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -43,6 +43,7 @@ class ChunkActivations:
     fwd_extra: int         # transient at the end of this chunk's forward
     bwd_top_extra: int     # working set at the start of this chunk's backward
     bwd_bottom_extra: int  # working set at the end of the backward (embedding weight gradient)
+    moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
 
     @property
     def held(self) -> int:
@@ -90,6 +91,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     else:
         layers = _layers_bytes(per_kind, 0)
         detail = _layers_detail(per_kind, 0)
+    moe_layers = 0
+    if L.moe is not None and n:
+        # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
+        skip = 0 if L.recompute_granularity != "full" else (
+            n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
+        moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
 
     ends: dict[str, int] = {}
     fwd_extra = fwd_transient if n else 0
@@ -118,7 +125,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
-                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
+                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers)
+
+
+class _MoePart:
+    """The MoE half of a layer's saved bytes (its ``moe_*`` items), for _layers_bytes."""
+
+    def __init__(self, la: LayerActivations) -> None:
+        self.total = sum(v for k, v in la.saved.items() if k.startswith("moe_"))
 
 
 def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:
@@ -179,12 +193,38 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
+    if L.moe is not None:
+        terms = _moe_buffers(L, terms, sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE))
     mixer = uniform_kind(L).mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
     if rotary:
         terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(terms)
+
+
+def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
+    """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
+    and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
+    if not n_moe:
+        return terms
+    from .layers import moe
+    held = moe.held_bytes(L) * n_moe
+    if held:
+        terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
+                          f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next forward"))
+    rb = moe.router_buffer_bytes(L.moe) * n_moe
+    if rb:
+        terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
+                          f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+    gb = moe.global_buffer_request(L, L.moe)
+    old = next((t for t in terms if t.name == "global_memory_buffer"), None)
+    if gb and (old is None or old.bytes < gb):
+        terms = [t for t in terms if t.name != "global_memory_buffer"]
+        terms.insert(0, Term("global_memory_buffer", gb, "transients", "allocated",
+                             "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
+                             "[T x ETP x EP, h]"))
+    return terms
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
@@ -243,7 +283,10 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
     extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
     where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[best_kind]
     phase = f"{where} of micro-batch {mb[ci]}, chunk {ci} ({sum(held)} held)"
-    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held))}
+    moe = sum(h * acts[i].moe_layers for i, h in enumerate(held))
+    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held)) - moe}
+    if moe:
+        parts["moe_layer_activations"] = moe
     for i, h in enumerate(held):
         if h:
             for k, v in acts[i].ends.items():
@@ -277,7 +320,9 @@ def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, 
     mb = k if where == "forward" else 1
     if kept:
         mb = k + 1 if where == "forward" else 2   # the first pass with k held after an earlier backward
-    parts: dict[str, int] = {"layer_activations": held * a.layers}
+    parts: dict[str, int] = {"layer_activations": held * (a.layers - a.moe_layers)}
+    if held * a.moe_layers:
+        parts["moe_layer_activations"] = held * a.moe_layers
     for key, v in a.ends.items():
         parts[key] = held * v
     parts[name] = extra
@@ -437,6 +482,37 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
+def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gpu_name: str | None,
+                   dp_rank: int | str, site: SiteConstants) -> tuple[StageEstimate, ...]:
+    """The stages with their ``moe`` figures: the expert rows per MoE layer and micro-batch under
+    balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
+    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak at the same
+    moment of the schedule with the worst-case rows: the MoE layers in flight keep their worst-case
+    bytes and the working set grows by the worst-case layer's (no second schedule replay: the estimate
+    of a 1,024-GPU DeepSeek-V3 layout stays one replay per stage)."""
+    import dataclasses
+    from .layers.moe import expert_rows, moe_activations, tokens_per_rank
+    rows = expert_rows(L.moe, tokens_per_rank(L))
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    bal = moe_activations(L, L.moe, rows=rows.balanced, mods=mods)
+    wst = moe_activations(L, L.moe, rows=rows.worst, mods=mods)
+    d_work = max(wst.fwd_transient - bal.fwd_transient,
+                 max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
+    frag = site.allocator_fragmentation if device == "gpu" else 0.0
+    out = []
+    for s in stages:
+        held = s.breakdown.get("moe_layer_activations", 0)
+        grow = (held * wst.total // bal.total - held) if bal.total else 0
+        extra = grow + (d_work if held else 0)
+        extra_reserved = extra + int(extra * frag)
+        moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+               "worst_case": {"peak_allocated_bytes": s.peak_allocated_bytes + extra,
+                              "peak_reserved_bytes": s.peak_reserved_bytes + extra_reserved,
+                              "device_total_bytes": s.device_total_bytes + extra_reserved, "peak_phase": s.peak_phase}}
+        out.append(dataclasses.replace(s, moe=moe))
+    return tuple(out)
+
+
 def estimate(
     layout: Layout,
     profile: str = "auto",
@@ -471,6 +547,8 @@ def estimate(
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
+    if L.moe is not None:
+        stages = moe_worst_case(L, stages, device, gpu_name, dp_rank, site)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,

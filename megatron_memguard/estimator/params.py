@@ -22,11 +22,12 @@ from ..partition import LayerKind, layer_kinds, uniform_kind
 from .layers import mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param
+from .layers.moe import experts_use_expert_buffer
 from .layers.base import norm_params as _norm
 from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
-__all__ = ["Param", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
+__all__ = ["Param", "chunk_expert_numels", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -46,8 +47,14 @@ def layer_params(L: Layout, prefix: str = "", kind: LayerKind | None = None) -> 
 
 
 @lru_cache(maxsize=256)
-def _layer_numels(L: Layout, kind: LayerKind) -> tuple[int, ...]:
-    return tuple(p.numel for p in layer_params(L, kind=kind))
+def _layer_numels(L: Layout, kind: LayerKind, expert: bool = False) -> tuple[int, ...]:
+    """Numels of one layer's parameters in the dense DDP buffer, or (``expert``) in the expert buffer:
+    routed experts get their own buffer when megatron-core reduces them over the expert-data-parallel
+    group (layers/moe.py experts_use_expert_buffer), else they stay with the dense parameters."""
+    ps = layer_params(L, kind=kind)
+    if L.moe is None or not experts_use_expert_buffer(L.moe, L.tp, L.megatron_version):
+        return () if expert else tuple(p.numel for p in ps)
+    return tuple(p.numel for p in ps if p.expert == expert)
 
 
 def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
@@ -69,6 +76,18 @@ def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
     return out
 
 
+def chunk_expert_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
+    """(numel, False) of the chunk's parameters in megatron-core's expert DDP buffer (the routed
+    experts of its MoE layers, when they are reduced over the expert-data-parallel group), in
+    registration order."""
+    if L.moe is None:
+        return []
+    out: list[tuple[int, bool]] = []
+    for kind, n in c.kind_runs:
+        out.extend([(numel, False) for numel in _layer_numels(L, kind, True)] * n)
+    return out
+
+
 def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     """All parameters of one model chunk, in ``named_parameters()`` order."""
     h, t = L.hidden_size, L.tp
@@ -81,7 +100,7 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
             ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True))
     layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
     for i, kind in enumerate(c.layer_kinds):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding)
+        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert)
                   for p in layers[kind])
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)

@@ -80,6 +80,9 @@ class StageEstimate:
     peak_phase: str
     in_flight: int                 # most (micro-batch, chunk) forwards held at once
     terms: tuple[Term, ...]        # breakdown at the peak moment, plus reserved/device terms
+    # mixture of experts: the expert rows per micro-batch (balanced, the estimate; worst) and the
+    # stage's peak with the worst routing the dispatcher allows (None for dense models)
+    moe: dict[str, Any] | None = None
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -93,7 +96,7 @@ class StageEstimate:
         return max(self.terms, key=lambda t: t.bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "pp_rank": self.pp_rank,
             "vpp_chunks": [{"vpp_rank": c.vpp_rank, "first_layer": c.first_layer, "num_layers": c.num_layers,
                             "embedding": c.has_embedding, "output": c.has_output} for c in self.chunks],
@@ -109,6 +112,9 @@ class StageEstimate:
             "breakdown": self.breakdown,
             "terms": [t.to_dict() for t in self.terms],
         }
+        if self.moe is not None:
+            d["moe"] = dict(self.moe)
+        return d
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 _RUNS: tuple[tuple[str, str], ...] = (
     ("parallel", "world_size tensor_model_parallel_size pipeline_model_parallel_size "
                  "virtual_pipeline_model_parallel_size context_parallel_size data_parallel_size sequence_parallel "
-                 "num_distributed_optimizer_instances"),
+                 "num_distributed_optimizer_instances expert_model_parallel_size expert_tensor_parallel_size"),
     ("shape", "num_layers hidden_size ffn_hidden_size num_attention_heads num_query_groups group_query_attention "
               "kv_channels seq_length max_position_embeddings vocab_size padded_vocab_size "
               "make_vocab_size_divisible_by swiglu squared_relu gated_linear_unit normalization add_bias_linear "
@@ -38,9 +38,12 @@ _RUNS: tuple[tuple[str, str], ...] = (
                 "empty_unused_memory_level defer_embedding_wgrad_compute wgrad_deferral_limit tp_comm_overlap"),
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
+    ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
+# flat names the JSON document leaves out for a dense model (its layout reads as before MoE existed)
+MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 
 # flat name -> part attribute ("" for Layout's own ``notes``), in JSON order
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}

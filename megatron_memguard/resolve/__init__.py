@@ -20,7 +20,7 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
+from . import batch, kernels, moe, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -58,6 +58,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("recompute", recompute.recompute),
     ("optimizer", optimizer.optimizer),
     ("kernels", kernels.implementation),
+    ("mixture of experts", moe.moe),
     ("attention variant", shape.attention_variant),
     ("numerics", kernels.numerics),
     ("vocabulary", vocab.vocab),

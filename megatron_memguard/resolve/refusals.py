@@ -13,7 +13,6 @@ from .args import Args, Context
 Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
-    ("num_experts", lambda v: bool(v), "mixture of experts (--num-experts)"),
     ("mtp_num_layers", lambda v: bool(v), "multi-token prediction layers"),
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
