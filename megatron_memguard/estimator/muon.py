@@ -1,0 +1,81 @@
+"""Muon (``--optimizer muon``, ``adaptive_muon``; deprecated ``dist_muon``): optimizer state per parameter.
+
+megatron-core 0.19.2 builds Muon in ``_get_megatron_emerging_optimizer``
+(megatron/core/optimizer/__init__.py) from the ``emerging_optimizers`` package:
+
+* which parameters Muon takes: 2-D weights that are not the embedding or output layer
+  (``_is_nonlinear_or_embedding`` in optimizer/emerging_optimizers.py, mirrored by
+  ``is_managed_by_layer_wise_optimizer``); every other parameter (norms, biases, embedding, output
+  layer) falls back to ``--muon-scalar-optimizer`` (``adam`` by default, or ``lion``) through the
+  standard optimizer path;
+* state: ``OrthogonalizedOptimizer`` keeps one momentum buffer per parameter, shaped like the
+  parameter it updates; under bf16 it updates the fp32 main copy made by
+  ``Float16OptimizerWithFloat16Params``, so the buffer is fp32 (4 B) next to the fp32 main param
+  (4 B). ``adaptive_muon`` (``TensorParallelAdaptiveMuon``) adds an Adam-style second moment (4 B).
+  Lion keeps one moment (4 B) where Adam keeps two;
+* with ``--use-distributed-optimizer`` (or ``dist_muon``) the layer-wise distributed optimizer gives
+  each DP rank whole Muon parameters (``LayerWiseDistributedOptimizer``: largest first onto the least
+  loaded rank), and the fallback parameters go to a regular DistributedOptimizer (byte-level
+  shards). Without it every rank keeps the state of all its parameters.
+
+The momentum dtype follows the parameter the optimizer sees (the ``emerging_optimizers`` package is
+not installed here to read; docs/assumptions.md states it).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable
+
+MUON_OPTIMIZERS = ("muon", "adaptive_muon", "dist_muon")
+SCALAR_OPTIMIZERS = ("adam", "lion")
+
+
+@dataclass(frozen=True)
+class MuonSpec:
+    optimizer: str = "muon"
+    muon_scalar_optimizer: str = "adam"
+    bf16: bool = True
+    use_distributed_optimizer: bool = False
+
+    @property
+    def layer_wise(self) -> bool:
+        return self.optimizer == "dist_muon" or self.use_distributed_optimizer
+
+
+def takes_muon(shape: tuple[int, ...], embedding_or_output: bool) -> bool:
+    """Muon updates 2-D weights other than the embedding and output layer."""
+    return len(shape) == 2 and not embedding_or_output
+
+
+def muon_bytes_per_param(spec: MuonSpec) -> dict[str, int]:
+    """State bytes per Muon-managed parameter, by name."""
+    out = {"main_parameters": 4 if spec.bf16 else 0, "muon_momentum": 4}
+    if spec.optimizer == "adaptive_muon":
+        out["muon_second_moment"] = 4
+    return out
+
+
+def scalar_bytes_per_param(spec: MuonSpec) -> dict[str, int]:
+    """State bytes per fallback parameter (norms, biases, embedding, output layer)."""
+    out = {"main_parameters": 4 if spec.bf16 else 0, "adam_exp_avg": 4}
+    if spec.muon_scalar_optimizer == "adam":
+        out["adam_exp_avg_sq"] = 4
+    else:
+        out = {"main_parameters": out["main_parameters"], "lion_exp_avg": 4}
+    return out
+
+
+def layer_wise_shard_numel(numels: Iterable[int], dp: int) -> int:
+    """Largest number of Muon-managed elements one DP rank owns in one bucket under the layer-wise
+    distributed optimizer: whole parameters, largest first, each onto the least-loaded rank
+    (``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout``, its ``_emit_bucket``; the
+    64-element start alignment is ignored, it moves a few hundred bytes). Every shard of the bucket
+    is padded to this size in the DDP buffers too."""
+    if dp <= 1:
+        return sum(numels)
+    loads = [0] * dp
+    heapq.heapify(loads)
+    for n in sorted(numels, reverse=True):
+        heapq.heappush(loads, heapq.heappop(loads) + n)
+    return max(loads)

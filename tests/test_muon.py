@@ -1,0 +1,42 @@
+"""Muon's optimizer state per parameter, from megatron-core 0.19.2's optimizer/__init__.py
+(_get_megatron_emerging_optimizer), optimizer/emerging_optimizers.py (which parameters Muon takes)
+and optimizer/layer_wise_optimizer.py (how the distributed variant shards them)."""
+from megatron_memguard.estimator.muon import (MuonSpec, layer_wise_shard_numel, muon_bytes_per_param,
+                                              scalar_bytes_per_param, takes_muon)
+
+
+def test_which_params_take_muon():
+    # _is_nonlinear_or_embedding: embedding/output or not 2-D -> the scalar optimizer.
+    assert takes_muon((4096, 4096), False)
+    assert not takes_muon((128256, 4096), True)      # embedding / output layer
+    assert not takes_muon((4096,), False)            # norm weight, bias
+    assert not takes_muon((8, 4096, 4096), False)    # a 3-D grouped weight is not a matrix
+
+
+def test_state_bytes_bf16():
+    # Float16OptimizerWithFloat16Params keeps an fp32 main param; Muon one momentum buffer like it.
+    assert sum(muon_bytes_per_param(MuonSpec()).values()) == 4 + 4
+    assert sum(muon_bytes_per_param(MuonSpec(optimizer="adaptive_muon")).values()) == 4 + 4 + 4
+    # the fallback is Adam: main param + exp_avg + exp_avg_sq, Megatron's 12 B/param
+    assert sum(scalar_bytes_per_param(MuonSpec()).values()) == 12
+    assert sum(scalar_bytes_per_param(MuonSpec(muon_scalar_optimizer="lion")).values()) == 8
+
+
+def test_state_bytes_fp32_run_has_no_main_copy():
+    # FP32Optimizer wraps the optimizer directly when not bf16: no separate main params.
+    assert sum(muon_bytes_per_param(MuonSpec(bf16=False)).values()) == 4
+
+
+def test_layer_wise_greedy_lpt():
+    # _emit_bucket: largest first onto the least-loaded shard. 10,7,5,4,3 over 2 ranks:
+    # 10->A, 7->B, 5->B(12), 4->A(14), 3->B(15): max 15 (not the ideal 14.5 rounded up).
+    assert layer_wise_shard_numel([3, 5, 10, 4, 7], 2) == 15
+    assert layer_wise_shard_numel([3, 5, 10, 4, 7], 1) == 29
+    # one dominating matrix holds a shard alone
+    assert layer_wise_shard_numel([100, 1, 1, 1], 4) == 100
+
+
+def test_dist_muon_is_layer_wise():
+    assert MuonSpec(optimizer="dist_muon").layer_wise
+    assert MuonSpec(use_distributed_optimizer=True).layer_wise
+    assert not MuonSpec().layer_wise
