@@ -2,8 +2,9 @@
 megatron/core/transformer/multi_token_prediction.py (core 0.19.2) the module follows."""
 import pytest
 
-from megatron_memguard.estimator.mtp import (MtpSpec, depth_activations, depth_params, embedding_copy_params,
-                                             extra_params, fp32_softmax_bytes, loss_buffers)
+from megatron_memguard.estimator.mtp import (MtpSpec, block_activations, depth_params, embedding_copy_params,
+                                             extra_params, fp32_softmax_bytes, logits_in_flight,
+                                             loss_buffers)
 
 # Llama-3.1-8B shape (Meta's config.json): h 4096, vocab 128256 (already a multiple of 128*TP), RMSNorm.
 LLAMA8B = dict(hidden_size=4096, padded_vocab_size=128256, seq_length=8192, micro_batch_size=1,
@@ -43,20 +44,29 @@ def test_no_mtp_no_copy():
 
 
 @pytest.mark.parametrize("sp, rows", [(True, 8192 // 2), (False, 8192)])
-def test_depth_activations(sp, rows):
+def test_block_activations(sp, rows):
     # _concat_embeddings: enorm saves its input [rows, h]; eh_proj saves the cat [rows, 2h];
-    # final_layernorm saves [rows, h]; the block's torch.cat keeps this depth's output-layer input [rows, h].
-    spec = MtpSpec(mtp_num_layers=1, tensor_model_parallel_size=2, sequence_parallel=sp, **LLAMA8B)
-    a = depth_activations(spec)
-    assert a.embedding_norm_input == rows * 4096 * 2
-    assert a.eh_proj_input == rows * 8192 * 2
-    assert a.total == 5 * rows * 4096 * 2
+    # final_layernorm saves [rows, h]; MultiTokenPredictionBlock.forward's torch.cat keeps all 1+D chunks.
+    spec = MtpSpec(mtp_num_layers=2, tensor_model_parallel_size=2, sequence_parallel=sp, **LLAMA8B)
+    a = block_activations(spec)
+    assert a.embedding_norm_inputs == 2 * rows * 4096 * 2
+    assert a.eh_proj_inputs == 2 * rows * 8192 * 2
+    assert a.hidden_concat == 3 * rows * 4096 * 2
+    assert a.norm_stats == 2 * 3 * rows * 4                  # RMSNorm: one fp32 rstd per row
+    assert a.token_ids == 2 * (8192 * 8 + 8192)              # rope: no position ids; TP 2: masked ids + mask
+    assert block_activations(MtpSpec(mtp_num_layers=0, **LLAMA8B)).total == 0
+
+
+def test_logits_in_flight():
+    spec = MtpSpec(mtp_num_layers=3, tensor_model_parallel_size=8, **LLAMA8B)
+    assert logits_in_flight(spec) == 8192 * (128256 // 8) * 2
 
 
 def test_loss_buffers_per_depth():
     # vocab-parallel cross entropy keeps 4 * (s*b/CP) * V/TP bytes of fp32 softmax per depth
-    # (tensor_parallel/cross_entropy.py); MTPLossAutoScaler saves a [b, s] fp32 loss per depth.
+    # (tensor_parallel/cross_entropy.py); per depth the rolled labels (int64) and loss mask (fp32), and the
+    # [b, s] fp32 loss MTPLossAutoScaler saves.
     spec = MtpSpec(mtp_num_layers=2, tensor_model_parallel_size=4, context_parallel_size=2, **LLAMA8B)
     soft = fp32_softmax_bytes(spec)
     assert soft == 4 * 4096 * (128256 // 4) == 525_336_576
-    assert loss_buffers(spec, soft) == 2 * (soft + 4 * 4096)
+    assert loss_buffers(spec, soft) == 2 * (soft + 4096 * (8 + 4 + 4))

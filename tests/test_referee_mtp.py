@@ -44,3 +44,30 @@ def test_mtp_stage_parameters_by_hand():
     assert extra_params(mtp) == 3 * 2 * H + H * 2 * H + V * H + POS * H == 172_800
     # the stage's own layer, final norm and output-layer weight; the MTP layer; the MTP extras
     assert last["num_params"] == LAYER + 2 * H + V * H + LAYER + 172_800 == 700_672
+
+
+@functools.lru_cache(maxsize=None)
+def measured_without_mtp() -> list:
+    return run_referee(resolve_config(FLAGS, 2)[1], 2, timeout=900)
+
+
+def test_mtp_stage_memory_against_the_same_run_without_mtp():
+    from megatron_memguard.estimator.mtp import (block_activations, fp32_softmax_bytes, logits_in_flight,
+                                                 loss_buffers)
+    base, mtp = measured_without_mtp()[1], measured()[1]
+    mtp_spec = MtpSpec(mtp_num_layers=1, hidden_size=H, padded_vocab_size=V, seq_length=64, micro_batch_size=2,
+                       pipeline_model_parallel_size=2, max_position_embeddings=POS)
+    # after the step: 2 B bf16 param + 4 B fp32 grad + 12 B fp32 Adam state for each extra parameter
+    state = (mtp["num_params"] - base["num_params"]) * 18
+    assert state == (LAYER + 172_800) * 18
+    assert abs(mtp["live_bytes_after_step"] - base["live_bytes_after_step"] - state) < 1024
+    # both peak in the forward of micro-batch 1 on the last stage, at the loss: the extra activations are
+    # the MTP layer's, the block's saved tensors, the second head (fp32 softmax 4*128*1024 B + targets
+    # 9 B/token) and the last depth's logits. One local-spec layer over 128 rows (KiB): input 32, LN stats 1,
+    # QKV input 32 and output 96, attention probs 2*4*64*64*2 B = 64, proj input 32, MLP LN input 32 and
+    # stats 1, fc1 input 32 and output 128, fc2 input 128 = 578.
+    assert mtp["peak_phase"] == base["peak_phase"] == "it2 fwd mb1"
+    predicted = (578 * 1024 + block_activations(mtp_spec).total
+                 + loss_buffers(mtp_spec, fp32_softmax_bytes(mtp_spec) + 128 * 9) + logits_in_flight(mtp_spec))
+    extra = mtp["peak_bytes"] - base["peak_bytes"] - state
+    assert abs(extra - predicted) < 0.01 * predicted, (extra, predicted)

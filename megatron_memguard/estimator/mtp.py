@@ -85,37 +85,62 @@ def extra_params(spec: MtpSpec) -> int:
 
 
 @dataclass(frozen=True)
-class MtpDepthActivations:
-    """Bytes one MTP depth keeps per micro-batch in flight, outside its transformer layer."""
+class MtpActivations:
+    """Bytes the MTP block keeps per micro-batch in flight, outside its transformer layers and heads."""
 
-    embedding_norm_input: int       # enorm's input: the embedding of the shifted tokens [rows, h]
-    eh_proj_input: int              # the concatenation [rows, 2h] saved by eh_proj
-    final_norm_input: int           # final_layernorm's input [rows, h]
-    output_layer_input: int         # this depth's chunk of the concatenated hidden states [rows, h]
+    embedding_norm_inputs: int      # enorm's input per depth: the embedding of the shifted tokens [rows, h]
+    eh_proj_inputs: int             # the concatenation [rows, 2h] eh_proj saves, per depth
+    final_norm_inputs: int          # final_layernorm's input [rows, h], per depth
+    norm_stats: int                 # enorm, hnorm, final_layernorm statistics (fp32 per row), per depth
+    token_ids: int                  # the rolled ids each depth's embedding saves (int64; + positions if learned)
+    hidden_concat: int              # torch.cat of the main and the D hidden states [(1+D) rows, h]
 
     @property
     def total(self) -> int:
-        return self.embedding_norm_input + self.eh_proj_input + self.final_norm_input + self.output_layer_input
+        return (self.embedding_norm_inputs + self.eh_proj_inputs + self.final_norm_inputs + self.norm_stats
+                + self.token_ids + self.hidden_concat)
 
 
-def depth_activations(spec: MtpSpec) -> MtpDepthActivations:
-    """The tensors one depth saves for backward besides its layer's and its loss's.
+def block_activations(spec: MtpSpec) -> MtpActivations:
+    """The tensors the MTP block saves for backward besides its layers' and its heads'.
 
-    With sequence parallelism eh_proj (column-parallel) saves its local input and gathers it again
-    in backward, so every term is over the SP-split rows.
+    ``hnorm``'s input is the decoder's final hidden state; without MTP the output layer would save
+    it, with MTP the output layer saves chunk 0 of the concatenation instead, so the concatenation
+    counts whole (all 1+D chunks). With sequence parallelism eh_proj (column-parallel) saves its
+    local input and gathers it again in backward, so every term is over the SP-split rows.
     """
-    row_bytes = spec.rows * spec.hidden_size * spec.activation_bytes
-    return MtpDepthActivations(embedding_norm_input=row_bytes, eh_proj_input=2 * row_bytes,
-                               final_norm_input=row_bytes, output_layer_input=row_bytes)
+    d, a = spec.mtp_num_layers, spec.activation_bytes
+    row_bytes = spec.rows * spec.hidden_size * a
+    stats = spec.rows * 4 * (1 if spec.normalization == "RMSNorm" else 2)   # rstd (and mean) in fp32
+    tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
+    # the vocab-parallel embedding keeps the masked ids and the out-of-range mask with TP > 1, the ids
+    # themselves otherwise; a learned position table keeps its (rolled) position ids too
+    ids = tokens * 8 + (tokens if spec.tensor_model_parallel_size > 1 else 0)
+    if spec.position_embedding_type == "learned_absolute":
+        ids += tokens * 8
+    return MtpActivations(embedding_norm_inputs=d * row_bytes, eh_proj_inputs=d * 2 * row_bytes,
+                          final_norm_inputs=d * row_bytes, norm_stats=d * 3 * stats, token_ids=d * ids,
+                          hidden_concat=(1 + d) * row_bytes if d else 0)
+
+
+def logits_in_flight(spec: MtpSpec) -> int:
+    """The last depth's logits ``[s*b/CP, V/TP]`` in the activation dtype: the loop variable in
+    ``process_mtp_loss`` (``GPTModel._postprocess`` in 0.16.1) still holds them while the main head
+    computes its logits and loss, so they add to the last stage's forward transient."""
+    if spec.mtp_num_layers <= 0:
+        return 0
+    tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
+    return tokens * (spec.padded_vocab_size // spec.tensor_model_parallel_size) * spec.activation_bytes
 
 
 def loss_buffers(spec: MtpSpec, per_head_bytes: int) -> int:
     """The D extra heads' saved loss tensors: each depth runs the output layer and cross entropy
     once and keeps what the main head keeps (``per_head_bytes``: the fp32 softmax and targets of the
-    last stage's own head, from the head recipe) until the backward of the loss; plus the fp32
-    per-token loss ``[b, s/CP]`` that ``MTPLossAutoScaler`` saves for each depth."""
+    last stage's own head, from the head recipe) until the backward of the loss; plus, per depth,
+    the rolled labels (int64) and loss mask (fp32) that ``loss_mask * mtp_loss`` saves, and the fp32
+    per-token loss ``[b, s/CP]`` that ``MTPLossAutoScaler`` keeps."""
     tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
-    return spec.mtp_num_layers * (per_head_bytes + 4 * tokens)
+    return spec.mtp_num_layers * (per_head_bytes + tokens * (8 + 4 + 4))
 
 
 def fp32_softmax_bytes(spec: MtpSpec) -> int:
