@@ -40,3 +40,11 @@ def test_dist_muon_is_layer_wise():
     assert MuonSpec(optimizer="dist_muon").layer_wise
     assert MuonSpec(use_distributed_optimizer=True).layer_wise
     assert not MuonSpec().layer_wise
+
+
+def test_ping_pong_of_core_0_16():
+    # layer_wise_optimizer.py (0.16.1) shard_params' own example: 4 ranks, p0..p9 sorted by numel ->
+    # [[p0, p7, p8], [p1, p6, p9], [p2, p5], [p3, p4]]; with numels 1..10 rank 1 holds 2+7+10 = 19.
+    from megatron_memguard.estimator.muon import ping_pong_shard_numel
+    assert ping_pong_shard_numel(range(1, 11), 4) == 19
+    assert ping_pong_shard_numel(range(1, 11), 1) == 55

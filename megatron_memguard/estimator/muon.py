@@ -18,8 +18,14 @@ megatron-core 0.19.2 builds Muon in ``_get_megatron_emerging_optimizer``
   loaded rank), and the fallback parameters go to a regular DistributedOptimizer (byte-level
   shards). Without it every rank keeps the state of all its parameters.
 
-The momentum dtype follows the parameter the optimizer sees (the ``emerging_optimizers`` package is
-not installed here to read; docs/assumptions.md states it).
+The momentum dtype follows the parameter the optimizer sees: core 0.16.1's ``muon_init_state_fn``
+creates it as ``torch.zeros_like(p.data)`` on the fp32 main copy; 0.19.2 leaves it to the
+``emerging_optimizers`` package (not on PyPI, not read; docs/assumptions.md states the assumption).
+
+Version differences: 0.16.1 refuses ``--optimizer muon --use-distributed-optimizer`` ("muon with dist
+optimizer is not supported") and shards with ``dist_muon`` by whole parameters, Adam's included, in a
+ping-pong order (``ping_pong_shard_numel``); 0.19.2 takes ``muon`` + ``--use-distributed-optimizer``,
+bin-packs the Muon parameters per bucket and shards the fallback's with a regular DistributedOptimizer.
 """
 from __future__ import annotations
 
@@ -78,4 +84,18 @@ def layer_wise_shard_numel(numels: Iterable[int], dp: int) -> int:
     heapq.heapify(loads)
     for n in sorted(numels, reverse=True):
         heapq.heappush(loads, heapq.heappop(loads) + n)
+    return max(loads)
+
+
+def ping_pong_shard_numel(numels: Iterable[int], dp: int) -> int:
+    """Largest number of elements one DP x CP rank owns under core 0.16's layer-wise optimizer
+    (``dist_muon``; ``LayerWiseDistributedOptimizer.shard_params``): every parameter, Muon's and the
+    fallback's, sorted by size (smallest first) and dealt out whole in the order 0..n-1, n-1..0, ...
+    (0.16.1 refuses ``--optimizer muon`` with ``--use-distributed-optimizer``.)"""
+    if dp <= 1:
+        return sum(numels)
+    loop = list(range(dp)) + list(range(dp))[::-1]
+    loads = [0] * dp
+    for i, n in enumerate(sorted(numels)):
+        loads[loop[i % len(loop)]] += n
     return max(loads)
