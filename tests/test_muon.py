@@ -48,3 +48,17 @@ def test_ping_pong_of_core_0_16():
     from megatron_memguard.estimator.muon import ping_pong_shard_numel
     assert ping_pong_shard_numel(range(1, 11), 4) == 19
     assert ping_pong_shard_numel(range(1, 11), 1) == 55
+
+
+def test_which_params_take_muon_by_name():
+    # megatron-core parameter names; norms and biases 1-D, word embedding / output layer flagged
+    # (language_module.py sets is_embedding_or_output_parameter on exactly those two)
+    from megatron_memguard.estimator.muon import takes_muon_by_name
+    yes = ["decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.3.mlp.linear_fc2.weight",
+           "decoder.layers.1.mlp.router.weight", "decoder.layers.1.mlp.experts.linear_fc1.weight7",
+           "embedding.position_embeddings.weight"]
+    no = ["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight",
+          "decoder.layers.0.self_attention.q_layernorm.weight", "decoder.final_layernorm.weight",
+          "decoder.layers.0.mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight"]
+    assert all(takes_muon_by_name(n) for n in yes)
+    assert not any(takes_muon_by_name(n) for n in no)

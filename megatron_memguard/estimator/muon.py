@@ -54,6 +54,19 @@ def takes_muon(shape: tuple[int, ...], embedding_or_output: bool) -> bool:
     return len(shape) == 2 and not embedding_or_output
 
 
+def takes_muon_by_name(name: str) -> bool:
+    """The same rule over megatron-core's parameter names (``decoder.layers.0.mlp.linear_fc1.weight``):
+    biases and norm weights are 1-D; the word embedding and the output layer are flagged
+    ``is_embedding_or_output_parameter`` (LanguageModule.setup_embeddings_and_output_layer). The learned
+    position table is 2-D and not flagged, so Muon takes it."""
+    parts = name.split(".")
+    if parts[-1] != "weight" and not parts[-1].startswith("weight"):     # biases; TE's grouped weight0..N
+        return False
+    if len(parts) > 1 and "norm" in parts[-2]:
+        return False
+    return not (name.startswith("embedding.word_embeddings") or name.startswith("output_layer"))
+
+
 def muon_bytes_per_param(spec: MuonSpec) -> dict[str, int]:
     """State bytes per Muon-managed parameter, by name."""
     out = {"main_parameters": 4 if spec.bf16 else 0, "muon_momentum": 4}
