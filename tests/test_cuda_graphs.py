@@ -48,3 +48,12 @@ def test_pool():
     assert pool_bytes(CudaGraphSpec(**SCOPED), region_transient=5, step_transient=7) == 5
     assert pool_bytes(CudaGraphSpec(cuda_graph_impl="full_iteration"), 5, 7) == 7
     assert pool_bytes(CudaGraphSpec(), 5, 7) == 0
+
+
+def test_stage_terms_from_a_layout():
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.cuda_graphs import stage_terms
+    flags = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --micro-batch-size 4 "
+             "--global-batch-size 32 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16").split()
+    L = layout_from_flags(flags, world_size=8)
+    assert stage_terms(L, 4, 0, 1, 1000) == []          # no graphs: nothing

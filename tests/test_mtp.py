@@ -70,3 +70,14 @@ def test_loss_buffers_per_depth():
     soft = fp32_softmax_bytes(spec)
     assert soft == 4 * 4096 * (128256 // 4) == 525_336_576
     assert loss_buffers(spec, soft) == 2 * (soft + 4096 * (8 + 4 + 4))
+
+
+def test_chunk_params_add_up_to_the_referee_stage():
+    # the referee stage of tests/test_referee_mtp.py: h 128, V 1024, learned positions over 64, LayerNorm, PP 2;
+    # one GPT layer of 198,272 parameters; the measured extra of the MTP stage was 371,072
+    from megatron_memguard.estimator.mtp import chunk_params
+    spec = MtpSpec(mtp_num_layers=1, hidden_size=128, padded_vocab_size=1024, seq_length=64, micro_batch_size=2,
+                   pipeline_model_parallel_size=2, max_position_embeddings=64)
+    ps = chunk_params(spec, [("layer", 198_272)])
+    assert sum(n for _, n, _ in ps) == 371_072
+    assert [name for name, _, shared in ps if shared] == ["embedding.word_embeddings.weight"]

@@ -62,3 +62,10 @@ def test_which_params_take_muon_by_name():
           "decoder.layers.0.mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight"]
     assert all(takes_muon_by_name(n) for n in yes)
     assert not any(takes_muon_by_name(n) for n in no)
+
+
+def test_state_split():
+    from megatron_memguard.estimator.muon import state_split
+    ps = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.self_attention.linear_qkv.weight", 300),
+          ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 10), ("output_layer.weight", 1000)]
+    assert state_split(ps) == (300, 2010)

@@ -132,3 +132,38 @@ def pool_bytes(spec: CudaGraphSpec, region_transient: int, step_transient: int =
     if spec.impl == "full_iteration":
         return step_transient
     return 0
+
+
+def spec_of(L) -> CudaGraphSpec:
+    """The CUDA-graph spec of a Layout (flat Megatron names; none when the layout has no graphs)."""
+    return CudaGraphSpec(
+        cuda_graph_impl=getattr(L, "cuda_graph_impl", "none") or "none",
+        cuda_graph_modules=tuple(getattr(L, "cuda_graph_modules", ()) or ()),
+        pipeline_model_parallel_size=L.pipeline_model_parallel_size, num_microbatches=L.num_microbatches,
+        micro_batch_size=L.micro_batch_size, seq_length=L.seq_length, hidden_size=L.hidden_size,
+        tensor_model_parallel_size=L.tensor_model_parallel_size, context_parallel_size=L.context_parallel_size,
+        sequence_parallel=L.sequence_parallel, activation_bytes=L.act_bytes,
+        create_attention_mask_in_dataloader=L.create_attention_mask_in_dataloader)
+
+
+def stage_terms(L, dense_layers: int, moe_layers: int, in_flight: int, region_transient: int,
+                step_transient: int = 0) -> list[tuple[str, int, str, str, str]]:
+    """(name, bytes, group, level, detail) of the graph terms of one pipeline stage."""
+    spec = spec_of(L)
+    if spec.impl == "none":
+        return []
+    out = []
+    io = static_io_bytes(spec, dense_layers, moe_layers, in_flight) + full_iteration_static_inputs(spec)
+    if io:
+        if spec.impl == "full_iteration":
+            det = f"{spec.num_microbatches} micro-batches read into static buffers (StaticBufferLoader)"
+        else:
+            regions = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
+            det = (f"{regions} graphed regions x {sample_slots(spec, in_flight)} sample set(s) x static input "
+                   f"and grad-output [{spec.rows}, {spec.hidden_size}] ({spec.impl})")
+        out.append(("cuda_graph_static_io", io, "transients", "allocated", det))
+    pool = pool_bytes(spec, region_transient, step_transient)
+    if pool:
+        out.append(("cuda_graph_pool", pool, "allocator", "reserved",
+                    "working memory the graphs' private pool keeps reserved (assumption, docs/assumptions.md)"))
+    return out

@@ -148,3 +148,53 @@ def fp32_softmax_bytes(spec: MtpSpec) -> int:
     (megatron/core/tensor_parallel/cross_entropy.py, as for the main head)."""
     tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
     return 4 * tokens * (spec.padded_vocab_size // spec.tensor_model_parallel_size)
+
+
+# ----- from a Layout (flat Megatron names; ``mtp_num_layers`` is 0 when the layout has none) -------
+
+def spec_of(L) -> MtpSpec:
+    """The MTP spec of a Layout (any object with Megatron's flat names)."""
+    return MtpSpec(
+        mtp_num_layers=getattr(L, "mtp_num_layers", 0) or 0, hidden_size=L.hidden_size,
+        padded_vocab_size=L.padded_vocab_size, seq_length=L.seq_length, micro_batch_size=L.micro_batch_size,
+        tensor_model_parallel_size=L.tensor_model_parallel_size, context_parallel_size=L.context_parallel_size,
+        pipeline_model_parallel_size=L.pipeline_model_parallel_size, sequence_parallel=L.sequence_parallel,
+        normalization=L.normalization, untie_embeddings_and_output_weights=L.untie_embeddings_and_output_weights,
+        position_embedding_type=L.position_embedding_type, max_position_embeddings=L.max_position_embeddings,
+        activation_bytes=L.act_bytes)
+
+
+def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tuple[str, int, bool]]:
+    """The MTP block's parameters on the last stage's last chunk, in registration order
+    (``GPTModel.__init__``: embedding, decoder, mtp, output layer), as (name, numel, shared_embedding);
+    ``layer_params``: (name, numel) of one layer of the last decoder layer's kind. The embedding copy
+    (PP > 1) is registered first, with the embedding: it is the weight the embedding group keeps in sync."""
+    out: list[tuple[str, int, bool]] = []
+    if spec.mtp_num_layers <= 0:
+        return out
+    h, tp = spec.hidden_size, spec.tensor_model_parallel_size
+    if spec.pipeline_model_parallel_size > 1:
+        out.append(("embedding.word_embeddings.weight", spec.padded_vocab_size // tp * h, True))
+        if spec.position_embedding_type == "learned_absolute":
+            out.append(("embedding.position_embeddings.weight", (spec.max_position_embeddings or spec.seq_length) * h, False))
+    norm = ["weight"] if spec.normalization == "RMSNorm" else ["weight", "bias"]
+    for d in range(spec.mtp_num_layers):
+        p = f"mtp.layers.{d}."
+        out += [(p + f"enorm.{x}", h, False) for x in norm] + [(p + f"hnorm.{x}", h, False) for x in norm]
+        out.append((p + "eh_proj.weight", h // tp * 2 * h, False))
+        out += [(p + "transformer_layer." + name, n, False) for name, n in layer_params]
+        out += [(p + f"final_layernorm.{x}", h, False) for x in norm]
+    return out
+
+
+def last_stage_items(L) -> tuple[dict[str, int], int]:
+    """(saved terms per micro-batch in flight, extra forward transient at the loss) that MTP adds to the
+    last stage's last chunk, besides its D layers' activations (the layer recipe's, counted as layers)."""
+    spec = spec_of(L)
+    if spec.mtp_num_layers <= 0:
+        return {}, 0
+    from .head import output_items
+    head = output_items(L).saved
+    per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+    saved = {"mtp_block_activations": block_activations(spec).total, "mtp_loss_buffers": loss_buffers(spec, per_head)}
+    return saved, logits_in_flight(spec)

@@ -112,3 +112,14 @@ def ping_pong_shard_numel(numels: Iterable[int], dp: int) -> int:
     for i, n in enumerate(sorted(numels)):
         loads[loop[i % len(loop)]] += n
     return max(loads)
+
+
+def state_split(params: Iterable[tuple[str, int]]) -> tuple[int, int]:
+    """(elements Muon updates, elements the scalar optimizer updates) of (name, numel) parameters."""
+    muon = scalar = 0
+    for name, n in params:
+        if takes_muon_by_name(name):
+            muon += n
+        else:
+            scalar += n
+    return muon, scalar
