@@ -29,3 +29,20 @@ def test_plan_last_stage_keeps_last_group():
     assert last.staging == 2 * 50
     mid = fine_grained_plan(groups, layers=4, last_stage=False)
     assert mid.offloaded == 360 and mid.host_bytes == 360
+
+
+def test_layer_groups_of_a_te_layer():
+    # memguard's saved tensors of one TE layer (names of the layer recipe); TE fuses the input norm into the
+    # QKV projection, so attn_norm takes nothing and qkv_linear takes the layer input and the norm output.
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    mib = 1024 * 1024
+    saved = {"layer_input": 4 * mib, "norm1_stats": 8192, "qkv_input": 4 * mib, "query_rope": 4 * mib,
+             "key_rope": 4 * mib, "softmax_stats": 128 * 1024, "proj_input": 4 * mib, "mlp_norm_input": 4 * mib,
+             "fc1_input": 4 * mib}
+    groups = layer_groups(saved, ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"), elem_bytes=2)
+    # softmax_stats (64 Ki fp32 elements) is below the 1,048,576-element threshold and stays
+    assert groups == {"qkv_linear": 8 * mib, "core_attn": 8 * mib, "attn_proj": 4 * mib}
+    # without attn_proj listed the attention output goes with core_attn (flash attention saves it)
+    assert layer_groups(saved, ("core_attn",), 2) == {"core_attn": 12 * mib}
+    # a 2 MiB bf16 tensor is exactly 1,048,576 elements: offloaded
+    assert layer_groups({"proj_input": 2 * mib}, ("attn_proj", "core_attn"), 2) == {"attn_proj": 2 * mib}

@@ -85,3 +85,40 @@ def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) 
     kept = sizes[-1] if last_stage else 0
     biggest = max(sizes)
     return FineGrainedPlan(offloaded=layers * per_layer - kept, kept_last_group=kept, staging=2 * biggest)
+
+
+# ----- which of a layer recipe's saved tensors each module group takes -------------------------------
+# (transformer_layer.py / attention.py, core 0.19.2: each group wraps one call and offloads what is saved
+# inside it.) ``attn_norm`` / ``mlp_norm`` only act when the norm is a module of its own: TE's spec fuses
+# the input norm into the QKV projection (and the dense pre-MLP norm into fc1), where the layer input is
+# saved inside ``qkv_linear``'s call instead.
+_GROUP_OF = {
+    "qkv_input": "qkv_linear",
+    "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
+    "proj_input": "attn_proj",
+}
+
+
+def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separate_mlp_norm: bool) -> str | None:
+    """The listed module group that offloads the saved tensor ``name`` of a layer recipe, or None."""
+    if name == "layer_input":
+        g = "attn_norm" if separate_input_norm else "qkv_linear"
+    elif name == "mlp_norm_input":
+        g = "mlp_norm" if separate_mlp_norm else None
+    elif name == "proj_input" and "attn_proj" not in modules:
+        g = "core_attn"           # flash/cuDNN attention saves its output too
+    else:
+        g = _GROUP_OF.get(name)
+    return g if g in modules else None
+
+
+def layer_groups(saved: Mapping[str, int], modules: Sequence[str], elem_bytes: int, separate_input_norm: bool = False,
+                 separate_mlp_norm: bool = False, min_elements: int = DEFAULT_MIN_TENSOR_ELEMENTS) -> dict[str, int]:
+    """Bytes each listed group takes off one layer's saved tensors (``saved``: name -> bytes, tensors in
+    the activation dtype; statistics in fp32 are below any useful threshold and stay)."""
+    out: dict[str, int] = {}
+    for name, nbytes in saved.items():
+        g = group_of(name, modules, separate_input_norm, separate_mlp_norm)
+        if g is not None and nbytes // elem_bytes >= min_elements:
+            out[g] = out.get(g, 0) + nbytes
+    return out
