@@ -69,3 +69,21 @@ def test_state_split():
     ps = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.self_attention.linear_qkv.weight", 300),
           ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 10), ("output_layer.weight", 1000)]
     assert state_split(ps) == (300, 2010)
+
+
+def test_shares():
+    from megatron_memguard.estimator.muon import MuonSpec, shares
+    chunk = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.mlp.linear_fc1.weight", 400),
+             ("decoder.layers.0.mlp.linear_fc2.weight", 300), ("decoder.layers.0.self_attention.linear_qkv.weight", 200),
+             ("decoder.final_layernorm.weight", 10)]
+    # not distributed: all of it on every rank
+    s = shares(MuonSpec(), [chunk], dp=4, legacy=False)
+    assert (s.muon_elems, s.scalar_elems, s.muon_buffer_numel) == (900, 1010, 900)
+    # 0.19 layer-wise over 2 ranks: 400 -> A, 300 -> B, 200 -> B (500): max 500, buffer 2 x 500;
+    # the fallback 1010 split evenly (505)
+    s = shares(MuonSpec(use_distributed_optimizer=True), [chunk], dp=2, legacy=False)
+    assert (s.muon_elems, s.scalar_elems, s.muon_buffer_numel) == (500, 505, 1000)
+    # 0.16 dist_muon ping-pong by size 10, 200, 300, 400, 1000 over ranks 0, 1, 1, 0, 0:
+    # rank 0 gets 10 (norm), 400, 1000 (embedding) -> 8*400 + 12*1010; rank 1 gets 200 + 300 (Muon)
+    s = shares(MuonSpec(optimizer="dist_muon"), [chunk], dp=2, legacy=True)
+    assert (s.muon_elems, s.scalar_elems) == (400, 1010)

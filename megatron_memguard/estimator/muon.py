@@ -123,3 +123,44 @@ def state_split(params: Iterable[tuple[str, int]]) -> tuple[int, int]:
         else:
             scalar += n
     return muon, scalar
+
+
+@dataclass(frozen=True)
+class MuonShares:
+    """What one DP x CP rank keeps optimizer state for, in elements."""
+
+    muon_elems: int          # Muon-managed elements (main copy + momentum)
+    scalar_elems: int        # fallback elements (main copy + Adam/Lion moments)
+    muon_buffer_numel: int   # DDP buffer elements of the Muon parameters (shard-aligned when layer-wise)
+
+
+def _ping_pong_ranks(params: list[tuple[str, int]], dp: int) -> list[tuple[int, int]]:
+    loop = list(range(dp)) + list(range(dp))[::-1]
+    out = [[0, 0] for _ in range(dp)]
+    for i, (name, n) in enumerate(sorted(params, key=lambda p: p[1])):
+        out[loop[i % len(loop)]][0 if takes_muon_by_name(name) else 1] += n
+    return [(m, s) for m, s in out]
+
+
+def shares(spec: MuonSpec, chunks: Iterable[list[tuple[str, int]]], dp: int, legacy: bool) -> MuonShares:
+    """The most loaded rank's shares over a stage's chunks (``chunks``: (name, numel) per chunk).
+
+    Not distributed: every rank keeps all. Core 0.19 layer-wise: Muon matrices bin-packed per chunk
+    (one bucket assumed per chunk: the default bucket holds 40M elements or more), every shard padded
+    to the largest in the DDP buffer; the fallback sharded evenly by a regular distributed optimizer.
+    Core 0.16 ``dist_muon``: every parameter dealt out ping-pong by size, the rank with the most state
+    bytes (8 per Muon element, 12 per Adam element) counted."""
+    muon = scalar = buffer = 0
+    for params in chunks:
+        m = [n for name, n in params if takes_muon_by_name(name)]
+        s = sum(n for name, n in params if not takes_muon_by_name(name))
+        if not spec.layer_wise or dp <= 1:
+            muon, scalar, buffer = muon + sum(m), scalar + s, buffer + sum(m)
+        elif legacy:
+            ranks = _ping_pong_ranks(params, dp)
+            bm, bs = max(ranks, key=lambda r: 8 * r[0] + 12 * r[1])
+            muon, scalar, buffer = muon + bm, scalar + bs, buffer + sum(m)
+        else:
+            load = layer_wise_shard_numel(m, dp)
+            muon, scalar, buffer = muon + load, scalar + -(-s // dp), buffer + dp * load
+    return MuonShares(muon, scalar, buffer)
