@@ -11,9 +11,13 @@ SCOPED = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=("attn", 
 
 def test_regions():
     spec = CudaGraphSpec(**SCOPED)
-    assert regions_per_layer(spec, moe_layer=False) == 2      # attn + mlp
-    assert regions_per_layer(spec, moe_layer=True) == 2       # attn + the router part
+    # _layer_is_graphable: one callable per layer with graphed attention or a graphed MLP part
+    assert regions_per_layer(spec, moe_layer=False) == 1
+    assert regions_per_layer(spec, moe_layer=True) == 1
     assert regions_per_layer(CudaGraphSpec(cuda_graph_impl="transformer_engine")) == 1   # the whole layer
+    router_only = CudaGraphSpec(cuda_graph_impl="transformer_engine", cuda_graph_modules=("moe_router",))
+    assert regions_per_layer(router_only, moe_layer=False) == 0    # a dense layer has nothing graphed
+    assert regions_per_layer(router_only, moe_layer=True) == 1
     assert regions_per_layer(CudaGraphSpec(cuda_graph_impl="none")) == 0
 
 
@@ -27,9 +31,12 @@ def test_slots():
 
 
 def test_static_io_bytes():
-    # rows = 1024*4/4 = 1024 (SP); per region input + grad-output: 2 * 1024 * 512 * 2 B = 2 MiB
+    # rows = 1024/4 (SP) of 4 sequences = 1024; per graphed layer the bf16 input + grad-output
+    # 2 * 1024 * 512 * 2 B = 2 MiB, and the bool causal mask [4, 1, 1024, 1024] = 4 MiB (attention graphed)
     spec = CudaGraphSpec(**SCOPED)
-    assert static_io_bytes(spec, dense_layers=0, moe_layers=7, in_flight=1) == 7 * 2 * 2 * 1024 * 512 * 2
+    assert static_io_bytes(spec, dense_layers=0, moe_layers=7, in_flight=1) == 7 * (2 * 1024 * 512 * 2 + 4 * 1024 * 1024)
+    router_only = CudaGraphSpec(**{**SCOPED, "cuda_graph_modules": ("moe_router", "moe_preprocess")})
+    assert static_io_bytes(router_only, dense_layers=1, moe_layers=7, in_flight=2) == 7 * 2 * 2 * 1024 * 512 * 2
 
 
 def test_full_iteration_buffers():

@@ -9,9 +9,10 @@ full_iteration``, 0.19.2 also accepts ``--cuda-graph-impl full_iteration``):
   x micro-batches are captured with TE's ``make_graphed_callables``; one micro-batch when PP = 1,
   else ``get_num_microbatches()``, but static inputs are built by ``_get_sample_arguments``, which
   reuses the buffers of micro-batches whose backward is done, so there are about as many sets as
-  micro-batches in flight on this rank. With TE >= 2.7 static outputs and grad inputs are
-  weak-referenced once their backward is captured (``_reuse_graph_input_output_buffers``): what
-  stays per (graphed region, micro-batch slot) is the static input and the static grad-output.
+  micro-batches in flight on this rank. A layer's static inputs are its hidden states (bf16) and, when
+  its attention is graphed, a bool causal mask ``[b, 1, s/CP, s]``. With TE >= 2.7 static outputs and
+  grad inputs are weak-referenced once their backward is captured (``_reuse_graph_input_output_buffers``):
+  what stays per (graphed layer, micro-batch slot) is the static input and the static grad-output.
 * ``local`` (``CudaGraphManager``): one runner per graphed module, reused across micro-batches when
   PP = 1; with PP > 1 a new runner (static buffers) per micro-batch of the recording iteration.
 * ``full_iteration`` (``FullCudaGraphWrapper``): the whole forward-backward is one graph; its
@@ -62,21 +63,21 @@ class CudaGraphSpec:
 
 
 def regions_per_layer(spec: CudaGraphSpec, moe_layer: bool = False) -> int:
-    """Graphed callables one layer contributes: the whole layer (no modules given), or one for the
-    attention part and one for the MLP part when they are listed (``mlp`` applies to dense layers;
-    ``moe`` or ``moe_router``/``moe_preprocess`` to MoE layers, the router part ending before the
-    dispatch)."""
+    """Graphed callables one layer contributes (0 or 1): every layer without ``--cuda-graph-modules``;
+    with modules, a layer with graphed attention (``attn``) or a graphed MLP part (``mlp`` on a dense
+    layer; ``moe``, ``moe_router`` on an MoE layer) -- ``_layer_is_graphable`` in cuda_graphs.py. The
+    layer is one callable whatever part of it is captured."""
     if spec.impl not in ("local", "transformer_engine"):
         return 0
     mods = set(spec.cuda_graph_modules)
-    if not mods:
+    if not mods or "attn" in mods:
         return 1
-    n = int("attn" in mods)
-    if moe_layer:
-        n += int(bool(mods & {"moe", "moe_router", "moe_preprocess"}))
-    else:
-        n += int("mlp" in mods)
-    return n
+    return int(bool(mods & ({"moe", "moe_router"} if moe_layer else {"mlp"})))
+
+
+def attention_graphed(spec: CudaGraphSpec) -> bool:
+    return spec.impl in ("local", "transformer_engine") and (not spec.cuda_graph_modules
+                                                             or "attn" in spec.cuda_graph_modules)
 
 
 def sample_slots(spec: CudaGraphSpec, in_flight: int) -> int:
@@ -91,13 +92,18 @@ def sample_slots(spec: CudaGraphSpec, in_flight: int) -> int:
 
 
 def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0, in_flight: int = 1) -> int:
-    """``cuda_graph_static_io``: static input and grad-output buffers ``[rows, h]`` of every graphed
-    region of this rank's layers, per sample slot. (Static outputs and grad inputs are released after
-    capture with TE >= 2.7; the activations the graphs save live in the pool, where eager code would
-    have kept them anyway, so they stay in the layer terms.)"""
-    regions = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
-    per_region = 2 * spec.rows * spec.hidden_size * spec.activation_bytes
-    return regions * sample_slots(spec, in_flight) * per_region
+    """``cuda_graph_static_io``: per graphed layer and sample set, the static input
+    (``get_layer_static_inputs``: hidden states ``[rows, b, h]``, always bf16), its grad-output buffer, and
+    with graphed attention the static causal mask ``[b, 1, s/CP, s]`` (bool) that
+    ``TransformerLayer.get_layer_static_inputs`` builds. (Static outputs and grad inputs are released after
+    capture with TE >= 2.7; the activations the graphs save live in the pool, where eager code would have
+    kept them anyway, so they stay in the layer terms.)"""
+    layers = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
+    per_layer = 2 * spec.rows * spec.hidden_size * 2
+    if attention_graphed(spec) and spec.impl == "transformer_engine":
+        s_cp = spec.seq_length // spec.context_parallel_size
+        per_layer += spec.micro_batch_size * s_cp * spec.seq_length
+    return layers * sample_slots(spec, in_flight) * per_layer
 
 
 def batch_bytes(spec: CudaGraphSpec) -> int:
@@ -159,8 +165,10 @@ def stage_terms(L, dense_layers: int, moe_layers: int, in_flight: int, region_tr
             det = f"{spec.num_microbatches} micro-batches read into static buffers (StaticBufferLoader)"
         else:
             regions = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
-            det = (f"{regions} graphed regions x {sample_slots(spec, in_flight)} sample set(s) x static input "
-                   f"and grad-output [{spec.rows}, {spec.hidden_size}] ({spec.impl})")
+            det = (f"{regions} graphed layers x {sample_slots(spec, in_flight)} sample set(s) x static input "
+                   f"and grad-output [{spec.rows}, {spec.hidden_size}] bf16"
+                   + (" + causal mask" if attention_graphed(spec) and spec.impl == "transformer_engine" else "")
+                   + f" ({spec.impl})")
         out.append(("cuda_graph_static_io", io, "transients", "allocated", det))
     pool = pool_bytes(spec, region_transient, step_transient)
     if pool:
