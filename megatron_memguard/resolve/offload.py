@@ -1,0 +1,41 @@
+"""Section: activation offloading to the host (``--cpu-offloading-num-layers``,
+``--fine-grained-activation-offloading``) with TransformerConfig.__post_init__'s and validate_args's rules."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .args import Args, Context
+
+MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp")
+
+
+def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    layers = a.int_arg("cpu_offloading_num_layers", 0, minimum=0) or 0
+    fine = a.bool_arg("fine_grained_activation_offloading", False)
+    out: dict[str, Any] = dict(cpu_offloading_num_layers=layers, fine_grained_activation_offloading=fine,
+                               offload_modules=(), min_offloaded_tensor_size=1024 * 1024)
+    if layers:
+        if layers >= kw["num_layers"]:
+            a.fail("cpu_offloading_num_layers", f"({layers}) must be smaller than --num-layers {kw['num_layers']}")
+        if kw["pipeline_model_parallel_size"] > 1:
+            a.fail("cpu_offloading_num_layers", "does not work with pipeline parallelism (TransformerConfig)")
+        if kw.get("recompute_granularity"):
+            a.fail("cpu_offloading_num_layers", "cannot be combined with recomputation (TransformerConfig)")
+        if fine:
+            a.fail("fine_grained_activation_offloading", "cannot be combined with --cpu-offloading-num-layers")
+    if fine:
+        mods = a.get("offload_modules") or []
+        mods = list(mods) if isinstance(mods, (list, tuple)) else str(mods).strip("[]").replace(",", " ").split()
+        if not mods:
+            a.fail("offload_modules", "must name at least one module with --fine-grained-activation-offloading")
+        for m in mods:
+            if m not in MODULES:
+                a.fail("offload_modules", f"unknown module {m!r}; known: {', '.join(MODULES)}")
+        if "attn_proj" in mods and "core_attn" not in mods:
+            a.fail("offload_modules", "attn_proj needs core_attn (its input is core_attn's output, which core_attn's "
+                   "backward needs)")
+        if kw.get("transformer_impl") != "transformer_engine":
+            a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
+        size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)
+        out.update(offload_modules=tuple(mods), min_offloaded_tensor_size=size)
+    return out
