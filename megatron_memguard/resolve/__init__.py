@@ -79,7 +79,7 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
         return None
     kw.update(runtime.late_options(a, kw, ctx))
     kw.update(megatron_version=str(ctx.version), notes=tuple(a.notes))
-    return Layout(**kw)
+    return Layout.from_flat(**kw)
 
 
 def _version_text(a: Args, megatron_version: str | None) -> str:
