@@ -38,6 +38,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
                 "empty_unused_memory_level defer_embedding_wgrad_compute wgrad_deferral_limit tp_comm_overlap"),
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
+    ("shape", "mtp_num_layers"),
+    ("kernels", "cuda_graph_impl cuda_graph_modules"),
+    ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
+    ("optim", "muon_scalar_optimizer"),
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -46,4 +50,4 @@ _RUNS: tuple[tuple[str, str], ...] = (
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
-TUPLE_FIELDS = ("recompute_modules", "env", "notes")
+TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules")
