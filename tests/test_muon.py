@@ -1,6 +1,8 @@
 """Muon's optimizer state per parameter, from megatron-core 0.19.2's optimizer/__init__.py
 (_get_megatron_emerging_optimizer), optimizer/emerging_optimizers.py (which parameters Muon takes)
 and optimizer/layer_wise_optimizer.py (how the distributed variant shards them)."""
+import pytest
+
 from megatron_memguard.estimator.muon import (MuonSpec, layer_wise_shard_numel, muon_bytes_per_param,
                                               scalar_bytes_per_param, takes_muon)
 
@@ -87,3 +89,47 @@ def test_shares():
     # rank 0 gets 10 (norm), 400, 1000 (embedding) -> 8*400 + 12*1010; rank 1 gets 200 + 300 (Muon)
     s = shares(MuonSpec(optimizer="dist_muon"), [chunk], dp=2, legacy=True)
     assert (s.muon_elems, s.scalar_elems) == (400, 1010)
+
+
+# A 4-layer GPT (h 512, GELU, biases, learned positions over 1024, GPT-2 vocab 50257 -> 50304, tied): per layer
+# the 2-D weights QKV 512x1536, proj 512x512, fc1 2048x512, fc2 512x2048; Muon also takes the position table.
+GPT4 = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 "
+        "--micro-batch-size 4 --global-batch-size 32 --bf16 --tokenizer-type NullTokenizer --vocab-size 50257").split()
+MUON_ELEMS = 4 * (786_432 + 262_144 + 1_048_576 + 1_048_576) + 1024 * 512
+
+
+def _terms(extra, world=1, version=None):
+    from megatron_memguard import estimate, layout_from_flags
+    L = layout_from_flags(GPT4 + extra, world_size=world, megatron_version=version)
+    st = estimate(L).stages[0]
+    return {t.name: t.bytes for t in st.terms}, st.parameters
+
+
+def test_muon_estimate_not_distributed():
+    terms, params = _terms(["--optimizer", "muon"])
+    assert MUON_ELEMS == 13_107_200
+    assert terms["muon_momentum"] == 4 * MUON_ELEMS
+    assert terms["adam_exp_avg"] == terms["adam_exp_avg_sq"] == 4 * (params - MUON_ELEMS)
+    assert terms["main_parameters"] == 4 * params
+    adam, _ = _terms([])
+    assert adam["adam_exp_avg"] == 4 * params and "muon_momentum" not in adam
+
+
+def test_muon_estimate_layer_wise_core_0_19():
+    # 8 ranks, largest first onto the least loaded: the eight 1,048,576 MLP matrices one each, the four QKV
+    # (786,432) onto ranks 0-3 (1,835,008), the position table and the four projections onto the others:
+    # the most loaded rank keeps 1,835,008 Muon elements; the fallback's 25,783,296 split 8 ways
+    terms, params = _terms(["--optimizer", "muon", "--use-distributed-optimizer"], world=8)
+    assert terms["muon_momentum"] == 4 * 1_835_008
+    assert terms["adam_exp_avg"] == 4 * -(-(params - MUON_ELEMS) // 8)
+
+
+def test_muon_with_distributed_optimizer_in_core_0_16():
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(GPT4 + ["--optimizer", "muon", "--use-distributed-optimizer"], world_size=8,
+                          megatron_version="0.16")
+    assert "--use-distributed-optimizer" in str(e.value)
+    terms, _ = _terms(["--optimizer", "dist_muon"], world=8, version="0.16")
+    assert terms["muon_momentum"] < 4 * MUON_ELEMS

@@ -22,6 +22,8 @@ from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .muon import MUON_OPTIMIZERS
+from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
@@ -322,6 +324,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                                                   [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
 
     state_terms, step_terms = _state_terms(L, st)
+    if L.optimizer in MUON_OPTIMIZERS:
+        state_terms = muon_state_terms(L, pp_rank, state_terms)
     buffers = persistent_buffers(L, pp_rank)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.

@@ -164,3 +164,41 @@ def shares(spec: MuonSpec, chunks: Iterable[list[tuple[str, int]]], dp: int, leg
             load = layer_wise_shard_numel(m, dp)
             muon, scalar, buffer = muon + load, scalar + -(-s // dp), buffer + dp * load
     return MuonShares(muon, scalar, buffer)
+
+
+# ----- the state terms of a stage (replacing Adam's / SGD's when the optimizer is Muon-family) ------------
+
+def spec_of(L) -> MuonSpec:
+    return MuonSpec(optimizer=L.optimizer, muon_scalar_optimizer=getattr(L, "muon_scalar_optimizer", "adam"),
+                    bf16=L.params_dtype != "fp32", use_distributed_optimizer=L.use_distributed_optimizer)
+
+
+def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
+    """``terms`` (the stage's model-state terms as Adam would have them) with the optimizer part
+    replaced: main parameters and state for what this rank's optimizer owns under Muon."""
+    from packaging.version import Version
+
+    from .params import chunk_params
+    from .result import Term
+    spec = spec_of(L)
+    chunks = [[(p.name, p.numel) for p in chunk_params(L, c)] for c in L.stage_chunks(pp_rank)]
+    legacy = Version(str(L.megatron_version)) < Version("0.19")
+    sh = shares(spec, chunks, L.dp_shard_size, legacy)
+    how = ("whole parameters per DP x CP rank (" + ("ping-pong by size" if legacy else "bin-packed per chunk")
+           + ")") if spec.layer_wise and L.dp_shard_size > 1 else "every parameter on every rank"
+    kept = [t for t in terms if t.name in ("parameters", "gradient_buffer")]
+    out = list(kept)
+    if spec.bf16:
+        out.append(Term("main_parameters", 4 * (sh.muon_elems + sh.scalar_elems), "optimizer",
+                        detail=f"fp32 master weights; {how}"))
+    out.append(Term("muon_momentum", 4 * sh.muon_elems * (2 if spec.optimizer == "adaptive_muon" else 1), "optimizer",
+                    detail=f"{sh.muon_elems:,} elements of 2-D weights x 4 B"
+                    + (" x 2 (momentum and second moment)" if spec.optimizer == "adaptive_muon" else "") + f"; {how}"))
+    if spec.muon_scalar_optimizer == "adam":
+        out.append(Term("adam_exp_avg", 4 * sh.scalar_elems, "optimizer",
+                        detail=f"{sh.scalar_elems:,} elements of norms, biases, embedding, output layer (--muon-scalar-optimizer adam)"))
+        out.append(Term("adam_exp_avg_sq", 4 * sh.scalar_elems, "optimizer", detail="fp32 second moment of the same"))
+    else:
+        out.append(Term("lion_exp_avg", 4 * sh.scalar_elems, "optimizer",
+                        detail=f"{sh.scalar_elems:,} elements of norms, biases, embedding, output layer (--muon-scalar-optimizer lion)"))
+    return tuple(out)

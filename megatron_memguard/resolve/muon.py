@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
+from ..errors import NotModelledError
 from .args import Args, Context
 
 MUON_OPTIMIZERS = ("muon", "adaptive_muon", "dist_muon")
@@ -42,4 +43,8 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if dist and kw.get("num_distributed_optimizer_instances", 1) > 1:
             a.fail("num_distributed_optimizer_instances", "must be 1 with Muon and --use-distributed-optimizer "
                    "(the layer-wise + distributed optimizer split)")
+        if new and dist and not a.bool_arg("use_layer_wise_param_layout", True):
+            raise NotModelledError(a.key("use_layer_wise_param_layout"), "Muon's legacy layer-wise sharding in core 0.19")
+    a.notes.append(f"{a.key('optimizer')} {opt}: the optimizer step's Newton-Schulz temporaries (a few copies of one "
+                   "weight matrix) are not counted")
     return dict(muon_scalar_optimizer=scalar)

@@ -66,8 +66,8 @@ WARN_ONLY: list[Row] = [
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
     ("symmetric_ar_type", lambda v: bool(v), "TE's symmetric-memory all-reduce buffers are not counted"),
 ]
-# Only these optimizers' states are modelled (the layer-wise distributed optimizers shard differently).
-OPTIMIZERS = ("adam", "sgd")
+# Only these optimizers' states are modelled (Lion and SOAP as the main optimizer are not).
+OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon")
 
 
 def refuse(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
