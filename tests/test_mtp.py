@@ -81,3 +81,21 @@ def test_chunk_params_add_up_to_the_referee_stage():
     ps = chunk_params(spec, [("layer", 198_272)])
     assert sum(n for _, n, _ in ps) == 371_072
     assert [name for name, _, shared in ps if shared] == ["embedding.word_embeddings.weight"]
+
+
+def test_estimate_counts_the_mtp_stage():
+    # the referee model of tests/test_referee_mtp.py (700,672 parameters measured on its MTP stage)
+    from megatron_memguard import estimate, layout_from_flags
+    flags = ("--transformer-impl local --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+             "--no-gradient-accumulation-fusion --hidden-dropout 0 --attention-dropout 0 --tokenizer-type NullTokenizer "
+             "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+             "--micro-batch-size 2 --global-batch-size 4 --pipeline-model-parallel-size 2 --vocab-size 1000 --bf16 "
+             "--mtp-num-layers 1").split()
+    stages = estimate(layout_from_flags(flags, world_size=2, megatron_version="0.16"), device="cpu").stages
+    assert stages[0].parameters == 1024 * 128 + 64 * 128 + 198_272
+    assert stages[1].parameters == 198_272 + 2 * 128 + 1024 * 128 + 198_272 + 172_800
+    terms = {t.name: t.bytes for t in stages[1].terms}
+    spec = MtpSpec(mtp_num_layers=1, hidden_size=128, padded_vocab_size=1024, seq_length=64, micro_batch_size=2,
+                   pipeline_model_parallel_size=2, max_position_embeddings=64)
+    assert terms["mtp_block_activations"] == block_activations(spec).total
+    assert not any(t.name.startswith("mtp_") for t in stages[0].terms)

@@ -97,7 +97,7 @@ def test_neutral_entries_are_not_read():
 # A small valid dense job (TP 2 with SP, 8 GPUs) to switch each gate on.
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
             micro_batch_size=1, global_batch_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
-            bf16=True, tokenizer_type="NullTokenizer", vocab_size=1000)
+            bf16=True, tokenizer_type="NullTokenizer", vocab_size=1000, position_embedding_type="rope")
 
 
 def _gate_outcome(gate: dict) -> str:

@@ -71,3 +71,16 @@ def test_mtp_stage_memory_against_the_same_run_without_mtp():
                  + loss_buffers(mtp_spec, fp32_softmax_bytes(mtp_spec) + 128 * 9) + logits_in_flight(mtp_spec))
     extra = mtp["peak_bytes"] - base["peak_bytes"] - state
     assert abs(extra - predicted) < 0.01 * predicted, (extra, predicted)
+
+
+def _memguard():
+    from megatron_memguard import estimate, layout_from_flags
+    L = layout_from_flags(FLAGS + ["--mtp-num-layers", "1"], world_size=2, megatron_version="0.16")
+    return estimate(L, device="cpu").stages
+
+
+def test_memguard_estimate_of_the_mtp_stage():
+    last = _memguard()[1]
+    assert last.parameters == measured()[1]["num_params"]
+    peak = measured()[1]["peak_bytes"]
+    assert abs(last.peak_allocated_bytes - peak) < 0.01 * peak, (last.peak_allocated_bytes, peak)

@@ -22,6 +22,7 @@ from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .mtp import last_stage_items as mtp_last_stage_items
 from .muon import MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
@@ -103,7 +104,15 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
     if c.has_output:
         o = output_items(L)
         ends.update(o.saved)
-        fwd_extra = max(fwd_extra, o.fwd_transient)
+        mtp_saved, mtp_logits = mtp_last_stage_items(L)
+        if mtp_saved:
+            # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
+            d = L.mtp_num_layers
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else per_layer)
+            detail += f" + {d} MTP layer(s)"
+            ends.update(mtp_saved)
+        # the last MTP depth's logits are still referenced while the main head computes its loss
+        fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
@@ -282,6 +291,7 @@ _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
+    "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss",
 }
 
 

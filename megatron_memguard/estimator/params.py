@@ -151,11 +151,25 @@ def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
         if L.position_embedding_type == "learned_absolute":
             out.append((L.max_position_embeddings * h, False))
     out.extend([(n, False) for n in layer] * c.num_layers)
+    mtp = _mtp_params(L, c)
+    if mtp:
+        # the embedding copy is registered with the embedding (first), the MTP block after the decoder
+        emb = [(n, shared) for name, n, shared in mtp if name.startswith("embedding.")]
+        out = emb + out + [(n, shared) for name, n, shared in mtp if not name.startswith("embedding.")]
     if c.has_output:
         out.extend([(h, False)] * (2 if L.normalization == "LayerNorm" else 1))
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            out.append((vocab_rows * h, c.has_tied_output_copy))
+            # with MTP on a later stage the embedding copy is the tied weight; the output layer keeps its own
+            out.append((vocab_rows * h, c.has_tied_output_copy and not mtp))
     return out
+
+
+def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
+    """The MTP block's parameters when this chunk holds it (the last stage's last chunk)."""
+    if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
+        return []
+    from .mtp import chunk_params as mtp_chunk_params, spec_of
+    return mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer_params(L)])
 
 
 def chunk_params(L: Layout, c: Chunk) -> list[Param]:
@@ -171,10 +185,15 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     layer = layer_params(L)
     for i in range(c.num_layers):
         ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding) for p in layer)
+    mtp = _mtp_params(L, c)
+    if mtp:
+        emb = [Param(name, n, shared_embedding=shared) for name, n, shared in mtp if name.startswith("embedding.")]
+        ps = emb + ps + [Param(name, n, shared_embedding=shared) for name, n, shared in mtp
+                         if not name.startswith("embedding.")]
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy))
+            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp))
     return ps
 
 
@@ -199,6 +218,9 @@ def total_parameters(L: Layout) -> int:
         if L.qk_layernorm:
             per_layer += 2 * norm * d
     total = L.num_layers * per_layer + norm * h + V * h
+    # MTP depths: one layer each plus enorm, hnorm, final norm and eh_proj [h, 2h] (the embedding copy
+    # of a later stage is a copy, not counted again)
+    total += getattr(L, "mtp_num_layers", 0) * (per_layer + 3 * norm * h + 2 * h * h)
     if L.untie_embeddings_and_output_weights:
         total += V * h
     if L.position_embedding_type == "learned_absolute":

@@ -21,6 +21,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("mtp_num_layers", f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
                f"got {position}")
     for dest, what in (("mtp_use_repeated_layer", "one MTP layer used for every depth"),
+                       ("mtp_standalone", "MTP layers on a pipeline stage of their own"),
                        ("mtp_hybrid_override_pattern", "hybrid MTP layers")):
         if a.given(dest) and a.get(dest) not in (False, "false", "False", 0):
             raise NotModelledError(a.key(dest), what)

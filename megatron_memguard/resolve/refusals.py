@@ -14,7 +14,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
     ("num_experts", lambda v: bool(v), "mixture of experts (--num-experts)"),
-    ("mtp_num_layers", lambda v: bool(v), "multi-token prediction layers"),
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
     ("fp8", lambda v: bool(v), "FP8 training (--fp8-format)"),
