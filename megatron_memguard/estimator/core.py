@@ -22,6 +22,9 @@ from ..schedule import key_events, schedule_key
 from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .cuda_graphs import stage_terms as cuda_graph_terms
+from .offload_activations import fine_grained_plan, layer_offload_removed
+from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .muon import MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
@@ -43,6 +46,8 @@ class ChunkActivations:
     fwd_extra: int         # transient at the end of this chunk's forward
     bwd_top_extra: int     # working set at the start of this chunk's backward
     bwd_bottom_extra: int  # working set at the end of the backward (embedding weight gradient)
+    offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
+    host_bytes: int = 0        # saved activations on the host per micro-batch in flight
 
     @property
     def held(self) -> int:
@@ -80,6 +85,21 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
     else:
         layers = n * per_layer
         detail = f"{n} layers x {format_bytes(per_layer)}"
+    staging = host = 0
+    if L.cpu_offloading_num_layers and n:
+        # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
+        host = layer_offload_removed(n, min(L.cpu_offloading_num_layers, n - 1), per_layer)
+        layers -= host
+        detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
+    elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
+        groups = offload_layer_groups(la.saved, L.offload_modules, L.act_bytes,
+                                      separate_input_norm=L.multi_latent_attention,
+                                      min_elements=L.min_offloaded_tensor_size)
+        plan = fine_grained_plan(groups, n, c.has_output)
+        layers -= plan.offloaded
+        staging, host = plan.staging, plan.host_bytes
+        if host:
+            detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(groups))})"
 
     ends: dict[str, int] = {}
     fwd_extra = la.fwd_transient if n else 0
@@ -117,7 +137,7 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
-                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
+                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, offload_staging=staging, host_bytes=host)
 
 
 def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
@@ -291,7 +311,7 @@ _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
-    "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss",
+    "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
 }
 
 
@@ -341,6 +361,11 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # state); during it only where _simulate placed them.
     retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
+    staging = max(a.offload_staging for a in acts)
+    if staging:
+        # the offloaded groups in flight exist during the forward and backward passes
+        parts = {**parts, "offload_staging": staging}
+        act_peak += staging
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
     if deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
@@ -359,6 +384,16 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
+
+    graph_pool: list[Term] = []
+    if device == "gpu" and L.cuda_graph_impl != "none":
+        # graphed layers: the decoder layers of this stage and, on the last, the MTP layers
+        graphed = n_layers + (L.mtp_num_layers if has_output else 0)
+        la = layer_activations(L)
+        for name, nbytes, group, level, det in cuda_graph_terms(
+                L, graphed, 0, in_flight, max(la.fwd_transient, la.bwd_transient), sum(t.bytes for t in step_terms)):
+            t = Term(name, nbytes, group, level, det)
+            (fixed_alloc if level == "allocated" else graph_pool).append(t)
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
@@ -381,6 +416,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             det = ""
             if name == "layer_activations":
                 det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+            elif name == "offload_staging":
+                host = max(a.host_bytes for a in acts) * in_flight
+                det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                       f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
             act_terms.append(Term(name, v, group, detail=det))
@@ -394,7 +433,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         frag = int(peak_alloc * site.allocator_fragmentation)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
                           f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
-        peak_reserved = peak_alloc + frag
+        terms += graph_pool
+        peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
         device_only = [t for t in fixed if t.level == "device"]
         terms += device_only
         device_total = peak_reserved + sum(t.bytes for t in device_only)

@@ -14,8 +14,9 @@ Two mechanisms (megatron-core 0.16.1 and 0.19.2):
   group (its input and what is saved inside it) go to a pinned host pool after the group's forward;
   before the group's backward they come back, one group ahead. Tensors smaller than
   ``--min-offloaded-tensor-size`` elements (default 1,048,576) stay, and so does the chunk's last
-  group on the last pipeline stage (its backward follows at once: ``should_bulk_offload``).
-  The first iteration only records the groups; offloading starts with the second.
+  group on the last pipeline stage (its backward follows at once: ``should_bulk_offload``). The
+  warm-up iteration offloads too (``should_bulk_offload`` returns True while warming up) and records
+  the groups' sizes.
 """
 from __future__ import annotations
 

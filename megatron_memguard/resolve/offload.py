@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..errors import NotModelledError
 from .args import Args, Context
 
 MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp")
@@ -37,5 +38,16 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if kw.get("transformer_impl") != "transformer_engine":
             a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
         size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)
+        # core 0.19 tuning knobs that keep more on the GPU than memguard's every-group model
+        if a.float_arg("activation_offload_fraction", 1.0) < 1.0:
+            raise NotModelledError(a.key("activation_offload_fraction"), "offloading a fraction of the groups")
+        if a.int_arg("delta_offload_bytes_across_pp_ranks", 0, minimum=0):
+            raise NotModelledError(a.key("delta_offload_bytes_across_pp_ranks"), "per-stage offload balancing")
+        if a.bool_arg("delay_offload_until_cuda_graph", False):
+            raise NotModelledError(a.key("delay_offload_until_cuda_graph"), "offloads delayed until a CUDA graph ends")
+        cap = a.int_arg("fine_grained_offloading_max_inflight_offloads")
+        if cap is not None and cap > 1:
+            raise NotModelledError(a.key("fine_grained_offloading_max_inflight_offloads"),
+                                   "more than one pending offload per module")
         out.update(offload_modules=tuple(mods), min_offloaded_tensor_size=size)
     return out
