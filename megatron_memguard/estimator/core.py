@@ -416,6 +416,12 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             det = ""
             if name == "layer_activations":
                 det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+            elif name == "mtp_block_activations":
+                det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
+                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
+            elif name == "mtp_loss_buffers":
+                det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
+                       "loss; the last depth's logits are in forward_transient")
             elif name == "offload_staging":
                 host = max(a.host_bytes for a in acts) * in_flight
                 det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
