@@ -46,3 +46,15 @@ def test_layer_groups_of_a_te_layer():
     assert layer_groups(saved, ("core_attn",), 2) == {"core_attn": 12 * mib}
     # a 2 MiB bf16 tensor is exactly 1,048,576 elements: offloaded
     assert layer_groups({"proj_input": 2 * mib}, ("attn_proj", "core_attn"), 2) == {"attn_proj": 2 * mib}
+
+
+def test_layer_groups_of_an_mla_layer():
+    # MLA (TE): the input norm is a module of its own, so attn_norm takes the layer input; the down
+    # projections' latents go with qkv_linear, the attention inputs with core_attn
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    mib = 1024 * 1024
+    saved = {"layer_input": 4 * mib, "qkv_input": 4 * mib, "q_latent": 2 * mib, "kv_latent": 1 * mib,
+             "query": 6 * mib, "key": 6 * mib, "value": 4 * mib, "proj_input": 4 * mib}
+    groups = layer_groups(saved, ("attn_norm", "qkv_linear", "core_attn"), 2, separate_input_norm=True)
+    # kv_latent (1 MiB of bf16 = 524,288 elements) is under the threshold and stays
+    assert groups == {"attn_norm": 4 * mib, "qkv_linear": 6 * mib, "core_attn": 20 * mib}

@@ -94,7 +94,8 @@ def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) 
 # the input norm into the QKV projection (and the dense pre-MLP norm into fc1), where the layer input is
 # saved inside ``qkv_linear``'s call instead.
 _GROUP_OF = {
-    "qkv_input": "qkv_linear",
+    "qkv_input": "qkv_linear", "q_latent": "qkv_linear", "kv_latent": "qkv_linear",   # (MLA's down projections)
+    "query": "core_attn", "key": "core_attn", "value": "core_attn",                  # (MLA's attention inputs)
     "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
     "proj_input": "attn_proj",
 }
