@@ -133,3 +133,14 @@ def test_muon_with_distributed_optimizer_in_core_0_16():
     assert "--use-distributed-optimizer" in str(e.value)
     terms, _ = _terms(["--optimizer", "dist_muon"], world=8, version="0.16")
     assert terms["muon_momentum"] < 4 * MUON_ELEMS
+
+
+def test_shares_keep_routed_experts_on_the_expert_group():
+    # LayerWiseDistributedOptimizer.shard_params: routed experts over the expert-DP group, the rest over DP x CP
+    from megatron_memguard.estimator.muon import MuonSpec, shares
+    chunk = [("decoder.layers.0.self_attention.linear_qkv.weight", 400), ("decoder.layers.0.mlp.router.weight", 8),
+             ("decoder.layers.0.mlp.experts.linear_fc1.weight0", 1000), ("decoder.layers.0.mlp.experts.linear_fc2.weight0", 1000),
+             ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", 300)]
+    s = shares(MuonSpec(use_distributed_optimizer=True), [chunk], dp=2, legacy=False, expert_dp=1)
+    # dense Muon 400, 300, 8 over 2 ranks: max 400; experts 2000 whole on the one expert-DP rank
+    assert s.muon_elems == 400 + 2000

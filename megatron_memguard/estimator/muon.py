@@ -134,6 +134,11 @@ class MuonShares:
     muon_buffer_numel: int   # DDP buffer elements of the Muon parameters (shard-aligned when layer-wise)
 
 
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's parameter (sharded over the expert-data-parallel group, not DP x CP)."""
+    return ".experts." in name and "shared_experts" not in name
+
+
 def _ping_pong_ranks(params: list[tuple[str, int]], dp: int) -> list[tuple[int, int]]:
     loop = list(range(dp)) + list(range(dp))[::-1]
     out = [[0, 0] for _ in range(dp)]
@@ -142,27 +147,37 @@ def _ping_pong_ranks(params: list[tuple[str, int]], dp: int) -> list[tuple[int, 
     return [(m, s) for m, s in out]
 
 
-def shares(spec: MuonSpec, chunks: Iterable[list[tuple[str, int]]], dp: int, legacy: bool) -> MuonShares:
+def _group_shares(spec: MuonSpec, params: list[tuple[str, int]], dp: int, legacy: bool) -> tuple[int, int, int]:
+    m = [n for name, n in params if takes_muon_by_name(name)]
+    s = sum(n for name, n in params if not takes_muon_by_name(name))
+    if not spec.layer_wise or dp <= 1:
+        return sum(m), s, sum(m)
+    if legacy:
+        bm, bs = max(_ping_pong_ranks(params, dp), key=lambda r: 8 * r[0] + 12 * r[1])
+        return bm, bs, sum(m)
+    load = layer_wise_shard_numel(m, dp)
+    return load, -(-s // dp), dp * load
+
+
+def shares(spec: MuonSpec, chunks: Iterable[list[tuple[str, int]]], dp: int, legacy: bool,
+           expert_dp: int | None = None) -> MuonShares:
     """The most loaded rank's shares over a stage's chunks (``chunks``: (name, numel) per chunk).
 
     Not distributed: every rank keeps all. Core 0.19 layer-wise: Muon matrices bin-packed per chunk
     (one bucket assumed per chunk: the default bucket holds 40M elements or more), every shard padded
     to the largest in the DDP buffer; the fallback sharded evenly by a regular distributed optimizer.
     Core 0.16 ``dist_muon``: every parameter dealt out ping-pong by size, the rank with the most state
-    bytes (8 per Muon element, 12 per Adam element) counted."""
+    bytes (8 per Muon element, 12 per Adam element) counted. Routed experts are dealt out over the
+    expert-data-parallel group (``expert_dp``; DP x CP when not given), the rest over DP x CP
+    (LayerWiseDistributedOptimizer.shard_params: dp_cp and expt_dp lists)."""
     muon = scalar = buffer = 0
     for params in chunks:
-        m = [n for name, n in params if takes_muon_by_name(name)]
-        s = sum(n for name, n in params if not takes_muon_by_name(name))
-        if not spec.layer_wise or dp <= 1:
-            muon, scalar, buffer = muon + sum(m), scalar + s, buffer + sum(m)
-        elif legacy:
-            ranks = _ping_pong_ranks(params, dp)
-            bm, bs = max(ranks, key=lambda r: 8 * r[0] + 12 * r[1])
-            muon, scalar, buffer = muon + bm, scalar + bs, buffer + sum(m)
-        else:
-            load = layer_wise_shard_numel(m, dp)
-            muon, scalar, buffer = muon + load, scalar + -(-s // dp), buffer + dp * load
+        dense = [p for p in params if not is_routed_expert(p[0])]
+        experts = [p for p in params if is_routed_expert(p[0])]
+        for group, size in ((dense, dp), (experts, expert_dp or dp)):
+            if group:
+                m, s, b = _group_shares(spec, group, size, legacy)
+                muon, scalar, buffer = muon + m, scalar + s, buffer + b
     return MuonShares(muon, scalar, buffer)
 
 
@@ -183,7 +198,10 @@ def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
     spec = spec_of(L)
     chunks = [[(p.name, p.numel) for p in chunk_params(L, c)] for c in L.stage_chunks(pp_rank)]
     legacy = Version(str(L.megatron_version)) < Version("0.19")
-    sh = shares(spec, chunks, L.dp_shard_size, legacy)
+    from ..layout import ShardGroup
+    expert_group = getattr(ShardGroup, "EXPERT_DP", None)
+    expert_dp = L.parallel.shard_size(expert_group) if expert_group is not None else None
+    sh = shares(spec, chunks, L.dp_shard_size, legacy, expert_dp)
     how = ("whole parameters per DP x CP rank (" + ("ping-pong by size" if legacy else "bin-packed per chunk")
            + ")") if spec.layer_wise and L.dp_shard_size > 1 else "every parameter on every rank"
     kept = [t for t in terms if t.name in ("parameters", "gradient_buffer")]
