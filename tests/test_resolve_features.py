@@ -84,3 +84,16 @@ def test_muon_rules():
     assert run(muon, {}, optimizer="muon", fp16=True)[1][0].startswith("--optimizer")
     assert run(muon, {"muon_scalar_optimizer": "sgd"}, optimizer="muon")[1][0].startswith("--muon-scalar-optimizer")
     assert run(muon, {}, V16, optimizer="adaptive_muon")[1]
+
+
+def test_mtp_in_a_pipeline_layout():
+    # validate_layer_layout: the 'm' count is --mtp-num-layers; memguard takes them on the last stage only
+    import pytest
+    from megatron_memguard.errors import NotModelledError
+    assert run(mtp, {"mtp_num_layers": 1}, pipeline_model_parallel_layout="Et|tmL", pipeline_model_parallel_size=2)[1] == []
+    _, errs = run(mtp, {"mtp_num_layers": 2}, pipeline_model_parallel_layout="Et|tmL", pipeline_model_parallel_size=2)
+    assert errs and errs[0].startswith("--pipeline-model-parallel-layout")
+    _, errs = run(mtp, {}, pipeline_model_parallel_layout="Et|tmL", pipeline_model_parallel_size=2)
+    assert errs and "--mtp-num-layers is 0" in errs[0]
+    with pytest.raises(NotModelledError):
+        run(mtp, {"mtp_num_layers": 1}, pipeline_model_parallel_layout="Etm|tL", pipeline_model_parallel_size=2)

@@ -6,11 +6,20 @@ from typing import Any, Mapping
 from packaging.version import Version
 
 from ..errors import NotModelledError
+from ..partition import parse_pipeline_layout
 from .args import Args, Context
 
 
 def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     depth = a.int_arg("mtp_num_layers", 0, minimum=0) or 0
+    layout = kw.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        # the layout's 'm' entries place the MTP layers (partition.parse_pipeline_layout accepts them in the
+        # last stage only); PipelineParallelLayerLayout.validate_layer_layout: their count is --mtp-num-layers
+        placed = sum(st.count("m") for st in parse_pipeline_layout(str(layout), kw["pipeline_model_parallel_size"],
+                                                                    a.key("pipeline_model_parallel_layout")))
+        if placed != depth:
+            a.fail("pipeline_model_parallel_layout", f"places {placed} MTP layers ('m') but --mtp-num-layers is {depth}")
     if not depth:
         return dict(mtp_num_layers=0)
     position = kw["position_embedding_type"]
@@ -25,7 +34,4 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        ("mtp_hybrid_override_pattern", "hybrid MTP layers")):
         if a.given(dest) and a.get(dest) not in (False, "false", "False", 0):
             raise NotModelledError(a.key(dest), what)
-    if kw.get("pipeline_model_parallel_layout") is not None:
-        # the layout's 'm' entries place the MTP layers; memguard keeps them on the last stage
-        raise NotModelledError(a.key("pipeline_model_parallel_layout"), "MTP layers placed by a pipeline layout")
     return dict(mtp_num_layers=depth)
