@@ -25,6 +25,8 @@ def test_slots():
     spec = CudaGraphSpec(**SCOPED)
     assert sample_slots(spec, in_flight=1) == 1          # the last stage: 1F1B runs each backward at once
     assert sample_slots(spec, in_flight=2) == 2
+    # interleaved: 7 (micro-batch, chunk) forwards held over 4 chunks: 1.75 sets per chunk's layer
+    assert sample_slots(spec, in_flight=7, chunks=4) == 1.75
     local = CudaGraphSpec(**{**SCOPED, "cuda_graph_impl": "local"})
     assert sample_slots(local, in_flight=1) == 8         # a runner per micro-batch when PP > 1
     assert sample_slots(CudaGraphSpec(cuda_graph_impl="local", num_microbatches=8), 1) == 1

@@ -97,3 +97,12 @@ def test_mtp_in_a_pipeline_layout():
     assert errs and "--mtp-num-layers is 0" in errs[0]
     with pytest.raises(NotModelledError):
         run(mtp, {"mtp_num_layers": 1}, pipeline_model_parallel_layout="Etm|tL", pipeline_model_parallel_size=2)
+
+
+def test_module_lists_as_yaml_and_flags_write_them():
+    # functional-test model_config.yaml: "[attn mlp]"; the flag reader splits it into '[attn', 'mlp]'
+    for v in ("[attn mlp]", ["[attn", "mlp]"], "attn,mlp", ["attn", "mlp"]):
+        out, errs = run(cuda_graphs, {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": v})
+        assert out["cuda_graph_modules"] == ("attn", "mlp") and not errs, v
+    out, _ = run(offload, {"fine_grained_activation_offloading": True, "offload_modules": ["[core_attn", "attn_proj]"]})
+    assert out["offload_modules"] == ("core_attn", "attn_proj")

@@ -409,7 +409,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         graphed = n_layers + (L.mtp_num_layers if has_output else 0)
         la = layer_activations(L)
         for name, nbytes, group, level, det in cuda_graph_terms(
-                L, graphed, 0, in_flight, max(la.fwd_transient, la.bwd_transient), sum(t.bytes for t in step_terms)):
+                L, graphed, 0, in_flight, max(la.fwd_transient, la.bwd_transient), sum(t.bytes for t in step_terms),
+                len(chunks)):
             t = Term(name, nbytes, group, level, det)
             (fixed_alloc if level == "allocated" else graph_pool).append(t)
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)

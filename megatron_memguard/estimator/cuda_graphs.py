@@ -80,18 +80,21 @@ def attention_graphed(spec: CudaGraphSpec) -> bool:
                                                              or "attn" in spec.cuda_graph_modules)
 
 
-def sample_slots(spec: CudaGraphSpec, in_flight: int) -> int:
-    """Sets of static buffers per graphed region: one with PP = 1 (graphs are reused across
-    micro-batches); with PP > 1 the TE helper keeps one per micro-batch in flight on this rank (it
-    reuses finished ones), the local implementation one per micro-batch of the recording iteration."""
+def sample_slots(spec: CudaGraphSpec, in_flight: int, chunks: int = 1) -> float:
+    """Sets of static buffers per graphed layer: one with PP = 1 (graphs are reused across
+    micro-batches); with PP > 1 the TE helper keeps one per micro-batch of the layer's chunk in flight
+    (it reuses finished ones: ``in_flight`` counts (micro-batch, chunk) forwards held on the rank, so a
+    chunk holds ``in_flight / chunks`` on average), the local implementation one per micro-batch of the
+    recording iteration."""
     if spec.pipeline_model_parallel_size == 1:
         return 1
     if spec.impl == "local":
         return spec.num_microbatches
-    return max(1, min(in_flight, spec.num_microbatches))
+    return max(1.0, min(in_flight, spec.num_microbatches * chunks) / chunks)
 
 
-def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0, in_flight: int = 1) -> int:
+def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0, in_flight: int = 1,
+                    chunks: int = 1) -> int:
     """``cuda_graph_static_io``: per graphed layer and sample set, the static input
     (``get_layer_static_inputs``: hidden states ``[rows, b, h]``, always bf16), its grad-output buffer, and
     with graphed attention the static causal mask ``[b, 1, s/CP, s]`` (bool) that
@@ -103,7 +106,7 @@ def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0,
     if attention_graphed(spec) and spec.impl == "transformer_engine":
         s_cp = spec.seq_length // spec.context_parallel_size
         per_layer += spec.micro_batch_size * s_cp * spec.seq_length
-    return layers * sample_slots(spec, in_flight) * per_layer
+    return int(layers * sample_slots(spec, in_flight, chunks) * per_layer)
 
 
 def batch_bytes(spec: CudaGraphSpec) -> int:
@@ -153,19 +156,19 @@ def spec_of(L) -> CudaGraphSpec:
 
 
 def stage_terms(L, dense_layers: int, moe_layers: int, in_flight: int, region_transient: int,
-                step_transient: int = 0) -> list[tuple[str, int, str, str, str]]:
+                step_transient: int = 0, chunks: int = 1) -> list[tuple[str, int, str, str, str]]:
     """(name, bytes, group, level, detail) of the graph terms of one pipeline stage."""
     spec = spec_of(L)
     if spec.impl == "none":
         return []
     out = []
-    io = static_io_bytes(spec, dense_layers, moe_layers, in_flight) + full_iteration_static_inputs(spec)
+    io = static_io_bytes(spec, dense_layers, moe_layers, in_flight, chunks) + full_iteration_static_inputs(spec)
     if io:
         if spec.impl == "full_iteration":
             det = f"{spec.num_microbatches} micro-batches read into static buffers (StaticBufferLoader)"
         else:
             regions = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
-            det = (f"{regions} graphed layers x {sample_slots(spec, in_flight)} sample set(s) x static input "
+            det = (f"{regions} graphed layers x {sample_slots(spec, in_flight, chunks):g} sample set(s) x static input "
                    f"and grad-output [{spec.rows}, {spec.hidden_size}] bf16"
                    + (" + causal mask" if attention_graphed(spec) and spec.impl == "transformer_engine" else "")
                    + f" ({spec.impl})")

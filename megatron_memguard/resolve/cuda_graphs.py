@@ -25,7 +25,9 @@ def _modules(a: Args) -> tuple[str, str | None, list[str]]:
         return None, []
     dest = given[0]
     v = a.get(dest)
-    names = v if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    # a list, or text as YAML and launch scripts write it ("[attn mlp]", "attn,mlp")
+    text = " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+    names = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
     names = [str(n).split(".")[-1] for n in names]      # CudaGraphModule.attn -> attn
     if "full" in names:
         if names != ["full"]:
@@ -75,7 +77,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail(dest, "must not contain both moe and moe_router")
     if "moe_preprocess" in names and "moe_router" not in names:
         a.fail(dest, "moe_preprocess needs moe_router")
-    if not kw.get("num_experts") and ({"moe", "moe_router"} & set(names)):
+    if not (kw.get("num_experts") or kw.get("moe")) and ({"moe", "moe_router"} & set(names)):
         a.fail(dest, "moe and moe_router graphs need a mixture-of-experts model")
     if a.int_arg("cpu_offloading_num_layers", 0, minimum=0) and impl != "full_iteration":
         a.fail("cpu_offloading_num_layers", "does not work with CUDA graphs other than full_iteration (TransformerConfig)")

@@ -26,7 +26,8 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("fine_grained_activation_offloading", "cannot be combined with --cpu-offloading-num-layers")
     if fine:
         mods = a.get("offload_modules") or []
-        mods = list(mods) if isinstance(mods, (list, tuple)) else str(mods).strip("[]").replace(",", " ").split()
+        text = " ".join(map(str, mods)) if isinstance(mods, (list, tuple)) else str(mods)
+        mods = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
         if not mods:
             a.fail("offload_modules", "must name at least one module with --fine-grained-activation-offloading")
         for m in mods:
