@@ -85,3 +85,14 @@ def test_muon_state():
     assert "muon_momentum" in terms
     # Muon keeps 4 B where Adam keeps 8 B for the matrices it takes: the difference is 4 B per such element
     assert est.stages[0].parameters == est_adam.stages[0].parameters
+
+
+def test_layout_document_names_the_features_only_when_set():
+    from megatron_memguard.layout import Layout
+    plain = layout_from_flags(BASE, world_size=8)
+    assert "cuda_graph_impl" not in plain.to_dict() and "mtp_num_layers" not in plain.to_dict()
+    L = layout_from_flags(BASE + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
+                                  "--optimizer", "muon"], world_size=8)
+    d = L.to_dict()
+    assert d["cuda_graph_impl"] == "transformer_engine" and d["cuda_graph_modules"] == ["attn"]
+    assert Layout.from_dict(d) == L

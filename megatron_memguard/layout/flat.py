@@ -51,3 +51,10 @@ FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.sp
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules")
+# Feature settings the JSON document writes only when set: a layout without the feature keeps the
+# document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
+OMITTED_AT_DEFAULT: dict[str, object] = {
+    "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "cpu_offloading_num_layers": 0,
+    "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
+    "muon_scalar_optimizer": "adam",
+}
