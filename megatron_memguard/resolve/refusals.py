@@ -44,6 +44,12 @@ NOT_MODELLED: list[Row] = [
     ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
+    ("moe_enable_deepep", bool, "DeepEP dispatch (--moe-enable-deepep)"),
+    ("moe_layer_recompute", bool, "the deprecated --moe-layer-recompute (use --recompute-modules moe)"),
+    ("expert_tensor_parallel_num_weight_shards", lambda v: v not in (None, 1), "GTP weight rematerialisation of experts"),
+    ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
+    ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),
+    ("moe_router_force_biased", lambda v: v is not None, "forced biased (imbalanced) routing"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
@@ -59,6 +65,8 @@ WARN_ONLY: list[Row] = [
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
     ("symmetric_ar_type", lambda v: bool(v), "TE's symmetric-memory all-reduce buffers are not counted"),
+    ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
+    ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
 # Only these optimizers' states are modelled (Lion and SOAP as the main optimizer are not).
 OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon")
