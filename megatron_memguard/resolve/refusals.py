@@ -50,6 +50,7 @@ NOT_MODELLED: list[Row] = [
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
     ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased (imbalanced) routing"),
+    ("enable_full_sharding_in_hsdp", bool, "full sharding inside hybrid-sharded Megatron-FSDP"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
@@ -65,6 +66,8 @@ WARN_ONLY: list[Row] = [
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
     ("symmetric_ar_type", lambda v: bool(v), "TE's symmetric-memory all-reduce buffers are not counted"),
+    ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
+     "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
     ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
