@@ -17,7 +17,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import LayerKind, uniform_kind
+from ..partition import MLP_DENSE, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -405,12 +405,16 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
 
     graph_pool: list[Term] = []
     if device == "gpu" and L.cuda_graph_impl != "none":
-        # graphed layers: the decoder layers of this stage and, on the last, the MTP layers
+        # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
+        # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
+        moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
+        if has_output and L.mtp_num_layers:
+            moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
         graphed = n_layers + (L.mtp_num_layers if has_output else 0)
         la = layer_activations(L)
         for name, nbytes, group, level, det in cuda_graph_terms(
-                L, graphed, 0, in_flight, max(la.fwd_transient, la.bwd_transient), sum(t.bytes for t in step_terms),
-                len(chunks)):
+                L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
+                sum(t.bytes for t in step_terms), len(chunks)):
             t = Term(name, nbytes, group, level, det)
             (fixed_alloc if level == "allocated" else graph_pool).append(t)
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
