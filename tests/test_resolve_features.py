@@ -106,3 +106,17 @@ def test_module_lists_as_yaml_and_flags_write_them():
         assert out["cuda_graph_modules"] == ("attn", "mlp") and not errs, v
     out, _ = run(offload, {"fine_grained_activation_offloading": True, "offload_modules": ["[core_attn", "attn_proj]"]})
     assert out["offload_modules"] == ("core_attn", "attn_proj")
+
+
+def test_cuda_graph_modules_as_megatron_enums():
+    # after validate_args the namespace the hook reads holds CudaGraphModule members
+    import enum
+
+    class CudaGraphModule(enum.Enum):
+        attn = 2
+        mlp = 3
+    out, errs = run(cuda_graphs, {"cuda_graph_impl": "transformer_engine",
+                                  "cuda_graph_modules": [CudaGraphModule.attn, CudaGraphModule.mlp]})
+    assert out["cuda_graph_modules"] == ("attn", "mlp") and not errs
+    out, errs = run(cuda_graphs, {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": "CudaGraphModule.attn"})
+    assert out["cuda_graph_modules"] == ("attn",) and not errs

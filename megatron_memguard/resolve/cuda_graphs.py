@@ -26,8 +26,10 @@ def _modules(a: Args) -> tuple[str, str | None, list[str]]:
     dest = given[0]
     v = a.get(dest)
     # a list, or text as YAML and launch scripts write it ("[attn mlp]", "attn,mlp")
-    text = " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
-    names = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
+    # (validate_args turns them into CudaGraphModule members, which the hook's namespace may carry)
+    items = v if isinstance(v, (list, tuple)) else [v]
+    text = " ".join(str(getattr(x, "name", x)) for x in items)
+    names = [n.split(".")[-1] for n in text.replace("[", " ").replace("]", " ").replace(",", " ").split()]
     names = [str(n).split(".")[-1] for n in names]      # CudaGraphModule.attn -> attn
     if "full" in names:
         if names != ["full"]:
