@@ -58,3 +58,13 @@ def test_layer_groups_of_an_mla_layer():
     groups = layer_groups(saved, ("attn_norm", "qkv_linear", "core_attn"), 2, separate_input_norm=True)
     # kv_latent (1 MiB of bf16 = 524,288 elements) is under the threshold and stays
     assert groups == {"attn_norm": 4 * mib, "qkv_linear": 6 * mib, "core_attn": 20 * mib}
+
+
+def test_groups_next_to_cuda_graphs():
+    # TransformerLayer.__init__ (core 0.19.2) switches attn_norm / mlp_norm offloading off at graph boundaries
+    from megatron_memguard.estimator.offload_activations import effective_modules
+    mods = ("attn_norm", "qkv_linear", "mlp_norm", "expert_fc1")
+    assert effective_modules(mods, "none", ("attn",), False) == mods
+    assert effective_modules(mods, "transformer_engine", ("attn",), False) == ("qkv_linear", "expert_fc1")
+    assert effective_modules(mods, "transformer_engine", ("attn", "mlp"), False) == ("qkv_linear", "mlp_norm", "expert_fc1")
+    assert effective_modules(mods, "transformer_engine", ("moe_router",), True) == ("attn_norm", "qkv_linear", "expert_fc1")

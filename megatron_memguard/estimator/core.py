@@ -26,6 +26,7 @@ from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .cuda_graphs import stage_terms as cuda_graph_terms
+from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
@@ -108,7 +109,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         for i, (la_k, k) in enumerate(per_kind):
-            groups = offload_layer_groups(la_k.saved, L.offload_modules, L.act_bytes,
+            kind = runs[i][0] if i < len(runs) else None
+            modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
+                                                kind is not None and kind.mlp != MLP_DENSE)
+            groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
                                           separate_input_norm=L.multi_latent_attention,
                                           min_elements=L.min_offloaded_tensor_size)
             # the chunk's last group stays on the last stage: it belongs to the top layer

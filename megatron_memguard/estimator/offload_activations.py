@@ -124,3 +124,20 @@ def layer_groups(saved: Mapping[str, int], modules: Sequence[str], elem_bytes: i
         if g is not None and nbytes // elem_bytes >= min_elements:
             out[g] = out.get(g, 0) + nbytes
     return out
+
+
+def effective_modules(modules: Sequence[str], graph_impl: str, graph_modules: Sequence[str],
+                      moe_layer: bool) -> tuple[str, ...]:
+    """The listed groups a layer really offloads next to per-layer CUDA graphs (TransformerLayer.__init__,
+    core 0.19.2): no ``attn_norm`` with graphed attention; no ``mlp_norm`` on an MoE layer with graphed
+    attention or router, nor on a dense layer where the norm is a graph boundary (attn or mlp graphed,
+    not both)."""
+    if graph_impl not in ("local", "transformer_engine"):
+        return tuple(modules)
+    g = set(graph_modules)
+    drop = set()
+    if "attn" in g:
+        drop.add("attn_norm")
+    if (moe_layer and g & {"attn", "moe_router"}) or (not moe_layer and ("attn" in g) != ("mlp" in g)):
+        drop.add("mlp_norm")
+    return tuple(m for m in modules if m not in drop)
