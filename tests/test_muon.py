@@ -144,3 +144,17 @@ def test_shares_keep_routed_experts_on_the_expert_group():
     s = shares(MuonSpec(use_distributed_optimizer=True), [chunk], dp=2, legacy=False, expert_dp=1)
     # dense Muon 400, 300, 8 over 2 ranks: max 400; experts 2000 whole on the one expert-DP rank
     assert s.muon_elems == 400 + 2000
+
+
+def test_other_state_terms_stay():
+    # Muon replaces only the Adam/SGD optimizer terms; weights, gradient buffers and other features' terms stay
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.muon import stage_state_terms
+    from megatron_memguard.estimator.result import Term
+    L = layout_from_flags(GPT4 + ["--optimizer", "muon"], world_size=1)
+    terms = (Term("parameters", 1, "weights"), Term("feature_weights", 2, "weights"), Term("gradient_buffer", 3, "gradients"),
+             Term("main_parameters", 4, "optimizer"), Term("adam_exp_avg", 5, "optimizer"),
+             Term("adam_exp_avg_sq", 6, "optimizer"), Term("feature_state", 7, "optimizer"))
+    names = [t.name for t in stage_state_terms(L, 0, terms)]
+    assert names == ["parameters", "feature_weights", "gradient_buffer", "main_parameters", "muon_momentum",
+                     "adam_exp_avg", "adam_exp_avg_sq", "feature_state"]

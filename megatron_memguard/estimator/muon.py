@@ -204,8 +204,13 @@ def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
     sh = shares(spec, chunks, L.dp_shard_size, legacy, expert_dp)
     how = ("whole parameters per DP x CP rank (" + ("ping-pong by size" if legacy else "bin-packed per chunk")
            + ")") if spec.layer_wise and L.dp_shard_size > 1 else "every parameter on every rank"
-    kept = [t for t in terms if t.name in ("parameters", "gradient_buffer")]
-    out = list(kept)
+    # every term but the Adam/SGD optimizer ones stays (weights, gradient buffers, other features' terms);
+    # Muon's go where the first replaced one was
+    replaced = ("main_parameters", "adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum")
+    at = next((i for i, t in enumerate(terms) if t.name in replaced), len(terms))
+    kept_before = [t for t in terms[:at] if t.name not in replaced]
+    kept_after = [t for t in terms[at:] if t.name not in replaced]
+    out = kept_before
     if spec.bf16:
         out.append(Term("main_parameters", 4 * (sh.muon_elems + sh.scalar_elems), "optimizer",
                         detail=f"fp32 master weights; {how}"))
@@ -219,4 +224,4 @@ def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
     else:
         out.append(Term("lion_exp_avg", 4 * sh.scalar_elems, "optimizer",
                         detail=f"{sh.scalar_elems:,} elements of norms, biases, embedding, output layer (--muon-scalar-optimizer lion)"))
-    return tuple(out)
+    return tuple(out + kept_after)
