@@ -21,6 +21,9 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if opt not in MUON_OPTIMIZERS:
         return dict(muon_scalar_optimizer="adam")
     new = ctx.version >= Version("0.19")
+    for dest in ("use_megatron_fsdp", "use_torch_fsdp2", "use_custom_fsdp"):
+        if a.bool_arg(dest, False):
+            raise NotModelledError(a.key(dest), f"{opt} with fully sharded data parallelism")
     if opt == "adaptive_muon" and not new:
         a.fail("optimizer", "adaptive_muon needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
     if kw.get("fp16"):
