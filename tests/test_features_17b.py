@@ -96,3 +96,10 @@ def test_layout_document_names_the_features_only_when_set():
     d = L.to_dict()
     assert d["cuda_graph_impl"] == "transformer_engine" and d["cuda_graph_modules"] == ["attn"]
     assert Layout.from_dict(d) == L
+
+
+@pytest.mark.parametrize("extra", [["--optimizer", "muon"], ["--cuda-graph-impl", "transformer_engine"],
+                                   ["--mtp-num-layers", "1"], ["--cpu-offloading-num-layers", "1"]])
+def test_fujii2024_refuses_what_its_closed_form_lacks(extra):
+    with pytest.raises(NotModelledError):
+        estimate(layout_from_flags(BASE + extra, world_size=8), profile="fujii2024")
