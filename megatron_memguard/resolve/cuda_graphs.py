@@ -73,6 +73,9 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail(dest, "must be empty with --cuda-graph-impl full_iteration")
     if impl == "full_iteration" and ctx.version >= Version("0.19") and a.bool_arg("check_for_nan_in_loss_and_grad", True):
         a.fail("cuda_graph_impl", "full_iteration needs --no-check-for-nan-in-loss-and-grad (validate_args)")
+    if impl == "full_iteration" and a.int_arg("eval_iters", 100, minimum=0):
+        a.notes.append(f"{a.key('cuda_graph_impl')} full_iteration: once validation ran, its graph keeps a second set of "
+                       "static batch copies (not counted; --eval-iters 0 runs none)")
     if impl == "local" and ({"moe_router", "moe_preprocess"} & set(names)):
         names = sorted(set(names) | {"moe_router", "moe_preprocess"}, key=MODULES.index)  # local graphs both
     if "moe" in names and "moe_router" in names:
