@@ -112,12 +112,15 @@ def test_chunk_size_factor():
     assert F.chunk_size_factor([(4, 3), (5, 2)]) == 6
 
 
-def test_non_unit_groups_stay_unsharded_in_core_0_19():
+def test_non_unit_groups_stay_unsharded():
+    # start_param_sync gathers every bucket after each step; groups outside units (embedding, output
+    # layer) have no post-forward release: a whole copy besides the shard, in both versions.
     emb = F.FsdpGroup(numel=N, shard=D, unit=False)
-    new = F.group_states(spec(), emb)
-    assert new.non_unit_weights == 2 * N and new.weights == 2 * N // D
-    old = F.group_states(spec("0.16.1", data_parallel_sharding_strategy="optim_grads_params"), emb)
-    assert old.non_unit_weights == 0
+    for version in ("0.16.1", "0.19"):
+        g = F.group_states(spec(version, data_parallel_sharding_strategy="optim_grads_params"), emb)
+        assert g.non_unit_weights == 2 * N and g.weights == 2 * N // D
+    # strategies that keep weights whole have nothing extra
+    assert F.group_states(spec(data_parallel_sharding_strategy="optim"), emb).non_unit_weights == 0
 
 
 def test_default_strategy_per_version():
@@ -176,12 +179,31 @@ def test_double_buffer_caps_windows_at_two_units():
 
 
 def test_forward_window():
-    s = spec(suggested_communication_unit_size=2_000_000)
-    # first unit with one prefetched; nothing of this micro-batch's activations yet
+    s = spec(suggested_communication_unit_size=2_000_000, overlap_param_gather=True)
+    # --overlap-param-gather: first unit with one prefetched; none of this micro-batch's activations yet
     w = F.forward_window(s, units=12, unit_numel=1_000_000, added_per_unit=0)
     assert w.units_weights == 2 and w.weights == 4_000_000
+    # without it, start_param_sync gathered all 12 units after the step; the first forward starts with them
+    w = F.forward_window(spec(suggested_communication_unit_size=2_000_000), units=12, unit_numel=1_000_000)
+    assert w.units_weights == 12 and w.step == 11
     # strategies that keep weights whole have no forward window
     assert F.forward_window(spec(data_parallel_sharding_strategy="optim_grads"), 12, 1_000_000).weights == 0
+
+
+def test_after_step_unsharded():
+    units = (1_000_000,) * 12
+    assert F.after_step_unsharded(spec(), units) == 12 * 2_000_000
+    # with --overlap-param-gather only the first bucket and its prefetch (limit 1M elements: one more)
+    s = spec(suggested_communication_unit_size=2_000_000, overlap_param_gather=True)
+    assert F.after_step_unsharded(s, units) == 2 * 2_000_000
+    assert F.after_step_unsharded(spec(data_parallel_sharding_strategy="optim"), units) == 0
+
+
+def test_optim_grads_full_grad_bucket_through_the_backward():
+    # No units: the one dense group's full gradient bucket exists from the first gradient to the end
+    w = F.backward_window(spec(data_parallel_sharding_strategy="optim_grads"), units=0, unit_numel=0,
+                          non_unit_grad_numel=N)
+    assert w.grads == 2 * N and w.weights == 0
 
 
 def test_torch_fsdp2():
@@ -194,3 +216,43 @@ def test_torch_fsdp2():
     z2 = F.FsdpSpec.from_flat(use_torch_fsdp2=True, torch_fsdp2_reshard_after_forward=False)
     assert F.backward_window(z2, 6, 1000).units_weights == 6
     assert F.backward_window(s, 6, 1000).units_weights == 2
+
+
+def _record(test: str, golden: str) -> dict:
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.shared_data import MOE_RECORDS
+    with open(MOE_RECORDS) as fh:
+        for line in fh:
+            r = json.loads(line)
+            if r["test"] == test and r["golden_file"] == golden:
+                return r
+    raise AssertionError(f"{test}/{golden} not in {MOE_RECORDS}")
+
+
+def test_state_after_the_step_matches_megatron_ci():
+    """Megatron's CI, moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router
+    on H100 (Megatron-LM d98e8a64, the 0.19 FSDP code): --use-megatron-fsdp optim_grads_params, TP2
+    SP, EP2 (ETP = TP), 8 GPUs -> DP 4, expert-DP 2; 12 MoE layers, hidden 512, ffn 2048 (GELU),
+    8 experts, tied embedding, learned positions, vocab 50257 -> 50432. What stays allocated after
+    an iteration (mem_allocated_bytes) is the FSDP state plus the shards' fp32 gradient copies
+    (bf16 grads, kept until the next zero_grad) plus every unit re-gathered by start_param_sync
+    (no --overlap-param-gather), plus a few fixed non-FSDP buffers (cuBLAS workspace 32 MiB under
+    CUBLAS_WORKSPACE_CONFIG=:4096:8, rotary table, TE workspaces)."""
+    r = _record("gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router",
+                "golden_values_dev_dgx_h100.json")
+    a = r["model_args"]
+    assert a["--data-parallel-sharding-strategy"] == "optim_grads_params" and r["world_size"] == 8
+    measured = r["mem_allocated_bytes"]["100"]
+    s = F.FsdpSpec.from_flat(megatron_version="0.19", use_megatron_fsdp=True,
+                             data_parallel_sharding_strategy="optim_grads_params", data_parallel_size=4)
+    h, t, V, f, E = 512, 2, 50432, 2048, 8 // 2
+    layer = [(3 * h // t, h), (h,), (h,), (h, h // t), (8, h), (h,), (h,)]  # qkv + its LN, proj, router, pre-MLP LN
+    experts = [(f // t, h), (h, f // t)] * E
+    groups = F.stage_groups(s, layers=12, layer_shapes=layer, before=[(V // t, h), (1024, h)], after=[(h,), (h,)],
+                            dense_shard=4, expert_shapes=experts, expert_shard=2)
+    st = F.stage_fsdp(s, groups)
+    after_step = st.states.persistent + st.states.step_grad_copy + st.after_step
+    assert after_step <= measured <= after_step + 64 * 2**20, (after_step, measured)

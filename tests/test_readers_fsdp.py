@@ -6,11 +6,17 @@ config.py; the CLI default is optim_grads_params in 0.19.2) and OptimizerConfig.
 = 0.0 (optimizer_config.py; the CLI default is 1.0)."""
 import textwrap
 
+import os
+import sys
+
 from megatron_memguard.readers.detect import read_config_file
 
 from test_readers_bridge import FLAT
 
-NEMO2 = "/work/shared/configs/nemo2/context_model.yaml"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.shared_data import CONFIGS  # noqa: E402
+
+NEMO2 = os.path.join(CONFIGS, "nemo2", "context_model.yaml")
 
 
 def read(tmp_path, text, name="run_config.yaml"):

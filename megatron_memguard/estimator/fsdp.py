@@ -94,7 +94,8 @@ class FsdpSpec:
     comm_unit: int | None            # --suggested-communication-unit-size; None = Megatron derives it
     bucket_size: int | None          # DDP bucket size, the derived comm unit without units
     reshard_after_forward: bool = True   # torch FSDP2; False with --torch-fsdp2-no-reshard-after-forward
-    keep_non_units_unsharded: bool = False  # core 0.19: AllGatherPipeline.reset(preserve_non_fsdp_units=True)
+    keep_non_units_unsharded: bool = False  # optim_grads_params: groups outside units stay gathered
+    overlap_param_gather: bool = False   # --overlap-param-gather: start_param_sync gathers with prefetch only
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -120,7 +121,8 @@ class FsdpSpec:
                   fsdp_double_buffer: bool = False, nccl_ub: bool = False,
                   megatron_fsdp_max_pool_double_buffer: bool = False,
                   suggested_communication_unit_size: int | None = None, ddp_bucket_size: int | None = None,
-                  overlap_grad_reduce: bool = False, data_parallel_size: int = 1, context_parallel_size: int = 1,
+                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                  data_parallel_size: int = 1, context_parallel_size: int = 1,
                   torch_fsdp2_reshard_after_forward: bool = True) -> "FsdpSpec":
         """The spec Megatron would run with. Names are Megatron's ``args`` names; values as
         ``validate_args`` leaves them (strings for dtypes)."""
@@ -169,10 +171,15 @@ class FsdpSpec:
         bucket = ddp_bucket_size
         if bucket is None and overlap_grad_reduce:
             bucket = max(40_000_000, 1_000_000 * data_parallel_size * context_parallel_size)
+        # Groups outside FSDP units (embedding, output layer, final norm) are all-gathered by their
+        # modules' pre-forward hooks and never released by a post-forward hook; start_param_sync
+        # after every optimizer step gathers them again (0.16.1 releases them in reset() just before,
+        # 0.19 marks them PRESERVED): a whole copy lives through training in both versions.
         return cls(impl="megatron_fsdp", strategy=strategy, param_bytes=wbytes, grad_bytes=gbytes,
                    main_param_bytes=mbytes, state_bytes=states, decoupled_grad=decoupled, double_buffer=double,
                    comm_unit=suggested_communication_unit_size, bucket_size=bucket,
-                   keep_non_units_unsharded=new and strategy == "optim_grads_params", notes=tuple(notes))
+                   keep_non_units_unsharded=strategy == "optim_grads_params",
+                   overlap_param_gather=overlap_param_gather, notes=tuple(notes))
 
 
 def padded_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
@@ -240,7 +247,7 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
         weights = spec.param_bytes * full
     non_unit = 0
     if spec.shards_weights and not g.unit and spec.keep_non_units_unsharded:
-        # core 0.19 keeps the all-gathered bucket of groups outside FSDP units across iterations.
+        # The all-gathered bucket of a group outside FSDP units stays (see FsdpSpec.from_flat).
         non_unit = spec.param_bytes * full
     grads = spec.grad_bytes * (part if spec.shards_grads else full if s != "no_shard" else g.numel)
     main = spec.main_param_bytes * (part if spec.shards_optimizer else g.numel)
@@ -331,9 +338,13 @@ def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_un
     weights + grads - i * released_per_unit (the activations themselves are the caller's).
     ``non_unit_grad_numel``: gradients outside units produced before the layers' backward (the
     output layer's), queued first under optim_grads / optim_grads_params."""
-    if units <= 0:
-        return FsdpWindow()
     w_b, g_b = spec.param_bytes, spec.grad_bytes
+    if units <= 0:
+        # No units (optim_grads): a group's full gradient bucket is allocated with its first
+        # gradient (DataParallelBuffer.fetch_bucket) and lives to the end of the backward.
+        if spec.impl == "megatron_fsdp" and spec.shards_grads and non_unit_grad_numel:
+            return FsdpWindow(grads=non_unit_grad_numel * g_b)
+        return FsdpWindow()
     cands: list[tuple[int, FsdpWindow]] = []
     if spec.impl == "torch_fsdp2":
         # Current unit plus one prefetched (torch's default backward prefetch), and the current
@@ -373,7 +384,10 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
                    all_unit_numels: tuple[int, ...] = ()) -> FsdpWindow:
     """The worst moment of one forward relative to its end: at unit i the weights of unit i and of
     the units prefetched ahead are unsharded, while ``added_per_unit`` activation bytes for each
-    unit still to run are not there yet (``step`` = units still to run)."""
+    unit still to run are not there yet (``step`` = units still to run). Without
+    ``--overlap-param-gather`` the optimizer step's start_param_sync has gathered every bucket
+    (``async_bucket_gather`` on all, no release): the first forward starts with all units whole and
+    releases them one by one (``_post_forward``)."""
     if units <= 0:
         return FsdpWindow()
     w_b = spec.param_bytes
@@ -389,11 +403,36 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
     limit = comm_unit_size(spec, all_unit_numels or (unit_numel,)) // 2
     for i in range(units):
         remaining = units - i
-        ahead = 1 if spec.double_buffer else prefetch_units(limit, unit_numel, remaining - 1)
+        if spec.double_buffer:
+            ahead = 1
+        elif not spec.overlap_param_gather:
+            ahead = remaining - 1
+        else:
+            ahead = prefetch_units(limit, unit_numel, remaining - 1)
         nw = 1 + min(ahead, remaining - 1)
         w, todo = nw * unit_numel * w_b, units - 1 - i
         cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=nw, step=todo)))
     return _worst(cands)
+
+
+def after_step_unsharded(spec: FsdpSpec, unit_numels: list[int] | tuple[int, ...]) -> int:
+    """Unit weights all-gathered by ``start_param_sync`` right after the optimizer step (and alive
+    until each unit's first forward): every bucket without ``--overlap-param-gather``, else the
+    first one and those its prefetch reaches."""
+    if spec.impl != "megatron_fsdp" or not spec.shards_weights or not unit_numels:
+        return 0
+    if spec.double_buffer:
+        return sum(sorted(unit_numels, reverse=True)[:DOUBLE_BUFFER_UNITS]) * spec.param_bytes
+    if not spec.overlap_param_gather:
+        return sum(unit_numels) * spec.param_bytes
+    limit = comm_unit_size(spec, unit_numels) // 2
+    total, ahead = unit_numels[0], 0
+    for n in unit_numels[1:]:
+        if ahead >= limit:
+            break
+        total += n
+        ahead += n
+    return total * spec.param_bytes
 
 
 def double_buffer_bytes(spec: FsdpSpec, max_unit_numel: int) -> int:
@@ -424,3 +463,94 @@ def chunk_size_factor(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...
             continue
         factor = math.lcm(factor, row)
     return factor
+
+
+def _split(shapes: list[tuple[int, ...]], bucket_size: int | None) -> list[list[tuple[int, ...]]]:
+    """``_get_parameter_groups`` step 2: a group outside units is closed once it reaches the
+    suggested bucket size (the DDP bucket size; no split without one)."""
+    out: list[list[tuple[int, ...]]] = []
+    cur: list[tuple[int, ...]] = []
+    size = 0
+    for sh in shapes:
+        cur.append(sh)
+        size += math.prod(sh)
+        if bucket_size and size >= bucket_size:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str) -> FsdpGroup:
+    return FsdpGroup(numel=sum(math.prod(s) for s in shapes), shard=shard, unit=unit,
+                     chunk=chunk_size_factor(shapes), name=name)
+
+
+def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, ...]],
+                 before: list[tuple[int, ...]] = (), after: list[tuple[int, ...]] = (), dense_shard: int = 1,
+                 expert_shapes: list[tuple[int, ...]] = (), expert_shard: int = 1) -> tuple[FsdpGroup, ...]:
+    """The parameter groups of one model chunk on one rank, in Megatron-FSDP's order.
+
+    ``layer_shapes``: per-rank shapes of one transformer layer's dense parameters, ``expert_shapes``
+    of its local experts' (MoE layers; ``.experts.`` in the name makes a separate group);
+    ``before`` / ``after``: parameters outside the layers (embedding; final norm and output layer).
+    Under optim_grads_params every layer is an FSDP unit (one dense and one expert group each) and
+    the rest forms groups outside units; under the other strategies there are no units and all
+    dense (resp. expert) parameters form one group, split at the DDP bucket size."""
+    bucket = spec.bucket_size
+    groups: list[FsdpGroup] = []
+    if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
+        for part in _split(list(before), bucket):
+            groups.append(_group(part, dense_shard, False, "embedding"))
+        for i in range(layers):
+            groups.append(_group(list(layer_shapes), dense_shard, True, f"layer{i}"))
+            if expert_shapes:
+                groups.append(_group(list(expert_shapes), expert_shard, True, f"layer{i}.experts"))
+        for part in _split(list(after), bucket):
+            groups.append(_group(part, dense_shard, False, "output"))
+        return tuple(groups)
+    dense = list(before) + list(layer_shapes) * layers + list(after)
+    for part in _split(dense, bucket if spec.impl == "megatron_fsdp" else None):
+        groups.append(_group(part, dense_shard, False, "dense"))
+    if expert_shapes and layers:
+        for part in _split(list(expert_shapes) * layers, bucket if spec.impl == "megatron_fsdp" else None):
+            groups.append(_group(part, expert_shard, False, "experts"))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
+class StageFsdp:
+    """Everything the breakdown needs for one pipeline rank under FSDP."""
+
+    states: FsdpStates
+    unit_numel: int              # full bucket of one unit on this rank (dense + experts), padded
+    units: int
+    non_unit_grad_numel: int     # full gradient buckets outside units (allocated during the backward)
+    forward: FsdpWindow
+    backward: FsdpWindow
+    after_step: int              # unit weights gathered right after the optimizer step
+    double_buffer: int           # persistent double buffers (--fsdp-double-buffer)
+
+
+def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int = 0) -> StageFsdp:
+    """States, windows and step figure of one rank from its groups. ``act_per_unit``: bytes of
+    activations one layer saves per micro-batch (what its backward releases)."""
+    st = stage_states(spec, groups)
+    units: dict[str, int] = {}
+    for g in groups:
+        if g.unit:
+            key = g.name.split(".")[0]
+            units[key] = units.get(key, 0) + padded_numel(spec, g)
+    unit_list = tuple(units.values())
+    n = len(unit_list)
+    unit = max(unit_list) if unit_list else 0
+    non_unit = sum(padded_numel(spec, g) for g in groups if not g.unit) if spec.shards_grads else 0
+    if spec.impl == "torch_fsdp2":
+        n = sum(1 for g in groups if g.name.startswith("layer") and not g.name.endswith("experts"))
+        unit = max((padded_numel(spec, g) for g in groups), default=0)
+        non_unit = 0
+    bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list)
+    fwd = forward_window(spec, n, unit, act_per_unit, unit_list)
+    return StageFsdp(states=st, unit_numel=unit, units=n, non_unit_grad_numel=non_unit, forward=fwd, backward=bwd,
+                     after_step=after_step_unsharded(spec, unit_list), double_buffer=double_buffer_bytes(spec, unit))
