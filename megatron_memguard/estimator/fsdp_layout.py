@@ -5,11 +5,13 @@ the layout (flat Megatron names) and the per-rank parameter shapes of the layer 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .fsdp import FsdpGroup, FsdpSpec, StageFsdp, stage_fsdp, stage_groups
+from .fsdp import FsdpGroup, FsdpSpec, FsdpStates, FsdpWindow, StageFsdp, stage_fsdp, stage_groups
 from .params import layer_linear_shapes, layer_params
+from .result import Term
 
 
 def _flag(L: Any, name: str, default: Any = None) -> Any:
@@ -83,3 +85,78 @@ def chunk_fsdp(L: Any, num_layers: int, has_embedding: bool, has_output: bool, t
     its own FSDP module)."""
     return stage_fsdp(fsdp_spec(L), chunk_groups(L, num_layers, has_embedding, has_output, tied_copy),
                       act_per_layer)
+
+
+@dataclass(frozen=True)
+class FsdpStageTerms:
+    """What a stage's estimate takes from FSDP: state terms (replacing the DDP ones), the terms the
+    optimizer step leaves, and per chunk the extra of its forward and backward windows."""
+
+    state_terms: tuple[Term, ...]
+    step_terms: tuple[Term, ...]
+    fwd_extra: tuple[int, ...]
+    bwd_extra: tuple[int, ...]
+    fwd_windows: tuple[FsdpWindow, ...]
+    bwd_windows: tuple[FsdpWindow, ...]
+
+
+def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...]) -> FsdpStageTerms:
+    """FSDP terms of one pipeline rank whose chunks save ``act_per_layer[i]`` bytes per layer and
+    micro-batch (what each unit's backward releases)."""
+    spec = fsdp_spec(L)
+    total: FsdpStates | None = None
+    after = double = 0
+    fwd, bwd, fw, bw = [], [], [], []
+    for c, a in zip(chunks, act_per_layer):
+        r = chunk_fsdp(L, c.num_layers, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a))
+        total = r.states if total is None else total + r.states
+        after += r.after_step
+        double = max(double, r.double_buffer)
+        fw.append(r.forward)
+        bw.append(r.backward)
+        fwd.append(max(0, r.forward.weights - r.forward.step * int(a)))
+        bwd.append(max(0, r.backward.total - r.backward.step * int(a)))
+    assert total is not None
+    impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
+    d = f"{L.data_parallel_size * L.context_parallel_size} FSDP ranks (DP x CP)"
+    opt = total.optimizer_numel
+    st = [Term("fsdp_parameters", total.weights, "weights",
+               detail=f"{impl}: compute weights kept between uses, {spec.param_bytes} B per element; {d}"),
+          Term("fsdp_gradients", total.grads, "gradients",
+               detail=f"{impl}: main-gradient buffer, {spec.grad_bytes} B per element")]
+    if total.non_unit_weights:
+        st.append(Term("fsdp_non_unit_parameters", total.non_unit_weights, "weights",
+                       detail="whole embedding / final norm / output-layer buckets kept gathered"))
+    if total.main_params:
+        st.append(Term("main_parameters", total.main_params, "optimizer",
+                       detail=f"{spec.main_param_bytes} B main weights on {opt:,} optimizer elements ({impl})"))
+    names = ("adam_exp_avg", "adam_exp_avg_sq") if L.optimizer == "adam" else ("sgd_momentum",)
+    for name, b, nb in zip(names, total.states, spec.state_bytes):
+        st.append(Term(name, b, "optimizer", detail=f"{nb} B x {opt:,} optimizer elements ({impl})"))
+    if double:
+        st.append(Term("fsdp_double_buffers", double, "transients",
+                       detail="two unit-sized weight and gradient pools (--fsdp-double-buffer)"))
+    step = []
+    if total.step_grad_copy:
+        step.append(Term("main_grad_copies", total.step_grad_copy, "optimizer",
+                         detail=f"gradients cast to {spec.main_param_bytes} B for the step on {opt:,} elements, "
+                                "kept until the next zero_grad"))
+    if after:
+        step.append(Term("fsdp_gathered_after_step", after, "transients",
+                         detail="unit weights all-gathered by start_param_sync after the step"
+                                + ("" if spec.overlap_param_gather else " (every unit: no --overlap-param-gather)")))
+    return FsdpStageTerms(tuple(st), tuple(step), tuple(fwd), tuple(bwd), tuple(fw), tuple(bw))
+
+
+def split_window_terms(kind: str, extra: int, window: FsdpWindow) -> dict[str, int]:
+    """The FSDP share of a peak's transient, by term: ``kind`` "F" (forward) or "B" (backward),
+    ``extra`` the bytes the window added to that peak."""
+    if extra <= 0:
+        return {}
+    if kind == "F":
+        return {"fsdp_unsharded_parameters": extra}
+    w = min(window.weights, extra)
+    out = {"fsdp_unsharded_parameters": w} if w else {}
+    if extra - w:
+        out["fsdp_unsharded_gradients"] = extra - w
+    return out
