@@ -256,3 +256,16 @@ def test_state_after_the_step_matches_megatron_ci():
     st = F.stage_fsdp(s, groups)
     after_step = st.states.persistent + st.states.step_grad_copy + st.after_step
     assert after_step <= measured <= after_step + 64 * 2**20, (after_step, measured)
+
+
+def test_torch_fsdp2_stage_units_are_the_layers():
+    s = F.FsdpSpec.from_flat(use_torch_fsdp2=True)
+    groups = F.stage_groups(s, layers=4, layer_shapes=[(64, 32), (32,)], before=[(100, 32)], after=[(32,), (100, 32)],
+                            dense_shard=4)
+    st = F.stage_fsdp(s, groups, act_per_unit=0)
+    # 4 layer units of 64*32 + 32 = 2080 elements (a multiple of 4: no padding); embedding and output
+    # layer are units of their own but not layers
+    assert st.units == 4 and st.unit_numel == 2080
+    assert st.backward.units_weights == 2 and st.backward.weights == 2 * 2080 * 2
+    # nothing kept whole: (2 + 2 + 4 + 8) / 4 per element over 4 * 2080 + 3200 + 3232 elements
+    assert st.states.persistent == (4 * 2080 + 3200 + 3232) * 4

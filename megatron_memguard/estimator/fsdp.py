@@ -500,6 +500,16 @@ def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, .
     dense (resp. expert) parameters form one group, split at the DDP bucket size."""
     bucket = spec.bucket_size
     groups: list[FsdpGroup] = []
+    if spec.impl == "torch_fsdp2":
+        # fully_shard on every TransformerLayer, the embedding and the output layer (each its own
+        # unit, resharded after use) and the root (final norm): no groups kept whole.
+        if before:
+            groups.append(_group(list(before), dense_shard, False, "embedding"))
+        for i in range(layers):
+            groups.append(_group(list(layer_shapes) + list(expert_shapes), dense_shard, True, f"layer{i}"))
+        if after:
+            groups.append(_group(list(after), dense_shard, False, "output"))
+        return tuple(groups)
     if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
         for part in _split(list(before), bucket):
             groups.append(_group(part, dense_shard, False, "embedding"))
@@ -547,8 +557,6 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
     unit = max(unit_list) if unit_list else 0
     non_unit = sum(padded_numel(spec, g) for g in groups if not g.unit) if spec.shards_grads else 0
     if spec.impl == "torch_fsdp2":
-        n = sum(1 for g in groups if g.name.startswith("layer") and not g.name.endswith("experts"))
-        unit = max((padded_numel(spec, g) for g in groups), default=0)
         non_unit = 0
     bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list)
     fwd = forward_window(spec, n, unit, act_per_unit, unit_list)
