@@ -48,6 +48,8 @@ def offload_terms(L: Any, shard_numel: int) -> OffloadTerms:
                        detail=f"fp32 clones of the {b.gpu_numel:,} shard elements kept on the GPU ({f})"))
     names = ("adam_exp_avg", "adam_exp_avg_sq") if L.optimizer == "adam" else ("sgd_momentum",)
     for name, v in zip(names, b.gpu_states):
+        if not v:
+            continue          # everything offloaded: no GPU-side state
         st.append(Term(name, v, "optimizer", detail=f"fp32 state of the {b.gpu_numel:,} GPU-side elements ({f})"))
     step = ()
     if b.gpu_grad_copy:
