@@ -511,14 +511,14 @@ def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, .
             groups.append(_group(list(after), dense_shard, False, "output"))
         return tuple(groups)
     if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
-        for part in _split(list(before), bucket):
-            groups.append(_group(part, dense_shard, False, "embedding"))
         for i in range(layers):
             groups.append(_group(list(layer_shapes), dense_shard, True, f"layer{i}"))
             if expert_shapes:
                 groups.append(_group(list(expert_shapes), expert_shard, True, f"layer{i}.experts"))
-        for part in _split(list(after), bucket):
-            groups.append(_group(part, dense_shard, False, "output"))
+        # Step 1 groups by (dtype, expert, requires_grad, unit id) whatever the position: the
+        # embedding, final norm and output layer form one group outside units, then cut at the bucket size.
+        for part in _split(list(before) + list(after), bucket):
+            groups.append(_group(part, dense_shard, False, "outside units"))
         return tuple(groups)
     dense = list(before) + list(layer_shapes) * layers + list(after)
     for part in _split(dense, bucket if spec.impl == "megatron_fsdp" else None):
