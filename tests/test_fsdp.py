@@ -62,9 +62,14 @@ def test_grad_dtype_is_where_the_versions_differ():
     assert spec(megatron_fsdp_main_grads_dtype="fp32").grad_bytes == 4
     # 0.16.1: --grad-reduce-in-bf16 (accumulate off) gives bf16 grads
     assert spec("0.16.1", accumulate_allreduce_grads_in_fp32=False).grad_bytes == 2
-    # FP8 primary weights: uint8 compute weights, bf16 grads (both versions, when grads follow the params)
+    # FP8 primary weights: uint8 compute weights and bf16 grads for the FP8 group, whatever
+    # --accumulate-allreduce-grads-in-fp32 says in 0.19; fp32 grads with it in 0.16.1
     s = spec(fp8_param_gather=True)
-    assert (s.param_bytes, s.grad_bytes) == (1, 2)
+    g8 = F.FsdpGroup(N, D, True, fp8=True)
+    assert (F.weight_bytes(s, g8), F.grad_bytes(s, g8)) == (1, 2)
+    assert F.grad_bytes(spec("0.16.1", fp8_param_gather=True), g8) == 4
+    # (1 w + 2 g + 4 main + 8 Adam) / D under optim_grads_params
+    assert F.group_states(s, g8).persistent == N * 15 // D
 
 
 def test_step_grad_copy_only_when_dtypes_differ():
@@ -269,3 +274,14 @@ def test_torch_fsdp2_stage_units_are_the_layers():
     assert st.backward.units_weights == 2 and st.backward.weights == 2 * 2080 * 2
     # nothing kept whole: (2 + 2 + 4 + 8) / 4 per element over 4 * 2080 + 3200 + 3232 elements
     assert st.states.persistent == (4 * 2080 + 3200 + 3232) * 4
+
+
+def test_fp8_layers_split_into_float8_and_16_bit_groups():
+    s = spec(fp8_param_gather=True)
+    groups = F.stage_groups(s, layers=2, layer_shapes=[(64, 32), (32,)], before=[(100, 32)], dense_shard=4)
+    assert [(g.name, g.numel, g.fp8) for g in groups] == [
+        ("layer0.fp8", 2048, True), ("layer0", 32, False), ("layer1.fp8", 2048, True), ("layer1", 32, False),
+        ("outside units", 3200, False)]
+    st = F.stage_fsdp(s, groups)
+    # one unit: 2048 elements x 1 B (padded to 4 x 32) + 32 x 2 B (padded to 4 x 1 -> 32)
+    assert st.units == 2 and st.after_step == 2 * (2048 * 1 + 32 * 2)

@@ -77,6 +77,7 @@ class FsdpGroup:
     unit: bool = False
     chunk: int = 1
     name: str = ""
+    fp8: bool = False   # FP8 primary weights (--fp8-param-gather): Megatron-FSDP's "float8" dtype group
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ class FsdpSpec:
 
     impl: str                        # "megatron_fsdp" | "torch_fsdp2"
     strategy: str                    # one of STRATEGIES (torch FSDP2: "optim_grads_params")
-    param_bytes: int                 # compute weights per element (1 for FP8 primary weights)
-    grad_bytes: int                  # main gradient buffer per element
+    param_bytes: int                 # compute weights per element of 16/32-bit groups
+    grad_bytes: int                  # main gradient buffer per element of those groups
     main_param_bytes: int            # main weights per element; 0 = no main-weight buffer
     state_bytes: tuple[int, ...]     # optimizer states per element (Adam: exp_avg, exp_avg_sq)
     decoupled_grad: bool             # precision-aware optimizer reads the grad buffer directly
@@ -96,6 +97,8 @@ class FsdpSpec:
     reshard_after_forward: bool = True   # torch FSDP2; False with --torch-fsdp2-no-reshard-after-forward
     keep_non_units_unsharded: bool = False  # optim_grads_params: groups outside units stay gathered
     overlap_param_gather: bool = False   # --overlap-param-gather: start_param_sync gathers with prefetch only
+    fp8_params: bool = False         # --fp8-param-gather: FP8 groups keep 1-byte (uint8) compute weights
+    fp8_grad_bytes: int = 2          # main gradient bytes of FP8 groups (bf16 unless fp32 is asked)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -143,14 +146,15 @@ class FsdpSpec:
         strategy = data_parallel_sharding_strategy or default_sharding_strategy(megatron_version)
         if strategy not in STRATEGIES:
             raise ValueError(f"data_parallel_sharding_strategy must be one of {', '.join(STRATEGIES)}")
-        # FP8 primary weights live in uint8 buffers (fp8_param_gather); their grads are bf16.
-        wbytes = 1 if fp8_param_gather else pbytes
+        # FP8 primary weights live in uint8 buffers (fp8_param_gather); their grads are bf16
+        # (_resolve_group_grad_dtype / 0.16.1 "grad_dtype = torch.bfloat16" for FP8 groups).
         notes = []
         if new:
             # MixedPrecisionPolicy (core 0.19 mixed_precision.py): main grads "auto" = the parameter
             # dtype (bf16 for FP8 parameters), whatever --accumulate-allreduce-grads-in-fp32 says.
             gdt = megatron_fsdp_main_grads_dtype
-            gbytes = (2 if fp8_param_gather else pbytes) if gdt in (None, "auto") else DTYPE_BYTES[gdt]
+            gbytes = pbytes if gdt in (None, "auto") else DTYPE_BYTES[gdt]
+            fp8_g = 2 if gdt in (None, "auto") else DTYPE_BYTES[gdt]
             mdt = megatron_fsdp_main_params_dtype
             mbytes = 0 if mdt in (None, "auto") else DTYPE_BYTES[mdt]
             # update_main_grads casts to the main weights' dtype unless the optimizer is precision-aware
@@ -159,7 +163,8 @@ class FsdpSpec:
         else:
             # core 0.16.1: fp32 main weights (preserve_fp32_weights, default True) and fp32 grads when
             # grad_reduce_in_fp32, else the parameter dtype (bf16 for FP8 parameters).
-            gbytes = 4 if accumulate_allreduce_grads_in_fp32 else (2 if fp8_param_gather else pbytes)
+            gbytes = 4 if accumulate_allreduce_grads_in_fp32 else pbytes
+            fp8_g = 4 if accumulate_allreduce_grads_in_fp32 else 2
             mbytes = 4
             # update_main_grads tests getattr(self, "use_precision_aware_optimizer", False), an
             # attribute nothing sets in 0.16.1: the cast is always made when the dtypes differ.
@@ -175,11 +180,12 @@ class FsdpSpec:
         # modules' pre-forward hooks and never released by a post-forward hook; start_param_sync
         # after every optimizer step gathers them again (0.16.1 releases them in reset() just before,
         # 0.19 marks them PRESERVED): a whole copy lives through training in both versions.
-        return cls(impl="megatron_fsdp", strategy=strategy, param_bytes=wbytes, grad_bytes=gbytes,
+        return cls(impl="megatron_fsdp", strategy=strategy, param_bytes=pbytes, grad_bytes=gbytes,
                    main_param_bytes=mbytes, state_bytes=states, decoupled_grad=decoupled, double_buffer=double,
                    comm_unit=suggested_communication_unit_size, bucket_size=bucket,
                    keep_non_units_unsharded=strategy == "optim_grads_params",
-                   overlap_param_gather=overlap_param_gather, notes=tuple(notes))
+                   overlap_param_gather=overlap_param_gather, fp8_params=fp8_param_gather, fp8_grad_bytes=fp8_g,
+                   notes=tuple(notes))
 
 
 def padded_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
@@ -192,6 +198,15 @@ def padded_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
         return g.numel
     div = g.shard * max(1, g.chunk)
     return -(-g.numel // div) * div
+
+
+def weight_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
+    """Compute-weight bytes per element of a group (uint8 for FP8 primary weights)."""
+    return 1 if (g.fp8 and spec.fp8_params) else spec.param_bytes
+
+
+def grad_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
+    return spec.fp8_grad_bytes if (g.fp8 and spec.fp8_params) else spec.grad_bytes
 
 
 def shard_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
@@ -238,22 +253,23 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
                           states=tuple(b * part for b in spec.state_bytes), step_grad_copy=copy,
                           optimizer_numel=part)
     s = spec.strategy
+    wb, gb = weight_bytes(spec, g), grad_bytes(spec, g)
     opt = part if spec.shards_optimizer else g.numel
     if s == "no_shard":
-        weights = spec.param_bytes * g.numel        # the module's own parameters, no FSDP buffer
+        weights = wb * g.numel        # the module's own parameters, no FSDP buffer
     elif spec.shards_weights:
-        weights = spec.param_bytes * part
+        weights = wb * part
     else:
-        weights = spec.param_bytes * full
+        weights = wb * full
     non_unit = 0
     if spec.shards_weights and not g.unit and spec.keep_non_units_unsharded:
         # The all-gathered bucket of a group outside FSDP units stays (see FsdpSpec.from_flat).
-        non_unit = spec.param_bytes * full
-    grads = spec.grad_bytes * (part if spec.shards_grads else full if s != "no_shard" else g.numel)
+        non_unit = wb * full
+    grads = gb * (part if spec.shards_grads else full if s != "no_shard" else g.numel)
     main = spec.main_param_bytes * (part if spec.shards_optimizer else g.numel)
     # The optimizer works on the main weights, or on the compute weights without a main buffer.
     copy = 0
-    if spec.main_param_bytes and not spec.decoupled_grad and spec.grad_bytes != spec.main_param_bytes:
+    if spec.main_param_bytes and not spec.decoupled_grad and gb != spec.main_param_bytes:
         # update_main_grads: optimizer_grad.to(param.dtype), referenced by dist_main_grad until
         # zero_grad at the start of the next iteration.
         copy = spec.main_param_bytes * opt
@@ -327,7 +343,8 @@ def _worst(candidates: list[tuple[int, FsdpWindow]]) -> FsdpWindow:
 
 
 def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_unit: int = 0,
-                    non_unit_grad_numel: int = 0, all_unit_numels: tuple[int, ...] = ()) -> FsdpWindow:
+                    non_unit_grad_numel: int = 0, all_unit_numels: tuple[int, ...] = (),
+                    unit_weight_bytes: int | None = None, unit_grad_bytes: int | None = None) -> FsdpWindow:
     """The worst moment of one backward through ``units`` FSDP units of ``unit_numel`` elements
     each (the unit's full bucket on this rank), relative to the moment the backward starts.
 
@@ -337,8 +354,11 @@ def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_un
     ``released_per_unit`` fewer activation bytes per unit done. Returns the moment that maximises
     weights + grads - i * released_per_unit (the activations themselves are the caller's).
     ``non_unit_grad_numel``: gradients outside units produced before the layers' backward (the
-    output layer's), queued first under optim_grads / optim_grads_params."""
-    w_b, g_b = spec.param_bytes, spec.grad_bytes
+    output layer's), queued first under optim_grads / optim_grads_params. ``unit_weight_bytes`` /
+    ``unit_grad_bytes``: one unit's full buckets in bytes when its groups mix dtypes (FP8 weights)."""
+    g_b = spec.grad_bytes
+    uw = unit_numel * spec.param_bytes if unit_weight_bytes is None else unit_weight_bytes
+    ug = unit_numel * spec.grad_bytes if unit_grad_bytes is None else unit_grad_bytes
     if units <= 0:
         # No units (optim_grads): a group's full gradient bucket is allocated with its first
         # gradient (DataParallelBuffer.fetch_bucket) and lives to the end of the backward.
@@ -352,7 +372,7 @@ def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_un
         # every unit's weights stay unsharded from its forward to its backward.
         for i in range(units):
             nw = (units - i) if not spec.reshard_after_forward else min(2, units - i)
-            w, g = nw * unit_numel * w_b, unit_numel * g_b
+            w, g = nw * uw, ug
             cands.append((w + g - i * released_per_unit,
                           FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=1, step=i)))
         return _worst(cands)
@@ -373,15 +393,15 @@ def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_un
             # overflows (never, with the default capacity, on a stage whose units fit under it).
             if not spec.double_buffer and (i + 1) * unit_numel + non_unit_grad_numel <= capacity:
                 queued = non_unit_grad_numel
-        w = nw * unit_numel * w_b
-        g = (ng * unit_numel + queued) * g_b
+        w = nw * uw
+        g = ng * ug + queued * g_b
         cands.append((w + g - i * released_per_unit,
                       FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=ng, step=i)))
     return _worst(cands)
 
 
 def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: int = 0,
-                   all_unit_numels: tuple[int, ...] = ()) -> FsdpWindow:
+                   all_unit_numels: tuple[int, ...] = (), unit_weight_bytes: int | None = None) -> FsdpWindow:
     """The worst moment of one forward relative to its end: at unit i the weights of unit i and of
     the units prefetched ahead are unsharded, while ``added_per_unit`` activation bytes for each
     unit still to run are not there yet (``step`` = units still to run). Without
@@ -390,12 +410,12 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
     releases them one by one (``_post_forward``)."""
     if units <= 0:
         return FsdpWindow()
-    w_b = spec.param_bytes
+    uw = unit_numel * spec.param_bytes if unit_weight_bytes is None else unit_weight_bytes
     cands: list[tuple[int, FsdpWindow]] = []
     if spec.impl == "torch_fsdp2":
         for i in range(units):
             nw = (i + 1) if not spec.reshard_after_forward else min(2, units - i)
-            w, todo = nw * unit_numel * w_b, units - 1 - i
+            w, todo = nw * uw, units - 1 - i
             cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=nw, step=todo)))
         return _worst(cands)
     if not spec.shards_weights:
@@ -410,37 +430,42 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
         else:
             ahead = prefetch_units(limit, unit_numel, remaining - 1)
         nw = 1 + min(ahead, remaining - 1)
-        w, todo = nw * unit_numel * w_b, units - 1 - i
+        w, todo = nw * uw, units - 1 - i
         cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=nw, step=todo)))
     return _worst(cands)
 
 
-def after_step_unsharded(spec: FsdpSpec, unit_numels: list[int] | tuple[int, ...]) -> int:
+def after_step_unsharded(spec: FsdpSpec, unit_numels: list[int] | tuple[int, ...],
+                         unit_weight_bytes: list[int] | tuple[int, ...] = ()) -> int:
     """Unit weights all-gathered by ``start_param_sync`` right after the optimizer step (and alive
     until each unit's first forward): every bucket without ``--overlap-param-gather``, else the
-    first one and those its prefetch reaches."""
+    first one and those its prefetch reaches. ``unit_weight_bytes``: each unit's full buckets in
+    bytes (default: elements x the spec's weight bytes)."""
     if spec.impl != "megatron_fsdp" or not spec.shards_weights or not unit_numels:
         return 0
+    wb = list(unit_weight_bytes) or [n * spec.param_bytes for n in unit_numels]
     if spec.double_buffer:
-        return sum(sorted(unit_numels, reverse=True)[:DOUBLE_BUFFER_UNITS]) * spec.param_bytes
+        return sum(sorted(wb, reverse=True)[:DOUBLE_BUFFER_UNITS])
     if not spec.overlap_param_gather:
-        return sum(unit_numels) * spec.param_bytes
+        return sum(wb)
     limit = comm_unit_size(spec, unit_numels) // 2
-    total, ahead = unit_numels[0], 0
-    for n in unit_numels[1:]:
+    total, ahead = wb[0], 0
+    for n, b in zip(unit_numels[1:], wb[1:]):
         if ahead >= limit:
             break
-        total += n
+        total += b
         ahead += n
-    return total * spec.param_bytes
+    return total
 
 
-def double_buffer_bytes(spec: FsdpSpec, max_unit_numel: int) -> int:
+def double_buffer_bytes(spec: FsdpSpec, max_unit_numel: int, unit_bytes: int | None = None) -> int:
     """``--fsdp-double-buffer``: FixedPoolAllocator allocates two buffers of the largest unit's
-    bucket for weights and two for gradients up front and keeps them (persistent)."""
+    bucket for weights and two for gradients up front and keeps them (persistent). ``unit_bytes``:
+    the largest unit's weight + gradient buckets in bytes when its groups mix dtypes."""
     if spec.impl != "megatron_fsdp" or not spec.double_buffer or not spec.shards_weights:
         return 0
-    return DOUBLE_BUFFER_UNITS * max_unit_numel * (spec.param_bytes + spec.grad_bytes)
+    per = max_unit_numel * (spec.param_bytes + spec.grad_bytes) if unit_bytes is None else unit_bytes
+    return DOUBLE_BUFFER_UNITS * per
 
 
 def chunk_size_factor(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...]) -> int:
@@ -482,9 +507,22 @@ def _split(shapes: list[tuple[int, ...]], bucket_size: int | None) -> list[list[
     return out
 
 
-def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str) -> FsdpGroup:
+def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str, fp8: bool = False) -> FsdpGroup:
     return FsdpGroup(numel=sum(math.prod(s) for s in shapes), shard=shard, unit=unit,
-                     chunk=chunk_size_factor(shapes), name=name)
+                     chunk=chunk_size_factor(shapes), name=name, fp8=fp8)
+
+
+def _unit_groups(spec: FsdpSpec, shapes: list[tuple[int, ...]], shard: int, name: str) -> list[FsdpGroup]:
+    """A unit's groups: with FP8 primary weights the 2-D weights (TE's FP8 linear weights) form a
+    "float8" group apart from the 16-bit norms and biases (step 1 groups by dtype)."""
+    if not spec.fp8_params:
+        return [_group(shapes, shard, True, name)]
+    fp8 = [s for s in shapes if len(s) > 1]
+    rest = [s for s in shapes if len(s) <= 1]
+    out = [_group(fp8, shard, True, name + ".fp8", fp8=True)] if fp8 else []
+    if rest:
+        out.append(_group(rest, shard, True, name))
+    return out
 
 
 def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, ...]],
@@ -512,9 +550,9 @@ def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, .
         return tuple(groups)
     if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
         for i in range(layers):
-            groups.append(_group(list(layer_shapes), dense_shard, True, f"layer{i}"))
+            groups += _unit_groups(spec, list(layer_shapes), dense_shard, f"layer{i}")
             if expert_shapes:
-                groups.append(_group(list(expert_shapes), expert_shard, True, f"layer{i}.experts"))
+                groups += _unit_groups(spec, list(expert_shapes), expert_shard, f"layer{i}.experts")
         # Step 1 groups by (dtype, expert, requires_grad, unit id) whatever the position: the
         # embedding, final norm and output layer form one group outside units, then cut at the bucket size.
         for part in _split(list(before) + list(after), bucket):
@@ -547,18 +585,23 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
     """States, windows and step figure of one rank from its groups. ``act_per_unit``: bytes of
     activations one layer saves per micro-batch (what its backward releases)."""
     st = stage_states(spec, groups)
-    units: dict[str, int] = {}
+    units: dict[str, list[int]] = {}
     for g in groups:
         if g.unit:
-            key = g.name.split(".")[0]
-            units[key] = units.get(key, 0) + padded_numel(spec, g)
-    unit_list = tuple(units.values())
+            u = units.setdefault(g.name.split(".")[0], [0, 0, 0])
+            full = padded_numel(spec, g)
+            u[0] += full
+            u[1] += full * weight_bytes(spec, g)
+            u[2] += full * grad_bytes(spec, g)
+    unit_list = tuple(u[0] for u in units.values())
     n = len(unit_list)
-    unit = max(unit_list) if unit_list else 0
+    big = max(units.values(), key=lambda u: u[1]) if units else [0, 0, 0]
+    unit = big[0]
     non_unit = sum(padded_numel(spec, g) for g in groups if not g.unit) if spec.shards_grads else 0
     if spec.impl == "torch_fsdp2":
         non_unit = 0
-    bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list)
-    fwd = forward_window(spec, n, unit, act_per_unit, unit_list)
+    bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list, big[1], big[2])
+    fwd = forward_window(spec, n, unit, act_per_unit, unit_list, big[1])
     return StageFsdp(states=st, unit_numel=unit, units=n, non_unit_grad_numel=non_unit, forward=fwd, backward=bwd,
-                     after_step=after_step_unsharded(spec, unit_list), double_buffer=double_buffer_bytes(spec, unit))
+                     after_step=after_step_unsharded(spec, unit_list, tuple(u[1] for u in units.values())),
+                     double_buffer=double_buffer_bytes(spec, unit, big[1] + big[2]))
