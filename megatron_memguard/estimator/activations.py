@@ -88,8 +88,7 @@ def _norm_stats(L: Layout, n_tokens: int) -> int:
 
 def _wgrad(L: Layout, rows: int, cols: int) -> int:
     """A weight gradient materialised before it is added to main_grad (no fused accumulation)."""
-    from .head import fused_wgrad
-    return 0 if fused_wgrad(L) else rows * cols * L.act_bytes
+    return 0 if L.fused_wgrad else rows * cols * L.act_bytes
 
 
 def attention_kind(L: Layout) -> str:

@@ -11,7 +11,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import ConfigError
@@ -23,7 +23,7 @@ from .activations import attention_kind, layer_activations, shapes
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .params import layer_params
-from .result import Estimate, StageEstimate, Term
+from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, stage_states
 
@@ -419,17 +419,6 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
-def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
-    if not gpu_memory:
-        return "unknown"
-    frac = device_total / gpu_memory
-    if frac <= threshold:
-        return "fits"
-    if frac <= 1.0:
-        return "tight"
-    return "will not fit"
-
-
 def estimate(
     layout: Layout,
     profile: str = "auto",
@@ -459,7 +448,7 @@ def estimate(
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
-        L = replace(layout, transformer_impl=profile)
+        L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None

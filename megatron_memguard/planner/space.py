@@ -26,10 +26,10 @@ from ..config import RawConfig
 from ..divisors import divisors
 from ..errors import ConfigError
 from ..gpus import GpuSpec
+from ..knobs import RECOMPUTE_LEVELS  # noqa: F401 (defined with the knobs; re-exported)
 from ..layout import DTYPE_BYTES, Layout
 from ..tokenizers import pad_vocab
 
-RECOMPUTE_LEVELS = ("none", "selective", "full")
 # Default micro-batch sizes tried: every divisor of GBS/DP up to this bound (--mbs overrides).
 DEFAULT_MAX_MBS = 16
 # Default context-parallel sizes keep at least this many tokens per CP rank (--cp overrides): below
