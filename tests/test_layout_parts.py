@@ -12,7 +12,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.estimator.result import GROUPS, LEVELS, Term, TermGroup, TermLevel
 from megatron_memguard.layout import (FLAT, FLAT_NAMES, FLAT_REQUIRED, PARTS, Layout, Parallelism, ShardGroup,
                                       TensorKind)
-from megatron_memguard.layout.flat import _RUNS
+from megatron_memguard.layout.flat import _RUNS, OMITTED_AT_DEFAULT
 
 from property_space import specs
 
@@ -76,7 +76,9 @@ def test_required_names_are_the_ones_without_a_default():
 def test_from_dict_inverts_to_dict(spec):
     L = layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
     d = L.to_dict()
-    assert list(d) == list(FLAT_NAMES)
+    # feature settings at their off values are left out (layout/flat.py OMITTED_AT_DEFAULT)
+    assert list(d) == [n for n in FLAT_NAMES if n in d]
+    assert all(getattr(L, n) == OMITTED_AT_DEFAULT[n] for n in FLAT_NAMES if n not in d)
     back = Layout.from_dict(json.loads(json.dumps(d)))
     assert back == L and hash(back) == hash(L) and back.notes == L.notes
     assert back.to_dict() == d

@@ -160,3 +160,16 @@ def split_window_terms(kind: str, extra: int, window: FsdpWindow) -> dict[str, i
     if extra - w:
         out["fsdp_unsharded_gradients"] = extra - w
     return out
+
+
+def split_fsdp_transients(parts: dict[str, int], ft: FsdpStageTerms) -> dict[str, int]:
+    """Name the FSDP share of the peak's transient (the stage's chunk with the largest window)."""
+    out = dict(parts)
+    for key, kind, extras, wins in (("forward_transient", "F", ft.fwd_extra, ft.fwd_windows),
+                                    ("backward_transient", "B", ft.bwd_extra, ft.bwd_windows)):
+        if key in out and extras:
+            i = max(range(len(extras)), key=lambda j: extras[j])
+            share = min(extras[i], out[key])
+            out[key] -= share
+            out.update(split_window_terms(kind, share, wins[i]))
+    return out

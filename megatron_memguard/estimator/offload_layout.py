@@ -34,7 +34,15 @@ class OffloadTerms:
     bytes: OffloadBytes
 
 
-REPLACED = frozenset({"main_parameters", "adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum", "main_grad_copies"})
+# The distributed optimizer's terms the hybrid optimizer's replace.
+OFFLOAD_REPLACED = frozenset({"main_parameters", "adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum", "main_grad_copies"})
+
+
+def offload_shard_numel(L: Any, st: Any) -> int:
+    """Elements of the rank's distributed-optimizer shard, from its StageStates (the first moment
+    covers every shard element once)."""
+    per = DTYPE_BYTES[L.exp_avg_dtype] if L.optimizer == "adam" else 4
+    return st.exp_avg_bytes // per
 
 
 def offload_terms(L: Any, shard_numel: int) -> OffloadTerms:

@@ -38,6 +38,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
                 "empty_unused_memory_level defer_embedding_wgrad_compute wgrad_deferral_limit tp_comm_overlap"),
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
+    ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
+              "suggested_communication_unit_size megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype "
+              "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
+              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads"),
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -47,3 +51,13 @@ FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.sp
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes")
+# Settings of features that are off unless asked for: the JSON document writes them only when they
+# differ from these values (so documents of jobs without the feature stay as they were); ``from_dict``
+# takes the value back from here when the key is absent.
+OMITTED_AT_DEFAULT: dict[str, object] = {
+    "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,
+    "fsdp_double_buffer": False, "suggested_communication_unit_size": None,
+    "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",
+    "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
+    "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True,
+}

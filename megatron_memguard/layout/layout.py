@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from .chunk import Chunk
-from .flat import FLAT, FLAT_NAMES, TUPLE_FIELDS
+from .flat import FLAT, FLAT_NAMES, OMITTED_AT_DEFAULT, TUPLE_FIELDS
 from .kernels import Kernels
 from .parallelism import Parallelism, ShardGroup
 from .precision import Precision, TensorKind
@@ -130,7 +130,8 @@ class Layout:
         return dataclasses.replace(self, **own)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in FLAT_NAMES}
+        d = {name: getattr(self, name) for name in FLAT_NAMES
+             if name not in OMITTED_AT_DEFAULT or getattr(self, name) != OMITTED_AT_DEFAULT[name]}
         d["recompute_modules"] = list(self.recompute_modules)
         d["env"] = dict(self.env)
         d["notes"] = list(self.notes)

@@ -20,7 +20,7 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
+from . import batch, fsdp, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -56,7 +56,9 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("sequence parallel", parallel.sequence_parallel),
     ("pipeline split", pipeline.pipeline),
     ("recompute", recompute.recompute),
+    ("fsdp", fsdp.fsdp),
     ("optimizer", optimizer.optimizer),
+    ("optimizer offload", fsdp.optimizer_offload),
     ("kernels", kernels.implementation),
     ("attention variant", shape.attention_variant),
     ("numerics", kernels.numerics),
