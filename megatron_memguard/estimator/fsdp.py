@@ -525,17 +525,23 @@ def _unit_groups(spec: FsdpSpec, shapes: list[tuple[int, ...]], shard: int, name
     return out
 
 
-def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, ...]],
-                 before: list[tuple[int, ...]] = (), after: list[tuple[int, ...]] = (), dense_shard: int = 1,
-                 expert_shapes: list[tuple[int, ...]] = (), expert_shard: int = 1) -> tuple[FsdpGroup, ...]:
+Shapes = list[tuple[int, ...]]
+
+
+def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), before: Shapes = (),
+                 after: Shapes = (), dense_shard: int = 1, expert_shapes: Shapes = (), expert_shard: int = 1,
+                 per_layer: list[tuple[Shapes, Shapes]] | None = None) -> tuple[FsdpGroup, ...]:
     """The parameter groups of one model chunk on one rank, in Megatron-FSDP's order.
 
     ``layer_shapes``: per-rank shapes of one transformer layer's dense parameters, ``expert_shapes``
-    of its local experts' (MoE layers; ``.experts.`` in the name makes a separate group);
-    ``before`` / ``after``: parameters outside the layers (embedding; final norm and output layer).
-    Under optim_grads_params every layer is an FSDP unit (one dense and one expert group each) and
-    the rest forms groups outside units; under the other strategies there are no units and all
-    dense (resp. expert) parameters form one group, split at the DDP bucket size."""
+    of its local experts' (``.experts.`` in the name makes a separate group), repeated ``layers``
+    times; or ``per_layer``: (dense, expert) shapes of each layer when the layers differ (MoE
+    frequency, MTP). ``before`` / ``after``: parameters outside the layers (embedding; final norm
+    and output layer). Under optim_grads_params every layer is an FSDP unit (one dense and one expert
+    group each) and the rest forms groups outside units; under the other strategies there are no
+    units and all dense (resp. expert) parameters form one group, split at the DDP bucket size."""
+    if per_layer is None:
+        per_layer = [(list(layer_shapes), list(expert_shapes))] * layers
     bucket = spec.bucket_size
     groups: list[FsdpGroup] = []
     if spec.impl == "torch_fsdp2":
@@ -543,26 +549,27 @@ def stage_groups(spec: FsdpSpec, *, layers: int, layer_shapes: list[tuple[int, .
         # unit, resharded after use) and the root (final norm): no groups kept whole.
         if before:
             groups.append(_group(list(before), dense_shard, False, "embedding"))
-        for i in range(layers):
-            groups.append(_group(list(layer_shapes) + list(expert_shapes), dense_shard, True, f"layer{i}"))
+        for i, (dense, experts) in enumerate(per_layer):
+            groups.append(_group(list(dense) + list(experts), dense_shard, True, f"layer{i}"))
         if after:
             groups.append(_group(list(after), dense_shard, False, "output"))
         return tuple(groups)
     if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
-        for i in range(layers):
-            groups += _unit_groups(spec, list(layer_shapes), dense_shard, f"layer{i}")
-            if expert_shapes:
-                groups += _unit_groups(spec, list(expert_shapes), expert_shard, f"layer{i}.experts")
+        for i, (dense, experts) in enumerate(per_layer):
+            groups += _unit_groups(spec, list(dense), dense_shard, f"layer{i}")
+            if experts:
+                groups += _unit_groups(spec, list(experts), expert_shard, f"layer{i}.experts")
         # Step 1 groups by (dtype, expert, requires_grad, unit id) whatever the position: the
         # embedding, final norm and output layer form one group outside units, then cut at the bucket size.
         for part in _split(list(before) + list(after), bucket):
             groups.append(_group(part, dense_shard, False, "outside units"))
         return tuple(groups)
-    dense = list(before) + list(layer_shapes) * layers + list(after)
-    for part in _split(dense, bucket if spec.impl == "megatron_fsdp" else None):
+    dense_all = list(before) + [sh for d, _ in per_layer for sh in d] + list(after)
+    for part in _split(dense_all, bucket if spec.impl == "megatron_fsdp" else None):
         groups.append(_group(part, dense_shard, False, "dense"))
-    if expert_shapes and layers:
-        for part in _split(list(expert_shapes) * layers, bucket if spec.impl == "megatron_fsdp" else None):
+    experts_all = [sh for _, e in per_layer for sh in e]
+    if experts_all:
+        for part in _split(experts_all, bucket if spec.impl == "megatron_fsdp" else None):
             groups.append(_group(part, expert_shard, False, "experts"))
     return tuple(groups)
 

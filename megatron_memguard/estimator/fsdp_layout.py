@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from .fsdp import FsdpGroup, FsdpSpec, FsdpStates, FsdpWindow, StageFsdp, stage_fsdp, stage_groups
+from ..layout import ShardGroup
 from .params import layer_linear_shapes, layer_params
 from .result import Term
 
@@ -43,24 +44,44 @@ def fsdp_spec(L: Any) -> FsdpSpec:
         torch_fsdp2_reshard_after_forward=bool(_flag(L, "torch_fsdp2_reshard_after_forward", True)))
 
 
-def _shapes(L: Any) -> list[tuple[int, ...]]:
-    """Per-rank shapes of one layer's parameters in registration order: [out, in] for the linear
-    weights of the recipe, 1-D for norms and biases."""
-    linear = layer_linear_shapes(L)
-    out: list[tuple[int, ...]] = []
-    for p in layer_params(L):
-        key = p.name.rsplit(".", 2)
-        name = key[-2] if len(key) >= 2 and key[-1] == "weight" else None
-        if name in linear and linear[name][0] * linear[name][1] == p.numel:
-            out.append(tuple(linear[name]))
+@lru_cache(maxsize=256)
+def _layer_shapes(L: Any, kind: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(dense, expert) per-rank shapes of one layer of ``kind`` in registration order: [out, in] for
+    the recipe's linear weights, 1-D for norms and biases; parameters named ``.experts.`` are the
+    routed experts (Megatron-FSDP's expert groups), their fc1 [rows, h] and fc2 [h, cols]."""
+    linear = layer_linear_shapes(L, kind)
+    h = L.hidden_size
+    dense: list[tuple[int, ...]] = []
+    experts: list[tuple[int, ...]] = []
+    for p in layer_params(L, kind=kind):
+        parts = p.name.split(".")
+        name = parts[-2] if len(parts) >= 2 and parts[-1] == "weight" else None
+        if ".experts." in p.name:
+            is_fc2 = "linear_fc2.weight" in p.name
+            experts.append((h, p.numel // h) if is_fc2 and p.numel % h == 0 else
+                           (p.numel // h, h) if "weight" in parts[-1] and p.numel % h == 0 else (p.numel,))
+        elif name in linear and linear[name][0] * linear[name][1] == p.numel:
+            dense.append(tuple(linear[name]))
         else:
-            out.append((p.numel,))
-    return out
+            dense.append((p.numel,))
+    return tuple(dense), tuple(experts)
 
 
-def chunk_groups(L: Any, num_layers: int, has_embedding: bool, has_output: bool,
+def _expert_shard(L: Any) -> int:
+    """Ranks the experts' groups shard over: the expert data-parallel group when the layout knows
+    it (mixture of experts), else DP x CP."""
+    group = getattr(ShardGroup, "EXPERT_DP", None)
+    if group is not None:
+        try:
+            return L.parallel.shard_size(group)
+        except (ValueError, AttributeError):
+            pass
+    return max(1, L.data_parallel_size * L.context_parallel_size)
+
+
+def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool,
                  tied_copy: bool) -> tuple[FsdpGroup, ...]:
-    """The FSDP parameter groups of one model chunk on one rank (dense parameters over DP x CP)."""
+    """The FSDP parameter groups of one model chunk on one rank."""
     spec = fsdp_spec(L)
     h, t = L.hidden_size, L.tensor_model_parallel_size
     rows = L.padded_vocab_size // t
@@ -74,16 +95,21 @@ def chunk_groups(L: Any, num_layers: int, has_embedding: bool, has_output: bool,
         after += [(h,)] * (2 if L.normalization == "LayerNorm" else 1)
         if L.untie_embeddings_and_output_weights or tied_copy:
             after.append((rows, h))
+    per_layer = []
+    for kind, count in kind_runs:
+        dense, experts = _layer_shapes(L, kind)
+        per_layer += [(list(dense), list(experts))] * count
     dense_shard = max(1, L.data_parallel_size * L.context_parallel_size)
-    return stage_groups(spec, layers=num_layers, layer_shapes=_shapes(L), before=before, after=after,
-                        dense_shard=dense_shard)
+    return stage_groups(spec, per_layer=per_layer, before=before, after=after, dense_shard=dense_shard,
+                        expert_shard=_expert_shard(L))
 
 
-def chunk_fsdp(L: Any, num_layers: int, has_embedding: bool, has_output: bool, tied_copy: bool,
+@lru_cache(maxsize=1024)
+def chunk_fsdp(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                act_per_layer: int) -> StageFsdp:
     """States, windows and the after-step gather of one model chunk (Megatron wraps each chunk in
     its own FSDP module)."""
-    return stage_fsdp(fsdp_spec(L), chunk_groups(L, num_layers, has_embedding, has_output, tied_copy),
+    return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy),
                       act_per_layer)
 
 
@@ -108,7 +134,7 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     after = double = 0
     fwd, bwd, fw, bw = [], [], [], []
     for c, a in zip(chunks, act_per_layer):
-        r = chunk_fsdp(L, c.num_layers, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a))
+        r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a))
         total = r.states if total is None else total + r.states
         after += r.after_step
         double = max(double, r.double_buffer)

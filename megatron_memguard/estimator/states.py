@@ -100,12 +100,12 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
 
 
 @lru_cache(maxsize=1024)
-def _chunk_buffer(L: Layout, num_layers: int, has_embedding: bool, has_output: bool, tied_copy: bool,
+def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
     share one shape)."""
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=num_layers, has_embedding=has_embedding,
-              has_output=has_output, has_tied_output_copy=tied_copy)
+    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=sum(n for _, n in kind_runs),
+              has_embedding=has_embedding, has_output=has_output, has_tied_output_copy=tied_copy, kind_runs=kind_runs)
     plist = chunk_numels(L, c)
     buf = build_buffer(L, plist, bucket_size)
     pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(ShardGroup.DENSE_DP), r)) for r in ranks) if L.use_distributed_optimizer else ()
@@ -132,16 +132,13 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
     larger of DP rank 0 and the last rank; only the distributed optimizer makes them differ)."""
     chunks = L.stage_chunks(pp_rank)
     # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
-    sig = tuple((c.num_layers, c.has_embedding, c.has_output, c.has_tied_output_copy,
+    sig = tuple((c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
                  bucket_size_for(L, c)) for c in chunks)
     return _stage_states(L, sig, dp_rank)
 
 
 @lru_cache(maxsize=1024)
 def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
-    chunks = [Chunk(pp_rank=-1, vpp_rank=i, first_layer=0, num_layers=n, has_embedding=e, has_output=o,
-                    has_tied_output_copy=tied) for i, (n, e, o, tied, _) in enumerate(sig)]
-    buckets = [b for *_, b in sig]
     shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     prec = L.precision
     p_bytes = prec.bytes_of(TensorKind.PARAM)
@@ -154,9 +151,8 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     # they are the same rank and must be listed once, or its shard would be counted twice.
     ranks = sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
     all_main = 0
-    for c, bsize in zip(chunks, buckets):
-        buf, pieces_of = _chunk_buffer(L, c.num_layers, c.has_embedding, c.has_output,
-                                       c.has_tied_output_copy, bsize, tuple(ranks))
+    for runs, has_embedding, has_output, tied, bsize in sig:
+        buf, pieces_of = _chunk_buffer(L, runs, has_embedding, has_output, tied, bsize, tuple(ranks))
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded

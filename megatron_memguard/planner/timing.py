@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..units import format_bytes
+from ..estimator.layers import mixer_recipe
+from ..partition import uniform_kind
 from .comm import HOST_LINK_EFFICIENCY, P2P_LATENCY, collective_seconds, host_copy_seconds, p2p_seconds
 from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
 from .space import Candidate, Cluster, ModelShape
@@ -310,13 +312,9 @@ class TimeModel:
         h, d = s.hidden, s.kv_channels
         a_t, g_t, f_t = s.heads // tp, s.kv_heads_per_rank(tp), s.ffn // tp
         fc1_n = (2 if s.gated else 1) * f_t
-        if s.mla:
-            # down projections (whole weights, on this rank's tokens) and up projections
-            ql, kvl, qk, pe, v = s.mla
-            shapes = [(tok, kvl + pe, h), (M, a_t * (qk + v), kvl)]
-            shapes += [(tok, ql, h), (M, a_t * (qk + pe), ql)] if ql else [(M, a_t * (qk + pe), h)]
-        else:
-            shapes = [(M, (a_t + 2 * g_t) * d, h)]
+        # the token mixer's GEMMs before the core attention, from the recipe of the layers' kind
+        mixer = mixer_recipe(uniform_kind(s.layout))
+        shapes = mixer.qkv_gemms(s.layout, tp, M, tok)
         gb = s.grad_bytes
         qkv = [linear_seconds(*x, gpu, gb) for x in shapes]
         fq = sum(2.0 * x[0] * x[1] * x[2] for x in shapes)
@@ -337,7 +335,7 @@ class TimeModel:
         # element-wise kernels
         scale = s.act_bytes / 2
         ef, ef_fwd = (ELEM_F_BYTES_GATED, ELEM_F_FWD_GATED) if s.gated else (ELEM_F_BYTES, ELEM_F_FWD)
-        rope_el = (M * (a_t + 1) * s.mla[3] if s.mla else M * (a_t + g_t) * d) if (s.rope or s.mla) else 0
+        rope_el = mixer.rope_elements(s.layout, tp, M)
         elem = (ELEM_H_BYTES * tok * h + ef * M * f_t + ROPE_BYTES * rope_el) * scale
         elem_fwd = (ELEM_H_FWD * tok * h + ef_fwd * M * f_t + ROPE_FWD * rope_el) * scale
         act_fwd = memory_seconds(ef_fwd * M * f_t * scale, gpu)
@@ -616,6 +614,31 @@ class TimeModel:
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
                         critical_stage=crit)
 
+    def _fsdp_comm(self, c: Candidate, key: tuple, psi0: float, n_dp: int, k: int, n0: int, w_f: float, w_b: float,
+                   tail: float, details: bool) -> tuple[float, str]:
+        """Megatron-FSDP reduce-scatters every micro-batch's gradients (the parameter dtype, core 0.19)
+        during its backward; optim_grads_params also all-gathers every unit before its forward and
+        again before its backward. The first unit (one layer of the stage's n0) cannot hide."""
+        s = self.shape
+        rs = self.collective("rs", psi0 * min(s.grad_bytes, s.param_bytes), n_dp, k)
+        ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
+        unit = 1.0 / max(1, n0)
+        if c.fsdp == "optim_grads_params":
+            per_mb = max(ag - w_f, unit * ag) + max(ag + rs - w_b, unit * (ag + rs))
+            t = c.m * per_mb
+        else:   # optim_grads: whole weights, gathered once after the step
+            per_mb = max(rs - w_b, unit * rs)
+            t = c.m * per_mb + max(ag - w_f, tail * ag)
+        self._dp[key] = t
+        if not details:
+            return t, ""
+        text = (f"Megatron-FSDP {c.fsdp}: per micro-batch a reduce-scatter of the gradients {rs * 1e3:.1f} ms"
+                + (f" and two all-gathers of the parameters {ag * 1e3:.1f} ms each" if c.fsdp == "optim_grads_params"
+                   else f"; one all-gather of the parameters {ag * 1e3:.1f} ms per step")
+                + f", behind {w_f * 1e3:.1f} ms forward / {w_b * 1e3:.1f} ms backward; {c.m} micro-batches, "
+                  f"{n_dp} ranks, {k} per NVLink domain")
+        return t, text
+
     def _dp_comm(self, c: Candidate, lc: LayerCost, ec: EndsCost, rc_layer: float, details: bool) -> tuple[float, str]:
         """Gradients reduce-scatter (+ parameters all-gather) or all-reduce over DP x CP, for the first
         stage (it runs the last backward of the step), overlapped with the backward of the last
@@ -624,7 +647,7 @@ class TimeModel:
         n_dp = c.dp * c.cp
         if n_dp <= 1:
             return 0.0, "DP x CP = 1: nothing to reduce"
-        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute)
+        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp)
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)
@@ -638,6 +661,8 @@ class TimeModel:
         bucket = max(DDP_MIN_BUCKET, 1_000_000 * c.dp)
         tail = min(1.0, bucket / psi0)
         gbytes = psi0 * s.grad_bytes
+        if c.fsdp in ("optim_grads_params", "optim_grads"):
+            return self._fsdp_comm(c, key, psi0, n_dp, k, n0, w_f, w_b, tail, details)
         if c.dist_opt:
             rs = self.collective("rs", gbytes, n_dp, k)
             ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
