@@ -99,6 +99,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                    "hybrid sharded data parallel (Megatron-FSDP with an outer DP group)")
         if a.get("megatron_fsdp_version") not in (None, 1, "1"):
             raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2")
+        if a.bool_arg("keep_fp8_transpose_cache", False):
+            raise NotModelledError(a.key("keep_fp8_transpose_cache"), "FP8 transpose caches kept under Megatron-FSDP")
         if a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False):
             raise NotModelledError(a.key("megatron_fsdp_enable_fine_grained_param_gather"),
                                    "Megatron-FSDP fine-grained parameter gathering")
