@@ -107,3 +107,22 @@ def test_off_by_default_leaves_the_ddp_terms():
     est, t = terms(["--use-distributed-optimizer"])
     assert "parameters" in t and "gradient_buffer" in t and not any(k.startswith("fsdp_") for k in t)
     assert est.host_bytes_per_rank == 0 and "host_bytes_per_rank" not in est.to_dict()
+
+
+def test_megatron_namespace_after_validate_args():
+    # The hook reads Megatron's args after validate_args (0.19): FSDP dtypes are torch dtypes, "auto" is None,
+    # use_custom_fsdp and use_distributed_optimizer switched on.
+    import argparse
+
+    import torch
+
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    ns = argparse.Namespace(**parse_megatron_flags(BASE + FSDP).args)
+    ns.use_custom_fsdp = ns.use_distributed_optimizer = True
+    ns.megatron_fsdp_main_params_dtype, ns.megatron_fsdp_main_grads_dtype = torch.float32, None
+    ns.world_size = 8
+    L = resolve(raw_from_namespace(ns), world_size=8)
+    assert (L.use_megatron_fsdp, L.megatron_fsdp_main_params_dtype, L.megatron_fsdp_main_grads_dtype) == \
+        (True, "fp32", "auto")
