@@ -60,7 +60,7 @@ def test_core_0_16_grads_are_fp32_and_the_default_is_no_shard():
 def test_megatron_fsdp_rules():
     with pytest.raises((ConfigError, ConfigErrors), match="--ckpt-format"):
         layout_from_flags(BASE + ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"], world_size=8)
-    with pytest.raises((ConfigError, ConfigErrors), match="--use-distributed-optimizer"):
+    with pytest.raises(NotModelledError, match="--use-distributed-optimizer"):
         layout_from_flags(BASE + FSDP, world_size=8, megatron_version="0.16.1")
     with pytest.raises((ConfigError, ConfigErrors), match="--data-parallel-sharding-strategy"):
         layout_from_flags(BASE + FSDP + ["--data-parallel-sharding-strategy", "zero3"], world_size=8)
@@ -126,3 +126,15 @@ def test_megatron_namespace_after_validate_args():
     L = resolve(raw_from_namespace(ns), world_size=8)
     assert (L.use_megatron_fsdp, L.megatron_fsdp_main_params_dtype, L.megatron_fsdp_main_grads_dtype) == \
         (True, "fp32", "auto")
+
+
+def test_pipeline_stages_hold_their_own_groups():
+    # PP 2: the embedding's group on the first stage, the final norm and output layer on the last;
+    # each stage's 16 layer units alike (one FSDP module per model chunk)
+    est = estimate(layout_from_flags(BASE + FSDP + ["--pipeline-model-parallel-size", "2"], world_size=8))
+    first, last = ({t.name: t.bytes for t in s.terms} for s in est.stages)
+    # 4 FSDP ranks (DP 4), buckets padded to 4 x 4096 = 16,384: the embedding's 525,336,576 elements
+    # are a multiple already; final norm + output layer, 525,340,672, round up to 525,352,960
+    assert first["fsdp_non_unit_parameters"] == 2 * 525_336_576
+    assert last["fsdp_non_unit_parameters"] == 2 * 525_352_960
+    assert first["fsdp_parameters"] - 2 * 525_336_576 // 4 == last["fsdp_parameters"] - 2 * 525_352_960 // 4
