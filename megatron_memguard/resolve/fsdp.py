@@ -74,7 +74,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         out.update(use_torch_fsdp2=True,
                    torch_fsdp2_reshard_after_forward=a.bool_arg("torch_fsdp2_reshard_after_forward", True))
     if megatron:
-        strategy = str(a.get("data_parallel_sharding_strategy") or default_sharding_strategy(f"{version[0]}.{version[1]}"))
+        strategy = str(a.get("data_parallel_sharding_strategy")
+                       or default_sharding_strategy(f"{version[0]}.{version[1]}"))
         if strategy not in STRATEGIES:
             a.fail("data_parallel_sharding_strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
             strategy = "no_shard"
@@ -106,7 +107,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False):
             raise NotModelledError(a.key("megatron_fsdp_enable_fine_grained_param_gather"),
                                    "Megatron-FSDP fine-grained parameter gathering")
-        double = a.bool_arg("fsdp_double_buffer", False) or (new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
+        double = a.bool_arg("fsdp_double_buffer", False) or (
+            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
         unit = a.int_arg("suggested_communication_unit_size")
         out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, fsdp_double_buffer=double,
                    suggested_communication_unit_size=unit,
