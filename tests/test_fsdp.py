@@ -285,3 +285,20 @@ def test_fp8_layers_split_into_float8_and_16_bit_groups():
     st = F.stage_fsdp(s, groups)
     # one unit: 2048 elements x 1 B (padded to 4 x 32) + 32 x 2 B (padded to 4 x 1 -> 32)
     assert st.units == 2 and st.after_step == 2 * (2048 * 1 + 32 * 2)
+
+
+def test_unit_list_windows_agree_with_uniform_units_and_follow_the_sizes():
+    # The same 12 x 1M-element units as a list give the uniform windows.
+    s = spec(suggested_communication_unit_size=2_000_000)
+    units = ((1_000_000, 2_000_000, 2_000_000),) * 12
+    a = F.backward_window_units(s, units)
+    b = F.backward_window(s, units=12, unit_numel=1_000_000)
+    assert (a.total, a.units_weights, a.units_grads, a.step) == (b.total, b.units_weights, b.units_grads, b.step)
+    # 3 small dense units then 5 large ones (a DeepSeek-style stage): by default every unit is
+    # gathered for the backward's start, so the window is their sum, not 8 x the largest
+    mixed = ((100, 200, 200),) * 3 + ((1000, 2000, 2000),) * 5
+    w = F.backward_window_units(spec(), mixed)
+    assert w.weights == 3 * 200 + 5 * 2000 and w.step == 0
+    # prefetch limit 1000 elements (comm unit 2000): a large unit's backward gathers one unit behind it
+    w = F.backward_window_units(spec(suggested_communication_unit_size=2000), mixed)
+    assert max(w.units_weights, 1) <= 2

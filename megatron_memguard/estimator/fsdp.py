@@ -342,6 +342,78 @@ def _worst(candidates: list[tuple[int, FsdpWindow]]) -> FsdpWindow:
     return best
 
 
+Unit = tuple[int, int, int]   # (elements, weight bytes, gradient bytes) of one unit's full buckets
+
+
+def _ahead(units: tuple[Unit, ...], idx: list[int], limit: int) -> int:
+    """How many of the units listed by ``idx`` (next first) the prefetch appends: it keeps adding
+    while the prefetched elements are below ``limit`` (AllGatherPipeline.all_gather_params)."""
+    n = total = 0
+    for j in idx:
+        if total >= limit:
+            break
+        total += units[j][0]
+        n += 1
+    return n
+
+
+def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_unit: int = 0,
+                          non_unit_grad_numel: int = 0) -> FsdpWindow:
+    """``backward_window`` over units of different sizes (given in forward order): the backward
+    walks them from the last; the weights of the current unit and of those the prefetch reaches
+    behind it, the gradient buckets the reduce-scatter queue keeps (it frees the oldest while it
+    holds more than the capacity), and the buckets outside units all along."""
+    if spec.impl != "megatron_fsdp" or not units or not (spec.shards_weights or spec.shards_grads):
+        return FsdpWindow()
+    cu = comm_unit_size(spec, tuple(u[0] for u in units))
+    limit, capacity = cu // 2, cu
+    n = len(units)
+    queue: list[int] = []
+    outside = non_unit_grad_numel * spec.grad_bytes if spec.shards_grads else 0
+    cands: list[tuple[int, FsdpWindow]] = []
+    for i in range(n):
+        j = n - 1 - i
+        w = nw = 0
+        if spec.shards_weights:
+            behind = list(range(j - 1, -1, -1))
+            k = min(1, len(behind)) if spec.double_buffer else _ahead(units, behind, limit)
+            held = [j] + behind[:k]
+            w, nw = sum(units[x][1] for x in held), len(held)
+        g = ng = 0
+        if spec.shards_grads:
+            if spec.double_buffer:
+                queue = queue[-(DOUBLE_BUFFER_UNITS - 1):] if DOUBLE_BUFFER_UNITS > 1 else []
+            else:
+                while queue and sum(units[x][0] for x in queue) > capacity:
+                    queue.pop(0)
+            queue.append(j)
+            g, ng = sum(units[x][2] for x in queue) + outside, len(queue)
+        cands.append((w + g - i * released_per_unit,
+                      FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=ng, step=i)))
+    return _worst(cands)
+
+
+def forward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], added_per_unit: int = 0) -> FsdpWindow:
+    """``forward_window`` over units of different sizes (forward order)."""
+    if spec.impl != "megatron_fsdp" or not units or not spec.shards_weights:
+        return FsdpWindow()
+    limit = comm_unit_size(spec, tuple(u[0] for u in units)) // 2
+    n = len(units)
+    cands: list[tuple[int, FsdpWindow]] = []
+    for i in range(n):
+        rest = list(range(i + 1, n))
+        if spec.double_buffer:
+            k = min(1, len(rest))
+        elif not spec.overlap_param_gather:
+            k = len(rest)        # start_param_sync gathered every bucket after the step
+        else:
+            k = _ahead(units, rest, limit)
+        held = [i] + rest[:k]
+        w, todo = sum(units[x][1] for x in held), n - 1 - i
+        cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=len(held), step=todo)))
+    return _worst(cands)
+
+
 def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_unit: int = 0,
                     non_unit_grad_numel: int = 0, all_unit_numels: tuple[int, ...] = (),
                     unit_weight_bytes: int | None = None, unit_grad_bytes: int | None = None) -> FsdpWindow:
@@ -607,8 +679,13 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
     non_unit = sum(padded_numel(spec, g) for g in groups if not g.unit) if spec.shards_grads else 0
     if spec.impl == "torch_fsdp2":
         non_unit = 0
-    bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list, big[1], big[2])
-    fwd = forward_window(spec, n, unit, act_per_unit, unit_list, big[1])
+    per_unit = tuple((u[0], u[1], u[2]) for u in units.values())
+    if spec.impl == "megatron_fsdp" and per_unit:
+        bwd = backward_window_units(spec, per_unit, act_per_unit, non_unit)
+        fwd = forward_window_units(spec, per_unit, act_per_unit)
+    else:
+        bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list, big[1], big[2])
+        fwd = forward_window(spec, n, unit, act_per_unit, unit_list, big[1])
     return StageFsdp(states=st, unit_numel=unit, units=n, non_unit_grad_numel=non_unit, forward=fwd, backward=bwd,
                      after_step=after_step_unsharded(spec, unit_list, tuple(u[1] for u in units.values())),
                      double_buffer=double_buffer_bytes(spec, unit, big[1] + big[2]))
