@@ -21,7 +21,7 @@ from ..partition import LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
-from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, split_fsdp_transients
+from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
@@ -398,6 +398,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
+            elif ft is not None and name.startswith("fsdp_"):
+                det = fsdp_window_detail(ft, name)
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:

@@ -199,3 +199,18 @@ def split_fsdp_transients(parts: dict[str, int], ft: FsdpStageTerms) -> dict[str
             out[key] -= share
             out.update(split_window_terms(kind, share, wins[i]))
     return out
+
+
+def fsdp_window_detail(ft: FsdpStageTerms, name: str) -> str:
+    """How the FSDP window at a peak came about (for --detail)."""
+    if not ft.bwd_windows:
+        return ""
+    b = max(ft.bwd_windows, key=lambda w: w.total)
+    f = max(ft.fwd_windows, key=lambda w: w.weights)
+    if name == "fsdp_unsharded_parameters":
+        return (f"all-gathered unit weights: {b.units_weights} unit(s) at the backward's worst moment "
+                f"({b.step} unit(s) done), {f.units_weights} at the forward's")
+    if name == "fsdp_unsharded_gradients":
+        return (f"{b.units_grads} unit(s) of full gradient buckets queued for reduce-scatter, with the buckets "
+                "outside units")
+    return ""
