@@ -175,11 +175,14 @@ def test_backward_window_default_limits_gather_everything():
     assert w.grads == 12_500_000 * 4 and w.weights == 1_000_000 * 2
 
 
-def test_double_buffer_caps_windows_at_two_units():
+def test_double_buffer_caps_windows_at_two_units_inside_its_pools():
     s = spec(fsdp_double_buffer=True)
     w = F.backward_window(s, units=12, unit_numel=1_000_000)
     assert w.units_weights <= 2 and w.units_grads <= 2
+    # the two units' buckets come out of the persistent pools: nothing on top of them
+    assert w.total == 0 and F.after_step_unsharded(s, (1_000_000,) * 12) == 0
     assert F.double_buffer_bytes(s, 1_000_000) == 2 * 1_000_000 * (2 + 2)
+    assert F.backward_window_units(s, ((1_000_000, 2_000_000, 2_000_000),) * 12).total == 0
     assert spec(nccl_ub=True).double_buffer
 
 

@@ -370,6 +370,9 @@ def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_
     n = len(units)
     queue: list[int] = []
     outside = non_unit_grad_numel * spec.grad_bytes if spec.shards_grads else 0
+    # With --fsdp-double-buffer the units' buckets come out of the persistent pools
+    # (fsdp_double_buffers): they add nothing at the moment; the groups outside units still do.
+    pool = 0 if spec.double_buffer else 1
     cands: list[tuple[int, FsdpWindow]] = []
     for i in range(n):
         j = n - 1 - i
@@ -378,7 +381,7 @@ def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_
             behind = list(range(j - 1, -1, -1))
             k = min(1, len(behind)) if spec.double_buffer else _ahead(units, behind, limit)
             held = [j] + behind[:k]
-            w, nw = sum(units[x][1] for x in held), len(held)
+            w, nw = pool * sum(units[x][1] for x in held), len(held)
         g = ng = 0
         if spec.shards_grads:
             if spec.double_buffer:
@@ -387,7 +390,7 @@ def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_
                 while queue and sum(units[x][0] for x in queue) > capacity:
                     queue.pop(0)
             queue.append(j)
-            g, ng = sum(units[x][2] for x in queue) + outside, len(queue)
+            g, ng = pool * sum(units[x][2] for x in queue) + outside, len(queue)
         cands.append((w + g - i * released_per_unit,
                       FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=ng, step=i)))
     return _worst(cands)
@@ -409,7 +412,7 @@ def forward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], added_per_unit
         else:
             k = _ahead(units, rest, limit)
         held = [i] + rest[:k]
-        w, todo = sum(units[x][1] for x in held), n - 1 - i
+        w, todo = (0 if spec.double_buffer else sum(units[x][1] for x in held)), n - 1 - i
         cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=len(held), step=todo)))
     return _worst(cands)
 
@@ -465,8 +468,9 @@ def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_un
             # overflows (never, with the default capacity, on a stage whose units fit under it).
             if not spec.double_buffer and (i + 1) * unit_numel + non_unit_grad_numel <= capacity:
                 queued = non_unit_grad_numel
-        w = nw * uw
-        g = ng * ug + queued * g_b
+        pool = 0 if spec.double_buffer else 1     # units' buckets live in the persistent pools
+        w = pool * nw * uw
+        g = pool * ng * ug + queued * g_b
         cands.append((w + g - i * released_per_unit,
                       FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=ng, step=i)))
     return _worst(cands)
@@ -502,7 +506,7 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
         else:
             ahead = prefetch_units(limit, unit_numel, remaining - 1)
         nw = 1 + min(ahead, remaining - 1)
-        w, todo = nw * uw, units - 1 - i
+        w, todo = (0 if spec.double_buffer else nw * uw), units - 1 - i
         cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=nw, step=todo)))
     return _worst(cands)
 
@@ -517,7 +521,7 @@ def after_step_unsharded(spec: FsdpSpec, unit_numels: list[int] | tuple[int, ...
         return 0
     wb = list(unit_weight_bytes) or [n * spec.param_bytes for n in unit_numels]
     if spec.double_buffer:
-        return sum(sorted(wb, reverse=True)[:DOUBLE_BUFFER_UNITS])
+        return 0       # gathered into the persistent pools (fsdp_double_buffers)
     if not spec.overlap_param_gather:
         return sum(wb)
     limit = comm_unit_size(spec, unit_numels) // 2

@@ -207,6 +207,9 @@ def fsdp_window_detail(ft: FsdpStageTerms, name: str) -> str:
         return ""
     b = max(ft.bwd_windows, key=lambda w: w.total)
     f = max(ft.fwd_windows, key=lambda w: w.weights)
+    if any(t.name == "fsdp_double_buffers" for t in ft.state_terms):
+        return ("the buckets outside units; the units' buckets come out of the double-buffer pools"
+                if name == "fsdp_unsharded_gradients" else "")
     if name == "fsdp_unsharded_parameters":
         return (f"all-gathered unit weights: {b.units_weights} unit(s) at the backward's worst moment "
                 f"({b.step} unit(s) done), {f.units_weights} at the forward's")
