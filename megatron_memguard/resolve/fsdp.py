@@ -114,6 +114,9 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    suggested_communication_unit_size=unit,
                    megatron_fsdp_main_params_dtype=_fsdp_dtype(a, "megatron_fsdp_main_params_dtype", "fp32"),
                    megatron_fsdp_main_grads_dtype=_fsdp_dtype(a, "megatron_fsdp_main_grads_dtype", "auto"))
+        if not new:
+            a.notes.append(f"{a.key(mkey)}: megatron-core {version[0]}.{version[1]} keeps Megatron-FSDP's gradients "
+                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.19: in the parameter dtype)")
         if not new and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
             a.notes.append("--megatron-fsdp-main-*-dtype do not exist in megatron-core 0.16; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
