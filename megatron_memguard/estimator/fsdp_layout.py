@@ -99,7 +99,9 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
     for kind, count in kind_runs:
         dense, experts = _layer_shapes(L, kind)
         per_layer += [(list(dense), list(experts))] * count
-    dense_shard = max(1, L.data_parallel_size * L.context_parallel_size)
+    # Megatron-FSDP shards dense groups over get_fsdp_group(): DP x CP, the distributed optimizer's
+    # group (HSDP, i.e. more than one optimizer instance, is refused in resolve/fsdp.py)
+    dense_shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     return stage_groups(spec, per_layer=per_layer, before=before, after=after, dense_shard=dense_shard,
                         expert_shard=_expert_shard(L))
 
