@@ -19,6 +19,8 @@ from typing import Any
 
 # The planner's recomputation levels, weakest first ("none" is no --recompute-granularity).
 RECOMPUTE_LEVELS = ("none", "selective", "full")
+# Megatron-FSDP's --data-parallel-sharding-strategy values, most sharded first.
+FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ KNOBS: tuple[Knob, ...] = (
          (_TS + "ddp.overlap_grad_reduce",), ("ddp.overlap_grad_reduce",)),
     Knob("overlap_param_gather", "--overlap-param-gather", "bool", "overlap_param_gather",
          (_TS + "ddp.overlap_param_gather",), ("ddp.overlap_param_gather",)),
+    # Megatron-FSDP (the planner's --fsdp dimension): its switch and the sharding strategy.
+    Knob("use_megatron_fsdp", "--use-megatron-fsdp", "bool", "use_megatron_fsdp",
+         (_TS + "ddp.use_megatron_fsdp",), ("ddp.use_megatron_fsdp",)),
+    Knob("data_parallel_sharding_strategy", "--data-parallel-sharding-strategy", "choice",
+         "data_parallel_sharding_strategy", (_TS + "ddp.data_parallel_sharding_strategy",),
+         ("ddp.data_parallel_sharding_strategy",), "fsdp", FSDP_STRATEGIES),
     Knob("recompute_granularity", "--recompute-granularity", "choice", "recompute_granularity",
          ("model.config.recompute_granularity",), ("model.recompute_granularity",), "recompute", RECOMPUTE_LEVELS),
     Knob("recompute_method", "--recompute-method", "choice", "recompute_method",

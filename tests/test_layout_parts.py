@@ -12,7 +12,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.estimator.result import GROUPS, LEVELS, Term, TermGroup, TermLevel
 from megatron_memguard.layout import (FLAT, FLAT_NAMES, FLAT_REQUIRED, PARTS, Layout, Parallelism, ShardGroup,
                                       TensorKind)
-from megatron_memguard.layout.flat import MOE_ONLY, _RUNS
+from megatron_memguard.layout.flat import _RUNS, MOE_ONLY, OMITTED_AT_DEFAULT
 
 from property_space import specs
 

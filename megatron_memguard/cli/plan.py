@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sp", dest="sp", action=argparse.BooleanOptionalAction, default=None,
                    help="require (or forbid) sequence parallelism when TP > 1")
     c.add_argument("--no-uneven", action="store_true", help="only even pipeline splits")
+    c.add_argument("--fsdp", type=_fsdp_list, default=(), metavar="STRATEGIES",
+                   help="also try Megatron-FSDP with these --data-parallel-sharding-strategy values "
+                        "(optim_grads_params,optim_grads,optim,no_shard, or all); not tried unless given")
     k = p.add_argument_group("cluster speeds (the step-time model; defaults: --gpu's row of `memguard gpus`)")
     k.add_argument("--network-gbps", type=float, metavar="GBPS",
                    help="network bandwidth per GPU and direction in Gb/s (400: one NDR NIC per GPU; 100: four "
@@ -99,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how many fitting layouts --plot draws: the N best by the rule (default {DEFAULT_PLOT_LAYOUTS}),"
                         " or all of them (estimates every candidate: seconds to tens of seconds)")
     return p
+
+
+def _fsdp_list(text: str) -> tuple[str, ...]:
+    from ..knobs import FSDP_STRATEGIES
+    words = [w.strip().lower() for w in str(text).split(",") if w.strip()]
+    if words == ["all"]:
+        return FSDP_STRATEGIES
+    if not words or any(w not in FSDP_STRATEGIES for w in words):
+        raise argparse.ArgumentTypeError(f"expects strategies out of {', '.join(FSDP_STRATEGIES)} or 'all', got {text!r}")
+    return tuple(dict.fromkeys(words))
 
 
 def _plot_layouts(text: str) -> int:
@@ -128,6 +141,7 @@ def _constraints(ns: argparse.Namespace):
         allow_tp_across_nodes=ns.allow_tp_across_nodes, recompute=tuple(recompute),
         dist_opt=knob("use_distributed_optimizer").candidates if ns.dist_opt is None else (ns.dist_opt,),
         sp=knob("sequence_parallel").candidates if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
+        fsdp=tuple(ns.fsdp or ()),
     )
 
 

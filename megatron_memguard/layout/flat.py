@@ -43,6 +43,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("kernels", "cuda_graph_impl cuda_graph_modules"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
     ("optim", "muon_scalar_optimizer"),
+    ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
+              "suggested_communication_unit_size megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype "
+              "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
+              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads"),
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -60,4 +64,10 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
     "muon_scalar_optimizer": "adam",
+    # Megatron-FSDP, torch FSDP2, optimizer CPU offload (``from_dict`` takes these back when a key is absent)
+    "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,
+    "fsdp_double_buffer": False, "suggested_communication_unit_size": None,
+    "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",
+    "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
+    "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True,
 }

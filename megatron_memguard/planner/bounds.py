@@ -29,6 +29,13 @@ from .space import Candidate, ModelShape
 
 
 def stage_state_bytes(shape: ModelShape, c: Candidate, params: int) -> float:
+    if c.fsdp:
+        # Megatron-FSDP (estimator/fsdp.py): what each strategy shards over DP x CP; gradients in the
+        # parameter dtype (core 0.19) at least; groups kept whole and padding only add.
+        d = max(1, c.dp * c.cp)
+        w, g, o = shape.param_bytes, min(shape.grad_bytes, shape.param_bytes), shape.optimizer_state_bytes
+        sharded = {"no_shard": 0, "optim": o, "optim_grads": g + o, "optim_grads_params": w + g + o}[c.fsdp]
+        return params * (w + g + o - sharded) + params * sharded / d
     per = shape.param_bytes + shape.grad_bytes
     shard = max(1, c.dp * c.cp // shape.dist_opt_instances) if c.dist_opt else 1
     return params * per + params * shape.optimizer_state_bytes / shard

@@ -54,8 +54,11 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out[_BOOL_KEYS[k]] = _ON[v.lower()]
         elif k in ("recompute", "rc"):
             out["recompute"] = v.lower()
+        elif k == "fsdp":
+            out["fsdp"] = None if v.lower() in ("off", "none") else v.lower()
         else:
-            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, last")
+            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
+                                           "last, fsdp")
     return out
 
 

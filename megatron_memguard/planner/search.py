@@ -149,7 +149,7 @@ class Planner:
         return self.timer.step_time(c)
 
     def lower_bound(self, c: Candidate) -> float:
-        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m))
+        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m), c.fsdp)
         b = self._bounds.get(key)
         if b is None:
             b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params)
@@ -174,7 +174,7 @@ class Planner:
         if rule == "fujii2024":
             return lambda c: (c.model_parallel, -c.mbs, self.step_time(c).seconds, c.tp, c.pp)
         return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
-                          not c.dist_opt, c.mbs, c.tp, c.pp)
+                          not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp)
 
     def plan(self, constraints: Constraints | None = None, top: int = 10, rule: str = "time") -> PlanResult:
         if rule not in RULES:

@@ -44,7 +44,7 @@ SEARCHED_ARGS = (
     "account_for_loss_in_pipeline_split", "micro_batch_size", "recompute_granularity", "recompute_method",
     "recompute_num_layers", "recompute_activations", "distribute_saved_activations", "use_distributed_optimizer",
     "overlap_grad_reduce", "overlap_param_gather", "decrease_batch_size_if_needed",
-    "microbatch_group_size_per_vp_stage",
+    "microbatch_group_size_per_vp_stage", "use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
 )
 
 
@@ -63,6 +63,7 @@ class Constraints:
     dist_opt: tuple[bool, ...] = (True, False)
     sp: tuple[bool, ...] = (True, False)
     uneven: bool = True            # first/last stages where the layers do not divide
+    fsdp: tuple[str, ...] = ()     # Megatron-FSDP strategies to try besides DDP (--fsdp); none by default
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,7 @@ class Candidate:
     dp: int
     m: int                         # micro-batches per step and pipeline: GBS / (MBS * DP)
     stage_layers: tuple[int, ...] = field(compare=False, hash=False, default=())
+    fsdp: str | None = None        # Megatron-FSDP sharding strategy, None: DDP
 
     @property
     def model_parallel(self) -> int:
@@ -323,6 +325,8 @@ class Candidate:
             s += ",dist-opt=off"
         if self.first is not None or self.last is not None:
             s += f",first={self.first},last={self.last}"
+        if self.fsdp:
+            s += f",fsdp={self.fsdp}"
         return s
 
     @property
@@ -337,6 +341,8 @@ class Candidate:
             parts.append("SP" if self.sp else "noSP")
         parts.append({"none": "", "selective": "sel-rc", "full": "full-rc"}[self.recompute])
         parts.append("" if self.dist_opt else "no-distopt")
+        if self.fsdp:
+            parts.append("FSDP-" + "".join(w[0] for w in self.fsdp.split("_")))
         return " ".join(p for p in parts if p)
 
     def overrides(self, global_batch_size: int, seq_length: int) -> dict[str, Any]:
@@ -358,6 +364,11 @@ class Candidate:
             o["recompute_granularity"] = "selective"
         elif self.recompute == "full":
             o.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if self.fsdp:
+            # Megatron-FSDP over its own buffers with the distributed optimizer (validate_args switches
+            # it on in 0.19, and wants the fsdp_dtensor checkpoint format)
+            o.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=self.fsdp, use_distributed_optimizer=True,
+                     overlap_param_gather=True, ckpt_format="fsdp_dtensor")
         return o
 
 
@@ -427,6 +438,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
     if fujii:
         recompute = [r for r in recompute if r == "none"]
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
+    fsdps = [] if fujii else list(cons.fsdp)
     for tp in tp_values(shape, cluster, cons):
         # megatron-core's own attention (--transformer-impl local) asserts CP = 1; only TE's does ring attention
         for cp in (divisors(world // tp) if shape.transformer_impl != "local" else [1]):
@@ -477,12 +489,16 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                                     for dist in dist_opts:
                                         out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist, dp, m,
                                                              stages))
+                                    for fs in fsdps:
+                                        out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True, dp, m,
+                                                             stages, fs))
     return out
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
-                   dist_opt: bool = True, first: int | None = None, last: int | None = None) -> Candidate:
+                   dist_opt: bool = True, first: int | None = None, last: int | None = None,
+                   fsdp: str | None = None) -> Candidate:
     """One candidate from explicit values (``--explain``); the split is chosen as the search would."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
@@ -515,5 +531,8 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     sp = (tp > 1 and seq_rank % tp == 0) if sp is None else (sp and tp > 1)
     if pp == 1:
         vpp = 1                    # Megatron ignores virtual stages without a pipeline
-    return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt, dp,
-                     global_batch_size // (mbs * dp), stages)
+    from ..knobs import FSDP_STRATEGIES
+    if fsdp is not None and fsdp not in FSDP_STRATEGIES:
+        raise ConfigError("--explain", f"fsdp must be one of {', '.join(FSDP_STRATEGIES)} or off, got {fsdp!r}")
+    return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt or bool(fsdp), dp,
+                     global_batch_size // (mbs * dp), stages, fsdp)

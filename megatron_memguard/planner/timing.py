@@ -614,6 +614,31 @@ class TimeModel:
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
                         critical_stage=crit)
 
+    def _fsdp_comm(self, c: Candidate, key: tuple, psi0: float, n_dp: int, k: int, n0: int, w_f: float, w_b: float,
+                   tail: float, details: bool) -> tuple[float, str]:
+        """Megatron-FSDP reduce-scatters every micro-batch's gradients (the parameter dtype, core 0.19)
+        during its backward; optim_grads_params also all-gathers every unit before its forward and
+        again before its backward. The first unit (one layer of the stage's n0) cannot hide."""
+        s = self.shape
+        rs = self.collective("rs", psi0 * min(s.grad_bytes, s.param_bytes), n_dp, k)
+        ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
+        unit = 1.0 / max(1, n0)
+        if c.fsdp == "optim_grads_params":
+            per_mb = max(ag - w_f, unit * ag) + max(ag + rs - w_b, unit * (ag + rs))
+            t = c.m * per_mb
+        else:   # optim_grads: whole weights, gathered once after the step
+            per_mb = max(rs - w_b, unit * rs)
+            t = c.m * per_mb + max(ag - w_f, tail * ag)
+        self._dp[key] = t
+        if not details:
+            return t, ""
+        text = (f"Megatron-FSDP {c.fsdp}: per micro-batch a reduce-scatter of the gradients {rs * 1e3:.1f} ms"
+                + (f" and two all-gathers of the parameters {ag * 1e3:.1f} ms each" if c.fsdp == "optim_grads_params"
+                   else f"; one all-gather of the parameters {ag * 1e3:.1f} ms per step")
+                + f", behind {w_f * 1e3:.1f} ms forward / {w_b * 1e3:.1f} ms backward; {c.m} micro-batches, "
+                  f"{n_dp} ranks, {k} per NVLink domain")
+        return t, text
+
     def _dp_comm(self, c: Candidate, lc: LayerCost, ec: EndsCost, rc_layer: float, details: bool) -> tuple[float, str]:
         """Gradients reduce-scatter (+ parameters all-gather) or all-reduce over DP x CP, for the first
         stage (it runs the last backward of the step), overlapped with the backward of the last
@@ -622,7 +647,7 @@ class TimeModel:
         n_dp = c.dp * c.cp
         if n_dp <= 1:
             return 0.0, "DP x CP = 1: nothing to reduce"
-        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute)
+        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp)
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)
@@ -636,6 +661,8 @@ class TimeModel:
         bucket = max(DDP_MIN_BUCKET, 1_000_000 * c.dp)
         tail = min(1.0, bucket / psi0)
         gbytes = psi0 * s.grad_bytes
+        if c.fsdp in ("optim_grads_params", "optim_grads"):
+            return self._fsdp_comm(c, key, psi0, n_dp, k, n0, w_f, w_b, tail, details)
         if c.dist_opt:
             rs = self.collective("rs", gbytes, n_dp, k)
             ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields, set_vocab,
+    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, is_missing,
+    map_mcore_fields, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -326,6 +327,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     for name in ("use_megatron_fsdp", "use_torch_fsdp2"):
         if as_bool(v("dist", name, False)):
             b.set(name, True, k("dist", name))
+    fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
         b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
     dp_hint = v("comm_overlap", "data_parallel_size") or (top.get("data_parallel_size", (None,))[0])
@@ -379,4 +381,5 @@ _NEEDED = {
     "train": {"micro_batch_size", "global_batch_size"},
     "dataset": {"seq_length"},
 }
+
 

@@ -22,8 +22,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import (
-    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
-    set_vocab, target_name,
+    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys,
+    is_missing, map_mcore_fields, set_vocab, target_name,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -154,6 +154,17 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             if ocfg.get(name) is not None:
                 b.set(name, dtype_name(ocfg[name], f"{okey}.{name}"), f"{okey}.{name}")
+
+    # Megatron-FSDP (trainer.strategy.ddp) and optimizer offload (optim.config) keys.
+    tstrat = trainer.get("strategy") if isinstance(trainer, Mapping) else None
+    secs = {"ddp": (tstrat.get("ddp") if isinstance(tstrat, Mapping) else None, "trainer.strategy.ddp"),
+            "optim": (ocfg, f"{oprefix}.config")}
+
+    def sec_val(sec: str, name: str) -> Any:
+        d = secs[sec][0]
+        return d.get(name) if isinstance(d, Mapping) else None
+
+    fsdp_and_offload_keys(b, sec_val, lambda sec, name: f"{secs[sec][1]}.{name}", "ddp", "optim")
 
     # Vocabulary: GPTConfig.vocab_size is used as is; else the tokenizer's, padded (get_vocab_size).
     vocab = cfg.get("vocab_size") if not is_missing(cfg.get("vocab_size")) else None
