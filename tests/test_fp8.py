@@ -158,3 +158,36 @@ def test_moe_alignment():
     assert [moe_align_size(spec(r)) for r in ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")] == \
         [16, 16, 16, 32, 128]
     assert moe_align_size(Fp8Spec()) == 0
+
+
+def test_dense_layer_terms_llama3_8b_tp2_sp():
+    # Llama-3.1-8B shape (HF config): h 4096, ffn 14336, 32 heads, 8 KV heads, head dim 128, SwiGLU;
+    # TP 2 with sequence parallelism, seq 8192, micro-batch 1
+    from megatron_memguard.estimator.fp8 import (
+        dense_layer_gemms, layer_recipe_state_bytes, primary_weight_extra_bytes, saved_inputs, weight_cache_bytes)
+    g = dense_layer_gemms(hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+                          kv_channels=128, gated_linear_unit=True, tensor_model_parallel_size=2,
+                          sequence_parallel=True, seq_length=8192, micro_batch_size=1)
+    shapes = {x.name: (x.rows, x.cols, x.tokens, x.sp_gathered) for x in g}
+    assert shapes == {"linear_qkv": (3072, 4096, 4096, True), "linear_proj": (4096, 2048, 8192, False),
+                      "linear_fc1": (14336, 4096, 4096, True), "linear_fc2": (4096, 7168, 8192, False)}
+    weights = 3072 * 4096 + 4096 * 2048 + 14336 * 4096 + 4096 * 7168     # 109,051,904 per rank
+    s = spec("tensorwise")
+    # Hopper: data + transpose + one 512-byte scale block per weight
+    assert weight_cache_bytes(s, g) == 2 * weights + 4 * 512
+    assert weight_cache_bytes(s, g, non_tn=True) == weights + 4 * 512
+    # tensorwise recipe state: 10 one-element tensors per GEMM, 4 modules
+    assert layer_recipe_state_bytes(s, g) == 4 * 10 * 512
+    # primary FP8 weights: only the Hopper transposes (+ scale) stay outside the uint8 buffer
+    assert primary_weight_extra_bytes(spec("tensorwise", fp8_param_gather=True), g) == weights + 4 * 512
+    # saved inputs: local SP shard rowwise for qkv / fc1 (4096 x 4096), full columnwise for proj / fc2
+    got = saved_inputs(s, g)
+    assert got == {"linear_qkv": 4096 * 4096 + 512, "linear_proj": 8192 * 2048 + 512,
+                   "linear_fc1": 4096 * 4096 + 512, "linear_fc2": 8192 * 7168 + 512}
+
+
+def test_non_tn_gpus():
+    from megatron_memguard.estimator.fp8 import non_tn_gpu
+    # utils.is_non_tn_fp8_gemm_supported: compute capability 10.0 <= cc < 12.0 or >= 13.0
+    assert non_tn_gpu("B200") and non_tn_gpu("GB200")
+    assert not non_tn_gpu("H100-80GB") and not non_tn_gpu("A100-80GB") and not non_tn_gpu("H200-141GB")

@@ -378,3 +378,76 @@ def moe_align_size(spec: Fp8Spec) -> int:
     if r == "nvfp4":
         return 128
     return 32 if r == "mxfp8" else 16
+
+
+# ----- per layer and per stage ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gemm:
+    """One TE GEMM module of a layer on one rank: its weight [rows, cols] (``count`` of them for a
+    grouped linear, one per local expert, each cached on its own: ``cache_name="weight{i}"``) and the
+    input it saves for backward ([tokens, cols]; ``tokens`` is the local shard when ``sp_gathered``)."""
+
+    name: str
+    rows: int
+    cols: int
+    tokens: int = 0
+    sp_gathered: bool = False
+    count: int = 1
+
+
+def dense_layer_gemms(*, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                      num_query_groups: int, kv_channels: int, gated_linear_unit: bool,
+                      tensor_model_parallel_size: int = 1, sequence_parallel: bool = False,
+                      seq_length: int = 0, micro_batch_size: int = 0, context_parallel_size: int = 1) -> tuple[Gemm, ...]:
+    """The four TE GEMMs of a standard (MHA / GQA) transformer layer on one TP rank, from Megatron's
+    flat argument names: linear_qkv and linear_fc1 (``TELayerNormColumnParallelLinear``, their input
+    all-gathered over TP with sequence parallelism), linear_proj and linear_fc2
+    (``TERowParallelLinear``, input already split)."""
+    t = tensor_model_parallel_size
+    h = hidden_size
+    tokens_full = seq_length // context_parallel_size * micro_batch_size
+    local = tokens_full // t if sequence_parallel else tokens_full
+    sp = sequence_parallel and t > 1
+    qkv = (num_attention_heads + 2 * num_query_groups) * kv_channels // t
+    ctx = num_attention_heads * kv_channels // t
+    f = ffn_hidden_size // t
+    return (
+        Gemm("linear_qkv", qkv, h, local, sp),
+        Gemm("linear_proj", h, ctx, tokens_full),
+        Gemm("linear_fc1", (2 if gated_linear_unit else 1) * f, h, local, sp),
+        Gemm("linear_fc2", h, f, tokens_full),
+    )
+
+
+def weight_cache_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> int:
+    """``fp8_weight_cache``: the cached quantized copies of one layer's GEMM weights (payload and scale
+    tensors), 0 when the weights are primary FP8/FP4 or caching is disabled."""
+    return sum(g.count * weight_workspace(spec, g.rows, g.cols, non_tn=non_tn).allocated for g in gemms)
+
+
+def primary_weight_extra_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False,
+                               distributed_optimizer: bool = True) -> int:
+    """``fp8_weight_columnwise``: what primary quantized weights keep in TE storage outside the DDP
+    parameter buffer (transposes on Hopper, column-wise copies, scales)."""
+    return sum(g.count * primary_weight(spec, g.rows, g.cols, non_tn=non_tn,
+                                        distributed_optimizer=distributed_optimizer).te_storage for g in gemms)
+
+
+def layer_recipe_state_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...]) -> int:
+    """``fp8_scales``: the recipe state of one layer's TE modules (a grouped linear is one module of
+    ``count`` GEMMs)."""
+    return sum(recipe_state_bytes(spec, g.count) for g in gemms)
+
+
+def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> dict[str, int]:
+    """Bytes each GEMM keeps of its quantized input for backward, by GEMM name (one micro-batch)."""
+    return {g.name: g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
+            for g in gemms}
+
+
+def non_tn_gpu(name: str) -> bool:
+    """Whether a GPU of the table runs FP8 GEMMs in non-TN layouts (Blackwell: compute capability
+    10.x; TE ``is_non_tn_fp8_gemm_supported``), so Float8 tensors keep no transpose."""
+    n = name.upper()
+    return n.startswith(("B200", "GB200", "B300", "GB300", "B100"))
