@@ -191,3 +191,53 @@ def test_non_tn_gpus():
     # utils.is_non_tn_fp8_gemm_supported: compute capability 10.0 <= cc < 12.0 or >= 13.0
     assert non_tn_gpu("B200") and non_tn_gpu("GB200")
     assert not non_tn_gpu("H100-80GB") and not non_tn_gpu("A100-80GB") and not non_tn_gpu("H200-141GB")
+
+
+def test_saved_overrides_dense_and_mla():
+    from megatron_memguard.estimator.fp8 import gemms_from_shapes, saved_overrides
+    # dense layer, h 1024, ffn 4096 (SwiGLU), 16 heads x 64, TP 2 + SP, seq 2048, mbs 1: T = 1024, Tf = 2048
+    shapes = {"linear_qkv": (1536, 1024), "linear_proj": (1024, 512), "linear_fc1": (4096, 1024),
+              "linear_fc2": (1024, 2048)}
+    g = gemms_from_shapes(shapes, T=1024, Tf=2048, tp=2, sequence_parallel=True)
+    e = 2
+    saved = {"qkv_input": 1024 * 1024 * e, "proj_input": 2048 * 512 * e, "fc1_input": 1024 * 1024 * e,
+             "fc2_input": 2048 * 2048 * e, "fc1_output": 2048 * 4096 * e}
+    got = saved_overrides(spec("tensorwise"), g, saved, act_bytes=e)
+    # 1 byte per element + one 512-byte scale block (layernorm_linear.py / linear.py saved tensors)
+    assert got == {"qkv_input": 1024 * 1024 + 512, "fc1_input": 1024 * 1024 + 512,
+                   "fc2_input": 2048 * 2048 + 512, "fp8_proj_input": 2048 * 512 + 512}
+    # net per layer: -T*h (qkv) - T*h (fc1) + Tf*h/TP (proj copy) - Tf*ffn/TP (fc2) (moe-fp8.md 2.5), + 4 scale blocks
+    net = sum(got.values()) - sum(saved[k] for k in ("qkv_input", "fc1_input", "fc2_input"))
+    assert net == -1024 * 1024 - 1024 * 1024 + 2048 * 512 - 2048 * 2048 + 4 * 512
+    # 'mlp' recompute: fc2_input is not saved, so it is not made up
+    del saved["fc2_input"]
+    assert "fc2_input" not in saved_overrides(spec("tensorwise"), g, saved, act_bytes=e)
+    # activation_func_fp8_input_store (config only): fc1 output kept as e4m3
+    s = spec("tensorwise", activation_func_fp8_input_store=True)
+    assert saved_overrides(s, g, saved, act_bytes=e, fc1_output_elements=2048 * 4096)["fc1_output"] == 2048 * 4096
+
+    # MLA without q-lora and with: the norm output is read by two GEMMs, each keeps its quantized copy
+    mla = {"linear_q_down_proj": (256, 512), "linear_q_up_proj": (8 * 192, 256), "linear_kv_down_proj": (192, 512),
+           "linear_kv_up_proj": (8 * 256, 128), "linear_proj": (512, 8 * 128),
+           "linear_fc1": (2048, 512), "linear_fc2": (512, 1024)}
+    g = gemms_from_shapes(mla, T=4096, Tf=4096, tp=1, sequence_parallel=False)
+    saved = {"qkv_input": 4096 * 512 * e, "q_latent": 4096 * 256 * e, "kv_latent": 4096 * 128 * e,
+             "fc1_input": 4096 * 512 * e, "fc2_input": 4096 * 1024 * e}
+    got = saved_overrides(spec("mxfp8"), g, saved, act_bytes=e)
+    # mxfp8 columnwise [4096, 512]: 4096*512 + E8M0 [round4(4096/32), round128(512)] = 128 * 512
+    assert got["qkv_input"] == 2 * (4096 * 512 + 128 * 512)
+    assert got["q_latent"] == 4096 * 256 + 128 * 256 and got["kv_latent"] == 4096 * 128 + 128 * 128
+    # --qk-layernorm: the normalised latents inside latent_norms are quantized, the latents stay BF16
+    saved_ln = dict(saved, latent_norms=4096 * (256 + 128) * e + 2 * 4096 * 4)
+    got = saved_overrides(spec("mxfp8"), g, saved_ln, act_bytes=e)
+    assert "q_latent" not in got
+    assert got["latent_norms"] == 2 * 4096 * 4 + (4096 * 256 + 128 * 256) + (4096 * 128 + 128 * 128)
+
+
+def test_grouped_saved_input_pads_each_expert():
+    from megatron_memguard.estimator.fp8 import grouped_saved_input
+    # 1000 tokens over 4 experts: 250 each, padded to 256 (FP8 align 16) -> 4 x (256 x 1024 + 512)
+    assert grouped_saved_input(spec("tensorwise"), 1000, 1024, 4) == 4 * (256 * 1024 + 512)
+    # mxfp8 aligns to 32: 250 -> 256; columnwise E8M0 [round4(256/32)=8, 1024]
+    assert grouped_saved_input(spec("mxfp8"), 1000, 1024, 4) == 4 * (256 * 1024 + 8 * 1024)
+    assert grouped_saved_input(spec("tensorwise"), 0, 1024, 4) == 0

@@ -451,3 +451,90 @@ def non_tn_gpu(name: str) -> bool:
     10.x; TE ``is_non_tn_fp8_gemm_supported``), so Float8 tensors keep no transpose."""
     n = name.upper()
     return n.startswith(("B200", "GB200", "B300", "GB300", "B100"))
+
+
+# GEMMs whose input is all-gathered over TP inside the module with sequence parallelism (column-parallel
+# TE linears), those that take the whole sequence already split over TP (row-parallel) and MLA's down
+# projections (TE Linears in "duplicated" mode on the local sequence shard).
+_COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"})
+_ROW = frozenset({"linear_proj", "linear_fc2"})
+_DUPLICATED = frozenset({"linear_q_down_proj", "linear_kv_down_proj"})
+
+
+def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int, tp: int,
+                      sequence_parallel: bool) -> tuple[Gemm, ...]:
+    """GEMM descriptors from a layer's linear weight shapes ``{name: (out, in)}`` per rank (the
+    estimator's ``layer_linear_shapes``), with ``T`` tokens of the sequence-sharded stream and ``Tf``
+    inside the TP region."""
+    sp = sequence_parallel and tp > 1
+    out: list[Gemm] = []
+    for name, (rows, cols) in shapes.items():
+        if name in _COLUMN:
+            out.append(Gemm(name, rows, cols, T, sp))
+        elif name in _ROW:
+            out.append(Gemm(name, rows, cols, Tf))
+        elif name in _DUPLICATED:
+            out.append(Gemm(name, rows, cols, T))
+        else:
+            raise ValueError(f"unknown GEMM {name!r}")
+    return tuple(out)
+
+
+def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, int], *, act_bytes: int,
+                    non_tn: bool = False, fc1_output_elements: int = 0) -> dict[str, int]:
+    """The saved tensors of one FP8 layer that change size, by the estimator's names
+    (``estimator/activations.py``), for one micro-batch. ``saved`` is the BF16 layer's dict (only
+    names in it are changed; what a recompute option drops stays dropped).
+
+    * ``qkv_input`` / ``fc1_input``: the norm output TE's LayerNormLinear keeps is quantized (TE
+      quantizes inside the norm kernel, ``with_quantized_norm``); under MLA the norm output feeds both
+      down projections (or linear_q_proj), each keeping its own quantized copy.
+    * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
+    * ``fp8_proj_input`` (new): linear_proj quantizes the attention output and keeps that copy; the BF16
+      output stays saved by the core attention (``proj_input``).
+    * MLA ``q_latent`` / ``kv_latent``: kept by the up projections, quantized; with ``--qk-layernorm``
+      the up projections are LayerNormLinears and the normalised latents inside ``latent_norms`` are
+      quantized instead (the latents stay BF16 as the norms' inputs).
+    * ``fc1_output`` with ``activation_func_fp8_input_store``: one byte per element
+      (``fc1_output_elements`` of them)."""
+    g = {x.name: x for x in gemms}
+
+    def q(name: str) -> int:
+        x = g[name]
+        return x.count * saved_input(spec, x.tokens, x.cols, sp_gathered=x.sp_gathered, non_tn=non_tn).allocated
+
+    out: dict[str, int] = {}
+    if "qkv_input" in saved:
+        readers = [n for n in ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj") if n in g]
+        if readers:
+            out["qkv_input"] = sum(q(n) for n in readers)
+    for name, gemm in (("fc1_input", "linear_fc1"), ("fc2_input", "linear_fc2")):
+        if name in saved and gemm in g:
+            out[name] = q(gemm)
+    if "linear_proj" in g:
+        out["fp8_proj_input"] = q("linear_proj")
+    ups = [(n, lat) for n, lat in (("linear_q_up_proj", "q_latent"), ("linear_kv_up_proj", "kv_latent")) if n in g]
+    if "latent_norms" in saved and ups:
+        bf16 = sum(g[n].tokens * g[n].cols * act_bytes for n, _ in ups)
+        out["latent_norms"] = saved["latent_norms"] - bf16 + sum(q(n) for n, _ in ups)
+    elif ups:
+        for n, lat in ups:
+            # with mla_up_proj recompute the checkpoint keeps the whole BF16 kv down-projection output
+            if lat in saved and saved[lat] == g[n].tokens * g[n].cols * act_bytes:
+                out[lat] = q(n)
+    if spec.activation_func_fp8_input_store and "fc1_output" in saved and fc1_output_elements:
+        out["fc1_output"] = fc1_output_elements
+    return out
+
+
+def grouped_saved_input(spec: Fp8Spec, tokens: int, width: int, experts: int, *, non_tn: bool = False) -> int:
+    """What a grouped linear (``TEGroupedLinear``, ``module/grouped_linear.py``) keeps of its input for
+    ``tokens`` routed tokens spread evenly over ``experts`` local experts: ``tex.split_quantize`` makes
+    one quantized tensor per expert, each padded to ``moe_align_size`` tokens, and keeps its
+    column-wise data (``update_usage(rowwise_usage=False, columnwise_usage=True)``)."""
+    if experts <= 0 or tokens <= 0:
+        return 0
+    align = moe_align_size(spec) or 1
+    per = -(-tokens // experts)
+    per = _round_up(per, align)
+    return experts * saved_input(spec, per, width, non_tn=non_tn).allocated
