@@ -241,3 +241,43 @@ def test_grouped_saved_input_pads_each_expert():
     # mxfp8 aligns to 32: 250 -> 256; columnwise E8M0 [round4(256/32)=8, 1024]
     assert grouped_saved_input(spec("mxfp8"), 1000, 1024, 4) == 4 * (256 * 1024 + 8 * 1024)
     assert grouped_saved_input(spec("tensorwise"), 0, 1024, 4) == 0
+
+
+def test_megatron_fp8_rules():
+    from megatron_memguard.estimator.fp8 import rule_violations, not_modelled
+    base = dict(num_layers=8, pipeline_model_parallel_size=2, use_distributed_optimizer=True)
+    ok = dict(base, fp8="hybrid", fp8_recipe="tensorwise", fp8_param_gather=True, first_last_layers_bf16=True,
+              num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=4)
+    assert rule_violations(ok) == []
+    names = lambda d: [n for n, _ in rule_violations(d)]   # noqa: E731
+    # arguments.py validate_args
+    assert names(dict(base, fp8="hybrid", fp4="e2m1")) == ["fp4"]
+    assert names(dict(base, fp4_param_gather=True)) == ["fp4_param_gather"]
+    assert names(dict(base, fp8="e4m3", fp8_param_gather=True, use_distributed_optimizer=False)) == ["fp8_param_gather"]
+    assert names(dict(base, fp8_param_gather=True)) == ["fp8_param_gather"]
+    assert names(dict(base, fp8="e4m3", fp8_recipe="tensorwise", fp8_param_gather=True, optimizer_cpu_offload=True)) == \
+        ["fp8_param_gather"]
+    # TransformerConfig.__post_init__: delayed scaling refuses BF16 first/last layers; at most layers // PP
+    assert names(dict(base, fp8="e4m3", first_last_layers_bf16=True)) == ["first_last_layers_bf16"]
+    assert names(dict(ok, num_layers_at_end_in_bf16=5)) == ["num_layers_at_end_in_bf16"]
+    assert names(dict(base, fp8="e4m3", recompute_granularity="selective", recompute_modules=("moe_act",))) == \
+        ["recompute_modules"]
+    # DDP config: the MXFP8 shared buffer needs primary FP8 weights
+    assert names(dict(base, fp8="e4m3", fp8_recipe="mxfp8", reuse_grad_buf_for_mxfp8_param_ag=True)) == \
+        ["reuse_grad_buf_for_mxfp8_param_ag"]
+    assert names(dict(base, fp8="e4m3", fp8_recipe="tensorwise", fp8_output_proj=True)) == ["fp8_output_proj"]
+    assert names(dict(base, fp8="e5m2")) == ["fp8"]
+    assert not_modelled(dict(fp8="e4m3", fp8_recipe="custom"))[0] == "fp8_recipe"
+    assert not_modelled(dict(fp8="e4m3", fp8_recipe="tensorwise")) is None
+
+
+def test_gpu_support():
+    from megatron_memguard.estimator.fp8 import gpu_violation
+    # quantization.py check_fp8_support / check_mxfp8_support / check_nvfp4_support
+    assert "8.9" in gpu_violation(spec("tensorwise"), "A100-80GB")
+    assert gpu_violation(spec("tensorwise"), "H100-80GB") is None
+    assert gpu_violation(spec("blockwise"), "GB200") is None
+    assert "Blackwell" in gpu_violation(spec("mxfp8"), "H100-80GB")
+    assert gpu_violation(spec("nvfp4"), "B200") is None
+    assert gpu_violation(Fp8Spec(), "A100-80GB") is None
+    assert gpu_violation(spec("mxfp8"), "MI300X") is None       # not in the capability table: not checked

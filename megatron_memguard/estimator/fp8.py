@@ -538,3 +538,91 @@ def grouped_saved_input(spec: Fp8Spec, tokens: int, width: int, experts: int, *,
     per = -(-tokens // experts)
     per = _round_up(per, align)
     return experts * saved_input(spec, per, width, non_tn=non_tn).allocated
+
+
+# ----- Megatron's FP8 / FP4 rules ---------------------------------------------------------------------
+
+def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Megatron's start-up rules for the FP8 / FP4 settings in ``a`` (flat argument names, after
+    defaults), as (argument name, one-line rule). Sources: ``megatron/training/arguments.py``
+    ``validate_args`` (core 0.16.1 and 0.19.2), ``TransformerConfig.__post_init__``,
+    ``DistributedDataParallelConfig.__post_init__``. Recipes memguard cannot size are not listed here
+    (``not_modelled``)."""
+    out: list[tuple[str, str]] = []
+    fp8, fp4 = a.get("fp8"), a.get("fp4")
+    if fp8 is not None and fp8 not in FP8_FORMATS:
+        out.append(("fp8", f"must be one of {', '.join(FP8_FORMATS)}"))
+    if fp8 and a.get("fp8_recipe", "delayed") not in FP8_RECIPES:
+        out.append(("fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}"))
+    if fp4 is not None and fp4 not in FP4_FORMATS:
+        out.append(("fp4", f"must be one of {', '.join(FP4_FORMATS)}"))
+    if fp4 and a.get("fp4_recipe", "nvfp4") not in FP4_RECIPES:
+        out.append(("fp4_recipe", f"must be one of {', '.join(FP4_RECIPES)}"))
+    if fp8 and fp4:
+        out.append(("fp4", "--fp4-format and --fp8-format cannot be used together"))
+    if a.get("fp4_param_gather") and not fp4:
+        out.append(("fp4_param_gather", "needs --fp4-format"))
+    if a.get("fp8_param_gather"):
+        if not fp8:
+            out.append(("fp8_param_gather", "needs --fp8-format (TransformerConfig: fp8_param must be used together with fp8)"))
+        elif not (a.get("use_distributed_optimizer") or a.get("use_megatron_fsdp") or a.get("use_torch_fsdp2")):
+            out.append(("fp8_param_gather", "needs --use-distributed-optimizer, Megatron-FSDP or torch FSDP2"))
+        if a.get("optimizer_cpu_offload") and a.get("fp8_recipe", "delayed") != "delayed":
+            out.append(("fp8_param_gather", "with --optimizer-cpu-offload needs --fp8-recipe delayed"))
+    if fp8 and a.get("first_last_layers_bf16"):
+        if a.get("fp8_recipe", "delayed") == "delayed":
+            out.append(("first_last_layers_bf16", "is not supported with --fp8-recipe delayed"))
+        num_layers, pp = a.get("num_layers"), a.get("pipeline_model_parallel_size") or 1
+        if num_layers:
+            top = num_layers // pp
+            for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+                n = a.get(name, 1)
+                if n is not None and not 0 <= n <= top:
+                    out.append((name, f"must be between 0 and the layers per pipeline stage ({top})"))
+    if a.get("reuse_grad_buf_for_mxfp8_param_ag") and not a.get("fp8_param_gather") and not a.get("use_megatron_fsdp"):
+        out.append(("reuse_grad_buf_for_mxfp8_param_ag", "needs --fp8-param-gather (DDP config: reuse the grad "
+                                                          "buffer only when keeping params in MXFP8)"))
+    if a.get("fp8_output_proj"):
+        if not fp8 or a.get("fp8_recipe", "delayed") != "mxfp8":
+            out.append(("fp8_output_proj", "needs --fp8-format with --fp8-recipe mxfp8"))
+    if fp8 and a.get("fp8_recipe", "delayed") == "delayed" and a.get("recompute_granularity") == "selective":
+        mods = set(a.get("recompute_modules") or ())
+        if mods & {"moe_act", "layernorm"}:
+            out.append(("recompute_modules", "moe_act and layernorm recompute are not supported with --fp8-recipe delayed"))
+    if a.get("activation_func_fp8_input_store") and not a.get("swiglu"):
+        out.append(("activation_func_fp8_input_store", "is supported only for SwiGLU"))
+    return out
+
+
+def not_modelled(a: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(argument, what) for FP8 / FP4 settings whose bytes cannot be known from the flags."""
+    if a.get("fp8") and a.get("fp8_recipe") == "custom":
+        return "fp8_recipe", "a custom FP8 quantizer factory (--fp8-recipe custom)"
+    if a.get("fp4") and a.get("fp4_recipe") == "custom":
+        return "fp4_recipe", "a custom FP4 quantizer factory (--fp4-recipe custom)"
+    if a.get("fp8_dot_product_attention"):
+        return "fp8_dot_product_attention", "FP8 attention (fp8_dot_product_attention)"
+    if a.get("te_precision_config_file"):
+        return "te_precision_config_file", "per-module precision overrides (--te-precision-config-file)"
+    return None
+
+
+# compute capability of the GPUs in memguard's table (NVIDIA datasheets)
+_CAPABILITY = {"A100": (8, 0), "H100": (9, 0), "H200": (9, 0), "B200": (10, 0), "GB200": (10, 0)}
+
+
+def gpu_violation(spec: Fp8Spec, gpu_name: str) -> str | None:
+    """Transformer Engine's hardware checks (``quantization.py`` ``check_fp8_support``,
+    ``check_mxfp8_support``, ``check_nvfp4_support``): FP8 needs compute capability 8.9 or higher,
+    MXFP8 and NVFP4 need 10.x (Blackwell). GPUs outside the table are not checked."""
+    r = spec.recipe
+    if r is None:
+        return None
+    cc = next((v for k, v in _CAPABILITY.items() if gpu_name.upper().startswith(k)), None)
+    if cc is None:
+        return None
+    if cc < (8, 9):
+        return f"{gpu_name} cannot run FP8 / FP4 (Transformer Engine needs compute capability 8.9 or higher)"
+    if r in ("mxfp8", "nvfp4") and not (10, 0) <= cc < (12, 0):
+        return f"{gpu_name} cannot run the {r} recipe (Transformer Engine needs compute capability 10.x, Blackwell)"
+    return None
