@@ -458,7 +458,6 @@ def non_tn_gpu(name: str) -> bool:
 # projections (TE Linears in "duplicated" mode on the local sequence shard).
 _COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"})
 _ROW = frozenset({"linear_proj", "linear_fc2"})
-_DUPLICATED = frozenset({"linear_q_down_proj", "linear_kv_down_proj"})
 
 
 def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int, tp: int,
@@ -473,10 +472,9 @@ def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int,
             out.append(Gemm(name, rows, cols, T, sp))
         elif name in _ROW:
             out.append(Gemm(name, rows, cols, Tf))
-        elif name in _DUPLICATED:
-            out.append(Gemm(name, rows, cols, T))
         else:
-            raise ValueError(f"unknown GEMM {name!r}")
+            # MLA's down projections and any other TE linear on the local sequence shard
+            out.append(Gemm(name, rows, cols, T))
     return tuple(out)
 
 
