@@ -269,6 +269,7 @@ def test_megatron_fp8_rules():
     assert names(dict(base, fp8="e5m2")) == ["fp8"]
     assert not_modelled(dict(fp8="e4m3", fp8_recipe="custom"))[0] == "fp8_recipe"
     assert not_modelled(dict(fp8="e4m3", fp8_recipe="tensorwise")) is None
+    assert not_modelled(dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True))[0] == "fp8_output_proj"
 
 
 def test_gpu_support():

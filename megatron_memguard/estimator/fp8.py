@@ -600,6 +600,8 @@ def not_modelled(a: Mapping[str, Any]) -> tuple[str, str] | None:
         return "fp4_recipe", "a custom FP4 quantizer factory (--fp4-recipe custom)"
     if a.get("fp8_dot_product_attention"):
         return "fp8_dot_product_attention", "FP8 attention (fp8_dot_product_attention)"
+    if a.get("fp8_output_proj"):
+        return "fp8_output_proj", "the output layer in MXFP8 (--fp8-output-proj)"
     if a.get("te_precision_config_file"):
         return "te_precision_config_file", "per-module precision overrides (--te-precision-config-file)"
     return None
