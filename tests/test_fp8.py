@@ -215,6 +215,10 @@ def test_saved_overrides_dense_and_mla():
     # activation_func_fp8_input_store (config only): fc1 output kept as e4m3
     s = spec("tensorwise", activation_func_fp8_input_store=True)
     assert saved_overrides(s, g, saved, act_bytes=e, fc1_output_elements=2048 * 4096)["fc1_output"] == 2048 * 4096
+    # disable_parameter_transpose_cache (config only): every micro-batch saves its own quantized weights,
+    # Hopper data + transpose + scale per GEMM
+    nocache = saved_overrides(spec("tensorwise", disable_parameter_transpose_cache=True), g, saved, act_bytes=e)
+    assert nocache["fp8_weight_copies"] == sum(2 * r * c + 512 for r, c in shapes.values())
 
     # MLA without q-lora and with: the norm output is read by two GEMMs, each keeps its quantized copy
     mla = {"linear_q_down_proj": (256, 512), "linear_q_up_proj": (8 * 192, 256), "linear_kv_down_proj": (192, 512),

@@ -494,7 +494,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
       the up projections are LayerNormLinears and the normalised latents inside ``latent_norms`` are
       quantized instead (the latents stay BF16 as the norms' inputs).
     * ``fc1_output`` with ``activation_func_fp8_input_store``: one byte per element
-      (``fc1_output_elements`` of them)."""
+      (``fc1_output_elements`` of them).
+    * ``fp8_weight_copies`` (new) with ``disable_parameter_transpose_cache``: the quantized weights of
+      this micro-batch (row-wise and column-wise)."""
     g = {x.name: x for x in gemms}
 
     def q(name: str) -> int:
@@ -522,6 +524,10 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
                 out[lat] = q(n)
     if spec.activation_func_fp8_input_store and "fc1_output" in saved and fc1_output_elements:
         out["fc1_output"] = fc1_output_elements
+    if spec.disable_parameter_transpose_cache:
+        # no workspace cache: each GEMM saves the weight copy it quantized for this micro-batch
+        out["fp8_weight_copies"] = sum(x.count * uncached_weight_copies(spec, x.rows, x.cols, non_tn=non_tn).allocated
+                                       for x in gemms)
     return out
 
 
