@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..estimator.layers import mixer_recipe, mlp_recipe
+from ..partition import uniform_kind
 from .space import Candidate, ModelShape
 
 
@@ -34,7 +36,9 @@ def stage_state_bytes(shape: ModelShape, c: Candidate, params: int) -> float:
 
 def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     """Bytes one layer surely keeps per micro-batch until its backward: what the backward of its
-    GEMMs, attention and activation function needs, in every implementation Megatron has."""
+    GEMMs, attention and activation function needs, in every implementation Megatron has. The
+    residual stream at the two norms, plus what the recipes of the layer's kind (its token mixer and
+    its MLP, ``estimator.layers``) say they surely keep."""
     seq = shape.seq_length // c.cp
     Tf = c.mbs * seq
     T = Tf // c.tp if c.sp else Tf
@@ -43,27 +47,10 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     if c.recompute == "full":
         return T * h * e                      # the checkpointed input of each layer (uniform, 1 layer)
     mods = set(shape.recompute_modules) if c.recompute == "selective" else set()
-    f_t = shape.ffn // c.tp
+    kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
-    if not ("layernorm" in mods and shape.transformer_impl == "local"):
-        # inputs of linear_qkv (MLA: of the down projections, dropped by 'layernorm' recompute since
-        # MLA's input norm is a module of its own) and linear_fc1
-        kept += (1 if ("layernorm" in mods and shape.mla) else 2) * T * h * e
-    # q, k, v (or their repeated / rotated copies, which are larger): attention's backward needs them,
-    # and selective recompute keeps them as the checkpoint's inputs
-    a_t = shape.heads // c.tp
-    if shape.mla:
-        # MLA keeps query, key and value as separate tensors unless mla_up_proj is recomputed
-        if "mla_up_proj" not in mods:
-            kept += Tf * a_t * (2 * shape.qk_dim + shape.v_dim) * e
-    else:
-        kept += Tf * ((shape.heads + 2 * shape.groups) * shape.kv_channels // c.tp) * e
-    kept += Tf * a_t * shape.v_dim * e                            # attention output, input of linear_proj
-    if shape.unfused_attention and "core_attn" not in mods:
-        kept += c.mbs * (shape.heads // c.tp) * seq * seq * e       # softmax output, kept by the bmm with V
-    if "mlp" not in mods:
-        kept += Tf * (2 if shape.gated else 1) * f_t * e           # fc1 output (the activation's input)
-        kept += Tf * f_t * e                                       # input of linear_fc2
+    for recipe in (mixer_recipe(kind), mlp_recipe(kind)):
+        kept += recipe.bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods)
     return kept
 
 
