@@ -632,3 +632,61 @@ def gpu_violation(spec: Fp8Spec, gpu_name: str) -> str | None:
     if r in ("mxfp8", "nvfp4") and not (10, 0) <= cc < (12, 0):
         return f"{gpu_name} cannot run the {r} recipe (Transformer Engine needs compute capability 10.x, Blackwell)"
     return None
+
+
+# ----- a Layout's layers and stages (lazy imports: the layer recipes import the layout) -------------
+
+def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
+    """The TE GEMMs of one layer of ``kind`` on one rank of layout ``L``, from its recipes'
+    ``linear_shapes``."""
+    from .layers import mixer_recipe, mlp_recipe
+    from .layers.base import shapes
+    x = shapes(L)
+    sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
+    return gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
+                             sequence_parallel=L.sequence_parallel)
+
+
+def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
+    """FP8 / FP4 persistent terms of one pipeline rank's chunks, and the bytes the DDP parameter
+    buffer holds less because primary quantized weights take ``param_buffer_bytes_per_element`` (1,
+    1/2 or 0 bytes) instead of the parameter dtype's (distributed optimizer; Megatron-FSDP sizes its
+    own buffers).
+
+    Terms: ``fp8_weight_cache`` (BF16 weights), ``fp8_weight_columnwise`` (primary weights),
+    ``fp8_scales`` (recipe state); Hopper or Blackwell storage from ``gpu_name`` (None: Hopper)."""
+    from .result import Term, TermGroup
+    spec = L.fp8_spec
+    if not spec.enabled:
+        return 0, []
+    non_tn = non_tn_gpu(gpu_name or "")
+    dist = L.use_distributed_optimizer and not getattr(L, "use_megatron_fsdp", False)
+    cache = colw = scales = layers = elements = 0
+    for c in chunks:
+        for kind, n in c.kind_runs:
+            if not kind.quantized:
+                continue
+            g = layer_gemms(L, kind)
+            layers += n
+            cache += n * weight_cache_bytes(spec, g, non_tn=non_tn)
+            colw += n * primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist)
+            scales += n * layer_recipe_state_bytes(spec, g)
+            elements += n * sum(x.count * x.rows * x.cols for x in g)
+    saving = 0
+    if spec.primary_weights_quantized and dist:
+        saving = int(elements * (L.param_bytes - param_buffer_bytes_per_element(spec)))
+    r = spec.recipe
+    arch = "Blackwell: one FP8 copy serves both layouts" if non_tn else "Hopper: FP8 data + transpose"
+    terms = []
+    if cache:
+        terms.append(Term("fp8_weight_cache", cache, TermGroup.WEIGHTS,
+                          detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers, row-wise + "
+                                 f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
+    if colw:
+        terms.append(Term("fp8_weight_columnwise", colw, TermGroup.WEIGHTS,
+                          detail=f"{r} primary weights of {layers} layers: TE storage outside the parameter buffer ({arch})"))
+    if scales:
+        terms.append(Term("fp8_scales", scales, TermGroup.WEIGHTS,
+                          detail=f"{r} recipe state of {layers} FP8 layers"
+                                 + (f" (amax history {spec.fp8_amax_history_len})" if r == "delayed" else "")))
+    return saving, terms

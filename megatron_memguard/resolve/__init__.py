@@ -20,7 +20,7 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
+from . import batch, fp8, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -57,6 +57,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("pipeline split", pipeline.pipeline),
     ("recompute", recompute.recompute),
     ("optimizer", optimizer.optimizer),
+    ("fp8", fp8.fp8),
     ("kernels", kernels.implementation),
     ("attention variant", shape.attention_variant),
     ("numerics", kernels.numerics),

@@ -17,8 +17,6 @@ NOT_MODELLED: list[Row] = [
     ("mtp_num_layers", lambda v: bool(v), "multi-token prediction layers"),
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
-    ("fp8", lambda v: bool(v), "FP8 training (--fp8-format)"),
-    ("fp4", lambda v: bool(v), "FP4 training (--fp4-format)"),
     ("cpu_offloading_num_layers", lambda v: bool(v), "activation CPU offloading"),
     ("fine_grained_activation_offloading", bool, "fine-grained activation offloading"),
     ("optimizer_cpu_offload", bool, "optimizer CPU offloading"),

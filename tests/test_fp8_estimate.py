@@ -1,0 +1,111 @@
+"""FP8 / FP4 in the estimate: the terms and the saved activations of a whole model, by hand from the
+per-tensor formulas of tests/test_fp8.py (TE 2.11 storage, megatron-core FP8 rules) and Megatron-Bridge's
+FP8 presets read end to end."""
+import os
+import textwrap
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.cli.main import main
+from megatron_memguard.errors import ConfigError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.gpus import lookup_gpu
+from megatron_memguard.readers.detect import read_config_file
+from megatron_memguard.resolve import resolve
+
+from conftest import LLAMA31_8B
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "terms")
+# Llama-3.1-8B (HF config: h 4096, ffn 14336, 32 heads, 8 KV heads, head dim 128), TP 2 + SP, PP 2, seq 8192
+BASE = LLAMA31_8B + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                     "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size", "64"]
+T, TF, H = 4096, 8192, 4096          # tokens of the SP shard, of the TP region; hidden
+CTX, F_T = 2048, 7168                # attention output and ffn width per TP rank
+# GEMM weight elements per layer per rank: qkv [3072, 4096], proj [4096, 2048], fc1 [14336, 4096], fc2 [4096, 7168]
+W = 3072 * 4096 + 4096 * 2048 + 14336 * 4096 + 4096 * 7168
+
+
+def lay(*extra):
+    return layout_from_flags(BASE + list(extra), world_size=16)
+
+
+def terms(est, stage=0):
+    return {t.name: t for t in est.stages[stage].terms}
+
+
+def test_saved_gemm_inputs_per_layer():
+    bf16 = layer_activations(lay()).saved
+    fp8 = layer_activations(lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")).saved
+    # layernorm_linear.py: the SP-local norm output kept quantized (rowwise, 1 B + a 512-byte scale block);
+    # linear.py: fc2's input kept quantized (columnwise); linear_proj keeps a quantized copy of the attention output
+    assert fp8["qkv_input"] == T * H + 512 and fp8["fc1_input"] == T * H + 512
+    assert fp8["fc2_input"] == TF * F_T + 512 and fp8["fp8_proj_input"] == TF * CTX + 512
+    assert bf16["fc2_input"] == 2 * TF * F_T and bf16["proj_input"] == fp8["proj_input"] == 2 * TF * CTX
+    # net -T h - T h + Tf ctx - Tf ffn/TP per layer (moe-fp8.md 2.5), + the four scale blocks
+    assert sum(fp8.values()) - sum(bf16.values()) == -2 * T * H + TF * CTX - TF * F_T + 4 * 512
+
+
+@pytest.mark.parametrize("gpu, per_weight", [("H100-80GB", 2), ("B200", 1)])
+def test_weight_cache_hopper_and_blackwell(gpu, per_weight):
+    est = estimate(lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), gpu=lookup_gpu(gpu))
+    t = terms(est)
+    # pp0 holds 16 layers; 4 GEMM weights each, one 512-byte scale block per cached weight
+    assert t["fp8_weight_cache"].bytes == 16 * (per_weight * W + 4 * 512)
+    # tensorwise: a one-element fp32 scale and amax per quantizer, 5 quantizers per GEMM
+    assert t["fp8_scales"].bytes == 16 * 4 * 10 * 512
+    assert t["parameters"].bytes == terms(estimate(lay(), gpu=lookup_gpu(gpu)))["parameters"].bytes
+
+
+def test_primary_fp8_weights():
+    bf16 = terms(estimate(lay()))
+    t = terms(estimate(lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather")))
+    # uint8 parameter buffer: 1 byte instead of 2 for each GEMM weight; TE keeps the Hopper transpose
+    assert bf16["parameters"].bytes - t["parameters"].bytes == 16 * W
+    assert t["fp8_weight_columnwise"].bytes == 16 * (W + 4 * 512)
+    assert "fp8_weight_cache" not in t
+    # the optimizer state is unchanged: fp32 shards of every parameter
+    assert t["main_parameters"].bytes == bf16["main_parameters"].bytes
+
+
+def test_first_last_layers_bf16_on_the_end_stages():
+    est = estimate(lay("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--first-last-layers-bf16"))
+    # fp8_utils.is_first_last_bf16_layer: layer 0 (pp0) and layer 31 (pp1) stay BF16: 15 FP8 layers each
+    one = terms(estimate(lay("--fp8-format", "hybrid", "--fp8-recipe", "blockwise")))["fp8_weight_cache"].bytes // 16
+    assert terms(est, 0)["fp8_weight_cache"].bytes == 15 * one
+    assert terms(est, 1)["fp8_weight_cache"].bytes == 15 * one
+
+
+def test_every_fp8_term_is_documented():
+    for extra in (["--fp8-recipe", "delayed"], ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]):
+        for st in estimate(lay("--fp8-format", "hybrid", *extra)).stages:
+            for t in st.terms:
+                assert os.path.exists(os.path.join(DOCS, t.name + ".md")), t.name
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--fp8-format", "hybrid", "--first-last-layers-bf16"], "--first-last-layers-bf16"),
+    (["--fp8-param-gather"], "--fp8-param-gather"),
+    (["--fp8-format", "hybrid", "--fp4-format", "e2m1"], "--fp4-format"),
+])
+def test_rules_name_the_flag(capsys, extra, flag):
+    code = main(["estimate", "--world-size", "16", "--", *BASE, *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and flag in err[0]
+
+
+def test_gpu_without_fp8(capsys):
+    code = main(["estimate", "--world-size", "16", "--gpu", "A100-80GB", "--", *BASE, "--fp8-format", "hybrid"])
+    err = capsys.readouterr().err
+    assert code == 2 and "8.9" in err
+
+
+def test_bridge_fp8_preset_is_estimated(tmp_path):
+    from test_readers_bridge import FLAT
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(FLAT.replace("bf16_mixed", "bf16_with_fp8_current_scaling_mixed")))
+    L = resolve(read_config_file(str(p)), world_size=8)
+    # the preset: tensorwise, first and last layer in BF16, primary FP8 weights (Bridge 0.6.2)
+    assert (L.fp8, L.fp8_recipe, L.fp8_param_gather, L.first_last_layers_bf16) == ("hybrid", "tensorwise", True, True)
+    names = {t.name for t in estimate(L).stages[0].terms}
+    assert "fp8_weight_columnwise" in names and "fp8_weight_cache" not in names
