@@ -109,3 +109,42 @@ def test_bridge_fp8_preset_is_estimated(tmp_path):
     assert (L.fp8, L.fp8_recipe, L.fp8_param_gather, L.first_last_layers_bf16) == ("hybrid", "tensorwise", True, True)
     names = {t.name for t in estimate(L).stages[0].terms}
     assert "fp8_weight_columnwise" in names and "fp8_weight_cache" not in names
+
+
+PLAN = ["plan", "--gpus", "64", "--gpu", "H100-80GB", "--seq-length", "8192", "--global-batch-size", "512", "--json"]
+
+
+def test_planner_searches_fp8_only_when_allowed(capsys):
+    import json
+    assert main([*PLAN, "--top", "40", "--", *LLAMA31_8B]) == 0
+    plain = json.loads(capsys.readouterr().out)["layouts"]
+    assert not any("fp8" in x["name"] or any("fp8" in f for f in x["megatron_flags"]) for x in plain)
+    assert main([*PLAN, "--top", "40", "--fp8", "tensorwise", "--", *LLAMA31_8B]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fp8 = [x for x in doc["layouts"] if x["name"].endswith("fp8=tensorwise")]
+    assert fp8 and all("FP8-tensorwise" in x["label"] for x in fp8)
+    # printed with its flags, and the estimate behind it is the FP8 one (its layout says so)
+    assert {"--fp8-format hybrid", "--fp8-recipe tensorwise"} <= set(fp8[0]["megatron_flags"])
+    assert fp8[0]["layout"]["fp8_recipe"] == "tensorwise"
+    # the same layout with FP8 off is searched too, and FP8 GEMMs make the FP8 one faster
+    off = {x["name"].replace(",fp8=off", ""): x for x in doc["layouts"] if x["name"].endswith("fp8=off")}
+    twin = off.get(fp8[0]["name"].replace(",fp8=tensorwise", ""))
+    if twin is not None:
+        assert fp8[0]["step_time_s"] < twin["step_time_s"]
+
+
+def test_planner_fp8_needs_an_fp8_gpu(capsys):
+    code = main([*PLAN[:4], "A100-80GB", *PLAN[5:], "--fp8", "tensorwise", "--", *LLAMA31_8B])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--fp8" in err[0]
+
+
+def test_planner_memory_bound_stays_below_the_fp8_estimate():
+    from megatron_memguard.planner.bounds import layer_activation_bytes
+    from megatron_memguard.planner.space import Candidate, model_shape
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    probe = layout_from_flags(LLAMA31_8B + ["--micro-batch-size", "1"], world_size=1)
+    shape = model_shape(probe, parse_megatron_flags(LLAMA31_8B))
+    c = Candidate(2, 2, 1, 1, None, None, True, 1, "none", True, 4, 16, (16, 16), "tensorwise")
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert layer_activation_bytes(shape, c) <= layer_activations(L).total

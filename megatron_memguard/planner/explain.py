@@ -54,8 +54,14 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out[_BOOL_KEYS[k]] = _ON[v.lower()]
         elif k in ("recompute", "rc"):
             out["recompute"] = v.lower()
+        elif k == "fp8":
+            recipes = ("off", "delayed", "tensorwise", "blockwise", "mxfp8")
+            if v.lower() not in recipes:
+                raise ConfigError("--explain", f"fp8 must be one of {', '.join(recipes)}, got {v!r}")
+            out["fp8"] = v.lower()
         else:
-            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, last")
+            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
+                              "last, fp8")
     return out
 
 

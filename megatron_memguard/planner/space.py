@@ -63,6 +63,8 @@ class Constraints:
     dist_opt: tuple[bool, ...] = (True, False)
     sp: tuple[bool, ...] = (True, False)
     uneven: bool = True            # first/last stages where the layers do not divide
+    # FP8: (None,) keeps the model config's precision; with --fp8 RECIPE ("off", RECIPE) searches both
+    fp8: tuple[str | None, ...] = (None,)
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,7 @@ class Candidate:
     dp: int
     m: int                         # micro-batches per step and pipeline: GBS / (MBS * DP)
     stage_layers: tuple[int, ...] = field(compare=False, hash=False, default=())
+    fp8: str | None = None         # None: as the model config says; "off"; or the FP8 recipe (--fp8)
 
     @property
     def model_parallel(self) -> int:
@@ -323,6 +326,8 @@ class Candidate:
             s += ",dist-opt=off"
         if self.first is not None or self.last is not None:
             s += f",first={self.first},last={self.last}"
+        if self.fp8 is not None:
+            s += f",fp8={self.fp8}"
         return s
 
     @property
@@ -337,6 +342,8 @@ class Candidate:
             parts.append("SP" if self.sp else "noSP")
         parts.append({"none": "", "selective": "sel-rc", "full": "full-rc"}[self.recompute])
         parts.append("" if self.dist_opt else "no-distopt")
+        if self.fp8 not in (None, "off"):
+            parts.append(f"FP8-{self.fp8}")
         return " ".join(p for p in parts if p)
 
     def overrides(self, global_batch_size: int, seq_length: int) -> dict[str, Any]:
@@ -358,6 +365,11 @@ class Candidate:
             o["recompute_granularity"] = "selective"
         elif self.recompute == "full":
             o.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if self.fp8 == "off":
+            o.update(fp8=None, fp4=None, fp8_param_gather=False, fp4_param_gather=False)
+        elif self.fp8 is not None:
+            # Megatron-Bridge's presets use e4m3 for MXFP8 and the hybrid format for the other recipes
+            o.update(fp8="e4m3" if self.fp8 == "mxfp8" else "hybrid", fp8_recipe=self.fp8, fp4=None)
         return o
 
 
@@ -475,14 +487,16 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             for sp in sps:
                                 for rc in recompute:
                                     for dist in dist_opts:
-                                        out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist, dp, m,
-                                                             stages))
+                                        for f8 in cons.fp8:
+                                            out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
+                                                                 dp, m, stages, f8))
     return out
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
-                   dist_opt: bool = True, first: int | None = None, last: int | None = None) -> Candidate:
+                   dist_opt: bool = True, first: int | None = None, last: int | None = None,
+                   fp8: str | None = None) -> Candidate:
     """One candidate from explicit values (``--explain``); the split is chosen as the search would."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
@@ -516,4 +530,4 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     if pp == 1:
         vpp = 1                    # Megatron ignores virtual stages without a pipeline
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt, dp,
-                     global_batch_size // (mbs * dp), stages)
+                     global_batch_size // (mbs * dp), stages, fp8)

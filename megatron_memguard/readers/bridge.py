@@ -306,9 +306,13 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         b.set("fp16", fp16, mp_key)
         if as_bool(mp.get("autocast_enabled")) and mp.get("autocast_dtype") is not None:
             b.set("autocast_dtype", dtype_name(mp["autocast_dtype"], mp_key + ".autocast_dtype"), mp_key)
+        def mp_key_of(name: str) -> str:
+            f = S.get("mixed_precision", {}).get(name)
+            return f[1] if f and f[1] != "mixed_precision" else mp_key
+
         for flag in ("fp8", "fp4"):
             if mp.get(flag):
-                b.set(flag, mp[flag], mp_key)
+                b.set(flag, mp[flag], mp_key_of(flag))
             else:
                 b.args.pop(flag, None)
         # fp8_param and fp8_param_gather are kept equal by MixedPrecisionConfig.__setattr__ (fp4 likewise)
@@ -316,8 +320,9 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             if mp.get(alias) is not None:
                 mp[dest] = mp[alias]
         for name in _MP_FP8_DEFAULTS:
-            if (mp.get("fp8") or mp.get("fp4")) and mp.get(name) is not None:
-                b.set(name, mp[name], mp_key)
+            written = name in S.get("mixed_precision", {})
+            if (mp.get("fp8") or mp.get("fp4") or written) and mp.get(name) is not None:
+                b.set(name, mp[name], mp_key_of(name))
             else:
                 b.args.pop(name, None)
     grad_fp32 = mp.get("grad_reduce_in_fp32") if mp is not None else v("ddp", "grad_reduce_in_fp32")

@@ -117,9 +117,13 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
                 b.set("use_torch_fsdp2", True, "trainer.strategy.fsdp")
         plugins = trainer.get("plugins")
         for i, plug in enumerate(plugins if isinstance(plugins, list) else [plugins] if plugins else []):
+            pkey = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
             if isinstance(plug, Mapping) and "MixedPrecision" in str(plug.get("_target_", "")):
-                pkey = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
                 _precision(b, plug, pkey)
+            elif isinstance(plug, Mapping) and not plug.get("_target_"):
+                # only overrides (trainer.plugins.fp8=hybrid on a file that does not write the plugin):
+                # their FP8 keys, as the recipe's MegatronMixedPrecision would take them
+                _fp8_keys(b, plug, pkey)
 
     # Data module: batch sizes and sequence length.
     data = doc.get("data") or {}
@@ -254,8 +258,6 @@ def _fp8_keys(b: ArgsBuilder, plug: Mapping, key: str) -> None:
     for flag in ("fp8", "fp4"):
         if plug.get(flag):
             b.set(flag, plug[flag], f"{key}.{flag}")
-    if not (plug.get("fp8") or plug.get("fp4")):
-        return
     for name, dest in _FP8_PLUGIN_KEYS.items():
         if plug.get(name) is not None:
             b.set(dest, plug[name], f"{key}.{name}")
