@@ -676,7 +676,11 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     if spec.primary_weights_quantized and dist:
         saving = int(elements * (L.param_bytes - param_buffer_bytes_per_element(spec)))
     r = spec.recipe
-    arch = "Blackwell: one FP8 copy serves both layouts" if non_tn else "Hopper: FP8 data + transpose"
+    if r in ("delayed", "tensorwise"):
+        arch = (f"{gpu_name}: one FP8 copy serves both layouts" if non_tn else
+                f"{gpu_name or 'Hopper assumed'}: FP8 data + transpose")
+    else:
+        arch = f"{r}: separate row-wise and column-wise data with their scales"
     terms = []
     if cache:
         terms.append(Term("fp8_weight_cache", cache, TermGroup.WEIGHTS,
