@@ -148,3 +148,21 @@ def test_planner_memory_bound_stays_below_the_fp8_estimate():
     c = Candidate(2, 2, 1, 1, None, None, True, 1, "none", True, 4, 16, (16, 16), "tensorwise")
     L = lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
     assert layer_activation_bytes(shape, c) <= layer_activations(L).total
+
+
+def test_real_megatron_namespace():
+    # megatron-core 0.19.2's own parse_args (Python 3.12 suite): the FP8 dests as the hook reads them
+    pytest.importorskip("megatron.training")
+    import sys
+    from megatron.training.arguments import parse_args
+    from megatron_memguard import layout_from_megatron_args
+    argv = ["pretrain_gpt.py", *BASE, "--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-param-gather",
+            "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"]
+    old, sys.argv = sys.argv, argv
+    try:
+        ns = parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = old
+    L = layout_from_megatron_args(ns, world_size=16)
+    assert (L.fp8, L.fp8_recipe, L.fp8_param_gather, L.num_layers_at_start_in_bf16, L.num_layers_at_end_in_bf16) == \
+        ("hybrid", "blockwise", True, 1, 2)

@@ -44,8 +44,9 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         fp8_recipe=str(_word(a.get("fp8_recipe", "delayed"))).lower(),
         fp4=fp4,
         fp4_recipe=str(_word(a.get("fp4_recipe", "nvfp4"))).lower(),
-        fp8_param_gather=a.bool_arg("fp8_param_gather", False),
-        fp4_param_gather=a.bool_arg("fp4_param_gather", False),
+        # TransformerConfig's names (the config-container era, and core 0.16's fp4 dest) mean the same
+        fp8_param_gather=a.bool_arg("fp8_param_gather", False) or a.bool_arg("fp8_param", False),
+        fp4_param_gather=a.bool_arg("fp4_param_gather", False) or a.bool_arg("fp4_param", False),
         first_last_layers_bf16=a.bool_arg("first_last_layers_bf16", False),
         num_layers_at_start_in_bf16=a.int_arg("num_layers_at_start_in_bf16", 1, minimum=0),
         num_layers_at_end_in_bf16=a.int_arg("num_layers_at_end_in_bf16", 1, minimum=0),
