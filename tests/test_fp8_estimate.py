@@ -166,3 +166,29 @@ def test_real_megatron_namespace():
     L = layout_from_megatron_args(ns, world_size=16)
     assert (L.fp8, L.fp8_recipe, L.fp8_param_gather, L.num_layers_at_start_in_bf16, L.num_layers_at_end_in_bf16) == \
         ("hybrid", "blockwise", True, 1, 2)
+
+
+def test_moe_expert_inputs_and_weight_caches():
+    # with mixture of experts modelled (estimator/layers/moe.py): TEGroupedLinear quantizes each local
+    # expert's tokens (tex.split_quantize) and caches one weight workspace per local expert
+    pytest.importorskip("megatron_memguard.estimator.layers.moe")
+    moe = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "4096", "--num-attention-heads", "16",
+           "--seq-length", "4096", "--max-position-embeddings", "4096", "--position-embedding-type", "rope",
+           "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+           "--micro-batch-size", "4", "--global-batch-size", "32", "--vocab-size", "32000",
+           "--tokenizer-type", "NullTokenizer", "--num-experts", "32", "--expert-model-parallel-size", "4",
+           "--moe-ffn-hidden-size", "1024", "--moe-router-topk", "4", "--moe-token-dispatcher-type", "alltoall",
+           "--moe-grouped-gemm", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    bf16 = layout_from_flags(moe, world_size=8)
+    fp8 = layout_from_flags(moe + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], world_size=8)
+    kind = fp8.stage_chunks(0)[0].kind_runs[0][0]
+    a, b = layer_activations(bf16, True, bf16.stage_chunks(0)[0].kind_runs[0][0]).saved, layer_activations(fp8, True, kind).saved
+    # T = 4096 x 4 / TP 2 = 8192 tokens, k = 4, ETP = TP = 2: N = T k ETP = 65,536 rows on E_l = 8 experts,
+    # 8,192 each (a multiple of the FP8 alignment 16); h = 1024, F / ETP = 512
+    N, El, h, F = 65536, 8, 1024, 512
+    assert a["moe_expert_input"] - b["moe_expert_input"] == 2 * N * h - (N * h + El * 512)
+    assert a["moe_expert_activations"] - b["moe_expert_activations"] == 2 * N * F - (N * F + El * 512)
+    # weight workspaces (Hopper: data + transpose): 8 experts x (fc1 [1024, 1024] + fc2 [1024, 512]) + qkv + proj
+    per_layer = 2 * (8 * (1024 * 1024 + 1024 * 512) + 1536 * 1024 + 1024 * 512) + (2 * 8 + 2) * 512
+    assert terms(estimate(fp8))["fp8_weight_cache"].bytes == 4 * per_layer

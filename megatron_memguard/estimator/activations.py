@@ -105,11 +105,11 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
     (``estimator.fp8.saved_overrides``); linear_proj's quantized copy of the attention output lives
     and dies with ``proj_input``. The working sets of the steps stay those of the BF16 layer
     (docs/assumptions.md, FP8 and FP4)."""
-    from .fp8 import layer_gemms, saved_overrides
+    from .fp8 import layer_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
     over = saved_overrides(L.fp8_spec, layer_gemms(L, kind), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e)
-    saved = {**saved, **over}
+    saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e)}
 
     def tie(names: frozenset) -> frozenset:
         return names | {"fp8_proj_input"} if "proj_input" in names else names

@@ -643,8 +643,49 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     from .layers.base import shapes
     x = shapes(L)
     sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
-    return gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
-                             sequence_parallel=L.sequence_parallel)
+    gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
+                              sequence_parallel=L.sequence_parallel)
+    moe = getattr(L, "moe", None)
+    if moe is not None:
+        # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}")
+        from dataclasses import replace
+        gemms = tuple(replace(g, count=moe.local_experts) if g.name.startswith("experts.") else g for g in gemms)
+    return gemms
+
+
+def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_bytes: int,
+                        non_tn: bool = False) -> dict[str, int]:
+    """An FP8 / FP4 MoE layer's expert GEMM inputs (``estimator/layers/moe.py``'s names): the
+    dispatched tokens fc1 keeps (``moe_expert_input``) and fc2's input inside
+    ``moe_expert_activations`` are quantized per expert, padded to ``moe_align_size`` tokens
+    (``TEGroupedLinear``, ``tex.split_quantize``); the shared expert's fc2 input is quantized, its fc1
+    keeps the router's BF16 input (``set_save_original_input``) except under delayed scaling, where it
+    keeps a quantized copy too (moe-fp8.md 1.9, 2.5)."""
+    if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
+        return {}
+    from .layers.moe import expert_rows, router_bytes, tokens_per_rank
+    m = L.moe
+    e, h = act_bytes, L.hidden_size
+    T = tokens_per_rank(L)
+    er = expert_rows(m, T)
+    N = er.worst if m.routing == "worst" else er.balanced
+    El, Fr = m.local_experts, m.moe_ffn_hidden_size // m.etp
+    out: dict[str, int] = {}
+    if "moe_expert_input" in saved:
+        out["moe_expert_input"] = grouped_saved_input(spec, N, h, El, non_tn=non_tn) + router_bytes(m, e) * N
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    if "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
+        out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * Fr
+                                         + grouped_saved_input(spec, N, Fr, El, non_tn=non_tn))
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs and "moe_shared_experts" in saved:
+        Tf = T * L.tp if L.sequence_parallel else T
+        fs = Fs // L.tp
+        b = saved["moe_shared_experts"] - e * Tf * fs + saved_input(spec, Tf, fs, non_tn=non_tn).allocated
+        if spec.recipe == "delayed":
+            b += saved_input(spec, T, h, sp_gathered=L.sequence_parallel and L.tp > 1, non_tn=non_tn).allocated
+        out["moe_shared_experts"] = b
+    return out
 
 
 def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
