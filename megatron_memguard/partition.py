@@ -106,10 +106,11 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     mlps = (MLP_DENSE,) * L.num_layers            # MoE: MLP_MOE where --moe-layer-freq says so
     if not mlps:
         return ()
-    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16)
+    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
+    # modules quantize, so the local spec runs FP8 flags in BF16
     spec = L.fp8_spec
     quant = (tuple(spec.recipe if spec.layer_quantized(i, L.num_layers) else None for i in range(L.num_layers))
-             if spec.enabled else (None,) * L.num_layers)
+             if spec.enabled and L.transformer_impl == "transformer_engine" else (None,) * L.num_layers)
     pairs = tuple(zip(mlps, quant))
     if pairs.count(pairs[0]) == len(pairs):
         return ((LayerKind(mixer, mlps[0], quant[0]), len(pairs)),)
@@ -125,7 +126,7 @@ def _mixer(L: "Layout") -> str:
 def uniform_kind(L: "Layout") -> LayerKind:
     """The kind of the model's layers when they are all alike (the per-layer table of a report, the
     planner): its mixer with the dense MLP."""
-    return LayerKind(_mixer(L), MLP_DENSE, L.fp8_spec.recipe)
+    return LayerKind(_mixer(L), MLP_DENSE, L.fp8_spec.recipe if L.transformer_impl == "transformer_engine" else None)
 
 
 def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:

@@ -192,3 +192,12 @@ def test_moe_expert_inputs_and_weight_caches():
     # weight workspaces (Hopper: data + transpose): 8 experts x (fc1 [1024, 1024] + fc2 [1024, 512]) + qkv + proj
     per_layer = 2 * (8 * (1024 * 1024 + 1024 * 512) + 1536 * 1024 + 1024 * 512) + (2 * 8 + 2) * 512
     assert terms(estimate(fp8))["fp8_weight_cache"].bytes == 4 * per_layer
+
+
+def test_local_spec_runs_fp8_flags_in_bf16():
+    # only TE modules quantize (fp8_autocast acts on TransformerEngineBaseModule); megatron-core's local
+    # ColumnParallelLinear / RowParallelLinear ignore it
+    local = ["--transformer-impl", "local"]
+    a, b = estimate(lay(*local)), estimate(lay(*local, "--fp8-format", "hybrid"))
+    assert a.stages[0].peak_allocated_bytes == b.stages[0].peak_allocated_bytes
+    assert any("--transformer-impl local" in n for n in b.layout.notes)

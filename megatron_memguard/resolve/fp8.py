@@ -71,6 +71,9 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if not (fmt or fp4):
         # the FP8 details only act with --fp8-format / --fp4-format: the layout keeps the defaults
         return dict(_OFF)
+    if str(a.get("transformer_impl", "transformer_engine")) == "local":
+        a.notes.append(f"{a.key('fp8' if fmt else 'fp4')}: no effect with --transformer-impl local (only Transformer "
+                       "Engine modules quantize): estimated in BF16")
     if rules.get("use_torch_fsdp2") and v["fp8_param_gather"]:
         # validate_args: FSDP2 with TE >= 2.0 turns --fp8-param-gather off (warning)
         a.notes.append(f"{a.key('fp8_param_gather')}: turned off by Megatron with torch FSDP2 (TE >= 2.0)")
