@@ -201,3 +201,28 @@ def test_local_spec_runs_fp8_flags_in_bf16():
     a, b = estimate(lay(*local)), estimate(lay(*local, "--fp8-format", "hybrid"))
     assert a.stages[0].peak_allocated_bytes == b.stages[0].peak_allocated_bytes
     assert any("--transformer-impl local" in n for n in b.layout.notes)
+
+
+@pytest.mark.parametrize("extra, param_bytes", [
+    # MXFP8 primary weights: no parameter buffer of their own (the fp32 grad buffer doubles as their
+    # all-gather buffer, param_and_grad_buffer.py shared_buffer): 2 bytes less per GEMM weight element
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"], 0),
+    # NVFP4 primary weights: the packed half byte in the uint8 buffer
+    (["--fp4-format", "e2m1", "--fp4-param-gather"], 0.5),
+])
+def test_blackwell_primary_weights(extra, param_bytes):
+    bf16 = terms(estimate(lay(), gpu=lookup_gpu("B200")))
+    t = terms(estimate(lay(*extra), gpu=lookup_gpu("B200")))
+    assert bf16["parameters"].bytes - t["parameters"].bytes == int(16 * W * (2 - param_bytes))
+    assert "fp8_weight_cache" not in t and t["fp8_weight_columnwise"].bytes > 0
+    # the weight's full TE storage minus what lives in the buffer: 2 + 1/16 (mxfp8) or 1 + 1/8 (nvfp4)
+    # bytes per element with scales, minus the buffer's share
+    per = {0: 2 + 2 / 32, 0.5: 1 + 2 / 16}[param_bytes] - param_bytes
+    assert t["fp8_weight_columnwise"].bytes == pytest.approx(16 * W * per, rel=0.01)
+
+
+def test_hopper_refuses_mxfp8(capsys):
+    code = main(["estimate", "--world-size", "16", "--gpu", "H100-80GB", "--", *BASE, "--fp8-format", "e4m3",
+                 "--fp8-recipe", "mxfp8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("memguard: error: --gpu") and "Blackwell" in err[0]
