@@ -163,7 +163,7 @@ def test_moe_alignment():
 def test_dense_layer_terms_llama3_8b_tp2_sp():
     # Llama-3.1-8B shape (HF config): h 4096, ffn 14336, 32 heads, 8 KV heads, head dim 128, SwiGLU;
     # TP 2 with sequence parallelism, seq 8192, micro-batch 1
-    from megatron_memguard.estimator.fp8 import (
+    from megatron_memguard.estimator.fp8_layers import (
         dense_layer_gemms, layer_recipe_state_bytes, primary_weight_extra_bytes, saved_inputs, weight_cache_bytes)
     g = dense_layer_gemms(hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
                           kv_channels=128, gated_linear_unit=True, tensor_model_parallel_size=2,
@@ -194,7 +194,7 @@ def test_non_tn_gpus():
 
 
 def test_saved_overrides_dense_and_mla():
-    from megatron_memguard.estimator.fp8 import gemms_from_shapes, saved_overrides
+    from megatron_memguard.estimator.fp8_layers import gemms_from_shapes, saved_overrides
     # dense layer, h 1024, ffn 4096 (SwiGLU), 16 heads x 64, TP 2 + SP, seq 2048, mbs 1: T = 1024, Tf = 2048
     shapes = {"linear_qkv": (1536, 1024), "linear_proj": (1024, 512), "linear_fc1": (4096, 1024),
               "linear_fc2": (1024, 2048)}
@@ -248,7 +248,7 @@ def test_grouped_saved_input_pads_each_expert():
 
 
 def test_megatron_fp8_rules():
-    from megatron_memguard.estimator.fp8 import rule_violations, not_modelled
+    from megatron_memguard.resolve.fp8 import not_modelled, rule_violations
     base = dict(num_layers=8, pipeline_model_parallel_size=2, use_distributed_optimizer=True)
     ok = dict(base, fp8="hybrid", fp8_recipe="tensorwise", fp8_param_gather=True, first_last_layers_bf16=True,
               num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=4)

@@ -102,10 +102,10 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
 
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
-    (``estimator.fp8.saved_overrides``); linear_proj's quantized copy of the attention output lives
+    (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output lives
     and dies with ``proj_input``. The working sets of the steps stay those of the BF16 layer
     (docs/assumptions.md, FP8 and FP4)."""
-    from .fp8 import layer_gemms, moe_saved_overrides, saved_overrides
+    from .fp8_layers import layer_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
     over = saved_overrides(L.fp8_spec, layer_gemms(L, kind), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e)

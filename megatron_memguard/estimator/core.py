@@ -322,10 +322,10 @@ def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Te
 
 
 def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
-    """FP8 / FP4: the weight terms of estimator.fp8 after the parameters, whose buffer holds primary
+    """FP8 / FP4: the weight terms of estimator.fp8_layers after the parameters, whose buffer holds primary
     quantized GEMM weights in 1 byte (1/2 for NVFP4; none for MXFP8, whose all-gather uses the gradient
     buffer)."""
-    from .fp8 import stage_terms
+    from .fp8_layers import stage_terms
     saving, extra = stage_terms(L, chunks, gpu_name)
     out: list[Term] = []
     for t in state_terms:
