@@ -145,7 +145,7 @@ def test_planner_memory_bound_stays_below_the_fp8_estimate():
     from megatron_memguard.readers.megatron_flags import parse_megatron_flags
     probe = layout_from_flags(LLAMA31_8B + ["--micro-batch-size", "1"], world_size=1)
     shape = model_shape(probe, parse_megatron_flags(LLAMA31_8B))
-    c = Candidate(2, 2, 1, 1, None, None, True, 1, "none", True, 4, 16, (16, 16), "tensorwise")
+    c = Candidate(2, 2, 1, 1, None, None, True, 1, "none", True, 4, 16, (16, 16), fp8="tensorwise")
     L = lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
     assert layer_activation_bytes(shape, c) <= layer_activations(L).total
 

@@ -489,7 +489,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                                     for dist in dist_opts:
                                         for f8 in cons.fp8:
                                             out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
-                                                                 dp, m, stages, f8))
+                                                                 dp, m, stages, fp8=f8))
     return out
 
 
@@ -530,4 +530,4 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     if pp == 1:
         vpp = 1                    # Megatron ignores virtual stages without a pipeline
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt, dp,
-                     global_batch_size // (mbs * dp), stages, fp8)
+                     global_batch_size // (mbs * dp), stages, fp8=fp8)
