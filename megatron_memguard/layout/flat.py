@@ -48,6 +48,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
               "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads"),
     ("provenance", "env"),
+    # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
+    ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
+                  "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
+                  "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
 # flat names the JSON document leaves out for a dense model (its layout reads as before MoE existed)
@@ -56,6 +60,8 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 # flat name -> part attribute ("" for Layout's own ``notes``), in JSON order
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
+# the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
+FP8_NAMES: frozenset[str] = frozenset(_RUNS[-2][1].split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules")
 # Feature settings the JSON document writes only when set: a layout without the feature keeps the
