@@ -13,7 +13,10 @@ The bound counts only what every pipeline stage certainly holds, a subset of the
   of the stage times the
   micro-batches in flight on the first stage when its first backward starts (min(PP, m) in 1F1B;
   2 (PP - 1) + (VPP - 1) PP + 1 chunks of layers / VPP layers in the interleaved schedule) and one on the last;
-* on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy.
+* on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy;
+* mixture of experts: the routed experts' state with the optimizer part sharded over expert DP, and
+  for an MoE layer only the attention half of the activations above (what its MoE block keeps
+  depends on the routing and the dispatcher; counting none of it keeps the bound a bound).
 
 No workspace, CUDA context, NCCL buffer, transient or allocator slack is counted, so the bound
 stays below the estimator's device total (tests/test_planner_search.py checks it on a grid). A
@@ -26,15 +29,20 @@ from typing import Callable
 from .space import Candidate, ModelShape
 
 
-def stage_state_bytes(shape: ModelShape, c: Candidate, params: int) -> float:
+def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_params: int = 0) -> float:
     per = shape.param_bytes + shape.grad_bytes
     shard = max(1, c.dp * c.cp // shape.dist_opt_instances) if c.dist_opt else 1
-    return params * per + params * shape.optimizer_state_bytes / shard
+    out = params * per + params * shape.optimizer_state_bytes / shard
+    if expert_params:
+        e_shard = max(1, c.edp // shape.dist_opt_instances) if c.dist_opt else 1
+        out += expert_params * per + expert_params * shape.optimizer_state_bytes / e_shard
+    return out
 
 
-def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
+def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
     """Bytes one layer surely keeps per micro-batch until its backward: what the backward of its
-    GEMMs, attention and activation function needs, in every implementation Megatron has."""
+    GEMMs, attention and activation function needs, in every implementation Megatron has.
+    ``mlp=False``: an MoE layer, whose MLP half is not counted."""
     seq = shape.seq_length // c.cp
     Tf = c.mbs * seq
     T = Tf // c.tp if c.sp else Tf
@@ -48,7 +56,10 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     if not ("layernorm" in mods and shape.transformer_impl == "local"):
         # inputs of linear_qkv (MLA: of the down projections, dropped by 'layernorm' recompute since
         # MLA's input norm is a module of its own) and linear_fc1
-        kept += (1 if ("layernorm" in mods and shape.mla) else 2) * T * h * e
+        if mlp:
+            kept += (1 if ("layernorm" in mods and shape.mla) else 2) * T * h * e
+        elif "layernorm" not in mods:
+            kept += T * h * e                 # MoE layer: linear_qkv's input only (the router's is not counted)
     # q, k, v (or their repeated / rotated copies, which are larger): attention's backward needs them,
     # and selective recompute keeps them as the checkpoint's inputs
     a_t = shape.heads // c.tp
@@ -61,7 +72,7 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     kept += Tf * a_t * shape.v_dim * e                            # attention output, input of linear_proj
     if shape.unfused_attention and "core_attn" not in mods:
         kept += c.mbs * (shape.heads // c.tp) * seq * seq * e       # softmax output, kept by the bmm with V
-    if "mlp" not in mods:
+    if "mlp" not in mods and mlp:
         kept += Tf * (2 if shape.gated else 1) * f_t * e           # fc1 output (the activation's input)
         kept += Tf * f_t * e                                       # input of linear_fc2
     return kept
@@ -79,15 +90,35 @@ def first_stage_layers_held(c: Candidate) -> int:
     return chunks * n // c.vpp
 
 
-def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int]) -> float:
+def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int],
+                       stage_expert_params: Callable[[Candidate, int], int] | None = None,
+                       moe_layers_on: Callable[[Candidate, int], int] | None = None) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
-    rank of stage i (TimeModel.stage_params)."""
+    rank of stage i (TimeModel.stage_params); for MoE models ``stage_expert_params`` and
+    ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i."""
     per_layer = layer_activation_bytes(shape, c)
-    first = stage_state_bytes(shape, c, stage_params(c, 0)) + first_stage_layers_held(c) * per_layer
-    if c.pp == 1:
-        last = first                          # one stage holds everything
+    if shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None:
+        per_moe = layer_activation_bytes(shape, c, mlp=False)
+
+        def held(i: int, layers: int) -> float:
+            n, n_moe = c.stage_layers[i], moe_layers_on(c, i)
+            if c.vpp == 1 or layers == n:   # all of the stage's layers, each kind as often as it has them
+                return layers / n * ((n - n_moe) * per_layer + n_moe * per_moe)
+            return layers * (per_moe if n_moe else per_layer)   # chunks: the lighter kind, to stay a bound
+
+        first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0)) + held(
+            0, first_stage_layers_held(c))
+        if c.pp == 1:
+            last = first
+        else:
+            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1), stage_expert_params(c, c.pp - 1)) + held(
+                c.pp - 1, c.stage_layers[-1])
     else:
-        last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1)) + c.stage_layers[-1] * per_layer
+        first = stage_state_bytes(shape, c, stage_params(c, 0)) + first_stage_layers_held(c) * per_layer
+        if c.pp == 1:
+            last = first                          # one stage holds everything
+        else:
+            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1)) + c.stage_layers[-1] * per_layer
     seq = shape.seq_length // c.cp
     v_t = shape.padded_vocab(c.tp) // c.tp
     logits = c.mbs * seq * v_t * (4 if shape.fp32_logits else shape.act_bytes)

@@ -148,10 +148,12 @@ class Planner:
         return self.timer.step_time(c)
 
     def lower_bound(self, c: Candidate) -> float:
-        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m))
+        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m), c.ep, c.etp,
+               c.vpp if self.shape.moe else 0)
         b = self._bounds.get(key)
         if b is None:
-            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params)
+            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
+                                                       self.timer.stage_expert_params, self.timer.moe_layers_on)
         return b
 
     def layout(self, c: Candidate) -> Layout:
