@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sp", dest="sp", action=argparse.BooleanOptionalAction, default=None,
                    help="require (or forbid) sequence parallelism when TP > 1")
     c.add_argument("--no-uneven", action="store_true", help="only even pipeline splits")
+    c.add_argument("--ep", type=_int_list, help="allowed expert-parallel sizes (MoE; default: divisors of the experts "
+                                               "whose EP x ETP group stays in an NVLink domain)")
+    c.add_argument("--etp", type=_int_list, help="allowed expert-tensor-parallel sizes (MoE; default: 1 and TP)")
+    c.add_argument("--allow-ep-across-nodes", action="store_true",
+                   help="let EP x ETP groups span NVLink domains (the all-to-all then crosses the network)")
     k = p.add_argument_group("cluster speeds (the step-time model; defaults: --gpu's row of `memguard gpus`)")
     k.add_argument("--network-gbps", type=float, metavar="GBPS",
                    help="network bandwidth per GPU and direction in Gb/s (400: one NDR NIC per GPU; 100: four "
@@ -127,6 +132,7 @@ def _constraints(ns: argparse.Namespace):
         allow_tp_across_nodes=ns.allow_tp_across_nodes, recompute=tuple(recompute),
         dist_opt=(True, False) if ns.dist_opt is None else (ns.dist_opt,),
         sp=(True, False) if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
+        ep=ns.ep, etp=ns.etp, allow_ep_across_nodes=ns.allow_ep_across_nodes,
     )
 
 

@@ -23,7 +23,8 @@ from .search import Planner
 from .space import Candidate, Constraints, make_candidate
 from .timing import StepTime
 
-_INT_KEYS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "cp": "cp", "mbs": "mbs", "first": "first", "last": "last"}
+_INT_KEYS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "cp": "cp", "mbs": "mbs", "first": "first", "last": "last",
+             "ep": "ep", "etp": "etp"}
 _BOOL_KEYS = {"sp": "sp", "dist-opt": "dist_opt", "dist_opt": "dist_opt", "distopt": "dist_opt"}
 _ON = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
@@ -53,7 +54,7 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
         elif k in ("recompute", "rc"):
             out["recompute"] = v.lower()
         else:
-            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, last")
+            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, last, ep, etp")
     return out
 
 
