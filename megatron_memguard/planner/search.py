@@ -25,7 +25,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..estimator import Estimate, SiteConstants, estimate
 from ..layout import Layout
 from ..resolve import resolve
-from .bounds import memory_lower_bound
+from .bounds import memory_lower_bound, stage_state_bytes
 from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_space, model_shape
 from .timing import StepTime, TimeModel
 
@@ -156,6 +156,18 @@ class Planner:
                                                        self.timer.stage_expert_params, self.timer.moe_layers_on)
         return b
 
+    def state_bound(self, c: Candidate) -> float:
+        """The model-state part of :meth:`lower_bound` on the first and last stage (memoised per layout
+        without the micro-batch, recomputation and sequence-parallel choices)."""
+        key = ("state", c.tp, c.pp, c.cp, c.stage_layers, c.dist_opt, c.ep, c.etp, c.vpp)
+        b = self._bounds.get(key)
+        if b is None:
+            tm = self.timer
+            b = self._bounds[key] = max(
+                stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i))
+                for i in {0, c.pp - 1})
+        return b
+
     def layout(self, c: Candidate) -> Layout:
         """The candidate resolved with Megatron's rules (raises ConfigError / ConfigErrors)."""
         raw = self.raw.with_args(**c.overrides(self.gbs, self.seq_length))
@@ -187,8 +199,22 @@ class Planner:
         cands = enumerate_space(self.shape, self.cluster, self.gbs, cons, rule=rule)
         res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
                          threshold=self.threshold, entries=[], considered=len(cands), notes=list(self.notes))
-        cands.sort(key=self.order_key(rule))
         limit = self.limit
+        if self.shape.moe is not None:
+            # Mixture of experts: the layout space is many times larger (EP, ETP), and the model state alone
+            # rules most of it out; drop those before timing them (the same bound, its state part).
+            kept = []
+            for c in cands:
+                sb = self.state_bound(c)
+                if sb > limit:
+                    res.pruned_by_bound += 1
+                    res.visited += 1
+                    if res.smallest_bound is None or sb < res.smallest_bound[0]:
+                        res.smallest_bound = (sb, c)
+                else:
+                    kept.append(c)
+            cands = kept
+        cands.sort(key=self.order_key(rule))
         for c in cands:
             res.visited += 1
             lb = self.lower_bound(c)
