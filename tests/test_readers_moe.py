@@ -40,6 +40,8 @@ def test_layer_freq_examples_of_megatrons_help():
     assert flags("--moe-layer-freq 2")["moe_layer_freq"] == 2
     assert moe_layers(2, 5) == [True, False, True, False, True]  # i % N == 0 (get_gpt_decoder_layer_specs)
     assert parse_moe_layer_freq([0, 1, 1]) == [0, 1, 1]  # a YAML/JSON list is the pattern already
+    assert flags_from_mapping({"--moe-layer-freq": [0, 1, 1]}) == ["--moe-layer-freq", "[0,1,1]"]
+    assert parse_megatron_flags(flags_from_mapping({"--moe-layer-freq": [0, 1, 1]})).args["moe_layer_freq"] == [0, 1, 1]
 
 
 @pytest.mark.parametrize("bad, why", [

@@ -172,6 +172,9 @@ def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
             argv.append(flag)
         elif v is False or v is None:
             continue
+        elif isinstance(v, (list, tuple)) and (flag_table().get(flag) or [None, None, None])[2:] == ["moe_freq"]:
+            # a YAML list for --moe-layer-freq: the pattern, written as Megatron's list expression
+            argv.extend([flag, "[" + ",".join(str(x) for x in v) + "]"])
         elif isinstance(v, (list, tuple)):
             argv.append(flag)
             argv.extend(str(x) for x in v)
