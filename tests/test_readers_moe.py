@@ -330,3 +330,24 @@ def test_preset_spellings():
     for spelling, key in (("mistralai/Mixtral-8x7B-v0.1", "mixtral-8x7b"), ("Qwen/Qwen3-235B-A22B", "qwen3-235b-a22b"),
                           ("deepseek-ai/DeepSeek-V3", "deepseek-v3"), ("DeepSeek-V2-Lite", "deepseek-v2-lite")):
         assert read_model(spelling).source == f"model preset {key}"
+
+
+def test_norm_topk_prob_defaults_of_transformers_config_classes():
+    # Qwen2MoeConfig / Qwen3MoeConfig / DeepseekV2Config default norm_topk_prob=False, DeepseekV3Config True
+    doc = json.load(open(os.path.join(HERE, "data", "hf", "qwen3-30b-a3b.json")))
+    del doc["norm_topk_prob"]
+    assert read_hf_config(doc, "x").args["moe_router_pre_softmax"] is True
+    doc = json.load(open(os.path.join(HERE, "data", "hf", "deepseek-v3.json")))
+    del doc["norm_topk_prob"]
+    assert "moe_router_pre_softmax" not in read_hf_config(doc, "x").args
+
+
+def test_hook_namespace_before_validate_args():
+    # the hook reads Megatron's namespace before validate_args: 0.19's nargs='+' lists are still lists
+    import types
+
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    ns = types.SimpleNamespace(num_experts=8, moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.01],
+                               moe_layer_freq=[0, 1], world_size=8)
+    a = raw_from_namespace(ns).args
+    assert (a["moe_router_load_balancing_type"], a["moe_aux_loss_coeff"], a["moe_layer_freq"]) == ("aux_loss", 0.01, [0, 1])

@@ -152,7 +152,9 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
     p["moe_router_topk"] = hf.get("num_experts_per_tok")
     # norm_topk_prob false (Qwen1.5/2-MoE, DeepSeek-V2): softmax over all experts, then top-k, i.e.
     # megatron-core's --moe-router-pre-softmax; true (and Mixtral): softmax over the top-k scores.
-    if hf.get("norm_topk_prob") is False and hf.get("scoring_func", "softmax") == "softmax":
+    # Absent, transformers' config classes default to false, except DeepseekV3Config (true).
+    norm = hf.get("norm_topk_prob", mt == "deepseek_v3")
+    if mt != "mixtral" and not norm and hf.get("scoring_func", "softmax") == "softmax":
         p["moe_router_pre_softmax"] = True
     if hf.get("router_aux_loss_coef"):
         p.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=hf["router_aux_loss_coef"])
