@@ -236,11 +236,11 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
                    f"terms next to the runner-up's")
         out.append("")
         out.append("Megatron flags:")
-        out.append("  " + " \\\n  ".join(megatron_flags(L)))
+        out.append("  " + " \\\n  ".join(megatron_flags(L, best.experts)))
         out.append("NeMo 2 (NeMo-Run recipe overrides):")
-        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node)))
+        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts)))
         out.append("Megatron-Bridge (ConfigContainer overrides):")
-        out.append("  " + " ".join(bridge_overrides(L)))
+        out.append("  " + " ".join(bridge_overrides(L, best.experts)))
     else:
         out.append("no layout fits.")
         for frac, c, est in res.closest:

@@ -16,8 +16,11 @@ def _b(v: bool) -> str:
     return "true" if v else "false"
 
 
-def megatron_flags(L: Layout) -> list[str]:
+def megatron_flags(L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
+    """``experts``: (EP, ETP) of a mixture-of-experts layout, written out whenever the model has experts."""
     f = [f"--tensor-model-parallel-size {L.tp}", f"--pipeline-model-parallel-size {L.pp}"]
+    if experts is not None:
+        f += [f"--expert-model-parallel-size {experts[0]}", f"--expert-tensor-parallel-size {experts[1]}"]
     if L.vpp > 1:
         f.append(f"--num-virtual-stages-per-pipeline-rank {L.vpp}")
     if L.decoder_first_pipeline_num_layers is not None:
@@ -43,11 +46,13 @@ def megatron_flags(L: Layout) -> list[str]:
     return f
 
 
-def _parallel(prefix: str, L: Layout) -> list[str]:
+def _parallel(prefix: str, L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
     """The parallel sizes and the pipeline split: NeMo 2's strategy and Bridge's model config share the names."""
     o = [f"{prefix}tensor_model_parallel_size={L.tp}", f"{prefix}pipeline_model_parallel_size={L.pp}",
          f"{prefix}virtual_pipeline_model_parallel_size={L.vpp if L.vpp > 1 else 'null'}",
          f"{prefix}context_parallel_size={L.cp}", f"{prefix}sequence_parallel={_b(L.sequence_parallel)}"]
+    if experts is not None:
+        o += [f"{prefix}expert_model_parallel_size={experts[0]}", f"{prefix}expert_tensor_parallel_size={experts[1]}"]
     if L.decoder_first_pipeline_num_layers is not None:
         o.append(f"{prefix}num_layers_in_first_pipeline_stage={L.decoder_first_pipeline_num_layers}")
     if L.decoder_last_pipeline_num_layers is not None:
@@ -62,9 +67,9 @@ def _recompute(prefix: str, L: Layout) -> list[str]:
     return o
 
 
-def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
+def nemo2_overrides(L: Layout, gpus_per_node: int | None = None, experts: tuple[int, int] | None = None) -> list[str]:
     s = "trainer.strategy."
-    o = _parallel(s, L)
+    o = _parallel(s, L, experts)
     o += [f"data.micro_batch_size={L.micro_batch_size}", f"data.global_batch_size={L.global_batch_size}",
           f"data.seq_length={L.seq_length}",
           f"optim.config.use_distributed_optimizer={_b(L.use_distributed_optimizer)}",
@@ -77,8 +82,8 @@ def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
     return o
 
 
-def bridge_overrides(L: Layout) -> list[str]:
-    o = _parallel("model.", L)
+def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
+    o = _parallel("model.", L, experts)
     o += [f"model.seq_length={L.seq_length}", f"dataset.seq_length={L.seq_length}",
           f"train.micro_batch_size={L.micro_batch_size}", f"train.global_batch_size={L.global_batch_size}",
           f"ddp.use_distributed_optimizer={_b(L.use_distributed_optimizer)}",

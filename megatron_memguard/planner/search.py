@@ -41,6 +41,12 @@ class PlanEntry:
     estimate: Estimate
     time: StepTime
 
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """(EP, ETP) of a mixture-of-experts layout, None for a dense model."""
+        c = self.candidate
+        return (c.ep, c.etp) if c.moe else None
+
     def to_dict(self, gpus_per_node: int | None = None) -> dict[str, Any]:
         from .export import bridge_overrides, megatron_flags, nemo2_overrides
         est, t = self.estimate, self.time
@@ -61,9 +67,9 @@ class PlanEntry:
             "step_time_terms": t.term_seconds,
             "slowest_stage": t.critical_stage,
             "dominant_cost": t.dominant.name,
-            "megatron_flags": megatron_flags(self.layout),
-            "nemo2_overrides": nemo2_overrides(self.layout, gpus_per_node),
-            "bridge_overrides": bridge_overrides(self.layout),
+            "megatron_flags": megatron_flags(self.layout, self.experts),
+            "nemo2_overrides": nemo2_overrides(self.layout, gpus_per_node, self.experts),
+            "bridge_overrides": bridge_overrides(self.layout, self.experts),
         }
 
 
