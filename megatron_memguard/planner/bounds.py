@@ -15,8 +15,10 @@ The bound counts only what every pipeline stage certainly holds, a subset of the
   2 (PP - 1) + (VPP - 1) PP + 1 chunks of layers / VPP layers in the interleaved schedule) and one on the last;
 * on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy;
 * mixture of experts: the routed experts' state with the optimizer part sharded over expert DP, and
-  for an MoE layer only the attention half of the activations above (what its MoE block keeps
-  depends on the routing and the dispatcher; counting none of it keeps the bound a bound).
+  for an MoE layer the attention half of the activations above plus what its MoE block keeps under
+  balanced routing (the router's input; the dispatched rows, the experts' fc1 output and fc2 input
+  unless the block or its activation is recomputed); dispatcher indices, router tensors and the
+  shared expert are left out.
 
 No workspace, CUDA context, NCCL buffer, transient or allocator slack is counted, so the bound
 stays below the estimator's device total (tests/test_planner_search.py checks it on a grid). A
@@ -75,6 +77,19 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
     if "mlp" not in mods and mlp:
         kept += Tf * (2 if shape.gated else 1) * f_t * e           # fc1 output (the activation's input)
         kept += Tf * f_t * e                                       # input of linear_fc2
+    if not mlp and shape.moe is not None:
+        # an MoE block under balanced routing (the estimate's): the router's input (the pre-MLP norm output)
+        # and, unless the block is recomputed, the N = T k ETP dispatched rows kept by fc1, its output and
+        # (unless 'moe_act' recomputes the activation) fc2's input
+        ms = shape.moe
+        if "layernorm" not in mods:
+            kept += T * h * e
+        if "moe" not in mods:
+            rows = T * ms.topk * c.etp
+            f_e = ms.ffn // c.etp
+            kept += rows * h * e + rows * (2 if shape.gated else 1) * f_e * e
+            if "moe_act" not in mods:
+                kept += rows * f_e * e
     return kept
 
 
