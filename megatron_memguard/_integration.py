@@ -12,7 +12,6 @@ import enum
 import os
 import sys
 import types
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .config import RawConfig
@@ -20,19 +19,9 @@ from .errors import ConfigError, MemguardError
 from .numbers import INT64_MAX, shown, to_int
 from .runtime.reporting import ErrorReporter
 
-PREFIX = "[memguard]"
-ABORT_EXIT_CODE = 3  # every memguard abort (the hook's too): distinct from Python (1) and argparse errors (2)
-MODES = ("off", "report", "warn", "abort")
-DEFAULT_THRESHOLD = 0.8  # as the hook's --memguard-threshold
+from .decision import ABORT_EXIT_CODE, DEFAULT_MODE, DEFAULT_THRESHOLD, PREFIX, PREFLIGHT_MODES, PreflightAbort, PreflightResult
 
-
-class PreflightAbort(SystemExit):
-    """Raised on every rank when the layout does not fit and the mode is ``abort`` (exit code 3)."""
-
-    def __init__(self, message: str, result: "PreflightResult | None" = None):
-        super().__init__(ABORT_EXIT_CODE)
-        self.message = message
-        self.result = result
+MODES = PREFLIGHT_MODES  # (the name the integrations used)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,45 +193,11 @@ def resolve_gpu(gpu: Any = None, gpu_memory: Any = None,
 # --------------------------------------------------------------------------------------------------
 # The pre-flight decision
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class PreflightResult:
-    mode: str
-    action: str          # skipped | unsupported | unknown | fits | reported | warned | abort
-    raw: RawConfig | None = None
-    layout: Any = None
-    estimate: Any = None
-    gpu: Any = None
-    gpu_memory: int | None = None
-    gpu_memory_source: str = ""
-    world_size: int | None = None
-    world_size_from: str = ""
-    message: str = ""
-    reason: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def verdict(self) -> str | None:
-        return self.estimate.verdict if self.estimate is not None else None
-
-    @property
-    def fits(self) -> bool:
-        return self.verdict == "fits"
-
-    def to_dict(self) -> dict[str, Any]:
-        e = self.estimate
-        return {"mode": self.mode, "action": self.action, "verdict": self.verdict, "reason": self.reason,
-                "world_size": self.world_size, "world_size_from": self.world_size_from,
-                "gpu": self.gpu.name if self.gpu is not None else None, "gpu_memory": self.gpu_memory,
-                "gpu_memory_source": self.gpu_memory_source, "critical_stage": e.critical_stage if e else None,
-                "predicted_device_total": e.peak_device_bytes if e else None,
-                "source": self.raw.source if self.raw is not None else None}
-
-
 def mode_from(mode: str | None, environ: Mapping[str, str] | None = None) -> str:
     """``mode``, else MEMGUARD, else ``warn``; a bad value raises ConfigError naming ``mode`` or MEMGUARD."""
     environ = os.environ if environ is None else environ
     key = "mode" if mode is not None else "MEMGUARD"
-    m = str(mode if mode is not None else environ.get("MEMGUARD", "warn")).strip().lower()
+    m = str(mode if mode is not None else environ.get("MEMGUARD", DEFAULT_MODE)).strip().lower()
     if m == "autotune":
         raise ConfigError(key, "autotune is the Megatron hook's (it rewrites Megatron's arguments); the Bridge / "
                                "Lightning pre-flight reports, warns or aborts", "use report, warn or abort")
@@ -293,7 +248,7 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     rank0 = this_rank(environ) == 0 if rank0 is None else rank0
     mode = mode_from(mode, environ)
     threshold = threshold_from(threshold, environ)
-    r = PreflightResult(mode=mode, action="skipped")
+    r = PreflightResult(mode=mode, action="skipped", taken_by="preflight")
     if mode == "off":
         return r
     from .site_profile import site_from

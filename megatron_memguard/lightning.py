@@ -47,6 +47,7 @@ from ._integration import (
 )
 from .config import RawConfig
 from .errors import ReaderError
+from .knobs import KNOBS
 from .runtime.reporting import ErrorReporter
 from .runtime.sinks import SCALARS, Sink
 
@@ -70,6 +71,9 @@ _STRATEGY_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
                   "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                   "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage",
                   "num_distributed_optimizer_instances")
+
+# The datamodule's batch attributes: NeMo 2's data.* keys of the knob registry (micro / global batch, sequence).
+_DATA_KEYS = tuple(key.split(".", 1)[1] for k in KNOBS for key in k.nemo2 if key.startswith("data."))
 
 
 def lightning_available() -> bool:
@@ -122,8 +126,7 @@ def trainer_dict(trainer: Any, pl_module: Any, model_config: Any = None) -> dict
     doc: dict[str, Any] = {"model": model, "trainer": {"devices": devices, "num_nodes": nodes, "strategy": strat,
                                                         "plugins": plug}}
     dm = _attr(trainer, "datamodule")
-    data = {name: _attr(dm, name) for name in ("micro_batch_size", "global_batch_size", "seq_length")
-            if _attr(dm, name) is not None}
+    data = {name: _attr(dm, name) for name in _DATA_KEYS if _attr(dm, name) is not None}
     if "create_attention_mask" in (vars(dm) if dm is not None and hasattr(dm, "__dict__") else {}):
         data["create_attention_mask"] = bool(dm.create_attention_mask)
     doc["data"] = data

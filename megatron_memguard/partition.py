@@ -5,16 +5,121 @@ Follows ``get_num_layers_to_build`` (megatron/core/transformer/transformer_block
 ``decoder_first/last_pipeline_num_layers`` with the rest spread evenly over the middle stages, or an
 explicit ``--pipeline-model-parallel-layout`` ("Et*3|(tt|)*29,m|L"); each rank's share divided evenly
 over its virtual stages. Interleaved chunks take layers in global stage order ``vpp_rank * PP + pp_rank``.
+
+Every layer also has a kind (:class:`LayerKind`: its token mixer and its MLP), chosen in one place,
+:func:`model_kind_runs`; a :class:`Chunk` carries the kinds of its layers, and the estimator builds each
+layer from the recipes of its kind (``megatron_memguard.estimator.layers``).
 """
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .layout import Chunk, Layout
+    from .layout import Layout
+
+# Token mixers and MLPs a layer can be built from; each name has one recipe module in
+# megatron_memguard/estimator/layers/ (MoE adds MLP "moe", Mamba adds mixer "mamba").
+MIXER_ATTENTION = "attention"     # megatron-core SelfAttention (standard / grouped-query)
+MIXER_MLA = "mla"                 # MLASelfAttention (multi-latent attention, DeepSeek-V2 style)
+MLP_DENSE = "dense"               # megatron-core MLP (linear_fc1, activation, linear_fc2)
+
+
+class LayerKind(NamedTuple):
+    """What one transformer layer is built of: its token mixer and its MLP (one recipe each). An
+    immutable value (a named tuple: hashed and compared in C, as every cache lookup of a chunk does)."""
+
+    mixer: str
+    mlp: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.mixer}+{self.mlp}"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk on one pipeline rank: a contiguous run of layers (a VPP stage when interleaved)."""
+
+    pp_rank: int
+    vpp_rank: int
+    first_layer: int        # global index of its first transformer layer
+    num_layers: int
+    has_embedding: bool     # word (and position) embedding: first stage, first chunk
+    has_output: bool        # final norm, output layer and loss: last stage, last chunk
+    has_tied_output_copy: bool  # last stage holds a copy of the tied embedding (PP > 1, tied)
+    vpp_size: int = 1
+    # (kind, count) of each run of consecutive equal kinds, bottom to top: the kinds of its layers,
+    # and what the caches key on (one entry for a uniform chunk: a lookup hashes one kind, not one
+    # per layer)
+    kind_runs: tuple[tuple[LayerKind, int], ...] = ()
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """The kind of each of its layers, bottom to top."""
+        kinds = self.__dict__.get("_layer_kinds")
+        if kinds is None:
+            kinds = self.__dict__["_layer_kinds"] = kinds_from_runs(self.kind_runs)
+        return kinds
+
+    @property
+    def label(self) -> str:
+        return f"pp{self.pp_rank}" + (f".v{self.vpp_rank}" if self.vpp_size > 1 else "")
+
+
+def kind_runs(kinds: tuple[LayerKind, ...]) -> tuple[tuple[LayerKind, int], ...]:
+    """``kinds`` as (kind, count) runs of consecutive equal kinds, in order."""
+    if not kinds:
+        return ()
+    if kinds.count(kinds[0]) == len(kinds):   # a uniform run (the common case), compared in C
+        return ((kinds[0], len(kinds)),)
+    runs: list[list] = []
+    for k in kinds:
+        if runs and (runs[-1][0] is k or runs[-1][0] == k):
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return tuple((k, n) for k, n in runs)
+
+
+def kinds_from_runs(runs: tuple[tuple[LayerKind, int], ...]) -> tuple[LayerKind, ...]:
+    out: tuple[LayerKind, ...] = ()
+    for k, n in runs:
+        out += (k,) * n
+    return out
+
+
+def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
+    """The kind of every transformer layer of the model, in global order."""
+    return kinds_from_runs(model_kind_runs(L))
+
+
+def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
+    """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
+    layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
+    (dense and MoE layers), MTP layers and hybrid models make them differ per layer."""
+    mixer = _mixer(L)
+    mlps = (MLP_DENSE,) * L.num_layers            # MoE: MLP_MOE where --moe-layer-freq says so
+    if not mlps:
+        return ()
+    if mlps.count(mlps[0]) == len(mlps):
+        return ((LayerKind(mixer, mlps[0]), len(mlps)),)
+    made = {m: LayerKind(mixer, m) for m in set(mlps)}
+    return kind_runs(tuple(made[m] for m in mlps))
+
+
+def _mixer(L: "Layout") -> str:
+    """The token mixer of the model's attention layers."""
+    return MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION
+
+
+def uniform_kind(L: "Layout") -> LayerKind:
+    """The kind of the model's layers when they are all alike (the per-layer table of a report, the
+    planner): its mixer with the dense MLP."""
+    return LayerKind(_mixer(L), MLP_DENSE)
 
 
 def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:
@@ -76,9 +181,7 @@ def layers_per_rank(L: "Layout") -> list[int]:
     return [n // pp] * pp  # embedding/loss slots are taken off in partition_layers
 
 
-def partition_layers(L: "Layout") -> tuple["Chunk", ...]:
-    from .layout import Chunk
-
+def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
     pp, vpp = L.pipeline_model_parallel_size, L.vpp
     tied_copy = (not L.untie_embeddings_and_output_weights) and pp > 1
     counts: dict[tuple[int, int], int] = {}
@@ -104,6 +207,10 @@ def partition_layers(L: "Layout") -> tuple["Chunk", ...]:
         for r in range(pp):
             first_layer[(r, v)] = offset
             offset += counts[(r, v)]
+    runs = model_kind_runs(L)
+    # every layer of one kind (the common case): each chunk's runs without listing the layers
+    same = runs[0][0] if len(runs) == 1 else None
+    kinds = kinds_from_runs(runs) if same is None else ()
     chunks = []
     for r in range(pp):
         for v in range(vpp):
@@ -111,5 +218,7 @@ def partition_layers(L: "Layout") -> tuple["Chunk", ...]:
                 pp_rank=r, vpp_rank=v, first_layer=first_layer[(r, v)], num_layers=counts[(r, v)],
                 has_embedding=(r == 0 and v == 0), has_output=(r == pp - 1 and v == vpp - 1),
                 has_tied_output_copy=tied_copy and r == pp - 1 and v == vpp - 1, vpp_size=vpp,
+                kind_runs=(((same, counts[(r, v)]),) if counts[(r, v)] > 0 else ()) if same is not None
+                else kind_runs(kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]]),
             ))
     return tuple(chunks)

@@ -9,7 +9,6 @@ Bridge's modules import), run_recipe's forward-step loader (the training step, w
 config), the two helper modules the scripts import from Bridge's repository
 (recipe_metadata, benchmark_parallelism: library recipes only), and the Hugging Face hub: each recipe reads its
 model's config.json, written here from memguard's presets (the published config.json values), offline."""
-import dataclasses
 import importlib.util
 import json
 import os
@@ -61,7 +60,7 @@ def recipes():
 
 
 def fields(L):
-    return {f.name: getattr(L, f.name) for f in dataclasses.fields(L) if f.name not in ("notes", "env")}
+    return {k: v for k, v in L.to_dict().items() if k not in ("notes", "env")}
 
 
 def recipe_functions():

@@ -3,7 +3,7 @@ import json
 import os
 import textwrap
 
-from megatron_memguard import Layout, estimate, lookup_gpu
+from megatron_memguard import estimate, layout_from_flags, lookup_gpu
 from megatron_memguard.cli.main import main
 from megatron_memguard.readers.launch_command import parse_launch_script
 
@@ -49,18 +49,18 @@ def test_json_document(capsys):
         allocated = sum(t["bytes"] for t in s["terms"] if t["level"] == "allocated")
         assert allocated == s["peak_allocated_bytes"]
     # The same content from Python.
-    est = estimate(Layout.from_flags(flags, world_size=32), gpu=lookup_gpu("A100-80GB"))
+    est = estimate(layout_from_flags(flags, world_size=32), gpu=lookup_gpu("A100-80GB"))
     assert est.to_dict()["stages"][0]["peak_allocated_bytes"] == doc["stages"][0]["peak_allocated_bytes"]
 
 
 def test_flag_spellings_are_equivalent():
     base = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
             "--micro-batch-size", "2", "--tensor-model-parallel-size", "2"]
-    a = Layout.from_flags(base + ["--sequence-parallel", "--recompute-activations"], world_size=4)
-    b = Layout.from_flags([f.replace("-", "_").replace("__", "--") for f in base] +
-                          ["--sequence_parallel=true", "--recompute-granularity=selective"], world_size=4)
+    a = layout_from_flags(base + ["--sequence-parallel", "--recompute-activations"], world_size=4)
+    b = layout_from_flags([f.replace("-", "_").replace("__", "--") for f in base] +
+                         ["--sequence_parallel=true", "--recompute-granularity=selective"], world_size=4)
     assert a == b and a.sequence_parallel and a.recompute_granularity == "selective"
-    c = Layout.from_flags(base + ["--sequence-parallel", "--no-sequence-parallel"], world_size=4)
+    c = layout_from_flags(base + ["--sequence-parallel", "--no-sequence-parallel"], world_size=4)
     assert not c.sequence_parallel
 
 

@@ -34,9 +34,7 @@ def check(layout, **expected):
 
 
 def same_estimate(a, b):
-    from dataclasses import replace
-
-    a, b = replace(a, env=()), replace(b, env=())  # flags after -- are read with the caller's environment
+    a, b = a.replace(env=()), b.replace(env=())  # flags after -- are read with the caller's environment
     assert a == b  # Layout equality (notes excluded)
     ea, eb = estimate(a), estimate(b)
     assert ea.to_dict()["stages"] == eb.to_dict()["stages"]

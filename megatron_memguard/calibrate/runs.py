@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from typing import Any, Callable, Sequence
 
 from ..config import RawConfig
 from ..errors import MemguardError, ReaderError
 from ..gpus import GpuSpec, lookup_gpu
-from ..layout import Layout
+from ..layout import FLAT, FLAT_REQUIRED, Layout
 from ..report.megatron_log import MegatronLog, read_megatron_logs
 from ..report.megatron_run import pp_rank_of, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
@@ -47,24 +46,15 @@ def _is_jsonl(path: str) -> bool:
 
 def layout_from_dict(d: dict[str, Any], where: str) -> Layout:
     """A Layout from its ``to_dict()`` (the JSONL start record's context); ReaderError for another version's."""
-    fields = {f.name: f for f in dataclasses.fields(Layout)}
-    unknown = [k for k in d if k not in fields]
+    unknown = [k for k in d if k not in FLAT]
     if unknown:
         raise ReaderError(f"{where}: the recorded layout has fields this memguard does not know ({', '.join(unknown[:4])}); "
                           "give the run's configuration with --config")
-    hints = typing.get_type_hints(Layout)
-    kw = {}
-    for name, f in fields.items():
-        if name not in d:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
-                raise ReaderError(f"{where}: the recorded layout lacks '{name}'; give the run's configuration with --config")
-            continue
-        v = d[name]
-        if "tuple" in str(hints.get(name, "")):
-            v = tuple(tuple(x) if isinstance(x, list) else x for x in (v.items() if isinstance(v, dict) else v or ()))
-        kw[name] = v
+    missing = [name for name in FLAT_REQUIRED if name not in d]
+    if missing:
+        raise ReaderError(f"{where}: the recorded layout lacks '{missing[0]}'; give the run's configuration with --config")
     try:
-        return Layout(**kw)
+        return Layout.from_dict(d)
     except (TypeError, ValueError) as e:
         raise ReaderError(f"{where}: the recorded layout cannot be read ({e}); give the run's configuration with --config") from None
 

@@ -43,7 +43,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _recompute_list(text: str) -> tuple[str, ...]:
-    from ..planner.space import RECOMPUTE_LEVELS
+    from ..knobs import RECOMPUTE_LEVELS
     vals = tuple(x.strip().lower() for x in str(text).split(",") if x.strip())
     bad = [v for v in vals if v not in RECOMPUTE_LEVELS]
     if bad or not vals:
@@ -119,8 +119,9 @@ def _plot_layouts(text: str) -> int:
 
 
 def _constraints(ns: argparse.Namespace):
-    from ..planner.space import RECOMPUTE_LEVELS, Constraints
-    recompute = ns.recompute or RECOMPUTE_LEVELS
+    from ..knobs import knob
+    from ..planner.space import Constraints
+    recompute = ns.recompute or knob("recompute_granularity").candidates
     if ns.no_recompute:
         if ns.recompute and set(ns.recompute) - {"none"}:
             raise ConfigError("--no-recompute", "contradicts --recompute " + ",".join(ns.recompute))
@@ -130,8 +131,8 @@ def _constraints(ns: argparse.Namespace):
     return Constraints(
         tp=ns.tp, pp=ns.pp, cp=ns.cp, vpp=ns.vpp, mbs=ns.mbs, max_tp=ns.max_tp,
         allow_tp_across_nodes=ns.allow_tp_across_nodes, recompute=tuple(recompute),
-        dist_opt=(True, False) if ns.dist_opt is None else (ns.dist_opt,),
-        sp=(True, False) if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
+        dist_opt=knob("use_distributed_optimizer").candidates if ns.dist_opt is None else (ns.dist_opt,),
+        sp=knob("sequence_parallel").candidates if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
         ep=ns.ep, etp=ns.etp, allow_ep_across_nodes=ns.allow_ep_across_nodes,
     )
 

@@ -11,19 +11,22 @@ Adam's moments are created at the first step, so the peak is that of the second 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
+from ..partition import LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
-from .activations import attention_kind, layer_activations, shapes
+from .activations import LayerActivations, attention_kind, layer_activations, shapes
+from .layers import mixer_recipe
+from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .params import layer_params
-from .result import Estimate, StageEstimate, Term
+from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, stage_states
 
@@ -47,17 +50,27 @@ class ChunkActivations:
 
 
 def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
-    return _chunk_activations(L, c.num_layers, c.has_embedding, c.has_output)
+    return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output)
 
 
 @lru_cache(maxsize=1024)
-def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool) -> ChunkActivations:
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=n, has_embedding=has_embedding,
-              has_output=has_output, has_tied_output_copy=False)
-    la = layer_activations(L, has_batch_mask=c.has_embedding or c.has_output)
+def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
+                       has_output: bool) -> ChunkActivations:
+    """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top)."""
+    has_batch = has_embedding or has_output
+    # a chunk without layers still names the model's layer in its detail
+    per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
-    n = c.num_layers
-    per_layer = la.total
+    if len(per_kind) == 1:                        # a uniform chunk (the common case)
+        la, n = per_kind[0]
+        per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
+    else:
+        # With layers of different kinds, the largest layer's saved bytes and working sets stand for
+        # the one whose backward runs first (an upper bound).
+        n = sum(k for _, k in runs)
+        per_layer = max(la.total for la, _ in per_kind)
+        fwd_transient = max(la.fwd_transient for la, _ in per_kind)
+        bwd_transient = max(la.bwd_transient for la, _ in per_kind)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
@@ -71,26 +84,25 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
             detail = f"{groups} checkpointed blocks of <= {k} layers x {format_bytes(ckpt_input)} input"
         else:  # block
             k = min(k, n)
-            layers = k * ckpt_input + (n - k) * per_layer
+            layers = k * ckpt_input + _layers_bytes(per_kind, k)
             recompute_group = 1 if k else 0
-            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + {n - k} layers x {format_bytes(per_layer)}"
+            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + " + _layers_detail(per_kind, k)
     else:
-        layers = n * per_layer
-        detail = f"{n} layers x {format_bytes(per_layer)}"
+        layers = _layers_bytes(per_kind, 0)
+        detail = _layers_detail(per_kind, 0)
 
     ends: dict[str, int] = {}
-    fwd_extra = la.fwd_transient if n else 0
-    bwd_top = la.bwd_transient if n else 0
+    fwd_extra = fwd_transient if n else 0
+    bwd_top = bwd_transient if n else 0
     if recompute_group:
         # Backward of a checkpointed block first replays its forward with grad enabled.
-        bwd_top = recompute_group * per_layer + la.bwd_transient
+        bwd_top = recompute_group * per_layer + bwd_transient
     bwd_bottom = 0
-    has_batch = c.has_embedding or c.has_output
     if has_batch:
-        b = batch_items(L, first=c.has_embedding, last=c.has_output)
+        b = batch_items(L, first=has_embedding, last=has_output)
         ends.update(b.saved)
         fwd_extra += b.fwd_transient
-    if c.has_embedding:
+    if has_embedding:
         e = embedding_items(L)
         ends.update(e.saved)
         fwd_extra = max(fwd_extra, e.fwd_transient)
@@ -98,7 +110,7 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
         bwd_bottom = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
-    if c.has_output:
+    if has_output:
         o = output_items(L)
         ends.update(o.saved)
         fwd_extra = max(fwd_extra, o.fwd_transient)
@@ -109,38 +121,41 @@ def _chunk_activations(L: Layout, n: int, has_embedding: bool, has_output: bool)
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
 
 
-def persistent_buffers(L: Layout, pp_rank: int) -> list[Term]:
-    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables."""
-    chunks = L.stage_chunks(pp_rank)
-    receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
-    layers = sum(c.num_layers for c in chunks) if L.multi_latent_attention else 0
-    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, layers))
-
-
-# MLATransformerConfig.original_max_position_embeddings: Megatron's --yarn-original-max-position-
-# embeddings does not reach MLA layers (argument_utils._apply_yarn_config_from_args returns early).
-MLA_YARN_ORIGINAL_MAX_POSITIONS = 4096
-# RotaryEmbedding.forward / YarnRotaryEmbedding.forward are functools.lru_cache(maxsize=32) methods.
-ROTARY_LRU_ENTRIES = 32
-
-
-def mla_rotary_bytes(L: Layout, layers: int) -> int:
-    """Every MLA layer builds its own rotary embedding: its forward's cached [s/CP, 1, 1, rope dim]
-    fp32 tables (one per layer, 32 at most in the process), and for yarn the cos/sin buffers, made at
-    init for 4096 positions (cast to the param dtype with the model) and remade for s/CP positions
-    in the activation dtype the first time the fused rope asks for them."""
-    s, pe = L.seq_length // L.cp, L.qk_pos_emb_head_dim
-    total = min(layers, ROTARY_LRU_ENTRIES) * s * pe * 4
-    if L.rope_type == "yarn":
-        rows, width = ((s, L.act_bytes) if L.apply_rope_fusion
-                       else (MLA_YARN_ORIGINAL_MAX_POSITIONS // L.cp, L.param_bytes))
-        total += layers * 2 * rows * pe * width
+def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:
+    """Saved bytes of the chunk's layers above its first ``skip`` (bottom to top)."""
+    total = 0
+    for la, k in per_kind:
+        kept = max(0, k - skip)
+        skip = max(0, skip - k)
+        total += kept * la.total
     return total
 
 
+def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
+    """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind."""
+    parts = []
+    for la, k in per_kind:
+        kept = max(0, k - skip)
+        skip = max(0, skip - k)
+        if kept or len(per_kind) == 1:
+            parts.append(f"{kept} layers x {format_bytes(la.total)}")
+    return " + ".join(parts)
+
+
+def persistent_buffers(L: Layout, pp_rank: int, stage_runs: tuple | None = None) -> list[Term]:
+    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables.
+    ``stage_runs``: the kind runs of each of the stage's chunks (computed here when not given)."""
+    chunks = L.stage_chunks(pp_rank)
+    receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
+    if stage_runs is None:
+        stage_runs = tuple([c.kind_runs for c in chunks])
+    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, stage_runs))
+
+
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int = 0) -> tuple[Term, ...]:
-    """``receiving``: the stage's chunks that get their input from a previous stage.
+def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[Term, ...]:
+    """``receiving``: the stage's chunks that get their input from a previous stage; ``stage_runs``: the
+    kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -164,16 +179,11 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, mla_layers: int =
         # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
-    if L.multi_latent_attention:
-        if mla_layers:
-            terms.append(Term("rotary_cache", mla_rotary_bytes(L, mla_layers), "transients", "allocated",
-                              f"{L.rope_type} rotary tables of {mla_layers} MLA layer(s)"))
-    elif L.position_embedding_type in ("rope", "yarn"):
-        rot = int(L.kv_channels * L.rotary_percent)
-        # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
-        # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
-        terms.append(Term("rotary_cache", L.seq_length // L.cp * rot * 4, "transients", "allocated",
-                          "cached fp32 rotary frequencies [s/CP, 1, 1, d]"))
+    mixer = uniform_kind(L).mixer
+    layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
+    rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
+    if rotary:
+        terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(terms)
 
 
@@ -322,7 +332,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                                                   [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
 
     state_terms, step_terms = _state_terms(L, st)
-    buffers = persistent_buffers(L, pp_rank)
+    stage_runs = tuple([c.kind_runs for c in chunks])
+    buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
@@ -350,7 +361,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, n_layers, has_output)
+    finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output)
     retained_bytes = sum(t.bytes for t in retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
@@ -395,20 +406,27 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
 
 
 @lru_cache(maxsize=1024)
-def replicated_grad_allreduce_bytes(L: Layout, layers: int, has_output: bool) -> int:
+def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[LayerKind, int], ...], ...],
+                                     has_output: bool) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
     projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
     if L.tp == 1:
         return 0
-    layer = layer_params(L)
+    # ``stage_runs``: the (kind, count) runs of each chunk of the stage
+    counts: dict[LayerKind, int] = {}
+    for runs in stage_runs:
+        for kind, k in runs:
+            counts[kind] = counts.get(kind, 0) + k
+    layers = [(layer_params(L, kind=kind), k) for kind, k in counts.items()]
     if L.sequence_parallel:
-        n = layers * sum(p.numel for p in layer if p.tp_replicated)
+        n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
         if has_output:
             n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
     elif L.qk_layernorm:
-        n = layers * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
+        n = sum(k * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
+                for layer, k in layers)
     else:
         return 0
     return n * L.grad_bytes
@@ -417,17 +435,6 @@ def replicated_grad_allreduce_bytes(L: Layout, layers: int, has_output: bool) ->
 @lru_cache(maxsize=256)
 def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_SITE) -> tuple[Term, ...]:
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
-
-
-def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
-    if not gpu_memory:
-        return "unknown"
-    frac = device_total / gpu_memory
-    if frac <= threshold:
-        return "fits"
-    if frac <= 1.0:
-        return "tight"
-    return "will not fit"
 
 
 def estimate(
@@ -459,7 +466,7 @@ def estimate(
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
-        L = replace(layout, transformer_impl=profile)
+        L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None

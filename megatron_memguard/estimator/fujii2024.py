@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..gpus import GpuSpec
 from ..layout import Layout
-from .result import Estimate, StageEstimate, Term
+from .result import Estimate, StageEstimate, Term, verdict_for
 
 
 def fujii_parameters(L: Layout) -> tuple[float, float]:
@@ -62,7 +62,6 @@ def fujii_bytes(L: Layout) -> tuple[float, float]:
 def estimate_fujii2024(layout: Layout, gpu: GpuSpec | None = None, gpu_memory: int | None = None,
                        threshold: float = 0.8) -> Estimate:
     from ..errors import NotModelledError
-    from .core import verdict_for
 
     if layout.multi_latent_attention:
         # the paper's P_layer and activation closed forms are those of Llama's grouped-query attention

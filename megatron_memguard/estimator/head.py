@@ -104,7 +104,7 @@ def output_items(L: Layout) -> EndItems:
     saved["loss_targets"] = x.Tf * (8 + 1)               # masked target ids (int64) and target mask
     # the output layer's weight gradient: fused into main_grad, deferred to the pipeline flush
     # (--defer-embedding-wgrad-compute), or materialised here
-    wgrad = 0 if (fused_wgrad(L) or L.defer_embedding_wgrad_compute) else v_t * x.h * x.e
+    wgrad = 0 if (L.fused_wgrad or L.defer_embedding_wgrad_compute) else v_t * x.h * x.e
     bwd = max(cast, -kept + logits + x.Tf * x.h * x.e + wgrad)
     return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd)
 
@@ -122,6 +122,6 @@ def deferred_wgrad_buffers(L: Layout) -> int:
 
 
 def fused_wgrad(L: Layout) -> bool:
-    """Weight gradients accumulated straight into main_grad (gradient_accumulation_fusion); with
-    --no-gradient-accumulation-fusion (as the CPU referee runs) each one is materialised first."""
-    return L.gradient_accumulation_fusion
+    """Kept for callers not yet switched to ``L.fused_wgrad`` (layout/kernels.py), which replaces it
+    (importing it from here made activations.py and head.py import each other)."""
+    return L.fused_wgrad

@@ -11,13 +11,15 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from ..layout import Layout
+from ..layout import Layout, TensorKind
 from ..units import MiB
 from .params import layer_linear_shapes
-from .result import Term
+from .result import Term, TermGroup, TermLevel
 
 if TYPE_CHECKING:
     from .site import SiteConstants
+
+_ACTIVATION = TensorKind.ACTIVATION  # (an enum member lookup costs more than the rest of p2p_tensor_bytes)
 
 # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default), incl. cuBLAS/cuDNN/NCCL
 # kernels loaded on first use: typically 400-600 MiB per process on A100/H100 (nvidia-smi minus
@@ -112,19 +114,19 @@ def te_workspace_bytes(gpu_name: str | None, site: SiteConstants | None = None) 
 def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None = None) -> list[Term]:
     """``site``: the site constants (None: memguard's defaults, estimator/site.py)."""
     ws = cublas_workspace_bytes(L, gpu_name, site)
-    terms = [Term("cublas_workspaces", BLAS_WORKSPACES * ws, "fixed", "allocated",
+    terms = [Term("cublas_workspaces", BLAS_WORKSPACES * ws, TermGroup.FIXED, TermLevel.ALLOCATED,
                   f"{BLAS_WORKSPACES} x {ws / 2**20:.2f} MiB cuBLAS/cuBLASLt workspaces of the compute stream "
                   "(CUBLAS_WORKSPACE_CONFIG or PyTorch's default)")]
     if L.transformer_impl == "transformer_engine":
-        terms.append(Term("te_workspace", te_workspace_bytes(gpu_name, site), "fixed", "allocated",
+        terms.append(Term("te_workspace", te_workspace_bytes(gpu_name, site), TermGroup.FIXED, TermLevel.ALLOCATED,
                           "Transformer Engine GEMM workspace"))
     nccl, which = nccl_bytes(L, site)
     context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
-    terms.append(Term("cuda_context", context, "fixed", "device", "CUDA context and loaded kernels"))
+    terms.append(Term("cuda_context", context, TermGroup.FIXED, TermLevel.DEVICE, "CUDA context and loaded kernels"))
     if nccl:
         default = site is None or site.nccl_per_communicator == NCCL_CHANNELS * 2 * NCCL_DEFAULT_BUFFSIZE
         per = f"{NCCL_CHANNELS} channels x 2 x NCCL_BUFFSIZE" if default else "the site's NCCL buffers"
-        terms.append(Term("nccl_buffers", nccl, "fixed", "device", f"{per} per communicator ({which})"))
+        terms.append(Term("nccl_buffers", nccl, TermGroup.FIXED, TermLevel.DEVICE, f"{per} per communicator ({which})"))
     return terms
 
 
@@ -139,7 +141,7 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> 
     LayerNormLinear call it (linear_proj/linear_fc2 and linear_qkv/linear_fc1 of megatron's TE spec);
     megatron-core >= 0.14 routes its own column/row-parallel layers to it too whenever TE is
     installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
-    if not L.gradient_accumulation_fusion:
+    if not L.fused_wgrad:
         return frozenset()
     shapes = set(layer_linear_shapes(L).values()) if has_layers else set()
     if has_output:
@@ -149,7 +151,7 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> 
 
 @lru_cache(maxsize=256)
 def dummy_wgrad_bytes(L: Layout, has_output: bool, has_layers: bool = True) -> int:
-    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers)) * L.param_bytes
+    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers)) * L.precision.bytes_of(TensorKind.PARAM)
 
 
 def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:
@@ -167,4 +169,4 @@ def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:
 def p2p_tensor_bytes(L: Layout) -> int:
     """Bytes of one activation sent between pipeline stages: [s/CP, b, h], /TP under SP."""
     tokens = (L.seq_length // L.cp) * L.micro_batch_size // (L.tp if L.sequence_parallel else 1)
-    return tokens * L.hidden_size * L.act_bytes
+    return tokens * L.hidden_size * L.precision.bytes_of(_ACTIVATION)

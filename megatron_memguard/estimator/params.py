@@ -8,140 +8,50 @@ param_and_grad_buffer.py); and the distributed optimizer's fp32 shards follow th
 Shapes per rank (TP = t): column-parallel weights split their output dimension, row-parallel weights
 their input dimension; row-parallel biases, norms and position embeddings are replicated; the word
 embedding and output layer are vocabulary-parallel (V/t rows).
+
+A layer's parameters come from the recipes of its kind (``estimator.layers``: the token mixer's,
+then the MLP's, which registers the pre-MLP norm).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
+from ..partition import LayerKind, layer_kinds, uniform_kind
+from .layers import mixer_recipe, mlp_recipe
+from .layers.attention import qkv_out_per_rank  # noqa: F401
+from .layers.base import Param
+from .layers.base import norm_params as _norm
+from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
+from .layers.mlp import fc1_out_per_rank  # noqa: F401
+
+__all__ = ["Param", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
 
 
-@dataclass(frozen=True)
-class Param:
-    name: str
-    numel: int
-    tp_replicated: bool = False      # same values on every TP rank (norms, row-parallel biases)
-    shared_embedding: bool = False   # tied embedding / output copy: its own DDP bucket with dist-opt
+def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of every linear weight of one transformer layer (default: the model's
+    uniform kind)."""
+    kind = uniform_kind(L) if kind is None else kind
+    return {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
 
 
-def qkv_out_per_rank(L: Layout) -> int:
-    """Output width of linear_qkv on one TP rank: (heads + 2 * query groups) * head dim / TP."""
-    return (L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // L.tp
-
-
-def fc1_out_per_rank(L: Layout) -> int:
-    return (2 if L.gated_linear_unit else 1) * L.ffn_hidden_size // L.tp
-
-
-def _norm(name: str, size: int, L: Layout) -> list[Param]:
-    ps = [Param(name + ".weight", size, tp_replicated=True)]
-    if L.normalization == "LayerNorm":
-        ps.append(Param(name + ".bias", size, tp_replicated=True))
-    return ps
-
-
-def mla_linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
-    """[out, in] per TP rank of multi-latent attention's projections (megatron-core's
-    MLASelfAttention with the TE spec): the down projections are TE Linears in "duplicated" mode,
-    whole on every TP rank; the up projections and linear_proj are split like column/row-parallel
-    layers."""
-    h, t, a = L.hidden_size, L.tp, L.num_attention_heads
-    q_head = L.qk_head_dim + L.qk_pos_emb_head_dim
-    shapes: dict[str, tuple[int, int]] = {}
-    if L.q_lora_rank is None:
-        shapes["linear_q_proj"] = (a * q_head // t, h)
-    else:
-        shapes["linear_q_down_proj"] = (L.q_lora_rank, h)
-        shapes["linear_q_up_proj"] = (a * q_head // t, L.q_lora_rank)
-    shapes["linear_kv_down_proj"] = (L.kv_lora_rank + L.qk_pos_emb_head_dim, h)
-    shapes["linear_kv_up_proj"] = (a * (L.qk_head_dim + L.v_head_dim) // t, L.kv_lora_rank)
-    shapes["linear_proj"] = (h, a * L.v_head_dim // t)
-    return shapes
-
-
-def layer_linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
-    """[out, in] per TP rank of every linear weight of one transformer layer."""
-    h, t = L.hidden_size, L.tp
-    if L.multi_latent_attention:
-        shapes = mla_linear_shapes(L)
-    else:
-        shapes = {"linear_qkv": (qkv_out_per_rank(L), h),
-                  "linear_proj": (h, L.num_attention_heads * L.kv_channels // t)}
-    shapes["linear_fc1"] = (fc1_out_per_rank(L), h)
-    shapes["linear_fc2"] = (h, L.ffn_hidden_size // t)
-    return shapes
-
-
-def _mla_attention_params(L: Layout, prefix: str) -> list[Param]:
-    """Registration order: input_layernorm (a separate TENorm: both down projections read its
-    output), linear_proj (built by the MultiLatentAttention base), then the q and kv projections.
-    With --qk-layernorm the up projections are TE LayerNormLinears holding the latent norms."""
-    sh = mla_linear_shapes(L)
-    ps = _norm(prefix + "input_layernorm", L.hidden_size, L)
-    out, inp = sh["linear_proj"]
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", out * inp))
-    if L.add_bias_linear:
-        ps.append(Param(prefix + "self_attention.linear_proj.bias", out, tp_replicated=True))
-    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
-        if name not in sh:
-            continue
-        out, inp = sh[name]
-        if name.endswith("_up_proj") and L.qk_layernorm:
-            ps += _norm(prefix + f"self_attention.{name}.layer_norm", inp, L)
-        ps.append(Param(prefix + f"self_attention.{name}.weight", out * inp, tp_replicated=name.endswith("down_proj")))
-    return ps
-
-
-def layer_params(L: Layout, prefix: str = "") -> list[Param]:
-    """One transformer layer. Local spec order: input norm, linear_proj, linear_qkv, q/k norms,
-    pre-MLP norm, fc1, fc2. The TE spec fuses the norms into linear_qkv/fc1
-    (``layer_norm_weight``/``layer_norm_bias``); counts are the same, order differs slightly."""
-    h, t = L.hidden_size, L.tp
-    te = L.transformer_impl == "transformer_engine"
-    if L.multi_latent_attention:
-        return _mla_attention_params(L, prefix) + _mlp_params(L, prefix, te)
-    proj_in = L.num_attention_heads * L.kv_channels // t
-    qkv = qkv_out_per_rank(L)
-    ps: list[Param] = []
-    if not te:
-        ps += _norm(prefix + "input_layernorm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in))
-    if L.add_bias_linear:
-        ps.append(Param(prefix + "self_attention.linear_proj.bias", h, tp_replicated=True))
-    if te:
-        ps += _norm(prefix + "self_attention.linear_qkv.layer_norm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h))
-    if L.add_qkv_bias:
-        ps.append(Param(prefix + "self_attention.linear_qkv.bias", qkv))
-    if L.qk_layernorm:
-        ps += _norm(prefix + "self_attention.q_layernorm", L.kv_channels, L)
-        ps += _norm(prefix + "self_attention.k_layernorm", L.kv_channels, L)
-    return ps + _mlp_params(L, prefix, te)
-
-
-def _mlp_params(L: Layout, prefix: str, te: bool) -> list[Param]:
-    h = L.hidden_size
-    fc1 = fc1_out_per_rank(L)
-    fc2_in = L.ffn_hidden_size // L.tp
-    ps = _norm(prefix + ("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm"), h, L)
-    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h))
-    if L.add_bias_linear:
-        ps.append(Param(prefix + "mlp.linear_fc1.bias", fc1))
-    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in))
-    if L.add_bias_linear:
-        ps.append(Param(prefix + "mlp.linear_fc2.bias", h, tp_replicated=True))
-    return ps
+def layer_params(L: Layout, prefix: str = "", kind: LayerKind | None = None) -> list[Param]:
+    """One transformer layer of ``kind`` (default: the model's uniform kind): the mixer's parameters,
+    then the MLP's. Local spec order: input norm, linear_proj, linear_qkv, q/k norms, pre-MLP norm,
+    fc1, fc2. The TE spec fuses the norms into linear_qkv/fc1 (``layer_norm_weight``/``layer_norm_bias``);
+    counts are the same, order differs slightly."""
+    kind = uniform_kind(L) if kind is None else kind
+    return mixer_recipe(kind).params(L, prefix) + mlp_recipe(kind).params(L, prefix)
 
 
 @lru_cache(maxsize=256)
-def _layer_numels(L: Layout) -> tuple[int, ...]:
-    return tuple(p.numel for p in layer_params(L))
+def _layer_numels(L: Layout, kind: LayerKind) -> tuple[int, ...]:
+    return tuple(p.numel for p in layer_params(L, kind=kind))
 
 
 def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
     """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path)."""
-    layer = _layer_numels(L)
     h, t = L.hidden_size, L.tp
     vocab_rows = L.padded_vocab_size // t
     tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
@@ -150,7 +60,8 @@ def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
         out.append((vocab_rows * h, tied_pp))
         if L.position_embedding_type == "learned_absolute":
             out.append((L.max_position_embeddings * h, False))
-    out.extend([(n, False) for n in layer] * c.num_layers)
+    for kind, n in c.kind_runs:
+        out.extend([(numel, False) for numel in _layer_numels(L, kind)] * n)
     if c.has_output:
         out.extend([(h, False)] * (2 if L.normalization == "LayerNorm" else 1))
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
@@ -168,9 +79,10 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
         ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp))
         if L.position_embedding_type == "learned_absolute":
             ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True))
-    layer = layer_params(L)
-    for i in range(c.num_layers):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding) for p in layer)
+    layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
+    for i, kind in enumerate(c.layer_kinds):
+        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding)
+                  for p in layers[kind])
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
@@ -179,26 +91,13 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
 
 
 def total_parameters(L: Layout) -> int:
-    """Parameters of the whole model (one copy of everything, tied embedding counted once)."""
+    """Parameters of the whole model (one copy of everything, tied embedding counted once): each
+    layer's from the recipes of its kind, plus the final norm and the embedding (and output layer)."""
     h, V = L.hidden_size, L.padded_vocab_size
-    a, g, d, f = L.num_attention_heads, L.num_query_groups, L.kv_channels, L.ffn_hidden_size
     norm = 2 if L.normalization == "LayerNorm" else 1
-    per_layer = (2 if L.gated_linear_unit else 1) * f * h + h * f + 2 * norm * h
-    if L.add_bias_linear:
-        per_layer += h + (2 if L.gated_linear_unit else 1) * f + h
-    if L.multi_latent_attention:
-        qh, kv = L.qk_head_dim + L.qk_pos_emb_head_dim, L.kv_lora_rank
-        per_layer += a * L.v_head_dim * h + (L.qk_pos_emb_head_dim + kv) * h + a * (L.qk_head_dim + L.v_head_dim) * kv
-        per_layer += a * qh * h if L.q_lora_rank is None else L.q_lora_rank * (h + a * qh)
-        if L.qk_layernorm:
-            per_layer += norm * (kv + (L.q_lora_rank or 0))
-    else:
-        per_layer += h * a * d + (a + 2 * g) * d * h
-        if L.add_qkv_bias:
-            per_layer += (a + 2 * g) * d
-        if L.qk_layernorm:
-            per_layer += 2 * norm * d
-    total = L.num_layers * per_layer + norm * h + V * h
+    total = sum(n * (mixer_recipe(k).param_count(L) + mlp_recipe(k).param_count(L))
+                for k, n in Counter(layer_kinds(L)).items())
+    total += norm * h + V * h
     if L.untie_embeddings_and_output_weights:
         total += V * h
     if L.position_embedding_type == "learned_absolute":

@@ -2,27 +2,69 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ..layout import Chunk, Layout
 
-# Term groups, in the order reports show them.
-GROUPS = ("weights", "gradients", "optimizer", "activations", "logits_loss", "transients", "fixed", "allocator")
-# Levels: "allocated" terms are live tensors (torch.cuda.memory_allocated); "reserved" adds what the
-# caching allocator holds but has not handed out; "device" adds what lives outside PyTorch's allocator.
-LEVELS = ("allocated", "reserved", "device")
+
+class TermGroup(str, Enum):
+    """What a term is, in the order reports show the groups. Members are their JSON strings
+    (``TermGroup.WEIGHTS == "weights"``), so terms made with plain strings group the same."""
+
+    WEIGHTS = "weights"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
+    LOGITS_LOSS = "logits_loss"
+    TRANSIENTS = "transients"
+    FIXED = "fixed"
+    ALLOCATOR = "allocator"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class TermLevel(str, Enum):
+    """Where a term's bytes show: "allocated" terms are live tensors (torch.cuda.memory_allocated);
+    "reserved" adds what the caching allocator holds but has not handed out; "device" adds what
+    lives outside PyTorch's allocator (nvidia-smi)."""
+
+    ALLOCATED = "allocated"
+    RESERVED = "reserved"
+    DEVICE = "device"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+GROUPS: tuple[TermGroup, ...] = tuple(TermGroup)
+LEVELS: tuple[TermLevel, ...] = tuple(TermLevel)
 
 
 @dataclass(frozen=True)
 class Term:
     name: str
     bytes: int
-    group: str
-    level: str = "allocated"
+    group: TermGroup | str          # a TermGroup member or its string
+    level: TermLevel | str = TermLevel.ALLOCATED
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "group": self.group, "level": self.level, "detail": self.detail}
+
+
+def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
+    """fits (at most ``threshold`` of the GPU), tight (up to all of it), will not fit, or unknown
+    (no GPU memory given)."""
+    if not gpu_memory:
+        return "unknown"
+    frac = device_total / gpu_memory
+    if frac <= threshold:
+        return "fits"
+    if frac <= 1.0:
+        return "tight"
+    return "will not fit"
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,6 @@ SPECS: tuple[ConstantSpec, ...] = (
                  "(4 MiB; a job's NCCL_BUFFSIZE scales it)"),
 )
 SPEC = {s.name: s for s in SPECS}
-LEVELS = ("allocated", "reserved", "device")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import DTYPE_BYTES, Chunk, Layout
+from ..layout import Chunk, Layout, ShardGroup, TensorKind
 from .params import chunk_numels
 
 
@@ -51,7 +51,7 @@ def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | N
     unpadded = sum(n for n, _ in params)
     if not dist and bucket_size is None:
         return ChunkBuffer(numel=unpadded, numel_unpadded=unpadded, buckets=(), params=unpadded)
-    shard = L.dp_shard_size
+    shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     divisor = math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
 
     def pad_end(i: int) -> int:
@@ -100,15 +100,15 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
 
 
 @lru_cache(maxsize=1024)
-def _chunk_buffer(L: Layout, num_layers: int, has_embedding: bool, has_output: bool, tied_copy: bool,
+def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
     share one shape)."""
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=num_layers, has_embedding=has_embedding,
-              has_output=has_output, has_tied_output_copy=tied_copy)
+    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=sum(n for _, n in kind_runs),
+              has_embedding=has_embedding, has_output=has_output, has_tied_output_copy=tied_copy, kind_runs=kind_runs)
     plist = chunk_numels(L, c)
     buf = build_buffer(L, plist, bucket_size)
-    pieces = tuple(tuple(shard_pieces(buf, L.dp_shard_size, r)) for r in ranks) if L.use_distributed_optimizer else ()
+    pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(ShardGroup.DENSE_DP), r)) for r in ranks) if L.use_distributed_optimizer else ()
     return buf, pieces
 
 
@@ -132,19 +132,17 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
     larger of DP rank 0 and the last rank; only the distributed optimizer makes them differ)."""
     chunks = L.stage_chunks(pp_rank)
     # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
-    sig = tuple((c.num_layers, c.has_embedding, c.has_output, c.has_tied_output_copy,
+    sig = tuple((c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
                  bucket_size_for(L, c)) for c in chunks)
     return _stage_states(L, sig, dp_rank)
 
 
 @lru_cache(maxsize=1024)
 def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
-    chunks = [Chunk(pp_rank=-1, vpp_rank=i, first_layer=0, num_layers=n, has_embedding=e, has_output=o,
-                    has_tied_output_copy=tied) for i, (n, e, o, tied, _) in enumerate(sig)]
-    buckets = [b for *_, b in sig]
-    shard = L.dp_shard_size
-    p_bytes = L.param_bytes
-    g_bytes = 2 if (L.use_precision_aware_optimizer and L.main_grads_dtype == "bf16") else L.grad_bytes
+    shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
+    prec = L.precision
+    p_bytes = prec.bytes_of(TensorKind.PARAM)
+    g_bytes = prec.bytes_of(TensorKind.MAIN_GRAD)
     params = 0
     param_bytes = grad_bytes = 0
     numel = unpadded = 0
@@ -153,9 +151,8 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     # they are the same rank and must be listed once, or its shard would be counted twice.
     ranks = sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
     all_main = 0
-    for c, bsize in zip(chunks, buckets):
-        buf, pieces_of = _chunk_buffer(L, c.num_layers, c.has_embedding, c.has_output,
-                                       c.has_tied_output_copy, bsize, tuple(ranks))
+    for runs, has_embedding, has_output, tied, bsize in sig:
+        buf, pieces_of = _chunk_buffer(L, runs, has_embedding, has_output, tied, bsize, tuple(ranks))
         params += buf.params
         numel += buf.numel
         unpadded += buf.numel_unpadded
@@ -176,22 +173,21 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     # Master weights: fp32 clones of 16-bit params; fp32 params are their own master weights.
     if L.params_dtype == "fp32":
         main_bytes = 0
-    elif L.use_precision_aware_optimizer:
-        if L.store_param_remainders and L.params_dtype == "bf16" and L.main_params_dtype == "fp32":
-            main_bytes = 2 * main_elems  # TE FusedAdam keeps the low 16 bits (the bf16 param is the high half)
-        else:
-            main_bytes = DTYPE_BYTES[L.main_params_dtype] * main_elems
+    elif (L.use_precision_aware_optimizer and L.store_param_remainders and L.params_dtype == "bf16"
+          and L.main_params_dtype == "fp32"):
+        main_bytes = 2 * main_elems  # TE FusedAdam keeps the low 16 bits (the bf16 param is the high half)
     else:
-        main_bytes = 4 * main_elems
+        main_bytes = prec.bytes_of(TensorKind.MAIN_PARAM) * main_elems
     if L.optimizer == "adam":
-        m1 = DTYPE_BYTES[L.exp_avg_dtype] * main_elems
-        m2 = DTYPE_BYTES[L.exp_avg_sq_dtype] * main_elems
+        m1 = prec.bytes_of(TensorKind.EXP_AVG) * main_elems
+        m2 = prec.bytes_of(TensorKind.EXP_AVG_SQ) * main_elems
     else:  # SGD with momentum: one buffer
-        m1, m2 = 4 * main_elems, 0
-    # 16-bit gradients are copied to fp32 for the step (``main_grad.float()``); fp32 ones are viewed.
+        m1, m2 = prec.bytes_of(TensorKind.MOMENTUM) * main_elems, 0
+    # 16-bit gradients are copied to the master weights' dtype, fp32, for the step
+    # (``main_grad.float()``); fp32 ones are viewed.
     grad_copy = 0
     if g_bytes == 2 and L.params_dtype != "fp32" and not L.use_precision_aware_optimizer:
-        grad_copy = 4 * main_elems
+        grad_copy = prec.bytes_of(TensorKind.MAIN_PARAM) * main_elems
     return StageStates(
         parameters=params, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_bytes,
         exp_avg_bytes=m1, exp_avg_sq_bytes=m2, main_grad_copy_bytes=grad_copy,

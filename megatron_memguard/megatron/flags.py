@@ -11,13 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..decision import DEFAULT_MODE, DEFAULT_THRESHOLD, MODES  # noqa: F401 (re-exported: megatron_memguard.megatron.MODES)
 from ..errors import ConfigError
 from ..numbers import INT64_MAX, shown, to_int
 from ..units import parse_bytes
-
-MODES = ("off", "report", "warn", "abort", "autotune")
-DEFAULT_MODE = "warn"
-DEFAULT_THRESHOLD = 0.8
 
 
 class _EnvValue(str):

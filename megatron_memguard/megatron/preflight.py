@@ -23,16 +23,15 @@ import io
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from .._integration import ABORT_EXIT_CODE, PREFIX  # exit code 3: distinct from Python (1) and argparse errors (2)
-from ..autotune import AutotuneResult, autotune, describe_layout_choice
+from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort  # noqa: F401 (MemguardAbort: re-exported)
+from ..autotune import autotune, describe_layout_choice
 from ..config import RawConfig
 from ..estimator import Estimate, estimate
 from ..errors import MemguardError
 from ..gpus import GpuSpec
-from ..layout import Layout
+from ..knobs import flag_of
 from ..readers.megatron_namespace import raw_from_namespace
 from ..report.text import render, stage_summary, verdict_line
 from ..resolve import resolve
@@ -40,39 +39,6 @@ from ..units import format_bytes
 from .device import device_properties, gpu_spec_for
 from .flags import Settings
 
-
-
-class MemguardAbort(SystemExit):
-    """Raised on every rank when the layout will not fit (``--memguard abort``, or autotune found nothing)."""
-
-    def __init__(self, message: str, decision: "Decision | None" = None):
-        super().__init__(ABORT_EXIT_CODE)
-        self.message = message
-        self.decision = decision
-
-
-@dataclass
-class Decision:
-    mode: str
-    action: str                       # skipped | unsupported | unknown | fits | reported | warned | tuned | abort
-    layout: Layout | None = None
-    estimate: Estimate | None = None
-    updates: dict[str, Any] = field(default_factory=dict)
-    message: str = ""
-    gpu: GpuSpec | None = None
-    gpu_memory: int | None = None
-    gpu_memory_source: str = ""
-    megatron_version: str | None = None
-    autotune: AutotuneResult | None = None
-    reason: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        e = self.estimate
-        return {"mode": self.mode, "action": self.action, "updates": dict(self.updates), "gpu": self.gpu.name if self.gpu else None,
-                "gpu_memory": self.gpu_memory, "gpu_memory_source": self.gpu_memory_source,
-                "megatron_version": self.megatron_version, "reason": self.reason,
-                "verdict": e.verdict if e else None, "critical_stage": e.critical_stage if e else None,
-                "predicted_device_total": e.peak_device_bytes if e else None}
 
 
 @contextlib.contextmanager
@@ -217,7 +183,7 @@ def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, args, defa
     if r.chosen is None:
         return f"{PREFIX} no micro-batch / pipeline size" + (" / recompute" if settings.allow_recompute else "") + \
             " change found that fits:\n" + r.summary()
-    ch = ", ".join(f"--{k.replace('_', '-')} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    ch = ", ".join(f"{flag_of(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
     return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
             f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
 

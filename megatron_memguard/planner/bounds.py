@@ -15,10 +15,10 @@ The bound counts only what every pipeline stage certainly holds, a subset of the
   2 (PP - 1) + (VPP - 1) PP + 1 chunks of layers / VPP layers in the interleaved schedule) and one on the last;
 * on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy;
 * mixture of experts: the routed experts' state with the optimizer part sharded over expert DP, and
-  for an MoE layer the attention half of the activations above plus what its MoE block keeps under
-  balanced routing (the router's input; the dispatched rows, the experts' fc1 output and fc2 input
-  unless the block or its activation is recomputed); dispatcher indices, router tensors and the
-  shared expert are left out.
+  for an MoE layer its token mixer's share as above plus what its MoE block keeps under balanced
+  routing (the router's input; the dispatched rows, the experts' fc1 output and fc2 input unless the
+  block or its activation is recomputed); dispatcher indices, router tensors and the shared expert
+  are left out.
 
 No workspace, CUDA context, NCCL buffer, transient or allocator slack is counted, so the bound
 stays below the estimator's device total (tests/test_planner_search.py checks it on a grid). A
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..estimator.layers import mixer_recipe, mlp_recipe
+from ..partition import uniform_kind
 from .space import Candidate, ModelShape
 
 
@@ -43,8 +45,10 @@ def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_param
 
 def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
     """Bytes one layer surely keeps per micro-batch until its backward: what the backward of its
-    GEMMs, attention and activation function needs, in every implementation Megatron has.
-    ``mlp=False``: an MoE layer, whose MLP half is not counted."""
+    GEMMs, attention and activation function needs, in every implementation Megatron has. The
+    residual stream at the two norms, plus what the recipes of the layer's kind (its token mixer and
+    its MLP, ``estimator.layers``) say they surely keep. ``mlp=False``: an MoE layer (its MoE block
+    instead of the dense MLP)."""
     seq = shape.seq_length // c.cp
     Tf = c.mbs * seq
     T = Tf // c.tp if c.sp else Tf
@@ -53,37 +57,17 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
     if c.recompute == "full":
         return T * h * e                      # the checkpointed input of each layer (uniform, 1 layer)
     mods = set(shape.recompute_modules) if c.recompute == "selective" else set()
-    f_t = shape.ffn // c.tp
+    kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
-    if not ("layernorm" in mods and shape.transformer_impl == "local"):
-        # inputs of linear_qkv (MLA: of the down projections, dropped by 'layernorm' recompute since
-        # MLA's input norm is a module of its own) and linear_fc1
-        if mlp:
-            kept += (1 if ("layernorm" in mods and shape.mla) else 2) * T * h * e
-        elif "layernorm" not in mods:
-            kept += T * h * e                 # MoE layer: linear_qkv's input only (the router's is not counted)
-    # q, k, v (or their repeated / rotated copies, which are larger): attention's backward needs them,
-    # and selective recompute keeps them as the checkpoint's inputs
-    a_t = shape.heads // c.tp
-    if shape.mla:
-        # MLA keeps query, key and value as separate tensors unless mla_up_proj is recomputed
-        if "mla_up_proj" not in mods:
-            kept += Tf * a_t * (2 * shape.qk_dim + shape.v_dim) * e
-    else:
-        kept += Tf * ((shape.heads + 2 * shape.groups) * shape.kv_channels // c.tp) * e
-    kept += Tf * a_t * shape.v_dim * e                            # attention output, input of linear_proj
-    if shape.unfused_attention and "core_attn" not in mods:
-        kept += c.mbs * (shape.heads // c.tp) * seq * seq * e       # softmax output, kept by the bmm with V
-    if "mlp" not in mods and mlp:
-        kept += Tf * (2 if shape.gated else 1) * f_t * e           # fc1 output (the activation's input)
-        kept += Tf * f_t * e                                       # input of linear_fc2
-    if not mlp and shape.moe is not None:
+    kept += mixer_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods)
+    if mlp:
+        kept += mlp_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods)
+    elif shape.moe is not None:
         # an MoE block under balanced routing (the estimate's): the router's input (the pre-MLP norm output)
         # and, unless the block is recomputed, the N = T k ETP dispatched rows kept by fc1, its output and
         # (unless 'moe_act' recomputes the activation) fc2's input
         ms = shape.moe
-        if "layernorm" not in mods:
-            kept += T * h * e
+        kept += T * h * e
         if "moe" not in mods:
             rows = T * ms.topk * c.etp
             f_e = ms.ffn // c.etp
@@ -119,7 +103,7 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
             n, n_moe = c.stage_layers[i], moe_layers_on(c, i)
             if c.vpp == 1 or layers == n:   # all of the stage's layers, each kind as often as it has them
                 return layers / n * ((n - n_moe) * per_layer + n_moe * per_moe)
-            return layers * (per_moe if n_moe else per_layer)   # chunks: the lighter kind, to stay a bound
+            return layers * (min(per_moe, per_layer) if n_moe else per_layer)   # chunks: the lighter kind
 
         first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0)) + held(
             0, first_stage_layers_held(c))

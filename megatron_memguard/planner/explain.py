@@ -17,15 +17,16 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..estimator import Estimate
+from ..knobs import KNOBS
 from ..layout import Layout
 from ..units import format_bytes
 from .search import Planner
 from .space import Candidate, Constraints, make_candidate
 from .timing import StepTime
 
-_INT_KEYS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "cp": "cp", "mbs": "mbs", "first": "first", "last": "last",
-             "ep": "ep", "etp": "etp"}
-_BOOL_KEYS = {"sp": "sp", "dist-opt": "dist_opt", "dist_opt": "dist_opt", "distopt": "dist_opt"}
+# The planner's names of the knobs (megatron_memguard/knobs.py), plus spellings people type for dist_opt.
+_INT_KEYS = {k.short: k.short for k in KNOBS if k.short and k.kind == "int"}
+_BOOL_KEYS = {**{k.short: k.short for k in KNOBS if k.short and k.kind == "bool"}, "dist-opt": "dist_opt", "distopt": "dist_opt"}
 _ON = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..estimator import Estimate, SiteConstants, estimate
+from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
 from .bounds import memory_lower_bound, stage_state_bytes
@@ -30,7 +31,7 @@ from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, e
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
-_RC_ORDER = {"none": 0, "selective": 1, "full": 2}
+_RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ from ..config import RawConfig
 from ..divisors import divisors
 from ..errors import ConfigError
 from ..gpus import GpuSpec
+from ..knobs import RECOMPUTE_LEVELS  # noqa: F401 (defined with the knobs; re-exported)
 from ..layout import DTYPE_BYTES, Layout
 from ..tokenizers import pad_vocab
 from .moe import MoeShape, moe_dense_params_per_rank, moe_matmul_params, moe_shape_from_args
 
-RECOMPUTE_LEVELS = ("none", "selective", "full")
 # Default micro-batch sizes tried: every divisor of GBS/DP up to this bound (--mbs overrides).
 DEFAULT_MAX_MBS = 16
 # Default context-parallel sizes keep at least this many tokens per CP rank (--cp overrides): below
@@ -90,62 +90,173 @@ class Cluster:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The model as the planner's time model and memory bound need it (from a resolved probe Layout)."""
+    """The model as the planner's time model and memory bound need it: the probe layout (resolved at
+    TP = PP = CP = 1) read under the short names the planner's formulas use, with the parameter counts
+    and weight shapes of the estimator's layer recipes (``estimator.layers``), so that the planner and
+    the estimator count the same model."""
 
-    num_layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int
-    kv_channels: int
-    vocab: int                     # before padding
-    vocab_divisible_by: int
-    pad_vocab: bool
-    fixed_padded_vocab: int | None
-    gated: bool
-    untied: bool
-    learned_positions: bool
-    max_positions: int
-    normalization: str
-    add_bias_linear: bool
-    add_qkv_bias: bool
-    qk_layernorm: bool
-    seq_length: int
-    param_bytes: int
-    act_bytes: int
-    grad_bytes: int
-    optimizer: str
-    optimizer_state_bytes: float   # fp32 main params + moments per parameter (before DP sharding)
-    dist_opt_instances: int
-    recompute_modules: tuple[str, ...]
-    transformer_impl: str
-    rope: bool = True
-    fp32_logits: bool = True       # cross entropy on an fp32 copy of the logits (not --fp16-lm-cross-entropy)
-    unfused_attention: bool = False  # the s x s scores are materialised (local spec, or --attention-backend unfused)
-    fused_cross_entropy: bool = False  # --cross-entropy-loss-fusion
-    mask_in_dataloader: bool = True  # --create-attention-mask-in-dataloader (Megatron's default): a [b, 1, s, s] bool mask per batch
-    # multi-latent attention: (q_lora_rank or 0, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim)
-    mla: tuple[int, int, int, int, int] | None = None
+    layout: Layout                 # the probe: the model alone, TP = PP = CP = 1
+    pad_vocab: bool = True         # --no-pad-vocab-size not given: the vocabulary is padded per TP
+    fixed_padded_vocab: int | None = None   # a padded vocabulary the config fixes
     moe: MoeShape | None = None    # mixture of experts (planner/moe.py); None: every layer dense
+    _per_tp: dict = field(default_factory=dict, compare=False, repr=False)   # memo of per-TP counts
+
+    # ---- the model shape, under the planner's names --------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.layout.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.layout.hidden_size
+
+    @property
+    def ffn(self) -> int:
+        return self.layout.ffn_hidden_size
+
+    @property
+    def heads(self) -> int:
+        return self.layout.num_attention_heads
+
+    @property
+    def groups(self) -> int:
+        return self.layout.num_query_groups
+
+    @property
+    def kv_channels(self) -> int:
+        return self.layout.kv_channels
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary before padding."""
+        return self.layout.vocab_size or self.layout.padded_vocab_size
+
+    @property
+    def vocab_divisible_by(self) -> int:
+        return self.layout.make_vocab_size_divisible_by
+
+    @property
+    def gated(self) -> bool:
+        return self.layout.gated_linear_unit
+
+    @property
+    def untied(self) -> bool:
+        return self.layout.untie_embeddings_and_output_weights
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.layout.position_embedding_type == "learned_absolute"
+
+    @property
+    def max_positions(self) -> int:
+        return self.layout.max_position_embeddings
+
+    @property
+    def normalization(self) -> str:
+        return self.layout.normalization
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return self.layout.add_bias_linear
+
+    @property
+    def add_qkv_bias(self) -> bool:
+        return self.layout.add_qkv_bias
+
+    @property
+    def qk_layernorm(self) -> bool:
+        return self.layout.qk_layernorm
+
+    @property
+    def seq_length(self) -> int:
+        return self.layout.seq_length
+
+    @property
+    def recompute_modules(self) -> tuple[str, ...]:
+        return self.layout.recompute_modules
+
+    @property
+    def transformer_impl(self) -> str:
+        return self.layout.transformer_impl
+
+    @property
+    def rope(self) -> bool:
+        return self.layout.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def fp32_logits(self) -> bool:
+        """Cross entropy on an fp32 copy of the logits (not --fp16-lm-cross-entropy)."""
+        return not self.layout.fp16_lm_cross_entropy
+
+    @property
+    def unfused_attention(self) -> bool:
+        """The s x s scores are materialised (local spec, or --attention-backend unfused)."""
+        return self.layout.transformer_impl == "local" or self.layout.attention_backend in ("unfused", "local")
+
+    @property
+    def fused_cross_entropy(self) -> bool:
+        return bool(self.layout.cross_entropy_loss_fusion)
+
+    @property
+    def mask_in_dataloader(self) -> bool:
+        """--create-attention-mask-in-dataloader (Megatron's default): a [b, 1, s, s] bool mask per batch."""
+        return bool(self.layout.create_attention_mask_in_dataloader)
+
+    @property
+    def mla(self) -> tuple[int, int, int, int, int] | None:
+        """Multi-latent attention: (q_lora_rank or 0, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim)."""
+        L = self.layout
+        return ((L.q_lora_rank or 0, L.kv_lora_rank, L.qk_head_dim, L.qk_pos_emb_head_dim, L.v_head_dim)
+                if L.multi_latent_attention else None)
+
+    # ---- precision and optimizer ----------------------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        return self.layout.param_bytes
+
+    @property
+    def act_bytes(self) -> int:
+        return self.layout.act_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        L = self.layout
+        return 2 if (L.use_precision_aware_optimizer and L.main_grads_dtype == "bf16") else L.grad_bytes
+
+    @property
+    def optimizer(self) -> str:
+        return self.layout.optimizer
+
+    @property
+    def optimizer_state_bytes(self) -> float:
+        """fp32 main params + moments per parameter (before DP sharding)."""
+        L = self.layout
+        if L.use_precision_aware_optimizer:
+            main = 0 if L.params_dtype == "fp32" else (
+                2 if (L.store_param_remainders and L.params_dtype == "bf16" and L.main_params_dtype == "fp32")
+                else DTYPE_BYTES[L.main_params_dtype])
+            return main + DTYPE_BYTES[L.exp_avg_dtype] + (DTYPE_BYTES[L.exp_avg_sq_dtype] if L.optimizer == "adam" else 0)
+        main = 0 if L.params_dtype == "fp32" else 4
+        return main + (8 if L.optimizer == "adam" else 4)
+
+    @property
+    def dist_opt_instances(self) -> int:
+        return self.layout.num_distributed_optimizer_instances
 
     @property
     def qk_dim(self) -> int:
-        """Head dim of queries and keys (MLA: the content and rope parts)."""
-        return self.mla[2] + self.mla[3] if self.mla else self.kv_channels
+        """Head dim of queries and keys (MLA: the content and rope parts), from the mixer's recipe."""
+        return self._mixer.head_dims(self.layout)[0]
 
     @property
     def v_dim(self) -> int:
-        return self.mla[4] if self.mla else self.kv_channels
+        return self._mixer.head_dims(self.layout)[1]
 
-    def attention_weights(self) -> tuple[int, int]:
-        """(split over TP, whole on every TP rank) weights of one layer's attention projections."""
-        h, a = self.hidden, self.heads
-        if not self.mla:
-            return h * a * self.kv_channels + (a + 2 * self.groups) * self.kv_channels * h, 0
-        ql, kvl, qk, pe, v = self.mla
-        split = a * (qk + pe) * (ql or h) + a * (qk + v) * kvl + h * a * v       # q (up), kv up, linear_proj
-        whole = (ql * h if ql else 0) + (kvl + pe) * h                            # the down projections
-        return split, whole
+    @property
+    def _mixer(self):
+        from ..estimator.layers import mixer_recipe
+        from ..partition import uniform_kind
+        return mixer_recipe(uniform_kind(self.layout))
 
     def padded_vocab(self, tp: int) -> int:
         if self.fixed_padded_vocab:
@@ -156,29 +267,31 @@ class ModelShape:
         """Query groups on one TP rank (replicated when TP > groups)."""
         return max(1, self.groups // tp)
 
+    # ---- counts from the layer recipes -----------------------------------------------------------
+    def layout_at_tp(self, tp: int) -> Layout:
+        """The probe with TP = ``tp`` (what the recipes need for per-rank shapes)."""
+        key = ("layout", tp)
+        hit = self._per_tp.get(key)
+        if hit is None:
+            hit = self._per_tp[key] = self.layout if tp == self.layout.tp else self.layout.replace(
+                tensor_model_parallel_size=tp)
+        return hit
+
     def layer_params_per_rank(self, tp: int) -> int:
-        """Parameters of one transformer layer on one TP rank (sharded weights / TP, replicated norms)."""
-        h, a, g, d, f = self.hidden, self.heads, self.groups, self.kv_channels, self.ffn
-        norm = 2 if self.normalization == "LayerNorm" else 1
-        attn, whole = self.attention_weights()
-        sharded = attn + (2 if self.gated else 1) * f * h + f * h
-        n = sharded // tp + whole + 2 * norm * h
-        if self.add_bias_linear:
-            n += 2 * h + (2 if self.gated else 1) * f // tp
-        if self.mla:
-            if self.qk_layernorm:
-                n += norm * (self.mla[0] + self.mla[1])                          # the latent norms
-            return n
-        if self.add_qkv_bias:
-            n += (a + 2 * g) * d // tp
-        if self.qk_layernorm:
-            n += 2 * norm * d
-        return n
+        """Parameters of one transformer layer on one TP rank: the recipes' parameter list
+        (sharded weights / TP, replicated norms and down projections)."""
+        from ..estimator.params import layer_params
+        key = ("params", tp)
+        hit = self._per_tp.get(key)
+        if hit is None:
+            hit = self._per_tp[key] = sum(p.numel for p in layer_params(self.layout_at_tp(tp)))
+        return hit
 
     def layer_matmul_params(self) -> int:
-        """Weights of one dense layer that multiply an activation (the '6N' of the FLOP count)."""
-        h, f = self.hidden, self.ffn
-        return sum(self.attention_weights()) + (2 if self.gated else 1) * f * h + f * h
+        """Weights of one layer that multiply an activation (the '6N' of the FLOP count): every linear
+        weight of the recipes, whole (the probe has TP = 1)."""
+        from ..estimator.params import layer_linear_shapes
+        return sum(out * inp for out, inp in layer_linear_shapes(self.layout_at_tp(1)).values())
 
     def matmul_params(self) -> int:
         """Weights a token multiplies in all the layers: the dense layers', and in an MoE layer the
@@ -186,8 +299,13 @@ class ModelShape:
         if not self.moe:
             return self.num_layers * self.layer_matmul_params()
         n_moe = self.moe.moe_layers
-        moe = sum(self.attention_weights()) + moe_matmul_params(self.moe, self.hidden, self.gated)
-        return (self.num_layers - n_moe) * self.layer_matmul_params() + n_moe * moe
+        dense = self.layer_matmul_params()
+        moe = dense - self.dense_mlp_matmul_params() + moe_matmul_params(self.moe, self.hidden, self.gated)
+        return (self.num_layers - n_moe) * dense + n_moe * moe
+
+    def dense_mlp_matmul_params(self) -> int:
+        """The dense MLP's weights of one layer: fc1 [g f, h] and fc2 [h, f]."""
+        return ((2 if self.gated else 1) + 1) * self.ffn * self.hidden
 
     def moe_layer_params_per_rank(self, tp: int) -> int:
         """Parameters of one MoE layer on one rank outside the expert grid: the attention and norms of
@@ -201,38 +319,12 @@ class ModelShape:
 
 def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     """The shape of the model from a probe layout resolved at TP=PP=CP=1."""
-    if L.use_precision_aware_optimizer:
-        main = 0 if L.params_dtype == "fp32" else (
-            2 if (L.store_param_remainders and L.params_dtype == "bf16" and L.main_params_dtype == "fp32")
-            else DTYPE_BYTES[L.main_params_dtype])
-        opt = main + DTYPE_BYTES[L.exp_avg_dtype] + (DTYPE_BYTES[L.exp_avg_sq_dtype] if L.optimizer == "adam" else 0)
-    else:
-        main = 0 if L.params_dtype == "fp32" else 4
-        opt = main + (8 if L.optimizer == "adam" else 4)
-    grad = 2 if (L.use_precision_aware_optimizer and L.main_grads_dtype == "bf16") else L.grad_bytes
     fixed_padded = raw.args.get("padded_vocab_size")
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):
         pad = pad.strip().lower() in ("1", "true", "yes", "on")
-    return ModelShape(
-        num_layers=L.num_layers, hidden=L.hidden_size, ffn=L.ffn_hidden_size, heads=L.num_attention_heads,
-        groups=L.num_query_groups, kv_channels=L.kv_channels, vocab=L.vocab_size or L.padded_vocab_size,
-        vocab_divisible_by=L.make_vocab_size_divisible_by, pad_vocab=bool(pad),
-        fixed_padded_vocab=int(fixed_padded) if fixed_padded else None, gated=L.gated_linear_unit,
-        untied=L.untie_embeddings_and_output_weights, learned_positions=L.position_embedding_type == "learned_absolute",
-        max_positions=L.max_position_embeddings, normalization=L.normalization, add_bias_linear=L.add_bias_linear,
-        add_qkv_bias=L.add_qkv_bias, qk_layernorm=L.qk_layernorm, seq_length=L.seq_length,
-        param_bytes=L.param_bytes, act_bytes=L.act_bytes, grad_bytes=grad, optimizer=L.optimizer,
-        optimizer_state_bytes=opt, dist_opt_instances=L.num_distributed_optimizer_instances,
-        recompute_modules=L.recompute_modules, transformer_impl=L.transformer_impl,
-        rope=L.position_embedding_type in ("rope", "yarn"), fp32_logits=not L.fp16_lm_cross_entropy,
-        unfused_attention=L.transformer_impl == "local" or L.attention_backend in ("unfused", "local"),
-        fused_cross_entropy=bool(L.cross_entropy_loss_fusion),
-        mask_in_dataloader=bool(L.create_attention_mask_in_dataloader),
-        mla=((L.q_lora_rank or 0, L.kv_lora_rank, L.qk_head_dim, L.qk_pos_emb_head_dim, L.v_head_dim)
-             if L.multi_latent_attention else None),
-        moe=moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size),
-    )
+    return ModelShape(layout=L, pad_vocab=bool(pad), fixed_padded_vocab=int(fixed_padded) if fixed_padded else None,
+                      moe=moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size))
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..units import format_bytes
+from ..estimator.layers import mixer_recipe
+from ..partition import uniform_kind
 from .comm import HOST_LINK_EFFICIENCY, P2P_LATENCY, collective_seconds, host_copy_seconds, p2p_seconds
 from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
 from .moe import (MoeLayerCost, edp_per_domain, expert_params_per_rank, moe_layer_cost)
@@ -329,13 +331,9 @@ class TimeModel:
         h, d = s.hidden, s.kv_channels
         a_t, g_t, f_t = s.heads // tp, s.kv_heads_per_rank(tp), (s.ffn // tp if mlp else 0)
         fc1_n = (2 if s.gated else 1) * f_t
-        if s.mla:
-            # down projections (whole weights, on this rank's tokens) and up projections
-            ql, kvl, qk, pe, v = s.mla
-            shapes = [(tok, kvl + pe, h), (M, a_t * (qk + v), kvl)]
-            shapes += [(tok, ql, h), (M, a_t * (qk + pe), ql)] if ql else [(M, a_t * (qk + pe), h)]
-        else:
-            shapes = [(M, (a_t + 2 * g_t) * d, h)]
+        # the token mixer's GEMMs before the core attention, from the recipe of the layers' kind
+        mixer = mixer_recipe(uniform_kind(s.layout))
+        shapes = mixer.qkv_gemms(s.layout, tp, M, tok)
         gb = s.grad_bytes
         qkv = [linear_seconds(*x, gpu, gb) for x in shapes]
         fq = sum(2.0 * x[0] * x[1] * x[2] for x in shapes)
@@ -356,7 +354,7 @@ class TimeModel:
         # element-wise kernels
         scale = s.act_bytes / 2
         ef, ef_fwd = (ELEM_F_BYTES_GATED, ELEM_F_FWD_GATED) if s.gated else (ELEM_F_BYTES, ELEM_F_FWD)
-        rope_el = (M * (a_t + 1) * s.mla[3] if s.mla else M * (a_t + g_t) * d) if (s.rope or s.mla) else 0
+        rope_el = mixer.rope_elements(s.layout, tp, M)
         elem = (ELEM_H_BYTES * tok * h + ef * M * f_t + ROPE_BYTES * rope_el) * scale
         elem_fwd = (ELEM_H_FWD * tok * h + ef_fwd * M * f_t + ROPE_FWD * rope_el) * scale
         act_fwd = memory_seconds(ef_fwd * M * f_t * scale, gpu)

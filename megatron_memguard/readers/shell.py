@@ -8,11 +8,18 @@ exponentially). Single quotes keep everything; double quotes keep spaces and exp
 value is split into words on whitespace (not in ``NAME=value`` assignments, as in bash). What memguard
 cannot evaluate is kept as written: an unset ``$VAR`` (the reader reports it where it matters),
 ``$(command)``, backquotes, ``$((arithmetic))``, ``$1``, and the rarer ``${VAR...}`` operators.
+
+A script's text is cut first into bash's logical lines (continuations, comments, quotes and arrays
+spanning lines, here-documents) and simple commands (``;`` ``&&`` ``|``, redirections dropped), and
+its ``#SBATCH`` directives give the SLURM_* values the job will see (``launch_command`` uses these).
 """
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Mapping, MutableMapping
+
+from ..errors import ReaderError
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
@@ -359,3 +366,211 @@ def _match_from(t: str, i: int, open_: str, close: str, found: dict) -> None:
         k += 1
     for j in stack:
         found[(t, j)] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Script text: logical lines, simple commands, #SBATCH directives (moved from launch_command.py)
+# --------------------------------------------------------------------------------------------------
+_HEREDOC = re.compile(r"""<<(-?)[ \t]*(?:'([^']*)'|"([^"]*)"|([^\s;&|<>()'"]+))""")
+
+
+def logical_lines(text: str) -> list[str]:
+    """Bash's logical lines: continuations joined, comments dropped, quotes and ``( ... )`` arrays may
+    span lines (a newline inside quotes is kept, one inside an array becomes a space), here-document
+    bodies (``cat > hosts <<EOF ... EOF``) dropped: they are a command's input, not commands."""
+    out: list[str] = []
+    buf: list[str] = []
+    quote: str | None = None
+    depth = 0
+    heredocs: list[tuple[str, bool]] = []   # (delimiter, <<- strips leading tabs) waiting for the line's end
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if quote:
+            if c == "\\" and quote == '"' and i + 1 < n:
+                if text[i + 1] == "\n":   # continuation inside double quotes
+                    i += 2
+                    continue
+                buf.append(text[i:i + 2])
+                i += 2
+                continue
+            buf.append(c)
+            if c == quote:
+                quote = None
+            i += 1
+            continue
+        if c == "\\" and i + 1 < n:
+            if text[i + 1] == "\n":
+                i += 2
+                continue
+            buf.append(text[i:i + 2])
+            i += 2
+            continue
+        if c in "'\"`":
+            quote = c
+            buf.append(c)
+            i += 1
+            continue
+        if c == "#" and (not buf or buf[-1][-1:] in (" ", "\t", "\n", ";", "(")):
+            while i < n and text[i] != "\n":
+                i += 1
+            continue
+        if text.startswith("<<<", i):      # a here-string: one word of input, no body
+            buf.append("<<<")
+            i += 3
+            continue
+        if c == "<" and not depth and text.startswith("<<", i):
+            m = _HEREDOC.match(text, i)
+            if m:
+                heredocs.append((m.group(2) or m.group(3) or m.group(4), bool(m.group(1))))
+                buf.append(m.group(0))   # the operator and its word, dropped later as a redirection
+                i = m.end()
+                continue
+        if c == "(":
+            depth += 1
+        elif c == ")" and depth:
+            depth -= 1
+        if c == "\n":
+            if depth:
+                buf.append(" ")
+            else:
+                line = "".join(buf).strip()
+                if line:
+                    out.append(line)
+                buf = []
+            i += 1
+            for delim, strip_tabs in heredocs:
+                while i < n:
+                    end = text.find("\n", i)
+                    end = n if end < 0 else end
+                    body = text[i:end].rstrip("\r")
+                    i = end + 1
+                    if (body.lstrip("\t") if strip_tabs else body) == delim:
+                        break
+            heredocs = []
+            continue
+        buf.append(c)
+        i += 1
+    if quote:
+        raise ReaderError(f"unterminated {quote} quote in the launch command")
+    line = "".join(buf).strip()
+    if line:
+        out.append(line)
+    return out
+
+
+def simple_commands(line: str) -> list[str]:
+    """Split a logical line on unquoted ``;``, ``&&``, ``||``, ``|`` and ``&``; drop redirections
+    (``> log 2>&1``, ``|& tee``...). ``$( ... )`` and quotes are kept whole."""
+    cmds: list[str] = []
+    cur: list[str] = []
+    quote: str | None = None
+    sub = 0
+    i, n = 0, len(line)
+
+    def flush():
+        s = "".join(cur).strip()
+        if s:
+            cmds.append(s)
+        cur.clear()
+
+    while i < n:
+        c = line[i]
+        if quote:
+            cur.append(c)
+            if c == "\\" and quote == '"' and i + 1 < n:
+                cur.append(line[i + 1])
+                i += 2
+                continue
+            if c == quote:
+                quote = None
+            i += 1
+            continue
+        if c == "\\" and i + 1 < n:
+            cur.append(line[i:i + 2])
+            i += 2
+            continue
+        if c in "'\"`":
+            quote = c
+            cur.append(c)
+            i += 1
+            continue
+        if c == "$" and line[i + 1:i + 2] == "(":
+            sub += 1
+            cur.append("$(")
+            i += 2
+            continue
+        if sub:
+            if c == "(":
+                sub += 1
+            elif c == ")":
+                sub -= 1
+            cur.append(c)
+            i += 1
+            continue
+        if c in "<>" or (c == "&" and line[i + 1:i + 2] == ">"):
+            # a redirection: drop an attached fd number, the operator and its target word
+            while cur and cur[-1].isdigit():
+                cur.pop()
+            while i < n and line[i] in "<>&|":
+                i += 1
+            while i < n and line[i] in " \t":
+                i += 1
+            q = None
+            while i < n and (q or line[i] not in " \t;|&"):
+                if q is None and line[i] in "'\"":
+                    q = line[i]
+                elif q == line[i]:
+                    q = None
+                i += 1
+            continue
+        if c in ";|&":
+            flush()
+            while i < n and line[i] in ";|&":
+                i += 1
+            continue
+        cur.append(c)
+        i += 1
+    flush()
+    return cmds
+
+
+def sbatch_env(text: str) -> dict[str, str]:
+    """The SLURM_* values that a job gets from the script's ``#SBATCH`` directives."""
+    out: dict[str, str] = {}
+    nodes = per_node = ntasks = gpus_per_node = None
+    for raw in text.splitlines():
+        s = raw.strip()
+        if not s.startswith("#SBATCH"):
+            continue
+        try:
+            toks = shlex.split(s[len("#SBATCH"):], comments=True)
+        except ValueError:
+            continue
+        i = 0
+        while i < len(toks):
+            t = toks[i]
+            opt, val = (t.split("=", 1) + [None])[:2] if t.startswith("--") else (t[:2], t[2:] or None)
+            if val is None and i + 1 < len(toks) and not toks[i + 1].startswith("-"):
+                val = toks[i + 1]
+                i += 1
+            i += 1
+            if opt in ("-N", "--nodes"):
+                nodes = str(val).split("-")[-1]
+            elif opt == "--ntasks-per-node":
+                per_node = val
+            elif opt in ("-n", "--ntasks"):
+                ntasks = val
+            elif opt == "--gpus-per-node":
+                gpus_per_node = str(val).split(":")[-1]
+    if nodes:
+        out["SLURM_NNODES"] = out["SLURM_JOB_NUM_NODES"] = str(nodes)
+    if per_node:
+        out["SLURM_NTASKS_PER_NODE"] = str(per_node)
+    if ntasks:
+        out["SLURM_NTASKS"] = out["SLURM_NPROCS"] = str(ntasks)
+    elif nodes and per_node and str(nodes).isdigit() and str(per_node).isdigit():
+        out["SLURM_NTASKS"] = out["SLURM_NPROCS"] = str(int(nodes) * int(per_node))
+    if gpus_per_node:
+        out["SLURM_GPUS_PER_NODE"] = str(gpus_per_node)
+    return out

@@ -95,13 +95,11 @@ def breakdown(s: StageEstimate, detail: bool = False) -> str:
 
 def layer_table(est: Estimate) -> str:
     """What one transformer layer keeps per micro-batch, op by op (the per-layer activation table)."""
-    from dataclasses import replace
-
     from ..estimator.activations import layer_activations
 
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
-        L = replace(L, transformer_impl=est.profile)
+        L = L.replace(transformer_impl=est.profile)
     la = layer_activations(L)
     rows = [[name, format_bytes(v)] for name, v in la.saved.items()]
     rows.append(["= per layer and micro-batch", format_bytes(la.total)])

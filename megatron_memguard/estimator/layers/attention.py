@@ -1,0 +1,307 @@
+"""Standard self-attention (megatron-core SelfAttention: linear_qkv, core attention, linear_proj),
+with grouped-query attention, rotary embeddings, q/k norms and context parallelism's ring attention.
+
+Recipe of the token mixer ``attention`` (see ``base`` for what a recipe gives). Registration order of
+the parameters: local spec: input norm, linear_proj, linear_qkv, q/k norms; the TE spec fuses the
+input norm into linear_qkv (``layer_norm_weight``/``layer_norm_bias``): counts are the same.
+"""
+from __future__ import annotations
+
+from ...layout import Layout
+from .base import MixerActivations, Param, Shapes, norm_params, norm_stats, norms_per_layer_norm, shapes, wgrad
+
+
+def qkv_out_per_rank(L: Layout) -> int:
+    """Output width of linear_qkv on one TP rank: (heads + 2 * query groups) * head dim / TP."""
+    return (L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // L.tp
+
+
+def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of linear_qkv (column-parallel) and linear_proj (row-parallel)."""
+    return {"linear_qkv": (qkv_out_per_rank(L), L.hidden_size),
+            "linear_proj": (L.hidden_size, L.num_attention_heads * L.kv_channels // L.tp)}
+
+
+def params(L: Layout, prefix: str = "") -> list[Param]:
+    h, t = L.hidden_size, L.tp
+    te = L.transformer_impl == "transformer_engine"
+    proj_in = L.num_attention_heads * L.kv_channels // t
+    qkv = qkv_out_per_rank(L)
+    ps: list[Param] = []
+    if not te:
+        ps += norm_params(prefix + "input_layernorm", h, L)
+    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in))
+    if L.add_bias_linear:
+        ps.append(Param(prefix + "self_attention.linear_proj.bias", h, tp_replicated=True))
+    if te:
+        ps += norm_params(prefix + "self_attention.linear_qkv.layer_norm", h, L)
+    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h))
+    if L.add_qkv_bias:
+        ps.append(Param(prefix + "self_attention.linear_qkv.bias", qkv))
+    if L.qk_layernorm:
+        ps += norm_params(prefix + "self_attention.q_layernorm", L.kv_channels, L)
+        ps += norm_params(prefix + "self_attention.k_layernorm", L.kv_channels, L)
+    return ps
+
+
+def param_count(L: Layout) -> int:
+    """Parameters of one layer's attention in the whole model: input norm, linear_proj (and its bias),
+    linear_qkv (and its bias), q/k norms."""
+    h, a, g, d = L.hidden_size, L.num_attention_heads, L.num_query_groups, L.kv_channels
+    norm = norms_per_layer_norm(L)
+    n = norm * h + h * a * d + (a + 2 * g) * d * h
+    if L.add_bias_linear:
+        n += h
+    if L.add_qkv_bias:
+        n += (a + 2 * g) * d
+    if L.qk_layernorm:
+        n += 2 * norm * d
+    return n
+
+
+def attention_kind(L: Layout) -> str:
+    """Which core attention runs: local_unfused (megatron DotProductAttention, torch softmax),
+    local_fused_softmax (its fused scale-mask-softmax kernel), te_unfused (TE's
+    UnfusedDotProductAttention) or fused (flash / cuDNN: no s x s tensors)."""
+    x = shapes(L)
+    if L.transformer_impl == "local":
+        kernel = (L.masked_softmax_fusion and L.params_dtype in ("bf16", "fp16") and 16 < x.s <= 4096
+                  and x.s % 4 == 0 and (x.b * x.a_t) % 4 == 0)
+        return "local_fused_softmax" if kernel else "local_unfused"
+    if L.attention_backend in ("unfused", "local"):
+        return "te_unfused"
+    return "fused"
+
+
+def _te_keeps_every_cp_step(L: Layout) -> bool:
+    """Transformer Engine up to 2.11 (megatron-core 0.16 pins TE < 2.12) keeps every ring step's K/V
+    buffer and partial output until the forward's end; TE 2.20.2 keeps two of each (double buffering).
+    Later megatron-core versions are assumed to run the newer TE."""
+    from packaging.version import Version
+    return Version(L.megatron_version) < Version("0.17")
+
+
+def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1: int, qkv_w: int,
+                        rope: bool) -> tuple[dict[str, int], int, int, bool]:
+    """Context parallelism's ring attention (TE AttnFuncWithCPAndKVP2P, cp_comm_type p2p, read in TE
+    2.11 and 2.20.2 context_parallel.py): the K/V of this rank are concatenated into the first ring
+    buffer and passed around; the function keeps q as it receives it (the rope'd query, a contiguous
+    copy, or with the flash backend a [b, s, h, d] copy), the last received K/V buffer
+    [2, s/CP, b, g/t, d], its output and the merged fp32 softmax statistics. So megatron's qkv
+    projection output and rope'd key die after the forward (unless q/k norms keep views of the qkv
+    output). The flash backend also keeps its [b, s, h, d] output next to the [s, b, h] copy that
+    linear_proj keeps."""
+    e, Tf = x.e, x.Tf
+    stats = x.b * x.a_t * x.s * 4
+    saved.pop("key_norm", None)                       # consumed into the ring buffer
+    if L.qk_layernorm:
+        saved["qkv_output"] = Tf * qkv_w * e          # the norms' saved inputs are views of it
+    if rope:
+        saved["query_rope"] = q
+    elif "query_norm" not in saved:
+        saved["query"] = q
+    saved["cp_kv_buffer"] = 2 * kv1
+    saved["softmax_stats"] = stats
+    if L.attention_backend == "flash":
+        saved["attention_output_bshd"] = q
+    cp = L.cp
+    if _te_keeps_every_cp_step(L):
+        # the output, every step's partial output (the last CP rank's are all full size) and the
+        # ring buffers other than the one kept
+        core_fwd = q + cp * q + (cp - 1) * 2 * kv1
+    else:
+        # the output, two partial outputs and two more ring buffers in flight
+        core_fwd = 3 * q + 2 * 2 * kv1
+    # backward: dq buffer, two [2, K/V] ring buffers of K/V and dK/dV, the step's dq/dk/dv and, on the
+    # upper-triangle steps of the early CP ranks, contiguous halves of q, the output and its gradient
+    core_bwd = 3 * q + 10 * kv1 + stats
+    return saved, core_fwd, core_bwd, False
+
+
+def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: bool) -> tuple[dict[str, int], int, int, bool]:
+    """Saved bytes of q/k/v handling and the core attention, its forward working set at the softmax
+    and its backward working set (with the probs already released), and whether s x s scores exist."""
+    kind = attention_kind(L)
+    e, Tf, a_t, g_t, d = x.e, x.Tf, x.a_t, x.g_t, x.d
+    qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
+    rope = L.position_embedding_type in ("rope", "yarn")
+    gqa = a_t > g_t or L.num_query_groups < L.tp
+    q = Tf * a_t * d * e
+    kv1 = Tf * g_t * d * e
+    scores = x.b * a_t * x.s * x.s
+    saved: dict[str, int] = {}
+    if L.qk_layernorm:
+        # q_layernorm / k_layernorm keep fp32 statistics per (token, head); without rope their outputs
+        # are what the attention keeps (new tensors next to the qkv output)
+        heads = a_t + g_t
+        saved["qk_norm_stats"] = Tf * heads * 4 * (2 if L.normalization == "LayerNorm" else 1)
+        if not rope and not (gqa and kind != "fused"):
+            saved["query_norm"] = q
+            saved["key_norm"] = kv1
+    if kind == "fused" and L.cp > 1 and not recompute_core:
+        return _cp_attention_items(L, x, saved, q, kv1, qkv_w, rope)
+    if kind == "fused":
+        # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
+        # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax
+        # statistics [b, a, s, 1] (TE FusedAttnFunc / FlashAttention autograd functions).
+        stats = x.b * a_t * x.s * 4
+        saved["qkv_output"] = Tf * qkv_w * e
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+        if not recompute_core:
+            saved["softmax_stats"] = stats
+        core_fwd = q                                   # the output being written
+        core_bwd = 3 * q + stats + (q if recompute_core else 0)   # dq, dk, dv (+ recomputed O)
+        if recompute_core and L.cp > 1:
+            # the checkpoint replays the ring forward (its K/V buffer, output and statistics kept) and
+            # runs the ring backward; it holds the recomputed output and the gradient handed to it
+            _, cp_fwd, cp_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_w, rope)
+            core_bwd = cp_bwd + 2 * kv1 + stats + 2 * q
+        return saved, core_fwd, core_bwd, False
+    # Unfused: the s x s scores and probs exist per layer.
+    if recompute_core:
+        # tensor_parallel.checkpoint keeps its inputs: q (a copy under GQA or after rope), k and v
+        # (views of the qkv output unless rope copied k) -> the qkv output stays alive through v.
+        saved["qkv_output"] = Tf * qkv_w * e
+        if gqa and not rope:
+            saved["query"] = q
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+    elif gqa:
+        # query reshaped (a copy) or rope'd; key/value repeated to every head (repeat_interleave).
+        saved["query"] = q
+        saved["key_repeated"] = q
+        saved["value_repeated"] = q
+    else:
+        saved["qkv_output"] = Tf * qkv_w * e          # q, k, v are views; the bmm keeps v
+        if rope:
+            saved["query_rope"] = q
+            saved["key_rope"] = kv1
+    fused_softmax = kind in ("local_fused_softmax", "te_unfused")
+    soft32 = L.attention_softmax_in_fp32 and not fused_softmax
+    # the softmax keeps its output (fp32 with the fp32 softmax); the bmm keeps what it multiplies: the
+    # cast back to the activation dtype, or the dropout output (then the cast is not kept, the dropout
+    # keeps its bool mask instead)
+    probs = scores * (4 if soft32 else e)
+    if L.attention_dropout > 0:
+        probs += scores * (1 + e)
+    elif soft32:
+        probs += scores * e
+    if not recompute_core:
+        saved["attention_probs"] = probs
+    mask_made = kind == "local_unfused" and not (has_batch_mask and L.create_attention_mask_in_dataloader)
+    if mask_made:
+        saved["causal_mask"] = x.s * x.s               # bool mask kept by masked_fill_
+    # forward at the softmax: the raw scores (+ fp32 copy, + the mask being built; TE's unfused
+    # path also holds its preallocated output buffer) next to the probs being made
+    core_fwd = scores * e + (scores * 4 if soft32 else 0) + (8 * x.s * x.s if mask_made else 0)
+    if kind == "te_unfused":
+        core_fwd += scores * e
+    # backward just after the softmax's (the probs are released by then): grads of probs and
+    # scores, the masked grad, the bmm's grad buffer, and the grads of the context and of v
+    if kind == "local_unfused":
+        core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + 2 * q
+    else:
+        core_bwd = 2 * scores * e + 2 * q
+    if recompute_core:
+        # The recomputed forward makes the probs again, but the softmax's backward has consumed them
+        # by this step; CheckpointFunction.backward still holds the recomputed context and the
+        # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage),
+        # and under GQA the recomputed repeat of K that the scores' backward still needs.
+        core_bwd += 2 * q + (q if gqa else 0)
+    return saved, core_fwd, core_bwd, True
+
+
+
+def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, after: frozenset,
+                released: frozenset, G: int) -> MixerActivations:
+    """The input norm, q/k/v, the core attention and linear_proj's input. ``after``: names of the
+    layer made after linear_proj; ``released``: names released before linear_proj's backward; ``G``:
+    the gradient of the layer output, alive through the whole backward."""
+    x = shapes(L)
+    te = L.transformer_impl == "transformer_engine"
+    T, Tf, h, e, d = x.T, x.Tf, x.h, x.e, x.d
+    recompute_core = "core_attn" in mods
+    qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
+    rope = L.position_embedding_type in ("rope", "yarn")
+    saved: dict[str, int] = {"norm1_stats": norm_stats(L, T)}
+    if not drop_norm:
+        saved["qkv_input"] = T * h * e                        # norm output, kept by linear_qkv (local shard under SP)
+    att, core_fwd, core_bwd, unfused = attention_items(L, x, recompute_core, has_batch_mask)
+    ctx_w = x.a_t * d                                         # width of the attention context
+    saved.update(att)
+    if rope and not L.apply_rope_fusion and not te:
+        # unfused rope (rope_utils._apply_rotary_pos_emb_bshd) casts cos and sin to the activation
+        # dtype for q and for k; the products keep them: 4 x [s, 1, 1, rotary dim] per layer
+        saved["rope_cos_sin"] = 4 * x.s * int(d * L.rotary_percent) * e
+    saved["proj_input"] = Tf * ctx_w * e                      # attention context, kept by linear_proj
+    fwd_steps = ((after | {"proj_input"}, core_fwd),)
+    rel_proj = released | {"proj_input"}
+    # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
+    rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
+    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
+    rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
+                          "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
+    bwd_steps = (
+        (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w)),                                       # linear_proj
+        (rel_softmax if unfused else rel_proj, G + core_bwd),                                      # core attention
+        (rel_core, G + Tf * qkv_w * e + Tf * h * e + wgrad(L, qkv_w, h)),                         # linear_qkv
+        (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
+    )
+    return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one layer's attention surely keeps per micro-batch whatever the kernels (the planner's
+    memory lower bound, before any layout is resolved): linear_qkv's input (unless the local spec
+    recomputes the norm), q/k/v (or their larger repeated / rotated copies, which selective recompute
+    keeps as the checkpoint's inputs), the attention output that linear_proj keeps, and the s x s
+    softmax output of unfused attention. ``L``: the model (any TP); ``seq``: tokens per CP rank."""
+    e, h = L.act_bytes, L.hidden_size
+    Tf = b * seq
+    T = Tf // tp if sp else Tf
+    a_t = L.num_attention_heads // tp
+    kept = 0 if ("layernorm" in mods and L.transformer_impl == "local") else T * h * e
+    kept += Tf * ((L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // tp) * e
+    kept += Tf * a_t * L.kv_channels * e
+    if _unfused(L) and "core_attn" not in mods:
+        kept += b * a_t * seq * seq * e
+    return kept
+
+
+def _unfused(L: Layout) -> bool:
+    """The s x s scores are materialised (local spec, or --attention-backend unfused)."""
+    return L.transformer_impl == "local" or L.attention_backend in ("unfused", "local")
+
+
+def qkv_gemms(L: Layout, tp: int, M: int, tok: int) -> list[tuple[int, int, int]]:
+    """(tokens, output width, input width) of the GEMMs before the core attention on one TP rank, for
+    the planner's time model: linear_qkv on the gathered tokens ``M`` (KV heads replicated when
+    TP > query groups). ``tok``: the sequence-parallel tokens of the rank."""
+    a_t, g_t = L.num_attention_heads // tp, max(1, L.num_query_groups // tp)
+    return [(M, (a_t + 2 * g_t) * L.kv_channels, L.hidden_size)]
+
+
+def rope_elements(L: Layout, tp: int, M: int) -> int:
+    """Elements the rotary embedding rotates on one TP rank (q and k), 0 without rope."""
+    if L.position_embedding_type not in ("rope", "yarn"):
+        return 0
+    return M * (L.num_attention_heads // tp + max(1, L.num_query_groups // tp)) * L.kv_channels
+
+
+def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
+    """The persistent rotary table of a rank, (bytes, detail), or None without rope: one per process
+    whatever the layers (``layers`` is not needed)."""
+    if L.position_embedding_type not in ("rope", "yarn"):
+        return None
+    rot = int(L.kv_channels * L.rotary_percent)
+    # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
+    # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
+    return L.seq_length // L.cp * rot * 4, "cached fp32 rotary frequencies [s/CP, 1, 1, d]"
+
+
+def head_dims(L: Layout) -> tuple[int, int]:
+    """(query/key, value) head dims: both kv_channels."""
+    return L.kv_channels, L.kv_channels

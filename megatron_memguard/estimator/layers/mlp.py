@@ -1,0 +1,111 @@
+"""The dense MLP (megatron-core MLP: linear_fc1, the activation, linear_fc2), gated (SwiGLU) or not.
+
+Recipe of the MLP ``dense`` (see ``base``). The pre-MLP norm is registered with it (a module of its
+own in the local spec, fused into linear_fc1 as ``layer_norm_weight`` in the TE spec); its saved
+tensors and backward step belong to the layer (``estimator.activations``).
+"""
+from __future__ import annotations
+
+from ...layout import Layout
+from .base import MlpActivations, Param, norm_params, norms_per_layer_norm, shapes, wgrad
+
+
+def fc1_out_per_rank(L: Layout) -> int:
+    return (2 if L.gated_linear_unit else 1) * L.ffn_hidden_size // L.tp
+
+
+def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of linear_fc1 (column-parallel) and linear_fc2 (row-parallel)."""
+    h = L.hidden_size
+    return {"linear_fc1": (fc1_out_per_rank(L), h), "linear_fc2": (h, L.ffn_hidden_size // L.tp)}
+
+
+def params(L: Layout, prefix: str = "") -> list[Param]:
+    h = L.hidden_size
+    te = L.transformer_impl == "transformer_engine"
+    fc1 = fc1_out_per_rank(L)
+    fc2_in = L.ffn_hidden_size // L.tp
+    ps = norm_params(prefix + ("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm"), h, L)
+    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h))
+    if L.add_bias_linear:
+        ps.append(Param(prefix + "mlp.linear_fc1.bias", fc1))
+    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in))
+    if L.add_bias_linear:
+        ps.append(Param(prefix + "mlp.linear_fc2.bias", h, tp_replicated=True))
+    return ps
+
+
+def param_count(L: Layout) -> int:
+    """Parameters of one layer's MLP in the whole model: pre-MLP norm, linear_fc1, linear_fc2 (and biases)."""
+    h, f = L.hidden_size, L.ffn_hidden_size
+    g = 2 if L.gated_linear_unit else 1
+    n = norms_per_layer_norm(L) * h + g * f * h + h * f
+    if L.add_bias_linear:
+        n += g * f + h
+    return n
+
+
+def activations(L: Layout, mods: set, G: int) -> MlpActivations:
+    """fc1's output, the activation's inputs and fc2's input, and the backward from linear_fc2 to
+    linear_fc1. ``mods``: the selectively recomputed modules ('mlp' drops them all and remakes them
+    for the backward); ``G``: the gradient of the layer output."""
+    x = shapes(L)
+    Tf, h, e, f_t = x.Tf, x.h, x.e, x.f_t
+    fc1_w = (2 if L.gated_linear_unit else 1) * f_t
+    mlp: dict[str, int] = {}
+    if L.gated_linear_unit:
+        mlp["fc1_output"] = Tf * fc1_w * e
+        if not L.bias_activation_fusion:
+            # unfused glu (mlp.py): silu(x0) * (x1 + glu_linear_offset); the product keeps both factors
+            mlp["activation_gate"] = Tf * f_t * e
+            mlp["activation_linear"] = Tf * f_t * e
+        mlp["fc2_input"] = Tf * f_t * e
+    else:
+        mlp["fc1_output"] = Tf * f_t * e
+        mlp["fc2_input"] = Tf * f_t * e
+    names = frozenset(mlp)
+    recomputed = "mlp" in mods
+    rel_mlp = frozenset({"fc2_input"})
+    rel_act = rel_mlp | names
+
+    def remade(released: frozenset) -> int:
+        """MLP tensors recomputed for the backward ('mlp' recompute) and not yet released."""
+        return sum(v for k, v in mlp.items() if k not in released) if recomputed else 0
+
+    u = Tf * f_t * e          # one [s b, ffn/t] tensor: fc2's input gradient, each activation gradient
+    if L.gated_linear_unit and not L.bias_activation_fusion:
+        # unfused glu, op by op: the product's backward makes the gradients of both factors next to
+        # fc2's input gradient (fc2_input released); silu's backward adds the gate's input gradient
+        # (the product's saved factors released, fc2's input gradient consumed); the chunk's backward
+        # concatenates the two halves' gradients into fc1's output gradient (fc1_output released).
+        rel_mul = rel_mlp | {"activation_gate", "activation_linear"}
+        act_steps = (
+            (rel_mlp, G + remade(rel_mlp) + 3 * u),                                                # mul
+            (rel_mul, G + remade(rel_mul) + 3 * u),                                                # silu
+            (rel_act, G + 2 * u + Tf * fc1_w * e),                                                 # chunk
+        )
+    else:
+        # one activation node (fused bias-activation, or a plain activation): fc1's output gradient
+        # next to fc2's input gradient
+        act_steps = ((rel_mlp, G + remade(rel_mlp) + u + Tf * fc1_w * e),)
+    bwd_steps = (
+        (frozenset(), G + remade(frozenset()) + u + wgrad(L, h, f_t)),                            # fc2
+        *act_steps,                                                                                # activation
+        (rel_act, G + Tf * fc1_w * e + Tf * h * e + wgrad(L, fc1_w, h)),                          # fc1
+    )
+    return MlpActivations(saved={} if recomputed else mlp, names=names, bwd_steps=bwd_steps, released=rel_act)
+
+
+def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one layer's MLP surely keeps per micro-batch (the planner's memory lower bound): linear_fc1's
+    input (unless the local spec recomputes the norm), fc1's output (the activation's input) and
+    linear_fc2's input, unless 'mlp' is recomputed."""
+    e, h = L.act_bytes, L.hidden_size
+    Tf = b * seq
+    T = Tf // tp if sp else Tf
+    f_t = L.ffn_hidden_size // tp
+    kept = 0 if ("layernorm" in mods and L.transformer_impl == "local") else T * h * e
+    if "mlp" not in mods:
+        kept += Tf * (2 if L.gated_linear_unit else 1) * f_t * e
+        kept += Tf * f_t * e
+    return kept

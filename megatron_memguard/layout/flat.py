@@ -1,0 +1,49 @@
+"""The flat Megatron names of a layout, in the order ``Layout.to_dict()`` writes them, and the part
+each one lives in.
+
+This table is the one place that knows the mapping: ``Layout`` reads its flat properties from it,
+``to_dict``/``from_dict``/``from_flat``/``replace`` route through it, and the JSON document keeps
+Megatron's ``args`` names in the order users and stored records know (``memguard.estimate/1``).
+A new field is one word here and one field in its part.
+"""
+from __future__ import annotations
+
+# (part attribute of Layout, flat names in JSON order); runs may repeat a part to keep the order.
+_RUNS: tuple[tuple[str, str], ...] = (
+    ("parallel", "world_size tensor_model_parallel_size pipeline_model_parallel_size "
+                 "virtual_pipeline_model_parallel_size context_parallel_size data_parallel_size sequence_parallel "
+                 "num_distributed_optimizer_instances"),
+    ("shape", "num_layers hidden_size ffn_hidden_size num_attention_heads num_query_groups group_query_attention "
+              "kv_channels seq_length max_position_embeddings vocab_size padded_vocab_size "
+              "make_vocab_size_divisible_by swiglu squared_relu gated_linear_unit normalization add_bias_linear "
+              "add_qkv_bias qk_layernorm position_embedding_type rotary_percent "
+              "untie_embeddings_and_output_weights hidden_dropout attention_dropout"),
+    ("batch", "micro_batch_size global_batch_size num_microbatches"),
+    ("split", "decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers "
+              "account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split "
+              "pipeline_model_parallel_layout microbatch_group_size_per_vp_stage overlap_p2p_comm"),
+    ("precision", "params_dtype autocast_dtype bf16 fp16 accumulate_allreduce_grads_in_fp32 grad_reduce_in_bf16 "
+                  "fp32_residual_connection attention_softmax_in_fp32 apply_query_key_layer_scaling "
+                  "fp16_lm_cross_entropy"),
+    ("optim", "optimizer use_distributed_optimizer"),
+    ("precision", "use_precision_aware_optimizer main_grads_dtype main_params_dtype exp_avg_dtype exp_avg_sq_dtype"),
+    ("optim", "store_param_remainders overlap_grad_reduce overlap_param_gather ddp_bucket_size "
+              "ddp_pad_buckets_for_high_nccl_busbw"),
+    ("kernels", "gradient_accumulation_fusion"),
+    ("recompute", "recompute_granularity recompute_method recompute_num_layers recompute_modules "
+                  "distribute_saved_activations"),
+    ("kernels", "transformer_impl attention_backend masked_softmax_fusion bias_activation_fusion bias_dropout_fusion "
+                "apply_rope_fusion cross_entropy_loss_fusion cross_entropy_fusion_impl "
+                "create_attention_mask_in_dataloader deterministic_mode calculate_per_token_loss "
+                "empty_unused_memory_level defer_embedding_wgrad_compute wgrad_deferral_limit tp_comm_overlap"),
+    ("provenance", "megatron_version tokenizer_type"),
+    ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
+    ("provenance", "env"),
+    ("", "notes"),   # Layout's own field: not compared, not part of any part
+)
+
+# flat name -> part attribute ("" for Layout's own ``notes``), in JSON order
+FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
+FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
+# the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
+TUPLE_FIELDS = ("recompute_modules", "env", "notes")

@@ -1,0 +1,30 @@
+"""Which kernels run: the transformer implementation, attention backend, fusions and runtime switches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kernels:
+    gradient_accumulation_fusion: bool
+    transformer_impl: str           # transformer_engine | local
+    attention_backend: str          # auto | flash | fused | unfused | local
+    masked_softmax_fusion: bool
+    bias_activation_fusion: bool
+    bias_dropout_fusion: bool
+    apply_rope_fusion: bool
+    cross_entropy_loss_fusion: bool
+    cross_entropy_fusion_impl: str
+    create_attention_mask_in_dataloader: bool
+    deterministic_mode: bool
+    calculate_per_token_loss: bool
+    empty_unused_memory_level: int
+    defer_embedding_wgrad_compute: bool
+    wgrad_deferral_limit: int
+    tp_comm_overlap: bool
+
+    @property
+    def fused_wgrad(self) -> bool:
+        """Weight gradients accumulated straight into main_grad (gradient_accumulation_fusion); with
+        --no-gradient-accumulation-fusion (as the CPU referee runs) each one is materialised first."""
+        return self.gradient_accumulation_fusion

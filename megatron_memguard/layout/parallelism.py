@@ -1,0 +1,67 @@
+"""How the ranks are split, and over how many ranks each kind of state is sharded.
+
+Mirrors megatron-core's ``ModelParallelConfig`` (plus the world and DP sizes ``validate_args``
+derives). ``ShardGroup`` names the process groups model state is sharded over; a new kind of
+sharded state (experts' optimizer state over the expert-data-parallel group, world / (ETP x EP x PP);
+Megatron-FSDP's sharded parameters) is one more member and one more case in ``shard_size``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ShardGroup(str, Enum):
+    """A group of ranks that shards (splits rather than replicates) some model state."""
+
+    # The distributed optimizer's group for dense parameters: DP x CP ranks, split into
+    # --num-distributed-optimizer-instances replicas (megatron/core/parallel_state.py,
+    # get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)).
+    DENSE_DP = "dense_dp"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    context_parallel_size: int
+    data_parallel_size: int
+    sequence_parallel: bool
+    num_distributed_optimizer_instances: int
+    # expert_model_parallel_size / expert_tensor_parallel_size join here with mixture-of-experts.
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    def shard_size(self, group: ShardGroup) -> int:
+        """Ranks ``group`` shards its state over (1: every rank holds all of it)."""
+        sizes = self.__dict__.get("_shard_sizes")
+        if sizes is None:
+            # worked out once per (frozen) Parallelism: the estimator asks per chunk and stage
+            sizes = self.__dict__["_shard_sizes"] = {
+                ShardGroup.DENSE_DP: max(1, self.data_parallel_size * self.context_parallel_size
+                                         // self.num_distributed_optimizer_instances),
+            }
+        return sizes[group]

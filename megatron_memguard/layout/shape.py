@@ -1,0 +1,40 @@
+"""The model's shape: what megatron-core's TransformerConfig and the tokenizer's padding decide."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int           # resolved: heads unless --group-query-attention
+    group_query_attention: bool
+    kv_channels: int
+    seq_length: int
+    max_position_embeddings: int
+    vocab_size: int | None          # before padding, where known
+    padded_vocab_size: int
+    make_vocab_size_divisible_by: int
+    swiglu: bool
+    squared_relu: bool
+    gated_linear_unit: bool
+    normalization: str              # LayerNorm | RMSNorm
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    position_embedding_type: str
+    rotary_percent: float
+    untie_embeddings_and_output_weights: bool
+    hidden_dropout: float
+    attention_dropout: float
+    # multi-latent attention (DeepSeek-V2 style; megatron's MLASelfAttention), off by default
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected directly (linear_q_proj)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)

@@ -1,0 +1,46 @@
+"""How training runs the model: batch, pipeline split, optimizer with DDP, recomputation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Which layers each pipeline stage builds and how the schedule interleaves them."""
+
+    decoder_first_pipeline_num_layers: int | None
+    decoder_last_pipeline_num_layers: int | None
+    account_for_embedding_in_pipeline_split: bool
+    account_for_loss_in_pipeline_split: bool
+    pipeline_model_parallel_layout: str | None
+    microbatch_group_size_per_vp_stage: int | None
+    overlap_p2p_comm: bool
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """The optimizer and megatron's DDP wrapper (buffers, buckets); the state dtypes are in Precision."""
+
+    optimizer: str                  # adam | sgd
+    use_distributed_optimizer: bool
+    store_param_remainders: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    ddp_bucket_size: int | None
+    ddp_pad_buckets_for_high_nccl_busbw: bool
+
+
+@dataclass(frozen=True)
+class Recompute:
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    recompute_modules: tuple[str, ...]
+    distribute_saved_activations: bool

@@ -1,0 +1,114 @@
+"""From what the user wrote to a Layout: Megatron's defaults, derivations and rules.
+
+This mirrors ``validate_args`` in ``megatron/training/arguments.py`` (core_v0.16 .. core_v0.19), the
+vocabulary padding done when the tokenizer is built, and the checks of TransformerConfig and the
+pipeline schedules, for the settings that decide memory. Every broken rule is reported with the flag
+or key the user wrote; ``resolve`` raises all of them at once.
+
+The work is split in sections (one module each), run in validate_args's order by ``SECTIONS``: each
+reads the raw arguments through ``Args`` and returns its part of the Layout as flat Megatron names,
+recording broken rules in ``Args.errors`` as it goes. What memguard refuses to estimate is data in
+``refusals.py``. A new feature (MoE, FP8, Megatron-FSDP) is one new section and one refusal row less.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from packaging.version import InvalidVersion, Version
+
+from ..config import RawConfig
+from ..errors import ConfigError, ConfigErrors
+from ..layout import Layout
+from ..numbers import shown
+from . import batch, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
+from .args import Args, Context, Stop
+from .refusals import refuse
+
+DEFAULT_MEGATRON_VERSION = "0.19"
+
+__all__ = ["DEFAULT_MEGATRON_VERSION", "SECTIONS", "check", "parse_version", "resolve"]
+
+
+def parse_version(text: str, key: str = "--megatron-version") -> Version:
+    try:
+        if len(str(text)) > 40:   # (packaging converts each part to an int: 5000 digits would not convert)
+            raise InvalidVersion(text)
+        return Version(str(text).lstrip("v").replace("core_v", "").replace("core_r", ""))
+    except InvalidVersion:
+        raise ConfigError(key, f"cannot read Megatron version {shown(text)}; write e.g. 0.16 or 0.19.2") from None
+
+
+# A section: (raw arguments, flat names resolved so far, context) -> its flat names. It records broken
+# rules in Args.errors and raises Stop only when it cannot go on.
+Section = Callable[[Args, Mapping[str, Any], Context], dict[str, Any]]
+
+# The sections in validate_args's order: the order decides the order of the errors a user sees (and
+# where a Stop ends the reading), so a new section goes where Megatron checks its flags.
+SECTIONS: tuple[tuple[str, Section], ...] = (
+    ("refusals", refuse),
+    ("parallel", parallel.parallel),
+    ("shape (required)", shape.required),
+    ("recompute granularity", recompute.granularity),
+    ("batch", batch.batch),
+    ("sequence", shape.sequence),
+    ("shape", shape.dense_shape),
+    ("precision", precision.precision),
+    ("sequence parallel", parallel.sequence_parallel),
+    ("pipeline split", pipeline.pipeline),
+    ("recompute", recompute.recompute),
+    ("optimizer", optimizer.optimizer),
+    ("kernels", kernels.implementation),
+    ("attention variant", shape.attention_variant),
+    ("numerics", kernels.numerics),
+    ("vocabulary", vocab.vocab),
+    ("weight-gradient deferral", kernels.wgrad),
+    ("runtime", runtime.runtime),
+)
+
+
+def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | None) -> Layout | None:
+    """Every section in order; None when a rule is broken (the errors are in ``a.errors``)."""
+    ctx = Context(parse_version(version_text), world_size, vocab_size)
+    kw: dict[str, Any] = {}
+    try:
+        for _name, section in SECTIONS:
+            kw.update(section(a, kw, ctx))
+    except Stop:
+        return None
+    if a.errors:
+        return None
+    kw.update(runtime.late_options(a, kw, ctx))
+    kw.update(megatron_version=str(ctx.version), notes=tuple(a.notes))
+    return Layout.from_flat(**kw)
+
+
+def _version_text(a: Args, megatron_version: str | None) -> str:
+    return megatron_version or a.a.get("megatron_version") or DEFAULT_MEGATRON_VERSION
+
+
+def resolve(
+    raw: RawConfig,
+    world_size: int | None = None,
+    megatron_version: str | None = None,
+    vocab_size: int | None = None,
+) -> Layout:
+    """Apply Megatron's defaults and rules to ``raw``; raise ConfigErrors listing every problem."""
+    a = Args(raw)
+    layout = _run(a, world_size, _version_text(a, megatron_version), vocab_size)
+    if a.errors:
+        if len(a.errors) == 1:
+            raise a.errors[0]
+        raise ConfigErrors(a.errors)
+    assert layout is not None
+    return layout
+
+
+def check(raw: RawConfig, world_size: int | None = None, megatron_version: str | None = None,
+          vocab_size: int | None = None) -> tuple[Layout | None, list[ConfigError]]:
+    """Like ``resolve`` but returns the problems instead of raising (for ``memguard validate``)."""
+    a = Args(raw)
+    try:
+        layout = _run(a, world_size, _version_text(a, megatron_version), vocab_size)
+    except ConfigError as e:
+        return None, a.errors + [e]
+    return (layout if not a.errors else None), a.errors

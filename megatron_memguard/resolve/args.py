@@ -1,0 +1,102 @@
+"""Reading one raw setting: the typed accessors every resolve section uses, and the error list.
+
+A bad value is recorded (with the flag or key the user wrote) and the default taken, so that the
+sections after it still run and ``memguard validate`` lists every problem at once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+from ..config import RawConfig
+from ..errors import ConfigError
+from ..numbers import bound_reason, to_float, to_int, upper_bound
+
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
+
+
+class Context:
+    """What sections need besides the raw arguments and the flat names resolved so far: the Megatron
+    version and the caller's overrides."""
+
+    def __init__(self, version: Version, world_size: int | None, vocab_size: int | None):
+        self.version = version
+        self.legacy = version < Version("0.18")   # NullTokenizer's extra EOD token, TE cross entropy
+        self.world_size = world_size
+        self.vocab_size = vocab_size
+
+
+class Stop(Exception):
+    """A section cannot go on (a required value is missing or broken); its error is already recorded."""
+
+
+class Args:
+    """The raw arguments of one config (flat Megatron dests), with the errors and notes found so far."""
+
+    def __init__(self, raw: RawConfig):
+        self.raw = raw
+        self.a = dict(raw.args)
+        self.errors: list[ConfigError] = []
+        self.notes: list[str] = list(raw.warnings)
+
+    def given(self, dest: str) -> bool:
+        return self.a.get(dest) is not None
+
+    def get(self, dest: str, default: Any = None) -> Any:
+        v = self.a.get(dest)
+        return default if v is None else v
+
+    def key(self, dest: str) -> str:
+        return self.raw.key(dest)
+
+    def fail(self, dest: str, rule: str, fix: str | None = None) -> None:
+        self.errors.append(ConfigError(self.key(dest) if dest else "", rule, fix))
+
+    def int_arg(self, dest: str, default: int | None = None, required: bool = False, minimum: int = 1) -> int | None:
+        v = self.a.get(dest)
+        if v is None:
+            if required:
+                self.fail(dest, "is required")
+                return None
+            return default
+        try:
+            return to_int(v, self.key(dest), minimum, upper_bound(dest), bound_reason(dest))
+        except ConfigError as e:
+            self.errors.append(e)
+            return default
+
+    def bool_arg(self, dest: str, default: bool) -> bool:
+        v = self.a.get(dest)
+        if v is None:
+            return default
+        if isinstance(v, str):
+            word = v.strip().lower()
+            if word in ("1", "true", "yes", "on"):
+                return True
+            if word in ("0", "false", "no", "off", ""):
+                return False
+            self.fail(dest, f"must be true or false, got {v!r}")
+            return default
+        return bool(v)
+
+    def float_arg(self, dest: str, default: float) -> float:
+        v = self.a.get(dest)
+        if v is None:
+            return default
+        try:
+            return to_float(v, self.key(dest))
+        except ConfigError as e:
+            self.errors.append(e)
+            return default
+
+    def dtype_arg(self, dest: str, default: str) -> str:
+        v = self.a.get(dest)
+        if v is None:
+            return default
+        name = str(v).replace("torch.", "").lower()
+        if name not in _DTYPE_NAMES:
+            self.fail(dest, f"unknown dtype {v!r}; use fp32, bf16, fp16 or fp8")
+            return default
+        return _DTYPE_NAMES[name]

@@ -1,0 +1,29 @@
+"""Section: micro-batch, global batch and the number of micro-batches (validate_args)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .args import Args, Context, Stop
+
+
+def batch(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    dp = kw["data_parallel_size"]
+    mbs = a.int_arg("micro_batch_size", required=True)
+    gbs = a.int_arg("global_batch_size")
+    if mbs is None:
+        raise Stop
+    if gbs is None:
+        gbs = mbs * dp
+        a.notes.append(f"global batch size defaults to micro-batch size x DP = {gbs}")
+    if gbs % (mbs * dp):
+        if a.bool_arg("decrease_batch_size_if_needed", False):
+            gbs = gbs // (mbs * dp) * (mbs * dp)
+            if gbs == 0:
+                a.fail("global_batch_size", f"is smaller than micro-batch size x DP = {mbs}*{dp}")
+                raise Stop
+            a.notes.append(f"--decrease-batch-size-if-needed: global batch size rounded down to {gbs}")
+        else:
+            a.fail("global_batch_size", f"{gbs} is not divisible by micro-batch size x DP = {mbs}*{dp} = {mbs * dp}",
+                   f"use a multiple of {mbs * dp}")
+    num_microbatches = max(1, gbs // (mbs * dp))  # (a placeholder after the error above: checks go on)
+    return dict(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=num_microbatches)

@@ -1,0 +1,71 @@
+"""Sections: the implementation and its fusions (Megatron's defaults: TE, fusions on), and the
+numerics options (normalization, cross-entropy fusion, softmax precision)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import NotModelledError
+from .args import Args, Context
+
+
+def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    tp, cp, sp, seq = (kw["tensor_model_parallel_size"], kw["context_parallel_size"], kw["sequence_parallel"],
+                       kw["seq_length"])
+    impl = str(a.get("transformer_impl", "transformer_engine"))
+    if impl not in ("transformer_engine", "local"):
+        raise NotModelledError(a.key("transformer_impl"), f"transformer implementation {impl!r}")
+    if impl == "local" and cp > 1:
+        # megatron-core's DotProductAttention asserts context_parallel_size == 1 (only TE's
+        # attention implements context parallelism).
+        a.fail("context_parallel_size", "needs --transformer-impl transformer_engine (megatron's local "
+               "attention has no context parallelism)")
+    if sp and seq and (seq // cp) % tp:
+        # The sequence-parallel scatter splits each rank's s/CP tokens over TP
+        # (tensor_parallel.mappings._split_along_first_dim asserts it divides).
+        a.fail("sequence_parallel", f"needs seq_length / context-parallel size = {seq // cp} divisible by "
+               f"tensor-model-parallel size {tp}")
+    backend = str(a.get("attention_backend", "auto")).replace("AttnBackend.", "")
+    if backend not in ("auto", "flash", "fused", "unfused", "local"):
+        a.fail("attention_backend", f"unknown backend {backend!r}")
+    add_bias = a.bool_arg("add_bias_linear", True)
+    add_qkv_bias = a.bool_arg("add_qkv_bias", False) or add_bias
+    bias_gelu = a.bool_arg("bias_gelu_fusion", True) and add_bias
+    bias_swiglu = a.bool_arg("bias_swiglu_fusion", True)
+    bias_act_fusion = a.bool_arg("bias_activation_fusion", bias_swiglu if kw["swiglu"] else bias_gelu)
+    if kw["squared_relu"]:
+        bias_act_fusion = False
+    apply_rope_fusion = a.bool_arg("apply_rope_fusion", True) and kw["position_embedding_type"] == "rope"
+    return dict(transformer_impl=impl, attention_backend=backend, add_bias_linear=add_bias, add_qkv_bias=add_qkv_bias,
+                bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion)
+
+
+def numerics(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    normalization = str(a.get("normalization", "LayerNorm"))
+    if normalization.lower() in ("layernorm", "layer_norm"):
+        normalization = "LayerNorm"
+    elif normalization.lower() in ("rmsnorm", "rms_norm"):
+        normalization = "RMSNorm"
+    else:
+        a.fail("normalization", f"must be LayerNorm or RMSNorm, got {normalization!r}")
+    ce_fusion = a.bool_arg("cross_entropy_loss_fusion", False)
+    ce_impl = str(a.get("cross_entropy_fusion_impl", "native"))
+    if ce_fusion and ce_impl == "te" and not ctx.legacy:
+        a.fail("cross_entropy_fusion_impl", "te is rejected together with --cross-entropy-loss-fusion since core 0.18")
+    softmax_fp32 = a.bool_arg("attention_softmax_in_fp32", False)
+    qk_scaling = a.bool_arg("apply_query_key_layer_scaling", False)
+    if qk_scaling and not softmax_fp32 and kw["fp16"]:
+        softmax_fp32 = True  # TransformerConfig: layer scaling needs the softmax in fp32 under fp16
+    return dict(normalization=normalization, cross_entropy_loss_fusion=ce_fusion, cross_entropy_fusion_impl=ce_impl,
+                attention_softmax_in_fp32=softmax_fp32, apply_query_key_layer_scaling=qk_scaling)
+
+
+def wgrad(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """ModelParallelConfig.__post_init__ refuses deferral without a pipeline or without fused
+    weight-gradient accumulation."""
+    defer_wgrad = a.bool_arg("defer_embedding_wgrad_compute", False)
+    grad_acc_fusion = a.bool_arg("gradient_accumulation_fusion", True)
+    if defer_wgrad and kw["pipeline_model_parallel_size"] == 1:
+        a.fail("defer_embedding_wgrad_compute", "needs pipeline-model-parallel size > 1")
+    if defer_wgrad and not grad_acc_fusion:
+        a.fail("defer_embedding_wgrad_compute", "cannot be used with --no-gradient-accumulation-fusion")
+    return dict(defer_embedding_wgrad_compute=defer_wgrad, gradient_accumulation_fusion=grad_acc_fusion)

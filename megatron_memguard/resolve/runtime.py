@@ -1,0 +1,41 @@
+"""Sections: run-time options (determinism, dropout, the environment), and the options read only
+once every rule above passed."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from packaging.version import Version
+
+from .args import Args, Context
+
+
+def runtime(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    deterministic = a.bool_arg("deterministic_mode", False)
+    cublas = a.raw.env.get("CUBLAS_WORKSPACE_CONFIG")
+    if deterministic and cublas and cublas not in (":4096:8", ":16:8") and ctx.version >= Version("0.19"):
+        # megatron/training/determinism.py (0.19): ACCEPTED_ENV_VAR_VALUES
+        a.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
+    hidden_dropout = a.float_arg("hidden_dropout", 0.1)
+    attention_dropout = a.float_arg("attention_dropout", 0.1)
+    env = tuple(sorted((str(k), str(v)) for k, v in a.raw.env.items()))
+    return dict(deterministic_mode=deterministic, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                env=env)
+
+
+def late_options(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """Options without a rule of their own, read after the checks: a bad value here is reported only
+    when everything else is right (as it always was: keeps the error lists users see unchanged)."""
+    return dict(
+        qk_layernorm=a.bool_arg("qk_layernorm", False),
+        rotary_percent=a.float_arg("rotary_percent", 1.0),
+        untie_embeddings_and_output_weights=a.bool_arg("untie_embeddings_and_output_weights", False),
+        autocast_dtype=a.dtype_arg("autocast_dtype", kw["params_dtype"]) if "autocast_dtype" in a.a else None,
+        store_param_remainders=a.bool_arg("store_param_remainders", True),
+        ddp_pad_buckets_for_high_nccl_busbw=a.bool_arg("ddp_pad_buckets_for_high_nccl_busbw", False),
+        masked_softmax_fusion=a.bool_arg("masked_softmax_fusion", True),
+        bias_dropout_fusion=a.bool_arg("bias_dropout_fusion", True),
+        create_attention_mask_in_dataloader=a.bool_arg("create_attention_mask_in_dataloader", True),
+        calculate_per_token_loss=a.bool_arg("calculate_per_token_loss", False),
+        empty_unused_memory_level=a.int_arg("empty_unused_memory_level", 0, minimum=0),
+        wgrad_deferral_limit=a.int_arg("wgrad_deferral_limit", 0, minimum=0),
+    )

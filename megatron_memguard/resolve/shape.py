@@ -1,0 +1,138 @@
+"""Sections: the model's shape (layers, hidden, heads, FFN, query groups), the sequence and position
+embedding, and multi-latent attention's projection shape (validate_args, TransformerConfig)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ..errors import ConfigError, NotModelledError
+from ..numbers import to_int
+from .args import Args, Context, Stop
+
+
+def required(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """Layers, hidden size and heads: without them there is no model (stop after reporting all three)."""
+    num_layers = a.int_arg("num_layers", required=True)
+    if num_layers is None and a.get("decoder_num_layers") is not None:
+        num_layers = a.int_arg("decoder_num_layers", required=True)
+    hidden = a.int_arg("hidden_size", required=True)
+    heads = a.int_arg("num_attention_heads", required=True)
+    if None in (num_layers, hidden, heads):
+        raise Stop
+    return dict(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads)
+
+
+def sequence(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """Sequence length, position embedding, and context parallelism's rules on them."""
+    cp = kw["context_parallel_size"]
+    seq = a.int_arg("seq_length")
+    if seq is None:
+        seq = a.int_arg("encoder_seq_length")
+    if seq is None:
+        a.fail("seq_length", "is required")
+        raise Stop
+    position = str(a.get("position_embedding_type", "learned_absolute"))
+    if a.bool_arg("use_rotary_position_embeddings", False):
+        position = "rope"
+    if position not in ("learned_absolute", "rope", "yarn", "none", "mrope", "relative"):
+        a.fail("position_embedding_type", f"unknown type {position!r}")
+    max_pos = a.int_arg("max_position_embeddings")
+    if max_pos is None:
+        max_pos = seq
+        a.notes.append("--max-position-embeddings not given: taken as --seq-length")
+    elif max_pos < seq:
+        a.fail("max_position_embeddings", f"({max_pos}) must be >= seq_length ({seq})")
+    if cp > 1 and seq % (2 * cp):
+        a.fail("seq_length", f"{seq} must be a multiple of 2 * context-parallel-size = {2 * cp}")
+    _check_cp_comm(a, cp)
+    return dict(seq_length=seq, position_embedding_type=position, max_position_embeddings=max_pos)
+
+
+def _check_cp_comm(a: Args, cp: int) -> None:
+    """validate_args: hierarchical CP sizes multiply to CP; a2a+p2p needs them."""
+    sizes = a.get("hierarchical_context_parallel_sizes")
+    if sizes:
+        key = a.key("hierarchical_context_parallel_sizes")
+        try:
+            sizes = [to_int(x, key) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes).split())]
+        except ConfigError as e:
+            a.errors.append(e)
+            return
+        if math.prod(sizes) != cp:
+            a.fail("hierarchical_context_parallel_sizes",
+                   f"{sizes} multiply to {math.prod(sizes)}, not context-parallel-size {cp}")
+    comm = a.get("cp_comm_type", ["p2p"])
+    comm = comm if isinstance(comm, (list, tuple)) else [comm]
+    if any("a2a+p2p" in str(c) for c in comm) and not sizes:
+        a.fail("hierarchical_context_parallel_sizes", "must be set when --cp-comm-type is a2a+p2p")
+
+
+def dense_shape(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """Shape defaults (validate_args): activation, FFN size, head dim, query groups and their TP rules."""
+    hidden, heads, tp = kw["hidden_size"], kw["num_attention_heads"], kw["tensor_model_parallel_size"]
+    swiglu = a.bool_arg("swiglu", False)
+    squared_relu = a.bool_arg("squared_relu", False)
+    if swiglu and squared_relu:
+        a.fail("squared_relu", "cannot be combined with --swiglu")
+    gated = swiglu or a.bool_arg("quick_geglu", False) or a.bool_arg("gated_linear_unit", False)
+    ffn = a.int_arg("ffn_hidden_size")
+    if ffn is None:
+        ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+    kv = a.int_arg("kv_channels")
+    if kv is None:
+        if hidden % heads:
+            a.fail("hidden_size", f"{hidden} is not divisible by num_attention_heads {heads} (or give --kv-channels)")
+            raise Stop
+        kv = hidden // heads
+    gqa = a.bool_arg("group_query_attention", False)
+    groups = a.int_arg("num_query_groups", 1) if gqa else heads
+    if gqa and groups is not None and heads % groups:
+        a.fail("num_query_groups", f"{groups} must divide num_attention_heads {heads}")
+    if heads % tp:
+        a.fail("num_attention_heads", f"{heads} is not divisible by tensor-model-parallel size {tp}")
+    if groups % tp and tp % groups:
+        a.fail("num_query_groups", f"{groups} must be a multiple or a divisor of tensor-model-parallel size {tp}")
+    return dict(swiglu=swiglu, squared_relu=squared_relu, gated_linear_unit=gated, ffn_hidden_size=ffn,
+                kv_channels=kv, group_query_attention=gqa, num_query_groups=groups)
+
+
+def attention_variant(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """Multi-latent attention or not; with it, its projection shape. Runs after the kernels section
+    (it needs transformer_impl and apply_rope_fusion)."""
+    mla = a.bool_arg("multi_latent_attention", False)
+    return dict(multi_latent_attention=mla, **(_mla_shape(a, kw) if mla else {}))
+
+
+def _mla_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
+    """Multi-latent attention's projection ranks and head dims (Megatron's defaults and rules)."""
+    gqa, impl = kw["group_query_attention"], kw["transformer_impl"]
+    rope_fusion, position = kw["apply_rope_fusion"], kw["position_embedding_type"]
+    if gqa:
+        a.fail("group_query_attention", "is mutually exclusive with --multi-latent-attention")
+    if position == "yarn":
+        # GPTModel builds a yarn embedding and passes it on; MLASelfAttention asserts it gets none
+        a.fail("position_embedding_type", "yarn cannot be combined with --multi-latent-attention "
+               "(MLA applies its own rotary embedding)", "use --rope-type yarn")
+    if a.bool_arg("rotary_interleaved", False):
+        a.fail("rotary_interleaved", "does not work with --multi-latent-attention (TransformerConfig)")
+    if a.bool_arg("qk_l2_norm", False):
+        a.fail("qk_l2_norm", "is not supported with --multi-latent-attention (gpt_layer_specs)")
+    if impl != "transformer_engine":
+        # the local MLA spec splits the down projections over TP and gathers their outputs: a
+        # different set of tensors that memguard has not modelled
+        raise NotModelledError(a.key("transformer_impl"), "multi-latent attention with the local implementation")
+    for dest in ("mla_down_proj_fusion", "cache_mla_latents"):
+        if a.bool_arg(dest, False):
+            raise NotModelledError(a.key(dest), dest.replace("_", "-"))
+    rope_type = str(a.get("rope_type", "yarn"))
+    if rope_type not in ("rope", "yarn"):
+        a.fail("rope_type", f"must be rope or yarn, got {rope_type!r}")
+    elif rope_fusion and rope_type != "yarn":
+        a.fail("rope_type", "rope fusion for multi-latent attention works only with yarn (TransformerConfig)",
+               "use --rope-type yarn or --no-rope-fusion")
+    pe = a.int_arg("qk_pos_emb_head_dim", 64)
+    if rope_fusion and pe % 4:
+        a.fail("qk_pos_emb_head_dim", f"({pe}) must be a multiple of 4 for the fused MLA rope kernels")
+    return dict(q_lora_rank=a.int_arg("q_lora_rank"), kv_lora_rank=a.int_arg("kv_lora_rank", 32),
+                qk_head_dim=a.int_arg("qk_head_dim", 128), qk_pos_emb_head_dim=pe,
+                v_head_dim=a.int_arg("v_head_dim", 128), rope_type=rope_type)

@@ -1,0 +1,80 @@
+"""Layer kinds as recipes: each kind's parameters, chunks carrying their kinds, caches keyed on them."""
+import pytest
+
+from megatron_memguard import layout_from_flags
+from megatron_memguard.estimator import core
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.layers import attention, mla, mlp
+from megatron_memguard.estimator.params import total_parameters
+from megatron_memguard.partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, Chunk, LayerKind, kind_runs, layer_kinds
+
+from conftest import LLAMA31_8B
+from test_mla import CI_MLA
+
+ATTN = LayerKind(MIXER_ATTENTION, MLP_DENSE)
+MLA = LayerKind(MIXER_MLA, MLP_DENSE)
+
+
+def _8b(*extra, world=1):
+    return layout_from_flags(LLAMA31_8B + ["--micro-batch-size", "1", *extra], world_size=world)
+
+
+def test_llama31_8b_per_kind_parameters_by_hand():
+    # Llama-3.1-8B (Meta's config.json: hidden 4096, 32 heads, 8 KV heads of 128, FFN 14336, RMSNorm,
+    # no biases, vocab 128256, untied): attention q 4096x4096 + k, v 2 x 1024x4096 + o 4096x4096 + the
+    # input norm 4096; SwiGLU MLP 3 x 4096x14336 + the pre-MLP norm 4096.
+    L = _8b()
+    assert attention.param_count(L) == 4096 * 4096 + 2 * 1024 * 4096 + 4096 * 4096 + 4096 == 41_947_136
+    assert mlp.param_count(L) == 3 * 4096 * 14336 + 4096 == 176_164_864
+    # 32 such layers + the final norm + embedding and output layer: the published 8,030,261,248
+    assert 32 * (41_947_136 + 176_164_864) + 4096 + 2 * 128256 * 4096 == total_parameters(L) == 8_030_261_248
+
+
+@pytest.mark.parametrize("flags", [LLAMA31_8B + ["--micro-batch-size", "1"], CI_MLA], ids=["llama-8b", "ci-mla"])
+def test_recipe_param_lists_match_their_counts(flags):
+    """At TP = 1 a recipe's parameter list (shapes per rank) sums to its whole-model count."""
+    L = layout_from_flags(flags, world_size=1)
+    mixer = mla if L.multi_latent_attention else attention
+    assert sum(p.numel for p in mixer.params(L)) == mixer.param_count(L)
+    assert sum(p.numel for p in mlp.params(L)) == mlp.param_count(L)
+
+
+def test_ci_mla_attention_kind_by_hand():
+    # the CI model's attention (tests/test_mla.py): 254,464 weights + the input LayerNorm (2 x 512)
+    L = layout_from_flags(CI_MLA, world_size=1)
+    assert layer_kinds(L) == (MLA,) * 4
+    assert mla.param_count(L) == 254_464 + 2 * 512
+
+
+@pytest.mark.parametrize("pp, vpp", [(1, 1), (4, 1), (4, 2)])
+def test_uniform_chunks_carry_n_times_the_same_kind(pp, vpp):
+    extra = ["--pipeline-model-parallel-size", str(pp)]
+    if vpp > 1:
+        extra += ["--num-layers-per-virtual-pipeline-stage", str(32 // pp // vpp)]
+    L = _8b(*extra, "--global-batch-size", "8", world=pp)
+    assert len(L.chunks) == pp * vpp
+    for c in L.chunks:
+        assert c.layer_kinds == (ATTN,) * c.num_layers == (ATTN,) * (32 // pp // vpp)
+        assert c.kind_runs == ((ATTN, c.num_layers),)
+    assert sum(len(c.layer_kinds) for c in L.chunks) == 32
+
+
+def test_chunk_kinds_from_runs():
+    c = Chunk(0, 0, 0, 3, True, True, False, kind_runs=((ATTN, 2), (MLA, 1)))
+    assert c.layer_kinds == (ATTN, ATTN, MLA)
+    assert kind_runs(c.layer_kinds) == c.kind_runs
+
+
+def test_layouts_differing_in_a_layer_kind_do_not_share_a_cache_entry():
+    L = _8b()
+    core._chunk_activations.cache_clear()
+    a = core._chunk_activations(L, ((ATTN, 4),), False, False)
+    b = core._chunk_activations(L, ((MLA, 4),), False, False)
+    assert core._chunk_activations.cache_info().misses == 2
+    assert a.layers == 4 * layer_activations(L, False, ATTN).total
+    assert b.layers == 4 * layer_activations(L, False, MLA).total
+    assert a.layers != b.layers
+    # a mixed chunk keeps each layer's own saved bytes (bottom to top: 2 + 1)
+    mixed = core._chunk_activations(L, ((ATTN, 2), (MLA, 1)), False, False)
+    assert mixed.layers == 2 * layer_activations(L, False, ATTN).total + layer_activations(L, False, MLA).total
+    core._chunk_activations.cache_clear()
