@@ -28,12 +28,15 @@ V3_MOE = MoeShape(experts=256, topk=8, ffn=2048, pattern=(False,) * 3 + (True,) 
 
 
 def v3_shape(moe=V3_MOE, seq=4096):
-    return ModelShape(num_layers=61, hidden=7168, ffn=18432, heads=128, groups=128, kv_channels=128, vocab=129280,
-                      vocab_divisible_by=128, pad_vocab=True, fixed_padded_vocab=None, gated=True, untied=True,
-                      learned_positions=False, max_positions=4096, normalization="RMSNorm", add_bias_linear=False,
-                      add_qkv_bias=False, qk_layernorm=True, seq_length=seq, param_bytes=2, act_bytes=2, grad_bytes=4,
-                      optimizer="adam", optimizer_state_bytes=12, dist_opt_instances=1, recompute_modules=("core_attn",),
-                      transformer_impl="transformer_engine", mla=(1536, 512, 128, 64, 128), moe=moe)
+    """DeepSeek-V3's shape (the deepseek-v3 preset, its dense part resolved at TP = PP = 1) with ``moe``."""
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.models import read_model
+
+    raw = read_model("deepseek-v3")
+    dense = {k: v for k, v in raw.args.items() if not k.startswith("moe_") and k != "num_experts"}
+    L = resolve(raw.__class__(args={**dense, "seq_length": seq, "micro_batch_size": 1, "bf16": True,
+                                    "use_distributed_optimizer": True}, origin=raw.origin), world_size=1)
+    return ModelShape(layout=L, moe=moe)
 
 
 def cluster(gpus, gpu=H100):

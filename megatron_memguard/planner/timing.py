@@ -296,6 +296,7 @@ class TimeModel:
         self._params: dict[tuple, int] = {}
         self._work: dict[tuple, tuple[float, ...]] = {}
         self._dp: dict[tuple, float] = {}
+        self._moe_on: dict[tuple, int] = {}
         s = shape
         self.flops_per_token = (6.0 * (s.matmul_params() + s.vocab * s.hidden)
                                 + 6.0 * s.num_layers * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
@@ -447,11 +448,17 @@ class TimeModel:
         ms = self.shape.moe
         if ms is None:
             return 0
+        key = (c.pp, c.vpp, c.first, c.last, c.stage_layers, stage)
+        n = self._moe_on.get(key)
+        if n is not None:
+            return n
         if c.vpp > 1 and c.first is None and c.last is None:
             ch = self.shape.num_layers // (c.pp * c.vpp)
-            return sum(ms.layers_in((j * c.pp + stage) * ch, ch) for j in range(c.vpp))
-        start = sum(c.stage_layers[:stage])
-        return ms.layers_in(start, c.stage_layers[stage])
+            n = sum(ms.layers_in((j * c.pp + stage) * ch, ch) for j in range(c.vpp))
+        else:
+            n = ms.layers_in(sum(c.stage_layers[:stage]), c.stage_layers[stage])
+        self._moe_on[key] = n
+        return n
 
     def ends_cost(self, tp: int, cp: int, b: int, sp: bool) -> EndsCost:
         key = (tp, cp, b, sp)
