@@ -176,3 +176,78 @@ def test_moe_shape_from_megatron_args():
         (8, 2, 1024, (False, True, True, True), "alltoall", True)
     assert moe_shape_from_args({"num_experts": 0}, 4, 1024) is None
     assert moe_shape_from_args({"num_experts": 4, "moe_layer_freq": 2}, 4, 1024).pattern == (True, False, True, False)
+
+
+# ---- end to end, with the MoE estimator ------------------------------------------------------------------
+def _moe_modelled() -> bool:
+    from megatron_memguard import resolve
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    raw = parse_megatron_flags("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                               "--max-position-embeddings 64 --micro-batch-size 1 --num-experts 2 "
+                               "--tokenizer-type NullTokenizer --vocab-size 128".split())
+    try:
+        resolve(raw, world_size=1)
+    except NotModelledError:
+        return False
+    return True
+
+
+needs_moe = pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
+MIXTRAL_TRAIN = "--bf16 --moe-grouped-gemm --moe-token-dispatcher-type alltoall --tokenizer-type NullTokenizer --vocab-size 32000"
+
+
+def mixtral_planner(gpus=64, seq=4096, gbs=256):
+    from megatron_memguard.planner import Planner
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.readers.models import read_model
+    raw = read_model("mixtral-8x7b").merged(parse_megatron_flags(MIXTRAL_TRAIN.split()))
+    return Planner(raw, cluster(gpus), seq_length=seq, global_batch_size=gbs)
+
+
+@needs_moe
+def test_plan_of_an_moe_model_searches_ep_and_writes_it_out():
+    p = mixtral_planner()
+    assert p.shape.moe is not None and p.shape.moe.experts == 8
+    res = p.plan(Constraints(), top=3)
+    assert res.entries and not res.rejected          # the enumerated expert layouts are all Megatron's
+    for e in res.entries:
+        c, L = e.candidate, e.layout
+        assert (L.expert_model_parallel_size, L.expert_tensor_parallel_size) == (c.ep, c.etp)
+        assert e.estimate.verdict == "fits" and "ep_comm" in e.time.term_seconds
+        d = e.to_dict(8)
+        assert f"--expert-model-parallel-size {c.ep}" in d["megatron_flags"]
+        assert f"model.expert_model_parallel_size={c.ep}" in d["bridge_overrides"]
+        assert f"trainer.strategy.expert_tensor_parallel_size={c.etp}" in d["nemo2_overrides"]
+
+
+@needs_moe
+def test_memory_bound_stays_below_the_moe_estimate():
+    """The planner prunes with a lower bound: on a spread of Mixtral layouts (EP, ETP, recompute, MBS,
+    pipeline splits) it must stay below the estimator's device total, or a fitting layout could be lost."""
+    from megatron_memguard.planner.bounds import memory_lower_bound
+    p = mixtral_planner()
+    cands = enumerate_space(p.shape, p.cluster, p.gbs, Constraints(allow_ep_across_nodes=True, etp=(1, 2)))
+    checked = 0
+    for c in cands[::max(1, len(cands) // 60)]:
+        try:
+            L = p.layout(c)
+        except Exception:
+            continue
+        est = p.estimate(L)
+        lb = memory_lower_bound(p.shape, c, p.timer.stage_params, p.timer.stage_expert_params, p.timer.moe_layers_on)
+        assert lb <= max(s.device_total_bytes for s in est.stages), c.name
+        checked += 1
+    assert checked >= 30
+
+
+@needs_moe
+def test_planner_expert_parameters_equal_the_estimators():
+    # the planner's per-rank counts (its bound and optimizer term) against the estimator's parameters
+    p = mixtral_planner()
+    for ep, etp, tp, pp in ((8, 1, 1, 1), (4, 2, 2, 2), (2, 1, 2, 4)):
+        c = make_candidate(p.shape, p.cluster, p.gbs, tp=tp, pp=pp, ep=ep, etp=etp)
+        est = p.estimate(p.layout(c))
+        for st in est.stages:
+            assert p.timer.stage_params(c, st.pp_rank) + p.timer.stage_expert_params(c, st.pp_rank) == st.parameters, \
+                (c.name, st.pp_rank)

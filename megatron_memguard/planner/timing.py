@@ -542,8 +542,12 @@ class TimeModel:
         n_moe = self.moe_layers_on(c, stage)
         if not n_moe:
             return 0
-        s = self.shape
-        return n_moe * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp)
+        key = ("experts", n_moe, c.ep, c.etp)
+        n = self._params.get(key)
+        if n is None:
+            s = self.shape
+            n = self._params[key] = n_moe * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp)
+        return n
 
     # ---- the step ---------------------------------------------------------------------------------
     def step_time(self, c: Candidate) -> StepTime:
