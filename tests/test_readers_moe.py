@@ -351,3 +351,29 @@ def test_hook_namespace_before_validate_args():
                                moe_layer_freq=[0, 1], world_size=8)
     a = raw_from_namespace(ns).args
     assert (a["moe_router_load_balancing_type"], a["moe_aux_loss_coeff"], a["moe_layer_freq"]) == ("aux_loss", 0.01, [0, 1])
+
+
+def _moe_modelled() -> bool:
+    from megatron_memguard import resolve
+    from megatron_memguard.errors import NotModelledError
+    raw = parse_megatron_flags("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                               "--max-position-embeddings 64 --micro-batch-size 1 --num-experts 2 "
+                               "--tokenizer-type NullTokenizer --vocab-size 128".split())
+    try:
+        resolve(raw, world_size=1)
+    except NotModelledError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
+@pytest.mark.parametrize("preset", sorted(MOE_PRESETS))
+def test_estimator_counts_the_presets_as_transformers_does(preset):
+    """The estimator's total parameters of each MoE preset (resolved at TP = PP = EP = 1, vocabulary
+    unpadded as config.json gives it) equal transformers' count from the same config.json."""
+    from megatron_memguard import resolve
+    from megatron_memguard.estimator.params import total_parameters
+    raw = read_model(preset).with_args(seq_length=4096, micro_batch_size=1, bf16=True)
+    L = resolve(raw, world_size=1)
+    assert L.moe is not None and L.padded_vocab_size == raw.args["vocab_size"]
+    assert total_parameters(L) == REF[MOE_PRESETS[preset]]["num_parameters"]
