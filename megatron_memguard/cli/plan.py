@@ -211,6 +211,12 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         groups = f" (MLA, q rank {s.mla[0] or '-'}, kv rank {s.mla[1]})"
     out.append(f"model:  {s.num_layers} layers, hidden {s.hidden}, ffn {s.ffn}, {s.heads} heads{groups}, vocab {s.vocab}; "
                f"seq {s.seq_length}, GBS {res.global_batch_size}")
+    if s.moe is not None:
+        m = s.moe
+        shared = f", shared expert {m.shared_ffn}" if m.shared_ffn else ""
+        out.append(f"experts: {m.experts} of width {m.ffn}, top-{m.topk}{shared}, in {m.moe_layers} of {s.num_layers} layers; "
+                   f"{m.dispatcher} dispatcher{', grouped GEMM' if m.grouped_gemm else ''}; EP and ETP searched "
+                   f"(expert DP = GPUs / (ETP x EP x PP))")
     sd = res.search_dict()
     out.append(f"search: {sd['considered']:,} layouts, {sd['visited']:,} visited "
                + ("fastest first" if res.rule == "time" else "by TP*CP*PP, then MBS") + f": "
