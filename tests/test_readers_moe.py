@@ -377,3 +377,13 @@ def test_estimator_counts_the_presets_as_transformers_does(preset):
     L = resolve(raw, world_size=1)
     assert L.moe is not None and L.padded_vocab_size == raw.args["vocab_size"]
     assert total_parameters(L) == REF[MOE_PRESETS[preset]]["num_parameters"]
+
+
+def test_hf_shared_expert_width_is_a_number():
+    doc = json.load(open(os.path.join(HERE, "data", "hf", "deepseek-v3.json")))
+    doc["moe_intermediate_size"] = "2048"   # a string times n_shared_experts would be a string, not a width
+    with pytest.raises(ConfigError, match="^moe_intermediate_size: "):
+        read_hf_config(doc, "x")
+    doc["moe_intermediate_size"], doc["n_shared_experts"] = 2048, 10**12
+    with pytest.raises(ConfigError, match="^n_shared_experts: "):
+        read_hf_config(doc, "x")

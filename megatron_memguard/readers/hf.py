@@ -136,8 +136,12 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
         first, freq = _count(hf, "first_k_dense_replace", 0), _count(hf, "moe_layer_freq", 1) or 1
         p.update(num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
                  moe_layer_freq=_layer_freq([int(i >= first and i % freq == 0) for i in range(n)]))
-        if hf.get("n_shared_experts"):
-            p["moe_shared_expert_intermediate_size"] = hf["moe_intermediate_size"] * hf["n_shared_experts"]
+        shared = _count(hf, "n_shared_experts", 0)
+        if shared:
+            width = hf["moe_intermediate_size"]
+            if isinstance(width, bool) or not isinstance(width, int):
+                raise ConfigError("moe_intermediate_size", f"expects a whole number, got {shown(width)}")
+            p["moe_shared_expert_intermediate_size"] = width * shared
         if hf.get("scoring_func") == "sigmoid":
             p["moe_router_score_function"] = "sigmoid"
         if hf.get("topk_method") == "noaux_tc":  # aux-loss-free balancing: a per-expert score bias
