@@ -118,7 +118,7 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
         # and i is not in mlp_only_layers, else a dense MLP of width intermediate_size.
         n, step = _count(hf, "num_hidden_layers", 0), _count(hf, "decoder_sparse_step", 1) or 1
         only = hf.get("mlp_only_layers") or ()
-        if not isinstance(only, (list, tuple)):
+        if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
             raise ConfigError("mlp_only_layers", f"expects a list of layer numbers, got {shown(only)}")
         only_mlp = set(only)
         p.update(num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
@@ -146,7 +146,7 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
             p["moe_router_score_function"] = "sigmoid"
         if hf.get("topk_method") == "noaux_tc":  # aux-loss-free balancing: a per-expert score bias
             p["moe_router_enable_expert_bias"] = True
-        if (hf.get("n_group") or 1) > 1 and hf.get("topk_method") != "greedy":
+        if _count(hf, "n_group", 1) > 1 and hf.get("topk_method") != "greedy":
             p.update(moe_router_num_groups=hf["n_group"], moe_router_group_topk=hf.get("topk_group"))
         if hf.get("routed_scaling_factor") not in (None, 1, 1.0):
             p["moe_router_topk_scaling_factor"] = hf["routed_scaling_factor"]
