@@ -2,6 +2,7 @@
 it, per-rank expert parameters, the dispatch and expert-GEMM pieces of the step time, and the
 candidates the search enumerates (each one Megatron would accept)."""
 import json
+import math
 import os
 
 import pytest
@@ -104,6 +105,20 @@ def test_dispatchers():
     ag8 = dispatch_seconds("allgather", ep=8, etp=1, **kw)[0]
     ag64 = dispatch_seconds("allgather", ep=64, etp=1, **{**kw, "domain": 8})[0]
     assert ag64 > ag8 > 0
+
+
+def test_flex_sends_a_token_once_per_destination_rank():
+    from megatron_memguard.planner.moe import distinct_ranks
+    # by hand: 8 experts on 8 ranks, top-2 distinct experts: always 2 ranks; 64 experts on 8 ranks, top-8:
+    # 8 x (1 - C(56,8)/C(64,8)) = 8 x (1 - 0.3346...) = 5.32...
+    assert distinct_ranks(8, 2, 8) == pytest.approx(2.0)
+    assert distinct_ranks(64, 8, 8) == pytest.approx(8 * (1 - math.comb(56, 8) / math.comb(64, 8)))
+    assert distinct_ranks(256, 8, 1) == 1.0
+    kw = dict(T=2048, N=2048 * 8, topk=8, hidden=7168, act_bytes=2, gpu=H100, domain=8, ep=8, etp=1)
+    flex = dispatch_seconds("flex", experts=64, **kw)[0]
+    a2a = dispatch_seconds("alltoall", experts=64, **kw)[0]
+    assert flex == pytest.approx(2 * all_to_all_seconds(2048 * distinct_ranks(64, 8, 8) * 7168 * 2, 8, 8, H100))
+    assert flex < a2a
 
 
 def test_grouped_gemm_is_never_slower_and_fills_sms_together():

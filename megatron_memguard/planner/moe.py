@@ -15,7 +15,9 @@ reference, megatron-core 0.16.1 and 0.19.2):
 * the dispatchers (``moe/token_dispatcher.py``): ``alltoall`` sends the ``T k`` copies over EP
   (dispatch, combine, and both again in the backward) and all-gathers / reduce-scatters them over ETP;
   ``allgather`` all-gathers the ``[T, h]`` hidden states of the whole ETP x EP group and
-  reduce-scatters the result back; ``flex`` (DeepEP / HybridEP) is timed like ``alltoall``. Nothing
+  reduce-scatters the result back; ``flex`` (DeepEP / HybridEP) sends each token once per destination
+  rank rather than once per expert (``fused_dispatch``), the expected number of distinct ranks among
+  its k experts under uniform routing. Nothing
   overlaps the dispatch with compute unless ``--overlap-moe-expert-parallel-comm`` (not modelled), so
   the time is exposed;
 * the experts: ``TEGroupedMLP`` (``--moe-grouped-gemm``) runs the local experts' GEMMs as one
@@ -185,6 +187,19 @@ def grouped_gemm_seconds(groups: int, M: int, N: int, K: int, gpu: GpuSpec, grou
     return max(t, mem)
 
 
+def distinct_ranks(experts: int, topk: int, ep: int) -> float:
+    """Expected distinct EP ranks among a token's k experts when they are k distinct experts drawn
+    uniformly (E/EP per rank): EP x (1 - C(E - E/EP, k) / C(E, k)). DeepEP's dispatch sends a token once
+    per such rank."""
+    if ep <= 1:
+        return 1.0
+    local = experts // ep
+    miss = 1.0
+    for i in range(min(topk, experts)):
+        miss *= max(0.0, (experts - local - i) / (experts - i))
+    return ep * (1.0 - miss)
+
+
 def all_to_all_seconds(nbytes: float, n: int, per_domain: int, gpu: GpuSpec) -> float:
     """An all-to-all over ``n`` ranks in which each rank sends ``nbytes`` spread evenly over the group
     (1/n stays local): the share for peers in the same NVLink domain goes over NVLink, the rest through
@@ -269,7 +284,7 @@ def moe_layer_cost(ms: MoeShape, *, hidden: int, gated: bool, tp: int, cp: int, 
         k_bwd += SEQUENTIAL_KERNELS_BWD * local
     # dispatch and combine, forward; the backward mirrors them
     disp, detail = dispatch_seconds(ms.dispatcher, T=T, N=N, topk=ms.topk, hidden=h, act_bytes=act_bytes, ep=ep,
-                                    etp=etp, gpu=gpu, domain=domain)
+                                    etp=etp, gpu=gpu, domain=domain, experts=ms.experts)
     # shared expert under sequence parallelism: all-gather its input, reduce-scatter its output
     tp_f = tp_b = 0.0
     if ms.shared_ffn and tp > 1:
@@ -284,7 +299,7 @@ def moe_layer_cost(ms: MoeShape, *, hidden: int, gated: bool, tp: int, cp: int, 
 
 
 def dispatch_seconds(dispatcher: str, *, T: int, N: int, topk: int, hidden: int, act_bytes: int, ep: int, etp: int,
-                     gpu: GpuSpec, domain: int) -> tuple[float, str]:
+                     gpu: GpuSpec, domain: int, experts: int | None = None) -> tuple[float, str]:
     """Forward dispatch + combine of one MoE layer (the backward sends the gradients the same way)."""
     row = hidden * act_bytes
     if dispatcher == "allgather":
@@ -295,15 +310,16 @@ def dispatch_seconds(dispatcher: str, *, T: int, N: int, topk: int, hidden: int,
         S = T * n * row                       # the gathered [T ETP EP, h] hidden states
         t = collective_seconds("ag", S, n, k, gpu) + collective_seconds("rs", S, n, k, gpu)
         return t, f"all-gather + reduce-scatter of {T * n:,} tokens over ETP x EP = {n} ({k} per NVLink domain)"
-    # alltoall and flex: each token copy leaves for its expert's rank and comes back
+    # alltoall: each token copy leaves for its expert's rank and comes back; flex (DeepEP): once per rank
     k = ep_per_domain(ep, etp, domain)
-    a2a = all_to_all_seconds(T * topk * row, ep, k, gpu)
+    copies = T * topk if dispatcher != "flex" or experts is None else T * distinct_ranks(experts, topk, ep)
+    a2a = all_to_all_seconds(copies * row, ep, k, gpu)
     t = 2 * a2a
-    text = f"2 all-to-alls of {T * topk:,} token copies over EP {ep} ({k} per NVLink domain)"
+    text = f"2 all-to-alls of {copies:,.0f} token copies over EP {ep} ({k} per NVLink domain)"
     if etp > 1:
         ke = min(etp, domain)
         t += collective_seconds("ag", N * row, etp, ke, gpu) + collective_seconds("rs", N * row, etp, ke, gpu)
         text += f", all-gather + reduce-scatter of {N:,} rows over ETP {etp}"
     if dispatcher == "flex":
-        text += " (flex dispatcher timed as all-to-all)"
+        text += " (flex: once per destination rank)"
     return t, text
