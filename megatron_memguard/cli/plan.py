@@ -185,6 +185,9 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
                       threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
                       site=target_site(ns))
     planner.notes[:0] = notes
+    if planner.shape.moe is None and (ns.ep or ns.etp or ns.allow_ep_across_nodes):
+        planner.notes.append("--ep / --etp / --allow-ep-across-nodes apply to mixture-of-experts models; this model "
+                             "has no experts (--num-experts)")
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
     return planner
