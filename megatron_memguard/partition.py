@@ -140,9 +140,11 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
     flat = [c for st in stages for c in st]
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
-    if "m" in flat:
+    if "m" in flat and "m" in "".join("".join(st) for st in stages[:-1]):
+        # Megatron also places MTP layers on an earlier stage (mtp_standalone); memguard keeps them on the
+        # last stage's last chunk, where they go without a layout
         from .errors import NotModelledError
-        raise NotModelledError(key, "multi-token prediction ('m') layers")
+        raise NotModelledError(key, "multi-token prediction ('m') layers before the last pipeline stage")
     return stages
 
 

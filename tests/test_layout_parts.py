@@ -77,7 +77,10 @@ def test_from_dict_inverts_to_dict(spec):
     L = layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
     d = L.to_dict()
     # a dense layout's document leaves out the MoE names (it reads as before MoE was modelled)
-    assert list(d) == [n for n in FLAT_NAMES if L.moe is not None or n not in MOE_ONLY]
+    # and the feature settings are written only when set (flat.OMITTED_AT_DEFAULT)
+    from megatron_memguard.layout.flat import OMITTED_AT_DEFAULT
+    assert list(d) == [n for n in FLAT_NAMES if (L.moe is not None or n not in MOE_ONLY)
+                       and (n not in OMITTED_AT_DEFAULT or getattr(L, n) != OMITTED_AT_DEFAULT[n])]
     back = Layout.from_dict(json.loads(json.dumps(d)))
     assert back == L and hash(back) == hash(L) and back.notes == L.notes
     assert back.to_dict() == d

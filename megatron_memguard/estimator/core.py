@@ -17,7 +17,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MLP_MOE, LayerKind, uniform_kind
+from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -25,6 +25,14 @@ from .layers import mixer_recipe
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .cuda_graphs import stage_terms as cuda_graph_terms
+from .offload_activations import effective_modules as offload_effective_modules
+from .offload_activations import fine_grained_plan
+from .offload_activations import layer_groups as offload_layer_groups
+from .mtp import last_stage_items as mtp_last_stage_items
+from .params import mtp_layer_kind
+from .muon import MUON_OPTIMIZERS
+from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
@@ -44,6 +52,8 @@ class ChunkActivations:
     bwd_top_extra: int     # working set at the start of this chunk's backward
     bwd_bottom_extra: int  # working set at the end of the backward (embedding weight gradient)
     moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
+    offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
+    host_bytes: int = 0        # saved activations on the host per micro-batch in flight
 
     @property
     def held(self) -> int:
@@ -97,6 +107,29 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         skip = 0 if L.recompute_granularity != "full" else (
             n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
         moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
+    staging = host = 0
+    if L.cpu_offloading_num_layers and n:
+        # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
+        host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
+        layers -= host
+        detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
+    elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
+        names: set[str] = set()
+        for i, (la_k, k) in enumerate(per_kind):
+            kind = runs[i][0] if i < len(runs) else None
+            modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
+                                                kind is not None and kind.mlp != MLP_DENSE)
+            groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
+                                          separate_input_norm=L.multi_latent_attention,
+                                          min_elements=L.min_offloaded_tensor_size)
+            # the chunk's last group stays on the last stage: it belongs to the top layer
+            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1)
+            layers -= plan.offloaded
+            host += plan.host_bytes
+            staging = max(staging, plan.staging)
+            names |= {g for g, b in groups.items() if b}
+        if host:
+            detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
 
     ends: dict[str, int] = {}
     fwd_extra = fwd_transient if n else 0
@@ -120,12 +153,22 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if has_output:
         o = output_items(L)
         ends.update(o.saved)
-        fwd_extra = max(fwd_extra, o.fwd_transient)
+        mtp_saved, mtp_logits = mtp_last_stage_items(L)
+        if mtp_saved:
+            # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
+            d = L.mtp_num_layers
+            mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
+            detail += f" + {d} MTP layer(s)"
+            ends.update(mtp_saved)
+        # the last MTP depth's logits are still referenced while the main head computes its loss
+        fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
-                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers)
+                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
+                            offload_staging=staging, host_bytes=host)
 
 
 class _MoePart:
@@ -335,6 +378,7 @@ _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
+    "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
 }
 
 
@@ -377,12 +421,19 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                                                   [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
 
     state_terms, step_terms = _state_terms(L, st)
+    if L.optimizer in MUON_OPTIMIZERS:
+        state_terms = muon_state_terms(L, pp_rank, state_terms)
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
+    staging = max(a.offload_staging for a in acts)
+    if staging:
+        # the offloaded groups in flight exist during the forward and backward passes
+        parts = {**parts, "offload_staging": staging}
+        act_peak += staging
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
     if deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
@@ -401,6 +452,21 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
+
+    graph_pool: list[Term] = []
+    if device == "gpu" and L.cuda_graph_impl != "none":
+        # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
+        # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
+        moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
+        if has_output and L.mtp_num_layers:
+            moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
+        graphed = n_layers + (L.mtp_num_layers if has_output else 0)
+        la = layer_activations(L)
+        for name, nbytes, group, level, det in cuda_graph_terms(
+                L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
+                sum(t.bytes for t in step_terms), len(chunks)):
+            t = Term(name, nbytes, group, level, det)
+            (fixed_alloc if level == "allocated" else graph_pool).append(t)
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
@@ -423,6 +489,16 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             det = ""
             if name == "layer_activations":
                 det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+            elif name == "mtp_block_activations":
+                det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
+                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
+            elif name == "mtp_loss_buffers":
+                det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
+                       "loss; the last depth's logits are in forward_transient")
+            elif name == "offload_staging":
+                host = max(a.host_bytes for a in acts) * in_flight
+                det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                       f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
             act_terms.append(Term(name, v, group, detail=det))
@@ -436,7 +512,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         frag = int(peak_alloc * site.allocator_fragmentation)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
                           f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
-        peak_reserved = peak_alloc + frag
+        terms += graph_pool
+        peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
         device_only = [t for t in fixed if t.level == "device"]
         terms += device_only
         device_total = peak_reserved + sum(t.bytes for t in device_only)

@@ -39,6 +39,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
+    ("shape", "mtp_num_layers"),
+    ("kernels", "cuda_graph_impl cuda_graph_modules"),
+    ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
+    ("optim", "muon_scalar_optimizer"),
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -49,4 +53,11 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
-TUPLE_FIELDS = ("recompute_modules", "env", "notes")
+TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules")
+# Feature settings the JSON document writes only when set: a layout without the feature keeps the
+# document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
+OMITTED_AT_DEFAULT: dict[str, object] = {
+    "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "cpu_offloading_num_layers": 0,
+    "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
+    "muon_scalar_optimizer": "adam",
+}

@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from .chunk import Chunk
-from .flat import FLAT, FLAT_NAMES, MOE_ONLY, TUPLE_FIELDS
+from .flat import FLAT, FLAT_NAMES, MOE_ONLY, OMITTED_AT_DEFAULT, TUPLE_FIELDS
 from .kernels import Kernels
 from .parallelism import Parallelism, ShardGroup
 from .precision import Precision, TensorKind
@@ -140,6 +140,11 @@ class Layout:
                 del d[name]
         else:
             d["moe"] = self.moe.to_dict()
+        for name, default in OMITTED_AT_DEFAULT.items():
+            if d[name] == default:
+                del d[name]
+            elif isinstance(d[name], tuple):
+                d[name] = list(d[name])
         d["recompute_modules"] = list(self.recompute_modules)
         d["env"] = dict(self.env)
         d["notes"] = list(self.notes)
