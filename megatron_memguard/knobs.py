@@ -19,6 +19,8 @@ from typing import Any
 
 # The planner's recomputation levels, weakest first ("none" is no --recompute-granularity).
 RECOMPUTE_LEVELS = ("none", "selective", "full")
+# Megatron-FSDP's --data-parallel-sharding-strategy values, most sharded first.
+FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ KNOBS: tuple[Knob, ...] = (
          ("model.virtual_pipeline_model_parallel_size",), "vpp"),
     Knob("context_parallel_size", "--context-parallel-size", "int", "context_parallel_size",
          (_TS + "context_parallel_size",), ("model.context_parallel_size",), "cp"),
+    # mixture of experts: the expert grid (ETP x EP x expert-DP x PP)
+    Knob("expert_model_parallel_size", "--expert-model-parallel-size", "int", "expert_model_parallel_size",
+         (_TS + "expert_model_parallel_size",), ("model.expert_model_parallel_size",), "ep"),
+    Knob("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "int", "expert_tensor_parallel_size",
+         (_TS + "expert_tensor_parallel_size",), ("model.expert_tensor_parallel_size",), "etp"),
     Knob("sequence_parallel", "--sequence-parallel", "bool", "sequence_parallel",
          (_TS + "sequence_parallel",), ("model.sequence_parallel",), "sp", (True, False)),
     Knob("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", "int",
@@ -77,12 +84,24 @@ KNOBS: tuple[Knob, ...] = (
          (_TS + "ddp.overlap_grad_reduce",), ("ddp.overlap_grad_reduce",)),
     Knob("overlap_param_gather", "--overlap-param-gather", "bool", "overlap_param_gather",
          (_TS + "ddp.overlap_param_gather",), ("ddp.overlap_param_gather",)),
+    # Megatron-FSDP (the planner's --fsdp dimension): its switch and the sharding strategy.
+    Knob("use_megatron_fsdp", "--use-megatron-fsdp", "bool", "use_megatron_fsdp",
+         (_TS + "ddp.use_megatron_fsdp",), ("ddp.use_megatron_fsdp",)),
+    Knob("data_parallel_sharding_strategy", "--data-parallel-sharding-strategy", "choice",
+         "data_parallel_sharding_strategy", (_TS + "ddp.data_parallel_sharding_strategy",),
+         ("ddp.data_parallel_sharding_strategy",), "fsdp", FSDP_STRATEGIES),
     Knob("recompute_granularity", "--recompute-granularity", "choice", "recompute_granularity",
          ("model.config.recompute_granularity",), ("model.recompute_granularity",), "recompute", RECOMPUTE_LEVELS),
     Knob("recompute_method", "--recompute-method", "choice", "recompute_method",
          ("model.config.recompute_method",), ("model.recompute_method",), None, ("uniform", "block")),
     Knob("recompute_num_layers", "--recompute-num-layers", "int", "recompute_num_layers",
          ("model.config.recompute_num_layers",), ("model.recompute_num_layers",)),
+    # FP8 (memguard plan --fp8): NeMo 2 takes it on the precision plugin (MegatronMixedPrecision copies its
+    # fields over the model config's), Bridge on mixed_precision (a preset name is expanded first).
+    Knob("fp8", "--fp8-format", "choice", "fp8", ("trainer.plugins.fp8",), ("mixed_precision.fp8",), None,
+         ("e4m3", "hybrid")),
+    Knob("fp8_recipe", "--fp8-recipe", "choice", "fp8_recipe", ("trainer.plugins.fp8_recipe",),
+         ("mixed_precision.fp8_recipe",), "fp8", ("delayed", "tensorwise", "blockwise", "mxfp8")),
     # Autotune switches the deprecated alias off when it picks a recomputation level itself.
     Knob("recompute_activations", "--recompute-activations", "bool", "recompute_granularity",
          (), ()),

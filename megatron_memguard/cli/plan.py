@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sp", dest="sp", action=argparse.BooleanOptionalAction, default=None,
                    help="require (or forbid) sequence parallelism when TP > 1")
     c.add_argument("--no-uneven", action="store_true", help="only even pipeline splits")
+    c.add_argument("--fsdp", type=_fsdp_list, default=(), metavar="STRATEGIES",
+                   help="also try Megatron-FSDP with these --data-parallel-sharding-strategy values "
+                        "(optim_grads_params,optim_grads,optim,no_shard, or all); not tried unless given")
+    c.add_argument("--fp8", metavar="RECIPE", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
+                   help="also search FP8 training with this recipe (delayed, tensorwise, blockwise, mxfp8); "
+                        "without it the model config's precision is kept")
+    c.add_argument("--ep", type=_int_list, help="allowed expert-parallel sizes (MoE; default: divisors of the experts "
+                                               "whose EP x ETP group stays in an NVLink domain)")
+    c.add_argument("--etp", type=_int_list, help="allowed expert-tensor-parallel sizes (MoE; default: 1 and TP)")
+    c.add_argument("--allow-ep-across-nodes", action="store_true",
+                   help="let EP x ETP groups span NVLink domains (the all-to-all then crosses the network)")
     k = p.add_argument_group("cluster speeds (the step-time model; defaults: --gpu's row of `memguard gpus`)")
     k.add_argument("--network-gbps", type=float, metavar="GBPS",
                    help="network bandwidth per GPU and direction in Gb/s (400: one NDR NIC per GPU; 100: four "
@@ -99,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how many fitting layouts --plot draws: the N best by the rule (default {DEFAULT_PLOT_LAYOUTS}),"
                         " or all of them (estimates every candidate: seconds to tens of seconds)")
     return p
+
+
+def _fsdp_list(text: str) -> tuple[str, ...]:
+    from ..knobs import FSDP_STRATEGIES
+    words = [w.strip().lower() for w in str(text).split(",") if w.strip()]
+    if words == ["all"]:
+        return FSDP_STRATEGIES
+    if not words or any(w not in FSDP_STRATEGIES for w in words):
+        raise argparse.ArgumentTypeError(f"expects strategies out of {', '.join(FSDP_STRATEGIES)} or 'all', got {text!r}")
+    return tuple(dict.fromkeys(words))
 
 
 def _plot_layouts(text: str) -> int:
@@ -128,6 +149,9 @@ def _constraints(ns: argparse.Namespace):
         allow_tp_across_nodes=ns.allow_tp_across_nodes, recompute=tuple(recompute),
         dist_opt=knob("use_distributed_optimizer").candidates if ns.dist_opt is None else (ns.dist_opt,),
         sp=knob("sequence_parallel").candidates if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
+        fsdp=tuple(ns.fsdp or ()),
+        fp8=("off", ns.fp8) if getattr(ns, "fp8", None) else (None,),
+        ep=ns.ep, etp=ns.etp, allow_ep_across_nodes=ns.allow_ep_across_nodes,
     )
 
 
@@ -169,6 +193,11 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
         gpu = lookup_gpu("H100-80GB")
         notes.append("no --gpu given: H100-80GB's speeds are used for the step-time model")
     gpu = cluster_speeds(gpu, ns)
+    if getattr(ns, "fp8", None):
+        from ..estimator.fp8 import Fp8Spec, gpu_violation
+        bad = gpu_violation(Fp8Spec(fp8="hybrid", fp8_recipe=ns.fp8), gpu.name)
+        if bad:
+            raise ConfigError("--fp8", bad)
     gpn = ns.nproc_per_node or raw.gpus_per_node or gpu.gpus_per_node
     if gpn < 1:
         raise ConfigError("--gpus-per-node", f"must be >= 1, got {gpn}")
@@ -179,6 +208,9 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
                       threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
                       site=target_site(ns))
     planner.notes[:0] = notes
+    if planner.shape.moe is None and (ns.ep or ns.etp or ns.allow_ep_across_nodes):
+        planner.notes.append("--ep / --etp / --allow-ep-across-nodes apply to mixture-of-experts models; this model "
+                             "has no experts (--num-experts)")
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
     return planner
@@ -205,6 +237,12 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         groups = f" (MLA, q rank {s.mla[0] or '-'}, kv rank {s.mla[1]})"
     out.append(f"model:  {s.num_layers} layers, hidden {s.hidden}, ffn {s.ffn}, {s.heads} heads{groups}, vocab {s.vocab}; "
                f"seq {s.seq_length}, GBS {res.global_batch_size}")
+    if s.moe is not None:
+        m = s.moe
+        shared = f", shared expert {m.shared_ffn}" if m.shared_ffn else ""
+        out.append(f"experts: {m.experts} of width {m.ffn}, top-{m.topk}{shared}, in {m.moe_layers} of {s.num_layers} layers; "
+                   f"{m.dispatcher} dispatcher{', grouped GEMM' if m.grouped_gemm else ''}; EP and ETP searched "
+                   f"(expert DP = GPUs / (ETP x EP x PP))")
     sd = res.search_dict()
     out.append(f"search: {sd['considered']:,} layouts, {sd['visited']:,} visited "
                + ("fastest first" if res.rule == "time" else "by TP*CP*PP, then MBS") + f": "
@@ -231,11 +269,11 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
                    f"terms next to the runner-up's")
         out.append("")
         out.append("Megatron flags:")
-        out.append("  " + " \\\n  ".join(megatron_flags(L)))
+        out.append("  " + " \\\n  ".join(megatron_flags(L, best.experts)))
         out.append("NeMo 2 (NeMo-Run recipe overrides):")
-        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node)))
+        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts)))
         out.append("Megatron-Bridge (ConfigContainer overrides):")
-        out.append("  " + " ".join(bridge_overrides(L)))
+        out.append("  " + " ".join(bridge_overrides(L, best.experts)))
     else:
         out.append("no layout fits.")
         for frac, c, est in res.closest:

@@ -11,7 +11,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..errors import ConfigError
@@ -21,8 +21,10 @@ from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
+from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
+from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .cuda_graphs import stage_terms as cuda_graph_terms
@@ -382,6 +384,7 @@ _END_GROUPS = {
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
+    "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
 
 
@@ -413,6 +416,23 @@ def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Te
     return tuple(state_terms), tuple(step_terms)
 
 
+def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
+    """FP8 / FP4: the weight terms of estimator.fp8_layers after the parameters, whose buffer holds primary
+    quantized GEMM weights in 1 byte (1/2 for NVFP4; none for MXFP8, whose all-gather uses the gradient
+    buffer)."""
+    from .fp8_layers import stage_terms
+    saving, extra = stage_terms(L, chunks, gpu_name)
+    out: list[Term] = []
+    for t in state_terms:
+        if t.name == "parameters" and saving:
+            t = replace(t, bytes=t.bytes - saving, detail=t.detail + f"; primary {L.fp8_spec.recipe} GEMM weights: "
+                                                                      f"{saving:,} B less in the uint8 buffer")
+        out.append(t)
+        if t.name == "parameters":
+            out += extra
+    return tuple(out)
+
+
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                    dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
     st = stage_states(L, pp_rank, dp_rank)
@@ -420,12 +440,29 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     n_layers = sum(c.num_layers for c in chunks)
     has_output = any(c.has_output for c in chunks)
     acts = [chunk_activations(L, c) for c in chunks]
+    ft = None
+    if fsdp_enabled(L):
+        # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
+        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)])
+        acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
+                for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts,
                                                   [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
+    if ft is not None:
+        parts = split_fsdp_transients(parts, ft)
 
-    state_terms, step_terms = _state_terms(L, st)
+    state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+    if L.fp8 or L.fp4:
+        state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
     if L.optimizer in MUON_OPTIMIZERS:
         state_terms = muon_state_terms(L, pp_rank, state_terms)
+    host_terms: tuple[Term, ...] = ()
+    if offload_enabled(L):
+        # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
+        ot = offload_terms(L, offload_shard_numel(L, st))
+        state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
+        step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
+        host_terms = ot.host_terms
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
@@ -504,6 +541,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                        f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
+            elif ft is not None and name.startswith("fsdp_"):
+                det = fsdp_window_detail(ft, name)
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
@@ -527,6 +566,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=st.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
+        host_terms=host_terms,
     )
 
 
@@ -625,6 +665,11 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
+    if gpu is not None and (layout.fp8 or layout.fp4):
+        from .fp8 import gpu_violation
+        bad = gpu_violation(layout.fp8_spec, gpu.name)
+        if bad:
+            raise ConfigError("--gpu", bad)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
     if L.moe is not None:

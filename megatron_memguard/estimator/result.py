@@ -42,6 +42,10 @@ GROUPS: tuple[TermGroup, ...] = tuple(TermGroup)
 LEVELS: tuple[TermLevel, ...] = tuple(TermLevel)
 
 
+# GPUs per node assumed for the per-node host-memory figure (DGX / HGX nodes).
+HOST_GPUS_PER_NODE = 8
+
+
 @dataclass(frozen=True)
 class Term:
     name: str
@@ -83,6 +87,11 @@ class StageEstimate:
     # mixture of experts: the expert rows per micro-batch (balanced, the estimate; worst) and the
     # stage's peak with the worst routing the dispatcher allows (None for dense models)
     moe: dict[str, Any] | None = None
+    host_terms: tuple[Term, ...] = ()  # host (CPU) memory of one rank: optimizer CPU offload
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.bytes for t in self.host_terms)
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -111,6 +120,8 @@ class StageEstimate:
             "dominant_term": self.dominant_term.name,
             "breakdown": self.breakdown,
             "terms": [t.to_dict() for t in self.terms],
+            **({"host_bytes": self.host_bytes, "host_terms": [t.to_dict() for t in self.host_terms]}
+               if self.host_terms else {}),
         }
         if self.moe is not None:
             d["moe"] = dict(self.moe)
@@ -142,6 +153,21 @@ class Estimate:
     def stage(self, pp_rank: int) -> StageEstimate:
         return self.stages[pp_rank]
 
+    @property
+    def host_bytes_per_rank(self) -> int:
+        """Host memory of the rank that needs the most (0 without optimizer CPU offload)."""
+        return max((s.host_bytes for s in self.stages), default=0)
+
+    @property
+    def gpus_per_node(self) -> int:
+        # The layout does not know the node size: HOST_GPUS_PER_NODE, or the world if smaller.
+        return min(HOST_GPUS_PER_NODE, self.layout.world_size)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        from .offload_optimizer import host_bytes_per_node
+        return host_bytes_per_node([s.host_bytes for s in self.stages], self.gpus_per_node)
+
     def to_dict(self) -> dict[str, Any]:
         c = self.critical
         return {
@@ -159,4 +185,6 @@ class Estimate:
             "stages": [s.to_dict() for s in self.stages],
             "site": self.site.to_dict() if self.site is not None else None,
             "notes": list(self.notes),
+            **({"host_bytes_per_rank": self.host_bytes_per_rank, "host_bytes_per_node": self.host_bytes_per_node,
+                "host_gpus_per_node": self.gpus_per_node} if self.host_bytes_per_rank else {}),
         }

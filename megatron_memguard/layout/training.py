@@ -36,6 +36,20 @@ class Optimizer:
     ddp_bucket_size: int | None
     ddp_pad_buckets_for_high_nccl_busbw: bool
     muon_scalar_optimizer: str = "adam"   # with a Muon-family optimizer: what updates the non-matrix params
+    # Megatron-FSDP / torch FSDP2 instead of DDP's buffers (estimator/fsdp.py; off by default)
+    use_megatron_fsdp: bool = False
+    use_torch_fsdp2: bool = False
+    data_parallel_sharding_strategy: str | None = None   # no_shard | optim | optim_grads | optim_grads_params
+    fsdp_double_buffer: bool = False
+    suggested_communication_unit_size: int | None = None
+    megatron_fsdp_main_params_dtype: str = "fp32"        # fp32 | bf16 | fp16 | auto (no main weights)
+    megatron_fsdp_main_grads_dtype: str = "auto"         # auto = the parameter dtype (core 0.19)
+    torch_fsdp2_reshard_after_forward: bool = True
+    # optimizer CPU offload (estimator/offload_optimizer.py; off by default)
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,16 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out[_BOOL_KEYS[k]] = _ON[v.lower()]
         elif k in ("recompute", "rc"):
             out["recompute"] = v.lower()
+        elif k == "fsdp":
+            out["fsdp"] = None if v.lower() in ("off", "none") else v.lower()
+        elif k == "fp8":
+            recipes = ("off", "delayed", "tensorwise", "blockwise", "mxfp8")
+            if v.lower() not in recipes:
+                raise ConfigError("--explain", f"fp8 must be one of {', '.join(recipes)}, got {v!r}")
+            out["fp8"] = v.lower()
         else:
-            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, last")
+            raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
+                                           "last, fsdp, fp8, ep, etp")
     return out
 
 
@@ -158,7 +166,7 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
         line += f"  {xs[1].time.seconds - a.time.seconds:+10.4f}"
     out.append(line + "  sum of the terms above")
     out.append("")
-    mm = s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden
+    mm = s.matmul_params() + s.vocab * s.hidden
     out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights "
                f"+ 12 x {s.num_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} attention; peak "
                f"{cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")

@@ -355,6 +355,13 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
         v = val(flag)
         if v not in (None, False, "", "none", "None"):
             b.set(flag, v, key(flag))
+    # TransformerConfig's names for FP8 settings whose flag is spelled otherwise (fp8_param is what
+    # --fp8-param-gather sets) or that have no flag at all (kept under the config name)
+    for name, dest in (("fp8_param", "fp8_param_gather"), ("fp4_param", "fp4_param_gather"),
+                       ("disable_parameter_transpose_cache", "disable_parameter_transpose_cache"),
+                       ("activation_func_fp8_input_store", "activation_func_fp8_input_store")):
+        if as_bool(val(name)):
+            b.set(dest, True, key(name))
     if val("share_embeddings_and_output_weights") is not None:
         b.set("untie_embeddings_and_output_weights", not as_bool(val("share_embeddings_and_output_weights")),
               key("share_embeddings_and_output_weights"))
@@ -390,3 +397,39 @@ def set_vocab(b: ArgsBuilder, vocab_size: Any, vocab_key: str, pad: bool) -> Non
         b.set("padded_vocab_size", vocab_size, vocab_key)
         b.set("vocab_size", vocab_size, vocab_key)
 
+
+# Megatron-FSDP and optimizer-offload fields of megatron-core's DistributedDataParallelConfig and
+# OptimizerConfig, under their Megatron args names. Where the dataclass default differs from the
+# CLI's, the dataclass default is what a config container runs with: data_parallel_sharding_strategy
+# "no_shard" (DistributedDataParallelConfig, 0.16.1 and 0.19.2; the CLI's is optim_grads_params in
+# 0.19.2) and optimizer_offload_fraction 0.0 (OptimizerConfig; the CLI's is 1.0).
+_FSDP_DDP_KEYS = (("data_parallel_sharding_strategy", None), ("fsdp_double_buffer", None),
+                  ("suggested_communication_unit_size", None), ("outer_dp_sharding_strategy", None),
+                  ("keep_fp8_transpose_cache", None), ("megatron_fsdp_main_params_dtype", None),
+                  ("megatron_fsdp_main_grads_dtype", None), ("megatron_fsdp_grad_comm_dtype", None),
+                  ("megatron_fsdp_max_pool_double_buffer", None), ("fsdp_db_use_persist_buf_on_alloc_fail", None),
+                  ("preserve_fp32_weights", None), ("torch_fsdp2_reshard_after_forward", None),
+                  ("reshard_after_forward", "torch_fsdp2_reshard_after_forward"))
+_OFFLOAD_OPTIMIZER_KEYS = ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+                           "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads", "pin_cpu_params")
+
+
+def fsdp_and_offload_keys(b: ArgsBuilder, val, key, ddp_sec: str, opt_sec: str) -> None:
+    """Copy the Megatron-FSDP keys of the DDP section and the offload keys of the optimizer section
+    (``val(sec, name)`` is None when absent) and apply the dataclass defaults named above."""
+    for name, dest in _FSDP_DDP_KEYS:
+        value = val(ddp_sec, name)
+        if value is None:
+            continue
+        if name.endswith("_dtype") and str(value).strip().lower() not in ("auto", "none"):
+            value = dtype_name(value, key(ddp_sec, name))
+        b.set(dest or name, value, key(ddp_sec, name))
+    for name in _OFFLOAD_OPTIMIZER_KEYS:
+        value = val(opt_sec, name)
+        if value is not None:
+            b.set(name, value, key(opt_sec, name))
+    if as_bool(b.args.get("use_megatron_fsdp", False)) or as_bool(b.args.get("use_custom_fsdp", False)):
+        b.default("data_parallel_sharding_strategy", "no_shard",
+                  f"{ddp_sec} (DistributedDataParallelConfig default)")
+    if as_bool(b.args.get("optimizer_cpu_offload", False)):
+        b.default("optimizer_offload_fraction", 0.0, f"{opt_sec} (OptimizerConfig default)")

@@ -141,6 +141,8 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
         out.append(layer_table(est))
         out.append("")
     out.append(verdict_line(est, colour))
+    if est.host_bytes_per_rank:
+        out.append(host_line(est))
     if est.notes:
         out.append("")
         out.extend(f"note: {n}" for n in est.notes)
@@ -153,6 +155,14 @@ def moe_line(s: Any) -> str:
     return (f"MoE routing: balanced, {m['expert_rows_balanced']:,} token rows per MoE layer and micro-batch on this "
             f"rank's experts (the estimate); worst case ({m['routing']}): {m['expert_rows_worst']:,} rows, "
             f"peak allocated {format_bytes(w['peak_allocated_bytes'])}, device total {format_bytes(w['device_total_bytes'])}")
+
+
+def host_line(est: Estimate) -> str:
+    """Host memory is its own figure: the GPU verdict says nothing about it."""
+    rank = max(est.stages, key=lambda s: s.host_bytes)
+    parts = ", ".join(f"{t.name} {format_bytes(t.bytes)}" for t in rank.host_terms)
+    return (f"host memory: {format_bytes(est.host_bytes_per_rank)} per rank ({parts}); "
+            f"{format_bytes(est.host_bytes_per_node)} per node of {est.gpus_per_node} GPUs")
 
 
 def verdict_line(est: Estimate, colour: bool = False) -> str:

@@ -1,0 +1,221 @@
+"""Megatron-FSDP / torch FSDP2 for a resolved layout: its spec, and the parameter groups of a stage.
+
+The bytes themselves are computed by ``fsdp.py`` from a spec and groups; this module only reads
+the layout (flat Megatron names) and the per-rank parameter shapes of the layer recipes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from .fsdp import FsdpGroup, FsdpSpec, FsdpStates, FsdpWindow, StageFsdp, stage_fsdp, stage_groups
+from ..layout import ShardGroup
+from .params import layer_linear_shapes, layer_params
+from .result import Term
+
+
+def _flag(L: Any, name: str, default: Any = None) -> Any:
+    return getattr(L, name, default)
+
+
+def fsdp_enabled(L: Any) -> bool:
+    return bool(_flag(L, "use_megatron_fsdp", False) or _flag(L, "use_torch_fsdp2", False))
+
+
+@lru_cache(maxsize=256)
+def fsdp_spec(L: Any) -> FsdpSpec:
+    """The FsdpSpec of a layout that has Megatron-FSDP or torch FSDP2 on."""
+    return FsdpSpec.from_flat(
+        megatron_version=L.megatron_version, use_megatron_fsdp=bool(_flag(L, "use_megatron_fsdp", False)),
+        use_torch_fsdp2=bool(_flag(L, "use_torch_fsdp2", False)),
+        data_parallel_sharding_strategy=_flag(L, "data_parallel_sharding_strategy"),
+        params_dtype=L.params_dtype, accumulate_allreduce_grads_in_fp32=L.accumulate_allreduce_grads_in_fp32,
+        megatron_fsdp_main_params_dtype=_flag(L, "megatron_fsdp_main_params_dtype", "fp32") or "auto",
+        megatron_fsdp_main_grads_dtype=_flag(L, "megatron_fsdp_main_grads_dtype", "auto") or "auto",
+        use_precision_aware_optimizer=L.use_precision_aware_optimizer, optimizer=L.optimizer,
+        exp_avg_dtype=L.exp_avg_dtype, exp_avg_sq_dtype=L.exp_avg_sq_dtype,
+        fp8_param_gather=bool(_flag(L, "fp8_param_gather", False)),
+        fsdp_double_buffer=bool(_flag(L, "fsdp_double_buffer", False)),
+        suggested_communication_unit_size=_flag(L, "suggested_communication_unit_size"),
+        ddp_bucket_size=L.ddp_bucket_size, overlap_grad_reduce=L.overlap_grad_reduce,
+        overlap_param_gather=L.overlap_param_gather, data_parallel_size=L.data_parallel_size,
+        context_parallel_size=L.context_parallel_size,
+        torch_fsdp2_reshard_after_forward=bool(_flag(L, "torch_fsdp2_reshard_after_forward", True)))
+
+
+@lru_cache(maxsize=256)
+def _layer_shapes(L: Any, kind: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(dense, expert) per-rank shapes of one layer of ``kind`` in registration order: [out, in] for
+    the recipe's linear weights, 1-D for norms and biases; parameters named ``.experts.`` are the
+    routed experts (Megatron-FSDP's expert groups), their fc1 [rows, h] and fc2 [h, cols]."""
+    linear = layer_linear_shapes(L, kind)
+    h = L.hidden_size
+    dense: list[tuple[int, ...]] = []
+    experts: list[tuple[int, ...]] = []
+    for p in layer_params(L, kind=kind):
+        parts = p.name.split(".")
+        name = parts[-2] if len(parts) >= 2 and parts[-1] == "weight" else None
+        if ".experts." in p.name:
+            is_fc2 = "linear_fc2.weight" in p.name
+            experts.append((h, p.numel // h) if is_fc2 and p.numel % h == 0 else
+                           (p.numel // h, h) if "weight" in parts[-1] and p.numel % h == 0 else (p.numel,))
+        elif name in linear and linear[name][0] * linear[name][1] == p.numel:
+            dense.append(tuple(linear[name]))
+        else:
+            dense.append((p.numel,))
+    return tuple(dense), tuple(experts)
+
+
+def _expert_shard(L: Any) -> int:
+    """Ranks the experts' groups shard over: the expert data-parallel group when the layout knows
+    it (mixture of experts), else DP x CP."""
+    group = getattr(ShardGroup, "EXPERT_DP", None)
+    if group is not None:
+        try:
+            return L.parallel.shard_size(group)
+        except (ValueError, AttributeError):
+            pass
+    return max(1, L.data_parallel_size * L.context_parallel_size)
+
+
+def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool,
+                 tied_copy: bool) -> tuple[FsdpGroup, ...]:
+    """The FSDP parameter groups of one model chunk on one rank."""
+    spec = fsdp_spec(L)
+    h, t = L.hidden_size, L.tensor_model_parallel_size
+    rows = L.padded_vocab_size // t
+    before: list[tuple[int, ...]] = []
+    if has_embedding:
+        before.append((rows, h))
+        if L.position_embedding_type == "learned_absolute":
+            before.append((L.max_position_embeddings, h))
+    after: list[tuple[int, ...]] = []
+    if has_output:
+        after += [(h,)] * (2 if L.normalization == "LayerNorm" else 1)
+        if L.untie_embeddings_and_output_weights or tied_copy:
+            after.append((rows, h))
+    per_layer = []
+    for kind, count in kind_runs:
+        dense, experts = _layer_shapes(L, kind)
+        per_layer += [(list(dense), list(experts))] * count
+    # Megatron-FSDP shards dense groups over get_fsdp_group(): DP x CP, the distributed optimizer's
+    # group (HSDP, i.e. more than one optimizer instance, is refused in resolve/fsdp.py)
+    dense_shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
+    return stage_groups(spec, per_layer=per_layer, before=before, after=after, dense_shard=dense_shard,
+                        expert_shard=_expert_shard(L))
+
+
+@lru_cache(maxsize=1024)
+def chunk_fsdp(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
+               act_per_layer: int) -> StageFsdp:
+    """States, windows and the after-step gather of one model chunk (Megatron wraps each chunk in
+    its own FSDP module)."""
+    return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy),
+                      act_per_layer)
+
+
+@dataclass(frozen=True)
+class FsdpStageTerms:
+    """What a stage's estimate takes from FSDP: state terms (replacing the DDP ones), the terms the
+    optimizer step leaves, and per chunk the extra of its forward and backward windows."""
+
+    state_terms: tuple[Term, ...]
+    step_terms: tuple[Term, ...]
+    fwd_extra: tuple[int, ...]
+    bwd_extra: tuple[int, ...]
+    fwd_windows: tuple[FsdpWindow, ...]
+    bwd_windows: tuple[FsdpWindow, ...]
+
+
+def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...]) -> FsdpStageTerms:
+    """FSDP terms of one pipeline rank whose chunks save ``act_per_layer[i]`` bytes per layer and
+    micro-batch (what each unit's backward releases)."""
+    spec = fsdp_spec(L)
+    total: FsdpStates | None = None
+    after = double = 0
+    fwd, bwd, fw, bw = [], [], [], []
+    for c, a in zip(chunks, act_per_layer):
+        r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a))
+        total = r.states if total is None else total + r.states
+        after += r.after_step
+        double = max(double, r.double_buffer)
+        fw.append(r.forward)
+        bw.append(r.backward)
+        fwd.append(max(0, r.forward.weights - r.forward.step * int(a)))
+        bwd.append(max(0, r.backward.total - r.backward.step * int(a)))
+    assert total is not None
+    impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
+    d = f"{L.data_parallel_size * L.context_parallel_size} FSDP ranks (DP x CP)"
+    opt = total.optimizer_numel
+    st = [Term("fsdp_parameters", total.weights, "weights",
+               detail=f"{impl}: compute weights kept between uses, {spec.param_bytes} B per element; {d}"),
+          Term("fsdp_gradients", total.grads, "gradients",
+               detail=f"{impl}: main-gradient buffer, {spec.grad_bytes} B per element")]
+    if total.non_unit_weights:
+        st.append(Term("fsdp_non_unit_parameters", total.non_unit_weights, "weights",
+                       detail="whole embedding / final norm / output-layer buckets kept gathered"))
+    if total.main_params:
+        st.append(Term("main_parameters", total.main_params, "optimizer",
+                       detail=f"{spec.main_param_bytes} B main weights on {opt:,} optimizer elements ({impl})"))
+    names = ("adam_exp_avg", "adam_exp_avg_sq") if L.optimizer == "adam" else ("sgd_momentum",)
+    for name, b, nb in zip(names, total.states, spec.state_bytes):
+        st.append(Term(name, b, "optimizer", detail=f"{nb} B x {opt:,} optimizer elements ({impl})"))
+    if double:
+        st.append(Term("fsdp_double_buffers", double, "transients",
+                       detail="two unit-sized weight and gradient pools (--fsdp-double-buffer)"))
+    step = []
+    if total.step_grad_copy:
+        step.append(Term("main_grad_copies", total.step_grad_copy, "optimizer",
+                         detail=f"gradients cast to {spec.main_param_bytes} B for the step on {opt:,} elements, "
+                                "kept until the next zero_grad"))
+    if after:
+        step.append(Term("fsdp_gathered_after_step", after, "transients",
+                         detail="unit weights all-gathered by start_param_sync after the step"
+                                + ("" if spec.overlap_param_gather else " (every unit: no --overlap-param-gather)")))
+    return FsdpStageTerms(tuple(st), tuple(step), tuple(fwd), tuple(bwd), tuple(fw), tuple(bw))
+
+
+def split_window_terms(kind: str, extra: int, window: FsdpWindow) -> dict[str, int]:
+    """The FSDP share of a peak's transient, by term: ``kind`` "F" (forward) or "B" (backward),
+    ``extra`` the bytes the window added to that peak."""
+    if extra <= 0:
+        return {}
+    if kind == "F":
+        return {"fsdp_unsharded_parameters": extra}
+    w = min(window.weights, extra)
+    out = {"fsdp_unsharded_parameters": w} if w else {}
+    if extra - w:
+        out["fsdp_unsharded_gradients"] = extra - w
+    return out
+
+
+def split_fsdp_transients(parts: dict[str, int], ft: FsdpStageTerms) -> dict[str, int]:
+    """Name the FSDP share of the peak's transient (the stage's chunk with the largest window)."""
+    out = dict(parts)
+    for key, kind, extras, wins in (("forward_transient", "F", ft.fwd_extra, ft.fwd_windows),
+                                    ("backward_transient", "B", ft.bwd_extra, ft.bwd_windows)):
+        if key in out and extras:
+            i = max(range(len(extras)), key=lambda j: extras[j])
+            share = min(extras[i], out[key])
+            out[key] -= share
+            out.update(split_window_terms(kind, share, wins[i]))
+    return out
+
+
+def fsdp_window_detail(ft: FsdpStageTerms, name: str) -> str:
+    """How the FSDP window at a peak came about (for --detail)."""
+    if not ft.bwd_windows:
+        return ""
+    b = max(ft.bwd_windows, key=lambda w: w.total)
+    f = max(ft.fwd_windows, key=lambda w: w.weights)
+    if any(t.name == "fsdp_double_buffers" for t in ft.state_terms):
+        return ("the buckets outside units; the units' buckets come out of the double-buffer pools"
+                if name == "fsdp_unsharded_gradients" else "")
+    if name == "fsdp_unsharded_parameters":
+        return (f"all-gathered unit weights: {b.units_weights} unit(s) at the backward's worst moment "
+                f"({b.step} unit(s) done), {f.units_weights} at the forward's")
+    if name == "fsdp_unsharded_gradients":
+        return (f"{b.units_grads} unit(s) of full gradient buckets queued for reduce-scatter, with the buckets "
+                "outside units")
+    return ""

@@ -1,0 +1,143 @@
+"""Section: Megatron-FSDP, torch FSDP2 and optimizer CPU offload (validate_args; megatron-core 0.16.1
+and 0.19.2 megatron/training/arguments.py, mcore_fsdp_adapter.py, optimizer/__init__.py).
+
+``fsdp`` runs before the optimizer section: Megatron-FSDP switches the distributed optimizer on in
+0.19 (``args.use_distributed_optimizer = True`` with a warning), and the optimizer section's rules
+(``--overlap-param-gather``, ``--use-precision-aware-optimizer``) then see it on, as in Megatron.
+``optimizer_offload`` runs after it.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import NotModelledError
+from ..estimator.fsdp import MIXED_PRECISION_POLICY_SINCE, STRATEGIES, default_sharding_strategy
+from .args import Args, Context
+
+OFF: dict[str, Any] = dict(
+    use_megatron_fsdp=False, use_torch_fsdp2=False, data_parallel_sharding_strategy=None, fsdp_double_buffer=False,
+    suggested_communication_unit_size=None, megatron_fsdp_main_params_dtype="fp32",
+    megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
+    optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
+    pin_cpu_grads=True)
+
+_FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+
+def _fsdp_dtype(a: Args, dest: str, default: str) -> str:
+    v = a.get(dest)
+    if v is None:
+        return default
+    name = str(v).replace("torch.", "").strip().lower()
+    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "none": "auto"}.get(name, name)
+    if name not in _FSDP_DTYPES:
+        a.fail(dest, f"must be one of {', '.join(_FSDP_DTYPES)}, got {v!r}")
+        return default
+    return name
+
+
+def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    version = (ctx.version.major, ctx.version.minor)
+    env = a.raw.env
+    out = dict(OFF)
+    custom = a.bool_arg("use_custom_fsdp", False)
+    megatron = a.bool_arg("use_megatron_fsdp", False) or custom
+    mkey = "use_megatron_fsdp" if a.given("use_megatron_fsdp") else "use_custom_fsdp"
+    torch2 = a.bool_arg("use_torch_fsdp2", False)
+    dist_opt = a.bool_arg("use_distributed_optimizer", False)
+    new = version >= MIXED_PRECISION_POLICY_SINCE
+    if megatron and torch2:
+        a.fail("use_torch_fsdp2", "cannot be combined with --use-megatron-fsdp (choose one FSDP)")
+        return out
+    if megatron or torch2:
+        if str(env.get("CUDA_DEVICE_MAX_CONNECTIONS", "")).strip() == "1":
+            a.fail(mkey if megatron else "use_torch_fsdp2", "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset")
+    if torch2:
+        # validate_args, both versions
+        if a.int_arg("pipeline_model_parallel_size", 1) != 1:
+            a.fail("use_torch_fsdp2", "is not supported with pipeline parallelism (--pipeline-model-parallel-size 1)")
+        if a.int_arg("expert_model_parallel_size", 1) != 1:
+            a.fail("use_torch_fsdp2", "is not supported with expert parallelism")
+        if dist_opt:
+            a.fail("use_torch_fsdp2", "is not supported with --use-distributed-optimizer")
+        if a.bool_arg("gradient_accumulation_fusion", True):
+            a.fail("use_torch_fsdp2", "is not supported with gradient accumulation fusion",
+                   "add --no-gradient-accumulation-fusion")
+        if str(a.get("ckpt_format", "torch_dist")) not in ("torch_dist", "torch_dcp"):
+            a.fail("ckpt_format", "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
+        if not a.bool_arg("untie_embeddings_and_output_weights", False):
+            a.fail("use_torch_fsdp2", "requires --untie-embeddings-and-output-weights")
+        if a.bool_arg("fp16", False):
+            a.fail("use_torch_fsdp2", "is not supported with --fp16")
+        if a.bool_arg("fp8_param_gather", False):
+            a.notes.append(f"{a.key('fp8_param_gather')}: turned off under --use-torch-fsdp2 (TE >= 2.0)")
+        out.update(use_torch_fsdp2=True,
+                   torch_fsdp2_reshard_after_forward=a.bool_arg("torch_fsdp2_reshard_after_forward", True))
+    if megatron:
+        strategy = str(a.get("data_parallel_sharding_strategy")
+                       or default_sharding_strategy(f"{version[0]}.{version[1]}"))
+        if strategy not in STRATEGIES:
+            a.fail("data_parallel_sharding_strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+            strategy = "no_shard"
+        if new:
+            if not dist_opt:
+                a.notes.append(f"{a.key(mkey)}: Megatron switches --use-distributed-optimizer on")
+                a.a["use_distributed_optimizer"] = True    # as validate_args sets args.use_distributed_optimizer
+            dist_opt = True
+        elif not dist_opt:
+            # core 0.16.1's validate_args does not switch it on (its examples pass it); without it
+            # get_megatron_optimizer builds a non-distributed optimizer over FSDP's shards, not modelled
+            raise NotModelledError(a.key(mkey), "Megatron-FSDP without --use-distributed-optimizer in megatron-core "
+                                                "0.16 (0.19 switches it on)")
+        if a.get("ckpt_format") is not None and str(a.get("ckpt_format")) != "fsdp_dtensor":
+            a.fail("ckpt_format", "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
+        if strategy == "optim_grads_params" and a.get("check_weight_hash_across_dp_replicas_interval") is not None:
+            a.fail("check_weight_hash_across_dp_replicas_interval", "is not supported with optim_grads_params")
+        if a.bool_arg("init_model_with_meta_device", False) and strategy == "no_shard":
+            a.fail("init_model_with_meta_device", "is not supported with --data-parallel-sharding-strategy no_shard")
+        if str(a.get("outer_dp_sharding_strategy", "no_shard")) != "no_shard" or \
+                a.int_arg("num_distributed_optimizer_instances", 1) != 1:
+            raise NotModelledError(a.key("outer_dp_sharding_strategy") if a.given("outer_dp_sharding_strategy")
+                                   else a.key("num_distributed_optimizer_instances"),
+                                   "hybrid sharded data parallel (Megatron-FSDP with an outer DP group)")
+        if a.get("megatron_fsdp_version") not in (None, 1, "1"):
+            raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2")
+        if a.bool_arg("keep_fp8_transpose_cache", False):
+            raise NotModelledError(a.key("keep_fp8_transpose_cache"), "FP8 transpose caches kept under Megatron-FSDP")
+        if a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False):
+            raise NotModelledError(a.key("megatron_fsdp_enable_fine_grained_param_gather"),
+                                   "Megatron-FSDP fine-grained parameter gathering")
+        double = a.bool_arg("fsdp_double_buffer", False) or (
+            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
+        unit = a.int_arg("suggested_communication_unit_size")
+        out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, fsdp_double_buffer=double,
+                   suggested_communication_unit_size=unit,
+                   megatron_fsdp_main_params_dtype=_fsdp_dtype(a, "megatron_fsdp_main_params_dtype", "fp32"),
+                   megatron_fsdp_main_grads_dtype=_fsdp_dtype(a, "megatron_fsdp_main_grads_dtype", "auto"))
+        if not new:
+            a.notes.append(f"{a.key(mkey)}: megatron-core {version[0]}.{version[1]} keeps Megatron-FSDP's gradients "
+                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.19: in the parameter dtype)")
+        if not new and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
+            a.notes.append("--megatron-fsdp-main-*-dtype do not exist in megatron-core 0.16; ignored")
+            out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
+    return out
+
+
+def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """validate_args (both versions): --optimizer-cpu-offload needs --use-precision-aware-optimizer,
+    and with --fp8-param-gather the delayed recipe."""
+    if not a.bool_arg("optimizer_cpu_offload", False):
+        return {}
+    if not kw.get("use_precision_aware_optimizer"):
+        a.fail("optimizer_cpu_offload", "needs --use-precision-aware-optimizer")
+    if a.bool_arg("fp8_param_gather", False) and str(a.get("fp8_recipe", "delayed")) != "delayed":
+        a.fail("optimizer_cpu_offload", "with --fp8-param-gather needs --fp8-recipe delayed")
+    if kw.get("use_megatron_fsdp") or kw.get("use_torch_fsdp2"):
+        raise NotModelledError(a.key("optimizer_cpu_offload"), "optimizer CPU offloading together with FSDP")
+    fraction = a.float_arg("optimizer_offload_fraction", 1.0)
+    if not 0.0 <= fraction <= 1.0:
+        a.fail("optimizer_offload_fraction", f"must be between 0 and 1, got {fraction}")
+        fraction = 1.0
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
+                overlap_cpu_optimizer_d2h_h2d=a.bool_arg("overlap_cpu_optimizer_d2h_h2d", False),
+                pin_cpu_grads=a.bool_arg("pin_cpu_grads", True))

@@ -1,0 +1,140 @@
+"""Megatron-FSDP, torch FSDP2 and optimizer CPU offload through resolve and the estimate: the rules
+validate_args enforces (one-line errors naming the flag) and the breakdown's terms, by hand.
+
+Model: Llama-3.1-8B (8,030,261,248 parameters, Meta's model card), TP1, 8 GPUs (DP 8).
+Per rank under optim_grads_params (megatron-core 0.19 param_and_grad_buffer.py): 32 layer units of
+218,112,000 elements (8,030,261,248 - 2 x 525,336,576 - 4,096 = 6,979,584,000 / 32), chunk factor
+lcm(14336, 4096) = 28672 (fc2's row 14336, the other rows 4096, _get_parameter_groups step 3): each
+bucket padded to a multiple of 8 x 28672 = 229,376 -> 218,136,576; one group outside units
+(embedding, final norm, output layer: 1,050,677,248, factor 4096) padded to 32,768 -> 1,050,705,920.
+Shard per rank: 32 x 27,267,072 + 131,338,240 = 1,003,884,544 elements.
+"""
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+
+from conftest import LLAMA31_8B
+
+BASE = LLAMA31_8B + ["--micro-batch-size", "1", "--global-batch-size", "64", "--seq-length", "4096",
+                     "--max-position-embeddings", "4096"]
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+SHARD = 1_003_884_544
+UNITS = 32 * 218_136_576
+OUTSIDE = 1_050_705_920
+
+
+def terms(flags, version=None, world=8):
+    est = estimate(layout_from_flags(BASE + flags, world_size=world, megatron_version=version))
+    s = est.stages[0]
+    return est, {t.name: t.bytes for t in s.terms}
+
+
+def test_optim_grads_params_terms_by_hand():
+    est, t = terms(FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params"])
+    assert t["fsdp_parameters"] == 2 * SHARD
+    assert t["fsdp_gradients"] == 2 * SHARD               # core 0.19: grads in the param dtype
+    assert t["fsdp_non_unit_parameters"] == 2 * OUTSIDE
+    assert t["main_parameters"] == 4 * SHARD
+    assert t["adam_exp_avg"] == t["adam_exp_avg_sq"] == 4 * SHARD
+    assert "parameters" not in t and "gradient_buffer" not in t
+    # after the step: the fp32 grad copies and every unit re-gathered (no --overlap-param-gather)
+    s = est.stages[0]
+    state = 2 * SHARD * 2 + 2 * OUTSIDE + 12 * SHARD
+    assert s.persistent_bytes - state >= 4 * SHARD + 2 * UNITS
+
+
+def test_core_0_16_grads_are_fp32_and_the_default_is_no_shard():
+    # Before core 0.18 NullTokenizer counts one more token: vocabulary 128257 -> 128384, so the group
+    # outside units has 2 x 128384 x 4096 + 4096 = 1,051,725,824 elements -> 1,051,754,496 padded.
+    shard = 32 * 218_136_576 // 8 + 1_051_754_496 // 8
+    _, t = terms(FSDP + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads_params"],
+                 version="0.16.1")
+    assert t["fsdp_gradients"] == 4 * shard
+    _, t = terms(FSDP + ["--use-distributed-optimizer"], version="0.16.1")
+    whole = 8_030_261_248 + 2 * 128 * 4096
+    assert t["fsdp_gradients"] == 4 * whole       # no_shard: whole, unpadded, fp32
+    assert t["main_parameters"] == 4 * whole
+
+
+def test_megatron_fsdp_rules():
+    with pytest.raises((ConfigError, ConfigErrors), match="--ckpt-format"):
+        layout_from_flags(BASE + ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"], world_size=8)
+    with pytest.raises(NotModelledError, match="--use-distributed-optimizer"):
+        layout_from_flags(BASE + FSDP, world_size=8, megatron_version="0.16.1")
+    with pytest.raises((ConfigError, ConfigErrors), match="--data-parallel-sharding-strategy"):
+        layout_from_flags(BASE + FSDP + ["--data-parallel-sharding-strategy", "zero3"], world_size=8)
+    with pytest.raises(NotModelledError, match="outer-dp-sharding-strategy"):
+        layout_from_flags(BASE + FSDP + ["--outer-dp-sharding-strategy", "optim"], world_size=8)
+    # 0.19 switches the distributed optimizer on (with a note), so --overlap-param-gather is allowed
+    L = layout_from_flags(BASE + FSDP + ["--overlap-grad-reduce", "--overlap-param-gather"], world_size=8)
+    assert L.use_distributed_optimizer and any("use-distributed-optimizer" in n for n in L.notes)
+
+
+def test_torch_fsdp2_rules_and_terms():
+    with pytest.raises((ConfigError, ConfigErrors), match="gradient accumulation fusion"):
+        layout_from_flags(BASE + ["--use-torch-fsdp2"], world_size=8)
+    with pytest.raises((ConfigError, ConfigErrors), match="pipeline"):
+        layout_from_flags(BASE + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion",
+                                  "--pipeline-model-parallel-size", "2"], world_size=8)
+    with pytest.raises((ConfigError, ConfigErrors), match="distributed-optimizer"):
+        layout_from_flags(BASE + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion",
+                                  "--use-distributed-optimizer"], world_size=8)
+    _, t = terms(["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"])
+    # every parameter sharded over 8: (2 + 2 + 4 + 8) B x ceil(n / 8) per unit
+    assert t["main_parameters"] == 2 * t["fsdp_parameters"] == 2 * t["fsdp_gradients"]
+    assert abs(t["fsdp_parameters"] - 2 * 8_030_261_248 / 8) < 64
+
+
+def test_optimizer_offload_moves_the_share_to_the_host():
+    flags = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+             "--optimizer-offload-fraction", "0.5"]
+    est, t = terms(flags)
+    s = est.stages[0]
+    # DDP shard: 8,030,261,248 / 8 (the padding of the buffer is a few elements)
+    shard = 8_030_261_248 // 8
+    assert abs(t["main_parameters"] - 4 * shard / 2) < 4096
+    assert abs(t["adam_exp_avg"] - 4 * shard / 2) < 4096
+    assert abs(s.host_bytes - 16 * shard / 2) < 16384
+    assert est.host_bytes_per_rank == s.host_bytes and est.host_bytes_per_node == 8 * s.host_bytes
+    d = est.to_dict()
+    assert d["host_bytes_per_rank"] == s.host_bytes and d["stages"][0]["host_bytes"] == s.host_bytes
+    with pytest.raises((ConfigError, ConfigErrors), match="use-precision-aware-optimizer"):
+        layout_from_flags(BASE + ["--use-distributed-optimizer", "--optimizer-cpu-offload"], world_size=8)
+
+
+def test_off_by_default_leaves_the_ddp_terms():
+    est, t = terms(["--use-distributed-optimizer"])
+    assert "parameters" in t and "gradient_buffer" in t and not any(k.startswith("fsdp_") for k in t)
+    assert est.host_bytes_per_rank == 0 and "host_bytes_per_rank" not in est.to_dict()
+
+
+def test_megatron_namespace_after_validate_args():
+    # The hook reads Megatron's args after validate_args (0.19): FSDP dtypes are torch dtypes, "auto" is None,
+    # use_custom_fsdp and use_distributed_optimizer switched on.
+    import argparse
+
+    import torch
+
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    ns = argparse.Namespace(**parse_megatron_flags(BASE + FSDP).args)
+    ns.use_custom_fsdp = ns.use_distributed_optimizer = True
+    ns.megatron_fsdp_main_params_dtype, ns.megatron_fsdp_main_grads_dtype = torch.float32, None
+    ns.world_size = 8
+    L = resolve(raw_from_namespace(ns), world_size=8)
+    assert (L.use_megatron_fsdp, L.megatron_fsdp_main_params_dtype, L.megatron_fsdp_main_grads_dtype) == \
+        (True, "fp32", "auto")
+
+
+def test_pipeline_stages_hold_their_own_groups():
+    # PP 2: the embedding's group on the first stage, the final norm and output layer on the last;
+    # each stage's 16 layer units alike (one FSDP module per model chunk)
+    est = estimate(layout_from_flags(BASE + FSDP + ["--pipeline-model-parallel-size", "2"], world_size=8))
+    first, last = ({t.name: t.bytes for t in s.terms} for s in est.stages)
+    # 4 FSDP ranks (DP 4), buckets padded to 4 x 4096 = 16,384: the embedding's 525,336,576 elements
+    # are a multiple already; final norm + output layer, 525,340,672, round up to 525,352,960
+    assert first["fsdp_non_unit_parameters"] == 2 * 525_336_576
+    assert last["fsdp_non_unit_parameters"] == 2 * 525_352_960
+    assert first["fsdp_parameters"] - 2 * 525_336_576 // 4 == last["fsdp_parameters"] - 2 * 525_352_960 // 4

@@ -1,0 +1,95 @@
+"""Megatron-FSDP, torch FSDP2 and optimizer offload rules against megatron-core 0.19.2's real
+parse_and_validate_args (megatron.training, Python 3.12 env): what Megatron accepts, memguard resolves
+the same way; what Megatron's validate_args refuses, memguard refuses naming the flag."""
+import collections
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from conftest import LLAMA31_8B
+
+
+def _container_era() -> bool:
+    try:
+        spec = importlib.util.find_spec("megatron.training.arguments")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and sys.version_info >= (3, 12)
+
+
+pytestmark = [
+    pytest.mark.megatron_training,
+    pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                       "tests/run.sh runs these in .venv312"),
+]
+
+Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
+H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion --micro-batch-size 1".split()
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+
+
+@pytest.fixture
+def megatron(monkeypatch):
+    import torch
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")      # FSDP asserts it is not 1
+    for k, v in (("WORLD_SIZE", "8"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+
+    def run(*flags):
+        global_vars.unset_global_variables()
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+        return parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    yield run
+    global_vars.unset_global_variables()
+
+
+def memguard(*flags):
+    from megatron_memguard import layout_from_flags
+    return layout_from_flags(BASE + list(flags), world_size=8, megatron_version="0.19.2")
+
+
+def test_megatron_fsdp_defaults_read_back_from_megatrons_namespace(megatron):
+    from megatron_memguard import estimate, resolve
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    args = megatron(*FSDP)
+    assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim_grads_params"
+    L = resolve(raw_from_namespace(args), world_size=8)
+    M = memguard(*FSDP)
+    for f in ("use_megatron_fsdp", "data_parallel_sharding_strategy", "use_distributed_optimizer",
+              "megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype"):
+        assert getattr(L, f) == getattr(M, f), f
+    names = {t.name for t in estimate(L).stages[0].terms}
+    assert {"fsdp_parameters", "fsdp_gradients", "fsdp_non_unit_parameters"} <= names
+
+
+@pytest.mark.parametrize("flags, key", [
+    (["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--pipeline-model-parallel-size", "2"], "--use-torch-fsdp2"),
+    (["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--use-distributed-optimizer"], "--use-torch-fsdp2"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2"),   # gradient accumulation fusion is on by default
+    (["--use-megatron-fsdp", "--ckpt-format", "torch_dist"], "--ckpt-format"),
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+])
+def test_what_megatron_refuses_memguard_refuses(megatron, flags, key):
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises(AssertionError):
+        megatron(*flags)
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        memguard(*flags)
+    assert key in str(e.value)
+
+
+def test_offload_and_torch_fsdp2_accepted_by_both(megatron):
+    for flags in (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+                   "--optimizer-offload-fraction", "0.5"],
+                  ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]):
+        args = megatron(*flags)
+        L = memguard(*flags)
+        assert (L.optimizer_cpu_offload, L.use_torch_fsdp2) == (bool(args.optimizer_cpu_offload),
+                                                                 bool(args.use_torch_fsdp2))
+    assert args.optimizer_offload_fraction == 1.0 == memguard().optimizer_offload_fraction   # the CLI default
