@@ -463,6 +463,13 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
+    act_host = max(a.host_bytes for a in acts) * in_flight
+    if act_host:
+        # activation offloading: the saved tensors on the host of every micro-batch in flight (pinned)
+        how = ("layer-level (--cpu-offloading-num-layers)" if L.cpu_offloading_num_layers
+               else "fine-grained (" + ", ".join(L.offload_modules) + ")")
+        host_terms = host_terms + (Term("host_offloaded_activations", act_host, "host", "host",
+                                        f"{how}; {in_flight} micro-batch(es) in flight"),)
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
