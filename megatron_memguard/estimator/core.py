@@ -239,7 +239,10 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.moe is not None:
-        terms = _moe_buffers(L, terms, sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE))
+        n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
+        if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
+            n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
+        terms = _moe_buffers(L, terms, n_moe)
     mixer = uniform_kind(L).mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
