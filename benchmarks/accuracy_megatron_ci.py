@@ -1,6 +1,6 @@
 """How close is memguard to the GPU memory Megatron-LM's own CI measured?
 
-    python benchmarks/accuracy_megatron_ci.py [--all] [--verbose] [--out benchmarks/results/megatron-ci.md]
+    python benchmarks/accuracy_megatron_ci.py [--all] [--verbose] [--records dense|moe|FILE] [--out ...]
 
 Feeds each record of ``shared/groundtruth/megatron-functional-dev.jsonl`` (flags, environment, world size
 of a Megatron functional test; ``torch.cuda.memory_stats()`` of the last global rank per iteration on
@@ -28,7 +28,7 @@ from megatron_memguard.errors import MemguardError  # noqa: E402
 from megatron_memguard.readers.megatron_flags import flags_from_mapping, parse_megatron_flags  # noqa: E402
 from megatron_memguard.resolve import resolve  # noqa: E402
 
-from benchmarks.shared_data import DENSE_RECORDS as DATA  # noqa: E402
+from benchmarks.shared_data import DENSE_RECORDS as DATA, MOE_RECORDS  # noqa: E402
 PLATFORM_GPU = {"dgx_h100": "H100-80GB", "dgxh100_dgxc": "H100-80GB", "dgx_a100": "A100-80GB",
                 "dgxa100_dracooci": "A100-80GB", "dgxa100_dracooci-ord": "A100-80GB", "dgx_gb200": "GB200", None: "A100-80GB"}
 PLATFORM_NAME = {"dgx_h100": "H100", "dgxh100_dgxc": "H100", "dgx_a100": "A100", "dgxa100_dracooci": "A100",
@@ -148,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="include records with quality flags")
     ap.add_argument("--verbose", action="store_true", help="print every record")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "megatron-ci.md"))
+    ap.add_argument("--records", default="dense",
+                    help="dense (megatron-functional-dev.jsonl), moe (megatron-functional-moe-dev.jsonl) or a JSONL path")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/megatron-ci[-moe].md")
     ns = ap.parse_args(argv)
-    rows = [evaluate(r) for r in load_records(include_flagged=ns.all)]
+    path = {"dense": DATA, "moe": MOE_RECORDS}.get(ns.records, ns.records)
+    if ns.out is None:
+        ns.out = os.path.join(ROOT, "benchmarks", "results", "megatron-ci-moe.md" if ns.records == "moe" else "megatron-ci.md")
+    rows = [evaluate(r) for r in load_records(path, include_flagged=ns.all)]
     head = ["| platform | records | estimated | median abs peak error | peak within 5% | peak within 10% | "
             "median abs steady error | steady within 3% |",
             "|---|---|---|---|---|---|---|---|"]

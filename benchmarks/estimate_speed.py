@@ -24,12 +24,24 @@ LLAMA_70B = ("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-a
              "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
              "--untie-embeddings-and-output-weights --tokenizer-type NullTokenizer --vocab-size 128256 --bf16 "
              "--micro-batch-size 1 --global-batch-size 1024 --use-distributed-optimizer --sequence-parallel").split()
+# DeepSeek-V3's shape (61 layers, MLA, 256 experts top-8 + 1 shared, the first 3 layers dense) on 1,024
+# GPUs: PP16 with two virtual stages per rank (Megatron's DeepSeek-V3 layout without its MTP layer), EP 64.
+DEEPSEEK_V3 = ("--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "
+               "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+               "--v-head-dim 128 --swiglu --normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
+               "--position-embedding-type rope --num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+               "--moe-shared-expert-intermediate-size 2048 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+               "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-layer-freq ([0]*3+[1]*58) "
+               "--pipeline-model-parallel-size 16 --pipeline-model-parallel-layout Et|(tt|)*30L --expert-model-parallel-size 64 "
+               "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8192 --bf16 "
+               "--use-distributed-optimizer --tokenizer-type NullTokenizer --vocab-size 129280").split()
 CASES = {
     "70B TP8 PP1 DP128": (LLAMA_70B + ["--tensor-model-parallel-size", "8"], 1024),
     "70B TP8 PP4 DP32": (LLAMA_70B + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4"], 1024),
     "70B TP8 PP4 VPP5 DP32": (LLAMA_70B + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
                                            "--num-layers-per-virtual-pipeline-stage", "4"], 1024),
     "70B TP4 PP16 DP16": (LLAMA_70B + ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "16"], 1024),
+    "DeepSeek-V3 PP16 VPP2 EP64": (DEEPSEEK_V3, 1024),
 }
 
 

@@ -34,6 +34,8 @@ BOUNDS: dict[str, tuple[int, str]] = {
     # The pipeline schedule is simulated rank by rank (work grows with PP^2); published runs use PP <= 64
     # (Narayanan et al. 2021, arXiv 2104.04473, Table 1).
     "pipeline_model_parallel_size": (1_024, "16 x the largest published pipeline (PP 64, Narayanan et al. 2021)"),
+    # memguard lists every local expert's parameters (DeepSeek-V3 routes over 256 experts).
+    "num_experts": (65_536, "256 x the routed experts of DeepSeek-V3 (256)"),
     # The interleaved schedule is simulated over a few micro-batch groups (work grows with the group size).
     "microbatch_group_size_per_vp_stage": (65_536, "memguard simulates the interleaved schedule group by group"),
 }

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 MIXER_ATTENTION = "attention"     # megatron-core SelfAttention (standard / grouped-query)
 MIXER_MLA = "mla"                 # MLASelfAttention (multi-latent attention, DeepSeek-V2 style)
 MLP_DENSE = "dense"               # megatron-core MLP (linear_fc1, activation, linear_fc2)
+MLP_MOE = "moe"                   # megatron-core MoELayer (router, experts, shared experts)
 
 
 class LayerKind(NamedTuple):
@@ -102,7 +103,11 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
     (dense and MoE layers), MTP layers and hybrid models make them differ per layer."""
     mixer = _mixer(L)
-    mlps = (MLP_DENSE,) * L.num_layers            # MoE: MLP_MOE where --moe-layer-freq says so
+    moe = L.moe
+    if moe is None:
+        mlps = (MLP_DENSE,) * L.num_layers
+    else:                                         # --moe-layer-freq: the MoE layers of the global pattern
+        mlps = tuple(MLP_MOE if is_moe else MLP_DENSE for is_moe in moe.moe_layer_pattern)
     if not mlps:
         return ()
     if mlps.count(mlps[0]) == len(mlps):
@@ -135,9 +140,11 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
     flat = [c for st in stages for c in st]
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
-    if "m" in flat:
+    if "m" in flat and "m" in "".join("".join(st) for st in stages[:-1]):
+        # Megatron also places MTP layers on an earlier stage (mtp_standalone); memguard keeps them on the
+        # last stage's last chunk, where they go without a layout
         from .errors import NotModelledError
-        raise NotModelledError(key, "multi-token prediction ('m') layers")
+        raise NotModelledError(key, "multi-token prediction ('m') layers before the last pipeline stage")
     return stages
 
 

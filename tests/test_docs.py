@@ -17,6 +17,11 @@ VARIANTS = [
     ["--fp16", "--fp16-lm-cross-entropy", "--recompute-granularity", "full", "--recompute-method", "uniform",
      "--recompute-num-layers", "2", "--optimizer", "sgd", "--defer-embedding-wgrad-compute",
      "--pipeline-model-parallel-size", "2"],
+    # mixture of experts: every MoE term (dispatcher state, router buffers, grouped-GEMM workspaces)
+    ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+     "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--moe-token-dispatcher-type",
+     "alltoall", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "1024", "--disable-bias-linear"],
+    ["--num-experts", "8", "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex", "--disable-bias-linear"],
 ]
 
 

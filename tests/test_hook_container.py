@@ -273,3 +273,13 @@ def test_megatrons_argument_table_gives_the_same_layout(run, capsys, tmp_path):
     got = resolve(raw, world_size=raw.world_size)
     want = layout_from_flags(BASE + flags[:-2], world_size=16, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert got.to_dict() | {"notes": []} == want.to_dict() | {"notes": [], "env": got.to_dict()["env"]}
+
+
+def test_cuda_graphs_and_mtp_through_the_real_validate_args(run, hook, capsys, monkeypatch):
+    # after validate_args the namespace holds CudaGraphModule members and te_rng_tracker switched on;
+    # the estimate counts the graphs' static buffers and the MTP block of the last stage (issue 17)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--cuda-graph-impl", "transformer_engine",
+        "--cuda-graph-modules", "attn", "--mtp-num-layers", "1", "--memguard", "report")
+    terms = {t.name for s in hook.STATE.decision.estimate.stages for t in s.terms}
+    assert {"cuda_graph_static_io", "mtp_block_activations", "mtp_loss_buffers"} <= terms

@@ -12,7 +12,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.estimator.result import GROUPS, LEVELS, Term, TermGroup, TermLevel
 from megatron_memguard.layout import (FLAT, FLAT_NAMES, FLAT_REQUIRED, PARTS, Layout, Parallelism, ShardGroup,
                                       TensorKind)
-from megatron_memguard.layout.flat import _RUNS, OMITTED_AT_DEFAULT
+from megatron_memguard.layout.flat import MOE_ONLY, _RUNS
 
 from property_space import specs
 
@@ -39,9 +39,9 @@ def test_every_flat_name_maps_to_exactly_one_part():
             owners.setdefault(f.name, []).append(part)
     assert all(len(v) == 1 for v in owners.values()), {k: v for k, v in owners.items() if len(v) > 1}
     assert {n: p[0] for n, p in owners.items()} == {n: p for n, p in FLAT.items() if p}
-    assert [n for n, p in FLAT.items() if not p] == ["notes"]     # Layout's own field
+    assert [n for n, p in FLAT.items() if not p] == ["moe", "notes"]     # Layout's own fields
     # no flat name hides a part or a method of Layout
-    assert not set(FLAT_NAMES) & ({f.name for f in dataclasses.fields(Layout)} - {"notes"})
+    assert not set(FLAT_NAMES) & ({f.name for f in dataclasses.fields(Layout)} - {"moe", "notes"})
 
 
 def test_flat_names_read_their_part_and_are_read_only():
@@ -76,9 +76,11 @@ def test_required_names_are_the_ones_without_a_default():
 def test_from_dict_inverts_to_dict(spec):
     L = layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
     d = L.to_dict()
-    # feature settings at their off values are left out (layout/flat.py OMITTED_AT_DEFAULT)
-    assert list(d) == [n for n in FLAT_NAMES if n in d]
-    assert all(getattr(L, n) == OMITTED_AT_DEFAULT[n] for n in FLAT_NAMES if n not in d)
+    # a dense layout's document leaves out the MoE names (it reads as before MoE was modelled)
+    # and the feature settings are written only when set (flat.OMITTED_AT_DEFAULT)
+    from megatron_memguard.layout.flat import OMITTED_AT_DEFAULT
+    assert list(d) == [n for n in FLAT_NAMES if (L.moe is not None or n not in MOE_ONLY)
+                       and (n not in OMITTED_AT_DEFAULT or getattr(L, n) != OMITTED_AT_DEFAULT[n])]
     back = Layout.from_dict(json.loads(json.dumps(d)))
     assert back == L and hash(back) == hash(L) and back.notes == L.notes
     assert back.to_dict() == d
@@ -185,3 +187,29 @@ def test_parallelism_uses_megatron_cores_names(field):
     mpc = pytest.importorskip("megatron.core.model_parallel_config")
     assert field in {f.name for f in dataclasses.fields(Parallelism)}
     assert field in {f.name for f in dataclasses.fields(mpc.ModelParallelConfig)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixture of experts: the expert-data-parallel group and the moe part
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--sequence-parallel", "--tensor-model-parallel-size", "2",
+       "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--expert-model-parallel-size", "4",
+       "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
+
+
+def test_expert_dp_shard_size_by_hand():
+    L = small(*MOE, world=32)
+    # dense: DP = 32 / (TP2 PP2 CP2) = 4, sharded over DP x CP = 8; experts: EDP = 32 / (ETP1 EP4 PP2) = 4
+    assert L.parallel.shard_size(ShardGroup.DENSE_DP) == 8
+    assert L.parallel.shard_size(ShardGroup.EXPERT_DP) == 4
+    L2 = small(*MOE, "--num-distributed-optimizer-instances", "2", world=32)
+    assert L2.parallel.shard_size(ShardGroup.EXPERT_DP) == 2      # intra_partial_expert_data_parallel: 4 / 2
+
+
+def test_moe_layout_round_trips_and_dense_documents_are_unchanged():
+    L = small(*MOE, world=32)
+    d = L.to_dict()
+    assert d["expert_model_parallel_size"] == 4 and d["moe"]["num_experts"] == 8
+    back = Layout.from_dict(json.loads(json.dumps(d)))
+    assert back == L and hash(back) == hash(L) and back.to_dict() == d
+    assert "moe" not in small().to_dict() and small().moe is None

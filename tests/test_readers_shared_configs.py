@@ -7,7 +7,7 @@ import pytest
 
 from megatron_memguard import estimate, resolve
 from megatron_memguard.cli.main import build_parser, load_raw, resolve_world
-from megatron_memguard.errors import NotModelledError
+from megatron_memguard.layout import ShardGroup
 from megatron_memguard.readers.megatron_flags import flags_from_mapping, parse_megatron_flags
 
 from benchmarks.shared_data import CONFIGS
@@ -147,7 +147,7 @@ def test_launcher_llama3_1_70b():
         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model meta-llama/Meta-Llama-3.1-70B", 1024))
 
 
-def test_launcher_mixtral_loads_and_moe_is_refused_like_the_flags():
+def test_launcher_mixtral_loads_and_resolves_like_the_flags():
     from megatron_memguard.readers.detect import read_config_file
 
     raw = read_config_file(os.path.join(DATA, "nemo-launcher/mixtral_mixtral_8x7b.yaml"))
@@ -159,11 +159,13 @@ def test_launcher_mixtral_loads_and_moe_is_refused_like_the_flags():
             a["num_attention_heads"], a["num_query_groups"], a["ffn_hidden_size"]) == (1, 256, 4096, 32, 4096, 32, 8, 14336)
     assert a["sequence_parallel"] is False and any("switches sequence parallelism off" in w for w in raw.warnings)
     assert a["use_distributed_optimizer"] and a["grad_reduce_in_bf16"]
-    with pytest.raises(NotModelledError, match="model.num_moe_experts"):
-        resolve(raw)
-    with pytest.raises(NotModelledError):
-        flags_layout("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-experts 8 --seq-length 4096 "
-                     "--micro-batch-size 1", 64)
+    # mixture of experts is modelled: 8 experts over EP 8 (one per rank), ETP = TP = 1, expert DP = 64 / (8 x PP 4) = 2
+    L = resolve(raw)
+    assert (L.moe.num_experts, L.moe.ep, L.moe.etp, L.moe.local_experts, L.moe.moe_router_topk) == (8, 8, 1, 1, 2)
+    assert L.parallel.shard_size(ShardGroup.EXPERT_DP) == 2
+    flags = flags_layout("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-experts 8 --seq-length 4096 "
+                         "--micro-batch-size 1", 64)
+    assert flags.moe.num_experts == 8
 
 
 def test_nemo2_checkpoint_model_yaml():

@@ -475,6 +475,11 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                         args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
                         args.multi_latent_attention, normalization=args.normalization,
                     )
+                mtp_spec = None
+                if getattr(args, "mtp_num_layers", None):
+                    # gpt_builders.gpt_builder: the MTP block spec (None on stages without MTP layers)
+                    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+                    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
                 return GPTModel(
                     config=config, transformer_layer_spec=spec,
                     vocab_size=args.padded_vocab_size,
@@ -484,7 +489,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,
                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                    rope_scaling=args.use_rope_scaling, vp_stage=vp_stage,
+                    rope_scaling=args.use_rope_scaling, vp_stage=vp_stage, mtp_block_spec=mtp_spec,
                 )
 
             vpp = args.virtual_pipeline_model_parallel_size

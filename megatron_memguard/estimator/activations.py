@@ -90,7 +90,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
         saved["fc1_input"] = T * h * e
     saved.update(mlp.saved)
     # Forward steps: (saved names not created yet, working bytes)
-    fwd_steps = mixer.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
+    fwd_steps = mixer.fwd_steps + mlp.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
     # Backward steps: (saved names released, working bytes): the MLP, the pre-MLP norm, the mixer
     bwd_steps = mlp.bwd_steps + (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm

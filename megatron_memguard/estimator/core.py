@@ -17,7 +17,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import LayerKind, uniform_kind
+from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -27,6 +27,14 @@ from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .cuda_graphs import stage_terms as cuda_graph_terms
+from .offload_activations import effective_modules as offload_effective_modules
+from .offload_activations import fine_grained_plan
+from .offload_activations import layer_groups as offload_layer_groups
+from .mtp import last_stage_items as mtp_last_stage_items
+from .params import mtp_layer_kind
+from .muon import MUON_OPTIMIZERS
+from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
@@ -45,6 +53,9 @@ class ChunkActivations:
     fwd_extra: int         # transient at the end of this chunk's forward
     bwd_top_extra: int     # working set at the start of this chunk's backward
     bwd_bottom_extra: int  # working set at the end of the backward (embedding weight gradient)
+    moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
+    offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
+    host_bytes: int = 0        # saved activations on the host per micro-batch in flight
 
     @property
     def held(self) -> int:
@@ -92,6 +103,35 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     else:
         layers = _layers_bytes(per_kind, 0)
         detail = _layers_detail(per_kind, 0)
+    moe_layers = 0
+    if L.moe is not None and n:
+        # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
+        skip = 0 if L.recompute_granularity != "full" else (
+            n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
+        moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
+    staging = host = 0
+    if L.cpu_offloading_num_layers and n:
+        # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
+        host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
+        layers -= host
+        detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
+    elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
+        names: set[str] = set()
+        for i, (la_k, k) in enumerate(per_kind):
+            kind = runs[i][0] if i < len(runs) else None
+            modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
+                                                kind is not None and kind.mlp != MLP_DENSE)
+            groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
+                                          separate_input_norm=L.multi_latent_attention,
+                                          min_elements=L.min_offloaded_tensor_size)
+            # the chunk's last group stays on the last stage: it belongs to the top layer
+            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1)
+            layers -= plan.offloaded
+            host += plan.host_bytes
+            staging = max(staging, plan.staging)
+            names |= {g for g, b in groups.items() if b}
+        if host:
+            detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
 
     ends: dict[str, int] = {}
     fwd_extra = fwd_transient if n else 0
@@ -115,12 +155,29 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if has_output:
         o = output_items(L)
         ends.update(o.saved)
-        fwd_extra = max(fwd_extra, o.fwd_transient)
+        mtp_saved, mtp_logits = mtp_last_stage_items(L)
+        if mtp_saved:
+            # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
+            d = L.mtp_num_layers
+            mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
+            detail += f" + {d} MTP layer(s)"
+            ends.update(mtp_saved)
+        # the last MTP depth's logits are still referenced while the main head computes its loss
+        fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
-                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom)
+                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
+                            offload_staging=staging, host_bytes=host)
+
+
+class _MoePart:
+    """The MoE half of a layer's saved bytes (its ``moe_*`` items), for _layers_bytes."""
+
+    def __init__(self, la: LayerActivations) -> None:
+        self.total = sum(v for k, v in la.saved.items() if k.startswith("moe_"))
 
 
 def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:
@@ -181,12 +238,38 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
+    if L.moe is not None:
+        terms = _moe_buffers(L, terms, sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE))
     mixer = uniform_kind(L).mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
     if rotary:
         terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(terms)
+
+
+def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
+    """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
+    and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
+    if not n_moe:
+        return terms
+    from .layers import moe
+    held = moe.held_bytes(L) * n_moe
+    if held:
+        terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
+                          f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next forward"))
+    rb = moe.router_buffer_bytes(L.moe) * n_moe
+    if rb:
+        terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
+                          f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+    gb = moe.global_buffer_request(L, L.moe)
+    old = next((t for t in terms if t.name == "global_memory_buffer"), None)
+    if gb and (old is None or old.bytes < gb):
+        terms = [t for t in terms if t.name != "global_memory_buffer"]
+        terms.insert(0, Term("global_memory_buffer", gb, "transients", "allocated",
+                             "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
+                             "[T x ETP x EP, h]"))
+    return terms
 
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
@@ -245,7 +328,10 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
     extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
     where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[best_kind]
     phase = f"{where} of micro-batch {mb[ci]}, chunk {ci} ({sum(held)} held)"
-    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held))}
+    moe = sum(h * acts[i].moe_layers for i, h in enumerate(held))
+    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held)) - moe}
+    if moe:
+        parts["moe_layer_activations"] = moe
     for i, h in enumerate(held):
         if h:
             for k, v in acts[i].ends.items():
@@ -279,7 +365,9 @@ def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, 
     mb = k if where == "forward" else 1
     if kept:
         mb = k + 1 if where == "forward" else 2   # the first pass with k held after an earlier backward
-    parts: dict[str, int] = {"layer_activations": held * a.layers}
+    parts: dict[str, int] = {"layer_activations": held * (a.layers - a.moe_layers)}
+    if held * a.moe_layers:
+        parts["moe_layer_activations"] = held * a.moe_layers
     for key, v in a.ends.items():
         parts[key] = held * v
     parts[name] = extra
@@ -293,6 +381,7 @@ _END_GROUPS = {
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
+    "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
 }
 
 
@@ -350,12 +439,24 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
+    if ft is None and L.optimizer in MUON_OPTIMIZERS:
+        state_terms = muon_state_terms(L, pp_rank, state_terms)
+    act_host = max((a.host_bytes for a in acts), default=0) * in_flight
+    if act_host:
+        # activation offloading: what the micro-batches in flight keep on the host (host memory, apart)
+        host_terms = host_terms + (Term("host_activations", act_host, "host", "host",
+                                        f"saved activations offloaded to the host, {in_flight} micro-batch(es) in flight"),)
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
+    staging = max(a.offload_staging for a in acts)
+    if staging:
+        # the offloaded groups in flight exist during the forward and backward passes
+        parts = {**parts, "offload_staging": staging}
+        act_peak += staging
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
     if deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
@@ -374,6 +475,21 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
+
+    graph_pool: list[Term] = []
+    if device == "gpu" and L.cuda_graph_impl != "none":
+        # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
+        # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
+        moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
+        if has_output and L.mtp_num_layers:
+            moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
+        graphed = n_layers + (L.mtp_num_layers if has_output else 0)
+        la = layer_activations(L)
+        for name, nbytes, group, level, det in cuda_graph_terms(
+                L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
+                sum(t.bytes for t in step_terms), len(chunks)):
+            t = Term(name, nbytes, group, level, det)
+            (fixed_alloc if level == "allocated" else graph_pool).append(t)
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
@@ -396,6 +512,16 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             det = ""
             if name == "layer_activations":
                 det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+            elif name == "mtp_block_activations":
+                det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
+                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
+            elif name == "mtp_loss_buffers":
+                det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
+                       "loss; the last depth's logits are in forward_transient")
+            elif name == "offload_staging":
+                host = max(a.host_bytes for a in acts) * in_flight
+                det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                       f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
             elif ft is not None and name.startswith("fsdp_"):
@@ -411,7 +537,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         frag = int(peak_alloc * site.allocator_fragmentation)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
                           f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
-        peak_reserved = peak_alloc + frag
+        terms += graph_pool
+        peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
         device_only = [t for t in fixed if t.level == "device"]
         terms += device_only
         device_total = peak_reserved + sum(t.bytes for t in device_only)
@@ -458,6 +585,37 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
+def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gpu_name: str | None,
+                   dp_rank: int | str, site: SiteConstants) -> tuple[StageEstimate, ...]:
+    """The stages with their ``moe`` figures: the expert rows per MoE layer and micro-batch under
+    balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
+    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak at the same
+    moment of the schedule with the worst-case rows: the MoE layers in flight keep their worst-case
+    bytes and the working set grows by the worst-case layer's (no second schedule replay: the estimate
+    of a 1,024-GPU DeepSeek-V3 layout stays one replay per stage)."""
+    import dataclasses
+    from .layers.moe import expert_rows, moe_activations, tokens_per_rank
+    rows = expert_rows(L.moe, tokens_per_rank(L))
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    bal = moe_activations(L, L.moe, rows=rows.balanced, mods=mods)
+    wst = moe_activations(L, L.moe, rows=rows.worst, mods=mods)
+    d_work = max(wst.fwd_transient - bal.fwd_transient,
+                 max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
+    frag = site.allocator_fragmentation if device == "gpu" else 0.0
+    out = []
+    for s in stages:
+        held = s.breakdown.get("moe_layer_activations", 0)
+        grow = (held * wst.total // bal.total - held) if bal.total else 0
+        extra = grow + (d_work if held else 0)
+        extra_reserved = extra + int(extra * frag)
+        moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+               "worst_case": {"peak_allocated_bytes": s.peak_allocated_bytes + extra,
+                              "peak_reserved_bytes": s.peak_reserved_bytes + extra_reserved,
+                              "device_total_bytes": s.device_total_bytes + extra_reserved, "peak_phase": s.peak_phase}}
+        out.append(dataclasses.replace(s, moe=moe))
+    return tuple(out)
+
+
 def estimate(
     layout: Layout,
     profile: str = "auto",
@@ -492,6 +650,8 @@ def estimate(
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
+    if L.moe is not None:
+        stages = moe_worst_case(L, stages, device, gpu_name, dp_rank, site)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,

@@ -66,6 +66,14 @@ def estimate_fujii2024(layout: Layout, gpu: GpuSpec | None = None, gpu_memory: i
     if layout.multi_latent_attention:
         # the paper's P_layer and activation closed forms are those of Llama's grouped-query attention
         raise NotModelledError("--profile fujii2024", "multi-latent attention in the paper's closed form")
+    # features the paper's closed form has no term for (its first stage is the last one when PP = 1)
+    for on, what in ((layout.optimizer not in ("adam", "sgd"), f"the {layout.optimizer} optimizer"),
+                     (layout.mtp_num_layers and layout.pp == 1, "multi-token prediction"),
+                     (layout.cuda_graph_impl != "none", "CUDA graphs"),
+                     (layout.cpu_offloading_num_layers or layout.fine_grained_activation_offloading,
+                      "activation offloading")):
+        if on:
+            raise NotModelledError("--profile fujii2024", f"{what} in the paper's closed form")
     w, act = fujii_bytes(layout)
     _, phi = fujii_parameters(layout)
     total = int(round(w + act))

@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from ..layout import Layout, TensorKind
+from ..layout import Layout, ShardGroup, TensorKind
 from ..units import MiB
 from .params import layer_linear_shapes
 from .result import Term, TermGroup, TermLevel
@@ -81,6 +81,13 @@ def nccl_communicators(L: Layout) -> list[str]:
         comms.append("DP-CP")
     if L.cp > 1:
         comms.append("CP")
+    m = L.moe
+    if m is not None:
+        # the token dispatcher's group (ETP x EP, or EP for alltoall) and the expert gradients' group
+        if m.ep * m.etp > 1:
+            comms.append("EP")
+        if L.parallel.shard_size(ShardGroup.EXPERT_DP) * L.num_distributed_optimizer_instances > 1:
+            comms.append("EXPERT-DP")
     return comms
 
 
@@ -103,6 +110,11 @@ def nccl_bytes(L: Layout, site: SiteConstants | None = None) -> tuple[int, str]:
 BLAS_WORKSPACES = 2
 
 
+# Transformer Engine's compute streams for multi-stream (grouped) GEMMs, each with its own cuBLAS
+# workspace of te_workspace_bytes (TE 2.x); the measured 128 MiB (Hopper) / 16 MiB (A100) fix it at 4.
+TE_GEMM_STREAMS = 4
+
+
 def te_workspace_bytes(gpu_name: str | None, site: SiteConstants | None = None) -> int:
     if site is not None and site.te_workspace is not None:
         return site.te_workspace
@@ -117,9 +129,22 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
     terms = [Term("cublas_workspaces", BLAS_WORKSPACES * ws, TermGroup.FIXED, TermLevel.ALLOCATED,
                   f"{BLAS_WORKSPACES} x {ws / 2**20:.2f} MiB cuBLAS/cuBLASLt workspaces of the compute stream "
                   "(CUBLAS_WORKSPACE_CONFIG or PyTorch's default)")]
-    if L.transformer_impl == "transformer_engine":
+    if L.transformer_impl == "transformer_engine" or L.moe is not None:
+        # MoE: the router's gating GEMM is TE's general_gemm whenever TE is installed, also with the
+        # local implementation (Megatron's CI: +32 MiB on H100/GB200, +4 MiB on A100 after the step)
         terms.append(Term("te_workspace", te_workspace_bytes(gpu_name, site), TermGroup.FIXED, TermLevel.ALLOCATED,
                           "Transformer Engine GEMM workspace"))
+    if L.moe is not None and L.moe.moe_grouped_gemm and L.transformer_impl == "transformer_engine":
+        # TEGroupedMLP's general_grouped_gemm runs on TE's compute streams, one cuBLAS workspace each
+        # (Megatron's CI: the grouped-GEMM MoE tests hold 128 MiB more on H100/GB200, 16 MiB on A100)
+        n = TE_GEMM_STREAMS
+        terms.append(Term("te_grouped_gemm_workspaces", n * te_workspace_bytes(gpu_name, site), TermGroup.FIXED,
+                          TermLevel.ALLOCATED, f"{n} Transformer Engine multi-stream grouped-GEMM workspaces"))
+    if L.moe is not None and L.moe.moe_token_dispatcher_type == "flex":
+        from .layers.moe import deepep_buffer_bytes
+        terms.append(Term("deepep_buffer", deepep_buffer_bytes(L, L.moe), TermGroup.FIXED, TermLevel.DEVICE,
+                          f"DeepEP's NVLink communication buffer ({L.moe.moe_flex_dispatcher_num_sms} SMs, "
+                          f"{L.moe.etp * L.moe.ep} ranks), allocated outside PyTorch's allocator"))
     nccl, which = nccl_bytes(L, site)
     context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
     terms.append(Term("cuda_context", context, TermGroup.FIXED, TermLevel.DEVICE, "CUDA context and loaded kernels"))
@@ -143,7 +168,12 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> 
     installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
     if not L.fused_wgrad:
         return frozenset()
-    shapes = set(layer_linear_shapes(L).values()) if has_layers else set()
+    if has_layers and L.moe is not None:
+        # the kinds the model has (MoE: the experts' and shared experts' TE linears)
+        from ..partition import layer_kinds
+        shapes = {sh for kind in set(layer_kinds(L)) for sh in layer_linear_shapes(L, kind).values()}
+    else:
+        shapes = set(layer_linear_shapes(L).values()) if has_layers else set()
     if has_output:
         shapes.add((L.padded_vocab_size // L.tp, L.hidden_size))     # output_layer
     return frozenset(shapes)

@@ -22,11 +22,12 @@ from ..partition import LayerKind, layer_kinds, uniform_kind
 from .layers import mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param
+from .layers.moe import experts_use_expert_buffer
 from .layers.base import norm_params as _norm
 from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
-__all__ = ["Param", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
+__all__ = ["Param", "chunk_expert_numels", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -46,8 +47,14 @@ def layer_params(L: Layout, prefix: str = "", kind: LayerKind | None = None) -> 
 
 
 @lru_cache(maxsize=256)
-def _layer_numels(L: Layout, kind: LayerKind) -> tuple[int, ...]:
-    return tuple(p.numel for p in layer_params(L, kind=kind))
+def _layer_numels(L: Layout, kind: LayerKind, expert: bool = False) -> tuple[int, ...]:
+    """Numels of one layer's parameters in the dense DDP buffer, or (``expert``) in the expert buffer:
+    routed experts get their own buffer when megatron-core reduces them over the expert-data-parallel
+    group (layers/moe.py experts_use_expert_buffer), else they stay with the dense parameters."""
+    ps = layer_params(L, kind=kind)
+    if L.moe is None or not experts_use_expert_buffer(L.moe, L.tp, L.megatron_version):
+        return () if expert else tuple(p.numel for p in ps)
+    return tuple(p.numel for p in ps if p.expert == expert)
 
 
 def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
@@ -62,11 +69,40 @@ def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
             out.append((L.max_position_embeddings * h, False))
     for kind, n in c.kind_runs:
         out.extend([(numel, False) for numel in _layer_numels(L, kind)] * n)
+    mtp = _mtp_params(L, c)
+    if mtp:
+        # the embedding copy is registered with the embedding (first), the MTP block after the decoder
+        emb = [(n, shared) for name, n, shared in mtp if name.startswith("embedding.")]
+        out = emb + out + [(n, shared) for name, n, shared in mtp if not name.startswith("embedding.")]
     if c.has_output:
         out.extend([(h, False)] * (2 if L.normalization == "LayerNorm" else 1))
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            out.append((vocab_rows * h, c.has_tied_output_copy))
+            # with MTP on a later stage the embedding copy is the tied weight; the output layer keeps its own
+            out.append((vocab_rows * h, c.has_tied_output_copy and not mtp))
     return out
+
+
+def chunk_expert_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
+    """(numel, False) of the chunk's parameters in megatron-core's expert DDP buffer (the routed
+    experts of its MoE layers, when they are reduced over the expert-data-parallel group), in
+    registration order."""
+    if L.moe is None:
+        return []
+    out: list[tuple[int, bool]] = []
+    for kind, n in c.kind_runs:
+        out.extend([(numel, False) for numel in _layer_numels(L, kind, True)] * n)
+    return out
+def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
+    """The MTP block's parameters when this chunk holds it (the last stage's last chunk)."""
+    if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
+        return []
+    from .mtp import chunk_params as mtp_chunk_params, spec_of
+    return mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer_params(L, kind=mtp_layer_kind(L))])
+
+
+def mtp_layer_kind(L: Layout) -> LayerKind:
+    """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__)."""
+    return layer_kinds(L)[-1]
 
 
 def chunk_params(L: Layout, c: Chunk) -> list[Param]:
@@ -81,12 +117,17 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
             ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True))
     layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
     for i, kind in enumerate(c.layer_kinds):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding)
+        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert)
                   for p in layers[kind])
+    mtp = _mtp_params(L, c)
+    if mtp:
+        emb = [Param(name, n, shared_embedding=shared) for name, n, shared in mtp if name.startswith("embedding.")]
+        ps = emb + ps + [Param(name, n, shared_embedding=shared) for name, n, shared in mtp
+                         if not name.startswith("embedding.")]
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy))
+            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp))
     return ps
 
 
@@ -98,6 +139,12 @@ def total_parameters(L: Layout) -> int:
     total = sum(n * (mixer_recipe(k).param_count(L) + mlp_recipe(k).param_count(L))
                 for k, n in Counter(layer_kinds(L)).items())
     total += norm * h + V * h
+    # MTP depths: one layer of the last decoder layer's kind each, plus enorm, hnorm, final norm and
+    # eh_proj [h, 2h] (the embedding copy of a later stage is a copy, not counted again)
+    d = getattr(L, "mtp_num_layers", 0)
+    if d:
+        last = mtp_layer_kind(L)
+        total += d * (mixer_recipe(last).param_count(L) + mlp_recipe(last).param_count(L) + 3 * norm * h + 2 * h * h)
     if L.untie_embeddings_and_output_weights:
         total += V * h
     if L.position_embedding_type == "learned_absolute":

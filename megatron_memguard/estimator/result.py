@@ -84,6 +84,9 @@ class StageEstimate:
     peak_phase: str
     in_flight: int                 # most (micro-batch, chunk) forwards held at once
     terms: tuple[Term, ...]        # breakdown at the peak moment, plus reserved/device terms
+    # mixture of experts: the expert rows per micro-batch (balanced, the estimate; worst) and the
+    # stage's peak with the worst routing the dispatcher allows (None for dense models)
+    moe: dict[str, Any] | None = None
     host_terms: tuple[Term, ...] = ()  # host (CPU) memory of one rank: optimizer CPU offload
 
     @property
@@ -102,7 +105,7 @@ class StageEstimate:
         return max(self.terms, key=lambda t: t.bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "pp_rank": self.pp_rank,
             "vpp_chunks": [{"vpp_rank": c.vpp_rank, "first_layer": c.first_layer, "num_layers": c.num_layers,
                             "embedding": c.has_embedding, "output": c.has_output} for c in self.chunks],
@@ -120,6 +123,9 @@ class StageEstimate:
             **({"host_bytes": self.host_bytes, "host_terms": [t.to_dict() for t in self.host_terms]}
                if self.host_terms else {}),
         }
+        if self.moe is not None:
+            d["moe"] = dict(self.moe)
+        return d
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import Chunk, Layout, ShardGroup, TensorKind
-from .params import chunk_numels
+from .params import chunk_expert_numels, chunk_numels
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,16 @@ def bucket_size_for(L: Layout, chunk: Chunk) -> int | None:
     return L.ddp_bucket_size or max(40_000_000, 1_000_000 * L.data_parallel_size * L.context_parallel_size)
 
 
-def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | None) -> ChunkBuffer:
+def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | None,
+                 group: ShardGroup = ShardGroup.DENSE_DP) -> ChunkBuffer:
     """Replicates ``_ParamAndGradBuffer``'s index arithmetic; ``params`` are (numel, shared_embedding)
-    in registration order, walked in reverse as megatron does."""
+    in registration order, walked in reverse as megatron does; ``group``: the ranks the buffer is
+    reduced and sharded over (the expert buffer pads its buckets to its own group's size)."""
     dist = L.use_distributed_optimizer
     unpadded = sum(n for n, _ in params)
     if not dist and bucket_size is None:
         return ChunkBuffer(numel=unpadded, numel_unpadded=unpadded, buckets=(), params=unpadded)
-    shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
+    shard = L.parallel.shard_size(group)
     divisor = math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
 
     def pad_end(i: int) -> int:
@@ -101,14 +103,15 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
 
 @lru_cache(maxsize=1024)
 def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
-                  bucket_size: int | None, ranks: tuple[int, ...]) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
+                  bucket_size: int | None, ranks: tuple[int, ...],
+                  group: ShardGroup = ShardGroup.DENSE_DP) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
-    share one shape)."""
+    share one shape); ``group`` EXPERT_DP: the chunk's expert buffer (its MoE layers' routed experts)."""
     c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=sum(n for _, n in kind_runs),
               has_embedding=has_embedding, has_output=has_output, has_tied_output_copy=tied_copy, kind_runs=kind_runs)
-    plist = chunk_numels(L, c)
-    buf = build_buffer(L, plist, bucket_size)
-    pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(ShardGroup.DENSE_DP), r)) for r in ranks) if L.use_distributed_optimizer else ()
+    plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c)
+    buf = build_buffer(L, plist, bucket_size, group)
+    pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(group), r)) for r in ranks) if L.use_distributed_optimizer else ()
     return buf, pieces
 
 
@@ -169,6 +172,30 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
         main_elems = max(sum(pieces_by_rank.get(r, [])) for r in ranks)
     else:
         main_elems = all_main
+    if L.moe is not None:
+        # megatron-core's expert DDP buffers (one per chunk) and the one expert DistributedOptimizer over
+        # all chunks, sharded over the expert-data-parallel group: the rank of that group standing for
+        # the dense DP rank asked for (the same end of the group)
+        eshard = L.parallel.shard_size(ShardGroup.EXPERT_DP)
+        eranks = sorted({min(r, eshard - 1) if dp_rank != "last" else eshard - 1 for r in ranks})
+        epieces: dict[int, int] = {}
+        e_main = 0
+        for runs, has_embedding, has_output, tied, bsize in sig:
+            buf, pieces_of = _chunk_buffer(L, runs, False, False, False, bsize, tuple(eranks), ShardGroup.EXPERT_DP)
+            if not buf.params:
+                continue
+            params += buf.params
+            numel += buf.numel
+            unpadded += buf.numel_unpadded
+            grad_bytes += buf.numel * g_bytes
+            if L.use_distributed_optimizer:
+                param_bytes += buf.numel * p_bytes
+                for r, piece_list in zip(eranks, pieces_of):
+                    epieces[r] = epieces.get(r, 0) + sum(piece_list)
+            else:
+                param_bytes += buf.params * p_bytes
+                e_main += buf.params
+        main_elems += max(epieces.values()) if epieces else e_main
 
     # Master weights: fp32 clones of 16-bit params; fp32 params are their own master weights.
     if L.params_dtype == "fp32":

@@ -12,7 +12,7 @@ from __future__ import annotations
 _RUNS: tuple[tuple[str, str], ...] = (
     ("parallel", "world_size tensor_model_parallel_size pipeline_model_parallel_size "
                  "virtual_pipeline_model_parallel_size context_parallel_size data_parallel_size sequence_parallel "
-                 "num_distributed_optimizer_instances"),
+                 "num_distributed_optimizer_instances expert_model_parallel_size expert_tensor_parallel_size"),
     ("shape", "num_layers hidden_size ffn_hidden_size num_attention_heads num_query_groups group_query_attention "
               "kv_channels seq_length max_position_embeddings vocab_size padded_vocab_size "
               "make_vocab_size_divisible_by swiglu squared_relu gated_linear_unit normalization add_bias_linear "
@@ -38,6 +38,11 @@ _RUNS: tuple[tuple[str, str], ...] = (
                 "empty_unused_memory_level defer_embedding_wgrad_compute wgrad_deferral_limit tp_comm_overlap"),
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
+    ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
+    ("shape", "mtp_num_layers"),
+    ("kernels", "cuda_graph_impl cuda_graph_modules"),
+    ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
+    ("optim", "muon_scalar_optimizer"),
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
               "suggested_communication_unit_size megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype "
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
@@ -45,16 +50,21 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("provenance", "env"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
+# flat names the JSON document leaves out for a dense model (its layout reads as before MoE existed)
+MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 
 # flat name -> part attribute ("" for Layout's own ``notes``), in JSON order
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
-TUPLE_FIELDS = ("recompute_modules", "env", "notes")
-# Settings of features that are off unless asked for: the JSON document writes them only when they
-# differ from these values (so documents of jobs without the feature stay as they were); ``from_dict``
-# takes the value back from here when the key is absent.
+TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules")
+# Feature settings the JSON document writes only when set: a layout without the feature keeps the
+# document of the releases before it (CUDA graphs, activation offloading, MTP, Muon,
+# Megatron-FSDP / torch FSDP2, optimizer CPU offload); ``from_dict`` takes the value back from here.
 OMITTED_AT_DEFAULT: dict[str, object] = {
+    "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "cpu_offloading_num_layers": 0,
+    "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
+    "muon_scalar_optimizer": "adam",
     "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,
     "fsdp_double_buffer": False, "suggested_communication_unit_size": None,
     "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",

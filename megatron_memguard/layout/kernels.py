@@ -22,6 +22,8 @@ class Kernels:
     defer_embedding_wgrad_compute: bool
     wgrad_deferral_limit: int
     tp_comm_overlap: bool
+    cuda_graph_impl: str = "none"   # none | local | transformer_engine | full_iteration
+    cuda_graph_modules: tuple[str, ...] = ()   # empty: the whole layer
 
     @property
     def fused_wgrad(self) -> bool:

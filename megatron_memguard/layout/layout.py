@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from .chunk import Chunk
-from .flat import FLAT, FLAT_NAMES, OMITTED_AT_DEFAULT, TUPLE_FIELDS
+from .flat import FLAT, FLAT_NAMES, MOE_ONLY, OMITTED_AT_DEFAULT, TUPLE_FIELDS
 from .kernels import Kernels
 from .parallelism import Parallelism, ShardGroup
 from .precision import Precision, TensorKind
@@ -52,6 +52,8 @@ class Layout:
     recompute: Recompute
     kernels: Kernels
     provenance: Provenance
+    # mixture of experts: the MoE settings (megatron_memguard.estimator.layers.moe.MoeSpec), None: dense
+    moe: Any = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +69,7 @@ class Layout:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.parallel, self.shape, self.batch, self.split, self.precision, self.optim,
-                      self.recompute, self.kernels, self.provenance))
+                      self.recompute, self.kernels, self.provenance, self.moe))
             self.__dict__["_hash"] = h
         return h
 
@@ -77,6 +79,7 @@ class Layout:
         """A Layout from Megatron's flat names (what ``resolve`` computes); TypeError for an unknown
         name or a missing required one, as a dataclass constructor raises."""
         notes = tuple(kw.pop("notes", ()))
+        moe = kw.pop("moe", None)
         # Built without the dataclasses' __init__, whose object.__setattr__ per field made building a
         # layout 3x slower than the flat one (resolve runs once per layout the planner considers).
         obj = object.__new__(cls)
@@ -99,6 +102,7 @@ class Layout:
         if used != len(kw):
             raise TypeError(f"Layout has no field {sorted(kw.keys() - _PART_NAMES)[0]!r}")
         d.update(kw)                                         # every flat name as an instance attribute
+        d["moe"] = _moe_part(moe)
         d["notes"] = notes
         return obj
 
@@ -130,8 +134,17 @@ class Layout:
         return dataclasses.replace(self, **own)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in FLAT_NAMES
-             if name not in OMITTED_AT_DEFAULT or getattr(self, name) != OMITTED_AT_DEFAULT[name]}
+        d = {name: getattr(self, name) for name in FLAT_NAMES}
+        if self.moe is None:
+            for name in MOE_ONLY:
+                del d[name]
+        else:
+            d["moe"] = self.moe.to_dict()
+        for name, default in OMITTED_AT_DEFAULT.items():
+            if d[name] == default:
+                del d[name]
+            elif isinstance(d[name], tuple):
+                d[name] = list(d[name])
         d["recompute_modules"] = list(self.recompute_modules)
         d["env"] = dict(self.env)
         d["notes"] = list(self.notes)
@@ -211,6 +224,14 @@ _PART_GETTERS = {t: operator.itemgetter(*names) for t, names in _PART_FIELDS.ite
 _PART_NAMES = frozenset(n for names in _PART_FIELDS.values() for n in names)
 _PART_DEFAULTS: dict[type, dict[str, Any]] = {
     t: {f.name: f.default for f in dataclasses.fields(t) if f.default is not dataclasses.MISSING} for t in PARTS.values()}
+
+
+def _moe_part(value: Any) -> Any:
+    """The ``moe`` part from a MoeSpec, its ``to_dict()`` (from_dict), or None."""
+    if value is None or not isinstance(value, dict):
+        return value
+    from .moe import MoeSpec
+    return MoeSpec.from_dict(value)
 
 
 def _build(t: type, values: dict[str, Any]) -> Any:

@@ -18,6 +18,10 @@ class ShardGroup(str, Enum):
     # --num-distributed-optimizer-instances replicas (megatron/core/parallel_state.py,
     # get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)).
     DENSE_DP = "dense_dp"
+    # The distributed optimizer's group for routed-expert parameters: the expert-data-parallel ranks,
+    # world / (ETP x EP x PP) (initialize_model_parallel's expert rank generator has no CP axis), split
+    # into the optimizer instances (intra_partial_expert_data_parallel).
+    EXPERT_DP = "expert_dp"
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -33,7 +37,9 @@ class Parallelism:
     data_parallel_size: int
     sequence_parallel: bool
     num_distributed_optimizer_instances: int
-    # expert_model_parallel_size / expert_tensor_parallel_size join here with mixture-of-experts.
+    # mixture of experts (--expert-model-parallel-size, --expert-tensor-parallel-size; ETP None: no experts)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
 
     @property
     def tp(self) -> int:
@@ -63,5 +69,9 @@ class Parallelism:
             sizes = self.__dict__["_shard_sizes"] = {
                 ShardGroup.DENSE_DP: max(1, self.data_parallel_size * self.context_parallel_size
                                          // self.num_distributed_optimizer_instances),
+                ShardGroup.EXPERT_DP: max(1, self.world_size // (
+                    (self.expert_tensor_parallel_size or self.tensor_model_parallel_size)
+                    * self.expert_model_parallel_size * self.pipeline_model_parallel_size)
+                    // self.num_distributed_optimizer_instances),
             }
         return sizes[group]

@@ -38,3 +38,4 @@ class ModelShape:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)
+    mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)

@@ -28,13 +28,14 @@ class PipelineSplit:
 class Optimizer:
     """The optimizer and megatron's DDP wrapper (buffers, buckets); the state dtypes are in Precision."""
 
-    optimizer: str                  # adam | sgd
+    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon
     use_distributed_optimizer: bool
     store_param_remainders: bool
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     ddp_bucket_size: int | None
     ddp_pad_buckets_for_high_nccl_busbw: bool
+    muon_scalar_optimizer: str = "adam"   # with a Muon-family optimizer: what updates the non-matrix params
     # Megatron-FSDP / torch FSDP2 instead of DDP's buffers (estimator/fsdp.py; off by default)
     use_megatron_fsdp: bool = False
     use_torch_fsdp2: bool = False
@@ -58,3 +59,8 @@ class Recompute:
     recompute_num_layers: int | None
     recompute_modules: tuple[str, ...]
     distribute_saved_activations: bool
+    # activation offloading to the host, the other way to take saved activations off the GPU
+    cpu_offloading_num_layers: int = 0
+    fine_grained_activation_offloading: bool = False
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024 * 1024

@@ -73,6 +73,11 @@ class RankRun:
         p = (self.start or {}).get("predicted") or {}
         return p.get(PREDICTED_OF[metric]) or None
 
+    def moe_worst_case(self) -> dict[str, Any] | None:
+        """The MoE worst-case figures of the rank's stage (peak allocated / reserved / device total with
+        the dispatcher's worst routing), from the start record's prediction; None for dense runs."""
+        return ((self.start or {}).get("predicted") or {}).get("moe_worst_case")
+
     def peak(self, metric: str) -> int | None:
         """The largest actual value over the samples."""
         vals = [s.value(metric) for s in self.samples if s.value(metric) is not None]

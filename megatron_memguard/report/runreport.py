@@ -183,6 +183,27 @@ def _event_lines(log: RunLog, limit: int = 8) -> list[str]:
     return out
 
 
+def moe_lines(log: RunLog) -> list[str]:
+    """MoE runs: per stage, the measured peak allocated against the balanced-routing estimate and the
+    worst-case bound (routing moves MoE peaks; docs/terms/moe.md)."""
+    out = []
+    for pp, rs in log.stages.items():
+        worst = next((r.moe_worst_case() for r in rs if r.moe_worst_case()), None)
+        peaks = [r.peak("max_allocated") for r in rs if r.peak("max_allocated")]
+        pred = next((r.predicted("max_allocated") for r in rs if r.predicted("max_allocated")), None)
+        if not worst or not peaks or not pred:
+            continue
+        top, bound = max(peaks), worst["peak_allocated_bytes"]
+        where = ("above the worst-case bound" if top > bound else "above the balanced estimate, within the bound"
+                 if top > pred else "within the balanced estimate")
+        out.append(f"pp{pp} MoE routing: measured peak allocated {format_bytes(top)} = {top / pred:.0%} of the "
+                   f"balanced-routing estimate {format_bytes(pred)}, {top / bound:.0%} of the worst-case bound "
+                   f"{format_bytes(bound)} ({where})")
+    if out:
+        out.insert(0, "mixture of experts (peaks move with routing):")
+    return out
+
+
 def render_text(log: RunLog, colour: bool | None = None, all_ranks: bool = False) -> str:
     colour = use_colour() if colour is None else colour
     metrics = metrics_of(log)
@@ -202,6 +223,10 @@ def render_text(log: RunLog, colour: bool | None = None, all_ranks: bool = False
     out.append(title)
     out.append(table([rank_row(r, metrics, tol, colour) for r in ranks], rank_header(metrics),
                      right=range(2, 3 + 3 * len(metrics))))
+    moe = moe_lines(log)
+    if moe:
+        out.append("")
+        out.extend(moe)
     events = _event_lines(log)
     if events:
         out.append("")

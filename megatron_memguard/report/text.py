@@ -1,6 +1,8 @@
 """Terminal tables: a per-stage summary, the breakdown of the critical stage, the verdict."""
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import re
 import sys
@@ -100,12 +102,21 @@ def layer_table(est: Estimate) -> str:
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
         L = L.replace(transformer_impl=est.profile)
-    la = layer_activations(L)
-    rows = [[name, format_bytes(v)] for name, v in la.saved.items()]
-    rows.append(["= per layer and micro-batch", format_bytes(la.total)])
-    rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
-    rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
-    return table(rows, ["saved tensor (one layer, one micro-batch)", "bytes"], right=(1,))
+    if L.moe is None:
+        kinds = [None]
+    else:   # one table per kind of layer the model has (dense and MoE layers)
+        from ..partition import layer_kinds
+        kinds = list(dict.fromkeys(layer_kinds(L)))
+    out = []
+    for kind in kinds:
+        la = layer_activations(L, True, kind)
+        rows = [[name, format_bytes(v)] for name, v in la.saved.items()]
+        rows.append(["= per layer and micro-batch", format_bytes(la.total)])
+        rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
+        rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
+        what = "one layer" if kind is None else f"one {kind.mlp} layer"
+        out.append(table(rows, [f"saved tensor ({what}, one micro-batch)", "bytes"], right=(1,)))
+    return "\n\n".join(out)
 
 
 def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_stages: bool = False) -> str:
@@ -123,6 +134,8 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
     for s in stages:
         out.append(f"pp{s.pp_rank} at its peak: {s.peak_phase}")
         out.append(breakdown(s, detail))
+        if s.moe:
+            out.append(moe_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
         out.append(layer_table(est))
@@ -142,6 +155,14 @@ def host_line(est: Estimate) -> str:
     parts = ", ".join(f"{t.name} {format_bytes(t.bytes)}" for t in rank.host_terms)
     return (f"host memory: {format_bytes(est.host_bytes_per_rank)} per rank ({parts}); "
             f"{format_bytes(est.host_bytes_per_node)} per node of {est.gpus_per_node} GPUs")
+
+
+def moe_line(s: Any) -> str:
+    """The MoE routing the estimate assumes, and the stage's peak in the dispatcher's worst case."""
+    m, w = s.moe, s.moe["worst_case"]
+    return (f"MoE routing: balanced, {m['expert_rows_balanced']:,} token rows per MoE layer and micro-batch on this "
+            f"rank's experts (the estimate); worst case ({m['routing']}): {m['expert_rows_worst']:,} rows, "
+            f"peak allocated {format_bytes(w['peak_allocated_bytes'])}, device total {format_bytes(w['device_total_bytes'])}")
 
 
 def verdict_line(est: Estimate, colour: bool = False) -> str:

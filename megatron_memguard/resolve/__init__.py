@@ -20,7 +20,8 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, fsdp, kernels, optimizer, parallel, pipeline, precision, recompute, runtime, shape, vocab
+from . import batch, cuda_graphs, fsdp, kernels, moe, mtp, muon, offload, optimizer, parallel, pipeline, precision
+from . import recompute, runtime, shape, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -60,7 +61,12 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("optimizer", optimizer.optimizer),
     ("optimizer offload", fsdp.optimizer_offload),
     ("kernels", kernels.implementation),
+    ("mixture of experts", moe.moe),
     ("attention variant", shape.attention_variant),
+    ("multi-token prediction", mtp.mtp),
+    ("muon", muon.muon),
+    ("activation offloading", offload.offload),
+    ("cuda graphs", cuda_graphs.cuda_graphs),
     ("numerics", kernels.numerics),
     ("vocabulary", vocab.vocab),
     ("weight-gradient deferral", kernels.wgrad),

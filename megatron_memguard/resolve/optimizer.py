@@ -19,7 +19,7 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("use_precision_aware_optimizer", "needs --use-distributed-optimizer")
     overlap_grad = a.bool_arg("overlap_grad_reduce", False)
     overlap_param = a.bool_arg("overlap_param_gather", False)
-    if overlap_param and not dist_opt:
+    if overlap_param and not (dist_opt or kw["optimizer"] == "dist_muon"):   # validate_args: or dist_muon
         a.fail("overlap_param_gather", "needs --use-distributed-optimizer")
     if overlap_param and not overlap_grad:
         a.fail("overlap_param_gather", "needs --overlap-grad-reduce")

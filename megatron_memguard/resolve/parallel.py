@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import ConfigError, NotModelledError
+from ..errors import ConfigError
 from ..numbers import MAX_WORLD_SIZE, WORLD_SIZE_WHY, to_int
 from .args import Args, Context
 
@@ -13,8 +13,6 @@ def parallel(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     tp = a.int_arg("tensor_model_parallel_size", 1)
     pp = a.int_arg("pipeline_model_parallel_size", 1)
     cp = a.int_arg("context_parallel_size", 1)
-    if a.get("expert_model_parallel_size", 1) not in (1, "1"):
-        raise NotModelledError(a.key("expert_model_parallel_size"), "expert parallelism")
     raw, world_override = a.raw, ctx.world_size
     world = world_override or raw.world_size
     if world is None and raw.nodes and raw.gpus_per_node:

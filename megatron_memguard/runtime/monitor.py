@@ -63,6 +63,10 @@ class Prediction:
         d: dict[str, Any] = {"pp_rank": self.pp_rank, **self.values(), "peak_phase": self.peak_phase, "device": self.device}
         if terms:
             d["breakdown"] = {t.name: t.bytes for t in self.terms}
+        if self.stage is not None and self.stage.moe:
+            # MoE: the peak moves with routing; the report sets the measured peak between the balanced
+            # estimate and this bound
+            d["moe_worst_case"] = dict(self.stage.moe["worst_case"])
         return d
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, LayerKind
-from . import attention, mla, mlp
+from ...partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind
+from . import attention, mla, mlp, moe
 
 MIXERS: dict[str, ModuleType] = {MIXER_ATTENTION: attention, MIXER_MLA: mla}
-MLPS: dict[str, ModuleType] = {MLP_DENSE: mlp}
+MLPS: dict[str, ModuleType] = {MLP_DENSE: mlp, MLP_MOE: moe}
 
 
 def mixer_recipe(kind: LayerKind) -> ModuleType:

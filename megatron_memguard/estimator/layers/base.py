@@ -24,6 +24,7 @@ class Param:
     numel: int
     tp_replicated: bool = False      # same values on every TP rank (norms, row-parallel biases)
     shared_embedding: bool = False   # tied embedding / output copy: its own DDP bucket with dist-opt
+    expert: bool = False             # a routed expert's weight: the expert DDP buffer (layers/moe.py)
 
 
 def norm_params(name: str, size: int, L: Layout) -> list[Param]:
@@ -101,3 +102,6 @@ class MlpActivations(NamedTuple):
     names: frozenset
     bwd_steps: tuple[Step, ...]
     released: frozenset
+    # working sets of its forward after the pre-MLP norm, (names of the layer not yet created, bytes):
+    # none for the dense MLP (the mixer's are larger); the MoE dispatcher's buffers
+    fwd_steps: tuple[Step, ...] = ()

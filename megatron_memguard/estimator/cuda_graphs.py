@@ -1,0 +1,180 @@
+"""CUDA graphs (``--cuda-graph-impl``, ``--cuda-graph-modules`` / ``--cuda-graph-scope``): the memory
+they pin.
+
+Three implementations (megatron/core/transformer/cuda_graphs.py, megatron/core/full_cuda_graph.py;
+core 0.16.1 selects the full-iteration graph with ``--cuda-graph-impl local --cuda-graph-scope
+full_iteration``, 0.19.2 also accepts ``--cuda-graph-impl full_iteration``):
+
+* ``transformer_engine`` (``TECudaGraphHelper``): the graphable layers of this rank (decoder and MTP)
+  x micro-batches are captured with TE's ``make_graphed_callables``; one micro-batch when PP = 1,
+  else ``get_num_microbatches()``, but static inputs are built by ``_get_sample_arguments``, which
+  reuses the buffers of micro-batches whose backward is done, so there are about as many sets as
+  micro-batches in flight on this rank. A layer's static inputs are its hidden states (bf16) and, when
+  its attention is graphed, a bool causal mask ``[b, 1, s/CP, s]``. With TE >= 2.7 static outputs and
+  grad inputs are weak-referenced once their backward is captured (``_reuse_graph_input_output_buffers``):
+  what stays per (graphed layer, micro-batch slot) is the static input and the static grad-output.
+* ``local`` (``CudaGraphManager``): one runner per graphed module, reused across micro-batches when
+  PP = 1; with PP > 1 a new runner (static buffers) per micro-batch of the recording iteration.
+* ``full_iteration`` (``FullCudaGraphWrapper``): the whole forward-backward is one graph; its
+  ``StaticBufferLoader`` reads all ``num_microbatches`` batches up front into static CUDA buffers,
+  for training and (once validation ran) again for validation.
+
+Every capture goes to a private memory pool. Blocks freed inside a capture stay reserved by the pool
+(the caching allocator cannot hand them to eager code): the working memory of the largest graphed
+region for per-layer graphs, and for a full-iteration graph the forward-backward working set, which
+the optimizer step can then no longer reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+@dataclass(frozen=True)
+class CudaGraphSpec:
+    """The flat Megatron settings the graphs' memory depends on (names as in ``arguments.py``)."""
+
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] = ()    # empty: the whole layer
+    pipeline_model_parallel_size: int = 1
+    num_microbatches: int = 1
+    micro_batch_size: int = 1
+    seq_length: int = 1
+    hidden_size: int = 1
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    activation_bytes: int = 2
+    create_attention_mask_in_dataloader: bool = True
+
+    @property
+    def impl(self) -> str:
+        """0.16.1 spells the full-iteration graph as local + scope full_iteration."""
+        if self.cuda_graph_impl == "local" and "full_iteration" in self.cuda_graph_modules:
+            return "full_iteration"
+        return self.cuda_graph_impl
+
+    @property
+    def rows(self) -> int:
+        rows = self.seq_length * self.micro_batch_size // self.context_parallel_size
+        return rows // self.tensor_model_parallel_size if self.sequence_parallel else rows
+
+
+def regions_per_layer(spec: CudaGraphSpec, moe_layer: bool = False) -> int:
+    """Graphed callables one layer contributes (0 or 1): every layer without ``--cuda-graph-modules``;
+    with modules, a layer with graphed attention (``attn``) or a graphed MLP part (``mlp`` on a dense
+    layer; ``moe``, ``moe_router`` on an MoE layer) -- ``_layer_is_graphable`` in cuda_graphs.py. The
+    layer is one callable whatever part of it is captured."""
+    if spec.impl not in ("local", "transformer_engine"):
+        return 0
+    mods = set(spec.cuda_graph_modules)
+    if not mods or "attn" in mods:
+        return 1
+    return int(bool(mods & ({"moe", "moe_router"} if moe_layer else {"mlp"})))
+
+
+def attention_graphed(spec: CudaGraphSpec) -> bool:
+    return spec.impl in ("local", "transformer_engine") and (not spec.cuda_graph_modules
+                                                             or "attn" in spec.cuda_graph_modules)
+
+
+def sample_slots(spec: CudaGraphSpec, in_flight: int, chunks: int = 1) -> float:
+    """Sets of static buffers per graphed layer: one with PP = 1 (graphs are reused across
+    micro-batches); with PP > 1 the TE helper keeps one per micro-batch of the layer's chunk in flight
+    (it reuses finished ones: ``in_flight`` counts (micro-batch, chunk) forwards held on the rank, so a
+    chunk holds ``in_flight / chunks`` on average), the local implementation one per micro-batch of the
+    recording iteration."""
+    if spec.pipeline_model_parallel_size == 1:
+        return 1
+    if spec.impl == "local":
+        return spec.num_microbatches
+    return max(1.0, min(in_flight, spec.num_microbatches * chunks) / chunks)
+
+
+def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0, in_flight: int = 1,
+                    chunks: int = 1) -> int:
+    """``cuda_graph_static_io``: per graphed layer and sample set, the static input
+    (``get_layer_static_inputs``: hidden states ``[rows, b, h]``, always bf16), its grad-output buffer, and
+    with graphed attention the static causal mask ``[b, 1, s/CP, s]`` (bool) that
+    ``TransformerLayer.get_layer_static_inputs`` builds. (Static outputs and grad inputs are released after
+    capture with TE >= 2.7; the activations the graphs save live in the pool, where eager code would have
+    kept them anyway, so they stay in the layer terms.)"""
+    layers = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
+    per_layer = 2 * spec.rows * spec.hidden_size * 2
+    if attention_graphed(spec) and spec.impl == "transformer_engine":
+        s_cp = spec.seq_length // spec.context_parallel_size
+        per_layer += spec.micro_batch_size * s_cp * spec.seq_length
+    return int(layers * sample_slots(spec, in_flight, chunks) * per_layer)
+
+
+def batch_bytes(spec: CudaGraphSpec) -> int:
+    """One micro-batch as pretrain_gpt's get_batch hands it out: tokens, labels and position ids
+    (int64), the loss mask (fp32) and, with --create-attention-mask-in-dataloader, the bool
+    ``[b, 1, s, s]`` mask."""
+    b, s = spec.micro_batch_size, spec.seq_length
+    n = b * s * (8 + 8 + 8 + 4)
+    if spec.create_attention_mask_in_dataloader:
+        n += b * s * s
+    return n
+
+
+def full_iteration_static_inputs(spec: CudaGraphSpec, with_validation: bool = False) -> int:
+    """``StaticBufferLoader``: every micro-batch of the iteration is read into static CUDA buffers
+    before the replay, once for training and once more for validation graphs."""
+    if spec.impl != "full_iteration":
+        return 0
+    return spec.num_microbatches * batch_bytes(spec) * (2 if with_validation else 1)
+
+
+def pool_bytes(spec: CudaGraphSpec, region_transient: int, step_transient: int = 0) -> int:
+    """``cuda_graph_pool``: memory the private pool keeps reserved beyond live tensors.
+
+    Per-layer graphs are captured one after another into one pool, so its free blocks are the
+    largest working memory of one graphed region (``region_transient``: the larger of its forward
+    and backward transients). A full-iteration graph keeps the forward-backward working set, so the
+    optimizer step's temporaries (``step_transient``) come on top instead of reusing it.
+    """
+    if spec.impl in ("local", "transformer_engine"):
+        return region_transient
+    if spec.impl == "full_iteration":
+        return step_transient
+    return 0
+
+
+def spec_of(L) -> CudaGraphSpec:
+    """The CUDA-graph spec of a Layout (flat Megatron names; none when the layout has no graphs)."""
+    return CudaGraphSpec(
+        cuda_graph_impl=getattr(L, "cuda_graph_impl", "none") or "none",
+        cuda_graph_modules=tuple(getattr(L, "cuda_graph_modules", ()) or ()),
+        pipeline_model_parallel_size=L.pipeline_model_parallel_size, num_microbatches=L.num_microbatches,
+        micro_batch_size=L.micro_batch_size, seq_length=L.seq_length, hidden_size=L.hidden_size,
+        tensor_model_parallel_size=L.tensor_model_parallel_size, context_parallel_size=L.context_parallel_size,
+        sequence_parallel=L.sequence_parallel, activation_bytes=L.act_bytes,
+        create_attention_mask_in_dataloader=L.create_attention_mask_in_dataloader)
+
+
+def stage_terms(L, dense_layers: int, moe_layers: int, in_flight: int, region_transient: int,
+                step_transient: int = 0, chunks: int = 1) -> list[tuple[str, int, str, str, str]]:
+    """(name, bytes, group, level, detail) of the graph terms of one pipeline stage."""
+    spec = spec_of(L)
+    if spec.impl == "none":
+        return []
+    out = []
+    io = static_io_bytes(spec, dense_layers, moe_layers, in_flight, chunks) + full_iteration_static_inputs(spec)
+    if io:
+        if spec.impl == "full_iteration":
+            det = f"{spec.num_microbatches} micro-batches read into static buffers (StaticBufferLoader)"
+        else:
+            regions = dense_layers * regions_per_layer(spec, False) + moe_layers * regions_per_layer(spec, True)
+            det = (f"{regions} graphed layers x {sample_slots(spec, in_flight, chunks):g} sample set(s) x static input "
+                   f"and grad-output [{spec.rows}, {spec.hidden_size}] bf16"
+                   + (" + causal mask" if attention_graphed(spec) and spec.impl == "transformer_engine" else "")
+                   + f" ({spec.impl})")
+        out.append(("cuda_graph_static_io", io, "transients", "allocated", det))
+    pool = pool_bytes(spec, region_transient, step_transient)
+    if pool:
+        out.append(("cuda_graph_pool", pool, "allocator", "reserved",
+                    "working memory the graphs' private pool keeps reserved (assumption, docs/assumptions.md)"))
+    return out

@@ -1,0 +1,474 @@
+"""Mixture of experts: what an MoE layer holds per rank, and how many tokens reach it (the recipe of the
+MLP kind ``moe``; which layers are MoE and the settings are ``layout/moe.py``).
+
+Pure functions over a frozen ``MoeSpec`` (built from Megatron's flat argument names) and the dense
+layout (duck-typed: ``hidden_size``, ``tp``, ``cp``, ``seq_length``, ``micro_batch_size``,
+``sequence_parallel``, ``act_bytes``, ``gated_linear_unit``, ``bias_activation_fusion``,
+``add_bias_linear``, ``normalization``, ``megatron_version``).
+
+Sources: ``../shared/reference/moe-fp8.md`` section 1 (megatron-core 0.16.1 and main, read in the
+source) and the CPU referee's measurements on real megatron-core 0.16.1
+(``benchmarks/referee/MOE-NOTES.md``), which corrected the note in three places: the router keeps
+12, not 20, bytes per token choice; 0.16.1's permute keeps the transposed probs of its
+``masked_select``; the unfused GLU keeps three extra [N, F] tensors, not one.
+
+Notation: ``T`` tokens entering one MoE layer on one rank per micro-batch (``s*b/(TP*CP)``: MoE
+training with TP > 1 needs sequence parallelism), ``N`` token copies the rank's local experts
+process, ``E`` experts, ``E_l = E/EP`` local experts, ``k`` top-k, ``F`` expert width, ``p`` bytes
+of the router dtype, ``e`` bytes of an activation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ConfigError
+from ...layout.moe import (AUX_LOSS_TYPES, DISPATCHERS, MoeSpec, moe_layers_in,  # noqa: F401 (re-exported)
+                           parse_moe_layer_freq)
+
+_ROUTER_BYTES = {"fp32": 4, "fp64": 8}
+
+
+def router_bytes(m: MoeSpec, act_bytes: int) -> int:
+    """Bytes per element of the router's logits and probs (--moe-router-dtype, else the activations')."""
+    return _ROUTER_BYTES.get(m.moe_router_dtype or "", act_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# process groups and parameters
+# ----------------------------------------------------------------------------------------------
+def expert_data_parallel_size(world_size: int, pp: int, ep: int, etp: int) -> int:
+    """initialize_model_parallel's expert grid: EDP = world / (ETP x EP x PP); there is no CP axis in
+    it, so context-parallel ranks are expert-data-parallel replicas. Raises when it does not divide."""
+    if world_size % (etp * ep * pp):
+        raise ConfigError("--expert-model-parallel-size",
+                          f"world size {world_size} is not divisible by ETP {etp} x EP {ep} x PP {pp}")
+    return world_size // (etp * ep * pp)
+
+
+def experts_use_expert_buffer(m: MoeSpec, tp: int, megatron_version: str) -> bool:
+    """Whether routed-expert parameters get the expert DDP buffer (reduced and sharded over the
+    expert-data-parallel group). 0.16.1: ``allreduce = not (is_expert and EP > 1)``; 0.19 and main:
+    ``use_expert_pgs = is_expert and (EP > 1 or ETP != TP)`` (TELinear, TEGroupedLinear and the local
+    column/row-parallel linears). With EP = 1 and ETP != TP 0.16 keeps them in the dense buffer."""
+    from packaging.version import Version
+    if Version(str(megatron_version)) < Version("0.17"):
+        return m.ep > 1
+    return m.ep > 1 or m.etp != tp
+
+
+@dataclass(frozen=True)
+class MoeParam:
+    name: str
+    numel: int
+    tp_replicated: bool = False    # whole on every TP rank, reduced over TP by finalize_model_grads under SP
+    expert: bool = False           # a routed expert's weight (expert buffer when experts_use_expert_buffer)
+
+
+def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
+    """The MLP half of one MoE layer on one rank, in registration order (MoELayer: router, experts,
+    shared experts), after its own pre-MLP norm (a separate TENorm in the TE spec: the router needs
+    its output). Routed experts: E/EP local experts with fc1 [g*F/ETP, h] and fc2 [h, F/ETP]
+    (``TEGroupedLinear`` divides by ETP itself); shared experts are split over the attention TP."""
+    h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
+    F, etp, El = m.moe_ffn_hidden_size, m.etp, m.local_experts
+    ps = [MoeParam(prefix + "pre_mlp_layernorm.weight", h, tp_replicated=True)]
+    if L.normalization == "LayerNorm":
+        ps.append(MoeParam(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
+    # Router.reset_parameters marks the weight sequence_parallel: finalize_model_grads all-reduces it over TP
+    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True))
+    if L.add_bias_linear:
+        ps.append(MoeParam(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
+    fc1, fc2 = g * F // etp, F // etp
+    names: list[tuple[str, int]] = []
+    if m.moe_grouped_gemm:
+        names += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h) for i in range(El)]
+        if L.add_bias_linear:
+            names += [(f"mlp.experts.linear_fc1.bias{i}", fc1) for i in range(El)]
+        names += [(f"mlp.experts.linear_fc2.weight{i}", h * fc2) for i in range(El)]
+        if L.add_bias_linear:
+            names += [(f"mlp.experts.linear_fc2.bias{i}", h) for i in range(El)]
+    else:
+        for i in range(El):
+            names.append((f"mlp.experts.local_experts.{i}.linear_fc1.weight", fc1 * h))
+            if L.add_bias_linear:
+                names.append((f"mlp.experts.local_experts.{i}.linear_fc1.bias", fc1))
+            names.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2))
+            if L.add_bias_linear:
+                names.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h))
+    ps += [MoeParam(prefix + n, k, expert=True) for n, k in names]
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        tp = L.tp
+        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h))
+        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp)))
+        if m.moe_shared_expert_gate:
+            ps.append(MoeParam(prefix + "mlp.shared_experts.gate_weight", h, tp_replicated=True))
+    return ps
+
+
+def router_buffer_bytes(m: MoeSpec) -> int:
+    """fp32 buffers of one router that are not parameters: expert_bias and local_tokens_per_expert with
+    --moe-router-enable-expert-bias (kept fp32 by _maintain_float32_expert_bias), global_tokens_per_expert
+    with the global aux loss."""
+    n = 2 if m.moe_router_enable_expert_bias else 0
+    if "global_aux_loss" in m.moe_router_load_balancing_type:
+        n += 1
+    return n * 4 * m.num_experts
+
+
+# ----------------------------------------------------------------------------------------------
+# tokens
+# ----------------------------------------------------------------------------------------------
+def tokens_per_rank(L: Any) -> int:
+    """T: tokens entering an MoE layer on one rank per micro-batch (the sequence-parallel shard)."""
+    s = L.seq_length // L.cp
+    return s * L.micro_batch_size // (L.tp if L.sequence_parallel else 1)
+
+
+def capacity(m: MoeSpec, T: int) -> int | None:
+    """get_capacity: per expert per source rank, ceil(T*k/E * capacity factor); None when dropless."""
+    if m.moe_expert_capacity_factor is None:
+        return None
+    return math.ceil(T * m.moe_router_topk / m.num_experts * m.moe_expert_capacity_factor)
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """N: token copies the local experts of one rank process in one micro-batch."""
+
+    balanced: int        # expected value under balanced routing (the estimate)
+    worst: int           # the dispatcher's real limit
+    how: str
+
+
+def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
+    """Balanced: every token's k copies spread evenly over the E experts, so this rank's E_l experts
+    get T*k*ETP (the ETP ranks of an expert each get the tokens of their whole ETP group). Worst
+    (dropless): every token of the ETP x EP group picks as many of this rank's experts as it can,
+    T*ETP*EP*min(k, E_l). With a capacity factor: at most C*E*ETP (C per expert per source rank), and
+    exactly that with --moe-pad-expert-input-to-capacity."""
+    k, etp, ep, El = m.moe_router_topk, m.etp, m.ep, m.local_experts
+    C = capacity(m, T)
+    balanced = T * k * etp
+    if C is None:
+        return ExpertRows(balanced, T * etp * ep * min(k, El), "dropless")
+    full = C * m.num_experts * etp
+    if m.moe_pad_expert_input_to_capacity:
+        return ExpertRows(full, full, f"padded to a capacity of {C} per expert and source rank")
+    return ExpertRows(min(balanced, full), full, f"capacity {C} per expert and source rank")
+
+
+# ----------------------------------------------------------------------------------------------
+# activations of one MoE layer
+# ----------------------------------------------------------------------------------------------
+Step = tuple[frozenset, int]
+
+
+@dataclass(frozen=True)
+class MoeActivations:
+    """What one MoE layer's MLP half keeps for backward per micro-batch (``saved``, named terms), what
+    its dispatcher holds as attributes until that layer's next forward (``held``: one copy per layer,
+    whatever the number of micro-batches in flight), and its working sets: the largest extra during
+    its forward, and the backward steps as (saved names released so far, working bytes)."""
+
+    saved: dict[str, int]
+    held: int
+    fwd_transient: int
+    bwd_steps: tuple[Step, ...]
+    rows: int                      # N used
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved.values())
+
+
+def _before_017(L: Any) -> bool:
+    from packaging.version import Version
+    return Version(str(L.megatron_version)) < Version("0.17")
+
+
+def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
+    """The router's saved tensors (topk_routing_with_score_function, sinkhorn, aux and z losses)."""
+    E, k = m.num_experts, m.moe_router_topk
+    p = router_bytes(m, L.act_bytes)
+    out: dict[str, int] = {}
+    lbt = m.moe_router_load_balancing_type
+    if m.moe_router_fusion and "sinkhorn" not in lbt:
+        # TE's FusedTopkScoreFunction (TE >= 2.6) keeps the bool routing map [T, E] and an intermediate
+        # [T, E] (taken as fp32; moe-fp8.md 1.5: dtype not verified) instead of the top-k tensors
+        out["moe_router_scores"] = T * E + 4 * T * E
+    elif "sinkhorn" in lbt:
+        # Router.sinkhorn_load_balancing (training): top-1 takes a sigmoid (output saved, router dtype),
+        # top-k an fp32 softmax cast back (fp32 output saved, the cast kept by the product); `logits *
+        # map` keeps the activated logits and the bool map [T, E]
+        out["moe_router_scores"] = p * T * E + T * E + (4 * T * E if k > 1 else 0)
+    elif m.moe_router_score_function == "sigmoid":
+        # sigmoid over all experts in fp32 (output saved), int64 top-k indices, and for k > 1 the
+        # normalisation's operands (the gathered scores [T, k] and their sum [T, 1])
+        out["moe_router_scores"] = 4 * T * E + 8 * T * k + (4 * T * k + 4 * T if k > 1 else 0)
+    elif m.moe_router_pre_softmax:
+        # fp32 softmax over all experts (output saved), int64 top-k indices
+        out["moe_router_scores"] = 4 * T * E + 8 * T * k
+    else:
+        # int64 top-k indices (the scatter reuses them) and the fp32 softmax of the top-k: 12 bytes per
+        # choice (referee-measured; the note's 20 counts the indices twice)
+        out["moe_router_scores"] = 12 * T * k
+    if m.aux_loss:
+        # compute_routing_scores_for_aux_loss: fp32 scores over all experts, int64 tokens per expert, the loss
+        out["moe_aux_loss"] = 4 * T * E + 8 * E + 4
+    if m.moe_z_loss_coeff is not None:
+        # logsumexp keeps the logits and its output (router dtype), and the scalar loss
+        out["moe_z_loss"] = p * T * E + p * T + p
+    return out
+
+
+def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | frozenset | None = None) -> MoeActivations:
+    """One MoE layer's MLP half, one micro-batch, no full recompute. ``rows``: N (default: balanced, or
+    the worst case with ``m.routing == "worst"``); ``mods``: the selectively recomputed modules (default
+    the spec's).
+
+    Replaces the dense MLP's fc1_output / activation / fc2_input items; the pre-MLP norm's input,
+    statistics and output (the router's and the shared expert's input) stay with the dense layer."""
+    e, h = L.act_bytes, L.hidden_size
+    T = tokens_per_rank(L)
+    E, k, El, etp, ep = m.num_experts, m.moe_router_topk, m.local_experts, m.etp, m.ep
+    p = router_bytes(m, e)
+    if rows is None:
+        er = expert_rows(m, T)
+        N = er.worst if m.routing == "worst" else er.balanced
+    else:
+        N = rows
+    g = 2 if L.gated_linear_unit else 1
+    Fr = m.moe_ffn_hidden_size // etp
+    rec = set(m.moe_recompute) if mods is None else set(mods)
+    drop_pad = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is not None
+    saved: dict[str, int] = dict(router_saved(L, m, T))
+    disp = m.moe_token_dispatcher_type
+    if disp == "allgather":
+        G = T * etp * ep                # tokens of the ETP x EP group, gathered
+        # local_map [G, E_l] bool held; masked_select keeps local_probs transposed [E_l, G] and the
+        # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1])
+        held = G * El
+        saved["moe_permute_maps"] = p * G * El + G * El + (4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N)
+    elif disp == "flex":
+        # DeepEP (_DeepepManager): token_probs fp32 and int64 token_indices [T, ETP*k] held as attributes;
+        # each token reaches each destination rank once (R rows received), then is permuted to the local
+        # experts with fp32 probs: unfused keeps int64 indices (0.19: flat_sorted and sorted_indices [N];
+        # 0.16: masked_select's transposed probs and mask [E_l, R] and the int64 [N]), fused TE's int32
+        # row_id_map [R, 2E_l + 1]
+        held = 12 * T * etp * k
+        R = flex_rows(m, T, worst=rows is None and m.routing == "worst")
+        if m.moe_permute_fusion:
+            perm = 4 * R * (2 * El + 1)
+        elif _before_017(L):
+            perm = 4 * R * El + R * El + 8 * N
+        else:
+            perm = 16 * N
+        saved["moe_permute_maps"] = perm
+        p = 4                                   # the experts' probs are fp32 with DeepEP
+    else:
+        # alltoall: self.probs [T, E] and self.routing_map [T, E] held
+        held = (p + 1) * T * E
+        if m.moe_permute_fusion:
+            perm = 4 * T * (2 * E + 1)             # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
+        elif drop_pad:
+            perm = 16 * (N // etp)                 # int64 token and flat probs indices [E*C]
+        elif _before_017(L):
+            perm = p * T * E + T * E + 8 * T * k   # 0.16 masked_select keeps probs.T and the mask
+        else:
+            perm = 16 * T * k                      # 0.19: int64 flat_sorted and sorted_indices [T*k]
+        saved["moe_permute_maps"] = perm
+    # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
+    saved["moe_expert_input"] = e * N * h + p * N
+    # experts: fc1's output kept by the activation, the activation's own saves, fc2's input
+    if L.bias_activation_fusion and g == 2:
+        act = 3 * Fr                            # weighted fused SwiGLU: fc1 output [N, 2F]; fc2 input
+    elif g == 2:
+        act = 6 * Fr                            # fc1 out, silu, x2 + offset, product, product * probs
+    else:
+        act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
+    if "moe_act" in rec:
+        act -= Fr                               # CheckpointWithoutOutput drops fc2's input after fc2
+    saved["moe_expert_activations"] = e * N * act
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        Tf = T * L.tp if L.sequence_parallel else T
+        fs = Fs // L.tp
+        if "shared_experts" not in rec:
+            # a dense MLP of width F_s over the gathered sequence: fc1's output and fc2's input (the
+            # unfused GLU adds silu's output and the offset copy); its input is the router's
+            per_token = 5 * fs if (g == 2 and not L.bias_activation_fusion) else (g + 1) * fs
+            saved["moe_shared_experts"] = e * Tf * per_token
+        if m.moe_shared_expert_gate:
+            saved["moe_shared_expert_gate"] = e * T * h + e * T     # shared output [T, h], sigmoid [T, 1]
+        if m.moe_shared_expert_overlap and L.tp > 1:
+            saved["moe_shared_expert_overlap_input"] = e * (L.tp - 1) * T * h
+    if "moe" in rec:
+        # tensor_parallel.checkpoint around MoELayer.forward keeps only its input (the pre-MLP norm
+        # output, counted with the layer); the forward still leaves the dispatcher's held state. After
+        # the last backward the checkpoint's detached input and the gradient accumulated into it stay
+        # referenced until the layer's next forward (referee: 4·T·h bytes per MoE layer after the step)
+        saved = {}
+        held += 2 * e * T * h
+    # forward working set at the combine (measured on the referee's first stage): the permuted tokens
+    # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
+    if disp == "flex":
+        # DeepEP's received tokens [R, h] next to the permuted, the experts' output and the unpermuted rows
+        permuted = e * flex_rows(m, T, worst=rows is None and m.routing == "worst") * h
+    else:
+        permuted = e * (N if disp == "allgather" else T * k) * h
+    fwd = permuted + 3 * e * N * h
+    if p > e:
+        # the combine casts the experts' output to the probs dtype before the reduce-scatter: a transient
+        # [T*ETP*EP, h] (allgather) or [N, h] (alltoall with ETP > 1) copy in the router dtype
+        if disp == "allgather" and etp * ep > 1:
+            fwd += p * T * etp * ep * h
+        elif disp == "alltoall" and etp > 1:
+            fwd += p * N * h
+    # backward: the output gradient, then the gradients of the experts' output, fc2 input, fc1 output,
+    # expert input and permuted tokens as the layer's backward walks down
+    G_out = e * T * h
+    rel_exp = frozenset({"moe_expert_activations"})
+    rel_in = rel_exp | {"moe_expert_input"}
+    bwd = (
+        (frozenset(), G_out + e * N * h + e * N * Fr),                                        # fc2
+        (frozenset(), G_out + e * N * Fr + e * N * g * Fr),                                   # activation
+        (rel_exp, G_out + e * N * g * Fr + e * N * h),                                        # fc1
+        (rel_in, G_out + e * N * h + permuted),                                               # dispatch
+        (frozenset(saved), 2 * G_out),                                                        # router
+    )
+    return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N)
+
+
+def flex_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
+    """R: token rows one rank receives from DeepEP's dispatch (each token once per destination rank).
+    Balanced: a token's k experts land on an EP rank with probability 1 - C(E - E_l, k) / C(E, k)
+    (drawn without repetition), each such EP rank's ETP ranks all receive it, and every rank of the
+    ETP x EP group sends T tokens, so R = T x ETP x EP x that probability. Worst: every token of the
+    group, T x ETP x EP."""
+    E, El, k = m.num_experts, m.local_experts, m.moe_router_topk
+    group = m.etp * m.ep
+    if worst:
+        return T * group
+    miss = math.comb(E - El, k) / math.comb(E, k) if E - El >= k else 0.0
+    return math.ceil(T * group * (1.0 - miss))
+
+
+# DeepEP's intranode receive chunk (Buffer.get_dispatch_config / get_combine_config: 256 tokens for up to 8 ranks)
+DEEPEP_NVL_RECV_TOKENS = 256
+# Per received token besides its hidden state (csrc/config.hpp get_nvl_buffer_size_hint): the source
+# metadata (two int32), the top-k indices (128 x int64), weights (128 x fp32) and scales (128 x fp32)
+DEEPEP_TOKEN_EXTRA = 8 + 128 * 8 + 128 * 4 + 128 * 4
+
+
+def deepep_buffer_bytes(L: Any, m: MoeSpec) -> int:
+    """DeepEP's NVLink buffer (``deep_ep.Buffer`` num_nvl_bytes, from Config::get_nvl_buffer_size_hint):
+    one per process, allocated by DeepEP outside PyTorch's caching allocator. C = num_sms / 2 channels,
+    n = the ranks of the ETP x EP group (intranode, at most 8), the receive queue of 256 tokens of
+    ``h x max(bytes, 2)`` plus their metadata; rounded up to 128 bytes. moe-fp8.md 1.6: not verified
+    against the DeepEP build a user runs."""
+    ranks = m.etp * m.ep
+    C = m.moe_flex_dispatcher_num_sms // 2
+    n = min(ranks, 8)
+    r = max(ranks // 8, 1)
+    per = (2 * r + 3) * 4 + DEEPEP_NVL_RECV_TOKENS * (L.hidden_size * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
+    return -(-C * n * per // 128) * 128
+
+
+def global_buffer_request(L: Any, m: MoeSpec) -> int:
+    """Bytes the allgather dispatcher asks of megatron's GlobalMemoryBuffer ('mpu', kept at the
+    largest request): the hidden states all-gathered over the ETP x EP group, [T*ETP*EP, h]."""
+    if m.moe_token_dispatcher_type != "allgather" or m.etp * m.ep == 1:
+        return 0
+    return tokens_per_rank(L) * m.etp * m.ep * L.hidden_size * L.act_bytes
+
+
+def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one MoE layer's MLP surely keeps per micro-batch with balanced routing (the planner's lower
+    bound): the router's input and, unless 'moe' is recomputed, the dispatched tokens and the experts'
+    fc1 output and fc2 input."""
+    m = L.moe
+    e, h = L.act_bytes, L.hidden_size
+    T = b * seq // (tp if sp else 1)
+    kept = T * h * e
+    if "moe" in mods:
+        return kept
+    N = T * m.moe_router_topk * m.etp
+    F = m.moe_ffn_hidden_size // m.etp
+    return kept + e * N * h + e * N * (2 if L.gated_linear_unit else 1) * F + e * N * F
+
+
+# ----------------------------------------------------------------------------------------------
+# the recipe of the MLP kind "moe" (see layers/base.py): what estimator/activations.py, params.py,
+# overheads.py and the planner ask of every MLP kind
+# ----------------------------------------------------------------------------------------------
+def _spec(L: Any) -> MoeSpec:
+    return L.moe
+
+
+def params(L: Any, prefix: str = "") -> list:
+    """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts);
+    routed experts carry ``expert=True`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
+    from .base import Param
+    return [Param(p.name, p.numel, tp_replicated=p.tp_replicated, expert=p.expert) for p in moe_mlp_params(L, _spec(L), prefix)]
+
+
+def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
+    """[out, in] per rank of the expert and shared-expert linears (TE modules: their weight shapes key
+    TE's cached dummy weight gradients under gradient-accumulation fusion)."""
+    m = _spec(L)
+    h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
+    F = m.moe_ffn_hidden_size // m.etp
+    out = {"experts.linear_fc1": (g * F, h), "experts.linear_fc2": (h, F)}
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        out["shared_experts.linear_fc1"] = (g * Fs // L.tp, h)
+        out["shared_experts.linear_fc2"] = (h, Fs // L.tp)
+    return out
+
+
+def param_count(L: Any) -> int:
+    """Parameters of one MoE layer's MLP in the whole model (every expert, no split)."""
+    m = _spec(L)
+    h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
+    E, F = m.num_experts, m.moe_ffn_hidden_size
+    n = (2 if L.normalization == "LayerNorm" else 1) * h + E * h + E * (g + 1) * F * h
+    if L.add_bias_linear:
+        n += E + E * (g * F + h)
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs:
+        n += (g + 1) * Fs * h + (h if m.moe_shared_expert_gate else 0)
+    return n
+
+
+def activations(L: Any, mods: set, G: int) -> "MlpActivations":
+    """The MoE MLP's share of a layer (see ``moe_activations``): router, dispatcher, experts and shared
+    experts; ``G``: the gradient of the layer output. The dispatcher's held state is a stage term
+    (``held_bytes``), not a saved tensor."""
+    from .base import MlpActivations
+    a = moe_activations(L, L.moe, mods=mods)
+    names = frozenset(a.saved)
+    own_G = L.act_bytes * tokens_per_rank(L) * L.hidden_size
+    extra = 0
+    if L.moe.overlap_moe_expert_parallel_comm:
+        # the combined 1F1B schedule runs a forward layer of the next micro-batch next to each backward
+        # layer: about one more layer's MoE tensors alive during the backward (moe-fp8.md 1.11, derived)
+        extra = a.total
+    remade = 0
+    if "moe" in mods:
+        # the checkpointed MoE layer re-runs its forward when its backward starts: its tensors exist
+        # again until their backward steps release them (as the dense MLP's 'mlp' recompute)
+        full = moe_activations(L, L.moe, mods=set(mods) - {"moe"})
+        remade = full.total
+    bwd = tuple((rel, w - own_G + G + extra + (remade if i < len(a.bwd_steps) - 1 else 0))
+                for i, (rel, w) in enumerate(a.bwd_steps))
+    return MlpActivations(saved=a.saved, names=names, bwd_steps=bwd, released=names,
+                          fwd_steps=((frozenset(), a.fwd_transient),))
+
+
+def held_bytes(L: Any) -> int:
+    """What one MoE layer's dispatcher keeps from one forward to the next (moe_dispatcher_state)."""
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    return moe_activations(L, L.moe, mods=mods).held

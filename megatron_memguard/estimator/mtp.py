@@ -1,0 +1,200 @@
+"""Multi-token prediction (``--mtp-num-layers D``): what the extra depths cost on the last stage.
+
+Megatron builds all D MTP layers on the last pipeline stage, in its last virtual chunk, unless a
+``--pipeline-model-parallel-layout`` places them (megatron/core/transformer/multi_token_prediction.py,
+``get_mtp_num_layers_to_build``; core 0.16.1 and 0.19.2 alike). Each depth is a small block around
+one transformer layer of the last decoder layer's kind (``MultiTokenPredictionLayer.__init__``):
+
+* ``enorm`` and ``hnorm`` (one norm each over h), ``eh_proj`` a column-parallel ``[2h -> h]`` linear
+  without bias (``bias=False``), the transformer layer, and a ``final_layernorm``;
+* forward (``_concat_embeddings``): the embedding of the shifted tokens goes through ``enorm`` (which
+  saves its input), the previous hidden state through ``hnorm`` (its input is alive anyway),
+  ``torch.cat`` of both feeds ``eh_proj`` (which saves the ``[rows, 2h]`` input), then the layer, then
+  ``final_layernorm`` (which saves its input);
+* ``MultiTokenPredictionBlock.forward`` returns ``torch.cat`` of the main and the D MTP hidden states;
+  ``process_mtp_loss`` runs the output layer and the vocab-parallel cross entropy once per depth, and
+  every depth's fp32 softmax is kept for backward until the loss backward runs: D more copies of the
+  last stage's head (logits, fp32 softmax, targets) per micro-batch in flight.
+
+With PP > 1 the last stage also builds the word embedding (``GPTModel.__init__`` builds it when
+``pre_process or mtp_process``), kept in sync with the first stage over the embedding group; with
+tied embeddings it still allocates its own output-layer weight (``skip_weight_param_allocation =
+pre_process and share_embeddings_and_output_weights`` is False there), so the stage holds both.
+The layer kind of the transformer layer inside each depth is the decoder's; its activations come
+from the layer recipes, not from this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MtpSpec:
+    """The flat Megatron settings MTP's extra memory depends on (names as in ``arguments.py``)."""
+
+    mtp_num_layers: int
+    hidden_size: int
+    padded_vocab_size: int
+    seq_length: int
+    micro_batch_size: int
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    normalization: str = "LayerNorm"            # LayerNorm has weight and bias, RMSNorm a weight only
+    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "learned_absolute"
+    max_position_embeddings: int | None = None
+    activation_bytes: int = 2                   # bf16/fp16 activations; 4 for fp32 runs
+
+    @property
+    def rows(self) -> int:
+        """Token rows per rank in a layer: s*b/CP, split over TP too with sequence parallelism."""
+        rows = self.seq_length * self.micro_batch_size // self.context_parallel_size
+        return rows // self.tensor_model_parallel_size if self.sequence_parallel else rows
+
+
+def norm_params(spec: MtpSpec) -> int:
+    """One norm over the hidden size: weight (and bias for LayerNorm)."""
+    return spec.hidden_size * (1 if spec.normalization == "RMSNorm" else 2)
+
+
+def depth_params(spec: MtpSpec) -> int:
+    """Parameters of one MTP depth outside its transformer layer, per TP rank: enorm, hnorm,
+    final_layernorm (replicated over TP) and eh_proj (column-parallel ``[h/TP, 2h]``, no bias)."""
+    h, tp = spec.hidden_size, spec.tensor_model_parallel_size
+    return 3 * norm_params(spec) + (h // tp) * 2 * h
+
+
+def embedding_copy_params(spec: MtpSpec) -> int:
+    """The word embedding the last stage builds for MTP when it is not also the first stage
+    (``[V/TP, h]``, plus the learned position table when the model uses one). With PP = 1 the only
+    stage holds the embedding anyway: nothing extra. Tied or untied, the last stage keeps its own
+    output-layer weight as well (see the module docstring), so the copy is always extra."""
+    if spec.mtp_num_layers <= 0 or spec.pipeline_model_parallel_size <= 1:
+        return 0
+    words = spec.padded_vocab_size // spec.tensor_model_parallel_size * spec.hidden_size
+    if spec.position_embedding_type == "learned_absolute":
+        words += (spec.max_position_embeddings or spec.seq_length) * spec.hidden_size
+    return words
+
+
+def extra_params(spec: MtpSpec) -> int:
+    """All MTP parameters on the last stage besides the D transformer layers."""
+    return spec.mtp_num_layers * depth_params(spec) + embedding_copy_params(spec)
+
+
+@dataclass(frozen=True)
+class MtpActivations:
+    """Bytes the MTP block keeps per micro-batch in flight, outside its transformer layers and heads."""
+
+    embedding_norm_inputs: int      # enorm's input per depth: the embedding of the shifted tokens [rows, h]
+    eh_proj_inputs: int             # the concatenation [rows, 2h] eh_proj saves, per depth
+    final_norm_inputs: int          # final_layernorm's input [rows, h], per depth
+    norm_stats: int                 # enorm, hnorm, final_layernorm statistics (fp32 per row), per depth
+    token_ids: int                  # the rolled ids each depth's embedding saves (int64; + positions if learned)
+    hidden_concat: int              # torch.cat of the main and the D hidden states [(1+D) rows, h]
+
+    @property
+    def total(self) -> int:
+        return (self.embedding_norm_inputs + self.eh_proj_inputs + self.final_norm_inputs + self.norm_stats
+                + self.token_ids + self.hidden_concat)
+
+
+def block_activations(spec: MtpSpec) -> MtpActivations:
+    """The tensors the MTP block saves for backward besides its layers' and its heads'.
+
+    ``hnorm``'s input is the decoder's final hidden state; without MTP the output layer would save
+    it, with MTP the output layer saves chunk 0 of the concatenation instead, so the concatenation
+    counts whole (all 1+D chunks). With sequence parallelism eh_proj (column-parallel) saves its
+    local input and gathers it again in backward, so every term is over the SP-split rows.
+    """
+    d, a = spec.mtp_num_layers, spec.activation_bytes
+    row_bytes = spec.rows * spec.hidden_size * a
+    stats = spec.rows * 4 * (1 if spec.normalization == "RMSNorm" else 2)   # rstd (and mean) in fp32
+    tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
+    # the vocab-parallel embedding keeps the masked ids and the out-of-range mask with TP > 1, the ids
+    # themselves otherwise; a learned position table keeps its (rolled) position ids too
+    ids = tokens * 8 + (tokens if spec.tensor_model_parallel_size > 1 else 0)
+    if spec.position_embedding_type == "learned_absolute":
+        ids += tokens * 8
+    return MtpActivations(embedding_norm_inputs=d * row_bytes, eh_proj_inputs=d * 2 * row_bytes,
+                          final_norm_inputs=d * row_bytes, norm_stats=d * 3 * stats, token_ids=d * ids,
+                          hidden_concat=(1 + d) * row_bytes if d else 0)
+
+
+def logits_in_flight(spec: MtpSpec) -> int:
+    """The last depth's logits ``[s*b/CP, V/TP]`` in the activation dtype: the loop variable in
+    ``process_mtp_loss`` (``GPTModel._postprocess`` in 0.16.1) still holds them while the main head
+    computes its logits and loss, so they add to the last stage's forward transient."""
+    if spec.mtp_num_layers <= 0:
+        return 0
+    tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
+    return tokens * (spec.padded_vocab_size // spec.tensor_model_parallel_size) * spec.activation_bytes
+
+
+def loss_buffers(spec: MtpSpec, per_head_bytes: int) -> int:
+    """The D extra heads' saved loss tensors: each depth runs the output layer and cross entropy
+    once and keeps what the main head keeps (``per_head_bytes``: the fp32 softmax and targets of the
+    last stage's own head, from the head recipe) until the backward of the loss; plus, per depth,
+    the rolled labels (int64) and loss mask (fp32) that ``loss_mask * mtp_loss`` saves, and the fp32
+    per-token loss ``[b, s/CP]`` that ``MTPLossAutoScaler`` keeps."""
+    tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
+    return spec.mtp_num_layers * (per_head_bytes + tokens * (8 + 4 + 4))
+
+
+def fp32_softmax_bytes(spec: MtpSpec) -> int:
+    """One depth's fp32 softmax kept by vocab-parallel cross entropy: ``4 * (s*b/CP) * V/TP``
+    (megatron/core/tensor_parallel/cross_entropy.py, as for the main head)."""
+    tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
+    return 4 * tokens * (spec.padded_vocab_size // spec.tensor_model_parallel_size)
+
+
+# ----- from a Layout (flat Megatron names; ``mtp_num_layers`` is 0 when the layout has none) -------
+
+def spec_of(L) -> MtpSpec:
+    """The MTP spec of a Layout (any object with Megatron's flat names)."""
+    return MtpSpec(
+        mtp_num_layers=getattr(L, "mtp_num_layers", 0) or 0, hidden_size=L.hidden_size,
+        padded_vocab_size=L.padded_vocab_size, seq_length=L.seq_length, micro_batch_size=L.micro_batch_size,
+        tensor_model_parallel_size=L.tensor_model_parallel_size, context_parallel_size=L.context_parallel_size,
+        pipeline_model_parallel_size=L.pipeline_model_parallel_size, sequence_parallel=L.sequence_parallel,
+        normalization=L.normalization, untie_embeddings_and_output_weights=L.untie_embeddings_and_output_weights,
+        position_embedding_type=L.position_embedding_type, max_position_embeddings=L.max_position_embeddings,
+        activation_bytes=L.act_bytes)
+
+
+def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tuple[str, int, bool]]:
+    """The MTP block's parameters on the last stage's last chunk, in registration order
+    (``GPTModel.__init__``: embedding, decoder, mtp, output layer), as (name, numel, shared_embedding);
+    ``layer_params``: (name, numel) of one layer of the last decoder layer's kind. The embedding copy
+    (PP > 1) is registered first, with the embedding: it is the weight the embedding group keeps in sync."""
+    out: list[tuple[str, int, bool]] = []
+    if spec.mtp_num_layers <= 0:
+        return out
+    h, tp = spec.hidden_size, spec.tensor_model_parallel_size
+    if spec.pipeline_model_parallel_size > 1:
+        out.append(("embedding.word_embeddings.weight", spec.padded_vocab_size // tp * h, True))
+        if spec.position_embedding_type == "learned_absolute":
+            out.append(("embedding.position_embeddings.weight", (spec.max_position_embeddings or spec.seq_length) * h, False))
+    norm = ["weight"] if spec.normalization == "RMSNorm" else ["weight", "bias"]
+    for d in range(spec.mtp_num_layers):
+        p = f"mtp.layers.{d}."
+        out += [(p + f"enorm.{x}", h, False) for x in norm] + [(p + f"hnorm.{x}", h, False) for x in norm]
+        out.append((p + "eh_proj.weight", h // tp * 2 * h, False))
+        out += [(p + "transformer_layer." + name, n, False) for name, n in layer_params]
+        out += [(p + f"final_layernorm.{x}", h, False) for x in norm]
+    return out
+
+
+def last_stage_items(L) -> tuple[dict[str, int], int]:
+    """(saved terms per micro-batch in flight, extra forward transient at the loss) that MTP adds to the
+    last stage's last chunk, besides its D layers' activations (the layer recipe's, counted as layers)."""
+    spec = spec_of(L)
+    if spec.mtp_num_layers <= 0:
+        return {}, 0
+    from .head import output_items
+    head = output_items(L).saved
+    per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+    saved = {"mtp_block_activations": block_activations(spec).total, "mtp_loss_buffers": loss_buffers(spec, per_head)}
+    return saved, logits_in_flight(spec)

@@ -1,0 +1,227 @@
+"""Muon (``--optimizer muon``, ``adaptive_muon``; deprecated ``dist_muon``): optimizer state per parameter.
+
+megatron-core 0.19.2 builds Muon in ``_get_megatron_emerging_optimizer``
+(megatron/core/optimizer/__init__.py) from the ``emerging_optimizers`` package:
+
+* which parameters Muon takes: 2-D weights that are not the embedding or output layer
+  (``_is_nonlinear_or_embedding`` in optimizer/emerging_optimizers.py, mirrored by
+  ``is_managed_by_layer_wise_optimizer``); every other parameter (norms, biases, embedding, output
+  layer) falls back to ``--muon-scalar-optimizer`` (``adam`` by default, or ``lion``) through the
+  standard optimizer path;
+* state: ``OrthogonalizedOptimizer`` keeps one momentum buffer per parameter, shaped like the
+  parameter it updates; under bf16 it updates the fp32 main copy made by
+  ``Float16OptimizerWithFloat16Params``, so the buffer is fp32 (4 B) next to the fp32 main param
+  (4 B). ``adaptive_muon`` (``TensorParallelAdaptiveMuon``) adds an Adam-style second moment (4 B).
+  Lion keeps one moment (4 B) where Adam keeps two;
+* with ``--use-distributed-optimizer`` (or ``dist_muon``) the layer-wise distributed optimizer gives
+  each DP rank whole Muon parameters (``LayerWiseDistributedOptimizer``: largest first onto the least
+  loaded rank), and the fallback parameters go to a regular DistributedOptimizer (byte-level
+  shards). Without it every rank keeps the state of all its parameters.
+
+The momentum dtype follows the parameter the optimizer sees: core 0.16.1's ``muon_init_state_fn``
+creates it as ``torch.zeros_like(p.data)`` on the fp32 main copy; 0.19.2 leaves it to the
+``emerging_optimizers`` package (not on PyPI, not read; docs/assumptions.md states the assumption).
+
+Version differences: 0.16.1 refuses ``--optimizer muon --use-distributed-optimizer`` ("muon with dist
+optimizer is not supported") and shards with ``dist_muon`` by whole parameters, Adam's included, in a
+ping-pong order (``ping_pong_shard_numel``); 0.19.2 takes ``muon`` + ``--use-distributed-optimizer``,
+bin-packs the Muon parameters per bucket and shards the fallback's with a regular DistributedOptimizer.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable
+
+MUON_OPTIMIZERS = ("muon", "adaptive_muon", "dist_muon")
+SCALAR_OPTIMIZERS = ("adam", "lion")
+
+
+@dataclass(frozen=True)
+class MuonSpec:
+    optimizer: str = "muon"
+    muon_scalar_optimizer: str = "adam"
+    bf16: bool = True
+    use_distributed_optimizer: bool = False
+
+    @property
+    def layer_wise(self) -> bool:
+        return self.optimizer == "dist_muon" or self.use_distributed_optimizer
+
+
+def takes_muon(shape: tuple[int, ...], embedding_or_output: bool) -> bool:
+    """Muon updates 2-D weights other than the embedding and output layer."""
+    return len(shape) == 2 and not embedding_or_output
+
+
+def takes_muon_by_name(name: str) -> bool:
+    """The same rule over megatron-core's parameter names (``decoder.layers.0.mlp.linear_fc1.weight``):
+    biases and norm weights are 1-D; the word embedding and the output layer are flagged
+    ``is_embedding_or_output_parameter`` (LanguageModule.setup_embeddings_and_output_layer). The learned
+    position table is 2-D and not flagged, so Muon takes it."""
+    parts = name.split(".")
+    if parts[-1] != "weight" and not parts[-1].startswith("weight"):     # biases; TE's grouped weight0..N
+        return False
+    if len(parts) > 1 and "norm" in parts[-2]:
+        return False
+    return not (name.startswith("embedding.word_embeddings") or name.startswith("output_layer"))
+
+
+def muon_bytes_per_param(spec: MuonSpec) -> dict[str, int]:
+    """State bytes per Muon-managed parameter, by name."""
+    out = {"main_parameters": 4 if spec.bf16 else 0, "muon_momentum": 4}
+    if spec.optimizer == "adaptive_muon":
+        out["muon_second_moment"] = 4
+    return out
+
+
+def scalar_bytes_per_param(spec: MuonSpec) -> dict[str, int]:
+    """State bytes per fallback parameter (norms, biases, embedding, output layer)."""
+    out = {"main_parameters": 4 if spec.bf16 else 0, "adam_exp_avg": 4}
+    if spec.muon_scalar_optimizer == "adam":
+        out["adam_exp_avg_sq"] = 4
+    else:
+        out = {"main_parameters": out["main_parameters"], "lion_exp_avg": 4}
+    return out
+
+
+def layer_wise_shard_numel(numels: Iterable[int], dp: int) -> int:
+    """Largest number of Muon-managed elements one DP rank owns in one bucket under the layer-wise
+    distributed optimizer: whole parameters, largest first, each onto the least-loaded rank
+    (``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout``, its ``_emit_bucket``; the
+    64-element start alignment is ignored, it moves a few hundred bytes). Every shard of the bucket
+    is padded to this size in the DDP buffers too."""
+    if dp <= 1:
+        return sum(numels)
+    loads = [0] * dp
+    heapq.heapify(loads)
+    for n in sorted(numels, reverse=True):
+        heapq.heappush(loads, heapq.heappop(loads) + n)
+    return max(loads)
+
+
+def ping_pong_shard_numel(numels: Iterable[int], dp: int) -> int:
+    """Largest number of elements one DP x CP rank owns under core 0.16's layer-wise optimizer
+    (``dist_muon``; ``LayerWiseDistributedOptimizer.shard_params``): every parameter, Muon's and the
+    fallback's, sorted by size (smallest first) and dealt out whole in the order 0..n-1, n-1..0, ...
+    (0.16.1 refuses ``--optimizer muon`` with ``--use-distributed-optimizer``.)"""
+    if dp <= 1:
+        return sum(numels)
+    loop = list(range(dp)) + list(range(dp))[::-1]
+    loads = [0] * dp
+    for i, n in enumerate(sorted(numels)):
+        loads[loop[i % len(loop)]] += n
+    return max(loads)
+
+
+def state_split(params: Iterable[tuple[str, int]]) -> tuple[int, int]:
+    """(elements Muon updates, elements the scalar optimizer updates) of (name, numel) parameters."""
+    muon = scalar = 0
+    for name, n in params:
+        if takes_muon_by_name(name):
+            muon += n
+        else:
+            scalar += n
+    return muon, scalar
+
+
+@dataclass(frozen=True)
+class MuonShares:
+    """What one DP x CP rank keeps optimizer state for, in elements."""
+
+    muon_elems: int          # Muon-managed elements (main copy + momentum)
+    scalar_elems: int        # fallback elements (main copy + Adam/Lion moments)
+    muon_buffer_numel: int   # DDP buffer elements of the Muon parameters (shard-aligned when layer-wise)
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's parameter (sharded over the expert-data-parallel group, not DP x CP)."""
+    return ".experts." in name and "shared_experts" not in name
+
+
+def _ping_pong_ranks(params: list[tuple[str, int]], dp: int) -> list[tuple[int, int]]:
+    loop = list(range(dp)) + list(range(dp))[::-1]
+    out = [[0, 0] for _ in range(dp)]
+    for i, (name, n) in enumerate(sorted(params, key=lambda p: p[1])):
+        out[loop[i % len(loop)]][0 if takes_muon_by_name(name) else 1] += n
+    return [(m, s) for m, s in out]
+
+
+def _group_shares(spec: MuonSpec, params: list[tuple[str, int]], dp: int, legacy: bool) -> tuple[int, int, int]:
+    m = [n for name, n in params if takes_muon_by_name(name)]
+    s = sum(n for name, n in params if not takes_muon_by_name(name))
+    if not spec.layer_wise or dp <= 1:
+        return sum(m), s, sum(m)
+    if legacy:
+        bm, bs = max(_ping_pong_ranks(params, dp), key=lambda r: 8 * r[0] + 12 * r[1])
+        return bm, bs, sum(m)
+    load = layer_wise_shard_numel(m, dp)
+    return load, -(-s // dp), dp * load
+
+
+def shares(spec: MuonSpec, chunks: Iterable[list[tuple[str, int]]], dp: int, legacy: bool,
+           expert_dp: int | None = None) -> MuonShares:
+    """The most loaded rank's shares over a stage's chunks (``chunks``: (name, numel) per chunk).
+
+    Not distributed: every rank keeps all. Core 0.19 layer-wise: Muon matrices bin-packed per chunk
+    (one bucket assumed per chunk: the default bucket holds 40M elements or more), every shard padded
+    to the largest in the DDP buffer; the fallback sharded evenly by a regular distributed optimizer.
+    Core 0.16 ``dist_muon``: every parameter dealt out ping-pong by size, the rank with the most state
+    bytes (8 per Muon element, 12 per Adam element) counted. Routed experts are dealt out over the
+    expert-data-parallel group (``expert_dp``; DP x CP when not given), the rest over DP x CP
+    (LayerWiseDistributedOptimizer.shard_params: dp_cp and expt_dp lists)."""
+    muon = scalar = buffer = 0
+    for params in chunks:
+        dense = [p for p in params if not is_routed_expert(p[0])]
+        experts = [p for p in params if is_routed_expert(p[0])]
+        for group, size in ((dense, dp), (experts, expert_dp or dp)):
+            if group:
+                m, s, b = _group_shares(spec, group, size, legacy)
+                muon, scalar, buffer = muon + m, scalar + s, buffer + b
+    return MuonShares(muon, scalar, buffer)
+
+
+# ----- the state terms of a stage (replacing Adam's / SGD's when the optimizer is Muon-family) ------------
+
+def spec_of(L) -> MuonSpec:
+    return MuonSpec(optimizer=L.optimizer, muon_scalar_optimizer=getattr(L, "muon_scalar_optimizer", "adam"),
+                    bf16=L.params_dtype != "fp32", use_distributed_optimizer=L.use_distributed_optimizer)
+
+
+def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
+    """``terms`` (the stage's model-state terms as Adam would have them) with the optimizer part
+    replaced: main parameters and state for what this rank's optimizer owns under Muon."""
+    from packaging.version import Version
+
+    from .params import chunk_params
+    from .result import Term
+    spec = spec_of(L)
+    chunks = [[(p.name, p.numel) for p in chunk_params(L, c)] for c in L.stage_chunks(pp_rank)]
+    legacy = Version(str(L.megatron_version)) < Version("0.19")
+    from ..layout import ShardGroup
+    expert_group = getattr(ShardGroup, "EXPERT_DP", None)
+    expert_dp = L.parallel.shard_size(expert_group) if expert_group is not None else None
+    sh = shares(spec, chunks, L.dp_shard_size, legacy, expert_dp)
+    how = ("whole parameters per DP x CP rank (" + ("ping-pong by size" if legacy else "bin-packed per chunk")
+           + ")") if spec.layer_wise and L.dp_shard_size > 1 else "every parameter on every rank"
+    # every term but the Adam/SGD optimizer ones stays (weights, gradient buffers, other features' terms);
+    # Muon's go where the first replaced one was
+    replaced = ("main_parameters", "adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum")
+    at = next((i for i, t in enumerate(terms) if t.name in replaced), len(terms))
+    kept_before = [t for t in terms[:at] if t.name not in replaced]
+    kept_after = [t for t in terms[at:] if t.name not in replaced]
+    out = kept_before
+    if spec.bf16:
+        out.append(Term("main_parameters", 4 * (sh.muon_elems + sh.scalar_elems), "optimizer",
+                        detail=f"fp32 master weights; {how}"))
+    out.append(Term("muon_momentum", 4 * sh.muon_elems * (2 if spec.optimizer == "adaptive_muon" else 1), "optimizer",
+                    detail=f"{sh.muon_elems:,} elements of 2-D weights x 4 B"
+                    + (" x 2 (momentum and second moment)" if spec.optimizer == "adaptive_muon" else "") + f"; {how}"))
+    if spec.muon_scalar_optimizer == "adam":
+        out.append(Term("adam_exp_avg", 4 * sh.scalar_elems, "optimizer",
+                        detail=f"{sh.scalar_elems:,} elements of norms, biases, embedding, output layer (--muon-scalar-optimizer adam)"))
+        out.append(Term("adam_exp_avg_sq", 4 * sh.scalar_elems, "optimizer", detail="fp32 second moment of the same"))
+    else:
+        out.append(Term("lion_exp_avg", 4 * sh.scalar_elems, "optimizer",
+                        detail=f"{sh.scalar_elems:,} elements of norms, biases, embedding, output layer (--muon-scalar-optimizer lion)"))
+    return tuple(out + kept_after)

@@ -1,0 +1,143 @@
+"""Activation offloading to the host: what leaves the GPU, what stays, and the host bytes.
+
+Two mechanisms (megatron-core 0.16.1 and 0.19.2):
+
+* Layer-level, ``--cpu-offloading-num-layers N`` (``TransformerBlock`` runs each layer inside TE's
+  ``get_cpu_offload_context``; TransformerConfig requires 0 <= N < num_layers, PP = 1 and no
+  recompute). TE's default synchroniser (transformer_engine/pytorch/cpu_offload.py, TE >= 2.10)
+  offloads every tensor saved inside layers 0..N-1 that is not a parameter; the offload of layer i
+  must be done before layer L-N+i runs, and its reload starts at the backward of layer L-1-N+i, which
+  TE documents as a saved-activation peak of ``(L - N) * T_layer``. The host keeps N layers' worth
+  in pinned buffers.
+* Fine-grained, ``--fine-grained-activation-offloading --offload-modules ...``
+  (pipeline_parallel/fine_grained_activation_offload.py): the saved tensors of each listed module
+  group (its input and what is saved inside it) go to a pinned host pool after the group's forward;
+  before the group's backward they come back, one group ahead. Tensors smaller than
+  ``--min-offloaded-tensor-size`` elements (default 1,048,576) stay, and so does the chunk's last
+  group on the last pipeline stage (its backward follows at once: ``should_bulk_offload``). The
+  warm-up iteration offloads too (``should_bulk_offload`` returns True while warming up) and records
+  the groups' sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+           "fused_group_mlp")
+# Forward order inside a layer: the last listed group of the last layer is the one kept on the GPU.
+_ORDER = {m: i for i, m in enumerate(("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
+                                      "expert_fc1", "moe_act", "fused_group_mlp"))}
+DEFAULT_MIN_TENSOR_ELEMENTS = 1024 * 1024
+
+
+# ----- layer-level ---------------------------------------------------------------------------------
+
+def layer_offload_resident_layers(num_layers: int, offload_layers: int) -> int:
+    """Layers whose saved activations are on the GPU at the peak: ``L - N`` (TE's documented bound)."""
+    if not 0 <= offload_layers < num_layers:
+        raise ValueError(f"cpu_offloading_num_layers must be in [0, {num_layers}), got {offload_layers}")
+    return num_layers - offload_layers
+
+
+def layer_offload_removed(num_layers: int, offload_layers: int, per_layer_saved: int) -> int:
+    """Saved-activation bytes that are not on the GPU at the peak (one micro-batch: PP = 1)."""
+    return (num_layers - layer_offload_resident_layers(num_layers, offload_layers)) * per_layer_saved
+
+
+def layer_offload_host_bytes(offload_layers: int, per_layer_saved: int) -> int:
+    """Pinned host memory for the offloaded layers of the micro-batch in flight."""
+    return offload_layers * per_layer_saved
+
+
+# ----- fine-grained ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FineGrainedPlan:
+    """What fine-grained offloading does to one chunk's layers for one micro-batch."""
+
+    offloaded: int          # bytes moved to the host per micro-batch (all layers of the chunk)
+    kept_last_group: int    # the chunk's last group, kept on the last stage
+    staging: int            # ``offload_staging``: the groups in flight (one D2H pending, one prefetched)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.offloaded
+
+
+def group_bytes(tensors: Mapping[str, Sequence[tuple[int, int]]], modules: Sequence[str],
+                min_elements: int = DEFAULT_MIN_TENSOR_ELEMENTS) -> dict[str, int]:
+    """Offloadable bytes of each listed module group of one layer.
+
+    ``tensors`` maps a module name to the ``(elements, bytes_per_element)`` of each tensor it saves
+    (from the layer recipe); tensors below ``min_elements`` stay on the GPU.
+    """
+    return {m: sum(n * size for n, size in tensors.get(m, ()) if n >= min_elements) for m in modules}
+
+
+def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) -> FineGrainedPlan:
+    """Per micro-batch: every group of every layer leaves, except the chunk's last group on the last
+    stage. At most one group's D2H copy is pending in forward and one group is reloaded ahead in
+    backward (the staging)."""
+    sizes = [b for _, b in sorted(groups.items(), key=lambda kv: _ORDER.get(kv[0], 99)) if b > 0]
+    if not sizes or layers <= 0:
+        return FineGrainedPlan(0, 0, 0)
+    per_layer = sum(sizes)
+    kept = sizes[-1] if last_stage else 0
+    biggest = max(sizes)
+    return FineGrainedPlan(offloaded=layers * per_layer - kept, kept_last_group=kept, staging=2 * biggest)
+
+
+# ----- which of a layer recipe's saved tensors each module group takes -------------------------------
+# (transformer_layer.py / attention.py, core 0.19.2: each group wraps one call and offloads what is saved
+# inside it.) ``attn_norm`` / ``mlp_norm`` only act when the norm is a module of its own: TE's spec fuses
+# the input norm into the QKV projection (and the dense pre-MLP norm into fc1), where the layer input is
+# saved inside ``qkv_linear``'s call instead.
+_GROUP_OF = {
+    "qkv_input": "qkv_linear", "q_latent": "qkv_linear", "kv_latent": "qkv_linear",   # (MLA's down projections)
+    "query": "core_attn", "key": "core_attn", "value": "core_attn",                  # (MLA's attention inputs)
+    "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
+    "proj_input": "attn_proj",
+}
+
+
+def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separate_mlp_norm: bool) -> str | None:
+    """The listed module group that offloads the saved tensor ``name`` of a layer recipe, or None."""
+    if name == "layer_input":
+        g = "attn_norm" if separate_input_norm else "qkv_linear"
+    elif name == "mlp_norm_input":
+        g = "mlp_norm" if separate_mlp_norm else None
+    elif name == "proj_input" and "attn_proj" not in modules:
+        g = "core_attn"           # flash/cuDNN attention saves its output too
+    else:
+        g = _GROUP_OF.get(name)
+    return g if g in modules else None
+
+
+def layer_groups(saved: Mapping[str, int], modules: Sequence[str], elem_bytes: int, separate_input_norm: bool = False,
+                 separate_mlp_norm: bool = False, min_elements: int = DEFAULT_MIN_TENSOR_ELEMENTS) -> dict[str, int]:
+    """Bytes each listed group takes off one layer's saved tensors (``saved``: name -> bytes, tensors in
+    the activation dtype; statistics in fp32 are below any useful threshold and stay)."""
+    out: dict[str, int] = {}
+    for name, nbytes in saved.items():
+        g = group_of(name, modules, separate_input_norm, separate_mlp_norm)
+        if g is not None and nbytes // elem_bytes >= min_elements:
+            out[g] = out.get(g, 0) + nbytes
+    return out
+
+
+def effective_modules(modules: Sequence[str], graph_impl: str, graph_modules: Sequence[str],
+                      moe_layer: bool) -> tuple[str, ...]:
+    """The listed groups a layer really offloads next to per-layer CUDA graphs (TransformerLayer.__init__,
+    core 0.19.2): no ``attn_norm`` with graphed attention; no ``mlp_norm`` on an MoE layer with graphed
+    attention or router, nor on a dense layer where the norm is a graph boundary (attn or mlp graphed,
+    not both)."""
+    if graph_impl not in ("local", "transformer_engine"):
+        return tuple(modules)
+    g = set(graph_modules)
+    drop = set()
+    if "attn" in g:
+        drop.add("attn_norm")
+    if (moe_layer and g & {"attn", "moe_router"}) or (not moe_layer and ("attn" in g) != ("mlp" in g)):
+        drop.add("mlp_norm")
+    return tuple(m for m in modules if m not in drop)

@@ -1,0 +1,238 @@
+"""The ``moe`` part of a Layout: the mixture-of-experts settings that decide memory (``MoeSpec``),
+and which layers are MoE (``--moe-layer-freq``, read as Megatron reads it, without eval()).
+
+Megatron's argument names; the values as ``resolve/moe.py`` resolves them (ETP = TP and
+moe_ffn_hidden_size = ffn_hidden_size when unset, the per-layer pattern). A dense model's Layout has
+``moe = None``. What an MoE layer holds is ``estimator/layers/moe.py``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+DISPATCHERS = ("allgather", "alltoall", "flex")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+# ----------------------------------------------------------------------------------------------
+# which layers are MoE
+# ----------------------------------------------------------------------------------------------
+_LIST_EXPR = re.compile(r"[\[\]()0-9*+, ]+")
+
+
+def parse_moe_layer_freq(value: Any, num_layers: int, key: str = "--moe-layer-freq") -> tuple[bool, ...]:
+    """The MoE/dense pattern of all ``num_layers`` layers, as ``moe_freq_type`` (arguments.py) and
+    ``get_gpt_decoder_layer_specs`` read it: an int N makes layer i (0-based) MoE iff i % N == 0; a
+    list (or a string holding a Python list expression such as ``([0]*3+[1]*58)``) gives one 0/1 per
+    layer and must have ``num_layers`` entries."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"must be an integer or a list of 0/1, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(key, f"must be a positive integer (every N-th layer is MoE), got {value}")
+        return tuple(i % value == 0 for i in range(num_layers))
+    if isinstance(value, str):
+        text = value.strip()
+        if "[" not in text:
+            try:
+                n = int(text)
+            except ValueError:
+                raise ConfigError(key, f"must be an integer or a list expression like ([0]*3+[1]*5), "
+                                       f"got {text[:60]!r}") from None
+            return parse_moe_layer_freq(n, num_layers, key)
+        value = _eval_list_expr(text, key)
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_layers:
+            raise ConfigError(key, f"has {len(value)} entries but --num-layers is {num_layers}; give one 0/1 per layer")
+        if any(isinstance(v, bool) or v not in (0, 1) for v in value):
+            raise ConfigError(key, "list entries must be 0 (dense) or 1 (MoE)")
+        return tuple(bool(v) for v in value)
+    raise ConfigError(key, f"must be an integer or a list of 0/1, got {str(value)[:60]!r}")
+
+
+def _eval_list_expr(text: str, key: str) -> list[int]:
+    """Read ``([0]*3+[1]*5)``-style expressions without eval() (Megatron evals the string): lists of
+    numbers, ``*`` repetition, ``+`` concatenation and parentheses, nothing else."""
+    if len(text) > 10_000:
+        raise ConfigError(key, f"list expression is longer than 10,000 characters ({len(text):,})")
+    if not _LIST_EXPR.fullmatch(text):
+        raise ConfigError(key, f"list expression may only use [ ] ( ) , * + and digits, got {text[:60]!r}")
+    depth = 0
+    for ch in text:   # the reader below recurses per parenthesis
+        depth += (ch == "(") - (ch == ")")
+        if depth > 100:
+            raise ConfigError(key, "list expression nests parentheses more than 100 deep")
+    pos = 0
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(key, f"cannot read list expression {text[:60]!r} ({what} at character {pos})")
+
+    def peek() -> str:
+        nonlocal pos
+        while pos < len(text) and text[pos] == " ":
+            pos += 1
+        return text[pos] if pos < len(text) else ""
+
+    def expect(ch: str) -> None:
+        nonlocal pos
+        if peek() != ch:
+            raise bad(f"{ch!r} expected")
+        pos += 1
+
+    def number() -> int:
+        nonlocal pos
+        peek()
+        m = re.match(r"\d{1,6}", text[pos:])
+        if not m:
+            raise bad("number expected")
+        pos += len(m.group(0))
+        return int(m.group(0))
+
+    def term() -> Any:
+        c = peek()
+        if c == "(":
+            expect("(")
+            v = expr()
+            expect(")")
+        elif c == "[":
+            expect("[")
+            v = []
+            if peek() != "]":
+                v.append(number())
+                while peek() == ",":
+                    expect(",")
+                    if peek() == "]":
+                        break
+                    v.append(number())
+            expect("]")
+        else:
+            v = number()
+        while peek() == "*":
+            expect("*")
+            n = number()
+            if isinstance(v, list) and len(v) * n > 100_000:
+                raise ConfigError(key, "list expression expands to more than 100,000 entries")
+            v = v * n
+        return v
+
+    def expr() -> Any:
+        v = term()
+        while peek() == "+":
+            expect("+")
+            w = term()
+            if isinstance(v, list) != isinstance(w, list):
+                raise bad("list + number")
+            if isinstance(v, list) and len(v) + len(w) > 100_000:
+                raise ConfigError(key, "list expression expands to more than 100,000 entries")
+            v = v + w
+        return v
+
+    out = expr()
+    if peek():
+        raise bad("trailing text")
+    if not isinstance(out, list):
+        raise ConfigError(key, f"list expression {text[:60]!r} is not a list")
+    return out
+
+
+def moe_layers_in(pattern: tuple[bool, ...], first_layer: int, num_layers: int) -> int:
+    """MoE layers among the global layers ``first_layer .. first_layer + num_layers - 1`` (a stage's
+    or virtual chunk's slice, as get_gpt_decoder_block_spec slices the per-layer specs)."""
+    return sum(pattern[first_layer:first_layer + num_layers])
+
+
+# ----------------------------------------------------------------------------------------------
+# the spec (the Layout's ``moe`` part)
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoeSpec:
+    """The MoE settings that decide memory, under Megatron's argument names (resolved values)."""
+
+    num_experts: int
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0                       # resolved: ffn_hidden_size when unset
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_grouped_gemm: bool = False
+    moe_router_dtype: str | None = None                # None: the activation dtype; fp32; fp64
+    moe_token_dispatcher_type: str = "allgather"
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_layer_pattern: tuple[bool, ...] = ()           # resolved --moe-layer-freq, one entry per layer
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1               # resolved: TP when unset
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_recompute: tuple[str, ...] = field(default=())  # of moe, moe_act, shared_experts
+    # the combined 1F1B schedule: a forward layer of the next micro-batch runs with each backward layer
+    overlap_moe_expert_parallel_comm: bool = False
+    # which N the activations use: "balanced" (the estimate) or "worst" (the dispatcher's limit)
+    routing: str = "balanced"
+    # the flex dispatcher's SMs (DeepEP's communication buffer has one channel per two SMs)
+    moe_flex_dispatcher_num_sms: int = 20
+
+    @classmethod
+    def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
+                  moe_layer_freq: Any = 1, recompute_modules: tuple[str, ...] = (), **kw: Any) -> "MoeSpec":
+        """A spec from flat Megatron names with Megatron's defaults (ETP = TP, moe_ffn = ffn)."""
+        etp = kw.pop("expert_tensor_parallel_size", None) or tensor_model_parallel_size
+        ffn = kw.pop("moe_ffn_hidden_size", None) or ffn_hidden_size
+        lbt = kw.pop("moe_router_load_balancing_type", None) or "aux_loss"
+        if isinstance(lbt, (list, tuple)):
+            lbt = ",".join(str(t) for t in lbt)
+        coeff = kw.pop("moe_aux_loss_coeff", None) or 0.0
+        if isinstance(coeff, (list, tuple)):
+            coeff = sum(float(c) for c in coeff)
+        rec = tuple(m for m in recompute_modules if m in ("moe", "moe_act", "shared_experts"))
+        known = set(cls.__dataclass_fields__)
+        clean = {k: v for k, v in kw.items() if k in known and v is not None}
+        return cls(moe_ffn_hidden_size=ffn, expert_tensor_parallel_size=etp,
+                   moe_layer_pattern=parse_moe_layer_freq(moe_layer_freq if moe_layer_freq is not None else 1, num_layers),
+                   moe_router_load_balancing_type=str(lbt), moe_aux_loss_coeff=float(coeff),
+                   moe_recompute=rec, **clean)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``layout.moe`` of ``memguard estimate --json``): the fields, lists for tuples."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
+        d["moe_recompute"] = list(self.moe_recompute)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MoeSpec":
+        kw = dict(d)
+        kw["moe_layer_pattern"] = tuple(bool(v) for v in kw.get("moe_layer_pattern", ()))
+        kw["moe_recompute"] = tuple(kw.get("moe_recompute", ()))
+        return cls(**kw)
+
+    # ----- derived -----
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_model_parallel_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern)
+
+    @property
+    def aux_loss(self) -> bool:
+        """Router.is_aux_loss_enabled: a load-balancing type with a loss and a non-zero coefficient."""
+        return self.moe_aux_loss_coeff > 0 and any(t in self.moe_router_load_balancing_type for t in AUX_LOSS_TYPES)

@@ -1,0 +1,91 @@
+"""Section: CUDA graphs (``--cuda-graph-impl``, ``--cuda-graph-modules`` / ``--cuda-graph-scope``, the
+deprecated ``--enable-cuda-graph`` / ``--external-cuda-graph``), with TransformerConfig.__post_init__'s rules
+(megatron-core 0.16.1 and 0.19.2; 0.19 adds the ``full_iteration`` implementation and renames the scope to
+modules, keeping ``--cuda-graph-scope`` as a deprecated alias)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from packaging.version import Version
+
+from .args import Args, Context
+
+MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+def _modules(a: Args) -> tuple[str, str | None, list[str]]:
+    """(the dest the user gave, or None; its module names): 0.19's --cuda-graph-modules, the deprecated
+    --cuda-graph-scope (dest cuda_graph_scope_deprecated on 0.19's parser, cuda_graph_scope in 0.16 and in
+    TransformerConfig, which NeMo 2 / Bridge configs spell)."""
+    given = [d for d in ("cuda_graph_modules", "cuda_graph_scope", "cuda_graph_scope_deprecated")
+             if a.get(d) not in (None, "", [], "full")]
+    if len(given) > 1:
+        a.fail(given[1], "cannot be set together with --cuda-graph-modules (TransformerConfig)")
+    if not given:
+        return None, []
+    dest = given[0]
+    v = a.get(dest)
+    # a list, or text as YAML and launch scripts write it ("[attn mlp]", "attn,mlp")
+    # (validate_args turns them into CudaGraphModule members, which the hook's namespace may carry)
+    items = v if isinstance(v, (list, tuple)) else [v]
+    text = " ".join(str(getattr(x, "name", x)) for x in items)
+    names = [n.split(".")[-1] for n in text.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+    names = [str(n).split(".")[-1] for n in names]      # CudaGraphModule.attn -> attn
+    if "full" in names:
+        if names != ["full"]:
+            a.fail(dest, "full cannot be combined with other modules")
+        return dest, []
+    return dest, names
+
+
+def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    impl = str(a.get("cuda_graph_impl", "none"))
+    enable, external = a.bool_arg("enable_cuda_graph", False), a.bool_arg("external_cuda_graph", False)
+    if enable or external:
+        dest = "enable_cuda_graph" if enable else "external_cuda_graph"
+        if impl != "none":
+            a.fail(dest, "cannot be combined with --cuda-graph-impl (TransformerConfig)")
+        if enable and external:
+            a.fail("external_cuda_graph", "cannot be combined with --enable-cuda-graph")
+        impl = "local" if enable else "transformer_engine"
+    dest, names = _modules(a)
+    known = ("none", "local", "transformer_engine") + (("full_iteration",) if ctx.version >= Version("0.19") else ())
+    if impl not in known:
+        a.fail("cuda_graph_impl", f"must be one of {', '.join(known)}, got {impl!r}")
+        return dict(cuda_graph_impl="none", cuda_graph_modules=())
+    if "full_iteration" in names:
+        # 0.16: local + scope full_iteration is the full-iteration graph; 0.19 migrates the deprecated
+        # value to --cuda-graph-impl full_iteration (cuda_graph_config.py)
+        if names != ["full_iteration"]:
+            a.fail(dest, "full_iteration cannot be combined with other modules")
+        if impl == "transformer_engine":
+            a.fail(dest, "full_iteration needs --cuda-graph-impl local (the TE implementation graphs layers)")
+        if impl == "none" and ctx.version < Version("0.19"):
+            names = []
+        else:
+            impl, names = "full_iteration", []
+    for n in names:
+        if n not in MODULES:
+            a.fail(dest, f"unknown module {n!r}; known: {', '.join(MODULES)}")
+    if impl == "none":
+        return dict(cuda_graph_impl="none", cuda_graph_modules=())
+    if impl == "full_iteration" and names:
+        a.fail(dest, "must be empty with --cuda-graph-impl full_iteration")
+    if impl == "full_iteration" and ctx.version >= Version("0.19") and a.bool_arg("check_for_nan_in_loss_and_grad", True):
+        a.fail("cuda_graph_impl", "full_iteration needs --no-check-for-nan-in-loss-and-grad (validate_args)")
+    if impl == "full_iteration" and a.int_arg("eval_iters", 100, minimum=0):
+        a.notes.append(f"{a.key('cuda_graph_impl')} full_iteration: once validation ran, its graph keeps a second set of "
+                       "static batch copies (not counted; --eval-iters 0 runs none)")
+    if impl == "local" and ({"moe_router", "moe_preprocess"} & set(names)):
+        names = sorted(set(names) | {"moe_router", "moe_preprocess"}, key=MODULES.index)  # local graphs both
+    if "moe" in names and "moe_router" in names:
+        a.fail(dest, "must not contain both moe and moe_router")
+    if "moe_preprocess" in names and "moe_router" not in names:
+        a.fail(dest, "moe_preprocess needs moe_router")
+    if not (kw.get("num_experts") or kw.get("moe")) and ({"moe", "moe_router"} & set(names)):
+        a.fail(dest, "moe and moe_router graphs need a mixture-of-experts model")
+    if a.int_arg("cpu_offloading_num_layers", 0, minimum=0) and impl != "full_iteration":
+        a.fail("cpu_offloading_num_layers", "does not work with CUDA graphs other than full_iteration (TransformerConfig)")
+    if kw.get("recompute_granularity") == "full" and impl != "full_iteration":
+        a.fail("recompute_granularity", "full recompute works only with the full-iteration CUDA graph (TransformerConfig)")
+    return dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))

@@ -1,0 +1,211 @@
+"""Section: mixture of experts. Megatron's MoE rules, read from the user's settings into a ``MoeSpec``.
+
+Mirrors ``validate_args`` (megatron/training/arguments.py: num_experts 0 means dense, moe_ffn_hidden_size
+defaults to ffn_hidden_size, EP divides the experts, ETP defaults to TP), ``initialize_model_parallel``
+(the world divides into ETP x EP x PP), ``TransformerConfig.__post_init__`` (top-1 softmax routing needs
+pre-softmax, the capacity factor only with aux-loss or no balancing, pad-to-capacity needs a capacity,
+shared-expert overlap only with alltoall/flex, moe_act recompute only with grouped GEMM, shared_experts
+recompute not with overlap, router groups) and ``MoELayer.forward`` (training with TP > 1 needs
+sequence parallelism); megatron-core 0.16.1 and 0.19.2 agree on all of them. Each broken rule is one
+error naming the flag the user wrote.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+from ..errors import ConfigError, NotModelledError
+from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
+from .args import Args, Context
+
+# MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
+NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
+    ("moe_latent_size", lambda v: bool(v), "latent MoE projections (--moe-latent-size)"),
+    ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
+    ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
+    ("moe_use_legacy_grouped_gemm", bool, "the legacy GroupedMLP (--moe-use-legacy-grouped-gemm)"),
+    ("moe_apply_probs_on_input", bool, "routing probabilities applied to the expert input (--moe-apply-probs-on-input)"),
+    ("moe_router_padding_for_quantization", bool, "router padding for FP8/FP4 alignment"),
+    ("moe_router_padding_for_fp8", bool, "router padding for FP8/FP4 alignment"),
+    ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
+]
+# memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
+MAX_CAPACITY_FACTOR = 1_000
+_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+_CAPACITY_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+
+class Reader(Protocol):
+    """What the resolver offers a section: typed reads of the user's settings and error reporting."""
+
+    def get(self, dest: str, default: Any = None) -> Any: ...
+    def key(self, dest: str) -> str: ...
+    def fail(self, dest: str, rule: str, fix: str | None = None) -> None: ...
+    def int_arg(self, dest: str, default: int | None = None, required: bool = False, minimum: int = 1) -> int | None: ...
+    def bool_arg(self, dest: str, default: bool) -> bool: ...
+    def float_arg(self, dest: str, default: float) -> float: ...
+
+
+def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
+             sequence_parallel: bool, add_bias_linear: bool, recompute_modules: tuple[str, ...],
+             recompute_granularity: str | None) -> MoeSpec | None:
+    """The resolved MoE settings, or None for a dense model (and then no expert flag may be set)."""
+    n = r.int_arg("num_experts", None, minimum=0)
+    ep = r.int_arg("expert_model_parallel_size", 1) or 1
+    if not n:   # validate_args: --num-experts 0 is a dense model
+        if ep > 1:
+            r.fail("expert_model_parallel_size", "needs --num-experts (expert parallelism splits the experts)")
+        return None
+    for dest, pred, what in NOT_MODELLED_MOE:
+        v = r.get(dest)
+        if v is not None and pred(v):
+            raise NotModelledError(r.key(dest), what)
+    etp = r.int_arg("expert_tensor_parallel_size", None) or tp
+    k = r.int_arg("moe_router_topk", 2) or 2
+    ok = True
+    if n % ep:
+        r.fail("expert_model_parallel_size", f"must divide --num-experts {n}, got {ep}")
+        ok = False
+    if world_size % (etp * ep * pp):
+        r.fail("expert_model_parallel_size", f"world size {world_size} must be divisible by expert tensor parallel "
+                                             f"{etp} x expert parallel {ep} x pipeline parallel {pp}")
+        ok = False
+    if k > n:
+        r.fail("moe_router_topk", f"must be at most --num-experts {n}, got {k}")
+        ok = False
+    if tp > 1 and not sequence_parallel:
+        r.fail("sequence_parallel", "is required for MoE training with tensor parallelism > 1 (MoELayer.forward)",
+               "add --sequence-parallel")
+        ok = False
+    disp = str(r.get("moe_token_dispatcher_type", "allgather"))
+    if disp not in DISPATCHERS:
+        r.fail("moe_token_dispatcher_type", f"must be one of {', '.join(DISPATCHERS)}, got {disp[:60]!r}")
+        ok = False
+    num_sms = 20
+    if r.bool_arg("moe_enable_deepep", False):
+        disp = "flex"     # TransformerConfig: the deprecated --moe-enable-deepep means flex with DeepEP
+    if disp == "flex":
+        backend = str(r.get("moe_flex_dispatcher_backend", "deepep"))
+        if backend != "deepep":
+            raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
+                                   f"the flex dispatcher's {backend[:20]} backend (its buffers)")
+        if etp * ep > 8:
+            raise NotModelledError(r.key("moe_token_dispatcher_type"),
+                                   "the flex dispatcher across nodes (DeepEP's NVSHMEM RDMA buffer; ETP x EP > 8)")
+        if r.bool_arg("moe_pad_expert_input_to_capacity", False):
+            r.fail("moe_pad_expert_input_to_capacity", "is not supported by the flex dispatcher with DeepEP")
+            ok = False
+        # --moe-flex-dispatcher-num-sms (0.19), --moe-deepep-num-sms (0.16, deprecated): DeepEP's 20 by default
+        num_sms = r.int_arg("moe_flex_dispatcher_num_sms", None) or r.int_arg("moe_deepep_num_sms", None) or 20
+    lbt = r.get("moe_router_load_balancing_type", "aux_loss")
+    types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
+    for t in types:
+        if t not in _LOAD_BALANCING:
+            r.fail("moe_router_load_balancing_type", f"must be one of {', '.join(_LOAD_BALANCING)}, got {t[:60]!r}")
+            ok = False
+    coeff = r.get("moe_aux_loss_coeff", 0.0)
+    coeffs = coeff if isinstance(coeff, (list, tuple)) else [coeff]
+    try:
+        aux = sum(float(c) for c in coeffs)
+    except (TypeError, ValueError):
+        r.fail("moe_aux_loss_coeff", f"must be a number, got {str(coeff)[:60]!r}")
+        aux, ok = 0.0, False
+    score = str(r.get("moe_router_score_function", "softmax"))
+    pre = r.bool_arg("moe_router_pre_softmax", False)
+    if k == 1 and score == "softmax" and not pre and "sinkhorn" not in types:
+        r.fail("moe_router_topk", "1 with the softmax score function needs --moe-router-pre-softmax "
+                                  "(a softmax over one choice has a zero gradient)", "add --moe-router-pre-softmax")
+        ok = False
+    cf_raw = r.get("moe_expert_capacity_factor")
+    cf = None if cf_raw is None else r.float_arg("moe_expert_capacity_factor", -1.0)
+    if cf is not None and cf < 0:
+        cf = None   # TransformerConfig: a negative factor means dropless
+    if cf is not None and cf > MAX_CAPACITY_FACTOR:
+        r.fail("moe_expert_capacity_factor", f"must be <= {MAX_CAPACITY_FACTOR:,} (memguard's bound: published runs use "
+                                             f"1 to 4, and the padded expert input grows with it), got {cf:g}")
+        cf, ok = None, False
+    if cf is not None and any(t not in _CAPACITY_BALANCING for t in types):
+        r.fail("moe_expert_capacity_factor", "only works with aux_loss, seq_aux_loss, global_aux_loss or none load balancing")
+        ok = False
+    pad = r.bool_arg("moe_pad_expert_input_to_capacity", False)
+    if pad and cf is None:
+        r.fail("moe_pad_expert_input_to_capacity", "needs --moe-expert-capacity-factor")
+        ok = False
+    Fs = r.int_arg("moe_shared_expert_intermediate_size", None)
+    overlap = r.bool_arg("moe_shared_expert_overlap", False)
+    if Fs and overlap and disp not in ("alltoall", "flex"):
+        r.fail("moe_shared_expert_overlap", "only works with the alltoall or flex token dispatcher")
+        ok = False
+    if Fs and add_bias_linear:
+        r.fail("moe_shared_expert_intermediate_size", "shared experts do not support biases (SharedExpertMLP)",
+               "add --disable-bias-linear")
+        ok = False
+    grouped = r.bool_arg("moe_grouped_gemm", False)
+    mods = set(recompute_modules) if recompute_granularity == "selective" else set()
+    if "moe_act" in mods and not grouped:
+        r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
+        ok = False
+    if "shared_experts" in mods and Fs and overlap:
+        r.fail("recompute_modules", "shared_experts recompute cannot work with --moe-shared-expert-overlap")
+        ok = False
+    groups, gtopk = r.int_arg("moe_router_num_groups", None), r.int_arg("moe_router_group_topk", None)
+    if gtopk:
+        if not groups:
+            r.fail("moe_router_group_topk", "needs --moe-router-num-groups")
+            ok = False
+        elif n % groups or gtopk > groups:
+            r.fail("moe_router_num_groups", f"must divide --num-experts {n} and be at least --moe-router-group-topk {gtopk}")
+            ok = False
+    a2a_overlap = r.bool_arg("overlap_moe_expert_parallel_comm", False)
+    if a2a_overlap:
+        # TransformerConfig.__post_init__ (0.19.2): EP > 1, alltoall or flex, no full recompute, no 'moe'
+        # recompute, no shared-expert overlap; with PP > 1 it needs VPP and adds a warm-up micro-batch
+        # to the interleaved schedule, which memguard does not model
+        if pp > 1:
+            raise NotModelledError(r.key("overlap_moe_expert_parallel_comm"),
+                                   "expert-parallel all-to-all overlap with pipeline parallelism")
+        for bad_when, rule in ((ep == 1, "needs --expert-model-parallel-size > 1"),
+                               (disp not in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
+                               (recompute_granularity == "full", "cannot be used with full recompute"),
+                               ("moe" in mods, "cannot be used with 'moe' in --recompute-modules"),
+                               (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap")):
+            if bad_when:
+                r.fail("overlap_moe_expert_parallel_comm", rule)
+                ok = False
+    rdtype = r.get("moe_router_dtype")
+    if rdtype is not None and str(rdtype) not in ("fp32", "fp64"):
+        r.fail("moe_router_dtype", f"must be fp32 or fp64, got {str(rdtype)[:60]!r}")
+        ok = False
+    try:
+        pattern = parse_moe_layer_freq(r.get("moe_layer_freq", 1), num_layers, r.key("moe_layer_freq"))
+    except ConfigError as e:
+        r.fail("moe_layer_freq", e.rule)
+        return None
+    if not ok:
+        return None
+    return MoeSpec(
+        num_experts=n, moe_router_topk=k, moe_ffn_hidden_size=r.int_arg("moe_ffn_hidden_size", None) or ffn_hidden_size,
+        moe_shared_expert_intermediate_size=Fs or None, moe_shared_expert_gate=r.bool_arg("moe_shared_expert_gate", False),
+        moe_shared_expert_overlap=overlap, moe_grouped_gemm=grouped, moe_router_dtype=None if rdtype is None else str(rdtype),
+        moe_token_dispatcher_type=disp, moe_permute_fusion=r.bool_arg("moe_permute_fusion", False),
+        moe_router_fusion=r.bool_arg("moe_router_fusion", False), moe_expert_capacity_factor=cf,
+        moe_pad_expert_input_to_capacity=pad, moe_layer_pattern=pattern, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, moe_router_load_balancing_type=",".join(types), moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=(r.float_arg("moe_z_loss_coeff", 0.0) if r.get("moe_z_loss_coeff") is not None else None),
+        moe_router_pre_softmax=pre, moe_router_score_function=score,
+        moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
+        moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
+        overlap_moe_expert_parallel_comm=a2a_overlap, moe_flex_dispatcher_num_sms=num_sms,
+    )
+
+
+def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """The ``moe`` part (None for a dense model) and the expert-parallel sizes of the parallel part."""
+    tp = kw["tensor_model_parallel_size"]
+    spec = read_moe(a, num_layers=kw["num_layers"], ffn_hidden_size=kw["ffn_hidden_size"], tp=tp,
+                    pp=kw["pipeline_model_parallel_size"], world_size=kw["world_size"],
+                    sequence_parallel=kw["sequence_parallel"], add_bias_linear=kw["add_bias_linear"],
+                    recompute_modules=tuple(kw.get("recompute_modules") or ()),
+                    recompute_granularity=kw.get("recompute_granularity"))
+    if spec is None:
+        return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)

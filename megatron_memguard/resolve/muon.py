@@ -1,0 +1,53 @@
+"""Section: Muon-family optimizers (``--optimizer muon``, ``adaptive_muon``, deprecated ``dist_muon``), with the
+rules of megatron-core's optimizer factory: 0.16.1 ``get_megatron_muon_optimizer`` (optimizer/muon.py: no fp16,
+no ``--use-distributed-optimizer``, ``dist_muon`` for the layer-wise optimizer), 0.19.2
+``_get_megatron_emerging_optimizer`` (optimizer/__init__.py: no fp16; ``muon`` with
+``--use-distributed-optimizer`` is the layer-wise optimizer, which does not overlap the param gather with the
+step and takes one distributed-optimizer instance)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from packaging.version import Version
+
+from ..errors import NotModelledError
+from .args import Args, Context
+
+MUON_OPTIMIZERS = ("muon", "adaptive_muon", "dist_muon")
+
+
+def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    opt = kw["optimizer"]
+    if opt not in MUON_OPTIMIZERS:
+        return dict(muon_scalar_optimizer="adam")
+    new = ctx.version >= Version("0.19")
+    for dest in ("use_megatron_fsdp", "use_torch_fsdp2", "use_custom_fsdp"):
+        if a.bool_arg(dest, False):
+            raise NotModelledError(a.key(dest), f"{opt} with fully sharded data parallelism")
+    if opt == "adaptive_muon" and not new:
+        a.fail("optimizer", "adaptive_muon needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
+    if kw.get("fp16"):
+        a.fail("optimizer", f"{opt} does not work with --fp16 (the emerging-optimizer factory refuses it)")
+    scalar = str(a.get("muon_scalar_optimizer", "adam")).lower()
+    if scalar not in ("adam", "lion"):
+        a.fail("muon_scalar_optimizer", f"must be adam or lion, got {scalar!r}")
+        scalar = "adam"
+    elif scalar == "lion" and not new:
+        a.fail("muon_scalar_optimizer", "lion needs megatron-core 0.19")
+    dist = kw["use_distributed_optimizer"]
+    if not new and opt == "muon" and dist:
+        a.fail("use_distributed_optimizer", "does not work with --optimizer muon in megatron-core 0.16 "
+               "(\"muon with dist optimizer is not supported\")", "use --optimizer dist_muon")
+    layer_wise = opt == "dist_muon" or (new and dist)
+    if new and layer_wise:
+        if a.bool_arg("overlap_param_gather_with_optimizer_step", False):
+            a.fail("overlap_param_gather_with_optimizer_step", "does not work with the layer-wise distributed "
+                   "optimizer of Muon")
+        if dist and kw.get("num_distributed_optimizer_instances", 1) > 1:
+            a.fail("num_distributed_optimizer_instances", "must be 1 with Muon and --use-distributed-optimizer "
+                   "(the layer-wise + distributed optimizer split)")
+        if new and dist and not a.bool_arg("use_layer_wise_param_layout", True):
+            raise NotModelledError(a.key("use_layer_wise_param_layout"), "Muon's legacy layer-wise sharding in core 0.19")
+    a.notes.append(f"{a.key('optimizer')} {opt}: the optimizer step's Newton-Schulz temporaries (a few copies of one "
+                   "weight matrix) are not counted")
+    return dict(muon_scalar_optimizer=scalar)

@@ -1,0 +1,54 @@
+"""Section: activation offloading to the host (``--cpu-offloading-num-layers``,
+``--fine-grained-activation-offloading``) with TransformerConfig.__post_init__'s and validate_args's rules."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import NotModelledError
+from .args import Args, Context
+
+MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp")
+
+
+def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    layers = a.int_arg("cpu_offloading_num_layers", 0, minimum=0) or 0
+    fine = a.bool_arg("fine_grained_activation_offloading", False)
+    out: dict[str, Any] = dict(cpu_offloading_num_layers=layers, fine_grained_activation_offloading=fine,
+                               offload_modules=(), min_offloaded_tensor_size=1024 * 1024)
+    if layers:
+        if layers >= kw["num_layers"]:
+            a.fail("cpu_offloading_num_layers", f"({layers}) must be smaller than --num-layers {kw['num_layers']}")
+        if kw["pipeline_model_parallel_size"] > 1:
+            a.fail("cpu_offloading_num_layers", "does not work with pipeline parallelism (TransformerConfig)")
+        if kw.get("recompute_granularity"):
+            a.fail("cpu_offloading_num_layers", "cannot be combined with recomputation (TransformerConfig)")
+        if fine:
+            a.fail("fine_grained_activation_offloading", "cannot be combined with --cpu-offloading-num-layers")
+    if fine:
+        mods = a.get("offload_modules") or []
+        text = " ".join(map(str, mods)) if isinstance(mods, (list, tuple)) else str(mods)
+        mods = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
+        if not mods:
+            a.fail("offload_modules", "must name at least one module with --fine-grained-activation-offloading")
+        for m in mods:
+            if m not in MODULES:
+                a.fail("offload_modules", f"unknown module {m!r}; known: {', '.join(MODULES)}")
+        if "attn_proj" in mods and "core_attn" not in mods:
+            a.fail("offload_modules", "attn_proj needs core_attn (its input is core_attn's output, which core_attn's "
+                   "backward needs)")
+        if kw.get("transformer_impl") != "transformer_engine":
+            a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
+        size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)
+        # core 0.19 tuning knobs that keep more on the GPU than memguard's every-group model
+        if a.float_arg("activation_offload_fraction", 1.0) < 1.0:
+            raise NotModelledError(a.key("activation_offload_fraction"), "offloading a fraction of the groups")
+        if a.int_arg("delta_offload_bytes_across_pp_ranks", 0, minimum=0):
+            raise NotModelledError(a.key("delta_offload_bytes_across_pp_ranks"), "per-stage offload balancing")
+        if a.bool_arg("delay_offload_until_cuda_graph", False):
+            raise NotModelledError(a.key("delay_offload_until_cuda_graph"), "offloads delayed until a CUDA graph ends")
+        cap = a.int_arg("fine_grained_offloading_max_inflight_offloads")
+        if cap is not None and cap > 1:
+            raise NotModelledError(a.key("fine_grained_offloading_max_inflight_offloads"),
+                                   "more than one pending offload per module")
+        out.update(offload_modules=tuple(mods), min_offloaded_tensor_size=size)
+    return out

@@ -1,0 +1,328 @@
+"""The MoE estimator functions (megatron_memguard/estimator/layers/moe.py) against numbers one can redo by hand
+and against the CPU referee's measurements on real megatron-core 0.16.1
+(benchmarks/results/referee-moe-measured.json, written by benchmarks/referee/moe_grid.py; what each
+module keeps is derived in benchmarks/referee/MOE-NOTES.md)."""
+from __future__ import annotations
+
+import json
+import os
+import pytest
+
+from megatron_memguard.errors import ConfigError
+from megatron_memguard.estimator.layers.moe import (
+    MoeSpec, expert_data_parallel_size, expert_rows, experts_use_expert_buffer, moe_activations,
+    moe_layers_in, moe_mlp_params, parse_moe_layer_freq, tokens_per_rank,
+)
+from benchmarks.referee.grid import resolve_config
+from benchmarks.referee.moe_grid import MOE_GRID
+from megatron_memguard.estimator.params import chunk_params
+from megatron_memguard.layout import Layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-moe-measured.json")
+_DT = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _referee() -> dict:
+    with open(MEASURED) as f:
+        return {c["name"]: c for c in json.load(f)["configs"] if c.get("status") == "ok"}
+
+
+def _resolved(name: str) -> tuple[Layout, MoeSpec]:
+    """The referee configuration's flags resolved by memguard (its MoE section included)."""
+    cfg = next(c for c in MOE_GRID if c["name"] == name)
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+    return L, L.moe
+
+
+# ---- which layers are MoE (megatron/training/arguments.py moe_freq_type) ----------------------------
+def test_layer_freq_int_and_list_expressions():
+    assert parse_moe_layer_freq(1, 4) == (True,) * 4
+    assert parse_moe_layer_freq(2, 5) == (True, False, True, False, True)   # i % 2 == 0
+    assert parse_moe_layer_freq("([0]*3+[1]*5)", 8) == (False,) * 3 + (True,) * 5
+    assert parse_moe_layer_freq("[1,0]*2", 4) == (True, False, True, False)
+    # DeepSeek-V3: 61 layers, first 3 dense -> 58 MoE layers
+    assert sum(parse_moe_layer_freq("([0]*3+[1]*58)", 61)) == 58
+    pat = parse_moe_layer_freq("([0]*3+[1]*58)", 61)
+    assert moe_layers_in(pat, 0, 4) == 1 and moe_layers_in(pat, 4, 4) == 4
+
+
+@pytest.mark.parametrize("value", ["([0]*3+[1]*4)", "[2,1]", "__import__('os')", "0", "[1]*", True,
+                                   "(" * 3000 + "[1]" + ")" * 3000, "+".join(["[1]*99999"] * 900), "[1]*999999"])
+def test_layer_freq_rejects_with_the_flag_named(value):
+    with pytest.raises(ConfigError) as e:
+        parse_moe_layer_freq(value, 8)
+    assert "--moe-layer-freq" in str(e.value)
+
+
+# ---- groups and buffers ------------------------------------------------------------------------------
+def test_expert_data_parallel_size():
+    # initialize_model_parallel: EDP = world / (ETP x EP x PP); 8 GPUs, TP4 PP2 EP2 ETP2 -> 1
+    assert expert_data_parallel_size(8, 2, 2, 2) == 1
+    # DeepSeek-V3-shaped: 1024 GPUs, PP16, EP64, ETP1 -> 1
+    assert expert_data_parallel_size(1024, 16, 64, 1) == 1
+    assert expert_data_parallel_size(4, 1, 2, 1) == 2
+    with pytest.raises(ConfigError):
+        expert_data_parallel_size(6, 1, 4, 1)
+
+
+def test_which_version_puts_experts_in_the_expert_buffer():
+    m = MoeSpec(num_experts=4, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    # moe-fp8.md 1.3: 0.16.1 allreduce = not (is_expert and EP > 1); 0.19: EP > 1 or ETP != TP
+    assert not experts_use_expert_buffer(m, tp=2, megatron_version="0.16.1")
+    assert experts_use_expert_buffer(m, tp=2, megatron_version="0.19")
+    assert not experts_use_expert_buffer(m, tp=1, megatron_version="0.19")
+    # referee moe_ep1_e4 (0.16.1, EP1): one DDP buffer, 0 expert params
+    s = _referee()["moe_ep1_e4"]
+    assert all(r["num_params_expert"] == 0 for r in s["ranks"])
+
+
+# ---- parameters (MOE-NOTES.md "Parameters and persistent memory", measured on every rank) -------------
+def _rank_params(L: Layout, m: MoeSpec, pp_rank: int = 0) -> tuple[int, int]:
+    """(all, expert) parameters of one rank: its chunks' parameters (the MoE recipe on MoE layers)."""
+    total = expert = 0
+    for c in L.stage_chunks(pp_rank):
+        ps = chunk_params(L, c)
+        total += sum(p.numel for p in ps)
+        expert += sum(p.numel for p in ps if p.expert)
+    return total, expert
+
+
+@pytest.mark.parametrize("name", ["moe_ep2_alltoall", "moe_ep2_allgather", "moe_ep2_shared", "moe_ep2_dense_first",
+                                  "moe_tp2_sp_ep2", "moe_tp2_sp_ep2_etp1", "moe_pp2_ep2", "moe_ep2_shared_gate"])
+def test_parameters_per_rank_equal_the_referee(name):
+    c = _referee()[name]
+    L, m = _resolved(name)
+    for r in c["ranks"]:
+        total, expert = _rank_params(L, m, r["pp_rank"])
+        assert total == r["num_params"], (name, r["rank"])
+        if experts_use_expert_buffer(m, L.tp, "0.16.1"):
+            assert expert == r["num_params_expert"], (name, r["rank"])
+
+
+def test_parameters_by_hand():
+    # MOE-NOTES.md: 2·V·h + 4·(2h + h(h+2·128) + h² + E·h + E_l·3·F·h) + h = 8,067,328 with V 8064,
+    # h 256, E 4, E_l 2, F 512; dense-first [0,1,1,1]: 7,771,392; expert params 4·2·3·F·h = 3,145,728
+    L, m = _resolved("moe_ep2_alltoall")
+    assert _rank_params(L, m) == (8_067_328, 3_145_728)
+    assert _rank_params(*_resolved("moe_ep2_dense_first"))[0] == 7_771_392
+
+
+# ---- tokens ------------------------------------------------------------------------------------------
+def test_expert_rows_balanced_worst_and_capacity():
+    m = MoeSpec(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    r = expert_rows(m, 512)
+    assert (r.balanced, r.worst) == (1024, 2048)   # T·k·ETP; T·ETP·EP·min(k, E_l)
+    # referee moe_ep2_capacity_pad: capacity factor 1.0, T 512, k 2, E 4 -> C 256, N = C·E·ETP = 1024 every step
+    m = MoeSpec(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    assert expert_rows(m, 512).balanced == expert_rows(m, 512).worst == 1024
+    c = _referee()["moe_ep2_capacity_pad"]
+    assert {rec["expert_input_rows"] for r in c["ranks"] for rec in r["routing"]} == {1024}
+    # the referee's dropless runs stay within the worst-case bound
+    for name in ("moe_ep2_alltoall", "moe_tp2_sp_ep2_etp1", "moe_ep2_shared"):
+        c = _referee()[name]
+        L, m = _resolved(name)
+        bound = expert_rows(m, tokens_per_rank(L)).worst
+        assert max(rec["expert_input_rows"] for r in c["ranks"] for rec in r["routing"]) <= bound
+
+
+# ---- what an MoE layer keeps: every module of every MoE layer at the referee's peak --------------------
+MODULES = ("router", "dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts",
+           "shared_experts", "combine_preprocess", "token_combine", "combine_postprocess")
+
+
+def _measured_layer(rank: dict, phase: str, layer: int) -> int:
+    return sum(g["bytes"] for g in rank["peak_all_storages"]
+               if any(g["phase"] == f"{phase} L{layer}.{mod}" for mod in MODULES))
+
+
+def test_saved_and_held_bytes_equal_the_referee_per_layer():
+    checked = 0
+    for name, c in _referee().items():
+        s = c["settings"]
+        if "moe" in (s.get("recompute_modules") or []):
+            continue
+        L, m = _resolved(name)
+        for r in c["ranks"]:
+            if " L" in r["peak_phase"]:
+                continue   # the peak is inside a layer: its transients are live too
+            words = r["peak_phase"].split()
+            phase = " ".join(words[:3 if words[2].startswith("mb") else 4])
+            for rec in r["routing"]:
+                if rec["phase"] != phase:
+                    continue
+                assert rec["tokens"] == tokens_per_rank(L)
+                a = moe_activations(L, m, rows=rec["expert_input_rows"])
+                want = a.total + a.held
+                if m.moe_pad_expert_input_to_capacity:
+                    want += 8 * m.num_experts * m.etp   # int64 chunk sizes: host memory on a GPU, counted on CPU
+                assert _measured_layer(r, phase, rec["layer"]) == want, (name, r["rank"], rec["layer"])
+                checked += 1
+    assert checked >= 60
+
+
+def test_recompute_moe_keeps_only_the_dispatcher_state():
+    # MOE-NOTES.md: with --recompute-modules moe the layer keeps (p+1)·T·E + 8·T·k = 14,336 B per MoE
+    # layer (the int64 mapping is the checkpointed forward's, held by the dispatcher)
+    L, m = _resolved("moe_ep2_recompute_moe")
+    a = moe_activations(L, m)
+    # held: probs bf16 + bool map [T, E] = 3·512·4, and the checkpoint's input and its gradient after
+    # the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 = 4 layers x 524,288)
+    assert a.total == 0 and a.held == 3 * 512 * 4 + 4 * 512 * 256
+    assert (149_496_824 - 147_399_672) // 4 == 4 * 512 * 256
+
+
+# ---- the worst case next to the estimate ---------------------------------------------------------------
+def test_worst_case_is_reported_and_bounds_the_estimate():
+    from megatron_memguard import estimate
+    L, m = _resolved("moe_ep2_alltoall")
+    for st in estimate(L, profile="local", device="cpu").stages:
+        w = st.moe["worst_case"]
+        # T 512, k 2, EP 2, 2 local experts: balanced 1,024 rows, worst 512 x 2 x min(2, 2) = 2,048
+        assert (st.moe["expert_rows_balanced"], st.moe["expert_rows_worst"]) == (1024, 2048)
+        assert w["peak_allocated_bytes"] > st.peak_allocated_bytes
+        # the referee's measured peaks (routing 1.2-1.4x balanced) lie between the two
+        for r in _referee()["moe_ep2_alltoall"]["ranks"]:
+            assert st.peak_allocated_bytes * 0.97 <= r["peak_bytes"] <= w["peak_allocated_bytes"]
+    # drop-and-pad: the rows are fixed, the worst case is the estimate
+    L, m = _resolved("moe_ep2_capacity_pad")
+    st = estimate(L, profile="local", device="cpu").stages[0]
+    assert st.moe["worst_case"]["peak_allocated_bytes"] == st.peak_allocated_bytes
+    # dense models have no moe figures
+    assert "moe" not in estimate(resolve_config(MOE_GRID[0]["dense_flags"], 1)[0]).stages[0].to_dict()
+
+
+def test_dense_layers_of_a_moe_model_keep_the_dense_recipe():
+    # --moe-layer-freq 2 on 4 layers: layers 0 and 2 MoE, 1 and 3 dense; a dense layer's parameters are the
+    # dense model's, an MoE layer's MLP is the router plus E/EP experts
+    from megatron_memguard.estimator.params import layer_params
+    from megatron_memguard.partition import MLP_DENSE, MLP_MOE
+    L, m = _resolved("moe_ep2_alltoall")
+    L2 = L.replace(moe=__import__("dataclasses").replace(m, moe_layer_pattern=(True, False, True, False)))
+    kinds = [c.layer_kinds for c in L2.chunks][0]
+    assert [k.mlp for k in kinds] == [MLP_MOE, MLP_DENSE, MLP_MOE, MLP_DENSE]
+    dense = sum(p.numel for p in layer_params(L2, kind=kinds[1]))
+    moe = sum(p.numel for p in layer_params(L2, kind=kinds[0]))
+    # MOE-NOTES.md: dense MLP 3·h·640, MoE MLP E·h + E_l·3·F·h (h 256, F 512, E 4, E_l 2)
+    assert moe - dense == 4 * 256 + 2 * 3 * 512 * 256 - 3 * 256 * 640
+
+
+# ---- whole-model parameter counts of published MoE models -------------------------------------------
+def _counts() -> dict:
+    with open(os.path.join(ROOT, "tests", "data", "moe_reference_counts.json")) as f:
+        return json.load(f)["models"]
+
+
+def test_mixtral_8x7b_parameters():
+    # 46,702,792,704: Mixtral-8x7B as transformers builds it from its config.json (tests/data/moe_reference_counts.json)
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.params import total_parameters
+    flags = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+             "--num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 --swiglu --normalization RMSNorm "
+             "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope --num-experts 8 "
+             "--moe-router-topk 2 --tokenizer-type NullTokenizer --vocab-size 32000 --micro-batch-size 1 --bf16 "
+             "--expert-model-parallel-size 8").split()
+    L = layout_from_flags(flags, world_size=64, megatron_version="0.19")
+    assert total_parameters(L) == _counts()["mixtral-8x7b"]["num_parameters"] == 46_702_792_704
+
+
+def test_deepseek_v3_parameters():
+    # 671,026,404,352 (transformers' DeepseekV3ForCausalLM on the meta device, MTP not built): MLA with the
+    # latent norms (--qk-layernorm), 3 dense layers, 58 MoE layers of 256 experts + 1 shared
+    import sys
+    sys.path.insert(0, ROOT)
+    from benchmarks.estimate_speed import DEEPSEEK_V3
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.params import total_parameters
+    L = layout_from_flags(DEEPSEEK_V3 + ["--qk-layernorm"], world_size=1024, megatron_version="0.19")
+    assert total_parameters(L) == _counts()["deepseek-v3"]["num_parameters"] == 671_026_404_352
+
+
+# ---- properties over MoE layouts Megatron accepts -------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+MOE_PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=60)
+
+
+@st.composite
+def moe_flags(draw):
+    tp = draw(st.sampled_from([1, 2]))
+    pp = draw(st.sampled_from([1, 2]))
+    E = draw(st.sampled_from([2, 4, 8, 16]))
+    ep = draw(st.sampled_from([d for d in (1, 2, 4, 8) if E % d == 0]))
+    etp = draw(st.sampled_from(sorted({1, tp})))
+    k = draw(st.integers(1, min(4, E)))
+    world = pp * max(tp, etp * ep) * draw(st.sampled_from([1, 2]))
+    world = world * (etp * ep * pp) // __import__("math").gcd(world, etp * ep * pp)   # lcm: both grids divide
+    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+             "--max-position-embeddings", "256", "--micro-batch-size", str(mbs := draw(st.sampled_from([1, 2]))),
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--disable-bias-linear",
+             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+             "--num-experts", str(E), "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
+             "--moe-router-topk", str(k), "--moe-ffn-hidden-size", "512",
+             "--moe-token-dispatcher-type", draw(st.sampled_from(["allgather", "alltoall"])),
+             "--moe-layer-freq", draw(st.sampled_from(["1", "2", "([0]*1+[1]*3)"]))]
+    if tp > 1:
+        flags.append("--sequence-parallel")
+    if k == 1:
+        flags.append("--moe-router-pre-softmax")
+    flags += draw(st.sampled_from([["--bf16"], [], ["--fp16"], ["--bf16", "--moe-router-dtype", "fp32"]]))
+    if pp == 2 and draw(st.booleans()):
+        flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    flags += draw(st.sampled_from([[], ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                        "--recompute-num-layers", "1"],
+                                   ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"],
+                                   ["--moe-grouped-gemm", "--recompute-granularity", "selective", "--recompute-modules",
+                                    "moe_act", "shared_experts"]]))
+    cp = draw(st.sampled_from([1, 2]))
+    world *= cp
+    flags += ["--context-parallel-size", str(cp), "--global-batch-size", str(mbs * world // (tp * pp * cp) * 2 * pp)]
+    for opt in ("--moe-grouped-gemm", "--use-distributed-optimizer", "--swiglu", "--moe-permute-fusion"):
+        if draw(st.booleans()) and opt not in flags:
+            flags.append(opt)
+    if draw(st.booleans()):
+        flags += ["--moe-shared-expert-intermediate-size", "256"]
+    return flags, world
+
+
+@MOE_PROPERTY
+@given(moe_flags())
+def test_every_moe_layout_estimates_consistently(fw):
+    from megatron_memguard import estimate, layout_from_flags
+    flags, world = fw
+    L = layout_from_flags(flags, world_size=world, megatron_version="0.19")
+    est = estimate(L, gpu_memory=80 * 2**30)
+    m = L.moe
+    for s in est.stages:
+        assert all(t.bytes >= 0 for t in s.terms)
+        assert sum(t.bytes for t in s.terms if t.level == "allocated") == s.peak_allocated_bytes
+        assert s.moe["worst_case"]["peak_allocated_bytes"] >= s.peak_allocated_bytes
+        assert s.moe["expert_rows_worst"] >= s.moe["expert_rows_balanced"] == tokens_per_rank(L) * m.moe_router_topk * m.etp
+    # the experts of one rank: E/EP local experts of width F/ETP, (g+1)·F·h/ETP each, on every MoE layer
+    g = 2 if L.gated_linear_unit else 1
+    experts = sum(p.numel for c in L.chunks for p in chunk_params(L, c) if p.expert)   # every stage
+    assert experts == m.num_moe_layers * m.local_experts * (g + 1) * 512 * 256 // m.etp
+    # doubling EP halves a rank's expert parameters and leaves the dense ones
+    if m.num_experts % (2 * m.ep) == 0:
+        L2 = L.replace(moe=__import__("dataclasses").replace(m, expert_model_parallel_size=2 * m.ep))
+        e2 = sum(p.numel for c in L2.chunks for p in chunk_params(L2, c) if p.expert)
+        assert 2 * e2 == experts
+
+
+# ---- the flex dispatcher (DeepEP) ------------------------------------------------------------------------
+def test_deepep_buffer_and_rows_by_hand():
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.layers.moe import deepep_buffer_bytes, flex_rows
+    flags = ("--num-layers 4 --hidden-size 7168 --num-attention-heads 56 --seq-length 4096 --micro-batch-size 1 "
+             "--num-experts 64 --moe-router-topk 8 --expert-model-parallel-size 8 --moe-token-dispatcher-type flex "
+             "--bf16 --disable-bias-linear --moe-router-pre-softmax").split()
+    L = layout_from_flags(flags, world_size=8, megatron_version="0.19")
+    # moe-fp8.md 1.6 (DeepEP csrc/config.hpp): C = 20 SMs / 2 = 10 channels, n = 8 ranks, r = 1;
+    # per channel and rank (2r+3)·4 + 256 x (2·7168 + 8 + 128·8 + 128·4 + 128·4) = 4,196,372 B;
+    # x 80 = 335,709,760, rounded up to 128 B: "about 336 MB" in the note
+    assert deepep_buffer_bytes(L, L.moe) == 335_709_824
+    # E 8, EP 4 (E_l 2), k 2: a token misses a rank's 2 experts with probability C(6,2)/C(8,2) = 15/28
+    m = MoeSpec(num_experts=8, moe_router_topk=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
+                moe_token_dispatcher_type="flex")
+    assert flex_rows(m, 1000) == 1858 and flex_rows(m, 1000, worst=True) == 4000     # ceil(4000·13/28); T·EP

@@ -1,0 +1,132 @@
+"""Megatron's MoE rules (megatron_memguard/moe_rules.py): each broken rule is one error naming the flag.
+
+Sources of the rules: megatron/training/arguments.py validate_args, megatron/core/parallel_state.py
+initialize_model_parallel, TransformerConfig.__post_init__ and MoELayer.forward (megatron-core 0.16.1 and
+0.19.2 agree on these)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from megatron_memguard.errors import ConfigError, NotModelledError
+from megatron_memguard.resolve.moe import read_moe
+
+
+class _Reader:
+    def __init__(self, **args: Any):
+        self.a = args
+        self.errors: list[ConfigError] = []
+
+    def get(self, dest, default=None):
+        v = self.a.get(dest)
+        return default if v is None else v
+
+    def key(self, dest):
+        return "--" + dest.replace("_", "-")
+
+    def fail(self, dest, rule, fix=None):
+        self.errors.append(ConfigError(self.key(dest), rule, fix))
+
+    def int_arg(self, dest, default=None, required=False, minimum=1):
+        v = self.a.get(dest)
+        return default if v is None else int(v)
+
+    def bool_arg(self, dest, default):
+        v = self.a.get(dest)
+        return default if v is None else bool(v)
+
+    def float_arg(self, dest, default):
+        v = self.a.get(dest)
+        return default if v is None else float(v)
+
+
+DENSE = dict(num_layers=4, ffn_hidden_size=2048, tp=1, pp=1, world_size=8, sequence_parallel=False,
+             add_bias_linear=False, recompute_modules=(), recompute_granularity=None)
+
+
+def _read(dense=None, **args):
+    r = _Reader(**args)
+    spec = read_moe(r, **{**DENSE, **(dense or {})})
+    return spec, [str(e) for e in r.errors]
+
+
+def test_defaults_follow_validate_args():
+    spec, errors = _read(num_experts=8, expert_model_parallel_size=4, moe_router_topk=2, dense={"tp": 2, "sequence_parallel": True})
+    assert not errors
+    assert spec.moe_ffn_hidden_size == 2048          # moe_ffn_hidden_size = ffn_hidden_size
+    assert spec.etp == 2                             # expert_tensor_parallel_size = TP
+    assert spec.moe_token_dispatcher_type == "allgather" and spec.moe_layer_pattern == (True,) * 4
+
+
+def test_dense_when_no_experts():
+    assert _read(num_experts=0) == (None, [])       # --num-experts 0 is a dense model
+    spec, errors = _read(expert_model_parallel_size=2)
+    assert spec is None and errors == ["--expert-model-parallel-size: needs --num-experts (expert parallelism splits the experts)"]
+
+
+@pytest.mark.parametrize("args,dense,flag", [
+    (dict(num_experts=6, expert_model_parallel_size=4), {}, "--expert-model-parallel-size"),     # EP divides E
+    (dict(num_experts=8, expert_model_parallel_size=4, expert_tensor_parallel_size=4), {}, "--expert-model-parallel-size"),  # 8 % 16
+    (dict(num_experts=4, moe_router_topk=8), {}, "--moe-router-topk"),
+    (dict(num_experts=4, moe_router_topk=1), {}, "--moe-router-topk"),                            # top-1 needs pre-softmax
+    (dict(num_experts=4), {"tp": 2}, "--sequence-parallel"),                                        # TP > 1 needs SP
+    (dict(num_experts=4, moe_token_dispatcher_type="a2a"), {}, "--moe-token-dispatcher-type"),
+    (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), {}, "--moe-pad-expert-input-to-capacity"),
+    (dict(num_experts=4, moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="sinkhorn"), {},
+     "--moe-expert-capacity-factor"),
+    (dict(num_experts=4, moe_shared_expert_intermediate_size=512, moe_shared_expert_overlap=True), {},
+     "--moe-shared-expert-overlap"),                                                                # only alltoall/flex
+    (dict(num_experts=4, moe_shared_expert_intermediate_size=512), {"add_bias_linear": True},
+     "--moe-shared-expert-intermediate-size"),
+    (dict(num_experts=4), {"recompute_modules": ("moe_act",), "recompute_granularity": "selective"}, "--recompute-modules"),
+    (dict(num_experts=4, moe_layer_freq="([0]*1+[1]*2)"), {}, "--moe-layer-freq"),                 # 3 entries, 4 layers
+    (dict(num_experts=8, moe_router_group_topk=2, moe_router_num_groups=3), {}, "--moe-router-num-groups"),
+])
+def test_each_rule_is_one_error_naming_the_flag(args, dense, flag):
+    spec, errors = _read(dense, **args)
+    assert spec is None and len(errors) == 1 and errors[0].startswith(flag + ":"), errors
+
+
+def test_top1_is_fine_with_pre_softmax_or_sinkhorn():
+    assert _read(num_experts=4, moe_router_topk=1, moe_router_pre_softmax=True)[1] == []
+    assert _read(num_experts=4, moe_router_topk=1, moe_router_load_balancing_type="sinkhorn")[1] == []
+
+
+@pytest.mark.parametrize("dest", ["moe_latent_size", "moe_use_legacy_grouped_gemm", "moe_apply_probs_on_input"])
+def test_unmodelled_moe_settings_are_refused_by_name(dest):
+    with pytest.raises(NotModelledError) as e:
+        _read(num_experts=4, **{dest: 64 if dest == "moe_latent_size" else True})
+    assert str(e.value).startswith("--" + dest.replace("_", "-") + ":")
+
+
+def test_flex_dispatcher_deepep_intranode_only():
+    spec, errors = _read(num_experts=8, expert_model_parallel_size=8, moe_token_dispatcher_type="flex")
+    assert errors == [] and spec.moe_token_dispatcher_type == "flex" and spec.moe_flex_dispatcher_num_sms == 20
+    spec, _ = _read(num_experts=8, moe_enable_deepep=True)                    # the deprecated switch
+    assert spec.moe_token_dispatcher_type == "flex"
+    with pytest.raises(NotModelledError, match="--moe-flex-dispatcher-backend"):
+        _read(num_experts=4, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+    with pytest.raises(NotModelledError, match="across nodes"):
+        _read({"world_size": 16}, num_experts=16, expert_model_parallel_size=16, moe_token_dispatcher_type="flex")
+    spec, errors = _read(num_experts=4, moe_token_dispatcher_type="flex", moe_expert_capacity_factor=1.0,
+                         moe_pad_expert_input_to_capacity=True)
+    assert errors == ["--moe-pad-expert-input-to-capacity: is not supported by the flex dispatcher with DeepEP"]
+
+
+def test_expert_parallel_overlap_rules():
+    ok = dict(num_experts=8, expert_model_parallel_size=4, moe_token_dispatcher_type="alltoall",
+              overlap_moe_expert_parallel_comm=True)
+    spec, errors = _read(**ok)
+    assert errors == [] and spec.overlap_moe_expert_parallel_comm
+    spec, errors = _read(**{**ok, "moe_token_dispatcher_type": "allgather"})
+    assert errors == ["--overlap-moe-expert-parallel-comm: needs the alltoall or flex token dispatcher"]
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
+        _read({"pp": 2}, **ok)
+
+
+def test_capacity_factor_is_bounded():
+    spec, errors = _read(num_experts=4, moe_expert_capacity_factor=1e300)
+    assert spec is None and errors[0].startswith("--moe-expert-capacity-factor: must be <= 1,000")
+    spec, errors = _read(num_experts=4, moe_expert_capacity_factor=-1.0)     # negative: dropless
+    assert errors == [] and spec.moe_expert_capacity_factor is None

@@ -1,0 +1,160 @@
+"""Muon's optimizer state per parameter, from megatron-core 0.19.2's optimizer/__init__.py
+(_get_megatron_emerging_optimizer), optimizer/emerging_optimizers.py (which parameters Muon takes)
+and optimizer/layer_wise_optimizer.py (how the distributed variant shards them)."""
+import pytest
+
+from megatron_memguard.estimator.muon import (MuonSpec, layer_wise_shard_numel, muon_bytes_per_param,
+                                              scalar_bytes_per_param, takes_muon)
+
+
+def test_which_params_take_muon():
+    # _is_nonlinear_or_embedding: embedding/output or not 2-D -> the scalar optimizer.
+    assert takes_muon((4096, 4096), False)
+    assert not takes_muon((128256, 4096), True)      # embedding / output layer
+    assert not takes_muon((4096,), False)            # norm weight, bias
+    assert not takes_muon((8, 4096, 4096), False)    # a 3-D grouped weight is not a matrix
+
+
+def test_state_bytes_bf16():
+    # Float16OptimizerWithFloat16Params keeps an fp32 main param; Muon one momentum buffer like it.
+    assert sum(muon_bytes_per_param(MuonSpec()).values()) == 4 + 4
+    assert sum(muon_bytes_per_param(MuonSpec(optimizer="adaptive_muon")).values()) == 4 + 4 + 4
+    # the fallback is Adam: main param + exp_avg + exp_avg_sq, Megatron's 12 B/param
+    assert sum(scalar_bytes_per_param(MuonSpec()).values()) == 12
+    assert sum(scalar_bytes_per_param(MuonSpec(muon_scalar_optimizer="lion")).values()) == 8
+
+
+def test_state_bytes_fp32_run_has_no_main_copy():
+    # FP32Optimizer wraps the optimizer directly when not bf16: no separate main params.
+    assert sum(muon_bytes_per_param(MuonSpec(bf16=False)).values()) == 4
+
+
+def test_layer_wise_greedy_lpt():
+    # _emit_bucket: largest first onto the least-loaded shard. 10,7,5,4,3 over 2 ranks:
+    # 10->A, 7->B, 5->B(12), 4->A(14), 3->B(15): max 15 (not the ideal 14.5 rounded up).
+    assert layer_wise_shard_numel([3, 5, 10, 4, 7], 2) == 15
+    assert layer_wise_shard_numel([3, 5, 10, 4, 7], 1) == 29
+    # one dominating matrix holds a shard alone
+    assert layer_wise_shard_numel([100, 1, 1, 1], 4) == 100
+
+
+def test_dist_muon_is_layer_wise():
+    assert MuonSpec(optimizer="dist_muon").layer_wise
+    assert MuonSpec(use_distributed_optimizer=True).layer_wise
+    assert not MuonSpec().layer_wise
+
+
+def test_ping_pong_of_core_0_16():
+    # layer_wise_optimizer.py (0.16.1) shard_params' own example: 4 ranks, p0..p9 sorted by numel ->
+    # [[p0, p7, p8], [p1, p6, p9], [p2, p5], [p3, p4]]; with numels 1..10 rank 1 holds 2+7+10 = 19.
+    from megatron_memguard.estimator.muon import ping_pong_shard_numel
+    assert ping_pong_shard_numel(range(1, 11), 4) == 19
+    assert ping_pong_shard_numel(range(1, 11), 1) == 55
+
+
+def test_which_params_take_muon_by_name():
+    # megatron-core parameter names; norms and biases 1-D, word embedding / output layer flagged
+    # (language_module.py sets is_embedding_or_output_parameter on exactly those two)
+    from megatron_memguard.estimator.muon import takes_muon_by_name
+    yes = ["decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.3.mlp.linear_fc2.weight",
+           "decoder.layers.1.mlp.router.weight", "decoder.layers.1.mlp.experts.linear_fc1.weight7",
+           "embedding.position_embeddings.weight"]
+    no = ["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight",
+          "decoder.layers.0.self_attention.q_layernorm.weight", "decoder.final_layernorm.weight",
+          "decoder.layers.0.mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight"]
+    assert all(takes_muon_by_name(n) for n in yes)
+    assert not any(takes_muon_by_name(n) for n in no)
+
+
+def test_state_split():
+    from megatron_memguard.estimator.muon import state_split
+    ps = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.self_attention.linear_qkv.weight", 300),
+          ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 10), ("output_layer.weight", 1000)]
+    assert state_split(ps) == (300, 2010)
+
+
+def test_shares():
+    from megatron_memguard.estimator.muon import MuonSpec, shares
+    chunk = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.mlp.linear_fc1.weight", 400),
+             ("decoder.layers.0.mlp.linear_fc2.weight", 300), ("decoder.layers.0.self_attention.linear_qkv.weight", 200),
+             ("decoder.final_layernorm.weight", 10)]
+    # not distributed: all of it on every rank
+    s = shares(MuonSpec(), [chunk], dp=4, legacy=False)
+    assert (s.muon_elems, s.scalar_elems, s.muon_buffer_numel) == (900, 1010, 900)
+    # 0.19 layer-wise over 2 ranks: 400 -> A, 300 -> B, 200 -> B (500): max 500, buffer 2 x 500;
+    # the fallback 1010 split evenly (505)
+    s = shares(MuonSpec(use_distributed_optimizer=True), [chunk], dp=2, legacy=False)
+    assert (s.muon_elems, s.scalar_elems, s.muon_buffer_numel) == (500, 505, 1000)
+    # 0.16 dist_muon ping-pong by size 10, 200, 300, 400, 1000 over ranks 0, 1, 1, 0, 0:
+    # rank 0 gets 10 (norm), 400, 1000 (embedding) -> 8*400 + 12*1010; rank 1 gets 200 + 300 (Muon)
+    s = shares(MuonSpec(optimizer="dist_muon"), [chunk], dp=2, legacy=True)
+    assert (s.muon_elems, s.scalar_elems) == (400, 1010)
+
+
+# A 4-layer GPT (h 512, GELU, biases, learned positions over 1024, GPT-2 vocab 50257 -> 50304, tied): per layer
+# the 2-D weights QKV 512x1536, proj 512x512, fc1 2048x512, fc2 512x2048; Muon also takes the position table.
+GPT4 = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 "
+        "--micro-batch-size 4 --global-batch-size 32 --bf16 --tokenizer-type NullTokenizer --vocab-size 50257").split()
+MUON_ELEMS = 4 * (786_432 + 262_144 + 1_048_576 + 1_048_576) + 1024 * 512
+
+
+def _terms(extra, world=1, version=None):
+    from megatron_memguard import estimate, layout_from_flags
+    L = layout_from_flags(GPT4 + extra, world_size=world, megatron_version=version)
+    st = estimate(L).stages[0]
+    return {t.name: t.bytes for t in st.terms}, st.parameters
+
+
+def test_muon_estimate_not_distributed():
+    terms, params = _terms(["--optimizer", "muon"])
+    assert MUON_ELEMS == 13_107_200
+    assert terms["muon_momentum"] == 4 * MUON_ELEMS
+    assert terms["adam_exp_avg"] == terms["adam_exp_avg_sq"] == 4 * (params - MUON_ELEMS)
+    assert terms["main_parameters"] == 4 * params
+    adam, _ = _terms([])
+    assert adam["adam_exp_avg"] == 4 * params and "muon_momentum" not in adam
+
+
+def test_muon_estimate_layer_wise_core_0_19():
+    # 8 ranks, largest first onto the least loaded: the eight 1,048,576 MLP matrices one each, the four QKV
+    # (786,432) onto ranks 0-3 (1,835,008), the position table and the four projections onto the others:
+    # the most loaded rank keeps 1,835,008 Muon elements; the fallback's 25,783,296 split 8 ways
+    terms, params = _terms(["--optimizer", "muon", "--use-distributed-optimizer"], world=8)
+    assert terms["muon_momentum"] == 4 * 1_835_008
+    assert terms["adam_exp_avg"] == 4 * -(-(params - MUON_ELEMS) // 8)
+
+
+def test_muon_with_distributed_optimizer_in_core_0_16():
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(GPT4 + ["--optimizer", "muon", "--use-distributed-optimizer"], world_size=8,
+                          megatron_version="0.16")
+    assert "--use-distributed-optimizer" in str(e.value)
+    terms, _ = _terms(["--optimizer", "dist_muon"], world=8, version="0.16")
+    assert terms["muon_momentum"] < 4 * MUON_ELEMS
+
+
+def test_shares_keep_routed_experts_on_the_expert_group():
+    # LayerWiseDistributedOptimizer.shard_params: routed experts over the expert-DP group, the rest over DP x CP
+    from megatron_memguard.estimator.muon import MuonSpec, shares
+    chunk = [("decoder.layers.0.self_attention.linear_qkv.weight", 400), ("decoder.layers.0.mlp.router.weight", 8),
+             ("decoder.layers.0.mlp.experts.linear_fc1.weight0", 1000), ("decoder.layers.0.mlp.experts.linear_fc2.weight0", 1000),
+             ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", 300)]
+    s = shares(MuonSpec(use_distributed_optimizer=True), [chunk], dp=2, legacy=False, expert_dp=1)
+    # dense Muon 400, 300, 8 over 2 ranks: max 400; experts 2000 whole on the one expert-DP rank
+    assert s.muon_elems == 400 + 2000
+
+
+def test_other_state_terms_stay():
+    # Muon replaces only the Adam/SGD optimizer terms; weights, gradient buffers and other features' terms stay
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.muon import stage_state_terms
+    from megatron_memguard.estimator.result import Term
+    L = layout_from_flags(GPT4 + ["--optimizer", "muon"], world_size=1)
+    terms = (Term("parameters", 1, "weights"), Term("feature_weights", 2, "weights"), Term("gradient_buffer", 3, "gradients"),
+             Term("main_parameters", 4, "optimizer"), Term("adam_exp_avg", 5, "optimizer"),
+             Term("adam_exp_avg_sq", 6, "optimizer"), Term("feature_state", 7, "optimizer"))
+    names = [t.name for t in stage_state_terms(L, 0, terms)]
+    assert names == ["parameters", "feature_weights", "gradient_buffer", "main_parameters", "muon_momentum",
+                     "adam_exp_avg", "adam_exp_avg_sq", "feature_state"]

@@ -1,0 +1,70 @@
+"""Activation offloading, hand-computed from TE's cpu_offload.py (the (L - N) * T_layer bound it documents)
+and megatron/core/pipeline_parallel/fine_grained_activation_offload.py (core 0.19.2)."""
+import pytest
+
+from megatron_memguard.estimator.offload_activations import (fine_grained_plan, group_bytes, layer_offload_host_bytes,
+                                                              layer_offload_removed, layer_offload_resident_layers)
+
+
+def test_layer_level():
+    assert layer_offload_resident_layers(32, 8) == 24
+    assert layer_offload_removed(32, 8, per_layer_saved=100) == 800
+    assert layer_offload_host_bytes(8, per_layer_saved=100) == 800
+    with pytest.raises(ValueError):
+        layer_offload_resident_layers(32, 32)     # TransformerConfig: 0 <= N < num_layers
+
+
+def test_min_tensor_size():
+    # tensors below --min-offloaded-tensor-size elements (default 1,048,576) stay on the GPU
+    tensors = {"attn_norm": [(1024 * 1024, 2)], "core_attn": [(4 * 1024 * 1024, 2), (1000, 4)]}
+    assert group_bytes(tensors, ("attn_norm", "core_attn", "mlp_norm")) == {
+        "attn_norm": 2 * 1024 * 1024, "core_attn": 8 * 1024 * 1024, "mlp_norm": 0}
+
+
+def test_plan_last_stage_keeps_last_group():
+    groups = {"mlp_norm": 30, "attn_norm": 10, "core_attn": 50}
+    last = fine_grained_plan(groups, layers=4, last_stage=True)
+    # forward order attn_norm, core_attn, mlp_norm: the last layer's mlp_norm group stays
+    assert last.offloaded == 4 * 90 - 30 and last.kept_last_group == 30
+    assert last.staging == 2 * 50
+    mid = fine_grained_plan(groups, layers=4, last_stage=False)
+    assert mid.offloaded == 360 and mid.host_bytes == 360
+
+
+def test_layer_groups_of_a_te_layer():
+    # memguard's saved tensors of one TE layer (names of the layer recipe); TE fuses the input norm into the
+    # QKV projection, so attn_norm takes nothing and qkv_linear takes the layer input and the norm output.
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    mib = 1024 * 1024
+    saved = {"layer_input": 4 * mib, "norm1_stats": 8192, "qkv_input": 4 * mib, "query_rope": 4 * mib,
+             "key_rope": 4 * mib, "softmax_stats": 128 * 1024, "proj_input": 4 * mib, "mlp_norm_input": 4 * mib,
+             "fc1_input": 4 * mib}
+    groups = layer_groups(saved, ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"), elem_bytes=2)
+    # softmax_stats (64 Ki fp32 elements) is below the 1,048,576-element threshold and stays
+    assert groups == {"qkv_linear": 8 * mib, "core_attn": 8 * mib, "attn_proj": 4 * mib}
+    # without attn_proj listed the attention output goes with core_attn (flash attention saves it)
+    assert layer_groups(saved, ("core_attn",), 2) == {"core_attn": 12 * mib}
+    # a 2 MiB bf16 tensor is exactly 1,048,576 elements: offloaded
+    assert layer_groups({"proj_input": 2 * mib}, ("attn_proj", "core_attn"), 2) == {"attn_proj": 2 * mib}
+
+
+def test_layer_groups_of_an_mla_layer():
+    # MLA (TE): the input norm is a module of its own, so attn_norm takes the layer input; the down
+    # projections' latents go with qkv_linear, the attention inputs with core_attn
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    mib = 1024 * 1024
+    saved = {"layer_input": 4 * mib, "qkv_input": 4 * mib, "q_latent": 2 * mib, "kv_latent": 1 * mib,
+             "query": 6 * mib, "key": 6 * mib, "value": 4 * mib, "proj_input": 4 * mib}
+    groups = layer_groups(saved, ("attn_norm", "qkv_linear", "core_attn"), 2, separate_input_norm=True)
+    # kv_latent (1 MiB of bf16 = 524,288 elements) is under the threshold and stays
+    assert groups == {"attn_norm": 4 * mib, "qkv_linear": 6 * mib, "core_attn": 20 * mib}
+
+
+def test_groups_next_to_cuda_graphs():
+    # TransformerLayer.__init__ (core 0.19.2) switches attn_norm / mlp_norm offloading off at graph boundaries
+    from megatron_memguard.estimator.offload_activations import effective_modules
+    mods = ("attn_norm", "qkv_linear", "mlp_norm", "expert_fc1")
+    assert effective_modules(mods, "none", ("attn",), False) == mods
+    assert effective_modules(mods, "transformer_engine", ("attn",), False) == ("qkv_linear", "expert_fc1")
+    assert effective_modules(mods, "transformer_engine", ("attn", "mlp"), False) == ("qkv_linear", "mlp_norm", "expert_fc1")
+    assert effective_modules(mods, "transformer_engine", ("moe_router",), True) == ("attn_norm", "qkv_linear", "expert_fc1")

@@ -1,0 +1,179 @@
+"""Every option of Megatron's argument parser is modelled, refused by name, or memory-neutral with a reason.
+
+The option table is megatron-core 0.19.2's ``megatron/training/arguments.py`` (``add_megatron_arguments``):
+read off the real parser where it is installed (Python 3.12, tests/run.sh), and from the copy memguard ships
+in data/megatron_flags.json everywhere else (the real-parser test checks the copy is complete).
+
+* modelled: ``resolve`` reads the dest (a string constant in its source outside the refusal table);
+* refused by name: a row of resolve's not-modelled table (or its named-note table);
+* memory-neutral: data/memory_neutral_flags.json, ``neutral`` (dest -> why it changes no GPU memory) or
+  ``gated`` (dest -> the switch it only acts with; that switch must itself be refused, checked by running
+  resolve with it).
+
+A new Megatron option that is none of these fails here: decide what it does to memory.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from megatron_memguard.config import RawConfig
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.resolve import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "megatron_memguard"
+TABLE = json.loads((PKG / "data" / "memory_neutral_flags.json").read_text())
+REFUSAL_TABLES = ("_NOT_MODELLED", "_WARN_ONLY")
+
+
+def _stored_dests() -> set[str]:
+    flags = json.loads((PKG / "data" / "megatron_flags.json").read_text())["flags"]
+    return {v[0] for v in flags.values()}
+
+
+def _resolve_sources() -> list[Path]:
+    package = PKG / "resolve"
+    return sorted(package.glob("*.py")) if package.is_dir() else [PKG / "resolve.py"]
+
+
+def _strings(node: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+@lru_cache(maxsize=1)
+def _read_and_refused() -> tuple[frozenset[str], frozenset[str]]:
+    """(dests resolve reads, dests resolve refuses or names in a note), from its source."""
+    read: set[str] = set()
+    refused: set[str] = set()
+    for path in _resolve_sources():
+        tree = ast.parse(path.read_text())
+        if path.name == "refusals.py":
+            refused |= _strings(tree)
+            continue
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id in REFUSAL_TABLES for t in targets):
+                refused |= _strings(node)
+            else:
+                read |= _strings(node)
+    return frozenset(read), frozenset(refused)
+
+
+def _unclassified(dests: set[str]) -> list[str]:
+    read, refused = _read_and_refused()
+    known = read | refused | set(TABLE["neutral"]) | set(TABLE["gated"])
+    return sorted(dests - known)
+
+
+def test_every_option_of_the_stored_table_is_decided():
+    missing = _unclassified(_stored_dests())
+    assert not missing, ("Megatron options that memguard neither reads, refuses, nor lists as memory-neutral "
+                         f"(data/memory_neutral_flags.json): {missing}")
+
+
+def test_entries_are_options_and_have_reasons():
+    dests = _stored_dests()
+    for section in ("neutral", "gated"):
+        stale = sorted(set(TABLE[section]) - dests)
+        assert not stale, f"{section}: not options of Megatron 0.19.2: {stale}"
+    assert all(len(why) > 20 for why in TABLE["neutral"].values())
+    assert all(len(v["why"]) > 20 and v["when"] for v in TABLE["gated"].values())
+
+
+def test_neutral_entries_are_not_refused():
+    # a refused option is not memory-neutral (one read for a rule check may be: --check-for-nan-in-loss-and-grad)
+    _, refused = _read_and_refused()
+    both = sorted(set(TABLE["neutral"]) & refused)
+    assert not both, f"listed as memory-neutral but refused by resolve: {both}"
+
+
+# A small valid dense job (TP 2 with SP, 8 GPUs) to switch each gate on.
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
+            micro_batch_size=1, global_batch_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
+            bf16=True, tokenizer_type="NullTokenizer", vocab_size=1000, position_embedding_type="rope")
+
+
+def _gate_outcome(gate: dict) -> str:
+    """'refused', 'named' (a note names it), or 'accepted' (memguard models the gate now)."""
+    raw = RawConfig(args={**BASE, **gate}, world_size=8)
+    try:
+        layout = resolve(raw)
+    except NotModelledError:
+        return "refused"
+    except (ConfigError, ConfigErrors) as e:
+        if any(isinstance(x, NotModelledError) for x in getattr(e, "errors", [e])):
+            return "refused"
+        raise AssertionError(f"the gate {gate} does not resolve on the base job: {e}") from None
+    flag = "--" + next(iter(gate)).replace("_", "-")
+    return "named" if any(flag in n for n in layout.notes) else "accepted"
+
+
+def test_gated_options_wait_behind_a_refused_switch():
+    read, refused = _read_and_refused()
+    gates: dict[str, tuple[dict, list[str]]] = {}
+    for dest, entry in TABLE["gated"].items():
+        key = json.dumps(entry["when"], sort_keys=True)
+        gates.setdefault(key, (entry["when"], []))[1].append(dest)
+    silently_ignored = {}
+    for gate, dests in gates.values():
+        if _gate_outcome(gate) == "accepted":
+            # the feature is modelled now: each of its options must be read, refused by name, or moved to
+            # "neutral" with a reason
+            left = sorted(d for d in dests if d not in read | refused)
+            if left:
+                silently_ignored[json.dumps(gate)] = left
+    assert not silently_ignored, f"modelled features whose options memguard does not read: {silently_ignored}"
+
+
+# Options the walk found changing memory with nothing modelling them (issue 17): refused, or estimated with a note.
+WALK_REFUSED = {"hybrid_context_parallel": True, "use_transformer_engine_op_fuser": True, "freeze_all_layers": True,
+                "optimizer_cuda_graph": True, "spec": ["local"], "yaml_cfg": "run.yaml", "logits_load_dir": "/x",
+                "hybrid_override_pattern": "M*M*", "te_precision_config_file": "p.yaml"}
+WALK_NOTED = {"clone_scatter_output_in_embedding": False, "disable_jit_fuser": True, "create_all_gather_group": True,
+              "ddp_num_buckets": 4, "eval_micro_batch_size": 8}
+
+
+@pytest.mark.parametrize("dest, value", sorted(WALK_REFUSED.items()))
+def test_walk_findings_are_refused(dest, value):
+    assert _gate_outcome({dest: value}) == "refused"
+
+
+@pytest.mark.parametrize("dest, value", sorted(WALK_NOTED.items()))
+def test_walk_findings_are_named_in_a_note(dest, value):
+    assert _gate_outcome({dest: value}) == "named"
+
+
+def _container_era() -> bool:
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("megatron.training.arguments")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and sys.version_info >= (3, 12)
+
+
+@pytest.mark.megatron_training
+@pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                    "tests/run.sh runs these in .venv312")
+def test_the_real_parser():
+    import argparse
+    import warnings
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    # the stored copy memguard's readers use is this parser's table (extensions such as kitchen add
+    # options only when installed)
+    assert not sorted(dests - _stored_dests() - {d for d in dests if d.startswith("kitchen")})
+    missing = _unclassified(dests)
+    assert not missing, f"Megatron options memguard neither reads, refuses, nor lists as memory-neutral: {missing}"

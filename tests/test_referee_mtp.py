@@ -1,0 +1,86 @@
+"""The CPU referee with multi-token prediction (real megatron-core 0.16.1 on CPU, gloo, 2 ranks, PP 2).
+
+A 2-layer GPT (h 128, 4 heads, LayerNorm, GELU, biases, learned positions over 64, tied embeddings,
+NullTokenizer 1000 + 1 EOD padded to 1024) with --mtp-num-layers 1. What is checked is what a reader can
+redo by hand and what the reference could not pin down: the last stage builds a second word embedding for
+MTP and, tied or not, keeps its own output-layer weight too (GPTModel.__init__: skip_weight_param_allocation
+= pre_process and share_embeddings_and_output_weights), so both are parameters of that rank.
+"""
+import functools
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from benchmarks.referee.run import unsupported_reason  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
+
+from benchmarks.referee.grid import COMMON, resolve_config  # noqa: E402
+from benchmarks.referee.run import run_referee  # noqa: E402
+from megatron_memguard.estimator.mtp import MtpSpec, extra_params  # noqa: E402
+
+FLAGS = COMMON + ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 "
+                  "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
+                  "--pipeline-model-parallel-size 2 --vocab-size 1000 --bf16").split()
+H, V, POS = 128, 1024, 64
+LAYER = 2 * 2 * H + (H * 3 * H + 3 * H) + (H * H + H) + (H * 4 * H + 4 * H) + (4 * H * H + H)  # norms, QKV, proj, fc1, fc2
+
+
+@functools.lru_cache(maxsize=None)
+def measured() -> list:
+    _, settings = resolve_config(FLAGS, 2)   # memguard refuses MTP today: the dense part, then the MTP switch
+    settings["mtp_num_layers"] = 1
+    return run_referee(settings, 2, timeout=900)
+
+
+def test_mtp_stage_parameters_by_hand():
+    assert LAYER == 198_272
+    first, last = measured()
+    assert first["num_params"] == V * H + POS * H + LAYER                       # MTP changes nothing there
+    mtp = MtpSpec(mtp_num_layers=1, hidden_size=H, padded_vocab_size=V, seq_length=64, micro_batch_size=2,
+                  pipeline_model_parallel_size=2, max_position_embeddings=POS)
+    # enorm, hnorm, final norm (LayerNorm: 2h each) + eh_proj [h, 2h]; the embedding copy [V, h] + positions
+    assert extra_params(mtp) == 3 * 2 * H + H * 2 * H + V * H + POS * H == 172_800
+    # the stage's own layer, final norm and output-layer weight; the MTP layer; the MTP extras
+    assert last["num_params"] == LAYER + 2 * H + V * H + LAYER + 172_800 == 700_672
+
+
+@functools.lru_cache(maxsize=None)
+def measured_without_mtp() -> list:
+    return run_referee(resolve_config(FLAGS, 2)[1], 2, timeout=900)
+
+
+def test_mtp_stage_memory_against_the_same_run_without_mtp():
+    from megatron_memguard.estimator.mtp import (block_activations, fp32_softmax_bytes, logits_in_flight,
+                                                 loss_buffers)
+    base, mtp = measured_without_mtp()[1], measured()[1]
+    mtp_spec = MtpSpec(mtp_num_layers=1, hidden_size=H, padded_vocab_size=V, seq_length=64, micro_batch_size=2,
+                       pipeline_model_parallel_size=2, max_position_embeddings=POS)
+    # after the step: 2 B bf16 param + 4 B fp32 grad + 12 B fp32 Adam state for each extra parameter
+    state = (mtp["num_params"] - base["num_params"]) * 18
+    assert state == (LAYER + 172_800) * 18
+    assert abs(mtp["live_bytes_after_step"] - base["live_bytes_after_step"] - state) < 1024
+    # both peak in the forward of micro-batch 1 on the last stage, at the loss: the extra activations are
+    # the MTP layer's, the block's saved tensors, the second head (fp32 softmax 4*128*1024 B + targets
+    # 9 B/token) and the last depth's logits. One local-spec layer over 128 rows (KiB): input 32, LN stats 1,
+    # QKV input 32 and output 96, attention probs 2*4*64*64*2 B = 64, proj input 32, MLP LN input 32 and
+    # stats 1, fc1 input 32 and output 128, fc2 input 128 = 578.
+    assert mtp["peak_phase"] == base["peak_phase"] == "it2 fwd mb1"
+    predicted = (578 * 1024 + block_activations(mtp_spec).total
+                 + loss_buffers(mtp_spec, fp32_softmax_bytes(mtp_spec) + 128 * 9) + logits_in_flight(mtp_spec))
+    extra = mtp["peak_bytes"] - base["peak_bytes"] - state
+    assert abs(extra - predicted) < 0.01 * predicted, (extra, predicted)
+
+
+def _memguard():
+    from megatron_memguard import estimate, layout_from_flags
+    L = layout_from_flags(FLAGS + ["--mtp-num-layers", "1"], world_size=2, megatron_version="0.16")
+    return estimate(L, device="cpu").stages
+
+
+def test_memguard_estimate_of_the_mtp_stage():
+    last = _memguard()[1]
+    assert last.parameters == measured()[1]["num_params"]
+    peak = measured()[1]["peak_bytes"]
+    assert abs(last.peak_allocated_bytes - peak) < 0.01 * peak, (last.peak_allocated_bytes, peak)
