@@ -64,7 +64,7 @@ def test_megatron_fsdp_rules():
         layout_from_flags(BASE + FSDP, world_size=8, megatron_version="0.16.1")
     with pytest.raises((ConfigError, ConfigErrors), match="--data-parallel-sharding-strategy"):
         layout_from_flags(BASE + FSDP + ["--data-parallel-sharding-strategy", "zero3"], world_size=8)
-    with pytest.raises((ConfigError, ConfigErrors), match="--optimizer"):     # validate_args: adam or sgd
+    with pytest.raises(NotModelledError, match="muon"):     # validate_args: adam or sgd (resolve/muon.py)
         layout_from_flags(BASE + FSDP + ["--optimizer", "muon"], world_size=8)
     with pytest.raises(NotModelledError, match="outer-dp-sharding-strategy"):
         layout_from_flags(BASE + FSDP + ["--outer-dp-sharding-strategy", "optim"], world_size=8)

@@ -50,12 +50,7 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("use_torch_fsdp2", "cannot be combined with --use-megatron-fsdp (choose one FSDP)")
         return out
     if megatron or torch2:
-        opt = str(a.get("optimizer", "adam")).lower()
-        if opt not in ("adam", "sgd"):
-            # validate_args (0.19): Megatron-FSDP asserts adam / sgd; "Emerging optimizer does not
-            # support Torch-FSDP2 / Megatron-FSDP for now"
-            a.fail("optimizer", f"{opt} is not supported with {'Megatron-FSDP' if megatron else 'torch FSDP2'} "
-                                "(adam or sgd)")
+        # (Megatron-FSDP asserts adam / sgd, and emerging optimizers refuse both FSDPs: resolve/muon.py)
         if megatron and (a.bool_arg("moe_single_grouped_weight", False) or a.bool_arg("moe_single_grouped_bias", False)):
             a.fail("moe_single_grouped_weight" if a.given("moe_single_grouped_weight") else "moe_single_grouped_bias",
                    "is not supported with Megatron-FSDP (validate_args)")
