@@ -91,6 +91,12 @@ KNOBS: tuple[Knob, ...] = (
          ("model.config.recompute_method",), ("model.recompute_method",), None, ("uniform", "block")),
     Knob("recompute_num_layers", "--recompute-num-layers", "int", "recompute_num_layers",
          ("model.config.recompute_num_layers",), ("model.recompute_num_layers",)),
+    # FP8 (memguard plan --fp8): NeMo 2 takes it on the precision plugin (MegatronMixedPrecision copies its
+    # fields over the model config's), Bridge on mixed_precision (a preset name is expanded first).
+    Knob("fp8", "--fp8-format", "choice", "fp8", ("trainer.plugins.fp8",), ("mixed_precision.fp8",), None,
+         ("e4m3", "hybrid")),
+    Knob("fp8_recipe", "--fp8-recipe", "choice", "fp8_recipe", ("trainer.plugins.fp8_recipe",),
+         ("mixed_precision.fp8_recipe",), "fp8", ("delayed", "tensorwise", "blockwise", "mxfp8")),
     # Autotune switches the deprecated alias off when it picks a recomputation level itself.
     Knob("recompute_activations", "--recompute-activations", "bool", "recompute_granularity",
          (), ()),

@@ -117,7 +117,8 @@ def trainer_dict(trainer: Any, pl_module: Any, model_config: Any = None) -> dict
                             "precision": str(_attr(trainer, "precision") or "32-true")}
     dc = _attr(pp, "dtype_config")   # NeMo's MegatronMixedPrecision: what it decided (bf16 / fp16 and the rest)
     if dc is not None:
-        for name in ("bf16", "fp16", "params_dtype", "grad_reduce_in_fp32", "fp8"):
+        from .readers.nemo2 import _FP8_PLUGIN_KEYS
+        for name in ("bf16", "fp16", "params_dtype", "grad_reduce_in_fp32", "fp8", "fp4", *_FP8_PLUGIN_KEYS):
             v = _attr(dc, name)
             if v is not None:
                 plug[name] = to_plain(v)

@@ -35,10 +35,11 @@ class LayerKind(NamedTuple):
 
     mixer: str
     mlp: str
+    quantized: str | None = None   # the FP8 / FP4 recipe its GEMMs run in (estimator.fp8); None: BF16 / FP16
 
     @property
     def label(self) -> str:
-        return f"{self.mixer}+{self.mlp}"
+        return f"{self.mixer}+{self.mlp}" + (f"+{self.quantized}" if self.quantized else "")
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,16 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
         mlps = tuple(MLP_MOE if is_moe else MLP_DENSE for is_moe in moe.moe_layer_pattern)
     if not mlps:
         return ()
-    if mlps.count(mlps[0]) == len(mlps):
-        return ((LayerKind(mixer, mlps[0]), len(mlps)),)
-    made = {m: LayerKind(mixer, m) for m in set(mlps)}
-    return kind_runs(tuple(made[m] for m in mlps))
+    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
+    # modules quantize, so the local spec runs FP8 flags in BF16
+    spec = L.fp8_spec
+    quant = (tuple(spec.recipe if spec.layer_quantized(i, L.num_layers) else None for i in range(L.num_layers))
+             if spec.enabled and L.transformer_impl == "transformer_engine" else (None,) * L.num_layers)
+    pairs = tuple(zip(mlps, quant))
+    if pairs.count(pairs[0]) == len(pairs):
+        return ((LayerKind(mixer, mlps[0], quant[0]), len(pairs)),)
+    made = {p: LayerKind(mixer, *p) for p in set(pairs)}
+    return kind_runs(tuple(made[p] for p in pairs))
 
 
 def _mixer(L: "Layout") -> str:
@@ -124,7 +131,7 @@ def _mixer(L: "Layout") -> str:
 def uniform_kind(L: "Layout") -> LayerKind:
     """The kind of the model's layers when they are all alike (the per-layer table of a report, the
     planner): its mixer with the dense MLP."""
-    return LayerKind(_mixer(L), MLP_DENSE)
+    return LayerKind(_mixer(L), MLP_DENSE, L.fp8_spec.recipe if L.transformer_impl == "transformer_engine" else None)
 
 
 def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:

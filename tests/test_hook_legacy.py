@@ -208,11 +208,12 @@ def test_internal_error_is_reported_once_and_training_goes_on(legacy, capsys, mo
 
 
 def test_unsupported_configuration_is_said_not_guessed(legacy, capsys):
-    # (mixture of experts is modelled since issue 16; FP8 is the unmodelled example)
-    args = legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--fp8-format", "e4m3", "--memguard", "abort")
+    # (mixture of experts and FP8 are modelled since issues 16 and 17; a custom layer spec is not)
+    args = legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--spec", "my_module", "my_spec",
+                      "--memguard", "abort")
     out = capsys.readouterr().out
     assert "cannot estimate this configuration" in out and "not modelled" in out
-    assert args.fp8 == "e4m3"
+    assert args.spec == ["my_module", "my_spec"]
 
 
 def test_unknown_gpu_memory_is_said(legacy, capsys, monkeypatch):
@@ -299,3 +300,45 @@ def test_site_profile_reaches_the_check(legacy, capsys, tmp_path, monkeypatch):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "argument --memguard-profile:" in err and "(from MEMGUARD_PROFILE)" in err and "constants.cuda_context" in err
+
+
+# Mixture of experts (core_v0.16.1's MoE arguments in the stand-in): Llama-3.1-8B's shape with 8 experts per
+# layer of a quarter of its FFN width (fine-grained experts), EP 8 on 16 GPUs.
+MOE = ["--num-experts", 8, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 3584, "--expert-model-parallel-size", 8,
+       "--moe-grouped-gemm",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _moe_modelled():
+    from megatron_memguard import resolve
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    try:
+        resolve(parse_megatron_flags(LLAMA31_8B + ["--num-experts", "8", "--micro-batch-size", "1"]), world_size=8)
+    except NotModelledError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
+def test_moe_autotune_keeps_the_expert_grid(legacy, capsys):
+    # 16 GPUs with EP 8: PP 4 and up leave no whole expert grid (initialize_model_parallel would raise after
+    # validate_args); autotune applies a micro-batch / recompute change at PP 1 or 2, and Megatron accepts it
+    args = legacy.run("--micro-batch-size", 4, "--global-batch-size", 64, *MOE, "--memguard", "autotune",
+                      "--memguard-allow-recompute")
+    out = capsys.readouterr().out
+    d = legacy.hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.verdict == "fits"
+    assert args.pipeline_model_parallel_size in (1, 2)
+    assert 16 % (args.expert_tensor_parallel_size * args.expert_model_parallel_size * args.pipeline_model_parallel_size) == 0
+    assert "pipeline sizes 4, 8, 16 not tried" in out
+    assert d.layout.expert_model_parallel_size == 8
+
+
+@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
+def test_moe_warn_shows_the_worst_case(legacy, capsys):
+    legacy.run("--micro-batch-size", 1, "--global-batch-size", 64, "--pipeline-model-parallel-size", 2, *MOE)
+    out = capsys.readouterr().out
+    d = legacy.hook.STATE.decision
+    assert d.layout.moe is not None and d.layout.expert_model_parallel_size == 8
+    assert "[memguard]" in out

@@ -20,7 +20,7 @@ def _value(k):
     if k.kind == "bool":
         return True
     if k.kind == "choice":
-        return "block" if k.dest == "recompute_method" else "full"
+        return {"recompute_method": "block", "fp8": "hybrid", "fp8_recipe": "tensorwise"}.get(k.dest, "full")
     return 3
 
 

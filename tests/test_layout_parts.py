@@ -12,7 +12,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.estimator.result import GROUPS, LEVELS, Term, TermGroup, TermLevel
 from megatron_memguard.layout import (FLAT, FLAT_NAMES, FLAT_REQUIRED, PARTS, Layout, Parallelism, ShardGroup,
                                       TensorKind)
-from megatron_memguard.layout.flat import MOE_ONLY, _RUNS
+from megatron_memguard.layout.flat import _RUNS, FP8_NAMES, MOE_ONLY, OMITTED_AT_DEFAULT
 
 from property_space import specs
 
@@ -76,10 +76,9 @@ def test_required_names_are_the_ones_without_a_default():
 def test_from_dict_inverts_to_dict(spec):
     L = layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
     d = L.to_dict()
-    # a dense layout's document leaves out the MoE names (it reads as before MoE was modelled)
-    # and the feature settings are written only when set (flat.OMITTED_AT_DEFAULT)
-    from megatron_memguard.layout.flat import OMITTED_AT_DEFAULT
-    assert list(d) == [n for n in FLAT_NAMES if (L.moe is not None or n not in MOE_ONLY)
+    # a dense layout's document leaves out the MoE names (it reads as before MoE was modelled),
+    # the FP8 / FP4 settings unless FP8 or FP4 is on, and the feature settings unless set (flat.OMITTED_AT_DEFAULT)
+    assert list(d) == [n for n in FLAT_NAMES if (L.moe is not None or n not in MOE_ONLY) and n not in FP8_NAMES
                        and (n not in OMITTED_AT_DEFAULT or getattr(L, n) != OMITTED_AT_DEFAULT[n])]
     back = Layout.from_dict(json.loads(json.dumps(d)))
     assert back == L and hash(back) == hash(L) and back.notes == L.notes

@@ -110,9 +110,10 @@ def test_mixed_precision_presets(tmp_path, preset, bf16, fp16, grad_fp32):
     assert (L.bf16, L.fp16, L.accumulate_allreduce_grads_in_fp32) == (bf16, fp16, grad_fp32)
 
 
-def test_fp8_preset_is_refused_as_not_modelled(tmp_path):
-    with pytest.raises(NotModelledError, match="mixed_precision"):
-        resolve(read(tmp_path, FLAT.replace("bf16_mixed", "bf16_with_fp8_current_scaling_mixed")), world_size=8)
+def test_fp8_preset_resolves(tmp_path):
+    # bf16_with_fp8_current_scaling_mixed (Bridge 0.6.2): tensorwise, first/last layer BF16, FP8 primary weights
+    L = resolve(read(tmp_path, FLAT.replace("bf16_mixed", "bf16_with_fp8_current_scaling_mixed")), world_size=8)
+    assert (L.fp8, L.fp8_recipe, L.first_last_layers_bf16, L.fp8_param_gather) == ("hybrid", "tensorwise", True, True)
 
 
 def test_unknown_preset_names_the_key(tmp_path):

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fsdp", type=_fsdp_list, default=(), metavar="STRATEGIES",
                    help="also try Megatron-FSDP with these --data-parallel-sharding-strategy values "
                         "(optim_grads_params,optim_grads,optim,no_shard, or all); not tried unless given")
+    c.add_argument("--fp8", metavar="RECIPE", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
+                   help="also search FP8 training with this recipe (delayed, tensorwise, blockwise, mxfp8); "
+                        "without it the model config's precision is kept")
     k = p.add_argument_group("cluster speeds (the step-time model; defaults: --gpu's row of `memguard gpus`)")
     k.add_argument("--network-gbps", type=float, metavar="GBPS",
                    help="network bandwidth per GPU and direction in Gb/s (400: one NDR NIC per GPU; 100: four "
@@ -142,6 +145,7 @@ def _constraints(ns: argparse.Namespace):
         dist_opt=knob("use_distributed_optimizer").candidates if ns.dist_opt is None else (ns.dist_opt,),
         sp=knob("sequence_parallel").candidates if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
         fsdp=tuple(ns.fsdp or ()),
+        fp8=("off", ns.fp8) if getattr(ns, "fp8", None) else (None,),
     )
 
 
@@ -183,6 +187,11 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
         gpu = lookup_gpu("H100-80GB")
         notes.append("no --gpu given: H100-80GB's speeds are used for the step-time model")
     gpu = cluster_speeds(gpu, ns)
+    if getattr(ns, "fp8", None):
+        from ..estimator.fp8 import Fp8Spec, gpu_violation
+        bad = gpu_violation(Fp8Spec(fp8="hybrid", fp8_recipe=ns.fp8), gpu.name)
+        if bad:
+            raise ConfigError("--fp8", bad)
     gpn = ns.nproc_per_node or raw.gpus_per_node or gpu.gpus_per_node
     if gpn < 1:
         raise ConfigError("--gpus-per-node", f"must be >= 1, got {gpn}")

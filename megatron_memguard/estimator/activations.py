@@ -95,4 +95,23 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     bwd_steps = mlp.bwd_steps + (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
     ) + mixer.bwd_steps
+    if kind.quantized:
+        saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
+    """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
+    (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output lives
+    and dies with ``proj_input``. The working sets of the steps stay those of the BF16 layer
+    (docs/assumptions.md, FP8 and FP4)."""
+    from .fp8_layers import layer_gemms, moe_saved_overrides, saved_overrides
+    e = shapes(L).e
+    over = saved_overrides(L.fp8_spec, layer_gemms(L, kind), saved, act_bytes=e,
+                           fc1_output_elements=saved.get("fc1_output", 0) // e)
+    saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e)}
+
+    def tie(names: frozenset) -> frozenset:
+        return names | {"fp8_proj_input"} if "proj_input" in names else names
+
+    return saved, tuple((tie(n), w) for n, w in fwd_steps), tuple((tie(n), w) for n, w in bwd_steps)

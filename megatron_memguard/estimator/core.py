@@ -380,8 +380,8 @@ _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
-    "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
     "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
+    "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
 
 
@@ -413,6 +413,23 @@ def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Te
     return tuple(state_terms), tuple(step_terms)
 
 
+def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
+    """FP8 / FP4: the weight terms of estimator.fp8_layers after the parameters, whose buffer holds primary
+    quantized GEMM weights in 1 byte (1/2 for NVFP4; none for MXFP8, whose all-gather uses the gradient
+    buffer)."""
+    from .fp8_layers import stage_terms
+    saving, extra = stage_terms(L, chunks, gpu_name)
+    out: list[Term] = []
+    for t in state_terms:
+        if t.name == "parameters" and saving:
+            t = replace(t, bytes=t.bytes - saving, detail=t.detail + f"; primary {L.fp8_spec.recipe} GEMM weights: "
+                                                                      f"{saving:,} B less in the uint8 buffer")
+        out.append(t)
+        if t.name == "parameters":
+            out += extra
+    return tuple(out)
+
+
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                    dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
     st = stage_states(L, pp_rank, dp_rank)
@@ -432,6 +449,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         parts = split_fsdp_transients(parts, ft)
 
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+    if L.fp8 or L.fp4:
+        state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
+    if L.optimizer in MUON_OPTIMIZERS:
+        state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
     if offload_enabled(L):
         # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
@@ -439,8 +460,6 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
-    if ft is None and L.optimizer in MUON_OPTIMIZERS:
-        state_terms = muon_state_terms(L, pp_rank, state_terms)
     act_host = max((a.host_bytes for a in acts), default=0) * in_flight
     if act_host:
         # activation offloading: what the micro-batches in flight keep on the host (host memory, apart)
@@ -648,6 +667,11 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
+    if gpu is not None and (layout.fp8 or layout.fp4):
+        from .fp8 import gpu_violation
+        bad = gpu_violation(layout.fp8_spec, gpu.name)
+        if bad:
+            raise ConfigError("--gpu", bad)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
     if L.moe is not None:

@@ -48,6 +48,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
               "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads"),
     ("provenance", "env"),
+    # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
+    ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
+                  "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
+                  "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
 # flat names the JSON document leaves out for a dense model (its layout reads as before MoE existed)
@@ -56,15 +60,17 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 # flat name -> part attribute ("" for Layout's own ``notes``), in JSON order
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
+# the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
+FP8_NAMES: frozenset[str] = frozenset(_RUNS[-2][1].split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules")
 # Feature settings the JSON document writes only when set: a layout without the feature keeps the
-# document of the releases before it (CUDA graphs, activation offloading, MTP, Muon,
-# Megatron-FSDP / torch FSDP2, optimizer CPU offload); ``from_dict`` takes the value back from here.
+# document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
     "muon_scalar_optimizer": "adam",
+    # Megatron-FSDP, torch FSDP2, optimizer CPU offload (``from_dict`` takes these back when a key is absent)
     "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,
     "fsdp_double_buffer": False, "suggested_communication_unit_size": None,
     "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",

@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from .chunk import Chunk
-from .flat import FLAT, FLAT_NAMES, MOE_ONLY, OMITTED_AT_DEFAULT, TUPLE_FIELDS
+from .flat import FLAT, FLAT_NAMES, FP8_NAMES, MOE_ONLY, OMITTED_AT_DEFAULT, TUPLE_FIELDS
 from .kernels import Kernels
 from .parallelism import Parallelism, ShardGroup
 from .precision import Precision, TensorKind
@@ -134,7 +134,8 @@ class Layout:
         return dataclasses.replace(self, **own)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in FLAT_NAMES}
+        quantized = self.fp8 or self.fp4
+        d = {name: getattr(self, name) for name in FLAT_NAMES if quantized or name not in FP8_NAMES}
         if self.moe is None:
             for name in MOE_ONLY:
                 del d[name]
@@ -174,6 +175,11 @@ class Layout:
     @_derived
     def param_bytes(self) -> int:
         return self.precision.bytes_of(TensorKind.PARAM)
+
+    @property
+    def fp8_spec(self):
+        """FP8 / FP4 settings (``estimator.fp8.Fp8Spec``; ``.enabled`` is False without them)."""
+        return self.precision.fp8_spec
 
     @_derived
     def act_bytes(self) -> int:

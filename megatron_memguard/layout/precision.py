@@ -2,8 +2,10 @@
 
 One place answers "how many bytes per element" for every tensor kind the estimator counts, from
 Megatron's precision flags (``--bf16``/``--fp16``, ``--accumulate-allreduce-grads-in-fp32``, the
-precision-aware optimizer's ``--main-*-dtype``/``--exp-avg*-dtype``). FP8 will map some kinds
-(GEMM inputs, cached weight copies) to 1 byte here, as new ``TensorKind`` members.
+precision-aware optimizer's ``--main-*-dtype``/``--exp-avg*-dtype``), and with ``--fp8-format`` /
+``--fp4-format`` the GEMM inputs kept for backward and the GEMM weights (``GEMM_INPUT``,
+``GEMM_WEIGHT``: fp8 or fp4). Their exact bytes, scales and padding included, are
+``megatron_memguard.estimator.fp8``'s (``Precision.fp8_spec``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class TensorKind(str, Enum):
     EXP_AVG = "exp_avg"          # Adam's first moment
     EXP_AVG_SQ = "exp_avg_sq"    # Adam's second moment
     MOMENTUM = "momentum"        # SGD's momentum buffer (torch.optim.SGD on the fp32 master weights)
+    GEMM_INPUT = "gemm_input"    # what an FP8 / FP4 layer's GEMM keeps of its input for backward
+    GEMM_WEIGHT = "gemm_weight"  # a GEMM weight as the GEMM reads it (cached copy or primary FP8 / FP4 weight)
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -46,6 +50,31 @@ class Precision:
     main_params_dtype: str
     exp_avg_dtype: str
     exp_avg_sq_dtype: str
+    # FP8 / FP4 (Megatron's names and defaults; estimator/fp8.py sizes them)
+    fp8: str | None = None                  # --fp8-format: e4m3 | hybrid
+    fp8_recipe: str = "delayed"
+    fp4: str | None = None                  # --fp4-format: e2m1
+    fp4_recipe: str = "nvfp4"
+    fp8_param_gather: bool = False
+    fp4_param_gather: bool = False
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    disable_parameter_transpose_cache: bool = False   # TransformerConfig only
+    activation_func_fp8_input_store: bool = False     # TransformerConfig only
+
+    @property
+    def fp8_spec(self):
+        """The FP8 / FP4 settings as ``estimator.fp8.Fp8Spec`` (built once)."""
+        spec = self.__dict__.get("_fp8_spec_")
+        if spec is None:
+            from ..estimator.fp8 import Fp8Spec
+            spec = self.__dict__["_fp8_spec_"] = Fp8Spec.from_flat(
+                {n: getattr(self, n) for n in Fp8Spec.__dataclass_fields__ if hasattr(self, n)})
+        return spec
 
     def dtype_of(self, kind: TensorKind) -> str:
         return self._tables()[0][kind]
@@ -69,6 +98,9 @@ class Precision:
                 TensorKind.EXP_AVG: self.exp_avg_dtype,
                 TensorKind.EXP_AVG_SQ: self.exp_avg_sq_dtype,
                 TensorKind.MOMENTUM: "fp32",
+                # FP4 has no whole byte per element: bytes_of refuses it (estimator.fp8 has the exact bytes)
+                TensorKind.GEMM_INPUT: "fp4" if self.fp4 else "fp8" if self.fp8 else self.autocast_dtype or self.params_dtype,
+                TensorKind.GEMM_WEIGHT: "fp4" if self.fp4 else "fp8" if self.fp8 else self.params_dtype,
             }
-            t = self.__dict__["_tables_"] = (dtypes, {k: DTYPE_BYTES[v] for k, v in dtypes.items()})
+            t = self.__dict__["_tables_"] = (dtypes, {k: DTYPE_BYTES[v] for k, v in dtypes.items() if v in DTYPE_BYTES})
         return t

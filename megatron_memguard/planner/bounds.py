@@ -56,8 +56,11 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     mods = set(shape.recompute_modules) if c.recompute == "selective" else set()
     kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
+    # FP8 / FP4 keeps GEMM inputs in 1 (FP4: 1/2 + scales) byte instead of 2: a quarter of the recipes'
+    # bound stays a lower bound whatever they count
+    quant = c.fp8 not in (None, "off") or (c.fp8 is None and shape.layout.fp8_spec.enabled)
     for recipe in (mixer_recipe(kind), mlp_recipe(kind)):
-        kept += recipe.bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods)
+        kept += recipe.bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods) * (0.25 if quant else 1)
     return kept
 
 

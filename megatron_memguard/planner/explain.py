@@ -56,9 +56,14 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out["recompute"] = v.lower()
         elif k == "fsdp":
             out["fsdp"] = None if v.lower() in ("off", "none") else v.lower()
+        elif k == "fp8":
+            recipes = ("off", "delayed", "tensorwise", "blockwise", "mxfp8")
+            if v.lower() not in recipes:
+                raise ConfigError("--explain", f"fp8 must be one of {', '.join(recipes)}, got {v!r}")
+            out["fp8"] = v.lower()
         else:
             raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
-                                           "last, fsdp")
+                                           "last, fsdp, fp8")
     return out
 
 

@@ -34,7 +34,12 @@ def megatron_flags(L: Layout) -> list[str]:
         # validate_args wants the fsdp_dtensor checkpoint format with Megatron-FSDP
         f += _flag("use_megatron_fsdp", True) + _flag("data_parallel_sharding_strategy",
                                                       L.data_parallel_sharding_strategy) + ["--ckpt-format fsdp_dtensor"]
-    return f
+    return f + [t for dest, value in _fp8(L) for t in _flag(dest, value)]
+
+
+def _fp8(L: Layout) -> list[tuple[str, object]]:
+    """FP8 format and recipe, when the layout trains in FP8 (``memguard plan --fp8`` chose it)."""
+    return [("fp8", L.fp8), ("fp8_recipe", L.fp8_recipe)] if L.fp8 else []
 
 
 def _fsdp(L: Layout) -> list[tuple[str, object]]:
@@ -75,7 +80,7 @@ def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
     o += _nemo2([("micro_batch_size", L.micro_batch_size), ("global_batch_size", L.global_batch_size),
                  ("seq_length", L.seq_length), ("use_distributed_optimizer", L.use_distributed_optimizer),
                  ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
-    o += _nemo2(_recompute(L)) + _nemo2(_fsdp(L))
+    o += _nemo2(_recompute(L)) + _nemo2(_fsdp(L)) + _nemo2(_fp8(L))
     if gpus_per_node:
         nodes = -(-L.world_size // gpus_per_node)
         o += [f"trainer.devices={min(gpus_per_node, L.world_size)}", f"trainer.num_nodes={nodes}"]
@@ -88,4 +93,4 @@ def bridge_overrides(L: Layout) -> list[str]:
     o += _bridge([("seq_length", L.seq_length), ("micro_batch_size", L.micro_batch_size),
                   ("global_batch_size", L.global_batch_size), ("use_distributed_optimizer", L.use_distributed_optimizer),
                   ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
-    return o + _bridge(_recompute(L)) + _bridge(_fsdp(L))
+    return o + _bridge(_recompute(L)) + _bridge(_fsdp(L)) + _bridge(_fp8(L))

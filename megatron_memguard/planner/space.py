@@ -64,6 +64,8 @@ class Constraints:
     sp: tuple[bool, ...] = (True, False)
     uneven: bool = True            # first/last stages where the layers do not divide
     fsdp: tuple[str, ...] = ()     # Megatron-FSDP strategies to try besides DDP (--fsdp); none by default
+    # FP8: (None,) keeps the model config's precision; with --fp8 RECIPE ("off", RECIPE) searches both
+    fp8: tuple[str | None, ...] = (None,)
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,7 @@ class Candidate:
     m: int                         # micro-batches per step and pipeline: GBS / (MBS * DP)
     stage_layers: tuple[int, ...] = field(compare=False, hash=False, default=())
     fsdp: str | None = None        # Megatron-FSDP sharding strategy, None: DDP
+    fp8: str | None = None         # None: as the model config says; "off"; or the FP8 recipe (--fp8)
 
     @property
     def model_parallel(self) -> int:
@@ -327,6 +330,8 @@ class Candidate:
             s += f",first={self.first},last={self.last}"
         if self.fsdp:
             s += f",fsdp={self.fsdp}"
+        if self.fp8 is not None:
+            s += f",fp8={self.fp8}"
         return s
 
     @property
@@ -343,6 +348,8 @@ class Candidate:
         parts.append("" if self.dist_opt else "no-distopt")
         if self.fsdp:
             parts.append("FSDP-" + "".join(w[0] for w in self.fsdp.split("_")))
+        if self.fp8 not in (None, "off"):
+            parts.append(f"FP8-{self.fp8}")
         return " ".join(p for p in parts if p)
 
     def overrides(self, global_batch_size: int, seq_length: int) -> dict[str, Any]:
@@ -369,6 +376,11 @@ class Candidate:
             # it on in 0.19, and wants the fsdp_dtensor checkpoint format)
             o.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=self.fsdp, use_distributed_optimizer=True,
                      overlap_param_gather=True, ckpt_format="fsdp_dtensor")
+        if self.fp8 == "off":
+            o.update(fp8=None, fp4=None, fp8_param_gather=False, fp4_param_gather=False)
+        elif self.fp8 is not None:
+            # Megatron-Bridge's presets use e4m3 for MXFP8 and the hybrid format for the other recipes
+            o.update(fp8="e4m3" if self.fp8 == "mxfp8" else "hybrid", fp8_recipe=self.fp8, fp4=None)
         return o
 
 
@@ -487,18 +499,20 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             for sp in sps:
                                 for rc in recompute:
                                     for dist in dist_opts:
-                                        out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist, dp, m,
-                                                             stages))
+                                        for f8 in cons.fp8:
+                                            out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
+                                                                 dp, m, stages, fp8=f8))
                                     for fs in fsdps:
-                                        out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True, dp, m,
-                                                             stages, fs))
+                                        for f8 in cons.fp8:
+                                            out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True, dp,
+                                                                 m, stages, fs, fp8=f8))
     return out
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
                    dist_opt: bool = True, first: int | None = None, last: int | None = None,
-                   fsdp: str | None = None) -> Candidate:
+                   fsdp: str | None = None, fp8: str | None = None) -> Candidate:
     """One candidate from explicit values (``--explain``); the split is chosen as the search would."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
@@ -535,4 +549,4 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     if fsdp is not None and fsdp not in FSDP_STRATEGIES:
         raise ConfigError("--explain", f"fsdp must be one of {', '.join(FSDP_STRATEGIES)} or off, got {fsdp!r}")
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt or bool(fsdp), dp,
-                     global_batch_size // (mbs * dp), stages, fsdp)
+                     global_batch_size // (mbs * dp), stages, fsdp, fp8=fp8)

@@ -55,7 +55,7 @@ in contrast, charges the FLOPs the GPUs really execute: causal attention as half
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..units import format_bytes
@@ -262,8 +262,20 @@ def ring_attention_steps(b: int, heads: int, seq: int, cp: int, qk_dim: int, v_d
     return steps
 
 
+# dense FP8 / dense BF16 tensor-core peak: 2 on H100 / H200 (1,979 / 989 TFLOP/s), B200 / GB200 (4.5 / 2.25
+# PFLOP/s) and MI300X (2,615 / 1,307 TFLOP/s), the vendors' datasheets
+FP8_PEAK_RATIO = 2.0
+
+
 class TimeModel:
     """Step times for candidates of one model on one cluster (memoised by the fields that matter)."""
+
+    def fp8_on(self, c: Candidate) -> bool:
+        """Whether the candidate's layers run their GEMMs in FP8 / FP4 (searched with ``--fp8``, or set
+        in the model's config)."""
+        if c.fp8 is not None:
+            return c.fp8 != "off"
+        return self.shape.layout.fp8_spec.enabled
 
     def __init__(self, shape: ModelShape, cluster: Cluster, global_batch_size: int):
         self.shape = shape
@@ -300,12 +312,15 @@ class TimeModel:
         return max(1, min(n, self.domain // tp)) if tp < self.domain else 1
 
     # ---- per-layer and per-end costs ---------------------------------------------------------------
-    def layer_cost(self, tp: int, cp: int, b: int, sp: bool) -> LayerCost:
-        key = (tp, cp, b, sp)
+    def layer_cost(self, tp: int, cp: int, b: int, sp: bool, fp8: bool = False) -> LayerCost:
+        key = (tp, cp, b, sp, fp8)
         hit = self._layer.get(key)
         if hit is not None:
             return hit
         s, gpu = self.shape, self.gpu
+        # FP8 / FP4 GEMMs (the layer's linears; not the output layer) at the datasheet's dense FP8 peak;
+        # TE's quantization kernels are not timed (docs/planner.md)
+        ggpu = replace(gpu, bf16_flops=FP8_PEAK_RATIO * gpu.bf16_flops) if fp8 else gpu
         seq = s.seq_length // cp
         M = b * seq
         tok = M // tp if sp else M          # tokens of the sequence-parallel region on this rank
@@ -316,11 +331,11 @@ class TimeModel:
         mixer = mixer_recipe(uniform_kind(s.layout))
         shapes = mixer.qkv_gemms(s.layout, tp, M, tok)
         gb = s.grad_bytes
-        qkv = [linear_seconds(*x, gpu, gb) for x in shapes]
+        qkv = [linear_seconds(*x, ggpu, gb) for x in shapes]
         fq = sum(2.0 * x[0] * x[1] * x[2] for x in shapes)
-        proj = linear_seconds(M, h, a_t * s.v_dim, gpu, gb)
-        fc1 = linear_seconds(M, fc1_n, h, gpu, gb)
-        fc2 = linear_seconds(M, h, f_t, gpu, gb)
+        proj = linear_seconds(M, h, a_t * s.v_dim, ggpu, gb)
+        fc1 = linear_seconds(M, fc1_n, h, ggpu, gb)
+        fc2 = linear_seconds(M, h, f_t, ggpu, gb)
         gflops = fq + 2.0 * M * (h * a_t * s.v_dim + fc1_n * h + h * f_t)
         qkv_f, qkv_d, qkv_w = (sum(x[i] for x in qkv) for i in range(3))
         gemm_fwd = qkv_f + proj[0] + fc1[0] + fc2[0]
@@ -501,7 +516,7 @@ class TimeModel:
 
     def _stage_work(self, c: Candidate, i: int, lc: LayerCost, ec: EndsCost) -> tuple[float, ...]:
         """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, input, tp_comm)."""
-        key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1)
+        key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1, self.fp8_on(c))
         hit = self._work.get(key)
         if hit is not None:
             return hit
@@ -522,7 +537,7 @@ class TimeModel:
 
     def _step_time(self, c: Candidate, details: bool) -> StepTime:
         s = self.shape
-        lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp)
+        lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, self.fp8_on(c))
         ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
         rc_layer, rc_what = self._recompute_layer(lc, c.recompute)
         layer_cp = lc.cp_fwd + lc.cp_bwd
@@ -647,7 +662,7 @@ class TimeModel:
         n_dp = c.dp * c.cp
         if n_dp <= 1:
             return 0.0, "DP x CP = 1: nothing to reduce"
-        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp)
+        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp, self.fp8_on(c))
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)

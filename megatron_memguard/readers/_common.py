@@ -355,6 +355,13 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
         v = val(flag)
         if v not in (None, False, "", "none", "None"):
             b.set(flag, v, key(flag))
+    # TransformerConfig's names for FP8 settings whose flag is spelled otherwise (fp8_param is what
+    # --fp8-param-gather sets) or that have no flag at all (kept under the config name)
+    for name, dest in (("fp8_param", "fp8_param_gather"), ("fp4_param", "fp4_param_gather"),
+                       ("disable_parameter_transpose_cache", "disable_parameter_transpose_cache"),
+                       ("activation_func_fp8_input_store", "activation_func_fp8_input_store")):
+        if as_bool(val(name)):
+            b.set(dest, True, key(name))
     if val("share_embeddings_and_output_weights") is not None:
         b.set("untie_embeddings_and_output_weights", not as_bool(val("share_embeddings_and_output_weights")),
               key("share_embeddings_and_output_weights"))

@@ -46,29 +46,47 @@ _MODEL_EXTRAS = frozenset({
 })
 
 # training/mixed_precision.py presets (underscore and hyphen names): the fields they set that decide
-# memory. fp8 / fp4 presets are refused later as not modelled.
+# memory (Megatron-Bridge 0.6.2, training/mixed_precision.py, one function per preset).
 _BF16 = {"bf16": True, "fp16": False, "params_dtype": "bf16", "grad_reduce_in_fp32": True}
 _FP16 = {"bf16": False, "fp16": True, "params_dtype": "fp16", "grad_reduce_in_fp32": False}
+_DELAYED = {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
+            "fp8_amax_compute_algo": "max", "fp8_param_gather": True}
+_MXFP8 = {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True, "reuse_grad_buf_for_mxfp8_param_ag": True}
+_CURRENT = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
+            "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1, "fp8_param_gather": True}
+_SUBCHANNEL = {"fp8": "hybrid", "fp8_recipe": "blockwise", "fp8_param_gather": False}
+_NVFP4 = {"fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4", "fp8_param_gather": False, "fp4_param_gather": True}
 MIXED_PRECISION_PRESETS: dict[str, dict[str, Any]] = {
     "bf16_mixed": _BF16,
     "fp16_mixed": _FP16,
-    "bf16_with_fp8_delayed_scaling_mixed": {**_BF16, "fp8": "hybrid"},
-    "fp16_with_fp8_delayed_scaling_mixed": {**_FP16, "fp8": "hybrid"},
-    "bf16_with_mxfp8_mixed": {**_BF16, "fp8": "e4m3"},
-    "fp16_with_mxfp8_mixed": {**_FP16, "fp8": "e4m3"},
-    "bf16_with_fp8_current_scaling_mixed": {**_BF16, "fp8": "hybrid"},
-    "nemotron_h_bf16_with_fp8_current_scaling_mixed": {**_BF16, "fp8": "hybrid"},
-    "nanov2_bf16_with_fp8_current_scaling_mixed": {**_BF16, "fp8": "hybrid"},
-    "fp16_with_fp8_current_scaling_mixed": {**_FP16, "fp8": "hybrid"},
-    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, "fp8": "hybrid"},
-    "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16, "fp8": "hybrid"},
-    "bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1"},
-    "nemotron_3_super_bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1"},
-    "nemotron_3_ultra_bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1"},
+    "bf16_with_fp8_delayed_scaling_mixed": {**_BF16, **_DELAYED},
+    "fp16_with_fp8_delayed_scaling_mixed": {**_FP16, **_DELAYED},
+    "bf16_with_mxfp8_mixed": {**_BF16, **_MXFP8},
+    "fp16_with_mxfp8_mixed": {**_FP16, **_MXFP8},
+    "bf16_with_fp8_current_scaling_mixed": {**_BF16, **_CURRENT},
+    "nemotron_h_bf16_with_fp8_current_scaling_mixed": {**_BF16, **_CURRENT, "num_layers_at_start_in_bf16": 2,
+                                                       "num_layers_at_end_in_bf16": 2},
+    "nanov2_bf16_with_fp8_current_scaling_mixed": {**_BF16, **_CURRENT, "fp8_recipe": "blockwise",
+                                                   "num_layers_at_start_in_bf16": 2, "num_layers_at_end_in_bf16": 2},
+    "fp16_with_fp8_current_scaling_mixed": {**_FP16, **_CURRENT},
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, **_SUBCHANNEL},
+    "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16, **_SUBCHANNEL},
+    "bf16_with_nvfp4_mixed": {**_BF16, **_NVFP4},
+    "nemotron_3_super_bf16_with_nvfp4_mixed": {**_BF16, **_NVFP4, "first_last_layers_bf16": True,
+                                               "num_layers_at_end_in_bf16": 14},
+    "nemotron_3_ultra_bf16_with_nvfp4_mixed": {**_BF16, **_NVFP4, "first_last_layers_bf16": True,
+                                               "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 16},
 }
 # MixedPrecisionConfig defaults (a mapping overwrites these fields even where it does not write them).
+# Bridge's FP8 defaults differ from Megatron's flags: recipe tensorwise (Megatron: delayed), no BF16
+# layers at the ends (Megatron: 1 and 1 when --first-last-layers-bf16 is on).
+_MP_FP8_DEFAULTS = {"fp8_recipe": "tensorwise", "first_last_layers_bf16": False, "fp8_margin": 0,
+                    "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent", "fp8_wgrad": True,
+                    "fp8_param_gather": False, "fp4_recipe": "nvfp4", "fp4_param_gather": False,
+                    "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0,
+                    "reuse_grad_buf_for_mxfp8_param_ag": False}
 _MP_DEFAULTS = {"bf16": False, "fp16": False, "params_dtype": None, "grad_reduce_in_fp32": True, "fp8": None, "fp4": None,
-                "autocast_enabled": False, "autocast_dtype": None}
+                "autocast_enabled": False, "autocast_dtype": None, **_MP_FP8_DEFAULTS}
 
 
 def looks_like_bridge(doc: Mapping) -> bool:
@@ -208,7 +226,7 @@ def _mp_values(f: Field) -> dict[str, Any]:
     if name not in MIXED_PRECISION_PRESETS:
         raise ConfigError(key, f"unknown mixed-precision recipe {value!r}",
                           "known: " + ", ".join(sorted(MIXED_PRECISION_PRESETS)))
-    return dict(MIXED_PRECISION_PRESETS[name])
+    return {**_MP_DEFAULTS, **MIXED_PRECISION_PRESETS[name]}
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool) -> None:  # noqa: C901
@@ -289,11 +307,25 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         b.set("fp16", fp16, mp_key)
         if as_bool(mp.get("autocast_enabled")) and mp.get("autocast_dtype") is not None:
             b.set("autocast_dtype", dtype_name(mp["autocast_dtype"], mp_key + ".autocast_dtype"), mp_key)
+        def mp_key_of(name: str) -> str:
+            f = S.get("mixed_precision", {}).get(name)
+            return f[1] if f and f[1] != "mixed_precision" else mp_key
+
         for flag in ("fp8", "fp4"):
             if mp.get(flag):
-                b.set(flag, mp[flag], mp_key)
+                b.set(flag, mp[flag], mp_key_of(flag))
             else:
                 b.args.pop(flag, None)
+        # fp8_param and fp8_param_gather are kept equal by MixedPrecisionConfig.__setattr__ (fp4 likewise)
+        for alias, dest in (("fp8_param", "fp8_param_gather"), ("fp4_param", "fp4_param_gather")):
+            if mp.get(alias) is not None:
+                mp[dest] = mp[alias]
+        for name in _MP_FP8_DEFAULTS:
+            written = name in S.get("mixed_precision", {})
+            if (mp.get("fp8") or mp.get("fp4") or written) and mp.get(name) is not None:
+                b.set(name, mp[name], mp_key_of(name))
+            else:
+                b.args.pop(name, None)
     grad_fp32 = mp.get("grad_reduce_in_fp32") if mp is not None else v("ddp", "grad_reduce_in_fp32")
     grad_key = mp_key if mp is not None else k("ddp", "grad_reduce_in_fp32")
     if grad_fp32 is not None:

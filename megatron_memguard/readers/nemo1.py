@@ -376,6 +376,16 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         b.warn(f"{k('model.mcore_gpt')}: NeMo's legacy (non-megatron-core) GPT model is estimated as the megatron-core one")
     if as_bool(get("model.fp8", False)):
         b.set("fp8", "hybrid" if as_bool(get("model.fp8_hybrid", False)) else "e4m3", k("model.fp8"))
+        # NeMo 1 passes these keys to megatron-core's TransformerConfig, whose recipe is then delayed
+        # scaling (no fp8_recipe key; the shipped YAMLs set history 1024, algorithm max); absent keys
+        # keep TransformerConfig's defaults. model.fp8_params creates FP8 primary weights
+        # (fp8_model_init), as Megatron's --fp8-param-gather does.
+        b.set("fp8_recipe", "delayed", k("model.fp8"))
+        for name in ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin"):
+            if t.has("model." + name):
+                b.set(name, get("model." + name), k("model." + name))
+        if as_bool(get("model.fp8_params", False)):
+            b.set("fp8_param_gather", True, k("model.fp8_params"))
     if as_bool(get("model.fsdp", False)):
         raise NotModelledError(k("model.fsdp"), "torch FSDP (model.fsdp)")
     peft = get("model.peft.peft_scheme")

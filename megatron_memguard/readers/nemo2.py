@@ -117,9 +117,13 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
                 b.set("use_torch_fsdp2", True, "trainer.strategy.fsdp")
         plugins = trainer.get("plugins")
         for i, plug in enumerate(plugins if isinstance(plugins, list) else [plugins] if plugins else []):
+            pkey = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
             if isinstance(plug, Mapping) and "MixedPrecision" in str(plug.get("_target_", "")):
-                pkey = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
                 _precision(b, plug, pkey)
+            elif isinstance(plug, Mapping) and not plug.get("_target_"):
+                # only overrides (trainer.plugins.fp8=hybrid on a file that does not write the plugin):
+                # their FP8 keys, as the recipe's MegatronMixedPrecision would take them
+                _fp8_keys(b, plug, pkey)
 
     # Data module: batch sizes and sequence length.
     data = doc.get("data") or {}
@@ -228,8 +232,7 @@ def _precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
     pd = dtype_name(plug.get("params_dtype"), f"{key}.params_dtype") if plug.get("params_dtype") is not None else None
     for flag in ("bf16", "fp16"):
         b.set(flag, (pd or dt) == flag, f"{key}.precision")
-    if plug.get("fp8"):
-        b.set("fp8", plug["fp8"], f"{key}.fp8")
+    _fp8_keys(b, plug, key)
     _grad_reduce(b, plug.get("grad_reduce_in_fp32"), pd or dt, key)
 
 
@@ -243,10 +246,32 @@ def _megatron_mixed_precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
         raise NotModelledError(f"{key}.params_dtype", f"{pd} parameters without mixed precision (precision {prec})")
     b.set("bf16", bf16, f"{key}.precision")
     b.set("fp16", fp16, f"{key}.precision")
-    if plug.get("fp8"):
-        b.set("fp8", plug["fp8"], f"{key}.fp8")
+    _fp8_keys(b, plug, key)
     g = plug.get("grad_reduce_in_fp32")
     _grad_reduce(b, True if g is None else g, "bf16" if bf16 else "fp16" if fp16 else "fp32", key)
+
+
+# FP8 / FP4 keys of the precision plugin (MegatronMixedPrecision's arguments, copied onto the
+# TransformerConfig / DDP config fields of the same names): Megatron's dest for each. Keys the plugin does
+# not write keep megatron-core's defaults (assumption: NeMo 2 passes None for them).
+_FP8_PLUGIN_KEYS = {
+    "fp8_recipe": "fp8_recipe", "fp8_margin": "fp8_margin", "fp8_amax_history_len": "fp8_amax_history_len",
+    "fp8_amax_compute_algo": "fp8_amax_compute_algo", "fp8_wgrad": "fp8_wgrad",
+    "fp8_params": "fp8_param_gather", "fp8_param": "fp8_param_gather", "fp8_param_gather": "fp8_param_gather",
+    "first_last_layers_bf16": "first_last_layers_bf16", "num_layers_at_start_in_bf16": "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16": "num_layers_at_end_in_bf16",
+    "reuse_grad_buf_for_mxfp8_param_ag": "reuse_grad_buf_for_mxfp8_param_ag",
+    "fp4_recipe": "fp4_recipe", "fp4_param": "fp4_param_gather", "fp4_param_gather": "fp4_param_gather",
+}
+
+
+def _fp8_keys(b: ArgsBuilder, plug: Mapping, key: str) -> None:
+    for flag in ("fp8", "fp4"):
+        if plug.get(flag):
+            b.set(flag, plug[flag], f"{key}.{flag}")
+    for name, dest in _FP8_PLUGIN_KEYS.items():
+        if plug.get(name) is not None:
+            b.set(dest, plug[name], f"{key}.{name}")
 
 
 def _grad_reduce(b: ArgsBuilder, g: Any, dtype: str | None, key: str) -> None:

@@ -149,20 +149,20 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
     return "\n".join(out)
 
 
-def host_line(est: Estimate) -> str:
-    """Host memory is its own figure: the GPU verdict says nothing about it."""
-    rank = max(est.stages, key=lambda s: s.host_bytes)
-    parts = ", ".join(f"{t.name} {format_bytes(t.bytes)}" for t in rank.host_terms)
-    return (f"host memory: {format_bytes(est.host_bytes_per_rank)} per rank ({parts}); "
-            f"{format_bytes(est.host_bytes_per_node)} per node of {est.gpus_per_node} GPUs")
-
-
 def moe_line(s: Any) -> str:
     """The MoE routing the estimate assumes, and the stage's peak in the dispatcher's worst case."""
     m, w = s.moe, s.moe["worst_case"]
     return (f"MoE routing: balanced, {m['expert_rows_balanced']:,} token rows per MoE layer and micro-batch on this "
             f"rank's experts (the estimate); worst case ({m['routing']}): {m['expert_rows_worst']:,} rows, "
             f"peak allocated {format_bytes(w['peak_allocated_bytes'])}, device total {format_bytes(w['device_total_bytes'])}")
+
+
+def host_line(est: Estimate) -> str:
+    """Host memory is its own figure: the GPU verdict says nothing about it."""
+    rank = max(est.stages, key=lambda s: s.host_bytes)
+    parts = ", ".join(f"{t.name} {format_bytes(t.bytes)}" for t in rank.host_terms)
+    return (f"host memory: {format_bytes(est.host_bytes_per_rank)} per rank ({parts}); "
+            f"{format_bytes(est.host_bytes_per_node)} per node of {est.gpus_per_node} GPUs")
 
 
 def verdict_line(est: Estimate, colour: bool = False) -> str:

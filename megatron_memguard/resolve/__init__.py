@@ -20,8 +20,8 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, cuda_graphs, fsdp, kernels, moe, mtp, muon, offload, optimizer, parallel, pipeline, precision
-from . import recompute, runtime, shape, vocab
+from . import batch, cuda_graphs, fp8, fsdp, kernels, moe, mtp, muon, offload, optimizer, parallel, pipeline
+from . import precision, recompute, runtime, shape, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -60,6 +60,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("fsdp", fsdp.fsdp),
     ("optimizer", optimizer.optimizer),
     ("optimizer offload", fsdp.optimizer_offload),
+    ("fp8", fp8.fp8),
     ("kernels", kernels.implementation),
     ("mixture of experts", moe.moe),
     ("attention variant", shape.attention_variant),

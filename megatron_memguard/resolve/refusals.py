@@ -15,8 +15,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
-    ("fp8", lambda v: bool(v), "FP8 training (--fp8-format)"),
-    ("fp4", lambda v: bool(v), "FP4 training (--fp4-format)"),
     ("tensor_parallel_num_weight_shards", lambda v: v not in (None, 1), "GTP weight rematerialisation"),
     ("delay_wgrad_compute", bool, "delayed weight-gradient computation"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),

@@ -1,0 +1,254 @@
+"""FP8 / FP4 per layer and per pipeline stage: a layer's TE GEMMs (from the layer recipes' weight
+shapes), the saved tensors of an FP8 layer that change size (by the estimator's names), and a stage's
+FP8 terms. The per-tensor bytes are ``estimator/fp8.py``'s."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .fp8 import (Fp8Spec, grouped_saved_input, non_tn_gpu, param_buffer_bytes_per_element, primary_weight,
+                  recipe_state_bytes, saved_input, uncached_weight_copies, weight_workspace)
+
+@dataclass(frozen=True)
+class Gemm:
+    """One TE GEMM module of a layer on one rank: its weight [rows, cols] (``count`` of them for a
+    grouped linear, one per local expert, each cached on its own: ``cache_name="weight{i}"``) and the
+    input it saves for backward ([tokens, cols]; ``tokens`` is the local shard when ``sp_gathered``)."""
+
+    name: str
+    rows: int
+    cols: int
+    tokens: int = 0
+    sp_gathered: bool = False
+    count: int = 1
+
+
+def dense_layer_gemms(*, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                      num_query_groups: int, kv_channels: int, gated_linear_unit: bool,
+                      tensor_model_parallel_size: int = 1, sequence_parallel: bool = False,
+                      seq_length: int = 0, micro_batch_size: int = 0, context_parallel_size: int = 1) -> tuple[Gemm, ...]:
+    """The four TE GEMMs of a standard (MHA / GQA) transformer layer on one TP rank, from Megatron's
+    flat argument names: linear_qkv and linear_fc1 (``TELayerNormColumnParallelLinear``, their input
+    all-gathered over TP with sequence parallelism), linear_proj and linear_fc2
+    (``TERowParallelLinear``, input already split)."""
+    t = tensor_model_parallel_size
+    h = hidden_size
+    tokens_full = seq_length // context_parallel_size * micro_batch_size
+    local = tokens_full // t if sequence_parallel else tokens_full
+    sp = sequence_parallel and t > 1
+    qkv = (num_attention_heads + 2 * num_query_groups) * kv_channels // t
+    ctx = num_attention_heads * kv_channels // t
+    f = ffn_hidden_size // t
+    return (
+        Gemm("linear_qkv", qkv, h, local, sp),
+        Gemm("linear_proj", h, ctx, tokens_full),
+        Gemm("linear_fc1", (2 if gated_linear_unit else 1) * f, h, local, sp),
+        Gemm("linear_fc2", h, f, tokens_full),
+    )
+
+
+def weight_cache_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> int:
+    """``fp8_weight_cache``: the cached quantized copies of one layer's GEMM weights (payload and scale
+    tensors), 0 when the weights are primary FP8/FP4 or caching is disabled."""
+    return sum(g.count * weight_workspace(spec, g.rows, g.cols, non_tn=non_tn).allocated for g in gemms)
+
+
+def primary_weight_extra_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False,
+                               distributed_optimizer: bool = True) -> int:
+    """``fp8_weight_columnwise``: what primary quantized weights keep in TE storage outside the DDP
+    parameter buffer (transposes on Hopper, column-wise copies, scales)."""
+    return sum(g.count * primary_weight(spec, g.rows, g.cols, non_tn=non_tn,
+                                        distributed_optimizer=distributed_optimizer).te_storage for g in gemms)
+
+
+def layer_recipe_state_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...]) -> int:
+    """``fp8_scales``: the recipe state of one layer's TE modules (a grouped linear is one module of
+    ``count`` GEMMs)."""
+    return sum(recipe_state_bytes(spec, g.count) for g in gemms)
+
+
+def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> dict[str, int]:
+    """Bytes each GEMM keeps of its quantized input for backward, by GEMM name (one micro-batch)."""
+    return {g.name: g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
+            for g in gemms}
+
+
+# GEMMs whose input is all-gathered over TP inside the module with sequence parallelism (column-parallel
+# TE linears), those that take the whole sequence already split over TP (row-parallel) and MLA's down
+# projections (TE Linears in "duplicated" mode on the local sequence shard).
+_COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"})
+_ROW = frozenset({"linear_proj", "linear_fc2"})
+
+
+def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int, tp: int,
+                      sequence_parallel: bool) -> tuple[Gemm, ...]:
+    """GEMM descriptors from a layer's linear weight shapes ``{name: (out, in)}`` per rank (the
+    estimator's ``layer_linear_shapes``), with ``T`` tokens of the sequence-sharded stream and ``Tf``
+    inside the TP region."""
+    sp = sequence_parallel and tp > 1
+    out: list[Gemm] = []
+    for name, (rows, cols) in shapes.items():
+        if name in _COLUMN:
+            out.append(Gemm(name, rows, cols, T, sp))
+        elif name in _ROW:
+            out.append(Gemm(name, rows, cols, Tf))
+        else:
+            # MLA's down projections and any other TE linear on the local sequence shard
+            out.append(Gemm(name, rows, cols, T))
+    return tuple(out)
+
+
+def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, int], *, act_bytes: int,
+                    non_tn: bool = False, fc1_output_elements: int = 0) -> dict[str, int]:
+    """The saved tensors of one FP8 layer that change size, by the estimator's names
+    (``estimator/activations.py``), for one micro-batch. ``saved`` is the BF16 layer's dict (only
+    names in it are changed; what a recompute option drops stays dropped).
+
+    * ``qkv_input`` / ``fc1_input``: the norm output TE's LayerNormLinear keeps is quantized (TE
+      quantizes inside the norm kernel, ``with_quantized_norm``); under MLA the norm output feeds both
+      down projections (or linear_q_proj), each keeping its own quantized copy.
+    * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
+    * ``fp8_proj_input`` (new): linear_proj quantizes the attention output and keeps that copy; the BF16
+      output stays saved by the core attention (``proj_input``).
+    * MLA ``q_latent`` / ``kv_latent``: kept by the up projections, quantized; with ``--qk-layernorm``
+      the up projections are LayerNormLinears and the normalised latents inside ``latent_norms`` are
+      quantized instead (the latents stay BF16 as the norms' inputs).
+    * ``fc1_output`` with ``activation_func_fp8_input_store``: one byte per element
+      (``fc1_output_elements`` of them).
+    * ``fp8_weight_copies`` (new) with ``disable_parameter_transpose_cache``: the quantized weights of
+      this micro-batch (row-wise and column-wise)."""
+    g = {x.name: x for x in gemms}
+
+    def q(name: str) -> int:
+        x = g[name]
+        return x.count * saved_input(spec, x.tokens, x.cols, sp_gathered=x.sp_gathered, non_tn=non_tn).allocated
+
+    out: dict[str, int] = {}
+    if "qkv_input" in saved:
+        readers = [n for n in ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj") if n in g]
+        if readers:
+            out["qkv_input"] = sum(q(n) for n in readers)
+    for name, gemm in (("fc1_input", "linear_fc1"), ("fc2_input", "linear_fc2")):
+        if name in saved and gemm in g:
+            out[name] = q(gemm)
+    if "linear_proj" in g:
+        out["fp8_proj_input"] = q("linear_proj")
+    ups = [(n, lat) for n, lat in (("linear_q_up_proj", "q_latent"), ("linear_kv_up_proj", "kv_latent")) if n in g]
+    if "latent_norms" in saved and ups:
+        bf16 = sum(g[n].tokens * g[n].cols * act_bytes for n, _ in ups)
+        out["latent_norms"] = saved["latent_norms"] - bf16 + sum(q(n) for n, _ in ups)
+    elif ups:
+        for n, lat in ups:
+            # with mla_up_proj recompute the checkpoint keeps the whole BF16 kv down-projection output
+            if lat in saved and saved[lat] == g[n].tokens * g[n].cols * act_bytes:
+                out[lat] = q(n)
+    if spec.activation_func_fp8_input_store and "fc1_output" in saved and fc1_output_elements:
+        out["fc1_output"] = fc1_output_elements
+    if spec.disable_parameter_transpose_cache:
+        # no workspace cache: each GEMM saves the weight copy it quantized for this micro-batch
+        out["fp8_weight_copies"] = sum(x.count * uncached_weight_copies(spec, x.rows, x.cols, non_tn=non_tn).allocated
+                                       for x in gemms)
+    return out
+
+
+# ----- a Layout's layers and stages (lazy imports: the layer recipes import the layout) -------------
+
+def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
+    """The TE GEMMs of one layer of ``kind`` on one rank of layout ``L``, from its recipes'
+    ``linear_shapes``."""
+    from .layers import mixer_recipe, mlp_recipe
+    from .layers.base import shapes
+    x = shapes(L)
+    sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
+    gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
+                              sequence_parallel=L.sequence_parallel)
+    moe = getattr(L, "moe", None)
+    if moe is not None:
+        # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}")
+        from dataclasses import replace
+        gemms = tuple(replace(g, count=moe.local_experts) if g.name.startswith("experts.") else g for g in gemms)
+    return gemms
+
+
+def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_bytes: int,
+                        non_tn: bool = False) -> dict[str, int]:
+    """An FP8 / FP4 MoE layer's expert GEMM inputs (``estimator/layers/moe.py``'s names): the
+    dispatched tokens fc1 keeps (``moe_expert_input``) and fc2's input inside
+    ``moe_expert_activations`` are quantized per expert, padded to ``moe_align_size`` tokens
+    (``TEGroupedLinear``, ``tex.split_quantize``); the shared expert's fc2 input is quantized, its fc1
+    keeps the router's BF16 input (``set_save_original_input``) except under delayed scaling, where it
+    keeps a quantized copy too (moe-fp8.md 1.9, 2.5)."""
+    if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
+        return {}
+    from .layers.moe import expert_rows, router_bytes, tokens_per_rank
+    m = L.moe
+    e, h = act_bytes, L.hidden_size
+    T = tokens_per_rank(L)
+    er = expert_rows(m, T)
+    N = er.worst if m.routing == "worst" else er.balanced
+    El, Fr = m.local_experts, m.moe_ffn_hidden_size // m.etp
+    out: dict[str, int] = {}
+    if "moe_expert_input" in saved:
+        out["moe_expert_input"] = grouped_saved_input(spec, N, h, El, non_tn=non_tn) + router_bytes(m, e) * N
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    if "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
+        out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * Fr
+                                         + grouped_saved_input(spec, N, Fr, El, non_tn=non_tn))
+    Fs = m.moe_shared_expert_intermediate_size
+    if Fs and "moe_shared_experts" in saved:
+        Tf = T * L.tp if L.sequence_parallel else T
+        fs = Fs // L.tp
+        b = saved["moe_shared_experts"] - e * Tf * fs + saved_input(spec, Tf, fs, non_tn=non_tn).allocated
+        if spec.recipe == "delayed":
+            b += saved_input(spec, T, h, sp_gathered=L.sequence_parallel and L.tp > 1, non_tn=non_tn).allocated
+        out["moe_shared_experts"] = b
+    return out
+
+
+def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
+    """FP8 / FP4 persistent terms of one pipeline rank's chunks, and the bytes the DDP parameter
+    buffer holds less because primary quantized weights take ``param_buffer_bytes_per_element`` (1,
+    1/2 or 0 bytes) instead of the parameter dtype's (distributed optimizer; Megatron-FSDP sizes its
+    own buffers).
+
+    Terms: ``fp8_weight_cache`` (BF16 weights), ``fp8_weight_columnwise`` (primary weights),
+    ``fp8_scales`` (recipe state); Hopper or Blackwell storage from ``gpu_name`` (None: Hopper)."""
+    from .result import Term, TermGroup
+    spec = L.fp8_spec
+    if not spec.enabled:
+        return 0, []
+    non_tn = non_tn_gpu(gpu_name or "")
+    dist = L.use_distributed_optimizer and not getattr(L, "use_megatron_fsdp", False)
+    cache = colw = scales = layers = elements = 0
+    for c in chunks:
+        for kind, n in c.kind_runs:
+            if not kind.quantized:
+                continue
+            g = layer_gemms(L, kind)
+            layers += n
+            cache += n * weight_cache_bytes(spec, g, non_tn=non_tn)
+            colw += n * primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist)
+            scales += n * layer_recipe_state_bytes(spec, g)
+            elements += n * sum(x.count * x.rows * x.cols for x in g)
+    saving = 0
+    if spec.primary_weights_quantized and dist:
+        saving = int(elements * (L.param_bytes - param_buffer_bytes_per_element(spec)))
+    r = spec.recipe
+    if r in ("delayed", "tensorwise"):
+        arch = (f"{gpu_name}: one FP8 copy serves both layouts" if non_tn else
+                f"{gpu_name or 'Hopper assumed'}: FP8 data + transpose")
+    else:
+        arch = f"{r}: separate row-wise and column-wise data with their scales"
+    terms = []
+    if cache:
+        terms.append(Term("fp8_weight_cache", cache, TermGroup.WEIGHTS,
+                          detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers, row-wise + "
+                                 f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
+    if colw:
+        terms.append(Term("fp8_weight_columnwise", colw, TermGroup.WEIGHTS,
+                          detail=f"{r} primary weights of {layers} layers: TE storage outside the parameter buffer ({arch})"))
+    if scales:
+        terms.append(Term("fp8_scales", scales, TermGroup.WEIGHTS,
+                          detail=f"{r} recipe state of {layers} FP8 layers"
+                                 + (f" (amax history {spec.fp8_amax_history_len})" if r == "delayed" else "")))
+    return saving, terms

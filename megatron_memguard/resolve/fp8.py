@@ -1,0 +1,152 @@
+"""Section: FP8 / FP4 (validate_args's FP8 / FP4 checks, TransformerConfig.__post_init__'s and the DDP
+config's), into the precision part's FP8 fields. This section reads the flags, applies Megatron's
+defaults and reports each broken rule naming the flag (``rule_violations``, pure, on flat names); the
+bytes are ``megatron_memguard.estimator.fp8``'s."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import NotModelledError
+from .args import Args, Context
+
+# argparse choices of core 0.19.2 (--fp8-recipe custom needs a quantizer factory: refused below)
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "custom")
+FP4_FORMATS = ("e2m1",)
+FP4_RECIPES = ("nvfp4", "custom")
+
+
+# Read and memory-neutral: the delayed recipe's numerics (margin, interval) and whether wgrad runs in FP8
+# (TE 2.11's modules keep the same tensors either way; docs/assumptions.md); the transpose cache of
+# Megatron-FSDP is its section's.
+NEUTRAL = ("fp8_margin", "fp8_interval", "fp8_wgrad", "keep_fp8_transpose_cache")
+
+# What a layout without FP8 / FP4 holds (Precision's defaults: every name given keeps Layout.from_flat fast).
+_OFF: dict[str, Any] = dict(
+    fp8=None, fp8_recipe="delayed", fp4=None, fp4_recipe="nvfp4", fp8_param_gather=False, fp4_param_gather=False,
+    first_last_layers_bf16=False, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_amax_history_len=1,
+    fp8_amax_compute_algo="most_recent", reuse_grad_buf_for_mxfp8_param_ag=False, disable_parameter_transpose_cache=False,
+    activation_func_fp8_input_store=False)
+
+
+def _word(v: Any) -> Any:
+    """An enum member as Megatron's namespace or its printed arguments may hold it
+    (``Fp8Recipe.tensorwise``) -> its value."""
+    if v is None:
+        return None
+    v = getattr(v, "value", v)
+    return v.split(".")[-1] if isinstance(v, str) and v.startswith(("Fp8Recipe.", "Fp4Recipe.")) else v
+
+
+def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    fmt = _word(a.get("fp8"))
+    fmt = None if fmt in (False, "", "none", "None") else (str(fmt).lower() if fmt is not None else None)
+    fp4 = _word(a.get("fp4"))
+    fp4 = None if fp4 in (False, "", "none", "None") else (str(fp4).lower() if fp4 is not None else None)
+    v = dict(
+        fp8=fmt,
+        fp8_recipe=str(_word(a.get("fp8_recipe", "delayed"))).lower(),
+        fp4=fp4,
+        fp4_recipe=str(_word(a.get("fp4_recipe", "nvfp4"))).lower(),
+        # TransformerConfig's names (the config-container era, and core 0.16's fp4 dest) mean the same
+        fp8_param_gather=a.bool_arg("fp8_param_gather", False) or a.bool_arg("fp8_param", False),
+        fp4_param_gather=a.bool_arg("fp4_param_gather", False) or a.bool_arg("fp4_param", False),
+        first_last_layers_bf16=a.bool_arg("first_last_layers_bf16", False),
+        num_layers_at_start_in_bf16=a.int_arg("num_layers_at_start_in_bf16", 1, minimum=0),
+        num_layers_at_end_in_bf16=a.int_arg("num_layers_at_end_in_bf16", 1, minimum=0),
+        fp8_amax_history_len=a.int_arg("fp8_amax_history_len", 1),
+        fp8_amax_compute_algo=str(a.get("fp8_amax_compute_algo", "most_recent")),
+        reuse_grad_buf_for_mxfp8_param_ag=a.bool_arg("reuse_grad_buf_for_mxfp8_param_ag", False),
+        disable_parameter_transpose_cache=a.bool_arg("disable_parameter_transpose_cache", False),
+        activation_func_fp8_input_store=a.bool_arg("activation_func_fp8_input_store", False),
+    )
+    rules = dict(kw, **v, fp8_output_proj=a.bool_arg("fp8_output_proj", False),
+               fp8_quantizer_factory=a.get("fp8_quantizer_factory"), fp4_quantizer_factory=a.get("fp4_quantizer_factory"),
+               te_precision_config_file=a.get("te_precision_config_file"),
+               fp8_dot_product_attention=a.bool_arg("fp8_dot_product_attention", False),
+               use_megatron_fsdp=a.bool_arg("use_megatron_fsdp", False),
+               use_torch_fsdp2=a.bool_arg("use_torch_fsdp2", False),
+               optimizer_cpu_offload=a.bool_arg("optimizer_cpu_offload", False))
+    for dest, rule in rule_violations(rules):
+        a.fail(dest, rule)
+    refused = not_modelled(rules)
+    if refused:
+        raise NotModelledError(a.key(refused[0]), refused[1])
+    if not (fmt or fp4):
+        # the FP8 details only act with --fp8-format / --fp4-format: the layout keeps the defaults
+        return dict(_OFF)
+    if str(a.get("transformer_impl", "transformer_engine")) == "local":
+        a.notes.append(f"{a.key('fp8' if fmt else 'fp4')}: no effect with --transformer-impl local (only Transformer "
+                       "Engine modules quantize): estimated in BF16")
+    if rules.get("use_torch_fsdp2") and v["fp8_param_gather"]:
+        # validate_args: FSDP2 with TE >= 2.0 turns --fp8-param-gather off (warning)
+        a.notes.append(f"{a.key('fp8_param_gather')}: turned off by Megatron with torch FSDP2 (TE >= 2.0)")
+        v["fp8_param_gather"] = False
+    return v
+
+
+def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Megatron's start-up rules for the FP8 / FP4 settings in ``a`` (flat argument names, after
+    defaults), as (argument name, one-line rule). Sources: ``megatron/training/arguments.py``
+    ``validate_args`` (core 0.16.1 and 0.19.2), ``TransformerConfig.__post_init__``,
+    ``DistributedDataParallelConfig.__post_init__``. Recipes memguard cannot size are not listed here
+    (``not_modelled``)."""
+    out: list[tuple[str, str]] = []
+    fp8, fp4 = a.get("fp8"), a.get("fp4")
+    if fp8 is not None and fp8 not in FP8_FORMATS:
+        out.append(("fp8", f"must be one of {', '.join(FP8_FORMATS)}"))
+    if fp8 and a.get("fp8_recipe", "delayed") not in FP8_RECIPES:
+        out.append(("fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}"))
+    if fp4 is not None and fp4 not in FP4_FORMATS:
+        out.append(("fp4", f"must be one of {', '.join(FP4_FORMATS)}"))
+    if fp4 and a.get("fp4_recipe", "nvfp4") not in FP4_RECIPES:
+        out.append(("fp4_recipe", f"must be one of {', '.join(FP4_RECIPES)}"))
+    if fp8 and fp4:
+        out.append(("fp4", "--fp4-format and --fp8-format cannot be used together"))
+    if a.get("fp4_param_gather") and not fp4:
+        out.append(("fp4_param_gather", "needs --fp4-format"))
+    if a.get("fp8_param_gather"):
+        if not fp8:
+            out.append(("fp8_param_gather", "needs --fp8-format (TransformerConfig: fp8_param must be used together with fp8)"))
+        elif not (a.get("use_distributed_optimizer") or a.get("use_megatron_fsdp") or a.get("use_torch_fsdp2")):
+            out.append(("fp8_param_gather", "needs --use-distributed-optimizer, Megatron-FSDP or torch FSDP2"))
+        if a.get("optimizer_cpu_offload") and a.get("fp8_recipe", "delayed") != "delayed":
+            out.append(("fp8_param_gather", "with --optimizer-cpu-offload needs --fp8-recipe delayed"))
+    if fp8 and a.get("first_last_layers_bf16"):
+        if a.get("fp8_recipe", "delayed") == "delayed":
+            out.append(("first_last_layers_bf16", "is not supported with --fp8-recipe delayed"))
+        num_layers, pp = a.get("num_layers"), a.get("pipeline_model_parallel_size") or 1
+        if num_layers:
+            top = num_layers // pp
+            for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+                n = a.get(name, 1)
+                if n is not None and not 0 <= n <= top:
+                    out.append((name, f"must be between 0 and the layers per pipeline stage ({top})"))
+    if a.get("reuse_grad_buf_for_mxfp8_param_ag") and not a.get("fp8_param_gather") and not a.get("use_megatron_fsdp"):
+        out.append(("reuse_grad_buf_for_mxfp8_param_ag", "needs --fp8-param-gather (DDP config: reuse the grad "
+                                                          "buffer only when keeping params in MXFP8)"))
+    if a.get("fp8_output_proj"):
+        if not fp8 or a.get("fp8_recipe", "delayed") != "mxfp8":
+            out.append(("fp8_output_proj", "needs --fp8-format with --fp8-recipe mxfp8"))
+    if fp8 and a.get("fp8_recipe", "delayed") == "delayed" and a.get("recompute_granularity") == "selective":
+        mods = set(a.get("recompute_modules") or ())
+        if mods & {"moe_act", "layernorm"}:
+            out.append(("recompute_modules", "moe_act and layernorm recompute are not supported with --fp8-recipe delayed"))
+    if a.get("activation_func_fp8_input_store") and not a.get("swiglu"):
+        out.append(("activation_func_fp8_input_store", "is supported only for SwiGLU"))
+    return out
+
+
+def not_modelled(a: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(argument, what) for FP8 / FP4 settings whose bytes cannot be known from the flags."""
+    if a.get("fp8") and a.get("fp8_recipe") == "custom":
+        return "fp8_recipe", "a custom FP8 quantizer factory (--fp8-recipe custom)"
+    if a.get("fp4") and a.get("fp4_recipe") == "custom":
+        return "fp4_recipe", "a custom FP4 quantizer factory (--fp4-recipe custom)"
+    if a.get("fp8_dot_product_attention"):
+        return "fp8_dot_product_attention", "FP8 attention (fp8_dot_product_attention)"
+    if a.get("fp8_output_proj"):
+        return "fp8_output_proj", "the output layer in MXFP8 (--fp8-output-proj)"
+    if a.get("te_precision_config_file"):
+        return "te_precision_config_file", "per-module precision overrides (--te-precision-config-file)"
+    return None
