@@ -13,6 +13,11 @@ Rules (the ones Megatron checks later, some of them only after memory is allocat
   counts leave an even split of the middle stages); the virtual-pipeline rules; the interleaved
   schedule's micro-batch grouping rule (``PP <= group <= num_microbatches``, last group 0 or >= PP);
   all of these are ``resolve``'s checks, so a candidate that breaks one is rejected with its message;
+* mixture of experts: ``world % (ETP x EP x PP) == 0`` for the new PP (``initialize_model_parallel``
+  checks it after ``validate_args``, so a dry run of validate_args would not catch it); no full
+  recomputation with ``--moe-layer-recompute`` or ``--overlap-moe-expert-parallel-comm``, and the
+  latter needs virtual pipeline stages when PP > 1 (``TransformerConfig.__post_init__``, also after
+  validate_args); EP and ETP themselves are never changed;
 * PP is never changed when ``--pipeline-model-parallel-layout`` gives an explicit layout, nor when the
   checkpoint to load cannot be resharded across pipeline stages (``--ckpt-format torch``,
   ``--non-persistent-ckpt-type local``), nor with ``--step-batch-size-schedule`` (MBS neither).
@@ -123,6 +128,29 @@ def describe_layout_choice(L: Layout) -> str:
 def _pct(est: Estimate) -> str:
     mem = est.gpu_memory_bytes
     return f"{est.peak_device_bytes / mem:.0%}" if mem else "?"
+
+
+def _expert_sizes(raw: RawConfig, tp: int) -> tuple[int, int] | None:
+    """(EP, ETP) of an MoE model as Megatron resolves them (ETP defaults to TP); None for a dense model or
+    values resolve() will refuse anyway."""
+    a = raw.args
+    try:
+        if not a.get("num_experts") or int(a["num_experts"]) <= 0:
+            return None
+        ep = int(a.get("expert_model_parallel_size") or 1)
+        etp = int(a.get("expert_tensor_parallel_size") or tp)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return (ep, etp) if ep >= 1 and etp >= 1 else None
+
+
+def _moe_full_recompute_blocker(raw: RawConfig) -> str | None:
+    """Why full recomputation cannot be added to this MoE run (TransformerConfig.__post_init__), or None."""
+    if raw.args.get("moe_layer_recompute"):
+        return f"{raw.key('moe_layer_recompute')} cannot be combined with full recomputation"
+    if raw.args.get("overlap_moe_expert_parallel_comm"):
+        return f"{raw.key('overlap_moe_expert_parallel_comm')} cannot be combined with full recomputation"
+    return None
 
 
 def _recompute_levels(L: Layout, allow: bool) -> list[dict[str, Any]]:
@@ -242,7 +270,20 @@ def autotune(
     # counted as one rejection each (a scan from a micro-batch size of 10**9 would not end)
     mbss = list(range(mbs0, 0, -1)) if mbs0 <= _MBS_SCAN else sorted({mbs0, *(d for d in divisors(gbs0) if d <= mbs0)},
                                                                          reverse=True)
+    experts = _expert_sizes(raw, tp)
+    if experts is not None:
+        ep, etp = experts
+        bad = [p for p in pps if world % (etp * ep * p)]
+        if bad:
+            # initialize_model_parallel builds the expert grid ETP x EP x EDP x PP over the same world
+            pps = [p for p in pps if p not in bad]
+            notes.append(f"pipeline size{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} not tried: "
+                         f"{world} GPUs do not divide into expert tensor parallel {etp} x expert parallel {ep} x PP")
     levels = _recompute_levels(L0, allow_recompute)
+    full_blocker = _moe_full_recompute_blocker(raw) if experts is not None else None
+    if full_blocker and any(lv.get("recompute_granularity") == "full" for lv in levels):
+        levels = [lv for lv in levels if lv.get("recompute_granularity") != "full"]
+        notes.append(f"full recomputation not tried: {full_blocker}")
     if not allow_recompute and L0.recompute_granularity != "full":
         notes.append("activation recomputation not tried (allow it with --memguard-allow-recompute)")
 
@@ -277,6 +318,14 @@ def autotune(
                                                               "num_virtual_stages_per_pipeline_rank"))
                     if not vpp_given:
                         why = "--overlap-param-gather-with-optimizer-step with PP > 1 needs virtual pipeline stages"
+                if why is None and pp > 1 and experts is not None and raw.args.get("overlap_moe_expert_parallel_comm"):
+                    vpp_given = any(raw.args.get(k) for k in ("num_layers_per_virtual_pipeline_stage",
+                                                              "num_virtual_stages_per_pipeline_rank",
+                                                              "virtual_pipeline_model_parallel_size"))
+                    if not vpp_given:
+                        # TransformerConfig.__post_init__: "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size
+                        # must be specified when pipeline_model_parallel_size > 1"
+                        why = "--overlap-moe-expert-parallel-comm with PP > 1 needs virtual pipeline stages"
                 if why:
                     rejected.append((label, why))
                     continue
@@ -339,8 +388,12 @@ def autotune(
         reasons.append(f"micro-batch size {mbs0} -> {L.micro_batch_size}: activations scale with the micro-batch "
                        f"({L.num_microbatches} micro-batches per step instead of {L0.num_microbatches})")
     if "pipeline_model_parallel_size" in changes:
+        edp = ""
+        if experts is not None:
+            ep, etp = experts
+            edp = f", expert DP {world // (etp * ep * pp0)} -> {world // (etp * ep * L.pp)}"
         reasons.append(f"pipeline-model-parallel size {pp0} -> {L.pp}: each stage holds fewer layers and a smaller share of "
-                       f"the model state (DP {L0.dp} -> {L.dp})")
+                       f"the model state (DP {L0.dp} -> {L.dp}{edp})")
     if "recompute_granularity" in changes:
         reasons.append(f"activation recomputation -> {L.recompute_granularity}"
                        + (f" ({L.recompute_method}, {L.recompute_num_layers} layer per block)" if L.recompute_granularity == "full" else "")

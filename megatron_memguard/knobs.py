@@ -58,6 +58,11 @@ KNOBS: tuple[Knob, ...] = (
          ("model.virtual_pipeline_model_parallel_size",), "vpp"),
     Knob("context_parallel_size", "--context-parallel-size", "int", "context_parallel_size",
          (_TS + "context_parallel_size",), ("model.context_parallel_size",), "cp"),
+    # mixture of experts: the expert grid (ETP x EP x expert-DP x PP)
+    Knob("expert_model_parallel_size", "--expert-model-parallel-size", "int", "expert_model_parallel_size",
+         (_TS + "expert_model_parallel_size",), ("model.expert_model_parallel_size",), "ep"),
+    Knob("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "int", "expert_tensor_parallel_size",
+         (_TS + "expert_tensor_parallel_size",), ("model.expert_tensor_parallel_size",), "etp"),
     Knob("sequence_parallel", "--sequence-parallel", "bool", "sequence_parallel",
          (_TS + "sequence_parallel",), ("model.sequence_parallel",), "sp", (True, False)),
     Knob("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", "int",

@@ -283,3 +283,46 @@ def test_cuda_graphs_and_mtp_through_the_real_validate_args(run, hook, capsys, m
         "--cuda-graph-modules", "attn", "--mtp-num-layers", "1", "--memguard", "report")
     terms = {t.name for s in hook.STATE.decision.estimate.stages for t in s.terms}
     assert {"cuda_graph_static_io", "mtp_block_activations", "mtp_loss_buffers"} <= terms
+
+
+# Mixture of experts: Llama-3.1-8B's shape with 8 experts of a quarter of its FFN width per layer, EP 8 on 16
+# GPUs; 0.19's parser gives --moe-aux-loss-coeff as a list until validate_args (the hook reads it before).
+MOE = ["--num-experts", 8, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 3584, "--expert-model-parallel-size", 8,
+       "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01",
+       "--moe-router-load-balancing-type", "aux_loss"]
+
+
+def _moe_modelled():
+    from megatron_memguard import resolve
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    try:
+        resolve(parse_megatron_flags(LLAMA31_8B + ["--num-experts", "8", "--micro-batch-size", "1"]), world_size=8)
+    except NotModelledError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
+def test_moe_autotune_keeps_the_expert_grid(run, hook, capsys):
+    args = run("--micro-batch-size", 4, "--global-batch-size", 64, *MOE, "--memguard", "autotune",
+               "--memguard-allow-recompute")
+    out = capsys.readouterr().out
+    d = hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.verdict == "fits"
+    assert args.pipeline_model_parallel_size in (1, 2)
+    assert 16 % (args.expert_tensor_parallel_size * args.expert_model_parallel_size * args.pipeline_model_parallel_size) == 0
+    assert "pipeline sizes 4, 8, 16 not tried" in out
+    assert d.layout.expert_model_parallel_size == 8 and args.moe_aux_loss_coeff == 0.01
+
+
+@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
+def test_moe_abort_names_a_layout_with_the_expert_grid(run, hook, capsys):
+    from megatron_memguard.megatron import ABORT_EXIT_CODE
+    with pytest.raises(SystemExit) as e:
+        run("--micro-batch-size", 4, "--global-batch-size", 64, *MOE, "--memguard", "abort",
+            "--memguard-allow-recompute")
+    assert e.value.code == ABORT_EXIT_CODE
+    out = capsys.readouterr().out
+    assert "[memguard] ABORT" in out and "[memguard] a layout that fits:" in out
+    assert "--pipeline-model-parallel-size 4" not in out

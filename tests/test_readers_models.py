@@ -33,10 +33,20 @@ def test_preset_parameter_counts_equal_published_sizes(name, count):
 
 
 def test_every_preset_resolves_and_cites_a_source():
+    from megatron_memguard.errors import NotModelledError
+
     for key, m in presets()["models"].items():
         assert m.get("source"), key
-        L = shape(key)
-        assert L.num_layers == m["hf"].get("num_hidden_layers", m["hf"].get("n_layer"))
+        layers = m["hf"].get("num_hidden_layers", m["hf"].get("n_layer"))
+        try:
+            L = shape(key)
+        except NotModelledError as e:
+            # MoE presets until the estimator models experts: refused by the config.json key, nothing else
+            assert "mixture of experts" in str(e) and any(k in m["hf"] for k in ("num_local_experts", "num_experts",
+                                                                                 "n_routed_experts")), (key, str(e))
+            assert read_model(key).args["num_layers"] == layers
+            continue
+        assert L.num_layers == layers
 
 
 def test_shapes_memguard_models():

@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fp8", metavar="RECIPE", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
                    help="also search FP8 training with this recipe (delayed, tensorwise, blockwise, mxfp8); "
                         "without it the model config's precision is kept")
+    c.add_argument("--ep", type=_int_list, help="allowed expert-parallel sizes (MoE; default: divisors of the experts "
+                                               "whose EP x ETP group stays in an NVLink domain)")
+    c.add_argument("--etp", type=_int_list, help="allowed expert-tensor-parallel sizes (MoE; default: 1 and TP)")
+    c.add_argument("--allow-ep-across-nodes", action="store_true",
+                   help="let EP x ETP groups span NVLink domains (the all-to-all then crosses the network)")
     k = p.add_argument_group("cluster speeds (the step-time model; defaults: --gpu's row of `memguard gpus`)")
     k.add_argument("--network-gbps", type=float, metavar="GBPS",
                    help="network bandwidth per GPU and direction in Gb/s (400: one NDR NIC per GPU; 100: four "
@@ -146,6 +151,7 @@ def _constraints(ns: argparse.Namespace):
         sp=knob("sequence_parallel").candidates if ns.sp is None else (ns.sp,), uneven=not ns.no_uneven,
         fsdp=tuple(ns.fsdp or ()),
         fp8=("off", ns.fp8) if getattr(ns, "fp8", None) else (None,),
+        ep=ns.ep, etp=ns.etp, allow_ep_across_nodes=ns.allow_ep_across_nodes,
     )
 
 
@@ -202,6 +208,9 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
                       threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
                       site=target_site(ns))
     planner.notes[:0] = notes
+    if planner.shape.moe is None and (ns.ep or ns.etp or ns.allow_ep_across_nodes):
+        planner.notes.append("--ep / --etp / --allow-ep-across-nodes apply to mixture-of-experts models; this model "
+                             "has no experts (--num-experts)")
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
     return planner
@@ -228,6 +237,12 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         groups = f" (MLA, q rank {s.mla[0] or '-'}, kv rank {s.mla[1]})"
     out.append(f"model:  {s.num_layers} layers, hidden {s.hidden}, ffn {s.ffn}, {s.heads} heads{groups}, vocab {s.vocab}; "
                f"seq {s.seq_length}, GBS {res.global_batch_size}")
+    if s.moe is not None:
+        m = s.moe
+        shared = f", shared expert {m.shared_ffn}" if m.shared_ffn else ""
+        out.append(f"experts: {m.experts} of width {m.ffn}, top-{m.topk}{shared}, in {m.moe_layers} of {s.num_layers} layers; "
+                   f"{m.dispatcher} dispatcher{', grouped GEMM' if m.grouped_gemm else ''}; EP and ETP searched "
+                   f"(expert DP = GPUs / (ETP x EP x PP))")
     sd = res.search_dict()
     out.append(f"search: {sd['considered']:,} layouts, {sd['visited']:,} visited "
                + ("fastest first" if res.rule == "time" else "by TP*CP*PP, then MBS") + f": "
@@ -254,11 +269,11 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
                    f"terms next to the runner-up's")
         out.append("")
         out.append("Megatron flags:")
-        out.append("  " + " \\\n  ".join(megatron_flags(L)))
+        out.append("  " + " \\\n  ".join(megatron_flags(L, best.experts)))
         out.append("NeMo 2 (NeMo-Run recipe overrides):")
-        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node)))
+        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts)))
         out.append("Megatron-Bridge (ConfigContainer overrides):")
-        out.append("  " + " ".join(bridge_overrides(L)))
+        out.append("  " + " ".join(bridge_overrides(L, best.experts)))
     else:
         out.append("no layout fits.")
         for frac, c, est in res.closest:

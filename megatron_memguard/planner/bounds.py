@@ -13,7 +13,12 @@ The bound counts only what every pipeline stage certainly holds, a subset of the
   of the stage times the
   micro-batches in flight on the first stage when its first backward starts (min(PP, m) in 1F1B;
   2 (PP - 1) + (VPP - 1) PP + 1 chunks of layers / VPP layers in the interleaved schedule) and one on the last;
-* on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy.
+* on the last stage, one micro-batch's fp32 copy of the logits kept by the cross entropy;
+* mixture of experts: the routed experts' state with the optimizer part sharded over expert DP, and
+  for an MoE layer its token mixer's share as above plus what its MoE block keeps under balanced
+  routing (the router's input; the dispatched rows, the experts' fc1 output and fc2 input unless the
+  block or its activation is recomputed); dispatcher indices, router tensors and the shared expert
+  are left out.
 
 No workspace, CUDA context, NCCL buffer, transient or allocator slack is counted, so the bound
 stays below the estimator's device total (tests/test_planner_search.py checks it on a grid). A
@@ -28,24 +33,31 @@ from ..partition import uniform_kind
 from .space import Candidate, ModelShape
 
 
-def stage_state_bytes(shape: ModelShape, c: Candidate, params: int) -> float:
+def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_params: int = 0) -> float:
     if c.fsdp:
         # Megatron-FSDP (estimator/fsdp.py): what each strategy shards over DP x CP; gradients in the
-        # parameter dtype (core 0.19) at least; groups kept whole and padding only add.
+        # parameter dtype (core 0.19) at least; groups kept whole and padding only add. Expert parameters
+        # shard over the expert-data-parallel group instead.
         d = max(1, c.dp * c.cp)
         w, g, o = shape.param_bytes, min(shape.grad_bytes, shape.param_bytes), shape.optimizer_state_bytes
         sharded = {"no_shard": 0, "optim": o, "optim_grads": g + o, "optim_grads_params": w + g + o}[c.fsdp]
-        return params * (w + g + o - sharded) + params * sharded / d
+        return ((params + expert_params) * (w + g + o - sharded) + params * sharded / d
+                + expert_params * sharded / max(1, c.edp))
     per = shape.param_bytes + shape.grad_bytes
     shard = max(1, c.dp * c.cp // shape.dist_opt_instances) if c.dist_opt else 1
-    return params * per + params * shape.optimizer_state_bytes / shard
+    out = params * per + params * shape.optimizer_state_bytes / shard
+    if expert_params:
+        e_shard = max(1, c.edp // shape.dist_opt_instances) if c.dist_opt else 1
+        out += expert_params * per + expert_params * shape.optimizer_state_bytes / e_shard
+    return out
 
 
-def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
+def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
     """Bytes one layer surely keeps per micro-batch until its backward: what the backward of its
     GEMMs, attention and activation function needs, in every implementation Megatron has. The
     residual stream at the two norms, plus what the recipes of the layer's kind (its token mixer and
-    its MLP, ``estimator.layers``) say they surely keep."""
+    its MLP, ``estimator.layers``) say they surely keep. ``mlp=False``: an MoE layer (its MoE block
+    instead of the dense MLP)."""
     seq = shape.seq_length // c.cp
     Tf = c.mbs * seq
     T = Tf // c.tp if c.sp else Tf
@@ -59,8 +71,22 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate) -> float:
     # FP8 / FP4 keeps GEMM inputs in 1 (FP4: 1/2 + scales) byte instead of 2: a quarter of the recipes'
     # bound stays a lower bound whatever they count
     quant = c.fp8 not in (None, "off") or (c.fp8 is None and shape.layout.fp8_spec.enabled)
-    for recipe in (mixer_recipe(kind), mlp_recipe(kind)):
-        kept += recipe.bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods) * (0.25 if quant else 1)
+    q = 0.25 if quant else 1
+    kept += mixer_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods) * q
+    if mlp:
+        kept += mlp_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods) * q
+    elif shape.moe is not None:
+        # an MoE block under balanced routing (the estimate's): the router's input (the pre-MLP norm output)
+        # and, unless the block is recomputed, the N = T k ETP dispatched rows kept by fc1, its output and
+        # (unless 'moe_act' recomputes the activation) fc2's input
+        ms = shape.moe
+        kept += T * h * e * q
+        if "moe" not in mods:
+            rows = T * ms.topk * c.etp
+            f_e = ms.ffn // c.etp
+            kept += (rows * h * e + rows * (2 if shape.gated else 1) * f_e * e) * q
+            if "moe_act" not in mods:
+                kept += rows * f_e * e * q
     return kept
 
 
@@ -76,15 +102,35 @@ def first_stage_layers_held(c: Candidate) -> int:
     return chunks * n // c.vpp
 
 
-def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int]) -> float:
+def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int],
+                       stage_expert_params: Callable[[Candidate, int], int] | None = None,
+                       moe_layers_on: Callable[[Candidate, int], int] | None = None) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
-    rank of stage i (TimeModel.stage_params)."""
+    rank of stage i (TimeModel.stage_params); for MoE models ``stage_expert_params`` and
+    ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i."""
     per_layer = layer_activation_bytes(shape, c)
-    first = stage_state_bytes(shape, c, stage_params(c, 0)) + first_stage_layers_held(c) * per_layer
-    if c.pp == 1:
-        last = first                          # one stage holds everything
+    if shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None:
+        per_moe = layer_activation_bytes(shape, c, mlp=False)
+
+        def held(i: int, layers: int) -> float:
+            n, n_moe = c.stage_layers[i], moe_layers_on(c, i)
+            if c.vpp == 1 or layers == n:   # all of the stage's layers, each kind as often as it has them
+                return layers / n * ((n - n_moe) * per_layer + n_moe * per_moe)
+            return layers * (min(per_moe, per_layer) if n_moe else per_layer)   # chunks: the lighter kind
+
+        first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0)) + held(
+            0, first_stage_layers_held(c))
+        if c.pp == 1:
+            last = first
+        else:
+            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1), stage_expert_params(c, c.pp - 1)) + held(
+                c.pp - 1, c.stage_layers[-1])
     else:
-        last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1)) + c.stage_layers[-1] * per_layer
+        first = stage_state_bytes(shape, c, stage_params(c, 0)) + first_stage_layers_held(c) * per_layer
+        if c.pp == 1:
+            last = first                          # one stage holds everything
+        else:
+            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1)) + c.stage_layers[-1] * per_layer
     seq = shape.seq_length // c.cp
     v_t = shape.padded_vocab(c.tp) // c.tp
     logits = c.mbs * seq * v_t * (4 if shape.fp32_logits else shape.act_bytes)

@@ -63,7 +63,7 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out["fp8"] = v.lower()
         else:
             raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
-                                           "last, fsdp, fp8")
+                                           "last, fsdp, fp8, ep, etp")
     return out
 
 
@@ -166,7 +166,7 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
         line += f"  {xs[1].time.seconds - a.time.seconds:+10.4f}"
     out.append(line + "  sum of the terms above")
     out.append("")
-    mm = s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden
+    mm = s.matmul_params() + s.vocab * s.hidden
     out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights "
                f"+ 12 x {s.num_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} attention; peak "
                f"{cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")

@@ -15,8 +15,11 @@ def _flag(dest: str, value: object) -> list[str]:
     return [text] if text is not None else []
 
 
-def megatron_flags(L: Layout) -> list[str]:
+def megatron_flags(L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
+    """``experts``: (EP, ETP) of a mixture-of-experts layout, written out whenever the model has experts."""
     f = _flag("tensor_model_parallel_size", L.tp) + _flag("pipeline_model_parallel_size", L.pp)
+    if experts is not None:
+        f += _flag("expert_model_parallel_size", experts[0]) + _flag("expert_tensor_parallel_size", experts[1])
     if L.vpp > 1:
         f += _flag("num_virtual_stages_per_pipeline_rank", L.vpp)
     f += _flag("decoder_first_pipeline_num_layers", L.decoder_first_pipeline_num_layers)
@@ -48,12 +51,14 @@ def _fsdp(L: Layout) -> list[tuple[str, object]]:
     return [("use_megatron_fsdp", True), ("data_parallel_sharding_strategy", L.data_parallel_sharding_strategy)]
 
 
-def _values(L: Layout) -> list[tuple[str, object]]:
+def _values(L: Layout, experts: tuple[int, int] | None = None) -> list[tuple[str, object]]:
     """(dest, value) of every knob the NeMo 2 / Bridge overrides write, in their order."""
     v: list[tuple[str, object]] = [
         ("tensor_model_parallel_size", L.tp), ("pipeline_model_parallel_size", L.pp),
         ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 else None),
         ("context_parallel_size", L.cp), ("sequence_parallel", L.sequence_parallel)]
+    if experts is not None:
+        v += [("expert_model_parallel_size", experts[0]), ("expert_tensor_parallel_size", experts[1])]
     for dest in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         if getattr(L, dest) is not None:
             v.append((dest, getattr(L, dest)))
@@ -75,8 +80,8 @@ def _bridge(pairs: list[tuple[str, object]]) -> list[str]:
     return [o for dest, value in pairs for o in knob(dest).overrides(knob(dest).bridge, value)]
 
 
-def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
-    o = _nemo2(_values(L))
+def nemo2_overrides(L: Layout, gpus_per_node: int | None = None, experts: tuple[int, int] | None = None) -> list[str]:
+    o = _nemo2(_values(L, experts))
     o += _nemo2([("micro_batch_size", L.micro_batch_size), ("global_batch_size", L.global_batch_size),
                  ("seq_length", L.seq_length), ("use_distributed_optimizer", L.use_distributed_optimizer),
                  ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
@@ -87,9 +92,9 @@ def nemo2_overrides(L: Layout, gpus_per_node: int | None = None) -> list[str]:
     return o
 
 
-def bridge_overrides(L: Layout) -> list[str]:
+def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
     # Bridge writes seq_length to model and dataset, before the batch sizes (as the recipes list them).
-    o = _bridge(_values(L))
+    o = _bridge(_values(L, experts))
     o += _bridge([("seq_length", L.seq_length), ("micro_batch_size", L.micro_batch_size),
                   ("global_batch_size", L.global_batch_size), ("use_distributed_optimizer", L.use_distributed_optimizer),
                   ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])

@@ -26,7 +26,7 @@ from ..estimator import Estimate, SiteConstants, estimate
 from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
-from .bounds import memory_lower_bound
+from .bounds import memory_lower_bound, stage_state_bytes
 from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_space, model_shape
 from .timing import StepTime, TimeModel
 
@@ -41,6 +41,12 @@ class PlanEntry:
     layout: Layout
     estimate: Estimate
     time: StepTime
+
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """(EP, ETP) of a mixture-of-experts layout, None for a dense model."""
+        c = self.candidate
+        return (c.ep, c.etp) if c.moe else None
 
     def to_dict(self, gpus_per_node: int | None = None) -> dict[str, Any]:
         from .export import bridge_overrides, megatron_flags, nemo2_overrides
@@ -62,9 +68,9 @@ class PlanEntry:
             "step_time_terms": t.term_seconds,
             "slowest_stage": t.critical_stage,
             "dominant_cost": t.dominant.name,
-            "megatron_flags": megatron_flags(self.layout),
-            "nemo2_overrides": nemo2_overrides(self.layout, gpus_per_node),
-            "bridge_overrides": bridge_overrides(self.layout),
+            "megatron_flags": megatron_flags(self.layout, self.experts),
+            "nemo2_overrides": nemo2_overrides(self.layout, gpus_per_node, self.experts),
+            "bridge_overrides": bridge_overrides(self.layout, self.experts),
         }
 
 
@@ -149,10 +155,24 @@ class Planner:
         return self.timer.step_time(c)
 
     def lower_bound(self, c: Candidate) -> float:
-        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m), c.fsdp)
+        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m), c.fsdp, c.fp8,
+               c.ep, c.etp, c.vpp if self.shape.moe else 0)
         b = self._bounds.get(key)
         if b is None:
-            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params)
+            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
+                                                       self.timer.stage_expert_params, self.timer.moe_layers_on)
+        return b
+
+    def state_bound(self, c: Candidate) -> float:
+        """The model-state part of :meth:`lower_bound` on the first and last stage (memoised per layout
+        without the micro-batch, recomputation and sequence-parallel choices)."""
+        key = ("state", c.tp, c.pp, c.cp, c.stage_layers, c.dist_opt, c.ep, c.etp, c.vpp)
+        b = self._bounds.get(key)
+        if b is None:
+            tm = self.timer
+            b = self._bounds[key] = max(
+                stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i))
+                for i in {0, c.pp - 1})
         return b
 
     def layout(self, c: Candidate) -> Layout:
@@ -186,8 +206,22 @@ class Planner:
         cands = enumerate_space(self.shape, self.cluster, self.gbs, cons, rule=rule)
         res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
                          threshold=self.threshold, entries=[], considered=len(cands), notes=list(self.notes))
-        cands.sort(key=self.order_key(rule))
         limit = self.limit
+        if self.shape.moe is not None:
+            # Mixture of experts: the layout space is many times larger (EP, ETP), and the model state alone
+            # rules most of it out; drop those before timing them (the same bound, its state part).
+            kept = []
+            for c in cands:
+                sb = self.state_bound(c)
+                if sb > limit:
+                    res.pruned_by_bound += 1
+                    res.visited += 1
+                    if res.smallest_bound is None or sb < res.smallest_bound[0]:
+                        res.smallest_bound = (sb, c)
+                else:
+                    kept.append(c)
+            cands = kept
+        cands.sort(key=self.order_key(rule))
         for c in cands:
             res.visited += 1
             lb = self.lower_bound(c)

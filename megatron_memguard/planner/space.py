@@ -3,7 +3,9 @@
 A :class:`Candidate` is one point of the 4D layout space: tensor (TP), pipeline (PP, with uneven
 first/last stages where the layers do not divide, and virtual stages VPP), context (CP) and data
 parallelism (DP, what is left of the GPUs), sequence parallelism, the micro-batch size, activation
-recomputation (none / selective / full) and the distributed optimizer.
+recomputation (none / selective / full) and the distributed optimizer; for a mixture-of-experts model
+also expert parallelism (EP) and expert tensor parallelism (ETP), the expert-data-parallel size being
+what is left of the GPUs (``world / (ETP x EP x PP)``).
 
 :func:`enumerate_space` generates the candidates cheaply from the rules that are known before any
 estimate (``megatron.md`` section 2.3): ``world % (TP*PP*CP) == 0``; heads divisible by TP and query
@@ -12,7 +14,10 @@ groups a multiple or divisor of TP; TP groups inside a node (TP divides the GPUs
 that leave an even split of the middle ones; VPP dividing every stage's layers, with the interleaved
 schedule's micro-batch rule (``PP <= group <= m`` and a last group of 0 or >= PP, the group being PP);
 ``GBS % (MBS*DP) == 0``; CP = 1 with ``--transformer-impl local``; sequence parallelism only where TP divides the tokens of a CP rank (``seq/CP``;
-megatron-core's scatter along the sequence asserts it). Every candidate the planner estimates or shows is then resolved by
+megatron-core's scatter along the sequence asserts it); for MoE: EP divides the experts, ``world % (ETP*EP*PP) == 0``
+(``initialize_model_parallel``), ETP divides the expert FFN, sequence parallelism whenever TP > 1
+(``MoELayer.forward``), the EP x ETP group inside an NVLink domain unless ``allow_ep_across_nodes``
+(ETP in {1, TP} unless given). Every candidate the planner estimates or shows is then resolved by
 :func:`megatron_memguard.resolve.resolve`, which checks all of Megatron's rules again; a candidate
 it rejects is counted and dropped.
 """
@@ -29,6 +34,7 @@ from ..gpus import GpuSpec
 from ..knobs import RECOMPUTE_LEVELS  # noqa: F401 (defined with the knobs; re-exported)
 from ..layout import DTYPE_BYTES, Layout
 from ..tokenizers import pad_vocab
+from .moe import MoeShape, moe_dense_params_per_rank, moe_matmul_params, moe_shape_from_args
 
 # Default micro-batch sizes tried: every divisor of GBS/DP up to this bound (--mbs overrides).
 DEFAULT_MAX_MBS = 16
@@ -45,6 +51,7 @@ SEARCHED_ARGS = (
     "recompute_num_layers", "recompute_activations", "distribute_saved_activations", "use_distributed_optimizer",
     "overlap_grad_reduce", "overlap_param_gather", "decrease_batch_size_if_needed",
     "microbatch_group_size_per_vp_stage", "use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
+    "expert_model_parallel_size", "expert_tensor_parallel_size",
 )
 
 
@@ -66,6 +73,9 @@ class Constraints:
     fsdp: tuple[str, ...] = ()     # Megatron-FSDP strategies to try besides DDP (--fsdp); none by default
     # FP8: (None,) keeps the model config's precision; with --fp8 RECIPE ("off", RECIPE) searches both
     fp8: tuple[str | None, ...] = (None,)
+    ep: tuple[int, ...] | None = None            # expert-parallel sizes (MoE; None: divisors of the experts)
+    etp: tuple[int, ...] | None = None           # expert-tensor-parallel sizes (None: 1 and TP)
+    allow_ep_across_nodes: bool = False          # EP x ETP groups larger than an NVLink domain
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class ModelShape:
     layout: Layout                 # the probe: the model alone, TP = PP = CP = 1
     pad_vocab: bool = True         # --no-pad-vocab-size not given: the vocabulary is padded per TP
     fixed_padded_vocab: int | None = None   # a padded vocabulary the config fixes
+    moe: MoeShape | None = None    # mixture of experts (planner/moe.py); None: every layer dense
     _per_tp: dict = field(default_factory=dict, compare=False, repr=False)   # memo of per-TP counts
 
     # ---- the model shape, under the planner's names --------------------------------------------
@@ -286,6 +297,29 @@ class ModelShape:
         from ..estimator.params import layer_linear_shapes
         return sum(out * inp for out, inp in layer_linear_shapes(self.layout_at_tp(1)).values())
 
+    def matmul_params(self) -> int:
+        """Weights a token multiplies in all the layers: the dense layers', and in an MoE layer the
+        attention, router, top-k experts and shared expert."""
+        if not self.moe:
+            return self.num_layers * self.layer_matmul_params()
+        n_moe = self.moe.moe_layers
+        dense = self.layer_matmul_params()
+        moe = dense - self.dense_mlp_matmul_params() + moe_matmul_params(self.moe, self.hidden, self.gated)
+        return (self.num_layers - n_moe) * dense + n_moe * moe
+
+    def dense_mlp_matmul_params(self) -> int:
+        """The dense MLP's weights of one layer: fc1 [g f, h] and fc2 [h, f]."""
+        return ((2 if self.gated else 1) + 1) * self.ffn * self.hidden
+
+    def moe_layer_params_per_rank(self, tp: int) -> int:
+        """Parameters of one MoE layer on one rank outside the expert grid: the attention and norms of
+        :meth:`layer_params_per_rank` without its dense MLP, plus the router and shared expert."""
+        f = self.ffn
+        mlp = ((2 if self.gated else 1) * f * self.hidden + f * self.hidden) // tp
+        if self.add_bias_linear:
+            mlp += self.hidden + (2 if self.gated else 1) * f // tp
+        return self.layer_params_per_rank(tp) - mlp + moe_dense_params_per_rank(self.moe, self.hidden, self.gated, tp)
+
 
 def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     """The shape of the model from a probe layout resolved at TP=PP=CP=1."""
@@ -293,7 +327,8 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):
         pad = pad.strip().lower() in ("1", "true", "yes", "on")
-    return ModelShape(layout=L, pad_vocab=bool(pad), fixed_padded_vocab=int(fixed_padded) if fixed_padded else None)
+    return ModelShape(layout=L, pad_vocab=bool(pad), fixed_padded_vocab=int(fixed_padded) if fixed_padded else None,
+                      moe=moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size))
 
 
 @dataclass(frozen=True)
@@ -311,12 +346,20 @@ class Candidate:
     dp: int
     m: int                         # micro-batches per step and pipeline: GBS / (MBS * DP)
     stage_layers: tuple[int, ...] = field(compare=False, hash=False, default=())
+    ep: int = 1                    # expert-parallel size (MoE)
+    etp: int = 1                   # expert-tensor-parallel size (MoE)
+    moe: bool = False              # an MoE model: the expert sizes are written out
     fsdp: str | None = None        # Megatron-FSDP sharding strategy, None: DDP
     fp8: str | None = None         # None: as the model config says; "off"; or the FP8 recipe (--fp8)
 
     @property
     def model_parallel(self) -> int:
         return self.tp * self.cp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: world / (ETP x EP x PP) (= DP x CP x TP / (ETP x EP))."""
+        return self.dp * self.cp * self.tp // (self.etp * self.ep)
 
     @property
     def name(self) -> str:
@@ -332,6 +375,8 @@ class Candidate:
             s += f",fsdp={self.fsdp}"
         if self.fp8 is not None:
             s += f",fp8={self.fp8}"
+        if self.moe:
+            s += f",ep={self.ep},etp={self.etp}"
         return s
 
     @property
@@ -341,6 +386,8 @@ class Candidate:
         if self.first is not None or self.last is not None:
             parts[1] += f"[{self.first}|..|{self.last}]"
         parts.append(f"DP{self.dp}")
+        if self.moe:
+            parts.append(f"EP{self.ep}" + (f" ETP{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"MBS{self.mbs}")
         if self.tp > 1:
             parts.append("SP" if self.sp else "noSP")
@@ -361,6 +408,8 @@ class Candidate:
             seq_length=seq_length, use_distributed_optimizer=self.dist_opt, overlap_grad_reduce=True,
             overlap_param_gather=self.dist_opt,
         )
+        if self.moe:
+            o.update(expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
         if self.vpp > 1:
             o["num_virtual_stages_per_pipeline_rank"] = self.vpp
         if self.first is not None:
@@ -436,6 +485,33 @@ def tp_values(shape: ModelShape, cluster: Cluster, cons: Constraints) -> list[in
     return _allowed(out, cons.tp)
 
 
+def expert_sizes(shape: ModelShape, cluster: Cluster, cons: Constraints, tp: int, pp: int) -> list[tuple[int, int]]:
+    """(EP, ETP) pairs for one TP and PP: ((1, 1),) for a dense model. EP divides the experts and
+    ``world % (ETP*EP*PP) == 0`` (initialize_model_parallel); ETP divides the expert FFN (TE splits
+    its columns); by default ETP is 1 or TP and the EP x ETP group stays in one NVLink domain (the
+    all-to-all crosses no NIC), EP never above the experts."""
+    ms = shape.moe
+    if ms is None:
+        return [(1, 1)]
+    world = cluster.gpus
+    dom = min(cluster.tp_domain, world)
+    etps = sorted({1, tp}) if cons.etp is None else list(cons.etp)
+    out = []
+    for etp in etps:
+        if etp < 1 or ms.ffn % etp:
+            continue
+        for ep in divisors(ms.experts):
+            if cons.ep is not None and ep not in cons.ep:
+                continue
+            if world % (etp * ep * pp):
+                continue
+            span = etp * ep
+            if cons.ep is None and not cons.allow_ep_across_nodes and (span > dom or dom % span):
+                continue
+            out.append((ep, etp))
+    return out
+
+
 def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int, cons: Constraints,
                     rule: str = "time") -> list[Candidate]:
     """Every candidate allowed by the constraints and the rules known before an estimate.
@@ -451,6 +527,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
         recompute = [r for r in recompute if r == "none"]
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
     fsdps = [] if fujii else list(cons.fsdp)
+    moe = shape.moe is not None
     for tp in tp_values(shape, cluster, cons):
         # megatron-core's own attention (--transformer-impl local) asserts CP = 1; only TE's does ring attention
         for cp in (divisors(world // tp) if shape.transformer_impl != "local" else [1]):
@@ -466,6 +543,9 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                 if pp > L or (cons.pp is not None and pp not in cons.pp):
                     continue
                 dp = world // (tp * cp * pp)
+                experts = expert_sizes(shape, cluster, cons, tp, pp)
+                if not experts:
+                    continue
                 splits = layer_splits(L, pp)
                 if fujii or not cons.uneven:
                     splits = [sp_ for sp_ in splits if sp_[0] is None]
@@ -496,23 +576,26 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             sps = [x for x in sps if (tp == 1 or x in cons.sp)]
                             if fujii and tp > 1:
                                 sps = [x for x in sps if x]
-                            for sp in sps:
-                                for rc in recompute:
-                                    for dist in dist_opts:
-                                        for f8 in cons.fp8:
-                                            out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
-                                                                 dp, m, stages, fp8=f8))
-                                    for fs in fsdps:
-                                        for f8 in cons.fp8:
-                                            out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True, dp,
-                                                                 m, stages, fs, fp8=f8))
+                            if shape.moe and tp > 1:
+                                sps = [x for x in sps if x]    # MoELayer.forward: TP > 1 trains with SP
+                            for ep, etp in experts:
+                                for sp in sps:
+                                    for rc in recompute:
+                                        for dist in dist_opts:
+                                            for f8 in cons.fp8:
+                                                out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
+                                                                     dp, m, stages, ep, etp, moe, fp8=f8))
+                                        for fs in fsdps:
+                                            for f8 in cons.fp8:
+                                                out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True,
+                                                                     dp, m, stages, ep, etp, moe, fsdp=fs, fp8=f8))
     return out
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
-                   dist_opt: bool = True, first: int | None = None, last: int | None = None,
-                   fsdp: str | None = None, fp8: str | None = None) -> Candidate:
+                   dist_opt: bool = True, first: int | None = None, last: int | None = None, ep: int = 1,
+                   etp: int | None = None, fsdp: str | None = None, fp8: str | None = None) -> Candidate:
     """One candidate from explicit values (``--explain``); the split is chosen as the search would."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
@@ -545,8 +628,17 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     sp = (tp > 1 and seq_rank % tp == 0) if sp is None else (sp and tp > 1)
     if pp == 1:
         vpp = 1                    # Megatron ignores virtual stages without a pipeline
+    etp = tp if etp is None else etp
+    if shape.moe is not None:
+        from .moe import expert_grid_problem
+        why = expert_grid_problem(world, pp, ep, etp, shape.moe.experts)
+        if why:
+            raise ConfigError("--explain", why)
+    elif ep != 1:
+        raise ConfigError("--explain", f"ep={ep}: the model has no experts")
     from ..knobs import FSDP_STRATEGIES
     if fsdp is not None and fsdp not in FSDP_STRATEGIES:
         raise ConfigError("--explain", f"fsdp must be one of {', '.join(FSDP_STRATEGIES)} or off, got {fsdp!r}")
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt or bool(fsdp), dp,
-                     global_batch_size // (mbs * dp), stages, fsdp, fp8=fp8)
+                     global_batch_size // (mbs * dp), stages, ep, etp if shape.moe else 1, shape.moe is not None,
+                     fsdp=fsdp, fp8=fp8)

@@ -42,12 +42,20 @@ pipeline stage (m micro-batches of its forward and backward):
 ``optimizer``
     the optimizer step, memory-bound: reading and writing the (sharded) fp32 state.
 
-There is one term per kind of communication (tp_comm, cp_comm, pp_p2p, dp_comm; expert-parallel
-all-to-all will be another). Every term is a pure function of the model shape, the candidate layout
-and the GPU's numbers.
+``ep_comm`` (mixture-of-experts models only)
+    the token dispatch of every MoE layer (:mod:`.moe`): the all-to-alls over EP (and the ETP
+    all-gather / reduce-scatter) or the all-gather / reduce-scatter over ETP x EP, forward and
+    backward, on the critical path (Megatron overlaps them only with --overlap-moe-expert-parallel-comm).
+
+There is one term per kind of communication (tp_comm, cp_comm, ep_comm, pp_p2p, dp_comm). Every term is
+a pure function of the model shape, the candidate layout and the GPU's numbers. In an MoE layer the
+dense MLP's GEMMs are replaced by the router's, the local experts' (grouped or one per expert, each
+at the efficiency of its per-expert shape) and the shared expert's; the expert gradients are reduced
+and the expert optimizer state sharded over the expert-data-parallel group.
 
 Model FLOPs (for MFU) follow Narayanan et al. 2021 (eq. 3) and the PaLM paper's MFU appendix: 6 FLOPs
-per token for every weight that multiplies an activation (all layer weights and the output layer; not
+per token for every weight that multiplies an activation (all layer weights and the output layer, in
+MoE layers the router, top-k experts and shared expert; not
 the input embedding, which is a lookup, nor norm weights) plus 12 * L * (heads * head_dim) * s per token
 for the attention scores and their product with V, counted fully (no causal halving). The time model,
 in contrast, charges the FLOPs the GPUs really execute: causal attention as half of the full matrix
@@ -63,6 +71,7 @@ from ..estimator.layers import mixer_recipe
 from ..partition import uniform_kind
 from .comm import HOST_LINK_EFFICIENCY, P2P_LATENCY, collective_seconds, host_copy_seconds, p2p_seconds
 from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
+from .moe import (MoeLayerCost, edp_per_domain, expert_params_per_rank, moe_layer_cost)
 from .space import Candidate, Cluster, ModelShape
 
 # ---- constants (each documented in docs/planner.md) ----------------------------------------------
@@ -99,9 +108,13 @@ KERNELS_FWD = 14             # kernels of one layer's forward (TE: norm+GEMM fus
 KERNELS_BWD = 28             # and of its backward (dgrad and wgrad per GEMM, ...)
 CP_KERNELS_FWD = 4           # kernels per extra ring step: attention, merge (3 element-wise) ...
 CP_KERNELS_BWD = 6           # ... and in the backward: attention (3: pre, main, post), dQ and dK/dV adds, copy
+MLP_KERNELS_FWD = 4          # of KERNELS_FWD, the dense MLP's (fc1, activation, fc2, bias/residual); an MoE layer
+MLP_KERNELS_BWD = 8          # replaces them by its own (planner/moe.py)
 
 TERM_NAMES = ("gemm", "attention", "elementwise", "kernel_gaps", "input", "recompute", "tp_comm", "cp_comm", "pp_p2p",
               "bubble", "dp_comm", "optimizer")
+# mixture-of-experts models: the expert-parallel token dispatch after the other per-layer communication
+TERM_NAMES_MOE = TERM_NAMES[:8] + ("ep_comm",) + TERM_NAMES[8:]
 _WORK_TERMS = ("gemm", "attention", "elementwise", "kernel_gaps")    # the model's own work on one GPU
 
 
@@ -119,11 +132,12 @@ class StepTime:
     """The predicted step of one candidate: its terms (seconds), throughput and MFU."""
 
     __slots__ = ("candidate", "values", "details", "seconds", "model_flops_per_token", "tokens_per_step", "world",
-                 "peak_flops", "critical_stage")
+                 "peak_flops", "critical_stage", "names")
 
     def __init__(self, candidate: Candidate, values: tuple[float, ...], details: tuple[str, ...] | None,
                  model_flops_per_token: float, tokens_per_step: int, world: int, peak_flops: float,
-                 critical_stage: int):
+                 critical_stage: int, names: tuple[str, ...] = TERM_NAMES):
+        self.names = names
         self.candidate = candidate
         self.values = values
         self.details = details
@@ -136,12 +150,12 @@ class StepTime:
 
     @property
     def terms(self) -> tuple[TimeTerm, ...]:
-        texts = self.details or ("",) * len(TERM_NAMES)
-        return tuple(TimeTerm(n, v, t) for n, v, t in zip(TERM_NAMES, self.values, texts))
+        texts = self.details or ("",) * len(self.names)
+        return tuple(TimeTerm(n, v, t) for n, v, t in zip(self.names, self.values, texts))
 
     @property
     def term_seconds(self) -> dict[str, float]:
-        return dict(zip(TERM_NAMES, self.values))
+        return dict(zip(self.names, self.values))
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -192,6 +206,10 @@ class LayerCost:
     cp_fwd: float
     cp_bwd: float
     flops_fwd: float               # executed FLOPs of the forward (GEMMs + attention)
+    moe_fwd: float = 0.0           # an MoE layer: its MoE block's forward without the dispatch (recompute 'moe')
+    ep_fwd: float = 0.0            # an MoE layer: exposed token dispatch + combine, forward
+    ep_bwd: float = 0.0            # and backward
+    moe_detail: str = ""
 
     @property
     def per_layer(self) -> tuple[float, float, float, float, float]:
@@ -290,8 +308,9 @@ class TimeModel:
         self._params: dict[tuple, int] = {}
         self._work: dict[tuple, tuple[float, ...]] = {}
         self._dp: dict[tuple, float] = {}
+        self._moe_on: dict[tuple, int] = {}
         s = shape
-        self.flops_per_token = (6.0 * (s.num_layers * s.layer_matmul_params() + s.vocab * s.hidden)
+        self.flops_per_token = (6.0 * (s.matmul_params() + s.vocab * s.hidden)
                                 + 6.0 * s.num_layers * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
 
     # ---- primitives (kept for callers that time one collective) -------------------------------------
@@ -312,8 +331,9 @@ class TimeModel:
         return max(1, min(n, self.domain // tp)) if tp < self.domain else 1
 
     # ---- per-layer and per-end costs ---------------------------------------------------------------
-    def layer_cost(self, tp: int, cp: int, b: int, sp: bool, fp8: bool = False) -> LayerCost:
-        key = (tp, cp, b, sp, fp8)
+    def layer_cost(self, tp: int, cp: int, b: int, sp: bool, fp8: bool = False, mlp: bool = True) -> LayerCost:
+        """One layer; ``mlp=False``: its attention half only (an MoE layer adds its MoE block)."""
+        key = (tp, cp, b, sp, fp8) if mlp else (tp, cp, b, sp, fp8, False)
         hit = self._layer.get(key)
         if hit is not None:
             return hit
@@ -325,7 +345,7 @@ class TimeModel:
         M = b * seq
         tok = M // tp if sp else M          # tokens of the sequence-parallel region on this rank
         h, d = s.hidden, s.kv_channels
-        a_t, g_t, f_t = s.heads // tp, s.kv_heads_per_rank(tp), s.ffn // tp
+        a_t, g_t, f_t = s.heads // tp, s.kv_heads_per_rank(tp), (s.ffn // tp if mlp else 0)
         fc1_n = (2 if s.gated else 1) * f_t
         # the token mixer's GEMMs before the core attention, from the recipe of the layers' kind
         mixer = mixer_recipe(uniform_kind(s.layout))
@@ -334,8 +354,8 @@ class TimeModel:
         qkv = [linear_seconds(*x, ggpu, gb) for x in shapes]
         fq = sum(2.0 * x[0] * x[1] * x[2] for x in shapes)
         proj = linear_seconds(M, h, a_t * s.v_dim, ggpu, gb)
-        fc1 = linear_seconds(M, fc1_n, h, ggpu, gb)
-        fc2 = linear_seconds(M, h, f_t, ggpu, gb)
+        fc1 = linear_seconds(M, fc1_n, h, ggpu, gb) if mlp else (0.0, 0.0, 0.0)
+        fc2 = linear_seconds(M, h, f_t, ggpu, gb) if mlp else (0.0, 0.0, 0.0)
         gflops = fq + 2.0 * M * (h * a_t * s.v_dim + fc1_n * h + h * f_t)
         qkv_f, qkv_d, qkv_w = (sum(x[i] for x in qkv) for i in range(3))
         gemm_fwd = qkv_f + proj[0] + fc1[0] + fc2[0]
@@ -357,6 +377,8 @@ class TimeModel:
         # context-parallel ring: merges of partial outputs, gradient accumulation, its kernels
         cp_merge_f = cp_merge_b = 0.0
         k_fwd, k_bwd = KERNELS_FWD, KERNELS_BWD
+        if not mlp:
+            k_fwd, k_bwd = k_fwd - MLP_KERNELS_FWD, k_bwd - MLP_KERNELS_BWD
         if cp > 1:
             q_el, kv_el = M * a_t * s.v_dim, 2 * M * g_t * d
             cp_merge_f = memory_seconds(CP_MERGE_BYTES * q_el * (cp - 1), gpu)
@@ -374,18 +396,19 @@ class TimeModel:
             rs = self.collective("rs", S, tp, k)
             ar = self.collective("ar", S, tp, k)
             col_dgrad, col_wgrad = qkv_d + fc1[1], qkv_w + fc1[2]
+            nc = 2 if mlp else 1       # column/row pairs: attention and (dense) MLP
             if sp:
                 # fwd: all-gather before linear_qkv and linear_fc1, reduce-scatter after linear_proj and
                 # linear_fc2; bwd: all-gather of the row-parallel layers' output gradients (exposed),
                 # re-gather of the column-parallel inputs (overlapped with their dgrad GEMM) and
                 # reduce-scatter of their input gradients (overlapped with their wgrad GEMM).
-                tp_fwd = 2 * ag + 2 * rs
-                tp_bwd = 2 * ag + max(0.0, 2 * ag - col_dgrad) + max(0.0, 2 * rs - col_wgrad)
+                tp_fwd = nc * ag + nc * rs
+                tp_bwd = nc * ag + max(0.0, nc * ag - col_dgrad) + max(0.0, nc * rs - col_wgrad)
             else:
                 # fwd: all-reduce after linear_proj and linear_fc2; bwd: all-reduce of the column-parallel
                 # input gradients, overlapped with their wgrad GEMM.
-                tp_fwd = 2 * ar
-                tp_bwd = max(0.0, 2 * ar - col_wgrad)
+                tp_fwd = nc * ar
+                tp_bwd = max(0.0, nc * ar - col_wgrad)
         else:
             col_dgrad = col_wgrad = 0.0
         # context parallelism: ring exchange of K and V blocks (and dK, dV in the backward), each step's
@@ -407,6 +430,50 @@ class TimeModel:
         )
         self._layer[key] = lc
         return lc
+
+    def moe_layer(self, tp: int, cp: int, b: int, sp: bool, ep: int, etp: int) -> LayerCost:
+        """One MoE layer: the attention half of :meth:`layer_cost` plus the MoE block (planner/moe.py)."""
+        key = ("moe", tp, cp, b, sp, ep, etp)
+        hit = self._layer.get(key)
+        if hit is not None:
+            return hit
+        s = self.shape
+        a = self.layer_cost(tp, cp, b, sp, mlp=False)
+        m: MoeLayerCost = moe_layer_cost(s.moe, hidden=s.hidden, gated=s.gated, tp=tp, cp=cp, ep=ep, etp=etp, b=b,
+                                         seq=s.seq_length, act_bytes=s.act_bytes, grad_bytes=s.grad_bytes,
+                                         gpu=self.gpu, domain=self.domain)
+        gflops = a.gemm_eff * a.gemm_fwd * self.peak + m.flops_fwd
+        gemm_fwd = a.gemm_fwd + m.gemm_fwd
+        lc = LayerCost(
+            gemm_fwd=gemm_fwd, gemm_bwd=a.gemm_bwd + m.gemm_bwd, gemm_eff=gflops / (gemm_fwd * self.peak),
+            col_dgrad=a.col_dgrad, col_wgrad=a.col_wgrad, mlp_fwd=0.0,          # 'mlp' recompute: dense layers only
+            attn_fwd=a.attn_fwd, attn_bwd=a.attn_bwd, attn_eff=a.attn_eff, elem_fwd=a.elem_fwd + m.elem_fwd,
+            elem_bwd=a.elem_bwd + m.elem_bwd, cp_merge_fwd=a.cp_merge_fwd, kernels_fwd=a.kernels_fwd + m.kernels_fwd,
+            kernels_bwd=a.kernels_bwd + m.kernels_bwd, tp_fwd=a.tp_fwd + m.tp_fwd, tp_bwd=a.tp_bwd + m.tp_bwd,
+            cp_fwd=a.cp_fwd, cp_bwd=a.cp_bwd, flops_fwd=a.flops_fwd + m.flops_fwd,
+            moe_fwd=m.gemm_fwd + m.elem_fwd + m.tp_fwd, ep_fwd=m.dispatch_fwd, ep_bwd=m.dispatch_bwd,
+            moe_detail=(f"{m.rows:,} token copies per rank, routed experts at {m.expert_eff:.0%} of peak "
+                        f"({'grouped GEMM' if s.moe.grouped_gemm else 'one GEMM per expert'}); {m.detail}"),
+        )
+        self._layer[key] = lc
+        return lc
+
+    def moe_layers_on(self, c: Candidate, stage: int) -> int:
+        """MoE layers held by one rank of ``stage`` (its chunks' slices of the global pattern)."""
+        ms = self.shape.moe
+        if ms is None:
+            return 0
+        key = (c.pp, c.vpp, c.first, c.last, c.stage_layers, stage)
+        n = self._moe_on.get(key)
+        if n is not None:
+            return n
+        if c.vpp > 1 and c.first is None and c.last is None:
+            ch = self.shape.num_layers // (c.pp * c.vpp)
+            n = sum(ms.layers_in((j * c.pp + stage) * ch, ch) for j in range(c.vpp))
+        else:
+            n = ms.layers_in(sum(c.stage_layers[:stage]), c.stage_layers[stage])
+        self._moe_on[key] = n
+        return n
 
     def ends_cost(self, tp: int, cp: int, b: int, sp: bool) -> EndsCost:
         key = (tp, cp, b, sp)
@@ -466,12 +533,15 @@ class TimeModel:
     def stage_params(self, c: Candidate, stage: int) -> int:
         """Parameters one rank of ``stage`` holds (before DDP padding)."""
         first, last = stage == 0, stage == c.pp - 1
-        key = (c.tp, c.pp > 1, c.stage_layers[stage], first, last)
+        n_moe = self.moe_layers_on(c, stage)
+        key = (c.tp, c.pp > 1, c.stage_layers[stage], first, last, n_moe)
         n = self._params.get(key)
         if n is not None:
             return n
         s = self.shape
-        n = c.stage_layers[stage] * s.layer_params_per_rank(c.tp)
+        n = (c.stage_layers[stage] - n_moe) * s.layer_params_per_rank(c.tp)
+        if n_moe:
+            n += n_moe * s.moe_layer_params_per_rank(c.tp)
         v_rows = s.padded_vocab(c.tp) // c.tp
         if first:
             n += v_rows * s.hidden + (s.max_positions * s.hidden if s.learned_positions else 0)
@@ -480,6 +550,18 @@ class TimeModel:
             if s.untied or c.pp > 1:
                 n += v_rows * s.hidden
         self._params[key] = n
+        return n
+
+    def stage_expert_params(self, c: Candidate, stage: int) -> int:
+        """Routed-expert parameters on one rank of ``stage`` (reduced and sharded over expert DP)."""
+        n_moe = self.moe_layers_on(c, stage)
+        if not n_moe:
+            return 0
+        key = ("experts", n_moe, c.ep, c.etp)
+        n = self._params.get(key)
+        if n is None:
+            s = self.shape
+            n = self._params[key] = n_moe * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp)
         return n
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -498,30 +580,40 @@ class TimeModel:
 
     def _recompute_layer(self, lc: LayerCost, recompute: str) -> tuple[float, str]:
         if recompute == "full":
-            return lc.fwd + lc.tp_fwd + lc.cp_fwd, "the whole layer's forward again, with its TP/CP communication"
+            return (lc.fwd + lc.tp_fwd + lc.cp_fwd + lc.ep_fwd,
+                    "the whole layer's forward again, with its TP/CP" + ("/EP" if lc.moe_fwd else "") + " communication")
         if recompute == "selective":
             mods = self.shape.recompute_modules
             t, what = 0.0, []
             if "core_attn" in mods:
                 t += lc.attn_fwd + lc.cp_fwd + lc.cp_merge_fwd + KERNEL_GAP
                 what.append("core attention")
-            if "mlp" in mods:
+            if "mlp" in mods and not lc.moe_fwd:
                 t += lc.mlp_fwd + 3 * KERNEL_GAP
                 what.append("MLP")
+            if "moe" in mods and lc.moe_fwd:
+                t += lc.moe_fwd + lc.ep_fwd
+                what.append("MoE block with its dispatch")
             if "layernorm" in mods:
                 t += (lc.elem_fwd - lc.cp_merge_fwd) * 0.4 + 2 * KERNEL_GAP
                 what.append("norms")
             return t, "forward of the " + (", ".join(what) or "nothing") + " again"
         return 0.0, ""
 
-    def _stage_work(self, c: Candidate, i: int, lc: LayerCost, ec: EndsCost) -> tuple[float, ...]:
-        """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, input, tp_comm)."""
-        key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1, self.fp8_on(c))
+    def _stage_work(self, c: Candidate, i: int, lc: LayerCost, ec: EndsCost,
+                    lm: LayerCost | None = None) -> tuple[float, ...]:
+        """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, input, tp_comm, ep_comm)."""
+        n_moe = self.moe_layers_on(c, i) if lm is not None else 0
+        key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1, n_moe, c.ep, c.etp, self.fp8_on(c))
         hit = self._work.get(key)
         if hit is not None:
             return hit
-        n = c.stage_layers[i]
+        n = c.stage_layers[i] - n_moe
         gemm, attn, elem, gaps, tpc = (n * x for x in lc.per_layer)
+        epc = 0.0
+        if n_moe:
+            gemm, attn, elem, gaps, tpc = (x + n_moe * y for x, y in zip((gemm, attn, elem, gaps, tpc), lm.per_layer))
+            epc = n_moe * (lm.ep_fwd + lm.ep_bwd)
         # get_batch runs on the first and the last stage (once when they are the same)
         inp = ec.batch if i in (0, c.pp - 1) else 0.0
         if i == 0:
@@ -532,7 +624,7 @@ class TimeModel:
             elem += ec.out_elem
             gaps += 6 * KERNEL_GAP
             tpc += ec.out_tp
-        self._work[key] = out = (gemm, attn, elem, gaps, inp, tpc)
+        self._work[key] = out = (gemm, attn, elem, gaps, inp, tpc, epc)
         return out
 
     def _step_time(self, c: Candidate, details: bool) -> StepTime:
@@ -540,19 +632,23 @@ class TimeModel:
         lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, self.fp8_on(c))
         ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
         rc_layer, rc_what = self._recompute_layer(lc, c.recompute)
+        lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
+        rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
         layer_cp = lc.cp_fwd + lc.cp_bwd
         p, v, m = c.pp, c.vpp, c.m
         stages = (0,) if p == 1 else (0, 1, p - 1) if p > 2 else (0, 1)
         # per-micro-batch work of the first, a middle and the last stage; the slowest sets the pace
         best = None
         for i in stages:
-            work = self._stage_work(c, i, lc, ec)
+            work = self._stage_work(c, i, lc, ec, lm)
             n = c.stage_layers[i]
-            total = sum(work) + n * (rc_layer + layer_cp)
+            n_moe = self.moe_layers_on(c, i) if lm is not None else 0
+            rc_i = (n - n_moe) * rc_layer + n_moe * rc_moe if n_moe else n * rc_layer
+            total = sum(work) + rc_i + n * layer_cp
             if best is None or total > best[0] + 1e-15:
-                best = (total, i, work, n * rc_layer, n * layer_cp)
-        _, crit, (gemm, attn, elem, gaps, inp, tpc), rc, cpc = best
-        mb = gemm + attn + elem + gaps + inp + rc + tpc + cpc    # one micro-batch on the critical stage
+                best = (total, i, work, rc_i, n * layer_cp)
+        _, crit, (gemm, attn, elem, gaps, inp, tpc, epc), rc, cpc = best
+        mb = gemm + attn + elem + gaps + inp + rc + tpc + cpc + epc    # one micro-batch on the critical stage
         work = m * mb
         bubble = (p - 1) / (v * m) * work
 
@@ -582,18 +678,25 @@ class TimeModel:
                     p2p_detail = (f"(2 x {m} micro-batches + 2 x {p - 1} of the fill and drain) x {t1 * 1e3:.3f} ms: "
                                   f"{format_bytes(nbytes)} on {'NVLink' if same else 'the network'}, blocking in 1F1B")
 
-        dp_comm, dp_detail = self._dp_comm(c, lc, ec, rc_layer, details)
+        dp_comm, dp_detail = self._dp_comm(c, lc, ec, rc_layer, details, lm, rc_moe)
 
-        # optimizer step: memory-bound over the (sharded) parameters of the largest stage
-        psi_max = max(self.stage_params(c, i) for i in stages)
+        # optimizer step: memory-bound over the (sharded) parameters of the largest stage; expert parameters
+        # are sharded over the expert-data-parallel group
         n_dp = c.dp * c.cp
         shard = max(1, n_dp // s.dist_opt_instances) if c.dist_opt else 1
-        elems = psi_max / shard
+        if s.moe:
+            e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt else 1
+            elems = max(self.stage_params(c, i) / shard + self.stage_expert_params(c, i) / e_shard for i in stages)
+        else:
+            psi_max = max(self.stage_params(c, i) for i in stages)
+            elems = psi_max / shard
         per = 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
         optimizer = memory_seconds(elems * per, self.gpu)
 
         values = (m * gemm, m * attn, m * elem, m * gaps, m * inp, m * rc, m * tpc, m * cpc, p2p, bubble, dp_comm,
                   optimizer)
+        if s.moe:
+            values = values[:8] + (m * epc,) + values[8:]
         texts = None
         if details:
             n = c.stage_layers[crit]
@@ -625,9 +728,14 @@ class TimeModel:
                 f"{elems / 1e6:,.1f}M parameters{' (a 1/' + str(shard) + ' shard)' if shard > 1 else ''} x {per:.0f} B "
                 f"read and written at {self.gpu.hbm_bytes_per_s * HBM_EFFICIENCY / 1e12:.2f} TB/s",
             )
+            if s.moe:
+                n_moe = self.moe_layers_on(c, crit)
+                texts = texts[:8] + (
+                    f"{m} x {n_moe} MoE layers x {(lm.ep_fwd + lm.ep_bwd) * 1e3:.3f} ms exposed token dispatch "
+                    f"(forward and backward): {lm.moe_detail}",) + texts[8:]
         return StepTime(candidate=c, values=values, details=texts, model_flops_per_token=self.flops_per_token,
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
-                        critical_stage=crit)
+                        critical_stage=crit, names=TERM_NAMES_MOE if s.moe else TERM_NAMES)
 
     def _fsdp_comm(self, c: Candidate, key: tuple, psi0: float, n_dp: int, k: int, n0: int, w_f: float, w_b: float,
                    tail: float, details: bool) -> tuple[float, str]:
@@ -654,46 +762,66 @@ class TimeModel:
                   f"{n_dp} ranks, {k} per NVLink domain")
         return t, text
 
-    def _dp_comm(self, c: Candidate, lc: LayerCost, ec: EndsCost, rc_layer: float, details: bool) -> tuple[float, str]:
+    def _dp_comm(self, c: Candidate, lc: LayerCost, ec: EndsCost, rc_layer: float, details: bool,
+                 lm: LayerCost | None = None, rc_moe: float = 0.0) -> tuple[float, str]:
         """Gradients reduce-scatter (+ parameters all-gather) or all-reduce over DP x CP, for the first
         stage (it runs the last backward of the step), overlapped with the backward of the last
-        micro-batch (--overlap-grad-reduce) and the forward of the first (--overlap-param-gather)."""
+        micro-batch (--overlap-grad-reduce) and the forward of the first (--overlap-param-gather). The
+        routed experts' gradients go over the expert-data-parallel group (their own buffers)."""
         s = self.shape
         n_dp = c.dp * c.cp
-        if n_dp <= 1:
+        psi_e = self.stage_expert_params(c, 0) if lm is not None else 0
+        if n_dp <= 1 and (not psi_e or c.edp <= 1):
             return 0.0, "DP x CP = 1: nothing to reduce"
-        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp, self.fp8_on(c))
+        key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp, self.fp8_on(c),
+               c.ep, c.etp)
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)
         k = self.dpcp_per_domain(c.tp, n_dp)
         n0 = c.stage_layers[0]
-        w_b = n0 * (lc.bwd + lc.tp_bwd + lc.cp_bwd + rc_layer) + ec.emb_bwd
-        w_f = n0 * (lc.fwd + lc.tp_fwd + lc.cp_fwd) + ec.emb_fwd + ec.emb_tp
+        n_moe = self.moe_layers_on(c, 0) if lm is not None else 0
+        w_b = (n0 - n_moe) * (lc.bwd + lc.tp_bwd + lc.cp_bwd + rc_layer) + ec.emb_bwd
+        w_f = (n0 - n_moe) * (lc.fwd + lc.tp_fwd + lc.cp_fwd) + ec.emb_fwd + ec.emb_tp
+        if n_moe:
+            w_b += n_moe * (lm.bwd + lm.tp_bwd + lm.cp_bwd + lm.ep_bwd + rc_moe)
+            w_f += n_moe * (lm.fwd + lm.tp_fwd + lm.cp_fwd + lm.ep_fwd)
         if c.pp == 1:
             w_b += ec.out_bwd
             w_f += ec.out_fwd
         bucket = max(DDP_MIN_BUCKET, 1_000_000 * c.dp)
-        tail = min(1.0, bucket / psi0)
+        tail = min(1.0, bucket / (psi0 + psi_e))
         gbytes = psi0 * s.grad_bytes
         if c.fsdp in ("optim_grads_params", "optim_grads"):
             return self._fsdp_comm(c, key, psi0, n_dp, k, n0, w_f, w_b, tail, details)
+        # expert gradients: their own buffers over expert DP (EDP ranks, ETP x EP apart)
+        e_rs = e_ag = e_ar = 0.0
+        e_text = ""
+        if psi_e and c.edp > 1:
+            ke = edp_per_domain(c.edp, c.ep, c.etp, self.domain)
+            e_rs = self.collective("rs", psi_e * s.grad_bytes, c.edp, ke)
+            e_ag = self.collective("ag", psi_e * s.param_bytes, c.edp, ke)
+            e_ar = self.collective("ar", psi_e * s.grad_bytes, c.edp, ke)
+            e_text = (f"; expert gradients {format_bytes(psi_e * s.grad_bytes)} over expert DP {c.edp} ({ke} per "
+                      f"NVLink domain)")
         if c.dist_opt:
-            rs = self.collective("rs", gbytes, n_dp, k)
-            ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
+            rs = self.collective("rs", gbytes, n_dp, k) + e_rs
+            ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k) + e_ag
             t = max(rs - w_b, tail * rs) + max(ag - w_f, tail * ag)
             self._dp[key] = t
             if not details:
                 return t, ""
             text = (f"reduce-scatter of {format_bytes(gbytes)} gradients {rs * 1e3:.1f} ms behind {w_b * 1e3:.1f} ms of "
                     f"the last backward + all-gather of parameters {ag * 1e3:.1f} ms behind {w_f * 1e3:.1f} ms of the "
-                    f"first forward; {n_dp} ranks, {k} per NVLink domain; the last bucket ({tail:.0%}) stays exposed")
+                    f"first forward; {n_dp} ranks, {k} per NVLink domain; the last bucket ({tail:.0%}) stays exposed"
+                    + e_text)
         else:
-            ar = self.collective("ar", gbytes, n_dp, k)
+            ar = self.collective("ar", gbytes, n_dp, k) + e_ar
             t = max(ar - w_b, tail * ar)
             self._dp[key] = t
             if not details:
                 return t, ""
             text = (f"all-reduce of {format_bytes(gbytes)} gradients {ar * 1e3:.1f} ms behind {w_b * 1e3:.1f} ms of the "
-                    f"last backward; {n_dp} ranks, {k} per NVLink domain; the last bucket ({tail:.0%}) stays exposed")
+                    f"last backward; {n_dp} ranks, {k} per NVLink domain; the last bucket ({tail:.0%}) stays exposed"
+                    + e_text)
         return t, text

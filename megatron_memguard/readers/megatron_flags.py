@@ -22,10 +22,16 @@ from ..numbers import INT64_MAX, cut, integral, shown
 _LEGACY_FLAGS = {
     "--hybrid-override-pattern": ["hybrid_layer_pattern", "value", "str"],
     "--num-experts": ["num_experts", "value", "int"],
+    # megatron-core 0.16.1: the legacy GroupedMLP (one weight per fc for all local experts), gone in 0.19.
+    "--moe-use-legacy-grouped-gemm": ["moe_use_legacy_grouped_gemm", "true"],
     # Model Optimizer knowledge distillation (Megatron-LM's modelopt integration): a teacher model too.
     "--export-kd-teacher-load": ["export_kd_teacher_load", "value", "str"],
     "--export-kd-cfg": ["export_kd_cfg", "value", "str"],
 }
+# Value types the JSON table cannot hold (Megatron's own type functions).
+_TYPES = {"--moe-layer-freq": "moe_freq"}
+# nargs='+' in 0.19 (one value in 0.16.1); validate_args turns a one-element list into the value.
+_UNWRAP_SINGLE = frozenset({"moe_router_load_balancing_type", "moe_aux_loss_coeff"})
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
 
@@ -35,6 +41,8 @@ def flag_table() -> dict[str, list]:
     table = json.loads(text)["flags"]
     for k, v in _LEGACY_FLAGS.items():
         table.setdefault(k, v)
+    for k, typ in _TYPES.items():
+        table[k] = [*table[k][:2], typ]
     return table
 
 
@@ -45,6 +53,11 @@ def _is_flag(tok: str) -> bool:
 def _convert(value: str, typ: str | None, flag: str) -> Any:
     if typ in ("int", "float") and has_placeholder(value):
         raise ConfigError(flag, f"has the unresolved placeholder {shown(value)}; set it in the environment or edit the value")
+    if typ == "moe_freq":
+        if has_placeholder(value):
+            raise ConfigError(flag, f"has the unresolved placeholder {shown(value)}; set it in the environment or edit the value")
+        from .moe_freq import parse_moe_layer_freq
+        return parse_moe_layer_freq(value, flag)
     if typ == "int":
         # Megatron's argparse takes any int. One beyond 64 bits stays text: resolve() refuses it with the
         # bound of its setting when memguard computes with it (memory-neutral flags are not checked).
@@ -123,6 +136,8 @@ def parse_megatron_flags(
                 vals.append(toks[i])
                 i += 1
             args[dest] = [_convert(_substitute(v, env if expand else None, tok), typ, tok) for v in vals]
+            if dest in _UNWRAP_SINGLE and len(args[dest]) == 1:
+                args[dest] = args[dest][0]
         origin[dest] = tok
     if unknown:
         warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(cut(u) for u in unknown))
@@ -157,6 +172,9 @@ def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
             argv.append(flag)
         elif v is False or v is None:
             continue
+        elif isinstance(v, (list, tuple)) and (flag_table().get(flag) or [None, None, None])[2:] == ["moe_freq"]:
+            # a YAML list for --moe-layer-freq: the pattern, written as Megatron's list expression
+            argv.extend([flag, "[" + ",".join(str(x) for x in v) + "]"])
         elif isinstance(v, (list, tuple)):
             argv.append(flag)
             argv.extend(str(x) for x in v)

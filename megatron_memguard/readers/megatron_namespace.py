@@ -22,6 +22,11 @@ def raw_from_namespace(ns: Any) -> RawConfig:
             args[k] = "auto"
         elif k in args and not isinstance(args[k], str):
             args[k] = dtype_name(str(args[k]), "--" + k.replace("_", "-"))
+    for k in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        # nargs='+' in 0.19: validate_args turns a one-element list into its value (the hook reads the
+        # arguments before validation)
+        if isinstance(args.get(k), list) and len(args[k]) == 1:
+            args[k] = args[k][0]
     if "attention_backend" in args and not isinstance(args["attention_backend"], str):
         args["attention_backend"] = getattr(args["attention_backend"], "name", str(args["attention_backend"]))
     world = getattr(ns, "world_size", None)

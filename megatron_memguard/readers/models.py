@@ -110,7 +110,7 @@ def recipe_doc(name: str) -> tuple[dict[str, Any], str, str]:
 def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
     """The RawConfig for ``--model``: a preset, a Bridge recipe, or a Hugging Face config.json.
     ``shape_only``: for a recipe, only its model's shape (when a config file gives the rest)."""
-    from .hf import HF_KEYS, GPT2_KEYS, hf_to_provider, provider_to_raw, read_hf_config
+    from .hf import hf_key_names, hf_notes, hf_to_provider, provider_to_raw, read_hf_config
 
     arg = str(name_or_path)
     path = os.path.join(arg, "config.json") if os.path.isdir(arg) else arg
@@ -142,9 +142,10 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
         raise ConfigError("--model", f"unknown model {shown(arg)} (not a preset and no such file){hint}",
                           "give a Hugging Face config.json path, or one of: " + ", ".join(known_names()))
     hf = model_hf(key)
-    names = GPT2_KEYS if hf.get("model_type") == "gpt2" else HF_KEYS
+    names = hf_key_names(hf.get("model_type"))
     raw = provider_to_raw(hf_to_provider(hf), f"model preset {key}", key_prefix=f"--model {key}: ", hf_names=names)
     if hf.get("sliding_window"):
         raw = replace(raw, warnings=raw.warnings + (
             f"--model {key}: sliding-window attention ({hf['sliding_window']} tokens) is estimated as full attention",))
-    return raw
+    notes = hf_notes(hf, f"--model {key}: ")
+    return replace(raw, warnings=raw.warnings + notes) if notes else raw

@@ -30,6 +30,14 @@ def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         modules = None
     if recompute_granularity not in (None, "full", "selective"):
         a.fail("recompute_granularity", f"must be full or selective, got {recompute_granularity!r}")
+    moe_layer_recompute = a.bool_arg("moe_layer_recompute", False)
+    if moe_layer_recompute:
+        # TransformerConfig.__post_init__ (core 0.16 and 0.19): the deprecated switch means selective
+        # recompute with 'moe' added to the modules, and refuses full granularity
+        if recompute_granularity == "full":
+            a.fail("moe_layer_recompute", "Do not set --moe-layer-recompute with full recompute granularity")
+        else:
+            recompute_granularity = "selective"
     if recompute_granularity == "full":
         if method not in ("uniform", "block"):
             a.fail("recompute_method", "full recompute needs --recompute-method uniform or block")
@@ -60,6 +68,8 @@ def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         method, rnl = None, None
     if modules is None:
         modules = ["core_attn"]
+    if moe_layer_recompute and recompute_granularity == "selective" and "moe" not in modules:
+        modules = list(modules) + ["moe"]
     for m in modules:
         if m not in RECOMPUTE_MODULES:
             a.fail("recompute_modules", f"unknown module {m!r}; known: {', '.join(sorted(RECOMPUTE_MODULES))}")
@@ -72,5 +82,6 @@ def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     elif distribute_saved and sp:
         # TransformerConfig.__post_init__ refuses the pair.
         a.fail("distribute_saved_activations", "cannot be combined with --sequence-parallel")
-    return dict(recompute_method=method, recompute_num_layers=rnl, recompute_modules=tuple(modules),
+    return dict(recompute_granularity=recompute_granularity, recompute_method=method, recompute_num_layers=rnl,
+                recompute_modules=tuple(modules),
                 distribute_saved_activations=distribute_saved)

@@ -38,7 +38,6 @@ NOT_MODELLED: list[Row] = [
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("moe_enable_deepep", bool, "DeepEP dispatch (--moe-enable-deepep)"),
-    ("moe_layer_recompute", bool, "the deprecated --moe-layer-recompute (use --recompute-modules moe)"),
     ("expert_tensor_parallel_num_weight_shards", lambda v: v not in (None, 1), "GTP weight rematerialisation of experts"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
     ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),

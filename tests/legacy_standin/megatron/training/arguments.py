@@ -5,6 +5,7 @@ Megatron's flags that decide memory or that the test driver needs, with 0.16.1's
 """
 import argparse
 import os
+import re
 
 import torch
 
@@ -54,6 +55,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser):
     parser = _add_logging_args(parser)
     parser = _add_transformer_engine_args(parser)
     parser = _add_experimental_args(parser)
+    parser = _add_moe_args(parser)
     return parser
 
 
@@ -77,8 +79,53 @@ def _add_network_size_args(parser):
     group.add_argument('--untie-embeddings-and-output-weights', action='store_true')
     group.add_argument('--disable-bias-linear', action='store_false', dest='add_bias_linear')
     group.add_argument('--add-qkv-bias', action='store_true')
-    group.add_argument('--num-experts', type=int, default=None)
     group.add_argument('--pipeline-model-parallel-layout', type=str, default=None)
+    return parser
+
+
+def _eval_pattern(pattern):
+    """core_v0.16.1 arguments.py: validate and evaluate a string holding a Python list expression."""
+    if bool(re.compile(r'[^,\d\[\]\(\)\+\*]').search(pattern)):
+        raise ValueError(f"Invalid pattern: {pattern}")
+    return eval(pattern)
+
+
+def moe_freq_type(x):
+    """core_v0.16.1: an int, the same int as text, or a list expression."""
+    if isinstance(x, int):
+        return x
+    assert isinstance(x, str)
+    if '[' in x:
+        return _eval_pattern(x)
+    return int(x)
+
+
+def _add_moe_args(parser):
+    """The MoE arguments of core_v0.16.1 that change memory (one value each for the load-balancing type
+    and the aux-loss coefficient; 0.19 takes several)."""
+    group = parser.add_argument_group(title="moe")
+    group.add_argument('--expert-model-parallel-size', type=int, default=1)
+    group.add_argument('--expert-tensor-parallel-size', type=int, default=None)
+    group.add_argument('--num-experts', type=int, default=None)
+    group.add_argument('--moe-layer-freq', type=moe_freq_type, default=1)
+    group.add_argument('--moe-ffn-hidden-size', type=int, default=None)
+    group.add_argument('--moe-shared-expert-intermediate-size', type=int, default=None)
+    group.add_argument('--moe-shared-expert-overlap', action='store_true')
+    group.add_argument('--moe-grouped-gemm', action='store_true')
+    group.add_argument('--moe-use-legacy-grouped-gemm', action='store_true')
+    group.add_argument('--moe-router-load-balancing-type', type=str, default='aux_loss',
+                       choices=['aux_loss', 'seq_aux_loss', 'global_aux_loss', 'sinkhorn', 'none'])
+    group.add_argument('--moe-router-topk', type=int, default=2)
+    group.add_argument('--moe-router-dtype', type=str, choices=['fp32', 'fp64'], default=None)
+    group.add_argument('--moe-aux-loss-coeff', type=float, default=0.0)
+    group.add_argument('--moe-z-loss-coeff', type=float, default=None)
+    group.add_argument('--moe-token-dispatcher-type', type=str, choices=['allgather', 'alltoall', 'flex'],
+                       default='allgather')
+    group.add_argument('--moe-expert-capacity-factor', type=float, default=None)
+    group.add_argument('--moe-pad-expert-input-to-capacity', action='store_true')
+    group.add_argument('--moe-permute-fusion', action='store_true')
+    group.add_argument('--moe-layer-recompute', action='store_true')
+    group.add_argument('--overlap-moe-expert-parallel-comm', action='store_true')
     return parser
 
 
@@ -336,6 +383,17 @@ def validate_args(args, defaults={}):
 
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    # MoE Spec check (core_v0.16.1)
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.expert_model_parallel_size > 1:
+        assert args.num_experts is not None, "num_experts must be non None to use expert model parallelism"
+        assert args.num_experts % args.expert_model_parallel_size == 0, \
+            "Number of experts should be a multiple of expert model parallel_size."
     if args.recompute_granularity == 'selective':
         assert args.recompute_method is None, 'recompute method is not yet supported for selective recomputing granularity'
     if args.use_cpu_initialization is None:
