@@ -103,3 +103,12 @@ def test_layout_document_names_the_features_only_when_set():
 def test_fujii2024_refuses_what_its_closed_form_lacks(extra):
     with pytest.raises(NotModelledError):
         estimate(layout_from_flags(BASE + extra, world_size=8), profile="fujii2024")
+
+
+def test_offloaded_activations_are_host_memory():
+    # layer-level offloading of 3 of 4 layers (PP 1, one micro-batch in flight): 3 layers' saved bytes on the host
+    on, est = _terms(["--cpu-offloading-num-layers", "3"], world=1)
+    off, _ = _terms([], world=1)
+    host = {t.name: t.bytes for t in est.stages[0].host_terms}
+    assert host["host_offloaded_activations"] == off["layer_activations"] * 3 // 4
+    assert est.host_bytes_per_rank == host["host_offloaded_activations"]

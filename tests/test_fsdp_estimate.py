@@ -152,4 +152,4 @@ def test_activation_offloading_host_bytes_are_what_leaves_the_gpu():
     s1 = est1.stages[0]
     a1 = {t.name: t.bytes for t in s1.terms}["layer_activations"]
     assert s1.in_flight == 1 and s1.host_bytes == a0 - a1 > 0
-    assert [t.name for t in s1.host_terms] == ["host_activations"] and est1.host_bytes_per_node == 8 * s1.host_bytes
+    assert [t.name for t in s1.host_terms] == ["host_offloaded_activations"] and est1.host_bytes_per_node == 8 * s1.host_bytes

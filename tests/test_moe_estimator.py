@@ -326,3 +326,22 @@ def test_deepep_buffer_and_rows_by_hand():
     m = MoeSpec(num_experts=8, moe_router_topk=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
                 moe_token_dispatcher_type="flex")
     assert flex_rows(m, 1000) == 1858 and flex_rows(m, 1000, worst=True) == 4000     # ceil(4000·13/28); T·EP
+
+
+def test_moe_mtp_layer_experts_go_to_the_expert_buffer():
+    # MultiTokenPredictionLayer takes the last decoder layer's spec: with an MoE last layer the MTP layer
+    # is MoE too, and its routed experts are expert parameters (the expert buffer, sharded over expert DP)
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.states import stage_states
+    flags = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
+             "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16 --disable-bias-linear "
+             "--num-experts 4 --moe-ffn-hidden-size 512 --expert-model-parallel-size 2 --moe-router-topk 2 "
+             "--untie-embeddings-and-output-weights --position-embedding-type rope").split()
+    L0 = layout_from_flags(flags, world_size=2, megatron_version="0.19")
+    L1 = layout_from_flags(flags + ["--mtp-num-layers", "1"], world_size=2, megatron_version="0.19")
+    from megatron_memguard.estimator.params import chunk_expert_numels
+    e0 = sum(n for c in L0.chunks for n, _ in chunk_expert_numels(L0, c))
+    e1 = sum(n for c in L1.chunks for n, _ in chunk_expert_numels(L1, c))
+    # one more MoE layer's local experts: 2 x (fc1 [512, 256] + fc2 [256, 512]) (GELU, no gating)
+    assert e1 - e0 == 2 * (512 * 256 + 256 * 512)
+    assert stage_states(L1, 0).parameters > stage_states(L0, 0).parameters

@@ -58,8 +58,13 @@ def test_block_activations(sp, rows):
 
 
 def test_logits_in_flight():
-    spec = MtpSpec(mtp_num_layers=3, tensor_model_parallel_size=8, **LLAMA8B)
+    # core 0.16.1: GPTModel._postprocess runs the MTP loop inline, its mtp_logits [s*b, V/TP] bf16 stay
+    # referenced while the main head runs
+    spec = MtpSpec(mtp_num_layers=3, tensor_model_parallel_size=8, megatron_version="0.16", **LLAMA8B)
     assert logits_in_flight(spec) == 8192 * (128256 // 8) * 2
+    # core 0.19.2: the loop is the function process_mtp_loss, which has returned before the main head
+    assert logits_in_flight(MtpSpec(mtp_num_layers=3, tensor_model_parallel_size=8, megatron_version="0.19",
+                                    **LLAMA8B)) == 0
 
 
 def test_loss_buffers_per_depth():

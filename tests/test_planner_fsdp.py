@@ -43,7 +43,9 @@ def test_sharding_lowers_the_model_state():
     assert ogp.name.endswith(",fsdp=optim_grads_params") and "FSDP-ogp" in ogp.label
 
 
-def test_plan_cli_exports_the_fsdp_flags(capsys):
+def test_plan_cli_exports_the_fsdp_flags(capsys, monkeypatch):
+    # the 3.12 run sets CUDA_DEVICE_MAX_CONNECTIONS=1 for megatron.training; FSDP needs it unset or > 1
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     flags = LLAMA31_8B[:]
     assert main(["plan", "--gpus", "16", "--seq-length", "4096", "--global-batch-size", "64", "--top", "3",
                  "--fsdp", "optim_grads_params", "--tp", "1", "--pp", "1", "--cp", "1", "--", *flags]) == 0

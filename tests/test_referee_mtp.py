@@ -56,7 +56,8 @@ def test_mtp_stage_memory_against_the_same_run_without_mtp():
                                                  loss_buffers)
     base, mtp = measured_without_mtp()[1], measured()[1]
     mtp_spec = MtpSpec(mtp_num_layers=1, hidden_size=H, padded_vocab_size=V, seq_length=64, micro_batch_size=2,
-                       pipeline_model_parallel_size=2, max_position_embeddings=POS)
+                       pipeline_model_parallel_size=2, max_position_embeddings=POS,
+                       megatron_version="0.16")   # the referee runs core 0.16.1
     # after the step: 2 B bf16 param + 4 B fp32 grad + 12 B fp32 Adam state for each extra parameter
     state = (mtp["num_params"] - base["num_params"]) * 18
     assert state == (LAYER + 172_800) * 18

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -95,64 +94,20 @@ MOE_GRID: List[Dict[str, Any]] = [
          note="distributed optimizer: dense state over DP4, expert state over EDP2"),
 ]
 
-# Settings keys that belong to MoE (dest names), split off before memguard's resolve().
-_MOE_DESTS = ("num_experts", "expert_model_parallel_size", "expert_tensor_parallel_size")
-
-
-def _is_moe_dest(dest: str) -> bool:
-    return dest in _MOE_DESTS or dest.startswith("moe_")
-
-
-def _moe_layer_pattern(value: Any, num_layers: int) -> Any:
-    """megatron/training/arguments.py moe_freq_type: an int N (layer i is MoE iff i % N == 0) or a
-    Python list expression such as "([0]*3+[1]*58)" whose length must be num_layers."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip()
-    if "[" not in text:
-        return int(text)
-    if not re.fullmatch(r"[\[\]()0-9*+, ]+", text):
-        raise ValueError(f"--moe-layer-freq {text!r}: only list expressions of 0/1 are accepted")
-    pattern = eval(text, {"__builtins__": {}}, {})  # the same evaluation Megatron does, on a checked string
-    if len(pattern) != num_layers:
-        raise ValueError(f"--moe-layer-freq {text!r} has {len(pattern)} entries, --num-layers is {num_layers}")
-    return list(pattern)
+# MoeSpec fields that are not Megatron arguments (memguard's own bookkeeping).
+_NOT_ARGS = ("moe_layer_pattern", "moe_recompute", "routing", "moe_flex_dispatcher_num_sms")
 
 
 def moe_settings(entry: Dict[str, Any]) -> tuple:
-    """Worker settings for an MoE entry WITHOUT memguard's MoE resolution.
-
-    memguard's resolve() refuses MoE flags today. Until MoE lands there, the dense part is resolved by
-    memguard (the MoE flags removed) and the MoE settings are added from the flags with the rules
-    validate_args applies to them (core_v0.16 era). When resolve() models MoE, this function is
-    replaced by grid.resolve_config(entry["flags"], world_size).
-    """
-    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
-
-    layout, settings = resolve_config(entry["dense_flags"], entry["world_size"])
-    moe = parse_megatron_flags(entry["moe_flags"]).args
-    bad = [k for k in moe if not _is_moe_dest(k)]
-    if bad:
-        raise ValueError(f"{entry['name']}: moe_flags hold non-MoE settings {bad}")
-    for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
-        # validate_args: a one-element list becomes a scalar
-        if isinstance(moe.get(key), list) and len(moe[key]) == 1:
-            moe[key] = moe[key][0]
-    if "moe_layer_freq" in moe:
-        moe["moe_layer_freq"] = _moe_layer_pattern(moe["moe_layer_freq"], settings["num_layers"])
-    tp, pp = settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"]
-    ep = moe.get("expert_model_parallel_size", 1)
-    etp = moe.setdefault("expert_tensor_parallel_size", tp)  # validate_args: ETP defaults to TP
-    moe.setdefault("moe_ffn_hidden_size", settings["ffn_hidden_size"])
-    if moe["num_experts"] % ep:
-        raise ValueError(f"{entry['name']}: --num-experts must be divisible by --expert-model-parallel-size")
-    ws = entry["world_size"]
-    if ws % (etp * ep * pp):
-        raise ValueError(f"{entry['name']}: world size {ws} is not divisible by ETP x EP x PP")
-    if tp > 1 and not settings["sequence_parallel"]:
-        raise ValueError(f"{entry['name']}: MoE training with TP > 1 needs --sequence-parallel")
-    settings.update(moe)
-    settings["expert_data_parallel_size"] = ws // (etp * ep * pp)
+    """Worker settings for an MoE entry: the flags resolved by memguard itself (its MoE section applies
+    validate_args's MoE rules: ETP = TP, moe_ffn_hidden_size = ffn_hidden_size, --moe-layer-freq as a
+    per-layer list), written back as Megatron's flat argument names for the worker."""
+    layout, settings = resolve_config(entry["flags"], entry["world_size"])
+    moe = settings.pop("moe")
+    settings.update({k: v for k, v in moe.items() if k not in _NOT_ARGS})
+    settings["moe_layer_freq"] = [int(v) for v in moe["moe_layer_pattern"]]
+    settings["expert_data_parallel_size"] = layout.world_size // (
+        layout.moe.etp * layout.moe.ep * layout.pipeline_model_parallel_size)
     return layout, settings
 
 

@@ -239,7 +239,10 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
                           f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.moe is not None:
-        terms = _moe_buffers(L, terms, sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE))
+        n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
+        if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
+            n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
+        terms = _moe_buffers(L, terms, n_moe)
     mixer = uniform_kind(L).mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
@@ -460,11 +463,13 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
-    act_host = max((a.host_bytes for a in acts), default=0) * in_flight
+    act_host = max(a.host_bytes for a in acts) * in_flight
     if act_host:
-        # activation offloading: what the micro-batches in flight keep on the host (host memory, apart)
-        host_terms = host_terms + (Term("host_activations", act_host, "host", "host",
-                                        f"saved activations offloaded to the host, {in_flight} micro-batch(es) in flight"),)
+        # activation offloading: the saved tensors on the host of every micro-batch in flight (pinned)
+        how = ("layer-level (--cpu-offloading-num-layers)" if L.cpu_offloading_num_layers
+               else "fine-grained (" + ", ".join(L.offload_modules) + ")")
+        host_terms = host_terms + (Term("host_offloaded_activations", act_host, "host", "host",
+                                        f"{how}; {in_flight} micro-batch(es) in flight"),)
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady

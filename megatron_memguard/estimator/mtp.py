@@ -27,6 +27,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# core 0.19.2 moved the MTP heads' loop out of GPTModel._postprocess into the function
+# process_mtp_loss (transformer/multi_token_prediction.py): its last mtp_logits die when it returns,
+# before the main head runs. 0.16.1 runs the loop inline, so they stay referenced. 0.17 / 0.18 were
+# not read: they keep the 0.16.1 figure, the larger one.
+MTP_LOSS_FUNCTION_SINCE = (0, 19)
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    parts = (str(text).split(".") + ["0"])[:2]
+    return int("".join(c for c in parts[0] if c.isdigit()) or 0), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
 
 @dataclass(frozen=True)
 class MtpSpec:
@@ -46,6 +57,7 @@ class MtpSpec:
     position_embedding_type: str = "learned_absolute"
     max_position_embeddings: int | None = None
     activation_bytes: int = 2                   # bf16/fp16 activations; 4 for fp32 runs
+    megatron_version: str = "0.19"              # decides whether the last depth's logits outlive its loss
 
     @property
     def rows(self) -> int:
@@ -124,10 +136,11 @@ def block_activations(spec: MtpSpec) -> MtpActivations:
 
 
 def logits_in_flight(spec: MtpSpec) -> int:
-    """The last depth's logits ``[s*b/CP, V/TP]`` in the activation dtype: the loop variable in
-    ``process_mtp_loss`` (``GPTModel._postprocess`` in 0.16.1) still holds them while the main head
-    computes its logits and loss, so they add to the last stage's forward transient."""
-    if spec.mtp_num_layers <= 0:
+    """The last depth's logits ``[s*b/CP, V/TP]`` in the activation dtype: in core 0.16.1 the loop
+    variable of ``GPTModel._postprocess`` still holds them while the main head computes its logits and
+    loss, so they add to the last stage's forward transient. From core 0.19 the loop runs in the function
+    ``process_mtp_loss``, which has returned (and dropped them) before the main head starts: nothing."""
+    if spec.mtp_num_layers <= 0 or _version_tuple(spec.megatron_version) >= MTP_LOSS_FUNCTION_SINCE:
         return 0
     tokens = spec.seq_length * spec.micro_batch_size // spec.context_parallel_size
     return tokens * (spec.padded_vocab_size // spec.tensor_model_parallel_size) * spec.activation_bytes
@@ -161,7 +174,7 @@ def spec_of(L) -> MtpSpec:
         pipeline_model_parallel_size=L.pipeline_model_parallel_size, sequence_parallel=L.sequence_parallel,
         normalization=L.normalization, untie_embeddings_and_output_weights=L.untie_embeddings_and_output_weights,
         position_embedding_type=L.position_embedding_type, max_position_embeddings=L.max_position_embeddings,
-        activation_bytes=L.act_bytes)
+        activation_bytes=L.act_bytes, megatron_version=L.megatron_version)
 
 
 def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tuple[str, int, bool]]:

@@ -91,13 +91,19 @@ def chunk_expert_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
     out: list[tuple[int, bool]] = []
     for kind, n in c.kind_runs:
         out.extend([(numel, False) for numel in _layer_numels(L, kind, True)] * n)
+    if c.has_output and getattr(L, "mtp_num_layers", 0):
+        # the MTP layers (after the decoder) take the last decoder layer's kind
+        out.extend([(numel, False) for numel in _layer_numels(L, mtp_layer_kind(L), True)] * L.mtp_num_layers)
     return out
 def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
     """The MTP block's parameters when this chunk holds it (the last stage's last chunk)."""
     if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
         return []
     from .mtp import chunk_params as mtp_chunk_params, spec_of
-    return mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer_params(L, kind=mtp_layer_kind(L))])
+    # an MoE MTP layer's routed experts go to the expert buffer like the decoder's (chunk_expert_numels)
+    sep = L.moe is not None and experts_use_expert_buffer(L.moe, L.tp, L.megatron_version)
+    return mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer_params(L, kind=mtp_layer_kind(L))
+                                         if not (sep and p.expert)])
 
 
 def mtp_layer_kind(L: Layout) -> LayerKind:

@@ -463,7 +463,7 @@ class TimeModel:
         ms = self.shape.moe
         if ms is None:
             return 0
-        key = (c.pp, c.vpp, c.first, c.last, c.stage_layers, stage)
+        key = (c.pp, c.vpp, c.first, c.last, stage)   # (the split follows from PP, first and last)
         n = self._moe_on.get(key)
         if n is not None:
             return n

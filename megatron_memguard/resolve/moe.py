@@ -16,6 +16,7 @@ from typing import Any, Mapping, Protocol
 from ..errors import ConfigError, NotModelledError
 from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
 from .args import Args, Context
+from .parallel import weight_shards
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
@@ -60,6 +61,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         if v is not None and pred(v):
             raise NotModelledError(r.key(dest), what)
     etp = r.int_arg("expert_tensor_parallel_size", None) or tp
+    weight_shards(r, "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size", etp, "expert TP")
     k = r.int_arg("moe_router_topk", 2) or 2
     ok = True
     if n % ep:

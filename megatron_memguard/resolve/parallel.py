@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NotModelledError
 from ..numbers import MAX_WORLD_SIZE, WORLD_SIZE_WHY, to_int
 from .args import Args, Context
 
@@ -28,6 +28,7 @@ def parallel(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.errors.append(ConfigError(world_key, f"{world} GPUs is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}",
                                     "change the world size or the parallel sizes"))
     dp = max(1, world // model_parallel)
+    weight_shards(a, "tensor_parallel_num_weight_shards", "gtp_weight_remat_size", tp, "TP")
     return dict(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 context_parallel_size=cp, data_parallel_size=dp)
 
@@ -42,3 +43,16 @@ def sequence_parallel(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
     if tp_comm_overlap and not sp:
         a.fail("tp_comm_overlap", "needs --sequence-parallel")
     return dict(sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap)
+
+
+def weight_shards(a: Args, shards_dest: str, remat_dest: str, tp: int, tp_name: str) -> None:
+    """GTP weight rematerialisation (core 0.19, resolve_tensor_parallel_weight_shards): the weight shards
+    are TP x remat size. validate_args fills the shards in as TP when unset, so shards == TP (remat 1) is
+    the no-GTP default and is accepted; more shards rematerialise weights, which is not modelled."""
+    shards = a.int_arg(shards_dest, None, minimum=1)
+    remat = a.int_arg(remat_dest, None, minimum=1)
+    if shards is not None and (shards < tp or shards % tp):
+        a.fail(shards_dest, f"must be a multiple of the {tp_name} size ({tp}), got {shards}")
+    elif (shards is not None and shards != tp) or (remat is not None and remat != 1):
+        key = shards_dest if shards is not None and shards != tp else remat_dest
+        raise NotModelledError(a.key(key), "GTP weight rematerialisation (weight shards beyond the TP size)")

@@ -15,7 +15,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
-    ("tensor_parallel_num_weight_shards", lambda v: v not in (None, 1), "GTP weight rematerialisation"),
     ("delay_wgrad_compute", bool, "delayed weight-gradient computation"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps"),
@@ -37,8 +36,6 @@ NOT_MODELLED: list[Row] = [
     ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
-    ("moe_enable_deepep", bool, "DeepEP dispatch (--moe-enable-deepep)"),
-    ("expert_tensor_parallel_num_weight_shards", lambda v: v not in (None, 1), "GTP weight rematerialisation of experts"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
     ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased (imbalanced) routing"),
