@@ -64,6 +64,8 @@ def test_megatron_fsdp_rules():
         layout_from_flags(BASE + FSDP, world_size=8, megatron_version="0.16.1")
     with pytest.raises((ConfigError, ConfigErrors), match="--data-parallel-sharding-strategy"):
         layout_from_flags(BASE + FSDP + ["--data-parallel-sharding-strategy", "zero3"], world_size=8)
+    with pytest.raises(NotModelledError, match="muon"):     # validate_args: adam or sgd (resolve/muon.py)
+        layout_from_flags(BASE + FSDP + ["--optimizer", "muon"], world_size=8)
     with pytest.raises(NotModelledError, match="outer-dp-sharding-strategy"):
         layout_from_flags(BASE + FSDP + ["--outer-dp-sharding-strategy", "optim"], world_size=8)
     # 0.19 switches the distributed optimizer on (with a note), so --overlap-param-gather is allowed
@@ -138,3 +140,16 @@ def test_pipeline_stages_hold_their_own_groups():
     assert first["fsdp_non_unit_parameters"] == 2 * 525_336_576
     assert last["fsdp_non_unit_parameters"] == 2 * 525_352_960
     assert first["fsdp_parameters"] - 2 * 525_336_576 // 4 == last["fsdp_parameters"] - 2 * 525_352_960 // 4
+
+
+def test_activation_offloading_host_bytes_are_what_leaves_the_gpu():
+    # --cpu-offloading-num-layers (TE cpu_offload, PP = 1): the layers' saved tensors move to the host;
+    # the host figure is exactly what the GPU's layer activations lose (one micro-batch in flight)
+    flags = ["--use-distributed-optimizer", "--no-gradient-accumulation-fusion"]
+    est0 = estimate(layout_from_flags(BASE + flags, world_size=8))
+    est1 = estimate(layout_from_flags(BASE + flags + ["--cpu-offloading-num-layers", "4"], world_size=8))
+    a0 = {t.name: t.bytes for t in est0.stages[0].terms}["layer_activations"]
+    s1 = est1.stages[0]
+    a1 = {t.name: t.bytes for t in s1.terms}["layer_activations"]
+    assert s1.in_flight == 1 and s1.host_bytes == a0 - a1 > 0
+    assert [t.name for t in s1.host_terms] == ["host_offloaded_activations"] and est1.host_bytes_per_node == 8 * s1.host_bytes

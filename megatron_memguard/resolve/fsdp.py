@@ -50,6 +50,10 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("use_torch_fsdp2", "cannot be combined with --use-megatron-fsdp (choose one FSDP)")
         return out
     if megatron or torch2:
+        # (Megatron-FSDP asserts adam / sgd, and emerging optimizers refuse both FSDPs: resolve/muon.py)
+        if megatron and (a.bool_arg("moe_single_grouped_weight", False) or a.bool_arg("moe_single_grouped_bias", False)):
+            a.fail("moe_single_grouped_weight" if a.given("moe_single_grouped_weight") else "moe_single_grouped_bias",
+                   "is not supported with Megatron-FSDP (validate_args)")
         if str(env.get("CUDA_DEVICE_MAX_CONNECTIONS", "")).strip() == "1":
             a.fail(mkey if megatron else "use_torch_fsdp2", "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset")
     if torch2:
