@@ -226,3 +226,13 @@ def test_hopper_refuses_mxfp8(capsys):
                  "--fp8-recipe", "mxfp8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("memguard: error: --gpu") and "Blackwell" in err[0]
+
+
+def test_megatron_fsdp_primary_fp8_weights_keep_only_scales_outside_its_buffers():
+    # Megatron-FSDP holds primary FP8 weights in its own uint8 buffers and drops TE's transposes after
+    # each use (--keep-fp8-transpose-cache refused): one 512-byte scale block per GEMM weight remains
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+            "--ckpt-format", "fsdp_dtensor"]
+    t = terms(estimate(lay(*fsdp, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather")))
+    assert t["fp8_weight_columnwise"].bytes == 16 * 4 * 512
+    assert "parameters" not in t and "fp8_weight_cache" not in t

@@ -428,9 +428,9 @@ def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple
             t = replace(t, bytes=t.bytes - saving, detail=t.detail + f"; primary {L.fp8_spec.recipe} GEMM weights: "
                                                                       f"{saving:,} B less in the uint8 buffer")
         out.append(t)
-        if t.name == "parameters":
-            out += extra
-    return tuple(out)
+    # after the last weights term (DDP's parameters, or Megatron-FSDP's weight buffers)
+    at = max((i + 1 for i, t in enumerate(out) if t.group == "weights"), default=0)
+    return tuple(out[:at] + list(extra) + out[at:])
 
 
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,

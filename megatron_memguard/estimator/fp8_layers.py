@@ -61,6 +61,17 @@ def primary_weight_extra_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn
                                         distributed_optimizer=distributed_optimizer).te_storage for g in gemms)
 
 
+def primary_weight_scale_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> int:
+    """The scale tensors alone of one layer's primary quantized weights (what stays outside Megatron-FSDP's
+    buffers)."""
+    from .fp8 import quantized_tensor
+    r = spec.recipe
+    if r is None or not spec.primary_weights_quantized:
+        return 0
+    return sum(g.count * quantized_tensor(r, g.rows, g.cols, rowwise=True, columnwise=True, non_tn=non_tn,
+                                          block_2d=r == "blockwise").scale_bytes for g in gemms)
+
+
 def layer_recipe_state_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...]) -> int:
     """``fp8_scales``: the recipe state of one layer's TE modules (a grouped linear is one module of
     ``count`` GEMMs)."""
@@ -218,7 +229,10 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     if not spec.enabled:
         return 0, []
     non_tn = non_tn_gpu(gpu_name or "")
-    dist = L.use_distributed_optimizer and not getattr(L, "use_megatron_fsdp", False)
+    # Megatron-FSDP sizes its own (uint8) buffers for primary FP8 weights and drops TE's transposes after
+    # each use (--keep-fp8-transpose-cache is refused): only the scales stay outside its buffers
+    fsdp = bool(getattr(L, "use_megatron_fsdp", False))
+    dist = L.use_distributed_optimizer and not fsdp
     cache = colw = scales = layers = elements = 0
     for c in chunks:
         for kind, n in c.kind_runs:
@@ -227,7 +241,8 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             g = layer_gemms(L, kind)
             layers += n
             cache += n * weight_cache_bytes(spec, g, non_tn=non_tn)
-            colw += n * primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist)
+            colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
+                         primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
             scales += n * layer_recipe_state_bytes(spec, g)
             elements += n * sum(x.count * x.rows * x.cols for x in g)
     saving = 0
@@ -245,8 +260,10 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                           detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers, row-wise + "
                                  f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
     if colw:
+        where = ("scale tensors outside Megatron-FSDP's buffers (its transposes are dropped after each use)" if fsdp
+                 else f"TE storage outside the parameter buffer ({arch})")
         terms.append(Term("fp8_weight_columnwise", colw, TermGroup.WEIGHTS,
-                          detail=f"{r} primary weights of {layers} layers: TE storage outside the parameter buffer ({arch})"))
+                          detail=f"{r} primary weights of {layers} layers: {where}"))
     if scales:
         terms.append(Term("fp8_scales", scales, TermGroup.WEIGHTS,
                           detail=f"{r} recipe state of {layers} FP8 layers"
