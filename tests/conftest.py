@@ -1,5 +1,9 @@
+import collections
+import importlib.util
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -27,3 +31,24 @@ def pytest_configure(config):
                             "(Python 3.12, megatron-core >= 0.18); tests/run.sh runs these in .venv312")
     config.addinivalue_line("markers", "bridge: needs the real Megatron-Bridge 0.6.2 (tests/run_bridge.sh installs it into "
                             ".venv312-bridge and runs these)")
+
+
+def container_era() -> bool:
+    """Python 3.12 with megatron-core >= 0.18, whose wheel ships the real megatron.training."""
+    try:
+        spec = importlib.util.find_spec("megatron.training.arguments")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and sys.version_info >= (3, 12)
+
+
+# the marks of a module that runs the real megatron.training (tests/run.sh runs them in .venv312)
+CONTAINER_ERA = [
+    pytest.mark.megatron_training,
+    pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                       "tests/run.sh runs these in .venv312"),
+]
+
+# torch.cuda.get_device_properties of an H100 SXM (what the hook reads for the GPU's memory)
+Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
+H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)

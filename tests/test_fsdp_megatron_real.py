@@ -1,32 +1,15 @@
 """Megatron-FSDP, torch FSDP2 and optimizer offload rules against megatron-core 0.19.2's real
 parse_and_validate_args (megatron.training, Python 3.12 env): what Megatron accepts, memguard resolves
 the same way; what Megatron's validate_args refuses, memguard refuses naming the flag."""
-import collections
-import importlib.util
 import os
 import sys
 
 import pytest
 
-from conftest import LLAMA31_8B
+from conftest import CONTAINER_ERA, LLAMA31_8B, H100
 
 
-def _container_era() -> bool:
-    try:
-        spec = importlib.util.find_spec("megatron.training.arguments")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and sys.version_info >= (3, 12)
-
-
-pytestmark = [
-    pytest.mark.megatron_training,
-    pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
-                       "tests/run.sh runs these in .venv312"),
-]
-
-Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
-H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+pytestmark = CONTAINER_ERA
 BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion --micro-batch-size 1".split()
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 

@@ -2,32 +2,15 @@
 Python 3.12, through the real parse_and_validate_args (argparse, validate_args, set_global_variables with
 the micro-batch calculator and tokenizer) and the config snapshot pretrain_gpt.py takes afterwards.
 torch.cuda.get_device_properties answers with an H100's properties; nothing else needs a GPU."""
-import collections
-import importlib.util
 import os
 import sys
 
 import pytest
 
-from conftest import LLAMA31_8B
+from conftest import CONTAINER_ERA, LLAMA31_8B, H100
 
 
-def _container_era() -> bool:
-    try:
-        spec = importlib.util.find_spec("megatron.training.arguments")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and sys.version_info >= (3, 12)
-
-
-pytestmark = [
-    pytest.mark.megatron_training,
-    pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
-                       "tests/run.sh runs these in .venv312"),
-]
-
-Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
-H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+pytestmark = CONTAINER_ERA
 BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion".split()
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}   # what pretrain_gpt.py passes
 

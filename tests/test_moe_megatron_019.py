@@ -1,30 +1,14 @@
 """MoE flags as megatron-core 0.19.2's own parser and validate_args leave them (Python 3.12, the real
 megatron.training), read by memguard's hook: the layout memguard resolves from the namespace is the one
 it resolves from the same flags, and the hook's pre-allocation report names the MoE terms."""
-import collections
-import importlib.util
 import os
 import sys
 
 import pytest
+from conftest import CONTAINER_ERA, H100
 
 
-def _container_era() -> bool:
-    try:
-        spec = importlib.util.find_spec("megatron.training.arguments")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and sys.version_info >= (3, 12)
-
-
-pytestmark = [
-    pytest.mark.megatron_training,
-    pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
-                       "tests/run.sh runs these in .venv312"),
-]
-
-Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
-H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+pytestmark = CONTAINER_ERA
 MOE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 "
        "--micro-batch-size 4 --global-batch-size 32 --bf16 --tensor-model-parallel-size 2 --sequence-parallel "
        "--expert-model-parallel-size 2 --num-experts 8 --moe-router-topk 2 --moe-layer-freq ([0]*1+[1]*3) "

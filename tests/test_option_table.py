@@ -17,11 +17,12 @@ from __future__ import annotations
 import ast
 import json
 import os
-import sys
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
+
+from conftest import container_era
 
 from megatron_memguard.config import RawConfig
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
@@ -150,17 +151,8 @@ def test_walk_findings_are_named_in_a_note(dest, value):
     assert _gate_outcome({dest: value}) == "named"
 
 
-def _container_era() -> bool:
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("megatron.training.arguments")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and sys.version_info >= (3, 12)
-
-
 @pytest.mark.megatron_training
-@pytest.mark.skipif(not _container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+@pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
                     "tests/run.sh runs these in .venv312")
 def test_the_real_parser():
     import argparse
