@@ -7,7 +7,6 @@ moe_ffn_hidden_size = ffn_hidden_size when unset, the per-layer pattern). A dens
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,122 +19,21 @@ AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 # ----------------------------------------------------------------------------------------------
 # which layers are MoE
 # ----------------------------------------------------------------------------------------------
-_LIST_EXPR = re.compile(r"[\[\]()0-9*+, ]+")
 
 
 def parse_moe_layer_freq(value: Any, num_layers: int, key: str = "--moe-layer-freq") -> tuple[bool, ...]:
     """The MoE/dense pattern of all ``num_layers`` layers, as ``moe_freq_type`` (arguments.py) and
     ``get_gpt_decoder_layer_specs`` read it: an int N makes layer i (0-based) MoE iff i % N == 0; a
-    list (or a string holding a Python list expression such as ``([0]*3+[1]*58)``) gives one 0/1 per
-    layer and must have ``num_layers`` entries."""
-    if isinstance(value, bool):
-        raise ConfigError(key, f"must be an integer or a list of 0/1, got {value!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(key, f"must be a positive integer (every N-th layer is MoE), got {value}")
-        return tuple(i % value == 0 for i in range(num_layers))
-    if isinstance(value, str):
-        text = value.strip()
-        if "[" not in text:
-            try:
-                n = int(text)
-            except ValueError:
-                raise ConfigError(key, f"must be an integer or a list expression like ([0]*3+[1]*5), "
-                                       f"got {text[:60]!r}") from None
-            return parse_moe_layer_freq(n, num_layers, key)
-        value = _eval_list_expr(text, key)
-    if isinstance(value, (list, tuple)):
-        if len(value) != num_layers:
-            raise ConfigError(key, f"has {len(value)} entries but --num-layers is {num_layers}; give one 0/1 per layer")
-        if any(isinstance(v, bool) or v not in (0, 1) for v in value):
-            raise ConfigError(key, "list entries must be 0 (dense) or 1 (MoE)")
-        return tuple(bool(v) for v in value)
-    raise ConfigError(key, f"must be an integer or a list of 0/1, got {str(value)[:60]!r}")
-
-
-def _eval_list_expr(text: str, key: str) -> list[int]:
-    """Read ``([0]*3+[1]*5)``-style expressions without eval() (Megatron evals the string): lists of
-    numbers, ``*`` repetition, ``+`` concatenation and parentheses, nothing else."""
-    if len(text) > 10_000:
-        raise ConfigError(key, f"list expression is longer than 10,000 characters ({len(text):,})")
-    if not _LIST_EXPR.fullmatch(text):
-        raise ConfigError(key, f"list expression may only use [ ] ( ) , * + and digits, got {text[:60]!r}")
-    depth = 0
-    for ch in text:   # the reader below recurses per parenthesis
-        depth += (ch == "(") - (ch == ")")
-        if depth > 100:
-            raise ConfigError(key, "list expression nests parentheses more than 100 deep")
-    pos = 0
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError(key, f"cannot read list expression {text[:60]!r} ({what} at character {pos})")
-
-    def peek() -> str:
-        nonlocal pos
-        while pos < len(text) and text[pos] == " ":
-            pos += 1
-        return text[pos] if pos < len(text) else ""
-
-    def expect(ch: str) -> None:
-        nonlocal pos
-        if peek() != ch:
-            raise bad(f"{ch!r} expected")
-        pos += 1
-
-    def number() -> int:
-        nonlocal pos
-        peek()
-        m = re.match(r"\d{1,6}", text[pos:])
-        if not m:
-            raise bad("number expected")
-        pos += len(m.group(0))
-        return int(m.group(0))
-
-    def term() -> Any:
-        c = peek()
-        if c == "(":
-            expect("(")
-            v = expr()
-            expect(")")
-        elif c == "[":
-            expect("[")
-            v = []
-            if peek() != "]":
-                v.append(number())
-                while peek() == ",":
-                    expect(",")
-                    if peek() == "]":
-                        break
-                    v.append(number())
-            expect("]")
-        else:
-            v = number()
-        while peek() == "*":
-            expect("*")
-            n = number()
-            if isinstance(v, list) and len(v) * n > 100_000:
-                raise ConfigError(key, "list expression expands to more than 100,000 entries")
-            v = v * n
-        return v
-
-    def expr() -> Any:
-        v = term()
-        while peek() == "+":
-            expect("+")
-            w = term()
-            if isinstance(v, list) != isinstance(w, list):
-                raise bad("list + number")
-            if isinstance(v, list) and len(v) + len(w) > 100_000:
-                raise ConfigError(key, "list expression expands to more than 100,000 entries")
-            v = v + w
-        return v
-
-    out = expr()
-    if peek():
-        raise bad("trailing text")
-    if not isinstance(out, list):
-        raise ConfigError(key, f"list expression {text[:60]!r} is not a list")
-    return out
+    list (or a string holding a list expression such as ``([0]*3+[1]*58)``, read without eval by
+    ``readers/moe_freq.py``) gives one 0/1 per layer and must have ``num_layers`` entries."""
+    from ..readers.moe_freq import moe_layers, parse_moe_layer_freq as read_freq
+    freq = read_freq(value, key)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConfigError(key, f"must be a positive integer (every N-th layer is MoE), got {freq}")
+    elif len(freq) != num_layers:
+        raise ConfigError(key, f"has {len(freq)} entries but --num-layers is {num_layers}; give one 0/1 per layer")
+    return tuple(moe_layers(freq, num_layers))
 
 
 def moe_layers_in(pattern: tuple[bool, ...], first_layer: int, num_layers: int) -> int:
