@@ -193,6 +193,17 @@ def test_worst_case_is_reported_and_bounds_the_estimate():
     assert "moe" not in estimate(resolve_config(MOE_GRID[0]["dense_flags"], 1)[0]).stages[0].to_dict()
 
 
+def test_worst_case_under_full_recompute_still_grows_with_the_rows():
+    # Checkpointed layers keep no MoE bytes, but the backward remakes one MoE layer at a time; with
+    # worst-case routing that layer's dispatched tokens alone grow by (worst - balanced) rows x h x 2 B.
+    from megatron_memguard import estimate
+    L, m = _resolved("moe_ep2_alltoall")
+    L = L.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    for st in estimate(L, profile="local", device="cpu").stages:
+        rows = st.moe["expert_rows_worst"] - st.moe["expert_rows_balanced"]
+        assert st.moe["worst_case"]["peak_allocated_bytes"] - st.peak_allocated_bytes >= rows * L.hidden_size * 2
+
+
 def test_dense_layers_of_a_moe_model_keep_the_dense_recipe():
     # --moe-layer-freq 2 on 4 layers: layers 0 and 2 MoE, 1 and 3 dense; a dense layer's parameters are the
     # dense model's, an MoE layer's MLP is the router plus E/EP experts

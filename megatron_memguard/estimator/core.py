@@ -630,7 +630,14 @@ def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gp
     for s in stages:
         held = s.breakdown.get("moe_layer_activations", 0)
         grow = (held * wst.total // bal.total - held) if bal.total else 0
-        extra = grow + (d_work if held else 0)
+        if held:
+            extra = grow + d_work
+        elif any(kind.mlp == MLP_MOE and n for c in s.chunks for kind, n in c.kind_runs):
+            # checkpointed layers keep no MoE bytes, but the backward remakes one MoE layer at a time:
+            # its saved tensors and working set at the worst-case rows
+            extra = max(wst.total - bal.total, 0) + d_work
+        else:
+            extra = 0
         extra_reserved = extra + int(extra * frag)
         moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
                "worst_case": {"peak_allocated_bytes": s.peak_allocated_bytes + extra,
