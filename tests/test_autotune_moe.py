@@ -2,27 +2,11 @@
 divides into ETP x EP x PP, checked by megatron-core only after validate_args; no full recomputation with
 --moe-layer-recompute), and autotune never proposes a layout Megatron rejects. Mixtral-8x7B's shape
 (its config.json: the mixtral-8x7b preset) trained with EP 8 on H100s."""
-import pytest
-
-from megatron_memguard import lookup_gpu, resolve
+from megatron_memguard import lookup_gpu
 from megatron_memguard.autotune import autotune
-from megatron_memguard.errors import NotModelledError
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags
 from megatron_memguard.readers.models import read_model
 
-
-def _moe_modelled() -> bool:
-    raw = parse_megatron_flags("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-                               "--max-position-embeddings 64 --micro-batch-size 1 --num-experts 2 "
-                               "--tokenizer-type NullTokenizer --vocab-size 128".split())
-    try:
-        resolve(raw, world_size=1)
-    except NotModelledError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 
 H100 = lookup_gpu("H100-80GB")
 TRAIN = ("--micro-batch-size 4 --global-batch-size 64 --seq-length 4096 --bf16 --use-distributed-optimizer "

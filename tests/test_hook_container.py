@@ -275,18 +275,6 @@ MOE = ["--num-experts", 8, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 3584
        "--moe-router-load-balancing-type", "aux_loss"]
 
 
-def _moe_modelled():
-    from megatron_memguard import resolve
-    from megatron_memguard.errors import NotModelledError
-    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
-    try:
-        resolve(parse_megatron_flags(LLAMA31_8B + ["--num-experts", "8", "--micro-batch-size", "1"]), world_size=8)
-    except NotModelledError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 def test_moe_autotune_keeps_the_expert_grid(run, hook, capsys):
     args = run("--micro-batch-size", 4, "--global-batch-size", 64, *MOE, "--memguard", "autotune",
                "--memguard-allow-recompute")
@@ -299,7 +287,6 @@ def test_moe_autotune_keeps_the_expert_grid(run, hook, capsys):
     assert d.layout.expert_model_parallel_size == 8 and args.moe_aux_loss_coeff == 0.01
 
 
-@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 def test_moe_abort_names_a_layout_with_the_expert_grid(run, hook, capsys):
     from megatron_memguard.megatron import ABORT_EXIT_CODE
     with pytest.raises(SystemExit) as e:

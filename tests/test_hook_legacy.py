@@ -309,18 +309,6 @@ MOE = ["--num-experts", 8, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 3584
        "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
 
 
-def _moe_modelled():
-    from megatron_memguard import resolve
-    from megatron_memguard.errors import NotModelledError
-    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
-    try:
-        resolve(parse_megatron_flags(LLAMA31_8B + ["--num-experts", "8", "--micro-batch-size", "1"]), world_size=8)
-    except NotModelledError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 def test_moe_autotune_keeps_the_expert_grid(legacy, capsys):
     # 16 GPUs with EP 8: PP 4 and up leave no whole expert grid (initialize_model_parallel would raise after
     # validate_args); autotune applies a micro-batch / recompute change at PP 1 or 2, and Megatron accepts it
@@ -335,7 +323,6 @@ def test_moe_autotune_keeps_the_expert_grid(legacy, capsys):
     assert d.layout.expert_model_parallel_size == 8
 
 
-@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 def test_moe_warn_shows_the_worst_case(legacy, capsys):
     legacy.run("--micro-batch-size", 1, "--global-batch-size", 64, "--pipeline-model-parallel-size", 2, *MOE)
     out = capsys.readouterr().out

@@ -194,21 +194,7 @@ def test_moe_shape_from_megatron_args():
 
 
 # ---- end to end, with the MoE estimator ------------------------------------------------------------------
-def _moe_modelled() -> bool:
-    from megatron_memguard import resolve
-    from megatron_memguard.errors import NotModelledError
-    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
-    raw = parse_megatron_flags("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-                               "--max-position-embeddings 64 --micro-batch-size 1 --num-experts 2 "
-                               "--tokenizer-type NullTokenizer --vocab-size 128".split())
-    try:
-        resolve(raw, world_size=1)
-    except NotModelledError:
-        return False
-    return True
 
-
-needs_moe = pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 MIXTRAL_TRAIN = "--bf16 --moe-grouped-gemm --moe-token-dispatcher-type alltoall --tokenizer-type NullTokenizer --vocab-size 32000"
 
 
@@ -220,7 +206,6 @@ def mixtral_planner(gpus=64, seq=4096, gbs=256):
     return Planner(raw, cluster(gpus), seq_length=seq, global_batch_size=gbs)
 
 
-@needs_moe
 def test_plan_of_an_moe_model_searches_ep_and_writes_it_out():
     p = mixtral_planner()
     assert p.shape.moe is not None and p.shape.moe.experts == 8
@@ -236,7 +221,6 @@ def test_plan_of_an_moe_model_searches_ep_and_writes_it_out():
         assert f"trainer.strategy.expert_tensor_parallel_size={c.etp}" in d["nemo2_overrides"]
 
 
-@needs_moe
 def test_memory_bound_stays_below_the_moe_estimate():
     """The planner prunes with a lower bound: on a spread of Mixtral layouts (EP, ETP, recompute, MBS,
     pipeline splits) it must stay below the estimator's device total, or a fitting layout could be lost."""
@@ -256,7 +240,6 @@ def test_memory_bound_stays_below_the_moe_estimate():
     assert checked >= 30
 
 
-@needs_moe
 def test_planner_expert_parameters_equal_the_estimators():
     # the planner's per-rank counts (its bound and optimizer term) against the estimator's parameters
     p = mixtral_planner()

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_memguard.errors import ConfigError
 from megatron_memguard.readers.hf import read_hf_config
-from megatron_memguard.readers.megatron_flags import flag_table, flags_from_mapping, parse_megatron_flags
+from megatron_memguard.readers.megatron_flags import flags_from_mapping, parse_megatron_flags
 from megatron_memguard.readers.models import presets, read_model
 from megatron_memguard.readers.moe_freq import MAX_PATTERN_LENGTH, moe_layers, parse_moe_layer_freq
 
@@ -353,20 +353,6 @@ def test_hook_namespace_before_validate_args():
     assert (a["moe_router_load_balancing_type"], a["moe_aux_loss_coeff"], a["moe_layer_freq"]) == ("aux_loss", 0.01, [0, 1])
 
 
-def _moe_modelled() -> bool:
-    from megatron_memguard import resolve
-    from megatron_memguard.errors import NotModelledError
-    raw = parse_megatron_flags("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-                               "--max-position-embeddings 64 --micro-batch-size 1 --num-experts 2 "
-                               "--tokenizer-type NullTokenizer --vocab-size 128".split())
-    try:
-        resolve(raw, world_size=1)
-    except NotModelledError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _moe_modelled(), reason="needs the MoE estimator (issue 16's estimator side)")
 @pytest.mark.parametrize("preset", sorted(MOE_PRESETS))
 def test_estimator_counts_the_presets_as_transformers_does(preset):
     """The estimator's total parameters of each MoE preset (resolved at TP = PP = EP = 1, vocabulary
