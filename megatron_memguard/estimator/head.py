@@ -119,9 +119,3 @@ def deferred_wgrad_buffers(L: Layout) -> int:
     x = shapes(L)
     n = L.num_microbatches if L.wgrad_deferral_limit == 0 else min(L.wgrad_deferral_limit, L.num_microbatches)
     return n * (x.T * x.h * x.e + x.Tf * (L.padded_vocab_size // L.tp) * x.e)
-
-
-def fused_wgrad(L: Layout) -> bool:
-    """Kept for callers not yet switched to ``L.fused_wgrad`` (layout/kernels.py), which replaces it
-    (importing it from here made activations.py and head.py import each other)."""
-    return L.fused_wgrad
