@@ -17,7 +17,10 @@ import yaml.scanner
 from yaml.composer import Composer, ComposerError
 from yaml.constructor import SafeConstructor
 from yaml.events import AliasEvent
+from yaml.parser import Parser as _PyParserBase
+from yaml.reader import Reader
 from yaml.resolver import Resolver
+from yaml.scanner import Scanner
 
 from .errors import ReaderError
 
@@ -26,18 +29,20 @@ MAX_DEPTH = 64                  # nesting levels of mappings and lists (real con
 MAX_VALUES = 10_000             # values of a document after alias expansion (real configs: under 500)
 _MAX_INT_DIGITS = 40            # longer integers stay text (so that the bound on their key names them)
 
-try:  # libyaml's parser when PyYAML has it (several times faster); the composer stays in Python
-    from yaml.cyaml import CParser as _Parser
-except ImportError:  # pragma: no cover - PyYAML without libyaml
-    from yaml.parser import Parser as _ParserBase
-    from yaml.reader import Reader
-    from yaml.scanner import Scanner
 
-    class _Parser(Reader, Scanner, _ParserBase):  # type: ignore[no-redef]
-        def __init__(self, stream: str):
-            Reader.__init__(self, stream)
-            Scanner.__init__(self)
-            _ParserBase.__init__(self)
+class _PyParser(Reader, Scanner, _PyParserBase):
+    """PyYAML's pure-Python parser: slower than libyaml's, with no nesting limit of its own."""
+
+    def __init__(self, stream: str):
+        Reader.__init__(self, stream)
+        Scanner.__init__(self)
+        _PyParserBase.__init__(self)
+
+
+try:  # libyaml's parser when PyYAML has it (several times faster); the composer stays in Python
+    from yaml.cyaml import CParser as _FastParser
+except ImportError:  # pragma: no cover - PyYAML without libyaml
+    _FastParser = _PyParser
 
 
 class _BoundedConstructor(SafeConstructor):
@@ -51,12 +56,14 @@ class _BoundedConstructor(SafeConstructor):
 _BoundedConstructor.add_constructor("tag:yaml.org,2002:int", _BoundedConstructor.construct_yaml_int)
 
 
-class _Loader(Composer, _Parser, _BoundedConstructor, Resolver):
+class _BoundedLoader(Composer, _BoundedConstructor, Resolver):
     """PyYAML's safe loader with a composer that refuses deep nesting and alias expansion beyond the
     limits (PyYAML's own recurses until Python's stack runs out, and libyaml's crashes)."""
 
+    _parser: Any = _PyParser
+
     def __init__(self, stream: str):
-        _Parser.__init__(self, stream)
+        self._parser.__init__(self, stream)
         Composer.__init__(self)
         _BoundedConstructor.__init__(self)
         Resolver.__init__(self)
@@ -96,6 +103,24 @@ class _Loader(Composer, _Parser, _BoundedConstructor, Resolver):
                                 "memguard reads training configs up to that size", mark)
 
 
+class _Loader(_BoundedLoader, _FastParser):
+    _parser = _FastParser
+
+
+class _PyLoader(_BoundedLoader, _PyParser):
+    # libyaml >= 0.2.5 (PyYAML 6.0.3 wheels on) stops at 1000 open brackets while it scans ahead, before
+    # the composer sees level MAX_DEPTH + 1: the pure-Python scanner gives the composer's own error
+    _parser = _PyParser
+
+
+def _compose(loader_class: type, text: str) -> Any:
+    loader = loader_class(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
     """The UTF-8 text of ``path``; ReaderError (one line, naming the file) when it cannot be read,
     is larger than ``limit`` bytes or is not UTF-8."""
@@ -131,11 +156,14 @@ def load_yaml(text: str, where: str) -> Any:
     """A YAML document (safe types only) within the nesting and size limits; ReaderError
     ``where:LINE:COL: YAML syntax error: ...`` otherwise."""
     try:
-        loader = _Loader(text)
         try:
-            return loader.get_single_data()
-        finally:
-            loader.dispose()
+            return _compose(_Loader, text)
+        except yaml.YAMLError as e:
+            if "maximum nesting depth" not in str(getattr(e, "problem", "")) or _Loader._parser is _PyParser:
+                raise
+            # the levels up to libyaml's stop hold level MAX_DEPTH + 1: compose that much in Python
+            mark = getattr(e, "problem_mark", None)
+            return _compose(_PyLoader, text if mark is None else text[:mark.index + 1])
     except yaml.YAMLError as e:
         raise ReaderError(yaml_error(e, where)) from None
     except (ValueError, TypeError, OverflowError) as e:  # a constructor refusing a value (a bad date, base64)

@@ -559,6 +559,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             )
             shims.configure_torch_optimizer(optimizer, args.referee_adam_kernel)
         timings["build_s"] = time.time() - t0
+        # temporaries caught in reference cycles (e.g. the pickled byte tensors of an object collective)
+        # are garbage, not state: collect them so that the reading does not depend on the GC's timing
+        gc.collect()
         bytes_after_build = tracker.current
         result["live_bytes_after_build"] = bytes_after_build
         result["build_breakdown"] = {
