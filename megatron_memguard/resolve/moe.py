@@ -48,7 +48,8 @@ class Reader(Protocol):
 
 def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
              sequence_parallel: bool, add_bias_linear: bool, recompute_modules: tuple[str, ...],
-             recompute_granularity: str | None) -> MoeSpec | None:
+             recompute_granularity: str | None, vpp: int | None = None, recompute_method: str | None = None,
+             recompute_num_layers: int | None = None, half: bool = True, legacy: bool = False) -> MoeSpec | None:
     """The resolved MoE settings, or None for a dense model (and then no expert flag may be set)."""
     n = r.int_arg("num_experts", None, minimum=0)
     ep = r.int_arg("expert_model_parallel_size", 1) or 1
@@ -159,17 +160,27 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
             ok = False
     a2a_overlap = r.bool_arg("overlap_moe_expert_parallel_comm", False)
     if a2a_overlap:
-        # TransformerConfig.__post_init__ (0.19.2): EP > 1, alltoall or flex, no full recompute, no 'moe'
-        # recompute, no shared-expert overlap; with PP > 1 it needs VPP and adds a warm-up micro-batch
-        # to the interleaved schedule, which memguard does not model
-        if pp > 1:
-            raise NotModelledError(r.key("overlap_moe_expert_parallel_comm"),
-                                   "expert-parallel all-to-all overlap with pipeline parallelism")
+        # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): EP > 1, alltoall or flex, VPP when PP > 1,
+        # no full recompute / recompute method / recompute layers, bf16 or fp16, no shared-expert overlap,
+        # at most one MTP layer (0.16.1: exactly one, and then PP > 1); 0.19.2 also no 'moe' recompute
+        mtp = r.int_arg("mtp_num_layers", 0, minimum=0) or 0
+        if "moe" in mods and legacy:
+            # 0.16.1 does not forbid the pair (0.19 does); how its layer-split schedule recomputes was not analysed
+            raise NotModelledError(r.key("recompute_modules"), "'moe' recompute under the expert-parallel "
+                                   "all-to-all overlap (megatron-core 0.16)")
         for bad_when, rule in ((ep == 1, "needs --expert-model-parallel-size > 1"),
                                (disp not in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
+                               (pp > 1 and not vpp, "needs virtual pipeline stages when --pipeline-model-parallel-size > 1 "
+                                                    "(--num-layers-per-virtual-pipeline-stage or a pipeline layout)"),
                                (recompute_granularity == "full", "cannot be used with full recompute"),
+                               (recompute_method is not None, "cannot be used with --recompute-method"),
+                               (recompute_num_layers is not None, "cannot be used with --recompute-num-layers"),
+                               (not half, "needs --bf16 or --fp16"),
                                ("moe" in mods, "cannot be used with 'moe' in --recompute-modules"),
-                               (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap")):
+                               (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap"),
+                               (mtp > 1, "supports at most one MTP layer (--mtp-num-layers)"),
+                               (legacy and mtp == 1 and pp == 1, "with an MTP layer needs --pipeline-model-parallel-size > 1 "
+                                                                 "(megatron-core 0.16)")):
             if bad_when:
                 r.fail("overlap_moe_expert_parallel_comm", rule)
                 ok = False
@@ -207,7 +218,10 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     pp=kw["pipeline_model_parallel_size"], world_size=kw["world_size"],
                     sequence_parallel=kw["sequence_parallel"], add_bias_linear=kw["add_bias_linear"],
                     recompute_modules=tuple(kw.get("recompute_modules") or ()),
-                    recompute_granularity=kw.get("recompute_granularity"))
+                    recompute_granularity=kw.get("recompute_granularity"),
+                    vpp=kw.get("virtual_pipeline_model_parallel_size"), recompute_method=kw.get("recompute_method"),
+                    recompute_num_layers=kw.get("recompute_num_layers"),
+                    half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy)
     if spec is None:
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     if kw.get("use_megatron_fsdp"):

@@ -468,6 +468,20 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
                           fwd_steps=((frozenset(), a.fwd_transient),))
 
 
+def offload_outside(L: Any, mods: set) -> dict[str, int]:
+    """Bytes of the MoE saved entries that fine-grained offloading's groups do not take (TEGroupedMLP.forward,
+    core 0.19.2): the probs [N] next to the expert input (fc1's input is the group's), and fc2's input,
+    saved by fc2 outside the 'moe_act' call unless moe_act recompute drops it."""
+    m = L.moe
+    if "moe" in mods:
+        return {}
+    N = expert_rows(m, tokens_per_rank(L)).balanced if m.routing != "worst" else expert_rows(m, tokens_per_rank(L)).worst
+    out = {"moe_expert_input": router_bytes(m, L.act_bytes) * N}
+    if "moe_act" not in (set(m.moe_recompute) | set(mods)):
+        out["moe_expert_activations"] = L.act_bytes * N * (m.moe_ffn_hidden_size // m.etp)
+    return out
+
+
 def held_bytes(L: Any) -> int:
     """What one MoE layer's dispatcher keeps from one forward to the next (moe_dispatcher_state)."""
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
