@@ -121,8 +121,14 @@ def test_expert_parallel_overlap_rules():
     assert errors == [] and spec.overlap_moe_expert_parallel_comm
     spec, errors = _read(**{**ok, "moe_token_dispatcher_type": "allgather"})
     assert errors == ["--overlap-moe-expert-parallel-comm: needs the alltoall or flex token dispatcher"]
-    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
-        _read({"pp": 2}, **ok)
+    # PP > 1 needs virtual stages (TransformerConfig.__post_init__); with them the combined 1F1B is modelled
+    spec, errors = _read({"pp": 2}, **ok)
+    assert errors == ["--overlap-moe-expert-parallel-comm: needs virtual pipeline stages when "
+                      "--pipeline-model-parallel-size > 1 (--num-layers-per-virtual-pipeline-stage or a pipeline layout)"]
+    spec, errors = _read({"pp": 2, "vpp": 2}, **ok)
+    assert errors == [] and spec.overlap_moe_expert_parallel_comm
+    spec, errors = _read({"half": False}, **ok)
+    assert errors == ["--overlap-moe-expert-parallel-comm: needs --bf16 or --fp16"]
 
 
 def test_capacity_factor_is_bounded():
