@@ -174,3 +174,47 @@ def test_offload_groups_take_unfused_probs_and_expert_inputs():
     outside = {"moe_expert_input": 8192 * 4, "moe_expert_activations": 8192 * 1024 * 2}
     groups = layer_groups(saved, ("core_attn", "expert_fc1", "moe_act"), 2, outside=outside)
     assert groups == {"core_attn": 512 * mib, "expert_fc1": 16 * mib, "moe_act": 32 * mib}
+
+
+# ----- --delay-wgrad-compute (TE delay_wgrad_compute; schedule: TransformerLayerSchedulePlan.run) --------
+
+def _delay_layout(delay: bool):
+    flags = ["--pipeline-model-parallel-size", "1", "--swiglu", "--moe-ffn-hidden-size", "1024",
+             "--moe-router-topk", "2", "--disable-bias-linear", "--kv-channels", "64"]
+    return _resolve(flags + (["--delay-wgrad-compute"] if delay else []))
+
+
+def test_delay_wgrad_needs_the_overlap():
+    with pytest.raises(ConfigError, match="--delay-wgrad-compute: needs --overlap-moe-expert-parallel-comm"):
+        from megatron_memguard.config import RawConfig
+        from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+        from megatron_memguard.resolve import resolve
+        raw = parse_megatron_flags(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+                                    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+                                    "--global-batch-size", "8", "--bf16", "--vocab-size", "32000", "--delay-wgrad-compute"])
+        resolve(RawConfig(args=raw.args, origin=raw.origin, source="test", world_size=8))
+
+
+def test_delay_wgrad_keeps_inputs_and_output_gradients_by_hand():
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.partition import MLP_MOE, LayerKind
+    with_delay, without = _delay_layout(True), _delay_layout(False)
+    assert with_delay.moe.delay_wgrad_compute and "delay_wgrad_compute" in with_delay.moe.to_dict()
+    assert "delay_wgrad_compute" not in without.moe.to_dict()
+    kind = LayerKind("attention", MLP_MOE)
+    a, b = layer_activations(with_delay, True, kind), layer_activations(without, True, kind)
+    assert a.saved == b.saved
+    # one more step in the experts' backward and one at the layer's end
+    assert len(a.bwd_steps) == len(b.bwd_steps) + 2
+    # T = 1024 tokens (s 1024, b 1, TP 1), balanced N = T k = 2048 rows, F = 1024, SwiGLU (g = 2), bf16:
+    # expert input gradient [N, h] + fc1 output gradient [N, 2F] + fc2 output gradient [N, h] + fc2 input [N, F]
+    e, N, h, F, T = 2, 2048, 512, 1024, 1024
+    expert_step = a.bwd_steps[3]
+    fc1_step = b.bwd_steps[2]           # the fc1 step without delay: G + [N, 2F] + [N, h] (+ the overlap's layer)
+    assert expert_step[0] == fc1_step[0] == frozenset({"moe_expert_activations"})
+    assert expert_step[1] - fc1_step[1] == e * N * (h + F)
+    # the layer's end: everything saved released; linear_qkv [Tf, h] in + [Tf, 3 x 8 x 64] out, linear_proj
+    # [Tf, 512] in + [Tf, h] out, and the layer input gradient [T, h]
+    names, w = a.bwd_steps[-1]
+    assert names == frozenset(a.saved)
+    assert w == e * T * h + e * T * (h + 3 * 8 * 64) + e * T * (8 * 64 + h)

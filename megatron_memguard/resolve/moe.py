@@ -184,6 +184,11 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
             if bad_when:
                 r.fail("overlap_moe_expert_parallel_comm", rule)
                 ok = False
+    delay_wgrad = r.bool_arg("delay_wgrad_compute", False)
+    if delay_wgrad and not a2a_overlap:
+        # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): only the combined 1F1B schedule calls backward_dw
+        r.fail("delay_wgrad_compute", "needs --overlap-moe-expert-parallel-comm")
+        ok = False
     rdtype = r.get("moe_router_dtype")
     if rdtype is not None and str(rdtype) not in ("fp32", "fp64"):
         r.fail("moe_router_dtype", f"must be fp32 or fp64, got {str(rdtype)[:60]!r}")
@@ -207,7 +212,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_router_pre_softmax=pre, moe_router_score_function=score,
         moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
-        overlap_moe_expert_parallel_comm=a2a_overlap, moe_flex_dispatcher_num_sms=num_sms,
+        overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad, moe_flex_dispatcher_num_sms=num_sms,
     )
 
 
@@ -223,6 +228,8 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     recompute_num_layers=kw.get("recompute_num_layers"),
                     half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy)
     if spec is None:
+        if not a.get("num_experts") and a.bool_arg("delay_wgrad_compute", False):
+            a.fail("delay_wgrad_compute", "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     if kw.get("use_megatron_fsdp"):
         # Megatron's CI runs of MoE under Megatron-FSDP (moe/*_zp_z3_*, deepseek_proxy_fsdp_*) keep 9-25% less

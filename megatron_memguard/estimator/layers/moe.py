@@ -464,6 +464,18 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
         remade = full.total
     bwd = tuple((rel, w - own_G + G + extra + (remade if i < len(a.bwd_steps) - 1 else 0))
                 for i, (rel, w) in enumerate(a.bwd_steps))
+    if L.moe.delay_wgrad_compute and "moe" not in mods:
+        # --delay-wgrad-compute (TE >= 2.3 delay_wgrad_compute; schedule: TransformerLayerSchedulePlan.run,
+        # core 0.19.2): the experts' fc1 and fc2 put (input, output gradient) in TE's wgrad store at their
+        # dgrad, and mlp.backward_dw runs only after the paired forward's dispatch. At the end of the
+        # experts' backward: the expert input gradient [N, h], fc1's output gradient [N, g F/ETP], fc2's
+        # output gradient [N, h] and fc2's input [N, F/ETP] (past its usual release); fc1's input is the
+        # saved expert input, released later anyway
+        e, h, N = L.act_bytes, L.hidden_size, a.rows
+        Fr = L.moe.moe_ffn_hidden_size // L.moe.etp
+        g = 2 if L.gated_linear_unit else 1
+        rel_exp = frozenset({"moe_expert_activations"})
+        bwd = bwd[:3] + ((rel_exp, G + extra + e * N * (2 * h + g * Fr + Fr)),) + bwd[3:]
     return MlpActivations(saved=a.saved, names=names, bwd_steps=bwd, released=names,
                           fwd_steps=((frozenset(), a.fwd_transient),))
 
