@@ -218,3 +218,34 @@ def test_delay_wgrad_keeps_inputs_and_output_gradients_by_hand():
     names, w = a.bwd_steps[-1]
     assert names == frozenset(a.saved)
     assert w == e * T * h + e * T * (h + 3 * 8 * 64) + e * T * (8 * 64 + h)
+
+
+def test_experts_wgrad_beside_the_dispatch_backward_by_hand():
+    # --overlap-dispatch-backward-with-experts-wgrad (0.19.2 MoELayer._RegisterDelayedWgradForExperts): the
+    # experts' wgrad runs on a side stream during the dispatch backward; their inputs and output
+    # gradients stay through that step
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.partition import MLP_MOE, LayerKind
+    base = ["--pipeline-model-parallel-size", "1", "--swiglu", "--moe-ffn-hidden-size", "1024", "--moe-router-topk", "2",
+            "--disable-bias-linear", "--kv-channels", "64"]
+    with pytest.raises(ConfigError, match="cannot be used with --overlap-moe-expert-parallel-comm"):
+        _resolve(base + ["--overlap-dispatch-backward-with-experts-wgrad"])
+    no_overlap = [f for f in base]
+    def plain(extra):
+        from megatron_memguard.config import RawConfig
+        from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+        from megatron_memguard.resolve import resolve
+        flags = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
+                 "--max-position-embeddings", "1024", "--micro-batch-size", "1", "--global-batch-size", "16", "--bf16",
+                 "--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                 "--vocab-size", "32000", "--position-embedding-type", "rope", *no_overlap, *extra]
+        raw = parse_megatron_flags(flags)
+        return resolve(RawConfig(args=raw.args, origin=raw.origin, source="test", world_size=8))
+    kind = LayerKind("attention", MLP_MOE)
+    a = layer_activations(plain(["--overlap-dispatch-backward-with-experts-wgrad"]), True, kind)
+    b = layer_activations(plain([]), True, kind)
+    assert a.saved == b.saved and len(a.bwd_steps) == len(b.bwd_steps)
+    e, N, h, F = 2, 2048, 512, 1024     # T 1024, k 2: N = 2048 rows; SwiGLU fc1 output [N, 2F]
+    diff = [wa - wb for (_, wa), (_, wb) in zip(a.bwd_steps, b.bwd_steps)]
+    # only the dispatch step: fc1 input [N, h] + fc1 output gradient [N, 2F] + fc2 input [N, F] + fc2 output gradient [N, h]
+    assert diff == [0, 0, 0, e * N * (2 * h + 2 * F + F)] + [0] * (len(diff) - 4)

@@ -77,6 +77,9 @@ class MoeSpec:
     # --delay-wgrad-compute (needs the overlap): TE keeps each linear's input and output gradient until
     # the schedule's backward_dw
     delay_wgrad_compute: bool = False
+    # --overlap-dispatch-backward-with-experts-wgrad (0.19): the experts' weight gradients run beside the
+    # dispatch's backward, their inputs and output gradients kept through it
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
     # which N the activations use: "balanced" (the estimate) or "worst" (the dispatcher's limit)
     routing: str = "balanced"
     # the flex dispatcher's SMs (DeepEP's communication buffer has one channel per two SMs)
@@ -107,8 +110,9 @@ class MoeSpec:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
         d["moe_recompute"] = list(self.moe_recompute)
-        if not self.delay_wgrad_compute:
-            del d["delay_wgrad_compute"]     # shown only when set (the JSON of every other run is unchanged)
+        for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+            if not d[name]:
+                del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d
 
     @classmethod

@@ -189,6 +189,14 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): only the combined 1F1B schedule calls backward_dw
         r.fail("delay_wgrad_compute", "needs --overlap-moe-expert-parallel-comm")
         ok = False
+    wgrad_beside_dispatch = r.bool_arg("overlap_dispatch_backward_with_experts_wgrad", False)
+    if wgrad_beside_dispatch and a2a_overlap:
+        # TransformerConfig.__post_init__ (0.19.2)
+        r.fail("overlap_dispatch_backward_with_experts_wgrad", "cannot be used with --overlap-moe-expert-parallel-comm")
+        ok = False
+    elif wgrad_beside_dispatch and delay_wgrad:
+        r.fail("overlap_dispatch_backward_with_experts_wgrad", "cannot be used with --delay-wgrad-compute")
+        ok = False
     rdtype = r.get("moe_router_dtype")
     if rdtype is not None and str(rdtype) not in ("fp32", "fp64"):
         r.fail("moe_router_dtype", f"must be fp32 or fp64, got {str(rdtype)[:60]!r}")
@@ -212,7 +220,8 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_router_pre_softmax=pre, moe_router_score_function=score,
         moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
-        overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad, moe_flex_dispatcher_num_sms=num_sms,
+        overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad,
+        overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
     )
 
 

@@ -476,6 +476,16 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
         g = 2 if L.gated_linear_unit else 1
         rel_exp = frozenset({"moe_expert_activations"})
         bwd = bwd[:3] + ((rel_exp, G + extra + e * N * (2 * h + g * Fr + Fr)),) + bwd[3:]
+    elif L.moe.overlap_dispatch_backward_with_experts_wgrad and "moe" not in mods:
+        # --overlap-dispatch-backward-with-experts-wgrad (0.19.2 MoELayer._RegisterDelayedWgradForExperts): the
+        # experts' weight gradients run on a side stream during the dispatch's backward, so fc1's input
+        # [N, h] and output gradient [N, g F/ETP], fc2's input [N, F/ETP] and output gradient [N, h] stay
+        # through the dispatch step
+        e, h, N = L.act_bytes, L.hidden_size, a.rows
+        Fr = L.moe.moe_ffn_hidden_size // L.moe.etp
+        g = 2 if L.gated_linear_unit else 1
+        rel, w = bwd[3]
+        bwd = bwd[:3] + ((rel, w + e * N * (2 * h + g * Fr + Fr)),) + bwd[4:]
     return MlpActivations(saved=a.saved, names=names, bwd_steps=bwd, released=names,
                           fwd_steps=((frozenset(), a.fwd_transient),))
 
