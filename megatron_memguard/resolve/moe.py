@@ -15,6 +15,7 @@ from typing import Any, Mapping, Protocol
 
 from ..errors import ConfigError, NotModelledError
 from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
+from ..estimator.layers.moe import deepep_ranks_supported
 from .args import Args, Context
 from .parallel import weight_shards
 
@@ -88,12 +89,21 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         disp = "flex"     # TransformerConfig: the deprecated --moe-enable-deepep means flex with DeepEP
     if disp == "flex":
         backend = str(r.get("moe_flex_dispatcher_backend", "deepep"))
+        if backend == "hybridep":
+            # fused_a2a.py init_hybrid_ep_buffer (0.19.2) passes the hidden size, T and E/EP to deep_ep's
+            # HybridEPBuffer, which sizes its buffers in its own runtime (not in megatron-core nor in the
+            # deep-ep package on PyPI): their bytes are unknown
+            raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
+                                   "the flex dispatcher's hybridep backend (HybridEPBuffer sizes its buffers inside "
+                                   "DeepEP's hybrid-ep runtime)")
         if backend != "deepep":
             raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
                                    f"the flex dispatcher's {backend[:20]} backend (its buffers)")
-        if etp * ep > 8:
-            raise NotModelledError(r.key("moe_token_dispatcher_type"),
-                                   "the flex dispatcher across nodes (DeepEP's NVSHMEM RDMA buffer; ETP x EP > 8)")
+        if not deepep_ranks_supported(etp * ep):
+            # deep_ep Buffer.get_dispatch_config asserts a tuned config for the group size (deep-ep 1.0.0)
+            raise NotModelledError(r.key("expert_model_parallel_size"),
+                                   f"DeepEP over {etp * ep} ranks (ETP x EP; its buffer configs cover up to 8 and 16, "
+                                   "24, 32, 64, 128, 144, 160)")
         if r.bool_arg("moe_pad_expert_input_to_capacity", False):
             r.fail("moe_pad_expert_input_to_capacity", "is not supported by the flex dispatcher with DeepEP")
             ok = False
