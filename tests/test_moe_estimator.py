@@ -378,3 +378,9 @@ def test_moe_mtp_layer_experts_go_to_the_expert_buffer():
     # one more MoE layer's local experts: 2 x (fc1 [512, 256] + fc2 [256, 512]) (GELU, no gating)
     assert e1 - e0 == 2 * (512 * 256 + 256 * 512)
     assert stage_states(L1, 0).parameters > stage_states(L0, 0).parameters
+    # and the stage's model state holds them: the MTP layer adds its dense part (enorm, hnorm, eh_proj
+    # [256, 512], the layer's attention, norms and router, final norm) and its 2 local experts
+    from megatron_memguard.estimator.params import chunk_numels
+    dense0 = sum(n for c in L0.chunks for n, _ in chunk_numels(L0, c))
+    dense1 = sum(n for c in L1.chunks for n, _ in chunk_numels(L1, c))
+    assert stage_states(L1, 0).parameters - stage_states(L0, 0).parameters == (dense1 - dense0) + 2 * (2 * 512 * 256)
