@@ -229,7 +229,7 @@ def test_experts_wgrad_beside_the_dispatch_backward_by_hand():
             "--disable-bias-linear", "--kv-channels", "64"]
     with pytest.raises(ConfigError, match="cannot be used with --overlap-moe-expert-parallel-comm"):
         _resolve(base + ["--overlap-dispatch-backward-with-experts-wgrad"])
-    no_overlap = [f for f in base]
+
     def plain(extra):
         from megatron_memguard.config import RawConfig
         from megatron_memguard.readers.megatron_flags import parse_megatron_flags
@@ -237,7 +237,7 @@ def test_experts_wgrad_beside_the_dispatch_backward_by_hand():
         flags = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
                  "--max-position-embeddings", "1024", "--micro-batch-size", "1", "--global-batch-size", "16", "--bf16",
                  "--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-                 "--vocab-size", "32000", "--position-embedding-type", "rope", *no_overlap, *extra]
+                 "--vocab-size", "32000", "--position-embedding-type", "rope", *base, *extra]
         raw = parse_megatron_flags(flags)
         return resolve(RawConfig(args=raw.args, origin=raw.origin, source="test", world_size=8))
     kind = LayerKind("attention", MLP_MOE)
