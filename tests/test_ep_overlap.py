@@ -183,15 +183,29 @@ def _delay_layout(delay: bool):
     return _resolve(flags + (["--delay-wgrad-compute"] if delay else []))
 
 
+def _resolve_without_overlap(extra: list[str]):
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.resolve import resolve
+    raw = parse_megatron_flags(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+                                "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+                                "--global-batch-size", "8", "--bf16", "--vocab-size", "32000", *extra])
+    return resolve(RawConfig(args=raw.args, origin=raw.origin, source="test", world_size=8))
+
+
+def test_early_attn_release_needs_the_overlap():
+    # TransformerConfig.__post_init__ (0.19.2); with the overlap it is estimated with a note (errs high)
+    for experts in ([], ["--num-experts", "8", "--expert-model-parallel-size", "2"]):
+        with pytest.raises(ConfigError, match="--ep-overlap-early-attn-memory-release: needs --overlap-moe-expert-parallel-comm"):
+            _resolve_without_overlap(experts + ["--ep-overlap-early-attn-memory-release"])
+    L = _resolve(["--pipeline-model-parallel-size", "1", "--ep-overlap-early-attn-memory-release"])
+    assert any("--ep-overlap-early-attn-memory-release" in n for n in L.notes)
+
+
 def test_delay_wgrad_needs_the_overlap():
-    with pytest.raises(ConfigError, match="--delay-wgrad-compute: needs --overlap-moe-expert-parallel-comm"):
-        from megatron_memguard.config import RawConfig
-        from megatron_memguard.readers.megatron_flags import parse_megatron_flags
-        from megatron_memguard.resolve import resolve
-        raw = parse_megatron_flags(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
-                                    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-                                    "--global-batch-size", "8", "--bf16", "--vocab-size", "32000", "--delay-wgrad-compute"])
-        resolve(RawConfig(args=raw.args, origin=raw.origin, source="test", world_size=8))
+    for experts in ([], ["--num-experts", "8", "--expert-model-parallel-size", "2"]):
+        with pytest.raises(ConfigError, match="--delay-wgrad-compute: needs --overlap-moe-expert-parallel-comm"):
+            _resolve_without_overlap(experts + ["--delay-wgrad-compute"])
 
 
 def test_delay_wgrad_keeps_inputs_and_output_gradients_by_hand():

@@ -199,6 +199,10 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): only the combined 1F1B schedule calls backward_dw
         r.fail("delay_wgrad_compute", "needs --overlap-moe-expert-parallel-comm")
         ok = False
+    if r.bool_arg("ep_overlap_early_attn_memory_release", False) and not a2a_overlap:
+        # TransformerConfig.__post_init__ (0.19.2)
+        r.fail("ep_overlap_early_attn_memory_release", "needs --overlap-moe-expert-parallel-comm")
+        ok = False
     wgrad_beside_dispatch = r.bool_arg("overlap_dispatch_backward_with_experts_wgrad", False)
     if wgrad_beside_dispatch and a2a_overlap:
         # TransformerConfig.__post_init__ (0.19.2)
@@ -247,8 +251,9 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     recompute_num_layers=kw.get("recompute_num_layers"),
                     half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy)
     if spec is None:
-        if not a.get("num_experts") and a.bool_arg("delay_wgrad_compute", False):
-            a.fail("delay_wgrad_compute", "needs --overlap-moe-expert-parallel-comm (which needs experts)")
+        for dest in ("delay_wgrad_compute", "ep_overlap_early_attn_memory_release"):
+            if not a.get("num_experts") and a.bool_arg(dest, False):
+                a.fail(dest, "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     if kw.get("use_megatron_fsdp"):
         # Megatron's CI runs of MoE under Megatron-FSDP (moe/*_zp_z3_*, deepseek_proxy_fsdp_*) keep 9-25% less
