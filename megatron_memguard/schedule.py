@@ -59,3 +59,30 @@ def key_events(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tup
         ev.append((False, vpp - 1 - table[k][1]))
     ev += [(False, vpp - 1 - table[k][1]) for k in range(total - warm, total)]
     return tuple(ev)
+
+
+@lru_cache(maxsize=512)
+def combined_key_events(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[bool, int], ...]:
+    """``key_events`` under ``--overlap-moe-expert-parallel-comm`` (the combined 1F1B schedule).
+
+    megatron-core 0.16.1 / 0.19.2 ``get_pp_rank_microbatches`` adds one warm-up forward to the interleaved
+    schedule, and each steady-state step runs forward ``k + warm-up`` and backward ``k`` together
+    (``combined_1f1b_schedule_for_interleaved_pipelining``); ``TransformerModelChunkSchedulePlan.run``
+    back-propagates the backward's loss / output layer before the forward's first layer, pairs the
+    forward's layer i with the backward's layer L-1-i (the backward releases a layer while the forward
+    adds one), and runs the forward's output layer and loss after the backward's last layer. In memory
+    order a step is therefore the backward, then the forward; the layer that both hold at once is the
+    MoE recipe's overlap term. PP = 1 is the same with no warm-up beyond one forward."""
+    if pp == 1:
+        return ((True, 0),) + ((False, 0), (True, 0)) * (m - 1) + ((False, 0),)
+    if vpp == 1:
+        raise ValueError("the combined 1F1B schedule needs virtual pipeline stages when PP > 1")
+    table = _schedule_table(m, vpp, group)
+    total = m * vpp
+    warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group + 1, total)
+    ev = [(True, table[k][1]) for k in range(warm)]
+    for k in range(total - warm):
+        ev.append((False, vpp - 1 - table[k][1]))
+        ev.append((True, table[k + warm][1]))
+    ev += [(False, vpp - 1 - table[k][1]) for k in range(total - warm, total)]
+    return tuple(ev)

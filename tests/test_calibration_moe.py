@@ -18,9 +18,10 @@ from accuracy_megatron_ci import evaluate, load_records  # noqa: E402
 from shared_data import MOE_RECORDS  # noqa: E402
 
 ROWS = [evaluate(r) for r in load_records(MOE_RECORDS)]
-# Features other issues model (Megatron-FSDP, FP8, CUDA graphs, Muon): their records are scored by those
-# issues' tests; the MoE targets below hold on the records whose only feature beyond the dense core is MoE.
-OTHER_FEATURES = ("--use-megatron-fsdp", "--fp8-format", "--cuda-graph-impl", "muon")
+# Features other issues model (Megatron-FSDP, FP8, CUDA graphs, Muon, activation offloading): their records
+# are scored by those issues' tests (offloading with the EP overlap: tests/test_ep_overlap.py); the MoE
+# targets below hold on the records whose only feature beyond the dense core is MoE.
+OTHER_FEATURES = ("--use-megatron-fsdp", "--fp8-format", "--cuda-graph-impl", "muon", "--fine-grained-activation-offloading")
 
 
 def _moe_only(r) -> bool:
@@ -51,8 +52,8 @@ def test_only_other_features_are_refused_and_by_name():
     assert all("not modelled yet" in r.error for r in refused)
     # MoE itself, expert parallelism and the expert all-to-all overlap are modelled
     assert not any(k in r.error for r in refused for k in ("--num-experts", "--expert-model-parallel-size"))
-    # the overlap is refused only together with pipeline parallelism (its PP schedule is not modelled)
-    assert all("with pipeline parallelism" in r.error for r in refused if "--overlap-moe-expert-parallel-comm" in r.error)
+    # the overlap is modelled with pipeline parallelism too (the combined 1F1B schedule)
+    assert not any("--overlap-moe-expert-parallel-comm" in r.error for r in refused)
     assert len(refused) <= 9
     # no record is refused for MoE itself once the other features are modelled (today: TE's operation
     # fuser and the expert all-to-all overlap with pipeline parallelism remain)

@@ -339,6 +339,28 @@ def test_deepep_buffer_and_rows_by_hand():
     assert flex_rows(m, 1000) == 1858 and flex_rows(m, 1000, worst=True) == 4000     # ceil(4000·13/28); T·EP
 
 
+def test_deepep_across_nodes_by_hand():
+    from megatron_memguard import estimate, layout_from_flags, lookup_gpu
+    from megatron_memguard.estimator.layers.moe import deepep_buffer_bytes, deepep_rdma_buffer_bytes
+    flags = ("--num-layers 4 --hidden-size 7168 --num-attention-heads 56 --seq-length 4096 --micro-batch-size 1 "
+             "--num-experts 64 --moe-router-topk 8 --expert-model-parallel-size 16 --moe-token-dispatcher-type flex "
+             "--bf16 --disable-bias-linear --moe-router-pre-softmax").split()
+    L = layout_from_flags(flags, world_size=16, megatron_version="0.19")
+    # deep-ep 1.0.0 deep_ep/buffer.py: 16 ranks dispatch Config(20, 16, 288, 20, 128), combine
+    # Config(20, 2, 288, 28, 128): NVLink receive chunk 288, RDMA receive chunk 128. C = 10 channels, r = 2.
+    # NVLink: 10 x 8 x [(2·2+3)·4 + 288 x (14336 + 8 + 1024 + 512 + 512)] = 377,673,920 -> 377,673,984
+    assert deepep_buffer_bytes(L, L.moe) == 377_673_984
+    # RDMA (csrc/kernels/internode.cu get_rdma_clean_meta, 128 scales and top-k): a token of
+    # align16(14336 + 8 + 3 x 512) = 15,888 B; 15,888 x 128 x 2 ranks x 2 (send, receive) x 10 channels
+    # = 81,346,560, plus (2·8+4) int32 x 2 x 2 x 10 = 3,200: 81,349,760 (a multiple of 128)
+    assert deepep_rdma_buffer_bytes(L, L.moe) == 81_349_760
+    fixed = {t.name: t for t in estimate(L, gpu=lookup_gpu("H100-80GB")).stages[0].terms}
+    assert fixed["deepep_rdma_buffer"].bytes == 81_349_760 and fixed["deepep_rdma_buffer"].level == "device"
+    # within a node there is no RDMA buffer
+    L8 = layout_from_flags([f if f != "16" else "8" for f in flags], world_size=8, megatron_version="0.19")
+    assert deepep_rdma_buffer_bytes(L8, L8.moe) == 0
+
+
 def test_moe_mtp_layer_experts_go_to_the_expert_buffer():
     # MultiTokenPredictionLayer takes the last decoder layer's spec: with an MoE last layer the MTP layer
     # is MoE too, and its routed experts are expert parameters (the expert buffer, sharded over expert DP)
@@ -356,3 +378,9 @@ def test_moe_mtp_layer_experts_go_to_the_expert_buffer():
     # one more MoE layer's local experts: 2 x (fc1 [512, 256] + fc2 [256, 512]) (GELU, no gating)
     assert e1 - e0 == 2 * (512 * 256 + 256 * 512)
     assert stage_states(L1, 0).parameters > stage_states(L0, 0).parameters
+    # and the stage's model state holds them: the MTP layer adds its dense part (enorm, hnorm, eh_proj
+    # [256, 512], the layer's attention, norms and router, final norm) and its 2 local experts
+    from megatron_memguard.estimator.params import chunk_numels
+    dense0 = sum(n for c in L0.chunks for n, _ in chunk_numels(L0, c))
+    dense1 = sum(n for c in L1.chunks for n, _ in chunk_numels(L1, c))
+    assert stage_states(L1, 0).parameters - stage_states(L0, 0).parameters == (dense1 - dense0) + 2 * (2 * 512 * 256)

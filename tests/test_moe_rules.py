@@ -100,15 +100,18 @@ def test_unmodelled_moe_settings_are_refused_by_name(dest):
     assert str(e.value).startswith("--" + dest.replace("_", "-") + ":")
 
 
-def test_flex_dispatcher_deepep_intranode_only():
+def test_flex_dispatcher_deepep_group_sizes():
     spec, errors = _read(num_experts=8, expert_model_parallel_size=8, moe_token_dispatcher_type="flex")
     assert errors == [] and spec.moe_token_dispatcher_type == "flex" and spec.moe_flex_dispatcher_num_sms == 20
     spec, _ = _read(num_experts=8, moe_enable_deepep=True)                    # the deprecated switch
     assert spec.moe_token_dispatcher_type == "flex"
     with pytest.raises(NotModelledError, match="--moe-flex-dispatcher-backend"):
         _read(num_experts=4, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
-    with pytest.raises(NotModelledError, match="across nodes"):
-        _read({"world_size": 16}, num_experts=16, expert_model_parallel_size=16, moe_token_dispatcher_type="flex")
+    # across nodes: DeepEP's tuned group sizes (deep-ep 1.0.0 Buffer.get_dispatch_config) are modelled, others refused
+    spec, errors = _read({"world_size": 16}, num_experts=16, expert_model_parallel_size=16, moe_token_dispatcher_type="flex")
+    assert errors == [] and spec.ep == 16
+    with pytest.raises(NotModelledError, match="DeepEP over 48 ranks"):
+        _read({"world_size": 48}, num_experts=48, expert_model_parallel_size=48, moe_token_dispatcher_type="flex")
     spec, errors = _read(num_experts=4, moe_token_dispatcher_type="flex", moe_expert_capacity_factor=1.0,
                          moe_pad_expert_input_to_capacity=True)
     assert errors == ["--moe-pad-expert-input-to-capacity: is not supported by the flex dispatcher with DeepEP"]
@@ -121,8 +124,14 @@ def test_expert_parallel_overlap_rules():
     assert errors == [] and spec.overlap_moe_expert_parallel_comm
     spec, errors = _read(**{**ok, "moe_token_dispatcher_type": "allgather"})
     assert errors == ["--overlap-moe-expert-parallel-comm: needs the alltoall or flex token dispatcher"]
-    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
-        _read({"pp": 2}, **ok)
+    # PP > 1 needs virtual stages (TransformerConfig.__post_init__); with them the combined 1F1B is modelled
+    spec, errors = _read({"pp": 2}, **ok)
+    assert errors == ["--overlap-moe-expert-parallel-comm: needs virtual pipeline stages when "
+                      "--pipeline-model-parallel-size > 1 (--num-layers-per-virtual-pipeline-stage or a pipeline layout)"]
+    spec, errors = _read({"pp": 2, "vpp": 2}, **ok)
+    assert errors == [] and spec.overlap_moe_expert_parallel_comm
+    spec, errors = _read({"half": False}, **ok)
+    assert errors == ["--overlap-moe-expert-parallel-comm: needs --bf16 or --fp16"]
 
 
 def test_capacity_factor_is_bounded():

@@ -95,9 +95,21 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     bwd_steps = mlp.bwd_steps + (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
     ) + mixer.bwd_steps
+    if L.moe is not None and L.moe.delay_wgrad_compute:
+        bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
     if kind.quantized:
         saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def _delayed_wgrad_bytes(L: Layout, kind: LayerKind, Tf: int, e: int) -> int:
+    """--delay-wgrad-compute: at the end of a layer's backward, TE's wgrad store still holds the input and
+    the output gradient of each linear outside the routed experts (attention, shared experts, a dense
+    MLP) until the schedule's backward_dw of that layer (TransformerLayerSchedulePlan.run, core 0.19.2).
+    Each taken as [Tf, in] + [Tf, out] of its per-rank weight: the sequence-parallel input is gathered
+    for the weight gradient, the row-parallel output gradient too (an upper bound where it is not)."""
+    shapes = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
+    return sum(e * Tf * (o + i) for name, (o, i) in shapes.items() if not name.startswith("experts."))
 
 
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:

@@ -19,7 +19,7 @@ from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
-from ..schedule import key_events, schedule_key
+from ..schedule import combined_key_events, key_events, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
@@ -29,7 +29,7 @@ from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_i
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
-from .offload_activations import fine_grained_plan
+from .offload_activations import fine_grained_plan, last_offload_group
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
@@ -121,12 +121,23 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             kind = runs[i][0] if i < len(runs) else None
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
                                                 kind is not None and kind.mlp != MLP_DENSE)
+            outside = None
+            if kind is not None and kind.mlp == MLP_MOE:
+                from .layers.moe import offload_outside
+                outside = offload_outside(L, set(L.recompute_modules) if L.recompute_granularity == "selective" else set())
             groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
                                           separate_input_norm=L.multi_latent_attention,
-                                          min_elements=L.min_offloaded_tensor_size)
+                                          min_elements=L.min_offloaded_tensor_size, outside=outside)
             # the chunk's last group stays on the last stage: it belongs to the top layer
             plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1)
             layers -= plan.offloaded
+            # the MoE halves' share of what left (the expert groups), so moe_layer_activations stays on the GPU's side
+            moe_groups = [g for g in ("expert_fc1", "moe_act", "fused_group_mlp") if groups.get(g)]
+            if moe_groups:
+                moe_off = k * sum(groups[g] for g in moe_groups)
+                if plan.kept_last_group and last_offload_group(groups) in moe_groups:
+                    moe_off -= plan.kept_last_group
+                moe_layers -= moe_off
             host += plan.host_bytes
             staging = max(staging, plan.staging)
             names |= {g for g, b in groups.items() if b}
@@ -286,7 +297,8 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
     n = len(acts)
     if n == 1:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    events = key_events(*schedule_key(L, pp_rank))
+    combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
+    events = (combined_key_events if combined else key_events)(*schedule_key(L, pp_rank))
     # Interleaved schedules keep each receiving chunk's last input and its gradient through the
     # schedule (with received inputs and gradients queued ahead of their passes, which this does not
     # count separately): the retained pairs are present at every event.

@@ -65,6 +65,12 @@ class FineGrainedPlan:
         return self.offloaded
 
 
+def last_offload_group(groups: Mapping[str, int]) -> str | None:
+    """The group of a layer that runs last in forward (the one kept on the last stage), or None."""
+    names = [g for g, b in groups.items() if b > 0]
+    return max(names, key=lambda g: _ORDER.get(g, 99)) if names else None
+
+
 def group_bytes(tensors: Mapping[str, Sequence[tuple[int, int]]], modules: Sequence[str],
                 min_elements: int = DEFAULT_MIN_TENSOR_ELEMENTS) -> dict[str, int]:
     """Offloadable bytes of each listed module group of one layer.
@@ -98,6 +104,12 @@ _GROUP_OF = {
     "query": "core_attn", "key": "core_attn", "value": "core_attn",                  # (MLA's attention inputs)
     "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
     "proj_input": "attn_proj",
+    # unfused (local / 'unfused' backend) attention: the softmax output and dropout mask, saved inside
+    # the core_attn call (attention.py, core 0.19.2: the whole core_attention call is in the group)
+    "attention_probs": "core_attn",
+    # TEGroupedMLP.forward (moe/experts.py, core 0.19.2): fc1 runs inside 'expert_fc1' (its input, the
+    # dispatched tokens), the activation inside 'moe_act' (its input, fc1's output)
+    "moe_expert_input": "expert_fc1", "moe_expert_activations": "moe_act",
 }
 
 
@@ -115,12 +127,15 @@ def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separ
 
 
 def layer_groups(saved: Mapping[str, int], modules: Sequence[str], elem_bytes: int, separate_input_norm: bool = False,
-                 separate_mlp_norm: bool = False, min_elements: int = DEFAULT_MIN_TENSOR_ELEMENTS) -> dict[str, int]:
+                 separate_mlp_norm: bool = False, min_elements: int = DEFAULT_MIN_TENSOR_ELEMENTS,
+                 outside: Mapping[str, int] | None = None) -> dict[str, int]:
     """Bytes each listed group takes off one layer's saved tensors (``saved``: name -> bytes, tensors in
-    the activation dtype; statistics in fp32 are below any useful threshold and stay)."""
+    the activation dtype; statistics in fp32 are below any useful threshold and stay). ``outside``: the
+    bytes of an entry that are saved outside its group's call (they stay)."""
     out: dict[str, int] = {}
     for name, nbytes in saved.items():
         g = group_of(name, modules, separate_input_norm, separate_mlp_norm)
+        nbytes -= (outside or {}).get(name, 0)
         if g is not None and nbytes // elem_bytes >= min_elements:
             out[g] = out.get(g, 0) + nbytes
     return out

@@ -145,6 +145,12 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
         terms.append(Term("deepep_buffer", deepep_buffer_bytes(L, L.moe), TermGroup.FIXED, TermLevel.DEVICE,
                           f"DeepEP's NVLink communication buffer ({L.moe.moe_flex_dispatcher_num_sms} SMs, "
                           f"{L.moe.etp * L.moe.ep} ranks), allocated outside PyTorch's allocator"))
+        from .layers.moe import deepep_rdma_buffer_bytes
+        rdma = deepep_rdma_buffer_bytes(L, L.moe)
+        if rdma:
+            terms.append(Term("deepep_rdma_buffer", rdma, TermGroup.FIXED, TermLevel.DEVICE,
+                              f"DeepEP's RDMA buffer across {L.moe.etp * L.moe.ep // 8} nodes, in NVSHMEM's symmetric "
+                              "heap (NVSHMEM's own reservation beyond it not counted)"))
     nccl, which = nccl_bytes(L, site)
     context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
     terms.append(Term("cuda_context", context, TermGroup.FIXED, TermLevel.DEVICE, "CUDA context and loaded kernels"))

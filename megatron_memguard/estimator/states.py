@@ -181,7 +181,8 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
         epieces: dict[int, int] = {}
         e_main = 0
         for runs, has_embedding, has_output, tied, bsize in sig:
-            buf, pieces_of = _chunk_buffer(L, runs, False, False, False, bsize, tuple(eranks), ShardGroup.EXPERT_DP)
+            # has_output: the last chunk's MTP layers (MoE like the last decoder layer) add their routed experts
+            buf, pieces_of = _chunk_buffer(L, runs, False, has_output, False, bsize, tuple(eranks), ShardGroup.EXPERT_DP)
             if not buf.params:
                 continue
             params += buf.params

@@ -74,6 +74,12 @@ class MoeSpec:
     moe_recompute: tuple[str, ...] = field(default=())  # of moe, moe_act, shared_experts
     # the combined 1F1B schedule: a forward layer of the next micro-batch runs with each backward layer
     overlap_moe_expert_parallel_comm: bool = False
+    # --delay-wgrad-compute (needs the overlap): TE keeps each linear's input and output gradient until
+    # the schedule's backward_dw
+    delay_wgrad_compute: bool = False
+    # --overlap-dispatch-backward-with-experts-wgrad (0.19): the experts' weight gradients run beside the
+    # dispatch's backward, their inputs and output gradients kept through it
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
     # which N the activations use: "balanced" (the estimate) or "worst" (the dispatcher's limit)
     routing: str = "balanced"
     # the flex dispatcher's SMs (DeepEP's communication buffer has one channel per two SMs)
@@ -104,6 +110,9 @@ class MoeSpec:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
         d["moe_recompute"] = list(self.moe_recompute)
+        for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+            if not d[name]:
+                del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d
 
     @classmethod

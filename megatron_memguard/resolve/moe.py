@@ -15,6 +15,7 @@ from typing import Any, Mapping, Protocol
 
 from ..errors import ConfigError, NotModelledError
 from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
+from ..estimator.layers.moe import deepep_ranks_supported
 from .args import Args, Context
 from .parallel import weight_shards
 
@@ -48,7 +49,8 @@ class Reader(Protocol):
 
 def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
              sequence_parallel: bool, add_bias_linear: bool, recompute_modules: tuple[str, ...],
-             recompute_granularity: str | None) -> MoeSpec | None:
+             recompute_granularity: str | None, vpp: int | None = None, recompute_method: str | None = None,
+             recompute_num_layers: int | None = None, half: bool = True, legacy: bool = False) -> MoeSpec | None:
     """The resolved MoE settings, or None for a dense model (and then no expert flag may be set)."""
     n = r.int_arg("num_experts", None, minimum=0)
     ep = r.int_arg("expert_model_parallel_size", 1) or 1
@@ -87,12 +89,21 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         disp = "flex"     # TransformerConfig: the deprecated --moe-enable-deepep means flex with DeepEP
     if disp == "flex":
         backend = str(r.get("moe_flex_dispatcher_backend", "deepep"))
+        if backend == "hybridep":
+            # fused_a2a.py init_hybrid_ep_buffer (0.19.2) passes the hidden size, T and E/EP to deep_ep's
+            # HybridEPBuffer, which sizes its buffers in its own runtime (not in megatron-core nor in the
+            # deep-ep package on PyPI): their bytes are unknown
+            raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
+                                   "the flex dispatcher's hybridep backend (HybridEPBuffer sizes its buffers inside "
+                                   "DeepEP's hybrid-ep runtime)")
         if backend != "deepep":
             raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
                                    f"the flex dispatcher's {backend[:20]} backend (its buffers)")
-        if etp * ep > 8:
-            raise NotModelledError(r.key("moe_token_dispatcher_type"),
-                                   "the flex dispatcher across nodes (DeepEP's NVSHMEM RDMA buffer; ETP x EP > 8)")
+        if not deepep_ranks_supported(etp * ep):
+            # deep_ep Buffer.get_dispatch_config asserts a tuned config for the group size (deep-ep 1.0.0)
+            raise NotModelledError(r.key("expert_model_parallel_size"),
+                                   f"DeepEP over {etp * ep} ranks (ETP x EP; its buffer configs cover up to 8 and 16, "
+                                   "24, 32, 64, 128, 144, 160)")
         if r.bool_arg("moe_pad_expert_input_to_capacity", False):
             r.fail("moe_pad_expert_input_to_capacity", "is not supported by the flex dispatcher with DeepEP")
             ok = False
@@ -159,20 +170,47 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
             ok = False
     a2a_overlap = r.bool_arg("overlap_moe_expert_parallel_comm", False)
     if a2a_overlap:
-        # TransformerConfig.__post_init__ (0.19.2): EP > 1, alltoall or flex, no full recompute, no 'moe'
-        # recompute, no shared-expert overlap; with PP > 1 it needs VPP and adds a warm-up micro-batch
-        # to the interleaved schedule, which memguard does not model
-        if pp > 1:
-            raise NotModelledError(r.key("overlap_moe_expert_parallel_comm"),
-                                   "expert-parallel all-to-all overlap with pipeline parallelism")
+        # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): EP > 1, alltoall or flex, VPP when PP > 1,
+        # no full recompute / recompute method / recompute layers, bf16 or fp16, no shared-expert overlap,
+        # at most one MTP layer (0.16.1: exactly one, and then PP > 1); 0.19.2 also no 'moe' recompute
+        mtp = r.int_arg("mtp_num_layers", 0, minimum=0) or 0
+        if "moe" in mods and legacy:
+            # 0.16.1 does not forbid the pair (0.19 does); how its layer-split schedule recomputes was not analysed
+            raise NotModelledError(r.key("recompute_modules"), "'moe' recompute under the expert-parallel "
+                                   "all-to-all overlap (megatron-core 0.16)")
         for bad_when, rule in ((ep == 1, "needs --expert-model-parallel-size > 1"),
                                (disp not in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
+                               (pp > 1 and not vpp, "needs virtual pipeline stages when --pipeline-model-parallel-size > 1 "
+                                                    "(--num-layers-per-virtual-pipeline-stage or a pipeline layout)"),
                                (recompute_granularity == "full", "cannot be used with full recompute"),
+                               (recompute_method is not None, "cannot be used with --recompute-method"),
+                               (recompute_num_layers is not None, "cannot be used with --recompute-num-layers"),
+                               (not half, "needs --bf16 or --fp16"),
                                ("moe" in mods, "cannot be used with 'moe' in --recompute-modules"),
-                               (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap")):
+                               (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap"),
+                               (mtp > 1, "supports at most one MTP layer (--mtp-num-layers)"),
+                               (legacy and mtp == 1 and pp == 1, "with an MTP layer needs --pipeline-model-parallel-size > 1 "
+                                                                 "(megatron-core 0.16)")):
             if bad_when:
                 r.fail("overlap_moe_expert_parallel_comm", rule)
                 ok = False
+    delay_wgrad = r.bool_arg("delay_wgrad_compute", False)
+    if delay_wgrad and not a2a_overlap:
+        # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): only the combined 1F1B schedule calls backward_dw
+        r.fail("delay_wgrad_compute", "needs --overlap-moe-expert-parallel-comm")
+        ok = False
+    if r.bool_arg("ep_overlap_early_attn_memory_release", False) and not a2a_overlap:
+        # TransformerConfig.__post_init__ (0.19.2)
+        r.fail("ep_overlap_early_attn_memory_release", "needs --overlap-moe-expert-parallel-comm")
+        ok = False
+    wgrad_beside_dispatch = r.bool_arg("overlap_dispatch_backward_with_experts_wgrad", False)
+    if wgrad_beside_dispatch and a2a_overlap:
+        # TransformerConfig.__post_init__ (0.19.2)
+        r.fail("overlap_dispatch_backward_with_experts_wgrad", "cannot be used with --overlap-moe-expert-parallel-comm")
+        ok = False
+    elif wgrad_beside_dispatch and delay_wgrad:
+        r.fail("overlap_dispatch_backward_with_experts_wgrad", "cannot be used with --delay-wgrad-compute")
+        ok = False
     rdtype = r.get("moe_router_dtype")
     if rdtype is not None and str(rdtype) not in ("fp32", "fp64"):
         r.fail("moe_router_dtype", f"must be fp32 or fp64, got {str(rdtype)[:60]!r}")
@@ -196,7 +234,8 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_router_pre_softmax=pre, moe_router_score_function=score,
         moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
-        overlap_moe_expert_parallel_comm=a2a_overlap, moe_flex_dispatcher_num_sms=num_sms,
+        overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad,
+        overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
     )
 
 
@@ -207,8 +246,14 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     pp=kw["pipeline_model_parallel_size"], world_size=kw["world_size"],
                     sequence_parallel=kw["sequence_parallel"], add_bias_linear=kw["add_bias_linear"],
                     recompute_modules=tuple(kw.get("recompute_modules") or ()),
-                    recompute_granularity=kw.get("recompute_granularity"))
+                    recompute_granularity=kw.get("recompute_granularity"),
+                    vpp=kw.get("virtual_pipeline_model_parallel_size"), recompute_method=kw.get("recompute_method"),
+                    recompute_num_layers=kw.get("recompute_num_layers"),
+                    half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy)
     if spec is None:
+        for dest in ("delay_wgrad_compute", "ep_overlap_early_attn_memory_release"):
+            if not a.get("num_experts") and a.bool_arg(dest, False):
+                a.fail(dest, "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     if kw.get("use_megatron_fsdp"):
         # Megatron's CI runs of MoE under Megatron-FSDP (moe/*_zp_z3_*, deepseek_proxy_fsdp_*) keep 9-25% less

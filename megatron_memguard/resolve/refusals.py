@@ -15,7 +15,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
-    ("delay_wgrad_compute", bool, "delayed weight-gradient computation"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),

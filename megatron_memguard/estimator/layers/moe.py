@@ -356,25 +356,57 @@ def flex_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
     return math.ceil(T * group * (1.0 - miss))
 
 
-# DeepEP's intranode receive chunk (Buffer.get_dispatch_config / get_combine_config: 256 tokens for up to 8 ranks)
+# DeepEP's NVLink receive chunk (Buffer.get_dispatch_config / get_combine_config, deep_ep/buffer.py of deep-ep
+# 1.0.0: Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)): 256 tokens for up to 8 ranks; across
+# nodes the larger of the dispatch and combine configs of the rank count DeepEP tunes
 DEEPEP_NVL_RECV_TOKENS = 256
+DEEPEP_INTERNODE_NVL_RECV_TOKENS = {16: 288, 24: 288, 32: 288, 64: 288, 128: 560, 144: 720, 160: 720}
+# the RDMA receive chunk of every internode config (same source)
+DEEPEP_RDMA_RECV_TOKENS = 128
 # Per received token besides its hidden state (csrc/config.hpp get_nvl_buffer_size_hint): the source
 # metadata (two int32), the top-k indices (128 x int64), weights (128 x fp32) and scales (128 x fp32)
 DEEPEP_TOKEN_EXTRA = 8 + 128 * 8 + 128 * 4 + 128 * 4
+# DeepEP's NVLink peers per node (NUM_MAX_NVL_PEERS)
+DEEPEP_NVL_PEERS = 8
+
+
+def deepep_ranks_supported(ranks: int) -> bool:
+    """DeepEP asserts a tuned config for its group size: any size up to 8, or one of the internode sizes."""
+    return ranks <= DEEPEP_NVL_PEERS or ranks in DEEPEP_INTERNODE_NVL_RECV_TOKENS
 
 
 def deepep_buffer_bytes(L: Any, m: MoeSpec) -> int:
     """DeepEP's NVLink buffer (``deep_ep.Buffer`` num_nvl_bytes, from Config::get_nvl_buffer_size_hint):
     one per process, allocated by DeepEP outside PyTorch's caching allocator. C = num_sms / 2 channels,
-    n = the ranks of the ETP x EP group (intranode, at most 8), the receive queue of 256 tokens of
-    ``h x max(bytes, 2)`` plus their metadata; rounded up to 128 bytes. moe-fp8.md 1.6: not verified
-    against the DeepEP build a user runs."""
+    n = the NVLink peers of the ETP x EP group (at most 8), r = its RDMA ranks (nodes), the receive
+    queue of ``h x max(bytes, 2)`` tokens plus their metadata; rounded up to 128 bytes. moe-fp8.md 1.6:
+    not verified against the DeepEP build a user runs."""
     ranks = m.etp * m.ep
     C = m.moe_flex_dispatcher_num_sms // 2
-    n = min(ranks, 8)
-    r = max(ranks // 8, 1)
-    per = (2 * r + 3) * 4 + DEEPEP_NVL_RECV_TOKENS * (L.hidden_size * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
+    n = min(ranks, DEEPEP_NVL_PEERS)
+    r = max(ranks // DEEPEP_NVL_PEERS, 1)
+    recv = DEEPEP_NVL_RECV_TOKENS if ranks <= DEEPEP_NVL_PEERS else DEEPEP_INTERNODE_NVL_RECV_TOKENS[ranks]
+    per = (2 * r + 3) * 4 + recv * (L.hidden_size * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
     return -(-C * n * per // 128) * 128
+
+
+def deepep_rdma_buffer_bytes(L: Any, m: MoeSpec) -> int:
+    """DeepEP's RDMA buffer across nodes (``deep_ep.Buffer`` num_rdma_bytes, in NVSHMEM's symmetric heap,
+    outside PyTorch's allocator; 0 within a node). The region its internode kernels lay out and assert to
+    fit (deep-ep 1.0.0 csrc/kernels/internode.cu ``get_rdma_clean_meta``): per channel (num_sms / 2) and
+    RDMA rank, a send and a receive queue of 128 tokens of ``align16(h x max(bytes, 2) + 8 + 4 x scales
+    + 4 x top-k + 4 x top-k)`` bytes, and (2 x 8 + 4) int32 of metadata; taken with DeepEP's maxima of
+    128 scales and 128 top-k as its size hint does; rounded up to 128 bytes."""
+    ranks = m.etp * m.ep
+    if ranks <= DEEPEP_NVL_PEERS:
+        return 0
+    C = m.moe_flex_dispatcher_num_sms // 2
+    r = ranks // DEEPEP_NVL_PEERS
+    token = L.hidden_size * max(L.act_bytes, 2) + 8 + 3 * 128 * 4
+    token = -(-token // 16) * 16
+    data = token * DEEPEP_RDMA_RECV_TOKENS * r * 2 * C
+    meta = (DEEPEP_NVL_PEERS * 2 + 4) * r * 2 * C * 4
+    return -(-(data + meta) // 128) * 128
 
 
 def global_buffer_request(L: Any, m: MoeSpec) -> int:
@@ -464,8 +496,44 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
         remade = full.total
     bwd = tuple((rel, w - own_G + G + extra + (remade if i < len(a.bwd_steps) - 1 else 0))
                 for i, (rel, w) in enumerate(a.bwd_steps))
+    if L.moe.delay_wgrad_compute and "moe" not in mods:
+        # --delay-wgrad-compute (TE >= 2.3 delay_wgrad_compute; schedule: TransformerLayerSchedulePlan.run,
+        # core 0.19.2): the experts' fc1 and fc2 put (input, output gradient) in TE's wgrad store at their
+        # dgrad, and mlp.backward_dw runs only after the paired forward's dispatch. At the end of the
+        # experts' backward: the expert input gradient [N, h], fc1's output gradient [N, g F/ETP], fc2's
+        # output gradient [N, h] and fc2's input [N, F/ETP] (past its usual release); fc1's input is the
+        # saved expert input, released later anyway
+        e, h, N = L.act_bytes, L.hidden_size, a.rows
+        Fr = L.moe.moe_ffn_hidden_size // L.moe.etp
+        g = 2 if L.gated_linear_unit else 1
+        rel_exp = frozenset({"moe_expert_activations"})
+        bwd = bwd[:3] + ((rel_exp, G + extra + e * N * (2 * h + g * Fr + Fr)),) + bwd[3:]
+    elif L.moe.overlap_dispatch_backward_with_experts_wgrad and "moe" not in mods:
+        # --overlap-dispatch-backward-with-experts-wgrad (0.19.2 MoELayer._RegisterDelayedWgradForExperts): the
+        # experts' weight gradients run on a side stream during the dispatch's backward, so fc1's input
+        # [N, h] and output gradient [N, g F/ETP], fc2's input [N, F/ETP] and output gradient [N, h] stay
+        # through the dispatch step
+        e, h, N = L.act_bytes, L.hidden_size, a.rows
+        Fr = L.moe.moe_ffn_hidden_size // L.moe.etp
+        g = 2 if L.gated_linear_unit else 1
+        rel, w = bwd[3]
+        bwd = bwd[:3] + ((rel, w + e * N * (2 * h + g * Fr + Fr)),) + bwd[4:]
     return MlpActivations(saved=a.saved, names=names, bwd_steps=bwd, released=names,
                           fwd_steps=((frozenset(), a.fwd_transient),))
+
+
+def offload_outside(L: Any, mods: set) -> dict[str, int]:
+    """Bytes of the MoE saved entries that fine-grained offloading's groups do not take (TEGroupedMLP.forward,
+    core 0.19.2): the probs [N] next to the expert input (fc1's input is the group's), and fc2's input,
+    saved by fc2 outside the 'moe_act' call unless moe_act recompute drops it."""
+    m = L.moe
+    if "moe" in mods:
+        return {}
+    N = expert_rows(m, tokens_per_rank(L)).balanced if m.routing != "worst" else expert_rows(m, tokens_per_rank(L)).worst
+    out = {"moe_expert_input": router_bytes(m, L.act_bytes) * N}
+    if "moe_act" not in (set(m.moe_recompute) | set(mods)):
+        out["moe_expert_activations"] = L.act_bytes * N * (m.moe_ffn_hidden_size // m.etp)
+    return out
 
 
 def held_bytes(L: Any) -> int:
