@@ -59,6 +59,7 @@ from benchmarks.shared_data import THROUGHPUT  # noqa: E402
 from megatron_memguard.errors import ConfigError, ConfigErrors  # noqa: E402
 from megatron_memguard.gpus import lookup_gpu  # noqa: E402
 from megatron_memguard.planner import Cluster, Planner  # noqa: E402
+from megatron_memguard.planner.search import TIE_WINDOW, tie_break, tie_preference  # noqa: E402
 from megatron_memguard.planner.space import Candidate, make_candidate  # noqa: E402
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags  # noqa: E402
 
@@ -285,12 +286,20 @@ def kept_by(sweep: Sweep, s: Scored, own_verdicts: bool = False) -> bool:
     return s.verdict == "fits"
 
 
-def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False) -> Quality:
+def rank(kept: list[Scored], rule: str, window: float = TIE_WINDOW) -> list[Scored]:
+    """The rule's order: ``time`` as `memguard plan` ranks (predicted step time, ties within the window
+    broken by Fujii et al.'s order: megatron_memguard/planner/search.py), ``fujii2024`` the paper's rule."""
+    if rule == "time":
+        return tie_break(kept, lambda s: s.seconds, lambda s: tie_preference(s.candidate) + (s.seconds,), window)
+    return sorted(kept, key=fujii_order_key)
+
+
+def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False,
+            window: float = TIE_WINDOW) -> Quality:
     ran = [s for s in scored if not s.run.failed]
     best = max(s.run.throughput for s in ran)
     kept = [s for s in scored if kept_by(sweep, s, own_verdicts)]
-    key = (lambda s: (s.seconds,)) if rule == "time" else fujii_order_key
-    order = sorted(kept, key=key)
+    order = rank(kept, rule, window)
     measured = sorted((s.run.throughput for s in ran), reverse=True)
     if order:
         top = order[0].run
