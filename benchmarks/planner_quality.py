@@ -370,10 +370,26 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
         lines.append("- " + memory_agreement(scored_all))
         kept_failed = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
                        if x.run.failed and x.verdict == "fits"]
+        ran_mem = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
+                   if not x.run.failed and x.memory is not None]
         for sw, x in kept_failed:
-            lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory")
+            lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory; "
+                         + failure_evidence(x, ran_mem))
         lines.append("")
     return "\n".join(lines)
+
+
+def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
+    """Why a failed layout memguard keeps is not read as a memory error of the estimator: how many layouts
+    of the same sweeps ran with an estimated peak at least as high (the estimator orders memory, so those
+    would have failed first), the highest of them, and whether the layout has CP > 1 (the Megatron data's
+    README: some CP cells may have failed for other reasons)."""
+    higher = sorted(((y.memory, sw.name, y.run.label) for sw, y in ran if y.memory >= x.memory), reverse=True)
+    text = (f"{len(higher)} layout(s) estimated at least as high ran (highest: {higher[0][2]}, {higher[0][1]}, "
+            f"{higher[0][0]:.0%})" if higher else "no layout estimated this high ran")
+    if x.run.cp > 1:
+        text += "; CP > 1"
+    return text
 
 
 def _median(xs: list[float]) -> float:
