@@ -5,14 +5,16 @@
 For every sweep of ``shared/groundtruth/throughput/`` (read from there, never copied: the Hagemann data are
 CC BY-NC-SA 4.0), the planner ranks exactly the layouts the sweep ran: each is resolved with Megatron's
 rules and estimated (memory verdicts included: only ``fits`` is kept, as `memguard plan` keeps), and the
-kept ones are ordered by the rule (``time``: predicted step time; ``fujii2024``: least TP x CP x PP, then
-the largest micro-batch). Printed per sweep and rule:
+kept ones are ordered by the rule (``time``: predicted step time, ties within `memguard plan`'s tie window
+ranked by Fujii et al.'s order, as the planner ranks; ``fujii2024``: least TP x CP x PP, then the largest
+micro-batch). Printed per sweep and rule:
 
 * the first choice and its measured rank among the layouts that ran (1 = the fastest; ``OOM`` when it
   failed), its measured throughput relative to the sweep's best;
 * Spearman's rank correlation of the rule's order with the measured throughput, over the layouts that
   ran and that memguard keeps;
-* how many layouts that failed (out of memory) memguard ranked as fitting.
+* how many layouts that failed (out of memory) memguard ranked as fitting, each with its evidence: the
+  layouts of the same family estimated at least as high that ran, and whether it has CP > 1.
 
 ``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--scaling`` prints, for every
 Megatron layout that ran at several GPU counts, its measured step over the predicted one at each count and the
@@ -323,6 +325,22 @@ def evaluate(sweeps: Iterable[Sweep]) -> list[tuple[Sweep, Quality, Quality, lis
     return out
 
 
+def model_spread(sweeps: list[tuple[Sweep, list[Scored]]]) -> str:
+    """The model's error across the layouts of a sweep: the standard deviation of log(measured / predicted
+    throughput) over the ranked layouts that ran (the sweep's unit drops out). The tie window of
+    `memguard plan` (docs/planner.md section 4) should stay below it."""
+    sds = []
+    for sw, scored in sweeps:
+        r = [math.log(s.run.throughput * s.seconds) for s in scored
+             if not s.run.failed and s.seconds and kept_by(sw, s)]
+        if len(r) >= 3:
+            sds.append(statistics.pstdev(r))
+    if not sds:
+        return "model error across a sweep's layouts: too few layouts"
+    return (f"model error across a sweep's layouts (sd of log measured / predicted, sweeps with 3 or more): "
+            f"{min(sds):.1%} to {max(sds):.1%}, median {statistics.median(sds):.1%}; tie window {TIE_WINDOW:.0%}")
+
+
 def memory_agreement(scored: list[Scored]) -> str:
     """How well memguard's estimated peak separates the layouts that failed from those that ran: the
     share of (ran, failed) pairs it orders correctly (ROC AUC), and the disagreements at the threshold."""
@@ -367,6 +385,7 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
             lines.append(f"- with memguard's verdicts instead of the framework's outcomes (a user's view): first choice "
                          f"within {1 - FIRST_WITHIN:.0%} in {sum(q.first_ok for q in own)} of {len(own)} sweeps, "
                          f"median Spearman {_fmt_rho(_median([q.spearman for q in own]))}")
+        lines.append("- " + model_spread([(sw, sc) for sw, _, _, sc in results if sw.family == fam]))
         lines.append("- " + memory_agreement(scored_all))
         kept_failed = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
                        if x.run.failed and x.verdict == "fits"]
@@ -381,7 +400,7 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
 
 def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
     """Why a failed layout memguard keeps is not read as a memory error of the estimator: how many layouts
-    of the same sweeps ran with an estimated peak at least as high (the estimator orders memory, so those
+    of the same family of sweeps ran with an estimated peak at least as high (the estimator orders memory, so those
     would have failed first), the highest of them, and whether the layout has CP > 1 (the Megatron data's
     README: some CP cells may have failed for other reasons)."""
     higher = sorted(((y.memory, sw.name, y.run.label) for sw, y in ran if y.memory >= x.memory), reverse=True)

@@ -41,7 +41,8 @@ from .timing import StepTime, TimeModel
 RULES = ("time", "fujii2024")
 # Step times within this fraction of each other are ties for the time rule (docs/planner.md section 4): the
 # issue's own tolerance for "as good as the best" (3%), below the model's measured error across the layouts
-# of a sweep (standard deviation of log(measured / predicted) 4-15% in the sweeps of shared/groundtruth/throughput).
+# of a sweep (standard deviation of log(measured / predicted): medians 9% and 6% over the Megatron and Hagemann
+# sweeps of shared/groundtruth/throughput; benchmarks/planner_quality.py prints it).
 TIE_WINDOW = 0.03
 _RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
 
