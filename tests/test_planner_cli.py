@@ -10,7 +10,7 @@ from megatron_memguard.cli.main import main
 from megatron_memguard.planner.search import TIE_WINDOW
 from megatron_memguard.planner.timing import TERM_NAMES
 
-from conftest import LLAMA31_70B, LLAMA31_8B
+from conftest import LLAMA2_7B, LLAMA31_70B, LLAMA31_8B
 
 BASE = ["plan", "--gpus", "64", "--gpu", "H100-80GB", "--seq-length", "8192", "--global-batch-size", "512"]
 
@@ -258,3 +258,16 @@ def test_tie_window_zero_ranks_by_time_alone_and_bad_values_are_refused(capsys):
     assert times == sorted(times)
     code, out, err = run(capsys, *BASE, "--tie-window", "1.5")
     assert code != 0 and "--tie-window" in err and "Traceback" not in err
+
+
+def test_explain_says_when_the_tie_window_put_a_slower_layout_first(capsys):
+    """Llama-2-7B on 16 H100s, seq 2048, GBS 256: TP2 MBS4 is predicted 2.2% slower than TP1 PP2 MBS2 (the same
+    TP x CP x PP); within the 3% window the larger micro-batch ranks first, and --explain says why."""
+    code, out, _ = run(capsys, "plan", "--gpus", "16", "--gpu", "H100-80GB", "--seq-length", "2048",
+                       "--global-batch-size", "256", "--explain", model=LLAMA2_7B)
+    assert code == 0
+    assert "A: #1 (chosen): TP2 PP1 CP1 DP8 MBS4" in out and "B: #2 (runner-up): TP1 PP2" in out
+    assert re.search(r"predicted 2\.\d% slower than the runner-up: within the tie window \(3%\)", out)
+    code, out, _ = run(capsys, "plan", "--gpus", "16", "--gpu", "H100-80GB", "--seq-length", "2048",
+                       "--global-batch-size", "256", "--explain", "--tie-window", "0", model=LLAMA2_7B)
+    assert "A: #1 (chosen): TP1 PP2" in out and "tie window" not in out
