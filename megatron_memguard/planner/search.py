@@ -272,10 +272,16 @@ class Planner:
         cands.sort(key=self.order_key(rule))
         window = (self.tie_window if window is None else window) if rule == "time" else 0.0
         horizon = None             # time rule: visit up to (1 + window) x the top-th fitting layout's time
+        key = self.tie_key()
+        worst = None               # the least preferred of the top fastest fitting layouts (by the tie key)
         for c in cands:
             if horizon is not None and self.step_time(c).seconds > horizon:
                 break
             res.visited += 1
+            if worst is not None and key(c) > worst:
+                # Never ranked among the first `top`: at each of those picks the fastest layout left is one of
+                # the top fastest, within the window and preferred to this one (docs/planner.md section 4).
+                continue
             lb = self.lower_bound(c)
             if lb > limit:
                 res.pruned_by_bound += 1
@@ -301,12 +307,12 @@ class Planner:
                         break
                     if horizon is None:
                         horizon = (1 + window) * self.step_time(c).seconds
+                        worst = max(key(e.candidate) for e in res.entries)
             elif est.gpu_memory_bytes:
                 res.closest.append((est.peak_device_bytes / est.gpu_memory_bytes, c, est))
                 res.closest.sort(key=lambda x: x[0])
                 del res.closest[3:]
         if window and len(res.entries) > 1:
-            key = self.tie_key()
             ranked = tie_break(res.entries, lambda e: e.time.seconds, lambda e: key(e.candidate), window)
             res.entries = [dataclasses.replace(e, rank=i + 1) for i, e in enumerate(ranked[:top])]
         res.seconds = _time.perf_counter() - t0
