@@ -188,3 +188,15 @@ def test_tp_stays_inside_nodes_even_when_allowed_to_leave():
     P8 = make_planner(LLAMA31_70B, 512, 8192, 1024)
     res8 = P8.plan(Constraints(allow_tp_across_nodes=True), top=5)
     assert all(e.candidate.tp <= 8 for e in res8.entries)
+
+
+def test_tie_break_by_hand():
+    """Times 1.00, 1.02, 1.05, 1.10 s preferred 3rd, 1st, 0th, 2nd. Window 3%: 1.02 (within 3% of 1.00, preferred),
+    then 1.00 (1.05 is 5% away), 1.05, 1.10. Window 10%: all four are within 10% of 1.00: 1.05, 1.02, then 1.10
+    (still within 10% of 1.00, preferred to it), 1.00. Window 0: the times' order."""
+    items = [(1.00, 3), (1.02, 1), (1.05, 0), (1.10, 2)]
+    times = lambda x: [t for t, _ in x]  # noqa: E731
+    rank = lambda w: times(tie_break(items, lambda x: x[0], lambda x: (x[1],), w))  # noqa: E731
+    assert rank(0.03) == [1.02, 1.00, 1.05, 1.10]
+    assert rank(0.10) == [1.05, 1.02, 1.10, 1.00]
+    assert rank(0.0) == [1.00, 1.02, 1.05, 1.10]

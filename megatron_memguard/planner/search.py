@@ -23,6 +23,7 @@ by the predicted step time.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time as _time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,12 +57,24 @@ def tie_break(items: Sequence[T], seconds: Callable[[T], float], prefer: Callabl
     take the first by ``prefer``. With window 0 this is the order of the times. Every item taken is
     within ``window`` of the k-th fastest when it is the k-th taken, so a search that has visited all
     items up to (1 + window) x the k-th fastest time ranks its first k exactly."""
-    rest = sorted(items, key=seconds)
+    order = sorted(range(len(items)), key=lambda i: seconds(items[i]))
+    times = [seconds(items[i]) for i in order]
+    keys = [prefer(items[i]) for i in order]
+    taken = [False] * len(order)
+    heap: list[tuple[tuple, int]] = []
     out: list[T] = []
-    while rest:
-        limit = (1 + window) * seconds(rest[0])
-        i = min((j for j in range(len(rest)) if seconds(rest[j]) <= limit), key=lambda j: prefer(rest[j]))
-        out.append(rest.pop(i))
+    first = nxt = 0                # the fastest item not taken; the next item not yet eligible
+    while len(out) < len(order):
+        while taken[first]:
+            first += 1
+        # the fastest time left only grows, so the eligible items only ever gain members
+        limit = (1 + window) * times[first]
+        while nxt < len(order) and times[nxt] <= limit:
+            heapq.heappush(heap, (keys[nxt], nxt))
+            nxt += 1
+        _, j = heapq.heappop(heap)
+        taken[j] = True
+        out.append(items[order[j]])
     return out
 
 
