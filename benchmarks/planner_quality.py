@@ -411,6 +411,27 @@ def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
     return text
 
 
+def discordant_pairs(sweep: Sweep, scored: list[Scored], gap: float = 0.03, limit: int = 8) -> str:
+    """The pairs the time rule ranks against the measurements (the layout measured faster by more than
+    ``gap`` is ranked after the other), largest measured gap first, each with the two step-time terms
+    that differ most between the pair in the model (what to look at in `memguard plan --explain`)."""
+    p = planner_for(sweep)
+    order = rank([s for s in scored if kept_by(sweep, s)], "time")
+    pos = {id(s): i for i, s in enumerate(order)}
+    ran = [s for s in order if not s.run.failed]
+    bad = sorted(((a.run.throughput / b.run.throughput, a, b) for a in ran for b in ran
+                  if a.run.throughput > (1 + gap) * b.run.throughput and pos[id(a)] > pos[id(b)]),
+                 key=lambda x: -x[0])
+    lines = [f"## {sweep.name}: {len(bad)} pairs ranked against a measured gap above {gap:.0%}"]
+    for r, a, b in bad[:limit]:
+        ta, tb = p.step_time(a.candidate).term_seconds, p.step_time(b.candidate).term_seconds
+        diff = sorted(((ta[k] - tb[k], k) for k in ta), key=lambda x: -abs(x[0]))[:2]
+        lines.append(f"   {a.run.label} measured {r - 1:+.1%} faster than {b.run.label}, predicted "
+                     f"{a.seconds / b.seconds - 1:+.1%} slower; terms (A - B): "
+                     + ", ".join(f"{k} {d:+.3f} s" for d, k in diff))
+    return "\n".join(lines)
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else math.nan
@@ -467,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help=f"write {os.path.relpath(RESULTS, ROOT)}")
     ap.add_argument("--family", choices=("fujii", "hagemann", *OTHER_KERNELS), help="only these sweeps")
     ap.add_argument("--detail", action="store_true", help="print every layout: measured vs predicted, verdict")
+    ap.add_argument("--pairs", type=float, nargs="?", const=0.03, metavar="GAP",
+                    help="per sweep, the pairs the time rule orders against a measured gap above GAP (default 3%%), "
+                         "with the step-time terms that differ most between them")
     ap.add_argument("--scaling", action="store_true",
                     help="Megatron layouts: measured / predicted step at each GPU count, and the excess that grows")
     ns = ap.parse_args(argv)
@@ -483,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
                 pred = "" if s.seconds is None else f"{sw.gbs * sw.seq / s.seconds / sw.world:8.0f} tok/s/GPU"
                 meas = "FAILED" if s.run.failed else f"{s.run.throughput:8.3f}"
                 print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
+    if ns.pairs is not None:
+        for sw, _, _, scored in results:
+            print(discordant_pairs(sw, scored, ns.pairs))
     scale_text = ""
     if any(sw.family == "fujii" for sw in sweeps):
         scale_text = ("\n### Megatron layouts across GPU counts: measured / predicted step time\n\n" + scaling(sweeps)
