@@ -432,6 +432,47 @@ def discordant_pairs(sweep: Sweep, scored: list[Scored], gap: float = 0.03, limi
     return "\n".join(lines)
 
 
+WINDOWS = (0.0, 0.01, 0.02, 0.025, 0.03, 0.04, 0.05)
+
+
+def window_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
+    """The tie window is one constant for all sweeps: its figures over a grid, and the window each
+    held-out sweep (or family) would get if it were chosen on the others. The criterion: sweeps whose
+    first choice is within 3% plus sweeps not worse than fujii2024, then the mean Spearman; the
+    smallest window among equals."""
+    q = {w: [(quality(sw, sc, "time", window=w), quality(sw, sc, "fujii2024")) for sw, sc in data]
+         for w in WINDOWS}
+
+    def worse(t: Quality, f: Quality) -> bool:
+        return t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
+
+    def crit(w: float, idx: list[int]) -> tuple:
+        rows = [q[w][i] for i in idx]
+        rho = [t.spearman for t, _ in rows if not math.isnan(t.spearman)]
+        return (sum(t.first_ok for t, _ in rows) + sum(not worse(t, f) for t, f in rows), statistics.fmean(rho), -w)
+
+    lines = ["| window | family | first choice within 3% | median Spearman | worse than fujii2024 |",
+             "| ---: | --- | ---: | ---: | ---: |"]
+    for w in WINDOWS:
+        for fam in ("fujii", "hagemann"):
+            rows = [x for (sw, _), x in zip(data, q[w]) if sw.family == fam]
+            lines.append(f"| {w:.1%} | {fam} | {sum(t.first_ok for t, _ in rows)} of {len(rows)} | "
+                         f"{_fmt_rho(_median([t.spearman for t, _ in rows]))} | {sum(worse(t, f) for t, f in rows)} |")
+    n = len(data)
+    held = [max(WINDOWS, key=lambda w: crit(w, [j for j in range(n) if j != i])) for i in range(n)]
+    lines.append("")
+    by_w: dict[float, list[str]] = {}
+    for (sw, _), w in zip(data, held):
+        by_w.setdefault(w, []).append(sw.name)
+    lines.append("leave one sweep out, the window chosen on the others: " + "; ".join(
+        f"{w:.1%} for {len(names)} sweep(s)" + (f" ({', '.join(names)})" if len(names) <= 3 else "")
+        for w, names in sorted(by_w.items())))
+    for fam in ("fujii", "hagemann"):
+        rest = [j for j in range(n) if data[j][0].family != fam]
+        lines.append(f"leave the {fam} sweeps out: {max(WINDOWS, key=lambda w: crit(w, rest)):.1%}")
+    return "\n".join(lines)
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else math.nan
@@ -491,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=float, nargs="?", const=0.03, metavar="GAP",
                     help="per sweep, the pairs the time rule orders against a measured gap above GAP (default 3%%), "
                          "with the step-time terms that differ most between them")
+    ap.add_argument("--windows", action="store_true",
+                    help="the target sweeps' figures for tie windows of 0-5%%, and the window chosen leaving one "
+                         "sweep (or one family) out")
     ap.add_argument("--scaling", action="store_true",
                     help="Megatron layouts: measured / predicted step at each GPU count, and the excess that grows")
     ns = ap.parse_args(argv)
@@ -507,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                 pred = "" if s.seconds is None else f"{sw.gbs * sw.seq / s.seconds / sw.world:8.0f} tok/s/GPU"
                 meas = "FAILED" if s.run.failed else f"{s.run.throughput:8.3f}"
                 print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
+    if ns.windows:
+        print(window_check([(sw, sc) for sw, _, _, sc in results if sw.family in ("fujii", "hagemann")]))
     if ns.pairs is not None:
         for sw, _, _, scored in results:
             print(discordant_pairs(sw, scored, ns.pairs))
