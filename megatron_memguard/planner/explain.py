@@ -145,8 +145,9 @@ def tie_note(planner: Planner, xs: list[Explanation]) -> str:
         return ""
     c1, c2 = one.candidate, two.candidate
     return (f"the chosen layout is predicted {one.time.seconds / two.time.seconds - 1:.1%} slower than the runner-up: "
-            f"within the tie window ({planner.tie_window:.0%}), layouts are ranked by Fujii et al.'s order (TP x CP x PP "
-            f"{c1.model_parallel} vs {c2.model_parallel}, MBS {c1.mbs} vs {c2.mbs}; docs/planner.md section 4)")
+            f"within the tie window ({planner.tie_window:.0%}), layouts are ranked by Fujii et al.'s order "
+            f"(TP x CP x PP {c1.model_parallel} vs {c2.model_parallel}, MBS {c1.mbs} vs {c2.mbs}; "
+            f"docs/planner.md section 4)")
 
 
 def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) -> str:
