@@ -5,14 +5,16 @@
 For every sweep of ``shared/groundtruth/throughput/`` (read from there, never copied: the Hagemann data are
 CC BY-NC-SA 4.0), the planner ranks exactly the layouts the sweep ran: each is resolved with Megatron's
 rules and estimated (memory verdicts included: only ``fits`` is kept, as `memguard plan` keeps), and the
-kept ones are ordered by the rule (``time``: predicted step time; ``fujii2024``: least TP x CP x PP, then
-the largest micro-batch). Printed per sweep and rule:
+kept ones are ordered by the rule (``time``: predicted step time, ties within `memguard plan`'s tie window
+ranked by Fujii et al.'s order, as the planner ranks; ``fujii2024``: least TP x CP x PP, then the largest
+micro-batch). Printed per sweep and rule:
 
 * the first choice and its measured rank among the layouts that ran (1 = the fastest; ``OOM`` when it
   failed), its measured throughput relative to the sweep's best;
 * Spearman's rank correlation of the rule's order with the measured throughput, over the layouts that
   ran and that memguard keeps;
-* how many layouts that failed (out of memory) memguard ranked as fitting.
+* how many layouts that failed (out of memory) memguard ranked as fitting, each with its evidence: the
+  layouts of the same family estimated at least as high that ran, and whether it has CP > 1.
 
 ``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--scaling`` prints, for every
 Megatron layout that ran at several GPU counts, its measured step over the predicted one at each count and the
@@ -59,6 +61,7 @@ from benchmarks.shared_data import THROUGHPUT  # noqa: E402
 from megatron_memguard.errors import ConfigError, ConfigErrors  # noqa: E402
 from megatron_memguard.gpus import lookup_gpu  # noqa: E402
 from megatron_memguard.planner import Cluster, Planner  # noqa: E402
+from megatron_memguard.planner.search import TIE_WINDOW, tie_break, tie_preference  # noqa: E402
 from megatron_memguard.planner.space import Candidate, make_candidate  # noqa: E402
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags  # noqa: E402
 
@@ -285,12 +288,20 @@ def kept_by(sweep: Sweep, s: Scored, own_verdicts: bool = False) -> bool:
     return s.verdict == "fits"
 
 
-def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False) -> Quality:
+def rank(kept: list[Scored], rule: str, window: float = TIE_WINDOW) -> list[Scored]:
+    """The rule's order: ``time`` as `memguard plan` ranks (predicted step time, ties within the window
+    broken by Fujii et al.'s order: megatron_memguard/planner/search.py), ``fujii2024`` the paper's rule."""
+    if rule == "time":
+        return tie_break(kept, lambda s: s.seconds, lambda s: tie_preference(s.candidate) + (s.seconds,), window)
+    return sorted(kept, key=fujii_order_key)
+
+
+def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False,
+            window: float = TIE_WINDOW) -> Quality:
     ran = [s for s in scored if not s.run.failed]
     best = max(s.run.throughput for s in ran)
     kept = [s for s in scored if kept_by(sweep, s, own_verdicts)]
-    key = (lambda s: (s.seconds,)) if rule == "time" else fujii_order_key
-    order = sorted(kept, key=key)
+    order = rank(kept, rule, window)
     measured = sorted((s.run.throughput for s in ran), reverse=True)
     if order:
         top = order[0].run
@@ -312,6 +323,22 @@ def evaluate(sweeps: Iterable[Sweep]) -> list[tuple[Sweep, Quality, Quality, lis
         scored = score(sw)
         out.append((sw, quality(sw, scored, "time"), quality(sw, scored, "fujii2024"), scored))
     return out
+
+
+def model_spread(sweeps: list[tuple[Sweep, list[Scored]]]) -> str:
+    """The model's error across the layouts of a sweep: the standard deviation of log(measured / predicted
+    throughput) over the ranked layouts that ran (the sweep's unit drops out). The tie window of
+    `memguard plan` (docs/planner.md section 4) should stay below it."""
+    sds = []
+    for sw, scored in sweeps:
+        r = [math.log(s.run.throughput * s.seconds) for s in scored
+             if not s.run.failed and s.seconds and kept_by(sw, s)]
+        if len(r) >= 3:
+            sds.append(statistics.pstdev(r))
+    if not sds:
+        return "model error across a sweep's layouts: too few layouts"
+    return (f"model error across a sweep's layouts (sd of log measured / predicted, sweeps with 3 or more): "
+            f"{min(sds):.1%} to {max(sds):.1%}, median {statistics.median(sds):.1%}; tie window {TIE_WINDOW:.0%}")
 
 
 def memory_agreement(scored: list[Scored]) -> str:
@@ -358,12 +385,91 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
             lines.append(f"- with memguard's verdicts instead of the framework's outcomes (a user's view): first choice "
                          f"within {1 - FIRST_WITHIN:.0%} in {sum(q.first_ok for q in own)} of {len(own)} sweeps, "
                          f"median Spearman {_fmt_rho(_median([q.spearman for q in own]))}")
+        lines.append("- " + model_spread([(sw, sc) for sw, _, _, sc in results if sw.family == fam]))
         lines.append("- " + memory_agreement(scored_all))
         kept_failed = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
                        if x.run.failed and x.verdict == "fits"]
+        ran_mem = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
+                   if not x.run.failed and x.memory is not None]
         for sw, x in kept_failed:
-            lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory")
+            lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory; "
+                         + failure_evidence(x, ran_mem))
         lines.append("")
+    return "\n".join(lines)
+
+
+def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
+    """Why a failed layout memguard keeps is not read as a memory error of the estimator: how many layouts
+    of the same family of sweeps ran with an estimated peak at least as high (the estimator orders memory, so those
+    would have failed first), the highest of them, and whether the layout has CP > 1 (the Megatron data's
+    README: some CP cells may have failed for other reasons)."""
+    higher = sorted(((y.memory, sw.name, y.run.label) for sw, y in ran if y.memory >= x.memory), reverse=True)
+    text = (f"{len(higher)} layout(s) estimated at least as high ran (highest: {higher[0][2]}, {higher[0][1]}, "
+            f"{higher[0][0]:.0%})" if higher else "no layout estimated this high ran")
+    if x.run.cp > 1:
+        text += "; CP > 1"
+    return text
+
+
+def discordant_pairs(sweep: Sweep, scored: list[Scored], gap: float = 0.03, limit: int = 8) -> str:
+    """The pairs the time rule ranks against the measurements (the layout measured faster by more than
+    ``gap`` is ranked after the other), largest measured gap first, each with the two step-time terms
+    that differ most between the pair in the model (what to look at in `memguard plan --explain`)."""
+    p = planner_for(sweep)
+    order = rank([s for s in scored if kept_by(sweep, s)], "time")
+    pos = {id(s): i for i, s in enumerate(order)}
+    ran = [s for s in order if not s.run.failed]
+    bad = sorted(((a.run.throughput / b.run.throughput, a, b) for a in ran for b in ran
+                  if a.run.throughput > (1 + gap) * b.run.throughput and pos[id(a)] > pos[id(b)]),
+                 key=lambda x: -x[0])
+    lines = [f"## {sweep.name}: {len(bad)} pairs ranked against a measured gap above {gap:.0%}"]
+    for r, a, b in bad[:limit]:
+        ta, tb = p.step_time(a.candidate).term_seconds, p.step_time(b.candidate).term_seconds
+        diff = sorted(((ta[k] - tb[k], k) for k in ta), key=lambda x: -abs(x[0]))[:2]
+        lines.append(f"   {a.run.label} measured {r - 1:+.1%} faster than {b.run.label}, predicted "
+                     f"{a.seconds / b.seconds - 1:+.1%} slower; terms (A - B): "
+                     + ", ".join(f"{k} {d:+.3f} s" for d, k in diff))
+    return "\n".join(lines)
+
+
+WINDOWS = (0.0, 0.01, 0.02, 0.025, 0.03, 0.04, 0.05)
+
+
+def window_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
+    """The tie window is one constant for all sweeps: its figures over a grid, and the window each
+    held-out sweep (or family) would get if it were chosen on the others. The criterion: sweeps whose
+    first choice is within 3% plus sweeps not worse than fujii2024, then the mean Spearman; the
+    smallest window among equals."""
+    q = {w: [(quality(sw, sc, "time", window=w), quality(sw, sc, "fujii2024")) for sw, sc in data]
+         for w in WINDOWS}
+
+    def worse(t: Quality, f: Quality) -> bool:
+        return t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
+
+    def crit(w: float, idx: list[int]) -> tuple:
+        rows = [q[w][i] for i in idx]
+        rho = [t.spearman for t, _ in rows if not math.isnan(t.spearman)]
+        return (sum(t.first_ok for t, _ in rows) + sum(not worse(t, f) for t, f in rows), statistics.fmean(rho), -w)
+
+    lines = ["| window | family | first choice within 3% | median Spearman | worse than fujii2024 |",
+             "| ---: | --- | ---: | ---: | ---: |"]
+    for w in WINDOWS:
+        for fam in ("fujii", "hagemann"):
+            rows = [x for (sw, _), x in zip(data, q[w]) if sw.family == fam]
+            lines.append(f"| {w:.1%} | {fam} | {sum(t.first_ok for t, _ in rows)} of {len(rows)} | "
+                         f"{_fmt_rho(_median([t.spearman for t, _ in rows]))} | {sum(worse(t, f) for t, f in rows)} |")
+    n = len(data)
+    held = [max(WINDOWS, key=lambda w: crit(w, [j for j in range(n) if j != i])) for i in range(n)]
+    lines.append("")
+    by_w: dict[float, list[str]] = {}
+    for (sw, _), w in zip(data, held):
+        by_w.setdefault(w, []).append(sw.name)
+    lines.append("leave one sweep out, the window chosen on the others: " + "; ".join(
+        f"{w:.1%} for {len(names)} sweep(s)" + (f" ({', '.join(names)})" if len(names) <= 3 else "")
+        for w, names in sorted(by_w.items())))
+    for fam in ("fujii", "hagemann"):
+        rest = [j for j in range(n) if data[j][0].family != fam]
+        lines.append(f"leave the {fam} sweeps out: {max(WINDOWS, key=lambda w: crit(w, rest)):.1%}")
     return "\n".join(lines)
 
 
@@ -423,6 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help=f"write {os.path.relpath(RESULTS, ROOT)}")
     ap.add_argument("--family", choices=("fujii", "hagemann", *OTHER_KERNELS), help="only these sweeps")
     ap.add_argument("--detail", action="store_true", help="print every layout: measured vs predicted, verdict")
+    ap.add_argument("--pairs", type=float, nargs="?", const=0.03, metavar="GAP",
+                    help="per sweep, the pairs the time rule orders against a measured gap above GAP (default 3%%), "
+                         "with the step-time terms that differ most between them")
+    ap.add_argument("--windows", action="store_true",
+                    help="the target sweeps' figures for tie windows of 0-5%%, and the window chosen leaving one "
+                         "sweep (or one family) out")
     ap.add_argument("--scaling", action="store_true",
                     help="Megatron layouts: measured / predicted step at each GPU count, and the excess that grows")
     ns = ap.parse_args(argv)
@@ -439,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
                 pred = "" if s.seconds is None else f"{sw.gbs * sw.seq / s.seconds / sw.world:8.0f} tok/s/GPU"
                 meas = "FAILED" if s.run.failed else f"{s.run.throughput:8.3f}"
                 print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
+    if ns.windows:
+        print(window_check([(sw, sc) for sw, _, _, sc in results if sw.family in ("fujii", "hagemann")]))
+    if ns.pairs is not None:
+        for sw, _, _, scored in results:
+            print(discordant_pairs(sw, scored, ns.pairs))
     scale_text = ""
     if any(sw.family == "fujii" for sw in sweeps):
         scale_text = ("\n### Megatron layouts across GPU counts: measured / predicted step time\n\n" + scaling(sweeps)

@@ -10,7 +10,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.planner_quality import FIRST_WITHIN, fujii_sweeps, planner_for, quality, score  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+
+from benchmarks.planner_quality import (FIRST_WITHIN, fujii_sweeps, hagemann_sweeps, planner_for, quality,  # noqa: E402
+                                        score)
 from megatron_memguard.planner.space import make_candidate  # noqa: E402
 
 SWEEPS = fujii_sweeps()
@@ -68,3 +72,40 @@ def test_first_choice_is_within_3_percent_of_the_measured_best(sweep):
     reaches at least 97% of the best measured throughput (issue 18's target)."""
     q = quality(sweep, score(sweep), "time")
     assert q.first_rel >= FIRST_WITHIN, (q.first, q.first_rel)
+
+
+def _both_rules(sweeps):
+    out = []
+    for sw in sweeps:
+        sc = score(sw)
+        out.append((sw, quality(sw, sc, "time"), quality(sw, sc, "fujii2024")))
+    return out
+
+
+def _worse(t, f) -> bool:
+    """The time rule does worse than Fujii et al.'s on a sweep: a slower first choice or a lower Spearman."""
+    return t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
+
+
+def test_megatron_sweeps_rank_at_least_as_well_as_fujii_rule():
+    """Issue 18 on Megatron-LM's sweeps (8-256 A100-40GB): median Spearman of the ranking against the measured
+    throughput >= 0.85 (reached: 0.94 with the 3% tie window; 0.90 without), and on no sweep a slower first
+    choice or a lower Spearman than `--rule fujii2024` (three sweeps were worse without the tie window)."""
+    rows = _both_rules(SWEEPS)
+    rhos = [t.spearman for _, t, _ in rows if not math.isnan(t.spearman)]
+    assert statistics.median(rhos) >= 0.93
+    assert [sw.name for sw, t, f in rows if _worse(t, f)] == []
+
+
+def test_hagemann_sweeps_first_choice_and_spearman():
+    """Hagemann et al.'s sweeps (another framework, A100-80GB; the framework's own outcomes decide which layouts
+    are ranked): median Spearman >= 0.90 (reached 0.91), the first choice within 3% of the best in 8 of 10
+    sweeps (LLaMA-30B s2048 at 64 GPUs: 85%, the tie window's pick; at 256 GPUs: 95%, data-parallel traffic
+    the model's network does not slow enough), worse than `--rule fujii2024` on at most the two LLaMA-13B s2048
+    sweeps (Spearman 0.65 / 0.64 against 0.69 / 0.74; it was four sweeps)."""
+    rows = _both_rules(hagemann_sweeps())
+    assert len(rows) == 10
+    assert statistics.median(t.spearman for _, t, _ in rows) >= 0.90
+    assert sum(t.first_ok for _, t, _ in rows) >= 8
+    assert {sw.name for sw, t, f in rows if _worse(t, f)} <= {"LLaMA-13B s2048 32 x A100-80GB",
+                                                               "LLaMA-13B s2048 64 x A100-80GB"}

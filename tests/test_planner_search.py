@@ -4,6 +4,7 @@ import random
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.planner.bounds import memory_lower_bound
 from megatron_memguard.planner.export import megatron_flags
+from megatron_memguard.planner.search import TIE_WINDOW, tie_break, tie_preference
 from megatron_memguard.planner.space import Constraints, enumerate_space
 
 from conftest import LLAMA2_7B, LLAMA31_70B, LLAMA31_8B
@@ -41,10 +42,28 @@ def test_no_layout_the_estimator_rejects_ever_appears():
 
 def test_ranked_by_predicted_step_time():
     P = make_planner(LLAMA31_8B, 64, 8192, 512)
-    res = P.plan(top=15)
+    res = P.plan(top=15, window=0)
     times = [e.time.seconds for e in res.entries]
     assert times == sorted(times)
     assert [e.rank for e in res.entries] == list(range(1, 16))
+
+
+def test_ties_within_the_window_go_to_fujii_order():
+    """With the tie window, each entry is within TIE_WINDOW of the fastest fitting layout not ranked before it
+    (so never more than that slower than the k-th fastest), and among those it is the first in Fujii et al.'s
+    order (least TP x CP x PP, then the largest micro-batch)."""
+    P = make_planner(LLAMA31_8B, 64, 8192, 512)
+    plain = P.plan(top=15, window=0).entries
+    res = P.plan(top=15)
+    assert [e.rank for e in res.entries] == list(range(1, 16))
+    pool = {e.candidate: e.time.seconds for e in P.plan(top=60, window=0).entries}
+    for k, e in enumerate(res.entries):
+        left = {c: t for c, t in pool.items() if c not in {x.candidate for x in res.entries[:k]}}
+        fastest = min(left.values())
+        assert e.time.seconds <= (1 + TIE_WINDOW) * fastest
+        assert e.time.seconds <= (1 + TIE_WINDOW) * plain[k].time.seconds
+        rivals = [c for c, t in left.items() if t <= (1 + TIE_WINDOW) * fastest]
+        assert tie_preference(e.candidate) == min(tie_preference(c) for c in rivals)
 
 
 def test_best_first_search_finds_exactly_the_fastest_fitting_layouts():
@@ -57,8 +76,13 @@ def test_best_first_search_finds_exactly_the_fastest_fitting_layouts():
         if P.estimate(P.layout(c)).verdict == "fits":
             fits.append(c)
     fits.sort(key=P.order_key("time"))
-    res = P.plan(cons, top=12)
+    res = P.plan(cons, top=12, window=0)
     assert [e.candidate for e in res.entries] == fits[:12]
+    # with the tie window, the search continues just far enough to rank like the whole fitting set would
+    key = P.tie_key()
+    ranked = tie_break(fits, lambda c: P.step_time(c).seconds, key)
+    for top in (1, 2, 5, 12):
+        assert [e.candidate for e in P.plan(cons, top=top).entries] == ranked[:top]
     assert res.estimated < len(cands) / 4                 # the bound and best-first order saved most estimates
 
 
@@ -164,3 +188,15 @@ def test_tp_stays_inside_nodes_even_when_allowed_to_leave():
     P8 = make_planner(LLAMA31_70B, 512, 8192, 1024)
     res8 = P8.plan(Constraints(allow_tp_across_nodes=True), top=5)
     assert all(e.candidate.tp <= 8 for e in res8.entries)
+
+
+def test_tie_break_by_hand():
+    """Times 1.00, 1.02, 1.05, 1.10 s preferred 3rd, 1st, 0th, 2nd. Window 3%: 1.02 (within 3% of 1.00, preferred),
+    then 1.00 (1.05 is 5% away), 1.05, 1.10. Window 10%: all four are within 10% of 1.00: 1.05, 1.02, then 1.10
+    (still within 10% of 1.00, preferred to it), 1.00. Window 0: the times' order."""
+    items = [(1.00, 3), (1.02, 1), (1.05, 0), (1.10, 2)]
+    times = lambda x: [t for t, _ in x]  # noqa: E731
+    rank = lambda w: times(tie_break(items, lambda x: x[0], lambda x: (x[1],), w))  # noqa: E731
+    assert rank(0.03) == [1.02, 1.00, 1.05, 1.10]
+    assert rank(0.10) == [1.05, 1.02, 1.10, 1.00]
+    assert rank(0.0) == [1.00, 1.02, 1.05, 1.10]

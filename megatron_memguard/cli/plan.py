@@ -52,7 +52,7 @@ def _recompute_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..planner.search import RULES
+    from ..planner.search import RULES, TIE_WINDOW
     p = _Parser(prog="memguard plan", description="Search tensor / pipeline / context / data parallel layouts, "
                 "keep those the estimator says fit, rank them by a predicted step time.",
                 epilog="The model: --model NAME (a preset), --config FILE, or Megatron flags after --.")
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--top", type=int, default=DEFAULT_TOP, help=f"how many layouts to show (default {DEFAULT_TOP})")
     o.add_argument("--rule", choices=RULES, default="time",
                    help="time: predicted step time (default); fujii2024: smallest TP*CP*PP that fits, then largest MBS")
+    o.add_argument("--tie-window", type=float, default=TIE_WINDOW, metavar="FRACTION",
+                   help=f"time rule: predicted step times within this fraction are ties, ranked by Fujii et al.'s "
+                        f"order (least TP*CP*PP, then largest MBS; default {TIE_WINDOW:g}; 0: by time alone)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--explain", metavar="LAYOUT", nargs="?", const="", default=None,
                    help="print each step-time term of the chosen layout and the runner-up side by side; with "
@@ -206,7 +209,7 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
                       gpu_memory_bytes=mem or gpu.memory_bytes)
     planner = Planner(raw, cluster, seq_length=ns.seq_length, global_batch_size=ns.global_batch_size,
                       threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
-                      site=target_site(ns))
+                      site=target_site(ns), tie_window=_tie_window(ns))
     planner.notes[:0] = notes
     if planner.shape.moe is None and (ns.ep or ns.etp or ns.allow_ep_across_nodes):
         planner.notes.append("--ep / --etp / --allow-ep-across-nodes apply to mixture-of-experts models; this model "
@@ -214,6 +217,12 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
     return planner
+
+
+def _tie_window(ns: argparse.Namespace) -> float:
+    from ..planner.search import TIE_WINDOW
+    w = getattr(ns, "tie_window", None)
+    return TIE_WINDOW if w is None else w
 
 
 def _stage_peaks(est) -> str:
@@ -245,7 +254,9 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
                    f"(expert DP = GPUs / (ETP x EP x PP))")
     sd = res.search_dict()
     out.append(f"search: {sd['considered']:,} layouts, {sd['visited']:,} visited "
-               + ("fastest first" if res.rule == "time" else "by TP*CP*PP, then MBS") + f": "
+               + (f"fastest first (ties within {planner.tie_window:.0%}: least TP*CP*PP, then largest MBS)"
+                  if res.rule == "time" and planner.tie_window else "fastest first" if res.rule == "time"
+                  else "by TP*CP*PP, then MBS") + f": "
                f"{sd['pruned_by_memory_bound']:,} cannot fit (model state + kept activations), "
                f"{sd['rejected_by_megatron_rules']:,} break a Megatron rule, {sd['estimated']:,} estimated, "
                f"{sd['fitting']:,} fit ({res.seconds:.2f} s)")
@@ -299,6 +310,7 @@ def plan_json(planner: Planner, res: PlanResult) -> dict[str, Any]:
     return {
         "schema": "memguard.plan/1",
         "rule": res.rule,
+        "tie_window": planner.tie_window if res.rule == "time" else 0.0,
         "gpus": cl.gpus,
         "gpu": cl.gpu.name,
         "gpus_per_node": cl.gpus_per_node,

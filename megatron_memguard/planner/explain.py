@@ -135,6 +135,21 @@ def comparison_dict(xs: list[Explanation]) -> dict[str, Any]:
     return doc
 
 
+def tie_note(planner: Planner, xs: list[Explanation]) -> str:
+    """Why the chosen layout is ranked before a runner-up the model predicts faster: the tie window."""
+    roles = [x.role.removeprefix("asked = ") for x in xs]
+    if len(xs) < 2 or "#1 (chosen)" not in roles or "#2 (runner-up)" not in roles:
+        return ""
+    one, two = xs[roles.index("#1 (chosen)")], xs[roles.index("#2 (runner-up)")]
+    if one.time.seconds <= two.time.seconds:
+        return ""
+    c1, c2 = one.candidate, two.candidate
+    return (f"the chosen layout is predicted {one.time.seconds / two.time.seconds - 1:.1%} slower than the runner-up: "
+            f"within the tie window ({planner.tie_window:.0%}), layouts are ranked by Fujii et al.'s order "
+            f"(TP x CP x PP {c1.model_parallel} vs {c2.model_parallel}, MBS {c1.mbs} vs {c2.mbs}; "
+            f"docs/planner.md section 4)")
+
+
 def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) -> str:
     if isinstance(xs, Explanation):
         xs = [xs]
@@ -165,6 +180,9 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
     if len(xs) > 1:
         line += f"  {xs[1].time.seconds - a.time.seconds:+10.4f}"
     out.append(line + "  sum of the terms above")
+    tie = tie_note(planner, xs)
+    if tie:
+        out.append(tie)
     out.append("")
     mm = s.matmul_params() + s.vocab * s.hidden
     out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights "

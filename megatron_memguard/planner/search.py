@@ -5,8 +5,15 @@ best-first: every candidate's step time is computed (cheap, memoised per (TP, CP
 candidates are visited fastest first, and each is (1) skipped when the memory lower bound of
 :mod:`.bounds` already exceeds threshold x GPU memory, (2) resolved with Megatron's rules
 (``megatron_memguard.resolve``; a candidate that breaks one is dropped), (3) estimated. The search
-stops once ``top`` layouts fit: every faster candidate has been visited, so they are exactly the
-``top`` fastest fitting ones.
+stops once ``top`` layouts fit and every candidate within the tie window (``TIE_WINDOW``) of the
+``top``-th has been visited: every faster candidate has been visited, so the fitting ones found are
+exactly the fastest, and the tie-break below sees all it needs.
+
+Tie-break (rule ``time``): predicted step times closer than the model's uncertainty do not order two
+layouts. Among the fitting layouts within ``TIE_WINDOW`` (3%) of the fastest one not yet ranked, the
+next is the first in Fujii et al.'s order (no recomputation and SP when TP > 1 first, then the least
+TP x CP x PP, then the largest micro-batch, then the predicted time); repeated until ``top`` are
+ranked (docs/planner.md section 4, with the sweeps that motivate it).
 
 Rule ``fujii2024``: Fujii et al. 2024 (arXiv 2411.06465) rank by the smallest TP x CP x PP that
 fits, then the largest micro-batch; the search space is theirs (TP x CP within a node, even
@@ -15,10 +22,12 @@ by the predicted step time.
 """
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import time as _time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar
 
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
@@ -31,7 +40,48 @@ from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, e
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
+# Step times within this fraction of each other are ties for the time rule (docs/planner.md section 4): the
+# issue's own tolerance for "as good as the best" (3%), below the model's measured error across the layouts
+# of a sweep (standard deviation of log(measured / predicted): medians 9% and 6% over the Megatron and Hagemann
+# sweeps of shared/groundtruth/throughput; benchmarks/planner_quality.py prints it).
+TIE_WINDOW = 0.03
 _RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
+
+
+T = TypeVar("T")
+
+
+def tie_break(items: Sequence[T], seconds: Callable[[T], float], prefer: Callable[[T], tuple],
+              window: float = TIE_WINDOW) -> list[T]:
+    """Rank ``items``: repeatedly, among those left whose time is within ``window`` of the fastest left,
+    take the first by ``prefer``. With window 0 this is the order of the times. Every item taken is
+    within ``window`` of the k-th fastest when it is the k-th taken, so a search that has visited all
+    items up to (1 + window) x the k-th fastest time ranks its first k exactly."""
+    order = sorted(range(len(items)), key=lambda i: seconds(items[i]))
+    times = [seconds(items[i]) for i in order]
+    keys = [prefer(items[i]) for i in order]
+    taken = [False] * len(order)
+    heap: list[tuple[tuple, int]] = []
+    out: list[T] = []
+    first = nxt = 0                # the fastest item not taken; the next item not yet eligible
+    while len(out) < len(order):
+        while taken[first]:
+            first += 1
+        # the fastest time left only grows, so the eligible items only ever gain members
+        limit = (1 + window) * times[first]
+        while nxt < len(order) and times[nxt] <= limit:
+            heapq.heappush(heap, (keys[nxt], nxt))
+            nxt += 1
+        _, j = heapq.heappop(heap)
+        taken[j] = True
+        out.append(items[order[j]])
+    return out
+
+
+def tie_preference(c: Candidate) -> tuple:
+    """Fujii et al.'s order (arXiv 2411.06465): their space first (no recomputation, SP whenever TP > 1),
+    then the least TP x CP x PP, then the largest micro-batch."""
+    return (c.recompute != "none", c.tp > 1 and not c.sp, c.model_parallel, -c.mbs)
 
 
 @dataclass(frozen=True)
@@ -111,7 +161,10 @@ class Planner:
 
     def __init__(self, raw: RawConfig, cluster: Cluster, seq_length: int | None = None,
                  global_batch_size: int | None = None, threshold: float = 0.8, megatron_version: str | None = None,
-                 vocab_size: int | None = None, site: SiteConstants | None = None):
+                 vocab_size: int | None = None, site: SiteConstants | None = None, tie_window: float = TIE_WINDOW):
+        if not 0 <= tie_window < 1:
+            raise ConfigError("--tie-window", f"must be a fraction in [0, 1), got {tie_window}")
+        self.tie_window = tie_window
         self.raw = raw
         self.site = site
         self.cluster = cluster
@@ -196,7 +249,15 @@ class Planner:
         return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
                           not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp)
 
-    def plan(self, constraints: Constraints | None = None, top: int = 10, rule: str = "time") -> PlanResult:
+    def tie_key(self) -> Callable[[Candidate], tuple]:
+        """The order among layouts the time model cannot separate: Fujii et al.'s, then the time rule's."""
+        t = self.order_key("time")
+        return lambda c: tie_preference(c) + t(c)
+
+    def plan(self, constraints: Constraints | None = None, top: int = 10, rule: str = "time",
+             window: float | None = None) -> PlanResult:
+        """The ``top`` best layouts that fit by ``rule``; ``window``: the tie window of the time rule
+        (default: the planner's ``tie_window``; 0 ranks by the predicted time alone)."""
         if rule not in RULES:
             raise ConfigError("--rule", f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
         if top < 1:
@@ -222,8 +283,18 @@ class Planner:
                     kept.append(c)
             cands = kept
         cands.sort(key=self.order_key(rule))
+        window = (self.tie_window if window is None else window) if rule == "time" else 0.0
+        horizon = None             # time rule: visit up to (1 + window) x the top-th fitting layout's time
+        key = self.tie_key()
+        worst = None               # the least preferred of the top fastest fitting layouts (by the tie key)
         for c in cands:
+            if horizon is not None and self.step_time(c).seconds > horizon:
+                break
             res.visited += 1
+            if worst is not None and key(c) > worst:
+                # Never ranked among the first `top`: at each of those picks the fastest layout left is one of
+                # the top fastest, within the window and preferred to this one (docs/planner.md section 4).
+                continue
             lb = self.lower_bound(c)
             if lb > limit:
                 res.pruned_by_bound += 1
@@ -245,11 +316,18 @@ class Planner:
             if est.verdict == "fits":
                 res.entries.append(PlanEntry(len(res.entries) + 1, c, L, est, self.step_time(c)))
                 if len(res.entries) >= top:
-                    break
+                    if not window:
+                        break
+                    if horizon is None:
+                        horizon = (1 + window) * self.step_time(c).seconds
+                        worst = max(key(e.candidate) for e in res.entries)
             elif est.gpu_memory_bytes:
                 res.closest.append((est.peak_device_bytes / est.gpu_memory_bytes, c, est))
                 res.closest.sort(key=lambda x: x[0])
                 del res.closest[3:]
+        if window and len(res.entries) > 1:
+            ranked = tie_break(res.entries, lambda e: e.time.seconds, lambda e: key(e.candidate), window)
+            res.entries = [dataclasses.replace(e, rank=i + 1) for i, e in enumerate(ranked[:top])]
         res.seconds = _time.perf_counter() - t0
         if not cands:
             res.notes.append("no layout satisfies the constraints and Megatron's divisibility rules")
