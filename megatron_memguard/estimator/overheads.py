@@ -145,6 +145,9 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
         terms.append(Term("deepep_buffer", deepep_buffer_bytes(L, L.moe), TermGroup.FIXED, TermLevel.DEVICE,
                           f"DeepEP's NVLink communication buffer ({L.moe.moe_flex_dispatcher_num_sms} SMs, "
                           f"{L.moe.etp * L.moe.ep} ranks), allocated outside PyTorch's allocator"))
+    if L.tp_comm_overlap:
+        from .userbuffers import describe, userbuffer_bytes
+        terms.append(Term("tp_comm_userbuffers", userbuffer_bytes(L), TermGroup.FIXED, TermLevel.DEVICE, describe(L)))
     nccl, which = nccl_bytes(L, site)
     context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
     terms.append(Term("cuda_context", context, TermGroup.FIXED, TermLevel.DEVICE, "CUDA context and loaded kernels"))

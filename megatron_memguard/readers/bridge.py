@@ -362,6 +362,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
         b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
+        if v("comm_overlap", "tp_comm_overlap_cfg") is not None:   # TransformerLayerTPOverlapCfg, dumped as a mapping
+            b.set("tp_comm_overlap_cfg", v("comm_overlap", "tp_comm_overlap_cfg"), k("comm_overlap", "tp_comm_overlap_cfg"))
     dp_hint = v("comm_overlap", "data_parallel_size") or (top.get("data_parallel_size", (None,))[0])
     if dp_hint:
         try:

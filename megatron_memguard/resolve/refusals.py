@@ -43,7 +43,6 @@ NOT_MODELLED: list[Row] = [
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
-    ("tp_comm_overlap", bool, "TP communication overlap allocates userbuffers (a few hundred MiB) that memguard does not count"),
     # found by the option-table walk: small or unanalysed effects, estimated with the note
     ("clone_scatter_output_in_embedding", lambda v: v is False or str(v).lower() in ("false", "0"),
      "without the clone the sequence-parallel embedding output keeps the full [s, b, h] tensor alive (not counted)"),
