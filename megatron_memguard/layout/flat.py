@@ -51,7 +51,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
-                  "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store"),
+                  "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
+                  "fp8_output_proj"),
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
 # flat names the JSON document leaves out for a dense model (its layout reads as before MoE existed)

@@ -30,7 +30,9 @@ NOT_MODELLED: list[Row] = [
     ("freeze_all_layers", bool, "frozen layers (no gradients or optimizer state)"),
     ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
     ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
-    ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes"),
+    ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes (matched to "
+     "modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe most GEMMs use as "
+     "--fp8-recipe / --fp4-recipe)"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
     ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
