@@ -229,6 +229,21 @@ def output_proj_gemm(L: Any) -> Gemm | None:
     return Gemm("output_layer", L.padded_vocab_size // L.tp, L.hidden_size, x.T, L.sequence_parallel and L.tp > 1)
 
 
+def mtp_gemms(L: Any) -> tuple[Gemm, ...]:
+    """The TE GEMMs of one MTP depth when it runs in FP8 (empty otherwise): its transformer layer's and
+    ``eh_proj``, a column-parallel [h/TP, 2h] linear on the concatenated [rows, 2h] input (gathered over TP
+    with sequence parallelism). The whole depth is built under ``get_fp8_context(config, is_init=True)``, so
+    with ``--fp8-param-gather`` eh_proj's weight is a primary FP8 weight too (multi_token_prediction.py)."""
+    from .params import mtp_layer_kind
+    kind = mtp_layer_kind(L)
+    if not kind.quantized:
+        return ()
+    from .layers.base import shapes
+    x = shapes(L)
+    h, t = L.hidden_size, L.tp
+    return layer_gemms(L, kind) + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),)
+
+
 def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
     """FP8 / FP4 persistent terms of one pipeline rank's chunks, and the bytes the DDP parameter
     buffer holds less because primary quantized weights take ``param_buffer_bytes_per_element`` (1,
@@ -258,6 +273,17 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
             scales += n * layer_recipe_state_bytes(spec, g)
             elements += n * sum(x.count * x.rows * x.cols for x in g)
+    mtp = getattr(L, "mtp_num_layers", 0) or 0
+    if mtp and any(c.has_output for c in chunks):
+        # the MTP depths on the last chunk, in FP8 with --fp8-format (mtp_layer_kind)
+        g = mtp_gemms(L)
+        if g:
+            layers += mtp
+            cache += mtp * weight_cache_bytes(spec, g, non_tn=non_tn)
+            colw += mtp * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
+                           primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
+            scales += mtp * layer_recipe_state_bytes(spec, g)
+            elements += mtp * sum(x.count * x.rows * x.cols for x in g)
     head = output_proj_gemm(L) if any(c.has_output for c in chunks) else None
     if head is not None:
         # the LM head's BF16 weight (built outside fp8_model_init, so never a primary FP8 weight) gets TE's
