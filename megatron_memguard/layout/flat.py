@@ -69,6 +69,7 @@ TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offl
 # document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "tp_comm_overlap_cfg": (),
+    "fp8_output_proj": False,
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
     "muon_scalar_optimizer": "adam",
