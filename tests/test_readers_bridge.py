@@ -197,3 +197,10 @@ def test_comm_overlap_tp_overlap_cfg_is_read(tmp_path):
                                 "    _target_: megatron.bridge.training.comm_overlap.TransformerLayerTPOverlapCfg\n"
                                 "    fc2_fprop: {method: ring_exchange, num_sm: 1}\n    qkv_fprop: null\n")
     assert raw.args["tp_comm_overlap_cfg"]["fc2_fprop"]["method"] == "ring_exchange"
+
+
+def test_comm_overlap_is_switched_off_without_sequence_parallelism(tmp_path):
+    # Bridge 0.6.2 CommOverlapConfig._get_model_comm_overlap_cfgs: TP < 2 or no SP disables it with a warning
+    text = FLAT.replace("sequence_parallel: true", "sequence_parallel: false")
+    raw = read(tmp_path, text + "comm_overlap: {tp_comm_overlap: true, data_parallel_size: 4}\n")
+    assert "tp_comm_overlap" not in raw.args and any("comm_overlap.tp_comm_overlap" in w for w in raw.warnings)

@@ -145,3 +145,12 @@ def test_mapping_from_nemo_or_bridge_configs():
     # the words survive the JSON document of the layout
     from megatron_memguard.layout import Layout
     assert Layout.from_dict(L.to_dict()) == L
+
+
+def test_bridge_pipeline_default_fp8_buf_tuple_is_true():
+    # Megatron-Bridge 0.6.2 training/comm_overlap.py: PipelineOverlapCfg.fp8_buf defaults to (False,), a true value
+    # for TE's `user_cfg.get("fp8_buf", False) and name in methods["pipeline"]`: the buffer is uint8 in FP8 mode
+    cfg = {"fc2_fprop": {"method": "pipeline", "num_sm": 16, "cga_size": 2, "num_splits": 4, "set_sm_margin": True,
+                         "fp8_buf": [False]}}
+    L = layout(fp8="hybrid", fp8_recipe="tensorwise", tp_comm_overlap_cfg=cfg)
+    assert {b.gemm: b for b in userbuffers(L)}["fc2_fprop"].bytes == FULL_U8

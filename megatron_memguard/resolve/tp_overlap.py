@@ -27,6 +27,10 @@ def _truth(v: Any) -> bool | None:
         return v
     if isinstance(v, int):
         return bool(v)
+    if isinstance(v, (list, tuple)):
+        # TE tests the value's truth (``cfg.get("fp8_buf", False) and ...``): Megatron-Bridge 0.6.2's
+        # PipelineOverlapCfg defaults fp8_buf to the tuple (False,), which is true (a list once dumped to YAML)
+        return bool(v)
     if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return v.strip().lower() in ("1", "true", "yes", "on")
     return None
