@@ -154,3 +154,18 @@ def test_bridge_pipeline_default_fp8_buf_tuple_is_true():
                          "fp8_buf": [False]}}
     L = layout(fp8="hybrid", fp8_recipe="tensorwise", tp_comm_overlap_cfg=cfg)
     assert {b.gemm: b for b in userbuffers(L)}["fc2_fprop"].bytes == FULL_U8
+
+
+def test_symmetric_all_reduce_buffer():
+    # TE 2.11 distributed.py symmetric_all_reduce: one cached symmetric tensor of the row-parallel output's numel,
+    # used only on the all-reduce path (TP > 1, no SP): [8192, 4096] bf16 = 64 MiB + torch's 9,216-byte signal
+    # pad, rounded up to 2 MiB = 66 MiB, outside PyTorch's allocator
+    L = layout(sequence_parallel=False, tp_comm_overlap=False, symmetric_ar_type="two_shot")
+    s = estimate(L, gpu_memory=80 * 2**30).critical
+    term = next(t for t in s.terms if t.name == "symmetric_ar_buffer")
+    assert term.bytes == 66 * MiB and term.level == "device"
+    # with SP the outputs are reduce-scattered: no buffer
+    with_sp = layout(tp_comm_overlap=False, symmetric_ar_type="one_shot")
+    assert not any(t.name == "symmetric_ar_buffer" for t in estimate(with_sp).critical.terms)
+    with pytest.raises(ConfigError, match="--symmetric-ar-type: must be one of"):
+        layout(symmetric_ar_type="three_shot")

@@ -188,3 +188,24 @@ def describe(L: Any) -> str:
                      f"{len(members)} x {size / MiB:.1f} MiB")
     return (f"{len(bufs)} Transformer Engine userbuffers for TP overlap, outside PyTorch's allocator: "
             + "; ".join(parts))
+
+
+# ----- --symmetric-ar-type ---------------------------------------------------------------------------
+# torch.distributed._symmetric_memory.get_signal_pad_size() default (torch 2.14.1): each symmetric allocation
+# carries a signal pad next to its data
+SYMMETRIC_SIGNAL_PAD = 9216
+
+
+def symmetric_ar_bytes(L: Any) -> int:
+    """``--symmetric-ar-type``: TE's ``symmetric_all_reduce`` (transformer_engine/pytorch/distributed.py,
+    TE 2.11) copies a row-parallel linear's output into a symmetric-memory tensor cached per (numel, dtype,
+    group) and all-reduces there. Only the all-reduce path uses it: TP > 1 without sequence parallelism
+    (``linear.py`` / ``layernorm_mlp.py``: with SP the output is reduce-scattered). linear_proj and linear_fc2
+    (and a shared expert's fc2) all give ``[s b / CP, h]`` in the activation dtype: one buffer. Allocated by
+    torch's symmetric-memory allocator (cuMemCreate), outside PyTorch's caching allocator; data + signal pad,
+    rounded up to 2 MiB."""
+    if (not getattr(L, "symmetric_ar_type", None) or L.tp == 1 or L.sequence_parallel
+            or L.transformer_impl != "transformer_engine"):
+        return 0
+    raw = L.seq_length // L.cp * L.micro_batch_size * L.hidden_size * L.act_bytes + SYMMETRIC_SIGNAL_PAD
+    return -(-raw // UB_GRANULARITY) * UB_GRANULARITY

@@ -40,7 +40,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
     ("shape", "mtp_num_layers"),
-    ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg"),
+    ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
     ("optim", "muon_scalar_optimizer"),
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
@@ -69,7 +69,7 @@ TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offl
 # document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "tp_comm_overlap_cfg": (),
-    "fp8_output_proj": False,
+    "fp8_output_proj": False, "symmetric_ar_type": None,
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
     "muon_scalar_optimizer": "adam",

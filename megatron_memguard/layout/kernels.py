@@ -26,6 +26,7 @@ class Kernels:
     cuda_graph_modules: tuple[str, ...] = ()   # empty: the whole layer
     # --tp-comm-overlap-cfg's size-deciding settings, "gemm.key=value" (resolve/tp_overlap.py); () = TE's defaults
     tp_comm_overlap_cfg: tuple[str, ...] = ()
+    symmetric_ar_type: str | None = None   # --symmetric-ar-type: TE's symmetric-memory all-reduce
 
     @property
     def fused_wgrad(self) -> bool:

@@ -72,13 +72,28 @@ def ub_cfg_words(doc: Any, where: str) -> tuple[tuple[str, ...], list[str]]:
     return tuple(sorted(words)), problems
 
 
+# TransformerConfig.symmetric_ar_type's Literal (core 0.16.1 and 0.19.2)
+SYMMETRIC_AR_TYPES = ("two_shot", "one_shot", "multimem_all_reduce")
+
+
 def tp_overlap(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
-    """``--tp-comm-overlap-cfg``: a YAML file (or, from a reader, the mapping itself)."""
+    """``--tp-comm-overlap-cfg``: a YAML file (or, from a reader, the mapping itself); and
+    ``--symmetric-ar-type``, TE's symmetric-memory all-reduce of the row-parallel linears."""
+    sym = a.get("symmetric_ar_type")
+    if sym in ("", "None", "none"):
+        sym = None
+    if sym is not None and sym not in SYMMETRIC_AR_TYPES:
+        a.fail("symmetric_ar_type", f"must be one of {', '.join(SYMMETRIC_AR_TYPES)}, got {shown(sym)}")
+        sym = None
+    return dict(symmetric_ar_type=sym, tp_comm_overlap_cfg=_ub_cfg(a, kw))
+
+
+def _ub_cfg(a: Args, kw: Mapping[str, Any]) -> tuple[str, ...]:
     if not kw.get("tp_comm_overlap"):
-        return dict(tp_comm_overlap_cfg=())
+        return ()
     cfg = a.get("tp_comm_overlap_cfg")
     if cfg is None or cfg == "":
-        return dict(tp_comm_overlap_cfg=())
+        return ()
     doc: Any = cfg
     where = a.key("tp_comm_overlap_cfg")
     if isinstance(cfg, str):
@@ -88,10 +103,10 @@ def tp_overlap(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         except ReaderError as e:
             a.fail("tp_comm_overlap_cfg", f"cannot read the userbuffer configuration: {e}",
                    "give the YAML file Megatron reads, or leave the flag out for Transformer Engine's defaults")
-            return dict(tp_comm_overlap_cfg=())
+            return ()
     words, problems = ub_cfg_words(doc, where if not isinstance(cfg, str) else cfg)
     for p in problems:
         a.fail("tp_comm_overlap_cfg", p)
     for gemm, rule in ([] if problems else ub_problems(words)):
         a.fail("tp_comm_overlap_cfg", f"{gemm} {rule}")
-    return dict(tp_comm_overlap_cfg=words)
+    return words
