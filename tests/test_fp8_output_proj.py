@@ -57,3 +57,14 @@ def test_megatron_refuses_the_shared_weight_and_recipes_other_than_mxfp8():
         terms(fp8_output_proj=True, untie_embeddings_and_output_weights=False)
     with pytest.raises(ConfigError, match="--fp8-output-proj: needs --fp8-format with --fp8-recipe mxfp8"):
         terms(fp8_output_proj=True, fp8_recipe="tensorwise")
+
+
+def test_with_mtp_the_heads_keep_quantized_chunks_instead_of_the_concatenation():
+    # MTP (multi_token_prediction.py): the block returns cat(main, depth 1) [2 rows, h] and the output layer runs
+    # per chunk. BF16 ColumnParallelLinear keeps views of it (the whole concatenation); the MXFP8 TE head keeps a
+    # quantized copy per chunk ([4096, 4096] column-wise + scales each); hnorm still keeps the BF16 final hidden
+    _, off = terms(mtp_num_layers=1, position_embedding_type="rope")
+    _, on = terms(mtp_num_layers=1, position_embedding_type="rope", fp8_output_proj=True)
+    assert on["output_layer_input"] == off["output_layer_input"] == S * H * 2
+    q = S * H + 128 * H
+    assert off["mtp_block_activations"] - on["mtp_block_activations"] == 2 * S * H * 2 - 2 * q

@@ -82,9 +82,10 @@ def output_items(L: Layout) -> EndItems:
         "final_norm_stats": _norm_stats(L, x.T),
         "output_layer_input": x.T * x.h * x.e,
     }
-    if L.fp8_spec.fp8_output_proj:
+    if L.fp8_spec.fp8_output_proj and not L.mtp_num_layers:
         # --fp8-output-proj: TE's linear keeps its MXFP8-quantized input (column-wise, the local shard with
-        # SP) instead of the BF16 one ColumnParallelLinear keeps (estimator/fp8.py saved_input)
+        # SP) instead of the BF16 one ColumnParallelLinear keeps (estimator/fp8.py saved_input). With MTP the
+        # BF16 final hidden state stays (hnorm keeps it) and the heads' quantized inputs are the MTP block's
         from .fp8 import saved_input
         from .fp8_layers import output_proj_gemm
         g = output_proj_gemm(L)
