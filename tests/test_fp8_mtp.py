@@ -1,4 +1,4 @@
-"""Multi-token prediction under FP8, hand-computed.
+"""Multi-token prediction under FP8, and the backward working sets of FP8 layers, hand-computed.
 
 megatron/core/transformer/multi_token_prediction.py (core 0.16.1 and 0.19.2): each depth is built under
 ``get_fp8_context(config, is_init=True)`` and runs its eh_proj and transformer layer under
@@ -50,3 +50,18 @@ def test_eh_proj_keeps_its_input_quantized():
     _, bf16 = last_stage(mtp_num_layers=1, fp8=None)
     _, fp8 = last_stage(mtp_num_layers=1)
     assert bf16["mtp_block_activations"] - fp8["mtp_block_activations"] == S * 2 * H * 2 - (S * 2 * H + 512)
+
+
+def test_backward_adds_the_quantized_output_gradients():
+    # TE 2.11 module/base.py grad_output_preprocess: every FP8 GEMM quantizes its output gradient (row-wise for
+    # dgrad, column-wise for wgrad: data + transpose on Hopper, one 512-byte scale block) next to the BF16 one.
+    # At the step of each GEMM (S tokens, TP 1): fc2 and proj [1024, 1024]; fc1 [1024, 8192]; qkv [1024, 3072]
+    from megatron_memguard.estimator.activations import layer_activations
+    L, _ = last_stage()
+    kind = mtp_layer_kind(L)
+    fp8 = layer_activations(L, True, kind).bwd_steps
+    bf16 = layer_activations(L, True, kind._replace(quantized=None)).bwd_steps
+    extra = [a[1] - b[1] for a, b in zip(fp8, bf16)]
+    q = lambda w: 2 * S * w + 512   # noqa: E731
+    # fc2, activation, fc1, pre-MLP norm, linear_proj, core attention, linear_qkv, input norm
+    assert extra == [q(H), 0, q(2 * F), 0, q(H), 0, q(3 * H), 0]
