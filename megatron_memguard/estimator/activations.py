@@ -109,10 +109,12 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     (``TransformerEngineBaseModule.grad_output_preprocess``, TE 2.11 module/base.py; row-parallel GEMMs under
     sequence parallelism quantize, then all-gather the quantized tensor). Added at the step of each GEMM:
     [s b, h] for linear_fc2 and linear_proj, [s b, out/TP] for linear_fc1 and linear_qkv (Hopper storage, as
-    the saved inputs). Dense MLP and standard attention only: the MLA and MoE recipes keep their BF16 working
-    sets (docs/assumptions.md)."""
+    the saved inputs). The dense MLP and standard attention recipes only: MLA and the MoE MLP keep their BF16
+    working sets (docs/assumptions.md)."""
     from ..partition import MIXER_ATTENTION, MLP_DENSE
-    if kind.mixer != MIXER_ATTENTION or kind.mlp != MLP_DENSE or len(mixer_bwd) < 3 or not mlp_bwd:
+    dense = kind.mlp == MLP_DENSE and len(mlp_bwd) >= 2
+    attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
+    if not (dense or attention):
         return mlp_bwd, mixer_bwd
     from .fp8 import quantized_tensor
     from .fp8_layers import layer_gemms
@@ -126,8 +128,10 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     def plus(steps: tuple, extra: dict[int, int]) -> tuple:
         return tuple((n, w + extra.get(i, 0)) for i, (n, w) in enumerate(steps))
 
-    mlp_bwd = plus(mlp_bwd, {0: q(x.h), len(mlp_bwd) - 1: q(g["linear_fc1"].rows)})
-    mixer_bwd = plus(mixer_bwd, {0: q(x.h), 2: q(g["linear_qkv"].rows)})
+    if dense:
+        mlp_bwd = plus(mlp_bwd, {0: q(x.h), len(mlp_bwd) - 1: q(g["linear_fc1"].rows)})
+    if attention:
+        mixer_bwd = plus(mixer_bwd, {0: q(x.h), 2: q(g["linear_qkv"].rows)})
     return mlp_bwd, mixer_bwd
 
 
