@@ -270,10 +270,22 @@ def test_megatron_fp8_rules():
     assert names(dict(base, fp8="e4m3", fp8_recipe="mxfp8", reuse_grad_buf_for_mxfp8_param_ag=True)) == \
         ["reuse_grad_buf_for_mxfp8_param_ag"]
     assert names(dict(base, fp8="e4m3", fp8_recipe="tensorwise", fp8_output_proj=True)) == ["fp8_output_proj"]
+    # extensions/transformer_engine.py TELMHeadColumnParallelLinear (core 0.19.2): no shared weight on PP 1
+    # (skip_weight_param_allocation), no deferred embedding wgrad buffers
+    mx = dict(base, fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True)
+    assert names(mx) == [] and names(dict(mx, pipeline_model_parallel_size=1)) == ["fp8_output_proj"]
+    assert names(dict(mx, pipeline_model_parallel_size=1, untie_embeddings_and_output_weights=True)) == []
+    assert names(dict(mx, defer_embedding_wgrad_compute=True)) == ["fp8_output_proj"]
     assert names(dict(base, fp8="e5m2")) == ["fp8"]
-    assert not_modelled(dict(fp8="e4m3", fp8_recipe="custom"))[0] == "fp8_recipe"
+    # TransformerConfig.__post_init__: a custom recipe needs its factory; with one, the factory is refused
+    assert names(dict(base, fp8="e4m3", fp8_recipe="custom")) == ["fp8_quantizer_factory"]
+    assert names(dict(base, fp4="e2m1", fp4_recipe="custom")) == ["fp4_quantizer_factory"]
+    assert not_modelled(dict(fp8="e4m3", fp8_recipe="custom")) is None
+    key, why = not_modelled(dict(fp8="e4m3", fp8_recipe="custom", fp8_quantizer_factory="pkg.mod.factory"))
+    assert key == "fp8_quantizer_factory" and "--fp8-recipe tensorwise, blockwise or mxfp8" in why
+    assert not_modelled(dict(fp4="e2m1", fp4_recipe="custom", fp4_quantizer_factory="p.m.f"))[0] == "fp4_quantizer_factory"
     assert not_modelled(dict(fp8="e4m3", fp8_recipe="tensorwise")) is None
-    assert not_modelled(dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True))[0] == "fp8_output_proj"
+    assert not_modelled(dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True)) is None
 
 
 def test_gpu_support():

@@ -190,3 +190,17 @@ def test_overrides_are_refused_for_megatron_flag_configs(tmp_path, capsys):
     p.write_text("torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 2\n")
     code = main(["estimate", "--config", str(p), "--set", "model.x=1"])
     assert code == 2 and "KEY=VALUE overrides" in capsys.readouterr().err
+
+
+def test_comm_overlap_tp_overlap_cfg_is_read(tmp_path):
+    raw = read(tmp_path, FLAT + "comm_overlap:\n  tp_comm_overlap: true\n  data_parallel_size: 4\n  tp_comm_overlap_cfg:\n"
+                                "    _target_: megatron.bridge.training.comm_overlap.TransformerLayerTPOverlapCfg\n"
+                                "    fc2_fprop: {method: ring_exchange, num_sm: 1}\n    qkv_fprop: null\n")
+    assert raw.args["tp_comm_overlap_cfg"]["fc2_fprop"]["method"] == "ring_exchange"
+
+
+def test_comm_overlap_is_switched_off_without_sequence_parallelism(tmp_path):
+    # Bridge 0.6.2 CommOverlapConfig._get_model_comm_overlap_cfgs: TP < 2 or no SP disables it with a warning
+    text = FLAT.replace("sequence_parallel: true", "sequence_parallel: false")
+    raw = read(tmp_path, text + "comm_overlap: {tp_comm_overlap: true, data_parallel_size: 4}\n")
+    assert "tp_comm_overlap" not in raw.args and any("comm_overlap.tp_comm_overlap" in w for w in raw.warnings)

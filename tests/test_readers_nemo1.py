@@ -329,3 +329,17 @@ def test_nemo_archive_takes_key_value_overrides_after_dashdash(tmp_path, capsys)
     p = _nemo_archive(tmp_path)
     assert main(["estimate", "--config", str(p), "--gpus", "8", "--json", "--", "num_layers=4"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["num_layers"] == 4
+
+
+def test_ub_tp_comm_overlap_cfg_reaches_the_userbuffers(tmp_path):
+    # NeMo's Hydra-loaded model.ub_tp_comm_overlap_cfg (a mapping of TE's ub_cfgs): proj_fprop on ring exchange
+    # keeps 2 TP - 1 = 3 chunks of its [s b / TP, h] buffer (TE's CommOverlapP2PBase, TP 2)
+    from megatron_memguard.estimator.userbuffers import userbuffers
+    text = with_model("sequence_parallel: true\nub_tp_comm_overlap: true\n"
+                      "ub_tp_comm_overlap_cfg:\n    proj_fprop:\n      method: ring_exchange\n      num_sm: 1\n")
+    raw = read(tmp_path, text)
+    L = resolve(raw)
+    by = {b.gemm: b for b in userbuffers(L)}
+    assert L.kernels.tp_comm_overlap_cfg == ("proj_fprop.method=ring_exchange",)
+    full = L.seq_length * L.micro_batch_size * L.hidden_size * 2
+    assert by["proj_fprop"].bytes >= full // 2 * 3 and by["qkv_fprop"].bytes >= full

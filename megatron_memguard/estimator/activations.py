@@ -92,9 +92,12 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     # Forward steps: (saved names not created yet, working bytes)
     fwd_steps = mixer.fwd_steps + mlp.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
     # Backward steps: (saved names released, working bytes): the MLP, the pre-MLP norm, the mixer
-    bwd_steps = mlp.bwd_steps + (
+    mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
+    if kind.quantized:
+        mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
+    bwd_steps = mlp_bwd + (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
-    ) + mixer.bwd_steps
+    ) + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
         bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
     if kind.quantized:
@@ -110,13 +113,43 @@ def _delayed_wgrad_bytes(L: Layout, kind: LayerKind, Tf: int, e: int) -> int:
     for the weight gradient, the row-parallel output gradient too (an upper bound where it is not)."""
     shapes = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
     return sum(e * Tf * (o + i) for name, (o, i) in shapes.items() if not name.startswith("experts."))
+def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:
+    """An FP8 / FP4 layer's backward: each quantized GEMM quantizes its output gradient (row-wise for dgrad,
+    column-wise for wgrad) into a new tensor next to the BF16 one autograd handed it
+    (``TransformerEngineBaseModule.grad_output_preprocess``, TE 2.11 module/base.py; row-parallel GEMMs under
+    sequence parallelism quantize, then all-gather the quantized tensor). Added at the step of each GEMM:
+    [s b, h] for linear_fc2 and linear_proj, [s b, out/TP] for linear_fc1 and linear_qkv (Hopper storage, as
+    the saved inputs). The dense MLP and standard attention recipes only: MLA and the MoE MLP keep their BF16
+    working sets (docs/assumptions.md)."""
+    from ..partition import MIXER_ATTENTION, MLP_DENSE
+    dense = kind.mlp == MLP_DENSE and len(mlp_bwd) >= 2
+    attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
+    if not (dense or attention):
+        return mlp_bwd, mixer_bwd
+    from .fp8 import quantized_tensor
+    from .fp8_layers import layer_gemms
+    x = shapes(L)
+    r = L.fp8_spec.recipe
+    g = {gm.name: gm for gm in layer_gemms(L, kind)}
+
+    def q(width: int) -> int:
+        return quantized_tensor(r, x.Tf, width, rowwise=True, columnwise=True).allocated
+
+    def plus(steps: tuple, extra: dict[int, int]) -> tuple:
+        return tuple((n, w + extra.get(i, 0)) for i, (n, w) in enumerate(steps))
+
+    if dense:
+        mlp_bwd = plus(mlp_bwd, {0: q(x.h), len(mlp_bwd) - 1: q(g["linear_fc1"].rows)})
+    if attention:
+        mixer_bwd = plus(mixer_bwd, {0: q(x.h), 2: q(g["linear_qkv"].rows)})
+    return mlp_bwd, mixer_bwd
 
 
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
     (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output lives
-    and dies with ``proj_input``. The working sets of the steps stay those of the BF16 layer
-    (docs/assumptions.md, FP8 and FP4)."""
+    and dies with ``proj_input``. The working sets of the steps are those of the BF16 layer plus the quantized
+    output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
     from .fp8_layers import layer_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
     over = saved_overrides(L.fp8_spec, layer_gemms(L, kind), saved, act_bytes=e,

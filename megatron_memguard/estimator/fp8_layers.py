@@ -3,7 +3,7 @@ shapes), the saved tensors of an FP8 layer that change size (by the estimator's 
 FP8 terms. The per-tensor bytes are ``estimator/fp8.py``'s."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .fp8 import (Fp8Spec, grouped_saved_input, non_tn_gpu, param_buffer_bytes_per_element, primary_weight,
@@ -216,6 +216,34 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     return out
 
 
+def output_proj_gemm(L: Any) -> Gemm | None:
+    """``--fp8-output-proj`` (core 0.19.2): the LM head is ``TELMHeadColumnParallelLinear``, a TE linear
+    run under MXFP8 (``gpt_model.py``, ``fp8_utils.is_mxfp8_output_proj_active``): weight [V/TP, h], input
+    the final norm's output, all-gathered over TP inside the module with sequence parallelism. None
+    otherwise (the BF16 ``ColumnParallelLinear``)."""
+    spec = L.fp8_spec
+    if not (spec.fp8_output_proj and spec.recipe == "mxfp8"):
+        return None
+    from .layers.base import shapes
+    x = shapes(L)
+    return Gemm("output_layer", L.padded_vocab_size // L.tp, L.hidden_size, x.T, L.sequence_parallel and L.tp > 1)
+
+
+def mtp_gemms(L: Any) -> tuple[Gemm, ...]:
+    """The TE GEMMs of one MTP depth when it runs in FP8 (empty otherwise): its transformer layer's and
+    ``eh_proj``, a column-parallel [h/TP, 2h] linear on the concatenated [rows, 2h] input (gathered over TP
+    with sequence parallelism). The whole depth is built under ``get_fp8_context(config, is_init=True)``, so
+    with ``--fp8-param-gather`` eh_proj's weight is a primary FP8 weight too (multi_token_prediction.py)."""
+    from .params import mtp_layer_kind
+    kind = mtp_layer_kind(L)
+    if not kind.quantized:
+        return ()
+    from .layers.base import shapes
+    x = shapes(L)
+    h, t = L.hidden_size, L.tp
+    return layer_gemms(L, kind) + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),)
+
+
 def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
     """FP8 / FP4 persistent terms of one pipeline rank's chunks, and the bytes the DDP parameter
     buffer holds less because primary quantized weights take ``param_buffer_bytes_per_element`` (1,
@@ -245,6 +273,23 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
             scales += n * layer_recipe_state_bytes(spec, g)
             elements += n * sum(x.count * x.rows * x.cols for x in g)
+    mtp = getattr(L, "mtp_num_layers", 0) or 0
+    if mtp and any(c.has_output for c in chunks):
+        # the MTP depths on the last chunk, in FP8 with --fp8-format (mtp_layer_kind)
+        g = mtp_gemms(L)
+        if g:
+            layers += mtp
+            cache += mtp * weight_cache_bytes(spec, g, non_tn=non_tn)
+            colw += mtp * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
+                           primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
+            scales += mtp * layer_recipe_state_bytes(spec, g)
+            elements += mtp * sum(x.count * x.rows * x.cols for x in g)
+    head = output_proj_gemm(L) if any(c.has_output for c in chunks) else None
+    if head is not None:
+        # the LM head's BF16 weight (built outside fp8_model_init, so never a primary FP8 weight) gets TE's
+        # cached MXFP8 copy like any TE linear; MXFP8 quantizers keep no recipe state
+        bf16_weights = replace(spec, fp8_param_gather=False, fp4_param_gather=False)
+        cache += weight_cache_bytes(bf16_weights, (head,), non_tn=non_tn)
     saving = 0
     if spec.primary_weights_quantized and dist:
         saving = int(elements * (L.param_bytes - param_buffer_bytes_per_element(spec)))
@@ -256,8 +301,9 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
         arch = f"{r}: separate row-wise and column-wise data with their scales"
     terms = []
     if cache:
+        lm = f" and the output layer's [{head.rows}, {head.cols}] (--fp8-output-proj)" if head is not None else ""
         terms.append(Term("fp8_weight_cache", cache, TermGroup.WEIGHTS,
-                          detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers, row-wise + "
+                          detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers{lm}, row-wise + "
                                  f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
     if colw:
         where = ("scale tensors outside Megatron-FSDP's buffers (its transposes are dropped after each use)" if fsdp

@@ -82,6 +82,15 @@ def output_items(L: Layout) -> EndItems:
         "final_norm_stats": _norm_stats(L, x.T),
         "output_layer_input": x.T * x.h * x.e,
     }
+    if L.fp8_spec.fp8_output_proj and not L.mtp_num_layers:
+        # --fp8-output-proj: TE's linear keeps its MXFP8-quantized input (column-wise, the local shard with
+        # SP) instead of the BF16 one ColumnParallelLinear keeps (estimator/fp8.py saved_input). With MTP the
+        # BF16 final hidden state stays (hnorm keeps it) and the heads' quantized inputs are the MTP block's
+        from .fp8 import saved_input
+        from .fp8_layers import output_proj_gemm
+        g = output_proj_gemm(L)
+        if g is not None:
+            saved["output_layer_input"] = saved_input(L.fp8_spec, g.tokens, g.cols, sp_gathered=g.sp_gathered).allocated
     logits = x.Tf * v_t * x.e
     if L.fp16_lm_cross_entropy or x.e == 4:
         # fp16 cross entropy, or fp32 logits: .float() is a no-op and the softmax is made in place

@@ -209,5 +209,21 @@ def last_stage_items(L) -> tuple[dict[str, int], int]:
     from .head import output_items
     head = output_items(L).saved
     per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
-    saved = {"mtp_block_activations": block_activations(spec).total, "mtp_loss_buffers": loss_buffers(spec, per_head)}
+    acts = block_activations(spec)
+    block = acts.total
+    from .fp8_layers import mtp_gemms
+    from .fp8 import saved_input
+    eh = next((g for g in mtp_gemms(L) if g.name == "eh_proj"), None)
+    if eh is not None:
+        # FP8: eh_proj keeps its quantized input instead of the BF16 concatenation (estimator/fp8.py saved_input)
+        block += spec.mtp_num_layers * saved_input(L.fp8_spec, eh.tokens, eh.cols,
+                                                   sp_gathered=eh.sp_gathered).allocated - acts.eh_proj_inputs
+    from .fp8_layers import output_proj_gemm
+    head_gemm = output_proj_gemm(L)
+    if head_gemm is not None and acts.hidden_concat:
+        # --fp8-output-proj: each of the 1 + D head calls keeps a quantized copy of its chunk, not a view of
+        # the BF16 concatenation (which nothing else keeps)
+        block += (1 + spec.mtp_num_layers) * saved_input(L.fp8_spec, head_gemm.tokens, head_gemm.cols,
+                                                         sp_gathered=head_gemm.sp_gathered).allocated - acts.hidden_concat
+    saved = {"mtp_block_activations": block, "mtp_loss_buffers": loss_buffers(spec, per_head)}
     return saved, logits_in_flight(spec)

@@ -151,6 +151,17 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
             terms.append(Term("deepep_rdma_buffer", rdma, TermGroup.FIXED, TermLevel.DEVICE,
                               f"DeepEP's RDMA buffer across {L.moe.etp * L.moe.ep // 8} nodes, in NVSHMEM's symmetric "
                               "heap (NVSHMEM's own reservation beyond it not counted)"))
+    if L.tp_comm_overlap:
+        from .userbuffers import describe, userbuffer_bytes
+        terms.append(Term("tp_comm_userbuffers", userbuffer_bytes(L), TermGroup.FIXED, TermLevel.DEVICE, describe(L)))
+    if L.kernels.symmetric_ar_type:
+        from .userbuffers import symmetric_ar_bytes
+        sym = symmetric_ar_bytes(L)
+        if sym:
+            terms.append(Term("symmetric_ar_buffer", sym, TermGroup.FIXED, TermLevel.DEVICE,
+                              f"TE's symmetric-memory all-reduce ({L.kernels.symmetric_ar_type}) buffer of the row-parallel "
+                              f"outputs [{L.seq_length // L.cp * L.micro_batch_size}, {L.hidden_size}], outside "
+                              "PyTorch's allocator"))
     nccl, which = nccl_bytes(L, site)
     context = CUDA_CONTEXT_BYTES if site is None else site.cuda_context
     terms.append(Term("cuda_context", context, TermGroup.FIXED, TermLevel.DEVICE, "CUDA context and loaded kernels"))

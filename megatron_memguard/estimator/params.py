@@ -107,8 +107,14 @@ def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
 
 
 def mtp_layer_kind(L: Layout) -> LayerKind:
-    """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__)."""
-    return layer_kinds(L)[-1]
+    """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__),
+    and run in the global FP8 context whatever ``--first-last-layers-bf16`` keeps in BF16 (``layer_no``
+    -1 in ``get_fp8_context``), FP4 not at all (multi_token_prediction.py ``_proj_and_transformer_layer``:
+    "MTP only use global fp8 context", "currently ignoring FP4 in MTP layers"; core 0.16.1 and 0.19.2)."""
+    kind = layer_kinds(L)[-1]
+    spec = L.fp8_spec
+    quantized = spec.fp8_recipe if spec.fp8 and L.transformer_impl == "transformer_engine" else None
+    return kind if kind.quantized == quantized else kind._replace(quantized=quantized)
 
 
 def chunk_params(L: Layout, c: Chunk) -> list[Param]:

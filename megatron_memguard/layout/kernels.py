@@ -24,6 +24,9 @@ class Kernels:
     tp_comm_overlap: bool
     cuda_graph_impl: str = "none"   # none | local | transformer_engine | full_iteration
     cuda_graph_modules: tuple[str, ...] = ()   # empty: the whole layer
+    # --tp-comm-overlap-cfg's size-deciding settings, "gemm.key=value" (resolve/tp_overlap.py); () = TE's defaults
+    tp_comm_overlap_cfg: tuple[str, ...] = ()
+    symmetric_ar_type: str | None = None   # --symmetric-ar-type: TE's symmetric-memory all-reduce
 
     @property
     def fused_wgrad(self) -> bool:

@@ -142,8 +142,8 @@ class Layout:
         else:
             d["moe"] = self.moe.to_dict()
         for name, default in OMITTED_AT_DEFAULT.items():
-            if d[name] == default:
-                del d[name]
+            if d.get(name, default) == default:   # (an FP8 name is absent without FP8)
+                d.pop(name, None)
             elif isinstance(d[name], tuple):
                 d[name] = list(d[name])
         d["recompute_modules"] = list(self.recompute_modules)

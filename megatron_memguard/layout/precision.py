@@ -65,6 +65,7 @@ class Precision:
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     disable_parameter_transpose_cache: bool = False   # TransformerConfig only
     activation_func_fp8_input_store: bool = False     # TransformerConfig only
+    fp8_output_proj: bool = False                     # --fp8-output-proj (core 0.19): the LM head in MXFP8
 
     @property
     def fp8_spec(self):

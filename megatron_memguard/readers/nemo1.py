@@ -395,6 +395,8 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     if ub:
         if b.args.get("sequence_parallel"):
             b.set("tp_comm_overlap", True, k("model.ub_tp_comm_overlap"))
+            if get("model.ub_tp_comm_overlap_cfg") is not None:   # a YAML path or the mapping itself
+                b.set("tp_comm_overlap_cfg", get("model.ub_tp_comm_overlap_cfg"), k("model.ub_tp_comm_overlap_cfg"))
         else:  # _validate_and_override_config switches it off without sequence parallelism
             b.warn(f"{k('model.ub_tp_comm_overlap')}: NeMo switches TP communication overlap off without sequence parallelism")
     for name, dest in (("model.bias_activation_fusion", "bias_activation_fusion"),

@@ -21,7 +21,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
 from . import batch, cuda_graphs, fp8, fsdp, kernels, moe, mtp, muon, offload, optimizer, parallel, pipeline
-from . import precision, recompute, runtime, shape, vocab
+from . import precision, recompute, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -55,6 +55,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("shape", shape.dense_shape),
     ("precision", precision.precision),
     ("sequence parallel", parallel.sequence_parallel),
+    ("tp comm overlap", tp_overlap.tp_overlap),
     ("pipeline split", pipeline.pipeline),
     ("recompute", recompute.recompute),
     ("fsdp", fsdp.fsdp),

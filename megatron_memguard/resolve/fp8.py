@@ -26,7 +26,15 @@ _OFF: dict[str, Any] = dict(
     fp8=None, fp8_recipe="delayed", fp4=None, fp4_recipe="nvfp4", fp8_param_gather=False, fp4_param_gather=False,
     first_last_layers_bf16=False, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_amax_history_len=1,
     fp8_amax_compute_algo="most_recent", reuse_grad_buf_for_mxfp8_param_ag=False, disable_parameter_transpose_cache=False,
-    activation_func_fp8_input_store=False)
+    activation_func_fp8_input_store=False, fp8_output_proj=False)
+
+
+# --te-precision-config-file (core 0.19.2 core/quantization/quant_config.py, extensions/transformer_engine.py
+# TEQuantizationParams): glob matchers over module paths pick a recipe per TE module; memguard sizes one recipe
+PER_MODULE_RECIPES = ("per-module Transformer Engine precision recipes (--te-precision-config-file matches recipes "
+                      "to modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe "
+                      "most GEMMs use as --fp8-recipe / --fp4-recipe, or --first-last-layers-bf16 if the file keeps "
+                      "the end layers in BF16)")
 
 
 def _word(v: Any) -> Any:
@@ -59,8 +67,10 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         reuse_grad_buf_for_mxfp8_param_ag=a.bool_arg("reuse_grad_buf_for_mxfp8_param_ag", False),
         disable_parameter_transpose_cache=a.bool_arg("disable_parameter_transpose_cache", False),
         activation_func_fp8_input_store=a.bool_arg("activation_func_fp8_input_store", False),
+        fp8_output_proj=a.bool_arg("fp8_output_proj", False),
     )
-    rules = dict(kw, **v, fp8_output_proj=a.bool_arg("fp8_output_proj", False),
+    rules = dict(kw, **v, defer_embedding_wgrad_compute=a.bool_arg("defer_embedding_wgrad_compute", False),
+               untie_embeddings_and_output_weights=a.bool_arg("untie_embeddings_and_output_weights", False),
                fp8_quantizer_factory=a.get("fp8_quantizer_factory"), fp4_quantizer_factory=a.get("fp4_quantizer_factory"),
                te_precision_config_file=a.get("te_precision_config_file"),
                fp8_dot_product_attention=a.bool_arg("fp8_dot_product_attention", False),
@@ -103,6 +113,13 @@ def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
         out.append(("fp4_recipe", f"must be one of {', '.join(FP4_RECIPES)}"))
     if fp8 and fp4:
         out.append(("fp4", "--fp4-format and --fp8-format cannot be used together"))
+    # TransformerConfig.__post_init__ (core 0.19.2): a custom recipe names its factory
+    if fp8 and a.get("fp8_recipe", "delayed") == "custom" and not a.get("fp8_quantizer_factory"):
+        out.append(("fp8_quantizer_factory", "must be given with --fp8-recipe custom (a Python import path, "
+                                             "package.module.quantizer_factory)"))
+    if fp4 and a.get("fp4_recipe", "nvfp4") == "custom" and not a.get("fp4_quantizer_factory"):
+        out.append(("fp4_quantizer_factory", "must be given with --fp4-recipe custom (a Python import path, "
+                                             "package.module.quantizer_factory)"))
     if a.get("fp4_param_gather") and not fp4:
         out.append(("fp4_param_gather", "needs --fp4-format"))
     if a.get("fp8_param_gather"):
@@ -128,6 +145,15 @@ def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
     if a.get("fp8_output_proj"):
         if not fp8 or a.get("fp8_recipe", "delayed") != "mxfp8":
             out.append(("fp8_output_proj", "needs --fp8-format with --fp8-recipe mxfp8"))
+        # TELMHeadColumnParallelLinear (core 0.19.2 extensions/transformer_engine.py) raises on a shared
+        # weight (skip_weight_param_allocation: the embedding and the output layer in one model, PP 1) and
+        # on the deferred-wgrad buffers
+        if not a.get("untie_embeddings_and_output_weights") and (a.get("pipeline_model_parallel_size") or 1) == 1:
+            out.append(("fp8_output_proj", "needs --untie-embeddings-and-output-weights when one pipeline stage holds "
+                                           "the embedding and the output layer (the TE output projection cannot share "
+                                           "the embedding's weight)"))
+        if a.get("defer_embedding_wgrad_compute"):
+            out.append(("fp8_output_proj", "cannot be used with --defer-embedding-wgrad-compute"))
     if fp8 and a.get("fp8_recipe", "delayed") == "delayed" and a.get("recompute_granularity") == "selective":
         mods = set(a.get("recompute_modules") or ())
         if mods & {"moe_act", "layernorm"}:
@@ -139,14 +165,21 @@ def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 def not_modelled(a: Mapping[str, Any]) -> tuple[str, str] | None:
     """(argument, what) for FP8 / FP4 settings whose bytes cannot be known from the flags."""
-    if a.get("fp8") and a.get("fp8_recipe") == "custom":
-        return "fp8_recipe", "a custom FP8 quantizer factory (--fp8-recipe custom)"
-    if a.get("fp4") and a.get("fp4_recipe") == "custom":
-        return "fp4_recipe", "a custom FP4 quantizer factory (--fp4-recipe custom)"
+    # a factory is Python code run by TE's CustomRecipe: which quantized tensors (and scales) it creates is
+    # known only when it runs, so there is no storage class to size; the built-in recipe of the same storage is
+    # the estimate a user can ask for
+    # (without a factory Megatron stops first: rule_violations reports it)
+    if a.get("fp8") and a.get("fp8_recipe") == "custom" and a.get("fp8_quantizer_factory"):
+        return ("fp8_quantizer_factory",
+                "a custom FP8 recipe (its quantizer factory is Python code whose tensors are known only when it runs; "
+                "for an estimate give the built-in recipe with the same storage: --fp8-recipe tensorwise, blockwise or "
+                "mxfp8)")
+    if a.get("fp4") and a.get("fp4_recipe") == "custom" and a.get("fp4_quantizer_factory"):
+        return ("fp4_quantizer_factory",
+                "a custom FP4 recipe (its quantizer factory is Python code whose tensors are known only when it runs; "
+                "for an estimate give the built-in recipe with the same storage: --fp4-recipe nvfp4)")
     if a.get("fp8_dot_product_attention"):
         return "fp8_dot_product_attention", "FP8 attention (fp8_dot_product_attention)"
-    if a.get("fp8_output_proj"):
-        return "fp8_output_proj", "the output layer in MXFP8 (--fp8-output-proj)"
     if a.get("te_precision_config_file"):
-        return "te_precision_config_file", "per-module precision overrides (--te-precision-config-file)"
+        return "te_precision_config_file", PER_MODULE_RECIPES
     return None

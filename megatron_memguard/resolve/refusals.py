@@ -29,7 +29,9 @@ NOT_MODELLED: list[Row] = [
     ("freeze_all_layers", bool, "frozen layers (no gradients or optimizer state)"),
     ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
     ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
-    ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes"),
+    ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes (matched to "
+     "modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe most GEMMs use as "
+     "--fp8-recipe / --fp4-recipe)"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
     ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
@@ -42,7 +44,6 @@ NOT_MODELLED: list[Row] = [
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
-    ("tp_comm_overlap", bool, "TP communication overlap allocates userbuffers (a few hundred MiB) that memguard does not count"),
     # found by the option-table walk: small or unanalysed effects, estimated with the note
     ("clone_scatter_output_in_embedding", lambda v: v is False or str(v).lower() in ("false", "0"),
      "without the clone the sequence-parallel embedding output keeps the full [s, b, h] tensor alive (not counted)"),
@@ -53,7 +54,6 @@ WARN_ONLY: list[Row] = [
     ("ddp_num_buckets", lambda v: bool(v), "bucket padding is computed for --ddp-bucket-size, not for a bucket count (a few KiB)"),
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
-    ("symmetric_ar_type", lambda v: bool(v), "TE's symmetric-memory all-reduce buffers are not counted"),
     ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
      "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
