@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from ..errors import MemguardError
 from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
+from ..layout import Layout
 from .fit import Row, guarded_fit, identifiable, unbounded, within_guard
 from .model import (LEVEL_CONSTANTS, LEVEL_METRIC, METRIC_LABELS, METRICS, CalibrationRun, allocated_rows, device_rows,
                     errors, explicit, reserved_rows, with_values)
@@ -259,6 +260,32 @@ def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], c
                   gaps, list(g.theta), se, st)
 
 
+# Settings that add modelled terms when on (above 1, or set): a constant could absorb their modelling error if
+# only the runs that show it had them on.
+CONFOUNDERS = (("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+               ("VPP", "virtual_pipeline_model_parallel_size"), ("CP", "context_parallel_size"),
+               ("sequence parallel", "sequence_parallel"), ("distributed optimizer", "use_distributed_optimizer"),
+               ("recompute", "recompute_granularity"), ("fp16", "fp16"), ("MLA", "multi_latent_attention"))
+
+
+def _confounded(rows: Sequence[Row], j: int, layouts: dict[str, Layout]) -> tuple[str, Any] | None:
+    """(setting, value) when every run that shows constant ``j`` has a setting on at the same value that none of the
+    runs without it has (as CP 2 and the cuBLAS default do in half of Megatron's H100 records): the fit could not tell
+    the constant from that setting's modelling error. None when they are told apart (or every run shows it)."""
+    shown = {r.run for r in rows if r.a[j]}
+    rest = {r.run for r in rows} - shown
+    if not shown or not rest:
+        return None
+    for label, attr in CONFOUNDERS:
+        values = {getattr(layouts[n], attr, None) for n in shown}
+        if len(values) == 1:
+            v = next(iter(values))
+            baseline = v is None or v is False or (not isinstance(v, bool) and v == 1)   # the setting is off
+            if not baseline and all(getattr(layouts[n], attr, None) != v for n in rest):
+                return label, v
+    return None
+
+
 def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, asked: set[str],
                min_runs: int) -> tuple[LevelResult, dict[str, float]]:
     names = list(LEVEL_CONSTANTS[level])
@@ -287,6 +314,15 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
             c.status, c.reason = "too little data", f"{c.runs} of the {shows} needed (at least {min_runs})"
         else:
             candidates.append(j)
+    layouts = {r.name: r.layout for r in runs}
+    for j in list(candidates):
+        hit = _confounded(rows, j, layouts)
+        if hit:
+            candidates.remove(j)
+            label, value = hit
+            results[j].status = "not identifiable"
+            results[j].reason = (f"every run that shows it has {label} {value} and no other run does: its shift cannot be "
+                                 f"told from memguard's modelling error of {label} {value}; give runs that tell them apart")
     if len(candidates) == 2 and not identifiable(rows, candidates[1], [candidates[0]]):
         j = candidates.pop()
         other = results[candidates[0]].name
