@@ -5,12 +5,14 @@ Per level (allocated, reserved, device; :mod:`.model`), for the constants the ru
 1. a constant is fitted only when at least ``MIN_RUNS`` runs show it (a coefficient that is not zero:
    a TE workspace needs Transformer Engine runs, the cuBLAS default runs without CUBLAS_WORKSPACE_CONFIG,
    NCCL buffers runs with communicators) and when it can be told apart from the level's other constant
-   (NCCL buffers need runs with different communicator counts, else the CUDA context absorbs them);
+   (NCCL buffers need runs with different communicator counts, else the CUDA context absorbs them) and
+   from the modelling error of a setting only the runs that show it have on (``_confounded``);
 2. the fit minimises the runs' relative absolute errors, each capped at ``GAP``, within the constant's
    physical bounds, and no run the defaults predict within ``GAP`` may get worse by more than ``GUARD``
    (:func:`.fit.guarded_fit`). A run the defaults miss by more than ``GAP`` and that no admissible constant
    brings within it is a modelling gap: capped, it neither drags the constants nor vetoes them. A fit that
-   would need a value beyond a bound is a modelling gap too, reported with the runs that ask for it;
+   would need a value beyond a bound is a modelling gap too, reported with the runs that ask for it. A fitted
+   shift within ``SIGNIFICANCE`` bootstrap standard errors of the default is noise: the default stays;
 3. leave-one-out: each run is predicted by the constants fitted on the others. The fitted constants
    replace the defaults only when this held-out error improves the median run and makes no run (modelling
    gaps aside) worse by more than ``GUARD``. Runs that ask for values the guard refuses (two groups a fixed
@@ -58,7 +60,8 @@ class ConstantResult:
     level: str
     default: Any
     value: Any = None                 # the fitted value (None: not fitted)
-    status: str = "not fitted"        # fitted | too little data | not identifiable | inconsistent | at bound | not asked
+    status: str = "not fitted"        # fitted | too little data | not identifiable | inconsistent | within noise | at bound
+    #                                   | kept | not asked
     runs: int = 0                     # runs that show it
     reason: str = ""
     wanted: float | None = None       # the unbounded fit, where it lies outside the bounds
