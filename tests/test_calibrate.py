@@ -241,3 +241,17 @@ def test_a_constant_only_runs_with_one_setting_show_is_not_fitted(tmp_path):
     res = calibrate(read_runs([str(write_runs(tmp_path, layouts=layouts))], gpu=A100), fit_only=["te_workspace"])
     te = next(c for c in res.constants if c.name == "te_workspace")
     assert te.status == "not identifiable" and "CP 2" in te.reason and not res.fitted
+
+
+def test_a_steady_gap_neither_drags_nor_vetoes_the_workspaces(tmp_path):
+    # runs 2 and 3 hold 30% more between iterations than their model state (a modelled-term gap, not a workspace):
+    # capped out of the fit, they leave the workspaces where the five other runs put them, and are listed
+    def distort(i, v):
+        return [v[0] * 1.3 if i in (2, 3) else v[0], *v[1:]]
+    res = calibrate(read_runs([str(write_runs(tmp_path, distort=distort))], gpu=A100),
+                    fit_only=["te_workspace", "cublas_workspace"])
+    assert res.fitted["te_workspace"] == pytest.approx(20 * MiB, abs=0.05 * MiB)
+    assert res.fitted["cublas_workspace"] == pytest.approx(16 * MiB, abs=0.05 * MiB)
+    gap = next(g for g in res.gaps if g.metric == "steady")
+    assert sorted(n for n, _ in gap.runs) == [str(tmp_path / "run2"), str(tmp_path / "run3")]
+    assert all(e == pytest.approx(-0.3 / 1.3, abs=0.002) for _, e in gap.runs)

@@ -187,6 +187,7 @@ class _Trial:
     se: list[float]                              # its bootstrap standard errors
 
     start: list[float]                           # the defaults
+    outvoted: dict[int, tuple[int, int]] = field(default_factory=dict)   # constant -> (runs explained, runs showing it)
 
     def noise(self, q: int) -> bool:
         """Whether constant ``q``'s fitted shift lay within its uncertainty (shrunk back to the default)."""
@@ -195,7 +196,7 @@ class _Trial:
     @property
     def accepted(self) -> bool:
         moved = any(t != s0 for t, s0 in zip(self.theta, self.start))
-        return moved and self.improves and not self.worse and not self.at_bound
+        return moved and self.improves and not self.worse and not self.at_bound and not self.outvoted
 
 
 # A fitted shift counts only beyond this many standard errors (the usual two): the defaults come from the libraries'
@@ -206,7 +207,9 @@ BOOTSTRAP = 64          # resamples of the runs behind each standard error (fixe
 
 def _bootstrap_se(rows: Sequence[Row], fit_one, k: int) -> list[float]:
     """The standard error of each constant, by refitting on runs drawn with replacement (Efron 1979; not the
-    jackknife, which underestimates it for median-type fits). ``fit_one(rows)`` returns the constants."""
+    jackknife, which underestimates it for median-type fits). ``rows``: the runs the fit explains (modelling
+    gaps, capped out of the fit, would only make resamples where they outnumber the others flip to them).
+    ``fit_one(rows)`` returns the constants."""
     by: dict[str, list[Row]] = {}
     for r in rows:
         by.setdefault(r.run, []).append(r)
@@ -215,8 +218,11 @@ def _bootstrap_se(rows: Sequence[Row], fit_one, k: int) -> list[float]:
         return [0.0] * k
     rng = random.Random(19)
     thetas = []
-    for _ in range(BOOTSTRAP):
+    while len(thetas) < BOOTSTRAP:
         draw = [rng.choice(names) for _ in names]
+        drawn = [r for n in draw for r in by[n]]
+        if not identifiable(drawn, 0, list(range(1, k))):
+            continue          # a resample that cannot tell the constants apart (or lacks one) says nothing about them
         thetas.append(fit_one([Row(f"{n}#{i}", r.y, r.b, r.a) for i, n in enumerate(draw) for r in by[n]]))
     means = [sum(t[q] for t in thetas) / len(thetas) for q in range(k)]
     return [(sum((t[q] - means[q]) ** 2 for t in thetas) / (len(thetas) - 1)) ** 0.5 for q in range(k)]
@@ -241,7 +247,9 @@ def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], c
     names_run = sorted({r.run for r in sub})
     loo = {name: guarded_fit([r for r in sub if r.run != name], lo, hi, st, sc, GUARD, GAP).theta
            for name in names_run if any(r.run != name for r in sub)}
-    se = _bootstrap_se(sub, lambda rs: guarded_fit(rs, lo, hi, st, sc, GUARD, GAP).theta, len(candidates))
+    inliers = {r.run for r in sub if abs(r.error(g.theta)) <= GAP}      # the runs the fit explains
+    se = _bootstrap_se([r for r in sub if r.run in inliers], lambda rs: guarded_fit(rs, lo, hi, st, sc, GUARD, GAP).theta,
+                       len(candidates))
     theta = within_guard(sub, st, _significant(g.theta, st, se), GUARD, GAP)
     wanted = unbounded(sub, st, sc)
     full = list(theta0)
@@ -259,8 +267,14 @@ def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], c
     free = _run_errors(sub, g.free)
     refused = {n: (before[n], e) for n, e in free.items() if before[n] <= GAP and e > before[n] + GUARD}
     improves = bool(held) and statistics.median(held.values()) < statistics.median(before[n] for n in held) - 1e-12
+    # a robust fit holds only while the runs it explains are the majority of those that show a constant
+    outvoted = {}
+    for q in range(len(candidates)):
+        shows = {r.run for r in sub if r.a[q]}
+        if 2 * len(shows & inliers) <= len(shows):
+            outvoted[q] = (len(shows & inliers), len(shows))
     return _Trial(list(candidates), theta, wanted, _run_errors(rows, full), held, at_bound, worse, improves, refused,
-                  gaps, list(g.theta), se, st)
+                  gaps, list(g.theta), se, st, outvoted)
 
 
 # Settings that add modelled terms when on (above 1, or set): a constant could absorb their modelling error if
@@ -358,6 +372,11 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
             s_ = SPEC[c.name]
             c.reason = (f"the runs ask for {s_.format(t.wanted[q])}, outside its bounds "
                         f"[{s_.format(s_.lower)}, {s_.format(s_.upper)}]: a modelling gap, not a site constant")
+        elif q in t.outvoted:
+            c.status = "inconsistent"
+            ok, n = t.outvoted[q]
+            c.reason = (f"the runs disagree: {n - ok} of the {n} runs that show it are off by more than {GAP:.0%} at the "
+                        f"fit (modelling gaps, or another value): a robust fit needs most runs on its side; defaults kept")
         elif t.worse or t.refused:
             c.status = "inconsistent"
             if t.worse:

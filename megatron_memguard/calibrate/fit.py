@@ -3,9 +3,9 @@
 Each observation ``i`` predicts a measured value ``y_i`` as ``b_i + sum_j a_ij * theta_j``: ``b_i`` is
 what the site constants do not touch, ``a_ij`` how many times constant ``j`` counts there (two cuBLAS
 workspaces, one TE workspace, three NCCL communicators, ...). The constants minimise the sum of relative
-absolute errors ``|prediction - y| / y`` (a median-type fit: a few runs far off move it little), each
-within its physical bounds; iteratively reweighted least squares, with every combination of constants
-at a bound tried (at most three constants per level, so 27 combinations at most).
+absolute errors ``|prediction - y| / y``, each run weighing one however many ranks it logged (a median-type
+fit: a few runs far off move it little), each within its physical bounds; iteratively reweighted least
+squares, with every combination of constants at a bound tried (at most three constants per level, so 27 combinations at most).
 
 ``guarded_fit`` adds what a site's own, imperfect runs need: runs the defaults already predict within
 ``cap`` must not get worse by more than ``tol`` (the constants may not buy one run's accuracy with
@@ -99,7 +99,8 @@ def fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[float], sta
     if not rows or not k:
         return list(start)
     theta = list(start)
-    w = [1.0] * len(rows)
+    rw = run_weights(rows)
+    w = list(rw)
     for _ in range(IRLS_STEPS):
         sol = _wls(rows, w, lower, upper, scale)
         if sol is None:
@@ -108,7 +109,7 @@ def fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[float], sta
             theta = sol
             break
         theta = sol
-        w = [1.0 / max(abs(r.error(theta)), EPS) for r in rows]
+        w = [c / max(abs(r.error(theta)), EPS) for r, c in zip(rows, rw)]
     return theta
 
 
@@ -128,10 +129,19 @@ def identifiable(rows: Sequence[Row], j: int, others: Sequence[int]) -> bool:
     return _solve(m, [1.0] * len(cols)) is not None
 
 
-def capped_loss(rows: Sequence[Row], theta: Sequence[float], cap: float) -> float:
-    """Sum of the relative absolute errors, each capped at ``cap``: a run beyond ``cap`` costs the same
-    wherever the constants go, so it cannot pull them."""
-    return sum(min(abs(r.error(theta)), cap) for r in rows)
+def run_weights(rows: Sequence[Row]) -> list[float]:
+    """1 / (the rows of its run) for each row: every run one vote, however many of its ranks logged."""
+    n: dict[str, int] = {}
+    for r in rows:
+        n[r.run] = n.get(r.run, 0) + 1
+    return [1.0 / n[r.run] for r in rows]
+
+
+def capped_loss(rows: Sequence[Row], theta: Sequence[float], cap: float, weights: Sequence[float] | None = None) -> float:
+    """Sum of the relative absolute errors, each capped at ``cap`` (a run beyond ``cap`` costs the same
+    wherever the constants go, so it cannot pull them), each run weighing one."""
+    w = weights if weights is not None else run_weights(rows)
+    return sum(c * min(abs(r.error(theta)), cap) for r, c in zip(rows, w))
 
 
 @dataclass(frozen=True)
@@ -185,8 +195,10 @@ def guarded_fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[flo
             return False
         return all(abs(rows[i].error(theta)) <= room[i] + 1e-12 for i in guarded)
 
+    rw = run_weights(rows)
+
     def loss(theta: Sequence[float]) -> float:
-        return capped_loss(rows, theta, cap)
+        return capped_loss(rows, theta, cap, rw)
 
     cands = [fit(rows, lower, upper, start, scale)]
     if guarded and len(guarded) < len(rows):
@@ -241,4 +253,4 @@ def median_abs(errors: Sequence[float]) -> float | None:
     return statistics.median(abs(e) for e in errors) if errors else None
 
 
-__all__ = ["Row", "fit", "unbounded", "identifiable", "median_abs", "capped_loss", "Guarded", "guarded_fit", "within_guard"]
+__all__ = ["Row", "fit", "unbounded", "identifiable", "median_abs", "capped_loss", "run_weights", "Guarded", "guarded_fit", "within_guard"]
