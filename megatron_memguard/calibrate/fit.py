@@ -84,6 +84,8 @@ def _wls(rows: Sequence[Row], w: Sequence[float], lower: Sequence[float], upper:
                 theta[j] = sol[p] * scale[j]
             if any(not lower[j] - 1e-9 * scale[j] <= theta[j] <= upper[j] + 1e-9 * scale[j] for j in free):
                 continue
+            if not fixed:
+                return theta      # the unclamped minimum lies within the bounds: it is the bounded one (convex)
         obj = sum(wi * r.error(theta) ** 2 for r, wi in zip(rows, w))
         if obj < best_obj:
             best, best_obj = theta, obj
@@ -181,7 +183,7 @@ def guarded_fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[flo
     median-type fit on all rows, on the guarded rows, and refits on the rows each candidate brings within
     ``cap`` (trimming steps); from ``start`` towards each candidate the feasible stretch of the segment is
     found by bisection (the feasible set is convex and holds ``start``) and scanned; the best point is then
-    polished by a pattern search over the axes and diagonals, halving the step down to 1e-6 of ``scale``."""
+    polished by a pattern search over the axes and diagonals, halving the step down to 1e-5 of ``scale``."""
     k = len(lower)
     start = [float(x) for x in start]
     if not rows or not k:
@@ -225,8 +227,8 @@ def guarded_fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[flo
                 else:
                     hi_t = mid
             hi_t = lo_t
-        for q in range(1, 33):
-            t = hi_t * q / 32
+        for q in range(1, 17):
+            t = hi_t * q / 16
             p = [s + t * (x - s) for s, x in zip(start, c)]
             v = loss(p)
             if v < best_loss - 1e-12 and inside(p):
@@ -236,7 +238,7 @@ def guarded_fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[flo
              for a in range(k) for b in range(a + 1, k) for sg in (1.0, -1.0)]
     dirs += [tuple(-x for x in d) for d in dirs]
     step = 1 / 16
-    while step > 1e-6:
+    while step > 1e-5:
         moved = False
         for d in dirs:
             p = [b + step * s * x for b, s, x in zip(best, scale, d)]
