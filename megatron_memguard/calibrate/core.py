@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import MemguardError
 from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
@@ -183,14 +183,13 @@ class _Trial:
     improves: bool
     refused: dict[str, tuple[float, float]]      # runs the unguarded fit would make worse by more than GUARD
     gaps: list[str]                              # runs beyond GAP with the defaults and held out
-    raw: list[float]                             # the guarded fit before shrinking
+    raw: list[float]                             # the guarded fit before the significance test
     se: list[float]                              # its bootstrap standard errors
-
     start: list[float]                           # the defaults
     outvoted: dict[int, tuple[int, int]] = field(default_factory=dict)   # constant -> (runs explained, runs showing it)
 
     def noise(self, q: int) -> bool:
-        """Whether constant ``q``'s fitted shift lay within its uncertainty (shrunk back to the default)."""
+        """Whether constant ``q``'s fitted shift lay within its uncertainty (the default kept)."""
         return self.theta[q] == self.start[q] and self.raw[q] != self.start[q]
 
     @property
@@ -205,7 +204,7 @@ SIGNIFICANCE = 2.0
 BOOTSTRAP = 64          # resamples of the runs behind each standard error (fixed seed: deterministic)
 
 
-def _bootstrap_se(rows: Sequence[Row], fit_one, k: int) -> list[float]:
+def _bootstrap_se(rows: Sequence[Row], fit_one: Callable[[list[Row]], Sequence[float]], k: int) -> list[float]:
     """The standard error of each constant, by refitting on runs drawn with replacement (Efron 1979; not the
     jackknife, which underestimates it for median-type fits). ``rows``: the runs the fit explains (modelling
     gaps, capped out of the fit, would only make resamples where they outnumber the others flip to them).
@@ -382,9 +381,9 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
             if t.worse:
                 what, bad = "predicted from the others", t.worse
             else:
-                what, bad = "the unguarded fit makes", t.refused
+                what, bad = "fitted without the guard", t.refused
             shown = ", ".join(f"{n} {b:.2%} -> {a:.2%}" for n, (b, a) in sorted(bad.items(), key=lambda kv: -kv[1][1])[:4])
-            c.reason = (f"the runs disagree: {what} {len(bad)} run(s) worse by more than {GUARD:.2%} ({shown}); "
+            c.reason = (f"the runs disagree: {what}, {len(bad)} run(s) get more than {GUARD:.2%} worse ({shown}); "
                         "within that guard the held-out error does not improve; defaults kept")
         elif t.noise(q):
             s_ = SPEC[c.name]
