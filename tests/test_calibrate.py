@@ -211,3 +211,47 @@ def test_cli_refuses_logs_without_memory_lines_and_too_few_runs(tmp_path):
     write_runs(tmp_path / "two", layouts=LAYOUTS[:2])
     r = _cli(str(tmp_path / "two"), "--gpu", "A100-80GB")
     assert r.returncode == 2 and "too little data: 2 run(s)" in r.stderr
+
+
+def test_guarded_fit_by_hand():
+    from megatron_memguard.calibrate.fit import Row, guarded_fit
+    # a pure offset theta; three runs measure 102 where the default 100 predicts 100 (-1.96%), two runs are
+    # modelling gaps (their own terms 10 over: +12% at 102): capped, they neither pull theta nor keep it at 100
+    rows = [Row(f"r{i}", 102.0, 0.0, (1.0,)) for i in range(3)] + [Row(f"g{i}", 100.0, 10.0, (1.0,)) for i in range(2)]
+    assert guarded_fit(rows, [0.0], [1e3], [100.0], [100.0], 0.0025, 0.05).theta[0] == pytest.approx(102.0, abs=1e-6)
+    # three runs ask for 104, one is exact at the default 100: it may get worse by the guard only, 100 x 0.25%
+    rows = [Row("exact", 100.0, 0.0, (1.0,))] + [Row(f"r{i}", 104.0, 0.0, (1.0,)) for i in range(3)]
+    g = guarded_fit(rows, [0.0], [1e3], [100.0], [100.0], 0.0025, 0.05)
+    assert g.theta[0] == pytest.approx(100.25, abs=1e-6) and g.free[0] == pytest.approx(104.0, abs=1e-3)
+
+
+def test_a_shift_within_the_runs_scatter_keeps_the_defaults(tmp_path):
+    # runs made with the defaults, 0.3% noise on every number: whatever the fit asks for is within two standard errors
+    runs = read_runs([str(write_runs(tmp_path, site=SiteConstants(), noise=0.003, seed=3))], gpu=A100)
+    res = calibrate(runs, fit_only=["te_workspace", "cublas_workspace"])
+    for c in res.constants[:2]:
+        assert c.status == "within noise" and "standard error" in c.reason and not c.fitted, (c.name, c.status)
+
+
+def test_a_constant_only_runs_with_one_setting_show_is_not_fitted(tmp_path):
+    # every Transformer Engine run has CP 2 and no local run has: TE's workspace cannot be told from CP's modelling
+    # error (as the cuBLAS default and CP 2 in half of Megatron's H100 records)
+    layouts = [(2, 1, 2, [], 8), (2, 2, 2, [], 16), (1, 1, 2, [], 8), (1, 2, 1, ["--transformer-impl", "local"], 8),
+               (4, 1, 1, ["--transformer-impl", "local"], 8)]
+    res = calibrate(read_runs([str(write_runs(tmp_path, layouts=layouts))], gpu=A100), fit_only=["te_workspace"])
+    te = next(c for c in res.constants if c.name == "te_workspace")
+    assert te.status == "not identifiable" and "CP 2" in te.reason and not res.fitted
+
+
+def test_a_steady_gap_neither_drags_nor_vetoes_the_workspaces(tmp_path):
+    # runs 2 and 3 hold 30% more between iterations than their model state (a modelled-term gap, not a workspace):
+    # capped out of the fit, they leave the workspaces where the five other runs put them, and are listed
+    def distort(i, v):
+        return [v[0] * 1.3 if i in (2, 3) else v[0], *v[1:]]
+    res = calibrate(read_runs([str(write_runs(tmp_path, distort=distort))], gpu=A100),
+                    fit_only=["te_workspace", "cublas_workspace"])
+    assert res.fitted["te_workspace"] == pytest.approx(20 * MiB, abs=0.05 * MiB)
+    assert res.fitted["cublas_workspace"] == pytest.approx(16 * MiB, abs=0.05 * MiB)
+    gap = next(g for g in res.gaps if g.metric == "steady")
+    assert sorted(n for n, _ in gap.runs) == [str(tmp_path / "run2"), str(tmp_path / "run3")]
+    assert all(e == pytest.approx(-0.3 / 1.3, abs=0.002) for _, e in gap.runs)

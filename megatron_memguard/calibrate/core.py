@@ -5,32 +5,42 @@ Per level (allocated, reserved, device; :mod:`.model`), for the constants the ru
 1. a constant is fitted only when at least ``MIN_RUNS`` runs show it (a coefficient that is not zero:
    a TE workspace needs Transformer Engine runs, the cuBLAS default runs without CUBLAS_WORKSPACE_CONFIG,
    NCCL buffers runs with communicators) and when it can be told apart from the level's other constant
-   (NCCL buffers need runs with different communicator counts, else the CUDA context absorbs them);
-2. the fit minimises the runs' relative absolute errors within the constant's physical bounds
-   (:mod:`.fit`); a fit that would need a value beyond a bound is a modelling gap, reported with the runs
-   that ask for it, not a site constant;
+   (NCCL buffers need runs with different communicator counts, else the CUDA context absorbs them) and
+   from the modelling error of a setting only the runs that show it have on (``_confounded``);
+2. the fit minimises the runs' relative absolute errors, each capped at ``GAP``, within the constant's
+   physical bounds, and no run the defaults predict within ``GAP`` may get worse by more than ``GUARD``
+   (:func:`.fit.guarded_fit`). A run the defaults miss by more than ``GAP`` and that no admissible constant
+   brings within it is a modelling gap: capped, it neither drags the constants nor vetoes them. A fit that
+   would need a value beyond a bound is a modelling gap too, reported with the runs that ask for it. A fitted
+   shift within ``SIGNIFICANCE`` bootstrap standard errors of the default is noise: the default stays;
 3. leave-one-out: each run is predicted by the constants fitted on the others. The fitted constants
-   replace the defaults only when this held-out error improves the median run and makes no run worse by
-   more than ``GUARD``: runs that disagree about a constant (two groups a fixed offset apart) are
-   reported as inconsistent and the defaults stay.
+   replace the defaults only when this held-out error improves the median run and makes no run (modelling
+   gaps aside) worse by more than ``GUARD``. Runs that ask for values the guard refuses (two groups a fixed
+   offset apart) are reported as inconsistent when nothing better survives.
 
 Modelled terms (weights, gradients, optimizer states, activations) are never fitted: runs whose error
 stays large after calibration are listed as modelling gaps, by level.
 """
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import MemguardError
 from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
-from .fit import Row, fit, identifiable, unbounded
+from ..layout import Layout
+from .fit import Row, guarded_fit, identifiable, unbounded, within_guard
 from .model import (LEVEL_CONSTANTS, LEVEL_METRIC, METRIC_LABELS, METRICS, CalibrationRun, allocated_rows, device_rows,
                     errors, explicit, reserved_rows, with_values)
 
 MIN_RUNS = 3            # runs that must show a constant before it is fitted
-GUARD = 0.01            # no run's held-out error may grow by more than 1 percentage point
+# No run's error may grow by more than GUARD (absolute, in fractions of its own measurement). Runs memguard
+# cannot tell apart (the same resolved layout) differ by up to 0.41% on H100, 0.74% on GB200 and 0.12% on A100
+# in Megatron's CI records (shared/groundtruth, docs/calibrate.md): a change below a quarter point is within
+# what such runs resolve about a constant; a larger one trades one run's accuracy for another's.
+GUARD = 0.0025
 GAP = 0.05              # error after calibration that makes a run a modelling gap (the monitor's tolerance)
 GAP_WHAT = {
     "steady": "model state and persistent buffers (weights, gradients, optimizer states: modelled, not fitted)",
@@ -50,7 +60,8 @@ class ConstantResult:
     level: str
     default: Any
     value: Any = None                 # the fitted value (None: not fitted)
-    status: str = "not fitted"        # fitted | too little data | not identifiable | inconsistent | at bound | not asked
+    status: str = "not fitted"        # fitted | too little data | not identifiable | inconsistent | within noise | at bound
+    #                                   | kept | not asked
     runs: int = 0                     # runs that show it
     reason: str = ""
     wanted: float | None = None       # the unbounded fit, where it lies outside the bounds
@@ -168,12 +179,59 @@ class _Trial:
     fitted: dict[str, float]
     held_out: dict[str, float]
     at_bound: list[int]
-    worse: dict[str, tuple[float, float]]
+    worse: dict[str, tuple[float, float]]        # run -> (error with the defaults, held-out error)
     improves: bool
+    refused: dict[str, tuple[float, float]]      # runs the unguarded fit would make worse by more than GUARD
+    gaps: list[str]                              # runs beyond GAP with the defaults and held out
+    raw: list[float]                             # the guarded fit before the significance test
+    se: list[float]                              # its bootstrap standard errors
+    start: list[float]                           # the defaults
+    outvoted: dict[int, tuple[int, int]] = field(default_factory=dict)   # constant -> (runs explained, runs showing it)
+
+    def noise(self, q: int) -> bool:
+        """Whether constant ``q``'s fitted shift lay within its uncertainty (the default kept)."""
+        return self.theta[q] == self.start[q] and self.raw[q] != self.start[q]
 
     @property
     def accepted(self) -> bool:
-        return self.improves and not self.worse and not self.at_bound
+        moved = any(t != s0 for t, s0 in zip(self.theta, self.start))
+        return moved and self.improves and not self.worse and not self.at_bound and not self.outvoted
+
+
+# A fitted shift counts only beyond this many standard errors (the usual two): the defaults come from the libraries'
+# sources, and a shift a site's runs cannot tell from their own scatter is not evidence against them.
+SIGNIFICANCE = 2.0
+BOOTSTRAP = 64          # resamples of the runs behind each standard error (fixed seed: deterministic)
+
+
+def _bootstrap_se(rows: Sequence[Row], fit_one: Callable[[list[Row]], Sequence[float]], k: int) -> list[float]:
+    """The standard error of each constant, by refitting on runs drawn with replacement (Efron 1979; not the
+    jackknife, which underestimates it for median-type fits). ``rows``: the runs the fit explains (modelling
+    gaps, capped out of the fit, would only make resamples where they outnumber the others flip to them).
+    ``fit_one(rows)`` returns the constants."""
+    by: dict[str, list[Row]] = {}
+    for r in rows:
+        by.setdefault(r.run, []).append(r)
+    names = sorted(by)
+    if len(names) < 2:
+        return [0.0] * k
+    rng = random.Random(19)
+    thetas = []
+    while len(thetas) < BOOTSTRAP:
+        draw = [rng.choice(names) for _ in names]
+        drawn = [r for n in draw for r in by[n]]
+        if not identifiable(drawn, 0, list(range(1, k))):
+            continue          # a resample that cannot tell the constants apart (or lacks one) says nothing about them
+        thetas.append(fit_one([Row(f"{n}#{i}", r.y, r.b, r.a) for i, n in enumerate(draw) for r in by[n]]))
+    means = [sum(t[q] for t in thetas) / len(thetas) for q in range(k)]
+    return [(sum((t[q] - means[q]) ** 2 for t in thetas) / (len(thetas) - 1)) ** 0.5 for q in range(k)]
+
+
+def _significant(theta: Sequence[float], start: Sequence[float], se: Sequence[float]) -> list[float]:
+    """Each constant keeps its fitted value only when the shift from its default exceeds ``SIGNIFICANCE``
+    standard errors; otherwise the default (from the libraries' sources) stays: the runs cannot tell the
+    shift from their own scatter."""
+    return [t if abs(t - s0) > SIGNIFICANCE * e else s0 for t, s0, e in zip(theta, start, se)]
 
 
 def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], candidates: list[int],
@@ -184,22 +242,64 @@ def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], c
     hi = [SPEC[names[j]].upper for j in candidates]
     sc = [_scales(names)[j] for j in candidates]
     st = [theta0[j] for j in candidates]
-    theta = fit(sub, lo, hi, st, sc)
+    g = guarded_fit(sub, lo, hi, st, sc, GUARD, GAP)
+    names_run = sorted({r.run for r in sub})
+    loo = {name: guarded_fit([r for r in sub if r.run != name], lo, hi, st, sc, GUARD, GAP).theta
+           for name in names_run if any(r.run != name for r in sub)}
+    inliers = {r.run for r in sub if abs(r.error(g.theta)) <= GAP}      # the runs the fit explains
+    se = _bootstrap_se([r for r in sub if r.run in inliers], lambda rs: guarded_fit(rs, lo, hi, st, sc, GUARD, GAP).theta,
+                       len(candidates))
+    theta = within_guard(sub, st, _significant(g.theta, st, se), GUARD, GAP)
     wanted = unbounded(sub, st, sc)
     full = list(theta0)
     for p, j in enumerate(candidates):
         full[j] = theta[p]
     held: dict[str, float] = {}
-    for name in sorted({r.run for r in sub}):
+    for name, t in loo.items():
         others = [r for r in sub if r.run != name]
-        if others:
-            t = fit(others, lo, hi, st, sc)
-            held[name] = statistics.median(abs(r.error(t)) for r in sub if r.run == name)
+        t = within_guard(others, st, _significant(t, st, se), GUARD, GAP)
+        held[name] = statistics.median(abs(r.error(t)) for r in sub if r.run == name)
     at_bound = [p for p in range(len(candidates))
                 if abs(wanted[p] - theta[p]) > 1e-6 * sc[p] and (wanted[p] < lo[p] or wanted[p] > hi[p])]
-    worse = {n: (before[n], e) for n, e in held.items() if e > before[n] + GUARD}
+    gaps = sorted(n for n, e in held.items() if before[n] > GAP and e > GAP)
+    worse = {n: (before[n], e) for n, e in held.items() if e > before[n] + GUARD and n not in gaps}
+    free = _run_errors(sub, g.free)
+    refused = {n: (before[n], e) for n, e in free.items() if before[n] <= GAP and e > before[n] + GUARD}
     improves = bool(held) and statistics.median(held.values()) < statistics.median(before[n] for n in held) - 1e-12
-    return _Trial(list(candidates), theta, wanted, _run_errors(rows, full), held, at_bound, worse, improves)
+    # a robust fit holds only while the runs it explains are the majority of those that show a constant
+    outvoted = {}
+    for q in range(len(candidates)):
+        shows = {r.run for r in sub if r.a[q]}
+        if 2 * len(shows & inliers) <= len(shows):
+            outvoted[q] = (len(shows & inliers), len(shows))
+    return _Trial(list(candidates), theta, wanted, _run_errors(rows, full), held, at_bound, worse, improves, refused,
+                  gaps, list(g.theta), se, st, outvoted)
+
+
+# Settings that add modelled terms when on (above 1, or set): a constant could absorb their modelling error if
+# only the runs that show it had them on.
+CONFOUNDERS = (("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+               ("VPP", "virtual_pipeline_model_parallel_size"), ("CP", "context_parallel_size"),
+               ("sequence parallel", "sequence_parallel"), ("distributed optimizer", "use_distributed_optimizer"),
+               ("recompute", "recompute_granularity"), ("fp16", "fp16"), ("MLA", "multi_latent_attention"))
+
+
+def _confounded(rows: Sequence[Row], j: int, layouts: dict[str, Layout]) -> tuple[str, Any] | None:
+    """(setting, value) when every run that shows constant ``j`` has a setting on at the same value that none of the
+    runs without it has (as CP 2 and the cuBLAS default do in half of Megatron's H100 records): the fit could not tell
+    the constant from that setting's modelling error. None when they are told apart (or every run shows it)."""
+    shown = {r.run for r in rows if r.a[j]}
+    rest = {r.run for r in rows} - shown
+    if not shown or not rest:
+        return None
+    for label, attr in CONFOUNDERS:
+        values = {getattr(layouts[n], attr, None) for n in shown}
+        if len(values) == 1:
+            v = next(iter(values))
+            baseline = v is None or v is False or (not isinstance(v, bool) and v == 1)   # the setting is off
+            if not baseline and all(getattr(layouts[n], attr, None) != v for n in rest):
+                return label, v
+    return None
 
 
 def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, asked: set[str],
@@ -230,6 +330,15 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
             c.status, c.reason = "too little data", f"{c.runs} of the {shows} needed (at least {min_runs})"
         else:
             candidates.append(j)
+    layouts = {r.name: r.layout for r in runs}
+    for j in list(candidates):
+        hit = _confounded(rows, j, layouts)
+        if hit:
+            candidates.remove(j)
+            label, value = hit
+            results[j].status = "not identifiable"
+            results[j].reason = (f"every run that shows it has {label} {value} and no other run does: its shift cannot be "
+                                 f"told from memguard's modelling error of {label} {value}; give runs that tell them apart")
     if len(candidates) == 2 and not identifiable(rows, candidates[1], [candidates[0]]):
         j = candidates.pop()
         other = results[candidates[0]].name
@@ -248,23 +357,40 @@ def _fit_level(level: str, runs: Sequence[CalibrationRun], base: SiteConstants, 
     first = trials[0]
     for j in candidates:
         c = results[j]
-        if chosen is not None and j in chosen.candidates:
+        if chosen is not None and j in chosen.candidates and \
+                chosen.theta[chosen.candidates.index(j)] != chosen.start[chosen.candidates.index(j)]:
             q = chosen.candidates.index(j)
             c.status, c.value = "fitted", chosen.theta[q]
             values[c.name] = chosen.theta[q]
             continue
-        t = next((t for t in trials[1:] if t.candidates == [j]), first)   # its own trial where there is one
+        t = chosen if chosen is not None and j in chosen.candidates else \
+            next((t for t in trials[1:] if t.candidates == [j]), first)   # its own trial where there is one
         q = t.candidates.index(j)
         if q in t.at_bound:
             c.status, c.wanted = "at bound", t.wanted[q]
             s_ = SPEC[c.name]
             c.reason = (f"the runs ask for {s_.format(t.wanted[q])}, outside its bounds "
                         f"[{s_.format(s_.lower)}, {s_.format(s_.upper)}]: a modelling gap, not a site constant")
-        elif t.worse:
+        elif q in t.outvoted:
             c.status = "inconsistent"
-            shown = ", ".join(f"{n} {b:.1%} -> {a:.1%}" for n, (b, a) in sorted(t.worse.items(), key=lambda kv: -kv[1][1])[:4])
-            c.reason = (f"the runs disagree: predicted from the others, {len(t.worse)} run(s) get worse by more "
-                        f"than {GUARD:.0%} ({shown}); defaults kept")
+            ok, n = t.outvoted[q]
+            c.reason = (f"the runs disagree: {n - ok} of the {n} runs that show it are off by more than {GAP:.0%} at the "
+                        f"fit (modelling gaps, or another value): a robust fit needs most runs on its side; defaults kept")
+        elif t.worse or t.refused:
+            c.status = "inconsistent"
+            if t.worse:
+                what, bad = "predicted from the others", t.worse
+            else:
+                what, bad = "fitted without the guard", t.refused
+            shown = ", ".join(f"{n} {b:.2%} -> {a:.2%}" for n, (b, a) in sorted(bad.items(), key=lambda kv: -kv[1][1])[:4])
+            c.reason = (f"the runs disagree: {what}, {len(bad)} run(s) get more than {GUARD:.2%} worse ({shown}); "
+                        "within that guard the held-out error does not improve; defaults kept")
+        elif t.noise(q):
+            s_ = SPEC[c.name]
+            shift = t.raw[q] - t.start[q]
+            c.status = "within noise"
+            c.reason = (f"the runs ask for {'+' if shift > 0 else '-'}{s_.format(abs(shift))} with a standard error of "
+                        f"{s_.format(t.se[q])} (bootstrap): not beyond {SIGNIFICANCE:g} standard errors; defaults kept")
         else:
             c.status = "kept"
             c.reason = "the held-out error does not improve on the defaults; defaults kept"
