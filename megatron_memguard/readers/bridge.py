@@ -26,7 +26,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, is_missing,
+    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, group_query_attention,
+    is_missing,
     map_mcore_fields, set_vocab,
 )
 
@@ -148,7 +149,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     """``sync_seq_length``: the launcher (``run_recipe.py``) that copies ``dataset.seq_length`` into
     ``model.seq_length`` after the overrides, as Bridge's ``recipe_runner.sync_model_dataset_sequence_length``
     does; None for a config read as it is."""
-    from .models import recipe_doc
+    from .models import recipe_doc, recipe_gpus
 
     label = f"Megatron-Bridge config {path}" if path and not path.startswith("recipe ") else "Megatron-Bridge"
     b = ArgsBuilder(label)
@@ -203,6 +204,13 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         if sec not in BRIDGE_SECTIONS:
             b.warn(f"{sec}: not a Megatron-Bridge ConfigContainer section; ignored")
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
+    if recipe and b.world_size is None:
+        gpus = recipe_gpus(recipe)
+        if gpus:
+            # the GPU count in the recipe function's name (..._pretrain_8gpu_h100_bf16_config): the world
+            # the recipe's layout was written for; --gpus wins over it
+            b.world_size = gpus
+            b.origin["world_size"] = f"recipe {recipe} ({gpus} GPUs)"
     return b.build()
 
 
@@ -255,8 +263,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,
                      unknown_context="megatron-core / Megatron-Bridge model")
-    if has("model", "num_query_groups"):
-        b.set("group_query_attention", True, k("model", "num_query_groups"))
+    group_query_attention(b, model)
     if not has("model", "ffn_hidden_size") and has("model", "hidden_size"):
         default_ffn_hidden_size(b, v("model", "hidden_size"), k("model", "hidden_size"))
     # GPTModelProvider / TransformerConfig defaults that differ from Megatron's argument defaults.
@@ -361,7 +368,14 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.set(name, True, k("dist", name))
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
-        b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
+        # CommOverlapConfig.setup (training/comm_overlap.py, 0.6.2) turns it off below TP 2 or without SP
+        tp = v("model", "tensor_model_parallel_size", 1)
+        off = ("TP size < 2" if isinstance(tp, int) and tp < 2 else
+               "sequence_parallel=False" if not as_bool(v("model", "sequence_parallel", False)) else None)
+        if off:
+            b.warn(f"{k('comm_overlap', 'tp_comm_overlap')}: Megatron-Bridge disables it ({off})")
+        else:
+            b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
     dp_hint = v("comm_overlap", "data_parallel_size") or (top.get("data_parallel_size", (None,))[0])
     if dp_hint:
         try:

@@ -95,6 +95,12 @@ def model_hf(key: str) -> dict[str, Any]:
     return dict(presets()["models"][key]["hf"])
 
 
+def recipe_gpus(name: str) -> int | None:
+    """The number of GPUs a recipe is written for (the ``NNgpu`` of its Bridge function name), or None."""
+    g = presets()["recipes"][name].get("gpus")
+    return int(g) if g else None
+
+
 def recipe_doc(name: str) -> tuple[dict[str, Any], str, str]:
     """(Bridge ConfigContainer dict of the recipe with its model provider, the model preset, source)."""
     from .hf import hf_to_provider
