@@ -37,6 +37,8 @@ def _hf_cache(root: str) -> None:
     from megatron_memguard.readers.models import model_hf, presets
 
     for r in presets()["recipes"].values():
+        if not r.get("model"):   # a recipe that builds its provider itself (OLMoE) reads no config.json
+            continue
         m = presets()["models"][r["model"]]
         repo = next(a for a in m["aliases"] if "/" in a)
         whole = os.path.join(HERE, "data", "hf", r["model"] + ".json")

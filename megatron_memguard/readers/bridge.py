@@ -149,7 +149,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     """``sync_seq_length``: the launcher (``run_recipe.py``) that copies ``dataset.seq_length`` into
     ``model.seq_length`` after the overrides, as Bridge's ``recipe_runner.sync_model_dataset_sequence_length``
     does; None for a config read as it is."""
-    from .models import recipe_doc, recipe_gpus
+    from .models import recipe_doc, recipe_gpus, recipe_notes
 
     label = f"Megatron-Bridge config {path}" if path and not path.startswith("recipe ") else "Megatron-Bridge"
     b = ArgsBuilder(label)
@@ -204,6 +204,9 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         if sec not in BRIDGE_SECTIONS:
             b.warn(f"{sec}: not a Megatron-Bridge ConfigContainer section; ignored")
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
+    if recipe:
+        for note in recipe_notes(recipe):
+            b.warn(note)
     if recipe and b.world_size is None:
         gpus = recipe_gpus(recipe)
         if gpus:

@@ -103,14 +103,26 @@ def recipe_gpus(name: str) -> int | None:
 
 def recipe_doc(name: str) -> tuple[dict[str, Any], str, str]:
     """(Bridge ConfigContainer dict of the recipe with its model provider, the model preset, source)."""
-    from .hf import hf_to_provider
-
     r = presets()["recipes"][name]
     doc = copy.deepcopy(r["config"])
-    provider = hf_to_provider(model_hf(r["model"]))
+    provider = recipe_provider(name)
     provider.update(doc.get("model") or {})
     doc["model"] = provider
     return doc, r["model"], r.get("source", "")
+
+
+def recipe_provider(name: str) -> dict[str, Any]:
+    """The model provider a recipe starts from: AutoBridge's for its model preset, or the provider the
+    recipe builds itself (OLMoE: ``provider`` in data/presets.yaml)."""
+    from .hf import hf_to_provider
+
+    r = presets()["recipes"][name]
+    return hf_to_provider(model_hf(r["model"])) if r.get("model") else copy.deepcopy(r["provider"])
+
+
+def recipe_notes(name: str) -> tuple[str, ...]:
+    """What memguard approximates in a recipe (its ``notes`` in data/presets.yaml)."""
+    return tuple(f"recipe {name}: {' '.join(str(n).split())}" for n in presets()["recipes"][name].get("notes") or ())
 
 
 def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
@@ -132,6 +144,8 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
             raise ReaderError(f"{path}: not a Hugging Face config.json (not a JSON object)")
         return read_hf_config(doc, path)
     recipe = find_recipe(arg)
+    if recipe and shape_only and not presets()["recipes"][recipe].get("model"):
+        return provider_to_raw(recipe_provider(recipe), f"recipe {recipe}", key_prefix=f"--model {recipe}: ")
     if recipe and shape_only:
         arg = presets()["recipes"][recipe]["model"]
     elif recipe:
