@@ -64,6 +64,18 @@ def find_recipe(name: str) -> str | None:
     return n if n in presets().get("recipes", {}) else None
 
 
+def unmodelled_recipe(name: str, key: str = "--model") -> None:
+    """Refuse, naming why, a Megatron-Bridge MoE recipe memguard has no entry for
+    (``unmodelled_recipes`` in data/presets.yaml)."""
+    from ..errors import NotModelledError
+
+    n = name.strip().lower().replace("-", "_")
+    for r in presets().get("unmodelled_recipes") or ():
+        if n.startswith(r["prefix"]):
+            raise NotModelledError(key, f"the Megatron-Bridge recipe {shown(name)} ({r['what']}; its run_config.yaml "
+                                   "dump can be read with --config)")
+
+
 def recipe_for_function(name: str) -> str | None:
     """memguard's recipe key for the exact name of a Megatron-Bridge recipe function, else None."""
     for key, r in presets().get("recipes", {}).items():
@@ -154,6 +166,7 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
         return read_bridge({}, f"recipe {recipe}", [], recipe=recipe)
     key = find_model(arg)
     if key is None:
+        unmodelled_recipe(arg)
         # (difflib's matching is quadratic in the length: no hints for a run-away argument)
         close = difflib.get_close_matches(canonical(arg), list(_model_index()), n=3, cutoff=0.6) if len(arg) < 100 else []
         hint = ""
