@@ -231,3 +231,56 @@ def test_callback_through_bridges_callback_manager_starts_its_source(recipes, tm
     params = sum(p.numel() for p in model[0].parameters())
     assert recs[0]["event"] == "start" and recs[0]["actual"]["allocated"] == 4 * params
     assert recs[2]["event"] == "sample" and recs[2]["actual"]["allocated"] >= 16 * params   # + grads, Adam moments
+
+
+# --------------------------------------------------------------------------------------------------
+# A run_config.yaml dump of a real MoE ConfigContainer (what Bridge writes with cfg.to_yaml, at every
+# checkpoint and to logger.save_config_filepath), read by memguard: each MoE field equals the container's
+# --------------------------------------------------------------------------------------------------
+DUMPED = ["qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "qwen3_235b_a22b_pretrain_config",
+          "deepseek_v2_lite_pretrain_config", "deepseek_v2_pretrain_config", "deepseek_v3_pretrain_config",
+          "olmoe_7b_pretrain_config"]
+
+
+@pytest.mark.parametrize("function", DUMPED)
+def test_run_config_yaml_dump_gives_the_containers_moe_fields(recipes, tmp_path, function):
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.readers.models import recipe_for_function
+    from megatron_memguard.resolve import resolve
+
+    cfg = getattr(recipes, function)()
+    if cfg.model.moe_token_dispatcher_type == "flex" and cfg.model.moe_flex_dispatcher_backend == "hybridep":
+        cfg.model.moe_token_dispatcher_type = "alltoall"    # HybridEP is refused; the other fields are the test
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    raw = read_config_file(str(path))
+    assert raw.warnings == raw_config(cfg).warnings
+    world = world_of(recipe_for_function(function))
+    L = resolve(raw, world_size=world)
+    m, c = L.moe, cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (c.num_moe_experts, c.moe_router_topk,
+                                                                          c.moe_ffn_hidden_size)
+    assert m.moe_shared_expert_intermediate_size == c.moe_shared_expert_intermediate_size
+    freq = c.moe_layer_freq
+    assert list(m.moe_layer_pattern) == ([bool(x) for x in freq] if isinstance(freq, list)
+                                         else [i % freq == 0 for i in range(c.num_layers)])
+    assert (m.expert_model_parallel_size, m.expert_tensor_parallel_size) == (
+        c.expert_model_parallel_size, c.expert_tensor_parallel_size or c.tensor_model_parallel_size)
+    assert (m.moe_token_dispatcher_type, m.moe_grouped_gemm, m.moe_permute_fusion, m.moe_router_fusion) == (
+        c.moe_token_dispatcher_type, c.moe_grouped_gemm, c.moe_permute_fusion, c.moe_router_fusion)
+    assert m.moe_router_dtype == c.moe_router_dtype
+    assert m.moe_shared_expert_overlap == c.moe_shared_expert_overlap
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_router_pre_softmax,
+            m.moe_router_score_function, m.moe_router_enable_expert_bias) == (
+        c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_router_pre_softmax,
+        c.moe_router_score_function, c.moe_router_enable_expert_bias)
+    assert (L.mtp_num_layers or None) == c.mtp_num_layers
+    assert (L.tensor_model_parallel_size, L.pipeline_model_parallel_size, L.context_parallel_size,
+            L.sequence_parallel) == (c.tensor_model_parallel_size, c.pipeline_model_parallel_size,
+                                     c.context_parallel_size, c.sequence_parallel)
+    assert L.recompute_granularity == c.recompute_granularity
+    assert (L.num_layers, L.hidden_size, L.multi_latent_attention) == (c.num_layers, c.hidden_size,
+                                                                        bool(getattr(c, "multi_latent_attention", False)))
+    # the whole resolved layout equals the one from the container object itself
+    assert fields(L) == fields(resolve(raw_config(cfg), world_size=world))
