@@ -160,6 +160,11 @@ LAUNCHES = [
     ["--recipe", "llama3_8b_pretrain_config", "model.seq_length=4096"],
     ["--recipe", "llama32_3b_pretrain_1gpu_h100_bf16_config", "--dataset", "mock", "-sl", "2048", "--deterministic"],
     ["--recipe", "llama3_8b_pretrain_config", "-pp", "2", "-cp", "1", "-mb", "2", "train.micro_batch_size=4"],
+    # mixture of experts (issue 16)
+    ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "-ep", "8", "model.moe_router_dtype=fp32"],
+    ["--model", "deepseek_v2_lite", "--mode", "pretrain", "-mb", "2", "-sl", "2048",
+     "model.moe_grouped_gemm=false"],
+    ["--recipe", "olmoe_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true", "-ep", "4"],
 ]
 
 
