@@ -207,13 +207,10 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     if recipe:
         for note in recipe_notes(recipe):
             b.warn(note)
-    if recipe and b.world_size is None:
-        gpus = recipe_gpus(recipe)
-        if gpus:
-            # the GPU count in the recipe function's name (..._pretrain_8gpu_h100_bf16_config): the world
-            # the recipe's layout was written for; --gpus wins over it
-            b.world_size = gpus
-            b.origin["world_size"] = f"recipe {recipe} ({gpus} GPUs)"
+    if recipe and recipe_gpus(recipe):
+        # the GPU count in the recipe function's name (..._pretrain_8gpu_h100_bf16_config): not a world size
+        # (Bridge takes that from the launcher), but what an error asking for one suggests
+        b.origin["recipe_gpus"] = f"{recipe_gpus(recipe)} (the GPUs recipe {recipe} is written for)"
     return b.build()
 
 

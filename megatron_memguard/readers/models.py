@@ -60,6 +60,8 @@ def find_recipe(name: str) -> str | None:
     key = recipe_for_function(n)
     if key:
         return key
+    if re.search(r"[-./]", name) and find_model(name):
+        return None   # qwen3-30b-a3b is the model; the recipe is spelt as Bridge spells it, qwen3_30b_a3b
     n = re.sub(r"_(pretrain|config|pretrain_config)$", "", n)
     return n if n in presets().get("recipes", {}) else None
 
