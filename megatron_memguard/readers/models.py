@@ -94,6 +94,12 @@ def nemo2_model(class_name: str) -> str | None:
     return None
 
 
+def nemo2_class_fields(class_name: str) -> dict[str, Any]:
+    """A NeMo 2 config class's fields beyond its model's shape (MoE classes: dispatcher, router, fusions;
+    ``nemo2_classes`` in data/presets.yaml), or {}."""
+    return dict((presets().get("nemo2_classes") or {}).get(class_name) or {})
+
+
 def recipes_named_in(text: str) -> list[str]:
     """Recipe names that appear in a file name (``quantized_llama3_8b_pretrain_override.yaml``)."""
     low = os.path.basename(text).lower()

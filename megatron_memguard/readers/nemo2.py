@@ -49,7 +49,7 @@ def looks_like_nemo2(doc: Mapping) -> bool:
 
 def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -> RawConfig:
     from .hf import hf_to_provider
-    from .models import model_hf, nemo2_model
+    from .models import model_hf, nemo2_class_fields, nemo2_model
 
     doc = apply_overrides(dict(doc), overrides)
     b = ArgsBuilder(f"NeMo 2 config {path} (best effort)")
@@ -69,7 +69,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     preset = nemo2_model(cls)
     if preset:
         # The class's own defaults (its shape) under what the file sets explicitly.
-        for name, value in hf_to_provider(model_hf(preset)).items():
+        for name, value in {**hf_to_provider(model_hf(preset)), **nemo2_class_fields(cls)}.items():
             if name not in ("seq_length",):
                 fields[name] = (value, f"{ckey}._target_ ({cls})")
         if "num_layers" not in cfg:
