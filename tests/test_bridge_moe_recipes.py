@@ -114,7 +114,7 @@ def test_every_recipe_function_is_a_bridge_export_once():
     ("qwen3_next_80b_a3b_pretrain_config", "Gated DeltaNet"),
     ("deepseek_v4_flash_pretrain_config", "DeepSeek-V4"),
     ("nemotron_3_nano_pretrain_config", "Mamba"),
-    ("gpt_oss_20b_pretrain_config", "attention sinks"),
+    ("gpt_oss_20b_pretrain_config", "gpt-oss-20b"),
     ("qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_functional_config", "HybridEP"),
 ])
 def test_recipes_memguard_lacks_are_refused_with_the_reason(name, why, capsys):
