@@ -289,3 +289,19 @@ def test_run_config_yaml_dump_gives_the_containers_moe_fields(recipes, tmp_path,
                                                                         bool(getattr(c, "multi_latent_attention", False)))
     # the whole resolved layout equals the one from the container object itself
     assert fields(L) == fields(resolve(raw_config(cfg), world_size=world))
+
+
+def test_preflight_on_a_real_moe_recipe_is_memguard_estimate_of_the_recipe(recipes):
+    """The pre-flight a Bridge launch script runs on the real DeepSeek-V2-Lite container gives the same
+    estimate as `memguard estimate --model deepseek_v2_lite --gpus 8`."""
+    from megatron_memguard.bridge import preflight
+    from megatron_memguard.estimator.core import estimate
+    from megatron_memguard.gpus import lookup_gpu
+    from megatron_memguard.readers.models import read_model
+    from megatron_memguard.resolve import resolve
+
+    result = preflight(recipes.deepseek_v2_lite_pretrain_config(), world_size=8, gpu="H100-80GB", mode="report",
+                       emit=lambda s: None)
+    ours = estimate(resolve(read_model("deepseek_v2_lite"), world_size=8), gpu=lookup_gpu("H100-80GB"))
+    assert result.estimate.to_dict() == ours.to_dict()
+    assert result.layout.moe.expert_model_parallel_size == 8
