@@ -200,7 +200,7 @@ def test_tp_comm_overlap_is_off_where_bridge_turns_it_off(tmp_path):
     # training/comm_overlap.py CommOverlapConfig.setup (0.6.2): TP < 2, or no sequence parallelism
     model = {k: v for k, v in MLA_MODEL.items() if k not in ("pipeline_model_parallel_layout", "mtp_num_layers")}
     raw = _dump(tmp_path, {**model, "pipeline_model_parallel_size": 1}, comm_overlap={"tp_comm_overlap": True})
-    assert "tp_comm_overlap" not in raw.args and any("disables it (TP size < 2)" in w for w in raw.warnings)
+    assert "tp_comm_overlap" not in raw.args and any("switches TP communication overlap off" in w for w in raw.warnings)
     raw = _dump(tmp_path, {**model, "pipeline_model_parallel_size": 1, "tensor_model_parallel_size": 2,
                            "sequence_parallel": True}, comm_overlap={"tp_comm_overlap": True})
     assert raw.args["tp_comm_overlap"] is True

@@ -27,8 +27,7 @@ from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
     ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, group_query_attention,
-    is_missing,
-    map_mcore_fields, set_vocab,
+    is_missing, map_mcore_fields, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -368,14 +367,20 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.set(name, True, k("dist", name))
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
-        # CommOverlapConfig.setup (training/comm_overlap.py, 0.6.2) turns it off below TP 2 or without SP
-        tp = v("model", "tensor_model_parallel_size", 1)
-        off = ("TP size < 2" if isinstance(tp, int) and tp < 2 else
-               "sequence_parallel=False" if not as_bool(v("model", "sequence_parallel", False)) else None)
-        if off:
-            b.warn(f"{k('comm_overlap', 'tp_comm_overlap')}: Megatron-Bridge disables it ({off})")
+        # CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2) switches it off, with a warning, for
+        # TP < 2 or without sequence parallelism
+        try:
+            tp = int(b.args.get("tensor_model_parallel_size") or 1)
+        except (TypeError, ValueError):
+            tp = 2   # (a bad value is reported by resolve)
+        if tp < 2 or not as_bool(b.args.get("sequence_parallel", False)):
+            b.warn(f"{k('comm_overlap', 'tp_comm_overlap')}: Megatron-Bridge switches TP communication overlap off "
+                   "with TP < 2 or without sequence parallelism")
         else:
             b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
+            if v("comm_overlap", "tp_comm_overlap_cfg") is not None:   # TransformerLayerTPOverlapCfg, as a mapping
+                b.set("tp_comm_overlap_cfg", v("comm_overlap", "tp_comm_overlap_cfg"),
+                      k("comm_overlap", "tp_comm_overlap_cfg"))
     dp_hint = v("comm_overlap", "data_parallel_size") or (top.get("data_parallel_size", (None,))[0])
     if dp_hint:
         try:
