@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, ReaderError
+from ..numbers import shown
 
 MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
 
@@ -267,8 +268,33 @@ _HANDLED = frozenset({
     "bias_activation_fusion", "attention_backend", "cross_entropy_fusion_impl", "fp8", "fp4",
     "share_embeddings_and_output_weights", "transformer_layer_spec", "use_transformer_engine_full_layer_spec",
     "seq_length", "vocab_size", "should_pad_vocab", "virtual_pipeline_model_parallel_size", "pipeline_dtype",
-    "bias_dropout_add_fusion",
+    "bias_dropout_add_fusion", "pipeline_model_parallel_layout",
 })
+
+# megatron-core's LayerType names in a list-form pipeline layout, and the character its string form uses
+# (core 0.16.1 / 0.19.2 transformer/pipeline_parallel_layer_layout.py, parse_str_to_list).
+_LAYOUT_CHARS = {"embedding": "E", "loss": "L", "decoder": "t", "mtp": "m"}
+
+
+def layout_text(value: Any, key: str) -> Any:
+    """A pipeline layout given as megatron-core's list of stages (``[["embedding", "decoder"], ...,
+    ["decoder", "mtp", "loss"]]``, what Bridge dumps) in Megatron's string syntax (``Et|...|tmL``); a
+    string is returned as it is."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    stages = []
+    for stage in value:
+        if not isinstance(stage, (list, tuple)):
+            raise ConfigError(key, f"must be a string or a list of lists of layer names, got an entry {shown(stage)}")
+        chars = []
+        for name in stage:
+            n = str(getattr(name, "name", name)).strip().removeprefix("LayerType.")
+            ch = _LAYOUT_CHARS.get(n, n if n in _LAYOUT_CHARS.values() else None)
+            if ch is None:
+                raise ConfigError(key, f"unknown layer type {shown(name)}; use " + ", ".join(_LAYOUT_CHARS))
+            chars.append(ch)
+        stages.append("".join(chars))
+    return "|".join(stages)
 
 
 def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extra_known: Iterable[str] = (),
@@ -329,6 +355,10 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
             if val(n) is not None:
                 b.set(dest, val(n), key(n))
                 break
+    if val("pipeline_model_parallel_layout") is not None:
+        b.set("pipeline_model_parallel_layout",
+              layout_text(val("pipeline_model_parallel_layout"), key("pipeline_model_parallel_layout")),
+              key("pipeline_model_parallel_layout"))
     vpp = val("virtual_pipeline_model_parallel_size")
     if vpp is not None:
         b.set("virtual_pipeline_model_parallel_size", vpp, key("virtual_pipeline_model_parallel_size"))
@@ -373,6 +403,20 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     # cross_entropy_fusion_impl is deliberately not passed: Megatron-LM's arguments.py rejects "te" with
     # --cross-entropy-loss-fusion since core 0.18, but Bridge and NeMo 2 recipes use that pair (and it
     # does not change memory).
+
+
+def group_query_attention(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]]) -> None:
+    """A config's ``num_query_groups`` means grouped-query attention, except with multi-latent attention:
+    Bridge's and NeMo 2's MLA providers carry num_query_groups (= heads) although MLA attention never
+    reads it (megatron-core 0.19.2 transformer/multi_latent_attention.py), while Megatron's
+    --group-query-attention is refused with --multi-latent-attention."""
+    f = fields.get("num_query_groups")
+    if f is None or f[0] is None or is_missing(f[0]):
+        return
+    if as_bool((fields.get("multi_latent_attention") or (False,))[0]):
+        b.args.pop("num_query_groups", None)
+        return
+    b.set("group_query_attention", True, f[1])
 
 
 def default_ffn_hidden_size(b: ArgsBuilder, hidden: Any, key: str) -> None:

@@ -26,8 +26,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, is_missing,
-    map_mcore_fields, set_vocab,
+    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, group_query_attention,
+    is_missing, map_mcore_fields, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -148,7 +148,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     """``sync_seq_length``: the launcher (``run_recipe.py``) that copies ``dataset.seq_length`` into
     ``model.seq_length`` after the overrides, as Bridge's ``recipe_runner.sync_model_dataset_sequence_length``
     does; None for a config read as it is."""
-    from .models import recipe_doc
+    from .models import recipe_doc, recipe_gpus, recipe_notes
 
     label = f"Megatron-Bridge config {path}" if path and not path.startswith("recipe ") else "Megatron-Bridge"
     b = ArgsBuilder(label)
@@ -203,6 +203,13 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         if sec not in BRIDGE_SECTIONS:
             b.warn(f"{sec}: not a Megatron-Bridge ConfigContainer section; ignored")
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
+    if recipe:
+        for note in recipe_notes(recipe):
+            b.warn(note)
+    if recipe and recipe_gpus(recipe):
+        # the GPU count in the recipe function's name (..._pretrain_8gpu_h100_bf16_config): not a world size
+        # (Bridge takes that from the launcher), but what an error asking for one suggests
+        b.origin["recipe_gpus"] = f"{recipe_gpus(recipe)} (the GPUs recipe {recipe} is written for)"
     return b.build()
 
 
@@ -255,8 +262,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,
                      unknown_context="megatron-core / Megatron-Bridge model")
-    if has("model", "num_query_groups"):
-        b.set("group_query_attention", True, k("model", "num_query_groups"))
+    group_query_attention(b, model)
     if not has("model", "ffn_hidden_size") and has("model", "hidden_size"):
         default_ffn_hidden_size(b, v("model", "hidden_size"), k("model", "hidden_size"))
     # GPTModelProvider / TransformerConfig defaults that differ from Megatron's argument defaults.

@@ -60,8 +60,22 @@ def find_recipe(name: str) -> str | None:
     key = recipe_for_function(n)
     if key:
         return key
+    if re.search(r"[-./]", name) and find_model(name):
+        return None   # qwen3-30b-a3b is the model; the recipe is spelt as Bridge spells it, qwen3_30b_a3b
     n = re.sub(r"_(pretrain|config|pretrain_config)$", "", n)
     return n if n in presets().get("recipes", {}) else None
+
+
+def unmodelled_recipe(name: str, key: str = "--model") -> None:
+    """Refuse, naming why, a Megatron-Bridge MoE recipe memguard has no entry for
+    (``unmodelled_recipes`` in data/presets.yaml)."""
+    from ..errors import NotModelledError
+
+    n = name.strip().lower().replace("-", "_")
+    for r in presets().get("unmodelled_recipes") or ():
+        if n.startswith(r["prefix"]):
+            raise NotModelledError(key, f"the Megatron-Bridge recipe {shown(name)} ({r['what']}; its run_config.yaml "
+                                   "dump can be read with --config)")
 
 
 def recipe_for_function(name: str) -> str | None:
@@ -80,6 +94,12 @@ def nemo2_model(class_name: str) -> str | None:
     return None
 
 
+def nemo2_class_fields(class_name: str) -> dict[str, Any]:
+    """A NeMo 2 config class's fields beyond its model's shape (MoE classes: dispatcher, router, fusions;
+    ``nemo2_classes`` in data/presets.yaml), or {}."""
+    return dict((presets().get("nemo2_classes") or {}).get(class_name) or {})
+
+
 def recipes_named_in(text: str) -> list[str]:
     """Recipe names that appear in a file name (``quantized_llama3_8b_pretrain_override.yaml``)."""
     low = os.path.basename(text).lower()
@@ -95,16 +115,34 @@ def model_hf(key: str) -> dict[str, Any]:
     return dict(presets()["models"][key]["hf"])
 
 
+def recipe_gpus(name: str) -> int | None:
+    """The number of GPUs a recipe is written for (the ``NNgpu`` of its Bridge function name), or None."""
+    g = presets()["recipes"][name].get("gpus")
+    return int(g) if g else None
+
+
 def recipe_doc(name: str) -> tuple[dict[str, Any], str, str]:
     """(Bridge ConfigContainer dict of the recipe with its model provider, the model preset, source)."""
-    from .hf import hf_to_provider
-
     r = presets()["recipes"][name]
     doc = copy.deepcopy(r["config"])
-    provider = hf_to_provider(model_hf(r["model"]))
+    provider = recipe_provider(name)
     provider.update(doc.get("model") or {})
     doc["model"] = provider
     return doc, r["model"], r.get("source", "")
+
+
+def recipe_provider(name: str) -> dict[str, Any]:
+    """The model provider a recipe starts from: AutoBridge's for its model preset, or the provider the
+    recipe builds itself (OLMoE: ``provider`` in data/presets.yaml)."""
+    from .hf import hf_to_provider
+
+    r = presets()["recipes"][name]
+    return hf_to_provider(model_hf(r["model"])) if r.get("model") else copy.deepcopy(r["provider"])
+
+
+def recipe_notes(name: str) -> tuple[str, ...]:
+    """What memguard approximates in a recipe (its ``notes`` in data/presets.yaml)."""
+    return tuple(f"recipe {name}: {' '.join(str(n).split())}" for n in presets()["recipes"][name].get("notes") or ())
 
 
 def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
@@ -126,6 +164,8 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
             raise ReaderError(f"{path}: not a Hugging Face config.json (not a JSON object)")
         return read_hf_config(doc, path)
     recipe = find_recipe(arg)
+    if recipe and shape_only and not presets()["recipes"][recipe].get("model"):
+        return provider_to_raw(recipe_provider(recipe), f"recipe {recipe}", key_prefix=f"--model {recipe}: ")
     if recipe and shape_only:
         arg = presets()["recipes"][recipe]["model"]
     elif recipe:
@@ -134,6 +174,7 @@ def read_model(name_or_path: str, shape_only: bool = False) -> RawConfig:
         return read_bridge({}, f"recipe {recipe}", [], recipe=recipe)
     key = find_model(arg)
     if key is None:
+        unmodelled_recipe(arg)
         # (difflib's matching is quadratic in the length: no hints for a run-away argument)
         close = difflib.get_close_matches(canonical(arg), list(_model_index()), n=3, cutoff=0.6) if len(arg) < 100 else []
         hint = ""

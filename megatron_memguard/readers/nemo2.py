@@ -23,7 +23,7 @@ from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import (
     ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys,
-    is_missing, map_mcore_fields, set_vocab, target_name,
+    group_query_attention, is_missing, map_mcore_fields, set_vocab, target_name,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -49,7 +49,7 @@ def looks_like_nemo2(doc: Mapping) -> bool:
 
 def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -> RawConfig:
     from .hf import hf_to_provider
-    from .models import model_hf, nemo2_model
+    from .models import model_hf, nemo2_class_fields, nemo2_model
 
     doc = apply_overrides(dict(doc), overrides)
     b = ArgsBuilder(f"NeMo 2 config {path} (best effort)")
@@ -69,7 +69,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     preset = nemo2_model(cls)
     if preset:
         # The class's own defaults (its shape) under what the file sets explicitly.
-        for name, value in hf_to_provider(model_hf(preset)).items():
+        for name, value in {**hf_to_provider(model_hf(preset)), **nemo2_class_fields(cls)}.items():
             if name not in ("seq_length",):
                 fields[name] = (value, f"{ckey}._target_ ({cls})")
         if "num_layers" not in cfg:
@@ -82,8 +82,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         fields[name] = (value, f"{ckey}.{name}")
     extra = config_fields().get("GPTModelProvider", frozenset()) | _GPTCONFIG_EXTRAS
     map_mcore_fields(b, fields, extra_known=extra, unknown_context="megatron-core / NeMo 2 GPTConfig")
-    if fields.get("num_query_groups", (None,))[0] is not None:
-        b.set("group_query_attention", True, fields["num_query_groups"][1])
+    group_query_attention(b, fields)
     if fields.get("ffn_hidden_size", (None,))[0] is None and fields.get("hidden_size", (None,))[0] is not None:
         default_ffn_hidden_size(b, fields["hidden_size"][0], fields["hidden_size"][1])
     # GPTConfig / TransformerConfig defaults that differ from Megatron's argument defaults.

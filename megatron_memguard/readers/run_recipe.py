@@ -173,13 +173,14 @@ def _short_name_hint(recipe: str) -> str:
 def recipe_key(rr: RunRecipeArgs) -> str:
     """memguard's recipe key for the function run_recipe.py would load (ConfigError / NotModelledError where
     it cannot be estimated)."""
-    from .models import find_recipe, presets, recipe_for_function
+    from .models import find_recipe, presets, recipe_for_function, unmodelled_recipe
 
     if rr.mode in ("lora", "dora"):
         raise NotModelledError(f"--mode {rr.mode}", "PEFT / LoRA fine-tuning (frozen base weights)")
     key = recipe_for_function(rr.recipe)
     if key:
         return key
+    unmodelled_recipe(rr.recipe, f"--recipe {rr.recipe}")
     if find_recipe(rr.recipe):   # memguard's short name, which megatron.bridge.recipes does not export
         raise ConfigError(f"--recipe {rr.recipe}", "is not a recipe function of megatron.bridge.recipes; "
                           f"{SCRIPT} would stop with \"Recipe '{rr.recipe}' not found\"", _short_name_hint(rr.recipe))

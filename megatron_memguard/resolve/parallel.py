@@ -19,8 +19,10 @@ def parallel(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         world = raw.nodes * raw.gpus_per_node
     world_key = "--world-size" if world_override else raw.origin.get("world_size", "--world-size")
     if world is None:
+        recipe = raw.origin.get("recipe_gpus")
         raise ConfigError("--world-size", "the number of GPUs is unknown",
-                          "give --world-size N, or --nnodes and --nproc-per-node, or set WORLD_SIZE")
+                          (f"give --gpus {recipe}, or another number" if recipe else
+                           "give --world-size N, or --nnodes and --nproc-per-node, or set WORLD_SIZE"))
     world = to_int(world, world_key, 1, MAX_WORLD_SIZE, WORLD_SIZE_WHY)
     model_parallel = tp * pp * cp
     if world % model_parallel:
