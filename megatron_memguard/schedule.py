@@ -6,10 +6,15 @@ forwards, then one forward / one backward, then the cool-down backwards.
 ``forward_backward_pipelining_with_interleaving``: warm-up ``(PP - rank - 1) * 2 + (VPP - 1) * G``
 virtual micro-batches (G = micro-batches per group, default PP), chunks visited group by group
 (``get_schedule_table`` in megatron/core/pipeline_parallel/schedules.py), backward in reverse chunk order.
+
+``key_events`` lists every pass of a rank; ``peak_probes`` lists only the passes at which the bytes
+held can peak, whatever each chunk's bytes are (the estimator's fast path, checked against a full
+replay of ``key_events`` in tests/test_schedule.py).
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import mul
 
 from .layout import Layout
 
@@ -59,3 +64,123 @@ def key_events(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tup
         ev.append((False, vpp - 1 - table[k][1]))
     ev += [(False, vpp - 1 - table[k][1]) for k in range(total - warm, total)]
     return tuple(ev)
+
+
+# One probe: (forward?, chunk, micro-batches held per chunk at that pass, the pass's ordinal among the
+# passes of its direction on its chunk). A forward's held counts include its own micro-batch; a
+# backward's include the one it is about to release.
+Probe = tuple[bool, int, tuple[int, ...], int]
+
+
+@lru_cache(maxsize=512)
+def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[Probe, ...], int]:
+    """The passes of an interleaved schedule (PP > 1, VPP > 1) where the bytes held can first reach
+    their maximum, in schedule order, and the most micro-batches in flight.
+
+    Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
+    backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient), so:
+    * the passes split into runs over which the pass's chunk stays the same and the held counts move by
+      a constant step (warm-up forwards of one chunk; steady one-forward-one-backward pairs with both
+      chunks fixed; cool-down backwards of one chunk). A value linear along a run first reaches its
+      largest at the run's first or last pass: those two are probed.
+    * the forward table repeats every VPP x G positions within the full groups, and so does the steady
+      state: a steady pair a period after another one has the same chunks and held counts, hence the
+      same values, and comes later, so it is never the first peak; only the first period and the pairs
+      that reach the last (partial) group are probed.
+    The cost does not grow with m."""
+    P = vpp * group
+    total = m * vpp
+    full = (m // group) * P                 # table positions in full groups (the periodic part)
+    q = m - (m // group) * group            # micro-batches of the last, partial group (0: none)
+    warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, total)
+    steady = total - warm
+    top = vpp - 1
+
+    def chunk_at(x: int) -> int:            # the chunk of table position x
+        return (x % P) // group if x < full else (x - full) // q
+
+    def next_cut(x: int) -> int:            # the first position after x where the chunk changes
+        return (x // group + 1) * group if x < full else full + ((x - full) // q + 1) * q
+
+    def counts(a: int) -> list[int]:        # forwards of each chunk among the first a positions
+        if a <= full:
+            j, o = divmod(a, P)
+            return [j * group + min(max(o - c * group, 0), group) for c in range(vpp)]
+        o = a - full
+        return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
+
+    probes: list[Probe] = []
+    fc = [0] * vpp                          # forwards done per chunk
+    k = 0
+    while k < warm:                         # warm-up forwards
+        c = chunk_at(k)
+        k1 = min(warm, next_cut(k))
+        fc[c] += 1
+        probes.append((True, c, tuple(fc), fc[c]))
+        if k1 - 1 > k:
+            fc[c] += k1 - 1 - k
+            probes.append((True, c, tuple(fc), fc[c]))
+        k = k1
+    bc = [0] * vpp                          # backwards done per chunk
+    # steady pairs k: the forward of position k + warm, then the backward of position k
+    for lo, hi in ((0, min(steady, P)), (max(P, full - warm), steady)):
+        if lo >= hi:
+            continue
+        if k != lo:                         # after the periodic stretch: counts afresh
+            fc = counts(lo + warm)
+            bc = counts(lo)[::-1]
+        k = lo
+        while k < hi:
+            cf = chunk_at(k + warm)
+            cb = top - chunk_at(k)
+            k1 = min(hi, next_cut(k), next_cut(k + warm) - warm)
+            fc[cf] += 1
+            h = tuple([f - b for f, b in zip(fc, bc)])
+            probes.append((True, cf, h, fc[cf]))
+            probes.append((False, cb, h, bc[cb] + 1))
+            n = k1 - 1 - k
+            if n:
+                fc[cf] += n
+                bc[cb] += n
+                h = tuple([f - b for f, b in zip(fc, bc)])
+                probes.append((True, cf, h, fc[cf]))
+                probes.append((False, cb, h, bc[cb] + 1))
+            bc[cb] += 1
+            k = k1
+    if k != steady:
+        fc = counts(total)
+        bc = counts(steady)[::-1]
+    k = steady
+    while k < total:                        # cool-down backwards
+        cb = top - chunk_at(k)
+        k1 = min(total, next_cut(k))
+        h = tuple([f - b for f, b in zip(fc, bc)])
+        probes.append((False, cb, h, bc[cb] + 1))
+        if k1 - 1 > k:
+            bc[cb] += k1 - 1 - k
+            h = tuple([f - b for f, b in zip(fc, bc)])
+            probes.append((False, cb, h, bc[cb] + 1))
+        bc[cb] += 1
+        k = k1
+    return tuple(probes), (warm + 1 if steady else warm)
+
+
+def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int],
+               bwd_extra: list[int]) -> tuple[int, Probe]:
+    """The first probe with the largest sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk], and
+    that value: the first pass of the schedule where the bytes held peak."""
+    best, at = -1, probes[0]
+    if len(sizes) == 2:                     # the common case (VPP 2), without the generic dot product
+        s0, s1 = sizes
+        for p in probes:
+            h = p[2]
+            v = h[0] * s0 + h[1] * s1 + (fwd_extra if p[0] else bwd_extra)[p[1]]
+            if v > best:
+                best, at = v, p
+        return best, at
+    for p in probes:
+        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]]
+        if v > best:
+            best, at = v, p
+    return best, at
+

@@ -19,7 +19,7 @@ from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
-from ..schedule import key_events, schedule_key
+from ..schedule import first_peak, key_events, peak_probes, schedule_key
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
@@ -277,60 +277,42 @@ def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
 
 def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
               receiving: list[bool] | None = None) -> tuple[int, str, int, dict[str, int]]:
-    """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak).
+    """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
     ``receiving``: which chunks get their input from a previous stage (their retained pairs count
     where they overlap other chunks' passes).
 
-    One pass finds the peak event; a second pass up to it recovers what is held there (cheaper than
-    copying the held counts at every new maximum)."""
+    The interleaved schedule is evaluated at its probes (schedule.peak_probes: the passes where the
+    first maximum can be, whatever the chunks' bytes), which give the same peak, pass and counts as
+    replaying every pass (_replay_peak, kept for the schedules without probes)."""
     n = len(acts)
     if n == 1:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    events = key_events(*schedule_key(L, pp_rank))
     # Interleaved schedules keep each receiving chunk's last input and its gradient through the
     # schedule (with received inputs and gradients queued ahead of their passes, which this does not
-    # count separately): the retained pairs are present at every event.
-    pairs = 2 * p2p_tensor_bytes(L) * sum(receiving or ())
-    retained = [pairs] * len(events)
+    # count separately): the retained pairs are present at every pass.
+    retained = 2 * p2p_tensor_bytes(L) * sum(receiving or ())
     sizes = [a.held for a in acts]
     fwd_extra = [a.fwd_extra for a in acts]
     top_extra = [a.bwd_top_extra for a in acts]
     bottom_extra = [a.bwd_bottom_extra - a.held for a in acts]   # this micro-batch released
-    base = 0                        # bytes held by the micro-batches in flight
-    cur = in_flight = 0
-    best, best_i, best_kind = -1, 0, "F"
-    for i, (fwd, ci) in enumerate(events):
-        if fwd:
-            base += sizes[ci]
-            cur += 1
-            if cur > in_flight:
-                in_flight = cur
-            v = base + fwd_extra[ci] + retained[i]
-            if v > best:
-                best, best_i, best_kind = v, i, "F"
-        else:
-            top = base + top_extra[ci] + retained[i]
-            bottom = base + bottom_extra[ci] + retained[i]
-            if top > best or bottom > best:
-                if top >= bottom:
-                    best, best_i, best_kind = top, i, "B"
-                else:
-                    best, best_i, best_kind = bottom, i, "Bend"
-            base -= sizes[ci]
-            cur -= 1
-    held = [0] * n
-    mb = [0] * n
-    for fwd, ci in events[:best_i]:
-        held[ci] += 1 if fwd else -1
-    ci = events[best_i][1]
-    mb[ci] = sum(1 for f, c in events[:best_i + 1] if c == ci and f == (best_kind == "F"))
-    if best_kind == "F":
-        held[ci] += 1
-    elif best_kind == "Bend":
+    key = schedule_key(L, pp_rank)
+    if L.pp > 1 and L.vpp > 1:
+        probes, in_flight = peak_probes(*key)
+        # a backward peaks at its start (top layer's working set) or its end (embedding gradient)
+        best, at = first_peak(probes, sizes, fwd_extra, [t if t >= b else b for t, b in zip(top_extra, bottom_extra)])
+        fwd, ci, counts, nth = at
+        held = list(counts)
+        best_kind = "F" if fwd else ("B" if top_extra[ci] >= bottom_extra[ci] else "Bend")
+        best += retained
+    else:
+        best, best_kind, ci, nth, held, in_flight = _replay_peak(key_events(*key), sizes, fwd_extra, top_extra,
+                                                                  bottom_extra, n)
+        best += retained
+    if best_kind == "Bend":
         held[ci] -= 1
     extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
     where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[best_kind]
-    phase = f"{where} of micro-batch {mb[ci]}, chunk {ci} ({sum(held)} held)"
+    phase = f"{where} of micro-batch {nth}, chunk {ci} ({sum(held)} held)"
     moe = sum(h * acts[i].moe_layers for i, h in enumerate(held))
     parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held)) - moe}
     if moe:
@@ -340,9 +322,50 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
             for k, v in acts[i].ends.items():
                 parts[k] = parts.get(k, 0) + h * v
     parts["forward_transient" if best_kind == "F" else "backward_transient"] = extra
-    if retained[best_i]:
-        parts["pipeline_inputs_retained"] = retained[best_i]
+    if retained:
+        parts["pipeline_inputs_retained"] = retained
     return best, phase, in_flight, parts
+
+
+def _replay_peak(events: tuple[tuple[bool, int], ...], sizes: list[int], fwd_extra: list[int],
+                 top_extra: list[int], bottom_extra: list[int], n: int
+                 ) -> tuple[int, str, int, int, list[int], int]:
+    """Replay every pass: (peak without the retained pairs, "F" / "B" / "Bend", chunk, the pass's
+    ordinal among its direction's passes on that chunk, micro-batches held per chunk at the pass (a
+    backward's still counting the one it releases), most in flight).
+
+    One pass finds the peak event; a second pass up to it recovers what is held there (cheaper than
+    copying the held counts at every new maximum)."""
+    base = 0                        # bytes held by the micro-batches in flight
+    cur = in_flight = 0
+    best, best_i, best_kind = -1, 0, "F"
+    for i, (fwd, ci) in enumerate(events):
+        if fwd:
+            base += sizes[ci]
+            cur += 1
+            if cur > in_flight:
+                in_flight = cur
+            v = base + fwd_extra[ci]
+            if v > best:
+                best, best_i, best_kind = v, i, "F"
+        else:
+            top = base + top_extra[ci]
+            bottom = base + bottom_extra[ci]
+            if top > best or bottom > best:
+                if top >= bottom:
+                    best, best_i, best_kind = top, i, "B"
+                else:
+                    best, best_i, best_kind = bottom, i, "Bend"
+            base -= sizes[ci]
+            cur -= 1
+    held = [0] * n
+    for fwd, ci in events[:best_i]:
+        held[ci] += 1 if fwd else -1
+    ci = events[best_i][1]
+    nth = sum(1 for f, c in events[:best_i + 1] if c == ci and f == (best_kind == "F"))
+    if best_kind == "F":
+        held[ci] += 1
+    return best, best_kind, ci, nth, held, in_flight
 
 
 def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, str, int, dict[str, int]]:

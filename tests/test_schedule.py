@@ -1,0 +1,135 @@
+"""The estimator's fast schedule path (schedule.peak_probes + first_peak) against a full replay.
+
+The reference below rebuilds megatron-core's interleaved schedule from its description
+(megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving and
+get_schedule_table: micro-batches in groups of G, each group run chunk by chunk; warm-up
+(PP - rank - 1) * 2 + (VPP - 1) * G virtual micro-batches, capped at m * VPP; then one forward / one
+backward, backwards in reverse chunk order; then the cool-down backwards) and replays every pass with
+the bytes of each chunk. The fast path must find the same first peak: value, pass, chunk, held counts,
+micro-batch ordinal and most in flight, for any bytes (zeros and ties included).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from types import SimpleNamespace
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from megatron_memguard.schedule import effective_microbatches, first_peak, peak_probes
+
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=EXAMPLES,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def megatron_passes(pp: int, vpp: int, m: int, group: int, rank: int) -> list[tuple[bool, int, int]]:
+    """(forward?, chunk, micro-batch) of every pass of one rank, straight from the schedule's rules."""
+    table = []
+    for lo in range(0, m, group):
+        hi = min(lo + group, m)
+        table += [(mb, c) for c in range(vpp) for mb in range(lo, hi)]
+    total = m * vpp
+    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+    out = [(True, table[k][1], table[k][0]) for k in range(warm)]
+    for k in range(total - warm):
+        out.append((True, table[k + warm][1], table[k + warm][0]))
+        out.append((False, vpp - 1 - table[k][1], table[k][0]))
+    out += [(False, vpp - 1 - table[k][1], table[k][0]) for k in range(total - warm, total)]
+    return out
+
+
+def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
+    """Every pass in order; the first strict maximum. A backward's value is the larger of its start
+    (top_extra) and its end (bottom_extra, with its own micro-batch released)."""
+    held = [0] * len(sizes)
+    done = {}                       # (direction, chunk) -> passes so far
+    best = None
+    in_flight = 0
+    for fwd, c, _mb in passes:
+        done[fwd, c] = done.get((fwd, c), 0) + 1
+        if fwd:
+            held[c] += 1
+            in_flight = max(in_flight, sum(held))
+            v = sum(h * s for h, s in zip(held, sizes)) + fwd_extra[c]
+            kind = "F"
+        else:
+            base = sum(h * s for h, s in zip(held, sizes))
+            top, bottom = base + top_extra[c], base + bottom_extra[c] - sizes[c]
+            v, kind = (top, "B") if top >= bottom else (bottom, "Bend")
+        if best is None or v > best[0]:
+            best = (v, kind, c, tuple(held), done[fwd, c])
+        if not fwd:
+            held[c] -= 1
+    return best, in_flight
+
+
+def fast(pp, vpp, m, group, rank, sizes, fwd_extra, top_extra, bottom_extra):
+    probes, in_flight = peak_probes(pp, vpp, m, group, rank)
+    bottom = [b - s for b, s in zip(bottom_extra, sizes)]
+    v, (fwd, c, held, nth) = first_peak(probes, sizes, fwd_extra, [max(t, b) for t, b in zip(top_extra, bottom)])
+    kind = "F" if fwd else ("B" if top_extra[c] >= bottom[c] else "Bend")
+    return (v, kind, c, held, nth), in_flight
+
+
+def bytes_for(rng: random.Random, vpp: int, zeros: bool) -> tuple[list[int], ...]:
+    """Per-chunk bytes: held, forward transient, backward start and end working sets. Small ranges so
+    that ties happen; zeros (empty chunks) when asked."""
+    lo = 0 if zeros else 1
+    sizes = [rng.randint(lo, 6) for _ in range(vpp)]
+    return sizes, [rng.randint(0, 8) for _ in range(vpp)], [rng.randint(0, 8) for _ in range(vpp)], \
+        [rng.randint(0, 12) for _ in range(vpp)]
+
+
+def check(pp, vpp, m, group, rank, b, m_fast=None):
+    ref = replay(megatron_passes(pp, vpp, m, group, rank), *b)
+    got = fast(pp, vpp, m if m_fast is None else m_fast, group, rank, *b)
+    assert got == ref, (pp, vpp, m, group, rank, b)
+
+
+def test_grid_every_rank_small_schedules():
+    """Every rank of every schedule with PP 2-5, VPP 2-4, m 1-13, G 1-6 (m < PP, m not a multiple of
+    G or of PP, G < PP, which Megatron refuses but the probes must still get right), three byte draws."""
+    rng = random.Random(16)
+    for pp, vpp, m, group in itertools.product(range(2, 6), range(2, 5), range(1, 14), range(1, 7)):
+        for rank in range(pp):
+            for zeros in (False, True, False):
+                check(pp, vpp, m, group, rank, bytes_for(rng, vpp, zeros))
+
+
+@PROPERTY
+@given(pp=st.integers(2, 16), vpp=st.integers(2, 5), m=st.integers(1, 96), group=st.integers(1, 24),
+       rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans())
+def test_probes_match_replay(pp, vpp, m, group, rank_frac, seed, zeros):
+    rank = min(pp - 1, int(rank_frac * pp))
+    check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros))
+
+
+@PROPERTY
+@given(pp=st.integers(2, 16), vpp=st.integers(2, 4), groups=st.integers(1, 12), extra=st.integers(0, 30),
+       more=st.integers(0, 16), rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans())
+def test_estimator_microbatch_cap_matches_full_replay(pp, vpp, groups, extra, more, rank_frac, seed, zeros):
+    """What the estimator runs (the probes at schedule.effective_microbatches' capped count) against the
+    full replay of all m micro-batches, for the schedules Megatron accepts: PP <= G <= m and a last
+    group of 0 or >= PP micro-batches (resolve/pipeline.py)."""
+    group = pp + more
+    m = groups * group + (pp + extra % (group - pp + 1) if extra and group > pp else 0)
+    if m % group and m % group < pp:
+        m -= m % group
+    rank = min(pp - 1, int(rank_frac * pp))
+    L = SimpleNamespace(num_microbatches=m, vpp=vpp, pp=pp, microbatch_group_size_per_vp_stage=group)
+    check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros), m_fast=effective_microbatches(L))
+
+
+def test_deepseek_v3_schedule_by_hand():
+    """PP16 VPP2, m = 128 (G = 16), rank 0: warm-up 2 x 15 + 16 = 46 forwards, so 47 micro-batches in
+    flight; with 1 byte per micro-batch on chunk 0 and 0 on chunk 1, the most held is 32 (micro-batches
+    0-15 and 32-47... of chunk 0 before the first chunk-0 backward): counted by hand from the table."""
+    probes, in_flight = peak_probes(16, 2, 64, 16, 0)
+    assert in_flight == 46 + 1
+    v, (fwd, c, held, nth) = first_peak(probes, [1, 0], [0, 0], [0, 0])
+    # table: mb 0-15 chunk 0, 0-15 chunk 1, 16-31 chunk 0, ...; 46 warm-up forwards reach position 45
+    # (group 1, chunk 0, mb 29); the steady state then adds chunk 0 up to mb 31 before the first
+    # chunk-0 backward (backward chunk of table position k is 1 - chunk(k): chunk 0 only from k = 16).
+    assert (v, fwd, c) == (32, True, 0) and held[0] == 32 and nth == 32
