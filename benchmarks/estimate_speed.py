@@ -52,8 +52,8 @@ def _clear_caches() -> None:
     from megatron_memguard.estimator import activations, core, overheads, params, states
     for fn in (activations.shapes, activations.layer_activations, params._layer_numels, states._stage_states,
                states._chunk_buffer, core._fixed_terms, core._chunk_activations, core._state_terms,
-               core._persistent_buffers, core.replicated_grad_allreduce_bytes, overheads.dummy_wgrad_shapes,
-               overheads.dummy_wgrad_bytes, schedule.key_events, schedule._schedule_table, schedule.peak_probes):
+               core._persistent_buffers, core.replicated_grad_allreduce_bytes, core._stage_prep, overheads.dummy_wgrad_shapes,
+               overheads.dummy_wgrad_bytes, schedule.peak_probes):
         fn.cache_clear()
 
 

@@ -1,6 +1,6 @@
 """Put the pieces together: per pipeline stage, persistent state plus the worst moment of the schedule.
 
-For each stage, the pipeline schedule (``schedule.key_events``) is replayed with the activation
+For each stage, the pipeline schedule (``schedule.peak_probes``) is evaluated with the activation
 bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest of
 * a forward: what earlier micro-batches hold + this one's saved tensors + the transient at its end
   (the logits and the cross-entropy's fp32 copy on the last stage);
@@ -11,7 +11,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..errors import ConfigError
@@ -19,7 +19,7 @@ from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
-from ..schedule import first_peak, key_events, peak_probes, schedule_key
+from ..schedule import first_peak, peak_probes
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
@@ -38,7 +38,7 @@ from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
-from .states import StageStates, stage_states
+from .states import StageStates, bucket_size_for, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
 
@@ -282,8 +282,8 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
     where they overlap other chunks' passes).
 
     The interleaved schedule is evaluated at its probes (schedule.peak_probes: the passes where the
-    first maximum can be, whatever the chunks' bytes), which give the same peak, pass and counts as
-    replaying every pass (_replay_peak, kept for the schedules without probes)."""
+    first maximum can be, whatever the chunks' bytes), which give the peak, pass and counts a replay of
+    every pass gives (tests/test_schedule.py)."""
     n = len(acts)
     if n == 1:
         return _peak_one_chunk(L, pp_rank, acts[0])
@@ -295,19 +295,14 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
     fwd_extra = [a.fwd_extra for a in acts]
     top_extra = [a.bwd_top_extra for a in acts]
     bottom_extra = [a.bwd_bottom_extra - a.held for a in acts]   # this micro-batch released
-    key = schedule_key(L, pp_rank)
-    if L.pp > 1 and L.vpp > 1:
-        probes, in_flight = peak_probes(*key)
-        # a backward peaks at its start (top layer's working set) or its end (embedding gradient)
-        best, at = first_peak(probes, sizes, fwd_extra, [t if t >= b else b for t, b in zip(top_extra, bottom_extra)])
-        fwd, ci, counts, nth = at
-        held = list(counts)
-        best_kind = "F" if fwd else ("B" if top_extra[ci] >= bottom_extra[ci] else "Bend")
-        best += retained
-    else:
-        best, best_kind, ci, nth, held, in_flight = _replay_peak(key_events(*key), sizes, fwd_extra, top_extra,
-                                                                  bottom_extra, n)
-        best += retained
+    probes, in_flight = peak_probes(L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp,
+                                    pp_rank)
+    # a backward peaks at its start (top layer's working set) or its end (embedding gradient)
+    best, (fwd, ci, counts, nth) = first_peak(probes, sizes, fwd_extra,
+                                              [t if t >= b else b for t, b in zip(top_extra, bottom_extra)])
+    best += retained
+    held = list(counts)
+    best_kind = "F" if fwd else ("B" if top_extra[ci] >= bottom_extra[ci] else "Bend")
     if best_kind == "Bend":
         held[ci] -= 1
     extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
@@ -325,47 +320,6 @@ def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
     if retained:
         parts["pipeline_inputs_retained"] = retained
     return best, phase, in_flight, parts
-
-
-def _replay_peak(events: tuple[tuple[bool, int], ...], sizes: list[int], fwd_extra: list[int],
-                 top_extra: list[int], bottom_extra: list[int], n: int
-                 ) -> tuple[int, str, int, int, list[int], int]:
-    """Replay every pass: (peak without the retained pairs, "F" / "B" / "Bend", chunk, the pass's
-    ordinal among its direction's passes on that chunk, micro-batches held per chunk at the pass (a
-    backward's still counting the one it releases), most in flight).
-
-    One pass finds the peak event; a second pass up to it recovers what is held there (cheaper than
-    copying the held counts at every new maximum)."""
-    base = 0                        # bytes held by the micro-batches in flight
-    cur = in_flight = 0
-    best, best_i, best_kind = -1, 0, "F"
-    for i, (fwd, ci) in enumerate(events):
-        if fwd:
-            base += sizes[ci]
-            cur += 1
-            if cur > in_flight:
-                in_flight = cur
-            v = base + fwd_extra[ci]
-            if v > best:
-                best, best_i, best_kind = v, i, "F"
-        else:
-            top = base + top_extra[ci]
-            bottom = base + bottom_extra[ci]
-            if top > best or bottom > best:
-                if top >= bottom:
-                    best, best_i, best_kind = top, i, "B"
-                else:
-                    best, best_i, best_kind = bottom, i, "Bend"
-            base -= sizes[ci]
-            cur -= 1
-    held = [0] * n
-    for fwd, ci in events[:best_i]:
-        held[ci] += 1 if fwd else -1
-    ci = events[best_i][1]
-    nth = sum(1 for f, c in events[:best_i + 1] if c == ci and f == (best_kind == "F"))
-    if best_kind == "F":
-        held[ci] += 1
-    return best, best_kind, ci, nth, held, in_flight
 
 
 def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, str, int, dict[str, int]]:
@@ -456,8 +410,55 @@ def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple
     return tuple(out[:at] + list(extra) + out[at:])
 
 
-def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
-                   dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
+@dataclass(frozen=True)
+class _StageShape:
+    """What a stage's schedule-independent terms depend on (``key``); equal keys share one _StagePrep.
+    ``pp_rank``: the rank it was first built for (not compared)."""
+
+    key: tuple
+    pp_rank: int = field(compare=False)
+
+
+def _stage_shape(L: Layout, pp_rank: int, chunks: tuple[Chunk, ...]) -> _StageShape:
+    """The middle stages of a deep pipeline share their chunk shapes, hence their states, buffers and
+    fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon look at
+    the chunks' positions, so they are keyed by rank."""
+    if L.fp8 or L.fp4 or L.optimizer in MUON_OPTIMIZERS or fsdp_enabled(L):
+        return _StageShape((pp_rank,), pp_rank)
+    return _StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
+                                 bucket_size_for(L, c)) for c in chunks]), pp_rank == 0, pp_rank == L.pp - 1), pp_rank)
+
+
+@dataclass(frozen=True)
+class _StagePrep:
+    """The terms of a stage that do not depend on where its schedule peaks."""
+
+    parameters: int
+    n_layers: int
+    has_output: bool
+    acts: tuple[ChunkActivations, ...]
+    receiving: tuple[bool, ...]
+    ft: object
+    state_terms: tuple[Term, ...]
+    step_terms: tuple[Term, ...]
+    host_terms: tuple[Term, ...]
+    host_bytes: int            # activation offloading: host bytes per micro-batch in flight
+    buffers: tuple[Term, ...]
+    retained: tuple[Term, ...]
+    staging: int
+    deferred: int
+    fixed: tuple[Term, ...]
+    fixed_alloc: tuple[Term, ...]
+    base: int                  # state + buffers + fixed allocated terms (before CUDA graph terms)
+    step_bytes: int
+    finalize: int
+    retained_bytes: int
+
+
+@lru_cache(maxsize=1024)
+def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None, dp_rank: int | str,
+                site: SiteConstants) -> _StagePrep:
+    pp_rank = shape.pp_rank
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
     n_layers = sum(c.num_layers for c in chunks)
@@ -469,11 +470,6 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)])
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
-    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts,
-                                                  [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
-    if ft is not None:
-        parts = split_fsdp_transients(parts, ft)
-
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
     if L.fp8 or L.fp4:
         state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
@@ -486,30 +482,13 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
-    act_host = max(a.host_bytes for a in acts) * in_flight
-    if act_host:
-        # activation offloading: the saved tensors on the host of every micro-batch in flight (pinned)
-        how = ("layer-level (--cpu-offloading-num-layers)" if L.cpu_offloading_num_layers
-               else "fine-grained (" + ", ".join(L.offload_modules) + ")")
-        host_terms = host_terms + (Term("host_offloaded_activations", act_host, "host", "host",
-                                        f"{how}; {in_flight} micro-batch(es) in flight"),)
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
-    retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
+    retained = tuple(t for t in buffers if t.name == "pipeline_inputs_retained")
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
-    staging = max(a.offload_staging for a in acts)
-    if staging:
-        # the offloaded groups in flight exist during the forward and backward passes
-        parts = {**parts, "offload_staging": staging}
-        act_peak += staging
-    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
-    if deferred:
-        # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
-        parts = {**parts, "deferred_output_wgrad_buffers": deferred}
-        act_peak += deferred
-    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else []
+    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else ()
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     if device == "gpu":
         p2p, count = p2p_in_flight_bytes(L)
@@ -522,7 +501,47 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
+    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+    return _StagePrep(
+        parameters=st.parameters, n_layers=n_layers, has_output=has_output, acts=tuple(acts),
+        receiving=tuple([not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
+        state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
+        host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
+        staging=max(a.offload_staging for a in acts),
+        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0, fixed=tuple(fixed),
+        fixed_alloc=tuple(fixed_alloc), base=base,
+        # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
+        # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
+        step_bytes=sum(t.bytes for t in step_terms), finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output),
+        retained_bytes=sum(t.bytes for t in retained))
 
+
+def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
+                   dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
+    chunks = L.stage_chunks(pp_rank)
+    pr = _stage_prep(L, _stage_shape(L, pp_rank, chunks), device, gpu_name, dp_rank, site)
+    acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
+    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.receiving)
+    if ft is not None:
+        parts = split_fsdp_transients(parts, ft)
+    host_terms = pr.host_terms
+    act_host = pr.host_bytes * in_flight
+    if act_host:
+        # activation offloading: the saved tensors on the host of every micro-batch in flight (pinned)
+        how = ("layer-level (--cpu-offloading-num-layers)" if L.cpu_offloading_num_layers
+               else "fine-grained (" + ", ".join(L.offload_modules) + ")")
+        host_terms = host_terms + (Term("host_offloaded_activations", act_host, "host", "host",
+                                        f"{how}; {in_flight} micro-batch(es) in flight"),)
+    if pr.staging:
+        # the offloaded groups in flight exist during the forward and backward passes
+        parts = {**parts, "offload_staging": pr.staging}
+        act_peak += pr.staging
+    if pr.deferred:
+        # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
+        parts = {**parts, "deferred_output_wgrad_buffers": pr.deferred}
+        act_peak += pr.deferred
+    state_terms, step_terms, buffers, fixed_alloc = pr.state_terms, pr.step_terms, pr.buffers, pr.fixed_alloc
+    base = pr.base
     graph_pool: list[Term] = []
     if device == "gpu" and L.cuda_graph_impl != "none":
         # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
@@ -532,18 +551,19 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
         graphed = n_layers + (L.mtp_num_layers if has_output else 0)
         la = layer_activations(L)
+        fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
                 L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
-                sum(t.bytes for t in step_terms), len(chunks)):
+                pr.step_bytes, len(chunks)):
             t = Term(name, nbytes, group, level, det)
-            (fixed_alloc if level == "allocated" else graph_pool).append(t)
-    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+            if level == "allocated":
+                fixed_alloc.append(t)
+                base += nbytes
+            else:
+                graph_pool.append(t)
 
-    # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
-    # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-    step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output)
-    retained_bytes = sum(t.bytes for t in retained)
+    step_bytes, finalize, retained_bytes = pr.step_bytes, pr.finalize, pr.retained_bytes
+    retained = list(pr.retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
         act_terms = retained + [Term("replicated_grad_allreduce", finalize, "transients",
@@ -566,7 +586,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
                        "loss; the last depth's logits are in forward_transient")
             elif name == "offload_staging":
-                host = max(a.host_bytes for a in acts) * in_flight
+                host = pr.host_bytes * in_flight
                 det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
                        f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
             elif name == "pipeline_inputs_retained":
@@ -586,14 +606,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                           f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
         terms += graph_pool
         peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
-        device_only = [t for t in fixed if t.level == "device"]
+        device_only = [t for t in pr.fixed if t.level == "device"]
         terms += device_only
         device_total = peak_reserved + sum(t.bytes for t in device_only)
     else:
         peak_reserved = device_total = peak_alloc
-    persistent = base + retained_bytes + sum(t.bytes for t in step_terms)
+    persistent = base + retained_bytes + step_bytes
     return StageEstimate(
-        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=st.parameters,
+        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=pr.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
         host_terms=host_terms,
