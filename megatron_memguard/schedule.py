@@ -14,7 +14,7 @@ checks it against a replay of every pass).
 from __future__ import annotations
 
 from functools import lru_cache
-from operator import mul
+from operator import mul, sub
 
 
 
@@ -47,12 +47,8 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
     warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, total)
     steady = total - warm
     top = vpp - 1
-
-    def chunk_at(x: int) -> int:            # the chunk of table position x
-        return (x % P) // group if x < full else (x - full) // q
-
-    def next_cut(x: int) -> int:            # the first position after x where the chunk changes
-        return (x // group + 1) * group if x < full else full + ((x - full) // q + 1) * q
+    # chunk of table position x: (x % P) // group in the full groups, (x - full) // q after them;
+    # the next position where the chunk changes: (x // group + 1) * group, or full + ((x - full) // q + 1) * q
 
     def counts(a: int) -> list[int]:        # forwards of each chunk among the first a positions
         if a <= full:
@@ -62,16 +58,23 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
         return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
 
     probes: list[Probe] = []
+    add = probes.append
     fc = [0] * vpp                          # forwards done per chunk
     k = 0
     while k < warm:                         # warm-up forwards
-        c = chunk_at(k)
-        k1 = min(warm, next_cut(k))
+        if k < full:
+            c = (k % P) // group
+            k1 = (k // group + 1) * group
+        else:
+            c = (k - full) // q
+            k1 = full + ((k - full) // q + 1) * q
+        if k1 > warm:
+            k1 = warm
         fc[c] += 1
-        probes.append((True, c, tuple(fc), fc[c]))
+        add((True, c, tuple(fc), fc[c]))
         if k1 - 1 > k:
             fc[c] += k1 - 1 - k
-            probes.append((True, c, tuple(fc), fc[c]))
+            add((True, c, tuple(fc), fc[c]))
         k = k1
     bc = [0] * vpp                          # backwards done per chunk
     # steady pairs k: the forward of position k + warm, then the backward of position k
@@ -83,20 +86,34 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
             bc = counts(lo)[::-1]
         k = lo
         while k < hi:
-            cf = chunk_at(k + warm)
-            cb = top - chunk_at(k)
-            k1 = min(hi, next_cut(k), next_cut(k + warm) - warm)
+            x = k + warm
+            if x < full:
+                cf = (x % P) // group
+                k1 = (x // group + 1) * group - warm
+            else:
+                cf = (x - full) // q
+                k1 = full + ((x - full) // q + 1) * q - warm
+            if k < full:
+                cb = top - (k % P) // group
+                kb = (k // group + 1) * group
+            else:
+                cb = top - (k - full) // q
+                kb = full + ((k - full) // q + 1) * q
+            if kb < k1:
+                k1 = kb
+            if hi < k1:
+                k1 = hi
             fc[cf] += 1
-            h = tuple([f - b for f, b in zip(fc, bc)])
-            probes.append((True, cf, h, fc[cf]))
-            probes.append((False, cb, h, bc[cb] + 1))
+            h = tuple(map(sub, fc, bc))
+            add((True, cf, h, fc[cf]))
+            add((False, cb, h, bc[cb] + 1))
             n = k1 - 1 - k
             if n:
                 fc[cf] += n
                 bc[cb] += n
-                h = tuple([f - b for f, b in zip(fc, bc)])
-                probes.append((True, cf, h, fc[cf]))
-                probes.append((False, cb, h, bc[cb] + 1))
+                h = tuple(map(sub, fc, bc))
+                add((True, cf, h, fc[cf]))
+                add((False, cb, h, bc[cb] + 1))
             bc[cb] += 1
             k = k1
     if k != steady:
@@ -104,14 +121,18 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
         bc = counts(steady)[::-1]
     k = steady
     while k < total:                        # cool-down backwards
-        cb = top - chunk_at(k)
-        k1 = min(total, next_cut(k))
-        h = tuple([f - b for f, b in zip(fc, bc)])
-        probes.append((False, cb, h, bc[cb] + 1))
+        if k < full:
+            cb = top - (k % P) // group
+            k1 = (k // group + 1) * group
+        else:
+            cb = top - (k - full) // q
+            k1 = full + ((k - full) // q + 1) * q
+        if k1 > total:
+            k1 = total
+        add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
         if k1 - 1 > k:
             bc[cb] += k1 - 1 - k
-            h = tuple([f - b for f, b in zip(fc, bc)])
-            probes.append((False, cb, h, bc[cb] + 1))
+            add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
         bc[cb] += 1
         k = k1
     return tuple(probes), (warm + 1 if steady else warm)

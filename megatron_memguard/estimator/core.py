@@ -275,31 +275,37 @@ def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
     return terms
 
 
-def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
-              receiving: list[bool] | None = None) -> tuple[int, str, int, dict[str, int]]:
+def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
+    """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
+    the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
+    (its own micro-batch released), the larger of the two, and the retained pipeline inputs.
+    ``receiving``: which chunks get their input from a previous stage."""
+    if len(acts) == 1:
+        return None
+    # Interleaved schedules keep each receiving chunk's last input and its gradient through the
+    # schedule (with received inputs and gradients queued ahead of their passes, which this does not
+    # count separately): the retained pairs are present at every pass.
+    retained = 2 * p2p_tensor_bytes(L) * sum(receiving)
+    top = [a.bwd_top_extra for a in acts]
+    bottom = [a.bwd_bottom_extra - a.held for a in acts]
+    return ([a.held for a in acts], [a.fwd_extra for a in acts], top, bottom,
+            [t if t >= b else b for t, b in zip(top, bottom)], retained)
+
+
+def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
+              sched: tuple | None) -> tuple[int, str, int, dict[str, int]]:
     """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
-    ``receiving``: which chunks get their input from a previous stage (their retained pairs count
-    where they overlap other chunks' passes).
+    ``sched``: _schedule_bytes of the chunks (None for a single chunk).
 
     The interleaved schedule is evaluated at its probes (schedule.peak_probes: the passes where the
     first maximum can be, whatever the chunks' bytes), which give the peak, pass and counts a replay of
     every pass gives (tests/test_schedule.py)."""
-    n = len(acts)
-    if n == 1:
+    if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    # Interleaved schedules keep each receiving chunk's last input and its gradient through the
-    # schedule (with received inputs and gradients queued ahead of their passes, which this does not
-    # count separately): the retained pairs are present at every pass.
-    retained = 2 * p2p_tensor_bytes(L) * sum(receiving or ())
-    sizes = [a.held for a in acts]
-    fwd_extra = [a.fwd_extra for a in acts]
-    top_extra = [a.bwd_top_extra for a in acts]
-    bottom_extra = [a.bwd_bottom_extra - a.held for a in acts]   # this micro-batch released
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained = sched
     probes, in_flight = peak_probes(L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp,
                                     pp_rank)
-    # a backward peaks at its start (top layer's working set) or its end (embedding gradient)
-    best, (fwd, ci, counts, nth) = first_peak(probes, sizes, fwd_extra,
-                                              [t if t >= b else b for t, b in zip(top_extra, bottom_extra)])
+    best, (fwd, ci, counts, nth) = first_peak(probes, sizes, fwd_extra, bwd_extra)
     best += retained
     held = list(counts)
     best_kind = "F" if fwd else ("B" if top_extra[ci] >= bottom_extra[ci] else "Bend")
@@ -437,7 +443,7 @@ class _StagePrep:
     n_layers: int
     has_output: bool
     acts: tuple[ChunkActivations, ...]
-    receiving: tuple[bool, ...]
+    sched: tuple | None        # _schedule_bytes
     ft: object
     state_terms: tuple[Term, ...]
     step_terms: tuple[Term, ...]
@@ -504,7 +510,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
     return _StagePrep(
         parameters=st.parameters, n_layers=n_layers, has_output=has_output, acts=tuple(acts),
-        receiving=tuple([not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
+        sched=_schedule_bytes(L, acts, [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
         host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
         staging=max(a.offload_staging for a in acts),
@@ -521,7 +527,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     chunks = L.stage_chunks(pp_rank)
     pr = _stage_prep(L, _stage_shape(L, pp_rank, chunks), device, gpu_name, dp_rank, site)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
-    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.receiving)
+    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if ft is not None:
         parts = split_fsdp_transients(parts, ft)
     host_terms = pr.host_terms
