@@ -425,6 +425,11 @@ class _StageShape:
     pp_rank: int = field(compare=False)
 
 
+@lru_cache(maxsize=256)
+def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
+    return tuple(_stage_shape(L, r, L.stage_chunks(r)) for r in range(L.pp))
+
+
 def _stage_shape(L: Layout, pp_rank: int, chunks: tuple[Chunk, ...]) -> _StageShape:
     """The middle stages of a deep pipeline share their chunk shapes, hence their states, buffers and
     fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon look at
@@ -442,6 +447,7 @@ class _StagePrep:
     parameters: int
     n_layers: int
     has_output: bool
+    has_moe: bool              # a MoE layer on the stage (for its worst-case figure)
     acts: tuple[ChunkActivations, ...]
     sched: tuple | None        # _schedule_bytes
     ft: object
@@ -453,8 +459,9 @@ class _StagePrep:
     retained: tuple[Term, ...]
     staging: int
     deferred: int
-    fixed: tuple[Term, ...]
     fixed_alloc: tuple[Term, ...]
+    device_only: tuple[Term, ...]  # device-level fixed terms (CUDA context, NCCL), outside the allocator
+    layers_detail: str
     base: int                  # state + buffers + fixed allocated terms (before CUDA graph terms)
     step_bytes: int
     finalize: int
@@ -509,13 +516,15 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                                               "Transformer Engine under gradient-accumulation fusion")]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
     return _StagePrep(
-        parameters=st.parameters, n_layers=n_layers, has_output=has_output, acts=tuple(acts),
+        parameters=st.parameters, n_layers=n_layers, has_output=has_output,
+        has_moe=any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs), acts=tuple(acts),
         sched=_schedule_bytes(L, acts, [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
         host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
         staging=max(a.offload_staging for a in acts),
-        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0, fixed=tuple(fixed),
-        fixed_alloc=tuple(fixed_alloc), base=base,
+        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0, fixed_alloc=tuple(fixed_alloc),
+        device_only=tuple(t for t in fixed if t.level == "device"), layers_detail="; ".join(a.layers_detail for a in acts),
+        base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
         step_bytes=sum(t.bytes for t in step_terms), finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output),
@@ -525,7 +534,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                    dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
     chunks = L.stage_chunks(pp_rank)
-    pr = _stage_prep(L, _stage_shape(L, pp_rank, chunks), device, gpu_name, dp_rank, site)
+    pr = _stage_prep(L, _stage_shapes(L)[pp_rank], device, gpu_name, dp_rank, site)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if ft is not None:
@@ -584,7 +593,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             group = _END_GROUPS.get(name, "transients" if name.endswith("transient") else "activations")
             det = ""
             if name == "layer_activations":
-                det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+                det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
             elif name == "mtp_block_activations":
                 det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                        f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
@@ -612,17 +621,21 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                           f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
         terms += graph_pool
         peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
-        device_only = [t for t in pr.fixed if t.level == "device"]
+        device_only = pr.device_only
         terms += device_only
         device_total = peak_reserved + sum(t.bytes for t in device_only)
     else:
         peak_reserved = device_total = peak_alloc
     persistent = base + retained_bytes + step_bytes
+    moe = None
+    if L.moe is not None:
+        held = next((t.bytes for t in act_terms if t.name == "moe_layer_activations"), 0)
+        moe = _moe_worst_case(L, device, site, held, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase)
     return StageEstimate(
         pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=pr.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
-        host_terms=host_terms,
+        moe=moe, host_terms=host_terms,
     )
 
 
@@ -658,15 +671,12 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
-def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gpu_name: str | None,
-                   dp_rank: int | str, site: SiteConstants) -> tuple[StageEstimate, ...]:
-    """The stages with their ``moe`` figures: the expert rows per MoE layer and micro-batch under
+@lru_cache(maxsize=256)
+def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
+    """What every stage's ``moe`` figure needs: the expert rows per MoE layer and micro-batch under
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
-    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak at the same
-    moment of the schedule with the worst-case rows: the MoE layers in flight keep their worst-case
-    bytes and the working set grows by the worst-case layer's (no second schedule replay: the estimate
-    of a 1,024-GPU DeepSeek-V3 layout stays one replay per stage)."""
-    import dataclasses
+    of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
+    how much its working set grows, and the allocator's slack on top."""
     from .layers.moe import expert_rows, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
@@ -675,25 +685,28 @@ def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gp
     d_work = max(wst.fwd_transient - bal.fwd_transient,
                  max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
     frag = site.allocator_fragmentation if device == "gpu" else 0.0
-    out = []
-    for s in stages:
-        held = s.breakdown.get("moe_layer_activations", 0)
-        grow = (held * wst.total // bal.total - held) if bal.total else 0
-        if held:
-            extra = grow + d_work
-        elif any(kind.mlp == MLP_MOE and n for c in s.chunks for kind, n in c.kind_runs):
-            # checkpointed layers keep no MoE bytes, but the backward remakes one MoE layer at a time:
-            # its saved tensors and working set at the worst-case rows
-            extra = max(wst.total - bal.total, 0) + d_work
-        else:
-            extra = 0
-        extra_reserved = extra + int(extra * frag)
-        moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
-               "worst_case": {"peak_allocated_bytes": s.peak_allocated_bytes + extra,
-                              "peak_reserved_bytes": s.peak_reserved_bytes + extra_reserved,
-                              "device_total_bytes": s.device_total_bytes + extra_reserved, "peak_phase": s.peak_phase}}
-        out.append(dataclasses.replace(s, moe=moe))
-    return tuple(out)
+    return rows, bal.total, wst.total, d_work, frag
+
+
+def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_moe: bool, peak_allocated: int,
+                    peak_reserved: int, device_total: int, peak_phase: str) -> dict:
+    """A stage's ``moe`` figure: its peak at the same moment of the schedule with the worst-case rows.
+    The MoE layers in flight (``held``: their moe_layer_activations bytes) keep their worst-case bytes
+    and the working set grows by the worst-case layer's (no second schedule evaluation)."""
+    rows, bal_total, wst_total, d_work, frag = _moe_worst_inputs(L, device, site)
+    grow = (held * wst_total // bal_total - held) if bal_total else 0
+    if held:
+        extra = grow + d_work
+    elif has_moe:
+        # checkpointed layers keep no MoE bytes, but the backward remakes one MoE layer at a time:
+        # its saved tensors and working set at the worst-case rows
+        extra = max(wst_total - bal_total, 0) + d_work
+    else:
+        extra = 0
+    extra_reserved = extra + int(extra * frag)
+    return {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+            "worst_case": {"peak_allocated_bytes": peak_allocated + extra, "peak_reserved_bytes": peak_reserved + extra_reserved,
+                           "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
 
 
 def estimate(
@@ -735,8 +748,6 @@ def estimate(
             raise ConfigError("--gpu", bad)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
-    if L.moe is not None:
-        stages = moe_worst_case(L, stages, device, gpu_name, dp_rank, site)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
