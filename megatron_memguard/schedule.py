@@ -117,7 +117,7 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
             bc[cb] += 1
             k = k1
     if k != steady:
-        fc = counts(total)
+        fc = [m] * vpp                      # every forward done
         bc = counts(steady)[::-1]
     k = steady
     while k < total:                        # cool-down backwards

@@ -424,6 +424,14 @@ class _StageShape:
     key: tuple
     pp_rank: int = field(compare=False)
 
+    def __hash__(self) -> int:
+        # the key nests every chunk's layer kinds; hashed once, it keys _stage_prep on every stage
+        h = self.__dict__.get("_h")
+        if h is None:
+            h = hash(self.key)
+            object.__setattr__(self, "_h", h)
+        return h
+
 
 @lru_cache(maxsize=256)
 def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
