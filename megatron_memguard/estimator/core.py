@@ -308,21 +308,26 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     best, (fwd, ci, counts, nth) = first_peak(probes, sizes, fwd_extra, bwd_extra)
     best += retained
     held = list(counts)
-    best_kind = "F" if fwd else ("B" if top_extra[ci] >= bottom_extra[ci] else "Bend")
-    if best_kind == "Bend":
+    if fwd:
+        where, extra = "forward", fwd_extra[ci]
+    elif top_extra[ci] >= bottom_extra[ci]:
+        where, extra = "backward", top_extra[ci]
+    else:                                   # its own micro-batch already released
+        where, extra = "end of backward", acts[ci].bwd_bottom_extra
         held[ci] -= 1
-    extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
-    where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[best_kind]
     phase = f"{where} of micro-batch {nth}, chunk {ci} ({sum(held)} held)"
-    moe = sum(h * acts[i].moe_layers for i, h in enumerate(held))
-    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held)) - moe}
+    moe = layers = 0
+    for h, a in zip(held, acts):
+        moe += h * a.moe_layers
+        layers += h * a.layers
+    parts: dict[str, int] = {"layer_activations": layers - moe}
     if moe:
         parts["moe_layer_activations"] = moe
-    for i, h in enumerate(held):
+    for h, a in zip(held, acts):
         if h:
-            for k, v in acts[i].ends.items():
+            for k, v in a.ends.items():
                 parts[k] = parts.get(k, 0) + h * v
-    parts["forward_transient" if best_kind == "F" else "backward_transient"] = extra
+    parts["forward_transient" if fwd else "backward_transient"] = extra
     if retained:
         parts["pipeline_inputs_retained"] = retained
     return best, phase, in_flight, parts
