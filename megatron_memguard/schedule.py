@@ -23,45 +23,52 @@ from operator import mul, sub
 # backward's include the one it is about to release.
 Probe = tuple[bool, int, tuple[int, ...], int]
 
+# Up to this many virtual stages the probes (a tuple of VPP counts each, about 20 x VPP probes per rank)
+# are kept per rank; beyond it the schedule is walked with the chunks' bytes (O(VPP) memory).
+PROBE_MAX_VPP = 8
 
-@lru_cache(maxsize=512)
-def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[Probe, ...], int]:
-    """The passes of an interleaved schedule (PP > 1, VPP > 1) where the bytes held can first reach
-    their maximum, in schedule order, and the most micro-batches in flight.
 
-    Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
-    backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient), so:
-    * the passes split into runs over which the pass's chunk stays the same and the held counts move by
-      a constant step (warm-up forwards of one chunk; steady one-forward-one-backward pairs with both
-      chunks fixed; cool-down backwards of one chunk). A value linear along a run first reaches its
-      largest at the run's first or last pass: those two are probed.
-    * the forward table repeats every VPP x G positions within the full groups, and so does the steady
-      state: a steady pair a period after another one has the same chunks and held counts, hence the
-      same values, and comes later, so it is never the first peak; only the first period and the pairs
-      that reach the last (partial) group are probed.
-    The cost does not grow with m."""
+def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int) -> int:
+    return min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, m * vpp)
+
+
+def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
+    """Forwards of each chunk among the first ``a`` positions of the forward table."""
+    P = vpp * group
+    full = (m // group) * P
+    if a <= full:
+        j, o = divmod(a, P)
+        return [j * group + min(max(o - c * group, 0), group) for c in range(vpp)]
+    q = m - (m // group) * group
+    o = a - full
+    return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
+
+
+def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int, int, int, int, int, bool]]:
+    """The runs of one rank's passes over which a pass's chunk stays the same and the held counts move
+    by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk, fresh).
+    Section 0: warm-up forwards of table positions k0 .. k0+n-1; 1: steady pairs k (the forward of
+    position k + warm-up, then the backward of position k); 2: cool-down backwards of positions k.
+    ``fresh``: the run does not follow the previous one (the periodic stretch of the steady state was
+    skipped): counts start afresh there.
+
+    The forward table repeats every VPP x G positions within the full groups, and so does the steady
+    state: a steady pair a period after another one has the same chunks and held counts, hence the
+    same values, and comes later, so it is never the first peak; only the first period and the pairs
+    that reach the last (partial) group are listed."""
     P = vpp * group
     total = m * vpp
     full = (m // group) * P                 # table positions in full groups (the periodic part)
     q = m - (m // group) * group            # micro-batches of the last, partial group (0: none)
-    warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, total)
+    warm = _warmup(pp, vpp, group, pp_rank, m)
     steady = total - warm
     top = vpp - 1
     # chunk of table position x: (x % P) // group in the full groups, (x - full) // q after them;
     # the next position where the chunk changes: (x // group + 1) * group, or full + ((x - full) // q + 1) * q
-
-    def counts(a: int) -> list[int]:        # forwards of each chunk among the first a positions
-        if a <= full:
-            j, o = divmod(a, P)
-            return [j * group + min(max(o - c * group, 0), group) for c in range(vpp)]
-        o = a - full
-        return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
-
-    probes: list[Probe] = []
-    add = probes.append
-    fc = [0] * vpp                          # forwards done per chunk
+    out = []
+    add = out.append
     k = 0
-    while k < warm:                         # warm-up forwards
+    while k < warm:
         if k < full:
             c = (k % P) // group
             k1 = (k // group + 1) * group
@@ -70,20 +77,10 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
             k1 = full + ((k - full) // q + 1) * q
         if k1 > warm:
             k1 = warm
-        fc[c] += 1
-        add((True, c, tuple(fc), fc[c]))
-        if k1 - 1 > k:
-            fc[c] += k1 - 1 - k
-            add((True, c, tuple(fc), fc[c]))
+        add((0, k, k1 - k, c, -1, False))
         k = k1
-    bc = [0] * vpp                          # backwards done per chunk
-    # steady pairs k: the forward of position k + warm, then the backward of position k
+    at = 0                                  # the steady pair the counts are at
     for lo, hi in ((0, min(steady, P)), (max(P, full - warm), steady)):
-        if lo >= hi:
-            continue
-        if k != lo:                         # after the periodic stretch: counts afresh
-            fc = counts(lo + warm)
-            bc = counts(lo)[::-1]
         k = lo
         while k < hi:
             x = k + warm
@@ -103,24 +100,10 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
                 k1 = kb
             if hi < k1:
                 k1 = hi
-            fc[cf] += 1
-            h = tuple(map(sub, fc, bc))
-            add((True, cf, h, fc[cf]))
-            add((False, cb, h, bc[cb] + 1))
-            n = k1 - 1 - k
-            if n:
-                fc[cf] += n
-                bc[cb] += n
-                h = tuple(map(sub, fc, bc))
-                add((True, cf, h, fc[cf]))
-                add((False, cb, h, bc[cb] + 1))
-            bc[cb] += 1
-            k = k1
-    if k != steady:
-        fc = [m] * vpp                      # every forward done
-        bc = counts(steady)[::-1]
+            add((1, k, k1 - k, cf, cb, k != at))
+            k = at = k1
     k = steady
-    while k < total:                        # cool-down backwards
+    while k < total:
         if k < full:
             cb = top - (k % P) // group
             k1 = (k // group + 1) * group
@@ -129,13 +112,60 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
             k1 = full + ((k - full) // q + 1) * q
         if k1 > total:
             k1 = total
-        add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-        if k1 - 1 > k:
-            bc[cb] += k1 - 1 - k
-            add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-        bc[cb] += 1
+        add((2, k, k1 - k, -1, cb, k == steady and at != steady))
         k = k1
-    return tuple(probes), (warm + 1 if steady else warm)
+    return out
+
+
+@lru_cache(maxsize=512)
+def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[Probe, ...], int]:
+    """The passes of an interleaved schedule (PP > 1, VPP > 1) where the bytes held can first reach
+    their maximum, in schedule order, and the most micro-batches in flight.
+
+    Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
+    backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient). Along one of
+    _runs' runs it is linear, so it first reaches its largest at the run's first or last pass: those
+    two are probed. The cost does not grow with m."""
+    top = vpp - 1
+    probes: list[Probe] = []
+    add = probes.append
+    fc = [0] * vpp                          # forwards done per chunk
+    bc = [0] * vpp                          # backwards done per chunk
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank):
+        if section == 0:                    # warm-up forwards
+            fc[cf] += 1
+            add((True, cf, tuple(fc), fc[cf]))
+            if n > 1:
+                fc[cf] += n - 1
+                add((True, cf, tuple(fc), fc[cf]))
+            continue
+        if fresh:
+            fc = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
+            bc = _counts(k, vpp, m, group)[::-1]
+        if section == 1:                    # steady pairs: both passes see the same counts
+            fc[cf] += 1
+            h = tuple(map(sub, fc, bc))
+            add((True, cf, h, fc[cf]))
+            add((False, cb, h, bc[cb] + 1))
+            if n > 1:
+                fc[cf] += n - 1
+                bc[cb] += n - 1
+                h = tuple(map(sub, fc, bc))
+                add((True, cf, h, fc[cf]))
+                add((False, cb, h, bc[cb] + 1))
+        else:                               # cool-down backwards
+            add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
+            if n > 1:
+                bc[cb] += n - 1
+                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
+        bc[cb] += 1
+    return tuple(probes), _in_flight(warm, m * vpp)
+
+
+def _in_flight(warm: int, total: int) -> int:
+    """Most micro-batches in flight: the warm-up's, plus the steady state's first forward if any."""
+    return warm + 1 if total > warm else warm
 
 
 def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int],
@@ -157,3 +187,72 @@ def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int]
             best, at = v, p
     return best, at
 
+
+def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
+              bwd_extra: list[int]) -> tuple[int, Probe, int]:
+    """first_peak(peak_probes(...)) without keeping the probes: the value at each run end follows from
+    the previous one, and the held counts are rebuilt only for the peak (time O(runs), memory O(VPP)).
+    Returns (value, the peak's probe, most in flight)."""
+    top = vpp - 1
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    best, at = -1, (0, 0, True, 0)          # value; (section, position, forward?, chunk)
+    base = 0                                # sum_c held_c * sizes[c] before the next pass
+
+    def dot(h: list[int]) -> int:
+        return sum(map(mul, h, sizes))
+
+    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank):
+        if section == 0:
+            base += sizes[cf]
+            v = base + fwd_extra[cf]
+            if v > best:
+                best, at = v, (0, k, True, cf)
+            if n > 1:
+                base += (n - 1) * sizes[cf]
+                v = base + fwd_extra[cf]
+                if v > best:
+                    best, at = v, (0, k + n - 1, True, cf)
+            continue
+        if fresh:
+            f = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
+            base = dot(list(map(sub, f, _counts(k, vpp, m, group)[::-1])))
+        if section == 1:
+            base += sizes[cf]
+            for j in ((k,) if n == 1 else (k, k + n - 1)):
+                if j != k:
+                    base += (n - 1) * (sizes[cf] - sizes[cb])
+                v = base + fwd_extra[cf]
+                if v > best:
+                    best, at = v, (1, j, True, cf)
+                v = base + bwd_extra[cb]
+                if v > best:
+                    best, at = v, (1, j, False, cb)
+        else:
+            v = base + bwd_extra[cb]
+            if v > best:
+                best, at = v, (2, k, False, cb)
+            if n > 1:
+                base -= (n - 1) * sizes[cb]
+                v = base + bwd_extra[cb]
+                if v > best:
+                    best, at = v, (2, k + n - 1, False, cb)
+        base -= sizes[cb]
+    section, k, fwd, c = at
+    if section == 0:
+        held = _counts(k + 1, vpp, m, group)
+    else:
+        f = _counts(k + warm + 1, vpp, m, group) if section == 1 else [m] * vpp
+        held = list(map(sub, f, _counts(k, vpp, m, group)[::-1]))
+    nth = _counts((k + warm if fwd and section == 1 else k) + 1, vpp, m, group)[c if fwd else top - c]
+    return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp)
+
+
+def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
+                  bwd_extra: list[int]) -> tuple[int, Probe, int]:
+    """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). The probes
+    are kept per rank (a planner's layouts share them) up to PROBE_MAX_VPP virtual stages."""
+    if vpp <= PROBE_MAX_VPP:
+        probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank)
+        best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
+        return best, at, in_flight
+    return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra)

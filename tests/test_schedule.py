@@ -16,7 +16,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import first_peak, peak_probes
+from megatron_memguard.schedule import first_peak, peak_probes, peak_walk, schedule_peak
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=EXAMPLES,
@@ -65,9 +65,15 @@ def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
 
 
 def fast(pp, vpp, m, group, rank, sizes, fwd_extra, top_extra, bottom_extra):
-    probes, in_flight = peak_probes(pp, vpp, m, group, rank)
+    """Both fast paths (the probes kept per rank, the walk for many virtual stages) and the estimator's
+    choice between them must agree; returns their common answer."""
     bottom = [b - s for b, s in zip(bottom_extra, sizes)]
-    v, (fwd, c, held, nth) = first_peak(probes, sizes, fwd_extra, [max(t, b) for t, b in zip(top_extra, bottom)])
+    bwd = [max(t, b) for t, b in zip(top_extra, bottom)]
+    probes, in_flight = peak_probes(pp, vpp, m, group, rank)
+    v, at = first_peak(probes, sizes, fwd_extra, bwd)
+    assert peak_walk(pp, vpp, m, group, rank, sizes, fwd_extra, bwd) == (v, at, in_flight)
+    assert schedule_peak(pp, vpp, m, group, rank, sizes, fwd_extra, bwd) == (v, at, in_flight)
+    fwd, c, held, nth = at
     kind = "F" if fwd else ("B" if top_extra[c] >= bottom[c] else "Bend")
     return (v, kind, c, held, nth), in_flight
 
@@ -98,7 +104,7 @@ def test_grid_every_rank_small_schedules():
 
 
 @PROPERTY
-@given(pp=st.integers(2, 16), vpp=st.integers(2, 5), m=st.integers(1, 96), group=st.integers(1, 24),
+@given(pp=st.integers(2, 16), vpp=st.integers(2, 12), m=st.integers(1, 96), group=st.integers(1, 24),
        rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans())
 def test_probes_match_replay(pp, vpp, m, group, rank_frac, seed, zeros):
     rank = min(pp - 1, int(rank_frac * pp))
@@ -117,6 +123,15 @@ def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac
         m -= m % group
     rank = min(pp - 1, int(rank_frac * pp))
     check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros))
+
+
+def test_many_virtual_stages_walk_the_schedule():
+    """Beyond PROBE_MAX_VPP the estimator walks the schedule (a probe holds VPP counts: memory would
+    grow as VPP squared). 200 virtual stages (400 layers at PP 2, one layer per virtual stage)."""
+    rng = random.Random(200)
+    for m, group in ((2, 2), (4, 2), (5, 2), (6, 3)):
+        for rank in range(2):
+            check(2, 200, m, group, rank, bytes_for(rng, 200, False))
 
 
 def test_probe_count_does_not_grow_with_microbatches():

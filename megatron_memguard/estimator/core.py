@@ -19,7 +19,7 @@ from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
-from ..schedule import first_peak, peak_probes
+from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
@@ -297,15 +297,15 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
     ``sched``: _schedule_bytes of the chunks (None for a single chunk).
 
-    The interleaved schedule is evaluated at its probes (schedule.peak_probes: the passes where the
+    The interleaved schedule is evaluated at its probes (schedule.schedule_peak: the passes where the
     first maximum can be, whatever the chunks' bytes), which give the peak, pass and counts a replay of
     every pass gives (tests/test_schedule.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
     sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained = sched
-    probes, in_flight = peak_probes(L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp,
-                                    pp_rank)
-    best, (fwd, ci, counts, nth) = first_peak(probes, sizes, fwd_extra, bwd_extra)
+    best, (fwd, ci, counts, nth), in_flight = schedule_peak(
+        L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp, pp_rank, sizes, fwd_extra,
+        bwd_extra)
     best += retained
     held = list(counts)
     if fwd:
