@@ -474,6 +474,8 @@ class _StagePrep:
     deferred: int
     fixed_alloc: tuple[Term, ...]
     device_only: tuple[Term, ...]  # device-level fixed terms (CUDA context, NCCL), outside the allocator
+    device_bytes: int
+    frag_detail: str
     layers_detail: str
     base: int                  # state + buffers + fixed allocated terms (before CUDA graph terms)
     step_bytes: int
@@ -536,7 +538,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
         staging=max(a.offload_staging for a in acts),
         deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0, fixed_alloc=tuple(fixed_alloc),
-        device_only=tuple(t for t in fixed if t.level == "device"), layers_detail="; ".join(a.layers_detail for a in acts),
+        device_only=tuple(t for t in fixed if t.level == "device"),
+        device_bytes=sum(t.bytes for t in fixed if t.level == "device"),
+        frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
+        layers_detail="; ".join(a.layers_detail for a in acts),
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
@@ -630,13 +635,12 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)
-        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
-                          f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
-        terms += graph_pool
+        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved", pr.frag_detail))
+        if graph_pool:
+            terms += graph_pool
         peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
-        device_only = pr.device_only
-        terms += device_only
-        device_total = peak_reserved + sum(t.bytes for t in device_only)
+        terms += pr.device_only
+        device_total = peak_reserved + pr.device_bytes
     else:
         peak_reserved = device_total = peak_alloc
     persistent = base + retained_bytes + step_bytes
