@@ -154,3 +154,19 @@ def test_deepseek_v3_schedule_by_hand():
     v, (fwd, c, held, nth) = first_peak(probes, [1, 0], [0, 0], [0, 0])
     assert (v, fwd, c, held[0], nth) == (32, True, 0, 32, 32)
     assert held[0] + held[1] == 47
+
+
+def test_peak_in_the_last_partial_group_names_its_micro_batch():
+    """Last stage of PP2 x VPP2, G 4, m 22 (five full groups and one of 2 micro-batches), the output
+    layer on chunk 1. In the full groups each chunk-1 forward finds 4 micro-batches held on chunk 0 and
+    none but its own on chunk 1; in the last group the forward of micro-batch 21 on chunk 1 still finds
+    micro-batch 20 there (3 + 2 held, counted by hand from the schedule table): the peak is the 22nd
+    forward of chunk 1. (A replay capped at 4 groups plus the remainder called it the 18th.)"""
+    from megatron_memguard import estimate, layout_from_flags
+    flags = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+             "--max-position-embeddings 1024 --micro-batch-size 1 --global-batch-size 22 "
+             "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+             "--microbatch-group-size-per-virtual-pipeline-stage 4 --untie-embeddings-and-output-weights "
+             "--tokenizer-type NullTokenizer --vocab-size 32000 --bf16 --use-distributed-optimizer").split()
+    stage = estimate(layout_from_flags(flags, world_size=2)).stages[1]
+    assert stage.peak_phase == "forward of micro-batch 22, chunk 1 (5 held)"
