@@ -35,7 +35,8 @@ VARIANTS = {
     "optimizer offload": LAYOUT + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
                                    "--use-precision-aware-optimizer"],
     "overlap (buckets on rank 0)": LAYOUT + ["--overlap-grad-reduce", "--overlap-param-gather"],
-    "1F1B, sequence parallel": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+    "1F1B, sequence parallel": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--expert-tensor-parallel-size", "1",
                                 "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "4"],
 }
 

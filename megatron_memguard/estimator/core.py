@@ -251,21 +251,28 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     return tuple(terms)
 
 
+@lru_cache(maxsize=256)
+def _moe_layer_buffers(L: Layout) -> tuple[int, int, int]:
+    """Per MoE layer: the dispatcher's held state and the router's buffers; and the allgather
+    dispatcher's GlobalMemoryBuffer request (the same on every stage)."""
+    from .layers import moe
+    return moe.held_bytes(L), moe.router_buffer_bytes(L.moe), moe.global_buffer_request(L, L.moe)
+
+
 def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
     """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
     and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
     if not n_moe:
         return terms
-    from .layers import moe
-    held = moe.held_bytes(L) * n_moe
+    per_layer, router, gb = _moe_layer_buffers(L)
+    held = per_layer * n_moe
     if held:
         terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
                           f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next forward"))
-    rb = moe.router_buffer_bytes(L.moe) * n_moe
+    rb = router * n_moe
     if rb:
         terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
                           f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
-    gb = moe.global_buffer_request(L, L.moe)
     old = next((t for t in terms if t.name == "global_memory_buffer"), None)
     if gb and (old is None or old.bytes < gb):
         terms = [t for t in terms if t.name != "global_memory_buffer"]
@@ -545,7 +552,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-        step_bytes=sum(t.bytes for t in step_terms), finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output),
+        step_bytes=sum(t.bytes for t in step_terms),
+        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output),
         retained_bytes=sum(t.bytes for t in retained))
 
 
@@ -722,7 +730,8 @@ def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_
         extra = 0
     extra_reserved = extra + int(extra * frag)
     return {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
-            "worst_case": {"peak_allocated_bytes": peak_allocated + extra, "peak_reserved_bytes": peak_reserved + extra_reserved,
+            "worst_case": {"peak_allocated_bytes": peak_allocated + extra,
+                           "peak_reserved_bytes": peak_reserved + extra_reserved,
                            "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
 
 
