@@ -7,9 +7,13 @@ _peak_one_chunk takes its peak in closed form).
 ``forward_backward_pipelining_with_interleaving``: warm-up ``(PP - rank - 1) * 2 + (VPP - 1) * G``
 virtual micro-batches (G = micro-batches per group, default PP), capped at m x VPP; chunks visited
 group by group (``get_schedule_table`` in megatron/core/pipeline_parallel/schedules.py), backward in
-reverse chunk order. ``peak_probes`` lists the passes of one rank at which the bytes held can first
-peak, whatever each chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py
-checks it against a replay of every pass).
+reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved schedule is the
+combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
+megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
+micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
+``peak_probes`` lists the passes of one rank at which the bytes held can first peak, whatever each
+chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py checks it against a
+replay of every pass).
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ Probe = tuple[bool, int, tuple[int, ...], int]
 PROBE_MAX_VPP = 8
 
 
-def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int) -> int:
-    return min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, m * vpp)
+def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int, combined: bool = False) -> int:
+    return min((pp - pp_rank - 1) * 2 + (vpp - 1) * group + combined, m * vpp)
 
 
 def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
@@ -44,11 +48,13 @@ def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
     return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
 
 
-def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int, int, int, int, int, bool]]:
+def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+          combined: bool = False) -> list[tuple[int, int, int, int, int, bool]]:
     """The runs of one rank's passes over which a pass's chunk stays the same and the held counts move
     by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk, fresh).
     Section 0: warm-up forwards of table positions k0 .. k0+n-1; 1: steady pairs k (the forward of
-    position k + warm-up, then the backward of position k); 2: cool-down backwards of positions k.
+    position k + warm-up, then the backward of position k; ``combined``: the backward first); 2:
+    cool-down backwards of positions k.
     ``fresh``: the run does not follow the previous one (the periodic stretch of the steady state was
     skipped): counts start afresh there.
 
@@ -60,7 +66,7 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int
     total = m * vpp
     full = (m // group) * P                 # table positions in full groups (the periodic part)
     q = m - (m // group) * group            # micro-batches of the last, partial group (0: none)
-    warm = _warmup(pp, vpp, group, pp_rank, m)
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
     steady = total - warm
     top = vpp - 1
     # chunk of table position x: (x % P) // group in the full groups, (x - full) // q after them;
@@ -118,21 +124,22 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int
 
 
 @lru_cache(maxsize=512)
-def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[Probe, ...], int]:
-    """The passes of an interleaved schedule (PP > 1, VPP > 1) where the bytes held can first reach
-    their maximum, in schedule order, and the most micro-batches in flight.
+def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+                combined: bool = False) -> tuple[tuple[Probe, ...], int]:
+    """The passes of an interleaved schedule (PP > 1, VPP > 1; ``combined``: the combined 1F1B one)
+    where the bytes held can first reach their maximum, in schedule order, and the most micro-batches
+    in flight.
 
     Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
     backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient). Along one of
     _runs' runs it is linear, so it first reaches its largest at the run's first or last pass: those
     two are probed. The cost does not grow with m."""
-    top = vpp - 1
     probes: list[Probe] = []
     add = probes.append
     fc = [0] * vpp                          # forwards done per chunk
     bc = [0] * vpp                          # backwards done per chunk
-    warm = _warmup(pp, vpp, group, pp_rank, m)
-    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank):
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
         if section == 0:                    # warm-up forwards
             fc[cf] += 1
             add((True, cf, tuple(fc), fc[cf]))
@@ -143,6 +150,16 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
         if fresh:
             fc = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
             bc = _counts(k, vpp, m, group)[::-1]
+        if section == 1 and combined:       # steady steps, the backward before the forward
+            for j in ((k,) if n == 1 else (k, k + n - 1)):
+                if j != k:
+                    fc[cf] += n - 2
+                    bc[cb] += n - 2
+                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
+                fc[cf] += 1
+                bc[cb] += 1
+                add((True, cf, tuple(map(sub, fc, bc)), fc[cf]))
+            continue
         if section == 1:                    # steady pairs: both passes see the same counts
             fc[cf] += 1
             h = tuple(map(sub, fc, bc))
@@ -160,12 +177,13 @@ def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tu
                 bc[cb] += n - 1
                 add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
         bc[cb] += 1
-    return tuple(probes), _in_flight(warm, m * vpp)
+    return tuple(probes), _in_flight(warm, m * vpp, combined)
 
 
-def _in_flight(warm: int, total: int) -> int:
-    """Most micro-batches in flight: the warm-up's, plus the steady state's first forward if any."""
-    return warm + 1 if total > warm else warm
+def _in_flight(warm: int, total: int, combined: bool = False) -> int:
+    """Most micro-batches in flight: the warm-up's, plus the steady state's first forward if any (the
+    combined schedule releases one before each steady forward)."""
+    return warm + 1 if total > warm and not combined else warm
 
 
 def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int],
@@ -189,19 +207,16 @@ def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int]
 
 
 def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
-              bwd_extra: list[int]) -> tuple[int, Probe, int]:
+              bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
     """first_peak(peak_probes(...)) without keeping the probes: the value at each run end follows from
     the previous one, and the held counts are rebuilt only for the peak (time O(runs), memory O(VPP)).
     Returns (value, the peak's probe, most in flight)."""
     top = vpp - 1
-    warm = _warmup(pp, vpp, group, pp_rank, m)
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
     best, at = -1, (0, 0, True, 0)          # value; (section, position, forward?, chunk)
     base = 0                                # sum_c held_c * sizes[c] before the next pass
 
-    def dot(h: list[int]) -> int:
-        return sum(map(mul, h, sizes))
-
-    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank):
+    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
         if section == 0:
             base += sizes[cf]
             v = base + fwd_extra[cf]
@@ -215,18 +230,33 @@ def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[i
             continue
         if fresh:
             f = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
-            base = dot(list(map(sub, f, _counts(k, vpp, m, group)[::-1])))
+            base = sum(map(mul, map(sub, f, _counts(k, vpp, m, group)[::-1]), sizes))
         if section == 1:
-            base += sizes[cf]
+            step = sizes[cf] - sizes[cb]
             for j in ((k,) if n == 1 else (k, k + n - 1)):
-                if j != k:
-                    base += (n - 1) * (sizes[cf] - sizes[cb])
+                if combined:                # the backward, then the forward
+                    if j != k:
+                        base += (n - 2) * step
+                    v = base + bwd_extra[cb]
+                    if v > best:
+                        best, at = v, (1, j, False, cb)
+                    base += step
+                    v = base + fwd_extra[cf]
+                    if v > best:
+                        best, at = v, (1, j, True, cf)
+                    continue
+                if j == k:
+                    base += sizes[cf]
+                else:
+                    base += (n - 1) * step
                 v = base + fwd_extra[cf]
                 if v > best:
                     best, at = v, (1, j, True, cf)
                 v = base + bwd_extra[cb]
                 if v > best:
                     best, at = v, (1, j, False, cb)
+            if combined:
+                continue
         else:
             v = base + bwd_extra[cb]
             if v > best:
@@ -240,19 +270,24 @@ def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[i
     section, k, fwd, c = at
     if section == 0:
         held = _counts(k + 1, vpp, m, group)
+    elif section == 2:
+        held = list(map(sub, [m] * vpp, _counts(k, vpp, m, group)[::-1]))
+    elif combined and not fwd:              # a combined step's backward: before its forward
+        held = list(map(sub, _counts(k + warm, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
+    elif combined:                          # its forward: after its backward
+        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k + 1, vpp, m, group)[::-1]))
     else:
-        f = _counts(k + warm + 1, vpp, m, group) if section == 1 else [m] * vpp
-        held = list(map(sub, f, _counts(k, vpp, m, group)[::-1]))
+        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
     nth = _counts((k + warm if fwd and section == 1 else k) + 1, vpp, m, group)[c if fwd else top - c]
-    return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp)
+    return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp, combined)
 
 
 def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
-                  bwd_extra: list[int]) -> tuple[int, Probe, int]:
+                  bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
     """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). The probes
     are kept per rank (a planner's layouts share them) up to PROBE_MAX_VPP virtual stages."""
     if vpp <= PROBE_MAX_VPP:
-        probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank)
+        probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank, combined)
         best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
         return best, at, in_flight
-    return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra)
+    return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)

@@ -23,18 +23,22 @@ PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def megatron_passes(pp: int, vpp: int, m: int, group: int, rank: int) -> list[tuple[bool, int, int]]:
-    """(forward?, chunk, micro-batch) of every pass of one rank, straight from the schedule's rules."""
+def megatron_passes(pp: int, vpp: int, m: int, group: int, rank: int,
+                    combined: bool = False) -> list[tuple[bool, int, int]]:
+    """(forward?, chunk, micro-batch) of every pass of one rank, straight from the schedule's rules.
+    ``combined``: --overlap-moe-expert-parallel-comm's combined 1F1B schedule (get_pp_rank_microbatches:
+    one more warm-up forward; combined_1f1b_schedule_for_interleaved_pipelining runs backward k with
+    forward k + warm-up, the backward's release first in memory order)."""
     table = []
     for lo in range(0, m, group):
         hi = min(lo + group, m)
         table += [(mb, c) for c in range(vpp) for mb in range(lo, hi)]
     total = m * vpp
-    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group + combined, total)
     out = [(True, table[k][1], table[k][0]) for k in range(warm)]
     for k in range(total - warm):
-        out.append((True, table[k + warm][1], table[k + warm][0]))
-        out.append((False, vpp - 1 - table[k][1], table[k][0]))
+        step = [(True, table[k + warm][1], table[k + warm][0]), (False, vpp - 1 - table[k][1], table[k][0])]
+        out += step[::-1] if combined else step
     out += [(False, vpp - 1 - table[k][1], table[k][0]) for k in range(total - warm, total)]
     return out
 
@@ -64,15 +68,15 @@ def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
     return best, in_flight
 
 
-def fast(pp, vpp, m, group, rank, sizes, fwd_extra, top_extra, bottom_extra):
+def fast(pp, vpp, m, group, rank, sizes, fwd_extra, top_extra, bottom_extra, combined=False):
     """Both fast paths (the probes kept per rank, the walk for many virtual stages) and the estimator's
     choice between them must agree; returns their common answer."""
     bottom = [b - s for b, s in zip(bottom_extra, sizes)]
     bwd = [max(t, b) for t, b in zip(top_extra, bottom)]
-    probes, in_flight = peak_probes(pp, vpp, m, group, rank)
+    probes, in_flight = peak_probes(pp, vpp, m, group, rank, combined)
     v, at = first_peak(probes, sizes, fwd_extra, bwd)
-    assert peak_walk(pp, vpp, m, group, rank, sizes, fwd_extra, bwd) == (v, at, in_flight)
-    assert schedule_peak(pp, vpp, m, group, rank, sizes, fwd_extra, bwd) == (v, at, in_flight)
+    assert peak_walk(pp, vpp, m, group, rank, sizes, fwd_extra, bwd, combined) == (v, at, in_flight)
+    assert schedule_peak(pp, vpp, m, group, rank, sizes, fwd_extra, bwd, combined) == (v, at, in_flight)
     fwd, c, held, nth = at
     kind = "F" if fwd else ("B" if top_extra[c] >= bottom[c] else "Bend")
     return (v, kind, c, held, nth), in_flight
@@ -87,10 +91,10 @@ def bytes_for(rng: random.Random, vpp: int, zeros: bool) -> tuple[list[int], ...
         [rng.randint(0, 12) for _ in range(vpp)]
 
 
-def check(pp, vpp, m, group, rank, b, m_fast=None):
-    ref = replay(megatron_passes(pp, vpp, m, group, rank), *b)
-    got = fast(pp, vpp, m if m_fast is None else m_fast, group, rank, *b)
-    assert got == ref, (pp, vpp, m, group, rank, b)
+def check(pp, vpp, m, group, rank, b, combined=False):
+    ref = replay(megatron_passes(pp, vpp, m, group, rank, combined), *b)
+    got = fast(pp, vpp, m, group, rank, *b, combined=combined)
+    assert got == ref, (pp, vpp, m, group, rank, b, combined)
 
 
 def test_grid_every_rank_small_schedules():
@@ -99,22 +103,23 @@ def test_grid_every_rank_small_schedules():
     rng = random.Random(16)
     for pp, vpp, m, group in itertools.product(range(2, 6), range(2, 5), range(1, 14), range(1, 7)):
         for rank in range(pp):
-            for zeros in (False, True, False):
-                check(pp, vpp, m, group, rank, bytes_for(rng, vpp, zeros))
+            for zeros, combined in ((False, False), (True, False), (False, True), (True, True)):
+                check(pp, vpp, m, group, rank, bytes_for(rng, vpp, zeros), combined)
 
 
 @PROPERTY
 @given(pp=st.integers(2, 16), vpp=st.integers(2, 12), m=st.integers(1, 96), group=st.integers(1, 24),
-       rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans())
-def test_probes_match_replay(pp, vpp, m, group, rank_frac, seed, zeros):
+       rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans(), combined=st.booleans())
+def test_probes_match_replay(pp, vpp, m, group, rank_frac, seed, zeros, combined):
     rank = min(pp - 1, int(rank_frac * pp))
-    check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros))
+    check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros), combined)
 
 
 @PROPERTY
 @given(pp=st.integers(2, 16), vpp=st.integers(2, 4), groups=st.integers(1, 40), extra=st.integers(0, 30),
-       more=st.integers(0, 16), rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans())
-def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac, seed, zeros):
+       more=st.integers(0, 16), rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans(),
+       combined=st.booleans())
+def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac, seed, zeros, combined):
     """Up to 40 groups (the periodic stretch the probes skip is long), for the schedules Megatron accepts:
     PP <= G <= m and a last group of 0 or >= PP micro-batches (resolve/pipeline.py)."""
     group = pp + more
@@ -122,7 +127,7 @@ def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac
     if m % group and m % group < pp:
         m -= m % group
     rank = min(pp - 1, int(rank_frac * pp))
-    check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros))
+    check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros), combined)
 
 
 def test_many_virtual_stages_walk_the_schedule():
@@ -131,7 +136,8 @@ def test_many_virtual_stages_walk_the_schedule():
     rng = random.Random(200)
     for m, group in ((2, 2), (4, 2), (5, 2), (6, 3)):
         for rank in range(2):
-            check(2, 200, m, group, rank, bytes_for(rng, 200, False))
+            for combined in (False, True):
+                check(2, 200, m, group, rank, bytes_for(rng, 200, False), combined)
 
 
 def test_probe_count_does_not_grow_with_microbatches():

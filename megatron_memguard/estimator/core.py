@@ -310,9 +310,11 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
     sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained = sched
+    # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
+    combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
     best, (fwd, ci, counts, nth), in_flight = schedule_peak(
         L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp, pp_rank, sizes, fwd_extra,
-        bwd_extra)
+        bwd_extra, combined)
     best += retained
     held = list(counts)
     if fwd:
