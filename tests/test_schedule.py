@@ -16,7 +16,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import first_peak, peak_probes, peak_walk, schedule_peak
+from megatron_memguard.schedule import first_peak, key_events, peak_probes, peak_walk, schedule_peak
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=EXAMPLES,
@@ -41,6 +41,14 @@ def megatron_passes(pp: int, vpp: int, m: int, group: int, rank: int,
         out += step[::-1] if combined else step
     out += [(False, vpp - 1 - table[k][1], table[k][0]) for k in range(total - warm, total)]
     return out
+
+
+def test_reference_order_is_key_events():
+    """The reference above and schedule.key_events (the listed order of every pass) agree."""
+    for pp, vpp, m, group in itertools.product((2, 3, 4), (2, 3), (1, 4, 7, 9), (2, 3, 4)):
+        for rank in range(pp):
+            assert [(f, c) for f, c, _ in megatron_passes(pp, vpp, m, group, rank)] == list(
+                key_events(pp, vpp, m, group, rank))
 
 
 def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
