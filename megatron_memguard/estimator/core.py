@@ -1,6 +1,6 @@
 """Put the pieces together: per pipeline stage, persistent state plus the worst moment of the schedule.
 
-For each stage, the pipeline schedule (``schedule.peak_probes``) is evaluated with the activation
+For each stage, the pipeline schedule (``schedule.schedule_peak``) is evaluated with the activation
 bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest of
 * a forward: what earlier micro-batches hold + this one's saved tensors + the transient at its end
   (the logits and the cross-entropy's fp32 copy on the last stage);
