@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ...errors import ConfigError
@@ -52,10 +53,16 @@ def experts_use_expert_buffer(m: MoeSpec, tp: int, megatron_version: str) -> boo
     expert-data-parallel group). 0.16.1: ``allreduce = not (is_expert and EP > 1)``; 0.19 and main:
     ``use_expert_pgs = is_expert and (EP > 1 or ETP != TP)`` (TELinear, TEGroupedLinear and the local
     column/row-parallel linears). With EP = 1 and ETP != TP 0.16 keeps them in the dense buffer."""
-    from packaging.version import Version
-    if Version(str(megatron_version)) < Version("0.17"):
+    if _older_than_017(str(megatron_version)):
         return m.ep > 1
     return m.ep > 1 or m.etp != tp
+
+
+@lru_cache(maxsize=64)
+def _older_than_017(version: str) -> bool:
+    """Parsed once per version string (the recipes ask for every MoE layer of every stage)."""
+    from packaging.version import Version
+    return Version(version) < Version("0.17")
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,7 @@ class MoeActivations:
 
 
 def _before_017(L: Any) -> bool:
-    from packaging.version import Version
-    return Version(str(L.megatron_version)) < Version("0.17")
+    return _older_than_017(str(L.megatron_version))
 
 
 def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
