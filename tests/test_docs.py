@@ -34,3 +34,13 @@ def test_every_term_is_documented(extra, profile):
     for stage in est.stages:
         for term in stage.terms:
             assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name
+
+
+@pytest.mark.parametrize("extra", [["--optimizer", "soap", "--use-distributed-optimizer"], ["--optimizer", "lion"],
+                                   ["--optimizer", "adaptive_muon", "--muon-scalar-optimizer", "lion"]])
+def test_emerging_optimizer_terms_are_documented(extra):
+    # (the fujii2024 profile refuses them: the paper's closed form has Adam and SGD only)
+    flags = LLAMA2_7B + ["--micro-batch-size", "1", "--global-batch-size", "64"] + extra
+    for stage in estimate(layout_from_flags(flags, world_size=16)).stages:
+        for term in stage.terms:
+            assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name

@@ -170,3 +170,22 @@ def test_the_real_parser():
     assert not sorted(dests - _stored_dests() - {d for d in dests if d.startswith("kitchen")})
     missing = _unclassified(dests)
     assert not missing, f"Megatron options memguard neither reads, refuses, nor lists as memory-neutral: {missing}"
+
+
+@pytest.mark.megatron_training
+@pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                    "tests/run.sh runs these in .venv312")
+def test_every_optimizer_choice_is_modelled():
+    # arguments.py --optimizer choices (0.19.2: adam, sgd, muon, dist_muon, lion, soap, adaptive_muon)
+    import argparse
+    import warnings
+
+    from megatron_memguard.resolve.refusals import OPTIMIZERS
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    choices = next(a.choices for a in parser._actions if a.dest == "optimizer")
+    assert set(choices) == set(OPTIMIZERS)

@@ -33,7 +33,7 @@ from .offload_activations import fine_grained_plan
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
-from .muon import MUON_OPTIMIZERS
+from .muon import EMERGING_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
@@ -454,7 +454,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
     if L.fp8 or L.fp4:
         state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
-    if L.optimizer in MUON_OPTIMIZERS:
+    if L.optimizer in EMERGING_OPTIMIZERS:
         state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
     if offload_enabled(L):

@@ -120,10 +120,12 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     if c.has_embedding:
         ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp))
         if L.position_embedding_type == "learned_absolute":
-            ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True))
+            ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True,
+                            cols=h))
     layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
     for i, kind in enumerate(c.layer_kinds):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert)
+        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert,
+                        p.cols)
                   for p in layers[kind])
     mtp = _mtp_params(L, c)
     if mtp:

@@ -60,8 +60,8 @@ WARN_ONLY: list[Row] = [
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
     ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
-# Only these optimizers' states are modelled (Lion and SOAP as the main optimizer are not).
-OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon")
+# The optimizers whose states are modelled: every --optimizer choice of megatron-core 0.19.2.
+OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon", "lion", "soap")
 
 
 def refuse(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

@@ -30,12 +30,12 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
     ps: list[Param] = []
     if not te:
         ps += norm_params(prefix + "input_layernorm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in))
+    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in, cols=proj_in))
     if L.add_bias_linear:
         ps.append(Param(prefix + "self_attention.linear_proj.bias", h, tp_replicated=True))
     if te:
         ps += norm_params(prefix + "self_attention.linear_qkv.layer_norm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h))
+    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h, cols=h))
     if L.add_qkv_bias:
         ps.append(Param(prefix + "self_attention.linear_qkv.bias", qkv))
     if L.qk_layernorm:
