@@ -452,9 +452,13 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         parts = split_fsdp_transients(parts, ft)
 
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+    if L.freeze_all_layers:
+        # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
+        # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
+        state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
     if L.fp8 or L.fp4:
         state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
-    if L.optimizer in EMERGING_OPTIMIZERS:
+    if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
         state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
     if offload_enabled(L):
@@ -481,7 +485,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         # the offloaded groups in flight exist during the forward and backward passes
         parts = {**parts, "offload_staging": staging}
         act_peak += staging
-    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
+    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
     if deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
         parts = {**parts, "deferred_output_wgrad_buffers": deferred}
@@ -493,7 +497,8 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         if p2p:
             fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
-        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0)
+        # (weight gradients, real or placeholder, exist only for parameters that require grad)
+        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0) if not L.freeze_all_layers else 0
         if dummies:
             n = len(dummy_wgrad_shapes(L, has_output, n_layers > 0))
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
@@ -519,7 +524,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
     # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
     step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output)
+    finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0
     retained_bytes = sum(t.bytes for t in retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight

@@ -28,7 +28,7 @@ class PipelineSplit:
 class Optimizer:
     """The optimizer and megatron's DDP wrapper (buffers, buckets); the state dtypes are in Precision."""
 
-    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon
+    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon | lion | soap
     use_distributed_optimizer: bool
     store_param_remainders: bool
     overlap_grad_reduce: bool
@@ -50,6 +50,8 @@ class Optimizer:
     optimizer_offload_fraction: float = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
     pin_cpu_grads: bool = True
+    # --freeze-all-layers: no parameter requires grad (no DDP buffers, no optimizer state)
+    freeze_all_layers: bool = False
 
 
 @dataclass(frozen=True)

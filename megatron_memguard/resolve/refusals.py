@@ -19,7 +19,6 @@ NOT_MODELLED: list[Row] = [
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),
-    ("attention_output_gate", bool, "gated attention output"),
     ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (gated delta net, DSA)"),
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (--hybrid-context-parallel)"),
@@ -27,7 +26,6 @@ NOT_MODELLED: list[Row] = [
     ("use_grouped_gemm_for_dense_mlp", bool, "grouped GEMM for dense MLPs"),
     ("use_kitchen_attention", bool, "kitchen attention"),
     ("optimizer_cuda_graph", bool, "a CUDA graph of the optimizer step"),
-    ("freeze_all_layers", bool, "frozen layers (no gradients or optimizer state)"),
     ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
     ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes"),
