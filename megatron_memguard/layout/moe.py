@@ -78,6 +78,8 @@ class MoeSpec:
     routing: str = "balanced"
     # the flex dispatcher's SMs (DeepEP's communication buffer has one channel per two SMs)
     moe_flex_dispatcher_num_sms: int = 20
+    # --use-fused-weighted-squared-relu: TEGroupedMLP's squared-ReLU x probs in one autograd function
+    use_fused_weighted_squared_relu: bool = False
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -104,6 +106,8 @@ class MoeSpec:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
         d["moe_recompute"] = list(self.moe_recompute)
+        if not self.use_fused_weighted_squared_relu:
+            del d["use_fused_weighted_squared_relu"]     # the document of MoE layouts before the option
         return d
 
     @classmethod

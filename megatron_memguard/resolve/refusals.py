@@ -23,7 +23,6 @@ NOT_MODELLED: list[Row] = [
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (--hybrid-context-parallel)"),
     ("use_transformer_engine_op_fuser", bool, "Transformer Engine's operation fuser"),
-    ("use_grouped_gemm_for_dense_mlp", bool, "grouped GEMM for dense MLPs"),
     ("use_kitchen_attention", bool, "kitchen attention"),
     ("optimizer_cuda_graph", bool, "a CUDA graph of the optimizer step"),
     ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
@@ -35,8 +34,6 @@ NOT_MODELLED: list[Row] = [
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
-    ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),
-    ("moe_router_force_biased", lambda v: v is not None, "forced biased (imbalanced) routing"),
     ("enable_full_sharding_in_hsdp", bool, "full sharding inside hybrid-sharded Megatron-FSDP"),
 ]
 # Estimated, with a note saying what is not counted.
@@ -56,6 +53,8 @@ WARN_ONLY: list[Row] = [
     ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
      "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
+    ("moe_router_force_biased", lambda v: v is not None, "forced biased routing sends more tokens to some experts "
+     "than balanced routing: the balanced estimate understates those ranks, the worst-case figure bounds them"),
     ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
 # The optimizers whose states are modelled: every --optimizer choice of megatron-core 0.19.2.

@@ -288,6 +288,12 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         act = 3 * Fr                            # weighted fused SwiGLU: fc1 output [N, 2F]; fc2 input
     elif g == 2:
         act = 6 * Fr                            # fc1 out, silu, x2 + offset, product, product * probs
+    elif (m.use_fused_weighted_squared_relu and m.moe_grouped_gemm and L.squared_relu
+          and not L.bias_activation_fusion):
+        # TEGroupedMLP with --use-fused-weighted-squared-relu: WeightedSquaredReLUFunction keeps its input
+        # (fc1 out) and the probs (counted with the expert input); fc2 keeps the product (core 0.19.2
+        # experts.py bias_act_func, fusions/fused_weighted_squared_relu.py)
+        act = 2 * Fr
     else:
         act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
     if "moe_act" in rec:

@@ -1,11 +1,15 @@
-"""--freeze-all-layers and --attention-output-gate, by hand.
+"""--freeze-all-layers, --attention-output-gate, --use-fused-weighted-squared-relu, --moe-router-force-biased,
+by hand.
 
 Sources: megatron-core 0.19.2 megatron/training/training.py get_model (``--freeze-all-layers``:
 ``requires_grad_(False)`` on every parameter), arguments.py validate_args (it turns
 --use-distributed-optimizer and --overlap-param-gather off), core/distributed/distributed_data_parallel.py
 (DDP skips parameters without requires_grad: no buffer), core/transformer/attention.py SelfAttention
 (``linear_qkv_out_dim += kv_channels * num_attention_heads`` with the output gate; the gate is split off
-linear_qkv's output and applied by ``_apply_output_gate``, core 0.16.1 the same).
+linear_qkv's output and applied by ``_apply_output_gate``, core 0.16.1 the same), core/transformer/moe/experts.py
+TEGroupedMLP.forward (``--use-fused-weighted-squared-relu``: ``weighted_squared_relu_impl``, whose autograd function
+fusions/fused_weighted_squared_relu.py saves its input and the probs) and moe/router.py (``--moe-router-force-biased``
+only adds a random bias to the router logits).
 """
 import pytest
 
@@ -74,3 +78,33 @@ def test_output_gate_with_mla_is_an_error():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(flags, world_size=1)
     assert "--attention-output-gate" in str(e.value)
+
+
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --squared-relu --disable-bias-linear "
+       "--moe-token-dispatcher-type alltoall").split()
+
+
+def test_fused_weighted_squared_relu_keeps_one_tensor_less():
+    # unfused: fc1's output, the squared ReLU's output (kept by * probs) and fc2's input, [N, F] each; fused: the
+    # function's input and fc2's input. N = s b k = 1024 x 4 x 2 = 8192 rows, F = 2048, bf16: 33,554,432 B per layer
+    _, plain = _stage(MOE)
+    _, fused = _stage(MOE + ["--use-fused-weighted-squared-relu"])
+    assert plain.moe["expert_rows_balanced"] == 8192
+    assert plain.breakdown["moe_layer_activations"] - fused.breakdown["moe_layer_activations"] == 4 * 8192 * 2048 * 2
+
+
+def test_fused_weighted_squared_relu_needs_no_bias():
+    flags = [f for f in MOE if f != "--disable-bias-linear"] + ["--use-fused-weighted-squared-relu"]
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(GPT4 + flags, world_size=1)
+    assert "--use-fused-weighted-squared-relu" in str(e.value)
+
+
+def test_force_biased_routing_is_estimated_with_a_note():
+    # over EP 2 a biased router can send a rank more than its balanced half of the token copies
+    ep = MOE + ["--expert-model-parallel-size", "2"]
+    L, st = _stage(ep + ["--moe-router-force-biased", "0.5"], world=2)
+    _, plain = _stage(ep, world=2)
+    assert st.peak_allocated_bytes == plain.peak_allocated_bytes     # the balanced estimate, plus the worst case
+    assert any("--moe-router-force-biased" in n and "worst-case" in n for n in L.notes)
+    assert st.moe["worst_case"]["peak_allocated_bytes"] > st.peak_allocated_bytes
