@@ -108,3 +108,48 @@ def test_force_biased_routing_is_estimated_with_a_note():
     assert st.peak_allocated_bytes == plain.peak_allocated_bytes     # the balanced estimate, plus the worst case
     assert any("--moe-router-force-biased" in n and "worst-case" in n for n in L.notes)
     assert st.moe["worst_case"]["peak_allocated_bytes"] > st.peak_allocated_bytes
+
+
+# Fine-grained offloading's core 0.19 tuning (pipeline_parallel/fine_grained_activation_offload.py
+# post_warmup_callback; transformer_layer.py _te_cuda_graph_replay). Per layer, core_attn offloads linear_qkv's
+# output [4096, 3072] and the rope'd query and key [4096, 1024] (bf16): 41,943,040 B; attn_proj its input
+# [4096, 1024]: 8,388,608 B (the fp32 softmax statistics, 65,536 elements, stay: under 1,048,576).
+OFF = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 "
+       "--micro-batch-size 2 --global-batch-size 64 --bf16 --tokenizer-type NullTokenizer --vocab-size 50257 "
+       "--position-embedding-type rope --pipeline-model-parallel-size 2 --fine-grained-activation-offloading "
+       "--offload-modules core_attn attn_proj").split()
+CORE, PROJ = 41_943_040, 8_388_608
+
+
+def _off(extra):
+    return estimate(layout_from_flags(OFF + extra, world_size=2)).stages
+
+
+def test_activation_offload_fraction():
+    base, half = _off([]), _off(["--activation-offload-fraction", "0.5"])
+    # stage 0: 4 layers, 8 groups per micro-batch, int(8 x 0.5) = 4 of them, the last, stay; 2 micro-batches in flight
+    assert half[0].in_flight == 2
+    assert (half[0].breakdown["layer_activations"] - base[0].breakdown["layer_activations"]) == 2 * 2 * (CORE + PROJ)
+    # last stage: its last group stays anyway; of the 7 others int(3.5) = 3 stay: core, proj, core
+    assert (half[1].breakdown["layer_activations"] - base[1].breakdown["layer_activations"]) == 2 * CORE + PROJ
+
+
+def test_delta_offload_bytes_across_pp_ranks():
+    st = _off(["--delta-offload-bytes-across-pp-ranks", "100000000"])
+    # pp rank 0 keeps 0 x delta; rank 1 keeps whole groups from the first while the 100,000,000 B budget is
+    # positive: core, proj, core (7.7 MB left), proj
+    assert "offload_pp_balance_kept" not in st[0].breakdown
+    assert st[1].breakdown["offload_pp_balance_kept"] == 2 * (CORE + PROJ)
+
+
+def test_delay_offload_until_cuda_graph():
+    st = _off(["--delay-offload-until-cuda-graph", "--cuda-graph-impl", "transformer_engine"])
+    # a graphed layer's two groups wait for the replay's end, and one group is reloaded ahead
+    assert st[0].breakdown["offload_staging"] == CORE + PROJ + CORE
+    assert _off([])[0].breakdown["offload_staging"] == 2 * CORE
+
+
+def test_offload_fraction_out_of_range():
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(OFF + ["--activation-offload-fraction", "1.5"], world_size=2)
+    assert "--activation-offload-fraction" in str(e.value)

@@ -29,7 +29,7 @@ from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_i
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
-from .offload_activations import fine_grained_plan
+from .offload_activations import fine_grained_plan, fraction_kept, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
@@ -56,6 +56,7 @@ class ChunkActivations:
     moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
     offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
     host_bytes: int = 0        # saved activations on the host per micro-batch in flight
+    offload_groups: tuple[int, ...] = ()   # fine-grained offloading: one micro-batch's offloaded groups, forward order
 
     @property
     def held(self) -> int:
@@ -110,6 +111,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
         moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
     staging = host = 0
+    offload_groups: tuple[int, ...] = ()
     if L.cpu_offloading_num_layers and n:
         # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
         host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
@@ -117,6 +119,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
+        seq: list[int] = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
@@ -130,6 +133,20 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             host += plan.host_bytes
             staging = max(staging, plan.staging)
             names |= {g for g, b in groups.items() if b}
+            sizes = ordered_sizes(groups)
+            seq += sizes * k
+            if plan.kept_last_group:
+                seq.pop()
+            if L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes:
+                # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
+                # group reloaded ahead
+                staging = max(staging, sum(sizes) + max(sizes))
+        kept = fraction_kept(seq, L.activation_offload_fraction)
+        if kept:
+            layers += kept
+            host -= kept
+            detail += f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}"
+        offload_groups = tuple(seq)
         if host:
             detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
 
@@ -170,7 +187,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host)
+                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups)
 
 
 class _MoePart:
@@ -384,6 +401,7 @@ _END_GROUPS = {
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
+    "offload_pp_balance_kept": "activations",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
 
@@ -485,6 +503,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         # the offloaded groups in flight exist during the forward and backward passes
         parts = {**parts, "offload_staging": staging}
         act_peak += staging
+    if L.delta_offload_bytes_across_pp_ranks and pp_rank and acts[-1].offload_groups:
+        # pp_rank x delta bytes of whole groups stay on the GPU, from the first backward chunk (the stage's last
+        # chunk, micro-batch 0) on: those micro-batches are in flight at the peak
+        kept = pp_balance_kept(acts[-1].offload_groups, pp_rank * L.delta_offload_bytes_across_pp_ranks,
+                               L.activation_offload_fraction, in_flight)
+        if kept:
+            parts = {**parts, "offload_pp_balance_kept": kept}
+            act_peak += kept
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
     if deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
@@ -551,6 +577,9 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 host = max(a.host_bytes for a in acts) * in_flight
                 det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
                        f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+            elif name == "offload_pp_balance_kept":
+                det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
+                       "of whole offload groups kept on the GPU, from the first micro-batch in flight")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
             elif ft is not None and name.startswith("fsdp_"):

@@ -66,3 +66,7 @@ class Recompute:
     fine_grained_activation_offloading: bool = False
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024 * 1024
+    # fine-grained offloading's core 0.19 tuning (estimator/offload_activations.py)
+    activation_offload_fraction: float = 1.0
+    delta_offload_bytes_across_pp_ranks: int = 0
+    delay_offload_until_cuda_graph: bool = False
