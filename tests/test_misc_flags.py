@@ -153,3 +153,23 @@ def test_offload_fraction_out_of_range():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(OFF + ["--activation-offload-fraction", "1.5"], world_size=2)
     assert "--activation-offload-fraction" in str(e.value)
+
+
+def test_optimizer_cuda_graph_keeps_the_step_temporaries_reserved():
+    # OptimizerCudaGraphWrapper (core 0.19.2 optimizer/optimizer_cuda_graph.py) captures optimizer.step() into a
+    # private pool: with bf16 gradients the step's fp32 copies (main_grad.float(), 4 B per parameter) stay
+    # reserved by it while the next forward and backward run
+    _, eager = _stage(["--grad-reduce-in-bf16"])
+    L, graphed = _stage(["--grad-reduce-in-bf16", "--optimizer-cuda-graph"])
+    pool = {t.name: t for t in graphed.terms}["optimizer_graph_pool"]
+    assert pool.bytes == 4 * PARAMS and pool.level == "reserved"
+    assert graphed.peak_allocated_bytes == eager.peak_allocated_bytes
+    # fp32 gradients are viewed, not copied: nothing to keep
+    _, fp32 = _stage(["--optimizer-cuda-graph"])
+    assert "optimizer_graph_pool" not in {t.name for t in fp32.terms}
+
+
+def test_optimizer_cuda_graph_needs_core_0_19():
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(GPT4 + ["--optimizer-cuda-graph"], world_size=1, megatron_version="0.16")
+    assert "--optimizer-cuda-graph" in str(e.value)

@@ -27,6 +27,7 @@ from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, ordered_sizes, pp_balance_kept
@@ -590,6 +591,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         act_terms = retained + list(step_terms)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
+    step_bytes_graphed = sum(t.bytes for t in step_terms)
+    if (device == "gpu" and L.optimizer_cuda_graph and step_bytes_graphed and peak_phase != "optimizer step"
+            and cuda_graph_spec(L).impl != "full_iteration"):
+        # OptimizerCudaGraphWrapper captures the step into a private pool (core 0.19.2 optimizer_cuda_graph.py):
+        # its temporaries stay reserved there while forward and backward run (a full-iteration graph's pool
+        # already counts them)
+        graph_pool.append(Term("optimizer_graph_pool", step_bytes_graphed, "allocator", "reserved",
+                               "the optimizer step's temporaries, kept by its CUDA graph's private pool"))
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)

@@ -52,6 +52,8 @@ class Optimizer:
     pin_cpu_grads: bool = True
     # --freeze-all-layers: no parameter requires grad (no DDP buffers, no optimizer state)
     freeze_all_layers: bool = False
+    # --optimizer-cuda-graph (core 0.19): the step captured into a CUDA graph's private pool
+    optimizer_cuda_graph: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import NotModelledError
 from .args import Args, Context
 
@@ -46,6 +48,12 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if overlap_param and not overlap_grad:
         a.fail("overlap_param_gather", "needs --overlap-grad-reduce")
     bucket = a.int_arg("ddp_bucket_size")
+    graph = a.bool_arg("optimizer_cuda_graph", False)
+    if graph and ctx.version < Version("0.19"):
+        # optimizer/optimizer_cuda_graph.py (OptimizerCudaGraphWrapper) is new in core 0.19
+        a.fail("optimizer_cuda_graph", "needs megatron-core 0.19")
+    if graph and a.bool_arg("optimizer_cpu_offload", False):
+        raise NotModelledError(a.key("optimizer_cuda_graph"), "a CUDA graph of the CPU-offloaded optimizer step")
     return dict(use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=instances,
                 overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param, ddp_bucket_size=bucket,
-                freeze_all_layers=frozen)
+                freeze_all_layers=frozen, optimizer_cuda_graph=graph)

@@ -24,7 +24,6 @@ NOT_MODELLED: list[Row] = [
     ("hybrid_context_parallel", bool, "hybrid context parallelism (--hybrid-context-parallel)"),
     ("use_transformer_engine_op_fuser", bool, "Transformer Engine's operation fuser"),
     ("use_kitchen_attention", bool, "kitchen attention"),
-    ("optimizer_cuda_graph", bool, "a CUDA graph of the optimizer step"),
     ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
     ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes"),
