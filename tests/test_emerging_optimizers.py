@@ -81,3 +81,16 @@ def test_soap_with_fp16_or_mtp():
         layout_from_flags(GPT4 + ["--optimizer", "soap", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
                           world_size=1)
     assert "--mtp-num-layers" in str(e.value)
+
+
+def test_live_namespace_after_validate_args():
+    # core 0.19.2 validate_args turns --optimizer lion --use-distributed-optimizer into
+    # use_layer_wise_distributed_optimizer=True, use_distributed_optimizer=False (the hook reads that namespace)
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    args = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=1024, max_position_embeddings=1024,
+                micro_batch_size=4, global_batch_size=32, bf16=True, tokenizer_type="NullTokenizer", vocab_size=50257,
+                optimizer="lion", use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True)
+    L = resolve(RawConfig(args=args, world_size=8))
+    flags, _ = _terms(["--optimizer", "lion", "--use-distributed-optimizer"], world=8)
+    assert {t.name: t.bytes for t in estimate(L).stages[0].terms} == flags

@@ -33,6 +33,10 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     dp, cp = kw["data_parallel_size"], kw["context_parallel_size"]
     frozen = _frozen(a, kw)
     dist_opt = a.bool_arg("use_distributed_optimizer", False) and not frozen
+    if kw["optimizer"] not in ("adam", "sgd") and a.bool_arg("use_layer_wise_distributed_optimizer", False):
+        # a live core 0.19 namespace after validate_args: --use-distributed-optimizer (or dist_muon) with an emerging
+        # optimizer became use_layer_wise_distributed_optimizer, use_distributed_optimizer False (arguments.py)
+        dist_opt = not frozen
     instances = a.int_arg("num_distributed_optimizer_instances", 1)
     if instances > 1 and not dist_opt:
         a.fail("num_distributed_optimizer_instances", "needs --use-distributed-optimizer")
