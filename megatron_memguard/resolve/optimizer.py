@@ -24,8 +24,8 @@ def _frozen(a: Args, kw: Mapping[str, Any]) -> bool:
         if a.bool_arg(dest, False):
             a.notes.append(f"{a.key('freeze_all_layers')}: {a.key(dest)} turned off, as validate_args does")
     a.notes.append(f"{a.key('freeze_all_layers')}: no gradients and no optimizer state; the activations are counted as "
-                   "if saved for backward (a forward without any parameter requiring grad saves none: the estimate "
-                   "errs high)")
+                   "if saved for backward (the first stage saves none, later stages only what their input gradients "
+                   "need: the estimate errs high)")
     return True
 
 
