@@ -173,3 +173,57 @@ def test_optimizer_cuda_graph_needs_core_0_19():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(GPT4 + ["--optimizer-cuda-graph"], world_size=1, megatron_version="0.16")
     assert "--optimizer-cuda-graph" in str(e.value)
+
+
+SHAPE_CONFIGS = [
+    # the output gate with grouped-query attention and biases
+    dict(num_layers=2, hidden_size=256, heads=8, groups=2, ffn=1024, bias=True, glu=False, gate=True, vocab=50257,
+         seq=128, pos="learned_absolute"),
+    # no gate, SwiGLU, no biases, rope
+    dict(num_layers=2, hidden_size=256, heads=4, groups=None, ffn=704, bias=False, glu=True, gate=False, vocab=50257,
+         seq=128, pos="rope"),
+]
+
+
+@pytest.mark.parametrize("cfg", SHAPE_CONFIGS, ids=["gate-gqa-bias", "swiglu-rope"])
+def test_parameter_shapes_match_megatron_core(cfg):
+    # megatron-core's own GPTModel (local spec, CPU): every parameter's size, and every matrix's input dimension
+    # (``Param.cols``, which SOAP's Kronecker factors depend on)
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    from benchmarks.referee.run import unsupported_reason
+    if unsupported_reason() is not None:
+        pytest.skip(unsupported_reason())
+    out = subprocess.run([sys.executable, os.path.join(root, "tests", "e2e", "gpt_param_shapes.py"), json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "MASTER_PORT": str(29610 + SHAPE_CONFIGS.index(cfg))})
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = json.loads(out.stdout.strip().splitlines()[-1])
+    flags = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", str(cfg["heads"]),
+             "--ffn-hidden-size", str(cfg["ffn"]), "--seq-length", "128", "--max-position-embeddings", "128",
+             "--position-embedding-type", cfg["pos"], "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--transformer-impl", "local", "--make-vocab-size-divisible-by", "1", "--tokenizer-type",
+             "GPT2BPETokenizer", "--bf16"]
+    if cfg["groups"]:
+        flags += ["--group-query-attention", "--num-query-groups", str(cfg["groups"])]
+    flags += [] if cfg["bias"] else ["--disable-bias-linear"]
+    flags += ["--swiglu"] if cfg["glu"] else []
+    flags += ["--attention-output-gate"] if cfg["gate"] else []
+    from megatron_memguard.estimator.params import chunk_params
+    L = layout_from_flags(flags, world_size=1)
+    mine = {p.name: p for p in chunk_params(L, L.chunks[0])}
+    assert {n: p.numel for n, p in mine.items()} == {n: _numel(s) for n, s in real.items()}
+    for name, shape in real.items():
+        assert mine[name].cols == (shape[1] if len(shape) == 2 else 0), name
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n

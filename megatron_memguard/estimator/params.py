@@ -118,7 +118,7 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
     ps: list[Param] = []
     if c.has_embedding:
-        ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp))
+        ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp, cols=h))
         if L.position_embedding_type == "learned_absolute":
             ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True,
                             cols=h))
@@ -135,7 +135,8 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp))
+            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp,
+                            cols=h))
     return ps
 
 
