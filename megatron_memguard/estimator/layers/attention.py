@@ -243,10 +243,15 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     gated = _gated(L) == 2
     if gated:
         # --attention-output-gate: x * sigmoid(gate) in a torch.compile'd function (_apply_output_gate,
-        # megatron.core.jit: jit_fuser = torch.compile from torch 2.2), assumed to keep its inputs: the
-        # attention output and the gate, a view of linear_qkv's output (which stays alive whole, gate part
-        # included); linear_proj keeps the gated product, a new tensor
-        saved["qkv_output"] = Tf * qkv_w * e
+        # megatron.core.jit: jit_fuser = torch.compile from torch 2.2), which keeps its two inputs (checked
+        # with torch.compile on CPU): the attention output, and the gate. get_query_key_value_tensors reshapes
+        # the gate [s, b, groups, heads/group * d] to [s, b, heads, d]: a view of linear_qkv's output (which then
+        # stays alive whole) with one query group or one head per group on the rank, a copy otherwise.
+        # linear_proj keeps the gated product, a new tensor
+        if x.g_t == 1 or x.a_t == x.g_t:
+            saved["qkv_output"] = Tf * qkv_w * e
+        else:
+            saved["output_gate"] = ctx
         saved["gate_attention_output"] = ctx
     if rope and not L.apply_rope_fusion and not te:
         # unfused rope (rope_utils._apply_rotary_pos_emb_bshd) casts cos and sin to the activation
@@ -262,7 +267,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         # gradient waits for linear_qkv's backward (the split's) through the core attention's
         fwd_steps = ((after | {"proj_input", "gate_attention_output"}, core_fwd),)
         gate_steps = ((rel_proj, G + 3 * ctx),)
-        rel_proj = rel_proj | {"gate_attention_output"}
+        rel_proj = rel_proj | {"gate_attention_output", "output_gate"}
         core_bwd += ctx
     # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
     rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
