@@ -187,10 +187,12 @@ def _lpt_ranks(spec: MuonSpec, managed: list[tuple[str, int, int]], dp: int) -> 
     backprop (reverse registration) order, sorts them by numel, largest first (a stable sort), and puts
     each on the first of the least-loaded shards (``min(range(dp_size), key=shard_cursors)``)."""
     loads, factors = [0] * dp, [0] * dp
+    heap = [(0, r) for r in range(dp)]          # (load, rank): the least loaded, the lowest rank among equals
     for name, n, cols in sorted(reversed(managed), key=lambda p: -p[1]):
-        r = min(range(dp), key=loads.__getitem__)
-        loads[r] += n
+        load, r = heapq.heappop(heap)
+        loads[r] = load + n
         factors[r] += _factors(spec, name, n, cols)
+        heapq.heappush(heap, (loads[r], r))
     return list(zip(loads, factors))
 
 
