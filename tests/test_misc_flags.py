@@ -40,6 +40,9 @@ def test_frozen_layers_keep_only_their_weights():
     _, trained = _stage([])
     assert trained.persistent_bytes - st.persistent_bytes >= 16 * PARAMS
     assert any("--freeze-all-layers" in n and "errs high" in n for n in L.notes)
+    # nothing saved between micro-batches on the first stage (PP 1: the only one), no backward working sets
+    assert "layer_activations" not in st.breakdown and st.peak_phase.startswith("forward")
+    assert st.peak_allocated_bytes < trained.peak_allocated_bytes - 16 * PARAMS
 
 
 def test_frozen_layers_turn_the_distributed_optimizer_off():

@@ -171,6 +171,8 @@ GRID: List[Dict[str, Any]] = [
     _cfg("gate_tp2_sp", 2, ["--attention-output-gate", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     _cfg("gate_pp2_mb4", 2, ["--attention-output-gate", "--pipeline-model-parallel-size", "2",
                              "--global-batch-size", "8"], note="backward peaks with the gate's working set"),
+    # --- frozen layers (--freeze-all-layers): weights only; the first stage saves nothing for backward
+    _cfg("freeze", 1, ["--freeze-all-layers"], note="PP1: no graph, no backward"),
 ]
 
 

@@ -186,6 +186,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
+    if L.freeze_all_layers and has_embedding:
+        # --freeze-all-layers: nothing of the first chunk of the first stage requires grad (its input is token ids),
+        # so its forward records no graph and saves nothing, and its backward does not run. What training keeps
+        # is a forward transient here: one layer's tensors while it runs (what it would save, and its working
+        # set), or the output items at the loss; the batch and embedding items alongside. Later stages receive an
+        # input that requires grad (p2p_communication.py) and are counted as in training.
+        one_layer = (per_layer + fwd_transient) if n else 0
+        return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
+                                fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
+                                bwd_bottom_extra=0)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
                             offload_staging=staging, host_bytes=host, offload_groups=offload_groups)

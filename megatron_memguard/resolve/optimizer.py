@@ -23,9 +23,9 @@ def _frozen(a: Args, kw: Mapping[str, Any]) -> bool:
     for dest in ("use_distributed_optimizer", "overlap_param_gather"):
         if a.bool_arg(dest, False):
             a.notes.append(f"{a.key('freeze_all_layers')}: {a.key(dest)} turned off, as validate_args does")
-    a.notes.append(f"{a.key('freeze_all_layers')}: no gradients and no optimizer state; the activations are counted as "
-                   "if saved for backward (the first stage saves none, later stages only what their input gradients "
-                   "need: the estimate errs high)")
+    a.notes.append(f"{a.key('freeze_all_layers')}: no gradients and no optimizer state; the first pipeline stage "
+                   "saves no activations, later stages are counted as in training (they save what their input "
+                   "gradients need, less than that: the estimate errs high there)")
     return True
 
 
