@@ -230,3 +230,10 @@ def _numel(shape):
     for d in shape:
         n *= d
     return n
+
+
+def test_offload_tuning_needs_core_0_19():
+    # core 0.16.1's TransformerConfig has none of the fine-grained offloading tuning fields
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(OFF + ["--activation-offload-fraction", "0.5"], world_size=2, megatron_version="0.16")
+    assert "--activation-offload-fraction" in str(e.value)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import NotModelledError
 from .args import Args, Context
 
@@ -40,6 +42,12 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
         size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)
         # core 0.19 tuning knobs (PipelineOffloadManager.post_warmup_callback, FineGrainedOffloadingGroupCommitFunction)
+        if ctx.version < Version("0.19"):
+            # none of them is a TransformerConfig field in core 0.16.1
+            for dest in ("activation_offload_fraction", "delta_offload_bytes_across_pp_ranks",
+                         "delay_offload_until_cuda_graph", "fine_grained_offloading_max_inflight_offloads"):
+                if a.get(dest) not in (None, False, 1.0, 0):
+                    a.fail(dest, "needs megatron-core 0.19")
         fraction = a.float_arg("activation_offload_fraction", 1.0)
         if not 0.0 <= fraction <= 1.0:
             a.fail("activation_offload_fraction", f"must be in [0, 1], got {fraction}")
