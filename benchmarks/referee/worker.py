@@ -509,6 +509,10 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                                    post_process=mpu.is_pipeline_last_stage())
                 m.model_type = ModelType.encoder_or_decoder
                 model = [m]
+            if getattr(args, "freeze_all_layers", False):
+                # training.py get_model (core 0.19.2): --freeze-all-layers
+                for m in model:
+                    m.requires_grad_(False)
             for m in model:
                 for p in m.parameters():
                     tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)

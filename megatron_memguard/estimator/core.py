@@ -27,13 +27,14 @@ from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
-from .offload_activations import fine_grained_plan, last_offload_group
+from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
-from .muon import MUON_OPTIMIZERS
+from .muon import EMERGING_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
@@ -56,6 +57,7 @@ class ChunkActivations:
     moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
     offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
     host_bytes: int = 0        # saved activations on the host per micro-batch in flight
+    offload_groups: tuple[int, ...] = ()   # fine-grained offloading: one micro-batch's offloaded groups, forward order
 
     @property
     def held(self) -> int:
@@ -110,6 +112,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
         moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
     staging = host = 0
+    offload_groups: tuple[int, ...] = ()
     if L.cpu_offloading_num_layers and n:
         # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
         host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
@@ -117,6 +120,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
+        seq: list[int] = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
@@ -141,6 +145,20 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             host += plan.host_bytes
             staging = max(staging, plan.staging)
             names |= {g for g, b in groups.items() if b}
+            sizes = ordered_sizes(groups)
+            seq += sizes * k
+            if plan.kept_last_group:
+                seq.pop()
+            if L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes:
+                # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
+                # group reloaded ahead
+                staging = max(staging, sum(sizes) + max(sizes))
+        kept = fraction_kept(seq, L.activation_offload_fraction)
+        if kept:
+            layers += kept
+            host -= kept
+            detail += f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}"
+        offload_groups = tuple(seq)
         if host:
             detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
 
@@ -179,9 +197,19 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
+    if L.freeze_all_layers and has_embedding:
+        # --freeze-all-layers: nothing of the first chunk of the first stage requires grad (its input is token ids),
+        # so its forward records no graph and saves nothing, and its backward does not run. What training keeps
+        # is a forward transient here: one layer's tensors while it runs (what it would save, and its working
+        # set), or the output items at the loss; the batch and embedding items alongside. Later stages receive an
+        # input that requires grad (p2p_communication.py) and are counted as in training.
+        one_layer = (per_layer + fwd_transient) if n else 0
+        return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
+                                fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
+                                bwd_bottom_extra=0)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host)
+                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups)
 
 
 class _MoePart:
@@ -392,6 +420,7 @@ _END_GROUPS = {
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
+    "offload_pp_balance_kept": "activations",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
 
@@ -467,7 +496,7 @@ def _stage_shape(L: Layout, pp_rank: int, chunks: tuple[Chunk, ...]) -> _StageSh
     """The middle stages of a deep pipeline share their chunk shapes, hence their states, buffers and
     fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon look at
     the chunks' positions, so they are keyed by rank."""
-    if L.fp8 or L.fp4 or L.optimizer in MUON_OPTIMIZERS or fsdp_enabled(L):
+    if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
         return _StageShape((pp_rank,), pp_rank)
     return _StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
                                  bucket_size_for(L, c)) for c in chunks]), pp_rank == 0, pp_rank == L.pp - 1), pp_rank)
@@ -519,9 +548,13 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+    if L.freeze_all_layers:
+        # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
+        # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
+        state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
     if L.fp8 or L.fp4:
         state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
-    if L.optimizer in MUON_OPTIMIZERS:
+    if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
         state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
     if offload_enabled(L):
@@ -543,7 +576,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         if p2p:
             fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
-        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0)
+        # (weight gradients, real or placeholder, exist only for parameters that require grad)
+        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0) if not L.freeze_all_layers else 0
         if dummies:
             n = len(dummy_wgrad_shapes(L, has_output, n_layers > 0))
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
@@ -557,7 +591,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
         host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
         staging=max(a.offload_staging for a in acts),
-        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0, fixed_alloc=tuple(fixed_alloc),
+        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0,
+        fixed_alloc=tuple(fixed_alloc),
         device_only=tuple(t for t in fixed if t.level == "device"),
         device_bytes=sum(t.bytes for t in fixed if t.level == "device"),
         frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
@@ -566,7 +601,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
         step_bytes=sum(t.bytes for t in step_terms),
-        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output),
+        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
         retained_bytes=sum(t.bytes for t in retained))
 
 
@@ -590,6 +625,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         # the offloaded groups in flight exist during the forward and backward passes
         parts = {**parts, "offload_staging": pr.staging}
         act_peak += pr.staging
+    if L.delta_offload_bytes_across_pp_ranks and pp_rank and acts[-1].offload_groups:
+        # pp_rank x delta bytes of whole groups stay on the GPU, from the first backward chunk (the stage's last
+        # chunk, micro-batch 0) on: those micro-batches are in flight at the peak
+        kept = pp_balance_kept(acts[-1].offload_groups, pp_rank * L.delta_offload_bytes_across_pp_ranks,
+                               L.activation_offload_fraction, in_flight)
+        if kept:
+            parts = {**parts, "offload_pp_balance_kept": kept}
+            act_peak += kept
     if pr.deferred:
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
         parts = {**parts, "deferred_output_wgrad_buffers": pr.deferred}
@@ -643,6 +686,9 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 host = pr.host_bytes * in_flight
                 det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
                        f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+            elif name == "offload_pp_balance_kept":
+                det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
+                       "of whole offload groups kept on the GPU, from the first micro-batch in flight")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
             elif ft is not None and name.startswith("fsdp_"):
@@ -653,6 +699,14 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         act_terms = retained + list(step_terms)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
+    step_bytes_graphed = sum(t.bytes for t in step_terms)
+    if (device == "gpu" and L.optimizer_cuda_graph and step_bytes_graphed and peak_phase != "optimizer step"
+            and cuda_graph_spec(L).impl != "full_iteration"):
+        # OptimizerCudaGraphWrapper captures the step into a private pool (core 0.19.2 optimizer_cuda_graph.py):
+        # its temporaries stay reserved there while forward and backward run (a full-iteration graph's pool
+        # already counts them)
+        graph_pool.append(Term("optimizer_graph_pool", step_bytes_graphed, "allocator", "reserved",
+                               "the optimizer step's temporaries, kept by its CUDA graph's private pool"))
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)

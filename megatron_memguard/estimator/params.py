@@ -124,12 +124,14 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
     ps: list[Param] = []
     if c.has_embedding:
-        ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp))
+        ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp, cols=h))
         if L.position_embedding_type == "learned_absolute":
-            ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True))
+            ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True,
+                            cols=h))
     layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
     for i, kind in enumerate(c.layer_kinds):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert)
+        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert,
+                        p.cols)
                   for p in layers[kind])
     mtp = _mtp_params(L, c)
     if mtp:
@@ -139,7 +141,8 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp))
+            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp,
+                            cols=h))
     return ps
 
 

@@ -48,6 +48,9 @@ _RUNS: tuple[tuple[str, str], ...] = (
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
               "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads"),
     ("provenance", "env"),
+    ("optim", "freeze_all_layers optimizer_cuda_graph"),
+    ("shape", "attention_output_gate"),
+    ("recompute", "activation_offload_fraction delta_offload_bytes_across_pp_ranks delay_offload_until_cuda_graph"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -79,4 +82,6 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",
     "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True,
+    "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
+    "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
 }

@@ -39,3 +39,4 @@ class ModelShape:
     v_head_dim: int = 128
     rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)
     mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)
+    attention_output_gate: bool = False   # a sigmoid gate per query head on the attention output (linear_qkv makes it)

@@ -28,7 +28,7 @@ class PipelineSplit:
 class Optimizer:
     """The optimizer and megatron's DDP wrapper (buffers, buckets); the state dtypes are in Precision."""
 
-    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon
+    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon | lion | soap
     use_distributed_optimizer: bool
     store_param_remainders: bool
     overlap_grad_reduce: bool
@@ -50,6 +50,10 @@ class Optimizer:
     optimizer_offload_fraction: float = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
     pin_cpu_grads: bool = True
+    # --freeze-all-layers: no parameter requires grad (no DDP buffers, no optimizer state)
+    freeze_all_layers: bool = False
+    # --optimizer-cuda-graph (core 0.19): the step captured into a CUDA graph's private pool
+    optimizer_cuda_graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,7 @@ class Recompute:
     fine_grained_activation_offloading: bool = False
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024 * 1024
+    # fine-grained offloading's core 0.19 tuning (estimator/offload_activations.py)
+    activation_offload_fraction: float = 1.0
+    delta_offload_bytes_across_pp_ranks: int = 0
+    delay_offload_until_cuda_graph: bool = False

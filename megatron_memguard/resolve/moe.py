@@ -236,6 +236,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
         overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad,
         overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
+        use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
     )
 
 
@@ -255,6 +256,10 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             if not a.get("num_experts") and a.bool_arg(dest, False):
                 a.fail(dest, "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    if (spec.use_fused_weighted_squared_relu and spec.moe_grouped_gemm and kw.get("squared_relu")
+            and kw["add_bias_linear"]):
+        # TEGroupedMLP.forward: "Bias is not supported with fused weighted squared relu." (core 0.19.2 experts.py)
+        a.fail("use_fused_weighted_squared_relu", "does not work with biases", "add --disable-bias-linear")
     if kw.get("use_megatron_fsdp"):
         # Megatron's CI runs of MoE under Megatron-FSDP (moe/*_zp_z3_*, deepseek_proxy_fsdp_*) keep 9-25% less
         # after the optimizer step and up to 8% more at the peak than the expert groups' FSDP terms give;

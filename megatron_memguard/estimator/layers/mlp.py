@@ -26,10 +26,10 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
     fc1 = fc1_out_per_rank(L)
     fc2_in = L.ffn_hidden_size // L.tp
     ps = norm_params(prefix + ("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm"), h, L)
-    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h))
+    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h, cols=h))
     if L.add_bias_linear:
         ps.append(Param(prefix + "mlp.linear_fc1.bias", fc1))
-    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in))
+    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in, cols=fc2_in))
     if L.add_bias_linear:
         ps.append(Param(prefix + "mlp.linear_fc2.bias", h, tp_replicated=True))
     return ps
