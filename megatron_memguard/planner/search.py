@@ -161,7 +161,8 @@ class Planner:
 
     def __init__(self, raw: RawConfig, cluster: Cluster, seq_length: int | None = None,
                  global_batch_size: int | None = None, threshold: float = 0.8, megatron_version: str | None = None,
-                 vocab_size: int | None = None, site: SiteConstants | None = None, tie_window: float = TIE_WINDOW):
+                 vocab_size: int | None = None, site: SiteConstants | None = None, tie_window: float = TIE_WINDOW,
+                 tp_overlap: bool = True):
         if not 0 <= tie_window < 1:
             raise ConfigError("--tie-window", f"must be a fraction in [0, 1), got {tie_window}")
         self.tie_window = tie_window
@@ -200,7 +201,7 @@ class Planner:
                               "attention supports CP = 1 only)")
         if self.probe.tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
-        self.timer = TimeModel(self.shape, cluster, self.gbs)
+        self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)
         self._bounds: dict[tuple, float] = {}
 
     # ---- per candidate ------------------------------------------------------------------------------
