@@ -40,11 +40,12 @@ from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, e
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
-# Step times within this fraction of each other are ties for the time rule (docs/planner.md section 4): the
-# issue's own tolerance for "as good as the best" (3%), below the model's measured error across the layouts
-# of a sweep (standard deviation of log(measured / predicted): medians 9% and 6% over the Megatron and Hagemann
-# sweeps of shared/groundtruth/throughput; benchmarks/planner_quality.py prints it).
-TIE_WINDOW = 0.03
+# Step times within this fraction of each other are ties for the time rule (docs/planner.md section 4): below
+# the model's measured error across the layouts of a sweep (standard deviation of log(measured / predicted):
+# medians 9% and 5% over the Megatron and Hagemann sweeps of shared/groundtruth/throughput), chosen leaving one
+# sweep out (4-5% for every held-out sweep; 5% lowers the Hagemann median Spearman below its 0.90 target;
+# `benchmarks/planner_quality.py --windows` prints both).
+TIE_WINDOW = 0.04
 _RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
 
 
