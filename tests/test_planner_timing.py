@@ -274,3 +274,11 @@ def test_synchronous_tp_collectives_by_hand(sp):
     # everything else in the layer is the same
     assert (over.gemm_fwd, over.gemm_bwd, over.attn_fwd, over.elem_fwd) == (sync.gemm_fwd, sync.gemm_bwd,
                                                                             sync.attn_fwd, sync.elem_fwd)
+    # the step's tp_comm term says so in --explain's sentence
+    from megatron_memguard.planner.space import make_candidate
+    c = make_candidate(P.shape, P.cluster, 64, tp=4, pp=1, cp=1, mbs=2, sp=sp)
+    tm = TimeModel(P.shape, P.cluster, 64, tp_overlap=False)
+    text = dict(zip(tm.explain(c).names, tm.explain(c).details))["tp_comm"]
+    assert "synchronous TP collectives" in text
+    assert "synchronous" not in dict(zip(P.timer.explain(c).names, P.timer.explain(c).details))["tp_comm"]
+    assert tm.step_time(c).term_seconds["tp_comm"] > P.step_time(c).term_seconds["tp_comm"]
