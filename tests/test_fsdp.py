@@ -191,19 +191,24 @@ def test_forward_window():
     # --overlap-param-gather: first unit with one prefetched; none of this micro-batch's activations yet
     w = F.forward_window(s, units=12, unit_numel=1_000_000, added_per_unit=0)
     assert w.units_weights == 2 and w.weights == 4_000_000
-    # without it, start_param_sync gathered all 12 units after the step; the first forward starts with them
+    # MegatronFSDP.__init__ turns overlap_param_gather on under optim_grads_params (0.16.1 and 0.19.2):
+    # without the flag the window is the same
     w = F.forward_window(spec(suggested_communication_unit_size=2_000_000), units=12, unit_numel=1_000_000)
-    assert w.units_weights == 12 and w.step == 11
+    assert w.units_weights == 2 and w.weights == 4_000_000
     # strategies that keep weights whole have no forward window
     assert F.forward_window(spec(data_parallel_sharding_strategy="optim_grads"), 12, 1_000_000).weights == 0
 
 
 def test_after_step_unsharded():
     units = (1_000_000,) * 12
+    # the default communication unit (>= 1e9 elements) prefetches past every unit: all 12 re-gathered
     assert F.after_step_unsharded(spec(), units) == 12 * 2_000_000
-    # with --overlap-param-gather only the first bucket and its prefetch (limit 1M elements: one more)
-    s = spec(suggested_communication_unit_size=2_000_000, overlap_param_gather=True)
-    assert F.after_step_unsharded(s, units) == 2 * 2_000_000
+    # the first bucket and its prefetch (limit 1M elements: one more), with or without the flag
+    for flag in (True, False):
+        s = spec(suggested_communication_unit_size=2_000_000, overlap_param_gather=flag)
+        assert F.after_step_unsharded(s, units) == 2 * 2_000_000
+        # a chunk that starts with the embedding: its bucket is the base, the limit counts from unit 1
+        assert F.after_step_unsharded(s, units, first_outside_units=True) == 1 * 2_000_000
     assert F.after_step_unsharded(spec(data_parallel_sharding_strategy="optim"), units) == 0
 
 

@@ -99,8 +99,9 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
     for kind, count in kind_runs:
         dense, experts = _layer_shapes(L, kind)
         per_layer += [(list(dense), list(experts))] * count
-    # Megatron-FSDP shards dense groups over get_fsdp_group(): DP x CP, the distributed optimizer's
-    # group (HSDP, i.e. more than one optimizer instance, is refused in resolve/fsdp.py)
+    # Megatron-FSDP shards dense groups over get_fsdp_group(): DP x CP, or with HSDP
+    # (--num-distributed-optimizer-instances > 1) the partial DP x CP group of one replica
+    # (mcore_fsdp_adapter._init_dist_index), the distributed optimizer's group in both cases
     dense_shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     return stage_groups(spec, per_layer=per_layer, before=before, after=after, dense_shard=dense_shard,
                         expert_shard=_expert_shard(L))
@@ -112,7 +113,7 @@ def chunk_fsdp(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool, 
     """States, windows and the after-step gather of one model chunk (Megatron wraps each chunk in
     its own FSDP module)."""
     return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy),
-                      act_per_layer)
+                      act_per_layer, first_outside_units=has_embedding)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,11 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         bwd.append(max(0, r.backward.total - r.backward.step * int(a)))
     assert total is not None
     impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
-    d = f"{L.data_parallel_size * L.context_parallel_size} FSDP ranks (DP x CP)"
+    dense = L.parallel.shard_size(ShardGroup.DENSE_DP)
+    inst = getattr(L, "num_distributed_optimizer_instances", 1) or 1
+    d = f"{dense} FSDP ranks (DP x CP{f' / {inst} HSDP replicas' if inst > 1 else ''})"
+    if getattr(L, "moe", None) is not None and spec.impl == "megatron_fsdp":
+        d += f", expert groups over {_expert_shard(L)} (expert DP)"
     opt = total.optimizer_numel
     st = [Term("fsdp_parameters", total.weights, "weights",
                detail=f"{impl}: compute weights kept between uses, {spec.param_bytes} B per element; {d}"),
@@ -171,8 +176,8 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
                                 "kept until the next zero_grad"))
     if after:
         step.append(Term("fsdp_gathered_after_step", after, "transients",
-                         detail="unit weights all-gathered by start_param_sync after the step"
-                                + ("" if spec.overlap_param_gather else " (every unit: no --overlap-param-gather)")))
+                         detail="unit weights all-gathered by start_param_sync after the step (the first bucket "
+                                "and those its prefetch reaches: half the communication unit)"))
     return FsdpStageTerms(tuple(st), tuple(step), tuple(fwd), tuple(bwd), tuple(fw), tuple(bw))
 
 

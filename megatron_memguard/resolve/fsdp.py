@@ -99,11 +99,18 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("check_weight_hash_across_dp_replicas_interval", "is not supported with optim_grads_params")
         if a.bool_arg("init_model_with_meta_device", False) and strategy == "no_shard":
             a.fail("init_model_with_meta_device", "is not supported with --data-parallel-sharding-strategy no_shard")
-        if str(a.get("outer_dp_sharding_strategy", "no_shard")) != "no_shard" or \
-                a.int_arg("num_distributed_optimizer_instances", 1) != 1:
-            raise NotModelledError(a.key("outer_dp_sharding_strategy") if a.given("outer_dp_sharding_strategy")
-                                   else a.key("num_distributed_optimizer_instances"),
-                                   "hybrid sharded data parallel (Megatron-FSDP with an outer DP group)")
+        outer = str(a.get("outer_dp_sharding_strategy", "no_shard"))
+        if outer not in ("no_shard", "optim"):
+            a.fail("outer_dp_sharding_strategy", f"must be no_shard or optim, got {outer[:40]!r}")
+        elif a.int_arg("num_distributed_optimizer_instances", 1) > 1:
+            # HSDP (mcore_fsdp_adapter._init_dist_index, 0.16.1 and 0.19.2): FSDP shards over one
+            # replica's partial DP x CP group and all-reduces the gradient shards in place across the
+            # replicas (GradReducePipeline, outer no_shard) - the FSDP terms with the group divided by
+            # the instances. DP-outer optimizer sharding ("optim") adds the HFSDP helper buffers.
+            if outer != "no_shard":
+                raise NotModelledError(a.key("outer_dp_sharding_strategy"),
+                                       "optimizer sharding over the outer DP group of hybrid-sharded Megatron-FSDP "
+                                       "(its helper buffers)")
         if a.get("megatron_fsdp_version") not in (None, 1, "1"):
             raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2")
         if a.bool_arg("keep_fp8_transpose_cache", False):

@@ -210,10 +210,9 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     recompute_granularity=kw.get("recompute_granularity"))
     if spec is None:
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
-    if kw.get("use_megatron_fsdp"):
-        # Megatron's CI runs of MoE under Megatron-FSDP (moe/*_zp_z3_*, deepseek_proxy_fsdp_*) keep 9-25% less
-        # after the optimizer step and up to 8% more at the peak than the expert groups' FSDP terms give;
-        # which of those terms the version the CI ran did differently is not settled: refuse, not guess low.
-        raise NotModelledError(a.key("use_megatron_fsdp"), "Megatron-FSDP with mixture-of-experts layers "
-                               "(the expert groups' FSDP buffers)")
+    if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
+        # mcore_fsdp_adapter.py (0.19.2): the overlap makes Megatron-FSDP gather each sub-module's
+        # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit
+        raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"),
+                               "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
     return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)
