@@ -210,6 +210,12 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     recompute_granularity=kw.get("recompute_granularity"))
     if spec is None:
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    inst = kw.get("num_distributed_optimizer_instances", 1) or 1
+    edp = kw["world_size"] // (spec.etp * spec.ep * kw["pipeline_model_parallel_size"])
+    if inst > 1 and edp % inst:
+        # initialize_model_parallel (0.16.1 and 0.19.2): the expert DP group splits into the instances
+        a.fail("num_distributed_optimizer_instances", f"{inst} must divide the expert data-parallel size {edp}")
+        return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
         # mcore_fsdp_adapter.py (0.19.2): the overlap makes Megatron-FSDP gather each sub-module's
         # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit

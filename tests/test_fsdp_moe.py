@@ -1,0 +1,122 @@
+"""Mixture of experts under Megatron-FSDP, and hybrid-sharded Megatron-FSDP (HSDP), by hand.
+
+Model: the flags of Megatron's CI test moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_
+top2router (12 layers, hidden 512, 8 heads, GELU ffn 2048, LayerNorm, learned positions, tied embedding,
+GPT-2 vocabulary 50257 -> 50432; 8 experts top-2, EP 2, ETP = TP = 2, --disable-bias-linear), 8 GPUs:
+DP 4, expert DP = 8 / (ETP 2 x EP 2) = 2.
+
+Per rank, Megatron-FSDP optim_grads_params (param_and_grad_buffer.py _get_parameter_groups and
+build_data_parallel_buffer_index, megatron-core 0.16.1 and 0.19.2): each layer is an FSDP unit with
+* a dense group: QKV [768, 512] + its LayerNorm (2 x 512), proj [512, 256], pre-MLP LayerNorm (2 x 512),
+  router [8, 512] = 530,432 elements; chunk factor 512 (widest row; proj's 256 divides it) -> padded to
+  a multiple of 4 x 512 = 2048: 530,432 (= 259 x 2048), shard 132,608;
+* an expert group (".experts." in the name): 8 / EP = 4 local experts, fc1 [1024, 512] and fc2 [512, 1024]
+  each = 4,194,304 elements; factor 1024 -> multiple of 2 x 1024: 4,194,304, shard over expert DP 2:
+  2,097,152;
+and one group outside units: embedding [25216, 512] + positions [1024, 512] + final LayerNorm (2 x 512) =
+13,435,904 -> padded to a multiple of 4 x 512: 13,436,928, shard 3,359,232.
+Optimizer elements per rank: 12 x (132,608 + 2,097,152) + 3,359,232 = 30,116,352.
+"""
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import NotModelledError
+from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
+
+ZP_Z3 = ("--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+         "--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 32 --bf16 "
+         "--tensor-model-parallel-size 2 --sequence-parallel --disable-bias-linear "
+         "--transformer-impl transformer_engine --num-experts 8 --expert-model-parallel-size 2 "
+         "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 "
+         "--moe-grouped-gemm --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+         "--use-distributed-optimizer --no-gradient-accumulation-fusion --ckpt-format fsdp_dtensor "
+         "--lr 1e-4 --train-iters 10 --mock-data --vocab-size 50257").split()
+DENSE_UNIT, EXPERT_UNIT, OUTSIDE = 530_432, 4_194_304, 13_436_928
+OPT = 12 * (DENSE_UNIT // 4 + EXPERT_UNIT // 2) + OUTSIDE // 4
+
+
+def _stage(flags, version="0.19.2", world=8):
+    L = layout_from_flags(flags, world_size=world, megatron_version=version)
+    s = estimate(L).stages[-1]
+    return L, s, {t.name: t.bytes for t in s.terms}
+
+
+def test_expert_groups_are_sharded_over_the_expert_data_parallel_group():
+    L, s, t = _stage(ZP_Z3)
+    assert OPT == 30_116_352
+    assert t["fsdp_parameters"] == 2 * OPT and t["fsdp_gradients"] == 2 * OPT   # 0.19: bf16 grads
+    assert t["main_parameters"] == t["adam_exp_avg"] == t["adam_exp_avg_sq"] == 4 * OPT
+    assert t["fsdp_non_unit_parameters"] == 2 * OUTSIDE
+    # after the step (update_main_grads casts the bf16 grad shards to fp32 for the fp32 main weights;
+    # start_param_sync re-gathers every unit: the prefetch limit, 5e8 elements, is past all of them)
+    ft = fsdp_stage_terms(L, s.chunks, [0] * len(s.chunks))
+    step = {x.name: x.bytes for x in ft.step_terms}
+    assert step["main_grad_copies"] == 4 * OPT
+    assert step["fsdp_gathered_after_step"] == 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
+    assert "expert groups over 2 (expert DP)" in ft.state_terms[0].detail
+
+
+def test_core_0_16_keeps_fp32_grads_for_experts_too():
+    _, _, t = _stage(ZP_Z3, version="0.16.1")
+    assert t["fsdp_gradients"] == 4 * OPT and t["main_parameters"] == 4 * OPT
+
+
+def test_expert_parallel_overlap_under_fsdp_is_refused_by_name():
+    flags = ZP_Z3 + ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"]
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
+        layout_from_flags(flags, world_size=8, megatron_version="0.19.2")
+
+
+def test_hsdp_shards_over_one_replica():
+    """--num-distributed-optimizer-instances 2: FSDP shards over the partial DP x CP group (4 / 2 = 2
+    ranks) and the partial expert DP group (2 / 2 = 1: the experts are not sharded), and all-reduces
+    the gradient shards across the 2 replicas in place (mcore_fsdp_adapter._init_dist_index, outer
+    no_shard). Dense unit 530,432 padded to 2 x 512 -> 530,432, shard 265,216; experts whole
+    4,194,304; outside units 13,435,904 (already a multiple of 2 x 512), shard 6,717,952."""
+    _, _, t = _stage(ZP_Z3 + ["--num-distributed-optimizer-instances", "2"])
+    opt = 12 * (265_216 + 4_194_304) + 6_717_952
+    assert t["main_parameters"] == 4 * opt and t["fsdp_parameters"] == 2 * opt
+    assert t["fsdp_non_unit_parameters"] == 2 * 13_435_904
+
+
+def test_hsdp_with_outer_optimizer_sharding_is_refused_by_name():
+    with pytest.raises(NotModelledError, match="--outer-dp-sharding-strategy"):
+        layout_from_flags(ZP_Z3 + ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy",
+                                   "optim"], world_size=8, megatron_version="0.19.2")
+    # without HSDP the outer strategy has no group to act on (MegatronFSDP reads it only with an outer group)
+    layout_from_flags(ZP_Z3 + ["--outer-dp-sharding-strategy", "optim"], world_size=8, megatron_version="0.19.2")
+
+
+def test_instances_must_divide_the_expert_data_parallel_size():
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    # world 8, DP 8 (TP 1), expert DP = 8 / EP 8 = 1: 2 instances cannot split it
+    flags = [f for f in ZP_Z3] + ["--num-distributed-optimizer-instances", "2"]
+    flags[flags.index("--tensor-model-parallel-size") + 1] = "1"
+    flags[flags.index("--expert-model-parallel-size") + 1] = "8"
+    with pytest.raises((ConfigError, ConfigErrors), match="--num-distributed-optimizer-instances"):
+        layout_from_flags(flags, world_size=8, megatron_version="0.19.2")
+
+
+def _ci_rows():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from accuracy_megatron_ci import evaluate, load_records
+    from shared_data import MOE_RECORDS
+    return [evaluate(r) for r in load_records(MOE_RECORDS) if "--use-megatron-fsdp" in r["model_args"]]
+
+
+def test_megatron_ci_fsdp_moe_records():
+    """The three clean MoE records under Megatron-FSDP (megatron-functional-moe-dev.jsonl): estimated, none
+    refused. Peak: zp_z3 H100 -4.8 %, GB200 -7.6 % (the same flags peak 3 % apart on the two GPUs: dropless
+    top-2 routing; the sinkhorn top-1 DDP twins of the model are -2.8 % / -4.2 %), deepseek_proxy_fsdp
+    (GB200, FP8 primary weights) +2.1 %. After the step memguard is above the measurement (+25 % zp_z3,
+    +9 % deepseek_proxy): see docs/assumptions.md, Megatron-FSDP."""
+    rows = _ci_rows()
+    assert len(rows) == 3 and not any(r.error for r in rows), [r.error for r in rows]
+    by = {(r.id.split("/")[1][:14], r.platform): r for r in rows}
+    assert abs(by["gpt3_mcore_te_", "H100"].peak_err) <= 0.05
+    assert abs(by["deepseek_proxy", "GB200"].peak_err) <= 0.05
+    assert -0.08 <= by["gpt3_mcore_te_", "GB200"].peak_err <= 0.0
+    # the safe side after the step, by at most the expert groups' step terms (see the assumptions)
+    assert all(0 <= r.steady_err <= 0.27 for r in rows), [r.steady_err for r in rows]
