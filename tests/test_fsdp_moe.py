@@ -120,3 +120,17 @@ def test_megatron_ci_fsdp_moe_records():
     assert -0.08 <= by["gpt3_mcore_te_", "GB200"].peak_err <= 0.0
     # the safe side after the step, by at most the expert groups' step terms (see the assumptions)
     assert all(0 <= r.steady_err <= 0.27 for r in rows), [r.steady_err for r in rows]
+
+
+def test_fine_grained_gather_keeps_the_unit_buckets():
+    # the sub-module hooks gather the same unit groups' buckets and the unit's _post_forward releases them
+    _, s0, t0 = _stage(ZP_Z3)
+    _, s1, t1 = _stage(ZP_Z3 + ["--megatron-fsdp-enable-fine-grained-param-gather"])
+    assert t0 == t1 and s0.peak_allocated_bytes == s1.peak_allocated_bytes
+
+
+def test_full_sharding_in_hsdp_flag_is_read_nowhere_in_0_19():
+    # megatron-core 0.19.2 parses --enable-full-sharding-in-hsdp but no code reads it
+    _, _, t0 = _stage(ZP_Z3 + ["--num-distributed-optimizer-instances", "2"])
+    _, _, t1 = _stage(ZP_Z3 + ["--num-distributed-optimizer-instances", "2", "--enable-full-sharding-in-hsdp"])
+    assert t0 == t1

@@ -112,12 +112,16 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                        "optimizer sharding over the outer DP group of hybrid-sharded Megatron-FSDP "
                                        "(its helper buffers)")
         if a.get("megatron_fsdp_version") not in (None, 1, "1"):
-            raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2")
+            # Megatron-LM main after core 0.19.2 (FullyShardedDataParallelV2, its own storage); neither
+            # wheel memguard reads has it
+            raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2 (Megatron-LM main, "
+                                                                   "not in megatron-core 0.16.1 or 0.19.2)")
         if a.bool_arg("keep_fp8_transpose_cache", False):
             raise NotModelledError(a.key("keep_fp8_transpose_cache"), "FP8 transpose caches kept under Megatron-FSDP")
-        if a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False):
-            raise NotModelledError(a.key("megatron_fsdp_enable_fine_grained_param_gather"),
-                                   "Megatron-FSDP fine-grained parameter gathering")
+        # --megatron-fsdp-enable-fine-grained-param-gather (0.19.2): every sub-module's pre-forward hook
+        # gathers its own parameters' buckets, but the buckets are still the unit's groups and the unit's
+        # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
+        a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False)
         double = a.bool_arg("fsdp_double_buffer", False) or (
             new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
         unit = a.int_arg("suggested_communication_unit_size")

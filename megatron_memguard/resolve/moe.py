@@ -221,4 +221,10 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit
         raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"),
                                "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
+    if kw.get("use_megatron_fsdp"):
+        a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
+                       "fp32 gradient copies and re-gathered weights as Megatron's source keeps them (main_grad_copies, "
+                       "fsdp_gathered_after_step); Megatron's CI run of this combination holds about that much less "
+                       "(docs/assumptions.md). The peak assumes balanced routing (moe_layer_activations): that run "
+                       "peaks 3% apart on H100 and GB200, 4.8% and 7.6% above memguard")
     return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)

@@ -39,7 +39,6 @@ NOT_MODELLED: list[Row] = [
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
     ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased (imbalanced) routing"),
-    ("enable_full_sharding_in_hsdp", bool, "full sharding inside hybrid-sharded Megatron-FSDP"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
