@@ -41,6 +41,8 @@ from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
+# what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
+OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ChunkActivations:
     moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
     offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
     host_bytes: int = 0        # saved activations on the host per micro-batch in flight
+    out_bwd_transient: int = 0  # the output layer's backward working set (the logits' gradient)
 
     @property
     def held(self) -> int:
@@ -170,7 +173,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host)
+                            offload_staging=staging, host_bytes=host,
+                            out_bwd_transient=o.bwd_transient if has_output else 0)
 
 
 class _MoePart:
@@ -443,7 +447,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
-        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)])
+        loss = [a.ends.get("loss_softmax_fp32", 0) + a.ends.get("loss_softmax", 0) for a in acts]
+        out = [sum(a.ends.get(k, 0) for k in OUTPUT_ITEMS) + a.out_bwd_transient for a in acts]
+        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)],
+                              loss, out)
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts,

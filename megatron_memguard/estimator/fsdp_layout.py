@@ -5,7 +5,7 @@ the layout (flat Megatron names) and the per-rank parameter shapes of the layer 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -129,22 +129,39 @@ class FsdpStageTerms:
     bwd_windows: tuple[FsdpWindow, ...]
 
 
-def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...]) -> FsdpStageTerms:
+def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...],
+                     loss_release: list[int] | tuple[int, ...] = (),
+                     output_release: list[int] | tuple[int, ...] = ()) -> FsdpStageTerms:
     """FSDP terms of one pipeline rank whose chunks save ``act_per_layer[i]`` bytes per layer and
-    micro-batch (what each unit's backward releases)."""
+    micro-batch (what each unit's backward releases).
+
+    The backward's first gradients come after the loss: the buckets outside units (the output layer's
+    weight gradient) are allocated once the cross entropy has freed its softmax (``loss_release[i]``),
+    the first unit's once the output layer's backward is done and its items and the logits' gradient
+    are gone too (``output_release[i]``). The gradient buckets of the window are counted only above
+    what has left by then (the CPU referee's MoE runs under Megatron-FSDP hold no gradient bucket at
+    the backward's top, where the loss buffers and the logits' gradient peak)."""
     spec = fsdp_spec(L)
     total: FsdpStates | None = None
     after = double = 0
     fwd, bwd, fw, bw = [], [], [], []
-    for c, a in zip(chunks, act_per_layer):
+    n = len(chunks)
+    loss = tuple(loss_release) + (0,) * (n - len(tuple(loss_release)))
+    rest = tuple(output_release) + (0,) * (n - len(tuple(output_release)))
+    for c, a, rel, more in zip(chunks, act_per_layer, loss, rest):
         r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a))
         total = r.states if total is None else total + r.states
         after += r.after_step
         double = max(double, r.double_buffer)
         fw.append(r.forward)
-        bw.append(r.backward)
+        back = r.backward
+        if rel and back.grads and back.step == 0:
+            outside = min(back.grads, r.non_unit_grad_numel * spec.grad_bytes)
+            grads = max(0, outside - rel, back.grads - rel - more)
+            back = replace(back, grads=grads)
+        bw.append(back)
         fwd.append(max(0, r.forward.weights - r.forward.step * int(a)))
-        bwd.append(max(0, r.backward.total - r.backward.step * int(a)))
+        bwd.append(max(0, back.total - back.step * int(a)))
     assert total is not None
     impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
     dense = L.parallel.shard_size(ShardGroup.DENSE_DP)
