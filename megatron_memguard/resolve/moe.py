@@ -226,5 +226,5 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "fp32 gradient copies and re-gathered weights as Megatron's source keeps them (main_grad_copies, "
                        "fsdp_gathered_after_step); Megatron's CI run of this combination holds about that much less "
                        "(docs/assumptions.md). The peak assumes balanced routing (moe_layer_activations): that run "
-                       "peaks 3% apart on H100 and GB200, 4.8% and 7.6% above memguard")
+                       "(top-2, aux loss) peaks 6-9% above it, below the worst-case bound")
     return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)
