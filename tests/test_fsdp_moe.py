@@ -77,6 +77,10 @@ def test_hsdp_shards_over_one_replica():
     opt = 12 * (265_216 + 4_194_304) + 6_717_952
     assert t["main_parameters"] == 4 * opt and t["fsdp_parameters"] == 2 * opt
     assert t["fsdp_non_unit_parameters"] == 2 * 13_435_904
+    # core 0.16.1 builds no expert mesh under HSDP: its expert groups shard over the dense partial group
+    # (2 ranks; measured on the CPU referee, tests/test_referee_fsdp_stored.py)
+    _, _, t = _stage(ZP_Z3 + ["--num-distributed-optimizer-instances", "2"], version="0.16.1")
+    assert t["main_parameters"] == 4 * (12 * (265_216 + 4_194_304 // 2) + 6_717_952)
 
 
 def test_hsdp_with_outer_optimizer_sharding_is_refused_by_name():

@@ -1,5 +1,5 @@
 """Mixture of experts under Megatron-FSDP on the CPU referee (real megatron-core 0.16.1 on CPU, gloo,
-4 ranks: DP 4, EP 2, expert DP 2, optim_grads_params; stored in benchmarks/results/referee-fsdp-measured.json
+4 ranks: DP 4, EP 2, expert DP 2, optim_grads_params; and HSDP with 2 replicas; stored in benchmarks/results/referee-fsdp-measured.json
 by benchmarks/referee/fsdp_grid.py) against memguard's estimate of the same flags (--device cpu, local
 profile): parameters exact on every rank, live bytes after the optimizer step within 1% (with bf16
 gradient buckets this includes the expert groups' fp32 gradient copies and every unit re-gathered by
@@ -27,7 +27,7 @@ def _configs():
 
 
 def test_both_configurations_were_measured():
-    assert len(_configs()) == len(FSDP_GRID) == 2
+    assert len(_configs()) == len(FSDP_GRID) == 3
 
 
 @pytest.mark.parametrize("cfg,measured", _configs(), ids=lambda x: x["name"] if isinstance(x, dict) and "flags" in x else "")
@@ -35,7 +35,8 @@ def test_each_rank_of_the_fsdp_grid(cfg, measured):
     L, _ = resolve_config(cfg["flags"], cfg["world_size"])
     assert L.use_megatron_fsdp and L.moe is not None
     for r in measured["ranks"]:
-        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"]).stages[r["pp_rank"]]
+        # HSDP: the optimizer shards within a replica (dp_rank modulo the replica's size)
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[r["pp_rank"]]
         assert st.parameters == r["num_params"], r["rank"]
         after = st.persistent_bytes / r["live_bytes_after_step"] - 1
         assert abs(after) <= 0.01, (r["rank"], after)

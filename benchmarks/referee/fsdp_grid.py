@@ -27,6 +27,9 @@ FSDP_GRID: List[Dict[str, Any]] = [
          note="optim_grads_params, DP 4, expert DP 2; 0.16.1 grads in fp32 (--accumulate-allreduce-grads-in-fp32)"),
     _moe("fsdp_moe_ep2_bf16_grads", 4, ["--moe-token-dispatcher-type", "alltoall"], FSDP + ["--grad-reduce-in-bf16"],
          note="bf16 gradient buckets: the step casts the shards to fp32 (main_grad_copies)"),
+    _moe("fsdp_moe_ep2_hsdp", 4, ["--moe-token-dispatcher-type", "alltoall"],
+         FSDP + ["--num-distributed-optimizer-instances", "2"],
+         note="HSDP: 2 replicas, FSDP over 2 ranks (experts: 1), gradient shards all-reduced across replicas"),
 ]
 
 for _c in FSDP_GRID:
