@@ -16,8 +16,8 @@ import json
 import platform
 from typing import Any, Dict, List, Optional
 
-from .moe_grid import _moe, moe_settings
-from .grid import run_grid
+from .moe_grid import MOE_BASE, _moe, moe_settings
+from .grid import COMMON, resolve_config, run_grid
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--global-batch-size", "8"]
@@ -30,6 +30,11 @@ FSDP_GRID: List[Dict[str, Any]] = [
     _moe("fsdp_moe_ep2_hsdp", 4, ["--moe-token-dispatcher-type", "alltoall"],
          FSDP + ["--num-distributed-optimizer-instances", "2"],
          note="HSDP: 2 replicas, FSDP over 2 ranks (experts: 1), gradient shards all-reduced across replicas"),
+    {"name": "fsdp_dense", "world_size": 4, "flags": COMMON + MOE_BASE + FSDP, "ci": False, "requires": [],
+     "note": "the same model without experts: every group over DP 4"},
+    {"name": "fsdp_dense_optim_grads", "world_size": 4, "ci": False, "requires": [],
+     "flags": COMMON + MOE_BASE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads"],
+     "note": "optim_grads: whole weights, no units, the group's full gradient bucket through the backward"},
 ]
 
 for _c in FSDP_GRID:
@@ -57,7 +62,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         for c in cfgs:
             print(f"{c['name']:<32} ws={c['world_size']}  {c['note']}")
         return
-    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: moe_settings(c)[1])
+    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: moe_settings(c)[1] if c.get("moe_flags")
+                   else resolve_config(c["flags"], c["world_size"])[1])
     import megatron.core
     import torch
 
