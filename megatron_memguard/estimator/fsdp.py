@@ -78,6 +78,10 @@ class FsdpGroup:
     chunk: int = 1
     name: str = ""
     fp8: bool = False   # FP8 primary weights (--fp8-param-gather): Megatron-FSDP's "float8" dtype group
+    # HFSDP (HSDP with --outer-dp-sharding-strategy optim): the replicas the main weights and optimizer
+    # state are further sharded over; ``shard`` stays one replica's group (the helper buffers of weights
+    # and gradients), the bucket is padded for shard x outer ranks (ParamAndGradBuffer, 0.16.1 and 0.19.2)
+    outer: int = 1
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,7 @@ def padded_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
         return -(-g.numel // g.shard) * g.shard
     if spec.strategy == "no_shard":
         return g.numel
-    div = g.shard * max(1, g.chunk)
+    div = g.shard * max(1, g.outer) * max(1, g.chunk)
     return -(-g.numel // div) * div
 
 
@@ -257,7 +261,7 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
                           optimizer_numel=part)
     s = spec.strategy
     wb, gb = weight_bytes(spec, g), grad_bytes(spec, g)
-    opt = part if spec.shards_optimizer else g.numel
+    opt = part // max(1, g.outer) if spec.shards_optimizer else g.numel
     if s == "no_shard":
         weights = wb * g.numel        # the module's own parameters, no FSDP buffer
     elif spec.shards_weights:
@@ -269,7 +273,7 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
         # The all-gathered bucket of a group outside FSDP units stays (see FsdpSpec.from_flat).
         non_unit = wb * full
     grads = gb * (part if spec.shards_grads else full if s != "no_shard" else g.numel)
-    main = spec.main_param_bytes * (part if spec.shards_optimizer else g.numel)
+    main = spec.main_param_bytes * opt
     # The optimizer works on the main weights, or on the compute weights without a main buffer.
     copy = 0
     if spec.main_param_bytes and not spec.decoupled_grad and gb != spec.main_param_bytes:
@@ -576,21 +580,23 @@ def _split(shapes: list[tuple[int, ...]], bucket_size: int | None) -> list[list[
     return out
 
 
-def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str, fp8: bool = False) -> FsdpGroup:
+def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str, fp8: bool = False,
+           outer: int = 1) -> FsdpGroup:
     return FsdpGroup(numel=sum(math.prod(s) for s in shapes), shard=shard, unit=unit,
-                     chunk=chunk_size_factor(shapes), name=name, fp8=fp8)
+                     chunk=chunk_size_factor(shapes), name=name, fp8=fp8, outer=outer)
 
 
-def _unit_groups(spec: FsdpSpec, shapes: list[tuple[int, ...]], shard: int, name: str) -> list[FsdpGroup]:
+def _unit_groups(spec: FsdpSpec, shapes: list[tuple[int, ...]], shard: int, name: str,
+                 outer: int = 1) -> list[FsdpGroup]:
     """A unit's groups: with FP8 primary weights the 2-D weights (TE's FP8 linear weights) form a
     "float8" group apart from the 16-bit norms and biases (step 1 groups by dtype)."""
     if not spec.fp8_params:
-        return [_group(shapes, shard, True, name)]
+        return [_group(shapes, shard, True, name, outer=outer)]
     fp8 = [s for s in shapes if len(s) > 1]
     rest = [s for s in shapes if len(s) <= 1]
-    out = [_group(fp8, shard, True, name + ".fp8", fp8=True)] if fp8 else []
+    out = [_group(fp8, shard, True, name + ".fp8", fp8=True, outer=outer)] if fp8 else []
     if rest:
-        out.append(_group(rest, shard, True, name))
+        out.append(_group(rest, shard, True, name, outer=outer))
     return out
 
 
@@ -599,7 +605,7 @@ Shapes = list[tuple[int, ...]]
 
 def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), before: Shapes = (),
                  after: Shapes = (), dense_shard: int = 1, expert_shapes: Shapes = (), expert_shard: int = 1,
-                 per_layer: list[tuple[Shapes, Shapes]] | None = None) -> tuple[FsdpGroup, ...]:
+                 per_layer: list[tuple[Shapes, Shapes]] | None = None, outer: int = 1) -> tuple[FsdpGroup, ...]:
     """The parameter groups of one model chunk on one rank, in Megatron-FSDP's order.
 
     ``layer_shapes``: per-rank shapes of one transformer layer's dense parameters, ``expert_shapes``
@@ -625,13 +631,13 @@ def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), 
         return tuple(groups)
     if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
         for i, (dense, experts) in enumerate(per_layer):
-            groups += _unit_groups(spec, list(dense), dense_shard, f"layer{i}")
+            groups += _unit_groups(spec, list(dense), dense_shard, f"layer{i}", outer)
             if experts:
                 groups += _unit_groups(spec, list(experts), expert_shard, f"layer{i}.experts")
         # Step 1 groups by (dtype, expert, requires_grad, unit id) whatever the position: the
         # embedding, final norm and output layer form one group outside units, then cut at the bucket size.
         for part in _split(list(before) + list(after), bucket):
-            groups.append(_group(part, dense_shard, False, "outside units"))
+            groups.append(_group(part, dense_shard, False, "outside units", outer=outer))
         return tuple(groups)
     dense_all = list(before) + [sh for d, _ in per_layer for sh in d] + list(after)
     for part in _split(dense_all, bucket if spec.impl == "megatron_fsdp" else None):

@@ -110,8 +110,10 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
     # (--num-distributed-optimizer-instances > 1) the partial DP x CP group of one replica
     # (mcore_fsdp_adapter._init_dist_index), the distributed optimizer's group in both cases
     dense_shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
+    outer = (getattr(L, "num_distributed_optimizer_instances", 1) or 1) \
+        if _flag(L, "outer_dp_sharding_strategy", "no_shard") == "optim" else 1
     return stage_groups(spec, per_layer=per_layer, before=before, after=after, dense_shard=dense_shard,
-                        expert_shard=_expert_shard(L))
+                        expert_shard=_expert_shard(L), outer=outer)
 
 
 @lru_cache(maxsize=1024)
@@ -174,6 +176,8 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     dense = L.parallel.shard_size(ShardGroup.DENSE_DP)
     inst = getattr(L, "num_distributed_optimizer_instances", 1) or 1
     d = f"{dense} FSDP ranks (DP x CP{f' / {inst} HSDP replicas' if inst > 1 else ''})"
+    if inst > 1 and _flag(L, "outer_dp_sharding_strategy", "no_shard") == "optim":
+        d += f", main weights and optimizer state over all {dense * inst}"
     if getattr(L, "moe", None) is not None and spec.impl == "megatron_fsdp":
         d += f", expert groups over {_expert_shard(L)} (expert DP)"
     opt = total.optimizer_numel

@@ -19,7 +19,7 @@ OFF: dict[str, Any] = dict(
     suggested_communication_unit_size=None, megatron_fsdp_main_params_dtype="fp32",
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
-    pin_cpu_grads=True)
+    pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard")
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -100,17 +100,20 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if a.bool_arg("init_model_with_meta_device", False) and strategy == "no_shard":
             a.fail("init_model_with_meta_device", "is not supported with --data-parallel-sharding-strategy no_shard")
         outer = str(a.get("outer_dp_sharding_strategy", "no_shard"))
+        hsdp = a.int_arg("num_distributed_optimizer_instances", 1) > 1
         if outer not in ("no_shard", "optim"):
             a.fail("outer_dp_sharding_strategy", f"must be no_shard or optim, got {outer[:40]!r}")
-        elif a.int_arg("num_distributed_optimizer_instances", 1) > 1:
-            # HSDP (mcore_fsdp_adapter._init_dist_index, 0.16.1 and 0.19.2): FSDP shards over one
-            # replica's partial DP x CP group and all-reduces the gradient shards in place across the
-            # replicas (GradReducePipeline, outer no_shard) - the FSDP terms with the group divided by
-            # the instances. DP-outer optimizer sharding ("optim") adds the HFSDP helper buffers.
-            if outer != "no_shard":
-                raise NotModelledError(a.key("outer_dp_sharding_strategy"),
-                                       "optimizer sharding over the outer DP group of hybrid-sharded Megatron-FSDP "
-                                       "(its helper buffers)")
+            outer = "no_shard"
+        elif hsdp and outer == "optim" and strategy != "optim_grads_params":
+            # ParamAndGradBuffer._init_each_parameter_group_buffers (0.16.1 and 0.19.2)
+            a.fail("outer_dp_sharding_strategy", "optim needs --data-parallel-sharding-strategy optim_grads_params")
+        # HSDP (mcore_fsdp_adapter._init_dist_index, 0.16.1 and 0.19.2): FSDP shards over one replica's
+        # partial DP x CP group and all-reduces the gradient shards in place across the replicas
+        # (GradReducePipeline, outer no_shard): the FSDP terms with the group divided by the instances.
+        # Outer "optim" (HFSDP): weights and gradients live in helper buffers sharded over the replica,
+        # main weights and optimizer state are sharded over all of DP x CP (fsdp.py FsdpGroup.outer).
+        # Without an outer group (one instance) the strategy has nothing to act on.
+        out["outer_dp_sharding_strategy"] = outer if hsdp else "no_shard"
         if a.get("megatron_fsdp_version") not in (None, 1, "1"):
             # Megatron-LM main after core 0.19.2 (FullyShardedDataParallelV2, its own storage); neither
             # wheel memguard reads has it

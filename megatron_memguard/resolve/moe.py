@@ -216,6 +216,11 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # initialize_model_parallel (0.16.1 and 0.19.2): the expert DP group splits into the instances
         a.fail("num_distributed_optimizer_instances", f"{inst} must divide the expert data-parallel size {edp}")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    if kw.get("use_megatron_fsdp") and kw.get("outer_dp_sharding_strategy", "no_shard") != "no_shard":
+        # core 0.16.1 fails to build it on the CPU referee ("Data size mismatch"); 0.19's expert
+        # helper buffers over hybrid_fsdp_expt_group are not read
+        raise NotModelledError(a.key("outer_dp_sharding_strategy"),
+                               "experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding")
     if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
         # mcore_fsdp_adapter.py (0.19.2): the overlap makes Megatron-FSDP gather each sub-module's
         # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit
