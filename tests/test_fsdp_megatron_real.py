@@ -91,3 +91,12 @@ def test_moe_and_hsdp_under_megatron_fsdp_accepted_by_both(megatron):
         assert L.num_distributed_optimizer_instances == inst
         assert L.parallel.shard_size(ShardGroup.DENSE_DP) == 8 // inst
         assert L.parallel.shard_size(ShardGroup.EXPERT_DP) == 8 // (args.expert_tensor_parallel_size * 2) // inst
+
+
+def test_hybrid_fsdp_with_outer_optimizer_sharding_accepted_by_both(megatron):
+    from megatron_memguard.layout import ShardGroup
+    flags = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"]
+    args = megatron(*FSDP, *flags)
+    L = memguard(*FSDP, *flags)
+    assert args.outer_dp_sharding_strategy == L.outer_dp_sharding_strategy == "optim"
+    assert L.parallel.shard_size(ShardGroup.DENSE_DP) == 8 // args.num_distributed_optimizer_instances
