@@ -145,11 +145,12 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     micro-batch (what each unit's backward releases).
 
     The backward's first gradients come after the loss: the buckets outside units (the output layer's
-    weight gradient) are allocated once the cross entropy has freed its softmax (``loss_release[i]``),
-    the first unit's once the output layer's backward is done and its items and the logits' gradient
-    are gone too (``output_release[i]``). The gradient buckets of the window are counted only above
-    what has left by then (the CPU referee's MoE runs under Megatron-FSDP hold no gradient bucket at
-    the backward's top, where the loss buffers and the logits' gradient peak)."""
+    weight gradient) are allocated once the cross entropy has freed its softmax and the output layer's
+    backward its logits' gradient (``loss_release[i]``: what has left by then, from the backward's top),
+    the first unit's once the output layer's items are gone too (``output_release[i]``, from the top).
+    The gradient buckets of the window are counted only above what has left by then (the CPU referee's
+    runs under Megatron-FSDP hold no gradient bucket at the backward's top, where the loss buffers and
+    the logits' gradient peak)."""
     spec = fsdp_spec(L)
     total: FsdpStates | None = None
     after = double = 0
@@ -166,7 +167,7 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         back = r.backward
         if rel and back.grads and back.step == 0:
             outside = min(back.grads, r.non_unit_grad_numel * spec.grad_bytes)
-            grads = max(0, outside - rel, back.grads - rel - more)
+            grads = max(0, outside - rel, back.grads - more)
             back = replace(back, grads=grads)
         bw.append(back)
         fwd.append(max(0, r.forward.weights - r.forward.step * int(a)))
