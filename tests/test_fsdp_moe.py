@@ -158,3 +158,25 @@ def test_backward_top_holds_every_unit_but_no_gradient_bucket():
     assert t["fsdp_unsharded_parameters"] == 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
     assert t["loss_softmax_fp32"] == 4 * 1024 * 25_216 * 4
     assert "fsdp_unsharded_gradients" not in t
+
+
+FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
+
+
+def test_keep_fp8_transpose_cache_keeps_every_fp8_weights_transpose():
+    """--keep-fp8-transpose-cache (megatron_fsdp.py release_module_parameters): Megatron-FSDP no longer
+    drops the FP8 primary weights' transposes (Hopper Float8Tensor, 1 B per element of the whole weight)
+    when it releases a unit. Per layer on this rank: QKV [768, 512] + proj [512, 256] + 4 local experts'
+    fc1 [1024, 512] and fc2 [512, 1024] (the router stays BF16) = 4,718,592 elements; 12 layers."""
+    _, s0, t0 = _stage(ZP_Z3 + FP8)
+    _, s1, t1 = _stage(ZP_Z3 + FP8 + ["--keep-fp8-transpose-cache"])
+    transposes = 12 * (768 * 512 + 512 * 256 + 4 * 2 * 1024 * 512)
+    assert t1["fp8_weight_columnwise"] - t0["fp8_weight_columnwise"] == transposes == 56_623_104
+    assert s1.persistent_bytes - s0.persistent_bytes == transposes
+    # no FP8 primary weights: no Float8 parameters whose transposes it could keep
+    _, _, t2 = _stage(ZP_Z3 + ["--keep-fp8-transpose-cache"])
+    _, _, t3 = _stage(ZP_Z3)
+    assert t2 == t3
+    with pytest.raises(NotModelledError, match="--keep-fp8-transpose-cache"):
+        layout_from_flags(ZP_Z3 + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather",
+                                   "--keep-fp8-transpose-cache"], world_size=8, megatron_version="0.19.2")

@@ -46,7 +46,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
               "suggested_communication_unit_size megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype "
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
-              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy"),
+              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy keep_fp8_transpose_cache"),
     ("provenance", "env"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
@@ -76,4 +76,5 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",
     "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True, "outer_dp_sharding_strategy": "no_shard",
+    "keep_fp8_transpose_cache": False,
 }

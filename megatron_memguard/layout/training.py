@@ -47,6 +47,8 @@ class Optimizer:
     torch_fsdp2_reshard_after_forward: bool = True
     # HSDP (--num-distributed-optimizer-instances > 1): "optim" also shards the optimizer state across replicas
     outer_dp_sharding_strategy: str = "no_shard"
+    # --keep-fp8-transpose-cache: Megatron-FSDP keeps each FP8 primary weight's transpose after use
+    keep_fp8_transpose_cache: bool = False
     # optimizer CPU offload (estimator/offload_optimizer.py; off by default)
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0

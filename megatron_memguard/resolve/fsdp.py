@@ -19,7 +19,7 @@ OFF: dict[str, Any] = dict(
     suggested_communication_unit_size=None, megatron_fsdp_main_params_dtype="fp32",
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
-    pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard")
+    pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -119,8 +119,15 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # wheel memguard reads has it
             raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2 (Megatron-LM main, "
                                                                    "not in megatron-core 0.16.1 or 0.19.2)")
-        if a.bool_arg("keep_fp8_transpose_cache", False):
-            raise NotModelledError(a.key("keep_fp8_transpose_cache"), "FP8 transpose caches kept under Megatron-FSDP")
+        keep = a.bool_arg("keep_fp8_transpose_cache", False)
+        recipe = str(a.get("fp8_recipe", "delayed"))
+        if keep and a.get("fp8") and a.bool_arg("fp8_param_gather", False) and recipe not in ("delayed", "tensorwise"):
+            # megatron_fsdp.py release_module_parameters keeps Float8Tensor transposes; the other recipes'
+            # column-wise data live in Megatron-FSDP's transpose buffers (mxfp8) or TE storage not read here
+            raise NotModelledError(a.key("keep_fp8_transpose_cache"),
+                                   f"FP8 transpose caches kept under Megatron-FSDP with the {recipe[:20]} recipe")
+        # without FP8 primary weights there are no Float8Tensor parameters whose transposes it keeps
+        out["keep_fp8_transpose_cache"] = keep
         # --megatron-fsdp-enable-fine-grained-param-gather (0.19.2): every sub-module's pre-forward hook
         # gathers its own parameters' buckets, but the buckets are still the unit's groups and the unit's
         # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
