@@ -90,9 +90,11 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             dist_opt = True
         elif not dist_opt:
             # core 0.16.1's validate_args does not switch it on (its examples pass it); without it
-            # get_megatron_optimizer builds a non-distributed optimizer over FSDP's shards, not modelled
-            raise NotModelledError(a.key(mkey), "Megatron-FSDP without --use-distributed-optimizer in megatron-core "
-                                                "0.16 (0.19 switches it on)")
+            # get_megatron_optimizer builds Float16OptimizerWithFloat16Params over FSDP's DTensor shards,
+            # whose first step fails (model_param.main_grad: the DTensors have none; seen on the CPU referee)
+            a.fail(mkey, "needs --use-distributed-optimizer in megatron-core 0.16 (the non-distributed optimizer "
+                         "fails on Megatron-FSDP's sharded parameters; 0.19 switches it on)",
+                   "add --use-distributed-optimizer")
         if a.get("ckpt_format") is not None and str(a.get("ckpt_format")) != "fsdp_dtensor":
             a.fail("ckpt_format", "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
         if strategy == "optim_grads_params" and a.get("check_weight_hash_across_dp_replicas_interval") is not None:
