@@ -643,3 +643,24 @@ def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:
                 group["foreach"] = False
             else:
                 raise ValueError(kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-FSDP (distributed/fsdp/mcore_fsdp_adapter.py, megatron_fsdp.py): MegatronFSDP.__init__
+# builds torch.device(f"cuda:{torch.cuda.current_device()}") to compare with its device, which
+# the "cpu" answer above cannot form; the device index is 0 while the wrapper is built, and the
+# buffers go to the CPU device passed in. Needs einops (its device-mesh helpers).
+# ----------------------------------------------------------------------------------------------
+def megatron_fsdp(config, ddp_config, module, disable_bucketing: bool = False):
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    # gradient_reduce_preprocessing: gloo has no PREMUL_SUM; the unfused path scales in place (mul_)
+    # and sums, allocating nothing more
+    ddp_config.gradient_reduce_div_fusion = False
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                        disable_bucketing=disable_bucketing, device=torch.device("cpu"))
+    finally:
+        torch.cuda.current_device = current

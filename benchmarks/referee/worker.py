@@ -545,12 +545,17 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             ddp_kwargs["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
             ddp_kwargs["average_in_collective"] = args.ddp_average_in_collective
             ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
-            model = [
-                DDP(config=get_model_config(m), ddp_config=ddp_config, module=m,
-                    # get_model: no bucketing for model chunks after the first
-                    disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
-                for i, m in enumerate(model)
-            ]
+            if getattr(args, "use_megatron_fsdp", False):
+                # get_model (training.py, 0.16): Megatron-FSDP's adapter instead of DDP
+                model = [shims.megatron_fsdp(get_model_config(m), ddp_config, m, disable_bucketing=(i > 0))
+                         for i, m in enumerate(model)]
+            else:
+                model = [
+                    DDP(config=get_model_config(m), ddp_config=ddp_config, module=m,
+                        # get_model: no bucketing for model chunks after the first
+                        disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
+                    for i, m in enumerate(model)
+                ]
             bytes_after_ddp = tracker.current
 
             tracker.set_phase("build optimizer")
@@ -575,7 +580,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             "after_optimizer": bytes_after_build,
             "build_peak": tracker.region_result("build")["peak_bytes"],
         }
-        result["ddp_buffers"] = _describe_buffers(model)
+        result["ddp_buffers"] = [] if getattr(args, "use_megatron_fsdp", False) else _describe_buffers(model)
 
         # ---------------------------------------------------------------- train()
         mconfig = get_model_config(model[0])

@@ -42,6 +42,8 @@ from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, bucket_size_for, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
+# what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
+OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class ChunkActivations:
     offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
     host_bytes: int = 0        # saved activations on the host per micro-batch in flight
     offload_groups: tuple[int, ...] = ()   # fine-grained offloading: one micro-batch's offloaded groups, forward order
+    out_bwd_transient: int = 0  # the output layer's backward working set (the logits' gradient)
+    out_wgrad_moment: int = 0   # the output layer's extra once its weight gradient is accumulated
 
     @property
     def held(self) -> int:
@@ -209,7 +213,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                 bwd_bottom_extra=0)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups)
+                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups,
+                            out_bwd_transient=o.bwd_transient if has_output else 0,
+                            out_wgrad_moment=o.bwd_wgrad_moment if has_output else 0)
 
 
 class _MoePart:
@@ -544,7 +550,16 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
-        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)])
+        # what has left, from the backward's top, when the first gradient bucket (the output layer's) is
+        # allocated: the backward's top working set less the output layer's own at its weight gradient
+        # (head.output_items); and when the first unit's is: the loss softmax, the output items and the
+        # logits' gradient
+        softmax = [a.ends.get("loss_softmax_fp32", 0) + a.ends.get("loss_softmax", 0) for a in acts]
+        loss = [max(0, a.out_bwd_transient - a.out_wgrad_moment) if a.out_bwd_transient else x
+                for a, x in zip(acts, softmax)]
+        out = [x + sum(a.ends.get(k, 0) for k in OUTPUT_ITEMS) + a.out_bwd_transient for a, x in zip(acts, softmax)]
+        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)],
+                              loss, out)
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)

@@ -45,6 +45,10 @@ class Optimizer:
     megatron_fsdp_main_params_dtype: str = "fp32"        # fp32 | bf16 | fp16 | auto (no main weights)
     megatron_fsdp_main_grads_dtype: str = "auto"         # auto = the parameter dtype (core 0.19)
     torch_fsdp2_reshard_after_forward: bool = True
+    # HSDP (--num-distributed-optimizer-instances > 1): "optim" also shards the optimizer state across replicas
+    outer_dp_sharding_strategy: str = "no_shard"
+    # --keep-fp8-transpose-cache: Megatron-FSDP keeps each FP8 primary weight's transpose after use
+    keep_fp8_transpose_cache: bool = False
     # optimizer CPU offload (estimator/offload_optimizer.py; off by default)
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0

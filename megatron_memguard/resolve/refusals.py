@@ -34,7 +34,6 @@ NOT_MODELLED: list[Row] = [
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
-    ("enable_full_sharding_in_hsdp", bool, "full sharding inside hybrid-sharded Megatron-FSDP"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
