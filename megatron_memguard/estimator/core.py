@@ -35,6 +35,7 @@ from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
 from .muon import MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
+from .muon import stage_step_terms as muon_step_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
@@ -529,8 +530,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
 
     # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
-    # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-    step_bytes = sum(t.bytes for t in step_terms)
+    # apex on GPUs, torch's fused CPU kernel in the referee) update in place. Muon's Newton-Schulz
+    # temporaries (one matrix at a time) exist during the step only: not in the steady state.
+    step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS else ()
+    step_bytes = sum(t.bytes for t in step_terms) + sum(t.bytes for t in step_only)
     finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output)
     retained_bytes = sum(t.bytes for t in retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
@@ -565,7 +568,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = retained + list(step_terms)
+        act_terms = retained + list(step_terms) + list(step_only)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
