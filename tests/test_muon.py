@@ -259,3 +259,20 @@ def test_step_peak_counts_the_working_set_but_not_the_steady_state():
     ns = {t.name: t.bytes for t in st.terms}["muon_newton_schulz"]
     assert ns == 12 * 16384 * 4096
     assert st.peak_allocated_bytes == st.persistent_bytes + ns
+
+
+def test_core_0_16_dist_muon_all_gathers_the_parameters_after_the_step():
+    # layer_wise_optimizer.py (0.16.1) allgather_params: src = this rank's params flattened, output_list =
+    # every rank's (its own too), bf16. GPT4's 52 parameters sorted by numel and dealt 0..7, 7..0: the
+    # word embedding (25,755,648, index 51 -> rank 3) joins indices 3, 12, 19 (512 each), 28 (a QKV bias,
+    # 1,536), 35 (a proj weight, 262,144) and 44 (an fc weight, 1,048,576): 27,069,440 elements. All:
+    # 4 x 3,152,384 per layer + 25,755,648 + 524,288 positions + 1,024 final norm = 38,890,496.
+    from megatron_memguard import estimate, layout_from_flags
+    from megatron_memguard.estimator.muon import legacy_allgather_bytes
+    L = layout_from_flags(GPT4 + ["--optimizer", "dist_muon"], world_size=8, megatron_version="0.16")
+    assert legacy_allgather_bytes(L, 0) == 2 * (27_069_440 + 38_890_496)
+    assert estimate(L).stages[0].parameters == 38_890_496
+    # core 0.19's parameter layout syncs through the DDP buffer: no copy
+    L19 = layout_from_flags(GPT4 + ["--optimizer", "muon", "--use-distributed-optimizer"], world_size=8,
+                            megatron_version="0.19")
+    assert legacy_allgather_bytes(L19, 0) == 0

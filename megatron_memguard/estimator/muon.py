@@ -390,10 +390,44 @@ def ns_spec_of(L) -> NsSpec:
                   nesterov=getattr(L, "muon_nesterov", False))
 
 
+def legacy_allgather_bytes(L, pp_rank: int) -> int:
+    """megatron-core 0.16.1 ``dist_muon``: after the step LayerWiseDistributedOptimizer.allgather_params
+    flattens this rank's parameters (``_flatten_dense_tensors``, a copy) and all-gathers every rank's into
+    fresh buffers (``output_list``: the whole group's parameters, its own included), in the model's dtype
+    (the shards are taken before the Float16 wrapping); the DP x CP group first, then the
+    expert-data-parallel one, each freed before the next. 0.19's parameter layout syncs through the DDP
+    buffer instead (no copy). The most loaded rank of the ping-pong deal is taken."""
+    from packaging.version import Version
+
+    from .params import chunk_params
+    spec = spec_of(L)
+    if not spec.layer_wise or Version(str(L.megatron_version)) >= Version("0.19"):
+        return 0
+    from ..layout import ShardGroup
+    expert_group = getattr(ShardGroup, "EXPERT_DP", None)
+    expert_dp = L.parallel.shard_size(expert_group) if expert_group is not None else L.dp_shard_size
+    params = [(p.name, p.numel) for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)]
+    e = 4 if L.params_dtype == "fp32" else 2
+    best = 0
+    for group, size in (([p for p in params if not is_routed_expert(p[0])], L.dp_shard_size),
+                        ([p for p in params if is_routed_expert(p[0])], expert_dp)):
+        if group and size > 1:
+            own = max(m + s for m, s in _ping_pong_ranks(group, size))
+            best = max(best, e * (own + sum(n for _, n in group)))
+    return best
+
+
 def stage_step_terms(L, pp_rank: int) -> tuple:
-    """The Newton-Schulz working set as a step-only term (not part of the steady state)."""
+    """The step-only terms (not part of the steady state): the Newton-Schulz working set, and with core
+    0.16.1's ``dist_muon`` the parameter all-gather that follows the update (whichever is larger: the
+    Newton-Schulz temporaries are freed before the all-gather)."""
     from .result import Term
     ws = step_working_set(L, pp_rank)
+    gather = legacy_allgather_bytes(L, pp_rank)
+    if gather > ws.bytes:
+        return (Term("muon_param_allgather", gather, "transients", "allocated",
+                     "optimizer step (core 0.16 dist_muon): this rank's parameters flattened and every DP rank's "
+                     "gathered into new buffers after the update"),)
     if not ws.bytes:
         return ()
     spec = ns_spec_of(L)
