@@ -206,6 +206,10 @@ def test_duplicated_tp_mode_gathers_the_full_matrix():
     assert orthogonalize_peak(512, 512, NsSpec(tp_mode="duplicated"), group=2, partition_dim=0) == 7_340_032
     # blockwise (the default) ignores the split: the shard alone
     assert orthogonalize_peak(512, 512, NsSpec(), group=2, partition_dim=0) == 3_145_728
+    # "distributed": the shard alone, but the Gram matrix spans the unpartitioned side. Column shard
+    # [64, 1024] (M = 65,536) is transposed to [1024, 64]: A and B are [1024, 1024] bf16 next to X and the
+    # new X: 2 x 2 x 65,536 + 2 x 2 x 1,048,576 = 4,456,448 B (more than the scaling's 786,432)
+    assert orthogonalize_peak(64, 1024, NsSpec(tp_mode="distributed"), group=2, partition_dim=0) == 4_456_448
 
 
 def _muon_ci_layout(**extra):

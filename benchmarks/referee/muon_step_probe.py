@@ -6,7 +6,8 @@ Needs megatron-core 0.19.2 (``TensorParallelMuon`` in megatron/core/optimizer/em
 the ``emerging_optimizers`` package it imports (PyPI ``emerging-optimizers``; 0.3.0 was measured, with its
 dependency ``absl-py``). One parameter with a gradient; the first step creates the momentum, the second is
 measured with the referee's live-bytes tracker (every storage an aten op creates, freed when it dies). The
-parameter, gradient and momentum exist before, so the peak is the step's own temporaries.
+parameter, gradient and momentum exist before, so the peak is the step's own temporaries. The TP modes
+(``--muon-tp-mode duplicated`` / ``distributed``) run on two CPU ranks (gloo), rank 0 measured.
 """
 from __future__ import annotations
 
@@ -54,6 +55,53 @@ def measure(shape, split, nesterov, prec) -> int:
     return tr.peak
 
 
+TP_CASES = [
+    # (--muon-tp-mode, this rank's shard, partition_dim) on a TP group of 2
+    ("duplicated", (512, 512), 0), ("duplicated", (512, 256), 1), ("duplicated", (64, 1024), 1),
+    ("distributed", (512, 512), 0), ("distributed", (256, 1024), 1), ("distributed", (64, 1024), 0),
+]
+
+
+def _tp_worker(rank, world, port, mode, shape, pdim, q):  # pragma: no cover - runs in a spawned process
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from benchmarks.referee.livebytes import LiveBytesTracker
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    pgc = SimpleNamespace(tp=group, expt_tp=group, gtp_remat=None, expt_gtp_remat=None)
+    p = torch.nn.Parameter(torch.randn(*shape))
+    p.partition_dim = pdim
+    opt = TensorParallelMuon([p], lr=0.1, momentum=0.9, nesterov=False, split_qkv=False, pg_collection=pgc,
+                             tp_mode=mode, extra_scale_factor=0.2)
+    p.grad = torch.randn(*shape)
+    opt.step()
+    p.grad = torch.randn(*shape)
+    tr = LiveBytesTracker()
+    with tr:
+        opt.step()
+    if rank == 0:
+        q.put(tr.peak)
+    dist.destroy_process_group()
+
+
+def measure_tp(mode, shape, pdim, port) -> int:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, mode, shape, pdim, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    return got
+
+
 def main() -> int:
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS
@@ -65,6 +113,11 @@ def main() -> int:
         return 0
     for label, shape, split, nesterov, prec, model in CASES:
         got, want = measure(shape, split, nesterov, prec), model()
+        print(f"{label:40s} measured {got:>12,d} B  memguard {want:>12,d} B  {'ok' if got == want else 'DIFFERS'}")
+    for i, (mode, shape, pdim) in enumerate(TP_CASES):
+        got = measure_tp(mode, shape, pdim, 29650 + i)
+        want = orthogonalize_peak(*shape, NsSpec(tp_mode=mode), group=2, partition_dim=pdim)
+        label = f"TP 2 {mode}, shard {list(shape)}, partition_dim {pdim}"
         print(f"{label:40s} measured {got:>12,d} B  memguard {want:>12,d} B  {'ok' if got == want else 'DIFFERS'}")
     return 0
 
