@@ -86,6 +86,12 @@ def test_muon_rules():
     # 0.16.1 names the Nesterov switch muon_use_nesterov
     assert run(muon, {"muon_use_nesterov": True}, V16, optimizer="muon")[0]["muon_nesterov"] is True
     assert run(muon, {"muon_fp32_matmul_prec": "low"}, optimizer="muon")[1][0].startswith("--muon-fp32-matmul-prec")
+    # TE's single grouped expert weight: its shape decides Muon or the fallback; refused by name
+    import pytest
+    from megatron_memguard.errors import NotModelledError
+    with pytest.raises(NotModelledError) as e:
+        run(muon, {"moe_single_grouped_weight": True}, optimizer="muon")
+    assert "--moe-single-grouped-weight" in str(e.value)
     _, errs = run(muon, {}, V16, optimizer="muon", use_distributed_optimizer=True)
     assert errs and errs[0].startswith("--use-distributed-optimizer")
     assert run(muon, {}, V19, optimizer="muon", use_distributed_optimizer=True)[1] == []

@@ -24,6 +24,11 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     for dest in ("use_megatron_fsdp", "use_torch_fsdp2", "use_custom_fsdp"):
         if a.bool_arg(dest, False):
             raise NotModelledError(a.key(dest), f"{opt} with fully sharded data parallelism")
+    if a.bool_arg("moe_single_grouped_weight", False):
+        # one grouped parameter per expert linear (TE's GroupedLinear single_grouped_weight, core 0.19): its
+        # shape (not read) decides whether Muon (2-D) or the fallback (_is_nonlinear_or_embedding) updates it
+        raise NotModelledError(a.key("moe_single_grouped_weight"), f"{opt} with the experts' weights as one grouped "
+                               "parameter (Muon or the fallback optimizer, by its shape)")
     if opt == "adaptive_muon" and not new:
         a.fail("optimizer", "adaptive_muon needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
     if kw.get("fp16"):
