@@ -471,14 +471,14 @@ def legacy_allgather_bytes(L, pp_rank: int) -> int:
     from ..layout import ShardGroup
     expert_group = getattr(ShardGroup, "EXPERT_DP", None)
     expert_dp = L.parallel.shard_size(expert_group) if expert_group is not None else L.dp_shard_size
-    params = [(p.name, p.numel) for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)]
+    params = [(p.name, p.numel, p.cols) for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)]
     e = 4 if L.params_dtype == "fp32" else 2
     best = 0
     for group, size in (([p for p in params if not is_routed_expert(p[0])], L.dp_shard_size),
                         ([p for p in params if is_routed_expert(p[0])], expert_dp)):
         if group and size > 1:
             own = max(m + s for m, s in _ping_pong_ranks(group, size))
-            best = max(best, e * (own + sum(n for _, n in group)))
+            best = max(best, e * (own + sum(n for _, n, _ in group)))
     return best
 
 

@@ -66,3 +66,20 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.notes.append(f"{a.key('optimizer')} soap: the step's temporaries (the fp32 gradient, its projections onto the "
                        "eigenbases, the eigendecomposition's workspace) are not counted")
     return dict(muon_scalar_optimizer=scalar, **_orthogonalize_settings(a, new))
+
+
+def _orthogonalize_settings(a: Args, new: bool) -> dict[str, Any]:
+    """How the step orthogonalises: only its temporaries depend on these (estimator/muon.py
+    step_working_set). Defaults of megatron-core's OptimizerConfig (0.16.1 and 0.19.2); 0.16.1 names the
+    Nesterov switch ``muon_use_nesterov``."""
+    tp_mode = str(a.get("muon_tp_mode", "blockwise")).lower()
+    if tp_mode not in ("blockwise", "duplicated", "distributed"):
+        a.fail("muon_tp_mode", f"must be blockwise, duplicated or distributed, got {tp_mode!r}")
+        tp_mode = "blockwise"
+    prec = str(a.get("muon_fp32_matmul_prec", "medium")).lower()
+    if prec not in ("medium", "high", "highest"):
+        a.fail("muon_fp32_matmul_prec", f"must be medium, high or highest, got {prec!r}")
+        prec = "medium"
+    nesterov = a.bool_arg("muon_nesterov", False) or (not new and a.bool_arg("muon_use_nesterov", False))
+    return dict(muon_split_qkv=a.bool_arg("muon_split_qkv", True), muon_tp_mode=tp_mode,
+                muon_fp32_matmul_prec=prec, muon_nesterov=nesterov)
