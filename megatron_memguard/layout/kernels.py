@@ -24,6 +24,9 @@ class Kernels:
     tp_comm_overlap: bool
     cuda_graph_impl: str = "none"   # none | local | transformer_engine | full_iteration
     cuda_graph_modules: tuple[str, ...] = ()   # empty: the whole layer
+    # --use-transformer-engine-op-fuser with the TE spec: TEFusedMLP for a dense model's MLPs, TE's
+    # fused grouped MLP for the experts (megatron-core 0.19.2); resolved False where the spec ignores it
+    use_transformer_engine_op_fuser: bool = False
 
     @property
     def fused_wgrad(self) -> bool:

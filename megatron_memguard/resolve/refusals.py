@@ -22,7 +22,6 @@ NOT_MODELLED: list[Row] = [
     ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (gated delta net, DSA)"),
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (--hybrid-context-parallel)"),
-    ("use_transformer_engine_op_fuser", bool, "Transformer Engine's operation fuser"),
     ("use_grouped_gemm_for_dense_mlp", bool, "grouped GEMM for dense MLPs"),
     ("use_kitchen_attention", bool, "kitchen attention"),
     ("optimizer_cuda_graph", bool, "a CUDA graph of the optimizer step"),
