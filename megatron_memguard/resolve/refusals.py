@@ -31,7 +31,9 @@ NOT_MODELLED: list[Row] = [
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
     ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
+    # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
+    ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
+     "memguard estimate -- --yaml-cfg FILE)"),
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
