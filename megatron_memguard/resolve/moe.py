@@ -272,7 +272,8 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
     op fuser, SequentialMLP (no --moe-grouped-gemm) never reads it, and TEGroupedMLP.__init__ asserts
     ``_is_fused_impl_supported()`` (transformer/moe/experts.py): expert TP 1, no expert_fc1 / moe_act offload,
     a GLU of SiLU or quick GELU with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 (or the fused weighted squared
-    ReLU, refused), TE >= 2.14. Before core 0.18 the experts have no fused path."""
+    ReLU, refused), TE >= 2.14. megatron-core 0.16.1 has no such path (no TransformerConfig field);
+    0.17 was not read and is taken as 0.16."""
     if not kw.get("use_transformer_engine_op_fuser"):
         return False
     key = a.key("use_transformer_engine_op_fuser")
