@@ -39,7 +39,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
-    ("shape", "mtp_num_layers"),
+    ("shape", "mtp_num_layers heterogeneous_layers"),
     ("kernels", "cuda_graph_impl cuda_graph_modules use_transformer_engine_op_fuser"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
     ("optim", "muon_scalar_optimizer"),
@@ -69,7 +69,7 @@ TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offl
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
-    "muon_scalar_optimizer": "adam", "use_transformer_engine_op_fuser": False,
+    "muon_scalar_optimizer": "adam", "use_transformer_engine_op_fuser": False, "heterogeneous_layers": None,
     # Megatron-FSDP, torch FSDP2, optimizer CPU offload (``from_dict`` takes these back when a key is absent)
     "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,
     "fsdp_double_buffer": False, "suggested_communication_unit_size": None,

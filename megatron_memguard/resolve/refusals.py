@@ -14,7 +14,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),
@@ -26,7 +25,6 @@ NOT_MODELLED: list[Row] = [
     ("use_kitchen_attention", bool, "kitchen attention"),
     ("optimizer_cuda_graph", bool, "a CUDA graph of the optimizer step"),
     ("freeze_all_layers", bool, "frozen layers (no gradients or optimizer state)"),
-    ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
     ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
