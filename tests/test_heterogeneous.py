@@ -137,3 +137,20 @@ def test_referee_measures_the_heterogeneous_model():
     assert row.params_measured == row.params_predicted
     assert abs(row.after_err) < 0.001
     assert 0 <= row.peak_err < 0.03
+
+
+def test_parameters_match_megatron_core_on_cpu():
+    # megatron-core's own model of small_blocks.json, built on CPU (0.19.2 in the Python 3.12 venv, 0.16.1 in 3.11)
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
+    root = os.path.dirname(HERE)
+    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), BLOCKS,
+                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "MASTER_PORT": "29611"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = json.loads(out.stdout.strip().splitlines()[-1])
+    L = _layout()
+    mine = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
+    assert mine == real
