@@ -31,6 +31,8 @@ MLP_MOE = "moe"                   # megatron-core MoELayer (router, experts, sha
 # of another width, named "dense:FFN" (estimator.layers.kind_layout gives the recipe that width)
 MIXER_NONE = "none"
 MLP_NONE = "none"
+MIXER_LINEAR = "linear"            # replace_with_linear: one [h, h] column-parallel linear (layers/linear_block.py)
+MLP_LINEAR = "linear"
 
 
 class LayerKind(NamedTuple):

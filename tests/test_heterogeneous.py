@@ -16,6 +16,7 @@ from megatron_memguard.resolve.heterogeneous import ffn_mult_to_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCKS = os.path.join(HERE, "data", "heterogeneous", "small_blocks.json")
+LINEAR = os.path.join(HERE, "data", "heterogeneous", "linear_blocks.json")   # replace_with_linear blocks
 # The flags validate_model_config_args_from_heterogeneous_config (0.19.2) wants for small_blocks.json
 FLAGS = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
          "--ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope --use-rope-scaling "
@@ -79,6 +80,28 @@ def test_parameters_per_block():
     assert estimate(L).stages[0].parameters == expected
 
 
+def test_linear_replacements():
+    # replace_with_linear (linear_replacements.py): the layer's norm and one column-parallel [h, h] weight,
+    # no bias (--disable-bias-linear). Blocks: attention + MLP 1024, linear + MLP 512, attention + linear,
+    # linear + linear.
+    attn, lin = 512 + 768 * 512 + 512 * 512, 512 + 512 * 512
+    mlp = lambda F: 512 + 2 * F * 512 + 512 * F  # noqa: E731
+    L = _layout(path=LINEAR)
+    assert [k.mixer + "/" + k.mlp for k in layer_kinds(L)] == ["attention/dense", "linear/dense:512",
+                                                               "attention/linear", "linear/linear"]
+    expected = attn + mlp(1024) + lin + mlp(512) + attn + lin + 2 * lin + 2 * 1024 * 512 + 512
+    assert total_parameters(L) == expected == 5_771_776
+    names = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
+    assert names["decoder.layers.1.self_attention.weight"] == names["decoder.layers.2.mlp.weight"] == 512 * 512
+    # TP 2: the weight's output rows split (ColumnParallelLinear), the norm replicated
+    L2 = _layout(path=LINEAR, extra=["--tensor-model-parallel-size", "2"], world=2)
+    names2 = {p.name: p.numel for p in chunk_params(L2, partition_layers(L2)[0])}
+    assert names2["decoder.layers.1.self_attention.weight"] == 256 * 512
+    # the linear keeps its input only: the norm output [s b, h] bf16 (and the norm its input and rstd)
+    saved = layer_activations(L, True, layer_kinds(L)[3]).saved
+    assert saved["qkv_input"] == saved["fc1_input"] == 512 * 512 * 2
+
+
 def test_noop_halves_keep_nothing():
     L = _layout()
     kinds = layer_kinds(L)
@@ -105,10 +128,10 @@ def test_rules(tmp_path):
     assert "n_heads_in_group" in _err(FLAGS + [key, bad])
     fewer = _write(tmp_path, lambda d: d.update(block_configs=d["block_configs"][:3]))
     assert "3 block_configs for 4 layers" in _err(FLAGS + [key, fewer])
-    # a linear replacement is refused by name
-    lin = _write(tmp_path, lambda d: d["block_configs"][3]["ffn"].update(no_op=False, replace_with_linear=True))
-    with pytest.raises(NotModelledError, match="replace_with_linear"):
-        layout_from_flags(FLAGS + [key, lin], world_size=1)
+    # a linear replacement under sequence parallelism: megatron-core's gather pads the wrong dimension and
+    # the residual add fails (the CPU referee reproduces it)
+    assert "replace_with_linear fails with --sequence-parallel" in _err(
+        FLAGS + [key, LINEAR, "--tensor-model-parallel-size", "2", "--sequence-parallel"], world=2)
     # the encoded JSON alone is checked but builds uniform layers (argument_utils picks the heterogeneous
     # config class on the path only)
     with open(BLOCKS) as fh:
@@ -117,8 +140,8 @@ def test_rules(tmp_path):
     assert L.heterogeneous_layers is None and total_parameters(L) > 4_721_152
 
 
-@pytest.mark.skipif(os.environ.get("MEMGUARD_SKIP_REFEREE") == "1", reason="referee runs skipped")
-def test_referee_measures_the_heterogeneous_model():
+@pytest.mark.parametrize("blocks, world, peak_bound", [(BLOCKS, 1, 0.03), (LINEAR, 2, 0.03)], ids=["noop", "linear-tp2"])
+def test_referee_measures_the_heterogeneous_model(blocks, world, peak_bound):
     pytest.importorskip("megatron.core")
     from benchmarks.referee.compare import compare_entry
     from benchmarks.referee.grid import COMMON, resolve_config
@@ -126,31 +149,33 @@ def test_referee_measures_the_heterogeneous_model():
     if unsupported_reason():
         pytest.skip(unsupported_reason())
     flags = COMMON + [f for f in FLAGS if f not in ("--tokenizer-type", "NullTokenizer", "--transformer-impl", "local")] \
-        + ["--heterogeneous-layers-config-path", BLOCKS]
-    _, settings = resolve_config(flags, 1)
-    settings["heterogeneous_layers_config_path"] = BLOCKS
+        + ["--heterogeneous-layers-config-path", blocks] + (["--tensor-model-parallel-size", "2"] if world == 2 else [])
+    _, settings = resolve_config(flags, world)
+    settings["heterogeneous_layers_config_path"] = blocks
     settings["no_persist_layer_norm"] = True
-    [row] = compare_entry({"name": "het", "flags": flags, "world_size": 1,
-                           "ranks": run_referee(settings, world_size=1, timeout=600)})
-    # parameters and the state after the step exact; the peak within the referee's 3% (measured +0.45%: a
-    # chunk of mixed kinds takes its largest layer's backward working set, an upper bound)
-    assert row.params_measured == row.params_predicted
-    assert abs(row.after_err) < 0.001
-    assert 0 <= row.peak_err < 0.03
+    rows = compare_entry({"name": "het", "flags": flags, "world_size": world,
+                          "ranks": run_referee(settings, world_size=world, timeout=600)})
+    # parameters and the state after the step exact; the peak within the referee's 3% and on the high side
+    # (measured +0.45% and +0.48%: a chunk of mixed kinds takes its largest layer's backward working set)
+    for row in rows:
+        assert row.params_measured == row.params_predicted
+        assert abs(row.after_err) < 0.001
+        assert 0 <= row.peak_err < peak_bound
 
 
-def test_parameters_match_megatron_core_on_cpu():
+@pytest.mark.parametrize("blocks", [BLOCKS, LINEAR], ids=["noop", "linear"])
+def test_parameters_match_megatron_core_on_cpu(blocks):
     # megatron-core's own model of small_blocks.json, built on CPU (0.19.2 in the Python 3.12 venv, 0.16.1 in 3.11)
     import subprocess
     import sys
     pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
     root = os.path.dirname(HERE)
     cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), BLOCKS,
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
                           json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=root,
-                         env={**os.environ, "MASTER_PORT": "29611"})
+                         env={**os.environ, "MASTER_PORT": str(29611 + (blocks == LINEAR))})
     assert out.returncode == 0, out.stderr[-2000:]
     real = json.loads(out.stdout.strip().splitlines()[-1])
-    L = _layout()
+    L = _layout(path=blocks)
     mine = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
     assert mine == real

@@ -68,14 +68,18 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         return dict(heterogeneous_layers=None)
     words = []
     for i, (attn, mlp, ffn) in enumerate(blocks[:L]):
-        if "linear" in (attn, mlp):
-            raise NotModelledError(a.key(PATH), f"linear replacements of attention / MLP blocks (replace_with_linear, "
-                                                f"block {i})")
+        if "linear" in (attn, mlp) and kw["tensor_model_parallel_size"] > 1 and kw["sequence_parallel"]:
+            # linear_replacements._gather_from_tensor_parallel_region (0.16.1 and 0.19.2) pads dim 0 (F.pad's
+            # pairs run from the last dimension) before the sequence-parallel reduce-scatter: the residual add
+            # then fails on the shapes (the CPU referee reproduces it)
+            a.fail(PATH, f"block {i}: replace_with_linear fails with --sequence-parallel and tensor-model-parallel "
+                         "size > 1 in megatron-core (its output gather pads the sequence dimension)")
         if ffn is not None and ffn % kw["tensor_model_parallel_size"]:
             a.fail(PATH, f"block {i}: ffn size {ffn} must be divisible by tensor-model-parallel size "
                          f"{kw['tensor_model_parallel_size']}")
         size = kw["ffn_hidden_size"] if ffn is None else ffn
-        words.append(f"{attn}/" + ("none" if mlp == "none" else "dense" if size == kw["ffn_hidden_size"] else f"dense:{size}"))
+        words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
+                                   else f"dense:{size}"))
     return dict(heterogeneous_layers=",".join(words))
 
 
