@@ -138,6 +138,17 @@ def test_rules(tmp_path):
         text = fh.read()
     L = layout_from_flags(FLAGS + ["--heterogeneous-layers-config-encoded-json", text], world_size=1)
     assert L.heterogeneous_layers is None and total_parameters(L) > 4_721_152
+    assert any("builds uniform layers" in n for n in L.notes)
+    # from a config object (Bridge / NeMo key) the class is not known: refused by name
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.resolve import resolve
+    raw = parse_megatron_flags(FLAGS)
+    raw = RawConfig(args={**raw.args, "heterogeneous_layers_config_encoded_json": text},
+                    origin={**raw.origin, "heterogeneous_layers_config_encoded_json":
+                            "model.heterogeneous_layers_config_encoded_json"}, source="Megatron-Bridge test")
+    with pytest.raises(NotModelledError, match="model.heterogeneous_layers_config_encoded_json"):
+        resolve(raw, world_size=1)
 
 
 @pytest.mark.parametrize("blocks, world, peak_bound", [(BLOCKS, 1, 0.03), (LINEAR, 2, 0.03)], ids=["noop", "linear-tp2"])

@@ -51,7 +51,13 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         return dict(heterogeneous_layers=None)
     _check_flags(a, dest, doc, blocks, kw)
     if not path:
-        return dict(heterogeneous_layers=None)   # checked only: the layers are built from TransformerConfig
+        if not a.key(ENCODED).startswith("--"):
+            # a config object (Bridge, NeMo) may be a heterogeneous class whatever the path says
+            raise NotModelledError(a.key(ENCODED), "a heterogeneous layer config given as encoded JSON only, outside "
+                                   "Megatron-LM's flags (whether the layers are built heterogeneous is not known)")
+        a.notes.append(f"{a.key(ENCODED)}: checked against the flags; without --heterogeneous-layers-config-path "
+                       "Megatron-LM builds uniform layers (argument_utils picks the heterogeneous config on the path)")
+        return dict(heterogeneous_layers=None)
     if kw.get("multi_latent_attention"):
         a.fail(PATH, "cannot be used with --multi-latent-attention (argument_utils asserts it)")
     if kw.get("moe") is not None:
