@@ -56,6 +56,11 @@ def op_fuser(a: Args, kw: Mapping[str, Any], impl: str) -> bool:
         # the ops save quantized inputs of their own (BasicLinear, cache_quantized_input): not analysed
         raise NotModelledError(a.key("use_transformer_engine_op_fuser"),
                                "Transformer Engine's operation fuser under FP8 / FP4 (its quantized saved tensors)")
+    if a.bool_arg("use_grouped_gemm_for_dense_mlp", False) and not a.get("num_experts"):
+        # gpt_layer_specs.py (0.19.2): the dense MLP becomes TEFusedMLPWithGroupedLinear, whose saved tensors
+        # (TE's GroupedLinear ops) were not read
+        raise NotModelledError(a.key("use_grouped_gemm_for_dense_mlp"),
+                               "grouped GEMM for the dense MLP under Transformer Engine's operation fuser")
     if not a.get("num_experts") and (kw["squared_relu"] or a.bool_arg("quick_geglu", False)):
         # TEFusedMLP._make_activation_op (0.19.2) maps only GELU, SiLU, ReLU and their GLUs to TE ops
         a.fail("use_transformer_engine_op_fuser", "TEFusedMLP supports only the GELU, SiLU and ReLU activations "
