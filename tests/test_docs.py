@@ -129,3 +129,37 @@ def test_every_term_page_is_listed_and_every_row_has_a_page():
     rows = readme_rows()
     assert sorted(pages - OVERVIEW_PAGES - rows) == []
     assert sorted(rows - pages) == []
+
+
+# --- every key `memguard estimate --json` writes is in docs/json-schema.md (top level and per stage)
+
+SCHEMA = os.path.join(ROOT, "docs", "json-schema.md")
+
+
+def _schema_fields() -> tuple[set[str], set[str]]:
+    """(top-level fields, stage fields: the stage table and the feature tables after it)."""
+    tables = []
+    for block in re.split(r"\n\s*\n", open(SCHEMA, encoding="utf-8").read()):
+        rows = re.findall(r"^\| `(\w+)` \|", block, flags=re.M)
+        if rows:
+            tables.append(set(rows))
+    return tables[0], set().union(*tables[1:])
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    # MoE, FP8, activation and optimizer offloading: the optional top-level and stage fields
+    ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4", "--moe-grouped-gemm",
+     "--disable-bias-linear", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--use-distributed-optimizer",
+     "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--optimizer-cpu-offload",
+     "--optimizer-offload-fraction", "0.5", "--use-precision-aware-optimizer"],
+])
+def test_every_json_key_is_in_the_schema_page(extra):
+    top, stage = _schema_fields()
+    flags = LLAMA2_7B + ["--micro-batch-size", "1", "--global-batch-size", "64", "--pipeline-model-parallel-size", "2"]
+    doc = estimate(layout_from_flags(flags + extra, world_size=16), gpu_memory=80 * 2**30).to_dict()
+    assert sorted(set(doc) - top) == []
+    for st in doc["stages"]:
+        assert sorted(set(st) - stage) == []
+        for t in st["terms"]:
+            assert set(t) == {"name", "bytes", "group", "level", "detail"}
