@@ -48,7 +48,11 @@ class LayerActivations:
         return sum(self.saved.values())
 
     def _peak(self, steps: tuple[Step, ...]) -> int:
-        return max((w - sum(self.saved.get(n, 0) for n in names) for names, w in steps), default=0)
+        # the names a step has released that the layer saved (a C-level set intersection: this runs for
+        # every step of every layer kind of a cold estimate)
+        saved = self.saved
+        keys = saved.keys()
+        return max((w - sum(map(saved.__getitem__, keys & names)) for names, w in steps), default=0)
 
     @cached_property
     def fwd_transient(self) -> int:
