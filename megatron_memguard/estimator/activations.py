@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import repeat
 
 from ..layout import Layout
 from ..partition import LayerKind, uniform_kind
@@ -48,11 +49,8 @@ class LayerActivations:
         return sum(self.saved.values())
 
     def _peak(self, steps: tuple[Step, ...]) -> int:
-        # the names a step has released that the layer saved (a C-level set intersection: this runs for
-        # every step of every layer kind of a cold estimate)
-        saved = self.saved
-        keys = saved.keys()
-        return max((w - sum(map(saved.__getitem__, keys & names)) for names, w in steps), default=0)
+        get = self.saved.get
+        return max([w - sum(map(get, names, repeat(0))) for names, w in steps], default=0)
 
     @cached_property
     def fwd_transient(self) -> int:
