@@ -54,6 +54,12 @@ class Term:
     level: TermLevel | str = TermLevel.ALLOCATED
     detail: str = ""
 
+    def __init__(self, name: str, bytes: int, group: TermGroup | str, level: TermLevel | str = TermLevel.ALLOCATED,
+                 detail: str = "") -> None:
+        # the dataclass's frozen __init__ sets each field through object.__setattr__; an estimate makes
+        # a hundred terms or more, so they are stored at once (same fields, same defaults)
+        self.__dict__.update(name=name, bytes=bytes, group=group, level=level, detail=detail)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "group": self.group, "level": self.level, "detail": self.detail}
 
