@@ -68,6 +68,9 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     """One layer of ``kind`` (default: the model's uniform kind), one micro-batch, no full recompute
     (applied per block by the caller)."""
     kind = uniform_kind(L) if kind is None else kind
+    if not has_batch_mask and not mixer_recipe(kind).reads_batch_mask(L):
+        # the mixer makes the same tensors whether the batch carries a mask or not: one entry serves both
+        return layer_activations(L, True, kind)
     x = shapes(L)
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
     te = L.transformer_impl == "transformer_engine"
