@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
@@ -99,6 +100,7 @@ def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
     return kinds_from_runs(model_kind_runs(L))
 
 
+@lru_cache(maxsize=256)   # asked by the partition, the MTP and placeholder-gradient terms of one estimate
 def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
