@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import groupby
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
@@ -122,7 +123,8 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     if pairs.count(pairs[0]) == len(pairs):
         return ((LayerKind(mixer, mlps[0], quant[0]), len(pairs)),)
     made = {p: LayerKind(mixer, *p) for p in set(pairs)}
-    return kind_runs(tuple(made[p] for p in pairs))
+    # runs of equal (mlp, quantization) pairs are runs of equal kinds (made is one kind per pair)
+    return tuple((made[p], sum(1 for _ in g)) for p, g in groupby(pairs))
 
 
 def _mixer(L: "Layout") -> str:
