@@ -44,9 +44,14 @@ class LayerActivations:
     fwd_steps: tuple[Step, ...] = ()
     bwd_steps: tuple[Step, ...] = ()
 
-    @property
+    @cached_property
     def total(self) -> int:
         return sum(self.saved.values())
+
+    @cached_property
+    def moe_total(self) -> int:
+        """The MoE half of the saved bytes (its ``moe_*`` items)."""
+        return sum(v for k, v in self.saved.items() if k.startswith("moe_"))
 
     def _peak(self, steps: tuple[Step, ...]) -> int:
         get = self.saved.get
