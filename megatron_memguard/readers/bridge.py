@@ -26,7 +26,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, group_query_attention,
+    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
+    group_query_attention,
     is_missing, map_mcore_fields, set_vocab,
 )
 
@@ -343,14 +344,18 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.set("accumulate_allreduce_grads_in_fp32", False, grad_key)
 
     # Optimizer and DDP.
-    if has("optimizer", "optimizer"):
-        b.set("optimizer", v("optimizer", "optimizer"), k("optimizer", "optimizer"))
     for flag in ("use_distributed_optimizer", "overlap_param_gather"):
         on = [k(sec, flag) for sec in ("ddp", "optimizer") if as_bool(v(sec, flag, False))]
         if on:
             b.set(flag, True, on[0])
         elif has("ddp", flag) or has("optimizer", flag):
             b.set(flag, False, k("ddp", flag) if has("ddp", flag) else k("optimizer", flag))
+    if has("optimizer", "optimizer"):
+        emerging_optimizer(b, str(v("optimizer", "optimizer")), k("optimizer", "optimizer"),
+                            as_bool(v("optimizer", "use_layer_wise_distributed_optimizer", False)))
+    for name in ("muon_scalar_optimizer", "optimizer_cuda_graph", "overlap_param_gather_with_optimizer_step"):
+        if has("optimizer", name):
+            b.set(name, v("optimizer", name), k("optimizer", name))
     for name in ("use_precision_aware_optimizer", "store_param_remainders", "optimizer_cpu_offload"):
         if has("optimizer", name):
             b.set(name, as_bool(v("optimizer", name)), k("optimizer", name))
