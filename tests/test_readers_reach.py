@@ -109,3 +109,28 @@ def test_nemo1_has_no_emerging_optimizers(tmp_path, name):
     megatron-core's emerging ones: was estimated as Megatron's."""
     with pytest.raises(ConfigError, match=rf"^model\.optim\.name: '{name}' is not a NeMo 1 optimizer"):
         read(tmp_path, NEMO1.replace("optim: {name: fused_adam", f"optim: {{name: {name}"), "cfg.yaml")
+
+
+MOE_MODEL = ("  num_moe_experts: 8\n  moe_router_topk: 2\n  moe_token_dispatcher_type: alltoall\n  moe_grouped_gemm: true\n"
+             "  expert_model_parallel_size: 2\n  moe_ffn_hidden_size: 768\n")
+
+
+def test_bridge_comm_overlap_section_writes_the_model_fields(tmp_path):
+    """CommOverlapConfig.setup (Bridge 0.6.2 training/comm_overlap.py, run by ConfigContainer.validate) writes
+    overlap_moe_expert_parallel_comm, delay_wgrad_compute, defer_embedding_wgrad_compute and tp_comm_overlap into
+    the model config: the section's value, False where it leaves one unset. comm_overlap's own values were
+    dropped, and a model.* True it turns off was estimated as on."""
+    text = FLAT.replace("  bf16: true\n", "  bf16: true\n" + MOE_MODEL, 1)
+    on = text + "comm_overlap: {tp_comm_overlap: false, overlap_moe_expert_parallel_comm: true, delay_wgrad_compute: true}\n"
+    raw = read(tmp_path, on)
+    assert raw.origin["overlap_moe_expert_parallel_comm"] == "comm_overlap.overlap_moe_expert_parallel_comm"
+    L = resolve(raw, world_size=8)
+    assert L.moe.overlap_moe_expert_parallel_comm and L.moe.delay_wgrad_compute
+    off = text.replace("  bf16: true\n", "  bf16: true\n  overlap_moe_expert_parallel_comm: true\n  tp_comm_overlap: true\n", 1)
+    raw = read(tmp_path, off + "comm_overlap: {tp_comm_overlap: false}\n")
+    L = resolve(raw, world_size=8)
+    assert not L.moe.overlap_moe_expert_parallel_comm and not L.tp_comm_overlap
+    assert sum("CommOverlapConfig.setup turns it off" in w for w in raw.warnings) == 2
+    # without a comm_overlap section Bridge leaves the model's own value
+    L = resolve(read(tmp_path, off.replace("  tp_comm_overlap: true\n", "")), world_size=8)
+    assert L.moe.overlap_moe_expert_parallel_comm

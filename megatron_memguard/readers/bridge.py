@@ -371,6 +371,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         if as_bool(v("dist", name, False)):
             b.set(name, True, k("dist", name))
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
+    if "comm_overlap" in S:
+        _comm_overlap_model_fields(b, S, v, k)
     if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
         # CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2) switches it off, with a warning, for
         # TP < 2 or without sequence parallelism
@@ -381,6 +383,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         if tp < 2 or not as_bool(b.args.get("sequence_parallel", False)):
             b.warn(f"{k('comm_overlap', 'tp_comm_overlap')}: Megatron-Bridge switches TP communication overlap off "
                    "with TP < 2 or without sequence parallelism")
+            b.args.pop("tp_comm_overlap", None)
         else:
             b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
             if v("comm_overlap", "tp_comm_overlap_cfg") is not None:   # TransformerLayerTPOverlapCfg, as a mapping
@@ -428,6 +431,31 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                 set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=True)
     else:
         set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=as_bool(v("model", "should_pad_vocab", False)))
+
+
+# CommOverlapConfig fields that CommOverlapConfig.setup writes into the model config (Bridge 0.6.2
+# training/comm_overlap.py _get_model_comm_overlap_cfgs: off unless the comm_overlap section sets them)
+_COMM_OVERLAP_MODEL = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "defer_embedding_wgrad_compute",
+                       "tp_comm_overlap")
+
+
+def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v, k) -> None:
+    """With a comm_overlap section, Bridge's CommOverlapConfig.setup (run by ConfigContainer.validate) overwrites
+    these model fields with the section's values, False where the section leaves them None: a model.* True is
+    turned off (a warning), a comm_overlap.* True turns the feature on."""
+    for name in _COMM_OVERLAP_MODEL:
+        mine = v("comm_overlap", name)
+        if mine is not None and (name != "tp_comm_overlap" or as_bool(mine)):
+            if name != "tp_comm_overlap":      # (tp_comm_overlap on: its TP / SP conditions are applied below)
+                b.set(name, as_bool(mine), k("comm_overlap", name))
+            continue
+        if as_bool(b.args.get(name, False)):
+            b.warn(f"{b.origin.get(name, 'model.' + name)}: Megatron-Bridge's CommOverlapConfig.setup turns it off "
+                   f"(comm_overlap.{name} is {'false' if mine is not None else 'not set'}); estimated without it")
+        b.args.pop(name, None)
+        b.origin.pop(name, None)
+    if v("comm_overlap", "wgrad_deferral_limit") is not None:
+        b.set("wgrad_deferral_limit", v("comm_overlap", "wgrad_deferral_limit"), k("comm_overlap", "wgrad_deferral_limit"))
 
 
 _NEEDED = {
