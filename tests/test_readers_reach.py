@@ -134,3 +134,27 @@ def test_bridge_comm_overlap_section_writes_the_model_fields(tmp_path):
     # without a comm_overlap section Bridge leaves the model's own value
     L = resolve(read(tmp_path, off.replace("  tp_comm_overlap: true\n", "")), world_size=8)
     assert L.moe.overlap_moe_expert_parallel_comm
+
+
+@pytest.mark.parametrize("extra", [
+    "--optimizer soap --use-distributed-optimizer --tp-comm-overlap --tensor-model-parallel-size 2 --sequence-parallel",
+    "--attention-output-gate --freeze-all-layers --symmetric-ar-type two_shot --tensor-model-parallel-size 2",
+])
+def test_functional_test_yaml_model_args_estimate_as_the_flags(tmp_path, extra):
+    """Megatron CI's model_config.yaml (MODEL_ARGS): the same estimate, term for term, as the flags."""
+    import yaml
+
+    from conftest import LLAMA31_8B
+    from megatron_memguard import layout_from_flags
+    flags = LLAMA31_8B + extra.split() + ["--micro-batch-size", "1"]
+    args, i = {}, 0
+    while i < len(flags):
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            args[flags[i]], i = flags[i + 1], i + 2
+        else:
+            args[flags[i]], i = True, i + 1
+    p = tmp_path / "model_config.yaml"
+    p.write_text(yaml.safe_dump({"ENV_VARS": {"CUDA_DEVICE_MAX_CONNECTIONS": 1}, "MODEL_ARGS": args}))
+    L = resolve(read_config_file(str(p)), world_size=16, megatron_version="0.19.2")
+    M = layout_from_flags(flags, world_size=16, megatron_version="0.19.2")
+    assert [terms(estimate(L), i) for i in range(L.pp)] == [terms(estimate(M), i) for i in range(M.pp)]
