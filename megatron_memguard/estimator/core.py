@@ -34,8 +34,9 @@ from .offload_activations import fine_grained_plan, fraction_kept, last_offload_
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
-from .muon import EMERGING_OPTIMIZERS
+from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
+from .muon import stage_step_terms as muon_step_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
@@ -674,7 +675,11 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             else:
                 graph_pool.append(t)
 
-    step_bytes, finalize, retained_bytes = pr.step_bytes, pr.finalize, pr.retained_bytes
+    # Muon's Newton-Schulz temporaries (one matrix at a time) exist during the step only: not in the
+    # steady state (persistent_bytes below counts the step terms without them)
+    step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
+    step_bytes = pr.step_bytes + sum(t.bytes for t in step_only)
+    finalize, retained_bytes = pr.finalize, pr.retained_bytes
     retained = list(pr.retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
@@ -711,7 +716,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = retained + list(step_terms)
+        act_terms = retained + list(step_terms) + list(step_only)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
     step_bytes_graphed = sum(t.bytes for t in step_terms)
@@ -733,7 +738,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         device_total = peak_reserved + pr.device_bytes
     else:
         peak_reserved = device_total = peak_alloc
-    persistent = base + retained_bytes + step_bytes
+    persistent = base + retained_bytes + pr.step_bytes
     moe = None
     if L.moe is not None:
         held = next((t.bytes for t in act_terms if t.name == "moe_layer_activations"), 0)

@@ -290,3 +290,215 @@ def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
         out.append(Term("lion_exp_avg", 4 * sh.scalar_elems, "optimizer",
                         detail=f"{sh.scalar_elems:,} elements of norms, biases, embedding, output layer (--muon-scalar-optimizer lion)"))
     return tuple(out + kept_after)
+
+
+# ----- the optimizer step's working set: Newton-Schulz on one matrix at a time ------------------------
+#
+# OrthogonalizedOptimizer.step (emerging_optimizers 0.3.0, orthogonalized_optimizers/
+# orthogonalized_optimizer.py) walks the Muon parameters one by one: momentum.lerp_(grad) in place
+# (``--muon-nesterov``: grad.lerp(momentum) makes a copy), then orthogonalize -> scaled_orthogonalize_fn
+# (megatron-core 0.19.2 optimizer/emerging_optimizers.py TensorParallelMuon; 0.16.1 optimizer/muon.py has
+# the same body) -> newton_schulz (muon_utils.py), then p.add_(orth_grad) in place. Every temporary of one
+# parameter is freed before the next, so the step's extra memory is the largest parameter's working set.
+
+NS_TP_MODES = ("blockwise", "duplicated", "distributed")
+NS_MATMUL_PRECISIONS = ("medium", "high", "highest")
+
+
+@dataclass(frozen=True)
+class NsSpec:
+    """How the step orthogonalises (megatron-core OptimizerConfig defaults: split QKV, blockwise TP,
+    ``medium`` fp32 matmul precision, no Nesterov)."""
+
+    split_qkv: bool = True
+    tp_mode: str = "blockwise"
+    fp32_matmul_prec: str = "medium"
+    nesterov: bool = False
+
+    @property
+    def bf16_io(self) -> bool:
+        # newton_schulz casts X to bf16 when torch's fp32 matmul precision is "medium"
+        # (utils.fp32_matmul_precision sets it from --muon-fp32-matmul-prec around orthogonalize)
+        return self.fp32_matmul_prec == "medium"
+
+
+def newton_schulz_peak(numel: int, gram: int, bf16_io: bool) -> int:
+    """Peak bytes inside ``newton_schulz`` for an fp32 input of ``numel`` elements whose Gram matrix is
+    ``gram`` x ``gram`` (the smaller side; the TP-partitioned one's other side in ``distributed`` mode),
+    the input itself not counted, its fp32 output counted:
+    F.normalize's fp32 output X (4 B/elem); under ``medium`` precision X.to(bf16) next to it (+2);
+    each step A = X X^T and B = addmm(A, A, A) [gram, gram] and the new X next to the old one;
+    at the end X.to(float32) next to the bf16 X."""
+    e = 2 if bf16_io else 4
+    peaks = [4 * numel, 2 * e * numel + 2 * e * gram * gram]
+    if bf16_io:
+        peaks += [4 * numel + 2 * numel, 2 * numel + 4 * numel]
+    return max(peaks)
+
+
+def orthogonalize_peak(rows: int, cols: int, spec: NsSpec, group: int = 1, partition_dim: int | None = None) -> int:
+    """Peak extra bytes of ``scaled_orthogonalize_fn`` on one [rows, cols] fp32 momentum (this rank's shard),
+    Nesterov's copy not counted. ``group``: the TP (experts: ETP) group size; ``partition_dim``: 0 for a
+    column-parallel weight, 1 for a row-parallel one, None when not split. The scaling
+    ``orth * scale * extra_scale`` keeps three fp32 copies of the shard at once (12 B/elem).
+
+    ``blockwise`` (default): each rank orthogonalises its shard alone. ``duplicated``
+    (newton_schulz_tp): all-gathers the shards into a list and torch.cat's them (2 x 4 B per element of
+    the full matrix) before orthogonalising the full matrix, whose output stays referenced through the
+    chunk returned. ``distributed``: the shard alone, the Gram matrix over the unpartitioned side."""
+    n = rows * cols
+    split = spec.tp_mode != "blockwise" and partition_dim is not None and group > 1
+    if not split:
+        return max(newton_schulz_peak(n, min(rows, cols), spec.bf16_io), 12 * n)
+    if spec.tp_mode == "duplicated":
+        full = n * group
+        frows, fcols = (rows * group, cols) if partition_dim == 0 else (rows, cols * group)
+        return max(8 * full + newton_schulz_peak(full, min(frows, fcols), spec.bf16_io), 4 * full + 8 * n)
+    gram = cols if partition_dim == 0 else rows
+    return max(newton_schulz_peak(n, gram, spec.bf16_io), 12 * n)
+
+
+def qkv_orthogonalize_peak(groups: int, split_shapes: tuple[int, ...], cols: int, spec: NsSpec,
+                           group: int = 1) -> int:
+    """TensorParallelMuon.orthogonalize with ``--muon-split-qkv`` (default) on linear_qkv [groups x
+    sum(split_shapes), cols]: grad.view(groups, sum, cols) split along dim 1 and reshaped to 2-D (copies
+    when this rank has more than one query group, views otherwise), each part orthogonalised in turn
+    (the finished parts kept), then torch.cat of the parts next to them."""
+    n = groups * sum(split_shapes) * cols
+    copies = 4 * n if groups > 1 else 0
+    peak = 8 * n
+    done = 0
+    for s in split_shapes:
+        part = groups * s * cols
+        peak = max(peak, copies + 4 * done + orthogonalize_peak(groups * s, cols, spec, group, 0))
+        done += part
+    return peak
+
+
+_COLUMN = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+_ROW = ("linear_proj", "linear_fc2")
+
+
+def _partition_dim(name: str) -> int | None:
+    """TE's _set_tensor_parallel_attributes (megatron-core 0.19.2 extensions/transformer_engine.py):
+    partition_dim 0 for column-parallel weights, 1 for row-parallel ones; MLA's down projections and the
+    router are not split."""
+    last = name.rsplit(".", 1)[-1]
+    if last in _COLUMN:
+        return 0
+    if last in _ROW:
+        return 1
+    return None
+
+
+@dataclass(frozen=True)
+class NsWorkingSet:
+    bytes: int
+    matrix: str                # which weight sets it
+    shape: tuple[int, int]     # its [out, in] on this rank
+
+
+def step_working_set(L, pp_rank: int) -> NsWorkingSet:
+    """The largest working set of Muon's step among the 2-D weights of this pipeline stage (per rank:
+    TP / ETP shards). Under the layer-wise distributed optimizer a rank updates only the matrices it
+    owns; the largest of the stage is taken (an upper bound for the others)."""
+    from ..partition import MLP_DENSE
+    from .params import layer_linear_shapes
+    spec = ns_spec_of(L)
+    chunks = L.stage_chunks(pp_rank)
+    h = L.hidden_size
+    mats: dict[str, tuple[int, int]] = {}
+    for c in chunks:
+        for kind, _ in c.kind_runs:
+            mats.update(layer_linear_shapes(L, kind))
+            if kind.mlp != MLP_DENSE and L.moe is not None:
+                mats["router"] = (L.moe.num_experts, h)
+        if c.has_embedding and L.position_embedding_type == "learned_absolute":
+            mats["position_embeddings"] = (L.max_position_embeddings, h)
+        if c.has_output and getattr(L, "mtp_num_layers", 0):
+            mats["mtp.eh_proj"] = (h // L.tp, 2 * h)
+    moe = L.moe
+    best = NsWorkingSet(0, "", (0, 0))
+    for name, (rows, cols) in mats.items():
+        expert = name.startswith("experts.")
+        group = (moe.etp if expert and moe is not None else L.tp)
+        pdim = _partition_dim(name)
+        if name == "linear_qkv" and spec.split_qkv and not getattr(L, "multi_latent_attention", False):
+            shapes = qkv_split_shapes(L)
+            per = sum(shapes)
+            if rows % per == 0:
+                b = qkv_orthogonalize_peak(rows // per, shapes, cols, spec, group)
+            else:
+                b = orthogonalize_peak(rows, cols, spec, group, pdim)
+        else:
+            b = orthogonalize_peak(rows, cols, spec, group, pdim)
+        if spec.nesterov:
+            b += 4 * rows * cols          # grad.lerp(momentum) kept through orthogonalize
+        if b > best.bytes:
+            best = NsWorkingSet(b, name, (rows, cols))
+    return best
+
+
+def qkv_split_shapes(L) -> tuple[int, ...]:
+    """megatron-core 0.19.2 optimizer/emerging_optimizers.py _get_qkv_split_shapes: per query group
+    [heads/groups x kv_channels, kv_channels, kv_channels] (the query part twice with an output gate)."""
+    groups = L.num_query_groups or L.num_attention_heads
+    q = L.num_attention_heads // groups * L.kv_channels
+    if getattr(L, "attention_output_gate", False):
+        return (q, q, L.kv_channels, L.kv_channels)
+    return (q, L.kv_channels, L.kv_channels)
+
+
+def ns_spec_of(L) -> NsSpec:
+    return NsSpec(split_qkv=getattr(L, "muon_split_qkv", True), tp_mode=getattr(L, "muon_tp_mode", "blockwise"),
+                  fp32_matmul_prec=getattr(L, "muon_fp32_matmul_prec", "medium"),
+                  nesterov=getattr(L, "muon_nesterov", False))
+
+
+def legacy_allgather_bytes(L, pp_rank: int) -> int:
+    """megatron-core 0.16.1 ``dist_muon``: after the step LayerWiseDistributedOptimizer.allgather_params
+    flattens this rank's parameters (``_flatten_dense_tensors``, a copy) and all-gathers every rank's into
+    fresh buffers (``output_list``: the whole group's parameters, its own included), in the model's dtype
+    (the shards are taken before the Float16 wrapping); the DP x CP group first, then the
+    expert-data-parallel one, each freed before the next. 0.19's parameter layout syncs through the DDP
+    buffer instead (no copy). The most loaded rank of the ping-pong deal is taken."""
+    from packaging.version import Version
+
+    from .params import chunk_params
+    spec = spec_of(L)
+    if not spec.layer_wise or Version(str(L.megatron_version)) >= Version("0.19"):
+        return 0
+    from ..layout import ShardGroup
+    expert_group = getattr(ShardGroup, "EXPERT_DP", None)
+    expert_dp = L.parallel.shard_size(expert_group) if expert_group is not None else L.dp_shard_size
+    params = [(p.name, p.numel, p.cols) for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)]
+    e = 4 if L.params_dtype == "fp32" else 2
+    best = 0
+    for group, size in (([p for p in params if not is_routed_expert(p[0])], L.dp_shard_size),
+                        ([p for p in params if is_routed_expert(p[0])], expert_dp)):
+        if group and size > 1:
+            own = max(m + s for m, s in _ping_pong_ranks(group, size))
+            best = max(best, e * (own + sum(n for _, n, _ in group)))
+    return best
+
+
+def stage_step_terms(L, pp_rank: int) -> tuple:
+    """The step-only terms (not part of the steady state): the Newton-Schulz working set, and with core
+    0.16.1's ``dist_muon`` the parameter all-gather that follows the update (whichever is larger: the
+    Newton-Schulz temporaries are freed before the all-gather)."""
+    from .result import Term
+    ws = step_working_set(L, pp_rank)
+    gather = legacy_allgather_bytes(L, pp_rank)
+    if gather > ws.bytes:
+        return (Term("muon_param_allgather", gather, "transients", "allocated",
+                     "optimizer step (core 0.16 dist_muon): this rank's parameters flattened and every DP rank's "
+                     "gathered into new buffers after the update"),)
+    if not ws.bytes:
+        return ()
+    spec = ns_spec_of(L)
+    how = (f"{spec.tp_mode} TP mode, {'bf16' if spec.bf16_io else 'fp32'} Newton-Schulz "
+           f"(--muon-fp32-matmul-prec {spec.fp32_matmul_prec})"
+           + (", QKV split" if spec.split_qkv else "") + (", Nesterov copy" if spec.nesterov else ""))
+    return (Term("muon_newton_schulz", ws.bytes, "transients", "allocated",
+                 f"optimizer step: orthogonalising {ws.matrix} {list(ws.shape)} (the largest 2-D weight of the "
+                 f"stage, one at a time); {how}"),)

@@ -36,6 +36,11 @@ class Optimizer:
     ddp_bucket_size: int | None
     ddp_pad_buckets_for_high_nccl_busbw: bool
     muon_scalar_optimizer: str = "adam"   # with a Muon-family optimizer: what updates the non-matrix params
+    # how a Muon-family step orthogonalises (estimator/muon.py step_working_set; OptimizerConfig defaults)
+    muon_split_qkv: bool = True
+    muon_tp_mode: str = "blockwise"             # blockwise | duplicated | distributed
+    muon_fp32_matmul_prec: str = "medium"       # medium: Newton-Schulz in bf16 | high | highest
+    muon_nesterov: bool = False
     # Megatron-FSDP / torch FSDP2 instead of DDP's buffers (estimator/fsdp.py; off by default)
     use_megatron_fsdp: bool = False
     use_torch_fsdp2: bool = False

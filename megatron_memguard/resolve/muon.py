@@ -30,6 +30,11 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             raise NotModelledError(a.key(dest), f"{opt} with fully sharded data parallelism")
     if opt in NEW_IN_0_19 and not new:
         a.fail("optimizer", f"{opt} needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
+    if a.bool_arg("moe_single_grouped_weight", False):
+        # one grouped parameter per expert linear (TE's GroupedLinear single_grouped_weight, core 0.19): its
+        # shape (not read) decides whether Muon (2-D) or the fallback (_is_nonlinear_or_embedding) updates it
+        raise NotModelledError(a.key("moe_single_grouped_weight"), f"{opt} with the experts' weights as one grouped "
+                               "parameter (the emerging optimizer or its fallback, by its shape)")
     if kw.get("fp16"):
         a.fail("optimizer", f"{opt} does not work with --fp16 (the emerging-optimizer factory refuses it)")
     # lion and soap hand the other parameters to Adam (emerging_optimizers.py _default_param_overrides_factory);
@@ -57,10 +62,24 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if opt == "soap" and a.int_arg("mtp_num_layers", 0, minimum=0):
         # SOAP's state depends on each matrix's shape; the MTP block's matrices are counted by size only
         raise NotModelledError(a.key("mtp_num_layers"), "SOAP with multi-token prediction layers")
-    if opt in MUON_OPTIMIZERS:
-        a.notes.append(f"{a.key('optimizer')} {opt}: the optimizer step's Newton-Schulz temporaries (a few copies of one "
-                       "weight matrix) are not counted")
-    elif opt == "soap":
+    if opt == "soap":
         a.notes.append(f"{a.key('optimizer')} soap: the step's temporaries (the fp32 gradient, its projections onto the "
                        "eigenbases, the eigendecomposition's workspace) are not counted")
-    return dict(muon_scalar_optimizer=scalar)
+    return dict(muon_scalar_optimizer=scalar, **_orthogonalize_settings(a, new))
+
+
+def _orthogonalize_settings(a: Args, new: bool) -> dict[str, Any]:
+    """How the step orthogonalises: only its temporaries depend on these (estimator/muon.py
+    step_working_set). Defaults of megatron-core's OptimizerConfig (0.16.1 and 0.19.2); 0.16.1 names the
+    Nesterov switch ``muon_use_nesterov``."""
+    tp_mode = str(a.get("muon_tp_mode", "blockwise")).lower()
+    if tp_mode not in ("blockwise", "duplicated", "distributed"):
+        a.fail("muon_tp_mode", f"must be blockwise, duplicated or distributed, got {tp_mode!r}")
+        tp_mode = "blockwise"
+    prec = str(a.get("muon_fp32_matmul_prec", "medium")).lower()
+    if prec not in ("medium", "high", "highest"):
+        a.fail("muon_fp32_matmul_prec", f"must be medium, high or highest, got {prec!r}")
+        prec = "medium"
+    nesterov = a.bool_arg("muon_nesterov", False) or (not new and a.bool_arg("muon_use_nesterov", False))
+    return dict(muon_split_qkv=a.bool_arg("muon_split_qkv", True), muon_tp_mode=tp_mode,
+                muon_fp32_matmul_prec=prec, muon_nesterov=nesterov)

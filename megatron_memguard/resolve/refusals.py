@@ -16,15 +16,22 @@ NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
-    ("perform_rl_step", bool, "RL training steps"),
-    ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),
-    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (gated delta net, DSA)"),
+    ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
+     "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
+    ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
+     "dtype come from the teacher checkpoint and --export-kd-cfg, not from the student's flags)"),
+    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (DSA: the lightning "
+     "indexer and its fp32 [b, s, s] index scores; gated delta net: flash-linear-attention's chunked delta-rule "
+     "kernel, whose saved tensors that library decides)"),
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
-    ("hybrid_context_parallel", bool, "hybrid context parallelism (--hybrid-context-parallel)"),
+    ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
+     "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),
     ("use_transformer_engine_op_fuser", bool, "Transformer Engine's operation fuser"),
-    ("use_kitchen_attention", bool, "kitchen attention"),
+    ("use_kitchen_attention", bool, "kitchen attention (NVIDIA's kitchen library, not public, decides its "
+     "saved tensors and workspaces)"),
     ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
-    ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
+    ("logits_load_dir", lambda v: bool(v), "distillation from stored logits (the teacher's top-K per token and "
+     "its dtype come from the stored files, not from the flags)"),
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes (matched to "
      "modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe most GEMMs use as "
      "--fp8-recipe / --fp4-recipe)"),
