@@ -455,7 +455,8 @@ def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v
         b.args.pop(name, None)
         b.origin.pop(name, None)
     if v("comm_overlap", "wgrad_deferral_limit") is not None:
-        b.set("wgrad_deferral_limit", v("comm_overlap", "wgrad_deferral_limit"), k("comm_overlap", "wgrad_deferral_limit"))
+        b.set("wgrad_deferral_limit", v("comm_overlap", "wgrad_deferral_limit"),
+              k("comm_overlap", "wgrad_deferral_limit"))
 
 
 _NEEDED = {
