@@ -134,7 +134,7 @@ def test_gated_options_wait_behind_a_refused_switch():
 
 
 # Options the walk found changing memory with nothing modelling them (issue 17): refused, or estimated with a note.
-WALK_REFUSED = {"hybrid_context_parallel": True, "use_transformer_engine_op_fuser": True,
+WALK_REFUSED = {"hybrid_context_parallel": True,
                 "spec": ["local"], "yaml_cfg": "run.yaml", "logits_load_dir": "/x",
                 "hybrid_override_pattern": "M*M*", "te_precision_config_file": "p.yaml"}
 WALK_NOTED = {"clone_scatter_output_in_embedding": False, "disable_jit_fuser": True, "create_all_gather_group": True,

@@ -369,6 +369,9 @@ def install(tracker=None) -> None:
     mbackends.LNImpl = CpuFusedNorm
     mspecs.LNImpl = CpuFusedNorm
     mblock.LayerNormImpl = CpuFusedNorm
+    # heterogeneous layer specs pick their norms themselves (LNImpl, WrappedTorchNorm for RMSNorm)
+    import megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs as mhet
+    mhet.LNImpl = mhet.WrappedTorchNorm = CpuFusedNorm
 
     # -- multi_tensor_scale local fallback ---------------------------------------------------------
     # optimizer.py _multi_tensor_copy_this_to_that and clip_grads.clip_grad_by_total_norm_fp32 use

@@ -179,6 +179,10 @@ def core_transformer_config_from_args(args):
     kw["cp_comm_type"] = "p2p"
     # The local ("non-TE") path: no fp8, no TE-only features.
     kw["transformer_impl"] = "local"
+    if getattr(args, "heterogeneous_layers_config_path", None):
+        # argument_utils (0.19.2) / arguments.py (0.16): the path selects HeterogeneousTransformerConfig
+        from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+        return HeterogeneousTransformerConfig(**kw, heterogeneous_layers_config_path=args.heterogeneous_layers_config_path)
     return TransformerConfig(**kw)
 
 
@@ -463,7 +467,13 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             config = core_transformer_config_from_args(args)
 
             def model_provider(pre_process=True, post_process=True, vp_stage=None):
-                if args.num_experts:
+                if getattr(args, "heterogeneous_layers_config_path", None):
+                    # gpt_builders.gpt_builder: heterogeneous configs take their per-block layer specs
+                    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+                        get_gpt_heterogeneous_layer_spec,
+                    )
+                    spec = get_gpt_heterogeneous_layer_spec(config, use_te=False, vp_stage=vp_stage)
+                elif args.num_experts:
                     # gpt_builders.gpt_builder: MoE models take the per-layer block spec
                     # (dense and MoE layers from --moe-layer-freq), sliced for this stage/chunk.
                     spec = get_gpt_decoder_block_spec(

@@ -847,6 +847,10 @@ def estimate(
     if site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
         notes.append("site profile: " + site.describe())
     if profile == "fujii2024":
+        if layout.heterogeneous_layers:
+            # the paper's closed form has one layer shape
+            from ..errors import NotModelledError
+            raise NotModelledError("--profile", "the fujii2024 closed form for heterogeneous layer configs")
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout

@@ -282,4 +282,45 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "fsdp_gathered_after_step); Megatron's CI run of this combination holds about that much less "
                        "(docs/assumptions.md). The peak assumes balanced routing (moe_layer_activations): that run "
                        "(top-2, aux loss) peaks 6-9% above it, below the worst-case bound")
-    return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)
+    return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp,
+                use_transformer_engine_op_fuser=experts_op_fuser(a, kw, spec, ctx))
+
+
+def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context) -> bool:
+    """Whether a MoE model's experts run TE's fused grouped MLP (--use-transformer-engine-op-fuser).
+
+    megatron-core 0.19.2: get_gpt_decoder_block_spec builds the dense layers of a MoE model without the
+    op fuser, SequentialMLP (no --moe-grouped-gemm) never reads it, and TEGroupedMLP.__init__ asserts
+    ``_is_fused_impl_supported()`` (transformer/moe/experts.py): expert TP 1, no expert_fc1 / moe_act offload,
+    a GLU of SiLU or quick GELU with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 (or the fused weighted squared
+    ReLU, refused), TE >= 2.14. megatron-core 0.16.1 has no such path (no TransformerConfig field);
+    0.17 was not read and is taken as 0.16."""
+    if not kw.get("use_transformer_engine_op_fuser"):
+        return False
+    key = a.key("use_transformer_engine_op_fuser")
+    if ctx.legacy or not spec.moe_grouped_gemm:
+        a.notes.append(f"{key}: no effect on this MoE model (its dense layers and "
+                       + ("megatron-core < 0.18's experts" if ctx.legacy else "SequentialMLP experts") + " do not use it)")
+        return False
+    rule = "the experts' fused grouped MLP (TEGroupedMLP._is_fused_impl_supported, megatron-core 0.19.2) needs "
+    if spec.etp > 1:
+        a.fail("use_transformer_engine_op_fuser", rule + f"expert tensor parallel size 1, got {spec.etp}")
+    offloaded = a.get("offload_modules") or ()
+    offloaded = set([offloaded] if isinstance(offloaded, str) else offloaded)
+    if a.bool_arg("fine_grained_activation_offloading", False) and {"expert_fc1", "moe_act"} & offloaded:
+        a.fail("use_transformer_engine_op_fuser", rule + "no expert_fc1 / moe_act in --offload-modules")
+    elif a.bool_arg("fine_grained_activation_offloading", False):
+        # the fused_group_mlp offload group exists only on this path; what it moves was not analysed
+        raise NotModelledError(key, "fine-grained activation offloading with the experts' fused grouped MLP "
+                               "(the op fuser's fused_group_mlp group)")
+    if not kw["gated_linear_unit"] or kw["squared_relu"]:
+        a.fail("use_transformer_engine_op_fuser", rule + "a SwiGLU or quick-GEGLU activation")
+    else:
+        try:
+            cutedsl = int(str(a.raw.env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0)
+        except ValueError:
+            cutedsl = 0
+        if cutedsl <= 0:
+            a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
+                   "with a GLU activation")
+    return True

@@ -14,7 +14,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
@@ -26,10 +25,8 @@ NOT_MODELLED: list[Row] = [
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
      "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),
-    ("use_transformer_engine_op_fuser", bool, "Transformer Engine's operation fuser"),
     ("use_kitchen_attention", bool, "kitchen attention (NVIDIA's kitchen library, not public, decides its "
      "saved tensors and workspaces)"),
-    ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
     ("logits_load_dir", lambda v: bool(v), "distillation from stored logits (the teacher's top-K per token and "
      "its dtype come from the stored files, not from the flags)"),
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes (matched to "
@@ -37,7 +34,9 @@ NOT_MODELLED: list[Row] = [
      "--fp8-recipe / --fp4-recipe)"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
     ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
+    # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
+    ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
+     "memguard estimate -- --yaml-cfg FILE)"),
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),

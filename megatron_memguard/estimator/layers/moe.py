@@ -290,7 +290,12 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
     saved["moe_expert_input"] = e * N * h + p * N
     # experts: fc1's output kept by the activation, the activation's own saves, fc2's input
-    if L.bias_activation_fusion and g == 2:
+    # TE's fused grouped MLP (--use-transformer-engine-op-fuser, megatron-core 0.19.2
+    # TEGroupedMLP._fused_forward): GroupedLinear, ScaledSwiGLU, GroupedLinear ops, assumed to save
+    # what the TE modules save (fc1 input, the activation's input and scales, fc2 input); it bypasses
+    # the moe_act checkpoint of the unfused forward
+    op_fused = L.use_transformer_engine_op_fuser
+    if (L.bias_activation_fusion or op_fused) and g == 2:
         act = 3 * Fr                            # weighted fused SwiGLU: fc1 output [N, 2F]; fc2 input
     elif g == 2:
         act = 6 * Fr                            # fc1 out, silu, x2 + offset, product, product * probs
@@ -302,7 +307,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         act = 2 * Fr
     else:
         act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
-    if "moe_act" in rec:
+    if "moe_act" in rec and not op_fused:
         act -= Fr                               # CheckpointWithoutOutput drops fc2's input after fc2
     saved["moe_expert_activations"] = e * N * act
     Fs = m.moe_shared_expert_intermediate_size
