@@ -158,3 +158,15 @@ def test_functional_test_yaml_model_args_estimate_as_the_flags(tmp_path, extra):
     L = resolve(read_config_file(str(p)), world_size=16, megatron_version="0.19.2")
     M = layout_from_flags(flags, world_size=16, megatron_version="0.19.2")
     assert [terms(estimate(L), i) for i in range(L.pp)] == [terms(estimate(M), i) for i in range(M.pp)]
+
+
+@pytest.mark.parametrize("name", ["megatron_fsdp_cuda_graph_mode", "megatron_fsdp_use_decoupled_grad"])
+def test_bridge_fsdp_gradient_modes_without_a_megatron_flag_are_refused_by_name(tmp_path, name):
+    """DistributedDataParallelConfig fields of core 0.19.2 with no Megatron flag that change the gradient copies
+    Megatron-FSDP keeps: dropped silently before, refused naming the key now."""
+    raw = read(tmp_path, bridge("adam", extra_ddp=f", use_megatron_fsdp: true, "
+                                f"data_parallel_sharding_strategy: optim_grads_params, {name}: true"))
+    with pytest.raises(NotModelledError, match=rf"^ddp\.{name}: "):
+        resolve(raw, world_size=8)
+    raw = read(tmp_path, bridge("adam", extra_ddp=f", use_megatron_fsdp: true, {name}: false"))
+    assert resolve(raw, world_size=8).use_megatron_fsdp

@@ -454,7 +454,8 @@ _FSDP_DDP_KEYS = (("data_parallel_sharding_strategy", None), ("fsdp_double_buffe
                   ("megatron_fsdp_max_pool_double_buffer", None), ("fsdp_db_use_persist_buf_on_alloc_fail", None),
                   ("preserve_fp32_weights", None), ("torch_fsdp2_reshard_after_forward", None),
                   ("reshard_after_forward", "torch_fsdp2_reshard_after_forward"),
-                  ("megatron_fsdp_enable_fine_grained_param_gather", None))
+                  ("megatron_fsdp_enable_fine_grained_param_gather", None), ("megatron_fsdp_cuda_graph_mode", None),
+                  ("megatron_fsdp_use_decoupled_grad", None))
 _OFFLOAD_OPTIMIZER_KEYS = ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                            "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads", "pin_cpu_params")
 
