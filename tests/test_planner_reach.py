@@ -90,3 +90,23 @@ def test_hsdp_is_planned():
         res = P.plan(Constraints(fsdp=("optim_grads_params",)), top=4)
         assert res.entries and all(e.layout.num_distributed_optimizer_instances == 2 for e in res.entries)
         _bound_below_estimate(P, Constraints(fsdp=("optim_grads_params", "optim_grads")))
+
+
+def test_kept_layouts_estimate_as_fitting_from_their_exported_flags():
+    """The planner's property (tests/test_planner_search.py) with this session's features: paste the flags the
+    planner prints onto the model and estimate again: the same layout, and it fits."""
+    from megatron_memguard import estimate, layout_from_flags
+    from megatron_memguard.planner.export import megatron_flags
+    for extra, cons in ((["--optimizer", "soap", "--use-distributed-optimizer"], Constraints()),
+                        (["--freeze-all-layers"], Constraints()),
+                        (["--attention-output-gate", "--optimizer", "lion"], Constraints()),
+                        (["--num-distributed-optimizer-instances", "2"], Constraints(fsdp=("optim_grads_params",)))):
+        model = LLAMA31_8B + extra
+        P = make_planner(model, 16, 4096, 64)
+        res = P.plan(cons, top=4)
+        assert res.entries, extra
+        for e in res.entries:
+            L = layout_from_flags(model + " ".join(megatron_flags(e.layout)).split(), world_size=16)
+            assert L == e.layout, (extra, e.candidate.name)
+            est = estimate(L, gpu=P.cluster.gpu, threshold=0.8)
+            assert est.verdict == "fits" and est.peak_device_bytes <= 0.8 * P.cluster.gpu_memory_bytes
