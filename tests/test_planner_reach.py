@@ -110,3 +110,14 @@ def test_kept_layouts_estimate_as_fitting_from_their_exported_flags():
             assert L == e.layout, (extra, e.candidate.name)
             est = estimate(L, gpu=P.cluster.gpu, threshold=0.8)
             assert est.verdict == "fits" and est.peak_device_bytes <= 0.8 * P.cluster.gpu_memory_bytes
+
+
+def test_frozen_layers_have_no_gradient_reduction_or_optimizer_step_in_the_step_time():
+    """Nothing requires grad: no DP gradient reduction and no optimizer step (they were charged as in training)."""
+    P = make_planner(LLAMA31_8B + ["--freeze-all-layers"], 16, 4096, 64)
+    T = make_planner(LLAMA31_8B, 16, 4096, 64)
+    c = next(c for c in enumerate_space(P.shape, P.cluster, 64, Constraints(dist_opt=(False,))) if c.dp > 1)
+    frozen, trained = P.timer.explain(c), T.timer.explain(c)
+    f, t = dict(zip(frozen.names, frozen.values)), dict(zip(trained.names, trained.values))
+    assert f["optimizer"] == 0 and f["dp_comm"] == 0 and t["optimizer"] > 0 and t["dp_comm"] > 0
+    assert frozen.seconds < trained.seconds
