@@ -14,20 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def build(cfg: dict):
-    from benchmarks.referee import shims
-    shims.install()
+    from single_rank import start   # beside this script (sys.path[0])
+    start(29543)
     import torch
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29543")
-    torch.distributed.init_process_group(backend="gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    mpu.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(
         num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
         num_query_groups=cfg.get("groups"), ffn_hidden_size=cfg["ffn"], add_bias_linear=cfg["bias"],
