@@ -112,6 +112,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     lbt = r.get("moe_router_load_balancing_type", "aux_loss")
     types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
     for t in types:
+        if t == "quantile_balancing":
+            # Router.quantile_balancing (megatron-core 0.19.2 router.py): its own routing, not modelled
+            raise NotModelledError(r.key("moe_router_load_balancing_type"), "quantile-balancing routing")
         if t not in _LOAD_BALANCING:
             r.fail("moe_router_load_balancing_type", f"must be one of {', '.join(_LOAD_BALANCING)}, got {t[:60]!r}")
             ok = False
@@ -123,6 +126,12 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_aux_loss_coeff", f"must be a number, got {str(coeff)[:60]!r}")
         aux, ok = 0.0, False
     score = str(r.get("moe_router_score_function", "softmax"))
+    if score == "sqrtsoftplus":
+        # 0.19.2's third choice (router.py): its saved tensors are not modelled
+        raise NotModelledError(r.key("moe_router_score_function"), "the sqrtsoftplus router score function")
+    if score not in ("softmax", "sigmoid"):
+        r.fail("moe_router_score_function", f"must be softmax or sigmoid, got {score[:60]!r}")
+        ok = False
     pre = r.bool_arg("moe_router_pre_softmax", False)
     if k == 1 and score == "softmax" and not pre and "sinkhorn" not in types:
         r.fail("moe_router_topk", "1 with the softmax score function needs --moe-router-pre-softmax "
