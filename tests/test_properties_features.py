@@ -20,6 +20,8 @@ from megatron_memguard.estimator.result import GROUPS, LEVELS
 from megatron_memguard.estimator.layers.moe import experts_use_expert_buffer
 from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
 from megatron_memguard.layout import ShardGroup
+from megatron_memguard.report.text import render
+from megatron_memguard.units import format_bytes
 
 from property_space import FeatureSpec, feature_specs, moe_specs
 
@@ -50,11 +52,12 @@ def layout(fs: FeatureSpec):
 def test_every_feature_estimate_sums_its_terms_and_orders_its_levels(fs, device):
     """Every term a non-negative integer of a known group and level; the allocated terms sum to the peak;
     peak allocated <= reserved <= device total; host terms non-negative; the JSON is the same numbers; and
-    the MoE worst case (every token of the ETP x EP group to this rank's experts, or the capacity) is
+    the text report (--detail, every stage) shows each term and total as the JSON does; and the MoE worst case (every token of the ETP x EP group to this rank's experts, or the capacity) is
     never below the balanced-routing estimate at any level."""
     L = layout(fs)
     est = estimate(L, device=device, gpu_memory=80 * 2**30)
     doc = json.loads(json.dumps(est.to_dict(), allow_nan=False))
+    text = render(est, detail=True, colour=False, all_stages=True)
     assert len(doc["stages"]) == len(est.stages) == L.pp
     for s, d in zip(est.stages, doc["stages"]):
         for t in s.terms:
@@ -66,7 +69,13 @@ def test_every_feature_estimate_sums_its_terms_and_orders_its_levels(fs, device)
         assert d["peak_allocated_bytes"] == s.peak_allocated_bytes and d["device_total_bytes"] == s.device_total_bytes
         assert d["breakdown"] == s.breakdown
         assert all(t.bytes >= 0 for t in s.host_terms)
+        # the text report (memguard estimate --detail, every stage) shows the same terms and totals
+        block = text.split(f"pp{s.pp_rank} at its peak: ", 1)[1].split("\npp", 1)[0]
+        for t in s.terms:
+            assert any(r.split()[:1] == [t.name] and format_bytes(t.bytes) in r for r in block.splitlines()), t.name
+        assert f"= peak allocated" in block and format_bytes(s.peak_allocated_bytes) in block
         if L.moe is not None:
+            assert format_bytes(s.moe["worst_case"]["peak_allocated_bytes"]) in block
             w = s.moe["worst_case"]
             assert w["peak_allocated_bytes"] >= s.peak_allocated_bytes
             assert w["peak_reserved_bytes"] >= s.peak_reserved_bytes
