@@ -58,3 +58,16 @@ def test_expert_weights_per_rank_are_bounded():
     o = run_memguard(["estimate", "--world-size", "8", "--", *flags])
     one_error(o, "--num-experts: 65,536 local experts", "make 2,621,440,000 expert weights per rank", "at most 500,000")
     assert o.cpu < 5
+
+
+@pytest.mark.parametrize("model, words", [
+    # a Bridge recipe memguard refuses: the refusal, not "overrides need --model RECIPE" (it was one)
+    ("deepseek_v4_flash_pretrain_config", "--model: the Megatron-Bridge recipe 'deepseek_v4_flash_pretrain_config'"),
+    ("qwen3_30b_a3b_x", "--model: unknown model 'qwen3_30b_a3b_x'"),
+    ("gpt3-126m", "--set: KEY=VALUE overrides need --config FILE"),
+])
+def test_overrides_with_a_model_that_is_not_a_recipe(model, words):
+    o = run_memguard(["estimate", "--model", model, "--gpus", "8", "--set", "model.num_moe_experts=4"])
+    line = one_error(o, words)
+    if model == "gpt3-126m":
+        assert "(--model 'gpt3-126m' is a model preset, not a recipe)" in line
