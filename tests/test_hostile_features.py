@@ -71,3 +71,10 @@ def test_overrides_with_a_model_that_is_not_a_recipe(model, words):
     line = one_error(o, words)
     if model == "gpt3-126m":
         assert "(--model 'gpt3-126m' is a model preset, not a recipe)" in line
+
+
+@pytest.mark.parametrize("flag", ["--expert-tensor-parallel-size", "--expert-model-parallel-size", "--moe-ffn-hidden-size"])
+def test_plan_reads_moe_counts_with_their_bounds(flag):
+    # memguard plan converted the raw value with int(): a 5000-digit value was an internal error
+    argv = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "16", "--", *MOE, flag, "1" * 5000]
+    one_error(run_memguard(argv), f"{flag}: must be <= 2147483647, got '1111", "(5000 characters)")
