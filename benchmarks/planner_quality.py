@@ -41,6 +41,13 @@ Sweeps
   TP1 PP1 on 80 GB, which fp32 gradient buffers (13B x (2 + 4) B = 78 GB) would not allow.
   Memory: the framework is not Megatron, so its OOM labels check memguard's verdicts only loosely
   (counted and reported, not a target).
+  Tensor parallelism: read as a framework whose backward TP collectives are not overlapped with the
+  GEMMs (``tp_overlap=False``, docs/planner.md section 2.7): megatron-core issues them asynchronously
+  behind the weight-gradient GEMM (tensor_parallel/layers.py), a framework built on synchronous copy /
+  reduce autograd functions (megatron-core's tensor_parallel/mappings.py, the pattern Megatron-style
+  frameworks inherited) runs them after it. The paper does not say which; the measurements do: across
+  all ten sheets measured / predicted step time grows with TP under the overlapped model (medians 1.07
+  at TP1, 1.09-1.11 at TP2, 1.14-1.21 at TP4, 1.21-1.30 at TP8) and much less without it.
 """
 from __future__ import annotations
 
@@ -125,6 +132,7 @@ class Sweep:
     gbs: int
     megatron_version: str | None
     runs: tuple[Run, ...]
+    tp_overlap: bool = True        # the framework overlaps its backward TP collectives (megatron-core does)
 
 
 def fujii_sweeps(path: str = FUJII_CSV) -> list[Sweep]:
@@ -168,7 +176,8 @@ def hagemann_sweeps(path: str = HAGEMANN_CSV, kernel: str = HAGEMANN_KERNEL, fam
         if sum(1 for r in runs if not r.failed) < min_ran:
             continue
         out.append(Sweep(family, f"{model} s{seq} {world} x A100-80GB", tuple(llama1_flags(model, seq)),
-                         "A100-80GB", 8, None, world, seq, 2048 if seq == 2048 else 512, None, tuple(runs)))
+                         "A100-80GB", 8, None, world, seq, 2048 if seq == 2048 else 512, None, tuple(runs),
+                         tp_overlap=False))
     return out
 
 
@@ -196,7 +205,7 @@ def planner_for(sweep: Sweep) -> Planner:
                       gpu_memory_bytes=gpu.memory_bytes)
     raw = parse_megatron_flags(list(sweep.flags))
     return Planner(raw, cluster, seq_length=sweep.seq, global_batch_size=sweep.gbs,
-                   megatron_version=sweep.megatron_version)
+                   megatron_version=sweep.megatron_version, tp_overlap=sweep.tp_overlap)
 
 
 def spearman(x: list[float], y: list[float]) -> float:

@@ -27,6 +27,12 @@ MIXER_ATTENTION = "attention"     # megatron-core SelfAttention (standard / grou
 MIXER_MLA = "mla"                 # MLASelfAttention (multi-latent attention, DeepSeek-V2 style)
 MLP_DENSE = "dense"               # megatron-core MLP (linear_fc1, activation, linear_fc2)
 MLP_MOE = "moe"                   # megatron-core MoELayer (router, experts, shared experts)
+# heterogeneous layer configs (resolve/heterogeneous.py): a no-op block (IdentityOp), and the dense MLP
+# of another width, named "dense:FFN" (estimator.layers.kind_layout gives the recipe that width)
+MIXER_NONE = "none"
+MLP_NONE = "none"
+MIXER_LINEAR = "linear"            # replace_with_linear: one [h, h] column-parallel linear (layers/linear_block.py)
+MLP_LINEAR = "linear"
 
 
 class LayerKind(NamedTuple):
@@ -105,6 +111,12 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     (dense and MoE layers), MTP layers and hybrid models make them differ per layer."""
     mixer = _mixer(L)
     moe = L.moe
+    het = L.heterogeneous_layers
+    if het:
+        # one "mixer/mlp" word per layer (no FP8 / MoE here: resolve refuses them together)
+        made: dict[str, LayerKind] = {}
+        kinds = tuple(made.setdefault(w, LayerKind(*w.split("/"))) for w in het.split(","))
+        return kind_runs(kinds)
     if moe is None:
         mlps = (MLP_DENSE,) * L.num_layers
     else:                                         # --moe-layer-freq: the MoE layers of the global pattern

@@ -2,16 +2,23 @@
 
 ``forward_backward_no_pipelining`` (PP=1): forward then backward, one micro-batch at a time.
 ``forward_backward_pipelining_without_interleaving`` (1F1B): ``min(PP - rank - 1, m)`` warm-up
-forwards, then one forward / one backward, then the cool-down backwards.
+forwards, then one forward / one backward, then the cool-down backwards (the estimator's
+_peak_one_chunk takes its peak in closed form).
 ``forward_backward_pipelining_with_interleaving``: warm-up ``(PP - rank - 1) * 2 + (VPP - 1) * G``
-virtual micro-batches (G = micro-batches per group, default PP), chunks visited group by group
-(``get_schedule_table`` in megatron/core/pipeline_parallel/schedules.py), backward in reverse chunk order.
+virtual micro-batches (G = micro-batches per group, default PP), capped at m x VPP; chunks visited
+group by group (``get_schedule_table`` in megatron/core/pipeline_parallel/schedules.py), backward in
+reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved schedule is the
+combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
+megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
+micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
+``key_events`` lists every pass of a rank; the estimator uses ``peak_probes`` (``schedule_peak``), the
+passes at which the bytes held can first peak, whatever each chunk's bytes are, without visiting all
+m x VPP x 2 passes (tests/test_schedule.py checks it against a replay of every pass).
 """
 from __future__ import annotations
 
 from functools import lru_cache
-
-from .layout import Layout
+from operator import mul, sub
 
 
 @lru_cache(maxsize=128)
@@ -24,20 +31,275 @@ def _schedule_table(m: int, vpp: int, group: int) -> tuple[tuple[int, int], ...]
     return tuple(table)
 
 
-def effective_microbatches(L: Layout) -> int:
-    """Micro-batches worth simulating: the in-flight pattern repeats after warm-up, so a few groups
-    past it give the same peak as the full count (kept with the same remainder for the last group)."""
-    m = L.num_microbatches
-    if L.vpp == 1:
-        return min(m, L.pp + 2)
-    g = L.microbatch_group_size_per_vp_stage or L.pp
-    cap = 4 * g + (m % g)
-    return m if m <= cap else cap
+# One probe: (forward?, chunk, micro-batches held per chunk at that pass, the pass's ordinal among the
+# passes of its direction on its chunk). A forward's held counts include its own micro-batch; a
+# backward's include the one it is about to release.
+Probe = tuple[bool, int, tuple[int, ...], int]
+
+# Up to this many virtual stages the probes (a tuple of VPP counts each, about 20 x VPP probes per rank)
+# are kept per rank; beyond it the schedule is walked with the chunks' bytes (O(VPP) memory).
+PROBE_MAX_VPP = 8
 
 
-def schedule_key(L: Layout, pp_rank: int) -> tuple[int, int, int, int, int]:
-    """What the schedule of one rank depends on: (PP, VPP, micro-batches simulated, group size, rank)."""
-    return (L.pp, L.vpp, effective_microbatches(L), L.microbatch_group_size_per_vp_stage or L.pp, pp_rank)
+def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int, combined: bool = False) -> int:
+    return min((pp - pp_rank - 1) * 2 + (vpp - 1) * group + combined, m * vpp)
+
+
+def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
+    """Forwards of each chunk among the first ``a`` positions of the forward table."""
+    P = vpp * group
+    full = (m // group) * P
+    if a <= full:
+        j, o = divmod(a, P)
+        return [j * group + min(max(o - c * group, 0), group) for c in range(vpp)]
+    q = m - (m // group) * group
+    o = a - full
+    return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
+
+
+def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+          combined: bool = False) -> list[tuple[int, int, int, int, int, bool]]:
+    """The runs of one rank's passes over which a pass's chunk stays the same and the held counts move
+    by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk, fresh).
+    Section 0: warm-up forwards of table positions k0 .. k0+n-1; 1: steady pairs k (the forward of
+    position k + warm-up, then the backward of position k; ``combined``: the backward first); 2:
+    cool-down backwards of positions k.
+    ``fresh``: the run does not follow the previous one (the periodic stretch of the steady state was
+    skipped): counts start afresh there.
+
+    The forward table repeats every VPP x G positions within the full groups, and so does the steady
+    state: a steady pair a period after another one has the same chunks and held counts, hence the
+    same values, and comes later, so it is never the first peak; only the first period and the pairs
+    that reach the last (partial) group are listed."""
+    P = vpp * group
+    total = m * vpp
+    full = (m // group) * P                 # table positions in full groups (the periodic part)
+    q = m - (m // group) * group            # micro-batches of the last, partial group (0: none)
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    steady = total - warm
+    top = vpp - 1
+    # chunk of table position x: (x % P) // group in the full groups, (x - full) // q after them;
+    # the next position where the chunk changes: (x // group + 1) * group, or full + ((x - full) // q + 1) * q
+    out = []
+    add = out.append
+    k = 0
+    while k < warm:
+        if k < full:
+            c = (k % P) // group
+            k1 = (k // group + 1) * group
+        else:
+            c = (k - full) // q
+            k1 = full + ((k - full) // q + 1) * q
+        if k1 > warm:
+            k1 = warm
+        add((0, k, k1 - k, c, -1, False))
+        k = k1
+    at = 0                                  # the steady pair the counts are at
+    for lo, hi in ((0, min(steady, P)), (max(P, full - warm), steady)):
+        k = lo
+        while k < hi:
+            x = k + warm
+            if x < full:
+                cf = (x % P) // group
+                k1 = (x // group + 1) * group - warm
+            else:
+                cf = (x - full) // q
+                k1 = full + ((x - full) // q + 1) * q - warm
+            if k < full:
+                cb = top - (k % P) // group
+                kb = (k // group + 1) * group
+            else:
+                cb = top - (k - full) // q
+                kb = full + ((k - full) // q + 1) * q
+            if kb < k1:
+                k1 = kb
+            if hi < k1:
+                k1 = hi
+            add((1, k, k1 - k, cf, cb, k != at))
+            k = at = k1
+    k = steady
+    while k < total:
+        if k < full:
+            cb = top - (k % P) // group
+            k1 = (k // group + 1) * group
+        else:
+            cb = top - (k - full) // q
+            k1 = full + ((k - full) // q + 1) * q
+        if k1 > total:
+            k1 = total
+        add((2, k, k1 - k, -1, cb, k == steady and at != steady))
+        k = k1
+    return out
+
+
+@lru_cache(maxsize=512)
+def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+                combined: bool = False) -> tuple[tuple[Probe, ...], int]:
+    """The passes of an interleaved schedule (PP > 1, VPP > 1; ``combined``: the combined 1F1B one)
+    where the bytes held can first reach their maximum, in schedule order, and the most micro-batches
+    in flight.
+
+    Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
+    backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient). Along one of
+    _runs' runs it is linear, so it first reaches its largest at the run's first or last pass: those
+    two are probed. The cost does not grow with m."""
+    probes: list[Probe] = []
+    add = probes.append
+    fc = [0] * vpp                          # forwards done per chunk
+    bc = [0] * vpp                          # backwards done per chunk
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
+        if section == 0:                    # warm-up forwards
+            fc[cf] += 1
+            add((True, cf, tuple(fc), fc[cf]))
+            if n > 1:
+                fc[cf] += n - 1
+                add((True, cf, tuple(fc), fc[cf]))
+            continue
+        if fresh:
+            fc = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
+            bc = _counts(k, vpp, m, group)[::-1]
+        if section == 1 and combined:       # steady steps, the backward before the forward
+            for j in ((k,) if n == 1 else (k, k + n - 1)):
+                if j != k:
+                    fc[cf] += n - 2
+                    bc[cb] += n - 2
+                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
+                fc[cf] += 1
+                bc[cb] += 1
+                add((True, cf, tuple(map(sub, fc, bc)), fc[cf]))
+            continue
+        if section == 1:                    # steady pairs: both passes see the same counts
+            fc[cf] += 1
+            h = tuple(map(sub, fc, bc))
+            add((True, cf, h, fc[cf]))
+            add((False, cb, h, bc[cb] + 1))
+            if n > 1:
+                fc[cf] += n - 1
+                bc[cb] += n - 1
+                h = tuple(map(sub, fc, bc))
+                add((True, cf, h, fc[cf]))
+                add((False, cb, h, bc[cb] + 1))
+        else:                               # cool-down backwards
+            add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
+            if n > 1:
+                bc[cb] += n - 1
+                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
+        bc[cb] += 1
+    return tuple(probes), _in_flight(warm, m * vpp, combined)
+
+
+def _in_flight(warm: int, total: int, combined: bool = False) -> int:
+    """Most micro-batches in flight: the warm-up's, plus the steady state's first forward if any (the
+    combined schedule releases one before each steady forward)."""
+    return warm + 1 if total > warm and not combined else warm
+
+
+def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int],
+               bwd_extra: list[int]) -> tuple[int, Probe]:
+    """The first probe with the largest sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk], and
+    that value: the first pass of the schedule where the bytes held peak."""
+    best, at = -1, probes[0]
+    if len(sizes) == 2:                     # the common case (VPP 2), without the generic dot product
+        s0, s1 = sizes
+        for p in probes:
+            h = p[2]
+            v = h[0] * s0 + h[1] * s1 + (fwd_extra if p[0] else bwd_extra)[p[1]]
+            if v > best:
+                best, at = v, p
+        return best, at
+    for p in probes:
+        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]]
+        if v > best:
+            best, at = v, p
+    return best, at
+
+
+def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
+              bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
+    """first_peak(peak_probes(...)) without keeping the probes: the value at each run end follows from
+    the previous one, and the held counts are rebuilt only for the peak (time O(runs), memory O(VPP)).
+    Returns (value, the peak's probe, most in flight)."""
+    top = vpp - 1
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    best, at = -1, (0, 0, True, 0)          # value; (section, position, forward?, chunk)
+    base = 0                                # sum_c held_c * sizes[c] before the next pass
+
+    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
+        if section == 0:
+            base += sizes[cf]
+            v = base + fwd_extra[cf]
+            if v > best:
+                best, at = v, (0, k, True, cf)
+            if n > 1:
+                base += (n - 1) * sizes[cf]
+                v = base + fwd_extra[cf]
+                if v > best:
+                    best, at = v, (0, k + n - 1, True, cf)
+            continue
+        if fresh:
+            f = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
+            base = sum(map(mul, map(sub, f, _counts(k, vpp, m, group)[::-1]), sizes))
+        if section == 1:
+            step = sizes[cf] - sizes[cb]
+            for j in ((k,) if n == 1 else (k, k + n - 1)):
+                if combined:                # the backward, then the forward
+                    if j != k:
+                        base += (n - 2) * step
+                    v = base + bwd_extra[cb]
+                    if v > best:
+                        best, at = v, (1, j, False, cb)
+                    base += step
+                    v = base + fwd_extra[cf]
+                    if v > best:
+                        best, at = v, (1, j, True, cf)
+                    continue
+                if j == k:
+                    base += sizes[cf]
+                else:
+                    base += (n - 1) * step
+                v = base + fwd_extra[cf]
+                if v > best:
+                    best, at = v, (1, j, True, cf)
+                v = base + bwd_extra[cb]
+                if v > best:
+                    best, at = v, (1, j, False, cb)
+            if combined:
+                continue
+        else:
+            v = base + bwd_extra[cb]
+            if v > best:
+                best, at = v, (2, k, False, cb)
+            if n > 1:
+                base -= (n - 1) * sizes[cb]
+                v = base + bwd_extra[cb]
+                if v > best:
+                    best, at = v, (2, k + n - 1, False, cb)
+        base -= sizes[cb]
+    section, k, fwd, c = at
+    if section == 0:
+        held = _counts(k + 1, vpp, m, group)
+    elif section == 2:
+        held = list(map(sub, [m] * vpp, _counts(k, vpp, m, group)[::-1]))
+    elif combined and not fwd:              # a combined step's backward: before its forward
+        held = list(map(sub, _counts(k + warm, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
+    elif combined:                          # its forward: after its backward
+        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k + 1, vpp, m, group)[::-1]))
+    else:
+        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
+    nth = _counts((k + warm if fwd and section == 1 else k) + 1, vpp, m, group)[c if fwd else top - c]
+    return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp, combined)
+
+
+def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
+                  bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
+    """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). The probes
+    are kept per rank (a planner's layouts share them) up to PROBE_MAX_VPP virtual stages."""
+    if vpp <= PROBE_MAX_VPP:
+        probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank, combined)
+        best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
+        return best, at, in_flight
+    return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)
 
 
 @lru_cache(maxsize=512)

@@ -34,3 +34,18 @@ def test_every_term_is_documented(extra, profile):
     for stage in est.stages:
         for term in stage.terms:
             assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name
+
+
+@pytest.mark.parametrize("extra", [["--optimizer", "soap", "--use-distributed-optimizer"], ["--optimizer", "lion"],
+                                   ["--optimizer", "adaptive_muon", "--muon-scalar-optimizer", "lion"],
+                                   ["--grad-reduce-in-bf16", "--optimizer-cuda-graph", "--use-distributed-optimizer"],
+                                   ["--pipeline-model-parallel-size", "4", "--fine-grained-activation-offloading",
+                                    "--offload-modules", "core_attn", "--delta-offload-bytes-across-pp-ranks", "1000000",
+                                    "--attention-output-gate"]])
+def test_emerging_optimizer_terms_are_documented(extra):
+    # (the fujii2024 profile refuses them: the paper's closed form has Adam and SGD only; with the optimizer CUDA
+    # graph, offloading's tuning and the output gate, the terms they add)
+    flags = LLAMA2_7B + ["--micro-batch-size", "1", "--global-batch-size", "64"] + extra
+    for stage in estimate(layout_from_flags(flags, world_size=16)).stages:
+        for term in stage.terms:
+            assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name

@@ -191,19 +191,24 @@ def test_forward_window():
     # --overlap-param-gather: first unit with one prefetched; none of this micro-batch's activations yet
     w = F.forward_window(s, units=12, unit_numel=1_000_000, added_per_unit=0)
     assert w.units_weights == 2 and w.weights == 4_000_000
-    # without it, start_param_sync gathered all 12 units after the step; the first forward starts with them
+    # MegatronFSDP.__init__ turns overlap_param_gather on under optim_grads_params (0.16.1 and 0.19.2):
+    # without the flag the window is the same
     w = F.forward_window(spec(suggested_communication_unit_size=2_000_000), units=12, unit_numel=1_000_000)
-    assert w.units_weights == 12 and w.step == 11
+    assert w.units_weights == 2 and w.weights == 4_000_000
     # strategies that keep weights whole have no forward window
     assert F.forward_window(spec(data_parallel_sharding_strategy="optim_grads"), 12, 1_000_000).weights == 0
 
 
 def test_after_step_unsharded():
     units = (1_000_000,) * 12
+    # the default communication unit (>= 1e9 elements) prefetches past every unit: all 12 re-gathered
     assert F.after_step_unsharded(spec(), units) == 12 * 2_000_000
-    # with --overlap-param-gather only the first bucket and its prefetch (limit 1M elements: one more)
-    s = spec(suggested_communication_unit_size=2_000_000, overlap_param_gather=True)
-    assert F.after_step_unsharded(s, units) == 2 * 2_000_000
+    # the first bucket and its prefetch (limit 1M elements: one more), with or without the flag
+    for flag in (True, False):
+        s = spec(suggested_communication_unit_size=2_000_000, overlap_param_gather=flag)
+        assert F.after_step_unsharded(s, units) == 2 * 2_000_000
+        # a chunk that starts with the embedding: its bucket is the base, the limit counts from unit 1
+        assert F.after_step_unsharded(s, units, first_outside_units=True) == 1 * 2_000_000
     assert F.after_step_unsharded(spec(data_parallel_sharding_strategy="optim"), units) == 0
 
 
@@ -240,15 +245,18 @@ def _record(test: str, golden: str) -> dict:
     raise AssertionError(f"{test}/{golden} not in {MOE_RECORDS}")
 
 
-def test_state_after_the_step_matches_megatron_ci():
+def test_state_after_the_step_brackets_megatron_ci():
     """Megatron's CI, moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router
     on H100 (Megatron-LM d98e8a64, the 0.19 FSDP code): --use-megatron-fsdp optim_grads_params, TP2
     SP, EP2 (ETP = TP), 8 GPUs -> DP 4, expert-DP 2; 12 MoE layers, hidden 512, ffn 2048 (GELU),
     8 experts, tied embedding, learned positions, vocab 50257 -> 50432. What stays allocated after
-    an iteration (mem_allocated_bytes) is the FSDP state plus the shards' fp32 gradient copies
-    (bf16 grads, kept until the next zero_grad) plus every unit re-gathered by start_param_sync
-    (no --overlap-param-gather), plus a few fixed non-FSDP buffers (cuBLAS workspace 32 MiB under
-    CUBLAS_WORKSPACE_CONFIG=:4096:8, rotary table, TE workspaces)."""
+    an iteration (mem_allocated_bytes, 751 MiB) holds the FSDP state (485 MiB) and 232 MiB of buffers
+    outside FSDP (cuBLAS 2 x 32 MiB, TE 32 MiB, TE grouped-GEMM 4 x 32 MiB, 8 MiB global buffer: the
+    same model under DDP with --moe-grouped-gemm on H100, ..._8experts2parallel_overlap_grad_reduce_
+    param_gather_groupedGEMM, is matched to 0.1 % with them). The two step terms (fp32 copies of the
+    bf16 gradient shards, 115 MiB; units re-gathered by start_param_sync, 108 MiB) exist in the source
+    of 0.16.1 and 0.19.2 and in a CPU run of 0.16.1, but the record holds only 34 MiB of them (the
+    dense groups' share is 31 MiB): memguard's after-step figure is an upper bound here."""
     r = _record("gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router",
                 "golden_values_dev_dgx_h100.json")
     a = r["model_args"]
@@ -261,9 +269,12 @@ def test_state_after_the_step_matches_megatron_ci():
     experts = [(f // t, h), (h, f // t)] * E
     groups = F.stage_groups(s, layers=12, layer_shapes=layer, before=[(V // t, h), (1024, h)], after=[(h,), (h,)],
                             dense_shard=4, expert_shapes=experts, expert_shard=2)
-    st = F.stage_fsdp(s, groups)
-    after_step = st.states.persistent + st.states.step_grad_copy + st.after_step
-    assert after_step <= measured <= after_step + 64 * 2**20, (after_step, measured)
+    st = F.stage_fsdp(s, groups, first_outside_units=True)
+    other = (2 * 32 + 32 + 4 * 32 + 8) * 2**20
+    low = st.states.persistent + other
+    high = low + st.states.step_grad_copy + st.after_step
+    assert low <= measured <= high, (low, measured, high)
+    assert (measured - low) / 2**20 < 40      # what the record leaves for the step terms (see the docstring)
 
 
 def test_torch_fsdp2_stage_units_are_the_layers():

@@ -76,3 +76,27 @@ def test_offload_and_torch_fsdp2_accepted_by_both(megatron):
         assert (L.optimizer_cpu_offload, L.use_torch_fsdp2) == (bool(args.optimizer_cpu_offload),
                                                                  bool(args.use_torch_fsdp2))
     assert args.optimizer_offload_fraction == 1.0 == memguard().optimizer_offload_fraction   # the CLI default
+
+
+def test_moe_and_hsdp_under_megatron_fsdp_accepted_by_both(megatron):
+    """Experts under Megatron-FSDP, with and without hybrid sharding (two optimizer instances): Megatron's
+    validate_args accepts them and memguard resolves the same sharding groups (DP 8, expert DP 4)."""
+    from megatron_memguard.layout import ShardGroup
+    moe = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-grouped-gemm"]
+    for extra in ([], ["--num-distributed-optimizer-instances", "2"]):
+        args = megatron(*FSDP, *moe, *extra)
+        L = memguard(*FSDP, *moe, *extra)
+        assert args.use_megatron_fsdp and L.use_megatron_fsdp and L.moe is not None
+        inst = args.num_distributed_optimizer_instances
+        assert L.num_distributed_optimizer_instances == inst
+        assert L.parallel.shard_size(ShardGroup.DENSE_DP) == 8 // inst
+        assert L.parallel.shard_size(ShardGroup.EXPERT_DP) == 8 // (args.expert_tensor_parallel_size * 2) // inst
+
+
+def test_hybrid_fsdp_with_outer_optimizer_sharding_accepted_by_both(megatron):
+    from megatron_memguard.layout import ShardGroup
+    flags = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"]
+    args = megatron(*FSDP, *flags)
+    L = memguard(*FSDP, *flags)
+    assert args.outer_dp_sharding_strategy == L.outer_dp_sharding_strategy == "optim"
+    assert L.parallel.shard_size(ShardGroup.DENSE_DP) == 8 // args.num_distributed_optimizer_instances

@@ -158,3 +158,151 @@ def test_other_state_terms_stay():
     names = [t.name for t in stage_state_terms(L, 0, terms)]
     assert names == ["parameters", "feature_weights", "gradient_buffer", "main_parameters", "muon_momentum",
                      "adam_exp_avg", "adam_exp_avg_sq", "feature_state"]
+
+
+# ----- the optimizer step's Newton-Schulz working set ---------------------------------------------------
+# emerging_optimizers 0.3.0 orthogonalized_optimizers/muon_utils.py newton_schulz + megatron-core 0.19.2
+# optimizer/emerging_optimizers.py TensorParallelMuon. Each value below was also measured on CPU with the
+# real TensorParallelMuon and the referee's live-bytes tracker (benchmarks/referee/muon_step_probe.py):
+# equal to the byte.
+
+def test_newton_schulz_fc1_medium_precision():
+    # [1024, 512], fp32 momentum, M = 524,288 elements; transpose -> Gram 512 x 512.
+    # normalize: 4M; .to(bf16): 4M + 2M; a step: X, new X (2M each) + A, B (2 x 2 x 512^2);
+    # .to(fp32): 2M + 4M; then orth * scale * extra keeps orth, t1, t2: 12M = 6,291,456 B.
+    from megatron_memguard.estimator.muon import NsSpec, newton_schulz_peak, orthogonalize_peak
+    M = 1024 * 512
+    assert newton_schulz_peak(M, 512, bf16_io=True) == 6 * M
+    assert orthogonalize_peak(1024, 512, NsSpec()) == 12 * M == 6_291_456
+    assert orthogonalize_peak(512, 1024, NsSpec()) == 6_291_456
+
+
+def test_newton_schulz_fp32_square():
+    # --muon-fp32-matmul-prec highest: X stays fp32; a step on [512, 512] holds X, new X, A, B:
+    # 4 x 4 x 262,144 = 4,194,304 B, more than the 12 B/elem scaling (3,145,728 B).
+    from megatron_memguard.estimator.muon import NsSpec, orthogonalize_peak
+    assert orthogonalize_peak(512, 512, NsSpec(fp32_matmul_prec="highest")) == 4_194_304
+    assert orthogonalize_peak(512, 512, NsSpec()) == 3_145_728
+
+
+def test_split_qkv_working_set():
+    # linear_qkv [8 groups x (64 + 64 + 64), 512], M = 786,432: the view [8, 192, 512] split along dim 1
+    # and reshaped copies all three parts (4M); while the last part (M/3) is orthogonalised the first two
+    # outputs are kept (4 x 2M/3) and it needs 12 x M/3: 4M + 8M/3 + 4M = 32M/3 = 8,388,608 B (the cat
+    # afterwards holds only 8M). One query group per rank: the parts are views, 12 x 65,536 = 786,432 B.
+    from megatron_memguard.estimator.muon import NsSpec, qkv_orthogonalize_peak
+    assert qkv_orthogonalize_peak(8, (64, 64, 64), 512, NsSpec()) == 8_388_608
+    assert qkv_orthogonalize_peak(1, (64, 64, 64), 512, NsSpec()) == 786_432
+    # GQA 4:1 (query 256, key 64, value 64 per group): the query part first, 8 x 256 x 512 = 1,048,576
+    # elements: copies 4 x 1,572,864 + 12 x 1,048,576 = 18,874,368 B
+    assert qkv_orthogonalize_peak(8, (256, 64, 64), 512, NsSpec()) == 18_874_368
+
+
+def test_duplicated_tp_mode_gathers_the_full_matrix():
+    # newton_schulz_tp "duplicated": x_shards (TP x shard) and torch.cat's global_x (the full matrix) live
+    # while the full matrix is orthogonalised (bf16: 6 B/elem of it at most). fc1 shard [512, 512] of TP 2:
+    # full [1024, 512] = 524,288 elements: 8 x 524,288 + 6 x 524,288 = 7,340,032 B.
+    from megatron_memguard.estimator.muon import NsSpec, orthogonalize_peak
+    assert orthogonalize_peak(512, 512, NsSpec(tp_mode="duplicated"), group=2, partition_dim=0) == 7_340_032
+    # blockwise (the default) ignores the split: the shard alone
+    assert orthogonalize_peak(512, 512, NsSpec(), group=2, partition_dim=0) == 3_145_728
+    # "distributed": the shard alone, but the Gram matrix spans the unpartitioned side. Column shard
+    # [64, 1024] (M = 65,536) is transposed to [1024, 64]: A and B are [1024, 1024] bf16 next to X and the
+    # new X: 2 x 2 x 65,536 + 2 x 2 x 1,048,576 = 4,456,448 B (more than the scaling's 786,432)
+    assert orthogonalize_peak(64, 1024, NsSpec(tp_mode="distributed"), group=2, partition_dim=0) == 4_456_448
+
+
+def _muon_ci_layout(**extra):
+    # the flags of Megatron CI's gpt3_moe_mcore_te_ep8_resume_torch_dist_muon (12 layers, hidden 512,
+    # 8 heads, 8 experts of width 1024, top-2, EP 8, TP 1, micro-batch 4 x 1024)
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    args = dict(num_layers=12, hidden_size=512, num_attention_heads=8, seq_length=1024, max_position_embeddings=1024,
+                micro_batch_size=4, global_batch_size=32, num_experts=8, moe_ffn_hidden_size=1024, moe_router_topk=2,
+                expert_model_parallel_size=8, moe_grouped_gemm=True, disable_bias_linear=True, bf16=True,
+                optimizer="muon", vocab_size=50257, transformer_impl="transformer_engine", **extra)
+    return resolve(RawConfig(args=args, world_size=8))
+
+
+def test_step_working_set_of_the_ci_muon_model():
+    # its largest Muon matrix is linear_qkv [1536, 512] (8 query groups): 8,388,608 B, far below the
+    # ~2.3 GB the forward pass adds on top of the states, so the step is not the peak
+    from megatron_memguard import estimate
+    from megatron_memguard.estimator.muon import step_working_set
+    L = _muon_ci_layout()
+    ws = step_working_set(L, 0)
+    assert (ws.matrix, ws.shape, ws.bytes) == ("linear_qkv", (1536, 512), 8_388_608)
+    st = estimate(L).stages[-1]
+    assert st.peak_phase.startswith("forward")
+    assert st.peak_allocated_bytes > st.persistent_bytes + ws.bytes
+
+
+def test_step_settings_are_read_and_checked():
+    from megatron_memguard.errors import ConfigErrors, ConfigError
+    from megatron_memguard.estimator.muon import step_working_set
+    L = _muon_ci_layout(muon_split_qkv=False, muon_nesterov=True)
+    # unsplit [1536, 512] (12 B/elem) plus Nesterov's copy (4 B/elem): 16 x 786,432
+    assert step_working_set(L, 0).bytes == 16 * 786_432
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _muon_ci_layout(muon_tp_mode="sideways")
+    assert "muon" in str(e.value) and "tp" in str(e.value)
+
+
+def test_step_peak_counts_the_working_set_but_not_the_steady_state():
+    # a wide model with tiny activations (micro-batch 1 x 32 tokens): the step is the peak, and it is the
+    # steady state plus the largest matrix's working set: fc1 [16384, 4096] unsplit = 12 B x 67,108,864
+    from megatron_memguard import estimate
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    L = resolve(RawConfig(args=dict(num_layers=2, hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32,
+                                    seq_length=32, max_position_embeddings=32, micro_batch_size=1,
+                                    global_batch_size=1, bf16=True, optimizer="muon", vocab_size=1024,
+                                    disable_bias_linear=True), world_size=1))
+    st = estimate(L).stages[-1]
+    assert st.peak_phase == "optimizer step"
+    ns = {t.name: t.bytes for t in st.terms}["muon_newton_schulz"]
+    assert ns == 12 * 16384 * 4096
+    assert st.peak_allocated_bytes == st.persistent_bytes + ns
+
+
+def test_core_0_16_dist_muon_all_gathers_the_parameters_after_the_step():
+    # layer_wise_optimizer.py (0.16.1) allgather_params: src = this rank's params flattened, output_list =
+    # every rank's (its own too), bf16. GPT4's 52 parameters sorted by numel and dealt 0..7, 7..0: the
+    # word embedding (25,755,648, index 51 -> rank 3) joins indices 3, 12, 19 (512 each), 28 (a QKV bias,
+    # 1,536), 35 (a proj weight, 262,144) and 44 (an fc weight, 1,048,576): 27,069,440 elements. All:
+    # 4 x 3,152,384 per layer + 25,755,648 + 524,288 positions + 1,024 final norm = 38,890,496.
+    from megatron_memguard import estimate, layout_from_flags
+    from megatron_memguard.estimator.muon import legacy_allgather_bytes
+    L = layout_from_flags(GPT4 + ["--optimizer", "dist_muon"], world_size=8, megatron_version="0.16")
+    assert legacy_allgather_bytes(L, 0) == 2 * (27_069_440 + 38_890_496)
+    assert estimate(L).stages[0].parameters == 38_890_496
+    # core 0.19's parameter layout syncs through the DDP buffer: no copy
+    L19 = layout_from_flags(GPT4 + ["--optimizer", "muon", "--use-distributed-optimizer"], world_size=8,
+                            megatron_version="0.19")
+    assert legacy_allgather_bytes(L19, 0) == 0
+
+
+def test_muon_ci_records_peak_misses_are_routing_not_the_optimizer():
+    # Megatron CI's five first-run Muon MoE records (shared/groundtruth, GPU measurements; see
+    # benchmarks/muon_peak_evidence.py and docs/calibration.md). act = what the peak holds above the model
+    # state: measured peak(iteration 1) - (steady - the state the first step creates).
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from muon_peak_evidence import rows
+    rs = rows()
+    assert len(rs) == 5
+    acts = [r["act_measured"] for r in rs]
+    by_group: dict = {}
+    for r in rs:
+        by_group.setdefault((r["platform"], r["ep"]), []).append(r["act_measured"])
+    # the two optimizer layouts (Muon, layer-wise distributed Muon) hold the same activations within 0.2%
+    for v in by_group.values():
+        assert max(v) - min(v) <= 0.002 * min(v)
+    # memguard's balanced estimate lies inside the spread the same flags show across platform and EP
+    for r in rs:
+        assert min(acts) < r["act_est"] < max(acts)
+        # every measured peak is below the worst-case routing bound memguard prints
+        assert r["peak"] < r["worst"]
+        # the step's own working set is far below what the forward adds to the steady state
+        assert r["step_ws"] < 0.01 * (r["est_peak"] - r["est_steady"])

@@ -134,8 +134,8 @@ def test_gated_options_wait_behind_a_refused_switch():
 
 
 # Options the walk found changing memory with nothing modelling them (issue 17): refused, or estimated with a note.
-WALK_REFUSED = {"hybrid_context_parallel": True, "use_transformer_engine_op_fuser": True, "freeze_all_layers": True,
-                "optimizer_cuda_graph": True, "spec": ["local"], "yaml_cfg": "run.yaml", "logits_load_dir": "/x",
+WALK_REFUSED = {"hybrid_context_parallel": True,
+                "spec": ["local"], "yaml_cfg": "run.yaml", "logits_load_dir": "/x",
                 "hybrid_override_pattern": "M*M*", "te_precision_config_file": "p.yaml"}
 WALK_NOTED = {"clone_scatter_output_in_embedding": False, "disable_jit_fuser": True, "create_all_gather_group": True,
               "ddp_num_buckets": 4, "eval_micro_batch_size": 8}
@@ -170,3 +170,22 @@ def test_the_real_parser():
     assert not sorted(dests - _stored_dests() - {d for d in dests if d.startswith("kitchen")})
     missing = _unclassified(dests)
     assert not missing, f"Megatron options memguard neither reads, refuses, nor lists as memory-neutral: {missing}"
+
+
+@pytest.mark.megatron_training
+@pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                    "tests/run.sh runs these in .venv312")
+def test_every_optimizer_choice_is_modelled():
+    # arguments.py --optimizer choices (0.19.2: adam, sgd, muon, dist_muon, lion, soap, adaptive_muon)
+    import argparse
+    import warnings
+
+    from megatron_memguard.resolve.refusals import OPTIMIZERS
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    choices = next(a.choices for a in parser._actions if a.dest == "optimizer")
+    assert set(choices) == set(OPTIMIZERS)

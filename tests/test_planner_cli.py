@@ -262,12 +262,18 @@ def test_tie_window_zero_ranks_by_time_alone_and_bad_values_are_refused(capsys):
 
 def test_explain_says_when_the_tie_window_put_a_slower_layout_first(capsys):
     """Llama-2-7B on 16 H100s, seq 2048, GBS 256: TP2 MBS4 is predicted 2.2% slower than TP1 PP2 MBS2 (the same
-    TP x CP x PP); within the 3% window the larger micro-batch ranks first, and --explain says why."""
+    TP x CP x PP); within a 3% window the larger micro-batch ranks first, and --explain says why. Within the
+    default 4% window TP1 PP1 MBS1 (predicted 3.7% slower than TP1 PP2 MBS2, 1.5% slower than TP2 MBS4)
+    ranks first: the least TP x CP x PP."""
     code, out, _ = run(capsys, "plan", "--gpus", "16", "--gpu", "H100-80GB", "--seq-length", "2048",
-                       "--global-batch-size", "256", "--explain", model=LLAMA2_7B)
+                       "--global-batch-size", "256", "--explain", "--tie-window", "0.03", model=LLAMA2_7B)
     assert code == 0
     assert "A: #1 (chosen): TP2 PP1 CP1 DP8 MBS4" in out and "B: #2 (runner-up): TP1 PP2" in out
     assert re.search(r"predicted 2\.\d% slower than the runner-up: within the tie window \(3%\)", out)
+    code, out, _ = run(capsys, "plan", "--gpus", "16", "--gpu", "H100-80GB", "--seq-length", "2048",
+                       "--global-batch-size", "256", "--explain", model=LLAMA2_7B)
+    assert "A: #1 (chosen): TP1 PP1 CP1 DP16 MBS1" in out and "B: #2 (runner-up): TP2 PP1 CP1 DP8 MBS4" in out
+    assert re.search(r"predicted 1\.\d% slower than the runner-up: within the tie window \(4%\)", out)
     code, out, _ = run(capsys, "plan", "--gpus", "16", "--gpu", "H100-80GB", "--seq-length", "2048",
                        "--global-batch-size", "256", "--explain", "--tie-window", "0", model=LLAMA2_7B)
     assert "A: #1 (chosen): TP1 PP2" in out and "tie window" not in out

@@ -89,7 +89,7 @@ def _worse(t, f) -> bool:
 
 def test_megatron_sweeps_rank_at_least_as_well_as_fujii_rule():
     """Issue 18 on Megatron-LM's sweeps (8-256 A100-40GB): median Spearman of the ranking against the measured
-    throughput >= 0.85 (reached: 0.94 with the 3% tie window; 0.90 without), and on no sweep a slower first
+    throughput >= 0.85 (reached: 0.94 with the 4% tie window; 0.90 without), and on no sweep a slower first
     choice or a lower Spearman than `--rule fujii2024` (three sweeps were worse without the tie window)."""
     rows = _both_rules(SWEEPS)
     rhos = [t.spearman for _, t, _ in rows if not math.isnan(t.spearman)]
@@ -99,13 +99,49 @@ def test_megatron_sweeps_rank_at_least_as_well_as_fujii_rule():
 
 def test_hagemann_sweeps_first_choice_and_spearman():
     """Hagemann et al.'s sweeps (another framework, A100-80GB; the framework's own outcomes decide which layouts
-    are ranked): median Spearman >= 0.90 (reached 0.91), the first choice within 3% of the best in 8 of 10
-    sweeps (LLaMA-30B s2048 at 64 GPUs: 85%, the tie window's pick; at 256 GPUs: 95%, data-parallel traffic
-    the model's network does not slow enough), worse than `--rule fujii2024` on at most the two LLaMA-13B s2048
-    sweeps (Spearman 0.65 / 0.64 against 0.69 / 0.74; it was four sweeps)."""
+    are ranked; read with synchronous TP collectives, benchmarks/planner_quality.py): median Spearman >= 0.90
+    (reached 0.906), the first choice within 3% of the best in 9 of 10 sweeps (LLaMA-30B s2048 at 256 GPUs:
+    95%, data-parallel traffic the model's network does not slow enough), worse than `--rule fujii2024` on at
+    most LLaMA-13B s2048 at 32 GPUs (Spearman 0.65 against 0.69; it was two sweeps, four without the window)."""
     rows = _both_rules(hagemann_sweeps())
     assert len(rows) == 10
     assert statistics.median(t.spearman for _, t, _ in rows) >= 0.90
-    assert sum(t.first_ok for _, t, _ in rows) >= 8
-    assert {sw.name for sw, t, f in rows if _worse(t, f)} <= {"LLaMA-13B s2048 32 x A100-80GB",
-                                                               "LLaMA-13B s2048 64 x A100-80GB"}
+    assert sum(t.first_ok for _, t, _ in rows) >= 9
+    assert {sw.name for sw, t, f in rows if _worse(t, f)} <= {"LLaMA-13B s2048 32 x A100-80GB"}
+
+
+def test_hagemann_other_kernels_never_worse_than_fujii_rule():
+    """The same framework's sheets with other kernels (FlashAttention-2 without the fused RMSNorm, FlashAttention
+    1.0.8; not targets, not looked at to set anything): on none does the time rule rank worse than
+    `--rule fujii2024` (one sheet each was with Megatron's overlapped TP collectives), medians 0.78 and 0.84."""
+    from benchmarks.planner_quality import other_kernel_sweeps
+    rows = _both_rules(other_kernel_sweeps())
+    assert len(rows) == 10
+    assert [sw.name for sw, t, f in rows if _worse(t, f)] == []
+    for fam, floor in (("hagemann-fa2", 0.78), ("hagemann-fa1", 0.83)):
+        assert statistics.median(t.spearman for sw, t, _ in rows if sw.family == fam) >= floor
+
+
+def test_hagemann_step_grows_with_tp_unless_collectives_are_synchronous():
+    """Why the Hagemann sheets are read with synchronous TP collectives: with Megatron's overlap, measured /
+    predicted step time grows with TP across all ten sheets (median at TP8 with SP 1.21 against 1.07 at TP1);
+    with none overlapped the gap shrinks by more than half (1.12 against 1.07)."""
+    import dataclasses
+
+    def tp_ratio(overlap):
+        by = {}
+        for sw in hagemann_sweeps():
+            sw = dataclasses.replace(sw, tp_overlap=overlap)
+            P = planner_for(sw)
+            for sc in score(sw, P):
+                if sc.run.failed or sc.seconds is None:
+                    continue
+                meas = sw.gbs * sw.seq * P.timer.flops_per_token / (sw.world * sc.run.throughput * 312e12)
+                by.setdefault((sc.run.tp, sc.run.sp), []).append(meas / sc.seconds)
+        return {k: statistics.median(v) for k, v in by.items()}
+
+    over, sync = tp_ratio(True), tp_ratio(False)
+    assert over[(8, True)] - over[(1, False)] > 0.12
+    assert sync[(8, True)] - sync[(1, False)] < 0.06
+    for k in over:
+        assert sync[k] <= over[k] + 1e-9

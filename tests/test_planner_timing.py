@@ -237,3 +237,48 @@ def test_dense_embedding_gradient_and_cross_entropy_bytes_by_hand():
     assert ec.out_elem == pytest.approx(memory_seconds(52 * 8192 * 128256, P.cluster.gpu), rel=1e-12)
     F = make_planner(LLAMA31_8B + ["--cross-entropy-loss-fusion"], 8, 8192, 64, gpu="A100-40GB")
     assert F.timer.ends_cost(1, 1, 1, False).out_elem == pytest.approx(ec.out_elem * CE_BYTES_FUSED / CE_BYTES)
+
+
+LLAMA1_30B = ("--num-layers 60 --hidden-size 6656 --ffn-hidden-size 17920 --num-attention-heads 52 "
+              "--max-position-embeddings 2048 --position-embedding-type rope --normalization RMSNorm --swiglu "
+              "--disable-bias-linear --untie-embeddings-and-output-weights --tokenizer-type NullTokenizer "
+              "--vocab-size 32000 --bf16").split()
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_synchronous_tp_collectives_by_hand(sp):
+    """LLaMA-30B (h 6656), seq 2048, MBS 2, TP4 on one A100 node. Each collective moves S = 2 x 2048 x 6656 x 2 B
+    = 54,525,952 B; an all-gather or reduce-scatter over 4 GPUs on NVLink takes 3/4 S / (300 GB/s x 0.8)
+    + 3 x 3 us = 179.4 us, an all-reduce twice that. With synchronous collectives (tp_overlap=False: none hidden
+    behind a GEMM, megatron-core's tensor_parallel/mappings.py pattern) a layer's backward pays, with SP, the
+    all-gathers of both row-parallel output gradients, the re-gathers of both column-parallel inputs and the
+    reduce-scatters of both input gradients (6 x 179.4 us), its forward 2 all-gathers + 2 reduce-scatters;
+    without SP the backward's two all-reduces equal the forward's. Megatron's overlap (the default) hides part
+    of the backward's behind the dgrad / wgrad GEMMs, never the forward's."""
+    from megatron_memguard.planner.timing import TimeModel
+    P = make_planner(LLAMA1_30B, 8, 2048, 64, gpu="A100-80GB")
+    S = 2 * 2048 * 6656 * 2
+    assert S == 54_525_952
+    one = 0.75 * S / (300e9 * 0.8) + 3 * 3e-6
+    assert one == pytest.approx(179.4e-6, rel=1e-3)
+    sync = TimeModel(P.shape, P.cluster, 64, tp_overlap=False).layer_cost(4, 1, 2, sp)
+    over = P.timer.layer_cost(4, 1, 2, sp)
+    if sp:
+        assert sync.tp_fwd == pytest.approx(4 * one, rel=1e-12)
+        assert sync.tp_bwd == pytest.approx(6 * one, rel=1e-12)
+    else:
+        assert sync.tp_fwd == pytest.approx(4 * one, rel=1e-12)     # two all-reduces
+        assert sync.tp_bwd == pytest.approx(4 * one, rel=1e-12)
+    assert over.tp_fwd == sync.tp_fwd
+    assert over.tp_bwd < sync.tp_bwd
+    # everything else in the layer is the same
+    assert (over.gemm_fwd, over.gemm_bwd, over.attn_fwd, over.elem_fwd) == (sync.gemm_fwd, sync.gemm_bwd,
+                                                                            sync.attn_fwd, sync.elem_fwd)
+    # the step's tp_comm term says so in --explain's sentence
+    from megatron_memguard.planner.space import make_candidate
+    c = make_candidate(P.shape, P.cluster, 64, tp=4, pp=1, cp=1, mbs=2, sp=sp)
+    tm = TimeModel(P.shape, P.cluster, 64, tp_overlap=False)
+    text = dict(zip(tm.explain(c).names, tm.explain(c).details))["tp_comm"]
+    assert "synchronous TP collectives" in text
+    assert "synchronous" not in dict(zip(P.timer.explain(c).names, P.timer.explain(c).details))["tp_comm"]
+    assert tm.step_time(c).term_seconds["tp_comm"] > P.step_time(c).term_seconds["tp_comm"]

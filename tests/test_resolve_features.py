@@ -77,7 +77,21 @@ def test_mtp_rules():
 
 
 def test_muon_rules():
-    assert run(muon, {}, optimizer="muon") == (dict(muon_scalar_optimizer="adam"), [])
+    # OptimizerConfig's defaults (megatron-core 0.16.1 and 0.19.2): split QKV, blockwise, medium, no Nesterov
+    assert run(muon, {}, optimizer="muon") == (dict(muon_scalar_optimizer="adam", muon_split_qkv=True,
+                                                    muon_tp_mode="blockwise", muon_fp32_matmul_prec="medium",
+                                                    muon_nesterov=False), [])
+    out, errs = run(muon, {"muon_split_qkv": False, "muon_tp_mode": "duplicated", "muon_nesterov": True}, optimizer="muon")
+    assert (out["muon_split_qkv"], out["muon_tp_mode"], out["muon_nesterov"], errs) == (False, "duplicated", True, [])
+    # 0.16.1 names the Nesterov switch muon_use_nesterov
+    assert run(muon, {"muon_use_nesterov": True}, V16, optimizer="muon")[0]["muon_nesterov"] is True
+    assert run(muon, {"muon_fp32_matmul_prec": "low"}, optimizer="muon")[1][0].startswith("--muon-fp32-matmul-prec")
+    # TE's single grouped expert weight: its shape decides Muon or the fallback; refused by name
+    import pytest
+    from megatron_memguard.errors import NotModelledError
+    with pytest.raises(NotModelledError) as e:
+        run(muon, {"moe_single_grouped_weight": True}, optimizer="muon")
+    assert "--moe-single-grouped-weight" in str(e.value)
     _, errs = run(muon, {}, V16, optimizer="muon", use_distributed_optimizer=True)
     assert errs and errs[0].startswith("--use-distributed-optimizer")
     assert run(muon, {}, V19, optimizer="muon", use_distributed_optimizer=True)[1] == []

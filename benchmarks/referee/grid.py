@@ -164,6 +164,15 @@ GRID: List[Dict[str, Any]] = [
          note="fp16 params and fp16 grad buffer, dynamic loss scaler"),
     _cfg("fp32", 1, [], base=[f for f in BASE if f != "--bf16"]),
     _cfg("sgd", 1, ["--optimizer", "sgd"]),
+    # --- the attention output gate (--attention-output-gate): linear_qkv's gate rows, the tensors the gate keeps
+    _cfg("gate", 1, ["--attention-output-gate"], note="gate a view of linear_qkv's output (one head per group)"),
+    _cfg("gate_gqa_rope", 1, ["--attention-output-gate", "--group-query-attention", "--num-query-groups", "2",
+                              "--position-embedding-type", "rope"], note="GQA: the gate a copy"),
+    _cfg("gate_tp2_sp", 2, ["--attention-output-gate", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    _cfg("gate_pp2_mb4", 2, ["--attention-output-gate", "--pipeline-model-parallel-size", "2",
+                             "--global-batch-size", "8"], note="backward peaks with the gate's working set"),
+    # --- frozen layers (--freeze-all-layers): weights only; the first stage saves nothing for backward
+    _cfg("freeze", 1, ["--freeze-all-layers"], note="PP1: no graph, no backward"),
 ]
 
 

@@ -47,6 +47,11 @@ def _r512(n: int) -> int:
 
 
 def _storage_of(t: torch.Tensor):
+    # A DTensor (Megatron-FSDP's optimizer shards and their states) is a wrapper without memory of its
+    # own; its local shard, made inside DTensor's dispatch where this mode is off, holds the bytes.
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
     try:
         if t.is_meta or t.is_sparse or t.is_nested:
             return None

@@ -369,6 +369,9 @@ def install(tracker=None) -> None:
     mbackends.LNImpl = CpuFusedNorm
     mspecs.LNImpl = CpuFusedNorm
     mblock.LayerNormImpl = CpuFusedNorm
+    # heterogeneous layer specs pick their norms themselves (LNImpl, WrappedTorchNorm for RMSNorm)
+    import megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs as mhet
+    mhet.LNImpl = mhet.WrappedTorchNorm = CpuFusedNorm
 
     # -- multi_tensor_scale local fallback ---------------------------------------------------------
     # optimizer.py _multi_tensor_copy_this_to_that and clip_grads.clip_grad_by_total_norm_fp32 use
@@ -491,6 +494,35 @@ def _fused_swiglu_kernels():
                 weighted_swiglu_back=weighted_swiglu_back)
 
 
+class _OutputGateFn(torch.autograd.Function):
+    """Attention._apply_output_gate (``x * sigmoid(gate)``, @jit_fuser = torch.compile on GPUs) as the compiled
+    kernel runs it: one fused kernel allocating only its output, keeping its two inputs for backward (what
+    torch.compile's partitioner saves; the gate is a view of linear_qkv's output). Eager code would keep the
+    fp32 sigmoid too, which is what the referee measured before this shim."""
+
+    @staticmethod
+    def forward(ctx, x, gate):
+        ctx.save_for_backward(x, gate)
+        return fused_kernel(_gate_fwd, x, gate)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, gate = ctx.saved_tensors
+        return fused_kernel(_gate_bwd, g, x, gate)
+
+
+def _gate_fwd(x, gate):
+    return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
+
+
+def _gate_bwd(g, x, gate):
+    s = torch.sigmoid(gate.contiguous().view(*x.shape).float())
+    gf = g.float()
+    dx = (gf * s).to(x.dtype)
+    dgate = (gf * x.float() * s * (1 - s)).to(gate.dtype).view(gate.shape)
+    return dx, dgate
+
+
 def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     """moe_utils.maybe_move_tensor_to_cpu for a run where every tensor stands for a GPU tensor: the
     host copy (numpy for the all-to-all split sizes) is made untracked, as host memory is not GPU
@@ -545,6 +577,7 @@ def _uneven_list_collectives() -> None:
 
 def _install_moe_shims() -> None:
     import megatron.core.fusions.fused_bias_swiglu as mswiglu
+    import megatron.core.transformer.attention as mattention
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as mdispatch
 
@@ -560,6 +593,9 @@ def _install_moe_shims() -> None:
     # GPU default) by MLP, SharedExpertMLP and the experts' WeightedSwiGLUFunction:
     for name, fn in _fused_swiglu_kernels().items():
         setattr(mswiglu, name, fn)
+    # Attention._apply_output_gate's @jit_fuser (torch.compile; under the referee's dispatch mode it runs
+    # eagerly), used with --attention-output-gate:
+    mattention.Attention._apply_output_gate = lambda self, x, gate: _OutputGateFn.apply(x, gate)
 
 
 # Snapshot sends not yet seen completed. Send works megatron never waits for are not marked completed by
@@ -610,3 +646,24 @@ def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:
                 group["foreach"] = False
             else:
                 raise ValueError(kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-FSDP (distributed/fsdp/mcore_fsdp_adapter.py, megatron_fsdp.py): MegatronFSDP.__init__
+# builds torch.device(f"cuda:{torch.cuda.current_device()}") to compare with its device, which
+# the "cpu" answer above cannot form; the device index is 0 while the wrapper is built, and the
+# buffers go to the CPU device passed in. Needs einops (its device-mesh helpers).
+# ----------------------------------------------------------------------------------------------
+def megatron_fsdp(config, ddp_config, module, disable_bucketing: bool = False):
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    # gradient_reduce_preprocessing: gloo has no PREMUL_SUM; the unfused path scales in place (mul_)
+    # and sums, allocating nothing more
+    ddp_config.gradient_reduce_div_fusion = False
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                        disable_bucketing=disable_bucketing, device=torch.device("cpu"))
+    finally:
+        torch.cuda.current_device = current

@@ -179,6 +179,10 @@ def core_transformer_config_from_args(args):
     kw["cp_comm_type"] = "p2p"
     # The local ("non-TE") path: no fp8, no TE-only features.
     kw["transformer_impl"] = "local"
+    if getattr(args, "heterogeneous_layers_config_path", None):
+        # argument_utils (0.19.2) / arguments.py (0.16): the path selects HeterogeneousTransformerConfig
+        from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+        return HeterogeneousTransformerConfig(**kw, heterogeneous_layers_config_path=args.heterogeneous_layers_config_path)
     return TransformerConfig(**kw)
 
 
@@ -463,7 +467,13 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             config = core_transformer_config_from_args(args)
 
             def model_provider(pre_process=True, post_process=True, vp_stage=None):
-                if args.num_experts:
+                if getattr(args, "heterogeneous_layers_config_path", None):
+                    # gpt_builders.gpt_builder: heterogeneous configs take their per-block layer specs
+                    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+                        get_gpt_heterogeneous_layer_spec,
+                    )
+                    spec = get_gpt_heterogeneous_layer_spec(config, use_te=False, vp_stage=vp_stage)
+                elif args.num_experts:
                     # gpt_builders.gpt_builder: MoE models take the per-layer block spec
                     # (dense and MoE layers from --moe-layer-freq), sliced for this stage/chunk.
                     spec = get_gpt_decoder_block_spec(
@@ -509,6 +519,10 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                                    post_process=mpu.is_pipeline_last_stage())
                 m.model_type = ModelType.encoder_or_decoder
                 model = [m]
+            if getattr(args, "freeze_all_layers", False):
+                # training.py get_model (core 0.19.2): --freeze-all-layers
+                for m in model:
+                    m.requires_grad_(False)
             for m in model:
                 for p in m.parameters():
                     tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -541,12 +555,17 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             ddp_kwargs["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
             ddp_kwargs["average_in_collective"] = args.ddp_average_in_collective
             ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
-            model = [
-                DDP(config=get_model_config(m), ddp_config=ddp_config, module=m,
-                    # get_model: no bucketing for model chunks after the first
-                    disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
-                for i, m in enumerate(model)
-            ]
+            if getattr(args, "use_megatron_fsdp", False):
+                # get_model (training.py, 0.16): Megatron-FSDP's adapter instead of DDP
+                model = [shims.megatron_fsdp(get_model_config(m), ddp_config, m, disable_bucketing=(i > 0))
+                         for i, m in enumerate(model)]
+            else:
+                model = [
+                    DDP(config=get_model_config(m), ddp_config=ddp_config, module=m,
+                        # get_model: no bucketing for model chunks after the first
+                        disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
+                    for i, m in enumerate(model)
+                ]
             bytes_after_ddp = tracker.current
 
             tracker.set_phase("build optimizer")
@@ -571,7 +590,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
             "after_optimizer": bytes_after_build,
             "build_peak": tracker.region_result("build")["peak_bytes"],
         }
-        result["ddp_buffers"] = _describe_buffers(model)
+        result["ddp_buffers"] = [] if getattr(args, "use_megatron_fsdp", False) else _describe_buffers(model)
 
         # ---------------------------------------------------------------- train()
         mconfig = get_model_config(model[0])

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 from ..layout import Layout
-from ..partition import LayerKind, uniform_kind
-from .layers import mixer_recipe, mlp_recipe
+from ..partition import MIXER_NONE, MLP_NONE, LayerKind, uniform_kind
+from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
 from .layers.base import Shapes, Step, shapes  # noqa: F401
 from .layers.base import norm_stats as _norm_stats
@@ -66,6 +66,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     """One layer of ``kind`` (default: the model's uniform kind), one micro-batch, no full recompute
     (applied per block by the caller)."""
     kind = uniform_kind(L) if kind is None else kind
+    L = kind_layout(L, kind)   # a heterogeneous layer's own ffn size
     x = shapes(L)
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
     te = L.transformer_impl == "transformer_engine"
@@ -80,14 +81,21 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     mixer = mixer_recipe(kind).activations(L, mods, has_batch_mask, drop_norm, after, rel_norm2, G)
 
-    saved: dict[str, int] = {"layer_input": T * h * r}       # residual stream, kept by the input norm
+    # a heterogeneous layer's no-op half (heterogeneous_layer_specs.py, 0.19.2): its norm, block and
+    # bias-dropout-add are identities, so it keeps nothing (layers/noop.py) and neither does the layer for it
+    no_mixer, no_mlp = kind.mixer == MIXER_NONE, kind.mlp == MLP_NONE
+    if no_mixer and no_mlp:
+        return LayerActivations()                               # the layer returns its input
+    saved: dict[str, int] = {} if no_mixer else {"layer_input": T * h * r}   # residual stream, kept by the input norm
     saved.update(mixer.saved)
     if L.hidden_dropout > 0:
-        saved["dropout_masks"] = 2 * T * h                    # bool masks after attention and after the MLP
-    saved["mlp_norm_input"] = T * h * r
-    saved["norm2_stats"] = _norm_stats(L, T)
-    if not drop_norm:
-        saved["fc1_input"] = T * h * e
+        # bool masks after attention and after the MLP
+        saved["dropout_masks"] = (2 - no_mixer - no_mlp) * T * h
+    if not no_mlp:
+        saved["mlp_norm_input"] = T * h * r                     # (the layer input itself after a no-op attention)
+        saved["norm2_stats"] = _norm_stats(L, T)
+        if not drop_norm:
+            saved["fc1_input"] = T * h * e
     saved.update(mlp.saved)
     # Forward steps: (saved names not created yet, working bytes)
     fwd_steps = mixer.fwd_steps + mlp.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
@@ -95,9 +103,10 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
-    bwd_steps = mlp_bwd + (
+    norm2_step = () if no_mlp else (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
-    ) + mixer_bwd
+    )
+    bwd_steps = mlp_bwd + norm2_step + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
         bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
     if kind.quantized:
@@ -160,3 +169,4 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
         return names | {"fp8_proj_input"} if "proj_input" in names else names
 
     return saved, tuple((tie(n), w) for n, w in fwd_steps), tuple((tie(n), w) for n, w in bwd_steps)
+

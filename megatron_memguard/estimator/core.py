@@ -1,6 +1,6 @@
 """Put the pieces together: per pipeline stage, persistent state plus the worst moment of the schedule.
 
-For each stage, the pipeline schedule (``schedule.key_events``) is replayed with the activation
+For each stage, the pipeline schedule (``schedule.schedule_peak``) is evaluated with the activation
 bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest of
 * a forward: what earlier micro-batches hold + this one's saved tensors + the transient at its end
   (the logits and the cross-entropy's fp32 copy on the last stage);
@@ -11,7 +11,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..errors import ConfigError
@@ -19,7 +19,7 @@ from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
-from ..schedule import combined_key_events, key_events, schedule_key
+from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
@@ -27,20 +27,24 @@ from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
-from .offload_activations import fine_grained_plan, last_offload_group
+from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .params import mtp_layer_kind
-from .muon import MUON_OPTIMIZERS
+from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
+from .muon import stage_step_terms as muon_step_terms
 from .params import layer_params
 from .result import Estimate, StageEstimate, Term, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
-from .states import StageStates, stage_states
+from .states import StageStates, bucket_size_for, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
+# what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
+OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class ChunkActivations:
     moe_layers: int = 0    # the part of ``layers`` the MoE halves of MoE layers keep (moe_layer_activations)
     offload_staging: int = 0   # fine-grained activation offloading: the groups moving to / from the host
     host_bytes: int = 0        # saved activations on the host per micro-batch in flight
+    offload_groups: tuple[int, ...] = ()   # fine-grained offloading: one micro-batch's offloaded groups, forward order
+    out_bwd_transient: int = 0  # the output layer's backward working set (the logits' gradient)
+    out_wgrad_moment: int = 0   # the output layer's extra once its weight gradient is accumulated
 
     @property
     def held(self) -> int:
@@ -110,6 +117,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
         moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
     staging = host = 0
+    offload_groups: tuple[int, ...] = ()
     if L.cpu_offloading_num_layers and n:
         # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
         host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
@@ -117,6 +125,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
+        seq: list[int] = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
@@ -141,6 +150,20 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             host += plan.host_bytes
             staging = max(staging, plan.staging)
             names |= {g for g, b in groups.items() if b}
+            sizes = ordered_sizes(groups)
+            seq += sizes * k
+            if plan.kept_last_group:
+                seq.pop()
+            if L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes:
+                # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
+                # group reloaded ahead
+                staging = max(staging, sum(sizes) + max(sizes))
+        kept = fraction_kept(seq, L.activation_offload_fraction)
+        if kept:
+            layers += kept
+            host -= kept
+            detail += f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}"
+        offload_groups = tuple(seq)
         if host:
             detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
 
@@ -179,9 +202,21 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
         bwd_top = max(o.bwd_transient, bwd_top - o.total)
+    if L.freeze_all_layers and has_embedding:
+        # --freeze-all-layers: nothing of the first chunk of the first stage requires grad (its input is token ids),
+        # so its forward records no graph and saves nothing, and its backward does not run. What training keeps
+        # is a forward transient here: one layer's tensors while it runs (what it would save, and its working
+        # set), or the output items at the loss; the batch and embedding items alongside. Later stages receive an
+        # input that requires grad (p2p_communication.py) and are counted as in training.
+        one_layer = (per_layer + fwd_transient) if n else 0
+        return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
+                                fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
+                                bwd_bottom_extra=0)
     return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host)
+                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups,
+                            out_bwd_transient=o.bwd_transient if has_output else 0,
+                            out_wgrad_moment=o.bwd_wgrad_moment if has_output else 0)
 
 
 class _MoePart:
@@ -262,21 +297,28 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     return tuple(terms)
 
 
+@lru_cache(maxsize=256)
+def _moe_layer_buffers(L: Layout) -> tuple[int, int, int]:
+    """Per MoE layer: the dispatcher's held state and the router's buffers; and the allgather
+    dispatcher's GlobalMemoryBuffer request (the same on every stage)."""
+    from .layers import moe
+    return moe.held_bytes(L), moe.router_buffer_bytes(L.moe), moe.global_buffer_request(L, L.moe)
+
+
 def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
     """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
     and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
     if not n_moe:
         return terms
-    from .layers import moe
-    held = moe.held_bytes(L) * n_moe
+    per_layer, router, gb = _moe_layer_buffers(L)
+    held = per_layer * n_moe
     if held:
         terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
                           f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next forward"))
-    rb = moe.router_buffer_bytes(L.moe) * n_moe
+    rb = router * n_moe
     if rb:
         terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
                           f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
-    gb = moe.global_buffer_request(L, L.moe)
     old = next((t for t in terms if t.name == "global_memory_buffer"), None)
     if gb and (old is None or old.bytes < gb):
         terms = [t for t in terms if t.name != "global_memory_buffer"]
@@ -286,74 +328,63 @@ def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
     return terms
 
 
-def _simulate(L: Layout, pp_rank: int, acts: list[ChunkActivations],
-              receiving: list[bool] | None = None) -> tuple[int, str, int, dict[str, int]]:
-    """Replay the schedule; return (activation peak, phase, in-flight count, terms at the peak).
-    ``receiving``: which chunks get their input from a previous stage (their retained pairs count
-    where they overlap other chunks' passes).
-
-    One pass finds the peak event; a second pass up to it recovers what is held there (cheaper than
-    copying the held counts at every new maximum)."""
-    n = len(acts)
-    if n == 1:
-        return _peak_one_chunk(L, pp_rank, acts[0])
-    combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
-    events = (combined_key_events if combined else key_events)(*schedule_key(L, pp_rank))
+def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
+    """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
+    the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
+    (its own micro-batch released), the larger of the two, and the retained pipeline inputs.
+    ``receiving``: which chunks get their input from a previous stage."""
+    if len(acts) == 1:
+        return None
     # Interleaved schedules keep each receiving chunk's last input and its gradient through the
     # schedule (with received inputs and gradients queued ahead of their passes, which this does not
-    # count separately): the retained pairs are present at every event.
-    pairs = 2 * p2p_tensor_bytes(L) * sum(receiving or ())
-    retained = [pairs] * len(events)
-    sizes = [a.held for a in acts]
-    fwd_extra = [a.fwd_extra for a in acts]
-    top_extra = [a.bwd_top_extra for a in acts]
-    bottom_extra = [a.bwd_bottom_extra - a.held for a in acts]   # this micro-batch released
-    base = 0                        # bytes held by the micro-batches in flight
-    cur = in_flight = 0
-    best, best_i, best_kind = -1, 0, "F"
-    for i, (fwd, ci) in enumerate(events):
-        if fwd:
-            base += sizes[ci]
-            cur += 1
-            if cur > in_flight:
-                in_flight = cur
-            v = base + fwd_extra[ci] + retained[i]
-            if v > best:
-                best, best_i, best_kind = v, i, "F"
-        else:
-            top = base + top_extra[ci] + retained[i]
-            bottom = base + bottom_extra[ci] + retained[i]
-            if top > best or bottom > best:
-                if top >= bottom:
-                    best, best_i, best_kind = top, i, "B"
-                else:
-                    best, best_i, best_kind = bottom, i, "Bend"
-            base -= sizes[ci]
-            cur -= 1
-    held = [0] * n
-    mb = [0] * n
-    for fwd, ci in events[:best_i]:
-        held[ci] += 1 if fwd else -1
-    ci = events[best_i][1]
-    mb[ci] = sum(1 for f, c in events[:best_i + 1] if c == ci and f == (best_kind == "F"))
-    if best_kind == "F":
-        held[ci] += 1
-    elif best_kind == "Bend":
+    # count separately): the retained pairs are present at every pass.
+    retained = 2 * p2p_tensor_bytes(L) * sum(receiving)
+    top = [a.bwd_top_extra for a in acts]
+    bottom = [a.bwd_bottom_extra - a.held for a in acts]
+    return ([a.held for a in acts], [a.fwd_extra for a in acts], top, bottom,
+            [t if t >= b else b for t, b in zip(top, bottom)], retained)
+
+
+def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
+              sched: tuple | None) -> tuple[int, str, int, dict[str, int]]:
+    """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
+    ``sched``: _schedule_bytes of the chunks (None for a single chunk).
+
+    The interleaved schedule is evaluated at its probes (schedule.schedule_peak: the passes where the
+    first maximum can be, whatever the chunks' bytes), which give the peak, pass and counts a replay of
+    every pass gives (tests/test_schedule.py)."""
+    if sched is None:
+        return _peak_one_chunk(L, pp_rank, acts[0])
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained = sched
+    # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
+    combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
+    best, (fwd, ci, counts, nth), in_flight = schedule_peak(
+        L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp, pp_rank, sizes, fwd_extra,
+        bwd_extra, combined)
+    best += retained
+    held = list(counts)
+    if fwd:
+        where, extra = "forward", fwd_extra[ci]
+    elif top_extra[ci] >= bottom_extra[ci]:
+        where, extra = "backward", top_extra[ci]
+    else:                                   # its own micro-batch already released
+        where, extra = "end of backward", acts[ci].bwd_bottom_extra
         held[ci] -= 1
-    extra = {"F": fwd_extra, "B": top_extra}[best_kind][ci] if best_kind != "Bend" else acts[ci].bwd_bottom_extra
-    where = {"F": "forward", "B": "backward", "Bend": "end of backward"}[best_kind]
-    phase = f"{where} of micro-batch {mb[ci]}, chunk {ci} ({sum(held)} held)"
-    moe = sum(h * acts[i].moe_layers for i, h in enumerate(held))
-    parts: dict[str, int] = {"layer_activations": sum(h * acts[i].layers for i, h in enumerate(held)) - moe}
+    phase = f"{where} of micro-batch {nth}, chunk {ci} ({sum(held)} held)"
+    moe = layers = 0
+    for h, a in zip(held, acts):
+        moe += h * a.moe_layers
+        layers += h * a.layers
+    parts: dict[str, int] = {"layer_activations": layers - moe}
     if moe:
         parts["moe_layer_activations"] = moe
-    for i, h in enumerate(held):
+    for h, a in zip(held, acts):
         if h:
-            for k, v in acts[i].ends.items():
+            for k, v in a.ends.items():
                 parts[k] = parts.get(k, 0) + h * v
-    parts["forward_transient" if best_kind == "F" else "backward_transient"] = extra
-    if retained[best_i]:
-        parts["pipeline_inputs_retained"] = retained[best_i]
+    parts["forward_transient" if fwd else "backward_transient"] = extra
+    if retained:
+        parts["pipeline_inputs_retained"] = retained
     return best, phase, in_flight, parts
 
 
@@ -396,6 +427,7 @@ _END_GROUPS = {
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
+    "offload_pp_balance_kept": "activations",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
 
@@ -445,8 +477,72 @@ def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple
     return tuple(out[:at] + list(extra) + out[at:])
 
 
-def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
-                   dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
+@dataclass(frozen=True)
+class _StageShape:
+    """What a stage's schedule-independent terms depend on (``key``); equal keys share one _StagePrep.
+    ``pp_rank``: the rank it was first built for (not compared)."""
+
+    key: tuple
+    pp_rank: int = field(compare=False)
+
+    def __hash__(self) -> int:
+        # the key nests every chunk's layer kinds; hashed once, it keys _stage_prep on every stage
+        h = self.__dict__.get("_h")
+        if h is None:
+            h = hash(self.key)
+            object.__setattr__(self, "_h", h)
+        return h
+
+
+@lru_cache(maxsize=256)
+def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
+    return tuple(_stage_shape(L, r, L.stage_chunks(r)) for r in range(L.pp))
+
+
+def _stage_shape(L: Layout, pp_rank: int, chunks: tuple[Chunk, ...]) -> _StageShape:
+    """The middle stages of a deep pipeline share their chunk shapes, hence their states, buffers and
+    fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon look at
+    the chunks' positions, so they are keyed by rank."""
+    if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
+        return _StageShape((pp_rank,), pp_rank)
+    return _StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
+                                 bucket_size_for(L, c)) for c in chunks]), pp_rank == 0, pp_rank == L.pp - 1), pp_rank)
+
+
+@dataclass(frozen=True)
+class _StagePrep:
+    """The terms of a stage that do not depend on where its schedule peaks."""
+
+    parameters: int
+    n_layers: int
+    has_output: bool
+    has_moe: bool              # a MoE layer on the stage (for its worst-case figure)
+    acts: tuple[ChunkActivations, ...]
+    sched: tuple | None        # _schedule_bytes
+    ft: object
+    state_terms: tuple[Term, ...]
+    step_terms: tuple[Term, ...]
+    host_terms: tuple[Term, ...]
+    host_bytes: int            # activation offloading: host bytes per micro-batch in flight
+    buffers: tuple[Term, ...]
+    retained: tuple[Term, ...]
+    staging: int
+    deferred: int
+    fixed_alloc: tuple[Term, ...]
+    device_only: tuple[Term, ...]  # device-level fixed terms (CUDA context, NCCL), outside the allocator
+    device_bytes: int
+    frag_detail: str
+    layers_detail: str
+    base: int                  # state + buffers + fixed allocated terms (before CUDA graph terms)
+    step_bytes: int
+    finalize: int
+    retained_bytes: int
+
+
+@lru_cache(maxsize=1024)
+def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None, dp_rank: int | str,
+                site: SiteConstants) -> _StagePrep:
+    pp_rank = shape.pp_rank
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
     n_layers = sum(c.num_layers for c in chunks)
@@ -455,18 +551,26 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
-        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)])
+        # what has left, from the backward's top, when the first gradient bucket (the output layer's) is
+        # allocated: the backward's top working set less the output layer's own at its weight gradient
+        # (head.output_items); and when the first unit's is: the loss softmax, the output items and the
+        # logits' gradient
+        softmax = [a.ends.get("loss_softmax_fp32", 0) + a.ends.get("loss_softmax", 0) for a in acts]
+        loss = [max(0, a.out_bwd_transient - a.out_wgrad_moment) if a.out_bwd_transient else x
+                for a, x in zip(acts, softmax)]
+        out = [x + sum(a.ends.get(k, 0) for k in OUTPUT_ITEMS) + a.out_bwd_transient for a, x in zip(acts, softmax)]
+        ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)],
+                              loss, out)
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
-    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts,
-                                                  [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks])
-    if ft is not None:
-        parts = split_fsdp_transients(parts, ft)
-
     state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+    if L.freeze_all_layers:
+        # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
+        # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
+        state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
     if L.fp8 or L.fp4:
         state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
-    if L.optimizer in MUON_OPTIMIZERS:
+    if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
         state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
     if offload_enabled(L):
@@ -475,43 +579,82 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
         state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
-    act_host = max(a.host_bytes for a in acts) * in_flight
-    if act_host:
-        # activation offloading: the saved tensors on the host of every micro-batch in flight (pinned)
-        how = ("layer-level (--cpu-offloading-num-layers)" if L.cpu_offloading_num_layers
-               else "fine-grained (" + ", ".join(L.offload_modules) + ")")
-        host_terms = host_terms + (Term("host_offloaded_activations", act_host, "host", "host",
-                                        f"{how}; {in_flight} micro-batch(es) in flight"),)
     stage_runs = tuple([c.kind_runs for c in chunks])
     buffers = persistent_buffers(L, pp_rank, stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
-    retained = [t for t in buffers if t.name == "pipeline_inputs_retained"]
+    retained = tuple(t for t in buffers if t.name == "pipeline_inputs_retained")
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
-    staging = max(a.offload_staging for a in acts)
-    if staging:
-        # the offloaded groups in flight exist during the forward and backward passes
-        parts = {**parts, "offload_staging": staging}
-        act_peak += staging
-    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 else 0
-    if deferred:
-        # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
-        parts = {**parts, "deferred_output_wgrad_buffers": deferred}
-        act_peak += deferred
-    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else []
+    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else ()
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     if device == "gpu":
         p2p, count = p2p_in_flight_bytes(L)
         if p2p:
             fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                               f"{count} pipeline send/receive buffers held by NCCL work objects")]
-        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0)
+        # (weight gradients, real or placeholder, exist only for parameters that require grad)
+        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0) if not L.freeze_all_layers else 0
         if dummies:
             n = len(dummy_wgrad_shapes(L, has_output, n_layers > 0))
             fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
+    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+    return _StagePrep(
+        parameters=st.parameters, n_layers=n_layers, has_output=has_output,
+        has_moe=any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs), acts=tuple(acts),
+        sched=_schedule_bytes(L, acts, [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
+        state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
+        host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
+        staging=max(a.offload_staging for a in acts),
+        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0,
+        fixed_alloc=tuple(fixed_alloc),
+        device_only=tuple(t for t in fixed if t.level == "device"),
+        device_bytes=sum(t.bytes for t in fixed if t.level == "device"),
+        frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
+        layers_detail="; ".join(a.layers_detail for a in acts),
+        base=base,
+        # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
+        # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
+        step_bytes=sum(t.bytes for t in step_terms),
+        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
+        retained_bytes=sum(t.bytes for t in retained))
 
+
+def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
+                   dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
+    chunks = L.stage_chunks(pp_rank)
+    pr = _stage_prep(L, _stage_shapes(L)[pp_rank], device, gpu_name, dp_rank, site)
+    acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
+    act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
+    if ft is not None:
+        parts = split_fsdp_transients(parts, ft)
+    host_terms = pr.host_terms
+    act_host = pr.host_bytes * in_flight
+    if act_host:
+        # activation offloading: the saved tensors on the host of every micro-batch in flight (pinned)
+        how = ("layer-level (--cpu-offloading-num-layers)" if L.cpu_offloading_num_layers
+               else "fine-grained (" + ", ".join(L.offload_modules) + ")")
+        host_terms = host_terms + (Term("host_offloaded_activations", act_host, "host", "host",
+                                        f"{how}; {in_flight} micro-batch(es) in flight"),)
+    if pr.staging:
+        # the offloaded groups in flight exist during the forward and backward passes
+        parts = {**parts, "offload_staging": pr.staging}
+        act_peak += pr.staging
+    if L.delta_offload_bytes_across_pp_ranks and pp_rank and acts[-1].offload_groups:
+        # pp_rank x delta bytes of whole groups stay on the GPU, from the first backward chunk (the stage's last
+        # chunk, micro-batch 0) on: those micro-batches are in flight at the peak
+        kept = pp_balance_kept(acts[-1].offload_groups, pp_rank * L.delta_offload_bytes_across_pp_ranks,
+                               L.activation_offload_fraction, in_flight)
+        if kept:
+            parts = {**parts, "offload_pp_balance_kept": kept}
+            act_peak += kept
+    if pr.deferred:
+        # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
+        parts = {**parts, "deferred_output_wgrad_buffers": pr.deferred}
+        act_peak += pr.deferred
+    state_terms, step_terms, buffers, fixed_alloc = pr.state_terms, pr.step_terms, pr.buffers, pr.fixed_alloc
+    base = pr.base
     graph_pool: list[Term] = []
     if device == "gpu" and L.cuda_graph_impl != "none":
         # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
@@ -521,18 +664,23 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
         graphed = n_layers + (L.mtp_num_layers if has_output else 0)
         la = layer_activations(L)
+        fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
                 L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
-                sum(t.bytes for t in step_terms), len(chunks)):
+                pr.step_bytes, len(chunks)):
             t = Term(name, nbytes, group, level, det)
-            (fixed_alloc if level == "allocated" else graph_pool).append(t)
-    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+            if level == "allocated":
+                fixed_alloc.append(t)
+                base += nbytes
+            else:
+                graph_pool.append(t)
 
-    # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
-    # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-    step_bytes = sum(t.bytes for t in step_terms)
-    finalize = replicated_grad_allreduce_bytes(L, stage_runs, has_output)
-    retained_bytes = sum(t.bytes for t in retained)
+    # Muon's Newton-Schulz temporaries (one matrix at a time) exist during the step only: not in the
+    # steady state (persistent_bytes below counts the step terms without them)
+    step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
+    step_bytes = pr.step_bytes + sum(t.bytes for t in step_only)
+    finalize, retained_bytes = pr.finalize, pr.retained_bytes
+    retained = list(pr.retained)
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
         act_terms = retained + [Term("replicated_grad_allreduce", finalize, "transients",
@@ -547,7 +695,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             group = _END_GROUPS.get(name, "transients" if name.endswith("transient") else "activations")
             det = ""
             if name == "layer_activations":
-                det = "; ".join(a.layers_detail for a in acts) + f"; {in_flight} micro-batch(es) in flight at most"
+                det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
             elif name == "mtp_block_activations":
                 det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                        f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
@@ -555,9 +703,12 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
                        "loss; the last depth's logits are in forward_transient")
             elif name == "offload_staging":
-                host = max(a.host_bytes for a in acts) * in_flight
+                host = pr.host_bytes * in_flight
                 det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
                        f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+            elif name == "offload_pp_balance_kept":
+                det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
+                       "of whole offload groups kept on the GPU, from the first micro-batch in flight")
             elif name == "pipeline_inputs_retained":
                 det = "last received input and its gradient of the chunks not started yet or already done"
             elif ft is not None and name.startswith("fsdp_"):
@@ -565,27 +716,38 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
             act_terms.append(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = retained + list(step_terms)
+        act_terms = retained + list(step_terms) + list(step_only)
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
+    step_bytes_graphed = sum(t.bytes for t in step_terms)
+    if (device == "gpu" and L.optimizer_cuda_graph and step_bytes_graphed and peak_phase != "optimizer step"
+            and cuda_graph_spec(L).impl != "full_iteration"):
+        # OptimizerCudaGraphWrapper captures the step into a private pool (core 0.19.2 optimizer_cuda_graph.py):
+        # its temporaries stay reserved there while forward and backward run (a full-iteration graph's pool
+        # already counts them)
+        graph_pool.append(Term("optimizer_graph_pool", step_bytes_graphed, "allocator", "reserved",
+                               "the optimizer step's temporaries, kept by its CUDA graph's private pool"))
     terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)
-        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved",
-                          f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated"))
-        terms += graph_pool
+        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved", pr.frag_detail))
+        if graph_pool:
+            terms += graph_pool
         peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
-        device_only = [t for t in fixed if t.level == "device"]
-        terms += device_only
-        device_total = peak_reserved + sum(t.bytes for t in device_only)
+        terms += pr.device_only
+        device_total = peak_reserved + pr.device_bytes
     else:
         peak_reserved = device_total = peak_alloc
-    persistent = base + retained_bytes + sum(t.bytes for t in step_terms)
+    persistent = base + retained_bytes + pr.step_bytes
+    moe = None
+    if L.moe is not None:
+        held = next((t.bytes for t in act_terms if t.name == "moe_layer_activations"), 0)
+        moe = _moe_worst_case(L, device, site, held, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase)
     return StageEstimate(
-        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=st.parameters,
+        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=pr.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
-        host_terms=host_terms,
+        moe=moe, host_terms=host_terms,
     )
 
 
@@ -621,15 +783,12 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
-def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gpu_name: str | None,
-                   dp_rank: int | str, site: SiteConstants) -> tuple[StageEstimate, ...]:
-    """The stages with their ``moe`` figures: the expert rows per MoE layer and micro-batch under
+@lru_cache(maxsize=256)
+def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
+    """What every stage's ``moe`` figure needs: the expert rows per MoE layer and micro-batch under
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
-    of the ETP x EP group to this rank's experts, or the capacity), and each stage's peak at the same
-    moment of the schedule with the worst-case rows: the MoE layers in flight keep their worst-case
-    bytes and the working set grows by the worst-case layer's (no second schedule replay: the estimate
-    of a 1,024-GPU DeepSeek-V3 layout stays one replay per stage)."""
-    import dataclasses
+    of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
+    how much its working set grows, and the allocator's slack on top."""
     from .layers.moe import expert_rows, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
@@ -638,25 +797,29 @@ def moe_worst_case(L: Layout, stages: tuple[StageEstimate, ...], device: str, gp
     d_work = max(wst.fwd_transient - bal.fwd_transient,
                  max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
     frag = site.allocator_fragmentation if device == "gpu" else 0.0
-    out = []
-    for s in stages:
-        held = s.breakdown.get("moe_layer_activations", 0)
-        grow = (held * wst.total // bal.total - held) if bal.total else 0
-        if held:
-            extra = grow + d_work
-        elif any(kind.mlp == MLP_MOE and n for c in s.chunks for kind, n in c.kind_runs):
-            # checkpointed layers keep no MoE bytes, but the backward remakes one MoE layer at a time:
-            # its saved tensors and working set at the worst-case rows
-            extra = max(wst.total - bal.total, 0) + d_work
-        else:
-            extra = 0
-        extra_reserved = extra + int(extra * frag)
-        moe = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
-               "worst_case": {"peak_allocated_bytes": s.peak_allocated_bytes + extra,
-                              "peak_reserved_bytes": s.peak_reserved_bytes + extra_reserved,
-                              "device_total_bytes": s.device_total_bytes + extra_reserved, "peak_phase": s.peak_phase}}
-        out.append(dataclasses.replace(s, moe=moe))
-    return tuple(out)
+    return rows, bal.total, wst.total, d_work, frag
+
+
+def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_moe: bool, peak_allocated: int,
+                    peak_reserved: int, device_total: int, peak_phase: str) -> dict:
+    """A stage's ``moe`` figure: its peak at the same moment of the schedule with the worst-case rows.
+    The MoE layers in flight (``held``: their moe_layer_activations bytes) keep their worst-case bytes
+    and the working set grows by the worst-case layer's (no second schedule evaluation)."""
+    rows, bal_total, wst_total, d_work, frag = _moe_worst_inputs(L, device, site)
+    grow = (held * wst_total // bal_total - held) if bal_total else 0
+    if held:
+        extra = grow + d_work
+    elif has_moe:
+        # checkpointed layers keep no MoE bytes, but the backward remakes one MoE layer at a time:
+        # its saved tensors and working set at the worst-case rows
+        extra = max(wst_total - bal_total, 0) + d_work
+    else:
+        extra = 0
+    extra_reserved = extra + int(extra * frag)
+    return {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+            "worst_case": {"peak_allocated_bytes": peak_allocated + extra,
+                           "peak_reserved_bytes": peak_reserved + extra_reserved,
+                           "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
 
 
 def estimate(
@@ -684,6 +847,10 @@ def estimate(
     if site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
         notes.append("site profile: " + site.describe())
     if profile == "fujii2024":
+        if layout.heterogeneous_layers:
+            # the paper's closed form has one layer shape
+            from ..errors import NotModelledError
+            raise NotModelledError("--profile", "the fujii2024 closed form for heterogeneous layer configs")
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
@@ -698,8 +865,6 @@ def estimate(
             raise ConfigError("--gpu", bad)
     gpu_name = gpu.name if gpu else None
     stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
-    if L.moe is not None:
-        stages = moe_worst_case(L, stages, device, gpu_name, dp_rank, site)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,

@@ -258,9 +258,12 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
         return 0, []
     non_tn = non_tn_gpu(gpu_name or "")
     # Megatron-FSDP sizes its own (uint8) buffers for primary FP8 weights and drops TE's transposes after
-    # each use (--keep-fp8-transpose-cache is refused): only the scales stay outside its buffers
-    fsdp = bool(getattr(L, "use_megatron_fsdp", False))
-    dist = L.use_distributed_optimizer and not fsdp
+    # each use: only the scales stay outside its buffers; with --keep-fp8-transpose-cache each weight's
+    # whole transpose stays too (megatron_fsdp.py release_module_parameters), as outside FSDP
+    megatron_fsdp = bool(getattr(L, "use_megatron_fsdp", False))
+    keep = megatron_fsdp and bool(getattr(L, "keep_fp8_transpose_cache", False))
+    fsdp = megatron_fsdp and not keep
+    dist = L.use_distributed_optimizer and not megatron_fsdp
     cache = colw = scales = layers = elements = 0
     for c in chunks:
         for kind, n in c.kind_runs:
@@ -270,7 +273,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             layers += n
             cache += n * weight_cache_bytes(spec, g, non_tn=non_tn)
             colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
-                         primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
+                         primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist or keep))
             scales += n * layer_recipe_state_bytes(spec, g)
             elements += n * sum(x.count * x.rows * x.cols for x in g)
     mtp = getattr(L, "mtp_num_layers", 0) or 0
@@ -307,6 +310,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                                  f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
     if colw:
         where = ("scale tensors outside Megatron-FSDP's buffers (its transposes are dropped after each use)" if fsdp
+                 else f"transposes Megatron-FSDP keeps (--keep-fp8-transpose-cache) and scales ({arch})" if keep
                  else f"TE storage outside the parameter buffer ({arch})")
         terms.append(Term("fp8_weight_columnwise", colw, TermGroup.WEIGHTS,
                           detail=f"{r} primary weights of {layers} layers: {where}"))

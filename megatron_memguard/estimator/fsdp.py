@@ -78,6 +78,10 @@ class FsdpGroup:
     chunk: int = 1
     name: str = ""
     fp8: bool = False   # FP8 primary weights (--fp8-param-gather): Megatron-FSDP's "float8" dtype group
+    # HFSDP (HSDP with --outer-dp-sharding-strategy optim): the replicas the main weights and optimizer
+    # state are further sharded over; ``shard`` stays one replica's group (the helper buffers of weights
+    # and gradients), the bucket is padded for shard x outer ranks (ParamAndGradBuffer, 0.16.1 and 0.19.2)
+    outer: int = 1
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class FsdpSpec:
     bucket_size: int | None          # DDP bucket size, the derived comm unit without units
     reshard_after_forward: bool = True   # torch FSDP2; False with --torch-fsdp2-no-reshard-after-forward
     keep_non_units_unsharded: bool = False  # optim_grads_params: groups outside units stay gathered
-    overlap_param_gather: bool = False   # --overlap-param-gather: start_param_sync gathers with prefetch only
+    overlap_param_gather: bool = False   # on under optim_grads_params: start_param_sync gathers with prefetch only
     fp8_params: bool = False         # --fp8-param-gather: FP8 groups keep 1-byte (uint8) compute weights
     fp8_grad_bytes: int = 2          # main gradient bytes of FP8 groups (bf16 unless fp32 is asked)
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -184,7 +188,10 @@ class FsdpSpec:
                    main_param_bytes=mbytes, state_bytes=states, decoupled_grad=decoupled, double_buffer=double,
                    comm_unit=suggested_communication_unit_size, bucket_size=bucket,
                    keep_non_units_unsharded=strategy == "optim_grads_params",
-                   overlap_param_gather=overlap_param_gather, fp8_params=fp8_param_gather, fp8_grad_bytes=fp8_g,
+                   # MegatronFSDP.__init__ (0.16.1 and 0.19.2) sets ddp_config.overlap_param_gather = True
+                   # under optim_grads_params, whatever --overlap-param-gather says
+                   overlap_param_gather=overlap_param_gather or strategy == "optim_grads_params",
+                   fp8_params=fp8_param_gather, fp8_grad_bytes=fp8_g,
                    notes=tuple(notes))
 
 
@@ -196,7 +203,7 @@ def padded_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
         return -(-g.numel // g.shard) * g.shard
     if spec.strategy == "no_shard":
         return g.numel
-    div = g.shard * max(1, g.chunk)
+    div = g.shard * max(1, g.outer) * max(1, g.chunk)
     return -(-g.numel // div) * div
 
 
@@ -254,7 +261,7 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
                           optimizer_numel=part)
     s = spec.strategy
     wb, gb = weight_bytes(spec, g), grad_bytes(spec, g)
-    opt = part if spec.shards_optimizer else g.numel
+    opt = part // max(1, g.outer) if spec.shards_optimizer else g.numel
     if s == "no_shard":
         weights = wb * g.numel        # the module's own parameters, no FSDP buffer
     elif spec.shards_weights:
@@ -266,7 +273,7 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
         # The all-gathered bucket of a group outside FSDP units stays (see FsdpSpec.from_flat).
         non_unit = wb * full
     grads = gb * (part if spec.shards_grads else full if s != "no_shard" else g.numel)
-    main = spec.main_param_bytes * (part if spec.shards_optimizer else g.numel)
+    main = spec.main_param_bytes * opt
     # The optimizer works on the main weights, or on the compute weights without a main buffer.
     copy = 0
     if spec.main_param_bytes and not spec.decoupled_grad and gb != spec.main_param_bytes:
@@ -405,12 +412,7 @@ def forward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], added_per_unit
     cands: list[tuple[int, FsdpWindow]] = []
     for i in range(n):
         rest = list(range(i + 1, n))
-        if spec.double_buffer:
-            k = min(1, len(rest))
-        elif not spec.overlap_param_gather:
-            k = len(rest)        # start_param_sync gathered every bucket after the step
-        else:
-            k = _ahead(units, rest, limit)
+        k = min(1, len(rest)) if spec.double_buffer else _ahead(units, rest, limit)
         held = [i] + rest[:k]
         w, todo = (0 if spec.double_buffer else sum(units[x][1] for x in held)), n - 1 - i
         cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=len(held), step=todo)))
@@ -480,10 +482,8 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
                    all_unit_numels: tuple[int, ...] = (), unit_weight_bytes: int | None = None) -> FsdpWindow:
     """The worst moment of one forward relative to its end: at unit i the weights of unit i and of
     the units prefetched ahead are unsharded, while ``added_per_unit`` activation bytes for each
-    unit still to run are not there yet (``step`` = units still to run). Without
-    ``--overlap-param-gather`` the optimizer step's start_param_sync has gathered every bucket
-    (``async_bucket_gather`` on all, no release): the first forward starts with all units whole and
-    releases them one by one (``_post_forward``)."""
+    unit still to run are not there yet (``step`` = units still to run); each unit is released by
+    its ``_post_forward``."""
     if units <= 0:
         return FsdpWindow()
     uw = unit_numel * spec.param_bytes if unit_weight_bytes is None else unit_weight_bytes
@@ -499,12 +499,7 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
     limit = comm_unit_size(spec, all_unit_numels or (unit_numel,)) // 2
     for i in range(units):
         remaining = units - i
-        if spec.double_buffer:
-            ahead = 1
-        elif not spec.overlap_param_gather:
-            ahead = remaining - 1
-        else:
-            ahead = prefetch_units(limit, unit_numel, remaining - 1)
+        ahead = 1 if spec.double_buffer else prefetch_units(limit, unit_numel, remaining - 1)
         nw = 1 + min(ahead, remaining - 1)
         w, todo = (0 if spec.double_buffer else nw * uw), units - 1 - i
         cands.append((w - todo * added_per_unit, FsdpWindow(weights=w, units_weights=nw, step=todo)))
@@ -512,21 +507,23 @@ def forward_window(spec: FsdpSpec, units: int, unit_numel: int, added_per_unit: 
 
 
 def after_step_unsharded(spec: FsdpSpec, unit_numels: list[int] | tuple[int, ...],
-                         unit_weight_bytes: list[int] | tuple[int, ...] = ()) -> int:
+                         unit_weight_bytes: list[int] | tuple[int, ...] = (), first_outside_units: bool = False) -> int:
     """Unit weights all-gathered by ``start_param_sync`` right after the optimizer step (and alive
-    until each unit's first forward): every bucket without ``--overlap-param-gather``, else the
-    first one and those its prefetch reaches. ``unit_weight_bytes``: each unit's full buckets in
-    bytes (default: elements x the spec's weight bytes)."""
+    until each unit's first forward): the first one and those its prefetch reaches (Megatron-FSDP
+    turns overlap_param_gather on under optim_grads_params, so start_param_sync gathers the first
+    bucket with prefetch, never every bucket). ``unit_weight_bytes``: each unit's full buckets in
+    bytes (default: elements x the spec's weight bytes). ``first_outside_units``: the chunk's first
+    parameter (the embedding) is outside units, so its bucket is the base and the prefetch limit
+    counts from the first unit (AllGatherPipeline.all_gather_params)."""
     if spec.impl != "megatron_fsdp" or not spec.shards_weights or not unit_numels:
         return 0
     wb = list(unit_weight_bytes) or [n * spec.param_bytes for n in unit_numels]
     if spec.double_buffer:
         return 0       # gathered into the persistent pools (fsdp_double_buffers)
-    if not spec.overlap_param_gather:
-        return sum(wb)
     limit = comm_unit_size(spec, unit_numels) // 2
-    total, ahead = wb[0], 0
-    for n, b in zip(unit_numels[1:], wb[1:]):
+    start = 0 if first_outside_units else 1
+    total, ahead = sum(wb[:start]), 0
+    for n, b in zip(unit_numels[start:], wb[start:]):
         if ahead >= limit:
             break
         total += b
@@ -583,21 +580,23 @@ def _split(shapes: list[tuple[int, ...]], bucket_size: int | None) -> list[list[
     return out
 
 
-def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str, fp8: bool = False) -> FsdpGroup:
+def _group(shapes: list[tuple[int, ...]], shard: int, unit: bool, name: str, fp8: bool = False,
+           outer: int = 1) -> FsdpGroup:
     return FsdpGroup(numel=sum(math.prod(s) for s in shapes), shard=shard, unit=unit,
-                     chunk=chunk_size_factor(shapes), name=name, fp8=fp8)
+                     chunk=chunk_size_factor(shapes), name=name, fp8=fp8, outer=outer)
 
 
-def _unit_groups(spec: FsdpSpec, shapes: list[tuple[int, ...]], shard: int, name: str) -> list[FsdpGroup]:
+def _unit_groups(spec: FsdpSpec, shapes: list[tuple[int, ...]], shard: int, name: str,
+                 outer: int = 1) -> list[FsdpGroup]:
     """A unit's groups: with FP8 primary weights the 2-D weights (TE's FP8 linear weights) form a
     "float8" group apart from the 16-bit norms and biases (step 1 groups by dtype)."""
     if not spec.fp8_params:
-        return [_group(shapes, shard, True, name)]
+        return [_group(shapes, shard, True, name, outer=outer)]
     fp8 = [s for s in shapes if len(s) > 1]
     rest = [s for s in shapes if len(s) <= 1]
-    out = [_group(fp8, shard, True, name + ".fp8", fp8=True)] if fp8 else []
+    out = [_group(fp8, shard, True, name + ".fp8", fp8=True, outer=outer)] if fp8 else []
     if rest:
-        out.append(_group(rest, shard, True, name))
+        out.append(_group(rest, shard, True, name, outer=outer))
     return out
 
 
@@ -606,7 +605,7 @@ Shapes = list[tuple[int, ...]]
 
 def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), before: Shapes = (),
                  after: Shapes = (), dense_shard: int = 1, expert_shapes: Shapes = (), expert_shard: int = 1,
-                 per_layer: list[tuple[Shapes, Shapes]] | None = None) -> tuple[FsdpGroup, ...]:
+                 per_layer: list[tuple[Shapes, Shapes]] | None = None, outer: int = 1) -> tuple[FsdpGroup, ...]:
     """The parameter groups of one model chunk on one rank, in Megatron-FSDP's order.
 
     ``layer_shapes``: per-rank shapes of one transformer layer's dense parameters, ``expert_shapes``
@@ -632,13 +631,13 @@ def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), 
         return tuple(groups)
     if spec.impl == "megatron_fsdp" and spec.strategy == "optim_grads_params":
         for i, (dense, experts) in enumerate(per_layer):
-            groups += _unit_groups(spec, list(dense), dense_shard, f"layer{i}")
+            groups += _unit_groups(spec, list(dense), dense_shard, f"layer{i}", outer)
             if experts:
                 groups += _unit_groups(spec, list(experts), expert_shard, f"layer{i}.experts")
         # Step 1 groups by (dtype, expert, requires_grad, unit id) whatever the position: the
         # embedding, final norm and output layer form one group outside units, then cut at the bucket size.
         for part in _split(list(before) + list(after), bucket):
-            groups.append(_group(part, dense_shard, False, "outside units"))
+            groups.append(_group(part, dense_shard, False, "outside units", outer=outer))
         return tuple(groups)
     dense_all = list(before) + [sh for d, _ in per_layer for sh in d] + list(after)
     for part in _split(dense_all, bucket if spec.impl == "megatron_fsdp" else None):
@@ -664,9 +663,11 @@ class StageFsdp:
     double_buffer: int           # persistent double buffers (--fsdp-double-buffer)
 
 
-def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int = 0) -> StageFsdp:
+def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int = 0,
+               first_outside_units: bool = False) -> StageFsdp:
     """States, windows and step figure of one rank from its groups. ``act_per_unit``: bytes of
-    activations one layer saves per micro-batch (what its backward releases)."""
+    activations one layer saves per micro-batch (what its backward releases); ``first_outside_units``:
+    the chunk starts with the embedding (see ``after_step_unsharded``)."""
     st = stage_states(spec, groups)
     units: dict[str, list[int]] = {}
     for g in groups:
@@ -691,5 +692,6 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
         bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list, big[1], big[2])
         fwd = forward_window(spec, n, unit, act_per_unit, unit_list, big[1])
     return StageFsdp(states=st, unit_numel=unit, units=n, non_unit_grad_numel=non_unit, forward=fwd, backward=bwd,
-                     after_step=after_step_unsharded(spec, unit_list, tuple(u[1] for u in units.values())),
+                     after_step=after_step_unsharded(spec, unit_list, tuple(u[1] for u in units.values()),
+                                                     first_outside_units),
                      double_buffer=double_buffer_bytes(spec, unit, big[1] + big[2]))

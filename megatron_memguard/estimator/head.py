@@ -19,6 +19,9 @@ class EndItems:
     saved: dict[str, int] = field(default_factory=dict)   # kept per micro-batch in flight
     fwd_transient: int = 0                              # extra at the worst point of the forward
     bwd_transient: int = 0                              # extra at the worst point of the backward
+    # the output layer's extra when its weight gradient is accumulated (the logits' gradient freed):
+    # where Megatron-FSDP allocates the first full gradient bucket (estimator/fsdp_layout.py)
+    bwd_wgrad_moment: int = 0
 
     @property
     def total(self) -> int:
@@ -115,7 +118,7 @@ def output_items(L: Layout) -> EndItems:
     # (--defer-embedding-wgrad-compute), or materialised here
     wgrad = 0 if (L.fused_wgrad or L.defer_embedding_wgrad_compute) else v_t * x.h * x.e
     bwd = max(cast, -kept + logits + x.Tf * x.h * x.e + wgrad)
-    return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd)
+    return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd, bwd_wgrad_moment=-kept + x.Tf * x.h * x.e + wgrad)
 
 
 def deferred_wgrad_buffers(L: Layout) -> int:

@@ -17,6 +17,15 @@ Two mechanisms (megatron-core 0.16.1 and 0.19.2):
   group on the last pipeline stage (its backward follows at once: ``should_bulk_offload``). The
   warm-up iteration offloads too (``should_bulk_offload`` returns True while warming up) and records
   the groups' sizes.
+
+Core 0.19's tuning (``PipelineOffloadManager.post_warmup_callback``, read in 0.19.2): after the warm-up
+iteration, ``--delta-offload-bytes-across-pp-ranks D`` keeps ``pp_rank x D`` bytes of whole groups on the GPU,
+walking the chunks in backward order (micro-batch 0 first) and each chunk's groups in forward order, a group
+kept while the budget is still positive; then ``--activation-offload-fraction f`` keeps ``int(n (1 - f))`` of
+each chunk's n remaining offloaded groups on the GPU, the last ones in forward order ("prefer keeping earlier
+forward groups offloaded"). ``--delay-offload-until-cuda-graph`` queues the offloads committed during a TE
+CUDA graph replay until the replay returns (``FineGrainedOffloadingGroupCommitFunction``,
+``TransformerLayer._te_cuda_graph_replay``): a graphed layer's groups are all on the GPU at its end.
 """
 from __future__ import annotations
 
@@ -79,6 +88,36 @@ def group_bytes(tensors: Mapping[str, Sequence[tuple[int, int]]], modules: Seque
     (from the layer recipe); tensors below ``min_elements`` stay on the GPU.
     """
     return {m: sum(n * size for n, size in tensors.get(m, ()) if n >= min_elements) for m in modules}
+
+
+def ordered_sizes(groups: Mapping[str, int]) -> list[int]:
+    """One layer's offloaded group sizes in forward order (groups of no bytes are not offloaded)."""
+    return [b for _, b in sorted(groups.items(), key=lambda kv: _ORDER.get(kv[0], 99)) if b > 0]
+
+
+def fraction_kept(sizes: Sequence[int], fraction: float) -> int:
+    """Bytes ``--activation-offload-fraction`` keeps on the GPU of one chunk's offloaded groups (``sizes``, in
+    forward order): the last ``int(n (1 - fraction))`` of the n groups."""
+    k = int(len(sizes) * (1 - fraction))
+    return sum(sizes[len(sizes) - k:]) if k > 0 else 0
+
+
+def pp_balance_kept(sizes: Sequence[int], budget: int, fraction: float, micro_batches: int) -> int:
+    """Bytes ``--delta-offload-bytes-across-pp-ranks`` keeps on the GPU beyond the fraction's, over the first
+    ``micro_batches`` chunks in backward order (those in flight at the stage's peak), each with the groups
+    ``sizes``: whole groups from the first one while ``budget`` (pp_rank x delta) is positive, then the fraction
+    applied to what is left of each chunk."""
+    extra = 0
+    base = fraction_kept(sizes, fraction)
+    for _ in range(micro_batches):
+        if budget <= 0:
+            break
+        i = 0
+        while i < len(sizes) and budget > 0:
+            budget -= sizes[i]
+            i += 1
+        extra += sum(sizes[:i]) + fraction_kept(sizes[i:], fraction) - base
+    return extra
 
 
 def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) -> FineGrainedPlan:

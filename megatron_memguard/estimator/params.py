@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from ..layout import Chunk, Layout
 from ..partition import LayerKind, layer_kinds, uniform_kind
-from .layers import mixer_recipe, mlp_recipe
+from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param
 from .layers.moe import experts_use_expert_buffer
@@ -34,6 +34,7 @@ def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, t
     """[out, in] per TP rank of every linear weight of one transformer layer (default: the model's
     uniform kind)."""
     kind = uniform_kind(L) if kind is None else kind
+    L = kind_layout(L, kind)
     return {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
 
 
@@ -43,6 +44,7 @@ def layer_params(L: Layout, prefix: str = "", kind: LayerKind | None = None) -> 
     fc1, fc2. The TE spec fuses the norms into linear_qkv/fc1 (``layer_norm_weight``/``layer_norm_bias``);
     counts are the same, order differs slightly."""
     kind = uniform_kind(L) if kind is None else kind
+    L = kind_layout(L, kind)
     return mixer_recipe(kind).params(L, prefix) + mlp_recipe(kind).params(L, prefix)
 
 
@@ -124,12 +126,14 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
     ps: list[Param] = []
     if c.has_embedding:
-        ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp))
+        ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp, cols=h))
         if L.position_embedding_type == "learned_absolute":
-            ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True))
+            ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True,
+                            cols=h))
     layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
     for i, kind in enumerate(c.layer_kinds):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert)
+        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert,
+                        p.cols)
                   for p in layers[kind])
     mtp = _mtp_params(L, c)
     if mtp:
@@ -139,7 +143,8 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
-            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp))
+            ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp,
+                            cols=h))
     return ps
 
 
@@ -148,7 +153,7 @@ def total_parameters(L: Layout) -> int:
     layer's from the recipes of its kind, plus the final norm and the embedding (and output layer)."""
     h, V = L.hidden_size, L.padded_vocab_size
     norm = 2 if L.normalization == "LayerNorm" else 1
-    total = sum(n * (mixer_recipe(k).param_count(L) + mlp_recipe(k).param_count(L))
+    total = sum(n * (mixer_recipe(k).param_count(kind_layout(L, k)) + mlp_recipe(k).param_count(kind_layout(L, k)))
                 for k, n in Counter(layer_kinds(L)).items())
     total += norm * h + V * h
     # MTP depths: one layer of the last decoder layer's kind each, plus enorm, hnorm, final norm and
@@ -156,7 +161,8 @@ def total_parameters(L: Layout) -> int:
     d = getattr(L, "mtp_num_layers", 0)
     if d:
         last = mtp_layer_kind(L)
-        total += d * (mixer_recipe(last).param_count(L) + mlp_recipe(last).param_count(L) + 3 * norm * h + 2 * h * h)
+        KL = kind_layout(L, last)
+        total += d * (mixer_recipe(last).param_count(KL) + mlp_recipe(last).param_count(KL) + 3 * norm * h + 2 * h * h)
     if L.untie_embeddings_and_output_weights:
         total += V * h
     if L.position_embedding_type == "learned_absolute":

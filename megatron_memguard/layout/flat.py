@@ -39,15 +39,18 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("provenance", "megatron_version tokenizer_type"),
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
-    ("shape", "mtp_num_layers"),
-    ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type"),
+    ("shape", "mtp_num_layers heterogeneous_layers"),
+    ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type use_transformer_engine_op_fuser"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
-    ("optim", "muon_scalar_optimizer"),
+    ("optim", "muon_scalar_optimizer muon_split_qkv muon_tp_mode muon_fp32_matmul_prec muon_nesterov"),
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
               "suggested_communication_unit_size megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype "
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
-              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads"),
+              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy keep_fp8_transpose_cache"),
     ("provenance", "env"),
+    ("optim", "freeze_all_layers optimizer_cuda_graph"),
+    ("shape", "attention_output_gate"),
+    ("recompute", "activation_offload_fraction delta_offload_bytes_across_pp_ranks delay_offload_until_cuda_graph"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -72,11 +75,15 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "fp8_output_proj": False, "symmetric_ar_type": None,
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
-    "muon_scalar_optimizer": "adam",
+    "muon_scalar_optimizer": "adam", "use_transformer_engine_op_fuser": False, "heterogeneous_layers": None,
+    "muon_split_qkv": True, "muon_tp_mode": "blockwise", "muon_fp32_matmul_prec": "medium", "muon_nesterov": False,
     # Megatron-FSDP, torch FSDP2, optimizer CPU offload (``from_dict`` takes these back when a key is absent)
     "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,
     "fsdp_double_buffer": False, "suggested_communication_unit_size": None,
     "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",
     "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
-    "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True,
+    "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True, "outer_dp_sharding_strategy": "no_shard",
+    "keep_fp8_transpose_cache": False,
+    "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
+    "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
 }

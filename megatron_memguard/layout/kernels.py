@@ -27,6 +27,9 @@ class Kernels:
     # --tp-comm-overlap-cfg's size-deciding settings, "gemm.key=value" (resolve/tp_overlap.py); () = TE's defaults
     tp_comm_overlap_cfg: tuple[str, ...] = ()
     symmetric_ar_type: str | None = None   # --symmetric-ar-type: TE's symmetric-memory all-reduce
+    # --use-transformer-engine-op-fuser with the TE spec: TEFusedMLP for a dense model's MLPs, TE's
+    # fused grouped MLP for the experts (megatron-core 0.19.2); resolved False where the spec ignores it
+    use_transformer_engine_op_fuser: bool = False
 
     @property
     def fused_wgrad(self) -> bool:

@@ -84,6 +84,8 @@ class MoeSpec:
     routing: str = "balanced"
     # the flex dispatcher's SMs (DeepEP's communication buffer has one channel per two SMs)
     moe_flex_dispatcher_num_sms: int = 20
+    # --use-fused-weighted-squared-relu: TEGroupedMLP's squared-ReLU x probs in one autograd function
+    use_fused_weighted_squared_relu: bool = False
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -110,7 +112,8 @@ class MoeSpec:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
         d["moe_recompute"] = list(self.moe_recompute)
-        for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+        for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
+                     "use_fused_weighted_squared_relu"):
             if not d[name]:
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d

@@ -39,3 +39,7 @@ class ModelShape:
     v_head_dim: int = 128
     rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)
     mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)
+    attention_output_gate: bool = False   # a sigmoid gate per query head on the attention output (linear_qkv makes it)
+    # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
+    # (resolve/heterogeneous.py: attention | none, dense | dense:FFN | none); None: every layer alike
+    heterogeneous_layers: str | None = None

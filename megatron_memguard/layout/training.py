@@ -28,7 +28,7 @@ class PipelineSplit:
 class Optimizer:
     """The optimizer and megatron's DDP wrapper (buffers, buckets); the state dtypes are in Precision."""
 
-    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon
+    optimizer: str                  # adam | sgd | muon | adaptive_muon | dist_muon | lion | soap
     use_distributed_optimizer: bool
     store_param_remainders: bool
     overlap_grad_reduce: bool
@@ -36,6 +36,11 @@ class Optimizer:
     ddp_bucket_size: int | None
     ddp_pad_buckets_for_high_nccl_busbw: bool
     muon_scalar_optimizer: str = "adam"   # with a Muon-family optimizer: what updates the non-matrix params
+    # how a Muon-family step orthogonalises (estimator/muon.py step_working_set; OptimizerConfig defaults)
+    muon_split_qkv: bool = True
+    muon_tp_mode: str = "blockwise"             # blockwise | duplicated | distributed
+    muon_fp32_matmul_prec: str = "medium"       # medium: Newton-Schulz in bf16 | high | highest
+    muon_nesterov: bool = False
     # Megatron-FSDP / torch FSDP2 instead of DDP's buffers (estimator/fsdp.py; off by default)
     use_megatron_fsdp: bool = False
     use_torch_fsdp2: bool = False
@@ -45,11 +50,19 @@ class Optimizer:
     megatron_fsdp_main_params_dtype: str = "fp32"        # fp32 | bf16 | fp16 | auto (no main weights)
     megatron_fsdp_main_grads_dtype: str = "auto"         # auto = the parameter dtype (core 0.19)
     torch_fsdp2_reshard_after_forward: bool = True
+    # HSDP (--num-distributed-optimizer-instances > 1): "optim" also shards the optimizer state across replicas
+    outer_dp_sharding_strategy: str = "no_shard"
+    # --keep-fp8-transpose-cache: Megatron-FSDP keeps each FP8 primary weight's transpose after use
+    keep_fp8_transpose_cache: bool = False
     # optimizer CPU offload (estimator/offload_optimizer.py; off by default)
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
     pin_cpu_grads: bool = True
+    # --freeze-all-layers: no parameter requires grad (no DDP buffers, no optimizer state)
+    freeze_all_layers: bool = False
+    # --optimizer-cuda-graph (core 0.19): the step captured into a CUDA graph's private pool
+    optimizer_cuda_graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,3 +77,7 @@ class Recompute:
     fine_grained_activation_offloading: bool = False
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024 * 1024
+    # fine-grained offloading's core 0.19 tuning (estimator/offload_activations.py)
+    activation_offload_fraction: float = 1.0
+    delta_offload_bytes_across_pp_ranks: int = 0
+    delay_offload_until_cuda_graph: bool = False

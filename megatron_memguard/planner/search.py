@@ -40,11 +40,12 @@ from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, e
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
-# Step times within this fraction of each other are ties for the time rule (docs/planner.md section 4): the
-# issue's own tolerance for "as good as the best" (3%), below the model's measured error across the layouts
-# of a sweep (standard deviation of log(measured / predicted): medians 9% and 6% over the Megatron and Hagemann
-# sweeps of shared/groundtruth/throughput; benchmarks/planner_quality.py prints it).
-TIE_WINDOW = 0.03
+# Step times within this fraction of each other are ties for the time rule (docs/planner.md section 4): below
+# the model's measured error across the layouts of a sweep (standard deviation of log(measured / predicted):
+# medians 9% and 5% over the Megatron and Hagemann sweeps of shared/groundtruth/throughput), chosen leaving one
+# sweep out (4-5% for every held-out sweep; 5% lowers the Hagemann median Spearman below its 0.90 target;
+# `benchmarks/planner_quality.py --windows` prints both).
+TIE_WINDOW = 0.04
 _RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
 
 
@@ -161,7 +162,8 @@ class Planner:
 
     def __init__(self, raw: RawConfig, cluster: Cluster, seq_length: int | None = None,
                  global_batch_size: int | None = None, threshold: float = 0.8, megatron_version: str | None = None,
-                 vocab_size: int | None = None, site: SiteConstants | None = None, tie_window: float = TIE_WINDOW):
+                 vocab_size: int | None = None, site: SiteConstants | None = None, tie_window: float = TIE_WINDOW,
+                 tp_overlap: bool = True):
         if not 0 <= tie_window < 1:
             raise ConfigError("--tie-window", f"must be a fraction in [0, 1), got {tie_window}")
         self.tie_window = tie_window
@@ -200,7 +202,7 @@ class Planner:
                               "attention supports CP = 1 only)")
         if self.probe.tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
-        self.timer = TimeModel(self.shape, cluster, self.gbs)
+        self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)
         self._bounds: dict[tuple, float] = {}
 
     # ---- per candidate ------------------------------------------------------------------------------

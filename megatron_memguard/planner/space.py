@@ -323,6 +323,10 @@ class ModelShape:
 
 def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     """The shape of the model from a probe layout resolved at TP=PP=CP=1."""
+    if L.heterogeneous_layers:
+        # the planner's bounds and timing take one layer shape (partition.uniform_kind)
+        from ..errors import NotModelledError
+        raise NotModelledError("--heterogeneous-layers-config-path", "planning layouts of heterogeneous layer configs")
     fixed_padded = raw.args.get("padded_vocab_size")
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):

@@ -295,7 +295,15 @@ class TimeModel:
             return c.fp8 != "off"
         return self.shape.layout.fp8_spec.enabled
 
-    def __init__(self, shape: ModelShape, cluster: Cluster, global_batch_size: int):
+    def __init__(self, shape: ModelShape, cluster: Cluster, global_batch_size: int, tp_overlap: bool = True):
+        # tp_overlap: the backward TP collectives run asynchronously behind the GEMM that follows them, as
+        # megatron-core's linears issue them (tensor_parallel/layers.py,
+        # LinearWithGradAccumulationAndAsyncCommunication.backward: async_op=True, waited after the
+        # weight-gradient GEMM; Transformer Engine's linears likewise). False: a framework whose collectives
+        # run on the compute stream after the GEMM that produced their input, as the autograd functions of
+        # megatron-core's tensor_parallel/mappings.py do (_CopyToModelParallelRegion.backward all-reduces
+        # synchronously): every backward collective is exposed (docs/planner.md section 2.7).
+        self.tp_overlap = tp_overlap
         self.shape = shape
         self.cluster = cluster
         self.gpu = cluster.gpu
@@ -403,12 +411,15 @@ class TimeModel:
                 # re-gather of the column-parallel inputs (overlapped with their dgrad GEMM) and
                 # reduce-scatter of their input gradients (overlapped with their wgrad GEMM).
                 tp_fwd = nc * ag + nc * rs
-                tp_bwd = nc * ag + max(0.0, nc * ag - col_dgrad) + max(0.0, nc * rs - col_wgrad)
+                if self.tp_overlap:
+                    tp_bwd = nc * ag + max(0.0, nc * ag - col_dgrad) + max(0.0, nc * rs - col_wgrad)
+                else:
+                    tp_bwd = 2 * nc * ag + nc * rs
             else:
                 # fwd: all-reduce after linear_proj and linear_fc2; bwd: all-reduce of the column-parallel
                 # input gradients, overlapped with their wgrad GEMM.
                 tp_fwd = nc * ar
-                tp_bwd = max(0.0, nc * ar - col_wgrad)
+                tp_bwd = max(0.0, nc * ar - col_wgrad) if self.tp_overlap else nc * ar
         else:
             col_dgrad = col_wgrad = 0.0
         # context parallelism: ring exchange of K and V blocks (and dK, dV in the backward), each step's
@@ -498,8 +509,9 @@ class TimeModel:
             emb_tp = self.collective("rs" if sp else "ar", S, tp, k)
             # output layer: all-gather of its input (SP), reduce-scatter / all-reduce of the input gradient
             # (overlapped with the wgrad GEMM), and cross entropy's three all-reduces of [s, b] fp32
+            hidden_by = out_w if self.tp_overlap else 0.0
             out_tp = (self.collective("ag", S, tp, k) if sp else 0.0) + max(
-                0.0, self.collective("rs" if sp else "ar", S, tp, k) - out_w) + 3 * self.collective(
+                0.0, self.collective("rs" if sp else "ar", S, tp, k) - hidden_by) + 3 * self.collective(
                 "ar", M * 4, tp, k)
         ec = EndsCost(emb_fwd, emb_bwd, emb_tp, out_f, out_d + out_w, ce, out_tp, self.batch_seconds(tp, cp, b))
         self._ends[key] = ec
@@ -720,7 +732,8 @@ class TimeModel:
                 f"{m} x {n} layers x {rc_layer * 1e3:.3f} ms: {rc_what}" if rc_layer else "no recomputation",
                 (f"{m} x ({n} layers x {(lc.tp_fwd + lc.tp_bwd) * 1e3:.3f} ms + embedding/output) exposed TP collectives, "
                  f"TP{c.tp} {'on NVLink' if c.tp <= self.domain else 'across nodes (hierarchical)'}"
-                 + (" with sequence parallelism" if c.sp else " without sequence parallelism")) if c.tp > 1 else "TP = 1",
+                 + (" with sequence parallelism" if c.sp else " without sequence parallelism")
+                 + ("" if self.tp_overlap else "; none overlapped (synchronous TP collectives)")) if c.tp > 1 else "TP = 1",
                 f"{m} x {n} layers x {layer_cp * 1e3:.3f} ms exposed K/V ring exchange" if c.cp > 1 else "CP = 1",
                 p2p_detail,
                 f"(PP-1)/(VPP*m) = {p - 1}/({v}*{m}) of {work:.3f} s (the stage's work above)" if p > 1 else "no pipeline",

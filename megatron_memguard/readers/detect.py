@@ -34,6 +34,11 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
         if is_functional_test_config(doc):
             _no_overrides(path, overrides)
             return read_functional_test_config(doc, path, environ)
+        from .megatron_yaml_cfg import is_yaml_cfg, read_yaml_cfg
+
+        if is_yaml_cfg(doc):   # Megatron's own --yaml-cfg file
+            _no_overrides(path, overrides)
+            return read_yaml_cfg(doc, path, environ)
         from .structured import read_structured_config
 
         return read_structured_config(doc, path, text=text, overrides=overrides or [], environ=environ, model=model)

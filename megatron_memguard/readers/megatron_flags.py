@@ -181,7 +181,25 @@ def parse_megatron_flags(
         origin[dest] = tok
     if unknown:
         warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(cut(u) for u in unknown))
+    if args.get("yaml_cfg"):
+        return _read_yaml_cfg(str(args["yaml_cfg"]), [origin[d] for d in args if d != "yaml_cfg"], env, warnings)
     return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env))
+
+
+def _read_yaml_cfg(path: str, other_flags: list[str], env: Mapping[str, str] | None, warnings: list[str]) -> RawConfig:
+    """``--yaml-cfg FILE``: Megatron's parse_args replaces every argument by the file's (megatron/training/
+    arguments.py, 0.19.2); the path is taken as memguard's working directory sees it."""
+    from ..errors import ReaderError
+    from ..files import load_yaml, read_text
+    from .megatron_yaml_cfg import read_yaml_cfg
+
+    try:
+        doc = load_yaml(read_text(path), path)
+        raw = read_yaml_cfg(doc, path, env=env, ignored_flags=other_flags)
+    except ReaderError as e:
+        raise ReaderError(f"--yaml-cfg: {e}") from None
+    return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, warnings=tuple(warnings) + raw.warnings,
+                     problems=raw.problems, env=raw.env)
 
 
 def _is_number(tok: str) -> bool:

@@ -12,6 +12,8 @@ _DERIVED = {"data_parallel_size", "transformer_pipeline_model_parallel_size", "p
 
 
 def raw_from_namespace(ns: Any) -> RawConfig:
+    if getattr(ns, "yaml_cfg", None) and all(hasattr(getattr(ns, s, None), "__dict__") for s in ("model_parallel", "language_model")):
+        return _from_yaml_namespace(ns)
     args = {k: v for k, v in vars(ns).items() if v is not None and k not in _DERIVED and not k.startswith("_")}
     for k in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if k in args and not isinstance(args[k], str):
@@ -31,3 +33,17 @@ def raw_from_namespace(ns: Any) -> RawConfig:
         args["attention_backend"] = getattr(args["attention_backend"], "name", str(args["attention_backend"]))
     world = getattr(ns, "world_size", None)
     return RawConfig(args=args, origin={}, source="Megatron argument namespace", world_size=world)
+
+
+def _from_yaml_namespace(ns: Any) -> RawConfig:
+    """The namespace ``load_yaml`` returns for ``--yaml-cfg`` (sections as nested namespaces; after
+    validate_yaml their fields are merged into the top level too): read as the file is."""
+    from .megatron_yaml_cfg import SECTIONS, read_yaml_cfg
+
+    sections = {s: dict(vars(getattr(ns, s))) for s in SECTIONS}
+    merged = {k for sec in sections.values() for k in sec}
+    doc: dict[str, Any] = {k: v for k, v in vars(ns).items() if k not in SECTIONS and k not in merged}
+    doc.update(sections)
+    raw = read_yaml_cfg(doc, str(ns.yaml_cfg))
+    return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, warnings=raw.warnings,
+                     problems=raw.problems, world_size=getattr(ns, "world_size", None))

@@ -20,8 +20,8 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, cuda_graphs, fp8, fsdp, kernels, moe, mtp, muon, offload, optimizer, parallel, pipeline
-from . import precision, recompute, runtime, shape, tp_overlap, vocab
+from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, kernels, moe, mtp, muon, offload, optimizer, parallel
+from . import pipeline, precision, recompute, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -70,6 +70,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("activation offloading", offload.offload),
     ("cuda graphs", cuda_graphs.cuda_graphs),
     ("numerics", kernels.numerics),
+    ("heterogeneous layers", heterogeneous.heterogeneous),
     ("vocabulary", vocab.vocab),
     ("weight-gradient deferral", kernels.wgrad),
     ("runtime", runtime.runtime),

@@ -19,7 +19,7 @@ OFF: dict[str, Any] = dict(
     suggested_communication_unit_size=None, megatron_fsdp_main_params_dtype="fp32",
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
-    pin_cpu_grads=True)
+    pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -90,27 +90,50 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             dist_opt = True
         elif not dist_opt:
             # core 0.16.1's validate_args does not switch it on (its examples pass it); without it
-            # get_megatron_optimizer builds a non-distributed optimizer over FSDP's shards, not modelled
-            raise NotModelledError(a.key(mkey), "Megatron-FSDP without --use-distributed-optimizer in megatron-core "
-                                                "0.16 (0.19 switches it on)")
+            # get_megatron_optimizer builds Float16OptimizerWithFloat16Params over FSDP's DTensor shards,
+            # whose first step fails (model_param.main_grad: the DTensors have none; seen on the CPU referee)
+            a.fail(mkey, "needs --use-distributed-optimizer in megatron-core 0.16 (the non-distributed optimizer "
+                         "fails on Megatron-FSDP's sharded parameters; 0.19 switches it on)",
+                   "add --use-distributed-optimizer")
         if a.get("ckpt_format") is not None and str(a.get("ckpt_format")) != "fsdp_dtensor":
             a.fail("ckpt_format", "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
         if strategy == "optim_grads_params" and a.get("check_weight_hash_across_dp_replicas_interval") is not None:
             a.fail("check_weight_hash_across_dp_replicas_interval", "is not supported with optim_grads_params")
         if a.bool_arg("init_model_with_meta_device", False) and strategy == "no_shard":
             a.fail("init_model_with_meta_device", "is not supported with --data-parallel-sharding-strategy no_shard")
-        if str(a.get("outer_dp_sharding_strategy", "no_shard")) != "no_shard" or \
-                a.int_arg("num_distributed_optimizer_instances", 1) != 1:
-            raise NotModelledError(a.key("outer_dp_sharding_strategy") if a.given("outer_dp_sharding_strategy")
-                                   else a.key("num_distributed_optimizer_instances"),
-                                   "hybrid sharded data parallel (Megatron-FSDP with an outer DP group)")
+        outer = str(a.get("outer_dp_sharding_strategy", "no_shard"))
+        hsdp = a.int_arg("num_distributed_optimizer_instances", 1) > 1
+        if outer not in ("no_shard", "optim"):
+            a.fail("outer_dp_sharding_strategy", f"must be no_shard or optim, got {outer[:40]!r}")
+            outer = "no_shard"
+        elif hsdp and outer == "optim" and strategy != "optim_grads_params":
+            # ParamAndGradBuffer._init_each_parameter_group_buffers (0.16.1 and 0.19.2)
+            a.fail("outer_dp_sharding_strategy", "optim needs --data-parallel-sharding-strategy optim_grads_params")
+        # HSDP (mcore_fsdp_adapter._init_dist_index, 0.16.1 and 0.19.2): FSDP shards over one replica's
+        # partial DP x CP group and all-reduces the gradient shards in place across the replicas
+        # (GradReducePipeline, outer no_shard): the FSDP terms with the group divided by the instances.
+        # Outer "optim" (HFSDP): weights and gradients live in helper buffers sharded over the replica,
+        # main weights and optimizer state are sharded over all of DP x CP (fsdp.py FsdpGroup.outer).
+        # Without an outer group (one instance) the strategy has nothing to act on.
+        out["outer_dp_sharding_strategy"] = outer if hsdp else "no_shard"
         if a.get("megatron_fsdp_version") not in (None, 1, "1"):
-            raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2")
-        if a.bool_arg("keep_fp8_transpose_cache", False):
-            raise NotModelledError(a.key("keep_fp8_transpose_cache"), "FP8 transpose caches kept under Megatron-FSDP")
-        if a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False):
-            raise NotModelledError(a.key("megatron_fsdp_enable_fine_grained_param_gather"),
-                                   "Megatron-FSDP fine-grained parameter gathering")
+            # Megatron-LM main after core 0.19.2 (FullyShardedDataParallelV2, its own storage); neither
+            # wheel memguard reads has it
+            raise NotModelledError(a.key("megatron_fsdp_version"), "Megatron-FSDP version 2 (Megatron-LM main, "
+                                                                   "not in megatron-core 0.16.1 or 0.19.2)")
+        keep = a.bool_arg("keep_fp8_transpose_cache", False)
+        recipe = str(a.get("fp8_recipe", "delayed"))
+        if keep and a.get("fp8") and a.bool_arg("fp8_param_gather", False) and recipe not in ("delayed", "tensorwise"):
+            # megatron_fsdp.py release_module_parameters keeps Float8Tensor transposes; the other recipes'
+            # column-wise data live in Megatron-FSDP's transpose buffers (mxfp8) or TE storage not read here
+            raise NotModelledError(a.key("keep_fp8_transpose_cache"),
+                                   f"FP8 transpose caches kept under Megatron-FSDP with the {recipe[:20]} recipe")
+        # without FP8 primary weights there are no Float8Tensor parameters whose transposes it keeps
+        out["keep_fp8_transpose_cache"] = keep
+        # --megatron-fsdp-enable-fine-grained-param-gather (0.19.2): every sub-module's pre-forward hook
+        # gathers its own parameters' buckets, but the buckets are still the unit's groups and the unit's
+        # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
+        a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False)
         double = a.bool_arg("fsdp_double_buffer", False) or (
             new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
         unit = a.int_arg("suggested_communication_unit_size")

@@ -36,7 +36,36 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         bias_act_fusion = False
     apply_rope_fusion = a.bool_arg("apply_rope_fusion", True) and kw["position_embedding_type"] == "rope"
     return dict(transformer_impl=impl, attention_backend=backend, add_bias_linear=add_bias, add_qkv_bias=add_qkv_bias,
-                bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion)
+                bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion,
+                use_transformer_engine_op_fuser=op_fuser(a, kw, impl))
+
+
+def op_fuser(a: Args, kw: Mapping[str, Any], impl: str) -> bool:
+    """--use-transformer-engine-op-fuser: whether the TE spec builds its MLPs with TE's operation fuser.
+
+    megatron-core 0.19.2 gpt_layer_specs.get_mlp_module_spec_for_backend gives a dense model's MLP as
+    TEFusedMLP (norm, BasicLinear, activation, BasicLinear ops); the local spec never reads the flag.
+    The experts' fused path (TEGroupedMLP._fused_forward) has its rules in resolve/moe.py."""
+    if not a.bool_arg("use_transformer_engine_op_fuser", False):
+        return False
+    if impl != "transformer_engine":
+        a.notes.append(f"{a.key('use_transformer_engine_op_fuser')}: no effect with --transformer-impl local "
+                       "(only the Transformer Engine spec reads it)")
+        return False
+    if kw.get("fp8") or kw.get("fp4"):
+        # the ops save quantized inputs of their own (BasicLinear, cache_quantized_input): not analysed
+        raise NotModelledError(a.key("use_transformer_engine_op_fuser"),
+                               "Transformer Engine's operation fuser under FP8 / FP4 (its quantized saved tensors)")
+    if a.bool_arg("use_grouped_gemm_for_dense_mlp", False) and not a.get("num_experts"):
+        # gpt_layer_specs.py (0.19.2): the dense MLP becomes TEFusedMLPWithGroupedLinear, whose saved tensors
+        # (TE's GroupedLinear ops) were not read
+        raise NotModelledError(a.key("use_grouped_gemm_for_dense_mlp"),
+                               "grouped GEMM for the dense MLP under Transformer Engine's operation fuser")
+    if not a.get("num_experts") and (kw["squared_relu"] or a.bool_arg("quick_geglu", False)):
+        # TEFusedMLP._make_activation_op (0.19.2) maps only GELU, SiLU, ReLU and their GLUs to TE ops
+        a.fail("use_transformer_engine_op_fuser", "TEFusedMLP supports only the GELU, SiLU and ReLU activations "
+               "and their GLUs (not squared ReLU or quick GEGLU)")
+    return True
 
 
 def numerics(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

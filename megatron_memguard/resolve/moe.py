@@ -260,6 +260,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
         overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad,
         overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
+        use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
     )
 
 
@@ -279,10 +280,71 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             if not a.get("num_experts") and a.bool_arg(dest, False):
                 a.fail(dest, "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    if (spec.use_fused_weighted_squared_relu and spec.moe_grouped_gemm and kw.get("squared_relu")
+            and kw["add_bias_linear"]):
+        # TEGroupedMLP.forward: "Bias is not supported with fused weighted squared relu." (core 0.19.2 experts.py)
+        a.fail("use_fused_weighted_squared_relu", "does not work with biases", "add --disable-bias-linear")
+    inst = kw.get("num_distributed_optimizer_instances", 1) or 1
+    edp = kw["world_size"] // (spec.etp * spec.ep * kw["pipeline_model_parallel_size"])
+    if inst > 1 and edp % inst:
+        # initialize_model_parallel (0.16.1 and 0.19.2): the expert DP group splits into the instances
+        a.fail("num_distributed_optimizer_instances", f"{inst} must divide the expert data-parallel size {edp}")
+        return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    if kw.get("use_megatron_fsdp") and kw.get("outer_dp_sharding_strategy", "no_shard") != "no_shard":
+        # core 0.16.1 fails to build it on the CPU referee ("Data size mismatch"); 0.19's expert
+        # helper buffers over hybrid_fsdp_expt_group are not read
+        raise NotModelledError(a.key("outer_dp_sharding_strategy"),
+                               "experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding")
+    if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
+        # mcore_fsdp_adapter.py (0.19.2): the overlap makes Megatron-FSDP gather each sub-module's
+        # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit
+        raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"),
+                               "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
     if kw.get("use_megatron_fsdp"):
-        # Megatron's CI runs of MoE under Megatron-FSDP (moe/*_zp_z3_*, deepseek_proxy_fsdp_*) keep 9-25% less
-        # after the optimizer step and up to 8% more at the peak than the expert groups' FSDP terms give;
-        # which of those terms the version the CI ran did differently is not settled: refuse, not guess low.
-        raise NotModelledError(a.key("use_megatron_fsdp"), "Megatron-FSDP with mixture-of-experts layers "
-                               "(the expert groups' FSDP buffers)")
-    return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp)
+        a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
+                       "fp32 gradient copies and re-gathered weights as Megatron's source keeps them (main_grad_copies, "
+                       "fsdp_gathered_after_step); Megatron's CI run of this combination holds about that much less "
+                       "(docs/assumptions.md). The peak assumes balanced routing (moe_layer_activations): that run "
+                       "(top-2, aux loss) peaks 6-9% above it, below the worst-case bound")
+    return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp,
+                use_transformer_engine_op_fuser=experts_op_fuser(a, kw, spec, ctx))
+
+
+def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context) -> bool:
+    """Whether a MoE model's experts run TE's fused grouped MLP (--use-transformer-engine-op-fuser).
+
+    megatron-core 0.19.2: get_gpt_decoder_block_spec builds the dense layers of a MoE model without the
+    op fuser, SequentialMLP (no --moe-grouped-gemm) never reads it, and TEGroupedMLP.__init__ asserts
+    ``_is_fused_impl_supported()`` (transformer/moe/experts.py): expert TP 1, no expert_fc1 / moe_act offload,
+    a GLU of SiLU or quick GELU with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 (or the fused weighted squared
+    ReLU, refused), TE >= 2.14. megatron-core 0.16.1 has no such path (no TransformerConfig field);
+    0.17 was not read and is taken as 0.16."""
+    if not kw.get("use_transformer_engine_op_fuser"):
+        return False
+    key = a.key("use_transformer_engine_op_fuser")
+    if ctx.legacy or not spec.moe_grouped_gemm:
+        a.notes.append(f"{key}: no effect on this MoE model (its dense layers and "
+                       + ("megatron-core < 0.18's experts" if ctx.legacy else "SequentialMLP experts") + " do not use it)")
+        return False
+    rule = "the experts' fused grouped MLP (TEGroupedMLP._is_fused_impl_supported, megatron-core 0.19.2) needs "
+    if spec.etp > 1:
+        a.fail("use_transformer_engine_op_fuser", rule + f"expert tensor parallel size 1, got {spec.etp}")
+    offloaded = a.get("offload_modules") or ()
+    offloaded = set([offloaded] if isinstance(offloaded, str) else offloaded)
+    if a.bool_arg("fine_grained_activation_offloading", False) and {"expert_fc1", "moe_act"} & offloaded:
+        a.fail("use_transformer_engine_op_fuser", rule + "no expert_fc1 / moe_act in --offload-modules")
+    elif a.bool_arg("fine_grained_activation_offloading", False):
+        # the fused_group_mlp offload group exists only on this path; what it moves was not analysed
+        raise NotModelledError(key, "fine-grained activation offloading with the experts' fused grouped MLP "
+                               "(the op fuser's fused_group_mlp group)")
+    if not kw["gated_linear_unit"] or kw["squared_relu"]:
+        a.fail("use_transformer_engine_op_fuser", rule + "a SwiGLU or quick-GEGLU activation")
+    else:
+        try:
+            cutedsl = int(str(a.raw.env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0)
+        except ValueError:
+            cutedsl = 0
+        if cutedsl <= 0:
+            a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
+                   "with a GLU activation")
+    return True

@@ -1,4 +1,5 @@
-"""Section: Muon-family optimizers (``--optimizer muon``, ``adaptive_muon``, deprecated ``dist_muon``), with the
+"""Section: the emerging optimizers (``--optimizer muon``, ``adaptive_muon``, deprecated ``dist_muon``; core 0.19's
+``lion`` and ``soap``), with the
 rules of megatron-core's optimizer factory: 0.16.1 ``get_megatron_muon_optimizer`` (optimizer/muon.py: no fp16,
 no ``--use-distributed-optimizer``, ``dist_muon`` for the layer-wise optimizer), 0.19.2
 ``_get_megatron_emerging_optimizer`` (optimizer/__init__.py: no fp16; ``muon`` with
@@ -14,21 +15,31 @@ from ..errors import NotModelledError
 from .args import Args, Context
 
 MUON_OPTIMIZERS = ("muon", "adaptive_muon", "dist_muon")
+# core 0.19.2 arguments.py --optimizer choices beyond 0.16.1's adam, sgd, muon, dist_muon
+NEW_IN_0_19 = ("adaptive_muon", "lion", "soap")
+EMERGING_OPTIMIZERS = MUON_OPTIMIZERS + ("lion", "soap")
 
 
 def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     opt = kw["optimizer"]
-    if opt not in MUON_OPTIMIZERS:
+    if opt not in EMERGING_OPTIMIZERS:
         return dict(muon_scalar_optimizer="adam")
     new = ctx.version >= Version("0.19")
     for dest in ("use_megatron_fsdp", "use_torch_fsdp2", "use_custom_fsdp"):
         if a.bool_arg(dest, False):
             raise NotModelledError(a.key(dest), f"{opt} with fully sharded data parallelism")
-    if opt == "adaptive_muon" and not new:
-        a.fail("optimizer", "adaptive_muon needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
+    if opt in NEW_IN_0_19 and not new:
+        a.fail("optimizer", f"{opt} needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
+    if a.bool_arg("moe_single_grouped_weight", False):
+        # one grouped parameter per expert linear (TE's GroupedLinear single_grouped_weight, core 0.19): its
+        # shape (not read) decides whether Muon (2-D) or the fallback (_is_nonlinear_or_embedding) updates it
+        raise NotModelledError(a.key("moe_single_grouped_weight"), f"{opt} with the experts' weights as one grouped "
+                               "parameter (the emerging optimizer or its fallback, by its shape)")
     if kw.get("fp16"):
         a.fail("optimizer", f"{opt} does not work with --fp16 (the emerging-optimizer factory refuses it)")
-    scalar = str(a.get("muon_scalar_optimizer", "adam")).lower()
+    # lion and soap hand the other parameters to Adam (emerging_optimizers.py _default_param_overrides_factory);
+    # only the Muon family reads --muon-scalar-optimizer (_get_megatron_emerging_optimizer)
+    scalar = str(a.get("muon_scalar_optimizer", "adam")).lower() if opt in MUON_OPTIMIZERS else "adam"
     if scalar not in ("adam", "lion"):
         a.fail("muon_scalar_optimizer", f"must be adam or lion, got {scalar!r}")
         scalar = "adam"
@@ -42,12 +53,33 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if new and layer_wise:
         if a.bool_arg("overlap_param_gather_with_optimizer_step", False):
             a.fail("overlap_param_gather_with_optimizer_step", "does not work with the layer-wise distributed "
-                   "optimizer of Muon")
+                   f"optimizer of {opt}")
         if dist and kw.get("num_distributed_optimizer_instances", 1) > 1:
-            a.fail("num_distributed_optimizer_instances", "must be 1 with Muon and --use-distributed-optimizer "
+            a.fail("num_distributed_optimizer_instances", f"must be 1 with {opt} and --use-distributed-optimizer "
                    "(the layer-wise + distributed optimizer split)")
         if new and dist and not a.bool_arg("use_layer_wise_param_layout", True):
-            raise NotModelledError(a.key("use_layer_wise_param_layout"), "Muon's legacy layer-wise sharding in core 0.19")
-    a.notes.append(f"{a.key('optimizer')} {opt}: the optimizer step's Newton-Schulz temporaries (a few copies of one "
-                   "weight matrix) are not counted")
-    return dict(muon_scalar_optimizer=scalar)
+            raise NotModelledError(a.key("use_layer_wise_param_layout"), f"{opt}'s legacy layer-wise sharding in core 0.19")
+    if opt == "soap" and a.int_arg("mtp_num_layers", 0, minimum=0):
+        # SOAP's state depends on each matrix's shape; the MTP block's matrices are counted by size only
+        raise NotModelledError(a.key("mtp_num_layers"), "SOAP with multi-token prediction layers")
+    if opt == "soap":
+        a.notes.append(f"{a.key('optimizer')} soap: the step's temporaries (the fp32 gradient, its projections onto the "
+                       "eigenbases, the eigendecomposition's workspace) are not counted")
+    return dict(muon_scalar_optimizer=scalar, **_orthogonalize_settings(a, new))
+
+
+def _orthogonalize_settings(a: Args, new: bool) -> dict[str, Any]:
+    """How the step orthogonalises: only its temporaries depend on these (estimator/muon.py
+    step_working_set). Defaults of megatron-core's OptimizerConfig (0.16.1 and 0.19.2); 0.16.1 names the
+    Nesterov switch ``muon_use_nesterov``."""
+    tp_mode = str(a.get("muon_tp_mode", "blockwise")).lower()
+    if tp_mode not in ("blockwise", "duplicated", "distributed"):
+        a.fail("muon_tp_mode", f"must be blockwise, duplicated or distributed, got {tp_mode!r}")
+        tp_mode = "blockwise"
+    prec = str(a.get("muon_fp32_matmul_prec", "medium")).lower()
+    if prec not in ("medium", "high", "highest"):
+        a.fail("muon_fp32_matmul_prec", f"must be medium, high or highest, got {prec!r}")
+        prec = "medium"
+    nesterov = a.bool_arg("muon_nesterov", False) or (not new and a.bool_arg("muon_use_nesterov", False))
+    return dict(muon_split_qkv=a.bool_arg("muon_split_qkv", True), muon_tp_mode=tp_mode,
+                muon_fp32_matmul_prec=prec, muon_nesterov=nesterov)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import NotModelledError
 from .args import Args, Context
 
@@ -39,16 +41,29 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if kw.get("transformer_impl") != "transformer_engine":
             a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
         size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)
-        # core 0.19 tuning knobs that keep more on the GPU than memguard's every-group model
-        if a.float_arg("activation_offload_fraction", 1.0) < 1.0:
-            raise NotModelledError(a.key("activation_offload_fraction"), "offloading a fraction of the groups")
-        if a.int_arg("delta_offload_bytes_across_pp_ranks", 0, minimum=0):
-            raise NotModelledError(a.key("delta_offload_bytes_across_pp_ranks"), "per-stage offload balancing")
-        if a.bool_arg("delay_offload_until_cuda_graph", False):
-            raise NotModelledError(a.key("delay_offload_until_cuda_graph"), "offloads delayed until a CUDA graph ends")
+        # core 0.19 tuning knobs (PipelineOffloadManager.post_warmup_callback, FineGrainedOffloadingGroupCommitFunction)
+        if ctx.version < Version("0.19"):
+            # none of them is a TransformerConfig field in core 0.16.1
+            for dest in ("activation_offload_fraction", "delta_offload_bytes_across_pp_ranks",
+                         "delay_offload_until_cuda_graph", "fine_grained_offloading_max_inflight_offloads"):
+                if a.get(dest) not in (None, False, 1.0, 0):
+                    a.fail(dest, "needs megatron-core 0.19")
+        fraction = a.float_arg("activation_offload_fraction", 1.0)
+        if not 0.0 <= fraction <= 1.0:
+            a.fail("activation_offload_fraction", f"must be in [0, 1], got {fraction}")
+            fraction = 1.0
+        delta = a.int_arg("delta_offload_bytes_across_pp_ranks", 0, minimum=0) or 0
+        delay = a.bool_arg("delay_offload_until_cuda_graph", False)
+        if delay:
+            # the commit queues its offload only during a TE graph replay (PipelineOffloadManager._in_replay)
+            a.notes.append(f"{a.key('delay_offload_until_cuda_graph')}: a graphed layer's groups stay on the GPU "
+                           "until its graph replay ends (only with --cuda-graph-impl transformer_engine)")
         cap = a.int_arg("fine_grained_offloading_max_inflight_offloads")
         if cap is not None and cap > 1:
+            # how many D2H copies are still pending (their tensors still on the GPU) is set by stream timing,
+            # up to the cap per module name; memguard models one pending copy
             raise NotModelledError(a.key("fine_grained_offloading_max_inflight_offloads"),
                                    "more than one pending offload per module")
-        out.update(offload_modules=tuple(mods), min_offloaded_tensor_size=size)
+        out.update(offload_modules=tuple(mods), min_offloaded_tensor_size=size, activation_offload_fraction=fraction,
+                   delta_offload_bytes_across_pp_ranks=delta, delay_offload_until_cuda_graph=delay)
     return out

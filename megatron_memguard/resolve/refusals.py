@@ -14,33 +14,32 @@ Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("heterogeneous_layers_config_path", lambda v: bool(v), "heterogeneous layer configs"),
     ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
-    ("perform_rl_step", bool, "RL training steps"),
-    ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation (a second, teacher model)"),
-    ("attention_output_gate", bool, "gated attention output"),
-    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (gated delta net, DSA)"),
+    ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
+     "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
+    ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
+     "dtype come from the teacher checkpoint and --export-kd-cfg, not from the student's flags)"),
+    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (DSA: the lightning "
+     "indexer and its fp32 [b, s, s] index scores; gated delta net: flash-linear-attention's chunked delta-rule "
+     "kernel, whose saved tensors that library decides)"),
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
-    ("hybrid_context_parallel", bool, "hybrid context parallelism (--hybrid-context-parallel)"),
-    ("use_transformer_engine_op_fuser", bool, "Transformer Engine's operation fuser"),
-    ("use_grouped_gemm_for_dense_mlp", bool, "grouped GEMM for dense MLPs"),
-    ("use_kitchen_attention", bool, "kitchen attention"),
-    ("optimizer_cuda_graph", bool, "a CUDA graph of the optimizer step"),
-    ("freeze_all_layers", bool, "frozen layers (no gradients or optimizer state)"),
-    ("heterogeneous_layers_config_encoded_json", lambda v: bool(v), "heterogeneous layer configs"),
-    ("logits_load_dir", lambda v: bool(v), "distillation from stored logits"),
+    ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
+     "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),
+    ("use_kitchen_attention", bool, "kitchen attention (NVIDIA's kitchen library, not public, decides its "
+     "saved tensors and workspaces)"),
+    ("logits_load_dir", lambda v: bool(v), "distillation from stored logits (the teacher's top-K per token and "
+     "its dtype come from the stored files, not from the flags)"),
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes (matched to "
      "modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe most GEMMs use as "
      "--fp8-recipe / --fp4-recipe)"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
     ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("yaml_cfg", lambda v: bool(v), "settings from --yaml-cfg (give the YAML file to memguard --config)"),
+    # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
+    ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
+     "memguard estimate -- --yaml-cfg FILE)"),
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
-    ("use_fused_weighted_squared_relu", bool, "the fused weighted squared-ReLU of the experts"),
-    ("moe_router_force_biased", lambda v: v is not None, "forced biased (imbalanced) routing"),
-    ("enable_full_sharding_in_hsdp", bool, "full sharding inside hybrid-sharded Megatron-FSDP"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
@@ -57,10 +56,12 @@ WARN_ONLY: list[Row] = [
     ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
      "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
+    ("moe_router_force_biased", lambda v: v is not None, "forced biased routing sends more tokens to some experts "
+     "than balanced routing: the balanced estimate understates those ranks, the worst-case figure bounds them"),
     ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
-# Only these optimizers' states are modelled (Lion and SOAP as the main optimizer are not).
-OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon")
+# The optimizers whose states are modelled: every --optimizer choice of megatron-core 0.19.2.
+OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon", "lion", "soap")
 
 
 def refuse(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

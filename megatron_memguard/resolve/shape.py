@@ -100,7 +100,11 @@ def attention_variant(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
     """Multi-latent attention or not; with it, its projection shape. Runs after the kernels section
     (it needs transformer_impl and apply_rope_fusion)."""
     mla = a.bool_arg("multi_latent_attention", False)
-    return dict(multi_latent_attention=mla, **(_mla_shape(a, kw) if mla else {}))
+    gate = a.bool_arg("attention_output_gate", False)
+    if gate and mla:
+        # MLATransformerConfig.__post_init__ raises NotImplementedError (core 0.19.2)
+        a.fail("attention_output_gate", "is not supported with --multi-latent-attention (MLATransformerConfig)")
+    return dict(multi_latent_attention=mla, attention_output_gate=gate, **(_mla_shape(a, kw) if mla else {}))
 
 
 def _mla_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind
-from . import attention, mla, mlp, moe
+from functools import lru_cache
+from typing import Any
 
-MIXERS: dict[str, ModuleType] = {MIXER_ATTENTION: attention, MIXER_MLA: mla}
-MLPS: dict[str, ModuleType] = {MLP_DENSE: mlp, MLP_MOE: moe}
+from ...partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR, MLP_MOE,
+                          MLP_NONE, LayerKind)
+from . import attention, linear_block, mla, mlp, moe, noop
+
+MIXERS: dict[str, Any] = {MIXER_ATTENTION: attention, MIXER_MLA: mla, MIXER_NONE: noop,
+                          MIXER_LINEAR: linear_block.recipe("mixer")}
+MLPS: dict[str, Any] = {MLP_DENSE: mlp, MLP_MOE: moe, MLP_NONE: noop, MLP_LINEAR: linear_block.recipe("mlp")}
 
 
 def mixer_recipe(kind: LayerKind) -> ModuleType:
@@ -20,7 +25,18 @@ def mixer_recipe(kind: LayerKind) -> ModuleType:
 
 
 def mlp_recipe(kind: LayerKind) -> ModuleType:
-    return MLPS[kind.mlp]
+    m = MLPS.get(kind.mlp)
+    return m if m is not None else MLPS[kind.mlp.split(":", 1)[0]]
 
 
-__all__ = ["LayerKind", "MIXERS", "MLPS", "mixer_recipe", "mlp_recipe"]
+@lru_cache(maxsize=256)
+def kind_layout(L: Any, kind: LayerKind) -> Any:
+    """The layout a kind's recipes read: the model's, or for the dense MLP of another width
+    ("dense:FFN", a heterogeneous layer config's ffn_mult) the model's with that ffn_hidden_size
+    (HeterogeneousTransformerConfig.get_config_for_layer overrides it per layer)."""
+    if ":" not in kind.mlp:
+        return L
+    return L.replace(ffn_hidden_size=int(kind.mlp.split(":", 1)[1]))
+
+
+__all__ = ["LayerKind", "MIXERS", "MLPS", "kind_layout", "mixer_recipe", "mlp_recipe"]

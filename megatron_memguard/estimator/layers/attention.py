@@ -12,8 +12,15 @@ from .base import MixerActivations, Param, Shapes, norm_params, norm_stats, norm
 
 
 def qkv_out_per_rank(L: Layout) -> int:
-    """Output width of linear_qkv on one TP rank: (heads + 2 * query groups) * head dim / TP."""
-    return (L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // L.tp
+    """Output width of linear_qkv on one TP rank: (heads + 2 * query groups) * head dim / TP; with
+    --attention-output-gate one more head dim per query head, the gate (SelfAttention.__init__:
+    linear_qkv_out_dim += kv_channels * num_attention_heads, core 0.16.1 and 0.19.2)."""
+    return (_gated(L) * L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // L.tp
+
+
+def _gated(L: Layout) -> int:
+    """2 with the output gate (a gate per query head next to the query), else 1."""
+    return 2 if getattr(L, "attention_output_gate", False) else 1
 
 
 def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
@@ -30,12 +37,12 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
     ps: list[Param] = []
     if not te:
         ps += norm_params(prefix + "input_layernorm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in))
+    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in, cols=proj_in))
     if L.add_bias_linear:
         ps.append(Param(prefix + "self_attention.linear_proj.bias", h, tp_replicated=True))
     if te:
         ps += norm_params(prefix + "self_attention.linear_qkv.layer_norm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h))
+    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h, cols=h))
     if L.add_qkv_bias:
         ps.append(Param(prefix + "self_attention.linear_qkv.bias", qkv))
     if L.qk_layernorm:
@@ -49,11 +56,11 @@ def param_count(L: Layout) -> int:
     linear_qkv (and its bias), q/k norms."""
     h, a, g, d = L.hidden_size, L.num_attention_heads, L.num_query_groups, L.kv_channels
     norm = norms_per_layer_norm(L)
-    n = norm * h + h * a * d + (a + 2 * g) * d * h
+    n = norm * h + h * a * d + (_gated(L) * a + 2 * g) * d * h
     if L.add_bias_linear:
         n += h
     if L.add_qkv_bias:
-        n += (a + 2 * g) * d
+        n += (_gated(L) * a + 2 * g) * d
     if L.qk_layernorm:
         n += 2 * norm * d
     return n
@@ -123,7 +130,7 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
     and its backward working set (with the probs already released), and whether s x s scores exist."""
     kind = attention_kind(L)
     e, Tf, a_t, g_t, d = x.e, x.Tf, x.a_t, x.g_t, x.d
-    qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
+    qkv_w = qkv_out_per_rank(L)
     rope = L.position_embedding_type in ("rope", "yarn")
     gqa = a_t > g_t or L.num_query_groups < L.tp
     q = Tf * a_t * d * e
@@ -224,7 +231,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     te = L.transformer_impl == "transformer_engine"
     T, Tf, h, e, d = x.T, x.Tf, x.h, x.e, x.d
     recompute_core = "core_attn" in mods
-    qkv_w = (L.num_attention_heads + 2 * L.num_query_groups) * d // L.tp
+    qkv_w = qkv_out_per_rank(L)
     rope = L.position_embedding_type in ("rope", "yarn")
     saved: dict[str, int] = {"norm1_stats": norm_stats(L, T)}
     if not drop_norm:
@@ -232,6 +239,20 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     att, core_fwd, core_bwd, unfused = attention_items(L, x, recompute_core, has_batch_mask)
     ctx_w = x.a_t * d                                         # width of the attention context
     saved.update(att)
+    ctx = Tf * ctx_w * e
+    gated = _gated(L) == 2
+    if gated:
+        # --attention-output-gate: x * sigmoid(gate) in a torch.compile'd function (_apply_output_gate,
+        # megatron.core.jit: jit_fuser = torch.compile from torch 2.2), which keeps its two inputs (checked
+        # with torch.compile on CPU): the attention output, and the gate. get_query_key_value_tensors reshapes
+        # the gate [s, b, groups, heads/group * d] to [s, b, heads, d]: a view of linear_qkv's output (which then
+        # stays alive whole) with one query group or one head per group on the rank, a copy otherwise.
+        # linear_proj keeps the gated product, a new tensor
+        if x.g_t == 1 or x.a_t == x.g_t:
+            saved["qkv_output"] = Tf * qkv_w * e
+        else:
+            saved["output_gate"] = ctx
+        saved["gate_attention_output"] = ctx
     if rope and not L.apply_rope_fusion and not te:
         # unfused rope (rope_utils._apply_rotary_pos_emb_bshd) casts cos and sin to the activation
         # dtype for q and for k; the products keep them: 4 x [s, 1, 1, rotary dim] per layer
@@ -239,6 +260,15 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     saved["proj_input"] = Tf * ctx_w * e                      # attention context, kept by linear_proj
     fwd_steps = ((after | {"proj_input"}, core_fwd),)
     rel_proj = released | {"proj_input"}
+    gate_steps: tuple = ()
+    if gated:
+        # at the core attention's forward the gate's saved output does not exist yet; in the backward the
+        # gate's step holds the output gradient and the gradients of its two inputs, and the gate's
+        # gradient waits for linear_qkv's backward (the split's) through the core attention's
+        fwd_steps = ((after | {"proj_input", "gate_attention_output"}, core_fwd),)
+        gate_steps = ((rel_proj, G + 3 * ctx),)
+        rel_proj = rel_proj | {"gate_attention_output", "output_gate"}
+        core_bwd += ctx
     # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
     rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
     rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
@@ -246,6 +276,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     bwd_steps = (
         (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w)),                                       # linear_proj
+        *gate_steps,                                                                               # output gate
         (rel_softmax if unfused else rel_proj, G + core_bwd),                                      # core attention
         (rel_core, G + Tf * qkv_w * e + Tf * h * e + wgrad(L, qkv_w, h)),                         # linear_qkv
         (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
@@ -281,7 +312,7 @@ def qkv_gemms(L: Layout, tp: int, M: int, tok: int) -> list[tuple[int, int, int]
     the planner's time model: linear_qkv on the gathered tokens ``M`` (KV heads replicated when
     TP > query groups). ``tok``: the sequence-parallel tokens of the rank."""
     a_t, g_t = L.num_attention_heads // tp, max(1, L.num_query_groups // tp)
-    return [(M, (a_t + 2 * g_t) * L.kv_channels, L.hidden_size)]
+    return [(M, (_gated(L) * a_t + 2 * g_t) * L.kv_channels, L.hidden_size)]
 
 
 def rope_elements(L: Layout, tp: int, M: int) -> int:

@@ -25,6 +25,7 @@ class Param:
     tp_replicated: bool = False      # same values on every TP rank (norms, row-parallel biases)
     shared_embedding: bool = False   # tied embedding / output copy: its own DDP bucket with dist-opt
     expert: bool = False             # a routed expert's weight: the expert DDP buffer (layers/moe.py)
+    cols: int = 0                    # a matrix's input dimension per rank (rows = numel // cols); 0: not a matrix
 
 
 def norm_params(name: str, size: int, L: Layout) -> list[Param]:

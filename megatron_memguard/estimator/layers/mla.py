@@ -34,7 +34,7 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
     sh = linear_shapes(L)
     ps = norm_params(prefix + "input_layernorm", L.hidden_size, L)
     out, inp = sh["linear_proj"]
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", out * inp))
+    ps.append(Param(prefix + "self_attention.linear_proj.weight", out * inp, cols=inp))
     if L.add_bias_linear:
         ps.append(Param(prefix + "self_attention.linear_proj.bias", out, tp_replicated=True))
     for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
@@ -43,7 +43,8 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
         out, inp = sh[name]
         if name.endswith("_up_proj") and L.qk_layernorm:
             ps += norm_params(prefix + f"self_attention.{name}.layer_norm", inp, L)
-        ps.append(Param(prefix + f"self_attention.{name}.weight", out * inp, tp_replicated=name.endswith("down_proj")))
+        ps.append(Param(prefix + f"self_attention.{name}.weight", out * inp, tp_replicated=name.endswith("down_proj"),
+                        cols=inp))
     return ps
 
 

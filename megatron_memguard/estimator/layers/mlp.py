@@ -26,10 +26,10 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
     fc1 = fc1_out_per_rank(L)
     fc2_in = L.ffn_hidden_size // L.tp
     ps = norm_params(prefix + ("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm"), h, L)
-    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h))
+    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h, cols=h))
     if L.add_bias_linear:
         ps.append(Param(prefix + "mlp.linear_fc1.bias", fc1))
-    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in))
+    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in, cols=fc2_in))
     if L.add_bias_linear:
         ps.append(Param(prefix + "mlp.linear_fc2.bias", h, tp_replicated=True))
     return ps
@@ -45,17 +45,31 @@ def param_count(L: Layout) -> int:
     return n
 
 
+def one_activation_op(L: Layout) -> bool:
+    """The activation is one autograd node keeping only its input: the fused bias-activation, or TE's
+    activation op under the op fuser (TEFusedMLP, megatron-core 0.19.2 extensions/transformer_engine.py:
+    TE 2.x ops/basic/activation.py saves its input only, whatever --bias-swiglu-fusion says). A MoE
+    model's dense layers never use the op fuser (get_gpt_decoder_block_spec)."""
+    return L.bias_activation_fusion or (L.use_transformer_engine_op_fuser and L.moe is None)
+
+
 def activations(L: Layout, mods: set, G: int) -> MlpActivations:
     """fc1's output, the activation's inputs and fc2's input, and the backward from linear_fc2 to
     linear_fc1. ``mods``: the selectively recomputed modules ('mlp' drops them all and remakes them
-    for the backward); ``G``: the gradient of the layer output."""
+    for the backward); ``G``: the gradient of the layer output.
+
+    Under the op fuser (TEFusedMLP) the ops save the same tensors as the TE modules: the norm op its
+    input and rstd, BasicLinear its (sequence-parallel local) input, the activation op its input, the
+    second BasicLinear the activation's output (TE 2.11 ops/basic/{rmsnorm,layer_norm,basic_linear,
+    activation}.py ``save_for_backward``); only the unfused GLU's extra factors go."""
     x = shapes(L)
     Tf, h, e, f_t = x.Tf, x.h, x.e, x.f_t
     fc1_w = (2 if L.gated_linear_unit else 1) * f_t
+    fused_act = one_activation_op(L)
     mlp: dict[str, int] = {}
     if L.gated_linear_unit:
         mlp["fc1_output"] = Tf * fc1_w * e
-        if not L.bias_activation_fusion:
+        if not fused_act:
             # unfused glu (mlp.py): silu(x0) * (x1 + glu_linear_offset); the product keeps both factors
             mlp["activation_gate"] = Tf * f_t * e
             mlp["activation_linear"] = Tf * f_t * e
@@ -73,7 +87,7 @@ def activations(L: Layout, mods: set, G: int) -> MlpActivations:
         return sum(v for k, v in mlp.items() if k not in released) if recomputed else 0
 
     u = Tf * f_t * e          # one [s b, ffn/t] tensor: fc2's input gradient, each activation gradient
-    if L.gated_linear_unit and not L.bias_activation_fusion:
+    if L.gated_linear_unit and not fused_act:
         # unfused glu, op by op: the product's backward makes the gradients of both factors next to
         # fc2's input gradient (fc2_input released); silu's backward adds the gate's input gradient
         # (the product's saved factors released, fc2's input gradient consumed); the chunk's backward

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ...errors import ConfigError
@@ -52,10 +53,16 @@ def experts_use_expert_buffer(m: MoeSpec, tp: int, megatron_version: str) -> boo
     expert-data-parallel group). 0.16.1: ``allreduce = not (is_expert and EP > 1)``; 0.19 and main:
     ``use_expert_pgs = is_expert and (EP > 1 or ETP != TP)`` (TELinear, TEGroupedLinear and the local
     column/row-parallel linears). With EP = 1 and ETP != TP 0.16 keeps them in the dense buffer."""
-    from packaging.version import Version
-    if Version(str(megatron_version)) < Version("0.17"):
+    if _older_than_017(str(megatron_version)):
         return m.ep > 1
     return m.ep > 1 or m.etp != tp
+
+
+@lru_cache(maxsize=64)
+def _older_than_017(version: str) -> bool:
+    """Parsed once per version string (the recipes ask for every MoE layer of every stage)."""
+    from packaging.version import Version
+    return Version(version) < Version("0.17")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class MoeParam:
     numel: int
     tp_replicated: bool = False    # whole on every TP rank, reduced over TP by finalize_model_grads under SP
     expert: bool = False           # a routed expert's weight (expert buffer when experts_use_expert_buffer)
+    cols: int = 0                  # a matrix's input dimension (base.Param.cols)
 
 
 def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
@@ -77,32 +85,32 @@ def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
     if L.normalization == "LayerNorm":
         ps.append(MoeParam(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
     # Router.reset_parameters marks the weight sequence_parallel: finalize_model_grads all-reduces it over TP
-    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True))
+    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True, cols=h))
     if L.add_bias_linear:
         ps.append(MoeParam(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
     fc1, fc2 = g * F // etp, F // etp
-    names: list[tuple[str, int]] = []
+    names: list[tuple[str, int, int]] = []
     if m.moe_grouped_gemm:
-        names += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h) for i in range(El)]
+        names += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h, h) for i in range(El)]
         if L.add_bias_linear:
-            names += [(f"mlp.experts.linear_fc1.bias{i}", fc1) for i in range(El)]
-        names += [(f"mlp.experts.linear_fc2.weight{i}", h * fc2) for i in range(El)]
+            names += [(f"mlp.experts.linear_fc1.bias{i}", fc1, 0) for i in range(El)]
+        names += [(f"mlp.experts.linear_fc2.weight{i}", h * fc2, fc2) for i in range(El)]
         if L.add_bias_linear:
-            names += [(f"mlp.experts.linear_fc2.bias{i}", h) for i in range(El)]
+            names += [(f"mlp.experts.linear_fc2.bias{i}", h, 0) for i in range(El)]
     else:
         for i in range(El):
-            names.append((f"mlp.experts.local_experts.{i}.linear_fc1.weight", fc1 * h))
+            names.append((f"mlp.experts.local_experts.{i}.linear_fc1.weight", fc1 * h, h))
             if L.add_bias_linear:
-                names.append((f"mlp.experts.local_experts.{i}.linear_fc1.bias", fc1))
-            names.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2))
+                names.append((f"mlp.experts.local_experts.{i}.linear_fc1.bias", fc1, 0))
+            names.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2, fc2))
             if L.add_bias_linear:
-                names.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h))
-    ps += [MoeParam(prefix + n, k, expert=True) for n, k in names]
+                names.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h, 0))
+    ps += [MoeParam(prefix + n, k, expert=True, cols=c) for n, k, c in names]
     Fs = m.moe_shared_expert_intermediate_size
     if Fs:
         tp = L.tp
-        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h))
-        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp)))
+        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h, cols=h))
+        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp), cols=Fs // tp))
         if m.moe_shared_expert_gate:
             ps.append(MoeParam(prefix + "mlp.shared_experts.gate_weight", h, tp_replicated=True))
     return ps
@@ -185,8 +193,7 @@ class MoeActivations:
 
 
 def _before_017(L: Any) -> bool:
-    from packaging.version import Version
-    return Version(str(L.megatron_version)) < Version("0.17")
+    return _older_than_017(str(L.megatron_version))
 
 
 def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
@@ -283,13 +290,24 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
     saved["moe_expert_input"] = e * N * h + p * N
     # experts: fc1's output kept by the activation, the activation's own saves, fc2's input
-    if L.bias_activation_fusion and g == 2:
+    # TE's fused grouped MLP (--use-transformer-engine-op-fuser, megatron-core 0.19.2
+    # TEGroupedMLP._fused_forward): GroupedLinear, ScaledSwiGLU, GroupedLinear ops, assumed to save
+    # what the TE modules save (fc1 input, the activation's input and scales, fc2 input); it bypasses
+    # the moe_act checkpoint of the unfused forward
+    op_fused = L.use_transformer_engine_op_fuser
+    if (L.bias_activation_fusion or op_fused) and g == 2:
         act = 3 * Fr                            # weighted fused SwiGLU: fc1 output [N, 2F]; fc2 input
     elif g == 2:
         act = 6 * Fr                            # fc1 out, silu, x2 + offset, product, product * probs
+    elif (m.use_fused_weighted_squared_relu and m.moe_grouped_gemm and L.squared_relu
+          and not L.bias_activation_fusion):
+        # TEGroupedMLP with --use-fused-weighted-squared-relu: WeightedSquaredReLUFunction keeps its input
+        # (fc1 out) and the probs (counted with the expert input); fc2 keeps the product (core 0.19.2
+        # experts.py bias_act_func, fusions/fused_weighted_squared_relu.py)
+        act = 2 * Fr
     else:
         act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
-    if "moe_act" in rec:
+    if "moe_act" in rec and not op_fused:
         act -= Fr                               # CheckpointWithoutOutput drops fc2's input after fc2
     saved["moe_expert_activations"] = e * N * act
     Fs = m.moe_shared_expert_intermediate_size
@@ -444,7 +462,7 @@ def params(L: Any, prefix: str = "") -> list:
     """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts);
     routed experts carry ``expert=True`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
     from .base import Param
-    return [Param(p.name, p.numel, tp_replicated=p.tp_replicated, expert=p.expert) for p in moe_mlp_params(L, _spec(L), prefix)]
+    return [Param(p.name, p.numel, tp_replicated=p.tp_replicated, expert=p.expert, cols=p.cols) for p in moe_mlp_params(L, _spec(L), prefix)]
 
 
 def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:

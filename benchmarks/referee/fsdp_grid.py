@@ -1,0 +1,82 @@
+"""The referee's Megatron-FSDP grid: the MoE grid's model under Megatron-FSDP (megatron-core 0.16.1, CPU, gloo).
+
+    python -m benchmarks.referee.fsdp_grid [--list] [--only NAME ...] [--out benchmarks/results/referee-fsdp-measured.json]
+
+Each entry is an MoE grid entry (moe_grid.py: 4 layers, hidden 256, 4 experts of 512, top-2, EP 2, alltoall)
+on 4 ranks with ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params`` and the
+distributed optimizer (0.16.1 does not switch it on): dense groups over DP 4, expert groups over expert
+DP 2. The worker wraps the chunks in Megatron-FSDP's adapter (shims.megatron_fsdp) and counts a DTensor's
+local shard (livebytes.py). Megatron-FSDP needs ``einops``; without it the run fails at the device mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from typing import Any, Dict, List, Optional
+
+from .moe_grid import MOE_BASE, _moe, moe_settings
+from .grid import COMMON, resolve_config, run_grid
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--global-batch-size", "8"]
+
+FSDP_GRID: List[Dict[str, Any]] = [
+    _moe("fsdp_moe_ep2", 4, ["--moe-token-dispatcher-type", "alltoall"], FSDP,
+         note="optim_grads_params, DP 4, expert DP 2; 0.16.1 grads in fp32 (--accumulate-allreduce-grads-in-fp32)"),
+    _moe("fsdp_moe_ep2_bf16_grads", 4, ["--moe-token-dispatcher-type", "alltoall"], FSDP + ["--grad-reduce-in-bf16"],
+         note="bf16 gradient buckets: the step casts the shards to fp32 (main_grad_copies)"),
+    _moe("fsdp_moe_ep2_hsdp", 4, ["--moe-token-dispatcher-type", "alltoall"],
+         FSDP + ["--num-distributed-optimizer-instances", "2"],
+         note="HSDP: 2 replicas, FSDP over 2 ranks (experts: 1), gradient shards all-reduced across replicas"),
+    {"name": "fsdp_dense", "world_size": 4, "flags": COMMON + MOE_BASE + FSDP, "ci": False, "requires": [],
+     "note": "the same model without experts: every group over DP 4"},
+    {"name": "fsdp_dense_hfsdp", "world_size": 4, "ci": False, "requires": [],
+     "flags": COMMON + MOE_BASE + FSDP + ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy",
+                                         "optim"],
+     "note": "HFSDP: weights and gradients over a replica's 2 ranks, main weights and Adam over all 4"},
+    {"name": "fsdp_dense_optim_grads", "world_size": 4, "ci": False, "requires": [],
+     "flags": COMMON + MOE_BASE + FSDP + ["--data-parallel-sharding-strategy", "optim_grads"],
+     "note": "optim_grads: whole weights, no units, the group's full gradient bucket through the backward"},
+]
+
+for _c in FSDP_GRID:
+    _c["requires"] = ["einops"]     # Megatron-FSDP's device-mesh helpers (mcore_fsdp_adapter.py)
+
+
+def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    if not only:
+        return list(FSDP_GRID)
+    unknown = set(only) - {c["name"] for c in FSDP_GRID}
+    if unknown:
+        raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
+    return [c for c in FSDP_GRID if c["name"] in set(only)]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--timeout", type=float, default=900.0)
+    a = p.parse_args(argv)
+    cfgs = select(a.only)
+    if a.list:
+        for c in cfgs:
+            print(f"{c['name']:<32} ws={c['world_size']}  {c['note']}")
+        return
+    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: moe_settings(c)[1] if c.get("moe_flags")
+                   else resolve_config(c["flags"], c["world_size"])[1])
+    import megatron.core
+    import torch
+
+    res["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
+                          "megatron_core": megatron.core.__version__}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Section: heterogeneous layer configs (--heterogeneous-layers-config-path / -encoded-json).
+
+Mirrors megatron-core 0.19.2: ``validate_model_config_args_from_heterogeneous_config`` (megatron/training/
+arguments.py: the Hugging Face-style JSON must agree with the flags), ``HeterogeneousTransformerConfig``
+(transformer/heterogeneous/heterogeneous_config.py: each entry of ``block_configs`` gives the layer's
+attention as a no-op, a linear replacement or attention with ``n_heads_in_group``, and its MLP as a
+no-op, a linear replacement or an MLP of ``ffn_mult``) and ``get_gpt_heterogeneous_layer_spec``
+(models/gpt/heterogeneous/heterogeneous_layer_specs.py). The model is heterogeneous only with the path
+(training/argument_utils.py picks HeterogeneousTransformerConfig on it); the encoded JSON alone is
+checked and builds uniform layers.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import ConfigError, NotModelledError, ReaderError
+from .args import Args, Context
+
+PATH, ENCODED = "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json"
+
+
+def ffn_mult_to_size(ffn_mult: float, hidden_size: int) -> int:
+    """MLPConfig.ffn_mult_to_intermediate_size: int(2 ffn_mult h / 3) rounded up to a multiple of 256."""
+    n = int(2 * ffn_mult * hidden_size / 3)
+    return n if n % 256 == 0 else n + 256 - n % 256
+
+
+def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    path, encoded = a.get(PATH), a.get(ENCODED)
+    if not path and not encoded:
+        return dict(heterogeneous_layers=None)
+    dest = ENCODED if encoded else PATH
+    try:
+        if encoded:
+            text = str(encoded)
+        else:
+            from ..files import read_text
+            text = read_text(str(path))
+        from ..files import load_json
+        doc = load_json(text, a.key(dest))
+    except ReaderError as e:
+        a.fail(dest, f"cannot be read ({e})")
+        return dict(heterogeneous_layers=None)
+    if not isinstance(doc, dict) or not isinstance(doc.get("block_configs"), list) or not doc["block_configs"]:
+        a.fail(dest, "must be a JSON object with a non-empty block_configs list (HeterogeneousTransformerConfig)")
+        return dict(heterogeneous_layers=None)
+    try:
+        blocks = [_block(b, kw["num_attention_heads"], kw["hidden_size"]) for b in doc["block_configs"]]
+    except ConfigError as e:
+        a.fail(dest, e.rule)
+        return dict(heterogeneous_layers=None)
+    _check_flags(a, dest, doc, blocks, kw)
+    if not path:
+        if not a.key(ENCODED).startswith("--"):
+            # a config object (Bridge, NeMo) may be a heterogeneous class whatever the path says
+            raise NotModelledError(a.key(ENCODED), "a heterogeneous layer config given as encoded JSON only, outside "
+                                   "Megatron-LM's flags (whether the layers are built heterogeneous is not known)")
+        a.notes.append(f"{a.key(ENCODED)}: checked against the flags; without --heterogeneous-layers-config-path "
+                       "Megatron-LM builds uniform layers (argument_utils picks the heterogeneous config on the path)")
+        return dict(heterogeneous_layers=None)
+    if kw.get("multi_latent_attention"):
+        a.fail(PATH, "cannot be used with --multi-latent-attention (argument_utils asserts it)")
+    if kw.get("moe") is not None:
+        raise NotModelledError(a.key(PATH), "heterogeneous layer configs with mixture-of-experts layers")
+    for bad, what in ((kw.get("fp8") or kw.get("fp4"), "under FP8 / FP4"),
+                      (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
+                      (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),
+                      (kw.get("mtp_num_layers"), "with multi-token prediction")):
+        if bad:
+            raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
+    L = kw["num_layers"]
+    if len(blocks) < L:
+        a.fail(PATH, f"has {len(blocks)} block_configs for {L} layers (get_config_for_layer needs one per layer)")
+        return dict(heterogeneous_layers=None)
+    words = []
+    for i, (attn, mlp, ffn) in enumerate(blocks[:L]):
+        if "linear" in (attn, mlp) and kw["tensor_model_parallel_size"] > 1 and kw["sequence_parallel"]:
+            # linear_replacements._gather_from_tensor_parallel_region (0.16.1 and 0.19.2) pads dim 0 (F.pad's
+            # pairs run from the last dimension) before the sequence-parallel reduce-scatter: the residual add
+            # then fails on the shapes (the CPU referee reproduces it)
+            a.fail(PATH, f"block {i}: replace_with_linear fails with --sequence-parallel and tensor-model-parallel "
+                         "size > 1 in megatron-core (its output gather pads the sequence dimension)")
+        if ffn is not None and ffn % kw["tensor_model_parallel_size"]:
+            a.fail(PATH, f"block {i}: ffn size {ffn} must be divisible by tensor-model-parallel size "
+                         f"{kw['tensor_model_parallel_size']}")
+        size = kw["ffn_hidden_size"] if ffn is None else ffn
+        words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
+                                   else f"dense:{size}"))
+    return dict(heterogeneous_layers=",".join(words))
+
+
+def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None]:
+    """(attention: attention | none | linear, mlp: dense | none | linear, the MLP's ffn size or None)."""
+    if not isinstance(b, dict) or not isinstance(b.get("attention"), dict):
+        raise ConfigError("", "each block_configs entry needs an attention object")
+    att = b["attention"]
+    if "num_query_groups" in att:
+        groups = att["num_query_groups"]
+    else:   # AttentionConfig.build_config_from_dict (Nemotron-51B style n_heads_in_group)
+        if "n_heads_in_group" not in att:
+            raise ConfigError("", "an attention block needs n_heads_in_group or num_query_groups")
+        n = att["n_heads_in_group"]
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1 or heads % n):
+            raise ConfigError("", f"num_attention_heads ({heads}) must be a multiple of n_heads_in_group ({n})")
+        groups = None if n is None else heads // n
+    mlp = b.get("ffn") or b.get("mlp")
+    if not isinstance(mlp, dict):
+        raise ConfigError("", "each block_configs entry needs an ffn (or mlp) object")
+    if "ffn_hidden_size" in mlp:
+        ffn = mlp["ffn_hidden_size"]
+    else:
+        if "ffn_mult" not in mlp:
+            raise ConfigError("", "an ffn block needs ffn_mult or ffn_hidden_size")
+        mult = mlp["ffn_mult"]
+        if mult is not None and (not isinstance(mult, (int, float)) or isinstance(mult, bool) or not 0 < mult <= 1e4):
+            raise ConfigError("", f"ffn_mult must be a positive number, got {str(mult)[:60]!r}")
+        ffn = None if mult is None else ffn_mult_to_size(mult, hidden)
+    if ffn is not None and (not isinstance(ffn, int) or isinstance(ffn, bool) or ffn < 1):
+        raise ConfigError("", f"ffn_hidden_size must be a positive integer, got {str(ffn)[:60]!r}")
+    a_kind = "none" if att.get("no_op") else "linear" if att.get("replace_with_linear") else "attention"
+    m_kind = "none" if mlp.get("no_op") else "linear" if mlp.get("replace_with_linear") else "dense"
+    # get_config_for_layer asserts that a no-op or linear block sets neither
+    if groups is not None and a_kind != "attention":
+        raise ConfigError("", "a no_op / replace_with_linear attention block cannot set its query groups")
+    if ffn is not None and m_kind != "dense":
+        raise ConfigError("", "a no_op / replace_with_linear ffn block cannot set its size")
+    return a_kind, m_kind, ffn
+
+
+def _check_flags(a: Args, dest: str, doc: dict, blocks: list, kw: Mapping[str, Any]) -> None:
+    """validate_model_config_args_from_heterogeneous_config (0.19.2): SiLU, one n_heads_in_group, and the
+    flags equal to what the JSON says."""
+    if doc.get("hidden_act") != "silu":
+        a.fail(dest, f"hidden_act in the heterogeneous config is {str(doc.get('hidden_act'))[:60]!r}, should be silu")
+    ns = [b["attention"].get("n_heads_in_group") for b in doc["block_configs"]
+          if isinstance(b.get("attention"), dict) and b["attention"].get("n_heads_in_group") is not None]
+    if len(set(ns)) > 1:
+        a.fail(dest, "num query head must be consistent across all layers (one n_heads_in_group)")
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "tie_word_embeddings",
+                           "rope_theta", "rope_scaling") if k not in doc]
+    if missing or not ns or not isinstance(doc.get("rope_scaling"), dict) or "factor" not in doc["rope_scaling"]:
+        a.fail(dest, "needs " + ", ".join(missing or ["rope_scaling.factor and an n_heads_in_group"])
+               + " (validate_model_config_args_from_heterogeneous_config reads them)")
+        return
+    want = {
+        "swiglu": True, "normalization": "RMSNorm", "group_query_attention": True, "position_embedding_type": "rope",
+        "rotary_percent": 1.0, "use_rope_scaling": True, "use_rotary_position_embeddings": True,
+        "num_layers": doc["num_hidden_layers"], "hidden_size": doc["hidden_size"],
+        "num_attention_heads": doc["num_attention_heads"],
+        "untie_embeddings_and_output_weights": not doc["tie_word_embeddings"], "rotary_base": doc["rope_theta"],
+        "rope_scaling_factor": doc["rope_scaling"].get("factor"),
+        "num_query_groups": doc["num_attention_heads"] // ns[0] if isinstance(doc["num_attention_heads"], int) else None,
+    }
+    defaults = {"swiglu": False, "normalization": "LayerNorm", "group_query_attention": False,
+                "rotary_percent": 1.0, "use_rope_scaling": False, "use_rotary_position_embeddings": False,
+                "untie_embeddings_and_output_weights": False, "rotary_base": 10000, "rope_scaling_factor": 8.0}
+    given = {k: kw[k] if k in ("position_embedding_type", "num_layers", "hidden_size", "num_attention_heads")
+             else a.get(k, defaults.get(k)) for k in want}
+    bad = [f"{k}: {given[k]} (provided) != {v} (expected)" for k, v in want.items() if given[k] != v]
+    if bad:
+        a.fail(dest, "arguments differ from the heterogeneous config: " + ", ".join(bad)[:400])
