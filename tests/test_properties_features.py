@@ -191,7 +191,7 @@ def test_fp8_never_stores_weights_below_their_primary_bytes(fs):
     the primary weights FP8 (1 byte each, Float8Tensor): the parameter term is never below 1 byte per
     parameter of the rank, and without --fp8-param-gather it equals the BF16 run's."""
     if "--fp8-format" not in fs.extra:
-        reject()
+        fs = fs.with_(extra=fs.extra + ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"))
     L = layout(fs)
     i = fs.extra.index("--fp8-format")
     plain = fs.with_(extra=tuple(x for k, x in enumerate(fs.extra) if k not in (i, i + 1, i + 2, i + 3)
@@ -219,12 +219,14 @@ def test_more_micro_batches_never_lower_a_stage_peak(fs):
 
 
 @PROPERTY
-@given(feature_specs())
-def test_optimizer_offload_never_raises_the_allocated_peak(fs):
+@given(feature_specs(), st.sampled_from([0.25, 0.5, 1.0]))
+def test_optimizer_offload_never_raises_the_allocated_peak(fs, fraction):
     """--optimizer-cpu-offload moves the fraction's fp32 state to the host (HybridDeviceOptimizer): the
     GPU's allocated peak never grows, and the host figure grows instead."""
     if "--optimizer-cpu-offload" not in fs.extra:
-        reject()
+        # (validate_args: the distributed optimizer and the precision-aware optimizer, Adam only)
+        fs = fs.with_base(dist_opt=True, optimizer="adam").with_(extra=fs.extra + (
+            "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", str(fraction)))
     i = fs.extra.index("--optimizer-cpu-offload")
     on = layout(fs)
     off = layout(fs.with_(extra=fs.extra[:i] + fs.extra[i + 3:]))
