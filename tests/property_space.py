@@ -315,7 +315,8 @@ def moe_specs(draw, max_per_stage: int = 3) -> FeatureSpec:
                        grouped=grouped, freq=freq, capacity=capacity, pad=pad)
 
 
-FP8_RECIPES = [("hybrid", "tensorwise"), ("e4m3", "delayed"), ("hybrid", "blockwise"), ("hybrid", "delayed")]
+FP8_RECIPES = [("hybrid", "tensorwise"), ("e4m3", "delayed"), ("hybrid", "blockwise"), ("hybrid", "delayed"),
+               ("e4m3", "mxfp8")]
 
 
 @st.composite
@@ -341,6 +342,10 @@ def feature_specs(draw) -> FeatureSpec:
         extra += ["--fp8-format", fmt, "--fp8-recipe", recipe]
         if b.dist_opt and draw(st.booleans()):
             extra.append("--fp8-param-gather")
+    elif draw(st.integers(0, 3)) == 0:
+        extra += ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
+        if b.dist_opt and draw(st.booleans()):
+            extra.append("--fp4-param-gather")
     if draw(st.integers(0, 3)) == 0:
         extra += ["--mtp-num-layers", str(draw(st.integers(1, 2)))]
     if b.dist_opt and draw(st.integers(0, 3)) == 0:

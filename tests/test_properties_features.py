@@ -187,23 +187,26 @@ def _peaks(fs: FeatureSpec, **kw) -> list[int]:
 @PROPERTY
 @given(feature_specs())
 def test_fp8_never_stores_weights_below_their_primary_bytes(fs):
-    """FP8 GEMMs keep the BF16 weights (TE quantizes a cache next to them) unless --fp8-param-gather makes
-    the primary weights FP8 (1 byte each, Float8Tensor): the parameter term is never below 1 byte per
-    parameter of the rank, and without --fp8-param-gather it equals the BF16 run's."""
-    if "--fp8-format" not in fs.extra:
+    """FP8 / FP4 GEMMs keep the BF16 weights (TE quantizes a cache next to them) unless --fp8-param-gather
+    (--fp4-param-gather) makes the primary weights FP8 (1 byte each, Float8Tensor; NVFP4 half a byte): the
+    parameter term is never below that per parameter of the rank, and without the param gather it equals
+    the BF16 run's."""
+    fp4 = "--fp4-format" in fs.extra
+    if not fp4 and "--fp8-format" not in fs.extra:
         fs = fs.with_(extra=fs.extra + ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"))
     L = layout(fs)
-    i = fs.extra.index("--fp8-format")
-    plain = fs.with_(extra=tuple(x for k, x in enumerate(fs.extra) if k not in (i, i + 1, i + 2, i + 3)
-                                 and x != "--fp8-param-gather"))
+    i = fs.extra.index("--fp4-format" if fp4 else "--fp8-format")
+    gather = "--fp4-param-gather" if fp4 else "--fp8-param-gather"
+    plain = fs.with_(extra=tuple(x for k, x in enumerate(fs.extra) if k not in (i, i + 1, i + 2, i + 3) and x != gather))
     L0 = layout(plain)
+    per_param = 2 if fp4 else 1     # primary NVFP4 weights: half a byte each
     # Megatron-FSDP's optim_grads_params keeps 1 / (DP x CP) of the weights outside the gathered units
     shard = fs.base.dp * fs.base.cp if "optim_grads_params" in fs.extra else 1
     for p, (s, s0) in enumerate(zip(estimate(L).stages, estimate(L0).stages)):
         params = stage_states(L, p).parameters
         weights = s.breakdown.get("parameters", 0) + s.breakdown.get("fsdp_parameters", 0)
-        assert weights * shard >= params
-        if "--fp8-param-gather" not in fs.extra:
+        assert weights * shard * per_param >= params
+        if gather not in fs.extra:
             assert weights == s0.breakdown.get("parameters", 0) + s0.breakdown.get("fsdp_parameters", 0)
 
 
