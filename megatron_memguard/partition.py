@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import groupby
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
@@ -105,6 +107,7 @@ def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
     return kinds_from_runs(model_kind_runs(L))
 
 
+@lru_cache(maxsize=256)   # asked by the partition, the MTP and placeholder-gradient terms of one estimate
 def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
@@ -132,7 +135,8 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     if pairs.count(pairs[0]) == len(pairs):
         return ((LayerKind(mixer, mlps[0], quant[0]), len(pairs)),)
     made = {p: LayerKind(mixer, *p) for p in set(pairs)}
-    return kind_runs(tuple(made[p] for p in pairs))
+    # runs of equal (mlp, quantization) pairs are runs of equal kinds (made is one kind per pair)
+    return tuple((made[p], sum(1 for _ in g)) for p, g in groupby(pairs))
 
 
 def _mixer(L: "Layout") -> str:

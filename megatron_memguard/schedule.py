@@ -199,20 +199,15 @@ def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int]
                bwd_extra: list[int]) -> tuple[int, Probe]:
     """The first probe with the largest sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk], and
     that value: the first pass of the schedule where the bytes held peak."""
-    best, at = -1, probes[0]
     if len(sizes) == 2:                     # the common case (VPP 2), without the generic dot product
         s0, s1 = sizes
-        for p in probes:
-            h = p[2]
-            v = h[0] * s0 + h[1] * s1 + (fwd_extra if p[0] else bwd_extra)[p[1]]
-            if v > best:
-                best, at = v, p
-        return best, at
-    for p in probes:
-        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]]
-        if v > best:
-            best, at = v, p
-    return best, at
+        values = [h[0] * s0 + h[1] * s1 + (fwd_extra if fwd else bwd_extra)[c] for fwd, c, h, _ in probes]
+    else:
+        values = [sum(map(mul, h, sizes)) + (fwd_extra if fwd else bwd_extra)[c] for fwd, c, h, _ in probes]
+    best = max(values)
+    if best <= -1:                          # nothing above -1: the first probe (as a scan from -1 finds)
+        return -1, probes[0]
+    return best, probes[values.index(best)]  # index(): the first probe with the largest value
 
 
 def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],

@@ -34,6 +34,7 @@ def test_every_term_is_documented(extra, profile):
     for stage in est.stages:
         for term in stage.terms:
             assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name
+            assert term.name in readme_rows(), term.name
 
 
 @pytest.mark.parametrize("extra", [["--optimizer", "soap", "--use-distributed-optimizer"], ["--optimizer", "lion"],
@@ -49,3 +50,116 @@ def test_emerging_optimizer_terms_are_documented(extra):
     for stage in estimate(layout_from_flags(flags, world_size=16)).stages:
         for term in stage.terms:
             assert os.path.exists(os.path.join(DOCS, term.name + ".md")), term.name
+            assert term.name in readme_rows(), term.name
+
+
+# --- every term name the estimator can emit has a page and a row in docs/terms/README.md (static: a new term on a
+# path no estimate above reaches is caught too)
+
+import ast
+import re
+
+ROOT = os.path.dirname(DOCS.rstrip(os.sep).rsplit(os.sep, 1)[0])
+GROUPS = {"weights", "gradients", "optimizer", "transients", "activations", "logits_loss", "fixed", "allocator", "host"}
+# where a breakdown is assembled: stage terms, per-micro-batch items, their group table
+NAMED_DICTS = {"parts", "saved", "_END_GROUPS"}
+# pages that explain a feature or a share of another term, not a term of the breakdown
+OVERVIEW_PAGES = {"README", "fp8", "fsdp", "moe", "optimizer_offload"}
+LAYER_ITEM_FILES = {"activations.py", "fp8_layers.py"}
+
+
+def _strs(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.IfExp):
+        return _strs(node.body) + _strs(node.orelse)
+    return []
+
+
+def emitted_term_names() -> set[str]:
+    names: set[str] = set()
+    est_dir = os.path.join(ROOT, "megatron_memguard", "estimator")
+    for dirpath, _, files in os.walk(est_dir):
+        for f in files:
+            # layers/, activations.py and fp8_layers.py name the items a layer keeps (the per-layer table of
+            # --detail), not breakdown terms
+            if not f.endswith(".py") or os.path.basename(dirpath) == "layers" or f in LAYER_ITEM_FILES:
+                continue
+            tree = ast.parse(open(os.path.join(dirpath, f), encoding="utf-8").read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Term" \
+                        and node.args:
+                    names.update(_strs(node.args[0]))
+                elif isinstance(node, ast.Tuple) and len(node.elts) >= 3 and _strs(node.elts[0]) and any(
+                        isinstance(e, ast.Constant) and e.value in GROUPS for e in node.elts[1:]):
+                    names.update(_strs(node.elts[0]))       # (name, bytes, group, level, detail) rows
+                elif isinstance(node, ast.Subscript) and getattr(node.value, "id", "") in NAMED_DICTS \
+                        and isinstance(node.ctx, ast.Store):
+                    names.update(_strs(node.slice))
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict) and any(
+                        getattr(t, "id", "") in NAMED_DICTS for t in getattr(node, "targets", [getattr(node, "target", None)])):
+                    names.update(s for k in node.value.keys if k is not None for s in _strs(k))
+                elif isinstance(node, ast.Dict) and None in node.keys:      # {**parts, "offload_staging": ...}
+                    if any(getattr(v, "id", "") == "parts" for k, v in zip(node.keys, node.values) if k is None):
+                        names.update(s for k in node.keys if k is not None for s in _strs(k))
+    return names
+
+
+def readme_rows() -> set[str]:
+    text = open(os.path.join(DOCS, "README.md"), encoding="utf-8").read()
+    return {m for line in text.splitlines() if line.startswith("| [") for m in re.findall(r"\]\(([a-z0-9_]+)\.md\)", line)}
+
+
+def test_the_static_scan_finds_terms_of_every_kind():
+    # one name from each way a term is made: Term(...), a cuda-graph row, parts / saved keys, a {**parts, ...}
+    names = emitted_term_names()
+    assert {"parameters", "cuda_graph_pool", "layer_activations", "backward_transient", "loss_softmax",
+            "embedding_indices", "offload_staging", "fsdp_unsharded_gradients", "host_gradients",
+            "mtp_loss_buffers"} <= names
+
+
+def test_every_emitted_term_has_a_page_and_a_readme_row():
+    names, rows = emitted_term_names(), readme_rows()
+    assert sorted(n for n in names if not os.path.exists(os.path.join(DOCS, n + ".md"))) == []
+    assert sorted(names - rows) == []
+
+
+def test_every_term_page_is_listed_and_every_row_has_a_page():
+    pages = {f[:-3] for f in os.listdir(DOCS) if f.endswith(".md")}
+    rows = readme_rows()
+    assert sorted(pages - OVERVIEW_PAGES - rows) == []
+    assert sorted(rows - pages) == []
+
+
+# --- every key `memguard estimate --json` writes is in docs/json-schema.md (top level and per stage)
+
+SCHEMA = os.path.join(ROOT, "docs", "json-schema.md")
+
+
+def _schema_fields() -> tuple[set[str], set[str]]:
+    """(top-level fields, stage fields: the stage table and the feature tables after it)."""
+    tables = []
+    for block in re.split(r"\n\s*\n", open(SCHEMA, encoding="utf-8").read()):
+        rows = re.findall(r"^\| `(\w+)` \|", block, flags=re.M)
+        if rows:
+            tables.append(set(rows))
+    return tables[0], set().union(*tables[1:])
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    # MoE, FP8, activation and optimizer offloading: the optional top-level and stage fields
+    ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4", "--moe-grouped-gemm",
+     "--disable-bias-linear", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--use-distributed-optimizer",
+     "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--optimizer-cpu-offload",
+     "--optimizer-offload-fraction", "0.5", "--use-precision-aware-optimizer"],
+])
+def test_every_json_key_is_in_the_schema_page(extra):
+    top, stage = _schema_fields()
+    flags = LLAMA2_7B + ["--micro-batch-size", "1", "--global-batch-size", "64", "--pipeline-model-parallel-size", "2"]
+    doc = estimate(layout_from_flags(flags + extra, world_size=16), gpu_memory=80 * 2**30).to_dict()
+    assert sorted(set(doc) - top) == []
+    for st in doc["stages"]:
+        assert sorted(set(st) - stage) == []
+        for t in st["terms"]:
+            assert set(t) == {"name", "bytes", "group", "level", "detail"}

@@ -78,3 +78,21 @@ def test_layouts_differing_in_a_layer_kind_do_not_share_a_cache_entry():
     mixed = core._chunk_activations(L, ((ATTN, 2), (MLA, 1)), False, False)
     assert mixed.layers == 2 * layer_activations(L, False, ATTN).total + layer_activations(L, False, MLA).total
     core._chunk_activations.cache_clear()
+
+
+def test_only_megatrons_unfused_local_attention_reads_the_batch_mask():
+    """megatron's DotProductAttention with torch's softmax builds an [s, s] bool causal mask (1 byte per
+    element, kept by masked_fill_) when the batch brings none: a chunk without the batch (no embedding,
+    no output layer) keeps it. Every other mixer makes the same tensors either way, and the two chunk
+    kinds share one cache entry."""
+    L = _8b("--transformer-impl", "local", "--no-masked-softmax-fusion", "--seq-length", "2048")
+    assert attention.reads_batch_mask(L)
+    with_batch, without = layer_activations(L, True, ATTN), layer_activations(L, False, ATTN)
+    assert without.saved["causal_mask"] == 2048 * 2048 and "causal_mask" not in with_batch.saved
+    assert without.total - with_batch.total == 2048 * 2048
+    te = _8b()
+    assert not attention.reads_batch_mask(te)
+    assert layer_activations(te, False, ATTN) is layer_activations(te, True, ATTN)
+    m = layout_from_flags(CI_MLA, world_size=1)
+    assert not mla.reads_batch_mask(m)
+    assert layer_activations(m, False, MLA) is layer_activations(m, True, MLA)

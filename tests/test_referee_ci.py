@@ -62,7 +62,9 @@ def test_a_wrong_estimate_fails_the_comparison():
         from megatron_memguard.estimator import core
 
         original = head.output_items
+        # the stage terms keep the chunks' activations too: both caches are built without the logits
         core._chunk_activations.cache_clear()
+        core._stage_prep.cache_clear()
 
         def without(L):
             items = original(L)
@@ -75,6 +77,7 @@ def test_a_wrong_estimate_fails_the_comparison():
         finally:
             core.output_items = original
             core._chunk_activations.cache_clear()
+            core._stage_prep.cache_clear()
 
     entry = measured("tp1_base")
     good = compare_entry(entry)

@@ -174,3 +174,26 @@ def test_oom_message_of_older_torch():
     assert (ev.requested, ev.capacity, ev.allocated, ev.reserved) == (20 * MiB, int(round(15.78 * GiB)),
                                                                       int(round(14.56 * GiB)), int(round(14.66 * GiB)))
     assert ev.reserved_unallocated == ev.reserved - ev.allocated and ev.needed == ev.allocated + 20 * MiB
+
+
+def test_oom_reserved_slack_counts_cuda_graph_pools():
+    """A CUDA graph's private pool (cuda_graph_pool, reserved level) is reserved but unallocated memory between
+    replays: slack of the fragmentation plus the pool is as predicted, not blamed on fragmentation."""
+    from megatron_memguard.report.megatron_log import OomEvent
+    from megatron_memguard.report.oom import blame
+    L = layout_from_flags(LLAMA31_8B + "--micro-batch-size 1 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                          "--use-distributed-optimizer --cuda-graph-impl transformer_engine".split(), world_size=16,
+                          megatron_version="0.19.2")
+    s = estimate(L, gpu=H100).stages[0]
+    frag, pool = s.breakdown["allocator_fragmentation"], s.breakdown["cuda_graph_pool"]
+    assert pool > 0.1 * frag
+
+    def event(slack):
+        held = int(s.peak_allocated_bytes * 0.95)
+        return OomEvent(file="x.log", line=1, rank=0, device=0, requested=GiB, capacity=int(79.11 * GiB), free=0,
+                        allocated=held, reserved_unallocated=slack, process_used=None, other_processes=0,
+                        reserved=None, iteration=3)
+    ok = blame(event(frag + pool), estimate(L, gpu=H100), 0, True)
+    assert ok.term != "allocator_fragmentation"           # was blamed: frag + pool > 1.05 frag
+    bad = blame(event(2 * (frag + pool)), estimate(L, gpu=H100), 0, True)
+    assert (bad.term, bad.level) == ("allocator_fragmentation", "reserved") and "CUDA graph pools" in bad.why

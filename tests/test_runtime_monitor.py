@@ -225,3 +225,22 @@ def test_errors_go_to_the_integrations_reporter():
     m.step(2)
     assert seen and all(kind != "printed" for kind, _ in seen) and seen[0][1] == "disk full"
     assert m.errors == len(seen)
+
+
+def test_reserved_excess_names_a_cuda_graph_pool_when_it_is_the_largest_reserved_term():
+    """--optimizer-cuda-graph / CUDA graphs: their private pools are reserved-only terms next to fragmentation; a
+    reserved excess names the largest of them (it was always 'allocator_fragmentation')."""
+    from megatron_memguard.estimator.result import Term
+    from megatron_memguard.runtime import Reading
+    GiB = 2**30
+    pred = Prediction(pp_rank=0, peak_allocated=60 * GiB, peak_reserved=66 * GiB, device_total=70 * GiB,
+                      persistent=30 * GiB,
+                      terms=(Term("parameters", 30 * GiB, "weights", "allocated", ""),
+                             Term("allocator_fragmentation", 1 * GiB, "allocator", "reserved", ""),
+                             Term("optimizer_graph_pool", 5 * GiB, "allocator", "reserved", "")))
+    r = Reading(allocated=30 * GiB, max_allocated=60 * GiB, reserved=30 * GiB, max_reserved=75 * GiB,
+                device_used=70 * GiB)
+    term, why = suspect_term(pred, r)
+    assert term == "optimizer_graph_pool" and "CUDA graph" in why
+    small = Prediction(**{**pred.__dict__, "terms": pred.terms[:2]})
+    assert suspect_term(small, r)[0] == "allocator_fragmentation"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import repeat
 
 from ..layout import Layout
 from ..partition import MIXER_NONE, MLP_NONE, LayerKind, uniform_kind
@@ -43,12 +44,18 @@ class LayerActivations:
     fwd_steps: tuple[Step, ...] = ()
     bwd_steps: tuple[Step, ...] = ()
 
-    @property
+    @cached_property
     def total(self) -> int:
         return sum(self.saved.values())
 
+    @cached_property
+    def moe_total(self) -> int:
+        """The MoE half of the saved bytes (its ``moe_*`` items)."""
+        return sum(v for k, v in self.saved.items() if k.startswith("moe_"))
+
     def _peak(self, steps: tuple[Step, ...]) -> int:
-        return max((w - sum(self.saved.get(n, 0) for n in names) for names, w in steps), default=0)
+        get = self.saved.get
+        return max([w - sum(map(get, names, repeat(0))) for names, w in steps], default=0)
 
     @cached_property
     def fwd_transient(self) -> int:
@@ -66,6 +73,9 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     """One layer of ``kind`` (default: the model's uniform kind), one micro-batch, no full recompute
     (applied per block by the caller)."""
     kind = uniform_kind(L) if kind is None else kind
+    if not has_batch_mask and not mixer_recipe(kind).reads_batch_mask(L):
+        # the mixer makes the same tensors whether the batch carries a mask or not: one entry serves both
+        return layer_activations(L, True, kind)
     L = kind_layout(L, kind)   # a heterogeneous layer's own ffn size
     x = shapes(L)
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()

@@ -223,7 +223,7 @@ class _MoePart:
     """The MoE half of a layer's saved bytes (its ``moe_*`` items), for _layers_bytes."""
 
     def __init__(self, la: LayerActivations) -> None:
-        self.total = sum(v for k, v in la.saved.items() if k.startswith("moe_"))
+        self.total = la.moe_total
 
 
 def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:

@@ -203,9 +203,9 @@ def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tup
 def last_stage_items(L) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient at the loss) that MTP adds to the
     last stage's last chunk, besides its D layers' activations (the layer recipe's, counted as layers)."""
-    spec = spec_of(L)
-    if spec.mtp_num_layers <= 0:
+    if (getattr(L, "mtp_num_layers", 0) or 0) <= 0:   # spec_of's rule, without building the spec
         return {}, 0
+    spec = spec_of(L)
     from .head import output_items
     head = output_items(L).saved
     per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))

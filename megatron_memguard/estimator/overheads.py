@@ -185,15 +185,15 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> 
     installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
     if not L.fused_wgrad:
         return frozenset()
+    if has_output:
+        # the layers' shapes (shared with the stages without the output layer), and output_layer's
+        return dummy_wgrad_shapes(L, False, has_layers) | {(L.padded_vocab_size // L.tp, L.hidden_size)}
     if has_layers and L.moe is not None:
         # the kinds the model has (MoE: the experts' and shared experts' TE linears)
-        from ..partition import layer_kinds
-        shapes = {sh for kind in set(layer_kinds(L)) for sh in layer_linear_shapes(L, kind).values()}
-    else:
-        shapes = set(layer_linear_shapes(L).values()) if has_layers else set()
-    if has_output:
-        shapes.add((L.padded_vocab_size // L.tp, L.hidden_size))     # output_layer
-    return frozenset(shapes)
+        from ..partition import model_kind_runs
+        return frozenset({sh for kind in {k for k, _ in model_kind_runs(L)}
+                          for sh in layer_linear_shapes(L, kind).values()})
+    return frozenset(layer_linear_shapes(L).values()) if has_layers else frozenset()
 
 
 @lru_cache(maxsize=256)

@@ -53,10 +53,18 @@ def _layer_numels(L: Layout, kind: LayerKind, expert: bool = False) -> tuple[int
     """Numels of one layer's parameters in the dense DDP buffer, or (``expert``) in the expert buffer:
     routed experts get their own buffer when megatron-core reduces them over the expert-data-parallel
     group (layers/moe.py experts_use_expert_buffer), else they stay with the dense parameters."""
-    ps = layer_params(L, kind=kind)
     if L.moe is None or not experts_use_expert_buffer(L.moe, L.tp, L.megatron_version):
-        return () if expert else tuple(p.numel for p in ps)
-    return tuple(p.numel for p in ps if p.expert == expert)
+        return () if expert else _layer_numel_split(L, kind)[0]
+    return _layer_numel_split(L, kind)[2 if expert else 1]
+
+
+@lru_cache(maxsize=256)
+def _layer_numel_split(L: Layout, kind: LayerKind) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Numels of one layer's parameters: all of them, those outside the routed experts, the routed
+    experts' (one recipe call serves both DDP buffers)."""
+    ps = layer_params(L, kind=kind)
+    return (tuple([p.numel for p in ps]), tuple([p.numel for p in ps if not p.expert]),
+            tuple([p.numel for p in ps if p.expert]))
 
 
 def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:

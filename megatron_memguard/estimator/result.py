@@ -54,6 +54,12 @@ class Term:
     level: TermLevel | str = TermLevel.ALLOCATED
     detail: str = ""
 
+    def __init__(self, name: str, bytes: int, group: TermGroup | str, level: TermLevel | str = TermLevel.ALLOCATED,
+                 detail: str = "") -> None:
+        # the dataclass's frozen __init__ sets each field through object.__setattr__; an estimate makes
+        # a hundred terms or more, so they are stored at once (same fields, same defaults)
+        self.__dict__.update(name=name, bytes=bytes, group=group, level=level, detail=detail)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "group": self.group, "level": self.level, "detail": self.detail}
 
@@ -88,6 +94,17 @@ class StageEstimate:
     # stage's peak with the worst routing the dispatcher allows (None for dense models)
     moe: dict[str, Any] | None = None
     host_terms: tuple[Term, ...] = ()  # host (CPU) memory of one rank: optimizer CPU offload
+
+    def __init__(self, pp_rank: int, chunks: tuple[Chunk, ...], num_layers: int, parameters: int,
+                 persistent_bytes: int, peak_allocated_bytes: int, peak_reserved_bytes: int, device_total_bytes: int,
+                 peak_phase: str, in_flight: int, terms: tuple[Term, ...], moe: dict[str, Any] | None = None,
+                 host_terms: tuple[Term, ...] = ()) -> None:
+        # one per stage of every estimate: the fields are stored at once (as Term's)
+        self.__dict__.update(
+            pp_rank=pp_rank, chunks=chunks, num_layers=num_layers, parameters=parameters,
+            persistent_bytes=persistent_bytes, peak_allocated_bytes=peak_allocated_bytes,
+            peak_reserved_bytes=peak_reserved_bytes, device_total_bytes=device_total_bytes, peak_phase=peak_phase,
+            in_flight=in_flight, terms=terms, moe=moe, host_terms=host_terms)
 
     @property
     def host_bytes(self) -> int:

@@ -73,6 +73,13 @@ class SiteConstants:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not s.lower <= v <= s.upper:
                 raise ValueError(f"{s.name} must be within [{s.format(s.lower)}, {s.format(s.upper)}], got {v!r}")
 
+    def __hash__(self) -> int:
+        # a key of the per-stage caches (asked on every stage): hashed once, like Layout
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+        return h
+
     def changed(self) -> dict[str, Any]:
         """The constants that differ from memguard's defaults."""
         base = DEFAULT_SITE

@@ -33,19 +33,40 @@ from ..partition import uniform_kind
 from .space import Candidate, ModelShape
 
 
-def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_params: int = 0) -> float:
+def stage_factor_bytes(shape: ModelShape, c: Candidate, stage: int,
+                       moe_layers_on: Callable[[Candidate, int], int] | None = None) -> int:
+    """SOAP's preconditioners of the stage's layers on one rank before DP sharding (0 for other optimizers)."""
+    if shape.optimizer != "soap":
+        return 0
+    n_moe = moe_layers_on(c, stage) if moe_layers_on is not None else 0
+    return ((c.stage_layers[stage] - n_moe) * shape.soap_factor_bytes(c.tp)
+            + n_moe * shape.soap_factor_bytes(c.tp, moe_layer=True))
+
+
+def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_params: int = 0,
+                      factors: int = 0) -> float:
+    """Model state on one rank of a stage with ``params`` (and routed-expert ``expert_params``) parameters;
+    ``factors``: SOAP's preconditioner bytes of the stage (stage_factor_bytes), sharded like the optimizer
+    state (the layer-wise distributed optimizer's busiest rank holds at least the average)."""
+    if shape.layout.freeze_all_layers:
+        # --freeze-all-layers: weights only (no DDP buffer, no optimizer state; estimator/core.py)
+        return (params + expert_params) * shape.param_bytes
     if c.fsdp:
         # Megatron-FSDP (estimator/fsdp.py): what each strategy shards over DP x CP; gradients in the
         # parameter dtype (core 0.19) at least; groups kept whole and padding only add. Expert parameters
         # shard over the expert-data-parallel group instead.
+        # HSDP (--num-distributed-optimizer-instances): weights and gradients over one replica's DP x CP / instances,
+        # the optimizer state over that or (outer 'optim') all of DP x CP: the larger group keeps it a lower bound
         d = max(1, c.dp * c.cp)
+        dw = max(1, d // shape.dist_opt_instances)
         w, g, o = shape.param_bytes, min(shape.grad_bytes, shape.param_bytes), shape.optimizer_state_bytes
         sharded = {"no_shard": 0, "optim": o, "optim_grads": g + o, "optim_grads_params": w + g + o}[c.fsdp]
-        return ((params + expert_params) * (w + g + o - sharded) + params * sharded / d
+        o_sh = o if c.fsdp != "no_shard" else 0
+        return ((params + expert_params) * (w + g + o - sharded) + params * ((sharded - o_sh) / dw + o_sh / d)
                 + expert_params * sharded / max(1, c.edp))
     per = shape.param_bytes + shape.grad_bytes
     shard = max(1, c.dp * c.cp // shape.dist_opt_instances) if c.dist_opt else 1
-    out = params * per + params * shape.optimizer_state_bytes / shard
+    out = params * per + (params * shape.optimizer_state_bytes + factors) / shard
     if expert_params:
         e_shard = max(1, c.edp // shape.dist_opt_instances) if c.dist_opt else 1
         out += expert_params * per + expert_params * shape.optimizer_state_bytes / e_shard
@@ -109,6 +130,9 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
     rank of stage i (TimeModel.stage_params); for MoE models ``stage_expert_params`` and
     ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i."""
     per_layer = layer_activation_bytes(shape, c)
+    # --freeze-all-layers: the first stage keeps no activations (nothing before it requires grad; with virtual
+    # stages its later chunks do, left out here)
+    first_held = 0 if shape.layout.freeze_all_layers else first_stage_layers_held(c)
     if shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None:
         per_moe = layer_activation_bytes(shape, c, mlp=False)
 
@@ -118,19 +142,22 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
                 return layers / n * ((n - n_moe) * per_layer + n_moe * per_moe)
             return layers * (min(per_moe, per_layer) if n_moe else per_layer)   # chunks: the lighter kind
 
-        first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0)) + held(
-            0, first_stage_layers_held(c))
+        first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0),
+                                  stage_factor_bytes(shape, c, 0, moe_layers_on)) + held(0, first_held)
         if c.pp == 1:
             last = first
         else:
-            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1), stage_expert_params(c, c.pp - 1)) + held(
+            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1), stage_expert_params(c, c.pp - 1),
+                                     stage_factor_bytes(shape, c, c.pp - 1, moe_layers_on)) + held(
                 c.pp - 1, c.stage_layers[-1])
     else:
-        first = stage_state_bytes(shape, c, stage_params(c, 0)) + first_stage_layers_held(c) * per_layer
+        first = stage_state_bytes(shape, c, stage_params(c, 0), factors=stage_factor_bytes(shape, c, 0)) + (
+            first_held * per_layer)
         if c.pp == 1:
             last = first                          # one stage holds everything
         else:
-            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1)) + c.stage_layers[-1] * per_layer
+            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1),
+                                     factors=stage_factor_bytes(shape, c, c.pp - 1)) + c.stage_layers[-1] * per_layer
     seq = shape.seq_length // c.cp
     v_t = shape.padded_vocab(c.tp) // c.tp
     logits = c.mbs * seq * v_t * (4 if shape.fp32_logits else shape.act_bytes)

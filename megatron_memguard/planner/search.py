@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 from ..config import RawConfig
-from ..errors import ConfigError, ConfigErrors
+from ..errors import ConfigError, ConfigErrors, NotModelledError
 from ..estimator import Estimate, SiteConstants, estimate
 from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
-from .bounds import memory_lower_bound, stage_state_bytes
+from .bounds import memory_lower_bound, stage_factor_bytes, stage_state_bytes
 from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_space, model_shape
 from .timing import StepTime, TimeModel
 
@@ -191,6 +191,10 @@ class Planner:
         # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
         probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
+        if raw.args.get("num_distributed_optimizer_instances") is not None:
+            # one GPU has one instance; each candidate resolves with the configured number (HSDP), and one whose
+            # DP x CP it does not divide is rejected by Megatron's rule
+            probe_raw = probe_raw.with_args(num_distributed_optimizer_instances=1)
         self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
         self.shape = model_shape(self.probe, raw)
         self.notes.extend(n for n in self.probe.notes if n not in self.notes)
@@ -226,7 +230,8 @@ class Planner:
         if b is None:
             tm = self.timer
             b = self._bounds[key] = max(
-                stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i))
+                stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i),
+                                  stage_factor_bytes(self.shape, c, i, tm.moe_layers_on))
                 for i in {0, c.pp - 1})
         return b
 
@@ -267,6 +272,10 @@ class Planner:
         t0 = _time.perf_counter()
         cons = constraints or Constraints()
         cands = enumerate_space(self.shape, self.cluster, self.gbs, cons, rule=rule)
+        if self.shape.layout.freeze_all_layers:
+            # validate_args turns the distributed optimizer off with frozen layers: one layout, not two
+            cands = list(dict.fromkeys(dataclasses.replace(c, dist_opt=False) if c.dist_opt and not c.fsdp else c
+                                       for c in cands))
         res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
                          threshold=self.threshold, entries=[], considered=len(cands), notes=list(self.notes))
         limit = self.limit
@@ -309,7 +318,9 @@ class Planner:
                 for err in e.errors:
                     res.rejected[str(err)] += 1
                 continue
-            except ConfigError as e:
+            except (ConfigError, NotModelledError) as e:
+                # NotModelledError: e.g. --fsdp with an optimizer or frozen layers FSDP is not modelled with;
+                # the layout is left out with the reason, like a broken rule
                 res.rejected[str(e)] += 1
                 continue
             est = self.estimate(L)

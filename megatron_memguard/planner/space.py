@@ -103,6 +103,8 @@ class ModelShape:
     pad_vocab: bool = True         # --no-pad-vocab-size not given: the vocabulary is padded per TP
     fixed_padded_vocab: int | None = None   # a padded vocabulary the config fixes
     moe: MoeShape | None = None    # mixture of experts (planner/moe.py); None: every layer dense
+    # --num-distributed-optimizer-instances as configured (the probe, one GPU, resolves with 1; HSDP)
+    instances: int = 1
     _per_tp: dict = field(default_factory=dict, compare=False, repr=False)   # memo of per-TP counts
 
     # ---- the model shape, under the planner's names --------------------------------------------
@@ -241,11 +243,31 @@ class ModelShape:
                 else DTYPE_BYTES[L.main_params_dtype])
             return main + DTYPE_BYTES[L.exp_avg_dtype] + (DTYPE_BYTES[L.exp_avg_sq_dtype] if L.optimizer == "adam" else 0)
         main = 0 if L.params_dtype == "fp32" else 4
-        return main + (8 if L.optimizer == "adam" else 4)
+        # SOAP: fp32 exp_avg and exp_avg_sq of its matrices, Adam's two moments for the rest (estimator/muon.py);
+        # its preconditioners depend on each matrix's shape (soap_factor_bytes)
+        return main + (8 if L.optimizer in ("adam", "soap") else 4)
+
+    def soap_factor_bytes(self, tp: int, moe_layer: bool = False) -> int:
+        """SOAP's Kronecker factors and eigenbases of one layer's matrices on one TP rank (8 (m^2 + n^2) B per
+        [m, n] weight, estimator/muon.py soap_factor_bytes); for an MoE layer only its token mixer's (a lower
+        bound). 0 for other optimizers."""
+        if self.layout.optimizer != "soap":
+            return 0
+        key = ("soap", tp, moe_layer)
+        hit = self._per_tp.get(key)
+        if hit is None:
+            from ..estimator.layers import mixer_recipe, mlp_recipe
+            from ..estimator.muon import soap_factor_bytes, takes_muon_by_name
+            from ..partition import uniform_kind
+            L, kind = self.layout_at_tp(tp), uniform_kind(self.layout)
+            ps = mixer_recipe(kind).params(L, "") + ([] if moe_layer else mlp_recipe(kind).params(L, ""))
+            hit = self._per_tp[key] = sum(soap_factor_bytes(p.numel // p.cols, p.cols) for p in ps
+                                          if p.cols and takes_muon_by_name(p.name))
+        return hit
 
     @property
     def dist_opt_instances(self) -> int:
-        return self.layout.num_distributed_optimizer_instances
+        return max(1, self.instances)
 
     @property
     def qk_dim(self) -> int:
@@ -331,8 +353,10 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):
         pad = pad.strip().lower() in ("1", "true", "yes", "on")
+    inst = raw.args.get("num_distributed_optimizer_instances")
     return ModelShape(layout=L, pad_vocab=bool(pad), fixed_padded_vocab=int(fixed_padded) if fixed_padded else None,
-                      moe=moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size))
+                      moe=moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size),
+                      instances=int(inst) if inst not in (None, "") else L.num_distributed_optimizer_instances)
 
 
 @dataclass(frozen=True)

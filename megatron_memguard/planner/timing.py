@@ -704,6 +704,10 @@ class TimeModel:
             elems = psi_max / shard
         per = 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
         optimizer = memory_seconds(elems * per, self.gpu)
+        frozen = s.layout.freeze_all_layers
+        if frozen:
+            # --freeze-all-layers: no gradient to reduce, no parameter for the optimizer (training.py get_model)
+            dp_comm, dp_detail, optimizer = 0.0, "--freeze-all-layers: no gradients to reduce", 0.0
 
         values = (m * gemm, m * attn, m * elem, m * gaps, m * inp, m * rc, m * tpc, m * cpc, p2p, bubble, dp_comm,
                   optimizer)
@@ -738,6 +742,7 @@ class TimeModel:
                 p2p_detail,
                 f"(PP-1)/(VPP*m) = {p - 1}/({v}*{m}) of {work:.3f} s (the stage's work above)" if p > 1 else "no pipeline",
                 dp_detail,
+                "--freeze-all-layers: no optimizer step" if frozen else
                 f"{elems / 1e6:,.1f}M parameters{' (a 1/' + str(shard) + ' shard)' if shard > 1 else ''} x {per:.0f} B "
                 f"read and written at {self.gpu.hbm_bytes_per_s * HBM_EFFICIENCY / 1e12:.2f} TB/s",
             )

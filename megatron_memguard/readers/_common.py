@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Any, Iterable, Mapping
 
 from ..config import RawConfig
-from ..errors import ConfigError, ReaderError
+from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import shown
 
 MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
@@ -453,7 +453,9 @@ _FSDP_DDP_KEYS = (("data_parallel_sharding_strategy", None), ("fsdp_double_buffe
                   ("megatron_fsdp_main_grads_dtype", None), ("megatron_fsdp_grad_comm_dtype", None),
                   ("megatron_fsdp_max_pool_double_buffer", None), ("fsdp_db_use_persist_buf_on_alloc_fail", None),
                   ("preserve_fp32_weights", None), ("torch_fsdp2_reshard_after_forward", None),
-                  ("reshard_after_forward", "torch_fsdp2_reshard_after_forward"))
+                  ("reshard_after_forward", "torch_fsdp2_reshard_after_forward"),
+                  ("megatron_fsdp_enable_fine_grained_param_gather", None), ("megatron_fsdp_cuda_graph_mode", None),
+                  ("megatron_fsdp_use_decoupled_grad", None))
 _OFFLOAD_OPTIMIZER_KEYS = ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                            "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads", "pin_cpu_params")
 
@@ -477,3 +479,31 @@ def fsdp_and_offload_keys(b: ArgsBuilder, val, key, ddp_sec: str, opt_sec: str) 
                   f"{ddp_sec} (DistributedDataParallelConfig default)")
     if as_bool(b.args.get("optimizer_cpu_offload", False)):
         b.default("optimizer_offload_fraction", 0.0, f"{opt_sec} (OptimizerConfig default)")
+
+
+def emerging_optimizer(b: ArgsBuilder, name: str, key: str, layer_wise_key: bool) -> None:
+    """An OptimizerConfig's ``optimizer`` as Bridge 0.6.2 (training/optim.py setup_optimizer) and NeMo 2
+    (MegatronOptimizerModule) hand it to get_megatron_optimizer (megatron-core 0.19
+    ``_get_megatron_emerging_optimizer``): a ``dist_`` name (``dist_muon``, ``dist_lion``, ``dist_soap``...) or
+    ``use_layer_wise_distributed_optimizer`` selects the layer-wise distributed optimizer. Unlike Megatron-LM's
+    validate_args, neither turns ``use_distributed_optimizer`` into it: without a layer-wise
+    request the emerging optimizer's state stays whole on every rank (the non-layer-wise chain), and a layer-wise
+    request without DDP's distributed-optimizer buffers takes core 0.19's legacy ping-pong path."""
+    opt = name.strip().lower()
+    bare = opt[len("dist_"):] if opt.startswith("dist_") else opt
+    if bare not in ("muon", "adaptive_muon", "lion", "soap"):
+        b.set("optimizer", name, key)
+        return
+    layer_wise = opt != bare or layer_wise_key
+    dist = as_bool(b.args.get("use_distributed_optimizer", False))
+    if layer_wise and not dist:
+        raise NotModelledError(key, f"{opt}'s layer-wise optimizer without use_distributed_optimizer (megatron-core "
+                                    "0.19's legacy ping-pong sharding of every parameter)")
+    if dist and not layer_wise:
+        raise NotModelledError(key, f"{opt} with use_distributed_optimizer but no layer-wise optimizer (megatron-core's "
+                                    "non-layer-wise emerging-optimizer chain over distributed-optimizer buffers; use "
+                                    f"dist_{bare} or use_layer_wise_distributed_optimizer)")
+    # dist_muon is the one spelling both megatron-core 0.16 and 0.19 take for Muon's layer-wise optimizer
+    b.set("optimizer", "dist_muon" if bare == "muon" and layer_wise else bare, key)
+    if layer_wise:
+        b.set("use_layer_wise_distributed_optimizer", True, key)

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys, group_query_attention,
+    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
+    group_query_attention,
     is_missing, map_mcore_fields, set_vocab,
 )
 
@@ -343,14 +344,18 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.set("accumulate_allreduce_grads_in_fp32", False, grad_key)
 
     # Optimizer and DDP.
-    if has("optimizer", "optimizer"):
-        b.set("optimizer", v("optimizer", "optimizer"), k("optimizer", "optimizer"))
     for flag in ("use_distributed_optimizer", "overlap_param_gather"):
         on = [k(sec, flag) for sec in ("ddp", "optimizer") if as_bool(v(sec, flag, False))]
         if on:
             b.set(flag, True, on[0])
         elif has("ddp", flag) or has("optimizer", flag):
             b.set(flag, False, k("ddp", flag) if has("ddp", flag) else k("optimizer", flag))
+    if has("optimizer", "optimizer"):
+        emerging_optimizer(b, str(v("optimizer", "optimizer")), k("optimizer", "optimizer"),
+                            as_bool(v("optimizer", "use_layer_wise_distributed_optimizer", False)))
+    for name in ("muon_scalar_optimizer", "optimizer_cuda_graph", "overlap_param_gather_with_optimizer_step"):
+        if has("optimizer", name):
+            b.set(name, v("optimizer", name), k("optimizer", name))
     for name in ("use_precision_aware_optimizer", "store_param_remainders", "optimizer_cpu_offload"):
         if has("optimizer", name):
             b.set(name, as_bool(v("optimizer", name)), k("optimizer", name))
@@ -366,6 +371,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         if as_bool(v("dist", name, False)):
             b.set(name, True, k("dist", name))
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
+    if "comm_overlap" in S:
+        _comm_overlap_model_fields(b, S, v, k)
     if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
         # CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2) switches it off, with a warning, for
         # TP < 2 or without sequence parallelism
@@ -376,6 +383,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         if tp < 2 or not as_bool(b.args.get("sequence_parallel", False)):
             b.warn(f"{k('comm_overlap', 'tp_comm_overlap')}: Megatron-Bridge switches TP communication overlap off "
                    "with TP < 2 or without sequence parallelism")
+            b.args.pop("tp_comm_overlap", None)
         else:
             b.set("tp_comm_overlap", True, k("comm_overlap", "tp_comm_overlap"))
             if v("comm_overlap", "tp_comm_overlap_cfg") is not None:   # TransformerLayerTPOverlapCfg, as a mapping
@@ -423,6 +431,32 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                 set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=True)
     else:
         set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=as_bool(v("model", "should_pad_vocab", False)))
+
+
+# CommOverlapConfig fields that CommOverlapConfig.setup writes into the model config (Bridge 0.6.2
+# training/comm_overlap.py _get_model_comm_overlap_cfgs: off unless the comm_overlap section sets them)
+_COMM_OVERLAP_MODEL = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "defer_embedding_wgrad_compute",
+                       "tp_comm_overlap")
+
+
+def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v, k) -> None:
+    """With a comm_overlap section, Bridge's CommOverlapConfig.setup (run by ConfigContainer.validate) overwrites
+    these model fields with the section's values, False where the section leaves them None: a model.* True is
+    turned off (a warning), a comm_overlap.* True turns the feature on."""
+    for name in _COMM_OVERLAP_MODEL:
+        mine = v("comm_overlap", name)
+        if mine is not None and (name != "tp_comm_overlap" or as_bool(mine)):
+            if name != "tp_comm_overlap":      # (tp_comm_overlap on: its TP / SP conditions are applied below)
+                b.set(name, as_bool(mine), k("comm_overlap", name))
+            continue
+        if as_bool(b.args.get(name, False)):
+            b.warn(f"{b.origin.get(name, 'model.' + name)}: Megatron-Bridge's CommOverlapConfig.setup turns it off "
+                   f"(comm_overlap.{name} is {'false' if mine is not None else 'not set'}); estimated without it")
+        b.args.pop(name, None)
+        b.origin.pop(name, None)
+    if v("comm_overlap", "wgrad_deferral_limit") is not None:
+        b.set("wgrad_deferral_limit", v("comm_overlap", "wgrad_deferral_limit"),
+              k("comm_overlap", "wgrad_deferral_limit"))
 
 
 _NEEDED = {

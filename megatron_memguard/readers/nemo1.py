@@ -429,6 +429,12 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         b.set("optimizer", "adam", okey)
     elif name == "sgd":
         b.set("optimizer", "sgd", okey)
+    elif name.strip().lower() in ("muon", "adaptive_muon", "dist_muon", "lion", "soap"):
+        # megatron-core's emerging optimizers are not in NeMo 1's registry (nemo/core/optim/optimizers.py
+        # AVAILABLE_OPTIMIZERS: sgd, adam, adamw, adadelta, adamax, adagrad, rmsprop, rprop, novograd, adafactor and
+        # the fused / distributed Adams): NeMo stops with "Cannot resolve optimizer"
+        raise ConfigError(okey, f"{name!r} is not a NeMo 1 optimizer (megatron-core's emerging optimizers are "
+                                "reached through Megatron-LM, NeMo 2 or Megatron-Bridge)")
     else:
         b.set("optimizer", name, okey)  # resolve() refuses optimizers it does not model
     if distributed:

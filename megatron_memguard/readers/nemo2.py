@@ -22,8 +22,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import (
-    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, fsdp_and_offload_keys,
-    group_query_attention, is_missing, map_mcore_fields, set_vocab, target_name,
+    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer,
+    fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, set_vocab, target_name,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -168,6 +168,15 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         return d.get(name) if isinstance(d, Mapping) else None
 
     fsdp_and_offload_keys(b, sec_val, lambda sec, name: f"{secs[sec][1]}.{name}", "ddp", "optim")
+    if isinstance(ocfg, Mapping):
+        okey = f"{oprefix}.config"
+        if ocfg.get("optimizer") is not None:
+            # MegatronOptimizerModule passes the OptimizerConfig to get_megatron_optimizer as it is
+            emerging_optimizer(b, str(ocfg["optimizer"]), f"{okey}.optimizer",
+                               as_bool(ocfg.get("use_layer_wise_distributed_optimizer", False)))
+        for name in ("muon_scalar_optimizer", "optimizer_cuda_graph", "overlap_param_gather_with_optimizer_step"):
+            if ocfg.get(name) is not None:
+                b.set(name, ocfg[name], f"{okey}.{name}")
 
     # Vocabulary: GPTConfig.vocab_size is used as is; else the tokenizer's, padded (get_vocab_size).
     vocab = cfg.get("vocab_size") if not is_missing(cfg.get("vocab_size")) else None
@@ -200,7 +209,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
 def _ddp(b: ArgsBuilder, ddp: Mapping, key: str) -> None:
     for name, dest in (("use_distributed_optimizer", None), ("overlap_grad_reduce", None), ("overlap_param_gather", None),
                        ("num_distributed_optimizer_instances", None), ("bucket_size", "ddp_bucket_size"),
-                       ("use_megatron_fsdp", None), ("use_custom_fsdp", None)):
+                       ("use_megatron_fsdp", None), ("use_custom_fsdp", None), ("delay_wgrad_compute", None)):
         if ddp.get(name) is not None:
             b.set(dest or name, ddp[name], f"{key}.{name}")
     if ddp.get("grad_reduce_in_fp32") is not None:

@@ -93,6 +93,9 @@ def blame(event: OomEvent, est: Estimate | None, pp_rank: int | None, started_tr
     err = e.needed / s.peak_allocated_bytes - 1 if s.peak_allocated_bytes else None
     fits = s.device_total_bytes <= e.capacity
     frag = s.breakdown.get("allocator_fragmentation", 0)
+    # CUDA graphs' private pools (cuda_graph_pool, optimizer_graph_pool) are reserved and not allocated between
+    # their replays, like the fragmentation slack
+    pools = sum(t.bytes for t in s.terms if t.level == "reserved" and t.name != "allocator_fragmentation")
     outside_pred = sum(t.bytes for t in s.terms if t.level == "device")
     if not fits:
         t = s.dominant_term
@@ -116,10 +119,11 @@ def blame(event: OomEvent, est: Estimate | None, pp_rank: int | None, started_tr
                    f"allocated during training: the largest activation / transient term"
                    + (f" at the predicted peak ({s.peak_phase})" if s.peak_phase else ""))
         candidates.append((e.needed - s.peak_allocated_bytes, "allocated", t.name if t else "unknown", why))
-    if e.reserved_unallocated is not None and e.reserved_unallocated > frag * (1 + tolerance) + 2 * 2**20:
-        candidates.append((e.reserved_unallocated - frag, "reserved", "allocator_fragmentation",
+    if e.reserved_unallocated is not None and e.reserved_unallocated > (frag + pools) * (1 + tolerance) + 2 * 2**20:
+        candidates.append((e.reserved_unallocated - frag - pools, "reserved", "allocator_fragmentation",
                            f"the caching allocator held {format_bytes(e.reserved_unallocated)} reserved but unallocated "
-                           f"(predicted slack {format_bytes(frag)}): fragmentation; "
+                           f"(predicted slack {format_bytes(frag)}"
+                           + (f", CUDA graph pools {format_bytes(pools)}" if pools else "") + "): fragmentation; "
                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it"))
     if e.process_used is not None and e.reserved_unallocated is not None:
         outside = e.process_used - e.allocated - e.reserved_unallocated

@@ -90,7 +90,14 @@ def suspect_term(pred: Prediction, r: Reading, tolerance: float = 0.05) -> tuple
             return t.name, why
         return "unknown", why
     if over(r.max_reserved, pred.peak_reserved):
-        return "allocator_fragmentation", "allocated memory is as predicted but the caching allocator reserves more (fragmentation)"
+        # reserved-only terms: fragmentation, and the private pools CUDA graphs keep reserved (cuda_graph_pool,
+        # optimizer_graph_pool); the largest predicted one is named
+        t = largest(("allocator",), "reserved")
+        if t is None or t.name == "allocator_fragmentation":
+            return "allocator_fragmentation", ("allocated memory is as predicted but the caching allocator reserves "
+                                               "more (fragmentation)")
+        return t.name, ("allocated memory is as predicted but the caching allocator reserves more: the largest "
+                        "reserved-only term is a CUDA graph's private memory pool")
     if over(r.device_used, pred.device_total):
         t = largest(level="device")
         return (t.name if t else "outside_pytorch",

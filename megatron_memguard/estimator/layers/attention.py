@@ -222,6 +222,12 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
 
 
 
+def reads_batch_mask(L: Layout) -> bool:
+    """Whether ``has_batch_mask`` changes the layer's tensors: only megatron's unfused local attention
+    builds (and keeps) a causal mask, when the data loader made none (attention_items)."""
+    return bool(L.create_attention_mask_in_dataloader) and attention_kind(L) == "local_unfused"
+
+
 def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, after: frozenset,
                 released: frozenset, G: int) -> MixerActivations:
     """The input norm, q/k/v, the core attention and linear_proj's input. ``after``: names of the

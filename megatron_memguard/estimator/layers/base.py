@@ -27,6 +27,13 @@ class Param:
     expert: bool = False             # a routed expert's weight: the expert DDP buffer (layers/moe.py)
     cols: int = 0                    # a matrix's input dimension per rank (rows = numel // cols); 0: not a matrix
 
+    def __init__(self, name: str, numel: int, tp_replicated: bool = False, shared_embedding: bool = False,
+                 expert: bool = False, cols: int = 0) -> None:
+        # the frozen dataclass's __init__ sets each field through object.__setattr__; a cold estimate
+        # makes every layer kind's parameter list, so the fields are stored at once (same order, defaults)
+        self.__dict__.update(name=name, numel=numel, tp_replicated=tp_replicated, shared_embedding=shared_embedding,
+                             expert=expert, cols=cols)
+
 
 def norm_params(name: str, size: int, L: Layout) -> list[Param]:
     ps = [Param(name + ".weight", size, tp_replicated=True)]

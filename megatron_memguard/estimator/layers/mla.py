@@ -138,6 +138,11 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
 
 
 
+def reads_batch_mask(L: Layout) -> bool:
+    """MLA builds no attention mask, whatever the batch carries (mla_attention_items takes none)."""
+    return False
+
+
 def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, after: frozenset,
                 released: frozenset, G: int) -> MixerActivations:
     """The input norm, the down and up projections, the core attention and linear_proj's input

@@ -73,6 +73,10 @@ class MoeParam:
     expert: bool = False           # a routed expert's weight (expert buffer when experts_use_expert_buffer)
     cols: int = 0                  # a matrix's input dimension (base.Param.cols)
 
+    def __init__(self, name: str, numel: int, tp_replicated: bool = False, expert: bool = False, cols: int = 0) -> None:
+        # fields stored at once, as base.Param does (same order, same defaults)
+        self.__dict__.update(name=name, numel=numel, tp_replicated=tp_replicated, expert=expert, cols=cols)
+
 
 def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
     """The MLP half of one MoE layer on one rank, in registration order (MoELayer: router, experts,
@@ -462,7 +466,7 @@ def params(L: Any, prefix: str = "") -> list:
     """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts);
     routed experts carry ``expert=True`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
     from .base import Param
-    return [Param(p.name, p.numel, tp_replicated=p.tp_replicated, expert=p.expert, cols=p.cols) for p in moe_mlp_params(L, _spec(L), prefix)]
+    return [Param(p.name, p.numel, p.tp_replicated, False, p.expert, p.cols) for p in moe_mlp_params(L, _spec(L), prefix)]
 
 
 def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:

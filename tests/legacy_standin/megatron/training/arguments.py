@@ -154,7 +154,8 @@ def _add_training_args(parser):
     group.add_argument('--recompute-num-layers', type=int, default=None)
     group.add_argument('--checkpoint-activations', action='store_true')
     group.add_argument('--train-iters', type=int, default=None)
-    group.add_argument('--optimizer', type=str, default='adam', choices=['adam', 'sgd'])
+    # core_v0.16.1 choices (../shared/reference/megatron.md: lion, soap, adaptive_muon came later)
+    group.add_argument('--optimizer', type=str, default='adam', choices=['adam', 'sgd', 'muon', 'dist_muon'])
     group.add_argument('--no-gradient-accumulation-fusion', action='store_false', dest='gradient_accumulation_fusion')
     group.add_argument('--no-masked-softmax-fusion', action='store_false', dest='masked_softmax_fusion')
     group.add_argument('--no-bias-gelu-fusion', action='store_false', dest='bias_gelu_fusion')
@@ -254,6 +255,7 @@ def _add_logging_args(parser):
 def _add_transformer_engine_args(parser):
     group = parser.add_argument_group(title='Transformer-Engine')
     group.add_argument('--fp8-format', default=None, choices=['e4m3', 'hybrid'], dest='fp8')
+    group.add_argument('--tp-comm-overlap', action='store_true')
     return parser
 
 
