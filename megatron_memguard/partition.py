@@ -67,6 +67,14 @@ class Chunk:
     # per layer)
     kind_runs: tuple[tuple[LayerKind, int], ...] = ()
 
+    def __init__(self, pp_rank: int, vpp_rank: int, first_layer: int, num_layers: int, has_embedding: bool,
+                 has_output: bool, has_tied_output_copy: bool, vpp_size: int = 1,
+                 kind_runs: tuple[tuple[LayerKind, int], ...] = ()) -> None:
+        # one per chunk of every layout (and per chunk shape of a cold estimate): stored at once (as Term's)
+        self.__dict__.update(pp_rank=pp_rank, vpp_rank=vpp_rank, first_layer=first_layer, num_layers=num_layers,
+                             has_embedding=has_embedding, has_output=has_output,
+                             has_tied_output_copy=has_tied_output_copy, vpp_size=vpp_size, kind_runs=kind_runs)
+
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         """The kind of each of its layers, bottom to top."""

@@ -64,6 +64,15 @@ class ChunkActivations:
     out_bwd_transient: int = 0  # the output layer's backward working set (the logits' gradient)
     out_wgrad_moment: int = 0   # the output layer's extra once its weight gradient is accumulated
 
+    def __init__(self, layers: int, layers_detail: str, ends: dict[str, int], fwd_extra: int, bwd_top_extra: int,
+                 bwd_bottom_extra: int, moe_layers: int = 0, offload_staging: int = 0, host_bytes: int = 0,
+                 offload_groups: tuple[int, ...] = (), out_bwd_transient: int = 0, out_wgrad_moment: int = 0) -> None:
+        # made per chunk shape of every cold estimate: the fields are stored at once (as Term's)
+        self.__dict__.update(layers=layers, layers_detail=layers_detail, ends=ends, fwd_extra=fwd_extra,
+                             bwd_top_extra=bwd_top_extra, bwd_bottom_extra=bwd_bottom_extra, moe_layers=moe_layers,
+                             offload_staging=offload_staging, host_bytes=host_bytes, offload_groups=offload_groups,
+                             out_bwd_transient=out_bwd_transient, out_wgrad_moment=out_wgrad_moment)
+
     @property
     def held(self) -> int:
         return self.layers + sum(self.ends.values())
@@ -430,6 +439,10 @@ _END_GROUPS = {
     "offload_pp_balance_kept": "activations",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
+# the parts at a schedule peak that estimate_stage describes (with FSDP, its windows too); the others' terms
+# have no detail
+_DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_loss_buffers", "offload_staging",
+                             "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
 @lru_cache(maxsize=1024)
@@ -485,6 +498,9 @@ class _StageShape:
     key: tuple
     pp_rank: int = field(compare=False)
 
+    def __init__(self, key: tuple, pp_rank: int) -> None:
+        self.__dict__.update(key=key, pp_rank=pp_rank)   # one per stage of every cold estimate
+
     def __hash__(self) -> int:
         # the key nests every chunk's layer kinds; hashed once, it keys _stage_prep on every stage
         h = self.__dict__.get("_h")
@@ -537,6 +553,20 @@ class _StagePrep:
     step_bytes: int
     finalize: int
     retained_bytes: int
+
+    def __init__(self, parameters: int, n_layers: int, has_output: bool, has_moe: bool,
+                 acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object, state_terms: tuple[Term, ...],
+                 step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
+                 retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
+                 device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
+                 step_bytes: int, finalize: int, retained_bytes: int) -> None:
+        # one per stage shape of every cold estimate: the fields are stored at once (as Term's)
+        self.__dict__.update(
+            parameters=parameters, n_layers=n_layers, has_output=has_output, has_moe=has_moe, acts=acts, sched=sched,
+            ft=ft, state_terms=state_terms, step_terms=step_terms, host_terms=host_terms, host_bytes=host_bytes,
+            buffers=buffers, retained=retained, staging=staging, deferred=deferred, fixed_alloc=fixed_alloc,
+            device_only=device_only, device_bytes=device_bytes, frag_detail=frag_detail, layers_detail=layers_detail,
+            base=base, step_bytes=step_bytes, finalize=finalize, retained_bytes=retained_bytes)
 
 
 @lru_cache(maxsize=1024)
@@ -678,21 +708,26 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # Muon's Newton-Schulz temporaries (one matrix at a time) exist during the step only: not in the
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
-    step_bytes = pr.step_bytes + sum(t.bytes for t in step_only)
+    step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     finalize, retained_bytes = pr.finalize, pr.retained_bytes
-    retained = list(pr.retained)
+    held_moe = 0                            # the moe_layer_activations bytes at the peak
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
-        act_terms = retained + [Term("replicated_grad_allreduce", finalize, "transients",
+        act_terms = [*pr.retained, Term("replicated_grad_allreduce", finalize, "transients",
                                      detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
                                             "MLA down projections) all-reduced over TP by finalize_model_grads")]
         peak_phase = "finalize_model_grads"
     elif act_peak >= step_bytes + retained_bytes:
         act_terms = []
+        add = act_terms.append
+        held_moe = parts.get("moe_layer_activations", 0)
         for name, v in parts.items():
             if not v:
                 continue
-            group = _END_GROUPS.get(name, "transients" if name.endswith("transient") else "activations")
+            group = _END_GROUPS.get(name) or ("transients" if name.endswith("transient") else "activations")
+            if ft is None and name not in _DETAILED_PARTS:
+                add(Term(name, v, group))
+                continue
             det = ""
             if name == "layer_activations":
                 det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
@@ -713,10 +748,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 det = "last received input and its gradient of the chunks not started yet or already done"
             elif ft is not None and name.startswith("fsdp_"):
                 det = fsdp_window_detail(ft, name)
-            act_terms.append(Term(name, v, group, detail=det))
+            add(Term(name, v, group, detail=det))
         peak_phase = phase
     else:
-        act_terms = retained + list(step_terms) + list(step_only)
+        act_terms = [*pr.retained, *step_terms, *step_only]
         peak_phase = "optimizer step"
     peak_alloc = base + sum(t.bytes for t in act_terms)
     step_bytes_graphed = sum(t.bytes for t in step_terms)
@@ -741,8 +776,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     persistent = base + retained_bytes + pr.step_bytes
     moe = None
     if L.moe is not None:
-        held = next((t.bytes for t in act_terms if t.name == "moe_layer_activations"), 0)
-        moe = _moe_worst_case(L, device, site, held, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase)
+        moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase)
     return StageEstimate(
         pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=pr.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
