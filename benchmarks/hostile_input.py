@@ -8,8 +8,9 @@ thirteen reproductions; every numeric Megatron flag with every hostile value of 
 (inf, nan, 1e400, 5000 digits, 300,000 characters, ...); every config seed (NeMo 1, NeMo launcher,
 Megatron functional-test, Bridge, NeMo 2, Hugging Face) with every hostile YAML value (nesting,
 alias bombs, huge numbers) at its shape keys; every hostile shell line in a launch script; every
-hostile JSON value in every run-log field; and the largest inputs memguard accepts (1 MB files,
-10,000 YAML values, 2**20 GPUs). Prints, per command, the number of runs, how many broke the
+hostile JSON value in every run-log field; the largest inputs memguard accepts (1 MB files,
+10,000 YAML values, 2**20 GPUs, 500,000 expert weights per rank, 100 MTP depths); and MoE / MTP /
+TP-overlap inputs (--moe-layer-freq and --tp-comm-overlap-cfg bombs). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -163,17 +164,45 @@ def largest_cases():
                                              "--pipeline-model-parallel-size", "1024", "--global-batch-size", "1024"], {}
 
 
+MOE = [*SMALL, "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
+       "--position-embedding-type", "rope"]
+
+
+def feature_cases():
+    """Mixture of experts, MTP and TP-overlap inputs: the largest memguard accepts (500,000 expert weights
+    per rank, 100 MTP depths) and hostile ones (list-expression and YAML bombs)."""
+    big = [*S, "--num-layers", "250", "--num-experts", "1000", "--moe-router-topk", "2", "--disable-bias-linear",
+           "--global-batch-size", "8"]
+    yield "estimate 250 layers x 1,000 experts (the bound)", ["estimate", "--world-size", "8", "--", *big], {}
+    yield "plan 250 layers x 1,000 experts (the bound)", [*PLAN, "--", *big], {}
+    mtp = [*MOE, "--num-experts", "256", "--disable-bias-linear", "--mtp-num-layers", "100"]
+    yield "estimate MoE with 100 MTP depths", ["estimate", "--world-size", "8", "--", *mtp], {}
+    yield "plan MoE with 100 MTP depths", [*PLAN, "--", *mtp], {}
+    yield "plan --mtp-num-layers 10000", [*PLAN, "--", *MOE, "--mtp-num-layers", "10000"], {}
+    yield "estimate 10,000 layers x 65,536 experts", ["estimate", "--world-size", "8", "--", *SMALL, "--num-layers", "10000",
+                                                      "--num-experts", "65536", "--moe-router-topk", "2", "--sequence-parallel"], {}
+    for expr in ["+".join(["[1]*99999"] * 900), "(" * 3000 + "[1]" + ")" * 3000, "[1]*" + "9" * 400, "[1]" + "*2" * 60]:
+        yield f"estimate --moe-layer-freq {expr[:30]!r}", ["estimate", "--world-size", "8", "--", *MOE, "--moe-layer-freq", expr], {}
+    ub = {"alias bomb": f"qkv_fprop: {alias_bomb(6, 6)}\n", "30,000 GEMMs": "".join(f"k{i}: {{method: ring_exchange}}\n"
+                                                                                    for i in range(30_000)),
+          "100,000 [": "[" * 100_000 + "\n"}
+    for label, text in ub.items():
+        yield f"estimate --tp-comm-overlap-cfg {label}", ["estimate", "--world-size", "8", "--", *MOE, "--tp-comm-overlap",
+                                                          "--tp-comm-overlap-cfg", "ub.yaml"], {"ub.yaml": text}
+
+
 def main(argv: list[str]) -> int:
     step = 10 if "--quick" in argv else 1
     groups = [("reproductions", reproductions()), ("flags", flag_cases()), ("configs", config_cases()),
-              ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases())]
+              ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
+              ("features", feature_cases())]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)
     rows = []
     for group, cases in groups:
         for k, (label, args, files) in enumerate(cases):
-            if step > 1 and group not in ("reproductions", "largest") and k % step:
+            if step > 1 and group not in ("reproductions", "largest", "features") and k % step:
                 continue
             size = sum(len(c) for c in files.values()) + sum(len(a) for a in args)
             assert size < LIMIT, (label, size)

@@ -36,6 +36,9 @@ BOUNDS: dict[str, tuple[int, str]] = {
     "pipeline_model_parallel_size": (1_024, "16 x the largest published pipeline (PP 64, Narayanan et al. 2021)"),
     # memguard lists every local expert's parameters (DeepSeek-V3 routes over 256 experts).
     "num_experts": (65_536, "256 x the routed experts of DeepSeek-V3 (256)"),
+    # The MTP block lives whole on the last stage and memguard lists each depth's parameters; DeepSeek-V3
+    # trains one depth (arXiv 2412.19437, section 2.2).
+    "mtp_num_layers": (100, "100 x DeepSeek-V3's one MTP depth; each depth is a whole layer on the last stage"),
     # The interleaved schedule is simulated over a few micro-batch groups (work grows with the group size).
     "microbatch_group_size_per_vp_stage": (65_536, "memguard simulates the interleaved schedule group by group"),
 }

@@ -161,6 +161,24 @@ def test_activation_offloading_host_bytes_are_what_leaves_the_gpu():
     assert [t.name for t in s1.host_terms] == ["host_offloaded_activations"] and est1.host_bytes_per_node == 8 * s1.host_bytes
 
 
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_mtp_layers_are_in_the_fsdp_weights(strategy):
+    """Regression (props round): `--use-megatron-fsdp --mtp-num-layers 1` on PP 2 left the MTP block out of
+    the last stage's FSDP weights (2,912 bytes for 3,072 parameters). By hand (h 8, one head of 8, ffn 8,
+    LayerNorm, no biases, vocabulary 8 padded to 128): a layer is qkv 192 + proj 64 + fc1 64 + fc2 64 +
+    two norms 32 = 416; the last stage holds one layer, the final norm 16 and the tied output copy 1,024
+    (1,456), and the MTP depth its embedding copy 1,024, enorm and hnorm 32, eh_proj [8, 16] 128, a layer
+    416 and its final norm 16 (1,616): 3,072 BF16 weights, unsharded with DP 1."""
+    flags = ("--transformer-impl transformer_engine --num-layers 2 --hidden-size 8 --num-attention-heads 1 "
+             "--kv-channels 8 --ffn-hidden-size 8 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 "
+             "--global-batch-size 1 --pipeline-model-parallel-size 2 --tokenizer-type NullTokenizer --vocab-size 8 "
+             "--bf16 --position-embedding-type rope --disable-bias-linear --mtp-num-layers 1 --use-megatron-fsdp "
+             f"--data-parallel-sharding-strategy {strategy}").split()
+    last = estimate(layout_from_flags(flags, world_size=2)).stages[1]
+    assert last.parameters == 3_072
+    assert last.breakdown["fsdp_parameters"] == 2 * 3_072
+
+
 def test_hybrid_fsdp_shards_the_optimizer_over_all_replicas():
     """--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim (HFSDP, 0.16.1 and 0.19.2
     param_and_grad_buffer.py): the helper buffers of weights and gradients are sharded over one replica

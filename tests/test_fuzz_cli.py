@@ -16,8 +16,10 @@ CPU_LIMIT seconds of CPU (a case still running after WALL seconds is stopped and
 flags and MEMGUARD_* variables and the Megatron-Bridge pre-flight are fuzzed through their Python entry
 points.
 
-Derandomized (the same cases on every run): 2,790 cases, 2,700 of them memguard runs (600 estimate, 200
-validate, 240 plan, 600 config files, 300 check, 500 report, 200 Megatron logs, 60 gpus / no command),
+Derandomized (the same cases on every run): 3,390 cases, 3,300 of them memguard runs (600 estimate, 200
+validate, 240 plan, 600 config files, 300 check, 500 report, 200 Megatron logs, 60 gpus / no command, 600
+of the newer features' inputs: MoE / FP8 / FSDP / offload / CUDA-graph / MTP flags, --moe-layer-freq
+expressions, --tp-comm-overlap-cfg YAML, Megatron-Bridge MoE recipes with --set, NeMo 2 MoE exports),
 about 1.5 minutes on two cores. ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
 failing, ``MEMGUARD_FUZZ_WALL=S`` stops a case after S seconds: how an older memguard is audited.
 """
@@ -36,7 +38,7 @@ from hypothesis import strategies as st  # noqa: E402
 from fuzz_util import (  # noqa: E402
     JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG,
     RUNLOG_RECORD_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES, YAML_SEEDS, V, run_memguard,
-    with_values,
+    alias_bomb, with_values,
 )
 
 # A hang guard, far above the 2 s target that benchmarks/hostile_input.py measures: on a shared machine under
@@ -437,3 +439,121 @@ def test_bridge_preflight_with_hostile_arguments(rnd):
     except Exception as e:  # noqa: BLE001
         problem = f"exception escaped: {type(e).__name__}: {str(e)[:200]}"
     keep_promise_of(f"bridge preflight {where} = {str(value)[:100]!r}", problem)
+
+
+# --------------------------------------------------------------------------------------------------
+# This round's inputs: MoE / FP8 / FSDP / offload / CUDA graph / MTP flags, --moe-layer-freq expressions,
+# --tp-comm-overlap-cfg YAML, Megatron-Bridge MoE recipes with --set, NeMo 2 MoE exports
+# --------------------------------------------------------------------------------------------------
+MOE = SMALL + ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
+               "--position-embedding-type", "rope"]
+# flags whose values Megatron types as int / float / one of its choices (arguments.py, core 0.19.2)
+FEATURE_NUMBERS = ["--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-experts", "--moe-router-topk",
+                   "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-expert-capacity-factor",
+                   "--mtp-num-layers", "--moe-router-num-groups", "--moe-router-group-topk", "--cpu-offloading-num-layers",
+                   "--optimizer-offload-fraction", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16",
+                   "--fp8-amax-history-len", "--cuda-graph-warmup-steps", "--moe-flex-dispatcher-num-sms",
+                   "--min-offloaded-tensor-size", "--ddp-bucket-size", "--suggested-communication-unit-size"]
+FEATURE_WORDS = {
+    "--moe-token-dispatcher-type": ["allgather", "alltoall", "flex", "alltoall_seq"],
+    "--moe-flex-dispatcher-backend": ["deepep", "hybridep", "ncclep"],
+    "--fp8-format": ["e4m3", "hybrid", "e5m2"], "--fp8-recipe": ["delayed", "tensorwise", "blockwise", "mxfp8", "custom"],
+    "--fp4-format": ["e2m1"], "--fp4-recipe": ["nvfp4", "custom"],
+    "--data-parallel-sharding-strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    "--cuda-graph-impl": ["none", "local", "transformer_engine", "full_iteration"],
+    "--cuda-graph-modules": ["attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration"],
+    "--recompute-modules": ["moe", "moe_act", "shared_experts", "core_attn", "mla_up_proj", "layernorm"],
+    "--offload-modules": ["attn_norm", "core_attn", "expert_fc1", "moe_act", "attn_proj"],
+    "--optimizer": ["muon", "dist_muon", "adaptive_muon", "lion", "soap"],
+    "--moe-router-load-balancing-type": ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing"],
+    "--moe-router-score-function": ["softmax", "sigmoid", "sqrtsoftplus"],
+    "--symmetric-ar-type": ["two_shot", "one_shot", "multimem_all_reduce"],
+}
+FEATURE_SWITCHES = ["--use-megatron-fsdp", "--use-torch-fsdp2", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+                    "--moe-grouped-gemm", "--moe-layer-recompute", "--fine-grained-activation-offloading",
+                    "--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--fp8-param-gather", "--fp8-output-proj",
+                    "--first-last-layers-bf16", "--moe-pad-expert-input-to-capacity", "--moe-shared-expert-gate",
+                    "--enable-cuda-graph", "--external-cuda-graph", "--tp-comm-overlap", "--moe-permute-fusion",
+                    "--moe-router-enable-expert-bias", "--overlap-dispatch-backward-with-experts-wgrad"]
+# --moe-layer-freq: Megatron evaluates a list expression (digits , [ ] ( ) + *)
+FREQ_EXPRESSIONS = {
+    "valid": ["1", "2", "4", "([0]*1+[1]*3)", "[1,0]*2", "([1]*2)*2", "[0]*4"],
+    "malformed": ["[1]*", "(", "[[1]]*4", "[1]*4*4", "[]", "[,1]", "[1]*4+", ")(" * 1000, "[1]*-4", "[2]*4"],
+    "huge": ["[1]*" + "9" * 400, "[1]*(2**40)", "+".join(["[1]*99999"] * 900), "[1]*999999999", "(" * 3000 + "[1]" + ")" * 3000,
+             "[" * 5000 + "1" + "]" * 5000, "[1]" + "*2" * 60],
+    "hostile": ["__import__('os')", "[1 for _ in range(4)]", "[1]*4;", "1e3", "0x4", "[True]*4", "'a'*4"],
+}
+UB_CFGS = {   # --tp-comm-overlap-cfg: TE's ub_cfgs as YAML
+    "valid": ["qkv_fprop: {method: ring_exchange}\n", "fc2_fprop: {method: pipeline, num_sm: 24, fp8_buf: 1}\n", "{}\n"],
+    "types": ["- a\n", "3\n", "null\n", "qkv_fprop: 7\n", "qkv_fprop: {method: [1, 2]}\n", "qkv_fprop: {num_splits: x}\n",
+              "qkv_fprop: {method: bulk, num_sm: -1}\n", "qkv_fprop: {num_sm: 1e400}\n", "qkv_fprop: {fp8_buf: .nan}\n"],
+    "deep": ["a: " * 60 + "1\n", "[" * 100_000 + "\n", "{" * 50_000 + "\n"],
+    "aliases": [f"qkv_fprop: {alias_bomb(5)}\n", "a: &x [*x]\n", f"fc1_fprop: {alias_bomb(6, 6)}\n"],
+    "huge": ["x: '" + "y" * 900_000 + "'\n", "".join(f"k{i}: {{method: ring_exchange}}\n" for i in range(30_000))],
+    "damaged": ["qkv_fprop: {method: ring_exchange\n", "\x00\x01\x02", "\ufeffqkv_fprop: [\n", "%YAML 9.9\n---\na: 1\n"],
+}
+BRIDGE_RECIPES = ["qwen3_30b_a3b", "qwen3_30b_a3b_8gpu", "deepseek_v2_lite", "deepseek_v3", "olmoe_7b",
+                  "qwen3_235b_a22b_pretrain_config", "kimi_k2_pretrain_config", "deepseek_v4_flash_pretrain_config",
+                  "qwen3_next_80b_a3b_pretrain_config", "qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_functional_config",
+                  "qwen3_30b_a3b_x", "", "x" * 1000]
+BRIDGE_KEYS = ["model.num_moe_experts", "model.moe_router_topk", "model.expert_model_parallel_size",
+               "model.expert_tensor_parallel_size", "model.moe_layer_freq", "model.moe_token_dispatcher_type",
+               "model.moe_ffn_hidden_size", "model.mtp_num_layers", "model.moe_shared_expert_intermediate_size",
+               "model.num_layers", "train.micro_batch_size", "ddp.data_parallel_sharding_strategy",
+               "mixed_precision", "comm_overlap.tp_comm_overlap_cfg", "model.moe_expert_capacity_factor", "model"]
+
+
+def _nemo2_export() -> str:
+    from test_readers_nemo2_moe import QWEN3_30B_A3B_EXPORT
+    return QWEN3_30B_A3B_EXPORT
+
+
+NEMO2_KEYS = [("model", "config", "num_moe_experts"), ("model", "config", "moe_router_topk"),
+              ("model", "config", "moe_layer_freq"), ("model", "config", "_target_"), ("model", "config"),
+              ("trainer", "strategy", "expert_model_parallel_size"), ("trainer", "strategy", "expert_tensor_parallel_size"),
+              ("model", "config", "recompute_num_layers"), ("data", "micro_batch_size"), ("trainer", "devices"),
+              ("model", "config", "moe_token_dispatcher_type"), ("model", "config", "mtp_num_layers")]
+
+
+@fuzz(600)
+def test_new_feature_inputs_with_hostile_values(rnd):
+    d = Draw(rnd)
+    kind = d.pick(["flags", "flags", "freq", "ubcfg", "bridge", "nemo2"], "kind")
+    files: dict[str, str] = {}
+    if kind in ("flags", "freq", "ubcfg"):
+        flags = list(MOE)
+        if kind == "freq":
+            flags += ["--moe-layer-freq", d.hostile(FREQ_EXPRESSIONS, "freq")]
+        elif kind == "ubcfg":
+            files["ub.yaml"] = d.hostile(UB_CFGS, "ub")
+            flags += ["--tp-comm-overlap", "--tp-comm-overlap-cfg", d.pick(["ub.yaml", "ub.yaml", "missing.yaml", "."])]
+        for _ in range(d.int(1, 3)):
+            how = d.pick(["number", "word", "switch"])
+            if how == "number":
+                flags += [d.pick(FEATURE_NUMBERS), d.hostile(NUMBER_CLASSES)]
+            elif how == "word":
+                flag = d.pick(sorted(FEATURE_WORDS))
+                flags += [flag, d.pick(FEATURE_WORDS[flag]) if d.coin() else d.any_value()]
+            else:
+                flags.append(d.pick(FEATURE_SWITCHES))
+        command = d.pick(["estimate", "estimate", "validate", "plan"])
+        own = ["--gpus", "8", "--seq-length", "512", "--global-batch-size", "16"] if command == "plan" else ["--world-size", "8"]
+        argv = [command, *own, "--gpu", d.pick(["H100-80GB", "B200", "A100-80GB"]), "--", *flags]
+    elif kind == "bridge":
+        overrides = []
+        for _ in range(d.int(0, 2)):
+            value = d.hostile(YAML_CLASSES if d.coin() else NUMBER_CLASSES)
+            overrides += ["--set", f"{d.pick(BRIDGE_KEYS)}={value}"]
+        argv = ["estimate", "--model", d.pick(BRIDGE_RECIPES), *overrides]
+        if d.coin():
+            argv += ["--gpus", d.pick(["8", "16", "1", "3", "inf"])]
+    else:
+        text = _nemo2_export()
+        values = [(d.pick(NEMO2_KEYS), d.hostile(YAML_CLASSES, "value")) for _ in range(d.int(1, 2))]
+        text = with_values(text, "nemo2.yaml", values)
+        if d.int(0, 3) == 0:
+            text = corrupt(text, d)
+        files["nemo2.yaml"] = text
+        argv = ["estimate", "--config", "nemo2.yaml"] + (["--gpus", "8"] if d.coin() else []) if d.coin() \
+            else ["validate", "nemo2.yaml"]
+    run(d, argv, files)

@@ -68,3 +68,17 @@ def test_groups_next_to_cuda_graphs():
     assert effective_modules(mods, "transformer_engine", ("attn",), False) == ("qkv_linear", "expert_fc1")
     assert effective_modules(mods, "transformer_engine", ("attn", "mlp"), False) == ("qkv_linear", "mlp_norm", "expert_fc1")
     assert effective_modules(mods, "transformer_engine", ("moe_router",), True) == ("attn_norm", "qkv_linear", "expert_fc1")
+
+
+def test_staging_never_exceeds_what_left():
+    """Regression (props round, found by test_properties_features' offload property): one layer with one
+    offloaded group on the last stage (`--fine-grained-activation-offloading --offload-modules expert_fc1`,
+    --num-layers 1) offloads nothing, yet staged two groups (+4.7 MB at the peak); two such layers offload
+    one group and staged two. The staged groups are groups that left."""
+    assert fine_grained_plan({"expert_fc1": 70}, layers=1, last_stage=True).staging == 0
+    two = fine_grained_plan({"expert_fc1": 70}, layers=2, last_stage=True)
+    assert two.offloaded == 70 and two.staging == 70
+    # the biggest group that leaves: with one layer, not the kept last group
+    one = fine_grained_plan({"attn_norm": 10, "mlp_norm": 30}, layers=1, last_stage=True)
+    assert one.offloaded == 10 and one.staging == 10
+    assert fine_grained_plan({"expert_fc1": 70}, layers=1, last_stage=False).staging == 70

@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from ..errors import ConfigError, ConfigErrors, MemguardError, one_line
-from ..numbers import INT32_MAX, MAX_WORLD_SIZE, WORLD_SIZE_WHY
+from ..numbers import INT32_MAX, MAX_WORLD_SIZE, WORLD_SIZE_WHY, shown
 
 if TYPE_CHECKING:
     from ..config import RawConfig
@@ -176,8 +176,14 @@ def load_raw(ns: argparse.Namespace, flags: list[str]) -> RawConfig:
                               "e.g. --model llama32_1b; memguard presets: see docs/readers.md")
     elif overrides:
         if not recipe:
+            what = ""
+            if model:
+                # a refused recipe or an unknown name: its own error says more than the overrides' one
+                from ..readers.models import read_model
+                read_model(model)
+                what = f" (--model {shown(model)} is a model preset, not a recipe)"
             raise ConfigError("--set", "KEY=VALUE overrides need --config FILE (a NeMo / Megatron-Bridge YAML) "
-                                       "or --model RECIPE (a Megatron-Bridge recipe)")
+                                       "or --model RECIPE (a Megatron-Bridge recipe)" + what)
         from ..readers.bridge import read_bridge
         raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
         model_applied = True

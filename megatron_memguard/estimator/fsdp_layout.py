@@ -106,6 +106,20 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
     for kind, count in kind_runs:
         dense, experts = _layer_shapes(L, kind)
         per_layer += [(list(dense), list(experts))] * count
+    depths = getattr(L, "mtp_num_layers", 0) or 0
+    if has_output and depths:
+        # The MTP block on the last chunk (estimator/mtp.py chunk_params): with PP > 1 its embedding copy,
+        # registered with the embedding; per depth enorm, hnorm, eh_proj [h / TP, 2h], a TransformerLayer of
+        # the last decoder layer's kind (an FSDP unit like the decoder's) and its final norm.
+        from .params import mtp_layer_kind
+        if L.pp > 1:
+            before.append((rows, h))
+            if L.position_embedding_type == "learned_absolute":
+                before.append((L.max_position_embeddings, h))
+        norms = 2 if L.normalization == "LayerNorm" else 1
+        dense, experts = _layer_shapes(L, mtp_layer_kind(L))
+        per_layer += [(list(dense), list(experts))] * depths
+        after += [(h,)] * (3 * norms * depths) + [(h // t, 2 * h)] * depths
     # Megatron-FSDP shards dense groups over get_fsdp_group(): DP x CP, or with HSDP
     # (--num-distributed-optimizer-instances > 1) the partial DP x CP group of one replica
     # (mcore_fsdp_adapter._init_dist_index), the distributed optimizer's group in both cases

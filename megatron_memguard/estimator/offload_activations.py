@@ -129,8 +129,12 @@ def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) 
         return FineGrainedPlan(0, 0, 0)
     per_layer = sum(sizes)
     kept = sizes[-1] if last_stage else 0
-    biggest = max(sizes)
-    return FineGrainedPlan(offloaded=layers * per_layer - kept, kept_last_group=kept, staging=2 * biggest)
+    offloaded = layers * per_layer - kept
+    # the staged groups are groups that left: never more than left (one layer of one group on the last
+    # stage offloads nothing, two layers of one group offload one)
+    leaving = sizes if layers > 1 or not last_stage else sizes[:-1]
+    staging = min(2 * max(leaving, default=0), offloaded)
+    return FineGrainedPlan(offloaded=offloaded, kept_last_group=kept, staging=staging)
 
 
 # ----- which of a layer recipe's saved tensors each module group takes -------------------------------

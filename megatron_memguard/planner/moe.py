@@ -78,6 +78,7 @@ class MoeShape:
 
 def moe_shape_from_args(a: Mapping[str, Any], num_layers: int, ffn_hidden_size: int) -> MoeShape | None:
     """The MoE shape of a model written as Megatron arguments (None: a dense model)."""
+    from ..numbers import bound_reason, to_int, upper_bound
     from ..readers.moe_freq import moe_layers, parse_moe_layer_freq
 
     n = a.get("num_experts")
@@ -85,13 +86,22 @@ def moe_shape_from_args(a: Mapping[str, Any], num_layers: int, ffn_hidden_size: 
         return None
     freq = parse_moe_layer_freq(a.get("moe_layer_freq", 1), "--moe-layer-freq")
     pattern = tuple(moe_layers(freq, num_layers))
+    def count(dest: str, default: int | None, minimum: int = 1) -> int | None:
+        # the raw flag value (text beyond 64 bits, a float, a word): checked as resolve() checks it, since
+        # the planner searches this setting and its probe layout does not read the value given
+        v = a.get(dest)
+        if v is None or v == "" or v is False or v == 0:
+            return default
+        return to_int(v, "--" + dest.replace("_", "-"), minimum=minimum, maximum=upper_bound(dest),
+                      why=bound_reason(dest))
+
     return MoeShape(
-        experts=int(n), topk=int(a.get("moe_router_topk") or 2), ffn=int(a.get("moe_ffn_hidden_size") or ffn_hidden_size),
-        pattern=pattern, shared_ffn=int(a.get("moe_shared_expert_intermediate_size") or 0),
+        experts=count("num_experts", 0), topk=count("moe_router_topk", 2) or 2,
+        ffn=count("moe_ffn_hidden_size", None) or ffn_hidden_size,
+        pattern=pattern, shared_ffn=count("moe_shared_expert_intermediate_size", 0) or 0,
         shared_gate=bool(a.get("moe_shared_expert_gate")), dispatcher=str(a.get("moe_token_dispatcher_type") or "allgather"),
         grouped_gemm=bool(a.get("moe_grouped_gemm")),
-        etp=int(a["expert_tensor_parallel_size"]) if a.get("expert_tensor_parallel_size") else None,
-        ep=int(a["expert_model_parallel_size"]) if a.get("expert_model_parallel_size") else None,
+        etp=count("expert_tensor_parallel_size", None), ep=count("expert_model_parallel_size", None),
     )
 
 

@@ -32,6 +32,36 @@ _LEGACY_FLAGS = {
 _TYPES = {"--moe-layer-freq": "moe_freq"}
 # nargs='+' in 0.19 (one value in 0.16.1); validate_args turns a one-element list into the value.
 _UNWRAP_SINGLE = frozenset({"moe_router_load_balancing_type", "moe_aux_loss_coeff"})
+# The ``choices`` of Megatron's argparse (megatron/training/arguments.py, megatron-core 0.19.2) for the
+# flags of memory features: Megatron refuses any other value at start-up, even when the feature is off.
+_CHOICES = {
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+    "--fp8-amax-compute-algo": ("most_recent", "max"),
+    "--fp4-format": ("e2m1",),
+    "--fp4-recipe": ("nvfp4", "custom"),
+    "--moe-router-score-function": ("softmax", "sigmoid", "sqrtsoftplus"),
+    "--moe-router-dtype": ("fp32", "fp64"),
+    "--moe-token-dispatcher-type": ("allgather", "alltoall", "flex"),
+    "--moe-flex-dispatcher-backend": ("deepep", "hybridep", "ncclep"),
+    "--moe-token-drop-policy": ("probs", "position"),
+    "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                         "quantile_balancing", "none"),
+    "--cuda-graph-impl": ("none", "local", "transformer_engine", "full_iteration"),
+    "--symmetric-ar-type": ("two_shot", "one_shot", "multimem_all_reduce"),
+    "--data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    "--outer-dp-sharding-strategy": ("no_shard", "optim"),
+    "--main-grads-dtype": ("fp32", "bf16"),
+    "--main-params-dtype": ("fp32", "fp16"),
+    "--exp-avg-dtype": ("fp32", "fp16", "bf16", "fp8"),
+    "--exp-avg-sq-dtype": ("fp32", "fp16", "bf16", "fp8"),
+    "--megatron-fsdp-main-params-dtype": ("fp32", "bf16", "fp16", "auto"),
+    "--megatron-fsdp-main-grads-dtype": ("fp32", "bf16", "fp16", "auto"),
+    "--megatron-fsdp-grad-comm-dtype": ("fp32", "fp16", "bf16", "auto"),
+    "--muon-scalar-optimizer": ("adam", "lion"),
+    "--muon-tp-mode": ("blockwise", "duplicated", "distributed"),
+    "--optimizer": ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+}
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
 
@@ -48,6 +78,15 @@ def flag_table() -> dict[str, list]:
 
 def _is_flag(tok: str) -> bool:
     return tok.startswith("--") and len(tok) > 2
+
+
+def _choice(value: Any, name: str, tok: str) -> Any:
+    """``value`` if Megatron's argparse takes it for the flag ``name`` (written ``tok``), else the error
+    argparse would stop at (placeholders are left for the resolver)."""
+    allowed = _CHOICES.get(name)
+    if allowed is not None and isinstance(value, str) and value not in allowed and not has_placeholder(value):
+        raise ConfigError(tok, f"must be one of {', '.join(allowed)} (Megatron's choices), got {shown(value)}")
+    return value
 
 
 def _convert(value: str, typ: str | None, flag: str) -> Any:
@@ -129,13 +168,14 @@ def parse_megatron_flags(
                     raise ConfigError(tok, "expects a value")
                 inline = toks[i]
                 i += 1
-            args[dest] = _convert(_substitute(inline, env if expand else None, tok), typ, tok)
+            args[dest] = _choice(_convert(_substitute(inline, env if expand else None, tok), typ, tok), name, tok)
         else:  # list
             vals = [] if inline is None else [inline]
             while inline is None and i < len(toks) and not _is_flag(toks[i]):
                 vals.append(toks[i])
                 i += 1
-            args[dest] = [_convert(_substitute(v, env if expand else None, tok), typ, tok) for v in vals]
+            args[dest] = [_choice(_convert(_substitute(v, env if expand else None, tok), typ, tok), name, tok)
+                          for v in vals]
             if dest in _UNWRAP_SINGLE and len(args[dest]) == 1:
                 args[dest] = args[dest][0]
         origin[dest] = tok

@@ -83,7 +83,7 @@ def _evaluate(node: ast.AST, key: str) -> Any:
     """Python's semantics for the few node kinds the allowed characters can spell."""
     if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
         if node.value > MAX_PATTERN_LENGTH:
-            raise ConfigError(key, f"the number {shown(node.value)} in the layer pattern is beyond any layer count")
+            raise ConfigError(key, f"the layer pattern holds {shown(node.value)}, beyond any layer count")
         return node.value
     if isinstance(node, ast.List):
         items = [_evaluate(e, key) for e in node.elts]
@@ -117,7 +117,7 @@ def _capped(items: Any, key: str) -> Any:
 
 def _small(n: int, key: str) -> int:
     if abs(n) > MAX_PATTERN_LENGTH:
-        raise ConfigError(key, f"the number {shown(n)} in the layer pattern is beyond any layer count")
+        raise ConfigError(key, f"the layer pattern holds {shown(n)}, beyond any layer count")
     return n
 
 

@@ -17,6 +17,7 @@ from ..errors import ConfigError, NotModelledError
 from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
 from ..estimator.layers.moe import deepep_ranks_supported
 from .args import Args, Context
+from ..numbers import upper_bound
 from .parallel import weight_shards
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
@@ -32,6 +33,10 @@ NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
 MAX_CAPACITY_FACTOR = 1_000
+# Expert weight tensors memguard lists per rank: DeepSeek-V3 at EP 1 has (58 MoE layers + 1 MTP depth)
+# x 256 experts x 2 = 30,208; the bound keeps the estimate of any accepted input within seconds.
+MAX_EXPERT_TENSORS = 500_000
+MAX_EXPERT_TENSORS_WHY = "16 x DeepSeek-V3's 30,208 at EP 1"
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 _CAPACITY_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -112,6 +117,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     lbt = r.get("moe_router_load_balancing_type", "aux_loss")
     types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
     for t in types:
+        if t == "quantile_balancing":
+            # Router.quantile_balancing (megatron-core 0.19.2 router.py): its own routing, not modelled
+            raise NotModelledError(r.key("moe_router_load_balancing_type"), "quantile-balancing routing")
         if t not in _LOAD_BALANCING:
             r.fail("moe_router_load_balancing_type", f"must be one of {', '.join(_LOAD_BALANCING)}, got {t[:60]!r}")
             ok = False
@@ -123,6 +131,12 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_aux_loss_coeff", f"must be a number, got {str(coeff)[:60]!r}")
         aux, ok = 0.0, False
     score = str(r.get("moe_router_score_function", "softmax"))
+    if score == "sqrtsoftplus":
+        # 0.19.2's third choice (router.py): its saved tensors are not modelled
+        raise NotModelledError(r.key("moe_router_score_function"), "the sqrtsoftplus router score function")
+    if score not in ("softmax", "sigmoid"):
+        r.fail("moe_router_score_function", f"must be softmax or sigmoid, got {score[:60]!r}")
+        ok = False
     pre = r.bool_arg("moe_router_pre_softmax", False)
     if k == 1 and score == "softmax" and not pre and "sinkhorn" not in types:
         r.fail("moe_router_topk", "1 with the softmax score function needs --moe-router-pre-softmax "
@@ -220,6 +234,16 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     except ConfigError as e:
         r.fail("moe_layer_freq", e.rule)
         return None
+    # memguard lists every local expert's weights of every MoE layer (and MTP depth) of a stage; its work
+    # grows with their product, which --num-layers and --num-experts alone do not bound
+    mtp = r.get("mtp_num_layers")      # (its own bound and type are checked where MTP is resolved)
+    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and 0 <= mtp <= upper_bound("mtp_num_layers") else 0
+    tensors = (sum(pattern) + mtp) * (n // max(ep, 1)) * (4 if add_bias_linear else 2)
+    if tensors > MAX_EXPERT_TENSORS:
+        r.fail("num_experts", f"{n // max(ep, 1):,} local experts (--num-experts / --expert-model-parallel-size) in "
+                              f"{sum(pattern) + mtp:,} MoE layers make {tensors:,} expert weights per rank; memguard "
+                              f"lists each and accepts at most {MAX_EXPERT_TENSORS:,} ({MAX_EXPERT_TENSORS_WHY})")
+        ok = False
     if not ok:
         return None
     return MoeSpec(

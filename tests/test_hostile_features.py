@@ -1,0 +1,80 @@
+"""Hostile input to this round's features, found by the property suite and the fuzz
+(tests/test_fuzz_cli.py test_new_feature_inputs_with_hostile_values): each exits 2 with one error line
+naming the flag and the rule, within a CPU bound far below the fuzz's hang guard."""
+import pytest
+
+from fuzz_util import SMALL, run_memguard
+
+MOE = SMALL + ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
+               "--position-embedding-type", "rope"]
+
+
+def one_error(o, *needles):
+    assert not o.problems, o.describe()
+    lines = o.err.strip().splitlines()
+    assert o.code == 2 and len(lines) == 1 and lines[0].startswith("memguard: error: "), o.err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+# Megatron's argparse refuses a value outside a flag's choices at start-up, even with the feature off
+# (megatron/training/arguments.py, core 0.19.2); these were estimated as if the flag were absent.
+@pytest.mark.parametrize("flag, value, choices", [
+    ("--fp8-recipe", "x", "tensorwise, delayed, mxfp8, blockwise, custom"),
+    ("--fp4-recipe", "x", "nvfp4, custom"),
+    ("--data-parallel-sharding-strategy", "", "no_shard, optim, optim_grads, optim_grads_params"),
+    ("--moe-flex-dispatcher-backend", "x", "deepep, hybridep, ncclep"),
+    ("--moe-token-drop-policy", "0", "probs, position"),
+    ("--moe-router-score-function", "x", "softmax, sigmoid, sqrtsoftplus"),
+    ("--optimizer", "x", "adam, sgd, muon, dist_muon, lion, soap, adaptive_muon"),
+])
+def test_values_outside_megatrons_choices(flag, value, choices):
+    o = run_memguard(["estimate", "--world-size", "8", "--", *MOE, flag, value])
+    one_error(o, f"{flag}: must be one of {choices} (Megatron's choices), got {value!r}")
+
+
+# Megatron 0.19.2's own choices memguard does not model: refused by name (were called invalid)
+@pytest.mark.parametrize("flag, value, what", [
+    ("--moe-router-load-balancing-type", "quantile_balancing", "quantile-balancing routing is not modelled"),
+    ("--moe-router-score-function", "sqrtsoftplus", "the sqrtsoftplus router score function is not modelled"),
+])
+def test_megatron_choices_memguard_does_not_model(flag, value, what):
+    one_error(run_memguard(["estimate", "--world-size", "8", "--", *MOE, flag, value]), f"{flag}: {what}")
+
+
+def test_mtp_depth_is_bounded():
+    # `memguard plan ... --mtp-num-layers 10000` ran past the fuzz's 90 s (the MTP block is listed per depth
+    # for every layout tried); 4,000 took 4.4 s
+    argv = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "16", "--", *MOE, "--mtp-num-layers", "10000"]
+    o = run_memguard(argv)
+    one_error(o, "--mtp-num-layers: must be <= 100")
+    assert o.cpu < 5
+
+
+def test_expert_weights_per_rank_are_bounded():
+    # 10,000 layers of 65,536 experts (each within its own bound) ran past 60 s: 2.6 billion expert weights
+    flags = [*SMALL, "--num-layers", "10000", "--num-experts", "65536", "--moe-router-topk", "2", "--sequence-parallel"]
+    o = run_memguard(["estimate", "--world-size", "8", "--", *flags])
+    one_error(o, "--num-experts: 65,536 local experts", "make 2,621,440,000 expert weights per rank", "at most 500,000")
+    assert o.cpu < 5
+
+
+@pytest.mark.parametrize("model, words", [
+    # a Bridge recipe memguard refuses: the refusal, not "overrides need --model RECIPE" (it was one)
+    ("deepseek_v4_flash_pretrain_config", "--model: the Megatron-Bridge recipe 'deepseek_v4_flash_pretrain_config'"),
+    ("qwen3_30b_a3b_x", "--model: unknown model 'qwen3_30b_a3b_x'"),
+    ("gpt3-126m", "--set: KEY=VALUE overrides need --config FILE"),
+])
+def test_overrides_with_a_model_that_is_not_a_recipe(model, words):
+    o = run_memguard(["estimate", "--model", model, "--gpus", "8", "--set", "model.num_moe_experts=4"])
+    line = one_error(o, words)
+    if model == "gpt3-126m":
+        assert "(--model 'gpt3-126m' is a model preset, not a recipe)" in line
+
+
+@pytest.mark.parametrize("flag", ["--expert-tensor-parallel-size", "--expert-model-parallel-size", "--moe-ffn-hidden-size"])
+def test_plan_reads_moe_counts_with_their_bounds(flag):
+    # memguard plan converted the raw value with int(): a 5000-digit value was an internal error
+    argv = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "16", "--", *MOE, flag, "1" * 5000]
+    one_error(run_memguard(argv), f"{flag}: must be <= 2147483647, got '1111", "(5000 characters)")
