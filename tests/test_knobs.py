@@ -20,7 +20,9 @@ def _value(k):
     if k.kind == "bool":
         return True
     if k.kind == "choice":
-        return {"recompute_method": "block", "fp8": "hybrid", "fp8_recipe": "tensorwise"}.get(k.dest, "full")
+        # a value Megatron's argparse accepts for the flag (the parser refuses others since it checks choices)
+        return {"recompute_method": "block", "fp8": "hybrid", "fp8_recipe": "tensorwise",
+                "data_parallel_sharding_strategy": "optim_grads"}.get(k.dest, "full")
     return 3
 
 
