@@ -101,6 +101,18 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
 )
 
 
+
+def _settle(tracker, tries: int = 20, pause_s: float = 0.05) -> None:
+    """Collect garbage until the tracker's live bytes stop moving (at most ``tries`` x ``pause_s``):
+    temporaries in reference cycles and tensors a communication thread still holds are not state."""
+    for _ in range(tries):
+        gc.collect()
+        before = tracker.current
+        time.sleep(pause_s)
+        gc.collect()
+        if tracker.current == before:
+            return
+
 def build_args(settings: Dict[str, Any]) -> SimpleNamespace:
     """Megatron-style args namespace: defaults overlaid with the resolved settings."""
     d = dict(MEGATRON_ARG_DEFAULTS)
@@ -580,7 +592,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         timings["build_s"] = time.time() - t0
         # temporaries caught in reference cycles (e.g. the pickled byte tensors of an object collective)
         # are garbage, not state: collect them so that the reading does not depend on the GC's timing
-        gc.collect()
+        _settle(tracker)
         bytes_after_build = tracker.current
         result["live_bytes_after_build"] = bytes_after_build
         result["build_breakdown"] = {
@@ -687,8 +699,10 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         tracker.set_phase("done")
         # Reference cycles (autograd / gloo work objects) holding a scalar are freed whenever Python's
         # collector happens to run; collect now so that the after-step bytes do not depend on it
-        # (an 8-byte scalar was seen alive in about 1 run in 8 without this).
-        gc.collect()
+        # (an 8-byte scalar was seen alive in about 1 run in 8 without this). A gloo work object can also hold
+        # one until its worker thread finishes with it: wait for the collectives, then for the reading to settle.
+        torch.distributed.barrier()
+        _settle(tracker)
         bytes_after_step = tracker.current
         bytes_after_step_r512 = tracker.current_r512
         r_all = tracker.region_result("iterations")
