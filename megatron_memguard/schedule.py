@@ -11,24 +11,15 @@ reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved
 combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
 megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
 micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
-``key_events`` lists every pass of a rank; the estimator uses ``peak_probes`` (``schedule_peak``), the
-passes at which the bytes held can first peak, whatever each chunk's bytes are, without visiting all
-m x VPP x 2 passes (tests/test_schedule.py checks it against a replay of every pass).
+The estimator uses ``peak_probes`` (``schedule_peak``), the passes at which the bytes held can first
+peak, whatever each chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py
+checks it against a replay of every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py
+checks against megatron-core's own schedule table).
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from operator import mul, sub
-
-
-@lru_cache(maxsize=128)
-def _schedule_table(m: int, vpp: int, group: int) -> tuple[tuple[int, int], ...]:
-    """(micro-batch, chunk) in the order every rank runs its forwards (the same on all ranks)."""
-    table: list[tuple[int, int]] = []
-    for lo in range(0, m, group):
-        hi = m if lo + group >= m else lo + group
-        table.extend((mb, chunk) for chunk in range(vpp) for mb in range(lo, hi))
-    return tuple(table)
 
 
 # One probe: (forward?, chunk, micro-batches held per chunk at that pass, the pass's ordinal among the
@@ -295,51 +286,3 @@ def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: li
         best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
         return best, at, in_flight
     return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)
-
-
-@lru_cache(maxsize=512)
-def key_events(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[bool, int], ...]:
-    """The forward (True) and backward (False) passes of one rank, in order, with the chunk each runs
-    on. A function of five integers, so layouts that differ elsewhere (a planner's sweep over TP, MBS,
-    recomputation) share it."""
-    if pp == 1:
-        return ((True, 0), (False, 0)) * m
-    if vpp == 1:
-        warm = min(pp - pp_rank - 1, m)
-        return ((True, 0),) * warm + ((True, 0), (False, 0)) * (m - warm) + ((False, 0),) * warm
-    table = _schedule_table(m, vpp, group)
-    total = m * vpp
-    warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group, total)
-    ev = [(True, table[k][1]) for k in range(warm)]
-    for k in range(total - warm):
-        ev.append((True, table[k + warm][1]))
-        ev.append((False, vpp - 1 - table[k][1]))
-    ev += [(False, vpp - 1 - table[k][1]) for k in range(total - warm, total)]
-    return tuple(ev)
-
-
-@lru_cache(maxsize=512)
-def combined_key_events(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> tuple[tuple[bool, int], ...]:
-    """``key_events`` under ``--overlap-moe-expert-parallel-comm`` (the combined 1F1B schedule).
-
-    megatron-core 0.16.1 / 0.19.2 ``get_pp_rank_microbatches`` adds one warm-up forward to the interleaved
-    schedule, and each steady-state step runs forward ``k + warm-up`` and backward ``k`` together
-    (``combined_1f1b_schedule_for_interleaved_pipelining``); ``TransformerModelChunkSchedulePlan.run``
-    back-propagates the backward's loss / output layer before the forward's first layer, pairs the
-    forward's layer i with the backward's layer L-1-i (the backward releases a layer while the forward
-    adds one), and runs the forward's output layer and loss after the backward's last layer. In memory
-    order a step is therefore the backward, then the forward; the layer that both hold at once is the
-    MoE recipe's overlap term. PP = 1 is the same with no warm-up beyond one forward."""
-    if pp == 1:
-        return ((True, 0),) + ((False, 0), (True, 0)) * (m - 1) + ((False, 0),)
-    if vpp == 1:
-        raise ValueError("the combined 1F1B schedule needs virtual pipeline stages when PP > 1")
-    table = _schedule_table(m, vpp, group)
-    total = m * vpp
-    warm = min((pp - pp_rank - 1) * 2 + (vpp - 1) * group + 1, total)
-    ev = [(True, table[k][1]) for k in range(warm)]
-    for k in range(total - warm):
-        ev.append((False, vpp - 1 - table[k][1]))
-        ev.append((True, table[k + warm][1]))
-    ev += [(False, vpp - 1 - table[k][1]) for k in range(total - warm, total)]
-    return tuple(ev)

@@ -15,10 +15,10 @@ import sys
 import pytest
 
 from megatron_memguard.errors import ConfigError, NotModelledError
-from megatron_memguard.schedule import combined_key_events, key_events
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+from schedule_reference import passes  # noqa: E402
 
 
 def _held_after(events):
@@ -35,26 +35,26 @@ def test_hand_derived_pp2_vpp2_rank0():
     # (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1). Plain interleaving warms up (2-0-1)*2 + (2-1)*2 = 4
     # forwards; the overlap adds one: 5 (chunks 0,0,1,1,0). Steady steps k = 0..2 pair backward k (chunk
     # 1 - table[k].chunk) with forward k + 5 (table[k+5].chunk), backward first; then backwards 3..7.
-    ev = combined_key_events(2, 2, 4, 2, 0)
+    ev = passes(2, 2, 4, 2, 0, combined=True)
     F, B = True, False
     assert ev == ((F, 0), (F, 0), (F, 1), (F, 1), (F, 0),
                   (B, 1), (F, 0), (B, 1), (F, 1), (B, 0), (F, 1),
                   (B, 0), (B, 1), (B, 1), (B, 0), (B, 0))
     # as many virtual micro-batches in flight at most as the plain schedule (5), but one more warm-up
     # forward before the first backward, and each step's forward only after its backward
-    assert _held_after(ev) == _held_after(key_events(2, 2, 4, 2, 0)) == 5
-    assert ev.index((B, 1)) == 5 and key_events(2, 2, 4, 2, 0).index((B, 1)) == 5
+    assert _held_after(ev) == _held_after(passes(2, 2, 4, 2, 0)) == 5
+    assert ev.index((B, 1)) == 5 and passes(2, 2, 4, 2, 0).index((B, 1)) == 5
 
 
 def test_last_rank_and_short_runs():
     # last rank of PP 2 / VPP 4 / 4 micro-batches: warm-up (4-1)*2 + 1 = 7 of 16
-    ev = combined_key_events(2, 4, 4, 2, 1)
+    ev = passes(2, 4, 4, 2, 1, combined=True)
     assert [f for f, _ in ev[:8]] == [True] * 7 + [False]
     # fewer micro-batches than the warm-up: all forwards, then all backwards
-    ev = combined_key_events(4, 2, 4, 4, 0)
+    ev = passes(4, 2, 4, 4, 0, combined=True)
     assert [f for f, _ in ev] == [True] * 8 + [False] * 8
     # PP 1: forward 0, then (backward i, forward i + 1), then the last backward
-    assert combined_key_events(1, 1, 3, 1, 0) == ((True, 0), (False, 0), (True, 0), (False, 0), (True, 0), (False, 0))
+    assert passes(1, 1, 3, 1, 0, combined=True) == ((True, 0), (False, 0), (True, 0), (False, 0), (True, 0), (False, 0))
 
 
 def _megatron_schedule():
@@ -92,7 +92,7 @@ def test_matches_megatron_schedule(pp, vpp, m, group):
     for rank in range(pp):
         total, _, warm, remaining = get_pp_rank_microbatches(m, vpp, group, overlap_moe_expert_parallel_comm=True,
                                                              p2p_communicator=_P2P(pp, rank, vpp))
-        ev = combined_key_events(pp, vpp, m, group, rank)
+        ev = passes(pp, vpp, m, group, rank, combined=True)
         fwd = [c for f, c in ev if f]
         bwd = [c for f, c in ev if not f]
         assert len(fwd) == len(bwd) == total

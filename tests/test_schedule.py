@@ -1,11 +1,8 @@
 """The estimator's fast schedule path (schedule.peak_probes + first_peak) against a full replay.
 
-The reference below rebuilds megatron-core's interleaved schedule from its description
-(megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving and
-get_schedule_table: micro-batches in groups of G, each group run chunk by chunk; warm-up
-(PP - rank - 1) * 2 + (VPP - 1) * G virtual micro-batches, capped at m * VPP; then one forward / one
-backward, backwards in reverse chunk order; then the cool-down backwards) and replays every pass with
-the bytes of each chunk. The fast path must find the same first peak: value, pass, chunk, held counts,
+The reference (tests/schedule_reference.py) rebuilds megatron-core's interleaved schedule from its rules
+(checked against megatron-core's own schedule table in tests/test_ep_overlap.py) and replays every pass
+with the bytes of each chunk. The fast path must find the same first peak: value, pass, chunk, held counts,
 micro-batch ordinal and most in flight, for any bytes (zeros and ties included).
 """
 from __future__ import annotations
@@ -16,39 +13,12 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import first_peak, key_events, peak_probes, peak_walk, schedule_peak
+from megatron_memguard.schedule import first_peak, peak_probes, peak_walk, schedule_peak
+from schedule_reference import megatron_passes
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=EXAMPLES,
                     suppress_health_check=[HealthCheck.too_slow])
-
-
-def megatron_passes(pp: int, vpp: int, m: int, group: int, rank: int,
-                    combined: bool = False) -> list[tuple[bool, int, int]]:
-    """(forward?, chunk, micro-batch) of every pass of one rank, straight from the schedule's rules.
-    ``combined``: --overlap-moe-expert-parallel-comm's combined 1F1B schedule (get_pp_rank_microbatches:
-    one more warm-up forward; combined_1f1b_schedule_for_interleaved_pipelining runs backward k with
-    forward k + warm-up, the backward's release first in memory order)."""
-    table = []
-    for lo in range(0, m, group):
-        hi = min(lo + group, m)
-        table += [(mb, c) for c in range(vpp) for mb in range(lo, hi)]
-    total = m * vpp
-    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group + combined, total)
-    out = [(True, table[k][1], table[k][0]) for k in range(warm)]
-    for k in range(total - warm):
-        step = [(True, table[k + warm][1], table[k + warm][0]), (False, vpp - 1 - table[k][1], table[k][0])]
-        out += step[::-1] if combined else step
-    out += [(False, vpp - 1 - table[k][1], table[k][0]) for k in range(total - warm, total)]
-    return out
-
-
-def test_reference_order_is_key_events():
-    """The reference above and schedule.key_events (the listed order of every pass) agree."""
-    for pp, vpp, m, group in itertools.product((2, 3, 4), (2, 3), (1, 4, 7, 9), (2, 3, 4)):
-        for rank in range(pp):
-            assert [(f, c) for f, c, _ in megatron_passes(pp, vpp, m, group, rank)] == list(
-                key_events(pp, vpp, m, group, rank))
 
 
 def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
