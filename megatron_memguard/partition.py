@@ -160,7 +160,11 @@ def uniform_kind(L: "Layout") -> LayerKind:
 
 def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:
     """Megatron's layout syntax: stages split by '|', 'E' embedding, 't' layer, 'L' loss, 'm' MTP, ``(x)*n``."""
-    s = _repeat(_repeat(text.replace(",", ""), r"\(([^)]+)\)\*(\d+)", key), r"(.)\*(\d+)", key)
+    bad = next((ch for ch in text if ch not in _LAYOUT_CHARS), None)
+    if bad is not None:    # before the expansion: a hostile text must not reach its regular expressions
+        raise ConfigError(key, f"unknown layer character {bad!r}; use E, t, L, m, | and (..)*n")
+    # a group holds no parenthesis: each match attempt stops at the next one (linear in the text's length)
+    s = _repeat(_repeat(text.replace(",", ""), r"\(([^()]+)\)\*(\d+)", key), r"(.)\*(\d+)", key)
     stages = [list(stage) for stage in s.split("|")]
     for stage in stages:
         for ch in stage:
@@ -181,6 +185,7 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
 
 # Longest layout memguard expands: 10 x its bound on --num-layers (numbers.py), with room for E, L and '|'.
 MAX_LAYOUT = 100_000
+_LAYOUT_CHARS = frozenset("ELtm|()*0123456789,")
 
 
 def _repeat(text: str, pattern: str, key: str) -> str:

@@ -78,3 +78,21 @@ def test_plan_reads_moe_counts_with_their_bounds(flag):
     # memguard plan converted the raw value with int(): a 5000-digit value was an internal error
     argv = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "16", "--", *MOE, flag, "1" * 5000]
     one_error(run_memguard(argv), f"{flag}: must be <= 2147483647, got '1111", "(5000 characters)")
+
+
+# Found by benchmarks/hostile_input.py at the end of the session: a 100 KB '$($(...' layout took 20 s of CPU
+# in the layout's regular expression (it now refuses the character first), and a start record whose
+# 'predicted' is not an object was an internal error in `memguard report`.
+@pytest.mark.parametrize("layout, bad", [("$(" * 50_000, "$"), ("(" * 100_000, "("), ("(t" * 50_000, "(")])
+def test_hostile_pipeline_layout_is_refused_quickly(layout, bad):
+    o = run_memguard(["estimate", "--world-size", "8", "--", *SMALL, "--pipeline-model-parallel-size", "2",
+                      "--pipeline-model-parallel-layout", layout], cpu_limit=2.0)
+    one_error(o, f"--pipeline-model-parallel-layout: unknown layer character {bad!r}")
+
+
+@pytest.mark.parametrize("predicted", ['"1000"', "1000", "[1]", '{"peak_allocated": 1, "moe_worst_case": 5}'])
+def test_report_start_record_with_a_prediction_that_is_not_an_object(predicted):
+    start = ('{"schema": "memguard.runtime/1", "event": "start", "rank": 0, "source": "static", '
+             f'"interval": 10, "tolerance": 0.05, "predicted": {predicted}}}')
+    o = run_memguard(["report", "."], {"memguard-rank0.jsonl": start + "\n"})
+    one_error(o, "memguard-rank0.jsonl line 1: 'predicted", "must be an object")

@@ -306,6 +306,13 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
                           _field(rec, "tolerance", _tolerance))
                 if rec.get("reset_peak") is not None and not isinstance(rec["reset_peak"], bool):
                     raise ValueError(f"'reset_peak': expected true or false, got {shown(rec['reset_peak'])}")
+                # the report reads the start record's prediction (and its MoE worst case) as objects of byte counts
+                if rec.get("predicted") is not None:
+                    _bytes_dict(rec["predicted"], ("peak_allocated", "peak_reserved", "device_total", "persistent"),
+                                "predicted")
+                    worst = rec["predicted"].get("moe_worst_case")
+                    if worst is not None:
+                        _bytes_dict(worst, ("peak_allocated", "peak_reserved", "device_total"), "predicted.moe_worst_case")
                 out.start = rec
                 out.source, out.interval, out.tolerance = fields
                 out.reset_peak = rec.get("reset_peak")
