@@ -25,6 +25,7 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from benchmarks.shared_data import SHARED  # noqa: E402
 from fuzz_util import (  # noqa: E402
     JSON_VALUES, LAUNCH, LEAVES, NUMBERS, NUMERIC_FLAGS, RUNLOG, RUNLOG_FIELDS, SENTINEL, SHELL_LINES, SMALL, TEXTS, YAML_SEEDS,
     YAML_VALUES, alias_bomb, run_memguard, with_values,
@@ -49,8 +50,7 @@ def reproductions():
     warning = json.dumps({"schema": "memguard.runtime/1", "event": "warning", "rank": 0, "iteration": 1,
                           "actual_bytes": 1, "predicted_bytes": 100}).replace('"actual_bytes": 1', '"actual_bytes": 1' + "0" * 400)
     script = "A='$A$A'\n" + "A=$A$A\n" * 20 + "torchrun --nproc-per-node 8 pretrain_gpt.py " + " ".join(S) + ' --save "$A"\n'
-    nemo_llama = os.path.join(os.environ.get("MEMGUARD_SHARED") or os.path.join(os.path.dirname(ROOT), "shared"),
-                              "configs", "nemo1", "megatron_llama_config.yaml")
+    nemo_llama = os.path.join(SHARED, "configs", "nemo1", "megatron_llama_config.yaml")
     yield "1 --num-layers inf", ["estimate", "--world-size", "1", "--", *S, "--num-layers", "inf"], {}
     yield "1 --num-layers 5000 digits", ["estimate", "--world-size", "1", "--", *S, "--num-layers", digits], {}
     yield "1 validate 1e309", ["validate", "--world-size", "1", "--", *S, "--num-layers", "1e309"], {}
