@@ -653,8 +653,13 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
 
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                    dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
-    chunks = L.stage_chunks(pp_rank)
     pr = _stage_prep(L, _stage_shapes(L)[pp_rank], device, gpu_name, dp_rank, site)
+    return _stage_estimate(L, pp_rank, pr, device, site)
+
+
+def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants) -> StageEstimate:
+    """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there."""
+    chunks = L.stage_chunks(pp_rank)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if ft is not None:
@@ -898,7 +903,16 @@ def estimate(
         if bad:
             raise ConfigError("--gpu", bad)
     gpu_name = gpu.name if gpu else None
-    stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
+    # one _StagePrep per distinct stage shape (the middle of a deep pipeline shares one), looked up here
+    # rather than once per stage; only the schedule's peak and its terms are made per stage
+    preps: dict[_StageShape, _StagePrep] = {}
+    stages = []
+    for r, shape in enumerate(_stage_shapes(L)):
+        pr = preps.get(shape)
+        if pr is None:
+            pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
+        stages.append(_stage_estimate(L, r, pr, device, site))
+    stages = tuple(stages)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
