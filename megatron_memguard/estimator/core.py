@@ -553,20 +553,21 @@ class _StagePrep:
     step_bytes: int
     finalize: int
     retained_bytes: int
+    plain: bool                # none of the features whose terms follow the peak (FSDP, offloading, CUDA graphs, Muon)
 
     def __init__(self, parameters: int, n_layers: int, has_output: bool, has_moe: bool,
                  acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object, state_terms: tuple[Term, ...],
                  step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
                  retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
                  device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
-                 step_bytes: int, finalize: int, retained_bytes: int) -> None:
+                 step_bytes: int, finalize: int, retained_bytes: int, plain: bool = False) -> None:
         # one per stage shape of every cold estimate: the fields are stored at once (as Term's)
         self.__dict__.update(
             parameters=parameters, n_layers=n_layers, has_output=has_output, has_moe=has_moe, acts=acts, sched=sched,
             ft=ft, state_terms=state_terms, step_terms=step_terms, host_terms=host_terms, host_bytes=host_bytes,
             buffers=buffers, retained=retained, staging=staging, deferred=deferred, fixed_alloc=fixed_alloc,
             device_only=device_only, device_bytes=device_bytes, frag_detail=frag_detail, layers_detail=layers_detail,
-            base=base, step_bytes=step_bytes, finalize=finalize, retained_bytes=retained_bytes)
+            base=base, step_bytes=step_bytes, finalize=finalize, retained_bytes=retained_bytes, plain=plain)
 
 
 @lru_cache(maxsize=1024)
@@ -630,14 +631,20 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                                               f"{n} placeholder weight gradients, one per weight shape, cached by "
                                               "Transformer Engine under gradient-accumulation fusion")]
     base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+    host_bytes = max(a.host_bytes for a in acts)
+    staging = max(a.offload_staging for a in acts)
+    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
+    plain = (ft is None and not host_bytes and not staging and not deferred
+             and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
+             and not (device == "gpu" and (L.cuda_graph_impl != "none" or L.optimizer_cuda_graph))
+             and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
     return _StagePrep(
         parameters=st.parameters, n_layers=n_layers, has_output=has_output,
         has_moe=any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs), acts=tuple(acts),
         sched=_schedule_bytes(L, acts, [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
-        host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
-        staging=max(a.offload_staging for a in acts),
-        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0,
+        host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
+        deferred=deferred,
         fixed_alloc=tuple(fixed_alloc),
         device_only=tuple(t for t in fixed if t.level == "device"),
         device_bytes=sum(t.bytes for t in fixed if t.level == "device"),
@@ -657,11 +664,17 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     return _stage_estimate(L, pp_rank, pr, device, site)
 
 
-def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants) -> StageEstimate:
-    """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there."""
+def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
+                    moe_in: tuple | None = None) -> StageEstimate:
+    """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there.
+    ``moe_in``: _moe_worst_inputs (looked up here when not given)."""
     chunks = L.stage_chunks(pp_rank)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
+    if pr.plain:
+        # none of the features below: the stage's terms are the state's, the buffers' and those at the peak
+        return _stage_terms(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts,
+                            pr.host_terms, pr.base, pr.fixed_alloc, (), (), pr.step_bytes)
     if ft is not None:
         parts = split_fsdp_transients(parts, ft)
     host_terms = pr.host_terms
@@ -714,6 +727,16 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
+    return _stage_terms(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
+                        base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
+                 chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
+                 host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
+                 graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
+    """The stage's terms at the largest of its schedule's peak, finalize_model_grads and the optimizer step."""
+    ft, state_terms, step_terms, buffers = pr.ft, pr.state_terms, pr.step_terms, pr.buffers
     finalize, retained_bytes = pr.finalize, pr.retained_bytes
     held_moe = 0                            # the moe_layer_activations bytes at the peak
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
@@ -722,6 +745,7 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
                                      detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
                                             "MLA down projections) all-reduced over TP by finalize_model_grads")]
         peak_phase = "finalize_model_grads"
+        peak_alloc = base + sum(t.bytes for t in act_terms)
     elif act_peak >= step_bytes + retained_bytes:
         act_terms = []
         add = act_terms.append
@@ -755,11 +779,12 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
                 det = fsdp_window_detail(ft, name)
             add(Term(name, v, group, detail=det))
         peak_phase = phase
+        peak_alloc = base + sum(parts.values())    # the terms made of the parts (zeros left out)
     else:
         act_terms = [*pr.retained, *step_terms, *step_only]
         peak_phase = "optimizer step"
-    peak_alloc = base + sum(t.bytes for t in act_terms)
-    step_bytes_graphed = sum(t.bytes for t in step_terms)
+        peak_alloc = base + sum(t.bytes for t in act_terms)
+    step_bytes_graphed = pr.step_bytes             # the step terms' bytes
     if (device == "gpu" and L.optimizer_cuda_graph and step_bytes_graphed and peak_phase != "optimizer step"
             and cuda_graph_spec(L).impl != "full_iteration"):
         # OptimizerCudaGraphWrapper captures the step into a private pool (core 0.19.2 optimizer_cuda_graph.py):
@@ -781,9 +806,10 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     persistent = base + retained_bytes + pr.step_bytes
     moe = None
     if L.moe is not None:
-        moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase)
+        moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase,
+                              moe_in)
     return StageEstimate(
-        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=pr.parameters,
+        pp_rank=pp_rank, chunks=chunks, num_layers=pr.n_layers, parameters=pr.parameters,
         persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
         device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
         moe=moe, host_terms=host_terms,
@@ -840,11 +866,11 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
 
 
 def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_moe: bool, peak_allocated: int,
-                    peak_reserved: int, device_total: int, peak_phase: str) -> dict:
+                    peak_reserved: int, device_total: int, peak_phase: str, inputs: tuple | None = None) -> dict:
     """A stage's ``moe`` figure: its peak at the same moment of the schedule with the worst-case rows.
     The MoE layers in flight (``held``: their moe_layer_activations bytes) keep their worst-case bytes
     and the working set grows by the worst-case layer's (no second schedule evaluation)."""
-    rows, bal_total, wst_total, d_work, frag = _moe_worst_inputs(L, device, site)
+    rows, bal_total, wst_total, d_work, frag = inputs or _moe_worst_inputs(L, device, site)
     grow = (held * wst_total // bal_total - held) if bal_total else 0
     if held:
         extra = grow + d_work
@@ -907,11 +933,12 @@ def estimate(
     # rather than once per stage; only the schedule's peak and its terms are made per stage
     preps: dict[_StageShape, _StagePrep] = {}
     stages = []
+    moe_in = _moe_worst_inputs(L, device, site) if L.moe is not None else None
     for r, shape in enumerate(_stage_shapes(L)):
         pr = preps.get(shape)
         if pr is None:
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
-        stages.append(_stage_estimate(L, r, pr, device, site))
+        stages.append(_stage_estimate(L, r, pr, device, site, moe_in))
     stages = tuple(stages)
     crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
