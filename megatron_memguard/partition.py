@@ -70,10 +70,17 @@ class Chunk:
     def __init__(self, pp_rank: int, vpp_rank: int, first_layer: int, num_layers: int, has_embedding: bool,
                  has_output: bool, has_tied_output_copy: bool, vpp_size: int = 1,
                  kind_runs: tuple[tuple[LayerKind, int], ...] = ()) -> None:
-        # one per chunk of every layout (and per chunk shape of a cold estimate): stored at once (as Term's)
-        self.__dict__.update(pp_rank=pp_rank, vpp_rank=vpp_rank, first_layer=first_layer, num_layers=num_layers,
-                             has_embedding=has_embedding, has_output=has_output,
-                             has_tied_output_copy=has_tied_output_copy, vpp_size=vpp_size, kind_runs=kind_runs)
+        # one per chunk of every layout (and per chunk shape of a cold estimate): stored directly (as Term's)
+        d = self.__dict__
+        d["pp_rank"] = pp_rank
+        d["vpp_rank"] = vpp_rank
+        d["first_layer"] = first_layer
+        d["num_layers"] = num_layers
+        d["has_embedding"] = has_embedding
+        d["has_output"] = has_output
+        d["has_tied_output_copy"] = has_tied_output_copy
+        d["vpp_size"] = vpp_size
+        d["kind_runs"] = kind_runs
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:

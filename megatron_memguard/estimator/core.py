@@ -67,11 +67,20 @@ class ChunkActivations:
     def __init__(self, layers: int, layers_detail: str, ends: dict[str, int], fwd_extra: int, bwd_top_extra: int,
                  bwd_bottom_extra: int, moe_layers: int = 0, offload_staging: int = 0, host_bytes: int = 0,
                  offload_groups: tuple[int, ...] = (), out_bwd_transient: int = 0, out_wgrad_moment: int = 0) -> None:
-        # made per chunk shape of every cold estimate: the fields are stored at once (as Term's)
-        self.__dict__.update(layers=layers, layers_detail=layers_detail, ends=ends, fwd_extra=fwd_extra,
-                             bwd_top_extra=bwd_top_extra, bwd_bottom_extra=bwd_bottom_extra, moe_layers=moe_layers,
-                             offload_staging=offload_staging, host_bytes=host_bytes, offload_groups=offload_groups,
-                             out_bwd_transient=out_bwd_transient, out_wgrad_moment=out_wgrad_moment)
+        # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["layers"] = layers
+        d["layers_detail"] = layers_detail
+        d["ends"] = ends
+        d["fwd_extra"] = fwd_extra
+        d["bwd_top_extra"] = bwd_top_extra
+        d["bwd_bottom_extra"] = bwd_bottom_extra
+        d["moe_layers"] = moe_layers
+        d["offload_staging"] = offload_staging
+        d["host_bytes"] = host_bytes
+        d["offload_groups"] = offload_groups
+        d["out_bwd_transient"] = out_bwd_transient
+        d["out_wgrad_moment"] = out_wgrad_moment
 
     @property
     def held(self) -> int:
@@ -499,7 +508,9 @@ class _StageShape:
     pp_rank: int = field(compare=False)
 
     def __init__(self, key: tuple, pp_rank: int) -> None:
-        self.__dict__.update(key=key, pp_rank=pp_rank)   # one per stage of every cold estimate
+        d = self.__dict__   # one per stage of every cold estimate
+        d["key"] = key
+        d["pp_rank"] = pp_rank
 
     def __hash__(self) -> int:
         # the key nests every chunk's layer kinds; hashed once, it keys _stage_prep on every stage
@@ -561,13 +572,33 @@ class _StagePrep:
                  retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
                  device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
                  step_bytes: int, finalize: int, retained_bytes: int, plain: bool = False) -> None:
-        # one per stage shape of every cold estimate: the fields are stored at once (as Term's)
-        self.__dict__.update(
-            parameters=parameters, n_layers=n_layers, has_output=has_output, has_moe=has_moe, acts=acts, sched=sched,
-            ft=ft, state_terms=state_terms, step_terms=step_terms, host_terms=host_terms, host_bytes=host_bytes,
-            buffers=buffers, retained=retained, staging=staging, deferred=deferred, fixed_alloc=fixed_alloc,
-            device_only=device_only, device_bytes=device_bytes, frag_detail=frag_detail, layers_detail=layers_detail,
-            base=base, step_bytes=step_bytes, finalize=finalize, retained_bytes=retained_bytes, plain=plain)
+        # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["parameters"] = parameters
+        d["n_layers"] = n_layers
+        d["has_output"] = has_output
+        d["has_moe"] = has_moe
+        d["acts"] = acts
+        d["sched"] = sched
+        d["ft"] = ft
+        d["state_terms"] = state_terms
+        d["step_terms"] = step_terms
+        d["host_terms"] = host_terms
+        d["host_bytes"] = host_bytes
+        d["buffers"] = buffers
+        d["retained"] = retained
+        d["staging"] = staging
+        d["deferred"] = deferred
+        d["fixed_alloc"] = fixed_alloc
+        d["device_only"] = device_only
+        d["device_bytes"] = device_bytes
+        d["frag_detail"] = frag_detail
+        d["layers_detail"] = layers_detail
+        d["base"] = base
+        d["step_bytes"] = step_bytes
+        d["finalize"] = finalize
+        d["retained_bytes"] = retained_bytes
+        d["plain"] = plain
 
 
 @lru_cache(maxsize=1024)

@@ -131,11 +131,17 @@ class StageStates:
 
     def __init__(self, parameters: int, param_bytes: int, grad_bytes: int, main_param_bytes: int, exp_avg_bytes: int,
                  exp_avg_sq_bytes: int, main_grad_copy_bytes: int, buffer_numel: int, buffer_numel_unpadded: int) -> None:
-        # one per stage shape of every cold estimate: the fields are stored at once (as Term's)
-        self.__dict__.update(
-            parameters=parameters, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_param_bytes,
-            exp_avg_bytes=exp_avg_bytes, exp_avg_sq_bytes=exp_avg_sq_bytes, main_grad_copy_bytes=main_grad_copy_bytes,
-            buffer_numel=buffer_numel, buffer_numel_unpadded=buffer_numel_unpadded)
+        # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["parameters"] = parameters
+        d["param_bytes"] = param_bytes
+        d["grad_bytes"] = grad_bytes
+        d["main_param_bytes"] = main_param_bytes
+        d["exp_avg_bytes"] = exp_avg_bytes
+        d["exp_avg_sq_bytes"] = exp_avg_sq_bytes
+        d["main_grad_copy_bytes"] = main_grad_copy_bytes
+        d["buffer_numel"] = buffer_numel
+        d["buffer_numel_unpadded"] = buffer_numel_unpadded
 
 
 def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageStates:

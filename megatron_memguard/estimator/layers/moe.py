@@ -74,8 +74,13 @@ class MoeParam:
     cols: int = 0                  # a matrix's input dimension (base.Param.cols)
 
     def __init__(self, name: str, numel: int, tp_replicated: bool = False, expert: bool = False, cols: int = 0) -> None:
-        # fields stored at once, as base.Param does (same order, same defaults)
-        self.__dict__.update(name=name, numel=numel, tp_replicated=tp_replicated, expert=expert, cols=cols)
+        # fields stored directly, as base.Param does (same order, same defaults)
+        d = self.__dict__
+        d["name"] = name
+        d["numel"] = numel
+        d["tp_replicated"] = tp_replicated
+        d["expert"] = expert
+        d["cols"] = cols
 
 
 def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
