@@ -13,9 +13,10 @@ layer from the recipes of its kind (``megatron_memguard.estimator.layers``).
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import groupby
+from itertools import accumulate, groupby
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
@@ -260,15 +261,40 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
     runs = model_kind_runs(L)
     # every layer of one kind (the common case): each chunk's runs without listing the layers
     same = runs[0][0] if len(runs) == 1 else None
-    kinds = kinds_from_runs(runs) if same is None else ()
+    ends = list(accumulate(n for _, n in runs))     # the model runs' ends, for _runs_between
     chunks = []
+    add = chunks.append
     for r in range(pp):
         for v in range(vpp):
-            chunks.append(Chunk(
-                pp_rank=r, vpp_rank=v, first_layer=first_layer[(r, v)], num_layers=counts[(r, v)],
-                has_embedding=(r == 0 and v == 0), has_output=(r == pp - 1 and v == vpp - 1),
-                has_tied_output_copy=tied_copy and r == pp - 1 and v == vpp - 1, vpp_size=vpp,
-                kind_runs=(((same, counts[(r, v)]),) if counts[(r, v)] > 0 else ()) if same is not None
-                else kind_runs(kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]]),
-            ))
+            n = counts[(r, v)]
+            first = first_layer[(r, v)]
+            last = r == pp - 1 and v == vpp - 1
+            # (positional: one Chunk per chunk of every layout; its fields in order)
+            add(Chunk(r, v, first, n, r == 0 and v == 0, last, tied_copy and last, vpp,
+                      (((same, n),) if n > 0 else ()) if same is not None else _runs_between(runs, ends, first, n)))
     return tuple(chunks)
+
+
+def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int,
+                  n: int) -> tuple[tuple[LayerKind, int], ...]:
+    """The (kind, count) runs of the model's layers first .. first + n - 1, from the model's runs (``ends``:
+    where each run ends) without listing the layers: the parts of the runs the interval overlaps, equal
+    neighbours merged (as kind_runs makes them)."""
+    if n <= 0:
+        return ()
+    stop = first + n
+    i = bisect_right(ends, first)                 # the run holding layer ``first``
+    if stop <= ends[i]:                           # inside one run (most chunks)
+        return ((runs[i][0], n),)
+    out: list[list] = []
+    start = ends[i - 1] if i else 0
+    for (kind, _), end in zip(runs[i:], ends[i:]):
+        k = (end if end < stop else stop) - (start if start > first else first)
+        if out and out[-1][0] == kind:
+            out[-1][1] += k
+        else:
+            out.append([kind, k])
+        if end >= stop:
+            break
+        start = end
+    return tuple((k, c) for k, c in out)

@@ -523,17 +523,17 @@ class _StageShape:
 
 @lru_cache(maxsize=256)
 def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
-    return tuple(_stage_shape(L, r, L.stage_chunks(r)) for r in range(L.pp))
-
-
-def _stage_shape(L: Layout, pp_rank: int, chunks: tuple[Chunk, ...]) -> _StageShape:
-    """The middle stages of a deep pipeline share their chunk shapes, hence their states, buffers and
-    fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon look at
-    the chunks' positions, so they are keyed by rank."""
+    """Each stage's shape. The middle stages of a deep pipeline share their chunk shapes, hence their states,
+    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon
+    look at the chunks' positions, so they are keyed by rank."""
     if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
-        return _StageShape((pp_rank,), pp_rank)
-    return _StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                                 bucket_size_for(L, c)) for c in chunks]), pp_rank == 0, pp_rank == L.pp - 1), pp_rank)
+        return tuple([_StageShape((r,), r) for r in range(L.pp)])
+    by_stage, last = L._chunks_by_stage, L.pp - 1
+    # bucket_size_for: None but for the first chunk of rank 0 with --overlap-grad-reduce
+    first_bucket = bucket_size_for(L, by_stage[0][0]) if L.pp and by_stage.get(0) else None
+    return tuple([_StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
+                                        first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
+                               r == 0, r == last), r) for r in range(L.pp)])
 
 
 @dataclass(frozen=True)
@@ -571,7 +571,7 @@ class _StagePrep:
                  step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
                  retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
                  device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
-                 step_bytes: int, finalize: int, retained_bytes: int, plain: bool = False) -> None:
+                 step_bytes: int, finalize: int, retained_bytes: int, plain: bool) -> None:
         # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["parameters"] = parameters
