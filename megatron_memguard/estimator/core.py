@@ -307,9 +307,10 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
             n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
         terms = _moe_buffers(L, terms, n_moe)
-    mixer = uniform_kind(L).mixer
+    uniform = uniform_kind(L)
+    mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
-    rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
+    rotary = mixer_recipe(uniform).rotary_cache(L, layers)
     if rotary:
         terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(terms)
@@ -647,21 +648,11 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     # state); during it only where _simulate placed them.
     retained = tuple(t for t in buffers if t.name == "pipeline_inputs_retained")
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
-    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else ()
-    fixed_alloc = [t for t in fixed if t.level == "allocated"]
     if device == "gpu":
-        p2p, count = p2p_in_flight_bytes(L)
-        if p2p:
-            fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
-                                              f"{count} pipeline send/receive buffers held by NCCL work objects")]
-        # (weight gradients, real or placeholder, exist only for parameters that require grad)
-        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0) if not L.freeze_all_layers else 0
-        if dummies:
-            n = len(dummy_wgrad_shapes(L, has_output, n_layers > 0))
-            fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
-                                              f"{n} placeholder weight gradients, one per weight shape, cached by "
-                                              "Transformer Engine under gradient-accumulation fusion")]
-    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+        fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0)
+    else:
+        fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
+    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + fixed_bytes
     host_bytes = max(a.host_bytes for a in acts)
     staging = max(a.offload_staging for a in acts)
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
@@ -676,9 +667,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
         host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
         deferred=deferred,
-        fixed_alloc=tuple(fixed_alloc),
-        device_only=tuple(t for t in fixed if t.level == "device"),
-        device_bytes=sum(t.bytes for t in fixed if t.level == "device"),
+        fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
         frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
         layers_detail="; ".join(a.layers_detail for a in acts),
         base=base,
@@ -877,6 +866,29 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
 @lru_cache(maxsize=256)
 def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_SITE) -> tuple[Term, ...]:
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
+
+
+@lru_cache(maxsize=1024)
+def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool,
+                  has_layers: bool) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+    """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
+    follow the output layer and the layers): the allocated ones with the pipeline buffers in flight and the
+    placeholders, their bytes, the device-level ones (outside the allocator) and theirs."""
+    fixed = _fixed_terms(L, gpu_name, site)
+    fixed_alloc = [t for t in fixed if t.level == "allocated"]
+    p2p, count = p2p_in_flight_bytes(L)
+    if p2p:
+        fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
+                                f"{count} pipeline send/receive buffers held by NCCL work objects"))
+    # (weight gradients, real or placeholder, exist only for parameters that require grad)
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers) if not L.freeze_all_layers else 0
+    if dummies:
+        n = len(dummy_wgrad_shapes(L, has_output, has_layers))
+        fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
+                                f"{n} placeholder weight gradients, one per weight shape, cached by "
+                                "Transformer Engine under gradient-accumulation fusion"))
+    device_only = tuple([t for t in fixed if t.level == "device"])
+    return tuple(fixed_alloc), sum(t.bytes for t in fixed_alloc), device_only, sum(t.bytes for t in device_only)
 
 
 @lru_cache(maxsize=256)
