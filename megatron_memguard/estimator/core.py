@@ -897,10 +897,12 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
     of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
     how much its working set grows, and the allocator's slack on top."""
-    from .layers.moe import expert_rows, moe_activations, tokens_per_rank
+    from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
-    bal = moe_activations(L, L.moe, rows=rows.balanced, mods=mods)
+    mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
+    # at balanced routing the layer's own (its default rows), already made by its recipe
+    bal = (layer_moe_activations(L, mods) if L.moe.routing != "worst"
+           else moe_activations(L, L.moe, rows=rows.balanced, mods=mods))
     wst = moe_activations(L, L.moe, rows=rows.worst, mods=mods)
     d_work = max(wst.fwd_transient - bal.fwd_transient,
                  max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
