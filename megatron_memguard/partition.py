@@ -136,17 +136,22 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
         made: dict[str, LayerKind] = {}
         kinds = tuple(made.setdefault(w, LayerKind(*w.split("/"))) for w in het.split(","))
         return kind_runs(kinds)
+    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
+    # modules quantize, so the local spec runs FP8 flags in BF16
+    spec = L.fp8_spec
+    if not (spec.enabled and L.transformer_impl == "transformer_engine"):
+        # every layer in BF16 / FP16: one kind per MLP, in runs of the --moe-layer-freq pattern
+        if moe is None:
+            return ((LayerKind(mixer, MLP_DENSE, None), L.num_layers),) if L.num_layers else ()
+        dense, sparse = LayerKind(mixer, MLP_DENSE, None), LayerKind(mixer, MLP_MOE, None)
+        return tuple((sparse if is_moe else dense, len(list(g))) for is_moe, g in groupby(moe.moe_layer_pattern))
     if moe is None:
         mlps = (MLP_DENSE,) * L.num_layers
     else:                                         # --moe-layer-freq: the MoE layers of the global pattern
         mlps = tuple(MLP_MOE if is_moe else MLP_DENSE for is_moe in moe.moe_layer_pattern)
     if not mlps:
         return ()
-    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
-    # modules quantize, so the local spec runs FP8 flags in BF16
-    spec = L.fp8_spec
-    quant = (tuple(spec.recipe if spec.layer_quantized(i, L.num_layers) else None for i in range(L.num_layers))
-             if spec.enabled and L.transformer_impl == "transformer_engine" else (None,) * L.num_layers)
+    quant = tuple(spec.recipe if spec.layer_quantized(i, L.num_layers) else None for i in range(L.num_layers))
     pairs = tuple(zip(mlps, quant))
     if pairs.count(pairs[0]) == len(pairs):
         return ((LayerKind(mixer, mlps[0], quant[0]), len(pairs)),)
