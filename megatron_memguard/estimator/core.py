@@ -389,18 +389,29 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     else:                                   # its own micro-batch already released
         where, extra = "end of backward", acts[ci].bwd_bottom_extra
         held[ci] -= 1
-    phase = f"{where} of micro-batch {nth}, chunk {ci} ({sum(held)} held)"
-    moe = layers = 0
-    for h, a in zip(held, acts):
-        moe += h * a.moe_layers
-        layers += h * a.layers
-    parts: dict[str, int] = {"layer_activations": layers - moe}
-    if moe:
-        parts["moe_layer_activations"] = moe
-    for h, a in zip(held, acts):
-        if h:
+    n = sum(held)
+    phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
+    a = acts[0]
+    if acts.count(a) == len(acts):          # chunks alike (the middle of a pipeline): n micro-batches of one
+        moe, layers = n * a.moe_layers, n * a.layers
+        parts: dict[str, int] = {"layer_activations": layers - moe}
+        if moe:
+            parts["moe_layer_activations"] = moe
+        if n:
             for k, v in a.ends.items():
-                parts[k] = parts.get(k, 0) + h * v
+                parts[k] = n * v
+    else:
+        moe = layers = 0
+        for h, a in zip(held, acts):
+            moe += h * a.moe_layers
+            layers += h * a.layers
+        parts = {"layer_activations": layers - moe}
+        if moe:
+            parts["moe_layer_activations"] = moe
+        for h, a in zip(held, acts):
+            if h:
+                for k, v in a.ends.items():
+                    parts[k] = parts.get(k, 0) + h * v
     parts["forward_transient" if fwd else "backward_transient"] = extra
     if retained:
         parts["pipeline_inputs_retained"] = retained
@@ -816,9 +827,10 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved", pr.frag_detail))
+        peak_reserved = peak_alloc + frag
         if graph_pool:
             terms += graph_pool
-        peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
+            peak_reserved += sum(t.bytes for t in graph_pool)
         terms += pr.device_only
         device_total = peak_reserved + pr.device_bytes
     else:
@@ -828,12 +840,9 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
     if L.moe is not None:
         moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase,
                               moe_in)
-    return StageEstimate(
-        pp_rank=pp_rank, chunks=chunks, num_layers=pr.n_layers, parameters=pr.parameters,
-        persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
-        device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
-        moe=moe, host_terms=host_terms,
-    )
+    # (positional, in the fields' order: one per stage of every estimate)
+    return StageEstimate(pp_rank, chunks, pr.n_layers, pr.parameters, persistent, peak_alloc, peak_reserved,
+                         device_total, peak_phase, in_flight, tuple(terms), moe, host_terms)
 
 
 @lru_cache(maxsize=1024)
