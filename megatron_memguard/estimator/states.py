@@ -35,6 +35,10 @@ class ChunkBuffer:
     params: int                    # parameter count of the chunk
 
 
+# what build_buffer makes of no parameters, whatever the bucket size and the optimizer
+_NO_BUFFER = ChunkBuffer(numel=0, numel_unpadded=0, buckets=(), params=0)
+
+
 def bucket_size_for(L: Layout, chunk: Chunk) -> int | None:
     """Bucket size in elements, as DDP and get_model decide it (None: one bucket)."""
     if not L.overlap_grad_reduce or chunk.pp_rank > 0 or chunk.vpp_rank > 0:
@@ -118,9 +122,10 @@ def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
                   group: ShardGroup = ShardGroup.DENSE_DP) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
     share one shape); ``group`` EXPERT_DP: the chunk's expert buffer (its MoE layers' routed experts)."""
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=sum(n for _, n in kind_runs),
-              has_embedding=has_embedding, has_output=has_output, has_tied_output_copy=tied_copy, kind_runs=kind_runs)
+    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
     plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c)
+    if not plist:                   # no parameter in this buffer (a dense chunk's expert buffer): no bucket
+        return _NO_BUFFER, ((),) * len(ranks) if L.use_distributed_optimizer else ()
     buf = build_buffer(L, plist, bucket_size, group)
     pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(group), r)) for r in ranks) if L.use_distributed_optimizer else ()
     return buf, pieces
