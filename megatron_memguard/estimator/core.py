@@ -963,7 +963,7 @@ def estimate(
         raise ConfigError("--dp-rank", f"must be max, last or a rank 0..{layout.dp_shard_size - 1} of the "
                                        f"distributed optimizer's DP x CP group, got {dp_rank!r}")
     notes = list(layout.notes)
-    if site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
+    if site is not DEFAULT_SITE and site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
         notes.append("site profile: " + site.describe())
     if profile == "fujii2024":
         if layout.heterogeneous_layers:

@@ -174,6 +174,23 @@ class Estimate:
     notes: tuple[str, ...] = field(default=())
     site: Any = None               # the SiteConstants used (estimator/site.py); None: memguard's defaults
 
+    def __init__(self, layout: Layout, profile: str, device: str, gpu: str | None, gpu_memory_bytes: int | None,
+                 threshold: float, stages: tuple[StageEstimate, ...], verdict: str, critical_stage: int,
+                 notes: tuple[str, ...] = (), site: Any = None) -> None:
+        # one per estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["layout"] = layout
+        d["profile"] = profile
+        d["device"] = device
+        d["gpu"] = gpu
+        d["gpu_memory_bytes"] = gpu_memory_bytes
+        d["threshold"] = threshold
+        d["stages"] = stages
+        d["verdict"] = verdict
+        d["critical_stage"] = critical_stage
+        d["notes"] = notes
+        d["site"] = site
+
     @property
     def critical(self) -> StageEstimate:
         return self.stages[self.critical_stage]
