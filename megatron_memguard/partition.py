@@ -176,16 +176,14 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
     bad = next((ch for ch in text if ch not in _LAYOUT_CHARS), None)
     if bad is not None:    # before the expansion: a hostile text must not reach its regular expressions
         raise ConfigError(key, f"unknown layer character {bad!r}; use E, t, L, m, | and (..)*n")
-    # a group holds no parenthesis: each match attempt stops at the next one (linear in the text's length)
-    s = _repeat(_repeat(text.replace(",", ""), r"\(([^()]+)\)\*(\d+)", key), r"(.)\*(\d+)", key)
+    s = _repeat(_repeat(text.replace(",", ""), _GROUP_REPEAT, key), _CHAR_REPEAT, key)
+    if not _STAGE_CHARS.issuperset(s):       # a character left after the expansion ('(', ')', '*', a digit)
+        ch = next(ch for ch in s if ch not in _STAGE_CHARS)
+        raise ConfigError(key, f"unknown layer character {ch!r}; use E, t, L, m, | and (..)*n")
     stages = [list(stage) for stage in s.split("|")]
-    for stage in stages:
-        for ch in stage:
-            if ch not in "ELtm":
-                raise ConfigError(key, f"unknown layer character {ch!r}; use E, t, L, m, | and (..)*n")
     if len(stages) % pp:
         raise ConfigError(key, f"has {len(stages)} stages, which is not a multiple of --pipeline-model-parallel-size {pp}")
-    flat = [c for st in stages for c in st]
+    flat = s.replace("|", "")
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
     if "m" in flat and "m" in "".join("".join(st) for st in stages[:-1]):
@@ -199,9 +197,13 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
 # Longest layout memguard expands: 10 x its bound on --num-layers (numbers.py), with room for E, L and '|'.
 MAX_LAYOUT = 100_000
 _LAYOUT_CHARS = frozenset("ELtm|()*0123456789,")
+_STAGE_CHARS = frozenset("ELtm|")
+# a group holds no parenthesis: each match attempt stops at the next one (linear in the text's length)
+_GROUP_REPEAT = re.compile(r"\(([^()]+)\)\*(\d+)")
+_CHAR_REPEAT = re.compile(r"(.)\*(\d+)")
 
 
-def _repeat(text: str, pattern: str, key: str) -> str:
+def _repeat(text: str, pattern: re.Pattern, key: str) -> str:
     """``text`` with every ``x*n`` of ``pattern`` written out, refusing a result longer than MAX_LAYOUT."""
     total = len(text)
 
@@ -213,7 +215,7 @@ def _repeat(text: str, pattern: str, key: str) -> str:
             raise ConfigError(key, f"expands to more than {MAX_LAYOUT:,} entries (memguard's bound on --num-layers is 10,000)")
         return m.group(1) * n
 
-    return re.sub(pattern, rep, text)
+    return pattern.sub(rep, text)
 
 
 def layers_per_rank(L: "Layout") -> list[int]:
