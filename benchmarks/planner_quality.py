@@ -553,12 +553,27 @@ def cand_p2p_sequential(p: Planner, c: Candidate) -> float:
     return 2 * c.m * c.vpp * p.timer.p2p(nbytes, same)
 
 
+def cand_optimizer_unfused(p: Planner, c: Candidate) -> float:
+    """An unfused Adam (PyTorch's multi-tensor AdamW runs weight decay, two moment updates, sqrt, two scalings and
+    the update as separate passes: about 100 B per parameter counted from its reads and writes, fp32 state)
+    instead of the fused kernel's 34 B: the optimizer term about three times longer."""
+    return (100 / 34 - 1) * p.step_time(c).term_seconds["optimizer"]
+
+
+def cand_host_dispatch(p: Planner, c: Candidate) -> float:
+    """A host-bound launch: about 10 us of eager PyTorch dispatch per kernel instead of the model's 2 us gap,
+    per kernel of every micro-batch (grows with the micro-batches, i.e. with PP and small MBS)."""
+    return (10e-6 / 2e-6 - 1) * p.step_time(c).term_seconds["kernel_gaps"]
+
+
 CANDIDATES = {
     "dp_exposed": cand_dp_exposed,
     "bucket_latency": cand_bucket_latency,
     "tensor_latency": cand_tensor_latency,
     "flat_ring": cand_flat_ring,
     "p2p_sequential": cand_p2p_sequential,
+    "optimizer_unfused": cand_optimizer_unfused,
+    "host_dispatch": cand_host_dispatch,
 }
 
 
@@ -689,8 +704,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {s.run.label:28s} {meas:>9s}  {pred:>20s}  {s.verdict}")
     if ns.windows:
         print(window_check([(sw, sc) for sw, _, _, sc in results if sw.family in ("fujii", "hagemann")]))
+    cand_text = ""
+    targets = [(sw, sc) for sw, _, _, sc in results if sw.family in ("fujii", "hagemann")]
+    if (ns.candidates or ns.write) and any(sw.family == "hagemann" for sw, _ in targets):
+        cand_text = ("\n### Candidate costs for the Hagemann misses (`--candidates`), each added to every Hagemann layout\n\n"
+                     + candidates_check(targets) + "\n\nThe first two figure columns are the targets with the cost "
+                     "added (sweeps whose first choice is within 3%, median Spearman, sweeps worse than `--rule "
+                     "fujii2024`), the last two the missed sweeps (first choice / best, Spearman); docs/planner.md "
+                     "section 5.2. None is in the model.\n")
     if ns.candidates:
-        print(candidates_check([(sw, sc) for sw, _, _, sc in results if sw.family in ("fujii", "hagemann")]))
+        print(cand_text)
     if ns.pairs is not None:
         for sw, _, _, scored in results:
             print(discordant_pairs(sw, scored, ns.pairs))
@@ -704,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.write:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
-                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n" + scale_text)
+                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n" + scale_text + cand_text)
     return 0
 
 
