@@ -16,7 +16,9 @@ micro-batch). Printed per sweep and rule:
 * how many layouts that failed (out of memory) memguard ranked as fitting, each with its evidence: the
   layouts of the same family estimated at least as high that ran, and whether it has CP > 1.
 
-``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--scaling`` prints, for every
+``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--candidates`` ranks the Hagemann
+sweeps again with each physical candidate cost for the remaining misses added (``CANDIDATES``; none is in the
+model; docs/planner.md section 5.2). ``--scaling`` prints, for every
 Megatron layout that ran at several GPU counts, its measured step over the predicted one at each count and the
 measured step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
 
