@@ -422,17 +422,23 @@ def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
     return text
 
 
+def misordered(sweep: Sweep, scored: list[Scored], gap: float = 0.03) -> list[tuple[float, Scored, Scored]]:
+    """(measured ratio, a, b) for the pairs the time rule ranks against a measured gap above ``gap`` (a ran
+    faster by more than it, b is ranked first), largest gap first."""
+    order = rank([s for s in scored if kept_by(sweep, s)], "time")
+    pos = {id(s): i for i, s in enumerate(order)}
+    ran = [s for s in order if not s.run.failed]
+    return sorted(((a.run.throughput / b.run.throughput, a, b) for a in ran for b in ran
+                   if a.run.throughput > (1 + gap) * b.run.throughput and pos[id(a)] > pos[id(b)]),
+                  key=lambda x: -x[0])
+
+
 def discordant_pairs(sweep: Sweep, scored: list[Scored], gap: float = 0.03, limit: int = 8) -> str:
     """The pairs the time rule ranks against the measurements (the layout measured faster by more than
     ``gap`` is ranked after the other), largest measured gap first, each with the two step-time terms
     that differ most between the pair in the model (what to look at in `memguard plan --explain`)."""
     p = planner_for(sweep)
-    order = rank([s for s in scored if kept_by(sweep, s)], "time")
-    pos = {id(s): i for i, s in enumerate(order)}
-    ran = [s for s in order if not s.run.failed]
-    bad = sorted(((a.run.throughput / b.run.throughput, a, b) for a in ran for b in ran
-                  if a.run.throughput > (1 + gap) * b.run.throughput and pos[id(a)] > pos[id(b)]),
-                 key=lambda x: -x[0])
+    bad = misordered(sweep, scored, gap)
     lines = [f"## {sweep.name}: {len(bad)} pairs ranked against a measured gap above {gap:.0%}"]
     for r, a, b in bad[:limit]:
         ta, tb = p.step_time(a.candidate).term_seconds, p.step_time(b.candidate).term_seconds
@@ -590,11 +596,14 @@ def candidates_check(data: list[tuple[Sweep, list[Scored]]], families: tuple[str
             worse = sum(t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
                         for t, f in rows)
             out[fam] = (sum(t.first_ok for t, _ in rows), len(rows), _median([t.spearman for t, _ in rows]), worse)
+        out["pairs"] = sum(len(misordered(sw, variant.get(i, sc))) for i, (sw, sc) in enumerate(data)
+                           if sw.family == "hagemann")
         return out
 
     miss = {"LLaMA-30B s2048 256 x A100-80GB", "LLaMA-13B s2048 32 x A100-80GB"}
     lines = ["| candidate | largest share of a step | Megatron: within 3% / median / worse | Hagemann: within 3% / "
-             "median / worse | " + " | ".join(sorted(miss)) + " |", "| --- | ---: | --- | --- | --- | --- |"]
+             "median / worse | Hagemann pairs against a gap > 3% | " + " | ".join(sorted(miss)) + " |",
+             "| --- | ---: | --- | --- | ---: | --- | --- |"]
     for name, fn in (("(the model)", None), *CANDIDATES.items()):
         variant: dict[int, list[Scored]] = {}
         share = 0.0
@@ -618,8 +627,8 @@ def candidates_check(data: list[tuple[Sweep, list[Scored]]], families: tuple[str
             q = quality(data[i][0], variant.get(i, data[i][1]), "time")
             cells.append(f"{q.first_rel:.1%}, {_fmt_rho(q.spearman)}")
         lines.append(f"| {name} | {share:.1%} | " + " | ".join(
-            f"{a} of {b} / {_fmt_rho(m)} / {w}" for a, b, m, w in (fig["fujii"], fig["hagemann"])) + " | "
-            + " | ".join(cells) + " |")
+            f"{a} of {b} / {_fmt_rho(m)} / {w}" for a, b, m, w in (fig["fujii"], fig["hagemann"]))
+            + f" | {fig['pairs']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -712,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         cand_text = ("\n### Candidate costs for the Hagemann misses (`--candidates`), each added to every Hagemann layout\n\n"
                      + candidates_check(targets) + "\n\nThe first two figure columns are the targets with the cost "
                      "added (sweeps whose first choice is within 3%, median Spearman, sweeps worse than `--rule "
-                     "fujii2024`), the last two the missed sweeps (first choice / best, Spearman); docs/planner.md "
+                     "fujii2024`), then the pairs of Hagemann layouts ranked against a measured gap above 3% (`--pairs`), "
+                     "the last two the missed sweeps (first choice / best, Spearman); docs/planner.md "
                      "section 5.2. None is in the model.\n")
     if ns.candidates:
         print(cand_text)
