@@ -574,6 +574,34 @@ def cand_host_dispatch(p: Planner, c: Candidate) -> float:
     return (10e-6 / 2e-6 - 1) * p.step_time(c).term_seconds["kernel_gaps"]
 
 
+_SLOWER: dict[tuple[int, float], object] = {}
+
+
+def _on_network(p: Planner, gbps: float):
+    """The planner's time model on the same cluster with ``gbps`` per GPU of network instead."""
+    from megatron_memguard.planner.timing import TimeModel
+    key = (id(p), gbps)
+    if key not in _SLOWER:
+        gpu = dataclasses.replace(p.cluster.gpu, network_bytes_per_s=gbps * 1e9 / 8)
+        _SLOWER[key] = (p, TimeModel(p.shape, dataclasses.replace(p.cluster, gpu=gpu), p.gbs,
+                                     tp_overlap=p.timer.tp_overlap))
+    return _SLOWER[key][1]
+
+
+def cand_network_100(p: Planner, c: Candidate) -> float:
+    """The whole cluster on 100 Gb/s per GPU (four HDR ports for eight GPUs, as ABCI's A100 nodes) instead of
+    the GPU table's 200: every transfer through the NICs (DP, PP) slower; the data do not name the network."""
+    return _on_network(p, 100.0).step_time(c).seconds - p.step_time(c).seconds
+
+
+def cand_nosp_p2p(p: Planner, c: Candidate) -> float:
+    """Without SP, the full-size activations every TP rank sends between stages charged three times (the
+    measured cost of dropping SP grows with PP two to nine times faster than the model's transfers)."""
+    if c.sp or c.tp == 1:
+        return 0.0
+    return 2 * p.step_time(c).term_seconds["pp_p2p"]
+
+
 CANDIDATES = {
     "dp_exposed": cand_dp_exposed,
     "bucket_latency": cand_bucket_latency,
@@ -582,6 +610,8 @@ CANDIDATES = {
     "p2p_sequential": cand_p2p_sequential,
     "optimizer_unfused": cand_optimizer_unfused,
     "host_dispatch": cand_host_dispatch,
+    "network_100": cand_network_100,
+    "nosp_p2p_x3": cand_nosp_p2p,
 }
 
 
