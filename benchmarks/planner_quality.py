@@ -574,7 +574,7 @@ def cand_host_dispatch(p: Planner, c: Candidate) -> float:
     return (10e-6 / 2e-6 - 1) * p.step_time(c).term_seconds["kernel_gaps"]
 
 
-_SLOWER: dict[tuple[int, float], object] = {}
+_SLOWER: dict[tuple[int, float], tuple] = {}
 
 
 def _on_network(p: Planner, gbps: float):
