@@ -619,9 +619,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     pp_rank = shape.pp_rank
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
-    n_layers = sum(c.num_layers for c in chunks)
-    has_output = any(c.has_output for c in chunks)
-    acts = [chunk_activations(L, c) for c in chunks]
+    # (list comprehensions, not generators: a stage has a few chunks)
+    n_layers = sum([c.num_layers for c in chunks])
+    has_output = any([c.has_output for c in chunks])
+    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output) for c in chunks]
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
@@ -654,18 +655,20 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
     stage_runs = tuple([c.kind_runs for c in chunks])
-    buffers = persistent_buffers(L, pp_rank, stage_runs)
+    receiving = [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]
+    buffers = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)   # persistent_buffers
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
-    retained = tuple(t for t in buffers if t.name == "pipeline_inputs_retained")
-    buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
+    retained = tuple([t for t in buffers if t.name == "pipeline_inputs_retained"])
+    if retained:
+        buffers = tuple([t for t in buffers if t.name != "pipeline_inputs_retained"])
     if device == "gpu":
         fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
-    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + fixed_bytes
-    host_bytes = max(a.host_bytes for a in acts)
-    staging = max(a.offload_staging for a in acts)
+    base = sum([t.bytes for t in state_terms]) + sum([t.bytes for t in buffers]) + fixed_bytes
+    host_bytes = max([a.host_bytes for a in acts])
+    staging = max([a.offload_staging for a in acts])
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
     plain = (ft is None and not host_bytes and not staging and not deferred
              and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
@@ -673,20 +676,20 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
              and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
     return _StagePrep(
         parameters=st.parameters, n_layers=n_layers, has_output=has_output,
-        has_moe=any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs), acts=tuple(acts),
-        sched=_schedule_bytes(L, acts, [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
+        has_moe=any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs]), acts=tuple(acts),
+        sched=_schedule_bytes(L, acts, receiving), ft=ft,
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
         host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
         deferred=deferred,
         fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
         frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail="; ".join(a.layers_detail for a in acts),
+        layers_detail="; ".join([a.layers_detail for a in acts]),
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-        step_bytes=sum(t.bytes for t in step_terms),
+        step_bytes=sum([t.bytes for t in step_terms]),
         finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
-        retained_bytes=sum(t.bytes for t in retained))
+        retained_bytes=sum([t.bytes for t in retained]))
 
 
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
