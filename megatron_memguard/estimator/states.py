@@ -26,6 +26,13 @@ class Bucket:
     end: int                       # padded end
     spans: tuple[tuple[int, int], ...]  # (start, end) of each parameter inside the buffer
 
+    def __init__(self, start: int, end: int, spans: tuple[tuple[int, int], ...]) -> None:
+        # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["start"] = start
+        d["end"] = end
+        d["spans"] = spans
+
 
 @dataclass(frozen=True)
 class ChunkBuffer:
@@ -33,6 +40,14 @@ class ChunkBuffer:
     numel_unpadded: int
     buckets: tuple[Bucket, ...]
     params: int                    # parameter count of the chunk
+
+    def __init__(self, numel: int, numel_unpadded: int, buckets: tuple[Bucket, ...], params: int) -> None:
+        # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["numel"] = numel
+        d["numel_unpadded"] = numel_unpadded
+        d["buckets"] = buckets
+        d["params"] = params
 
 
 # what build_buffer makes of no parameters, whatever the bucket size and the optimizer
@@ -127,7 +142,10 @@ def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
     if not plist:                   # no parameter in this buffer (a dense chunk's expert buffer): no bucket
         return _NO_BUFFER, ((),) * len(ranks) if L.use_distributed_optimizer else ()
     buf = build_buffer(L, plist, bucket_size, group)
-    pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(group), r)) for r in ranks) if L.use_distributed_optimizer else ()
+    if not L.use_distributed_optimizer:
+        return buf, ()
+    shard = L.parallel.shard_size(group)
+    pieces = tuple([tuple(shard_pieces(buf, shard, r)) for r in ranks])
     return buf, pieces
 
 
