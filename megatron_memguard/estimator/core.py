@@ -997,7 +997,8 @@ def estimate(
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
         stages.append(_stage_estimate(L, r, pr, device, site, moe_in))
     stages = tuple(stages)
-    crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
+    totals = [s.device_total_bytes for s in stages]
+    crit = totals.index(max(totals))        # the first stage with the largest total
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
