@@ -1,0 +1,232 @@
+"""Metamorphic properties: two ways of writing the same job give the same numbers, and a layout change
+with a known effect moves exactly the terms it should (tests/property_space.py, derandomized)."""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.estimator.core import chunk_activations
+from megatron_memguard.estimator.states import stage_states
+
+from property_space import FeatureSpec, Spec, moe_specs, specs
+
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def _est(flags: list[str], world: int):
+    return estimate(layout_from_flags(flags, world_size=world, megatron_version="0.19"))
+
+
+def layout(spec):
+    return layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
+
+
+def _numbers(est) -> list[tuple]:
+    """Everything an estimate says per stage: its terms (allocated, reserved, device), levels, phase."""
+    return [(s.pp_rank, s.num_layers, s.parameters, s.persistent_bytes, s.peak_allocated_bytes,
+             s.peak_reserved_bytes, s.device_total_bytes, s.peak_phase, s.in_flight,
+             tuple((t.name, t.bytes, str(t.level)) for t in s.terms)) for s in est.stages]
+
+
+def _drop(flags: list[str], *names: str, values: int = 1) -> list[str]:
+    out, skip = [], 0
+    for f in flags:
+        if skip:
+            skip -= 1
+            continue
+        if f in names:
+            skip = values
+            continue
+        out.append(f)
+    return out
+
+
+def _chunk_counts(spec: Spec) -> dict[tuple[int, int], int]:
+    """Layers of each (pipeline rank, virtual stage), as megatron-core's get_num_layers_to_build splits
+    them: the first / last rank's layers, the rest evenly over the middle ranks, each rank's layers evenly
+    over its virtual stages (transformer_block.py / transformer_config.py)."""
+    pp, v = spec.pp, spec.vpp or 1
+    per = [spec.layers // pp] * pp
+    if spec.first is not None or spec.last is not None:
+        rest, n = spec.layers, pp
+        for x in (spec.first, spec.last):
+            if x is not None:
+                rest, n = rest - x, n - 1
+        per = [rest // n if n else 0] * pp
+        if spec.first is not None:
+            per[0] = spec.first
+        if spec.last is not None:
+            per[-1] = spec.last
+    return {(r, c): per[r] // v for r in range(pp) for c in range(v)}
+
+
+def layout_string(spec: Spec) -> str:
+    """The same split written as --pipeline-model-parallel-layout: stages listed virtual-stage-major
+    (all ranks' first chunk, then all ranks' second, ...), 'E' on the first, 'L' on the last
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    pp, v = spec.pp, spec.vpp or 1
+    counts = _chunk_counts(spec)
+    stages = []
+    for c in range(v):
+        for r in range(pp):
+            s = "t" * counts[(r, c)]
+            if (r, c) == (0, 0):
+                s = "E" + s
+            if (r, c) == (pp - 1, v - 1):
+                s += "L"
+            stages.append(s)
+    return "|".join(stages)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same job written two ways
+
+@PROPERTY
+@given(specs())
+def test_pipeline_layout_string_equals_the_split_flags(spec):
+    """--pipeline-model-parallel-layout spelling out the even / uneven (first/last) / interleaved split
+    gives every stage the same numbers as the split flags."""
+    assume(spec.pp > 1)
+    flags = _drop(spec.flags(), "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--num-virtual-stages-per-pipeline-rank")
+    a = _est(spec.flags(), spec.world)
+    b = _est(flags + ["--pipeline-model-parallel-layout", layout_string(spec)], spec.world)
+    assert _numbers(a) == _numbers(b)
+
+
+@PROPERTY
+@given(specs())
+def test_first_last_flags_equal_to_the_even_split_change_nothing(spec):
+    """--decoder-first/last-pipeline-num-layers equal to the even share is the even split."""
+    assume(spec.pp > 2 and spec.first is None and spec.last is None)
+    per = spec.layers // spec.pp
+    a = _est(spec.flags(), spec.world)
+    for kw in (dict(first=per), dict(last=per), dict(first=per, last=per)):
+        assert _numbers(_est(spec.with_(**kw).flags(), spec.world)) == _numbers(a)
+
+
+@PROPERTY
+@given(specs())
+def test_virtual_stage_flags_are_one_setting(spec):
+    """--num-layers-per-virtual-pipeline-stage n and --num-virtual-stages-per-pipeline-rank
+    (layers per rank / n) are one setting (validate_args); one virtual stage is no interleaving."""
+    assume(spec.first is None and spec.last is None)
+    flags = _drop(spec.flags(), "--num-virtual-stages-per-pipeline-rank")
+    per = spec.layers // spec.pp
+    v = spec.vpp or 1
+    a = _est(spec.flags(), spec.world)
+    assert _numbers(_est(flags + ["--num-layers-per-virtual-pipeline-stage", str(per // v)], spec.world)) == _numbers(a)
+    if spec.vpp is None:
+        assert _numbers(_est(flags + ["--num-virtual-stages-per-pipeline-rank", "1"], spec.world)) == _numbers(a)
+
+
+@PROPERTY
+@given(specs())
+def test_default_sizes_written_out_change_nothing(spec):
+    """TP, PP, CP 1 written or left out; --num-query-groups equal to the heads (MHA as GQA);
+    --expert-model-parallel-size 1 without experts."""
+    a = _numbers(_est(spec.flags(), spec.world))
+    flags = spec.flags()
+    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+        i = flags.index(name)
+        if flags[i + 1] == "1":
+            assert _numbers(_est(flags[:i] + flags[i + 2:], spec.world)) == a, name
+    if spec.groups is None:
+        assert _numbers(_est(spec.with_(groups=spec.heads).flags(), spec.world)) == a
+    assert _numbers(_est(flags + ["--expert-model-parallel-size", "1"], spec.world)) == a
+
+
+@PROPERTY
+@given(moe_specs())
+def test_moe_layer_freq_every_layer_written_four_ways(fs):
+    """--moe-layer-freq unset, 1, [1]*L and the list written out are one pattern: every layer MoE
+    (megatron/training/arguments.py moe_freq_type; TransformerConfig.moe_layer_freq)."""
+    assume(fs.freq is None)
+    n = fs.base.layers
+    a = _numbers(_est(fs.flags(), fs.world))
+    for f in ("1", f"[1]*{n}", f"([1]*{n})", "[" + ",".join(["1"] * n) + "]"):
+        assert _numbers(_est(fs.with_(freq=f).flags(), fs.world)) == a, f
+
+
+# ---------------------------------------------------------------------------------------------------
+# A change with a known effect moves exactly the terms it should
+
+@PROPERTY
+@given(specs(), st.integers(1, 5))
+def test_global_batch_size_without_pipelining_moves_nothing(spec, more):
+    """With PP = 1 the schedule runs one micro-batch at a time (forward_backward_no_pipelining): more
+    micro-batches per step (a larger GBS) accumulate into the same main_grad buffer and hold no more at
+    any moment, so every term and level is the same."""
+    spec = spec.with_(pp=1, first=None, last=None, vpp=None)
+    a = _est(spec.with_(microbatches=1).flags(), spec.world)
+    b = _est(spec.with_(microbatches=1 + more).flags(), spec.world)
+    assert _numbers(a) == _numbers(b)
+
+
+@PROPERTY
+@given(specs())
+def test_recompute_orders_what_a_layer_keeps(spec):
+    """Per micro-batch, the layers of a chunk keep: full recompute of every layer (uniform, 1 layer per
+    group: only each layer's input, tensor_parallel.checkpoint) == full block recompute of all layers
+    <= any selective module set <= no recompute. (Under CP, recomputing 'core_attn' keeps q, k, v that TE's
+    ring attention would not; test_properties documents that exception, so CP 1 here.)"""
+    spec = spec.with_(distribute_saved=False, cp=1, seq=spec.seq // spec.cp, instances=1)
+    none = layout(spec.with_(recompute=()))
+    full = layout(spec.with_(recompute=("full", "uniform", 1)))
+    block = layout(spec.with_(recompute=("full", "block", spec.layers)))
+    sels = [layout(spec.with_(recompute=("selective", m)))
+            for m in (("core_attn",), ("mlp",), ("layernorm",), ("core_attn", "mlp", "layernorm"))]
+    for cn, cf, cb, *cs in zip(none.chunks, full.chunks, block.chunks, *[s.chunks for s in sels]):
+        kept_none = chunk_activations(none, cn).layers
+        kept_full = chunk_activations(full, cf).layers
+        assert chunk_activations(block, cb).layers == kept_full
+        # one checkpointed input per layer: [s, b, h] in the residual dtype (/TP under SP)
+        split = spec.tp if spec.sp else 1
+        assert kept_full == cf.num_layers * (spec.seq * spec.mbs * spec.hidden * (
+            4 if spec.fp32_residual or spec.precision == "fp32" else 2)) // split
+        for L, c in zip(sels, cs):
+            assert kept_full <= chunk_activations(L, c).layers <= kept_none
+
+
+@PROPERTY
+@given(specs())
+def test_untying_adds_the_output_layer_only_without_pipelining(spec):
+    """--untie-embeddings-and-output-weights: with PP = 1 the output layer's [V/TP, h] weight is added to
+    the stage; with PP > 1 the last stage held a tied copy of the embedding already (language_module.py
+    setup_embeddings_and_output_layer), so every stage keeps its count."""
+    a, b = layout(spec.with_(untied=False)), layout(spec.with_(untied=True))
+    pa = [stage_states(a, p).parameters for p in range(a.pp)]
+    pb = [stage_states(b, p).parameters for p in range(b.pp)]
+    if spec.pp == 1:
+        pa[-1] += a.padded_vocab_size * spec.hidden // spec.tp
+    assert pa == pb
+
+
+@PROPERTY
+@given(specs())
+def test_fp32_parameters_double_the_weights_and_drop_the_main_copy(spec):
+    """fp32 vs bf16 training: the weights take 4 bytes instead of 2 (the same buffer), the gradient buffer
+    is fp32 in both (bf16 accumulates and reduces in fp32: validate_args), and fp32 has no separate
+    fp32 main parameters (FP32Optimizer)."""
+    spec = spec.with_(fp32_residual=False)
+    a, b = _est(spec.with_(precision="bf16").flags(), spec.world), _est(spec.with_(precision="fp32").flags(), spec.world)
+    for sa, sb in zip(a.stages, b.stages):
+        assert 2 * sa.breakdown["parameters"] == sb.breakdown["parameters"]
+        assert sa.breakdown["gradient_buffer"] == sb.breakdown["gradient_buffer"]
+        assert sb.breakdown.get("main_parameters", 0) == 0
+
+
+@PROPERTY
+@given(specs(max_layers=12), st.integers(1, 2))
+def test_mtp_layers_go_to_the_last_stage_only(spec, depth):
+    """--mtp-num-layers builds its layers on the last pipeline stage (mtp_on_this_rank without a layout):
+    every earlier stage keeps each term; the last stage gains parameters."""
+    base = FeatureSpec(base=spec.with_(impl="transformer_engine", rope=True))
+    a = _est(base.flags(), spec.world)
+    b = _est(base.flags() + ["--mtp-num-layers", str(depth)], spec.world)
+    assert _numbers(a)[:-1] == _numbers(b)[:-1]
+    assert b.stages[-1].parameters > a.stages[-1].parameters
