@@ -230,3 +230,142 @@ def test_mtp_layers_go_to_the_last_stage_only(spec, depth):
     b = _est(base.flags() + ["--mtp-num-layers", str(depth)], spec.world)
     assert _numbers(a)[:-1] == _numbers(b)[:-1]
     assert b.stages[-1].parameters > a.stages[-1].parameters
+
+
+@PROPERTY
+@given(specs(), st.sampled_from([(True, False), (False, True), (True, True)]))
+def test_embedding_and_loss_slots_equal_their_layout_string(spec, slots):
+    """--account-for-embedding/loss-in-pipeline-split count the embedding (loss) as one layer of the split and
+    build one transformer layer fewer on the first (last) virtual stage (transformer_block.py
+    get_num_layers_to_build): the same as the layout string that puts the layers there."""
+    emb, loss = slots
+    assume(spec.pp > 1 and spec.first is None and spec.last is None)
+    n = spec.layers - emb - loss                  # transformer layers; n + slots is the even split
+    assume(n >= 1)
+    v = spec.vpp or 1
+    s = spec.with_(layers=n)
+    flags = s.flags() + (["--account-for-embedding-in-pipeline-split"] if emb else []) + (
+        ["--account-for-loss-in-pipeline-split"] if loss else [])
+    per = spec.layers // spec.pp // v
+    stages = []
+    for c in range(v):
+        for r in range(spec.pp):
+            k = per - (emb and (r, c) == (0, 0)) - (loss and (r, c) == (spec.pp - 1, v - 1))
+            stages.append(("E" if (r, c) == (0, 0) else "") + "t" * k + ("L" if (r, c) == (spec.pp - 1, v - 1) else ""))
+    other = _drop(s.flags(), "--num-virtual-stages-per-pipeline-rank") + [
+        "--pipeline-model-parallel-layout", "|".join(stages)]
+    assert _numbers(_est(flags, spec.world)) == _numbers(_est(other, spec.world))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same job through the readers
+
+_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+def bridge_run_config(s: Spec) -> dict:
+    """The job as a Megatron-Bridge ConfigContainer dump (flat GPTModelProvider fields, Bridge 0.6.2), with
+    the fields whose Bridge default differs from Megatron-LM's argument default written out (the fusions,
+    the attention mask, vocabulary padding: docs/readers.md)."""
+    m = dict(num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
+             kv_channels=s.kv_channels, num_query_groups=s.groups or s.heads, seq_length=s.seq,
+             max_position_embeddings=s.seq, vocab_size=s.vocab, should_pad_vocab=True, make_vocab_size_divisible_by=128,
+             tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, context_parallel_size=s.cp,
+             virtual_pipeline_model_parallel_size=s.vpp, num_layers_in_first_pipeline_stage=s.first,
+             num_layers_in_last_pipeline_stage=s.last, sequence_parallel=s.sp, gated_linear_unit=s.swiglu,
+             activation_func={"_target_": "torch.nn.functional." + ("silu" if s.swiglu else "gelu"), "_call_": False},
+             normalization="RMSNorm" if s.rmsnorm else "LayerNorm", add_bias_linear=s.bias,
+             position_embedding_type="rope" if s.rope else "learned_absolute",
+             share_embeddings_and_output_weights=not s.untied, hidden_dropout=s.dropout, attention_dropout=s.dropout,
+             fp32_residual_connection=s.fp32_residual, distribute_saved_activations=s.distribute_saved,
+             transformer_impl=s.impl, attention_backend=s.backend, bias_activation_fusion=s.swiglu or s.bias,
+             bias_dropout_fusion=True, apply_rope_fusion=True, cross_entropy_loss_fusion=False,
+             masked_softmax_fusion=True, gradient_accumulation_fusion=True,
+             bf16=s.precision == "bf16", fp16=s.precision == "fp16",
+             params_dtype={"_target_": _DTYPE[s.precision], "_call_": False})
+    if s.recompute:
+        m["recompute_granularity"] = s.recompute[0]
+        if s.recompute[0] == "selective":
+            m["recompute_modules"] = list(s.recompute[1])
+        else:
+            m["recompute_method"], m["recompute_num_layers"] = s.recompute[1], s.recompute[2]
+    doc = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": m,
+           "train": {"micro_batch_size": s.mbs, "global_batch_size": s.mbs * s.dp * s.microbatches},
+           "dataset": {"seq_length": s.seq, "create_attention_mask": True, "skip_getting_attention_mask_from_dataset": False},
+           "optimizer": {"optimizer": s.optimizer, "use_distributed_optimizer": s.dist_opt},
+           "ddp": {"use_distributed_optimizer": s.dist_opt, "num_distributed_optimizer_instances": s.instances,
+                   "overlap_grad_reduce": s.overlap_grad_reduce, "grad_reduce_in_fp32": s.precision != "fp16"},
+           "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": s.vocab}}
+    if s.precision != "fp32":
+        doc["mixed_precision"] = s.precision + "_mixed"
+    return doc
+
+
+def nemo1_config(s: Spec, padded_vocab: int) -> dict:
+    """The job as a NeMo 1 megatron_gpt_config.yaml (NeMo 2.5.0's keys: docs/readers.md), with NeMo's
+    defaults that differ from Megatron-LM's written out; the vocabulary as override_vocab_size (padded)."""
+    m = dict(mcore_gpt=True, transformer_engine=s.impl == "transformer_engine", num_layers=s.layers,
+             hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads, kv_channels=s.kv_channels,
+             num_query_groups=s.groups, encoder_seq_length=s.seq, max_position_embeddings=s.seq,
+             micro_batch_size=s.mbs, global_batch_size=s.mbs * s.dp * s.microbatches,
+             tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, context_parallel_size=s.cp,
+             virtual_pipeline_model_parallel_size=s.vpp, sequence_parallel=s.sp,
+             activation="swiglu" if s.swiglu else "gelu", normalization="rmsnorm" if s.rmsnorm else "layernorm",
+             bias=s.bias, position_embedding_type="rope" if s.rope else "learned_absolute",
+             share_embeddings_and_output_weights=not s.untied, make_vocab_size_divisible_by=128,
+             hidden_dropout=s.dropout, attention_dropout=s.dropout, fp32_residual_connection=s.fp32_residual,
+             megatron_amp_O2=s.precision != "fp32", bias_activation_fusion=s.swiglu or s.bias,
+             bias_dropout_add_fusion=True, masked_softmax_fusion=True, cross_entropy_loss_fusion=False,
+             apply_rope_fusion=True, get_attention_mask_from_fusion=False, gradient_accumulation_fusion=True,
+             overlap_p2p_comm=bool(s.vpp), override_vocab_size=padded_vocab,
+             tokenizer={"library": "megatron", "type": "NullTokenizer"},
+             optim={"name": "mcore_distributed_optim" if s.dist_opt else ("fused_adam" if s.optimizer == "adam" else "sgd"),
+                    "overlap_grad_sync": s.overlap_grad_reduce, "num_distributed_optimizer_instances": s.instances})
+    if s.first is not None:
+        m["num_layers_in_first_pipeline_stage"] = s.first
+    if s.last is not None:
+        m["num_layers_in_last_pipeline_stage"] = s.last
+    if s.recompute:
+        m["activations_checkpoint_granularity"] = s.recompute[0]
+        if s.recompute[0] == "selective":
+            m["recompute_modules"] = list(s.recompute[1])
+        else:
+            m["activations_checkpoint_method"], m["activations_checkpoint_num_layers"] = s.recompute[1], s.recompute[2]
+    return {"trainer": {"devices": s.world, "num_nodes": 1, "precision": {"bf16": "bf16-mixed", "fp16": "16-mixed",
+                                                                           "fp32": 32}[s.precision]}, "model": m}
+
+
+def _read(tmp_path_factory, doc: dict, name: str, world: int):
+    import yaml
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    p = tmp_path_factory.mktemp("cfg") / name
+    p.write_text(yaml.safe_dump(doc))
+    return estimate(resolve(read_config_file(str(p)), world_size=world, megatron_version="0.19"))
+
+
+@PROPERTY
+@given(specs())
+def test_bridge_run_config_estimates_as_the_flags(tmp_path_factory, spec):
+    """A Megatron-Bridge run_config.yaml of the job gives every stage the numbers of the flags."""
+    b = _read(tmp_path_factory, bridge_run_config(spec), "run_config.yaml", spec.world)
+    assert _numbers(b) == _numbers(_est(spec.flags(), spec.world))
+
+
+@PROPERTY
+@given(specs())
+def test_nemo1_config_estimates_as_the_flags(tmp_path_factory, spec):
+    """A NeMo 1 config of the job gives every stage the numbers of the flags. NeMo has no DDP overlap without
+    its distributed optimizer, no --distribute-saved-activations (build_transformer_config sets it off) and
+    no attention_backend key of its own; gradient accumulation fusion as NeMo switches it."""
+    if spec.optimizer == "sgd" and spec.dist_opt:
+        spec = spec.with_(optimizer="adam")
+    spec = spec.with_(backend="auto", distribute_saved=False,
+                      overlap_grad_reduce=spec.overlap_grad_reduce and spec.dist_opt)
+    # NeMo switches gradient accumulation fusion off without O2, and at PP 1 with DP > 1 without its
+    # distributed optimizer (megatron_base_model.py, NeMo 2.5.0)
+    gaf_off = spec.precision == "fp32" or (not spec.dist_opt and spec.pp == 1 and spec.dp > 1)
+    flags = spec.flags() + (["--no-gradient-accumulation-fusion"] if gaf_off else [])
+    a = _est(flags, spec.world)
+    n = _read(tmp_path_factory, nemo1_config(spec, a.layout.padded_vocab_size), "megatron_gpt_config.yaml", spec.world)
+    assert _numbers(n) == _numbers(a)
