@@ -363,6 +363,7 @@ def feature_specs(draw) -> FeatureSpec:
         if draw(st.booleans()):
             extra.append("--delay-wgrad-compute")
     if not fs.experts and draw(st.integers(0, 3)) == 0:
-        extra += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+        # (validate_args, core 0.19.2: Megatron-FSDP requires the fsdp_dtensor checkpoint format)
+        extra += ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy",
                   draw(st.sampled_from(["no_shard", "optim", "optim_grads", "optim_grads_params"]))]
     return fs.with_(extra=tuple(extra))
