@@ -2,14 +2,17 @@
 with a known effect moves exactly the terms it should (tests/property_space.py, derandomized)."""
 from __future__ import annotations
 
+import math
 import os
 import re
 
 from hypothesis import HealthCheck, assume, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.core import chunk_activations
-from megatron_memguard.estimator.states import stage_states
+from megatron_memguard.estimator.params import chunk_numels
+from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
@@ -448,3 +451,38 @@ def test_hook_estimates_the_feature_space_as_the_cli(fs):
     except (ConfigError, ConfigErrors, NotModelledError):
         reject()
     _hook_equals_cli(flags, fs.world, te_checks=True)
+
+
+@PROPERTY
+@given(specs(), st.sampled_from([2, 4, 8]))
+def test_tensor_and_sequence_parallelism_divide_every_saved_tensor_of_a_layer(spec, tp):
+    """TP t with sequence parallelism: every tensor a layer keeps for its backward is split t ways, the
+    column/row-parallel outputs by heads / TP and ffn / TP, the residual stream, norms and dropout masks by
+    the SP scatter of the sequence (megatron-core's SP regions; the scores per head). So each saved item of
+    TP 1 is exactly t times that of TP t, for every attention kind, recompute setting and dtype drawn (the
+    shape scaled so that TP 8 divides heads, groups, ffn and s / CP)."""
+    g = None if spec.groups is None else 8 * spec.groups
+    one = spec.with_(tp=1, sp=False, distribute_saved=False, heads=8 * spec.heads, groups=g, ffn=8 * spec.ffn,
+                     seq=8 * spec.seq)
+    a = layer_activations(layout(one)).saved
+    b = layer_activations(layout(one.with_(tp=tp, sp=True))).saved
+    assert set(a) == set(b)
+    assert {k: v for k, v in a.items()} == {k: tp * v for k, v in b.items()}
+
+
+@PROPERTY
+@given(specs())
+def test_distributed_optimizer_padding_is_within_megatrons_alignment(spec):
+    """The distributed optimizer's param/grad buffer pads each parameter's start to 64 elements and each
+    bucket's end to lcm(DP x CP / instances, 128) (param_and_grad_buffer.py, core 0.19.2): per chunk the padding
+    is at most 63 per parameter plus lcm - 1 per bucket, and the padded buffer divides over the ranks."""
+    L = layout(spec.with_(dist_opt=True))
+    n = L.dp_shard_size
+    for p in range(L.pp):
+        for c in L.stage_chunks(p):
+            buf, _ = _chunk_buffer(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
+                                   bucket_size_for(L, c), (0,))
+            params = chunk_numels(L, c)
+            assert buf.params == sum(x for x, _ in params)
+            assert buf.numel % n == 0
+            assert 0 <= buf.numel - buf.numel_unpadded <= len(buf.buckets) * (math.lcm(n, 128) - 1) + 63 * len(params)
