@@ -9,6 +9,7 @@ import re
 from hypothesis import HealthCheck, assume, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.core import chunk_activations
 from megatron_memguard.estimator.params import chunk_numels
@@ -444,7 +445,6 @@ def test_hook_estimates_the_feature_space_as_the_cli(fs):
     """MoE, FP8, MTP, Megatron-FSDP, offload, CUDA graphs through the hook as through the CLI. (What this
     machine's Megatron cannot parse, a Transformer Engine version check without TE installed, is left out; what memguard
     refuses by name, e.g. TransformerConfig's rules that parse_and_validate_args does not run, too.)"""
-    from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
     flags = fs.flags() + TRAINING
     try:
         _est(flags, fs.world)
@@ -486,3 +486,39 @@ def test_distributed_optimizer_padding_is_within_megatrons_alignment(spec):
             assert buf.params == sum(x for x, _ in params)
             assert buf.numel % n == 0
             assert 0 <= buf.numel - buf.numel_unpadded <= len(buf.buckets) * (math.lcm(n, 128) - 1) + 63 * len(params)
+
+
+@PROPERTY
+@given(specs())
+def test_distributed_optimizer_without_data_parallelism_adds_only_its_padding(spec):
+    """With DP x CP = 1 the distributed optimizer's one shard is the whole state (distrib_optimizer.py): the
+    fp32 main parameters and moments are those of the plain optimizer; what changes is the padding of the
+    param and grad buffers (the padded elements times 2 or 4 bytes each) and the allocator slack on top."""
+    spec = spec.with_(dp=1, cp=1, seq=spec.seq // spec.cp, instances=1)
+    off, on = _est(spec.with_(dist_opt=False).flags(), spec.world), _est(spec.with_(dist_opt=True).flags(), spec.world)
+    L = on.layout
+    for p, (a, b) in enumerate(zip(off.stages, on.stages)):
+        st = stage_states(L, p)
+        pad = st.buffer_numel - st.buffer_numel_unpadded
+        assert b.breakdown["parameters"] - a.breakdown["parameters"] == pad * L.param_bytes
+        assert b.breakdown["gradient_buffer"] - a.breakdown["gradient_buffer"] == pad * L.grad_bytes
+        same = set(a.breakdown) - {"parameters", "gradient_buffer", "allocator_fragmentation"}
+        assert {k: a.breakdown[k] for k in same} == {k: b.breakdown.get(k) for k in same}
+        assert a.peak_phase == b.peak_phase
+
+
+@PROPERTY
+@given(feature_specs(), st.integers(1, 3))
+def test_micro_batches_beyond_the_warmup_move_nothing(fs, more):
+    """Once the micro-batches fill the pipeline's warm-up, more of them (a larger GBS) hold no more at any
+    moment: 1F1B keeps min(PP - rank, M) forwards in flight, so every M >= PP is the same; the interleaved
+    schedule warms up (PP - rank - 1) x 2 + (VPP - 1) x PP chunk forwards (schedules.py, group size PP), within
+    2 PP micro-batches' VPP chunks. Every stage's terms, levels and phase are those of M = PP (2 PP)."""
+    b = fs.base
+    assume(b.pp > 1)
+    m = 2 * b.pp if b.vpp else b.pp
+    try:
+        a = _est(fs.with_base(microbatches=m).flags(), fs.world)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    assert _numbers(_est(fs.with_base(microbatches=m + more * b.pp).flags(), fs.world)) == _numbers(a)
