@@ -230,12 +230,41 @@ def test_fp32_parameters_double_the_weights_and_drop_the_main_copy(spec):
 @given(specs(max_layers=12), st.integers(1, 2))
 def test_mtp_layers_go_to_the_last_stage_only(spec, depth):
     """--mtp-num-layers builds its layers on the last pipeline stage (mtp_on_this_rank without a layout):
-    every earlier stage keeps each term; the last stage gains parameters."""
-    base = FeatureSpec(base=spec.with_(impl="transformer_engine", rope=True))
+    every earlier stage keeps each term. The last stage gains, per MTP layer (multi_token_prediction.py,
+    core 0.19.2), enorm, hnorm and final_layernorm, eh_proj [h / TP, 2 h] (column-parallel, no bias) and one
+    transformer layer; and with PP > 1 its own embedding [V / TP, h] (gpt_model.py builds it where
+    mtp_process; the output layer keeps its weight off the first stage, tied or not)."""
+    spec = spec.with_(impl="transformer_engine", rope=True)
+    base = FeatureSpec(base=spec)
     a = _est(base.flags(), spec.world)
     b = _est(base.flags() + ["--mtp-num-layers", str(depth)], spec.world)
     assert _numbers(a)[:-1] == _numbers(b)[:-1]
-    assert b.stages[-1].parameters > a.stages[-1].parameters
+    h, heads, d, tp = spec.hidden, spec.heads, spec.kv_channels, spec.tp
+    g = spec.groups or heads
+    norm = h * (1 if spec.rmsnorm else 2)
+    fc1 = (2 if spec.swiglu else 1) * spec.ffn
+    sharded = (heads + 2 * g) * d * h + h * heads * d + fc1 * h + h * spec.ffn + (
+        (heads + 2 * g) * d + fc1 if spec.bias else 0)
+    layer = sharded // tp + 2 * norm + (2 * h if spec.bias else 0)
+    embedding = a.layout.padded_vocab_size * h // tp if spec.pp > 1 else 0
+    assert b.stages[-1].parameters - a.stages[-1].parameters == depth * (3 * norm + 2 * h * h // tp + layer) + embedding
+
+
+@PROPERTY
+@given(specs())
+def test_micro_batches_in_flight_follow_megatrons_warmup(spec):
+    """The most (micro-batch, chunk) forwards a rank holds: 1F1B warms up PP - rank - 1 and runs one more,
+    min(PP - rank, M); the interleaved schedule warms up (PP - rank - 1) x 2 + (VPP - 1) x PP chunks
+    (microbatch group size PP) and runs one more unless the warm-up is all M x VPP of them
+    (pipeline_parallel/schedules.py get_pp_rank_microbatches / forward_backward_pipelining_*)."""
+    est = _est(spec.flags(), spec.world)
+    m, p, v = spec.microbatches, spec.pp, spec.vpp or 1
+    for s in est.stages:
+        if v == 1:
+            assert s.in_flight == min(p - s.pp_rank, m)
+        else:
+            warm = min((p - s.pp_rank - 1) * 2 + (v - 1) * p, m * v)
+            assert s.in_flight == warm + (warm < m * v)
 
 
 @PROPERTY
