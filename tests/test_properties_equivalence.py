@@ -551,3 +551,23 @@ def test_micro_batches_beyond_the_warmup_move_nothing(fs, more):
     except (ConfigError, ConfigErrors, NotModelledError):
         reject()
     assert _numbers(_est(fs.with_base(microbatches=m + more * b.pp).flags(), fs.world)) == _numbers(a)
+
+
+@PROPERTY
+@given(specs(), st.sampled_from(["uniform", "block"]), st.integers(0, 6))
+def test_full_recompute_keeps_what_its_method_says(spec, method, n):
+    """Full recompute per model chunk of k layers (megatron/core/recompute.py, core 0.19.2): 'uniform' with
+    n checkpoints each run of n layers (the last run clamped), keeping ceil(k / n) checkpoint inputs; 'block'
+    with n checkpoints the first min(n, k) layers and keeps the other layers' activations whole. A checkpoint
+    input is [s/CP, b, h] in the residual dtype, /TP under SP."""
+    n = max(n, 1) if method == "uniform" else n
+    spec = spec.with_(distribute_saved=False)
+    none, rec = layout(spec.with_(recompute=())), layout(spec.with_(recompute=("full", method, n)))
+    ckpt = spec.seq // spec.cp * spec.mbs * spec.hidden * (
+        4 if spec.fp32_residual or spec.precision == "fp32" else 2) // (spec.tp if spec.sp else 1)
+    for cn, cr in zip(none.chunks, rec.chunks):
+        k = cr.num_layers
+        whole = layer_activations(none, cn.has_embedding or cn.has_output).total
+        assert chunk_activations(none, cn).layers == k * whole
+        want = min(n, k) * ckpt + max(0, k - n) * whole if method == "block" else -(-k // n) * ckpt
+        assert chunk_activations(rec, cr).layers == want
