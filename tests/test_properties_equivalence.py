@@ -370,6 +370,38 @@ def nemo1_config(s: Spec, padded_vocab: int) -> dict:
                                                                            "fp32": 32}[s.precision]}, "model": m}
 
 
+_NEMO2_STRATEGY = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                   "virtual_pipeline_model_parallel_size", "sequence_parallel")
+
+
+def nemo2_config(s: Spec, padded_vocab: int) -> dict:
+    """The job as a NeMo 2 `--to-yaml` export (NeMo 2.5: GPTConfig fields under model.config, the parallel sizes
+    and DDP config under trainer.strategy, MegatronMixedPrecision under trainer.plugins, batch under data,
+    OptimizerConfig under optim.config); the GPTConfig fields as in the Bridge dump, the vocabulary padded
+    (NeMo 2 takes config.vocab_size as it is)."""
+    b = bridge_run_config(s)
+    cfg = {k: v for k, v in b["model"].items() if k not in ("should_pad_vocab", "make_vocab_size_divisible_by",
+                                                            "bf16", "fp16", "params_dtype")}
+    cfg.update(vocab_size=padded_vocab, _target_="nemo.collections.llm.gpt.model.base.GPTConfig")
+    strategy = {k: cfg.pop(k) for k in _NEMO2_STRATEGY}
+    strategy.update(_target_="nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy", ddp={
+        "_target_": "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig",
+        **b["ddp"]})
+    return {"_target_": "nemo.collections.llm.api.pretrain",
+            "model": {"_target_": "nemo.collections.llm.gpt.model.base.GPTModel", "config": cfg},
+            "trainer": {"_target_": "nemo.lightning.pytorch.trainer.Trainer", "devices": s.world, "num_nodes": 1,
+                        "strategy": strategy, "plugins": {
+                            "_target_": "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision",
+                            "precision": {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}[s.precision],
+                            "grad_reduce_in_fp32": s.precision != "fp16"}},
+            "data": {"_target_": "nemo.collections.llm.gpt.data.mock.MockDataModule", "seq_length": s.seq,
+                     "global_batch_size": s.mbs * s.dp * s.microbatches, "micro_batch_size": s.mbs,
+                     "create_attention_mask": True},
+            "optim": {"_target_": "nemo.lightning.pytorch.optim.megatron.MegatronOptimizerModule", "config": {
+                "_target_": "megatron.core.optimizer.optimizer_config.OptimizerConfig", "optimizer": s.optimizer,
+                "use_distributed_optimizer": s.dist_opt, "bf16": s.precision == "bf16", "fp16": s.precision == "fp16"}}}
+
+
 def _read(tmp_path_factory, doc: dict, name: str, world: int):
     import yaml
     from megatron_memguard import resolve
@@ -571,3 +603,12 @@ def test_full_recompute_keeps_what_its_method_says(spec, method, n):
         assert chunk_activations(none, cn).layers == k * whole
         want = min(n, k) * ckpt + max(0, k - n) * whole if method == "block" else -(-k // n) * ckpt
         assert chunk_activations(rec, cr).layers == want
+
+
+@PROPERTY
+@given(specs())
+def test_nemo2_export_estimates_as_the_flags(tmp_path_factory, spec):
+    """A NeMo 2 export of the job gives every stage the numbers of the flags."""
+    a = _est(spec.flags(), spec.world)
+    n = _read(tmp_path_factory, nemo2_config(spec, a.layout.padded_vocab_size), "nemo2.yaml", spec.world)
+    assert _numbers(n) == _numbers(a)
