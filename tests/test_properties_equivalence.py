@@ -612,3 +612,33 @@ def test_nemo2_export_estimates_as_the_flags(tmp_path_factory, spec):
     a = _est(spec.flags(), spec.world)
     n = _read(tmp_path_factory, nemo2_config(spec, a.layout.padded_vocab_size), "nemo2.yaml", spec.world)
     assert _numbers(n) == _numbers(a)
+
+
+@PROPERTY
+@given(feature_specs(), st.data())
+def test_one_more_layer_on_a_stage_moves_that_stage_only(fs, data):
+    """One more transformer layer placed on one (rank, virtual stage) by --pipeline-model-parallel-layout:
+    the other ranks build, keep and schedule what they did (every term equal), and that rank's peak does not
+    drop (its chunk keeps one more layer's activations, states and buffers)."""
+    b = fs.base
+    assume(b.pp > 1 and "--mtp-num-layers" not in fs.extra and fs.freq is None)
+    v = b.vpp or 1
+    counts = _chunk_counts(b)
+    rank, chunk = data.draw(st.integers(0, b.pp - 1)), data.draw(st.integers(0, v - 1))
+    more = {**counts, (rank, chunk): counts[(rank, chunk)] + 1}
+
+    def written(c: dict) -> str:
+        return "|".join(("E" if (r, k) == (0, 0) else "") + "t" * c[(r, k)] + ("L" if (r, k) == (b.pp - 1, v - 1) else "")
+                        for k in range(v) for r in range(b.pp))
+    flags = _drop(fs.flags(), "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--num-virtual-stages-per-pipeline-rank", "--num-layers")
+    try:
+        a = _est(flags + ["--num-layers", str(b.layers), "--pipeline-model-parallel-layout", written(counts)], fs.world)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    m = _est(flags + ["--num-layers", str(b.layers + 1), "--pipeline-model-parallel-layout", written(more)], fs.world)
+    for r, (x, y) in enumerate(zip(_numbers(a), _numbers(m))):
+        if r == rank:
+            assert y[4] >= x[4]
+        else:
+            assert x == y
