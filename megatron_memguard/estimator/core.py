@@ -26,7 +26,8 @@ from .layers import mixer_recipe
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
-from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
+                        stage_fixed_terms)
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -662,8 +663,13 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     retained = tuple([t for t in buffers if t.name == "pipeline_inputs_retained"])
     if retained:
         buffers = tuple([t for t in buffers if t.name != "pipeline_inputs_retained"])
+    # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
+    moe_rank = L.moe is not None and (
+        any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
+        or (has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE))
     if device == "gpu":
-        fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0)
+        fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0,
+                                                                            moe_rank)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
     base = sum([t.bytes for t in state_terms]) + sum([t.bytes for t in buffers]) + fixed_bytes
@@ -881,12 +887,13 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
 
 
 @lru_cache(maxsize=1024)
-def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool,
-                  has_layers: bool) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool, has_layers: bool,
+                  moe_rank: bool) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
     """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
-    follow the output layer and the layers): the allocated ones with the pipeline buffers in flight and the
-    placeholders, their bytes, the device-level ones (outside the allocator) and theirs."""
-    fixed = _fixed_terms(L, gpu_name, site)
+    follow the output layer and the layers) and the MoE-only ones (``moe_rank``: the stage runs an MoE layer;
+    overheads.stage_fixed_terms): the allocated ones with the pipeline buffers in flight and the placeholders,
+    their bytes, the device-level ones (outside the allocator) and theirs."""
+    fixed = stage_fixed_terms(L, _fixed_terms(L, gpu_name, site), moe_rank)
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     p2p, count = p2p_in_flight_bytes(L)
     if p2p:
