@@ -114,3 +114,37 @@ def test_distributed_optimizer_alone_in_its_group_holds_the_whole_state_once():
     assert st.main_param_bytes == st.exp_avg_bytes == st.exp_avg_sq_bytes == 4 * st.buffer_numel
     plain = stage_states(layout_from_flags([a for a in args if a != "--use-distributed-optimizer"], world_size=8), 0)
     assert st.parameters == plain.parameters and st.buffer_numel - plain.parameters < 1_000_000
+
+
+def test_one_bucket_sums_by_hand():
+    """Two parameters [100, 10] walked in reverse (param_and_grad_buffer.py, core 0.19.2): the 10 at [0, 10),
+    the 100 at [64, 164) (starts 64-aligned), the end padded to lcm(2, 128) = 256; rank 0 owns [0, 128):
+    10 + 64 elements, rank 1 owns [128, 256): 36."""
+    from megatron_memguard.estimator.states import _one_bucket_sums
+    assert _one_bucket_sums([100, 10], 128, 2, (0, 1)) == (256, (74, 36))
+    # one rank: the whole buffer, padding aside
+    assert _one_bucket_sums([100, 10], 128, 1, (0,)) == (256, (110,))
+
+
+@pytest.mark.parametrize("shard", [1, 2, 3, 8, 64, 1000])
+def test_one_bucket_sums_match_the_buffer_walk(shard):
+    """The arithmetic shortcut gives build_buffer's padded size and shard_pieces' sums (the replica of
+    megatron's index arithmetic) for every rank, on parameter lists of awkward sizes."""
+    import math
+    import random
+    from megatron_memguard.estimator.states import _one_bucket_sums, build_buffer, shard_pieces
+    L = layout_from_flags(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+                           "--vocab-size", "1000", "--use-distributed-optimizer", "--bf16"], world_size=shard)
+    assert L.dp_shard_size == shard
+    rng = random.Random(shard)
+    divisor = math.lcm(shard, 128)
+    for _ in range(30):
+        numels = [rng.choice([1, 63, 64, 65, 127, 4096, rng.randint(1, 10**6)]) for _ in range(rng.randint(1, 25))]
+        buf = build_buffer(L, [(n, False) for n in numels], None)
+        ranks = tuple(range(shard)) if shard <= 64 else (0, 1, shard // 2, shard - 1)
+        padded, sums = _one_bucket_sums(numels, divisor, shard, ranks)
+        assert padded == buf.numel
+        assert sums == tuple(sum(shard_pieces(buf, shard, r)) for r in ranks)
+        if shard <= 64:
+            assert sum(sums) == sum(numels)

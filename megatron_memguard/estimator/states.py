@@ -149,6 +149,68 @@ def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
     return buf, pieces
 
 
+def _one_bucket_sums(numels: list[int], divisor: int, shard: int,
+                     ranks: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """build_buffer's padded size and shard_pieces' sum per rank in ``ranks`` for the common case (the
+    distributed optimizer, one bucket, no shared embedding), without the spans and bucket objects:
+    ``numels`` in registration order, each start aligned to 64 elements walking them in reverse, the
+    end padded to ``divisor``, rank r owning [r * size, (r + 1) * size) of it."""
+    starts = []
+    add = starts.append
+    start = end = 0
+    for numel in reversed(numels):
+        start = -(-start // 64) * 64
+        add(start)
+        end = start + numel
+        start = end
+    padded = -(-end // divisor) * divisor
+    if shard == 1:                          # one rank owns the whole buffer
+        return padded, tuple([sum(numels) if r == 0 else 0 for r in ranks])
+    size = padded // shard
+    sizes = numels[::-1]
+    sums = []
+    n = len(starts)
+    for r in ranks:
+        lo, hi = r * size, (r + 1) * size
+        # the spans are sorted and disjoint: those overlapping [lo, hi) are a run found by bisection
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        total = 0
+        while i < n and starts[i] < hi:
+            s = starts[i]
+            e = s + sizes[i]
+            k = (e if e < hi else hi) - (s if s > lo else lo)
+            if k > 0:
+                total += k
+            i += 1
+        sums.append(total)
+    return padded, tuple(sums)
+
+
+@lru_cache(maxsize=1024)
+def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
+                  bucket_size: int | None, ranks: tuple[int, ...],
+                  group: ShardGroup = ShardGroup.DENSE_DP) -> tuple[int, int, int, tuple[int, ...]]:
+    """What _stage_states needs of _chunk_buffer: the parameter count, the padded and unpadded buffer
+    sizes and, with the distributed optimizer, the elements each rank of ``ranks`` owns (the sum of
+    its shard pieces; else ()). The common case (one bucket, no shared embedding) is worked out from
+    the parameter sizes alone (_one_bucket_sums); the others from the buffer's buckets."""
+    dist = L.use_distributed_optimizer
+    if dist and bucket_size is None:
+        c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
+        plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c)
+        if not plist:
+            return 0, 0, 0, (0,) * len(ranks)
+        if not any([shared for _, shared in plist]):
+            numels = [n for n, _ in plist]
+            shard = L.parallel.shard_size(group)
+            divisor = math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
+            padded, sums = _one_bucket_sums(numels, divisor, shard, ranks)
+            unpadded = sum(numels)
+            return unpadded, padded, unpadded, sums
+    buf, pieces_of = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, ranks, group)
+    return buf.params, buf.numel, buf.numel_unpadded, tuple([sum(p) for p in pieces_of]) if dist else ()
+
+
 @dataclass(frozen=True)
 class StageStates:
     """Persistent bytes of model state on one rank of a pipeline stage (sums over its chunks)."""
@@ -194,57 +256,54 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     prec = L.precision
     p_bytes = prec.bytes_of(TensorKind.PARAM)
     g_bytes = prec.bytes_of(TensorKind.MAIN_GRAD)
-    params = 0
-    param_bytes = grad_bytes = 0
-    numel = unpadded = 0
-    pieces_by_rank: dict[int, list[int]] = {}
+    dist = L.use_distributed_optimizer
+    params = numel = unpadded = 0
     # "max" inspects DP rank 0 and the last rank (only they can own a padded tail); with DP x CP = 1
     # they are the same rank and must be listed once, or its shard would be counted twice.
-    ranks = sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)]
-    all_main = 0
+    ranks = tuple(sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)])
+    owned = [0] * len(ranks)                # elements of the optimizer's shard of each rank in ``ranks``
     for runs, has_embedding, has_output, tied, bsize in sig:
-        buf, pieces_of = _chunk_buffer(L, runs, has_embedding, has_output, tied, bsize, tuple(ranks))
-        params += buf.params
-        numel += buf.numel
-        unpadded += buf.numel_unpadded
-        grad_bytes += buf.numel * g_bytes
-        if L.use_distributed_optimizer:
-            param_bytes += buf.numel * p_bytes
-            for r, piece_list in zip(ranks, pieces_of):
-                pieces_by_rank.setdefault(r, []).extend(piece_list)
-        else:
-            param_bytes += buf.params * p_bytes
-            all_main += buf.params
-    if L.use_distributed_optimizer:
+        n_params, n, n_unpadded, sums = _chunk_totals(L, runs, has_embedding, has_output, tied, bsize, ranks)
+        params += n_params
+        numel += n
+        unpadded += n_unpadded
+        for i, x in enumerate(sums):
+            owned[i] += x
+    if dist:
         # The rank with the most optimizer state is the peak one.
-        main_elems = max(sum(pieces_by_rank.get(r, [])) for r in ranks)
+        main_elems = max(owned)
+        param_elems = numel                 # the padded param buffer
     else:
-        main_elems = all_main
+        main_elems = param_elems = params
     if L.moe is not None:
         # megatron-core's expert DDP buffers (one per chunk) and the one expert DistributedOptimizer over
         # all chunks, sharded over the expert-data-parallel group: the rank of that group standing for
         # the dense DP rank asked for (the same end of the group)
         eshard = L.parallel.shard_size(ShardGroup.EXPERT_DP)
-        eranks = sorted({min(r, eshard - 1) if dp_rank != "last" else eshard - 1 for r in ranks})
-        epieces: dict[int, int] = {}
-        e_main = 0
+        eranks = tuple(sorted({min(r, eshard - 1) if dp_rank != "last" else eshard - 1 for r in ranks}))
+        eowned = [0] * len(eranks)
+        e_params = e_numel = 0
         for runs, has_embedding, has_output, tied, bsize in sig:
             # has_output: the last chunk's MTP layers (MoE like the last decoder layer) add their routed experts
-            buf, pieces_of = _chunk_buffer(L, runs, False, has_output, False, bsize, tuple(eranks), ShardGroup.EXPERT_DP)
-            if not buf.params:
+            n_params, n, n_unpadded, sums = _chunk_totals(L, runs, False, has_output, False, bsize, eranks,
+                                                          ShardGroup.EXPERT_DP)
+            if not n_params:
                 continue
-            params += buf.params
-            numel += buf.numel
-            unpadded += buf.numel_unpadded
-            grad_bytes += buf.numel * g_bytes
-            if L.use_distributed_optimizer:
-                param_bytes += buf.numel * p_bytes
-                for r, piece_list in zip(eranks, pieces_of):
-                    epieces[r] = epieces.get(r, 0) + sum(piece_list)
-            else:
-                param_bytes += buf.params * p_bytes
-                e_main += buf.params
-        main_elems += max(epieces.values()) if epieces else e_main
+            e_params += n_params
+            e_numel += n
+            unpadded += n_unpadded
+            for i, x in enumerate(sums):
+                eowned[i] += x
+        params += e_params
+        numel += e_numel
+        if dist:
+            param_elems += e_numel
+            main_elems += max(eowned) if e_params else 0
+        else:
+            param_elems += e_params
+            main_elems += e_params
+    grad_bytes = numel * g_bytes
+    param_bytes = param_elems * p_bytes
 
     # Master weights: fp32 clones of 16-bit params; fp32 params are their own master weights.
     if L.params_dtype == "fp32":
