@@ -25,10 +25,11 @@ norm to linear_proj's input), the pre-MLP norm and residual stream kept here, an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from itertools import repeat
 
 from ..layout import Layout
+from ..layout.layout import _derived
 from ..partition import MIXER_NONE, MLP_NONE, LayerKind, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
@@ -44,11 +45,12 @@ class LayerActivations:
     fwd_steps: tuple[Step, ...] = ()
     bwd_steps: tuple[Step, ...] = ()
 
-    @cached_property
+    # (_derived: functools.cached_property without its lock; every cold estimate makes these objects anew)
+    @_derived
     def total(self) -> int:
         return sum(self.saved.values())
 
-    @cached_property
+    @_derived
     def moe_total(self) -> int:
         """The MoE half of the saved bytes (its ``moe_*`` items)."""
         return sum(v for k, v in self.saved.items() if k.startswith("moe_"))
@@ -57,12 +59,12 @@ class LayerActivations:
         get = self.saved.get
         return max([w - sum(map(get, names, repeat(0))) for names, w in steps], default=0)
 
-    @cached_property
+    @_derived
     def fwd_transient(self) -> int:
         """Largest extra over the layer's saved bytes during its forward (with later items not yet made)."""
         return self._peak(self.fwd_steps)
 
-    @cached_property
+    @_derived
     def bwd_transient(self) -> int:
         """Largest extra over the layer's saved bytes during its backward (with released items gone)."""
         return self._peak(self.bwd_steps)

@@ -664,9 +664,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     if retained:
         buffers = tuple([t for t in buffers if t.name != "pipeline_inputs_retained"])
     # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
+    has_moe = any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
     moe_rank = L.moe is not None and (
-        any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
-        or (has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE))
+        has_moe or (has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE))
     if device == "gpu":
         fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0,
                                                                             moe_rank)
@@ -682,7 +682,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
              and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
     return _StagePrep(
         parameters=st.parameters, n_layers=n_layers, has_output=has_output,
-        has_moe=any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs]), acts=tuple(acts),
+        has_moe=has_moe, acts=tuple(acts),
         sched=_schedule_bytes(L, acts, receiving), ft=ft,
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
         host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
@@ -775,10 +775,11 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
                  chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
                  host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
                  graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
-    """The stage's terms at the largest of its schedule's peak, finalize_model_grads and the optimizer step."""
-    ft, state_terms, step_terms, buffers = pr.ft, pr.state_terms, pr.step_terms, pr.buffers
+    """The stage's totals at the largest of its schedule's peak, finalize_model_grads and the optimizer step,
+    and its terms there (made when first read: _assemble_terms)."""
     finalize, retained_bytes = pr.finalize, pr.retained_bytes
     held_moe = 0                            # the moe_layer_activations bytes at the peak
+    act_terms: list[Term] | None
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
         act_terms = [*pr.retained, Term("replicated_grad_allreduce", finalize, "transients",
@@ -787,41 +788,12 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
         peak_phase = "finalize_model_grads"
         peak_alloc = base + sum(t.bytes for t in act_terms)
     elif act_peak >= step_bytes + retained_bytes:
-        act_terms = []
-        add = act_terms.append
+        act_terms = None                    # the terms of the parts (_part_terms)
         held_moe = parts.get("moe_layer_activations", 0)
-        for name, v in parts.items():
-            if not v:
-                continue
-            group = _END_GROUPS.get(name) or ("transients" if name.endswith("transient") else "activations")
-            if ft is None and name not in _DETAILED_PARTS:
-                add(Term(name, v, group))
-                continue
-            det = ""
-            if name == "layer_activations":
-                det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
-            elif name == "mtp_block_activations":
-                det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
-                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
-            elif name == "mtp_loss_buffers":
-                det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
-                       "loss; the last depth's logits are in forward_transient")
-            elif name == "offload_staging":
-                host = pr.host_bytes * in_flight
-                det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
-                       f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
-            elif name == "offload_pp_balance_kept":
-                det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
-                       "of whole offload groups kept on the GPU, from the first micro-batch in flight")
-            elif name == "pipeline_inputs_retained":
-                det = "last received input and its gradient of the chunks not started yet or already done"
-            elif ft is not None and name.startswith("fsdp_"):
-                det = fsdp_window_detail(ft, name)
-            add(Term(name, v, group, detail=det))
         peak_phase = phase
         peak_alloc = base + sum(parts.values())    # the terms made of the parts (zeros left out)
     else:
-        act_terms = [*pr.retained, *step_terms, *step_only]
+        act_terms = [*pr.retained, *pr.step_terms, *step_only]
         peak_phase = "optimizer step"
         peak_alloc = base + sum(t.bytes for t in act_terms)
     step_bytes_graphed = pr.step_bytes             # the step terms' bytes
@@ -832,15 +804,12 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
         # already counts them)
         graph_pool.append(Term("optimizer_graph_pool", step_bytes_graphed, "allocator", "reserved",
                                "the optimizer step's temporaries, kept by its CUDA graph's private pool"))
-    terms = [*state_terms, *buffers, *fixed_alloc, *act_terms]
+    frag = None
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)
-        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved", pr.frag_detail))
         peak_reserved = peak_alloc + frag
         if graph_pool:
-            terms += graph_pool
             peak_reserved += sum(t.bytes for t in graph_pool)
-        terms += pr.device_only
         device_total = peak_reserved + pr.device_bytes
     else:
         peak_reserved = device_total = peak_alloc
@@ -849,9 +818,65 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
     if L.moe is not None:
         moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase,
                               moe_in)
+
+    def terms() -> tuple[Term, ...]:
+        return _assemble_terms(L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)
+
     # (positional, in the fields' order: one per stage of every estimate)
     return StageEstimate(pp_rank, chunks, pr.n_layers, pr.parameters, persistent, peak_alloc, peak_reserved,
-                         device_total, peak_phase, in_flight, tuple(terms), moe, host_terms)
+                         device_total, peak_phase, in_flight, terms, moe, host_terms)
+
+
+def _assemble_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: dict[str, int],
+                    act_terms: list[Term] | None, fixed_alloc: tuple[Term, ...] | list[Term], frag: int | None,
+                    graph_pool: tuple[Term, ...] | list[Term]) -> tuple[Term, ...]:
+    """A stage's terms in report order: state, buffers, fixed, those at the peak (``act_terms``, or None: the
+    schedule's parts), then on a GPU (``frag`` not None) the allocator's slack, graph pools and device terms.
+    Made when a reader first asks (StageEstimate.terms): a planner ranking layouts reads the totals only."""
+    terms = [*pr.state_terms, *pr.buffers, *fixed_alloc,
+             *(act_terms if act_terms is not None else _part_terms(L, pp_rank, pr, in_flight, parts))]
+    if frag is not None:
+        terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved", pr.frag_detail))
+        if graph_pool:
+            terms += graph_pool
+        terms += pr.device_only
+    return tuple(terms)
+
+
+def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: dict[str, int]) -> list[Term]:
+    """The terms of the schedule's parts at its peak (zeros left out), with their details."""
+    ft = pr.ft
+    act_terms: list[Term] = []
+    add = act_terms.append
+    for name, v in parts.items():
+        if not v:
+            continue
+        group = _END_GROUPS.get(name) or ("transients" if name.endswith("transient") else "activations")
+        if ft is None and name not in _DETAILED_PARTS:
+            add(Term(name, v, group))
+            continue
+        det = ""
+        if name == "layer_activations":
+            det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+        elif name == "mtp_block_activations":
+            det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
+                   f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
+        elif name == "mtp_loss_buffers":
+            det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
+                   "loss; the last depth's logits are in forward_transient")
+        elif name == "offload_staging":
+            host = pr.host_bytes * in_flight
+            det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                   f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+        elif name == "offload_pp_balance_kept":
+            det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
+                   "of whole offload groups kept on the GPU, from the first micro-batch in flight")
+        elif name == "pipeline_inputs_retained":
+            det = "last received input and its gradient of the chunks not started yet or already done"
+        elif ft is not None and name.startswith("fsdp_"):
+            det = fsdp_window_detail(ft, name)
+        add(Term(name, v, group, detail=det))
+    return act_terms
 
 
 @lru_cache(maxsize=1024)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from ..layout import Chunk, Layout
 
@@ -103,9 +103,10 @@ class StageEstimate:
 
     def __init__(self, pp_rank: int, chunks: tuple[Chunk, ...], num_layers: int, parameters: int,
                  persistent_bytes: int, peak_allocated_bytes: int, peak_reserved_bytes: int, device_total_bytes: int,
-                 peak_phase: str, in_flight: int, terms: tuple[Term, ...], moe: dict[str, Any] | None = None,
-                 host_terms: tuple[Term, ...] = ()) -> None:
-        # one per stage of every estimate: the fields are stored directly (as Term's)
+                 peak_phase: str, in_flight: int, terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
+                 moe: dict[str, Any] | None = None, host_terms: tuple[Term, ...] = ()) -> None:
+        # one per stage of every estimate: the fields are stored directly (as Term's). ``terms``: the terms, or
+        # a function making them (called once, when they are first read)
         d = self.__dict__
         d["pp_rank"] = pp_rank
         d["chunks"] = chunks
@@ -117,9 +118,23 @@ class StageEstimate:
         d["device_total_bytes"] = device_total_bytes
         d["peak_phase"] = peak_phase
         d["in_flight"] = in_flight
-        d["terms"] = terms
+        if callable(terms):
+            # the terms are built at their first read (__getattr__): a planner reads the totals only
+            d["_make_terms"] = terms
+        else:
+            d["terms"] = terms
         d["moe"] = moe
         d["host_terms"] = host_terms
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for an attribute not in the instance dict: the terms not built yet
+        if name == "terms":
+            d = self.__dict__
+            make = d.pop("_make_terms", None)
+            if make is not None:
+                terms = d["terms"] = make()
+                return terms
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def host_bytes(self) -> int:

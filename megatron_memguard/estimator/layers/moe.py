@@ -83,20 +83,21 @@ class MoeParam:
         d["cols"] = cols
 
 
-def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
+def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "", make: Any = MoeParam) -> list[MoeParam]:
     """The MLP half of one MoE layer on one rank, in registration order (MoELayer: router, experts,
     shared experts), after its own pre-MLP norm (a separate TENorm in the TE spec: the router needs
     its output). Routed experts: E/EP local experts with fc1 [g*F/ETP, h] and fc2 [h, F/ETP]
-    (``TEGroupedLinear`` divides by ETP itself); shared experts are split over the attention TP."""
+    (``TEGroupedLinear`` divides by ETP itself); shared experts are split over the attention TP.
+    ``make``: the class of the entries (base.Param takes the same keywords: ``params`` makes those directly)."""
     h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
     F, etp, El = m.moe_ffn_hidden_size, m.etp, m.local_experts
-    ps = [MoeParam(prefix + "pre_mlp_layernorm.weight", h, tp_replicated=True)]
+    ps = [make(prefix + "pre_mlp_layernorm.weight", h, tp_replicated=True)]
     if L.normalization == "LayerNorm":
-        ps.append(MoeParam(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
+        ps.append(make(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
     # Router.reset_parameters marks the weight sequence_parallel: finalize_model_grads all-reduces it over TP
-    ps.append(MoeParam(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True, cols=h))
+    ps.append(make(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True, cols=h))
     if L.add_bias_linear:
-        ps.append(MoeParam(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
+        ps.append(make(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
     fc1, fc2 = g * F // etp, F // etp
     names: list[tuple[str, int, int]] = []
     if m.moe_grouped_gemm:
@@ -114,14 +115,14 @@ def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
             names.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2, fc2))
             if L.add_bias_linear:
                 names.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h, 0))
-    ps += [MoeParam(prefix + n, k, expert=True, cols=c) for n, k, c in names]
+    ps += [make(prefix + n, k, expert=True, cols=c) for n, k, c in names]
     Fs = m.moe_shared_expert_intermediate_size
     if Fs:
         tp = L.tp
-        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h, cols=h))
-        ps.append(MoeParam(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp), cols=Fs // tp))
+        ps.append(make(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h, cols=h))
+        ps.append(make(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp), cols=Fs // tp))
         if m.moe_shared_expert_gate:
-            ps.append(MoeParam(prefix + "mlp.shared_experts.gate_weight", h, tp_replicated=True))
+            ps.append(make(prefix + "mlp.shared_experts.gate_weight", h, tp_replicated=True))
     return ps
 
 
@@ -485,7 +486,7 @@ def params(L: Any, prefix: str = "") -> list:
     """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts);
     routed experts carry ``expert=True`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
     from .base import Param
-    return [Param(p.name, p.numel, p.tp_replicated, False, p.expert, p.cols) for p in moe_mlp_params(L, _spec(L), prefix)]
+    return moe_mlp_params(L, _spec(L), prefix, Param)
 
 
 def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
