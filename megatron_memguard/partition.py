@@ -242,42 +242,34 @@ def layers_per_rank(L: "Layout") -> list[int]:
 def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
     pp, vpp = L.pipeline_model_parallel_size, L.vpp
     tied_copy = (not L.untie_embeddings_and_output_weights) and pp > 1
-    counts: dict[tuple[int, int], int] = {}
+    # layers of each (rank r, virtual stage v) at index v * pp + r: the global layer order (vpp-major: all
+    # ranks' chunk 0, then all ranks' chunk 1, ...), as the layout lists its stages
     if L.pipeline_model_parallel_layout:
         stages = parse_pipeline_layout(L.pipeline_model_parallel_layout, pp)
         vpp = len(stages) // pp
-        for idx, st in enumerate(stages):
-            counts[(idx % pp, idx // pp)] = st.count("t")
+        counts = [st.count("t") for st in stages]
     else:
         per_rank = layers_per_rank(L)
-        for r in range(pp):
-            for v in range(vpp):
-                n = per_rank[r] // vpp
-                if L.account_for_embedding_in_pipeline_split and r == 0 and v == 0:
-                    n -= 1
-                if L.account_for_loss_in_pipeline_split and r == pp - 1 and v == vpp - 1:
-                    n -= 1
-                counts[(r, v)] = n
-    # Global layer order: vpp-major (all ranks' chunk 0, then all ranks' chunk 1, ...).
-    first_layer: dict[tuple[int, int], int] = {}
-    offset = 0
-    for v in range(vpp):
-        for r in range(pp):
-            first_layer[(r, v)] = offset
-            offset += counts[(r, v)]
+        counts = [per_rank[r] // vpp for v in range(vpp) for r in range(pp)]
+        if L.account_for_embedding_in_pipeline_split:
+            counts[0] -= 1
+        if L.account_for_loss_in_pipeline_split:
+            counts[-1] -= 1
+    firsts = [0, *accumulate(counts)]       # each chunk's first layer
     runs = model_kind_runs(L)
     # every layer of one kind (the common case): each chunk's runs without listing the layers
     same = runs[0][0] if len(runs) == 1 else None
     ends = list(accumulate(n for _, n in runs))     # the model runs' ends, for _runs_between
     chunks = []
     add = chunks.append
+    last_i = pp * vpp - 1
     for r in range(pp):
-        for v in range(vpp):
-            n = counts[(r, v)]
-            first = first_layer[(r, v)]
-            last = r == pp - 1 and v == vpp - 1
+        for i in range(r, pp * vpp, pp):
+            n = counts[i]
+            first = firsts[i]
+            last = i == last_i
             # (positional: one Chunk per chunk of every layout; its fields in order)
-            add(Chunk(r, v, first, n, r == 0 and v == 0, last, tied_copy and last, vpp,
+            add(Chunk(r, i // pp, first, n, i == 0, last, tied_copy and last, vpp,
                       (((same, n),) if n > 0 else ()) if same is not None else _runs_between(runs, ends, first, n)))
     return tuple(chunks)
 

@@ -56,3 +56,22 @@ def test_shared_stage_terms_equal_stage_by_stage(name, monkeypatch):
     alone = json.dumps(estimate(L).to_dict(), sort_keys=True)
     core._stage_prep.cache_clear()
     assert shared == alone
+
+
+def test_terms_made_at_first_read_do_not_depend_on_when_they_are_read():
+    """StageEstimate.terms and .moe are made when first read (a planner reads the totals only): read after
+    other estimates have refilled the caches, or after a pickle round trip, they are the ones read at once,
+    and the allocated terms add up to the stage's peak allocated bytes."""
+    import pickle
+    from benchmarks.estimate_speed import _clear_caches
+    L = layout_from_flags(DSV3 + VARIANTS["mtp"], world_size=1024, megatron_version="0.19")
+    late = estimate(L)                       # nothing of it read yet
+    pickled = pickle.dumps(estimate(L))
+    _clear_caches()
+    estimate(layout_from_flags(DSV3 + VARIANTS["full recompute"], world_size=1024, megatron_version="0.19"))
+    now = json.dumps(estimate(L).to_dict(), sort_keys=True)
+    assert json.dumps(late.to_dict(), sort_keys=True) == now
+    assert json.dumps(pickle.loads(pickled).to_dict(), sort_keys=True) == now
+    for s in late.stages:
+        assert sum(t.bytes for t in s.terms if t.level == "allocated") == s.peak_allocated_bytes
+        assert s.moe["worst_case"]["peak_allocated_bytes"] >= s.peak_allocated_bytes

@@ -816,8 +816,9 @@ def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Sit
     persistent = base + retained_bytes + pr.step_bytes
     moe = None
     if L.moe is not None:
-        moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase,
-                              moe_in)
+        def moe() -> dict:
+            return _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total,
+                                   peak_phase, moe_in)
 
     def terms() -> tuple[Term, ...]:
         return _assemble_terms(L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)

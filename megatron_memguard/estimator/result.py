@@ -104,7 +104,8 @@ class StageEstimate:
     def __init__(self, pp_rank: int, chunks: tuple[Chunk, ...], num_layers: int, parameters: int,
                  persistent_bytes: int, peak_allocated_bytes: int, peak_reserved_bytes: int, device_total_bytes: int,
                  peak_phase: str, in_flight: int, terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
-                 moe: dict[str, Any] | None = None, host_terms: tuple[Term, ...] = ()) -> None:
+                 moe: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+                 host_terms: tuple[Term, ...] = ()) -> None:
         # one per stage of every estimate: the fields are stored directly (as Term's). ``terms``: the terms, or
         # a function making them (called once, when they are first read)
         d = self.__dict__
@@ -118,23 +119,22 @@ class StageEstimate:
         d["device_total_bytes"] = device_total_bytes
         d["peak_phase"] = peak_phase
         d["in_flight"] = in_flight
+        # the terms and the MoE figure may come as functions making them, called at their first read
+        # (_MadeAtFirstRead): a planner ranking layouts reads the totals only
         if callable(terms):
-            # the terms are built at their first read (__getattr__): a planner reads the totals only
             d["_make_terms"] = terms
         else:
             d["terms"] = terms
-        d["moe"] = moe
+        if callable(moe):
+            d["_make_moe"] = moe
+        else:
+            d["moe"] = moe
         d["host_terms"] = host_terms
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for an attribute not in the instance dict: the terms not built yet
-        if name == "terms":
-            d = self.__dict__
-            make = d.pop("_make_terms", None)
-            if make is not None:
-                terms = d["terms"] = make()
-                return terms
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def __getstate__(self) -> dict[str, Any]:
+        # pickling / deep copies carry the values, not the functions making them
+        self.terms, self.moe
+        return dict(self.__dict__)
 
     @property
     def host_bytes(self) -> int:
@@ -173,6 +173,29 @@ class StageEstimate:
         if self.moe is not None:
             d["moe"] = dict(self.moe)
         return d
+
+
+class _MadeAtFirstRead:
+    """A StageEstimate field given as a function making it (its ``_make_<name>``): called at the first read,
+    its value then stored in the instance (a non-data descriptor: later reads find it there)."""
+
+    def __init__(self, name: str, default: Any) -> None:
+        self.name, self.make, self.default = name, "_make_" + name, default
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self.default
+        d = obj.__dict__
+        make = d.pop(self.make, None)
+        if make is None:
+            raise AttributeError(self.name)
+        value = d[self.name] = make()
+        return value
+
+
+# (set after the dataclass is made: its fields and their defaults stay as declared)
+StageEstimate.terms = _MadeAtFirstRead("terms", None)  # type: ignore[assignment]
+StageEstimate.moe = _MadeAtFirstRead("moe", None)  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
