@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import Chunk, Layout, ShardGroup, TensorKind
-from .params import chunk_expert_numels, chunk_numels
+from .params import _layer_numels, chunk_expert_numels, chunk_numels
 
 
 @dataclass(frozen=True)
@@ -196,12 +196,22 @@ def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
     the parameter sizes alone (_one_bucket_sums); the others from the buffer's buckets."""
     dist = L.use_distributed_optimizer
     if dist and bucket_size is None:
-        c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
-        plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c)
-        if not plist:
+        expert = group is ShardGroup.EXPERT_DP
+        numels: list[int] | None = None
+        if not has_embedding and not has_output:
+            # layers only (most chunks): their parameter sizes, layer after layer (chunk_numels, without the
+            # (size, shared) pairs: no layer parameter is a shared embedding)
+            numels = []
+            for kind, n in kind_runs:
+                numels += _layer_numels(L, kind, expert) * n
+        else:
+            c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
+            plist = chunk_expert_numels(L, c) if expert else chunk_numels(L, c)
+            if not any([shared for _, shared in plist]):
+                numels = [n for n, _ in plist]
+        if numels is not None and not numels:
             return 0, 0, 0, (0,) * len(ranks)
-        if not any([shared for _, shared in plist]):
-            numels = [n for n, _ in plist]
+        if numels is not None:
             shard = L.parallel.shard_size(group)
             divisor = math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
             padded, sums = _one_bucket_sums(numels, divisor, shard, ranks)
