@@ -203,7 +203,19 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         else:
             b.set("tokenizer_type", "NeMoTokenizer", "tokenizer")
             b.origin["vocab_size"] = "tokenizer"
+    _grad_reduce_dtype(b)
     return b.build()
+
+
+def _grad_reduce_dtype(b: ArgsBuilder) -> None:
+    """``grad_reduce_in_fp32: false`` reduces in the parameter dtype (megatron-core
+    distributed_data_parallel.py: ``torch.float if grad_reduce_in_fp32 else param.dtype``, 0.16.1 and
+    0.19.2). Read before the dtype is known it stands as --grad-reduce-in-bf16; on an fp16 / fp32 job it
+    is the absence of fp32 accumulation, not a bf16 reduction."""
+    if b.args.get("grad_reduce_in_bf16") and not as_bool(b.args.get("bf16", False)):
+        key = b.origin.pop("grad_reduce_in_bf16", "grad_reduce_in_fp32")
+        b.args.pop("grad_reduce_in_bf16")
+        b.set("accumulate_allreduce_grads_in_fp32", False, key)
 
 
 def _ddp(b: ArgsBuilder, ddp: Mapping, key: str) -> None:
