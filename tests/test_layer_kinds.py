@@ -124,3 +124,19 @@ def test_attention_backend_local_needs_spec_local_in_core_0_19():
         layout_from_flags(base, world_size=1, megatron_version="0.19.2")
     with pytest.raises(NotModelledError, match="--spec"):
         layout_from_flags(base + ["--spec", "local"], world_size=1, megatron_version="0.19.2")
+
+
+def test_bridge_attention_backend_local_is_megatrons_attention_in_core_0_19(tmp_path):
+    """Megatron-Bridge's GPT provider swaps the core attention for megatron-core's DotProductAttention under
+    ``attention_backend: local`` (as core 0.19.2 megatron/training/models/gpt.py does) and no validate_args
+    runs: the config is estimated with core 0.19, as the local attention (the [s, s] bool causal mask,
+    1024 x 1024 bytes, with torch's softmax), not refused for a missing --spec."""
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    from test_readers_bridge import FLAT
+    text = FLAT.replace("  bf16: true\n", "  bf16: true\n  attention_backend: local\n  masked_softmax_fusion: false\n", 1)
+    p = tmp_path / "run_config.yaml"
+    p.write_text(text)
+    L = resolve(read_config_file(str(p)), world_size=8, megatron_version="0.19.2")
+    assert L.attention_backend == "local" and attention.attention_kind(L) == "local_unfused"
+    assert layer_activations(L, False, ATTN).saved["causal_mask"] == 1024 * 1024
