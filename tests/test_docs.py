@@ -258,3 +258,24 @@ def test_oom_forensics_example(tmp_path):
     needed = re.search(r"the run needed at least [\d.]+ GiB allocated: the prediction was low by at least [-+\d.]+%",
                        " ".join(block)).group(0)
     assert needed in _doc("README.md")
+
+
+def test_readme_recipe_names_estimate_or_are_refused_as_it_says(capsys):
+    # README "--model NAME": each Megatron-Bridge recipe it names gives an estimate on the recipe's own GPU count,
+    # except those it says are refused by name (HybridEP), which exit 2 naming the dispatcher backend
+    from megatron_memguard.cli.main import main
+    from megatron_memguard.readers.models import recipe_gpus
+    text = _doc("README.md")
+    listed = re.search(r"a Megatron-Bridge recipe name \((.*?)\) gives the whole recipe", text).group(1)
+    names = re.findall(r"`(\w+)`", listed)
+    refused = re.findall(r"`(\w+)`", re.search(r"; (`qwen3_30b_a3b`.*?) are read but refused by name", text).group(1))
+    assert "llama3_8b" in names and "deepseek_v3" in refused and set(refused) <= set(names)
+    from megatron_memguard.readers.models import presets
+    key_of = {fn: key for key, r in presets()["recipes"].items() for fn in r["functions"]}
+    for name in names:
+        code = main(["estimate", "--model", name, "--gpus", str(recipe_gpus(key_of.get(name, name)) or 16), "--json"])
+        out = capsys.readouterr()
+        if name in refused:
+            assert code == 2 and "moe_flex_dispatcher_backend" in out.err and "hybridep" in out.err, (name, out.err)
+        else:
+            assert code in (0, 1) and out.out.startswith("{"), (name, out.err)
