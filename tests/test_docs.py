@@ -279,3 +279,14 @@ def test_readme_recipe_names_estimate_or_are_refused_as_it_says(capsys):
             assert code == 2 and "moe_flex_dispatcher_backend" in out.err and "hybridep" in out.err, (name, out.err)
         else:
             assert code in (0, 1) and out.out.startswith("{"), (name, out.err)
+
+
+def test_calibrate_pages_profile_example_loads(tmp_path):
+    # docs/calibrate.md "The profile file": the example as written is a profile this memguard reads (a profile from a
+    # newer memguard is refused, so the example carries a version number no newer than this one), with its two constants
+    from megatron_memguard.site_profile import load_site_profile
+    block = next(b for b in _blocks("docs", "calibrate.md") if any(line.startswith("schema: memguard.site/") for line in b))
+    path = tmp_path / "site.yaml"
+    path.write_text("\n".join(block) + "\n")
+    prof = load_site_profile(str(path))
+    assert prof.constants.changed() == {"allocator_fragmentation": 0.071, "cuda_context": 522 * 2**20}
