@@ -13,9 +13,10 @@ layer from the recipes of its kind (``megatron_memguard.estimator.layers``).
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import groupby
+from itertools import accumulate, groupby
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
@@ -70,10 +71,17 @@ class Chunk:
     def __init__(self, pp_rank: int, vpp_rank: int, first_layer: int, num_layers: int, has_embedding: bool,
                  has_output: bool, has_tied_output_copy: bool, vpp_size: int = 1,
                  kind_runs: tuple[tuple[LayerKind, int], ...] = ()) -> None:
-        # one per chunk of every layout (and per chunk shape of a cold estimate): stored at once (as Term's)
-        self.__dict__.update(pp_rank=pp_rank, vpp_rank=vpp_rank, first_layer=first_layer, num_layers=num_layers,
-                             has_embedding=has_embedding, has_output=has_output,
-                             has_tied_output_copy=has_tied_output_copy, vpp_size=vpp_size, kind_runs=kind_runs)
+        # one per chunk of every layout (and per chunk shape of a cold estimate): stored directly (as Term's)
+        d = self.__dict__
+        d["pp_rank"] = pp_rank
+        d["vpp_rank"] = vpp_rank
+        d["first_layer"] = first_layer
+        d["num_layers"] = num_layers
+        d["has_embedding"] = has_embedding
+        d["has_output"] = has_output
+        d["has_tied_output_copy"] = has_tied_output_copy
+        d["vpp_size"] = vpp_size
+        d["kind_runs"] = kind_runs
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -128,17 +136,22 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
         made: dict[str, LayerKind] = {}
         kinds = tuple(made.setdefault(w, LayerKind(*w.split("/"))) for w in het.split(","))
         return kind_runs(kinds)
+    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
+    # modules quantize, so the local spec runs FP8 flags in BF16
+    spec = L.fp8_spec
+    if not (spec.enabled and L.transformer_impl == "transformer_engine"):
+        # every layer in BF16 / FP16: one kind per MLP, in runs of the --moe-layer-freq pattern
+        if moe is None:
+            return ((LayerKind(mixer, MLP_DENSE, None), L.num_layers),) if L.num_layers else ()
+        dense, sparse = LayerKind(mixer, MLP_DENSE, None), LayerKind(mixer, MLP_MOE, None)
+        return tuple((sparse if is_moe else dense, len(list(g))) for is_moe, g in groupby(moe.moe_layer_pattern))
     if moe is None:
         mlps = (MLP_DENSE,) * L.num_layers
     else:                                         # --moe-layer-freq: the MoE layers of the global pattern
         mlps = tuple(MLP_MOE if is_moe else MLP_DENSE for is_moe in moe.moe_layer_pattern)
     if not mlps:
         return ()
-    # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
-    # modules quantize, so the local spec runs FP8 flags in BF16
-    spec = L.fp8_spec
-    quant = (tuple(spec.recipe if spec.layer_quantized(i, L.num_layers) else None for i in range(L.num_layers))
-             if spec.enabled and L.transformer_impl == "transformer_engine" else (None,) * L.num_layers)
+    quant = tuple(spec.recipe if spec.layer_quantized(i, L.num_layers) else None for i in range(L.num_layers))
     pairs = tuple(zip(mlps, quant))
     if pairs.count(pairs[0]) == len(pairs):
         return ((LayerKind(mixer, mlps[0], quant[0]), len(pairs)),)
@@ -163,16 +176,14 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
     bad = next((ch for ch in text if ch not in _LAYOUT_CHARS), None)
     if bad is not None:    # before the expansion: a hostile text must not reach its regular expressions
         raise ConfigError(key, f"unknown layer character {bad!r}; use E, t, L, m, | and (..)*n")
-    # a group holds no parenthesis: each match attempt stops at the next one (linear in the text's length)
-    s = _repeat(_repeat(text.replace(",", ""), r"\(([^()]+)\)\*(\d+)", key), r"(.)\*(\d+)", key)
+    s = _repeat(_repeat(text.replace(",", ""), _GROUP_REPEAT, key), _CHAR_REPEAT, key)
+    if not _STAGE_CHARS.issuperset(s):       # a character left after the expansion ('(', ')', '*', a digit)
+        ch = next(ch for ch in s if ch not in _STAGE_CHARS)
+        raise ConfigError(key, f"unknown layer character {ch!r}; use E, t, L, m, | and (..)*n")
     stages = [list(stage) for stage in s.split("|")]
-    for stage in stages:
-        for ch in stage:
-            if ch not in "ELtm":
-                raise ConfigError(key, f"unknown layer character {ch!r}; use E, t, L, m, | and (..)*n")
     if len(stages) % pp:
         raise ConfigError(key, f"has {len(stages)} stages, which is not a multiple of --pipeline-model-parallel-size {pp}")
-    flat = [c for st in stages for c in st]
+    flat = s.replace("|", "")
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
     if "m" in flat and "m" in "".join("".join(st) for st in stages[:-1]):
@@ -186,9 +197,13 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
 # Longest layout memguard expands: 10 x its bound on --num-layers (numbers.py), with room for E, L and '|'.
 MAX_LAYOUT = 100_000
 _LAYOUT_CHARS = frozenset("ELtm|()*0123456789,")
+_STAGE_CHARS = frozenset("ELtm|")
+# a group holds no parenthesis: each match attempt stops at the next one (linear in the text's length)
+_GROUP_REPEAT = re.compile(r"\(([^()]+)\)\*(\d+)")
+_CHAR_REPEAT = re.compile(r"(.)\*(\d+)")
 
 
-def _repeat(text: str, pattern: str, key: str) -> str:
+def _repeat(text: str, pattern: re.Pattern, key: str) -> str:
     """``text`` with every ``x*n`` of ``pattern`` written out, refusing a result longer than MAX_LAYOUT."""
     total = len(text)
 
@@ -200,7 +215,7 @@ def _repeat(text: str, pattern: str, key: str) -> str:
             raise ConfigError(key, f"expands to more than {MAX_LAYOUT:,} entries (memguard's bound on --num-layers is 10,000)")
         return m.group(1) * n
 
-    return re.sub(pattern, rep, text)
+    return pattern.sub(rep, text)
 
 
 def layers_per_rank(L: "Layout") -> list[int]:
@@ -253,15 +268,40 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
     runs = model_kind_runs(L)
     # every layer of one kind (the common case): each chunk's runs without listing the layers
     same = runs[0][0] if len(runs) == 1 else None
-    kinds = kinds_from_runs(runs) if same is None else ()
+    ends = list(accumulate(n for _, n in runs))     # the model runs' ends, for _runs_between
     chunks = []
+    add = chunks.append
     for r in range(pp):
         for v in range(vpp):
-            chunks.append(Chunk(
-                pp_rank=r, vpp_rank=v, first_layer=first_layer[(r, v)], num_layers=counts[(r, v)],
-                has_embedding=(r == 0 and v == 0), has_output=(r == pp - 1 and v == vpp - 1),
-                has_tied_output_copy=tied_copy and r == pp - 1 and v == vpp - 1, vpp_size=vpp,
-                kind_runs=(((same, counts[(r, v)]),) if counts[(r, v)] > 0 else ()) if same is not None
-                else kind_runs(kinds[first_layer[(r, v)]:first_layer[(r, v)] + counts[(r, v)]]),
-            ))
+            n = counts[(r, v)]
+            first = first_layer[(r, v)]
+            last = r == pp - 1 and v == vpp - 1
+            # (positional: one Chunk per chunk of every layout; its fields in order)
+            add(Chunk(r, v, first, n, r == 0 and v == 0, last, tied_copy and last, vpp,
+                      (((same, n),) if n > 0 else ()) if same is not None else _runs_between(runs, ends, first, n)))
     return tuple(chunks)
+
+
+def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int,
+                  n: int) -> tuple[tuple[LayerKind, int], ...]:
+    """The (kind, count) runs of the model's layers first .. first + n - 1, from the model's runs (``ends``:
+    where each run ends) without listing the layers: the parts of the runs the interval overlaps, equal
+    neighbours merged (as kind_runs makes them)."""
+    if n <= 0:
+        return ()
+    stop = first + n
+    i = bisect_right(ends, first)                 # the run holding layer ``first``
+    if stop <= ends[i]:                           # inside one run (most chunks)
+        return ((runs[i][0], n),)
+    out: list[list] = []
+    start = ends[i - 1] if i else 0
+    for (kind, _), end in zip(runs[i:], ends[i:]):
+        k = (end if end < stop else stop) - (start if start > first else first)
+        if out and out[-1][0] == kind:
+            out[-1][1] += k
+        else:
+            out.append([kind, k])
+        if end >= stop:
+            break
+        start = end
+    return tuple((k, c) for k, c in out)

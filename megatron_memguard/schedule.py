@@ -277,10 +277,55 @@ def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[i
     return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp, combined)
 
 
+def uniform_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, size: int, fwd_extra: int,
+                 bwd_extra: int) -> tuple[int, Probe, int] | None:
+    """first_peak(peak_probes(...)) in closed form for a rank whose chunks all keep ``size`` > 0 bytes per
+    micro-batch and have the same transients (the middle ranks of a deep pipeline), in the interleaved
+    (not combined) schedule; None when it does not apply.
+
+    Whatever the table's order, a steady pair (the forward of position k + W, then the backward of
+    position k, W = warm-up) sees W + 1 micro-batches held, the warm-up forwards and the cool-down backwards
+    at most W: with equal bytes per micro-batch the value is largest, and first so, at the first steady
+    pair, its forward or (a larger transient) its backward; without a steady state, at the last warm-up
+    forward or the first cool-down backward, with every micro-batch held."""
+    if size <= 0:
+        return None
+    total = m * vpp
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    top = fwd_extra if fwd_extra >= bwd_extra else bwd_extra
+    P = vpp * group
+    full = (m // group) * P
+    if total > warm:
+        best = (warm + 1) * size + top
+        held = _counts(warm + 1, vpp, m, group)
+        # the chunk of forward-table position W (as _runs finds it)
+        cf = (warm % P) // group if warm < full else (warm - full) // (m - (m // group) * group)
+        nth = held[cf]
+        in_flight = warm + 1
+    else:
+        best = total * size + top
+        held = [m] * vpp
+        x = total - 1                       # the last warm-up forward's position
+        cf = (x % P) // group if x < full else (x - full) // (m - (m // group) * group)
+        nth = m
+        in_flight = warm
+    if best <= -1:
+        return None
+    if fwd_extra >= bwd_extra:
+        return best, (True, cf, tuple(held), nth), in_flight
+    return best, (False, vpp - 1, tuple(held), 1), in_flight
+
+
 def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
                   bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
-    """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). The probes
-    are kept per rank (a planner's layouts share them) up to PROBE_MAX_VPP virtual stages."""
+    """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). Chunks of equal
+    bytes take uniform_peak's closed form; otherwise the probes are kept per rank (a planner's layouts share
+    them) up to PROBE_MAX_VPP virtual stages."""
+    if (not combined and sizes.count(sizes[0]) == vpp and fwd_extra.count(fwd_extra[0]) == vpp
+            and bwd_extra.count(bwd_extra[0]) == vpp):
+        got = uniform_peak(pp, vpp, m, group, pp_rank, sizes[0], fwd_extra[0], bwd_extra[0])
+        if got is not None:
+            return got
     if vpp <= PROBE_MAX_VPP:
         probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank, combined)
         best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)

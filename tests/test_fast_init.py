@@ -1,5 +1,5 @@
-"""Term, Param, MoeParam, StageEstimate and the estimator's per-stage records (StageStates, ChunkActivations,
-_StageShape, _StagePrep) and Chunk store their fields with a hand-written __init__ (speed, issue 16): its parameters must
+"""Term, Param, MoeParam, StageEstimate, Estimate and the estimator's per-stage records (StageStates, Bucket,
+ChunkBuffer, ChunkActivations, _StageShape, _StagePrep) and Chunk store their fields with a hand-written __init__ (speed, issue 16): its parameters must
 stay the dataclass's fields, in order, with the same defaults."""
 import dataclasses
 import inspect
@@ -9,12 +9,12 @@ import pytest
 from megatron_memguard.estimator.layers.base import Param
 from megatron_memguard.estimator.layers.moe import MoeParam
 from megatron_memguard.estimator.core import ChunkActivations, _StagePrep, _StageShape
-from megatron_memguard.estimator.result import StageEstimate, Term
-from megatron_memguard.estimator.states import StageStates
+from megatron_memguard.estimator.result import Estimate, StageEstimate, Term
+from megatron_memguard.estimator.states import Bucket, ChunkBuffer, StageStates
 from megatron_memguard.partition import Chunk
 
 
-@pytest.mark.parametrize("cls", [Term, Param, MoeParam, StageEstimate, StageStates, ChunkActivations, _StageShape,
+@pytest.mark.parametrize("cls", [Term, Param, MoeParam, StageEstimate, Estimate, StageStates, Bucket, ChunkBuffer, ChunkActivations, _StageShape,
                                  _StagePrep, Chunk])
 def test_init_takes_the_fields_in_order_with_their_defaults(cls):
     fields = dataclasses.fields(cls)

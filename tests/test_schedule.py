@@ -13,7 +13,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import first_peak, peak_probes, peak_walk, schedule_peak
+from megatron_memguard.schedule import first_peak, peak_probes, peak_walk, schedule_peak, uniform_peak
 from schedule_reference import megatron_passes
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -154,3 +154,21 @@ def test_peak_in_the_last_partial_group_names_its_micro_batch():
              "--tokenizer-type NullTokenizer --vocab-size 32000 --bf16 --use-distributed-optimizer").split()
     stage = estimate(layout_from_flags(flags, world_size=2)).stages[1]
     assert stage.peak_phase == "forward of micro-batch 22, chunk 1 (5 held)"
+
+
+def test_uniform_chunks_closed_form():
+    """Ranks whose chunks keep equal bytes (the middle of a deep pipeline) take schedule.uniform_peak's closed
+    form: the first steady pair holds warm-up + 1 micro-batches, more than any other pass (or, with no steady
+    state, every micro-batch at the last warm-up forward / first cool-down backward). Against the replay for
+    every rank of PP 2-6, VPP 2-4, m 1-19, G 1-7, with the forward or the backward transient larger, or equal."""
+    for pp, vpp, m, group in itertools.product(range(2, 7), range(2, 5), range(1, 20), range(1, 8)):
+        for rank in range(pp):
+            for size, f, top, bottom in ((1, 0, 0, 0), (2, 3, 1, 0), (3, 1, 4, 2), (1, 0, 0, 9), (5, 2, 2, 7)):
+                b = ([size] * vpp, [f] * vpp, [top] * vpp, [bottom] * vpp)
+                bwd = max(top, bottom - size)
+                assert uniform_peak(pp, vpp, m, group, rank, size, f, bwd) is not None
+                check(pp, vpp, m, group, rank, b)
+    # DeepSeek-V3's middle ranks by hand: rank 7 of PP16 VPP2, G 16, 128 micro-batches, 1 byte each: the
+    # warm-up is 2 x 8 + 16 = 32 forwards (positions 0-31: 16 on chunk 0, 16 on chunk 1), the first steady
+    # forward is position 32 (chunk 0, its 17th micro-batch): 17 + 16 = 33 held
+    assert uniform_peak(16, 2, 128, 16, 7, 1, 0, 0) == (33, (True, 0, (17, 16), 17), 33)

@@ -72,7 +72,9 @@ class LayerActivations:
 def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | None = None) -> LayerActivations:
     """One layer of ``kind`` (default: the model's uniform kind), one micro-batch, no full recompute
     (applied per block by the caller)."""
-    kind = uniform_kind(L) if kind is None else kind
+    if kind is None:
+        # one entry per kind: the default kind's is the one a chunk of that kind asks for
+        return layer_activations(L, has_batch_mask, uniform_kind(L))
     if not has_batch_mask and not mixer_recipe(kind).reads_batch_mask(L):
         # the mixer makes the same tensors whether the batch carries a mask or not: one entry serves both
         return layer_activations(L, True, kind)

@@ -68,11 +68,20 @@ class ChunkActivations:
     def __init__(self, layers: int, layers_detail: str, ends: dict[str, int], fwd_extra: int, bwd_top_extra: int,
                  bwd_bottom_extra: int, moe_layers: int = 0, offload_staging: int = 0, host_bytes: int = 0,
                  offload_groups: tuple[int, ...] = (), out_bwd_transient: int = 0, out_wgrad_moment: int = 0) -> None:
-        # made per chunk shape of every cold estimate: the fields are stored at once (as Term's)
-        self.__dict__.update(layers=layers, layers_detail=layers_detail, ends=ends, fwd_extra=fwd_extra,
-                             bwd_top_extra=bwd_top_extra, bwd_bottom_extra=bwd_bottom_extra, moe_layers=moe_layers,
-                             offload_staging=offload_staging, host_bytes=host_bytes, offload_groups=offload_groups,
-                             out_bwd_transient=out_bwd_transient, out_wgrad_moment=out_wgrad_moment)
+        # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["layers"] = layers
+        d["layers_detail"] = layers_detail
+        d["ends"] = ends
+        d["fwd_extra"] = fwd_extra
+        d["bwd_top_extra"] = bwd_top_extra
+        d["bwd_bottom_extra"] = bwd_bottom_extra
+        d["moe_layers"] = moe_layers
+        d["offload_staging"] = offload_staging
+        d["host_bytes"] = host_bytes
+        d["offload_groups"] = offload_groups
+        d["out_bwd_transient"] = out_bwd_transient
+        d["out_wgrad_moment"] = out_wgrad_moment
 
     @property
     def held(self) -> int:
@@ -299,9 +308,10 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
             n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
         terms = _moe_buffers(L, terms, n_moe)
-    mixer = uniform_kind(L).mixer
+    uniform = uniform_kind(L)
+    mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
-    rotary = mixer_recipe(uniform_kind(L)).rotary_cache(L, layers)
+    rotary = mixer_recipe(uniform).rotary_cache(L, layers)
     if rotary:
         terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(terms)
@@ -380,18 +390,29 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     else:                                   # its own micro-batch already released
         where, extra = "end of backward", acts[ci].bwd_bottom_extra
         held[ci] -= 1
-    phase = f"{where} of micro-batch {nth}, chunk {ci} ({sum(held)} held)"
-    moe = layers = 0
-    for h, a in zip(held, acts):
-        moe += h * a.moe_layers
-        layers += h * a.layers
-    parts: dict[str, int] = {"layer_activations": layers - moe}
-    if moe:
-        parts["moe_layer_activations"] = moe
-    for h, a in zip(held, acts):
-        if h:
+    n = sum(held)
+    phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
+    a = acts[0]
+    if acts.count(a) == len(acts):          # chunks alike (the middle of a pipeline): n micro-batches of one
+        moe, layers = n * a.moe_layers, n * a.layers
+        parts: dict[str, int] = {"layer_activations": layers - moe}
+        if moe:
+            parts["moe_layer_activations"] = moe
+        if n:
             for k, v in a.ends.items():
-                parts[k] = parts.get(k, 0) + h * v
+                parts[k] = n * v
+    else:
+        moe = layers = 0
+        for h, a in zip(held, acts):
+            moe += h * a.moe_layers
+            layers += h * a.layers
+        parts = {"layer_activations": layers - moe}
+        if moe:
+            parts["moe_layer_activations"] = moe
+        for h, a in zip(held, acts):
+            if h:
+                for k, v in a.ends.items():
+                    parts[k] = parts.get(k, 0) + h * v
     parts["forward_transient" if fwd else "backward_transient"] = extra
     if retained:
         parts["pipeline_inputs_retained"] = retained
@@ -500,7 +521,9 @@ class _StageShape:
     pp_rank: int = field(compare=False)
 
     def __init__(self, key: tuple, pp_rank: int) -> None:
-        self.__dict__.update(key=key, pp_rank=pp_rank)   # one per stage of every cold estimate
+        d = self.__dict__   # one per stage of every cold estimate
+        d["key"] = key
+        d["pp_rank"] = pp_rank
 
     def __hash__(self) -> int:
         # the key nests every chunk's layer kinds; hashed once, it keys _stage_prep on every stage
@@ -513,17 +536,17 @@ class _StageShape:
 
 @lru_cache(maxsize=256)
 def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
-    return tuple(_stage_shape(L, r, L.stage_chunks(r)) for r in range(L.pp))
-
-
-def _stage_shape(L: Layout, pp_rank: int, chunks: tuple[Chunk, ...]) -> _StageShape:
-    """The middle stages of a deep pipeline share their chunk shapes, hence their states, buffers and
-    fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon look at
-    the chunks' positions, so they are keyed by rank."""
+    """Each stage's shape. The middle stages of a deep pipeline share their chunk shapes, hence their states,
+    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon
+    look at the chunks' positions, so they are keyed by rank."""
     if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
-        return _StageShape((pp_rank,), pp_rank)
-    return _StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                                 bucket_size_for(L, c)) for c in chunks]), pp_rank == 0, pp_rank == L.pp - 1), pp_rank)
+        return tuple([_StageShape((r,), r) for r in range(L.pp)])
+    by_stage, last = L._chunks_by_stage, L.pp - 1
+    # bucket_size_for: None but for the first chunk of rank 0 with --overlap-grad-reduce
+    first_bucket = bucket_size_for(L, by_stage[0][0]) if L.pp and by_stage.get(0) else None
+    return tuple([_StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
+                                        first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
+                               r == 0, r == last), r) for r in range(L.pp)])
 
 
 @dataclass(frozen=True)
@@ -554,20 +577,41 @@ class _StagePrep:
     step_bytes: int
     finalize: int
     retained_bytes: int
+    plain: bool                # none of the features whose terms follow the peak (FSDP, offloading, CUDA graphs, Muon)
 
     def __init__(self, parameters: int, n_layers: int, has_output: bool, has_moe: bool,
                  acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object, state_terms: tuple[Term, ...],
                  step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
                  retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
                  device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
-                 step_bytes: int, finalize: int, retained_bytes: int) -> None:
-        # one per stage shape of every cold estimate: the fields are stored at once (as Term's)
-        self.__dict__.update(
-            parameters=parameters, n_layers=n_layers, has_output=has_output, has_moe=has_moe, acts=acts, sched=sched,
-            ft=ft, state_terms=state_terms, step_terms=step_terms, host_terms=host_terms, host_bytes=host_bytes,
-            buffers=buffers, retained=retained, staging=staging, deferred=deferred, fixed_alloc=fixed_alloc,
-            device_only=device_only, device_bytes=device_bytes, frag_detail=frag_detail, layers_detail=layers_detail,
-            base=base, step_bytes=step_bytes, finalize=finalize, retained_bytes=retained_bytes)
+                 step_bytes: int, finalize: int, retained_bytes: int, plain: bool) -> None:
+        # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["parameters"] = parameters
+        d["n_layers"] = n_layers
+        d["has_output"] = has_output
+        d["has_moe"] = has_moe
+        d["acts"] = acts
+        d["sched"] = sched
+        d["ft"] = ft
+        d["state_terms"] = state_terms
+        d["step_terms"] = step_terms
+        d["host_terms"] = host_terms
+        d["host_bytes"] = host_bytes
+        d["buffers"] = buffers
+        d["retained"] = retained
+        d["staging"] = staging
+        d["deferred"] = deferred
+        d["fixed_alloc"] = fixed_alloc
+        d["device_only"] = device_only
+        d["device_bytes"] = device_bytes
+        d["frag_detail"] = frag_detail
+        d["layers_detail"] = layers_detail
+        d["base"] = base
+        d["step_bytes"] = step_bytes
+        d["finalize"] = finalize
+        d["retained_bytes"] = retained_bytes
+        d["plain"] = plain
 
 
 @lru_cache(maxsize=1024)
@@ -576,9 +620,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     pp_rank = shape.pp_rank
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
-    n_layers = sum(c.num_layers for c in chunks)
-    has_output = any(c.has_output for c in chunks)
-    acts = [chunk_activations(L, c) for c in chunks]
+    # (list comprehensions, not generators: a stage has a few chunks)
+    n_layers = sum([c.num_layers for c in chunks])
+    has_output = any([c.has_output for c in chunks])
+    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output) for c in chunks]
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
@@ -611,55 +656,65 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
         host_terms = ot.host_terms
     stage_runs = tuple([c.kind_runs for c in chunks])
-    buffers = persistent_buffers(L, pp_rank, stage_runs)
+    receiving = [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]
+    buffers = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)   # persistent_buffers
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
-    retained = tuple(t for t in buffers if t.name == "pipeline_inputs_retained")
-    buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
-    has_moe = any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs) or (
-        has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE)
-    fixed = stage_fixed_terms(L, _fixed_terms(L, gpu_name, site), has_moe) if device == "gpu" else ()
-    fixed_alloc = [t for t in fixed if t.level == "allocated"]
+    retained = tuple([t for t in buffers if t.name == "pipeline_inputs_retained"])
+    if retained:
+        buffers = tuple([t for t in buffers if t.name != "pipeline_inputs_retained"])
+    # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
+    moe_rank = L.moe is not None and (
+        any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
+        or (has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE))
     if device == "gpu":
-        p2p, count = p2p_in_flight_bytes(L)
-        if p2p:
-            fixed_alloc = fixed_alloc + [Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
-                                              f"{count} pipeline send/receive buffers held by NCCL work objects")]
-        # (weight gradients, real or placeholder, exist only for parameters that require grad)
-        dummies = dummy_wgrad_bytes(L, has_output, n_layers > 0) if not L.freeze_all_layers else 0
-        if dummies:
-            n = len(dummy_wgrad_shapes(L, has_output, n_layers > 0))
-            fixed_alloc = fixed_alloc + [Term("dummy_wgrads", dummies, "transients", "allocated",
-                                              f"{n} placeholder weight gradients, one per weight shape, cached by "
-                                              "Transformer Engine under gradient-accumulation fusion")]
-    base = sum(t.bytes for t in state_terms) + sum(t.bytes for t in buffers) + sum(t.bytes for t in fixed_alloc)
+        fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0,
+                                                                            moe_rank)
+    else:
+        fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
+    base = sum([t.bytes for t in state_terms]) + sum([t.bytes for t in buffers]) + fixed_bytes
+    host_bytes = max([a.host_bytes for a in acts])
+    staging = max([a.offload_staging for a in acts])
+    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
+    plain = (ft is None and not host_bytes and not staging and not deferred
+             and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
+             and not (device == "gpu" and (L.cuda_graph_impl != "none" or L.optimizer_cuda_graph))
+             and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
     return _StagePrep(
         parameters=st.parameters, n_layers=n_layers, has_output=has_output,
-        has_moe=any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs), acts=tuple(acts),
-        sched=_schedule_bytes(L, acts, [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]), ft=ft,
+        has_moe=any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs]), acts=tuple(acts),
+        sched=_schedule_bytes(L, acts, receiving), ft=ft,
         state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
-        host_bytes=max(a.host_bytes for a in acts), buffers=tuple(buffers), retained=retained,
-        staging=max(a.offload_staging for a in acts),
-        deferred=deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0,
-        fixed_alloc=tuple(fixed_alloc),
-        device_only=tuple(t for t in fixed if t.level == "device"),
-        device_bytes=sum(t.bytes for t in fixed if t.level == "device"),
+        host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
+        deferred=deferred,
+        fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
         frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail="; ".join(a.layers_detail for a in acts),
+        layers_detail="; ".join([a.layers_detail for a in acts]),
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-        step_bytes=sum(t.bytes for t in step_terms),
+        step_bytes=sum([t.bytes for t in step_terms]),
         finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
-        retained_bytes=sum(t.bytes for t in retained))
+        retained_bytes=sum([t.bytes for t in retained]))
 
 
 def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                    dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
-    chunks = L.stage_chunks(pp_rank)
     pr = _stage_prep(L, _stage_shapes(L)[pp_rank], device, gpu_name, dp_rank, site)
+    return _stage_estimate(L, pp_rank, pr, device, site)
+
+
+def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
+                    moe_in: tuple | None = None) -> StageEstimate:
+    """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there.
+    ``moe_in``: _moe_worst_inputs (looked up here when not given)."""
+    chunks = L.stage_chunks(pp_rank)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
+    if pr.plain:
+        # none of the features below: the stage's terms are the state's, the buffers' and those at the peak
+        return _stage_terms(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts,
+                            pr.host_terms, pr.base, pr.fixed_alloc, (), (), pr.step_bytes)
     if ft is not None:
         parts = split_fsdp_transients(parts, ft)
     host_terms = pr.host_terms
@@ -712,6 +767,16 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
+    return _stage_terms(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
+                        base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
+                 chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
+                 host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
+                 graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
+    """The stage's terms at the largest of its schedule's peak, finalize_model_grads and the optimizer step."""
+    ft, state_terms, step_terms, buffers = pr.ft, pr.state_terms, pr.step_terms, pr.buffers
     finalize, retained_bytes = pr.finalize, pr.retained_bytes
     held_moe = 0                            # the moe_layer_activations bytes at the peak
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
@@ -720,6 +785,7 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                                      detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
                                             "MLA down projections) all-reduced over TP by finalize_model_grads")]
         peak_phase = "finalize_model_grads"
+        peak_alloc = base + sum(t.bytes for t in act_terms)
     elif act_peak >= step_bytes + retained_bytes:
         act_terms = []
         add = act_terms.append
@@ -753,11 +819,12 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
                 det = fsdp_window_detail(ft, name)
             add(Term(name, v, group, detail=det))
         peak_phase = phase
+        peak_alloc = base + sum(parts.values())    # the terms made of the parts (zeros left out)
     else:
         act_terms = [*pr.retained, *step_terms, *step_only]
         peak_phase = "optimizer step"
-    peak_alloc = base + sum(t.bytes for t in act_terms)
-    step_bytes_graphed = sum(t.bytes for t in step_terms)
+        peak_alloc = base + sum(t.bytes for t in act_terms)
+    step_bytes_graphed = pr.step_bytes             # the step terms' bytes
     if (device == "gpu" and L.optimizer_cuda_graph and step_bytes_graphed and peak_phase != "optimizer step"
             and cuda_graph_spec(L).impl != "full_iteration"):
         # OptimizerCudaGraphWrapper captures the step into a private pool (core 0.19.2 optimizer_cuda_graph.py):
@@ -769,9 +836,10 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     if device == "gpu":
         frag = int(peak_alloc * site.allocator_fragmentation)
         terms.append(Term("allocator_fragmentation", frag, "allocator", "reserved", pr.frag_detail))
+        peak_reserved = peak_alloc + frag
         if graph_pool:
             terms += graph_pool
-        peak_reserved = peak_alloc + frag + sum(t.bytes for t in graph_pool)
+            peak_reserved += sum(t.bytes for t in graph_pool)
         terms += pr.device_only
         device_total = peak_reserved + pr.device_bytes
     else:
@@ -779,13 +847,11 @@ def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
     persistent = base + retained_bytes + pr.step_bytes
     moe = None
     if L.moe is not None:
-        moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase)
-    return StageEstimate(
-        pp_rank=pp_rank, chunks=chunks, num_layers=n_layers, parameters=pr.parameters,
-        persistent_bytes=persistent, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,
-        device_total_bytes=device_total, peak_phase=peak_phase, in_flight=in_flight, terms=tuple(terms),
-        moe=moe, host_terms=host_terms,
-    )
+        moe = _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total, peak_phase,
+                              moe_in)
+    # (positional, in the fields' order: one per stage of every estimate)
+    return StageEstimate(pp_rank, chunks, pr.n_layers, pr.parameters, persistent, peak_alloc, peak_reserved,
+                         device_total, peak_phase, in_flight, tuple(terms), moe, host_terms)
 
 
 @lru_cache(maxsize=1024)
@@ -820,16 +886,42 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
     return tuple(gpu_fixed_terms(L, gpu_name, site))  # a tuple: the cached value is shared
 
 
+@lru_cache(maxsize=1024)
+def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool, has_layers: bool,
+                  moe_rank: bool) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+    """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
+    follow the output layer and the layers) and the MoE-only ones (``moe_rank``: the stage runs an MoE layer;
+    overheads.stage_fixed_terms): the allocated ones with the pipeline buffers in flight and the placeholders,
+    their bytes, the device-level ones (outside the allocator) and theirs."""
+    fixed = stage_fixed_terms(L, _fixed_terms(L, gpu_name, site), moe_rank)
+    fixed_alloc = [t for t in fixed if t.level == "allocated"]
+    p2p, count = p2p_in_flight_bytes(L)
+    if p2p:
+        fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
+                                f"{count} pipeline send/receive buffers held by NCCL work objects"))
+    # (weight gradients, real or placeholder, exist only for parameters that require grad)
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers) if not L.freeze_all_layers else 0
+    if dummies:
+        n = len(dummy_wgrad_shapes(L, has_output, has_layers))
+        fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
+                                f"{n} placeholder weight gradients, one per weight shape, cached by "
+                                "Transformer Engine under gradient-accumulation fusion"))
+    device_only = tuple([t for t in fixed if t.level == "device"])
+    return tuple(fixed_alloc), sum(t.bytes for t in fixed_alloc), device_only, sum(t.bytes for t in device_only)
+
+
 @lru_cache(maxsize=256)
 def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
     """What every stage's ``moe`` figure needs: the expert rows per MoE layer and micro-batch under
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
     of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
     how much its working set grows, and the allocator's slack on top."""
-    from .layers.moe import expert_rows, moe_activations, tokens_per_rank
+    from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
-    bal = moe_activations(L, L.moe, rows=rows.balanced, mods=mods)
+    mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
+    # at balanced routing the layer's own (its default rows), already made by its recipe
+    bal = (layer_moe_activations(L, mods) if L.moe.routing != "worst"
+           else moe_activations(L, L.moe, rows=rows.balanced, mods=mods))
     wst = moe_activations(L, L.moe, rows=rows.worst, mods=mods)
     d_work = max(wst.fwd_transient - bal.fwd_transient,
                  max((w for _, w in wst.bwd_steps), default=0) - max((w for _, w in bal.bwd_steps), default=0), 0)
@@ -838,11 +930,11 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
 
 
 def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_moe: bool, peak_allocated: int,
-                    peak_reserved: int, device_total: int, peak_phase: str) -> dict:
+                    peak_reserved: int, device_total: int, peak_phase: str, inputs: tuple | None = None) -> dict:
     """A stage's ``moe`` figure: its peak at the same moment of the schedule with the worst-case rows.
     The MoE layers in flight (``held``: their moe_layer_activations bytes) keep their worst-case bytes
     and the working set grows by the worst-case layer's (no second schedule evaluation)."""
-    rows, bal_total, wst_total, d_work, frag = _moe_worst_inputs(L, device, site)
+    rows, bal_total, wst_total, d_work, frag = inputs or _moe_worst_inputs(L, device, site)
     grow = (held * wst_total // bal_total - held) if bal_total else 0
     if held:
         extra = grow + d_work
@@ -881,7 +973,7 @@ def estimate(
         raise ConfigError("--dp-rank", f"must be max, last or a rank 0..{layout.dp_shard_size - 1} of the "
                                        f"distributed optimizer's DP x CP group, got {dp_rank!r}")
     notes = list(layout.notes)
-    if site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
+    if site is not DEFAULT_SITE and site != DEFAULT_SITE and device == "gpu" and profile != "fujii2024":
         notes.append("site profile: " + site.describe())
     if profile == "fujii2024":
         if layout.heterogeneous_layers:
@@ -901,8 +993,19 @@ def estimate(
         if bad:
             raise ConfigError("--gpu", bad)
     gpu_name = gpu.name if gpu else None
-    stages = tuple(estimate_stage(L, r, device, gpu_name, dp_rank, site) for r in range(L.pp))
-    crit = max(range(len(stages)), key=lambda i: stages[i].device_total_bytes)
+    # one _StagePrep per distinct stage shape (the middle of a deep pipeline shares one), looked up here
+    # rather than once per stage; only the schedule's peak and its terms are made per stage
+    preps: dict[_StageShape, _StagePrep] = {}
+    stages = []
+    moe_in = _moe_worst_inputs(L, device, site) if L.moe is not None else None
+    for r, shape in enumerate(_stage_shapes(L)):
+        pr = preps.get(shape)
+        if pr is None:
+            pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
+        stages.append(_stage_estimate(L, r, pr, device, site, moe_in))
+    stages = tuple(stages)
+    totals = [s.device_total_bytes for s in stages]
+    crit = totals.index(max(totals))        # the first stage with the largest total
     verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,

@@ -26,6 +26,13 @@ class Bucket:
     end: int                       # padded end
     spans: tuple[tuple[int, int], ...]  # (start, end) of each parameter inside the buffer
 
+    def __init__(self, start: int, end: int, spans: tuple[tuple[int, int], ...]) -> None:
+        # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["start"] = start
+        d["end"] = end
+        d["spans"] = spans
+
 
 @dataclass(frozen=True)
 class ChunkBuffer:
@@ -33,6 +40,18 @@ class ChunkBuffer:
     numel_unpadded: int
     buckets: tuple[Bucket, ...]
     params: int                    # parameter count of the chunk
+
+    def __init__(self, numel: int, numel_unpadded: int, buckets: tuple[Bucket, ...], params: int) -> None:
+        # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["numel"] = numel
+        d["numel_unpadded"] = numel_unpadded
+        d["buckets"] = buckets
+        d["params"] = params
+
+
+# what build_buffer makes of no parameters, whatever the bucket size and the optimizer
+_NO_BUFFER = ChunkBuffer(numel=0, numel_unpadded=0, buckets=(), params=0)
 
 
 def bucket_size_for(L: Layout, chunk: Chunk) -> int | None:
@@ -62,6 +81,17 @@ def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | N
     buckets: list[Bucket] = []
     spans: list[tuple[int, int]] = []
     start = bucket_start = end = 0
+    if dist and bucket_size is None and not any(shared for _, shared in params):
+        # one bucket, no shared embedding (most chunks): each parameter starts 64-aligned, the end is padded
+        add = spans.append
+        for numel, _ in reversed(params):
+            start = -(-start // 64) * 64
+            end = start + numel
+            add((start, end))
+            start = end
+        buckets = [Bucket(0, pad_end(end), tuple(spans))] if spans else []
+        return ChunkBuffer(numel=buckets[-1].end if buckets else 0, numel_unpadded=unpadded, buckets=tuple(buckets),
+                           params=unpadded)
     for numel, shared in reversed(params):
         if dist:
             start = -(-start // 64) * 64
@@ -107,11 +137,15 @@ def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
                   group: ShardGroup = ShardGroup.DENSE_DP) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
     share one shape); ``group`` EXPERT_DP: the chunk's expert buffer (its MoE layers' routed experts)."""
-    c = Chunk(pp_rank=-1, vpp_rank=0, first_layer=0, num_layers=sum(n for _, n in kind_runs),
-              has_embedding=has_embedding, has_output=has_output, has_tied_output_copy=tied_copy, kind_runs=kind_runs)
+    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
     plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c)
+    if not plist:                   # no parameter in this buffer (a dense chunk's expert buffer): no bucket
+        return _NO_BUFFER, ((),) * len(ranks) if L.use_distributed_optimizer else ()
     buf = build_buffer(L, plist, bucket_size, group)
-    pieces = tuple(tuple(shard_pieces(buf, L.parallel.shard_size(group), r)) for r in ranks) if L.use_distributed_optimizer else ()
+    if not L.use_distributed_optimizer:
+        return buf, ()
+    shard = L.parallel.shard_size(group)
+    pieces = tuple([tuple(shard_pieces(buf, shard, r)) for r in ranks])
     return buf, pieces
 
 
@@ -131,11 +165,17 @@ class StageStates:
 
     def __init__(self, parameters: int, param_bytes: int, grad_bytes: int, main_param_bytes: int, exp_avg_bytes: int,
                  exp_avg_sq_bytes: int, main_grad_copy_bytes: int, buffer_numel: int, buffer_numel_unpadded: int) -> None:
-        # one per stage shape of every cold estimate: the fields are stored at once (as Term's)
-        self.__dict__.update(
-            parameters=parameters, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_param_bytes,
-            exp_avg_bytes=exp_avg_bytes, exp_avg_sq_bytes=exp_avg_sq_bytes, main_grad_copy_bytes=main_grad_copy_bytes,
-            buffer_numel=buffer_numel, buffer_numel_unpadded=buffer_numel_unpadded)
+        # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["parameters"] = parameters
+        d["param_bytes"] = param_bytes
+        d["grad_bytes"] = grad_bytes
+        d["main_param_bytes"] = main_param_bytes
+        d["exp_avg_bytes"] = exp_avg_bytes
+        d["exp_avg_sq_bytes"] = exp_avg_sq_bytes
+        d["main_grad_copy_bytes"] = main_grad_copy_bytes
+        d["buffer_numel"] = buffer_numel
+        d["buffer_numel_unpadded"] = buffer_numel_unpadded
 
 
 def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageStates:

@@ -30,9 +30,14 @@ class Param:
     def __init__(self, name: str, numel: int, tp_replicated: bool = False, shared_embedding: bool = False,
                  expert: bool = False, cols: int = 0) -> None:
         # the frozen dataclass's __init__ sets each field through object.__setattr__; a cold estimate
-        # makes every layer kind's parameter list, so the fields are stored at once (same order, defaults)
-        self.__dict__.update(name=name, numel=numel, tp_replicated=tp_replicated, shared_embedding=shared_embedding,
-                             expert=expert, cols=cols)
+        # makes every layer kind's parameter list, so the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["name"] = name
+        d["numel"] = numel
+        d["tp_replicated"] = tp_replicated
+        d["shared_embedding"] = shared_embedding
+        d["expert"] = expert
+        d["cols"] = cols
 
 
 def norm_params(name: str, size: int, L: Layout) -> list[Param]:

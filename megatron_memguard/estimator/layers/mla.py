@@ -6,6 +6,8 @@ column/row-parallel layers. The input norm is a TENorm of its own (both down pro
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ...layout import Layout
 from .attention import attention_kind
 from .base import MixerActivations, Param, Shapes, Step, norm_params, norm_stats, norms_per_layer_norm, shapes, wgrad
@@ -138,6 +140,14 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
 
 
 
+@lru_cache(maxsize=256)
+def layer_attention_items(L: Layout, recompute_core: bool,
+                          recompute_up: bool) -> tuple[dict[str, int], int, int, bool, tuple[Step, ...]]:
+    """mla_attention_items at the layout's shapes, made once: the layers of every kind (dense and MoE MLPs)
+    share their MLA attention."""
+    return mla_attention_items(L, shapes(L), recompute_core, recompute_up)
+
+
 def reads_batch_mask(L: Layout) -> bool:
     """MLA builds no attention mask, whatever the batch carries (mla_attention_items takes none)."""
     return False
@@ -156,7 +166,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     if not drop_norm1:
         saved["norm1_stats"] = norm_stats(L, T)
         saved["qkv_input"] = T * h * e                        # norm output, kept by the down projections
-    att, core_fwd, core_bwd, unfused, qkv_steps = mla_attention_items(L, x, "core_attn" in mods, "mla_up_proj" in mods)
+    att, core_fwd, core_bwd, unfused, qkv_steps = layer_attention_items(L, "core_attn" in mods, "mla_up_proj" in mods)
     ctx_w = x.a_t * L.v_head_dim                              # width of the attention context
     saved.update(att)
     saved["proj_input"] = Tf * ctx_w * e                      # attention context, kept by linear_proj

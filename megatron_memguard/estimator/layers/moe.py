@@ -74,8 +74,13 @@ class MoeParam:
     cols: int = 0                  # a matrix's input dimension (base.Param.cols)
 
     def __init__(self, name: str, numel: int, tp_replicated: bool = False, expert: bool = False, cols: int = 0) -> None:
-        # fields stored at once, as base.Param does (same order, same defaults)
-        self.__dict__.update(name=name, numel=numel, tp_replicated=tp_replicated, expert=expert, cols=cols)
+        # fields stored directly, as base.Param does (same order, same defaults)
+        d = self.__dict__
+        d["name"] = name
+        d["numel"] = numel
+        d["tp_replicated"] = tp_replicated
+        d["expert"] = expert
+        d["cols"] = cols
 
 
 def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "") -> list[MoeParam]:
@@ -371,6 +376,13 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N)
 
 
+@lru_cache(maxsize=256)
+def layer_moe_activations(L: Any, mods: frozenset) -> MoeActivations:
+    """``moe_activations`` of the layout's MoE layer at its default rows with the selectively recomputed
+    ``mods``: what the layer's recipe and its dispatcher's held state (``held_bytes``) both read, made once."""
+    return moe_activations(L, L.moe, mods=mods)
+
+
 def flex_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
     """R: token rows one rank receives from DeepEP's dispatch (each token once per destination rank).
     Balanced: a token's k experts land on an EP rank with probability 1 - C(E - E_l, k) / C(E, k)
@@ -509,7 +521,7 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
     experts; ``G``: the gradient of the layer output. The dispatcher's held state is a stage term
     (``held_bytes``), not a saved tensor."""
     from .base import MlpActivations
-    a = moe_activations(L, L.moe, mods=mods)
+    a = layer_moe_activations(L, frozenset(mods))
     names = frozenset(a.saved)
     own_G = L.act_bytes * tokens_per_rank(L) * L.hidden_size
     extra = 0
@@ -567,5 +579,5 @@ def offload_outside(L: Any, mods: set) -> dict[str, int]:
 
 def held_bytes(L: Any) -> int:
     """What one MoE layer's dispatcher keeps from one forward to the next (moe_dispatcher_state)."""
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
-    return moe_activations(L, L.moe, mods=mods).held
+    mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
+    return layer_moe_activations(L, mods).held
