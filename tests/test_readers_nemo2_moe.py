@@ -245,3 +245,16 @@ def test_fp16_job_reducing_in_its_own_dtype_is_not_a_bf16_reduction(tmp_path):
     bf = read(tmp_path, QWEN3_30B_A3B_EXPORT.replace("grad_reduce_in_fp32: true", "grad_reduce_in_fp32: false")
               .replace("precision: bf16-mixed", "precision: bf16-mixed\n    grad_reduce_in_fp32: false"))
     assert bf.args["grad_reduce_in_bf16"] is True and resolve(bf).grad_reduce_in_bf16
+
+
+def test_nemo2_attention_backend_local_with_the_te_spec_is_a_problem(tmp_path):
+    """NeMo 2.5.0's GPTConfig.configure_model keeps the TE spec's TEDotProductAttention, and megatron-core's
+    LanguageModule sets NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN to 0 for the local backend
+    (language_module.py, 0.16.1 and 0.19.2): TE 2.11's DotProductAttention raises "No dot product attention
+    backend is available" at the first forward. The reader reports it, naming the key."""
+    text = QWEN3_30B_A3B_EXPORT.replace("    recompute_num_layers: 1\n",
+                                        "    recompute_num_layers: 1\n    attention_backend: local\n")
+    raw = read(tmp_path, text)
+    assert [str(p).split(":")[0] for p in raw.problems] == ["model.config.attention_backend"]
+    ok = read(tmp_path, text.replace("attention_backend: local", "attention_backend: unfused"))
+    assert not ok.problems
