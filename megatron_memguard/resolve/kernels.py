@@ -37,7 +37,7 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
     elif backend == "local" and not ctx.legacy and a.key("attention_backend").startswith("--") and (
             not a.get("spec") or _first(a.get("spec")) != "local"):
         # core 0.19.2 megatron/training/arguments.py validate_args: ``assert args.spec[0] == 'local'``
-        # (NeMo 2 / Bridge configs do not pass validate_args: their providers swap the core attention)
+        # (Bridge configs do not pass validate_args: its GPT provider swaps the core attention)
         a.fail("attention_backend", "local is only supported with --spec local (megatron-core 0.19 validate_args)")
     add_bias = a.bool_arg("add_bias_linear", True)
     add_qkv_bias = a.bool_arg("add_qkv_bias", False) or add_bias
