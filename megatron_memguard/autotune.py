@@ -411,7 +411,7 @@ def _what_would_fit(raw: RawConfig, L0: Layout, gbs: int, megatron_version: str 
                     est_kw: Mapping[str, Any], allow_recompute: bool, allow_pp: bool) -> tuple[str, ...]:
     """What would make a layout fit when nothing within the knobs does: activation recomputation (when it
     was not allowed) on these GPUs, else the same search on 2, 4 or 8 times as many GPUs, the global batch
-    size kept."""
+    size kept, else (recomputation not allowed) more GPUs with recomputation."""
     def fitting(world: int, recompute: bool) -> Candidate | None:
         try:
             r = autotune(raw.with_args(global_batch_size=gbs), world_size=world, megatron_version=megatron_version,
@@ -435,4 +435,12 @@ def _what_would_fit(raw: RawConfig, L0: Layout, gbs: int, megatron_version: str 
         if c is not None:
             out.append(f"on {L0.world_size * k} GPUs ({k}x as many): {said(c)}")
             break
+    if not out and not allow_recompute:
+        # neither alone is enough: both together (more GPUs and recomputation)
+        for k in (2, 4, 8):
+            c = fitting(L0.world_size * k, True)
+            if c is not None:
+                out.append(f"on {L0.world_size * k} GPUs ({k}x as many) with activation recomputation "
+                           f"(--memguard-allow-recompute): {said(c)}")
+                break
     return tuple(out)

@@ -1,7 +1,7 @@
 """Site profile files: the constants ``memguard calibrate`` fitted for one site, as small versioned YAML.
 
     schema: memguard.site/1
-    memguard_version: 0.1.0
+    memguard_version: 0.1.0.dev0
     name: my-cluster                # optional
     gpu: H100-80GB                  # optional: the GPU the runs used
     constants:                      # only the fitted ones; the others keep memguard's defaults

@@ -202,3 +202,22 @@ def test_gib_sanity():
     raw = raw_of("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
     r = autotune(raw, world_size=16, gpu=H100)
     assert r.chosen.estimate.peak_device_bytes <= 0.8 * H100.memory_bytes < 80 * GiB
+
+
+def test_hint_when_neither_recomputation_nor_more_gpus_alone_fits():
+    # Llama-3.1-70B at TP8 on 8 H100s: PP stays 1 (8 / TP8), so only recomputation could help here, and it does
+    # not (full recompute still keeps 80 layers' inputs, ~168 GiB); more GPUs without recomputation do not either
+    # (at most PP8 on 64 GPUs, 8 micro-batches of 10 layers in flight on the first stage). Both together do:
+    # the hint names that layout, and the search it names agrees.
+    from conftest import LLAMA31_70B
+    raw = parse_megatron_flags(LLAMA31_70B + ["--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
+                                              "--global-batch-size", "64"])
+    r = autotune(raw, world_size=8, gpu=H100)
+    assert r.status == "impossible" and len(r.hints) == 1
+    assert autotune(raw, world_size=8, gpu=H100, allow_recompute=True).status == "impossible"
+    assert all(autotune(raw, world_size=8 * k, gpu=H100).chosen is None for k in (2, 4, 8))
+    k = next(k for k in (2, 4, 8) if autotune(raw, world_size=8 * k, gpu=H100, allow_recompute=True).chosen)
+    c = autotune(raw, world_size=8 * k, gpu=H100, allow_recompute=True).chosen
+    assert r.hints[0] == (f"on {8 * k} GPUs ({k}x as many) with activation recomputation (--memguard-allow-recompute): "
+                          f"{c.describe()}, {format_bytes(c.estimate.peak_device_bytes)} = "
+                          f"{c.estimate.peak_device_bytes / c.estimate.gpu_memory_bytes:.0%}")

@@ -194,6 +194,19 @@ def test_world_size_sources(capsys, monkeypatch):
     assert cmd.world_size == 32
 
 
+def test_nproc_per_node_gpu_takes_slurms_gpu_count():
+    # docs/integrations.md: --nproc-per-node gpu|auto needs SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE. Slurm's
+    # SLURM_GPUS_PER_NODE repeats --gpus-per-node as given, with the GPU type when the job names one
+    # (sbatch --gpus-per-node=h100:8), as the #SBATCH line memguard reads itself may
+    argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "gpu", "pretrain_gpt.py"]
+    for env in ({"SLURM_GPUS_ON_NODE": "8"}, {"SLURM_GPUS_PER_NODE": "8"}, {"SLURM_GPUS_PER_NODE": "h100:8"},
+                {"SLURM_GPUS_PER_NODE": "nvidia_h100_80gb_hbm3:8"}):
+        assert parse_launch_command(argv, env).world_size == 16, env
+    from megatron_memguard.errors import ReaderError
+    with pytest.raises(ReaderError, match="depends on the machine"):
+        parse_launch_command(argv, {"SLURM_GPUS_PER_NODE": "h100"})
+
+
 def test_a_single_quoted_command_string(capsys):
     line = "CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 8 --nnodes 2 pretrain_gpt.py " + " ".join(SMALL)
     code, doc, _ = check_json(capsys, "--", line)

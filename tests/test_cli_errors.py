@@ -120,3 +120,18 @@ def test_dp_rank_beyond_the_layout_is_refused(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--dp-rank: must be max, last or a rank 0..1 of the distributed optimizer's DP x CP group" in err
     assert main(["estimate", "--world-size", "2", "--dp-rank", "1", "--", *BASE]) == 0
+
+
+@pytest.mark.parametrize("before", [[], ["--config", "examples/llama3_8b_h100.sh"], ["--model", "llama3.1-8b"]])
+def test_a_key_value_override_among_megatron_flags_is_refused(capsys, monkeypatch, before):
+    # README: bare KEY=VALUE tokens after -- override a NeMo / Bridge config's keys. Megatron flags take none (its
+    # argparse rejects a stray word): the override is refused by name, not estimated without it
+    import os
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    flags = [] if before else BASE
+    assert main(["estimate", "--world-size", "16", *before, "--", *flags, "train.micro_batch_size=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.micro_batch_size=4: a KEY=VALUE override applies to" in err, err
+    # a word that is no override stays a note, as before
+    assert main(["estimate", "--world-size", "16", "--", *BASE, "stray"]) == 0
+    assert "ignored stray argument 'stray'" in capsys.readouterr().out

@@ -163,3 +163,130 @@ def test_every_json_key_is_in_the_schema_page(extra):
         assert sorted(set(st) - stage) == []
         for t in st["terms"]:
             assert set(t) == {"name", "bytes", "group", "level", "detail"}
+
+
+# --- numbers the prose states: each is read from the page and recomputed, so a change of the estimate that moves
+# one fails here until the page is updated (the command that gives each is named next to it)
+
+def _doc(*parts: str) -> str:
+    """A page with its line breaks folded to spaces (prose wraps wherever it likes)."""
+    return " ".join(open(os.path.join(ROOT, *parts), encoding="utf-8").read().split())
+
+
+def _blocks(*parts: str) -> list[list[str]]:
+    """The fenced code blocks of a page, as lists of lines."""
+    text = open(os.path.join(ROOT, *parts), encoding="utf-8").read()
+    return [b.strip("\n").splitlines() for b in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.M | re.S)]
+
+
+def test_readme_quick_start_numbers_are_what_the_command_prints(capsys):
+    # README "Quick start": memguard estimate --config examples/llama3_8b_h100.sh
+    from megatron_memguard.cli.main import main
+    m = re.search(r"the critical stage (pp\d+) needs ([\d.]+ GiB) = (\d+%) of the H100's ([\d.]+ GiB), so it fits "
+                  r"\(exit code (\d)\), and its largest term is (\w+) \(([\d.]+ GiB)\)", _doc("README.md"))
+    assert m, "README's quick start no longer states the example's numbers"
+    stage, need, pct, gpu, code, term, term_size = m.groups()
+    assert main(["estimate", "--config", os.path.join(ROOT, "examples", "llama3_8b_h100.sh")]) == int(code)
+    out = capsys.readouterr().out
+    assert (f"verdict: FITS - critical stage {stage} needs {need} = {pct} of {gpu} (threshold 80%"
+            in out), out[-400:]
+    assert f"largest term: {term} {term_size}" in out
+
+
+def test_reports_sample_figure_numbers():
+    # docs/reports.md, "memguard estimate --plot FILE": the sample figure of tests/test_plots_estimate.py
+    from megatron_memguard import lookup_gpu
+    from megatron_memguard.units import format_bytes
+    from conftest import LLAMA31_8B
+    flags = LLAMA31_8B + ["--micro-batch-size", "1", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                          "4", "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "64",
+                          "--use-distributed-optimizer", "--sequence-parallel"]
+    est = estimate(layout_from_flags(flags, world_size=32), gpu=lookup_gpu("H100-80GB"))
+    page = _doc("docs", "reports.md")
+    c, cap = est.critical, est.gpu_memory_bytes
+    assert (f"`FITS: critical stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
+            f"{c.device_total_bytes / cap:.0%} of the H100-80GB {format_bytes(cap)} (threshold 80%)`") in page
+    assert "(" + ", ".join(f"{s.device_total_bytes / cap:.0%}" for s in est.stages) + ")" in page
+    acts = sum(t.bytes for t in est.stages[0].terms if t.group == "activations")
+    assert f"(the orange segment, {acts / 2**30:.1f} GiB on pp0)" in page
+    assert f"80% = {format_bytes(int(0.8 * cap))}" in page
+
+
+def test_hook_autotune_examples_are_what_autotune_says():
+    # docs/hook.md, "autotune": Llama-3.1-8B, TP2 (16 GPUs, MBS 4) and TP1 (8 GPUs, MBS 4, none fits) on an H100
+    # reporting 79.19 GiB; autotune's summary lines, as the hook prints them after "[memguard]   "
+    from megatron_memguard import lookup_gpu
+    from megatron_memguard.autotune import autotune
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from conftest import LLAMA31_8B
+    blocks = [b for b in _blocks("docs", "hook.md") if b and b[0].startswith("[memguard]")]
+    impossible = next(b for b in blocks if "none of" in b[0])
+    changed = next(b for b in blocks if "autotune changed" in " ".join(b))
+    mem = int(79.19 * 2**30)
+    for block, world, extra in ((impossible, 8, []), (changed, 16, ["--tensor-model-parallel-size", "2"])):
+        r = autotune(parse_megatron_flags(LLAMA31_8B + ["--micro-batch-size", "4"] + extra), world_size=world,
+                     gpu=lookup_gpu("H100-80GB"), gpu_memory=mem)
+        said = r.summary().splitlines()
+        for line in block:
+            if not line.startswith("[memguard]   "):
+                continue
+            line = line[len("[memguard]   "):]
+            if line.endswith("; ..."):                       # the page cuts the line short
+                assert any(s.startswith(line[:-3]) for s in said), (line, said)
+            else:
+                assert line in said, (line, said)
+    changes = ", ".join(f"{k} {old if old is not None else '(default)'} -> {new}" for k, (old, new) in r.changes.items())
+    assert f"[memguard] autotune changed {changes}" in changed
+
+
+def test_oom_forensics_example(tmp_path):
+    # docs/reports.md "Out-of-memory forensics" and README: the run of tests/test_report_megatron.py's
+    # test_oom_forensics_blames_the_transient_term (8% over pp1's predicted peak, then 2 GiB more requested)
+    import test_report_megatron as trm
+    from megatron_logs import oom_message
+    GiB, MiB = 2**30, 2**20
+    est = estimate(trm.layout(), gpu=trm.H100, dp_rank=0)
+    held = int(est.stages[1].peak_allocated_bytes * 1.08)
+    msg = oom_message(requested=2 * GiB, capacity=int(79.11 * GiB), free=300 * MiB, process_used=held + 900 * MiB,
+                      allocated=held, reserved=held + 200 * MiB)
+    log = trm._combined_log(tmp_path, est, alloc=1.0, reserved=1.0, extra=[
+        "8: [rank8]: Traceback (most recent call last):", "8: [rank8]: " + msg])
+    out = trm._report(str(log), "--gpu", "H100-80GB").stdout.replace(str(log), "train.log")
+    block = next(b for b in _blocks("docs", "reports.md") if b[0].startswith("out of memory on rank"))
+    for line in block:
+        assert line in out.splitlines(), (line, out[-1500:])
+    needed = re.search(r"the run needed at least [\d.]+ GiB allocated: the prediction was low by at least [-+\d.]+%",
+                       " ".join(block)).group(0)
+    assert needed in _doc("README.md")
+
+
+def test_readme_recipe_names_estimate_or_are_refused_as_it_says(capsys):
+    # README "--model NAME": each Megatron-Bridge recipe it names gives an estimate on the recipe's own GPU count,
+    # except those it says are refused by name (HybridEP), which exit 2 naming the dispatcher backend
+    from megatron_memguard.cli.main import main
+    from megatron_memguard.readers.models import recipe_gpus
+    text = _doc("README.md")
+    listed = re.search(r"a Megatron-Bridge recipe name \((.*?)\) gives the whole recipe", text).group(1)
+    names = re.findall(r"`(\w+)`", listed)
+    refused = re.findall(r"`(\w+)`", re.search(r"; (`qwen3_30b_a3b`.*?) are read but refused by name", text).group(1))
+    assert "llama3_8b" in names and "deepseek_v3" in refused and set(refused) <= set(names)
+    from megatron_memguard.readers.models import presets
+    key_of = {fn: key for key, r in presets()["recipes"].items() for fn in r["functions"]}
+    for name in names:
+        code = main(["estimate", "--model", name, "--gpus", str(recipe_gpus(key_of.get(name, name)) or 16), "--json"])
+        out = capsys.readouterr()
+        if name in refused:
+            assert code == 2 and "moe_flex_dispatcher_backend" in out.err and "hybridep" in out.err, (name, out.err)
+        else:
+            assert code in (0, 1) and out.out.startswith("{"), (name, out.err)
+
+
+def test_calibrate_pages_profile_example_loads(tmp_path):
+    # docs/calibrate.md "The profile file": the example as written is a profile this memguard reads (a profile from a
+    # newer memguard is refused, so the example carries a version number no newer than this one), with its two constants
+    from megatron_memguard.site_profile import load_site_profile
+    block = next(b for b in _blocks("docs", "calibrate.md") if any(line.startswith("schema: memguard.site/") for line in b))
+    path = tmp_path / "site.yaml"
+    path.write_text("\n".join(block) + "\n")
+    prof = load_site_profile(str(path))
+    assert prof.constants.changed() == {"allocator_fragmentation": 0.071, "cuda_context": 522 * 2**20}

@@ -108,6 +108,25 @@ def test_prediction_is_this_ranks_stage(pp2_run):
         assert 0.85 < last["ratio"]["max_allocated"] < 1.15
 
 
+def test_the_documented_sample_is_this_runs(pp2_run):
+    """README.md and docs/hook.md show rank 1's sample of iteration 3 of this run: the same fields in the same
+    order, the same prediction (the estimator's, exact) and readings of this size (the live-bytes source's
+    numbers move by a few bytes between torch builds)."""
+    import re
+    out, _ = pp2_run
+    sample = next(r for r in _records(out, 1) if r["event"] == "sample" and r["iteration"] == 3)
+    for page in ("README.md", os.path.join("docs", "hook.md")):
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        doc = json.loads(re.search(r'```json\n(\{"schema":"memguard.runtime/1","event":"sample".*?)\n```', text,
+                                   flags=re.S).group(1))
+        assert list(doc) == list(sample) and list(doc["actual"]) == list(sample["actual"]), page
+        assert (doc["rank"], doc["pp_rank"], doc["iteration"]) == (1, 1, 3)
+        assert doc["predicted"] == sample["predicted"], page
+        for key in ("allocated", "max_allocated"):
+            assert doc["actual"][key] == pytest.approx(sample["actual"][key], rel=1e-3), page
+        assert doc["ratio"]["max_allocated"] == pytest.approx(sample["ratio"]["max_allocated"], abs=2e-3), page
+
+
 def test_rank0_logs_one_line_per_stage_and_a_summary(pp2_run):
     _, logs = pp2_run
     rank0 = logs[0]

@@ -193,7 +193,8 @@ def load_raw(ns: argparse.Namespace, flags: list[str]) -> RawConfig:
         mraw = read_model(model, shape_only=bool(ns.config))
         raw = mraw.merged(raw) if raw.args else mraw
     if flags:
-        raw = raw.merged(parse_megatron_flags(flags, env=os.environ)) if raw.args else parse_megatron_flags(flags, env=os.environ)
+        fraw = parse_megatron_flags(flags, env=os.environ, refuse_overrides=True)
+        raw = raw.merged(fraw) if raw.args else fraw
     if not raw.args:
         raise ConfigError("", "no model given: pass Megatron flags after --, or --config FILE, or --model NAME")
     return raw

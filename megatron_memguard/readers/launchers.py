@@ -268,7 +268,10 @@ def torchrun_world(opts: Mapping[str, str], environ: Mapping[str, str], notes: l
         nproc = 1
         notes.append(f"{who} without --nproc-per-node starts 1 process per node (its default)")
     elif str(val) in ("gpu", "auto", "cuda", "xpu"):
-        g = env_int(environ, "SLURM_GPUS_ON_NODE") or env_int(environ, "SLURM_GPUS_PER_NODE")
+        # SLURM_GPUS_PER_NODE repeats --gpus-per-node, which may name the type ("h100:8"), as #SBATCH lines do
+        typed = re.fullmatch(r"(?:[\w.-]+:)?(\d+)", environ.get("SLURM_GPUS_PER_NODE", "").strip())
+        g = (env_int(environ, "SLURM_GPUS_ON_NODE") or env_int(environ, "SLURM_GPUS_PER_NODE")
+             or (int(typed.group(1)) if typed else None))
         if g is None:
             raise ReaderError(f"{src} {val} depends on the machine's GPU count; give a number (or --world-size)")
         nproc = g

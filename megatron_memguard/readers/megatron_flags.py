@@ -117,10 +117,12 @@ def parse_megatron_flags(
     env: Mapping[str, str] | None = None,
     source: str = "megatron flags",
     expand: bool = True,
+    refuse_overrides: bool = False,
 ) -> RawConfig:
     """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given, unless
     ``expand`` is False: the flags of a launch command, which the shell reader expanded already (bash
-    expands once; a value is not expanded again)."""
+    expands once; a value is not expanded again). With ``refuse_overrides`` (the CLI's flags after ``--``)
+    a stray ``KEY=VALUE`` token is an error: the user meant an override, which Megatron flags do not take."""
     table = flag_table()
     toks = [str(t) for t in argv]
     args: dict[str, Any] = {}
@@ -132,6 +134,12 @@ def parse_megatron_flags(
         tok = toks[i]
         i += 1
         if not _is_flag(tok):
+            if refuse_overrides:
+                from ._common import is_override_token
+                if is_override_token(tok):
+                    raise ConfigError(cut(tok), "a KEY=VALUE override applies to a NeMo / Megatron-Bridge / NeMo 2 YAML "
+                                      "(--config FILE) or a Bridge recipe (--model RECIPE), not to Megatron flags",
+                                      "give the Megatron flag instead, e.g. --micro-batch-size 2")
             warnings.append(f"ignored stray argument {shown(tok)} (not after a flag that takes a value)")
             continue
         inline = None
@@ -242,6 +250,11 @@ def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
             # take one value (--moe-layer-freq "[1,0,1]", a Python expression) keep it whole
             argv.append(flag)
             argv.extend(x.strip("'\"") for x in re.split(r"[\s,]+", v[1:-1]) if x.strip("'\""))
+        elif isinstance(v, str) and (flag_table().get(flag) or [None, None])[1] == "list" and len(v.split()) > 1:
+            # a list written as plain words ("core_attn mlp"): the CI launcher joins MODEL_ARGS into one
+            # command line that the shell splits into words, so each word is one value of the nargs flag
+            argv.append(flag)
+            argv.extend(v.split())
         else:
             argv.extend([flag, str(v)])
     return argv
