@@ -106,8 +106,7 @@ class StageEstimate:
                  peak_phase: str, in_flight: int, terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
                  moe: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
                  host_terms: tuple[Term, ...] = ()) -> None:
-        # one per stage of every estimate: the fields are stored directly (as Term's). ``terms``: the terms, or
-        # a function making them (called once, when they are first read)
+        # one per stage of every estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["pp_rank"] = pp_rank
         d["chunks"] = chunks
@@ -133,7 +132,8 @@ class StageEstimate:
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling / deep copies carry the values, not the functions making them
-        self.terms, self.moe
+        for name in ("terms", "moe"):
+            getattr(self, name)
         return dict(self.__dict__)
 
     @property
@@ -186,10 +186,11 @@ class _MadeAtFirstRead:
         if obj is None:
             return self.default
         d = obj.__dict__
-        make = d.pop(self.make, None)
+        make = d.get(self.make)
         if make is None:
             raise AttributeError(self.name)
-        value = d[self.name] = make()
+        value = d[self.name] = make()       # (an error while making it leaves the function for the next read)
+        del d[self.make]
         return value
 
 
