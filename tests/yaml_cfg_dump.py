@@ -34,7 +34,7 @@ def yaml_cfg_doc(args, extra_top=None):
                 except TypeError:
                     pass
     for k, v in vars(args).items():
-        if k.startswith("_") or k in ("yaml_cfg", "rank", "world_size"):
+        if k.startswith(("_", "memguard")) or k in ("yaml_cfg", "rank", "world_size"):  # memguard's flags: not Megatron's
             continue
         try:
             v = _plain(v)

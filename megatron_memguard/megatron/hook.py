@@ -224,8 +224,13 @@ def _wrap_validate_yaml(original):
         if not is_yaml_namespace(args):  # not load_yaml's shape: validate_yaml will say what is wrong
             STATE.decision = None
             return original(args, defaults, *a, **k)
-        return _checked(original, args, defaults, a, k, _read_settings(args, yaml=True),
-                        assign=assign_yaml, validator="validate_yaml")
+        try:
+            settings = _read_settings(args, yaml=True)
+        except Exception as e:  # memguard's fault: the run goes on unchecked
+            STATE.error("reading the --memguard settings of a --yaml-cfg run", e)
+            STATE.decision = None
+            return original(args, defaults, *a, **k)
+        return _checked(original, args, defaults, a, k, settings, assign=assign_yaml, validator="validate_yaml")
     return validate_yaml
 
 
