@@ -96,3 +96,47 @@ def test_only_megatrons_unfused_local_attention_reads_the_batch_mask():
     m = layout_from_flags(CI_MLA, world_size=1)
     assert not mla.reads_batch_mask(m)
     assert layer_activations(m, False, MLA) is layer_activations(m, True, MLA)
+
+
+def test_attention_backend_local_runs_megatrons_own_attention():
+    """--attention-backend local: the GPT provider swaps the TE spec's core attention for megatron-core's
+    DotProductAttention (core 0.19.2 megatron/training/models/gpt.py; language_module.py sets every
+    NVTE_*_ATTN to 0), so the layer keeps what the local attention keeps: with torch's softmax the
+    [s, s] bool causal mask (2048 x 2048 bytes) that TE's unfused attention never makes. core 0.16.1
+    (no validate_args rule read here) is the era whose flags reach the estimate."""
+    flags = ("--no-masked-softmax-fusion", "--seq-length", "2048")
+    local = layout_from_flags(LLAMA31_8B + ["--micro-batch-size", "1", "--global-batch-size", "1",
+                                            "--attention-backend", "local", *flags], world_size=1,
+                              megatron_version="0.16.1")
+    assert attention.attention_kind(local) == "local_unfused"
+    assert layer_activations(local, False, ATTN).saved["causal_mask"] == 2048 * 2048
+    unfused = _8b("--attention-backend", "unfused", *flags)
+    assert attention.attention_kind(unfused) == "te_unfused"
+    assert "causal_mask" not in layer_activations(unfused, False, ATTN).saved
+
+
+def test_attention_backend_local_needs_spec_local_in_core_0_19():
+    """core 0.19.2 megatron/training/arguments.py validate_args: ``assert args.spec[0] == 'local'``
+    under --attention-backend local (and --spec local itself is a custom spec memguard refuses)."""
+    from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+    base = LLAMA31_8B + ["--micro-batch-size", "1", "--global-batch-size", "1", "--attention-backend", "local"]
+    with pytest.raises((ConfigError, ConfigErrors), match="--attention-backend: local is only supported with --spec local"):
+        layout_from_flags(base, world_size=1, megatron_version="0.19.2")
+    with pytest.raises(NotModelledError, match="--spec"):
+        layout_from_flags(base + ["--spec", "local"], world_size=1, megatron_version="0.19.2")
+
+
+def test_bridge_attention_backend_local_is_megatrons_attention_in_core_0_19(tmp_path):
+    """Megatron-Bridge's GPT provider swaps the core attention for megatron-core's DotProductAttention under
+    ``attention_backend: local`` (as core 0.19.2 megatron/training/models/gpt.py does) and no validate_args
+    runs: the config is estimated with core 0.19, as the local attention (the [s, s] bool causal mask,
+    1024 x 1024 bytes, with torch's softmax), not refused for a missing --spec."""
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    from test_readers_bridge import FLAT
+    text = FLAT.replace("  bf16: true\n", "  bf16: true\n  attention_backend: local\n  masked_softmax_fusion: false\n", 1)
+    p = tmp_path / "run_config.yaml"
+    p.write_text(text)
+    L = resolve(read_config_file(str(p)), world_size=8, megatron_version="0.19.2")
+    assert L.attention_backend == "local" and attention.attention_kind(L) == "local_unfused"
+    assert layer_activations(L, False, ATTN).saved["causal_mask"] == 1024 * 1024

@@ -103,7 +103,9 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128,
 
 def _gate_outcome(gate: dict) -> str:
     """'refused', 'named' (a note names it), or 'accepted' (memguard models the gate now)."""
-    raw = RawConfig(args={**BASE, **gate}, world_size=8)
+    # Megatron-FSDP wants the fsdp_dtensor checkpoint format (core 0.19.2 validate_args)
+    need = {"ckpt_format": "fsdp_dtensor"} if gate.get("use_megatron_fsdp") else {}
+    raw = RawConfig(args={**BASE, **need, **gate}, world_size=8)
     try:
         layout = resolve(raw)
     except NotModelledError:

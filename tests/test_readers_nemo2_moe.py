@@ -225,3 +225,36 @@ def test_other_moe_classes(tmp_path, cls, dispatcher, grouped):
     text = QWEN3_30B_A3B_EXPORT.replace("nemo.collections.llm.gpt.model.qwen3.Qwen3Config30B_A3B", f"x.{cls}")
     L = resolve(read(tmp_path, text, "trainer.strategy.pipeline_model_parallel_size=1"))
     assert (L.moe.moe_token_dispatcher_type, L.moe.moe_grouped_gemm) == (dispatcher, grouped)
+
+
+def test_fp16_job_reducing_in_its_own_dtype_is_not_a_bf16_reduction(tmp_path):
+    """DDP and plugin ``grad_reduce_in_fp32: false`` on a 16-mixed (fp16) job: megatron-core's gradient
+    buffer takes the parameter dtype (distributed_data_parallel.py ``torch.float if grad_reduce_in_fp32
+    else param.dtype``, 0.16.1 and 0.19.2), fp16 here: no fp32 accumulation, and no bf16 reduction in the
+    layout either (the reader once wrote grad_reduce_in_bf16 from the DDP key)."""
+    text = (QWEN3_30B_A3B_EXPORT.replace("grad_reduce_in_fp32: true", "grad_reduce_in_fp32: false")
+            .replace("precision: bf16-mixed", "precision: 16-mixed\n    grad_reduce_in_fp32: false")
+            .replace("_target_: torch.bfloat16", "_target_: torch.float16").replace("bf16: true", "fp16: true"))
+    raw = read(tmp_path, text)
+    assert "grad_reduce_in_bf16" not in raw.args
+    assert raw.args["accumulate_allreduce_grads_in_fp32"] is False
+    assert raw.key("accumulate_allreduce_grads_in_fp32") == "trainer.strategy.ddp.grad_reduce_in_fp32"
+    L = resolve(raw)
+    assert (L.params_dtype, L.grad_reduce_in_bf16, L.accumulate_allreduce_grads_in_fp32) == ("fp16", False, False)
+    # the bf16 job with the same keys does reduce in bf16 (--grad-reduce-in-bf16)
+    bf = read(tmp_path, QWEN3_30B_A3B_EXPORT.replace("grad_reduce_in_fp32: true", "grad_reduce_in_fp32: false")
+              .replace("precision: bf16-mixed", "precision: bf16-mixed\n    grad_reduce_in_fp32: false"))
+    assert bf.args["grad_reduce_in_bf16"] is True and resolve(bf).grad_reduce_in_bf16
+
+
+def test_nemo2_attention_backend_local_with_the_te_spec_is_a_problem(tmp_path):
+    """NeMo 2.5.0's GPTConfig.configure_model keeps the TE spec's TEDotProductAttention, and megatron-core's
+    LanguageModule sets NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN to 0 for the local backend
+    (language_module.py, 0.16.1 and 0.19.2): TE 2.11's DotProductAttention raises "No dot product attention
+    backend is available" at the first forward. The reader reports it, naming the key."""
+    text = QWEN3_30B_A3B_EXPORT.replace("    recompute_num_layers: 1\n",
+                                        "    recompute_num_layers: 1\n    attention_backend: local\n")
+    raw = read(tmp_path, text)
+    assert [str(p).split(":")[0] for p in raw.problems] == ["model.config.attention_backend"]
+    ok = read(tmp_path, text.replace("attention_backend: local", "attention_backend: unfused"))
+    assert not ok.problems

@@ -262,3 +262,16 @@ def test_list_flag_written_as_one_yaml_string():
     # only flags that take several values are split; a single value that is a Python list stays whole
     assert flags_from_mapping({"--cp-comm-type": "['p2p', 'a2a']", "--moe-layer-freq": "[1,0,1]"}) == [
         "--cp-comm-type", "p2p", "a2a", "--moe-layer-freq", "[1,0,1]"]
+
+
+def test_list_flag_written_as_plain_words():
+    """``--recompute-modules: core_attn mlp`` (no brackets): the CI launcher joins MODEL_ARGS into one
+    command line that the shell splits into words, and --recompute-modules takes several values (core
+    0.19.2 megatron/training/arguments.py, data/megatron_flags.json: a list flag), so it is the list [core_attn, mlp], as "[core_attn mlp]" is.
+    (Checked: core 0.19.2 parse_args on ["--recompute-modules", "core_attn", "mlp"] gives that list.)
+    A one-value flag with a space keeps its value whole (only list flags are split)."""
+    plain = flags_from_mapping({"--recompute-modules": "core_attn mlp"})
+    assert plain == ["--recompute-modules", "core_attn", "mlp"] == flags_from_mapping({"--recompute-modules": "[core_attn mlp]"})
+    assert parse_megatron_flags(plain).args["recompute_modules"] == ["core_attn", "mlp"]
+    assert flags_from_mapping({"--recompute-modules": "moe_act"}) == ["--recompute-modules", "moe_act"]
+    assert flags_from_mapping({"--wandb-exp-name": "my run"}) == ["--wandb-exp-name", "my run"]

@@ -25,8 +25,10 @@ from ..estimator.overheads import (CUBLAS_DEFAULT_BYTES, CUBLAS_HOPPER_BYTES, NC
                                    nccl_communicators, te_workspace_bytes)
 from ..estimator.result import StageEstimate
 from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
+from ..estimator.params import mtp_layer_kind
 from ..gpus import GpuSpec
 from ..layout import Layout
+from ..partition import MLP_MOE
 from ..units import MiB
 from .fit import Row
 
@@ -86,11 +88,22 @@ def stage(run: CalibrationRun, o: Observation, site: SiteConstants) -> StageEsti
     return _stage(run.layout, run.gpu, run.device, o.pp_rank, dp, site)
 
 
-def communicators(L: Layout) -> float:
-    """NCCL communicators of a rank, scaled by the job's NCCL_BUFFSIZE (the constant is per default buffer size)."""
+def communicators(L: Layout, stage_has_moe: bool = True) -> float:
+    """NCCL communicators of a rank, scaled by the job's NCCL_BUFFSIZE (the constant is per default buffer size).
+    ``stage_has_moe`` False: the rank's pipeline stage holds no MoE layer (no expert-parallel communicators)."""
     buff = L.env_dict.get("NCCL_BUFFSIZE")
     scale = int(buff) / NCCL_DEFAULT_BUFFSIZE if buff and buff.isdigit() else 1.0
-    return len(nccl_communicators(L)) * scale
+    return len(nccl_communicators(L, stage_has_moe)) * scale
+
+
+def _stage_has_moe(run: CalibrationRun, o: Observation) -> bool:
+    """Whether the observed rank's stage holds an MoE layer (decoder or MTP), as the estimator decides it."""
+    L = run.layout
+    if L.moe is None:
+        return True
+    st = stage(run, o, DEFAULT_SITE)
+    return any(kind.mlp == MLP_MOE and n for c in st.chunks for kind, n in c.kind_runs) or (
+        st.pp_rank == L.pp - 1 and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE)
 
 
 def _coefficients(run: CalibrationRun, o: Observation, site: SiteConstants, names: Sequence[str],
@@ -133,7 +146,7 @@ def reserved_rows(runs: Sequence[CalibrationRun]) -> list[Row]:
 
 def device_rows(runs: Sequence[CalibrationRun]) -> list[Row]:
     """Rows of the device level: measured device used = reserved then + CUDA context + communicators x NCCL buffers."""
-    return [Row(run.name, float(o.device_used), float(o.reserved), (1.0, communicators(run.layout)))
+    return [Row(run.name, float(o.device_used), float(o.reserved), (1.0, communicators(run.layout, _stage_has_moe(run, o))))
             for run in runs for o in run.observations if o.device_used and o.reserved]
 
 

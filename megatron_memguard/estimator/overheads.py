@@ -70,8 +70,19 @@ def cublas_workspace_bytes(L: Layout, gpu_name: str | None, site: SiteConstants 
     return CUBLAS_DEFAULT_BYTES
 
 
-def nccl_communicators(L: Layout) -> list[str]:
-    """The communicators Megatron's training uses on a rank and that NCCL gives buffers."""
+# The expert-parallel communicators (EP: the token dispatcher's; EXPERT-DP: the expert gradients' and the expert
+# optimizer's). PyTorch creates a group's NCCL communicator, and NCCL its channel buffers, at the first collective
+# on it (Megatron's init_process_group passes no device_id, so no eager init: megatron/training/initialize.py,
+# core 0.19.2; parallel_state.py says so too, 0.16.1 and 0.19.2). Only MoE layers dispatch over EP, and the DDP
+# expert buffers and the expert optimizer exist only for expert parameters (distributed_data_parallel.py,
+# optimizer/__init__.py ``if len(moe_param_groups) > 0``, 0.16.1 and 0.19.2): a stage without MoE layers never
+# runs a collective on either group.
+MOE_COMMUNICATORS = ("EP", "EXPERT-DP")
+
+
+def nccl_communicators(L: Layout, stage_has_moe: bool = True) -> list[str]:
+    """The communicators Megatron's training uses on a rank and that NCCL gives buffers;
+    ``stage_has_moe`` False: a pipeline stage of an MoE model without MoE layers."""
     comms = []
     if L.tp > 1:
         comms.append("TP")
@@ -82,7 +93,7 @@ def nccl_communicators(L: Layout) -> list[str]:
     if L.cp > 1:
         comms.append("CP")
     m = L.moe
-    if m is not None:
+    if m is not None and stage_has_moe:
         # the token dispatcher's group (ETP x EP, or EP for alltoall) and the expert gradients' group
         if m.ep * m.etp > 1:
             comms.append("EP")
@@ -91,14 +102,14 @@ def nccl_communicators(L: Layout) -> list[str]:
     return comms
 
 
-def nccl_bytes(L: Layout, site: SiteConstants | None = None) -> tuple[int, str]:
+def nccl_bytes(L: Layout, site: SiteConstants | None = None, stage_has_moe: bool = True) -> tuple[int, str]:
     buff = NCCL_DEFAULT_BUFFSIZE
     m = L.env_dict.get("NCCL_BUFFSIZE")
     if m and m.isdigit():
         buff = int(m)
     per = NCCL_CHANNELS * 2 * NCCL_DEFAULT_BUFFSIZE if site is None else site.nccl_per_communicator
     per = per * buff // NCCL_DEFAULT_BUFFSIZE
-    comms = nccl_communicators(L)
+    comms = nccl_communicators(L, stage_has_moe)
     return per * len(comms), ", ".join(comms) or "none"
 
 
@@ -136,7 +147,21 @@ def stage_fixed_terms(L: Layout, fixed: tuple[Term, ...], stage_has_moe: bool) -
     if L.moe is None or stage_has_moe:
         return fixed
     drop = MOE_RANK_TERMS | ({"te_workspace"} if L.transformer_impl != "transformer_engine" else set())
-    return tuple(t for t in fixed if t.name not in drop)
+    out = []
+    for t in fixed:
+        if t.name in drop:
+            continue
+        if t.name == "nccl_buffers":
+            # the same bytes per communicator, without the expert-parallel groups this stage never uses
+            every, dense = nccl_communicators(L), nccl_communicators(L, stage_has_moe=False)
+            if len(dense) < len(every):
+                if not dense:
+                    continue
+                per_detail = t.detail.rsplit(" (", 1)[0]
+                t = Term(t.name, t.bytes // len(every) * len(dense), t.group, t.level,
+                         f"{per_detail} ({', '.join(dense)}; no MoE layer here: no {', '.join(c for c in every if c not in dense)})")
+        out.append(t)
+    return tuple(out)
 
 
 def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None = None) -> list[Term]:

@@ -250,6 +250,11 @@ def flags_from_mapping(mapping: Mapping[str, Any]) -> list[str]:
             # take one value (--moe-layer-freq "[1,0,1]", a Python expression) keep it whole
             argv.append(flag)
             argv.extend(x.strip("'\"") for x in re.split(r"[\s,]+", v[1:-1]) if x.strip("'\""))
+        elif isinstance(v, str) and (flag_table().get(flag) or [None, None])[1] == "list" and len(v.split()) > 1:
+            # a list written as plain words ("core_attn mlp"): the CI launcher joins MODEL_ARGS into one
+            # command line that the shell splits into words, so each word is one value of the nargs flag
+            argv.append(flag)
+            argv.extend(v.split())
         else:
             argv.extend([flag, str(v)])
     return argv

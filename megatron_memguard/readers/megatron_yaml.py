@@ -1,6 +1,7 @@
 """Megatron-LM functional-test ``model_config.yaml``: flags under MODEL_ARGS, environment under ENV_VARS.
 
-Values are written as the launcher passes them (``true`` = a bare flag); ``${VAR}`` placeholders are
+Values are written as the launcher passes them (``true`` = a bare flag; a list flag's values as
+``"[a b]"`` or as plain words ``a b``, which the shell splits); ``${VAR}`` placeholders are
 filled from ENV_VARS and the caller's environment where possible; unresolved ones are harmless for
 memory-neutral flags (paths) and an error for flags memguard reads.
 """

@@ -203,7 +203,27 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         else:
             b.set("tokenizer_type", "NeMoTokenizer", "tokenizer")
             b.origin["vocab_size"] = "tokenizer"
+    _grad_reduce_dtype(b)
+    if b.args.get("attention_backend") == "local" and b.args.get("transformer_impl", "transformer_engine") != "local":
+        # NeMo 2.5's GPTConfig keeps the TE spec's core attention (it does not swap in megatron-core's
+        # DotProductAttention as Megatron-Bridge does), and LanguageModule sets NVTE_FLASH/FUSED/UNFUSED_ATTN=0
+        # for the local backend (language_module.py, 0.16.1 and 0.19.2): TE's DotProductAttention then has no
+        # backend and raises at the first forward (TE 2.11 dot_product_attention.py)
+        b.problem(b.origin.get("attention_backend", "attention_backend"),
+                  "local needs the local layer spec in NeMo 2 (Transformer Engine's attention finds no backend "
+                  "with NVTE_*_ATTN=0)", "use attention_backend unfused, or the local transformer_layer_spec")
     return b.build()
+
+
+def _grad_reduce_dtype(b: ArgsBuilder) -> None:
+    """``grad_reduce_in_fp32: false`` reduces in the parameter dtype (megatron-core
+    distributed_data_parallel.py: ``torch.float if grad_reduce_in_fp32 else param.dtype``, 0.16.1 and
+    0.19.2). Read before the dtype is known it stands as --grad-reduce-in-bf16; on an fp16 / fp32 job it
+    is the absence of fp32 accumulation, not a bf16 reduction."""
+    if b.args.get("grad_reduce_in_bf16") and not as_bool(b.args.get("bf16", False)):
+        key = b.origin.pop("grad_reduce_in_bf16", "grad_reduce_in_fp32")
+        b.args.pop("grad_reduce_in_bf16")
+        b.set("accumulate_allreduce_grads_in_fp32", False, key)
 
 
 def _ddp(b: ArgsBuilder, ddp: Mapping, key: str) -> None:

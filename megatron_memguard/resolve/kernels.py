@@ -34,6 +34,11 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         # local: megatron-core's DotProductAttention asserts context_parallel_size == 1
         a.fail("attention_backend", f"{backend} has no context parallelism (context-parallel size {cp}): only "
                "Transformer Engine's flash and fused attention implement it", "use --attention-backend auto")
+    elif backend == "local" and not ctx.legacy and a.key("attention_backend").startswith("--") and (
+            not a.get("spec") or _first(a.get("spec")) != "local"):
+        # core 0.19.2 megatron/training/arguments.py validate_args: ``assert args.spec[0] == 'local'``
+        # (Bridge configs do not pass validate_args: its GPT provider swaps the core attention)
+        a.fail("attention_backend", "local is only supported with --spec local (megatron-core 0.19 validate_args)")
     add_bias = a.bool_arg("add_bias_linear", True)
     add_qkv_bias = a.bool_arg("add_qkv_bias", False) or add_bias
     bias_gelu = a.bool_arg("bias_gelu_fusion", True) and add_bias
@@ -45,6 +50,13 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
     return dict(transformer_impl=impl, attention_backend=backend, add_bias_linear=add_bias, add_qkv_bias=add_qkv_bias,
                 bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion,
                 use_transformer_engine_op_fuser=op_fuser(a, kw, impl))
+
+
+def _first(v: Any) -> str:
+    """The first word of a list flag given as a list or as text."""
+    if isinstance(v, (list, tuple)):
+        return str(v[0]) if v else ""
+    return str(v).strip("[] ").split()[0] if str(v).strip("[] ") else ""
 
 
 def op_fuser(a: Args, kw: Mapping[str, Any], impl: str) -> bool:

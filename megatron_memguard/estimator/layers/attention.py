@@ -71,11 +71,16 @@ def attention_kind(L: Layout) -> str:
     local_fused_softmax (its fused scale-mask-softmax kernel), te_unfused (TE's
     UnfusedDotProductAttention) or fused (flash / cuDNN: no s x s tensors)."""
     x = shapes(L)
-    if L.transformer_impl == "local":
+    # --attention-backend local swaps the TE spec's core attention for megatron-core's own
+    # DotProductAttention (core 0.19.2 training/models/gpt.py; Megatron-Bridge 0.6.2 gpt_provider.py
+    # does the same; NeMo 2.5 does not, and its reader refuses the pair) and sets
+    # NVTE_FLASH/FUSED/UNFUSED_ATTN=0 (language_module.py), so it keeps what the local spec's
+    # attention keeps, not what TE's UnfusedDotProductAttention keeps
+    if L.transformer_impl == "local" or L.attention_backend == "local":
         kernel = (L.masked_softmax_fusion and L.params_dtype in ("bf16", "fp16") and 16 < x.s <= 4096
                   and x.s % 4 == 0 and (x.b * x.a_t) % 4 == 0)
         return "local_fused_softmax" if kernel else "local_unfused"
-    if L.attention_backend in ("unfused", "local"):
+    if L.attention_backend == "unfused":
         return "te_unfused"
     return "fused"
 
