@@ -1,4 +1,5 @@
-"""The pre-allocation decision, taken inside Megatron's ``validate_args`` before it runs for real.
+"""The pre-allocation decision, taken inside Megatron's ``validate_args`` (``validate_yaml`` for
+``--yaml-cfg`` runs) before it runs for real.
 
 1. Megatron's own ``validate_args`` runs on a deep copy of the raw arguments with its output
    silenced (it is not idempotent: it deletes deprecated attributes). If it rejects them, memguard
