@@ -71,10 +71,12 @@ class ConfigErrors(MemguardError):
 class NotModelledError(MemguardError):
     """A setting changes memory in a way memguard does not model yet: refuse rather than guess."""
 
-    def __init__(self, key: str, what: str):
+    def __init__(self, key: str, what: str, fix: str | None = None):
         self.key = key
         self.what = what
-        super().__init__(f"{key}: {what} is not modelled yet; memguard will not guess its memory")
+        self.fix = fix
+        super().__init__(f"{key}: {what} is not modelled yet; memguard will not guess its memory"
+                         + (f" ({fix})" if fix else ""))
 
 
 class ReaderError(MemguardError):

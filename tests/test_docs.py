@@ -277,6 +277,8 @@ def test_readme_recipe_names_estimate_or_are_refused_as_it_says(capsys):
         out = capsys.readouterr()
         if name in refused:
             assert code == 2 and "moe_flex_dispatcher_backend" in out.err and "hybridep" in out.err, (name, out.err)
+            # the README's workaround is in the error
+            assert "--set model.moe_flex_dispatcher_backend=deepep" in out.err, (name, out.err)
         else:
             assert code in (0, 1) and out.out.startswith("{"), (name, out.err)
 

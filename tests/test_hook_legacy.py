@@ -270,18 +270,20 @@ def test_runtime_wrappers_survive_restart_and_report_oom(legacy, tmp_path, capsy
     assert "rank 0 (pp0) ran out of GPU memory" in err and "= peak allocated" in err
 
 
-def test_yaml_run_has_no_decision_left_from_an_earlier_run(legacy, capsys):
+def test_yaml_run_has_no_decision_left_from_an_earlier_run(legacy, monkeypatch, tmp_path, capsys):
     import argparse
     legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
     assert legacy.hook.STATE.decision is not None
-    capsys.readouterr()
+    legacy.gv.unset_global_variables()
     # a --yaml-cfg run in the same process (in-process restart, tests): its monitor must not predict from the old layout
-    yaml_args = argparse.Namespace(rank=0, memguard="warn", memguard_threshold=0.8, memguard_gpu_memory=None,
-                                   memguard_log_interval=None, memguard_log_dir=None, memguard_reset_peak=False,
-                                   memguard_allow_recompute=False)
-    assert legacy.initialize.validate_yaml(yaml_args, {}) is yaml_args
+    _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING, "--memguard", "off")
     assert legacy.hook.STATE.decision is None
-    assert "--yaml-cfg: memguard does not read YAML-built arguments yet" in capsys.readouterr().out
+    # a namespace that is not what load_yaml returns: validate_yaml is left to report it, no decision
+    ns = argparse.Namespace(rank=0, yaml_cfg=None)
+    assert legacy.initialize.validate_yaml.__memguard_original__ is not None
+    with pytest.raises(AttributeError):
+        legacy.initialize.validate_yaml(ns, {})
+    assert legacy.hook.STATE.decision is None
 
 
 def test_site_profile_reaches_the_check(legacy, capsys, tmp_path, monkeypatch):
@@ -329,3 +331,99 @@ def test_moe_warn_shows_the_worst_case(legacy, capsys):
     d = legacy.hook.STATE.decision
     assert d.layout.moe is not None and d.layout.expert_model_parallel_size == 8
     assert "[memguard]" in out
+
+
+# -- --yaml-cfg runs: initialize_megatron -> initialize.validate_yaml (wrapped) -> set_global_variables ----------
+def _yaml_run(legacy, monkeypatch, tmp_path, yaml_flags, *command_line):
+    """The job of ``yaml_flags`` written as a --yaml-cfg file (tests/yaml_cfg_dump.py), started with
+    ``--yaml-cfg FILE *command_line``."""
+    from yaml_cfg_dump import write_yaml_cfg
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in yaml_flags]])
+    path = write_yaml_cfg(tmp_path / "gpt_config.yaml", legacy.arguments.parse_args())
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--yaml-cfg", path, *[str(f) for f in command_line]])
+    legacy.initialize.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, allow_no_cuda=True,
+                                          skip_mpu_initialization=True)
+    return legacy.gv.get_args(), path
+
+
+NOT_FITTING = ("--micro-batch-size", 4, "--tensor-model-parallel-size", 2)
+
+
+def test_yaml_run_warns_with_the_terms_of_memguard_estimate(legacy, monkeypatch, tmp_path, capsys):
+    from megatron_memguard import estimate, layout_from_flags
+    args, path = _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING)
+    out = capsys.readouterr().out
+    assert "[memguard] WARNING" in out and "WILL NOT FIT" in out
+    d = legacy.hook.STATE.decision
+    assert d.action == "warned" and (args.micro_batch_size, args.pipeline_model_parallel_size) == (4, 1)
+    # `memguard estimate --gpus 16 -- --yaml-cfg FILE` for the hook's era and GPU
+    cli = estimate(layout_from_flags(["--yaml-cfg", path], world_size=16, megatron_version=d.megatron_version),
+                   gpu=d.gpu, gpu_memory=d.gpu_memory)
+    assert [s.breakdown for s in cli.stages] == [s.breakdown for s in d.estimate.stages]
+
+
+def test_yaml_run_decides_as_the_flag_run(legacy, monkeypatch, tmp_path, capsys):
+    _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING, "--memguard", "report")
+    from_yaml = legacy.hook.STATE.decision.estimate
+    legacy.gv.unset_global_variables()
+    legacy.run(*NOT_FITTING, "--memguard", "report")
+    from_flags = legacy.hook.STATE.decision.estimate
+    assert [s.breakdown for s in from_yaml.stages] == [s.breakdown for s in from_flags.stages]
+
+
+def test_yaml_abort(legacy, monkeypatch, tmp_path, capsys):
+    from megatron_memguard.megatron import ABORT_EXIT_CODE
+    monkeypatch.setenv("MEMGUARD", "abort")
+    with pytest.raises(SystemExit) as e:
+        _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING)
+    assert e.value.code == ABORT_EXIT_CODE
+    assert "[memguard] ABORT: stage pp0 needs" in capsys.readouterr().out
+    assert legacy.gv._GLOBAL_ARGS is None
+
+
+def test_yaml_autotune_reaches_what_megatron_uses_next(legacy, monkeypatch, tmp_path, capsys):
+    from megatron.core.num_microbatches_calculator import get_micro_batch_size, get_num_microbatches
+    args, _ = _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING, "--memguard", "autotune")
+    out = capsys.readouterr().out
+    # Llama-3.1-8B, 8k tokens, TP2 on 16 H100s: docs/hook.md's autotune example
+    assert "[memguard] autotune changed micro_batch_size 4 -> 1, pipeline_model_parallel_size 1 -> 2" in out
+    assert (args.micro_batch_size, args.pipeline_model_parallel_size, args.global_batch_size) == (1, 2, 32)
+    assert args.model_parallel.pipeline_model_parallel_size == 2 and args.data_parallel_size == 4
+    assert get_micro_batch_size() == 1 and get_num_microbatches() == 8
+
+
+def test_yaml_memguard_keys_in_the_file(legacy, monkeypatch, tmp_path, capsys):
+    """A memguard key in the YAML file counts when the flag is not on the command line; a bad one is an
+    argument error naming the key."""
+    import yaml
+    from yaml_cfg_dump import yaml_cfg_doc
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in NOT_FITTING]])
+    doc = yaml_cfg_doc(legacy.arguments.parse_args(), {"memguard": "abort", "memguard_threshold": 7})
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--yaml-cfg", str(p)])
+    with pytest.raises(SystemExit) as e:
+        legacy.initialize.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: memguard_threshold (--yaml-cfg" in err and "must be in (0, 1.5]" in err
+    doc["memguard_threshold"] = 0.8
+    p.write_text(yaml.safe_dump(doc))
+    with pytest.raises(SystemExit) as e:
+        legacy.initialize.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
+    assert e.value.code == 3 and "[memguard] ABORT" in capsys.readouterr().out   # memguard: abort from the file
+
+
+def test_yaml_settings_bug_lets_the_run_go_on(legacy, monkeypatch, tmp_path, capsys):
+    """Failure policy: an exception inside memguard while reading a YAML run's settings is reported once
+    and training goes on unchecked."""
+    import megatron_memguard.megatron.hook as hook_mod
+
+    def broken(args, argv=None):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(hook_mod, "yaml_settings_namespace", broken)
+    monkeypatch.setattr(legacy.hook.STATE.error, "logged", False)   # reported once per process
+    before = legacy.hook.STATE.errors
+    args, _ = _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING, "--memguard", "abort")
+    assert args.micro_batch_size == 4 and legacy.hook.STATE.decision is None and legacy.hook.STATE.errors == before + 1
+    assert "[memguard] internal error in reading the --memguard settings of a --yaml-cfg run" in capsys.readouterr().err

@@ -105,8 +105,11 @@ def test_flex_dispatcher_deepep_group_sizes():
     assert errors == [] and spec.moe_token_dispatcher_type == "flex" and spec.moe_flex_dispatcher_num_sms == 20
     spec, _ = _read(num_experts=8, moe_enable_deepep=True)                    # the deprecated switch
     assert spec.moe_token_dispatcher_type == "flex"
-    with pytest.raises(NotModelledError, match="--moe-flex-dispatcher-backend"):
+    with pytest.raises(NotModelledError, match="--moe-flex-dispatcher-backend") as e:
         _read(num_experts=4, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+    # the workaround README gives, in the input's own spelling, on the same line
+    assert "(--moe-flex-dispatcher-backend deepep estimates the run with DeepEP)" in str(e.value)
+    assert "\n" not in str(e.value)
     # across nodes: DeepEP's tuned group sizes (deep-ep 1.0.0 Buffer.get_dispatch_config) are modelled, others refused
     spec, errors = _read({"world_size": 16}, num_experts=16, expert_model_parallel_size=16, moe_token_dispatcher_type="flex")
     assert errors == [] and spec.ep == 16

@@ -197,3 +197,63 @@ def test_oom_reserved_slack_counts_cuda_graph_pools():
     assert ok.term != "allocator_fragmentation"           # was blamed: frag + pool > 1.05 frag
     bad = blame(event(2 * (frag + pool)), estimate(L, gpu=H100), 0, True)
     assert (bad.term, bad.level) == ("allocator_fragmentation", "reserved") and "CUDA graph pools" in bad.why
+
+
+# -- which Megatron printed the table (report/megatron_era.py) ---------------------------------------------------
+_MARKERS_019 = ("freeze_all_layers", "override_ckpt_iteration", "yarn_beta_fast", "dataloader_inter_document_masking",
+                "logits_save_dir")
+_MARKERS_018 = ("cuda_graph_modules", "fp4_param_gather", "muon_nesterov")
+
+
+def _start_without(tmp_path, names, memory_lines=()):
+    """START's table without the arguments ``names``: the table an older parser, which lacks them, prints."""
+    lines = [l for l in open(START).read().splitlines() if not any(l.startswith(f"  {n} ") for n in names)]
+    p = tmp_path / "train.log"
+    p.write_text("\n".join(lines + list(memory_lines)) + "\n")
+    return p
+
+
+def test_era_of_megatrons_real_table(tmp_path):
+    from megatron_memguard.report.megatron_era import era_of_table
+    # 0.19.2's own table: the arguments megatron-core 0.19.0 added (absent from the 0.17.0 / 0.18.0 wheels'
+    # megatron/training and megatron/core) are there
+    g = era_of_table(read_megatron_logs(START).args)
+    assert g.version == "0.19" and "freeze_all_layers" in g.reason
+    # the table without 0.19's arguments: 0.18's; without 0.18's too: 0.17's (hybrid_layer_pattern, which
+    # shared/reference/megatron.md lists as absent in 0.16.1); without that: 0.16
+    log = read_megatron_logs(str(_start_without(tmp_path, _MARKERS_019)))
+    assert era_of_table(log.args).version == "0.18"
+    assert era_of_table(read_megatron_logs(str(_start_without(tmp_path, _MARKERS_019 + _MARKERS_018))).args).version == "0.17"
+    g = era_of_table(read_megatron_logs(str(_start_without(tmp_path, _MARKERS_019 + _MARKERS_018 +
+                                                                      ("hybrid_layer_pattern",)))).args)
+    assert g.version == "0.16" and "none of" in g.reason
+    # some of one release's arguments without the others: no release has that table
+    g = era_of_table(read_megatron_logs(str(_start_without(tmp_path, _MARKERS_019[:2]))).args)
+    assert g.version is None and "no release matches" in g.reason
+    # an excerpt (or a cut-off table) proves nothing by what it lacks, but the newest markers still count
+    few = {k: None for k in list(read_megatron_logs(START).args)[:50]}
+    assert era_of_table(few).version is None and "only 50 arguments" in era_of_table(few).reason
+    assert era_of_table(set(few) | set(_MARKERS_019)).version == "0.19"
+    assert era_of_table(set(few) | set(_MARKERS_018), complete=True).version is None
+    assert era_of_table(read_megatron_logs(START).args, complete=False).version == "0.19"
+
+
+def test_report_predicts_an_older_table_with_its_eras_rules(tmp_path):
+    """A 0.16-era table (none of the later arguments) is predicted with core 0.16's rules: NullTokenizer adds
+    an EOD token there (vocabulary 128257, padded to 128512 for TP 2), so the embedding and output layer
+    are larger than 0.19's 128256; --megatron-version overrides."""
+    L16 = resolve(raw_from_log(read_megatron_logs(START)), world_size=16, megatron_version="0.16")
+    est16 = estimate(L16, gpu=H100, dp_rank=0)
+    est19 = estimate(layout(), gpu=H100, dp_rank=0)
+    assert (L16.padded_vocab_size, est19.layout.padded_vocab_size) == (128512, 128256)
+    mem = [report_memory(r, "(after 1 iterations)", *stage_values(est16, pp_rank_of(r, L16)),
+                         stage_values(est16, pp_rank_of(r, L16))[2]) for r in dp0_ranks(2, 2, 4)]
+    log = _start_without(tmp_path, _MARKERS_019 + _MARKERS_018 + ("hybrid_layer_pattern",), mem)
+    doc = json.loads(_report(str(log), "--gpu", "H100-80GB", "--json").stdout)
+    assert [x["predicted_peak_allocated"] for x in doc["ranks"]] == [est16.stages[x["pp_rank"]].peak_allocated_bytes
+                                                                    for x in doc["ranks"]]
+    assert any("megatron-core 0.16 rules assumed: its argument table has none of" in n for n in doc["notes"])
+    doc = json.loads(_report(str(log), "--gpu", "H100-80GB", "--json", "--megatron-version", "0.19").stdout)
+    assert [x["predicted_peak_allocated"] for x in doc["ranks"]] == [est19.stages[x["pp_rank"]].peak_allocated_bytes
+                                                                    for x in doc["ranks"]]
+    assert any("megatron-core 0.19 rules (--megatron-version)" in n for n in doc["notes"])

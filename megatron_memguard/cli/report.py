@@ -79,6 +79,22 @@ def job_env(pairs: Sequence[str]) -> dict[str, str]:
     return env
 
 
+def megatron_era(ns: argparse.Namespace, log: Any) -> tuple[str | None, str]:
+    """(the Megatron version whose rules apply, why): --megatron-version, else what the log's argument
+    table tells (report/megatron_era.py), else memguard's default."""
+    from ..report.megatron_era import era_of_table
+    from ..resolve import DEFAULT_MEGATRON_VERSION
+
+    if ns.megatron_version:
+        return ns.megatron_version, f"megatron-core {ns.megatron_version} rules (--megatron-version)"
+    guess = era_of_table(log.args, log.args_complete)
+    if guess.version is not None:
+        return guess.version, (f"megatron-core {guess.version} rules assumed: {guess.reason} "
+                               "(--megatron-version overrides)")
+    return None, (f"megatron-core {DEFAULT_MEGATRON_VERSION} rules assumed (the default): {guess.reason}; "
+                  "give --megatron-version for an older run")
+
+
 def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool]:
     """(raw config, estimate, tp-pp-dp rank order) for a Megatron log: the configuration from --config / --model /
     flags, else from the log's argument table."""
@@ -93,7 +109,9 @@ def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> t
     env = job_env(ns.env)
     if env:
         raw = dataclasses.replace(raw, env={**raw.env, **env})
-    layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=ns.megatron_version,
+    version, why = megatron_era(ns, log)
+    log.notes.append(why)
+    layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=version,
                      vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
     est = estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=0,
@@ -182,4 +200,4 @@ def _oom_only(ns: argparse.Namespace, mlog: Any, forensics: list[Any]) -> int:
     return EXIT_PROBLEM
 
 
-__all__ = ["run", "build_parser", "EXIT_BAD_INPUT", "is_jsonl_run", "job_env", "megatron_prediction"]
+__all__ = ["run", "build_parser", "EXIT_BAD_INPUT", "is_jsonl_run", "job_env", "megatron_era", "megatron_prediction"]

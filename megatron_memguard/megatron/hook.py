@@ -11,7 +11,7 @@ purpose                                       config-container era (>= 0.18)  le
 pre-allocation decision                       arguments.validate_args         initialize.validate_args
                                               (parse_and_validate_args)       (imported by name) and
                                                                               arguments.validate_args
-``--yaml-cfg`` path (check only)              yaml_arguments.validate_yaml    initialize.validate_yaml
+``--yaml-cfg`` pre-allocation decision        yaml_arguments.validate_yaml    initialize.validate_yaml
 monitor set-up (after mpu, around the build)  training.setup_model_and_optimizer (both)
 per-iteration sample                          training.training_log (both; iteration is its 4th argument)
 end-of-training summary, OOM report           training.train (both) + torch's CUDA OOM observer
@@ -33,6 +33,7 @@ from .._integration import attach_oom_observer, default_source, is_oom, parallel
 from .._integration import build_monitor as build_rank_monitor
 from ..runtime.reporting import ErrorReporter
 from .preflight import PREFIX, Decision, MemguardAbort, decide
+from .yaml_args import assign_yaml, is_yaml_namespace, yaml_settings_namespace
 
 if TYPE_CHECKING:
     from ..runtime.monitor import MemoryMonitor
@@ -178,55 +179,58 @@ def _wrap_flags(original):
 
 
 # -- pre-allocation ----------------------------------------------------------------------------------------
-def _read_settings(args) -> Settings:
+def _read_settings(args, yaml: bool = False) -> Settings:
     from ..errors import ConfigError
     try:
-        return settings_from_args(args)
-    except ConfigError as e:  # a bad MEMGUARD_* value while the flags were not added to the parser
+        return settings_from_args(yaml_settings_namespace(args) if yaml else args)
+    except ConfigError as e:  # a bad MEMGUARD_* value while the flags were not added to the parser (or in a YAML file)
         STATE.emit_error(f"pretrain_gpt.py: error: {e}")
         raise SystemExit(2) from None
+
+
+def _checked(original, args, defaults, a, k, settings: Settings, *, assign=setattr, validator="validate_args"):
+    """The pre-allocation decision, then Megatron's own validation with the decision's updates applied."""
+    STATE.settings = settings
+    if settings.mode == "off":
+        STATE.decision = None
+        return original(args, defaults, *a, **k)
+    decision = None
+    try:
+        decision = decide(args, defaults, lambda ns, d: original(ns, d, *a, **k), settings,
+                          megatron_version=STATE.megatron_version, emit=STATE.emit, assign=assign, validator=validator)
+    except Exception as e:
+        STATE.error("the pre-allocation check", e)
+    STATE.decision = decision
+    if decision is not None and decision.action == "abort":
+        raise MemguardAbort(decision.message, decision)
+    if decision is not None and decision.updates:
+        for key, value in decision.updates.items():
+            assign(args, key, value)
+    return original(args, defaults, *a, **k)
 
 
 def _wrap_validate(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}, *a, **k):  # noqa: B006 (Megatron's own signature)
-        settings = _read_settings(args)
-        STATE.settings = settings
-        if settings.mode == "off":
-            STATE.decision = None
-            return original(args, defaults, *a, **k)
-        decision = None
-        try:
-            decision = decide(args, defaults, lambda ns, d: original(ns, d, *a, **k), settings,
-                              megatron_version=STATE.megatron_version, emit=STATE.emit)
-        except Exception as e:
-            STATE.error("the pre-allocation check", e)
-        STATE.decision = decision
-        if decision is not None and decision.action == "abort":
-            raise MemguardAbort(decision.message, decision)
-        if decision is not None and decision.updates:
-            for key, value in decision.updates.items():
-                setattr(args, key, value)
-        return original(args, defaults, *a, **k)
+        return _checked(original, args, defaults, a, k, _read_settings(args))
     return validate_args
 
 
 def _wrap_validate_yaml(original):
+    """``--yaml-cfg``: the same decision as for flag-built arguments, on the namespace ``load_yaml``
+    returned, before ``validate_yaml`` builds the merged namespace Megatron uses next (yaml_args.py)."""
     @functools.wraps(original)
     def validate_yaml(args, defaults={}, *a, **k):  # noqa: B006
-        result = original(args, defaults, *a, **k)
-        STATE.decision = None  # no pre-allocation check for YAML-built arguments (nor one left from an earlier run)
+        if not is_yaml_namespace(args):  # not load_yaml's shape: validate_yaml will say what is wrong
+            STATE.decision = None
+            return original(args, defaults, *a, **k)
         try:
-            settings = settings_from_args(result if result is not None else args)
-            STATE.settings = settings
-            if settings.mode != "off":
-                rank0 = int(getattr(result, "rank", 0) or 0) == 0
-                if rank0:
-                    STATE.emit(f"{PREFIX} --yaml-cfg: memguard does not read YAML-built arguments yet; no pre-allocation "
-                               "check (the runtime monitor still runs, without predictions)")
-        except Exception as e:
-            STATE.error("the YAML check", e)
-        return result
+            settings = _read_settings(args, yaml=True)
+        except Exception as e:  # memguard's fault: the run goes on unchecked
+            STATE.error("reading the --memguard settings of a --yaml-cfg run", e)
+            STATE.decision = None
+            return original(args, defaults, *a, **k)
+        return _checked(original, args, defaults, a, k, settings, assign=assign_yaml, validator="validate_yaml")
     return validate_yaml
 
 

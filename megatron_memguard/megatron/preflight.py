@@ -1,4 +1,5 @@
-"""The pre-allocation decision, taken inside Megatron's ``validate_args`` before it runs for real.
+"""The pre-allocation decision, taken inside Megatron's ``validate_args`` (``validate_yaml`` for
+``--yaml-cfg`` runs) before it runs for real.
 
 1. Megatron's own ``validate_args`` runs on a deep copy of the raw arguments with its output
    silenced (it is not idempotent: it deletes deprecated attributes). If it rejects them, memguard
@@ -56,11 +57,13 @@ def silenced() -> Iterator[None]:
 
 
 def dry_run(validate: Callable, args: Any, defaults: Mapping[str, Any] | None,
-            updates: Mapping[str, Any] | None = None) -> BaseException | None:
-    """Run ``validate`` on a copy of ``args`` (with ``updates``); return its exception, or None if it passes."""
+            updates: Mapping[str, Any] | None = None,
+            assign: Callable[[Any, str, Any], None] = setattr) -> BaseException | None:
+    """Run ``validate`` on a copy of ``args`` (with ``updates``, set by ``assign``); return its exception,
+    or None if it passes."""
     ns = copy.deepcopy(args)
     for k, v in (updates or {}).items():
-        setattr(ns, k, v)
+        assign(ns, k, v)
     try:
         with silenced():
             validate(ns, copy.deepcopy(dict(defaults or {})))
@@ -91,8 +94,11 @@ def _settings_line(settings: Settings, gpu: GpuSpec | None, mem: int | None, sou
 
 def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, settings: Settings, *,
            megatron_version: str | None, environ: Mapping[str, str] | None = None,
-           emit: Callable[[str], None] | None = None) -> Decision:
-    """Take the pre-allocation decision for ``args`` (the raw arguments, before validation)."""
+           emit: Callable[[str], None] | None = None,
+           assign: Callable[[Any, str, Any], None] = setattr, validator: str = "validate_args") -> Decision:
+    """Take the pre-allocation decision for ``args`` (the raw arguments, before validation). ``assign``
+    sets an argument update where ``validate`` reads it (a ``--yaml-cfg`` namespace has sections);
+    ``validator`` names ``validate`` in messages."""
     environ = os.environ if environ is None else environ
     rank = getattr(args, "rank", None)
     rank0 = int(rank if rank is not None else (environ.get("RANK") or 0)) == 0
@@ -102,9 +108,13 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
         out.append(text)
 
     d = Decision(mode=settings.mode, action="skipped", megatron_version=megatron_version)
-    err = dry_run(validate, args, defaults)
+    def check(updates: Mapping[str, Any] | None = None) -> BaseException | None:
+        return dry_run(validate, args, defaults, updates, assign)
+    check.validator = validator  # type: ignore[attr-defined]
+
+    err = check()
     if err is not None:
-        d.reason = f"Megatron's validate_args rejects the arguments ({_describe_exc(err)}); it will report it"
+        d.reason = f"Megatron's {validator} rejects the arguments ({_describe_exc(err)}); it will report it"
         return d
 
     # GPU memory of this rank's device (or the flag).
@@ -155,29 +165,29 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
             f"{c.device_total_bytes / est.gpu_memory_bytes:.0%} of {format_bytes(est.gpu_memory_bytes)}, over the "
             f"{settings.threshold:.0%} threshold")
         say(render(est, colour=False))
-        say(_suggestion(raw, est, d.gpu, settings, megatron_version, args, defaults, validate))
+        say(_suggestion(raw, est, d.gpu, settings, megatron_version, check))
         say(f"{PREFIX} aborting on every rank before any GPU memory is allocated (--memguard abort, exit code "
             f"{ABORT_EXIT_CODE}); --memguard warn trains anyway, --memguard autotune applies a layout that fits")
     elif settings.mode == "autotune":
-        _autotune(d, raw, est, settings, megatron_version, args, defaults, validate, say)
+        _autotune(d, raw, est, settings, megatron_version, check, say)
     d.message = "\n".join(out)
     if rank0 and d.message:
         (emit or print)(d.message)
     return d
 
 
-def _accept(validate, args, defaults):
+def _accept(check: Callable[[Mapping[str, Any]], BaseException | None]):
     def accept(updates: Mapping[str, Any]) -> str | None:
-        e = dry_run(validate, args, defaults, updates)
-        return f"Megatron's validate_args rejects it ({_describe_exc(e)})" if e is not None else None
+        e = check(updates)
+        return f"Megatron's {getattr(check, 'validator', 'validate_args')} rejects it ({_describe_exc(e)})" if e is not None else None
     return accept
 
 
-def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, args, defaults, validate) -> str:
+def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, check) -> str:
     try:
         r = autotune(raw, original=est, megatron_version=version, gpu=gpu, gpu_memory=est.gpu_memory_bytes,
                      threshold=settings.threshold, allow_recompute=settings.allow_recompute,
-                     accept=_accept(validate, args, defaults))
+                     accept=_accept(check))
     except Exception as e:  # a suggestion is a courtesy
         return f"{PREFIX} (no suggestion: {_describe_exc(e)})"
     if r.chosen is None:
@@ -188,10 +198,10 @@ def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, args, defa
             f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
 
 
-def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, args, defaults, validate, say) -> None:
+def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, check, say) -> None:
     r = autotune(raw, original=est, megatron_version=version, gpu=d.gpu, gpu_memory=d.gpu_memory,
                  threshold=settings.threshold, allow_recompute=settings.allow_recompute,
-                 accept=_accept(validate, args, defaults))
+                 accept=_accept(check))
     d.autotune = r
     if r.chosen is not None:
         d.action = "tuned"

@@ -152,6 +152,7 @@ class MegatronLog:
     args_text: dict[str, str] = field(default_factory=dict)
     args_file: str | None = None
     args_tables: int = 0
+    args_complete: bool = True    # False: the table is cut off (no 'end of arguments' line)
     iterations: list[int] = field(default_factory=list)
     train_iters: int | None = None
     theoretical_mib: tuple[float, float, float] | None = None
@@ -253,6 +254,7 @@ def _read_one(path: str, log: MegatronLog) -> None:
                 log.args_text = table
                 log.args = {k: arg_value(v) for k, v in table.items()}
                 log.args_file = path
+                log.args_complete = True
                 continue
             m = _ARG.search(line)
             if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
@@ -288,6 +290,7 @@ def _read_one(path: str, log: MegatronLog) -> None:
             ooms.append((n, line, _rank_of_prefix(line)))
     if in_args:
         log.notes.append(f"{path}: the argument table is cut off (no 'end of arguments' line); read as far as it goes")
+        log.args_complete = False
         log.args_text, log.args, log.args_file = table, {k: arg_value(v) for k, v in table.items()}, path
     m = _FILE_RANK.search(os.path.basename(path))
     file_rank = next(iter(file_ranks)) if len(file_ranks) == 1 else (int(m.group(1)) if m else None)

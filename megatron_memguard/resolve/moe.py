@@ -98,9 +98,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
             # fused_a2a.py init_hybrid_ep_buffer (0.19.2) passes the hidden size, T and E/EP to deep_ep's
             # HybridEPBuffer, which sizes its buffers in its own runtime (not in megatron-core nor in the
             # deep-ep package on PyPI): their bytes are unknown
-            raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
-                                   "the flex dispatcher's hybridep backend (HybridEPBuffer sizes its buffers inside "
-                                   "DeepEP's hybrid-ep runtime)")
+            key = r.key("moe_flex_dispatcher_backend")
+            raise NotModelledError(key, "the flex dispatcher's hybridep backend (HybridEPBuffer sizes its buffers inside "
+                                   "DeepEP's hybrid-ep runtime)", _deepep_instead(key))
         if backend != "deepep":
             raise NotModelledError(r.key("moe_flex_dispatcher_backend"),
                                    f"the flex dispatcher's {backend[:20]} backend (its buffers)")
@@ -348,3 +348,14 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
             a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
                    "with a GLU activation")
     return True
+
+
+def _deepep_instead(key: str) -> str:
+    """The workaround for a refused HybridEP backend, spelled as the input spells the key: the DeepEP
+    backend, which memguard models (same dispatcher, its own buffers)."""
+    path = key.split(" (", 1)[0]
+    if path.startswith("--"):
+        return f"{path} deepep estimates the run with DeepEP"
+    if path.startswith(("language_model.", "model_parallel.")):   # Megatron's --yaml-cfg file
+        return f"{path}: deepep in the file estimates the run with DeepEP"
+    return f"--set {path}=deepep estimates the run with DeepEP"
