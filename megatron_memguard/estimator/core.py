@@ -544,9 +544,19 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     by_stage, last = L._chunks_by_stage, L.pp - 1
     # bucket_size_for: None but for the first chunk of rank 0 with --overlap-grad-reduce
     first_bucket = bucket_size_for(L, by_stage[0][0]) if L.pp and by_stage.get(0) else None
-    return tuple([_StageShape((tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                                        first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
-                               r == 0, r == last), r) for r in range(L.pp)])
+    # stages with equal keys get the same object: later lookups (estimate's preps, _stage_prep's cache) match
+    # it by identity instead of comparing the nested keys
+    made: dict[tuple, _StageShape] = {}
+    out = []
+    for r in range(L.pp):
+        key = (tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
+                       first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
+               r == 0, r == last)
+        shape = made.get(key)
+        if shape is None:
+            shape = made[key] = _StageShape(key, r)
+        out.append(shape)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
