@@ -159,7 +159,9 @@ def find_files(paths: Sequence[str]) -> list[str]:
     from .files import collect
 
     def in_dir(p: str) -> list[str]:
-        return sorted(glob.glob(os.path.join(p, FILE_GLOB))) or sorted(glob.glob(os.path.join(p, "*.jsonl")))
+        def files(pattern: str) -> list[str]:   # (a named pipe or directory by that name would block or fail)
+            return sorted(f for f in glob.glob(os.path.join(p, pattern)) if os.path.isfile(f))
+        return files(FILE_GLOB) or files("*.jsonl")
 
     return collect(paths, in_dir, lambda p: f"{p}: no {FILE_GLOB} files in this directory (the hook writes them "
                    "with --memguard-log-dir DIR or MEMGUARD_LOG_DIR)", missing="no such directory")
