@@ -30,7 +30,7 @@ MAX_LINE = 2**20                                   # characters of one record li
 METRIC_LABELS = {"max_allocated": "peak allocated", "max_reserved": "peak reserved", "device_used": "device used"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     iteration: int
     actual: dict[str, int | None]
@@ -62,6 +62,7 @@ class RankRun:
     summary: dict[str, Any] | None = None
     segments: int = 1          # run segments in the file
     segment: str = "last"      # which this is: "last" or "all"
+    _memo: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- comparisons ------------------------------------------------------------------------------
     def predicted(self, metric: str) -> int | None:
@@ -80,18 +81,25 @@ class RankRun:
 
     def peak(self, metric: str) -> int | None:
         """The largest actual value over the samples."""
-        vals = [s.value(metric) for s in self.samples if s.value(metric) is not None]
-        return max(vals) if vals else None
+        key = ("peak", metric, len(self.samples))
+        if key not in self._memo:
+            vals = [v for s in self.samples if (v := s.actual.get(metric)) is not None]
+            self._memo[key] = max(vals) if vals else None
+        return self._memo[key]
 
     def ratio(self, metric: str) -> float | None:
         """Largest actual / predicted over the samples (each sample against its own prediction)."""
-        best = None
-        for s in self.samples:
-            a, p = s.value(metric), s.prediction(metric)
-            if a is not None and p:
-                r = a / p
-                best = r if best is None or r > best else best
-        return best
+        # remembered per number of samples: the report asks ~80 times, and a log may hold 10**6 samples
+        key = ("ratio", metric, len(self.samples))
+        if key not in self._memo:
+            best, pk = None, PREDICTED_OF[metric]
+            for s in self.samples:
+                a, p = s.actual.get(metric), s.predicted.get(pk)
+                if a is not None and p:
+                    r = a / p
+                    best = r if best is None or r > best else best
+            self._memo[key] = best
+        return self._memo[key]
 
     def error(self, metric: str) -> float | None:
         """Relative error of the prediction: actual peak / predicted - 1 (positive: under-predicted)."""
