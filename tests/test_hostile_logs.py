@@ -55,3 +55,22 @@ def test_negative_zero_is_zero():
     o = run_memguard(["report", "--json", "run.log"], {"run.log": ARGS + line + "\n"}, cpu_limit=2.0)
     import json
     assert not o.problems and json.loads(o.out)["ranks"][0]["actual_max_allocated"] == 0, o.describe()
+
+
+def test_runtime_jsonl_with_fifty_thousand_samples_and_a_restart():
+    # memguard's own JSONL: a restarted job (two segments) of 25,000 samples each; the last segment is
+    # reported, its planted peak (41 GiB at one iteration) exact, and the earlier segment is counted
+    import json
+    from fuzz_util import RUNLOG
+    start, sample = RUNLOG[0], json.loads(json.dumps(RUNLOG[1]))
+    lines = []
+    for seg in range(2):
+        lines.append(json.dumps(start))
+        for i in range(25_000):
+            sample["iteration"] = i
+            sample["actual"]["max_allocated"] = 41 * GiB if (seg, i) == (1, 777) else 30 * GiB
+            lines.append(json.dumps(sample))
+    o = run_memguard(["report", "--json", "."], {"memguard-rank00000.jsonl": "\n".join(lines) + "\n"}, cpu_limit=10.0)
+    assert not o.problems, o.describe()
+    r = json.loads(o.out)["ranks"][0]
+    assert (r["samples"], r["segments"], r["actual_max_allocated"]) == (25_000, 2, 41 * GiB)

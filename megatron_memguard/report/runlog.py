@@ -243,6 +243,8 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
     """One rank's file. ``run``: ``last`` (the last start-to-end segment) or ``all``. Returns None for a
     file without records."""
     segments: list[list[tuple[int, dict]]] = [[]]
+    dropped = 0                  # earlier segments read past (run == "last")
+    last_pred: Any = None
     rank: int | None = None
     try:
         f = open(path, encoding="utf-8", errors="replace")  # binary garbage: a bad line, not a traceback
@@ -301,13 +303,28 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
                     bad(n, "sample without an 'actual' object")
                     continue
             if event == "start" and segments[-1]:
-                segments.append([])
+                if run == "last":
+                    segments[-1] = []     # (only the last segment is read: an earlier one is not kept)
+                    dropped += 1
+                else:
+                    segments.append([])
+            if event == "sample":
+                # a file may hold 10**6 samples: keep what the report reads, with one copy of a prediction
+                # that does not change (2.7 GB -> a few hundred MB)
+                pred = rec.get("predicted")
+                if pred is not None and pred == last_pred:
+                    pred = last_pred
+                last_pred = pred
+                rec = {"event": "sample", "iteration": rec["iteration"], "actual": rec["actual"], "predicted": pred,
+                       **({"pp_rank": rec["pp_rank"]} if "pp_rank" in rec else {})}
             segments[-1].append((n, rec))
     if rank is None:
         return None
     chosen = [x for seg in segments for x in seg] if run == "all" else segments[-1]
-    out = RankRun(rank=rank, path=path, segments=len(segments), segment=run)
-    for n, rec in chosen:
+    out = RankRun(rank=rank, path=path, segments=len(segments) + dropped, segment=run)
+    memo: tuple[Any, Any] = (None, None)      # (a prediction object read, its byte counts)
+    for i, (n, rec) in enumerate(chosen):
+        chosen[i] = None           # type: ignore[call-overload]  # (the raw record is read once: let it go)
         ev = rec["event"]
         try:
             pp_rank = _field(rec, "pp_rank", _int)
@@ -329,7 +346,10 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
             elif ev == "sample":
                 actual = _bytes_dict(rec["actual"], ("allocated", "reserved", *METRICS), "actual")
                 pred = rec.get("predicted") or {}
-                predicted = _bytes_dict(pred, ("peak_allocated", "peak_reserved", "device_total", "persistent"), "predicted")
+                if pred is not memo[0]:
+                    memo = (pred, _bytes_dict(pred, ("peak_allocated", "peak_reserved", "device_total", "persistent"),
+                                              "predicted"))
+                predicted = memo[1]
                 out.samples.append(Sample(rec["iteration"], actual, predicted, n))
             elif ev in ("warning", "oom"):
                 # the numbers the report draws and prints
