@@ -121,3 +121,25 @@ def test_runtime_jsonl_to_a_named_pipe_does_not_stall_training(tmp_path):
 def test_read_bytes_bounds_a_device():
     with pytest.raises(ReaderError, match="^/dev/urandom: larger than 1 MiB"):
         files.read_text("/dev/urandom")
+
+
+@pytest.mark.parametrize("cwd, words", [("pipe.yaml", "--cwd: is not a directory"), ("missing", "--cwd: no such directory")])
+def test_check_cwd_that_is_not_a_directory(hostile, cwd, words):
+    # was ignored (exit 0) whenever the launch named no relative file
+    o = run_memguard(["check", "--cwd", str(hostile / cwd), "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
+                      *SMALL], wall_limit=20)
+    assert not o.problems and o.code == 2 and words in o.err.splitlines()[0], o.describe()
+
+
+def test_memguard_log_dir_variable_that_is_a_file(tmp_path, monkeypatch, capsys):
+    # the hook's flags: MEMGUARD_LOG_DIR naming a file is one error line (rank 0) and no JSONL, not an abort
+    import argparse
+    from megatron_memguard.megatron.flags import add_arguments
+    (tmp_path / "f").write_text("")
+    monkeypatch.delenv("RANK", raising=False)
+    ns = add_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"), environ={"MEMGUARD_LOG_DIR": str(tmp_path / "f")}
+                       ).parse_args([])
+    assert ns.memguard_log_dir is None
+    lines = [x for x in capsys.readouterr().err.splitlines() if "MEMGUARD_LOG_DIR" in x]
+    assert len(lines) == 1 and lines[0].startswith("[memguard] error: MEMGUARD_LOG_DIR=") and \
+        lines[0].endswith("exists and is not a directory; no JSONL files are written (training continues)"), lines
