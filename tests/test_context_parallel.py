@@ -117,3 +117,19 @@ def test_long_context_keeps_q_and_one_kv_buffer_per_layer(tp, cp):
     la = layer_activations(L, True)
     assert la.saved["query_rope"] + la.saved["cp_kv_buffer"] == q + 2 * kv1
     assert "qkv_output" not in la.saved
+
+
+@pytest.mark.parametrize("backend", ["unfused", "local"])
+def test_attention_backends_without_context_parallelism_are_refused(backend):
+    """CP 4 with --attention-backend unfused: TE's get_attention_backend disables UnfusedDotProductAttention under
+    context parallelism (TE 2.11 attention/dot_product_attention/utils.py, 'does not support context
+    parallelism') and the backend's NVTE_* variables switch flash and fused off, so the first forward raises;
+    'local' builds megatron-core's DotProductAttention, which asserts context_parallel_size == 1. A one-line
+    error naming the flag, not an estimate of a job that cannot run. CP 1 (or the auto backend) stays estimated."""
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(flags(cp=4) + ["--attention-backend", backend], world_size=8)
+    text = str(e.value)
+    assert text.startswith("--attention-backend:") and "context parallelism" in text and "\n" not in text
+    assert layout_from_flags(flags(cp=1) + ["--attention-backend", "unfused"], world_size=2).cp == 1
+    assert layout_from_flags(flags(cp=4) + ["--attention-backend", "auto"], world_size=8).cp == 4

@@ -91,3 +91,30 @@ def test_deterministic_mode_refuses_other_cublas_workspaces_since_0_19():
     with pytest.raises(ConfigError, match="--deterministic-mode: needs CUBLAS_WORKSPACE_CONFIG"):
         layout_from_flags(flags, world_size=8, env={"CUBLAS_WORKSPACE_CONFIG": ":1024:2"})
     assert layout_from_flags(flags, world_size=8, megatron_version="0.16", env={"CUBLAS_WORKSPACE_CONFIG": ":1024:2"})
+
+
+def test_moe_only_workspaces_stay_off_a_stage_without_moe_layers():
+    """An MoE model whose first pipeline stage holds only dense layers (--moe-layer-freq ([0]*2+[1]*2), PP 2):
+    TE allocates its multi-stream grouped-GEMM workspaces on the first grouped GEMM (cpp_extensions/gemm.py
+    get_cublas_workspace, TE 2.11) and DeepEP its buffer on the first dispatch (moe/fused_a2a.py get_buffer,
+    core 0.19.2), so only the MoE stage holds them: 4 x (32 MiB + 1 KiB) on an H100, and DeepEP's buffer."""
+    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
+             "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--pipeline-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "1000", "--bf16", "--disable-bias-linear", "--position-embedding-type", "rope",
+             "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
+             "--moe-ffn-hidden-size", "256", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "flex",
+             "--moe-flex-dispatcher-backend", "deepep", "--moe-layer-freq", "([0]*2+[1]*2)"]
+    est = estimate(layout_from_flags(flags, world_size=8), gpu=lookup_gpu("H100-80GB"))
+    dense_stage, moe_stage = (s.breakdown for s in est.stages)
+    assert moe_stage["te_grouped_gemm_workspaces"] == 4 * (32 * 2**20 + 1024)
+    assert moe_stage["deepep_buffer"] > 0
+    assert "te_grouped_gemm_workspaces" not in dense_stage and "deepep_buffer" not in dense_stage
+    # every MoE layer on one stage, or an MTP layer (the last decoder layer's kind) there: both stages hold them
+    for extra in (["--moe-layer-freq", "1"], ["--moe-layer-freq", "([1]*2+[0]*1+[1]*1)"]):
+        est = estimate(layout_from_flags(flags[:-2] + extra, world_size=8), gpu=lookup_gpu("H100-80GB"))
+        assert all(s.breakdown["te_grouped_gemm_workspaces"] == 4 * (32 * 2**20 + 1024) for s in est.stages)
+    mtp = flags[:-2] + ["--moe-layer-freq", "([1]*2+[0]*1+[1]*1)", "--pipeline-model-parallel-layout", "Etttt|mL",
+                        "--mtp-num-layers", "1"]
+    est = estimate(layout_from_flags(mtp, world_size=8), gpu=lookup_gpu("H100-80GB"))
+    assert est.stages[1].num_layers == 0 and est.stages[1].breakdown["te_grouped_gemm_workspaces"] > 0

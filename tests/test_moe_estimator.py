@@ -143,6 +143,8 @@ def test_saved_and_held_bytes_equal_the_referee_per_layer():
         s = c["settings"]
         if "moe" in (s.get("recompute_modules") or []):
             continue
+        if s.get("overlap_moe_expert_parallel_comm"):
+            continue   # combined 1F1B bypasses schedules.forward_step: no per-micro-batch phase labels
         L, m = _resolved(name)
         for r in c["ranks"]:
             if " L" in r["peak_phase"]:
@@ -171,6 +173,20 @@ def test_recompute_moe_keeps_only_the_dispatcher_state():
     # the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 = 4 layers x 524,288)
     assert a.total == 0 and a.held == 3 * 512 * 4 + 4 * 512 * 256
     assert (149_496_824 - 147_399_672) // 4 == 4 * 512 * 256
+
+
+def test_a2a_overlap_keeps_each_moe_layers_input_and_its_gradient():
+    # --overlap-moe-expert-parallel-comm (combined 1F1B, fine_grained_callables.py 0.16.1 / 0.19.2):
+    # dispatch_preprocess runs inside the layer's first schedule node, whose input is a detached leaf; the
+    # probs the alltoall dispatcher holds until the layer's next forward keep that leaf (via its
+    # AccumulateGrad node) and the gradient accumulated into it. Referee, same flags with and without the
+    # overlap: 149,496,824 - 147,399,672 B after the step on both ranks = 4 MoE layers x 2 x [s, b, h] bf16
+    L, m = _resolved("moe_ep2_a2a_overlap")
+    assert m.overlap_moe_expert_parallel_comm and m.moe_token_dispatcher_type == "alltoall"
+    assert moe_activations(L, m).held == 3 * 512 * 4 + 2 * 2 * 512 * 256
+    plain, ovlp = _referee()["moe_ep2_alltoall"], _referee()["moe_ep2_a2a_overlap"]
+    for a, b in zip(plain["ranks"], ovlp["ranks"]):
+        assert b["live_bytes_after_step"] - a["live_bytes_after_step"] == 4 * 2 * 2 * 512 * 256
 
 
 # ---- the worst case next to the estimate ---------------------------------------------------------------

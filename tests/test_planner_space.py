@@ -123,5 +123,9 @@ def test_no_context_parallelism_with_megatrons_local_attention():
     assert {c.cp for c in enumerate_space(te.shape, te.cluster, 512, Constraints())} == {1, 2, 4, 8}
     from megatron_memguard.errors import ConfigError
     from megatron_memguard.planner.space import make_candidate
-    with pytest.raises(ConfigError, match="context parallelism needs --transformer-impl transformer_engine"):
+    with pytest.raises(ConfigError, match="context parallelism needs Transformer Engine's flash or fused attention"):
         make_candidate(local.shape, local.cluster, 512, tp=2, cp=2)
+    # TE's unfused attention has no CP either (TE 2.11 get_attention_backend; resolve/kernels.py refuses it)
+    unfused = make_planner(LLAMA31_8B + ["--attention-backend", "unfused"], 64, 8192, 512)
+    assert {c.cp for c in enumerate_space(unfused.shape, unfused.cluster, 512, Constraints())} == {1}
+    assert any("--attention-backend unfused: context parallelism is left out" in n for n in unfused.notes)

@@ -75,6 +75,8 @@ MOE_GRID: List[Dict[str, Any]] = [
     _moe("moe_ep2_capacity_pad", 2, ["--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
                                      "1.0", "--moe-pad-expert-input-to-capacity"],
          note="drop-and-pad: N fixed by the capacity"),
+    _moe("moe_ep2_a2a_overlap", 2, ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"],
+         note="combined 1F1B expert all-to-all overlap (2 micro-batches; CUDA streams are no-ops on CPU)"),
     _moe("moe_ep2_recompute_moe", 2, ["--moe-token-dispatcher-type", "alltoall"],
          ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"]),
     _moe("moe_tp2_sp_ep2", 4, ["--moe-token-dispatcher-type", "alltoall"],

@@ -289,6 +289,12 @@ def install(tracker=None) -> None:
     torch.cuda.stream = lambda s=None: _NullCtx()
     torch.cuda.current_stream = lambda *a, **k: _DummyStream()
     torch.cuda.default_stream = lambda *a, **k: _DummyStream()
+    # --overlap-moe-expert-parallel-comm (pipeline_parallel/utils.py ScheduleNode, fine_grained_callables.py):
+    # NVTX ranges around each node and record_stream of tensors handed between the compute and comm
+    # streams; neither allocates
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, *a, **k: None
 
     # -- Tensor.cuda / Module.cuda -------------------------------------------------------------
     # get_model's model_module.cuda(...), language_module.py weight.data.cuda(), data .cuda():

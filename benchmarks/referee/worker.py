@@ -340,6 +340,12 @@ def make_forward_step(args, tracker, phase_state):
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+        if return_schedule_plan:
+            # --overlap-moe-expert-parallel-comm: combined_1f1b asks for the model's schedule plan instead of
+            # its output, as pretrain_gpt.py's forward_step does
+            plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
+                                             loss_mask=loss_mask)
+            return plan, partial(loss_func, loss_mask, model=model)
         output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
         return output_tensor, partial(loss_func, loss_mask, model=model)
 

@@ -26,7 +26,8 @@ from .layers import mixer_recipe
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
-from .overheads import dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes
+from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
+                        stage_fixed_terms)
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -615,7 +616,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     # state); during it only where _simulate placed them.
     retained = tuple(t for t in buffers if t.name == "pipeline_inputs_retained")
     buffers = [t for t in buffers if t.name != "pipeline_inputs_retained"]
-    fixed = _fixed_terms(L, gpu_name, site) if device == "gpu" else ()
+    has_moe = any(kind.mlp == MLP_MOE and n for c in chunks for kind, n in c.kind_runs) or (
+        has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE)
+    fixed = stage_fixed_terms(L, _fixed_terms(L, gpu_name, site), has_moe) if device == "gpu" else ()
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     if device == "gpu":
         p2p, count = p2p_in_flight_bytes(L)

@@ -123,6 +123,22 @@ def te_workspace_bytes(gpu_name: str | None, site: SiteConstants | None = None) 
     return 32 * MiB + 1024 if _hopper_or_newer(gpu_name) else 4 * MiB
 
 
+# Fixed terms that only a rank running an MoE layer allocates: TE's multi-stream workspaces on the first grouped
+# GEMM (cpp_extensions/gemm.py get_cublas_workspace, TE 2.11), DeepEP's buffers on the first dispatch
+# (megatron/core/transformer/moe/fused_a2a.py get_buffer, 0.19.2); under the local implementation TE's
+# workspace serves only the router's GEMM.
+MOE_RANK_TERMS = frozenset({"te_grouped_gemm_workspaces", "deepep_buffer", "deepep_rdma_buffer"})
+
+
+def stage_fixed_terms(L: Layout, fixed: tuple[Term, ...], stage_has_moe: bool) -> tuple[Term, ...]:
+    """The fixed terms of one pipeline stage: an MoE model's stage without an MoE layer (dense first layers of
+    ``--moe-layer-freq``, an uneven split) never makes what only its MoE layers would."""
+    if L.moe is None or stage_has_moe:
+        return fixed
+    drop = MOE_RANK_TERMS | ({"te_workspace"} if L.transformer_impl != "transformer_engine" else set())
+    return tuple(t for t in fixed if t.name not in drop)
+
+
 def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None = None) -> list[Term]:
     """``site``: the site constants (None: memguard's defaults, estimator/site.py)."""
     ws = cublas_workspace_bytes(L, gpu_name, site)

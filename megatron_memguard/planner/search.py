@@ -204,6 +204,9 @@ class Planner:
         if self.probe.transformer_impl == "local":
             self.notes.append("--transformer-impl local: context parallelism is left out (megatron-core's local "
                               "attention supports CP = 1 only)")
+        elif self.probe.attention_backend in ("unfused", "local"):
+            self.notes.append(f"--attention-backend {self.probe.attention_backend}: context parallelism is left out "
+                              "(only Transformer Engine's flash and fused attention implement it)")
         if self.probe.tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)

@@ -557,8 +557,9 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
     fsdps = [] if fujii else list(cons.fsdp)
     moe = shape.moe is not None
     for tp in tp_values(shape, cluster, cons):
-        # megatron-core's own attention (--transformer-impl local) asserts CP = 1; only TE's does ring attention
-        for cp in (divisors(world // tp) if shape.transformer_impl != "local" else [1]):
+        # megatron-core's own attention (--transformer-impl local) asserts CP = 1, TE's unfused attention has
+        # none either (resolve/kernels.py); only TE's flash / fused attention does ring attention
+        for cp in (divisors(world // tp) if not shape.unfused_attention else [1]):
             if cp > 1 and s % (2 * cp):
                 continue
             if cons.cp is None and s // cp < MIN_TOKENS_PER_CP_RANK and cp > 1:
@@ -630,9 +631,9 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         raise ConfigError("--explain", f"recompute must be one of {', '.join(RECOMPUTE_LEVELS)}, got {recompute!r}")
     if world % (tp * pp * cp):
         raise ConfigError("--explain", f"{world} GPUs are not divisible by TP*PP*CP = {tp}*{pp}*{cp}")
-    if cp > 1 and shape.transformer_impl == "local":
-        raise ConfigError("--explain", f"cp={cp}: context parallelism needs --transformer-impl transformer_engine "
-                          "(megatron-core's local attention asserts CP = 1)")
+    if cp > 1 and shape.unfused_attention:
+        raise ConfigError("--explain", f"cp={cp}: context parallelism needs Transformer Engine's flash or fused "
+                          "attention (megatron-core's local attention asserts CP = 1; TE's unfused one has none)")
     dp = world // (tp * pp * cp)
     if global_batch_size % (mbs * dp):
         raise ConfigError("--explain", f"global batch size {global_batch_size} is not divisible by MBS*DP = {mbs}*{dp}")

@@ -27,6 +27,13 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
     backend = str(a.get("attention_backend", "auto")).replace("AttnBackend.", "")
     if backend not in ("auto", "flash", "fused", "unfused", "local"):
         a.fail("attention_backend", f"unknown backend {backend!r}")
+    elif impl == "transformer_engine" and cp > 1 and backend in ("unfused", "local"):
+        # unfused: TE's get_attention_backend disables UnfusedDotProductAttention under context parallelism and,
+        # with flash and fused switched off by the backend's NVTE_* variables, DotProductAttention raises "No
+        # dot product attention backend is available" (TE 2.11 attention/dot_product_attention/utils.py);
+        # local: megatron-core's DotProductAttention asserts context_parallel_size == 1
+        a.fail("attention_backend", f"{backend} has no context parallelism (context-parallel size {cp}): only "
+               "Transformer Engine's flash and fused attention implement it", "use --attention-backend auto")
     add_bias = a.bool_arg("add_bias_linear", True)
     add_qkv_bias = a.bool_arg("add_qkv_bias", False) or add_bias
     bias_gelu = a.bool_arg("bias_gelu_fusion", True) and add_bias

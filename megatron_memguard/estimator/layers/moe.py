@@ -282,6 +282,13 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     else:
         # alltoall: self.probs [T, E] and self.routing_map [T, E] held
         held = (p + 1) * T * E
+        if m.overlap_moe_expert_parallel_comm:
+            # combined 1F1B (fine_grained_callables.py, 0.16.1 and 0.19.2): dispatch_preprocess runs in the
+            # layer's first schedule node, whose input is a detached leaf (ScheduleNode._forward), so the held
+            # self.probs keeps an autograd graph ending in that leaf's AccumulateGrad: the layer's input
+            # [T, h] and the gradient accumulated into it stay alive until the layer's next forward
+            # (CPU referee: +2 [T, h] per MoE layer after the step, benchmarks/referee/MOE-NOTES.md)
+            held += 2 * e * T * h
         if m.moe_permute_fusion:
             perm = 4 * T * (2 * E + 1)             # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
         elif drop_pad:

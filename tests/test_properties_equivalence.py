@@ -1,0 +1,644 @@
+"""Metamorphic properties: two ways of writing the same job give the same numbers, and a layout change
+with a known effect moves exactly the terms it should (tests/property_space.py, derandomized)."""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from hypothesis import HealthCheck, assume, given, reject, settings, strategies as st
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.core import chunk_activations
+from megatron_memguard.estimator.params import chunk_numels
+from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
+
+from conftest import CONTAINER_ERA
+from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
+
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def _est(flags: list[str], world: int):
+    return estimate(layout_from_flags(flags, world_size=world, megatron_version="0.19"))
+
+
+def layout(spec):
+    return layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
+
+
+def _numbers(est) -> list[tuple]:
+    """Everything an estimate says per stage: its terms (allocated, reserved, device), levels, phase."""
+    return [(s.pp_rank, s.num_layers, s.parameters, s.persistent_bytes, s.peak_allocated_bytes,
+             s.peak_reserved_bytes, s.device_total_bytes, s.peak_phase, s.in_flight,
+             tuple((t.name, t.bytes, str(t.level)) for t in s.terms)) for s in est.stages]
+
+
+def _drop(flags: list[str], *names: str, values: int = 1) -> list[str]:
+    out, skip = [], 0
+    for f in flags:
+        if skip:
+            skip -= 1
+            continue
+        if f in names:
+            skip = values
+            continue
+        out.append(f)
+    return out
+
+
+def _chunk_counts(spec: Spec) -> dict[tuple[int, int], int]:
+    """Layers of each (pipeline rank, virtual stage), as megatron-core's get_num_layers_to_build splits
+    them: the first / last rank's layers, the rest evenly over the middle ranks, each rank's layers evenly
+    over its virtual stages (transformer_block.py / transformer_config.py)."""
+    pp, v = spec.pp, spec.vpp or 1
+    per = [spec.layers // pp] * pp
+    if spec.first is not None or spec.last is not None:
+        rest, n = spec.layers, pp
+        for x in (spec.first, spec.last):
+            if x is not None:
+                rest, n = rest - x, n - 1
+        per = [rest // n if n else 0] * pp
+        if spec.first is not None:
+            per[0] = spec.first
+        if spec.last is not None:
+            per[-1] = spec.last
+    return {(r, c): per[r] // v for r in range(pp) for c in range(v)}
+
+
+def layout_string(spec: Spec) -> str:
+    """The same split written as --pipeline-model-parallel-layout: stages listed virtual-stage-major
+    (all ranks' first chunk, then all ranks' second, ...), 'E' on the first, 'L' on the last
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    pp, v = spec.pp, spec.vpp or 1
+    counts = _chunk_counts(spec)
+    stages = []
+    for c in range(v):
+        for r in range(pp):
+            s = "t" * counts[(r, c)]
+            if (r, c) == (0, 0):
+                s = "E" + s
+            if (r, c) == (pp - 1, v - 1):
+                s += "L"
+            stages.append(s)
+    return "|".join(stages)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same job written two ways
+
+@PROPERTY
+@given(specs())
+def test_pipeline_layout_string_equals_the_split_flags(spec):
+    """--pipeline-model-parallel-layout spelling out the even / uneven (first/last) / interleaved split
+    gives every stage the same numbers as the split flags."""
+    assume(spec.pp > 1)
+    flags = _drop(spec.flags(), "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--num-virtual-stages-per-pipeline-rank")
+    a = _est(spec.flags(), spec.world)
+    b = _est(flags + ["--pipeline-model-parallel-layout", layout_string(spec)], spec.world)
+    assert _numbers(a) == _numbers(b)
+
+
+@PROPERTY
+@given(specs())
+def test_first_last_flags_equal_to_the_even_split_change_nothing(spec):
+    """--decoder-first/last-pipeline-num-layers equal to the even share is the even split."""
+    assume(spec.pp > 2 and spec.first is None and spec.last is None)
+    per = spec.layers // spec.pp
+    a = _est(spec.flags(), spec.world)
+    for kw in (dict(first=per), dict(last=per), dict(first=per, last=per)):
+        assert _numbers(_est(spec.with_(**kw).flags(), spec.world)) == _numbers(a)
+
+
+@PROPERTY
+@given(specs())
+def test_virtual_stage_flags_are_one_setting(spec):
+    """--num-layers-per-virtual-pipeline-stage n and --num-virtual-stages-per-pipeline-rank
+    (layers per rank / n) are one setting (validate_args); one virtual stage is no interleaving."""
+    assume(spec.first is None and spec.last is None)
+    flags = _drop(spec.flags(), "--num-virtual-stages-per-pipeline-rank")
+    per = spec.layers // spec.pp
+    v = spec.vpp or 1
+    a = _est(spec.flags(), spec.world)
+    assert _numbers(_est(flags + ["--num-layers-per-virtual-pipeline-stage", str(per // v)], spec.world)) == _numbers(a)
+    if spec.vpp is None:
+        assert _numbers(_est(flags + ["--num-virtual-stages-per-pipeline-rank", "1"], spec.world)) == _numbers(a)
+
+
+@PROPERTY
+@given(specs())
+def test_default_sizes_written_out_change_nothing(spec):
+    """TP, PP, CP 1 written or left out; --num-query-groups equal to the heads (MHA as GQA);
+    --expert-model-parallel-size 1 without experts."""
+    a = _numbers(_est(spec.flags(), spec.world))
+    flags = spec.flags()
+    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+        i = flags.index(name)
+        if flags[i + 1] == "1":
+            assert _numbers(_est(flags[:i] + flags[i + 2:], spec.world)) == a, name
+    if spec.groups is None:
+        assert _numbers(_est(spec.with_(groups=spec.heads).flags(), spec.world)) == a
+    assert _numbers(_est(flags + ["--expert-model-parallel-size", "1"], spec.world)) == a
+
+
+@PROPERTY
+@given(moe_specs())
+def test_moe_layer_freq_every_layer_written_four_ways(fs):
+    """--moe-layer-freq unset, 1, [1]*L and the list written out are one pattern: every layer MoE
+    (megatron/training/arguments.py moe_freq_type; TransformerConfig.moe_layer_freq)."""
+    assume(fs.freq is None)
+    n = fs.base.layers
+    a = _numbers(_est(fs.flags(), fs.world))
+    for f in ("1", f"[1]*{n}", f"([1]*{n})", "[" + ",".join(["1"] * n) + "]"):
+        assert _numbers(_est(fs.with_(freq=f).flags(), fs.world)) == a, f
+
+
+# ---------------------------------------------------------------------------------------------------
+# A change with a known effect moves exactly the terms it should
+
+@PROPERTY
+@given(specs(), st.integers(1, 5))
+def test_global_batch_size_without_pipelining_moves_nothing(spec, more):
+    """With PP = 1 the schedule runs one micro-batch at a time (forward_backward_no_pipelining): more
+    micro-batches per step (a larger GBS) accumulate into the same main_grad buffer and hold no more at
+    any moment, so every term and level is the same."""
+    spec = spec.with_(pp=1, first=None, last=None, vpp=None)
+    a = _est(spec.with_(microbatches=1).flags(), spec.world)
+    b = _est(spec.with_(microbatches=1 + more).flags(), spec.world)
+    assert _numbers(a) == _numbers(b)
+
+
+@PROPERTY
+@given(specs())
+def test_recompute_orders_what_a_layer_keeps(spec):
+    """Per micro-batch, the layers of a chunk keep: full recompute of every layer (uniform, 1 layer per
+    group: only each layer's input, tensor_parallel.checkpoint) == full block recompute of all layers
+    <= any selective module set <= no recompute. (Under CP, recomputing 'core_attn' keeps q, k, v that TE's
+    ring attention would not; test_properties documents that exception, so CP 1 here.)"""
+    spec = spec.with_(distribute_saved=False, cp=1, seq=spec.seq // spec.cp, instances=1)
+    none = layout(spec.with_(recompute=()))
+    full = layout(spec.with_(recompute=("full", "uniform", 1)))
+    block = layout(spec.with_(recompute=("full", "block", spec.layers)))
+    sels = [layout(spec.with_(recompute=("selective", m)))
+            for m in (("core_attn",), ("mlp",), ("layernorm",), ("core_attn", "mlp", "layernorm"))]
+    for cn, cf, cb, *cs in zip(none.chunks, full.chunks, block.chunks, *[s.chunks for s in sels]):
+        kept_none = chunk_activations(none, cn).layers
+        kept_full = chunk_activations(full, cf).layers
+        assert chunk_activations(block, cb).layers == kept_full
+        # one checkpointed input per layer: [s, b, h] in the residual dtype (/TP under SP)
+        split = spec.tp if spec.sp else 1
+        assert kept_full == cf.num_layers * (spec.seq * spec.mbs * spec.hidden * (
+            4 if spec.fp32_residual or spec.precision == "fp32" else 2)) // split
+        for L, c in zip(sels, cs):
+            assert kept_full <= chunk_activations(L, c).layers <= kept_none
+
+
+@PROPERTY
+@given(specs())
+def test_untying_adds_the_output_layer_only_without_pipelining(spec):
+    """--untie-embeddings-and-output-weights: with PP = 1 the output layer's [V/TP, h] weight is added to
+    the stage; with PP > 1 the last stage held a tied copy of the embedding already (language_module.py
+    setup_embeddings_and_output_layer), so every stage keeps its count."""
+    a, b = layout(spec.with_(untied=False)), layout(spec.with_(untied=True))
+    pa = [stage_states(a, p).parameters for p in range(a.pp)]
+    pb = [stage_states(b, p).parameters for p in range(b.pp)]
+    if spec.pp == 1:
+        pa[-1] += a.padded_vocab_size * spec.hidden // spec.tp
+    assert pa == pb
+
+
+@PROPERTY
+@given(specs())
+def test_fp32_parameters_double_the_weights_and_drop_the_main_copy(spec):
+    """fp32 vs bf16 training: the weights take 4 bytes instead of 2 (the same buffer), the gradient buffer
+    is fp32 in both (bf16 accumulates and reduces in fp32: validate_args), and fp32 has no separate
+    fp32 main parameters (FP32Optimizer)."""
+    spec = spec.with_(fp32_residual=False)
+    a, b = _est(spec.with_(precision="bf16").flags(), spec.world), _est(spec.with_(precision="fp32").flags(), spec.world)
+    for sa, sb in zip(a.stages, b.stages):
+        assert 2 * sa.breakdown["parameters"] == sb.breakdown["parameters"]
+        assert sa.breakdown["gradient_buffer"] == sb.breakdown["gradient_buffer"]
+        assert sb.breakdown.get("main_parameters", 0) == 0
+
+
+@PROPERTY
+@given(specs(max_layers=12), st.integers(1, 2))
+def test_mtp_layers_go_to_the_last_stage_only(spec, depth):
+    """--mtp-num-layers builds its layers on the last pipeline stage (mtp_on_this_rank without a layout):
+    every earlier stage keeps each term. The last stage gains, per MTP layer (multi_token_prediction.py,
+    core 0.19.2), enorm, hnorm and final_layernorm, eh_proj [h / TP, 2 h] (column-parallel, no bias) and one
+    transformer layer; and with PP > 1 its own embedding [V / TP, h] (gpt_model.py builds it where
+    mtp_process; the output layer keeps its weight off the first stage, tied or not)."""
+    spec = spec.with_(impl="transformer_engine", rope=True)
+    base = FeatureSpec(base=spec)
+    a = _est(base.flags(), spec.world)
+    b = _est(base.flags() + ["--mtp-num-layers", str(depth)], spec.world)
+    assert _numbers(a)[:-1] == _numbers(b)[:-1]
+    h, heads, d, tp = spec.hidden, spec.heads, spec.kv_channels, spec.tp
+    g = spec.groups or heads
+    norm = h * (1 if spec.rmsnorm else 2)
+    fc1 = (2 if spec.swiglu else 1) * spec.ffn
+    sharded = (heads + 2 * g) * d * h + h * heads * d + fc1 * h + h * spec.ffn + (
+        (heads + 2 * g) * d + fc1 if spec.bias else 0)
+    layer = sharded // tp + 2 * norm + (2 * h if spec.bias else 0)
+    embedding = a.layout.padded_vocab_size * h // tp if spec.pp > 1 else 0
+    assert b.stages[-1].parameters - a.stages[-1].parameters == depth * (3 * norm + 2 * h * h // tp + layer) + embedding
+
+
+@PROPERTY
+@given(specs())
+def test_micro_batches_in_flight_follow_megatrons_warmup(spec):
+    """The most (micro-batch, chunk) forwards a rank holds: 1F1B warms up PP - rank - 1 and runs one more,
+    min(PP - rank, M); the interleaved schedule warms up (PP - rank - 1) x 2 + (VPP - 1) x PP chunks
+    (microbatch group size PP) and runs one more unless the warm-up is all M x VPP of them
+    (pipeline_parallel/schedules.py get_pp_rank_microbatches / forward_backward_pipelining_*)."""
+    est = _est(spec.flags(), spec.world)
+    m, p, v = spec.microbatches, spec.pp, spec.vpp or 1
+    for s in est.stages:
+        if v == 1:
+            assert s.in_flight == min(p - s.pp_rank, m)
+        else:
+            warm = min((p - s.pp_rank - 1) * 2 + (v - 1) * p, m * v)
+            assert s.in_flight == warm + (warm < m * v)
+
+
+@PROPERTY
+@given(specs(), st.sampled_from([(True, False), (False, True), (True, True)]))
+def test_embedding_and_loss_slots_equal_their_layout_string(spec, slots):
+    """--account-for-embedding/loss-in-pipeline-split count the embedding (loss) as one layer of the split and
+    build one transformer layer fewer on the first (last) virtual stage (transformer_block.py
+    get_num_layers_to_build): the same as the layout string that puts the layers there."""
+    emb, loss = slots
+    assume(spec.pp > 1 and spec.first is None and spec.last is None)
+    n = spec.layers - emb - loss                  # transformer layers; n + slots is the even split
+    assume(n >= 1)
+    v = spec.vpp or 1
+    s = spec.with_(layers=n)
+    flags = s.flags() + (["--account-for-embedding-in-pipeline-split"] if emb else []) + (
+        ["--account-for-loss-in-pipeline-split"] if loss else [])
+    per = spec.layers // spec.pp // v
+    stages = []
+    for c in range(v):
+        for r in range(spec.pp):
+            k = per - (emb and (r, c) == (0, 0)) - (loss and (r, c) == (spec.pp - 1, v - 1))
+            stages.append(("E" if (r, c) == (0, 0) else "") + "t" * k + ("L" if (r, c) == (spec.pp - 1, v - 1) else ""))
+    other = _drop(s.flags(), "--num-virtual-stages-per-pipeline-rank") + [
+        "--pipeline-model-parallel-layout", "|".join(stages)]
+    assert _numbers(_est(flags, spec.world)) == _numbers(_est(other, spec.world))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same job through the readers
+
+_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+def bridge_run_config(s: Spec) -> dict:
+    """The job as a Megatron-Bridge ConfigContainer dump (flat GPTModelProvider fields, Bridge 0.6.2), with
+    the fields whose Bridge default differs from Megatron-LM's argument default written out (the fusions,
+    the attention mask, vocabulary padding: docs/readers.md)."""
+    m = dict(num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
+             kv_channels=s.kv_channels, num_query_groups=s.groups or s.heads, seq_length=s.seq,
+             max_position_embeddings=s.seq, vocab_size=s.vocab, should_pad_vocab=True, make_vocab_size_divisible_by=128,
+             tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, context_parallel_size=s.cp,
+             virtual_pipeline_model_parallel_size=s.vpp, num_layers_in_first_pipeline_stage=s.first,
+             num_layers_in_last_pipeline_stage=s.last, sequence_parallel=s.sp, gated_linear_unit=s.swiglu,
+             activation_func={"_target_": "torch.nn.functional." + ("silu" if s.swiglu else "gelu"), "_call_": False},
+             normalization="RMSNorm" if s.rmsnorm else "LayerNorm", add_bias_linear=s.bias,
+             position_embedding_type="rope" if s.rope else "learned_absolute",
+             share_embeddings_and_output_weights=not s.untied, hidden_dropout=s.dropout, attention_dropout=s.dropout,
+             fp32_residual_connection=s.fp32_residual, distribute_saved_activations=s.distribute_saved,
+             transformer_impl=s.impl, attention_backend=s.backend, bias_activation_fusion=s.swiglu or s.bias,
+             bias_dropout_fusion=True, apply_rope_fusion=True, cross_entropy_loss_fusion=False,
+             masked_softmax_fusion=True, gradient_accumulation_fusion=True,
+             bf16=s.precision == "bf16", fp16=s.precision == "fp16",
+             params_dtype={"_target_": _DTYPE[s.precision], "_call_": False})
+    if s.recompute:
+        m["recompute_granularity"] = s.recompute[0]
+        if s.recompute[0] == "selective":
+            m["recompute_modules"] = list(s.recompute[1])
+        else:
+            m["recompute_method"], m["recompute_num_layers"] = s.recompute[1], s.recompute[2]
+    doc = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": m,
+           "train": {"micro_batch_size": s.mbs, "global_batch_size": s.mbs * s.dp * s.microbatches},
+           "dataset": {"seq_length": s.seq, "create_attention_mask": True, "skip_getting_attention_mask_from_dataset": False},
+           "optimizer": {"optimizer": s.optimizer, "use_distributed_optimizer": s.dist_opt},
+           "ddp": {"use_distributed_optimizer": s.dist_opt, "num_distributed_optimizer_instances": s.instances,
+                   "overlap_grad_reduce": s.overlap_grad_reduce, "grad_reduce_in_fp32": s.precision != "fp16"},
+           "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": s.vocab}}
+    if s.precision != "fp32":
+        doc["mixed_precision"] = s.precision + "_mixed"
+    return doc
+
+
+def nemo1_config(s: Spec, padded_vocab: int) -> dict:
+    """The job as a NeMo 1 megatron_gpt_config.yaml (NeMo 2.5.0's keys: docs/readers.md), with NeMo's
+    defaults that differ from Megatron-LM's written out; the vocabulary as override_vocab_size (padded)."""
+    m = dict(mcore_gpt=True, transformer_engine=s.impl == "transformer_engine", num_layers=s.layers,
+             hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads, kv_channels=s.kv_channels,
+             num_query_groups=s.groups, encoder_seq_length=s.seq, max_position_embeddings=s.seq,
+             micro_batch_size=s.mbs, global_batch_size=s.mbs * s.dp * s.microbatches,
+             tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, context_parallel_size=s.cp,
+             virtual_pipeline_model_parallel_size=s.vpp, sequence_parallel=s.sp,
+             activation="swiglu" if s.swiglu else "gelu", normalization="rmsnorm" if s.rmsnorm else "layernorm",
+             bias=s.bias, position_embedding_type="rope" if s.rope else "learned_absolute",
+             share_embeddings_and_output_weights=not s.untied, make_vocab_size_divisible_by=128,
+             hidden_dropout=s.dropout, attention_dropout=s.dropout, fp32_residual_connection=s.fp32_residual,
+             megatron_amp_O2=s.precision != "fp32", bias_activation_fusion=s.swiglu or s.bias,
+             bias_dropout_add_fusion=True, masked_softmax_fusion=True, cross_entropy_loss_fusion=False,
+             apply_rope_fusion=True, get_attention_mask_from_fusion=False, gradient_accumulation_fusion=True,
+             overlap_p2p_comm=bool(s.vpp), override_vocab_size=padded_vocab,
+             tokenizer={"library": "megatron", "type": "NullTokenizer"},
+             optim={"name": "mcore_distributed_optim" if s.dist_opt else ("fused_adam" if s.optimizer == "adam" else "sgd"),
+                    "overlap_grad_sync": s.overlap_grad_reduce, "num_distributed_optimizer_instances": s.instances})
+    if s.first is not None:
+        m["num_layers_in_first_pipeline_stage"] = s.first
+    if s.last is not None:
+        m["num_layers_in_last_pipeline_stage"] = s.last
+    if s.recompute:
+        m["activations_checkpoint_granularity"] = s.recompute[0]
+        if s.recompute[0] == "selective":
+            m["recompute_modules"] = list(s.recompute[1])
+        else:
+            m["activations_checkpoint_method"], m["activations_checkpoint_num_layers"] = s.recompute[1], s.recompute[2]
+    return {"trainer": {"devices": s.world, "num_nodes": 1, "precision": {"bf16": "bf16-mixed", "fp16": "16-mixed",
+                                                                           "fp32": 32}[s.precision]}, "model": m}
+
+
+_NEMO2_STRATEGY = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                   "virtual_pipeline_model_parallel_size", "sequence_parallel")
+
+
+def nemo2_config(s: Spec, padded_vocab: int) -> dict:
+    """The job as a NeMo 2 `--to-yaml` export (NeMo 2.5: GPTConfig fields under model.config, the parallel sizes
+    and DDP config under trainer.strategy, MegatronMixedPrecision under trainer.plugins, batch under data,
+    OptimizerConfig under optim.config); the GPTConfig fields as in the Bridge dump, the vocabulary padded
+    (NeMo 2 takes config.vocab_size as it is)."""
+    b = bridge_run_config(s)
+    cfg = {k: v for k, v in b["model"].items() if k not in ("should_pad_vocab", "make_vocab_size_divisible_by",
+                                                            "bf16", "fp16", "params_dtype")}
+    cfg.update(vocab_size=padded_vocab, _target_="nemo.collections.llm.gpt.model.base.GPTConfig")
+    strategy = {k: cfg.pop(k) for k in _NEMO2_STRATEGY}
+    strategy.update(_target_="nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy", ddp={
+        "_target_": "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig",
+        **b["ddp"]})
+    return {"_target_": "nemo.collections.llm.api.pretrain",
+            "model": {"_target_": "nemo.collections.llm.gpt.model.base.GPTModel", "config": cfg},
+            "trainer": {"_target_": "nemo.lightning.pytorch.trainer.Trainer", "devices": s.world, "num_nodes": 1,
+                        "strategy": strategy, "plugins": {
+                            "_target_": "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision",
+                            "precision": {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}[s.precision],
+                            "grad_reduce_in_fp32": s.precision != "fp16"}},
+            "data": {"_target_": "nemo.collections.llm.gpt.data.mock.MockDataModule", "seq_length": s.seq,
+                     "global_batch_size": s.mbs * s.dp * s.microbatches, "micro_batch_size": s.mbs,
+                     "create_attention_mask": True},
+            "optim": {"_target_": "nemo.lightning.pytorch.optim.megatron.MegatronOptimizerModule", "config": {
+                "_target_": "megatron.core.optimizer.optimizer_config.OptimizerConfig", "optimizer": s.optimizer,
+                "use_distributed_optimizer": s.dist_opt, "bf16": s.precision == "bf16", "fp16": s.precision == "fp16"}}}
+
+
+def _read(tmp_path_factory, doc: dict, name: str, world: int):
+    import yaml
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    p = tmp_path_factory.mktemp("cfg") / name
+    p.write_text(yaml.safe_dump(doc))
+    return estimate(resolve(read_config_file(str(p)), world_size=world, megatron_version="0.19"))
+
+
+@PROPERTY
+@given(specs())
+def test_bridge_run_config_estimates_as_the_flags(tmp_path_factory, spec):
+    """A Megatron-Bridge run_config.yaml of the job gives every stage the numbers of the flags."""
+    b = _read(tmp_path_factory, bridge_run_config(spec), "run_config.yaml", spec.world)
+    assert _numbers(b) == _numbers(_est(spec.flags(), spec.world))
+
+
+@PROPERTY
+@given(specs())
+def test_nemo1_config_estimates_as_the_flags(tmp_path_factory, spec):
+    """A NeMo 1 config of the job gives every stage the numbers of the flags. NeMo has no DDP overlap without
+    its distributed optimizer, no --distribute-saved-activations (build_transformer_config sets it off) and
+    no attention_backend key of its own; gradient accumulation fusion as NeMo switches it."""
+    if spec.optimizer == "sgd" and spec.dist_opt:
+        spec = spec.with_(optimizer="adam")
+    spec = spec.with_(backend="auto", distribute_saved=False,
+                      overlap_grad_reduce=spec.overlap_grad_reduce and spec.dist_opt)
+    # NeMo switches gradient accumulation fusion off without O2, and at PP 1 with DP > 1 without its
+    # distributed optimizer (megatron_base_model.py, NeMo 2.5.0)
+    gaf_off = spec.precision == "fp32" or (not spec.dist_opt and spec.pp == 1 and spec.dp > 1)
+    flags = spec.flags() + (["--no-gradient-accumulation-fusion"] if gaf_off else [])
+    a = _est(flags, spec.world)
+    n = _read(tmp_path_factory, nemo1_config(spec, a.layout.padded_vocab_size), "megatron_gpt_config.yaml", spec.world)
+    assert _numbers(n) == _numbers(a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same job through the Megatron hook (megatron-core 0.19.2's own argument parser)
+
+HOOK = settings(PROPERTY, max_examples=max(1, EXAMPLES // 8))
+
+
+def _megatron_args(flags: list[str], world: int):
+    """Megatron-LM's parse_and_validate_args on ``flags`` (pretrain_gpt.py's start-up), or the exception it
+    raises; torch.cuda reports an H100 (what the hook reads for the GPU)."""
+    import contextlib
+    import io
+    import sys
+    from unittest import mock
+
+    import torch
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+
+    from conftest import H100
+    env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0",
+           # Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1
+           "CUDA_DEVICE_MAX_CONNECTIONS": "8" if "--use-megatron-fsdp" in flags else "1"}
+    global_vars.unset_global_variables()
+    try:
+        with mock.patch.dict(os.environ, env), mock.patch.object(sys, "argv", ["pretrain_gpt.py", *flags]), \
+                mock.patch.object(torch.cuda, "get_device_properties", lambda i=None: H100), \
+                contextlib.redirect_stdout(io.StringIO()):
+            return parse_and_validate_args(extra_args_provider=None, args_defaults={})
+    finally:
+        global_vars.unset_global_variables()
+
+
+def _hook_equals_cli(flags: list[str], world: int, te_checks: bool = False) -> None:
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    try:
+        args = _megatron_args(flags, world)
+    except (AssertionError, ValueError) as e:
+        # this machine has no Transformer Engine: Megatron's checks of its version fail here, not on a GPU node
+        if te_checks and re.search(r"(TE|Transformer Engine) >=", str(e)):
+            reject()
+        raise
+    live = estimate(resolve(raw_from_namespace(args), world_size=world))
+    assert _numbers(live) == _numbers(_est(flags, world))
+
+
+TRAINING = ["--lr", "1e-4", "--train-iters", "10", "--mock-data"]
+
+
+@CONTAINER_ERA[0]
+@CONTAINER_ERA[1]
+@HOOK
+@given(specs())
+def test_megatron_accepts_the_dense_space_and_the_hook_estimates_as_the_cli(spec):
+    """Every drawn dense layout passes Megatron-LM's own parse_and_validate_args (core 0.19.2): the space
+    holds only jobs Megatron starts. The layout the hook reads from that validated namespace estimates,
+    stage by stage and term by term, as the same flags through the CLI reader."""
+    _hook_equals_cli(spec.flags() + TRAINING, spec.world)
+
+
+@CONTAINER_ERA[0]
+@CONTAINER_ERA[1]
+@HOOK
+@given(feature_specs())
+def test_hook_estimates_the_feature_space_as_the_cli(fs):
+    """MoE, FP8, MTP, Megatron-FSDP, offload, CUDA graphs through the hook as through the CLI. (What this
+    machine's Megatron cannot parse, a Transformer Engine version check without TE installed, is left out; what memguard
+    refuses by name, e.g. TransformerConfig's rules that parse_and_validate_args does not run, too.)"""
+    flags = fs.flags() + TRAINING
+    try:
+        _est(flags, fs.world)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    _hook_equals_cli(flags, fs.world, te_checks=True)
+
+
+@PROPERTY
+@given(specs(), st.sampled_from([2, 4, 8]))
+def test_tensor_and_sequence_parallelism_divide_every_saved_tensor_of_a_layer(spec, tp):
+    """TP t with sequence parallelism: every tensor a layer keeps for its backward is split t ways, the
+    column/row-parallel outputs by heads / TP and ffn / TP, the residual stream, norms and dropout masks by
+    the SP scatter of the sequence (megatron-core's SP regions; the scores per head). So each saved item of
+    TP 1 is exactly t times that of TP t, for every attention kind, recompute setting and dtype drawn (the
+    shape scaled so that TP 8 divides heads, groups, ffn and s / CP)."""
+    g = None if spec.groups is None else 8 * spec.groups
+    one = spec.with_(tp=1, sp=False, distribute_saved=False, heads=8 * spec.heads, groups=g, ffn=8 * spec.ffn,
+                     seq=8 * spec.seq)
+    a = layer_activations(layout(one)).saved
+    b = layer_activations(layout(one.with_(tp=tp, sp=True))).saved
+    assert set(a) == set(b)
+    assert {k: v for k, v in a.items()} == {k: tp * v for k, v in b.items()}
+
+
+@PROPERTY
+@given(specs())
+def test_distributed_optimizer_padding_is_within_megatrons_alignment(spec):
+    """The distributed optimizer's param/grad buffer pads each parameter's start to 64 elements and each
+    bucket's end to lcm(DP x CP / instances, 128) (param_and_grad_buffer.py, core 0.19.2): per chunk the padding
+    is at most 63 per parameter plus lcm - 1 per bucket, and the padded buffer divides over the ranks."""
+    L = layout(spec.with_(dist_opt=True))
+    n = L.dp_shard_size
+    for p in range(L.pp):
+        for c in L.stage_chunks(p):
+            buf, _ = _chunk_buffer(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
+                                   bucket_size_for(L, c), (0,))
+            params = chunk_numels(L, c)
+            assert buf.params == sum(x for x, _ in params)
+            assert buf.numel % n == 0
+            assert 0 <= buf.numel - buf.numel_unpadded <= len(buf.buckets) * (math.lcm(n, 128) - 1) + 63 * len(params)
+
+
+@PROPERTY
+@given(specs())
+def test_distributed_optimizer_without_data_parallelism_adds_only_its_padding(spec):
+    """With DP x CP = 1 the distributed optimizer's one shard is the whole state (distrib_optimizer.py): the
+    fp32 main parameters and moments are those of the plain optimizer; what changes is the padding of the
+    param and grad buffers (the padded elements times 2 or 4 bytes each) and the allocator slack on top."""
+    spec = spec.with_(dp=1, cp=1, seq=spec.seq // spec.cp, instances=1)
+    off, on = _est(spec.with_(dist_opt=False).flags(), spec.world), _est(spec.with_(dist_opt=True).flags(), spec.world)
+    L = on.layout
+    for p, (a, b) in enumerate(zip(off.stages, on.stages)):
+        st = stage_states(L, p)
+        pad = st.buffer_numel - st.buffer_numel_unpadded
+        assert b.breakdown["parameters"] - a.breakdown["parameters"] == pad * L.param_bytes
+        assert b.breakdown["gradient_buffer"] - a.breakdown["gradient_buffer"] == pad * L.grad_bytes
+        same = set(a.breakdown) - {"parameters", "gradient_buffer", "allocator_fragmentation"}
+        assert {k: a.breakdown[k] for k in same} == {k: b.breakdown.get(k) for k in same}
+        assert a.peak_phase == b.peak_phase
+
+
+@PROPERTY
+@given(feature_specs(), st.integers(1, 3))
+def test_micro_batches_beyond_the_warmup_move_nothing(fs, more):
+    """Once the micro-batches fill the pipeline's warm-up, more of them (a larger GBS) hold no more at any
+    moment: 1F1B keeps min(PP - rank, M) forwards in flight, so every M >= PP is the same; the interleaved
+    schedule warms up (PP - rank - 1) x 2 + (VPP - 1) x PP chunk forwards (schedules.py, group size PP), within
+    2 PP micro-batches' VPP chunks. Every stage's terms, levels and phase are those of M = PP (2 PP)."""
+    b = fs.base
+    assume(b.pp > 1)
+    m = 2 * b.pp if b.vpp else b.pp
+    try:
+        a = _est(fs.with_base(microbatches=m).flags(), fs.world)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    assert _numbers(_est(fs.with_base(microbatches=m + more * b.pp).flags(), fs.world)) == _numbers(a)
+
+
+@PROPERTY
+@given(specs(), st.sampled_from(["uniform", "block"]), st.integers(0, 6))
+def test_full_recompute_keeps_what_its_method_says(spec, method, n):
+    """Full recompute per model chunk of k layers (megatron/core/recompute.py, core 0.19.2): 'uniform' with
+    n checkpoints each run of n layers (the last run clamped), keeping ceil(k / n) checkpoint inputs; 'block'
+    with n checkpoints the first min(n, k) layers and keeps the other layers' activations whole. A checkpoint
+    input is [s/CP, b, h] in the residual dtype, /TP under SP."""
+    n = max(n, 1) if method == "uniform" else n
+    spec = spec.with_(distribute_saved=False)
+    none, rec = layout(spec.with_(recompute=())), layout(spec.with_(recompute=("full", method, n)))
+    ckpt = spec.seq // spec.cp * spec.mbs * spec.hidden * (
+        4 if spec.fp32_residual or spec.precision == "fp32" else 2) // (spec.tp if spec.sp else 1)
+    for cn, cr in zip(none.chunks, rec.chunks):
+        k = cr.num_layers
+        whole = layer_activations(none, cn.has_embedding or cn.has_output).total
+        assert chunk_activations(none, cn).layers == k * whole
+        want = min(n, k) * ckpt + max(0, k - n) * whole if method == "block" else -(-k // n) * ckpt
+        assert chunk_activations(rec, cr).layers == want
+
+
+@PROPERTY
+@given(specs())
+def test_nemo2_export_estimates_as_the_flags(tmp_path_factory, spec):
+    """A NeMo 2 export of the job gives every stage the numbers of the flags."""
+    a = _est(spec.flags(), spec.world)
+    n = _read(tmp_path_factory, nemo2_config(spec, a.layout.padded_vocab_size), "nemo2.yaml", spec.world)
+    assert _numbers(n) == _numbers(a)
+
+
+@PROPERTY
+@given(feature_specs(), st.data())
+def test_one_more_layer_on_a_stage_moves_that_stage_only(fs, data):
+    """One more transformer layer placed on one (rank, virtual stage) by --pipeline-model-parallel-layout:
+    the other ranks build, keep and schedule what they did (every term equal), and that rank's peak does not
+    drop (its chunk keeps one more layer's activations, states and buffers)."""
+    b = fs.base
+    assume(b.pp > 1 and "--mtp-num-layers" not in fs.extra and fs.freq is None)
+    v = b.vpp or 1
+    counts = _chunk_counts(b)
+    rank, chunk = data.draw(st.integers(0, b.pp - 1)), data.draw(st.integers(0, v - 1))
+    more = {**counts, (rank, chunk): counts[(rank, chunk)] + 1}
+
+    def written(c: dict) -> str:
+        return "|".join(("E" if (r, k) == (0, 0) else "") + "t" * c[(r, k)] + ("L" if (r, k) == (b.pp - 1, v - 1) else "")
+                        for k in range(v) for r in range(b.pp))
+    flags = _drop(fs.flags(), "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--num-virtual-stages-per-pipeline-rank", "--num-layers")
+    try:
+        a = _est(flags + ["--num-layers", str(b.layers), "--pipeline-model-parallel-layout", written(counts)], fs.world)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    m = _est(flags + ["--num-layers", str(b.layers + 1), "--pipeline-model-parallel-layout", written(more)], fs.world)
+    for r, (x, y) in enumerate(zip(_numbers(a), _numbers(m))):
+        if r == rank:
+            assert y[4] >= x[4]
+        else:
+            assert x == y
