@@ -251,6 +251,8 @@ def yaml_error(e: yaml.YAMLError, where: str) -> str:
 def json_int(text: str) -> int | str:
     """``json.loads``' ``parse_int``: integers longer than 40 digits stay text (Python refuses more than
     4300 digits, and such a number is out of every range memguard checks)."""
+    if len(text) <= _MAX_INT_DIGITS:     # (the common case, first: a run log holds millions of integers)
+        return int(text)
     return text if len(text.lstrip("-")) > _MAX_INT_DIGITS else int(text)
 
 

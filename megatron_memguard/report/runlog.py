@@ -224,6 +224,9 @@ def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]
     return out
 
 
+_DECODER = json.JSONDecoder(parse_int=json_int)     # one for every line (json.loads builds one per call)
+
+
 def _lines(f: IO[str]) -> Iterator[str | None]:
     """The lines of ``f``; None for a line longer than MAX_LINE characters (read past, not kept)."""
     while True:
@@ -266,7 +269,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line, parse_int=json_int)
+                rec = _DECODER.decode(line)
             except json.JSONDecodeError as e:
                 bad(n, f"not valid JSON ({e.msg} at column {e.colno})")
                 continue
