@@ -74,3 +74,16 @@ def test_runtime_jsonl_with_fifty_thousand_samples_and_a_restart():
     assert not o.problems, o.describe()
     r = json.loads(o.out)["ranks"][0]
     assert (r["samples"], r["segments"], r["actual_max_allocated"]) == (25_000, 2, 41 * GiB)
+
+
+def test_an_argument_table_without_its_end_line_stops_at_the_first_memory_line():
+    # the 'end of arguments' line lost (a garbled or cut log): the memory lines after it were read as
+    # part of the table, and the report said the log had none
+    head = ARGS.replace("end of arguments", "end of argu", 1)
+    log = head + report_memory(0, "(after 10 iterations)", GiB, 2 * GiB, 2 * GiB, 2 * GiB) + "\n"
+    o = run_memguard(["report", "--json", "run.log"], {"run.log": log}, cpu_limit=2.0)
+    import json
+    assert not o.problems and o.code == 1, o.describe()
+    doc = json.loads(o.out)
+    assert doc["ranks"][0]["actual_max_allocated"] == 2 * GiB
+    assert any("the argument table has no 'end of arguments' line before line" in n for n in doc["notes"])

@@ -276,18 +276,24 @@ def _read_one(path: str, log: MegatronLog) -> None:
     ooms: list[tuple[int, str, int | None]] = []
     for n, line in _lines(path):
         if in_args:
-            if ARGS_END.search(line):
+            cut_off = "memory (MB)" in line and MEMORY_RE.search(line) is not None   # training began: the table ended
+            if cut_off or ARGS_END.search(line):
                 in_args = False
                 log.args_text = table
                 log.args = {k: arg_value(v) for k, v in table.items()}
                 log.args_file = path
+                if cut_off:
+                    log.notes.append(f"{path}: the argument table has no 'end of arguments' line before line {n}; "
+                                     "read up to there")
+                else:
+                    continue
+            else:
+                m = _ARG.search(line)
+                if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
+                    table[m.group(1)] = m.group(3)
+                elif (m := _ARG_LONG.search(line)) is not None:
+                    table[m.group(1)] = m.group(2)
                 continue
-            m = _ARG.search(line)
-            if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
-                table[m.group(1)] = m.group(3)
-            elif (m := _ARG_LONG.search(line)) is not None:
-                table[m.group(1)] = m.group(2)
-            continue
         # cheap substring tests first: a log has millions of lines, a few of them ours
         if "arguments --" in line and ARGS_START.search(line):
             in_args, table = True, {}
