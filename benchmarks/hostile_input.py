@@ -2,6 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
+    python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Runs ``memguard`` in-process over a corpus of hostile inputs, every one under 1 MB: issue 14's
 thirteen reproductions; every numeric Megatron flag with every hostile value of tests/fuzz_util.py
@@ -10,7 +11,9 @@ Megatron functional-test, Bridge, NeMo 2, Hugging Face) with every hostile YAML 
 alias bombs, huge numbers) at its shape keys; every hostile shell line in a launch script; every
 hostile JSON value in every run-log field; the largest inputs memguard accepts (1 MB files,
 10,000 YAML values, 2**20 GPUs, 500,000 expert weights per rank, 100 MTP depths); and MoE / MTP /
-TP-overlap inputs (--moe-layer-freq and --tp-comm-overlap-cfg bombs). Prints, per command, the number of runs, how many broke the
+TP-overlap inputs (--moe-layer-freq and --tp-comm-overlap-cfg bombs); hostile files at every path
+argument (a named pipe nobody writes to, /dev/zero, a directory, a symlink loop, UTF-16); Megatron logs
+of 7,000 ranks, an out-of-memory flood and numbers no GPU prints. Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -191,18 +194,112 @@ def feature_cases():
                                                           "--tp-comm-overlap-cfg", "ub.yaml"], {"ub.yaml": text}
 
 
+def hostile_files(d: str) -> dict[str, str]:
+    """Files no config is, made in ``d``: a named pipe nobody writes to, a directory, a symlink loop,
+    UTF-16 text; and /dev/zero, /dev/urandom (endless)."""
+    os.mkfifo(os.path.join(d, "pipe.yaml"))
+    os.mkfifo(os.path.join(d, "ckpt.nemo"))
+    os.mkfifo(os.path.join(d, "out.html"))
+    os.mkdir(os.path.join(d, "dir.yaml"))
+    os.symlink(os.path.join(d, "b.yaml"), os.path.join(d, "a.yaml"))
+    os.symlink(os.path.join(d, "a.yaml"), os.path.join(d, "b.yaml"))
+    with open(os.path.join(d, "utf16.yaml"), "wb") as f:
+        f.write("schema: memguard.site/1\n".encode("utf-16"))
+    names = {"named pipe": "pipe.yaml", "named pipe .nemo": "ckpt.nemo", "directory": "dir.yaml", "symlink loop": "a.yaml",
+             "UTF-16": "utf16.yaml"}
+    return {**{k: os.path.join(d, v) for k, v in names.items()}, "/dev/zero": "/dev/zero", "/dev/urandom": "/dev/urandom"}
+
+
+def file_cases(paths: dict[str, str]):
+    """Every argument that names a file, given each hostile file (a named pipe stopped memguard forever
+    at open(); it now waits files.PIPE_WAIT for data, set to 0.5 s here)."""
+    run = {"memguard-rank00000.jsonl": json.dumps(RUNLOG[0]) + "\n" + json.dumps(RUNLOG[1]) + "\n"}
+    for kind, p in paths.items():
+        yield f"estimate --config {kind}", ["estimate", "--config", p, "--world-size", "8"], {}
+        yield f"estimate --model {kind}", ["estimate", "--model", p, "--world-size", "8"], {}
+        yield f"estimate --site-profile {kind}", ["estimate", "--site-profile", p, "--world-size", "8", "--", *SMALL], {}
+        yield f"estimate --yaml-cfg {kind}", ["estimate", "--world-size", "8", "--", "--yaml-cfg", p], {}
+        yield f"estimate --tp-comm-overlap-cfg {kind}", ["estimate", "--world-size", "8", "--", *MOE, "--tp-comm-overlap",
+                                                         "--tp-comm-overlap-cfg", p], {}
+        yield f"estimate --heterogeneous-layers-config-path {kind}", [
+            "estimate", "--world-size", "8", "--", *SMALL, "--heterogeneous-layers-config-path", p], {}
+        yield f"validate {kind}", ["validate", p, "--gpus", "8"], {}
+        yield f"check --file {kind}", ["check", "--file", p], {}
+        yield f"check --cwd {kind}", ["check", "--cwd", p, "--", "torchrun", "pretrain_gpt.py", *SMALL], {}
+        yield f"plan --config {kind}", ["plan", "--config", p, "--gpus", "8", "--seq-length", "512",
+                                        "--global-batch-size", "16"], {}
+        yield f"report {kind}", ["report", p], {}
+        yield f"calibrate {kind}", ["calibrate", p], {}
+    out = os.path.join(os.path.dirname(paths["named pipe"]), "out.html")   # a named pipe nobody reads
+    yield "report --out a named pipe", ["report", ".", "--out", out], run
+    yield "estimate --plot a named pipe", ["estimate", "--world-size", "8", "--plot", out, "--", *SMALL], {}
+
+
+def log_cases():
+    """Megatron logs just under 1 MB: 7,000 ranks of one memory line (grouped in one pass: a scan per
+    rank was quadratic), 1,600 out-of-memory messages (64 analysed), hostile numbers in every field."""
+    from megatron_logs import args_of, oom_message, print_args, report_memory
+    head = "\n".join(print_args(args_of(SMALL, 8))) + "\n"
+    ranks = head + "\n".join(report_memory(r, "(after 10 iterations)", 2**30, 2**31, 2**31, 2**31) for r in range(7_000))
+    yield "report 7,000 ranks", ["report", "run.log"], {"run.log": ranks + "\n"}
+    yield "calibrate 7,000 ranks", ["calibrate", "run.log"], {"run.log": ranks + "\n"}
+    oom = "[rank0]: " + oom_message(2**20, 80 * 2**30, 2**20, 79 * 2**30, 70 * 2**30, 75 * 2**30)
+    yield "report 1,600 OOM messages", ["report", "run.log"], {"run.log": head + "\n".join([oom] * 1_600) + "\n"}
+    for v in NUMBERS[:20]:
+        mem = f"[Rank 0] (after {v} iterations) memory (MB) | allocated: {v} | max allocated: {v} | reserved: 1 | max reserved: {v}"
+        yield f"report memory line {v!r}", ["report", "run.log"], {"run.log": head + mem + "\n"}
+        yield f"report OOM of {v!r} GiB", ["report", "run.log"], {"run.log": head + oom.replace("80.00 GiB", f"{v} GiB") + "\n"}
+        yield f"report argument table num_layers {v!r}", ["report", "run.log"], {
+            "run.log": head.replace("  num_layers ", f"  num_layers {v} #", 1) + mem + "\n"}
+        yield f"estimate site profile cuda_context {v!r}", ["estimate", "--site-profile", "p.yaml", "--world-size", "8", "--",
+                                                            *SMALL], {"p.yaml": f"schema: memguard.site/1\nconstants: {{cuda_context: {v}}}\n"}
+
+
+def big_logs(d: str) -> None:
+    """--big: logs far over 1 MB that a long run writes (10**6 memory lines; 10**6 JSONL samples), timed."""
+    import resource
+    from megatron_logs import args_of, print_args, report_memory
+    path = os.path.join(d, "big.log")
+    with open(path, "w") as f:
+        f.write("\n".join(print_args(args_of(SMALL, 8))) + "\n")
+        for i in range(10**6):
+            f.write(report_memory(i % 4, f"(after {i // 4} iterations)", 2**30, 2**31, 2**31, 2**31) + "\n")
+    os.mkdir(os.path.join(d, "jsonl"))
+    sample = json.loads(json.dumps(RUNLOG[1]))
+    with open(os.path.join(d, "jsonl", "memguard-rank00000.jsonl"), "w") as f:
+        f.write(json.dumps(RUNLOG[0]) + "\n")
+        for i in range(10**6):
+            sample["iteration"] = i
+            f.write(json.dumps(sample) + "\n")
+    for label, args in (("report 10**6 Megatron memory lines", ["report", path]),
+                        ("report 10**6 JSONL samples", ["report", os.path.join(d, "jsonl")])):
+        o = run_memguard(args, wall_limit=600)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"  {label:<40} exit {o.code}  {o.cpu:6.2f} s CPU  {o.wall:6.2f} s wall  (process peak RSS so far {rss:,.0f} MiB)"
+              + (f"  BROKEN: {'; '.join(o.problems)[:200]}" if o.problems else ""))
+
+
 def main(argv: list[str]) -> int:
+    import tempfile
+
+    import megatron_memguard.files as files
+    files.PIPE_WAIT = 0.5
     step = 10 if "--quick" in argv else 1
+    tmp = tempfile.TemporaryDirectory(prefix="memguard-hostile-")
+    if "--big" in argv:
+        print("logs a long run writes (--big):")
+        big_logs(tmp.name)
+        print()
     groups = [("reproductions", reproductions()), ("flags", flag_cases()), ("configs", config_cases()),
               ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
-              ("features", feature_cases())]
+              ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases())]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)
     rows = []
     for group, cases in groups:
         for k, (label, args, files) in enumerate(cases):
-            if step > 1 and group not in ("reproductions", "largest", "features") and k % step:
+            if step > 1 and group not in ("reproductions", "largest", "features", "files") and k % step:
                 continue
             size = sum(len(c) for c in files.values()) + sum(len(a) for a in args)
             assert size < LIMIT, (label, size)

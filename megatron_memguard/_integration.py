@@ -237,7 +237,8 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     is reported and training goes on (``strict=True`` raises instead), as is an internal error of
     memguard's own. ``site_profile``: a ``memguard calibrate`` profile file (else MEMGUARD_PROFILE). A bad
     ``mode`` / ``threshold`` / ``gpu`` / ``gpu_memory`` / ``site_profile`` (or MEMGUARD, MEMGUARD_THRESHOLD,
-    MEMGUARD_GPU_MEMORY, MEMGUARD_PROFILE) raises ConfigError naming it."""
+    MEMGUARD_GPU_MEMORY) raises ConfigError naming it; an unreadable MEMGUARD_PROFILE is reported and the
+    defaults are used (``strict=True`` raises)."""
     from .estimator import estimate
     from .report.text import render, verdict_line
     from .resolve import resolve
@@ -252,7 +253,15 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     if mode == "off":
         return r
     from .site_profile import site_from
-    site = site_from(site_profile, environ, key="site_profile")
+    try:
+        site = site_from(site_profile, environ, key="site_profile")
+    except ConfigError as e:
+        if site_profile or strict:
+            raise
+        # MEMGUARD_PROFILE is set for a site; a profile gone bad under a queue of jobs must not stop them
+        site = None
+        if rank0:
+            emit(f"{PREFIX} {label}: error: {e}; memguard's default site constants are used (training continues)")
     r.gpu, r.gpu_memory, r.gpu_memory_source = resolve_gpu(gpu, gpu_memory, environ)
     try:
         raw = raw_fn()

@@ -8,8 +8,12 @@ hostile file (a 100,000-deep ``[[[[``, a kilobyte of aliases that expands to mil
 """
 from __future__ import annotations
 
+import errno
 import json
-from typing import Any
+import os
+import select
+import stat
+from typing import IO, Any
 
 import yaml
 import yaml.parser
@@ -124,24 +128,85 @@ def _compose(loader_class: type, text: str) -> Any:
 def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
     """The UTF-8 text of ``path``; ReaderError (one line, naming the file) when it cannot be read,
     is larger than ``limit`` bytes or is not UTF-8."""
+    return decode(read_bytes(path, limit), path, limit)
+
+
+PIPE_WAIT = 5.0   # seconds a named pipe / terminal may stay silent (process substitution writes at once)
+
+
+def read_bytes(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """At most ``limit + 1`` bytes of ``path``, without blocking: a named pipe nobody writes to, or a
+    terminal, would stop memguard forever at ``open`` or ``read`` (a FIFO given as --config); such a
+    file is read as long as data comes within PIPE_WAIT seconds. ReaderError naming the file otherwise."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(limit + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ReaderError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ReaderError(f"{path}: is a directory, not a file") from None
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
-    return decode(data, path, limit)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):      # os.open opens a directory; read() would fail with EISDIR
+            raise ReaderError(f"{path}: is a directory, not a file")
+        if stat.S_ISREG(mode):
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                return fh.read(limit + 1)
+        return _read_stream(fd, path, limit)
+    except OSError as e:
+        raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _read_stream(fd: int, path: str, limit: int) -> bytes:
+    """A pipe, FIFO, terminal or character device (/dev/zero): read while data comes, up to ``limit + 1``."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        ready, _, _ = select.select([fd], [], [], PIPE_WAIT)
+        if not ready:
+            what = "named pipe" if stat.S_ISFIFO(os.fstat(fd).st_mode) else "device"
+            raise ReaderError(f"{path}: a {what} with nothing written to it for {PIPE_WAIT:g} s; give a regular file")
+        try:
+            chunk = os.read(fd, min(65536, limit + 1 - size))
+        except BlockingIOError:     # woken without data (another reader took it)
+            continue
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def open_output(path: str, *, append: bool = False, binary: bool = False, block: bool = True) -> IO:
+    """``path`` opened for writing (created, truncated unless ``append``) without waiting for a reader: a
+    named pipe nobody reads would stop ``open`` forever, so it is an OSError (ENXIO) instead.
+    ``block=False`` keeps writes to a pipe non-blocking (the runtime monitor: a full pipe is a failed
+    write the monitor reports, never a stalled training step); regular files are unaffected."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, "a named pipe that nobody reads", path) from None
+        raise
+    if block or stat.S_ISREG(os.fstat(fd).st_mode):
+        os.set_blocking(fd, True)
+    mode = ("a" if append else "w") + ("b" if binary else "")
+    return os.fdopen(fd, mode) if binary else os.fdopen(fd, mode, encoding="utf-8")
 
 
 def decode(data: bytes, where: str, limit: int = MAX_FILE_BYTES) -> str:
     """``data`` (at most ``limit`` bytes) as UTF-8 text; ReaderError naming ``where`` otherwise."""
     if len(data) > limit:
         raise ReaderError(f"{where}: larger than {_size(limit)}; memguard reads configs and launch scripts up to that size")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):   # Windows editors' "Unicode"
+        raise ReaderError(f"{where}: UTF-16 text (a byte-order mark 0x{data[0]:02x} 0x{data[1]:02x}); save it as UTF-8")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")    # a UTF-8 byte-order mark (JSON's parser refuses it)
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
@@ -186,6 +251,8 @@ def yaml_error(e: yaml.YAMLError, where: str) -> str:
 def json_int(text: str) -> int | str:
     """``json.loads``' ``parse_int``: integers longer than 40 digits stay text (Python refuses more than
     4300 digits, and such a number is out of every range memguard checks)."""
+    if len(text) <= _MAX_INT_DIGITS:     # (the common case, first: a run log holds millions of integers)
+        return int(text)
     return text if len(text.lstrip("-")) > _MAX_INT_DIGITS else int(text)
 
 

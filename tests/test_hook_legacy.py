@@ -294,14 +294,23 @@ def test_site_profile_reaches_the_check(legacy, capsys, tmp_path, monkeypatch):
     est = legacy.hook.STATE.decision.estimate
     assert all(s.breakdown["cuda_context"] == 3 * 2**30 for s in est.stages)
     assert f"site profile {p}" in capsys.readouterr().out
-    # the variable, and a bad file named with the flag and the variable, as Megatron reports bad flags
+    legacy.gv.unset_global_variables()
+    # a bad file given with the flag: an argparse error, as Megatron reports bad flags
     p.write_text("schema: memguard.site/1\nconstants: {cuda_context: 1TiB}\n")
-    monkeypatch.setenv("MEMGUARD_PROFILE", str(p))
     with pytest.raises(SystemExit) as e:
-        legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8)
+        legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard-profile", p)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --memguard-profile:" in err and "(from MEMGUARD_PROFILE)" in err and "constants.cuda_context" in err
+    assert "argument --memguard-profile:" in err and "constants.cuda_context" in err
+    # the same file from MEMGUARD_PROFILE (set for a whole site): one error line, the job goes on with the
+    # default constants (DEFAULT_SITE's, not the profile's)
+    from megatron_memguard.estimator.site import DEFAULT_SITE
+    monkeypatch.setenv("MEMGUARD_PROFILE", str(p))
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--memguard", "report")
+    err = capsys.readouterr().err
+    assert "[memguard] error: MEMGUARD_PROFILE=" in err and "constants.cuda_context" in err and "training continues" in err
+    est = legacy.hook.STATE.decision.estimate
+    assert all(s.breakdown["cuda_context"] == DEFAULT_SITE.cuda_context for s in est.stages)
 
 
 # Mixture of experts (core_v0.16.1's MoE arguments in the stand-in): Llama-3.1-8B's shape with 8 experts per

@@ -203,9 +203,14 @@ def test_site_profile_argument_and_variable(tmp_path, monkeypatch):
     p.write_text(dump_site_profile({"cuda_context": 3 * 2**30}))
     r = preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1], site_profile=str(p))
     assert r.estimate.stages[0].breakdown["cuda_context"] == 3 * 2**30
+    with pytest.raises(ConfigError, match="^site_profile: cannot read site profile"):
+        preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1], site_profile=str(tmp_path / "x.yaml"))
+    # MEMGUARD_PROFILE (a site's variable) gone bad: reported, the defaults are used and training goes on
     monkeypatch.setenv("MEMGUARD_PROFILE", str(tmp_path / "missing.yaml"))
-    with pytest.raises(ConfigError, match="^MEMGUARD_PROFILE: cannot read site profile"):
-        preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=quiet()[1])
+    lines, emit = quiet()
+    r = preflight(ConfigContainer(), world_size=32, gpu="H100-80GB", emit=emit)
+    assert r.estimate.stages[0].breakdown["cuda_context"] != 3 * 2**30
+    assert any("error: MEMGUARD_PROFILE: cannot read site profile" in x and "training continues" in x for x in lines)
 
 
 def test_a_field_set_after_overrides_changes_the_estimate():

@@ -152,8 +152,12 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         gpus = sorted({r.gpu.name for r in runs if r.gpu is not None})
         text = dump_site_profile({**(base.changed() if base is not None else {}), **res.fitted}, name=ns.name,
                                  gpu=gpus[0] if len(gpus) == 1 else None, fit=profile_fit_section(res))
-        with open(ns.out, "w", encoding="utf-8") as f:
-            f.write(text)
+        from ..files import open_output
+        try:
+            with open_output(ns.out) as f:
+                f.write(text)
+        except OSError as e:
+            raise ConfigError("--out", f"cannot write {ns.out}: {e.strerror or e}") from None
     if ns.json:
         doc = res.to_dict()
         doc["profile"] = ns.out if ns.out and res.fitted else None

@@ -106,6 +106,8 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
     from ..readers.run_recipe import is_run_recipe
 
     environ = dict(os.environ if environ is None else environ)
+    if ns.cwd is not None and not os.path.isdir(ns.cwd):   # (relative paths would be looked up under it)
+        raise ConfigError("--cwd", f"{'is not a directory' if os.path.exists(ns.cwd) else 'no such directory'}: {ns.cwd!r}")
     if ns.file:
         from ..files import read_text
         try:

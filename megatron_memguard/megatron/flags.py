@@ -59,24 +59,44 @@ def _interval(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {e.rule}") from None
 
 
-def _directory(value: str) -> str:
+def _env_path_problem(value: str, problem: str, instead: str) -> None:
+    """A path from MEMGUARD_PROFILE / MEMGUARD_LOG_DIR that is no use: one line on stderr (rank 0) and the job
+    goes on without it. The variable is set for a whole site or cluster, where the file can disappear or
+    be rewritten under a running queue; a flag on the command line stays an argparse error."""
+    import sys
+
+    from ..decision import PREFIX
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PREFIX} error: {getattr(value, 'env', '')}={shown(str(value))}: {problem}; {instead} "
+              "(training continues)", file=sys.stderr, flush=True)
+
+
+def _directory(value: str) -> str | None:
     v = str(value).strip()
-    if not v:
-        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: empty path")
-    if os.path.exists(v) and not os.path.isdir(v):
-        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: exists and is not a directory")
+    problem = "empty path" if not v else "exists and is not a directory" if os.path.exists(v) and not os.path.isdir(v) else ""
+    if problem and getattr(value, "env", ""):
+        _env_path_problem(value, problem, "no JSONL files are written")
+        return None
+    if problem:
+        raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {problem}")
     return v
 
 
-def _site_profile(value: str) -> str:
+def _site_profile(value: str) -> str | None:
     """The path of a readable site profile (memguard calibrate's file); the path is what args keep
-    (Megatron saves its args in checkpoints)."""
+    (Megatron saves its args in checkpoints). From MEMGUARD_PROFILE, an unreadable profile (junk, a
+    directory, a named pipe) is reported and memguard's defaults are used."""
     from ..site_profile import load_site_profile
 
     v = str(value).strip()
     try:
         load_site_profile(v, key="--memguard-profile")
     except ConfigError as e:
+        if getattr(value, "env", ""):
+            _env_path_problem(value, str(e).removeprefix("--memguard-profile").lstrip(": "),
+                              "memguard's default site constants are used")
+            return None
         raise argparse.ArgumentTypeError(f"invalid value {shown(str(value))}{_from(value)}: {e}") from None
     return v
 

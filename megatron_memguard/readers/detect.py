@@ -75,6 +75,8 @@ def _nemo_archive_config(path: str) -> str:
 
     if not os.path.exists(path):
         raise ReaderError(f"{path}: no such file")
+    if not os.path.isfile(path):     # tarfile would wait forever on a named pipe nobody writes to
+        raise ReaderError(f"{path}: not a regular file (a .nemo checkpoint is a tar file)")
     try:
         with tarfile.open(path) as tar:
             for m in tar:

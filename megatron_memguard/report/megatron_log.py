@@ -43,6 +43,7 @@ from ..errors import ReaderError
 
 MiB = 1024 * 1024
 MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlines) are cut, not read whole
+MAX_OOMS = 64                      # out-of-memory messages analysed (a job ends at its ranks' first; launchers repeat them)
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt", ".stdout", ".stderr")
 
 _NUM = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
@@ -91,16 +92,27 @@ def _mib(text: str | None) -> int | None:
     return None if text is None else _bytes(text, MiB)
 
 
-def _sane(m: re.Match) -> bool:
-    """A memory line whose rank and numbers a real run prints (a 5000-digit rank or 1e400 MB is skipped)."""
-    try:
-        return len(m.group(1)) <= 19 and all(_mib(m.group(k)) is not None for k in range(3, 7)) and \
-            (m.group(7) is None or _mib(m.group(7)) is not None)
-    except ValueError:
-        return False
+def _values(m: re.Match) -> tuple[int | None, ...] | None:
+    """The five byte counts of a memory line whose rank and numbers a real run prints; None for a
+    5000-digit rank or 1e400 MB (skipped). Each number is parsed once (a log may hold 10**6 such lines)."""
+    if len(m.group(1)) > 19:
+        return None
+    out: list[int | None] = []
+    for g in m.group(3, 4, 5, 6, 7):
+        if g is None:
+            out.append(None)
+            continue
+        v = float(g) * MiB          # (_NUM matched: float() takes it)
+        if not -_LIMIT < v < _LIMIT:    # also inf and nan: what _bytes refuses
+            return None
+        out.append(round(v))
+    return tuple(out)
 
 
-@dataclass(frozen=True)
+_LIMIT = float(2**63)
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryLine:
     """One ``report_memory`` line (bytes)."""
 
@@ -157,15 +169,28 @@ class MegatronLog:
     train_iters: int | None = None
     theoretical_mib: tuple[float, float, float] | None = None
     ooms: list[OomEvent] = field(default_factory=list)
+    oom_messages: int = 0        # "CUDA out of memory" lines, analysed or not (MAX_OOMS are)
     memguard_oom_ranks: dict[int, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    _index: dict[int, list[MemoryLine]] | None = field(default=None, repr=False, compare=False)
+    _index_of: int = field(default=-1, repr=False, compare=False)
 
     @property
     def ranks(self) -> list[int]:
-        return sorted({m.rank for m in self.memory})
+        return sorted(self.by_rank())
 
     def rank_lines(self, rank: int) -> list[MemoryLine]:
-        return [m for m in self.memory if m.rank == rank]
+        return self.by_rank().get(rank, [])
+
+    def by_rank(self) -> dict[int, list[MemoryLine]]:
+        """Each rank's memory lines, in log order, grouped in one pass (a scan per rank was quadratic:
+        20,000 ranks of one line each took 8 s)."""
+        if self._index is None or self._index_of != len(self.memory):
+            index: dict[int, list[MemoryLine]] = {}
+            for m in self.memory:
+                index.setdefault(m.rank, []).append(m)
+            self._index, self._index_of = index, len(self.memory)
+        return self._index
 
     @property
     def last_iteration(self) -> int | None:
@@ -239,6 +264,8 @@ def read_megatron_logs(paths: str | Sequence[str]) -> MegatronLog:
         _read_one(path, log)
     last = log.last_iteration          # an OOM ends the job: the last iteration any rank logged came before it
     log.ooms = [dataclasses.replace(ev, iteration=last) for ev in log.ooms]
+    if log.oom_messages > MAX_OOMS:
+        log.notes.append(f"{log.oom_messages:,} out-of-memory messages: the first {MAX_OOMS} are analysed")
     return log
 
 
@@ -246,38 +273,43 @@ def _read_one(path: str, log: MegatronLog) -> None:
     in_args = False
     table: dict[str, str] = {}
     file_ranks: set[int] = set()
+    names: dict[str, str] = {}
     ooms: list[tuple[int, str, int | None]] = []
     for n, line in _lines(path):
         if in_args:
-            if ARGS_END.search(line):
+            cut_off = "memory (MB)" in line and MEMORY_RE.search(line) is not None   # training began: the table ended
+            if cut_off or ARGS_END.search(line):
                 in_args = False
                 log.args_text = table
                 log.args = {k: arg_value(v) for k, v in table.items()}
                 log.args_file = path
-                log.args_complete = True
+                log.args_complete = not cut_off
+                if cut_off:
+                    log.notes.append(f"{path}: the argument table has no 'end of arguments' line before line {n}; "
+                                     "read up to there")
+                else:
+                    continue
+            else:
+                m = _ARG.search(line)
+                if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
+                    table[m.group(1)] = m.group(3)
+                elif (m := _ARG_LONG.search(line)) is not None:
+                    table[m.group(1)] = m.group(2)
                 continue
-            m = _ARG.search(line)
-            if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
-                table[m.group(1)] = m.group(3)
-            elif (m := _ARG_LONG.search(line)) is not None:
-                table[m.group(1)] = m.group(2)
-            continue
         # cheap substring tests first: a log has millions of lines, a few of them ours
         if "arguments --" in line and ARGS_START.search(line):
             in_args, table = True, {}
             log.args_tables += 1
         elif "memory (MB)" in line:
             m = MEMORY_RE.search(line)
-            if m and _sane(m):
-                name = m.group(2).strip()
+            v = _values(m) if m else None
+            if v is not None:
+                name = names.setdefault(m.group(2).strip(), m.group(2).strip())   # (one string per distinct name)
                 it = _AFTER_IT.search(name) or _SAVE.search(name)
                 it = it if it and len(it.group(it.lastindex)) <= 19 else None
                 rank = int(m.group(1))
                 file_ranks.add(rank)
-                log.memory.append(MemoryLine(rank=rank, name=name, iteration=int(it.group(it.lastindex)) if it else None,
-                                             allocated=_mib(m.group(3)), max_allocated=_mib(m.group(4)),
-                                             reserved=_mib(m.group(5)), max_reserved=_mib(m.group(6)),
-                                             device_used=_mib(m.group(7)), file=path, line=n))
+                log.memory.append(MemoryLine(rank, name, int(it.group(it.lastindex)) if it else None, *v, path, n))
         elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None and len(m.group(0)) < 64:
             log.iterations.append(int(m.group(1)))
             log.train_iters = int(m.group(2))
@@ -287,7 +319,9 @@ def _read_one(path: str, log: MegatronLog) -> None:
             pp = m.group(2)
             log.memguard_oom_ranks[int(m.group(1))] = None if pp == "None" else int(pp)
         elif "CUDA out of memory" in line:
-            ooms.append((n, line, _rank_of_prefix(line)))
+            log.oom_messages += 1
+            if len(ooms) + len(log.ooms) < MAX_OOMS:
+                ooms.append((n, line, _rank_of_prefix(line)))
     if in_args:
         log.notes.append(f"{path}: the argument table is cut off (no 'end of arguments' line); read as far as it goes")
         log.args_complete = False

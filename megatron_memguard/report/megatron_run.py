@@ -83,7 +83,7 @@ def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = Fal
         for m in lines:
             actual = {"allocated": m.allocated, "max_allocated": m.max_allocated, "reserved": m.reserved,
                       "max_reserved": m.max_reserved, "device_used": m.device_used}
-            rr.samples.append(Sample(m.iteration if m.iteration is not None else -1, actual, dict(pred), m.line))
+            rr.samples.append(Sample(m.iteration if m.iteration is not None else -1, actual, pred, m.line))  # (pred: shared, read-only)
         ranks.append(rr)
     if est is not None and world is not None and any(r >= world for r in log.ranks):
         notes.append(f"ranks beyond the configuration's world size ({world}) have no prediction: "

@@ -92,8 +92,8 @@ class Plot:
     axes: dict[int, Any] = field(default_factory=dict)      # report: pipeline stage -> Axes
     caption: str = ""
 
-    def save(self, path: str, fmt: str | None = None) -> None:
-        """PNG or SVG (HTML pages are put together by the caller around the SVG)."""
+    def save(self, path: Any, fmt: str | None = None) -> None:
+        """PNG or SVG to a path or a binary file (HTML pages are put together by the caller around the SVG)."""
         fmt = fmt or output_format(path, formats=("png", "svg"))
         self.fig.savefig(path, format=fmt, dpi=DPI, metadata=_metadata(fmt))
 
@@ -115,13 +115,16 @@ def _metadata(fmt: str) -> dict:
 
 def write(plot: Plot, path: str, fmt: str, html_page: Callable[[Plot], str], option: str = "--plot") -> None:
     """Write a plot as PNG / SVG, or as the HTML page ``html_page(plot)`` returns."""
+    from ..files import open_output
+
     try:
         if fmt == "html":
             doc = html_page(plot)
-            with open(path, "w", encoding="utf-8") as f:
+            with open_output(path) as f:
                 f.write(doc)
         else:
-            plot.save(path, fmt)
+            with open_output(path, binary=True) as f:   # (a named pipe nobody reads: an error, not a hang)
+                plot.save(f, fmt)
     except OSError as e:
         raise ConfigError(option, f"cannot write {path}: {e.strerror or e}") from None
 

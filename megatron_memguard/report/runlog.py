@@ -30,7 +30,7 @@ MAX_LINE = 2**20                                   # characters of one record li
 METRIC_LABELS = {"max_allocated": "peak allocated", "max_reserved": "peak reserved", "device_used": "device used"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     iteration: int
     actual: dict[str, int | None]
@@ -62,6 +62,7 @@ class RankRun:
     summary: dict[str, Any] | None = None
     segments: int = 1          # run segments in the file
     segment: str = "last"      # which this is: "last" or "all"
+    _memo: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- comparisons ------------------------------------------------------------------------------
     def predicted(self, metric: str) -> int | None:
@@ -80,18 +81,25 @@ class RankRun:
 
     def peak(self, metric: str) -> int | None:
         """The largest actual value over the samples."""
-        vals = [s.value(metric) for s in self.samples if s.value(metric) is not None]
-        return max(vals) if vals else None
+        key = ("peak", metric, len(self.samples))
+        if key not in self._memo:
+            vals = [v for s in self.samples if (v := s.actual.get(metric)) is not None]
+            self._memo[key] = max(vals) if vals else None
+        return self._memo[key]
 
     def ratio(self, metric: str) -> float | None:
         """Largest actual / predicted over the samples (each sample against its own prediction)."""
-        best = None
-        for s in self.samples:
-            a, p = s.value(metric), s.prediction(metric)
-            if a is not None and p:
-                r = a / p
-                best = r if best is None or r > best else best
-        return best
+        # remembered per number of samples: the report asks ~80 times, and a log may hold 10**6 samples
+        key = ("ratio", metric, len(self.samples))
+        if key not in self._memo:
+            best, pk = None, PREDICTED_OF[metric]
+            for s in self.samples:
+                a, p = s.actual.get(metric), s.predicted.get(pk)
+                if a is not None and p:
+                    r = a / p
+                    best = r if best is None or r > best else best
+            self._memo[key] = best
+        return self._memo[key]
 
     def error(self, metric: str) -> float | None:
         """Relative error of the prediction: actual peak / predicted - 1 (positive: under-predicted)."""
@@ -159,7 +167,9 @@ def find_files(paths: Sequence[str]) -> list[str]:
     from .files import collect
 
     def in_dir(p: str) -> list[str]:
-        return sorted(glob.glob(os.path.join(p, FILE_GLOB))) or sorted(glob.glob(os.path.join(p, "*.jsonl")))
+        def files(pattern: str) -> list[str]:   # (a named pipe or directory by that name would block or fail)
+            return sorted(f for f in glob.glob(os.path.join(p, pattern)) if os.path.isfile(f))
+        return files(FILE_GLOB) or files("*.jsonl")
 
     return collect(paths, in_dir, lambda p: f"{p}: no {FILE_GLOB} files in this directory (the hook writes them "
                    "with --memguard-log-dir DIR or MEMGUARD_LOG_DIR)", missing="no such directory")
@@ -214,6 +224,9 @@ def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]
     return out
 
 
+_DECODER = json.JSONDecoder(parse_int=json_int)     # one for every line (json.loads builds one per call)
+
+
 def _lines(f: IO[str]) -> Iterator[str | None]:
     """The lines of ``f``; None for a line longer than MAX_LINE characters (read past, not kept)."""
     while True:
@@ -233,6 +246,8 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
     """One rank's file. ``run``: ``last`` (the last start-to-end segment) or ``all``. Returns None for a
     file without records."""
     segments: list[list[tuple[int, dict]]] = [[]]
+    dropped = 0                  # earlier segments read past (run == "last")
+    last_pred: Any = None
     rank: int | None = None
     try:
         f = open(path, encoding="utf-8", errors="replace")  # binary garbage: a bad line, not a traceback
@@ -254,7 +269,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line, parse_int=json_int)
+                rec = _DECODER.decode(line)
             except json.JSONDecodeError as e:
                 bad(n, f"not valid JSON ({e.msg} at column {e.colno})")
                 continue
@@ -291,13 +306,28 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
                     bad(n, "sample without an 'actual' object")
                     continue
             if event == "start" and segments[-1]:
-                segments.append([])
+                if run == "last":
+                    segments[-1] = []     # (only the last segment is read: an earlier one is not kept)
+                    dropped += 1
+                else:
+                    segments.append([])
+            if event == "sample":
+                # a file may hold 10**6 samples: keep what the report reads, with one copy of a prediction
+                # that does not change (2.7 GB -> a few hundred MB)
+                pred = rec.get("predicted")
+                if pred is not None and pred == last_pred:
+                    pred = last_pred
+                last_pred = pred
+                rec = {"event": "sample", "iteration": rec["iteration"], "actual": rec["actual"], "predicted": pred,
+                       **({"pp_rank": rec["pp_rank"]} if "pp_rank" in rec else {})}
             segments[-1].append((n, rec))
     if rank is None:
         return None
     chosen = [x for seg in segments for x in seg] if run == "all" else segments[-1]
-    out = RankRun(rank=rank, path=path, segments=len(segments), segment=run)
-    for n, rec in chosen:
+    out = RankRun(rank=rank, path=path, segments=len(segments) + dropped, segment=run)
+    memo: tuple[Any, Any] = (None, None)      # (a prediction object read, its byte counts)
+    for i, (n, rec) in enumerate(chosen):
+        chosen[i] = None           # type: ignore[call-overload]  # (the raw record is read once: let it go)
         ev = rec["event"]
         try:
             pp_rank = _field(rec, "pp_rank", _int)
@@ -319,7 +349,10 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
             elif ev == "sample":
                 actual = _bytes_dict(rec["actual"], ("allocated", "reserved", *METRICS), "actual")
                 pred = rec.get("predicted") or {}
-                predicted = _bytes_dict(pred, ("peak_allocated", "peak_reserved", "device_total", "persistent"), "predicted")
+                if pred is not memo[0]:
+                    memo = (pred, _bytes_dict(pred, ("peak_allocated", "peak_reserved", "device_total", "persistent"),
+                                              "predicted"))
+                predicted = memo[1]
                 out.samples.append(Sample(rec["iteration"], actual, predicted, n))
             elif ev in ("warning", "oom"):
                 # the numbers the report draws and prints

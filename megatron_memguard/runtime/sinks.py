@@ -29,7 +29,10 @@ class JsonlSink(Sink):
         d = os.path.dirname(path)
         if d:
             os.makedirs(d, exist_ok=True)
-        self._f = open(path, "a", encoding="utf-8")
+        from ..files import open_output
+
+        # a named pipe nobody reads is an error here, and a full one a failed write: never a stalled step
+        self._f = open_output(path, append=True, block=False)
 
     @staticmethod
     def path_for(log_dir: str, rank: int) -> str:
