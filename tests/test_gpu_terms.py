@@ -120,6 +120,15 @@ def test_moe_only_workspaces_stay_off_a_stage_without_moe_layers():
     assert est.stages[1].num_layers == 0 and est.stages[1].breakdown["te_grouped_gemm_workspaces"] > 0
 
 
+
+# PP 2 with the first two of four layers dense (--moe-layer-freq), EP 4 on 16 GPUs
+DENSE_FIRST_MOE_PP2 = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
+                       "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1",
+                       "--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
+                       "--vocab-size", "1000", "--bf16", "--disable-bias-linear", "--position-embedding-type", "rope",
+                       "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
+                       "--moe-ffn-hidden-size", "256", "--moe-grouped-gemm", "--moe-layer-freq", "([0]*2+[1]*2)"]
+
 def test_a_stage_without_moe_layers_has_no_expert_parallel_communicators():
     """NCCL makes a group's communicator and its channel buffers at the first collective on it (Megatron passes
     no device_id to init_process_group: megatron/training/initialize.py, core 0.19.2). A stage without MoE layers
@@ -127,12 +136,7 @@ def test_a_stage_without_moe_layers_has_no_expert_parallel_communicators():
     (distributed_data_parallel.py, optimizer/__init__.py ``if len(moe_param_groups) > 0``, 0.16.1 and 0.19.2).
     World 16, PP 2, EP 4: DP 8, expert DP 2. MoE stage: PP, DP-CP, EP, EXPERT-DP; dense stage: PP, DP-CP;
     16 channels x 2 x 4 MiB = 128 MiB each."""
-    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
-             "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1",
-             "--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "1000", "--bf16", "--disable-bias-linear", "--position-embedding-type", "rope",
-             "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
-             "--moe-ffn-hidden-size", "256", "--moe-grouped-gemm", "--moe-layer-freq", "([0]*2+[1]*2)"]
+    flags = DENSE_FIRST_MOE_PP2
     est = estimate(layout_from_flags(flags, world_size=16), gpu=lookup_gpu("H100-80GB"))
     dense_stage, moe_stage = est.stages
     assert moe_stage.breakdown["nccl_buffers"] == 4 * 128 * 2**20
@@ -148,12 +152,7 @@ def test_calibration_counts_the_observed_stages_communicators():
     dense stage of the model above (PP 2, EP 4, world 16) PP and DP-CP (2), on the MoE stage 4 (with EP and
     EXPERT-DP), as the estimate's nccl_buffers term does."""
     from megatron_memguard.calibrate.model import CalibrationRun, Observation, device_rows
-    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
-             "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1",
-             "--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "1000", "--bf16", "--disable-bias-linear", "--position-embedding-type", "rope",
-             "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
-             "--moe-ffn-hidden-size", "256", "--moe-grouped-gemm", "--moe-layer-freq", "([0]*2+[1]*2)"]
+    flags = DENSE_FIRST_MOE_PP2
     run = CalibrationRun("moe", layout_from_flags(flags, world_size=16), lookup_gpu("H100-80GB"),
                          [Observation(rank=0, pp_rank=0, reserved=1, device_used=2),
                           Observation(rank=15, pp_rank=1, reserved=1, device_used=2)])

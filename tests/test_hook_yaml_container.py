@@ -6,24 +6,14 @@ test_hook_container.py written in the layout of Megatron's examples/gpt3/gpt_con
 import contextlib
 import io
 import json
-import os
 import sys
 
 import pytest
 
-from conftest import CONTAINER_ERA, LLAMA31_8B, H100
+from conftest import CONTAINER_ERA, H100
+from test_hook_container import BASE, DEFAULTS, hook  # noqa: F401  (the same job; the installed hook fixture)
 
 pytestmark = CONTAINER_ERA
-BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion".split()
-DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}   # what pretrain_gpt.py passes
-
-
-@pytest.fixture(scope="module")
-def hook():
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    import megatron_memguard.megatron as hook
-    assert hook.install(quiet=True)
-    return hook
 
 
 @pytest.fixture
