@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
@@ -20,11 +20,14 @@ EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
+# both Megatron eras memguard models (megatron-core 0.16.1 and 0.19.2)
+ERA = st.sampled_from(["0.16", "0.19"])
+
 # what a rank keeps of its model: weights, gradients, optimizer state (result.py TermGroup)
 STATE_GROUPS = ("weights", "gradients", "optimizer")
 
 
-def _est(flags: list[str], world: int, version: str = "0.19"):
+def _est(flags: list[str], world: int, version: str):
     """The estimate, or the example dropped where memguard refuses the combination by name (the one-line
     refusals are checked by test_properties_features)."""
     try:
@@ -58,21 +61,21 @@ def _moe_plain(fs: FeatureSpec) -> FeatureSpec:
 # Mixture of experts
 
 @PROPERTY
-@given(moe_specs())
-def test_expert_tensor_parallel_unset_is_tensor_parallel(fs):
+@given(moe_specs(), ERA)
+def test_expert_tensor_parallel_unset_is_tensor_parallel(fs, era):
     """--expert-tensor-parallel-size left out is the tensor-parallel size (megatron/training/arguments.py:
     ``if args.expert_tensor_parallel_size is None: args.expert_tensor_parallel_size = args.tensor_model_
     parallel_size``, core 0.16.1 and 0.19.2): every stage's numbers equal ETP = TP written out."""
     tp = fs.base.tp
     fs = fs.with_(etp=tp, moe_ffn=tp * max(1, fs.moe_ffn // max(1, fs.etp)))
-    a = _est(fs.flags(), fs.world)
-    b = _est(_drop(fs.flags(), "--expert-tensor-parallel-size"), fs.world)
+    a = _est(fs.flags(), fs.world, era)
+    b = _est(_drop(fs.flags(), "--expert-tensor-parallel-size"), fs.world, era)
     assert _numbers(a) == _numbers(b)
 
 
 @PROPERTY
-@given(moe_specs())
-def test_grouped_gemm_moves_only_its_workspaces(fs):
+@given(moe_specs(), ERA)
+def test_grouped_gemm_moves_only_its_workspaces(fs, era):
     """--moe-grouped-gemm (TEGroupedMLP) vs sequential experts (SequentialMLP): the same weights per local
     expert (TEGroupedLinear keeps one weight<i> per GEMM, as many tensors as SequentialMLP's fc1 / fc2), so
     parameters, gradients and optimizer state are equal; the experts save the same tensors per routed row;
@@ -84,8 +87,8 @@ def test_grouped_gemm_moves_only_its_workspaces(fs):
     tensor, 4 bytes each, per optimizer term."""
     if fs.base.recompute[:1] == ("selective",) and "moe_act" in fs.base.recompute[1]:
         reject()          # moe_act recompute needs the grouped GEMM (TransformerConfig)
-    a = _est(fs.with_(grouped=False).flags(), fs.world)
-    b = _est(fs.with_(grouped=True).flags(), fs.world)
+    a = _est(fs.with_(grouped=False).flags(), fs.world, era)
+    b = _est(fs.with_(grouped=True).flags(), fs.world, era)
     tensors = sum(fs.moe_pattern()) * (fs.experts // fs.ep) * (4 if fs.base.bias else 2)
     for x, y in zip(a.stages, b.stages):
         sx, sy = _states(x), _states(y)
@@ -103,29 +106,29 @@ def test_grouped_gemm_moves_only_its_workspaces(fs):
 
 
 @PROPERTY
-@given(moe_specs())
-def test_token_dispatchers_keep_the_same_states(fs):
+@given(moe_specs(), ERA)
+def test_token_dispatchers_keep_the_same_states(fs, era):
     """The allgather and alltoall token dispatchers move tokens, not weights (token_dispatcher.py): every
     stage's parameters, gradient buffers and optimizer state are the same; what they keep between layers
     (moe_dispatcher_state), their buffers and the saved activations may differ."""
     fs = fs.with_(capacity=None, pad=False)
-    a = _est(fs.with_(dispatcher="allgather").flags(), fs.world)
-    b = _est(fs.with_(dispatcher="alltoall").flags(), fs.world)
+    a = _est(fs.with_(dispatcher="allgather").flags(), fs.world, era)
+    b = _est(fs.with_(dispatcher="alltoall").flags(), fs.world, era)
     for x, y in zip(a.stages, b.stages):
         assert x.parameters == y.parameters and _states(x) == _states(y)
 
 
 @PROPERTY
-@given(moe_specs())
-def test_moe_layer_freq_all_dense_is_the_dense_model(fs):
+@given(moe_specs(), ERA)
+def test_moe_layer_freq_all_dense_is_the_dense_model(fs, era):
     """--moe-layer-freq [0]*L builds every layer with the dense MLP (get_gpt_decoder_block_spec picks the
     dense layer spec per 0 in the pattern): the model is the dense one, and no MoE-only term is left
     (no router, dispatcher, expert buffer or grouped-GEMM workspace). Every stage's numbers equal the same
     flags without --num-experts."""
     fs = _moe_plain(fs)
     n = fs.base.layers
-    a = _est(fs.with_(freq=f"[0]*{n}").flags(), fs.world)
-    b = _est(FeatureSpec(base=fs.base).flags(), fs.world)
+    a = _est(fs.with_(freq=f"[0]*{n}").flags(), fs.world, era)
+    b = _est(FeatureSpec(base=fs.base).flags(), fs.world, era)
     assert _numbers(a) == _numbers(b)
 
 
@@ -133,20 +136,20 @@ def test_moe_layer_freq_all_dense_is_the_dense_model(fs):
 # Zero-valued settings are the setting left out
 
 @PROPERTY
-@given(feature_specs())
-def test_mtp_zero_layers_is_no_mtp(fs):
+@given(feature_specs(), ERA)
+def test_mtp_zero_layers_is_no_mtp(fs, era):
     """--mtp-num-layers 0 builds no MTP block (core 0.19.2 gpt_model.py: ``if self.config.mtp_num_layers:``
     guards the MTP build and loss; 0 is falsy): every stage's numbers equal the flag left out."""
     if "--mtp-num-layers" in fs.extra:
         i = fs.extra.index("--mtp-num-layers")
         fs = fs.with_(extra=fs.extra[:i] + fs.extra[i + 2:])
-    a = _est(fs.flags(), fs.world)
-    assert _numbers(_est(fs.flags() + ["--mtp-num-layers", "0"], fs.world)) == _numbers(a)
+    a = _est(fs.flags(), fs.world, era)
+    assert _numbers(_est(fs.flags() + ["--mtp-num-layers", "0"], fs.world, era)) == _numbers(a)
 
 
 @PROPERTY
-@given(feature_specs())
-def test_cuda_graph_impl_none_and_full_scope_spellings(fs):
+@given(feature_specs(), ERA)
+def test_cuda_graph_impl_none_and_full_scope_spellings(fs, era):
     """--cuda-graph-impl none graphs nothing whatever modules are named (arguments.py: the modules 'have no
     effect when --cuda-graph-impl=none'); with the TE implementation, the deprecated scope 'full' and an
     empty --cuda-graph-modules both capture the whole layer ('full scope is deprecated. Use empty
@@ -155,17 +158,17 @@ def test_cuda_graph_impl_none_and_full_scope_spellings(fs):
         i = fs.extra.index("--cuda-graph-impl")
         fs = fs.with_(extra=fs.extra[:i])   # the CUDA graph flags come last in feature_specs
     base = fs.flags()
-    a = _est(base, fs.world)
-    assert _numbers(_est(base + ["--cuda-graph-impl", "none"], fs.world)) == _numbers(a)
+    a = _est(base, fs.world, era)
+    assert _numbers(_est(base + ["--cuda-graph-impl", "none"], fs.world, era)) == _numbers(a)
     te = base + ["--cuda-graph-impl", "transformer_engine"]
-    whole = _est(te, fs.world)
-    assert _numbers(_est(te + ["--cuda-graph-modules"], fs.world)) == _numbers(whole)
-    assert _numbers(_est(te + ["--cuda-graph-modules", "full"], fs.world)) == _numbers(whole)
+    whole = _est(te, fs.world, era)
+    assert _numbers(_est(te + ["--cuda-graph-modules"], fs.world, era)) == _numbers(whole)
+    assert _numbers(_est(te + ["--cuda-graph-modules", "full"], fs.world, era)) == _numbers(whole)
 
 
 @PROPERTY
-@given(feature_specs())
-def test_optimizer_offload_fraction_zero_is_the_fp32_distributed_optimizer(fs):
+@given(feature_specs(), ERA)
+def test_optimizer_offload_fraction_zero_is_the_fp32_distributed_optimizer(fs, era):
     """--optimizer-cpu-offload with fraction 0 still wraps the shards in HybridDeviceOptimizer, which moves
     nothing to the host (``offload_params_numel < offload_threshold`` never holds at threshold 0) and, with
     param_update_in_fp32=True, gives every 16-bit shard an fp32 clone on the GPU and FusedAdam fp32 state
@@ -177,9 +180,9 @@ def test_optimizer_offload_fraction_zero_is_the_fp32_distributed_optimizer(fs):
         i = fs.extra.index("--use-precision-aware-optimizer")
         fs = fs.with_(extra=fs.extra[:i] + fs.extra[i + 4:])
     fs = fs.with_base(dist_opt=True, optimizer="adam", precision="bf16")
-    plain = _est(fs.flags(), fs.world)
+    plain = _est(fs.flags(), fs.world, era)
     off = _est(fs.flags() + ["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
-                             "--optimizer-offload-fraction", "0"], fs.world)
+                             "--optimizer-offload-fraction", "0"], fs.world, era)
     assert _numbers(off) == _numbers(plain)
     assert off.host_bytes_per_rank == 0
 
@@ -191,8 +194,8 @@ FP8_STATE_TERMS = {"fp8_scales", "allocator_fragmentation"}
 
 
 @PROPERTY
-@given(feature_specs())
-def test_delayed_and_tensorwise_fp8_store_the_same_weights(fs):
+@given(feature_specs(), ERA)
+def test_delayed_and_tensorwise_fp8_store_the_same_weights(fs, era):
     """Delayed and per-tensor current scaling store the same Float8Tensor (1-byte data, a transpose on
     Hopper, one fp32 scale-inverse: TE tensor/float8_tensor.py), primary (--fp8-param-gather) or cached:
     every term is the same but the recipe's own state (fp8_scales: delayed scaling's amax histories and
@@ -213,9 +216,9 @@ def test_delayed_and_tensorwise_fp8_store_the_same_weights(fs):
         reject()          # delayed scaling refuses these recompute modules (TransformerConfig)
     ex = list(fs.extra)
     ex[i + 1:i + 4] = ["hybrid", "--fp8-recipe", "delayed"]
-    a = _est(fs.with_(extra=tuple(ex)).flags(), fs.world)
+    a = _est(fs.with_(extra=tuple(ex)).flags(), fs.world, era)
     ex[i + 3] = "tensorwise"
-    b = _est(fs.with_(extra=tuple(ex)).flags(), fs.world)
+    b = _est(fs.with_(extra=tuple(ex)).flags(), fs.world, era)
     assert _changed(a, b) <= FP8_STATE_TERMS
 
 
@@ -226,8 +229,8 @@ PARAM_GATHER_TERMS = {"parameters", "fp8_weight_cache", "fp8_weight_columnwise",
 
 
 @PROPERTY
-@given(feature_specs())
-def test_fp8_param_gather_moves_only_weight_terms(fs):
+@given(feature_specs(), ERA)
+def test_fp8_param_gather_moves_only_weight_terms(fs, era):
     """--fp8-param-gather with the distributed optimizer: the DDP parameter buffer holds the FP8 row-wise
     payload instead of BF16 (MXFP8: nothing, it all-gathers through the gradient buffer), TE keeps the rest
     of the primary weight instead of its per-iteration weight cache; the gradient buffer and every optimizer
@@ -238,8 +241,8 @@ def test_fp8_param_gather_moves_only_weight_terms(fs):
         reject()
     fs = fs.with_base(dist_opt=True)
     ex = tuple(x for x in fs.extra if x != "--fp8-param-gather")
-    a = _est(fs.with_(extra=ex).flags(), fs.world)
-    b = _est(fs.with_(extra=ex + ("--fp8-param-gather",)).flags(), fs.world)
+    a = _est(fs.with_(extra=ex).flags(), fs.world, era)
+    b = _est(fs.with_(extra=ex + ("--fp8-param-gather",)).flags(), fs.world, era)
     assert _changed(a, b) <= PARAM_GATHER_TERMS
 
 
