@@ -14,7 +14,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 
 from property_space import FeatureSpec, feature_specs, moe_specs
-from test_properties_equivalence import _drop, _numbers
+from test_properties_equivalence import _drop, _numbers, _read, bridge_run_config
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
@@ -130,6 +130,35 @@ def test_moe_layer_freq_all_dense_is_the_dense_model(fs, era):
     a = _est(fs.with_(freq=f"[0]*{n}").flags(), fs.world, era)
     b = _est(FeatureSpec(base=fs.base).flags(), fs.world, era)
     assert _numbers(a) == _numbers(b)
+
+
+def bridge_moe_config(fs: FeatureSpec) -> dict:
+    """The MoE job as a Megatron-Bridge run_config.yaml (Bridge 0.6.2 GPTModelProvider's MoE fields, named as
+    TransformerConfig names them: num_moe_experts, moe_layer_freq as an int or a 0/1 list, ...)."""
+    doc = bridge_run_config(fs.base)
+    m = doc["model"]
+    m.update(num_moe_experts=fs.experts, moe_router_topk=fs.topk, expert_model_parallel_size=fs.ep,
+             expert_tensor_parallel_size=fs.etp, moe_ffn_hidden_size=fs.moe_ffn,
+             moe_token_dispatcher_type=fs.dispatcher, moe_grouped_gemm=fs.grouped,
+             moe_router_pre_softmax=fs.topk == 1)
+    if fs.dispatcher == "flex":
+        m["moe_flex_dispatcher_backend"] = "deepep"
+    if fs.shared_ffn:
+        m.update(moe_shared_expert_intermediate_size=fs.shared_ffn, moe_shared_expert_gate=fs.shared_gate)
+    if fs.freq is not None:
+        m["moe_layer_freq"] = int(fs.freq) if fs.freq.isdigit() else [int(x) for x in fs.moe_pattern()]
+    if fs.capacity is not None:
+        m.update(moe_expert_capacity_factor=fs.capacity, moe_pad_expert_input_to_capacity=fs.pad)
+    return doc
+
+
+@PROPERTY
+@given(moe_specs())
+def test_bridge_moe_run_config_estimates_as_the_flags(tmp_path_factory, fs):
+    """A Megatron-Bridge run_config.yaml of the MoE job gives every stage the numbers of the flags."""
+    a = _est(fs.flags(), fs.world, "0.19")
+    b = _read(tmp_path_factory, bridge_moe_config(fs), "run_config.yaml", fs.world)
+    assert _numbers(b) == _numbers(a)
 
 
 # ---------------------------------------------------------------------------------------------------
