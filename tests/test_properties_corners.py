@@ -288,18 +288,20 @@ PARAM_GATHER_TERMS = {"parameters", "fp8_weight_cache", "fp8_weight_columnwise",
 @PROPERTY
 @given(feature_specs(), ERA)
 def test_fp8_param_gather_moves_only_weight_terms(fs, era):
-    """--fp8-param-gather with the distributed optimizer: the DDP parameter buffer holds the FP8 row-wise
+    """--fp8-param-gather (--fp4-param-gather) with the distributed optimizer: the DDP parameter buffer holds the FP8 row-wise
     payload instead of BF16 (MXFP8: nothing, it all-gathers through the gradient buffer), TE keeps the rest
     of the primary weight instead of its per-iteration weight cache; the gradient buffer and every optimizer
     term stay (the fp32 main parameters are the same shards: distrib_optimizer.py). Not under Megatron-FSDP,
     where FP8 primary weights form "float8" dtype groups of their own, padded apart and with 16-bit
     gradients (megatron_fsdp param_and_grad_buffer.py; estimator/fsdp.py), so the shards move too."""
-    if "--fp8-format" not in fs.extra or "--use-megatron-fsdp" in fs.extra:
+    fp4 = "--fp4-format" in fs.extra
+    if not (fp4 or "--fp8-format" in fs.extra) or "--use-megatron-fsdp" in fs.extra:
         reject()
+    gather = "--fp4-param-gather" if fp4 else "--fp8-param-gather"     # NVFP4: the same trade, half a byte
     fs = fs.with_base(dist_opt=True)
-    ex = tuple(x for x in fs.extra if x != "--fp8-param-gather")
+    ex = tuple(x for x in fs.extra if x != gather)
     a = _est(fs.with_(extra=ex).flags(), fs.world, era)
-    b = _est(fs.with_(extra=ex + ("--fp8-param-gather",)).flags(), fs.world, era)
+    b = _est(fs.with_(extra=ex + (gather,)).flags(), fs.world, era)
     assert _changed(a, b) <= PARAM_GATHER_TERMS
 
 
