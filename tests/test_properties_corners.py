@@ -232,11 +232,14 @@ def test_optimizer_offload_fraction_zero_is_the_fp32_distributed_optimizer(fs, e
     (optimizer/cpu_offloading/hybrid_optimizer.py, core 0.16.1 and 0.19.2). So it is not 'no offload' of
     the precision-aware optimizer (whose fp32 masters are stored as bf16 + 16-bit remainders); it is the
     plain distributed optimizer's fp32 main shard and fp32 moments, term for term, with no host bytes.
-    (bf16 only: there the gradient buffer is fp32, so the step's fp32 cast of a gradient is no copy.)"""
+    (With fp16's 16-bit gradient buffer both cast the shard's gradients to fp32 at the step:
+    fp32_param.grad = grad.to(fp32) in the hybrid optimizer, main_param.grad = model_grad.float() in
+    distrib_optimizer.py, the same main_grad_copies.)"""
     if "--optimizer-cpu-offload" in fs.extra:
         i = fs.extra.index("--use-precision-aware-optimizer")
         fs = fs.with_(extra=fs.extra[:i] + fs.extra[i + 4:])
-    fs = fs.with_base(dist_opt=True, optimizer="adam", precision="bf16")
+    fs = fs.with_base(dist_opt=True, optimizer="adam", precision="fp16" if fs.base.precision == "fp16" else "bf16",
+                      fp32_residual=fs.base.fp32_residual and fs.base.precision != "fp32")
     plain = _est(fs.flags(), fs.world, era)
     off = _est(fs.flags() + ["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
                              "--optimizer-offload-fraction", "0"], fs.world, era)
