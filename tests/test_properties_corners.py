@@ -385,3 +385,44 @@ def test_fsdp_optim_grads_params_holds_more_after_the_step_than_optim_grads():
     assert p["fsdp_non_unit_parameters"] == 8_259_584 and step["fsdp_gathered_after_step"] == 5_529_600
     assert p["fsdp_parameters"] == 3_447_296 and g["fsdp_parameters"] == 13_772_800
     assert est["fsdp_dense"].persistent_bytes - est["fsdp_dense_optim_grads"].persistent_bytes == 3_496_448
+
+
+DENSE_FIRST = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16 --ffn-hidden-size 128 "
+               "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 2 "
+               "--vocab-size 1024 --make-vocab-size-divisible-by 128 --tokenizer-type NullTokenizer --bf16 "
+               "--transformer-impl transformer_engine --disable-bias-linear --position-embedding-type rope "
+               "--pipeline-model-parallel-size 2").split()
+
+
+def test_placeholder_weight_gradients_follow_the_gemms_a_rank_runs():
+    """TE's get_dummy_wgrad (transformer_engine/pytorch/module/base.py) caches one placeholder weight gradient
+    per (shape, dtype) in the process, on the first backward of a GEMM of that shape: a rank holds only the
+    shapes of the layers it runs. PP 2, --moe-layer-freq [0,1] (core 0.19.2): rank 0 runs the dense layer,
+    linear_qkv [192, 64], linear_proj [64, 64], fc1 [128, 64], fc2 [64, 128]: 32,768 bf16 elements,
+    65,536 bytes, as the dense model's rank 0; rank 1 runs the MoE layer, linear_qkv and linear_proj, the
+    experts' fc1 [32, 64] and fc2 [64, 32], and the output layer [1024, 64]: 86,016 elements, 172,032 bytes
+    (no dense fc1 / fc2, which it never runs). Before, every rank of an MoE model counted every kind's
+    shapes (73,728 and 204,800 bytes)."""
+    moe = "--num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-layer-freq [0,1] --moe-grouped-gemm".split()
+    dense = estimate(layout_from_flags(DENSE_FIRST, world_size=2, megatron_version="0.19"))
+    mixed = estimate(layout_from_flags(DENSE_FIRST + moe, world_size=2, megatron_version="0.19"))
+    assert dense.stages[0].breakdown["dummy_wgrads"] == mixed.stages[0].breakdown["dummy_wgrads"] == 2 * (
+        192 * 64 + 64 * 64 + 128 * 64 + 64 * 128)
+    assert mixed.stages[1].breakdown["dummy_wgrads"] == 2 * (192 * 64 + 64 * 64 + 32 * 64 + 64 * 32 + 1024 * 64)
+
+
+@PROPERTY
+@given(moe_specs(), ERA)
+def test_a_dense_first_stage_is_the_dense_models_stage(fs, era):
+    """--moe-layer-freq with the first stage's layers dense ([0]*k + [1]*(L - k), k layers per stage, no
+    virtual stages): pipeline rank 0 builds, keeps and runs what the dense model's rank 0 does (the MoE-only
+    terms belong to the ranks that run MoE layers), so its terms are the dense model's; its schedule is the
+    same too."""
+    b = fs.base
+    if b.pp == 1 or b.vpp:
+        reject()
+    per = b.layers // b.pp
+    fs = _moe_plain(fs).with_(freq=f"([0]*{per}+[1]*{b.layers - per})")
+    a = _est(fs.flags(), fs.world, era)
+    d = _est(FeatureSpec(base=fs.base).flags(), fs.world, era)
+    assert _numbers(a)[0] == _numbers(d)[0]

@@ -678,8 +678,14 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     moe_rank = L.moe is not None and (
         has_moe or (has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE))
     if device == "gpu":
+        # (MoE models: the layer kinds this rank runs, whose GEMMs fill TE's placeholder-gradient cache)
+        kinds = None
+        if L.moe is not None:
+            kinds = frozenset([kind for runs in stage_runs for kind, n in runs if n])
+            if has_output and getattr(L, "mtp_num_layers", 0):
+                kinds |= {mtp_layer_kind(L)}
         fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0,
-                                                                            moe_rank)
+                                                                            moe_rank, kinds)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
     base = sum([t.bytes for t in state_terms]) + sum([t.bytes for t in buffers]) + fixed_bytes
@@ -924,7 +930,7 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
 
 @lru_cache(maxsize=1024)
 def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool, has_layers: bool,
-                  moe_rank: bool) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+                  moe_rank: bool, kinds: frozenset | None = None) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
     """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
     follow the output layer and the layers) and the MoE-only ones (``moe_rank``: the stage runs an MoE layer;
     overheads.stage_fixed_terms): the allocated ones with the pipeline buffers in flight and the placeholders,
@@ -936,9 +942,9 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
         fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                 f"{count} pipeline send/receive buffers held by NCCL work objects"))
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
-    dummies = dummy_wgrad_bytes(L, has_output, has_layers) if not L.freeze_all_layers else 0
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not L.freeze_all_layers else 0
     if dummies:
-        n = len(dummy_wgrad_shapes(L, has_output, has_layers))
+        n = len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
                                 f"{n} placeholder weight gradients, one per weight shape, cached by "
                                 "Transformer Engine under gradient-accumulation fusion"))

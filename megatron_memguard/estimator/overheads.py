@@ -214,7 +214,8 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
 
 
 @lru_cache(maxsize=256)
-def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> frozenset[tuple[int, int]]:
+def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True,
+                       kinds: frozenset | None = None) -> frozenset[tuple[int, int]]:
     """Weight shapes for which Transformer Engine keeps a placeholder weight gradient.
 
     With gradient-accumulation fusion the weight gradient goes straight into megatron's main_grad,
@@ -223,23 +224,26 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True) -> 
     caches one such tensor per (shape, dtype) for the process lifetime. TE's Linear and
     LayerNormLinear call it (linear_proj/linear_fc2 and linear_qkv/linear_fc1 of megatron's TE spec);
     megatron-core >= 0.14 routes its own column/row-parallel layers to it too whenever TE is
-    installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]."""
+    installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]. The cache fills
+    only with the GEMMs the rank runs: ``kinds``, the layer kinds of the rank's stage (MoE models: a
+    stage of dense layers only has no expert shapes; default: every kind of the model)."""
     if not L.fused_wgrad:
         return frozenset()
     if has_output:
         # the layers' shapes (shared with the stages without the output layer), and output_layer's
-        return dummy_wgrad_shapes(L, False, has_layers) | {(L.padded_vocab_size // L.tp, L.hidden_size)}
+        return dummy_wgrad_shapes(L, False, has_layers, kinds) | {(L.padded_vocab_size // L.tp, L.hidden_size)}
     if has_layers and L.moe is not None:
-        # the kinds the model has (MoE: the experts' and shared experts' TE linears)
-        from ..partition import model_kind_runs
-        return frozenset({sh for kind in {k for k, _ in model_kind_runs(L)}
-                          for sh in layer_linear_shapes(L, kind).values()})
+        # the kinds the stage runs (MoE: the experts' and shared experts' TE linears)
+        if kinds is None:
+            from ..partition import model_kind_runs
+            kinds = frozenset({k for k, _ in model_kind_runs(L)})
+        return frozenset({sh for kind in kinds for sh in layer_linear_shapes(L, kind).values()})
     return frozenset(layer_linear_shapes(L).values()) if has_layers else frozenset()
 
 
 @lru_cache(maxsize=256)
-def dummy_wgrad_bytes(L: Layout, has_output: bool, has_layers: bool = True) -> int:
-    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers)) * L.precision.bytes_of(TensorKind.PARAM)
+def dummy_wgrad_bytes(L: Layout, has_output: bool, has_layers: bool = True, kinds: frozenset | None = None) -> int:
+    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers, kinds)) * L.precision.bytes_of(TensorKind.PARAM)
 
 
 def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:
