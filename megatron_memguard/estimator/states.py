@@ -81,17 +81,6 @@ def build_buffer(L: Layout, params: list[tuple[int, bool]], bucket_size: int | N
     buckets: list[Bucket] = []
     spans: list[tuple[int, int]] = []
     start = bucket_start = end = 0
-    if dist and bucket_size is None and not any(shared for _, shared in params):
-        # one bucket, no shared embedding (most chunks): each parameter starts 64-aligned, the end is padded
-        add = spans.append
-        for numel, _ in reversed(params):
-            start = -(-start // 64) * 64
-            end = start + numel
-            add((start, end))
-            start = end
-        buckets = [Bucket(0, pad_end(end), tuple(spans))] if spans else []
-        return ChunkBuffer(numel=buckets[-1].end if buckets else 0, numel_unpadded=unpadded, buckets=tuple(buckets),
-                           params=unpadded)
     for numel, shared in reversed(params):
         if dist:
             start = -(-start // 64) * 64
