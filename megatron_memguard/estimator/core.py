@@ -266,20 +266,11 @@ def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> s
     return " + ".join(parts)
 
 
-def persistent_buffers(L: Layout, pp_rank: int, stage_runs: tuple | None = None) -> list[Term]:
-    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables.
-    ``stage_runs``: the kind runs of each of the stage's chunks (computed here when not given)."""
-    chunks = L.stage_chunks(pp_rank)
-    receiving = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
-    if stage_runs is None:
-        stage_runs = tuple([c.kind_runs for c in chunks])
-    return list(_persistent_buffers(L, pp_rank == L.pp - 1, receiving, stage_runs))
-
-
 @lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[Term, ...]:
-    """``receiving``: the stage's chunks that get their input from a previous stage; ``stage_runs``: the
-    kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
+    """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
+    retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
+    ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -461,7 +452,7 @@ _END_GROUPS = {
     "offload_pp_balance_kept": "activations",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
-# the parts at a schedule peak that estimate_stage describes (with FSDP, its windows too); the others' terms
+# the parts at a schedule peak that _part_terms describes (with FSDP, its windows too); the others' terms
 # have no detail
 _DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_loss_buffers", "offload_staging",
                              "offload_pp_balance_kept", "pipeline_inputs_retained"})
@@ -667,7 +658,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         host_terms = ot.host_terms
     stage_runs = tuple([c.kind_runs for c in chunks])
     receiving = [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]
-    buffers = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)   # persistent_buffers
+    buffers = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained = tuple([t for t in buffers if t.name == "pipeline_inputs_retained"])
@@ -712,12 +703,6 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         step_bytes=sum([t.bytes for t in step_terms]),
         finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
         retained_bytes=sum([t.bytes for t in retained]))
-
-
-def estimate_stage(L: Layout, pp_rank: int, device: str, gpu_name: str | None,
-                   dp_rank: int | str = "max", site: SiteConstants = DEFAULT_SITE) -> StageEstimate:
-    pr = _stage_prep(L, _stage_shapes(L)[pp_rank], device, gpu_name, dp_rank, site)
-    return _stage_estimate(L, pp_rank, pr, device, site)
 
 
 def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
