@@ -88,8 +88,7 @@ def _size(num: str, unit: str) -> int:
     return _bytes(num, _UNITS[unit])
 
 
-def _mib(text: str | None) -> int | None:
-    return None if text is None else _bytes(text, MiB)
+_LIMIT = float(2**63)               # _bytes' bound, for _values' inlined check
 
 
 def _values(m: re.Match) -> tuple[int | None, ...] | None:
@@ -107,9 +106,6 @@ def _values(m: re.Match) -> tuple[int | None, ...] | None:
             return None
         out.append(round(v))
     return tuple(out)
-
-
-_LIMIT = float(2**63)
 
 
 @dataclass(frozen=True, slots=True)
