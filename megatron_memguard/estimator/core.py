@@ -714,8 +714,8 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if pr.plain:
         # none of the features below: the stage's terms are the state's, the buffers' and those at the peak
-        return _stage_terms(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts,
-                            pr.host_terms, pr.base, pr.fixed_alloc, (), (), pr.step_bytes)
+        return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts,
+                             pr.host_terms, pr.base, pr.fixed_alloc, (), (), pr.step_bytes)
     if ft is not None:
         parts = split_fsdp_transients(parts, ft)
     host_terms = pr.host_terms
@@ -768,14 +768,14 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
-    return _stage_terms(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
+    return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
                         base, fixed_alloc, graph_pool, step_only, step_bytes)
 
 
-def _stage_terms(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
-                 chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
-                 host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
-                 graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
+def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
+                  chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
+                  host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
+                  graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
     """The stage's totals at the largest of its schedule's peak, finalize_model_grads and the optimizer step,
     and its terms there (made when first read: _assemble_terms)."""
     finalize, retained_bytes = pr.finalize, pr.retained_bytes
