@@ -769,7 +769,7 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
-                        base, fixed_alloc, graph_pool, step_only, step_bytes)
+                         base, fixed_alloc, graph_pool, step_only, step_bytes)
 
 
 def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
