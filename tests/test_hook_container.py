@@ -23,11 +23,9 @@ def hook():
     return hook
 
 
-@pytest.fixture
-def run(hook, monkeypatch):
+def as_rank0_of_16_h100(hook, monkeypatch) -> None:
+    """Rank 0 of 16 on H100s (torch's device query faked), no MEMGUARD* variables, no earlier decision."""
     import torch
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_and_validate_args
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setenv("WORLD_SIZE", "16")
@@ -36,6 +34,13 @@ def run(hook, monkeypatch):
     for k in ("MEMGUARD", "MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "MEMGUARD_ALLOW_RECOMPUTE"):
         monkeypatch.delenv(k, raising=False)
     hook.STATE.decision = None
+
+
+@pytest.fixture
+def run(hook, monkeypatch):
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+    as_rank0_of_16_h100(hook, monkeypatch)
 
     def run(*flags):
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in flags]])

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from conftest import CONTAINER_ERA, H100
-from test_hook_container import BASE, DEFAULTS, hook  # noqa: F401  (the same job; the installed hook fixture)
+from conftest import CONTAINER_ERA
+from test_hook_container import BASE, DEFAULTS, as_rank0_of_16_h100, hook  # noqa: F401  (the same job; the installed hook fixture)
 
 pytestmark = CONTAINER_ERA
 
@@ -20,18 +20,10 @@ pytestmark = CONTAINER_ERA
 def run(hook, monkeypatch, tmp_path):
     """run(yaml_flags, *command_line): the job written as YAML from ``yaml_flags`` (Megatron flags), then
     started with ``--yaml-cfg FILE *command_line``. Returns (args, yaml path)."""
-    import torch
     from megatron.training import global_vars
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from yaml_cfg_dump import write_yaml_cfg
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    monkeypatch.setenv("WORLD_SIZE", "16")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    for k in ("MEMGUARD", "MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "MEMGUARD_ALLOW_RECOMPUTE"):
-        monkeypatch.delenv(k, raising=False)
-    hook.STATE.decision = None
+    as_rank0_of_16_h100(hook, monkeypatch)
 
     def run(yaml_flags, *command_line, flags_run=False):
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in yaml_flags]])
