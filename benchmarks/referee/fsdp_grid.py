@@ -12,12 +12,11 @@ local shard (livebytes.py). Megatron-FSDP needs ``einops``; without it the run f
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from typing import Any, Dict, List, Optional
 
 from .moe_grid import MOE_BASE, _moe, moe_settings
-from .grid import COMMON, resolve_config, run_grid
+from .grid import COMMON, named, resolve_config, run_grid, save_results
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--global-batch-size", "8"]
@@ -46,12 +45,7 @@ for _c in FSDP_GRID:
 
 
 def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    if not only:
-        return list(FSDP_GRID)
-    unknown = set(only) - {c["name"] for c in FSDP_GRID}
-    if unknown:
-        raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
-    return [c for c in FSDP_GRID if c["name"] in set(only)]
+    return named(FSDP_GRID, only)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -74,8 +68,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     res["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "megatron_core": megatron.core.__version__}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save_results(res, a.out)
 
 
 if __name__ == "__main__":

@@ -194,15 +194,19 @@ def resolve_config(flags: List[str], world_size: int) -> tuple:
     return layout, settings
 
 
+def named(grid: List[Dict[str, Any]], only: Optional[List[str]]) -> List[Dict[str, Any]]:
+    """The configurations of ``grid`` named in ``only`` (all when it is empty); an unknown name stops the run."""
+    if not only:
+        return list(grid)
+    names = set(only)
+    unknown = names - {c["name"] for c in grid}
+    if unknown:
+        raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
+    return [c for c in grid if c["name"] in names]
+
+
 def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    cfgs = [c for c in GRID if (c["ci"] or not ci)]
-    if only:
-        names = set(only)
-        unknown = names - {c["name"] for c in GRID}
-        if unknown:
-            raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
-        cfgs = [c for c in cfgs if c["name"] in names]
-    return cfgs
+    return [c for c in named(GRID, only) if c["ci"] or not ci]
 
 
 def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True,

@@ -18,7 +18,7 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional
 
-from .grid import COMMON, REFEREE_MEGATRON_VERSION, resolve_config, run_grid, save_results
+from .grid import COMMON, REFEREE_MEGATRON_VERSION, named, resolve_config, run_grid, save_results
 
 # A small Llama-style model: 4 layers, hidden 256, 8 heads (4 KV groups), SwiGLU, RMSNorm, RoPE, no
 # biases (shared experts refuse biases), untied; s=256, b=2.
@@ -114,13 +114,7 @@ def moe_settings(entry: Dict[str, Any]) -> tuple:
 
 
 def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    if not only:
-        return list(MOE_GRID)
-    names = set(only)
-    unknown = names - {c["name"] for c in MOE_GRID}
-    if unknown:
-        raise SystemExit(f"unknown configuration(s): {sorted(unknown)}")
-    return [c for c in MOE_GRID if c["name"] in names]
+    return named(MOE_GRID, only)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -35,24 +35,31 @@ CASES = [
 ]
 
 
+def second_step_peak(opt, p) -> int:
+    """The live bytes the optimizer's second step adds at its peak (the first step makes the momentum)."""
+    import torch
+
+    from benchmarks.referee.livebytes import LiveBytesTracker
+    p.grad = torch.randn(*p.shape)
+    opt.step()
+    p.grad = torch.randn(*p.shape)
+    tr = LiveBytesTracker()
+    with tr:
+        opt.step()
+    return tr.peak
+
+
 def measure(shape, split, nesterov, prec) -> int:
     import torch
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    from benchmarks.referee.livebytes import LiveBytesTracker
     p = torch.nn.Parameter(torch.randn(*shape))
     if split:
         p.is_qkv, p.qkv_split_shapes = True, split
     opt = TensorParallelMuon([p], lr=0.1, momentum=0.9, nesterov=nesterov, split_qkv=bool(split),
                              is_qkv_fn=lambda q: getattr(q, "is_qkv", False), qkv_split_shapes=split,
                              fp32_matmul_prec=prec, extra_scale_factor=0.2)
-    p.grad = torch.randn(*shape)
-    opt.step()
-    p.grad = torch.randn(*shape)
-    tr = LiveBytesTracker()
-    with tr:
-        opt.step()
-    return tr.peak
+    return second_step_peak(opt, p)
 
 
 TP_CASES = [
@@ -69,7 +76,6 @@ def _tp_worker(rank, world, port, mode, shape, pdim, q):  # pragma: no cover - r
     import torch.distributed as dist
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    from benchmarks.referee.livebytes import LiveBytesTracker
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)))
@@ -78,14 +84,9 @@ def _tp_worker(rank, world, port, mode, shape, pdim, q):  # pragma: no cover - r
     p.partition_dim = pdim
     opt = TensorParallelMuon([p], lr=0.1, momentum=0.9, nesterov=False, split_qkv=False, pg_collection=pgc,
                              tp_mode=mode, extra_scale_factor=0.2)
-    p.grad = torch.randn(*shape)
-    opt.step()
-    p.grad = torch.randn(*shape)
-    tr = LiveBytesTracker()
-    with tr:
-        opt.step()
+    peak = second_step_peak(opt, p)
     if rank == 0:
-        q.put(tr.peak)
+        q.put(peak)
     dist.destroy_process_group()
 
 
