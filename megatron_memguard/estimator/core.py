@@ -705,16 +705,15 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         retained_bytes=sum([t.bytes for t in retained]))
 
 
-def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
-                    moe_in: tuple | None = None) -> StageEstimate:
+def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants) -> StageEstimate:
     """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there.
-    ``moe_in``: _moe_worst_inputs (looked up here when not given)."""
+    Its MoE worst case is made when first read, from _moe_worst_inputs (the same for every stage)."""
     chunks = L.stage_chunks(pp_rank)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if pr.plain:
         # none of the features below: the stage's terms are the state's, the buffers' and those at the peak
-        return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts,
+        return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts,
                              pr.host_terms, pr.base, pr.fixed_alloc, (), (), pr.step_bytes)
     if ft is not None:
         parts = split_fsdp_transients(parts, ft)
@@ -768,11 +767,11 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
-    return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
+    return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
 
 
-def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
+def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
                   chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
                   host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
                   graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
@@ -819,7 +818,7 @@ def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Si
     if L.moe is not None:
         def moe() -> dict:
             return _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total,
-                                   peak_phase, moe_in)
+                                   peak_phase)
 
     def terms() -> tuple[Term, ...]:
         return _assemble_terms(L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)
@@ -1024,12 +1023,11 @@ def estimate(
     # rather than once per stage; only the schedule's peak and its terms are made per stage
     preps: dict[_StageShape, _StagePrep] = {}
     stages = []
-    moe_in = _moe_worst_inputs(L, device, site) if L.moe is not None else None
     for r, shape in enumerate(_stage_shapes(L)):
         pr = preps.get(shape)
         if pr is None:
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
-        stages.append(_stage_estimate(L, r, pr, device, site, moe_in))
+        stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
     totals = [s.device_total_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total
