@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Callable
 
 from ..errors import ConfigError
 from ..gpus import GpuSpec
@@ -38,12 +39,13 @@ from .params import mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
-from .params import layer_params
-from .result import Estimate, StageEstimate, Term, verdict_for
+from .params import layer_param_rows
+from .result import Estimate, StageEstimate, Term, TermLevel, _MadeAtFirstRead, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, bucket_size_for, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
+_ALLOCATED = TermLevel.ALLOCATED   # Term's default level, passed with a detail made at its first read
 # what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
 OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
 
@@ -53,7 +55,7 @@ class ChunkActivations:
     """Bytes one micro-batch leaves on a chunk between its forward and its backward."""
 
     layers: int            # transformer layers (full activations or checkpoint inputs)
-    layers_detail: str
+    layers_detail: str     # (may be given as a function making it: made at its first read)
     ends: dict[str, int]   # embedding / batch / output items kept per micro-batch
     fwd_extra: int         # transient at the end of this chunk's forward
     bwd_top_extra: int     # working set at the start of this chunk's backward
@@ -71,7 +73,7 @@ class ChunkActivations:
         # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["layers"] = layers
-        d["layers_detail"] = layers_detail
+        d["layers_detail" if layers_detail.__class__ is str else "_make_layers_detail"] = layers_detail
         d["ends"] = ends
         d["fwd_extra"] = fwd_extra
         d["bwd_top_extra"] = bwd_top_extra
@@ -128,7 +130,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + " + _layers_detail(per_kind, k)
     else:
         layers = _layers_bytes(per_kind, 0)
-        detail = _layers_detail(per_kind, 0)
+        detail = None                 # _layers_detail(per_kind, 0), made when first read
+    more: list[str] = []              # what the detail adds (offloading, MTP layers)
     moe_layers = 0
     if L.moe is not None and n:
         # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
@@ -141,7 +144,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
         host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
         layers -= host
-        detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
+        more.append(f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)")
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         seq: list[int] = []
@@ -181,10 +184,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if kept:
             layers += kept
             host -= kept
-            detail += f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}"
+            more.append(f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}")
         offload_groups = tuple(seq)
         if host:
-            detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
+            more.append(f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})")
 
     ends: dict[str, int] = {}
     fwd_extra = fwd_transient if n else 0
@@ -214,7 +217,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             d = L.mtp_num_layers
             mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
             layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
-            detail += f" + {d} MTP layer(s)"
+            more.append(f" + {d} MTP layer(s)")
             ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
@@ -231,11 +234,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
-    return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
+    return ChunkActivations(layers=layers, layers_detail=lambda: (_layers_detail(per_kind, 0) if detail is None
+                                                                  else detail) + "".join(more),
+                            ends=ends, fwd_extra=fwd_extra,
                             bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
                             offload_staging=staging, host_bytes=host, offload_groups=offload_groups,
                             out_bwd_transient=o.bwd_transient if has_output else 0,
                             out_wgrad_moment=o.bwd_wgrad_moment if has_output else 0)
+
+
+ChunkActivations.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
 
 
 class _MoePart:
@@ -293,7 +301,8 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # the CPU referee on every pipeline rank past the first). During the schedule a chunk's pair
         # exists only before its first forward and after its last backward (_simulate).
         terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
-                          f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
+                          lambda: f"last received input and its gradient of {receiving} chunk(s), kept by "
+                                  "TransformerBlock.input_tensor"))
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
@@ -325,11 +334,12 @@ def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
     held = per_layer * n_moe
     if held:
         terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
-                          f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next forward"))
+                          lambda: f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the "
+                                  "layer's next forward"))
     rb = router * n_moe
     if rb:
         terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
-                          f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+                          lambda: f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
     old = next((t for t in terms if t.name == "global_memory_buffer"), None)
     if gb and (old is None or old.bytes < gb):
         terms = [t for t in terms if t.name != "global_memory_buffer"]
@@ -384,7 +394,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     n = sum(held)
     phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
     a = acts[0]
-    if acts.count(a) == len(acts):          # chunks alike (the middle of a pipeline): n micro-batches of one
+    if all([x is a for x in acts]):         # chunks alike (the middle of a pipeline; cached: one object): n of one
         moe, layers = n * a.moe_layers, n * a.layers
         parts: dict[str, int] = {"layer_activations": layers - moe}
         if moe:
@@ -462,27 +472,34 @@ _DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_
 def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
     """Model-state terms of a stage and the terms the optimizer step adds (shared by the stages whose
     states are equal: the middle of a pipeline)."""
+    # (the details are made when a report reads them: the estimate's totals need the bytes only)
     state_terms = [
-        Term("parameters", st.param_bytes, "weights", detail=f"{st.parameters:,} params x {L.param_bytes} B"
+        Term("parameters", st.param_bytes, "weights", _ALLOCATED, lambda: f"{st.parameters:,} params x {L.param_bytes} B"
              + (" (padded param buffer)" if L.use_distributed_optimizer else "")),
-        Term("gradient_buffer", st.grad_bytes, "gradients",
-             detail=f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"),
+        Term("gradient_buffer", st.grad_bytes, "gradients", _ALLOCATED, lambda:
+             f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"),
     ]
-    shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
+
+    def shard() -> str:
+        return f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
+
     if st.main_param_bytes:
-        state_terms.append(Term("main_parameters", st.main_param_bytes, "optimizer", detail="fp32 master weights" + shard))
+        state_terms.append(Term("main_parameters", st.main_param_bytes, "optimizer", _ALLOCATED,
+                                lambda: "fp32 master weights" + shard()))
     step_terms = []
     if st.main_grad_copy_bytes:
         # 16-bit gradients are copied to fp32 for the step (main_grad.float()); the copies stay
         # attached as .grad of the main params until zero_grad at the start of the next iteration,
         # so they count after the step but not during forward and backward.
-        step_terms.append(Term("main_grad_copies", st.main_grad_copy_bytes, "optimizer",
-                               detail="fp32 copies of 16-bit gradients, from the step until the next zero_grad" + shard))
+        step_terms.append(Term("main_grad_copies", st.main_grad_copy_bytes, "optimizer", _ALLOCATED,
+                               lambda: "fp32 copies of 16-bit gradients, from the step until the next zero_grad" + shard()))
     if L.optimizer == "adam":
-        state_terms.append(Term("adam_exp_avg", st.exp_avg_bytes, "optimizer", detail=f"{L.exp_avg_dtype} first moment" + shard))
-        state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", detail=f"{L.exp_avg_sq_dtype} second moment" + shard))
+        state_terms.append(Term("adam_exp_avg", st.exp_avg_bytes, "optimizer", _ALLOCATED,
+                                lambda: f"{L.exp_avg_dtype} first moment" + shard()))
+        state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", _ALLOCATED,
+                                lambda: f"{L.exp_avg_sq_dtype} second moment" + shard()))
     else:
-        state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", detail="fp32 momentum" + shard))
+        state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", _ALLOCATED, lambda: "fp32 momentum" + shard()))
     return tuple(state_terms), tuple(step_terms)
 
 
@@ -572,8 +589,8 @@ class _StagePrep:
     fixed_alloc: tuple[Term, ...]
     device_only: tuple[Term, ...]  # device-level fixed terms (CUDA context, NCCL), outside the allocator
     device_bytes: int
-    frag_detail: str
-    layers_detail: str
+    frag_detail: Callable[[], str]   # (the allocator term's detail, made when a report reads it)
+    layers_detail: str               # (given as a function making it: made at its first read)
     base: int                  # state + buffers + fixed allocated terms (before CUDA graph terms)
     step_bytes: int
     finalize: int
@@ -584,7 +601,8 @@ class _StagePrep:
                  acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object, state_terms: tuple[Term, ...],
                  step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
                  retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
-                 device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
+                 device_only: tuple[Term, ...], device_bytes: int, frag_detail: Callable[[], str],
+                 layers_detail: Callable[[], str], base: int,
                  step_bytes: int, finalize: int, retained_bytes: int, plain: bool) -> None:
         # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
         d = self.__dict__
@@ -607,12 +625,15 @@ class _StagePrep:
         d["device_only"] = device_only
         d["device_bytes"] = device_bytes
         d["frag_detail"] = frag_detail
-        d["layers_detail"] = layers_detail
+        d["_make_layers_detail"] = layers_detail
         d["base"] = base
         d["step_bytes"] = step_bytes
         d["finalize"] = finalize
         d["retained_bytes"] = retained_bytes
         d["plain"] = plain
+
+
+_StagePrep.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
 
 
 @lru_cache(maxsize=1024)
@@ -695,8 +716,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
         deferred=deferred,
         fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
-        frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail="; ".join([a.layers_detail for a in acts]),
+        frag_detail=lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
+        layers_detail=lambda: "; ".join([a.layers_detail for a in acts]),
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
@@ -894,14 +915,14 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
     for runs in stage_runs:
         for kind, k in runs:
             counts[kind] = counts.get(kind, 0) + k
-    layers = [(layer_params(L, kind=kind), k) for kind, k in counts.items()]
+    # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
+    layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
     if L.sequence_parallel:
-        n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
+        n = sum(k * sum(r[1] for r in layer if r[2]) for layer, k in layers)
         if has_output:
             n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
     elif L.qk_layernorm:
-        n = sum(k * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
-                for layer, k in layers)
+        n = sum(k * sum(r[1] for r in layer if "q_layernorm" in r[0] or "k_layernorm" in r[0]) for layer, k in layers)
     else:
         return 0
     return n * L.grad_bytes
@@ -924,14 +945,14 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
     p2p, count = p2p_in_flight_bytes(L)
     if p2p:
         fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
-                                f"{count} pipeline send/receive buffers held by NCCL work objects"))
+                                lambda: f"{count} pipeline send/receive buffers held by NCCL work objects"))
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
     dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not L.freeze_all_layers else 0
     if dummies:
-        n = len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
-                                f"{n} placeholder weight gradients, one per weight shape, cached by "
-                                "Transformer Engine under gradient-accumulation fusion"))
+                                lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))} placeholder weight "
+                                        "gradients, one per weight shape, cached by Transformer Engine under "
+                                        "gradient-accumulation fusion"))
     device_only = tuple([t for t in fixed if t.level == "device"])
     return tuple(fixed_alloc), sum(t.bytes for t in fixed_alloc), device_only, sum(t.bytes for t in device_only)
 
