@@ -12,7 +12,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 from ..errors import ConfigError
@@ -835,15 +835,11 @@ def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Si
     else:
         peak_reserved = device_total = peak_alloc
     persistent = base + retained_bytes + pr.step_bytes
-    moe = None
-    if L.moe is not None:
-        def moe() -> dict:
-            return _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total,
-                                   peak_phase)
-
-    def terms() -> tuple[Term, ...]:
-        return _assemble_terms(L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)
-
+    # the terms and the MoE worst case, made when first read, as partial applications (not closures: a closure
+    # makes a cell per variable it reads, two dozen objects per stage of every estimate for the collector)
+    moe = None if L.moe is None else partial(_moe_worst_case, L, device, site, held_moe, pr.has_moe, peak_alloc,
+                                             peak_reserved, device_total, peak_phase)
+    terms = partial(_assemble_terms, L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)
     # (positional, in the fields' order: one per stage of every estimate)
     return StageEstimate(pp_rank, chunks, pr.n_layers, pr.parameters, persistent, peak_alloc, peak_reserved,
                          device_total, peak_phase, in_flight, terms, moe, host_terms)
