@@ -171,22 +171,24 @@ def uniform_kind(L: "Layout") -> LayerKind:
     return LayerKind(_mixer(L), MLP_DENSE, L.fp8_spec.recipe if L.transformer_impl == "transformer_engine" else None)
 
 
-def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:
-    """Megatron's layout syntax: stages split by '|', 'E' embedding, 't' layer, 'L' loss, 'm' MTP, ``(x)*n``."""
-    bad = next((ch for ch in text if ch not in _LAYOUT_CHARS), None)
-    if bad is not None:    # before the expansion: a hostile text must not reach its regular expressions
+def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[str]:
+    """Megatron's layout syntax: stages split by '|', 'E' embedding, 't' layer, 'L' loss, 'm' MTP, ``(x)*n``.
+    Returns each stage's entries as a string ("Et", "tt", ..., "L")."""
+    if not _LAYOUT_CHARS.issuperset(text):
+        # before the expansion: a hostile text must not reach its regular expressions
+        bad = next(ch for ch in text if ch not in _LAYOUT_CHARS)
         raise ConfigError(key, f"unknown layer character {bad!r}; use E, t, L, m, | and (..)*n")
     s = _repeat(_repeat(text.replace(",", ""), _GROUP_REPEAT, key), _CHAR_REPEAT, key)
     if not _STAGE_CHARS.issuperset(s):       # a character left after the expansion ('(', ')', '*', a digit)
         ch = next(ch for ch in s if ch not in _STAGE_CHARS)
         raise ConfigError(key, f"unknown layer character {ch!r}; use E, t, L, m, | and (..)*n")
-    stages = [list(stage) for stage in s.split("|")]
+    stages = s.split("|")
     if len(stages) % pp:
         raise ConfigError(key, f"has {len(stages)} stages, which is not a multiple of --pipeline-model-parallel-size {pp}")
     flat = s.replace("|", "")
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
-    if "m" in flat and "m" in "".join("".join(st) for st in stages[:-1]):
+    if "m" in flat and "m" in "".join(stages[:-1]):
         # Megatron also places MTP layers on an earlier stage (mtp_standalone); memguard keeps them on the
         # last stage's last chunk, where they go without a layout
         from .errors import NotModelledError
