@@ -265,28 +265,40 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
     chunks = []
     add = chunks.append
     last_i = pp * vpp - 1
+    inside: dict[tuple[int, int], tuple[tuple[LayerKind, int], ...]] = {}   # _runs_between's one-run results, shared
     for r in range(pp):
         for i in range(r, pp * vpp, pp):
             n = counts[i]
             first = firsts[i]
             last = i == last_i
+            if same is None:
+                kr = _runs_between(runs, ends, first, n, inside)
+            else:
+                kr = inside.get((0, n))
+                if kr is None:
+                    kr = inside[0, n] = ((same, n),) if n > 0 else ()
             # (positional: one Chunk per chunk of every layout; its fields in order)
-            add(Chunk(r, i // pp, first, n, i == 0, last, tied_copy and last, vpp,
-                      (((same, n),) if n > 0 else ()) if same is not None else _runs_between(runs, ends, first, n)))
+            add(Chunk(r, i // pp, first, n, i == 0, last, tied_copy and last, vpp, kr))
     return tuple(chunks)
 
 
-def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int,
-                  n: int) -> tuple[tuple[LayerKind, int], ...]:
+def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int, n: int,
+                  inside: dict | None = None) -> tuple[tuple[LayerKind, int], ...]:
     """The (kind, count) runs of the model's layers first .. first + n - 1, from the model's runs (``ends``:
     where each run ends) without listing the layers: the parts of the runs the interval overlaps, equal
-    neighbours merged (as kind_runs makes them)."""
+    neighbours merged (as kind_runs makes them). ``inside``: the results for intervals inside one run, by (run, n),
+    so that the chunks of one kind and size share one tuple (the caches key on it)."""
     if n <= 0:
         return ()
     stop = first + n
     i = bisect_right(ends, first)                 # the run holding layer ``first``
     if stop <= ends[i]:                           # inside one run (most chunks)
-        return ((runs[i][0], n),)
+        if inside is None:
+            return ((runs[i][0], n),)
+        got = inside.get((i, n))
+        if got is None:
+            got = inside[i, n] = ((runs[i][0], n),)
+        return got
     out: list[list] = []
     start = ends[i - 1] if i else 0
     for (kind, _), end in zip(runs[i:], ends[i:]):
