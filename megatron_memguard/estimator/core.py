@@ -274,8 +274,13 @@ def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> s
     return " + ".join(parts)
 
 
+# a term as (name, bytes, group, level, detail): what a stage's totals read of its buffers (_persistent_buffers);
+# its Term is made when a report reads it (_terms_of)
+BufferRow = tuple[str, int, str, str, str]
+
+
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[Term, ...]:
+def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
@@ -285,36 +290,35 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     entry; the buffer grows to the largest request and stays. With TE layers only the output layer
     (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries."""
     x = shapes(L)
-    terms = []
+    rows: list[BufferRow] = []
     sizes = []
     if L.sequence_parallel and (L.transformer_impl == "local" or last):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
     if attention_kind(L).startswith("local"):
         sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of megatron's attention
     if sizes:
-        terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
-                          "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
+        rows.append(("global_memory_buffer", max(sizes), "transients", "allocated",
+                     "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
     if L.pp > 1 and receiving:
         # TransformerBlock.set_input_tensor keeps the last received activation of each chunk, and
         # with it its gradient (.grad, retained by the schedule), until that chunk's next input
         # arrives: two activation-sized tensors per receiving chunk after the schedule (measured by
         # the CPU referee on every pipeline rank past the first). During the schedule a chunk's pair
         # exists only before its first forward and after its last backward (_simulate).
-        terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
-                          lambda: f"last received input and its gradient of {receiving} chunk(s), kept by "
-                                  "TransformerBlock.input_tensor"))
+        rows.append(("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
+                     f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
             n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
-        terms = _moe_buffers(L, terms, n_moe)
+        rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform).rotary_cache(L, layers)
     if rotary:
-        terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
-    return tuple(terms)
+        rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
+    return tuple(rows)
 
 
 @lru_cache(maxsize=256)
@@ -325,28 +329,33 @@ def _moe_layer_buffers(L: Layout) -> tuple[int, int, int]:
     return moe.held_bytes(L), moe.router_buffer_bytes(L.moe), moe.global_buffer_request(L, L.moe)
 
 
-def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
+def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow]:
     """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
     and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
     if not n_moe:
-        return terms
+        return rows
     per_layer, router, gb = _moe_layer_buffers(L)
     held = per_layer * n_moe
     if held:
-        terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
-                          lambda: f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the "
-                                  "layer's next forward"))
+        rows.append(("moe_dispatcher_state", held, "transients", "allocated",
+                     f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next "
+                     "forward"))
     rb = router * n_moe
     if rb:
-        terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
-                          lambda: f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
-    old = next((t for t in terms if t.name == "global_memory_buffer"), None)
-    if gb and (old is None or old.bytes < gb):
-        terms = [t for t in terms if t.name != "global_memory_buffer"]
-        terms.insert(0, Term("global_memory_buffer", gb, "transients", "allocated",
-                             "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
-                             "[T x ETP x EP, h]"))
-    return terms
+        rows.append(("moe_router_buffers", rb, "weights", "allocated",
+                     f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+    old = next((r for r in rows if r[0] == "global_memory_buffer"), None)
+    if gb and (old is None or old[1] < gb):
+        rows = [r for r in rows if r[0] != "global_memory_buffer"]
+        rows.insert(0, ("global_memory_buffer", gb, "transients", "allocated",
+                        "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
+                        "[T x ETP x EP, h]"))
+    return rows
+
+
+def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]:
+    """The Term of each (name, bytes, group, level, detail) row."""
+    return tuple([Term(*r) for r in rows])
 
 
 def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
@@ -468,39 +477,47 @@ _DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_
                              "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
+def _state_rows(L: Layout, st: StageStates) -> tuple[tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]]:
+    """(name, bytes, group) of a stage's model-state terms and of the terms the optimizer step adds: what its
+    totals need (the Term objects, with their details, are made from them when a report reads them:
+    _state_terms)."""
+    state = [("parameters", st.param_bytes, "weights"), ("gradient_buffer", st.grad_bytes, "gradients")]
+    if st.main_param_bytes:
+        state.append(("main_parameters", st.main_param_bytes, "optimizer"))
+    # 16-bit gradients are copied to fp32 for the step (main_grad.float()); the copies stay attached as .grad
+    # of the main params until zero_grad at the start of the next iteration, so they count after the step but
+    # not during forward and backward.
+    step = (("main_grad_copies", st.main_grad_copy_bytes, "optimizer"),) if st.main_grad_copy_bytes else ()
+    if L.optimizer == "adam":
+        state.append(("adam_exp_avg", st.exp_avg_bytes, "optimizer"))
+        state.append(("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer"))
+    else:
+        state.append(("sgd_momentum", st.exp_avg_bytes, "optimizer"))
+    return tuple(state), step
+
+
+def _state_detail(L: Layout, st: StageStates, name: str) -> str:
+    shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
+    if name == "parameters":
+        return f"{st.parameters:,} params x {L.param_bytes} B" + (" (padded param buffer)" if L.use_distributed_optimizer else "")
+    if name == "gradient_buffer":
+        return f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"
+    return {"main_parameters": "fp32 master weights", "main_grad_copies": "fp32 copies of 16-bit gradients, from the "
+            "step until the next zero_grad", "adam_exp_avg": f"{L.exp_avg_dtype} first moment",
+            "adam_exp_avg_sq": f"{L.exp_avg_sq_dtype} second moment", "sgd_momentum": "fp32 momentum"}[name] + shard
+
+
 @lru_cache(maxsize=1024)
 def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
     """Model-state terms of a stage and the terms the optimizer step adds (shared by the stages whose
-    states are equal: the middle of a pipeline)."""
-    # (the details are made when a report reads them: the estimate's totals need the bytes only)
-    state_terms = [
-        Term("parameters", st.param_bytes, "weights", _ALLOCATED, lambda: f"{st.parameters:,} params x {L.param_bytes} B"
-             + (" (padded param buffer)" if L.use_distributed_optimizer else "")),
-        Term("gradient_buffer", st.grad_bytes, "gradients", _ALLOCATED, lambda:
-             f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"),
-    ]
+    states are equal: the middle of a pipeline), from _state_rows."""
+    state, step = _state_rows(L, st)
+    return (tuple([Term(n, b, g, detail=_state_detail(L, st, n)) for n, b, g in state]),
+            tuple([Term(n, b, g, detail=_state_detail(L, st, n)) for n, b, g in step]))
 
-    def shard() -> str:
-        return f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
 
-    if st.main_param_bytes:
-        state_terms.append(Term("main_parameters", st.main_param_bytes, "optimizer", _ALLOCATED,
-                                lambda: "fp32 master weights" + shard()))
-    step_terms = []
-    if st.main_grad_copy_bytes:
-        # 16-bit gradients are copied to fp32 for the step (main_grad.float()); the copies stay
-        # attached as .grad of the main params until zero_grad at the start of the next iteration,
-        # so they count after the step but not during forward and backward.
-        step_terms.append(Term("main_grad_copies", st.main_grad_copy_bytes, "optimizer", _ALLOCATED,
-                               lambda: "fp32 copies of 16-bit gradients, from the step until the next zero_grad" + shard()))
-    if L.optimizer == "adam":
-        state_terms.append(Term("adam_exp_avg", st.exp_avg_bytes, "optimizer", _ALLOCATED,
-                                lambda: f"{L.exp_avg_dtype} first moment" + shard()))
-        state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", _ALLOCATED,
-                                lambda: f"{L.exp_avg_sq_dtype} second moment" + shard()))
-    else:
-        state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", _ALLOCATED, lambda: "fp32 momentum" + shard()))
-    return tuple(state_terms), tuple(step_terms)
+def _state_part(L: Layout, st: StageStates, i: int) -> tuple[Term, ...]:
+    return _state_terms(L, st)[i]
 
 
 def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
@@ -578,11 +595,11 @@ class _StagePrep:
     acts: tuple[ChunkActivations, ...]
     sched: tuple | None        # _schedule_bytes
     ft: object
-    state_terms: tuple[Term, ...]
+    state_terms: tuple[Term, ...]   # (these two may be given as functions making them: made when first read)
     step_terms: tuple[Term, ...]
     host_terms: tuple[Term, ...]
     host_bytes: int            # activation offloading: host bytes per micro-batch in flight
-    buffers: tuple[Term, ...]
+    buffers: tuple[Term, ...]        # (given as functions making them from _persistent_buffers' rows)
     retained: tuple[Term, ...]
     staging: int
     deferred: int
@@ -598,9 +615,11 @@ class _StagePrep:
     plain: bool                # none of the features whose terms follow the peak (FSDP, offloading, CUDA graphs, Muon)
 
     def __init__(self, parameters: int, n_layers: int, has_output: bool, has_moe: bool,
-                 acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object, state_terms: tuple[Term, ...],
-                 step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
-                 retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
+                 acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object,
+                 state_terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
+                 step_terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]], host_terms: tuple[Term, ...],
+                 host_bytes: int, buffers: Callable[[], tuple[Term, ...]],
+                 retained: Callable[[], tuple[Term, ...]], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
                  device_only: tuple[Term, ...], device_bytes: int, frag_detail: Callable[[], str],
                  layers_detail: Callable[[], str], base: int,
                  step_bytes: int, finalize: int, retained_bytes: int, plain: bool) -> None:
@@ -613,12 +632,14 @@ class _StagePrep:
         d["acts"] = acts
         d["sched"] = sched
         d["ft"] = ft
-        d["state_terms"] = state_terms
-        d["step_terms"] = step_terms
+        # the state and step terms may come as functions making them (_stage_prep's common case): made when
+        # first read (_MadeAtFirstRead)
+        d["state_terms" if state_terms.__class__ is tuple else "_make_state_terms"] = state_terms
+        d["step_terms" if step_terms.__class__ is tuple else "_make_step_terms"] = step_terms
         d["host_terms"] = host_terms
         d["host_bytes"] = host_bytes
-        d["buffers"] = buffers
-        d["retained"] = retained
+        d["_make_buffers"] = buffers        # (functions making them: made when first read)
+        d["_make_retained"] = retained
         d["staging"] = staging
         d["deferred"] = deferred
         d["fixed_alloc"] = fixed_alloc
@@ -634,6 +655,10 @@ class _StagePrep:
 
 
 _StagePrep.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
+_StagePrep.state_terms = _MadeAtFirstRead("state_terms", ())  # type: ignore[assignment]
+_StagePrep.step_terms = _MadeAtFirstRead("step_terms", ())  # type: ignore[assignment]
+_StagePrep.buffers = _MadeAtFirstRead("buffers", ())  # type: ignore[assignment]
+_StagePrep.retained = _MadeAtFirstRead("retained", ())  # type: ignore[assignment]
 
 
 @lru_cache(maxsize=1024)
@@ -661,30 +686,41 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                               loss, out)
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
-    state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
-    if L.freeze_all_layers:
-        # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
-        # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
-        state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
-    if L.fp8 or L.fp4:
-        state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
-    if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
-        state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
-    if offload_enabled(L):
-        # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
-        ot = offload_terms(L, offload_shard_numel(L, st))
-        state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
-        step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
-        host_terms = ot.host_terms
+    state_terms: tuple[Term, ...] | partial
+    step_terms: tuple[Term, ...] | partial
+    if (ft is None and not L.freeze_all_layers and not (L.fp8 or L.fp4) and L.optimizer not in EMERGING_OPTIMIZERS
+            and not offload_enabled(L)):
+        # the common case: the state terms as _state_rows lists them, their Term objects made when first read
+        state_rows, step_rows = _state_rows(L, st)
+        state_bytes, step_bytes = sum([r[1] for r in state_rows]), sum([r[1] for r in step_rows])
+        state_terms, step_terms = partial(_state_part, L, st, 0), partial(_state_part, L, st, 1)
+    else:
+        state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+        if L.freeze_all_layers:
+            # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
+            # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
+            state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
+        if L.fp8 or L.fp4:
+            state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
+        if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
+            state_terms = muon_state_terms(L, pp_rank, state_terms)
+        if offload_enabled(L):
+            # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
+            ot = offload_terms(L, offload_shard_numel(L, st))
+            state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
+            step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
+            host_terms = ot.host_terms
+        state_terms, step_terms = tuple(state_terms), tuple(step_terms)
+        state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     stage_runs = tuple([c.kind_runs for c in chunks])
     receiving = [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]
-    buffers = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
+    buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
-    retained = tuple([t for t in buffers if t.name == "pipeline_inputs_retained"])
-    if retained:
-        buffers = tuple([t for t in buffers if t.name != "pipeline_inputs_retained"])
+    retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
+    if retained_rows:
+        buffer_rows = [r for r in buffer_rows if r[0] != "pipeline_inputs_retained"]
     # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
     has_moe = any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
     moe_rank = L.moe is not None and (
@@ -700,7 +736,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                                                                             moe_rank, kinds)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
-    base = sum([t.bytes for t in state_terms]) + sum([t.bytes for t in buffers]) + fixed_bytes
+    base = state_bytes + sum([r[1] for r in buffer_rows]) + fixed_bytes
     host_bytes = max([a.host_bytes for a in acts])
     staging = max([a.offload_staging for a in acts])
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
@@ -712,8 +748,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         parameters=st.parameters, n_layers=n_layers, has_output=has_output,
         has_moe=has_moe, acts=tuple(acts),
         sched=_schedule_bytes(L, acts, receiving), ft=ft,
-        state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
-        host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
+        state_terms=state_terms, step_terms=step_terms, host_terms=host_terms,
+        host_bytes=host_bytes, buffers=partial(_terms_of, buffer_rows), retained=partial(_terms_of, retained_rows),
+        staging=staging, plain=plain,
         deferred=deferred,
         fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
         frag_detail=lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
@@ -721,9 +758,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-        step_bytes=sum([t.bytes for t in step_terms]),
+        step_bytes=step_bytes,
         finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
-        retained_bytes=sum([t.bytes for t in retained]))
+        retained_bytes=sum([r[1] for r in retained_rows]))
 
 
 def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants) -> StageEstimate:
