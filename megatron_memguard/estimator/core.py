@@ -361,8 +361,9 @@ def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]
 def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
     """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
     the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
-    (its own micro-batch released), the larger of the two, and the retained pipeline inputs.
-    ``receiving``: which chunks get their input from a previous stage."""
+    (its own micro-batch released), the larger of the two, the retained pipeline inputs, and whether the
+    chunks are alike (one cached object: the middle of a pipeline). ``receiving``: which chunks get their
+    input from a previous stage."""
     if len(acts) == 1:
         return None
     # Interleaved schedules keep each receiving chunk's last input and its gradient through the
@@ -372,7 +373,7 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
     top = [a.bwd_top_extra for a in acts]
     bottom = [a.bwd_bottom_extra - a.held for a in acts]
     return ([a.held for a in acts], [a.fwd_extra for a in acts], top, bottom,
-            [t if t >= b else b for t, b in zip(top, bottom)], retained)
+            [t if t >= b else b for t, b in zip(top, bottom)], retained, all([a is acts[0] for a in acts]))
 
 
 def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
@@ -385,7 +386,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     every pass gives (tests/test_schedule.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained = sched
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained, alike = sched
     # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
     combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
     best, (fwd, ci, counts, nth), in_flight = schedule_peak(
@@ -403,7 +404,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     n = sum(held)
     phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
     a = acts[0]
-    if all([x is a for x in acts]):         # chunks alike (the middle of a pipeline; cached: one object): n of one
+    if alike:                               # chunks alike (the middle of a pipeline): n micro-batches of one
         moe, layers = n * a.moe_layers, n * a.layers
         parts: dict[str, int] = {"layer_activations": layers - moe}
         if moe:
