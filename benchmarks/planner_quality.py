@@ -20,8 +20,9 @@ micro-batch). Printed per sweep and rule:
 sweeps again with each physical candidate cost for the remaining misses added (``CANDIDATES``; none is in the
 model; docs/planner.md section 5.2). ``--bands`` analyses the two remaining misses: the noise of repeated
 cells, the three-way discordant pairs, the model's error band from all sweeps' residuals, and the tie window
-against two cluster policies at those bands (none kept). ``--scaling`` prints, for every Megatron layout that ran at several GPU counts, its measured step over the predicted one at each count and the
-measured step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
+against two cluster policies at those bands (none kept). ``--scaling`` prints, for every Megatron layout
+that ran at several GPU counts, its measured step over the predicted one at each count and the measured
+step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
 
 Sweeps
 ------
@@ -638,21 +639,23 @@ def bands_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
     miss13, miss30 = "LLaMA-13B s2048 32 x A100-80GB", "LLaMA-30B s2048 256 x A100-80GB"
     reps = repeated_cells()
     sd = trial_sd(reps)
-    lines = [f"- repeated cells of the Hagemann data: {len(reps)}, step times {min(abs(a / b - 1) for _, a, b in reps):.1%} "
-             f"to {max(abs(a / b - 1) for _, a, b in reps):.1%} apart; one trial's sd {sd:.2%}"]
+    apart = [abs(a / b - 1) for _, a, b in reps]
+    lines = [f"- repeated cells of the Hagemann data: {len(reps)}, step times {min(apart):.1%} to {max(apart):.1%} apart; "
+             f"one trial's sd {sd:.2%}"]
     ceil = {sw.name: noise_ceiling([s.run.throughput for s in _ran_kept(sw, sc)], sd) for sw, sc in data
             if sw.family == "hagemann" and len(_ran_kept(sw, sc)) >= 3}
     lines.append(f"- a perfect ranking against one re-measurement with that noise: mean Spearman "
-                 f"{min(ceil.values()):.2f} to {max(ceil.values()):.2f} over the Hagemann sweeps ({miss13}: {ceil[miss13]:.2f})")
+                 f"{min(ceil.values()):.2f} to {max(ceil.values()):.2f} over the Hagemann sweeps "
+                 f"({miss13}: {ceil[miss13]:.2f})")
     sw13, sc13 = next((sw, sc) for sw, sc in data if sw.name == miss13 and sw.family == "hagemann")
     n, both, t_only, f_only = three_way_pairs(sw13, sc13)
     fmt = lambda ps: "; ".join(f"{a} > {b} ({g:+.1%})" for a, b, g in ps)  # noqa: E731
     lines.append(f"- {miss13}: of {n} pairs, both rules order {both} against the measurement; the time rule "
                  f"{len(t_only)} more ({fmt(t_only)}), `--rule fujii2024` {len(f_only)} more ({fmt(f_only)})")
     diff, se = spearman_gap(sw13, sc13)
-    lines.append(f"  time rule minus `--rule fujii2024` Spearman {diff:+.3f}; leaving out one layout at a time, below in "
-                 f"{sum(d < -1e-9 for d in se[1])} of {len(se[1])} (not one pair or one cell), jackknife standard error "
-                 f"{se[0]:.2f}: the sweep's 13 layouts do not tell the two rules apart")
+    lines.append(f"  time rule minus `--rule fujii2024` Spearman {diff:+.3f}; leaving out one layout at a time, "
+                 f"below in {sum(d < -1e-9 for d in se[1])} of {len(se[1])} (not one pair or one cell), jackknife "
+                 f"standard error {se[0]:.2f}: the sweep's {len(se[1])} layouts do not tell the two rules apart")
     mg = mbs_gain_errors(data)
     lines.append("- doubling the micro-batch, measured minus predicted gain against the micro-batches per step: "
                  + ", ".join(f"{fam} Spearman {_fmt_rho(r)} ({k} pairs)" for fam, (k, r) in mg.items()))
@@ -665,15 +668,16 @@ def bands_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
     rho13 = [quality(sw13, sc13, "time", window=w).spearman for w in grid]
     med = [_median([quality(sw, sc, "time", window=w).spearman for sw, sc in fams["hagemann"]]) for w in grid]
     lines.append(f"- the tie window from {grid[0]:.0%} to {grid[-1]:.0%} in steps of 0.2%: {miss13} Spearman "
-                 f"{min(rho13):.2f} to {max(rho13):.2f} (`--rule fujii2024` {quality(sw13, sc13, 'fujii2024').spearman:.2f}), "
-                 f"the Hagemann median {min(med):.3f} to {max(med):.3f}: both targets' margins are within that jitter")
+                 f"{min(rho13):.2f} to {max(rho13):.2f} (`--rule fujii2024` "
+                 f"{quality(sw13, sc13, 'fujii2024').spearman:.2f}), the Hagemann median {min(med):.3f} to "
+                 f"{max(med):.3f}: both targets' margins are within that jitter")
     sw30, sc30 = next((sw, sc) for sw, sc in fams["hagemann"] if sw.name == miss30)
     kept30 = [s for s in sc30 if kept_by(sw30, s)]
     best = max((s for s in kept30 if not s.run.failed), key=lambda s: s.run.throughput)
     first = rank(kept30, "time")[0]
     behind = tie_preference(best.candidate) > tie_preference(first.candidate)
-    lines.append(f"- {miss30}: the measured best, {best.run.label}, is predicted {best.seconds / first.seconds - 1:+.1%} "
-                 f"slower than the first choice {first.run.label}"
+    lines.append(f"- {miss30}: the measured best, {best.run.label}, is predicted "
+                 f"{best.seconds / first.seconds - 1:+.1%} slower than the first choice {first.run.label}"
                  + (" and comes after it in Fujii et al.'s key: no policy that breaks the model's ties by that key "
                     "puts it first, only the step times can" if behind else ""))
     lines += ["", "| band | policy | Megatron: within 3% / median / worse | Hagemann: within 3% / median / worse | "
@@ -684,8 +688,8 @@ def bands_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
             for fam in ("fujii", "hagemann"):
                 rows = [(quality(sw, sc, "time", window=band, policy=policy), quality(sw, sc, "fujii2024"))
                         for sw, sc in fams[fam]]
-                worse = sum(t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
-                            for t, f in rows)
+                worse = sum(t.first_rel < f.first_rel - 1e-9
+                            or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9) for t, f in rows)
                 cells.append(f"{sum(t.first_ok for t, _ in rows)} of {len(rows)} / "
                              f"{_fmt_rho(_median([t.spearman for t, _ in rows]))} / {worse}")
             for target in (miss13, miss30):
@@ -966,13 +970,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.candidates:
         print(cand_text)
     bands_text = ""
-    if (ns.bands or ns.write) and any(sw.family == "hagemann" for sw, _ in targets) and any(sw.family == "fujii" for sw, _ in targets):
+    if (ns.bands or ns.write) and {sw.family for sw, _ in targets} >= {"fujii", "hagemann"}:
         bands_text = ("\n### The two misses: noise, the model's error band and ranking policies (`--bands`)\n\n"
-                      + bands_check(targets) + "\n\nPolicies: `window` the planner's tie window (section 4) with the band "
-                      "as its width; `single` clusters of consecutive predicted times less than the band apart, each "
-                      "ordered by Fujii et al.'s key; `anchored` clusters of the layouts within the band of each "
-                      "cluster's fastest. Columns as in the candidates' table; docs/planner.md section 5.2. The planner "
-                      "keeps its 4% window.\n")
+                      + bands_check(targets) + "\n\nPolicies: `window` the planner's tie window (section 4) with the "
+                      "band as its width; `single` clusters of consecutive predicted times less than the band "
+                      "apart, each ordered by Fujii et al.'s key; `anchored` clusters of the layouts within the band of each "
+                      "cluster's fastest. Columns as in the candidates' table; docs/planner.md section 5.2. The "
+                      "planner keeps its 4% window.\n")
     if ns.bands:
         print(bands_text)
     if ns.pairs is not None:
@@ -988,7 +992,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.write:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
-                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n" + scale_text + cand_text + bands_text)
+                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n"
+                    + scale_text + cand_text + bands_text)
     return 0
 
 
