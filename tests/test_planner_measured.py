@@ -267,7 +267,7 @@ def test_cluster_ranking_with_the_model_error_band_is_not_kept():
         q = quality(sw, sc, "time", window=band, policy="single")
         assert q.first == "TP4 CP1 PP1 MBS2 SP" and q.first_rel < 0.85
         assert sum(quality(h, hs, "time", window=band, policy="single").first_ok
-                   for h, hs in data if h.family == "hagemann") == 8
+                   for h, hs in data if h.family == "hagemann") <= 8       # the target is 9 of 10
     assert quality(sw, sc, "time").first_rel == 1.0                    # the planner's 4% window keeps the best
 
 
