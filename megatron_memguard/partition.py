@@ -259,46 +259,48 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
             counts[-1] -= 1
     firsts = [0, *accumulate(counts)]       # each chunk's first layer
     runs = model_kind_runs(L)
-    # every layer of one kind (the common case): each chunk's runs without listing the layers
-    same = runs[0][0] if len(runs) == 1 else None
     ends = list(accumulate(n for _, n in runs))     # the model runs' ends, for _runs_between
+    # each chunk's (kind, count) runs, in the model's layer order; the chunks of one kind and size share one
+    # tuple (the caches key on it)
+    made: dict[tuple[int, int], tuple[tuple[LayerKind, int], ...]] = {}
+    chunk_runs = []
+    j = 0                                   # the model run holding the chunk's first layer
+    for first, n in zip(firsts, counts):
+        while j < len(ends) - 1 and ends[j] <= first:
+            j += 1
+        while j and ends[j - 1] > first:    # (chunks come in layer order: only after an empty chunk's slot)
+            j -= 1
+        if n <= 0:
+            chunk_runs.append(())
+        elif first + n <= ends[j]:          # inside one run (most chunks)
+            kr = made.get((j, n))
+            if kr is None:
+                kr = made[j, n] = ((runs[j][0], n),)
+            chunk_runs.append(kr)
+        else:
+            chunk_runs.append(_runs_between(runs, ends, first, n))
     chunks = []
     add = chunks.append
     last_i = pp * vpp - 1
-    inside: dict[tuple[int, int], tuple[tuple[LayerKind, int], ...]] = {}   # _runs_between's one-run results, shared
     for r in range(pp):
         for i in range(r, pp * vpp, pp):
-            n = counts[i]
-            first = firsts[i]
             last = i == last_i
-            if same is None:
-                kr = _runs_between(runs, ends, first, n, inside)
-            else:
-                kr = inside.get((0, n))
-                if kr is None:
-                    kr = inside[0, n] = ((same, n),) if n > 0 else ()
             # (positional: one Chunk per chunk of every layout; its fields in order)
-            add(Chunk(r, i // pp, first, n, i == 0, last, tied_copy and last, vpp, kr))
+            add(Chunk(r, i // pp, firsts[i], counts[i], i == 0, last, tied_copy and last, vpp, chunk_runs[i]))
     return tuple(chunks)
 
 
-def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int, n: int,
-                  inside: dict | None = None) -> tuple[tuple[LayerKind, int], ...]:
+def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int,
+                  n: int) -> tuple[tuple[LayerKind, int], ...]:
     """The (kind, count) runs of the model's layers first .. first + n - 1, from the model's runs (``ends``:
     where each run ends) without listing the layers: the parts of the runs the interval overlaps, equal
-    neighbours merged (as kind_runs makes them). ``inside``: the results for intervals inside one run, by (run, n),
-    so that the chunks of one kind and size share one tuple (the caches key on it)."""
+    neighbours merged (as kind_runs makes them)."""
     if n <= 0:
         return ()
     stop = first + n
     i = bisect_right(ends, first)                 # the run holding layer ``first``
     if stop <= ends[i]:                           # inside one run (most chunks)
-        if inside is None:
-            return ((runs[i][0], n),)
-        got = inside.get((i, n))
-        if got is None:
-            got = inside[i, n] = ((runs[i][0], n),)
-        return got
+        return ((runs[i][0], n),)
     out: list[list] = []
     start = ends[i - 1] if i else 0
     for (kind, _), end in zip(runs[i:], ends[i:]):

@@ -575,9 +575,10 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     made: dict[tuple, _StageShape] = {}
     out = []
     for r in range(L.pp):
-        key = (tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                       first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
-               r == 0, r == last)
+        # a chunk's shape is its kind runs (they give its layer count) and, on the first and the last rank, its
+        # embedding, output and tied copy (partition_layers: the first chunk of rank 0, the last of the last rank)
+        key = (tuple([c.kind_runs for c in by_stage.get(r, ())]), r == 0, r == last,
+               first_bucket if r == 0 else None)
         shape = made.get(key)
         if shape is None:
             shape = made[key] = _StageShape(key, r)
