@@ -137,7 +137,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
         skip = 0 if L.recompute_granularity != "full" else (
             n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
-        moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
+        moe_layers = _layers_bytes(per_kind, skip, moe=True)
     staging = host = 0
     offload_groups: tuple[int, ...] = ()
     if L.cpu_offloading_num_layers and n:
@@ -234,32 +234,23 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
-    return ChunkActivations(layers=layers, layers_detail=lambda: (_layers_detail(per_kind, 0) if detail is None
-                                                                  else detail) + "".join(more),
-                            ends=ends, fwd_extra=fwd_extra,
-                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups,
-                            out_bwd_transient=o.bwd_transient if has_output else 0,
-                            out_wgrad_moment=o.bwd_wgrad_moment if has_output else 0)
+    # (positional, in the fields' order: one per chunk shape of every cold estimate)
+    return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0) if detail is None else detail) + "".join(more),
+                            ends, fwd_extra, bwd_top, bwd_bottom, moe_layers, staging, host, offload_groups,
+                            o.bwd_transient if has_output else 0, o.bwd_wgrad_moment if has_output else 0)
 
 
 ChunkActivations.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
 
 
-class _MoePart:
-    """The MoE half of a layer's saved bytes (its ``moe_*`` items), for _layers_bytes."""
-
-    def __init__(self, la: LayerActivations) -> None:
-        self.total = la.moe_total
-
-
-def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:
-    """Saved bytes of the chunk's layers above its first ``skip`` (bottom to top)."""
+def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int, moe: bool = False) -> int:
+    """Saved bytes of the chunk's layers above its first ``skip`` (bottom to top); ``moe``: their MoE halves'
+    (the ``moe_*`` items)."""
     total = 0
     for la, k in per_kind:
         kept = max(0, k - skip)
         skip = max(0, skip - k)
-        total += kept * la.total
+        total += kept * (la.moe_total if moe else la.total)
     return total
 
 
@@ -370,10 +361,20 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
     # schedule (with received inputs and gradients queued ahead of their passes, which this does not
     # count separately): the retained pairs are present at every pass.
     retained = 2 * p2p_tensor_bytes(L) * sum(receiving)
-    top = [a.bwd_top_extra for a in acts]
-    bottom = [a.bwd_bottom_extra - a.held for a in acts]
-    return ([a.held for a in acts], [a.fwd_extra for a in acts], top, bottom,
-            [t if t >= b else b for t, b in zip(top, bottom)], retained, all([a is acts[0] for a in acts]))
+    sizes: list[int] = []
+    fwd: list[int] = []
+    top: list[int] = []
+    bottom: list[int] = []
+    larger: list[int] = []
+    for a in acts:
+        held = a.held
+        t, b = a.bwd_top_extra, a.bwd_bottom_extra - held
+        sizes.append(held)
+        fwd.append(a.fwd_extra)
+        top.append(t)
+        bottom.append(b)
+        larger.append(t if t >= b else b)
+    return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts])
 
 
 def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
@@ -513,8 +514,9 @@ def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Te
     """Model-state terms of a stage and the terms the optimizer step adds (shared by the stages whose
     states are equal: the middle of a pipeline), from _state_rows."""
     state, step = _state_rows(L, st)
-    return (tuple([Term(n, b, g, detail=_state_detail(L, st, n)) for n, b, g in state]),
-            tuple([Term(n, b, g, detail=_state_detail(L, st, n)) for n, b, g in step]))
+    # (each detail made when read: a report that lists the terms without their details does not format them)
+    return (tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in state]),
+            tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in step]))
 
 
 def _state_part(L: Layout, st: StageStates, i: int) -> tuple[Term, ...]:
@@ -669,10 +671,18 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     pp_rank = shape.pp_rank
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
-    # (list comprehensions, not generators: a stage has a few chunks)
-    n_layers = sum([c.num_layers for c in chunks])
-    has_output = any([c.has_output for c in chunks])
-    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output) for c in chunks]
+    # what the stage needs of its chunks, in one pass (a stage has a few chunks)
+    n_layers, has_output = 0, False
+    acts: list[ChunkActivations] = []
+    runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
+    receiving: list[bool] = []                # the chunks that get their input from a previous stage
+    for c in chunks:
+        n_layers += c.num_layers
+        has_output = has_output or c.has_output
+        runs_of.append(c.kind_runs)
+        acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output))
+        receiving.append(not (c.pp_rank == 0 and c.vpp_rank == 0))
+    stage_runs = tuple(runs_of)
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
@@ -715,8 +725,6 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             host_terms = ot.host_terms
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
-    stage_runs = tuple([c.kind_runs for c in chunks])
-    receiving = [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
@@ -746,23 +754,19 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
              and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
              and not (device == "gpu" and (L.cuda_graph_impl != "none" or L.optimizer_cuda_graph))
              and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
+    # (positional, in the fields' order: one per stage shape of every cold estimate)
     return _StagePrep(
-        parameters=st.parameters, n_layers=n_layers, has_output=has_output,
-        has_moe=has_moe, acts=tuple(acts),
-        sched=_schedule_bytes(L, acts, receiving), ft=ft,
-        state_terms=state_terms, step_terms=step_terms, host_terms=host_terms,
-        host_bytes=host_bytes, buffers=partial(_terms_of, buffer_rows), retained=partial(_terms_of, retained_rows),
-        staging=staging, plain=plain,
-        deferred=deferred,
-        fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
-        frag_detail=lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail=lambda: "; ".join([a.layers_detail for a in acts]),
-        base=base,
-        # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
-        # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-        step_bytes=step_bytes,
-        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
-        retained_bytes=sum([r[1] for r in retained_rows]))
+        st.parameters, n_layers, has_output, has_moe, tuple(acts), _schedule_bytes(L, acts, receiving), ft,
+        state_terms, step_terms, host_terms, host_bytes, partial(_terms_of, buffer_rows),
+        partial(_terms_of, retained_rows), staging, deferred, fixed_alloc, device_only, device_bytes,
+        lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",  # frag_detail
+        lambda: "; ".join([a.layers_detail for a in acts]),                                    # layers_detail
+        base,
+        # step_bytes: the step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam
+        # / apex on GPUs, torch's fused CPU kernel in the referee) update in place
+        step_bytes,
+        replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,  # finalize
+        sum([r[1] for r in retained_rows]), plain)
 
 
 def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants) -> StageEstimate:
@@ -900,6 +904,10 @@ def _assemble_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, par
     return tuple(terms)
 
 
+def _in_flight_detail(pr: _StagePrep, in_flight: int) -> str:
+    return pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+
+
 def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: dict[str, int]) -> list[Term]:
     """The terms of the schedule's parts at its peak (zeros left out), with their details."""
     ft = pr.ft
@@ -914,7 +922,8 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
             continue
         det = ""
         if name == "layer_activations":
-            det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+            # (made when the detail is read: the layers' detail is a chain of formatted sizes)
+            det = partial(_in_flight_detail, pr, in_flight)
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                    f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")

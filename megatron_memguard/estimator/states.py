@@ -322,8 +322,6 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     grad_copy = 0
     if g_bytes == 2 and L.params_dtype != "fp32" and not L.use_precision_aware_optimizer:
         grad_copy = nbytes[TensorKind.MAIN_PARAM] * main_elems
-    return StageStates(
-        parameters=params, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_bytes,
-        exp_avg_bytes=m1, exp_avg_sq_bytes=m2, main_grad_copy_bytes=grad_copy,
-        buffer_numel=numel, buffer_numel_unpadded=unpadded,
-    )
+    # (positional, in the fields' order: parameters, param_bytes, grad_bytes, main_param_bytes, exp_avg_bytes,
+    # exp_avg_sq_bytes, main_grad_copy_bytes, buffer_numel, buffer_numel_unpadded)
+    return StageStates(params, param_bytes, grad_bytes, main_bytes, m1, m2, grad_copy, numel, unpadded)
