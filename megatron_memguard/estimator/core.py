@@ -941,7 +941,7 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
             det = "last received input and its gradient of the chunks not started yet or already done"
         elif ft is not None and name.startswith("fsdp_"):
             det = fsdp_window_detail(ft, name)
-        add(Term(name, v, group, detail=det))
+        add(Term(name, v, group, _ALLOCATED, det))
     return act_terms
 
 

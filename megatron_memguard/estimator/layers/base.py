@@ -82,6 +82,11 @@ class Shapes:
     e: int          # bytes per activation element
     r: int          # bytes per residual-stream element (fp32 with --fp32-residual-connection)
 
+    def __init__(self, s: int, b: int, T: int, Tf: int, h: int, a_t: int, g_t: int, d: int, f_t: int, e: int,
+                 r: int) -> None:
+        # made for every new layout (and kind of a heterogeneous one): the fields are stored directly (as Term's)
+        self.__dict__.update(s=s, b=b, T=T, Tf=Tf, h=h, a_t=a_t, g_t=g_t, d=d, f_t=f_t, e=e, r=r)
+
 
 @lru_cache(maxsize=256)
 def shapes(L: Layout) -> Shapes:

@@ -165,6 +165,12 @@ class ExpertRows:
     worst: int           # the dispatcher's real limit
     how: str
 
+    def __init__(self, balanced: int, worst: int, how: str) -> None:
+        d = self.__dict__   # (stored directly, as Term's: made by every cold estimate)
+        d["balanced"] = balanced
+        d["worst"] = worst
+        d["how"] = how
+
 
 def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
     """Balanced: every token's k copies spread evenly over the E experts, so this rank's E_l experts
@@ -201,6 +207,16 @@ class MoeActivations:
     fwd_transient: int
     bwd_steps: tuple[Step, ...]
     rows: int                      # N used
+
+    def __init__(self, saved: dict[str, int], held: int, fwd_transient: int, bwd_steps: tuple[Step, ...],
+                 rows: int) -> None:
+        # made by every cold estimate (balanced routing; the worst case when read): stored directly (as Term's)
+        d = self.__dict__
+        d["saved"] = saved
+        d["held"] = held
+        d["fwd_transient"] = fwd_transient
+        d["bwd_steps"] = bwd_steps
+        d["rows"] = rows
 
     @property
     def total(self) -> int:
