@@ -24,6 +24,7 @@ from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
+from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
@@ -514,13 +515,13 @@ def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Te
     """Model-state terms of a stage and the terms the optimizer step adds (shared by the stages whose
     states are equal: the middle of a pipeline), from _state_rows."""
     state, step = _state_rows(L, st)
-    # (each detail made when read: a report that lists the terms without their details does not format them)
-    return (tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in state]),
-            tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in step]))
+    return _state_row_terms(L, st, state), _state_row_terms(L, st, step)
 
 
-def _state_part(L: Layout, st: StageStates, i: int) -> tuple[Term, ...]:
-    return _state_terms(L, st)[i]
+def _state_row_terms(L: Layout, st: StageStates, rows: tuple[tuple[str, int, str], ...]) -> tuple[Term, ...]:
+    """The Term of each of _state_rows' rows (each detail made when read: a report that lists the terms without
+    their details does not format them)."""
+    return tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in rows])
 
 
 def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
@@ -706,7 +707,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # the common case: the state terms as _state_rows lists them, their Term objects made when first read
         state_rows, step_rows = _state_rows(L, st)
         state_bytes, step_bytes = sum([r[1] for r in state_rows]), sum([r[1] for r in step_rows])
-        state_terms, step_terms = partial(_state_part, L, st, 0), partial(_state_part, L, st, 1)
+        state_terms, step_terms = partial(_state_row_terms, L, st, state_rows), partial(_state_row_terms, L, st, step_rows)
     else:
         state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
         if L.freeze_all_layers:
@@ -1007,7 +1008,6 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
     of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
     how much its working set grows, and the allocator's slack on top."""
-    from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
     mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
     # at balanced routing the layer's own (its default rows), already made by its recipe
