@@ -140,3 +140,24 @@ def test_report_of_a_megatron_moe_log_shows_the_worst_case_bound(tmp_path):
                              "--json").stdout)
     rank = js["ranks"][0]
     assert rank["predicted_peak_allocated"] < 3_300_554_752 < rank["predicted_moe_worst_case"]["peak_allocated_bytes"]
+
+
+@pytest.mark.skipif(not os.path.exists(MIXTRAL_YAML), reason="needs ../shared/configs")
+def test_launcher_overrides_as_the_launcher_spells_them():
+    # NeMo-Framework-Launcher's main.py takes the training group's keys as training.model.x; on the training
+    # file itself they are model.x: MBS 4 gives 256 / (4 x DP 16) = 4 micro-batches
+    out = memguard("estimate", "--config", MIXTRAL_YAML, "--set", "training.model.micro_batch_size=4").stdout
+    assert "batch:  seq 4096, MBS 4, GBS 256 (4 micro-batches)" in out
+    # a section the file does not have is named, not silently dropped
+    out = memguard("estimate", "--config", MIXTRAL_YAML, "--set", "foo.micro_batch_size=4").stdout
+    assert "MBS 1, GBS 256 (16 micro-batches)" in out and "note: foo.micro_batch_size: the config has no 'foo' section; ignored" in out
+
+
+def test_check_suggests_overrides_in_the_launchs_own_spelling():
+    # Bridge's DeepSeek-V3 recipe on its 1,024 H100s is tight without recomputation; the fix is given as the
+    # run_recipe.py overrides that set it (the recipe leaves recompute_method / _num_layers unset)
+    p = memguard("check", "--", "torchrun", "--nnodes", "128", "--nproc-per-node", "8", "scripts/training/run_recipe.py",
+                 "--recipe", "deepseek_v3_pretrain_config", "model.moe_flex_dispatcher_backend=deepep")
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("a layout that fits:"))
+    assert line.endswith(": model.recompute_granularity=full, model.recompute_method=uniform, model.recompute_num_layers=1")
+    assert "--recompute" not in line and p.returncode == 1
