@@ -240,7 +240,7 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     MEMGUARD_GPU_MEMORY) raises ConfigError naming it; an unreadable MEMGUARD_PROFILE is reported and the
     defaults are used (``strict=True`` raises)."""
     from .estimator import estimate
-    from .report.text import render, verdict_line
+    from .report.text import moe_line, render, verdict_line
     from .resolve import resolve
     from .units import format_bytes
 
@@ -310,6 +310,8 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
             out.append(render(est, colour=False, all_stages=True))
         elif r.action == "fits":
             out.append(f"{PREFIX} {verdict_line(est)}")
+            if est.critical.moe:   # the verdict assumes balanced routing
+                out.append(f"{PREFIX} {moe_line(est.critical, est.gpu_memory_bytes, est.threshold)}")
         elif r.action == "warned":
             out.append(f"{PREFIX} WARNING: the critical stage exceeds {threshold:.0%} of GPU memory; training continues "
                        "(mode='abort' stops here)")
