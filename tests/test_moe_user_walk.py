@@ -161,3 +161,17 @@ def test_check_suggests_overrides_in_the_launchs_own_spelling():
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("a layout that fits:"))
     assert line.endswith(": model.recompute_granularity=full, model.recompute_method=uniform, model.recompute_num_layers=1")
     assert "--recompute" not in line and p.returncode == 1
+
+
+def test_deepseek_recipes_say_they_train_with_a_null_tokenizer_vocabulary():
+    # Bridge 0.6.2 recipes/deepseek/h100/deepseek_v3.py: cfg.tokenizer.vocab_size = DEFAULT_NULL_TOKENIZER_VOCAB_SIZE
+    # (32000, recipes/utils/tokenizer_utils.py), padded to 1280 x TP 2 = 2560: 33,280 rows, not DeepSeek-V3's 129,280
+    out = memguard("estimate", "--model", "deepseek_v3", "--gpus", "1024", "--set",
+                   "model.moe_flex_dispatcher_backend=deepep").stdout
+    assert ", vocab 33280" in out.splitlines()[1]
+    assert "note: recipe deepseek_v3: the recipe trains with Bridge's NullTokenizer of 32,000 tokens" in out
+    # with the model's own vocabulary (and the recipe's MTP layer): 671.03B + the MTP layer and its eh_proj/norms
+    # + the padding of 129,280 to 130,560 rows (x 2: untied)
+    out = memguard("estimate", "--model", "deepseek_v3", "--gpus", "1024", "--set", "model.moe_flex_dispatcher_backend=deepep",
+                   "--set", "tokenizer.vocab_size=129280").stdout
+    assert ", vocab 130560" in out.splitlines()[1]
