@@ -74,8 +74,8 @@ def experts_line(L: Any) -> str:
 
     m = L.moe
     shared = f", shared expert {m.moe_shared_expert_intermediate_size}" if m.moe_shared_expert_intermediate_size else ""
-    return (f"experts: {m.num_experts} of width {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}{shared}, in "
-            f"{m.num_moe_layers} of {L.num_layers} layers, {m.moe_token_dispatcher_type} dispatcher; "
+    return (f"experts: {m.num_experts} routed experts of width {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}{shared}, "
+            f"in {m.num_moe_layers} of {L.num_layers} layers, {m.moe_token_dispatcher_type} dispatcher; "
             f"{total_parameters(L) / 1e9:,.2f}B parameters, {active_parameters(L) / 1e9:,.2f}B active per token\n")
 
 
