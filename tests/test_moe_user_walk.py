@@ -175,3 +175,17 @@ def test_deepseek_recipes_say_they_train_with_a_null_tokenizer_vocabulary():
     out = memguard("estimate", "--model", "deepseek_v3", "--gpus", "1024", "--set", "model.moe_flex_dispatcher_backend=deepep",
                    "--set", "tokenizer.vocab_size=129280").stdout
     assert ", vocab 130560" in out.splitlines()[1]
+
+
+def test_default_dispatcher_is_named_when_the_run_does_not_give_one():
+    # megatron/training/arguments.py (0.16.1, 0.19.2): --moe-token-dispatcher-type defaults to allgather
+    note = "--moe-token-dispatcher-type not given: Megatron's default, allgather, is"
+    base = ["--model", "mixtral-8x7b", "--world-size", "64", "--", *TRAIN, "--pipeline-model-parallel-size", "4",
+            "--expert-model-parallel-size", "8"]
+    assert note + " estimated" in memguard("estimate", *base).stdout
+    assert note not in memguard("estimate", *base, "--moe-token-dispatcher-type", "allgather").stdout
+    assert note not in memguard("estimate", *base[:-1], "1").stdout          # EP 1: no dispatch between ranks
+    plan = ["plan", "--gpus", "64", "--seq-length", "4096", "--global-batch-size", "256", "--model", "mixtral-8x7b",
+            "--top", "1", "--", "--bf16"]
+    assert note + " planned" in memguard(*plan).stdout
+    assert note not in memguard(*plan, "--moe-token-dispatcher-type", "alltoall").stdout
