@@ -189,3 +189,13 @@ def test_default_dispatcher_is_named_when_the_run_does_not_give_one():
             "--top", "1", "--", "--bf16"]
     assert note + " planned" in memguard(*plan).stdout
     assert note not in memguard(*plan, "--moe-token-dispatcher-type", "alltoall").stdout
+
+
+def test_check_spells_a_recipes_own_keys_as_overrides():
+    from megatron_memguard.cli.check import _spelled
+    from megatron_memguard.readers.models import read_model
+    raw = read_model("qwen3_30b_a3b_8gpu")     # origin: "model.pipeline_model_parallel_size (recipe ...)"
+    assert _spelled(raw, "pipeline_model_parallel_size", 4) == "model.pipeline_model_parallel_size=4"
+    assert _spelled(raw, "micro_batch_size", 1) == "train.micro_batch_size=1"
+    flags = read_model("mixtral-8x7b")          # a preset: Megatron flags
+    assert _spelled(flags, "micro_batch_size", 1) == "--micro-batch-size 1"

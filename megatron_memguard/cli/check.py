@@ -337,9 +337,11 @@ def _spelled(raw, dest: str, value) -> str:
     from ..knobs import BY_DEST
 
     key = raw.origin.get(dest)
+    if key is not None:
+        key = key.split(" (")[0]    # "model.x (recipe NAME)": where a recipe's value came from
     if key is None and "Bridge" in (raw.source or "") and dest in BY_DEST and BY_DEST[dest].bridge:
         key = BY_DEST[dest].bridge[0]
-    if key is None or "--" in key:
+    if key is None or "--" in key or " " in key:
         return f"{raw.key(dest)} {value}"
     text = "true" if value is True else str(value)
     return f"{key}={text}"
