@@ -182,6 +182,11 @@ def moe_line(s: Any, gpu_memory: int | None = None, threshold: float | None = No
     return line
 
 
+def worst_moe_stage(est: Estimate) -> StageEstimate:
+    """The MoE stage whose worst-case routing needs the most device memory (the one-line logs show it)."""
+    return max((s for s in est.stages if s.moe), key=lambda s: s.moe["worst_case"]["device_total_bytes"])
+
+
 def host_line(est: Estimate) -> str:
     """Host memory is its own figure: the GPU verdict says nothing about it."""
     rank = max(est.stages, key=lambda s: s.host_bytes)
