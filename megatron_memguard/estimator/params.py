@@ -116,6 +116,32 @@ def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
                                          if not (sep and p.expert)])
 
 
+def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
+    """The MTP block's parameters with their tags (chunk_params): each layer's as the layer recipe tags them,
+    its routed experts included whichever DDP buffer holds them (a real-model test: MTP + MoE with EP 2 built
+    by megatron-core 0.16.1 holds them on the last stage, tests/test_properties_moe_identities.py); enorm,
+    hnorm and the final norm whole on every TP rank; eh_proj a column-parallel [h / TP, 2h] matrix
+    (multi_token_prediction.py MultiTokenPredictionLayer)."""
+    if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
+        return []
+    from .mtp import chunk_params as mtp_chunk_params, spec_of
+    layer = layer_params(L, kind=mtp_layer_kind(L))
+    by_name = {p.name: p for p in layer}
+    h = L.hidden_size
+    out: list[Param] = []
+    for name, n, shared in mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer]):
+        if ".transformer_layer." in name:
+            q = by_name[name.split(".transformer_layer.", 1)[1]]
+            out.append(Param(name, n, q.tp_replicated, shared, q.expert, q.cols))
+        elif name.startswith("embedding."):
+            out.append(Param(name, n, tp_replicated="position" in name, shared_embedding=shared, cols=h))
+        elif name.endswith("eh_proj.weight"):
+            out.append(Param(name, n, shared_embedding=shared, cols=2 * h))
+        else:
+            out.append(Param(name, n, tp_replicated=True, shared_embedding=shared))
+    return out
+
+
 def mtp_layer_kind(L: Layout) -> LayerKind:
     """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__),
     and run in the global FP8 context whatever ``--first-last-layers-bf16`` keeps in BF16 (``layer_no``
@@ -143,11 +169,10 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
         ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert,
                         p.cols)
                   for p in layers[kind])
-    mtp = _mtp_params(L, c)
+    mtp = _mtp_param_records(L, c)
     if mtp:
-        emb = [Param(name, n, shared_embedding=shared) for name, n, shared in mtp if name.startswith("embedding.")]
-        ps = emb + ps + [Param(name, n, shared_embedding=shared) for name, n, shared in mtp
-                         if not name.startswith("embedding.")]
+        emb = [p for p in mtp if p.name.startswith("embedding.")]
+        ps = emb + ps + [p for p in mtp if not p.name.startswith("embedding.")]
     if c.has_output:
         ps += _norm("decoder.final_layernorm", h, L)
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
