@@ -82,6 +82,11 @@ def _pipeline(draw, pp: int, mtp: int) -> dict:
     counts = [draw(st.integers(0, 2)) for _ in range(pp * v)]
     if sum(counts) == 0:
         counts[0] = 1
+    if mtp and counts[-1] == 0:
+        # with MTP megatron-core puts the final norm on the stage of the last decoder layer
+        # (has_final_layernorm_in_this_stage), which memguard does not follow yet:
+        # test_final_norm_follows_the_last_decoder_layer_with_mtp
+        counts[-1] = 1
     stages = []
     for i, k in enumerate(counts):
         s = ("E" if i == 0 else "") + "t" * k

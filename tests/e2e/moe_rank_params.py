@@ -111,7 +111,8 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
     _set_ranks(job, pp_rank, vp, tp_rank, ep_rank, etp_rank)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
+                                                            get_gpt_mtp_block_spec)
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
     config = _config(job)
@@ -123,10 +124,11 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
             _no_core_attention(spec)
     mtp_spec = None
     if job.get("mtp") and mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp):
-        mtp_spec = get_gpt_mtp_block_spec(config, block.layer_specs[-1] if block.layer_specs else
-                                          get_gpt_decoder_block_spec(config, False, job["norm"], vp_stage=0,
-                                                                     pp_rank=0).layer_specs[-1],
-                                          use_transformer_engine=False, vp_stage=vp, pp_rank=pp_rank)
+        # MTP layers take the spec of the model's last decoder layer (pretrain_gpt.py)
+        last = get_gpt_decoder_layer_specs(config, False, job["norm"])[-1]
+        if job.get("mla"):
+            _no_core_attention(last)
+        mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp, pp_rank=pp_rank)
     pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
     post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
     model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=job["vocab"],
