@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
-from megatron_memguard.estimator.params import chunk_expert_numels, chunk_params, total_parameters
+from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels, chunk_params, total_parameters
 from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.layout import ShardGroup
 
@@ -82,11 +82,6 @@ def _pipeline(draw, pp: int, mtp: int) -> dict:
     counts = [draw(st.integers(0, 2)) for _ in range(pp * v)]
     if sum(counts) == 0:
         counts[0] = 1
-    if mtp and counts[-1] == 0:
-        # with MTP megatron-core puts the final norm on the stage of the last decoder layer
-        # (has_final_layernorm_in_this_stage), which memguard does not follow yet:
-        # test_final_norm_follows_the_last_decoder_layer_with_mtp
-        counts[-1] = 1
     stages = []
     for i, k in enumerate(counts):
         s = ("E" if i == 0 else "") + "t" * k
@@ -146,9 +141,9 @@ def corner_jobs(draw) -> Job:
     seq = 16 * math.lcm(2 * cp if cp > 1 else 1, tp * cp)
     mbs = draw(st.integers(1, 2))
     dist_opt = draw(st.booleans())
+    world = tp * cp * pp * dp
     v = pipe.get("vpp") or 1
     gbs = mbs * dp * (pp * draw(st.integers(1, 2)) if v > 1 else draw(st.integers(1, 3)))
-    world = tp * cp * pp * dp
     f = ["--transformer-impl", "transformer_engine", "--num-layers", str(layers), "--hidden-size", str(hidden),
          "--num-attention-heads", str(heads), "--kv-channels", str(kv), "--ffn-hidden-size", str(ffn),
          "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mbs),
@@ -179,6 +174,10 @@ def corner_jobs(draw) -> Job:
         f += ["--mtp-num-layers", str(mtp)]
     if dist_opt:
         f.append("--use-distributed-optimizer")
+        # several optimizer instances split DP x CP and the expert-data-parallel group alike
+        # (initialize_model_parallel: intra_partial_expert_data_parallel_size = EDP / instances)
+        if (dp * cp) % 2 == 0 and (world // (etp * ep * pp)) % 2 == 0 and draw(st.booleans()):
+            f += ["--num-distributed-optimizer-instances", "2"]
     mla_core = None
     if mla:
         q_lora = draw(st.sampled_from([None, 32]))
@@ -302,3 +301,190 @@ def test_parameters_and_placement_rank_by_rank_are_megatron_cores(core, job):
     assert weighted == total_parameters(L)
     assert sum(stage_states(L, p).parameters for p in range(L.pp)) == sum(
         r["params"] for r in recs if r["rank"][2:] == [0, 0, 0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2: the optimizer's shards add up to the full state
+
+def _padded_buffer(params: list[tuple[int, bool]], group: int) -> tuple[int, list[tuple[int, int]], list[int]]:
+    """_ParamAndGradBuffer.__init__ with the distributed optimizer and one bucket (param_and_grad_buffer.py,
+    core 0.16.1 and 0.19.2), worked out here: parameters walked in reverse registration order, each start
+    padded to a multiple of 64 elements, a shared embedding closing the bucket before it and forming its own,
+    each bucket end padded to lcm(group, 128). Returns (buffer size, parameter spans, bucket ends)."""
+    def up(x: int, m: int) -> int:
+        return -(-x // m) * m
+    div = math.lcm(group, 128)
+    start = begin = 0
+    spans, ends = [], []
+    open_ = False
+    for numel, shared in reversed(params):
+        start = up(start, 64)
+        if shared and open_:
+            start = up(start, div)
+            ends.append(start)
+            begin, open_ = start, False
+        spans.append((start, start + numel))
+        open_ = True
+        start += numel
+        if shared:
+            start = up(start, div)
+            ends.append(start)
+            begin, open_ = start, False
+    if open_:
+        ends.append(up(start, div))
+    return (ends[-1] if ends else 0), spans, ends
+
+
+def _owned(spans: list[tuple[int, int]], ends: list[int], group: int, rank: int) -> int:
+    """Elements of real parameters in ``rank``'s slice of every bucket (distrib_optimizer.py
+    _build_model_gbuf_range: each bucket cut into ``group`` equal slices)."""
+    total, begin = 0, 0
+    for end in ends:
+        size = (end - begin) // group
+        lo, hi = begin + rank * size, begin + (rank + 1) * size
+        total += sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
+        begin = end
+    return total
+
+
+@PROPERTY
+@given(corner_jobs(), st.sampled_from(["0.16", "0.19"]))
+def test_optimizer_shards_add_up_to_the_full_state(job, era):
+    """With the distributed optimizer each chunk's dense buffer is sharded over DP x CP / instances and its
+    expert buffer (routed experts, EP > 1 or ETP > 1) over world / (ETP x EP x PP) / instances
+    (initialize_model_parallel, the same in core 0.16.1 and 0.19.2). Per stage: the buffers memguard builds are
+    padded exactly as worked out here; the dense shards of the DP x CP ranks add up to the rank's dense
+    parameters and the expert shards of the expert-data-parallel ranks to its routed experts, so that over the
+    TP x DP x CP = ETP x EP x EDP ranks of a stage the fp32 state is TP copies of the dense part and ETP x EP
+    pieces of the experts; and the stage's state per rank is its own shard of each (rank 0: the first slice)."""
+    job = Job(flags=tuple(x for x in job.flags if x != "--use-distributed-optimizer") + ("--use-distributed-optimizer",),
+              world=job.world, core=job.core)
+    L = _layout(job, era)
+    assert L.use_distributed_optimizer
+    inst = L.num_distributed_optimizer_instances
+    dense_group = L.dp * L.cp // inst
+    edp = job.world // (L.moe.etp * L.parallel.expert_model_parallel_size * L.pp) // inst
+    assert L.parallel.shard_size(ShardGroup.DENSE_DP) == dense_group
+    assert L.parallel.shard_size(ShardGroup.EXPERT_DP) == edp
+    for p in range(L.pp):
+        dense_params = expert_params = 0
+        dense_numel = expert_numel = 0
+        first = [0, 0]
+        for c in L.stage_chunks(p):
+            for numels, group, i in ((chunk_numels(L, c), dense_group, 0), (chunk_expert_numels(L, c), edp, 1)):
+                size, spans, ends = _padded_buffer(numels, group)
+                owned = [_owned(spans, ends, group, r) for r in range(group)]
+                n = sum(k for k, _ in numels)
+                assert sum(owned) == n, (p, c.vpp_rank, i)
+                first[i] += owned[0]
+                if i == 0:
+                    dense_params, dense_numel = dense_params + n, dense_numel + size
+                else:
+                    expert_params, expert_numel = expert_params + n, expert_numel + size
+        st_ = stage_states(L, p, 0)
+        assert st_.parameters == dense_params + expert_params
+        # the padded DDP buffers (gradients in fp32: 4 bytes per element, padding included)
+        assert st_.buffer_numel == dense_numel + expert_numel
+        assert st_.grad_bytes == 4 * (dense_numel + expert_numel)
+        # DP rank 0 is expert-data-parallel rank 0 too (both groups' first rank): fp32 main weights and the
+        # two Adam moments of its first slices
+        assert st_.main_param_bytes == 4 * (first[0] + first[1])
+        assert st_.exp_avg_bytes == st_.exp_avg_sq_bytes == 4 * (first[0] + first[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4: activations
+
+# Terms that hold per-micro-batch tensors (every one a number of tokens x a width): what the layers keep
+# for backward, the embedding's indices and dropout mask, the head's and MTP's logits and loss buffers, the
+# MoE dispatcher's per-token state, the largest forward / backward working set, the pipeline's
+# send / receive buffers and retained inputs, megatron's global memory buffer (the SP all-gather of one
+# micro-batch's activations)
+PER_TOKEN_GROUPS = {"activations", "logits_loss"}
+PER_TOKEN_TERMS = {"moe_dispatcher_state", "forward_transient", "p2p_buffers_in_flight",
+                   "pipeline_inputs_retained", "global_memory_buffer"}
+# the largest working set of the backward pass: per-token tensors or a weight gradient (the embedding's,
+# V / TP x h, materialised before it is added to main_grad), whichever is larger
+MIXED = {"backward_transient"}
+# derived from the allocated peak, not a tensor
+DERIVED = {"allocator_fragmentation"}
+
+
+def _with(job: Job, flag: str, value: str) -> Job:
+    f = list(job.flags)
+    i = f.index(flag)
+    f[i + 1] = value
+    return Job(flags=tuple(f), world=job.world, core=job.core)
+
+
+@PROPERTY
+@given(corner_jobs())
+def test_doubling_the_micro_batch_doubles_exactly_the_per_token_terms(job):
+    """Twice the micro-batch (and the global batch, so that the schedule keeps its micro-batches): on every
+    stage whose peak stays at the same moment of the schedule, each per-token term is exactly twice as large
+    (dropless routing: balanced expert rows T x k x ETP are linear in the tokens T), and every other term is
+    unchanged (weights, gradients, optimizer state, workspaces, rotary tables, placeholder weight gradients,
+    CUDA context)."""
+    mbs = int(job.flags[job.flags.index("--micro-batch-size") + 1])
+    gbs = int(job.flags[job.flags.index("--global-batch-size") + 1])
+    one = estimate(_layout(job), device="gpu")
+    two = estimate(_layout(_with(_with(job, "--micro-batch-size", str(2 * mbs)), "--global-batch-size", str(2 * gbs))),
+                   device="gpu")
+    for a, b in zip(one.stages, two.stages):
+        if a.peak_phase != b.peak_phase or a.in_flight != b.in_flight:
+            continue
+        ta = {t.name: t for t in a.terms}
+        tb = {t.name: t for t in b.terms}
+        assert set(ta) == set(tb), (a.pp_rank, set(ta) ^ set(tb))
+        for name, t in ta.items():
+            if name in DERIVED:
+                continue
+            if name in MIXED:
+                assert t.bytes <= tb[name].bytes <= 2 * t.bytes, (a.pp_rank, name)
+                continue
+            per_token = str(t.group) in PER_TOKEN_GROUPS or name in PER_TOKEN_TERMS
+            assert tb[name].bytes == (2 if per_token else 1) * t.bytes, (a.pp_rank, name, t.bytes, tb[name].bytes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Regressions found by the properties above (hand counts)
+
+MTP_JOB = ("--num-layers 2 --hidden-size 64 --num-attention-heads 2 --kv-channels 16 --ffn-hidden-size 32 "
+           "--seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 4 --vocab-size 1000 "
+           "--tokenizer-type NullTokenizer --bf16 --transformer-impl transformer_engine --disable-bias-linear "
+           "--position-embedding-type rope --normalization RMSNorm --num-experts 2 --moe-router-topk 1 "
+           "--moe-router-pre-softmax --moe-ffn-hidden-size 8 --moe-token-dispatcher-type alltoall "
+           "--pipeline-model-parallel-size 2").split()
+
+
+def test_final_norm_follows_the_last_decoder_layer_with_mtp():
+    """With MTP, megatron-core builds the decoder's final norm on the stage of the last decoder layer
+    (TransformerBlock.has_final_layernorm_in_this_stage, core 0.16.1 and 0.19.2), not on the loss's stage:
+    under the layout "Ett|mL" stage 0 holds both decoder layers and the final RMSNorm weight [64], stage 1
+    only the MTP block and the head. megatron-core 0.16.1 builds 86,592 parameters on stage 0 and 149,952 on
+    stage 1 (tests/e2e/moe_rank_params.py); without MTP ("Ett|L") the 64 are on stage 1."""
+    def stages(extra):
+        L = layout_from_flags(MTP_JOB + extra, world_size=2, megatron_version="0.16")
+        return [stage_states(L, p).parameters for p in range(2)]
+    with_mtp = stages(["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ett|mL"])
+    without = stages(["--pipeline-model-parallel-layout", "Ett|L"])
+    assert with_mtp == [86_592, 149_952]
+    assert with_mtp[0] - without[0] == 64
+
+
+def test_sequence_parallel_grad_allreduce_counts_the_mtp_block():
+    """finalize_model_grads flattens the gradients of every parameter marked sequence_parallel in every model
+    chunk (_allreduce_non_tensor_model_parallel_grads, core 0.16.1 finalize_model_grads.py), the MTP block's
+    included: TP 2 with SP, RMSNorm, no biases, 4 dense layers, one stage: 2 norms x 64 per layer (512) and
+    the final norm (64) = 576 fp32 gradients; one MTP depth adds its layer's two norms (128) and its enorm,
+    hnorm and final norm (192): 896 x 4 B = 3,584 B."""
+    from megatron_memguard.estimator.core import replicated_grad_allreduce_bytes
+    flags = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --kv-channels 16 --ffn-hidden-size 128 "
+             "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 8 --vocab-size 1000 "
+             "--tokenizer-type NullTokenizer --bf16 --transformer-impl transformer_engine --disable-bias-linear "
+             "--position-embedding-type rope --tensor-model-parallel-size 2 --sequence-parallel "
+             "--normalization RMSNorm").split()
+    for extra, elems in (([], 576), (["--mtp-num-layers", "1"], 896)):
+        L = layout_from_flags(flags + extra, world_size=2, megatron_version="0.19")
+        runs = tuple(c.kind_runs for c in L.stage_chunks(0))
+        assert replicated_grad_allreduce_bytes(L, runs, True) == 4 * elems

@@ -27,7 +27,8 @@ from .layers.base import norm_params as _norm
 from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
-__all__ = ["Param", "chunk_expert_numels", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
+__all__ = ["Param", "chunk_expert_numels", "chunk_numels", "chunk_params", "holds_final_norm", "layer_linear_shapes",
+           "layer_params", "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -67,8 +68,19 @@ def _layer_numel_split(L: Layout, kind: LayerKind) -> tuple[tuple[int, ...], tup
             tuple([p.numel for p in ps if p.expert]))
 
 
-def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
-    """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path)."""
+def holds_final_norm(L: Layout, c: Chunk) -> bool:
+    """Whether chunk ``c`` builds the decoder's final norm: the chunk of the loss, or with MTP the chunk of the
+    model's last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage, core 0.16.1 and 0.19.2:
+    "for model with MTPLayer, the final layernorm is set in the stage which has the last layer of the
+    decoder"), another chunk when a --pipeline-model-parallel-layout leaves the loss's stage no decoder layer."""
+    if not getattr(L, "mtp_num_layers", 0):
+        return c.has_output
+    return c.num_layers > 0 and c.first_layer + c.num_layers == L.num_layers
+
+
+def chunk_numels(L: Layout, c: Chunk, final_norm: bool | None = None) -> list[tuple[int, bool]]:
+    """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path).
+    ``final_norm``: whether it builds the final norm (None: holds_final_norm)."""
     h, t = L.hidden_size, L.tp
     vocab_rows = L.padded_vocab_size // t
     tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
@@ -84,8 +96,9 @@ def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
         # the embedding copy is registered with the embedding (first), the MTP block after the decoder
         emb = [(n, shared) for name, n, shared in mtp if name.startswith("embedding.")]
         out = emb + out + [(n, shared) for name, n, shared in mtp if not name.startswith("embedding.")]
-    if c.has_output:
+    if holds_final_norm(L, c) if final_norm is None else final_norm:
         out.extend([(h, False)] * (2 if L.normalization == "LayerNorm" else 1))
+    if c.has_output:
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
             # with MTP on a later stage the embedding copy is the tied weight; the output layer keeps its own
             out.append((vocab_rows * h, c.has_tied_output_copy and not mtp))
@@ -173,8 +186,9 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
     if mtp:
         emb = [p for p in mtp if p.name.startswith("embedding.")]
         ps = emb + ps + [p for p in mtp if not p.name.startswith("embedding.")]
-    if c.has_output:
+    if holds_final_norm(L, c):
         ps += _norm("decoder.final_layernorm", h, L)
+    if c.has_output:
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
             ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp,
                             cols=h))
