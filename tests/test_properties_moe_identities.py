@@ -488,3 +488,71 @@ def test_sequence_parallel_grad_allreduce_counts_the_mtp_block():
         L = layout_from_flags(flags + extra, world_size=2, megatron_version="0.19")
         runs = tuple(c.kind_runs for c in L.stage_chunks(0))
         assert replicated_grad_allreduce_bytes(L, runs, True) == 4 * elems
+
+
+# the terms expert parallelism may move: the routed experts a rank holds (weights, gradient buffer, the
+# optimizer's shards of them), the NCCL communicators of the EP groups, and the allocator slack on top;
+# under balanced routing a rank's expert rows, T x k x ETP, do not depend on EP (layers/moe.py expert_rows)
+EP_TERMS = {"parameters", "gradient_buffer", "main_parameters", "adam_exp_avg", "adam_exp_avg_sq",
+            "main_grad_copies", "nccl_buffers", "allocator_fragmentation"}
+
+
+@PROPERTY
+@given(corner_jobs())
+def test_expert_parallelism_moves_only_the_expert_side(job):
+    """EP e against EP 1 on the same world: every stage keeps its activations, workspaces and transients;
+    only EP_TERMS move, and the stage's parameters drop by exactly the routed experts it no longer holds:
+    (E - E / e) experts of g x F x h + h x F weights (+ g x F + h biases) per MoE layer on the stage, the MTP
+    block's on the last (megatron-core SequentialMLP / TEGroupedMLP: E / EP local experts)."""
+    ep = int(job.flags[job.flags.index("--expert-model-parallel-size") + 1])
+    if ep == 1:
+        reject()
+    L = _layout(job)
+    one = estimate(_layout(_with(job, "--expert-model-parallel-size", "1")))
+    many = estimate(L)
+    c = job.core
+    g, h, F = (2 if c["glu"] else 1), c["hidden_size"], c["moe_ffn"]
+    # one expert on one rank: ETP splits fc1, fc2 and fc1's bias, and keeps fc2's bias whole
+    per_expert_rank = (g * F * h + h * F + (g * F if c["bias"] else 0)) // c["etp"] + (h if c["bias"] else 0)
+    mtp = L.mtp_num_layers or 0
+    # the MTP layers take the last decoder layer's kind
+    freq = c["freq"]
+    last_moe = bool(freq[-1]) if isinstance(freq, list) else (c["num_layers"] - 1) % freq == 0
+    for a, b in zip(one.stages, many.stages):
+        moe_layers = sum(1 for ch in L.stage_chunks(a.pp_rank) for k in ch.layer_kinds if k.mlp == "moe")
+        if a.pp_rank == L.pp - 1 and last_moe:
+            moe_layers += mtp
+        E = c["experts"]
+        assert a.parameters - b.parameters == moe_layers * (E - E // ep) * per_expert_rank, a.pp_rank
+        if a.peak_phase != b.peak_phase:
+            continue
+        ta = {t.name: t.bytes for t in a.terms}
+        tb = {t.name: t.bytes for t in b.terms}
+        assert {k for k in set(ta) | set(tb) if ta.get(k) != tb.get(k)} <= EP_TERMS, a.pp_rank
+
+
+# expert tensor parallelism (docs/terms/moe.md): each of a rank's experts is F / ETP wide and receives the
+# tokens of its whole ETP group (balanced rows N = T k ETP), so the MoE layers' saved tensors, the
+# dispatcher's per-token state, the working sets around the experts and the experts' placeholder weight
+# gradients move besides EP_TERMS (the expert-data-parallel group is world / (ETP x EP x PP))
+ETP_TERMS = EP_TERMS | {"moe_layer_activations", "moe_dispatcher_state", "forward_transient", "backward_transient",
+                        "dummy_wgrads", "mtp_block_activations"}
+
+
+@PROPERTY
+@given(corner_jobs())
+def test_expert_tensor_parallelism_moves_only_the_expert_side(job):
+    """ETP = TP (sequence parallel) against ETP 1 on the same job: the attention, dense MLPs, embedding, head
+    and loss terms stay; only ETP_TERMS move (the MTP block's activations too: its layer is MoE like the
+    last decoder layer)."""
+    etp = int(job.flags[job.flags.index("--expert-tensor-parallel-size") + 1])
+    if etp == 1 or "--disable-bias-linear" not in job.flags:
+        reject()
+    a = estimate(_layout(job))
+    b = estimate(_layout(_with(job, "--expert-tensor-parallel-size", "1")))
+    for x, y in zip(a.stages, b.stages):
+        if x.peak_phase != y.peak_phase:
+            continue
+        tx = {t.name: t.bytes for t in x.terms}
+        ty = {t.name: t.bytes for t in y.terms}
+        assert {k for k in set(tx) | set(ty) if tx.get(k) != ty.get(k)} <= ETP_TERMS, x.pp_rank

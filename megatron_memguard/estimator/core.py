@@ -212,8 +212,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if mtp_saved:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
-            mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
-            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
+            mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
+            if L.recompute_granularity != "full":
+                # an MoE MTP layer's MoE half is MoE activations like a decoder layer's (moe_layer_activations;
+                # the worst-case routing figure scales it)
+                moe_layers += d * mtp_la.moe_total
             detail += f" + {d} MTP layer(s)"
             ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
