@@ -544,8 +544,10 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     made: dict[tuple, _StageShape] = {}
     out = []
     for r in range(L.pp):
+        # (the final norm: with MTP on the chunk of the last decoder layer, which may be a middle stage's)
         key = (tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                       first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
+                       first_bucket if r == 0 and c.vpp_rank == 0 else None, holds_final_norm(L, c))
+                      for c in by_stage.get(r, ())]),
                r == 0, r == last)
         shape = made.get(key)
         if shape is None:
