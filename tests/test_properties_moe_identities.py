@@ -223,7 +223,11 @@ def _layout(job: Job, version: str = "0.16"):
 
 class _Core:
     def __init__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT="29587")
+        import socket
+        with socket.socket() as sock:       # a free port for the one-rank gloo group
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT=str(port), MASTER_PORT=str(port))
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"),
                                       "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
@@ -243,7 +247,9 @@ class _Core:
 
 @pytest.fixture(scope="module")
 def core():
-    pytest.importorskip("megatron.core")
+    import importlib.util
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed")
     c = _Core()
     yield c
     c.close()
@@ -299,6 +305,12 @@ def test_parameters_and_placement_rank_by_rank_are_megatron_cores(core, job):
             weighted += sum({tuple(r["rank"][3:5]): r["expert_tp"].get("split", 0) for r in rs}.values())
             weighted += sum({r["rank"][3]: r["expert_tp"].get("whole", 0) for r in rs}.values())
     assert weighted == total_parameters(L)
+    # --moe-router-enable-expert-bias: each router's fp32 expert_bias and local_tokens_per_expert buffers
+    # (moe_router_buffers), the MTP block's MoE layers' included
+    est = estimate(L)
+    for p in range(L.pp):
+        built = sum(r["router_buffers"] for r in recs if r["rank"][0] == p and r["rank"][2:] == [0, 0, 0])
+        assert est.stages[p].breakdown.get("moe_router_buffers", 0) == built, p
     assert sum(stage_states(L, p).parameters for p in range(L.pp)) == sum(
         r["params"] for r in recs if r["rank"][2:] == [0, 0, 0])
 

@@ -158,9 +158,15 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
             tags["tp_split"] += n
         else:
             tags["replicated"] += n
+    # the routers' buffers that are not parameters (expert_bias, token counts): fp32, 4 bytes per element
+    router_buffers = sum(4 * b.numel() for name, b in model.named_buffers()
+                         if name.rsplit(".", 1)[-1] in ("expert_bias", "local_tokens_per_expert",
+                                                        "global_tokens_per_expert"))
     layers = [(layer.layer_number - 1, isinstance(layer.mlp, MoELayer)) for layer in model.decoder.layers]
-    return {"rank": [pp_rank, vp, tp_rank, ep_rank, etp_rank], "params": sum(n for k, n in tags.items() if k != "expert_buffer"), "tags": tags,
-            "expert_tp": expert_tp, "layers": layers, "mtp": mtp_spec is not None and bool(getattr(model, "mtp_process", False))}
+    return {"rank": [pp_rank, vp, tp_rank, ep_rank, etp_rank],
+            "params": sum(n for k, n in tags.items() if k != "expert_buffer"), "tags": tags, "expert_tp": expert_tp,
+            "layers": layers, "router_buffers": router_buffers,
+            "mtp": mtp_spec is not None and bool(getattr(model, "mtp_process", False))}
 
 
 def build_job(job: dict) -> list[dict]:
