@@ -1,6 +1,7 @@
 """Accounting identities that hold exactly for every MoE layout (hypothesis, derandomized), checked against
-the model real megatron-core 0.16.1 builds rank by rank (tests/e2e/moe_rank_params.py, one process for all
-examples) where that is cheap.
+the model real megatron-core builds rank by rank (tests/e2e/moe_rank_params.py, one process for all
+examples): this Python's megatron-core (0.16.1 in the 3.11 venv, 0.19.2 in the 3.12 one) and, when
+$MEMGUARD_PY312 or .venv312 names a second Python, that one's too, each against memguard's rules of its era.
 
 The drawn space (``corner_jobs``) reaches what tests/property_space.py's moe_specs does not: multi-latent
 attention, MTP layers, --moe-router-enable-expert-bias, dense-first --moe-layer-freq lists, uneven first /
@@ -222,35 +223,67 @@ def _layout(job: Job, version: str = "0.16"):
 # real megatron-core, one process for every example
 
 class _Core:
-    def __init__(self) -> None:
+    def __init__(self, python: str = sys.executable) -> None:
         import socket
         with socket.socket() as sock:       # a free port for the one-rank gloo group
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT=str(port), MASTER_PORT=str(port))
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"),
+        self.proc = subprocess.Popen([python, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"),
                                       "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
 
     def ranks(self, job: Job, L, ranks: list) -> list[dict]:
         # megatron-core takes the vocabulary padded as megatron.training pads it (memguard's, checked elsewhere)
+        self.era
         self.proc.stdin.write(json.dumps(dict(job.core, vocab=L.padded_vocab_size, ranks=ranks)) + "\n")
         self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
+        reply = self._reply()
         assert "error" not in reply, (reply["error"], job.flags)
         return reply["ranks"]
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        while line and not line.startswith("@@"):
+            line = self.proc.stdout.readline()
+        assert line, "the megatron-core builder stopped"
+        return json.loads(line[2:])
+
+    @property
+    def era(self) -> str:
+        """memguard's --megatron-version for the megatron-core the builder runs (read once)."""
+        if not hasattr(self, "_era"):
+            v = self._reply()["version"]
+            self._era = "0.16" if tuple(int(x) for x in v.split(".")[:2]) < (0, 17) else "0.19"
+        return self._era
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def core():
+def _other_python() -> str | None:
+    """A second Python with megatron-core (the 3.12 venv tests/run.sh makes, or $MEMGUARD_PY312), so that
+    one run checks both eras; None when it is this one or absent."""
+    p = os.environ.get("MEMGUARD_PY312") or os.path.join(ROOT, ".venv312", "bin", "python")
+    if not os.path.exists(p) or os.path.realpath(p) == os.path.realpath(sys.executable):
+        return None
+    return p
+
+
+@pytest.fixture(scope="module", params=["this python", "other python"])
+def core(request):
+    """The builder in this Python's megatron-core, and in the other venv's (the other era) when there is one."""
     import importlib.util
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        pytest.skip("megatron-core is not installed")
-    c = _Core()
+    if request.param == "this python":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            pytest.skip("megatron-core is not installed")
+        c = _Core()
+    else:
+        other = _other_python()
+        if other is None:
+            pytest.skip("no second Python with megatron-core ($MEMGUARD_PY312, .venv312)")
+        c = _Core(other)
     yield c
     c.close()
 
@@ -280,7 +313,7 @@ def test_parameters_and_placement_rank_by_rank_are_megatron_cores(core, job):
     and the tied output copy (shared_embedding on a later stage) included; and the distinct ranks'
     parameters, weighted by their copies (TP-split once per TP rank, replicated once, experts once per
     (EP, ETP) rank and fc2's bias once per EP rank, the tied copy not at all), add up to memguard's total."""
-    L = _layout(job)
+    L = _layout(job, core.era)
     recs = core.ranks(job, L, _core_ranks(L))
     by_chunk: dict[tuple[int, int], list[dict]] = {}
     for r in recs:

@@ -123,7 +123,13 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
         for spec in block.layer_specs:
             _no_core_attention(spec)
     mtp_spec = None
-    if job.get("mtp") and mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp):
+    import inspect
+    if "layout" in inspect.signature(mtp_on_this_rank).parameters:      # core 0.19: (layout, mtp_num_layers, ...)
+        mtp_here = mtp_on_this_rank(config.pipeline_model_parallel_layout, config.mtp_num_layers,
+                                    ignore_virtual=False, vp_stage=vp)
+    else:                                                               # core 0.16: (config, ...)
+        mtp_here = mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp)
+    if job.get("mtp") and mtp_here:
         # MTP layers take the spec of the model's last decoder layer (pretrain_gpt.py)
         last = get_gpt_decoder_layer_specs(config, False, job["norm"])[-1]
         if job.get("mla"):
@@ -187,12 +193,15 @@ if __name__ == "__main__":
     _start()
     if sys.argv[1:] == ["--serve"]:
         # one job per line on stdin, its records (or the error) as one line on stdout: a test draws many
-        # jobs and pays megatron-core's import once
+        # jobs and pays megatron-core's import once; the first line names megatron-core's version
+        from megatron.core import package_info
+        print("@@" + json.dumps({"version": package_info.__version__}), flush=True)
         for line in sys.stdin:
             try:
                 reply = {"ranks": build_job(json.loads(line))}
             except Exception as e:          # the test shows megatron-core's own message
                 reply = {"error": f"{type(e).__name__}: {e}"}
-            print(json.dumps(reply), flush=True)
+            # marked: megatron-core prints notices on stdout (core 0.19.2: "GPTModel IS DEPRECATED")
+            print("@@" + json.dumps(reply), flush=True)
     else:
         print(json.dumps([build_job(job) for job in json.loads(sys.argv[1])]))
