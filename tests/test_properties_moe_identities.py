@@ -601,3 +601,46 @@ def test_expert_tensor_parallelism_moves_only_the_expert_side(job):
         tx = {t.name: t.bytes for t in x.terms}
         ty = {t.name: t.bytes for t in y.terms}
         assert {k for k in set(tx) | set(ty) if tx.get(k) != ty.get(k)} <= ETP_TERMS, x.pp_rank
+
+
+def test_biases_in_moe_layers_need_expert_tensor_parallel_size_one():
+    """megatron-core's TransformerConfig.__post_init__ asserts "Bias in Moe is only supported when ETP==1"
+    (core 0.16.1 and 0.19.2): biases (the default) with --expert-tensor-parallel-size 2, or with ETP left to
+    default to TP 2, are an error naming the flag; --disable-bias-linear or ETP 1 are estimated."""
+    flags = MTP_JOB[:MTP_JOB.index("--pipeline-model-parallel-size")]
+    flags = [x for x in flags if x != "--disable-bias-linear"] + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    for extra in (["--expert-tensor-parallel-size", "2"], []):
+        for era in ("0.16", "0.19"):
+            with pytest.raises((ConfigError, ConfigErrors)) as e:
+                layout_from_flags(flags + extra, world_size=2, megatron_version=era)
+            errors = e.value.errors if isinstance(e.value, ConfigErrors) else [e.value]
+            assert any(str(x).startswith("--expert-tensor-parallel-size: must be 1 with biases") for x in errors)
+    layout_from_flags(flags + ["--expert-tensor-parallel-size", "1"], world_size=2, megatron_version="0.16")
+    layout_from_flags(flags + ["--disable-bias-linear"], world_size=2, megatron_version="0.16")
+
+
+def test_the_mtp_blocks_routed_experts_are_among_the_last_stages_parameters():
+    """EP 2, 2 experts, MTP 1, PP 1, no biases: the rank holds one routed expert per MoE layer, the two decoder
+    layers' and the MTP layer's (it takes the last decoder layer's MoE kind): 3 x (fc1 [8, 64] + fc2 [64, 8])
+    = 3,072 expert parameters, tagged as routed experts in chunk_params (which Muon and the other emerging
+    optimizers read) as in the stage's count; megatron-core 0.16.1 builds them (tests/e2e/moe_rank_params.py)."""
+    flags = MTP_JOB[:MTP_JOB.index("--pipeline-model-parallel-size")] + [
+        "--expert-model-parallel-size", "2", "--mtp-num-layers", "1"]
+    L = layout_from_flags(flags, world_size=2, megatron_version="0.16")
+    (c,) = L.stage_chunks(0)
+    ps = chunk_params(L, c)
+    assert sum(p.numel for p in ps if p.expert) == 3 * (8 * 64 + 64 * 8) == 3_072
+    assert sum(p.numel for p in ps if p.expert and p.name.startswith("mtp.")) == 1_024
+    assert sum(p.numel for p in ps) == stage_states(L, 0).parameters
+
+
+def test_an_moe_mtp_layer_keeps_its_moe_half_in_moe_layer_activations():
+    """The MTP layer takes the last decoder layer's kind (MultiTokenPredictionLayer); when that is MoE, its
+    router / dispatcher / experts' saved tensors are MoE activations like a decoder MoE layer's: one stage,
+    two MoE layers and one MTP layer, one micro-batch in flight: moe_layer_activations is 3/2 of the same job
+    without MTP (and the worst-case routing figure scales all three)."""
+    flags = MTP_JOB[:MTP_JOB.index("--pipeline-model-parallel-size")]
+    a = estimate(layout_from_flags(flags, world_size=1, megatron_version="0.19")).stages[0]
+    b = estimate(layout_from_flags(flags + ["--mtp-num-layers", "1"], world_size=1, megatron_version="0.19")).stages[0]
+    assert a.in_flight == b.in_flight == 1 and a.peak_phase.startswith("forward") and b.peak_phase.startswith("forward")
+    assert 2 * b.breakdown["moe_layer_activations"] == 3 * a.breakdown["moe_layer_activations"]
