@@ -34,7 +34,7 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
-from .params import mtp_layer_kind
+from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
@@ -212,8 +212,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if mtp_saved:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
-            mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
-            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
+            mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
+            if L.recompute_granularity != "full":
+                # an MoE MTP layer's MoE half is MoE activations like a decoder layer's (moe_layer_activations;
+                # the worst-case routing figure scales it)
+                moe_layers += d * mtp_la.moe_total
             detail += f" + {d} MTP layer(s)"
             ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
@@ -547,8 +551,10 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     made: dict[tuple, _StageShape] = {}
     out = []
     for r in range(L.pp):
+        # (the final norm: with MTP on the chunk of the last decoder layer, which may be a middle stage's)
         key = (tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                       first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
+                       first_bucket if r == 0 and c.vpp_rank == 0 else None, holds_final_norm(L, c))
+                      for c in by_stage.get(r, ())]),
                r == 0, r == last)
         shape = made.get(key)
         if shape is None:
@@ -708,7 +714,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
         step_bytes=sum([t.bytes for t in step_terms]),
-        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
+        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output, any([holds_final_norm(L, c) for c in chunks]))
+        if not L.freeze_all_layers else 0,
         retained_bytes=sum([t.bytes for t in retained]))
 
 
@@ -899,11 +906,13 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
 
 @lru_cache(maxsize=1024)
 def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[LayerKind, int], ...], ...],
-                                     has_output: bool) -> int:
+                                     has_output: bool, final_norm: bool | None = None) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
-    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
+    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them.
+    ``has_output``: the stage holds the loss (and the MTP block, whose layers' and enorm / hnorm / final norm's
+    parameters are among them too); ``final_norm``: it holds the decoder's final norm (None: with the loss)."""
     if L.tp == 1:
         return 0
     # ``stage_runs``: the (kind, count) runs of each chunk of the stage
@@ -912,10 +921,16 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
         for kind, k in runs:
             counts[kind] = counts.get(kind, 0) + k
     layers = [(layer_params(L, kind=kind), k) for kind, k in counts.items()]
+    mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
+    norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
+    if mtp:
+        # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
+        layers.append((layer_params(L, kind=mtp_layer_kind(L)), mtp))
     if L.sequence_parallel:
         n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
-        if has_output:
-            n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
+        if has_output if final_norm is None else final_norm:
+            n += norm    # the decoder's final norm
+        n += mtp * 3 * norm    # each MTP depth's enorm, hnorm and final norm
     elif L.qk_layernorm:
         n = sum(k * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
                 for layer, k in layers)

@@ -166,6 +166,11 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_shared_expert_intermediate_size", "shared experts do not support biases (SharedExpertMLP)",
                "add --disable-bias-linear")
         ok = False
+    if add_bias_linear and etp != 1:
+        # TransformerConfig.__post_init__ (core 0.16.1 and 0.19.2): "Bias in Moe is only supported when ETP==1"
+        r.fail("expert_tensor_parallel_size", f"must be 1 with biases in MoE layers (TransformerConfig), got {etp}",
+               "add --disable-bias-linear or --expert-tensor-parallel-size 1")
+        ok = False
     grouped = r.bool_arg("moe_grouped_gemm", False)
     mods = set(recompute_modules) if recompute_granularity == "selective" else set()
     if "moe_act" in mods and not grouped:
