@@ -36,7 +36,7 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
-from .params import mtp_layer_kind
+from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
@@ -216,8 +216,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if mtp_saved:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
-            mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
-            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
+            mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
+            if L.recompute_granularity != "full":
+                # an MoE MTP layer's MoE half is MoE activations like a decoder layer's (moe_layer_activations;
+                # the worst-case routing figure scales it)
+                moe_layers += d * mtp_la.moe_total
             more.append(f" + {d} MTP layer(s)")
             ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
@@ -253,6 +257,13 @@ def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int, moe: 
         skip = max(0, skip - k)
         total += kept * (la.moe_total if moe else la.total)
     return total
+
+
+def _chunks_detail(details: list[str]) -> str:
+    """The virtual chunks' layer details, the same one given once with its count."""
+    if len(details) > 1 and len(set(details)) == 1:
+        return f"{len(details)} chunks of {details[0]}"
+    return "; ".join(details)
 
 
 def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
@@ -476,8 +487,8 @@ _END_GROUPS = {
 }
 # the parts at a schedule peak that _part_terms describes (with FSDP, its windows too); the others' terms
 # have no detail
-_DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_loss_buffers", "offload_staging",
-                             "offload_pp_balance_kept", "pipeline_inputs_retained"})
+_DETAILED_PARTS = frozenset({"layer_activations", "moe_layer_activations", "mtp_block_activations", "mtp_loss_buffers",
+                             "offload_staging", "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
 def _state_rows(L: Layout, st: StageStates) -> tuple[tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]]:
@@ -577,11 +588,14 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     # it by identity instead of comparing the nested keys
     made: dict[tuple, _StageShape] = {}
     out = []
+    mtp = getattr(L, "mtp_num_layers", 0)
     for r in range(L.pp):
         # a chunk's shape is its kind runs (they give its layer count) and, on the first and the last rank, its
-        # embedding, output and tied copy (partition_layers: the first chunk of rank 0, the last of the last rank)
-        key = (tuple([c.kind_runs for c in by_stage.get(r, ())]), r == 0, r == last,
-               first_bucket if r == 0 else None)
+        # embedding, output and tied copy (partition_layers: the first chunk of rank 0, the last of the last rank);
+        # with MTP, which chunk builds the final norm (the chunk of the last decoder layer, maybe a middle stage's)
+        cs = by_stage.get(r, ())
+        key = (tuple([c.kind_runs for c in cs]), r == 0, r == last, first_bucket if r == 0 else None,
+               tuple([holds_final_norm(L, c) for c in cs]) if mtp else None)
         shape = made.get(key)
         if shape is None:
             shape = made[key] = _StageShape(key, r)
@@ -761,12 +775,14 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms, host_terms, host_bytes, partial(_terms_of, buffer_rows),
         partial(_terms_of, retained_rows), staging, deferred, fixed_alloc, device_only, device_bytes,
         lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",  # frag_detail
-        lambda: "; ".join([a.layers_detail for a in acts]),                                    # layers_detail
+        lambda: _chunks_detail([a.layers_detail for a in acts]),                                 # layers_detail
         base,
         # step_bytes: the step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam
         # / apex on GPUs, torch's fused CPU kernel in the referee) update in place
         step_bytes,
-        replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,  # finalize
+        # finalize
+        replicated_grad_allreduce_bytes(L, stage_runs, has_output, any([holds_final_norm(L, c) for c in chunks]))
+        if not L.freeze_all_layers else 0,
         sum([r[1] for r in retained_rows]), plain)
 
 
@@ -831,6 +847,9 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     # Muon's Newton-Schulz temporaries (one matrix at a time) exist during the step only: not in the
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
+    if ft is not None and ft.step_only:
+        # FSDP buckets gathered at the end of the step and released before the steady state (fsdp_layout.py)
+        step_only = tuple(step_only) + ft.step_only
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
@@ -905,8 +924,11 @@ def _assemble_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, par
     return tuple(terms)
 
 
-def _in_flight_detail(pr: _StagePrep, in_flight: int) -> str:
-    return pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+def _in_flight_detail(pr: _StagePrep, in_flight: int, moe: bool) -> str:
+    det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+    if moe:
+        det += "; the MoE layers' router, dispatcher and expert tensors in these sizes are counted in moe_layer_activations"
+    return det
 
 
 def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: dict[str, int]) -> list[Term]:
@@ -924,7 +946,10 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         det = ""
         if name == "layer_activations":
             # (made when the detail is read: the layers' detail is a chain of formatted sizes)
-            det = partial(_in_flight_detail, pr, in_flight)
+            det = partial(_in_flight_detail, pr, in_flight, bool(parts.get("moe_layer_activations")))
+        elif name == "moe_layer_activations":
+            det = ("router, token dispatcher and expert tensors of the MoE layers held (inside layer_activations' "
+                   "per-layer sizes), at balanced routing; worst case: the MoE routing line (JSON moe.worst_case)")
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                    f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
@@ -948,11 +973,13 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
 
 @lru_cache(maxsize=1024)
 def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[LayerKind, int], ...], ...],
-                                     has_output: bool) -> int:
+                                     has_output: bool, final_norm: bool | None = None) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
-    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
+    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them.
+    ``has_output``: the stage holds the loss (and the MTP block, whose layers' and enorm / hnorm / final norm's
+    parameters are among them too); ``final_norm``: it holds the decoder's final norm (None: with the loss)."""
     if L.tp == 1:
         return 0
     # ``stage_runs``: the (kind, count) runs of each chunk of the stage
@@ -962,10 +989,16 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
             counts[kind] = counts.get(kind, 0) + k
     # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
     layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
+    mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
+    norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
+    if mtp:
+        # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
+        layers.append((layer_param_rows(L, mtp_layer_kind(L)), mtp))
     if L.sequence_parallel:
         n = sum(k * sum(r[1] for r in layer if r[2]) for layer, k in layers)
-        if has_output:
-            n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
+        if has_output if final_norm is None else final_norm:
+            n += norm    # the decoder's final norm
+        n += mtp * 3 * norm    # each MTP depth's enorm, hnorm and final norm
     elif L.qk_layernorm:
         n = sum(k * sum(r[1] for r in layer if "q_layernorm" in r[0] or "k_layernorm" in r[0]) for layer, k in layers)
     else:

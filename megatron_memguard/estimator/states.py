@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import Chunk, Layout, ShardGroup, TensorKind
-from .params import _layer_numels, chunk_expert_numels, chunk_numels
+from .params import _layer_numels, chunk_expert_numels, chunk_numels, holds_final_norm
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,14 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
 @lru_cache(maxsize=1024)
 def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...],
-                  group: ShardGroup = ShardGroup.DENSE_DP) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
+                  group: ShardGroup = ShardGroup.DENSE_DP,
+                  final_norm: bool | None = None) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
-    share one shape); ``group`` EXPERT_DP: the chunk's expert buffer (its MoE layers' routed experts)."""
+    share one shape); ``group`` EXPERT_DP: the chunk's expert buffer (its MoE layers' routed experts);
+    ``final_norm``: whether the chunk builds the final norm (None: with the output, params.holds_final_norm)."""
     c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
-    plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c)
+    fn = has_output if final_norm is None else final_norm
+    plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c, fn)
     if not plist:                   # no parameter in this buffer (a dense chunk's expert buffer): no bucket
         return _NO_BUFFER, ((),) * len(ranks) if L.use_distributed_optimizer else ()
     buf = build_buffer(L, plist, bucket_size, group)
@@ -178,7 +181,8 @@ def _one_bucket_sums(numels: list[int], divisor: int, shard: int,
 @lru_cache(maxsize=1024)
 def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...],
-                  group: ShardGroup = ShardGroup.DENSE_DP) -> tuple[int, int, int, tuple[int, ...]]:
+                  group: ShardGroup = ShardGroup.DENSE_DP,
+                  final_norm: bool | None = None) -> tuple[int, int, int, tuple[int, ...]]:
     """What _stage_states needs of _chunk_buffer: the parameter count, the padded and unpadded buffer
     sizes and, with the distributed optimizer, the elements each rank of ``ranks`` owns (the sum of
     its shard pieces; else ()). The common case (one bucket, no shared embedding) is worked out from
@@ -187,7 +191,8 @@ def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
     if dist and bucket_size is None:
         expert = group is ShardGroup.EXPERT_DP
         numels: list[int] | None = None
-        if not has_embedding and not has_output:
+        fn = has_output if final_norm is None else final_norm
+        if not has_embedding and not has_output and not fn:
             # layers only (most chunks): their parameter sizes, layer after layer (chunk_numels, without the
             # (size, shared) pairs: no layer parameter is a shared embedding)
             numels = []
@@ -195,7 +200,7 @@ def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
                 numels += _layer_numels(L, kind, expert) * n
         else:
             c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
-            plist = chunk_expert_numels(L, c) if expert else chunk_numels(L, c)
+            plist = chunk_expert_numels(L, c) if expert else chunk_numels(L, c, fn)
             if not any([shared for _, shared in plist]):
                 numels = [n for n, _ in plist]
         if numels is not None and not numels:
@@ -206,7 +211,8 @@ def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
             padded, sums = _one_bucket_sums(numels, divisor, shard, ranks)
             unpadded = sum(numels)
             return unpadded, padded, unpadded, sums
-    buf, pieces_of = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, ranks, group)
+    buf, pieces_of = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, ranks, group,
+                                   final_norm)
     return buf.params, buf.numel, buf.numel_unpadded, tuple([sum(p) for p in pieces_of]) if dist else ()
 
 
@@ -245,7 +251,7 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
     chunks = L.stage_chunks(pp_rank)
     # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
     sig = tuple((c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
-                 bucket_size_for(L, c)) for c in chunks)
+                 bucket_size_for(L, c), holds_final_norm(L, c)) for c in chunks)
     return _stage_states(L, sig, dp_rank)
 
 
@@ -261,8 +267,9 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     # they are the same rank and must be listed once, or its shard would be counted twice.
     ranks = tuple(sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)])
     owned = [0] * len(ranks)                # elements of the optimizer's shard of each rank in ``ranks``
-    for runs, has_embedding, has_output, tied, bsize in sig:
-        n_params, n, n_unpadded, sums = _chunk_totals(L, runs, has_embedding, has_output, tied, bsize, ranks)
+    for runs, has_embedding, has_output, tied, bsize, final_norm in sig:
+        n_params, n, n_unpadded, sums = _chunk_totals(L, runs, has_embedding, has_output, tied, bsize, ranks,
+                                                      ShardGroup.DENSE_DP, final_norm)
         params += n_params
         numel += n
         unpadded += n_unpadded
@@ -282,7 +289,7 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
         eranks = tuple(sorted({min(r, eshard - 1) if dp_rank != "last" else eshard - 1 for r in ranks}))
         eowned = [0] * len(eranks)
         e_params = e_numel = 0
-        for runs, has_embedding, has_output, tied, bsize in sig:
+        for runs, has_embedding, has_output, tied, bsize, _ in sig:
             # has_output: the last chunk's MTP layers (MoE like the last decoder layer) add their routed experts
             n_params, n, n_unpadded, sums = _chunk_totals(L, runs, False, has_output, False, bsize, eranks,
                                                           ShardGroup.EXPERT_DP)
