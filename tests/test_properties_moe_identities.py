@@ -517,6 +517,48 @@ def test_final_norm_follows_the_last_decoder_layer_with_mtp():
     assert with_mtp[0] - without[0] == 64
 
 
+def test_final_norm_keeps_its_activations_where_it_runs_with_mtp():
+    """The final norm runs where megatron-core builds it (TransformerBlock.has_final_layernorm_in_this_stage,
+    core 0.16.1 and 0.19.2): under "Ett|mL" on stage 0, so stage 0 keeps its input (s x b x h bf16 =
+    16 x 1 x 64 x 2 = 2,048 B) and RMSNorm's fp32 rstd (16 x 4 = 64 B) per micro-batch; stage 1 keeps only the
+    output layer's input. Without MTP ("Ett|L") they stay on the loss's stage."""
+    from megatron_memguard.estimator.core import chunk_activations
+    want = {"final_norm_input": 2048, "final_norm_stats": 64}
+
+    def norm_items(extra):
+        L = layout_from_flags(MTP_JOB + extra, world_size=2, megatron_version="0.16")
+        return [{k: v for c in L.stage_chunks(p) for k, v in chunk_activations(L, c).ends.items() if k in want}
+                for p in range(2)]
+    assert norm_items(["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ett|mL"]) == [want, {}]
+    assert norm_items(["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et|tmL"]) == [{}, want]
+    assert norm_items(["--pipeline-model-parallel-layout", "Ett|L"]) == [{}, want]
+
+
+def test_megatron_fsdp_groups_follow_the_final_norm_with_mtp():
+    """Megatron-FSDP's groups (optim_grads_params, DP 2) under "Ett|mL" with MTP: each layer a unit of 8,448
+    dense (qkv [96, 64], proj [64, 32], two norms of 64, router [2, 64]) and 2,048 expert elements; outside the
+    units stage 0 holds the embedding [1024, 64] and the final norm [64] = 65,600 (row width lcm 64, padded to
+    DP x 64 = 128: 65,664), stage 1 the MTP block's embedding copy and the output layer (2 x 65,536), its enorm,
+    hnorm and final norm (3 x 64) and eh_proj [64, 128] = 139,456 (row width 128, padded to 256: 139,520).
+    The groups add up to the parameters megatron-core 0.16.1 builds on each stage (86,592 and 149,952,
+    test_final_norm_follows_the_last_decoder_layer_with_mtp)."""
+    from megatron_memguard.estimator.fsdp import padded_numel
+    from megatron_memguard.estimator.fsdp_layout import chunk_groups, fsdp_spec
+    from megatron_memguard.estimator.params import holds_final_norm
+    L = layout_from_flags(MTP_JOB + ["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ett|mL",
+                                     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                                     "--no-gradient-accumulation-fusion", "--use-distributed-optimizer"],
+                          world_size=4, megatron_version="0.16")
+    groups = [[g for c in L.stage_chunks(p) for g in chunk_groups(L, c.kind_runs, c.has_embedding, c.has_output,
+                                                                  c.has_tied_output_copy, holds_final_norm(L, c))]
+              for p in range(2)]
+    assert [sum(g.numel for g in gs) for gs in groups] == [86_592, 149_952]
+    assert [(g.numel, g.unit) for g in groups[0]] == [(8448, True), (2048, True)] * 2 + [(65_600, False)]
+    assert [(g.numel, g.unit) for g in groups[1]] == [(8448, True), (2048, True), (139_456, False)]
+    outside = [next(g for g in gs if not g.unit) for gs in groups]
+    assert [padded_numel(fsdp_spec(L), g) for g in outside] == [65_664, 139_520]
+
+
 def test_sequence_parallel_grad_allreduce_counts_the_mtp_block():
     """finalize_model_grads flattens the gradients of every parameter marked sequence_parallel in every model
     chunk (_allreduce_non_tensor_model_parallel_grads, core 0.16.1 finalize_model_grads.py), the MTP block's
