@@ -272,6 +272,13 @@ def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> in
     return total
 
 
+def _chunks_detail(details: list[str]) -> str:
+    """The virtual chunks' layer details, the same one given once with its count."""
+    if len(details) > 1 and len(set(details)) == 1:
+        return f"{len(details)} chunks of {details[0]}"
+    return "; ".join(details)
+
+
 def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
     """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind."""
     parts = []
@@ -471,8 +478,8 @@ _END_GROUPS = {
 }
 # the parts at a schedule peak that _part_terms describes (with FSDP, its windows too); the others' terms
 # have no detail
-_DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_loss_buffers", "offload_staging",
-                             "offload_pp_balance_kept", "pipeline_inputs_retained"})
+_DETAILED_PARTS = frozenset({"layer_activations", "moe_layer_activations", "mtp_block_activations", "mtp_loss_buffers",
+                             "offload_staging", "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
 @lru_cache(maxsize=1024)
@@ -715,7 +722,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         deferred=deferred,
         fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
         frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail="; ".join([a.layers_detail for a in acts]),
+        layers_detail=_chunks_detail([a.layers_detail for a in acts]),
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
@@ -883,6 +890,12 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         det = ""
         if name == "layer_activations":
             det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+            if parts.get("moe_layer_activations"):
+                det += ("; the MoE layers' router, dispatcher and expert tensors in these sizes are counted in "
+                        "moe_layer_activations")
+        elif name == "moe_layer_activations":
+            det = ("router, token dispatcher and expert tensors of the MoE layers held (inside layer_activations' "
+                   "per-layer sizes), at balanced routing; worst case: the MoE routing line (JSON moe.worst_case)")
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                    f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")

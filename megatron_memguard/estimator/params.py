@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
-from ..partition import LayerKind, layer_kinds, uniform_kind
+from ..partition import MLP_MOE, LayerKind, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param
@@ -27,8 +27,8 @@ from .layers.base import norm_params as _norm
 from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
-__all__ = ["Param", "chunk_expert_numels", "chunk_numels", "chunk_params", "holds_final_norm", "layer_linear_shapes",
-           "layer_params", "total_parameters"]
+__all__ = ["Param", "active_parameters", "chunk_expert_numels", "chunk_numels", "chunk_params", "holds_final_norm",
+           "layer_linear_shapes", "layer_params", "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -215,3 +215,23 @@ def total_parameters(L: Layout) -> int:
     if L.position_embedding_type == "learned_absolute":
         total += L.max_position_embeddings * h
     return total
+
+
+def active_parameters(L: Layout) -> int:
+    """Parameters one token passes through: the whole model (``total_parameters``) less the routed
+    experts its router does not pick, E - k of the E experts of every MoE layer (MTP depths included).
+    Shared experts, the router and everything else count whole. Equal to the total for dense models."""
+    kinds = Counter(layer_kinds(L))
+    if getattr(L, "mtp_num_layers", 0):
+        kinds[mtp_layer_kind(L)] += L.mtp_num_layers
+    unpicked = 0
+    for kind, n in kinds.items():
+        if kind.mlp != MLP_MOE:
+            continue
+        KL = kind_layout(L, kind)
+        m, h, g = KL.moe, KL.hidden_size, (2 if KL.gated_linear_unit else 1)
+        F = m.moe_ffn_hidden_size
+        # one routed expert: fc1 [g F, h] and fc2 [h, F] (+ their biases), as layers/moe.py param_count counts it
+        expert = (g + 1) * F * h + ((g * F + h) if KL.add_bias_linear else 0)
+        unpicked += n * (m.num_experts - m.moe_router_topk) * expert
+    return total_parameters(L) - unpicked
