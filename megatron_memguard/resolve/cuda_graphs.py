@@ -49,7 +49,10 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("external_cuda_graph", "cannot be combined with --enable-cuda-graph")
         impl = "local" if enable else "transformer_engine"
     dest, names = _modules(a)
-    known = ("none", "local", "transformer_engine") + (("full_iteration",) if ctx.version >= Version("0.19") else ())
+    # --cuda-graph-impl full_iteration and core/transformer/cuda_graph_config.py's migration of the deprecated
+    # scope value: in the 0.18.2 wheel as in 0.19.2; 0.17.1 has local + --cuda-graph-scope full_iteration only
+    new = ctx.version >= Version("0.18")
+    known = ("none", "local", "transformer_engine") + (("full_iteration",) if new else ())
     if impl not in known:
         a.fail("cuda_graph_impl", f"must be one of {', '.join(known)}, got {impl!r}")
         return dict(cuda_graph_impl="none", cuda_graph_modules=())
@@ -60,7 +63,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail(dest, "full_iteration cannot be combined with other modules")
         if impl == "transformer_engine":
             a.fail(dest, "full_iteration needs --cuda-graph-impl local (the TE implementation graphs layers)")
-        if impl == "none" and ctx.version < Version("0.19"):
+        if impl == "none" and not new:
             names = []
         else:
             impl, names = "full_iteration", []
@@ -71,7 +74,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         return dict(cuda_graph_impl="none", cuda_graph_modules=())
     if impl == "full_iteration" and names:
         a.fail(dest, "must be empty with --cuda-graph-impl full_iteration")
-    if impl == "full_iteration" and ctx.version >= Version("0.19") and a.bool_arg("check_for_nan_in_loss_and_grad", True):
+    if impl == "full_iteration" and new and a.bool_arg("check_for_nan_in_loss_and_grad", True):
         a.fail("cuda_graph_impl", "full_iteration needs --no-check-for-nan-in-loss-and-grad (validate_args)")
     if impl == "full_iteration" and a.int_arg("eval_iters", 100, minimum=0):
         a.notes.append(f"{a.key('cuda_graph_impl')} full_iteration: once validation ran, its graph keeps a second set of "
