@@ -53,6 +53,10 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # scope value: in the 0.18.2 wheel as in 0.19.2; 0.17.1 has local + --cuda-graph-scope full_iteration only
     new = ctx.version >= Version("0.18")
     known = ("none", "local", "transformer_engine") + (("full_iteration",) if new else ())
+    if impl == "full_iteration" and not new:
+        a.fail("cuda_graph_impl", "full_iteration needs megatron-core 0.18",
+               "use --cuda-graph-impl local --cuda-graph-scope full_iteration")
+        return dict(cuda_graph_impl="none", cuda_graph_modules=())
     if impl not in known:
         a.fail("cuda_graph_impl", f"must be one of {', '.join(known)}, got {impl!r}")
         return dict(cuda_graph_impl="none", cuda_graph_modules=())
