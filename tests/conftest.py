@@ -27,8 +27,11 @@ LLAMA2_7B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-a
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "megatron_training: needs the real megatron.training of the config-container era "
-                            "(Python 3.12, megatron-core >= 0.18); tests/run.sh runs these in .venv312")
+    config.addinivalue_line("markers", "megatron_training: needs a real megatron.training (Python 3.12): the "
+                            "config-container era's (megatron-core >= 0.18; tests/run.sh runs these in .venv312 and "
+                            ".venv312-core018) or, for the legacy-era tests, core 0.17's (.venv312-core017)")
+    config.addinivalue_line("markers", "legacy_standin: a legacy-era test run against tests/legacy_standin (no real "
+                            "megatron.training installed)")
     config.addinivalue_line("markers", "bridge: needs the real Megatron-Bridge 0.6.2 (tests/run_bridge.sh installs it into "
                             ".venv312-bridge and runs these)")
 

@@ -21,7 +21,7 @@ def _real_megatron_training() -> bool:
     return LEGACY is None
 
 
-pytestmark = [
+pytestmark = ([pytest.mark.megatron_training] if LEGACY == "real" else []) + [
     pytest.mark.skipif(LEGACY is None, reason="a config-container-era megatron.training is installed; the legacy-era "
                        "tests run against megatron-core 0.17's real one or, where none is installed, the stand-ins"),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron.core") is None,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import CONTAINER_ERA, H100, LLAMA31_8B, megatron_core_version
+from conftest import CONTAINER_ERA, H100, LLAMA31_8B, legacy_training, megatron_core_version
 from test_hook_legacy import _real_megatron_training, legacy  # noqa: F401 (the legacy-era fixture)
 
 BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion --micro-batch-size 1".split()
@@ -92,6 +92,7 @@ def test_live_019_namespace_estimates_as_the_cli(name, monkeypatch):
 
 
 LEGACY = [
+    pytest.mark.megatron_training if legacy_training() == "real" else pytest.mark.legacy_standin,
     pytest.mark.skipif(_real_megatron_training(), reason="a config-container-era megatron.training is installed; "
                        "these run against core 0.17's real one or the legacy-era stand-ins (core 0.16.1)"),
     pytest.mark.skipif(megatron_core_version() is None, reason="needs megatron-core"),
@@ -100,6 +101,7 @@ LEGACY = [
 
 @LEGACY[0]
 @LEGACY[1]
+@LEGACY[2]
 @pytest.mark.parametrize("flags, term", [
     # core_v0.16.1 and core_v0.17.1 have dist_muon (ping-pong over whole parameters) and TE userbuffers
     (["--optimizer", "dist_muon"], "muon_momentum"),
