@@ -767,6 +767,9 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     # Muon's Newton-Schulz temporaries (one matrix at a time) exist during the step only: not in the
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
+    if ft is not None and ft.step_only:
+        # FSDP buckets gathered at the end of the step and released before the steady state (fsdp_layout.py)
+        step_only = tuple(step_only) + ft.step_only
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)

@@ -44,7 +44,9 @@ DOUBLE_BUFFER_UNITS = 2
 # default "auto" = the parameter dtype); core 0.16.1 from grad_reduce_in_fp32
 # (--accumulate-allreduce-grads-in-fp32). The megatron-core 0.18.2 wheel is 0.19's here and in what goes with it
 # (validate_args switches --use-distributed-optimizer on and asserts --ckpt-format fsdp_dtensor; the sharding
-# strategy defaults to optim_grads_params). 0.17.1 is taken to follow 0.16.1: it has no switch and defaults to
+# strategy defaults to optim_grads_params; fsdp_layout.py's HSDP expert mesh, intra_expt_dp in
+# mcore_fsdp_adapter.py, and --log-params-norm's stop_communication() releasing the unit buckets are there too).
+# 0.17.1 is taken to follow 0.16.1: it has no switch and defaults to
 # no_shard, but already has --megatron-fsdp-main-grads-dtype (docs/assumptions.md).
 MIXED_PRECISION_POLICY_SINCE = (0, 18)
 

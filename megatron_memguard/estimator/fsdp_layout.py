@@ -150,6 +150,8 @@ class FsdpStageTerms:
     bwd_extra: tuple[int, ...]
     fwd_windows: tuple[FsdpWindow, ...]
     bwd_windows: tuple[FsdpWindow, ...]
+    # alive at the end of the step but released before Megatron logs memory (not in the steady state)
+    step_only: tuple[Term, ...] = ()
 
 
 def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...],
@@ -217,11 +219,28 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         step.append(Term("main_grad_copies", total.step_grad_copy, "optimizer",
                          detail=f"gradients cast to {spec.main_param_bytes} B for the step on {opt:,} elements, "
                                 "kept until the next zero_grad"))
+    only = []
     if after:
-        step.append(Term("fsdp_gathered_after_step", after, "transients",
-                         detail="unit weights all-gathered by start_param_sync after the step (the first bucket "
-                                "and those its prefetch reaches: half the communication unit)"))
-    return FsdpStageTerms(tuple(st), tuple(step), tuple(fwd), tuple(bwd), tuple(fw), tuple(bw))
+        detail = ("unit weights all-gathered by start_param_sync after the step (the first bucket and those its "
+                  "prefetch reaches: half the communication unit)")
+        if params_norm_releases_units(L, spec):
+            only.append(Term("fsdp_gathered_after_step", after, "transients",
+                             detail=detail + "; released by --log-params-norm's calc_params_l2_norm before "
+                                             "Megatron logs memory"))
+        else:
+            step.append(Term("fsdp_gathered_after_step", after, "transients", detail=detail))
+    return FsdpStageTerms(tuple(st), tuple(step), tuple(fwd), tuple(bwd), tuple(fw), tuple(bw), tuple(only))
+
+
+def params_norm_releases_units(L: Any, spec: FsdpSpec) -> bool:
+    """Whether the unit buckets start_param_sync re-gathers after the step are gone again when Megatron logs
+    memory. With --log-params-norm, train() calls calc_params_l2_norm after every step; under Megatron-FSDP it
+    calls each chunk's stop_communication() first, whose synchronize_param_gather() resets the all-gather
+    pipeline: every unit bucket is released, the buckets outside units are kept (reset(preserve_non_fsdp_units=
+    True)); megatron-core 0.19.2 training/utils/common_utils.py and megatron_fsdp.py. The next forward gathers
+    the units again (its window counts them). Core 0.16.1's training loop is not read here: kept as before."""
+    return (spec.impl == "megatron_fsdp" and bool(_flag(L, "log_params_norm", False))
+            and version_tuple(L.megatron_version) >= MIXED_PRECISION_POLICY_SINCE)
 
 
 def split_window_terms(kind: str, extra: int, window: FsdpWindow) -> dict[str, int]:

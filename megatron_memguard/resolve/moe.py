@@ -302,10 +302,10 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
     if kw.get("use_megatron_fsdp"):
         a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
-                       "fp32 gradient copies and re-gathered weights as Megatron's source keeps them (main_grad_copies, "
-                       "fsdp_gathered_after_step); Megatron's CI run of this combination holds about that much less "
-                       "(docs/assumptions.md). The peak assumes balanced routing (moe_layer_activations): that run "
-                       "(top-2, aux loss) peaks 6-9% above it, below the worst-case bound")
+                       "fp32 gradient copies as Megatron's source keeps them (main_grad_copies); Megatron's CI run of "
+                       "this combination holds less (docs/assumptions.md). The peak assumes balanced "
+                       "routing (moe_layer_activations): that run (top-2, aux loss) peaks 6-9% above it, below the "
+                       "worst-case bound")
     return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp,
                 use_transformer_engine_op_fuser=experts_op_fuser(a, kw, spec, ctx))
 
