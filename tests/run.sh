@@ -54,7 +54,7 @@ fi
 .venv312/bin/python -m pip install -q --disable-pip-version-check "omegaconf>=2.1"
 CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "$@"
 
-# megatron-core 0.17.1 and 0.18.2, each layered over .venv312 (31 MB each, no torch; about 3 minutes).
+# megatron-core 0.17.1 and 0.18.2, each layered over .venv312 (31-33 MB each, no torch; about 3.5 minutes).
 if [ "${MEMGUARD_SKIP_RELEASES:-0}" != "1" ]; then
     bash tests/run_releases.sh "$@"
 fi

@@ -5,8 +5,8 @@
 #   .venv312-core018  megatron-core 0.18.2, the first config-container release.
 # Each is layered over .venv312 (made by tests/run.sh: torch 2.14.1, megatron-core 0.19.2, memguard): a .pth file
 # appends .venv312's site-packages after the venv's own, so the megatron-core installed here (--no-deps: its
-# dependencies are .venv312's) shadows 0.19.2 and torch is neither downloaded nor copied. About 31 MB per venv;
-# a first run takes about a minute, the tests about 3 minutes (0.17.1: 1, 0.18.2: 2) on 2 cores.
+# dependencies are .venv312's) shadows 0.19.2 and torch is neither downloaded nor copied. About 31-33 MB per venv;
+# the tests take about 3.5 minutes on 2 cores (0.17.1: 1.5 with the end-to-end CPU run, 0.18.2: 1.5; pip ~20 s).
 # Arguments go to pytest. MEMGUARD_SKIP_RELEASES=1 in tests/run.sh skips this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
