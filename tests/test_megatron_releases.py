@@ -105,3 +105,30 @@ def test_what_memguard_says_a_release_lacks_its_parser_lacks(megatron, name):
         needs = str(e) if "needs megatron-core" in str(e) else None
     assert not (parser_has and needs), f"megatron-core {VERSION}'s parser takes {GATED[name]}, memguard says: {needs}"
     assert parser_has or needs, f"megatron-core {VERSION}'s parser rejects {GATED[name]}; memguard does not say so"
+
+
+def test_mtp_position_rule_is_the_releases(megatron):
+    """validate_args of 0.17.1, 0.18.2 and 0.19.2 asserts rope or no position embedding with MTP; memguard, for the
+    installed release, refuses the same job naming the flag."""
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    flags = [f for f in BASE if f not in ("--position-embedding-type", "rope")] + [
+        "--position-embedding-type", "learned_absolute", "--mtp-num-layers", "1"]
+    with pytest.raises(AssertionError, match="Multi-Token Prediction"):
+        megatron.start(flags)
+    with pytest.raises((ConfigError, ConfigErrors), match="--mtp-num-layers: needs --position-embedding-type rope or none"):
+        layout_from_flags(flags, world_size=8, megatron_version=VERSION)
+
+
+@pytest.mark.skipif(INSTALLED is not None and INSTALLED < (0, 18), reason="core 0.17.1's validate_args leaves the "
+                    "distributed optimizer off; memguard refuses that (0.16.1's first step fails, docs/assumptions.md)")
+def test_megatron_fsdp_switches_the_distributed_optimizer_on(megatron, monkeypatch):
+    """core 0.18.2 and 0.19.2: --use-megatron-fsdp without --use-distributed-optimizer is switched on by
+    validate_args, sharded optim_grads_params by default; memguard resolves the same for the installed release."""
+    from megatron_memguard import layout_from_flags
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")      # Megatron-FSDP asserts it is not 1
+    flags = BASE + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+    args = megatron.start(flags)
+    assert args.use_distributed_optimizer is True and args.data_parallel_sharding_strategy == "optim_grads_params"
+    flat = layout_from_flags(flags, world_size=8, megatron_version=VERSION).to_dict()
+    assert flat["use_distributed_optimizer"] is True and flat["data_parallel_sharding_strategy"] == "optim_grads_params"
