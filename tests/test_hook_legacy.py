@@ -102,6 +102,9 @@ def test_warn_fits_one_line_and_validation_runs_once_loudly(legacy, capsys):
     assert "[memguard] verdict: FITS" in out
     assert out.count("------------------------ arguments ------------------------") == 1  # the dry run is silent
     assert args.micro_batch_size == 1 and args.memguard == "warn"
+    # the vocabulary memguard predicted with is the one Megatron's tokenizer build padded to (Llama-3.1's 128256
+    # with NullTokenizer: core 0.16 / 0.17 add an EOD token, 128257 -> the next multiple of 128 x TP 8 = 126 x 1024)
+    assert legacy.hook.STATE.decision.layout.padded_vocab_size == args.padded_vocab_size == 129024
 
 
 def test_warn_prints_breakdown_and_changes_nothing(legacy, capsys):
