@@ -95,8 +95,9 @@ def test_neutral_entries_are_not_refused():
     assert not both, f"listed as memory-neutral but refused by resolve: {both}"
 
 
-# A small valid dense job (TP 2 with SP, 8 GPUs) to switch each gate on.
-BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
+# A small valid dense job (TP 2 with SP, 8 GPUs) to switch each gate on; no linear biases, so that the MoE
+# gates keep ETP = TP = 2 legal (TransformerConfig: biases in MoE layers need ETP 1).
+BASE = dict(add_bias_linear=False, num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
             micro_batch_size=1, global_batch_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
             bf16=True, tokenizer_type="NullTokenizer", vocab_size=1000, position_embedding_type="rope")
 
