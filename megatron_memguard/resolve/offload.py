@@ -38,6 +38,12 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if "attn_proj" in mods and "core_attn" not in mods:
             a.fail("offload_modules", "attn_proj needs core_attn (its input is core_attn's output, which core_attn's "
                    "backward needs)")
+        inside_moe = sorted({"moe_act", "expert_fc1", "fused_group_mlp"} & set(mods))
+        if (ctx.version >= Version("0.19") and inside_moe and kw.get("recompute_granularity") == "selective"
+                and "moe" in (kw.get("recompute_modules") or ())):
+            # TransformerConfig.__post_init__ (transformer_config.py 0.19.2 line 1874; not in core 0.16.1)
+            a.fail("offload_modules", f"cannot offload {', '.join(inside_moe)} while 'moe' recompute recomputes the "
+                   "whole MoE layer")
         if kw.get("transformer_impl") != "transformer_engine":
             a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
         size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)
