@@ -199,6 +199,20 @@ def command_lines(draw) -> Case:
             f += ["--offload-modules", *draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))]
     if _maybe(draw, 1):
         f += ["--mtp-num-layers", str(draw(st.integers(1, 2)))]
+    # a few more settings validate_args rewrites or derives from
+    extras = [["--num-layers-per-virtual-pipeline-stage", "1"], ["--account-for-embedding-in-pipeline-split"],
+              ["--account-for-loss-in-pipeline-split"], ["--group-query-attention", "--num-query-groups", "2"],
+              ["--num-distributed-optimizer-instances", "2"], ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+              ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], ["--cpu-offloading-num-layers", "1"],
+              ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], ["--moe-layer-recompute"],
+              ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], ["--overlap-grad-reduce", "--overlap-param-gather"]]
+    if experts:
+        extras += [["--moe-shared-expert-gate"], ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+                   ["--moe-aux-loss-coeff", "1e-2"], ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+                                                      "--moe-aux-loss-coeff", "1e-2", "1e-3"],
+                   ["--moe-z-loss-coeff", "1e-3"]]
+    for extra in draw(st.lists(st.sampled_from(extras), max_size=2, unique_by=tuple)):
+        f += extra
     return Case(tuple(f), world)
 
 
@@ -237,9 +251,17 @@ _TE_MISSING = ("install TE", "transformer-engine>=", "transformer_engine", "Tran
 
 
 def pretend_te() -> None:
+    """Answer Transformer Engine's version checks as TE 2.11 would, and give the TransformerConfig's
+    availability check of TE's fused permutation kernels something that is not None (moe_utils binds them
+    to None when TE is missing; nothing here runs them)."""
     from megatron.core import utils
+    from megatron.core.transformer.moe import moe_utils
     from packaging.version import Version
     utils._te_version = Version(TE_VERSION)
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        if getattr(moe_utils, name, None) is None:
+            setattr(moe_utils, name, object())
 
 
 def megatron_reads(case: Case) -> tuple[Any, Any, str | None]:
@@ -267,6 +289,14 @@ def megatron_reads(case: Case) -> tuple[Any, Any, str | None]:
             config = gpt_config_from_args(copy.deepcopy(ns)).transformer
     except Exception as e:   # noqa: BLE001
         return before, None, "TransformerConfig: " + _said(e)
+    # the optimizer and DDP configs setup_model_and_optimizer builds (their __post_init__ checks)
+    from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
+    try:
+        with quiet():
+            get_megatron_optimizer_config(copy.deepcopy(ns))
+            get_megatron_ddp_config(copy.deepcopy(ns))
+    except Exception as e:   # noqa: BLE001
+        return before, None, "optimizer / DDP config: " + _said(e)
     try:
         with quiet():
             later = _later_rules(ns, config)
@@ -318,6 +348,15 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     expert_grid = ns.expert_tensor_parallel_size * ns.expert_model_parallel_size * pp * ns.expert_gtp_weight_remat_size
     if ns.world_size % expert_grid:
         return f"parallel_state: world_size {ns.world_size} is not divisible by ETP x EP x PP = {expert_grid}"
+    # initialize_model_parallel: the optimizer instances divide the (expert) data-parallel groups
+    # (parallel_state.py 924 and 1448)
+    instances = ns.num_distributed_optimizer_instances
+    if (ns.data_parallel_size * ns.context_parallel_size) % instances or (ns.world_size // expert_grid) % instances:
+        return f"parallel_state: {instances} optimizer instances do not divide the (expert) data-parallel size"
+    # DistributedDataParallel.__init__: "Partial DistOpt cannot be used without DistOpt"
+    # (distributed/distributed_data_parallel.py 292; Megatron-FSDP has its own class)
+    if instances > 1 and not ns.use_distributed_optimizer and not ns.use_megatron_fsdp:
+        return "DistributedDataParallel: several optimizer instances need the distributed optimizer"
     # MoELayer.forward: MoE with TP > 1 in training needs sequence parallelism (moe/moe_layer.py 629)
     if ns.num_experts and ns.tensor_model_parallel_size > 1 and not ns.sequence_parallel:
         return "MoELayer.forward: MoE with tensor parallelism needs sequence parallelism"
@@ -336,8 +375,9 @@ def _later_rules(ns: Any, config: Any) -> str | None:
 
 def _numbers(layout) -> Any:
     from megatron_memguard import estimate, lookup_gpu
-    # (MXFP8 needs a Blackwell GPU: memguard refuses it on an H100, as Transformer Engine does)
-    est = estimate(layout, gpu=lookup_gpu("B200" if layout.fp8_recipe == "mxfp8" else "H100-80GB"))
+    # (MXFP8 and NVFP4 need a Blackwell GPU: memguard refuses it on an H100, as Transformer Engine does)
+    blackwell = layout.fp8_recipe == "mxfp8" or layout.fp4_recipe == "nvfp4"
+    est = estimate(layout, gpu=lookup_gpu("B200" if blackwell else "H100-80GB"))
     return [s.to_dict() for s in est.stages]
 
 

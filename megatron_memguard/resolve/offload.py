@@ -22,6 +22,12 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("cpu_offloading_num_layers", f"({layers}) must be smaller than --num-layers {kw['num_layers']}")
         if kw["pipeline_model_parallel_size"] > 1:
             a.fail("cpu_offloading_num_layers", "does not work with pipeline parallelism (TransformerConfig)")
+        if kw.get("recompute_granularity") and a.get("recompute_granularity") is None and a.bool_arg("moe_layer_recompute", False):
+            # TransformerConfig.__post_init__ (transformer_config.py 0.19.2 lines 1719 and 1835) checks offloading
+            # against recomputation before it turns --moe-layer-recompute into selective recompute: Megatron
+            # starts the pair, whose interplay was not analysed
+            raise NotModelledError(a.key("cpu_offloading_num_layers"), "layer-wise activation offloading together "
+                                   "with the deprecated --moe-layer-recompute")
         if kw.get("recompute_granularity"):
             a.fail("cpu_offloading_num_layers", "cannot be combined with recomputation (TransformerConfig)")
         if fine:
