@@ -443,3 +443,67 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:
                 name = x.get("name", i) if isinstance(x, dict) else i
                 return _first_difference(x, y, f"{path}[{name}]")
     return f"{path}: {str(a)[:120]} != {str(b)[:120]}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the fuzz found: one command line per rule memguard lacked, the flag its refusal names, the eras
+# whose Megatron has the rule, and where Megatron checks it (0.19.2 unless said). tests/test_parity_rules.py
+# checks memguard refuses them (both eras); tests/test_parity_megatron_019.py that Megatron 0.19.2 does too.
+
+BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+        "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --position-embedding-type rope "
+        "--no-rope-fusion --lr 1e-4 --train-iters 10 --mock-data --bf16").split()
+MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+       "--disable-bias-linear").split()
+
+
+@dataclass(frozen=True)
+class Found:
+    flags: tuple[str, ...]
+    world: int
+    key: str                 # the flag memguard's one-line error names
+    eras: tuple[str, ...]    # the Megatron versions with the rule
+    source: str              # where Megatron checks it
+
+    def case(self) -> Case:
+        return Case(tuple(BASE) + self.flags, self.world)
+
+
+FOUND = [
+    Found(("--num-virtual-stages-per-pipeline-rank", "2"), 2, "--pipeline-model-parallel-size", ("0.16", "0.19"),
+          "validate_args, megatron/training/arguments.py lines 966-975: the interleaved schedule needs PP > 1"),
+    Found(("--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "8"), 4,
+          "--expert-tensor-parallel-size", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2279 (0.16.1: 1588): experts with biases need "
+          "ETP 1 (ETP defaults to TP)"),
+    Found(("--expert-tensor-parallel-size", "4"), 2, "--expert-tensor-parallel-size", ("0.16", "0.19"),
+          "initialize_model_parallel, megatron/core/parallel_state.py line 881 (0.16.1: 792): the world divides into "
+          "ETP x EP x PP, dense models too"),
+    Found(("--recompute-granularity", "selective", "--recompute-modules", "moe_act"), 2, "--recompute-modules",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 1784 (0.16.1: 1213): moe_act "
+          "recompute needs --moe-grouped-gemm, dense models too"),
+    Found(("--recompute-granularity", "selective", "--external-cuda-graph"), 2, "--attention-dropout", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2545 (0.16.1: 1805): no attention dropout in a "
+          "graphed core_attn recompute"),
+    Found(("--attention-dropout", "0", "--recompute-granularity", "selective", "--recompute-modules", "mlp",
+           "--enable-cuda-graph"), 2, "--hidden-dropout", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2553 (0.16.1: 1812): no hidden dropout in a "
+          "graphed mlp / moe recompute"),
+    Found((*MOE, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "mlp"), 2, "--cuda-graph-modules",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 2501 (0.16.1: 1760): the mlp "
+          "graph needs a dense layer"),
+    Found((*MOE, "--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"), 2, "--cuda-graph-modules",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 2511 (0.16.1: 1770): the moe "
+          "graph needs drop-and-pad routing"),
+    Found(("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "--fine-grained-activation-offloading",
+           "--offload-modules", "qkv_linear"), 2, "--offload-modules", ("0.19",),
+          "TransformerConfig.__post_init__, transformer_config.py line 2601: local CUDA graphs let only expert_fc1, "
+          "moe_act and fused_group_mlp be offloaded"),
+    Found(("--cuda-graph-impl", "local", "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"), 2,
+          "--cuda-graph-impl", ("0.19",), "TransformerConfig.__post_init__, transformer_config.py line 2607: no "
+          "offloading under local whole-layer CUDA graphs"),
+    Found((*MOE, "--recompute-granularity", "selective", "--recompute-modules", "moe",
+           "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"), 2, "--offload-modules", ("0.19",),
+          "TransformerConfig.__post_init__, transformer_config.py line 1874: nothing offloaded inside a MoE layer "
+          "that 'moe' recompute recomputes"),
+]
