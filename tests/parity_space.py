@@ -226,8 +226,10 @@ _PARSER: argparse.ArgumentParser | None = None
 def megatron_parser() -> argparse.ArgumentParser:
     global _PARSER
     if _PARSER is None:
+        import inspect
         from megatron.training.arguments import add_megatron_arguments
-        _PARSER = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        # (Megatron's own: the hook, when installed by another test, adds its --memguard flags)
+        _PARSER = inspect.unwrap(add_megatron_arguments)(argparse.ArgumentParser(allow_abbrev=False))
     return _PARSER
 
 
@@ -267,7 +269,9 @@ def pretend_te() -> None:
 def megatron_reads(case: Case) -> tuple[Any, Any, str | None]:
     """(namespace before validate_args, after it, Megatron's rejection or None). The caller sets the
     environment (tests/test_parity_megatron_019.py: WORLD_SIZE, CUDA_DEVICE_MAX_CONNECTIONS, an H100)."""
+    import inspect
     from megatron.training.arguments import validate_args
+    validate_args = inspect.unwrap(validate_args)   # Megatron's own, not memguard's hook around it
     try:
         with quiet():
             ns = megatron_parser().parse_args(list(case.flags))
