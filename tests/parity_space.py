@@ -120,7 +120,12 @@ def command_lines(draw) -> Case:
             f += ["--decoder-last-pipeline-num-layers", str(draw(st.integers(0, 3)))]
     elif split == "layout" and pp > 1:
         stages = [["t"] * per_stage for _ in range(pp * draw(st.sampled_from([1, 1, 2])))]
+        if _maybe(draw, 1) and len(stages) > 1 and per_stage > 1:    # uneven: a layer moves to the last stage
+            stages[0].pop()
+            stages[-1].append("t")
         stages[0].insert(0, "E")
+        if _maybe(draw, 1):
+            stages[-1].append("m")                                   # an MTP layer in the layout
         stages[-1].append("L")
         f += ["--pipeline-model-parallel-layout", "|".join("".join(s) for s in stages)]
 
