@@ -210,12 +210,16 @@ def command_lines(draw) -> Case:
               ["--num-distributed-optimizer-instances", "2"], ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
               ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], ["--cpu-offloading-num-layers", "1"],
               ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], ["--moe-layer-recompute"],
-              ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], ["--overlap-grad-reduce", "--overlap-param-gather"]]
+              ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], ["--overlap-grad-reduce", "--overlap-param-gather"],
+              ["--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim", "32",
+               "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"], ["--recompute-modules", "mla_up_proj"],
+              ["--qk-layernorm"], ["--fp8-param-gather"], ["--ckpt-format", "torch"]]
     if experts:
         extras += [["--moe-shared-expert-gate"], ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
                    ["--moe-aux-loss-coeff", "1e-2"], ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
                                                       "--moe-aux-loss-coeff", "1e-2", "1e-3"],
-                   ["--moe-z-loss-coeff", "1e-3"]]
+                   ["--moe-z-loss-coeff", "1e-3"], ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+                   ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate"]]
     for extra in draw(st.lists(st.sampled_from(extras), max_size=2, unique_by=tuple)):
         f += extra
     return Case(tuple(f), world)
