@@ -6,6 +6,7 @@ rejects memguard refuses; whatever Megatron accepts memguard estimates (or refus
 same numbers from all three readings. Derandomized; MEMGUARD_PARITY_EXAMPLES (default 300) searches deeper."""
 import collections
 import os
+import sys
 
 import pytest
 from conftest import CONTAINER_ERA, H100
@@ -26,6 +27,9 @@ def megatron_on_cpu():
     from megatron.core import utils
     from megatron.core.transformer.moe import moe_utils
     saved = (utils._te_version, {k: getattr(moe_utils, k, None) for k in dir(moe_utils) if k.startswith("fused_")})
+    # (the hook's reading imports megatron_memguard.megatron, which installs the hook: undone after, unless an
+    # earlier test had installed it)
+    hook_before = "megatron_memguard.megatron" in sys.modules
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
         mp.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
@@ -36,6 +40,8 @@ def megatron_on_cpu():
     utils._te_version = saved[0]
     for k, v in saved[1].items():
         setattr(moe_utils, k, v)
+    if not hook_before and "megatron_memguard.megatron" in sys.modules:
+        sys.modules["megatron_memguard.megatron"].uninstall()
 
 
 def classify(case, mp):
