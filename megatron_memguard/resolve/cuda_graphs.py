@@ -95,4 +95,53 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("cpu_offloading_num_layers", "does not work with CUDA graphs other than full_iteration (TransformerConfig)")
     if kw.get("recompute_granularity") == "full" and impl != "full_iteration":
         a.fail("recompute_granularity", "full recompute works only with the full-iteration CUDA graph (TransformerConfig)")
+    if kw.get("moe") is not None and names:
+        _moe_graphs(a, kw["moe"], dest or "cuda_graph_modules", names)
+    if kw.get("fine_grained_activation_offloading") and ctx.version >= Version("0.19"):
+        impl_dest = ("cuda_graph_impl" if str(a.get("cuda_graph_impl", "none")) != "none"
+                     else "enable_cuda_graph" if enable else "external_cuda_graph")
+        _offload_graphs(a, impl, dest or impl_dest, names, set(kw.get("offload_modules") or ()))
     return dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
+
+
+def _moe_graphs(a: Args, moe: Any, dest: str, names: list[str]) -> None:
+    """TransformerConfig.__post_init__ (transformer_config.py, 0.16.1 lines 1757-1771, 0.19.2 lines
+    2497-2511): an mlp graph needs a dense layer (--moe-layer-freq 1 or a list without 0 leaves none), and the
+    moe graph needs static shapes: drop-and-pad routing."""
+    freq = a.get("moe_layer_freq", 1)
+    try:
+        every_layer_moe = int(str(freq)) == 1
+    except ValueError:
+        every_layer_moe = all(moe.moe_layer_pattern)
+    if "mlp" in names and every_layer_moe:
+        a.fail(dest, "mlp graphs need dense layers, and --moe-layer-freq makes every layer MoE")
+    if "moe" in names and not (moe.moe_expert_capacity_factor is not None and moe.moe_pad_expert_input_to_capacity):
+        a.fail(dest, "the moe graph needs drop-and-pad routing", "give --moe-expert-capacity-factor and "
+               "--moe-pad-expert-input-to-capacity, or graph moe_router instead")
+    elif ("moe_preprocess" in names and moe.moe_token_dispatcher_type == "alltoall"
+          and moe.moe_expert_capacity_factor is not None and not moe.moe_pad_expert_input_to_capacity):
+        a.fail(dest, "the moe_preprocess graph does not work with the alltoall dispatcher's capacity factor "
+               "without padding (its preprocess synchronises with the host)")
+
+
+# what a local (Megatron's own) CUDA graph lets fine-grained activation offloading move
+LOCAL_GRAPH_OFFLOADS = ("expert_fc1", "moe_act", "fused_group_mlp")
+
+
+def _offload_graphs(a: Args, impl: str, dest: str, names: list[str], offload: set[str]) -> None:
+    """Fine-grained activation offloading under CUDA graphs, TransformerConfig.__post_init__
+    (transformer_config.py 0.19.2 lines 2596-2621; core 0.16.1 has none of these rules): the local graphs
+    only around partially graphed MoE layers offloading expert_fc1 / moe_act / fused_group_mlp, and never
+    the moe graph."""
+    if impl == "none":
+        return
+    if impl == "local":
+        other = sorted(offload - set(LOCAL_GRAPH_OFFLOADS))
+        if other:
+            a.fail("offload_modules", f"with --cuda-graph-impl local only {', '.join(LOCAL_GRAPH_OFFLOADS)} can be "
+                   f"offloaded, got {', '.join(other)}")
+        elif not names:
+            a.fail(dest, "local CUDA graphs of whole layers do not work with fine-grained activation offloading",
+                   "name the graphed modules with --cuda-graph-modules")
+    if "moe" in names:
+        a.fail(dest, "the moe graph does not work with fine-grained activation offloading")
