@@ -92,6 +92,20 @@ def _settings_line(settings: Settings, gpu: GpuSpec | None, mem: int | None, sou
     return f"{PREFIX} mode {settings.mode}, threshold {settings.threshold:.0%}, {where} ({source}){site}"
 
 
+def _rank(args: Any, environ: Mapping[str, str]) -> int:
+    """This rank: Megatron's ``args.rank`` (an int it set from RANK), else RANK; a value that is no
+    integer counts as rank 0 (the one that prints), as the check itself does not depend on it."""
+    rank = getattr(args, "rank", None)
+    for v in (rank, environ.get("RANK")) if rank is not None else (environ.get("RANK"),):
+        if isinstance(v, bool) or v is None:
+            continue
+        try:
+            return int(v)
+        except (TypeError, ValueError, OverflowError):
+            continue
+    return 0
+
+
 def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, settings: Settings, *,
            megatron_version: str | None, environ: Mapping[str, str] | None = None,
            emit: Callable[[str], None] | None = None,
@@ -100,8 +114,7 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     sets an argument update where ``validate`` reads it (a ``--yaml-cfg`` namespace has sections);
     ``validator`` names ``validate`` in messages."""
     environ = os.environ if environ is None else environ
-    rank = getattr(args, "rank", None)
-    rank0 = int(rank if rank is not None else (environ.get("RANK") or 0)) == 0
+    rank0 = _rank(args, environ) == 0
     out: list[str] = []
 
     def say(text: str) -> None:
