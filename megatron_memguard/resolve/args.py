@@ -11,10 +11,20 @@ from packaging.version import Version
 
 from ..config import RawConfig
 from ..errors import ConfigError
-from ..numbers import bound_reason, to_float, to_int, upper_bound
+from ..numbers import bound_reason, shown, to_float, to_int, upper_bound
 
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
+
+
+def _single_valued(dest: str) -> bool:
+    """Whether Megatron's option for ``dest`` takes one plain value (not nargs, not a list expression such as
+    --moe-layer-freq, not a layout that Bridge writes as nested lists)."""
+    from ..readers.megatron_flags import flag_table
+    kinds = {v[0]: v[1:] for v in flag_table().values()}
+    kind = kinds.get(dest)
+    return (kind is not None and kind[0] == "value" and len(kind) > 1 and kind[1] in ("str", "int", "float")
+            and dest != "pipeline_model_parallel_layout")
 
 
 class Context:
@@ -46,7 +56,15 @@ class Args:
 
     def get(self, dest: str, default: Any = None) -> Any:
         v = self.a.get(dest)
-        return default if v is None else v
+        if v is None:
+            return default
+        if not isinstance(v, (str, int, float)) and _single_valued(dest):
+            # (a reader of Python objects, e.g. Megatron's namespace, passes any object on: the layout keeps
+            # only the values Megatron's option would hold, and it is hashed)
+            self.a[dest] = None
+            self.fail(dest, f"must be a single value, got {shown(v)}")
+            return default
+        return v
 
     def key(self, dest: str) -> str:
         return self.raw.key(dest)
