@@ -18,3 +18,56 @@ def test_srun_with_a_lone_dash_as_its_program():
     # takes a lone '-' as the program (it is no option); memguard indexed its second character
     o = run_memguard(["check", "--file", "run.sh"], {"run.sh": "srun --ntasks 8 - pretrain_gpt.py --num-layers 2\n"})
     assert "cannot understand the launcher '-'" in _one_error(o)
+
+
+# --- the Megatron hook: a namespace whose fields are not what Megatron's parser leaves ----------------------
+def _namespace(shape: str = "legacy 0.16"):
+    import copy
+
+    from mutate_util import hook_namespaces
+    return copy.deepcopy(hook_namespaces()[shape])
+
+
+def test_hook_settings_that_argparse_did_not_convert_are_refused_by_flag():
+    # a --memguard* value in the namespace that is not what the flag's type gives (set by other code than
+    # argparse): ArgumentTypeError escaped validate_args with a traceback; now pretrain_gpt.py's one-line error
+    from mutate_util import run_hook
+    for field, value, flag in (("memguard_threshold", "abc", "--memguard-threshold"),
+                               ("memguard_log_interval", "abc", "--memguard-log-interval"),
+                               ("memguard_threshold", float("nan"), "--memguard-threshold"),
+                               ("memguard_profile", {"a": 1}, "--memguard-profile"),
+                               ("memguard", True, "--memguard")):
+        ns = _namespace()
+        setattr(ns, field, value)
+        o = run_hook(ns)
+        assert o.problems(mutated_settings=True) == [], (field, value, o)
+        assert o.exit2.startswith("pretrain_gpt.py: error: " + flag + ": invalid "), o.exit2
+
+
+def test_hook_setting_of_none_is_its_default():
+    from mutate_util import run_hook
+    ns = _namespace()
+    ns.memguard, ns.memguard_threshold = None, None
+    o = run_hook(ns)
+    assert o.problems(mutated_settings=True) == [] and o.carried_on and o.action == "fits", o
+
+
+def test_hook_rank_that_is_no_integer():
+    # args.rank = {} (not what Megatron sets): int({}) was an internal error; the check does not depend on it
+    from mutate_util import run_hook
+    for rank in ({}, [0], "abc", float("nan")):
+        ns = _namespace()
+        ns.rank = rank
+        o = run_hook(ns)
+        assert o.problems(mutated_settings=False) == [] and o.action == "fits", (rank, o)
+
+
+def test_hook_list_where_megatron_takes_one_value():
+    # tokenizer_type: [1, 2] in a --yaml-cfg namespace reached the Layout, whose hash failed ('unhashable type:
+    # list'): an internal error; now the setting is refused by name and training goes on unchecked
+    from mutate_util import run_hook
+    ns = _namespace("yaml-cfg")
+    ns.tokenizer_type = [1, 2]
+    o = run_hook(ns)
+    assert o.problems(mutated_settings=False) == [] and o.action == "unsupported", o
+    assert any("tokenizer_type: must be a single value, got [1, 2]" in line for line in o.emitted), o.emitted
