@@ -71,3 +71,23 @@ def test_hook_list_where_megatron_takes_one_value():
     o = run_hook(ns)
     assert o.problems(mutated_settings=False) == [] and o.action == "unsupported", o
     assert any("tokenizer_type: must be a single value, got [1, 2]" in line for line in o.emitted), o.emitted
+
+
+def test_config_path_with_a_nul_character():
+    # found as --config '\x00' (a path read from a file can hold one): os.open raised ValueError ('embedded
+    # null byte'), an internal error; every reader's file goes through files.read_bytes
+    for argv in (["estimate", "--config", "a\x00b"], ["estimate", "--world-size", "8", "--", "--yaml-cfg", "a\x00b"]):
+        o = run_memguard(argv)
+        assert "'a\\x00b': not a file name (it holds a NUL character)" in _one_error(o)
+
+
+def test_plan_with_an_ffn_narrower_than_tensor_parallel():
+    # nemo-launcher llama2-7b with ffn_hidden_size = its tensor_model_parallel_size (1): the planner timed TP 2,
+    # whose FC1 has 1 // 2 = 0 columns per rank, and divided by the GEMM's zero tiles
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 1 --seq-length 128 "
+             "--max-position-embeddings 128 --tokenizer-type NullTokenizer --vocab-size 100 --bf16").split()
+    o = run_memguard(["plan", "--gpus", "2", "--seq-length", "128", "--global-batch-size", "8", "--tp", "2", "--", *flags])
+    assert not o.problems and o.code in (0, 1), o.describe()
+    from megatron_memguard.gpus import lookup_gpu
+    from megatron_memguard.planner.kernels import gemm_seconds
+    assert gemm_seconds(4096, 0, 64, lookup_gpu("H100-80GB")) == 0.0   # no columns: no work
