@@ -91,3 +91,16 @@ def test_plan_with_an_ffn_narrower_than_tensor_parallel():
     from megatron_memguard.gpus import lookup_gpu
     from megatron_memguard.planner.kernels import gemm_seconds
     assert gemm_seconds(4096, 0, 64, lookup_gpu("H100-80GB")) == 0.0   # no columns: no work
+
+
+def test_hook_site_profile_that_cannot_be_read():
+    # memguard_profile = 'abc' in the namespace (no such file; argparse checks the flag's file, other code may
+    # set the field, or the file may go between parsing and validation): an internal error; now the check says
+    # why it cannot estimate and training goes on
+    from mutate_util import run_hook
+    ns = _namespace()
+    ns.memguard_profile = "abc"
+    o = run_hook(ns)
+    assert o.problems(mutated_settings=True) == [] and o.action == "unsupported" and o.carried_on, o
+    assert any("--memguard-profile: cannot read site profile: abc: no such file" in line and "training continues" in line
+               for line in o.emitted), o.emitted

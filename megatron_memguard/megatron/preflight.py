@@ -142,15 +142,16 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     try:
         raw = raw_config_from_args(args, defaults)
         layout = resolve(raw, world_size=getattr(args, "world_size", None), megatron_version=megatron_version)
+        site = None
+        if settings.profile:
+            from ..site_profile import load_site_profile
+            # checked when parsed; read again here (a namespace set by other code, a file changed since)
+            site = load_site_profile(settings.profile, key="--memguard-profile").constants
     except MemguardError as e:
         d.action, d.reason = "unsupported", str(e)
         if rank0:
             (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; training continues unchecked")
         return d
-    site = None
-    if settings.profile:
-        from ..site_profile import load_site_profile
-        site = load_site_profile(settings.profile, key="--memguard-profile").constants  # checked when parsed
     est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     d.layout, d.estimate = layout, est
     say(_settings_line(settings, d.gpu, d.gpu_memory, d.gpu_memory_source))
