@@ -99,7 +99,7 @@ class Seed:
     """A real input: ``files`` written in the run's directory (the first is the one mutated), and the
     memguard commands that read it, ``{file}`` standing for the mutated file's name."""
     name: str
-    kind: str                      # "doc" (YAML / JSON), "script" (shell), "jsonl", "log"
+    kind: str                      # "doc" (YAML / JSON), "script" (shell), "jsonl", "log", "nemo" (a tar)
     files: tuple[tuple[str, str], ...]
     commands: tuple[tuple[str, ...], ...]
 
@@ -179,6 +179,10 @@ def seeds() -> list[Seed]:
     for label, text in (("nemo2 qwen3-30b-a3b export", QWEN3_30B_A3B_EXPORT), ("nemo2 deepseek-v2-lite context",
                                                                               DEEPSEEK_V2_LITE_CONTEXT)):
         out.append(Seed(label, "doc", (("model.yaml", text),), _config_commands(("--gpus", "16"))))
+    # a NeMo 1 .nemo checkpoint (a tar holding model_config.yaml)
+    nemo_cfg = _read(shared, "nemo1", "megatron_gpt_config.yaml")
+    out.append(Seed("nemo1 .nemo checkpoint", "nemo", (("model.nemo", nemo_cfg),),
+                    (("estimate", "--config", "{file}", "--gpus", "8"), ("validate", "{file}", "--gpus", "8"))))
     # a site profile (memguard calibrate's output)
     profile = ("schema: memguard.site/1\nmemguard_version: 0.1.0\nname: cluster a\ngpu: H100-80GB\n"
                "constants:\n  cuda_context: 600MiB\n  nccl_per_communicator: 96MiB\n  allocator_fragmentation: 7.5%\n"
@@ -234,7 +238,7 @@ COMMAND_LINES = [
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class Mutant:
-    files: dict[str, str]
+    files: dict[str, str | bytes]
     argv: list[str]
     notes: list[str] = field(default_factory=list)
 
@@ -522,6 +526,44 @@ def mutate_lines(text: str, rnd: random.Random, notes: list[str], jsonl: bool) -
     return "\n".join(lines)
 
 
+def nemo_archive(config: str, rnd: random.Random, notes: list[str]) -> bytes:
+    """A .nemo tar around ``config`` (itself mutated), damaged as an archive: compressed, the config behind
+    other members, twice, as a directory or a link, the archive cut at a random byte."""
+    import io
+    import tarfile
+
+    def add(tar, name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, link: str = "") -> None:
+        ti = tarfile.TarInfo(name)
+        ti.type, ti.linkname, ti.size = kind, link, len(data) if kind == tarfile.REGTYPE else 0
+        tar.addfile(ti, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+    how = rnd.choice(["plain", "gz", "xz", "behind", "twice", "directory", "symlink", "hardlink", "cut", "absolute"])
+    notes.append(f".nemo {how}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode={"gz": "w:gz", "xz": "w:xz"}.get(how, "w")) as tar:
+        data = config.encode("utf-8", "surrogatepass")
+        if how == "behind":
+            for i in range(rnd.choice([10, 500, 3000])):
+                add(tar, f"model_weights/shard_{i}.distcp", b"\0" * 64)
+        if how == "directory":
+            add(tar, "model_config.yaml", kind=tarfile.DIRTYPE)
+        elif how == "symlink":
+            add(tar, "model_config.yaml", kind=tarfile.SYMTYPE, link=rnd.choice(["/etc/passwd", "../x", "model_config.yaml"]))
+        elif how == "hardlink":
+            add(tar, "model_config.yaml", kind=tarfile.LNKTYPE, link="nowhere.yaml")
+        else:
+            add(tar, "/model_config.yaml" if how == "absolute" else "./model_config.yaml", data)
+        if how == "twice":
+            add(tar, "model_config.yaml", b"model: 3\n")
+        add(tar, "model_weights.ckpt", b"\0" * 512)
+    out = buf.getvalue()
+    if how == "cut":
+        cut = rnd.randint(0, len(out) - 1)
+        notes.append(f"cut at byte {cut}")
+        out = out[:cut]
+    return out
+
+
 def mutant(seed: Seed, rnd: random.Random) -> Mutant:
     """The seed's file mutated structurally, and one of its commands (whose arguments may be mutated too)."""
     notes = [seed.name]
@@ -529,6 +571,8 @@ def mutant(seed: Seed, rnd: random.Random) -> Mutant:
     files = dict(seed.files)
     if seed.kind == "doc":
         text = mutate_doc(text, name.endswith(".json"), rnd, notes)
+    elif seed.kind == "nemo":
+        text = nemo_archive(mutate_doc(text, False, rnd, notes) if rnd.random() < 0.7 else text, rnd, notes)
     elif seed.kind == "script":
         text = mutate_script(text, rnd, notes)
     else:

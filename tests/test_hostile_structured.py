@@ -104,3 +104,17 @@ def test_hook_site_profile_that_cannot_be_read():
     assert o.problems(mutated_settings=True) == [] and o.action == "unsupported" and o.carried_on, o
     assert any("--memguard-profile: cannot read site profile: abc: no such file" in line and "training continues" in line
                for line in o.emitted), o.emitted
+
+
+def test_nemo_archive_of_empty_members():
+    # a .nemo of a few KiB: an xz tar of identical empty members (200,000 in 15 KiB took 5 s of CPU and every
+    # member's TarInfo in memory; a 1 MB one, minutes); the reader stops after MAX_NEMO_MEMBERS
+    import lzma
+    import tarfile
+
+    from megatron_memguard.readers.detect import MAX_NEMO_MEMBERS
+    ti = tarfile.TarInfo("model_weights/a.distcp")
+    archive = lzma.compress(ti.tobuf(format=tarfile.GNU_FORMAT) * 30_000 + b"\0" * 1024, preset=0)
+    assert len(archive) < 20_000
+    o = run_memguard(["estimate", "--config", "model.nemo", "--gpus", "8"], {"model.nemo": archive}, cpu_limit=2.0)
+    assert f"no model_config.yaml in the first {MAX_NEMO_MEMBERS:,} members of this .nemo archive" in _one_error(o)
