@@ -260,12 +260,17 @@ def log_cases():
 
 def structured_regressions():
     """What the structured mutations found (tests/test_hostile_structured.py): a lone '-' after srun, a NUL in
-    a path, an FFN narrower than TP in the planner."""
+    a path, a .nemo archive of empty members, an FFN narrower than TP in the planner."""
     flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 1 --seq-length 128 "
              "--max-position-embeddings 128 --tokenizer-type NullTokenizer --vocab-size 100 --bf16").split()
     yield "srun with a lone '-'", ["check", "--file", "run.sh"], {"run.sh": "srun --ntasks 8 - pretrain_gpt.py --num-layers 2\n"}
     yield "--config with a NUL", ["estimate", "--config", "a\x00b"], {}
     yield "--yaml-cfg with a NUL", ["estimate", "--world-size", "8", "--", "--yaml-cfg", "a\x00b"], {}
+    import lzma
+    import tarfile
+    member = tarfile.TarInfo("model_weights/a.distcp").tobuf(format=tarfile.GNU_FORMAT)
+    yield ".nemo of 200,000 empty members (xz, 15 kB)", ["estimate", "--config", "m.nemo", "--gpus", "8"], {
+        "m.nemo": lzma.compress(member * 200_000 + b"\0" * 1024, preset=0)}
     yield "plan ffn 1 < TP 2", ["plan", "--gpus", "2", "--seq-length", "128", "--global-batch-size", "8", "--tp", "2", "--", *flags], {}
 
 
