@@ -118,3 +118,20 @@ def test_nemo_archive_of_empty_members():
     assert len(archive) < 20_000
     o = run_memguard(["estimate", "--config", "model.nemo", "--gpus", "8"], {"model.nemo": archive}, cpu_limit=2.0)
     assert f"no model_config.yaml in the first {MAX_NEMO_MEMBERS:,} members of this .nemo archive" in _one_error(o)
+
+
+def test_megatron_flag_with_a_unicode_dash_is_refused():
+    # '—tensor-model-parallel-size 2' (an em dash pasted from a document) was a note, 'ignored stray argument', and
+    # the estimate went on with TP 1; Megatron's argparse exits on it ('unrecognized arguments'), so memguard refuses
+    # it by name, in flags after '--' and in launch scripts alike
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+             "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 100").split()
+    for dash, name in (("\u2014", "em dash (U+2014)"), ("\u2013", "en dash (U+2013)"), ("\u2212\u2212", "minus sign (U+2212)")):
+        o = run_memguard(["estimate", "--world-size", "2", "--", *flags, dash + "tensor-model-parallel-size", "2"])
+        assert _one_error(o) == (f"memguard: error: {dash}tensor-model-parallel-size: starts with {name}, not '--': "
+                                 "Megatron's argparse does not recognise it and exits (write --tensor-model-parallel-size)")
+    script = "torchrun --nproc-per-node 2 pretrain_gpt.py " + " ".join(flags) + " \u2014sequence-parallel\n"
+    o = run_memguard(["check", "--file", "run.sh"], {"run.sh": script})
+    assert "\u2014sequence-parallel: starts with em dash (U+2014)" in _one_error(o)
+    o = run_memguard(["estimate", "--world-size", "2", "--", *flags, "\u2014not-a-megatron-flag"])   # no flag: a note
+    assert o.code == 0 and not o.problems
