@@ -176,6 +176,13 @@ def seeds() -> list[Seed]:
     from test_readers_nemo2_moe import DEEPSEEK_V2_LITE_CONTEXT, QWEN3_30B_A3B_EXPORT
     for label, text in (("bridge run_config flat", FLAT), ("bridge run_config nested", NESTED)):
         out.append(Seed(label, "doc", (("run_config.yaml", text),), _config_commands(("--gpus", "8"))))
+    from test_bridge_moe_recipes import MLA_MODEL
+    mla = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": MLA_MODEL,
+           "train": {"micro_batch_size": 1, "global_batch_size": 64}, "dataset": {"seq_length": 4096},
+           "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": 32000},
+           "ddp": {"use_distributed_optimizer": True}, "mixed_precision": "bf16_mixed"}
+    out.append(Seed("bridge run_config MLA MoE", "doc", (("run_config.yaml", yaml.safe_dump(mla, sort_keys=False)),),
+                    _config_commands(("--gpus", "8"))))
     for label, text in (("nemo2 qwen3-30b-a3b export", QWEN3_30B_A3B_EXPORT), ("nemo2 deepseek-v2-lite context",
                                                                               DEEPSEEK_V2_LITE_CONTEXT)):
         out.append(Seed(label, "doc", (("model.yaml", text),), _config_commands(("--gpus", "16"))))
@@ -230,6 +237,12 @@ COMMAND_LINES = [
     ("estimate model", ["estimate", "--model", "llama3.1-8b", "--gpus", "16", "--", "--micro-batch-size", "1",
                         "--tensor-model-parallel-size", "2"]),
     ("estimate recipe", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", "train.micro_batch_size=2"]),
+    ("estimate moe recipe", ["estimate", "--model", "deepseek_v2_lite", "--gpus", "16", "--set", "model.num_moe_experts=32",
+                             "--set", "model.expert_model_parallel_size=8"]),
+    ("validate moe recipe", ["validate", "--model", "qwen3_30b_a3b_8gpu", "--gpus", "8", "--",
+                             "train.global_batch_size=64", "model.moe_router_topk=4"]),
+    ("plan moe", ["plan", "--gpus", "8", "--seq-length", "1024", "--global-batch-size", "32", "--max-tp", "2", "--top", "1",
+                  "--", *MOE_FLAGS[:MOE_FLAGS.index("--micro-batch-size")], "--num-experts", "8", "--moe-router-topk", "2"]),
 ]
 
 

@@ -71,7 +71,7 @@ def test_every_real_input_is_a_seed():
     names = " ".join(s.name for s in SEEDS)
     assert kinds == {"doc", "script", "jsonl", "log", "nemo"}
     for part in ("megatron-functional/", "nemo1/", "nemo-launcher/", "megatron-bridge/", "nemo2/", "examples/nemo1",
-                 "tests/data/hf/", ".nemo", "yaml_cfg", "heterogeneous", "run_config", "nemo2 qwen3", "site profile",
+                 "tests/data/hf/", ".nemo", "yaml_cfg", "heterogeneous", "run_config", "MLA MoE", "nemo2 qwen3", "site profile",
                  "examples/llama3_8b_h100.sh", "examples/slurm_preflight.sbatch", "tests/data/launch/"):
         assert part in names, part
     commands = {c[0] for s in SEEDS for c in s.commands} | {a[0] for _, a in COMMAND_LINES}

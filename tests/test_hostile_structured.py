@@ -135,3 +135,11 @@ def test_megatron_flag_with_a_unicode_dash_is_refused():
     assert "\u2014sequence-parallel: starts with em dash (U+2014)" in _one_error(o)
     o = run_memguard(["estimate", "--world-size", "2", "--", *flags, "\u2014not-a-megatron-flag"])   # no flag: a note
     assert o.code == 0 and not o.problems
+
+
+def test_validate_stray_argument_of_100000_characters_is_cut():
+    # 'memguard validate FILE X...' with a second, long positional (a value moved off its option): the error
+    # printed it whole, a stderr line of 100,056 characters
+    o = run_memguard(["validate", "c.yaml", "x" * 100_000])
+    assert _one_error(o) == ("memguard validate: error: 'xxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxxx' "
+                             "(100000 characters) is not a KEY=VALUE override")
