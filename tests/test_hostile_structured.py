@@ -143,3 +143,15 @@ def test_validate_stray_argument_of_100000_characters_is_cut():
     o = run_memguard(["validate", "c.yaml", "x" * 100_000])
     assert _one_error(o) == ("memguard validate: error: 'xxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxxx' "
                              "(100000 characters) is not a KEY=VALUE override")
+
+
+def test_bridge_list_option_holding_a_mapping():
+    # a Megatron-Bridge run_config with recompute_modules: [core_attn, {a: 1}] (found through bridge.preflight):
+    # the mapping reached 'm not in RECOMPUTE_MODULES', unhashable, an internal error; now refused by key
+    import textwrap
+
+    from test_readers_bridge import FLAT
+    text = textwrap.dedent(FLAT).replace("  bf16: true\n", "  bf16: true\n  recompute_granularity: selective\n"
+                                         "  recompute_modules: [core_attn, {a: 1}]\n", 1)
+    o = run_memguard(["estimate", "--config", "run_config.yaml", "--gpus", "8"], {"run_config.yaml": text})
+    assert _one_error(o) == "memguard: error: model.recompute_modules: must be a list of values, got ['core_attn', {'a': 1}]"

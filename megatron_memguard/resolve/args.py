@@ -17,14 +17,16 @@ _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf1
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
 
 
-def _single_valued(dest: str) -> bool:
-    """Whether Megatron's option for ``dest`` takes one plain value (not nargs, not a list expression such as
-    --moe-layer-freq, not a layout that Bridge writes as nested lists)."""
+def _kind(dest: str) -> str | None:
+    """How Megatron's option for ``dest`` takes its value: "value" (one plain str / int / float; not a list
+    expression such as --moe-layer-freq), "list" (nargs), or None (a switch, or not a Megatron option)."""
     from ..readers.megatron_flags import flag_table
-    kinds = {v[0]: v[1:] for v in flag_table().values()}
-    kind = kinds.get(dest)
-    return (kind is not None and kind[0] == "value" and len(kind) > 1 and kind[1] in ("str", "int", "float")
-            and dest != "pipeline_model_parallel_layout")
+    for spec in flag_table().values():
+        if spec[0] == dest:
+            if spec[1] == "value":
+                return "value" if len(spec) > 2 and spec[2] in ("str", "int", "float") else None
+            return "list" if spec[1] == "list" else None
+    return None
 
 
 class Context:
@@ -58,12 +60,18 @@ class Args:
         v = self.a.get(dest)
         if v is None:
             return default
-        if not isinstance(v, (str, int, float)) and _single_valued(dest):
-            # (a reader of Python objects, e.g. Megatron's namespace, passes any object on: the layout keeps
-            # only the values Megatron's option would hold, and it is hashed)
-            self.a[dest] = None
-            self.fail(dest, f"must be a single value, got {shown(v)}")
-            return default
+        if not isinstance(v, (str, int, float)):
+            # (a reader of Python objects, e.g. Megatron's namespace or a Bridge dict, passes any object on: the
+            # layout keeps only the values Megatron's option would hold, and it is hashed)
+            kind = _kind(dest)
+            if kind == "value" and dest != "pipeline_model_parallel_layout":
+                self.a[dest] = None
+                self.fail(dest, f"must be a single value, got {shown(v)}")
+                return default
+            if kind == "list" and (not isinstance(v, (list, tuple)) or not all(isinstance(x, (str, int, float)) for x in v)):
+                self.a[dest] = None
+                self.fail(dest, f"must be a list of values, got {shown(v)}")
+                return default
         return v
 
     def key(self, dest: str) -> str:
