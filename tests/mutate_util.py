@@ -810,3 +810,35 @@ def run_hook(ns: Any, wall_limit: int = 10, reject: bool = False) -> HookOutcome
         state.emit, state.emit_error, state.error, state.decision, state.settings = saved
     o.carried_on = bool(calls) or reject
     return o
+
+
+# --------------------------------------------------------------------------------------------------
+# The Megatron-Bridge pre-flight (bridge.preflight): a ConfigContainer as a dict, mutated the same way
+# --------------------------------------------------------------------------------------------------
+def bridge_seeds() -> list[Seed]:
+    return [s for s in seeds() if "run_config" in s.name or s.name.startswith("megatron-bridge/")]
+
+
+def run_bridge_preflight(seed: Seed, rnd: random.Random) -> tuple[list[str], list[str]]:
+    """(notes, problems) of bridge.preflight on the seed's document mutated by structure: an exception that
+    leaves the pre-flight (other than the abort asked for) or an internal error it caught is a problem."""
+    import textwrap
+
+    from megatron_memguard.bridge import preflight
+    from megatron_memguard.decision import MemguardAbort
+    notes = [seed.name]
+    text = mutate_doc(textwrap.dedent(seed.text), False, rnd, notes)
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError:   # (a raw YAML value or a cut that no longer parses: no dict to hand over)
+        return notes, []
+    mode = rnd.choice(["warn", "report", "abort"])
+    out: list[str] = []
+    try:
+        r = preflight(cfg, world_size=8, gpu="H100-80GB", mode=mode, emit=out.append, environ={})
+    except MemguardAbort:
+        return notes, [] if mode == "abort" else [f"aborted in mode {mode}"]
+    except Exception as e:  # noqa: BLE001
+        return notes, [f"exception escaped: {type(e).__name__}: {str(e)[:200]}"]
+    bad = [line for line in out + [r.reason or ""] if "internal error" in line]
+    return notes, [f"internal error: {bad[0][:300]}"] if bad else []

@@ -14,16 +14,17 @@ passes the parsers and reaches the code that uses each value (tests/mutate_util.
   memguard's options moved after '--' and Megatron's before it.
 * The Megatron hook: the namespace core_v0.16.1's parser (tests/legacy_standin) and core 0.19.2's (where
   installed) leave, and the --yaml-cfg namespace, each field mutated the same way, through the hook's
-  validate_args / validate_yaml wrapper.
+  validate_args / validate_yaml wrapper; the Megatron-Bridge pre-flight (bridge.preflight) on the Bridge
+  documents as dicts, mutated the same way.
 
 Each run of estimate / validate / check / plan / report / calibrate (in-process, through cli.main) must keep
 the promise of tests/fuzz_util.py: exit code 0, 1 or 2, no traceback and no internal error, every stderr line
 from memguard and at most 1,200 characters, at most CPU_LIMIT seconds of CPU. The hook must carry on (call
 Megatron's validate_args) with no internal error, unless abort was asked or a --memguard* setting itself is
-bad (pretrain_gpt.py's one-line error, exit 2, as argparse gives for a bad flag).
+bad (pretrain_gpt.py's one-line error, exit 2, as argparse gives for a bad flag); so must the pre-flight.
 
-Derandomized: the same 800 cases on every run (400 files, 150 command lines, 250 hook namespaces), about
-30 s of CPU. ``MEMGUARD_STRUCTURED_EXAMPLES=N`` multiplies the cases by N for a deeper search.
+Derandomized: the same 900 cases on every run (400 files, 150 command lines, 250 hook namespaces, 100 Bridge
+containers), about 35 s of CPU. ``MEMGUARD_STRUCTURED_EXAMPLES=N`` multiplies the cases by N for a deeper search.
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzz_util import run_memguard  # noqa: E402
-from mutate_util import COMMAND_LINES, command_mutant, hook_namespaces, mutant, mutate_namespace, run_hook, seeds  # noqa: E402
+from mutate_util import (  # noqa: E402
+    COMMAND_LINES, bridge_seeds, command_mutant, hook_namespaces, mutant, mutate_namespace, run_bridge_preflight, run_hook,
+    seeds,
+)
 
 CPU_LIMIT = 5.0    # seconds of CPU per case (the slowest mutant takes about 1.5 s: plan on a MoE export)
 WALL = 60          # a case still running is stopped (a hang; wall time is shared with the other jobs)
@@ -99,6 +103,15 @@ def test_hook_namespaces_mutated_by_structure(rnd):
     ns = mutate_namespace(NAMESPACES[label], rnd, notes)
     o = run_hook(ns, reject=rnd.random() < 0.05)
     problems = o.problems(mutated_settings=any("memguard" in n for n in notes))
+    assert not problems, f"{'; '.join(notes)}: {problems}"
+
+
+BRIDGE_SEEDS = bridge_seeds()
+
+
+@fuzz(100)
+def test_bridge_preflight_on_mutated_containers(rnd):
+    notes, problems = run_bridge_preflight(rnd.choice(BRIDGE_SEEDS), rnd)
     assert not problems, f"{'; '.join(notes)}: {problems}"
 
 

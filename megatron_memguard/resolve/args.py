@@ -17,6 +17,22 @@ _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf1
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
 
 
+# options whose value readers may give as a structure: Bridge's nested-list layout, a userbuffers config or a
+# heterogeneous block config written inline
+_DOCUMENTS = {"pipeline_model_parallel_layout", "tp_comm_overlap_cfg", "heterogeneous_layers_config_encoded_json"}
+
+
+def _plain(v: Any) -> bool:
+    """One value: not a container, and hashable (an enum member validate_args made is one)."""
+    if isinstance(v, (list, tuple, dict, set, frozenset)):
+        return False
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
 def _kind(dest: str) -> str | None:
     """How Megatron's option for ``dest`` takes its value: "value" (one plain str / int / float; not a list
     expression such as --moe-layer-freq), "list" (nargs), or None (a switch, or not a Megatron option)."""
@@ -62,13 +78,13 @@ class Args:
             return default
         if not isinstance(v, (str, int, float)):
             # (a reader of Python objects, e.g. Megatron's namespace or a Bridge dict, passes any object on: the
-            # layout keeps only the values Megatron's option would hold, and it is hashed)
+            # layout keeps only what Megatron's option would hold, and it is hashed)
             kind = _kind(dest)
-            if kind == "value" and dest != "pipeline_model_parallel_layout":
+            if kind == "value" and dest not in _DOCUMENTS and not _plain(v):
                 self.a[dest] = None
                 self.fail(dest, f"must be a single value, got {shown(v)}")
                 return default
-            if kind == "list" and (not isinstance(v, (list, tuple)) or not all(isinstance(x, (str, int, float)) for x in v)):
+            if kind == "list" and (not isinstance(v, (list, tuple)) or not all(_plain(x) for x in v)):
                 self.a[dest] = None
                 self.fail(dest, f"must be a list of values, got {shown(v)}")
                 return default
