@@ -18,9 +18,11 @@ micro-batch). Printed per sweep and rule:
 
 ``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--candidates`` ranks the Hagemann
 sweeps again with each physical candidate cost for the remaining misses added (``CANDIDATES``; none is in the
-model; docs/planner.md section 5.2). ``--scaling`` prints, for every
-Megatron layout that ran at several GPU counts, its measured step over the predicted one at each count and the
-measured step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
+model; docs/planner.md section 5.2). ``--bands`` analyses the two remaining misses: the noise of repeated
+cells, the three-way discordant pairs, the model's error band from all sweeps' residuals, and the tie window
+against two cluster policies at those bands (none kept). ``--scaling`` prints, for every Megatron layout
+that ran at several GPU counts, its measured step over the predicted one at each count and the measured
+step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
 
 Sweeps
 ------
@@ -299,20 +301,46 @@ def kept_by(sweep: Sweep, s: Scored, own_verdicts: bool = False) -> bool:
     return s.verdict == "fits"
 
 
-def rank(kept: list[Scored], rule: str, window: float = TIE_WINDOW) -> list[Scored]:
+def _prefer(s: Scored) -> tuple:
+    return tie_preference(s.candidate) + (s.seconds,)
+
+
+def rank(kept: list[Scored], rule: str, window: float = TIE_WINDOW, policy: str = "window") -> list[Scored]:
     """The rule's order: ``time`` as `memguard plan` ranks (predicted step time, ties within the window
-    broken by Fujii et al.'s order: megatron_memguard/planner/search.py), ``fujii2024`` the paper's rule."""
+    broken by Fujii et al.'s order: megatron_memguard/planner/search.py), ``fujii2024`` the paper's rule.
+    ``policy`` (rule ``time``, ``--bands``): ``window`` the planner's; ``single`` / ``anchored`` the cluster
+    policies of :func:`cluster_order` with ``window`` as their band."""
     if rule == "time":
-        return tie_break(kept, lambda s: s.seconds, lambda s: tie_preference(s.candidate) + (s.seconds,), window)
+        if policy != "window":
+            return cluster_order(kept, window, policy)
+        return tie_break(kept, lambda s: s.seconds, _prefer, window)
     return sorted(kept, key=fujii_order_key)
 
 
+def cluster_order(kept: list[Scored], band: float, linkage: str) -> list[Scored]:
+    """A ranking policy that was evaluated and not kept (issue 18, ``--bands``; docs/planner.md section 5.2): the
+    layouts sorted by predicted time are cut into clusters, ``single``: wherever two consecutive times are more
+    than ``band`` apart (single linkage), ``anchored``: each cluster holds every layout within ``band`` of its
+    fastest member; clusters in time order, each ordered by Fujii et al.'s key. The sort key (cluster, key) is
+    a total order."""
+    order = sorted(kept, key=lambda s: (s.seconds, _prefer(s)))
+    out: list[Scored] = []
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and order[j].seconds <= (1 + band) * order[j - 1 if linkage == "single" else i].seconds:
+            j += 1
+        out += sorted(order[i:j], key=_prefer)
+        i = j
+    return out
+
+
 def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False,
-            window: float = TIE_WINDOW) -> Quality:
+            window: float = TIE_WINDOW, policy: str = "window") -> Quality:
     ran = [s for s in scored if not s.run.failed]
     best = max(s.run.throughput for s in ran)
     kept = [s for s in scored if kept_by(sweep, s, own_verdicts)]
-    order = rank(kept, rule, window)
+    order = rank(kept, rule, window, policy)
     measured = sorted((s.run.throughput for s in ran), reverse=True)
     if order:
         top = order[0].run
@@ -487,6 +515,188 @@ def window_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
     for fam in ("fujii", "hagemann"):
         rest = [j for j in range(n) if data[j][0].family != fam]
         lines.append(f"leave the {fam} sweeps out: {max(WINDOWS, key=lambda w: crit(w, rest)):.1%}")
+    return "\n".join(lines)
+
+
+# ---- Issue 18, the last two misses: what bounds a ranking, and a policy for what the model cannot tell apart ----
+def repeated_cells(path: str = HAGEMANN_CSV) -> list[tuple[str, float, float]]:
+    """Hagemann cells measured twice, (description, step time, step time). The sequence-parallel sheets ran every
+    layout with SP on and off, and SP does nothing at TP 1 (Megatron-style frameworks switch it off there), so
+    their TP 1 rows are repeats; a few cells were also run twice outright."""
+    cells: dict[tuple, list[float]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["status"] != "ok":
+                continue
+            sp = r["sequence_parallel"] if r["tp"] != "1" else "-"
+            key = (r["model"], r["seq_len"], r["world_size"], r["tp"], r["pp"], r["micro_batch_size"],
+                   r["activation_checkpointing"], r["kernel"], sp)
+            cells.setdefault(key, []).append(float(r["avg_step_time_s"]))
+    return [(f"{k[0]} s{k[1]} {k[2]} GPUs TP{k[3]} PP{k[4]} MBS{k[5]}", v[0], v[1])
+            for k, v in sorted(cells.items()) if len(v) == 2]
+
+
+def trial_sd(cells: list[tuple[str, float, float]]) -> float:
+    """The standard deviation of one trial's log step time from pairs of repeats: rms(log a / b) / sqrt(2)."""
+    return math.sqrt(statistics.fmean(math.log(a / b) ** 2 for _, a, b in cells) / 2)
+
+
+def noise_ceiling(throughputs: list[float], sd: float, draws: int = 1000, seed: int = 18) -> float:
+    """The mean Spearman a perfect ranking (the true order) would reach against one re-measurement of every layout,
+    each throughput moved by a log-normal error of ``sd`` (fixed seed: deterministic)."""
+    import random
+    rng = random.Random(seed)
+    return statistics.fmean(spearman([x * math.exp(rng.gauss(0, sd)) for x in throughputs], throughputs)
+                            for _ in range(draws))
+
+
+def _ran_kept(sweep: Sweep, scored: list[Scored]) -> list[Scored]:
+    return [s for s in scored if kept_by(sweep, s) and not s.run.failed]
+
+
+def residual_sd(data: list[tuple[Sweep, list[Scored]]]) -> float:
+    """The model's error across layouts, pooled over the sweeps: the standard deviation of log(measured / predicted
+    throughput) about each sweep's mean (each sweep's unit and level drop out), over sweeps with 3 or more."""
+    dev, k = [], 0
+    for sw, sc in data:
+        r = [math.log(s.run.throughput * s.seconds) for s in _ran_kept(sw, sc)]
+        if len(r) >= 3:
+            mu = statistics.fmean(r)
+            dev += [x - mu for x in r]
+            k += 1
+    return math.sqrt(sum(d * d for d in dev) / (len(dev) - k))
+
+
+def pair_sigma(data: list[tuple[Sweep, list[Scored]]]) -> float:
+    """The model's error on the ratio of two layouts' step times, from every pair of layouts of a sweep (probit,
+    maximum likelihood on a 0.1% grid): P(the layout predicted faster by a log-ratio d ran faster) = Phi(d / sigma)."""
+    pairs = []
+    for sw, sc in data:
+        k = _ran_kept(sw, sc)
+        pairs += [(math.log(b.seconds / a.seconds), a.run.throughput > b.run.throughput)
+                  for i, a in enumerate(k) for b in k[i + 1:] if a.run.throughput != b.run.throughput]
+
+    def loglik(sigma: float) -> float:
+        total = 0.0
+        for d, faster in pairs:
+            p = 0.5 * (1 + math.erf(d / sigma / math.sqrt(2)))
+            total += math.log(max(1e-12, p if faster else 1 - p))
+        return total
+    return max((i / 1000 for i in range(5, 301)), key=loglik)
+
+
+def three_way_pairs(sweep: Sweep, scored: list[Scored]) -> tuple[int, int, list, list]:
+    """(pairs of layouts that ran, pairs both rules order against the measurement, the time rule's other
+    discordant pairs, Fujii et al.'s other discordant pairs); pairs as (faster, slower, measured gap)."""
+    kept = [s for s in scored if kept_by(sweep, s)]
+    pos = {rule: {id(s): i for i, s in enumerate(rank(kept, rule))} for rule in ("time", "fujii2024")}
+    ran = [s for s in kept if not s.run.failed]
+    bad = {rule: {(a.run.label, b.run.label, a.run.throughput / b.run.throughput - 1) for a in ran for b in ran
+                  if a.run.throughput > b.run.throughput and p[id(a)] > p[id(b)]} for rule, p in pos.items()}
+    gap = lambda x: -x[2]  # noqa: E731
+    return (len(ran) * (len(ran) - 1) // 2, len(bad["time"] & bad["fujii2024"]),
+            sorted(bad["time"] - bad["fujii2024"], key=gap), sorted(bad["fujii2024"] - bad["time"], key=gap))
+
+
+def spearman_gap(sweep: Sweep, scored: list[Scored]) -> tuple[float, tuple[float, list[float]]]:
+    """The time rule's Spearman minus Fujii et al.'s on a sweep, and (its jackknife standard error, the differences
+    with each layout that ran left out in turn)."""
+    def gap(sc: list[Scored]) -> float:
+        return quality(sweep, sc, "time").spearman - quality(sweep, sc, "fujii2024").spearman
+    loo = [gap([x for x in scored if x is not s]) for s in _ran_kept(sweep, scored)]
+    n, mean = len(loo), statistics.fmean(loo)
+    return gap(scored), (math.sqrt((n - 1) / n * sum((d - mean) ** 2 for d in loo)), loo)
+
+
+def mbs_gain_errors(data: list[tuple[Sweep, list[Scored]]]) -> dict[str, tuple[int, float]]:
+    """Per family: (pairs, Spearman of the error on the gain of doubling the micro-batch with the micro-batches per
+    step). Every pair of layouts that ran and differ only in MBS x 2; the error is log(measured gain) - log(predicted
+    gain). A per-micro-batch cost the model lacks would make the error grow with the micro-batches in every family."""
+    out: dict[str, tuple[int, float]] = {}
+    for fam in ("fujii", "hagemann"):
+        err, m = [], []
+        for sw, sc in data:
+            if sw.family != fam:
+                continue
+            by = {(s.run.tp, s.run.cp, s.run.pp, s.run.sp, s.run.recompute, s.run.mbs): s for s in sc
+                  if not s.run.failed and s.seconds}
+            for key, s in by.items():
+                t = by.get(key[:-1] + (2 * key[-1],))
+                if t is not None:
+                    err.append(math.log(t.run.throughput / s.run.throughput) - math.log(s.seconds / t.seconds))
+                    m.append(t.candidate.m)
+        out[fam] = (len(err), spearman(m, err))
+    return out
+
+
+BAND_POLICIES = ("window", "single", "anchored")
+
+
+def bands_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
+    """Issue 18's analysis of the two misses: measurement noise (repeats), the three-way pairs of LLaMA-13B on 32
+    GPUs, the model's error band from all sweeps' residuals (and without each family), and the three ranking
+    policies at those bands with the targets' figures (docs/planner.md section 5.2)."""
+    miss13, miss30 = "LLaMA-13B s2048 32 x A100-80GB", "LLaMA-30B s2048 256 x A100-80GB"
+    reps = repeated_cells()
+    sd = trial_sd(reps)
+    apart = [abs(a / b - 1) for _, a, b in reps]
+    lines = [f"- repeated cells of the Hagemann data: {len(reps)}, step times {min(apart):.1%} to {max(apart):.1%} apart; "
+             f"one trial's sd {sd:.2%}"]
+    ceil = {sw.name: noise_ceiling([s.run.throughput for s in _ran_kept(sw, sc)], sd) for sw, sc in data
+            if sw.family == "hagemann" and len(_ran_kept(sw, sc)) >= 3}
+    lines.append(f"- a perfect ranking against one re-measurement with that noise: mean Spearman "
+                 f"{min(ceil.values()):.2f} to {max(ceil.values()):.2f} over the Hagemann sweeps "
+                 f"({miss13}: {ceil[miss13]:.2f})")
+    sw13, sc13 = next((sw, sc) for sw, sc in data if sw.name == miss13 and sw.family == "hagemann")
+    n, both, t_only, f_only = three_way_pairs(sw13, sc13)
+    fmt = lambda ps: "; ".join(f"{a} > {b} ({g:+.1%})" for a, b, g in ps)  # noqa: E731
+    lines.append(f"- {miss13}: of {n} pairs, both rules order {both} against the measurement; the time rule "
+                 f"{len(t_only)} more ({fmt(t_only)}), `--rule fujii2024` {len(f_only)} more ({fmt(f_only)})")
+    diff, se = spearman_gap(sw13, sc13)
+    lines.append(f"  time rule minus `--rule fujii2024` Spearman {diff:+.3f}; leaving out one layout at a time, "
+                 f"below in {sum(d < -1e-9 for d in se[1])} of {len(se[1])} (not one pair or one cell), jackknife "
+                 f"standard error {se[0]:.2f}: the sweep's {len(se[1])} layouts do not tell the two rules apart")
+    mg = mbs_gain_errors(data)
+    lines.append("- doubling the micro-batch, measured minus predicted gain against the micro-batches per step: "
+                 + ", ".join(f"{fam} Spearman {_fmt_rho(r)} ({k} pairs)" for fam, (k, r) in mg.items()))
+    fams = {"all": data, "fujii": [x for x in data if x[0].family == "fujii"],
+            "hagemann": [x for x in data if x[0].family == "hagemann"]}
+    bands = {f"residual sd, {f}": residual_sd(d) for f, d in fams.items()}
+    bands.update({f"pair sigma, {f}": pair_sigma(d) for f, d in fams.items()})
+    lines.append("- the model's error band: " + "; ".join(f"{k} {v:.1%}" for k, v in bands.items()))
+    grid = [w / 1000 for w in range(30, 51, 2)]
+    rho13 = [quality(sw13, sc13, "time", window=w).spearman for w in grid]
+    med = [_median([quality(sw, sc, "time", window=w).spearman for sw, sc in fams["hagemann"]]) for w in grid]
+    lines.append(f"- the tie window from {grid[0]:.0%} to {grid[-1]:.0%} in steps of 0.2%: {miss13} Spearman "
+                 f"{min(rho13):.2f} to {max(rho13):.2f} (`--rule fujii2024` "
+                 f"{quality(sw13, sc13, 'fujii2024').spearman:.2f}), the Hagemann median {min(med):.3f} to "
+                 f"{max(med):.3f}: both targets' margins are within that jitter")
+    sw30, sc30 = next((sw, sc) for sw, sc in fams["hagemann"] if sw.name == miss30)
+    kept30 = [s for s in sc30 if kept_by(sw30, s)]
+    best = max((s for s in kept30 if not s.run.failed), key=lambda s: s.run.throughput)
+    first = rank(kept30, "time")[0]
+    behind = tie_preference(best.candidate) > tie_preference(first.candidate)
+    lines.append(f"- {miss30}: the measured best, {best.run.label}, is predicted "
+                 f"{best.seconds / first.seconds - 1:+.1%} slower than the first choice {first.run.label}"
+                 + (" and comes after it in Fujii et al.'s key: no policy that breaks the model's ties by that key "
+                    "puts it first, only the step times can" if behind else ""))
+    lines += ["", "| band | policy | Megatron: within 3% / median / worse | Hagemann: within 3% / median / worse | "
+              f"{miss13} | {miss30} |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, band in [("tie window (planner)", TIE_WINDOW)] + sorted(bands.items(), key=lambda kv: kv[1]):
+        for policy in BAND_POLICIES:
+            cells = []
+            for fam in ("fujii", "hagemann"):
+                rows = [(quality(sw, sc, "time", window=band, policy=policy), quality(sw, sc, "fujii2024"))
+                        for sw, sc in fams[fam]]
+                worse = sum(t.first_rel < f.first_rel - 1e-9
+                            or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9) for t, f in rows)
+                cells.append(f"{sum(t.first_ok for t, _ in rows)} of {len(rows)} / "
+                             f"{_fmt_rho(_median([t.spearman for t, _ in rows]))} / {worse}")
+            for target in (miss13, miss30):
+                sw, sc = next(x for x in fams["hagemann"] if x[0].name == target)
+                q = quality(sw, sc, "time", window=band, policy=policy)
+                cells.append(f"{q.first_rel:.1%}, {_fmt_rho(q.spearman)}")
+            lines.append(f"| {name} {band:.1%} | {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -727,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--candidates", action="store_true",
                     help="the target figures with each physical candidate cost for the Hagemann misses added "
                          "(docs/planner.md section 5.2)")
+    ap.add_argument("--bands", action="store_true",
+                    help="issue 18's two misses: measurement noise, the model's error band from all sweeps' residuals, "
+                         "and the tie / cluster ranking policies at those bands (docs/planner.md section 5.2)")
     ap.add_argument("--scaling", action="store_true",
                     help="Megatron layouts: measured / predicted step at each GPU count, and the excess that grows")
     ns = ap.parse_args(argv)
@@ -756,6 +969,16 @@ def main(argv: list[str] | None = None) -> int:
                      "section 5.2. None is in the model.\n")
     if ns.candidates:
         print(cand_text)
+    bands_text = ""
+    if (ns.bands or ns.write) and {sw.family for sw, _ in targets} >= {"fujii", "hagemann"}:
+        bands_text = ("\n### The two misses: noise, the model's error band and ranking policies (`--bands`)\n\n"
+                      + bands_check(targets) + "\n\nPolicies: `window` the planner's tie window (section 4) with the "
+                      "band as its width; `single` clusters of consecutive predicted times less than the band "
+                      "apart, each ordered by Fujii et al.'s key; `anchored` clusters of the layouts within the band of each "
+                      "cluster's fastest. Columns as in the candidates' table; docs/planner.md section 5.2. The "
+                      "planner keeps its 4% window.\n")
+    if ns.bands:
+        print(bands_text)
     if ns.pairs is not None:
         for sw, _, _, scored in results:
             print(discordant_pairs(sw, scored, ns.pairs))
@@ -769,7 +992,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.write:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
-                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n" + scale_text + cand_text)
+                    "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n"
+                    + scale_text + cand_text + bands_text)
     return 0
 
 

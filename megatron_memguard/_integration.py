@@ -240,7 +240,7 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
     MEMGUARD_GPU_MEMORY) raises ConfigError naming it; an unreadable MEMGUARD_PROFILE is reported and the
     defaults are used (``strict=True`` raises)."""
     from .estimator import estimate
-    from .report.text import render, verdict_line
+    from .report.text import moe_line, render, verdict_line, worst_moe_stage
     from .resolve import resolve
     from .units import format_bytes
 
@@ -310,6 +310,9 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
             out.append(render(est, colour=False, all_stages=True))
         elif r.action == "fits":
             out.append(f"{PREFIX} {verdict_line(est)}")
+            if any(s.moe for s in est.stages):   # the verdict assumes balanced routing
+                w = worst_moe_stage(est)   # the stage whose worst case needs the most
+                out.append(f"{PREFIX} pp{w.pp_rank} {moe_line(w, est.gpu_memory_bytes, est.threshold)}")
         elif r.action == "warned":
             out.append(f"{PREFIX} WARNING: the critical stage exceeds {threshold:.0%} of GPU memory; training continues "
                        "(mode='abort' stops here)")

@@ -11,6 +11,14 @@
 # picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The three venvs take about 7.7 GB on a first run (.venv 1.2 GB, .venv312 5.5 GB: torch's CUDA wheel and its
+# libraries, .venv312-bridge 1.0 GB). A full disk fails pip late and far from the cause: say so up front.
+if [ ! -d .venv312-bridge ]; then
+    free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+    if [ -n "$free_kb" ] && [ "$free_kb" -lt $((9 * 1024 * 1024)) ]; then
+        echo "tests/run.sh: warning: $((free_kb / 1024)) MiB free here; a first run installs about 7.7 GB of venvs" >&2
+    fi
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then

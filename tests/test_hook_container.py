@@ -301,3 +301,19 @@ def test_moe_abort_names_a_layout_with_the_expert_grid(run, hook, capsys):
     out = capsys.readouterr().out
     assert "[memguard] ABORT" in out and "[memguard] a layout that fits:" in out
     assert "--pipeline-model-parallel-size 4" not in out
+
+
+def test_moe_fits_logs_the_worst_case_after_the_verdict(run, hook, capsys):
+    # fits with full recomputation; the verdict is the balanced estimate's, the second line the worst case's
+    run("--micro-batch-size", 1, "--global-batch-size", 64, "--pipeline-model-parallel-size", 2, *MOE,
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1)
+    out = capsys.readouterr().out
+    d = hook.STATE.decision
+    assert d.action == "fits"
+    lines = [ln for ln in out.splitlines() if ln.startswith("[memguard] ")]
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("[memguard] verdict: FITS"))
+    # the stage whose worst case needs the most device memory
+    worst = max((s for s in d.estimate.stages if s.moe), key=lambda s: s.moe["worst_case"]["device_total_bytes"])
+    w = worst.moe["worst_case"]["device_total_bytes"] / d.estimate.gpu_memory_bytes
+    assert lines[i + 1].startswith(f"[memguard] pp{worst.pp_rank} MoE routing: balanced")
+    assert f"= {w:.0%} of the GPU, " in lines[i + 1]

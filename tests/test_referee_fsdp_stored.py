@@ -1,6 +1,8 @@
 """Mixture of experts under Megatron-FSDP on the CPU referee (real megatron-core 0.16.1 on CPU, gloo,
-4 ranks: DP 4, EP 2, expert DP 2, optim_grads_params; HSDP with 2 replicas; the model without experts under
-optim_grads_params, HFSDP (2 replicas, optimizer state over all 4) and optim_grads; stored in benchmarks/results/referee-fsdp-measured.json
+4 ranks: DP 4, EP 2, expert DP 2, optim_grads_params; HSDP with 2 replicas; Megatron CI zp_z3's schedule
+(2 micro-batches, allgather dispatcher, aux loss) on 4 ranks and in its topology on 8 (TP 2 + SP, ETP = TP, expert
+DP 2, DP 4); the model without experts under optim_grads_params, HFSDP (2 replicas, optimizer state over all 4)
+and optim_grads; stored in benchmarks/results/referee-fsdp-measured.json
 by benchmarks/referee/fsdp_grid.py) against memguard's estimate of the same flags (--device cpu, local
 profile): parameters exact on every rank, live bytes after the optimizer step within 1% (with bf16
 gradient buckets this includes the expert groups' fp32 gradient copies and every unit re-gathered by
@@ -28,7 +30,7 @@ def _configs():
 
 
 def test_both_configurations_were_measured():
-    assert len(_configs()) == len(FSDP_GRID) == 6
+    assert len(_configs()) == len(FSDP_GRID) == 8
 
 
 @pytest.mark.parametrize("cfg,measured", _configs(), ids=lambda x: x["name"] if isinstance(x, dict) and "flags" in x else "")

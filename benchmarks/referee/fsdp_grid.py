@@ -29,6 +29,17 @@ FSDP_GRID: List[Dict[str, Any]] = [
     _moe("fsdp_moe_ep2_hsdp", 4, ["--moe-token-dispatcher-type", "alltoall"],
          FSDP + ["--num-distributed-optimizer-instances", "2"],
          note="HSDP: 2 replicas, FSDP over 2 ranks (experts: 1), gradient shards all-reduced across replicas"),
+    # the schedule shape and the topology of Megatron CI's zp_z3 record (moe/gpt3_mcore_te_tp2_zp_z3_..._top2router):
+    # 2 micro-batches per iteration, the allgather dispatcher, top-2 aux-loss routing, bf16 gradient buckets
+    _moe("fsdp_moe_ep2_2mb_allgather_aux", 4,
+         ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
+         FSDP + ["--grad-reduce-in-bf16", "--global-batch-size", "16"],
+         note="2 micro-batches, allgather dispatcher, top-2 aux loss, bf16 gradient buckets"),
+    _moe("fsdp_moe_tp2_sp_ep2_etp2_2mb", 8,
+         ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
+         FSDP + ["--grad-reduce-in-bf16", "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel"],
+         note="zp_z3's topology: TP 2 + SP, EP 2, ETP = TP (expert DP 2), DP 4; 2 micro-batches, allgather, aux loss"),
     {"name": "fsdp_dense", "world_size": 4, "flags": COMMON + MOE_BASE + FSDP, "ci": False, "requires": [],
      "note": "the same model without experts: every group over DP 4"},
     {"name": "fsdp_dense_hfsdp", "world_size": 4, "ci": False, "requires": [],

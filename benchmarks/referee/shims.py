@@ -661,7 +661,14 @@ def configure_torch_optimizer(optimizer, kernel: str = "fused") -> None:
 # buffers go to the CPU device passed in. Needs einops (its device-mesh helpers).
 # ----------------------------------------------------------------------------------------------
 def megatron_fsdp(config, ddp_config, module, disable_bucketing: bool = False):
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):
+        # without Transformer Engine the adapter's TP check (_fix_tensor_parallel_attributes, TP > 1) tests
+        # isinstance against megatron's TE stand-in (not a class); no module of the local spec is a TELinear,
+        # and the attributes it sets only describe checkpoint DTensors: a class nothing is an instance of
+        mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})
 
     # gradient_reduce_preprocessing: gloo has no PREMUL_SUM; the unfused path scales in place (mul_)
     # and sums, allocating nothing more

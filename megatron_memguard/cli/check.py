@@ -326,9 +326,25 @@ def _suggest(raw, est, ns, world, gpu, mem) -> str | None:
     if r.chosen is None:  # nothing within these GPUs: what would fit (more GPUs), if anything
         return f"no micro-batch / pipeline / recompute change fits on {world} GPUs; it would fit {r.hints[-1]}" \
             if r.hints else None
-    ch = ", ".join(f"{raw.key(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    ch = ", ".join(_spelled(raw, k, new) for k, (_, new) in r.changes.items() if new is not None and new is not False)
     return (f"a layout that fits: {describe_layout_choice(r.chosen.layout)}, "
             f"{format_bytes(r.chosen.estimate.peak_device_bytes)} ({r.chosen.estimate.verdict}): {ch}")
+
+
+def _spelled(raw, dest: str, value) -> str:
+    """One change as the launch writes its settings: ``--flag value`` for Megatron flags, ``KEY=VALUE`` for
+    the overrides of a NeMo / Bridge launch (a Bridge key its recipe leaves unset named as Bridge names it)."""
+    from ..knobs import BY_DEST
+
+    key = raw.origin.get(dest)
+    if key is not None:
+        key = key.split(" (")[0]    # "model.x (recipe NAME)": where a recipe's value came from
+    if key is None and "Bridge" in (raw.source or "") and dest in BY_DEST and BY_DEST[dest].bridge:
+        key = BY_DEST[dest].bridge[0]
+    if key is None or "--" in key or " " in key:
+        return f"{raw.key(dest)} {value}"
+    text = "true" if value is True else str(value)
+    return f"{key}={text}"
 
 
 def _verdict_words(est) -> str:

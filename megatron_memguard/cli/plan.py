@@ -214,6 +214,10 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     if planner.shape.moe is None and (ns.ep or ns.etp or ns.allow_ep_across_nodes):
         planner.notes.append("--ep / --etp / --allow-ep-across-nodes apply to mixture-of-experts models; this model "
                              "has no experts (--num-experts)")
+    if planner.shape.moe is not None and "moe_token_dispatcher_type" not in raw.args and not raw.args.get("moe_enable_deepep"):
+        # arguments.py (0.16.1, 0.19.2): the default dispatcher; an MoE run with EP usually names its own
+        planner.notes.append("--moe-token-dispatcher-type not given: Megatron's default, allgather, is planned (give "
+                             "alltoall or flex if the run uses them)")
     if planner.shape.param_bytes == 4:
         planner.notes.append("the model trains in fp32 (no --bf16 / --fp16 in its flags): memory and speed assume that")
     return planner

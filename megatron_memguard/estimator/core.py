@@ -34,7 +34,7 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
-from .params import mtp_layer_kind
+from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
@@ -46,6 +46,7 @@ from .states import StageStates, bucket_size_for, stage_states
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
 # what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
 OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
+_FINAL_NORM_ITEMS = ("final_norm_input", "final_norm_stats")
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,17 @@ class ChunkActivations:
 
 
 def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
-    return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output)
+    return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, holds_final_norm(L, c))
 
 
 @lru_cache(maxsize=1024)
 def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
-                       has_output: bool) -> ChunkActivations:
-    """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top)."""
+                       has_output: bool, final_norm: bool | None = None) -> ChunkActivations:
+    """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top). ``final_norm``: the chunk
+    runs the decoder's final norm (None: with the loss; with MTP the chunk of the last decoder layer,
+    params.holds_final_norm), so it keeps the norm's input and statistics."""
+    if final_norm is None:
+        final_norm = has_output
     has_batch = has_embedding or has_output
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
@@ -207,20 +212,32 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
     if has_output:
         o = output_items(L)
-        ends.update(o.saved)
+        o_saved = o.saved
+        if not final_norm:
+            # a layout string left the loss's stage no decoder layer (MTP): the norm ran on the stage of the
+            # last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage), which keeps its tensors
+            o_saved = {k: v for k, v in o_saved.items() if k not in _FINAL_NORM_ITEMS}
+        ends.update(o_saved)
         mtp_saved, mtp_logits = mtp_last_stage_items(L)
         if mtp_saved:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
-            mtp_layer = layer_activations(L, has_batch, mtp_layer_kind(L)).total
-            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_layer)
+            mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
+            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
+            if L.recompute_granularity != "full":
+                # an MoE MTP layer's MoE half is MoE activations like a decoder layer's (moe_layer_activations;
+                # the worst-case routing figure scales it)
+                moe_layers += d * mtp_la.moe_total
             detail += f" + {d} MTP layer(s)"
             ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
-        bwd_top = max(o.bwd_transient, bwd_top - o.total)
+        bwd_top = max(o.bwd_transient, bwd_top - sum(o_saved.values()))
+    elif final_norm:
+        # the final norm of a stage without the loss (MTP with a layout string): its input and statistics
+        ends.update({k: v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS})
     if L.freeze_all_layers and has_embedding:
         # --freeze-all-layers: nothing of the first chunk of the first stage requires grad (its input is token ids),
         # so its forward records no graph and saves nothing, and its backward does not run. What training keeps
@@ -253,6 +270,13 @@ def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> in
         skip = max(0, skip - k)
         total += kept * la.total
     return total
+
+
+def _chunks_detail(details: list[str]) -> str:
+    """The virtual chunks' layer details, the same one given once with its count."""
+    if len(details) > 1 and len(set(details)) == 1:
+        return f"{len(details)} chunks of {details[0]}"
+    return "; ".join(details)
 
 
 def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
@@ -454,8 +478,8 @@ _END_GROUPS = {
 }
 # the parts at a schedule peak that _part_terms describes (with FSDP, its windows too); the others' terms
 # have no detail
-_DETAILED_PARTS = frozenset({"layer_activations", "mtp_block_activations", "mtp_loss_buffers", "offload_staging",
-                             "offload_pp_balance_kept", "pipeline_inputs_retained"})
+_DETAILED_PARTS = frozenset({"layer_activations", "moe_layer_activations", "mtp_block_activations", "mtp_loss_buffers",
+                             "offload_staging", "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
 @lru_cache(maxsize=1024)
@@ -540,8 +564,10 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     made: dict[tuple, _StageShape] = {}
     out = []
     for r in range(L.pp):
+        # (the final norm: with MTP on the chunk of the last decoder layer, which may be a middle stage's)
         key = (tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                       first_bucket if r == 0 and c.vpp_rank == 0 else None) for c in by_stage.get(r, ())]),
+                       first_bucket if r == 0 and c.vpp_rank == 0 else None, holds_final_norm(L, c))
+                      for c in by_stage.get(r, ())]),
                r == 0, r == last)
         shape = made.get(key)
         if shape is None:
@@ -624,7 +650,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     # (list comprehensions, not generators: a stage has a few chunks)
     n_layers = sum([c.num_layers for c in chunks])
     has_output = any([c.has_output for c in chunks])
-    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output) for c in chunks]
+    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, holds_final_norm(L, c)) for c in chunks]
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
@@ -696,12 +722,13 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         deferred=deferred,
         fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
         frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail="; ".join([a.layers_detail for a in acts]),
+        layers_detail=_chunks_detail([a.layers_detail for a in acts]),
         base=base,
         # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
         # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
         step_bytes=sum([t.bytes for t in step_terms]),
-        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output) if not L.freeze_all_layers else 0,
+        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output, any([holds_final_norm(L, c) for c in chunks]))
+        if not L.freeze_all_layers else 0,
         retained_bytes=sum([t.bytes for t in retained]))
 
 
@@ -767,6 +794,9 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     # Muon's Newton-Schulz temporaries (one matrix at a time) exist during the step only: not in the
     # steady state (persistent_bytes below counts the step terms without them)
     step_only = muon_step_terms(L, pp_rank) if L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers else ()
+    if ft is not None and ft.step_only:
+        # FSDP buckets gathered at the end of the step and released before the steady state (fsdp_layout.py)
+        step_only = tuple(step_only) + ft.step_only
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
@@ -860,6 +890,12 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         det = ""
         if name == "layer_activations":
             det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+            if parts.get("moe_layer_activations"):
+                det += ("; the MoE layers' router, dispatcher and expert tensors in these sizes are counted in "
+                        "moe_layer_activations")
+        elif name == "moe_layer_activations":
+            det = ("router, token dispatcher and expert tensors of the MoE layers held (inside layer_activations' "
+                   "per-layer sizes), at balanced routing; worst case: the MoE routing line (JSON moe.worst_case)")
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                    f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
@@ -883,11 +919,13 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
 
 @lru_cache(maxsize=1024)
 def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[LayerKind, int], ...], ...],
-                                     has_output: bool) -> int:
+                                     has_output: bool, final_norm: bool | None = None) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
-    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them."""
+    projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them.
+    ``has_output``: the stage holds the loss (and the MTP block, whose layers' and enorm / hnorm / final norm's
+    parameters are among them too); ``final_norm``: it holds the decoder's final norm (None: with the loss)."""
     if L.tp == 1:
         return 0
     # ``stage_runs``: the (kind, count) runs of each chunk of the stage
@@ -896,10 +934,16 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
         for kind, k in runs:
             counts[kind] = counts.get(kind, 0) + k
     layers = [(layer_params(L, kind=kind), k) for kind, k in counts.items()]
+    mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
+    norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
+    if mtp:
+        # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
+        layers.append((layer_params(L, kind=mtp_layer_kind(L)), mtp))
     if L.sequence_parallel:
         n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
-        if has_output:
-            n += L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)    # final norm
+        if has_output if final_norm is None else final_norm:
+            n += norm    # the decoder's final norm
+        n += mtp * 3 * norm    # each MTP depth's enorm, hnorm and final norm
     elif L.qk_layernorm:
         n = sum(k * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
                 for layer, k in layers)

@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
-from ..partition import LayerKind, layer_kinds, uniform_kind
+from ..partition import MLP_MOE, LayerKind, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param
@@ -27,7 +27,8 @@ from .layers.base import norm_params as _norm
 from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
-__all__ = ["Param", "chunk_expert_numels", "chunk_numels", "chunk_params", "layer_linear_shapes", "layer_params", "total_parameters"]
+__all__ = ["Param", "active_parameters", "chunk_expert_numels", "chunk_numels", "chunk_params", "holds_final_norm",
+           "layer_linear_shapes", "layer_params", "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -67,8 +68,19 @@ def _layer_numel_split(L: Layout, kind: LayerKind) -> tuple[tuple[int, ...], tup
             tuple([p.numel for p in ps if p.expert]))
 
 
-def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
-    """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path)."""
+def holds_final_norm(L: Layout, c: Chunk) -> bool:
+    """Whether chunk ``c`` builds the decoder's final norm: the chunk of the loss, or with MTP the chunk of the
+    model's last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage, core 0.16.1 and 0.19.2:
+    "for model with MTPLayer, the final layernorm is set in the stage which has the last layer of the
+    decoder"), another chunk when a --pipeline-model-parallel-layout leaves the loss's stage no decoder layer."""
+    if not getattr(L, "mtp_num_layers", 0):
+        return c.has_output
+    return c.num_layers > 0 and c.first_layer + c.num_layers == L.num_layers
+
+
+def chunk_numels(L: Layout, c: Chunk, final_norm: bool | None = None) -> list[tuple[int, bool]]:
+    """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path).
+    ``final_norm``: whether it builds the final norm (None: holds_final_norm)."""
     h, t = L.hidden_size, L.tp
     vocab_rows = L.padded_vocab_size // t
     tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
@@ -84,8 +96,9 @@ def chunk_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
         # the embedding copy is registered with the embedding (first), the MTP block after the decoder
         emb = [(n, shared) for name, n, shared in mtp if name.startswith("embedding.")]
         out = emb + out + [(n, shared) for name, n, shared in mtp if not name.startswith("embedding.")]
-    if c.has_output:
+    if holds_final_norm(L, c) if final_norm is None else final_norm:
         out.extend([(h, False)] * (2 if L.normalization == "LayerNorm" else 1))
+    if c.has_output:
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
             # with MTP on a later stage the embedding copy is the tied weight; the output layer keeps its own
             out.append((vocab_rows * h, c.has_tied_output_copy and not mtp))
@@ -116,6 +129,32 @@ def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
                                          if not (sep and p.expert)])
 
 
+def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
+    """The MTP block's parameters with their tags (chunk_params): each layer's as the layer recipe tags them,
+    its routed experts included whichever DDP buffer holds them (a real-model test: MTP + MoE with EP 2 built
+    by megatron-core 0.16.1 holds them on the last stage, tests/test_properties_moe_identities.py); enorm,
+    hnorm and the final norm whole on every TP rank; eh_proj a column-parallel [h / TP, 2h] matrix
+    (multi_token_prediction.py MultiTokenPredictionLayer)."""
+    if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
+        return []
+    from .mtp import chunk_params as mtp_chunk_params, spec_of
+    layer = layer_params(L, kind=mtp_layer_kind(L))
+    by_name = {p.name: p for p in layer}
+    h = L.hidden_size
+    out: list[Param] = []
+    for name, n, shared in mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer]):
+        if ".transformer_layer." in name:
+            q = by_name[name.split(".transformer_layer.", 1)[1]]
+            out.append(Param(name, n, q.tp_replicated, shared, q.expert, q.cols))
+        elif name.startswith("embedding."):
+            out.append(Param(name, n, tp_replicated="position" in name, shared_embedding=shared, cols=h))
+        elif name.endswith("eh_proj.weight"):
+            out.append(Param(name, n, shared_embedding=shared, cols=2 * h))
+        else:
+            out.append(Param(name, n, tp_replicated=True, shared_embedding=shared))
+    return out
+
+
 def mtp_layer_kind(L: Layout) -> LayerKind:
     """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__),
     and run in the global FP8 context whatever ``--first-last-layers-bf16`` keeps in BF16 (``layer_no``
@@ -143,13 +182,13 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
         ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert,
                         p.cols)
                   for p in layers[kind])
-    mtp = _mtp_params(L, c)
+    mtp = _mtp_param_records(L, c)
     if mtp:
-        emb = [Param(name, n, shared_embedding=shared) for name, n, shared in mtp if name.startswith("embedding.")]
-        ps = emb + ps + [Param(name, n, shared_embedding=shared) for name, n, shared in mtp
-                         if not name.startswith("embedding.")]
-    if c.has_output:
+        emb = [p for p in mtp if p.name.startswith("embedding.")]
+        ps = emb + ps + [p for p in mtp if not p.name.startswith("embedding.")]
+    if holds_final_norm(L, c):
         ps += _norm("decoder.final_layernorm", h, L)
+    if c.has_output:
         if L.untie_embeddings_and_output_weights or c.has_tied_output_copy:
             ps.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=c.has_tied_output_copy and not mtp,
                             cols=h))
@@ -176,3 +215,23 @@ def total_parameters(L: Layout) -> int:
     if L.position_embedding_type == "learned_absolute":
         total += L.max_position_embeddings * h
     return total
+
+
+def active_parameters(L: Layout) -> int:
+    """Parameters one token passes through: the whole model (``total_parameters``) less the routed
+    experts its router does not pick, E - k of the E experts of every MoE layer (MTP depths included).
+    Shared experts, the router and everything else count whole. Equal to the total for dense models."""
+    kinds = Counter(layer_kinds(L))
+    if getattr(L, "mtp_num_layers", 0):
+        kinds[mtp_layer_kind(L)] += L.mtp_num_layers
+    unpicked = 0
+    for kind, n in kinds.items():
+        if kind.mlp != MLP_MOE:
+            continue
+        KL = kind_layout(L, kind)
+        m, h, g = KL.moe, KL.hidden_size, (2 if KL.gated_linear_unit else 1)
+        F = m.moe_ffn_hidden_size
+        # one routed expert: fc1 [g F, h] and fc2 [h, F] (+ their biases), as layers/moe.py param_count counts it
+        expert = (g + 1) * F * h + ((g * F + h) if KL.add_bias_linear else 0)
+        unpicked += n * (m.num_experts - m.moe_router_topk) * expert
+    return total_parameters(L) - unpicked

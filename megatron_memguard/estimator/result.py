@@ -256,6 +256,14 @@ class Estimate:
         from .offload_optimizer import host_bytes_per_node
         return host_bytes_per_node([s.host_bytes for s in self.stages], self.gpus_per_node)
 
+    def _moe_parameters(self) -> dict[str, Any]:
+        """MoE models: the whole model's parameters and those one token passes through (the published
+        total / active figures); dense documents are unchanged."""
+        if self.layout.moe is None:
+            return {}
+        from .params import active_parameters, total_parameters
+        return {"model_parameters": {"total": total_parameters(self.layout), "active": active_parameters(self.layout)}}
+
     def to_dict(self) -> dict[str, Any]:
         c = self.critical
         return {
@@ -273,6 +281,7 @@ class Estimate:
             "stages": [s.to_dict() for s in self.stages],
             "site": self.site.to_dict() if self.site is not None else None,
             "notes": list(self.notes),
+            **self._moe_parameters(),
             **({"host_bytes_per_rank": self.host_bytes_per_rank, "host_bytes_per_node": self.host_bytes_per_node,
                 "host_gpus_per_node": self.gpus_per_node} if self.host_bytes_per_rank else {}),
         }

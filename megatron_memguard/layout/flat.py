@@ -46,7 +46,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
               "suggested_communication_unit_size megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype "
               "torch_fsdp2_reshard_after_forward optimizer_cpu_offload optimizer_offload_fraction "
-              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy keep_fp8_transpose_cache"),
+              "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy keep_fp8_transpose_cache "
+              "log_params_norm"),
     ("provenance", "env"),
     ("optim", "freeze_all_layers optimizer_cuda_graph"),
     ("shape", "attention_output_gate"),
@@ -83,7 +84,7 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_main_grads_dtype": "auto",
     "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True, "outer_dp_sharding_strategy": "no_shard",
-    "keep_fp8_transpose_cache": False,
+    "keep_fp8_transpose_cache": False, "log_params_norm": False,
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
 }

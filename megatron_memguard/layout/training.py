@@ -54,6 +54,9 @@ class Optimizer:
     outer_dp_sharding_strategy: str = "no_shard"
     # --keep-fp8-transpose-cache: Megatron-FSDP keeps each FP8 primary weight's transpose after use
     keep_fp8_transpose_cache: bool = False
+    # --log-params-norm, read under Megatron-FSDP only: the training loop's params norm releases the unit
+    # buckets start_param_sync re-gathered after the step before Megatron logs memory (estimator/fsdp_layout.py)
+    log_params_norm: bool = False
     # optimizer CPU offload (estimator/offload_optimizer.py; off by default)
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0

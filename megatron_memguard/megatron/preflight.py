@@ -34,7 +34,7 @@ from ..errors import MemguardError
 from ..gpus import GpuSpec
 from ..knobs import flag_of
 from ..readers.megatron_namespace import raw_from_namespace
-from ..report.text import render, stage_summary, verdict_line
+from ..report.text import moe_line, render, stage_summary, verdict_line, worst_moe_stage
 from ..resolve import resolve
 from ..units import format_bytes
 from .device import device_properties, gpu_spec_for
@@ -167,6 +167,9 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     elif est.verdict == "fits":
         d.action = "fits"
         say(f"{PREFIX} {verdict_line(est)}")
+        if any(s.moe for s in est.stages):   # the verdict assumes balanced routing: what imbalance may do
+            w = worst_moe_stage(est)   # the stage whose worst case needs the most
+            say(f"{PREFIX} pp{w.pp_rank} {moe_line(w, est.gpu_memory_bytes, est.threshold)}")
     elif settings.mode == "warn":
         d.action = "warned"
         say(f"{PREFIX} WARNING: the critical stage exceeds {settings.threshold:.0%} of GPU memory; training continues "

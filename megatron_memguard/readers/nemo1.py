@@ -191,7 +191,13 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
     if model_only:
         plain = {"model": plain}
         overrides = [(op, k if k.startswith("model.") else "model." + k, v) for op, k, v in overrides]
-    plain = apply_overrides(plain, overrides)
+    # A launcher fragment is the launcher's `training:` group: its command line spells the keys
+    # training.model.x (NeMo-Framework-Launcher main.py), which are this file's model.x.
+    launcher = not model_only and _mentions(plain, "training.")
+    ignored = [k for op, k, _ in overrides if op == "set" and k.split(".")[0] not in plain
+               and not (launcher and k.startswith("training.")) and k.split(".")[0] not in ("trainer", "model", "hydra")]
+    plain = apply_overrides(plain, [o for o in overrides if o[1] not in ignored],
+                            strip_prefix="training" if launcher else None)
     if not isinstance(plain.get("model"), Mapping):  # (an override such as model=3)
         raise ReaderError(f"{path}: model: must be a mapping of the model's settings, got {shown(plain.get('model'))}")
     root = dict(plain)
@@ -210,6 +216,8 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
     _map(t, b, model_only)
     for w in t.unresolved:
         b.warn(w)
+    for k in ignored:   # Hydra refuses them unless '+'-prefixed, and memguard reads no such section
+        b.warn(f"{k}: the config has no '{k.split('.')[0]}' section; ignored")
     return b.build()
 
 

@@ -80,6 +80,9 @@ def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = Fal
         if est is not None and pp is not None:
             pred = Prediction.from_stage(est.stages[pp], device=est.device).values()
         rr = RankRun(rank=rank, path=lines[0].file, pp_rank=pp, source=SOURCE, tolerance=0.05, reset_peak=False)
+        if est is not None and pp is not None and est.stages[pp].moe:
+            # MoE: the stage's worst-case figures, where the monitor's start record carries them (moe_lines)
+            rr.start = {"predicted": {"moe_worst_case": dict(est.stages[pp].moe["worst_case"])}}
         for m in lines:
             actual = {"allocated": m.allocated, "max_allocated": m.max_allocated, "reserved": m.reserved,
                       "max_reserved": m.max_reserved, "device_used": m.device_used}

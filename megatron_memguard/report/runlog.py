@@ -125,6 +125,8 @@ class RankRun:
             **{f"actual_{m}": self.peak(m) for m in METRICS},
             **{f"error_{m}": self.error(m) for m in METRICS},
             "warnings": self.warnings, "ooms": self.ooms,
+            # MoE runs: the stage's peak allocated / reserved / device total with the dispatcher's worst routing
+            **({"predicted_moe_worst_case": self.moe_worst_case()} if self.moe_worst_case() else {}),
         }
 
 

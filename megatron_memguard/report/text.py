@@ -47,6 +47,9 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Sequence[
 def describe_layout(est: Estimate) -> str:
     L = est.layout
     par = f"TP{L.tp} PP{L.pp}" + (f" (VPP {L.vpp})" if L.vpp > 1 else "") + f" CP{L.cp} DP{L.dp}"
+    if L.moe is not None:   # the expert grid: its DP group shards the expert optimizer state
+        m = L.moe
+        par += f" EP{m.ep} ETP{m.etp} (expert DP {L.world_size // (m.etp * m.ep * L.pp)})"
     rec = L.recompute_granularity or "none"
     if L.recompute_granularity == "full":
         rec += f" {L.recompute_method} {L.recompute_num_layers}"
@@ -59,7 +62,21 @@ def describe_layout(est: Estimate) -> str:
     batch = f"seq {L.seq_length}, MBS {L.micro_batch_size}, GBS {L.global_batch_size} ({L.num_microbatches} micro-batches)"
     opts = [par, "SP" if L.sequence_parallel else "no SP", "dist-opt" if L.use_distributed_optimizer else "no dist-opt",
             f"recompute {rec}", L.params_dtype, L.transformer_impl]
-    return f"model:  {model}\nbatch:  {batch}\nlayout: {', '.join(opts)}"
+    return f"model:  {model}\n{experts_line(L)}batch:  {batch}\nlayout: {', '.join(opts)}"
+
+
+def experts_line(L: Any) -> str:
+    """MoE models: the experts and the model's total and active parameters (published figures a user can
+    check), as one line ending in a newline; "" for dense models."""
+    if L.moe is None:
+        return ""
+    from ..estimator.params import active_parameters, total_parameters
+
+    m = L.moe
+    shared = f", shared expert {m.moe_shared_expert_intermediate_size}" if m.moe_shared_expert_intermediate_size else ""
+    return (f"experts: {m.num_experts} routed experts of width {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}{shared}, "
+            f"in {m.num_moe_layers} of {L.num_layers} layers, {m.moe_token_dispatcher_type} dispatcher; "
+            f"{total_parameters(L) / 1e9:,.2f}B parameters, {active_parameters(L) / 1e9:,.2f}B active per token\n")
 
 
 def stage_summary(est: Estimate) -> str:
@@ -135,7 +152,7 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
         out.append(f"pp{s.pp_rank} at its peak: {s.peak_phase}")
         out.append(breakdown(s, detail))
         if s.moe:
-            out.append(moe_line(s))
+            out.append(moe_line(s, est.gpu_memory_bytes, est.threshold))
         out.append("")
     if detail and est.profile != "fujii2024":
         out.append(layer_table(est))
@@ -149,12 +166,25 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
     return "\n".join(out)
 
 
-def moe_line(s: Any) -> str:
-    """The MoE routing the estimate assumes, and the stage's peak in the dispatcher's worst case."""
+def moe_line(s: Any, gpu_memory: int | None = None, threshold: float | None = None) -> str:
+    """The MoE routing the estimate assumes, and the stage's peak in the dispatcher's worst case (with
+    the GPU: its share of it and what it means for the verdict, docs/terms/moe.md)."""
     m, w = s.moe, s.moe["worst_case"]
-    return (f"MoE routing: balanced, {m['expert_rows_balanced']:,} token rows per MoE layer and micro-batch on this "
+    line = (f"MoE routing: balanced, {m['expert_rows_balanced']:,} token rows per MoE layer and micro-batch on this "
             f"rank's experts (the estimate); worst case ({m['routing']}): {m['expert_rows_worst']:,} rows, "
             f"peak allocated {format_bytes(w['peak_allocated_bytes'])}, device total {format_bytes(w['device_total_bytes'])}")
+    if gpu_memory and threshold:
+        frac = w["device_total_bytes"] / gpu_memory
+        line += f" = {frac:.0%} of the GPU" + (
+            f", within the {threshold:.0%} threshold: no routing can run this stage out of memory"
+            if frac <= threshold else
+            f", over the {threshold:.0%} threshold: the stage relies on the router balancing its load")
+    return line
+
+
+def worst_moe_stage(est: Estimate) -> StageEstimate:
+    """The MoE stage whose worst-case routing needs the most device memory (the one-line logs show it)."""
+    return max((s for s in est.stages if s.moe), key=lambda s: s.moe["worst_case"]["device_total_bytes"])
 
 
 def host_line(est: Estimate) -> str:

@@ -19,7 +19,8 @@ OFF: dict[str, Any] = dict(
     suggested_communication_unit_size=None, megatron_fsdp_main_params_dtype="fp32",
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
-    pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False)
+    pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False,
+    log_params_norm=False)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -143,6 +144,11 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         double = a.bool_arg("fsdp_double_buffer", False) or (
             new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
         unit = a.int_arg("suggested_communication_unit_size")
+        # --log-params-norm: training.py calls calc_params_l2_norm after every step, and under Megatron-FSDP it
+        # stops the model's communication first (stop_communication -> synchronize_param_gather ->
+        # AllGatherPipeline.reset, megatron-core 0.19.2 training/utils/common_utils.py, megatron_fsdp.py), which
+        # releases the unit buckets start_param_sync has just re-gathered: gone before Megatron logs memory
+        out["log_params_norm"] = a.bool_arg("log_params_norm", False)
         out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, fsdp_double_buffer=double,
                    suggested_communication_unit_size=unit,
                    megatron_fsdp_main_params_dtype=_fsdp_dtype(a, "megatron_fsdp_main_params_dtype", "fp32"),

@@ -166,6 +166,11 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_shared_expert_intermediate_size", "shared experts do not support biases (SharedExpertMLP)",
                "add --disable-bias-linear")
         ok = False
+    if add_bias_linear and etp != 1:
+        # TransformerConfig.__post_init__ (core 0.16.1 and 0.19.2): "Bias in Moe is only supported when ETP==1"
+        r.fail("expert_tensor_parallel_size", f"must be 1 with biases in MoE layers (TransformerConfig), got {etp}",
+               "add --disable-bias-linear or --expert-tensor-parallel-size 1")
+        ok = False
     grouped = r.bool_arg("moe_grouped_gemm", False)
     mods = set(recompute_modules) if recompute_granularity == "selective" else set()
     if "moe_act" in mods and not grouped:
@@ -284,6 +289,11 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             and kw["add_bias_linear"]):
         # TEGroupedMLP.forward: "Bias is not supported with fused weighted squared relu." (core 0.19.2 experts.py)
         a.fail("use_fused_weighted_squared_relu", "does not work with biases", "add --disable-bias-linear")
+    if spec.ep > 1 and not a.given("moe_token_dispatcher_type") and spec.moe_token_dispatcher_type == "allgather":
+        # arguments.py (0.16.1, 0.19.2): --moe-token-dispatcher-type defaults to allgather; its buffers differ
+        # from alltoall's and flex's (docs/terms/moe.md)
+        a.notes.append("--moe-token-dispatcher-type not given: Megatron's default, allgather, is estimated (give "
+                       "alltoall or flex if the run uses them)")
     inst = kw.get("num_distributed_optimizer_instances", 1) or 1
     edp = kw["world_size"] // (spec.etp * spec.ep * kw["pipeline_model_parallel_size"])
     if inst > 1 and edp % inst:
@@ -302,10 +312,10 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
     if kw.get("use_megatron_fsdp"):
         a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
-                       "fp32 gradient copies and re-gathered weights as Megatron's source keeps them (main_grad_copies, "
-                       "fsdp_gathered_after_step); Megatron's CI run of this combination holds about that much less "
-                       "(docs/assumptions.md). The peak assumes balanced routing (moe_layer_activations): that run "
-                       "(top-2, aux loss) peaks 6-9% above it, below the worst-case bound")
+                       "fp32 gradient copies as Megatron's source keeps them (main_grad_copies); Megatron's CI run of "
+                       "this combination holds less (docs/assumptions.md). The peak assumes balanced "
+                       "routing (moe_layer_activations): that run (top-2, aux loss) peaks 6-9% above it, below the "
+                       "worst-case bound")
     return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp,
                 use_transformer_engine_op_fuser=experts_op_fuser(a, kw, spec, ctx))
 

@@ -39,7 +39,8 @@ def sequence(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     max_pos = a.int_arg("max_position_embeddings")
     if max_pos is None:
         max_pos = seq
-        a.notes.append("--max-position-embeddings not given: taken as --seq-length")
+        if position == "learned_absolute":   # it sizes the position table; rotary models never read it
+            a.notes.append("--max-position-embeddings not given: taken as --seq-length")
     elif max_pos < seq:
         a.fail("max_position_embeddings", f"({max_pos}) must be >= seq_length ({seq})")
     if cp > 1 and seq % (2 * cp):
