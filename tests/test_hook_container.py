@@ -142,7 +142,12 @@ def test_autotune_with_recompute_allowed_from_environment(run, monkeypatch):
     args = run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--sequence-parallel",
                "--seq-length", 65536, "--max-position-embeddings", 65536)
     assert args.memguard == "autotune" and args.memguard_allow_recompute is True
-    assert args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers == 1
+    # the recompute ladder's first rung that fits (tests/test_autotune.py counts what it frees), through
+    # Megatron's validate_args and the TransformerConfig it builds next
+    from megatron.training.argument_utils import gpt_config_from_args
+    assert args.recompute_granularity == "selective" and args.recompute_modules == ["mlp"]
+    assert args.recompute_method is None and args.recompute_num_layers is None
+    assert gpt_config_from_args(args).transformer.recompute_modules == ["mlp"]
 
 
 def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
@@ -163,7 +168,9 @@ def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
     args = run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
     d = hook.STATE.decision
     assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
-    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
+    # a rung of the recompute ladder (selective modules) fits before full recomputation
+    assert args.recompute_granularity == "selective" == d.layout.recompute_granularity
+    assert tuple(args.recompute_modules) == d.layout.recompute_modules and args.micro_batch_size == d.layout.micro_batch_size
     assert args.pipeline_model_parallel_size == d.layout.pp
 
 
