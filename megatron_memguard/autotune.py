@@ -435,7 +435,7 @@ def autotune(
         if L.recompute_granularity == "selective" and rungs:
             reasons.append("recompute ladder (least extra forward work per byte freed first): " + "; ".join(
                 f"+{r.added} frees {format_bytes(r.saved_bytes)} for {r.flops_per_token / 1e9:.3g} GFLOP/token"
-                for r in rungs) + "; then full")
+                for r in rungs) + ("; then full" if any(lv.get("recompute_granularity") == "full" for lv in levels) else ""))
     if "global_batch_size" in changes:
         reasons.append(f"global batch size pinned at {gbs0}: it defaulted to MBS x DP, which the new layout would change")
     reasons.extend(notes)
