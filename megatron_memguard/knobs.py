@@ -125,3 +125,17 @@ def flag_of(dest: str) -> str:
     """Megatron's flag for ``dest``: the registry's, else Megatron's rule (dashes for underscores)."""
     k = BY_DEST.get(dest)
     return k.flag if k is not None else "--" + dest.replace("_", "-")
+
+
+def flag_text(dest: str, value: Any) -> str:
+    """``--flag value`` for a change autotune makes (a list's names space-separated, as nargs='*' takes them)."""
+    if isinstance(value, (list, tuple)):
+        return f"{flag_of(dest)} {' '.join(map(str, value))}"
+    return f"{flag_of(dest)} {value}"
+
+
+def override_text(key: str, value: Any) -> str:
+    """``KEY=VALUE`` for a config override (a list in YAML's flow style)."""
+    if isinstance(value, (list, tuple)):
+        return f"{key}=[{','.join(map(str, value))}]"
+    return f"{key}={value}"
