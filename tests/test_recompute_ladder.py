@@ -164,3 +164,30 @@ def test_bridge_deepseek_v3_recipe_takes_the_cheap_element_wise_rung():
     assert again.peak_device_bytes == r.chosen.estimate.peak_device_bytes and again.verdict == "fits"
     # each of the two alone is not enough: the rung below stays tight
     assert peak(raw, 1024, recompute_granularity="selective", recompute_modules=["moe_act"]).verdict == "tight"
+
+
+@pytest.mark.parametrize("extra, grouped", [((), True), (("--moe-shared-expert-overlap",), True), ((), False)],
+                         ids=["dsv3-like", "shared-expert-overlap", "no-grouped-gemm"])
+def test_every_proposed_set_is_one_megatron_core_accepts(extra, grouped):
+    # the installed megatron-core's own TransformerConfig.__post_init__ (0.16.1 under Python 3.11, 0.19.2 under
+    # 3.12) takes every selective set the search estimated; it does refuse the combinations the ladder leaves out
+    torch = pytest.importorskip("torch")
+    tc = pytest.importorskip("megatron.core.transformer.transformer_config")
+    flags = [a for a in DSV3_LIKE if grouped or a != "--moe-grouped-gemm"]
+    r = tuned(parse_megatron_flags(flags + ["--seq-length", "16384", "--max-position-embeddings", "16384", *extra]))
+    kw = dict(num_layers=16, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432, multi_latent_attention=True,
+              q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+              num_moe_experts=64, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+              moe_shared_expert_overlap=bool(extra), moe_grouped_gemm=grouped, moe_token_dispatcher_type="alltoall",
+              tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=8,
+              pipeline_model_parallel_size=4, bf16=True, pipeline_dtype=torch.bfloat16, add_bias_linear=False,
+              gated_linear_unit=True, recompute_granularity="selective")
+    sets = _proposed(r)
+    assert sets
+    for s in sets:
+        cfg = tc.MLATransformerConfig(**kw, recompute_modules=sorted(s))
+        assert set(cfg.recompute_modules) == s
+    left_out = "shared_experts" if extra else None if grouped else "moe_act"
+    if left_out:
+        with pytest.raises(ValueError, match=left_out):
+            tc.MLATransformerConfig(**kw, recompute_modules=[left_out])
