@@ -308,11 +308,11 @@ def autotune(
             notes.append(f"pipeline size{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} not tried: "
                          f"{world} GPUs do not divide into expert tensor parallel {etp} x expert parallel {ep} x PP")
     alias_off = {"recompute_activations": False} if raw.args.get("recompute_activations") else {}
+    # the ladder's rungs go in after the no-change level, built only when that level finds nothing (it costs
+    # a few dozen estimates)
     rungs: tuple[Rung, ...] = ()
-    if allow_recompute and L0.recompute_granularity in (None, "selective"):
-        rungs, ladder_notes = ladder(L0, _stage_peaks(raw, L0, megatron_version, vocab_size, est_kw, alias_off))
-        notes.extend(ladder_notes)
-    levels = _recompute_levels(L0, allow_recompute, rungs)
+    ladder_due = allow_recompute and L0.recompute_granularity in (None, "selective")
+    levels = _recompute_levels(L0, allow_recompute)
     full_blocker = _moe_full_recompute_blocker(raw) if experts is not None else None
     if full_blocker and any(lv.get("recompute_granularity") == "full" for lv in levels):
         levels = [lv for lv in levels if lv.get("recompute_granularity") != "full"]
@@ -326,7 +326,10 @@ def autotune(
     best: Candidate | None = None
     gbs_pin = {"global_batch_size": gbs0} if gbs_defaulted else {}
 
-    for level in levels:
+    i = 0
+    while i < len(levels):
+        level = levels[i]
+        i += 1
         for pp in pps:
             dp = world // (tp * pp * cp)
             for mbs in mbss:
@@ -388,6 +391,11 @@ def autotune(
                 break
         if best is not None:
             break
+        if ladder_due and not level:
+            ladder_due = False
+            rungs, ladder_notes = ladder(L0, _stage_peaks(raw, L0, megatron_version, vocab_size, est_kw, alias_off))
+            notes.extend(ladder_notes)
+            levels[i:i] = [r.updates() for r in rungs]
 
     head = (f"{describe_layout_choice(L0)}: needs {format_bytes(E0.peak_device_bytes)} = {_pct(E0)} of "
             f"{format_bytes(E0.gpu_memory_bytes)} on stage pp{E0.critical_stage} (threshold {threshold:.0%}); "
