@@ -23,7 +23,8 @@ Rules (the ones Megatron checks later, some of them only after memory is allocat
   ``--non-persistent-ckpt-type local``), nor with ``--step-batch-size-schedule`` (MBS neither).
 
 Order of preference (Fujii et al. 2024, arXiv 2411.06465: model parallelism costs more than a smaller
-micro-batch): without recomputation before with it (only with ``allow_recompute``); then the least
+micro-batch): without recomputation before with it (only with ``allow_recompute``: the selective rungs of
+recompute_ladder.py, weakest first, then full uniform recomputation); then the least
 pipeline parallelism; then the largest micro-batch size. The first candidate whose critical stage
 stays within ``threshold`` of GPU memory wins. A layout that is only "tight" (over the threshold, within
 GPU memory) is never chosen: when no candidate stays within the threshold the result is
