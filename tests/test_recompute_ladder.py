@@ -191,3 +191,17 @@ def test_every_proposed_set_is_one_megatron_core_accepts(extra, grouped):
     if left_out:
         with pytest.raises(ValueError, match=left_out):
             tc.MLATransformerConfig(**kw, recompute_modules=[left_out])
+
+
+@pytest.mark.parametrize("extra, left_out", [
+    (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router"), {"moe"}),
+    (("--cuda-graph-impl", "transformer_engine", "--hidden-dropout", "0.1"), {"mlp", "moe"}),
+], ids=["te-graphed-router", "graphed-layers-with-dropout"])
+def test_cuda_graph_rules_leave_modules_out(extra, left_out):
+    # TransformerConfig.__post_init__ (0.19.2 transformer_config.py, "recompute module should be inside or outside
+    # of the graph scope"): no 'moe' recompute around the TE implementation's moe_router graph; no recompute of a
+    # graphed MLP / MoE with hidden dropout (an empty module list graphs the whole layer)
+    r = tuned(dsv3(16384, *extra))
+    assert _proposed(r) and all(not s & left_out for s in _proposed(r))
+    note = next(x for x in r.reasons if x.startswith("recompute modules not tried: "))
+    assert all(f"{m} (" in note for m in left_out)
