@@ -70,7 +70,7 @@ def _flops(L: Layout, module: str) -> float:
             qk, v = L.qk_head_dim + L.qk_pos_emb_head_dim, L.v_head_dim
         else:
             qk = v = L.kv_channels
-        # QK^T and PV over the causal half of the sequence (seq / CP keys per query on a rank's share)
+        # QK^T and PV over the causal half of the sequence (per token of the model, before CP splits it)
         return 2.0 * heads * (qk + v) * (L.seq_length / 2) * n
     if module == "mla_up_proj":
         qk = L.qk_head_dim + L.qk_pos_emb_head_dim
