@@ -27,7 +27,7 @@ FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 class Knob:
     dest: str                    # Megatron's argument dest (what the flag parser produces)
     flag: str                    # Megatron's flag
-    kind: str                    # "int" | "bool" | "choice"
+    kind: str                    # "int" | "bool" | "choice" | "list" (names, nargs="*")
     field: str                   # the Layout field it resolves to
     nemo2: tuple[str, ...]       # NeMo 2 override keys (all written)
     bridge: tuple[str, ...]      # Megatron-Bridge override keys (all written)
@@ -38,11 +38,14 @@ class Knob:
         """The flag text for ``value``: ``--flag V``; a store-true flag alone, or nothing when False/None."""
         if value is None or value is False:
             return None
+        if self.kind == "list":
+            return f"{self.flag} {' '.join(map(str, value))}"
         return self.flag if self.kind == "bool" else f"{self.flag} {value}"
 
     def overrides(self, keys: tuple[str, ...], value: Any) -> list[str]:
         """``KEY=VALUE`` for each of ``keys`` (YAML spelling: true/false, null)."""
-        text = "null" if value is None else ("true" if value else "false") if isinstance(value, bool) else str(value)
+        text = ("null" if value is None else ("true" if value else "false") if isinstance(value, bool) else
+                f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value))
         return [f"{k}={text}" for k in keys]
 
 
@@ -96,6 +99,9 @@ KNOBS: tuple[Knob, ...] = (
          ("model.config.recompute_method",), ("model.recompute_method",), None, ("uniform", "block")),
     Knob("recompute_num_layers", "--recompute-num-layers", "int", "recompute_num_layers",
          ("model.config.recompute_num_layers",), ("model.recompute_num_layers",)),
+    # the selective set autotune's recompute ladder picks (recompute_ladder.py); a YAML list in overrides
+    Knob("recompute_modules", "--recompute-modules", "list", "recompute_modules",
+         ("model.config.recompute_modules",), ("model.recompute_modules",)),
     # FP8 (memguard plan --fp8): NeMo 2 takes it on the precision plugin (MegatronMixedPrecision copies its
     # fields over the model config's), Bridge on mixed_precision (a preset name is expanded first).
     Knob("fp8", "--fp8-format", "choice", "fp8", ("trainer.plugins.fp8",), ("mixed_precision.fp8",), None,
@@ -119,3 +125,17 @@ def flag_of(dest: str) -> str:
     """Megatron's flag for ``dest``: the registry's, else Megatron's rule (dashes for underscores)."""
     k = BY_DEST.get(dest)
     return k.flag if k is not None else "--" + dest.replace("_", "-")
+
+
+def flag_text(dest: str, value: Any) -> str:
+    """``--flag value`` for a change autotune makes (a list's names space-separated, as nargs='*' takes them)."""
+    if isinstance(value, (list, tuple)):
+        return f"{flag_of(dest)} {' '.join(map(str, value))}"
+    return f"{flag_of(dest)} {value}"
+
+
+def override_text(key: str, value: Any) -> str:
+    """``KEY=VALUE`` for a config override (a list in YAML's flow style)."""
+    if isinstance(value, (list, tuple)):
+        return f"{key}=[{','.join(map(str, value))}]"
+    return f"{key}={value}"
