@@ -120,6 +120,9 @@ def first_stage_layers_held(c: Candidate) -> int:
     if c.vpp == 1:
         return min(c.pp, c.m) * n
     chunks = min(c.m * c.vpp, 2 * (c.pp - 1) + (c.vpp - 1) * c.pp + 1)
+    if c.chunks:
+        # uneven virtual stages: forward j of the first rank runs its chunk (j // PP) % VPP (groups of PP)
+        return sum(c.chunks[((j // c.pp) % c.vpp) * c.pp] for j in range(chunks))
     return chunks * n // c.vpp
 
 
