@@ -130,3 +130,24 @@ def test_account_and_first_last_exports_round_trip():
         else:
             assert f"model.num_layers_in_first_pipeline_stage={c.first}" in bridge
         assert "model.virtual_pipeline_model_parallel_size=2" in bridge
+
+
+def test_explain_takes_the_names_of_uneven_virtual_splits():
+    """`--explain` accepts the name the planner prints for each spelling and rebuilds the same candidate."""
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.planner.explain import explain
+    model = _with_layers(LLAMA31_8B, 14)
+    P = make_planner(model, 32, 4096, 64)
+    cands = enumerate_space(P.shape, P.cluster, 64, Constraints(pp=(4,), vpp=(2,), tp=(8,), mbs=(1,),
+                                                                   recompute=("none",), dist_opt=(True,), sp=(True,)))
+    for c in cands:
+        x = explain(P, c.name)
+        assert x.candidate == c and x.candidate.chunks == c.chunks and x.candidate.stage_layers == c.stage_layers
+        assert x.time.seconds == P.step_time(c).seconds
+    # the layout spelling: 14 layers on PP 4 x VPP 2 written out by hand, 'E' and 'L' beside a layer each
+    x = explain(P, "tp=8,pp=4,cp=1,mbs=1,recompute=none,layout=Et|(tt|)*6tL")
+    assert x.candidate.vpp == 2 and x.candidate.stage_layers == (3, 4, 4, 3) and x.layout.vpp == 2
+    with pytest.raises(ConfigError, match="account must be"):
+        explain(P, "tp=8,pp=4,vpp=2,account=bias")
+    with pytest.raises(ConfigError, match="15 layers"):
+        explain(P, "tp=8,pp=4,vpp=2,account=embedding")

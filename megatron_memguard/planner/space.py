@@ -526,6 +526,12 @@ class VppSplit:
     layout: str | None = None                # --pipeline-model-parallel-layout
 
 
+def flag_chunks(stages: tuple[int, ...], vpp: int) -> tuple[int, ...]:
+    """Layers per virtual stage of a first/last split: each rank's layers / VPP in every chunk (megatron-core's
+    ``get_transformer_layer_offset``), index v * PP + rank."""
+    return tuple(n // vpp for _ in range(vpp) for n in stages)
+
+
 def _ranks(chunks: list[int], pp: int) -> tuple[int, ...]:
     return tuple(sum(chunks[r::pp]) for r in range(pp))
 
@@ -571,8 +577,7 @@ def uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> list[
             continue
         for first, last in {(a, rest - a), (rest - a, a)}:
             per = [first] + [mid] * (pp - 2) + [last]
-            ch = [per[r] // vpp for v in range(vpp) for r in range(pp)]
-            out.append(VppSplit(vpp, tuple(per), tuple(ch), first=first, last=last))
+            out.append(VppSplit(vpp, tuple(per), flag_chunks(tuple(per), vpp), first=first, last=last))
     out = sorted(out, key=lambda x: x.stages)
     for e, l in ((1, 1), (1, 0), (0, 1)):
         n = L + e + l
@@ -722,6 +727,10 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                     mbss = [b for b in divisors(per_dp) if (cons.mbs is not None or b <= DEFAULT_MAX_MBS)]
                     mbss = _allowed(mbss, cons.mbs)
                     for vpp in vpps:
+                        if xs is None and vpp > 1 and first is not None:
+                            extra = dict(chunks=flag_chunks(stages, vpp))
+                        elif xs is None:
+                            extra = {}
                         for mbs in mbss:
                             m = per_dp // mbs
                             if vpp > 1 and (m < pp or m % pp):
@@ -750,8 +759,10 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
                    dist_opt: bool = True, first: int | None = None, last: int | None = None, ep: int = 1,
-                   etp: int | None = None, fsdp: str | None = None, fp8: str | None = None) -> Candidate:
-    """One candidate from explicit values (``--explain``); the split is chosen as the search would."""
+                   etp: int | None = None, fsdp: str | None = None, fp8: str | None = None,
+                   layout: str | None = None, acc_emb: bool = False, acc_loss: bool = False) -> Candidate:
+    """One candidate from explicit values (``--explain``); the split is chosen as the search would, or
+    given as first/last sizes, embedding/loss slots (``acc_emb``/``acc_loss``) or a pipeline layout."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
         raise ConfigError("--explain", f"recompute must be one of {', '.join(RECOMPUTE_LEVELS)}, got {recompute!r}")
@@ -763,7 +774,28 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     dp = world // (tp * pp * cp)
     if global_batch_size % (mbs * dp):
         raise ConfigError("--explain", f"global batch size {global_batch_size} is not divisible by MBS*DP = {mbs}*{dp}")
-    if first is None and last is None:
+    chunks: tuple[int, ...] = ()
+    if layout is not None or acc_emb or acc_loss:
+        if first is not None or last is not None or (layout is not None and (acc_emb or acc_loss)):
+            raise ConfigError("--explain", "layout, account and first/last are three spellings of the split: give one")
+        if layout is not None:
+            from ..partition import parse_pipeline_layout
+            st = parse_pipeline_layout(layout, pp, "--explain layout")
+            vpp = len(st) // pp
+            ch = [x.count("t") for x in st]
+        else:
+            n = shape.num_layers + int(acc_emb) + int(acc_loss)
+            if n % (pp * vpp):
+                raise ConfigError("--explain", f"{n} layers with the embedding/loss slots do not divide into "
+                                               f"PP x VPP = {pp} x {vpp} stages")
+            ch = [n // (pp * vpp)] * (pp * vpp)
+            ch[0] -= int(acc_emb)
+            ch[-1] -= int(acc_loss)
+        if sum(ch) != shape.num_layers or min(ch) < 0:
+            raise ConfigError("--explain", f"the split places {sum(ch)} layers, the model has {shape.num_layers}")
+        chunks = tuple(ch) if vpp > 1 and pp > 1 else ()
+        stages = tuple(sum(ch[r::pp]) for r in range(pp))
+    elif first is None and last is None:
         splits = layer_splits(shape.num_layers, pp)
         if not splits:
             raise ConfigError("--explain", f"{shape.num_layers} layers cannot be split over {pp} pipeline stages")
@@ -776,6 +808,8 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         mid = rest // middle if middle else 0
         stages = tuple([first if first is not None else mid] + [mid] * (pp - 2) + [last if last is not None else mid]) \
             if pp > 1 else (shape.num_layers,)
+    if not chunks and vpp > 1 and pp > 1 and (first is not None or last is not None):
+        chunks = flag_chunks(stages, vpp)
     seq_rank = shape.seq_length // cp
     if sp and tp > 1 and seq_rank % tp:
         raise ConfigError("--explain", f"sequence parallelism splits the {seq_rank} tokens per CP rank over TP = {tp} "
@@ -796,4 +830,4 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         raise ConfigError("--explain", f"fsdp must be one of {', '.join(FSDP_STRATEGIES)} or off, got {fsdp!r}")
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt or bool(fsdp), dp,
                      global_batch_size // (mbs * dp), stages, ep, etp if shape.moe else 1, shape.moe is not None,
-                     fsdp=fsdp, fp8=fp8)
+                     fsdp=fsdp, fp8=fp8, acc_emb=acc_emb, acc_loss=acc_loss, pp_layout=layout, chunks=chunks)
