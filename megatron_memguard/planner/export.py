@@ -59,7 +59,9 @@ def _values(L: Layout, experts: tuple[int, int] | None = None) -> list[tuple[str
     """(dest, value) of every knob the NeMo 2 / Bridge overrides write, in their order."""
     v: list[tuple[str, object]] = [
         ("tensor_model_parallel_size", L.tp), ("pipeline_model_parallel_size", L.pp),
-        ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 and not L.pipeline_model_parallel_layout else None),
+        # (with a layout too: TransformerConfig asserts it equals the layout's, and NeMo 2 / Bridge size the
+        # virtual-pipeline groups from it before the config derives it)
+        ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 else None),
         ("context_parallel_size", L.cp), ("sequence_parallel", L.sequence_parallel)]
     if L.pipeline_model_parallel_layout:
         v.append(("pipeline_model_parallel_layout", L.pipeline_model_parallel_layout))
