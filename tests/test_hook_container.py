@@ -104,7 +104,7 @@ def test_abort_on_other_ranks_is_silent(run, capsys, monkeypatch):
 
 def test_autotune_then_config_snapshot(run, capsys):
     from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training import argument_utils
     args = run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "autotune")
     out = capsys.readouterr().out
     assert "[memguard] autotune changed micro_batch_size 4 -> 1, pipeline_model_parallel_size 1 -> " in out
@@ -113,10 +113,17 @@ def test_autotune_then_config_snapshot(run, capsys):
     assert args.global_batch_size == 32 and args.eval_micro_batch_size == 1
     assert args.data_parallel_size == 16 // (2 * args.pipeline_model_parallel_size)
     assert get_num_microbatches() == 32 // args.data_parallel_size
-    # what pretrain_gpt.py freezes next carries the tuned layout
-    model_cfg = gpt_config_from_args(args)
-    container = pretrain_cfg_container_from_args(args, model_cfg)
-    assert model_cfg.transformer.pipeline_model_parallel_size == args.pipeline_model_parallel_size
+    # what pretrain_gpt.py freezes next carries the tuned layout. core_v0.19: GPTModelConfig
+    # (gpt_config_from_args) inside the PretrainConfigContainer. core_v0.18: no GPTModelConfig yet (its
+    # argument_utils.py builds HybridModelConfig only; PretrainConfigContainer.model "TODO: add support for
+    # GPTModelConfig"), so the GPT model's TransformerConfig is built from the arguments when the model is built
+    if hasattr(argument_utils, "gpt_config_from_args"):
+        model_cfg = argument_utils.gpt_config_from_args(args)
+        transformer = model_cfg.transformer
+    else:
+        model_cfg, transformer = None, argument_utils.core_transformer_config_from_args(args)
+    container = argument_utils.pretrain_cfg_container_from_args(args, model_cfg)
+    assert transformer.pipeline_model_parallel_size == args.pipeline_model_parallel_size
     assert container.train.micro_batch_size == 1 and container.train.global_batch_size == 32
 
 

@@ -92,6 +92,20 @@ def _settings_line(settings: Settings, gpu: GpuSpec | None, mem: int | None, sou
     return f"{PREFIX} mode {settings.mode}, threshold {settings.threshold:.0%}, {where} ({source}){site}"
 
 
+def _rank(args: Any, environ: Mapping[str, str]) -> int:
+    """This rank: Megatron's ``args.rank`` (an int it set from RANK), else RANK; a value that is no
+    integer counts as rank 0 (the one that prints), as the check itself does not depend on it."""
+    rank = getattr(args, "rank", None)
+    for v in (rank, environ.get("RANK")) if rank is not None else (environ.get("RANK"),):
+        if isinstance(v, bool) or v is None:
+            continue
+        try:
+            return int(v)
+        except (TypeError, ValueError, OverflowError):
+            continue
+    return 0
+
+
 def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, settings: Settings, *,
            megatron_version: str | None, environ: Mapping[str, str] | None = None,
            emit: Callable[[str], None] | None = None,
@@ -100,8 +114,7 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     sets an argument update where ``validate`` reads it (a ``--yaml-cfg`` namespace has sections);
     ``validator`` names ``validate`` in messages."""
     environ = os.environ if environ is None else environ
-    rank = getattr(args, "rank", None)
-    rank0 = int(rank if rank is not None else (environ.get("RANK") or 0)) == 0
+    rank0 = _rank(args, environ) == 0
     out: list[str] = []
 
     def say(text: str) -> None:
@@ -129,15 +142,16 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     try:
         raw = raw_config_from_args(args, defaults)
         layout = resolve(raw, world_size=getattr(args, "world_size", None), megatron_version=megatron_version)
+        site = None
+        if settings.profile:
+            from ..site_profile import load_site_profile
+            # checked when parsed; read again here (a namespace set by other code, a file changed since)
+            site = load_site_profile(settings.profile, key="--memguard-profile").constants
     except MemguardError as e:
         d.action, d.reason = "unsupported", str(e)
         if rank0:
             (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; training continues unchecked")
         return d
-    site = None
-    if settings.profile:
-        from ..site_profile import load_site_profile
-        site = load_site_profile(settings.profile, key="--memguard-profile").constants  # checked when parsed
     est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     d.layout, d.estimate = layout, est
     say(_settings_line(settings, d.gpu, d.gpu_memory, d.gpu_memory_source))
