@@ -14,6 +14,7 @@ the round-trip test (tests/test_knobs.py) pick it up.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,8 @@ FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 class Knob:
     dest: str                    # Megatron's argument dest (what the flag parser produces)
     flag: str                    # Megatron's flag
-    kind: str                    # "int" | "bool" | "choice" | "list" (names, nargs="*")
+    kind: str                    # "int" | "bool" | "choice" | "list" (names, nargs="*") | "text" (quoted for a
+                                 # shell: '|', '(' and '*')
     field: str                   # the Layout field it resolves to
     nemo2: tuple[str, ...]       # NeMo 2 override keys (all written)
     bridge: tuple[str, ...]      # Megatron-Bridge override keys (all written)
@@ -40,12 +42,16 @@ class Knob:
             return None
         if self.kind == "list":
             return f"{self.flag} {' '.join(map(str, value))}"
+        if self.kind == "text":
+            return f"{self.flag} {shlex.quote(str(value))}"
         return self.flag if self.kind == "bool" else f"{self.flag} {value}"
 
     def overrides(self, keys: tuple[str, ...], value: Any) -> list[str]:
         """``KEY=VALUE`` for each of ``keys`` (YAML spelling: true/false, null)."""
         text = ("null" if value is None else ("true" if value else "false") if isinstance(value, bool) else
                 f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value))
+        if self.kind == "text" and value is not None:
+            text = "'" + text + "'"     # a YAML string: '|' and '*' would otherwise start other YAML syntax
         return [f"{k}={text}" for k in keys]
 
 
@@ -74,6 +80,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "int",
          "decoder_last_pipeline_num_layers", (_TS + "num_layers_in_last_pipeline_stage",),
          ("model.num_layers_in_last_pipeline_stage",), "last"),
+    # the other spellings of an uneven split (memguard plan's uneven_vpp_splits writes them)
+    Knob("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", "bool",
+         "account_for_embedding_in_pipeline_split", (_TS + "account_for_embedding_in_pipeline_split",),
+         ("model.account_for_embedding_in_pipeline_split",)),
+    Knob("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", "bool",
+         "account_for_loss_in_pipeline_split", (_TS + "account_for_loss_in_pipeline_split",),
+         ("model.account_for_loss_in_pipeline_split",)),
+    Knob("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "text",
+         "pipeline_model_parallel_layout", (_TS + "pipeline_model_parallel_layout",),
+         ("model.pipeline_model_parallel_layout",)),
     Knob("micro_batch_size", "--micro-batch-size", "int", "micro_batch_size",
          ("data.micro_batch_size",), ("train.micro_batch_size",), "mbs"),
     Knob("global_batch_size", "--global-batch-size", "int", "global_batch_size",
