@@ -94,14 +94,14 @@ def test_detail_splits_moe_layers_and_names_virtual_chunks_once():
     crit = js["stages"][js["critical_stage"]]
     terms = {t["name"]: t for t in crit["terms"]}
     la, moe = terms["layer_activations"], terms["moe_layer_activations"]
-    assert la["detail"].startswith("8 chunks of 1 layers x ")       # VPP 8: one layer per chunk
+    assert la["detail"].startswith("8 chunks of 1 layer x ")       # VPP 8: one layer per chunk
     assert "counted in moe_layer_activations" in la["detail"] and "balanced routing" in moe["detail"]
     # the per-layer size covers both terms: layers in flight x per layer = layer_activations + moe_layer_activations
     per_layer_mib = float(la["detail"].split(" x ")[1].split(" MiB")[0])
     held = crit["in_flight"]
     assert abs(la["bytes"] + moe["bytes"] - held * per_layer_mib * 2**20) <= held * 0.05 * 2**20
     text = memguard("estimate", "--config", MIXTRAL_YAML, "--detail").stdout
-    assert "8 chunks of 1 layers x" in text and "router, token dispatcher and expert tensors" in text
+    assert "8 chunks of 1 layer x" in text and "router, token dispatcher and expert tensors" in text
 
 
 def test_rotary_models_get_no_max_position_note_learned_ones_do():
