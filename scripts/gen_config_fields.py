@@ -9,7 +9,7 @@ wheels' sources (parsed with ast: nothing is imported, so no torch, no Transform
 ModelParallelConfig, TransformerConfig, MLATransformerConfig, OptimizerConfig and
 DistributedDataParallelConfig, megatron.training's GPTModelConfig (the nested model layout, core >= 0.18),
 and Megatron-Bridge's GPTModelProvider and its OptimizerConfig / DistributedDataParallelConfig
-subclasses; and, under ``BridgeSections``, the sections of Megatron-Bridge's ConfigContainer (train, dataset,
+subclasses; Bridge's ConfigContainer's own fields; and, under ``BridgeSections``, the sections of Megatron-Bridge's ConfigContainer (train, dataset,
 optimizer, scheduler, ...: every field whose annotation names a config class) with, per section, the names of
 those classes and of their subclasses in the Bridge wheel (``classes``) and the union of their fields, inherited
 ones included (``fields``; base classes are followed through the imports of every wheel given, so Bridge's
@@ -137,6 +137,10 @@ class Sources:
                         out |= self.ancestors(bmod, bcls, depth + 1)
         return out
 
+    def container_fields(self) -> list[str]:
+        """Every field of ConfigContainer (its sections, ``data_parallel_size``, private ones a dump carries)."""
+        return sorted(set().union(*(self.fields(m, c) for m, c in self.resolve(*BRIDGE_CONTAINER))))
+
     def container_sections(self) -> dict[str, dict[str, list[str]]]:
         mod, name = BRIDGE_CONTAINER
         sections: dict[str, tuple[set[tuple[str, str]], set[str]]] = {}
@@ -200,6 +204,7 @@ def main(wheels: list[str]) -> None:
     }
     for key in dict.fromkeys(k for k, *_ in CLASSES):
         out[key] = sorted(union.get(key, ()))
+    out["ConfigContainer"] = sources.container_fields()
     out["BridgeSections"] = sources.container_sections()
     with open(OUT, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1, sort_keys=False)

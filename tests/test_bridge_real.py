@@ -336,13 +336,18 @@ def test_config_fields_sections_are_bridges_configcontainer(recipes):
     import json
     from importlib import resources
 
-    from megatron_memguard.readers._common import bridge_sections
+    import dataclasses
+
+    from megatron.bridge.training.config import ConfigContainer
+
+    from megatron_memguard.readers._common import bridge_sections, config_fields
 
     doc = json.loads(resources.files("megatron_memguard").joinpath("data/config_fields.json").read_text())
     assert "megatron-bridge 0.6.2" in doc["versions"]
     ours = bridge_sections()
     real = {s: v for s, v in _real_sections().items() if v[1]}   # (OptimizerConfigOverrideProvider: no fields)
     assert set(ours) == set(real)
+    assert {f.name for f in dataclasses.fields(ConfigContainer)} == config_fields()["ConfigContainer"]
     for sec, (classes, fields) in real.items():
         known_classes, known = ours[sec]
         assert {c.__name__ for c in classes} <= known_classes, sec

@@ -306,3 +306,12 @@ def test_known_keys_of_every_section_give_no_warning(tmp_path):
     raw = read(tmp_path, FLAT + "scheduler: {lr_warmup_iters: 10}\ncheckpoint: {save_interval: 100}\n"
                "logger: {log_interval: 1}\nrng: {seed: 1234}\nprofiling: {use_pytorch_profiler: false}\n")
     assert not any("not a field" in w or "not a Megatron-Bridge" in w for w in raw.warnings)
+
+
+def test_a_dump_s_private_container_field_is_not_a_typo(tmp_path):
+    """ConfigContainer._checkpoint_load_required (Bridge 0.6.2 training/config.py) is in every to_yaml dump."""
+    raw = read(tmp_path, FLAT + "_checkpoint_load_required: false\n")
+    assert not any("_checkpoint_load_required" in w for w in raw.warnings)
+    raw = read(tmp_path, FLAT + "mixed_precison: bf16_mixed\n")
+    assert ("mixed_precison: not a Megatron-Bridge ConfigContainer section; ignored (did you mean mixed_precision?)"
+            in raw.warnings)

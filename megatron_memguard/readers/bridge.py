@@ -230,10 +230,12 @@ def _unknown_keys(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str,
             raise ConfigError(key, f"{what}: Megatron-Bridge refuses this override", hint or None)
         b.warn(f"{key}: {what}; ignored" + (f" ({hint})" if hint else ""))
 
+    # (ConfigContainer's own fields include private ones a dump carries: _checkpoint_load_required)
+    top_known = BRIDGE_SECTIONS | config_fields().get("ConfigContainer", frozenset())
     for sec in list(S) + [s for s in top if s not in S]:
-        if sec not in BRIDGE_SECTIONS:
+        if sec not in top_known:
             report(sec, "not a Megatron-Bridge ConfigContainer section",
-                   did_you_mean(sec, BRIDGE_SECTIONS - {"_target_"}))
+                   did_you_mean(sec, {s for s in top_known if not s.startswith("_")}))
     for sec, fields in S.items():
         if sec not in sections or sec == "model":
             continue
