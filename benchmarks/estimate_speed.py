@@ -55,7 +55,7 @@ def _clear_caches() -> None:
     from megatron_memguard.estimator import activations, core, overheads, params, states
     from megatron_memguard.estimator.layers import mla, moe
     for fn in (activations.shapes, activations.layer_activations, params._layer_numels, params._layer_numel_split,
-               states._stage_states, states._chunk_buffer, states._chunk_totals, core._fixed_terms, core._device_terms,
+               states._stage_states, states._chunk_buffer, states._chunk_totals, *([states._chunk_totals_max] if hasattr(states, "_chunk_totals_max") else []), core._fixed_terms, core._device_terms,
                core._chunk_activations, core._state_terms, core._persistent_buffers,
                core.replicated_grad_allreduce_bytes, core._stage_shapes, core._stage_prep, core._moe_worst_inputs,
                core._moe_layer_buffers, overheads.dummy_wgrad_shapes, overheads.dummy_wgrad_bytes,

@@ -105,9 +105,10 @@ def corner_jobs(draw) -> Job:
     mtp = draw(st.sampled_from([0, 0, 1, 2]))
     pipe = draw(_pipeline(pp, mtp))
     layers = pipe["layers"]
-    # MLA at TP 1 only: megatron-core's local spec (what builds on CPU) splits linear_kv_down_proj over TP where
-    # the TE spec memguard models duplicates it (TELinear parallel_mode "duplicated")
-    mla = draw(st.booleans()) and tp == 1
+    # MLA at any TP: the TE spec memguard models duplicates the down projections (TELinear parallel_mode
+    # "duplicated"), which the CPU builder reproduces with a stand-in (moe_rank_params.py _te_down_projections);
+    # megatron-core's local spec would split them over TP (memguard refuses MLA with the local implementation)
+    mla = draw(st.booleans())
     # (TransformerConfig: "Bias in Moe is only supported when ETP==1")
     bias = draw(st.booleans()) and not mla and etp == 1
     shared = 0 if bias else draw(st.sampled_from([0, 16 * tp, 32 * tp]))
@@ -182,7 +183,7 @@ def corner_jobs(draw) -> Job:
     mla_core = None
     if mla:
         q_lora = draw(st.sampled_from([None, 32]))
-        mla_core = dict(q_lora=q_lora, kv_lora=32, qk=16, pe=8, v=16)
+        mla_core = dict(q_lora=q_lora, kv_lora=32, qk=16, pe=8, v=16, te_down=True)
         f += ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim",
               "8", "--v-head-dim", "16"] + (["--q-lora-rank", str(q_lora)] if q_lora else [])
     if pipe.get("layout"):
@@ -515,6 +516,75 @@ def test_final_norm_follows_the_last_decoder_layer_with_mtp():
     without = stages(["--pipeline-model-parallel-layout", "Ett|L"])
     assert with_mtp == [86_592, 149_952]
     assert with_mtp[0] - without[0] == 64
+
+
+def test_final_norm_keeps_its_activations_where_it_runs_with_mtp():
+    """The final norm runs where megatron-core builds it (TransformerBlock.has_final_layernorm_in_this_stage,
+    core 0.16.1 and 0.19.2): under "Ett|mL" on stage 0, so stage 0 keeps its input (s x b x h bf16 =
+    16 x 1 x 64 x 2 = 2,048 B) and RMSNorm's fp32 rstd (16 x 4 = 64 B) per micro-batch; stage 1 keeps only the
+    output layer's input. Without MTP ("Ett|L") they stay on the loss's stage."""
+    from megatron_memguard.estimator.core import chunk_activations
+    want = {"final_norm_input": 2048, "final_norm_stats": 64}
+
+    def norm_items(extra):
+        L = layout_from_flags(MTP_JOB + extra, world_size=2, megatron_version="0.16")
+        return [{k: v for c in L.stage_chunks(p) for k, v in chunk_activations(L, c).ends.items() if k in want}
+                for p in range(2)]
+    assert norm_items(["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ett|mL"]) == [want, {}]
+    assert norm_items(["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et|tmL"]) == [{}, want]
+    assert norm_items(["--pipeline-model-parallel-layout", "Ett|L"]) == [{}, want]
+
+
+def test_megatron_fsdp_groups_follow_the_final_norm_with_mtp():
+    """Megatron-FSDP's groups (optim_grads_params, DP 2) under "Ett|mL" with MTP: each layer a unit of 8,448
+    dense (qkv [96, 64], proj [64, 32], two norms of 64, router [2, 64]) and 2,048 expert elements; outside the
+    units stage 0 holds the embedding [1024, 64] and the final norm [64] = 65,600 (row width lcm 64, padded to
+    DP x 64 = 128: 65,664), stage 1 the MTP block's embedding copy and the output layer (2 x 65,536), its enorm,
+    hnorm and final norm (3 x 64) and eh_proj [64, 128] = 139,456 (row width 128, padded to 256: 139,520).
+    The groups add up to the parameters megatron-core 0.16.1 builds on each stage (86,592 and 149,952,
+    test_final_norm_follows_the_last_decoder_layer_with_mtp)."""
+    from megatron_memguard.estimator.fsdp import padded_numel
+    from megatron_memguard.estimator.fsdp_layout import chunk_groups, fsdp_spec
+    from megatron_memguard.estimator.params import holds_final_norm
+    L = layout_from_flags(MTP_JOB + ["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ett|mL",
+                                     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                                     "--no-gradient-accumulation-fusion", "--use-distributed-optimizer"],
+                          world_size=4, megatron_version="0.16")
+    groups = [[g for c in L.stage_chunks(p) for g in chunk_groups(L, c.kind_runs, c.has_embedding, c.has_output,
+                                                                  c.has_tied_output_copy, holds_final_norm(L, c))]
+              for p in range(2)]
+    assert [sum(g.numel for g in gs) for gs in groups] == [86_592, 149_952]
+    assert [(g.numel, g.unit) for g in groups[0]] == [(8448, True), (2048, True)] * 2 + [(65_600, False)]
+    assert [(g.numel, g.unit) for g in groups[1]] == [(8448, True), (2048, True), (139_456, False)]
+    outside = [next(g for g in gs if not g.unit) for gs in groups]
+    assert [padded_numel(fsdp_spec(L), g) for g in outside] == [65_664, 139_520]
+
+
+def test_mla_down_projections_are_whole_on_every_tp_rank_in_the_te_spec():
+    """TP 2 with SP, the TE spec: gpt_layer_specs.py builds linear_q_down_proj / linear_kv_down_proj as TELinear,
+    which MLASelfAttention makes parallel_mode "duplicated" (whole weight on every TP rank, marked
+    sequence_parallel: extensions/transformer_engine.py TELinear, megatron-core 0.16.1 and 0.19.2); the local spec
+    would make them ColumnParallelLinear (split), which memguard refuses by name. Per rank and layer: input norm
+    64, linear_proj [64, 4 x 16 / 2] = 2,048, q_down [32, 64] = 2,048, q_up [4 x 24 / 2, 32] = 1,536, kv_down
+    [40, 64] = 2,560, kv_up [4 x 32 / 2, 32] = 2,048, fc1's norm 64, fc1 [64, 64] and fc2 [64, 64] = 8,192:
+    18,560; with the embedding [1024 / 2, 64] and the final norm, 32,768 + 2 x 18,560 + 64 = 69,952 (the
+    rank-by-rank build, test_parameters_and_placement_rank_by_rank_are_megatron_cores, checks the same at any
+    TP). finalize_model_grads all-reduces the sequence_parallel gradients: 2 x (64 + 2,048 + 2,560 + 64) + 64
+    = 9,536 fp32 = 38,144 B."""
+    from megatron_memguard.estimator.core import replicated_grad_allreduce_bytes
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --multi-latent-attention --q-lora-rank 32 "
+             "--kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --ffn-hidden-size 128 "
+             "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 8 "
+             "--vocab-size 1000 --tokenizer-type NullTokenizer --bf16 --transformer-impl transformer_engine "
+             "--disable-bias-linear --position-embedding-type rope --normalization RMSNorm "
+             "--tensor-model-parallel-size 2 --sequence-parallel").split()
+    for era in ("0.16", "0.19"):
+        L = layout_from_flags(flags, world_size=2, megatron_version=era)
+        assert stage_states(L, 0).parameters == 69_952
+        runs = tuple(c.kind_runs for c in L.stage_chunks(0))
+        assert replicated_grad_allreduce_bytes(L, runs, True) == 38_144
+    with pytest.raises(NotModelledError, match="--transformer-impl"):
+        layout_from_flags(flags + ["--transformer-impl", "local"], world_size=2)
 
 
 def test_sequence_parallel_grad_allreduce_counts_the_mtp_block():

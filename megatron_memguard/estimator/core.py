@@ -46,6 +46,7 @@ from .states import StageStates, bucket_size_for, stage_states
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
 # what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
 OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
+_FINAL_NORM_ITEMS = ("final_norm_input", "final_norm_stats")
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,17 @@ class ChunkActivations:
 
 
 def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
-    return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output)
+    return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, holds_final_norm(L, c))
 
 
 @lru_cache(maxsize=1024)
 def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
-                       has_output: bool) -> ChunkActivations:
-    """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top)."""
+                       has_output: bool, final_norm: bool | None = None) -> ChunkActivations:
+    """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top). ``final_norm``: the chunk
+    runs the decoder's final norm (None: with the loss; with MTP the chunk of the last decoder layer,
+    params.holds_final_norm), so it keeps the norm's input and statistics."""
+    if final_norm is None:
+        final_norm = has_output
     has_batch = has_embedding or has_output
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
@@ -207,7 +212,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
     if has_output:
         o = output_items(L)
-        ends.update(o.saved)
+        o_saved = o.saved
+        if not final_norm:
+            # a layout string left the loss's stage no decoder layer (MTP): the norm ran on the stage of the
+            # last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage), which keeps its tensors
+            o_saved = {k: v for k, v in o_saved.items() if k not in _FINAL_NORM_ITEMS}
+        ends.update(o_saved)
         mtp_saved, mtp_logits = mtp_last_stage_items(L)
         if mtp_saved:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
@@ -224,7 +234,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
-        bwd_top = max(o.bwd_transient, bwd_top - o.total)
+        bwd_top = max(o.bwd_transient, bwd_top - sum(o_saved.values()))
+    elif final_norm:
+        # the final norm of a stage without the loss (MTP with a layout string): its input and statistics
+        ends.update({k: v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS})
     if L.freeze_all_layers and has_embedding:
         # --freeze-all-layers: nothing of the first chunk of the first stage requires grad (its input is token ids),
         # so its forward records no graph and saves nothing, and its backward does not run. What training keeps
@@ -637,7 +650,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     # (list comprehensions, not generators: a stage has a few chunks)
     n_layers = sum([c.num_layers for c in chunks])
     has_output = any([c.has_output for c in chunks])
-    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output) for c in chunks]
+    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, holds_final_norm(L, c)) for c in chunks]
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.

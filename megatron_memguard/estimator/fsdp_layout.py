@@ -12,7 +12,7 @@ from typing import Any
 from .fsdp import (MIXED_PRECISION_POLICY_SINCE, FsdpGroup, FsdpSpec, FsdpStates, FsdpWindow, StageFsdp, stage_fsdp,
                    stage_groups, version_tuple)
 from ..layout import ShardGroup
-from .params import layer_linear_shapes, layer_params
+from .params import holds_final_norm, layer_linear_shapes, layer_params
 from .result import Term
 
 
@@ -87,8 +87,9 @@ def _expert_shard(L: Any) -> int:
 
 
 def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool,
-                 tied_copy: bool) -> tuple[FsdpGroup, ...]:
-    """The FSDP parameter groups of one model chunk on one rank."""
+                 tied_copy: bool, final_norm: bool | None = None) -> tuple[FsdpGroup, ...]:
+    """The FSDP parameter groups of one model chunk on one rank. ``final_norm``: the chunk builds the decoder's
+    final norm (None: with the output layer; with MTP the chunk of the last decoder layer, params.holds_final_norm)."""
     spec = fsdp_spec(L)
     h, t = L.hidden_size, L.tensor_model_parallel_size
     rows = L.padded_vocab_size // t
@@ -98,8 +99,10 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
         if L.position_embedding_type == "learned_absolute":
             before.append((L.max_position_embeddings, h))
     after: list[tuple[int, ...]] = []
-    if has_output:
+    if has_output if final_norm is None else final_norm:
+        # decoder.final_layernorm: outside the units, with the output layer's buckets or alone
         after += [(h,)] * (2 if L.normalization == "LayerNorm" else 1)
+    if has_output:
         if L.untie_embeddings_and_output_weights or tied_copy:
             after.append((rows, h))
     per_layer = []
@@ -132,10 +135,10 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
 
 @lru_cache(maxsize=1024)
 def chunk_fsdp(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
-               act_per_layer: int) -> StageFsdp:
+               act_per_layer: int, final_norm: bool | None = None) -> StageFsdp:
     """States, windows and the after-step gather of one model chunk (Megatron wraps each chunk in
     its own FSDP module)."""
-    return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy),
+    return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy, final_norm),
                       act_per_layer, first_outside_units=has_embedding)
 
 
@@ -175,7 +178,8 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     loss = tuple(loss_release) + (0,) * (n - len(tuple(loss_release)))
     rest = tuple(output_release) + (0,) * (n - len(tuple(output_release)))
     for c, a, rel, more in zip(chunks, act_per_layer, loss, rest):
-        r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a))
+        r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
+                       holds_final_norm(L, c))
         total = r.states if total is None else total + r.states
         after += r.after_step
         double = max(double, r.double_buffer)

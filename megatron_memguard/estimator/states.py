@@ -178,6 +178,30 @@ def _one_bucket_sums(numels: list[int], divisor: int, shard: int,
     return padded, tuple(sums)
 
 
+def _plain_numels(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
+                  group: ShardGroup, final_norm: bool | None) -> list[int] | None:
+    """The chunk's parameter sizes in registration order when its buffer is one plain bucket's (no shared
+    embedding: the distributed optimizer without buckets), else None."""
+    expert = group is ShardGroup.EXPERT_DP
+    fn = has_output if final_norm is None else final_norm
+    if not has_embedding and not has_output and not fn:
+        # layers only (most chunks): their parameter sizes, layer after layer (chunk_numels, without the
+        # (size, shared) pairs: no layer parameter is a shared embedding)
+        numels: list[int] = []
+        for kind, n in kind_runs:
+            numels += _layer_numels(L, kind, expert) * n
+        return numels
+    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
+    plist = chunk_expert_numels(L, c) if expert else chunk_numels(L, c, fn)
+    if any([shared for _, shared in plist]):
+        return None
+    return [n for n, _ in plist]
+
+
+def _divisor(L: Layout, shard: int) -> int:
+    return math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
+
+
 @lru_cache(maxsize=1024)
 def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...],
@@ -189,31 +213,124 @@ def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
     the parameter sizes alone (_one_bucket_sums); the others from the buffer's buckets."""
     dist = L.use_distributed_optimizer
     if dist and bucket_size is None:
-        expert = group is ShardGroup.EXPERT_DP
-        numels: list[int] | None = None
-        fn = has_output if final_norm is None else final_norm
-        if not has_embedding and not has_output and not fn:
-            # layers only (most chunks): their parameter sizes, layer after layer (chunk_numels, without the
-            # (size, shared) pairs: no layer parameter is a shared embedding)
-            numels = []
-            for kind, n in kind_runs:
-                numels += _layer_numels(L, kind, expert) * n
-        else:
-            c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
-            plist = chunk_expert_numels(L, c) if expert else chunk_numels(L, c, fn)
-            if not any([shared for _, shared in plist]):
-                numels = [n for n, _ in plist]
+        numels = _plain_numels(L, kind_runs, has_embedding, has_output, tied_copy, group, final_norm)
         if numels is not None and not numels:
             return 0, 0, 0, (0,) * len(ranks)
         if numels is not None:
             shard = L.parallel.shard_size(group)
-            divisor = math.lcm(shard, 128, 2**16) if L.ddp_pad_buckets_for_high_nccl_busbw else math.lcm(shard, 128)
-            padded, sums = _one_bucket_sums(numels, divisor, shard, ranks)
+            padded, sums = _one_bucket_sums(numels, _divisor(L, shard), shard, ranks)
             unpadded = sum(numels)
             return unpadded, padded, unpadded, sums
     buf, pieces_of = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, ranks, group,
                                    final_norm)
     return buf.params, buf.numel, buf.numel_unpadded, tuple([sum(p) for p in pieces_of]) if dist else ()
+
+
+# The largest shard in closed form. Rank r owns slice r of every bucket ([start + r size, start + (r + 1) size),
+# size = bucket / shard): the slice's size less the gaps in it, the 64-element alignment holes before parameter
+# starts and the padding of the bucket's end. So what the ranks own differs only by the gaps, and the largest
+# shard is the sum of the slices less the fewest gap elements any rank holds: the gaps are mapped to ranks as
+# "ranks [a, b) hold v gap elements each" runs (each gap touches one run of whole slices and at most two
+# partial ones), and their sum, constant between run edges, is smallest at one of the edges or at rank 0.
+# O(gaps) for any DP size; test_largest_shard_is_the_brute_force_max checks it against every rank.
+
+GapRuns = tuple[tuple[int, int, int], ...]
+
+
+def _gap_runs(gaps: list[tuple[int, int]], size: int, out: list[tuple[int, int, int]]) -> None:
+    """Append to ``out`` the (first rank, end rank, gap elements per rank) runs of the gap intervals ``gaps``
+    (bucket-relative [g0, g1)) of a bucket whose slices hold ``size`` elements."""
+    for g0, g1 in gaps:
+        r0, r1 = g0 // size, (g1 - 1) // size
+        if r0 == r1:
+            out.append((r0, r0 + 1, g1 - g0))
+            continue
+        out.append((r0, r0 + 1, (r0 + 1) * size - g0))
+        if r1 > r0 + 1:
+            out.append((r0 + 1, r1, size))
+        out.append((r1, r1 + 1, g1 - r1 * size))
+
+
+def _one_bucket_gaps(numels: list[int], divisor: int, shard: int) -> tuple[int, int, GapRuns]:
+    """(padded size, slice size, gap runs) of _one_bucket_sums' buffer: the parameters walked in reverse, each
+    start aligned to 64 elements, the end padded to ``divisor``."""
+    gaps = []
+    start = 0
+    for numel in reversed(numels):
+        s = -(-start // 64) * 64
+        if s != start:
+            gaps.append((start, s))
+        start = s + numel
+    padded = -(-start // divisor) * divisor
+    if padded != start:
+        gaps.append((start, padded))
+    size = padded // shard
+    out: list[tuple[int, int, int]] = []
+    if size:
+        _gap_runs(gaps, size, out)
+    return padded, size, tuple(out)
+
+
+def _buffer_gaps(buf: ChunkBuffer, shard: int) -> tuple[int, GapRuns]:
+    """(sum of the slice sizes, gap runs) of a buffer's buckets (build_buffer's)."""
+    total = 0
+    out: list[tuple[int, int, int]] = []
+    for b in buf.buckets:
+        size = (b.end - b.start) // shard
+        if not size:
+            continue
+        total += size
+        gaps = []
+        at = b.start
+        for s, e in b.spans:
+            if s > at:
+                gaps.append((at - b.start, s - b.start))
+            at = e
+        if b.end > at:
+            gaps.append((at - b.start, b.end - b.start))
+        _gap_runs(gaps, size, out)
+    return total, tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def _chunk_totals_max(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
+                      bucket_size: int | None, group: ShardGroup = ShardGroup.DENSE_DP,
+                      final_norm: bool | None = None) -> tuple[int, int, int, int, GapRuns]:
+    """_chunk_totals for the largest shard under the distributed optimizer: the parameter count, the padded and
+    unpadded buffer sizes, the sum of a rank's slice sizes and the buffer's gap runs (largest_shard)."""
+    shard = L.parallel.shard_size(group)
+    if bucket_size is None:
+        numels = _plain_numels(L, kind_runs, has_embedding, has_output, tied_copy, group, final_norm)
+        if numels is not None:
+            if not numels:
+                return 0, 0, 0, 0, ()
+            padded, size, runs = _one_bucket_gaps(numels, _divisor(L, shard), shard)
+            unpadded = sum(numels)
+            return unpadded, padded, unpadded, size, runs
+    buf, _ = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, (), group, final_norm)
+    size, runs = _buffer_gaps(buf, shard)
+    return buf.params, buf.numel, buf.numel_unpadded, size, runs
+
+
+def largest_shard(parts: list[tuple[int, GapRuns]], shard: int) -> int:
+    """The most elements any rank of ``shard`` owns over the buffers ``parts`` ((slice total, gap runs) each)."""
+    total = sum(t for t, _ in parts)
+    delta: dict[int, int] = {0: 0}
+    for _, runs in parts:
+        for a, b, v in runs:
+            delta[a] = delta.get(a, 0) + v
+            delta[b] = delta.get(b, 0) - v
+    fewest = None
+    held = 0
+    for r in sorted(delta):
+        if r >= shard:
+            break
+        held += delta[r]
+        if fewest is None or held < fewest:
+            fewest = held
+            if not held:
+                break
+    return total - (fewest or 0)
 
 
 @dataclass(frozen=True)
@@ -247,7 +364,8 @@ class StageStates:
 
 def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageStates:
     """Model-state bytes for one rank of ``pp_rank``. ``dp_rank``: an index, "last", or "max" (the
-    larger of DP rank 0 and the last rank; only the distributed optimizer makes them differ)."""
+    largest distributed-optimizer shard of any DP rank, largest_shard; only the distributed optimizer makes
+    the ranks differ)."""
     chunks = L.stage_chunks(pp_rank)
     # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
     sig = tuple((c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
@@ -263,21 +381,27 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     g_bytes = prec.bytes_of(TensorKind.MAIN_GRAD)
     dist = L.use_distributed_optimizer
     params = numel = unpadded = 0
-    # "max" inspects DP rank 0 and the last rank (only they can own a padded tail); with DP x CP = 1
-    # they are the same rank and must be listed once, or its shard would be counted twice.
-    ranks = tuple(sorted({0, shard - 1}) if dp_rank == "max" else [shard - 1] if dp_rank == "last" else [int(dp_rank)])
+    # "max": the largest shard of any DP rank, in closed form from the buckets' gaps (largest_shard)
+    top = dist and dp_rank == "max"
+    ranks = () if dp_rank == "max" else (shard - 1,) if dp_rank == "last" else (int(dp_rank),)
     owned = [0] * len(ranks)                # elements of the optimizer's shard of each rank in ``ranks``
+    parts = []
     for runs, has_embedding, has_output, tied, bsize, final_norm in sig:
-        n_params, n, n_unpadded, sums = _chunk_totals(L, runs, has_embedding, has_output, tied, bsize, ranks,
-                                                      ShardGroup.DENSE_DP, final_norm)
+        if top:
+            n_params, n, n_unpadded, size, gaps = _chunk_totals_max(L, runs, has_embedding, has_output, tied, bsize,
+                                                                    ShardGroup.DENSE_DP, final_norm)
+            parts.append((size, gaps))
+        else:
+            n_params, n, n_unpadded, sums = _chunk_totals(L, runs, has_embedding, has_output, tied, bsize, ranks,
+                                                          ShardGroup.DENSE_DP, final_norm)
+            for i, x in enumerate(sums):
+                owned[i] += x
         params += n_params
         numel += n
         unpadded += n_unpadded
-        for i, x in enumerate(sums):
-            owned[i] += x
     if dist:
         # The rank with the most optimizer state is the peak one.
-        main_elems = max(owned)
+        main_elems = largest_shard(parts, shard) if top else owned[0]
         param_elems = numel                 # the padded param buffer
     else:
         main_elems = param_elems = params
@@ -285,26 +409,35 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
         # megatron-core's expert DDP buffers (one per chunk) and the one expert DistributedOptimizer over
         # all chunks, sharded over the expert-data-parallel group: the rank of that group standing for
         # the dense DP rank asked for (the same end of the group)
+        # ("max": the expert group's largest shard, taken apart from the dense one's: an upper bound when the
+        # two peak on different ranks)
         eshard = L.parallel.shard_size(ShardGroup.EXPERT_DP)
         eranks = tuple(sorted({min(r, eshard - 1) if dp_rank != "last" else eshard - 1 for r in ranks}))
         eowned = [0] * len(eranks)
+        eparts = []
         e_params = e_numel = 0
         for runs, has_embedding, has_output, tied, bsize, _ in sig:
             # has_output: the last chunk's MTP layers (MoE like the last decoder layer) add their routed experts
-            n_params, n, n_unpadded, sums = _chunk_totals(L, runs, False, has_output, False, bsize, eranks,
-                                                          ShardGroup.EXPERT_DP)
+            if top:
+                n_params, n, n_unpadded, size, gaps = _chunk_totals_max(L, runs, False, has_output, False, bsize,
+                                                                        ShardGroup.EXPERT_DP)
+                eparts.append((size, gaps))
+            else:
+                n_params, n, n_unpadded, sums = _chunk_totals(L, runs, False, has_output, False, bsize, eranks,
+                                                              ShardGroup.EXPERT_DP)
+                for i, x in enumerate(sums):
+                    eowned[i] += x
             if not n_params:
                 continue
             e_params += n_params
             e_numel += n
             unpadded += n_unpadded
-            for i, x in enumerate(sums):
-                eowned[i] += x
         params += e_params
         numel += e_numel
         if dist:
             param_elems += e_numel
-            main_elems += max(eowned) if e_params else 0
+            if e_params:
+                main_elems += largest_shard(eparts, eshard) if top else eowned[0]
         else:
             param_elems += e_params
             main_elems += e_params

@@ -95,6 +95,44 @@ def _no_te_classes() -> None:
             setattr(mla, name, type(name, (), {}))
 
 
+def _te_duplicated_linear():
+    """A stand-in for the TE spec's down projections (gpt_layer_specs.py get_gpt_layer_with_transformer_engine_spec:
+    linear_q_down_proj / linear_kv_down_proj = backend.linear() = TELinear, both eras). MLASelfAttention passes
+    TELinear parallel_mode="duplicated" (multi_latent_attention.py), and TELinear then builds the whole
+    [out, in] weight on every TP rank (tp_size = 1) and marks it allreduce and, under SP, sequence_parallel
+    (megatron/core/extensions/transformer_engine.py TELinear.__init__, 0.16.1 and 0.19.2). Without TE on CPU
+    this module allocates just that, so megatron-core's own MLASelfAttention decides the mode and the sizes."""
+    import torch
+
+    class TEDuplicatedLinear(torch.nn.Module):
+        def __init__(self, input_size, output_size, *, config, parallel_mode=None, bias=False, **kwargs):
+            super().__init__()
+            assert parallel_mode == "duplicated", parallel_mode
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size))
+            params = [self.weight]
+            if bias:
+                self.bias = torch.nn.Parameter(torch.empty(output_size))
+                params.append(self.bias)
+            for p in params:
+                setattr(p, "allreduce", True)
+                setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    return TEDuplicatedLinear
+
+
+def _te_down_projections(spec) -> None:
+    """The TE spec's down projections in a local-spec MLA layer (the rest of the layer has the same parameters in
+    both specs: column-parallel up projections, row-parallel linear_proj, the latent norms' sizes)."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    if not getattr(mla, "_memguard_te_linear", None):
+        mla._memguard_te_linear = _te_duplicated_linear()
+    mla.TELinear = mla._memguard_te_linear
+    sub = spec.submodules.self_attention.submodules
+    if getattr(sub, "linear_q_down_proj", None) is not None:
+        sub.linear_q_down_proj = mla.TELinear
+    sub.linear_kv_down_proj = mla.TELinear
+
+
 def _no_core_attention(spec) -> None:
     """megatron-core 0.16.1's local DotProductAttention takes no k_channels (MLA's query/key head dim); the
     core attention holds no parameters, so a stand-in without any leaves the count unchanged."""
@@ -122,6 +160,8 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
         _no_te_classes()
         for spec in block.layer_specs:
             _no_core_attention(spec)
+            if job["mla"].get("te_down"):
+                _te_down_projections(spec)
     mtp_spec = None
     import inspect
     if "layout" in inspect.signature(mtp_on_this_rank).parameters:      # core 0.19: (layout, mtp_num_layers, ...)
@@ -134,6 +174,8 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
         last = get_gpt_decoder_layer_specs(config, False, job["norm"])[-1]
         if job.get("mla"):
             _no_core_attention(last)
+            if job["mla"].get("te_down"):
+                _te_down_projections(last)
         mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp, pp_rank=pp_rank)
     pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
     post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
