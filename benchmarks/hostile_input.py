@@ -4,6 +4,9 @@
     python benchmarks/hostile_input.py --quick    # every tenth case
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
+Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
+command line) and the Megatron hook's validate_args on mutated namespaces (600; 60 with --quick).
+
 Runs ``memguard`` in-process over a corpus of hostile inputs, every one under 1 MB: issue 14's
 thirteen reproductions; every numeric Megatron flag with every hostile value of tests/fuzz_util.py
 (inf, nan, 1e400, 5000 digits, 300,000 characters, ...); every config seed (NeMo 1, NeMo launcher,
@@ -255,6 +258,63 @@ def log_cases():
                                                             *SMALL], {"p.yaml": f"schema: memguard.site/1\nconstants: {{cuda_context: {v}}}\n"}
 
 
+def structured_regressions():
+    """What the structured mutations found (tests/test_hostile_structured.py): a lone '-' after srun, a NUL in
+    a path, a .nemo archive of empty members, an FFN narrower than TP in the planner."""
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 1 --seq-length 128 "
+             "--max-position-embeddings 128 --tokenizer-type NullTokenizer --vocab-size 100 --bf16").split()
+    yield "srun with a lone '-'", ["check", "--file", "run.sh"], {"run.sh": "srun --ntasks 8 - pretrain_gpt.py --num-layers 2\n"}
+    yield "--config with a NUL", ["estimate", "--config", "a\x00b"], {}
+    yield "--yaml-cfg with a NUL", ["estimate", "--world-size", "8", "--", "--yaml-cfg", "a\x00b"], {}
+    import lzma
+    import tarfile
+    member = tarfile.TarInfo("model_weights/a.distcp").tobuf(format=tarfile.GNU_FORMAT)
+    yield ".nemo of 200,000 empty members (xz, 15 kB)", ["estimate", "--config", "m.nemo", "--gpus", "8"], {
+        "m.nemo": lzma.compress(member * 200_000 + b"\0" * 1024, preset=0)}
+    yield "plan ffn 1 < TP 2", ["plan", "--gpus", "2", "--seq-length", "128", "--global-batch-size", "8", "--tp", "2", "--", *flags], {}
+
+
+def structured_cases():
+    """Real inputs mutated by structure (tests/mutate_util.py, issue hostile2): ten mutants of every real
+    input and of every command line, each from a fixed Random."""
+    import random
+
+    from mutate_util import COMMAND_LINES, command_mutant, mutant, seeds
+    for seed in seeds():
+        for k in range(10):
+            m = mutant(seed, random.Random(k))
+            yield "; ".join(m.notes)[:100], m.argv, m.files
+    for label, argv in COMMAND_LINES:
+        for k in range(10):
+            m = command_mutant(label, argv, random.Random(k))
+            yield "; ".join(m.notes)[:100], m.argv, m.files
+
+
+def hook_cases(n: int) -> tuple[int, list[str], float, str]:
+    """The hook's validate_args wrapper on ``n`` mutated namespaces (both eras' shapes where installed, the
+    --yaml-cfg one): (runs, broken, worst CPU seconds, its case)."""
+    import random
+    import time
+
+    from mutate_util import hook_namespaces, mutate_namespace, run_hook
+    spaces = hook_namespaces()
+    names = sorted(spaces)
+    broken, worst = [], (0.0, "")
+    for k in range(n):
+        rnd = random.Random(k)
+        notes = [names[k % len(names)]]
+        ns = mutate_namespace(spaces[notes[0]], rnd, notes)
+        c0 = time.process_time()
+        o = run_hook(ns, reject=rnd.random() < 0.05)
+        cpu = time.process_time() - c0
+        if cpu > worst[0]:
+            worst = (cpu, "; ".join(notes)[:90])
+        p = o.problems(mutated_settings=any("memguard" in x for x in notes))
+        if p:
+            broken.append(f"{'; '.join(notes)[:100]}: {'; '.join(p)[:200]}")
+    return n, broken, worst[0], worst[1]
+
+
 def big_logs(d: str) -> None:
     """--big: logs far over 1 MB that a long run writes (10**6 memory lines; 10**6 JSONL samples), timed."""
     import resource
@@ -292,14 +352,15 @@ def main(argv: list[str]) -> int:
         print()
     groups = [("reproductions", reproductions()), ("flags", flag_cases()), ("configs", config_cases()),
               ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
-              ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases())]
+              ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
+              ("structured regressions", structured_regressions()), ("structured", structured_cases())]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)
     rows = []
     for group, cases in groups:
         for k, (label, args, files) in enumerate(cases):
-            if step > 1 and group not in ("reproductions", "largest", "features", "files") and k % step:
+            if step > 1 and group not in ("reproductions", "largest", "features", "files", "structured regressions") and k % step:
                 continue
             size = sum(len(c) for c in files.values()) + sum(len(a) for a in args)
             assert size < LIMIT, (label, size)
@@ -320,6 +381,9 @@ def main(argv: list[str]) -> int:
     for cmd in sorted(runs):
         c, w, label = worst[cmd]
         print(f"{cmd:<10} {runs[cmd]:>6} {len(broken[cmd]):>7} {c:>9.2f}s {w:>8.2f}s  {label}")
+    n, hook_broken, hook_cpu, hook_label = hook_cases(60 if step > 1 else 600)
+    print(f"{'hook':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
+    runs["hook"], broken["hook"], worst["hook"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())
     over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
     nbroken = sum(len(v) for v in broken.values())

@@ -146,6 +146,8 @@ def read_bytes(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         raise ReaderError(f"{path}: is a directory, not a file") from None
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError:   # no file name holds a NUL character (os.open refuses it before the system does)
+        raise ReaderError(f"{path!r}: not a file name (it holds a NUL character)") from None
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):      # os.open opens a directory; read() would fail with EISDIR

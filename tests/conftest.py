@@ -27,23 +27,62 @@ LLAMA2_7B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-a
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "megatron_training: needs the real megatron.training of the config-container era "
-                            "(Python 3.12, megatron-core >= 0.18); tests/run.sh runs these in .venv312")
+    config.addinivalue_line("markers", "megatron_training: needs a real megatron.training (Python 3.12): the "
+                            "config-container era's (megatron-core >= 0.18; tests/run.sh runs these in .venv312 and "
+                            ".venv312-core018) or, for the legacy-era tests, core 0.17's (.venv312-core017)")
+    config.addinivalue_line("markers", "legacy_standin: a legacy-era test run against tests/legacy_standin (no real "
+                            "megatron.training installed)")
     config.addinivalue_line("markers", "bridge: needs the real Megatron-Bridge 0.6.2 (tests/run_bridge.sh installs it into "
                             ".venv312-bridge and runs these)")
 
 
-def container_era() -> bool:
-    """Python 3.12 with megatron-core >= 0.18, whose wheel ships the real megatron.training. Looked up
-    without importing megatron (test_planner_is_pure_python checks what a plan imports)."""
+def megatron_training_era() -> str | None:
+    """The era of the installed megatron.training, read from its files without importing megatron
+    (test_planner_is_pure_python checks what a plan imports): "config-container" when arguments.py defines
+    parse_and_validate_args (megatron-core >= 0.18), "legacy" when megatron.training exists without it
+    (megatron-core 0.17.x, the first wheel that ships megatron.training), None when there is none
+    (megatron-core <= 0.16, Python 3.11)."""
     if sys.version_info < (3, 12):
-        return False
+        return None
     try:
         spec = importlib.util.find_spec("megatron")
     except (ImportError, ValueError):
-        return False
-    return spec is not None and any(os.path.exists(os.path.join(d, "training", "arguments.py"))
-                                    for d in (spec.submodule_search_locations or ()))
+        return None
+    for d in (spec.submodule_search_locations or ()) if spec is not None else ():
+        path = os.path.join(d, "training", "arguments.py")
+        if os.path.exists(path):   # the first megatron/training on the path is the one imported
+            with open(path, encoding="utf-8") as f:
+                return "config-container" if "def parse_and_validate_args(" in f.read() else "legacy"
+    return None
+
+
+def container_era() -> bool:
+    """Python 3.12 with megatron-core >= 0.18, whose wheel ships the config-container era's megatron.training."""
+    return megatron_training_era() == "config-container"
+
+
+LEGACY_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "legacy_standin")
+
+
+def legacy_training() -> str | None:
+    """Which megatron.training the legacy-era tests drive: "real" (megatron-core 0.17.x installed: its own
+    megatron.training), "standin" (no megatron.training installed: tests/legacy_standin, core_v0.16.1's names
+    over the installed megatron-core), or None (a config-container-era megatron.training is installed, which
+    the stand-in must not shadow: those tests skip)."""
+    era = megatron_training_era()
+    if era == "legacy":
+        return "real"
+    return "standin" if era is None else None
+
+
+def megatron_core_version() -> tuple[int, ...] | None:
+    """The installed megatron-core's (major, minor, patch), from its package metadata (no import)."""
+    from importlib import metadata
+    try:
+        v = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
 
 
 # the marks of a module that runs the real megatron.training (tests/run.sh runs them in .venv312)

@@ -288,6 +288,7 @@ def run_memguard(argv: list[str], files: dict[str, str | bytes] | None = None, e
     with tempfile.TemporaryDirectory(prefix="memguard-fuzz-") as d:
         for name, content in (files or {}).items():
             mode = "wb" if isinstance(content, bytes) else "w"
+            os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)   # (run directories: 'a/x.jsonl')
             with open(os.path.join(d, name), mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
                 f.write(content)
         os.chdir(d)

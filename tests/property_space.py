@@ -266,7 +266,7 @@ class FeatureSpec:
 @st.composite
 def moe_specs(draw, max_per_stage: int = 3) -> FeatureSpec:
     """MoE jobs Megatron builds: EP divides the experts, the world divides into ETP x EP x PP
-    (initialize_model_parallel), SP with TP > 1 (MoELayer), top-k <= experts, top-1 softmax with
+    (initialize_model_parallel), SP with TP > 1 (MoELayer), biases only with ETP 1, top-k <= experts, top-1 softmax with
     --moe-router-pre-softmax, shared experts without biases (SharedExpertMLP asserts it), the expert
     FFN divisible by ETP, capacity only with a load balancing Megatron allows (aux_loss by default)."""
     tp = draw(st.sampled_from([1, 1, 2, 4]))

@@ -7,16 +7,18 @@
 #            megatron_training (they skip cleanly under 3.11).
 # Used by CI (.ci/run) and by the README's quick start. Arguments go to both pytest runs.
 #   .venv312-bridge  Megatron-Bridge 0.6.2 over .venv312 (tests/run_bridge.sh): tests/test_bridge_real.py.
-# MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one; PYTHON312=/path/to/python3.12
-# picks the interpreter.
+#   .venv312-core017 / -core018  megatron-core 0.17.1 / 0.18.2 over .venv312 (tests/run_releases.sh): the
+#            megatron_training tests against those releases' real megatron.training (0.17.1: the legacy era).
+# MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one, MEMGUARD_SKIP_RELEASES=1 the
+# 0.17.1 / 0.18.2 ones; PYTHON312=/path/to/python3.12 picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The three venvs take about 7.7 GB on a first run (.venv 1.2 GB, .venv312 5.5 GB: torch's CUDA wheel and its
-# libraries, .venv312-bridge 1.0 GB). A full disk fails pip late and far from the cause: say so up front.
+# The venvs take about 7.8 GB on a first run (.venv 1.2 GB, .venv312 5.5 GB: torch's CUDA wheel and its
+# libraries, .venv312-bridge 1.0 GB, .venv312-core017 and -core018 31 MB each). A full disk fails pip late and far from the cause: say so up front.
 if [ ! -d .venv312-bridge ]; then
     free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
     if [ -n "$free_kb" ] && [ "$free_kb" -lt $((9 * 1024 * 1024)) ]; then
-        echo "tests/run.sh: warning: $((free_kb / 1024)) MiB free here; a first run installs about 7.7 GB of venvs" >&2
+        echo "tests/run.sh: warning: $((free_kb / 1024)) MiB free here; a first run installs about 7.8 GB of venvs" >&2
     fi
 fi
 PY=${PYTHON:-python3.11}
@@ -51,6 +53,11 @@ fi
 .venv312/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 .venv312/bin/python -m pip install -q --disable-pip-version-check "omegaconf>=2.1"
 CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "$@"
+
+# megatron-core 0.17.1 and 0.18.2, each layered over .venv312 (31-33 MB each, no torch; about 3.5 minutes).
+if [ "${MEMGUARD_SKIP_RELEASES:-0}" != "1" ]; then
+    bash tests/run_releases.sh "$@"
+fi
 
 # Megatron-Bridge 0.6.2 itself, layered over .venv312 (MEMGUARD_SKIP_BRIDGE=1 skips it).
 if [ "${MEMGUARD_SKIP_BRIDGE:-0}" != "1" ]; then

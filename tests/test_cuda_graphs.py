@@ -66,3 +66,21 @@ def test_stage_terms_from_a_layout():
              "--global-batch-size 32 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16").split()
     L = layout_from_flags(flags, world_size=8)
     assert stage_terms(L, 4, 0, 1, 1000) == []          # no graphs: nothing
+
+
+def test_graph_options_of_each_release():
+    # --cuda-graph-impl full_iteration: megatron-core 0.18.2's arguments.py has it (0.17.1's has local with
+    # --cuda-graph-scope full_iteration only); --optimizer-cuda-graph: 0.17.1's has it (optimizer_cuda_graph.py)
+    import pytest
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    base = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16").split()
+    full = base + ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
+    with pytest.raises((ConfigError, ConfigErrors), match="full_iteration needs megatron-core 0.18"):
+        layout_from_flags(full, world_size=1, megatron_version="0.17.1")
+    assert layout_from_flags(full, world_size=1, megatron_version="0.18.2").to_dict()["cuda_graph_impl"] == "full_iteration"
+    opt = base + ["--optimizer-cuda-graph", "--use-distributed-optimizer"]
+    with pytest.raises((ConfigError, ConfigErrors), match="needs megatron-core 0.17"):
+        layout_from_flags(opt, world_size=1, megatron_version="0.16.1")
+    assert layout_from_flags(opt, world_size=1, megatron_version="0.17.1").to_dict()["optimizer_cuda_graph"] is True

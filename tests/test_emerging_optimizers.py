@@ -65,12 +65,28 @@ def test_soap_layer_wise_over_8_ranks():
     assert terms["adam_exp_avg"] == 4 * -(-(params - MATRIX_ELEMS) // 8)
 
 
-def test_lion_and_soap_need_core_0_19():
-    # 0.16's --optimizer choices are adam, sgd, muon, dist_muon
-    for opt in ("lion", "soap"):
+def test_lion_and_soap_need_their_release():
+    # --optimizer choices: 0.16 adam, sgd, muon, dist_muon; megatron-core 0.17.1's arguments.py adds lion (to
+    # 0.16.1's optimizer factory, not modelled); 0.18.2's adds soap and adaptive_muon with the emerging-optimizer
+    # factory of 0.19.2 (optimizer/emerging_optimizers.py)
+    for opt, version, since in (("lion", "0.16", "0.17"), ("soap", "0.16", "0.18"), ("soap", "0.17.1", "0.18"),
+                                ("adaptive_muon", "0.17.1", "0.18")):
         with pytest.raises((ConfigError, ConfigErrors)) as e:
-            layout_from_flags(GPT4 + ["--optimizer", opt], world_size=1, megatron_version="0.16")
-        assert "0.19" in str(e.value)
+            layout_from_flags(GPT4 + ["--optimizer", opt], world_size=1, megatron_version=version)
+        assert f"{opt} needs megatron-core {since}" in str(e.value)
+    with pytest.raises(NotModelledError, match="lion in megatron-core 0.17"):
+        layout_from_flags(GPT4 + ["--optimizer", "lion"], world_size=1, megatron_version="0.17.1")
+    with pytest.raises(NotModelledError, match="--muon-scalar-optimizer"):
+        layout_from_flags(GPT4 + ["--optimizer", "dist_muon", "--muon-scalar-optimizer", "lion"], world_size=1,
+                          megatron_version="0.17.1")
+
+
+def test_soap_on_core_0_18_is_core_0_19s():
+    # 0.18.2's emerging-optimizer factory and layer-wise optimizer are 0.19.2's: the same terms
+    flags = GPT4 + ["--optimizer", "soap", "--use-distributed-optimizer"]
+    a, b = (estimate(layout_from_flags(flags, world_size=8, megatron_version=v)) for v in ("0.18.2", "0.19.2"))
+    assert [{t.name: t.bytes for t in s.terms} for s in a.stages] == [{t.name: t.bytes for t in s.terms} for s in b.stages]
+    assert any(t.name == "soap_preconditioners" and t.bytes > 0 for t in a.stages[0].terms)
 
 
 def test_soap_with_fp16_or_mtp():

@@ -72,6 +72,15 @@ def test_grad_dtype_is_where_the_versions_differ():
     assert F.group_states(s, g8).persistent == N * 15 // D
 
 
+def test_core_0_18_is_core_0_19s_and_0_17_is_0_16s():
+    # megatron-core 0.18.2 arguments.py: --data-parallel-sharding-strategy defaults to optim_grads_params and
+    # validate_args switches --use-distributed-optimizer on, as in 0.19.2; 0.17.1 defaults to no_shard
+    assert [F.default_sharding_strategy(v) for v in ("0.17.1", "0.18.2", "0.19.2")] == [
+        "no_shard", "optim_grads_params", "optim_grads_params"]
+    assert spec("0.18.2", accumulate_allreduce_grads_in_fp32=True).grad_bytes == 2   # the parameter dtype, as 0.19
+    assert spec("0.17.1", accumulate_allreduce_grads_in_fp32=True).grad_bytes == 4   # read as 0.16.1
+
+
 def test_step_grad_copy_only_when_dtypes_differ():
     # 0.19 default: bf16 grads cast to fp32 on the optimizer's shard, 4 B x N/D
     g = F.group_states(spec(), F.FsdpGroup(N, D, True))

@@ -1,5 +1,8 @@
-"""The hook in the legacy era (core <= 0.17: pretrain() parses and validates inside initialize_megatron),
-against stand-ins with core_v0.16.1's names, signatures and call order (tests/legacy_standin)."""
+"""The hook in the legacy era (core <= 0.17: pretrain() parses and validates inside initialize_megatron).
+
+Against the real megatron.training of megatron-core 0.17.x where it is installed (Python 3.12, tests/run.sh's
+.venv312-core017), otherwise against stand-ins with core_v0.16.1's names, signatures and call order
+(tests/legacy_standin, Python 3.11); conftest.legacy_training() makes the choice, the tests are the same."""
 import collections
 import importlib.util
 import os
@@ -7,22 +10,20 @@ import sys
 
 import pytest
 
-from conftest import LLAMA31_8B
+from conftest import LEGACY_STANDIN as STANDIN, LLAMA31_8B, legacy_training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STANDIN = os.path.join(HERE, "legacy_standin")
+LEGACY = legacy_training()   # "real", "standin" or None (a config-container-era megatron.training is installed)
 
 
 def _real_megatron_training() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.training") is not None
-    except (ImportError, ValueError):
-        return False
+    """A config-container-era megatron.training is installed: the legacy-era tests do not apply."""
+    return LEGACY is None
 
 
-pytestmark = [
-    pytest.mark.skipif(_real_megatron_training(), reason="a real megatron.training is installed; the legacy-era "
-                       "stand-ins are exercised where it is absent (Python 3.11)"),
+pytestmark = ([pytest.mark.megatron_training] if LEGACY == "real" else []) + [
+    pytest.mark.skipif(LEGACY is None, reason="a config-container-era megatron.training is installed; the legacy-era "
+                       "tests run against megatron-core 0.17's real one or, where none is installed, the stand-ins"),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron.core") is None,
                        reason="needs torch and megatron-core"),
 ]
@@ -32,12 +33,20 @@ H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
 BASE = LLAMA31_8B + ["--lr", "1e-4", "--train-iters", "10"]
 
 
+def _fresh_process_state(monkeypatch) -> None:
+    """What a new process starts without: the real initialize_megatron (core 0.17) sets up megatron-core's
+    rerun state machine after set_global_variables and asserts it is not set up yet; the stand-in stops before."""
+    import megatron.core.rerun_state_machine as rsm
+    monkeypatch.setattr(rsm, "_GLOBAL_RERUN_STATE_MACHINE", None)
+
+
 @pytest.fixture
 def legacy(monkeypatch):
     import torch
-    sys.path.insert(0, STANDIN)
-    for m in [k for k in sys.modules if k == "megatron.training" or k.startswith("megatron.training.")]:
-        del sys.modules[m]
+    if LEGACY == "standin":   # megatron is a namespace package: the stand-in adds megatron.training to megatron.core
+        sys.path.insert(0, STANDIN)
+        for m in [k for k in sys.modules if k == "megatron.training" or k.startswith("megatron.training.")]:
+            del sys.modules[m]
     import megatron.training.global_vars as gv
     import megatron.training.initialize as initialize
     import megatron.training.arguments as arguments
@@ -58,6 +67,7 @@ def legacy(monkeypatch):
 
     def run(*flags):
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in flags]])
+        _fresh_process_state(monkeypatch)
         initialize.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, allow_no_cuda=True,
                                        skip_mpu_initialization=True)
         return gv.get_args()
@@ -65,9 +75,10 @@ def legacy(monkeypatch):
     yield ns
     hook.uninstall()
     gv.unset_global_variables()
-    for m in [k for k in sys.modules if k == "megatron.training" or k.startswith("megatron.training.")]:
-        del sys.modules[m]
-    sys.path.remove(STANDIN)
+    if LEGACY == "standin":
+        for m in [k for k in sys.modules if k == "megatron.training" or k.startswith("megatron.training.")]:
+            del sys.modules[m]
+        sys.path.remove(STANDIN)
 
 
 def test_era_and_targets(legacy):
@@ -91,6 +102,9 @@ def test_warn_fits_one_line_and_validation_runs_once_loudly(legacy, capsys):
     assert "[memguard] verdict: FITS" in out
     assert out.count("------------------------ arguments ------------------------") == 1  # the dry run is silent
     assert args.micro_batch_size == 1 and args.memguard == "warn"
+    # the vocabulary memguard predicted with is the one Megatron's tokenizer build padded to (Llama-3.1's 128256
+    # with NullTokenizer: core 0.16 / 0.17 add an EOD token, 128257 -> the next multiple of 128 x TP 8 = 126 x 1024)
+    assert legacy.hook.STATE.decision.layout.padded_vocab_size == args.padded_vocab_size == 129024
 
 
 def test_warn_prints_breakdown_and_changes_nothing(legacy, capsys):
@@ -173,7 +187,9 @@ def test_autotune_never_starts_a_tight_job(legacy, monkeypatch, capsys):
     args = legacy.run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
     d = legacy.hook.STATE.decision
     assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
-    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
+    # a rung of the recompute ladder (selective modules) fits before full recomputation
+    assert args.recompute_granularity == "selective" == d.layout.recompute_granularity
+    assert tuple(args.recompute_modules) == d.layout.recompute_modules and args.micro_batch_size == d.layout.micro_batch_size
 
 
 def test_megatron_errors_are_megatrons(legacy, capsys):
@@ -222,7 +238,9 @@ def test_unknown_gpu_memory_is_said(legacy, capsys, monkeypatch):
     def no_gpu(i=None):
         raise RuntimeError("Found no NVIDIA driver on your system")
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
-    legacy.run("--micro-batch-size", 4, "--tensor-model-parallel-size", 2, "--memguard", "abort")
+    # TP 1: with TP > 1 the real validate_args (core 0.17.1 arguments.py, get_device_arch_version) reads the
+    # device's properties itself and fails first
+    legacy.run("--micro-batch-size", 4, "--memguard", "abort")
     out = capsys.readouterr().out
     assert "GPU memory unknown" in out and "--memguard-gpu-memory" in out
     assert legacy.hook.STATE.decision.action == "unknown"
@@ -357,6 +375,7 @@ def _yaml_run(legacy, monkeypatch, tmp_path, yaml_flags, *command_line):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *[str(f) for f in yaml_flags]])
     path = write_yaml_cfg(tmp_path / "gpt_config.yaml", legacy.arguments.parse_args())
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--yaml-cfg", path, *[str(f) for f in command_line]])
+    _fresh_process_state(monkeypatch)
     legacy.initialize.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, allow_no_cuda=True,
                                           skip_mpu_initialization=True)
     return legacy.gv.get_args(), path
@@ -418,6 +437,7 @@ def test_yaml_memguard_keys_in_the_file(legacy, monkeypatch, tmp_path, capsys):
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(doc))
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--yaml-cfg", str(p)])
+    _fresh_process_state(monkeypatch)
     with pytest.raises(SystemExit) as e:
         legacy.initialize.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
     assert e.value.code == 2
@@ -425,6 +445,7 @@ def test_yaml_memguard_keys_in_the_file(legacy, monkeypatch, tmp_path, capsys):
     assert "error: memguard_threshold (--yaml-cfg" in err and "must be in (0, 1.5]" in err
     doc["memguard_threshold"] = 0.8
     p.write_text(yaml.safe_dump(doc))
+    _fresh_process_state(monkeypatch)
     with pytest.raises(SystemExit) as e:
         legacy.initialize.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
     assert e.value.code == 3 and "[memguard] ABORT" in capsys.readouterr().out   # memguard: abort from the file

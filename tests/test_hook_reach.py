@@ -2,14 +2,15 @@
 layout memguard reads from Megatron's own validated namespace gives the same estimate, term for term, as the
 same flags given to the CLI reader.
 
-Core 0.19.2 (Python 3.12): the real megatron.training parse_and_validate_args. Core 0.16.1 (Python 3.11): the
-legacy-era stand-ins of tests/legacy_standin driven through the installed hook."""
+Core 0.18.2 / 0.19.2 (Python 3.12): the real megatron.training parse_and_validate_args. Core 0.17.1 (Python 3.12):
+the real legacy-era initialize_megatron; core 0.16.1 (Python 3.11): the legacy-era stand-ins of tests/legacy_standin;
+both driven through the installed hook (test_hook_legacy's fixture)."""
 import os
 import sys
 
 import pytest
 
-from conftest import CONTAINER_ERA, H100, LLAMA31_8B
+from conftest import CONTAINER_ERA, H100, LLAMA31_8B, legacy_training, megatron_core_version
 from test_hook_legacy import _real_megatron_training, legacy  # noqa: F401 (the legacy-era fixture)
 
 BASE = LLAMA31_8B + "--lr 1e-4 --train-iters 10 --mock-data --no-rope-fusion --micro-batch-size 1".split()
@@ -48,6 +49,11 @@ CASES = {
 }
 
 
+# the first megatron-core release whose parser has a case's flags (checked in the 0.17.1, 0.18.2 and 0.19.2
+# wheels' megatron/training/arguments.py); the others are in 0.18.2's
+SINCE = {"freeze": (0, 19), "offload-tuning": (0, 19)}
+
+
 def _terms(est):
     return [{t.name: t.bytes for t in s.terms} for s in est.stages]
 
@@ -63,6 +69,9 @@ def test_live_019_namespace_estimates_as_the_cli(name, monkeypatch):
     from megatron_memguard import estimate, layout_from_flags, resolve
     from megatron_memguard.readers.megatron_namespace import raw_from_namespace
     flags, term = CASES[name]
+    installed = megatron_core_version()
+    if installed < SINCE.get(name, (0, 18)):
+        pytest.skip(f"megatron-core {'.'.join(map(str, installed))}'s parser has no {' '.join(flags)}")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
     # Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1; TP communication overlap wants 1
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8" if "--use-megatron-fsdp" in flags else "1")
@@ -74,24 +83,27 @@ def test_live_019_namespace_estimates_as_the_cli(name, monkeypatch):
         args = parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     finally:
         global_vars.unset_global_variables()
-    live = estimate(resolve(raw_from_namespace(args), world_size=8))
-    cli = estimate(layout_from_flags(BASE + flags, world_size=8, megatron_version="0.19.2"))
+    version = ".".join(map(str, installed))   # the release whose rules the hook applies (STATE.megatron_version)
+    live = estimate(resolve(raw_from_namespace(args), world_size=8, megatron_version=version))
+    cli = estimate(layout_from_flags(BASE + flags, world_size=8, megatron_version=version))
     assert _terms(live) == _terms(cli)
     if term:
         assert any(d.get(term, 0) > 0 for d in _terms(live)), term
 
 
 LEGACY = [
-    pytest.mark.skipif(_real_megatron_training(), reason="the legacy-era stand-ins run where no real "
-                       "megatron.training is installed (Python 3.11)"),
-    pytest.mark.skipif(sys.version_info >= (3, 12), reason="core 0.16.1 era"),
+    pytest.mark.megatron_training if legacy_training() == "real" else pytest.mark.legacy_standin,
+    pytest.mark.skipif(_real_megatron_training(), reason="a config-container-era megatron.training is installed; "
+                       "these run against core 0.17's real one or the legacy-era stand-ins (core 0.16.1)"),
+    pytest.mark.skipif(megatron_core_version() is None, reason="needs megatron-core"),
 ]
 
 
 @LEGACY[0]
 @LEGACY[1]
+@LEGACY[2]
 @pytest.mark.parametrize("flags, term", [
-    # core_v0.16.1 has dist_muon (ping-pong over whole parameters) and TE userbuffers
+    # core_v0.16.1 and core_v0.17.1 have dist_muon (ping-pong over whole parameters) and TE userbuffers
     (["--optimizer", "dist_muon"], "muon_momentum"),
     (["--tensor-model-parallel-size", 2, "--sequence-parallel", "--tp-comm-overlap"], "tp_comm_userbuffers"),
 ])
@@ -100,7 +112,7 @@ def test_legacy_hook_estimates_as_the_cli(legacy, capsys, flags, term):
     legacy.run("--micro-batch-size", 1, *flags, "--memguard", "report")
     d = legacy.hook.STATE.decision
     assert d is not None and d.estimate is not None, capsys.readouterr()
-    assert str(d.megatron_version).startswith("0.16")
+    assert str(d.megatron_version) == ".".join(map(str, megatron_core_version()))   # the installed release
     cli = estimate(layout_from_flags(BASE[:len(LLAMA31_8B)] + ["--lr", "1e-4", "--train-iters", "10",
                                      "--micro-batch-size", "1", *[str(f) for f in flags]],
                                      world_size=16, megatron_version=d.megatron_version), gpu=d.gpu,

@@ -6,8 +6,8 @@ and checks the arguments against GPU memory inside ``validate_args``, before any
 then each rank logs its peak memory against its own stage's prediction. See run_pretrain_gpt.sh for
 the flags, docs/hook.md for the details.
 
-This skeleton keeps the shape of the core_v0.16 file (model_provider, the datasets provider, forward_step,
-pretrain) with random tokens instead of Megatron's GPT datasets, so that it runs anywhere Megatron does:
+This skeleton keeps the shape of the legacy-era file (core_v0.16 / core_v0.17: model_provider, the datasets
+provider, forward_step, pretrain) with random tokens instead of Megatron's GPT datasets, so that it runs anywhere Megatron does:
 the provider returns an iterator of batches, which Megatron takes as it is with ``--dataloader-type
 external`` (the default set below), and each batch goes to the current GPU as in the real ``get_batch``.
 """
@@ -22,9 +22,11 @@ from megatron.training import get_args, pretrain
 from megatron.training.arguments import core_transformer_config_from_args
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None):
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    # core_v0.17's get_model passes the TransformerConfig it built (and the process groups, left to GPTModel's
+    # defaults here); core_v0.16's passes neither
     args = get_args()
-    config = core_transformer_config_from_args(args)
+    config = config if config is not None else core_transformer_config_from_args(args)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

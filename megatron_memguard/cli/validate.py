@@ -83,7 +83,8 @@ def run(own_args: list[str], flags: list[str]) -> int:
 
     bad = [t for t in ns.overrides if not is_override_token(t)]
     if bad:
-        print(f"memguard validate: error: {bad[0]!r} is not a KEY=VALUE override", file=sys.stderr)
+        from ..numbers import shown
+        print(f"memguard validate: error: {shown(bad[0])} is not a KEY=VALUE override", file=sys.stderr)
         return EXIT_BAD_INPUT
     ns.set = list(ns.set) + list(ns.overrides)
     if not ns.config and not flags and not ns.model:

@@ -286,7 +286,7 @@ def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> s
         kept = max(0, k - skip)
         skip = max(0, skip - k)
         if kept or len(per_kind) == 1:
-            parts.append(f"{kept} layers x {format_bytes(la.total)}")
+            parts.append(f"{kept} {'layer' if kept == 1 else 'layers'} x {format_bytes(la.total)}")
     return " + ".join(parts)
 
 

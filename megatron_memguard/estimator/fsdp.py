@@ -42,8 +42,13 @@ COMM_UNIT_FLOOR = 1_000_000_000
 DOUBLE_BUFFER_UNITS = 2
 # core 0.19 reads the gradient dtype from MixedPrecisionPolicy (--megatron-fsdp-main-grads-dtype,
 # default "auto" = the parameter dtype); core 0.16.1 from grad_reduce_in_fp32
-# (--accumulate-allreduce-grads-in-fp32). Versions between the two are taken to follow 0.16.1.
-MIXED_PRECISION_POLICY_SINCE = (0, 19)
+# (--accumulate-allreduce-grads-in-fp32). The megatron-core 0.18.2 wheel is 0.19's here and in what goes with it
+# (validate_args switches --use-distributed-optimizer on and asserts --ckpt-format fsdp_dtensor; the sharding
+# strategy defaults to optim_grads_params; fsdp_layout.py's HSDP expert mesh, intra_expt_dp in
+# mcore_fsdp_adapter.py, and --log-params-norm's stop_communication() releasing the unit buckets are there too).
+# 0.17.1 is taken to follow 0.16.1: it has no switch and defaults to
+# no_shard, but already has --megatron-fsdp-main-grads-dtype (docs/assumptions.md).
+MIXED_PRECISION_POLICY_SINCE = (0, 18)
 
 
 def version_tuple(text: str) -> tuple[int, int]:

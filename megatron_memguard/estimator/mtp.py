@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# core 0.19.2 moved the MTP heads' loop out of GPTModel._postprocess into the function
-# process_mtp_loss (transformer/multi_token_prediction.py): its last mtp_logits die when it returns,
-# before the main head runs. 0.16.1 runs the loop inline, so they stay referenced. 0.17 / 0.18 were
-# not read: they keep the 0.16.1 figure, the larger one.
-MTP_LOSS_FUNCTION_SINCE = (0, 19)
+# core 0.19.2 runs the MTP heads' loop in the function process_mtp_loss (transformer/multi_token_prediction.py),
+# called from GPTModel._postprocess: its last mtp_logits die when it returns, before the main head runs.
+# 0.16.1 runs the loop inline, so they stay referenced. The 0.17.1 and 0.18.2 wheels call process_mtp_loss
+# from _postprocess as 0.19.2 does.
+MTP_LOSS_FUNCTION_SINCE = (0, 17)
 
 
 def _version_tuple(text: str) -> tuple[int, int]:
@@ -138,7 +138,7 @@ def block_activations(spec: MtpSpec) -> MtpActivations:
 def logits_in_flight(spec: MtpSpec) -> int:
     """The last depth's logits ``[s*b/CP, V/TP]`` in the activation dtype: in core 0.16.1 the loop
     variable of ``GPTModel._postprocess`` still holds them while the main head computes its logits and
-    loss, so they add to the last stage's forward transient. From core 0.19 the loop runs in the function
+    loss, so they add to the last stage's forward transient. From core 0.17 the loop runs in the function
     ``process_mtp_loss``, which has returned (and dropped them) before the main head starts: nothing."""
     if spec.mtp_num_layers <= 0 or _version_tuple(spec.megatron_version) >= MTP_LOSS_FUNCTION_SINCE:
         return 0

@@ -252,7 +252,7 @@ def stage_state_terms(L, pp_rank: int, terms: tuple) -> tuple:
     from .result import Term
     spec = spec_of(L)
     chunks = [[(p.name, p.numel, p.cols) for p in chunk_params(L, c)] for c in L.stage_chunks(pp_rank)]
-    legacy = Version(str(L.megatron_version)) < Version("0.19")
+    legacy = Version(str(L.megatron_version)) < Version("0.18")   # resolve/muon.py EMERGING_SINCE
     from ..layout import ShardGroup
     expert_group = getattr(ShardGroup, "EXPERT_DP", None)
     expert_dp = L.parallel.shard_size(expert_group) if expert_group is not None else None
@@ -466,7 +466,7 @@ def legacy_allgather_bytes(L, pp_rank: int) -> int:
 
     from .params import chunk_params
     spec = spec_of(L)
-    if not spec.layer_wise or Version(str(L.megatron_version)) >= Version("0.19"):
+    if not spec.layer_wise or Version(str(L.megatron_version)) >= Version("0.18"):   # param_layout.py since 0.18
         return 0
     from ..layout import ShardGroup
     expert_group = getattr(ShardGroup, "EXPERT_DP", None)

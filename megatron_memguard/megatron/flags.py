@@ -196,6 +196,25 @@ class Settings:
                 "allow_recompute": self.allow_recompute, "profile": self.profile}
 
 
+def _checked_value(spec: FlagSpec, v: Any) -> Any:
+    """A value found in the namespace, checked as its flag's: argparse converted what it parsed, but a
+    default it did not convert, or a value set by other code (a YAML loader, a launcher), may be anything."""
+    if v is None:
+        return spec.default
+    if spec.boolean and isinstance(v, bool):
+        return v
+    try:
+        if spec.convert in (_directory, _site_profile):   # (checked when parsed: they touch the filesystem)
+            if not isinstance(v, str):
+                raise argparse.ArgumentTypeError(f"invalid value {shown(repr(v))}: expected a path")
+            return v
+        if isinstance(v, (bool, float)) and spec.convert is _interval or not isinstance(v, (str, int, float)):
+            raise argparse.ArgumentTypeError(f"invalid value {shown(repr(v))}: expected {spec.metavar or 'true or false'}")
+        return spec.convert(str(v))
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(spec.flag, str(e)) from None
+
+
 def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Settings:
     """Settings from Megatron's parsed args; from the environment when the flags were not added
     (a parser built before the hook was imported, or a YAML config). Raises ConfigError naming the
@@ -205,9 +224,7 @@ def settings_from_args(args: Any, environ: Mapping[str, str] | None = None) -> S
     from_flags = all(hasattr(args, s.dest) for s in FLAGS)
     for spec in FLAGS:
         if hasattr(args, spec.dest):
-            v = getattr(args, spec.dest)
-            if isinstance(v, str) and spec.convert not in (_directory, _site_profile):
-                v = spec.convert(v)  # a default that argparse did not convert
+            v = _checked_value(spec, getattr(args, spec.dest))
         else:
             v = _env_default(spec, environ)
             if isinstance(v, str):

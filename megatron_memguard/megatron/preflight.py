@@ -26,13 +26,13 @@ import os
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
-from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort  # noqa: F401 (MemguardAbort: re-exported)
+from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort, expert_grid_failure  # noqa: F401 (MemguardAbort: re-exported)
 from ..autotune import autotune, describe_layout_choice
 from ..config import RawConfig
 from ..estimator import Estimate, estimate
 from ..errors import MemguardError
 from ..gpus import GpuSpec
-from ..knobs import flag_of
+from ..knobs import flag_text
 from ..readers.megatron_namespace import raw_from_namespace
 from ..report.text import moe_line, render, stage_summary, verdict_line, worst_moe_stage
 from ..resolve import resolve
@@ -92,6 +92,20 @@ def _settings_line(settings: Settings, gpu: GpuSpec | None, mem: int | None, sou
     return f"{PREFIX} mode {settings.mode}, threshold {settings.threshold:.0%}, {where} ({source}){site}"
 
 
+def _rank(args: Any, environ: Mapping[str, str]) -> int:
+    """This rank: Megatron's ``args.rank`` (an int it set from RANK), else RANK; a value that is no
+    integer counts as rank 0 (the one that prints), as the check itself does not depend on it."""
+    rank = getattr(args, "rank", None)
+    for v in (rank, environ.get("RANK")) if rank is not None else (environ.get("RANK"),):
+        if isinstance(v, bool) or v is None:
+            continue
+        try:
+            return int(v)
+        except (TypeError, ValueError, OverflowError):
+            continue
+    return 0
+
+
 def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, settings: Settings, *,
            megatron_version: str | None, environ: Mapping[str, str] | None = None,
            emit: Callable[[str], None] | None = None,
@@ -100,8 +114,7 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     sets an argument update where ``validate`` reads it (a ``--yaml-cfg`` namespace has sections);
     ``validator`` names ``validate`` in messages."""
     environ = os.environ if environ is None else environ
-    rank = getattr(args, "rank", None)
-    rank0 = int(rank if rank is not None else (environ.get("RANK") or 0)) == 0
+    rank0 = _rank(args, environ) == 0
     out: list[str] = []
 
     def say(text: str) -> None:
@@ -129,15 +142,18 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
     try:
         raw = raw_config_from_args(args, defaults)
         layout = resolve(raw, world_size=getattr(args, "world_size", None), megatron_version=megatron_version)
+        site = None
+        if settings.profile:
+            from ..site_profile import load_site_profile
+            # checked when parsed; read again here (a namespace set by other code, a file changed since)
+            site = load_site_profile(settings.profile, key="--memguard-profile").constants
     except MemguardError as e:
         d.action, d.reason = "unsupported", str(e)
+        later = _expert_grid_failure(args, environ)
         if rank0:
-            (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; training continues unchecked")
+            (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; "
+                            + (f"Megatron's {validator} accepts it but {later}" if later else "training continues unchecked"))
         return d
-    site = None
-    if settings.profile:
-        from ..site_profile import load_site_profile
-        site = load_site_profile(settings.profile, key="--memguard-profile").constants  # checked when parsed
     est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     d.layout, d.estimate = layout, est
     say(_settings_line(settings, d.gpu, d.gpu_memory, d.gpu_memory_source))
@@ -196,9 +212,18 @@ def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, check) -> 
     if r.chosen is None:
         return f"{PREFIX} no micro-batch / pipeline size" + (" / recompute" if settings.allow_recompute else "") + \
             " change found that fits:\n" + r.summary()
-    ch = ", ".join(f"{flag_of(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    ch = ", ".join(flag_text(k, new) for k, (_, new) in r.changes.items() if new is not None and new is not False)
     return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
             f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
+
+
+def _expert_grid_failure(args, environ) -> str | None:
+    return expert_grid_failure(lambda n: getattr(args, n, None),
+                               getattr(args, "world_size", None) or environ.get("WORLD_SIZE"))
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, check, say) -> None:
@@ -210,7 +235,8 @@ def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, chec
         d.action = "tuned"
         d.updates = r.updates
         d.layout, d.estimate = r.chosen.layout, r.chosen.estimate
-        changed = ", ".join(f"{k} {old if old is not None else '(default)'} -> {new}" for k, (old, new) in r.changes.items())
+        changed = ", ".join(f"{k} {_shown(old) if old is not None else '(default)'} -> {_shown(new)}"
+                            for k, (old, new) in r.changes.items())
         say(f"{PREFIX} autotune changed {changed}")
         say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
         say(stage_summary(r.chosen.estimate))

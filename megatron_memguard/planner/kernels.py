@@ -42,7 +42,10 @@ def gemm_efficiency(M: int, N: int, K: int, gpu: GpuSpec) -> float:
 
 def gemm_seconds(M: int, N: int, K: int, gpu: GpuSpec, c_bytes: float = 2.0) -> float:
     """One GEMM: its FLOPs at :func:`gemm_efficiency`, or its HBM traffic (bf16 inputs, an output of
-    ``c_bytes`` per element read and written when accumulating) if that takes longer."""
+    ``c_bytes`` per element read and written when accumulating) if that takes longer. A GEMM with an empty
+    dimension (an FFN narrower than the tensor-parallel size: 1 // 2 columns per rank) does no work."""
+    if min(M, N, K) <= 0:
+        return 0.0
     t = 2.0 * M * N * K / (gpu.bf16_flops * gemm_efficiency(M, N, K, gpu))
     mem = (2.0 * (M * K + K * N) + c_bytes * M * N) / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
     return max(t, mem)

@@ -67,6 +67,11 @@ def _no_overrides(path: str, overrides: list[str] | None) -> None:
                           "for Megatron flags give the flag after --")
 
 
+# members read before giving up on finding model_config.yaml: NeMo's SaveRestoreConnector writes the config,
+# the tokenizer files and the weights (a torch_dist checkpoint: a file per shard, hundreds for the largest models)
+MAX_NEMO_MEMBERS = 10_000
+
+
 def _nemo_archive_config(path: str) -> str:
     """The model_config.yaml inside a NeMo 1 ``.nemo`` checkpoint (a tar archive)."""
     import tarfile
@@ -79,7 +84,10 @@ def _nemo_archive_config(path: str) -> str:
         raise ReaderError(f"{path}: not a regular file (a .nemo checkpoint is a tar file)")
     try:
         with tarfile.open(path) as tar:
-            for m in tar:
+            for k, m in enumerate(tar):
+                if k >= MAX_NEMO_MEMBERS:   # a compressed tar of empty members: a few KiB for millions of them
+                    raise ReaderError(f"{path}: no model_config.yaml in the first {MAX_NEMO_MEMBERS:,} members of this "
+                                      ".nemo archive (a .nemo checkpoint holds its config, tokenizer and weight files)")
                 if m.isfile() and os.path.basename(m.name) == "model_config.yaml":
                     fh = tar.extractfile(m)
                     if fh is not None:

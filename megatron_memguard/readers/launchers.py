@@ -130,7 +130,8 @@ class OuterOpts:
 
 def srun_opts(toks: list[str], i: int, notes: list[str], name: str) -> tuple[OuterOpts, int]:
     s = OuterOpts(name)
-    while i < len(toks) and toks[i].startswith("-") and toks[i] != "--":
+    # a lone "-" is no option to srun's getopt: it is the program's place, as "--" ends the options
+    while i < len(toks) and toks[i].startswith("-") and toks[i] not in ("-", "--"):
         t = toks[i]
         if t.startswith("--"):
             opt, val = (t.split("=", 1) + [None])[:2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable, Mapping
@@ -76,6 +77,19 @@ def flag_table() -> dict[str, list]:
     return table
 
 
+def _refuse_unicode_dash(tok: str, table: Mapping[str, Any]) -> None:
+    """A Megatron flag written with a typographic dash (an em dash or a minus sign, pasted from a document):
+    Megatron's argparse takes it for a stray argument and exits, so it is refused here too, by name."""
+    head = tok[:2]
+    if not head or head[0].isascii() or unicodedata.category(head[0]) != "Pd" and head[0] not in "\u2212\ufe63\uff0d":
+        return
+    body = tok.lstrip("-\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63\uff0d").split("=", 1)[0]
+    flag = "--" + body.replace("_", "-")
+    if body and flag in table:
+        raise ConfigError(cut(tok), f"starts with {unicodedata.name(head[0], 'a dash').lower()} (U+{ord(head[0]):04X}), "
+                          "not '--': Megatron's argparse does not recognise it and exits", f"write {flag}")
+
+
 def _is_flag(tok: str) -> bool:
     return tok.startswith("--") and len(tok) > 2
 
@@ -134,6 +148,7 @@ def parse_megatron_flags(
         tok = toks[i]
         i += 1
         if not _is_flag(tok):
+            _refuse_unicode_dash(tok, table)
             if refuse_overrides:
                 from ._common import is_override_token
                 if is_override_token(tok):

@@ -6,7 +6,8 @@ the megatron-core wheels' ``megatron/training/arguments.py`` and ``megatron/core
 (whose fields 0.17+ turn into flags with ``ArgumentGroupFactory``):
 
 * added in 0.19.0 (absent from 0.17.0 and 0.18.0, present in 0.19.0 and 0.19.2);
-* added in 0.18.0 (absent from 0.17.0, present in 0.18.0, 0.19.0, 0.19.2);
+* added in 0.18.0 (absent from 0.17.0 and 0.17.1, present in 0.18.0, 0.18.2, 0.19.0, 0.19.2; ``fp4_param_gather``
+  is not one: the 0.17.1 wheel's parser has it already);
 * ``hybrid_layer_pattern``: absent in 0.16.1 (../shared/reference/megatron.md, the flags table; 0.16.1's
   wheel has no megatron.training to check), present from 0.17.0 on.
 
@@ -22,7 +23,7 @@ from typing import Collection
 MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("0.19", ("freeze_all_layers", "override_ckpt_iteration", "yarn_beta_fast", "dataloader_inter_document_masking",
               "logits_save_dir")),
-    ("0.18", ("cuda_graph_modules", "fp4_param_gather", "muon_nesterov")),
+    ("0.18", ("cuda_graph_modules", "muon_nesterov")),
     ("0.17", ("hybrid_layer_pattern",)),
 )
 OLDEST = "0.16"

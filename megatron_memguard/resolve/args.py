@@ -11,10 +11,38 @@ from packaging.version import Version
 
 from ..config import RawConfig
 from ..errors import ConfigError
-from ..numbers import bound_reason, to_float, to_int, upper_bound
+from ..numbers import bound_reason, shown, to_float, to_int, upper_bound
 
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
+
+
+# options whose value readers may give as a structure: Bridge's nested-list layout, a userbuffers config or a
+# heterogeneous block config written inline
+_DOCUMENTS = {"pipeline_model_parallel_layout", "tp_comm_overlap_cfg", "heterogeneous_layers_config_encoded_json"}
+
+
+def _plain(v: Any) -> bool:
+    """One value: not a container, and hashable (an enum member validate_args made is one)."""
+    if isinstance(v, (list, tuple, dict, set, frozenset)):
+        return False
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _kind(dest: str) -> str | None:
+    """How Megatron's option for ``dest`` takes its value: "value" (one plain str / int / float; not a list
+    expression such as --moe-layer-freq), "list" (nargs), or None (a switch, or not a Megatron option)."""
+    from ..readers.megatron_flags import flag_table
+    for spec in flag_table().values():
+        if spec[0] == dest:
+            if spec[1] == "value":
+                return "value" if len(spec) > 2 and spec[2] in ("str", "int", "float") else None
+            return "list" if spec[1] == "list" else None
+    return None
 
 
 class Context:
@@ -46,7 +74,21 @@ class Args:
 
     def get(self, dest: str, default: Any = None) -> Any:
         v = self.a.get(dest)
-        return default if v is None else v
+        if v is None:
+            return default
+        if not isinstance(v, (str, int, float)):
+            # (a reader of Python objects, e.g. Megatron's namespace or a Bridge dict, passes any object on: the
+            # layout keeps only what Megatron's option would hold, and it is hashed)
+            kind = _kind(dest)
+            if kind == "value" and dest not in _DOCUMENTS and not _plain(v):
+                self.a[dest] = None
+                self.fail(dest, f"must be a single value, got {shown(v)}")
+                return default
+            if kind == "list" and (not isinstance(v, (list, tuple)) or not all(_plain(x) for x in v)):
+                self.a[dest] = None
+                self.fail(dest, f"must be a list of values, got {shown(v)}")
+                return default
+        return v
 
     def key(self, dest: str) -> str:
         return self.raw.key(dest)

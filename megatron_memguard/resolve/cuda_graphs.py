@@ -49,7 +49,14 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("external_cuda_graph", "cannot be combined with --enable-cuda-graph")
         impl = "local" if enable else "transformer_engine"
     dest, names = _modules(a)
-    known = ("none", "local", "transformer_engine") + (("full_iteration",) if ctx.version >= Version("0.19") else ())
+    # --cuda-graph-impl full_iteration and core/transformer/cuda_graph_config.py's migration of the deprecated
+    # scope value: in the 0.18.2 wheel as in 0.19.2; 0.17.1 has local + --cuda-graph-scope full_iteration only
+    new = ctx.version >= Version("0.18")
+    known = ("none", "local", "transformer_engine") + (("full_iteration",) if new else ())
+    if impl == "full_iteration" and not new:
+        a.fail("cuda_graph_impl", "full_iteration needs megatron-core 0.18",
+               "use --cuda-graph-impl local --cuda-graph-scope full_iteration")
+        return dict(cuda_graph_impl="none", cuda_graph_modules=())
     if impl not in known:
         a.fail("cuda_graph_impl", f"must be one of {', '.join(known)}, got {impl!r}")
         return dict(cuda_graph_impl="none", cuda_graph_modules=())
@@ -60,7 +67,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail(dest, "full_iteration cannot be combined with other modules")
         if impl == "transformer_engine":
             a.fail(dest, "full_iteration needs --cuda-graph-impl local (the TE implementation graphs layers)")
-        if impl == "none" and ctx.version < Version("0.19"):
+        if impl == "none" and not new:
             names = []
         else:
             impl, names = "full_iteration", []
@@ -71,7 +78,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         return dict(cuda_graph_impl="none", cuda_graph_modules=())
     if impl == "full_iteration" and names:
         a.fail(dest, "must be empty with --cuda-graph-impl full_iteration")
-    if impl == "full_iteration" and ctx.version >= Version("0.19") and a.bool_arg("check_for_nan_in_loss_and_grad", True):
+    if impl == "full_iteration" and new and a.bool_arg("check_for_nan_in_loss_and_grad", True):
         a.fail("cuda_graph_impl", "full_iteration needs --no-check-for-nan-in-loss-and-grad (validate_args)")
     if impl == "full_iteration" and a.int_arg("eval_iters", 100, minimum=0):
         a.notes.append(f"{a.key('cuda_graph_impl')} full_iteration: once validation ran, its graph keeps a second set of "
@@ -88,4 +95,53 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("cpu_offloading_num_layers", "does not work with CUDA graphs other than full_iteration (TransformerConfig)")
     if kw.get("recompute_granularity") == "full" and impl != "full_iteration":
         a.fail("recompute_granularity", "full recompute works only with the full-iteration CUDA graph (TransformerConfig)")
+    if kw.get("moe") is not None and names:
+        _moe_graphs(a, kw["moe"], dest or "cuda_graph_modules", names)
+    if kw.get("fine_grained_activation_offloading") and ctx.version >= Version("0.19"):
+        impl_dest = ("cuda_graph_impl" if str(a.get("cuda_graph_impl", "none")) != "none"
+                     else "enable_cuda_graph" if enable else "external_cuda_graph")
+        _offload_graphs(a, impl, dest or impl_dest, names, set(kw.get("offload_modules") or ()))
     return dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
+
+
+def _moe_graphs(a: Args, moe: Any, dest: str, names: list[str]) -> None:
+    """TransformerConfig.__post_init__ (transformer_config.py, 0.16.1 lines 1757-1771, 0.19.2 lines
+    2497-2511): an mlp graph needs a dense layer (--moe-layer-freq 1 or a list without 0 leaves none), and the
+    moe graph needs static shapes: drop-and-pad routing."""
+    freq = a.get("moe_layer_freq", 1)
+    try:
+        every_layer_moe = int(str(freq)) == 1
+    except ValueError:
+        every_layer_moe = all(moe.moe_layer_pattern)
+    if "mlp" in names and every_layer_moe:
+        a.fail(dest, "mlp graphs need dense layers, and --moe-layer-freq makes every layer MoE")
+    if "moe" in names and not (moe.moe_expert_capacity_factor is not None and moe.moe_pad_expert_input_to_capacity):
+        a.fail(dest, "the moe graph needs drop-and-pad routing", "give --moe-expert-capacity-factor and "
+               "--moe-pad-expert-input-to-capacity, or graph moe_router instead")
+    elif ("moe_preprocess" in names and moe.moe_token_dispatcher_type == "alltoall"
+          and moe.moe_expert_capacity_factor is not None and not moe.moe_pad_expert_input_to_capacity):
+        a.fail(dest, "the moe_preprocess graph does not work with the alltoall dispatcher's capacity factor "
+               "without padding (its preprocess synchronises with the host)")
+
+
+# what a local (Megatron's own) CUDA graph lets fine-grained activation offloading move
+LOCAL_GRAPH_OFFLOADS = ("expert_fc1", "moe_act", "fused_group_mlp")
+
+
+def _offload_graphs(a: Args, impl: str, dest: str, names: list[str], offload: set[str]) -> None:
+    """Fine-grained activation offloading under CUDA graphs, TransformerConfig.__post_init__
+    (transformer_config.py 0.19.2 lines 2596-2621; core 0.16.1 has none of these rules): the local graphs
+    only around partially graphed MoE layers offloading expert_fc1 / moe_act / fused_group_mlp, and never
+    the moe graph."""
+    if impl == "none":
+        return
+    if impl == "local":
+        other = sorted(offload - set(LOCAL_GRAPH_OFFLOADS))
+        if other:
+            a.fail("offload_modules", f"with --cuda-graph-impl local only {', '.join(LOCAL_GRAPH_OFFLOADS)} can be "
+                   f"offloaded, got {', '.join(other)}")
+        elif not names:
+            a.fail(dest, "local CUDA graphs of whole layers do not work with fine-grained activation offloading",
+                   "name the graphed modules with --cuda-graph-modules")
+    if "moe" in names:
+        a.fail(dest, "the moe graph does not work with fine-grained activation offloading")

@@ -2,7 +2,7 @@
 and 0.19.2 megatron/training/arguments.py, mcore_fsdp_adapter.py, optimizer/__init__.py).
 
 ``fsdp`` runs before the optimizer section: Megatron-FSDP switches the distributed optimizer on in
-0.19 (``args.use_distributed_optimizer = True`` with a warning), and the optimizer section's rules
+0.18 and later (``args.use_distributed_optimizer = True`` with a warning), and the optimizer section's rules
 (``--overlap-param-gather``, ``--use-precision-aware-optimizer``) then see it on, as in Megatron.
 ``optimizer_offload`` runs after it.
 """
@@ -93,16 +93,16 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # core 0.16.1's validate_args does not switch it on (its examples pass it); without it
             # get_megatron_optimizer builds Float16OptimizerWithFloat16Params over FSDP's DTensor shards,
             # whose first step fails (model_param.main_grad: the DTensors have none; seen on the CPU referee)
-            a.fail(mkey, "needs --use-distributed-optimizer in megatron-core 0.16 (the non-distributed optimizer "
-                         "fails on Megatron-FSDP's sharded parameters; 0.19 switches it on)",
+            a.fail(mkey, f"needs --use-distributed-optimizer in megatron-core {version[0]}.{version[1]} (the non-distributed "
+                         "optimizer fails on Megatron-FSDP's sharded parameters; 0.18 and later switch it on)",
                    "add --use-distributed-optimizer")
         if a.get("ckpt_format") is not None and str(a.get("ckpt_format")) != "fsdp_dtensor":
             a.fail("ckpt_format", "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
         elif new and a.get("ckpt_format") is None and a.key(mkey).startswith("--"):
-            # core 0.19.2 validate_args asserts ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp, and
+            # core 0.18.2 and 0.19.2 validate_args assert ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp, and
             # the flag's default is torch_dist, so leaving it out fails too. Only for Megatron's own flags:
             # NeMo / Bridge configs carry their checkpoint format elsewhere (not read here).
-            a.fail(mkey, "requires --ckpt-format fsdp_dtensor in megatron-core 0.19 (the default torch_dist "
+            a.fail(mkey, f"requires --ckpt-format fsdp_dtensor in megatron-core {version[0]}.{version[1]} (the default torch_dist "
                          "is refused by validate_args)", "add --ckpt-format fsdp_dtensor")
         if strategy == "optim_grads_params" and a.get("check_weight_hash_across_dp_replicas_interval") is not None:
             a.fail("check_weight_hash_across_dp_replicas_interval", "is not supported with optim_grads_params")
@@ -155,9 +155,10 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    megatron_fsdp_main_grads_dtype=_fsdp_dtype(a, "megatron_fsdp_main_grads_dtype", "auto"))
         if not new:
             a.notes.append(f"{a.key(mkey)}: megatron-core {version[0]}.{version[1]} keeps Megatron-FSDP's gradients "
-                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.19: in the parameter dtype)")
+                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.18 and later: in the parameter dtype)")
         if not new and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
-            a.notes.append("--megatron-fsdp-main-*-dtype do not exist in megatron-core 0.16; ignored")
+            a.notes.append(f"--megatron-fsdp-main-*-dtype: megatron-core {version[0]}.{version[1]} is read as 0.16.1, which has "
+                           "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
     return out
 

@@ -62,6 +62,16 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     if not n:   # validate_args: --num-experts 0 is a dense model
         if ep > 1:
             r.fail("expert_model_parallel_size", "needs --num-experts (expert parallelism splits the experts)")
+        # initialize_model_parallel builds the expert grid for dense models too (parallel_state.py, 0.16.1
+        # line 792, 0.19.2 line 881), and TransformerConfig checks moe_act recompute without experts
+        # (transformer_config.py, 0.16.1 line 1213, 0.19.2 line 1784)
+        etp = r.int_arg("expert_tensor_parallel_size", None)
+        if etp and world_size % (etp * pp):
+            r.fail("expert_tensor_parallel_size", f"world size {world_size} must be divisible by expert tensor parallel "
+                                                  f"{etp} x pipeline parallel {pp} (initialize_model_parallel)")
+        if recompute_granularity == "selective" and "moe_act" in recompute_modules \
+                and not r.bool_arg("moe_grouped_gemm", False):
+            r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
         return None
     for dest, pred, what in NOT_MODELLED_MOE:
         v = r.get(dest)

@@ -23,9 +23,9 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if not depth:
         return dict(mtp_num_layers=0)
     position = kw["position_embedding_type"]
-    # validate_args (core 0.19.2) asserts rope or none first; the reference reads 0.16.1 as also taking
-    # learned_absolute and mrope (docs/assumptions.md)
-    allowed = ("rope", "none") if ctx.version >= Version("0.19") else ("learned_absolute", "rope", "mrope", "none")
+    # validate_args (core 0.19.2, and already 0.17.1 and 0.18.2) asserts rope or none first; the reference reads
+    # 0.16.1 as also taking learned_absolute and mrope (docs/assumptions.md)
+    allowed = ("rope", "none") if ctx.version >= Version("0.17") else ("learned_absolute", "rope", "mrope", "none")
     if position not in allowed:
         a.fail("mtp_num_layers", f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
                f"got {position}")

@@ -1,7 +1,7 @@
-"""Section: the emerging optimizers (``--optimizer muon``, ``adaptive_muon``, deprecated ``dist_muon``; core 0.19's
+"""Section: the emerging optimizers (``--optimizer muon``, ``adaptive_muon``, deprecated ``dist_muon``; core 0.18's
 ``lion`` and ``soap``), with the
 rules of megatron-core's optimizer factory: 0.16.1 ``get_megatron_muon_optimizer`` (optimizer/muon.py: no fp16,
-no ``--use-distributed-optimizer``, ``dist_muon`` for the layer-wise optimizer), 0.19.2
+no ``--use-distributed-optimizer``, ``dist_muon`` for the layer-wise optimizer; 0.17.1 alike), 0.18.2 and 0.19.2
 ``_get_megatron_emerging_optimizer`` (optimizer/__init__.py: no fp16; ``muon`` with
 ``--use-distributed-optimizer`` is the layer-wise optimizer, which does not overlap the param gather with the
 step and takes one distributed-optimizer instance)."""
@@ -15,21 +15,29 @@ from ..errors import NotModelledError
 from .args import Args, Context
 
 MUON_OPTIMIZERS = ("muon", "adaptive_muon", "dist_muon")
-# core 0.19.2 arguments.py --optimizer choices beyond 0.16.1's adam, sgd, muon, dist_muon
-NEW_IN_0_19 = ("adaptive_muon", "lion", "soap")
 EMERGING_OPTIMIZERS = MUON_OPTIMIZERS + ("lion", "soap")
+# The emerging-optimizer factory of 0.19.2 (optimizer/emerging_optimizers.py, the layer-wise optimizer over the DDP
+# parameter layout of optimizer/param_layout.py, dist_muon deprecated into muon + --use-distributed-optimizer) is
+# in the megatron-core 0.18.2 wheel already, with the same validate_args block and --optimizer choices. The 0.17.1
+# wheel still has 0.16.1's muon / dist_muon (optimizer/muon.py, layer_wise_optimizer.py without a parameter
+# layout), and adds --optimizer lion and --muon-scalar-optimizer lion to it, which memguard does not model there.
+EMERGING_SINCE = Version("0.18")
+NEW_IN_0_18 = ("adaptive_muon", "soap")
+LION_SINCE = Version("0.17")
 
 
 def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     opt = kw["optimizer"]
     if opt not in EMERGING_OPTIMIZERS:
         return dict(muon_scalar_optimizer="adam")
-    new = ctx.version >= Version("0.19")
+    new = ctx.version >= EMERGING_SINCE
     for dest in ("use_megatron_fsdp", "use_torch_fsdp2", "use_custom_fsdp"):
         if a.bool_arg(dest, False):
             raise NotModelledError(a.key(dest), f"{opt} with fully sharded data parallelism")
-    if opt in NEW_IN_0_19 and not new:
-        a.fail("optimizer", f"{opt} needs megatron-core 0.19 (0.16 offers adam, sgd, muon, dist_muon)")
+    if opt in NEW_IN_0_18 and not new:
+        a.fail("optimizer", f"{opt} needs megatron-core 0.18 (0.16 offers adam, sgd, muon, dist_muon; 0.17 also lion)")
+    if opt == "lion" and not new:
+        _old_lion(a, "optimizer", ctx)
     if a.bool_arg("moe_single_grouped_weight", False):
         # one grouped parameter per expert linear (TE's GroupedLinear single_grouped_weight, core 0.19): its
         # shape (not read) decides whether Muon (2-D) or the fallback (_is_nonlinear_or_embedding) updates it
@@ -44,7 +52,7 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("muon_scalar_optimizer", f"must be adam or lion, got {scalar!r}")
         scalar = "adam"
     elif scalar == "lion" and not new:
-        a.fail("muon_scalar_optimizer", "lion needs megatron-core 0.19")
+        _old_lion(a, "muon_scalar_optimizer", ctx)
     dist = kw["use_distributed_optimizer"]
     if not new and opt == "muon" and dist:
         a.fail("use_distributed_optimizer", "does not work with --optimizer muon in megatron-core 0.16 "
@@ -58,7 +66,7 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("num_distributed_optimizer_instances", f"must be 1 with {opt} and --use-distributed-optimizer "
                    "(the layer-wise + distributed optimizer split)")
         if new and dist and not a.bool_arg("use_layer_wise_param_layout", True):
-            raise NotModelledError(a.key("use_layer_wise_param_layout"), f"{opt}'s legacy layer-wise sharding in core 0.19")
+            raise NotModelledError(a.key("use_layer_wise_param_layout"), f"{opt}'s legacy layer-wise sharding in core >= 0.18")
     if opt == "soap" and a.int_arg("mtp_num_layers", 0, minimum=0):
         # SOAP's state depends on each matrix's shape; the MTP block's matrices are counted by size only
         raise NotModelledError(a.key("mtp_num_layers"), "SOAP with multi-token prediction layers")
@@ -66,6 +74,15 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.notes.append(f"{a.key('optimizer')} soap: the step's temporaries (the fp32 gradient, its projections onto the "
                        "eigenbases, the eigendecomposition's workspace) are not counted")
     return dict(muon_scalar_optimizer=scalar, **_orthogonalize_settings(a, new))
+
+
+def _old_lion(a: Args, dest: str, ctx: Context) -> None:
+    """Lion before the emerging-optimizer factory: not in 0.16's choices; 0.17's own path is not modelled."""
+    if ctx.version < LION_SINCE:
+        a.fail(dest, "lion needs megatron-core 0.17")
+    else:
+        raise NotModelledError(a.key(dest), "lion in megatron-core 0.17 (its optimizer factory before 0.18's "
+                               "emerging-optimizer one)")
 
 
 def _orthogonalize_settings(a: Args, new: bool) -> dict[str, Any]:

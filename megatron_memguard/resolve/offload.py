@@ -22,6 +22,12 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("cpu_offloading_num_layers", f"({layers}) must be smaller than --num-layers {kw['num_layers']}")
         if kw["pipeline_model_parallel_size"] > 1:
             a.fail("cpu_offloading_num_layers", "does not work with pipeline parallelism (TransformerConfig)")
+        if kw.get("recompute_granularity") and a.get("recompute_granularity") is None and a.bool_arg("moe_layer_recompute", False):
+            # TransformerConfig.__post_init__ (transformer_config.py 0.19.2 lines 1719 and 1835) checks offloading
+            # against recomputation before it turns --moe-layer-recompute into selective recompute: Megatron
+            # starts the pair, whose interplay was not analysed
+            raise NotModelledError(a.key("cpu_offloading_num_layers"), "layer-wise activation offloading together "
+                                   "with the deprecated --moe-layer-recompute")
         if kw.get("recompute_granularity"):
             a.fail("cpu_offloading_num_layers", "cannot be combined with recomputation (TransformerConfig)")
         if fine:
@@ -38,6 +44,12 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if "attn_proj" in mods and "core_attn" not in mods:
             a.fail("offload_modules", "attn_proj needs core_attn (its input is core_attn's output, which core_attn's "
                    "backward needs)")
+        inside_moe = sorted({"moe_act", "expert_fc1", "fused_group_mlp"} & set(mods))
+        if (ctx.version >= Version("0.19") and inside_moe and kw.get("recompute_granularity") == "selective"
+                and "moe" in (kw.get("recompute_modules") or ())):
+            # TransformerConfig.__post_init__ (transformer_config.py 0.19.2 line 1874; not in core 0.16.1)
+            a.fail("offload_modules", f"cannot offload {', '.join(inside_moe)} while 'moe' recompute recomputes the "
+                   "whole MoE layer")
         if kw.get("transformer_impl") != "transformer_engine":
             a.fail("fine_grained_activation_offloading", "needs --transformer-impl transformer_engine")
         size = a.int_arg("min_offloaded_tensor_size", 1024 * 1024, minimum=0)

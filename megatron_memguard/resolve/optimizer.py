@@ -53,9 +53,9 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("overlap_param_gather", "needs --overlap-grad-reduce")
     bucket = a.int_arg("ddp_bucket_size")
     graph = a.bool_arg("optimizer_cuda_graph", False)
-    if graph and ctx.version < Version("0.19"):
-        # optimizer/optimizer_cuda_graph.py (OptimizerCudaGraphWrapper) is new in core 0.19
-        a.fail("optimizer_cuda_graph", "needs megatron-core 0.19")
+    if graph and ctx.version < Version("0.17"):
+        # optimizer/optimizer_cuda_graph.py (OptimizerCudaGraphWrapper): in the 0.17.1 wheel, not in 0.16.1's
+        a.fail("optimizer_cuda_graph", "needs megatron-core 0.17")
     if graph and a.bool_arg("optimizer_cpu_offload", False):
         raise NotModelledError(a.key("optimizer_cuda_graph"), "a CUDA graph of the CPU-offloaded optimizer step")
     return dict(use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=instances,

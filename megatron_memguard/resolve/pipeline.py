@@ -57,10 +57,16 @@ def pipeline(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             vpp = (n // pp) // lpv
     if vpp == 1:
         vpp = None
-    if vpp is not None and pp == 1:
-        vpp = None
-        a.notes.append("virtual pipeline stages ignored: pipeline-model-parallel size is 1")
     overlap_p2p = a.bool_arg("overlap_p2p_comm", True)
+    if vpp is not None and pp == 1 and (lpv is not None or vps is not None or pp_layout is not None):
+        # validate_args (arguments.py, 0.19.2 lines 966-975): the interleaved schedule needs PP > 1 (PP > 2
+        # without p2p overlap)
+        a.fail("pipeline_model_parallel_size", f"must be > 1 for the interleaved schedule ({vpp} virtual pipeline stages)",
+               "drop the virtual pipeline stages or raise --pipeline-model-parallel-size")
+        raise Stop
+    if vpp is not None and pp == 1:
+        vpp = None     # (a NeMo / Bridge config's virtual pipeline size at PP 1: Megatron-core builds one chunk)
+        a.notes.append("virtual pipeline stages ignored: pipeline-model-parallel size is 1")
     if vpp is not None:
         if not overlap_p2p and pp <= 2:
             a.fail("pipeline_model_parallel_size",

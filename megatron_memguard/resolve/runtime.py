@@ -17,9 +17,33 @@ def runtime(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
     hidden_dropout = a.float_arg("hidden_dropout", 0.1)
     attention_dropout = a.float_arg("attention_dropout", 0.1)
+    graphed_recompute(a, kw, attention_dropout, hidden_dropout)
     env = tuple(sorted((str(k), str(v)) for k, v in a.raw.env.items()))
     return dict(deterministic_mode=deterministic, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                 env=env)
+
+
+def graphed_recompute(a: Args, kw: Mapping[str, Any], attention_dropout: float, hidden_dropout: float) -> None:
+    """A recomputed module inside a CUDA graph draws no new random numbers: TransformerConfig.__post_init__
+    (transformer_config.py, 0.16.1 and 0.19.2) refuses dropout in a graphed, selectively recomputed
+    module, and 'moe' recompute under TE's moe_router graph. The whole layer is graphed when no module
+    is named (or with the full-iteration graph)."""
+    impl, graphed = kw.get("cuda_graph_impl", "none"), set(kw.get("cuda_graph_modules") or ())
+    if impl == "none" or kw.get("recompute_granularity") != "selective":
+        return
+    mods = set(kw.get("recompute_modules") or ())
+    whole = impl == "full_iteration" or not graphed
+    if impl == "transformer_engine" and "moe" in mods and "moe_router" in graphed:
+        a.fail("recompute_modules", "'moe' recompute does not work with the moe_router CUDA graph of "
+               "--cuda-graph-impl transformer_engine (TransformerConfig)")
+    if attention_dropout and "core_attn" in mods and (whole or "attn" in graphed):
+        a.fail("attention_dropout", f"{attention_dropout:g} does not work with core_attn recompute inside a CUDA graph "
+               "(TransformerConfig)", "give --attention-dropout 0, or graph or recompute other modules")
+    for module, graph in (("mlp", "mlp"), ("moe", "moe")):
+        if hidden_dropout and module in mods and (whole or graph in graphed):
+            a.fail("hidden_dropout", f"{hidden_dropout:g} does not work with {module} recompute inside a CUDA graph "
+                   "(TransformerConfig)", "give --hidden-dropout 0, or graph or recompute other modules")
+            break
 
 
 def late_options(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

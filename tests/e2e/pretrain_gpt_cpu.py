@@ -9,8 +9,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "legacy_standin"))
 sys.path.insert(0, HERE)
+if os.environ.get("MEMGUARD_E2E_TRAINING") != "real":   # core 0.17's own megatron.training (test_hook_runtime_cpu)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "legacy_standin"))
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import cpu_shims  # noqa: E402
@@ -18,6 +19,13 @@ import torch  # noqa: E402
 
 cpu_shims.install()
 torch.cuda.is_available = lambda: True  # initialize_megatron asserts it; nothing else reads it here
+if os.environ.get("MEMGUARD_E2E_TRAINING") == "real":
+    # core 0.17.1's _initialize_distributed builds the model-parallel groups only when it counts a GPU, and
+    # selects it first
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    # torch 2.14's optimizers ask the accelerator whether it is capturing a graph once CUDA reads as available
+    torch.optim.Optimizer._accelerator_graph_capture_health_check = lambda self: None
 
 # The bundled example (examples/megatron/pretrain_gpt.py) is the script under test: its import of
 # megatron_memguard.megatron is the one line; here it runs against the stand-in megatron.training.
@@ -25,6 +33,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "example
 import pretrain_gpt as example  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
+
+if os.environ.get("MEMGUARD_E2E_TRAINING") == "real":
+    import megatron.training.initialize as _initialize
+    # the wheel has no Makefile for the C++ dataset helpers; the example's mock data does not use them
+    _initialize._compile_dependencies = lambda: None
+    import megatron.training.training as _training
+    # the JIT warm-up runs torch.compile'd fusions on CUDA tensors
+    _training.set_jit_fusion_options = lambda *a, **k: None
 
 from megatron_memguard.megatron import set_memory_source  # noqa: E402
 from recording import RecordingSource  # noqa: E402
@@ -39,8 +55,8 @@ torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = lambda *a, **
 PARAMS = {}
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None):
-    model = example.model_provider(pre_process, post_process, vp_stage)
+def model_provider(pre_process=True, post_process=True, vp_stage=None, **kwargs):   # core 0.17: config=, pg_collection=
+    model = example.model_provider(pre_process, post_process, vp_stage, **kwargs)
     PARAMS["count"] = PARAMS.get("count", 0) + sum(p.numel() for p in model.parameters())
     return model
 
@@ -49,7 +65,7 @@ if __name__ == "__main__":
     try:
         pretrain(example.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                  example.forward_step,
-                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+                 args_defaults={"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"})   # as the example
     finally:
         out = os.environ.get("MEMGUARD_TEST_OUT")
         if out:

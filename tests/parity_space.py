@@ -1,0 +1,522 @@
+"""A differential fuzz of memguard's reading of Megatron command lines against megatron-core 0.19.2's real
+``megatron.training`` (tests/test_parity_megatron_019.py, Python 3.12).
+
+``command_lines()`` draws pretrain_gpt.py command lines that mix the parallel sizes (TP, PP, VPP, CP, EP,
+ETP, the world), mixture of experts, recomputation, FP8, Megatron-FSDP, CUDA graphs, activation
+offloading, multi-token prediction and the pipeline split flags, loosely: many break one of Megatron's
+start-up rules on purpose. ``classify()`` runs Megatron's own parser and ``validate_args`` on one of them
+and memguard's three readings of it (the flags, as ``memguard estimate -- <flags>`` reads them; the
+parsed namespace before validation, as the hook reads it; the validated namespace, as
+``layout_from_megatron_args`` reads it), and names the outcome:
+
+  ok-reject   Megatron rejects, memguard refuses (any MemguardError)
+  ok-same     both accept and the three readings give the same numbers
+  ok-refused  Megatron accepts, memguard refuses with NotModelledError (a documented refusal)
+  a           Megatron rejects, memguard estimates
+  b           Megatron accepts, memguard refuses with anything but NotModelledError
+  c           both accept, the readings' numbers differ
+  env         Megatron needs a Transformer Engine module this CPU environment lacks (not compared)
+  d           a traceback (an exception that is not a MemguardError) in memguard
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import io
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import strategies as st
+
+VERSION = "0.19.2"
+# what pretrain_gpt.py passes as args_defaults
+DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+@dataclass(frozen=True)
+class Case:
+    flags: tuple[str, ...]
+    world: int
+
+    @property
+    def fsdp(self) -> bool:
+        return "--use-megatron-fsdp" in self.flags or "--use-torch-fsdp2" in self.flags
+
+    def __str__(self) -> str:
+        return f"WORLD_SIZE={self.world} pretrain_gpt.py " + " ".join(self.flags)
+
+
+def _maybe(draw, p_of_4: int = 1) -> bool:
+    """True with probability p_of_4 / 4."""
+    return draw(st.integers(0, 3)) < p_of_4
+
+
+@st.composite
+def command_lines(draw) -> Case:
+    """Mostly jobs Megatron starts, each rule broken now and then (about one command line in two)."""
+    tp = draw(st.sampled_from([1, 1, 2, 4]))
+    pp = draw(st.sampled_from([1, 1, 2, 4]))
+    cp = draw(st.sampled_from([1, 1, 1, 2]))
+    experts = draw(st.sampled_from([None, None, 4, 8, 16] + ([6] if _maybe(draw, 1) else [])))
+    ep = draw(st.sampled_from([1, 1, 2, 4, 8] if experts else [1]))
+    etp = draw(st.sampled_from([None, None, None, 1, tp] + ([2, 4] if _maybe(draw, 1) else [])))
+    world = math.lcm(tp * pp * cp, (etp or tp) * ep * pp) * draw(st.sampled_from([1, 1, 2, 4]))
+    if _maybe(draw, 1) and _maybe(draw, 2):
+        world = draw(st.sampled_from([1, 2, 4, 6, 8, 12, 16, 32, 64]))
+    per_stage = draw(st.integers(1, 4))
+    layers = pp * per_stage + (1 if _maybe(draw, 1) and _maybe(draw, 1) else 0)
+    heads = draw(st.sampled_from([4, 8, 16]))
+    kv = draw(st.sampled_from([16, 32, 64]))
+    seq = draw(st.sampled_from([256, 512, 1024, 1000]))
+    mbs = draw(st.sampled_from([1, 2, 4]))
+    f = ["--num-layers", str(layers), "--hidden-size", str(heads * kv), "--num-attention-heads", str(heads),
+         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mbs),
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(draw(st.sampled_from([1000, 32000]))),
+         "--position-embedding-type", "rope", "--no-rope-fusion", "--lr", "1e-4", "--train-iters", "10",
+         "--mock-data", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+         "--context-parallel-size", str(cp)]
+    if _maybe(draw, 2):
+        f += ["--ffn-hidden-size", str(draw(st.sampled_from([256, 1024, 1000])))]
+    if _maybe(draw, 2):
+        f += ["--global-batch-size", str(mbs * world * draw(st.sampled_from([1, 2, 3, 8])) // (tp * pp * cp)
+                                         if _maybe(draw, 3) else mbs * draw(st.sampled_from([1, 3, 8, 32])))]
+    f += draw(st.sampled_from([["--bf16"], ["--bf16"], ["--fp16"], []]))
+    if _maybe(draw, 2) or (experts and (etp or tp) != 1 and _maybe(draw, 3)):
+        f.append("--disable-bias-linear")
+    if _maybe(draw, 2):
+        f.append("--swiglu")
+    if _maybe(draw, 3 if experts else 2):
+        f.append("--sequence-parallel")
+    if _maybe(draw, 2):
+        f.append("--use-distributed-optimizer")
+    if _maybe(draw, 1):
+        f.append("--untie-embeddings-and-output-weights")
+    if _maybe(draw, 2):
+        f += ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    if ep > 1:
+        f += ["--expert-model-parallel-size", str(ep)]
+    if etp is not None:
+        f += ["--expert-tensor-parallel-size", str(etp)]
+
+    # pipeline split: virtual stages, uneven first/last stages, or a layout string
+    split = draw(st.sampled_from(["even", "even", "vpp", "uneven", "layout"]))
+    if split == "vpp" and (pp > 1 or _maybe(draw, 1)):
+        v = draw(st.sampled_from([v for v in (2, 3, 4) if per_stage % v == 0] or [2]) if _maybe(draw, 3)
+                 else st.sampled_from([2, 4]))
+        f += ["--num-virtual-stages-per-pipeline-rank", str(v)]
+        if _maybe(draw, 1):
+            f.append("--no-overlap-p2p-communication")
+    elif split == "uneven" and pp > 1:
+        # (at PP 1 Megatron takes first/last stage sizes whose sum breaks its own middle-stage rule: the
+        # TransformerConfig's check passes by a sign accident, -1 middle stages; memguard refuses them)
+        if _maybe(draw, 2):
+            f += ["--decoder-first-pipeline-num-layers", str(draw(st.integers(0, 3)))]
+        if _maybe(draw, 2):
+            f += ["--decoder-last-pipeline-num-layers", str(draw(st.integers(0, 3)))]
+    elif split == "layout" and pp > 1:
+        stages = [["t"] * per_stage for _ in range(pp * draw(st.sampled_from([1, 1, 2])))]
+        if _maybe(draw, 1) and len(stages) > 1 and per_stage > 1:    # uneven: a layer moves to the last stage
+            stages[0].pop()
+            stages[-1].append("t")
+        stages[0].insert(0, "E")
+        if _maybe(draw, 1):
+            stages[-1].append("m")                                   # an MTP layer in the layout
+        stages[-1].append("L")
+        f += ["--pipeline-model-parallel-layout", "|".join("".join(s) for s in stages)]
+
+    if experts:
+        topk = draw(st.sampled_from([1, 2, 2, 4, 8]))
+        f += ["--num-experts", str(experts), "--moe-router-topk", str(topk)]
+        if topk == 1 and _maybe(draw, 3):
+            f.append("--moe-router-pre-softmax")
+        if _maybe(draw, 2):
+            f += ["--moe-ffn-hidden-size", str(draw(st.sampled_from([128, 256, 250])))]
+        freq = draw(st.sampled_from([None, None, "1", "2", "3", f"([0]*1+[1]*{layers - 1})", f"[1]*{layers}",
+                                     f"([1]*{layers + 1})"]))
+        if freq is not None:
+            f += ["--moe-layer-freq", freq]
+        if _maybe(draw, 1):
+            f += ["--moe-shared-expert-intermediate-size", str(draw(st.sampled_from([128, 256])))]
+            if _maybe(draw, 1):
+                f.append("--moe-shared-expert-overlap")
+        disp = draw(st.sampled_from(["allgather", "alltoall", "alltoall", "flex"]))
+        f += ["--moe-token-dispatcher-type", disp]
+        if disp == "flex":
+            f += ["--moe-flex-dispatcher-backend", draw(st.sampled_from(["deepep", "deepep", "hybridep"]))]
+        if _maybe(draw, 2):
+            f.append("--moe-grouped-gemm")
+        if _maybe(draw, 1):
+            f.append("--moe-permute-fusion")
+        if _maybe(draw, 1):
+            f += ["--moe-expert-capacity-factor", str(draw(st.sampled_from([1.0, 2.0])))]
+            if _maybe(draw, 2):
+                f.append("--moe-pad-expert-input-to-capacity")
+        if _maybe(draw, 1):
+            f += ["--moe-router-dtype", draw(st.sampled_from(["fp32", "fp64"]))]
+        if _maybe(draw, 1):
+            f += ["--moe-router-load-balancing-type", draw(st.sampled_from(["aux_loss", "none", "seq_aux_loss"]))]
+        if _maybe(draw, 1):
+            f.append("--overlap-moe-expert-parallel-comm")
+            if _maybe(draw, 2):
+                f.append("--delay-wgrad-compute")
+
+    rec = draw(st.sampled_from(["none", "none", "selective", "full", "activations"]))
+    if rec == "selective":
+        f += ["--recompute-granularity", "selective"]
+        if _maybe(draw, 3):
+            pool = ["core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts"]
+            f += ["--recompute-modules", *draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))]
+    elif rec == "full":
+        f += ["--recompute-granularity", "full", "--recompute-method", draw(st.sampled_from(["uniform", "block"])),
+              "--recompute-num-layers", str(draw(st.integers(0, 2)))]
+    elif rec == "activations":
+        f.append("--recompute-activations")
+
+    if _maybe(draw, 1):
+        f += ["--fp8-format", draw(st.sampled_from(["e4m3", "hybrid"])),
+              "--fp8-recipe", draw(st.sampled_from(["delayed", "tensorwise", "blockwise", "mxfp8"]))]
+        if _maybe(draw, 1):
+            f.append("--fp8-param-gather")
+    if _maybe(draw, 1):
+        f += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+              draw(st.sampled_from(["no_shard", "optim", "optim_grads", "optim_grads_params"])),
+              "--ckpt-format", draw(st.sampled_from(["fsdp_dtensor", "fsdp_dtensor", "fsdp_dtensor", "torch_dist"]))]
+    cg = draw(st.sampled_from(["none", "none", "none", "impl", "enable", "external"]))
+    if cg == "impl":
+        f += ["--cuda-graph-impl", draw(st.sampled_from(["local", "transformer_engine"]))]
+        if _maybe(draw, 2):
+            mods = draw(st.lists(st.sampled_from(["attn", "mlp", "moe", "moe_router", "moe_preprocess"]),
+                                 min_size=1, max_size=2, unique=True))
+            f += [draw(st.sampled_from(["--cuda-graph-modules", "--cuda-graph-scope"])), *mods]
+    elif cg == "enable":
+        f.append("--enable-cuda-graph")
+    elif cg == "external":
+        f.append("--external-cuda-graph")
+    if _maybe(draw, 1):
+        f.append("--fine-grained-activation-offloading")
+        if _maybe(draw, 3):
+            pool = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
+            f += ["--offload-modules", *draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))]
+    if _maybe(draw, 1):
+        f += ["--mtp-num-layers", str(draw(st.integers(1, 2)))]
+    # a few more settings validate_args rewrites or derives from
+    extras = [["--num-layers-per-virtual-pipeline-stage", "1"], ["--account-for-embedding-in-pipeline-split"],
+              ["--account-for-loss-in-pipeline-split"], ["--group-query-attention", "--num-query-groups", "2"],
+              ["--num-distributed-optimizer-instances", "2"], ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+              ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], ["--cpu-offloading-num-layers", "1"],
+              ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], ["--moe-layer-recompute"],
+              ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], ["--overlap-grad-reduce", "--overlap-param-gather"],
+              ["--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim", "32",
+               "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"], ["--recompute-modules", "mla_up_proj"],
+              ["--qk-layernorm"], ["--fp8-param-gather"], ["--ckpt-format", "torch"]]
+    if experts:
+        extras += [["--moe-shared-expert-gate"], ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+                   ["--moe-aux-loss-coeff", "1e-2"], ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+                                                      "--moe-aux-loss-coeff", "1e-2", "1e-3"],
+                   ["--moe-z-loss-coeff", "1e-3"], ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+                   ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate"]]
+    for extra in draw(st.lists(st.sampled_from(extras), max_size=2, unique_by=tuple)):
+        f += extra
+    return Case(tuple(f), world)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Megatron's side: its own parser and validate_args, in-process (no global state is set: neither
+# parse_args's sys.argv nor set_global_variables is used)
+
+_PARSER: argparse.ArgumentParser | None = None
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    global _PARSER
+    if _PARSER is None:
+        import inspect
+        from megatron.training.arguments import add_megatron_arguments
+        # (Megatron's own: the hook, when installed by another test, adds its --memguard flags)
+        _PARSER = inspect.unwrap(add_megatron_arguments)(argparse.ArgumentParser(allow_abbrev=False))
+    return _PARSER
+
+
+@contextlib.contextmanager
+def quiet():
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                yield
+    finally:
+        logging.disable(previous)
+
+
+# Transformer Engine is not installed with the CPU wheels: the TransformerConfig's version checks are
+# answered as TE 2.11 would answer them; a check that imports TE is the environment, not a rule
+TE_VERSION = "2.11.0"
+_TE_MISSING = ("install TE", "transformer-engine>=", "transformer_engine", "Transformer Engine")
+
+
+def pretend_te() -> None:
+    """Answer Transformer Engine's version checks as TE 2.11 would, and give the TransformerConfig's
+    availability check of TE's fused permutation kernels something that is not None (moe_utils binds them
+    to None when TE is missing; nothing here runs them)."""
+    from megatron.core import utils
+    from megatron.core.transformer.moe import moe_utils
+    from packaging.version import Version
+    utils._te_version = Version(TE_VERSION)
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        if getattr(moe_utils, name, None) is None:
+            setattr(moe_utils, name, object())
+
+
+def megatron_reads(case: Case) -> tuple[Any, Any, str | None]:
+    """(namespace before validate_args, after it, Megatron's rejection or None). The caller sets the
+    environment (tests/test_parity_megatron_019.py: WORLD_SIZE, CUDA_DEVICE_MAX_CONNECTIONS, an H100)."""
+    import inspect
+    from megatron.training.arguments import validate_args
+    validate_args = inspect.unwrap(validate_args)   # Megatron's own, not memguard's hook around it
+    try:
+        with quiet():
+            ns = megatron_parser().parse_args(list(case.flags))
+    except SystemExit:
+        return None, None, "argparse rejects the command line"
+    # what parse_args adds (megatron/training/arguments.py, 0.19.2)
+    ns._is_global_batch_size_explicitly_specified = ns.global_batch_size is not None
+    ns.rank, ns.world_size = 0, case.world
+    before = copy.deepcopy(ns)
+    try:
+        with quiet():
+            validate_args(ns, dict(DEFAULTS))
+    except (Exception, SystemExit) as e:   # noqa: BLE001 (Megatron asserts, raises ValueError or exits)
+        return before, None, "validate_args: " + _said(e)
+    # the model's TransformerConfig, as pretrain_gpt.py builds it next (its __post_init__ checks)
+    from megatron.training.argument_utils import gpt_config_from_args
+    try:
+        with quiet():
+            config = gpt_config_from_args(copy.deepcopy(ns)).transformer
+    except Exception as e:   # noqa: BLE001
+        return before, None, "TransformerConfig: " + _said(e)
+    # the optimizer and DDP configs setup_model_and_optimizer builds (their __post_init__ checks)
+    from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
+    try:
+        with quiet():
+            get_megatron_optimizer_config(copy.deepcopy(ns))
+            get_megatron_ddp_config(copy.deepcopy(ns))
+    except Exception as e:   # noqa: BLE001
+        return before, None, "optimizer / DDP config: " + _said(e)
+    try:
+        with quiet():
+            later = _later_rules(ns, config)
+    except Exception as e:   # noqa: BLE001
+        return before, None, "model build: " + _said(e)
+    if later:
+        return before, None, later
+    return before, ns, None
+
+
+def _said(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}"[:200]
+
+
+def _later_rules(ns: Any, config: Any) -> str | None:
+    """The start-up rules Megatron checks after the TransformerConfig, before the first step: run where
+    they run without a GPU or process group, written out (with their source, 0.19.2) where they do not."""
+    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    # set_global_variables -> init_num_microbatches_calculator (num_microbatches_calculator.py)
+    dp = ns.data_parallel_size * ns.gtp_weight_remat_size
+    m = ConstantNumMicroBatchesCalculator(ns.global_batch_size, ns.micro_batch_size, dp, False, 0)
+    num_microbatches = m.get()
+    # the model build: every (pipeline rank, virtual stage) builds its layers (transformer_block.py)
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    # (a --pipeline-model-parallel-layout is checked whole by the TransformerConfig)
+    if config.pipeline_model_parallel_layout is None:
+        built = [get_num_layers_to_build(config, vp_stage=vp if vpp else None, pp_rank=rank)
+                 for rank in range(pp) for vp in range(vpp or 1)]
+        # uneven first/last stages that leave a negative number of layers for the others: Megatron builds
+        # range(n) layers per stage, a model with other than --num-layers layers (no rule stops it)
+        if min(built) < 0 or sum(built) != config.num_layers:
+            return f"model build: the stages build {built} layers, not --num-layers {config.num_layers}"
+    # get_gpt_decoder_block_spec: one --moe-layer-freq entry per layer (models/gpt/gpt_layer_specs.py 653)
+    if ns.num_experts and isinstance(ns.moe_layer_freq, list) and len(ns.moe_layer_freq) != ns.num_layers:
+        return f"gpt_layer_specs: {len(ns.moe_layer_freq)} --moe-layer-freq entries for {ns.num_layers} layers"
+    # the router's torch.topk over the experts fails at the first forward when k > experts
+    # (moe/moe_utils.py topk_routing_with_score_function)
+    if ns.num_experts and ns.moe_router_topk > ns.num_experts:
+        return f"router: torch.topk of {ns.moe_router_topk} among {ns.num_experts} experts"
+    # SharedExpertMLP.__init__: no bias in shared experts (moe/shared_experts.py 124)
+    if ns.num_experts and ns.moe_shared_expert_intermediate_size and ns.add_bias_linear:
+        return "SharedExpertMLP: bias is not supported in the shared experts"
+    # checkpointed_forward: the uniform loop advances by recompute_num_layers, 0 never ends (recompute.py 157)
+    if config.recompute_granularity == "full" and config.recompute_method == "uniform" and not config.recompute_num_layers:
+        return "checkpointed_forward: uniform recompute of 0 layers never finishes a forward"
+    # initialize_model_parallel: the expert grid (parallel_state.py 881)
+    expert_grid = ns.expert_tensor_parallel_size * ns.expert_model_parallel_size * pp * ns.expert_gtp_weight_remat_size
+    if ns.world_size % expert_grid:
+        return f"parallel_state: world_size {ns.world_size} is not divisible by ETP x EP x PP = {expert_grid}"
+    # initialize_model_parallel: the optimizer instances divide the (expert) data-parallel groups
+    # (parallel_state.py 924 and 1448)
+    instances = ns.num_distributed_optimizer_instances
+    if (ns.data_parallel_size * ns.context_parallel_size) % instances or (ns.world_size // expert_grid) % instances:
+        return f"parallel_state: {instances} optimizer instances do not divide the (expert) data-parallel size"
+    # DistributedDataParallel.__init__: "Partial DistOpt cannot be used without DistOpt"
+    # (distributed/distributed_data_parallel.py 292; Megatron-FSDP has its own class)
+    if instances > 1 and not ns.use_distributed_optimizer and not ns.use_megatron_fsdp:
+        return "DistributedDataParallel: several optimizer instances need the distributed optimizer"
+    # MoELayer.forward: MoE with TP > 1 in training needs sequence parallelism (moe/moe_layer.py 629)
+    if ns.num_experts and ns.tensor_model_parallel_size > 1 and not ns.sequence_parallel:
+        return "MoELayer.forward: MoE with tensor parallelism needs sequence parallelism"
+    # the interleaved schedule (pipeline_parallel/schedules.py 1133-1153)
+    if vpp is not None and pp > 1:
+        g = config.microbatch_group_size_per_vp_stage
+        if g > num_microbatches or g < pp:
+            return f"schedules: micro-batch group {g} outside [PP={pp}, M={num_microbatches}]"
+        if 0 < num_microbatches % g < pp:
+            return f"schedules: a last micro-batch group of {num_microbatches % g} < PP={pp}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# memguard's side: three readings of the same job
+
+def _numbers(layout) -> Any:
+    from megatron_memguard import estimate, lookup_gpu
+    # (MXFP8 and NVFP4 need a Blackwell GPU: memguard refuses it on an H100, as Transformer Engine does)
+    blackwell = layout.fp8_recipe == "mxfp8" or layout.fp4_recipe == "nvfp4"
+    est = estimate(layout, gpu=lookup_gpu("B200" if blackwell else "H100-80GB"))
+    return [s.to_dict() for s in est.stages]
+
+
+def memguard_reads(case: Case, before: Any, after: Any) -> dict[str, Any]:
+    """Each reading's numbers, or the exception it raised."""
+    from megatron_memguard import layout_from_flags, layout_from_megatron_args
+    from megatron_memguard.megatron.preflight import raw_config_from_args
+    from megatron_memguard.resolve import resolve
+    readings: dict[str, Any] = {}
+    steps = {"flags": lambda: layout_from_flags(list(case.flags), world_size=case.world, megatron_version=VERSION)}
+    if before is not None:
+        steps["hook"] = lambda: resolve(raw_config_from_args(before, DEFAULTS), world_size=case.world,
+                                        megatron_version=VERSION)
+    if after is not None:
+        steps["validated"] = lambda: layout_from_megatron_args(after, world_size=case.world, megatron_version=VERSION)
+    for name, step in steps.items():
+        try:
+            with quiet():
+                readings[name] = _numbers(step())
+        except Exception as e:  # noqa: BLE001 (classified below)
+            readings[name] = e
+    return readings
+
+
+def classify(case: Case) -> tuple[str, str]:
+    """(class, what happened): see the module's docstring."""
+    from megatron_memguard.errors import MemguardError, NotModelledError
+    before, after, rejected = megatron_reads(case)
+    if rejected and any(t in rejected for t in _TE_MISSING):
+        return "env", rejected
+    readings = memguard_reads(case, before, after)
+    for name, r in readings.items():
+        if isinstance(r, Exception) and not isinstance(r, MemguardError):
+            return "d", f"{name}: {type(r).__name__}: {r}"
+    if rejected:
+        est = [n for n, r in readings.items() if not isinstance(r, Exception) and n == "flags"]
+        return ("a", f"Megatron: {rejected}; memguard estimates ({', '.join(est)})") if est else \
+            ("ok-reject", rejected)
+    errs = {n: r for n, r in readings.items() if isinstance(r, Exception)}
+    bad = {n: r for n, r in errs.items() if not isinstance(r, NotModelledError)}
+    if bad:
+        return "b", "; ".join(f"{n}: {type(r).__name__}: {r}" for n, r in bad.items())
+    if errs:
+        if len(errs) != len(readings):
+            return "c", "; ".join(f"{n} refuses: {r}" for n, r in errs.items()) + \
+                f" (the others estimate: {sorted(set(readings) - set(errs))})"
+        return "ok-refused", str(next(iter(errs.values())))
+    first = readings["flags"]
+    diff = [n for n, r in readings.items() if r != first]
+    if diff:
+        return "c", f"{', '.join(diff)} differ from the flags: {_first_difference(first, readings[diff[0]])}"
+    return "ok-same", ""
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                name = x.get("name", i) if isinstance(x, dict) else i
+                return _first_difference(x, y, f"{path}[{name}]")
+    return f"{path}: {str(a)[:120]} != {str(b)[:120]}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the fuzz found: one command line per rule memguard lacked, the flag its refusal names, the eras
+# whose Megatron has the rule, and where Megatron checks it (0.19.2 unless said). tests/test_parity_rules.py
+# checks memguard refuses them (both eras); tests/test_parity_megatron_019.py that Megatron 0.19.2 does too.
+
+BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+        "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --position-embedding-type rope "
+        "--no-rope-fusion --lr 1e-4 --train-iters 10 --mock-data --bf16").split()
+MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+       "--disable-bias-linear").split()
+
+
+@dataclass(frozen=True)
+class Found:
+    flags: tuple[str, ...]
+    world: int
+    key: str                 # the flag memguard's one-line error names
+    eras: tuple[str, ...]    # the Megatron versions with the rule
+    source: str              # where Megatron checks it
+
+    def case(self) -> Case:
+        return Case(tuple(BASE) + self.flags, self.world)
+
+
+FOUND = [
+    Found(("--num-virtual-stages-per-pipeline-rank", "2"), 2, "--pipeline-model-parallel-size", ("0.16", "0.19"),
+          "validate_args, megatron/training/arguments.py lines 966-975: the interleaved schedule needs PP > 1"),
+    Found(("--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "8"), 4,
+          "--expert-tensor-parallel-size", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2279 (0.16.1: 1588): experts with biases need "
+          "ETP 1 (ETP defaults to TP)"),
+    Found(("--expert-tensor-parallel-size", "4"), 2, "--expert-tensor-parallel-size", ("0.16", "0.19"),
+          "initialize_model_parallel, megatron/core/parallel_state.py line 881 (0.16.1: 792): the world divides into "
+          "ETP x EP x PP, dense models too"),
+    Found(("--recompute-granularity", "selective", "--recompute-modules", "moe_act"), 2, "--recompute-modules",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 1784 (0.16.1: 1213): moe_act "
+          "recompute needs --moe-grouped-gemm, dense models too"),
+    Found(("--recompute-granularity", "selective", "--external-cuda-graph"), 2, "--attention-dropout", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2545 (0.16.1: 1805): no attention dropout in a "
+          "graphed core_attn recompute"),
+    Found(("--attention-dropout", "0", "--recompute-granularity", "selective", "--recompute-modules", "mlp",
+           "--enable-cuda-graph"), 2, "--hidden-dropout", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2553 (0.16.1: 1812): no hidden dropout in a "
+          "graphed mlp / moe recompute"),
+    Found((*MOE, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "mlp"), 2, "--cuda-graph-modules",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 2501 (0.16.1: 1760): the mlp "
+          "graph needs a dense layer"),
+    Found((*MOE, "--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"), 2, "--cuda-graph-modules",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 2511 (0.16.1: 1770): the moe "
+          "graph needs drop-and-pad routing"),
+    Found(("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "--fine-grained-activation-offloading",
+           "--offload-modules", "qkv_linear"), 2, "--offload-modules", ("0.19",),
+          "TransformerConfig.__post_init__, transformer_config.py line 2601: local CUDA graphs let only expert_fc1, "
+          "moe_act and fused_group_mlp be offloaded"),
+    Found(("--cuda-graph-impl", "local", "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"), 2,
+          "--cuda-graph-impl", ("0.19",), "TransformerConfig.__post_init__, transformer_config.py line 2607: no "
+          "offloading under local whole-layer CUDA graphs"),
+    Found((*MOE, "--recompute-granularity", "selective", "--recompute-modules", "moe",
+           "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"), 2, "--offload-modules", ("0.19",),
+          "TransformerConfig.__post_init__, transformer_config.py line 1874: nothing offloaded inside a MoE layer "
+          "that 'moe' recompute recomputes"),
+]
