@@ -385,6 +385,12 @@ def test_an_unknown_file_key_is_skipped_with_a_warning_as_bridge_does(recipes, t
         cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), config_filepath=str(p))
     assert cfg.train.global_batch_size == 64 and cfg.train.micro_batch_size != 4
     assert any("micro_batchsize" in r.getMessage() and "Skipping" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):   # a Hydra +key override: added, then skipped the same way
+        cfg2 = process_config_with_overrides(recipes.llama32_1b_pretrain_config(),
+                                             cli_overrides=["+train.micro_batchsize=4"])
+    assert cfg2.train.micro_batch_size == cfg.train.micro_batch_size
+    assert any("micro_batchsize" in r.getMessage() and "Skipping" in r.getMessage() for r in caplog.records)
     raw = read_config_file(str(p), model="llama32_1b")
     assert any(w.startswith("train.micro_batchsize: ") and "did you mean train.micro_batch_size?" in w
                for w in raw.warnings)

@@ -315,3 +315,17 @@ def test_a_dump_s_private_container_field_is_not_a_typo(tmp_path):
     raw = read(tmp_path, FLAT + "mixed_precison: bf16_mixed\n")
     assert ("mixed_precison: not a Megatron-Bridge ConfigContainer section; ignored (did you mean mixed_precision?)"
             in raw.warnings)
+
+
+def test_a_hydra_plus_override_of_an_unknown_key_warns():
+    """+key / ++key: Hydra adds the key, then Bridge skips it with a warning (tests/test_bridge_real.py)."""
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    for tok in ("+train.micro_batchsize=4", "++train.micro_batchsize=4"):
+        raw = read_bridge({}, "recipe llama32_1b", parse_overrides([tok]), recipe="llama32_1b")
+        assert any(w.startswith("train.micro_batchsize: ") and "did you mean train.micro_batch_size?" in w
+                   for w in raw.warnings)
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(["++train.micro_batch_size=4"]), recipe="llama32_1b")
+    assert raw.args["micro_batch_size"] == 4 and raw.warnings == read_bridge({}, "recipe llama32_1b", [],
+                                                                             recipe="llama32_1b").warnings

@@ -169,7 +169,8 @@ def is_override_token(tok: str) -> bool:
 
 
 def parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
-    """``KEY=VALUE`` tokens -> (op, dotted key, value); op is ``set`` or ``del`` (Hydra's ``~key``)."""
+    """``KEY=VALUE`` tokens -> (op, dotted key, value); op is ``set``, ``add`` (Hydra's ``+key`` / ``++key``,
+    which may add a key the config lacks) or ``del`` (Hydra's ``~key``)."""
     out: list[tuple[str, str, Any]] = []
     for tok in tokens:
         m = _OVERRIDE.match(str(tok).strip())
@@ -178,7 +179,7 @@ def parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
         if m.group(1) == "~":
             out.append(("del", m.group(2), None))
         else:
-            out.append(("set", m.group(2), parse_scalar(m.group(3))))
+            out.append(("add" if m.group(1) else "set", m.group(2), parse_scalar(m.group(3))))
     return out
 
 

@@ -178,12 +178,14 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         else:
             top[sec] = (val, sec)
             S.pop(sec, None)
-    given: set[str] = set()   # the key paths the overrides wrote (an unknown one is an error, as in Bridge)
+    # the key paths plain overrides wrote: an unknown one is an error, as in Bridge (a +key / ++key one is
+    # added by Hydra, then skipped by Bridge with a warning: a warning here)
+    given: set[str] = set()
     for op, key, value in overrides:
         parts = key.split(".")
         sec = parts[0]
         rest = parts[1:]
-        if op != "del":
+        if op == "set":
             given.update((key, sec))
         if sec == "model" and rest[:1] == ["transformer"]:
             rest = rest[1:]
@@ -193,7 +195,8 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 S.pop(sec, None)
             elif isinstance(value, Mapping):
                 S[sec] = _model_fields(value) if sec == "model" else _section(value, sec)
-                given.update(key for _, key in S[sec].values())
+                if op == "set":
+                    given.update(key for _, key in S[sec].values())
             else:
                 top[sec] = (value, key)
                 S.pop(sec, None)
