@@ -311,3 +311,87 @@ def test_preflight_on_a_real_moe_recipe_is_memguard_estimate_of_the_recipe(recip
         d.pop("notes")
     assert theirs == ours_d
     assert result.layout.moe.expert_model_parallel_size == 8
+
+
+# --------------------------------------------------------------------------------------------------
+# data/config_fields.json's ConfigContainer sections against the real Bridge 0.6.2 dataclasses (a stale list
+# fails here), and memguard's handling of an unknown key against Bridge's own
+# --------------------------------------------------------------------------------------------------
+def _real_sections():
+    import dataclasses
+    import typing
+
+    from megatron.bridge.training.config import ConfigContainer
+
+    hints = typing.get_type_hints(ConfigContainer)
+    out = {}
+    for f in dataclasses.fields(ConfigContainer):
+        classes = [c for c in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(c)]
+        if classes and f.name not in ("model", "peft"):
+            out[f.name] = (classes, set().union(*({x.name for x in dataclasses.fields(c)} for c in classes)))
+    return out
+
+
+def test_config_fields_sections_are_bridges_configcontainer(recipes):
+    import json
+    from importlib import resources
+
+    import dataclasses
+
+    from megatron.bridge.training.config import ConfigContainer
+
+    from megatron_memguard.readers._common import bridge_sections, config_fields
+
+    doc = json.loads(resources.files("megatron_memguard").joinpath("data/config_fields.json").read_text())
+    assert "megatron-bridge 0.6.2" in doc["versions"]
+    ours = bridge_sections()
+    real = {s: v for s, v in _real_sections().items() if v[1]}   # (OptimizerConfigOverrideProvider: no fields)
+    assert set(ours) == set(real)
+    assert {f.name for f in dataclasses.fields(ConfigContainer)} == config_fields()["ConfigContainer"]
+    for sec, (classes, fields) in real.items():
+        known_classes, known = ours[sec]
+        assert {c.__name__ for c in classes} <= known_classes, sec
+        assert fields <= known, (sec, sorted(fields - known))
+        if known_classes == {c.__name__ for c in classes} and sec not in ("optimizer", "ddp"):
+            # one class, no Bridge subclass: exactly its fields (optimizer / ddp: the union with the older
+            # megatron-core releases the list reads, checked against the installed one in test_config_fields.py)
+            assert known == fields, (sec, sorted(known - fields))
+
+
+def test_an_unknown_override_key_is_refused_as_bridge_refuses_it(recipes):
+    from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
+
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    for override in ("train.micro_batchsize=4", "dataset.seq_lenght=4096", "trian.micro_batch_size=4"):
+        with pytest.raises(OverridesError):
+            process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=[override])
+        with pytest.raises(ConfigError, match="did you mean"):
+            read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
+
+
+def test_an_unknown_file_key_is_skipped_with_a_warning_as_bridge_does(recipes, tmp_path, caplog):
+    import logging
+
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers.detect import read_config_file
+
+    p = tmp_path / "override.yaml"
+    p.write_text("train:\n  micro_batchsize: 4\n  global_batch_size: 64\n")
+    with caplog.at_level(logging.WARNING):
+        cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), config_filepath=str(p))
+    assert cfg.train.global_batch_size == 64 and cfg.train.micro_batch_size != 4
+    assert any("micro_batchsize" in r.getMessage() and "Skipping" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):   # a Hydra +key override: added, then skipped the same way
+        cfg2 = process_config_with_overrides(recipes.llama32_1b_pretrain_config(),
+                                             cli_overrides=["+train.micro_batchsize=4"])
+    assert cfg2.train.micro_batch_size == cfg.train.micro_batch_size
+    assert any("micro_batchsize" in r.getMessage() and "Skipping" in r.getMessage() for r in caplog.records)
+    raw = read_config_file(str(p), model="llama32_1b")
+    assert any(w.startswith("train.micro_batchsize: ") and "did you mean train.micro_batch_size?" in w
+               for w in raw.warnings)
+    assert raw.args["micro_batch_size"] == cfg.train.micro_batch_size and raw.args["global_batch_size"] == 64

@@ -204,3 +204,128 @@ def test_comm_overlap_is_switched_off_without_sequence_parallelism(tmp_path):
     text = FLAT.replace("sequence_parallel: true", "sequence_parallel: false")
     raw = read(tmp_path, text + "comm_overlap: {tp_comm_overlap: true, data_parallel_size: 4}\n")
     assert "tp_comm_overlap" not in raw.args and any("comm_overlap.tp_comm_overlap" in w for w in raw.warnings)
+
+
+# --------------------------------------------------------------------------------------------------
+# A typo in a ConfigContainer section is never silently ignored: an override is refused (Bridge's Hydra
+# overrides run with the config in struct mode and raise, training/utils/omegaconf_utils.py 0.6.2), a file key
+# is a warning (Bridge merges a YAML file without struct mode and skips the key with a logged warning)
+# --------------------------------------------------------------------------------------------------
+def _typo(name, known):
+    """``name`` with its last two letters swapped (or a letter doubled), not itself a known field."""
+    for cand in (name[:-2] + name[-1] + name[-2], name + name[-1], name[:-1]):
+        if cand not in known:
+            return cand
+    raise AssertionError(name)
+
+
+def _bridge_sections():
+    from megatron_memguard.readers._common import bridge_sections
+    return sorted(bridge_sections())
+
+
+# Fields each section's class declares (read by hand in Megatron-Bridge 0.6.2 training/config.py,
+# training/comm_overlap.py, training/mixed_precision.py, training/tokenizers/config.py and in
+# megatron-core 0.19.2 megatron/training/config/*.py, optimizer/optimizer_config.py,
+# distributed/distributed_data_parallel_config.py, datasets/gpt_dataset.py)
+KNOWN_FIELD = {"train": "micro_batch_size", "dataset": "seq_length", "optimizer": "use_distributed_optimizer",
+               "ddp": "overlap_grad_reduce", "scheduler": "lr_warmup_iters", "checkpoint": "save_interval",
+               "logger": "log_interval", "tokenizer": "tokenizer_type", "mixed_precision": "grad_reduce_in_fp32",
+               "comm_overlap": "tp_comm_overlap", "profiling": "use_pytorch_profiler", "rng": "seed",
+               "dist": "distributed_backend", "validation": "eval_iters"}
+
+
+def test_the_field_list_has_every_section_memguard_reads_with_known_fields():
+    from megatron_memguard.readers._common import bridge_sections
+    S = bridge_sections()
+    for sec, name in KNOWN_FIELD.items():
+        assert name in S[sec][1], (sec, name)
+    assert S["train"][0] == {"TrainingConfig"} and {"GPTDatasetConfig", "MockGPTDatasetConfig"} <= S["dataset"][0]
+    assert "model" not in S and "peft" not in S   # read by map_mcore_fields / refused by name
+
+
+@pytest.mark.parametrize("sec", _bridge_sections())
+def test_an_override_typo_in_each_section_is_refused_with_the_key_named(sec):
+    from megatron_memguard.readers._common import bridge_sections, parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    known = bridge_sections()[sec][1]
+    name = KNOWN_FIELD.get(sec, sorted(n for n in known if not n.startswith("_"))[0])
+    typo = _typo(name, known)
+    with pytest.raises(ConfigError) as e:
+        read_bridge({}, "recipe llama32_1b", parse_overrides([f"{sec}.{typo}=4"]), recipe="llama32_1b")
+    msg = str(e.value)
+    assert msg.startswith(f"{sec}.{typo}: not a field of Megatron-Bridge's {sec} section") and "\n" not in msg
+    assert "did you mean " in msg
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("train.micro_batchsize=4", "did you mean train.micro_batch_size?"),
+    ("train.global_batch_sise=512", "did you mean train.global_batch_size?"),
+    ("dataset.seq_lenght=4096", "did you mean dataset.seq_length?"),
+    ("optimizer.use_distributed_optimiser=true", "did you mean optimizer.use_distributed_optimizer?"),
+    ("trian.micro_batch_size=4", "did you mean train?"),
+])
+def test_a_memory_changing_typo_is_refused_with_a_hint(override, hint):
+    ns = build_parser().parse_args(["estimate", "--model", "llama3_8b", "--gpus", "16"])
+    with pytest.raises(ConfigError, match="Megatron-Bridge refuses this override") as e:
+        load_raw(ns, [override])
+    assert str(e.value).endswith(f"({hint})")
+
+
+def test_a_whole_section_override_is_checked_too():
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    with pytest.raises(ConfigError, match=r"^train\.micro_batchsize: .*did you mean train\.micro_batch_size"):
+        read_bridge({}, "recipe llama32_1b", parse_overrides(["train={micro_batchsize: 4}"]), recipe="llama32_1b")
+
+
+def test_a_file_typo_warns_with_a_hint_and_the_value_is_not_used(tmp_path):
+    raw = read(tmp_path, FLAT.replace("train: {micro_batch_size: 2,", "train: {micro_batchsize: 4, micro_batch_size: 2,")
+               + "logger: {log_intervall: 10}\n")
+    assert ("train.micro_batchsize: not a field of Megatron-Bridge's train section (TrainingConfig); ignored "
+            "(did you mean train.micro_batch_size?)") in raw.warnings
+    assert any(w.startswith("logger.log_intervall: ") and "logger.log_interval?" in w for w in raw.warnings)
+    assert resolve(raw, world_size=8).micro_batch_size == 2
+
+
+def test_a_dataset_class_of_the_users_own_is_not_checked(tmp_path):
+    """A DatasetProvider subclass of the user's: its fields are not in the list, so none is reported; Bridge's
+    own MockGPTDatasetConfig is checked."""
+    own = read(tmp_path, FLAT.replace("dataset: {seq_length: 1024}",
+                                      "dataset: {_target_: my_pkg.data.MyDatasetConfig, seq_length: 1024, shards: 4}"))
+    assert not any("dataset." in w for w in own.warnings)
+    mock = read(tmp_path, FLAT.replace(
+        "dataset: {seq_length: 1024}",
+        "dataset: {_target_: megatron.bridge.training.config.MockGPTDatasetConfig, seq_length: 1024, shards: 4}"))
+    assert any(w.startswith("dataset.shards: not a field") for w in mock.warnings)
+
+
+def test_known_keys_of_every_section_give_no_warning(tmp_path):
+    raw = read(tmp_path, FLAT + "scheduler: {lr_warmup_iters: 10}\ncheckpoint: {save_interval: 100}\n"
+               "logger: {log_interval: 1}\nrng: {seed: 1234}\nprofiling: {use_pytorch_profiler: false}\n")
+    assert not any("not a field" in w or "not a Megatron-Bridge" in w for w in raw.warnings)
+
+
+def test_a_dump_s_private_container_field_is_not_a_typo(tmp_path):
+    """ConfigContainer._checkpoint_load_required (Bridge 0.6.2 training/config.py) is in every to_yaml dump."""
+    raw = read(tmp_path, FLAT + "_checkpoint_load_required: false\n")
+    assert not any("_checkpoint_load_required" in w for w in raw.warnings)
+    raw = read(tmp_path, FLAT + "mixed_precison: bf16_mixed\n")
+    assert ("mixed_precison: not a Megatron-Bridge ConfigContainer section; ignored (did you mean mixed_precision?)"
+            in raw.warnings)
+
+
+def test_a_hydra_plus_override_of_an_unknown_key_warns():
+    """+key / ++key: Hydra adds the key, then Bridge skips it with a warning (tests/test_bridge_real.py)."""
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    for tok in ("+train.micro_batchsize=4", "++train.micro_batchsize=4"):
+        raw = read_bridge({}, "recipe llama32_1b", parse_overrides([tok]), recipe="llama32_1b")
+        assert any(w.startswith("train.micro_batchsize: ") and "did you mean train.micro_batch_size?" in w
+                   for w in raw.warnings)
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(["++train.micro_batch_size=4"]), recipe="llama32_1b")
+    assert raw.args["micro_batch_size"] == 4 and raw.warnings == read_bridge({}, "recipe llama32_1b", [],
+                                                                             recipe="llama32_1b").warnings

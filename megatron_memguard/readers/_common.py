@@ -25,10 +25,30 @@ MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
 # Known field names
 # --------------------------------------------------------------------------------------------------
 @lru_cache(maxsize=1)
+def _config_fields_doc() -> dict[str, Any]:
+    return json.loads(resources.files("megatron_memguard").joinpath("data/config_fields.json").read_text())
+
+
+@lru_cache(maxsize=1)
 def config_fields() -> dict[str, frozenset[str]]:
-    text = resources.files("megatron_memguard").joinpath("data/config_fields.json").read_text()
-    data = json.loads(text)
-    return {k: frozenset(v) for k, v in data.items() if isinstance(v, list)}
+    return {k: frozenset(v) for k, v in _config_fields_doc().items() if isinstance(v, list)}
+
+
+@lru_cache(maxsize=1)
+def bridge_sections() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """Megatron-Bridge ConfigContainer section -> (its config class names, their field names)."""
+    return {sec: (frozenset(d["classes"]), frozenset(d["fields"]))
+            for sec, d in _config_fields_doc().get("BridgeSections", {}).items()}
+
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """'did you mean PREFIX.NAME?' for the closest known name (difflib), else ''."""
+    import difflib
+
+    if len(name) > 100:   # difflib's matching is quadratic in the length: no hint for a run-away key
+        return ""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean {prefix}{close[0]}?" if close else ""
 
 
 def mcore_model_fields() -> frozenset[str]:
@@ -149,7 +169,8 @@ def is_override_token(tok: str) -> bool:
 
 
 def parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
-    """``KEY=VALUE`` tokens -> (op, dotted key, value); op is ``set`` or ``del`` (Hydra's ``~key``)."""
+    """``KEY=VALUE`` tokens -> (op, dotted key, value); op is ``set``, ``add`` (Hydra's ``+key`` / ``++key``,
+    which may add a key the config lacks) or ``del`` (Hydra's ``~key``)."""
     out: list[tuple[str, str, Any]] = []
     for tok in tokens:
         m = _OVERRIDE.match(str(tok).strip())
@@ -158,7 +179,7 @@ def parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
         if m.group(1) == "~":
             out.append(("del", m.group(2), None))
         else:
-            out.append(("set", m.group(2), parse_scalar(m.group(3))))
+            out.append(("add" if m.group(1) else "set", m.group(2), parse_scalar(m.group(3))))
     return out
 
 

@@ -26,8 +26,8 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
-    group_query_attention,
+    ArgsBuilder, as_bool, bridge_sections, config_fields, default_ffn_hidden_size, did_you_mean, dtype_name,
+    emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
     is_missing, map_mcore_fields, set_vocab,
 )
 
@@ -178,10 +178,15 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         else:
             top[sec] = (val, sec)
             S.pop(sec, None)
+    # the key paths plain overrides wrote: an unknown one is an error, as in Bridge (a +key / ++key one is
+    # added by Hydra, then skipped by Bridge with a warning: a warning here)
+    given: set[str] = set()
     for op, key, value in overrides:
         parts = key.split(".")
         sec = parts[0]
         rest = parts[1:]
+        if op == "set":
+            given.update((key, sec))
         if sec == "model" and rest[:1] == ["transformer"]:
             rest = rest[1:]
         if not rest:
@@ -190,6 +195,8 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 S.pop(sec, None)
             elif isinstance(value, Mapping):
                 S[sec] = _model_fields(value) if sec == "model" else _section(value, sec)
+                if op == "set":
+                    given.update(key for _, key in S[sec].values())
             else:
                 top[sec] = (value, key)
                 S.pop(sec, None)
@@ -200,9 +207,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         _set_nested(S.setdefault(sec, {}), rest, value, key, op == "del")
     if sync_seq_length:
         _sync_seq_length(b, S, sync_seq_length)
-    for sec in S:
-        if sec not in BRIDGE_SECTIONS:
-            b.warn(f"{sec}: not a Megatron-Bridge ConfigContainer section; ignored")
+    _unknown_keys(b, S, top, given)
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
     if recipe:
         for note in recipe_notes(recipe):
@@ -212,6 +217,41 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         # (Bridge takes that from the launcher), but what an error asking for one suggests
         b.origin["recipe_gpus"] = f"{recipe_gpus(recipe)} (the GPUs recipe {recipe} is written for)"
     return b.build()
+
+
+def _unknown_keys(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], given: set[str]) -> None:
+    """A section or field Megatron-Bridge's ConfigContainer does not have (Bridge 0.6.2's dataclasses, as
+    data/config_fields.json lists them). Bridge's own handling is matched (training/utils/omegaconf_utils.py):
+    a ``KEY=VALUE`` override goes through Hydra with the config in struct mode, which raises on an unknown
+    key -> a ConfigError here; a YAML file is merged without struct mode and the key is then skipped with a
+    logged warning (``_apply_overrides``: "not found in config object ... Skipping") -> a warning here. The
+    memguard recipe's own keys are not checked (tests/test_bridge_real.py compares them with Bridge)."""
+    sections = bridge_sections()
+
+    def report(key: str, what: str, hint: str) -> None:
+        if key in given:
+            raise ConfigError(key, f"{what}: Megatron-Bridge refuses this override", hint or None)
+        b.warn(f"{key}: {what}; ignored" + (f" ({hint})" if hint else ""))
+
+    # (ConfigContainer's own fields include private ones a dump carries: _checkpoint_load_required)
+    top_known = BRIDGE_SECTIONS | config_fields().get("ConfigContainer", frozenset())
+    for sec in list(S) + [s for s in top if s not in S]:
+        if sec not in top_known:
+            report(sec, "not a Megatron-Bridge ConfigContainer section",
+                   did_you_mean(sec, {s for s in top_known if not s.startswith("_")}))
+    for sec, fields in S.items():
+        if sec not in sections or sec == "model":
+            continue
+        classes, known = sections[sec]
+        target = fields.get("_target_", (None,))[0]
+        if isinstance(target, str) and target.rsplit(".", 1)[-1] not in classes:
+            continue   # a class of the user's own (a DatasetProvider subclass...): its fields are not known
+        cls = target.rsplit(".", 1)[-1] if isinstance(target, str) else sorted(classes)[0] if len(classes) == 1 else ""
+        for name, (_, key) in fields.items():
+            if name in known or (name.startswith("_") and name.endswith("_")) or " (recipe " in key:
+                continue
+            report(key, f"not a field of Megatron-Bridge's {sec} section" + (f" ({cls})" if cls else ""),
+                   did_you_mean(name, known, sec + "."))
 
 
 def _sync_seq_length(b: ArgsBuilder, S: dict[str, dict[str, Field]], who: str) -> None:
@@ -398,11 +438,6 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.warn(f"world size {b.world_size} taken from the data-parallel size the dump records ({dp_hint}) x TP x PP x CP")
         except (TypeError, ValueError, OverflowError):
             pass
-    for sec, fields_name in (("optimizer", "OptimizerConfig"), ("ddp", "DistributedDataParallelConfig")):
-        known = config_fields().get(fields_name, frozenset()) | {"_target_"}
-        for name, (_, key) in S.get(sec, {}).items():
-            if name not in known:
-                b.warn(f"{key}: not a megatron-core {fields_name} field; ignored")
 
     # Attention mask on the GPU: GPTDatasetConfig.create_attention_mask (True) unless the step skips it
     # (skip_getting_attention_mask_from_dataset, True by default in gpt_step.get_batch).

@@ -194,7 +194,7 @@ def read_nemo1(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], m
     # A launcher fragment is the launcher's `training:` group: its command line spells the keys
     # training.model.x (NeMo-Framework-Launcher main.py), which are this file's model.x.
     launcher = not model_only and _mentions(plain, "training.")
-    ignored = [k for op, k, _ in overrides if op == "set" and k.split(".")[0] not in plain
+    ignored = [k for op, k, _ in overrides if op != "del" and k.split(".")[0] not in plain
                and not (launcher and k.startswith("training.")) and k.split(".")[0] not in ("trainer", "model", "hydra")]
     plain = apply_overrides(plain, [o for o in overrides if o[1] not in ignored],
                             strip_prefix="training" if launcher else None)
