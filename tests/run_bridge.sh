@@ -10,16 +10,8 @@
 # Arguments go to pytest. About 2 minutes the first time (pip cache warm: under one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv312/bin/python ]; then
-    echo "tests/run_bridge.sh: .venv312 is missing (tests/run.sh makes it)" >&2
-    exit 1
-fi
-BASE_SITE=$(.venv312/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [ ! -x .venv312-bridge/bin/python ]; then
-    .venv312/bin/python -m venv .venv312-bridge
-fi
-SITE=$(.venv312-bridge/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import site; site.addsitedir('$BASE_SITE')" > "$SITE/_memguard_venv312.pth"
+. tests/layer_venv.sh
+layer_over_venv312 .venv312-bridge
 PIP=(.venv312-bridge/bin/python -m pip install -q --disable-pip-version-check)
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT

@@ -10,21 +10,13 @@
 # Arguments go to pytest. MEMGUARD_SKIP_RELEASES=1 in tests/run.sh skips this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv312/bin/python ]; then
-    echo "tests/run_releases.sh: .venv312 is missing (tests/run.sh makes it)" >&2
-    exit 1
-fi
-BASE_SITE=$(.venv312/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+. tests/layer_venv.sh
 # the files with megatron_training tests (the marker selects them; the rest of each file is pure Python)
 FILES=$(grep -l "megatron_training\|CONTAINER_ERA\|container_era" tests/test_*.py)
 for release in 0.17.1 0.18.2; do
     tag=$(echo "$release" | awk -F. '{printf "%d%02d", $1, $2}')   # 0.17.1 -> 017
     venv=.venv312-core$tag
-    if [ ! -x "$venv/bin/python" ]; then
-        .venv312/bin/python -m venv "$venv"
-    fi
-    SITE=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "import site; site.addsitedir('$BASE_SITE')" > "$SITE/_memguard_venv312.pth"
+    layer_over_venv312 "$venv"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "megatron-core==$release"
     got=$("$venv/bin/python" -c 'from importlib import metadata; print(metadata.version("megatron-core"))')
     if [ "$got" != "$release" ]; then
