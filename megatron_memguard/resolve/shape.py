@@ -148,7 +148,8 @@ def tp_split(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     layer split over TP (or, in the experts, ETP) needs its split dimension to divide evenly. Sources:
     ColumnParallelLinear / RowParallelLinear (tensor_parallel/layers.py, 0.19.2 lines 965 and 1328, 0.16.1
     lines 842 and 1166) and their Transformer Engine twins (extensions/transformer_engine.py, 0.19.2 lines
-    1292, 1451, 1707 and the grouped linears 1010 / 2193; 0.16.1 lines 854, 993, 1093)."""
+    1292, 1451, 1707, the experts' 1010-1012 and 2193-2195; 0.16.1 lines 854, 993, 1093, 615-617 and
+    1525-1527), and Transformer Engine's own divide of a linear's split dimension by its tp_size."""
     if kw.get("heterogeneous_layers"):   # per-layer shapes: heterogeneous.py checks what it builds
         return {}
     tp, spec = kw["tensor_model_parallel_size"], kw.get("moe")
