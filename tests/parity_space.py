@@ -228,6 +228,39 @@ def command_lines(draw) -> Case:
     return Case(tuple(f), world)
 
 
+@st.composite
+def split_shapes(draw) -> Case:
+    """Jobs that break no other rule but now and then one of the model build's ``divide()`` asserts: the FFN,
+    expert FFN, shared-expert and QKV widths over TP / ETP, and group-limited routing's groups (command_lines()
+    reaches them rarely: another rule usually rejects its job first)."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    heads = draw(st.sampled_from([4, 8, 16]))
+    base = list(BASE)
+    base[base.index("--num-attention-heads") + 1] = str(heads)
+    f = [*base, "--kv-channels", str(draw(st.sampled_from([32, 33, 64]))),
+         "--ffn-hidden-size", str(draw(st.sampled_from([1024, 1001, 1002, 2]))), "--disable-bias-linear",
+         "--tensor-model-parallel-size", str(tp)]
+    groups = draw(st.sampled_from([None, 1, 2, 4]))
+    if groups:
+        f += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if tp > 1:
+        f.append("--sequence-parallel")
+    etp, ep = tp, 1
+    if _maybe(draw, 2):
+        ep, etp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, tp]))
+        topk = draw(st.sampled_from([2, 4]))
+        f += ["--num-experts", "8", "--moe-router-topk", str(topk), "--moe-token-dispatcher-type", "alltoall",
+              "--moe-grouped-gemm", "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
+              "--moe-ffn-hidden-size", str(draw(st.sampled_from([256, 129, 130]))),
+              "--moe-layer-freq", draw(st.sampled_from(["1", "2"]))]
+        if _maybe(draw, 1):
+            f += ["--moe-shared-expert-intermediate-size", str(draw(st.sampled_from([128, 129, 130])))]
+        route = draw(st.sampled_from([None, (2, 1), (4, 1), (8, 1), (4, 2)]))
+        if route:
+            f += ["--moe-router-num-groups", str(route[0]), "--moe-router-group-topk", str(route[1])]
+    return Case(tuple(f), math.lcm(tp, etp * ep))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Megatron's side: its own parser and validate_args, in-process (no global state is set: neither
 # parse_args's sys.argv nor set_global_variables is used)

@@ -70,6 +70,27 @@ def test_memguard_reads_what_megatron_reads(megatron_on_cpu):
     assert counts["ok-same"] >= total // 8 and counts["ok-reject"] >= total // 4, counts
 
 
+def test_the_model_builds_tensor_parallel_splits(megatron_on_cpu):
+    """The model build's divide() asserts (parity_space._tp_split) and group-limited routing, on jobs that break
+    no other rule: memguard refuses what the build refuses and estimates the rest with the same numbers."""
+    counts: collections.Counter = collections.Counter()
+    found: list[str] = []
+
+    @settings(max_examples=max(EXAMPLES // 5, 20), derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(P.split_shapes())
+    def run(case):
+        kind, why = classify(case, megatron_on_cpu)
+        counts[kind, "divide" in why or "group_limited" in why] += 1
+        if kind not in GOOD:
+            found.append(f"({kind}) {why}\n    {case}")
+
+    run()
+    assert not found, f"{len(found)} findings:\n" + "\n".join(found[:10])
+    # both sides: jobs the build refuses on a split, and jobs compared number by number
+    assert counts["ok-reject", True] and counts["ok-same", False], counts
+
+
 @pytest.mark.parametrize("found", P.FOUND, ids=[f.key for f in P.FOUND])
 def test_what_the_fuzz_found_megatron_rejects(megatron_on_cpu, found):
     kind, why = classify(found.case(), megatron_on_cpu)
