@@ -118,3 +118,23 @@ def test_a_difference_between_the_readings_is_found(megatron_on_cpu, monkeypatch
     monkeypatch.setattr(preflight, "raw_config_from_args", forgetful)
     kind, why = classify(case, megatron_on_cpu)
     assert kind == "c" and "hook" in why, (kind, why)
+
+
+def test_without_max_position_embeddings_megatron_does_not_start(megatron_on_cpu):
+    """validate_args's required arguments (arguments.py line 1274): rotary positions need it too."""
+    flags = list(P.BASE)
+    i = flags.index("--max-position-embeddings")
+    kind, why = classify(P.Case(tuple(flags[:i] + flags[i + 2:]), 1), megatron_on_cpu)
+    assert kind == "ok-reject" and "max_position_embeddings argument is None" in why, (kind, why)
+
+
+def test_pp1_first_and_last_stage_layers_megatron_starts_a_model_of_other_than_num_layers(megatron_on_cpu):
+    """Megatron's TransformerConfig accepts the pair at PP 1 (-1 middle stages); the stages it would build add
+    up to 6 layers of a 4-layer model, which the classifier counts as a rejection; memguard refuses it."""
+    case = P.Case(tuple(P.BASE) + ("--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "3"), 1)
+    megatron_on_cpu.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    megatron_on_cpu.setenv("WORLD_SIZE", "1")
+    before, after, rejected = P.megatron_reads(case)
+    assert rejected and rejected.startswith("model build: the stages build"), rejected
+    kind, why = classify(case, megatron_on_cpu)
+    assert kind == "ok-reject", (kind, why)
