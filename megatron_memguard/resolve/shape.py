@@ -37,15 +37,15 @@ def sequence(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if position not in ("learned_absolute", "rope", "yarn", "none", "mrope", "relative"):
         a.fail("position_embedding_type", f"unknown type {position!r}")
     max_pos = a.int_arg("max_position_embeddings")
-    if max_pos is None and a.raw.megatron_command_line:
-        # validate_args's required arguments (megatron/training/arguments.py: 0.19.2 line 1274, 0.18.2 line 1265,
-        # 0.17.1 line 1087, and long before): the script stops before the model is built
-        a.fail("max_position_embeddings", "is required by Megatron-LM's validate_args (with --num-layers, "
-                                          "--hidden-size and --num-attention-heads): the run does not start without it",
-               "add --max-position-embeddings (at least --seq-length)")
     if max_pos is None:
         max_pos = seq
-        if position == "learned_absolute":   # it sizes the position table; rotary models never read it
+        if a.raw.megatron_command_line:
+            # validate_args's required arguments (megatron/training/arguments.py: 0.19.2 line 1274, 0.18.2 line
+            # 1265, 0.17.1 line 1087, and long before): the script stops before the model is built. A note, not an
+            # error: the estimate (the table sized by --seq-length) is what a run with the flag added would use
+            a.notes.append("--max-position-embeddings not given: Megatron-LM's validate_args requires it (the run "
+                           "will not start without it); estimated as --seq-length")
+        elif position == "learned_absolute":   # it sizes the position table; rotary models never read it
             a.notes.append("--max-position-embeddings not given: taken as --seq-length")
     elif max_pos < seq:
         a.fail("max_position_embeddings", f"({max_pos}) must be >= seq_length ({seq})")
