@@ -281,8 +281,13 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
         if strict:
             raise
         r.action, r.reason = "unsupported", str(e)
+        later = None
+        if r.raw is not None:
+            from .decision import expert_grid_failure
+            later = expert_grid_failure(r.raw.args.get, world_size, r.raw.key)
         if rank0:
-            emit(f"{PREFIX} {label}: cannot estimate this configuration: {e}; training continues unchecked")
+            emit(f"{PREFIX} {label}: cannot estimate this configuration: {e}; "
+                 + (later if later else "training continues unchecked"))
         return r
     except Exception as e:  # memguard's own bug: never the training's problem
         if strict:
@@ -359,7 +364,8 @@ def suggestion(raw: RawConfig, est: Any, world_size: int | None, gpu: Any, gpu_m
         return f"{PREFIX} (no suggestion: {type(e).__name__}: {e})"
     if r.chosen is None:
         return f"{PREFIX} no micro-batch / pipeline size / recompute change fits:\n" + r.summary()
-    ch = ", ".join(f"{raw.key(k)}={new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    from .knobs import override_text
+    ch = ", ".join(override_text(raw.key(k), new) for k, (_, new) in r.changes.items() if new is not None and new is not False)
     return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
             f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
 

@@ -23,7 +23,8 @@ Rules (the ones Megatron checks later, some of them only after memory is allocat
   ``--non-persistent-ckpt-type local``), nor with ``--step-batch-size-schedule`` (MBS neither).
 
 Order of preference (Fujii et al. 2024, arXiv 2411.06465: model parallelism costs more than a smaller
-micro-batch): without recomputation before with it (only with ``allow_recompute``); then the least
+micro-batch): without recomputation before with it (only with ``allow_recompute``: the selective rungs of
+recompute_ladder.py, weakest first, then full uniform recomputation); then the least
 pipeline parallelism; then the largest micro-batch size. The first candidate whose critical stage
 stays within ``threshold`` of GPU memory wins. A layout that is only "tight" (over the threshold, within
 GPU memory) is never chosen: when no candidate stays within the threshold the result is
@@ -45,10 +46,11 @@ from .gpus import GpuSpec
 from .layout import Layout
 from .numbers import to_int
 from .resolve import resolve
+from .recompute_ladder import Rung, ladder
 from .units import format_bytes
 
-# Recomputation levels the search may add (only with allow_recompute), weakest first.
-_SELECTIVE = {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None}
+# The strongest recomputation level the search may add (only with allow_recompute), after the selective
+# ladder of recompute_ladder.py.
 _FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 _RESHARD_BLOCKERS = (
     ("ckpt_format", lambda v: v == "torch", "the legacy 'torch' checkpoint format cannot be resharded across pipeline stages"),
@@ -120,7 +122,7 @@ def describe_layout_choice(L: Layout) -> str:
     if L.recompute_granularity == "full":
         rec = f"full recompute ({L.recompute_method} {L.recompute_num_layers})"
     elif L.recompute_granularity == "selective":
-        rec = "selective recompute"
+        rec = f"selective recompute ({', '.join(L.recompute_modules)})"
     vpp = f" VPP{L.vpp}" if L.vpp > 1 else ""
     return f"MBS {L.micro_batch_size}, PP {L.pp}{vpp} (DP {L.dp}), {rec}"
 
@@ -153,17 +155,44 @@ def _moe_full_recompute_blocker(raw: RawConfig) -> str | None:
     return None
 
 
-def _recompute_levels(L: Layout, allow: bool) -> list[dict[str, Any]]:
+def _recompute_levels(L: Layout, allow: bool, rungs: tuple[Rung, ...] = ()) -> list[dict[str, Any]]:
+    """No change, then the selective ladder's rungs (recompute_ladder.py), then full uniform recomputation."""
     levels: list[dict[str, Any]] = [{}]
     if not allow:
         return levels
-    if L.recompute_granularity is None:
-        levels += [dict(_SELECTIVE), dict(_FULL)]
-    elif L.recompute_granularity == "selective":
+    if L.recompute_granularity in (None, "selective"):
+        levels += [r.updates() for r in rungs]
         levels.append(dict(_FULL))
     elif L.recompute_granularity == "full" and (L.recompute_method != "uniform" or (L.recompute_num_layers or 1) > 1):
         levels.append(dict(_FULL))
     return levels
+
+
+def _level_label(level: Mapping[str, Any]) -> str:
+    if level.get("recompute_granularity") == "selective":
+        return f"selective recompute of {', '.join(level['recompute_modules'])}"
+    return f"{level['recompute_granularity']} recompute"
+
+
+def _stage_peaks(raw: RawConfig, L0: Layout, megatron_version: str | None, vocab_size: int | None,
+                 est_kw: Mapping[str, Any], alias_off: Mapping[str, Any]) -> Callable[[dict[str, Any]], tuple[int, ...] | str]:
+    """For the ladder: each stage's device peak with some recompute updates at the original layout, or the
+    rule the updated arguments break."""
+    def peaks(updates: dict[str, Any]) -> tuple[int, ...] | str:
+        if updates:
+            try:
+                L = resolve(raw.with_args(**updates, **alias_off), world_size=L0.world_size,
+                            megatron_version=megatron_version, vocab_size=vocab_size)
+            except ConfigErrors as e:
+                return e.errors[0].rule
+            except ConfigError as e:
+                return e.rule
+            except MemguardError as e:
+                return str(e)
+        else:
+            L = L0
+        return tuple(s.device_total_bytes for s in estimate(L, **est_kw).stages)
+    return peaks
 
 
 _MBS_SCAN = 1024   # micro-batch sizes up to this are all tried (and the non-dividing ones listed as rejected)
@@ -279,6 +308,11 @@ def autotune(
             pps = [p for p in pps if p not in bad]
             notes.append(f"pipeline size{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} not tried: "
                          f"{world} GPUs do not divide into expert tensor parallel {etp} x expert parallel {ep} x PP")
+    alias_off = {"recompute_activations": False} if raw.args.get("recompute_activations") else {}
+    # the ladder's rungs go in after the no-change level, built only when that level finds nothing (it costs
+    # a few dozen estimates)
+    rungs: tuple[Rung, ...] = ()
+    ladder_due = allow_recompute and L0.recompute_granularity in (None, "selective")
     levels = _recompute_levels(L0, allow_recompute)
     full_blocker = _moe_full_recompute_blocker(raw) if experts is not None else None
     if full_blocker and any(lv.get("recompute_granularity") == "full" for lv in levels):
@@ -292,9 +326,11 @@ def autotune(
     tried: list[Candidate] = []
     best: Candidate | None = None
     gbs_pin = {"global_batch_size": gbs0} if gbs_defaulted else {}
-    alias_off = {"recompute_activations": False} if raw.args.get("recompute_activations") else {}
 
-    for level in levels:
+    i = 0
+    while i < len(levels):
+        level = levels[i]
+        i += 1
         for pp in pps:
             dp = world // (tp * pp * cp)
             for mbs in mbss:
@@ -308,7 +344,7 @@ def autotune(
                     updates.update(alias_off)
                 if updates:
                     updates.update(gbs_pin)
-                label = f"MBS {mbs}, PP {pp}" + (f", {level['recompute_granularity']} recompute" if level else "")
+                label = f"MBS {mbs}, PP {pp}" + (f", {_level_label(level)}" if level else "")
                 if gbs0 % (mbs * dp):
                     rejected.append((label, f"GBS {gbs0} is not divisible by MBS x DP"))
                     continue
@@ -356,6 +392,11 @@ def autotune(
                 break
         if best is not None:
             break
+        if ladder_due and not level:
+            ladder_due = False
+            rungs, ladder_notes = ladder(L0, _stage_peaks(raw, L0, megatron_version, vocab_size, est_kw, alias_off))
+            notes.extend(ladder_notes)
+            levels[i:i] = [r.updates() for r in rungs]
 
     head = (f"{describe_layout_choice(L0)}: needs {format_bytes(E0.peak_device_bytes)} = {_pct(E0)} of "
             f"{format_bytes(E0.gpu_memory_bytes)} on stage pp{E0.critical_stage} (threshold {threshold:.0%}); "
@@ -377,7 +418,8 @@ def autotune(
     changes: dict[str, tuple[Any, Any]] = {}
     old = {"micro_batch_size": mbs0, "pipeline_model_parallel_size": pp0, "global_batch_size": raw.args.get("global_batch_size"),
            "recompute_granularity": L0.recompute_granularity, "recompute_method": L0.recompute_method,
-           "recompute_num_layers": L0.recompute_num_layers, "recompute_activations": raw.args.get("recompute_activations")}
+           "recompute_num_layers": L0.recompute_num_layers, "recompute_activations": raw.args.get("recompute_activations"),
+           "recompute_modules": raw.args.get("recompute_modules")}
     for k, v in chosen.changes.items():
         if old.get(k, raw.args.get(k)) != v:
             changes[k] = (old.get(k, raw.args.get(k)), v)
@@ -394,10 +436,15 @@ def autotune(
             edp = f", expert DP {world // (etp * ep * pp0)} -> {world // (etp * ep * L.pp)}"
         reasons.append(f"pipeline-model-parallel size {pp0} -> {L.pp}: each stage holds fewer layers and a smaller share of "
                        f"the model state (DP {L0.dp} -> {L.dp}{edp})")
-    if "recompute_granularity" in changes:
-        reasons.append(f"activation recomputation -> {L.recompute_granularity}"
-                       + (f" ({L.recompute_method}, {L.recompute_num_layers} layer per block)" if L.recompute_granularity == "full" else "")
-                       + ": activations are recomputed in the backward pass instead of kept")
+    if "recompute_granularity" in changes or "recompute_modules" in changes:
+        what = (f" ({L.recompute_method}, {L.recompute_num_layers} layer per block)" if L.recompute_granularity == "full" else
+                f" of {', '.join(L.recompute_modules)}" if L.recompute_granularity == "selective" else "")
+        reasons.append(f"activation recomputation -> {L.recompute_granularity}{what}: activations are recomputed in the "
+                       "backward pass instead of kept")
+        if L.recompute_granularity == "selective" and rungs:
+            reasons.append("recompute ladder (least extra forward work per byte freed first): " + "; ".join(
+                f"+{r.added} frees {format_bytes(r.saved_bytes)} for {r.flops_per_token / 1e9:.3g} GFLOP/token"
+                for r in rungs) + ("; then full" if any(lv.get("recompute_granularity") == "full" for lv in levels) else ""))
     if "global_batch_size" in changes:
         reasons.append(f"global batch size pinned at {gbs0}: it defaulted to MBS x DP, which the new layout would change")
     reasons.extend(notes)

@@ -91,3 +91,27 @@ class MemguardAbort(SystemExit):
 # The names the Bridge / Lightning integrations export (kept: user code catches PreflightAbort).
 PreflightResult = Decision
 PreflightAbort = MemguardAbort
+
+
+def expert_grid_failure(get: Any, world: Any, flag: Any = None) -> str | None:
+    """The expert-grid rule megatron-core checks only after its argument validation: initialize_model_parallel
+    (parallel_state.py, 0.16.1 and 0.19.2) lays the expert groups ETP x EP x expert-DP x PP over the same
+    world and raises when the world does not divide into them. ``get(name)`` reads Megatron's argument names;
+    ``flag(name)`` spells one as the launch does. None when the grid divides (or is not plain integers)."""
+    flag = flag or (lambda n: "--" + n.replace("_", "-"))
+    try:
+        if not get("num_experts"):
+            return None
+        world = int(world or 0)
+        tp = int(get("tensor_model_parallel_size") or 1)
+        pp = int(get("pipeline_model_parallel_size") or 1)
+        ep = int(get("expert_model_parallel_size") or 1)
+        etp = int(get("expert_tensor_parallel_size") or tp)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if world <= 0 or world % (etp * ep * pp) == 0:
+        return None
+    names = ", ".join(flag(n) for n in ("expert_model_parallel_size", "expert_tensor_parallel_size",
+                                         "pipeline_model_parallel_size"))
+    return (f"the run will stop in initialize_model_parallel: world size {world} is not divisible by expert tensor "
+            f"parallel {etp} x expert parallel {ep} x pipeline parallel {pp} = {etp * ep * pp} (change {names})")

@@ -14,6 +14,7 @@ the round-trip test (tests/test_knobs.py) pick it up.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,8 @@ FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 class Knob:
     dest: str                    # Megatron's argument dest (what the flag parser produces)
     flag: str                    # Megatron's flag
-    kind: str                    # "int" | "bool" | "choice"
+    kind: str                    # "int" | "bool" | "choice" | "list" (names, nargs="*") | "text" (quoted for a
+                                 # shell: '|', '(' and '*')
     field: str                   # the Layout field it resolves to
     nemo2: tuple[str, ...]       # NeMo 2 override keys (all written)
     bridge: tuple[str, ...]      # Megatron-Bridge override keys (all written)
@@ -38,11 +40,18 @@ class Knob:
         """The flag text for ``value``: ``--flag V``; a store-true flag alone, or nothing when False/None."""
         if value is None or value is False:
             return None
+        if self.kind == "list":
+            return f"{self.flag} {' '.join(map(str, value))}"
+        if self.kind == "text":
+            return f"{self.flag} {shlex.quote(str(value))}"
         return self.flag if self.kind == "bool" else f"{self.flag} {value}"
 
     def overrides(self, keys: tuple[str, ...], value: Any) -> list[str]:
         """``KEY=VALUE`` for each of ``keys`` (YAML spelling: true/false, null)."""
-        text = "null" if value is None else ("true" if value else "false") if isinstance(value, bool) else str(value)
+        text = ("null" if value is None else ("true" if value else "false") if isinstance(value, bool) else
+                f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value))
+        if self.kind == "text" and value is not None:
+            text = "'" + text + "'"     # a YAML string: '|' and '*' would otherwise start other YAML syntax
         return [f"{k}={text}" for k in keys]
 
 
@@ -71,6 +80,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "int",
          "decoder_last_pipeline_num_layers", (_TS + "num_layers_in_last_pipeline_stage",),
          ("model.num_layers_in_last_pipeline_stage",), "last"),
+    # the other spellings of an uneven split (memguard plan's uneven_vpp_splits writes them)
+    Knob("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", "bool",
+         "account_for_embedding_in_pipeline_split", (_TS + "account_for_embedding_in_pipeline_split",),
+         ("model.account_for_embedding_in_pipeline_split",)),
+    Knob("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", "bool",
+         "account_for_loss_in_pipeline_split", (_TS + "account_for_loss_in_pipeline_split",),
+         ("model.account_for_loss_in_pipeline_split",)),
+    Knob("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "text",
+         "pipeline_model_parallel_layout", (_TS + "pipeline_model_parallel_layout",),
+         ("model.pipeline_model_parallel_layout",)),
     Knob("micro_batch_size", "--micro-batch-size", "int", "micro_batch_size",
          ("data.micro_batch_size",), ("train.micro_batch_size",), "mbs"),
     Knob("global_batch_size", "--global-batch-size", "int", "global_batch_size",
@@ -96,6 +115,9 @@ KNOBS: tuple[Knob, ...] = (
          ("model.config.recompute_method",), ("model.recompute_method",), None, ("uniform", "block")),
     Knob("recompute_num_layers", "--recompute-num-layers", "int", "recompute_num_layers",
          ("model.config.recompute_num_layers",), ("model.recompute_num_layers",)),
+    # the selective set autotune's recompute ladder picks (recompute_ladder.py); a YAML list in overrides
+    Knob("recompute_modules", "--recompute-modules", "list", "recompute_modules",
+         ("model.config.recompute_modules",), ("model.recompute_modules",)),
     # FP8 (memguard plan --fp8): NeMo 2 takes it on the precision plugin (MegatronMixedPrecision copies its
     # fields over the model config's), Bridge on mixed_precision (a preset name is expanded first).
     Knob("fp8", "--fp8-format", "choice", "fp8", ("trainer.plugins.fp8",), ("mixed_precision.fp8",), None,
@@ -119,3 +141,17 @@ def flag_of(dest: str) -> str:
     """Megatron's flag for ``dest``: the registry's, else Megatron's rule (dashes for underscores)."""
     k = BY_DEST.get(dest)
     return k.flag if k is not None else "--" + dest.replace("_", "-")
+
+
+def flag_text(dest: str, value: Any) -> str:
+    """``--flag value`` for a change autotune makes (a list's names space-separated, as nargs='*' takes them)."""
+    if isinstance(value, (list, tuple)):
+        return f"{flag_of(dest)} {' '.join(map(str, value))}"
+    return f"{flag_of(dest)} {value}"
+
+
+def override_text(key: str, value: Any) -> str:
+    """``KEY=VALUE`` for a config override (a list in YAML's flow style)."""
+    if isinstance(value, (list, tuple)):
+        return f"{key}=[{','.join(map(str, value))}]"
+    return f"{key}={value}"

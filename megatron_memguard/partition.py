@@ -171,22 +171,24 @@ def uniform_kind(L: "Layout") -> LayerKind:
     return LayerKind(_mixer(L), MLP_DENSE, L.fp8_spec.recipe if L.transformer_impl == "transformer_engine" else None)
 
 
-def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[list[str]]:
-    """Megatron's layout syntax: stages split by '|', 'E' embedding, 't' layer, 'L' loss, 'm' MTP, ``(x)*n``."""
-    bad = next((ch for ch in text if ch not in _LAYOUT_CHARS), None)
-    if bad is not None:    # before the expansion: a hostile text must not reach its regular expressions
+def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-parallel-layout") -> list[str]:
+    """Megatron's layout syntax: stages split by '|', 'E' embedding, 't' layer, 'L' loss, 'm' MTP, ``(x)*n``.
+    Returns each stage's entries as a string ("Et", "tt", ..., "L")."""
+    if not _LAYOUT_CHARS.issuperset(text):
+        # before the expansion: a hostile text must not reach its regular expressions
+        bad = next(ch for ch in text if ch not in _LAYOUT_CHARS)
         raise ConfigError(key, f"unknown layer character {bad!r}; use E, t, L, m, | and (..)*n")
     s = _repeat(_repeat(text.replace(",", ""), _GROUP_REPEAT, key), _CHAR_REPEAT, key)
     if not _STAGE_CHARS.issuperset(s):       # a character left after the expansion ('(', ')', '*', a digit)
         ch = next(ch for ch in s if ch not in _STAGE_CHARS)
         raise ConfigError(key, f"unknown layer character {ch!r}; use E, t, L, m, | and (..)*n")
-    stages = [list(stage) for stage in s.split("|")]
+    stages = s.split("|")
     if len(stages) % pp:
         raise ConfigError(key, f"has {len(stages)} stages, which is not a multiple of --pipeline-model-parallel-size {pp}")
     flat = s.replace("|", "")
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
-    if "m" in flat and "m" in "".join("".join(st) for st in stages[:-1]):
+    if "m" in flat and "m" in "".join(stages[:-1]):
         # Megatron also places MTP layers on an earlier stage (mtp_standalone); memguard keeps them on the
         # last stage's last chunk, where they go without a layout
         from .errors import NotModelledError
@@ -257,20 +259,34 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
             counts[-1] -= 1
     firsts = [0, *accumulate(counts)]       # each chunk's first layer
     runs = model_kind_runs(L)
-    # every layer of one kind (the common case): each chunk's runs without listing the layers
-    same = runs[0][0] if len(runs) == 1 else None
     ends = list(accumulate(n for _, n in runs))     # the model runs' ends, for _runs_between
+    # each chunk's (kind, count) runs, in the model's layer order; the chunks of one kind and size share one
+    # tuple (the caches key on it)
+    made: dict[tuple[int, int], tuple[tuple[LayerKind, int], ...]] = {}
+    chunk_runs = []
+    j = 0                                   # the model run holding the chunk's first layer
+    for first, n in zip(firsts, counts):
+        while j < len(ends) - 1 and ends[j] <= first:
+            j += 1
+        while j and ends[j - 1] > first:    # (chunks come in layer order: only after an empty chunk's slot)
+            j -= 1
+        if n <= 0:
+            chunk_runs.append(())
+        elif first + n <= ends[j]:          # inside one run (most chunks)
+            kr = made.get((j, n))
+            if kr is None:
+                kr = made[j, n] = ((runs[j][0], n),)
+            chunk_runs.append(kr)
+        else:
+            chunk_runs.append(_runs_between(runs, ends, first, n))
     chunks = []
     add = chunks.append
     last_i = pp * vpp - 1
     for r in range(pp):
         for i in range(r, pp * vpp, pp):
-            n = counts[i]
-            first = firsts[i]
             last = i == last_i
             # (positional: one Chunk per chunk of every layout; its fields in order)
-            add(Chunk(r, i // pp, first, n, i == 0, last, tied_copy and last, vpp,
-                      (((same, n),) if n > 0 else ()) if same is not None else _runs_between(runs, ends, first, n)))
+            add(Chunk(r, i // pp, firsts[i], counts[i], i == 0, last, tied_copy and last, vpp, chunk_runs[i]))
     return tuple(chunks)
 
 

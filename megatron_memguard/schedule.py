@@ -40,12 +40,15 @@ def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
     """Forwards of each chunk among the first ``a`` positions of the forward table."""
     P = vpp * group
     full = (m // group) * P
+    # (each chunk's share of the partial period clamped to [0, group] with conditionals: min/max calls cost more)
     if a <= full:
         j, o = divmod(a, P)
-        return [j * group + min(max(o - c * group, 0), group) for c in range(vpp)]
+        return [j * group + (0 if x < 0 else group if x > group else x) for x in range(o, o - vpp * group, -group)]
     q = m - (m // group) * group
+    if not q:                               # past the last full group: every micro-batch
+        return [m] * vpp
     o = a - full
-    return [m - q + min(max(o - c * q, 0), q) for c in range(vpp)]
+    return [m - q + (0 if x < 0 else q if x > q else x) for x in range(o, o - vpp * q, -q)]
 
 
 def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,

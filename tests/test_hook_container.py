@@ -149,7 +149,12 @@ def test_autotune_with_recompute_allowed_from_environment(run, monkeypatch):
     args = run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--sequence-parallel",
                "--seq-length", 65536, "--max-position-embeddings", 65536)
     assert args.memguard == "autotune" and args.memguard_allow_recompute is True
-    assert args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers == 1
+    # the recompute ladder's first rung that fits (tests/test_autotune.py counts what it frees), through
+    # Megatron's validate_args and the TransformerConfig it builds next
+    from megatron.training.argument_utils import gpt_config_from_args
+    assert args.recompute_granularity == "selective" and args.recompute_modules == ["mlp"]
+    assert args.recompute_method is None and args.recompute_num_layers is None
+    assert gpt_config_from_args(args).transformer.recompute_modules == ["mlp"]
 
 
 def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
@@ -170,7 +175,9 @@ def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
     args = run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
     d = hook.STATE.decision
     assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
-    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
+    # a rung of the recompute ladder (selective modules) fits before full recomputation
+    assert args.recompute_granularity == "selective" == d.layout.recompute_granularity
+    assert tuple(args.recompute_modules) == d.layout.recompute_modules and args.micro_batch_size == d.layout.micro_batch_size
     assert args.pipeline_model_parallel_size == d.layout.pp
 
 
@@ -324,3 +331,53 @@ def test_moe_fits_logs_the_worst_case_after_the_verdict(run, hook, capsys):
     w = worst.moe["worst_case"]["device_total_bytes"] / d.estimate.gpu_memory_bytes
     assert lines[i + 1].startswith(f"[memguard] pp{worst.pp_rank} MoE routing: balanced")
     assert f"= {w:.0%} of the GPU, " in lines[i + 1]
+
+
+@pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-overlap",)], ids=["dsv3-like", "shared-expert-overlap"])
+def test_recompute_ladder_passes_megatrons_validation(hook, monkeypatch, capsys, extra):
+    # autotune's recompute ladder (tests/test_recompute_ladder.py: a DeepSeek-V3-like MoE at 16k tokens on 64
+    # GPUs, where only recomputation is left): the tuned command line passes the real parse_args +
+    # validate_args and the TransformerConfig pretrain_gpt.py builds next (its recompute_modules rules)
+    import torch
+    from megatron.training import global_vars
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from test_recompute_ladder import DSV3_LIKE
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    hook.STATE.decision = None
+    argv = [*DSV3_LIKE, "--seq-length", "16384", "--max-position-embeddings", "16384", "--lr", "1e-4",
+            "--train-iters", "10", "--mock-data", "--no-rope-fusion", *extra,
+            "--memguard", "autotune", "--memguard-allow-recompute"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    try:
+        args = parse_and_validate_args(extra_args_provider=None, args_defaults=DEFAULTS)
+        cfg = gpt_config_from_args(args).transformer
+    finally:
+        global_vars.unset_global_variables()
+    d = hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.verdict == "fits"
+    assert args.recompute_granularity == "selective" and args.recompute_method is None
+    assert tuple(args.recompute_modules) == d.layout.recompute_modules and "moe" in args.recompute_modules
+    assert cfg.recompute_granularity == "selective" and list(cfg.recompute_modules) == list(args.recompute_modules)
+    if extra:
+        assert "shared_experts" not in args.recompute_modules
+    out = capsys.readouterr().out
+    assert "autotune changed recompute_granularity (default) -> selective, recompute_modules (default) -> layernorm " in out
+
+
+def test_invalid_expert_grid_says_megatron_will_stop(run, hook, capsys):
+    # TP2 PP4 EP4 ETP2 on 16 GPUs: validate_args accepts it, but initialize_model_parallel (parallel_state.py,
+    # 0.19.2) needs the world to divide into ETP x EP x PP = 2 x 4 x 4 = 32; the hook must not say training goes on
+    moe = [str(a) for a in MOE]
+    moe[moe.index("--expert-model-parallel-size") + 1] = "4"
+    args = run("--micro-batch-size", 1, "--global-batch-size", 64, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+               "--pipeline-model-parallel-size", 4, "--expert-tensor-parallel-size", 2, *moe)
+    out = capsys.readouterr().out
+    assert args.expert_model_parallel_size == 4 and hook.STATE.decision.action == "unsupported"
+    line = next(ln for ln in out.splitlines() if "cannot estimate this configuration" in ln)
+    assert "training continues unchecked" not in line
+    assert ("Megatron's validate_args accepts it but the run will stop in initialize_model_parallel: world size 16 is "
+            "not divisible by expert tensor parallel 2 x expert parallel 4 x pipeline parallel 4 = 32") in line

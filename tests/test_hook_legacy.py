@@ -187,7 +187,9 @@ def test_autotune_never_starts_a_tight_job(legacy, monkeypatch, capsys):
     args = legacy.run("--micro-batch-size", 4, "--memguard", "autotune", "--memguard-allow-recompute")
     d = legacy.hook.STATE.decision
     assert d.action == "tuned" and d.estimate.peak_device_bytes <= 0.8 * d.estimate.gpu_memory_bytes
-    assert args.recompute_granularity == "full" and args.micro_batch_size == d.layout.micro_batch_size
+    # a rung of the recompute ladder (selective modules) fits before full recomputation
+    assert args.recompute_granularity == "selective" == d.layout.recompute_granularity
+    assert tuple(args.recompute_modules) == d.layout.recompute_modules and args.micro_batch_size == d.layout.micro_batch_size
 
 
 def test_megatron_errors_are_megatrons(legacy, capsys):

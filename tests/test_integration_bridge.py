@@ -494,3 +494,20 @@ def test_without_bridge_preflight_works_and_the_callback_says_what_it_needs(tmp_
     assert lines[2].startswith("ImportError: megatron_memguard.bridge.pretrain needs Megatron-Bridge")
     assert "preflight() works without it" in lines[1]
     assert lines[3] == "False"      # the pre-flight did not import torch
+
+
+def test_invalid_expert_grid_is_not_called_unchecked(monkeypatch):
+    # TP2 PP4 EP4 ETP2 on 16 GPUs: initialize_model_parallel (megatron-core parallel_state.py) needs the world to
+    # divide into ETP x EP x PP = 32, so the run stops there; the pre-flight says so instead of "continues"
+    doc = config_dict(ConfigContainer())
+    doc["model"].update(num_moe_experts=8, moe_ffn_hidden_size=3584, moe_router_topk=2, expert_model_parallel_size=4,
+                        expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                        pipeline_model_parallel_size=4, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    lines, emit = quiet()
+    r = preflight(doc, gpu="H100-80GB", emit=emit)
+    assert r.action == "unsupported" and len(lines) == 1 and "training continues unchecked" not in lines[0]
+    assert lines[0].endswith("the run will stop in initialize_model_parallel: world size 16 is not divisible by expert "
+                             "tensor parallel 2 x expert parallel 4 x pipeline parallel 4 = 32 (change "
+                             "model.expert_model_parallel_size, model.expert_tensor_parallel_size, "
+                             "model.pipeline_model_parallel_size)")

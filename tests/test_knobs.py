@@ -3,6 +3,7 @@ parses to its dest, and its NeMo 2 / Megatron-Bridge override keys, applied to t
 reach the same setting through the NeMo 2 and Bridge readers (shared/reference/nemo-bridge.md names
 the keys; the configs are the real ones in shared/configs)."""
 import os
+import shlex
 
 import pytest
 
@@ -19,10 +20,14 @@ def _value(k):
     """A value each knob can take that differs from the shared configs' own (3 is no config's size)."""
     if k.kind == "bool":
         return True
+    if k.kind == "list":
+        return ["moe_act", "layernorm"]
     if k.kind == "choice":
         # a value Megatron's argparse accepts for the flag (the parser refuses others since it checks choices)
         return {"recompute_method": "block", "fp8": "hybrid", "fp8_recipe": "tensorwise",
                 "data_parallel_sharding_strategy": "optim_grads"}.get(k.dest, "full")
+    if k.kind == "text":
+        return "Et|(tt|)*2L"      # a pipeline layout: 4 stages, '|', '(' and '*' quoted through each spelling
     return 3
 
 
@@ -35,9 +40,9 @@ def _setting(raw, k):
 def test_flag_parses_to_the_dest(k):
     assert flag_table()[k.flag][0] == k.dest         # the flag table is Megatron's own argparse dump
     v = _value(k)
-    argv = [k.flag] if k.kind == "bool" else [k.flag, str(v)]
+    argv = [k.flag] if k.kind == "bool" else [k.flag, *v] if k.kind == "list" else [k.flag, str(v)]
     assert parse_megatron_flags(argv).args[k.dest] == v
-    assert k.megatron(v) == " ".join(argv) and flag_of(k.dest) == k.flag
+    assert shlex.split(k.megatron(v)) == argv and flag_of(k.dest) == k.flag
 
 
 @pytest.mark.parametrize("k", [k for k in KNOBS if k.nemo2], ids=lambda k: k.dest)
@@ -70,7 +75,8 @@ def test_registry_is_one_row_per_dest_and_knows_the_planner_levels():
 
 def test_autotune_changes_only_registered_knobs():
     # autotune's updates are pasted as flags (hook suggestion) and config keys: each must be a knob
-    from megatron_memguard.autotune import _FULL, _SELECTIVE
-    changed = set(_SELECTIVE) | set(_FULL) | {"micro_batch_size", "pipeline_model_parallel_size", "global_batch_size",
+    from megatron_memguard.autotune import _FULL
+    from megatron_memguard.recompute_ladder import Rung
+    changed = set(Rung(("moe_act",), "moe_act", 0, 0.0).updates()) | set(_FULL) | {"micro_batch_size", "pipeline_model_parallel_size", "global_batch_size",
                                               "recompute_activations"}
     assert changed <= set(BY_DEST)

@@ -94,14 +94,14 @@ def test_detail_splits_moe_layers_and_names_virtual_chunks_once():
     crit = js["stages"][js["critical_stage"]]
     terms = {t["name"]: t for t in crit["terms"]}
     la, moe = terms["layer_activations"], terms["moe_layer_activations"]
-    assert la["detail"].startswith("8 chunks of 1 layers x ")       # VPP 8: one layer per chunk
+    assert la["detail"].startswith("8 chunks of 1 layer x ")       # VPP 8: one layer per chunk
     assert "counted in moe_layer_activations" in la["detail"] and "balanced routing" in moe["detail"]
     # the per-layer size covers both terms: layers in flight x per layer = layer_activations + moe_layer_activations
     per_layer_mib = float(la["detail"].split(" x ")[1].split(" MiB")[0])
     held = crit["in_flight"]
     assert abs(la["bytes"] + moe["bytes"] - held * per_layer_mib * 2**20) <= held * 0.05 * 2**20
     text = memguard("estimate", "--config", MIXTRAL_YAML, "--detail").stdout
-    assert "8 chunks of 1 layers x" in text and "router, token dispatcher and expert tensors" in text
+    assert "8 chunks of 1 layer x" in text and "router, token dispatcher and expert tensors" in text
 
 
 def test_rotary_models_get_no_max_position_note_learned_ones_do():
@@ -155,13 +155,19 @@ def test_launcher_overrides_as_the_launcher_spells_them():
 
 
 def test_check_suggests_overrides_in_the_launchs_own_spelling():
-    # Bridge's DeepSeek-V3 recipe on its 1,024 H100s is tight without recomputation; the fix is given as the
-    # run_recipe.py overrides that set it (the recipe leaves recompute_method / _num_layers unset)
-    p = memguard("check", "--", "torchrun", "--nnodes", "128", "--nproc-per-node", "8", "scripts/training/run_recipe.py",
-                 "--recipe", "deepseek_v3_pretrain_config", "model.moe_flex_dispatcher_backend=deepep")
+    # Bridge's DeepSeek-V3 recipe on its 1,024 H100s is tight without recomputation; the fix (the recompute
+    # ladder's first rung that fits: the norms and the expert activation, tests/test_recompute_ladder.py) is
+    # given as the run_recipe.py overrides that set it, a YAML list for the modules
+    launch = ["check", "--", "torchrun", "--nnodes", "128", "--nproc-per-node", "8", "scripts/training/run_recipe.py",
+              "--recipe", "deepseek_v3_pretrain_config", "model.moe_flex_dispatcher_backend=deepep"]
+    p = memguard(*launch)
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("a layout that fits:"))
-    assert line.endswith(": model.recompute_granularity=full, model.recompute_method=uniform, model.recompute_num_layers=1")
+    fix = "model.recompute_granularity=selective, model.recompute_modules=[moe_act,layernorm]"
+    assert line.endswith(": " + fix) and "61.61 GiB (fits)" in line
     assert "--recompute" not in line and p.returncode == 1
+    # the same launch with the suggested overrides is OK to launch, at the suggested peak
+    again = memguard(*launch, *fix.split(", "))
+    assert again.returncode == 0 and "critical stage pp1 needs 61.61 GiB" in again.stdout
 
 
 def test_deepseek_recipes_say_they_train_with_a_null_tokenizer_vocabulary():

@@ -1,6 +1,7 @@
 """The planner with this session's features (issue 17, 'where it must reach'): SOAP's preconditioners,
 --freeze-all-layers and HSDP in the memory bound, and layouts the estimator refuses by name left out."""
 import random
+import shlex
 
 from megatron_memguard.planner.bounds import memory_lower_bound, stage_factor_bytes
 from megatron_memguard.planner.space import Constraints, enumerate_space
@@ -106,7 +107,7 @@ def test_kept_layouts_estimate_as_fitting_from_their_exported_flags():
         res = P.plan(cons, top=4)
         assert res.entries, extra
         for e in res.entries:
-            L = layout_from_flags(model + " ".join(megatron_flags(e.layout)).split(), world_size=16)
+            L = layout_from_flags(model + shlex.split(" ".join(megatron_flags(e.layout))), world_size=16)
             assert L == e.layout, (extra, e.candidate.name)
             est = estimate(L, gpu=P.cluster.gpu, threshold=0.8)
             assert est.verdict == "fits" and est.peak_device_bytes <= 0.8 * P.cluster.gpu_memory_bytes

@@ -1,5 +1,6 @@
 """The search: only layouts the estimator says fit, exactly the fastest ones, and the published findings."""
 import random
+import shlex
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.planner.bounds import memory_lower_bound
@@ -33,7 +34,7 @@ def test_no_layout_the_estimator_rejects_ever_appears():
     for e in res.entries:
         assert e.estimate.verdict == "fits"
         # independently: paste the flags the planner prints onto the model and estimate again
-        flags = LLAMA31_70B + " ".join(megatron_flags(e.layout)).split()
+        flags = LLAMA31_70B + shlex.split(" ".join(megatron_flags(e.layout)))
         L = layout_from_flags(flags, world_size=256)
         assert L == e.layout
         est = estimate(L, gpu=P.cluster.gpu, threshold=0.8)

@@ -59,9 +59,10 @@ def test_distributed_optimizer_shards_partition_the_stage_state(spec):
         assert st.buffer_numel % n == 0
         share = st.buffer_numel // n
         assert max(shards) <= share
-        # the default ("max": the larger of the first and last rank) is one rank's shard, not more
+        # the default ("max") is the largest rank's shard, wherever that rank sits (a middle rank can own
+        # up to 64 elements more per bucket than the first and the last: tests/test_largest_shard.py)
         default = st.exp_avg_bytes // 4
-        assert default == max(shards[0], shards[-1]) <= share
+        assert default == max(shards) <= share
         if n == 1:
             assert default == st.parameters
         whole = stage_states(L0, p)

@@ -341,9 +341,10 @@ def _spelled(raw, dest: str, value) -> str:
         key = key.split(" (")[0]    # "model.x (recipe NAME)": where a recipe's value came from
     if key is None and "Bridge" in (raw.source or "") and dest in BY_DEST and BY_DEST[dest].bridge:
         key = BY_DEST[dest].bridge[0]
+    listed = isinstance(value, (list, tuple))
     if key is None or "--" in key or " " in key:
-        return f"{raw.key(dest)} {value}"
-    text = "true" if value is True else str(value)
+        return f"{raw.key(dest)} {' '.join(map(str, value)) if listed else value}"
+    text = "true" if value is True else f"[{','.join(map(str, value))}]" if listed else str(value)
     return f"{key}={text}"
 
 

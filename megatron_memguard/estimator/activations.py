@@ -45,6 +45,14 @@ class LayerActivations:
     fwd_steps: tuple[Step, ...] = ()
     bwd_steps: tuple[Step, ...] = ()
 
+    def __init__(self, saved: dict[str, int] | None = None, fwd_steps: tuple[Step, ...] = (),
+                 bwd_steps: tuple[Step, ...] = ()) -> None:
+        # one per layer kind of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["saved"] = {} if saved is None else saved
+        d["fwd_steps"] = fwd_steps
+        d["bwd_steps"] = bwd_steps
+
     # (_derived: functools.cached_property without its lock; every cold estimate makes these objects anew)
     @_derived
     def total(self) -> int:

@@ -12,7 +12,8 @@ Adam's moments are created at the first step, so the peak is that of the second 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Callable
 
 from ..errors import ConfigError
 from ..gpus import GpuSpec
@@ -23,6 +24,7 @@ from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
+from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
@@ -38,12 +40,13 @@ from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
-from .params import layer_params
-from .result import Estimate, StageEstimate, Term, verdict_for
+from .params import layer_param_rows
+from .result import Estimate, StageEstimate, Term, TermLevel, _MadeAtFirstRead, verdict_for
 from .site import DEFAULT_SITE, SiteConstants
 from .states import StageStates, bucket_size_for, stage_states
 
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
+_ALLOCATED = TermLevel.ALLOCATED   # Term's default level, passed with a detail made at its first read
 # what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
 OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
 _FINAL_NORM_ITEMS = ("final_norm_input", "final_norm_stats")
@@ -54,7 +57,7 @@ class ChunkActivations:
     """Bytes one micro-batch leaves on a chunk between its forward and its backward."""
 
     layers: int            # transformer layers (full activations or checkpoint inputs)
-    layers_detail: str
+    layers_detail: str     # (may be given as a function making it: made at its first read)
     ends: dict[str, int]   # embedding / batch / output items kept per micro-batch
     fwd_extra: int         # transient at the end of this chunk's forward
     bwd_top_extra: int     # working set at the start of this chunk's backward
@@ -72,7 +75,7 @@ class ChunkActivations:
         # made per chunk shape of every cold estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["layers"] = layers
-        d["layers_detail"] = layers_detail
+        d["layers_detail" if layers_detail.__class__ is str else "_make_layers_detail"] = layers_detail
         d["ends"] = ends
         d["fwd_extra"] = fwd_extra
         d["bwd_top_extra"] = bwd_top_extra
@@ -133,20 +136,21 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + " + _layers_detail(per_kind, k)
     else:
         layers = _layers_bytes(per_kind, 0)
-        detail = _layers_detail(per_kind, 0)
+        detail = None                 # _layers_detail(per_kind, 0), made when first read
+    more: list[str] = []              # what the detail adds (offloading, MTP layers)
     moe_layers = 0
     if L.moe is not None and n:
         # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
         skip = 0 if L.recompute_granularity != "full" else (
             n if L.recompute_method == "uniform" else min(n, L.recompute_num_layers if L.recompute_num_layers is not None else 1))
-        moe_layers = _layers_bytes([(_MoePart(la), k) for la, k in per_kind], skip)
+        moe_layers = _layers_bytes(per_kind, skip, moe=True)
     staging = host = 0
     offload_groups: tuple[int, ...] = ()
     if L.cpu_offloading_num_layers and n:
         # TE's cpu_offload (PP = 1): the saved tensors of layers 0..N-1 go to the host; (L - N) layers stay
         host = _layers_bytes(per_kind, 0) - _layers_bytes(per_kind, min(L.cpu_offloading_num_layers, n - 1))
         layers -= host
-        detail += f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)"
+        more.append(f"; {L.cpu_offloading_num_layers} layers' saved tensors offloaded ({format_bytes(host)} on the host)")
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         seq: list[int] = []
@@ -186,10 +190,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if kept:
             layers += kept
             host -= kept
-            detail += f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}"
+            more.append(f"; {format_bytes(kept)} kept by --activation-offload-fraction {L.activation_offload_fraction:g}")
         offload_groups = tuple(seq)
         if host:
-            detail += f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})"
+            more.append(f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})")
 
     ends: dict[str, int] = {}
     fwd_extra = fwd_transient if n else 0
@@ -228,7 +232,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 # an MoE MTP layer's MoE half is MoE activations like a decoder layer's (moe_layer_activations;
                 # the worst-case routing figure scales it)
                 moe_layers += d * mtp_la.moe_total
-            detail += f" + {d} MTP layer(s)"
+            more.append(f" + {d} MTP layer(s)")
             ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
@@ -248,27 +252,23 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
-    return ChunkActivations(layers=layers, layers_detail=detail, ends=ends, fwd_extra=fwd_extra,
-                            bwd_top_extra=bwd_top, bwd_bottom_extra=bwd_bottom, moe_layers=moe_layers,
-                            offload_staging=staging, host_bytes=host, offload_groups=offload_groups,
-                            out_bwd_transient=o.bwd_transient if has_output else 0,
-                            out_wgrad_moment=o.bwd_wgrad_moment if has_output else 0)
+    # (positional, in the fields' order: one per chunk shape of every cold estimate)
+    return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0) if detail is None else detail) + "".join(more),
+                            ends, fwd_extra, bwd_top, bwd_bottom, moe_layers, staging, host, offload_groups,
+                            o.bwd_transient if has_output else 0, o.bwd_wgrad_moment if has_output else 0)
 
 
-class _MoePart:
-    """The MoE half of a layer's saved bytes (its ``moe_*`` items), for _layers_bytes."""
-
-    def __init__(self, la: LayerActivations) -> None:
-        self.total = la.moe_total
+ChunkActivations.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
 
 
-def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int) -> int:
-    """Saved bytes of the chunk's layers above its first ``skip`` (bottom to top)."""
+def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int, moe: bool = False) -> int:
+    """Saved bytes of the chunk's layers above its first ``skip`` (bottom to top); ``moe``: their MoE halves'
+    (the ``moe_*`` items)."""
     total = 0
     for la, k in per_kind:
         kept = max(0, k - skip)
         skip = max(0, skip - k)
-        total += kept * la.total
+        total += kept * (la.moe_total if moe else la.total)
     return total
 
 
@@ -286,12 +286,17 @@ def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> s
         kept = max(0, k - skip)
         skip = max(0, skip - k)
         if kept or len(per_kind) == 1:
-            parts.append(f"{kept} layers x {format_bytes(la.total)}")
+            parts.append(f"{kept} {'layer' if kept == 1 else 'layers'} x {format_bytes(la.total)}")
     return " + ".join(parts)
 
 
+# a term as (name, bytes, group, level, detail): what a stage's totals read of its buffers (_persistent_buffers);
+# its Term is made when a report reads it (_terms_of)
+BufferRow = tuple[str, int, str, str, str]
+
+
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[Term, ...]:
+def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
@@ -301,35 +306,35 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     entry; the buffer grows to the largest request and stays. With TE layers only the output layer
     (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries."""
     x = shapes(L)
-    terms = []
+    rows: list[BufferRow] = []
     sizes = []
     if L.sequence_parallel and (L.transformer_impl == "local" or last):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
     if attention_kind(L).startswith("local"):
         sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of megatron's attention
     if sizes:
-        terms.append(Term("global_memory_buffer", max(sizes), "transients", "allocated",
-                          "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
+        rows.append(("global_memory_buffer", max(sizes), "transients", "allocated",
+                     "megatron's GlobalMemoryBuffer 'mpu': the larger of the SP all-gather and the attention score buffer"))
     if L.pp > 1 and receiving:
         # TransformerBlock.set_input_tensor keeps the last received activation of each chunk, and
         # with it its gradient (.grad, retained by the schedule), until that chunk's next input
         # arrives: two activation-sized tensors per receiving chunk after the schedule (measured by
         # the CPU referee on every pipeline rank past the first). During the schedule a chunk's pair
         # exists only before its first forward and after its last backward (_simulate).
-        terms.append(Term("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
-                          f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
+        rows.append(("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
+                     f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
             n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
-        terms = _moe_buffers(L, terms, n_moe)
+        rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform).rotary_cache(L, layers)
     if rotary:
-        terms.append(Term("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
-    return tuple(terms)
+        rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
+    return tuple(rows)
 
 
 @lru_cache(maxsize=256)
@@ -340,44 +345,61 @@ def _moe_layer_buffers(L: Layout) -> tuple[int, int, int]:
     return moe.held_bytes(L), moe.router_buffer_bytes(L.moe), moe.global_buffer_request(L, L.moe)
 
 
-def _moe_buffers(L: Layout, terms: list[Term], n_moe: int) -> list[Term]:
+def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow]:
     """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
     and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
     if not n_moe:
-        return terms
+        return rows
     per_layer, router, gb = _moe_layer_buffers(L)
     held = per_layer * n_moe
     if held:
-        terms.append(Term("moe_dispatcher_state", held, "transients", "allocated",
-                          f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next forward"))
+        rows.append(("moe_dispatcher_state", held, "transients", "allocated",
+                     f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next "
+                     "forward"))
     rb = router * n_moe
     if rb:
-        terms.append(Term("moe_router_buffers", rb, "weights", "allocated",
-                          f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
-    old = next((t for t in terms if t.name == "global_memory_buffer"), None)
-    if gb and (old is None or old.bytes < gb):
-        terms = [t for t in terms if t.name != "global_memory_buffer"]
-        terms.insert(0, Term("global_memory_buffer", gb, "transients", "allocated",
-                             "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
-                             "[T x ETP x EP, h]"))
-    return terms
+        rows.append(("moe_router_buffers", rb, "weights", "allocated",
+                     f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+    old = next((r for r in rows if r[0] == "global_memory_buffer"), None)
+    if gb and (old is None or old[1] < gb):
+        rows = [r for r in rows if r[0] != "global_memory_buffer"]
+        rows.insert(0, ("global_memory_buffer", gb, "transients", "allocated",
+                        "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
+                        "[T x ETP x EP, h]"))
+    return rows
+
+
+def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]:
+    """The Term of each (name, bytes, group, level, detail) row."""
+    return tuple([Term(*r) for r in rows])
 
 
 def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
     """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
     the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
-    (its own micro-batch released), the larger of the two, and the retained pipeline inputs.
-    ``receiving``: which chunks get their input from a previous stage."""
+    (its own micro-batch released), the larger of the two, the retained pipeline inputs, and whether the
+    chunks are alike (one cached object: the middle of a pipeline). ``receiving``: which chunks get their
+    input from a previous stage."""
     if len(acts) == 1:
         return None
     # Interleaved schedules keep each receiving chunk's last input and its gradient through the
     # schedule (with received inputs and gradients queued ahead of their passes, which this does not
     # count separately): the retained pairs are present at every pass.
     retained = 2 * p2p_tensor_bytes(L) * sum(receiving)
-    top = [a.bwd_top_extra for a in acts]
-    bottom = [a.bwd_bottom_extra - a.held for a in acts]
-    return ([a.held for a in acts], [a.fwd_extra for a in acts], top, bottom,
-            [t if t >= b else b for t, b in zip(top, bottom)], retained)
+    sizes: list[int] = []
+    fwd: list[int] = []
+    top: list[int] = []
+    bottom: list[int] = []
+    larger: list[int] = []
+    for a in acts:
+        held = a.held
+        t, b = a.bwd_top_extra, a.bwd_bottom_extra - held
+        sizes.append(held)
+        fwd.append(a.fwd_extra)
+        top.append(t)
+        bottom.append(b)
+        larger.append(t if t >= b else b)
+    return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts])
 
 
 def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
@@ -390,7 +412,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     every pass gives (tests/test_schedule.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained = sched
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained, alike = sched
     # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
     combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
     best, (fwd, ci, counts, nth), in_flight = schedule_peak(
@@ -408,7 +430,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     n = sum(held)
     phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
     a = acts[0]
-    if acts.count(a) == len(acts):          # chunks alike (the middle of a pipeline): n micro-batches of one
+    if alike:                               # chunks alike (the middle of a pipeline): n micro-batches of one
         moe, layers = n * a.moe_layers, n * a.layers
         parts: dict[str, int] = {"layer_activations": layers - moe}
         if moe:
@@ -482,32 +504,48 @@ _DETAILED_PARTS = frozenset({"layer_activations", "moe_layer_activations", "mtp_
                              "offload_staging", "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
+def _state_rows(L: Layout, st: StageStates) -> tuple[tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]]:
+    """(name, bytes, group) of a stage's model-state terms and of the terms the optimizer step adds: what its
+    totals need (the Term objects, with their details, are made from them when a report reads them:
+    _state_terms)."""
+    state = [("parameters", st.param_bytes, "weights"), ("gradient_buffer", st.grad_bytes, "gradients")]
+    if st.main_param_bytes:
+        state.append(("main_parameters", st.main_param_bytes, "optimizer"))
+    # 16-bit gradients are copied to fp32 for the step (main_grad.float()); the copies stay attached as .grad
+    # of the main params until zero_grad at the start of the next iteration, so they count after the step but
+    # not during forward and backward.
+    step = (("main_grad_copies", st.main_grad_copy_bytes, "optimizer"),) if st.main_grad_copy_bytes else ()
+    if L.optimizer == "adam":
+        state.append(("adam_exp_avg", st.exp_avg_bytes, "optimizer"))
+        state.append(("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer"))
+    else:
+        state.append(("sgd_momentum", st.exp_avg_bytes, "optimizer"))
+    return tuple(state), step
+
+
+def _state_detail(L: Layout, st: StageStates, name: str) -> str:
+    shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
+    if name == "parameters":
+        return f"{st.parameters:,} params x {L.param_bytes} B" + (" (padded param buffer)" if L.use_distributed_optimizer else "")
+    if name == "gradient_buffer":
+        return f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"
+    return {"main_parameters": "fp32 master weights", "main_grad_copies": "fp32 copies of 16-bit gradients, from the "
+            "step until the next zero_grad", "adam_exp_avg": f"{L.exp_avg_dtype} first moment",
+            "adam_exp_avg_sq": f"{L.exp_avg_sq_dtype} second moment", "sgd_momentum": "fp32 momentum"}[name] + shard
+
+
 @lru_cache(maxsize=1024)
 def _state_terms(L: Layout, st: StageStates) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
     """Model-state terms of a stage and the terms the optimizer step adds (shared by the stages whose
-    states are equal: the middle of a pipeline)."""
-    state_terms = [
-        Term("parameters", st.param_bytes, "weights", detail=f"{st.parameters:,} params x {L.param_bytes} B"
-             + (" (padded param buffer)" if L.use_distributed_optimizer else "")),
-        Term("gradient_buffer", st.grad_bytes, "gradients",
-             detail=f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"),
-    ]
-    shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
-    if st.main_param_bytes:
-        state_terms.append(Term("main_parameters", st.main_param_bytes, "optimizer", detail="fp32 master weights" + shard))
-    step_terms = []
-    if st.main_grad_copy_bytes:
-        # 16-bit gradients are copied to fp32 for the step (main_grad.float()); the copies stay
-        # attached as .grad of the main params until zero_grad at the start of the next iteration,
-        # so they count after the step but not during forward and backward.
-        step_terms.append(Term("main_grad_copies", st.main_grad_copy_bytes, "optimizer",
-                               detail="fp32 copies of 16-bit gradients, from the step until the next zero_grad" + shard))
-    if L.optimizer == "adam":
-        state_terms.append(Term("adam_exp_avg", st.exp_avg_bytes, "optimizer", detail=f"{L.exp_avg_dtype} first moment" + shard))
-        state_terms.append(Term("adam_exp_avg_sq", st.exp_avg_sq_bytes, "optimizer", detail=f"{L.exp_avg_sq_dtype} second moment" + shard))
-    else:
-        state_terms.append(Term("sgd_momentum", st.exp_avg_bytes, "optimizer", detail="fp32 momentum" + shard))
-    return tuple(state_terms), tuple(step_terms)
+    states are equal: the middle of a pipeline), from _state_rows."""
+    state, step = _state_rows(L, st)
+    return _state_row_terms(L, st, state), _state_row_terms(L, st, step)
+
+
+def _state_row_terms(L: Layout, st: StageStates, rows: tuple[tuple[str, int, str], ...]) -> tuple[Term, ...]:
+    """The Term of each of _state_rows' rows (each detail made when read: a report that lists the terms without
+    their details does not format them)."""
+    return tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in rows])
 
 
 def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
@@ -563,12 +601,14 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     # it by identity instead of comparing the nested keys
     made: dict[tuple, _StageShape] = {}
     out = []
+    mtp = getattr(L, "mtp_num_layers", 0)
     for r in range(L.pp):
-        # (the final norm: with MTP on the chunk of the last decoder layer, which may be a middle stage's)
-        key = (tuple([(c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, c.num_layers,
-                       first_bucket if r == 0 and c.vpp_rank == 0 else None, holds_final_norm(L, c))
-                      for c in by_stage.get(r, ())]),
-               r == 0, r == last)
+        # a chunk's shape is its kind runs (they give its layer count) and, on the first and the last rank, its
+        # embedding, output and tied copy (partition_layers: the first chunk of rank 0, the last of the last rank);
+        # with MTP, which chunk builds the final norm (the chunk of the last decoder layer, maybe a middle stage's)
+        cs = by_stage.get(r, ())
+        key = (tuple([c.kind_runs for c in cs]), r == 0, r == last, first_bucket if r == 0 else None,
+               tuple([holds_final_norm(L, c) for c in cs]) if mtp else None)
         shape = made.get(key)
         if shape is None:
             shape = made[key] = _StageShape(key, r)
@@ -587,19 +627,19 @@ class _StagePrep:
     acts: tuple[ChunkActivations, ...]
     sched: tuple | None        # _schedule_bytes
     ft: object
-    state_terms: tuple[Term, ...]
+    state_terms: tuple[Term, ...]   # (these two may be given as functions making them: made when first read)
     step_terms: tuple[Term, ...]
     host_terms: tuple[Term, ...]
     host_bytes: int            # activation offloading: host bytes per micro-batch in flight
-    buffers: tuple[Term, ...]
+    buffers: tuple[Term, ...]        # (given as functions making them from _persistent_buffers' rows)
     retained: tuple[Term, ...]
     staging: int
     deferred: int
     fixed_alloc: tuple[Term, ...]
     device_only: tuple[Term, ...]  # device-level fixed terms (CUDA context, NCCL), outside the allocator
     device_bytes: int
-    frag_detail: str
-    layers_detail: str
+    frag_detail: Callable[[], str]   # (the allocator term's detail, made when a report reads it)
+    layers_detail: str               # (given as a function making it: made at its first read)
     base: int                  # state + buffers + fixed allocated terms (before CUDA graph terms)
     step_bytes: int
     finalize: int
@@ -607,10 +647,13 @@ class _StagePrep:
     plain: bool                # none of the features whose terms follow the peak (FSDP, offloading, CUDA graphs, Muon)
 
     def __init__(self, parameters: int, n_layers: int, has_output: bool, has_moe: bool,
-                 acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object, state_terms: tuple[Term, ...],
-                 step_terms: tuple[Term, ...], host_terms: tuple[Term, ...], host_bytes: int, buffers: tuple[Term, ...],
-                 retained: tuple[Term, ...], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
-                 device_only: tuple[Term, ...], device_bytes: int, frag_detail: str, layers_detail: str, base: int,
+                 acts: tuple[ChunkActivations, ...], sched: tuple | None, ft: object,
+                 state_terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
+                 step_terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]], host_terms: tuple[Term, ...],
+                 host_bytes: int, buffers: Callable[[], tuple[Term, ...]],
+                 retained: Callable[[], tuple[Term, ...]], staging: int, deferred: int, fixed_alloc: tuple[Term, ...],
+                 device_only: tuple[Term, ...], device_bytes: int, frag_detail: Callable[[], str],
+                 layers_detail: Callable[[], str], base: int,
                  step_bytes: int, finalize: int, retained_bytes: int, plain: bool) -> None:
         # one per stage shape of every cold estimate: the fields are stored directly (as Term's)
         d = self.__dict__
@@ -621,24 +664,33 @@ class _StagePrep:
         d["acts"] = acts
         d["sched"] = sched
         d["ft"] = ft
-        d["state_terms"] = state_terms
-        d["step_terms"] = step_terms
+        # the state and step terms may come as functions making them (_stage_prep's common case): made when
+        # first read (_MadeAtFirstRead)
+        d["state_terms" if state_terms.__class__ is tuple else "_make_state_terms"] = state_terms
+        d["step_terms" if step_terms.__class__ is tuple else "_make_step_terms"] = step_terms
         d["host_terms"] = host_terms
         d["host_bytes"] = host_bytes
-        d["buffers"] = buffers
-        d["retained"] = retained
+        d["_make_buffers"] = buffers        # (functions making them: made when first read)
+        d["_make_retained"] = retained
         d["staging"] = staging
         d["deferred"] = deferred
         d["fixed_alloc"] = fixed_alloc
         d["device_only"] = device_only
         d["device_bytes"] = device_bytes
         d["frag_detail"] = frag_detail
-        d["layers_detail"] = layers_detail
+        d["_make_layers_detail"] = layers_detail
         d["base"] = base
         d["step_bytes"] = step_bytes
         d["finalize"] = finalize
         d["retained_bytes"] = retained_bytes
         d["plain"] = plain
+
+
+_StagePrep.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
+_StagePrep.state_terms = _MadeAtFirstRead("state_terms", ())  # type: ignore[assignment]
+_StagePrep.step_terms = _MadeAtFirstRead("step_terms", ())  # type: ignore[assignment]
+_StagePrep.buffers = _MadeAtFirstRead("buffers", ())  # type: ignore[assignment]
+_StagePrep.retained = _MadeAtFirstRead("retained", ())  # type: ignore[assignment]
 
 
 @lru_cache(maxsize=1024)
@@ -647,10 +699,20 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     pp_rank = shape.pp_rank
     st = stage_states(L, pp_rank, dp_rank)
     chunks = L.stage_chunks(pp_rank)
-    # (list comprehensions, not generators: a stage has a few chunks)
-    n_layers = sum([c.num_layers for c in chunks])
-    has_output = any([c.has_output for c in chunks])
-    acts = [_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, holds_final_norm(L, c)) for c in chunks]
+    # what the stage needs of its chunks, in one pass (a stage has a few chunks)
+    n_layers, has_output, final_norm = 0, False, False
+    acts: list[ChunkActivations] = []
+    runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
+    receiving: list[bool] = []                # the chunks that get their input from a previous stage
+    for c in chunks:
+        n_layers += c.num_layers
+        has_output = has_output or c.has_output
+        norm_here = holds_final_norm(L, c)    # the chunk runs the decoder's final norm
+        final_norm = final_norm or norm_here
+        runs_of.append(c.kind_runs)
+        acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here))
+        receiving.append(not (c.pp_rank == 0 and c.vpp_rank == 0))
+    stage_runs = tuple(runs_of)
     ft = None
     if fsdp_enabled(L):
         # FSDP replaces DDP's buffers; its unsharded windows ride on each chunk's forward / backward.
@@ -666,30 +728,39 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                               loss, out)
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
-    state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
-    if L.freeze_all_layers:
-        # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
-        # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
-        state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
-    if L.fp8 or L.fp4:
-        state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
-    if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
-        state_terms = muon_state_terms(L, pp_rank, state_terms)
     host_terms: tuple[Term, ...] = ()
-    if offload_enabled(L):
-        # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
-        ot = offload_terms(L, offload_shard_numel(L, st))
-        state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
-        step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
-        host_terms = ot.host_terms
-    stage_runs = tuple([c.kind_runs for c in chunks])
-    receiving = [not (c.pp_rank == 0 and c.vpp_rank == 0) for c in chunks]
-    buffers = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
+    state_terms: tuple[Term, ...] | partial
+    step_terms: tuple[Term, ...] | partial
+    if (ft is None and not L.freeze_all_layers and not (L.fp8 or L.fp4) and L.optimizer not in EMERGING_OPTIMIZERS
+            and not offload_enabled(L)):
+        # the common case: the state terms as _state_rows lists them, their Term objects made when first read
+        state_rows, step_rows = _state_rows(L, st)
+        state_bytes, step_bytes = sum([r[1] for r in state_rows]), sum([r[1] for r in step_rows])
+        state_terms, step_terms = partial(_state_row_terms, L, st, state_rows), partial(_state_row_terms, L, st, step_rows)
+    else:
+        state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+        if L.freeze_all_layers:
+            # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
+            # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
+            state_terms, step_terms = tuple(t for t in state_terms if t.group == "weights"), ()
+        if L.fp8 or L.fp4:
+            state_terms = _fp8_state_terms(L, chunks, gpu_name, state_terms)
+        if L.optimizer in EMERGING_OPTIMIZERS and not L.freeze_all_layers:
+            state_terms = muon_state_terms(L, pp_rank, state_terms)
+        if offload_enabled(L):
+            # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
+            ot = offload_terms(L, offload_shard_numel(L, st))
+            state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
+            step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
+            host_terms = ot.host_terms
+        state_terms, step_terms = tuple(state_terms), tuple(step_terms)
+        state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
+    buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
-    retained = tuple([t for t in buffers if t.name == "pipeline_inputs_retained"])
-    if retained:
-        buffers = tuple([t for t in buffers if t.name != "pipeline_inputs_retained"])
+    retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
+    if retained_rows:
+        buffer_rows = [r for r in buffer_rows if r[0] != "pipeline_inputs_retained"]
     # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
     has_moe = any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
     moe_rank = L.moe is not None and (
@@ -705,7 +776,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                                                                             moe_rank, kinds)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
-    base = sum([t.bytes for t in state_terms]) + sum([t.bytes for t in buffers]) + fixed_bytes
+    base = state_bytes + sum([r[1] for r in buffer_rows]) + fixed_bytes
     host_bytes = max([a.host_bytes for a in acts])
     staging = max([a.offload_staging for a in acts])
     deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
@@ -713,35 +784,31 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
              and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
              and not (device == "gpu" and (L.cuda_graph_impl != "none" or L.optimizer_cuda_graph))
              and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
+    # (positional, in the fields' order: one per stage shape of every cold estimate)
     return _StagePrep(
-        parameters=st.parameters, n_layers=n_layers, has_output=has_output,
-        has_moe=has_moe, acts=tuple(acts),
-        sched=_schedule_bytes(L, acts, receiving), ft=ft,
-        state_terms=tuple(state_terms), step_terms=tuple(step_terms), host_terms=host_terms,
-        host_bytes=host_bytes, buffers=tuple(buffers), retained=retained, staging=staging, plain=plain,
-        deferred=deferred,
-        fixed_alloc=fixed_alloc, device_only=device_only, device_bytes=device_bytes,
-        frag_detail=f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",
-        layers_detail=_chunks_detail([a.layers_detail for a in acts]),
-        base=base,
-        # The step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam /
-        # apex on GPUs, torch's fused CPU kernel in the referee) update in place.
-        step_bytes=sum([t.bytes for t in step_terms]),
-        finalize=replicated_grad_allreduce_bytes(L, stage_runs, has_output, any([holds_final_norm(L, c) for c in chunks]))
-        if not L.freeze_all_layers else 0,
-        retained_bytes=sum([t.bytes for t in retained]))
+        st.parameters, n_layers, has_output, has_moe, tuple(acts), _schedule_bytes(L, acts, receiving), ft,
+        state_terms, step_terms, host_terms, host_bytes, partial(_terms_of, buffer_rows),
+        partial(_terms_of, retained_rows), staging, deferred, fixed_alloc, device_only, device_bytes,
+        lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",  # frag_detail
+        lambda: _chunks_detail([a.layers_detail for a in acts]),                                 # layers_detail
+        base,
+        # step_bytes: the step itself allocates nothing beyond main_grad_copies: fused Adam kernels (TE FusedAdam
+        # / apex on GPUs, torch's fused CPU kernel in the referee) update in place
+        step_bytes,
+        # finalize
+        replicated_grad_allreduce_bytes(L, stage_runs, has_output, final_norm) if not L.freeze_all_layers else 0,
+        sum([r[1] for r in retained_rows]), plain)
 
 
-def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
-                    moe_in: tuple | None = None) -> StageEstimate:
+def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants) -> StageEstimate:
     """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there.
-    ``moe_in``: _moe_worst_inputs (looked up here when not given)."""
+    Its MoE worst case is made when first read, from _moe_worst_inputs (the same for every stage)."""
     chunks = L.stage_chunks(pp_rank)
     acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if pr.plain:
         # none of the features below: the stage's terms are the state's, the buffers' and those at the peak
-        return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts,
+        return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts,
                              pr.host_terms, pr.base, pr.fixed_alloc, (), (), pr.step_bytes)
     if ft is not None:
         parts = split_fsdp_transients(parts, ft)
@@ -798,11 +865,11 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         # FSDP buckets gathered at the end of the step and released before the steady state (fsdp_layout.py)
         step_only = tuple(step_only) + ft.step_only
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
-    return _stage_totals(L, pp_rank, pr, device, site, moe_in, chunks, act_peak, phase, in_flight, parts, host_terms,
+    return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
 
 
-def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants, moe_in: tuple | None,
+def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
                   chunks: tuple[Chunk, ...], act_peak: int, phase: str, in_flight: int, parts: dict[str, int],
                   host_terms: tuple[Term, ...], base: int, fixed_alloc: tuple[Term, ...] | list[Term],
                   graph_pool: tuple[Term, ...] | list[Term], step_only: tuple[Term, ...], step_bytes: int) -> StageEstimate:
@@ -845,15 +912,11 @@ def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Si
     else:
         peak_reserved = device_total = peak_alloc
     persistent = base + retained_bytes + pr.step_bytes
-    moe = None
-    if L.moe is not None:
-        def moe() -> dict:
-            return _moe_worst_case(L, device, site, held_moe, pr.has_moe, peak_alloc, peak_reserved, device_total,
-                                   peak_phase, moe_in)
-
-    def terms() -> tuple[Term, ...]:
-        return _assemble_terms(L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)
-
+    # the terms and the MoE worst case, made when first read, as partial applications (not closures: a closure
+    # makes a cell per variable it reads, two dozen objects per stage of every estimate for the collector)
+    moe = None if L.moe is None else partial(_moe_worst_case, L, device, site, held_moe, pr.has_moe, peak_alloc,
+                                             peak_reserved, device_total, peak_phase)
+    terms = partial(_assemble_terms, L, pp_rank, pr, in_flight, parts, act_terms, fixed_alloc, frag, graph_pool)
     # (positional, in the fields' order: one per stage of every estimate)
     return StageEstimate(pp_rank, chunks, pr.n_layers, pr.parameters, persistent, peak_alloc, peak_reserved,
                          device_total, peak_phase, in_flight, terms, moe, host_terms)
@@ -875,6 +938,13 @@ def _assemble_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, par
     return tuple(terms)
 
 
+def _in_flight_detail(pr: _StagePrep, in_flight: int, moe: bool) -> str:
+    det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
+    if moe:
+        det += "; the MoE layers' router, dispatcher and expert tensors in these sizes are counted in moe_layer_activations"
+    return det
+
+
 def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: dict[str, int]) -> list[Term]:
     """The terms of the schedule's parts at its peak (zeros left out), with their details."""
     ft = pr.ft
@@ -889,10 +959,8 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
             continue
         det = ""
         if name == "layer_activations":
-            det = pr.layers_detail + f"; {in_flight} micro-batch(es) in flight at most"
-            if parts.get("moe_layer_activations"):
-                det += ("; the MoE layers' router, dispatcher and expert tensors in these sizes are counted in "
-                        "moe_layer_activations")
+            # (made when the detail is read: the layers' detail is a chain of formatted sizes)
+            det = partial(_in_flight_detail, pr, in_flight, bool(parts.get("moe_layer_activations")))
         elif name == "moe_layer_activations":
             det = ("router, token dispatcher and expert tensors of the MoE layers held (inside layer_activations' "
                    "per-layer sizes), at balanced routing; worst case: the MoE routing line (JSON moe.worst_case)")
@@ -913,7 +981,7 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
             det = "last received input and its gradient of the chunks not started yet or already done"
         elif ft is not None and name.startswith("fsdp_"):
             det = fsdp_window_detail(ft, name)
-        add(Term(name, v, group, detail=det))
+        add(Term(name, v, group, _ALLOCATED, det))
     return act_terms
 
 
@@ -933,20 +1001,20 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
     for runs in stage_runs:
         for kind, k in runs:
             counts[kind] = counts.get(kind, 0) + k
-    layers = [(layer_params(L, kind=kind), k) for kind, k in counts.items()]
+    # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
+    layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
     mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
     norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
     if mtp:
         # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
-        layers.append((layer_params(L, kind=mtp_layer_kind(L)), mtp))
+        layers.append((layer_param_rows(L, mtp_layer_kind(L)), mtp))
     if L.sequence_parallel:
-        n = sum(k * sum(p.numel for p in layer if p.tp_replicated) for layer, k in layers)
+        n = sum(k * sum(r[1] for r in layer if r[2]) for layer, k in layers)
         if has_output if final_norm is None else final_norm:
             n += norm    # the decoder's final norm
         n += mtp * 3 * norm    # each MTP depth's enorm, hnorm and final norm
     elif L.qk_layernorm:
-        n = sum(k * sum(p.numel for p in layer if "q_layernorm" in p.name or "k_layernorm" in p.name)
-                for layer, k in layers)
+        n = sum(k * sum(r[1] for r in layer if "q_layernorm" in r[0] or "k_layernorm" in r[0]) for layer, k in layers)
     else:
         return 0
     return n * L.grad_bytes
@@ -969,14 +1037,14 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
     p2p, count = p2p_in_flight_bytes(L)
     if p2p:
         fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
-                                f"{count} pipeline send/receive buffers held by NCCL work objects"))
+                                lambda: f"{count} pipeline send/receive buffers held by NCCL work objects"))
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
     dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not L.freeze_all_layers else 0
     if dummies:
-        n = len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
-                                f"{n} placeholder weight gradients, one per weight shape, cached by "
-                                "Transformer Engine under gradient-accumulation fusion"))
+                                lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))} placeholder weight "
+                                        "gradients, one per weight shape, cached by Transformer Engine under "
+                                        "gradient-accumulation fusion"))
     device_only = tuple([t for t in fixed if t.level == "device"])
     return tuple(fixed_alloc), sum(t.bytes for t in fixed_alloc), device_only, sum(t.bytes for t in device_only)
 
@@ -987,7 +1055,6 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
     balanced routing (what the estimate uses) and in the worst case the dispatcher allows (every token
     of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
     how much its working set grows, and the allocator's slack on top."""
-    from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
     rows = expert_rows(L.moe, tokens_per_rank(L))
     mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
     # at balanced routing the layer's own (its default rows), already made by its recipe
@@ -1068,12 +1135,11 @@ def estimate(
     # rather than once per stage; only the schedule's peak and its terms are made per stage
     preps: dict[_StageShape, _StagePrep] = {}
     stages = []
-    moe_in = _moe_worst_inputs(L, device, site) if L.moe is not None else None
     for r, shape in enumerate(_stage_shapes(L)):
         pr = preps.get(shape)
         if pr is None:
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
-        stages.append(_stage_estimate(L, r, pr, device, site, moe_in))
+        stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
     totals = [s.device_total_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total

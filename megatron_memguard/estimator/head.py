@@ -23,6 +23,15 @@ class EndItems:
     # where Megatron-FSDP allocates the first full gradient bucket (estimator/fsdp_layout.py)
     bwd_wgrad_moment: int = 0
 
+    def __init__(self, saved: dict[str, int] | None = None, fwd_transient: int = 0, bwd_transient: int = 0,
+                 bwd_wgrad_moment: int = 0) -> None:
+        # made for the end chunks of every cold estimate: the fields are stored directly (as Term's)
+        d = self.__dict__
+        d["saved"] = {} if saved is None else saved
+        d["fwd_transient"] = fwd_transient
+        d["bwd_transient"] = bwd_transient
+        d["bwd_wgrad_moment"] = bwd_wgrad_moment
+
     @property
     def total(self) -> int:
         return sum(self.saved.values())

@@ -21,14 +21,14 @@ from ..layout import Chunk, Layout
 from ..partition import MLP_MOE, LayerKind, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
-from .layers.base import Param
+from .layers.base import Param, ParamRow, param_objects
 from .layers.moe import experts_use_expert_buffer
 from .layers.base import norm_params as _norm
 from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
 __all__ = ["Param", "active_parameters", "chunk_expert_numels", "chunk_numels", "chunk_params", "holds_final_norm",
-           "layer_linear_shapes", "layer_params", "total_parameters"]
+           "layer_linear_shapes", "layer_param_rows", "layer_params", "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -39,14 +39,19 @@ def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, t
     return {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
 
 
-def layer_params(L: Layout, prefix: str = "", kind: LayerKind | None = None) -> list[Param]:
-    """One transformer layer of ``kind`` (default: the model's uniform kind): the mixer's parameters,
-    then the MLP's. Local spec order: input norm, linear_proj, linear_qkv, q/k norms, pre-MLP norm,
-    fc1, fc2. The TE spec fuses the norms into linear_qkv/fc1 (``layer_norm_weight``/``layer_norm_bias``);
-    counts are the same, order differs slightly."""
+def layer_param_rows(L: Layout, kind: LayerKind | None = None) -> list[ParamRow]:
+    """One transformer layer of ``kind`` (default: the model's uniform kind) as its recipes list it
+    (layers.base.ParamRow): the mixer's parameters, then the MLP's. Local spec order: input norm,
+    linear_proj, linear_qkv, q/k norms, pre-MLP norm, fc1, fc2. The TE spec fuses the norms into
+    linear_qkv/fc1 (``layer_norm_weight``/``layer_norm_bias``); counts are the same, order differs slightly."""
     kind = uniform_kind(L) if kind is None else kind
     L = kind_layout(L, kind)
-    return mixer_recipe(kind).params(L, prefix) + mlp_recipe(kind).params(L, prefix)
+    return mixer_recipe(kind).param_rows(L) + mlp_recipe(kind).param_rows(L)
+
+
+def layer_params(L: Layout, prefix: str = "", kind: LayerKind | None = None) -> list[Param]:
+    """layer_param_rows as Param objects, their names after ``prefix``."""
+    return param_objects(layer_param_rows(L, kind), prefix)
 
 
 @lru_cache(maxsize=256)
@@ -63,9 +68,8 @@ def _layer_numels(L: Layout, kind: LayerKind, expert: bool = False) -> tuple[int
 def _layer_numel_split(L: Layout, kind: LayerKind) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Numels of one layer's parameters: all of them, those outside the routed experts, the routed
     experts' (one recipe call serves both DDP buffers)."""
-    ps = layer_params(L, kind=kind)
-    return (tuple([p.numel for p in ps]), tuple([p.numel for p in ps if not p.expert]),
-            tuple([p.numel for p in ps if p.expert]))
+    rows = layer_param_rows(L, kind)        # (name, numel, tp_replicated, shared_embedding, expert, cols)
+    return (tuple([r[1] for r in rows]), tuple([r[1] for r in rows if not r[4]]), tuple([r[1] for r in rows if r[4]]))
 
 
 def holds_final_norm(L: Layout, c: Chunk) -> bool:
@@ -125,8 +129,8 @@ def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
     from .mtp import chunk_params as mtp_chunk_params, spec_of
     # an MoE MTP layer's routed experts go to the expert buffer like the decoder's (chunk_expert_numels)
     sep = L.moe is not None and experts_use_expert_buffer(L.moe, L.tp, L.megatron_version)
-    return mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer_params(L, kind=mtp_layer_kind(L))
-                                         if not (sep and p.expert)])
+    return mtp_chunk_params(spec_of(L), [(name, numel) for name, numel, _tp, _shared, expert, _cols
+                                         in layer_param_rows(L, mtp_layer_kind(L)) if not (sep and expert)])
 
 
 def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
@@ -177,11 +181,9 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
         if L.position_embedding_type == "learned_absolute":
             ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True,
                             cols=h))
-    layers = {kind: layer_params(L, kind=kind) for kind, _ in c.kind_runs}
+    layers = {kind: layer_param_rows(L, kind) for kind, _ in c.kind_runs}
     for i, kind in enumerate(c.layer_kinds):
-        ps.extend(Param(f"decoder.layers.{i}." + p.name, p.numel, p.tp_replicated, p.shared_embedding, p.expert,
-                        p.cols)
-                  for p in layers[kind])
+        ps += param_objects(layers[kind], f"decoder.layers.{i}.")
     mtp = _mtp_param_records(L, c)
     if mtp:
         emb = [p for p in mtp if p.name.startswith("embedding.")]

@@ -55,7 +55,7 @@ class Term:
     detail: str = ""
 
     def __init__(self, name: str, bytes: int, group: TermGroup | str, level: TermLevel | str = TermLevel.ALLOCATED,
-                 detail: str = "") -> None:
+                 detail: str | Callable[[], str] = "") -> None:
         # the dataclass's frozen __init__ sets each field through object.__setattr__; an estimate makes
         # a hundred terms or more, so each field is stored straight into the instance dict (same fields, same
         # defaults; a store per field costs half of dict.update with keywords, which builds a dict first)
@@ -64,7 +64,17 @@ class Term:
         d["bytes"] = bytes
         d["group"] = group
         d["level"] = level
-        d["detail"] = detail
+        # the detail may come as a function making it, called at its first read (_MadeAtFirstRead): formatting
+        # a detail costs more than the term, and the estimate's totals need only its bytes
+        if detail.__class__ is str:
+            d["detail"] = detail
+        else:
+            d["_make_detail"] = detail
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickling / deep copies carry the detail, not the function making it
+        self.detail
+        return dict(self.__dict__)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "group": self.group, "level": self.level, "detail": self.detail}
@@ -176,7 +186,7 @@ class StageEstimate:
 
 
 class _MadeAtFirstRead:
-    """A StageEstimate field given as a function making it (its ``_make_<name>``): called at the first read,
+    """A StageEstimate (or Term, ...) field given as a function making it (its ``_make_<name>``): called at the first read,
     its value then stored in the instance (a non-data descriptor: later reads find it there)."""
 
     def __init__(self, name: str, default: Any) -> None:
@@ -197,6 +207,7 @@ class _MadeAtFirstRead:
 # (set after the dataclass is made: its fields and their defaults stay as declared)
 StageEstimate.terms = _MadeAtFirstRead("terms", None)  # type: ignore[assignment]
 StageEstimate.moe = _MadeAtFirstRead("moe", None)  # type: ignore[assignment]
+Term.detail = _MadeAtFirstRead("detail", "")  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)

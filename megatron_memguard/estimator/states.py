@@ -376,9 +376,9 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageSt
 @lru_cache(maxsize=1024)
 def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
     shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
-    prec = L.precision
-    p_bytes = prec.bytes_of(TensorKind.PARAM)
-    g_bytes = prec.bytes_of(TensorKind.MAIN_GRAD)
+    nbytes = L.precision.byte_sizes()       # bytes per element of each tensor kind (Precision.bytes_of)
+    p_bytes = nbytes[TensorKind.PARAM]
+    g_bytes = nbytes[TensorKind.MAIN_GRAD]
     dist = L.use_distributed_optimizer
     params = numel = unpadded = 0
     # "max": the largest shard of any DP rank, in closed form from the buckets' gaps (largest_shard)
@@ -451,19 +451,17 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
           and L.main_params_dtype == "fp32"):
         main_bytes = 2 * main_elems  # TE FusedAdam keeps the low 16 bits (the bf16 param is the high half)
     else:
-        main_bytes = prec.bytes_of(TensorKind.MAIN_PARAM) * main_elems
+        main_bytes = nbytes[TensorKind.MAIN_PARAM] * main_elems
     if L.optimizer == "adam":
-        m1 = prec.bytes_of(TensorKind.EXP_AVG) * main_elems
-        m2 = prec.bytes_of(TensorKind.EXP_AVG_SQ) * main_elems
+        m1 = nbytes[TensorKind.EXP_AVG] * main_elems
+        m2 = nbytes[TensorKind.EXP_AVG_SQ] * main_elems
     else:  # SGD with momentum: one buffer
-        m1, m2 = prec.bytes_of(TensorKind.MOMENTUM) * main_elems, 0
+        m1, m2 = nbytes[TensorKind.MOMENTUM] * main_elems, 0
     # 16-bit gradients are copied to the master weights' dtype, fp32, for the step
     # (``main_grad.float()``); fp32 ones are viewed.
     grad_copy = 0
     if g_bytes == 2 and L.params_dtype != "fp32" and not L.use_precision_aware_optimizer:
-        grad_copy = prec.bytes_of(TensorKind.MAIN_PARAM) * main_elems
-    return StageStates(
-        parameters=params, param_bytes=param_bytes, grad_bytes=grad_bytes, main_param_bytes=main_bytes,
-        exp_avg_bytes=m1, exp_avg_sq_bytes=m2, main_grad_copy_bytes=grad_copy,
-        buffer_numel=numel, buffer_numel_unpadded=unpadded,
-    )
+        grad_copy = nbytes[TensorKind.MAIN_PARAM] * main_elems
+    # (positional, in the fields' order: parameters, param_bytes, grad_bytes, main_param_bytes, exp_avg_bytes,
+    # exp_avg_sq_bytes, main_grad_copy_bytes, buffer_numel, buffer_numel_unpadded)
+    return StageStates(params, param_bytes, grad_bytes, main_bytes, m1, m2, grad_copy, numel, unpadded)

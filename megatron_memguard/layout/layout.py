@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from itertools import groupby
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -211,14 +212,14 @@ class Layout:
 
     @cached_property
     def _chunks_by_stage(self) -> dict[int, tuple[Chunk, ...]]:
-        by: dict[int, list[Chunk]] = {}
-        for c in self.chunks:
-            by.setdefault(c.pp_rank, []).append(c)
-        return {k: tuple(v) for k, v in by.items()}
+        # partition_layers lists the chunks rank by rank (each rank's virtual stages in order): one run per rank
+        return {r: tuple(cs) for r, cs in groupby(self.chunks, _PP_RANK)}
 
     def stage_chunks(self, pp_rank: int) -> tuple[Chunk, ...]:
         return self._chunks_by_stage.get(pp_rank, ())
 
+
+_PP_RANK = operator.attrgetter("pp_rank")
 
 PARTS: dict[str, type] = {"parallel": Parallelism, "shape": ModelShape, "batch": Batch, "split": PipelineSplit,
                           "precision": Precision, "optim": Optimizer, "recompute": Recompute, "kernels": Kernels,

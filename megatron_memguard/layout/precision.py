@@ -78,10 +78,16 @@ class Precision:
         return spec
 
     def dtype_of(self, kind: TensorKind) -> str:
-        return self._tables()[0][kind]
+        return (self.__dict__.get("_tables_") or self._tables())[0][kind]
 
     def bytes_of(self, kind: TensorKind) -> int:
-        return self._tables()[1][kind]
+        # (the tables read straight from the instance once made: one call per lookup, the estimator asks often)
+        return (self.__dict__.get("_tables_") or self._tables())[1][kind]
+
+    def byte_sizes(self) -> dict[TensorKind, int]:
+        """bytes_of of every kind with whole bytes per element, as one read-only table (callers that ask for
+        several kinds look them up there)."""
+        return (self.__dict__.get("_tables_") or self._tables())[1]
 
     def _tables(self) -> tuple[dict[TensorKind, str], dict[TensorKind, int]]:
         # Every kind's dtype, worked out once per (frozen) Precision: the estimator asks per stage.

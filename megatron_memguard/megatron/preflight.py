@@ -26,13 +26,13 @@ import os
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
-from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort  # noqa: F401 (MemguardAbort: re-exported)
+from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort, expert_grid_failure  # noqa: F401 (MemguardAbort: re-exported)
 from ..autotune import autotune, describe_layout_choice
 from ..config import RawConfig
 from ..estimator import Estimate, estimate
 from ..errors import MemguardError
 from ..gpus import GpuSpec
-from ..knobs import flag_of
+from ..knobs import flag_text
 from ..readers.megatron_namespace import raw_from_namespace
 from ..report.text import moe_line, render, stage_summary, verdict_line, worst_moe_stage
 from ..resolve import resolve
@@ -149,8 +149,10 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
             site = load_site_profile(settings.profile, key="--memguard-profile").constants
     except MemguardError as e:
         d.action, d.reason = "unsupported", str(e)
+        later = _expert_grid_failure(args, environ)
         if rank0:
-            (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; training continues unchecked")
+            (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; "
+                            + (f"Megatron's {validator} accepts it but {later}" if later else "training continues unchecked"))
         return d
     est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     d.layout, d.estimate = layout, est
@@ -210,9 +212,18 @@ def _suggestion(raw, est: Estimate, gpu, settings: Settings, version, check) -> 
     if r.chosen is None:
         return f"{PREFIX} no micro-batch / pipeline size" + (" / recompute" if settings.allow_recompute else "") + \
             " change found that fits:\n" + r.summary()
-    ch = ", ".join(f"{flag_of(k)} {new}" for k, (_, new) in r.changes.items() if new is not None and new is not False)
+    ch = ", ".join(flag_text(k, new) for k, (_, new) in r.changes.items() if new is not None and new is not False)
     return (f"{PREFIX} a layout that fits: {describe_layout_choice(r.chosen.layout)} "
             f"({format_bytes(r.chosen.estimate.peak_device_bytes)}): {ch}")
+
+
+def _expert_grid_failure(args, environ) -> str | None:
+    return expert_grid_failure(lambda n: getattr(args, n, None),
+                               getattr(args, "world_size", None) or environ.get("WORLD_SIZE"))
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, check, say) -> None:
@@ -224,7 +235,8 @@ def _autotune(d: Decision, raw, est: Estimate, settings: Settings, version, chec
         d.action = "tuned"
         d.updates = r.updates
         d.layout, d.estimate = r.chosen.layout, r.chosen.estimate
-        changed = ", ".join(f"{k} {old if old is not None else '(default)'} -> {new}" for k, (old, new) in r.changes.items())
+        changed = ", ".join(f"{k} {_shown(old) if old is not None else '(default)'} -> {_shown(new)}"
+                            for k, (old, new) in r.changes.items())
         say(f"{PREFIX} autotune changed {changed}")
         say("\n".join(f"{PREFIX}   {line}" for line in r.summary().splitlines()))
         say(stage_summary(r.chosen.estimate))

@@ -119,8 +119,28 @@ def first_stage_layers_held(c: Candidate) -> int:
     n = c.stage_layers[0]
     if c.vpp == 1:
         return min(c.pp, c.m) * n
+    if c.chunks:
+        return rank_layers_held(c, 0)
     chunks = min(c.m * c.vpp, 2 * (c.pp - 1) + (c.vpp - 1) * c.pp + 1)
     return chunks * n // c.vpp
+
+
+def rank_layers_held(c: Candidate, rank: int) -> int:
+    """The same for any rank of a split with uneven virtual stages (``c.chunks``): Megatron's interleaved
+    schedule runs 2 (PP - rank - 1) + (VPP - 1) PP warm-up forwards, then one more before the first backward,
+    forward j on chunk (j // PP) % VPP (micro-batch groups of PP)."""
+    k = min(c.m * c.vpp, 2 * (c.pp - rank - 1) + (c.vpp - 1) * c.pp + 1)
+    return sum(c.chunks[((j // c.pp) % c.vpp) * c.pp + rank] for j in range(k))
+
+
+def _heaviest_middle_rank(c: Candidate) -> int | None:
+    """With uneven virtual stages the first rank may hold fewer layers than a middle one (a layout like
+    'E|tt|..'): the middle rank with the most layers, the earliest of equals (more micro-batches in flight)."""
+    if not c.chunks or c.pp < 3:
+        return None
+    mid = c.stage_layers[1:-1]
+    r = 1 + mid.index(max(mid))
+    return r if c.stage_layers[r] > c.stage_layers[0] else None
 
 
 def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int],
@@ -144,6 +164,11 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
 
         first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0),
                                   stage_factor_bytes(shape, c, 0, moe_layers_on)) + held(0, first_held)
+        r = _heaviest_middle_rank(c)
+        if r is not None:
+            first = max(first, stage_state_bytes(shape, c, stage_params(c, r), stage_expert_params(c, r),
+                                                 stage_factor_bytes(shape, c, r, moe_layers_on)) + held(
+                r, 0 if shape.layout.freeze_all_layers else rank_layers_held(c, r)))
         if c.pp == 1:
             last = first
         else:
@@ -153,6 +178,10 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
     else:
         first = stage_state_bytes(shape, c, stage_params(c, 0), factors=stage_factor_bytes(shape, c, 0)) + (
             first_held * per_layer)
+        r = _heaviest_middle_rank(c)
+        if r is not None:
+            first = max(first, stage_state_bytes(shape, c, stage_params(c, r), factors=stage_factor_bytes(shape, c, r))
+                        + (0 if shape.layout.freeze_all_layers else rank_layers_held(c, r)) * per_layer)
         if c.pp == 1:
             last = first                          # one stage holds everything
         else:

@@ -56,6 +56,13 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out["recompute"] = v.lower()
         elif k == "fsdp":
             out["fsdp"] = None if v.lower() in ("off", "none") else v.lower()
+        elif k == "layout":             # --pipeline-model-parallel-layout (as the planner names it: no commas)
+            out["layout"] = v
+        elif k == "account":            # embedding, loss or embedding+loss slots in the pipeline split
+            words = set(v.lower().split("+"))
+            if not words <= {"embedding", "loss"}:
+                raise ConfigError("--explain", f"account must be embedding, loss or embedding+loss, got {v!r}")
+            out.update(acc_emb="embedding" in words, acc_loss="loss" in words)
         elif k == "fp8":
             recipes = ("off", "delayed", "tensorwise", "blockwise", "mxfp8")
             if v.lower() not in recipes:
@@ -63,7 +70,7 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out["fp8"] = v.lower()
         else:
             raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
-                                           "last, fsdp, fp8, ep, etp")
+                                           "last, account, layout, fsdp, fp8, ep, etp")
     return out
 
 

@@ -20,10 +20,14 @@ def megatron_flags(L: Layout, experts: tuple[int, int] | None = None) -> list[st
     f = _flag("tensor_model_parallel_size", L.tp) + _flag("pipeline_model_parallel_size", L.pp)
     if experts is not None:
         f += _flag("expert_model_parallel_size", experts[0]) + _flag("expert_tensor_parallel_size", experts[1])
-    if L.vpp > 1:
+    if L.pipeline_model_parallel_layout:
+        f += _flag("pipeline_model_parallel_layout", L.pipeline_model_parallel_layout)   # (VPP follows from it)
+    elif L.vpp > 1:
         f += _flag("num_virtual_stages_per_pipeline_rank", L.vpp)
     f += _flag("decoder_first_pipeline_num_layers", L.decoder_first_pipeline_num_layers)
     f += _flag("decoder_last_pipeline_num_layers", L.decoder_last_pipeline_num_layers)
+    f += _flag("account_for_embedding_in_pipeline_split", L.account_for_embedding_in_pipeline_split)
+    f += _flag("account_for_loss_in_pipeline_split", L.account_for_loss_in_pipeline_split)
     f += _flag("context_parallel_size", L.cp)
     f += _flag("sequence_parallel", L.sequence_parallel)
     for dest in ("micro_batch_size", "global_batch_size", "seq_length", "use_distributed_optimizer",
@@ -55,12 +59,17 @@ def _values(L: Layout, experts: tuple[int, int] | None = None) -> list[tuple[str
     """(dest, value) of every knob the NeMo 2 / Bridge overrides write, in their order."""
     v: list[tuple[str, object]] = [
         ("tensor_model_parallel_size", L.tp), ("pipeline_model_parallel_size", L.pp),
+        # (with a layout too: TransformerConfig asserts it equals the layout's, and NeMo 2 / Bridge size the
+        # virtual-pipeline groups from it before the config derives it)
         ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 else None),
         ("context_parallel_size", L.cp), ("sequence_parallel", L.sequence_parallel)]
+    if L.pipeline_model_parallel_layout:
+        v.append(("pipeline_model_parallel_layout", L.pipeline_model_parallel_layout))
     if experts is not None:
         v += [("expert_model_parallel_size", experts[0]), ("expert_tensor_parallel_size", experts[1])]
-    for dest in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(L, dest) is not None:
+    for dest in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if getattr(L, dest) not in (None, False):
             v.append((dest, getattr(L, dest)))
     return v
 

@@ -38,6 +38,9 @@ from .moe import MoeShape, moe_dense_params_per_rank, moe_matmul_params, moe_sha
 
 # Default micro-batch sizes tried: every divisor of GBS/DP up to this bound (--mbs overrides).
 DEFAULT_MAX_MBS = 16
+# Virtual-pipeline sizes tried on uneven splits (uneven_vpp_splits) when --vpp is not given: the interleaved
+# schedule's common setting, which keeps the search bounded (--vpp lists others).
+DEFAULT_UNEVEN_VPP = (2,)
 # Default context-parallel sizes keep at least this many tokens per CP rank (--cp overrides): below
 # it the ring exchange of K/V blocks is no longer hidden behind the attention of a block.
 MIN_TOKENS_PER_CP_RANK = 1024
@@ -379,6 +382,12 @@ class Candidate:
     moe: bool = False              # an MoE model: the expert sizes are written out
     fsdp: str | None = None        # Megatron-FSDP sharding strategy, None: DDP
     fp8: str | None = None         # None: as the model config says; "off"; or the FP8 recipe (--fp8)
+    acc_emb: bool = False          # --account-for-embedding-in-pipeline-split
+    acc_loss: bool = False         # --account-for-loss-in-pipeline-split
+    pp_layout: str | None = None   # --pipeline-model-parallel-layout (VPP = its stages / PP)
+    # layers of each virtual stage, index v * PP + rank (Megatron's global order); () when it follows from
+    # stage_layers (one chunk per rank, or the even split)
+    chunks: tuple[int, ...] = field(compare=False, hash=False, default=())
 
     @property
     def model_parallel(self) -> int:
@@ -399,6 +408,10 @@ class Candidate:
             s += ",dist-opt=off"
         if self.first is not None or self.last is not None:
             s += f",first={self.first},last={self.last}"
+        if self.acc_emb or self.acc_loss:
+            s += ",account=" + "+".join(w for w, on in (("embedding", self.acc_emb), ("loss", self.acc_loss)) if on)
+        if self.pp_layout:
+            s += f",layout={self.pp_layout}"
         if self.fsdp:
             s += f",fsdp={self.fsdp}"
         if self.fp8 is not None:
@@ -413,6 +426,8 @@ class Candidate:
         parts = [f"TP{self.tp}", f"PP{self.pp}" + (f"x{self.vpp}v" if self.vpp > 1 else ""), f"CP{self.cp}"]
         if self.first is not None or self.last is not None:
             parts[1] += f"[{self.first}|..|{self.last}]"
+        elif self.pp_layout or self.acc_emb or self.acc_loss:
+            parts[1] += f"[{self.stage_layers[0]}|..|{self.stage_layers[-1]}]"
         parts.append(f"DP{self.dp}")
         if self.moe:
             parts.append(f"EP{self.ep}" + (f" ETP{self.etp}" if self.etp != self.tp else ""))
@@ -438,8 +453,14 @@ class Candidate:
         )
         if self.moe:
             o.update(expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
-        if self.vpp > 1:
+        if self.pp_layout:
+            o["pipeline_model_parallel_layout"] = self.pp_layout    # (it sets VPP: no VPP flag beside it)
+        elif self.vpp > 1:
             o["num_virtual_stages_per_pipeline_rank"] = self.vpp
+        if self.acc_emb:
+            o["account_for_embedding_in_pipeline_split"] = True
+        if self.acc_loss:
+            o["account_for_loss_in_pipeline_split"] = True
         if self.first is not None:
             o["decoder_first_pipeline_num_layers"] = self.first
         if self.last is not None:
@@ -489,6 +510,105 @@ def layer_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None,
                 seen.add(stages)
                 out.append((first, last, stages))
     return out
+
+
+@dataclass(frozen=True)
+class VppSplit:
+    """An uneven split with virtual stages: one of Megatron's three spellings of it."""
+
+    vpp: int
+    stages: tuple[int, ...]                  # layers per pipeline rank
+    chunks: tuple[int, ...]                  # layers per virtual stage, index v * PP + rank
+    first: int | None = None                 # --decoder-first/last-pipeline-num-layers
+    last: int | None = None
+    acc_emb: bool = False                    # --account-for-embedding/loss-in-pipeline-split
+    acc_loss: bool = False
+    layout: str | None = None                # --pipeline-model-parallel-layout
+
+
+def flag_chunks(stages: tuple[int, ...], vpp: int) -> tuple[int, ...]:
+    """Layers per virtual stage of a first/last split: each rank's layers / VPP in every chunk (megatron-core's
+    ``get_transformer_layer_offset``), index v * PP + rank."""
+    return tuple(n // vpp for _ in range(vpp) for n in stages)
+
+
+def _ranks(chunks: list[int], pp: int) -> tuple[int, ...]:
+    return tuple(sum(chunks[r::pp]) for r in range(pp))
+
+
+def _layout_text(chunks: list[int], mtp: int) -> str:
+    """Megatron's layout syntax for per-virtual-stage layer counts: 'E' on the first stage, MTP layers and
+    'L' on the last, equal neighbouring stages folded as ``(tt|)*30``, runs of layers as ``t*8``."""
+    stages = [("E" if i == 0 else "") + ("t" * n if n < 3 else f"t*{n}") + ("m" * mtp + "L" if i == len(chunks) - 1 else "")
+              for i, n in enumerate(chunks)]
+    text, i = "", 0
+    while i < len(stages):
+        j = i
+        while j + 1 < len(stages) and stages[j + 1] == stages[i]:
+            j += 1
+        k = j - i + 1
+        text += f"({stages[i]}|)*{k}" if k > 1 else stages[i] + "|"
+        i = j + 1
+    return text[:-1]
+
+
+def uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> list[VppSplit]:
+    """Splits with ``vpp`` virtual stages where the even one is refused (PP x VPP does not divide the layers),
+    in the spellings megatron-core 0.16.1 accepts (``TransformerConfig.__post_init__``):
+
+    * first/last stage sizes: each > 0 and divisible by VPP, the middle layers dividing over the middle
+      stages into multiples of VPP; a middle stage a multiple of VPP next to L/PP, the ends no larger than
+      L/PP rounded up to a multiple of VPP (nearly balanced, both orders);
+    * else ``--account-for-embedding/loss-in-pipeline-split``: L + 1 or L + 2 slots dividing into PP x VPP;
+    * else ``--pipeline-model-parallel-layout``: the L + 2 slots (embedding and loss counted as a layer, as
+      DeepSeek-V3's ``Et|(tt|)*30L`` for 61 layers on PP16 x VPP2 does) dealt over the PP x VPP stages, the
+      short stages first the last and the first one, then the others spread over the ranks.
+
+    At most three candidates per (PP, VPP): the search stays bounded."""
+    L, S = num_layers, pp * vpp
+    if pp < 2 or vpp < 2 or L % S == 0 or L < S // 2:
+        return []
+    out: list[VppSplit] = []
+    cap = -(-(-(-L // pp)) // vpp) * vpp             # ceil(L/PP) rounded up to a multiple of VPP
+    for mid in (sorted({(L // pp) // vpp * vpp, -(-(L // pp) // vpp) * vpp}) if pp > 2 else [0]):
+        rest = L - (pp - 2) * mid
+        a = rest // 2 // vpp * vpp
+        if (pp > 2 and mid < vpp) or a < vpp or (rest - a) % vpp or rest - a > cap:
+            continue
+        for first, last in {(a, rest - a), (rest - a, a)}:
+            per = [first] + [mid] * (pp - 2) + [last]
+            out.append(VppSplit(vpp, tuple(per), flag_chunks(tuple(per), vpp), first=first, last=last))
+    out = sorted(out, key=lambda x: x.stages)
+    for e, l in ((1, 1), (1, 0), (0, 1)):
+        n = L + e + l
+        if n % S == 0 and n // S >= 1:
+            ch = [n // S] * S
+            ch[0] -= e
+            ch[-1] -= l
+            out.append(VppSplit(vpp, _ranks(ch, pp), tuple(ch), acc_emb=bool(e), acc_loss=bool(l)))
+            break
+    if out:
+        return out
+    q, r = divmod(L + 2, S)
+    if q < 1:
+        return []
+    # the S - r short stages: the last, the first, then one per rank from the middle ranks outwards
+    order = [S - 1, 0]
+    for v in range(vpp - 1, -1, -1):
+        for k in range(pp - 1):
+            rank = (pp - 2 - k // 2) if k % 2 == 0 else (1 + k // 2)
+            i = v * pp + rank
+            if i not in order:
+                order.append(i)
+    slots = [q + 1] * S
+    for i in order[:S - r]:
+        slots[i] = q
+    ch = list(slots)
+    ch[0] -= 1
+    ch[-1] -= 1
+    if min(ch) < 0:
+        return []
+    return [VppSplit(vpp, _ranks(ch, pp), tuple(ch), layout=_layout_text(ch, mtp))]
 
 
 def _allowed(values: Iterable[int], allowed: tuple[int, ...] | None) -> list[int]:
@@ -556,6 +676,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
     fsdps = [] if fujii else list(cons.fsdp)
     moe = shape.moe is not None
+    mtp = shape.layout.mtp_num_layers
     for tp in tp_values(shape, cluster, cons):
         # megatron-core's own attention (--transformer-impl local) asserts CP = 1, TE's unfused attention has
         # none either (resolve/kernels.py); only TE's flash / fused attention does ring attention
@@ -578,6 +699,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                 splits = layer_splits(L, pp)
                 if fujii or not cons.uneven:
                     splits = [sp_ for sp_ in splits if sp_[0] is None]
+                options: list[tuple] = []      # (first, last, stages, VPPs, VppSplit or None)
                 for first, last, stages in splits:
                     if pp == 1:
                         vpps = [1]
@@ -589,14 +711,26 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                     if fujii:
                         vpps = [1]
                     vpps = _allowed(vpps, cons.vpp)
-                    if not vpps:
-                        continue
+                    if vpps:
+                        options.append((first, last, stages, vpps, None))
+                if pp > 1 and cons.uneven and not fujii:
+                    for v in (cons.vpp if cons.vpp is not None else DEFAULT_UNEVEN_VPP):
+                        for x in uneven_vpp_splits(L, pp, v, mtp):
+                            if not any(o[2] == x.stages and v in o[3] for o in options):
+                                options.append((x.first, x.last, x.stages, [v], x))
+                for first, last, stages, vpps, xs in options:
+                    extra = {} if xs is None else dict(acc_emb=xs.acc_emb, acc_loss=xs.acc_loss, pp_layout=xs.layout,
+                                                       chunks=xs.chunks)
                     per_dp = global_batch_size // dp if global_batch_size % dp == 0 else 0
                     if not per_dp:
                         continue
                     mbss = [b for b in divisors(per_dp) if (cons.mbs is not None or b <= DEFAULT_MAX_MBS)]
                     mbss = _allowed(mbss, cons.mbs)
                     for vpp in vpps:
+                        if xs is None and vpp > 1 and first is not None:
+                            extra = dict(chunks=flag_chunks(stages, vpp))
+                        elif xs is None:
+                            extra = {}
                         for mbs in mbss:
                             m = per_dp // mbs
                             if vpp > 1 and (m < pp or m % pp):
@@ -613,19 +747,22 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                                         for dist in dist_opts:
                                             for f8 in cons.fp8:
                                                 out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
-                                                                     dp, m, stages, ep, etp, moe, fp8=f8))
+                                                                     dp, m, stages, ep, etp, moe, fp8=f8, **extra))
                                         for fs in fsdps:
                                             for f8 in cons.fp8:
                                                 out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True,
-                                                                     dp, m, stages, ep, etp, moe, fsdp=fs, fp8=f8))
+                                                                     dp, m, stages, ep, etp, moe, fsdp=fs, fp8=f8,
+                                                                     **extra))
     return out
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
                    dist_opt: bool = True, first: int | None = None, last: int | None = None, ep: int = 1,
-                   etp: int | None = None, fsdp: str | None = None, fp8: str | None = None) -> Candidate:
-    """One candidate from explicit values (``--explain``); the split is chosen as the search would."""
+                   etp: int | None = None, fsdp: str | None = None, fp8: str | None = None,
+                   layout: str | None = None, acc_emb: bool = False, acc_loss: bool = False) -> Candidate:
+    """One candidate from explicit values (``--explain``); the split is chosen as the search would, or
+    given as first/last sizes, embedding/loss slots (``acc_emb``/``acc_loss``) or a pipeline layout."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
         raise ConfigError("--explain", f"recompute must be one of {', '.join(RECOMPUTE_LEVELS)}, got {recompute!r}")
@@ -637,7 +774,28 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     dp = world // (tp * pp * cp)
     if global_batch_size % (mbs * dp):
         raise ConfigError("--explain", f"global batch size {global_batch_size} is not divisible by MBS*DP = {mbs}*{dp}")
-    if first is None and last is None:
+    chunks: tuple[int, ...] = ()
+    if layout is not None or acc_emb or acc_loss:
+        if first is not None or last is not None or (layout is not None and (acc_emb or acc_loss)):
+            raise ConfigError("--explain", "layout, account and first/last are three spellings of the split: give one")
+        if layout is not None:
+            from ..partition import parse_pipeline_layout
+            st = parse_pipeline_layout(layout, pp, "--explain layout")
+            vpp = len(st) // pp
+            ch = [x.count("t") for x in st]
+        else:
+            n = shape.num_layers + int(acc_emb) + int(acc_loss)
+            if n % (pp * vpp):
+                raise ConfigError("--explain", f"{n} layers with the embedding/loss slots do not divide into "
+                                               f"PP x VPP = {pp} x {vpp} stages")
+            ch = [n // (pp * vpp)] * (pp * vpp)
+            ch[0] -= int(acc_emb)
+            ch[-1] -= int(acc_loss)
+        if sum(ch) != shape.num_layers or min(ch) < 0:
+            raise ConfigError("--explain", f"the split places {sum(ch)} layers, the model has {shape.num_layers}")
+        chunks = tuple(ch) if vpp > 1 and pp > 1 else ()
+        stages = tuple(sum(ch[r::pp]) for r in range(pp))
+    elif first is None and last is None:
         splits = layer_splits(shape.num_layers, pp)
         if not splits:
             raise ConfigError("--explain", f"{shape.num_layers} layers cannot be split over {pp} pipeline stages")
@@ -650,6 +808,8 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         mid = rest // middle if middle else 0
         stages = tuple([first if first is not None else mid] + [mid] * (pp - 2) + [last if last is not None else mid]) \
             if pp > 1 else (shape.num_layers,)
+    if not chunks and vpp > 1 and pp > 1 and (first is not None or last is not None):
+        chunks = flag_chunks(stages, vpp)
     seq_rank = shape.seq_length // cp
     if sp and tp > 1 and seq_rank % tp:
         raise ConfigError("--explain", f"sequence parallelism splits the {seq_rank} tokens per CP rank over TP = {tp} "
@@ -670,4 +830,4 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         raise ConfigError("--explain", f"fsdp must be one of {', '.join(FSDP_STRATEGIES)} or off, got {fsdp!r}")
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt or bool(fsdp), dp,
                      global_batch_size // (mbs * dp), stages, ep, etp if shape.moe else 1, shape.moe is not None,
-                     fsdp=fsdp, fp8=fp8)
+                     fsdp=fsdp, fp8=fp8, acc_emb=acc_emb, acc_loss=acc_loss, pp_layout=layout, chunks=chunks)

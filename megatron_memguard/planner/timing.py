@@ -474,11 +474,17 @@ class TimeModel:
         ms = self.shape.moe
         if ms is None:
             return 0
-        key = (c.pp, c.vpp, c.first, c.last, stage)   # (the split follows from PP, first and last)
+        # (the split follows from PP, first, last, the account flags and the layout)
+        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, stage)
         n = self._moe_on.get(key)
         if n is not None:
             return n
-        if c.vpp > 1 and c.first is None and c.last is None:
+        if c.chunks:                                   # each virtual stage's slice of the global layer order
+            starts = [0]
+            for k in c.chunks:
+                starts.append(starts[-1] + k)
+            n = sum(ms.layers_in(starts[i], c.chunks[i]) for i in range(stage, len(c.chunks), c.pp))
+        elif c.vpp > 1 and c.first is None and c.last is None:
             ch = self.shape.num_layers // (c.pp * c.vpp)
             n = sum(ms.layers_in((j * c.pp + stage) * ch, ch) for j in range(c.vpp))
         else:

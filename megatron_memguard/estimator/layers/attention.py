@@ -8,7 +8,8 @@ input norm into linear_qkv (``layer_norm_weight``/``layer_norm_bias``): counts a
 from __future__ import annotations
 
 from ...layout import Layout
-from .base import MixerActivations, Param, Shapes, norm_params, norm_stats, norms_per_layer_norm, shapes, wgrad
+from .base import (MixerActivations, Param, ParamRow, Shapes, norm_rows, norm_stats, norms_per_layer_norm, param_objects,
+                   shapes, wgrad)
 
 
 def qkv_out_per_rank(L: Layout) -> int:
@@ -29,26 +30,31 @@ def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
             "linear_proj": (L.hidden_size, L.num_attention_heads * L.kv_channels // L.tp)}
 
 
-def params(L: Layout, prefix: str = "") -> list[Param]:
+def param_rows(L: Layout) -> list[ParamRow]:
+    """(name, numel, tp_replicated, shared_embedding, expert, cols) of each parameter (base.ParamRow)."""
     h, t = L.hidden_size, L.tp
     te = L.transformer_impl == "transformer_engine"
     proj_in = L.num_attention_heads * L.kv_channels // t
     qkv = qkv_out_per_rank(L)
-    ps: list[Param] = []
+    rows: list[ParamRow] = []
     if not te:
-        ps += norm_params(prefix + "input_layernorm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", h * proj_in, cols=proj_in))
+        rows += norm_rows("input_layernorm", h, L)
+    rows.append(("self_attention.linear_proj.weight", h * proj_in, False, False, False, proj_in))
     if L.add_bias_linear:
-        ps.append(Param(prefix + "self_attention.linear_proj.bias", h, tp_replicated=True))
+        rows.append(("self_attention.linear_proj.bias", h, True, False, False, 0))
     if te:
-        ps += norm_params(prefix + "self_attention.linear_qkv.layer_norm", h, L)
-    ps.append(Param(prefix + "self_attention.linear_qkv.weight", qkv * h, cols=h))
+        rows += norm_rows("self_attention.linear_qkv.layer_norm", h, L)
+    rows.append(("self_attention.linear_qkv.weight", qkv * h, False, False, False, h))
     if L.add_qkv_bias:
-        ps.append(Param(prefix + "self_attention.linear_qkv.bias", qkv))
+        rows.append(("self_attention.linear_qkv.bias", qkv, False, False, False, 0))
     if L.qk_layernorm:
-        ps += norm_params(prefix + "self_attention.q_layernorm", L.kv_channels, L)
-        ps += norm_params(prefix + "self_attention.k_layernorm", L.kv_channels, L)
-    return ps
+        rows += norm_rows("self_attention.q_layernorm", L.kv_channels, L)
+        rows += norm_rows("self_attention.k_layernorm", L.kv_channels, L)
+    return rows
+
+
+def params(L: Layout, prefix: str = "") -> list[Param]:
+    return param_objects(param_rows(L), prefix)
 
 
 def param_count(L: Layout) -> int:

@@ -2,7 +2,8 @@
 the two parts a recipe returns for its activations.
 
 A recipe is a module for one kind of token mixer (``attention``, ``mla``) or MLP (``dense``) giving
-* ``params(L, prefix)``: its parameters on one TP rank, in megatron-core's registration order;
+* ``param_rows(L)``: its parameters on one TP rank, in megatron-core's registration order, as rows
+  (``ParamRow``); ``params(L, prefix)``: the same as Param objects;
 * ``linear_shapes(L)``: [out, in] per TP rank of its linear weights;
 * ``param_count(L)``: its parameters in the whole model (one layer, no TP split);
 * ``activations(...)``: the tensors it keeps for backward per micro-batch and the working sets of its
@@ -40,11 +41,26 @@ class Param:
         d["cols"] = cols
 
 
-def norm_params(name: str, size: int, L: Layout) -> list[Param]:
-    ps = [Param(name + ".weight", size, tp_replicated=True)]
+# A parameter as a recipe lists it: (name, numel, tp_replicated, shared_embedding, expert, cols), Param's
+# fields in order. A cold estimate needs the sizes of every layer kind (the DDP buffers); the named Param
+# objects are made from the same rows when a caller asks for them (param_objects).
+ParamRow = tuple[str, int, bool, bool, bool, int]
+
+
+def param_objects(rows: list[ParamRow], prefix: str = "") -> list[Param]:
+    """The Param of each row, its name after ``prefix``."""
+    return [Param(prefix + name, numel, tp, shared, expert, cols) for name, numel, tp, shared, expert, cols in rows]
+
+
+def norm_rows(name: str, size: int, L: Layout) -> list[ParamRow]:
+    rows = [(name + ".weight", size, True, False, False, 0)]
     if L.normalization == "LayerNorm":
-        ps.append(Param(name + ".bias", size, tp_replicated=True))
-    return ps
+        rows.append((name + ".bias", size, True, False, False, 0))
+    return rows
+
+
+def norm_params(name: str, size: int, L: Layout) -> list[Param]:
+    return param_objects(norm_rows(name, size, L))
 
 
 def norms_per_layer_norm(L: Layout) -> int:
@@ -65,6 +81,11 @@ class Shapes:
     f_t: int        # ffn hidden on this rank
     e: int          # bytes per activation element
     r: int          # bytes per residual-stream element (fp32 with --fp32-residual-connection)
+
+    def __init__(self, s: int, b: int, T: int, Tf: int, h: int, a_t: int, g_t: int, d: int, f_t: int, e: int,
+                 r: int) -> None:
+        # made for every new layout (and kind of a heterogeneous one): the fields are stored directly (as Term's)
+        self.__dict__.update(s=s, b=b, T=T, Tf=Tf, h=h, a_t=a_t, g_t=g_t, d=d, f_t=f_t, e=e, r=r)
 
 
 @lru_cache(maxsize=256)

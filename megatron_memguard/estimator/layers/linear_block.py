@@ -11,29 +11,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import MixerActivations, MlpActivations, Param, norm_params, norms_per_layer_norm, shapes, wgrad
+from .base import (MixerActivations, MlpActivations, Param, ParamRow, norm_rows, norms_per_layer_norm, param_objects,
+                   shapes, wgrad)
 
 
 def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
     return {"linear_replacement": (L.hidden_size // L.tp, L.hidden_size)}
 
 
-def _params(L: Any, prefix: str, module: str, local_norm: str) -> list[Param]:
+def _rows(L: Any, module: str, local_norm: str) -> list[ParamRow]:
     h = L.hidden_size
     te = L.transformer_impl == "transformer_engine"
-    ps = norm_params(prefix + (f"{module}.layer_norm" if te else local_norm), h, L)
-    ps.append(Param(prefix + f"{module}.weight", h // L.tp * h))
+    rows = norm_rows(f"{module}.layer_norm" if te else local_norm, h, L)
+    rows.append((f"{module}.weight", h // L.tp * h, False, False, False, 0))
     if L.add_bias_linear:
-        ps.append(Param(prefix + f"{module}.bias", h // L.tp))
-    return ps
+        rows.append((f"{module}.bias", h // L.tp, False, False, False, 0))
+    return rows
+
+
+def mixer_param_rows(L: Any) -> list[ParamRow]:
+    return _rows(L, "self_attention", "input_layernorm")
+
+
+def mlp_param_rows(L: Any) -> list[ParamRow]:
+    return _rows(L, "mlp", "pre_mlp_layernorm")
 
 
 def mixer_params(L: Any, prefix: str = "") -> list[Param]:
-    return _params(L, prefix, "self_attention", "input_layernorm")
+    return param_objects(mixer_param_rows(L), prefix)
 
 
 def mlp_params(L: Any, prefix: str = "") -> list[Param]:
-    return _params(L, prefix, "mlp", "pre_mlp_layernorm")
+    return param_objects(mlp_param_rows(L), prefix)
 
 
 def param_count(L: Any) -> int:
@@ -80,5 +89,7 @@ def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
 def recipe(role: str) -> Any:
     """This module as the recipe of one role (the parameters' names differ)."""
     from types import SimpleNamespace
-    return SimpleNamespace(linear_shapes=linear_shapes, params=mixer_params if role == "mixer" else mlp_params,
+    mixer = role == "mixer"
+    return SimpleNamespace(linear_shapes=linear_shapes, params=mixer_params if mixer else mlp_params,
+                           param_rows=mixer_param_rows if mixer else mlp_param_rows,
                            param_count=param_count, activations=activations, bound_saved=bound_saved)

@@ -10,7 +10,8 @@ from functools import lru_cache
 
 from ...layout import Layout
 from .attention import attention_kind
-from .base import MixerActivations, Param, Shapes, Step, norm_params, norm_stats, norms_per_layer_norm, shapes, wgrad
+from .base import (MixerActivations, Param, ParamRow, Shapes, Step, norm_rows, norm_stats, norms_per_layer_norm,
+                   param_objects, shapes, wgrad)
 
 
 def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
@@ -29,25 +30,33 @@ def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def params(L: Layout, prefix: str = "") -> list[Param]:
+def param_rows(L: Layout) -> list[ParamRow]:
     """Registration order: input_layernorm (a separate TENorm: both down projections read its
     output), linear_proj (built by the MultiLatentAttention base), then the q and kv projections.
-    With --qk-layernorm the up projections are TE LayerNormLinears holding the latent norms."""
+    With --qk-layernorm the up projections are TE LayerNormLinears holding the latent norms.
+    Rows as base.ParamRow."""
     sh = linear_shapes(L)
-    ps = norm_params(prefix + "input_layernorm", L.hidden_size, L)
+    rows = norm_rows("input_layernorm", L.hidden_size, L)
     out, inp = sh["linear_proj"]
-    ps.append(Param(prefix + "self_attention.linear_proj.weight", out * inp, cols=inp))
+    rows.append(("self_attention.linear_proj.weight", out * inp, False, False, False, inp))
     if L.add_bias_linear:
-        ps.append(Param(prefix + "self_attention.linear_proj.bias", out, tp_replicated=True))
-    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+        rows.append(("self_attention.linear_proj.bias", out, True, False, False, 0))
+    for name in _PROJECTIONS:
         if name not in sh:
             continue
         out, inp = sh[name]
-        if name.endswith("_up_proj") and L.qk_layernorm:
-            ps += norm_params(prefix + f"self_attention.{name}.layer_norm", inp, L)
-        ps.append(Param(prefix + f"self_attention.{name}.weight", out * inp, tp_replicated=name.endswith("down_proj"),
-                        cols=inp))
-    return ps
+        if L.qk_layernorm and name.endswith("_up_proj"):
+            rows += norm_rows(f"self_attention.{name}.layer_norm", inp, L)
+        rows.append((_WEIGHT[name], out * inp, name.endswith("down_proj"), False, False, inp))
+    return rows
+
+
+_PROJECTIONS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+_WEIGHT = {name: f"self_attention.{name}.weight" for name in _PROJECTIONS}
+
+
+def params(L: Layout, prefix: str = "") -> list[Param]:
+    return param_objects(param_rows(L), prefix)
 
 
 def param_count(L: Layout) -> int:

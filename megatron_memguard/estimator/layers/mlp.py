@@ -7,7 +7,7 @@ tensors and backward step belong to the layer (``estimator.activations``).
 from __future__ import annotations
 
 from ...layout import Layout
-from .base import MlpActivations, Param, norm_params, norms_per_layer_norm, shapes, wgrad
+from .base import MlpActivations, Param, ParamRow, norm_rows, norms_per_layer_norm, param_objects, shapes, wgrad
 
 
 def fc1_out_per_rank(L: Layout) -> int:
@@ -20,19 +20,24 @@ def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
     return {"linear_fc1": (fc1_out_per_rank(L), h), "linear_fc2": (h, L.ffn_hidden_size // L.tp)}
 
 
-def params(L: Layout, prefix: str = "") -> list[Param]:
+def param_rows(L: Layout) -> list[ParamRow]:
+    """(name, numel, tp_replicated, shared_embedding, expert, cols) of each parameter (base.ParamRow)."""
     h = L.hidden_size
     te = L.transformer_impl == "transformer_engine"
     fc1 = fc1_out_per_rank(L)
     fc2_in = L.ffn_hidden_size // L.tp
-    ps = norm_params(prefix + ("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm"), h, L)
-    ps.append(Param(prefix + "mlp.linear_fc1.weight", fc1 * h, cols=h))
+    rows = norm_rows("mlp.linear_fc1.layer_norm" if te else "pre_mlp_layernorm", h, L)
+    rows.append(("mlp.linear_fc1.weight", fc1 * h, False, False, False, h))
     if L.add_bias_linear:
-        ps.append(Param(prefix + "mlp.linear_fc1.bias", fc1))
-    ps.append(Param(prefix + "mlp.linear_fc2.weight", h * fc2_in, cols=fc2_in))
+        rows.append(("mlp.linear_fc1.bias", fc1, False, False, False, 0))
+    rows.append(("mlp.linear_fc2.weight", h * fc2_in, False, False, False, fc2_in))
     if L.add_bias_linear:
-        ps.append(Param(prefix + "mlp.linear_fc2.bias", h, tp_replicated=True))
-    return ps
+        rows.append(("mlp.linear_fc2.bias", h, True, False, False, 0))
+    return rows
+
+
+def params(L: Layout, prefix: str = "") -> list[Param]:
+    return param_objects(param_rows(L), prefix)
 
 
 def param_count(L: Layout) -> int:

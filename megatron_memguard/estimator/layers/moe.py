@@ -83,47 +83,52 @@ class MoeParam:
         d["cols"] = cols
 
 
-def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "", make: Any = MoeParam) -> list[MoeParam]:
+def moe_param_rows(L: Any, m: MoeSpec) -> list[tuple[str, int, bool, bool, bool, int]]:
     """The MLP half of one MoE layer on one rank, in registration order (MoELayer: router, experts,
     shared experts), after its own pre-MLP norm (a separate TENorm in the TE spec: the router needs
     its output). Routed experts: E/EP local experts with fc1 [g*F/ETP, h] and fc2 [h, F/ETP]
     (``TEGroupedLinear`` divides by ETP itself); shared experts are split over the attention TP.
-    ``make``: the class of the entries (base.Param takes the same keywords: ``params`` makes those directly)."""
+    Rows as base.ParamRow: (name, numel, tp_replicated, shared_embedding, expert, cols)."""
     h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
     F, etp, El = m.moe_ffn_hidden_size, m.etp, m.local_experts
-    ps = [make(prefix + "pre_mlp_layernorm.weight", h, tp_replicated=True)]
+    rows = [("pre_mlp_layernorm.weight", h, True, False, False, 0)]
     if L.normalization == "LayerNorm":
-        ps.append(make(prefix + "pre_mlp_layernorm.bias", h, tp_replicated=True))
+        rows.append(("pre_mlp_layernorm.bias", h, True, False, False, 0))
     # Router.reset_parameters marks the weight sequence_parallel: finalize_model_grads all-reduces it over TP
-    ps.append(make(prefix + "mlp.router.weight", m.num_experts * h, tp_replicated=True, cols=h))
+    rows.append(("mlp.router.weight", m.num_experts * h, True, False, False, h))
     if L.add_bias_linear:
-        ps.append(make(prefix + "mlp.router.bias", m.num_experts, tp_replicated=True))
+        rows.append(("mlp.router.bias", m.num_experts, True, False, False, 0))
     fc1, fc2 = g * F // etp, F // etp
-    names: list[tuple[str, int, int]] = []
     if m.moe_grouped_gemm:
-        names += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h, h) for i in range(El)]
+        rows += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h, False, False, True, h) for i in range(El)]
         if L.add_bias_linear:
-            names += [(f"mlp.experts.linear_fc1.bias{i}", fc1, 0) for i in range(El)]
-        names += [(f"mlp.experts.linear_fc2.weight{i}", h * fc2, fc2) for i in range(El)]
+            rows += [(f"mlp.experts.linear_fc1.bias{i}", fc1, False, False, True, 0) for i in range(El)]
+        rows += [(f"mlp.experts.linear_fc2.weight{i}", h * fc2, False, False, True, fc2) for i in range(El)]
         if L.add_bias_linear:
-            names += [(f"mlp.experts.linear_fc2.bias{i}", h, 0) for i in range(El)]
+            rows += [(f"mlp.experts.linear_fc2.bias{i}", h, False, False, True, 0) for i in range(El)]
     else:
         for i in range(El):
-            names.append((f"mlp.experts.local_experts.{i}.linear_fc1.weight", fc1 * h, h))
+            rows.append((f"mlp.experts.local_experts.{i}.linear_fc1.weight", fc1 * h, False, False, True, h))
             if L.add_bias_linear:
-                names.append((f"mlp.experts.local_experts.{i}.linear_fc1.bias", fc1, 0))
-            names.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2, fc2))
+                rows.append((f"mlp.experts.local_experts.{i}.linear_fc1.bias", fc1, False, False, True, 0))
+            rows.append((f"mlp.experts.local_experts.{i}.linear_fc2.weight", h * fc2, False, False, True, fc2))
             if L.add_bias_linear:
-                names.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h, 0))
-    ps += [make(prefix + n, k, expert=True, cols=c) for n, k, c in names]
+                rows.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h, False, False, True, 0))
     Fs = m.moe_shared_expert_intermediate_size
     if Fs:
         tp = L.tp
-        ps.append(make(prefix + "mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h, cols=h))
-        ps.append(make(prefix + "mlp.shared_experts.linear_fc2.weight", h * (Fs // tp), cols=Fs // tp))
+        rows.append(("mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h, False, False, False, h))
+        rows.append(("mlp.shared_experts.linear_fc2.weight", h * (Fs // tp), False, False, False, Fs // tp))
         if m.moe_shared_expert_gate:
-            ps.append(make(prefix + "mlp.shared_experts.gate_weight", h, tp_replicated=True))
-    return ps
+            rows.append(("mlp.shared_experts.gate_weight", h, True, False, False, 0))
+    return rows
+
+
+def moe_mlp_params(L: Any, m: MoeSpec, prefix: str = "", make: Any = MoeParam) -> list[MoeParam]:
+    """moe_param_rows as objects: ``make`` is the class of the entries (MoeParam, or base.Param, which takes
+    the same keywords)."""
+    return [make(prefix + name, numel, tp_replicated=tp, expert=expert, cols=cols)
+            for name, numel, tp, _shared, expert, cols in moe_param_rows(L, m)]
 
 
 def router_buffer_bytes(m: MoeSpec) -> int:
@@ -159,6 +164,12 @@ class ExpertRows:
     balanced: int        # expected value under balanced routing (the estimate)
     worst: int           # the dispatcher's real limit
     how: str
+
+    def __init__(self, balanced: int, worst: int, how: str) -> None:
+        d = self.__dict__   # (stored directly, as Term's: made by every cold estimate)
+        d["balanced"] = balanced
+        d["worst"] = worst
+        d["how"] = how
 
 
 def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
@@ -196,6 +207,16 @@ class MoeActivations:
     fwd_transient: int
     bwd_steps: tuple[Step, ...]
     rows: int                      # N used
+
+    def __init__(self, saved: dict[str, int], held: int, fwd_transient: int, bwd_steps: tuple[Step, ...],
+                 rows: int) -> None:
+        # made by every cold estimate (balanced routing; the worst case when read): stored directly (as Term's)
+        d = self.__dict__
+        d["saved"] = saved
+        d["held"] = held
+        d["fwd_transient"] = fwd_transient
+        d["bwd_steps"] = bwd_steps
+        d["rows"] = rows
 
     @property
     def total(self) -> int:
@@ -482,11 +503,15 @@ def _spec(L: Any) -> MoeSpec:
     return L.moe
 
 
+def param_rows(L: Any) -> list:
+    """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts),
+    as base.ParamRow; routed experts carry ``expert`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
+    return moe_param_rows(L, _spec(L))
+
+
 def params(L: Any, prefix: str = "") -> list:
-    """The MoE MLP on one rank in registration order (pre-MLP norm, router, experts, shared experts);
-    routed experts carry ``expert=True`` (their own DDP buffer when ``experts_use_expert_buffer``)."""
-    from .base import Param
-    return moe_mlp_params(L, _spec(L), prefix, Param)
+    from .base import param_objects
+    return param_objects(param_rows(L), prefix)
 
 
 def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:

@@ -15,6 +15,10 @@ def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
     return {}
 
 
+def param_rows(L: Any) -> list:
+    return []
+
+
 def params(L: Any, prefix: str = "") -> list[Param]:
     return []
 
