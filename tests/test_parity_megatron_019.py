@@ -120,12 +120,13 @@ def test_a_difference_between_the_readings_is_found(megatron_on_cpu, monkeypatch
     assert kind == "c" and "hook" in why, (kind, why)
 
 
-def test_without_max_position_embeddings_megatron_does_not_start(megatron_on_cpu):
-    """validate_args's required arguments (arguments.py line 1274): rotary positions need it too."""
+def test_without_max_position_embeddings_megatron_does_not_start_memguard_notes_it(megatron_on_cpu):
+    """validate_args's required arguments (arguments.py line 1274), rotary positions too: a known difference (docs/
+    readers.md): memguard estimates the run with the flag taken as --seq-length and notes Megatron requires it."""
     flags = list(P.BASE)
     i = flags.index("--max-position-embeddings")
     kind, why = classify(P.Case(tuple(flags[:i] + flags[i + 2:]), 1), megatron_on_cpu)
-    assert kind == "ok-reject" and "max_position_embeddings argument is None" in why, (kind, why)
+    assert kind == "a" and "max_position_embeddings argument is None" in why, (kind, why)
 
 
 def test_pp1_first_and_last_stage_layers_megatron_starts_a_model_of_other_than_num_layers(megatron_on_cpu):
