@@ -41,6 +41,9 @@ class RawConfig:
     # ConfigErrors a reader found that are rules of its format rather than Megatron's (two keys that
     # must agree, a NeMo-only restriction): ``memguard validate`` reports them with the resolver's.
     problems: tuple[Any, ...] = ()
+    # a Megatron-LM script's command line (or its argument namespace): its validate_args applies whole, e.g.
+    # --max-position-embeddings is required; a model preset or a Bridge / NeMo config merged in lifts that
+    megatron_command_line: bool = False
 
     def key(self, dest: str) -> str:
         """How the user wrote ``dest`` (flag or key path); the Megatron flag spelling otherwise."""
@@ -65,4 +68,5 @@ class RawConfig:
             gpus_per_node=other.gpus_per_node or self.gpus_per_node, env={**self.env, **other.env},
             warnings=self.warnings + other.warnings, best_effort=self.best_effort or other.best_effort,
             problems=self.problems + other.problems,
+            megatron_command_line=self.megatron_command_line and other.megatron_command_line,
         )

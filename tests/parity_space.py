@@ -81,7 +81,8 @@ def command_lines(draw) -> Case:
          "--mock-data", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
          "--context-parallel-size", str(cp)]
     if _maybe(draw, 2):
-        f += ["--ffn-hidden-size", str(draw(st.sampled_from([256, 1024, 1000])))]
+        # (1001 and 2: FFN widths a TP 2 / 4 split of MLP.linear_fc2 cannot divide)
+        f += ["--ffn-hidden-size", str(draw(st.sampled_from([256, 1024, 1000] + ([1001, 2] if _maybe(draw, 1) else []))))]
     if _maybe(draw, 2):
         f += ["--global-batch-size", str(mbs * world * draw(st.sampled_from([1, 2, 3, 8])) // (tp * pp * cp)
                                          if _maybe(draw, 3) else mbs * draw(st.sampled_from([1, 3, 8, 32])))]
@@ -135,13 +136,13 @@ def command_lines(draw) -> Case:
         if topk == 1 and _maybe(draw, 3):
             f.append("--moe-router-pre-softmax")
         if _maybe(draw, 2):
-            f += ["--moe-ffn-hidden-size", str(draw(st.sampled_from([128, 256, 250])))]
+            f += ["--moe-ffn-hidden-size", str(draw(st.sampled_from([128, 256, 250] + ([129] if _maybe(draw, 1) else []))))]
         freq = draw(st.sampled_from([None, None, "1", "2", "3", f"([0]*1+[1]*{layers - 1})", f"[1]*{layers}",
                                      f"([1]*{layers + 1})"]))
         if freq is not None:
             f += ["--moe-layer-freq", freq]
         if _maybe(draw, 1):
-            f += ["--moe-shared-expert-intermediate-size", str(draw(st.sampled_from([128, 256])))]
+            f += ["--moe-shared-expert-intermediate-size", str(draw(st.sampled_from([128, 256, 130])))]
             if _maybe(draw, 1):
                 f.append("--moe-shared-expert-overlap")
         disp = draw(st.sampled_from(["allgather", "alltoall", "alltoall", "flex"]))
@@ -213,16 +214,51 @@ def command_lines(draw) -> Case:
               ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], ["--overlap-grad-reduce", "--overlap-param-gather"],
               ["--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim", "32",
                "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"], ["--recompute-modules", "mla_up_proj"],
-              ["--qk-layernorm"], ["--fp8-param-gather"], ["--ckpt-format", "torch"]]
+              ["--qk-layernorm"], ["--fp8-param-gather"], ["--ckpt-format", "torch"],
+              ["--group-query-attention", "--num-query-groups", "1", "--kv-channels", "33"]]
     if experts:
         extras += [["--moe-shared-expert-gate"], ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
                    ["--moe-aux-loss-coeff", "1e-2"], ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
                                                       "--moe-aux-loss-coeff", "1e-2", "1e-3"],
                    ["--moe-z-loss-coeff", "1e-3"], ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+                   ["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
                    ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate"]]
     for extra in draw(st.lists(st.sampled_from(extras), max_size=2, unique_by=tuple)):
         f += extra
     return Case(tuple(f), world)
+
+
+@st.composite
+def split_shapes(draw) -> Case:
+    """Jobs that break no other rule but now and then one of the model build's ``divide()`` asserts: the FFN,
+    expert FFN, shared-expert and QKV widths over TP / ETP, and group-limited routing's groups (command_lines()
+    reaches them rarely: another rule usually rejects its job first)."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    heads = draw(st.sampled_from([4, 8, 16]))
+    base = list(BASE)
+    base[base.index("--num-attention-heads") + 1] = str(heads)
+    f = [*base, "--kv-channels", str(draw(st.sampled_from([32, 33, 64]))),
+         "--ffn-hidden-size", str(draw(st.sampled_from([1024, 1001, 1002, 2]))), "--disable-bias-linear",
+         "--tensor-model-parallel-size", str(tp)]
+    groups = draw(st.sampled_from([None, 1, 2, 4]))
+    if groups:
+        f += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if tp > 1:
+        f.append("--sequence-parallel")
+    etp, ep = tp, 1
+    if _maybe(draw, 2):
+        ep, etp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, tp]))
+        topk = draw(st.sampled_from([2, 4]))
+        f += ["--num-experts", "8", "--moe-router-topk", str(topk), "--moe-token-dispatcher-type", "alltoall",
+              "--moe-grouped-gemm", "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
+              "--moe-ffn-hidden-size", str(draw(st.sampled_from([256, 129, 130]))),
+              "--moe-layer-freq", draw(st.sampled_from(["1", "2"]))]
+        if _maybe(draw, 1):
+            f += ["--moe-shared-expert-intermediate-size", str(draw(st.sampled_from([128, 129, 130])))]
+        route = draw(st.sampled_from([None, (2, 1), (4, 1), (8, 1), (4, 2)]))
+        if route:
+            f += ["--moe-router-num-groups", str(route[0]), "--moe-router-group-topk", str(route[1])]
+    return Case(tuple(f), math.lcm(tp, etp * ep))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,6 +390,14 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     # SharedExpertMLP.__init__: no bias in shared experts (moe/shared_experts.py 124)
     if ns.num_experts and ns.moe_shared_expert_intermediate_size and ns.add_bias_linear:
         return "SharedExpertMLP: bias is not supported in the shared experts"
+    split = _tp_split(config)
+    if split:
+        return split
+    # group_limited_topk: each group's top (topk // group_topk) scores (moe/moe_utils.py 656): torch.topk
+    # over a group of fewer experts fails at the first forward
+    n, groups, gtopk = config.num_moe_experts, config.moe_router_num_groups, config.moe_router_group_topk
+    if n and groups and gtopk and config.moe_router_topk // gtopk > n // groups:
+        return f"group_limited_topk: torch.topk of {config.moe_router_topk // gtopk} among {n // groups} experts per group"
     # checkpointed_forward: the uniform loop advances by recompute_num_layers, 0 never ends (recompute.py 157)
     if config.recompute_granularity == "full" and config.recompute_method == "uniform" and not config.recompute_num_layers:
         return "checkpointed_forward: uniform recompute of 0 layers never finishes a forward"
@@ -380,6 +424,41 @@ def _later_rules(ns: Any, config: Any) -> str | None:
             return f"schedules: micro-batch group {g} outside [PP={pp}, M={num_microbatches}]"
         if 0 < num_microbatches % g < pp:
             return f"schedules: a last micro-batch group of {num_microbatches % g} < PP={pp}"
+    return None
+
+
+def _tp_split(config: Any) -> str | None:
+    """The model build's ``divide()`` asserts (megatron/core/utils.py 561) on the linear layers split over TP or
+    ETP, 0.19.2: ColumnParallelLinear / RowParallelLinear (tensor_parallel/layers.py 965, 1328), Transformer
+    Engine's column / row linears (TE's own divide of out_features / in_features by tp_size; Megatron's
+    wrappers extensions/transformer_engine.py 1292, 1451, 1707; the experts' TELinear 1010-1012 and
+    TEGroupedLinear 2193-2195)."""
+    tp, etp = config.tensor_model_parallel_size, config.expert_tensor_parallel_size
+    # the dense / MoE layer pattern, as get_gpt_decoder_block_spec reads --moe-layer-freq (gpt_layer_specs.py 647)
+    freq = config.moe_layer_freq
+    if not config.num_moe_experts:
+        pattern = [0] * config.num_layers
+    elif isinstance(freq, int):
+        pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    else:
+        pattern = list(freq)
+    # MLP.linear_fc2: a row-parallel linear over the FFN width (transformer/mlp.py)
+    if 0 in pattern and config.ffn_hidden_size % tp:
+        return f"MLP linear_fc2: divide({config.ffn_hidden_size}, TP {tp})"
+    if config.num_moe_experts:
+        # the experts' fc2 over ETP (moe/experts.py: TEGroupedMLP, SequentialMLP)
+        if config.moe_ffn_hidden_size % etp:
+            return f"experts linear_fc2: divide({config.moe_ffn_hidden_size}, ETP {etp})"
+        # SharedExpertMLP: an MLP of the shared width over TP (moe/shared_experts.py 124)
+        shared = config.moe_shared_expert_intermediate_size
+        if shared and shared % tp:
+            return f"SharedExpertMLP linear_fc2: divide({shared}, TP {tp})"
+    if not config.multi_latent_attention:
+        # SelfAttention.linear_qkv's columns (transformer/attention.py 1678)
+        out = config.kv_channels * (config.num_attention_heads * (2 if config.attention_output_gate else 1)
+                                    + 2 * config.num_query_groups)
+        if out % tp:
+            return f"SelfAttention linear_qkv: divide({out}, TP {tp})"
     return None
 
 
@@ -519,4 +598,23 @@ FOUND = [
            "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"), 2, "--offload-modules", ("0.19",),
           "TransformerConfig.__post_init__, transformer_config.py line 1874: nothing offloaded inside a MoE layer "
           "that 'moe' recompute recomputes"),
+    # the model build's divide() asserts (megatron/core/utils.py 561; 0.16.1 the same rules)
+    Found(("--tensor-model-parallel-size", "2", "--ffn-hidden-size", "1"), 2, "--ffn-hidden-size", ("0.16", "0.19"),
+          "MLP.__init__ -> RowParallelLinear, tensor_parallel/layers.py line 1328 (0.16.1: 1166): linear_fc2 splits "
+          "the FFN width over TP"),
+    Found((*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-ffn-hidden-size", "129"), 2,
+          "--moe-ffn-hidden-size", ("0.16", "0.19"),
+          "TEGroupedMLP.__init__ -> TERowParallelGroupedLinear, extensions/transformer_engine.py line 2195 (0.16.1: "
+          "1527): the experts' linear_fc2 splits the expert FFN width over ETP (= TP here)"),
+    Found((*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-shared-expert-intermediate-size",
+           "129"), 2, "--moe-shared-expert-intermediate-size", ("0.16", "0.19"),
+          "SharedExpertMLP.__init__ (moe/shared_experts.py line 124) -> MLP: the shared experts' linear_fc2 splits "
+          "their width over TP"),
+    Found(("--tensor-model-parallel-size", "4", "--group-query-attention", "--num-query-groups", "1",
+           "--kv-channels", "33"), 4, "--kv-channels", ("0.16", "0.19"),
+          "SelfAttention.__init__, transformer/attention.py line 1678 (0.16.1: 1264): linear_qkv's 33 x (8 + 2) "
+          "columns split over TP 4"),
+    Found((*MOE, "--moe-router-num-groups", "8", "--moe-router-group-topk", "1"), 2, "--moe-router-group-topk",
+          ("0.16", "0.19"), "group_limited_topk, transformer/moe/moe_utils.py line 656 (0.16.1: 554): torch.topk of "
+          "topk // group_topk = 2 scores in a group of 1 expert fails at the first forward"),
 ]

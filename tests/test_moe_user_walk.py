@@ -109,7 +109,8 @@ def test_rotary_models_get_no_max_position_note_learned_ones_do():
     assert "--max-position-embeddings not given" not in rope
     learned = memguard("estimate", "--world-size", "8", "--", *TRAIN, "--num-layers", "2", "--hidden-size", "256",
                        "--num-attention-heads", "4", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer").stdout
-    assert "--max-position-embeddings not given: taken as --seq-length" in learned
+    # (a Megatron-LM command line without it: validate_args would not start, the note says so, rotary or not)
+    assert "--max-position-embeddings not given: Megatron-LM's validate_args requires it" in learned
 
 
 @pytest.mark.skipif(not os.path.exists(MOE_RECORDS), reason="needs ../shared/groundtruth")

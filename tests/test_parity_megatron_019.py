@@ -70,6 +70,27 @@ def test_memguard_reads_what_megatron_reads(megatron_on_cpu):
     assert counts["ok-same"] >= total // 8 and counts["ok-reject"] >= total // 4, counts
 
 
+def test_the_model_builds_tensor_parallel_splits(megatron_on_cpu):
+    """The model build's divide() asserts (parity_space._tp_split) and group-limited routing, on jobs that break
+    no other rule: memguard refuses what the build refuses and estimates the rest with the same numbers."""
+    counts: collections.Counter = collections.Counter()
+    found: list[str] = []
+
+    @settings(max_examples=max(EXAMPLES // 5, 20), derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(P.split_shapes())
+    def run(case):
+        kind, why = classify(case, megatron_on_cpu)
+        counts[kind, "divide" in why or "group_limited" in why] += 1
+        if kind not in GOOD:
+            found.append(f"({kind}) {why}\n    {case}")
+
+    run()
+    assert not found, f"{len(found)} findings:\n" + "\n".join(found[:10])
+    # both sides: jobs the build refuses on a split, and jobs compared number by number
+    assert counts["ok-reject", True] and counts["ok-same", False], counts
+
+
 @pytest.mark.parametrize("found", P.FOUND, ids=[f.key for f in P.FOUND])
 def test_what_the_fuzz_found_megatron_rejects(megatron_on_cpu, found):
     kind, why = classify(found.case(), megatron_on_cpu)
@@ -97,3 +118,24 @@ def test_a_difference_between_the_readings_is_found(megatron_on_cpu, monkeypatch
     monkeypatch.setattr(preflight, "raw_config_from_args", forgetful)
     kind, why = classify(case, megatron_on_cpu)
     assert kind == "c" and "hook" in why, (kind, why)
+
+
+def test_without_max_position_embeddings_megatron_does_not_start_memguard_notes_it(megatron_on_cpu):
+    """validate_args's required arguments (arguments.py line 1274), rotary positions too: a known difference (docs/
+    readers.md): memguard estimates the run with the flag taken as --seq-length and notes Megatron requires it."""
+    flags = list(P.BASE)
+    i = flags.index("--max-position-embeddings")
+    kind, why = classify(P.Case(tuple(flags[:i] + flags[i + 2:]), 1), megatron_on_cpu)
+    assert kind == "a" and "max_position_embeddings argument is None" in why, (kind, why)
+
+
+def test_pp1_first_and_last_stage_layers_megatron_starts_a_model_of_other_than_num_layers(megatron_on_cpu):
+    """Megatron's TransformerConfig accepts the pair at PP 1 (-1 middle stages); the stages it would build add
+    up to 6 layers of a 4-layer model, which the classifier counts as a rejection; memguard refuses it."""
+    case = P.Case(tuple(P.BASE) + ("--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "3"), 1)
+    megatron_on_cpu.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    megatron_on_cpu.setenv("WORLD_SIZE", "1")
+    before, after, rejected = P.megatron_reads(case)
+    assert rejected and rejected.startswith("model build: the stages build"), rejected
+    kind, why = classify(case, megatron_on_cpu)
+    assert kind == "ok-reject", (kind, why)

@@ -58,7 +58,7 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
                                expand=False)
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
                      nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=memory_env(cmd.env),
-                     warnings=raw.warnings + tuple(cmd.notes))
+                     warnings=raw.warnings + tuple(cmd.notes), megatron_command_line=raw.megatron_command_line)
 
 
 def _no_overrides(path: str, overrides: list[str] | None) -> None:

@@ -206,7 +206,8 @@ def parse_megatron_flags(
         warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(cut(u) for u in unknown))
     if args.get("yaml_cfg"):
         return _read_yaml_cfg(str(args["yaml_cfg"]), [origin[d] for d in args if d != "yaml_cfg"], env, warnings)
-    return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env))
+    return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env),
+                     megatron_command_line=True)
 
 
 def _read_yaml_cfg(path: str, other_flags: list[str], env: Mapping[str, str] | None, warnings: list[str]) -> RawConfig:

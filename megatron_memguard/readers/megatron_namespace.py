@@ -32,7 +32,8 @@ def raw_from_namespace(ns: Any) -> RawConfig:
     if "attention_backend" in args and not isinstance(args["attention_backend"], str):
         args["attention_backend"] = getattr(args["attention_backend"], "name", str(args["attention_backend"]))
     world = getattr(ns, "world_size", None)
-    return RawConfig(args=args, origin={}, source="Megatron argument namespace", world_size=world)
+    return RawConfig(args=args, origin={}, source="Megatron argument namespace", world_size=world,
+                     megatron_command_line=True)
 
 
 def _from_yaml_namespace(ns: Any) -> RawConfig:

@@ -29,4 +29,5 @@ def read_functional_test_config(doc: Mapping[str, Any], path: str = "", environ:
     fill = {**(environ or {}), **env}
     raw = parse_megatron_flags(flags_from_mapping(model_args), env=fill, source=f"Megatron functional-test config {path}")
     origin = {k: f"MODEL_ARGS.{v}" for k, v in raw.origin.items()}
-    return RawConfig(args=raw.args, origin=origin, source=raw.source, env=memory_env(env), warnings=raw.warnings)
+    return RawConfig(args=raw.args, origin=origin, source=raw.source, env=memory_env(env), warnings=raw.warnings,
+                     megatron_command_line=raw.megatron_command_line)

@@ -71,6 +71,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("cuda graphs", cuda_graphs.cuda_graphs),
     ("numerics", kernels.numerics),
     ("heterogeneous layers", heterogeneous.heterogeneous),
+    ("tensor-parallel split", shape.tp_split),
     ("vocabulary", vocab.vocab),
     ("weight-gradient deferral", kernels.wgrad),
     ("runtime", runtime.runtime),

@@ -197,6 +197,12 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         elif n % groups or gtopk > groups:
             r.fail("moe_router_num_groups", f"must divide --num-experts {n} and be at least --moe-router-group-topk {gtopk}")
             ok = False
+        elif k // gtopk > n // groups:
+            # group_limited_topk takes the top (topk // group_topk) scores of each group's n // groups experts:
+            # torch.topk fails at the first forward (transformer/moe/moe_utils.py, 0.19.2 line 656, 0.16.1 line 554)
+            r.fail("moe_router_group_topk", f"--moe-router-topk {k} // --moe-router-group-topk {gtopk} = {k // gtopk} "
+                                            f"exceeds the {n // groups} experts of each of the {groups} groups")
+            ok = False
     a2a_overlap = r.bool_arg("overlap_moe_expert_parallel_comm", False)
     if a2a_overlap:
         # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): EP > 1, alltoall or flex, VPP when PP > 1,

@@ -81,8 +81,12 @@ def pipeline(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     rest -= v
                     stages_left -= 1
             if stages_left < 0 or rest < 0 or bool(rest) != bool(stages_left):
+                # at PP 1 with both set, TransformerConfig's check (transformer_config.py, 0.19.2) passes by a sign
+                # accident (-1 middle stages): Megatron starts a model of other than --num-layers layers
+                why = (" (Megatron's own check lets PP 1 through with -1 middle stages, but the model it builds "
+                       "does not have --num-layers layers; memguard refuses it)") if pp == 1 else ""
                 a.fail("decoder_first_pipeline_num_layers",
-                       f"first/last stage layers leave {rest} layers for {max(stages_left, 0)} middle stages")
+                       f"first/last stage layers leave {rest} layers for {max(stages_left, 0)} middle stages{why}")
                 raise Stop
             if stages_left and rest % stages_left:
                 a.fail("decoder_first_pipeline_num_layers",

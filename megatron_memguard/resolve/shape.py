@@ -39,7 +39,13 @@ def sequence(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     max_pos = a.int_arg("max_position_embeddings")
     if max_pos is None:
         max_pos = seq
-        if position == "learned_absolute":   # it sizes the position table; rotary models never read it
+        if a.raw.megatron_command_line:
+            # validate_args's required arguments (megatron/training/arguments.py: 0.19.2 line 1274, 0.18.2 line
+            # 1265, 0.17.1 line 1087, and long before): the script stops before the model is built. A note, not an
+            # error: the estimate (the table sized by --seq-length) is what a run with the flag added would use
+            a.notes.append("--max-position-embeddings not given: Megatron-LM's validate_args requires it (the run "
+                           "will not start without it); estimated as --seq-length")
+        elif position == "learned_absolute":   # it sizes the position table; rotary models never read it
             a.notes.append("--max-position-embeddings not given: taken as --seq-length")
     elif max_pos < seq:
         a.fail("max_position_embeddings", f"({max_pos}) must be >= seq_length ({seq})")
@@ -141,3 +147,42 @@ def _mla_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:
     return dict(q_lora_rank=a.int_arg("q_lora_rank"), kv_lora_rank=a.int_arg("kv_lora_rank", 32),
                 qk_head_dim=a.int_arg("qk_head_dim", 128), qk_pos_emb_head_dim=pe,
                 v_head_dim=a.int_arg("v_head_dim", 128), rope_type=rope_type)
+
+
+def tp_split(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """The model build's tensor-parallel splits (megatron.core.utils.divide asserts, both eras): each linear
+    layer split over TP (or, in the experts, ETP) needs its split dimension to divide evenly. Sources:
+    ColumnParallelLinear / RowParallelLinear (tensor_parallel/layers.py, 0.19.2 lines 965 and 1328, 0.16.1
+    lines 842 and 1166) and their Transformer Engine twins (extensions/transformer_engine.py, 0.19.2 lines
+    1292, 1451, 1707, the experts' 1010-1012 and 2193-2195; 0.16.1 lines 854, 993, 1093, 615-617 and
+    1525-1527), and Transformer Engine's own divide of a linear's split dimension by its tp_size."""
+    if kw.get("heterogeneous_layers"):   # per-layer shapes: heterogeneous.py checks what it builds
+        return {}
+    tp, spec = kw["tensor_model_parallel_size"], kw.get("moe")
+    ffn_key = "ffn_hidden_size" if a.given("ffn_hidden_size") else "hidden_size"
+    dense = spec is None or not all(spec.moe_layer_pattern)
+    if dense and kw["ffn_hidden_size"] % tp:
+        # MLP.linear_fc2 is a RowParallelLinear over the FFN width (transformer/mlp.py)
+        a.fail(ffn_key, f"FFN width {kw['ffn_hidden_size']} must be divisible by tensor-model-parallel size {tp} "
+                        "(MLP linear_fc2, megatron-core divide)")
+    if spec is not None:
+        etp, f = spec.expert_tensor_parallel_size, spec.moe_ffn_hidden_size
+        if f % etp:
+            key = "moe_ffn_hidden_size" if a.given("moe_ffn_hidden_size") else ffn_key
+            # the experts' fc2 splits the expert FFN width over ETP (moe/experts.py, grouped or sequential)
+            a.fail(key, f"expert FFN width {f} must be divisible by expert-tensor-parallel size {etp} "
+                        "(expert linear_fc2, megatron-core divide)")
+        fs = spec.moe_shared_expert_intermediate_size
+        if fs and fs % tp:
+            # SharedExpertMLP is an MLP over the dense TP group (moe/shared_experts.py)
+            a.fail("moe_shared_expert_intermediate_size", f"{fs} must be divisible by tensor-model-parallel size "
+                                                          f"{tp} (shared-expert linear_fc2, megatron-core divide)")
+    if not kw["multi_latent_attention"]:
+        # SelfAttention.linear_qkv: kv_channels x (heads [x 2 with the output gate] + 2 x query groups) columns
+        # (transformer/attention.py, 0.19.2 line 1678, 0.16.1 line 1264); heads and groups are checked above
+        heads, groups, kv = kw["num_attention_heads"], kw["num_query_groups"], kw["kv_channels"]
+        out = kv * (heads * (2 if kw["attention_output_gate"] else 1) + 2 * groups)
+        if out % tp and not heads % tp:
+            a.fail("kv_channels" if a.given("kv_channels") else "hidden_size", f"the QKV projection's {out} columns (kv_channels {kv} x (heads + 2 x query groups)) "
+                                  f"must be divisible by tensor-model-parallel size {tp} (megatron-core divide)")
+    return {}
