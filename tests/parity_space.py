@@ -21,17 +21,15 @@ parsed namespace before validation, as the hook reads it; the validated namespac
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import math
-import io
-import logging
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
+
+from megatron_memguard.megatron.preflight import silenced
 
 VERSION = "0.19.2"
 # what pretrain_gpt.py passes as args_defaults
@@ -278,17 +276,6 @@ def megatron_parser() -> argparse.ArgumentParser:
     return _PARSER
 
 
-@contextlib.contextmanager
-def quiet():
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                yield
-    finally:
-        logging.disable(previous)
 
 
 # Transformer Engine is not installed with the CPU wheels: the TransformerConfig's version checks are
@@ -318,7 +305,7 @@ def megatron_reads(case: Case) -> tuple[Any, Any, str | None]:
     from megatron.training.arguments import validate_args
     validate_args = inspect.unwrap(validate_args)   # Megatron's own, not memguard's hook around it
     try:
-        with quiet():
+        with silenced():
             ns = megatron_parser().parse_args(list(case.flags))
     except SystemExit:
         return None, None, "argparse rejects the command line"
@@ -327,27 +314,27 @@ def megatron_reads(case: Case) -> tuple[Any, Any, str | None]:
     ns.rank, ns.world_size = 0, case.world
     before = copy.deepcopy(ns)
     try:
-        with quiet():
+        with silenced():
             validate_args(ns, dict(DEFAULTS))
     except (Exception, SystemExit) as e:   # noqa: BLE001 (Megatron asserts, raises ValueError or exits)
         return before, None, "validate_args: " + _said(e)
     # the model's TransformerConfig, as pretrain_gpt.py builds it next (its __post_init__ checks)
     from megatron.training.argument_utils import gpt_config_from_args
     try:
-        with quiet():
+        with silenced():
             config = gpt_config_from_args(copy.deepcopy(ns)).transformer
     except Exception as e:   # noqa: BLE001
         return before, None, "TransformerConfig: " + _said(e)
     # the optimizer and DDP configs setup_model_and_optimizer builds (their __post_init__ checks)
     from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
     try:
-        with quiet():
+        with silenced():
             get_megatron_optimizer_config(copy.deepcopy(ns))
             get_megatron_ddp_config(copy.deepcopy(ns))
     except Exception as e:   # noqa: BLE001
         return before, None, "optimizer / DDP config: " + _said(e)
     try:
-        with quiet():
+        with silenced():
             later = _later_rules(ns, config)
     except Exception as e:   # noqa: BLE001
         return before, None, "model build: " + _said(e)
@@ -487,7 +474,7 @@ def memguard_reads(case: Case, before: Any, after: Any) -> dict[str, Any]:
         steps["validated"] = lambda: layout_from_megatron_args(after, world_size=case.world, megatron_version=VERSION)
     for name, step in steps.items():
         try:
-            with quiet():
+            with silenced():
                 readings[name] = _numbers(step())
         except Exception as e:  # noqa: BLE001 (classified below)
             readings[name] = e
