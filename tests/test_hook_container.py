@@ -151,10 +151,22 @@ def test_autotune_with_recompute_allowed_from_environment(run, monkeypatch):
     assert args.memguard == "autotune" and args.memguard_allow_recompute is True
     # the recompute ladder's first rung that fits (tests/test_autotune.py counts what it frees), through
     # Megatron's validate_args and the TransformerConfig it builds next
-    from megatron.training.argument_utils import gpt_config_from_args
     assert args.recompute_granularity == "selective" and args.recompute_modules == ["mlp"]
     assert args.recompute_method is None and args.recompute_num_layers is None
-    assert gpt_config_from_args(args).transformer.recompute_modules == ["mlp"]
+    assert _transformer_config(args).recompute_modules == ["mlp"]
+
+
+def _transformer_config(args):
+    """The TransformerConfig pretrain_gpt.py builds from the validated arguments: core 0.19's
+    gpt_config_from_args; core 0.18.2 has none and builds it at model build with
+    core_transformer_config_from_args (MLATransformerConfig for multi-latent attention)."""
+    try:
+        from megatron.training.argument_utils import gpt_config_from_args
+    except ImportError:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        from megatron.training.arguments import core_transformer_config_from_args
+        return core_transformer_config_from_args(args, MLATransformerConfig if args.multi_latent_attention else None)
+    return gpt_config_from_args(args).transformer
 
 
 def test_autotune_never_starts_a_tight_job(run, hook, monkeypatch, capsys):
@@ -340,7 +352,6 @@ def test_recompute_ladder_passes_megatrons_validation(hook, monkeypatch, capsys,
     # validate_args and the TransformerConfig pretrain_gpt.py builds next (its recompute_modules rules)
     import torch
     from megatron.training import global_vars
-    from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.arguments import parse_and_validate_args
     from test_recompute_ladder import DSV3_LIKE
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
@@ -354,7 +365,7 @@ def test_recompute_ladder_passes_megatrons_validation(hook, monkeypatch, capsys,
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
     try:
         args = parse_and_validate_args(extra_args_provider=None, args_defaults=DEFAULTS)
-        cfg = gpt_config_from_args(args).transformer
+        cfg = _transformer_config(args)
     finally:
         global_vars.unset_global_variables()
     d = hook.STATE.decision
