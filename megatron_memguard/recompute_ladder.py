@@ -17,7 +17,8 @@ own figures:
 A module is a candidate only when Megatron accepts it for this job: resolve() applies the rules
 (``moe_act`` needs grouped GEMM and is refused with delayed FP8 scaling like ``layernorm``; ``mla_up_proj``
 needs MLA; ``shared_experts`` not with ``--moe-shared-expert-overlap``; ``moe`` not with
-``--overlap-moe-expert-parallel-comm``; the CUDA-graph rules resolve() does not check are in ``_graph_rule``),
+``--overlap-moe-expert-parallel-comm``; no recompute inside a CUDA graph with dropout or around TE's
+``moe_router`` graph: resolve/runtime.py ``graphed_recompute``),
 and a module that frees nothing (``moe_act`` on a dense model, ``core_attn`` under a fused attention kernel
 that saves no scores) is left out. Each rung adds one module
 to the previous rung's set; ``moe`` replaces ``moe_act`` and ``shared_experts`` (its checkpoint wraps the
@@ -88,24 +89,6 @@ def _flops(L: Layout, module: str) -> float:
     raise KeyError(module)
 
 
-def _graph_rule(L: Layout, m: str) -> str | None:
-    """Why TransformerConfig refuses recomputing ``m`` under this run's CUDA graphs (megatron-core 0.16.1 and
-    0.19.2, __post_init__: a graphed region cannot be recomputed with dropout's random numbers; the TE
-    implementation cannot recompute 'moe' around a graphed router), or None."""
-    impl = getattr(L, "cuda_graph_impl", "none") or "none"
-    if impl == "none":
-        return None
-    graphed = set(getattr(L, "cuda_graph_modules", ()) or ())
-    whole = impl == "full_iteration" or not graphed          # the whole layer is captured
-    if m == "core_attn" and L.attention_dropout and (whole or "attn" in graphed):
-        return "attention dropout is not supported with graphed attention recomputation"
-    if m in ("mlp", "moe") and L.hidden_dropout and (whole or m in graphed):
-        return "hidden dropout is not supported with graphed MLP/MoE recomputation"
-    if m == "moe" and impl == "transformer_engine" and "moe_router" in graphed:
-        return "moe recompute is not supported with the moe_router CUDA graph of --cuda-graph-impl transformer_engine"
-    return None
-
-
 def _with(mods: tuple[str, ...], m: str) -> tuple[str, ...]:
     if m == "moe":
         mods = tuple(x for x in mods if x not in _SUBSUMED_BY_MOE)
@@ -138,7 +121,7 @@ def ladder(L0: Layout, peaks: Callable[[dict[str, Any]], tuple[int, ...] | str])
             continue
         if m == "mla_up_proj" and not L0.multi_latent_attention:
             continue
-        alone = _graph_rule(L0, m) or peaks(sel(_with(base, m)))
+        alone = peaks(sel(_with(base, m)))
         if isinstance(alone, str):
             skipped_rule.append(f"{m} ({alone})")
         else:
