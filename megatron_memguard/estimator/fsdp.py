@@ -108,6 +108,9 @@ class FsdpSpec:
     overlap_param_gather: bool = False   # on under optim_grads_params: start_param_sync gathers with prefetch only
     fp8_params: bool = False         # --fp8-param-gather: FP8 groups keep 1-byte (uint8) compute weights
     fp8_grad_bytes: int = 2          # main gradient bytes of FP8 groups (bf16 unless fp32 is asked)
+    # megatron_fsdp_cuda_graph_mode (core 0.18+): zero_grad keeps the optimizer's gradient references, so the
+    # cast copy of the gradient shard (step_grad_copy) stays through forward and backward
+    cuda_graph_mode: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -135,7 +138,8 @@ class FsdpSpec:
                   suggested_communication_unit_size: int | None = None, ddp_bucket_size: int | None = None,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                   data_parallel_size: int = 1, context_parallel_size: int = 1,
-                  torch_fsdp2_reshard_after_forward: bool = True) -> "FsdpSpec":
+                  torch_fsdp2_reshard_after_forward: bool = True,
+                  megatron_fsdp_cuda_graph_mode: bool = False) -> "FsdpSpec":
         """The spec Megatron would run with. Names are Megatron's ``args`` names; values as
         ``validate_args`` leaves them (strings for dtypes)."""
         v = version_tuple(megatron_version)
@@ -197,6 +201,8 @@ class FsdpSpec:
                    # under optim_grads_params, whatever --overlap-param-gather says
                    overlap_param_gather=overlap_param_gather or strategy == "optim_grads_params",
                    fp8_params=fp8_param_gather, fp8_grad_bytes=fp8_g,
+                   # (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode: in the 0.18.2 and 0.19.2 wheels only)
+                   cuda_graph_mode=new and megatron_fsdp_cuda_graph_mode,
                    notes=tuple(notes))
 
 

@@ -20,7 +20,7 @@ OFF: dict[str, Any] = dict(
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
     pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False,
-    log_params_norm=False)
+    log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, nccl_ub=False)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -57,6 +57,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    "is not supported with Megatron-FSDP (validate_args)")
         if str(env.get("CUDA_DEVICE_MAX_CONNECTIONS", "")).strip() == "1":
             a.fail(mkey if megatron else "use_torch_fsdp2", "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset")
+    nccl_ub = _nccl_ub(a, megatron, torch2)
+    out["nccl_ub"] = nccl_ub
     if torch2:
         # validate_args, both versions
         if a.int_arg("pipeline_model_parallel_size", 1) != 1:
@@ -142,7 +144,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
         a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False)
         double = a.bool_arg("fsdp_double_buffer", False) or (
-            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
+            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False)) or nccl_ub
+        out["megatron_fsdp_cuda_graph_mode"] = _gradient_modes(a, kw, new, version)
         unit = a.int_arg("suggested_communication_unit_size")
         # --log-params-norm: training.py calls calc_params_l2_norm after every step, and under Megatron-FSDP it
         # stops the model's communication first (stop_communication -> synchronize_param_gather ->
@@ -161,6 +164,63 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
     return out
+
+
+def _nccl_ub(a: Args, megatron: bool, torch2: bool) -> bool:
+    """--use-nccl-ub (DistributedDataParallelConfig.nccl_ub; core 0.16.1 and 0.19.2). The buffers come from a
+    torch.cuda.MemPool over ncclMemAlloc (core/nccl_allocator.py): the caching allocator still counts them
+    (memory_allocated / memory_reserved), in segments of their own. Megatron-FSDP always takes its double buffers
+    then (megatron_fsdp ParamAndGradBuffer.__init__ sets ddp_config.fsdp_double_buffer, 0.16.1 and 0.19.2; 0.19.2's
+    validate_args too), whose persistent pools hold the units' all-gather and reduce-scatter buckets; DDP's
+    param_data / grad_data keep their sizes and padding (param_and_grad_buffer.py _ParamAndGradBuffer)."""
+    if not a.bool_arg("nccl_ub", False):
+        return False
+    key = a.key("nccl_ub")
+    if torch2:
+        # get_megatron_ddp_config builds a TorchFullyShardedDataParallelConfig, which has no nccl_ub
+        a.notes.append(f"{key}: not used by torch FSDP2 (its config has no user-buffer pool)")
+        return False
+    if megatron:
+        a.notes.append(f"{key}: Megatron-FSDP's buffers come from an NCCL memory pool and its double buffers "
+                       "(fsdp_double_buffers) are on; ncclMemAlloc's rounding of each segment to the cuMem "
+                       "granularity (platform dependent) is not counted")
+    else:
+        a.notes.append(f"{key}: DDP's parameter and gradient buffers come from an NCCL memory pool (same bytes, "
+                       "their own segments); ncclMemAlloc's rounding to the cuMem granularity (platform dependent) is "
+                       "not counted")
+    return True
+
+
+# DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode / megatron_fsdp_use_decoupled_grad: fields of the
+# megatron-core 0.18.2 and 0.19.2 wheels (not 0.17.1's), the era of MIXED_PRECISION_POLICY_SINCE
+def _gradient_modes(a: Args, kw: Mapping[str, Any], new: bool, version: tuple[int, int]) -> bool:
+    """Megatron-FSDP's gradient modes; returns whether the CUDA-graph-safe mode is on.
+
+    megatron_fsdp_use_decoupled_grad: Megatron's command line sets it to --use-precision-aware-optimizer
+    (training.py get_megatron_ddp_config, 0.18.2 and 0.19.2), Bridge turns it on with the precision-aware
+    optimizer (config.py _validate_and_apply_megatron_fsdp_configs, Bridge 0.6.2). It must match: only the
+    precision-aware optimizer reads ``.decoupled_grad`` (core/optimizer/__init__.py), and it reads nothing else.
+    The estimate follows the optimizer (estimator/fsdp.py FsdpSpec: no cast copy with it).
+
+    megatron_fsdp_cuda_graph_mode: zero_grad leaves the optimizer's gradient references in place (megatron_fsdp
+    param_and_grad_buffer.py zero_grad, 0.19.2), so update_main_grads' cast copy of the gradient shard (when
+    the main weights' dtype differs from the gradients' and the optimizer is not precision-aware) lives through
+    the next forward and backward. Megatron's command line turns it on whenever CUDA graphs are
+    (--cuda-graph-impl other than none: the cuda graphs section); a Bridge / NeMo 2 config only when it says so."""
+    pao = bool(kw.get("use_precision_aware_optimizer"))
+    ver = f"{version[0]}.{version[1]}"
+    for dest in ("megatron_fsdp_use_decoupled_grad", "megatron_fsdp_cuda_graph_mode"):
+        if a.given(dest) and a.bool_arg(dest, False) and not new:
+            a.fail(dest, f"needs megatron-core 0.18 (DistributedDataParallelConfig of {ver} has no such field)")
+    if a.given("megatron_fsdp_use_decoupled_grad"):
+        decoupled = a.bool_arg("megatron_fsdp_use_decoupled_grad", False)
+        if decoupled and not pao:
+            a.fail("megatron_fsdp_use_decoupled_grad", "needs the precision-aware optimizer "
+                   "(use_precision_aware_optimizer): only it reads the decoupled gradients Megatron-FSDP installs")
+        elif not decoupled and pao and new:
+            a.notes.append(f"{a.key('megatron_fsdp_use_decoupled_grad')}: false is turned on with the precision-aware "
+                           "optimizer (Megatron-LM and Bridge set it from use_precision_aware_optimizer)")
+    return new and a.given("megatron_fsdp_cuda_graph_mode") and a.bool_arg("megatron_fsdp_cuda_graph_mode", False)
 
 
 def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

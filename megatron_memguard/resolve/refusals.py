@@ -14,7 +14,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
@@ -37,15 +36,7 @@ NOT_MODELLED: list[Row] = [
     # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
     ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
      "memguard estimate -- --yaml-cfg FILE)"),
-    ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
-    ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
-    # DistributedDataParallelConfig fields without a Megatron flag (core 0.19.2), read from Bridge / NeMo 2 ddp:
-    # both change which gradient copies Megatron-FSDP keeps (distributed_data_parallel_config.py)
-    ("megatron_fsdp_cuda_graph_mode", bool, "Megatron-FSDP's CUDA-graph-safe mode (gradient references kept "
-     "through the optimizer step, a cast copy of the gradient shard when its dtype differs)"),
-    ("megatron_fsdp_use_decoupled_grad", bool, "Megatron-FSDP's decoupled gradients (the precision-aware "
-     "optimizer's gradient path instead of the cast to the parameter dtype)"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [

@@ -1,0 +1,60 @@
+"""DDP's fp32 gradient options: the fp32 main_grad copies of matching parameters, and the temporaries of the
+reduce-scatter with fp32 accumulation (megatron/core/distributed/param_and_grad_buffer.py and
+reduce_scatter_with_fp32_accumulation.py, megatron-core 0.19.2). Pure functions of a resolved layout.
+"""
+from __future__ import annotations
+
+import fnmatch
+from functools import lru_cache
+
+from ..layout import Layout, ShardGroup, TensorKind
+from .params import chunk_params, holds_final_norm
+from .states import _chunk_buffer, bucket_size_for
+
+
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """_ParamAndGradBuffer.__init__: ``fnmatch.fnmatch(param_name, pattern) or pattern == 'all'``."""
+    return any(p == "all" or fnmatch.fnmatch(name, p) for p in patterns)
+
+
+def ddp_param_name(L: Layout, name: str) -> str:
+    """The name DDP gives a parameter: ``self.module.named_parameters()`` of the model chunk, which get_model
+    wraps in Float16Module (attribute ``module``) under --bf16 / --fp16 (training.py, core 0.19.2)."""
+    return ("module." + name) if L.params_dtype != "fp32" else name
+
+
+@lru_cache(maxsize=256)
+def fp32_local_accumulation_numel(L: Layout, pp_rank: int) -> int:
+    """Elements of this pipeline rank's parameters whose main_grad is promoted to its own fp32 tensor
+    (--ddp-param-name-patterns-for-fp32-local-accumulation): ``torch.empty_like(param.main_grad,
+    dtype=torch.float32)``, the whole parameter, kept in ``extra_main_grads`` for the run."""
+    patterns = tuple(getattr(L, "ddp_param_name_patterns_for_fp32_local_accumulation", ()) or ())
+    if not patterns:
+        return 0
+    return sum(p.numel for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)
+               if matches(ddp_param_name(L, p.name), patterns))
+
+
+@lru_cache(maxsize=256)
+def rs_fp32_accumulation_bytes(L: Layout, pp_rank: int) -> int:
+    """The largest reduce-scatter temporaries of one bucket under --ddp-reduce-scatter-with-fp32-accumulation:
+    the all-to-all output (``torch.empty_like(input_tensor)``: the bucket, in the gradient dtype) and, at its
+    wait(), the fp32 sum of this rank's shard (``torch.sum(..., dtype=torch.float32)``: bucket / shard x 4 B).
+    One bucket group drains its predecessor before allocating its own (start_grad_sync), so one bucket's
+    temporaries live at a time; the dense and the expert buffers (over expert DP) are taken alike."""
+    if not getattr(L, "ddp_reduce_scatter_with_fp32_accumulation", False) or not L.use_distributed_optimizer:
+        return 0
+    g = L.precision.byte_sizes()[TensorKind.MAIN_GRAD]
+    groups = [ShardGroup.DENSE_DP] + ([ShardGroup.EXPERT_DP] if L.moe is not None else [])
+    worst = 0
+    for c in L.stage_chunks(pp_rank):
+        for group in groups:
+            expert = group is ShardGroup.EXPERT_DP
+            buf, _ = _chunk_buffer(L, c.kind_runs, c.has_embedding and not expert, c.has_output,
+                                   c.has_tied_output_copy and not expert, bucket_size_for(L, c), (), group,
+                                   None if expert else holds_final_norm(L, c))
+            shard = L.parallel.shard_size(group)
+            for b in buf.buckets:
+                n = b.end - b.start
+                worst = max(worst, n * g + n // shard * 4)
+    return worst
