@@ -90,6 +90,11 @@ GRID: List[Dict[str, Any]] = [
     _cfg("dp2_distopt_overlap", 2, ["--global-batch-size", "8", "--use-distributed-optimizer",
                                     "--overlap-grad-reduce", "--overlap-param-gather"]),
     _cfg("dp4_distopt", 4, ["--global-batch-size", "8", "--use-distributed-optimizer"]),
+    _cfg("dp2_distopt_rs_fp32", 2, ["--global-batch-size", "8", "--use-distributed-optimizer",
+                                    "--ddp-reduce-scatter-with-fp32-accumulation", "--seq-length", "32",
+                                    "--max-position-embeddings", "32"],
+         note="all-to-all reduce-scatter: the bucket's all-to-all output and the fp32 sum of the shard after the "
+              "backward (short sequences: that moment is the peak)"),
     _cfg("dp4_distopt_2inst", 4, ["--global-batch-size", "8", "--use-distributed-optimizer",
                                   "--num-distributed-optimizer-instances", "2"],
          note="optimizer state sharded over DP/2 = 2 ranks", requires=("einops",)),

@@ -5,6 +5,7 @@ reduce_scatter_with_fp32_accumulation.py, megatron-core 0.19.2). Pure functions 
 from __future__ import annotations
 
 import fnmatch
+import re
 from functools import lru_cache
 
 from ..layout import Layout, ShardGroup, TensorKind
@@ -17,9 +18,22 @@ def matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(p == "all" or fnmatch.fnmatch(name, p) for p in patterns)
 
 
+_FUSED_NORM = re.compile(r"\.layer_norm\.(weight|bias)$")
+_LOCAL_NORMS = ((re.compile(r"self_attention\.linear_qkv\.layer_norm\.(weight|bias)$"), r"input_layernorm.\1"),
+                (re.compile(r"mlp\.linear_fc1\.layer_norm\.(weight|bias)$"), r"pre_mlp_layernorm.\1"))
+
+
 def ddp_param_name(L: Layout, name: str) -> str:
     """The name DDP gives a parameter: ``self.module.named_parameters()`` of the model chunk, which get_model
-    wraps in Float16Module (attribute ``module``) under --bf16 / --fp16 (training.py, core 0.19.2)."""
+    wraps in Float16Module (attribute ``module``) under --bf16 / --fp16 (training.py, core 0.19.2). The layer
+    recipes name a norm fused into the next linear ``<linear>.layer_norm.weight``: Transformer Engine's
+    LayerNormLinear registers it as ``layer_norm_weight`` / ``layer_norm_bias``; the local spec keeps separate
+    ``input_layernorm`` / ``pre_mlp_layernorm`` modules (gpt_layer_specs.py)."""
+    if L.transformer_impl == "transformer_engine":
+        name = _FUSED_NORM.sub(r".layer_norm_\1", name)
+    else:
+        for pattern, repl in _LOCAL_NORMS:
+            name = pattern.sub(repl, name)
     return ("module." + name) if L.params_dtype != "fp32" else name
 
 

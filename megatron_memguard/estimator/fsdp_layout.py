@@ -39,6 +39,7 @@ def fsdp_spec(L: Any) -> FsdpSpec:
         fp8_param_gather=bool(_flag(L, "fp8_param_gather", False)),
         fsdp_double_buffer=bool(_flag(L, "fsdp_double_buffer", False)), nccl_ub=bool(_flag(L, "nccl_ub", False)),
         megatron_fsdp_cuda_graph_mode=bool(_flag(L, "megatron_fsdp_cuda_graph_mode", False)),
+        megatron_fsdp_grad_comm_dtype=_flag(L, "megatron_fsdp_grad_comm_dtype", "auto") or "auto",
         suggested_communication_unit_size=_flag(L, "suggested_communication_unit_size"),
         ddp_bucket_size=L.ddp_bucket_size, overlap_grad_reduce=L.overlap_grad_reduce,
         overlap_param_gather=L.overlap_param_gather, data_parallel_size=L.data_parallel_size,
@@ -187,7 +188,7 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         fw.append(r.forward)
         back = r.backward
         if rel and back.grads and back.step == 0:
-            outside = min(back.grads, r.non_unit_grad_numel * spec.grad_bytes)
+            outside = min(back.grads, r.non_unit_grad_numel * spec.bucket_grad_bytes)
             grads = max(0, outside - rel, back.grads - more)
             back = replace(back, grads=grads)
         bw.append(back)

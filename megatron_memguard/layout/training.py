@@ -60,6 +60,8 @@ class Optimizer:
     # Megatron-FSDP's CUDA-graph-safe mode (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode, core 0.18+):
     # zero_grad keeps the optimizer's gradient references, so a cast copy of the gradient shard persists
     megatron_fsdp_cuda_graph_mode: bool = False
+    # --megatron-fsdp-grad-comm-dtype (core 0.18+): the full gradient buckets' dtype under sharded gradients
+    megatron_fsdp_grad_comm_dtype: str = "auto"
     # --use-nccl-ub: DDP / Megatron-FSDP buffers from an NCCL memory pool (Megatron-FSDP: double buffers on)
     nccl_ub: bool = False
     # --ddp-reduce-scatter-with-fp32-accumulation: the all-to-all reduce-scatter's temporaries (estimator/ddp_extras.py)

@@ -20,7 +20,7 @@ OFF: dict[str, Any] = dict(
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
     pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False,
-    log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, nccl_ub=False)
+    log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, megatron_fsdp_grad_comm_dtype="auto", nccl_ub=False)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -163,6 +163,7 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.notes.append(f"--megatron-fsdp-main-*-dtype: megatron-core {version[0]}.{version[1]} is read as 0.16.1, which has "
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
+        out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, out, new, version, strategy, hsdp)
     return out
 
 
@@ -189,6 +190,36 @@ def _nccl_ub(a: Args, megatron: bool, torch2: bool) -> bool:
                        "their own segments); ncclMemAlloc's rounding to the cuMem granularity (platform dependent) is "
                        "not counted")
     return True
+
+
+def _grad_comm_dtype(a: Args, out: Mapping[str, Any], new: bool, version: tuple[int, int], strategy: str,
+                     hsdp: bool) -> str:
+    """--megatron-fsdp-grad-comm-dtype (MixedPrecisionPolicy.grad_comm_dtype, core 0.18.2 and 0.19.2; "auto" = the
+    main gradients' dtype). Under a sharded gradient buffer (optim_grads, optim_grads_params) the full buckets the
+    backward accumulates into and reduce-scatters are fetched in it (megatron_fsdp param_and_grad_buffer.py
+    GradReducePipeline: ``gbuf.fetch_bucket(dtype=grad_comm_dtype)``; the double buffers' main_grad_alloc is sized
+    in it): modelled (estimator/fsdp.py bucket_grad_bytes). Unsharded gradients (no_shard, optim) and HSDP's outer
+    reduction allocate an extra bucket in it at each reduction (allocate_bucket_storage, hsdp_comm_gbuf): named in
+    a note, not counted."""
+    dtype = _fsdp_dtype(a, "megatron_fsdp_grad_comm_dtype", "auto")
+    if dtype == "auto":
+        return "auto"
+    key = a.key("megatron_fsdp_grad_comm_dtype")
+    if not new:
+        a.notes.append(f"{key}: megatron-core {version[0]}.{version[1]} is read as 0.16.1, whose Megatron-FSDP has no "
+                       "gradient communication dtype; ignored")
+        return "auto"
+    grads = out["megatron_fsdp_main_grads_dtype"]
+    params = "bf16" if a.bool_arg("bf16", False) else "fp16" if a.bool_arg("fp16", False) else "fp32"
+    if dtype == (params if grads in ("auto", None) else grads):
+        return dtype                       # "No additional memory is allocated when grad_comm_dtype == main_grads_dtype"
+    if strategy in ("no_shard", "optim"):
+        a.notes.append(f"{key}: with unsharded gradients ({strategy}) each reduction copies its bucket into a "
+                       f"{dtype} buffer, not counted")
+    if hsdp:
+        a.notes.append(f"{key}: HSDP's reduction across replicas copies each gradient bucket into a {dtype} "
+                       "buffer (hsdp_comm_gbuf), not counted")
+    return dtype
 
 
 # DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode / megatron_fsdp_use_decoupled_grad: fields of the

@@ -50,8 +50,6 @@ WARN_ONLY: list[Row] = [
     ("ddp_num_buckets", lambda v: bool(v), "bucket padding is computed for --ddp-bucket-size, not for a bucket count (a few KiB)"),
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
-    ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
-     "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased routing sends more tokens to some experts "
      "than balanced routing: the balanced estimate understates those ranks, the worst-case figure bounds them"),
