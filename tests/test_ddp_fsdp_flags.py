@@ -220,3 +220,50 @@ def test_grad_comm_dtype_notes_what_it_does_not_count():
     old = layout(FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params", "--use-distributed-optimizer",
                          "--megatron-fsdp-grad-comm-dtype", "fp32"], world=8, version="0.16.1")
     assert old.megatron_fsdp_grad_comm_dtype == "auto" and any("ignored" in n for n in old.notes)
+
+
+_REAL_NAMES = r'''
+import json, os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel(1, 1)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
+out = {}
+for experts in (None, 2):
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                            use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False, bf16=True,
+                            params_dtype=torch.bfloat16, num_moe_experts=experts)
+    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+    m = Float16Module(cfg, GPTModel(cfg, spec, vocab_size=1024, max_sequence_length=128, position_embedding_type="rope",
+                                    share_embeddings_and_output_weights=False))
+    out[str(experts)] = sorted((n, p.numel()) for n, p in m.named_parameters())
+print(json.dumps(out))
+'''
+
+
+def test_parameter_names_are_megatron_cores():
+    """The names the patterns are matched against (estimator/ddp_extras.py ddp_param_name) are those of the real
+    model: megatron-core's GPTModel with the local spec in Float16Module, dense and with two SequentialMLP experts,
+    built on CPU in a subprocess (the names DDP's param_to_name takes from named_parameters())."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core")
+    from megatron_memguard.estimator.ddp_extras import ddp_param_name
+    from megatron_memguard.estimator.params import chunk_params
+
+    run = subprocess.run([sys.executable, "-c", _REAL_NAMES, str(random.randint(20000, 40000))], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    real = json.loads(run.stdout.strip().splitlines()[-1])
+    for experts in (None, 2):
+        extra = ["--transformer-impl", "local"] + (["--num-experts", "2"] if experts else [])
+        L = layout(extra)
+        ours = sorted((ddp_param_name(L, p.name), p.numel) for c in L.stage_chunks(0) for p in chunk_params(L, c))
+        assert [tuple(x) for x in real[str(experts)]] == ours
