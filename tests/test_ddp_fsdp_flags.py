@@ -267,3 +267,22 @@ def test_parameter_names_are_megatron_cores():
         L = layout(extra)
         ours = sorted((ddp_param_name(L, p.name), p.numel) for c in L.stage_chunks(0) for p in chunk_params(L, c))
         assert [tuple(x) for x in real[str(experts)]] == ours
+
+
+def test_no_all_gather_in_start_param_sync_under_the_full_iteration_graph():
+    """get_megatron_ddp_config (0.18.2, 0.19.2) sets fsdp_all_gather_in_start_param_sync False under
+    --cuda-graph-impl full_iteration; megatron_fsdp.py start_param_sync then gathers nothing after the step, so the
+    unit buckets fsdp_gathered_after_step counts (the first unit and its prefetch) are not there."""
+    from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
+    flags = FSDP + ["--no-check-for-nan-in-loss-and-grad"]
+    local = layout(flags + ["--cuda-graph-impl", "local"], world=8)
+    full = layout(flags + ["--cuda-graph-impl", "full_iteration"], world=8)
+    assert local.fsdp_all_gather_in_start_param_sync and not full.fsdp_all_gather_in_start_param_sync
+
+    def gathered(L):
+        ft = fsdp_stage_terms(L, L.stage_chunks(0), [0])
+        return sum(t.bytes for t in ft.step_terms + ft.step_only if t.name == "fsdp_gathered_after_step")
+    # both layers' buckets (2 x 51,200 bf16 elements: the prefetch reaches the second unit) after the step
+    assert gathered(local) == 2 * 51_200 * 2 and gathered(full) == 0
+    bridge = resolve(_bridge(fsdp_all_gather_in_start_param_sync=False))
+    assert not bridge.fsdp_all_gather_in_start_param_sync and gathered(bridge) == 0

@@ -104,6 +104,7 @@ def test_hybrid_fsdp_with_outer_optimizer_sharding_accepted_by_both(megatron):
 
 @pytest.mark.parametrize("flags", [
     FSDP + ["--cuda-graph-impl", "local"],
+    FSDP + ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"],
     FSDP + ["--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype", "fp32"],
     FSDP + ["--use-precision-aware-optimizer", "--cuda-graph-impl", "transformer_engine"],
     ["--use-distributed-optimizer", "--ddp-reduce-scatter-with-fp32-accumulation", "--use-nccl-ub"],
@@ -122,6 +123,7 @@ def test_the_ddp_config_megatron_builds_is_the_one_memguard_reads(megatron, flag
     assert L.nccl_ub == bool(ddp.nccl_ub)
     if fsdp:
         assert L.fsdp_double_buffer == bool(ddp.fsdp_double_buffer)
+        assert L.fsdp_all_gather_in_start_param_sync == bool(ddp.fsdp_all_gather_in_start_param_sync)
         assert bool(ddp.megatron_fsdp_use_decoupled_grad) == L.use_precision_aware_optimizer
         comm = ddp.megatron_fsdp_grad_comm_dtype
         assert L.megatron_fsdp_grad_comm_dtype == ("auto" if comm is None else {"torch.float32": "fp32"}[str(comm)])

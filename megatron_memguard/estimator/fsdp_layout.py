@@ -183,7 +183,8 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
                        holds_final_norm(L, c))
         total = r.states if total is None else total + r.states
-        after += r.after_step
+        # (fsdp_all_gather_in_start_param_sync off: start_param_sync gathers nothing, megatron_fsdp.py core 0.17+)
+        after += r.after_step if _flag(L, "fsdp_all_gather_in_start_param_sync", True) else 0
         double = max(double, r.double_buffer)
         fw.append(r.forward)
         back = r.backward

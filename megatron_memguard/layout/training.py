@@ -62,6 +62,8 @@ class Optimizer:
     megatron_fsdp_cuda_graph_mode: bool = False
     # --megatron-fsdp-grad-comm-dtype (core 0.18+): the full gradient buckets' dtype under sharded gradients
     megatron_fsdp_grad_comm_dtype: str = "auto"
+    # DistributedDataParallelConfig.fsdp_all_gather_in_start_param_sync (core 0.17+): False = no all-gather after the step
+    fsdp_all_gather_in_start_param_sync: bool = True
     # --use-nccl-ub: DDP / Megatron-FSDP buffers from an NCCL memory pool (Megatron-FSDP: double buffers on)
     nccl_ub: bool = False
     # --ddp-reduce-scatter-with-fp32-accumulation: the all-to-all reduce-scatter's temporaries (estimator/ddp_extras.py)

@@ -107,6 +107,9 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # training.py get_megatron_ddp_config (core 0.18.2 and 0.19.2): Megatron-FSDP runs in its CUDA-graph-safe mode
         # whenever --cuda-graph-impl is not none (resolve/fsdp.py _gradient_modes)
         out["megatron_fsdp_cuda_graph_mode"] = True
+        if impl == "full_iteration" and not a.given("fsdp_all_gather_in_start_param_sync"):
+            # and under the full-iteration graph, no all-gather in start_param_sync (the optimizer step's)
+            out["fsdp_all_gather_in_start_param_sync"] = False
     return out
 
 

@@ -20,7 +20,8 @@ OFF: dict[str, Any] = dict(
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
     pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False,
-    log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, megatron_fsdp_grad_comm_dtype="auto", nccl_ub=False)
+    log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, megatron_fsdp_grad_comm_dtype="auto", nccl_ub=False,
+    fsdp_all_gather_in_start_param_sync=True)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -164,6 +165,14 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
         out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, out, new, version, strategy, hsdp)
+        if a.given("fsdp_all_gather_in_start_param_sync"):
+            # (a DistributedDataParallelConfig field from core 0.17: megatron_fsdp.py start_param_sync gathers the
+            # first bucket and its prefetch only when it is on; no Megatron flag, Bridge / NeMo 2 ddp key)
+            gather = a.bool_arg("fsdp_all_gather_in_start_param_sync", True)
+            if not gather and version < (0, 17):
+                a.fail("fsdp_all_gather_in_start_param_sync", f"needs megatron-core 0.17 (DistributedDataParallelConfig "
+                                                              f"of {version[0]}.{version[1]} has no such field)")
+            out["fsdp_all_gather_in_start_param_sync"] = gather
     return out
 
 
