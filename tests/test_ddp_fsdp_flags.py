@@ -286,3 +286,35 @@ def test_no_all_gather_in_start_param_sync_under_the_full_iteration_graph():
     assert gathered(local) == 2 * 51_200 * 2 and gathered(full) == 0
     bridge = resolve(_bridge(fsdp_all_gather_in_start_param_sync=False))
     assert not bridge.fsdp_all_gather_in_start_param_sync and gathered(bridge) == 0
+
+
+def _bucket_sizes(L, c):
+    from megatron_memguard.estimator.params import holds_final_norm
+    from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for
+    buf, _ = _chunk_buffer(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
+                           bucket_size_for(L, c), (), final_norm=holds_final_norm(L, c))
+    return [b.end - b.start for b in buf.buckets]
+
+
+def test_rs_fp32_with_overlap_keeps_the_undrained_all_to_all_outputs():
+    """With --overlap-grad-reduce the buckets are reduce-scattered during the backward and waited for in
+    finish_grad_sync. Core 0.18+ drains each bucket group's predecessor at dispatch
+    (distributed_data_parallel.py previous_grad_reduce_bucket_group), leaving each chunk's last bucket (the
+    embedding's side) outstanding; 0.16.1 drains nothing, so every bucket's all-to-all output is. PP 2 x VPP 2,
+    DP 8: a stage has two chunks; get_model buckets only pipeline rank 0's first chunk."""
+    flags = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-reduce-scatter-with-fp32-accumulation",
+             "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+             "--global-batch-size", "32"]
+    for version in ("0.19.2", "0.16.1"):
+        L = layout(flags, world=16, version=version)
+        sizes = [_bucket_sizes(L, c) for c in L.stage_chunks(1)]
+        assert [len(x) for x in sizes] == [1, 1]
+        # both chunks' only buckets outstanding (fp32 gradients), plus the larger fp32 shard sum
+        assert rs_fp32_accumulation_bytes(L, 1) == 4 * (sizes[0][0] + sizes[1][0]) + 4 * (max(sizes)[0] // 8)
+    for version in ("0.16.1", "0.19.2"):
+        L = layout(flags + ["--ddp-bucket-size", "20000"], world=16, version=version)
+        per = [_bucket_sizes(L, c) for c in L.stage_chunks(0)]
+        assert len(per[0]) > 1 and len(per[1]) == 1
+        shard_sum = 4 * (max(max(p) for p in per) // 8)
+        undrained = sum(per[0]) if version == "0.16.1" else per[0][-1]
+        assert rs_fp32_accumulation_bytes(L, 0) == 4 * (undrained + per[1][0]) + shard_sum

@@ -95,6 +95,11 @@ GRID: List[Dict[str, Any]] = [
                                     "--max-position-embeddings", "32"],
          note="all-to-all reduce-scatter: the bucket's all-to-all output and the fp32 sum of the shard after the "
               "backward (short sequences: that moment is the peak)"),
+    _cfg("dp2_distopt_overlap_rs_fp32", 2, ["--global-batch-size", "8", "--use-distributed-optimizer",
+                                            "--overlap-grad-reduce", "--ddp-bucket-size", "1000000",
+                                            "--ddp-reduce-scatter-with-fp32-accumulation", "--seq-length", "32",
+                                            "--max-position-embeddings", "32"],
+         note="overlapped: core 0.16.1 keeps every bucket's all-to-all output until finish_grad_sync"),
     _cfg("dp4_distopt_2inst", 4, ["--global-batch-size", "8", "--use-distributed-optimizer",
                                   "--num-distributed-optimizer-instances", "2"],
          note="optimizer state sharded over DP/2 = 2 ranks", requires=("einops",)),
