@@ -103,6 +103,19 @@ def test_nemo2_optimizer_keys(tmp_path):
         read(tmp_path, base.replace("    optimizer: adam\n", "    optimizer: lion\n"), "nemo2.yaml")
 
 
+def test_nemo2_ddp_fp32_and_user_buffer_keys(tmp_path):
+    """trainer.strategy.ddp.nccl_ub (dropped before), reduce_scatter_with_fp32_accumulation and
+    param_name_patterns_for_fp32_local_accumulation reach memguard under their Megatron dests."""
+    base = textwrap.dedent(QWEN3_30B_A3B_EXPORT)
+    text = base.replace("      overlap_param_gather: true\n", "      overlap_param_gather: true\n"
+                        "      nccl_ub: true\n      reduce_scatter_with_fp32_accumulation: true\n"
+                        "      param_name_patterns_for_fp32_local_accumulation: ['*router*']\n")
+    raw = read(tmp_path, text, "nemo2.yaml")
+    assert raw.args["nccl_ub"] is True and raw.args["ddp_reduce_scatter_with_fp32_accumulation"] is True
+    assert list(raw.args["ddp_param_name_patterns_for_fp32_local_accumulation"]) == ["*router*"]
+    assert raw.origin["nccl_ub"] == "trainer.strategy.ddp.nccl_ub"
+
+
 @pytest.mark.parametrize("name", ["lion", "soap", "muon"])
 def test_nemo1_has_no_emerging_optimizers(tmp_path, name):
     """NeMo 1 builds optimizers from its own registry (nemo/core/optim/optimizers.py), which has none of
