@@ -115,9 +115,16 @@ def test_the_ddp_config_megatron_builds_is_the_one_memguard_reads(megatron, flag
     gradients, the double buffers --use-nccl-ub turns on, the gradient communication dtype and DDP's fp32 options
     are what the layout holds (DistributedDataParallelConfig.__post_init__ runs its asserts too)."""
     from megatron.training.training import get_megatron_ddp_config
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
     args = megatron(*flags)
     ddp = get_megatron_ddp_config(args)
     L = memguard(*flags)
+    N = resolve(raw_from_namespace(args), world_size=8, megatron_version="0.19.2")   # the hook's reading
+    for f in ("megatron_fsdp_cuda_graph_mode", "megatron_fsdp_grad_comm_dtype", "fsdp_all_gather_in_start_param_sync",
+              "nccl_ub", "fsdp_double_buffer", "ddp_reduce_scatter_with_fp32_accumulation",
+              "ddp_param_name_patterns_for_fp32_local_accumulation"):
+        assert getattr(N, f) == getattr(L, f), f
     fsdp = bool(args.use_megatron_fsdp)
     assert L.megatron_fsdp_cuda_graph_mode == (fsdp and bool(ddp.megatron_fsdp_cuda_graph_mode))
     assert L.nccl_ub == bool(ddp.nccl_ub)
