@@ -901,8 +901,10 @@ def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Si
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
         if rs_fp32 and rs_fp32 == finalize:
             fin = Term("rs_fp32_accumulation_buffers", finalize, "transients",
-                       detail="the largest bucket's all-to-all output (gradient dtype) and fp32 sum of this rank's "
-                              "shard, reduce-scattered with fp32 accumulation by finish_grad_sync")
+                       detail=("the all-to-all outputs (gradient dtype) still outstanding in finish_grad_sync under "
+                               "--overlap-grad-reduce and the largest fp32 shard sum" if L.overlap_grad_reduce else
+                               "the largest bucket's all-to-all output (gradient dtype) and fp32 sum of this rank's "
+                               "shard, reduce-scattered with fp32 accumulation by finish_grad_sync"))
         else:
             fin = Term("replicated_grad_allreduce", finalize, "transients",
                        detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
