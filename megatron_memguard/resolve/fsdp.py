@@ -164,7 +164,7 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.notes.append(f"--megatron-fsdp-main-*-dtype: megatron-core {version[0]}.{version[1]} is read as 0.16.1, which has "
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
-        out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, out, new, version, strategy, hsdp)
+        out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, kw, out, new, version, strategy, hsdp)
         if a.given("fsdp_all_gather_in_start_param_sync"):
             # (a DistributedDataParallelConfig field from core 0.17: megatron_fsdp.py start_param_sync gathers the
             # first bucket and its prefetch only when it is on; no Megatron flag, Bridge / NeMo 2 ddp key)
@@ -201,8 +201,8 @@ def _nccl_ub(a: Args, megatron: bool, torch2: bool) -> bool:
     return True
 
 
-def _grad_comm_dtype(a: Args, out: Mapping[str, Any], new: bool, version: tuple[int, int], strategy: str,
-                     hsdp: bool) -> str:
+def _grad_comm_dtype(a: Args, kw: Mapping[str, Any], out: Mapping[str, Any], new: bool, version: tuple[int, int],
+                     strategy: str, hsdp: bool) -> str:
     """--megatron-fsdp-grad-comm-dtype (MixedPrecisionPolicy.grad_comm_dtype, core 0.18.2 and 0.19.2; "auto" = the
     main gradients' dtype). Under a sharded gradient buffer (optim_grads, optim_grads_params) the full buckets the
     backward accumulates into and reduce-scatters are fetched in it (megatron_fsdp param_and_grad_buffer.py
@@ -219,8 +219,7 @@ def _grad_comm_dtype(a: Args, out: Mapping[str, Any], new: bool, version: tuple[
                        "gradient communication dtype; ignored")
         return "auto"
     grads = out["megatron_fsdp_main_grads_dtype"]
-    params = "bf16" if a.bool_arg("bf16", False) else "fp16" if a.bool_arg("fp16", False) else "fp32"
-    if dtype == (params if grads in ("auto", None) else grads):
+    if dtype == (str(kw.get("params_dtype", "bf16")) if grads in ("auto", None) else grads):
         return dtype                       # "No additional memory is allocated when grad_comm_dtype == main_grads_dtype"
     if strategy in ("no_shard", "optim"):
         a.notes.append(f"{key}: with unsharded gradients ({strategy}) each reduction copies its bucket into a "
