@@ -178,8 +178,9 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 
 def _nccl_ub(a: Args, megatron: bool, torch2: bool) -> bool:
     """--use-nccl-ub (DistributedDataParallelConfig.nccl_ub; core 0.16.1 and 0.19.2). The buffers come from a
-    torch.cuda.MemPool over ncclMemAlloc (core/nccl_allocator.py): the caching allocator still counts them
-    (memory_allocated / memory_reserved), in segments of their own. Megatron-FSDP always takes its double buffers
+    torch.cuda.MemPool over ncclMemAlloc (core/nccl_allocator.py), a private pool of the CUDA caching allocator
+    (torch 2.14 torch/cuda/memory.py MemPool), which still counts them (memory_allocated / memory_reserved), in
+    segments of their own. Megatron-FSDP always takes its double buffers
     then (megatron_fsdp ParamAndGradBuffer.__init__ sets ddp_config.fsdp_double_buffer, 0.16.1 and 0.19.2; 0.19.2's
     validate_args too), whose persistent pools hold the units' all-gather and reduce-scatter buckets; DDP's
     param_data / grad_data keep their sizes and padding (param_and_grad_buffer.py _ParamAndGradBuffer)."""
