@@ -699,7 +699,7 @@ class TimeModel:
     def rank_kinds(self, c: Candidate) -> tuple[tuple[tuple[int, bool, bool, int], ...], tuple[int, ...]]:
         """The distinct kinds of pipeline rank of the split, (layers, first, last, MoE layers), and each
         rank's kind."""
-        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.stage_layers)
+        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
         hit = self._split_moe.get(key)
         if hit is None:
             sigs: list[tuple[int, bool, bool, int]] = []
@@ -745,8 +745,9 @@ class TimeModel:
         kernel_gaps, input, recompute, tp_comm, cp_comm, ep_comm), from the layers each rank holds (dense
         and MoE), the embedding on the first, the output layer, loss and MTP depths on the last; with the
         slowest rank and the sum of the other ranks' totals."""
+        # (the split follows from PP, VPP, first, last, the account flags and the layout)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.first, c.last,
-               c.acc_emb, c.acc_loss, c.pp_layout, c.stage_layers)
+               c.acc_emb, c.acc_loss, c.pp_layout)
         hit = self._ranks.get(key)
         if hit is not None:
             return hit
@@ -826,8 +827,7 @@ class TimeModel:
         n_dp = c.dp * c.cp
         shard = max(1, n_dp // s.dist_opt_instances) if c.dist_opt else 1
         e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt and s.moe else 1
-        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.stage_layers,
-                shard, e_shard)
+        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, shard, e_shard)
         elems = self._opt.get(okey)
         if elems is None:
             mtp = self.mtp_params(c)
