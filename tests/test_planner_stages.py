@@ -179,3 +179,19 @@ def test_explain_lists_every_rank(llama12):
     assert "ranks 0..3" in bubble and bubble.count(",") >= 3
     assert ex.values == P.step_time(c).values
     assert ex.to_dict()["stage_seconds_per_micro_batch"] == list(ex.stage_seconds)
+
+
+def test_uneven_vpp_search_prefers_the_split_whose_slowest_rank_is_lightest():
+    """14 layers on PP 4 x VPP 2 (tests/test_planner_vpp.py lists the three splits Megatron accepts): first 2 /
+    last 4 leaves 4 layers beside the output layer on the last rank; first 4 / last 2 puts 4 beside the
+    embedding; the embedding and loss slots give 3, 4, 4, 3, whose slowest rank holds 4 layers and nothing
+    else (LLaMA-2's output layer and loss are less than a layer). The step ranks them in that order."""
+    P = make_planner(_with_layers(LLAMA2_7B, 14), 32, 4096, 64)
+    cands = enumerate_space(P.shape, P.cluster, 64, Constraints(pp=(4,), vpp=(2,), tp=(8,), mbs=(1,),
+                                                                   recompute=("none",), dist_opt=(True,)))
+    by = {c.stage_layers: P.step_time(c) for c in cands}
+    assert set(by) == {(2, 4, 4, 4), (4, 4, 4, 2), (3, 4, 4, 3)}
+    bal, first4, last4 = by[(3, 4, 4, 3)], by[(4, 4, 4, 2)], by[(2, 4, 4, 4)]
+    assert bal.critical_stage == 1 and first4.critical_stage == 0 and last4.critical_stage == 3
+    assert max(bal.stage_seconds) < max(first4.stage_seconds) < max(last4.stage_seconds)
+    assert bal.seconds < first4.seconds < last4.seconds
