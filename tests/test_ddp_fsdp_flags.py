@@ -325,3 +325,23 @@ def test_rs_fp32_with_overlap_keeps_the_undrained_all_to_all_outputs():
         shard_sum = 4 * (max(max(p) for p in per) // 8)
         undrained = sum(per[0]) if version == "0.16.1" else per[0][-1]
         assert rs_fp32_accumulation_bytes(L, 0) == 4 * (undrained + per[1][0]) + shard_sum
+
+
+def test_autotune_keeps_the_options_on_the_layouts_it_tries():
+    """Autotune re-resolves each candidate from the user's flags: the options stay on (and their terms with them)."""
+    import sys as _sys
+    from pathlib import Path
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from test_autotune import H100, raw_of
+    from megatron_memguard.autotune import autotune
+
+    r = autotune(raw_of("--micro-batch-size", 8, "--tensor-model-parallel-size", 2, "--use-distributed-optimizer",
+                        "--ddp-reduce-scatter-with-fp32-accumulation", "--use-nccl-ub", "--grad-reduce-in-bf16",
+                        "--ddp-param-name-patterns-for-fp32-local-accumulation", "*final_layernorm*"),
+                 world_size=16, gpu=H100, megatron_version="0.19.2")
+    assert r.status == "changed"
+    L = r.chosen.layout
+    assert L.ddp_reduce_scatter_with_fp32_accumulation and L.nccl_ub
+    assert L.ddp_param_name_patterns_for_fp32_local_accumulation == ("*final_layernorm*",)
+    last = terms(estimate(L), L.pp - 1)
+    assert last["fp32_local_main_grads"] == 4 * 4096           # Llama-3.1-8B's final norm, h = 4096
