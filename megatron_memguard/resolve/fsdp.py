@@ -222,9 +222,10 @@ def _grad_comm_dtype(a: Args, kw: Mapping[str, Any], out: Mapping[str, Any], new
     grads = out["megatron_fsdp_main_grads_dtype"]
     if dtype == (str(kw.get("params_dtype", "bf16")) if grads in ("auto", None) else grads):
         return dtype                       # "No additional memory is allocated when grad_comm_dtype == main_grads_dtype"
-    if strategy in ("no_shard", "optim"):
+    if strategy == "optim" or (strategy == "no_shard" and a.bool_arg("overlap_grad_reduce", False)):
+        # (no_shard without --overlap-grad-reduce all-reduces the gradient buffer itself: all_reduce_gradients)
         a.notes.append(f"{key}: with unsharded gradients ({strategy}) each reduction copies its bucket into a "
-                       f"{dtype} buffer, not counted")
+                       f"{dtype} buffer, kept in the reduce queue to the end of the backward; not counted")
     if hsdp:
         a.notes.append(f"{key}: HSDP's reduction across replicas copies each gradient bucket into a {dtype} "
                        "buffer (hsdp_comm_gbuf), not counted")
