@@ -1,0 +1,325 @@
+"""Layout corners over the feature space (MoE, MTP, FP8, offload, CUDA graphs, Megatron-FSDP: tests/property_space.py
+feature_specs / moe_specs, derandomized): spellings the dense-only equivalence properties
+(test_properties_equivalence.py) do not reach, and directions the physics fixes (TP, DP, micro-batch, sequence),
+in both Megatron eras memguard models (megatron-core 0.16.1 and 0.19.2).
+"""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, assume, given, reject, settings, strategies as st
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.estimator.states import stage_states
+
+from property_space import FeatureSpec, feature_specs, moe_specs
+from test_properties_equivalence import _chunk_counts, _drop, _numbers
+
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+ERA = st.sampled_from(["0.16", "0.19"])
+
+
+def _est(flags, world: int, era: str):
+    """The estimate, or the example dropped where memguard refuses the combination by name (the one-line
+    refusals are checked by test_properties_features)."""
+    try:
+        return estimate(layout_from_flags(list(flags), world_size=world, megatron_version=era))
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+
+
+def _mtp(fs: FeatureSpec) -> int:
+    x = fs.extra
+    return int(x[x.index("--mtp-num-layers") + 1]) if "--mtp-num-layers" in x else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same job written two ways
+
+@PROPERTY
+@given(moe_specs(), st.integers(1, 4), ERA)
+def test_moe_layer_freq_integer_is_its_list(fs, k, era):
+    """--moe-layer-freq k makes layer i MoE when i % k == 0; the list [1, 0, ..] written out and the Python
+    expression ([1]+[0]*(k-1))*n are the same pattern (megatron/training/arguments.py moe_freq_type;
+    TransformerConfig.moe_layer_freq: an int or a list of 0/1 per layer)."""
+    L = fs.base.layers
+    flags = _drop(fs.flags(), "--moe-layer-freq")
+    a = _est(flags + ["--moe-layer-freq", str(k)], fs.world, era)
+    listed = "[" + ",".join("1" if i % k == 0 else "0" for i in range(L)) + "]"
+    assert _numbers(_est(flags + ["--moe-layer-freq", listed], fs.world, era)) == _numbers(a)
+    if L % k == 0:
+        expr = f"([1]+[0]*{k - 1})*{L // k}"
+        assert _numbers(_est(flags + ["--moe-layer-freq", expr], fs.world, era)) == _numbers(a)
+
+
+def _layout_string(fs: FeatureSpec) -> str:
+    """The drawn split as --pipeline-model-parallel-layout, virtual-stage-major, with the MTP layers ('m')
+    where megatron-core builds them without a layout: on the last stage, before the loss ('L')
+    (pipeline_parallel_layer_layout.py; mtp_on_this_rank)."""
+    b = fs.base
+    pp, v = b.pp, b.vpp or 1
+    counts = _chunk_counts(b)
+    out = []
+    for c in range(v):
+        for r in range(pp):
+            s = ("E" if (r, c) == (0, 0) else "") + "t" * counts[(r, c)]
+            if (r, c) == (pp - 1, v - 1):
+                s += "m" * _mtp(fs) + "L"
+            out.append(s)
+    return "|".join(out)
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_pipeline_layout_string_equals_the_split_flags_with_every_feature(fs, era):
+    """The even / uneven / interleaved split written as a layout string gives every stage the numbers of the
+    split flags, with MoE (any --moe-layer-freq), MTP on the last stage, FP8, offload and CUDA graphs on."""
+    b = fs.base
+    assume(b.pp > 1)
+    a = _est(fs.flags(), fs.world, era)
+    flags = _drop(fs.flags(), "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--num-virtual-stages-per-pipeline-rank")
+    m = _est(flags + ["--pipeline-model-parallel-layout", _layout_string(fs)], fs.world, era)
+    assert _numbers(m) == _numbers(a)
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_virtual_stage_flags_are_one_setting_with_every_feature(fs, era):
+    """--num-layers-per-virtual-pipeline-stage n and --num-virtual-stages-per-pipeline-rank (layers per rank
+    / n) are one setting (validate_args), with MoE, MTP and the rest drawn."""
+    b = fs.base
+    assume(b.vpp and b.first is None and b.last is None)
+    a = _est(fs.flags(), fs.world, era)
+    flags = _drop(fs.flags(), "--num-virtual-stages-per-pipeline-rank")
+    per = b.layers // b.pp // b.vpp
+    assert _numbers(_est(flags + ["--num-layers-per-virtual-pipeline-stage", str(per)], fs.world, era)) == _numbers(a)
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_full_recompute_of_every_layer_is_one_setting(fs, era):
+    """Full recompute of every layer, written as 'uniform' with 1 layer per checkpoint or as 'block' with
+    as many layers as the largest chunk has, checkpoints each layer alone (megatron/core/transformer/
+    transformer_block.py _checkpointed_forward: uniform runs chunks of recompute_num_layers layers; block
+    checkpoints layer l of a chunk while l < recompute_num_layers): the same numbers at every stage."""
+    b = fs.base
+    # (MoE recompute modules and EP overlap do not combine with full recompute: TransformerConfig)
+    assume(not b.recompute or b.recompute[0] == "full")
+    assume("--overlap-moe-expert-parallel-comm" not in fs.extra)
+    most = max(_chunk_counts(b).values())
+    assume(most >= 1)
+    a = _est(fs.with_base(recompute=("full", "uniform", 1)).flags(), fs.world, era)
+    m = _est(fs.with_base(recompute=("full", "block", most)).flags(), fs.world, era)
+    assert _numbers(m) == _numbers(a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Directions
+
+def _double_tp(fs: FeatureSpec) -> FeatureSpec:
+    """The job with twice the TP (and half the DP: the same world), every size TP divides doubled with it."""
+    b = fs.base
+    assume(b.dp % 2 == 0)
+    tp = 2 * b.tp
+    assume(tp <= 8 and b.seq // b.cp % tp == 0)
+    nb = b.with_(tp=tp, dp=b.dp // 2, heads=2 * b.heads, groups=None if b.groups is None else 2 * b.groups,
+                 kv_channels=b.kv_channels, hidden=b.hidden, ffn=2 * b.ffn, sp=True,
+                 microbatches=b.microbatches * 2 if not b.vpp else b.microbatches)
+    return fs.with_(base=nb, shared_ffn=2 * fs.shared_ffn)
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_tensor_parallelism_never_raises_a_ranks_parameters(fs, era):
+    """TP splits the column / row / vocabulary-parallel weights and leaves the replicated ones (norms, the
+    router, position embeddings) whole: at a fixed model, doubling TP never raises any stage's parameters.
+    (The vocabulary pads to 128 x TP: ceil(V / 256 TP) x 128 <= ceil(V / 128 TP) x 128 per rank.)"""
+    b = fs.base
+    assume(b.seq // b.cp % (2 * b.tp) == 0 and 2 * b.tp <= 16)
+    assume(b.groups is None or (b.groups % (2 * b.tp) == 0 or (2 * b.tp) % b.groups == 0))
+    assume((2 * (b.groups or b.heads) * b.kv_channels) % (2 * b.tp) == 0 and b.heads % (2 * b.tp) == 0)
+    assume(b.ffn % (2 * b.tp) == 0 and fs.shared_ffn % (2 * b.tp) == 0)
+    assume(not fs.experts or fs.etp == 1 or True)
+    big = fs.with_base(tp=2 * b.tp, dp=2 * b.dp, sp=True, distribute_saved=False)
+    La = layout_of(fs, era)
+    Lb = layout_of(big, era)
+    for p in range(La.pp):
+        assert stage_states(Lb, p).parameters <= stage_states(La, p).parameters
+
+
+def layout_of(fs: FeatureSpec, era: str):
+    try:
+        return layout_from_flags(fs.flags(), world_size=fs.world, megatron_version=era)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+
+
+_OPTIMIZER_TERMS = ("main_parameters", "adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum")
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_more_data_parallelism_never_raises_the_optimizer_state_per_rank(fs, era):
+    """The distributed optimizer shards the fp32 state over DP x CP (experts over world / (ETP x EP x PP)):
+    doubling DP (the micro-batch count kept) never raises a rank's main parameters or Adam / SGD state, and
+    a rank's parameters stay what they are (distrib_optimizer.py _build_model_gbuf_range)."""
+    fs = fs.with_base(dist_opt=True)
+    two = fs.with_base(dp=2 * fs.base.dp)
+    a, m = _est(fs.flags(), fs.world, era), _est(two.flags(), two.world, era)
+    for x, y in zip(a.stages, m.stages):
+        assert y.parameters == x.parameters
+        for t in _OPTIMIZER_TERMS:
+            assert y.breakdown.get(t, 0) <= x.breakdown.get(t, 0), t
+
+
+@PROPERTY
+@given(feature_specs(), st.integers(1, 4), ERA)
+def test_a_larger_micro_batch_never_lowers_a_stage_peak(fs, extra, era):
+    """Every activation, batch tensor and transient is [s, b, ...] (or grows with the tokens b x s): a larger
+    micro-batch never lowers a stage's allocated peak, with MoE, FP8, MTP, offload and CUDA graphs drawn."""
+    b = fs.base
+    assume(b.impl == "transformer_engine")
+    a = _est(fs.flags(), fs.world, era)
+    m = _est(fs.with_base(mbs=b.mbs + extra).flags(), fs.world, era)
+    for x, y in zip(a.stages, m.stages):
+        assert y.peak_allocated_bytes >= x.peak_allocated_bytes, (x.pp_rank, x.peak_phase, y.peak_phase)
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_a_longer_sequence_never_lowers_a_stage_peak(fs, era):
+    """Doubling the sequence (CP's and SP's divisibility rules still hold) grows every [s, ...] tensor."""
+    b = fs.base
+    a = _est(fs.flags(), fs.world, era)
+    m = _est(fs.with_base(seq=2 * b.seq).flags(), fs.world, era)
+    for x, y in zip(a.stages, m.stages):
+        assert y.peak_allocated_bytes >= x.peak_allocated_bytes, (x.pp_rank, x.peak_phase, y.peak_phase)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense models rank by rank against megatron-core's build (tests/e2e/moe_rank_params.py, both eras)
+
+from test_properties_moe_identities import Job, _layout, _pipeline, core  # noqa: E402,F401  (core: the fixture)
+from megatron_memguard.estimator.params import chunk_params, total_parameters  # noqa: E402
+
+CORE = settings(PROPERTY, max_examples=max(1, EXAMPLES // 10))
+
+
+@st.composite
+def dense_corner_jobs(draw) -> Job:
+    """Dense GPT jobs at the corners test_properties_moe_identities' MoE space leaves out: GQA (query groups a
+    divisor or a multiple of TP: megatron-core replicates KV heads when groups < TP, attention.py) or MLA, MTP
+    on the last stage or inside a layout string, tied / untied, uneven first / last stages, the embedding / loss
+    counted in the split, VPP, CP; every rank's parameters as megatron-core builds them."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    cp = draw(st.sampled_from([1, 1, 2]))
+    pp = draw(st.sampled_from([1, 2, 3, 4]))
+    dp = draw(st.sampled_from([1, 2]))
+    mtp = draw(st.sampled_from([0, 0, 1, 2]))
+    pipe = draw(_pipeline(pp, mtp))
+    layers = pipe["layers"]
+    mla = draw(st.integers(0, 3)) == 0
+    heads = tp * draw(st.sampled_from([1, 2]))
+    groups = None
+    if not mla:
+        groups = draw(st.sampled_from([None] + [g for g in _divisors(heads) if g % tp == 0 or tp % g == 0]))
+    kv, hidden = 16, 64
+    bias = draw(st.booleans()) and not mla
+    glu = draw(st.booleans())
+    norm = draw(st.sampled_from(["RMSNorm", "LayerNorm"]))
+    untied = draw(st.booleans())
+    ffn = 32 * tp
+    seq = 16 * max(2 * cp if cp > 1 else 1, tp * cp)
+    v = pipe.get("vpp") or 1
+    mbs = draw(st.integers(1, 2))
+    gbs = mbs * dp * (pp * draw(st.integers(1, 2)) if v > 1 else draw(st.integers(1, 3)))
+    f = ["--transformer-impl", "transformer_engine", "--num-layers", str(layers), "--hidden-size", str(hidden),
+         "--num-attention-heads", str(heads), "--kv-channels", str(kv), "--ffn-hidden-size", str(ffn),
+         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mbs),
+         "--global-batch-size", str(gbs), "--tensor-model-parallel-size", str(tp),
+         "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp),
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(draw(st.sampled_from([1000, 50257]))), "--bf16",
+         "--position-embedding-type", "rope", "--normalization", norm, "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+    if tp > 1:
+        f.append("--sequence-parallel")
+    if glu:
+        f.append("--swiglu")
+    if not bias:
+        f.append("--disable-bias-linear")
+    if untied:
+        f.append("--untie-embeddings-and-output-weights")
+    if groups is not None:
+        f += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if mtp:
+        f += ["--mtp-num-layers", str(mtp)]
+    if draw(st.booleans()):
+        f.append("--use-distributed-optimizer")
+    mla_core = None
+    if mla:
+        q_lora = draw(st.sampled_from([None, 32]))
+        mla_core = dict(q_lora=q_lora, kv_lora=32, qk=16, pe=8, v=16, te_down=True)
+        f += ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim",
+              "8", "--v-head-dim", "16"] + (["--q-lora-rank", str(q_lora)] if q_lora else [])
+    if pipe.get("layout"):
+        f += ["--pipeline-model-parallel-layout", pipe["layout"]]
+    else:
+        if pipe.get("vpp"):
+            f += ["--num-virtual-stages-per-pipeline-rank", str(pipe["vpp"])]
+        if pipe.get("first") is not None:
+            f += ["--decoder-first-pipeline-num-layers", str(pipe["first"])]
+        if pipe.get("last") is not None:
+            f += ["--decoder-last-pipeline-num-layers", str(pipe["last"])]
+        if pipe.get("acc_emb"):
+            f.append("--account-for-embedding-in-pipeline-split")
+        if pipe.get("acc_loss"):
+            f.append("--account-for-loss-in-pipeline-split")
+    core_job = dict(num_layers=layers, hidden_size=hidden, heads=heads, kv_channels=kv, groups=groups, ffn=ffn,
+                    bias=bias, glu=glu, norm=norm, tp=tp, pp=pp, vpp=pipe.get("vpp"), ep=1, etp=1, experts=None,
+                    moe_ffn=None, topk=2, freq=1, untied=untied, seq=seq, mtp=mtp, mla=mla_core,
+                    first=pipe.get("first"), last=pipe.get("last"), acc_emb=pipe.get("acc_emb", False),
+                    acc_loss=pipe.get("acc_loss", False), layout=pipe.get("layout"))
+    return Job(flags=tuple(f), world=tp * cp * pp * dp, core=core_job)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@CORE
+@given(dense_corner_jobs())
+def test_dense_parameters_rank_by_rank_are_megatron_cores(core, job):
+    """Every (pipeline rank, virtual stage, TP rank) of a dense model builds in megatron-core the decoder
+    layers memguard places there, the MTP block only where mtp_on_this_rank says, and holds the parameters
+    memguard counts (the tied output copy of a later stage included); the distinct ranks' parameters, the
+    TP-split ones once per TP rank and the replicated ones once, add up to memguard's total; the stage sums
+    are the stage's parameters."""
+    L = _layout(job, core.era)
+    v = L.vpp if L.vpp and L.vpp > 1 else None
+    ranks = [[p, c, t, 0, 0] for p in range(L.pp) for c in (range(v) if v else [None]) for t in range(L.tp)]
+    recs = core.ranks(job, L, ranks)
+    by_chunk: dict[tuple[int, int], list[dict]] = {}
+    for r in recs:
+        by_chunk.setdefault((r["rank"][0], r["rank"][1] or 0), []).append(r)
+    weighted = 0
+    mtp = L.mtp_num_layers or 0
+    placed = 0
+    for p in range(L.pp):
+        for c in L.stage_chunks(p):
+            rs = by_chunk[(p, c.vpp_rank)]
+            r0 = rs[0]
+            assert [x[0] for x in r0["layers"]] == [c.first_layer + i for i in range(c.num_layers)], (p, c.vpp_rank)
+            assert not any(x[1] for x in r0["layers"])
+            placed += c.num_layers
+            assert r0["mtp"] == (c.has_output and mtp > 0), (p, c.vpp_rank)
+            n = sum(q.numel for q in chunk_params(L, c))
+            for r in rs:
+                assert r["params"] == n, (p, c.vpp_rank, r["rank"], r["tags"])
+            weighted += sum(r["tags"]["tp_split"] for r in rs) + r0["tags"]["replicated"]
+        assert stage_states(L, p).parameters == sum(r["params"] for r in recs if r["rank"][0] == p and r["rank"][2] == 0)
+    assert placed == L.num_layers
+    assert weighted == total_parameters(L)
