@@ -323,3 +323,96 @@ def test_dense_parameters_rank_by_rank_are_megatron_cores(core, job):
         assert stage_states(L, p).parameters == sum(r["params"] for r in recs if r["rank"][0] == p and r["rank"][2] == 0)
     assert placed == L.num_layers
     assert weighted == total_parameters(L)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Context parallelism
+
+from megatron_memguard.estimator.activations import layer_activations  # noqa: E402
+
+# what a layer keeps outside its core attention: the residual stream and norms, the projections' inputs, the
+# dropout masks, the MLP's (dense or MoE) tensors; under CP each is [s / CP, b, ...] (megatron-core splits the
+# sequence before the embedding: get_batch_on_this_cp_rank), while the attention's own items change form
+# between CP 1 and CP 2 (TE's ring attention keeps q and a K/V buffer instead of the qkv projection)
+ATTENTION_ITEMS = {"qkv_output", "query_rope", "key_rope", "cp_kv_buffer", "softmax_stats", "attention_probs",
+                   "attention_mask_dropout", "core_attn_output"}
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_context_parallelism_halves_what_a_layer_keeps_per_token(fs, era):
+    """Doubling CP (the same world: DP halved) halves every tensor a layer keeps per micro-batch outside its
+    core attention, exactly (the rank's tokens s / CP halve; dropless MoE's balanced rows T k ETP with them);
+    from CP 2 on, the attention's (q, the ring's K/V buffer, the softmax statistics) halve too."""
+    b = fs.base
+    assume(b.dp % 2 == 0 and b.impl == "transformer_engine" and b.backend != "unfused")
+    assume(fs.capacity is None)      # the capacity's rows round up per expert
+    two = fs.with_base(cp=2 * b.cp, dp=b.dp // 2)
+    big_seq = b.seq if b.seq % (2 * 2 * b.cp) == 0 and (b.seq // (2 * b.cp)) % b.tp == 0 else None
+    assume(big_seq is not None)
+    La, Lb = layout_of(fs, era), layout_of(two, era)
+    seen = 0
+    for p in range(La.pp):
+        for ca, cb in zip(La.stage_chunks(p), Lb.stage_chunks(p)):
+            assert ca.layer_kinds == cb.layer_kinds
+            # (FP8 / FP4 copies pad their rows and scale blocks: TE's MXFP8 / NVFP4 tensors; not linear)
+            for kind in {k for k in ca.layer_kinds if not k.quantized}:
+                for mask in (True, False):
+                    a = layer_activations(La, mask, kind).saved
+                    m = layer_activations(Lb, mask, kind).saved
+                    for name, v in a.items():
+                        if name in ATTENTION_ITEMS and b.cp == 1:
+                            continue
+                        assert name in m, (name, sorted(m))
+                        if name == "moe_permute_maps" and fs.dispatcher == "flex":
+                            # DeepEP's received rows are a rounded-up expectation (layers/moe.py flex_rows)
+                            assert m[name] <= v <= 2 * m[name], (name, v, m[name], kind)
+                        else:
+                            assert 2 * m[name] == v, (name, v, m[name], kind)
+                        seen += 1
+    if not seen:
+        reject()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every rank role of the layout strings: empty chunks, the embedding or the loss alone, MTP before the loss
+
+from test_properties_moe_identities import corner_jobs  # noqa: E402
+
+
+@CORE
+@given(st.one_of(corner_jobs(), dense_corner_jobs()), st.sampled_from(["gpu", "cpu"]), ERA)
+def test_every_rank_role_gets_a_sane_estimate(job, device, era):
+    """A stage whose chunks hold no decoder layer (the embedding or the loss alone, an empty virtual stage),
+    the MTP stage, a tied later stage, uneven EP-sharded MoE stages: every term a non-negative integer, the
+    allocated terms summing to the peak, persistent <= peak allocated <= reserved <= device total, and the
+    stage's layers those its chunks place (summing to --num-layers over the pipeline)."""
+    L = _layout(job, era)
+    est = estimate(L, device=device, gpu_memory=80 * 2**30)
+    assert len(est.stages) == L.pp
+    assert sum(s.num_layers for s in est.stages) == L.num_layers
+    for s in est.stages:
+        assert s.num_layers == sum(c.num_layers for c in L.stage_chunks(s.pp_rank))
+        for t in s.terms:
+            assert isinstance(t.bytes, int) and t.bytes >= 0, t
+        assert sum(t.bytes for t in s.terms if str(t.level) == "allocated") == s.peak_allocated_bytes
+        assert 0 < s.persistent_bytes <= s.peak_allocated_bytes <= s.peak_reserved_bytes <= s.device_total_bytes
+        assert s.parameters == stage_states(L, s.pp_rank).parameters
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_checkpointing_one_more_layer_never_raises_what_layers_keep(fs, era):
+    """--recompute-method block with n + 1 layers checkpointed instead of n: the layer that is now
+    checkpointed keeps its input instead of its activations (transformer_block.py _checkpointed_forward),
+    so no stage's activations grow."""
+    b = fs.base
+    assume(not b.recompute or b.recompute[0] == "full")
+    assume("--overlap-moe-expert-parallel-comm" not in fs.extra)
+    n = b.recompute[2] if b.recompute and b.recompute[1] == "block" else 0
+    a = _est(fs.with_base(recompute=("full", "block", n) if n else ()).flags(), fs.world, era)
+    m = _est(fs.with_base(recompute=("full", "block", n + 1)).flags(), fs.world, era)
+    for x, y in zip(a.stages, m.stages):
+        held = lambda s: sum(t.bytes for t in s.terms if str(t.group) == "activations")  # noqa: E731
+        assert held(y) <= held(x), (x.pp_rank, {t.name: t.bytes for t in x.terms if str(t.group) == "activations"},
+                                    {t.name: t.bytes for t in y.terms if str(t.group) == "activations"})
