@@ -416,3 +416,152 @@ def test_checkpointing_one_more_layer_never_raises_what_layers_keep(fs, era):
         held = lambda s: sum(t.bytes for t in s.terms if str(t.group) == "activations")  # noqa: E731
         assert held(y) <= held(x), (x.pp_rank, {t.name: t.bytes for t in x.terms if str(t.group) == "activations"},
                                     {t.name: t.bytes for t in y.terms if str(t.group) == "activations"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The corner jobs as a Megatron-Bridge run_config.yaml
+
+def bridge_corner_config(job: Job) -> dict:
+    """A corner job (MoE or dense) as a Megatron-Bridge 0.6.2 run_config.yaml: the model as TransformerConfig
+    fields (GPTModelProvider is a TransformerConfig: the same names tests/e2e/moe_rank_params.py gives
+    megatron-core), the Bridge defaults that differ from Megatron-LM's flags written out as
+    test_properties_equivalence.bridge_run_config does."""
+    c = job.core
+    f = list(job.flags)
+
+    def flag(name: str, default=None):
+        return f[f.index(name) + 1] if name in f else default
+    gbs, mbs = int(flag("--global-batch-size")), int(flag("--micro-batch-size"))
+    m = dict(num_layers=c["num_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["ffn"],
+             num_attention_heads=c["heads"], kv_channels=c["kv_channels"],
+             num_query_groups=c["groups"] or c["heads"], seq_length=c["seq"], max_position_embeddings=c["seq"],
+             vocab_size=int(flag("--vocab-size")), should_pad_vocab=True, make_vocab_size_divisible_by=128,
+             tensor_model_parallel_size=c["tp"], pipeline_model_parallel_size=c["pp"],
+             context_parallel_size=int(flag("--context-parallel-size")),
+             virtual_pipeline_model_parallel_size=c["vpp"], num_layers_in_first_pipeline_stage=c["first"],
+             num_layers_in_last_pipeline_stage=c["last"], pipeline_model_parallel_layout=c["layout"],
+             account_for_embedding_in_pipeline_split=c["acc_emb"], account_for_loss_in_pipeline_split=c["acc_loss"],
+             sequence_parallel=c["tp"] > 1, gated_linear_unit=c["glu"],
+             activation_func={"_target_": "torch.nn.functional." + ("silu" if c["glu"] else "gelu"), "_call_": False},
+             normalization=c["norm"], add_bias_linear=c["bias"], position_embedding_type="rope",
+             share_embeddings_and_output_weights=not c["untied"], hidden_dropout=0.0, attention_dropout=0.0,
+             transformer_impl="transformer_engine", attention_backend="auto",
+             bias_activation_fusion=c["glu"] or c["bias"], bias_dropout_fusion=True, apply_rope_fusion=True,
+             cross_entropy_loss_fusion=False, masked_softmax_fusion=True, gradient_accumulation_fusion=True,
+             bf16=True, fp16=False, params_dtype={"_target_": "torch.bfloat16", "_call_": False},
+             mtp_num_layers=c["mtp"] or None)
+    if c["experts"]:
+        m.update(num_moe_experts=c["experts"], moe_router_topk=c["topk"], expert_model_parallel_size=c["ep"],
+                 expert_tensor_parallel_size=c["etp"], moe_ffn_hidden_size=c["moe_ffn"],
+                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_router_pre_softmax=c["topk"] == 1,
+                 moe_layer_freq=c["freq"], moe_shared_expert_intermediate_size=c["shared_ffn"] or None,
+                 moe_shared_expert_gate=c["shared_gate"], moe_router_enable_expert_bias=c["expert_bias"],
+                 moe_router_score_function="sigmoid" if c["expert_bias"] else "softmax")
+    if c["mla"]:
+        x = c["mla"]
+        m.update(multi_latent_attention=True, q_lora_rank=x["q_lora"], kv_lora_rank=x["kv_lora"],
+                 qk_head_dim=x["qk"], qk_pos_emb_head_dim=x["pe"], v_head_dim=x["v"])
+    dist = "--use-distributed-optimizer" in f
+    inst = int(flag("--num-distributed-optimizer-instances", 1))
+    return {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": m,
+            "train": {"micro_batch_size": mbs, "global_batch_size": gbs},
+            "dataset": {"seq_length": c["seq"], "create_attention_mask": True,
+                        "skip_getting_attention_mask_from_dataset": False},
+            "optimizer": {"optimizer": "adam", "use_distributed_optimizer": dist},
+            "ddp": {"use_distributed_optimizer": dist, "num_distributed_optimizer_instances": inst,
+                    "overlap_grad_reduce": False, "grad_reduce_in_fp32": True},
+            "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": int(flag("--vocab-size"))},
+            "mixed_precision": "bf16_mixed"}
+
+
+@CORE
+@given(st.one_of(corner_jobs(), dense_corner_jobs()))
+def test_bridge_corner_run_config_estimates_as_the_flags(tmp_path_factory, job):
+    """Layout strings, uneven stages, the embedding / loss in the split, MTP, MLA, GQA, expert bias, dense-first
+    --moe-layer-freq lists: the Bridge run_config.yaml of the job gives every stage the numbers of the flags."""
+    import yaml
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    # (the SP / overlap flags Bridge leaves at Megatron-LM's defaults: as the flags)
+    a = estimate(_layout(job, "0.19"))
+    p = tmp_path_factory.mktemp("cfg") / "run_config.yaml"
+    p.write_text(yaml.safe_dump(bridge_corner_config(job)))
+    b = estimate(resolve(read_config_file(str(p)), world_size=job.world, megatron_version="0.19"))
+    assert _numbers(b) == _numbers(a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A DP rank's expert shard is that of its own expert-data-parallel rank
+
+from test_properties_moe_identities import _owned, _padded_buffer  # noqa: E402
+from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels  # noqa: E402
+
+
+def expert_dp_index(tp: int, cp: int, etp: int, ep: int, edp: int, instances: int, r: int) -> int:
+    """The index in its expert optimizer group of the rank at index ``r`` of the dense one (TP rank 0):
+    megatron-core orders a stage's ranks tp-cp-(ep)-dp for the dense grid and etp-ep-dp for the expert grid
+    (parallel_state.initialize_model_parallel, RankGenerator order "tp-cp-ep-dp-pp", both eras), and each
+    distributed-optimizer instance takes a run of consecutive group members (intra_partial_*_data_parallel).
+    So the dense index r is the global rank tp x r (instance 0) and that rank's expert-DP position is
+    global // (etp x ep), taken within the instance."""
+    g = tp * r
+    return (g // (etp * ep)) % (edp // instances)
+
+
+def test_expert_dp_index_follows_megatron_cores_rank_generator():
+    """TP 2, EP 4, DP 4 (world 8, one stage): megatron-core 0.16.1's RankGenerator gives the DP x CP groups
+    [[0, 2, 4, 6], [1, 3, 5, 7]] and the expert-DP groups [[0, 4], [1, 5], [2, 6], [3, 7]] (printed by
+    RankGenerator(...).get_ranks("dp-cp") / ("dp")): dense index 1 is rank 2, expert index 0; 2 and 3 are
+    ranks 4 and 6, expert index 1."""
+    assert [expert_dp_index(2, 1, 1, 4, 2, 1, r) for r in range(4)] == [0, 0, 1, 1]
+    # TP 1, EP 2, DP 4: dense [[0, 1, 2, 3]], expert [[0, 2], [1, 3]]
+    assert [expert_dp_index(1, 1, 1, 2, 2, 1, r) for r in range(4)] == [0, 0, 1, 1]
+
+
+@CORE
+@given(corner_jobs(), ERA, st.data())
+def test_each_dp_ranks_optimizer_state_is_its_own_dense_and_expert_shard(job, era, data):
+    """--dp-rank r: the rank's fp32 state is the r-th slice of each dense buffer plus, for the routed experts,
+    the slices of its own position in the expert-data-parallel group (distrib_optimizer.py
+    _build_model_gbuf_range per buffer), worked out with test_properties_moe_identities' buffer padding."""
+    flags = tuple(x for x in job.flags if x != "--use-distributed-optimizer") + ("--use-distributed-optimizer",)
+    job = Job(flags=flags, world=job.world, core=job.core)
+    L = _layout(job, era)
+    inst = L.num_distributed_optimizer_instances
+    dense = L.dp * L.cp // inst
+    ep, etp = L.parallel.expert_model_parallel_size, L.moe.etp
+    edp_all = job.world // (etp * ep * L.pp)
+    edp = edp_all // inst
+    r = data.draw(st.integers(0, dense - 1))
+    e = expert_dp_index(L.tp, L.cp, etp, ep, edp_all, inst, r)
+    for p in range(L.pp):
+        want = 0
+        for c in L.stage_chunks(p):
+            for numels, group, i in ((chunk_numels(L, c), dense, r), (chunk_expert_numels(L, c), edp, e)):
+                size, spans, ends = _padded_buffer(numels, group)
+                want += _owned(spans, ends, group, i)
+        assert stage_states(L, p, r).exp_avg_bytes == 4 * want, (p, r, e)
+
+
+EP_JOB = ("--num-layers 1 --hidden-size 40 --num-attention-heads 2 --kv-channels 20 --ffn-hidden-size 32 "
+          "--seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 16 --vocab-size 1000 "
+          "--tokenizer-type NullTokenizer --bf16 --transformer-impl transformer_engine --position-embedding-type rope "
+          "--num-experts 4 --moe-router-topk 1 --moe-router-pre-softmax --expert-model-parallel-size 2 "
+          "--expert-tensor-parallel-size 1 --moe-ffn-hidden-size 20 --use-distributed-optimizer").split()
+
+
+def test_expert_shards_of_each_dp_rank_by_hand():
+    """TP 1, EP 2, DP 8 (world 8), one MoE layer, 2 local experts of F 20, h 40, with biases. megatron-core's
+    groups (RankGenerator, core 0.16.1): DP [[0..7]], expert DP [[0, 2, 4, 6], [1, 3, 5, 7]], so DP ranks
+    0..7 sit at expert-DP positions 0, 0, 1, 1, 2, 2, 3, 3. The expert buffer (SequentialMLP, registered
+    fc1.weight [20, 40], fc1.bias [20], fc2.weight [40, 20], fc2.bias [40] per expert; walked in reverse, each
+    start aligned to 64, the end to lcm(4, 128): param_and_grad_buffer.py) spans fc2.b 0-40, fc2.w 64-864, fc1.b
+    896-916, fc1.w 960-1760, then the other expert from 1792, 3,584 elements; four slices of 896 own 840, 820,
+    840, 820 parameters. Ranks 1..6 own the same dense slice, so their Adam moments differ by the expert
+    slice alone: 840, 820, 820, 840, 840, 820 elements (memguard took min(r, 3): 820, 840, 820, 820, 820, 820)."""
+    L = layout_from_flags(EP_JOB, world_size=8, megatron_version="0.19")
+    assert [L.parallel.expert_dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    moments = [stage_states(L, 0, r).exp_avg_bytes // 4 for r in range(1, 7)]
+    assert [m - moments[0] for m in moments] == [0, -20, -20, 0, 0, -20]
+    # the largest shard ("max") is an upper bound of every rank's
+    assert stage_states(L, 0).exp_avg_bytes // 4 >= max(moments)
