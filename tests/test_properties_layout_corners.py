@@ -493,7 +493,7 @@ def test_bridge_corner_run_config_estimates_as_the_flags(tmp_path_factory, job):
 # ---------------------------------------------------------------------------------------------------
 # A DP rank's expert shard is that of its own expert-data-parallel rank
 
-from test_properties_moe_identities import _owned, _padded_buffer  # noqa: E402
+from test_properties_moe_identities import _owned, _padded_buffer, _with  # noqa: E402
 from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels  # noqa: E402
 
 
@@ -525,7 +525,10 @@ def test_each_dp_ranks_optimizer_state_is_its_own_dense_and_expert_shard(job, er
     the slices of its own position in the expert-data-parallel group (distrib_optimizer.py
     _build_model_gbuf_range per buffer), worked out with test_properties_moe_identities' buffer padding."""
     flags = tuple(x for x in job.flags if x != "--use-distributed-optimizer") + ("--use-distributed-optimizer",)
-    job = Job(flags=flags, world=job.world, core=job.core)
+    # more data parallelism: expert-DP groups of 4 and more, where the slices' gaps make the ranks differ
+    k = data.draw(st.sampled_from([1, 2, 4]))
+    job = _with(Job(flags=flags, world=job.world * k, core=job.core), "--global-batch-size",
+                str(k * int(flags[flags.index("--global-batch-size") + 1])))
     L = _layout(job, era)
     inst = L.num_distributed_optimizer_instances
     dense = L.dp * L.cp // inst
