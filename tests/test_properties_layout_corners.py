@@ -568,3 +568,29 @@ def test_expert_shards_of_each_dp_rank_by_hand():
     assert [m - moments[0] for m in moments] == [0, -20, -20, 0, 0, -20]
     # the largest shard ("max") is an upper bound of every rank's
     assert stage_states(L, 0).exp_avg_bytes // 4 >= max(moments)
+
+
+@CORE
+@given(corner_jobs(), ERA)
+def test_context_parallelism_halves_what_mla_and_moe_layers_keep(job, era):
+    """The CP halving over test_properties_moe_identities' corners (MLA, MTP, expert bias, shared experts,
+    layout strings): doubling CP (twice the world, DP kept) halves every tensor a layer keeps outside its core
+    attention; from CP 2 on the attention's too."""
+    cp = int(job.flags[job.flags.index("--context-parallel-size") + 1])
+    tp = int(job.flags[job.flags.index("--tensor-model-parallel-size") + 1])
+    seq = int(job.flags[job.flags.index("--seq-length") + 1])
+    assume(seq % (4 * cp) == 0 and (seq // (2 * cp)) % tp == 0)
+    La = _layout(job, era)
+    Lb = _layout(_with(Job(flags=job.flags, world=2 * job.world, core=job.core), "--context-parallel-size", str(2 * cp)),
+                 era)
+    for p in range(La.pp):
+        for ca, cb in zip(La.stage_chunks(p), Lb.stage_chunks(p)):
+            assert ca.layer_kinds == cb.layer_kinds
+            for kind in set(ca.layer_kinds):
+                a = layer_activations(La, True, kind).saved
+                m = layer_activations(Lb, True, kind).saved
+                for name, v in a.items():
+                    if name in ATTENTION_ITEMS and cp == 1:
+                        continue
+                    assert name in m, (name, sorted(m))
+                    assert 2 * m[name] == v, (name, v, m[name], kind)
