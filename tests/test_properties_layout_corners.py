@@ -594,3 +594,42 @@ def test_context_parallelism_halves_what_mla_and_moe_layers_keep(job, era):
                         continue
                     assert name in m, (name, sorted(m))
                     assert 2 * m[name] == v, (name, v, m[name], kind)
+
+
+@CORE
+@given(st.one_of(corner_jobs(), dense_corner_jobs()))
+def test_nemo2_corner_export_estimates_as_the_flags(tmp_path_factory, job):
+    """The corner jobs as a NeMo 2 `--to-yaml` export (GPTConfig fields under model.config, as the Bridge dump
+    names them; the parallel sizes under trainer.strategy: test_properties_equivalence.nemo2_config's
+    layout): every stage the numbers of the flags."""
+    import yaml
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    from test_properties_equivalence import _NEMO2_STRATEGY
+    L = _layout(job, "0.19")
+    a = estimate(L)
+    b = bridge_corner_config(job)
+    cfg = {k: v for k, v in b["model"].items() if k not in ("should_pad_vocab", "make_vocab_size_divisible_by",
+                                                            "bf16", "fp16", "params_dtype")}
+    cfg.update(vocab_size=L.padded_vocab_size, _target_="nemo.collections.llm.gpt.model.base.GPTConfig")
+    strategy = {k: cfg.pop(k) for k in _NEMO2_STRATEGY}
+    strategy.update(_target_="nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy", ddp={
+        "_target_": "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig",
+        **b["ddp"]})
+    train = b["train"]
+    doc = {"_target_": "nemo.collections.llm.api.pretrain",
+           "model": {"_target_": "nemo.collections.llm.gpt.model.base.GPTModel", "config": cfg},
+           "trainer": {"_target_": "nemo.lightning.pytorch.trainer.Trainer", "devices": job.world, "num_nodes": 1,
+                       "strategy": strategy, "plugins": {
+                           "_target_": "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision",
+                           "precision": "bf16-mixed", "grad_reduce_in_fp32": True}},
+           "data": {"_target_": "nemo.collections.llm.gpt.data.mock.MockDataModule", "seq_length": cfg["seq_length"],
+                    "global_batch_size": train["global_batch_size"], "micro_batch_size": train["micro_batch_size"],
+                    "create_attention_mask": True},
+           "optim": {"_target_": "nemo.lightning.pytorch.optim.megatron.MegatronOptimizerModule", "config": {
+               "_target_": "megatron.core.optimizer.optimizer_config.OptimizerConfig", "optimizer": "adam",
+               "use_distributed_optimizer": b["optimizer"]["use_distributed_optimizer"], "bf16": True, "fp16": False}}}
+    p = tmp_path_factory.mktemp("cfg") / "nemo2.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    n = estimate(resolve(read_config_file(str(p)), world_size=job.world, megatron_version="0.19"))
+    assert _numbers(n) == _numbers(a)
