@@ -633,3 +633,20 @@ def test_nemo2_corner_export_estimates_as_the_flags(tmp_path_factory, job):
     p.write_text(yaml.safe_dump(doc))
     n = estimate(resolve(read_config_file(str(p)), world_size=job.world, megatron_version="0.19"))
     assert _numbers(n) == _numbers(a)
+
+
+from conftest import CONTAINER_ERA  # noqa: E402
+
+
+@CONTAINER_ERA[0]
+@CONTAINER_ERA[1]
+@CORE
+@given(st.one_of(corner_jobs(), dense_corner_jobs()))
+def test_hook_estimates_the_corner_jobs_as_the_cli(job):
+    """Layout strings (empty stages, MTP before the loss), uneven stages, the embedding / loss in the split,
+    MLA, GQA, expert bias, dense-first --moe-layer-freq lists through Megatron-LM's own parse_and_validate_args
+    (core 0.19.2) and the hook's namespace reader: the numbers of the CLI flags. (What Megatron's parser refuses
+    for want of Transformer Engine on this machine is left out.)"""
+    from test_properties_equivalence import TRAINING, _hook_equals_cli
+    _layout(job, "0.19")
+    _hook_equals_cli(list(job.flags) + TRAINING, job.world, te_checks=True)
