@@ -92,7 +92,13 @@ def test_virtual_stage_flags_are_one_setting_with_every_feature(fs, era):
     """--num-layers-per-virtual-pipeline-stage n and --num-virtual-stages-per-pipeline-rank (layers per rank
     / n) are one setting (validate_args), with MoE, MTP and the rest drawn."""
     b = fs.base
-    assume(b.vpp and b.first is None and b.last is None)
+    assume(b.pp > 1 and b.first is None and b.last is None)
+    if not b.vpp:
+        # the largest interleaving the rank's layers allow (the interleaved schedule: micro-batches in groups of PP)
+        v = max(d for d in _divisors(b.layers // b.pp))
+        assume(v > 1)
+        fs = fs.with_base(vpp=v, microbatches=b.pp * max(1, b.microbatches // b.pp))
+        b = fs.base
     a = _est(fs.flags(), fs.world, era)
     flags = _drop(fs.flags(), "--num-virtual-stages-per-pipeline-rank")
     per = b.layers // b.pp // b.vpp
@@ -297,10 +303,11 @@ def test_dense_parameters_rank_by_rank_are_megatron_cores(core, job):
     layers memguard places there, the MTP block only where mtp_on_this_rank says, and holds the parameters
     memguard counts (the tied output copy of a later stage included); the distinct ranks' parameters, the
     TP-split ones once per TP rank and the replicated ones once, add up to memguard's total; the stage sums
-    are the stage's parameters."""
+    are the stage's parameters. (The first and the last TP rank are built.)"""
     L = _layout(job, core.era)
     v = L.vpp if L.vpp and L.vpp > 1 else None
-    ranks = [[p, c, t, 0, 0] for p in range(L.pp) for c in (range(v) if v else [None]) for t in range(L.tp)]
+    # the first and the last TP rank (the TP-split weights are the same size on every TP rank: checked on these two)
+    ranks = [[p, c, t, 0, 0] for p in range(L.pp) for c in (range(v) if v else [None]) for t in sorted({0, L.tp - 1})]
     recs = core.ranks(job, L, ranks)
     by_chunk: dict[tuple[int, int], list[dict]] = {}
     for r in recs:
@@ -319,7 +326,8 @@ def test_dense_parameters_rank_by_rank_are_megatron_cores(core, job):
             n = sum(q.numel for q in chunk_params(L, c))
             for r in rs:
                 assert r["params"] == n, (p, c.vpp_rank, r["rank"], r["tags"])
-            weighted += sum(r["tags"]["tp_split"] for r in rs) + r0["tags"]["replicated"]
+            assert len({r["tags"]["tp_split"] for r in rs}) == 1
+            weighted += L.tp * r0["tags"]["tp_split"] + r0["tags"]["replicated"]
         assert stage_states(L, p).parameters == sum(r["params"] for r in recs if r["rank"][0] == p and r["rank"][2] == 0)
     assert placed == L.num_layers
     assert weighted == total_parameters(L)
