@@ -658,3 +658,30 @@ def test_hook_estimates_the_corner_jobs_as_the_cli(job):
     from test_properties_equivalence import TRAINING, _hook_equals_cli
     _layout(job, "0.19")
     _hook_equals_cli(list(job.flags) + TRAINING, job.world, te_checks=True)
+
+
+SELECTIVE = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
+
+
+@PROPERTY
+@given(feature_specs(), st.sampled_from(SELECTIVE), ERA)
+def test_one_more_recomputed_module_never_raises_what_layers_keep(fs, module, era):
+    """Adding a module to --recompute-modules keeps less of it per layer (its checkpoint saves its inputs,
+    which the layer keeps anyway, and drops what the module made): no stage's activations grow. (Under CP,
+    'core_attn' keeps q, k and v where TE's ring attention alone keeps q and one K/V buffer:
+    test_properties.test_recomputation_does_not_raise_the_peak documents that exception.)"""
+    b = fs.base
+    assume(not b.recompute or b.recompute[0] == "selective")
+    assume(not (module == "core_attn" and b.cp > 1))
+    mods = tuple(b.recompute[1]) if b.recompute else ()
+    assume(module not in mods)
+    a = _est(fs.flags(), fs.world, era)
+    more = fs.with_base(recompute=("selective", mods + (module,)))
+    if module == "moe_act":
+        more = more.with_(grouped=True)       # (TransformerConfig: moe_act recompute needs the grouped GEMM)
+        a = _est(fs.with_(grouped=True).flags(), fs.world, era)
+    m = _est(more.flags(), fs.world, era)
+    for x, y in zip(a.stages, m.stages):
+        held = lambda s: sum(t.bytes for t in s.terms if str(t.group) == "activations")  # noqa: E731
+        assert held(y) <= held(x), (x.pp_rank, {t.name: t.bytes for t in x.terms if str(t.group) == "activations"},
+                                    {t.name: t.bytes for t in y.terms if str(t.group) == "activations"})
