@@ -685,3 +685,23 @@ def test_one_more_recomputed_module_never_raises_what_layers_keep(fs, module, er
         held = lambda s: sum(t.bytes for t in s.terms if str(t.group) == "activations")  # noqa: E731
         assert held(y) <= held(x), (x.pp_rank, {t.name: t.bytes for t in x.terms if str(t.group) == "activations"},
                                     {t.name: t.bytes for t in y.terms if str(t.group) == "activations"})
+
+
+@PROPERTY
+@given(feature_specs(), ERA)
+def test_the_default_dp_rank_holds_the_largest_shard(fs, era):
+    """--dp-rank max (the default) is the largest optimizer shard of any DP rank: each rank's dense shard is at
+    most it, and one rank's equals it (largest_shard's closed form vs rank by rank); with MoE the dense and the
+    expert largest shards are taken apart, an upper bound of every rank's sum. 'last' is the stage's last rank:
+    the last index of the dense group and of the expert group."""
+    fs = fs.with_base(dist_opt=True)
+    L = layout_of(fs, era)
+    n = L.dp_shard_size
+    assume(n <= 16)
+    for p in sorted({0, L.pp - 1}):
+        top = stage_states(L, p).exp_avg_bytes
+        each = [stage_states(L, p, r).exp_avg_bytes for r in range(n)]
+        assert max(each) <= top
+        if L.moe is None:
+            assert max(each) == top
+            assert stage_states(L, p, "last").exp_avg_bytes == each[-1]
