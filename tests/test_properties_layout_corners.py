@@ -14,7 +14,8 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.states import stage_states
 
 from property_space import FeatureSpec, feature_specs, moe_specs
-from test_properties_equivalence import _chunk_counts, _drop, _numbers
+from test_properties_corners import bridge_moe_config
+from test_properties_equivalence import _chunk_counts, _drop, _numbers, bridge_run_config
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
@@ -705,3 +706,50 @@ def test_the_default_dp_rank_holds_the_largest_shard(fs, era):
         if L.moe is None:
             assert max(each) == top
             assert stage_states(L, p, "last").exp_avg_bytes == each[-1]
+
+
+@PROPERTY
+@given(feature_specs())
+def test_bridge_fp8_fp4_and_mtp_run_config_estimates_as_the_flags(tmp_path_factory, fs):
+    """FP8 / FP4 recipes (with the param gather) and MTP written as Bridge writes them: a MixedPrecisionConfig
+    mapping under mixed_precision (which overwrites the model's precision fields: training/mixed_precision.py,
+    Bridge 0.6.2) and model.mtp_num_layers; dense or MoE. Every stage the numbers of the flags."""
+    import yaml
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.detect import read_config_file
+    x = list(fs.extra)
+    keep = {"--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp4-format", "--fp4-recipe", "--fp4-param-gather",
+            "--mtp-num-layers"}
+    flags_extra, i = [], 0
+    while i < len(x):          # only the FP8 / FP4 / MTP flags of the drawn extras
+        if x[i] in keep:
+            n = 0 if x[i].endswith("param-gather") else 1
+            flags_extra += x[i:i + 1 + n]
+            i += 1 + n
+        else:
+            i += 1
+    assume(flags_extra and fs.base.precision != "fp32")
+    fs = fs.with_(extra=tuple(flags_extra))
+    a = _est(fs.flags(), fs.world, "0.19")
+    doc = bridge_moe_config(fs) if fs.experts else bridge_run_config(fs.base)
+    b = fs.base
+    mp = {"bf16": b.precision == "bf16", "fp16": b.precision == "fp16", "params_dtype": b.precision,
+          "grad_reduce_in_fp32": b.precision != "fp16"}
+
+    def val(flag):
+        return flags_extra[flags_extra.index(flag) + 1]
+    if "--fp8-format" in flags_extra:
+        mp.update(fp8=val("--fp8-format"), fp8_recipe=val("--fp8-recipe"), fp8_param_gather="--fp8-param-gather" in flags_extra,
+                  fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
+    if "--fp4-format" in flags_extra:
+        mp.update(fp4=val("--fp4-format"), fp4_recipe=val("--fp4-recipe"), fp4_param_gather="--fp4-param-gather" in flags_extra)
+    doc["mixed_precision"] = mp
+    if "--mtp-num-layers" in flags_extra:
+        doc["model"]["mtp_num_layers"] = int(val("--mtp-num-layers"))
+    p = tmp_path_factory.mktemp("cfg") / "run_config.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    try:
+        r = estimate(resolve(read_config_file(str(p)), world_size=fs.world, megatron_version="0.19"))
+    except (ConfigError, ConfigErrors, NotModelledError) as e:
+        raise AssertionError(f"the flags estimate but the Bridge file does not: {e}")
+    assert _numbers(r) == _numbers(a)
