@@ -11,11 +11,16 @@ from hypothesis import HealthCheck, assume, given, reject, settings, strategies 
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels, chunk_params, total_parameters
 from megatron_memguard.estimator.states import stage_states
 
+from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, feature_specs, moe_specs
 from test_properties_corners import bridge_moe_config
 from test_properties_equivalence import _chunk_counts, _drop, _numbers, bridge_run_config
+from test_properties_moe_identities import (Job, _layout, _owned, _padded_buffer, _pipeline, _with,  # noqa: F401
+                                            core, corner_jobs)   # (core: the megatron-core builder fixture)
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
@@ -127,18 +132,6 @@ def test_full_recompute_of_every_layer_is_one_setting(fs, era):
 # ---------------------------------------------------------------------------------------------------
 # Directions
 
-def _double_tp(fs: FeatureSpec) -> FeatureSpec:
-    """The job with twice the TP (and half the DP: the same world), every size TP divides doubled with it."""
-    b = fs.base
-    assume(b.dp % 2 == 0)
-    tp = 2 * b.tp
-    assume(tp <= 8 and b.seq // b.cp % tp == 0)
-    nb = b.with_(tp=tp, dp=b.dp // 2, heads=2 * b.heads, groups=None if b.groups is None else 2 * b.groups,
-                 kv_channels=b.kv_channels, hidden=b.hidden, ffn=2 * b.ffn, sp=True,
-                 microbatches=b.microbatches * 2 if not b.vpp else b.microbatches)
-    return fs.with_(base=nb, shared_ffn=2 * fs.shared_ffn)
-
-
 @PROPERTY
 @given(feature_specs(), ERA)
 def test_tensor_parallelism_never_raises_a_ranks_parameters(fs, era):
@@ -150,7 +143,6 @@ def test_tensor_parallelism_never_raises_a_ranks_parameters(fs, era):
     assume(b.groups is None or (b.groups % (2 * b.tp) == 0 or (2 * b.tp) % b.groups == 0))
     assume((2 * (b.groups or b.heads) * b.kv_channels) % (2 * b.tp) == 0 and b.heads % (2 * b.tp) == 0)
     assume(b.ffn % (2 * b.tp) == 0 and fs.shared_ffn % (2 * b.tp) == 0)
-    assume(not fs.experts or fs.etp == 1 or True)
     big = fs.with_base(tp=2 * b.tp, dp=2 * b.dp, sp=True, distribute_saved=False)
     La = layout_of(fs, era)
     Lb = layout_of(big, era)
@@ -210,8 +202,6 @@ def test_a_longer_sequence_never_lowers_a_stage_peak(fs, era):
 # ---------------------------------------------------------------------------------------------------
 # Dense models rank by rank against megatron-core's build (tests/e2e/moe_rank_params.py, both eras)
 
-from test_properties_moe_identities import Job, _layout, _pipeline, core  # noqa: E402,F401  (core: the fixture)
-from megatron_memguard.estimator.params import chunk_params, total_parameters  # noqa: E402
 
 CORE = settings(PROPERTY, max_examples=max(1, EXAMPLES // 10))
 
@@ -337,7 +327,6 @@ def test_dense_parameters_rank_by_rank_are_megatron_cores(core, job):
 # ---------------------------------------------------------------------------------------------------
 # Context parallelism
 
-from megatron_memguard.estimator.activations import layer_activations  # noqa: E402
 
 # what a layer keeps outside its core attention: the residual stream and norms, the projections' inputs, the
 # dropout masks, the MLP's (dense or MoE) tensors; under CP each is [s / CP, b, ...] (megatron-core splits the
@@ -386,7 +375,6 @@ def test_context_parallelism_halves_what_a_layer_keeps_per_token(fs, era):
 # ---------------------------------------------------------------------------------------------------
 # Every rank role of the layout strings: empty chunks, the embedding or the loss alone, MTP before the loss
 
-from test_properties_moe_identities import corner_jobs  # noqa: E402
 
 
 @CORE
@@ -502,8 +490,6 @@ def test_bridge_corner_run_config_estimates_as_the_flags(tmp_path_factory, job):
 # ---------------------------------------------------------------------------------------------------
 # A DP rank's expert shard is that of its own expert-data-parallel rank
 
-from test_properties_moe_identities import _owned, _padded_buffer, _with  # noqa: E402
-from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels  # noqa: E402
 
 
 def expert_dp_index(tp: int, cp: int, etp: int, ep: int, edp: int, instances: int, r: int) -> int:
@@ -644,7 +630,6 @@ def test_nemo2_corner_export_estimates_as_the_flags(tmp_path_factory, job):
     assert _numbers(n) == _numbers(a)
 
 
-from conftest import CONTAINER_ERA  # noqa: E402
 
 
 @CONTAINER_ERA[0]
