@@ -173,6 +173,10 @@ def test_more_data_parallelism_never_raises_the_optimizer_state_per_rank(fs, era
         assert y.parameters == x.parameters
         for t in _OPTIMIZER_TERMS:
             assert y.breakdown.get(t, 0) <= x.breakdown.get(t, 0), t
+        # Megatron-FSDP's sharded state too (its optimizer group, whatever the strategy)
+        opt = lambda s: sum(t.bytes for t in s.terms if str(t.group) == "optimizer" and t.name != "main_grad_copies")  # noqa: E731
+        assert opt(y) <= opt(x), ({t.name: t.bytes for t in x.terms if str(t.group) == "optimizer"},
+                                  {t.name: t.bytes for t in y.terms if str(t.group) == "optimizer"})
 
 
 @PROPERTY
