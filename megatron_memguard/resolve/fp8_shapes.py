@@ -98,7 +98,8 @@ def shape_violations(L: Any) -> list[tuple[str, str]]:
     def weight(g: Any, side: str, value: int, multiple: int, why: str) -> None:
         # rows are the output features (hidden for row-parallel / down GEMMs), cols the input features
         flag = _weight_flag(L, g.name, value, True)
-        tp_note = "" if flag == "hidden_size" else " on one tensor-parallel rank"
+        tp_note = ("" if flag == "hidden_size" else " on one expert-tensor-parallel rank" if g.name.startswith("experts.")
+                   else " on one tensor-parallel rank")
         found.setdefault(flag, f"with {rflag}: {g.name}'s weight is [{g.rows}, {g.cols}]{tp_note}, its {side} "
                                f"({value}) are not a multiple of {multiple} ({why})")
 
