@@ -82,3 +82,19 @@ def test_the_given_expert_rank_picks_that_expert_shard(L):
     a = estimate(L, device="cpu", dp_rank=3, expert_dp_rank=7).stages[0]
     b = estimate(L, device="cpu", dp_rank="last").stages[0]
     assert a.device_total_bytes == b.device_total_bytes
+
+
+def test_the_monitor_predicts_its_own_expert_shard(L):
+    """build_monitor (the Megatron hook's, Bridge's and Lightning's) on TP rank 3 of dense optimizer rank 1,
+    no expert rank from megatron-core: global rank 7, expert index 3 (not TP rank 0's 2, whose shard differs by
+    the padding in its slice)."""
+    from megatron_memguard._integration import build_monitor
+    result = types.SimpleNamespace(layout=L, gpu=None, gpu_memory=None, estimate=None, to_dict=lambda: {})
+    source = types.SimpleNamespace(device="cpu")
+    ranks = {"rank": 7, "world_size": 16, "pp_rank": 0, "pp_size": 1, "tp_rank": 3, "dp_rank": 1, "cp_rank": 0,
+             "optimizer_rank": 1}
+    m = build_monitor(source, result, ranks=ranks, interval=100, log_dir=None)
+    own = estimate(L, device="cpu", dp_rank=1, expert_dp_rank=3).stages[0].device_total_bytes
+    tp0 = estimate(L, device="cpu", dp_rank=1).stages[0].device_total_bytes
+    assert own != tp0
+    assert m.prediction.device_total == own
