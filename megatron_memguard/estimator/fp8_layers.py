@@ -210,7 +210,12 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
         Tf = T * L.tp if L.sequence_parallel else T
         fs = Fs // L.tp
         b = saved["moe_shared_experts"] - e * Tf * fs + saved_input(spec, Tf, fs, non_tn=non_tn).allocated
-        if spec.recipe == "delayed":
+        if m.use_grouped_gemm_for_shared_expert:
+            # FusedSharedExpertMLP (core 0.19.2) all-gathers the input itself (gather_from_sequence_parallel_region)
+            # and hands [Tf, h] to TE's GroupedLinear op, assumed to keep its quantized column-wise copy as TE's
+            # Linear does; the router's BF16 input is not kept for it (no set_save_original_input on this path)
+            b += saved_input(spec, Tf, h, non_tn=non_tn).allocated
+        elif spec.recipe == "delayed":
             b += saved_input(spec, T, h, sp_gathered=L.sequence_parallel and L.tp > 1, non_tn=non_tn).allocated
         out["moe_shared_experts"] = b
     return out

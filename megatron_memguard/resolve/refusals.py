@@ -39,7 +39,6 @@ NOT_MODELLED: list[Row] = [
      "memguard estimate -- --yaml-cfg FILE)"),
     ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
     ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
-    ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
     # DistributedDataParallelConfig fields without a Megatron flag (core 0.19.2), read from Bridge / NeMo 2 ddp:
     # both change which gradient copies Megatron-FSDP keeps (distributed_data_parallel_config.py)
     ("megatron_fsdp_cuda_graph_mode", bool, "Megatron-FSDP's CUDA-graph-safe mode (gradient references kept "
@@ -61,9 +60,9 @@ WARN_ONLY: list[Row] = [
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
     ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
      "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
-    ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
-    ("moe_router_force_biased", lambda v: v is not None, "forced biased routing sends more tokens to some experts "
-     "than balanced routing: the balanced estimate understates those ranks, the worst-case figure bounds them"),
+    ("moe_router_force_biased", lambda v: v is not None, "forced biased routing (random logits plus a per-expert "
+     "bias every rank shares) sends more tokens to some experts than balanced routing: the balanced estimate "
+     "understates those ranks; plan with the worst-case figure (moe.worst_case), which bounds them"),
     ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
 # The optimizers whose states are modelled: every --optimizer choice of megatron-core 0.19.2.
