@@ -163,8 +163,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_router_enable_expert_bias", "needs --moe-router-score-function sigmoid"
                + ("" if legacy else " or sqrtsoftplus"))
         ok = False
-    qb = types == ["quantile_balancing"]
-    if qb:
+    if types == ["quantile_balancing"] and not before_019:
         ok = _quantile_balancing_rules(r, k=k, n=n, tokens=tokens) and ok
     pre = r.bool_arg("moe_router_pre_softmax", False)
     if k == 1 and score == "softmax" and not pre and "sinkhorn" not in types:
