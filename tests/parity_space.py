@@ -633,6 +633,10 @@ FOUND = [
     Found((*MOE, "--moe-router-num-groups", "8", "--moe-router-group-topk", "1"), 2, "--moe-router-group-topk",
           ("0.16", "0.19"), "group_limited_topk, transformer/moe/moe_utils.py line 656 (0.16.1: 554): torch.topk of "
           "topk // group_topk = 2 scores in a group of 1 expert fails at the first forward"),
+    Found((*MOE, "--moe-input-jitter-eps", "0.01", "--hidden-dropout", "0", "--recompute-granularity", "selective",
+           "--recompute-modules", "moe", "--cuda-graph-impl", "local"), 2, "--moe-input-jitter-eps", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2567 (0.16.1: 1820): no input jitter in a "
+          "graphed moe recompute"),
     # the router variants and the fused shared expert memguard models since they are no longer refused
     Found((*MOE, "--moe-router-enable-expert-bias"), 2, "--moe-router-enable-expert-bias", ("0.16", "0.19"),
           "TransformerConfig.__post_init__, transformer_config.py line 2284 (0.16.1: 1593): aux-loss-free expert bias "
