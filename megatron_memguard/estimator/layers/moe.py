@@ -305,15 +305,18 @@ def quantile_balancing_transient(L: Any, m: MoeSpec, T: int) -> int:
     return base + 4 * M * E + 12 * M * (k + 1) + 12 * (M * k // E + 1) * E
 
 
-def input_jitter_bytes(L: Any, m: MoeSpec, T: int) -> int:
+def input_jitter_bytes(L: Any, m: MoeSpec, T: int, rec: set | frozenset = frozenset()) -> int:
     """--moe-input-jitter-eps (Router.apply_input_jitter, core 0.16.1 and 0.19.2 router.py): ``input *
     Uniform(1 - eps, 1 + eps).rsample(input.shape)``. The product keeps the noise [T, h] (activation dtype;
     it needs no gradient, so the input itself is not kept by it), and the router's gating keeps the
     jittered input [T, h] instead of the pre-MLP norm's output (counted with the layer). That output stays
-    saved only where the shared experts' fc1 keeps it too (without the shared-expert overlap under TP > 1,
-    which keeps the gathered input instead); otherwise the jittered copy takes its place."""
+    saved only where the shared experts keep it too: their fc1, or their recompute checkpoint (not the
+    shared-expert overlap under TP > 1, nor FusedSharedExpertMLP, which keep the gathered input instead);
+    otherwise the jittered copy takes its place."""
     e, h = L.act_bytes, L.hidden_size
-    norm_out_kept = bool(m.moe_shared_expert_intermediate_size) and not (m.moe_shared_expert_overlap and L.tp > 1)
+    recomputed = "shared_experts" in rec      # (the selectively recomputed modules)
+    norm_out_kept = bool(m.moe_shared_expert_intermediate_size) and (recomputed or not (
+        (m.moe_shared_expert_overlap and L.tp > 1) or m.use_grouped_gemm_for_shared_expert))
     return e * T * h * (2 if norm_out_kept else 1)
 
 
@@ -340,7 +343,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     saved: dict[str, int] = dict(router_saved(L, m, T))
     Fs = m.moe_shared_expert_intermediate_size
     if m.moe_input_jitter_eps is not None:
-        saved["moe_router_input_jitter"] = input_jitter_bytes(L, m, T)
+        saved["moe_router_input_jitter"] = input_jitter_bytes(L, m, T, rec)
     disp = m.moe_token_dispatcher_type
     if disp == "allgather":
         G = T * etp * ep                # tokens of the ETP x EP group, gathered
