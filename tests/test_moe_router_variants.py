@@ -160,11 +160,20 @@ def _fp8_saved(extra):
     return {**saved, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=2)}
 
 
-def test_fused_shared_expert_keeps_the_gathered_input_quantized():
+def test_fused_shared_expert_keeps_the_gathered_input_and_weight_copies_quantized():
+    """TE 2.14 ops/basic/grouped_linear.py: each GroupedLinear keeps its input and its per-forward quantized
+    weight column-wise; ops/basic/swiglu.py ScaledSwiGLU its BF16 input. MXFP8 column-wise: 1 byte per element
+    and one E8M0 scale per 32 rows of a column, scales padded to [round4(rows / 32), round128(cols)]."""
     a, b = _fp8_saved(SHARED + MXFP8), _fp8_saved(SHARED + MXFP8 + FUSED)
-    # the extra: fc1's all-gathered input [Tf = 4096, h = 512] in MXFP8, column-wise: 1 byte per element and
-    # one E8M0 scale per 32 tokens of a column (scales [128, 512])
-    assert b["moe_shared_experts"] - a["moe_shared_experts"] == 4096 * 512 + 4096 // 32 * 512 == 2_162_688
+    gathered_input = 4096 * 512 + 4096 // 32 * 512                   # fc1's input [Tf = 4096, h = 512]
+    fc1_weight = 1024 * 512 + 1024 // 32 * 512                       # [2 F_s / TP = 1024, 512]
+    fc2_weight = 512 * 512 + 512 // 32 * 512                         # [512, F_s / TP = 512]
+    assert b["moe_shared_experts"] - a["moe_shared_experts"] == gathered_input + fc1_weight + fc2_weight == 2_973_696
+    # ... and TE's cached workspaces of linear_fc1 / linear_fc2 (row- and column-wise, never built on this path)
+    # are gone: per MoE layer fc1 2 x 524,288 + 16,384 + 16,384, fc2 2 x 262,144 + 8,192 + 8,192; 4 MoE layers
+    cache = [{t.name: t.bytes for t in estimate(_layout(x)).stages[0].terms}["fp8_weight_cache"]
+             for x in (SHARED + MXFP8, SHARED + MXFP8 + FUSED)]
+    assert cache[0] - cache[1] == 4 * (1_081_344 + 540_672) == 6_488_064
 
 
 @pytest.mark.parametrize("flags, rule", [
