@@ -320,3 +320,35 @@ def test_input_jitter_on_the_cpu_referee():
     for a, b in zip(plain, jitter):
         assert a["num_params"] == b["num_params"] == 9_246_976
         assert abs((b["peak_bytes"] - a["peak_bytes"]) / est - 1) < 0.02
+
+
+@needs_019
+@pytest.mark.parametrize("fp32", [False, True])
+@pytest.mark.parametrize("gather", [1, 2])
+def test_quantile_balancing_working_set_measured(fp32, gather):
+    """Router.quantile_balancing's no-grad block (core 0.19.2 router.py) run on CPU under the referee's tracker
+    of live tensor storages: the fp32 logits, their gather over TP x CP (all_gather_into_tensor's output buffer,
+    filled here by a copy), and qb_dual_update's temporaries and top-k results, peak above the start."""
+    import torch
+    from types import SimpleNamespace
+    from benchmarks.referee.livebytes import LiveBytesTracker
+    from megatron.core.transformer.moe.moe_utils import qb_dual_update
+    from megatron_memguard.estimator.layers.moe import quantile_balancing_transient
+    from megatron_memguard.layout.moe import MoeSpec
+    t, e, k = 512, 16, 4
+    logits = torch.randn(t, e, dtype=torch.float32 if fp32 else torch.bfloat16)
+    beta = torch.zeros(e)
+    tracker = LiveBytesTracker()
+    with tracker, tracker.region("qb"), torch.no_grad():
+        logits_fp32 = logits.detach().to(dtype=torch.float32)
+        if gather > 1:
+            full = torch.empty((t * gather, e), dtype=torch.float32)
+            full.copy_(logits_fp32.repeat(gather, 1))   # (the repeat stands for the other ranks' rows: freed at once)
+        else:
+            full = logits_fp32
+        qb_dual_update(full, k, beta, update_beta=True)
+    r = tracker.region_result("qb")
+    m = MoeSpec(num_experts=e, moe_router_topk=k, moe_router_load_balancing_type="quantile_balancing",
+                moe_router_dtype="fp32" if fp32 else None)
+    L = SimpleNamespace(tp=gather, cp=1, act_bytes=2)
+    assert r["peak_bytes"] - r["start_bytes"] == quantile_balancing_transient(L, m, t)
