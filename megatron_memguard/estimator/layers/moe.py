@@ -244,7 +244,8 @@ def router_saved(L: Any, m: MoeSpec, T: int) -> dict[str, int]:
     lbt = m.moe_router_load_balancing_type
     if m.moe_router_fusion and "sinkhorn" not in lbt:
         # TE's FusedTopkScoreFunction (TE >= 2.6) keeps the bool routing map [T, E] and an intermediate
-        # [T, E] (taken as fp32; moe-fp8.md 1.5: dtype not verified) instead of the top-k tensors
+        # [T, E] in fp32 for every score function, sqrtsoftplus included (TE 2.14 pytorch/router.py:
+        # "intermediate_output is always in FP32"), instead of the top-k tensors
         out["moe_router_scores"] = T * E + 4 * T * E
     elif "sinkhorn" in lbt:
         # Router.sinkhorn_load_balancing (training): top-1 takes a sigmoid (output saved, router dtype),
