@@ -572,6 +572,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                 ddp_kwargs["bucket_size"] = args.ddp_bucket_size
             ddp_kwargs["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
             ddp_kwargs["average_in_collective"] = args.ddp_average_in_collective
+            # get_megatron_ddp_config: --ddp-reduce-scatter-with-fp32-accumulation (a field of 0.16.1's config)
+            ddp_kwargs["reduce_scatter_with_fp32_accumulation"] = bool(
+                getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False))
             ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
             if getattr(args, "use_megatron_fsdp", False):
                 # get_model (training.py, 0.16): Megatron-FSDP's adapter instead of DDP
