@@ -123,3 +123,20 @@ def test_planner_never_proposes_a_layout_fp8_cannot_run():
     for e in res.entries:
         c = e.candidate
         assert c.tp == 1 and 4096 * c.mbs // c.cp % 32 == 0
+
+
+def test_autotune_never_lowers_the_micro_batch_below_what_fp8_runs():
+    """NVFP4, TP 2 with sequence parallelism, sequence 8200: micro-batch 4 gives 8200 x 4 / 2 = 16,400 tokens per
+    GEMM input (16 x 1025), micro-batch 2 and 1 give 8200 and 4100 (not multiples of 16). Without the rule autotune
+    answers MBS 1, PP 2 (checked by hand); with it every smaller micro-batch is rejected naming --seq-length."""
+    from conftest import LLAMA31_8B
+    from megatron_memguard import lookup_gpu
+    from megatron_memguard.autotune import autotune
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.units import GiB
+    raw = parse_megatron_flags(LLAMA31_8B + ("--micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                                             "--fp4-format e2m1 --seq-length 8200 --max-position-embeddings 8200").split())
+    r = autotune(raw, world_size=16, gpu=lookup_gpu("B200"), gpu_memory=80 * GiB)
+    assert r.chosen is None or r.chosen.layout.micro_batch_size == 4
+    rejected = dict(r.rejected)
+    assert "8200 tokens" in rejected["MBS 2, PP 1"] and "4100 tokens" in rejected["MBS 1, PP 1"]
