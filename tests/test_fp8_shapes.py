@@ -140,3 +140,14 @@ def test_autotune_never_lowers_the_micro_batch_below_what_fp8_runs():
     assert r.chosen is None or r.chosen.layout.micro_batch_size == 4
     rejected = dict(r.rejected)
     assert "8200 tokens" in rejected["MBS 2, PP 1"] and "4100 tokens" in rejected["MBS 1, PP 1"]
+
+
+def test_planner_fp8_option_tries_fp8_only_where_it_runs():
+    """memguard plan --fp8 mxfp8 on a BF16 model (ffn 11040, as above): the FP8 variants of TP 2 and 4 (ranked
+    first without the rule, checked by hand) are dropped; TP 1 keeps both precisions."""
+    from megatron_memguard.planner.space import Constraints
+    model = ("--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11040 --swiglu "
+             "--vocab-size 32000 --bf16 --use-distributed-optimizer")
+    res = make_planner(model.split(), 16, 4096, 64, gpu="B200").plan(Constraints(fp8=("off", "mxfp8")), top=100)
+    fp8 = [e.candidate for e in res.entries if e.candidate.fp8 == "mxfp8"]
+    assert fp8 and all(c.tp == 1 for c in fp8)
