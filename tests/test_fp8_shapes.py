@@ -151,3 +151,15 @@ def test_planner_fp8_option_tries_fp8_only_where_it_runs():
     res = make_planner(model.split(), 16, 4096, 64, gpu="B200").plan(Constraints(fp8=("off", "mxfp8")), top=100)
     fp8 = [e.candidate for e in res.entries if e.candidate.fp8 == "mxfp8"]
     assert fp8 and all(c.tp == 1 for c in fp8)
+
+
+def test_mxfp8_output_layer_rows_follow_the_vocabulary_padding():
+    """--fp8-output-proj (core 0.19.2) runs the LM head [padded vocabulary / TP, h] under MXFP8: GPT-2's 50,257
+    tokens padded to 128 (the default --make-vocab-size-divisible-by) give 50,304 = 32 x 1,572 rows; unpadded
+    (divisible by 1) 50,257 rows are not a multiple of 32."""
+    flags = _flags("--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-output-proj --untie-embeddings-and-output-weights")
+    i = flags.index("--vocab-size")
+    flags[i:i + 2] = ["--tokenizer-type", "GPT2BPETokenizer"]
+    layout_from_flags(flags, world_size=1, megatron_version="0.19")
+    err = _refusal(flags + ["--make-vocab-size-divisible-by", "1"], world=1)
+    assert err.key == "--make-vocab-size-divisible-by" and "(50257)" in err.rule and "multiple of 32" in err.rule

@@ -53,7 +53,10 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
         return "q_lora_rank"
     if name in ("linear_kv_down_proj", "linear_kv_up_proj"):
         return "kv_lora_rank"
-    if name in ("eh_proj", "output_layer"):
+    if name == "output_layer":
+        # [padded vocabulary / TP, hidden]: the vocabulary pads to --make-vocab-size-divisible-by x TP
+        return "make_vocab_size_divisible_by"
+    if name == "eh_proj":
         return "hidden_size"
     return "kv_channels"
 
@@ -98,8 +101,9 @@ def shape_violations(L: Any) -> list[tuple[str, str]]:
     def weight(g: Any, side: str, value: int, multiple: int, why: str) -> None:
         # rows are the output features (hidden for row-parallel / down GEMMs), cols the input features
         flag = _weight_flag(L, g.name, value, True)
-        tp_note = ("" if flag == "hidden_size" else " on one expert-tensor-parallel rank" if g.name.startswith("experts.")
-                   else " on one tensor-parallel rank")
+        experts = g.name.startswith("experts.")
+        tp_note = (" on one expert-tensor-parallel rank" if experts and L.moe.etp > 1 else
+                   " on one tensor-parallel rank" if not experts and L.tp > 1 else "")
         found.setdefault(flag, f"with {rflag}: {g.name}'s weight is [{g.rows}, {g.cols}]{tp_note}, its {side} "
                                f"({value}) are not a multiple of {multiple} ({why})")
 
