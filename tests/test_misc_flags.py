@@ -152,6 +152,23 @@ def test_delay_offload_until_cuda_graph():
     assert _off([])[0].breakdown["offload_staging"] == 2 * CORE
 
 
+def test_max_inflight_offloads_bounds_the_pending_copies():
+    # ChunkOffloadHandler._drain_offload_pending (core 0.19.2): the main stream waits on a name's older D2H
+    # events only once more than the cap are queued (one handler per chunk and micro-batch), so with cap 3 up to
+    # 3 core_attn and 3 attn_proj copies are pending at once, plus one group (the largest) reloaded ahead
+    st = _off(["--fine-grained-offloading-max-inflight-offloads", "3"])
+    assert st[0].breakdown["offload_staging"] == 3 * (CORE + PROJ) + CORE
+    # the last stage keeps its last attn_proj group (3 of 4 leave): still 3 of each name pending
+    assert st[1].breakdown["offload_staging"] == 3 * (CORE + PROJ) + CORE
+    # never more than left: a cap of 8 over 4 layers bounds the staging by the offloaded groups
+    big = _off(["--fine-grained-offloading-max-inflight-offloads", "8"])
+    assert big[0].breakdown["offload_staging"] == 4 * (CORE + PROJ)
+    assert big[1].breakdown["offload_staging"] == 4 * CORE + 3 * PROJ
+    # a cap of 0 or 1 leaves the default: one copy pending, one reloaded ahead
+    assert _off(["--fine-grained-offloading-max-inflight-offloads", "1"])[0].breakdown["offload_staging"] == 2 * CORE
+    assert _off(["--fine-grained-offloading-max-inflight-offloads", "0"])[0].breakdown["offload_staging"] == 2 * CORE
+
+
 def test_offload_fraction_out_of_range():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(OFF + ["--activation-offload-fraction", "1.5"], world_size=2)

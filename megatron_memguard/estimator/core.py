@@ -167,7 +167,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                           separate_input_norm=L.multi_latent_attention,
                                           min_elements=L.min_offloaded_tensor_size, outside=outside)
             # the chunk's last group stays on the last stage: it belongs to the top layer
-            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1)
+            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1,
+                                     getattr(L, "fine_grained_offloading_max_inflight_offloads", None))
             layers -= plan.offloaded
             # the MoE halves' share of what left (the expert groups), so moe_layer_activations stays on the GPU's side
             moe_groups = [g for g in ("expert_fc1", "moe_act", "fused_group_mlp") if groups.get(g)]
@@ -999,8 +1000,11 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
                    "loss; the last depth's logits are in forward_transient")
         elif name == "offload_staging":
             host = pr.host_bytes * in_flight
-            det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
-                   f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+            cap = L.fine_grained_offloading_max_inflight_offloads
+            det = (f"up to {cap} pending copies to the host of every offloaded module (the cap's bound) and one "
+                   f"group reloaded ahead" if cap is not None and cap > 1 else
+                   "two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                   "reloaded ahead)") + f"; host memory for {in_flight} micro-batch(es): {format_bytes(host)}"
         elif name == "offload_pp_balance_kept":
             det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
                    "of whole offload groups kept on the GPU, from the first micro-batch in flight")

@@ -70,12 +70,14 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # the commit queues its offload only during a TE graph replay (PipelineOffloadManager._in_replay)
             a.notes.append(f"{a.key('delay_offload_until_cuda_graph')}: a graphed layer's groups stay on the GPU "
                            "until its graph replay ends (only with --cuda-graph-impl transformer_engine)")
-        cap = a.int_arg("fine_grained_offloading_max_inflight_offloads")
+        cap = a.int_arg("fine_grained_offloading_max_inflight_offloads", minimum=0)
         if cap is not None and cap > 1:
-            # how many D2H copies are still pending (their tensors still on the GPU) is set by stream timing,
-            # up to the cap per module name; memguard models one pending copy
-            raise NotModelledError(a.key("fine_grained_offloading_max_inflight_offloads"),
-                                   "more than one pending offload per module")
+            # ChunkOffloadHandler._drain_offload_pending (core 0.19.2): the main stream joins a name's older D2H
+            # copies only past the cap, so up to `cap` copies per name can hold their GPU tensors at once
+            a.notes.append(f"{a.key('fine_grained_offloading_max_inflight_offloads')} {cap}: offload_staging counts "
+                           f"up to {cap} pending copies of every offloaded module (the bound); a D2H stream that "
+                           "keeps pace leaves one pending, as without the cap")
         out.update(offload_modules=tuple(mods), min_offloaded_tensor_size=size, activation_offload_fraction=fraction,
-                   delta_offload_bytes_across_pp_ranks=delta, delay_offload_until_cuda_graph=delay)
+                   delta_offload_bytes_across_pp_ranks=delta, delay_offload_until_cuda_graph=delay,
+                   fine_grained_offloading_max_inflight_offloads=cap)
     return out
