@@ -169,6 +169,16 @@ def test_max_inflight_offloads_bounds_the_pending_copies():
     assert _off(["--fine-grained-offloading-max-inflight-offloads", "0"])[0].breakdown["offload_staging"] == 2 * CORE
 
 
+def test_max_inflight_offloads_release_gate():
+    # the cap is a TransformerConfig field from core 0.18.2 on (read in the 0.17.1 and 0.18.2 wheels), so also a flag
+    cap = OFF + ["--fine-grained-offloading-max-inflight-offloads", "3"]
+    st = estimate(layout_from_flags(cap, world_size=2, megatron_version="0.18.2")).stages
+    assert st[0].breakdown["offload_staging"] == 3 * (CORE + PROJ) + CORE
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(cap, world_size=2, megatron_version="0.17.1")
+    assert "--fine-grained-offloading-max-inflight-offloads" in str(e.value) and "0.18" in str(e.value)
+
+
 def test_offload_fraction_out_of_range():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(OFF + ["--activation-offload-fraction", "1.5"], world_size=2)

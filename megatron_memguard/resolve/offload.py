@@ -58,8 +58,12 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # none of them is a TransformerConfig field in core 0.16.1
             for dest in ("activation_offload_fraction", "delta_offload_bytes_across_pp_ranks",
                          "delay_offload_until_cuda_graph", "fine_grained_offloading_max_inflight_offloads"):
+                # the in-flight cap is a TransformerConfig field (and so a flag) from core 0.18.2 on
+                # (transformer_config.py, ChunkOffloadHandler._drain_offload_pending as in 0.19.2)
+                if dest == "fine_grained_offloading_max_inflight_offloads" and ctx.version >= Version("0.18"):
+                    continue
                 if a.get(dest) not in (None, False, 1.0, 0):
-                    a.fail(dest, "needs megatron-core 0.19")
+                    a.fail(dest, "needs megatron-core " + ("0.18" if dest.endswith("inflight_offloads") else "0.19"))
         fraction = a.float_arg("activation_offload_fraction", 1.0)
         if not 0.0 <= fraction <= 1.0:
             a.fail("activation_offload_fraction", f"must be in [0, 1], got {fraction}")
