@@ -199,6 +199,28 @@ def test_optimizer_cuda_graph_keeps_the_step_temporaries_reserved():
     assert "optimizer_graph_pool" not in {t.name for t in fp32.terms}
 
 
+OFFLOADED = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+             "--optimizer-cpu-offload"]
+
+
+def test_optimizer_cuda_graph_with_the_cpu_offloaded_step():
+    # HybridDeviceOptimizer.step (core 0.19.2 optimizer/cpu_offloading/hybrid_optimizer.py, the same in 0.17.1 and
+    # 0.18.2) waits on its D2H event and steps on the host: a CUDA graph cannot capture it
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(GPT4 + OFFLOADED + ["--optimizer-cuda-graph"], world_size=1)
+    assert "--optimizer-cuda-graph" in str(e.value) and "--optimizer-offload-fraction 0" in str(e.value)
+    # with --optimizer-offload-fraction 0 every parameter stays on the GPU: the step is the GPU Adam's, whose fp32
+    # gradient copies (grad.to(fp32), 4 B per element of the bf16 main_grad) stay in the graph's pool; DP 1: the
+    # shard is every parameter
+    zero = OFFLOADED + ["--optimizer-offload-fraction", "0"]
+    L, graphed = _stage(zero + ["--optimizer-cuda-graph"])
+    _, eager = _stage(zero)
+    pool = {t.name: t for t in graphed.terms}["optimizer_graph_pool"]
+    assert pool.bytes == 4 * PARAMS and pool.level == "reserved"
+    assert graphed.peak_allocated_bytes == eager.peak_allocated_bytes
+    assert any("--optimizer-cuda-graph" in n and "fraction 0" in n for n in L.notes)
+
+
 def test_optimizer_cuda_graph_needs_core_0_19():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(GPT4 + ["--optimizer-cuda-graph"], world_size=1, megatron_version="0.16")
