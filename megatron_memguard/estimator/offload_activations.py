@@ -177,6 +177,10 @@ def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separ
         g = "mlp_norm" if separate_mlp_norm else None
     elif name == "proj_input" and "attn_proj" not in modules:
         g = "core_attn"           # flash/cuDNN attention saves its output too
+    elif name in ("moe_expert_input", "moe_expert_activations") and "fused_group_mlp" in modules:
+        # TEGroupedMLP._fused_forward (core 0.19.2): one group around the op fuser's call, which saves fc1's
+        # input, fc1's output and fc2's input (TransformerConfig forbids it next to expert_fc1 / moe_act)
+        g = "fused_group_mlp"
     else:
         g = _GROUP_OF.get(name)
     return g if g in modules else None

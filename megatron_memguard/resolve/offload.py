@@ -44,6 +44,8 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if "attn_proj" in mods and "core_attn" not in mods:
             a.fail("offload_modules", "attn_proj needs core_attn (its input is core_attn's output, which core_attn's "
                    "backward needs)")
+        if "fused_group_mlp" in mods:
+            mods = _fused_group_mlp(a, kw, ctx, mods)
         inside_moe = sorted({"moe_act", "expert_fc1", "fused_group_mlp"} & set(mods))
         if (ctx.version >= Version("0.19") and inside_moe and kw.get("recompute_granularity") == "selective"
                 and "moe" in (kw.get("recompute_modules") or ())):
@@ -85,3 +87,26 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    delta_offload_bytes_across_pp_ranks=delta, delay_offload_until_cuda_graph=delay,
                    fine_grained_offloading_max_inflight_offloads=cap)
     return out
+
+
+def _fused_group_mlp(a: Args, kw: Mapping[str, Any], ctx: Context, mods: list[str]) -> list[str]:
+    """The 'fused_group_mlp' offload group (core 0.19.2 TEGroupedMLP._fused_forward, TransformerConfig.__post_init__):
+    a 0.19 module name, which needs --use-transformer-engine-op-fuser and excludes expert_fc1 / moe_act. It wraps
+    the experts' fused grouped MLP only: where the experts do not run it the group offloads nothing."""
+    if ctx.version < Version("0.19"):
+        # not among the offload_modules TransformerConfig accepts in core 0.16.1, 0.17.1 and 0.18.2
+        a.fail("offload_modules", "fused_group_mlp needs megatron-core 0.19")
+        return mods
+    if not a.bool_arg("use_transformer_engine_op_fuser", False):
+        a.fail("offload_modules", "fused_group_mlp needs --use-transformer-engine-op-fuser (TransformerConfig)")
+        return mods
+    partial = sorted({"expert_fc1", "moe_act"} & set(mods))
+    if partial:
+        a.fail("offload_modules", f"fused_group_mlp offloads the whole fused grouped MLP and cannot be combined with "
+               f"{', '.join(partial)} (TransformerConfig)")
+        return mods
+    if kw.get("moe") is None or not kw.get("use_transformer_engine_op_fuser"):
+        a.notes.append(f"{a.key('offload_modules')}: fused_group_mlp offloads nothing here (no experts run TE's fused "
+                       "grouped MLP)")
+        return [m for m in mods if m != "fused_group_mlp"]
+    return mods
