@@ -37,6 +37,7 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
+from .mtp import layers_built as mtp_layers_built
 from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
@@ -328,7 +329,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
-            n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
+            n_moe += mtp_layers_built(L)           # MoE MTP layers have their own dispatchers (one when repeated)
         rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
     mixer = uniform.mixer
@@ -1034,7 +1035,7 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
             counts[kind] = counts.get(kind, 0) + k
     # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
     layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
-    mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
+    mtp = mtp_layers_built(L) if has_output else 0        # parameters: one layer with --mtp-use-repeated-layer
     norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
     if mtp:
         # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
