@@ -179,6 +179,17 @@ def test_max_inflight_offloads_release_gate():
     assert "--fine-grained-offloading-max-inflight-offloads" in str(e.value) and "0.18" in str(e.value)
 
 
+def test_full_iteration_graph_needs_the_in_flight_cap():
+    # TransformerConfig.__post_init__ (core 0.19.2 transformer_config.py, also 0.18.2): fine-grained offloading under
+    # the full-iteration graph needs fine_grained_offloading_max_inflight_offloads >= 0
+    graph = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(OFF + graph, world_size=2)
+    assert "--fine-grained-offloading-max-inflight-offloads" in str(e.value)
+    L = layout_from_flags(OFF + graph + ["--fine-grained-offloading-max-inflight-offloads", "0"], world_size=2)
+    assert L.fine_grained_offloading_max_inflight_offloads == 0
+
+
 def test_offload_fraction_out_of_range():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(OFF + ["--activation-offload-fraction", "1.5"], world_size=2)

@@ -38,7 +38,8 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # P2P calls exchange tensor shapes first (p2p_communication.py): a few int64 values
         a.notes.append(f"{a.key('mtp_standalone')}: the MTP layers stay on the last pipeline stage (only "
                        "--pipeline-model-parallel-layout moves them); the flag only makes P2P exchange shapes")
-    return dict(mtp_num_layers=depth, mtp_use_repeated_layer=_repeated(a, ctx, depth))
+    # the repeated layer only when set: the section's output for other runs stays what it was
+    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}))
 
 
 def _repeated(a: Args, ctx: Context, depth: int) -> bool:

@@ -77,6 +77,11 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.notes.append(f"{a.key('delay_offload_until_cuda_graph')}: a graphed layer's groups stay on the GPU "
                            "until its graph replay ends (only with --cuda-graph-impl transformer_engine)")
         cap = a.int_arg("fine_grained_offloading_max_inflight_offloads", minimum=0)
+        if cap is None and ctx.version >= Version("0.18") and str(a.get("cuda_graph_impl") or "none") == "full_iteration":
+            # TransformerConfig.__post_init__ (core 0.18.2 and 0.19.2): the full-iteration graph's main stream would
+            # never wait on the D2H copies otherwise
+            a.fail("fine_grained_offloading_max_inflight_offloads", "must be set (0 or more) with fine-grained "
+                   "activation offloading under --cuda-graph-impl full_iteration (TransformerConfig)")
         if cap is not None and cap > 1:
             # ChunkOffloadHandler._drain_offload_pending (core 0.19.2): the main stream joins a name's older D2H
             # copies only past the cap, so up to `cap` copies per name can hold their GPU tensors at once
