@@ -655,4 +655,8 @@ FOUND = [
            "--moe-shared-expert-glu-interleave-size", "32", "--swiglu"), 2, "--use-grouped-gemm-for-shared-expert",
           ("0.19",), "FusedSharedExpertMLP._get_fused_grouped_swiglu_recipe, transformer/moe/shared_experts.py line "
           "430: the fused kernel runs under MXFP8 or NVFP4 only", newer=True),
+    # router padding for quantization, modelled since it is no longer refused
+    Found((*MOE, "--moe-router-padding-for-quantization"), 2, "--moe-router-padding-for-quantization",
+          ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 2317 (0.16.1: 1622): the "
+          "routing map is padded for FP8 / FP4 only (fp8/fp4 must be specified)"),
 ]

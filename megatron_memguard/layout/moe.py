@@ -92,6 +92,9 @@ class MoeSpec:
     moe_input_jitter_eps: float | None = None
     # --moe-router-force-biased: random logits plus a per-expert bias shared by every rank (benchmarking)
     moe_router_force_biased: float | None = None
+    # --moe-router-padding-for-quantization (or -for-fp8): the multiple each expert's token count is padded
+    # to by the dispatcher (get_align_size_for_quantization); 0 when off
+    moe_router_padding_align: int = 0
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -120,8 +123,8 @@ class MoeSpec:
         d["moe_recompute"] = list(self.moe_recompute)
         for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
                      "use_fused_weighted_squared_relu", "use_grouped_gemm_for_shared_expert",
-                     "moe_input_jitter_eps", "moe_router_force_biased"):
-            if d[name] is None or d[name] is False:
+                     "moe_input_jitter_eps", "moe_router_force_biased", "moe_router_padding_align"):
+            if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]):
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d
 

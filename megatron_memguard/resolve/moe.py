@@ -11,6 +11,7 @@ error naming the flag the user wrote.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Protocol
 
 from packaging.version import Version
@@ -29,8 +30,6 @@ NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
     ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
     ("moe_use_legacy_grouped_gemm", bool, "the legacy GroupedMLP (--moe-use-legacy-grouped-gemm)"),
     ("moe_apply_probs_on_input", bool, "routing probabilities applied to the expert input (--moe-apply-probs-on-input)"),
-    ("moe_router_padding_for_quantization", bool, "router padding for FP8/FP4 alignment"),
-    ("moe_router_padding_for_fp8", bool, "router padding for FP8/FP4 alignment"),
     ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
@@ -290,6 +289,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                               f"{sum(pattern) + mtp:,} MoE layers make {tensors:,} expert weights per rank; memguard "
                               f"lists each and accepts at most {MAX_EXPERT_TENSORS:,} ({MAX_EXPERT_TENSORS_WHY})")
         ok = False
+    pad_align = _router_padding(r, disp=disp, cf=cf, precision=precision or {})
+    if pad_align is None:
+        ok = False
     if not ok:
         return None
     return MoeSpec(
@@ -308,8 +310,43 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
         use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
         use_grouped_gemm_for_shared_expert=fused_shared, moe_input_jitter_eps=jitter,
-        moe_router_force_biased=biased,
+        moe_router_force_biased=biased, moe_router_padding_align=pad_align or 0,
     )
+
+
+def router_padding_align(precision: Mapping[str, Any], op_fuser: bool = False) -> int:
+    """get_align_size_for_quantization (transformer/moe/moe_utils.py, megatron-core 0.16.1 and 0.19.2):
+    FP8 16, MXFP8 32 (fp8_utils.get_fp8_align_size), FP4 128 (fp4_utils.get_fp4_align_size, every recipe);
+    0.19.2 first: 256 under --use-transformer-engine-op-fuser (the CUTLASS grouped GEMM's alignment)."""
+    if op_fuser:
+        return 256
+    if precision.get("fp8"):
+        return 32 if precision.get("fp8_recipe") == "mxfp8" else 16
+    return 128 if precision.get("fp4") else 0
+
+
+def _router_padding(r: Reader, *, disp: str, cf: float | None, precision: Mapping[str, Any]) -> int | None:
+    """--moe-router-padding-for-quantization (--moe-router-padding-for-fp8 is its alias: TransformerConfig sets
+    the first from the second). TransformerConfig.__post_init__ (0.16.1 and 0.19.2) needs FP8 or FP4 and
+    refuses the allgather dispatcher. Returns the alignment (0 when off), None after a reported error."""
+    dest = next((d for d in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")
+                 if r.bool_arg(d, False)), None)
+    if dest is None:
+        return 0
+    align = router_padding_align(precision)
+    ok = True
+    if not align:
+        r.fail(dest, "needs --fp8-format or --fp4-format (TransformerConfig: fp8/fp4 must be specified)")
+        ok = False
+    if disp == "allgather":
+        r.fail(dest, "does not work with the allgather token dispatcher (TransformerConfig)",
+               "use --moe-token-dispatcher-type alltoall or flex")
+        ok = False
+    if ok and cf is not None:
+        # pad_routing_map runs after the router dropped tokens to the capacity: how the padded rows meet the
+        # capacity (and --moe-pad-expert-input-to-capacity's fixed sizes) was not analysed
+        raise NotModelledError(r.key(dest), "router padding for quantization with --moe-expert-capacity-factor")
+    return align if ok else None
 
 
 def _quantile_balancing_rules(r: Reader, *, k: int, n: int, tokens: int | None) -> bool:
@@ -410,8 +447,11 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "this combination holds less (docs/assumptions.md). The peak assumes balanced "
                        "routing (moe_layer_activations): that run (top-2, aux loss) peaks 6-9% above it, below the "
                        "worst-case bound")
+    op_fuser = experts_op_fuser(a, kw, spec, ctx)
+    if op_fuser and spec.moe_router_padding_align:
+        spec = replace(spec, moe_router_padding_align=router_padding_align(kw, op_fuser=True))
     return dict(moe=spec, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=spec.etp,
-                use_transformer_engine_op_fuser=experts_op_fuser(a, kw, spec, ctx))
+                use_transformer_engine_op_fuser=op_fuser)
 
 
 def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context) -> bool:

@@ -190,12 +190,53 @@ def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
     k, etp, ep, El = m.moe_router_topk, m.etp, m.ep, m.local_experts
     C = capacity(m, T)
     balanced = T * k * etp
+    if C is None and m.moe_router_padding_align:
+        return _padded_rows(m, T)
     if C is None:
         return ExpertRows(balanced, T * etp * ep * min(k, El), "dropless")
     full = C * m.num_experts * etp
     if m.moe_pad_expert_input_to_capacity:
         return ExpertRows(full, full, f"padded to a capacity of {C} per expert and source rank")
     return ExpertRows(min(balanced, full), full, f"capacity {C} per expert and source rank")
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def sent_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
+    """Token copies one rank's alltoall dispatcher permutes and sends (``num_out_tokens``): T x k dropless;
+    with --moe-router-padding-for-quantization ``pad_routing_map`` (moe_utils.py, megatron-core 0.16.1 and
+    0.19.2) first turns zeros of the routing map [T, E] into ones until every expert's count from this rank
+    is a multiple of the alignment (at most T): balanced, E x min(T, ceil(T k / E) rounded up); worst, the
+    T x k choices plus (a - 1) per expert."""
+    k, E, a = m.moe_router_topk, m.num_experts, m.moe_router_padding_align
+    if not a:
+        return T * k
+    if worst:
+        return min(T * E, T * k + E * (a - 1))
+    return E * min(T, _round_up(-(-T * k // E), a))
+
+
+def _padded_rows(m: MoeSpec, T: int) -> ExpertRows:
+    """N with --moe-router-padding-for-quantization (dropless). alltoall: every source rank pads its routing
+    map per expert (``sent_rows``); a rank's E_l experts receive from the EP ranks, then all-gather over ETP,
+    so N = ETP x E x the padded count per expert. flex (DeepEP, ``_DeepepManager._pad_routing_map``): the
+    receiving rank pads each local expert's count up to the multiple, unless a target exceeds the R rows it
+    received (then the experts pad inside, N unchanged). Worst: the unpadded worst case plus (a - 1) per
+    expert and source rank (flex: per local expert), capped by every row to every local expert."""
+    k, etp, ep, El, E, a = m.moe_router_topk, m.etp, m.ep, m.local_experts, m.num_experts, m.moe_router_padding_align
+    raw_worst = T * etp * ep * min(k, El)
+    how = f"dropless, each expert's rows padded to a multiple of {a} (router padding for quantization)"
+    if m.moe_token_dispatcher_type == "flex":
+        raw = T * k * etp
+        per = _round_up(-(-raw // El), a)
+        balanced = El * per if per <= flex_rows(m, T) else raw
+        return ExpertRows(balanced, max(balanced, min(raw_worst + El * (a - 1), El * T * etp * ep)), how)
+    per = min(T, _round_up(-(-T * k // E), a))
+    balanced = etp * E * per
+    worst = etp * ep * min(El * T, T * min(k, El) + El * (a - 1))
+    return ExpertRows(balanced, max(balanced, worst), how)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,11 +373,12 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     T = tokens_per_rank(L)
     E, k, El, etp, ep = m.num_experts, m.moe_router_topk, m.local_experts, m.etp, m.ep
     p = router_bytes(m, e)
+    er = expert_rows(m, T)
     if rows is None:
-        er = expert_rows(m, T)
         N = er.worst if m.routing == "worst" else er.balanced
     else:
         N = rows
+    sent = sent_rows(m, T, worst=N > er.balanced)   # the alltoall's permuted rows (T x k unless router-padded)
     g = 2 if L.gated_linear_unit else 1
     Fr = m.moe_ffn_hidden_size // etp
     rec = set(m.moe_recompute) if mods is None else set(mods)
@@ -383,9 +425,9 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         elif drop_pad:
             perm = 16 * (N // etp)                 # int64 token and flat probs indices [E*C]
         elif _before_017(L):
-            perm = p * T * E + T * E + 8 * T * k   # 0.16 masked_select keeps probs.T and the mask
+            perm = p * T * E + T * E + 8 * sent    # 0.16 masked_select keeps probs.T and the mask
         else:
-            perm = 16 * T * k                      # 0.19: int64 flat_sorted and sorted_indices [T*k]
+            perm = 16 * sent                       # 0.19: int64 flat_sorted and sorted_indices [T*k]
         saved["moe_permute_maps"] = perm
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
     saved["moe_expert_input"] = e * N * h + p * N
@@ -440,7 +482,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # DeepEP's received tokens [R, h] next to the permuted, the experts' output and the unpermuted rows
         permuted = e * flex_rows(m, T, worst=rows is None and m.routing == "worst") * h
     else:
-        permuted = e * (N if disp == "allgather" else T * k) * h
+        permuted = e * (N if disp == "allgather" else sent) * h
     fwd = permuted + 3 * e * N * h
     if p > e:
         # the combine casts the experts' output to the probs dtype before the reduce-scatter: a transient
