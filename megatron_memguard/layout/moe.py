@@ -95,6 +95,8 @@ class MoeSpec:
     # --moe-router-padding-for-quantization (or -for-fp8): the multiple each expert's token count is padded
     # to by the dispatcher (get_align_size_for_quantization); 0 when off
     moe_router_padding_align: int = 0
+    # --moe-apply-probs-on-input (top-1): the experts scale their input by the probs before fc1
+    moe_apply_probs_on_input: bool = False
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -123,7 +125,8 @@ class MoeSpec:
         d["moe_recompute"] = list(self.moe_recompute)
         for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
                      "use_fused_weighted_squared_relu", "use_grouped_gemm_for_shared_expert",
-                     "moe_input_jitter_eps", "moe_router_force_biased", "moe_router_padding_align"):
+                     "moe_input_jitter_eps", "moe_router_force_biased", "moe_router_padding_align",
+                     "moe_apply_probs_on_input"):
             if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]):
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d

@@ -29,7 +29,6 @@ NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
     ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
     ("moe_use_legacy_grouped_gemm", bool, "the legacy GroupedMLP (--moe-use-legacy-grouped-gemm)"),
-    ("moe_apply_probs_on_input", bool, "routing probabilities applied to the expert input (--moe-apply-probs-on-input)"),
     ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
@@ -289,6 +288,11 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                               f"{sum(pattern) + mtp:,} MoE layers make {tensors:,} expert weights per rank; memguard "
                               f"lists each and accepts at most {MAX_EXPERT_TENSORS:,} ({MAX_EXPERT_TENSORS_WHY})")
         ok = False
+    probs_on_input = r.bool_arg("moe_apply_probs_on_input", False)
+    if probs_on_input and k != 1:
+        # TEGroupedMLP / SequentialMLP.forward assert it at the first forward (experts.py, 0.16.1 and 0.19.2)
+        r.fail("moe_apply_probs_on_input", f"only works with --moe-router-topk 1, got {k} (the experts' forward)")
+        ok = False
     pad_align = _router_padding(r, disp=disp, cf=cf, precision=precision or {})
     if pad_align is None:
         ok = False
@@ -311,6 +315,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
         use_grouped_gemm_for_shared_expert=fused_shared, moe_input_jitter_eps=jitter,
         moe_router_force_biased=biased, moe_router_padding_align=pad_align or 0,
+        moe_apply_probs_on_input=probs_on_input,
     )
 
 
@@ -473,6 +478,8 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
     rule = "the experts' fused grouped MLP (TEGroupedMLP._is_fused_impl_supported, megatron-core 0.19.2) needs "
     if spec.etp > 1:
         a.fail("use_transformer_engine_op_fuser", rule + f"expert tensor parallel size 1, got {spec.etp}")
+    if spec.moe_apply_probs_on_input:
+        a.fail("use_transformer_engine_op_fuser", rule + "no --moe-apply-probs-on-input")
     offloaded = a.get("offload_modules") or ()
     offloaded = set([offloaded] if isinstance(offloaded, str) else offloaded)
     if a.bool_arg("fine_grained_activation_offloading", False) and {"expert_fc1", "moe_act"} & offloaded:

@@ -431,6 +431,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         saved["moe_permute_maps"] = perm
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
     saved["moe_expert_input"] = e * N * h + p * N
+    if m.moe_apply_probs_on_input:
+        # --moe-apply-probs-on-input (TEGroupedMLP / SequentialMLP.forward, core 0.16.1 and 0.19.2 experts.py):
+        # ``probs * tokens`` keeps the dispatched tokens [N, h] (fc1 then keeps the scaled copy, counted above)
+        # and the probs [N] (which the activation no longer keeps); the activation keeps ``ones_like(probs)`` [N]
+        saved["moe_probs_on_input"] = e * N * h + p * N
     # experts: fc1's output kept by the activation, the activation's own saves, fc2's input
     # TE's fused grouped MLP (--use-transformer-engine-op-fuser, megatron-core 0.19.2
     # TEGroupedMLP._fused_forward): GroupedLinear, ScaledSwiGLU, GroupedLinear ops, assumed to save
@@ -449,6 +454,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         act = 2 * Fr
     else:
         act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
+    if m.moe_apply_probs_on_input and act in (6 * Fr, 3 * Fr) and not ((L.bias_activation_fusion or op_fused) and g == 2):
+        # the unfused ``act * probs`` now multiplies by ones_like(probs), which need no gradient: it keeps no
+        # copy of the activation's output (measured on core 0.16.1 / 0.19.2's SequentialMLP,
+        # tests/test_moe_probs_on_input.py); the fused weighted kernels keep their input either way
+        act -= Fr
     if "moe_act" in rec and not op_fused:
         act -= Fr                               # CheckpointWithoutOutput drops fc2's input after fc2
     saved["moe_expert_activations"] = e * N * act
@@ -497,11 +507,17 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     # expert input and permuted tokens as the layer's backward walks down
     G_out = e * T * h
     rel_exp = frozenset({"moe_expert_activations"})
-    rel_in = rel_exp | {"moe_expert_input"}
+    rel_in = rel_exp | {"moe_expert_input", "moe_probs_on_input"}
+    scale = ()
+    if "moe_probs_on_input" in saved:
+        # the input scaling's backward: fc1's input gradient and the tokens' gradient (both in the probs dtype
+        # when it is wider: the product was computed in it; read, not measured)
+        scale = ((rel_exp | {"moe_expert_input"}, G_out + e * N * h + (2 * p * N * h if p > e else e * N * h)),)
     bwd = (
         (frozenset(), G_out + e * N * h + e * N * Fr),                                        # fc2
         (frozenset(), G_out + e * N * Fr + e * N * g * Fr),                                   # activation
         (rel_exp, G_out + e * N * g * Fr + e * N * h),                                        # fc1
+        *scale,                                                                               # probs x input
         (rel_in, G_out + e * N * h + permuted),                                               # dispatch
         (frozenset(saved), 2 * G_out),                                                        # router
     )
