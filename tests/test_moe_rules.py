@@ -93,7 +93,7 @@ def test_top1_is_fine_with_pre_softmax_or_sinkhorn():
     assert _read(num_experts=4, moe_router_topk=1, moe_router_load_balancing_type="sinkhorn")[1] == []
 
 
-@pytest.mark.parametrize("dest", ["moe_latent_size", "moe_use_legacy_grouped_gemm"])
+@pytest.mark.parametrize("dest", ["moe_latent_size"])
 def test_unmodelled_moe_settings_are_refused_by_name(dest):
     with pytest.raises(NotModelledError) as e:
         _read(num_experts=4, **{dest: 64 if dest == "moe_latent_size" else True})

@@ -97,6 +97,9 @@ class MoeSpec:
     moe_router_padding_align: int = 0
     # --moe-apply-probs-on-input (top-1): the experts scale their input by the probs before fc1
     moe_apply_probs_on_input: bool = False
+    # --moe-use-legacy-grouped-gemm (core < 0.17, with --moe-grouped-gemm): GroupedMLP, two weights for all
+    # local experts and the grouped_gemm library's kernels
+    moe_use_legacy_grouped_gemm: bool = False
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -126,7 +129,7 @@ class MoeSpec:
         for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
                      "use_fused_weighted_squared_relu", "use_grouped_gemm_for_shared_expert",
                      "moe_input_jitter_eps", "moe_router_force_biased", "moe_router_padding_align",
-                     "moe_apply_probs_on_input"):
+                     "moe_apply_probs_on_input", "moe_use_legacy_grouped_gemm"):
             if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]):
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d

@@ -28,7 +28,6 @@ NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
     ("moe_latent_size", lambda v: bool(v), "latent MoE projections (--moe-latent-size)"),
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
     ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
-    ("moe_use_legacy_grouped_gemm", bool, "the legacy GroupedMLP (--moe-use-legacy-grouped-gemm)"),
     ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
@@ -293,6 +292,10 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         # TEGroupedMLP / SequentialMLP.forward assert it at the first forward (experts.py, 0.16.1 and 0.19.2)
         r.fail("moe_apply_probs_on_input", f"only works with --moe-router-topk 1, got {k} (the experts' forward)")
         ok = False
+    legacy_gg = grouped and r.bool_arg("moe_use_legacy_grouped_gemm", False)
+    if legacy_gg:
+        ok = _legacy_grouped_mlp_rules(r, add_bias_linear=add_bias_linear, mods=mods, delay_wgrad=delay_wgrad,
+                                       precision=precision or {}) and ok
     pad_align = _router_padding(r, disp=disp, cf=cf, precision=precision or {})
     if pad_align is None:
         ok = False
@@ -315,8 +318,33 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
         use_grouped_gemm_for_shared_expert=fused_shared, moe_input_jitter_eps=jitter,
         moe_router_force_biased=biased, moe_router_padding_align=pad_align or 0,
-        moe_apply_probs_on_input=probs_on_input,
+        moe_apply_probs_on_input=probs_on_input, moe_use_legacy_grouped_gemm=legacy_gg,
     )
+
+
+def _legacy_grouped_mlp_rules(r: Reader, *, add_bias_linear: bool, mods: set, delay_wgrad: bool,
+                              precision: Mapping[str, Any]) -> bool:
+    """GroupedMLP (megatron-core 0.16.1 transformer/moe/experts.py) asserts no bias at build and bf16 at the first
+    forward, refuses moe_act recompute under FP8 / FP4 (ValueError), and TransformerConfig refuses it with
+    --delay-wgrad-compute. Its grouped_gemm kernels run in BF16 whatever the FP8 / FP4 recipe: refused as not
+    modelled (memguard's FP8 expert terms assume TE's grouped linears). Returns whether all rules hold."""
+    key, ok = "moe_use_legacy_grouped_gemm", True
+    if add_bias_linear:
+        r.fail(key, "needs --disable-bias-linear (GroupedMLP: bias not supported in grouped GEMM)")
+        ok = False
+    if not precision.get("bf16"):
+        r.fail(key, "needs --bf16 (GroupedMLP.forward: only bf16 is supported)")
+        ok = False
+    if delay_wgrad:
+        r.fail("delay_wgrad_compute", "does not work with --moe-use-legacy-grouped-gemm (TransformerConfig)")
+        ok = False
+    quantized = precision.get("fp8") or precision.get("fp4")
+    if quantized and "moe_act" in mods:
+        r.fail(key, "cannot recompute moe_act under FP8 / FP4 (GroupedMLP)")
+        ok = False
+    elif quantized and ok:
+        raise NotModelledError(r.key(key), "the legacy GroupedMLP under FP8 / FP4 (its grouped_gemm kernels stay BF16)")
+    return ok
 
 
 def router_padding_align(precision: Mapping[str, Any], op_fuser: bool = False) -> int:
@@ -452,6 +480,15 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "this combination holds less (docs/assumptions.md). The peak assumes balanced "
                        "routing (moe_layer_activations): that run (top-2, aux loss) peaks 6-9% above it, below the "
                        "worst-case bound")
+    if a.bool_arg("moe_use_legacy_grouped_gemm", False):
+        key = a.key("moe_use_legacy_grouped_gemm")
+        if ctx.version >= Version("0.17"):
+            # GroupedMLP and the option are gone from megatron-core 0.17.0 (experts.py, transformer_config.py)
+            a.fail("moe_use_legacy_grouped_gemm", "needs megatron-core < 0.17 (GroupedMLP was removed in 0.17.0)")
+        elif not spec.moe_grouped_gemm:
+            a.notes.append(f"{key}: no effect without --moe-grouped-gemm (the experts are SequentialMLP)")
+        elif str(a.get("optimizer", "adam")) in ("muon", "adaptive_muon", "dist_muon"):
+            raise NotModelledError(key, "Muon over the legacy GroupedMLP's merged expert weights")
     op_fuser = experts_op_fuser(a, kw, spec, ctx)
     if op_fuser and spec.moe_router_padding_align:
         spec = replace(spec, moe_router_padding_align=router_padding_align(kw, op_fuser=True))

@@ -79,6 +79,10 @@ def _config(job: dict):
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
+    if job.get("legacy_grouped"):
+        # the legacy GroupedMLP (core 0.16.1; no such TransformerConfig field from 0.17): the local spec's
+        # grouped experts (LocalSpecProvider.grouped_mlp_modules) are GroupedMLP whenever --moe-grouped-gemm
+        kw.update(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)
     if job.get("mtp_repeated"):
         kw["mtp_use_repeated_layer"] = True     # core 0.17+ (no such TransformerConfig field in 0.16.1)
     if job.get("mla"):
@@ -156,6 +160,11 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
     config = _config(job)
+    if job.get("legacy_grouped"):
+        # GroupedMLP.__init__ asserts the grouped_gemm library (a CUDA extension) before it allocates its two
+        # weights; the build itself calls none of its kernels
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+        gg.assert_grouped_gemm_is_available = lambda: None
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=job["norm"],
                                        vp_stage=vp, pp_rank=pp_rank)
     if job.get("mla"):
@@ -188,7 +197,7 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
     # routed experts by name (MoELayer.experts); megatron-core's allreduce=False marks the ones its DDP puts
     # in the expert buffer (reduced over the expert-data-parallel group: only with EP > 1 or ETP > 1)
     tags = {"expert": 0, "tp_split": 0, "replicated": 0, "shared_embedding": 0, "expert_buffer": 0}
-    expert_tp = {}
+    expert_tp, expert_tensors = {}, 0
     for name, p in model.named_parameters():
         n = p.numel()
         if not getattr(p, "allreduce", True):
@@ -202,6 +211,7 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
             tags["shared_embedding"] += n
         elif ".mlp.experts." in name:
             tags["expert"] += n
+            expert_tensors += 1
             key = "split" if getattr(p, "tensor_model_parallel", False) else "whole"
             expert_tp[key] = expert_tp.get(key, 0) + n
         elif getattr(p, "tensor_model_parallel", False):
@@ -215,7 +225,7 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
     layers = [(layer.layer_number - 1, isinstance(layer.mlp, MoELayer)) for layer in model.decoder.layers]
     return {"rank": [pp_rank, vp, tp_rank, ep_rank, etp_rank],
             "params": sum(n for k, n in tags.items() if k != "expert_buffer"), "tags": tags, "expert_tp": expert_tp,
-            "layers": layers, "router_buffers": router_buffers,
+            "layers": layers, "router_buffers": router_buffers, "expert_tensors": expert_tensors,
             "mtp": mtp_spec is not None and bool(getattr(model, "mtp_process", False))}
 
 

@@ -99,7 +99,12 @@ def moe_param_rows(L: Any, m: MoeSpec) -> list[tuple[str, int, bool, bool, bool,
     if L.add_bias_linear:
         rows.append(("mlp.router.bias", m.num_experts, True, False, False, 0))
     fc1, fc2 = g * F // etp, F // etp
-    if m.moe_grouped_gemm:
+    if m.moe_use_legacy_grouped_gemm:
+        # GroupedMLP (core 0.16.1 experts.py): weight1 [h, E_l g F / ETP] and weight2 [E_l F / ETP, h], the same
+        # elements as the per-expert weights (no bias: it asserts --disable-bias-linear)
+        rows += [("mlp.experts.weight1", El * fc1 * h, False, False, True, El * fc1),
+                 ("mlp.experts.weight2", El * fc2 * h, False, False, True, h)]
+    elif m.moe_grouped_gemm:
         rows += [(f"mlp.experts.linear_fc1.weight{i}", fc1 * h, False, False, True, h) for i in range(El)]
         if L.add_bias_linear:
             rows += [(f"mlp.experts.linear_fc1.bias{i}", fc1, False, False, True, 0) for i in range(El)]
@@ -442,7 +447,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     # what the TE modules save (fc1 input, the activation's input and scales, fc2 input); it bypasses
     # the moe_act checkpoint of the unfused forward
     op_fused = L.use_transformer_engine_op_fuser
-    if (L.bias_activation_fusion or op_fused) and g == 2:
+    if m.moe_use_legacy_grouped_gemm:
+        # GroupedMLP: activation_func_with_probs is a jit_fuser (torch.compile) function that keeps its inputs
+        # (fc1's output [N, g F] and the probs); grouped_gemm's gmm keeps fc2's input (core 0.16.1 experts.py)
+        act = (g + 1) * Fr
+    elif (L.bias_activation_fusion or op_fused) and g == 2:
         act = 3 * Fr                            # weighted fused SwiGLU: fc1 output [N, 2F]; fc2 input
     elif g == 2:
         act = 6 * Fr                            # fc1 out, silu, x2 + offset, product, product * probs
@@ -454,7 +463,8 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         act = 2 * Fr
     else:
         act = 3 * Fr                            # fc1 out, activation out (kept by * probs), fc2 input
-    if m.moe_apply_probs_on_input and act in (6 * Fr, 3 * Fr) and not ((L.bias_activation_fusion or op_fused) and g == 2):
+    if (m.moe_apply_probs_on_input and act in (6 * Fr, 3 * Fr) and not m.moe_use_legacy_grouped_gemm
+            and not ((L.bias_activation_fusion or op_fused) and g == 2)):
         # the unfused ``act * probs`` now multiplies by ones_like(probs), which need no gradient: it keeps no
         # copy of the activation's output (measured on core 0.16.1 / 0.19.2's SequentialMLP,
         # tests/test_moe_probs_on_input.py); the fused weighted kernels keep their input either way
@@ -513,10 +523,13 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # the input scaling's backward: fc1's input gradient and the tokens' gradient (both in the probs dtype
         # when it is wider: the product was computed in it; read, not measured)
         scale = ((rel_exp | {"moe_expert_input"}, G_out + e * N * h + (2 * p * N * h if p > e else e * N * h)),)
+    # GroupedMLP's gmm computes each weight's gradient as a new tensor (no fused accumulation into main_grad):
+    # [E_l F_r, h] at fc2, [h, E_l g F_r] at fc1, until DDP's hook adds it to the gradient buffer
+    w2 = e * El * Fr * h if m.moe_use_legacy_grouped_gemm else 0
     bwd = (
-        (frozenset(), G_out + e * N * h + e * N * Fr),                                        # fc2
+        (frozenset(), G_out + e * N * h + e * N * Fr + w2),                                   # fc2
         (frozenset(), G_out + e * N * Fr + e * N * g * Fr),                                   # activation
-        (rel_exp, G_out + e * N * g * Fr + e * N * h),                                        # fc1
+        (rel_exp, G_out + e * N * g * Fr + e * N * h + g * w2),                               # fc1
         *scale,                                                                               # probs x input
         (rel_in, G_out + e * N * h + permuted),                                               # dispatch
         (frozenset(saved), 2 * G_out),                                                        # router
