@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import NotModelledError
-from ..estimator.fsdp import MIXED_PRECISION_POLICY_SINCE, STRATEGIES, default_sharding_strategy
+from ..estimator.fsdp import (FSDP_DEFAULTS_SINCE, MAX_POOL_DOUBLE_BUFFER_SINCE, MIXED_PRECISION_POLICY_SINCE, STRATEGIES,
+                             default_sharding_strategy)
 from .args import Args, Context
 
 OFF: dict[str, Any] = dict(
@@ -46,7 +47,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     mkey = "use_megatron_fsdp" if a.given("use_megatron_fsdp") else "use_custom_fsdp"
     torch2 = a.bool_arg("use_torch_fsdp2", False)
     dist_opt = a.bool_arg("use_distributed_optimizer", False)
-    new = version >= MIXED_PRECISION_POLICY_SINCE
+    new = version >= FSDP_DEFAULTS_SINCE          # the distributed-optimizer switch and optim_grads_params
+    policy = version >= MIXED_PRECISION_POLICY_SINCE   # --megatron-fsdp-main-*-dtype, the ckpt-format assert
     if megatron and torch2:
         a.fail("use_torch_fsdp2", "cannot be combined with --use-megatron-fsdp (choose one FSDP)")
         return out
@@ -98,8 +100,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    "add --use-distributed-optimizer")
         if a.get("ckpt_format") is not None and str(a.get("ckpt_format")) != "fsdp_dtensor":
             a.fail("ckpt_format", "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
-        elif new and a.get("ckpt_format") is None and a.key(mkey).startswith("--"):
-            # core 0.18.2 and 0.19.2 validate_args assert ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp, and
+        elif policy and a.get("ckpt_format") is None and a.key(mkey).startswith("--"):
+            # core 0.17.1, 0.18.2 and 0.19.2 validate_args assert ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp, and
             # the flag's default is torch_dist, so leaving it out fails too. Only for Megatron's own flags:
             # NeMo / Bridge configs carry their checkpoint format elsewhere (not read here).
             a.fail(mkey, f"requires --ckpt-format fsdp_dtensor in megatron-core {version[0]}.{version[1]} (the default torch_dist "
@@ -142,7 +144,7 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
         a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False)
         double = a.bool_arg("fsdp_double_buffer", False) or (
-            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
+            version >= MAX_POOL_DOUBLE_BUFFER_SINCE and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
         unit = a.int_arg("suggested_communication_unit_size")
         # --log-params-norm: training.py calls calc_params_l2_norm after every step, and under Megatron-FSDP it
         # stops the model's communication first (stop_communication -> synchronize_param_gather ->
@@ -153,10 +155,11 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    suggested_communication_unit_size=unit,
                    megatron_fsdp_main_params_dtype=_fsdp_dtype(a, "megatron_fsdp_main_params_dtype", "fp32"),
                    megatron_fsdp_main_grads_dtype=_fsdp_dtype(a, "megatron_fsdp_main_grads_dtype", "auto"))
-        if not new:
+        if not policy:
             a.notes.append(f"{a.key(mkey)}: megatron-core {version[0]}.{version[1]} keeps Megatron-FSDP's gradients "
-                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.18 and later: in the parameter dtype)")
-        if not new and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
+                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.17 and later: --megatron-fsdp-main-"
+                           "grads-dtype, overridden to fp32 by that flag up to 0.18)")
+        if not policy and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
             a.notes.append(f"--megatron-fsdp-main-*-dtype: megatron-core {version[0]}.{version[1]} is read as 0.16.1, which has "
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
