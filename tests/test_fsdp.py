@@ -93,6 +93,13 @@ def test_megatron_fsdp_release_gates():
     # gradient is cast to the main weights' dtype; 0.18.2 reads megatron_fsdp_use_decoupled_grad
     assert not spec("0.17.1", use_precision_aware_optimizer=True).decoupled_grad
     assert spec("0.18.2", use_precision_aware_optimizer=True).decoupled_grad
+    # the same adapter line makes the gradient communication dtype fp32 under grad_reduce_in_fp32 (0.17.1, 0.18.2):
+    # the full gradient buckets of a sharded buffer stay 4 B per element whatever --megatron-fsdp-grad-comm-dtype says
+    kw = dict(accumulate_allreduce_grads_in_fp32=True, megatron_fsdp_grad_comm_dtype="bf16")
+    assert spec("0.18.2", **kw).bucket_grad_bytes == 4 and spec("0.19.2", **kw).bucket_grad_bytes == 2
+    assert spec("0.17.1", accumulate_allreduce_grads_in_fp32=False, megatron_fsdp_main_grads_dtype="fp32",
+                data_parallel_sharding_strategy="optim_grads_params",
+                megatron_fsdp_grad_comm_dtype="bf16").bucket_grad_bytes == 2
     # --megatron-fsdp-max-pool-double-buffer: a flag of the 0.19.2 parser only
     assert not spec("0.18.2", megatron_fsdp_max_pool_double_buffer=True).double_buffer
     assert spec("0.19.2", megatron_fsdp_max_pool_double_buffer=True).double_buffer
