@@ -100,6 +100,9 @@ class MoeSpec:
     # --moe-use-legacy-grouped-gemm (core < 0.17, with --moe-grouped-gemm): GroupedMLP, two weights for all
     # local experts and the grouped_gemm library's kernels
     moe_use_legacy_grouped_gemm: bool = False
+    # --moe-latent-size: the routed experts (and the dispatch) work in this width; two duplicated TELinear
+    # projections h -> latent before the dispatch and latent -> h after the combine
+    moe_latent_size: int | None = None
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -129,7 +132,7 @@ class MoeSpec:
         for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
                      "use_fused_weighted_squared_relu", "use_grouped_gemm_for_shared_expert",
                      "moe_input_jitter_eps", "moe_router_force_biased", "moe_router_padding_align",
-                     "moe_apply_probs_on_input", "moe_use_legacy_grouped_gemm"):
+                     "moe_apply_probs_on_input", "moe_use_legacy_grouped_gemm", "moe_latent_size"):
             if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]):
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d

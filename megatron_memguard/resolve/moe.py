@@ -25,7 +25,6 @@ from .parallel import weight_shards
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
-    ("moe_latent_size", lambda v: bool(v), "latent MoE projections (--moe-latent-size)"),
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
     ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
     ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
@@ -292,7 +291,15 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         # TEGroupedMLP / SequentialMLP.forward assert it at the first forward (experts.py, 0.16.1 and 0.19.2)
         r.fail("moe_apply_probs_on_input", f"only works with --moe-router-topk 1, got {k} (the experts' forward)")
         ok = False
+    latent = _latent_size(r, disp=disp, Fs=Fs, overlap=overlap, a2a_overlap=a2a_overlap, delay_wgrad=delay_wgrad,
+                          wgrad_beside_dispatch=wgrad_beside_dispatch, precision=precision or {})
+    if latent == -1:
+        latent, ok = None, False
     legacy_gg = grouped and r.bool_arg("moe_use_legacy_grouped_gemm", False)
+    if legacy_gg and latent:
+        # GroupedMLP.__init__ asserts it (core 0.16.1 experts.py)
+        r.fail("moe_latent_size", "does not work with --moe-use-legacy-grouped-gemm (GroupedMLP)")
+        ok = False
     if legacy_gg:
         ok = _legacy_grouped_mlp_rules(r, add_bias_linear=add_bias_linear, mods=mods, delay_wgrad=delay_wgrad,
                                        precision=precision or {}) and ok
@@ -318,8 +325,33 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
         use_grouped_gemm_for_shared_expert=fused_shared, moe_input_jitter_eps=jitter,
         moe_router_force_biased=biased, moe_router_padding_align=pad_align or 0,
-        moe_apply_probs_on_input=probs_on_input, moe_use_legacy_grouped_gemm=legacy_gg,
+        moe_apply_probs_on_input=probs_on_input, moe_use_legacy_grouped_gemm=legacy_gg, moe_latent_size=latent,
     )
+
+
+def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_overlap: bool, delay_wgrad: bool,
+                 wgrad_beside_dispatch: bool, precision: Mapping[str, Any]) -> int | None:
+    """--moe-latent-size (core 0.16.1 and 0.19.2 MoELayer): the latent width, None when off, -1 after a reported
+    error. validate_args: a positive size; MoELayer.preprocess asserts no shared-expert overlap in training.
+    memguard models it with the alltoall dispatcher in BF16 only; the rest is refused by name."""
+    if r.get("moe_latent_size") is None:
+        return None
+    lat = r.int_arg("moe_latent_size", None, minimum=0)
+    if not lat or lat < 1:
+        r.fail("moe_latent_size", "must be greater than zero (validate_args)")
+        return -1
+    if Fs and overlap:
+        r.fail("moe_shared_expert_overlap", "does not work with --moe-latent-size in training (MoELayer.preprocess)")
+        return -1
+    key = r.key("moe_latent_size")
+    for bad, what in ((disp != "alltoall", f"latent MoE with the {disp} dispatcher (its buffers at the latent width)"),
+                      (bool(precision.get("fp8") or precision.get("fp4")), "latent MoE under FP8 / FP4"),
+                      (a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
+                       "latent MoE with the expert-parallel overlap or delayed weight gradients"),
+                      (bool(precision.get("use_megatron_fsdp")), "latent MoE under Megatron-FSDP")):
+        if bad:
+            raise NotModelledError(key, what)
+    return lat
 
 
 def _legacy_grouped_mlp_rules(r: Reader, *, add_bias_linear: bool, mods: set, delay_wgrad: bool,

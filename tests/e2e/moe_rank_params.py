@@ -79,6 +79,8 @@ def _config(job: dict):
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
+    if job.get("latent"):
+        kw["moe_latent_size"] = job["latent"]
     if job.get("legacy_grouped"):
         # the legacy GroupedMLP (core 0.16.1; no such TransformerConfig field from 0.17): the local spec's
         # grouped experts (LocalSpecProvider.grouped_mlp_modules) are GroupedMLP whenever --moe-grouped-gemm
@@ -165,6 +167,14 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
         # weights; the build itself calls none of its kernels
         from megatron.core.transformer.moe import grouped_gemm_util as gg
         gg.assert_grouped_gemm_is_available = lambda: None
+    if job.get("latent"):
+        # MoELayer builds its latent projections as TELinear parallel_mode="duplicated" and asserts TE (core 0.16.1
+        # and 0.19.2 moe_layer.py): without TE on CPU the same stand-in as MLA's down projections
+        import megatron.core.transformer.moe.moe_layer as moe_layer
+        import megatron.core.transformer.multi_latent_attention as mla
+        if not getattr(mla, "_memguard_te_linear", None):
+            mla._memguard_te_linear = _te_duplicated_linear()
+        moe_layer.HAVE_TE, moe_layer.TELinear = True, mla._memguard_te_linear
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=job["norm"],
                                        vp_stage=vp, pp_rank=pp_rank)
     if job.get("mla"):

@@ -98,6 +98,17 @@ def moe_param_rows(L: Any, m: MoeSpec) -> list[tuple[str, int, bool, bool, bool,
     rows.append(("mlp.router.weight", m.num_experts * h, True, False, False, h))
     if L.add_bias_linear:
         rows.append(("mlp.router.bias", m.num_experts, True, False, False, 0))
+    lat = m.moe_latent_size
+    if lat:
+        # MoELayer.__init__ (core 0.16.1 and 0.19.2): fc1_latent_proj [latent, h] and fc2_latent_proj [h, latent],
+        # TELinear parallel_mode "duplicated" (whole on every TP rank, all-reduced over TP like the router)
+        rows.append(("mlp.fc1_latent_proj.weight", lat * h, True, False, False, h))
+        if L.add_bias_linear:
+            rows.append(("mlp.fc1_latent_proj.bias", lat, True, False, False, 0))
+        rows.append(("mlp.fc2_latent_proj.weight", h * lat, True, False, False, lat))
+        if L.add_bias_linear:
+            rows.append(("mlp.fc2_latent_proj.bias", h, True, False, False, 0))
+        h = lat     # the routed experts' input and output width (mlp.py / experts.py: moe_latent_size)
     fc1, fc2 = g * F // etp, F // etp
     if m.moe_use_legacy_grouped_gemm:
         # GroupedMLP (core 0.16.1 experts.py): weight1 [h, E_l g F / ETP] and weight2 [E_l F / ETP, h], the same
@@ -120,6 +131,7 @@ def moe_param_rows(L: Any, m: MoeSpec) -> list[tuple[str, int, bool, bool, bool,
             if L.add_bias_linear:
                 rows.append((f"mlp.experts.local_experts.{i}.linear_fc2.bias", h, False, False, True, 0))
     Fs = m.moe_shared_expert_intermediate_size
+    h = L.hidden_size   # the shared experts work on the full hidden states
     if Fs:
         tp = L.tp
         rows.append(("mlp.shared_experts.linear_fc1.weight", g * Fs // tp * h, False, False, False, h))
@@ -378,6 +390,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     T = tokens_per_rank(L)
     E, k, El, etp, ep = m.num_experts, m.moe_router_topk, m.local_experts, m.etp, m.ep
     p = router_bytes(m, e)
+    hx = m.moe_latent_size or h      # the width the dispatcher and the routed experts move (latent MoE)
     er = expert_rows(m, T)
     if rows is None:
         N = er.worst if m.routing == "worst" else er.balanced
@@ -435,12 +448,16 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
             perm = 16 * sent                       # 0.19: int64 flat_sorted and sorted_indices [T*k]
         saved["moe_permute_maps"] = perm
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
-    saved["moe_expert_input"] = e * N * h + p * N
+    saved["moe_expert_input"] = e * N * hx + p * N
+    if m.moe_latent_size:
+        # fc2_latent_proj keeps its input, the combined tokens [T, latent]; fc1_latent_proj's input is the
+        # pre-MLP norm's output (the router's, counted with the layer)
+        saved["moe_latent_projections"] = e * T * hx
     if m.moe_apply_probs_on_input:
         # --moe-apply-probs-on-input (TEGroupedMLP / SequentialMLP.forward, core 0.16.1 and 0.19.2 experts.py):
         # ``probs * tokens`` keeps the dispatched tokens [N, h] (fc1 then keeps the scaled copy, counted above)
         # and the probs [N] (which the activation no longer keeps); the activation keeps ``ones_like(probs)`` [N]
-        saved["moe_probs_on_input"] = e * N * h + p * N
+        saved["moe_probs_on_input"] = e * N * hx + p * N
     # experts: fc1's output kept by the activation, the activation's own saves, fc2's input
     # TE's fused grouped MLP (--use-transformer-engine-op-fuser, megatron-core 0.19.2
     # TEGroupedMLP._fused_forward): GroupedLinear, ScaledSwiGLU, GroupedLinear ops, assumed to save
@@ -500,17 +517,17 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
     if disp == "flex":
         # DeepEP's received tokens [R, h] next to the permuted, the experts' output and the unpermuted rows
-        permuted = e * flex_rows(m, T, worst=rows is None and m.routing == "worst") * h
+        permuted = e * flex_rows(m, T, worst=rows is None and m.routing == "worst") * hx
     else:
-        permuted = e * (N if disp == "allgather" else sent) * h
-    fwd = permuted + 3 * e * N * h
+        permuted = e * (N if disp == "allgather" else sent) * hx
+    fwd = permuted + 3 * e * N * hx
     if p > e:
         # the combine casts the experts' output to the probs dtype before the reduce-scatter: a transient
         # [T*ETP*EP, h] (allgather) or [N, h] (alltoall with ETP > 1) copy in the router dtype
         if disp == "allgather" and etp * ep > 1:
-            fwd += p * T * etp * ep * h
+            fwd += p * T * etp * ep * hx
         elif disp == "alltoall" and etp > 1:
-            fwd += p * N * h
+            fwd += p * N * hx
     if quantile_balancing(m):
         fwd = max(fwd, quantile_balancing_transient(L, m, T))
     # backward: the output gradient, then the gradients of the experts' output, fc2 input, fc1 output,
@@ -522,16 +539,16 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     if "moe_probs_on_input" in saved:
         # the input scaling's backward: fc1's input gradient and the tokens' gradient (both in the probs dtype
         # when it is wider: the product was computed in it; read, not measured)
-        scale = ((rel_exp | {"moe_expert_input"}, G_out + e * N * h + (2 * p * N * h if p > e else e * N * h)),)
+        scale = ((rel_exp | {"moe_expert_input"}, G_out + e * N * hx + (2 * p * N * hx if p > e else e * N * hx)),)
     # GroupedMLP's gmm computes each weight's gradient as a new tensor (no fused accumulation into main_grad):
     # [E_l F_r, h] at fc2, [h, E_l g F_r] at fc1, until DDP's hook adds it to the gradient buffer
     w2 = e * El * Fr * h if m.moe_use_legacy_grouped_gemm else 0
     bwd = (
-        (frozenset(), G_out + e * N * h + e * N * Fr + w2),                                   # fc2
+        (frozenset(), G_out + e * N * hx + e * N * Fr + w2),                                  # fc2
         (frozenset(), G_out + e * N * Fr + e * N * g * Fr),                                   # activation
-        (rel_exp, G_out + e * N * g * Fr + e * N * h + g * w2),                               # fc1
+        (rel_exp, G_out + e * N * g * Fr + e * N * hx + g * w2),                              # fc1
         *scale,                                                                               # probs x input
-        (rel_in, G_out + e * N * h + permuted),                                               # dispatch
+        (rel_in, G_out + e * N * hx + permuted),                                              # dispatch
         (frozenset(saved), 2 * G_out),                                                        # router
     )
     return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N)
@@ -631,7 +648,8 @@ def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
         return kept
     N = T * m.moe_router_topk * m.etp
     F = m.moe_ffn_hidden_size // m.etp
-    return kept + e * N * h + e * N * (2 if L.gated_linear_unit else 1) * F + e * N * F
+    hx = m.moe_latent_size or h
+    return kept + e * N * hx + e * N * (2 if L.gated_linear_unit else 1) * F + e * N * F
 
 
 # ----------------------------------------------------------------------------------------------
@@ -659,7 +677,11 @@ def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
     m = _spec(L)
     h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
     F = m.moe_ffn_hidden_size // m.etp
-    out = {"experts.linear_fc1": (g * F, h), "experts.linear_fc2": (h, F)}
+    hx = m.moe_latent_size or h
+    out = {"experts.linear_fc1": (g * F, hx), "experts.linear_fc2": (hx, F)}
+    if m.moe_latent_size:
+        out["fc1_latent_proj"] = (hx, h)
+        out["fc2_latent_proj"] = (h, hx)
     Fs = m.moe_shared_expert_intermediate_size
     if Fs:
         out["shared_experts.linear_fc1"] = (g * Fs // L.tp, h)
@@ -672,9 +694,12 @@ def param_count(L: Any) -> int:
     m = _spec(L)
     h, g = L.hidden_size, (2 if L.gated_linear_unit else 1)
     E, F = m.num_experts, m.moe_ffn_hidden_size
-    n = (2 if L.normalization == "LayerNorm" else 1) * h + E * h + E * (g + 1) * F * h
+    hx = m.moe_latent_size or h
+    n = (2 if L.normalization == "LayerNorm" else 1) * h + E * h + E * (g + 1) * F * hx
     if L.add_bias_linear:
-        n += E + E * (g * F + h)
+        n += E + E * (g * F + hx)
+    if m.moe_latent_size:
+        n += 2 * hx * h + ((hx + h) if L.add_bias_linear else 0)
     Fs = m.moe_shared_expert_intermediate_size
     if Fs:
         n += (g + 1) * Fs * h + (h if m.moe_shared_expert_gate else 0)

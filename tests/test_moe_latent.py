@@ -1,0 +1,110 @@
+"""--moe-latent-size (latent MoE, megatron-core 0.16.1 and 0.19.2 transformer/moe/moe_layer.py): the router reads
+the full hidden states; ``fc1_latent_proj`` [latent, h] projects them down before the dispatch and
+``fc2_latent_proj`` [h, latent] back up after the combine, both TELinear parallel_mode "duplicated" (whole on every
+TP rank); the dispatcher and the routed experts work at the latent width (mlp.py / experts.py: fc1 [g F, latent],
+fc2 [latent, F]); the shared experts stay on the full hidden states. validate_args: a positive size;
+MoELayer.preprocess: no shared-expert overlap in training; GroupedMLP asserts no latent.
+
+The first test builds the model with megatron-core's own MoELayer on CPU (tests/e2e/moe_rank_params.py, the TE
+projections by the MLA down projections' stand-in), in this interpreter's era and the other venv's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.estimator.layers.moe import moe_activations
+from megatron_memguard.estimator.params import chunk_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 2 layers, h 64, SwiGLU, 4 experts of F 96 at latent 32, top-2, TP 2 with SP, EP 2: 2 local experts a rank
+FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16 --ffn-hidden-size 128 "
+         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 2 "
+         "--tensor-model-parallel-size 2 --sequence-parallel --tokenizer-type NullTokenizer --vocab-size 1024 --bf16 "
+         "--position-embedding-type rope --normalization RMSNorm --num-experts 4 --moe-router-topk 2 "
+         "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-ffn-hidden-size 96 "
+         "--moe-token-dispatcher-type alltoall --swiglu --disable-bias-linear --untie-embeddings-and-output-weights").split()
+LATENT = ["--moe-latent-size", "32"]
+H, F, LAT, EL = 64, 96, 32, 2
+
+
+def _layout(extra=(), version=None):
+    return layout_from_flags(FLAGS + list(extra), world_size=2, megatron_version=version)
+
+
+def _pythons() -> list[str]:
+    out = [sys.executable]
+    other = os.environ.get("MEMGUARD_PY312") or os.path.join(ROOT, ".venv312", "bin", "python")
+    if os.path.exists(other) and os.path.realpath(other) != os.path.realpath(sys.executable):
+        out.append(other)
+    return out
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_parameters_are_megatron_cores(which):
+    pythons = _pythons()
+    if which >= len(pythons):
+        pytest.skip("no second Python with megatron-core ($MEMGUARD_PY312, .venv312)")
+    py = pythons[which]
+    ver = subprocess.run([py, "-c", "from megatron.core import package_info as p; print(p.__version__)"],
+                         capture_output=True, text=True)
+    if ver.returncode:
+        pytest.skip("megatron-core is not installed")
+    era = "0.16" if ver.stdout.startswith("0.16") else "0.19"
+    L = _layout(LATENT, era)
+    job = dict(num_layers=2, hidden_size=H, heads=4, kv_channels=16, groups=None, ffn=128, bias=False, glu=True,
+               norm="RMSNorm", tp=2, pp=1, vpp=None, ep=2, etp=1, experts=4, moe_ffn=F, topk=2, freq=1,
+               shared_ffn=None, shared_gate=False, expert_bias=False, untied=True, seq=64, mtp=None, mla=None,
+               first=None, last=None, acc_emb=False, acc_loss=False, layout=None, vocab=L.padded_vocab_size,
+               latent=LAT, ranks=[[0, None, 0, 0, 0], [0, None, 1, 1, 0]])
+    env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT=f"2959{6 + which}", MASTER_PORT=f"2959{6 + which}")
+    out = subprocess.run([py, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps([job])],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mine = chunk_params(L, L.stage_chunks(0)[0])
+    for r in json.loads(out.stdout.strip().splitlines()[-1])[0]:
+        assert r["params"] == sum(p.numel for p in mine)
+        # routed experts at the latent width: 2 layers x 2 local experts x (2 F + F) x 32 = 36,864
+        assert r["tags"]["expert"] == sum(p.numel for p in mine if p.expert) == 2 * EL * 3 * F * LAT == 36_864
+
+
+def test_projections_by_hand():
+    plain, lat = chunk_params(_layout(), _layout().stage_chunks(0)[0]), chunk_params(
+        _layout(LATENT), _layout(LATENT).stage_chunks(0)[0])
+    names = {p.name.split("layers.0.")[-1]: p.numel for p in lat if "layers.0." in p.name}
+    assert names["mlp.fc1_latent_proj.weight"] == names["mlp.fc2_latent_proj.weight"] == LAT * H == 2_048
+    # per layer: + 2 projections, experts (2 F + F) x (latent - h) x E_l
+    assert sum(p.numel for p in lat) - sum(p.numel for p in plain) == 2 * (2 * LAT * H + EL * 3 * F * (LAT - H))
+
+
+def test_activations_by_hand():
+    L0, L1 = _layout(), _layout(LATENT)
+    a0, a1 = moe_activations(L0, L0.moe), moe_activations(L1, L1.moe)
+    T, N = 64, 128                # T = s b / TP = 64 tokens a rank; N = T k = 128
+    assert a1.rows == N
+    # the dispatched tokens [N, latent] bf16 and their bf16 probs
+    assert a1.saved["moe_expert_input"] == 2 * N * LAT + 2 * N
+    assert a0.saved["moe_expert_input"] - a1.saved["moe_expert_input"] == 2 * N * (H - LAT)
+    # fc2_latent_proj keeps the combined tokens [T, latent]
+    assert a1.saved["moe_latent_projections"] == 2 * T * LAT
+    assert a1.saved["moe_expert_activations"] == a0.saved["moe_expert_activations"]   # F-wide, as before
+    assert estimate(L1).stages[0].peak_allocated_bytes < estimate(L0).stages[0].peak_allocated_bytes
+
+
+def test_rules_and_refusals_name_the_flag():
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _layout(["--moe-latent-size", "0"])
+    assert str(e.value).startswith("--moe-latent-size: must be greater than zero")
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _layout(LATENT + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"])
+    assert str(e.value).startswith("--moe-shared-expert-overlap: does not work with --moe-latent-size")
+    for extra in (["--moe-token-dispatcher-type", "allgather"], ["--fp8-format", "hybrid"]):
+        with pytest.raises(NotModelledError) as e:
+            _layout(LATENT + extra)
+        assert str(e.value).startswith("--moe-latent-size:")
