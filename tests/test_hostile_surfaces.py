@@ -189,3 +189,20 @@ def test_is_oom_never_raises():
             raise ValueError("no message")
     assert is_oom(Unprintable()) is False
     assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is True
+
+
+# --- figures -----------------------------------------------------------------------------------------------
+def test_report_figure_is_as_wide_as_its_table():
+    # one pipeline stage, 7.5 in wide, under a per-rank table of 14 columns (about 150 characters at 8 pt,
+    # 10.5 in): the constrained layout collapsed, matplotlib warned on stderr and cut off the title and table
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from fuzz_util import RUNLOG
+    run = {"memguard-rank00000.jsonl": "\n".join(json.dumps(r) for r in RUNLOG) + "\n"}
+    with warnings.catch_warnings(record=True) as caught:   # (the CLI prints them on stderr; pytest would keep them)
+        warnings.simplefilter("always")
+        o = run_memguard(["report", ".", "--out", "r.png"], run, cpu_limit=10.0)
+    assert not o.problems and o.code == 1, o.describe()
+    assert o.err.strip() == "memguard: report written to r.png"
+    assert [str(w.message) for w in caught] == []
