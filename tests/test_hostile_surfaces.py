@@ -206,3 +206,19 @@ def test_report_figure_is_as_wide_as_its_table():
     assert not o.problems and o.code == 1, o.describe()
     assert o.err.strip() == "memguard: report written to r.png"
     assert [str(w.message) for w in caught] == []
+
+
+def test_bridge_preflight_reads_numpy_numbers_in_a_container_dict():
+    # 'model.num_layers: must be an integer, got np.int64(4)': the pre-flight left the run unchecked
+    import textwrap
+
+    import yaml
+
+    from megatron_memguard.bridge import preflight
+    from test_readers_bridge import FLAT
+    doc = yaml.safe_load(textwrap.dedent(FLAT))
+    as_numpy = {k: ({f: _numpy(v) for f, v in sec.items()} if isinstance(sec, dict) else sec) for k, sec in doc.items()}
+    said: list[list[str]] = [[], []]
+    results = [preflight(d, world_size=8, gpu="H100-80GB", mode="report", emit=said[i].append, environ={})
+               for i, d in enumerate((doc, as_numpy))]
+    assert results[0].reason == results[1].reason == "" and said[0] == said[1] and "verdict: FITS" in said[0][0]
