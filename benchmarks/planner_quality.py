@@ -812,6 +812,38 @@ def cand_nosp_p2p(p: Planner, c: Candidate) -> float:
     return 2 * p.step_time(c).term_seconds["pp_p2p"]
 
 
+# PyTorch eager rotary embedding (q * cos + rotate_half(q) * sin, per q/k element, bf16): forward q*cos r2 w2, rotate_half
+# (neg of a half r1 w1 per element, cat r2 w2), * sin r2 w2, add r4 w2 = 20 B; backward grad*sin r2 w2, neg r1 w1, grad*cos
+# r2 w2, the two paths added r4 w2 = 16 B: 36 B against the fused kernel's 8 (planner/timing.py ROPE_BYTES).
+EAGER_ROPE_EXTRA = 36 - 8
+# PyTorch eager SwiGLU (silu(x1) * x2, per FFN element): forward silu r2 w2, mul r2 r2 w2 = 10 B; backward g * silu(x1)
+# r2 r2 w2, g * x2 r2 r2 w2, silu's backward r2 r2 w2, the two halves' gradients copied into fc1's output gradient
+# r4 w4 = 26 B: 36 B against the fused kernel's 16 (planner/timing.py ELEM_F_BYTES_GATED).
+EAGER_SWIGLU_EXTRA = 36 - 16
+# their extra kernels per layer: rope 2 x (4 forward + 4 backward) beyond one fused each, SwiGLU 1 + 3
+EAGER_KERNELS_EXTRA = 16 + 4
+
+
+def cand_eager_elementwise(p: Planner, c: Candidate) -> float:
+    """The Hagemann target sheets name two fused kernels, FlashAttention-2 and RMSNorm: the rotary embedding and
+    the SwiGLU run as PyTorch's eager operators instead of Megatron's fused ones (bytes above), per layer and
+    micro-batch on the slowest rank, the full recompute doing their forwards again."""
+    from megatron_memguard.planner.kernels import memory_seconds
+    from megatron_memguard.planner.timing import KERNEL_GAP
+    t = p.timer
+    s = t.shape
+    st = p.step_time(c)
+    n = c.stage_layers[st.critical_stage]
+    M = c.mbs * s.seq_length // c.cp
+    rope = (s.heads // c.tp + s.kv_heads_per_rank(c.tp)) * s.kv_channels * M      # rotated q and k elements
+    swiglu = (s.ffn // c.tp) * M if s.gated else 0
+    per_layer = memory_seconds((EAGER_ROPE_EXTRA * rope + EAGER_SWIGLU_EXTRA * swiglu) * s.act_bytes / 2, t.gpu) \
+        + EAGER_KERNELS_EXTRA * KERNEL_GAP
+    if c.recompute == "full":
+        per_layer *= 1.5            # the forwards (about a third of each) run again
+    return c.m * n * per_layer
+
+
 CANDIDATES = {
     "dp_exposed": cand_dp_exposed,
     "bucket_latency": cand_bucket_latency,
@@ -822,6 +854,7 @@ CANDIDATES = {
     "host_dispatch": cand_host_dispatch,
     "network_100": cand_network_100,
     "nosp_p2p_x3": cand_nosp_p2p,
+    "eager_elementwise": cand_eager_elementwise,
 }
 
 

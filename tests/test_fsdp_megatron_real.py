@@ -100,3 +100,41 @@ def test_hybrid_fsdp_with_outer_optimizer_sharding_accepted_by_both(megatron):
     L = memguard(*FSDP, *flags)
     assert args.outer_dp_sharding_strategy == L.outer_dp_sharding_strategy == "optim"
     assert L.parallel.shard_size(ShardGroup.DENSE_DP) == 8 // args.num_distributed_optimizer_instances
+
+
+@pytest.mark.parametrize("flags", [
+    FSDP + ["--cuda-graph-impl", "local"],
+    FSDP + ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"],
+    FSDP + ["--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype", "fp32"],
+    FSDP + ["--use-precision-aware-optimizer", "--cuda-graph-impl", "transformer_engine"],
+    ["--use-distributed-optimizer", "--ddp-reduce-scatter-with-fp32-accumulation", "--use-nccl-ub"],
+    ["--grad-reduce-in-bf16", "--ddp-param-name-patterns-for-fp32-local-accumulation", "*norm*", "all"],
+])
+def test_the_ddp_config_megatron_builds_is_the_one_memguard_reads(megatron, flags):
+    """training.py get_megatron_ddp_config (0.19.2) on the validated namespace: the CUDA-graph-safe mode, decoupled
+    gradients, the double buffers --use-nccl-ub turns on, the gradient communication dtype and DDP's fp32 options
+    are what the layout holds (DistributedDataParallelConfig.__post_init__ runs its asserts too)."""
+    from megatron.training.training import get_megatron_ddp_config
+    from megatron_memguard import resolve
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    args = megatron(*flags)
+    ddp = get_megatron_ddp_config(args)
+    L = memguard(*flags)
+    N = resolve(raw_from_namespace(args), world_size=8, megatron_version="0.19.2")   # the hook's reading
+    for f in ("megatron_fsdp_cuda_graph_mode", "megatron_fsdp_grad_comm_dtype", "fsdp_all_gather_in_start_param_sync",
+              "nccl_ub", "fsdp_double_buffer", "ddp_reduce_scatter_with_fp32_accumulation",
+              "ddp_param_name_patterns_for_fp32_local_accumulation"):
+        assert getattr(N, f) == getattr(L, f), f
+    fsdp = bool(args.use_megatron_fsdp)
+    assert L.megatron_fsdp_cuda_graph_mode == (fsdp and bool(ddp.megatron_fsdp_cuda_graph_mode))
+    assert L.nccl_ub == bool(ddp.nccl_ub)
+    if fsdp:
+        assert L.fsdp_double_buffer == bool(ddp.fsdp_double_buffer)
+        assert L.fsdp_all_gather_in_start_param_sync == bool(ddp.fsdp_all_gather_in_start_param_sync)
+        assert bool(ddp.megatron_fsdp_use_decoupled_grad) == L.use_precision_aware_optimizer
+        comm = ddp.megatron_fsdp_grad_comm_dtype
+        assert L.megatron_fsdp_grad_comm_dtype == ("auto" if comm is None else {"torch.float32": "fp32"}[str(comm)])
+    else:
+        assert L.ddp_reduce_scatter_with_fp32_accumulation == bool(ddp.reduce_scatter_with_fp32_accumulation)
+        assert L.ddp_param_name_patterns_for_fp32_local_accumulation == tuple(
+            ddp.param_name_patterns_for_fp32_local_accumulation)

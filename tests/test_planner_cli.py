@@ -86,7 +86,8 @@ def test_explain_terms_sum_to_the_step_time(capsys):
     step = terms.pop("= step")
     assert list(terms) == list(TERM_NAMES)
     assert sum(terms.values()) == pytest.approx(step, abs=5e-4)      # printed to 0.1 ms
-    assert "(PP-1)/(VPP*m) = 3/(5*32)" in out
+    assert "the other 3 ranks' work per micro-batch / VPP" in out and "/ 5 (step = m x slowest rank" in out
+    assert "one micro-batch per rank, ms:" in out and "slowest rank 3" in out
     assert "memory: fits" in out
     code, out, _ = run(capsys, "plan", "--gpus", "1024", "--seq-length", "8192", "--global-batch-size", "1024",
                        "--explain", "tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none", "--json", model=LLAMA31_70B)

@@ -280,3 +280,34 @@ def test_micro_batch_gain_errors_run_opposite_ways_in_the_two_frameworks():
     e = mbs_gain_errors(_targets())
     assert e["fujii"][0] == 22 and e["fujii"][1] <= -0.7
     assert e["hagemann"][0] == 49 and e["hagemann"][1] >= 0.4
+
+
+def test_candidate_eager_elementwise_by_hand():
+    """PyTorch's eager rotary embedding and SwiGLU (the target sheets fuse only FlashAttention-2 and RMSNorm),
+    LLaMA-13B TP1 PP1 MBS1 at sequence 2048 on 32 A100-80GB (GBS 2048: DP 32, 64 micro-batches): per layer
+    and micro-batch (40 + 40 heads) x 128 x 2048 = 20,971,520 rotated q/k elements at 36 - 8 = 28 more bytes
+    and 13,824 x 2048 = 28,311,552 SwiGLU elements at 36 - 16 = 20 more: 1,153,433,600 B at 80% of
+    2.039 TB/s, and 20 more kernels of 2 us; x 40 layers x 64 micro-batches."""
+    from benchmarks.planner_quality import cand_eager_elementwise
+    _, sc, P = _ratio("LLaMA-13B s2048 32 x A100-80GB", "TP1 CP1 PP1 MBS1")
+    assert (sc.candidate.m, sc.candidate.stage_layers) == (64, (40,))
+    nbytes = 28 * 20_971_520 + 20 * 28_311_552
+    assert nbytes == 1_153_433_600
+    per_layer = nbytes / (0.8 * 2.039e12) + 20 * 2e-6
+    assert math.isclose(cand_eager_elementwise(P, sc.candidate), 64 * 40 * per_layer, rel_tol=1e-9)
+
+
+def test_hagemann_256_gpu_tp1_pp4_against_tp4_pp1_at_equal_data_parallel_groups():
+    """LLaMA-30B s2048 on 256 GPUs (docs/planner.md section 5.2): TP1 PP4 MBS1 and TP4 PP1 MBS1 noSP reduce the
+    same parameters per GPU over DP 64 (8 and 2 GPUs of the group per node). Measured, TP1 PP4 runs 33% faster;
+    the model, with TP4's synchronous all-reduces and the 2-NIC ring, has under 10%. And memguard estimates
+    TP1 PP4 MBS1 tight (above the 80% threshold), so `memguard plan` would not return that first choice."""
+    r1, s1, P = _ratio("LLaMA-30B s2048 256 x A100-80GB", "TP1 CP1 PP4 MBS1")
+    r4, s4, _ = _ratio("LLaMA-30B s2048 256 x A100-80GB", "TP4 CP1 PP1 MBS1 noSP")
+    c1, c4 = s1.candidate, s4.candidate
+    assert c1.dp == c4.dp == 64
+    assert (P.timer.dpcp_per_domain(1, 64), P.timer.dpcp_per_domain(4, 64)) == (8, 2)
+    assert abs(P.timer.stage_params(c1, 0) / P.timer.stage_params(c4, 0) - 1) < 0.05
+    assert s1.run.throughput / s4.run.throughput > 1.30
+    assert 1.0 < s4.seconds / s1.seconds < 1.10
+    assert s1.verdict == "tight" and s4.verdict == "fits"

@@ -103,6 +103,19 @@ def test_nemo2_optimizer_keys(tmp_path):
         read(tmp_path, base.replace("    optimizer: adam\n", "    optimizer: lion\n"), "nemo2.yaml")
 
 
+def test_nemo2_ddp_fp32_and_user_buffer_keys(tmp_path):
+    """trainer.strategy.ddp.nccl_ub (dropped before), reduce_scatter_with_fp32_accumulation and
+    param_name_patterns_for_fp32_local_accumulation reach memguard under their Megatron dests."""
+    base = textwrap.dedent(QWEN3_30B_A3B_EXPORT)
+    text = base.replace("      overlap_param_gather: true\n", "      overlap_param_gather: true\n"
+                        "      nccl_ub: true\n      reduce_scatter_with_fp32_accumulation: true\n"
+                        "      param_name_patterns_for_fp32_local_accumulation: ['*router*']\n")
+    raw = read(tmp_path, text, "nemo2.yaml")
+    assert raw.args["nccl_ub"] is True and raw.args["ddp_reduce_scatter_with_fp32_accumulation"] is True
+    assert list(raw.args["ddp_param_name_patterns_for_fp32_local_accumulation"]) == ["*router*"]
+    assert raw.origin["nccl_ub"] == "trainer.strategy.ddp.nccl_ub"
+
+
 @pytest.mark.parametrize("name", ["lion", "soap", "muon"])
 def test_nemo1_has_no_emerging_optimizers(tmp_path, name):
     """NeMo 1 builds optimizers from its own registry (nemo/core/optim/optimizers.py), which has none of
@@ -160,13 +173,30 @@ def test_functional_test_yaml_model_args_estimate_as_the_flags(tmp_path, extra):
     assert [terms(estimate(L), i) for i in range(L.pp)] == [terms(estimate(M), i) for i in range(M.pp)]
 
 
-@pytest.mark.parametrize("name", ["megatron_fsdp_cuda_graph_mode", "megatron_fsdp_use_decoupled_grad"])
-def test_bridge_fsdp_gradient_modes_without_a_megatron_flag_are_refused_by_name(tmp_path, name):
-    """DistributedDataParallelConfig fields of core 0.19.2 with no Megatron flag that change the gradient copies
-    Megatron-FSDP keeps: dropped silently before, refused naming the key now."""
-    raw = read(tmp_path, bridge("adam", extra_ddp=f", use_megatron_fsdp: true, "
-                                f"data_parallel_sharding_strategy: optim_grads_params, {name}: true"))
-    with pytest.raises(NotModelledError, match=rf"^ddp\.{name}: "):
+def test_bridge_fsdp_gradient_modes_without_a_megatron_flag_are_read(tmp_path):
+    """DistributedDataParallelConfig fields of core 0.18+ with no Megatron flag that change the gradient copies
+    Megatron-FSDP keeps: dropped silently at first, then refused, modelled now (tests/test_ddp_fsdp_flags.py).
+    The CUDA-graph-safe mode keeps the cast gradient copy (main_grad_copies) through the next iteration; decoupled
+    gradients need the precision-aware optimizer."""
+    fsdp = ", use_megatron_fsdp: true, data_parallel_sharding_strategy: optim_grads_params"
+    raw = read(tmp_path, bridge("adam", extra_ddp=fsdp + ", megatron_fsdp_cuda_graph_mode: true"))
+    L = resolve(raw, world_size=8)
+    assert L.megatron_fsdp_cuda_graph_mode
+    t = terms(estimate(L))
+    assert t["main_grad_copies"] == t["main_parameters"] > 0
+    raw = read(tmp_path, bridge("adam", extra_ddp=fsdp + ", megatron_fsdp_use_decoupled_grad: true"))
+    with pytest.raises(ConfigError, match=r"^ddp\.megatron_fsdp_use_decoupled_grad: .*precision-aware"):
         resolve(raw, world_size=8)
-    raw = read(tmp_path, bridge("adam", extra_ddp=f", use_megatron_fsdp: true, {name}: false"))
+    raw = read(tmp_path, bridge("adam", extra_ddp=", use_megatron_fsdp: true, megatron_fsdp_cuda_graph_mode: false"))
     assert resolve(raw, world_size=8).use_megatron_fsdp
+
+
+def test_bridge_ddp_fp32_keys_are_read(tmp_path):
+    """ddp.reduce_scatter_with_fp32_accumulation and ddp.param_name_patterns_for_fp32_local_accumulation reach the
+    Megatron dests (resolve/optimizer.py)."""
+    raw = read(tmp_path, bridge("adam", extra_ddp=", reduce_scatter_with_fp32_accumulation: true, nccl_ub: true"))
+    L = resolve(raw, world_size=8)
+    assert L.ddp_reduce_scatter_with_fp32_accumulation and L.nccl_ub
+    raw = read(tmp_path, bridge("adam", extra_ddp=", param_name_patterns_for_fp32_local_accumulation: ['*norm*']"))
+    with pytest.raises(ConfigError, match=r"^ddp\.param_name_patterns_for_fp32_local_accumulation: .*grad_reduce_in_fp32"):
+        resolve(raw, world_size=8)      # the helper's ddp writes grad_reduce_in_fp32: true

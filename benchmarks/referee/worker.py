@@ -98,6 +98,9 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
     num_iterations=2,
     referee_adam_kernel="fused",  # see shims.configure_torch_optimizer
     referee_dump_top=30,
+    # path prefix: write every allocation record ([alloc seq, free seq, bytes, op, dtype, shape, phase])
+    # to <prefix>.rank<R>.json, for replays such as benchmarks/referee/allocator_replay.py
+    referee_allocation_log=None,
 )
 
 
@@ -572,6 +575,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
                 ddp_kwargs["bucket_size"] = args.ddp_bucket_size
             ddp_kwargs["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
             ddp_kwargs["average_in_collective"] = args.ddp_average_in_collective
+            # get_megatron_ddp_config: --ddp-reduce-scatter-with-fp32-accumulation (a field of 0.16.1's config)
+            ddp_kwargs["reduce_scatter_with_fp32_accumulation"] = bool(
+                getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False))
             ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
             if getattr(args, "use_megatron_fsdp", False):
                 # get_model (training.py, 0.16): Megatron-FSDP's adapter instead of DDP
@@ -709,6 +715,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         # one until its worker thread finishes with it: wait for the collectives, then for the reading to settle.
         torch.distributed.barrier()
         _settle(tracker)
+        if args.referee_allocation_log:
+            with open(f"{args.referee_allocation_log}.rank{rank}.json", "w") as fh:
+                json.dump(tracker.records, fh)
         bytes_after_step = tracker.current
         bytes_after_step_r512 = tracker.current_r512
         r_all = tracker.region_result("iterations")

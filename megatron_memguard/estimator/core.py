@@ -22,6 +22,7 @@ from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
+from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
@@ -529,6 +530,11 @@ def _state_detail(L: Layout, st: StageStates, name: str) -> str:
         return f"{st.parameters:,} params x {L.param_bytes} B" + (" (padded param buffer)" if L.use_distributed_optimizer else "")
     if name == "gradient_buffer":
         return f"{st.buffer_numel:,} elements x {L.grad_bytes} B ({st.buffer_numel - st.buffer_numel_unpadded:,} padding)"
+    if name == "fp32_local_main_grads":
+        pats = " ".join(L.ddp_param_name_patterns_for_fp32_local_accumulation)
+        return ("fp32 main_grad of each parameter matching --ddp-param-name-patterns-for-fp32-local-accumulation "
+                f"({pats[:80]}), next to its slot in the 16-bit gradient buffer; the step's fp32 copies still count "
+                "them (errs high)")
     return {"main_parameters": "fp32 master weights", "main_grad_copies": "fp32 copies of 16-bit gradients, from the "
             "step until the next zero_grad", "adam_exp_avg": f"{L.exp_avg_dtype} first moment",
             "adam_exp_avg_sq": f"{L.exp_avg_sq_dtype} second moment", "sgd_momentum": "fp32 momentum"}[name] + shard
@@ -735,6 +741,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             and not offload_enabled(L)):
         # the common case: the state terms as _state_rows lists them, their Term objects made when first read
         state_rows, step_rows = _state_rows(L, st)
+        fp32_grads = 4 * fp32_local_accumulation_numel(L, pp_rank)
+        if fp32_grads:
+            state_rows = state_rows[:2] + (("fp32_local_main_grads", fp32_grads, "gradients"),) + state_rows[2:]
         state_bytes, step_bytes = sum([r[1] for r in state_rows]), sum([r[1] for r in step_rows])
         state_terms, step_terms = partial(_state_row_terms, L, st, state_rows), partial(_state_row_terms, L, st, step_rows)
     else:
@@ -753,6 +762,12 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
             step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
             host_terms = ot.host_terms
+        fp32_grads = 4 * fp32_local_accumulation_numel(L, pp_rank) if ft is None else 0
+        if fp32_grads:
+            at = max((i + 1 for i, t in enumerate(state_terms) if t.group == "gradients"), default=0)
+            state_terms = (tuple(state_terms[:at]) + (Term("fp32_local_main_grads", fp32_grads, "gradients", _ALLOCATED,
+                                                           partial(_state_detail, L, st, "fp32_local_main_grads")),)
+                           + tuple(state_terms[at:]))
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
@@ -876,13 +891,25 @@ def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: Si
     """The stage's totals at the largest of its schedule's peak, finalize_model_grads and the optimizer step,
     and its terms there (made when first read: _assemble_terms)."""
     finalize, retained_bytes = pr.finalize, pr.retained_bytes
+    # --ddp-reduce-scatter-with-fp32-accumulation: finish_grad_sync, first in finalize_model_grads, reduces one
+    # bucket at a time before the TP all-reduce of the replicated gradients (estimator/ddp_extras.py)
+    rs_fp32 = rs_fp32_accumulation_bytes(L, pp_rank) if L.ddp_reduce_scatter_with_fp32_accumulation else 0
+    finalize = max(finalize, rs_fp32)
     held_moe = 0                            # the moe_layer_activations bytes at the peak
     act_terms: list[Term] | None
     if finalize + retained_bytes > max(act_peak, step_bytes + retained_bytes):
         # after the last backward, before the step: nothing but the coalesced gradients is in flight
-        act_terms = [*pr.retained, Term("replicated_grad_allreduce", finalize, "transients",
-                                     detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
-                                            "MLA down projections) all-reduced over TP by finalize_model_grads")]
+        if rs_fp32 and rs_fp32 == finalize:
+            fin = Term("rs_fp32_accumulation_buffers", finalize, "transients",
+                       detail=("the all-to-all outputs (gradient dtype) still outstanding in finish_grad_sync under "
+                               "--overlap-grad-reduce and the largest fp32 shard sum" if L.overlap_grad_reduce else
+                               "the largest bucket's all-to-all output (gradient dtype) and fp32 sum of this rank's "
+                               "shard, reduce-scattered with fp32 accumulation by finish_grad_sync"))
+        else:
+            fin = Term("replicated_grad_allreduce", finalize, "transients",
+                       detail="coalesced copy of the TP-replicated gradients (norms, row-parallel biases, "
+                              "MLA down projections) all-reduced over TP by finalize_model_grads")
+        act_terms = [*pr.retained, fin]
         peak_phase = "finalize_model_grads"
         peak_alloc = base + sum(t.bytes for t in act_terms)
     elif act_peak >= step_bytes + retained_bytes:

@@ -108,7 +108,19 @@ class FsdpSpec:
     overlap_param_gather: bool = False   # on under optim_grads_params: start_param_sync gathers with prefetch only
     fp8_params: bool = False         # --fp8-param-gather: FP8 groups keep 1-byte (uint8) compute weights
     fp8_grad_bytes: int = 2          # main gradient bytes of FP8 groups (bf16 unless fp32 is asked)
+    # megatron_fsdp_cuda_graph_mode (core 0.18+): zero_grad keeps the optimizer's gradient references, so the
+    # cast copy of the gradient shard (step_grad_copy) stays through forward and backward
+    cuda_graph_mode: bool = False
+    # --megatron-fsdp-grad-comm-dtype (core 0.18+): bytes of the full gradient buckets a sharded gradient buffer
+    # fetches for the backward and reduce-scatters (GradReducePipeline, fetch_bucket(dtype=grad_comm_dtype));
+    # None = the main gradients' dtype
+    comm_grad_bytes: int | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def bucket_grad_bytes(self) -> int:
+        """Bytes per element of a full gradient bucket in the backward windows (16/32-bit groups)."""
+        return self.comm_grad_bytes if (self.comm_grad_bytes and self.shards_grads) else self.grad_bytes
 
     @property
     def shards_weights(self) -> bool:
@@ -135,7 +147,9 @@ class FsdpSpec:
                   suggested_communication_unit_size: int | None = None, ddp_bucket_size: int | None = None,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                   data_parallel_size: int = 1, context_parallel_size: int = 1,
-                  torch_fsdp2_reshard_after_forward: bool = True) -> "FsdpSpec":
+                  torch_fsdp2_reshard_after_forward: bool = True,
+                  megatron_fsdp_cuda_graph_mode: bool = False,
+                  megatron_fsdp_grad_comm_dtype: str = "auto") -> "FsdpSpec":
         """The spec Megatron would run with. Names are Megatron's ``args`` names; values as
         ``validate_args`` leaves them (strings for dtypes)."""
         v = version_tuple(megatron_version)
@@ -197,6 +211,10 @@ class FsdpSpec:
                    # under optim_grads_params, whatever --overlap-param-gather says
                    overlap_param_gather=overlap_param_gather or strategy == "optim_grads_params",
                    fp8_params=fp8_param_gather, fp8_grad_bytes=fp8_g,
+                   # (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode: in the 0.18.2 and 0.19.2 wheels only)
+                   cuda_graph_mode=new and megatron_fsdp_cuda_graph_mode,
+                   comm_grad_bytes=(DTYPE_BYTES[megatron_fsdp_grad_comm_dtype]
+                                    if new and megatron_fsdp_grad_comm_dtype not in (None, "auto") else None),
                    notes=tuple(notes))
 
 
@@ -219,6 +237,12 @@ def weight_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
 
 def grad_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
     return spec.fp8_grad_bytes if (g.fp8 and spec.fp8_params) else spec.grad_bytes
+
+
+def bucket_grad_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
+    """Bytes per element of the group's full gradient bucket: the communication dtype when one is set and the
+    gradients are sharded (every group's bucket, FP8 groups' too), else the main gradients'."""
+    return spec.comm_grad_bytes if (spec.comm_grad_bytes and spec.shards_grads) else grad_bytes(spec, g)
 
 
 def shard_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
@@ -381,7 +405,7 @@ def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_
     limit, capacity = cu // 2, cu
     n = len(units)
     queue: list[int] = []
-    outside = non_unit_grad_numel * spec.grad_bytes if spec.shards_grads else 0
+    outside = non_unit_grad_numel * spec.bucket_grad_bytes if spec.shards_grads else 0
     # With --fsdp-double-buffer the units' buckets come out of the persistent pools
     # (fsdp_double_buffers): they add nothing at the moment; the groups outside units still do.
     pool = 0 if spec.double_buffer else 1
@@ -438,9 +462,9 @@ def backward_window(spec: FsdpSpec, units: int, unit_numel: int, released_per_un
     ``non_unit_grad_numel``: gradients outside units produced before the layers' backward (the
     output layer's), queued first under optim_grads / optim_grads_params. ``unit_weight_bytes`` /
     ``unit_grad_bytes``: one unit's full buckets in bytes when its groups mix dtypes (FP8 weights)."""
-    g_b = spec.grad_bytes
+    g_b = spec.bucket_grad_bytes
     uw = unit_numel * spec.param_bytes if unit_weight_bytes is None else unit_weight_bytes
-    ug = unit_numel * spec.grad_bytes if unit_grad_bytes is None else unit_grad_bytes
+    ug = unit_numel * g_b if unit_grad_bytes is None else unit_grad_bytes
     if units <= 0:
         # No units (optim_grads): a group's full gradient bucket is allocated with its first
         # gradient (DataParallelBuffer.fetch_bucket) and lives to the end of the backward.
@@ -542,7 +566,8 @@ def double_buffer_bytes(spec: FsdpSpec, max_unit_numel: int, unit_bytes: int | N
     the largest unit's weight + gradient buckets in bytes when its groups mix dtypes."""
     if spec.impl != "megatron_fsdp" or not spec.double_buffer or not spec.shards_weights:
         return 0
-    per = max_unit_numel * (spec.param_bytes + spec.grad_bytes) if unit_bytes is None else unit_bytes
+    # (main_grad_alloc sizes its pools in grad_comm_dtype when one is set: megatron_fsdp param_and_grad_buffer.py)
+    per = max_unit_numel * (spec.param_bytes + spec.bucket_grad_bytes) if unit_bytes is None else unit_bytes
     return DOUBLE_BUFFER_UNITS * per
 
 
@@ -681,7 +706,7 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
             full = padded_numel(spec, g)
             u[0] += full
             u[1] += full * weight_bytes(spec, g)
-            u[2] += full * grad_bytes(spec, g)
+            u[2] += full * bucket_grad_bytes(spec, g)
     unit_list = tuple(u[0] for u in units.values())
     n = len(unit_list)
     big = max(units.values(), key=lambda u: u[1]) if units else [0, 0, 0]

@@ -37,7 +37,9 @@ def fsdp_spec(L: Any) -> FsdpSpec:
         use_precision_aware_optimizer=L.use_precision_aware_optimizer, optimizer=L.optimizer,
         exp_avg_dtype=L.exp_avg_dtype, exp_avg_sq_dtype=L.exp_avg_sq_dtype,
         fp8_param_gather=bool(_flag(L, "fp8_param_gather", False)),
-        fsdp_double_buffer=bool(_flag(L, "fsdp_double_buffer", False)),
+        fsdp_double_buffer=bool(_flag(L, "fsdp_double_buffer", False)), nccl_ub=bool(_flag(L, "nccl_ub", False)),
+        megatron_fsdp_cuda_graph_mode=bool(_flag(L, "megatron_fsdp_cuda_graph_mode", False)),
+        megatron_fsdp_grad_comm_dtype=_flag(L, "megatron_fsdp_grad_comm_dtype", "auto") or "auto",
         suggested_communication_unit_size=_flag(L, "suggested_communication_unit_size"),
         ddp_bucket_size=L.ddp_bucket_size, overlap_grad_reduce=L.overlap_grad_reduce,
         overlap_param_gather=L.overlap_param_gather, data_parallel_size=L.data_parallel_size,
@@ -181,12 +183,13 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
                        holds_final_norm(L, c))
         total = r.states if total is None else total + r.states
-        after += r.after_step
+        # (fsdp_all_gather_in_start_param_sync off: start_param_sync gathers nothing, megatron_fsdp.py core 0.17+)
+        after += r.after_step if _flag(L, "fsdp_all_gather_in_start_param_sync", True) else 0
         double = max(double, r.double_buffer)
         fw.append(r.forward)
         back = r.backward
         if rel and back.grads and back.step == 0:
-            outside = min(back.grads, r.non_unit_grad_numel * spec.grad_bytes)
+            outside = min(back.grads, r.non_unit_grad_numel * spec.bucket_grad_bytes)
             grads = max(0, outside - rel, back.grads - more)
             back = replace(back, grads=grads)
         bw.append(back)
@@ -216,10 +219,18 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     for name, b, nb in zip(names, total.states, spec.state_bytes):
         st.append(Term(name, b, "optimizer", detail=f"{nb} B x {opt:,} optimizer elements ({impl})"))
     if double:
+        how = "--use-nccl-ub: in the NCCL memory pool" if _flag(L, "nccl_ub", False) else "--fsdp-double-buffer"
         st.append(Term("fsdp_double_buffers", double, "transients",
-                       detail="two unit-sized weight and gradient pools (--fsdp-double-buffer)"))
+                       detail=f"two unit-sized weight and gradient pools ({how})"))
     step = []
-    if total.step_grad_copy:
+    if total.step_grad_copy and spec.cuda_graph_mode:
+        # megatron_fsdp param_and_grad_buffer.py zero_grad (core 0.19.2): in the CUDA-graph-safe mode the
+        # optimizer's gradient shards are not dereferenced, so the copy update_main_grads cast lives on
+        st.append(Term("main_grad_copies", total.step_grad_copy, "optimizer",
+                       detail=f"gradients cast to {spec.main_param_bytes} B for the step on {opt:,} elements, kept "
+                              "through the next iteration: Megatron-FSDP's CUDA-graph-safe mode keeps the "
+                              "references zero_grad would drop"))
+    elif total.step_grad_copy:
         step.append(Term("main_grad_copies", total.step_grad_copy, "optimizer",
                          detail=f"gradients cast to {spec.main_param_bytes} B for the step on {opt:,} elements, "
                                 "kept until the next zero_grad"))

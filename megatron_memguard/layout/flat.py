@@ -49,6 +49,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
               "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy keep_fp8_transpose_cache "
               "log_params_norm"),
     ("provenance", "env"),
+    ("optim", "megatron_fsdp_cuda_graph_mode megatron_fsdp_grad_comm_dtype fsdp_all_gather_in_start_param_sync nccl_ub ddp_reduce_scatter_with_fp32_accumulation "
+              "ddp_param_name_patterns_for_fp32_local_accumulation"),
     ("optim", "freeze_all_layers optimizer_cuda_graph"),
     ("shape", "attention_output_gate"),
     ("recompute", "activation_offload_fraction delta_offload_bytes_across_pp_ranks delay_offload_until_cuda_graph"),
@@ -68,7 +70,8 @@ FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
 FP8_NAMES: frozenset[str] = frozenset(_RUNS[-2][1].split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
-TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules", "tp_comm_overlap_cfg")
+TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules", "tp_comm_overlap_cfg",
+                "ddp_param_name_patterns_for_fp32_local_accumulation")
 # Feature settings the JSON document writes only when set: a layout without the feature keeps the
 # document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
 OMITTED_AT_DEFAULT: dict[str, object] = {
@@ -85,6 +88,9 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "torch_fsdp2_reshard_after_forward": True, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True, "outer_dp_sharding_strategy": "no_shard",
     "keep_fp8_transpose_cache": False, "log_params_norm": False,
+    "megatron_fsdp_cuda_graph_mode": False, "megatron_fsdp_grad_comm_dtype": "auto", "nccl_ub": False,
+    "fsdp_all_gather_in_start_param_sync": True, "ddp_reduce_scatter_with_fp32_accumulation": False,
+    "ddp_param_name_patterns_for_fp32_local_accumulation": (),
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
 }

@@ -57,6 +57,19 @@ class Optimizer:
     # --log-params-norm, read under Megatron-FSDP only: the training loop's params norm releases the unit
     # buckets start_param_sync re-gathered after the step before Megatron logs memory (estimator/fsdp_layout.py)
     log_params_norm: bool = False
+    # Megatron-FSDP's CUDA-graph-safe mode (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode, core 0.18+):
+    # zero_grad keeps the optimizer's gradient references, so a cast copy of the gradient shard persists
+    megatron_fsdp_cuda_graph_mode: bool = False
+    # --megatron-fsdp-grad-comm-dtype (core 0.18+): the full gradient buckets' dtype under sharded gradients
+    megatron_fsdp_grad_comm_dtype: str = "auto"
+    # DistributedDataParallelConfig.fsdp_all_gather_in_start_param_sync (core 0.17+): False = no all-gather after the step
+    fsdp_all_gather_in_start_param_sync: bool = True
+    # --use-nccl-ub: DDP / Megatron-FSDP buffers from an NCCL memory pool (Megatron-FSDP: double buffers on)
+    nccl_ub: bool = False
+    # --ddp-reduce-scatter-with-fp32-accumulation: the all-to-all reduce-scatter's temporaries (estimator/ddp_extras.py)
+    ddp_reduce_scatter_with_fp32_accumulation: bool = False
+    # --ddp-param-name-patterns-for-fp32-local-accumulation (core 0.17+): fp32 main_grad copies of matching parameters
+    ddp_param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
     # optimizer CPU offload (estimator/offload_optimizer.py; off by default)
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0

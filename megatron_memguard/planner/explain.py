@@ -22,7 +22,7 @@ from ..layout import Layout
 from ..units import format_bytes
 from .search import Planner
 from .space import Candidate, Constraints, make_candidate
-from .timing import StepTime
+from .timing import StepTime, rank_list
 
 # The planner's names of the knobs (megatron_memguard/knobs.py), plus spellings people type for dist_opt.
 _INT_KEYS = {k.short: k.short for k in KNOBS if k.short and k.kind == "int"}
@@ -169,6 +169,10 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
         c = x.candidate
         out.append(f"{tag}: {x.role + ': ' if x.role else ''}{c.label} ({c.name}), {c.m} micro-batches per step, "
                    f"layers per stage " + "/".join(str(n) for n in c.stage_layers))
+        if c.pp > 1 and x.time.stage_seconds:
+            # each rank's forward + backward of one micro-batch: the slowest paces the pipeline (section 2.9)
+            out.append(f"   one micro-batch per rank, ms: {rank_list(list(x.time.stage_seconds))}; slowest rank "
+                       f"{x.time.critical_stage}")
     out.append("")
     width = max(len(term.name) for term in a.time.terms)
     head = f"  {'term':<{width}}  " + "  ".join(f"{tag + ': seconds':>12}  {'share':>6}" for tag in names[:len(xs)])

@@ -34,7 +34,9 @@ pipeline stage (m micro-batches of its forward and backward):
     interleaved schedule with --overlap-p2p-communication), and those of the fill and drain, which
     nothing hides.
 ``bubble``
-    pipeline fill and drain: (PP-1)/(VPP*m) of the stage's work, Narayanan et al. 2021 section 2.2.
+    pipeline fill and drain: the other ranks' work for one micro-batch / VPP (every rank timed from the
+    layers it holds; Alpa, Zheng et al. 2022, section 5.2; with equal ranks Narayanan et al. 2021's
+    (PP-1)/(VPP*m) of the stage's work).
 ``dp_comm``
     the exposed part of the data-parallel gradient reduce-scatter and parameter all-gather (distributed
     optimizer) or gradient all-reduce over the DP x CP group, overlapped with the backward of the last
@@ -110,6 +112,13 @@ CP_KERNELS_FWD = 4           # kernels per extra ring step: attention, merge (3 
 CP_KERNELS_BWD = 6           # ... and in the backward: attention (3: pre, main, post), dQ and dK/dV adds, copy
 MLP_KERNELS_FWD = 4          # of KERNELS_FWD, the dense MLP's (fc1, activation, fc2, bias/residual); an MoE layer
 MLP_KERNELS_BWD = 8          # replaces them by its own (planner/moe.py)
+# One MTP depth beyond its transformer layer (MultiTokenPredictionLayer): enorm, hnorm and final_layernorm, a norm
+# 4 B forward (r2 w2) and 6 B backward (r2 r2 w2) per element as in ELEM_H_BYTES; torch.cat of the two normed
+# [rows, h] halves, 4 B per h element each (r2 w2): 3 x 10 + 2 x 4 = 38 B per token x hidden element.
+MTP_ELEM_BYTES = 38
+# its kernels beyond the layer's: embedding (1 fwd, 2 bwd), 3 norms (3 + 3), cat (1 + 1), eh_proj (1 + 2),
+# output layer and loss (6, as on the last stage)
+MTP_KERNELS = 20 + 6
 
 TERM_NAMES = ("gemm", "attention", "elementwise", "kernel_gaps", "input", "recompute", "tp_comm", "cp_comm", "pp_p2p",
               "bubble", "dp_comm", "optimizer")
@@ -132,12 +141,14 @@ class StepTime:
     """The predicted step of one candidate: its terms (seconds), throughput and MFU."""
 
     __slots__ = ("candidate", "values", "details", "seconds", "model_flops_per_token", "tokens_per_step", "world",
-                 "peak_flops", "critical_stage", "names")
+                 "peak_flops", "critical_stage", "names", "stage_seconds")
 
     def __init__(self, candidate: Candidate, values: tuple[float, ...], details: tuple[str, ...] | None,
                  model_flops_per_token: float, tokens_per_step: int, world: int, peak_flops: float,
-                 critical_stage: int, names: tuple[str, ...] = TERM_NAMES):
+                 critical_stage: int, names: tuple[str, ...] = TERM_NAMES, stage_seconds: tuple[float, ...] = ()):
         self.names = names
+        # one micro-batch's forward and backward on each pipeline rank (all its chunks), seconds
+        self.stage_seconds = stage_seconds
         self.candidate = candidate
         self.values = values
         self.details = details
@@ -178,6 +189,7 @@ class StepTime:
             "mfu": self.mfu,
             "model_flops_per_token": self.model_flops_per_token,
             "slowest_stage": self.critical_stage,
+            "stage_seconds_per_micro_batch": list(self.stage_seconds),
             "terms": self.term_seconds,
             "dominant_cost": self.dominant.name,
         }
@@ -256,6 +268,32 @@ class EndsCost:
         return self.out_gemm_bwd + self.out_elem / 2
 
 
+def pipeline_seconds(rank_seconds: tuple[float, ...] | list[float], m: int, vpp: int = 1) -> tuple[float, float]:
+    """(steady state, fill and drain) of one step of a pipeline whose ranks take ``rank_seconds`` for one
+    micro-batch's forward and backward (all their chunks): ``m x max_i W_i`` and ``(sum_i W_i - max_i W_i) / vpp``.
+
+    With one chunk per rank this is Alpa's pipeline latency (Zheng et al., OSDI 2022, section 5.2:
+    T = sum_i t_i + (B - 1) max_j t_j): the slowest rank paces the steady state, and the first forward
+    and the last backward cross every other rank once. It is the 1F1B schedule's step when the slowest
+    rank is the last (and an upper bound otherwise: the first ranks' warm-up forwards hide part of it).
+    With ``vpp`` chunks per rank each fill and drain hop is one chunk, 1/vpp of its rank's work: equal ranks
+    give Narayanan et al. 2021's bubble, (PP - 1) / VPP of a stage's time (section 2.2.1)."""
+    slowest = max(rank_seconds)
+    return m * slowest, (sum(rank_seconds) - slowest) / vpp
+
+
+def rank_list(ms: list[float]) -> str:
+    """Per-rank times in ms, runs of equal ranks folded (``4.10 x 14``)."""
+    out, i = [], 0
+    while i < len(ms):
+        j = i
+        while j + 1 < len(ms) and abs(ms[j + 1] - ms[i]) <= 1e-12:
+            j += 1
+        out.append(f"{ms[i] * 1e3:.2f}" + (f" x {j - i + 1}" if j > i else ""))
+        i = j + 1
+    return ", ".join(out)
+
+
 def linear_seconds(M: int, N: int, K: int, gpu, grad_bytes: int = 4) -> tuple[float, float, float]:
     """(forward, input gradient, weight gradient) seconds of a linear layer: tokens M, output width N,
     input width K. The weight gradient accumulates into the main_grad buffer (Megatron's gradient
@@ -314,9 +352,11 @@ class TimeModel:
         self._ends: dict[tuple, EndsCost] = {}
         self._cache: dict[Candidate, StepTime] = {}
         self._params: dict[tuple, int] = {}
-        self._work: dict[tuple, tuple[float, ...]] = {}
         self._dp: dict[tuple, float] = {}
         self._moe_on: dict[tuple, int] = {}
+        self._ranks: dict[tuple, tuple[tuple[tuple[float, ...], ...], int, float]] = {}
+        self._split_moe: dict[tuple, tuple] = {}
+        self._opt: dict[tuple, float] = {}
         s = shape
         self.flops_per_token = (6.0 * (s.matmul_params() + s.vocab * s.hidden)
                                 + 6.0 * s.num_layers * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
@@ -582,6 +622,22 @@ class TimeModel:
             n = self._params[key] = n_moe * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp)
         return n
 
+    def mtp_params(self, c: Candidate) -> tuple[int, int]:
+        """(dense, routed-expert) parameters of the MTP depths on one rank of the last stage: per depth
+        the transformer layer, eh_proj ([2h -> h] / TP) and three norms, plus the last stage's own word
+        embedding when PP > 1 (GPTModel builds it for the MTP process)."""
+        s = self.shape
+        d = s.layout.mtp_num_layers
+        if not d:
+            return 0, 0
+        moe_kind = s.moe is not None and s.moe.pattern[-1]
+        layer = s.moe_layer_params_per_rank(c.tp) if moe_kind else s.layer_params_per_rank(c.tp)
+        dense = d * (layer + 2 * s.hidden * s.hidden // c.tp + 3 * s.hidden)
+        if c.pp > 1:
+            dense += s.padded_vocab(c.tp) // c.tp * s.hidden
+        experts = d * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp) if moe_kind else 0
+        return dense, experts
+
     # ---- the step ---------------------------------------------------------------------------------
     def step_time(self, c: Candidate) -> StepTime:
         """The step time of ``c`` (numbers only; :meth:`explain` adds how each term is computed)."""
@@ -618,58 +674,126 @@ class TimeModel:
             return t, "forward of the " + (", ".join(what) or "nothing") + " again"
         return 0.0, ""
 
-    def _stage_work(self, c: Candidate, i: int, lc: LayerCost, ec: EndsCost,
+    def _stage_work(self, c: Candidate, n: int, first: bool, last: bool, n_moe: int, lc: LayerCost, ec: EndsCost,
                     lm: LayerCost | None = None) -> tuple[float, ...]:
-        """Per micro-batch on stage i: (gemm, attention, elementwise, kernel_gaps, input, tp_comm, ep_comm)."""
-        n_moe = self.moe_layers_on(c, i) if lm is not None else 0
-        key = (c.tp, c.cp, c.mbs, c.sp, c.stage_layers[i], i == 0, i == c.pp - 1, n_moe, c.ep, c.etp, self.fp8_on(c))
-        hit = self._work.get(key)
-        if hit is not None:
-            return hit
-        n = c.stage_layers[i] - n_moe
-        gemm, attn, elem, gaps, tpc = (n * x for x in lc.per_layer)
+        """Per micro-batch on a rank of ``n`` layers (``n_moe`` of them MoE), the first and / or the last
+        stage: (gemm, attention, elementwise, kernel_gaps, input, tp_comm, ep_comm)."""
+        n_dense = n - n_moe
+        gemm, attn, elem, gaps, tpc = (n_dense * x for x in lc.per_layer)
         epc = 0.0
         if n_moe:
             gemm, attn, elem, gaps, tpc = (x + n_moe * y for x, y in zip((gemm, attn, elem, gaps, tpc), lm.per_layer))
             epc = n_moe * (lm.ep_fwd + lm.ep_bwd)
         # get_batch runs on the first and the last stage (once when they are the same)
-        inp = ec.batch if i in (0, c.pp - 1) else 0.0
-        if i == 0:
+        inp = ec.batch if first or last else 0.0
+        if first:
             elem += ec.emb_fwd + ec.emb_bwd
             tpc += ec.emb_tp
-        if i == c.pp - 1:
+        if last:
             gemm += ec.out_gemm_fwd + ec.out_gemm_bwd
             elem += ec.out_elem
             gaps += 6 * KERNEL_GAP
             tpc += ec.out_tp
-        self._work[key] = out = (gemm, attn, elem, gaps, inp, tpc, epc)
+        return gemm, attn, elem, gaps, inp, tpc, epc
+
+    def rank_kinds(self, c: Candidate) -> tuple[tuple[tuple[int, bool, bool, int], ...], tuple[int, ...]]:
+        """The distinct kinds of pipeline rank of the split, (layers, first, last, MoE layers), and each
+        rank's kind."""
+        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
+        hit = self._split_moe.get(key)
+        if hit is None:
+            sigs: list[tuple[int, bool, bool, int]] = []
+            index = []
+            for i in range(c.pp):
+                sig = (c.stage_layers[i], i == 0, i == c.pp - 1, self.moe_layers_on(c, i) if self.shape.moe else 0)
+                if sig not in sigs:
+                    sigs.append(sig)
+                index.append(sigs.index(sig))
+            hit = self._split_moe[key] = (tuple(sigs), tuple(index))
+        return hit
+
+    def mtp_cost(self, c: Candidate, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
+                 rc_moe: float) -> tuple[float, ...]:
+        """Per micro-batch, the ``--mtp-num-layers`` depths on the last stage (Megatron builds them there,
+        multi_token_prediction.py): (gemm, attention, elementwise, kernel_gaps, recompute, tp_comm, cp_comm,
+        ep_comm). Each depth embeds the shifted tokens again (the last stage's own word embedding, with its
+        dense weight gradient), normalises it and the hidden state (enorm, hnorm), concatenates them into
+        eh_proj (a column-parallel [2h -> h] linear), runs one transformer layer of the last decoder
+        layer's kind, a final norm, the output layer and the cross entropy (MultiTokenPredictionLayer,
+        process_mtp_loss; core 0.16.1 and 0.19.2)."""
+        s = self.shape
+        d = s.layout.mtp_num_layers
+        if not d:
+            return (0.0,) * 8
+        moe_kind = lm is not None and s.moe.pattern[-1]
+        x = lm if moe_kind else lc
+        rc = rc_moe if moe_kind else rc_layer
+        M = c.mbs * s.seq_length // c.cp
+        tok = M // c.tp if c.sp else M
+        proj = sum(linear_seconds(M, s.hidden // c.tp, 2 * s.hidden, self.gpu, s.grad_bytes))
+        gemm, attn, elem, gaps, tpc = x.per_layer
+        gemm += proj + ec.out_gemm_fwd + ec.out_gemm_bwd
+        elem += ec.emb_fwd + ec.emb_bwd + ec.out_elem + memory_seconds(MTP_ELEM_BYTES * tok * s.hidden * s.act_bytes / 2,
+                                                                      self.gpu)
+        gaps += MTP_KERNELS * KERNEL_GAP
+        tpc += ec.emb_tp + ec.out_tp
+        return tuple(d * v for v in (gemm, attn, elem, gaps, rc, tpc, x.cp_fwd + x.cp_bwd, x.ep_fwd + x.ep_bwd))
+
+    def rank_work(self, c: Candidate, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
+                  rc_moe: float, fp8: bool) -> tuple[tuple[tuple[float, ...], ...], int, float]:
+        """Per micro-batch on every pipeline rank (all its chunks): (total, gemm, attention, elementwise,
+        kernel_gaps, input, recompute, tp_comm, cp_comm, ep_comm), from the layers each rank holds (dense
+        and MoE), the embedding on the first, the output layer, loss and MTP depths on the last; with the
+        slowest rank and the sum of the other ranks' totals."""
+        # (the split follows from PP, VPP, first, last, the account flags and the layout)
+        key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.first, c.last,
+               c.acc_emb, c.acc_loss, c.pp_layout)
+        hit = self._ranks.get(key)
+        if hit is not None:
+            return hit
+        layer_cp = lc.cp_fwd + lc.cp_bwd
+        mtp = self.shape.layout.mtp_num_layers
+        sigs, index = self.rank_kinds(c)
+        kinds = []
+        for n, first, last, n_moe in sigs:
+            gemm, attn, elem, gaps, inp, tpc, epc = self._stage_work(c, n, first, last, n_moe, lc, ec, lm)
+            rc = (n - n_moe) * rc_layer + n_moe * rc_moe if n_moe else n * rc_layer
+            cpc = n * layer_cp        # an MoE layer's attention half has the dense layer's ring
+            if last and mtp:
+                mg, ma, me, mk, mr, mt, mc, mp = self.mtp_cost(c, lc, ec, lm, rc_layer, rc_moe)
+                gemm, attn, elem, gaps, rc, tpc, cpc, epc = (gemm + mg, attn + ma, elem + me, gaps + mk, rc + mr,
+                                                             tpc + mt, cpc + mc, epc + mp)
+            kinds.append((gemm + attn + elem + gaps + inp + rc + tpc + cpc + epc,
+                          gemm, attn, elem, gaps, inp, rc, tpc, cpc, epc))
+        rows = [kinds[j] for j in index]
+        # the slowest rank (the first of equals) and the others' sum
+        crit = 0
+        for i in range(1, c.pp):
+            if rows[i][0] > rows[crit][0] + 1e-15:
+                crit = i
+        out = self._ranks[key] = (tuple(rows), crit, sum(r[0] for r in rows) - rows[crit][0])
         return out
 
     def _step_time(self, c: Candidate, details: bool) -> StepTime:
         s = self.shape
-        lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, self.fp8_on(c))
+        fp8 = self.fp8_on(c)
+        lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
         ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
         rc_layer, rc_what = self._recompute_layer(lc, c.recompute)
         lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
         rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
         layer_cp = lc.cp_fwd + lc.cp_bwd
         p, v, m = c.pp, c.vpp, c.m
-        stages = (0,) if p == 1 else (0, 1, p - 1) if p > 2 else (0, 1)
-        # per-micro-batch work of the first, a middle and the last stage; the slowest sets the pace
-        best = None
-        for i in stages:
-            work = self._stage_work(c, i, lc, ec, lm)
-            n = c.stage_layers[i]
-            n_moe = self.moe_layers_on(c, i) if lm is not None else 0
-            rc_i = (n - n_moe) * rc_layer + n_moe * rc_moe if n_moe else n * rc_layer
-            total = sum(work) + rc_i + n * layer_cp
-            if best is None or total > best[0] + 1e-15:
-                best = (total, i, work, rc_i, n * layer_cp)
-        _, crit, (gemm, attn, elem, gaps, inp, tpc, epc), rc, cpc = best
-        mb = gemm + attn + elem + gaps + inp + rc + tpc + cpc + epc    # one micro-batch on the critical stage
+        # Per micro-batch, each rank's forward and backward over all its chunks. The slowest rank paces the
+        # 1F1B steady state; the fill and the drain cross every other rank once: the step is
+        #   m x max_i W_i + (sum_i W_i - max_i W_i) / v
+        # (Alpa, Zheng et al. 2022, section 5.2: T = sum_i t_i + (B - 1) max_j t_j for one chunk per rank;
+        # with v chunks per rank each fill/drain hop is one chunk, 1/v of its rank's work, Narayanan et al.
+        # 2021 section 2.2.1: bubble (p - 1)/v of a stage when the ranks are equal).
+        rows, crit, others = self.rank_work(c, lc, ec, lm, rc_layer, rc_moe, fp8)
+        mb, gemm, attn, elem, gaps, inp, rc, tpc, cpc, epc = rows[crit]
         work = m * mb
-        bubble = (p - 1) / (v * m) * work
-
+        bubble = others / v                   # pipeline_seconds(rank totals, m, v)[1], from the memoised sum
         # pipeline point-to-point: activations forward, gradients backward, once per chunk and micro-batch
         p2p = 0.0
         p2p_detail = "no pipeline"
@@ -702,12 +826,18 @@ class TimeModel:
         # are sharded over the expert-data-parallel group
         n_dp = c.dp * c.cp
         shard = max(1, n_dp // s.dist_opt_instances) if c.dist_opt else 1
-        if s.moe:
-            e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt else 1
-            elems = max(self.stage_params(c, i) / shard + self.stage_expert_params(c, i) / e_shard for i in stages)
-        else:
-            psi_max = max(self.stage_params(c, i) for i in stages)
-            elems = psi_max / shard
+        e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt and s.moe else 1
+        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, shard, e_shard)
+        elems = self._opt.get(okey)
+        if elems is None:
+            mtp = self.mtp_params(c)
+            if s.moe:
+                elems = max((self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0)) / shard
+                            + (self.stage_expert_params(c, i) + (mtp[1] if i == p - 1 else 0)) / e_shard
+                            for i in range(p))
+            else:
+                elems = max(self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0) for i in range(p)) / shard
+            self._opt[okey] = elems
         per = 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
         optimizer = memory_seconds(elems * per, self.gpu)
         frozen = s.layout.freeze_all_layers
@@ -746,7 +876,10 @@ class TimeModel:
                  + ("" if self.tp_overlap else "; none overlapped (synchronous TP collectives)")) if c.tp > 1 else "TP = 1",
                 f"{m} x {n} layers x {layer_cp * 1e3:.3f} ms exposed K/V ring exchange" if c.cp > 1 else "CP = 1",
                 p2p_detail,
-                f"(PP-1)/(VPP*m) = {p - 1}/({v}*{m}) of {work:.3f} s (the stage's work above)" if p > 1 else "no pipeline",
+                (f"fill and drain: the other {p - 1} ranks' work per micro-batch / VPP = {others * 1e3:.2f} ms / {v} "
+                 f"(step = m x slowest rank + this; Alpa, Zheng et al. 2022 section 5.2; Narayanan et al. 2021: "
+                 f"(PP-1)/VPP of a stage when the ranks are equal); per micro-batch ms on ranks 0..{p - 1}: "
+                 + rank_list([r[0] for r in rows])) if p > 1 else "no pipeline",
                 dp_detail,
                 "--freeze-all-layers: no optimizer step" if frozen else
                 f"{elems / 1e6:,.1f}M parameters{' (a 1/' + str(shard) + ' shard)' if shard > 1 else ''} x {per:.0f} B "
@@ -759,7 +892,8 @@ class TimeModel:
                     f"(forward and backward): {lm.moe_detail}",) + texts[8:]
         return StepTime(candidate=c, values=values, details=texts, model_flops_per_token=self.flops_per_token,
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
-                        critical_stage=crit, names=TERM_NAMES_MOE if s.moe else TERM_NAMES)
+                        critical_stage=crit, names=TERM_NAMES_MOE if s.moe else TERM_NAMES,
+                        stage_seconds=tuple(r[0] for r in rows))
 
     def _fsdp_comm(self, c: Candidate, key: tuple, psi0: float, n_dp: int, k: int, n0: int, w_f: float, w_b: float,
                    tail: float, details: bool) -> tuple[float, str]:

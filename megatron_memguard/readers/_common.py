@@ -476,7 +476,10 @@ _FSDP_DDP_KEYS = (("data_parallel_sharding_strategy", None), ("fsdp_double_buffe
                   ("preserve_fp32_weights", None), ("torch_fsdp2_reshard_after_forward", None),
                   ("reshard_after_forward", "torch_fsdp2_reshard_after_forward"),
                   ("megatron_fsdp_enable_fine_grained_param_gather", None), ("megatron_fsdp_cuda_graph_mode", None),
-                  ("megatron_fsdp_use_decoupled_grad", None))
+                  ("megatron_fsdp_use_decoupled_grad", None), ("fsdp_all_gather_in_start_param_sync", None),
+                  # DDP's fp32 gradient options (resolve/optimizer.py), under the Megatron flags' dests
+                  ("reduce_scatter_with_fp32_accumulation", "ddp_reduce_scatter_with_fp32_accumulation"),
+                  ("param_name_patterns_for_fp32_local_accumulation", "ddp_param_name_patterns_for_fp32_local_accumulation"))
 _OFFLOAD_OPTIMIZER_KEYS = ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                            "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads", "pin_cpu_params")
 

@@ -229,7 +229,8 @@ def _grad_reduce_dtype(b: ArgsBuilder) -> None:
 def _ddp(b: ArgsBuilder, ddp: Mapping, key: str) -> None:
     for name, dest in (("use_distributed_optimizer", None), ("overlap_grad_reduce", None), ("overlap_param_gather", None),
                        ("num_distributed_optimizer_instances", None), ("bucket_size", "ddp_bucket_size"),
-                       ("use_megatron_fsdp", None), ("use_custom_fsdp", None), ("delay_wgrad_compute", None)):
+                       ("use_megatron_fsdp", None), ("use_custom_fsdp", None), ("delay_wgrad_compute", None),
+                       ("nccl_ub", None)):
         if ddp.get(name) is not None:
             b.set(dest or name, ddp[name], f"{key}.{name}")
     if ddp.get("grad_reduce_in_fp32") is not None:

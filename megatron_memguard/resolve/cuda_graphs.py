@@ -101,7 +101,16 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         impl_dest = ("cuda_graph_impl" if str(a.get("cuda_graph_impl", "none")) != "none"
                      else "enable_cuda_graph" if enable else "external_cuda_graph")
         _offload_graphs(a, impl, dest or impl_dest, names, set(kw.get("offload_modules") or ()))
-    return dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
+    out: dict[str, Any] = dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
+    if (kw.get("use_megatron_fsdp") and impl != "none" and new and not a.given("megatron_fsdp_cuda_graph_mode")
+            and a.key("use_megatron_fsdp" if a.given("use_megatron_fsdp") else "use_custom_fsdp").startswith("--")):
+        # training.py get_megatron_ddp_config (core 0.18.2 and 0.19.2): Megatron-FSDP runs in its CUDA-graph-safe mode
+        # whenever --cuda-graph-impl is not none (resolve/fsdp.py _gradient_modes)
+        out["megatron_fsdp_cuda_graph_mode"] = True
+        if impl == "full_iteration" and not a.given("fsdp_all_gather_in_start_param_sync"):
+            # and under the full-iteration graph, no all-gather in start_param_sync (the optimizer step's)
+            out["fsdp_all_gather_in_start_param_sync"] = False
+    return out
 
 
 def _moe_graphs(a: Args, moe: Any, dest: str, names: list[str]) -> None:

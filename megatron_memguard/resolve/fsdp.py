@@ -20,7 +20,8 @@ OFF: dict[str, Any] = dict(
     megatron_fsdp_main_grads_dtype="auto", torch_fsdp2_reshard_after_forward=True,
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
     pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False,
-    log_params_norm=False)
+    log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, megatron_fsdp_grad_comm_dtype="auto", nccl_ub=False,
+    fsdp_all_gather_in_start_param_sync=True)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -57,6 +58,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    "is not supported with Megatron-FSDP (validate_args)")
         if str(env.get("CUDA_DEVICE_MAX_CONNECTIONS", "")).strip() == "1":
             a.fail(mkey if megatron else "use_torch_fsdp2", "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset")
+    nccl_ub = _nccl_ub(a, megatron, torch2)
+    out["nccl_ub"] = nccl_ub
     if torch2:
         # validate_args, both versions
         if a.int_arg("pipeline_model_parallel_size", 1) != 1:
@@ -142,7 +145,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
         a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False)
         double = a.bool_arg("fsdp_double_buffer", False) or (
-            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False))
+            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False)) or nccl_ub
+        out["megatron_fsdp_cuda_graph_mode"] = _gradient_modes(a, kw, new, version)
         unit = a.int_arg("suggested_communication_unit_size")
         # --log-params-norm: training.py calls calc_params_l2_norm after every step, and under Megatron-FSDP it
         # stops the model's communication first (stop_communication -> synchronize_param_gather ->
@@ -160,7 +164,104 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.notes.append(f"--megatron-fsdp-main-*-dtype: megatron-core {version[0]}.{version[1]} is read as 0.16.1, which has "
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
+        out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, kw, out, new, version, strategy, hsdp)
+        if a.given("fsdp_all_gather_in_start_param_sync"):
+            # (a DistributedDataParallelConfig field from core 0.17: megatron_fsdp.py start_param_sync gathers the
+            # first bucket and its prefetch only when it is on; no Megatron flag, Bridge / NeMo 2 ddp key)
+            gather = a.bool_arg("fsdp_all_gather_in_start_param_sync", True)
+            if not gather and version < (0, 17):
+                a.fail("fsdp_all_gather_in_start_param_sync", f"needs megatron-core 0.17 (DistributedDataParallelConfig "
+                                                              f"of {version[0]}.{version[1]} has no such field)")
+            out["fsdp_all_gather_in_start_param_sync"] = gather
     return out
+
+
+def _nccl_ub(a: Args, megatron: bool, torch2: bool) -> bool:
+    """--use-nccl-ub (DistributedDataParallelConfig.nccl_ub; core 0.16.1 and 0.19.2). The buffers come from a
+    torch.cuda.MemPool over ncclMemAlloc (core/nccl_allocator.py), a private pool of the CUDA caching allocator
+    (torch 2.14 torch/cuda/memory.py MemPool), which still counts them (memory_allocated / memory_reserved), in
+    segments of their own. Megatron-FSDP always takes its double buffers
+    then (megatron_fsdp ParamAndGradBuffer.__init__ sets ddp_config.fsdp_double_buffer, 0.16.1 and 0.19.2; 0.19.2's
+    validate_args too), whose persistent pools hold the units' all-gather and reduce-scatter buckets; DDP's
+    param_data / grad_data keep their sizes and padding (param_and_grad_buffer.py _ParamAndGradBuffer)."""
+    if not a.bool_arg("nccl_ub", False):
+        return False
+    key = a.key("nccl_ub")
+    if torch2:
+        # get_megatron_ddp_config builds a TorchFullyShardedDataParallelConfig, which has no nccl_ub
+        a.notes.append(f"{key}: not used by torch FSDP2 (its config has no user-buffer pool)")
+        return False
+    if megatron:
+        a.notes.append(f"{key}: Megatron-FSDP's buffers come from an NCCL memory pool and its double buffers "
+                       "(fsdp_double_buffers) are on; ncclMemAlloc's rounding of each segment to the cuMem "
+                       "granularity (platform dependent) is not counted")
+    else:
+        a.notes.append(f"{key}: DDP's parameter and gradient buffers come from an NCCL memory pool (same bytes, "
+                       "their own segments); ncclMemAlloc's rounding to the cuMem granularity (platform dependent) is "
+                       "not counted")
+    return True
+
+
+def _grad_comm_dtype(a: Args, kw: Mapping[str, Any], out: Mapping[str, Any], new: bool, version: tuple[int, int],
+                     strategy: str, hsdp: bool) -> str:
+    """--megatron-fsdp-grad-comm-dtype (MixedPrecisionPolicy.grad_comm_dtype, core 0.18.2 and 0.19.2; "auto" = the
+    main gradients' dtype). Under a sharded gradient buffer (optim_grads, optim_grads_params) the full buckets the
+    backward accumulates into and reduce-scatters are fetched in it (megatron_fsdp param_and_grad_buffer.py
+    GradReducePipeline: ``gbuf.fetch_bucket(dtype=grad_comm_dtype)``; the double buffers' main_grad_alloc is sized
+    in it): modelled (estimator/fsdp.py bucket_grad_bytes). Unsharded gradients (no_shard, optim) and HSDP's outer
+    reduction allocate an extra bucket in it at each reduction (allocate_bucket_storage, hsdp_comm_gbuf): named in
+    a note, not counted."""
+    dtype = _fsdp_dtype(a, "megatron_fsdp_grad_comm_dtype", "auto")
+    if dtype == "auto":
+        return "auto"
+    key = a.key("megatron_fsdp_grad_comm_dtype")
+    if not new:
+        a.notes.append(f"{key}: megatron-core {version[0]}.{version[1]} is read as 0.16.1, whose Megatron-FSDP has no "
+                       "gradient communication dtype; ignored")
+        return "auto"
+    grads = out["megatron_fsdp_main_grads_dtype"]
+    if dtype == (str(kw.get("params_dtype", "bf16")) if grads in ("auto", None) else grads):
+        return dtype                       # "No additional memory is allocated when grad_comm_dtype == main_grads_dtype"
+    if strategy == "optim" or (strategy == "no_shard" and a.bool_arg("overlap_grad_reduce", False)):
+        # (no_shard without --overlap-grad-reduce all-reduces the gradient buffer itself: all_reduce_gradients)
+        a.notes.append(f"{key}: with unsharded gradients ({strategy}) each reduction copies its bucket into a "
+                       f"{dtype} buffer, kept in the reduce queue to the end of the backward; not counted")
+    if hsdp:
+        a.notes.append(f"{key}: HSDP's reduction across replicas copies each gradient bucket into a {dtype} "
+                       "buffer (hsdp_comm_gbuf), not counted")
+    return dtype
+
+
+# DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode / megatron_fsdp_use_decoupled_grad: fields of the
+# megatron-core 0.18.2 and 0.19.2 wheels (not 0.17.1's), the era of MIXED_PRECISION_POLICY_SINCE
+def _gradient_modes(a: Args, kw: Mapping[str, Any], new: bool, version: tuple[int, int]) -> bool:
+    """Megatron-FSDP's gradient modes; returns whether the CUDA-graph-safe mode is on.
+
+    megatron_fsdp_use_decoupled_grad: Megatron's command line sets it to --use-precision-aware-optimizer
+    (training.py get_megatron_ddp_config, 0.18.2 and 0.19.2), Bridge turns it on with the precision-aware
+    optimizer (config.py _validate_and_apply_megatron_fsdp_configs, Bridge 0.6.2). It must match: only the
+    precision-aware optimizer reads ``.decoupled_grad`` (core/optimizer/__init__.py), and it reads nothing else.
+    The estimate follows the optimizer (estimator/fsdp.py FsdpSpec: no cast copy with it).
+
+    megatron_fsdp_cuda_graph_mode: zero_grad leaves the optimizer's gradient references in place (megatron_fsdp
+    param_and_grad_buffer.py zero_grad, 0.19.2), so update_main_grads' cast copy of the gradient shard (when
+    the main weights' dtype differs from the gradients' and the optimizer is not precision-aware) lives through
+    the next forward and backward. Megatron's command line turns it on whenever CUDA graphs are
+    (--cuda-graph-impl other than none: the cuda graphs section); a Bridge / NeMo 2 config only when it says so."""
+    pao = bool(kw.get("use_precision_aware_optimizer"))
+    ver = f"{version[0]}.{version[1]}"
+    for dest in ("megatron_fsdp_use_decoupled_grad", "megatron_fsdp_cuda_graph_mode"):
+        if a.given(dest) and a.bool_arg(dest, False) and not new:
+            a.fail(dest, f"needs megatron-core 0.18 (DistributedDataParallelConfig of {ver} has no such field)")
+    if a.given("megatron_fsdp_use_decoupled_grad"):
+        decoupled = a.bool_arg("megatron_fsdp_use_decoupled_grad", False)
+        if decoupled and not pao:
+            a.fail("megatron_fsdp_use_decoupled_grad", "needs the precision-aware optimizer "
+                   "(use_precision_aware_optimizer): only it reads the decoupled gradients Megatron-FSDP installs")
+        elif not decoupled and pao and new:
+            a.notes.append(f"{a.key('megatron_fsdp_use_decoupled_grad')}: false is turned on with the precision-aware "
+                           "optimizer (Megatron-LM and Bridge set it from use_precision_aware_optimizer)")
+    return new and a.given("megatron_fsdp_cuda_graph_mode") and a.bool_arg("megatron_fsdp_cuda_graph_mode", False)
 
 
 def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

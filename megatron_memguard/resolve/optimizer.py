@@ -58,6 +58,62 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("optimizer_cuda_graph", "needs megatron-core 0.17")
     if graph and a.bool_arg("optimizer_cpu_offload", False):
         raise NotModelledError(a.key("optimizer_cuda_graph"), "a CUDA graph of the CPU-offloaded optimizer step")
+    rs_fp32, patterns = _fp32_accumulation(a, kw, ctx, dist_opt, instances, frozen)
     return dict(use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=instances,
                 overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param, ddp_bucket_size=bucket,
-                freeze_all_layers=frozen, optimizer_cuda_graph=graph)
+                freeze_all_layers=frozen, optimizer_cuda_graph=graph,
+                ddp_reduce_scatter_with_fp32_accumulation=rs_fp32,
+                ddp_param_name_patterns_for_fp32_local_accumulation=patterns)
+
+
+def _fp32_accumulation(a: Args, kw: Mapping[str, Any], ctx: Context, dist_opt: bool, instances: int,
+                       frozen: bool) -> tuple[bool, tuple[str, ...]]:
+    """DDP's fp32 gradient options (megatron/core/distributed/param_and_grad_buffer.py), which only DDP's
+    _ParamAndGradBuffer reads: Megatron-FSDP and torch FSDP2 have their own gradient buffers.
+
+    --ddp-reduce-scatter-with-fp32-accumulation (core 0.16.1 and 0.19.2): the distributed optimizer's
+    reduce-scatter becomes an all-to-all into a temporary of the bucket's size and an fp32 sum of the rank's shard
+    (reduce_scatter_with_fp32_accumulation.py); without the distributed optimizer gradients are all-reduced as
+    before. _ParamAndGradBucketGroup asserts one optimizer instance.
+
+    --ddp-param-name-patterns-for-fp32-local-accumulation (core 0.17 and later): each matching parameter's
+    main_grad becomes an fp32 tensor of its own next to its (16-bit) slot in the gradient buffer;
+    DistributedDataParallelConfig.__post_init__ asserts grad_reduce_in_fp32 is off."""
+    fsdp = bool(kw.get("use_megatron_fsdp") or kw.get("use_torch_fsdp2"))
+    rs_fp32 = a.bool_arg("ddp_reduce_scatter_with_fp32_accumulation", False)
+    if rs_fp32:
+        key = a.key("ddp_reduce_scatter_with_fp32_accumulation")
+        if instances > 1:
+            a.fail("ddp_reduce_scatter_with_fp32_accumulation", "is not supported with "
+                   "--num-distributed-optimizer-instances > 1 (_ParamAndGradBucketGroup asserts it)")
+        if fsdp:
+            a.notes.append(f"{key}: not used by FSDP (DDP's buffers only)")
+            rs_fp32 = False
+        elif not dist_opt or frozen:
+            a.notes.append(f"{key}: without the distributed optimizer the gradients are all-reduced (no effect)")
+            rs_fp32 = False
+    raw = a.get("ddp_param_name_patterns_for_fp32_local_accumulation")
+    if raw in (None, "", [], ()):
+        return rs_fp32, ()
+    key = a.key("ddp_param_name_patterns_for_fp32_local_accumulation")
+    if isinstance(raw, str):
+        # a flag's value (nargs='+': the reader keeps a list) or a YAML string: space-separated patterns
+        raw = raw.split()
+    if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) and p for p in raw):
+        a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", f"must be fnmatch patterns, got {str(raw)[:60]!r}")
+        return rs_fp32, ()
+    patterns = tuple(raw)
+    if ctx.version < Version("0.17"):
+        a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", "needs megatron-core 0.17")
+        return rs_fp32, ()
+    if fsdp:
+        a.notes.append(f"{key}: not used by FSDP (DDP's buffers only)")
+        return rs_fp32, ()
+    if kw.get("accumulate_allreduce_grads_in_fp32"):
+        a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", "needs 16-bit gradients: "
+               "DistributedDataParallelConfig asserts grad_reduce_in_fp32 is off (with --bf16: --grad-reduce-in-bf16, "
+               "or --main-grads-dtype bf16 with --use-precision-aware-optimizer)")
+        return rs_fp32, ()
+    if frozen:
+        return rs_fp32, ()
+    return rs_fp32, patterns

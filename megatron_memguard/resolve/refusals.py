@@ -14,7 +14,6 @@ Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
     ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
-    ("nccl_ub", bool, "NCCL user-buffer memory pools (--use-nccl-ub)"),
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
@@ -37,15 +36,7 @@ NOT_MODELLED: list[Row] = [
     # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
     ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
      "memguard estimate -- --yaml-cfg FILE)"),
-    ("ddp_param_name_patterns_for_fp32_local_accumulation", lambda v: bool(v), "fp32 gradient accumulation for some parameters"),
-    ("ddp_reduce_scatter_with_fp32_accumulation", bool, "reduce-scatter with fp32 accumulation"),
     ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
-    # DistributedDataParallelConfig fields without a Megatron flag (core 0.19.2), read from Bridge / NeMo 2 ddp:
-    # both change which gradient copies Megatron-FSDP keeps (distributed_data_parallel_config.py)
-    ("megatron_fsdp_cuda_graph_mode", bool, "Megatron-FSDP's CUDA-graph-safe mode (gradient references kept "
-     "through the optimizer step, a cast copy of the gradient shard when its dtype differs)"),
-    ("megatron_fsdp_use_decoupled_grad", bool, "Megatron-FSDP's decoupled gradients (the precision-aware "
-     "optimizer's gradient path instead of the cast to the parameter dtype)"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
@@ -59,8 +50,6 @@ WARN_ONLY: list[Row] = [
     ("ddp_num_buckets", lambda v: bool(v), "bucket padding is computed for --ddp-bucket-size, not for a bucket count (a few KiB)"),
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
-    ("megatron_fsdp_grad_comm_dtype", lambda v: str(v) not in ("auto", "None"),
-     "Megatron-FSDP's gradient communication buffers in another dtype are not counted"),
     ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased routing sends more tokens to some experts "
      "than balanced routing: the balanced estimate understates those ranks, the worst-case figure bounds them"),

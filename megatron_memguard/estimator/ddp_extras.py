@@ -1,0 +1,91 @@
+"""DDP's fp32 gradient options: the fp32 main_grad copies of matching parameters, and the temporaries of the
+reduce-scatter with fp32 accumulation (megatron/core/distributed/param_and_grad_buffer.py and
+reduce_scatter_with_fp32_accumulation.py, megatron-core 0.19.2). Pure functions of a resolved layout.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from functools import lru_cache
+
+from ..layout import Layout, ShardGroup, TensorKind
+from .fsdp import version_tuple
+from .params import chunk_params, holds_final_norm
+from .states import _chunk_buffer, bucket_size_for
+
+
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """_ParamAndGradBuffer.__init__: ``fnmatch.fnmatch(param_name, pattern) or pattern == 'all'``."""
+    return any(p == "all" or fnmatch.fnmatch(name, p) for p in patterns)
+
+
+_FUSED_NORM = re.compile(r"\.layer_norm\.(weight|bias)$")
+_LOCAL_NORMS = ((re.compile(r"self_attention\.linear_qkv\.layer_norm\.(weight|bias)$"), r"input_layernorm.\1"),
+                (re.compile(r"mlp\.linear_fc1\.layer_norm\.(weight|bias)$"), r"pre_mlp_layernorm.\1"))
+
+
+def ddp_param_name(L: Layout, name: str) -> str:
+    """The name DDP gives a parameter: ``self.module.named_parameters()`` of the model chunk, which get_model
+    wraps in Float16Module (attribute ``module``) under --bf16 / --fp16 (training.py, core 0.19.2). The layer
+    recipes name a norm fused into the next linear ``<linear>.layer_norm.weight``: Transformer Engine's
+    LayerNormLinear registers it as ``layer_norm_weight`` / ``layer_norm_bias``; the local spec keeps separate
+    ``input_layernorm`` / ``pre_mlp_layernorm`` modules (gpt_layer_specs.py)."""
+    if L.transformer_impl == "transformer_engine":
+        name = _FUSED_NORM.sub(r".layer_norm_\1", name)
+    else:
+        for pattern, repl in _LOCAL_NORMS:
+            name = pattern.sub(repl, name)
+    return ("module." + name) if L.params_dtype != "fp32" else name
+
+
+@lru_cache(maxsize=256)
+def fp32_local_accumulation_numel(L: Layout, pp_rank: int) -> int:
+    """Elements of this pipeline rank's parameters whose main_grad is promoted to its own fp32 tensor
+    (--ddp-param-name-patterns-for-fp32-local-accumulation): ``torch.empty_like(param.main_grad,
+    dtype=torch.float32)``, the whole parameter, kept in ``extra_main_grads`` for the run."""
+    patterns = tuple(getattr(L, "ddp_param_name_patterns_for_fp32_local_accumulation", ()) or ())
+    if not patterns:
+        return 0
+    return sum(p.numel for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)
+               if matches(ddp_param_name(L, p.name), patterns))
+
+
+# distributed_data_parallel.py links each bucket group to its predecessor (previous_grad_reduce_bucket_group) in the
+# 0.18.2 and 0.19.2 wheels, not in 0.16.1's or 0.17.1's
+DRAINS_PREDECESSOR_SINCE = (0, 18)
+
+
+@lru_cache(maxsize=256)
+def rs_fp32_accumulation_bytes(L: Layout, pp_rank: int) -> int:
+    """The reduce-scatter temporaries of --ddp-reduce-scatter-with-fp32-accumulation alive at once after the
+    backward, in finish_grad_sync (reduce_scatter_with_fp32_accumulation.py): per bucket the all-to-all output
+    (``torch.empty_like(input_tensor)``: the bucket, in the gradient dtype), held by the work handle until its
+    wait(), and at that wait() the fp32 sum of this rank's shard (``torch.sum(..., dtype=torch.float32)``:
+    bucket / shard x 4 B). Dense buffers shard over DP x CP, expert buffers over expert DP.
+
+    Without --overlap-grad-reduce the reductions are synchronous, one bucket at a time: the largest bucket's two
+    temporaries. With it, every bucket is dispatched during the backward and waited for in finish_grad_sync: core
+    0.18 and later drain a bucket group's predecessor when they dispatch it, so each chunk's (and expert buffer's)
+    last bucket is still outstanding; 0.16.1 and 0.17 drain nothing, so all of them are; plus the largest fp32
+    shard sum of the first wait()."""
+    if not getattr(L, "ddp_reduce_scatter_with_fp32_accumulation", False) or not L.use_distributed_optimizer:
+        return 0
+    g = L.precision.byte_sizes()[TensorKind.MAIN_GRAD]
+    groups = [ShardGroup.DENSE_DP] + ([ShardGroup.EXPERT_DP] if L.moe is not None else [])
+    drains = version_tuple(L.megatron_version) >= DRAINS_PREDECESSOR_SINCE
+    outstanding = shard_sum = one_at_a_time = 0
+    for c in L.stage_chunks(pp_rank):
+        for group in groups:
+            expert = group is ShardGroup.EXPERT_DP
+            buf, _ = _chunk_buffer(L, c.kind_runs, c.has_embedding and not expert, c.has_output,
+                                   c.has_tied_output_copy and not expert, bucket_size_for(L, c), (), group,
+                                   None if expert else holds_final_norm(L, c))
+            if not buf.buckets:
+                continue
+            shard = L.parallel.shard_size(group)
+            # (buckets in dispatch order: the first holds the last parameters, whose gradients come first)
+            sizes = [b.end - b.start for b in buf.buckets]
+            shard_sum = max(shard_sum, max(n // shard * 4 for n in sizes))
+            one_at_a_time = max(one_at_a_time, max(n * g + n // shard * 4 for n in sizes))
+            outstanding += (sizes[-1] if drains else sum(sizes)) * g
+    return outstanding + shard_sum if L.overlap_grad_reduce else one_at_a_time
