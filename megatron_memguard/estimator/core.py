@@ -37,6 +37,7 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
+from .mtp import layers_built as mtp_layers_built
 from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
@@ -167,7 +168,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                           separate_input_norm=L.multi_latent_attention,
                                           min_elements=L.min_offloaded_tensor_size, outside=outside)
             # the chunk's last group stays on the last stage: it belongs to the top layer
-            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1)
+            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1,
+                                     getattr(L, "fine_grained_offloading_max_inflight_offloads", None))
             layers -= plan.offloaded
             # the MoE halves' share of what left (the expert groups), so moe_layer_activations stays on the GPU's side
             moe_groups = [g for g in ("expert_fc1", "moe_act", "fused_group_mlp") if groups.get(g)]
@@ -327,7 +329,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
-            n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
+            n_moe += mtp_layers_built(L)           # MoE MTP layers have their own dispatchers (one when repeated)
         rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
     mixer = uniform.mixer
@@ -360,7 +362,9 @@ def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow
     rb = router * n_moe
     if rb:
         rows.append(("moe_router_buffers", rb, "weights", "allocated",
-                     f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+                     f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"
+                     + (" (quantile balancing's qb_beta, qb_beta_accum, qb_beta_count)"
+                        if L.moe is not None and L.moe.moe_router_load_balancing_type == "quantile_balancing" else "")))
     old = next((r for r in rows if r[0] == "global_memory_buffer"), None)
     if gb and (old is None or old[1] < gb):
         rows = [r for r in rows if r[0] != "global_memory_buffer"]
@@ -701,9 +705,9 @@ _StagePrep.retained = _MadeAtFirstRead("retained", ())  # type: ignore[assignmen
 
 @lru_cache(maxsize=1024)
 def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None, dp_rank: int | str,
-                site: SiteConstants) -> _StagePrep:
+                site: SiteConstants, expert_dp_rank: int | None = None) -> _StagePrep:
     pp_rank = shape.pp_rank
-    st = stage_states(L, pp_rank, dp_rank)
+    st = stage_states(L, pp_rank, dp_rank, expert_dp_rank)
     chunks = L.stage_chunks(pp_rank)
     # what the stage needs of its chunks, in one pass (a stage has a few chunks)
     n_layers, has_output, final_norm = 0, False, False
@@ -999,8 +1003,11 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
                    "loss; the last depth's logits are in forward_transient")
         elif name == "offload_staging":
             host = pr.host_bytes * in_flight
-            det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
-                   f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+            cap = L.fine_grained_offloading_max_inflight_offloads
+            det = (f"up to {cap} pending copies to the host of every offloaded module (the cap's bound) and one "
+                   f"group reloaded ahead" if cap is not None and cap > 1 else
+                   "two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                   "reloaded ahead)") + f"; host memory for {in_flight} micro-batch(es): {format_bytes(host)}"
         elif name == "offload_pp_balance_kept":
             det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
                    "of whole offload groups kept on the GPU, from the first micro-batch in flight")
@@ -1030,7 +1037,7 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
             counts[kind] = counts.get(kind, 0) + k
     # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
     layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
-    mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
+    mtp = mtp_layers_built(L) if has_output else 0        # parameters: one layer with --mtp-use-repeated-layer
     norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
     if mtp:
         # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
@@ -1110,10 +1117,18 @@ def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_
     else:
         extra = 0
     extra_reserved = extra + int(extra * frag)
-    return {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
-            "worst_case": {"peak_allocated_bytes": peak_allocated + extra,
-                           "peak_reserved_bytes": peak_reserved + extra_reserved,
-                           "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
+    out = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+           "worst_case": {"peak_allocated_bytes": peak_allocated + extra,
+                          "peak_reserved_bytes": peak_reserved + extra_reserved,
+                          "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
+    biased = L.moe.moe_router_force_biased if L.moe is not None else None
+    if biased is not None:
+        # --moe-router-force-biased (Router.forward, core 0.19.2 moe_utils.apply_biased_logits): random logits
+        # plus one N(0, std^2) bias per expert that every rank draws alike, so the same experts win on every
+        # rank and the load does not balance; the dispatcher's limit (the rows above) is what bounds it
+        out["routing"] = f"{rows.how}; forced biased routing (std {abs(biased):g}): not balanced, plan with this bound"
+        out["worst_case"]["forced_biased_std"] = abs(biased)
+    return out
 
 
 def estimate(
@@ -1125,10 +1140,13 @@ def estimate(
     threshold: float = 0.8,
     dp_rank: int | str = "max",
     site: SiteConstants | None = None,
+    expert_dp_rank: int | None = None,
 ) -> Estimate:
     """Per-stage peak memory of ``layout``. ``profile``: auto (by --transformer-impl), transformer_engine,
     local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms). ``site``:
-    the site constants (a ``memguard calibrate`` profile; None: memguard's defaults)."""
+    the site constants (a ``memguard calibrate`` profile; None: memguard's defaults). ``expert_dp_rank``
+    (MoE, with an index ``dp_rank``): the rank's own expert-data-parallel optimizer position when known (the
+    runtime hook reads it from megatron-core); None: worked out from ``dp_rank`` for TP rank 0."""
     site = DEFAULT_SITE if site is None else site
     if profile not in PROFILES:
         raise ConfigError("--profile", f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
@@ -1165,7 +1183,7 @@ def estimate(
     for r, shape in enumerate(_stage_shapes(L)):
         pr = preps.get(shape)
         if pr is None:
-            pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
+            pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site, expert_dp_rank)
         stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
     totals = [s.device_total_bytes for s in stages]
