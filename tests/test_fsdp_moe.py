@@ -182,9 +182,20 @@ def test_keep_fp8_transpose_cache_keeps_every_fp8_weights_transpose():
     _, _, t2 = _stage(ZP_Z3 + ["--keep-fp8-transpose-cache"])
     _, _, t3 = _stage(ZP_Z3)
     assert t2 == t3
-    with pytest.raises(NotModelledError, match="--keep-fp8-transpose-cache"):
-        layout_from_flags(ZP_Z3 + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather",
-                                   "--keep-fp8-transpose-cache"], world_size=8, megatron_version="0.19.2")
+    # blockwise: fp8_discard_transpose_cache (megatron_fsdp mixed_precision.py, 0.16.1 and 0.19.2) calls
+    # update_usage(columnwise_usage=False) on a Float8BlockwiseQTensor; kept, its column-wise data [cols, rows]
+    # (1 B per element, the same 4,718,592 per layer) stay; the 128x128-block scales are counted either way
+    bw = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
+    _, b0, u0 = _stage(ZP_Z3 + bw)
+    _, b1, u1 = _stage(ZP_Z3 + bw + ["--keep-fp8-transpose-cache"])
+    assert u1["fp8_weight_columnwise"] - u0["fp8_weight_columnwise"] == transposes
+    assert b1.persistent_bytes - b0.persistent_bytes == transposes
+    # mxfp8: an MXFP8Tensor is left alone (its column-wise data are Megatron-FSDP's transpose buffers): no change
+    mx = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"]
+    _, m0, v0 = _stage(ZP_Z3 + mx)
+    L, m1, v1 = _stage(ZP_Z3 + mx + ["--keep-fp8-transpose-cache"])
+    assert v1 == v0 and m1.persistent_bytes == m0.persistent_bytes
+    assert any("--keep-fp8-transpose-cache: no effect with the mxfp8 recipe" in n for n in L.notes)
 
 
 def test_params_norm_releases_the_regathered_units():

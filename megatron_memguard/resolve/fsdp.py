@@ -133,11 +133,12 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                                                    "not in megatron-core 0.16.1 or 0.19.2)")
         keep = a.bool_arg("keep_fp8_transpose_cache", False)
         recipe = str(a.get("fp8_recipe", "delayed"))
-        if keep and a.get("fp8") and a.bool_arg("fp8_param_gather", False) and recipe not in ("delayed", "tensorwise"):
-            # megatron_fsdp.py release_module_parameters keeps Float8Tensor transposes; the other recipes'
-            # column-wise data live in Megatron-FSDP's transpose buffers (mxfp8) or TE storage not read here
-            raise NotModelledError(a.key("keep_fp8_transpose_cache"),
-                                   f"FP8 transpose caches kept under Megatron-FSDP with the {recipe[:20]} recipe")
+        if keep and a.get("fp8") and a.bool_arg("fp8_param_gather", False) and str(recipe) == "mxfp8":
+            # mixed_precision.py fp8_discard_transpose_cache (0.16.1 and 0.19.2) drops a Float8Tensor's transpose
+            # and a blockwise tensor's column-wise usage, and leaves an MXFP8Tensor alone: its column-wise data
+            # live in Megatron-FSDP's transpose buffers, gathered and released by bucket whatever the flag
+            a.notes.append(f"{a.key('keep_fp8_transpose_cache')}: no effect with the mxfp8 recipe (the column-wise "
+                           "data live in Megatron-FSDP's own transpose buffers)")
         # without FP8 primary weights there are no Float8Tensor parameters whose transposes it keeps
         out["keep_fp8_transpose_cache"] = keep
         # --megatron-fsdp-enable-fine-grained-param-gather (0.19.2): every sub-module's pre-forward hook
