@@ -20,7 +20,7 @@ Optimizer elements per rank: 12 x (132,608 + 2,097,152) + 3,359,232 = 30,116,352
 import pytest
 
 from megatron_memguard import estimate, layout_from_flags
-from megatron_memguard.errors import NotModelledError
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
 
 ZP_Z3 = ("--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
@@ -63,8 +63,13 @@ def test_core_0_16_keeps_fp32_grads_for_experts_too():
 
 def test_expert_parallel_overlap_under_fsdp_is_refused_by_name():
     flags = ZP_Z3 + ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"]
-    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm.*forward layer"):
         layout_from_flags(flags, world_size=8, megatron_version="0.19.2")
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm.*bypasses the FSDP unit hooks"):
+        layout_from_flags(flags, world_size=8, megatron_version="0.16.1")
+    # what MegatronFSDP's adapter asserts first (mcore_fsdp_adapter.py, core 0.19.2)
+    with pytest.raises((ConfigError, ConfigErrors), match="--fsdp-double-buffer"):
+        layout_from_flags(flags + ["--fsdp-double-buffer"], world_size=8, megatron_version="0.19.2")
 
 
 def test_hsdp_shards_over_one_replica():

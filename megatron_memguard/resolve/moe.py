@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol
 
+from packaging.version import Version
+
 from ..errors import ConfigError, NotModelledError
 from ..layout.moe import DISPATCHERS, MoeSpec, parse_moe_layer_freq
 from ..estimator.layers.moe import deepep_ranks_supported
@@ -322,10 +324,30 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         raise NotModelledError(a.key("outer_dp_sharding_strategy"),
                                "experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding")
     if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
-        # mcore_fsdp_adapter.py (0.19.2): the overlap makes Megatron-FSDP gather each sub-module's
-        # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit
-        raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"),
-                               "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
+        before = len(a.errors)
+        if ctx.version >= Version("0.19"):
+            # MegatronFSDP adapter __init__ (mcore_fsdp_adapter.py, core 0.19.2) asserts both
+            if a.bool_arg("fsdp_double_buffer", False):
+                a.fail("fsdp_double_buffer", "cannot be used with --overlap-moe-expert-parallel-comm under Megatron-FSDP "
+                                             "(\"1F1B overlap with FSDP does not support double buffer\")")
+            graphs = str(a.get("cuda_graph_impl", "none") or "none")
+            if graphs not in ("none", "full_iteration"):
+                a.fail("cuda_graph_impl", f"{graphs[:20]} cannot be used with --overlap-moe-expert-parallel-comm under "
+                                          "Megatron-FSDP (only none or full_iteration)")
+            # the overlap schedule (model_chunk_schedule_plan.py TransformerLayerSchedulePlan.run) runs one layer's
+            # forward and another layer's backward together; each sub-module gathers its own weights
+            # (enable_fine_grained_param_gather_hook) and the schedule releases a layer's at the end of its pass
+            # (set_fsdp_reshard_hooks): how many buckets are gathered at once depends on that interleaving
+            why = ("the expert all-to-all overlap under Megatron-FSDP (the overlap schedule holds a forward layer's "
+                   "and a backward layer's gathered weights at once, gathered per sub-module: not sized)")
+        else:
+            # 0.16.1: the adapter installs no fine-grained hooks for the overlap and the schedule no release
+            # hooks, while the schedule calls sub-modules directly (not TransformerLayer.forward, where the FSDP
+            # unit's gather hook sits)
+            why = (f"the expert all-to-all overlap under Megatron-FSDP in megatron-core {ctx.version} (its overlap "
+                   "schedule bypasses the FSDP unit hooks; when weights are gathered is not read)")
+        if len(a.errors) == before:   # (what Megatron stops on comes first)
+            raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"), why)
     if kw.get("use_megatron_fsdp"):
         a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
                        "fp32 gradient copies as Megatron's source keeps them (main_grad_copies); Megatron's CI run of "
