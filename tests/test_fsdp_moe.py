@@ -88,11 +88,22 @@ def test_hsdp_shards_over_one_replica():
     assert t["main_parameters"] == 4 * (12 * (265_216 + 4_194_304 // 2) + 6_717_952)
 
 
-def test_experts_under_hsdp_with_outer_optimizer_sharding_are_refused_by_name():
-    # dense HFSDP is modelled (tests/test_fsdp_estimate.py); with experts core 0.16.1 fails to build it
-    with pytest.raises(NotModelledError, match="--outer-dp-sharding-strategy"):
-        layout_from_flags(ZP_Z3 + ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy",
-                                   "optim"], world_size=8, megatron_version="0.19.2")
+def test_experts_under_hfsdp_shard_their_optimizer_over_the_outer_group():
+    """HFSDP with experts (core 0.19.2): the expert device mesh takes the dense outer (inter-instance) group
+    (mcore_fsdp_adapter._init_dist_index) and ParamAndGradBuffer builds the expert groups' helper buffers over
+    get_outer_fsdp_group(is_expert_parallel=True) (param_and_grad_buffer.py): weights and gradients over one
+    replica's expert DP group (2 / 2 = 1 rank: whole), main weights and Adam over the 2 instances. Buckets padded
+    to shard x outer x 512: dense unit 530,432 (a multiple of 2 x 2 x 512) -> replica shard 265,216, optimizer
+    132,608; experts 4,194,304 -> optimizer 2,097,152; outside units 13,435,904 -> 13,436,928, replica shard
+    6,718,464, optimizer 3,359,232. The optimizer shard is then the non-HSDP one over all 8 ranks (OPT)."""
+    hfsdp = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"]
+    _, _, t = _stage(ZP_Z3 + hfsdp)
+    assert 12 * (132_608 + 2_097_152) + 3_359_232 == OPT
+    assert t["main_parameters"] == t["adam_exp_avg"] == t["adam_exp_avg_sq"] == 4 * OPT
+    assert t["fsdp_parameters"] == 2 * (12 * (265_216 + 4_194_304) + 6_718_464)
+    # core 0.16.1 builds no expert mesh under HSDP and fails to build this on the CPU referee: refused
+    with pytest.raises(NotModelledError, match="--outer-dp-sharding-strategy.*no expert device mesh"):
+        layout_from_flags(ZP_Z3 + hfsdp, world_size=8, megatron_version="0.16.1")
     # without HSDP the outer strategy has no group to act on (MegatronFSDP reads it only with an outer group)
     layout_from_flags(ZP_Z3 + ["--outer-dp-sharding-strategy", "optim"], world_size=8, megatron_version="0.19.2")
 

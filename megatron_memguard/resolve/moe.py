@@ -318,11 +318,14 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # initialize_model_parallel (0.16.1 and 0.19.2): the expert DP group splits into the instances
         a.fail("num_distributed_optimizer_instances", f"{inst} must divide the expert data-parallel size {edp}")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
-    if kw.get("use_megatron_fsdp") and kw.get("outer_dp_sharding_strategy", "no_shard") != "no_shard":
-        # core 0.16.1 fails to build it on the CPU referee ("Data size mismatch"); 0.19's expert
-        # helper buffers over hybrid_fsdp_expt_group are not read
+    if (kw.get("use_megatron_fsdp") and kw.get("outer_dp_sharding_strategy", "no_shard") != "no_shard"
+            and ctx.version < Version("0.18")):
+        # core 0.16.1 fails to build it on the CPU referee ("Data size mismatch"): its HSDP builds no expert
+        # device mesh, so the experts get no outer group of their own; 0.18+ is sized (estimator/fsdp_layout.py)
         raise NotModelledError(a.key("outer_dp_sharding_strategy"),
-                               "experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding")
+                               f"experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding in megatron-core "
+                               f"{ctx.version} (no expert device mesh under HSDP; the CPU referee's 0.16.1 run fails "
+                               "to build it)")
     if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
         before = len(a.errors)
         if ctx.version >= Version("0.19"):
