@@ -98,6 +98,9 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
     num_iterations=2,
     referee_adam_kernel="fused",  # see shims.configure_torch_optimizer
     referee_dump_top=30,
+    # path prefix: write every allocation record ([alloc seq, free seq, bytes, op, dtype, shape, phase])
+    # to <prefix>.rank<R>.json, for replays such as benchmarks/referee/allocator_replay.py
+    referee_allocation_log=None,
 )
 
 
@@ -712,6 +715,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         # one until its worker thread finishes with it: wait for the collectives, then for the reading to settle.
         torch.distributed.barrier()
         _settle(tracker)
+        if args.referee_allocation_log:
+            with open(f"{args.referee_allocation_log}.rank{rank}.json", "w") as fh:
+                json.dump(tracker.records, fh)
         bytes_after_step = tracker.current
         bytes_after_step_r512 = tracker.current_r512
         r_all = tracker.region_result("iterations")

@@ -407,12 +407,12 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
         main_elems = param_elems = params
     if L.moe is not None:
         # megatron-core's expert DDP buffers (one per chunk) and the one expert DistributedOptimizer over
-        # all chunks, sharded over the expert-data-parallel group: the rank of that group standing for
-        # the dense DP rank asked for (the same end of the group)
+        # all chunks, sharded over the expert-data-parallel group: the position in that group of the rank the
+        # dense DP rank asked for is (Parallelism.expert_dp_rank; "last": the stage's last rank, last in both)
         # ("max": the expert group's largest shard, taken apart from the dense one's: an upper bound when the
         # two peak on different ranks)
         eshard = L.parallel.shard_size(ShardGroup.EXPERT_DP)
-        eranks = tuple(sorted({min(r, eshard - 1) if dp_rank != "last" else eshard - 1 for r in ranks}))
+        eranks = tuple(sorted({L.parallel.expert_dp_rank(r) if dp_rank != "last" else eshard - 1 for r in ranks}))
         eowned = [0] * len(eranks)
         eparts = []
         e_params = e_numel = 0
