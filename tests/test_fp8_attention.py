@@ -93,6 +93,32 @@ def test_estimate_moves_by_the_layers_saved_bytes():
     assert t_on["parameters"] == t_off["parameters"]
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_output_gate_keeps_the_bf16_output(recipe):
+    # --attention-output-gate: the gate (x * sigmoid(gate)) keeps its inputs, the BF16 attention output and the
+    # gate (a copy here: 4 query groups of 4 heads per rank); the qkv output (5120 wide with the gate) is
+    # kept by nothing else once the attention keeps FP8 q, k, v
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--attention-output-gate"]
+    bf16_att = layer_activations(lay(*fp8)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    assert bf16_att["qkv_output"] == 2 * TF * 5120 and "qkv_output" not in got
+    assert got["proj_input"] == bf16_att["proj_input"] == 2 * TF * CTX
+    assert got["output_gate"] == bf16_att["output_gate"] == got["gate_attention_output"] == 2 * TF * CTX
+    assert got["fp8_attention_qkv"] == TF * QKV_W + 512
+    # delayed: the FP8 output the attention keeps, next to the BF16 one the gate keeps
+    assert got.get("fp8_attention_output") == (TF * CTX + 512 if recipe == "delayed" else None)
+    # the core attention's backward step comes after linear_proj's and the gate's: + dO in FP8, and (delayed)
+    # FP8 dq/dk/dv; the FP8 output is still saved there (released with the softmax statistics)
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*fp8, fp8_dot_product_attention=True)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    extra = TF * CTX + 512 + (TF * QKV_W + 512 if recipe == "delayed" else 0)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, 0, extra, 0, 0]
+    assert "fp8_attention_output" in f.bwd_steps[3][0] and "fp8_attention_output" not in f.bwd_steps[2][0]
+
+
 def test_recompute_core_attention_keeps_the_checkpoint_inputs():
     args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--recompute-granularity", "selective",
             "--recompute-modules", "core_attn"]
@@ -121,6 +147,9 @@ def test_refused_and_rejected_corners():
         lay(*fp8, "--context-parallel-size", "2", fp8_dot_product_attention=True)
     with pytest.raises(NotModelledError, match="fp8.multi.head.attention"):
         lay(*fp8, fp8_multi_head_attention=True)
+    with pytest.raises(NotModelledError, match="multi-latent attention"):
+        lay(*fp8, "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+            "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", fp8_dot_product_attention=True)
     with pytest.raises(ConfigError, match="attention-backend fused or auto"):
         lay(*fp8, "--attention-backend", "flash", fp8_dot_product_attention=True)
     # fp8_mha only travels in the delayed recipe: with tensorwise it is dropped, fp8_dpa still acts

@@ -160,9 +160,6 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
     if a.bool_arg("multi_latent_attention", False):
         raise NotModelledError(key, "FP8 attention with multi-latent attention (q/k head dim differs from v's; the FP8 "
                                     "path of that shape is not sized here)")
-    if a.bool_arg("attention_output_gate", False):
-        raise NotModelledError(key, "FP8 attention with --attention-output-gate (the gate's copies of the dequantized "
-                                    "attention output are not sized here)")
     if recipe == "tensorwise":
         a.notes.append(f"{key}: FP8 attention with the tensorwise recipe runs only on Blackwell (sm100) with cuDNN "
                        "9.14 or later (Transformer Engine 2.11); it keeps the attention output in BF16 "

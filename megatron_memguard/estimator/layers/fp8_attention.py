@@ -14,6 +14,9 @@ Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`
   tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``, TE's default): the output stays BF16 and is saved as such.
 * backward (``NVTE_FP8_DPA_BWD=1``, the default): the output gradient is quantized (1 B/elem), and under
   delayed scaling dq, dk, dv come out in FP8 and are dequantized into BF16 ones.
+* ``--attention-output-gate``: the gate keeps its two inputs (layers/attention.py), so the BF16 output stays
+  saved (``proj_input``) and, under delayed scaling, the FP8 one is kept next to it (``fp8_attention_output``);
+  a gate that is a view of the qkv output keeps that output alive.
 
 Not counted: the recipe state of DotProductAttention's quantizers (a few KB per layer) and cuDNN's
 workspace (not counted for BF16 attention either). With ``core_attn`` recompute the checkpoint keeps the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from ...layout import Layout
 from ..fp8 import quantized_tensor
+from .attention import _gated
 from .base import MixerActivations, shapes
 
 # the BF16 tensors of q, k, v that only the core attention kept
@@ -40,8 +44,12 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     ctx_w = x.a_t * d
     qkv8 = quantized_tensor(recipe, Tf, width, rowwise=True, columnwise=False).allocated
     out8 = quantized_tensor(recipe, Tf, ctx_w, rowwise=True, columnwise=False).allocated
+    gated = _gated(L) == 2
+    delayed = recipe == "delayed"
     dropped = {n: saved[n] for n in _BF16_INPUTS if n in saved}
-    if "qkv_output" in saved and not L.qk_layernorm:
+    # the qkv output stays alive through the q/k norms' saved inputs, or a gate that is a view of it
+    gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
+    if "qkv_output" in saved and not (L.qk_layernorm or gate_view):
         dropped["qkv_output"] = saved["qkv_output"]
     new: dict[str, int] = {}
     for name, b in saved.items():
@@ -50,8 +58,11 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         if name == "softmax_stats":
             new["fp8_attention_qkv"] = qkv8
             b = 2 * x.b * x.a_t * x.s * 4              # M and ZInv, fp32 [b, a, s, 1] each
-        elif name == "proj_input" and recipe == "delayed":
-            b = out8                                   # the FP8 output the attention keeps
+        elif name == "proj_input" and delayed:
+            if gated:
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (proj_input)
+            else:
+                b = out8                               # the FP8 output the attention keeps
         new[name] = b
     bf16_inputs = sum(dropped.values())
     (names, _), *rest = mixer.fwd_steps
@@ -60,16 +71,18 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # combine_and_quantize: the BF16 q, k, v, their concatenation and its FP8 copy
         (names | {"fp8_attention_qkv", "softmax_stats"}, bf16_inputs + Tf * width * e + qkv8),
         # the kernel's output (delayed: FP8, then dequantized for linear_proj)
-        (names, bf16_inputs + out_bf16 + (out8 if recipe == "delayed" else 0)),
+        (names | {"fp8_attention_output"}, bf16_inputs + out_bf16 + (out8 if delayed else 0)),
     )
-    # backward at the core attention: the quantized output gradient; delayed: FP8 dq, dk, dv before their
-    # dequantized BF16 copies, and the FP8 output saved by the attention (proj_input is released there)
-    core_extra = out8 + (qkv8 + out8 if recipe == "delayed" else 0)
+    # backward at the core attention (after linear_proj's step and the gate's): the quantized output gradient;
+    # delayed: FP8 dq, dk, dv before their dequantized BF16 copies, and, when it is proj_input (released at that
+    # step), the FP8 output the attention still holds
+    core = 2 if gated else 1
+    core_extra = out8 + (qkv8 + (0 if gated else out8) if delayed else 0)
     bwd = []
     for i, (rel, w) in enumerate(mixer.bwd_steps):
-        if i == 1:
+        if i == core:
             w += core_extra
         elif "softmax_stats" in rel:
-            rel = rel | {"fp8_attention_qkv"}
+            rel = rel | {"fp8_attention_qkv", "fp8_attention_output"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
