@@ -123,6 +123,16 @@ def test_recompute_core_attention_keeps_the_checkpoint_inputs():
     args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--recompute-granularity", "selective",
             "--recompute-modules", "core_attn"]
     assert layer_activations(lay(*args, fp8_dot_product_attention=True)).saved == layer_activations(lay(*args)).saved
+    # the replay in the backward: FP8 q/k/v, the second fp32 statistic [b, a, s], the FP8 output, dO in FP8
+    # and FP8 dq/dk/dv, at the core attention's step only
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*args, fp8_dot_product_attention=True)
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    replay = (TF * QKV_W + 512) + A_T * 8192 * 4 + (TF * CTX + 512) + (TF * QKV_W + 512) + (TF * CTX + 512)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, replay, 0, 0]
+    assert f.saved == m.saved and f.fwd_steps == m.fwd_steps
 
 
 def test_which_recipes_carry_it():

@@ -20,7 +20,8 @@ Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`
 
 Not counted: the recipe state of DotProductAttention's quantizers (a few KB per layer) and cuDNN's
 workspace (not counted for BF16 attention either). With ``core_attn`` recompute the checkpoint keeps the
-BF16 q, k, v it replays from: the saved tensors do not change (docs/terms/fp8.md)."""
+BF16 q, k, v it replays from: the saved tensors do not change, the replay's FP8 tensors join the core
+attention's backward step (docs/terms/fp8.md)."""
 from __future__ import annotations
 
 from ...layout import Layout
@@ -35,8 +36,6 @@ _BF16_INPUTS = ("query_rope", "key_rope", "query_norm", "key_norm")
 def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     """The standard attention mixer of an FP8 layer with its core attention in FP8."""
     saved = mixer.saved
-    if "softmax_stats" not in saved:
-        return mixer             # core_attn recompute: the checkpoint keeps BF16 q, k, v (see above)
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
     recipe = L.fp8_spec.recipe
@@ -46,6 +45,14 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     out8 = quantized_tensor(recipe, Tf, ctx_w, rowwise=True, columnwise=False).allocated
     gated = _gated(L) == 2
     delayed = recipe == "delayed"
+    core = 2 if gated else 1                           # the core attention's backward step
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its replay in the
+        # backward makes what the FP8 forward keeps (FP8 q, k, v, a second fp32 statistic, delayed: the FP8
+        # output), alive through the core attention's backward with the FP8 output gradient (and FP8 dq/dk/dv)
+        replay = qkv8 + x.b * x.a_t * x.s * 4 + out8 + (qkv8 + out8 if delayed else 0)
+        return mixer._replace(bwd_steps=tuple((rel, w + replay if i == core else w)
+                                              for i, (rel, w) in enumerate(mixer.bwd_steps)))
     dropped = {n: saved[n] for n in _BF16_INPUTS if n in saved}
     # the qkv output stays alive through the q/k norms' saved inputs, or a gate that is a view of it
     gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
@@ -76,7 +83,6 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     # backward at the core attention (after linear_proj's step and the gate's): the quantized output gradient;
     # delayed: FP8 dq, dk, dv before their dequantized BF16 copies, and, when it is proj_input (released at that
     # step), the FP8 output the attention still holds
-    core = 2 if gated else 1
     core_extra = out8 + (qkv8 + (0 if gated else out8) if delayed else 0)
     bwd = []
     for i, (rel, w) in enumerate(mixer.bwd_steps):
