@@ -220,7 +220,13 @@ def command_lines(draw) -> Case:
                                                       "--moe-aux-loss-coeff", "1e-2", "1e-3"],
                    ["--moe-z-loss-coeff", "1e-3"], ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
                    ["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
-                   ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate"]]
+                   ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate"],
+                   ["--moe-router-score-function", "sqrtsoftplus"], ["--moe-router-enable-expert-bias"],
+                   ["--moe-router-score-function", "sqrtsoftplus", "--moe-router-enable-expert-bias"],
+                   ["--moe-router-load-balancing-type", "quantile_balancing"], ["--moe-input-jitter-eps", "0.01"],
+                   ["--moe-router-force-biased", "0.5"],
+                   ["--moe-shared-expert-intermediate-size", "128", "--use-grouped-gemm-for-shared-expert",
+                    "--moe-shared-expert-glu-interleave-size", "32", "--swiglu"]]
     for extra in draw(st.lists(st.sampled_from(extras), max_size=2, unique_by=tuple)):
         f += extra
     return Case(tuple(f), world)
@@ -380,6 +386,28 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     split = _tp_split(config)
     if split:
         return split
+    # Router.quantile_balancing and qb_dual_update assert at the first forward (moe/router.py 325-329,
+    # moe/moe_utils.py 230): no router fusion, no group-limited routing, s x b x top-k divisible by the experts
+    if ns.num_experts and config.moe_router_load_balancing_type == "quantile_balancing":
+        if config.moe_router_fusion:
+            return "quantile_balancing: does not support moe_router_fusion"
+        if config.moe_router_num_groups is not None or config.moe_router_group_topk is not None:
+            return "quantile_balancing: does not support group-limited routing"
+        if (ns.seq_length * ns.micro_batch_size * config.moe_router_topk) % config.num_moe_experts:
+            return "qb_dual_update: tokens x top-k not divisible by the experts"
+    # FusedSharedExpertMLP (moe/shared_experts.py 389-440): at the build (TE, SwiGLU, interleave size) and at the
+    # first forward (an MXFP8 or NVFP4 recipe)
+    if ns.num_experts and ns.moe_shared_expert_intermediate_size and config.use_grouped_gemm_for_shared_expert:
+        import torch.nn.functional as F
+        if config.transformer_impl != "transformer_engine":
+            return "FusedSharedExpertMLP: needs Transformer Engine"
+        if not config.gated_linear_unit or config.activation_func is not F.silu:
+            return "FusedSharedExpertMLP: needs SwiGLU"
+        if config.moe_shared_expert_glu_interleave_size is None:
+            return "FusedSharedExpertMLP: needs moe_shared_expert_glu_interleave_size"
+        if not ((config.fp8 and str(getattr(config.fp8_recipe, "value", config.fp8_recipe)) == "mxfp8")
+                or (config.fp4 and str(getattr(config.fp4_recipe, "value", config.fp4_recipe)) == "nvfp4")):
+            return "FusedSharedExpertMLP: needs fp8_recipe mxfp8 or fp4_recipe nvfp4"
     # group_limited_topk: each group's top (topk // group_topk) scores (moe/moe_utils.py 656): torch.topk
     # over a group of fewer experts fails at the first forward
     n, groups, gtopk = config.num_moe_experts, config.moe_router_num_groups, config.moe_router_group_topk
@@ -555,6 +583,7 @@ class Found:
     key: str                 # the flag memguard's one-line error names
     eras: tuple[str, ...]    # the Megatron versions with the rule
     source: str              # where Megatron checks it
+    newer: bool = False      # the option came after 0.16: the older eras refuse it naming the release
 
     def case(self) -> Case:
         return Case(tuple(BASE) + self.flags, self.world)
@@ -616,4 +645,26 @@ FOUND = [
     Found((*MOE, "--moe-router-num-groups", "8", "--moe-router-group-topk", "1"), 2, "--moe-router-group-topk",
           ("0.16", "0.19"), "group_limited_topk, transformer/moe/moe_utils.py line 656 (0.16.1: 554): torch.topk of "
           "topk // group_topk = 2 scores in a group of 1 expert fails at the first forward"),
+    Found((*MOE, "--moe-input-jitter-eps", "0.01", "--hidden-dropout", "0", "--recompute-granularity", "selective",
+           "--recompute-modules", "moe", "--cuda-graph-impl", "local"), 2, "--moe-input-jitter-eps", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2567 (0.16.1: 1820): no input jitter in a "
+          "graphed moe recompute"),
+    # the router variants and the fused shared expert memguard models since they are no longer refused
+    Found((*MOE, "--moe-router-enable-expert-bias"), 2, "--moe-router-enable-expert-bias", ("0.16", "0.19"),
+          "TransformerConfig.__post_init__, transformer_config.py line 2284 (0.16.1: 1593): aux-loss-free expert bias "
+          "needs the sigmoid (0.19: or sqrtsoftplus) score function"),
+    Found((*MOE, "--moe-router-load-balancing-type", "quantile_balancing", "--moe-router-fusion"), 2,
+          "--moe-router-fusion", ("0.19",), "Router.quantile_balancing, transformer/moe/router.py line 325: no router "
+          "fusion (asserted at the first forward)", newer=True),
+    Found((*MOE, "--moe-router-load-balancing-type", "quantile_balancing", "--moe-router-num-groups", "2",
+           "--moe-router-group-topk", "1"), 2, "--moe-router-num-groups", ("0.19",),
+          "Router.quantile_balancing, transformer/moe/router.py line 328: no group-limited routing", newer=True),
+    Found((*MOE, "--moe-router-load-balancing-type", "quantile_balancing", "--seq-length", "508", "--moe-router-topk",
+           "1", "--moe-router-pre-softmax"), 2, "--moe-router-topk", ("0.19",),
+          "qb_dual_update, transformer/moe/moe_utils.py line 230: s x b x top-k = 508 must divide over the 8 experts",
+          newer=True),
+    Found((*MOE, "--moe-shared-expert-intermediate-size", "128", "--use-grouped-gemm-for-shared-expert",
+           "--moe-shared-expert-glu-interleave-size", "32", "--swiglu"), 2, "--use-grouped-gemm-for-shared-expert",
+          ("0.19",), "FusedSharedExpertMLP._get_fused_grouped_swiglu_recipe, transformer/moe/shared_experts.py line "
+          "430: the fused kernel runs under MXFP8 or NVFP4 only", newer=True),
 ]

@@ -187,9 +187,9 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
     (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output lives
     and dies with ``proj_input``. The working sets of the steps are those of the BF16 layer plus the quantized
     output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
-    from .fp8_layers import layer_gemms, moe_saved_overrides, saved_overrides
+    from .fp8_layers import layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
-    over = saved_overrides(L.fp8_spec, layer_gemms(L, kind), saved, act_bytes=e,
+    over = saved_overrides(L.fp8_spec, module_gemms(L, layer_gemms(L, kind)), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e)
     saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e)}
 

@@ -360,7 +360,9 @@ def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow
     rb = router * n_moe
     if rb:
         rows.append(("moe_router_buffers", rb, "weights", "allocated",
-                     f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"))
+                     f"fp32 expert-bias / token-count buffers of {n_moe} router(s)"
+                     + (" (quantile balancing's qb_beta, qb_beta_accum, qb_beta_count)"
+                        if L.moe is not None and L.moe.moe_router_load_balancing_type == "quantile_balancing" else "")))
     old = next((r for r in rows if r[0] == "global_memory_buffer"), None)
     if gb and (old is None or old[1] < gb):
         rows = [r for r in rows if r[0] != "global_memory_buffer"]
@@ -1110,10 +1112,18 @@ def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_
     else:
         extra = 0
     extra_reserved = extra + int(extra * frag)
-    return {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
-            "worst_case": {"peak_allocated_bytes": peak_allocated + extra,
-                           "peak_reserved_bytes": peak_reserved + extra_reserved,
-                           "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
+    out = {"expert_rows_balanced": rows.balanced, "expert_rows_worst": rows.worst, "routing": rows.how,
+           "worst_case": {"peak_allocated_bytes": peak_allocated + extra,
+                          "peak_reserved_bytes": peak_reserved + extra_reserved,
+                          "device_total_bytes": device_total + extra_reserved, "peak_phase": peak_phase}}
+    biased = L.moe.moe_router_force_biased if L.moe is not None else None
+    if biased is not None:
+        # --moe-router-force-biased (Router.forward, core 0.19.2 moe_utils.apply_biased_logits): random logits
+        # plus one N(0, std^2) bias per expert that every rank draws alike, so the same experts win on every
+        # rank and the load does not balance; the dispatcher's limit (the rows above) is what bounds it
+        out["routing"] = f"{rows.how}; forced biased routing (std {abs(biased):g}): not balanced, plan with this bound"
+        out["worst_case"]["forced_biased_std"] = abs(biased)
+    return out
 
 
 def estimate(

@@ -210,10 +210,43 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
         Tf = T * L.tp if L.sequence_parallel else T
         fs = Fs // L.tp
         b = saved["moe_shared_experts"] - e * Tf * fs + saved_input(spec, Tf, fs, non_tn=non_tn).allocated
-        if spec.recipe == "delayed":
+        if m.use_grouped_gemm_for_shared_expert:
+            # FusedSharedExpertMLP (core 0.19.2) all-gathers the input itself (gather_from_sequence_parallel_region)
+            # and runs TE's GroupedLinear -> ScaledSwiGLU -> GroupedLinear ops (TE 2.14 ops/basic/grouped_linear.py,
+            # swiglu.py; on Blackwell with NVTE_CUTEDSL_FUSED_GROUPED_MLP the fused ops/fused/forward_grouped_mlp.py):
+            # fc1 keeps its quantized column-wise input [Tf, h], the SwiGLU its BF16 input, fc2 its quantized
+            # column-wise input; and each GroupedLinear quantizes its BF16 weight every forward and keeps that copy
+            # (column-wise; the fused kernel both usages) instead of TE's cached workspace (shared_expert_gemms)
+            b += saved_input(spec, Tf, h, non_tn=non_tn).allocated
+            if not spec.primary_weights_quantized:
+                from .fp8 import quantized_tensor
+                both = spec.recipe == "mxfp8" and _cutedsl_fused_grouped_mlp(L)
+                b += sum(quantized_tensor(spec.recipe, rows, cols, rowwise=both, columnwise=True,
+                                          non_tn=non_tn).allocated for rows, cols in ((2 * fs, h), (h, fs)))
+        elif spec.recipe == "delayed":
             b += saved_input(spec, T, h, sp_gathered=L.sequence_parallel and L.tp > 1, non_tn=non_tn).allocated
         out["moe_shared_experts"] = b
     return out
+
+
+def _cutedsl_fused_grouped_mlp(L: Any) -> bool:
+    """TE's fused grouped MLP kernel (ForwardGroupedMLP_CuTeGEMMSwiGLU_MXFP8.is_supported, TE 2.14): asked for by
+    NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 (it also needs an SM 10 GPU, which MXFP8 training has)."""
+    env = getattr(L, "env_dict", None) or {}
+    try:
+        return int(str(env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0) > 0
+    except ValueError:
+        return False
+
+
+def module_gemms(L: Any, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """The GEMMs TE modules run (their cached weight workspaces, or per-forward copies without the cache):
+    FusedSharedExpertMLP never runs its linear_fc1 / linear_fc2 modules (their weights go through TE's
+    GroupedLinear ops, which keep a copy per forward instead: moe_saved_overrides)."""
+    moe = getattr(L, "moe", None)
+    if moe is None or not moe.use_grouped_gemm_for_shared_expert:
+        return gemms
+    return tuple(g for g in gemms if not g.name.startswith("shared_experts."))
 
 
 def output_proj_gemm(L: Any) -> Gemm | None:
@@ -273,7 +306,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                 continue
             g = layer_gemms(L, kind)
             layers += n
-            cache += n * weight_cache_bytes(spec, g, non_tn=non_tn)
+            cache += n * weight_cache_bytes(spec, module_gemms(L, g), non_tn=non_tn)
             colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist or keep))
             scales += n * layer_recipe_state_bytes(spec, g)

@@ -86,6 +86,12 @@ class MoeSpec:
     moe_flex_dispatcher_num_sms: int = 20
     # --use-fused-weighted-squared-relu: TEGroupedMLP's squared-ReLU x probs in one autograd function
     use_fused_weighted_squared_relu: bool = False
+    # --use-grouped-gemm-for-shared-expert (core 0.19): FusedSharedExpertMLP, TE's fused grouped SwiGLU ops
+    use_grouped_gemm_for_shared_expert: bool = False
+    # --moe-input-jitter-eps: the router multiplies its input by uniform noise (kept for backward)
+    moe_input_jitter_eps: float | None = None
+    # --moe-router-force-biased: random logits plus a per-expert bias shared by every rank (benchmarking)
+    moe_router_force_biased: float | None = None
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -113,8 +119,9 @@ class MoeSpec:
         d["moe_layer_pattern"] = [int(v) for v in self.moe_layer_pattern]
         d["moe_recompute"] = list(self.moe_recompute)
         for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
-                     "use_fused_weighted_squared_relu"):
-            if not d[name]:
+                     "use_fused_weighted_squared_relu", "use_grouped_gemm_for_shared_expert",
+                     "moe_input_jitter_eps", "moe_router_force_biased"):
+            if d[name] is None or d[name] is False:
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d
 

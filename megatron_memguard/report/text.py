@@ -178,7 +178,9 @@ def moe_line(s: Any, gpu_memory: int | None = None, threshold: float | None = No
         line += f" = {frac:.0%} of the GPU" + (
             f", within the {threshold:.0%} threshold: no routing can run this stage out of memory"
             if frac <= threshold else
-            f", over the {threshold:.0%} threshold: the stage relies on the router balancing its load")
+            f", over the {threshold:.0%} threshold: the stage relies on the router balancing its load"
+            + (" (forced biased routing does not: it can run out of memory)"
+               if "forced_biased_std" in w else ""))
     return line
 
 

@@ -57,8 +57,14 @@ class Reader(Protocol):
 def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
              sequence_parallel: bool, add_bias_linear: bool, recompute_modules: tuple[str, ...],
              recompute_granularity: str | None, vpp: int | None = None, recompute_method: str | None = None,
-             recompute_num_layers: int | None = None, half: bool = True, legacy: bool = False) -> MoeSpec | None:
-    """The resolved MoE settings, or None for a dense model (and then no expert flag may be set)."""
+             recompute_num_layers: int | None = None, half: bool = True, legacy: bool = False,
+             before_019: bool | None = None, tokens: int | None = None,
+             precision: Mapping[str, Any] | None = None) -> MoeSpec | None:
+    """The resolved MoE settings, or None for a dense model (and then no expert flag may be set).
+    ``before_019``: the release predates megatron-core 0.19 (default: ``legacy``); ``tokens``: s x b, the
+    tokens of one micro-batch over the TP x CP group (quantile balancing's rule); ``precision``: the flat
+    names fp8, fp8_recipe, fp4, fp4_recipe, swiglu, transformer_impl (the fused shared expert's rules)."""
+    before_019 = legacy if before_019 is None else before_019
     n = r.int_arg("num_experts", None, minimum=0)
     ep = r.int_arg("expert_model_parallel_size", 1) or 1
     if not n:   # validate_args: --num-experts 0 is a dense model
@@ -129,10 +135,11 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     lbt = r.get("moe_router_load_balancing_type", "aux_loss")
     types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
     for t in types:
-        if t == "quantile_balancing":
-            # Router.quantile_balancing (megatron-core 0.19.2 router.py): its own routing, not modelled
-            raise NotModelledError(r.key("moe_router_load_balancing_type"), "quantile-balancing routing")
-        if t not in _LOAD_BALANCING:
+        if t == "quantile_balancing" and before_019:
+            # the choice came with megatron-core 0.19 (router.py of 0.18.2 has no quantile balancing)
+            r.fail("moe_router_load_balancing_type", "quantile_balancing needs megatron-core >= 0.19")
+            ok = False
+        elif t not in _LOAD_BALANCING and t != "quantile_balancing":
             r.fail("moe_router_load_balancing_type", f"must be one of {', '.join(_LOAD_BALANCING)}, got {t[:60]!r}")
             ok = False
     coeff = r.get("moe_aux_loss_coeff", 0.0)
@@ -143,12 +150,21 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_aux_loss_coeff", f"must be a number, got {str(coeff)[:60]!r}")
         aux, ok = 0.0, False
     score = str(r.get("moe_router_score_function", "softmax"))
-    if score == "sqrtsoftplus":
-        # 0.19.2's third choice (router.py): its saved tensors are not modelled
-        raise NotModelledError(r.key("moe_router_score_function"), "the sqrtsoftplus router score function")
-    if score not in ("softmax", "sigmoid"):
-        r.fail("moe_router_score_function", f"must be softmax or sigmoid, got {score[:60]!r}")
+    if score == "sqrtsoftplus" and legacy:
+        # the third choice came with megatron-core 0.18 (moe_utils.py of 0.17.1 has softmax and sigmoid only)
+        r.fail("moe_router_score_function", "sqrtsoftplus needs megatron-core >= 0.18")
         ok = False
+    elif score not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        r.fail("moe_router_score_function", f"must be softmax, sigmoid or sqrtsoftplus, got {score[:60]!r}")
+        ok = False
+    if r.bool_arg("moe_router_enable_expert_bias", False) and score not in (
+            ("sigmoid",) if legacy else ("sigmoid", "sqrtsoftplus")):
+        # TransformerConfig.__post_init__: aux-loss-free expert bias needs sigmoid (0.16.1), or sqrtsoftplus (0.19.2)
+        r.fail("moe_router_enable_expert_bias", "needs --moe-router-score-function sigmoid"
+               + ("" if legacy else " or sqrtsoftplus"))
+        ok = False
+    if types == ["quantile_balancing"] and not before_019:
+        ok = _quantile_balancing_rules(r, k=k, n=n, tokens=tokens) and ok
     pre = r.bool_arg("moe_router_pre_softmax", False)
     if k == 1 and score == "softmax" and not pre and "sinkhorn" not in types:
         r.fail("moe_router_topk", "1 with the softmax score function needs --moe-router-pre-softmax "
@@ -188,6 +204,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     if "moe_act" in mods and not grouped:
         r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
         ok = False
+    fused_shared = r.bool_arg("use_grouped_gemm_for_shared_expert", False) and bool(Fs)
+    if fused_shared:
+        ok = _fused_shared_expert_rules(r, before_019=before_019, precision=precision or {}) and ok
     if "shared_experts" in mods and Fs and overlap:
         r.fail("recompute_modules", "shared_experts recompute cannot work with --moe-shared-expert-overlap")
         ok = False
@@ -248,6 +267,10 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     elif wgrad_beside_dispatch and delay_wgrad:
         r.fail("overlap_dispatch_backward_with_experts_wgrad", "cannot be used with --delay-wgrad-compute")
         ok = False
+    jitter = r.get("moe_input_jitter_eps")
+    jitter = r.float_arg("moe_input_jitter_eps", 0.0) if jitter is not None else None
+    biased = r.get("moe_router_force_biased")
+    biased = r.float_arg("moe_router_force_biased", 0.0) if biased is not None else None
     rdtype = r.get("moe_router_dtype")
     if rdtype is not None and str(rdtype) not in ("fp32", "fp64"):
         r.fail("moe_router_dtype", f"must be fp32 or fp64, got {str(rdtype)[:60]!r}")
@@ -284,7 +307,53 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad,
         overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
         use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
+        use_grouped_gemm_for_shared_expert=fused_shared, moe_input_jitter_eps=jitter,
+        moe_router_force_biased=biased,
     )
+
+
+def _quantile_balancing_rules(r: Reader, *, k: int, n: int, tokens: int | None) -> bool:
+    """Router.quantile_balancing and qb_dual_update (megatron-core 0.19.2 router.py, moe_utils.py) assert
+    these at the first forward; each broken one is an error naming the flag. Returns whether all hold."""
+    ok = True
+    if r.bool_arg("moe_router_fusion", False):
+        r.fail("moe_router_fusion", "does not work with quantile_balancing routing (Router.quantile_balancing)")
+        ok = False
+    if r.get("moe_router_num_groups") is not None or r.get("moe_router_group_topk") is not None:
+        r.fail("moe_router_num_groups", "group-limited routing does not work with quantile_balancing routing")
+        ok = False
+    if tokens and (tokens * k) % n:
+        # qb_dual_update: the logits gathered over TP x CP (s x b rows) times top-k must split evenly over E
+        r.fail("moe_router_topk", f"quantile_balancing needs (sequence x micro-batch) x top-k = {tokens:,} x {k} "
+                                  f"divisible by --num-experts {n} (qb_dual_update)")
+        ok = False
+    return ok
+
+
+def _fused_shared_expert_rules(r: Reader, *, before_019: bool, precision: Mapping[str, Any]) -> bool:
+    """FusedSharedExpertMLP (megatron-core 0.19.2 transformer/moe/shared_experts.py) checks these when it
+    is built or at its first forward: TE, a SwiGLU, the GLU interleave size, and an MXFP8 or NVFP4 recipe
+    (its fused kernel runs under one). Returns whether all hold."""
+    key = "use_grouped_gemm_for_shared_expert"
+    if before_019:
+        r.fail(key, "needs megatron-core >= 0.19 (the option came with 0.19.0)")
+        return False
+    ok = True
+    if precision.get("transformer_impl", "transformer_engine") != "transformer_engine":
+        r.fail(key, "needs --transformer-impl transformer_engine (FusedSharedExpertMLP runs TE ops)")
+        ok = False
+    if not precision.get("swiglu"):
+        r.fail(key, "needs a SwiGLU activation (--swiglu; FusedSharedExpertMLP's fused kernel)")
+        ok = False
+    if r.get("moe_shared_expert_glu_interleave_size") is None:
+        r.fail(key, "needs --moe-shared-expert-glu-interleave-size (FusedSharedExpertMLP)")
+        ok = False
+    mxfp8 = precision.get("fp8") and precision.get("fp8_recipe") == "mxfp8"
+    nvfp4 = precision.get("fp4") and precision.get("fp4_recipe") == "nvfp4"
+    if not (mxfp8 or nvfp4):
+        r.fail(key, "needs --fp8-recipe mxfp8 or --fp4-recipe nvfp4 (FusedSharedExpertMLP's fused kernel runs under one)")
+        ok = False
+    return ok
 
 
 def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
@@ -297,12 +366,19 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     recompute_granularity=kw.get("recompute_granularity"),
                     vpp=kw.get("virtual_pipeline_model_parallel_size"), recompute_method=kw.get("recompute_method"),
                     recompute_num_layers=kw.get("recompute_num_layers"),
-                    half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy)
+                    half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy,
+                    before_019=ctx.version < Version("0.19"),
+                    tokens=kw["seq_length"] * kw["micro_batch_size"], precision=kw)
     if spec is None:
         for dest in ("delay_wgrad_compute", "ep_overlap_early_attn_memory_release"):
             if not a.get("num_experts") and a.bool_arg(dest, False):
                 a.fail(dest, "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    lbt = spec.moe_router_load_balancing_type
+    if "quantile_balancing" in lbt.split(",") and lbt != "quantile_balancing":
+        # TopKRouter compares the type to the string: in a list it registers no QB state and routes by top-k
+        a.notes.append(f"{a.key('moe_router_load_balancing_type')}: quantile_balancing in a list of types does not "
+                       "route (TopKRouter applies it only as the single type, router.py 0.19.2): estimated as top-k")
     if (spec.use_fused_weighted_squared_relu and spec.moe_grouped_gemm and kw.get("squared_relu")
             and kw["add_bias_linear"]):
         # TEGroupedMLP.forward: "Bias is not supported with fused weighted squared relu." (core 0.19.2 experts.py)

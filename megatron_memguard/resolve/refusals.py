@@ -36,7 +36,6 @@ NOT_MODELLED: list[Row] = [
     # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
     ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
      "memguard estimate -- --yaml-cfg FILE)"),
-    ("use_grouped_gemm_for_shared_expert", bool, "grouped GEMM for shared experts"),
 ]
 # Estimated, with a note saying what is not counted.
 WARN_ONLY: list[Row] = [
@@ -50,9 +49,9 @@ WARN_ONLY: list[Row] = [
     ("ddp_num_buckets", lambda v: bool(v), "bucket padding is computed for --ddp-bucket-size, not for a bucket count (a few KiB)"),
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
     ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
-    ("moe_input_jitter_eps", lambda v: bool(v), "the router's input jitter keeps a noise tensor per MoE layer that is not counted"),
-    ("moe_router_force_biased", lambda v: v is not None, "forced biased routing sends more tokens to some experts "
-     "than balanced routing: the balanced estimate understates those ranks, the worst-case figure bounds them"),
+    ("moe_router_force_biased", lambda v: v is not None, "forced biased routing (random logits plus a per-expert "
+     "bias every rank shares) sends more tokens to some experts than balanced routing: the balanced estimate "
+     "understates those ranks; plan with the worst-case figure (moe.worst_case), which bounds them"),
     ("ep_overlap_early_attn_memory_release", bool, "the early release of attention memory under EP overlap is not modelled (the estimate errs high)"),
 ]
 # The optimizers whose states are modelled: every --optimizer choice of megatron-core 0.19.2.

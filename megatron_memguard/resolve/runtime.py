@@ -44,6 +44,10 @@ def graphed_recompute(a: Args, kw: Mapping[str, Any], attention_dropout: float, 
             a.fail("hidden_dropout", f"{hidden_dropout:g} does not work with {module} recompute inside a CUDA graph "
                    "(TransformerConfig)", "give --hidden-dropout 0, or graph or recompute other modules")
             break
+    if a.get("moe_input_jitter_eps") is not None and "moe" in mods and (whole or "moe" in graphed):
+        # the router's input jitter draws random numbers too (same check, 0.16.1 and 0.19.2)
+        a.fail("moe_input_jitter_eps", "does not work with moe recompute inside a CUDA graph (TransformerConfig)",
+               "drop --moe-input-jitter-eps, or graph or recompute other modules")
 
 
 def late_options(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
