@@ -192,7 +192,10 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
         # Megatron also places MTP layers on an earlier stage (mtp_standalone); memguard keeps them on the
         # last stage's last chunk, where they go without a layout
         from .errors import NotModelledError
-        raise NotModelledError(key, "multi-token prediction ('m') layers before the last pipeline stage")
+        # (what that moves was read in core 0.19.2 but not modelled: the MTP stage builds its own embedding copy and
+        # sends the (1 + D)-fold concatenated hidden states on; the loss stage runs every head on them)
+        raise NotModelledError(key, "multi-token prediction ('m') layers before the last pipeline stage (Megatron's "
+                               "mtp_standalone: the MTP stage sends (1 + D)-fold hidden states to the loss stage)")
     return stages
 
 

@@ -152,6 +152,44 @@ def test_delay_offload_until_cuda_graph():
     assert _off([])[0].breakdown["offload_staging"] == 2 * CORE
 
 
+def test_max_inflight_offloads_bounds_the_pending_copies():
+    # ChunkOffloadHandler._drain_offload_pending (core 0.19.2): the main stream waits on a name's older D2H
+    # events only once more than the cap are queued (one handler per chunk and micro-batch), so with cap 3 up to
+    # 3 core_attn and 3 attn_proj copies are pending at once, plus one group (the largest) reloaded ahead
+    st = _off(["--fine-grained-offloading-max-inflight-offloads", "3"])
+    assert st[0].breakdown["offload_staging"] == 3 * (CORE + PROJ) + CORE
+    # the last stage keeps its last attn_proj group (3 of 4 leave): still 3 of each name pending
+    assert st[1].breakdown["offload_staging"] == 3 * (CORE + PROJ) + CORE
+    # never more than left: a cap of 8 over 4 layers bounds the staging by the offloaded groups
+    big = _off(["--fine-grained-offloading-max-inflight-offloads", "8"])
+    assert big[0].breakdown["offload_staging"] == 4 * (CORE + PROJ)
+    assert big[1].breakdown["offload_staging"] == 4 * CORE + 3 * PROJ
+    # a cap of 0 or 1 leaves the default: one copy pending, one reloaded ahead
+    assert _off(["--fine-grained-offloading-max-inflight-offloads", "1"])[0].breakdown["offload_staging"] == 2 * CORE
+    assert _off(["--fine-grained-offloading-max-inflight-offloads", "0"])[0].breakdown["offload_staging"] == 2 * CORE
+
+
+def test_max_inflight_offloads_release_gate():
+    # the cap is a TransformerConfig field from core 0.18.2 on (read in the 0.17.1 and 0.18.2 wheels), so also a flag
+    cap = OFF + ["--fine-grained-offloading-max-inflight-offloads", "3"]
+    st = estimate(layout_from_flags(cap, world_size=2, megatron_version="0.18.2")).stages
+    assert st[0].breakdown["offload_staging"] == 3 * (CORE + PROJ) + CORE
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(cap, world_size=2, megatron_version="0.17.1")
+    assert "--fine-grained-offloading-max-inflight-offloads" in str(e.value) and "0.18" in str(e.value)
+
+
+def test_full_iteration_graph_needs_the_in_flight_cap():
+    # TransformerConfig.__post_init__ (core 0.19.2 transformer_config.py, also 0.18.2): fine-grained offloading under
+    # the full-iteration graph needs fine_grained_offloading_max_inflight_offloads >= 0
+    graph = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(OFF + graph, world_size=2)
+    assert "--fine-grained-offloading-max-inflight-offloads" in str(e.value)
+    L = layout_from_flags(OFF + graph + ["--fine-grained-offloading-max-inflight-offloads", "0"], world_size=2)
+    assert L.fine_grained_offloading_max_inflight_offloads == 0
+
+
 def test_offload_fraction_out_of_range():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(OFF + ["--activation-offload-fraction", "1.5"], world_size=2)
@@ -170,6 +208,28 @@ def test_optimizer_cuda_graph_keeps_the_step_temporaries_reserved():
     # fp32 gradients are viewed, not copied: nothing to keep
     _, fp32 = _stage(["--optimizer-cuda-graph"])
     assert "optimizer_graph_pool" not in {t.name for t in fp32.terms}
+
+
+OFFLOADED = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+             "--optimizer-cpu-offload"]
+
+
+def test_optimizer_cuda_graph_with_the_cpu_offloaded_step():
+    # HybridDeviceOptimizer.step (core 0.19.2 optimizer/cpu_offloading/hybrid_optimizer.py, the same in 0.17.1 and
+    # 0.18.2) waits on its D2H event and steps on the host: a CUDA graph cannot capture it
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(GPT4 + OFFLOADED + ["--optimizer-cuda-graph"], world_size=1)
+    assert "--optimizer-cuda-graph" in str(e.value) and "--optimizer-offload-fraction 0" in str(e.value)
+    # with --optimizer-offload-fraction 0 every parameter stays on the GPU: the step is the GPU Adam's, whose fp32
+    # gradient copies (grad.to(fp32), 4 B per element of the bf16 main_grad) stay in the graph's pool; DP 1: the
+    # shard is every parameter
+    zero = OFFLOADED + ["--optimizer-offload-fraction", "0"]
+    L, graphed = _stage(zero + ["--optimizer-cuda-graph"])
+    _, eager = _stage(zero)
+    pool = {t.name: t for t in graphed.terms}["optimizer_graph_pool"]
+    assert pool.bytes == 4 * PARAMS and pool.level == "reserved"
+    assert graphed.peak_allocated_bytes == eager.peak_allocated_bytes
+    assert any("--optimizer-cuda-graph" in n and "fraction 0" in n for n in L.notes)
 
 
 def test_optimizer_cuda_graph_needs_core_0_19():

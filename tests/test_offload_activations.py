@@ -82,3 +82,16 @@ def test_staging_never_exceeds_what_left():
     one = fine_grained_plan({"attn_norm": 10, "mlp_norm": 30}, layers=1, last_stage=True)
     assert one.offloaded == 10 and one.staging == 10
     assert fine_grained_plan({"expert_fc1": 70}, layers=1, last_stage=False).staging == 70
+
+
+def test_plan_with_an_in_flight_cap():
+    # ChunkOffloadHandler._drain_offload_pending (core 0.19.2): up to `cap` copies of each name pending, each name's
+    # count at most its groups that left, plus one group (the largest) reloaded ahead, never more than left
+    groups = {"qkv_linear": 10, "core_attn": 30, "mlp_norm": 20}
+    assert fine_grained_plan(groups, layers=4, last_stage=False, max_inflight=2).staging == 2 * 60 + 30
+    # last stage: the last mlp_norm group stays (3 of 4 leave); 4 x 10 + 4 x 30 + 3 x 20 + 30 = 250 > 220 that left
+    last = fine_grained_plan(groups, layers=4, last_stage=True, max_inflight=4)
+    assert last.offloaded == 220 and last.staging == 220
+    # a cap of 1 (or none) keeps the two groups of the largest module
+    assert fine_grained_plan(groups, layers=4, last_stage=False, max_inflight=1).staging == 60
+    assert fine_grained_plan(groups, layers=4, last_stage=False).staging == 60

@@ -111,3 +111,30 @@ def test_ci_record_with_the_op_fuser():
     rows = [evaluate(r) for r in load_records(MOE_RECORDS) if "op_fuser" in r["id"]]
     assert len(rows) == 1 and rows[0].error is None, [r.error for r in rows]
     assert abs(rows[0].peak_err) <= 0.03 and abs(rows[0].steady_err) <= 0.03
+
+
+OFFLOAD_FUSED = "--fine-grained-activation-offloading --offload-modules fused_group_mlp".split()
+
+
+def test_fused_group_mlp_offload():
+    # TEGroupedMLP._fused_forward (core 0.19.2 transformer/moe/experts.py): one 'fused_group_mlp' group around the
+    # op fuser's call takes what the call saves: fc1's input [N, h] (N = 4096 tokens x top-1, EP 1), fc1's output
+    # [N, 2F] and fc2's input [N, F], bf16: 2 x 4096 x (512 + 2048 + 1024) = 29,360,128 B per MoE layer
+    G = 2 * 4096 * (512 + 2048 + 1024)
+    plain = estimate(_layout(MOE + FUSER, env=CUTEDSL)).stages[-1]
+    off = estimate(_layout(MOE + FUSER + OFFLOAD_FUSED, env=CUTEDSL)).stages[-1]
+    # 4 layers, PP 1 (the last stage keeps the last layer's group): 3 groups leave
+    assert plain.breakdown["moe_layer_activations"] - off.breakdown["moe_layer_activations"] == 3 * G
+    # one copy pending and one reloaded ahead (fine_grained_activation_offload.py ChunkOffloadHandler)
+    assert off.breakdown["offload_staging"] == 2 * G
+
+
+def test_fused_group_mlp_rules():
+    # TransformerConfig.__post_init__ (core 0.19.2): needs the op fuser, excludes expert_fc1 / moe_act; the name is
+    # not an offload module before 0.19 (0.16.1, 0.17.1, 0.18.2 transformer_config.py)
+    assert "--use-transformer-engine-op-fuser" in _err(MOE + OFFLOAD_FUSED)
+    assert "expert_fc1" in _err(MOE + FUSER + OFFLOAD_FUSED + ["expert_fc1"], env=CUTEDSL)
+    assert "0.19" in _err(MOE + FUSER + OFFLOAD_FUSED, env=CUTEDSL, megatron_version="0.18.2")
+    # a dense model has no fused grouped MLP: the group offloads nothing (a note says so)
+    dense = _layout(FUSER + OFFLOAD_FUSED)
+    assert dense.offload_modules == () and any("fused_group_mlp offloads nothing" in n for n in dense.notes)

@@ -37,6 +37,7 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
+from .mtp import layers_built as mtp_layers_built
 from .params import holds_final_norm, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
@@ -167,7 +168,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                           separate_input_norm=L.multi_latent_attention,
                                           min_elements=L.min_offloaded_tensor_size, outside=outside)
             # the chunk's last group stays on the last stage: it belongs to the top layer
-            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1)
+            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1,
+                                     getattr(L, "fine_grained_offloading_max_inflight_offloads", None))
             layers -= plan.offloaded
             # the MoE halves' share of what left (the expert groups), so moe_layer_activations stays on the GPU's side
             moe_groups = [g for g in ("expert_fc1", "moe_act", "fused_group_mlp") if groups.get(g)]
@@ -327,7 +329,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
         if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
-            n_moe += L.mtp_num_layers              # MoE MTP layers have their own dispatchers
+            n_moe += mtp_layers_built(L)           # MoE MTP layers have their own dispatchers (one when repeated)
         rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
     mixer = uniform.mixer
@@ -1001,8 +1003,11 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
                    "loss; the last depth's logits are in forward_transient")
         elif name == "offload_staging":
             host = pr.host_bytes * in_flight
-            det = (f"two groups of the largest offloaded module in flight (one copy to the host pending, one "
-                   f"reloaded ahead); host memory for {in_flight} micro-batch(es): {format_bytes(host)}")
+            cap = L.fine_grained_offloading_max_inflight_offloads
+            det = (f"up to {cap} pending copies to the host of every offloaded module (the cap's bound) and one "
+                   f"group reloaded ahead" if cap is not None and cap > 1 else
+                   "two groups of the largest offloaded module in flight (one copy to the host pending, one "
+                   "reloaded ahead)") + f"; host memory for {in_flight} micro-batch(es): {format_bytes(host)}"
         elif name == "offload_pp_balance_kept":
             det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
                    "of whole offload groups kept on the GPU, from the first micro-batch in flight")
@@ -1032,7 +1037,7 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
             counts[kind] = counts.get(kind, 0) + k
     # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
     layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
-    mtp = (getattr(L, "mtp_num_layers", 0) or 0) if has_output else 0
+    mtp = mtp_layers_built(L) if has_output else 0        # parameters: one layer with --mtp-use-repeated-layer
     norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
     if mtp:
         # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included

@@ -311,7 +311,8 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist or keep))
             scales += n * layer_recipe_state_bytes(spec, g)
             elements += n * sum(x.count * x.rows * x.cols for x in g)
-    mtp = getattr(L, "mtp_num_layers", 0) or 0
+    from .mtp import layers_built
+    mtp = layers_built(L)          # per-module weight caches: one module with --mtp-use-repeated-layer
     if mtp and any(c.has_output for c in chunks):
         # the MTP depths on the last chunk, in FP8 with --fp8-format (mtp_layer_kind)
         g = mtp_gemms(L)

@@ -58,6 +58,14 @@ class MtpSpec:
     max_position_embeddings: int | None = None
     activation_bytes: int = 2                   # bf16/fp16 activations; 4 for fp32 runs
     megatron_version: str = "0.19"              # decides whether the last depth's logits outlive its loss
+    mtp_use_repeated_layer: bool = False        # one MTP layer built, applied at every depth (core 0.17+)
+
+    @property
+    def layers_built(self) -> int:
+        """MTP layers (enorm, hnorm, eh_proj, transformer layer, final norm) built: D, or one with
+        --mtp-use-repeated-layer (MultiTokenPredictionBlock._build_layers, core 0.19.2: "build one layer,
+        use it for all depths"; forward takes ``self.layers[0]`` at every depth)."""
+        return min(1, self.mtp_num_layers) if self.mtp_use_repeated_layer else self.mtp_num_layers
 
     @property
     def rows(self) -> int:
@@ -93,7 +101,7 @@ def embedding_copy_params(spec: MtpSpec) -> int:
 
 def extra_params(spec: MtpSpec) -> int:
     """All MTP parameters on the last stage besides the D transformer layers."""
-    return spec.mtp_num_layers * depth_params(spec) + embedding_copy_params(spec)
+    return spec.layers_built * depth_params(spec) + embedding_copy_params(spec)
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,12 @@ def fp32_softmax_bytes(spec: MtpSpec) -> int:
 
 # ----- from a Layout (flat Megatron names; ``mtp_num_layers`` is 0 when the layout has none) -------
 
+def layers_built(L) -> int:
+    """MTP layers a Layout builds (their parameters): ``mtp_num_layers``, or one with --mtp-use-repeated-layer."""
+    d = getattr(L, "mtp_num_layers", 0) or 0
+    return min(1, d) if getattr(L, "mtp_use_repeated_layer", False) else d
+
+
 def spec_of(L) -> MtpSpec:
     """The MTP spec of a Layout (any object with Megatron's flat names)."""
     return MtpSpec(
@@ -174,7 +188,8 @@ def spec_of(L) -> MtpSpec:
         pipeline_model_parallel_size=L.pipeline_model_parallel_size, sequence_parallel=L.sequence_parallel,
         normalization=L.normalization, untie_embeddings_and_output_weights=L.untie_embeddings_and_output_weights,
         position_embedding_type=L.position_embedding_type, max_position_embeddings=L.max_position_embeddings,
-        activation_bytes=L.act_bytes, megatron_version=L.megatron_version)
+        activation_bytes=L.act_bytes, megatron_version=L.megatron_version,
+        mtp_use_repeated_layer=bool(getattr(L, "mtp_use_repeated_layer", False)))
 
 
 def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tuple[str, int, bool]]:
@@ -191,7 +206,7 @@ def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tup
         if spec.position_embedding_type == "learned_absolute":
             out.append(("embedding.position_embeddings.weight", (spec.max_position_embeddings or spec.seq_length) * h, False))
     norm = ["weight"] if spec.normalization == "RMSNorm" else ["weight", "bias"]
-    for d in range(spec.mtp_num_layers):
+    for d in range(spec.layers_built):
         p = f"mtp.layers.{d}."
         out += [(p + f"enorm.{x}", h, False) for x in norm] + [(p + f"hnorm.{x}", h, False) for x in norm]
         out.append((p + "eh_proj.weight", h // tp * 2 * h, False))

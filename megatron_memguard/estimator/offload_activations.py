@@ -120,10 +120,18 @@ def pp_balance_kept(sizes: Sequence[int], budget: int, fraction: float, micro_ba
     return extra
 
 
-def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) -> FineGrainedPlan:
+def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool,
+                      max_inflight: int | None = None) -> FineGrainedPlan:
     """Per micro-batch: every group of every layer leaves, except the chunk's last group on the last
     stage. At most one group's D2H copy is pending in forward and one group is reloaded ahead in
-    backward (the staging)."""
+    backward (the staging).
+
+    ``max_inflight`` (``--fine-grained-offloading-max-inflight-offloads``, core 0.19.2
+    ChunkOffloadHandler._drain_offload_pending): the main stream waits on a name's older D2H events only
+    once more than the cap are queued, in one chunk handler (one per chunk and micro-batch). A cap above
+    one lets up to ``min(cap, groups of that name that left)`` copies of every name be pending at once
+    (their tensors are held by ``record_stream`` until the copy ends): the upper bound, taken when the
+    cap is above one. A D2H stream that keeps pace leaves one pending, the default figure."""
     sizes = [b for _, b in sorted(groups.items(), key=lambda kv: _ORDER.get(kv[0], 99)) if b > 0]
     if not sizes or layers <= 0:
         return FineGrainedPlan(0, 0, 0)
@@ -134,6 +142,11 @@ def fine_grained_plan(groups: Mapping[str, int], layers: int, last_stage: bool) 
     # stage offloads nothing, two layers of one group offload one)
     leaving = sizes if layers > 1 or not last_stage else sizes[:-1]
     staging = min(2 * max(leaving, default=0), offloaded)
+    if max_inflight is not None and max_inflight > 1:
+        # per name: the groups of that name that left (the last one stays on the last stage)
+        pending = sum(min(max_inflight, layers - (1 if last_stage and i == len(sizes) - 1 else 0)) * b
+                      for i, b in enumerate(sizes))
+        staging = max(staging, min(pending + max(leaving, default=0), offloaded))
     return FineGrainedPlan(offloaded=offloaded, kept_last_group=kept, staging=staging)
 
 
@@ -165,6 +178,10 @@ def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separ
         g = "mlp_norm" if separate_mlp_norm else None
     elif name == "proj_input" and "attn_proj" not in modules:
         g = "core_attn"           # flash/cuDNN attention saves its output too
+    elif name in ("moe_expert_input", "moe_expert_activations") and "fused_group_mlp" in modules:
+        # TEGroupedMLP._fused_forward (core 0.19.2): one group around the op fuser's call, which saves fc1's
+        # input, fc1's output and fc2's input (TransformerConfig forbids it next to expert_fc1 / moe_act)
+        g = "fused_group_mlp"
     else:
         g = _GROUP_OF.get(name)
     return g if g in modules else None

@@ -120,7 +120,8 @@ def chunk_expert_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
         out.extend([(numel, False) for numel in _layer_numels(L, kind, True)] * n)
     if c.has_output and getattr(L, "mtp_num_layers", 0):
         # the MTP layers (after the decoder) take the last decoder layer's kind
-        out.extend([(numel, False) for numel in _layer_numels(L, mtp_layer_kind(L), True)] * L.mtp_num_layers)
+        from .mtp import layers_built
+        out.extend([(numel, False) for numel in _layer_numels(L, mtp_layer_kind(L), True)] * layers_built(L))
     return out
 def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
     """The MTP block's parameters when this chunk holds it (the last stage's last chunk)."""
@@ -207,7 +208,8 @@ def total_parameters(L: Layout) -> int:
     total += norm * h + V * h
     # MTP depths: one layer of the last decoder layer's kind each, plus enorm, hnorm, final norm and
     # eh_proj [h, 2h] (the embedding copy of a later stage is a copy, not counted again)
-    d = getattr(L, "mtp_num_layers", 0)
+    from .mtp import layers_built
+    d = layers_built(L)            # one with --mtp-use-repeated-layer
     if d:
         last = mtp_layer_kind(L)
         KL = kind_layout(L, last)
@@ -225,7 +227,8 @@ def active_parameters(L: Layout) -> int:
     Shared experts, the router and everything else count whole. Equal to the total for dense models."""
     kinds = Counter(layer_kinds(L))
     if getattr(L, "mtp_num_layers", 0):
-        kinds[mtp_layer_kind(L)] += L.mtp_num_layers
+        from .mtp import layers_built
+        kinds[mtp_layer_kind(L)] += layers_built(L)
     unpicked = 0
     for kind, n in kinds.items():
         if kind.mlp != MLP_MOE:

@@ -43,3 +43,5 @@ class ModelShape:
     # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
     # (resolve/heterogeneous.py: attention | none, dense | dense:FFN | none); None: every layer alike
     heterogeneous_layers: str | None = None
+    # --mtp-use-repeated-layer (core 0.17+): one MTP layer built and applied at every depth
+    mtp_use_repeated_layer: bool = False

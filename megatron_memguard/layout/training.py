@@ -97,3 +97,4 @@ class Recompute:
     activation_offload_fraction: float = 1.0
     delta_offload_bytes_across_pp_ranks: int = 0
     delay_offload_until_cuda_graph: bool = False
+    fine_grained_offloading_max_inflight_offloads: int | None = None

@@ -627,7 +627,8 @@ class TimeModel:
         the transformer layer, eh_proj ([2h -> h] / TP) and three norms, plus the last stage's own word
         embedding when PP > 1 (GPTModel builds it for the MTP process)."""
         s = self.shape
-        d = s.layout.mtp_num_layers
+        # parameters: one MTP layer with --mtp-use-repeated-layer (estimator/mtp.py layers_built)
+        d = s.layout.mtp_num_layers if not s.layout.mtp_use_repeated_layer else min(1, s.layout.mtp_num_layers)
         if not d:
             return 0, 0
         moe_kind = s.moe is not None and s.moe.pattern[-1]

@@ -460,10 +460,6 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
     offloaded = set([offloaded] if isinstance(offloaded, str) else offloaded)
     if a.bool_arg("fine_grained_activation_offloading", False) and {"expert_fc1", "moe_act"} & offloaded:
         a.fail("use_transformer_engine_op_fuser", rule + "no expert_fc1 / moe_act in --offload-modules")
-    elif a.bool_arg("fine_grained_activation_offloading", False):
-        # the fused_group_mlp offload group exists only on this path; what it moves was not analysed
-        raise NotModelledError(key, "fine-grained activation offloading with the experts' fused grouped MLP "
-                               "(the op fuser's fused_group_mlp group)")
     if not kw["gated_linear_unit"] or kw["squared_relu"]:
         a.fail("use_transformer_engine_op_fuser", rule + "a SwiGLU or quick-GEGLU activation")
     else:

@@ -29,9 +29,37 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if position not in allowed:
         a.fail("mtp_num_layers", f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
                f"got {position}")
-    for dest, what in (("mtp_use_repeated_layer", "one MTP layer used for every depth"),
-                       ("mtp_standalone", "MTP layers on a pipeline stage of their own"),
-                       ("mtp_hybrid_override_pattern", "hybrid MTP layers")):
-        if a.given(dest) and a.get(dest) not in (False, "false", "False", 0):
-            raise NotModelledError(a.key(dest), what)
-    return dict(mtp_num_layers=depth)
+    dest = "mtp_hybrid_override_pattern"
+    if a.given(dest) and a.get(dest) not in (False, "false", "False", 0):
+        raise NotModelledError(a.key(dest), "hybrid MTP layers")
+    if a.bool_arg("mtp_standalone", False) and layout is None:
+        # TransformerConfig.__post_init__ (core 0.16.1 to 0.19.2) sets mtp_standalone from the layout when one is
+        # given; without one the MTP block stays on the last stage (mtp_on_this_rank) and the flag only makes the
+        # P2P calls exchange tensor shapes first (p2p_communication.py): a few int64 values
+        a.notes.append(f"{a.key('mtp_standalone')}: the MTP layers stay on the last pipeline stage (only "
+                       "--pipeline-model-parallel-layout moves them); the flag only makes P2P exchange shapes")
+    # the repeated layer only when set: the section's output for other runs stays what it was
+    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}))
+
+
+def _repeated(a: Args, ctx: Context, depth: int) -> bool:
+    """--mtp-use-repeated-layer: MultiTokenPredictionBlock._build_layers (core 0.19.2, the same in 0.17.1 and
+    0.18.2; no such field in 0.16.1) builds one MTP layer and applies it at every depth: its parameters (enorm,
+    hnorm, eh_proj, the transformer layer, final norm) once, its activations at each of the D depths."""
+    if not a.bool_arg("mtp_use_repeated_layer", False):
+        return False
+    key = a.key("mtp_use_repeated_layer")
+    if ctx.version < Version("0.17"):
+        a.fail("mtp_use_repeated_layer", "needs megatron-core 0.17")
+        return False
+    # one module run D times per micro-batch: its CUDA graphs and FSDP unit (gathered / reduced at each call)
+    # were not read
+    if str(a.get("cuda_graph_impl") or "none") != "none" or a.bool_arg("enable_cuda_graph", False):
+        raise NotModelledError(key, "one MTP layer applied at every depth under CUDA graphs")
+    for dest in ("use_megatron_fsdp", "use_torch_fsdp2"):
+        if a.bool_arg(dest, False):
+            raise NotModelledError(key, f"one MTP layer applied at every depth under {a.key(dest)}")
+    if depth > 1:
+        a.notes.append(f"{key}: one MTP layer's parameters for the {depth} depths; its activations are kept at "
+                       "each depth")
+    return True

@@ -57,13 +57,37 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # optimizer/optimizer_cuda_graph.py (OptimizerCudaGraphWrapper): in the 0.17.1 wheel, not in 0.16.1's
         a.fail("optimizer_cuda_graph", "needs megatron-core 0.17")
     if graph and a.bool_arg("optimizer_cpu_offload", False):
-        raise NotModelledError(a.key("optimizer_cuda_graph"), "a CUDA graph of the CPU-offloaded optimizer step")
+        _graph_of_offloaded_step(a)
     rs_fp32, patterns = _fp32_accumulation(a, kw, ctx, dist_opt, instances, frozen)
     return dict(use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=instances,
                 overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param, ddp_bucket_size=bucket,
                 freeze_all_layers=frozen, optimizer_cuda_graph=graph,
                 ddp_reduce_scatter_with_fp32_accumulation=rs_fp32,
                 ddp_param_name_patterns_for_fp32_local_accumulation=patterns)
+
+
+def _graph_of_offloaded_step(a: Args) -> None:
+    """--optimizer-cuda-graph with --optimizer-cpu-offload (core 0.17.1, 0.18.2 and 0.19.2 alike).
+
+    OptimizerCudaGraphWrapper captures HybridDeviceOptimizer.step (optimizer/cpu_offloading/hybrid_optimizer.py).
+    With any part of the shard on the host the step waits on its D2H copies (``d2h_event.synchronize()``,
+    an event recorded in the capturing stream: CUDA refuses it) and runs the CPU optimizer, host work that a
+    replay would not repeat: the run fails at the capture. With --optimizer-offload-fraction 0 no parameter
+    leaves (``offload_params_numel < offload_threshold`` is never true) and the step is the GPU optimizer's: its
+    fp32 gradient copies (``grad.to(fp32_param.dtype)``) stay in the graph's pool (optimizer_graph_pool)."""
+    raw = a.get("optimizer_offload_fraction")
+    try:
+        fraction = 1.0 if raw is None else float(raw)
+    except (TypeError, ValueError):
+        return                      # the optimizer offload section names the bad value
+    if fraction > 0:
+        a.fail("optimizer_cuda_graph", "cannot capture the CPU-offloaded optimizer step: HybridDeviceOptimizer.step "
+               "synchronizes on its D2H copies and steps on the host (hybrid_optimizer.py), which a CUDA graph can "
+               "neither capture nor replay; drop one of the flags or set --optimizer-offload-fraction 0")
+        return
+    a.notes.append(f"{a.key('optimizer_cuda_graph')}: with --optimizer-offload-fraction 0 the hybrid optimizer "
+                   "steps on the GPU only; its GPU Adam is built without capturable=True (optimizer/__init__.py), "
+                   "which only the plain Adam gets: memory is counted as for a graphed GPU step")
 
 
 def _fp32_accumulation(a: Args, kw: Mapping[str, Any], ctx: Context, dist_opt: bool, instances: int,

@@ -79,6 +79,8 @@ def _config(job: dict):
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
+    if job.get("mtp_repeated"):
+        kw["mtp_use_repeated_layer"] = True     # core 0.17+ (no such TransformerConfig field in 0.16.1)
     if job.get("mla"):
         m = job["mla"]
         return MLATransformerConfig(multi_latent_attention=True, q_lora_rank=m["q_lora"], kv_lora_rank=m["kv_lora"],

@@ -660,12 +660,17 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
 def offload_outside(L: Any, mods: set) -> dict[str, int]:
     """Bytes of the MoE saved entries that fine-grained offloading's groups do not take (TEGroupedMLP.forward,
     core 0.19.2): the probs [N] next to the expert input (fc1's input is the group's), and fc2's input,
-    saved by fc2 outside the 'moe_act' call unless moe_act recompute drops it."""
+    saved by fc2 outside the 'moe_act' call unless moe_act recompute drops it (the fused grouped MLP saves it
+    inside its one group)."""
     m = L.moe
     if "moe" in mods:
         return {}
     N = expert_rows(m, tokens_per_rank(L)).balanced if m.routing != "worst" else expert_rows(m, tokens_per_rank(L)).worst
     out = {"moe_expert_input": router_bytes(m, L.act_bytes) * N}
+    if L.use_transformer_engine_op_fuser:
+        # the fused grouped MLP (TEGroupedMLP._fused_forward): fc2's input is saved inside the op fuser's call,
+        # within the fused_group_mlp group; the probs [N] stay (under any useful --min-offloaded-tensor-size)
+        return out
     if "moe_act" not in (set(m.moe_recompute) | set(mods)):
         out["moe_expert_activations"] = L.act_bytes * N * (m.moe_ffn_hidden_size // m.etp)
     return out

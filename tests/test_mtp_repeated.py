@@ -1,0 +1,99 @@
+"""--mtp-use-repeated-layer and --mtp-standalone.
+
+Sources: megatron-core 0.19.2 transformer/multi_token_prediction.py MultiTokenPredictionBlock._build_layers
+("build one layer, use it for all depths"; forward takes ``self.layers[0]`` at every depth; the same in 0.17.1 and
+0.18.2, no such TransformerConfig field in 0.16.1), transformer_config.py (``mtp_standalone`` is set from
+``--pipeline-model-parallel-layout`` when one is given) and pipeline_parallel/p2p_communication.py (the flag
+alone only makes P2P exchange tensor shapes)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# 2 MoE layers (4 experts of SwiGLU 64, top-2), h 64, 4 heads of 16, RMSNorm, no biases, untied, PP 2, 3 MTP depths
+FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16 --ffn-hidden-size 128 --swiglu "
+         "--disable-bias-linear --normalization RMSNorm --pipeline-model-parallel-size 2 --num-experts 4 "
+         "--moe-ffn-hidden-size 64 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+         "--untie-embeddings-and-output-weights --seq-length 64 --max-position-embeddings 64 "
+         "--position-embedding-type rope --vocab-size 1000 --micro-batch-size 1 --global-batch-size 8 "
+         "--tokenizer-type NullTokenizer --bf16 --mtp-num-layers 3").split()
+REPEATED = ["--mtp-use-repeated-layer"]
+# one MoE layer: attention (QKV 64 x 192, proj 64 x 64) + input norm 64 + pre-MLP norm 64 + router 4 x 64
+# + 4 experts (fc1 64 x 128, fc2 64 x 64): 12,288 + 4,096 + 128 + 256 + 4 x 12,288 = 65,920;
+# one MTP depth adds enorm, hnorm, final norm (3 x 64) and eh_proj [64, 128]: 74,304
+LAYER = 12_288 + 4_096 + 128 + 256 + 4 * 12_288
+DEPTH = LAYER + 3 * 64 + 64 * 128
+
+
+def _stages(extra, version="0.19"):
+    return estimate(layout_from_flags(FLAGS + extra, world_size=2, megatron_version=version)).stages
+
+
+def test_repeated_layer_counts_one_depths_parameters():
+    assert (LAYER, DEPTH) == (65_920, 74_304)
+    three, one = _stages([]), _stages(REPEATED)
+    assert three[1].parameters - one[1].parameters == 2 * DEPTH
+    assert three[0].parameters == one[0].parameters
+    # the activations are the three depths' still: only the weights' terms move
+    for name in ("mtp_block_activations", "mtp_loss_buffers", "layer_activations", "moe_layer_activations"):
+        assert three[1].breakdown.get(name) == one[1].breakdown.get(name), name
+
+
+def _core_python() -> str | None:
+    """A Python whose megatron-core has mtp_use_repeated_layer (0.17 and later)."""
+    for p in (os.environ.get("MEMGUARD_PY312"), os.path.join(ROOT, ".venv312", "bin", "python"), sys.executable):
+        if not p or not os.path.exists(p):
+            continue
+        out = subprocess.run([p, "-c", "from megatron.core import package_info as p; print(p.__version__)"],
+                             capture_output=True, text=True)
+        if out.returncode == 0 and tuple(int(x) for x in out.stdout.strip().split(".")[:2]) >= (0, 17):
+            return p
+    return None
+
+
+def test_repeated_layer_parameters_are_megatron_cores():
+    """The last stage's parameters as megatron-core builds them (tests/e2e/moe_rank_params.py), with and without
+    the repeated layer (0.19.2 in the 3.12 venv: 419,968 and 271,360)."""
+    python = _core_python()
+    if python is None:
+        pytest.skip("no megatron-core >= 0.17 ($MEMGUARD_PY312, .venv312)")
+    job = dict(num_layers=2, hidden_size=64, heads=4, kv_channels=16, groups=None, ffn=128, bias=False, glu=True,
+               norm="RMSNorm", tp=1, pp=2, vpp=None, ep=1, etp=1, experts=4, moe_ffn=64, topk=2, freq=1,
+               shared_ffn=None, shared_gate=False, expert_bias=False, untied=True, seq=64, mtp=3, mla=None,
+               first=None, last=None, acc_emb=False, acc_loss=False, layout=None, vocab=1024,
+               ranks=[[0, None, 0, 0, 0], [1, None, 0, 0, 0]])
+    jobs = [dict(job, mtp_repeated=False), dict(job, mtp_repeated=True)]
+    env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT="29581", MASTER_PORT="29581")
+    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps(jobs)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    built = json.loads(out.stdout.strip().splitlines()[-1])
+    for records, extra in zip(built, ([], REPEATED)):
+        stages = _stages(extra)
+        assert [r["params"] for r in records] == [st.parameters for st in stages], extra
+    assert built[0][1]["params"] - built[1][1]["params"] == 2 * DEPTH
+
+
+def test_repeated_layer_rules():
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(FLAGS + REPEATED, world_size=2, megatron_version="0.16")
+    assert "--mtp-use-repeated-layer" in str(e.value) and "0.17" in str(e.value)
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(FLAGS + REPEATED + ["--cuda-graph-impl", "local"], world_size=2)
+    assert "--mtp-use-repeated-layer" in str(e.value)
+
+
+def test_standalone_flag_without_a_layout_keeps_mtp_on_the_last_stage():
+    plain = _stages([])
+    L = layout_from_flags(FLAGS + ["--mtp-standalone"], world_size=2, megatron_version="0.19")
+    flagged = estimate(L).stages
+    assert [s.peak_allocated_bytes for s in flagged] == [s.peak_allocated_bytes for s in plain]
+    assert any("--mtp-standalone" in n for n in L.notes)
