@@ -158,7 +158,27 @@ def parallel_ranks() -> dict[str, int]:
         out["optimizer_rank"] = int(mpu.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True))
     except Exception:
         out["optimizer_rank"] = out["dp_rank"]
+    # The expert parameters' distributed optimizer shards over the partial expert-data-parallel group
+    # (process_groups_config.py: intra_expt_dp_group = get_expert_data_parallel_group(
+    # partial_expert_data_parallel=True), core 0.16.1 and 0.19.2): a rank of TP rank != 0 can sit further in
+    # it than TP rank 0 when TP > ETP x EP, so the hook takes the group's own rank
+    try:
+        out["expert_optimizer_rank"] = int(mpu.get_expert_data_parallel_rank(partial_expert_data_parallel=True))
+    except Exception:
+        pass
     return out
+
+
+def expert_optimizer_rank(layout: Any, ranks: Mapping[str, int]) -> int | None:
+    """This process's position in the expert-data-parallel optimizer group: megatron-core's own
+    (``parallel_ranks``) when it gave one, else worked out from its dense optimizer rank and TP rank in
+    megatron-core's rank order (``Parallelism.expert_dp_rank``); None for a dense model."""
+    if getattr(layout, "moe", None) is None:
+        return None
+    if "expert_optimizer_rank" in ranks:
+        return int(ranks["expert_optimizer_rank"])
+    return layout.parallel.expert_dp_rank(int(ranks.get("optimizer_rank", ranks.get("dp_rank", 0))),
+                                          int(ranks.get("tp_rank", 0)))
 
 
 def resolve_gpu(gpu: Any = None, gpu_memory: Any = None,
@@ -419,7 +439,8 @@ def build_monitor(source: Any, result: Any, *, ranks: Mapping[str, int], interva
             est = estimate(layout, device=source.device, gpu=result.gpu, gpu_memory=result.gpu_memory,
                            threshold=threshold,
                            dp_rank=ranks.get("optimizer_rank", ranks.get("dp_rank", 0)),
-                           site=getattr(getattr(result, "estimate", None), "site", None))
+                           site=getattr(getattr(result, "estimate", None), "site", None),
+                           expert_dp_rank=expert_optimizer_rank(layout, ranks))
             prediction = Prediction.from_estimate(est, ranks.get("pp_rank", 0))
             stage_predictions = [Prediction.from_estimate(est, i) for i in range(len(est.stages))]
         except Exception as e:

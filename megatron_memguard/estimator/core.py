@@ -705,9 +705,9 @@ _StagePrep.retained = _MadeAtFirstRead("retained", ())  # type: ignore[assignmen
 
 @lru_cache(maxsize=1024)
 def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None, dp_rank: int | str,
-                site: SiteConstants) -> _StagePrep:
+                site: SiteConstants, expert_dp_rank: int | None = None) -> _StagePrep:
     pp_rank = shape.pp_rank
-    st = stage_states(L, pp_rank, dp_rank)
+    st = stage_states(L, pp_rank, dp_rank, expert_dp_rank)
     chunks = L.stage_chunks(pp_rank)
     # what the stage needs of its chunks, in one pass (a stage has a few chunks)
     n_layers, has_output, final_norm = 0, False, False
@@ -1140,10 +1140,13 @@ def estimate(
     threshold: float = 0.8,
     dp_rank: int | str = "max",
     site: SiteConstants | None = None,
+    expert_dp_rank: int | None = None,
 ) -> Estimate:
     """Per-stage peak memory of ``layout``. ``profile``: auto (by --transformer-impl), transformer_engine,
     local, or fujii2024 (the paper's closed form). ``device``: gpu, or cpu (no GPU-only terms). ``site``:
-    the site constants (a ``memguard calibrate`` profile; None: memguard's defaults)."""
+    the site constants (a ``memguard calibrate`` profile; None: memguard's defaults). ``expert_dp_rank``
+    (MoE, with an index ``dp_rank``): the rank's own expert-data-parallel optimizer position when known (the
+    runtime hook reads it from megatron-core); None: worked out from ``dp_rank`` for TP rank 0."""
     site = DEFAULT_SITE if site is None else site
     if profile not in PROFILES:
         raise ConfigError("--profile", f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
@@ -1180,7 +1183,7 @@ def estimate(
     for r, shape in enumerate(_stage_shapes(L)):
         pr = preps.get(shape)
         if pr is None:
-            pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site)
+            pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site, expert_dp_rank)
         stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
     totals = [s.device_total_bytes for s in stages]

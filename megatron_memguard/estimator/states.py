@@ -362,19 +362,22 @@ class StageStates:
         d["buffer_numel_unpadded"] = buffer_numel_unpadded
 
 
-def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max") -> StageStates:
+def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max",
+                 expert_dp_rank: int | None = None) -> StageStates:
     """Model-state bytes for one rank of ``pp_rank``. ``dp_rank``: an index, "last", or "max" (the
     largest distributed-optimizer shard of any DP rank, largest_shard; only the distributed optimizer makes
-    the ranks differ)."""
+    the ranks differ). ``expert_dp_rank``: with an index ``dp_rank``, the rank's own position in the
+    expert-data-parallel optimizer group when the caller knows it (a running process: megatron-core's
+    parallel_state); None: worked out for TP rank 0 (``Parallelism.expert_dp_rank``)."""
     chunks = L.stage_chunks(pp_rank)
     # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
     sig = tuple((c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
                  bucket_size_for(L, c), holds_final_norm(L, c)) for c in chunks)
-    return _stage_states(L, sig, dp_rank)
+    return _stage_states(L, sig, dp_rank, expert_dp_rank)
 
 
 @lru_cache(maxsize=1024)
-def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
+def _stage_states(L: Layout, sig: tuple, dp_rank: int | str, expert_dp_rank: int | None = None) -> StageStates:
     shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     nbytes = L.precision.byte_sizes()       # bytes per element of each tensor kind (Precision.bytes_of)
     p_bytes = nbytes[TensorKind.PARAM]
@@ -412,7 +415,10 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str) -> StageStates:
         # ("max": the expert group's largest shard, taken apart from the dense one's: an upper bound when the
         # two peak on different ranks)
         eshard = L.parallel.shard_size(ShardGroup.EXPERT_DP)
-        eranks = tuple(sorted({L.parallel.expert_dp_rank(r) if dp_rank != "last" else eshard - 1 for r in ranks}))
+        if expert_dp_rank is not None and ranks and dp_rank != "last":
+            eranks: tuple[int, ...] = (expert_dp_rank % eshard,)
+        else:
+            eranks = tuple(sorted({L.parallel.expert_dp_rank(r) if dp_rank != "last" else eshard - 1 for r in ranks}))
         eowned = [0] * len(eranks)
         eparts = []
         e_params = e_numel = 0

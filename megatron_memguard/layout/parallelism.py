@@ -61,16 +61,17 @@ class Parallelism:
     def vpp(self) -> int:
         return self.virtual_pipeline_model_parallel_size or 1
 
-    def expert_dp_rank(self, dense_rank: int) -> int:
+    def expert_dp_rank(self, dense_rank: int, tp_rank: int = 0) -> int:
         """The expert-data-parallel optimizer rank of the rank at index ``dense_rank`` of the dense DP x CP
         optimizer group (TP rank 0, the first optimizer instance). megatron-core numbers a stage's ranks
         tp-cp-dp for the dense grid and etp-ep-dp for the expert grid (parallel_state.initialize_model_parallel,
         RankGenerator order "tp-cp-ep-dp-pp", core 0.16.1 and 0.19.2), and each optimizer instance takes a run
         of consecutive members of its group (intra_partial_(expert_)data_parallel): dense index r is the stage's
         rank TP x r, whose expert-DP position is that rank // (ETP x EP). (Not min(r, EDP - 1): with TP 1, EP 2,
-        DP 8 the dense ranks 0..7 hold the expert shards 0, 0, 1, 1, 2, 2, 3, 3.)"""
+        DP 8 the dense ranks 0..7 hold the expert shards 0, 0, 1, 1, 2, 2, 3, 3.) ``tp_rank``: the process's TP
+        rank: the stage's rank TP x r + tp_rank, an expert position further than TP rank 0's when TP > ETP x EP."""
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        return (self.tensor_model_parallel_size * dense_rank) // (etp * self.expert_model_parallel_size) % \
+        return (self.tensor_model_parallel_size * dense_rank + tp_rank) // (etp * self.expert_model_parallel_size) % \
             self.shard_size(ShardGroup.EXPERT_DP)
 
     def shard_size(self, group: ShardGroup) -> int:

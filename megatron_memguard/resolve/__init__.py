@@ -91,7 +91,15 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
         return None
     kw.update(runtime.late_options(a, kw, ctx))
     kw.update(megatron_version=str(ctx.version), notes=tuple(a.notes))
-    return Layout.from_flat(**kw)
+    layout = Layout.from_flat(**kw)
+    if layout.fp8 or layout.fp4:
+        # the quantized GEMMs' shapes come from the layer recipes, so this rule reads the built layout
+        from .fp8_shapes import shape_violations
+        for dest, rule in shape_violations(layout):
+            a.fail(dest, rule)
+        if a.errors:
+            return None
+    return layout
 
 
 def _version_text(a: Args, megatron_version: str | None) -> str:
