@@ -395,3 +395,38 @@ def test_an_unknown_file_key_is_skipped_with_a_warning_as_bridge_does(recipes, t
     assert any(w.startswith("train.micro_batchsize: ") and "did you mean train.micro_batch_size?" in w
                for w in raw.warnings)
     assert raw.args["micro_batch_size"] == cfg.train.micro_batch_size and raw.args["global_batch_size"] == 64
+
+
+def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplog):
+    """model.* as the other sections: Bridge 0.6.2 refuses an unknown override key of a recipe's model (Hydra
+    struct mode: "Could not override 'model.num_layer'") and skips one from a file with a warning naming the
+    provider; memguard refuses the override with a hint and warns for the file. Its known model fields cover
+    every field of the provider classes memguard's recipes build (a new field of Bridge's fails here)."""
+    import dataclasses
+    import logging
+
+    from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
+
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import _CHECKED_PROVIDERS, model_known_fields, read_bridge
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.readers.models import presets
+
+    for name, r in presets()["recipes"].items():
+        model = getattr(recipes, r["functions"][0])().model
+        assert type(model).__name__ in _CHECKED_PROVIDERS, name
+        assert {f.name for f in dataclasses.fields(model)} <= model_known_fields(), name
+    with pytest.raises(OverridesError, match="model.num_layer"):
+        process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=["model.num_layer=4"])
+    with pytest.raises(ConfigError, match=r"^model\.num_layer: .*did you mean model\.num_layers\?"):
+        read_bridge({}, "recipe llama32_1b", parse_overrides(["model.num_layer=4"]), recipe="llama32_1b")
+    p = tmp_path / "override.yaml"
+    p.write_text("model:\n  num_layer: 4\ntrain:\n  global_batch_size: 64\n")
+    with caplog.at_level(logging.WARNING):
+        cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), config_filepath=str(p))
+    assert cfg.model.num_layers == 16
+    assert any("num_layer" in r.getMessage() and "Skipping" in r.getMessage() for r in caplog.records)
+    raw = read_config_file(str(p), model="llama32_1b")
+    assert any(w.startswith("model.num_layer: ") and "did you mean model.num_layers?" in w for w in raw.warnings)
+    assert raw.args["num_layers"] == 16

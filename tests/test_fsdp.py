@@ -72,13 +72,37 @@ def test_grad_dtype_is_where_the_versions_differ():
     assert F.group_states(s, g8).persistent == N * 15 // D
 
 
-def test_core_0_18_is_core_0_19s_and_0_17_is_0_16s():
+def test_megatron_fsdp_release_gates():
     # megatron-core 0.18.2 arguments.py: --data-parallel-sharding-strategy defaults to optim_grads_params and
     # validate_args switches --use-distributed-optimizer on, as in 0.19.2; 0.17.1 defaults to no_shard
     assert [F.default_sharding_strategy(v) for v in ("0.17.1", "0.18.2", "0.19.2")] == [
         "no_shard", "optim_grads_params", "optim_grads_params"]
-    assert spec("0.18.2", accumulate_allreduce_grads_in_fp32=True).grad_bytes == 2   # the parameter dtype, as 0.19
-    assert spec("0.17.1", accumulate_allreduce_grads_in_fp32=True).grad_bytes == 4   # read as 0.16.1
+    # mcore_fsdp_adapter.py of 0.17.1 and 0.18.2: main_grads_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32
+    # ("Grandfathered Argument"), else --megatron-fsdp-main-grads-dtype; 0.19.2 passes the flag alone
+    for v in ("0.17.1", "0.18.2"):
+        assert spec(v, accumulate_allreduce_grads_in_fp32=True).grad_bytes == 4
+        assert spec(v, accumulate_allreduce_grads_in_fp32=True, megatron_fsdp_main_grads_dtype="bf16").grad_bytes == 4
+        assert spec(v, accumulate_allreduce_grads_in_fp32=False).grad_bytes == 2       # "auto": the parameter dtype
+        g8 = F.FsdpGroup(N, D, True, fp8=True)
+        assert F.grad_bytes(spec(v, fp8_param_gather=True, accumulate_allreduce_grads_in_fp32=True), g8) == 4
+    assert spec("0.19.2", accumulate_allreduce_grads_in_fp32=True).grad_bytes == 2
+    # MixedPrecisionPolicy from 0.17.1: --megatron-fsdp-main-params-dtype auto keeps no main weights (0.16.1: fp32)
+    assert spec("0.17.1", megatron_fsdp_main_params_dtype="auto").main_param_bytes == 0
+    assert spec("0.16.1", megatron_fsdp_main_params_dtype="auto").main_param_bytes == 4
+    # update_main_grads: 0.17.1 tests getattr(self, "use_precision_aware_optimizer", False), never set, so the
+    # gradient is cast to the main weights' dtype; 0.18.2 reads megatron_fsdp_use_decoupled_grad
+    assert not spec("0.17.1", use_precision_aware_optimizer=True).decoupled_grad
+    assert spec("0.18.2", use_precision_aware_optimizer=True).decoupled_grad
+    # the same adapter line makes the gradient communication dtype fp32 under grad_reduce_in_fp32 (0.17.1, 0.18.2):
+    # the full gradient buckets of a sharded buffer stay 4 B per element whatever --megatron-fsdp-grad-comm-dtype says
+    kw = dict(accumulate_allreduce_grads_in_fp32=True, megatron_fsdp_grad_comm_dtype="bf16")
+    assert spec("0.18.2", **kw).bucket_grad_bytes == 4 and spec("0.19.2", **kw).bucket_grad_bytes == 2
+    assert spec("0.17.1", accumulate_allreduce_grads_in_fp32=False, megatron_fsdp_main_grads_dtype="fp32",
+                data_parallel_sharding_strategy="optim_grads_params",
+                megatron_fsdp_grad_comm_dtype="bf16").bucket_grad_bytes == 2
+    # --megatron-fsdp-max-pool-double-buffer: a flag of the 0.19.2 parser only
+    assert not spec("0.18.2", megatron_fsdp_max_pool_double_buffer=True).double_buffer
+    assert spec("0.19.2", megatron_fsdp_max_pool_double_buffer=True).double_buffer
 
 
 def test_step_grad_copy_only_when_dtypes_differ():

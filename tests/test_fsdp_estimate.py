@@ -243,3 +243,36 @@ def test_optimizer_offload_cannot_pin_fsdp_parameters():
     # fraction 0 offloads nothing (no pinning): the hybrid optimizer's GPU states over FSDP's weights stay refused
     with pytest.raises(NotModelledError, match="--optimizer-offload-fraction"):
         layout_from_flags(BASE + fsdp + offload[:-1] + ["0"], world_size=8)
+
+
+def test_core_0_17_and_0_18_main_grads_by_hand():
+    """megatron-core 0.17.1 mcore_fsdp_adapter.py (and 0.18.2's): MixedPrecisionPolicy(main_params_dtype=
+    --megatron-fsdp-main-params-dtype, main_grads_dtype=torch.float32 if grad_reduce_in_fp32 else
+    --megatron-fsdp-main-grads-dtype). bf16 turns --accumulate-allreduce-grads-in-fp32 on (validate_args, main
+    grads dtype fp32 by default), so the main gradients are fp32: 4 B per element; 0.19.2 ignores that flag (2 B).
+    NullTokenizer up to 0.17 adds one token (the 0.16.1 shard above); 0.18 keeps 0.19's vocabulary."""
+    shard17 = 32 * 218_136_576 // 8 + 1_051_754_496 // 8
+    _, t = terms(FSDP + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads_params"],
+                 version="0.17.1")
+    assert t["fsdp_gradients"] == 4 * shard17 and t["fsdp_parameters"] == 2 * shard17
+    _, t = terms(FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params"], version="0.18.2")
+    assert t["fsdp_gradients"] == 4 * SHARD
+    _, t = terms(FSDP + ["--data-parallel-sharding-strategy", "optim_grads_params"], version="0.19.2")
+    assert t["fsdp_gradients"] == 2 * SHARD
+    # --grad-reduce-in-bf16 turns the fp32 accumulation off: "auto" = the parameter dtype (bf16), and 0.17.1 reads
+    # --megatron-fsdp-main-params-dtype (0.16.1 has no such flag and keeps fp32 main weights)
+    _, t = terms(FSDP + ["--use-distributed-optimizer", "--grad-reduce-in-bf16", "--megatron-fsdp-main-params-dtype",
+                         "auto", "--data-parallel-sharding-strategy", "optim_grads_params"], version="0.17.1")
+    assert t["fsdp_gradients"] == 2 * shard17 and "main_parameters" not in t
+
+
+def test_core_0_17_megatron_fsdp_rules():
+    # 0.17.1 validate_args: assert args.ckpt_format == "fsdp_dtensor" (the default is torch_dist), and no
+    # switch of --use-distributed-optimizer (0.18.2 adds it)
+    with pytest.raises((ConfigError, ConfigErrors), match="--ckpt-format fsdp_dtensor"):
+        layout_from_flags(BASE + ["--use-megatron-fsdp", "--use-distributed-optimizer"], world_size=8,
+                          megatron_version="0.17.1")
+    with pytest.raises((ConfigError, ConfigErrors), match="--use-distributed-optimizer"):
+        layout_from_flags(BASE + FSDP, world_size=8, megatron_version="0.17.1")
+    L = layout_from_flags(BASE + FSDP + ["--use-distributed-optimizer"], world_size=8, megatron_version="0.17.1")
+    assert L.to_dict()["data_parallel_sharding_strategy"] == "no_shard"

@@ -86,6 +86,10 @@ def test_hsdp_shards_over_one_replica():
     # (2 ranks; measured on the CPU referee, tests/test_referee_fsdp_stored.py)
     _, _, t = _stage(ZP_Z3 + ["--num-distributed-optimizer-instances", "2"], version="0.16.1")
     assert t["main_parameters"] == 4 * (12 * (265_216 + 4_194_304 // 2) + 6_717_952)
+    # core 0.17.1's _init_dist_index builds the expert mesh from the partial expert DP group under HSDP, as 0.19.2
+    # does (mcore_fsdp_adapter.py): the experts whole again, the rest as in 0.16.1 (same vocabulary rules)
+    _, _, t17 = _stage(ZP_Z3 + ["--num-distributed-optimizer-instances", "2"], version="0.17.1")
+    assert t17["main_parameters"] - t["main_parameters"] == 4 * 12 * (4_194_304 - 4_194_304 // 2)
 
 
 def test_experts_under_hfsdp_shard_their_optimizer_over_the_outer_group():
@@ -231,6 +235,10 @@ def test_params_norm_releases_the_regathered_units():
     assert [t.bytes for t in ft.step_only if t.name == "fsdp_gathered_after_step"] == [units]
     assert "fsdp_gathered_after_step" not in {t.name for t in ft.step_terms}
     assert "fsdp_non_unit_parameters" in t1          # the buckets outside units are preserved
+    # core 0.17.1's calc_params_l2_norm (training/utils.py) calls stop_communication() too
+    _, a, _ = _stage(ZP_Z3, version="0.17.1")
+    _, b, _ = _stage(ZP_Z3 + ["--log-params-norm"], version="0.17.1")
+    assert a.persistent_bytes - b.persistent_bytes == units
     # core 0.16.1's training loop is not read: unchanged there
     _, a, _ = _stage(ZP_Z3, version="0.16.1")
     _, b, _ = _stage(ZP_Z3 + ["--log-params-norm"], version="0.16.1")

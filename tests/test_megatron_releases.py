@@ -102,7 +102,7 @@ def test_what_memguard_says_a_release_lacks_its_parser_lacks(megatron, name):
     except NotModelledError:
         needs = None           # the release has it; memguard says it does not model it there
     except (ConfigError, ConfigErrors) as e:
-        needs = str(e) if "needs megatron-core" in str(e) else None
+        needs = str(e) if "needs megatron-core" in str(e) or "is not a flag of megatron-core" in str(e) else None
     assert not (parser_has and needs), f"megatron-core {VERSION}'s parser takes {GATED[name]}, memguard says: {needs}"
     assert parser_has or needs, f"megatron-core {VERSION}'s parser rejects {GATED[name]}; memguard does not say so"
 
@@ -132,3 +132,43 @@ def test_megatron_fsdp_switches_the_distributed_optimizer_on(megatron, monkeypat
     assert args.use_distributed_optimizer is True and args.data_parallel_sharding_strategy == "optim_grads_params"
     flat = layout_from_flags(flags, world_size=8, megatron_version=VERSION).to_dict()
     assert flat["use_distributed_optimizer"] is True and flat["data_parallel_sharding_strategy"] == "optim_grads_params"
+
+
+# A few real flags of 0.18.2's or 0.19.2's parser (tests/test_flag_releases.py names their releases): the installed
+# release's argparse rejects the flag exactly when memguard, told that release, refuses it by name.
+RELEASE_FLAGS = [["--freeze-all-layers"], ["--megatron-fsdp-max-pool-double-buffer"],
+                 ["--use-transformer-engine-op-fuser"], ["--muon-nesterov"], ["--moe-paged-stash"],
+                 ["--fp4-param-gather"]]
+
+
+@pytest.mark.parametrize("flag", RELEASE_FLAGS, ids=lambda f: f[0])
+def test_flags_memguard_says_a_release_lacks_are_the_parsers(megatron, flag):
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    try:
+        megatron.parse(BASE + flag)
+        parser_has = True
+    except SystemExit as e:
+        assert e.code == 2
+        parser_has = False
+    try:
+        layout_from_flags(BASE + flag, world_size=8, megatron_version=VERSION)
+        refused = None
+    except (ConfigError, ConfigErrors) as e:
+        refused = str(e) if f"{flag[0]}: is not a flag of megatron-core" in str(e) else None
+    except Exception:
+        refused = None            # refused for another reason (its own rule): not a release verdict
+    assert parser_has == (refused is None), (VERSION, flag, refused)
+
+
+def test_megatron_fsdp_checkpoint_format_is_asserted(megatron, monkeypatch):
+    """0.17.1, 0.18.2 and 0.19.2 validate_args: assert args.ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp,
+    and --ckpt-format defaults to torch_dist: leaving it out stops the job; memguard refuses it by the flag."""
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    flags = BASE + ["--use-megatron-fsdp", "--use-distributed-optimizer"]
+    with pytest.raises(AssertionError, match="fsdp_dtensor"):
+        megatron.start(flags)
+    with pytest.raises((ConfigError, ConfigErrors), match="--ckpt-format fsdp_dtensor"):
+        layout_from_flags(flags, world_size=8, megatron_version=VERSION)

@@ -106,3 +106,58 @@ def test_estimate_counts_the_mtp_stage():
                    pipeline_model_parallel_size=2, max_position_embeddings=64)
     assert terms["mtp_block_activations"] == block_activations(spec).total
     assert not any(t.name.startswith("mtp_") for t in stages[0].terms)
+
+
+def _real_mlp_kinds(freq, monkeypatch):
+    """The MLP module of each decoder layer and of the MTP layer, from megatron-core's own spec builders (installed
+    release: 0.16.1 in the 3.11 suite, 0.19.2 in the 3.12 one): the MTP layer takes the spec of the global last
+    decoder layer (gpt_builders.py / megatron.training.models.gpt.mtp_block_spec: get_gpt_decoder_layer_specs(...)
+    [-1] -> get_gpt_mtp_block_spec)."""
+    import inspect
+
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import gpt_layer_specs as G
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    monkeypatch.setattr(parallel_state, "is_pipeline_last_stage", lambda *a, **k: True)   # the MTP stage
+    cfg = TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=6, kv_channels=16, ffn_hidden_size=100,
+                            num_moe_experts=4, moe_ffn_hidden_size=96, moe_layer_freq=freq, mtp_num_layers=1,
+                            tensor_model_parallel_size=3, sequence_parallel=True, add_bias_linear=False)
+    kw = {"normalization": "LayerNorm"} if "normalization" in inspect.signature(
+        G.get_gpt_decoder_layer_specs).parameters else {}
+    specs = G.get_gpt_decoder_layer_specs(cfg, use_transformer_engine=False, **kw)
+    sub = G.get_gpt_mtp_block_spec(cfg, specs[-1], use_transformer_engine=False).layer_specs[0].submodules
+    mtp = getattr(sub, "mtp_model_layer", None) or sub.transformer_layer
+
+    def name(spec):
+        m = getattr(spec.submodules.mlp, "module", spec.submodules.mlp)
+        while hasattr(m, "func"):
+            m = m.func
+        return "moe" if getattr(m, "__name__", "") == "MoELayer" else "dense"
+    return [name(s) for s in specs], name(mtp)
+
+
+@pytest.mark.parametrize("freq", [[1, 1, 1, 1], [1, 1, 1, 0], [0, 1, 1, 1]])
+def test_ffn_width_is_checked_where_megatron_builds_a_dense_mlp(freq, monkeypatch):
+    """FFN width 100 over TP 3: megatron.core.utils.divide asserts in the dense MLP's linear_fc2 (RowParallelLinear
+    over ffn_hidden_size), nowhere else (TransformerConfig and validate_args do not check it; the experts split
+    --moe-ffn-hidden-size). An all-MoE model's MTP layer is MoE (the last decoder layer's spec), so with --moe-layer-freq
+    1 no layer splits ffn_hidden_size and the job builds; memguard refuses it exactly when a dense MLP is built."""
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    decoder, mtp = _real_mlp_kinds(freq, monkeypatch)
+    assert mtp == decoder[-1]
+    flags = ("--num-layers 4 --hidden-size 96 --num-attention-heads 6 --kv-channels 16 --ffn-hidden-size 100 "
+             "--num-experts 4 --moe-ffn-hidden-size 96 --mtp-num-layers 1 --tensor-model-parallel-size 3 "
+             "--sequence-parallel --disable-bias-linear --position-embedding-type rope --seq-length 96 "
+             "--max-position-embeddings 96 --micro-batch-size 1 --vocab-size 1536 --bf16").split()
+    flags += ["--moe-layer-freq", "[" + ",".join(map(str, freq)) + "]"]
+    for version in ("0.16", "0.19"):
+        if "dense" in decoder + [mtp]:
+            with pytest.raises((ConfigError, ConfigErrors), match="--ffn-hidden-size: FFN width 100 must be divisible "
+                                                                  "by tensor-model-parallel size 3"):
+                layout_from_flags(flags, world_size=3, megatron_version=version)
+        else:
+            L = layout_from_flags(flags, world_size=3, megatron_version=version)
+            assert L.mtp_num_layers == 1 and L.ffn_hidden_size == 100

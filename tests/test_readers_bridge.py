@@ -329,3 +329,37 @@ def test_a_hydra_plus_override_of_an_unknown_key_warns():
     raw = read_bridge({}, "recipe llama32_1b", parse_overrides(["++train.micro_batch_size=4"]), recipe="llama32_1b")
     assert raw.args["micro_batch_size"] == 4 and raw.warnings == read_bridge({}, "recipe llama32_1b", [],
                                                                              recipe="llama32_1b").warnings
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("model.num_layer=4", "did you mean model.num_layers?"),
+    ("model.tensor_model_paralel_size=2", "did you mean model.tensor_model_parallel_size?"),
+    ("model.recompute_granularty=full", "did you mean model.recompute_granularity?"),
+])
+def test_a_model_override_typo_is_refused_as_bridge_refuses_it(override, hint):
+    """Bridge 0.6.2 (omegaconf_utils.py, Hydra in struct mode) raises OverridesError "Could not override
+    'model.num_layer'" on a recipe (tests/test_bridge_real.py): refused with the key named, as the other sections."""
+    ns = build_parser().parse_args(["estimate", "--model", "llama3_8b", "--gpus", "16"])
+    with pytest.raises(ConfigError, match="Megatron-Bridge refuses this override") as e:
+        load_raw(ns, [override])
+    msg = str(e.value)
+    assert msg.startswith(override.split("=")[0] + ": not a field of Megatron-Bridge's model (GPTModelProvider)")
+    assert msg.endswith(f"({hint})") and "\n" not in msg
+
+
+def test_a_model_file_typo_warns_and_other_providers_keep_the_old_warning(tmp_path):
+    """A file's unknown model key is skipped by Bridge with a warning ("not found in config object GPTModelProvider.
+    Skipping."): a warning with the hint; a provider whose own fields memguard does not list (Gemma 2 adds
+    attn_logit_softcapping...) keeps the plain warning, and a +model.KEY override is a warning too."""
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    gpt = "  _target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n"
+    raw = read(tmp_path, FLAT.replace(gpt, gpt + "  num_layer: 4\n", 1))
+    assert ("model.num_layer: not a field of Megatron-Bridge's model (GPTModelProvider); ignored "
+            "(did you mean model.num_layers?)") in raw.warnings
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(["+model.num_layer=4"]), recipe="llama32_1b")
+    assert any(w.startswith("model.num_layer: not a field") and "model.num_layers?" in w for w in raw.warnings)
+    gemma = read(tmp_path, FLAT.replace(gpt, "  _target_: megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider"
+                                             "\n  attn_logit_softcapping: 50.0\n", 1))
+    assert "model.attn_logit_softcapping: not a megatron-core / Megatron-Bridge model setting; ignored" in gemma.warnings

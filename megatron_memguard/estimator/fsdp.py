@@ -40,15 +40,25 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 COMM_UNIT_FLOOR = 1_000_000_000
 # FixedPoolAllocator / MaxPoolAllocator: UB_BUFFER_NUM = 2 unit-sized buffers per kind.
 DOUBLE_BUFFER_UNITS = 2
-# core 0.19 reads the gradient dtype from MixedPrecisionPolicy (--megatron-fsdp-main-grads-dtype,
-# default "auto" = the parameter dtype); core 0.16.1 from grad_reduce_in_fp32
-# (--accumulate-allreduce-grads-in-fp32). The megatron-core 0.18.2 wheel is 0.19's here and in what goes with it
-# (validate_args switches --use-distributed-optimizer on and asserts --ckpt-format fsdp_dtensor; the sharding
-# strategy defaults to optim_grads_params; fsdp_layout.py's HSDP expert mesh, intra_expt_dp in
-# mcore_fsdp_adapter.py, and --log-params-norm's stop_communication() releasing the unit buckets are there too).
-# 0.17.1 is taken to follow 0.16.1: it has no switch and defaults to
-# no_shard, but already has --megatron-fsdp-main-grads-dtype (docs/assumptions.md).
-MIXED_PRECISION_POLICY_SINCE = (0, 18)
+# Release gates of Megatron-FSDP, each read in the megatron-core wheels 0.16.1, 0.17.1, 0.18.2 and 0.19.2:
+# MixedPrecisionPolicy (megatron_fsdp/mixed_precision.py; mcore_fsdp_adapter.py builds it from
+# --megatron-fsdp-main-params-dtype / --megatron-fsdp-main-grads-dtype) from 0.17.1; 0.16.1 has fp32 main weights
+# (preserve_fp32_weights) and grads from grad_reduce_in_fp32. The 0.17.1 and 0.18.2 adapters still let the
+# "grandfathered" grad_reduce_in_fp32 (--accumulate-allreduce-grads-in-fp32, on for bf16 by default) force fp32
+# main grads; 0.19.2's adapter passes --megatron-fsdp-main-grads-dtype alone. 0.17.1's HSDP builds the expert mesh
+# from the partial expert-DP group (intra_expt_dp) as 0.18.2 and 0.19.2 do (0.16.1: none), and its
+# calc_params_l2_norm (training/utils.py) calls stop_communication() as 0.19.2's does.
+MIXED_PRECISION_POLICY_SINCE = (0, 17)
+GRAD_REDUCE_FP32_MAIN_GRADS_UNTIL = (0, 19)   # grandfathered grad_reduce_in_fp32 -> fp32 main grads (0.17, 0.18)
+# ParamAndGradBuffer.update_main_grads reads ddp_config.megatron_fsdp_use_decoupled_grad (= --use-precision-aware-
+# optimizer) from 0.18.2; 0.16.1 and 0.17.1 test getattr(self, "use_precision_aware_optimizer", False), which nothing
+# sets: the gradient is always cast to the main weights' dtype.
+DECOUPLED_GRAD_SINCE = (0, 18)
+# validate_args switches --use-distributed-optimizer on under Megatron-FSDP and --data-parallel-sharding-strategy
+# defaults to optim_grads_params from 0.18.2 (0.17.1: no switch, default no_shard, as 0.16.1).
+FSDP_DEFAULTS_SINCE = (0, 18)
+# --megatron-fsdp-max-pool-double-buffer (MaxPoolAllocator): in the 0.19.2 wheel, not in 0.18.2's
+MAX_POOL_DOUBLE_BUFFER_SINCE = (0, 19)
 
 
 def version_tuple(text: str) -> tuple[int, int]:
@@ -62,8 +72,8 @@ def version_tuple(text: str) -> tuple[int, int]:
 
 def default_sharding_strategy(megatron_version: str) -> str:
     """``--data-parallel-sharding-strategy`` when not given: ``optim_grads_params`` in
-    megatron/training/arguments.py of core 0.19.2, ``no_shard`` in 0.16.1."""
-    return "optim_grads_params" if version_tuple(megatron_version) >= MIXED_PRECISION_POLICY_SINCE else "no_shard"
+    megatron/training/arguments.py of core 0.18.2 and 0.19.2, ``no_shard`` in 0.16.1 and 0.17.1."""
+    return "optim_grads_params" if version_tuple(megatron_version) >= FSDP_DEFAULTS_SINCE else "no_shard"
 
 
 @dataclass(frozen=True)
@@ -108,10 +118,10 @@ class FsdpSpec:
     overlap_param_gather: bool = False   # on under optim_grads_params: start_param_sync gathers with prefetch only
     fp8_params: bool = False         # --fp8-param-gather: FP8 groups keep 1-byte (uint8) compute weights
     fp8_grad_bytes: int = 2          # main gradient bytes of FP8 groups (bf16 unless fp32 is asked)
-    # megatron_fsdp_cuda_graph_mode (core 0.18+): zero_grad keeps the optimizer's gradient references, so the
+    # megatron_fsdp_cuda_graph_mode (core 0.18+, DECOUPLED_GRAD_SINCE's DistributedDataParallelConfig): zero_grad keeps the optimizer's gradient references, so the
     # cast copy of the gradient shard (step_grad_copy) stays through forward and backward
     cuda_graph_mode: bool = False
-    # --megatron-fsdp-grad-comm-dtype (core 0.18+): bytes of the full gradient buckets a sharded gradient buffer
+    # --megatron-fsdp-grad-comm-dtype (MixedPrecisionPolicy, core 0.17+): bytes of the full gradient buckets a sharded gradient buffer
     # fetches for the backward and reduce-scatters (GradReducePipeline, fetch_bucket(dtype=grad_comm_dtype));
     # None = the main gradients' dtype
     comm_grad_bytes: int | None = None
@@ -173,16 +183,19 @@ class FsdpSpec:
         # (_resolve_group_grad_dtype / 0.16.1 "grad_dtype = torch.bfloat16" for FP8 groups).
         notes = []
         if new:
-            # MixedPrecisionPolicy (core 0.19 mixed_precision.py): main grads "auto" = the parameter
-            # dtype (bf16 for FP8 parameters), whatever --accumulate-allreduce-grads-in-fp32 says.
+            # MixedPrecisionPolicy (core 0.17.1+ mixed_precision.py): main grads "auto" = the parameter dtype (bf16
+            # for FP8 parameters); 0.17.1 and 0.18.2 force fp32 under --accumulate-allreduce-grads-in-fp32
+            # (mcore_fsdp_adapter.py, "Grandfathered Argument: grad_reduce_in_fp32"), 0.19.2 does not.
             gdt = megatron_fsdp_main_grads_dtype
+            if accumulate_allreduce_grads_in_fp32 and v < GRAD_REDUCE_FP32_MAIN_GRADS_UNTIL:
+                gdt = "fp32"
             gbytes = pbytes if gdt in (None, "auto") else DTYPE_BYTES[gdt]
             fp8_g = 2 if gdt in (None, "auto") else DTYPE_BYTES[gdt]
             mdt = megatron_fsdp_main_params_dtype
             mbytes = 0 if mdt in (None, "auto") else DTYPE_BYTES[mdt]
             # update_main_grads casts to the main weights' dtype unless the optimizer is precision-aware
-            # (ddp_config.megatron_fsdp_use_decoupled_grad = --use-precision-aware-optimizer).
-            decoupled = use_precision_aware_optimizer
+            # (ddp_config.megatron_fsdp_use_decoupled_grad = --use-precision-aware-optimizer, 0.18.2 and later).
+            decoupled = use_precision_aware_optimizer and v >= DECOUPLED_GRAD_SINCE
         else:
             # core 0.16.1: fp32 main weights (preserve_fp32_weights, default True) and fp32 grads when
             # grad_reduce_in_fp32, else the parameter dtype (bf16 for FP8 parameters).
@@ -193,7 +206,10 @@ class FsdpSpec:
             # attribute nothing sets in 0.16.1: the cast is always made when the dtypes differ.
             decoupled = False
             notes.append("Megatron-FSDP dtypes of core 0.16.1 (grads follow --accumulate-allreduce-grads-in-fp32)")
-        double = fsdp_double_buffer or nccl_ub or (new and megatron_fsdp_max_pool_double_buffer)
+        # the gradient communication dtype: fp32 under grad_reduce_in_fp32 in 0.17.1 / 0.18.2 (the same adapter line)
+        cdt = "fp32" if new and accumulate_allreduce_grads_in_fp32 and v < GRAD_REDUCE_FP32_MAIN_GRADS_UNTIL \
+            else megatron_fsdp_grad_comm_dtype
+        double = fsdp_double_buffer or nccl_ub or (v >= MAX_POOL_DOUBLE_BUFFER_SINCE and megatron_fsdp_max_pool_double_buffer)
         # training.py get_model: resolve_ddp_bucket_size, as for DDP (1M x DP x CP, at least 40M,
         # with --overlap-grad-reduce; None otherwise).
         bucket = ddp_bucket_size
@@ -212,9 +228,8 @@ class FsdpSpec:
                    overlap_param_gather=overlap_param_gather or strategy == "optim_grads_params",
                    fp8_params=fp8_param_gather, fp8_grad_bytes=fp8_g,
                    # (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode: in the 0.18.2 and 0.19.2 wheels only)
-                   cuda_graph_mode=new and megatron_fsdp_cuda_graph_mode,
-                   comm_grad_bytes=(DTYPE_BYTES[megatron_fsdp_grad_comm_dtype]
-                                    if new and megatron_fsdp_grad_comm_dtype not in (None, "auto") else None),
+                   cuda_graph_mode=v >= DECOUPLED_GRAD_SINCE and megatron_fsdp_cuda_graph_mode,
+                   comm_grad_bytes=(DTYPE_BYTES[cdt] if new and cdt not in (None, "auto") else None),
                    notes=tuple(notes))
 
 

@@ -73,8 +73,8 @@ def _layer_shapes(L: Any, kind: Any) -> tuple[tuple[tuple[int, ...], ...], tuple
 def _expert_shard(L: Any) -> int:
     """Ranks the experts' groups shard over: the expert data-parallel group when the layout knows
     it (mixture of experts), else DP x CP. With HSDP (more than one optimizer instance) core 0.19
-    takes one replica's part of the expert DP group (mcore_fsdp_adapter._init_dist_index: intra_expt_dp);
-    core 0.16.1 builds no expert mesh then, and its expert groups shard over the dense partial DP x CP
+    takes one replica's part of the expert DP group (mcore_fsdp_adapter._init_dist_index: intra_expt_dp; the same in
+    0.17.1 and 0.18.2); core 0.16.1 builds no expert mesh then, and its expert groups shard over the dense partial DP x CP
     group (measured on the CPU referee, benchmarks/referee/fsdp_grid.py fsdp_moe_ep2_hsdp)."""
     if (getattr(L, "num_distributed_optimizer_instances", 1) or 1) > 1 and \
             version_tuple(L.megatron_version) < MIXED_PRECISION_POLICY_SINCE:
@@ -259,8 +259,9 @@ def params_norm_releases_units(L: Any, spec: FsdpSpec) -> bool:
     memory. With --log-params-norm, train() calls calc_params_l2_norm after every step; under Megatron-FSDP it
     calls each chunk's stop_communication() first, whose synchronize_param_gather() resets the all-gather
     pipeline: every unit bucket is released, the buckets outside units are kept (reset(preserve_non_fsdp_units=
-    True)); megatron-core 0.19.2 training/utils/common_utils.py and megatron_fsdp.py. The next forward gathers
-    the units again (its window counts them). Core 0.16.1's training loop is not read here: kept as before."""
+    True)); megatron-core 0.19.2 training/utils/common_utils.py and megatron_fsdp.py; 0.17.1's calc_params_l2_norm
+    (training/utils.py) does the same, its reset() releasing the buckets outside units too, which the next forward
+    gathers again as it does the units. Core 0.16.1's training loop is not read here: kept as before."""
     return (spec.impl == "megatron_fsdp" and bool(_flag(L, "log_params_norm", False))
             and version_tuple(L.megatron_version) >= MIXED_PRECISION_POLICY_SINCE)
 

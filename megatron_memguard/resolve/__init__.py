@@ -21,7 +21,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
 from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, kernels, moe, mtp, muon, offload, optimizer, parallel
-from . import pipeline, precision, recompute, runtime, shape, tp_overlap, vocab
+from . import pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -46,6 +46,7 @@ Section = Callable[[Args, Mapping[str, Any], Context], dict[str, Any]]
 # The sections in validate_args's order: the order decides the order of the errors a user sees (and
 # where a Stop ends the reading), so a new section goes where Megatron checks its flags.
 SECTIONS: tuple[tuple[str, Section], ...] = (
+    ("release flags", releases.release_flags),     # the release's argparse, before validate_args
     ("refusals", refuse),
     ("parallel", parallel.parallel),
     ("shape (required)", shape.required),

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import NotModelledError
-from ..estimator.fsdp import MIXED_PRECISION_POLICY_SINCE, STRATEGIES, default_sharding_strategy
+from ..estimator.fsdp import (FSDP_DEFAULTS_SINCE, GRAD_REDUCE_FP32_MAIN_GRADS_UNTIL, MAX_POOL_DOUBLE_BUFFER_SINCE,
+                             MIXED_PRECISION_POLICY_SINCE, STRATEGIES, default_sharding_strategy)
 from .args import Args, Context
 
 OFF: dict[str, Any] = dict(
@@ -47,7 +48,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     mkey = "use_megatron_fsdp" if a.given("use_megatron_fsdp") else "use_custom_fsdp"
     torch2 = a.bool_arg("use_torch_fsdp2", False)
     dist_opt = a.bool_arg("use_distributed_optimizer", False)
-    new = version >= MIXED_PRECISION_POLICY_SINCE
+    new = version >= FSDP_DEFAULTS_SINCE          # the distributed-optimizer switch and optim_grads_params
+    policy = version >= MIXED_PRECISION_POLICY_SINCE   # --megatron-fsdp-main-*-dtype, the ckpt-format assert
     if megatron and torch2:
         a.fail("use_torch_fsdp2", "cannot be combined with --use-megatron-fsdp (choose one FSDP)")
         return out
@@ -101,8 +103,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    "add --use-distributed-optimizer")
         if a.get("ckpt_format") is not None and str(a.get("ckpt_format")) != "fsdp_dtensor":
             a.fail("ckpt_format", "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
-        elif new and a.get("ckpt_format") is None and a.key(mkey).startswith("--"):
-            # core 0.18.2 and 0.19.2 validate_args assert ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp, and
+        elif policy and a.get("ckpt_format") is None and a.key(mkey).startswith("--"):
+            # core 0.17.1, 0.18.2 and 0.19.2 validate_args assert ckpt_format == "fsdp_dtensor" under --use-megatron-fsdp, and
             # the flag's default is torch_dist, so leaving it out fails too. Only for Megatron's own flags:
             # NeMo / Bridge configs carry their checkpoint format elsewhere (not read here).
             a.fail(mkey, f"requires --ckpt-format fsdp_dtensor in megatron-core {version[0]}.{version[1]} (the default torch_dist "
@@ -146,7 +148,8 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # _post_forward releases them: the same unit windows (megatron_fsdp.py _register_fsdp_hooks)
         a.bool_arg("megatron_fsdp_enable_fine_grained_param_gather", False)
         double = a.bool_arg("fsdp_double_buffer", False) or (
-            new and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False)) or nccl_ub
+            version >= MAX_POOL_DOUBLE_BUFFER_SINCE and a.bool_arg("megatron_fsdp_max_pool_double_buffer", False)
+        ) or nccl_ub
         out["megatron_fsdp_cuda_graph_mode"] = _gradient_modes(a, kw, new, version)
         unit = a.int_arg("suggested_communication_unit_size")
         # --log-params-norm: training.py calls calc_params_l2_norm after every step, and under Megatron-FSDP it
@@ -158,14 +161,15 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    suggested_communication_unit_size=unit,
                    megatron_fsdp_main_params_dtype=_fsdp_dtype(a, "megatron_fsdp_main_params_dtype", "fp32"),
                    megatron_fsdp_main_grads_dtype=_fsdp_dtype(a, "megatron_fsdp_main_grads_dtype", "auto"))
-        if not new:
+        if not policy:
             a.notes.append(f"{a.key(mkey)}: megatron-core {version[0]}.{version[1]} keeps Megatron-FSDP's gradients "
-                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.18 and later: in the parameter dtype)")
-        if not new and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
+                           "in fp32 under --accumulate-allreduce-grads-in-fp32 (0.17 and later: --megatron-fsdp-main-"
+                           "grads-dtype, overridden to fp32 by that flag up to 0.18)")
+        if not policy and (a.given("megatron_fsdp_main_params_dtype") or a.given("megatron_fsdp_main_grads_dtype")):
             a.notes.append(f"--megatron-fsdp-main-*-dtype: megatron-core {version[0]}.{version[1]} is read as 0.16.1, which has "
                            "no such flags; ignored")
             out.update(megatron_fsdp_main_params_dtype="fp32", megatron_fsdp_main_grads_dtype="auto")
-        out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, kw, out, new, version, strategy, hsdp)
+        out["megatron_fsdp_grad_comm_dtype"] = _grad_comm_dtype(a, kw, out, policy, version, strategy, hsdp)
         if a.given("fsdp_all_gather_in_start_param_sync"):
             # (a DistributedDataParallelConfig field from core 0.17: megatron_fsdp.py start_param_sync gathers the
             # first bucket and its prefetch only when it is on; no Megatron flag, Bridge / NeMo 2 ddp key)
@@ -203,20 +207,29 @@ def _nccl_ub(a: Args, megatron: bool, torch2: bool) -> bool:
     return True
 
 
-def _grad_comm_dtype(a: Args, kw: Mapping[str, Any], out: Mapping[str, Any], new: bool, version: tuple[int, int],
+def _grad_comm_dtype(a: Args, kw: Mapping[str, Any], out: Mapping[str, Any], policy: bool, version: tuple[int, int],
                      strategy: str, hsdp: bool) -> str:
-    """--megatron-fsdp-grad-comm-dtype (MixedPrecisionPolicy.grad_comm_dtype, core 0.18.2 and 0.19.2; "auto" = the
-    main gradients' dtype). Under a sharded gradient buffer (optim_grads, optim_grads_params) the full buckets the
+    """--megatron-fsdp-grad-comm-dtype (MixedPrecisionPolicy.grad_comm_dtype, core 0.17.1, 0.18.2 and 0.19.2; "auto" =
+    the main gradients' dtype). 0.17.1 and 0.18.2 take fp32 under --accumulate-allreduce-grads-in-fp32 whatever the
+    flag says (mcore_fsdp_adapter.py, "grandfathered"), and bf16 under --grad-reduce-in-bf16 (validate_args). Under a sharded gradient buffer (optim_grads, optim_grads_params) the full buckets the
     backward accumulates into and reduce-scatters are fetched in it (megatron_fsdp param_and_grad_buffer.py
     GradReducePipeline: ``gbuf.fetch_bucket(dtype=grad_comm_dtype)``; the double buffers' main_grad_alloc is sized
     in it): modelled (estimator/fsdp.py bucket_grad_bytes). Unsharded gradients (no_shard, optim) and HSDP's outer
     reduction allocate an extra bucket in it at each reduction (allocate_bucket_storage, hsdp_comm_gbuf): named in
     a note, not counted."""
     dtype = _fsdp_dtype(a, "megatron_fsdp_grad_comm_dtype", "auto")
+    key = a.key("megatron_fsdp_grad_comm_dtype")
+    if policy and version < GRAD_REDUCE_FP32_MAIN_GRADS_UNTIL:
+        if kw.get("accumulate_allreduce_grads_in_fp32"):
+            if dtype != "auto":
+                a.notes.append(f"{key}: megatron-core {version[0]}.{version[1]} communicates gradients in fp32 under "
+                               "--accumulate-allreduce-grads-in-fp32 (the main gradients' dtype there); ignored")
+            return "auto"
+        if kw.get("grad_reduce_in_bf16"):
+            dtype = "bf16"     # validate_args: args.megatron_fsdp_grad_comm_dtype = torch.bfloat16
     if dtype == "auto":
         return "auto"
-    key = a.key("megatron_fsdp_grad_comm_dtype")
-    if not new:
+    if not policy:
         a.notes.append(f"{key}: megatron-core {version[0]}.{version[1]} is read as 0.16.1, whose Megatron-FSDP has no "
                        "gradient communication dtype; ignored")
         return "auto"
@@ -234,7 +247,7 @@ def _grad_comm_dtype(a: Args, kw: Mapping[str, Any], out: Mapping[str, Any], new
 
 
 # DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode / megatron_fsdp_use_decoupled_grad: fields of the
-# megatron-core 0.18.2 and 0.19.2 wheels (not 0.17.1's), the era of MIXED_PRECISION_POLICY_SINCE
+# megatron-core 0.18.2 and 0.19.2 wheels (not 0.17.1's), the era of FSDP_DEFAULTS_SINCE
 def _gradient_modes(a: Args, kw: Mapping[str, Any], new: bool, version: tuple[int, int]) -> bool:
     """Megatron-FSDP's gradient modes; returns whether the CUDA-graph-safe mode is on.
 
