@@ -16,7 +16,8 @@ hostile JSON value in every run-log field; the largest inputs memguard accepts (
 10,000 YAML values, 2**20 GPUs, 500,000 expert weights per rank, 100 MTP depths); and MoE / MTP /
 TP-overlap inputs (--moe-layer-freq and --tp-comm-overlap-cfg bombs); hostile files at every path
 argument (a named pipe nobody writes to, /dev/zero, a directory, a symlink loop, UTF-16); Megatron logs
-of 7,000 ranks, an out-of-memory flood and numbers no GPU prints. Prints, per command, the number of runs, how many broke the
+of 7,000 ranks, an out-of-memory flood and numbers no GPU prints; every field of the MoE config.json files,
+Megatron logs with colour codes / NULs / garbage / cuts, and plan over extreme spaces (issue hostile3). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -274,6 +275,47 @@ def structured_regressions():
     yield "plan ffn 1 < TP 2", ["plan", "--gpus", "2", "--seq-length", "128", "--global-batch-size", "8", "--tp", "2", "--", *flags], {}
 
 
+def surface_cases():
+    """The surfaces the earlier fuzzers drew least from (issue hostile3): every field of the Mixtral, Qwen-MoE
+    and DeepSeek config.json files set to null / a list / a string / a negative, huge, fractional or boolean
+    value, or deleted, with the flags that take them to the estimator; Megatron logs as terminals and crashed
+    file systems leave them (colour codes, NULs, CRLF, binary garbage, cut at any point); `memguard plan`
+    over extreme spaces (2**20 and 2**40 GPUs, 10,000 layers with --vpp lists, vocab 1, 0 GPUs per node)."""
+    import random
+    flags = ["--micro-batch-size", "1", "--seq-length", "4096", "--global-batch-size", "64", "--expert-model-parallel-size", "4",
+             "--bf16"]
+    hf_dir = os.path.join(ROOT, "tests", "data", "hf")
+    values = [None, [8], "8", "no", -4, 7.5, 8.0, True, 10**30, 0, {"type": "yarn", "factor": None}]
+    for name in sorted(os.listdir(hf_dir)):
+        with open(os.path.join(hf_dir, name), encoding="utf-8") as f:
+            doc = json.load(f)
+        for key in doc:
+            for v in values + ["(deleted)"]:
+                d = {k: x for k, x in doc.items() if not (k == key and v == "(deleted)")}
+                if v != "(deleted)":
+                    d[key] = v
+                yield f"estimate {name} {key}={v!r}", ["estimate", "--model", "config.json", "--world-size", "64", "--", *flags], {
+                    "config.json": json.dumps(d)}
+    from fuzz_util import MEGATRON_LOG as log
+    rnd = random.Random(0)
+    logs = {"CRLF": log.replace("\n", "\r\n"), "colour codes": "".join(f"\x1b[32m{x}\x1b[0m\n" for x in log.splitlines()),
+            "NULs": log.replace("\n", "\x00\n"), "a NUL tail": log + "\x00" * 65_536,
+            "binary garbage": bytes(rnd.getrandbits(8) for _ in range(100_000)) + log.encode(),
+            "900 kB without a newline": log + "x" * 900_000, "UTF-16": log.encode("utf-16")}
+    logs.update({f"cut at byte {k}": log[:k] for k in range(0, len(log), len(log) // 20)})
+    for label, text in logs.items():
+        for cmd in (["report", "run.log", "--json"], ["calibrate", "run.log", "run.log", "run.log"]):
+            yield f"{cmd[0]} Megatron log, {label}", cmd, {"run.log": text}
+    dense = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--max-position-embeddings", "4096",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--bf16"]
+    for gpus, extra, more in ((str(2**20), ["--vpp", "1,2,4,8,16,32"], ["--num-layers", "10000"]),
+                              (str(2**20), [], ["--num-layers", "10000"]), (str(2**40), [], []),
+                              ("1048576", ["--vpp", "1000000"], []), ("8", ["--gpus-per-node", "0"], []),
+                              ("65536", [], ["--vocab-size", "1"]), ("720720", ["--tp", "1,2,4,8", "--pp", "1,2,3,4,5,6,7,8"], [])):
+        yield f"plan {gpus} GPUs {' '.join(extra + more)[:40]}", ["plan", "--gpus", gpus, "--seq-length", "4096",
+                                                                   "--global-batch-size", "1024", *extra, "--", *dense, *more], {}
+
+
 def structured_cases():
     """Real inputs mutated by structure (tests/mutate_util.py, issue hostile2): ten mutants of every real
     input and of every command line, each from a fixed Random."""
@@ -353,7 +395,8 @@ def main(argv: list[str]) -> int:
     groups = [("reproductions", reproductions()), ("flags", flag_cases()), ("configs", config_cases()),
               ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
-              ("structured regressions", structured_regressions()), ("structured", structured_cases())]
+              ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
+              ("structured", structured_cases())]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .config import RawConfig
 from .errors import ConfigError, MemguardError
-from .numbers import INT64_MAX, shown, to_int
+from .numbers import INT64_MAX, python_scalar, shown, to_int
 from .runtime.reporting import ErrorReporter
 
 from .decision import ABORT_EXIT_CODE, DEFAULT_MODE, DEFAULT_THRESHOLD, PREFIX, PREFLIGHT_MODES, PreflightAbort, PreflightResult
@@ -38,6 +38,7 @@ def to_plain(obj: Any, depth: int = 0, max_depth: int = 6, _seen: set | None = N
     GPTConfig, SimpleNamespace, mappings) as the plain dict / list / scalar tree its YAML dump would
     hold: torch dtypes as ``torch.bfloat16``, functions as ``{_target_: module.name, _call_: false}``,
     enums by name, dataclasses with their ``_target_``. Objects it cannot represent become None."""
+    obj = python_scalar(obj)    # (a NumPy number in a config object: the number it holds)
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, enum.Enum):
@@ -500,13 +501,17 @@ def attach_oom_observer(monitor: Any) -> None:
 
 
 def is_oom(exc: BaseException) -> bool:
-    """A CUDA out-of-memory error (torch.OutOfMemoryError, or a RuntimeError saying so)."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
-        if oom is not None and isinstance(exc, oom):
-            return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    """A CUDA out-of-memory error (torch.OutOfMemoryError, or a RuntimeError saying so). Never raises: it
+    looks at an exception on its way out of training, which must leave as it came."""
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+            if isinstance(oom, type) and isinstance(exc, oom):
+                return True
+        return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    except Exception:   # a torch stand-in without the class, an exception whose message cannot be made
+        return False
 
 
 def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:

@@ -49,6 +49,7 @@ from ._integration import (
 )
 from .config import RawConfig
 from .errors import ReaderError
+from .numbers import python_scalar
 from .runtime.reporting import ErrorReporter
 
 __all__ = ["ABORT_EXIT_CODE", "MemguardCallback", "PreflightAbort", "PreflightResult", "bridge_available", "config_dict",
@@ -71,10 +72,20 @@ def _require_bridge(what: str) -> None:
         raise ImportError(f"{what} {NEEDS_BRIDGE}")
 
 
+def _python_numbers(doc: Any, depth: int = 0) -> Any:
+    """A ConfigContainer dict with its NumPy numbers (sizes computed with NumPy) as Python ones; nesting past
+    64 levels (more than any YAML memguard reads) is left for the reader to refuse."""
+    if isinstance(doc, Mapping) and depth < 64:
+        return {k: _python_numbers(v, depth + 1) for k, v in doc.items()}
+    if isinstance(doc, list) and depth < 64:
+        return [_python_numbers(v, depth + 1) for v in doc]
+    return python_scalar(doc)
+
+
 def config_dict(config: Any) -> dict:
     """A ConfigContainer (object or dict) as the plain dict its ``run_config.yaml`` dump holds."""
     if isinstance(config, Mapping):
-        return dict(config)
+        return _python_numbers(dict(config))
     doc = to_plain(config)
     if not isinstance(doc, dict):
         raise ReaderError(f"cannot read a {type(config).__name__} as a Megatron-Bridge ConfigContainer")

@@ -56,6 +56,20 @@ def bound_reason(dest: str) -> str:
     return BOUNDS.get(dest, (INT32_MAX, ""))[1]
 
 
+def python_scalar(value: Any) -> Any:
+    """A NumPy scalar (``np.int64(16)``, ``np.float32``, ``np.bool_``, a 0-d array: what code that computes a
+    setting leaves in Megatron's namespace or a config object) as the Python number it holds, also as the
+    items of a list or tuple (one level); any other value as it is. Never imports NumPy."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        try:
+            return value.item()
+        except Exception:   # (a NumPy object the check below refuses by name)
+            return value
+    if isinstance(value, (list, tuple)) and any(type(v).__module__ == "numpy" for v in value):
+        return type(value)(python_scalar(v) if type(v).__module__ == "numpy" else v for v in value)
+    return value
+
+
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     """``value`` as an error shows it: strings quoted, huge numbers in scientific notation, anything
     longer than ``limit`` cut with an ellipsis and its length (``'aaaa...aaaa' (3145728 characters)``)."""

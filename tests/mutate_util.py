@@ -133,6 +133,11 @@ def _config_commands(opts: tuple[str, ...], flags: tuple[str, ...] = ()) -> tupl
             (*PLAN, "--config", "{file}", *[o for o in opts if o not in ("--gpus", "8", "64", "16")], "--gpus", "8", *flags))
 
 
+# What a config.json does not give (sequence length, batch), so that its mutants reach the estimator (without
+# them every command stopped at '--seq-length: is required'); EP 4 divides every seed's experts (60 to 256).
+HF_FLAGS = ("--micro-batch-size", "1", "--seq-length", "4096", "--global-batch-size", "64", "--expert-model-parallel-size", "4")
+
+
 def seeds() -> list[Seed]:
     """Every real input memguard reads, as found in the repository and ../shared (read-only: copies are
     mutated in a temporary directory)."""
@@ -155,8 +160,8 @@ def seeds() -> list[Seed]:
     hf = os.path.join(HERE, "data", "hf")
     for name in sorted(os.listdir(hf)):
         out.append(Seed(f"tests/data/hf/{name}", "doc", (("config.json", _read(hf, name)),),
-                        _config_commands(("--gpus", "64"), ("--micro-batch-size", "1", "--expert-model-parallel-size", "8"))
-                        + (("estimate", "--model", "{file}", "--world-size", "64", "--", "--micro-batch-size", "1"),)))
+                        _config_commands(("--gpus", "64"), HF_FLAGS)
+                        + (("estimate", "--model", "{file}", "--world-size", "64", "--", *HF_FLAGS),)))
     out.append(Seed("fuzz_util.HF config.json", "doc", (("config.json", json.dumps(HF, indent=1)),),
                     _config_commands(("--gpus", "8"), ("--micro-batch-size", "1"))))
     small = ("--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
@@ -667,8 +672,18 @@ class _Opaque:
         return "<object>"
 
 
+def _numpy_values() -> list[tuple[str, Any]]:
+    """NumPy numbers, as a launcher that computed a size with NumPy leaves them (issue hostile3)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    return [("np.int64 8", np.int64(8)), ("np.float64 0.5", np.float64(0.5)), ("np.bool_", np.bool_(True))]
+
+
 HOOK_VALUES = VALUES + [("object", _Opaque()), ("lambda", lambda: 1), ("bytes", b"\xff"), ("tuple", (1, 2)),
-                        ("set", {1}), ("complex", 1j), ("namespace", None)]
+                        ("set", {1}), ("complex", 1j), ("namespace", None), ("lock", __import__("threading").Lock()),
+                        *_numpy_values()]
 
 
 def mutate_namespace(ns: Any, rnd: random.Random, notes: list[str]) -> Any:

@@ -429,6 +429,18 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     # (distributed/distributed_data_parallel.py 292; Megatron-FSDP has its own class)
     if instances > 1 and not ns.use_distributed_optimizer and not ns.use_megatron_fsdp:
         return "DistributedDataParallel: several optimizer instances need the distributed optimizer"
+    # HybridDeviceOptimizer._get_sub_optimizer_param_groups (optimizer/cpu_offloading/hybrid_optimizer.py 274) pins a
+    # host clone of each offloaded parameter; under FSDP they are DTensors, which torch cannot pin (NYI
+    # aten._pin_memory, tests/test_fsdp_estimate.py)
+    if (ns.optimizer_cpu_offload and (ns.use_megatron_fsdp or ns.use_torch_fsdp2)
+            and ns.optimizer_offload_fraction > 0):
+        return "HybridDeviceOptimizer: FSDP's DTensor parameters cannot be pinned"
+    # the Megatron-FSDP adapter's asserts on the expert all-to-all overlap (distributed/fsdp/mcore_fsdp_adapter.py)
+    if ns.use_megatron_fsdp and ns.num_experts and ns.overlap_moe_expert_parallel_comm:
+        if ns.fsdp_double_buffer:
+            return "FullyShardedDataParallel: 1F1B overlap with FSDP does not support double buffer"
+        if str(ns.cuda_graph_impl) not in ("none", "full_iteration"):
+            return "FullyShardedDataParallel: 1F1B overlap with FSDP does not support per-layer CUDA graphs"
     # MoELayer.forward: MoE with TP > 1 in training needs sequence parallelism (moe/moe_layer.py 629)
     if ns.num_experts and ns.tensor_model_parallel_size > 1 and not ns.sequence_parallel:
         return "MoELayer.forward: MoE with tensor parallelism needs sequence parallelism"

@@ -230,7 +230,7 @@ def test_hopper_refuses_mxfp8(capsys):
 
 def test_megatron_fsdp_primary_fp8_weights_keep_only_scales_outside_its_buffers():
     # Megatron-FSDP holds primary FP8 weights in its own uint8 buffers and drops TE's transposes after
-    # each use (--keep-fp8-transpose-cache refused): one 512-byte scale block per GEMM weight remains
+    # each use (unless --keep-fp8-transpose-cache): one 512-byte scale block per GEMM weight remains
     fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
             "--ckpt-format", "fsdp_dtensor"]
     t = terms(estimate(lay(*fsdp, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather")))

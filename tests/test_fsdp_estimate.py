@@ -209,6 +209,42 @@ def test_hybrid_fsdp_shards_the_optimizer_over_all_replicas():
                                          "optim", "--data-parallel-sharding-strategy", "optim_grads"], world_size=8)
 
 
+_PIN_DTENSOR = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+p = distribute_tensor(torch.zeros(8, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+try:
+    p.detach().clone().cpu().pin_memory()
+except RuntimeError as e:
+    print(str(e).splitlines()[0])
+dist.destroy_process_group()
+"""
+
+
+def test_optimizer_offload_cannot_pin_fsdp_parameters():
+    """HybridDeviceOptimizer._get_sub_optimizer_param_groups (hybrid_optimizer.py line 274, core 0.16.1 and 0.19.2)
+    moves each offloaded parameter to the host as param.detach().clone().cpu().pin_memory(). Under Megatron-FSDP
+    (make_fsdp_dtensor, param_and_grad_buffer.py) and torch FSDP2 the optimizer's parameters are DTensors, and
+    torch's DTensor has no sharding rule for pinning: the optimizer cannot be built."""
+    import subprocess
+    import sys
+    pytest.importorskip("torch.distributed.tensor")
+    out = subprocess.run([sys.executable, "-c", _PIN_DTENSOR], capture_output=True, text=True, timeout=120)
+    assert "NYI: aten._pin_memory.default" in out.stdout, out.stderr[-500:]
+    offload = ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",
+            "fsdp_dtensor", "--use-distributed-optimizer"]
+    with pytest.raises((ConfigError, ConfigErrors), match="--optimizer-cpu-offload.*DTensor"):
+        layout_from_flags(BASE + fsdp + offload, world_size=8)
+    with pytest.raises((ConfigError, ConfigErrors), match="--optimizer-cpu-offload.*torch FSDP2"):
+        layout_from_flags(BASE + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"] + offload, world_size=8)
+    # fraction 0 offloads nothing (no pinning): the hybrid optimizer's GPU states over FSDP's weights stay refused
+    with pytest.raises(NotModelledError, match="--optimizer-offload-fraction"):
+        layout_from_flags(BASE + fsdp + offload[:-1] + ["0"], world_size=8)
+
+
 def test_core_0_17_and_0_18_main_grads_by_hand():
     """megatron-core 0.17.1 mcore_fsdp_adapter.py (and 0.18.2's): MixedPrecisionPolicy(main_params_dtype=
     --megatron-fsdp-main-params-dtype, main_grads_dtype=torch.float32 if grad_reduce_in_fp32 else

@@ -20,7 +20,7 @@ Optimizer elements per rank: 12 x (132,608 + 2,097,152) + 3,359,232 = 30,116,352
 import pytest
 
 from megatron_memguard import estimate, layout_from_flags
-from megatron_memguard.errors import NotModelledError
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
 
 ZP_Z3 = ("--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
@@ -63,8 +63,13 @@ def test_core_0_16_keeps_fp32_grads_for_experts_too():
 
 def test_expert_parallel_overlap_under_fsdp_is_refused_by_name():
     flags = ZP_Z3 + ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"]
-    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm"):
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm.*forward layer"):
         layout_from_flags(flags, world_size=8, megatron_version="0.19.2")
+    with pytest.raises(NotModelledError, match="--overlap-moe-expert-parallel-comm.*bypasses the FSDP unit hooks"):
+        layout_from_flags(flags, world_size=8, megatron_version="0.16.1")
+    # what MegatronFSDP's adapter asserts first (mcore_fsdp_adapter.py, core 0.19.2)
+    with pytest.raises((ConfigError, ConfigErrors), match="--fsdp-double-buffer"):
+        layout_from_flags(flags + ["--fsdp-double-buffer"], world_size=8, megatron_version="0.19.2")
 
 
 def test_hsdp_shards_over_one_replica():
@@ -87,11 +92,22 @@ def test_hsdp_shards_over_one_replica():
     assert t17["main_parameters"] - t["main_parameters"] == 4 * 12 * (4_194_304 - 4_194_304 // 2)
 
 
-def test_experts_under_hsdp_with_outer_optimizer_sharding_are_refused_by_name():
-    # dense HFSDP is modelled (tests/test_fsdp_estimate.py); with experts core 0.16.1 fails to build it
-    with pytest.raises(NotModelledError, match="--outer-dp-sharding-strategy"):
-        layout_from_flags(ZP_Z3 + ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy",
-                                   "optim"], world_size=8, megatron_version="0.19.2")
+def test_experts_under_hfsdp_shard_their_optimizer_over_the_outer_group():
+    """HFSDP with experts (core 0.19.2): the expert device mesh takes the dense outer (inter-instance) group
+    (mcore_fsdp_adapter._init_dist_index) and ParamAndGradBuffer builds the expert groups' helper buffers over
+    get_outer_fsdp_group(is_expert_parallel=True) (param_and_grad_buffer.py): weights and gradients over one
+    replica's expert DP group (2 / 2 = 1 rank: whole), main weights and Adam over the 2 instances. Buckets padded
+    to shard x outer x 512: dense unit 530,432 (a multiple of 2 x 2 x 512) -> replica shard 265,216, optimizer
+    132,608; experts 4,194,304 -> optimizer 2,097,152; outside units 13,435,904 -> 13,436,928, replica shard
+    6,718,464, optimizer 3,359,232. The optimizer shard is then the non-HSDP one over all 8 ranks (OPT)."""
+    hfsdp = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"]
+    _, _, t = _stage(ZP_Z3 + hfsdp)
+    assert 12 * (132_608 + 2_097_152) + 3_359_232 == OPT
+    assert t["main_parameters"] == t["adam_exp_avg"] == t["adam_exp_avg_sq"] == 4 * OPT
+    assert t["fsdp_parameters"] == 2 * (12 * (265_216 + 4_194_304) + 6_718_464)
+    # core 0.16.1 builds no expert mesh under HSDP and fails to build this on the CPU referee: refused
+    with pytest.raises(NotModelledError, match="--outer-dp-sharding-strategy.*no expert device mesh"):
+        layout_from_flags(ZP_Z3 + hfsdp, world_size=8, megatron_version="0.16.1")
     # without HSDP the outer strategy has no group to act on (MegatronFSDP reads it only with an outer group)
     layout_from_flags(ZP_Z3 + ["--outer-dp-sharding-strategy", "optim"], world_size=8, megatron_version="0.19.2")
 
@@ -186,9 +202,20 @@ def test_keep_fp8_transpose_cache_keeps_every_fp8_weights_transpose():
     _, _, t2 = _stage(ZP_Z3 + ["--keep-fp8-transpose-cache"])
     _, _, t3 = _stage(ZP_Z3)
     assert t2 == t3
-    with pytest.raises(NotModelledError, match="--keep-fp8-transpose-cache"):
-        layout_from_flags(ZP_Z3 + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather",
-                                   "--keep-fp8-transpose-cache"], world_size=8, megatron_version="0.19.2")
+    # blockwise: fp8_discard_transpose_cache (megatron_fsdp mixed_precision.py, 0.16.1 and 0.19.2) calls
+    # update_usage(columnwise_usage=False) on a Float8BlockwiseQTensor; kept, its column-wise data [cols, rows]
+    # (1 B per element, the same 4,718,592 per layer) stay; the 128x128-block scales are counted either way
+    bw = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
+    _, b0, u0 = _stage(ZP_Z3 + bw)
+    _, b1, u1 = _stage(ZP_Z3 + bw + ["--keep-fp8-transpose-cache"])
+    assert u1["fp8_weight_columnwise"] - u0["fp8_weight_columnwise"] == transposes
+    assert b1.persistent_bytes - b0.persistent_bytes == transposes
+    # mxfp8: an MXFP8Tensor is left alone (its column-wise data are Megatron-FSDP's transpose buffers): no change
+    mx = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"]
+    _, m0, v0 = _stage(ZP_Z3 + mx)
+    L, m1, v1 = _stage(ZP_Z3 + mx + ["--keep-fp8-transpose-cache"])
+    assert v1 == v0 and m1.persistent_bytes == m0.persistent_bytes
+    assert any("--keep-fp8-transpose-cache: no effect with the mxfp8 recipe" in n for n in L.notes)
 
 
 def test_params_norm_releases_the_regathered_units():

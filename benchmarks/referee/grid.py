@@ -10,6 +10,7 @@ worker takes, with memguard's own reader and rules.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -196,7 +197,9 @@ def resolve_config(flags: List[str], world_size: int) -> tuple:
     from megatron_memguard.readers.megatron_flags import parse_megatron_flags
     from megatron_memguard.resolve import resolve
 
-    raw = parse_megatron_flags(flags)
+    # The flags describe what the worker builds on megatron-core 0.16.1, which ships no argparse (the worker
+    # applies e.g. 0.19's --freeze-all-layers itself): not a 0.16 command line, so no release flag check.
+    raw = dataclasses.replace(parse_megatron_flags(flags), megatron_command_line=False)
     layout = resolve(raw, world_size=world_size, megatron_version=REFEREE_MEGATRON_VERSION)
     settings = layout.to_dict()
     # Settings the worker needs that do not change memory (so the Layout does not carry them).

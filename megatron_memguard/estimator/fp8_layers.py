@@ -292,9 +292,11 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     non_tn = non_tn_gpu(gpu_name or "")
     # Megatron-FSDP sizes its own (uint8) buffers for primary FP8 weights and drops TE's transposes after
     # each use: only the scales stay outside its buffers; with --keep-fp8-transpose-cache each weight's
-    # whole transpose stays too (megatron_fsdp.py release_module_parameters), as outside FSDP
+    # whole transpose (delayed, tensorwise) or column-wise data with its scales (blockwise) stays too
+    # (megatron_fsdp.py release_module_parameters, mixed_precision.py fp8_discard_transpose_cache), as
+    # outside FSDP; MXFP8's column-wise data are Megatron-FSDP's transpose buffers: the flag leaves them
     megatron_fsdp = bool(getattr(L, "use_megatron_fsdp", False))
-    keep = megatron_fsdp and bool(getattr(L, "keep_fp8_transpose_cache", False))
+    keep = megatron_fsdp and bool(getattr(L, "keep_fp8_transpose_cache", False)) and spec.recipe != "mxfp8"
     fsdp = megatron_fsdp and not keep
     dist = L.use_distributed_optimizer and not megatron_fsdp
     cache = colw = scales = layers = elements = 0

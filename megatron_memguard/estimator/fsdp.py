@@ -650,7 +650,8 @@ Shapes = list[tuple[int, ...]]
 
 def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), before: Shapes = (),
                  after: Shapes = (), dense_shard: int = 1, expert_shapes: Shapes = (), expert_shard: int = 1,
-                 per_layer: list[tuple[Shapes, Shapes]] | None = None, outer: int = 1) -> tuple[FsdpGroup, ...]:
+                 per_layer: list[tuple[Shapes, Shapes]] | None = None, outer: int = 1,
+                 expert_outer: int = 1) -> tuple[FsdpGroup, ...]:
     """The parameter groups of one model chunk on one rank, in Megatron-FSDP's order.
 
     ``layer_shapes``: per-rank shapes of one transformer layer's dense parameters, ``expert_shapes``
@@ -659,7 +660,9 @@ def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), 
     frequency, MTP). ``before`` / ``after``: parameters outside the layers (embedding; final norm
     and output layer). Under optim_grads_params every layer is an FSDP unit (one dense and one expert
     group each) and the rest forms groups outside units; under the other strategies there are no
-    units and all dense (resp. expert) parameters form one group, split at the DDP bucket size."""
+    units and all dense (resp. expert) parameters form one group, split at the DDP bucket size. ``outer`` /
+    ``expert_outer``: the HFSDP replicas the dense / expert groups' main weights and optimizer state are
+    further sharded over (1: none)."""
     if per_layer is None:
         per_layer = [(list(layer_shapes), list(expert_shapes))] * layers
     bucket = spec.bucket_size
@@ -678,7 +681,7 @@ def stage_groups(spec: FsdpSpec, *, layers: int = 0, layer_shapes: Shapes = (), 
         for i, (dense, experts) in enumerate(per_layer):
             groups += _unit_groups(spec, list(dense), dense_shard, f"layer{i}", outer)
             if experts:
-                groups += _unit_groups(spec, list(experts), expert_shard, f"layer{i}.experts")
+                groups += _unit_groups(spec, list(experts), expert_shard, f"layer{i}.experts", expert_outer)
         # Step 1 groups by (dtype, expert, requires_grad, unit id) whatever the position: the
         # embedding, final norm and output layer form one group outside units, then cut at the bucket size.
         for part in _split(list(before) + list(after), bucket):

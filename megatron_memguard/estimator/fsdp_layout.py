@@ -131,8 +131,13 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
     dense_shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     outer = (getattr(L, "num_distributed_optimizer_instances", 1) or 1) \
         if _flag(L, "outer_dp_sharding_strategy", "no_shard") == "optim" else 1
+    # HFSDP's expert groups (core 0.18+, mcore_fsdp_adapter._init_dist_index): the expert device mesh takes the
+    # same outer (inter-instance) group as the dense one, and ParamAndGradBuffer builds their helper buffers over
+    # get_outer_fsdp_group(is_expert_parallel=True) (param_and_grad_buffer.py, 0.19.2): weights and gradients
+    # over one replica's expert DP group, main weights and optimizer state over the instances too
+    expert_outer = outer if version_tuple(L.megatron_version) >= MIXED_PRECISION_POLICY_SINCE else 1
     return stage_groups(spec, per_layer=per_layer, before=before, after=after, dense_shard=dense_shard,
-                        expert_shard=_expert_shard(L), outer=outer)
+                        expert_shard=_expert_shard(L), outer=outer, expert_outer=expert_outer)
 
 
 @lru_cache(maxsize=1024)
@@ -204,6 +209,8 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
         d += f", main weights and optimizer state over all {dense * inst}"
     if getattr(L, "moe", None) is not None and spec.impl == "megatron_fsdp":
         d += f", expert groups over {_expert_shard(L)} (expert DP)"
+        if inst > 1 and _flag(L, "outer_dp_sharding_strategy", "no_shard") == "optim":
+            d += f", their main weights and optimizer state over {_expert_shard(L) * inst}"
     opt = total.optimizer_numel
     st = [Term("fsdp_parameters", total.weights, "weights",
                detail=f"{impl}: compute weights kept between uses, {spec.param_bytes} B per element; {d}"),

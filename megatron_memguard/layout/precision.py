@@ -66,6 +66,7 @@ class Precision:
     disable_parameter_transpose_cache: bool = False   # TransformerConfig only
     activation_func_fp8_input_store: bool = False     # TransformerConfig only
     fp8_output_proj: bool = False                     # --fp8-output-proj (core 0.19): the LM head in MXFP8
+    fp8_dot_product_attention: bool = False           # TransformerConfig only: FP8 fused attention (delayed/tensorwise)
 
     @property
     def fp8_spec(self):

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..decision import DEFAULT_MODE, DEFAULT_THRESHOLD, MODES  # noqa: F401 (re-exported: megatron_memguard.megatron.MODES)
 from ..errors import ConfigError
-from ..numbers import INT64_MAX, shown, to_int
+from ..numbers import INT64_MAX, python_scalar, shown, to_int
 from ..units import parse_bytes
 
 
@@ -199,6 +199,7 @@ class Settings:
 def _checked_value(spec: FlagSpec, v: Any) -> Any:
     """A value found in the namespace, checked as its flag's: argparse converted what it parsed, but a
     default it did not convert, or a value set by other code (a YAML loader, a launcher), may be anything."""
+    v = python_scalar(v)
     if v is None:
         return spec.default
     if spec.boolean and isinstance(v, bool):

@@ -365,8 +365,11 @@ def _wrap_train(original):
             return original(*a, **k)
         except BaseException as e:
             m = STATE.monitor
-            if m is not None and not m.oom_reported and is_oom(e):
-                m.on_oom()
+            try:   # (memguard's look at the error must not replace it with one of its own)
+                if m is not None and not m.oom_reported and is_oom(e):
+                    m.on_oom()
+            except Exception as own:
+                STATE.error("the out-of-memory report", own)
             raise
         finally:
             m = STATE.monitor

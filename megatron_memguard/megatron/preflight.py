@@ -56,17 +56,36 @@ def silenced() -> Iterator[None]:
         logging.disable(previous)
 
 
+def copy_args(args: Any, depth: int = 0) -> Any:
+    """A deep copy of Megatron's namespace for a dry run. A value that cannot be copied (a lock, a generator,
+    an open file that other code hung on the namespace) is shared instead of failing the whole copy:
+    ``validate_args`` replaces attributes rather than changing such objects in place."""
+    try:
+        return copy.deepcopy(args)
+    except Exception:
+        pass
+    if depth < 4 and isinstance(getattr(args, "__dict__", None), dict) and not isinstance(args, type):
+        try:
+            ns = copy.copy(args)
+            for k, v in vars(args).items():
+                vars(ns)[k] = copy_args(v, depth + 1)
+            return ns
+        except Exception:
+            pass
+    return args
+
+
 def dry_run(validate: Callable, args: Any, defaults: Mapping[str, Any] | None,
             updates: Mapping[str, Any] | None = None,
             assign: Callable[[Any, str, Any], None] = setattr) -> BaseException | None:
     """Run ``validate`` on a copy of ``args`` (with ``updates``, set by ``assign``); return its exception,
     or None if it passes."""
-    ns = copy.deepcopy(args)
+    ns = copy_args(args)
     for k, v in (updates or {}).items():
         assign(ns, k, v)
     try:
         with silenced():
-            validate(ns, copy.deepcopy(dict(defaults or {})))
+            validate(ns, copy_args(dict(defaults or {})))
     except (Exception, SystemExit) as e:  # Megatron calls exit() for some deprecated flags
         return e
     return None
@@ -141,7 +160,7 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
 
     try:
         raw = raw_config_from_args(args, defaults)
-        layout = resolve(raw, world_size=getattr(args, "world_size", None), megatron_version=megatron_version)
+        layout = resolve(raw, world_size=raw.world_size, megatron_version=megatron_version)
         site = None
         if settings.profile:
             from ..site_profile import load_site_profile

@@ -23,6 +23,7 @@ it rejects is counted and dropped.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -553,6 +554,13 @@ def _layout_text(chunks: list[int], mtp: int) -> str:
 
 
 def uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> list[VppSplit]:
+    """The uneven splits of (layers, PP, VPP, MTP): see ``_uneven_vpp_splits`` (computed once per argument set:
+    the search asks again for every TP and CP)."""
+    return list(_uneven_vpp_splits(num_layers, pp, vpp, mtp))
+
+
+@functools.lru_cache(maxsize=1024)
+def _uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> tuple[VppSplit, ...]:
     """Splits with ``vpp`` virtual stages where the even one is refused (PP x VPP does not divide the layers),
     in the spellings megatron-core 0.16.1 accepts (``TransformerConfig.__post_init__``):
 
@@ -567,7 +575,7 @@ def uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> list[
     At most three candidates per (PP, VPP): the search stays bounded."""
     L, S = num_layers, pp * vpp
     if pp < 2 or vpp < 2 or L % S == 0 or L < S // 2:
-        return []
+        return ()
     out: list[VppSplit] = []
     cap = -(-(-(-L // pp)) // vpp) * vpp             # ceil(L/PP) rounded up to a multiple of VPP
     for mid in (sorted({(L // pp) // vpp * vpp, -(-(L // pp) // vpp) * vpp}) if pp > 2 else [0]):
@@ -588,17 +596,19 @@ def uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> list[
             out.append(VppSplit(vpp, _ranks(ch, pp), tuple(ch), acc_emb=bool(e), acc_loss=bool(l)))
             break
     if out:
-        return out
+        return tuple(out)
     q, r = divmod(L + 2, S)
     if q < 1:
-        return []
+        return ()
     # the S - r short stages: the last, the first, then one per rank from the middle ranks outwards
     order = [S - 1, 0]
+    taken = set(order)             # (a set: PP x VPP reaches 10**5 stages, a scan of the list per stage hung)
     for v in range(vpp - 1, -1, -1):
         for k in range(pp - 1):
             rank = (pp - 2 - k // 2) if k % 2 == 0 else (1 + k // 2)
             i = v * pp + rank
-            if i not in order:
+            if i not in taken:
+                taken.add(i)
                 order.append(i)
     slots = [q + 1] * S
     for i in order[:S - r]:
@@ -607,8 +617,8 @@ def uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> list[
     ch[0] -= 1
     ch[-1] -= 1
     if min(ch) < 0:
-        return []
-    return [VppSplit(vpp, _ranks(ch, pp), tuple(ch), layout=_layout_text(ch, mtp))]
+        return ()
+    return (VppSplit(vpp, _ranks(ch, pp), tuple(ch), layout=_layout_text(ch, mtp)),)
 
 
 def _allowed(values: Iterable[int], allowed: tuple[int, ...] | None) -> list[int]:

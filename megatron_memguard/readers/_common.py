@@ -410,7 +410,9 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     # --fp8-param-gather sets) or that have no flag at all (kept under the config name)
     for name, dest in (("fp8_param", "fp8_param_gather"), ("fp4_param", "fp4_param_gather"),
                        ("disable_parameter_transpose_cache", "disable_parameter_transpose_cache"),
-                       ("activation_func_fp8_input_store", "activation_func_fp8_input_store")):
+                       ("activation_func_fp8_input_store", "activation_func_fp8_input_store"),
+                       ("fp8_dot_product_attention", "fp8_dot_product_attention"),
+                       ("fp8_multi_head_attention", "fp8_multi_head_attention")):
         if as_bool(val(name)):
             b.set(dest, True, key(name))
     if val("share_embeddings_and_output_weights") is not None:

@@ -48,7 +48,7 @@ def hf_to_provider(hf: Mapping[str, Any]) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
     p.update(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
              num_attention_heads=heads, vocab_size=hf.get("vocab_size"), seq_length=hf.get("max_position_embeddings"),
-             share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+             share_embeddings_and_output_weights=_flag(hf, "tie_word_embeddings", False),
              normalization="RMSNorm", gated_linear_unit=True, activation_func=hf.get("hidden_act", "silu"),
              position_embedding_type="rope", rotary_base=hf.get("rope_theta", 10000),
              attention_dropout=hf.get("attention_dropout", 0.0), hidden_dropout=0.0)
@@ -63,7 +63,7 @@ def hf_to_provider(hf: Mapping[str, Any]) -> dict[str, Any]:
     if mt == "qwen2" or mt == "qwen2_moe":
         p.update(add_qkv_bias=True, add_bias_linear=False)
     else:
-        p.update(add_qkv_bias=bool(hf.get("attention_bias", False)), add_bias_linear=bool(hf.get("mlp_bias", False)))
+        p.update(add_qkv_bias=_flag(hf, "attention_bias", False), add_bias_linear=_flag(hf, "mlp_bias", False))
     if mt in ("qwen3", "qwen3_moe"):
         p["qk_layernorm"] = True
     p.update(_moe_fields(hf, mt))
@@ -100,6 +100,26 @@ def _count(hf: Mapping[str, Any], key: str, default: int) -> int:
     return v
 
 
+def _step(hf: Mapping[str, Any], key: str) -> int:
+    """Every how many layers a sparse block comes: transformers' modelling code takes the layer index modulo
+    it (``Qwen2MoeDecoderLayer``, ``DeepseekV2DecoderLayer``), so 0 builds no model there (ZeroDivisionError)."""
+    step = _count(hf, key, 1)
+    if step < 1:
+        raise ConfigError(key, f"must be >= 1 (transformers takes the layer index modulo it), got {shown(step)}")
+    return step
+
+
+def _flag(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A true/false field of config.json (JSON's true / false; null or absent: transformers' default).
+    Anything else is refused: ``bool("false")`` is True, and these flags change the parameter count."""
+    v = hf.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"expects true or false, got {shown(v)}")
+    return v
+
+
 def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral / Qwen-MoE / DeepSeek config.json."""
     p: dict[str, Any] = {}
@@ -116,7 +136,7 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
             return p
         # Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer: a sparse block where (i + 1) % decoder_sparse_step == 0
         # and i is not in mlp_only_layers, else a dense MLP of width intermediate_size.
-        n, step = _count(hf, "num_hidden_layers", 0), _count(hf, "decoder_sparse_step", 1) or 1
+        n, step = _count(hf, "num_hidden_layers", 0), _step(hf, "decoder_sparse_step")
         only = hf.get("mlp_only_layers") or ()
         if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
             raise ConfigError("mlp_only_layers", f"expects a list of layer numbers, got {shown(only)}")
@@ -133,7 +153,7 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
         # DeepseekV2DecoderLayer: MoE where i >= first_k_dense_replace and i % moe_layer_freq == 0; the
         # n_shared_experts shared experts are one MLP of width moe_intermediate_size x n_shared_experts.
         n = _count(hf, "num_hidden_layers", 0)
-        first, freq = _count(hf, "first_k_dense_replace", 0), _count(hf, "moe_layer_freq", 1) or 1
+        first, freq = _count(hf, "first_k_dense_replace", 0), _step(hf, "moe_layer_freq")
         p.update(num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
                  moe_layer_freq=_layer_freq([int(i >= first and i % freq == 0) for i in range(n)]))
         shared = _count(hf, "n_shared_experts", 0)
@@ -157,7 +177,7 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
     # norm_topk_prob false (Qwen1.5/2-MoE, DeepSeek-V2): softmax over all experts, then top-k, i.e.
     # megatron-core's --moe-router-pre-softmax; true (and Mixtral): softmax over the top-k scores.
     # Absent, transformers' config classes default to false, except DeepseekV3Config (true).
-    norm = hf.get("norm_topk_prob", mt == "deepseek_v3")
+    norm = _flag(hf, "norm_topk_prob", mt == "deepseek_v3")
     if mt != "mixtral" and not norm and hf.get("scoring_func", "softmax") == "softmax":
         p["moe_router_pre_softmax"] = True
     if hf.get("router_aux_loss_coef"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import RawConfig
+from ..numbers import python_scalar
 from ._common import dtype_name
 
 # Derived by validate_args from other arguments; resolve() re-derives them, so they are not inputs.
@@ -14,7 +15,8 @@ _DERIVED = {"data_parallel_size", "transformer_pipeline_model_parallel_size", "p
 def raw_from_namespace(ns: Any) -> RawConfig:
     if getattr(ns, "yaml_cfg", None) and all(hasattr(getattr(ns, s, None), "__dict__") for s in ("model_parallel", "language_model")):
         return _from_yaml_namespace(ns)
-    args = {k: v for k, v in vars(ns).items() if v is not None and k not in _DERIVED and not k.startswith("_")}
+    # NumPy scalars (a launcher that computed a size with NumPy) read as the numbers they hold
+    args = {k: python_scalar(v) for k, v in vars(ns).items() if v is not None and k not in _DERIVED and not k.startswith("_")}
     for k in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if k in args and not isinstance(args[k], str):
             args[k] = dtype_name(str(args[k]), "--" + k.replace("_", "-"))  # validate_args turns them into torch dtypes
@@ -31,7 +33,7 @@ def raw_from_namespace(ns: Any) -> RawConfig:
             args[k] = args[k][0]
     if "attention_backend" in args and not isinstance(args["attention_backend"], str):
         args["attention_backend"] = getattr(args["attention_backend"], "name", str(args["attention_backend"]))
-    world = getattr(ns, "world_size", None)
+    world = python_scalar(getattr(ns, "world_size", None))
     return RawConfig(args=args, origin={}, source="Megatron argument namespace", world_size=world,
                      megatron_command_line=True)
 
@@ -41,10 +43,10 @@ def _from_yaml_namespace(ns: Any) -> RawConfig:
     validate_yaml their fields are merged into the top level too): read as the file is."""
     from .megatron_yaml_cfg import SECTIONS, read_yaml_cfg
 
-    sections = {s: dict(vars(getattr(ns, s))) for s in SECTIONS}
+    sections = {s: {k: python_scalar(v) for k, v in vars(getattr(ns, s)).items()} for s in SECTIONS}
     merged = {k for sec in sections.values() for k in sec}
-    doc: dict[str, Any] = {k: v for k, v in vars(ns).items() if k not in SECTIONS and k not in merged}
+    doc: dict[str, Any] = {k: python_scalar(v) for k, v in vars(ns).items() if k not in SECTIONS and k not in merged}
     doc.update(sections)
     raw = read_yaml_cfg(doc, str(ns.yaml_cfg))
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, warnings=raw.warnings,
-                     problems=raw.problems, world_size=getattr(ns, "world_size", None))
+                     problems=raw.problems, world_size=python_scalar(getattr(ns, "world_size", None)))

@@ -43,6 +43,10 @@ from ..errors import ReaderError
 
 MiB = 1024 * 1024
 MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlines) are cut, not read whole
+# Terminal colour / cursor codes (ESC [ ... letter) and NULs: a logger that colours its lines, or the NUL
+# bytes a file system leaves where a crashed node's writes were lost. A value that keeps them
+# (``None\x1b[0m``) no longer reads as the value it is.
+_NOISE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 MAX_OOMS = 64                      # out-of-memory messages analysed (a job ends at its ranks' first; launchers repeat them)
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt", ".stdout", ".stderr")
 
@@ -246,6 +250,10 @@ def _lines(path: str) -> Iterable[tuple[int, str]]:
             if not line:
                 return
             n += 1
+            if "\x00" in line:
+                line = line.replace("\x00", "")
+            if "\x1b" in line:
+                line = _NOISE.sub("", line)
             # progress bars rewrite one line with carriage returns: each piece is a line of its own
             for piece in line.rstrip("\n").split("\r"):
                 yield n, piece

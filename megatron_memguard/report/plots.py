@@ -315,6 +315,12 @@ def report_figure(log: RunLog, metrics: Sequence[str] = ("max_allocated", "max_r
     if table_rows is not None:
         table_h = 0.6 + 0.22 * (len(table_rows[1]) + 1)
     width = max(7.5, 4.3 * ncols + 0.8)
+    if table_rows is not None:
+        # the table's widest line at 8 pt (about 0.07 in per character, each cell padded): narrower, the
+        # constrained layout collapsed (matplotlib's warning on stderr, the title and table cut off)
+        header, rows = table_rows[0], table_rows[1]
+        chars = sum(max([len(str(h))] + [len(str(r[j])) for r in rows if j < len(r)]) + 2 for j, h in enumerate(header))
+        width = max(width, 0.07 * chars + 0.6)
     fig = Figure(figsize=(width, panel_h * nrows + 1.3 + table_h), layout="constrained")
     if table_rows is not None:
         top, bottom = fig.subfigures(2, 1, height_ratios=[panel_h * nrows + 1.3, table_h])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import NotModelledError
 from .args import Args, Context
 
@@ -26,7 +28,7 @@ _OFF: dict[str, Any] = dict(
     fp8=None, fp8_recipe="delayed", fp4=None, fp4_recipe="nvfp4", fp8_param_gather=False, fp4_param_gather=False,
     first_last_layers_bf16=False, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_amax_history_len=1,
     fp8_amax_compute_algo="most_recent", reuse_grad_buf_for_mxfp8_param_ag=False, disable_parameter_transpose_cache=False,
-    activation_func_fp8_input_store=False, fp8_output_proj=False)
+    activation_func_fp8_input_store=False, fp8_output_proj=False, fp8_dot_product_attention=False)
 
 
 # --te-precision-config-file (core 0.19.2 core/quantization/quant_config.py, extensions/transformer_engine.py
@@ -73,7 +75,6 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                untie_embeddings_and_output_weights=a.bool_arg("untie_embeddings_and_output_weights", False),
                fp8_quantizer_factory=a.get("fp8_quantizer_factory"), fp4_quantizer_factory=a.get("fp4_quantizer_factory"),
                te_precision_config_file=a.get("te_precision_config_file"),
-               fp8_dot_product_attention=a.bool_arg("fp8_dot_product_attention", False),
                use_megatron_fsdp=a.bool_arg("use_megatron_fsdp", False),
                use_torch_fsdp2=a.bool_arg("use_torch_fsdp2", False),
                optimizer_cpu_offload=a.bool_arg("optimizer_cpu_offload", False))
@@ -84,6 +85,7 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         raise NotModelledError(a.key(refused[0]), refused[1])
     if not (fmt or fp4):
         # the FP8 details only act with --fp8-format / --fp4-format: the layout keeps the defaults
+        _dot_product_attention(a, kw, ctx, v)   # (its note)
         return dict(_OFF)
     if str(a.get("transformer_impl", "transformer_engine")) == "local":
         a.notes.append(f"{a.key('fp8' if fmt else 'fp4')}: no effect with --transformer-impl local (only Transformer "
@@ -92,7 +94,77 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # validate_args: FSDP2 with TE >= 2.0 turns --fp8-param-gather off (warning)
         a.notes.append(f"{a.key('fp8_param_gather')}: turned off by Megatron with torch FSDP2 (TE >= 2.0)")
         v["fp8_param_gather"] = False
+    v["fp8_dot_product_attention"] = _dot_product_attention(a, kw, ctx, v)
     return v
+
+
+# Where FP8 attention is sized (estimator/layers/fp8_attention.py): TE 2.11's FusedAttention (cuDNN) with the
+# per-tensor recipes; everything else it touches is refused by name below
+_DPA_RECIPES = ("delayed", "tensorwise")
+
+
+def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapping[str, Any]) -> bool:
+    """fp8_dot_product_attention / fp8_multi_head_attention (TransformerConfig only, no Megatron flag): whether
+    the FP8 layers' core attention runs TE's FP8 FusedAttention. Which recipe carries ``fp8_dpa`` is megatron-core's
+    (fp8_utils.get_fp8_recipe, fp4_utils.get_fp4_recipe, TEDelayedScaling); what TE accepts is TE 2.11's
+    (DotProductAttention.init_fp8_metadata, dot_product_attention/utils.py get_attention_backend)."""
+    dpa = a.bool_arg("fp8_dot_product_attention", False)
+    mha = a.bool_arg("fp8_multi_head_attention", False)
+    if not (dpa or mha):
+        return False
+    key = a.key("fp8_dot_product_attention" if dpa else "fp8_multi_head_attention")
+    new = ctx.version >= Version("0.17")
+    if not (v["fp8"] or v["fp4"]):
+        # the flags only reach TE through the FP8 / FP4 recipe object (get_fp8_recipe / get_fp4_recipe)
+        a.notes.append(f"{key}: no effect without --fp8-format (the flag only travels in the FP8 recipe)")
+        return False
+    recipe = v["fp4_recipe"] if v["fp4"] else v["fp8_recipe"]
+    if mha and recipe != "delayed":
+        # only TEDelayedScaling passes fp8_mha on (fp8_utils.py, transformer_engine.py; 0.16.1 and 0.19.2)
+        a.notes.append(f"{a.key('fp8_multi_head_attention')}: no effect with the {recipe} recipe (megatron-core passes "
+                       "fp8_mha to the delayed recipe only)")
+        mha = False
+        if not dpa:
+            return False
+    # recipes whose object megatron-core builds without fp8_dpa
+    if recipe == "blockwise" or (recipe in ("mxfp8", "nvfp4") and not new):
+        a.notes.append(f"{key}: no effect with the {recipe} recipe (megatron-core {ctx.version} builds that recipe without "
+                       "fp8_dpa): attention is estimated in BF16")
+        return False
+    if recipe in ("mxfp8", "nvfp4"):
+        # TE 2.11 DotProductAttention.init_fp8_metadata: "DotProductAttention does not support ... recipe"
+        a.fail(key, f"is not supported with the {recipe} recipe (Transformer Engine's DotProductAttention runs FP8 only "
+                    "with the per-tensor recipes delayed and tensorwise)")
+        return False
+    if mha:
+        # fp8_mha: DotProductAttention returns its output as a Float8Tensor to Megatron's linear_proj (TE 2.11
+        # FusedAttnFunc is_output_fp8); whether TE's Linear keeps that tensor or quantizes a copy is not read
+        raise NotModelledError(a.key("fp8_multi_head_attention"),
+                               "FP8 multi-head attention (fp8_multi_head_attention: the attention output handed to "
+                               "linear_proj as an FP8 tensor); fp8_dot_product_attention alone is estimated")
+    if str(a.get("transformer_impl", "transformer_engine")) == "local" or str(
+            a.get("attention_backend", "auto")).replace("AttnBackend.", "") == "local":
+        a.notes.append(f"{key}: no effect with megatron-core's own core attention (--transformer-impl local / "
+                       "--attention-backend local): estimated in BF16")
+        return False
+    backend = str(a.get("attention_backend", "auto")).replace("AttnBackend.", "")
+    if backend in ("flash", "unfused"):
+        # get_attention_backend (TE 2.11): FP8 training disables FlashAttention 2 and 3 and the unfused
+        # backend (without NVTE_UnfusedDPA_Emulate_FP8); Megatron's flash / unfused settings switch fused off
+        a.fail(key, f"needs --attention-backend fused or auto (Transformer Engine runs FP8 attention only in its "
+                    f"fused cuDNN backend, not {backend})")
+        return False
+    if kw.get("context_parallel_size", 1) > 1:
+        raise NotModelledError(key, "FP8 attention with context parallelism (Transformer Engine's FP8 ring attention, "
+                                    "context_parallel.py, keeps per-step FP8 buffers not sized here)")
+    if a.bool_arg("multi_latent_attention", False):
+        raise NotModelledError(key, "FP8 attention with multi-latent attention (q/k head dim differs from v's; the FP8 "
+                                    "path of that shape is not sized here)")
+    if recipe == "tensorwise":
+        a.notes.append(f"{key}: FP8 attention with the tensorwise recipe runs only on Blackwell (sm100) with cuDNN "
+                       "9.14 or later (Transformer Engine 2.11); it keeps the attention output in BF16 "
+                       "(NVTE_DPA_FP8CS_O_in_F16, default 1)")
+    return True
 
 
 def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -178,8 +250,6 @@ def not_modelled(a: Mapping[str, Any]) -> tuple[str, str] | None:
         return ("fp4_quantizer_factory",
                 "a custom FP4 recipe (its quantizer factory is Python code whose tensors are known only when it runs; "
                 "for an estimate give the built-in recipe with the same storage: --fp4-recipe nvfp4)")
-    if a.get("fp8_dot_product_attention"):
-        return "fp8_dot_product_attention", "FP8 attention (fp8_dot_product_attention)"
     if a.get("te_precision_config_file"):
         return "te_precision_config_file", PER_MODULE_RECIPES
     return None

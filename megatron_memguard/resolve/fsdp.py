@@ -135,11 +135,12 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                                                    "not in megatron-core 0.16.1 or 0.19.2)")
         keep = a.bool_arg("keep_fp8_transpose_cache", False)
         recipe = str(a.get("fp8_recipe", "delayed"))
-        if keep and a.get("fp8") and a.bool_arg("fp8_param_gather", False) and recipe not in ("delayed", "tensorwise"):
-            # megatron_fsdp.py release_module_parameters keeps Float8Tensor transposes; the other recipes'
-            # column-wise data live in Megatron-FSDP's transpose buffers (mxfp8) or TE storage not read here
-            raise NotModelledError(a.key("keep_fp8_transpose_cache"),
-                                   f"FP8 transpose caches kept under Megatron-FSDP with the {recipe[:20]} recipe")
+        if keep and a.get("fp8") and a.bool_arg("fp8_param_gather", False) and str(recipe) == "mxfp8":
+            # mixed_precision.py fp8_discard_transpose_cache (0.16.1 and 0.19.2) drops a Float8Tensor's transpose
+            # and a blockwise tensor's column-wise usage, and leaves an MXFP8Tensor alone: its column-wise data
+            # live in Megatron-FSDP's transpose buffers, gathered and released by bucket whatever the flag
+            a.notes.append(f"{a.key('keep_fp8_transpose_cache')}: no effect with the mxfp8 recipe (the column-wise "
+                           "data live in Megatron-FSDP's own transpose buffers)")
         # without FP8 primary weights there are no Float8Tensor parameters whose transposes it keeps
         out["keep_fp8_transpose_cache"] = keep
         # --megatron-fsdp-enable-fine-grained-param-gather (0.19.2): every sub-module's pre-forward hook
@@ -286,12 +287,27 @@ def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
         a.fail("optimizer_cpu_offload", "needs --use-precision-aware-optimizer")
     if a.bool_arg("fp8_param_gather", False) and str(a.get("fp8_recipe", "delayed")) != "delayed":
         a.fail("optimizer_cpu_offload", "with --fp8-param-gather needs --fp8-recipe delayed")
-    if kw.get("use_megatron_fsdp") or kw.get("use_torch_fsdp2"):
-        raise NotModelledError(a.key("optimizer_cpu_offload"), "optimizer CPU offloading together with FSDP")
     fraction = a.float_arg("optimizer_offload_fraction", 1.0)
     if not 0.0 <= fraction <= 1.0:
         a.fail("optimizer_offload_fraction", f"must be between 0 and 1, got {fraction}")
         fraction = 1.0
+    if kw.get("use_megatron_fsdp") or kw.get("use_torch_fsdp2"):
+        fsdp = "Megatron-FSDP" if kw.get("use_megatron_fsdp") else "torch FSDP2"
+        if fraction > 0:
+            # HybridDeviceOptimizer._get_sub_optimizer_param_groups (hybrid_optimizer.py, core 0.16.1 and 0.19.2)
+            # moves the first parameters to the host as param.detach().clone().cpu().pin_memory(); under FSDP the
+            # optimizer's parameters are DTensors (Megatron-FSDP: make_fsdp_dtensor for every sharding strategy;
+            # FSDP2: fully_shard), and torch 2.13 / 2.14 has no DTensor rule for it ("NYI: aten._pin_memory.default",
+            # reproduced on a CPU mesh): the optimizer cannot be built
+            a.fail("optimizer_cpu_offload", f"cannot be used with {fsdp}: the hybrid optimizer pins a host copy of each "
+                                            "offloaded parameter, and FSDP's DTensor parameters cannot be pinned "
+                                            "(torch: NYI aten._pin_memory)")
+        else:
+            # nothing leaves the GPU: the hybrid optimizer is a GPU Adam with fp32 states over FSDP's main weights,
+            # whose fp32 copies depend on --megatron-fsdp-main-params-dtype; not read
+            raise NotModelledError(a.key("optimizer_offload_fraction"),
+                                   f"--optimizer-cpu-offload with offload fraction 0 under {fsdp} (the hybrid optimizer's "
+                                   "GPU states over FSDP's main weights)")
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
                 overlap_cpu_optimizer_d2h_h2d=a.bool_arg("overlap_cpu_optimizer_d2h_h2d", False),
                 pin_cpu_grads=a.bool_arg("pin_cpu_grads", True))

@@ -496,16 +496,39 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # initialize_model_parallel (0.16.1 and 0.19.2): the expert DP group splits into the instances
         a.fail("num_distributed_optimizer_instances", f"{inst} must divide the expert data-parallel size {edp}")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
-    if kw.get("use_megatron_fsdp") and kw.get("outer_dp_sharding_strategy", "no_shard") != "no_shard":
-        # core 0.16.1 fails to build it on the CPU referee ("Data size mismatch"); 0.19's expert
-        # helper buffers over hybrid_fsdp_expt_group are not read
+    if (kw.get("use_megatron_fsdp") and kw.get("outer_dp_sharding_strategy", "no_shard") != "no_shard"
+            and ctx.version < Version("0.18")):
+        # core 0.16.1 fails to build it on the CPU referee ("Data size mismatch"): its HSDP builds no expert
+        # device mesh, so the experts get no outer group of their own; 0.18+ is sized (estimator/fsdp_layout.py)
         raise NotModelledError(a.key("outer_dp_sharding_strategy"),
-                               "experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding")
+                               f"experts under hybrid-sharded Megatron-FSDP with outer optimizer sharding in megatron-core "
+                               f"{ctx.version} (no expert device mesh under HSDP; the CPU referee's 0.16.1 run fails "
+                               "to build it)")
     if kw.get("use_megatron_fsdp") and spec.overlap_moe_expert_parallel_comm:
-        # mcore_fsdp_adapter.py (0.19.2): the overlap makes Megatron-FSDP gather each sub-module's
-        # weights on its own (enable_fine_grained_param_gather_hook), not a whole layer per FSDP unit
-        raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"),
-                               "the expert all-to-all overlap under Megatron-FSDP (per-sub-module weight gathering)")
+        before = len(a.errors)
+        if ctx.version >= Version("0.19"):
+            # MegatronFSDP adapter __init__ (mcore_fsdp_adapter.py, core 0.19.2) asserts both
+            if a.bool_arg("fsdp_double_buffer", False):
+                a.fail("fsdp_double_buffer", "cannot be used with --overlap-moe-expert-parallel-comm under Megatron-FSDP "
+                                             "(\"1F1B overlap with FSDP does not support double buffer\")")
+            graphs = str(a.get("cuda_graph_impl", "none") or "none")
+            if graphs not in ("none", "full_iteration"):
+                a.fail("cuda_graph_impl", f"{graphs[:20]} cannot be used with --overlap-moe-expert-parallel-comm under "
+                                          "Megatron-FSDP (only none or full_iteration)")
+            # the overlap schedule (model_chunk_schedule_plan.py TransformerLayerSchedulePlan.run) runs one layer's
+            # forward and another layer's backward together; each sub-module gathers its own weights
+            # (enable_fine_grained_param_gather_hook) and the schedule releases a layer's at the end of its pass
+            # (set_fsdp_reshard_hooks): how many buckets are gathered at once depends on that interleaving
+            why = ("the expert all-to-all overlap under Megatron-FSDP (the overlap schedule holds a forward layer's "
+                   "and a backward layer's gathered weights at once, gathered per sub-module: not sized)")
+        else:
+            # 0.16.1: the adapter installs no fine-grained hooks for the overlap and the schedule no release
+            # hooks, while the schedule calls sub-modules directly (not TransformerLayer.forward, where the FSDP
+            # unit's gather hook sits)
+            why = (f"the expert all-to-all overlap under Megatron-FSDP in megatron-core {ctx.version} (its overlap "
+                   "schedule bypasses the FSDP unit hooks; when weights are gathered is not read)")
+        if len(a.errors) == before:   # (what Megatron stops on comes first)
+            raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"), why)
     if kw.get("use_megatron_fsdp"):
         a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
                        "fp32 gradient copies as Megatron's source keeps them (main_grad_copies); Megatron's CI run of "

@@ -14,6 +14,7 @@ so that one rank's local failure cannot leave the others waiting.
 """
 from __future__ import annotations
 
+import numbers
 import sys
 import time
 from dataclasses import dataclass
@@ -192,8 +193,18 @@ class MemoryMonitor:
             self._error("start", e)
 
     def step(self, iteration: int | None) -> None:
-        """Call once per iteration; samples every ``interval`` iterations."""
-        if iteration is None or iteration % self.interval:
+        """Call once per iteration; samples every ``interval`` iterations. An iteration that is not a whole
+        number (a framework's counter of another type) is reported once and skipped."""
+        if iteration is None:
+            return
+        try:
+            if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
+                raise TypeError(f"iteration must be an integer, got {type(iteration).__name__}")
+            iteration = int(iteration)
+        except Exception as e:
+            self._error("step", e)
+            return
+        if iteration % self.interval:
             return
         self.sample(iteration)
 

@@ -312,8 +312,10 @@ def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> in
     T = Tf // tp if sp else Tf
     a_t = L.num_attention_heads // tp
     kept = 0 if ("layernorm" in mods and L.transformer_impl == "local") else T * h * e
-    kept += Tf * ((L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // tp) * e
-    kept += Tf * a_t * L.kv_channels * e
+    # FP8 attention (layers/fp8_attention.py) keeps q, k, v and, under delayed scaling, the output at 1 B/elem
+    qkv_e = 1 if L.fp8_spec.fp8_dot_product_attention else e
+    kept += Tf * ((L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // tp) * qkv_e
+    kept += Tf * a_t * L.kv_channels * qkv_e
     if _unfused(L) and "core_attn" not in mods:
         kept += b * a_t * seq * seq * e
     return kept

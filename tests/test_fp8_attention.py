@@ -1,0 +1,181 @@
+"""FP8 core attention (fp8_dot_product_attention, a TransformerConfig field without a Megatron flag): what
+Transformer Engine 2.11's FusedAttention keeps, by hand from its source, and which settings megatron-core
+0.16.1 / 0.19.2 and TE 2.11 let through.
+
+Sources: TE 2.11 attention/dot_product_attention/backends.py FusedAttnFunc.forward (saves q_fp8, k_fp8,
+v_fp8 and out_fp8 under delayed scaling; the BF16 output under current scaling, NVTE_DPA_FP8CS_O_in_F16=1),
+utils.py combine_and_quantize (one Float8Tensor for q, k, v), csrc/extensions/attention.cpp (FP8 aux
+tensors M and ZInv [b, h, s, 1] fp32), dot_product_attention.py init_fp8_metadata (only per-tensor recipes);
+megatron-core fp8_utils.get_fp8_recipe (0.16.1: fp8_dpa on delayed and tensorwise; 0.19.2: also mxfp8),
+fp4_utils.get_fp4_recipe (0.19.2 passes fp8_dpa to NVFP4BlockScaling)."""
+import textwrap
+
+import pytest
+
+from megatron_memguard import estimate
+from megatron_memguard.errors import ConfigError, NotModelledError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.gpus import lookup_gpu
+from megatron_memguard.readers.detect import read_config_file
+from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+from megatron_memguard.resolve import resolve
+
+from conftest import LLAMA31_8B
+from test_readers_bridge import FLAT
+
+# Llama-3.1-8B (h 4096, 32 heads, 8 KV heads, head dim 128), TP 2 + SP, PP 2, micro-batch 1, seq 8192
+BASE = LLAMA31_8B + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                     "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size", "64"]
+TF = 8192                    # tokens inside the TP region
+A_T, G_T, D = 16, 4, 128     # heads, query groups and head dim per TP rank
+QKV_W = (A_T + 2 * G_T) * D  # 3072
+CTX = A_T * D                # 2048
+
+
+def lay(*extra, version=None, **config):
+    raw = parse_megatron_flags(BASE + list(extra))
+    raw.args.update(config)
+    return resolve(raw, world_size=16, megatron_version=version)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_saved_tensors_by_hand(recipe):
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    bf16_att = layer_activations(lay(*fp8)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    # the BF16 q, k, v the attention kept are gone: the qkv output (v is its view) and the rope'd q and k
+    for name in ("qkv_output", "query_rope", "key_rope"):
+        assert name in bf16_att and name not in got
+    # one Float8Tensor [Tf, (a + 2 g) d] (1 B/elem) + its fp32 scale-inverse (one 512-byte allocator block)
+    assert got["fp8_attention_qkv"] == TF * QKV_W + 512
+    # M and ZInv: two fp32 [b, a, s, 1] instead of BF16 attention's one
+    assert got["softmax_stats"] == 2 * 1 * A_T * 8192 * 4 == 2 * bf16_att["softmax_stats"]
+    # delayed: the FP8 output is what the attention keeps; tensorwise keeps the BF16 output
+    assert got["proj_input"] == (TF * CTX + 512 if recipe == "delayed" else 2 * TF * CTX)
+    # linear_proj's own quantized copy and the GEMM inputs are those of the FP8 layer without FP8 attention
+    for name in ("fp8_proj_input", "qkv_input", "fc1_input", "fc2_input"):
+        assert got[name] == bf16_att[name]
+    # net per layer: -(2 * 3072 + 2 * 2048 + 2 * 512) * Tf BF16 (qkv output 3072 wide, q 2048, k 512)
+    saved_bf16 = 2 * TF * (QKV_W + CTX + G_T * D)
+    delta = TF * QKV_W + 512 + A_T * 8192 * 4 - saved_bf16 - (TF * CTX - 512 if recipe == "delayed" else 0)
+    assert sum(got.values()) - sum(bf16_att.values()) == delta
+
+
+def test_forward_and_backward_working_sets():
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", "delayed", fp8_dot_product_attention=True)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    bf16_qkv = 2 * TF * (QKV_W + CTX + G_T * D)          # qkv output, rope'd q and k: alive during the forward
+    # combine_and_quantize: those + their BF16 concatenation + the FP8 copy
+    assert f.fwd_steps[0][1] == bf16_qkv + 2 * TF * QKV_W + TF * QKV_W + 512
+    # the kernel: FP8 output and its dequantized BF16 copy
+    assert f.fwd_steps[1][1] == bf16_qkv + 2 * TF * CTX + TF * CTX + 512
+    # backward at the core attention: dO in FP8 (scale 512), FP8 dq/dk/dv, the FP8 output still saved
+    assert f.bwd_steps[1][1] - m.bwd_steps[1][1] == 3 * 512 + TF * CTX + TF * QKV_W + TF * CTX
+    assert "fp8_attention_qkv" in f.bwd_steps[2][0] and "fp8_attention_qkv" not in f.bwd_steps[1][0]
+
+
+def test_estimate_moves_by_the_layers_saved_bytes():
+    gpu = lookup_gpu("H100-80GB")
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    off = layer_activations(lay(*fp8)).total
+    on = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).total
+    e_off = estimate(lay(*fp8), gpu=gpu)
+    e_on = estimate(lay(*fp8, fp8_dot_product_attention=True), gpu=gpu)
+    t_off = {t.name: t.bytes for t in e_off.stages[0].terms}
+    t_on = {t.name: t.bytes for t in e_on.stages[0].terms}
+    # 16 layers on pp0, 2 micro-batches in flight on the first of 2 pipeline stages (1F1B warm-up)
+    per_layer = off - on
+    assert per_layer > 0 and (t_off["layer_activations"] - t_on["layer_activations"]) % per_layer == 0
+    assert (t_off["layer_activations"] - t_on["layer_activations"]) // per_layer == 16 * 2
+    assert t_on["parameters"] == t_off["parameters"]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_output_gate_keeps_the_bf16_output(recipe):
+    # --attention-output-gate: the gate (x * sigmoid(gate)) keeps its inputs, the BF16 attention output and the
+    # gate (a copy here: 4 query groups of 4 heads per rank); the qkv output (5120 wide with the gate) is
+    # kept by nothing else once the attention keeps FP8 q, k, v
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--attention-output-gate"]
+    bf16_att = layer_activations(lay(*fp8)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    assert bf16_att["qkv_output"] == 2 * TF * 5120 and "qkv_output" not in got
+    assert got["proj_input"] == bf16_att["proj_input"] == 2 * TF * CTX
+    assert got["output_gate"] == bf16_att["output_gate"] == got["gate_attention_output"] == 2 * TF * CTX
+    assert got["fp8_attention_qkv"] == TF * QKV_W + 512
+    # delayed: the FP8 output the attention keeps, next to the BF16 one the gate keeps
+    assert got.get("fp8_attention_output") == (TF * CTX + 512 if recipe == "delayed" else None)
+    # the core attention's backward step comes after linear_proj's and the gate's: + dO in FP8, and (delayed)
+    # FP8 dq/dk/dv; the FP8 output is still saved there (released with the softmax statistics)
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*fp8, fp8_dot_product_attention=True)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    extra = TF * CTX + 512 + (TF * QKV_W + 512 if recipe == "delayed" else 0)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, 0, extra, 0, 0]
+    assert "fp8_attention_output" in f.bwd_steps[3][0] and "fp8_attention_output" not in f.bwd_steps[2][0]
+
+
+def test_recompute_core_attention_keeps_the_checkpoint_inputs():
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--recompute-granularity", "selective",
+            "--recompute-modules", "core_attn"]
+    assert layer_activations(lay(*args, fp8_dot_product_attention=True)).saved == layer_activations(lay(*args)).saved
+    # the replay in the backward: FP8 q/k/v, the second fp32 statistic [b, a, s], the FP8 output, dO in FP8
+    # and FP8 dq/dk/dv, at the core attention's step only
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*args, fp8_dot_product_attention=True)
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    replay = (TF * QKV_W + 512) + A_T * 8192 * 4 + (TF * CTX + 512) + (TF * QKV_W + 512) + (TF * CTX + 512)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, replay, 0, 0]
+    assert f.saved == m.saved and f.fwd_steps == m.fwd_steps
+
+
+def test_which_recipes_carry_it():
+    # without FP8 the flag never reaches TE
+    L = lay(fp8_dot_product_attention=True)
+    assert not L.fp8_spec.fp8_dot_product_attention and any("no effect without --fp8-format" in n for n in L.notes)
+    # blockwise: Float8BlockScaling is built without fp8_dpa (both versions)
+    L = lay("--fp8-format", "e4m3", "--fp8-recipe", "blockwise", fp8_dot_product_attention=True)
+    assert not L.fp8_spec.fp8_dot_product_attention
+    # mxfp8: 0.16.1 drops it, 0.19.2 passes it and TE's DotProductAttention asserts
+    L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.16.1")
+    assert not L.fp8_spec.fp8_dot_product_attention
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*per-tensor recipes"):
+        lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*per-tensor recipes"):
+        lay("--fp4-format", "e2m1", fp8_dot_product_attention=True, version="0.19.2")
+
+
+def test_refused_and_rejected_corners():
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    with pytest.raises(NotModelledError, match="context parallelism"):
+        lay(*fp8, "--context-parallel-size", "2", fp8_dot_product_attention=True)
+    with pytest.raises(NotModelledError, match="fp8.multi.head.attention"):
+        lay(*fp8, fp8_multi_head_attention=True)
+    with pytest.raises(NotModelledError, match="multi-latent attention"):
+        lay(*fp8, "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+            "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", fp8_dot_product_attention=True)
+    with pytest.raises(ConfigError, match="attention-backend fused or auto"):
+        lay(*fp8, "--attention-backend", "flash", fp8_dot_product_attention=True)
+    # fp8_mha only travels in the delayed recipe: with tensorwise it is dropped, fp8_dpa still acts
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", fp8_dot_product_attention=True,
+            fp8_multi_head_attention=True)
+    assert L.fp8_spec.fp8_dot_product_attention
+    assert any("fp8-multi-head-attention" in n and "no effect" in n for n in L.notes)
+
+
+def test_bridge_config_carries_it(tmp_path):
+    text = FLAT.replace("  bf16: true\ntrain", "  bf16: true\n  fp8: hybrid\n  fp8_recipe: delayed\n"
+                        "  fp8_dot_product_attention: true\ntrain").replace("mixed_precision: bf16_mixed\n", "")
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(text))
+    raw = read_config_file(str(p))
+    assert raw.args["fp8_dot_product_attention"] is True
+    L = resolve(raw, world_size=8)
+    assert L.fp8_spec.fp8_dot_product_attention
+    assert "fp8_attention_qkv" in layer_activations(L).saved
