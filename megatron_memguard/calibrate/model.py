@@ -53,6 +53,8 @@ class Observation:
     reserved: int | None = None          # reserved at the moment device_used was read
     peak_reserved: int | None = None
     device_used: int | None = None
+    # the rank's position in the expert-data-parallel optimizer group (None: TP rank 0's of ``dp_rank``)
+    expert_dp_rank: int | None = None
 
 
 @dataclass
@@ -78,14 +80,16 @@ def explicit(site: SiteConstants, gpu: GpuSpec | None) -> SiteConstants:
 
 
 @lru_cache(maxsize=4096)
-def _stage(L: Layout, gpu: GpuSpec | None, device: str, pp_rank: int, dp_rank: int, site: SiteConstants) -> StageEstimate:
+def _stage(L: Layout, gpu: GpuSpec | None, device: str, pp_rank: int, dp_rank: int, site: SiteConstants,
+           expert_dp_rank: int | None = None) -> StageEstimate:
     return estimate(L, device=device, gpu=gpu, gpu_memory=gpu.memory_bytes if gpu else None, dp_rank=dp_rank,
-                    site=site).stages[pp_rank]
+                    site=site, expert_dp_rank=expert_dp_rank).stages[pp_rank]
 
 
 def stage(run: CalibrationRun, o: Observation, site: SiteConstants) -> StageEstimate:
     dp = o.dp_rank if o.dp_rank < run.layout.dp_shard_size else 0
-    return _stage(run.layout, run.gpu, run.device, o.pp_rank, dp, site)
+    edp = o.expert_dp_rank if run.layout.moe is not None and dp == o.dp_rank else None
+    return _stage(run.layout, run.gpu, run.device, o.pp_rank, dp, site, edp)
 
 
 def communicators(L: Layout, stage_has_moe: bool = True) -> float:

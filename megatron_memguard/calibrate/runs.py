@@ -77,20 +77,38 @@ def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] |
     if gpu is None:
         name = (ctx.get("decision") or {}).get("gpu")
         gpu = lookup_gpu(name) if name else None
-    obs = [_jsonl_observation(r) for r in log.ranks if r.samples and r.pp_rank is not None and 0 <= r.pp_rank < layout.pp]
+    obs = [_jsonl_observation(r, layout) for r in log.ranks if r.samples and r.pp_rank is not None and 0 <= r.pp_rank < layout.pp]
     if not obs:
         raise ReaderError(f"{path}: no rank with samples and a pipeline stage")
     return CalibrationRun(name=path, layout=layout, gpu=gpu, observations=obs, device=device, source=source)
 
 
-def _dp(r: RankRun) -> int:
-    return int(((r.start or {}).get("context") or {}).get("dp_rank") or 0)
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def _jsonl_observation(r: RankRun) -> Observation:
+def _positions(r: RankRun, L: Layout) -> tuple[int, int | None]:
+    """(dense optimizer index, expert-DP optimizer index or None) of a JSONL rank, as the runtime hook predicted
+    it (_integration.build_monitor): the distributed optimizer's own ``optimizer_rank`` (the DP x CP group) else
+    the plain ``dp_rank``; the expert position megatron-core gave (``expert_optimizer_rank``), else worked out
+    from that index and ``tp_rank`` (Parallelism.expert_dp_rank: TP ranks past ETP x EP sit further in the
+    expert group than TP rank 0), else None (an older log: TP rank 0's position, as before)."""
+    ctx = (r.start or {}).get("context") or {}
+    dp = _int(ctx.get("optimizer_rank"))
+    dp = dp if dp is not None else (_int(ctx.get("dp_rank")) or 0)
+    if L.moe is None:
+        return dp, None
+    edp = _int(ctx.get("expert_optimizer_rank"))
+    if edp is None and _int(ctx.get("tp_rank")) is not None:
+        edp = L.parallel.expert_dp_rank(dp, ctx["tp_rank"])
+    return dp, edp
+
+
+def _jsonl_observation(r: RankRun, L: Layout) -> Observation:
     last = r.samples[-1].actual
     dev = max((s for s in r.samples if s.actual.get("device_used")), key=lambda s: s.actual["device_used"], default=None)
-    return Observation(rank=r.rank, pp_rank=r.pp_rank or 0, dp_rank=_dp(r), steady=last.get("allocated"),
+    dp, edp = _positions(r, L)
+    return Observation(rank=r.rank, pp_rank=r.pp_rank or 0, dp_rank=dp, expert_dp_rank=edp, steady=last.get("allocated"),
                        peak_allocated=r.peak("max_allocated"), peak_reserved=r.peak("max_reserved"),
                        device_used=dev.actual["device_used"] if dev else None,
                        reserved=dev.actual.get("reserved") if dev else None)
