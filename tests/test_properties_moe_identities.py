@@ -714,3 +714,47 @@ def test_an_moe_mtp_layer_keeps_its_moe_half_in_moe_layer_activations():
     b = estimate(layout_from_flags(flags + ["--mtp-num-layers", "1"], world_size=1, megatron_version="0.19")).stages[0]
     assert a.in_flight == b.in_flight == 1 and a.peak_phase.startswith("forward") and b.peak_phase.startswith("forward")
     assert 2 * b.breakdown["moe_layer_activations"] == 3 * a.breakdown["moe_layer_activations"]
+
+
+# MoE layers 1-3, the last decoder layer dense, the MTP layer alone on the last stage with the loss
+MTP_ALONE = MTP_JOB[:MTP_JOB.index("--pipeline-model-parallel-size")] + [
+    "--pipeline-model-parallel-size", "2", "--moe-layer-freq", "([1]*3+[0])", "--mtp-num-layers", "1",
+    "--pipeline-model-parallel-layout", "Etttt|mL"]
+MTP_ALONE[MTP_ALONE.index("--num-layers") + 1] = "4"
+MTP_ALONE_CORE = dict(num_layers=4, hidden_size=64, heads=2, kv_channels=16, groups=None, ffn=32, bias=False, glu=False,
+                      norm="RMSNorm", tp=1, pp=2, vpp=None, ep=1, etp=1, experts=2, moe_ffn=8, topk=1, freq=[1, 1, 1, 0],
+                      shared_ffn=0, shared_gate=False, expert_bias=False, untied=False, seq=16, mtp=1, mla=None,
+                      layout="Etttt|mL")
+
+
+def test_an_mtp_layer_alone_on_its_stage_is_moe_only_in_the_019_builder():
+    """The MTP layer's MLP when its chunk holds no decoder layer ('|mL') and the last decoder layer is dense:
+    dense by gpt_builders.py (0.16.1 to 0.18.2: the last decoder layer's spec), MoE by megatron-core 0.19.2's
+    megatron/training/models/gpt.py mtp_block_spec (_te_or_local_layer_spec: the MoE layer spec). By hand, the
+    dense MLP is fc1 [32, 64] + fc2 [64, 32] = 4,096 parameters, the MoE one the router [2, 64] and two experts
+    of fc1 [8, 64] + fc2 [64, 8]: 128 + 2 x 1,024 = 2,176; the rest of the stage is the same. With a decoder
+    layer beside it ('Ettt|tmL') both eras take the last decoder layer's (dense) spec."""
+    old = layout_from_flags(MTP_ALONE, world_size=2, megatron_version="0.16")
+    new = layout_from_flags(MTP_ALONE, world_size=2, megatron_version="0.19")
+    assert stage_states(new, 1).parameters - stage_states(old, 1).parameters == 2_176 - 4_096
+    assert stage_states(new, 0).parameters == stage_states(old, 0).parameters
+    beside = [f if f != "Etttt|mL" else "Ettt|tmL" for f in MTP_ALONE]
+    assert stage_states(layout_from_flags(beside, world_size=2, megatron_version="0.19"), 1).parameters == \
+        stage_states(layout_from_flags(beside, world_size=2, megatron_version="0.16"), 1).parameters
+
+
+def test_an_mtp_layer_alone_on_its_stage_has_megatron_cores_parameters(core):
+    """The same job built by megatron-core (tests/e2e/moe_rank_params.py; in 0.19.2 through the builder's own
+    _te_or_local_layer_spec): every rank's parameters equal memguard's count of its era, and the last stage's
+    MTP layer is MoE exactly in the 0.19 era."""
+    L = layout_from_flags(MTP_ALONE, world_size=2, megatron_version=core.era)
+    recs = core.ranks(Job(flags=tuple(MTP_ALONE), world=2, core=MTP_ALONE_CORE), L, _core_ranks(L))
+    for r in recs:
+        (c,) = L.stage_chunks(r["rank"][0])
+        assert r["params"] == sum(q.numel for q in chunk_params(L, c)), r["rank"]
+        assert [tuple(x) for x in r["layers"]] == [(c.first_layer + i, k.mlp == "moe") for i, k in
+                                                   enumerate(c.layer_kinds)]
+    last = next(r for r in recs if r["rank"][0] == 1)
+    assert last["mtp"] and last["layers"] == []
+    # the MTP layer's routed experts: 2 x (fc1 [8, 64] + fc2 [64, 8]) in 0.19.2, none in 0.16.1
+    assert last["tags"]["expert"] == (2 * 1_024 if core.era == "0.19" else 0)

@@ -161,11 +161,17 @@ def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
 
 
 def mtp_layer_kind(L: Layout) -> LayerKind:
-    """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__),
+    """MTP layers take the spec of the global last decoder layer (MultiTokenPredictionLayer.__init__; an MoE
+    layer on a chunk without decoder layers in megatron-core 0.19's builder, ``mtp_moe_on_empty_chunk``),
     and run in the global FP8 context whatever ``--first-last-layers-bf16`` keeps in BF16 (``layer_no``
     -1 in ``get_fp8_context``), FP4 not at all (multi_token_prediction.py ``_proj_and_transformer_layer``:
     "MTP only use global fp8 context", "currently ignoring FP4 in MTP layers"; core 0.16.1 and 0.19.2)."""
     kind = layer_kinds(L)[-1]
+    if getattr(L, "mtp_moe_on_empty_chunk", False) and L.moe is not None and kind.mlp != MLP_MOE and \
+            not any(n for _, n in L.stage_chunks(L.pp - 1)[-1].kind_runs):
+        # megatron-core 0.19's GPT builder: the MTP layer on a chunk without decoder layers (a layout ending
+        # '|mL') gets the MoE layer spec (Shape.mtp_moe_on_empty_chunk, resolve/mtp.py)
+        kind = kind._replace(mlp=MLP_MOE)
     spec = L.fp8_spec
     quantized = spec.fp8_recipe if spec.fp8 and L.transformer_impl == "transformer_engine" else None
     return kind if kind.quantized == quantized else kind._replace(quantized=quantized)

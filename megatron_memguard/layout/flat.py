@@ -56,6 +56,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "mtp_use_repeated_layer"),
     ("recompute", "activation_offload_fraction delta_offload_bytes_across_pp_ranks delay_offload_until_cuda_graph"),
     ("recompute", "fine_grained_offloading_max_inflight_offloads"),
+    ("shape", "mtp_moe_on_empty_chunk"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -96,5 +97,5 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
     "fine_grained_offloading_max_inflight_offloads": None,
-    "mtp_use_repeated_layer": False,
+    "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
 }

@@ -45,3 +45,7 @@ class ModelShape:
     heterogeneous_layers: str | None = None
     # --mtp-use-repeated-layer (core 0.17+): one MTP layer built and applied at every depth
     mtp_use_repeated_layer: bool = False
+    # megatron-core 0.19's GPT builder (megatron/training/models/gpt.py mtp_block_spec, what pretrain_gpt.py builds
+    # through): an MoE model's MTP layer takes the full MoE layer spec when its chunk holds no decoder layer
+    # (a layout ending '|mL'), whatever the last decoder layer is (params.mtp_layer_kind)
+    mtp_moe_on_empty_chunk: bool = False

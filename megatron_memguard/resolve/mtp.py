@@ -38,8 +38,24 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # P2P calls exchange tensor shapes first (p2p_communication.py): a few int64 values
         a.notes.append(f"{a.key('mtp_standalone')}: the MTP layers stay on the last pipeline stage (only "
                        "--pipeline-model-parallel-layout moves them); the flag only makes P2P exchange shapes")
-    # the repeated layer only when set: the section's output for other runs stays what it was
-    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}))
+    # the repeated layer and the builder's MoE rule only when they apply: the section's output for other runs
+    # stays what it was
+    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}),
+                **({"mtp_moe_on_empty_chunk": True} if _moe_on_empty_chunk(a, kw, ctx) else {}))
+
+
+def _moe_on_empty_chunk(a: Args, kw: Mapping[str, Any], ctx: Context) -> bool:
+    """Whether an MoE model's MTP layer takes the MoE layer spec when its chunk holds no decoder layer.
+    megatron-core 0.19.2 builds pretrain_gpt.py's model with megatron/training/models/gpt.py (training.py
+    _build_model_wrapper: ``cfg.model.get_builder_cls()``), whose ``mtp_block_spec`` takes
+    ``_te_or_local_layer_spec`` (the layer spec with ``num_moe_experts``: MoE) when the stage's block spec has no
+    layers, else the global last decoder layer's spec. 0.16.1 to 0.18.2 build through gpt_builders.py's
+    ``decoder_layer_specs[-1]`` (the last decoder layer; 0.18.2's megatron/training/models has no GPT builder),
+    and so does Megatron-Bridge's GPTModelProvider (gpt_provider.py mtp_block_spec re-derives the last decoder
+    layer, Bridge 0.6.2): only Megatron-LM's command line in 0.19 takes the MoE spec. A ``--spec`` module
+    replaces the default block spec (its own rule)."""
+    return (ctx.version >= Version("0.19") and kw.get("moe") is not None
+            and a.key("mtp_num_layers").startswith("--") and not a.given("spec"))
 
 
 def _repeated(a: Args, ctx: Context, depth: int) -> bool:

@@ -153,6 +153,35 @@ def _no_core_attention(spec) -> None:
     spec.submodules.self_attention.submodules.core_attention = NoParamsAttention
 
 
+def _builder():
+    """megatron-core 0.19.2's GPT builder (megatron/training/models/gpt.py: mtp_block_spec and the
+    _te_or_local_layer_spec it takes for a chunk without decoder layers); None where megatron.training has no GPT
+    builder (0.16.1 has no megatron.training, 0.18.2's megatron/training/models no gpt.py)."""
+    try:
+        from megatron.training.models import gpt as builder
+    except Exception:
+        return None
+    return builder if hasattr(builder, "mtp_block_spec") and hasattr(builder, "_te_or_local_layer_spec") else None
+
+
+class _ModelConfig:
+    """What the builder's spec functions read of a GPTModelConfig: its TransformerConfig."""
+
+    def __init__(self, transformer) -> None:
+        self.transformer = transformer
+
+
+def _local(config, make):
+    """``make()`` with the config's transformer_impl "local": the builder's branch for the local spec this
+    harness builds (TransformerConfig's default is transformer_engine)."""
+    impl = config.transformer_impl
+    config.transformer_impl = "local"
+    try:
+        return make()
+    finally:
+        config.transformer_impl = impl
+
+
 def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: int, etp_rank: int) -> dict:
     _set_ranks(job, pp_rank, vp, tp_rank, ep_rank, etp_rank)
     from megatron.core import parallel_state as ps
@@ -190,9 +219,20 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
                                     ignore_virtual=False, vp_stage=vp)
     else:                                                               # core 0.16: (config, ...)
         mtp_here = mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp)
-    if job.get("mtp") and mtp_here:
-        # MTP layers take the spec of the model's last decoder layer (pretrain_gpt.py)
-        last = get_gpt_decoder_layer_specs(config, False, job["norm"])[-1]
+    builder = _builder()
+    if job.get("mtp") and mtp_here and builder is not None and not job.get("mla"):
+        # core 0.19.2: pretrain_gpt.py's model is built by megatron/training/models/gpt.py; its own mtp_block_spec
+        # (the MLA jobs below need the CPU stand-ins in the spec it picks, so they follow its rule instead)
+        mtp_spec = _local(config, lambda: builder.mtp_block_spec(_ModelConfig(config), block, vp_stage=vp))
+    elif job.get("mtp") and mtp_here:
+        if builder is not None and not block.layer_specs:
+            # core 0.19.2 builds pretrain_gpt.py's model with megatron/training/models/gpt.py, whose mtp_block_spec
+            # takes _te_or_local_layer_spec (the MoE layer spec) when this chunk's block spec has no layers
+            last = _local(config, lambda: builder._te_or_local_layer_spec(_ModelConfig(config), vp))
+        else:
+            # MTP layers take the spec of the model's last decoder layer (gpt_builders.py; the 0.19.2 builder
+            # when the chunk has decoder layers)
+            last = get_gpt_decoder_layer_specs(config, False, job["norm"])[-1]
         if job.get("mla"):
             _no_core_attention(last)
             if job["mla"].get("te_down"):
