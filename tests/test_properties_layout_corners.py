@@ -19,8 +19,8 @@ from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, feature_specs, moe_specs
 from test_properties_corners import bridge_moe_config
 from test_properties_equivalence import _chunk_counts, _drop, _numbers, bridge_run_config
-from test_properties_moe_identities import (Job, _layout, _owned, _padded_buffer, _pipeline, _with,  # noqa: F401
-                                            core, corner_jobs)   # (core: the megatron-core builder fixture)
+from test_properties_moe_identities import (Job, _layout, _mla_and_pipeline_flags, _mla_core, _owned,  # noqa: F401
+                                            _padded_buffer, _pipeline, _with, core, corner_jobs)   # (core: the megatron-core builder fixture)
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
@@ -260,25 +260,8 @@ def dense_corner_jobs(draw) -> Job:
         f += ["--mtp-num-layers", str(mtp)]
     if draw(st.booleans()):
         f.append("--use-distributed-optimizer")
-    mla_core = None
-    if mla:
-        q_lora = draw(st.sampled_from([None, 32]))
-        mla_core = dict(q_lora=q_lora, kv_lora=32, qk=16, pe=8, v=16, te_down=True)
-        f += ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim",
-              "8", "--v-head-dim", "16"] + (["--q-lora-rank", str(q_lora)] if q_lora else [])
-    if pipe.get("layout"):
-        f += ["--pipeline-model-parallel-layout", pipe["layout"]]
-    else:
-        if pipe.get("vpp"):
-            f += ["--num-virtual-stages-per-pipeline-rank", str(pipe["vpp"])]
-        if pipe.get("first") is not None:
-            f += ["--decoder-first-pipeline-num-layers", str(pipe["first"])]
-        if pipe.get("last") is not None:
-            f += ["--decoder-last-pipeline-num-layers", str(pipe["last"])]
-        if pipe.get("acc_emb"):
-            f.append("--account-for-embedding-in-pipeline-split")
-        if pipe.get("acc_loss"):
-            f.append("--account-for-loss-in-pipeline-split")
+    mla_core = draw(_mla_core()) if mla else None
+    f += _mla_and_pipeline_flags(mla_core, pipe)
     core_job = dict(num_layers=layers, hidden_size=hidden, heads=heads, kv_channels=kv, groups=groups, ffn=ffn,
                     bias=bias, glu=glu, norm=norm, tp=tp, pp=pp, vpp=pipe.get("vpp"), ep=1, etp=1, experts=None,
                     moe_ffn=None, topk=2, freq=1, untied=untied, seq=seq, mtp=mtp, mla=mla_core,

@@ -92,6 +92,33 @@ def _pipeline(draw, pp: int, mtp: int) -> dict:
     return dict(layers=sum(counts), vpp=vpp, layout="|".join(stages))
 
 
+
+@st.composite
+def _mla_core(draw) -> dict:
+    """A small multi-latent attention shape, as the megatron-core build in tests/e2e takes it."""
+    return dict(q_lora=draw(st.sampled_from([None, 32])), kv_lora=32, qk=16, pe=8, v=16, te_down=True)
+
+
+def _mla_and_pipeline_flags(mla_core: dict | None, pipe: dict) -> list[str]:
+    """The Megatron flags of an MLA shape (or none) and of a drawn pipeline split (_pipeline)."""
+    f: list[str] = []
+    if mla_core:
+        f += ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim",
+              "8", "--v-head-dim", "16"] + (["--q-lora-rank", str(mla_core["q_lora"])] if mla_core["q_lora"] else [])
+    if pipe.get("layout"):
+        return f + ["--pipeline-model-parallel-layout", pipe["layout"]]
+    if pipe.get("vpp"):
+        f += ["--num-virtual-stages-per-pipeline-rank", str(pipe["vpp"])]
+    if pipe.get("first") is not None:
+        f += ["--decoder-first-pipeline-num-layers", str(pipe["first"])]
+    if pipe.get("last") is not None:
+        f += ["--decoder-last-pipeline-num-layers", str(pipe["last"])]
+    if pipe.get("acc_emb"):
+        f.append("--account-for-embedding-in-pipeline-split")
+    if pipe.get("acc_loss"):
+        f.append("--account-for-loss-in-pipeline-split")
+    return f
+
 @st.composite
 def corner_jobs(draw) -> Job:
     tp = draw(st.sampled_from([1, 1, 2]))
@@ -180,25 +207,8 @@ def corner_jobs(draw) -> Job:
         # (initialize_model_parallel: intra_partial_expert_data_parallel_size = EDP / instances)
         if (dp * cp) % 2 == 0 and (world // (etp * ep * pp)) % 2 == 0 and draw(st.booleans()):
             f += ["--num-distributed-optimizer-instances", "2"]
-    mla_core = None
-    if mla:
-        q_lora = draw(st.sampled_from([None, 32]))
-        mla_core = dict(q_lora=q_lora, kv_lora=32, qk=16, pe=8, v=16, te_down=True)
-        f += ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim",
-              "8", "--v-head-dim", "16"] + (["--q-lora-rank", str(q_lora)] if q_lora else [])
-    if pipe.get("layout"):
-        f += ["--pipeline-model-parallel-layout", pipe["layout"]]
-    else:
-        if pipe.get("vpp"):
-            f += ["--num-virtual-stages-per-pipeline-rank", str(pipe["vpp"])]
-        if pipe.get("first") is not None:
-            f += ["--decoder-first-pipeline-num-layers", str(pipe["first"])]
-        if pipe.get("last") is not None:
-            f += ["--decoder-last-pipeline-num-layers", str(pipe["last"])]
-        if pipe.get("acc_emb"):
-            f.append("--account-for-embedding-in-pipeline-split")
-        if pipe.get("acc_loss"):
-            f.append("--account-for-loss-in-pipeline-split")
+    mla_core = draw(_mla_core()) if mla else None
+    f += _mla_and_pipeline_flags(mla_core, pipe)
     core = dict(num_layers=layers, hidden_size=hidden, heads=heads, kv_channels=kv, groups=None, ffn=ffn,
                 bias=bias, glu=glu, norm=norm, tp=tp, pp=pp, vpp=pipe.get("vpp"), ep=ep, etp=etp, experts=experts,
                 moe_ffn=moe_ffn, topk=topk, freq=freq_core, shared_ffn=shared, shared_gate=shared_gate,
