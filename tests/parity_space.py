@@ -373,6 +373,15 @@ def _later_rules(ns: Any, config: Any) -> str | None:
         # range(n) layers per stage, a model with other than --num-layers layers (no rule stops it)
         if min(built) < 0 or sum(built) != config.num_layers:
             return f"model build: the stages build {built} layers, not --num-layers {config.num_layers}"
+        # each layer's index offset (transformer_layer.py get_transformer_layer_offset) divides by the middle
+        # stages under VPP even when first/last leave none
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        try:
+            for rank in range(pp):
+                for vp in range(vpp or 1):
+                    get_transformer_layer_offset(config, vp_stage=vp if vpp else None, pp_rank=rank)
+        except ZeroDivisionError:
+            return "model build: the interleaved layer offset divides by zero middle stages"
     # get_gpt_decoder_block_spec: one --moe-layer-freq entry per layer (models/gpt/gpt_layer_specs.py 653)
     if ns.num_experts and isinstance(ns.moe_layer_freq, list) and len(ns.moe_layer_freq) != ns.num_layers:
         return f"gpt_layer_specs: {len(ns.moe_layer_freq)} --moe-layer-freq entries for {ns.num_layers} layers"

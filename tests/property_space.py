@@ -147,6 +147,10 @@ def specs(draw, max_layers: int = 32) -> Spec:
         first = v * draw(st.integers(1, 4)) if draw(st.booleans()) else None
         last = v * draw(st.integers(1, 4)) if (first is None or draw(st.booleans())) else None
         middle = pp - (first is not None) - (last is not None)
+        if v > 1 and not middle:
+            # no middle stage: megatron-core's interleaved layer offset divides by zero (memguard refuses it)
+            last = None
+            middle = 1
         layers = (first or 0) + (last or 0) + middle * per_mid
         vpp = v if v > 1 else None
     else:

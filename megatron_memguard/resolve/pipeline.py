@@ -92,6 +92,14 @@ def pipeline(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                 a.fail("decoder_first_pipeline_num_layers",
                        f"the {rest} middle layers must divide evenly over {stages_left} middle stages")
                 raise Stop
+            if vpp and not stages_left:
+                # TransformerLayer's layer offset (transformer_layer.py, core 0.16.1 and 0.19.2) divides each
+                # chunk's middle layers by the middle stages even when there are none: ZeroDivisionError at build
+                a.fail("decoder_first_pipeline_num_layers",
+                       f"with {a.key('decoder_last_pipeline_num_layers')} at pipeline size {pp} leaves no middle stage, which "
+                       "megatron-core's interleaved layer offset divides by (ZeroDivisionError at model build)",
+                       "give the split as --pipeline-model-parallel-layout, or set only one of first/last")
+                raise Stop
             if vpp:
                 for dest, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
                     if v is not None and v % vpp:
