@@ -17,7 +17,7 @@ from ..errors import MemguardError, ReaderError
 from ..gpus import GpuSpec, lookup_gpu
 from ..layout import FLAT, FLAT_REQUIRED, Layout
 from ..report.megatron_log import MegatronLog, read_megatron_logs
-from ..report.megatron_run import pp_rank_of, raw_from_log, tp_pp_dp_mapping
+from ..report.megatron_run import rank_position, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
 from ..resolve import resolve
 from .model import CalibrationRun, Observation
@@ -122,7 +122,10 @@ def megatron_observations(log: MegatronLog, L: Layout, tp_pp_dp: bool) -> list[O
         lines = log.rank_lines(rank)
         steady = [m for m in lines if not m.at_checkpoint and m.iteration]
         dev = max((m for m in lines if m.device_used), key=lambda m: m.device_used or 0, default=None)
-        obs.append(Observation(rank=rank, pp_rank=pp_rank_of(rank, L, tp_pp_dp), dp_rank=0,
+        # the rank's own stage and optimizer slices, as memguard report predicts it (rank_position)
+        pos = rank_position(rank, L, tp_pp_dp)
+        obs.append(Observation(rank=rank, pp_rank=pos.pp, dp_rank=pos.optimizer_rank,
+                               expert_dp_rank=pos.expert_optimizer_rank,
                                steady=steady[-1].allocated if steady else None,
                                peak_allocated=max(m.max_allocated for m in lines),
                                peak_reserved=max(m.max_reserved for m in lines),

@@ -95,9 +95,10 @@ def megatron_era(ns: argparse.Namespace, log: Any) -> tuple[str | None, str]:
                   "give --megatron-version for an older run")
 
 
-def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool]:
-    """(raw config, estimate, tp-pp-dp rank order) for a Megatron log: the configuration from --config / --model /
-    flags, else from the log's argument table."""
+def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool, Any]:
+    """(raw config, estimate at DP rank 0, tp-pp-dp rank order, the estimate at an (optimizer rank, expert
+    optimizer rank) position) for a Megatron log: the configuration from --config / --model / flags, else from
+    the log's argument table."""
     import dataclasses
 
     from ..estimator import estimate
@@ -114,9 +115,13 @@ def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> t
     layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=version,
                      vocab_size=ns.vocab_size)
     gpu, mem = target_gpu(ns)
-    est = estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=0,
-                   site=target_site(ns))
-    return raw, est, tp_pp_dp_mapping(raw)
+    site = target_site(ns)
+    est = estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=0, site=site)
+
+    def at(dp_rank: int, expert_dp_rank: int | None) -> Any:
+        return estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=dp_rank,
+                        site=site, expert_dp_rank=expert_dp_rank)
+    return raw, est, tp_pp_dp_mapping(raw), at
 
 
 def run(own_args: Sequence[str], flags: list[str]) -> int:
@@ -151,7 +156,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         mlog = read_megatron_logs(ns.logdir)
         if not mlog.memory and not mlog.ooms:
             megatron_runlog(mlog, None)    # the one-line error naming the files
-        raw, est, tp_pp_dp = megatron_prediction(ns, flags, mlog)
+        raw, est, tp_pp_dp, at = megatron_prediction(ns, flags, mlog)
         for ev in mlog.ooms:
             pp = mlog.memguard_oom_ranks.get(ev.rank) if ev.rank is not None else None
             if pp is None and ev.rank is not None and ev.rank < est.layout.world_size:
@@ -160,7 +165,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
             forensics.append(blame(ev, est, pp, started))
         if not mlog.memory:      # only an out-of-memory error: the forensics are the report
             return _oom_only(ns, mlog, forensics)
-        log = megatron_runlog(mlog, est, tp_pp_dp)
+        log = megatron_runlog(mlog, est, tp_pp_dp, at=at)
         where = "a CPU run" if ns.device == "cpu" else (
             f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory else " (the default; --gpu names the run's GPU)"))
         log.notes.append(f"prediction from {raw.source}; {where}")

@@ -4,18 +4,22 @@ the prediction for its pipeline stage, exactly as for memguard's own JSONL (:mod
 The configuration comes from the argument table Megatron prints at start-up (``_print_args``), or from
 the user (``--config`` / flags). A rank's stage follows Megatron's rank order: ``tp-cp-ep-dp-pp`` (PP
 outermost) by default, ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping`` (megatron/training/initialize.py,
-0.17 and 0.19). ``report_memory`` prints on data-parallel rank 0 of each position, so a rank's optimizer
-shard is DP rank 0's.
+0.17 and 0.19). The global rank fixes the rank's whole position (:func:`rank_position`): its stage, its
+slice of the distributed optimizer (the DP x CP group: CP ranks of DP rank 0 own different slices) and its
+expert-data-parallel slice, and each rank is predicted at that position (``estimate --dp-rank``).
+``report_memory`` prints on data-parallel rank 0 of each position; a log of other ranks is read the same way.
 """
 from __future__ import annotations
 
 import types
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ..config import RawConfig
 from ..errors import ReaderError
 from ..estimator.result import Estimate
 from ..layout import Layout
+from ..layout.parallelism import ShardGroup
 from ..runtime.monitor import Prediction
 from .megatron_log import MegatronLog
 from .runlog import RankRun, RunLog, Sample
@@ -62,9 +66,46 @@ def pp_rank_of(rank: int, L: Layout, tp_pp_dp: bool = False) -> int:
     return rank // (inner * L.dp)
 
 
-def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = False, location: str = "") -> RunLog:
-    """A RunLog (one RankRun per logged rank) with each rank's stage prediction; ReaderError for a log
-    without memory lines."""
+@dataclass(frozen=True)
+class RankPosition:
+    """Where a global rank sits in megatron-core's process groups. ``optimizer_rank``: its index in its
+    distributed-optimizer instance over the DP x CP group; ``expert_optimizer_rank``: the same in the
+    expert-data-parallel group (None without experts)."""
+    pp: int
+    tp: int
+    cp: int
+    dp: int
+    optimizer_rank: int
+    expert_optimizer_rank: int | None
+
+
+def rank_position(rank: int, L: Layout, tp_pp_dp: bool = False) -> RankPosition:
+    """The position of global ``rank`` (< world size). megatron-core 0.16.1 and 0.19.2,
+    parallel_state.initialize_model_parallel: the dense RankGenerator (EP 1) numbers ranks in the order
+    tp-cp-ep-dp-pp (tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping), the first axis fastest; the expert one
+    (TP = ETP, CP 1, DP = world / (ETP x EP x PP)) in the same order. The DP x CP group lists its ranks
+    with CP fastest (index cp + CP x dp) and each of --num-distributed-optimizer-instances takes a run of
+    consecutive members (intra_partial_(expert_)data_parallel), hence the modulo of the shard size."""
+    P = L.parallel
+    tp, cp = rank % P.tp, rank // P.tp % P.cp
+    inner = P.tp * P.cp
+    pp, dp = ((rank // inner % P.pp, rank // (inner * P.pp)) if tp_pp_dp else
+              (rank // (inner * P.dp), rank // inner % P.dp))
+    opt = (cp + P.cp * dp) % L.dp_shard_size
+    edp = None
+    if L.moe is not None:
+        e_inner = (P.expert_tensor_parallel_size or P.tp) * P.expert_model_parallel_size
+        e_dp = max(1, P.world_size // (e_inner * P.pp))
+        edp = (rank // (e_inner * P.pp) if tp_pp_dp else rank // e_inner % e_dp) % P.shard_size(ShardGroup.EXPERT_DP)
+    return RankPosition(pp, tp, cp, dp, opt, edp)
+
+
+def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = False, location: str = "",
+                    at: Callable[[int, int | None], Estimate] | None = None) -> RunLog:
+    """A RunLog (one RankRun per logged rank) with each rank's prediction at its own position
+    (:func:`rank_position`); ReaderError for a log without memory lines. ``at(optimizer_rank,
+    expert_optimizer_rank)``: the estimate for that optimizer position (None: ``est`` for every rank, as
+    ``est`` was made); one estimate per distinct position."""
     if not log.memory:
         raise ReaderError(f"{', '.join(log.files[:3])}{' ...' if len(log.files) > 3 else ''}: no Megatron memory lines "
                           "('[Rank N] (after K iterations) memory (MB) | allocated: ...'); Megatron's report_memory "
@@ -73,16 +114,26 @@ def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = Fal
     ranks: list[RankRun] = []
     notes = list(log.notes)
     world = est.layout.world_size if est is not None else None
+    cache: dict[tuple[int, int | None], Estimate] = {}
     for rank in log.ranks:
         lines = log.rank_lines(rank)
         pp = pp_rank_of(rank, est.layout, tp_pp_dp) if est is not None and (world is None or rank < world) else None
         pred: dict[str, Any] = {}
-        if est is not None and pp is not None:
-            pred = Prediction.from_stage(est.stages[pp], device=est.device).values()
+        if est is not None and pp is not None and at is not None:
+            pos = rank_position(rank, est.layout, tp_pp_dp)
+            # without the distributed optimizer every rank holds the whole state: one estimate serves all
+            key = (pos.optimizer_rank, pos.expert_optimizer_rank) if est.layout.use_distributed_optimizer else (0, None)
+            if key not in cache:
+                cache[key] = at(*key)
+            est_r = cache[key]
+        else:
+            est_r = est
+        if est_r is not None and pp is not None:
+            pred = Prediction.from_stage(est_r.stages[pp], device=est_r.device).values()
         rr = RankRun(rank=rank, path=lines[0].file, pp_rank=pp, source=SOURCE, tolerance=0.05, reset_peak=False)
-        if est is not None and pp is not None and est.stages[pp].moe:
+        if est_r is not None and pp is not None and est_r.stages[pp].moe:
             # MoE: the stage's worst-case figures, where the monitor's start record carries them (moe_lines)
-            rr.start = {"predicted": {"moe_worst_case": dict(est.stages[pp].moe["worst_case"])}}
+            rr.start = {"predicted": {"moe_worst_case": dict(est_r.stages[pp].moe["worst_case"])}}
         for m in lines:
             actual = {"allocated": m.allocated, "max_allocated": m.max_allocated, "reserved": m.reserved,
                       "max_reserved": m.max_reserved, "device_used": m.device_used}
@@ -112,4 +163,4 @@ def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = Fal
     return RunLog(location=loc, ranks=ranks, files=list(log.files), notes=notes)
 
 
-__all__ = ["raw_from_log", "pp_rank_of", "megatron_runlog", "tp_pp_dp_mapping", "SOURCE"]
+__all__ = ["raw_from_log", "pp_rank_of", "rank_position", "RankPosition", "megatron_runlog", "tp_pp_dp_mapping", "SOURCE"]
