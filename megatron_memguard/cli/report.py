@@ -150,7 +150,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         log = read_run(ns.logdir, run=ns.run, skip_bad_lines=ns.skip_bad_lines, warn=warn)
     else:
         from ..report.megatron_log import read_megatron_logs
-        from ..report.megatron_run import megatron_runlog, pp_rank_of
+        from ..report.megatron_run import megatron_runlog, rank_position
         from ..report.oom import blame
 
         mlog = read_megatron_logs(ns.logdir)
@@ -159,10 +159,14 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         raw, est, tp_pp_dp, at = megatron_prediction(ns, flags, mlog)
         for ev in mlog.ooms:
             pp = mlog.memguard_oom_ranks.get(ev.rank) if ev.rank is not None else None
-            if pp is None and ev.rank is not None and ev.rank < est.layout.world_size:
-                pp = pp_rank_of(ev.rank, est.layout, tp_pp_dp)
+            ev_est = est
+            if ev.rank is not None and ev.rank < est.layout.world_size:
+                pos = rank_position(ev.rank, est.layout, tp_pp_dp)
+                pp = pos.pp if pp is None else pp
+                if est.layout.use_distributed_optimizer:     # the failing rank's own optimizer slices
+                    ev_est = at(pos.optimizer_rank, pos.expert_optimizer_rank)
             started = bool(mlog.iterations) or any(m.iteration for m in mlog.memory)
-            forensics.append(blame(ev, est, pp, started))
+            forensics.append(blame(ev, ev_est, pp, started))
         if not mlog.memory:      # only an out-of-memory error: the forensics are the report
             return _oom_only(ns, mlog, forensics)
         log = megatron_runlog(mlog, est, tp_pp_dp, at=at)
