@@ -5,9 +5,9 @@ own RankGenerator (parallel_state, core 0.16.1 and 0.19.2). The layouts are chos
 slices hold 64 padding elements: those ranks hold 64 x 12 bytes (fp32 main parameter + Adam's two moments,
 megatron/core/optimizer/distrib_optimizer.py) less optimizer state than rank 0, a hand count."""
 import json
+import os
 import subprocess
 import sys
-import os
 
 import pytest
 
@@ -126,3 +126,21 @@ def test_context_parallel_ranks_of_dp_rank_0_own_different_slices(tmp_path):
     peaks = {x["rank"]: x["predicted_peak_allocated"] for x in doc["ranks"]}
     assert peaks[0] - peaks[1] == PAD_BYTES
     assert all(x["error_max_allocated"] == pytest.approx(0.02, abs=1e-4) for x in doc["ranks"])
+
+
+def test_oom_forensics_compare_the_failing_rank_at_its_own_slices(tmp_path):
+    """An out-of-memory error on rank 7 (TP 1, EP 2, DP 8: last dense and last expert slice) is compared with
+    that rank's prediction: 2 x 64 x 12 bytes less persistent state than rank 0's."""
+    from megatron_logs import oom_message
+    L = layout_from_flags(FLAGS, world_size=8, megatron_version="0.19")
+    log = _all_ranks_log(tmp_path, L, 8, lambda r: estimate(L, gpu=H100, dp_rank=r, expert_dp_rank=r // 2), "0.19")
+    GiB = 2**30
+    msg = oom_message(requested=GiB, capacity=int(79.11 * GiB), free=GiB, process_used=70 * GiB,
+                      allocated=60 * GiB, reserved=61 * GiB)
+    with open(log, "a") as f:
+        f.write(f"[rank7]: {msg}\n")
+    r = _report(str(log), "--gpu", "H100-80GB", "--json")
+    assert r.returncode == 1, r.stderr
+    (fx,) = json.loads(r.stdout)["oom_forensics"]
+    rank0 = estimate(L, gpu=H100, dp_rank=0).stages[0].persistent_bytes
+    assert fx["rank"] == 7 and rank0 - fx["predicted"]["persistent"] == 2 * PAD_BYTES
