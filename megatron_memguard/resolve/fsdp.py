@@ -311,9 +311,10 @@ def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
             # which offload requires, Megatron-FSDP installs the gradient in param.decoupled_grad and leaves .grad None
             # (param_and_grad_buffer.py update_main_grads: 0.16.1 use_precision_aware_optimizer, 0.19.2
             # megatron_fsdp_use_decoupled_grad, set from it by training.py): no weight is ever updated
-            a.fail("optimizer_cpu_offload", "with Megatron-FSDP's fp32 main weights and --optimizer-offload-fraction 0 "
+            a.fail("optimizer_cpu_offload", f"with Megatron-FSDP's fp32 main weights and {a.key('optimizer_offload_fraction')} 0 "
                                             "updates nothing: the hybrid optimizer's GPU Adam reads .grad, Megatron-FSDP "
-                                            "puts the gradients in .decoupled_grad under --use-precision-aware-optimizer")
+                                            "puts the gradients in .decoupled_grad under "
+                                            f"{a.key('use_precision_aware_optimizer')}")
         else:
             # nothing leaves the GPU: the hybrid optimizer gives non-fp32 weights an fp32 clone (its gradient read
             # from decoupled_grad / grad), Adam states and fp32 gradient copies on the GPU; torch FSDP2's parameter
