@@ -240,9 +240,27 @@ def test_optimizer_offload_cannot_pin_fsdp_parameters():
         layout_from_flags(BASE + fsdp + offload, world_size=8)
     with pytest.raises((ConfigError, ConfigErrors), match="--optimizer-cpu-offload.*torch FSDP2"):
         layout_from_flags(BASE + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"] + offload, world_size=8)
-    # fraction 0 offloads nothing (no pinning): the hybrid optimizer's GPU states over FSDP's weights stay refused
+
+
+def test_optimizer_offload_fraction_0_under_fsdp():
+    """Fraction 0 offloads nothing (no pinning). HybridDeviceOptimizer._get_sub_optimizer_param_groups and
+    _set_sub_optimizer_grads (hybrid_optimizer.py, core 0.16.1 and 0.19.2) clone only non-fp32 parameters to fp32
+    and hand gradients only to those clones; Megatron-FSDP's fp32 main weights reach TE FusedAdam as they are, which
+    reads p.grad (use_decoupled_grad defaults to False, fused_adam.py TE 2.20.2) while Megatron-FSDP under the
+    precision-aware optimizer fills param.decoupled_grad only (param_and_grad_buffer.py update_main_grads, 0.16.1
+    and 0.19.2; Bridge 0.6.2 config.py sets megatron_fsdp_use_decoupled_grad=True): nothing would be updated."""
+    zero = ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0"]
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",
+            "fsdp_dtensor", "--use-distributed-optimizer"]
+    for version in ("0.16.1", "0.19.2"):
+        with pytest.raises((ConfigError, ConfigErrors), match="--optimizer-cpu-offload.*decoupled_grad"):
+            layout_from_flags(BASE + fsdp + zero, world_size=8, megatron_version=version)
+    # bf16 main weights get the hybrid optimizer's fp32 clones (which do receive decoupled_grad): runs, not modelled
     with pytest.raises(NotModelledError, match="--optimizer-offload-fraction"):
-        layout_from_flags(BASE + fsdp + offload[:-1] + ["0"], world_size=8)
+        layout_from_flags(BASE + fsdp + zero + ["--megatron-fsdp-main-params-dtype", "bf16"], world_size=8,
+                          megatron_version="0.19.2")
+    with pytest.raises(NotModelledError, match="--optimizer-offload-fraction.*torch FSDP2"):
+        layout_from_flags(BASE + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"] + zero, world_size=8)
 
 
 def test_core_0_17_and_0_18_main_grads_by_hand():

@@ -4,6 +4,7 @@ megatron-core dataclass defaults that differ from Megatron's CLI (both versions 
 DistributedDataParallelConfig.data_parallel_sharding_strategy = 'no_shard' (distributed_data_parallel_
 config.py; the CLI default is optim_grads_params in 0.19.2) and OptimizerConfig.optimizer_offload_fraction
 = 0.0 (optimizer_config.py; the CLI default is 1.0)."""
+import pytest
 import textwrap
 
 import os
@@ -73,3 +74,19 @@ def test_nemo2_fsdp_and_offload_keys(tmp_path):
     assert raw.origin["data_parallel_sharding_strategy"] == "trainer.strategy.ddp.data_parallel_sharding_strategy"
     assert raw.args["optimizer_offload_fraction"] == 0.25
     assert raw.origin["optimizer_offload_fraction"] == "optim.config.optimizer_offload_fraction"
+
+
+def test_bridge_fsdp_offload_at_default_fraction_is_an_error(tmp_path):
+    """Bridge 0.6.2: OptimizerConfig.optimizer_offload_fraction defaults to 0.0 and config.py sets
+    ddp.megatron_fsdp_use_decoupled_grad under use_precision_aware_optimizer, so Megatron-FSDP fills only
+    .decoupled_grad while the hybrid optimizer's GPU FusedAdam steps the fp32 main weights from .grad
+    (hybrid_optimizer.py core 0.19.2; fused_adam.py TE 2.20.2): nothing would be updated. The error names
+    Bridge's key."""
+    from megatron_memguard import resolve
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    text = FLAT.replace("overlap_grad_reduce: true}", "overlap_grad_reduce: true, use_megatron_fsdp: true, "
+                        "data_parallel_sharding_strategy: optim_grads_params}")
+    text = text.replace("bf16: true}\nddp", "bf16: true, optimizer_cpu_offload: true, "
+                        "use_precision_aware_optimizer: true}\nddp")
+    with pytest.raises((ConfigError, ConfigErrors), match=r"optimizer\.optimizer_cpu_offload.*decoupled_grad"):
+        resolve(read(tmp_path, text), world_size=8, megatron_version="0.19.2")

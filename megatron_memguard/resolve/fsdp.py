@@ -302,12 +302,27 @@ def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
             a.fail("optimizer_cpu_offload", f"cannot be used with {fsdp}: the hybrid optimizer pins a host copy of each "
                                             "offloaded parameter, and FSDP's DTensor parameters cannot be pinned "
                                             "(torch: NYI aten._pin_memory)")
+        elif kw.get("use_megatron_fsdp") and kw.get("megatron_fsdp_main_params_dtype", "fp32") == "fp32":
+            # Fraction 0 keeps every parameter on the GPU, and HybridDeviceOptimizer (hybrid_optimizer.py, core 0.16.1
+            # and 0.19.2) makes an fp32 clone only of non-fp32 parameters; only such clones get a gradient, read as
+            # getattr(param, "decoupled_grad", param.grad). Megatron-FSDP's fp32 main weights go to the GPU sub-optimizer
+            # as they are: TE FusedAdam built with use_decoupled_grad=False (optimizer/__init__.py passes no such
+            # flag) reads p.grad and skips p.grad None (fused_adam.py, TE 2.20.2). Under the precision-aware optimizer,
+            # which offload requires, Megatron-FSDP installs the gradient in param.decoupled_grad and leaves .grad None
+            # (param_and_grad_buffer.py update_main_grads: 0.16.1 use_precision_aware_optimizer, 0.19.2
+            # megatron_fsdp_use_decoupled_grad, set from it by training.py): no weight is ever updated
+            a.fail("optimizer_cpu_offload", f"with Megatron-FSDP's fp32 main weights and {a.key('optimizer_offload_fraction')} 0 "
+                                            "updates nothing: the hybrid optimizer's GPU Adam reads .grad, Megatron-FSDP "
+                                            "puts the gradients in .decoupled_grad under "
+                                            f"{a.key('use_precision_aware_optimizer')}")
         else:
-            # nothing leaves the GPU: the hybrid optimizer is a GPU Adam with fp32 states over FSDP's main weights,
-            # whose fp32 copies depend on --megatron-fsdp-main-params-dtype; not read
+            # nothing leaves the GPU: the hybrid optimizer gives non-fp32 weights an fp32 clone (its gradient read
+            # from decoupled_grad / grad), Adam states and fp32 gradient copies on the GPU; torch FSDP2's parameter
+            # dtypes and a non-fp32 --megatron-fsdp-main-params-dtype are not read here
             raise NotModelledError(a.key("optimizer_offload_fraction"),
-                                   f"--optimizer-cpu-offload with offload fraction 0 under {fsdp} (the hybrid optimizer's "
-                                   "GPU states over FSDP's main weights)")
+                                   f"--optimizer-cpu-offload with offload fraction 0 under {fsdp}"
+                                   + (" with non-fp32 main weights" if kw.get("use_megatron_fsdp") else "")
+                                   + " (the hybrid optimizer's fp32 clones of FSDP's weights on the GPU)")
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
                 overlap_cpu_optimizer_d2h_h2d=a.bool_arg("overlap_cpu_optimizer_d2h_h2d", False),
                 pin_cpu_grads=a.bool_arg("pin_cpu_grads", True))
