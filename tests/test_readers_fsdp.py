@@ -4,11 +4,11 @@ megatron-core dataclass defaults that differ from Megatron's CLI (both versions 
 DistributedDataParallelConfig.data_parallel_sharding_strategy = 'no_shard' (distributed_data_parallel_
 config.py; the CLI default is optim_grads_params in 0.19.2) and OptimizerConfig.optimizer_offload_fraction
 = 0.0 (optimizer_config.py; the CLI default is 1.0)."""
-import pytest
-import textwrap
-
 import os
 import sys
+import textwrap
+
+import pytest
 
 from megatron_memguard.readers.detect import read_config_file
 
