@@ -89,8 +89,8 @@ def rank_position(rank: int, L: Layout, tp_pp_dp: bool = False) -> RankPosition:
     P = L.parallel
     tp, cp = rank % P.tp, rank // P.tp % P.cp
     inner = P.tp * P.cp
-    pp, dp = ((rank // inner % P.pp, rank // (inner * P.pp)) if tp_pp_dp else
-              (rank // (inner * P.dp), rank // inner % P.dp))
+    pp = pp_rank_of(rank, L, tp_pp_dp)
+    dp = rank // (inner * P.pp) if tp_pp_dp else rank // inner % P.dp
     opt = (cp + P.cp * dp) % L.dp_shard_size
     edp = None
     if L.moe is not None:
@@ -117,10 +117,10 @@ def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = Fal
     cache: dict[tuple[int, int | None], Estimate] = {}
     for rank in log.ranks:
         lines = log.rank_lines(rank)
-        pp = pp_rank_of(rank, est.layout, tp_pp_dp) if est is not None and (world is None or rank < world) else None
+        pos = rank_position(rank, est.layout, tp_pp_dp) if est is not None and (world is None or rank < world) else None
+        pp = pos.pp if pos is not None else None
         pred: dict[str, Any] = {}
-        if est is not None and pp is not None and at is not None:
-            pos = rank_position(rank, est.layout, tp_pp_dp)
+        if pos is not None and at is not None:
             # without the distributed optimizer every rank holds the whole state: one estimate serves all
             key = (pos.optimizer_rank, pos.expert_optimizer_rank) if est.layout.use_distributed_optimizer else (0, None)
             if key not in cache:
