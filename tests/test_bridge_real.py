@@ -33,33 +33,38 @@ WORLD = 16
 def _hf_cache(root: str) -> None:
     """config.json of each model a memguard recipe uses, where huggingface_hub looks for it offline: the
     published file itself where tests/data/hf has it (the MoE models), else memguard's preset fields. Also
-    under the revision a recipe pins (Qwen3-30B-A3B)."""
+    under the revision a recipe pins (Qwen3-30B-A3B, Qwen3-8B)."""
     from megatron_memguard.readers.models import model_hf, presets
 
     for r in presets()["recipes"].values():
         if not r.get("model"):   # a recipe that builds its provider itself (OLMoE) reads no config.json
             continue
         m = presets()["models"][r["model"]]
-        repo = next(a for a in m["aliases"] if "/" in a)
         whole = os.path.join(HERE, "data", "hf", r["model"] + ".json")
         if os.path.exists(whole):
             with open(whole) as f:
                 doc = json.load(f)
         else:
-            doc = {**model_hf(r["model"]), "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}
-        base = os.path.join(root, "hub", "models--" + repo.replace("/", "--"))
-        for rev in ("0", *PINNED_REVISIONS.get(repo, ())):
-            snap = os.path.join(base, "snapshots", rev)
-            os.makedirs(snap, exist_ok=True)
-            with open(os.path.join(snap, "config.json"), "w") as f:
-                json.dump(doc, f)
-        os.makedirs(os.path.join(base, "refs"), exist_ok=True)
-        with open(os.path.join(base, "refs", "main"), "w") as f:
-            f.write("0")
+            hf = model_hf(r["model"])
+            doc = {**hf, "architectures": [ARCHITECTURES[hf["model_type"]]], "torch_dtype": "bfloat16"}
+        for repo in (a for a in m["aliases"] if "/" in a):   # (Llama 3.1: the recipes spell it Meta-Llama-3.1)
+            base = os.path.join(root, "hub", "models--" + repo.replace("/", "--"))
+            for rev in ("0", *PINNED_REVISIONS.get(repo, ())):
+                snap = os.path.join(base, "snapshots", rev)
+                os.makedirs(snap, exist_ok=True)
+                with open(os.path.join(snap, "config.json"), "w") as f:
+                    json.dump(doc, f)
+            os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+            with open(os.path.join(base, "refs", "main"), "w") as f:
+                f.write("0")
 
 
-# revisions recipes pass to AutoBridge.from_hf_pretrained (recipes/qwen/h100/qwen3_moe.py)
-PINNED_REVISIONS = {"Qwen/Qwen3-30B-A3B": ("ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",)}
+# revisions recipes pass to AutoBridge.from_hf_pretrained (recipes/qwen/h100/qwen3_moe.py, qwen3.py)
+PINNED_REVISIONS = {"Qwen/Qwen3-30B-A3B": ("ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",),
+                    "Qwen/Qwen3-8B": ("b968826d9c46dd6066d109eabc6255188de91218",)}
+# the `architectures` of each family's published config.json (AutoBridge picks the model bridge by it)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 
 
 @pytest.fixture(scope="module")
