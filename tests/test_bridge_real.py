@@ -111,6 +111,7 @@ def resolved(raw, world):
 @pytest.mark.parametrize("key, function", recipe_functions())
 def test_memguards_recipes_are_bridges(recipes, key, function):
     from megatron_memguard.bridge import raw_config
+    from megatron_memguard.config import memory_env
     from megatron_memguard.readers.models import read_model
 
     cfg = getattr(recipes, function)()
@@ -119,6 +120,8 @@ def test_memguards_recipes_are_bridges(recipes, key, function):
     world = world_of(key)
     real, ours = resolved(raw, world), resolved(read_model(key), world)
     assert real == ours
+    # the recipe's env_vars (training/config.py apply_environment_variables), the memory-relevant ones
+    assert raw.env == read_model(key).env == memory_env({k: str(v) for k, v in cfg.env_vars.items()})
     if isinstance(real, tuple):
         # refused by a dispatcher memguard does not model yet (HybridEP, DeepEP across nodes): the rest of the
         # recipe must still be Bridge's, so compare both with the alltoall dispatcher
@@ -435,3 +438,31 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     raw = read_config_file(str(p), model="llama32_1b")
     assert any(w.startswith("model.num_layer: ") and "did you mean model.num_layers?" in w for w in raw.warnings)
     assert raw.args["num_layers"] == 16
+
+
+# --------------------------------------------------------------------------------------------------
+# A recipe's env_vars reach the job as Bridge's apply_environment_variables puts them there (setdefault: the
+# launch's own value wins); memguard check of `VAR=value torchrun ... run_recipe.py` reads the same environment
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("launch_env", [{}, {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "PYTORCH_CUDA_ALLOC_CONF": ""}])
+def test_recipe_env_vars_are_applied_as_bridge_applies_them(recipes, monkeypatch, capsys, launch_env):
+    from megatron.bridge.training.config import apply_environment_variables
+
+    from megatron_memguard.cli.main import main
+    from megatron_memguard.config import MEMORY_ENV_VARS, memory_env
+
+    function = "llama3_70b_pretrain_deterministic_config"
+    for name in MEMORY_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launch_env.items():
+        monkeypatch.setenv(name, value)
+    apply_environment_variables(getattr(recipes, function)())
+    real = memory_env(os.environ)
+    assert real["CUBLAS_WORKSPACE_CONFIG"] == launch_env.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    prefix = [f"{k}={v}" for k, v in launch_env.items()]
+    for name in launch_env:
+        monkeypatch.delenv(name)
+    code = main(["check", "--json", "--", *prefix, "torchrun", "--nnodes", "4", "--nproc-per-node", "8",
+                 "scripts/training/run_recipe.py", "--recipe", function])
+    doc = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and doc["layout"]["env"] == real

@@ -21,10 +21,12 @@ Read in Megatron-Bridge 0.6.2 (``training/config.py`` ConfigContainer and
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
+from ..numbers import shown
 from ._common import (
     GPT_LEVEL_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields, default_ffn_hidden_size,
     did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
@@ -228,6 +230,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         _set_nested(S.setdefault(sec, {}), rest, value, key, op == "del")
     if sync_seq_length:
         _sync_seq_length(b, S, sync_seq_length)
+    env = _env_vars(S.pop("env_vars", {}), top.pop("env_vars", (None, "env_vars")))
     _unknown_keys(b, S, top, given)
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
     if recipe:
@@ -237,7 +240,26 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         # the GPU count in the recipe function's name (..._pretrain_8gpu_h100_bf16_config): not a world size
         # (Bridge takes that from the launcher), but what an error asking for one suggests
         b.origin["recipe_gpus"] = f"{recipe_gpus(recipe)} (the GPUs recipe {recipe} is written for)"
-    return b.build()
+    raw = b.build()
+    return replace(raw, env=env) if env else raw
+
+
+def _env_vars(fields: dict[str, Field], whole: Field) -> dict[str, str]:
+    """The memory-relevant ``env_vars`` of the container (every 0.6.2 recipe sets some; the deterministic ones
+    CUBLAS_WORKSPACE_CONFIG). Bridge's ``apply_environment_variables`` (training/config.py, 0.6.2) puts each
+    in the process environment with ``os.environ.setdefault(name, str(value))`` before the model is built:
+    a launch that sets one itself keeps its own value (memguard check merges them that way)."""
+    from ..config import memory_env
+
+    value, key = whole
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(key, f"must be a mapping of environment variables, got {shown(value)}")
+    merged = {**(value or {}), **{name: v for name, (v, _) in fields.items()}}
+    bad = [k for k, v in merged.items() if v is not None and not isinstance(v, (str, int, float, bool))]
+    if bad:
+        raise ConfigError(f"env_vars.{bad[0]}", "must be a scalar (Bridge's apply_environment_variables refuses "
+                          "anything else)")
+    return memory_env({str(k): str(v) for k, v in merged.items() if v is not None})
 
 
 def _unknown_keys(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], given: set[str]) -> None:
