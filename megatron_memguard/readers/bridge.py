@@ -546,6 +546,18 @@ def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v
     if v("comm_overlap", "wgrad_deferral_limit") is not None:
         b.set("wgrad_deferral_limit", v("comm_overlap", "wgrad_deferral_limit"),
               k("comm_overlap", "wgrad_deferral_limit"))
+    # _get_optimizer_overlap_cfgs, applied to the optimizer and DDP configs with the distributed optimizer: gradient
+    # reduce and parameter gather overlapped, and 128 Mi-element buckets, iff the data-parallel size is > 1, whatever
+    # ddp.* says, unless the section sets them. DP is known only with the world size: resolve/optimizer.py applies it.
+    for name, dest in _COMM_OVERLAP_DDP:
+        if v("comm_overlap", name) is not None:
+            b.set(dest, v("comm_overlap", name), k("comm_overlap", name))
+    b.set("bridge_comm_overlap_ddp", True, "comm_overlap")
+
+
+# CommOverlapConfig fields _get_optimizer_overlap_cfgs writes into the DDP config (Bridge 0.6.2 comm_overlap.py)
+_COMM_OVERLAP_DDP = (("overlap_grad_reduce", "overlap_grad_reduce"), ("overlap_param_gather", "overlap_param_gather"),
+                     ("bucket_size", "ddp_bucket_size"))
 
 
 _NEEDED = {
