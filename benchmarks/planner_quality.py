@@ -430,9 +430,17 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
                        if x.run.failed and x.verdict == "fits"]
         ran_mem = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
                    if not x.run.failed and x.memory is not None]
-        for sw, x in kept_failed:
+        family = [(sw, sc) for sw, _, _, sc in results if sw.family == fam]
+        reasons = [(sw, x, failure_reason(sw, x, family)) for sw, x in kept_failed]
+        if reasons:
+            counts: dict[str, int] = {}
+            for _, _, (code, _) in reasons:
+                counts[code] = counts.get(code, 0) + 1
+            lines.append("- why each failed layout kept as fitting failed (docs/planner.md section 5.2): "
+                         + ", ".join(f"{n} {code}" for code, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+        for sw, x, (code, why) in reasons:
             lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory; "
-                         + failure_evidence(x, ran_mem))
+                         f"reason `{code}`: {why}; " + failure_evidence(x, ran_mem))
         lines.append("")
     return "\n".join(lines)
 
@@ -448,6 +456,81 @@ def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
     if x.run.cp > 1:
         text += "; CP > 1"
     return text
+
+
+# Reasons a failed layout memguard keeps as fitting failed, read from the data (issue 18; docs/planner.md section 5.2).
+# Megatron (Fujii et al.'s draft, whose README gives no reason for a "-" cell and says CP cells may have failed for
+# other reasons): ``mbs-column`` no cell of that micro-batch ran in any sweep of the family; ``threshold`` the layout
+# failed at every GPU count it was tried at and memguard rejects it (tight or will not fit) at all the others, this
+# count's estimate being lower only by its optimizer shard; ``smallest-count`` it failed only at its smallest GPU
+# count and ran at every larger one. Hagemann et al. (another framework, whose memory is not Megatron's):
+# ``framework-level`` within its sheet and its (TP, SP) group memguard orders it right (no layout of the group
+# estimated as high ran): the framework's memory at that TP sits above Megatron's; ``framework-tie`` a layout of the
+# group estimated within 1 point of it ran. ``unexplained`` otherwise.
+def failure_reason(sweep: Sweep, x: Scored, family: list[tuple[Sweep, list[Scored]]]) -> tuple[str, str]:
+    """(code, evidence) for a layout that failed in ``sweep`` although memguard estimates it fits; ``family`` is
+    every sweep of the same family with its scored layouts."""
+    r = x.run
+    if sweep.family == "fujii":
+        same_mbs = [y for _, sc in family for y in sc if y.run.mbs == r.mbs]
+        if not any(not y.run.failed for y in same_mbs):
+            return "mbs-column", (f"no MBS {r.mbs} cell ran in any of these sweeps (0 of {len(same_mbs)}), also where "
+                                  f"memguard estimates {min(y.memory for y in same_mbs if y.memory is not None):.0%}: "
+                                  "a cause common to the column, not this layout's memory")
+        cell = [(sw.world, y) for sw, sc in family for y in sc if y.run == dataclasses.replace(r, failed=y.run.failed,
+                                                                                                throughput=y.run.throughput)]
+        others = [(w, y) for w, y in cell if w != sweep.world]
+        if others and all(y.run.failed for _, y in others) and all(y.verdict != "fits" for _, y in others):
+            low = min(y.memory for _, y in others)
+            return "threshold", (f"failed at all {len(cell)} GPU counts, estimated tight or over at the {len(others)} "
+                                 f"others (from {low:.0%}); at {sweep.world} GPUs only the optimizer shard is smaller")
+        larger = [(w, y) for w, y in others if w > sweep.world]
+        if larger and all(w > sweep.world for w, _ in others) and all(not y.run.failed for _, y in larger):
+            return "smallest-count", (f"failed only at its smallest GPU count and ran at all {len(larger)} larger ones "
+                                      f"(estimated {min(y.memory for _, y in larger):.0%}-"
+                                      f"{max(y.memory for _, y in larger):.0%}, the optimizer shard smaller)")
+        return "unexplained", "no pattern in the data"
+    sheet = next(sc for sw, sc in family if sw is sweep)
+    group = [y for y in sheet if y is not x and y.memory is not None and y.run.tp == r.tp and y.run.sp == r.sp
+             and y.run.recompute == r.recompute]
+    ran = [y.memory for y in group if not y.run.failed]
+    failed = [y.memory for y in group if y.run.failed]
+    twin = next((y for y in sheet if r.tp > 1 and y.run == dataclasses.replace(r, sp=not r.sp, failed=y.run.failed,
+                                                                                throughput=y.run.throughput)), None)
+    twin_text = "" if twin is None else f"; its {'no' if r.sp else ''}SP twin {'failed' if twin.run.failed else 'ran'}"
+    twin_text += _other_kernels_text(sweep, r)
+    top = max(ran, default=0.0)
+    if top > x.memory + 0.01:
+        return "unexplained", f"a layout of its (TP, SP) group estimated at {top:.0%} ran" + twin_text
+    if top >= x.memory:
+        return "framework-tie", (f"a layout of its sheet's TP{r.tp} {'SP' if r.sp else 'noSP'} group estimated as high "
+                                 f"({top:.0%}) ran: at the framework's limit" + twin_text)
+    return "framework-level", (f"memguard orders its sheet's TP{r.tp} {'SP' if r.sp else 'noSP'} group right: "
+                               f"{len(ran)} ran (up to {top:.0%}), {len(failed) + 1} failed (from "
+                               f"{min(failed + [x.memory]):.0%}); the framework's memory at TP{r.tp} is above "
+                               "Megatron's" + twin_text)
+
+
+_HAGEMANN_ROWS: list[dict] = []
+
+
+def _other_kernels_text(sweep: Sweep, r: Run) -> str:
+    """The same cell's trials with the other attention / norm kernels of the sheet (the status column's words),
+    grouped by checkpointing: whether the failure is the kernel's or the layout's."""
+    if not _HAGEMANN_ROWS:
+        with open(HAGEMANN_CSV, newline="") as f:
+            _HAGEMANN_ROWS.extend(csv.DictReader(f))
+    kernel = HAGEMANN_KERNEL if sweep.family == "hagemann" else OTHER_KERNELS[sweep.family]
+    model = sweep.name.split()[0]
+    out: dict[str, list[str]] = {}
+    for x in _HAGEMANN_ROWS:
+        if (x["model"], int(x["seq_len"]), int(x["world_size"]), int(x["tp"]), int(x["pp"]),
+                int(x["micro_batch_size"])) == (model, sweep.seq, sweep.world, r.tp, r.pp, r.mbs) and x["kernel"] != kernel \
+                and (r.tp == 1 or x["sequence_parallel"] in ("not_recorded", "1" if r.sp else "0")):
+            ck = "with checkpointing" if x["activation_checkpointing"] == "every_layer" else "without"
+            out.setdefault(ck, []).append(x["status"])
+    return "".join(f"; other kernels {ck}: {', '.join(f'{v.count(k)} {k}' for k in sorted(set(v)))}"
+                   for ck, v in sorted(out.items(), key=lambda kv: kv[0] != "without"))
 
 
 def misordered(sweep: Sweep, scored: list[Scored], gap: float = 0.03) -> list[tuple[float, Scored, Scored]]:
