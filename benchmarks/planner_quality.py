@@ -368,7 +368,7 @@ def tie_groups(kept: list[Scored], rule: str, window: float = TIE_WINDOW) -> dic
     out: dict[int, int] = {}
     if rule == "time":
         g, anchor = -1, None
-        for s in sorted(kept, key=lambda s: (s.seconds, _prefer(s))):
+        for s in sorted(kept, key=lambda s: s.seconds):
             if anchor is None or s.seconds > (1 + window) * anchor:
                 g, anchor = g + 1, s.seconds
             out[id(s)] = g
