@@ -12,9 +12,11 @@ micro-batch). Printed per sweep and rule:
 * the first choice and its measured rank among the layouts that ran (1 = the fastest; ``OOM`` when it
   failed), its measured throughput relative to the sweep's best;
 * Spearman's rank correlation of the rule's order with the measured throughput, over the layouts that
-  ran and that memguard keeps;
-* how many layouts that failed (out of memory) memguard ranked as fitting, each with its evidence: the
-  layouts of the same family estimated at least as high that ran, and whether it has CP > 1.
+  ran and that memguard keeps, and next to it a tie-aware one (``ties``: the layouts the rule cannot tell
+  apart share a rank; :func:`tie_groups`), reported, not a target;
+* how many layouts that failed (out of memory) memguard ranked as fitting, each with a reason read from the
+  data (:func:`failure_reason`) and its evidence: the layouts of the same family estimated at least as high
+  that ran, and whether it has CP > 1.
 
 ``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--candidates`` ranks the Hagemann
 sweeps again with each physical candidate cost for the remaining misses added (``CANDIDATES``; none is in the
