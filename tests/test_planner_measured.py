@@ -334,9 +334,9 @@ def test_failed_layouts_kept_as_fitting_each_have_a_reason_in_the_data():
     it at five, two failed only at their smallest count (both DP 1). Hagemann et al.: within its sheet and its (TP,
     SP) group memguard's estimate orders each one above every layout that ran (within 1 point for one), i.e. the
     framework's memory is higher than Megatron's at that TP, not ordered differently."""
-    from benchmarks.planner_quality import failure_reason
     import csv
-    from benchmarks.planner_quality import FUJII_CSV
+
+    from benchmarks.planner_quality import FUJII_CSV, failure_reason
     with open(FUJII_CSV, newline="") as f:
         mbs4 = [r["status"] for r in csv.DictReader(f) if r["micro_batch_size"] == "4" and r["status"] != "blank_not_run"]
     assert len(mbs4) == 24 and set(mbs4) == {"dash_failed_or_OOM"}      # one of them an impossible cell (8 GPUs)
