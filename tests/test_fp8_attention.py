@@ -287,6 +287,11 @@ def test_multi_latent_attention_by_hand(recipe):
     assert got["fp8_attention_qkv"] == tf * a_t * (96 + 96 + 64) + 512
     assert got["softmax_stats"] == 2 * bf16_att["softmax_stats"] == 2 * a_t * tf * 4
     assert got["proj_input"] == (tf * a_t * 64 + 512 if recipe == "delayed" else 2 * tf * a_t * 64)
+    # the planner's lower bound counts q, k, v and the output at 1 B/elem (and the norm output [T, h] BF16): below
+    # what the layer keeps
+    from megatron_memguard.estimator.layers import mla as mla_recipe
+    bound = mla_recipe.bound_saved(L, 2, 1, 4096, True, set())
+    assert bound == 2048 * 1024 * 2 + tf * a_t * (96 + 96 + 64) + tf * a_t * 64 <= sum(got.values())
     # under context parallelism TE 2.11 has no backend: FusedAttention refuses FP8 MLA with CP, FlashAttention FP8
     # with CP, UnfusedDotProductAttention CP (get_attention_backend)
     with pytest.raises(ConfigError, match="fp8.dot.product.attention.*multi-latent attention under context"):

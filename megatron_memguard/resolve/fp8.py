@@ -182,7 +182,7 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> boo
     ``attn_forward_func_with_cp`` hands ``fp8`` to the p2p and a2a paths only; ``utils.py``
     ``get_attention_backend`` has no backend for FP8 MLA under CP."""
     key = a.key(dest)
-    comm = a.get("cp_comm_type", ["p2p"])
+    comm = a.get("cp_comm_type") or ["p2p"]
     comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
     if mla:
         # FusedAttention: "does not support context parallelism with FP8 MLA attention"; FlashAttention: no FP8
