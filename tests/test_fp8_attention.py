@@ -155,6 +155,13 @@ def test_refused_and_rejected_corners():
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
     with pytest.raises(ConfigError, match="attention-backend fused or auto"):
         lay(*fp8, "--attention-backend", "flash", fp8_dot_product_attention=True)
+    # TE 2.11 get_attention_backend: with fp8_dpa FusedAttention is off for a non-vanilla softmax and for a sliding
+    # window, and FlashAttention / the unfused backend never run FP8: no backend
+    with pytest.raises(ConfigError, match="^--fp8-dot-product-attention: .*softmax-type learnable"):
+        lay(*fp8, "--softmax-type", "learnable", fp8_dot_product_attention=True)
+    with pytest.raises(ConfigError, match="window-size 4096,0"):
+        lay(*fp8, "--window-size", "4096,0", fp8_dot_product_attention=True)
+    assert lay(*fp8, "--window-size", "-1,0", fp8_dot_product_attention=True).fp8_spec.fp8_dot_product_attention
     # fp8_mha only travels in the delayed recipe: with tensorwise it is dropped, fp8_dpa still acts
     L = lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", fp8_dot_product_attention=True,
             fp8_multi_head_attention=True)

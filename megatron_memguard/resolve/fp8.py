@@ -4,6 +4,7 @@ defaults and reports each broken rule naming the flag (``rule_violations``, pure
 bytes are ``megatron_memguard.estimator.fp8``'s."""
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from packaging.version import Version
@@ -157,6 +158,18 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
         # backend (without NVTE_UnfusedDPA_Emulate_FP8); Megatron's flash / unfused settings switch fused off
         a.fail(dest, f"needs --attention-backend fused or auto (Transformer Engine runs FP8 attention only in its "
                     f"fused cuDNN backend, not {backend})")
+        return False
+    # get_attention_backend (TE 2.11): FP8 attention turns FusedAttention off for a non-vanilla softmax and for a
+    # sliding window (left != -1 or right not in (-1, 0)); FlashAttention and the unfused backend do not run FP8
+    softmax = str(a.get("softmax_type") or "vanilla")
+    if softmax != "vanilla":
+        a.fail(dest, f"cannot be used with --softmax-type {softmax} (Transformer Engine 2.11 has no FP8 attention "
+                     "backend for a non-vanilla softmax)")
+        return False
+    window = [int(w) for w in re.findall(r"-?\d+", str(a.get("window_size") or ""))]
+    if len(window) == 2 and (window[0] != -1 or window[1] not in (-1, 0)):
+        a.fail(dest, f"cannot be used with --window-size {window[0]},{window[1]} (Transformer Engine 2.11 has no FP8 "
+                     "attention backend for sliding-window attention)")
         return False
     mla = a.bool_arg("multi_latent_attention", False)
     if kw.get("context_parallel_size", 1) > 1:
