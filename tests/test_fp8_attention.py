@@ -230,8 +230,9 @@ def test_ring_attention_working_sets_by_hand(recipe, version, n_ring, n_out):
     common = Q + 512 + 2 * Q + KV + 2 * 2 * KV + STATS // 2
     if delayed:
         # dq_buffer [CP, q] FP8; at the end the CP steps' FP8 dq/dk/dv go through combine_and_dequantize to fp32
-        # ([CP, W] x 4 B, after a [CP, W] byte concatenation of the contiguous dK/dV) and are summed (fp32) and cast
-        ring = common + 2 * Q + max(2 * KV + 2 * W + 8 * W, 8 * W + 4 * Q + 2 * W)
+        # ([CP, W] x 4 B, after a [CP, W] byte concatenation of the contiguous dK/dV) and are summed one by one:
+        # the fp32 sum of dq and its BF16 cast (6 Q), or dv's fp32 sum and cast after dq's and dk's casts
+        ring = common + 2 * Q + max(2 * KV + 2 * W + 8 * W, 8 * W + max(6 * Q, 2 * Q + 4 * KV))
     else:
         # fp32 dq_buffer and dkv_buffer; each step's BF16 dq/dk/dv, their fp32 casts and halves of q, out, dO
         ring = common + 4 * W + 6 * W + 2 * Q
@@ -253,7 +254,7 @@ def test_ring_attention_with_core_attention_recompute():
     m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
     f = fp8_attention(L, m)
     kept = (W + 512) + KV + STATS + 2 * Q + (Q + 512)
-    ring = Q + 512 + 2 * Q + KV + 4 * KV + STATS // 2 + 2 * Q + max(2 * KV + 10 * W, 10 * W + 4 * Q)
+    ring = Q + 512 + 2 * Q + KV + 4 * KV + STATS // 2 + 2 * Q + max(2 * KV + 10 * W, 8 * W + 6 * Q)
     bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring - bf16, 0, 0]
 

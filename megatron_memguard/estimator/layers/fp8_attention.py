@@ -156,8 +156,9 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     common = out8 + e * Q + KV + 2 * cp * KV + stats // 2   # dO in FP8, dO, K/V receive, dK/dV send and receive
     if delayed:
         # each step: FP8 dq/dk/dv and contiguous halves of q, out, dO; the end: the steps' FP8 results
-        # (dK/dV made contiguous), concatenated, dequantized to fp32, summed and cast to BF16
-        end = max(cp * KV + cp * W + 4 * cp * W, 4 * cp * W + 4 * Q + 2 * W)
+        # (dK/dV made contiguous), concatenated and dequantized to fp32, then summed over the steps one tensor
+        # at a time (an fp32 sum next to the BF16 casts made so far: dq's, or dv's after dq's and dk's)
+        end = max(cp * KV + cp * W + 4 * cp * W, 4 * cp * W + max(6 * Q, 2 * Q + 4 * KV))
         ring_bwd = common + cp * Q + max(W + 3 * Q // 2, end)
     else:
         # fp32 dq and dK/dV accumulators; each step: BF16 dq/dk/dv, their fp32 casts and the halves of q, out
