@@ -264,3 +264,38 @@ def test_megatron_fsdp_primary_fp8_weights_keep_only_scales_outside_its_buffers(
     t = terms(estimate(lay(*fsdp, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather")))
     assert t["fp8_weight_columnwise"].bytes == 16 * 4 * 512
     assert "parameters" not in t and "fp8_weight_cache" not in t
+
+
+# a small multi-latent attention model: 16 heads x v_head_dim 64, TP 2 + SP, seq 4096: linear_proj's input [4096, 512]
+MLA = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--multi-latent-attention",
+       "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32",
+       "--v-head-dim", "64", "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+       "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu",
+       "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--bf16", "--vocab-size", "32000",
+       "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_mla_linear_proj_saved_input(recipe, version):
+    # multi_latent_attention.py (core 0.16.1 and 0.19.2) sets save_original_input on linear_proj as attention.py
+    # does: blockwise keeps the BF16 output [4096, 8 x 64] (proj_input, as in BF16) and quantizes it again in
+    # linear_proj's backward (column-wise, 1x128 scales: data + fp32 [ceil(4096/128), round4(512)]); delayed keeps
+    # its column-wise FP8 copy (data + a 512-byte scale block). MLA adds no quantized output gradients
+    # (docs/assumptions.md), so linear_proj's backward step differs from BF16's by that copy alone.
+    bf16 = layer_activations(layout_from_flags(MLA, world_size=2, megatron_version=version))
+    L = layout_from_flags(MLA + ["--fp8-format", "hybrid", "--fp8-recipe", recipe], world_size=2,
+                          megatron_version=version)
+    fp8 = layer_activations(L)
+    n = 4096 * 512
+    assert fp8.saved["proj_input"] == bf16.saved["proj_input"] == 2 * n
+
+    def proj_step(acts):
+        return next(w for rel, w in acts.bwd_steps if "mlp_norm_input" in rel)
+
+    if recipe == "delayed":
+        assert fp8.saved["fp8_proj_input"] == n + 512
+        assert proj_step(fp8) == proj_step(bf16)
+    else:
+        assert "fp8_proj_input" not in fp8.saved
+        assert proj_step(fp8) - proj_step(bf16) == n + 32 * 512 * 4
