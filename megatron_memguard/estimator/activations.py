@@ -203,13 +203,18 @@ def _requantized_proj_input(L: Layout, kind: LayerKind, mixer_bwd: tuple) -> tup
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
     (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output (delayed
-    scaling) lives and dies with ``proj_input``. The working sets of the steps are those of the BF16 layer plus the quantized
+    scaling) lives and dies with ``proj_input``, which stays only where the core attention keeps it too
+    (``fp8_layers.attention_keeps_proj_input``). The working sets of the steps are those of the BF16 layer plus the quantized
     output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
-    from .fp8_layers import layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
+    from .fp8_layers import attention_keeps_proj_input, layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
     over = saved_overrides(L.fp8_spec, module_gemms(L, layer_gemms(L, kind)), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e)
     saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e)}
+    if "fp8_proj_input" in saved and "proj_input" in saved and not attention_keeps_proj_input(saved):
+        # delayed scaling: linear_proj keeps only its quantized copy (TE 2.11 linear.py saves the quantized
+        # inputmat, not inp) and nothing else keeps the BF16 output it read
+        del saved["proj_input"]
 
     def tie(names: frozenset) -> frozenset:
         return names | {"fp8_proj_input"} if "proj_input" in names else names

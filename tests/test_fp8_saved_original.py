@@ -1,0 +1,74 @@
+"""Which BF16 / quantized GEMM inputs FP8 / FP4 layers keep where megatron-core calls ``set_save_original_input``,
+and who else keeps the BF16 attention output linear_proj reads, by hand from the source.
+
+Sources: Transformer Engine 2.11 ``pytorch/module/linear.py`` ``_Linear.forward`` (with ``save_original_input``
+the BF16 ``inp`` is saved, otherwise the quantized ``inputmat``; ``DelayedScaling`` asserts against it),
+``attention/dot_product_attention/backends.py`` (``FusedAttnFunc`` saves and returns ``out``; ``FlashAttention``
+returns a ``.transpose(0, 1).contiguous()`` copy of flash-attn's output), ``context_parallel.py``
+(``AttnFuncWithCPAndKVP2P`` saves and returns ``out_f16``); megatron-core 0.16.1 / 0.19.2
+``transformer/attention.py`` (``set_save_original_input(self.linear_proj)`` unless delayed)."""
+import pytest
+
+from megatron_memguard.estimator.activations import layer_activations
+
+from test_fp8_attention import CTX, TF, lay
+
+MIB = 2**20
+# Llama-3.1-8B, TP 2 + SP, micro-batch 1, seq 8192: linear_proj reads [8192, 16 heads x 128] per rank
+PROJ_BF16 = 2 * TF * CTX            # 32 MiB
+PROJ_FP8 = TF * CTX + 512           # 16 MiB of FP8 data (Hopper: the transpose only) + a 512-byte scale block
+
+
+def saved(recipe, *extra, version=None):
+    return layer_activations(lay("--fp8-format", "hybrid", "--fp8-recipe", recipe, *extra, version=version)).saved
+
+
+NOBODY_ELSE = [
+    ["--recompute-activations"],                                   # core_attn recompute: no autograd in the forward
+    ["--attention-backend", "unfused"],                            # TE's unfused context: a new tensor, not saved
+    ["--attention-output-gate"],                                   # linear_proj reads the gated product
+    ["--context-parallel-size", "2", "--attention-backend", "flash"],   # the ring keeps its bshd output instead
+]
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("extra", NOBODY_ELSE, ids=lambda e: " ".join(e))
+def test_delayed_keeps_only_the_fp8_copy_where_nothing_else_keeps_the_output(extra, version):
+    delayed, tensorwise = saved("delayed", *extra, version=version), saved("tensorwise", *extra, version=version)
+    cp = 2 if "--context-parallel-size" in extra else 1
+    # delayed: linear_proj's quantized copy alone; tensorwise: the BF16 input itself (set_save_original_input)
+    assert "proj_input" not in delayed and delayed["fp8_proj_input"] == TF * CTX // cp + 512
+    assert tensorwise["proj_input"] == PROJ_BF16 // cp and "fp8_proj_input" not in tensorwise
+    # every other saved tensor is the same under both per-tensor recipes: the layer differs by BF16 - FP8 output,
+    # 16 MiB - 512 B at CP 1 (delayed used to count both, 32 MiB more: the BF16 output no one keeps)
+    assert sum(tensorwise.values()) - sum(delayed.values()) == PROJ_BF16 // cp - (TF * CTX // cp + 512)
+    if cp == 1:
+        assert sum(tensorwise.values()) - sum(delayed.values()) == 16 * MIB - 512
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("extra", [[], ["--attention-backend", "flash"], ["--context-parallel-size", "2"]],
+                         ids=["fused", "flash", "fused-cp2"])
+def test_delayed_keeps_both_where_the_attention_keeps_the_output(extra, version):
+    # cuDNN FusedAttention (with or without its CP ring) saves the output it returns; flash-attn saves its own
+    # [b, s, h, d] output of the same size (no CP): the BF16 output stays next to linear_proj's FP8 copy
+    cp = 2 if "--context-parallel-size" in extra else 1
+    delayed = saved("delayed", *extra, version=version)
+    assert delayed["proj_input"] == PROJ_BF16 // cp and delayed["fp8_proj_input"] == TF * CTX // cp + 512
+
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("extra", [[], ["--attention-backend", "unfused"], ["--recompute-activations"]],
+                         ids=["fused", "unfused", "recompute"])
+def test_mla_delayed_proj_input(extra, version):
+    # multi-latent attention (test_fp8_estimate.MLA: linear_proj reads [4096, 8 heads x v 64] per rank): the same
+    # rule as standard attention; fused attention keeps the BF16 output, the unfused one and the checkpoint do not
+    from megatron_memguard import layout_from_flags
+    from test_fp8_estimate import MLA
+    L = layout_from_flags(MLA + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", *extra], world_size=2,
+                          megatron_version=version)
+    s = layer_activations(L).saved
+    n = 4096 * 512
+    assert s["fp8_proj_input"] == n + 512
+    assert s.get("proj_input") == (2 * n if not extra else None)
