@@ -72,3 +72,45 @@ def test_mla_delayed_proj_input(extra, version):
     n = 4096 * 512
     assert s["fp8_proj_input"] == n + 512
     assert s.get("proj_input") == (2 * n if not extra else None)
+
+
+def _mla(*extra, q_lora=True, version=None):
+    from megatron_memguard import layout_from_flags
+    from test_fp8_estimate import MLA
+    flags = list(MLA)
+    if not q_lora:
+        i = flags.index("--q-lora-rank")
+        del flags[i:i + 2]
+    return layer_activations(layout_from_flags(flags + list(extra), world_size=2, megatron_version=version))
+
+
+LN = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]
+T, H = 2048, 1024          # test_fp8_estimate.MLA: seq 4096 / TP 2 (sequence parallel) tokens, hidden 1024
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_mla_layernorm_recompute_keeps_only_linear_q_projs_copy(recipe, version):
+    # set_for_recompute_input_layernorm (multi_latent_attention.py, core 0.16.1 / 0.19.2): the down projections save
+    # the BF16 norm output, which CheckpointWithoutOutput discards (nothing kept, as in BF16); linear_q_proj (no
+    # --q-lora-rank) is not among them and keeps its quantized copy of its local input shard [2048, 1024]:
+    # tensorwise row-wise (all-gathered in backward) 1 B/elem + a 512-byte scale; mxfp8 column-wise + E8M0 scales
+    # [2048, 1024 / 32]
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    assert "qkv_input" not in _mla(*fp8, *LN, version=version).saved
+    assert "qkv_input" not in _mla(*LN, q_lora=False, version=version).saved
+    scales = 512 if recipe == "tensorwise" else T * H // 32
+    assert _mla(*fp8, *LN, q_lora=False, version=version).saved["qkv_input"] == T * H + scales
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_mla_layernorm_recompute_requantizes_in_the_down_projections_backward(recipe):
+    # TE 2.11 _Linear.backward quantizes the saved BF16 input for the weight gradient: tensorwise both usages
+    # (Hopper: data + transpose, 2 x [2048, 1024] + 512), mxfp8 column-wise ([2048, 1024] + scales); the step
+    # of the down projections (before the input norm's) grows by that one copy over BF16's
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    bf16, q8 = _mla(*LN), _mla(*fp8, *LN)
+    extra = 2 * T * H + 512 if recipe == "tensorwise" else T * H + T * H // 32
+    assert q8.bwd_steps[-2][1] - bf16.bwd_steps[-2][1] == extra
+    # without the recompute the down projections kept quantized copies: no new tensor at their step
+    assert _mla(*fp8).bwd_steps[-2][1] == _mla().bwd_steps[-2][1]

@@ -133,6 +133,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
+        mixer_bwd = _requantized_down_proj_input(L, kind, mods, mixer_bwd)
     norm2_step = () if no_mlp else (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
     )
@@ -200,6 +201,29 @@ def _requantized_proj_input(L: Layout, kind: LayerKind, mixer_bwd: tuple) -> tup
     return ((rel, w + proj_backward_input(spec, proj.tokens, proj.cols)), *rest)
 
 
+def _recomputed_mla_norm(L: Layout, kind: LayerKind, mods: set) -> bool:
+    """Multi-latent attention with 'layernorm' recompute in an FP8 / FP4 layer: its input norm is a module of its
+    own, whose output CheckpointWithoutOutput discards after the forward; megatron-core then calls
+    ``set_for_recompute_input_layernorm`` (``multi_latent_attention.py``, core 0.16.1 and 0.19.2, also 0.19.2's
+    ``absorbed_mla.py``): ``set_save_original_input`` on linear_q_down_proj (with ``--q-lora-rank``) and
+    linear_kv_down_proj, which keep that BF16 output (discarded: nothing) instead of a quantized copy. Delayed
+    scaling is refused with it (TransformerConfig)."""
+    from ..partition import MIXER_MLA
+    return kind.mixer == MIXER_MLA and "layernorm" in mods
+
+
+def _requantized_down_proj_input(L: Layout, kind: LayerKind, mods: set, mixer_bwd: tuple) -> tuple:
+    """The down projections that saved the (recomputed) BF16 norm output quantize it again in their backward for
+    the weight gradient (TE 2.11 ``linear.py`` ``_Linear.backward``; one [T, h] copy at a time, freed after each
+    weight gradient): added to the down projections' step (the mixer's step before the input norm's)."""
+    if not _recomputed_mla_norm(L, kind, mods) or len(mixer_bwd) < 2:
+        return mixer_bwd
+    from .fp8_layers import proj_backward_input
+    x = shapes(L)
+    *head, (rel, w), last = mixer_bwd
+    return (*head, (rel, w + proj_backward_input(L.fp8_spec, x.T, x.h)), last)
+
+
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
     (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output (delayed
@@ -215,6 +239,14 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
         # delayed scaling: linear_proj keeps only its quantized copy (TE 2.11 linear.py saves the quantized
         # inputmat, not inp) and nothing else keeps the BF16 output it read
         del saved["proj_input"]
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    if _recomputed_mla_norm(L, kind, mods) and "qkv_input" not in saved:
+        # without --q-lora-rank, linear_q_proj (not made to save its original input) still keeps its quantized
+        # copy of the norm output: the one part of qkv_input that outlives the recompute's discard
+        from .fp8 import saved_input
+        q = next((g for g in layer_gemms(L, kind) if g.name == "linear_q_proj"), None)
+        if q is not None:
+            saved["qkv_input"] = saved_input(L.fp8_spec, q.tokens, q.cols, sp_gathered=q.sp_gathered).allocated
 
     def tie(names: frozenset) -> frozenset:
         return names | {"fp8_proj_input"} if "proj_input" in names else names
