@@ -114,3 +114,62 @@ def test_mla_layernorm_recompute_requantizes_in_the_down_projections_backward(re
     assert q8.bwd_steps[-2][1] - bf16.bwd_steps[-2][1] == extra
     # without the recompute the down projections kept quantized copies: no new tensor at their step
     assert _mla(*fp8).bwd_steps[-2][1] == _mla().bwd_steps[-2][1]
+
+
+MOE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 "
+       "--micro-batch-size 4 --global-batch-size 32 --bf16 --tensor-model-parallel-size 2 --sequence-parallel "
+       "--expert-model-parallel-size 2 --num-experts 8 --moe-router-topk 2 --moe-layer-freq ([0]*1+[1]*3) "
+       "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --disable-bias-linear "
+       "--moe-shared-expert-intermediate-size 1024 --vocab-size 50257").split()
+MOE_T, MOE_H = 1024 * 4 // 2, 512      # tokens per rank (sequence parallel), hidden
+
+
+def _moe_layer(*extra, version=None):
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.partition import MLP_MOE, layer_kinds
+    L = layout_from_flags(MOE + list(extra), world_size=4, megatron_version=version)
+    kind = next(k for k in layer_kinds(L) if k.mlp == MLP_MOE)
+    return layer_activations(L, True, kind)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("fp8", [[], ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+                                 ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"]], ids=["bf16", "tensorwise", "blockwise"])
+def test_moe_pre_mlp_norm_output_is_discarded_with_layernorm_recompute(fp8, version):
+    # TransformerLayer.__init__ (core 0.16.1 / 0.19.2): the MoE layer's pre_mlp_layernorm is a TENorm, so 'layernorm'
+    # recompute runs it in CheckpointWithoutOutput and discards its output after the MLP's forward; under FP8 / FP4
+    # set_for_recompute_pre_mlp_layernorm makes the shared expert's fc1 save that BF16 output (no quantized copy).
+    # The layer keeps [2048, 512] BF16 less (2 MiB), and the pre-MLP norm's backward step remakes it
+    plain, rec = _moe_layer(*fp8, version=version), _moe_layer(*fp8, *LN, version=version)
+    assert plain.saved["fc1_input"] == 2 * MOE_T * MOE_H == 2 * MIB and "fc1_input" not in rec.saved
+    assert rec.saved["moe_shared_experts"] == plain.saved["moe_shared_experts"]
+    # the dense layer's norm is fused into linear_fc1 (TELayerNormColumnParallelLinear, IdentityOp norm): unchanged
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.partition import MLP_DENSE, layer_kinds
+    L = layout_from_flags(MOE + fp8 + LN, world_size=4, megatron_version=version)
+    dense = layer_activations(L, True, next(k for k in layer_kinds(L) if k.mlp == MLP_DENSE))
+    assert "fc1_input" in dense.saved
+
+
+def test_moe_router_cuda_graph_keeps_the_pre_mlp_norm_output():
+    # can_recompute_pre_mlp_layernorm_for_cudagraph: with TE CUDA graphs of the router but not of the preprocess the
+    # recompute is disabled (the norm output is a graph output in a static buffer); with the preprocess too and
+    # the alltoall dispatcher it stays on
+    graphs = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope"]
+    assert "fc1_input" in _moe_layer(*LN, *graphs, "moe_router", version="0.19.2").saved
+    assert "fc1_input" not in _moe_layer(*LN, *graphs, "moe_router", "moe_preprocess", version="0.19.2").saved
+
+
+def test_input_jitter_copy_counted_once_the_norm_output_is_discarded():
+    # Router.apply_input_jitter: the product keeps the noise [T, h] and the gating keeps the jittered input. Without
+    # shared experts the norm output it replaced was counted as fc1_input; once 'layernorm' recompute discards that
+    # output the jittered copy is counted on its own: 2 x [2048, 512] BF16
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.partition import MLP_MOE, layer_kinds
+    i = MOE.index("--moe-shared-expert-intermediate-size")
+    flags = MOE[:i] + MOE[i + 2:] + ["--moe-input-jitter-eps", "0.01"]
+    for extra, copies in (([], 1), (LN, 2)):
+        L = layout_from_flags(flags + extra, world_size=4)
+        s = layer_activations(L, True, next(k for k in layer_kinds(L) if k.mlp == MLP_MOE)).saved
+        assert s["moe_router_input_jitter"] == copies * 2 * MOE_T * MOE_H
+        assert ("fc1_input" in s) == (not extra)

@@ -30,7 +30,7 @@ from itertools import repeat
 
 from ..layout import Layout
 from ..layout.layout import _derived
-from ..partition import MIXER_NONE, MLP_NONE, LayerKind, uniform_kind
+from ..partition import MIXER_NONE, MLP_MOE, MLP_NONE, LayerKind, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
 from .layers.base import Shapes, Step, shapes  # noqa: F401
@@ -94,6 +94,8 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     te = L.transformer_impl == "transformer_engine"
     T, Tf, h, e, r = x.T, x.Tf, x.h, x.e, x.r
     drop_norm = "layernorm" in mods and not te
+    # the MoE layer's pre-MLP norm is a module of its own in the TE spec too: 'layernorm' recompute discards its output
+    drop_norm2 = drop_norm or ("layernorm" in mods and kind.mlp == MLP_MOE and _moe_pre_mlp_norm_recomputed(L))
     G = T * h * e   # gradient of the layer output (received or from the layer above)
 
     mlp = mlp_recipe(kind).activations(L, mods, G)
@@ -123,7 +125,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if not no_mlp:
         saved["mlp_norm_input"] = T * h * r                     # (the layer input itself after a no-op attention)
         saved["norm2_stats"] = _norm_stats(L, T)
-        if not drop_norm:
+        if not drop_norm2:
             saved["fc1_input"] = T * h * e
     saved.update(mlp.saved)
     # Forward steps: (saved names not created yet, working bytes)
@@ -135,7 +137,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
         mixer_bwd = _requantized_down_proj_input(L, kind, mods, mixer_bwd)
     norm2_step = () if no_mlp else (
-        (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
+        (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm2 else 0)),                 # pre-MLP norm
     )
     bwd_steps = mlp_bwd + norm2_step + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
@@ -143,6 +145,22 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if kind.quantized:
         saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def _moe_pre_mlp_norm_recomputed(L: Layout) -> bool:
+    """Whether 'layernorm' recompute reaches an MoE layer's pre-MLP norm (a TENorm / its own module in every spec):
+    TransformerLayer.__init__ (core 0.16.1 and 0.19.2) runs it in CheckpointWithoutOutput, whose output is discarded
+    after the MLP's forward and remade in its backward (the router, the shared experts' fc1 -- under FP8 / FP4 made
+    to save that BF16 output, ``set_for_recompute_pre_mlp_layernorm`` -- and a checkpoint keep it only as storage
+    that is freed), unless TE CUDA graphs capture the router (``can_recompute_pre_mlp_layernorm_for_cudagraph``):
+    then only with the preprocess captured too, the alltoall dispatcher or latent MoE, and no shared-expert overlap."""
+    modules = set(L.cuda_graph_modules)
+    if "moe_router" not in modules or L.cuda_graph_impl == "local":
+        return True
+    m = L.moe
+    if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_overlap:
+        return False
+    return "moe_preprocess" in modules and (m.moe_token_dispatcher_type == "alltoall" or bool(m.moe_latent_size))
 
 
 def _delayed_wgrad_bytes(L: Layout, kind: LayerKind, Tf: int, e: int) -> int:

@@ -376,6 +376,10 @@ def input_jitter_bytes(L: Any, m: MoeSpec, T: int, rec: set | frozenset = frozen
     recomputed = "shared_experts" in rec      # (the selectively recomputed modules)
     norm_out_kept = bool(m.moe_shared_expert_intermediate_size) and (recomputed or not (
         (m.moe_shared_expert_overlap and L.tp > 1) or m.use_grouped_gemm_for_shared_expert))
+    if "layernorm" in rec:
+        # a recomputed pre-MLP norm's output is discarded (not counted with the layer): the jittered copy is extra
+        from ..activations import _moe_pre_mlp_norm_recomputed
+        norm_out_kept = norm_out_kept or L.transformer_impl != "transformer_engine" or _moe_pre_mlp_norm_recomputed(L)
     return e * T * h * (2 if norm_out_kept else 1)
 
 
