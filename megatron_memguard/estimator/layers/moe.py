@@ -642,12 +642,12 @@ def global_buffer_request(L: Any, m: MoeSpec) -> int:
 
 def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
     """Bytes one MoE layer's MLP surely keeps per micro-batch with balanced routing (the planner's lower
-    bound): the router's input and, unless 'moe' is recomputed, the dispatched tokens and the experts'
-    fc1 output and fc2 input."""
+    bound): the router's input (unless 'layernorm' recompute discards it) and, unless 'moe' is recomputed, the
+    dispatched tokens and the experts' fc1 output and fc2 input."""
     m = L.moe
     e, h = L.act_bytes, L.hidden_size
     T = b * seq // (tp if sp else 1)
-    kept = T * h * e
+    kept = 0 if "layernorm" in mods else T * h * e
     if "moe" in mods:
         return kept
     N = T * m.moe_router_topk * m.etp
