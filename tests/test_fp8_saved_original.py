@@ -28,6 +28,7 @@ NOBODY_ELSE = [
     ["--attention-backend", "unfused"],                            # TE's unfused context: a new tensor, not saved
     ["--attention-output-gate"],                                   # linear_proj reads the gated product
     ["--context-parallel-size", "2", "--attention-backend", "flash"],   # the ring keeps its bshd output instead
+    ["--attention-backend", "flash"],                              # flash-attn keeps its bshd output instead
 ]
 
 
@@ -47,11 +48,10 @@ def test_delayed_keeps_only_the_fp8_copy_where_nothing_else_keeps_the_output(ext
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
-@pytest.mark.parametrize("extra", [[], ["--attention-backend", "flash"], ["--context-parallel-size", "2"]],
-                         ids=["fused", "flash", "fused-cp2"])
+@pytest.mark.parametrize("extra", [[], ["--context-parallel-size", "2"]], ids=["fused", "fused-cp2"])
 def test_delayed_keeps_both_where_the_attention_keeps_the_output(extra, version):
-    # cuDNN FusedAttention (with or without its CP ring) saves the output it returns; flash-attn saves its own
-    # [b, s, h, d] output of the same size (no CP): the BF16 output stays next to linear_proj's FP8 copy
+    # cuDNN FusedAttention (with or without its CP ring) saves the output it returns: the BF16 output stays next to
+    # linear_proj's FP8 copy
     cp = 2 if "--context-parallel-size" in extra else 1
     delayed = saved("delayed", *extra, version=version)
     assert delayed["proj_input"] == PROJ_BF16 // cp and delayed["fp8_proj_input"] == TF * CTX // cp + 512
@@ -173,3 +173,21 @@ def test_input_jitter_copy_counted_once_the_norm_output_is_discarded():
         s = layer_activations(L, True, next(k for k in layer_kinds(L) if k.mlp == MLP_MOE)).saved
         assert s["moe_router_input_jitter"] == copies * 2 * MOE_T * MOE_H
         assert ("fc1_input" in s) == (not extra)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_flash_backend_without_cp_by_hand(version):
+    # TE 2.11 backends.py FlashAttention.forward (sbhd): contiguous [b, s, h, d] copies of q, k, v (kept by flash-attn
+    # with its own output and the fp32 log-sum-exp), and a .contiguous() sbhd copy of the output for linear_proj.
+    # Llama-3.1-8B per TP rank: q 16 heads, k and v 4 groups each, head dim 128, 8192 tokens, BF16
+    flash = layer_activations(lay("--attention-backend", "flash", version=version)).saved
+    fused = layer_activations(lay(version=version)).saved
+    q, kv = 2 * TF * CTX, 2 * TF * 4 * 128
+    assert flash["flash_qkv"] == q + 2 * kv == 48 * MIB
+    assert flash["attention_output_bshd"] == flash["proj_input"] == q == 32 * MIB
+    assert flash["softmax_stats"] == fused["softmax_stats"] == 16 * 8192 * 4
+    # the rope'd q and k and the qkv output (v's base) are no longer kept by the attention
+    for name in ("qkv_output", "query_rope", "key_rope"):
+        assert name in fused and name not in flash
+    # fused keeps qkv output 48 + rope'd q 32 + k 8 + output 32 MiB; flash 48 + 32 + 32 MiB: 8 MiB less per layer
+    assert sum(fused.values()) - sum(flash.values()) == 8 * MIB

@@ -125,12 +125,11 @@ def attention_keeps_proj_input(saved: Mapping[str, int]) -> bool:
     """Whether the BF16 tensor linear_proj reads (``proj_input``) is also saved by the core attention, from a
     layer's saved names: TE's FusedAttention (``FusedAttnFunc`` saves ``out`` and returns it, viewed) and its p2p
     ring under context parallelism (``AttnFuncWithCPAndKVP2P`` saves and returns ``out_f16``) keep it when they
-    run with autograd (their softmax statistics are saved); the flash backend without CP keeps its own
-    ``[b, s, h, d]`` output of the same size, so one such tensor stays too (TE 2.11 ``backends.py``,
-    ``context_parallel.py``). Nothing else keeps it: unfused attention (its context is a new tensor the bmm
-    does not save), ``core_attn`` recompute (the checkpoint runs the attention without autograd), the output
-    gate (linear_proj reads the gated product), the flash backend under CP (linear_proj reads the
-    ``.contiguous()`` sbhd copy of the ``attention_output_bshd`` the ring keeps)."""
+    run with autograd (their softmax statistics are saved) (TE 2.11 ``backends.py``, ``context_parallel.py``).
+    Nothing else keeps it: unfused attention (its context is a new tensor the bmm does not save), ``core_attn``
+    recompute (the checkpoint runs the attention without autograd), the output gate (linear_proj reads the gated
+    product), the flash backend with or without CP (linear_proj reads a ``.contiguous()`` sbhd copy of the
+    ``attention_output_bshd`` flash-attn or the ring keeps)."""
     return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved)
 
 
