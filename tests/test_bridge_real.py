@@ -173,6 +173,13 @@ LAUNCHES = [
     ["--model", "deepseek_v2_lite", "--mode", "pretrain", "-mb", "2", "-sl", "2048",
      "model.moe_grouped_gemm=false"],
     ["--recipe", "olmoe_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true", "-ep", "4"],
+    # the dense recipes read from Bridge 0.6.2
+    ["--recipe", "qwen3_8b_pretrain_config", "-tp", "2", "train.global_batch_size=256"],
+    ["--model", "qwen25_7b", "--mode", "pretrain", "-mb", "2", "-sl", "2048"],
+    ["--recipe", "llama3_70b_pretrain_deterministic_config", "-pp", "2", "-vp", "5", "-sl", "4096"],
+    ["--recipe", "llama31_405b_pretrain_config", "-tp", "8", "-pp", "2", "-vp", "7", "-cp", "1", "-sl", "8192",
+     "model.account_for_embedding_in_pipeline_split=false", "model.account_for_loss_in_pipeline_split=false"],
+    ["--recipe", "llama3_8b_low_precision_pretrain_config", "-mb", "2"],
 ]
 
 
@@ -582,7 +589,10 @@ def test_every_recipe_reads_as_bridge_finalizes_it(recipes, monkeypatch, tmp_pat
     path = tmp_path / "run_config.yaml"
     cfg.to_yaml(str(path))
     dumped = resolve(read_config_file(str(path)), world_size=world)
-    pre = preflight(cfg, world_size=world, gpu="H100-80GB", mode="report", emit=lambda s: None, strict=True).layout
+    # (MXFP8 and NVFP4 need Blackwell, whatever the recipe's name says: memguard refuses them on an H100)
+    blackwell = (cfg.model.fp8 and cfg.model.fp8_recipe == "mxfp8") or cfg.model.fp4
+    pre = preflight(cfg, world_size=world, gpu="B200" if blackwell else "H100-80GB", mode="report", emit=lambda s: None,
+                    strict=True).layout
     for L, how in ((by_name, "--model"), (dumped, "--config run_config.yaml"), (pre, "preflight")):
         ours = L.to_dict()
         assert {k: ours[k] for k in real} == real, how
