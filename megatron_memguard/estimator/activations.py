@@ -138,6 +138,12 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     bwd_steps = mlp_bwd + norm2_step + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
         bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
+    if getattr(L, "peft", None) is not None:
+        # LoRA / DoRA: frozen linears keep no input for a weight gradient, the adapters keep theirs (estimator/peft.py)
+        from .peft import layer_items, tie_steps
+        saved, dora_fwd = layer_items(L, saved, mods)
+        fwd_steps = tie_steps(fwd_steps, saved) + (((frozenset(), dora_fwd),) if dora_fwd else ())
+        bwd_steps = tie_steps(bwd_steps, saved)
     if kind.quantized:
         saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
