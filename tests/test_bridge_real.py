@@ -430,3 +430,35 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     raw = read_config_file(str(p), model="llama32_1b")
     assert any(w.startswith("model.num_layer: ") and "did you mean model.num_layers?" in w for w in raw.warnings)
     assert raw.args["num_layers"] == 16
+
+
+# --- PEFT: Bridge's real adapters vs memguard's count (estimator/peft.py)
+
+def _real_adapters(tp: int, scheme: str, port: int) -> dict:
+    import subprocess
+    script = os.path.join(STANDINS, "peft_adapters.py")
+    env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), str(port), scheme], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(tp)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tp,scheme", [(1, "lora"), (2, "lora"), (2, "dora")])
+def test_peft_adapter_parameters_are_bridges(tp, scheme, tmp_path):
+    from megatron_memguard import resolve
+    from megatron_memguard.estimator.peft import layer_adapter_rows
+    from megatron_memguard.readers.detect import read_config_file
+    real = _real_adapters(tp, scheme, 29560 + tp + (5 if scheme == "dora" else 0))
+    p = tmp_path / "peft.yaml"
+    cls = "dora.DoRA" if scheme == "dora" else "lora.LoRA"
+    p.write_text(f"peft:\n  _target_: megatron.bridge.peft.{cls}\n  dim: 32\n")
+    L = resolve(read_config_file(str(p), model="llama32_1b",
+                                 overrides=[f"model.tensor_model_parallel_size={tp}"]), world_size=8)
+    ours: dict = {}
+    for name, n, _ in layer_adapter_rows(L):
+        ours[name.split(".")[0]] = ours.get(name.split(".")[0], 0) + n
+    assert ours == real
+    if tp == 1 and scheme == "lora":
+        assert sum(real.values()) * 16 == 19_398_656    # Llama-3.2-1B, rank 32, the four default targets

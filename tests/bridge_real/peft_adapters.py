@@ -1,0 +1,38 @@
+"""Builds Megatron-Bridge 0.6.2's real LoRA / DoRA adapters (megatron/bridge/peft/utils.py ParallelLinearAdapter,
+dora_layers.py ParallelLinearDoRAAdapter) for one layer of Llama-3.2-1B's shape on CPU (gloo), and prints the
+trainable parameters of each target on this TP rank as JSON. Run as ``peft_adapters.py RANK TP PORT SCHEME``,
+one process per TP rank (tests/test_bridge_real.py)."""
+import json
+import os
+import sys
+
+import torch
+
+rank, tp, port, scheme = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(tp))
+torch.distributed.init_process_group("gloo")
+from megatron.core import parallel_state  # noqa: E402
+
+parallel_state.initialize_model_parallel(tp, 1)
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.bridge.peft.dora_layers import ParallelLinearDoRAAdapter  # noqa: E402
+from megatron.bridge.peft.utils import ParallelLinearAdapter  # noqa: E402
+
+cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True, bf16=True,
+                          params_dtype=torch.bfloat16)
+h, ffn, qkv = 2048, 8192, (32 + 2 * 8) * 64      # Llama-3.2-1B: 32 heads, 8 query groups, head dim 64
+targets = {"linear_qkv": (h, qkv, False), "linear_proj": (h, h, True), "linear_fc1": (h, 2 * ffn, False),
+           "linear_fc2": (ffn, h, True)}   # (in, out, input_is_parallel), as get_adapter_attributes_from_linear gives
+out = {}
+for name, (i, o, row) in targets.items():
+    cls = ParallelLinearDoRAAdapter if scheme == "dora" else ParallelLinearAdapter
+    a = cls(i, o, 32, base_linear_name="decoder.layers.0." + name, activation="identity", input_is_parallel=row,
+            model_parallel_config=cfg, alpha=32)
+    n = sum(p.numel() for p in a.parameters() if p.requires_grad)
+    if scheme == "dora":
+        # DoRALinear.__init__ sets weight_magnitude to the norms of the wrapped weight's local rows
+        n += o // tp if not row else o
+    out[name] = n
+if rank == 0:
+    print(json.dumps(out))
+torch.distributed.destroy_process_group()
