@@ -99,4 +99,5 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
     "fine_grained_offloading_max_inflight_offloads": None,
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
+    "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

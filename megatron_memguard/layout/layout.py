@@ -146,9 +146,7 @@ class Layout:
                 del d[name]
         else:
             d["moe"] = self.moe.to_dict()
-        if self.peft is None:
-            del d["peft"]
-        else:
+        if self.peft is not None:
             d["peft"] = self.peft.to_dict()
         for name, default in OMITTED_AT_DEFAULT.items():
             if d.get(name, default) == default:   # (an FP8 name is absent without FP8)
