@@ -19,10 +19,8 @@ Megatron-Bridge 0.6.2 (megatron/bridge/peft/base.py, lora.py, dora.py, utils.py 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
-
 from ..layout import Layout, ShardGroup, TensorKind
-from ..layout.peft import COLUMN_TARGETS
+from ..layout.peft import COLUMN_TARGETS, SCHEME_NAMES
 from .layers.base import shapes
 
 # registration order inside a layer: SelfAttention registers linear_proj before linear_qkv (attention.py), then the MLP
@@ -113,7 +111,7 @@ def state_rows(L: Layout, ps: PeftStates) -> tuple[tuple[tuple[str, int, str, st
     nb = L.precision.byte_sizes()
     p_b, g_b = nb[TensorKind.PARAM], nb[TensorKind.MAIN_GRAD]
     shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
-    scheme = L.peft.scheme.upper()
+    scheme = SCHEME_NAMES[L.peft.scheme]
     rows = [("parameters", ps.base_params * p_b, "weights",
              f"{ps.base_params:,} frozen base params x {p_b} B (requires_grad False: the modules' own tensors, "
              "outside DDP's buffers)"),
@@ -232,7 +230,3 @@ def tie_steps(steps: tuple, saved: dict[str, int]) -> tuple:
         return steps
     return tuple((names | {k for k, v in extra if v in names}, w) for names, w in steps)
 
-
-def describe(p: Any) -> str:
-    return (f"{p.scheme.upper()} r={p.dim} alpha={p.alpha:g} dropout={p.dropout:g} ({p.dropout_position}) on "
-            + ", ".join(p.target_modules))

@@ -15,6 +15,7 @@ DEFAULT_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "
 # column-parallel targets (the adapter's input is the norm output, not TP-split) vs row-parallel ones
 COLUMN_TARGETS = frozenset({"linear_qkv", "linear_fc1"})
 ROW_TARGETS = frozenset({"linear_proj", "linear_fc2"})
+SCHEME_NAMES = {"lora": "LoRA", "dora": "DoRA"}
 
 
 @dataclass(frozen=True)

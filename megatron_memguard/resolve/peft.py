@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import NotModelledError
-from ..layout.peft import COLUMN_TARGETS, DEFAULT_TARGETS, ROW_TARGETS, PeftSpec
+from ..layout.peft import COLUMN_TARGETS, DEFAULT_TARGETS, ROW_TARGETS, SCHEME_NAMES, PeftSpec
 from ..numbers import shown
 from .args import Args, Context
 
@@ -98,6 +98,6 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                            "(the adapters of linear_qkv / linear_fc1 split their rank over TP)")
     if scheme == "dora" and dropout > 0:
         raise NotModelledError(a.key("peft_dropout"), "DoRA with dropout > 0 (a second base forward)")
-    a.notes.append(f"{scheme.upper()} rank {dim} on {', '.join(targets)}: base weights frozen (no gradients, no "
+    a.notes.append(f"{SCHEME_NAMES[scheme]} rank {dim} on {', '.join(targets)}: base weights frozen (no gradients, no "
                    "optimizer state); the adapters are the only trained parameters")
     return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets)}
