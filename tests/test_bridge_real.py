@@ -462,3 +462,22 @@ def test_peft_adapter_parameters_are_bridges(tp, scheme, tmp_path):
     assert ours == real
     if tp == 1 and scheme == "lora":
         assert sum(real.values()) * 16 == 19_398_656    # Llama-3.2-1B, rank 32, the four default targets
+
+
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_a_real_peft_recipe_is_read_from_the_object_and_its_dump(recipes, tmp_path, scheme):
+    """Bridge's own Llama-3.2-1B PEFT recipe (its LoRA / DoRA object, its run_config.yaml dump): memguard reads the
+    adapters Bridge would build, and both ways give one layout."""
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
+
+    cfg = recipes.llama32_1b_peft_config(peft_scheme=scheme)
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    L = resolve(read_config_file(str(path)), world_size=8)
+    p = cfg.peft
+    assert (L.peft.scheme, L.peft.dim, L.peft.alpha, L.peft.dropout, L.peft.dropout_position) == (
+        scheme, p.dim, p.alpha, p.dropout, p.dropout_position)
+    assert L.peft.target_modules == tuple(p.target_modules)
+    assert fields(L) == fields(resolve(raw_config(cfg), world_size=8))

@@ -125,6 +125,14 @@ def test_bad_or_unmodelled_peft_settings_name_the_key(tmp_path, extra, key, exc)
     assert key in str(e.value) and "Traceback" not in str(e.value)
 
 
+def test_a_live_lora_objects_fields_are_read(tmp_path):
+    # what the Bridge callback hands over for LoRA(): every dataclass field, empty lists and mappings included
+    L = layout(tmp_path, FLAT + LORA + "  exclude_modules: []\n  canonical_mapping: {}\n  lora_dtype: null\n"
+               "  a2a_experimental: false\n  sequence_parallel_input_regather: false\n  dropout_position: pre\n"
+               "  lora_A_init_method: xavier\n  normalize_moe_lora: false\n")
+    assert L.peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
 def test_other_peft_classes_and_dora_after_dropout_are_refused(tmp_path):
     with pytest.raises(NotModelledError, match="peft._target_.*CanonicalLoRA"):
         layout(tmp_path, FLAT + "peft:\n  _target_: megatron.bridge.peft.canonical_lora.CanonicalLoRA\n")

@@ -319,7 +319,7 @@ _PEFT_FIELDS = {"dim": "peft_dim", "alpha": "peft_alpha", "dropout": "peft_dropo
                 "sequence_parallel_input_regather": "peft_sp_input_regather"}
 # fields that change no memory of a dense model (initialisation, MoE-only options, checkpoint handling)
 _PEFT_NEUTRAL = frozenset({"lora_A_init_method", "lora_B_init_method", "normalize_moe_lora", "share_expert_adapters",
-                           "experts_shared_outer_loras", "params_to_save", "canonical_mapping", "_target_"})
+                           "experts_shared_outer_loras", "params_to_save", "_target_"})
 
 
 def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
@@ -341,8 +341,12 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
     b.set("peft_scheme", _PEFT_CLASSES[cls], target[1])
     for name, (value, key) in fields.items():
         if name in _PEFT_FIELDS:
-            if value is not None:
+            # (a live LoRA object's exclude_modules is an empty list: nothing excluded)
+            if value is not None and not (name == "exclude_modules" and not value):
                 b.set(_PEFT_FIELDS[name], value, key)
+        elif name == "canonical_mapping":
+            if value:
+                raise NotModelledError(key, "PEFT targets given by a canonical_mapping")
         elif name == "lora_dtype":
             if value is not None:
                 raise NotModelledError(key, "LoRA weights in a dtype other than the model's")
