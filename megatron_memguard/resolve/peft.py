@@ -45,6 +45,11 @@ def _refuse_with(a: Args, kw: Mapping[str, Any]) -> None:
     elif kw.get("use_transformer_engine_op_fuser"):
         # TP 1 takes TEFusedLoRALinear (lora_layers.py), another autograd path
         what, dest = "PEFT with Transformer Engine's operation fuser (TEFusedLoRALinear)", "use_transformer_engine_op_fuser"
+    elif kw.get("ddp_reduce_scatter_with_fp32_accumulation"):
+        what, dest = "PEFT with fp32 reduce-scatter accumulation", "ddp_reduce_scatter_with_fp32_accumulation"
+    elif kw.get("ddp_param_name_patterns_for_fp32_local_accumulation"):
+        what, dest = ("PEFT with fp32 local gradient accumulation patterns",
+                      "ddp_param_name_patterns_for_fp32_local_accumulation")
     elif kw.get("cpu_offloading_num_layers") or kw.get("fine_grained_activation_offloading"):
         what, dest = "PEFT with activation offloading", "cpu_offloading_num_layers"
     if what:
