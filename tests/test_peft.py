@@ -140,6 +140,10 @@ def test_other_peft_classes_and_dora_after_dropout_are_refused(tmp_path):
         layout(tmp_path, FLAT + DORA + "  dropout_position: post\n")
     with pytest.raises(NotModelledError, match="transformer.impl|transformer_impl"):
         layout(tmp_path, FLAT + LORA, overrides=["model.transformer_impl=local"])
+    with pytest.raises(NotModelledError, match="ddp.reduce_scatter_with_fp32_accumulation"):
+        layout(tmp_path, FLAT + LORA, overrides=["ddp.reduce_scatter_with_fp32_accumulation=true"])
+    with pytest.raises(NotModelledError, match="num_moe_experts|num_experts"):
+        layout(tmp_path, FLAT + LORA, overrides=["model.num_moe_experts=4", "model.moe_router_topk=2"])
 
 
 def test_megatron_flags_have_no_peft(capsys):
