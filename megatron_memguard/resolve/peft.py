@@ -85,8 +85,11 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if targets_v is None:
         targets: tuple[str, ...] = DEFAULT_TARGETS
     else:
-        items = [targets_v] if isinstance(targets_v, str) else list(targets_v)
-        targets = tuple(dict.fromkeys(str(t).strip() for t in items))
+        items = [targets_v] if isinstance(targets_v, str) else list(targets_v) if isinstance(targets_v, (list, tuple)) else None
+        if items is None or not all(isinstance(t, str) for t in items):
+            a.fail("peft_target_modules", f"must be a list of module names, got {shown(targets_v)}")
+            return {"peft": None}
+        targets = tuple(dict.fromkeys(t.strip() for t in items))
         if not targets:
             raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules "
                                    "(Bridge then wraps every linear not excluded)")
