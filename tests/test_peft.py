@@ -204,3 +204,15 @@ def test_run_recipe_lora_mode_names_the_recipe():
     from megatron_memguard.readers.run_recipe import parse_run_recipe, recipe_key
     with pytest.raises(NotModelledError, match="--mode lora.*llama32_1b_peft_config"):
         recipe_key(parse_run_recipe(["--model", "llama32_1b", "--mode", "lora"]))
+
+
+def test_the_adapters_backward_working_sets(tmp_path):
+    full, lora = layer_activations(layout(tmp_path, FLAT)), layer_activations(layout(tmp_path, FLAT + LORA))
+    Tf, e, r = 2048, 2, 8
+    # at each wrapped linear's backward step: the adapter's input gradient [s b, in/TP] and two [s b, r] tensors
+    # (steps: fc2, the unfused SwiGLU's mul, silu and chunk, fc1, pre-MLP norm, linear_proj, core attention,
+    # linear_qkv, input norm)
+    extra = [w2 - w1 for (_, w1), (_, w2) in zip(full.bwd_steps, lora.bwd_steps)]
+    adapter = 2 * Tf * r * e
+    assert extra == [Tf * 768 * e + adapter, 0, 0, 0, Tf * 512 * e + adapter, 0, Tf * 256 * e + adapter, 0,
+                     Tf * 512 * e + adapter, 0]

@@ -130,6 +130,9 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     fwd_steps = mixer.fwd_steps + mlp.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
     # Backward steps: (saved names released, working bytes): the MLP, the pre-MLP norm, the mixer
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
+    if getattr(L, "peft", None) is not None:
+        from .peft import backward_steps
+        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd)
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)

@@ -230,3 +230,26 @@ def tie_steps(steps: tuple, saved: dict[str, int]) -> tuple:
         return steps
     return tuple((names | {k for k, v in extra if v in names}, w) for names, w in steps)
 
+
+
+def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:
+    """The dense MLP's and the attention's backward steps with each adapter's working set added at its linear's
+    step (linear_fc2: the MLP's first, linear_fc1: its last; linear_proj: the mixer's first, linear_qkv: the one
+    before the input norm): the gradient of the adapter's input ([s b, in], next to the base's; twice with dropout
+    before the adapter: the dropout's backward makes another) and of its [s b, r] intermediate, twice."""
+    p = L.peft
+    x = shapes(L)
+    e, Tf = x.e, x.Tf
+    pre = 2 if p.dropout > 0 and p.dropout_position == "pre" else 1
+    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e for name, (_, i) in target_shapes(L).items()}
+
+    def plus(steps: tuple, at: dict[int, int]) -> tuple:
+        n = len(steps)
+        add = {k % n: v for k, v in at.items() if v}
+        return tuple((names, w + add.get(i, 0)) for i, (names, w) in enumerate(steps))
+
+    if len(mlp_bwd) >= 2:
+        mlp_bwd = plus(mlp_bwd, {0: extra.get("linear_fc2", 0), -1: extra.get("linear_fc1", 0)})
+    if len(mixer_bwd) >= 3:
+        mixer_bwd = plus(mixer_bwd, {0: extra.get("linear_proj", 0), -2: extra.get("linear_qkv", 0)})
+    return mlp_bwd, mixer_bwd
