@@ -103,11 +103,12 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     mixer = mixer_recipe(kind).activations(L, mods, has_batch_mask, drop_norm, after, rel_norm2, G)
     if kind.quantized in ("delayed", "tensorwise") and L.fp8_spec.fp8_dot_product_attention:
-        from ..partition import MIXER_ATTENTION
-        if kind.mixer == MIXER_ATTENTION and attention_kind(L) == "fused" and L.cp == 1:
-            # the core attention in FP8 (TE FusedAttention; resolve/fp8.py refuses CP, MLA, the output gate)
+        from ..partition import MIXER_ATTENTION, MIXER_MLA
+        if kind.mixer in (MIXER_ATTENTION, MIXER_MLA) and attention_kind(L) == "fused":
+            # the core attention in FP8 (TE FusedAttention, or its p2p ring under CP; resolve/fp8.py refuses the
+            # other CP communication types, and MLA under CP)
             from .layers.fp8_attention import fp8_attention
-            mixer = fp8_attention(L, mixer)
+            mixer = fp8_attention(L, mixer, mla=kind.mixer == MIXER_MLA)
 
     # a heterogeneous layer's no-op half (heterogeneous_layer_specs.py, 0.19.2): its norm, block and
     # bias-dropout-add are identities, so it keeps nothing (layers/noop.py) and neither does the layer for it
