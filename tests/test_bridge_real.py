@@ -9,6 +9,7 @@ Bridge's modules import), run_recipe's forward-step loader (the training step, w
 config), the two helper modules the scripts import from Bridge's repository
 (recipe_metadata, benchmark_parallelism: library recipes only), and the Hugging Face hub: each recipe reads its
 model's config.json, written here from memguard's presets (the published config.json values), offline."""
+import functools
 import importlib.util
 import json
 import os
@@ -434,15 +435,18 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
 
 # --- PEFT: Bridge's real adapters vs memguard's count (estimator/peft.py)
 
-def _real_adapters(tp: int, scheme: str, port: int) -> dict:
+@functools.lru_cache(maxsize=None)
+def _real_adapters(tp: int) -> dict:
+    """tests/bridge_real/peft_adapters.py on TP ranks: {"params": {scheme: {target: n}}, "saved": {dropout: ...}}
+    (saved with TP 1 only). Once per TP for the whole file: each process imports Bridge."""
     import subprocess
     script = os.path.join(STANDINS, "peft_adapters.py")
     env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), str(port), scheme], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(tp)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs)
-    return json.loads(outs[0].strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), str(29560 + tp)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(tp)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("tp,scheme", [(1, "lora"), (2, "lora"), (2, "dora")])
@@ -450,7 +454,7 @@ def test_peft_adapter_parameters_are_bridges(tp, scheme, tmp_path):
     from megatron_memguard import resolve
     from megatron_memguard.estimator.peft import layer_adapter_rows
     from megatron_memguard.readers.detect import read_config_file
-    real = _real_adapters(tp, scheme, 29560 + tp + (5 if scheme == "dora" else 0))
+    real = _real_adapters(tp)["params"][scheme]
     p = tmp_path / "peft.yaml"
     cls = "dora.DoRA" if scheme == "dora" else "lora.LoRA"
     p.write_text(f"peft:\n  _target_: megatron.bridge.peft.{cls}\n  dim: 32\n")
@@ -493,7 +497,7 @@ def test_what_bridges_lora_adapters_save_for_backward(dropout):
     from megatron_memguard import resolve
     from megatron_memguard.estimator.activations import layer_activations
     from megatron_memguard.readers.detect import read_config_file
-    real = _real_adapters_saved(dropout)
+    real = _real_adapters(1)["saved"][str(dropout)]
     e = 2
     for name, m in real.items():
         inter = m["tokens"] * m["r"] * e
@@ -517,12 +521,3 @@ def test_what_bridges_lora_adapters_save_for_backward(dropout):
         assert saved.get(item, 0) == (m["bytes"] - m["tokens"] * m["r"] * e - m["tokens"] * m["in"] * (e - 1)
                                       if dropout else 0), name
 
-
-def _real_adapters_saved(dropout: float) -> dict:
-    import subprocess
-    script = os.path.join(STANDINS, "peft_adapters.py")
-    env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, script, "0", "1", str(29580 + int(dropout * 10)), "lora", str(dropout)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])

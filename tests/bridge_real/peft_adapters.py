@@ -1,18 +1,18 @@
 """Builds Megatron-Bridge 0.6.2's real LoRA / DoRA adapters (megatron/bridge/peft/utils.py ParallelLinearAdapter,
-dora_layers.py ParallelLinearDoRAAdapter) for one layer of Llama-3.2-1B's shape on CPU (gloo), and prints the
-trainable parameters of each target on this TP rank as JSON. Run as ``peft_adapters.py RANK TP PORT SCHEME
-[DROPOUT]``, one process per TP rank (tests/test_bridge_real.py). With DROPOUT (a probability) it runs each LoRA
-adapter's forward on a [s, b, in] bf16 input instead and prints, per target, the bytes of what autograd saves for
-backward (torch.autograd.graph.saved_tensors_hooks; parameters left out, one count per storage) and whether the
-input itself is among them."""
+dora_layers.py ParallelLinearDoRAAdapter) for one layer of Llama-3.2-1B's shape on CPU (gloo). Run as
+``peft_adapters.py RANK TP PORT``, one process per TP rank (tests/test_bridge_real.py); rank 0 prints one JSON line:
+``params``: per scheme (lora, dora), the trainable parameters of each target on this TP rank; with TP 1 also
+``saved``: per dropout probability (0.0, 0.1), each LoRA adapter's forward on a [s, b, in] bf16 input and, per
+target, the bytes of what autograd saves for backward (torch.autograd.graph.saved_tensors_hooks; parameters left
+out, one count per storage) and whether the input itself is among them. One process per rank for everything:
+each start imports Bridge, which takes most of the time."""
 import json
 import os
 import sys
 
 import torch
 
-rank, tp, port, scheme = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dropout = float(sys.argv[5]) if len(sys.argv) > 5 else None
+rank, tp, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(tp))
 torch.distributed.init_process_group("gloo")
 from megatron.core import parallel_state  # noqa: E402
@@ -27,7 +27,9 @@ cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=
 h, ffn, qkv = 2048, 8192, (32 + 2 * 8) * 64      # Llama-3.2-1B: 32 heads, 8 query groups, head dim 64
 targets = {"linear_qkv": (h, qkv, False), "linear_proj": (h, h, True), "linear_fc1": (h, 2 * ffn, False),
            "linear_fc2": (ffn, h, True)}   # (in, out, input_is_parallel), as get_adapter_attributes_from_linear gives
-if dropout is not None:
+
+
+def saved_for_backward(dropout: float) -> dict:
     S, B, R = 64, 2, 32
     out = {}
     for name, (i, o, row) in targets.items():
@@ -49,20 +51,26 @@ if dropout is not None:
         out[name] = {"bytes": sum(saved.values()), "input_kept": x.untyped_storage().data_ptr() in saved,
                      "tokens": S * B, "in": x.shape[-1], "r": R}
         del y
-    if rank == 0:
-        print(json.dumps(out))
-    torch.distributed.destroy_process_group()
-    sys.exit(0)
-out = {}
-for name, (i, o, row) in targets.items():
-    cls = ParallelLinearDoRAAdapter if scheme == "dora" else ParallelLinearAdapter
-    a = cls(i, o, 32, base_linear_name="decoder.layers.0." + name, activation="identity", input_is_parallel=row,
-            model_parallel_config=cfg, alpha=32)
-    n = sum(p.numel() for p in a.parameters() if p.requires_grad)
-    if scheme == "dora":
-        # DoRALinear.__init__ sets weight_magnitude to the norms of the wrapped weight's local rows
-        n += o // tp if not row else o
-    out[name] = n
+    return out
+
+
+def trainable(scheme: str) -> dict:
+    out = {}
+    for name, (i, o, row) in targets.items():
+        cls = ParallelLinearDoRAAdapter if scheme == "dora" else ParallelLinearAdapter
+        a = cls(i, o, 32, base_linear_name="decoder.layers.0." + name, activation="identity", input_is_parallel=row,
+                model_parallel_config=cfg, alpha=32)
+        n = sum(p.numel() for p in a.parameters() if p.requires_grad)
+        if scheme == "dora":
+            # DoRALinear.__init__ sets weight_magnitude to the norms of the wrapped weight's local rows
+            n += o // tp if not row else o
+        out[name] = n
+    return out
+
+
+result = {"params": {s: trainable(s) for s in ("lora", "dora")}}
+if tp == 1:
+    result["saved"] = {str(d): saved_for_backward(d) for d in (0.0, 0.1)}
 if rank == 0:
-    print(json.dumps(out))
+    print(json.dumps(result))
 torch.distributed.destroy_process_group()
