@@ -333,7 +333,9 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
                  wgrad_beside_dispatch: bool, precision: Mapping[str, Any]) -> int | None:
     """--moe-latent-size (core 0.16.1 and 0.19.2 MoELayer): the latent width, None when off, -1 after a reported
     error. validate_args: a positive size; MoELayer.preprocess asserts no shared-expert overlap in training.
-    memguard models it with the alltoall dispatcher in BF16 only; the rest is refused by name."""
+    memguard models it in BF16 with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
+    and 0.19.2, so the alltoall, the allgather's gather into the GlobalMemoryBuffer and DeepEP's buffers all move
+    latent-wide tokens; the flex dispatcher's HybridEP backend is refused on its own); the rest is refused by name."""
     if r.get("moe_latent_size") is None:
         return None
     lat = r.int_arg("moe_latent_size", None, minimum=0)
@@ -344,10 +346,13 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
         r.fail("moe_shared_expert_overlap", "does not work with --moe-latent-size in training (MoELayer.preprocess)")
         return -1
     key = r.key("moe_latent_size")
-    for bad, what in ((disp != "alltoall", f"latent MoE with the {disp} dispatcher (its buffers at the latent width)"),
-                      (bool(precision.get("fp8") or precision.get("fp4")), "latent MoE under FP8 / FP4"),
+    for bad, what in ((bool(precision.get("fp8") or precision.get("fp4")),
+                       "latent MoE under FP8 / FP4 (the duplicated TELinear latent projections' quantized inputs and "
+                       "weight caches, and the latent-wide expert GEMMs' shape rules, were not read)"),
                       (a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
-                       "latent MoE with the expert-parallel overlap or delayed weight gradients"),
+                       "latent MoE with the expert-parallel overlap or delayed weight gradients (MoELayer.backward_dw "
+                       "defers the latent projections' weight gradients, fc2_latent_proj's on the comm stream: how "
+                       "long their inputs stay was not pinned down)"),
                       (bool(precision.get("use_megatron_fsdp")), "latent MoE under Megatron-FSDP")):
         if bad:
             raise NotModelledError(key, what)
