@@ -140,3 +140,21 @@ def test_deepep_buffer_at_the_latent_width_by_hand():
     assert deepep_buffer_bytes(L, L.moe) == -(-10 * 2 * per // 128) * 128 == 10_854_912
     a = moe_activations(L, L.moe)
     assert a.saved["moe_latent_projections"] == 2 * 64 * LAT
+
+
+def test_megatron_fsdp_expert_groups_at_the_latent_width():
+    """Under Megatron-FSDP the routed experts' groups take their per-rank shapes (TEGroupedMLP / SequentialMLP,
+    core 0.16.1 and 0.19.2: fc1 [g F / ETP, latent], fc2 [latent, F / ETP]); the latent projections are dense
+    [latent, h] and [h, latent] (duplicated: whole on every TP rank), like MLA's down projections."""
+    from megatron_memguard.estimator.fsdp_layout import _layer_shapes
+    from megatron_memguard.partition import LayerKind
+    L = _layout(LATENT + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                          "--use-distributed-optimizer", "--no-gradient-accumulation-fusion", "--ckpt-format",
+                          "fsdp_dtensor"], "0.19")
+    kind = next(k for c in L.chunks for k, _ in c.kind_runs if k.mlp == "moe")
+    assert isinstance(kind, LayerKind)
+    dense, experts = _layer_shapes(L, kind)
+    assert sorted(set(experts)) == sorted({(2 * F, LAT), (LAT, F)})
+    assert (LAT, H) in dense and (H, LAT) in dense
+    est = estimate(L)
+    assert est.stages[0].peak_allocated_bytes > 0

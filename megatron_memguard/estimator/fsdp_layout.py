@@ -53,7 +53,9 @@ def _layer_shapes(L: Any, kind: Any) -> tuple[tuple[tuple[int, ...], ...], tuple
     the recipe's linear weights, 1-D for norms and biases; parameters named ``.experts.`` are the
     routed experts (Megatron-FSDP's expert groups), their fc1 [rows, h] and fc2 [h, cols]."""
     linear = layer_linear_shapes(L, kind)
-    h = L.hidden_size
+    # the routed experts' model width: the latent width with --moe-latent-size (fc1 [g F, latent], fc2 [latent, F]:
+    # experts.py / mlp.py, core 0.16.1 and 0.19.2)
+    h = (getattr(L.moe, "moe_latent_size", None) if getattr(L, "moe", None) is not None else None) or L.hidden_size
     dense: list[tuple[int, ...]] = []
     experts: list[tuple[int, ...]] = []
     for p in layer_params(L, kind=kind):

@@ -352,8 +352,7 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
                       (a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
                        "latent MoE with the expert-parallel overlap or delayed weight gradients (MoELayer.backward_dw "
                        "defers the latent projections' weight gradients, fc2_latent_proj's on the comm stream: how "
-                       "long their inputs stay was not pinned down)"),
-                      (bool(precision.get("use_megatron_fsdp")), "latent MoE under Megatron-FSDP")):
+                       "long their inputs stay was not pinned down)"),):
         if bad:
             raise NotModelledError(key, what)
     return lat
