@@ -1239,9 +1239,16 @@ def estimate(
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site, expert_dp_rank)
         stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
-    totals = [s.device_total_bytes for s in stages]
+    if L.moe is not None and L.moe.moe_use_upcycling:
+        # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
+        from .upcycling import startup_figure, startup_terms
+        frag = site.allocator_fragmentation if device == "gpu" else 0.0
+        for s in stages:
+            s.__dict__["startup"] = startup_figure(startup_terms(
+                L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))
+    totals = [s.required_device_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total
-    verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
+    verdict = verdict_for(totals[crit], mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
                     critical_stage=crit, notes=tuple(notes), site=site)
