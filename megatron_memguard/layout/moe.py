@@ -139,7 +139,7 @@ class MoeSpec:
                      "moe_apply_probs_on_input", "moe_use_legacy_grouped_gemm", "moe_latent_size",
                      "moe_use_upcycling", "moe_upcycling_granularity"):
             if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]) or (
-                    name == "moe_upcycling_granularity" and not d["moe_use_upcycling"]):
+                    name == "moe_upcycling_granularity" and not self.moe_use_upcycling):
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d
 
