@@ -235,6 +235,18 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         block_saved, concat = mtp_standalone_block_items(L)
         ends.update(block_saved)
         fwd_extra = max(fwd_extra, concat)
+        # the chunk's backward starts in the MTP layers (their working set, beside the received gradient of the
+        # (1 + D)-fold output: D rows more than a layer's output gradient) and ends the block in the embedding
+        # copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has none (the
+        # end of its backward), else before them, with the block's own tensors released by then
+        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat * d // (1 + d))
+        if not has_embedding:
+            wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
+            if n:
+                kept = d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total) + sum(block_saved.values())
+                bwd_top = max(bwd_top, wgrad - kept)
+            else:
+                bwd_bottom = wgrad
     if has_output:
         o = output_items(L)
         o_saved = o.saved
