@@ -213,12 +213,16 @@ def _check_mtp_placement(stages: list[str], pp: int, key: str) -> None:
         raise ConfigError(key, "spreads the MTP layers 'm' over several stages (all must be in one)")
 
 
-@lru_cache(maxsize=256)
 def mtp_stage_index(L: "Layout") -> int | None:
     """The global stage index (vpp_rank * PP + pp_rank) of the chunk that builds the MTP block: the layout's
     stage holding 'm', else the last one (mtp_on_this_rank, core 0.16.1 to 0.19.2); None without MTP."""
     if not getattr(L, "mtp_num_layers", 0):
-        return None
+        return None             # (before the cache: most layouts have no MTP, and hashing one costs more)
+    return _mtp_stage_index(L)
+
+
+@lru_cache(maxsize=256)
+def _mtp_stage_index(L: "Layout") -> int:
     if L.pipeline_model_parallel_layout:
         stages = parse_pipeline_layout(L.pipeline_model_parallel_layout, L.pipeline_model_parallel_size)
         return next((i for i, st in enumerate(stages) if "m" in st), len(stages) - 1)

@@ -758,18 +758,23 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
     receiving: list[int] = []                 # the chunks that get their input from a previous stage (1), or the
     mtp_here = False                          # (1 + D)-fold hidden states of a standalone MTP stage (1 + D)
-    widened = 1 + (getattr(L, "mtp_num_layers", 0) or 0)
+    depths = getattr(L, "mtp_num_layers", 0) or 0
     for c in chunks:
         n_layers += c.num_layers
         has_output = has_output or c.has_output
         norm_here = holds_final_norm(L, c)    # the chunk runs the decoder's final norm
         final_norm = final_norm or norm_here
-        chunk_mtp = holds_mtp(L, c)
-        mtp_here = mtp_here or chunk_mtp
         runs_of.append(c.kind_runs)
-        acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp))
-        receiving.append(0 if c.pp_rank == 0 and c.vpp_rank == 0 else
-                         widened if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
+        first = c.pp_rank == 0 and c.vpp_rank == 0
+        if depths:
+            chunk_mtp = holds_mtp(L, c)
+            mtp_here = mtp_here or chunk_mtp
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp))
+            receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
+        else:
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here))
+            receiving.append(0 if first else 1)
+    widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
     if fsdp_enabled(L):
