@@ -96,3 +96,22 @@ def test_rules_name_the_flag():
     msg = error(UP, "0.19")
     assert msg.startswith("--moe-use-upcycling:") and "0.19" in msg
     assert error(UP + ["--fp8-format", "hybrid"]).startswith("--moe-use-upcycling:")
+
+
+def test_json_and_text_show_the_startup():
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "estimate", "--world-size", "4",
+                          "--megatron-version", "0.16", "--json", "--", *BASE, *MOE, *UP], capture_output=True,
+                         text=True, timeout=300)
+    doc = json.loads(out.stdout)
+    for s in doc["stages"]:
+        up = s["upcycling_startup"]
+        assert [t["name"] for t in up["terms"]][:3] == ["upcycling_moe_model_state", "upcycling_dense_model",
+                                                         "upcycling_state_dict_copies"]
+        assert up["device_total_bytes"] == sum(t["bytes"] for t in up["terms"])
+    text = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "estimate", "--world-size", "4",
+                           "--megatron-version", "0.16", "--", *BASE, *MOE, *UP], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert "upcycling start-up: peak allocated" in text
