@@ -319,8 +319,13 @@ def make_forward_step(args, tracker, phase_state):
     def _mtp_here(vp_stage) -> bool:
         if not getattr(args, "mtp_num_layers", None) or not mtp_config:
             return False
+        import inspect
         from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
-        return mtp_on_this_rank(mtp_config[0], ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        cfg = mtp_config[0]
+        if "layout" in inspect.signature(mtp_on_this_rank).parameters:      # core 0.19: (layout, mtp_num_layers, ...)
+            return mtp_on_this_rank(cfg.pipeline_model_parallel_layout, cfg.mtp_num_layers,
+                                    ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        return mtp_on_this_rank(cfg, ignore_virtual=vp_stage is None, vp_stage=vp_stage)
 
     def get_batch(data_iterator, vp_stage=None):
         if not is_first_or_last_pipeline_stage(vp_stage) and not _mtp_here(vp_stage):
