@@ -6,6 +6,7 @@ what order.
 """
 from __future__ import annotations
 
+from ..config import RawConfig
 from ..knobs import knob
 from ..layout import Layout
 
@@ -42,6 +43,27 @@ def megatron_flags(L: Layout, experts: tuple[int, int] | None = None) -> list[st
         f += _flag("use_megatron_fsdp", True) + _flag("data_parallel_sharding_strategy",
                                                       L.data_parallel_sharding_strategy) + ["--ckpt-format fsdp_dtensor"]
     return f + [t for dest, value in _fp8(L) for t in _flag(dest, value)]
+
+
+def flags_to_remove(raw: RawConfig, exported: list[str]) -> list[str]:
+    """The Megatron flags of the user's command (as spelled there) that the exported flags do not override: a
+    searched setting the chosen layout leaves off or unset (no recomputation, no sequence parallelism, even
+    stages, ...). Megatron's store-true flags have no off switch and a value flag given once stays in force,
+    so these must leave the command for it to run the planned layout (and for `memguard estimate` to give
+    the planned bytes)."""
+    import shlex
+
+    from ..readers.megatron_flags import parse_megatron_flags
+    from .space import SEARCHED_ARGS
+    written = set(parse_megatron_flags(shlex.split(" ".join(exported))).args)
+    out: list[str] = []
+    for dest in SEARCHED_ARGS:
+        if raw.args.get(dest) is None or raw.args.get(dest) is False or dest in written:
+            continue
+        spelled = raw.origin.get(dest, "")
+        if spelled.startswith("--") and spelled not in out:   # a flag of the command, not a YAML / recipe key
+            out.append(spelled)
+    return out
 
 
 def _fp8(L: Layout) -> list[tuple[str, object]]:
