@@ -291,12 +291,17 @@ def ddp_buffers(config, model, ddp: dict, pp_rank: int) -> list[dict]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
+    inst = ddp.get("instances", 1)
     dp_cp, edp = _Group(ddp["dp_cp"], 0), _Group(ddp["edp"], 0)
-    pg = ProcessGroupCollection(dp=dp_cp, dp_cp=dp_cp, expt_dp=edp, tp=_Group(config.tensor_model_parallel_size, 0),
-                                pp=_Group(config.pipeline_model_parallel_size, pp_rank),
-                                ep=_Group(config.expert_model_parallel_size, 0))
+    groups = dict(dp=dp_cp, dp_cp=dp_cp, expt_dp=edp, tp=_Group(config.tensor_model_parallel_size, 0),
+                  pp=_Group(config.pipeline_model_parallel_size, pp_rank), ep=_Group(config.expert_model_parallel_size, 0))
+    if inst > 1:
+        # several optimizer instances: each shards over its part of DP x CP and of expert DP (initialize_model_parallel)
+        groups.update(intra_dp_cp=_Group(ddp["dp_cp"] // inst, 0), intra_expt_dp=_Group(ddp["edp"] // inst, 0),
+                      inter_dist_opt=_Group(inst, 0))
+    pg = ProcessGroupCollection(**groups)
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=ddp.get("overlap", False),
-                                        grad_reduce_in_fp32=True)
+                                        grad_reduce_in_fp32=True, num_distributed_optimizer_instances=inst)
     wrapped = DistributedDataParallel(config=config, ddp_config=cfg, module=model, pg_collection=pg)
     out = []
     for kind, buffers in (("dense", wrapped.buffers), ("expert", wrapped.expert_parallel_buffers)):
