@@ -311,3 +311,45 @@ def test_the_hooks_namespace_estimates_what_the_cli_does(namespace_server, s):
     assert got["allocated"] == [x["peak_allocated_bytes"] for x in doc["stages"]]
     assert got["device"] == [x["device_total_bytes"] for x in doc["stages"]]
     assert got["verdict"] == doc["verdict"]
+
+
+def test_bridge_overrides_clear_the_recipes_settings_the_plan_leaves_unset():
+    """Megatron-Bridge's llama3_8b recipe (32 layers) with uneven stages and full recomputation set in the config,
+    planned on 16 H100s: every layout the plan reports is even and needs no recomputation, so its Bridge overrides
+    must clear model.num_layers_in_first/last_pipeline_stage and model.recompute_method / recompute_num_layers
+    (an absent override keeps the config's value: 7 + 7 first / last layers over the planned PP 1 or 2 leave no
+    middle stage, an error); the recipe with those overrides is the planned layout, to the byte."""
+    base = ["--model", "llama3_8b", "--set", "model.pipeline_model_parallel_size=4", "--set",
+            "model.num_layers_in_first_pipeline_stage=7", "--set", "model.num_layers_in_last_pipeline_stage=7", "--set",
+            "model.recompute_granularity=full", "--set", "model.recompute_method=uniform", "--set",
+            "model.recompute_num_layers=1"]
+    rc, out, err = _cli("plan", "--gpus", "16", "--json", "--top", "3", "--recompute", "none", "--pp", "1,2", *base)
+    assert rc == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts
+    for e in layouts:
+        assert {"model.num_layers_in_first_pipeline_stage=null", "model.num_layers_in_last_pipeline_stage=null",
+                "model.recompute_granularity=null", "model.recompute_method=null",
+                "model.recompute_num_layers=null"} <= set(e["bridge_overrides"]), e["bridge_overrides"]
+        sets = [t for o in e["bridge_overrides"] for t in ("--set", o)]
+        rc2, out2, err2 = _cli("estimate", "--gpus", "16", "--json", *base, *sets)
+        assert rc2 in (0, 1), err2
+        doc = json.loads(out2)
+        assert doc["layout"] == e["layout"], e["label"]
+        assert [x["device_total_bytes"] for x in doc["stages"]] == e["stage_device_bytes"]
+
+
+def test_bridge_moe_recipes_plan_and_estimate_alike():
+    """Bridge's MoE recipes memguard estimates (deepseek_v2_lite, olmoe_7b): each planned layout's Bridge overrides
+    on the recipe resolve to the planned layout (its notes too: the recipe's recompute method is cleared with the
+    granularity) and estimate to its stage bytes."""
+    for recipe, gpus in (("deepseek_v2_lite", 16), ("olmoe_7b", 8)):
+        rc, out, err = _cli("plan", "--gpus", str(gpus), "--json", "--top", "2", "--model", recipe)
+        assert rc == 0, err
+        for e in json.loads(out)["layouts"]:
+            sets = [t for o in e["bridge_overrides"] for t in ("--set", o)]
+            rc2, out2, err2 = _cli("estimate", "--gpus", str(gpus), "--json", "--model", recipe, *sets)
+            assert rc2 in (0, 1), err2
+            doc = json.loads(out2)
+            assert doc["layout"] == e["layout"], (recipe, e["label"])
+            assert [x["device_total_bytes"] for x in doc["stages"]] == e["stage_device_bytes"], (recipe, e["label"])

@@ -289,9 +289,9 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         out.append("Megatron flags" + (f" (first remove {', '.join(drop)} from your command):" if drop else ":"))
         out.append("  " + " \\\n  ".join(exported))
         out.append("NeMo 2 (NeMo-Run recipe overrides):")
-        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts)))
+        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts, raw=planner.raw)))
         out.append("Megatron-Bridge (ConfigContainer overrides):")
-        out.append("  " + " ".join(bridge_overrides(L, best.experts)))
+        out.append("  " + " ".join(bridge_overrides(L, best.experts, raw=planner.raw)))
     else:
         out.append("no layout fits.")
         for frac, c, est in res.closest:
@@ -333,9 +333,12 @@ def plan_json(planner: Planner, res: PlanResult) -> dict[str, Any]:
 
 
 def _layout_json(planner: Planner, entry: Any, gpus_per_node: int) -> dict[str, Any]:
-    from ..planner.export import flags_to_remove
+    from ..planner.export import bridge_overrides, flags_to_remove, nemo2_overrides
     d = entry.to_dict(gpus_per_node)
     d["megatron_flags_to_remove"] = flags_to_remove(planner.raw, d["megatron_flags"])
+    # the overrides clear what the model's config sets and the layout leaves unset
+    d["nemo2_overrides"] = nemo2_overrides(entry.layout, gpus_per_node, entry.experts, raw=planner.raw)
+    d["bridge_overrides"] = bridge_overrides(entry.layout, entry.experts, raw=planner.raw)
     return d
 
 
