@@ -353,3 +353,19 @@ def test_bridge_moe_recipes_plan_and_estimate_alike():
             doc = json.loads(out2)
             assert doc["layout"] == e["layout"], (recipe, e["label"])
             assert [x["device_total_bytes"] for x in doc["stages"]] == e["stage_device_bytes"], (recipe, e["label"])
+
+
+def test_a_setting_memguard_makes_is_named_by_megatrons_flag():
+    """`memguard plan --fp8 tensorwise` on a --transformer-impl local model sets FP8 on every candidate, which has
+    no effect there (only Transformer Engine modules quantize): the note names Megatron's flag --fp8-format (the
+    dest is fp8; Megatron has no --fp8 flag, knobs.py), as the same flags given on the command line do, so that
+    the planned layout and `memguard estimate` of its exported flags agree in their notes too."""
+    flags = ("--transformer-impl local --num-layers 2 --hidden-size 64 --num-attention-heads 2 --ffn-hidden-size 128 "
+             "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 --vocab-size 1000 "
+             "--tokenizer-type NullTokenizer --bf16").split()
+    rc, out, err = _cli("plan", "--gpus", "2", "--fp8", "tensorwise", "--json", "--top", "1", "--", *flags)
+    assert rc == 0, err
+    (e,) = json.loads(out)["layouts"]
+    assert any(n.startswith("--fp8-format: no effect with --transformer-impl local") for n in e["layout"]["notes"])
+    rc, out, _ = _cli("estimate", "--world-size", "2", "--json", "--", *flags, *shlex.split(" ".join(e["megatron_flags"])))
+    assert json.loads(out)["layout"]["notes"] == e["layout"]["notes"]
