@@ -10,7 +10,7 @@ Adam moments must be exactly that pair of slices.
 """
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, strategies as st
 
 from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.layout import ShardGroup
@@ -19,17 +19,21 @@ from test_properties_moe_identities import PROPERTY, Job, _layout, core, corner_
 
 
 @PROPERTY
-@given(corner_jobs())
-def test_every_dp_and_expert_dp_ranks_optimizer_shard_is_megatron_cores(core, job):  # noqa: F811
+@given(corner_jobs(), st.booleans())
+def test_every_dp_and_expert_dp_ranks_optimizer_shard_is_megatron_cores(core, job, overlap):  # noqa: F811
     """Per stage: the dense and expert DDP buffers' padded sizes add up to memguard's buffer_numel (gradients:
     4 bytes per element, padding included), and for each DP x CP rank r and expert-data-parallel rank m (each
     over its optimizer instance) memguard's main weights and both Adam moments are 4 bytes per element of the
-    real parameters in r's slices of the dense buffers plus m's slices of the expert buffers."""
-    job = Job(flags=tuple(x for x in job.flags if x != "--use-distributed-optimizer") + ("--use-distributed-optimizer",),
+    real parameters in r's slices of the dense buffers plus m's slices of the expert buffers. With
+    --overlap-grad-reduce the buffers are cut into buckets (the first stage's; a tied embedding's own bucket), each
+    padded and sliced on its own."""
+    extra = ("--use-distributed-optimizer",) + (("--overlap-grad-reduce",) if overlap else ())
+    job = Job(flags=tuple(x for x in job.flags if x != "--use-distributed-optimizer") + extra,
               world=job.world, core=job.core)
     L = _layout(job, core.era)
     inst = L.num_distributed_optimizer_instances
-    ddp = {"dp_cp": L.dp * L.cp, "edp": L.parallel.shard_size(ShardGroup.EXPERT_DP) * inst, "instances": inst}
+    ddp = {"dp_cp": L.dp * L.cp, "edp": L.parallel.shard_size(ShardGroup.EXPERT_DP) * inst, "instances": inst,
+           "overlap": overlap}
     v = L.vpp if L.vpp and L.vpp > 1 else None
     ranks = [[p, c, 0, 0, 0] for p in range(L.pp) for c in (range(v) if v else [None])]
     recs = core.ranks(Job(flags=job.flags, world=job.world, core=dict(job.core, ddp=ddp)), L, ranks)
