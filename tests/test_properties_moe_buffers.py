@@ -50,3 +50,30 @@ def test_every_dp_and_expert_dp_ranks_optimizer_shard_is_megatron_cores(core, jo
                 owned = sum(b["owned"][r] for b in dense) + sum(b["owned"][m] for b in expert)
                 s = stage_states(L, p, r, m)
                 assert s.main_param_bytes == s.exp_avg_bytes == s.exp_avg_sq_bytes == 4 * owned, (p, r, m)
+
+
+def test_an_untied_embedding_with_mtp_has_its_own_bucket_on_the_first_stage():
+    """megatron-core marks the first stage's word embedding shared_embedding with PP > 1 when the output layer is
+    tied to it or MTP keeps a copy (LanguageModule.setup_embeddings_and_output_layer, 0.16.1 and 0.19.2), and the
+    distributed optimizer gives it a bucket of its own (param_and_grad_buffer.py _does_param_require_new_bucket).
+    The job the DDP property found (TP 1, PP 2, DP 2, untied, MTP 1; stage 0 = embedding [1024, 64] and two MoE
+    layers with biases, 2 experts of width 8). By hand, per layer 11,008 buffer elements of which 206 padding (each
+    start aligned to 64: qkv bias 96 -> 32, router bias 2 -> 62, two fc1 biases 8 -> 56 each): the layers' bucket
+    is [0, 22,016) (a multiple of lcm(2, 128)), the embedding's [22,016, 87,552). DP rank 0 owns [0, 11,008) of the
+    first (layer 1: 10,802 real elements) and [22,016, 54,784) of the second (32,768): 43,570 fp32 = 174,280 B,
+    megatron-core's own count. Without MTP the embedding is not shared: one bucket [0, 87,552), rank 0's half
+    [0, 43,776) holds both layers (21,604 real) and 21,760 embedding rows' elements: 43,364."""
+    flags = ("--transformer-impl transformer_engine --num-layers 4 --hidden-size 64 --num-attention-heads 2 "
+             "--kv-channels 16 --ffn-hidden-size 32 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 "
+             "--global-batch-size 2 --pipeline-model-parallel-size 2 --tokenizer-type NullTokenizer --vocab-size 1000 "
+             "--bf16 --position-embedding-type rope --normalization RMSNorm --num-experts 2 --moe-router-topk 1 "
+             "--moe-ffn-hidden-size 8 --moe-token-dispatcher-type alltoall --moe-router-pre-softmax "
+             "--untie-embeddings-and-output-weights --use-distributed-optimizer").split()
+    from megatron_memguard import layout_from_flags
+    for era in ("0.16", "0.19"):
+        with_mtp = layout_from_flags(flags + ["--mtp-num-layers", "1"], world_size=4, megatron_version=era)
+        without = layout_from_flags(flags, world_size=4, megatron_version=era)
+        for r in (0, 1):
+            assert stage_states(with_mtp, 0, r).main_param_bytes == 4 * 43_570
+        assert stage_states(without, 0, 0).main_param_bytes == 4 * 43_364
+        assert stage_states(with_mtp, 0).buffer_numel == stage_states(without, 0).buffer_numel == 87_552
