@@ -558,6 +558,15 @@ def _state_row_terms(L: Layout, st: StageStates, rows: tuple[tuple[str, int, str
     return tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in rows])
 
 
+@lru_cache(maxsize=256)
+def _peft_state_terms(L: Layout, pp_rank: int, base_params: int) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
+    """PEFT's model-state terms of a stage and those its optimizer step adds (estimator/peft.py)."""
+    from .peft import stage_peft_states, state_rows
+    rows, step = state_rows(L, stage_peft_states(L, pp_rank, base_params))
+    return (tuple(Term(n, b, g, _ALLOCATED, d) for n, b, g, d in rows),
+            tuple(Term(n, b, g, _ALLOCATED, d) for n, b, g, d in step))
+
+
 def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
     """FP8 / FP4: the weight terms of estimator.fp8_layers after the parameters, whose buffer holds primary
     quantized GEMM weights in 1 byte (1/2 for NVFP4; none for MXFP8, whose all-gather uses the gradient
@@ -742,7 +751,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     state_terms: tuple[Term, ...] | partial
     step_terms: tuple[Term, ...] | partial
     if (ft is None and not L.freeze_all_layers and not (L.fp8 or L.fp4) and L.optimizer not in EMERGING_OPTIMIZERS
-            and not offload_enabled(L)):
+            and not offload_enabled(L) and L.peft is None):
         # the common case: the state terms as _state_rows lists them, their Term objects made when first read
         state_rows, step_rows = _state_rows(L, st)
         fp32_grads = 4 * fp32_local_accumulation_numel(L, pp_rank)
@@ -752,6 +761,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = partial(_state_row_terms, L, st, state_rows), partial(_state_row_terms, L, st, step_rows)
     else:
         state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+        if L.peft is not None:
+            # LoRA / DoRA: the frozen base weights, then the adapters' buffers and optimizer shard (estimator/peft.py)
+            state_terms, step_terms = _peft_state_terms(L, pp_rank, st.parameters)
         if L.freeze_all_layers:
             # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
             # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
@@ -798,7 +810,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     base = state_bytes + sum([r[1] for r in buffer_rows]) + fixed_bytes
     host_bytes = max([a.host_bytes for a in acts])
     staging = max([a.offload_staging for a in acts])
-    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
+    frozen_base = L.freeze_all_layers or L.peft is not None
+    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not frozen_base else 0
     plain = (ft is None and not host_bytes and not staging and not deferred
              and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
              and not (device == "gpu" and (L.cuda_graph_impl != "none" or L.optimizer_cuda_graph))
@@ -815,7 +828,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # / apex on GPUs, torch's fused CPU kernel in the referee) update in place
         step_bytes,
         # finalize
-        replicated_grad_allreduce_bytes(L, stage_runs, has_output, final_norm) if not L.freeze_all_layers else 0,
+        replicated_grad_allreduce_bytes(L, stage_runs, has_output, final_norm) if not frozen_base else 0,
         sum([r[1] for r in retained_rows]), plain)
 
 
@@ -1073,7 +1086,9 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
         fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                 lambda: f"{count} pipeline send/receive buffers held by NCCL work objects"))
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
-    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not L.freeze_all_layers else 0
+    # (frozen weights: TE makes no placeholder weight gradient, module/linear.py backward runs it only with requires_wgrad;
+    # PEFT adapters are megatron-core linears, whose placeholders are per call and adapter-sized)
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not (L.freeze_all_layers or L.peft) else 0
     if dummies:
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
                                 lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))} placeholder weight "
