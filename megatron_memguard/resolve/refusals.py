@@ -13,7 +13,6 @@ from .args import Args, Context
 Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
-    ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
@@ -32,7 +31,6 @@ NOT_MODELLED: list[Row] = [
      "modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe most GEMMs use as "
      "--fp8-recipe / --fp4-recipe)"),
     ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
-    ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
     # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
     ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
      "memguard estimate -- --yaml-cfg FILE)"),
