@@ -1163,9 +1163,16 @@ def estimate(
             # the paper's closed form has one layer shape
             from ..errors import NotModelledError
             raise NotModelledError("--profile", "the fujii2024 closed form for heterogeneous layer configs")
+        if layout.hybrid_layer_pattern:
+            from ..errors import NotModelledError
+            raise NotModelledError("--profile", "the fujii2024 closed form for hybrid Mamba models")
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
+    if profile == "local" and layout.hybrid_layer_pattern:
+        # megatron-core builds a hybrid model from its TE layer spec only (models/hybrid/hybrid_layer_specs.py)
+        from ..errors import NotModelledError
+        raise NotModelledError("--profile", "the local profile for a hybrid Mamba model (built from TE modules only)")
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from packaging.version import Version
 
 from ..errors import NotModelledError
-from .args import Args, Context
+from .args import Args, Context, Stop
 
 PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
@@ -43,55 +43,56 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if text is not None and legacy is not None:
         a.fail(LEGACY, "cannot be given with --hybrid-layer-pattern (validate_args asserts it; it is the "
                "deprecated spelling of the same setting)")
-        return {}
+        raise Stop
     dest = PATTERN if text is not None else LEGACY
     key = a.key(dest)
     old = ctx.version < Version("0.17")
     if old and dest == PATTERN and key.startswith("--") and a.raw.megatron_command_line:
         a.fail(PATTERN, "is not a flag of megatron-core 0.16 (added in 0.17; 0.16 reads --hybrid-override-pattern)",
                "write --hybrid-override-pattern, or give --megatron-version 0.17 or later")
-        return {}
+        raise Stop
     s = text if text is not None else str(legacy)
     if len(s) > MAX_PATTERN:
         a.fail(dest, f"has more than {MAX_PATTERN:,} symbols (memguard's bound on --num-layers is 10,000)")
-        return {}
+        raise Stop
     bad = next((ch for ch in s if ch not in SYMBOLS and ch not in "|/"), None)
     if bad is not None:
         a.fail(dest, f"{bad!r} is not a layer symbol (M Mamba, * attention, - MLP, E MoE, G, D, +; "
                "'|' between pipeline segments, '/' before MTP patterns)")
-        return {}
+        raise Stop
     main, *mtp = s.split("/")
     if any(mtp):
         if len(set(mtp)) > 1:
             a.fail(dest, "all MTP patterns after '/' must be identical (parse_hybrid_pattern)")
-            return {}
+            raise Stop
         if "|" in mtp[0]:
             a.fail(dest, "an MTP pattern after '/' cannot hold '|' (parse_hybrid_pattern)")
-            return {}
+            raise Stop
         raise NotModelledError(key, "multi-token prediction layers in a hybrid pattern ('/' patterns: a hybrid "
                                "stack per MTP depth)")
     layers = main.replace("|", "")
     if not layers:
         a.fail(dest, "has no layers before any '/'")
-        return {}
+        raise Stop
     if "*" in layers and ("D" in layers or "+" in layers):
         a.fail(dest, "cannot mix attention '*' with MLA '+' or DSA 'D' layers (_validate_pattern)")
-        return {}
+        raise Stop
     other = sorted(set(layers) - MODELLED)
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
-        raise NotModelledError(key, f"hybrid layers {names}: memguard models Mamba 'M', attention '*' and MLP '-'")
+        raise NotModelledError(key, f"{names} layers in a hybrid pattern (memguard models Mamba 'M', attention '*' "
+                               "and MLP '-')")
     n = len(layers)
     given_layers = a.get("num_layers")
     if old:
         # 0.16.1 _allocate_override: "The hybrid override pattern is the wrong length"; no '|' symbol
         if "|" in main:
             a.fail(dest, "'|' is not a layer symbol in megatron-core 0.16 (pipeline segments came in 0.17)")
-            return {}
+            raise Stop
         nl = a.int_arg("num_layers", required=True)
         if nl is not None and nl != n:
             a.fail(dest, f"has {n} layers but --num-layers is {nl} (megatron-core 0.16 needs them equal)")
-            return {}
+            raise Stop
     elif given_layers is not None and str(given_layers) != str(n):
         a.notes.append(f"{key}: {n} layers; --num-layers {given_layers} ignored (validate_args takes the count "
                        "from the pattern)")
@@ -103,12 +104,20 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
         if a.bool_arg(flag, False):
             a.fail(flag, f"cannot be used with {key}: its '|' segments give the pipeline stages (validate_args)")
+    pp = kw["pipeline_model_parallel_size"]
+    first_last = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                  if _given(a, f) is not None]
+    if "|" not in main and pp > 1 and not first_last and n % pp:
+        # select_pipeline_segment (0.19.2) splits a pattern without '|' evenly at build time
+        a.fail(dest, f"has {n} layers, which must be divisible by --pipeline-model-parallel-size {pp} when it has "
+               "no '|' separators (select_pipeline_segment)", "add '|' between the pipeline segments")
+        raise Stop
     if "|" in main:
-        for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-            if _given(a, flag) is not None:
-                a.fail(flag, f"cannot be used with '|' in {key}: the segments give the stages (validate_args)")
+        for flag in first_last:
+            a.fail(flag, f"cannot be used with '|' in {key}: the segments give the stages (validate_args)")
+        if first_last:
+            return out
         segments = main.split("|")
-        pp = kw["pipeline_model_parallel_size"]
         if len(segments) % pp:
             a.fail(dest, f"has {len(segments)} '|' segments, which must be divisible by --pipeline-model-parallel-"
                    f"size {pp} (validate_args)")
@@ -176,6 +185,8 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str) -> None:
         (kw.get("fine_grained_activation_offloading"), "fine_grained_activation_offloading",
          "activation offloading in Mamba layers"),
         (kw.get("cpu_offloading_num_layers"), "cpu_offloading_num_layers", "activation offloading in Mamba layers"),
+        (str(kw.get("optimizer", "adam")) not in ("adam", "sgd"), "optimizer",
+         f"the {kw.get('optimizer')} optimizer with a hybrid model (its per-matrix treatment of the conv1d weight)"),
         (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
          "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states"),
         (ctx.version < Version("0.17") and kw.get("recompute_granularity") == "full", "recompute_granularity",
