@@ -53,7 +53,9 @@ def param_rows(L: Any) -> list[ParamRow]:
     own = [("mixer.dt_bias", nh // t, False, False, False, 0),
            ("mixer.A_log", nh // t, False, False, False, 0),
            ("mixer.D", nh // t, False, False, False, 0)]
-    in_proj = norm_rows("mixer.in_proj.layer_norm", h, L) + [
+    # TE's LayerNormColumnParallelLinear names its norm layer_norm_weight (and layer_norm_bias for LayerNorm)
+    in_proj = [(name.replace("layer_norm.", "layer_norm_"), *rest)
+               for name, *rest in norm_rows("mixer.in_proj.layer_norm", h, L)] + [
         ("mixer.in_proj.weight", in_proj_out(L) * h, False, False, False, h)]
     tail = [("mixer.norm.weight", di // t, False, False, False, 0),
             ("mixer.out_proj.weight", h * (di // t), False, False, False, di // t)]

@@ -1,0 +1,199 @@
+"""Hybrid Mamba models (--hybrid-layer-pattern): the pattern read with megatron-core's rules (errors naming the
+flag), each layer's parameters counted by hand and against megatron-core 0.19.2's HybridModel built on CPU, the
+Nemotron-H 8B total, and the Mamba mixer's saved tensors per micro-batch from the sources
+(megatron-core 0.19.2 ssm/mamba_mixer.py, mamba_ssm 2.2.6 ops/triton/ssd_combined.py and layernorm_gated.py)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.layers import mamba
+from megatron_memguard.estimator.params import chunk_params, total_parameters
+from megatron_memguard.partition import LayerKind, layer_kinds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY312 = os.environ.get("MEMGUARD_PY312", "/work/venv312/bin/python")   # megatron-core 0.19.2 (has triton)
+
+SMALL = ("--hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+         "--ffn-hidden-size 512 --seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 "
+         "--global-batch-size 8 --bf16 --vocab-size 1024 --tokenizer-type NullTokenizer --normalization RMSNorm "
+         "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type none "
+         "--mamba-state-dim 16 --mamba-head-dim 32 --mamba-num-groups 2 --hidden-dropout 0 --attention-dropout 0 "
+         "--make-vocab-size-divisible-by 128").split()
+
+# Nemotron-H 8B: Megatron-Bridge 0.6.2 recipes/nemotronh/h100/nemotronh.py nemotronh_8b_pretrain_2gpu_h100_bf16_config
+# (the Nemotron-H paper's table, arXiv 2504.03624: 52 layers, d 4096, FFN 21504 squared ReLU, 32 query / 8 KV heads,
+# Mamba-2 state 128, 8 groups, 128 heads of 64); vocabulary 131072, untied
+NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NH8B = (f"--hybrid-layer-pattern {NEMOTRON_H_8B} --hidden-size 4096 --num-attention-heads 32 --group-query-attention "
+        "--num-query-groups 8 --ffn-hidden-size 21504 --squared-relu --mamba-num-heads 128 --mamba-head-dim 64 "
+        "--mamba-num-groups 8 --mamba-state-dim 128 --normalization RMSNorm --position-embedding-type none "
+        "--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 8192 --max-position-embeddings 8192 "
+        "--micro-batch-size 1 --global-batch-size 768 --bf16 --use-distributed-optimizer --tokenizer-type "
+        "NullTokenizer --vocab-size 131072 --hidden-dropout 0 --attention-dropout 0").split()
+
+
+def _layout(pattern, extra="", world=1, version=None):
+    return layout_from_flags(SMALL + ["--hybrid-layer-pattern", pattern] + extra.split(), world_size=world,
+                             megatron_version=version)
+
+
+def _err(flags, world=1, version=None):
+    with pytest.raises((ConfigError, ConfigErrors, NotModelledError)) as e:
+        layout_from_flags(SMALL + flags.split(), world_size=world, megatron_version=version)
+    return str(e.value)
+
+
+def test_nemotron_h_8b_parameters_by_hand():
+    # Mamba layer (d_inner = 128 x 64 = 8192, in_proj out 2 x 8192 + 2 x 8 x 128 + 128 = 18560, conv width 4):
+    #   fused norm 4096 + in_proj 18560 x 4096 + conv1d (8192 + 2048) x (4 + 1) + dt_bias, A_log, D 3 x 128
+    #   + gated norm 8192 + out_proj 4096 x 8192                                   = 109,640,064
+    # MLP layer: fused norm 4096 + fc1 21504 x 4096 + fc2 4096 x 21504           = 176,164,864
+    # attention layer: fused norm 4096 + qkv (32 + 2 x 8) x 128 x 4096 + proj 4096 x 4096 = 41,947,136
+    # 24 Mamba, 24 MLP, 4 attention layers; embedding and output 131072 x 4096 each; final norm 4096
+    assert NEMOTRON_H_8B.count("M") == 24 and NEMOTRON_H_8B.count("-") == 24 and NEMOTRON_H_8B.count("*") == 4
+    L = layout_from_flags(NH8B, world_size=8)
+    mamba_layer = 4096 + 18560 * 4096 + 10240 * 5 + 3 * 128 + 8192 + 4096 * 8192
+    assert mamba_layer == 109_640_064 == mamba.param_count(L)
+    total = 24 * mamba_layer + 24 * 176_164_864 + 4 * 41_947_136 + 2 * 131072 * 4096 + 4096
+    assert total_parameters(L) == total == 8_100_852_736      # the "8B" of the model's name
+    assert L.num_layers == 52 and L.mamba_num_heads == 128
+
+
+def test_tensor_parallel_shards_heads_and_groups():
+    # TP 2: in_proj 18560 / 2 rows, conv1d (8192 + 2048) / 2 channels, 64 heads' dt_bias / A_log / D, the gated
+    # norm 4096, out_proj 4096 x 4096; the fused norm replicated
+    L = layout_from_flags(NH8B + ["--tensor-model-parallel-size", "2"], world_size=8)
+    rows = {name: n for name, n, *_ in mamba.param_rows(L)}
+    assert rows == {"mixer.conv1d_weight": 5120 * 4, "mixer.conv1d_bias": 5120, "mixer.dt_bias": 64, "mixer.A_log": 64,
+                    "mixer.D": 64, "mixer.in_proj.layer_norm_weight": 4096, "mixer.in_proj.weight": 9280 * 4096,
+                    "mixer.norm.weight": 4096, "mixer.out_proj.weight": 4096 * 4096}
+
+
+def test_parameters_match_megatron_core():
+    if not os.path.exists(PY312):
+        pytest.skip("no megatron-core 0.19.2 venv (MEMGUARD_PY312)")
+    cfg = dict(pattern="M*M-", hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
+               vocab=1024, seq=128)
+    out = subprocess.run([PY312, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29651"})
+    if out.returncode and "No module named" in out.stderr:
+        pytest.skip(out.stderr.strip().splitlines()[-1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = json.loads(out.stdout.strip().splitlines()[-1])
+    L = _layout("M*M-")
+    mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}
+    assert sum(mine.values()) == sum(real.values()) == total_parameters(L)
+    # the mixer's own parameters by name, in megatron-core's order (the local spec keeps the norm outside in_proj)
+    real_mixer = [(n, v) for n, v in real.items() if ".mixer." in n]
+    mine_mixer = [(n, v) for n, v in mine.items() if ".mixer." in n and "layer_norm" not in n]
+    assert mine_mixer == real_mixer
+
+
+def test_pattern_sets_layers_and_kinds():
+    L = _layout("M*M-", "--num-layers 3")
+    assert L.num_layers == 4
+    assert any("--num-layers 3 ignored" in n for n in L.notes)
+    assert layer_kinds(L) == (LayerKind("mamba", "none"), LayerKind("attention", "none"), LayerKind("mamba", "none"),
+                              LayerKind("none", "dense"))
+    # the legacy spelling reads the same
+    assert layout_from_flags(SMALL + ["--hybrid-override-pattern", "M*M-"], world_size=1).num_layers == 4
+
+
+def test_pipe_segments_are_the_pipeline_stages():
+    # 4 segments over PP 2: segment i on (pp rank i % 2, virtual stage i // 2) (select_pipeline_segment)
+    L = _layout("M*|M-|MMM|-", "--pipeline-model-parallel-size 2", world=2)
+    assert L.vpp == 2
+    got = {(c.pp_rank, c.vpp_rank): (c.first_layer, c.num_layers) for c in L.chunks}
+    assert got == {(0, 0): (0, 2), (1, 0): (2, 2), (0, 1): (4, 3), (1, 1): (7, 1)}
+    # without '|' the pattern is split evenly (the deprecated runtime split)
+    L = _layout("M*M-", "--pipeline-model-parallel-size 2", world=2)
+    assert [c.num_layers for c in L.chunks] == [2, 2]
+
+
+def test_pattern_errors_name_the_flag():
+    assert "--hybrid-layer-pattern: 'x' is not a layer symbol" in _err("--hybrid-layer-pattern MxM-")
+    assert "3 '|' segments" in _err("--hybrid-layer-pattern M|M|M --pipeline-model-parallel-size 2", world=2)
+    assert "5 layers, which must be divisible" in _err("--hybrid-layer-pattern M*M-M --pipeline-model-parallel-size 2",
+                                                       world=2)
+    assert "--decoder-first-pipeline-num-layers: cannot be used with '|'" in _err(
+        "--hybrid-layer-pattern M*|M- --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2", world=2)
+    assert "--hybrid-override-pattern: cannot be given with --hybrid-layer-pattern" in _err(
+        "--hybrid-layer-pattern M*M- --hybrid-override-pattern M*M-")
+    # MambaMixer's asserts: groups (2) over TP 4
+    assert "--mamba-num-groups: 2 must be divisible by tensor-model-parallel size 4" in _err(
+        "--hybrid-layer-pattern M*M- --tensor-model-parallel-size 4", world=4)
+    # 2 x 256 / 48 is not whole
+    assert "--mamba-head-dim: 48 must divide" in _err("--hybrid-layer-pattern M*M- --mamba-head-dim 48")
+
+
+def test_megatron_016_rules():
+    # 0.16.1 _allocate_override: the pattern's length is --num-layers; no '|'; the flag is --hybrid-override-pattern
+    assert "has 4 layers but --num-layers is 3" in _err("--hybrid-override-pattern M*M- --num-layers 3", version="0.16")
+    assert "'|' is not a layer symbol in megatron-core 0.16" in _err("--hybrid-override-pattern M*|M- --num-layers 4",
+                                                                     version="0.16")
+    assert "is not a flag of megatron-core 0.16" in _err("--hybrid-layer-pattern M*M- --num-layers 4", version="0.16")
+    L = layout_from_flags(SMALL + "--hybrid-override-pattern M*M- --num-layers 4".split(), world_size=1,
+                          megatron_version="0.16")
+    # 0.16.1's conv1d is an nn.Conv1d after in_proj; its own dt_bias, A_log, D come first
+    names = [r[0] for r in mamba.param_rows(L)]
+    assert names[:3] == ["mixer.dt_bias", "mixer.A_log", "mixer.D"] and "mixer.conv1d.weight" in names
+
+
+@pytest.mark.parametrize("flags, key", [
+    ("--hybrid-layer-pattern MGM-", "--hybrid-layer-pattern"),
+    ("--hybrid-layer-pattern M*ME", "--hybrid-layer-pattern"),
+    ("--hybrid-layer-pattern M*M-/MM/MM", "--hybrid-layer-pattern"),
+    ("--hybrid-layer-pattern M*M- --context-parallel-size 2", "--context-parallel-size"),
+    ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),
+    ("--hybrid-layer-pattern M*M- --disable-mamba-mem-eff-path", "--disable-mamba-mem-eff-path"),
+])
+def test_unmodelled_settings_are_refused_by_name(flags, key):
+    world = 2 if "context" in flags else 1
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(SMALL + flags.split(), world_size=world)
+    assert str(e.value).startswith(key)
+
+
+def test_mamba_layer_saved_tensors_by_hand():
+    # seq 128, MBS 2, h 256, bf16, TP 1: d_inner 2 x 256 = 512 (16 heads of 32), groups 2, state 16:
+    # in_proj out 2 x 512 + 2 x 2 x 16 + 16 = 1104
+    L = _layout("M*M-", "--micro-batch-size 2")
+    la = layer_activations(L, True, LayerKind("mamba", "none"))
+    T = 128 * 2
+    assert la.saved == {
+        "layer_input": T * 256 * 2,            # the residual, kept by in_proj's fused norm (TE LayerNormLinear)
+        "norm1_stats": T * 4,                  # its fp32 rstd
+        "mamba_in_proj_input": T * 256 * 2,    # the norm output
+        "mamba_zxbcdt": T * 1104 * 2,          # MambaSplitConv1dScanCombinedFn saves zxbcdt
+        "mamba_scan_output": T * 512 * 2,      # ... and out_x (the scan output before the z gate)
+        "mamba_norm_input": T * 512 * 2,       # LayerNormFn saves x ...
+        "mamba_norm_stats": T * 2 * 4,         # ... and rstd: fp32 per row and group
+        "mamba_out_proj_input": T * 512 * 2,   # out_proj (row-parallel linear) keeps its input
+    }
+    # sequence parallelism (TP 2) shards only the residual-stream tensors; the mixer's are split by heads
+    L2 = _layout("M*M-", "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel", world=2)
+    la2 = layer_activations(L2, True, LayerKind("mamba", "none"))
+    assert la2.saved["layer_input"] == T // 2 * 256 * 2
+    assert la2.saved["mamba_zxbcdt"] == T * 552 * 2
+    assert la2.saved["mamba_norm_stats"] == T * 1 * 4
+
+
+def test_full_recompute_keeps_only_block_inputs():
+    # 4 layers, uniform full recompute of 1 layer per block: 4 checkpointed inputs of [s b h] bf16 each
+    L = _layout("M*M-", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    est = estimate(L)
+    term = next(t for t in est.critical.terms if t.name == "layer_activations")
+    assert term.bytes == 4 * 128 * 256 * 2
+
+
+def test_planner_refuses_hybrid_models():
+    from megatron_memguard.planner.space import model_shape
+    L = _layout("M*M-")
+    with pytest.raises(NotModelledError, match="--hybrid-layer-pattern"):
+        model_shape(L, None)
