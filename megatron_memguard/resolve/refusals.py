@@ -13,6 +13,10 @@ from .args import Args, Context
 Row = tuple[str, Callable[[Any], bool], str]
 
 NOT_MODELLED: list[Row] = [
+    ("hybrid_attention_ratio", lambda v: v not in (None, 0, 0.0, "0", "0.0"), "hybrid layer ratios (megatron-core "
+     "derives the pattern from them; give the pattern as --hybrid-layer-pattern)"),
+    ("hybrid_mlp_ratio", lambda v: v not in (None, 0, 0.0, "0", "0.0"), "hybrid layer ratios (megatron-core "
+     "derives the pattern from them; give the pattern as --hybrid-layer-pattern)"),
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
