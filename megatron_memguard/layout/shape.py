@@ -57,3 +57,4 @@ class ModelShape:
     mamba_head_dim: int = 64
     mamba_num_groups: int = 8
     mamba_num_heads: int = 0
+    mamba_chunk_size: int = 128     # the SSD kernel's chunk (MambaMixer's chunk_size; Bridge's mamba_chunk_size)

@@ -282,7 +282,7 @@ def _attention_backend(v: Any) -> str | None:
 # GPT-model-level settings (GPTModel / GPTConfig / GPTModelProvider) that are Megatron arguments too.
 # HybridModelProvider's fields that are Megatron arguments (or were: the ratios of megatron-core 0.16)
 HYBRID_FIELDS = frozenset({"hybrid_layer_pattern", "hybrid_override_pattern", "hybrid_attention_ratio",
-                           "hybrid_mlp_ratio"})
+                           "hybrid_mlp_ratio", "mamba_chunk_size"})
 GPT_LEVEL_FIELDS = frozenset({"make_vocab_size_divisible_by", "position_embedding_type", "rotary_percent",
                               "rotary_base", "fp16_lm_cross_entropy"})
 _HANDLED = frozenset({

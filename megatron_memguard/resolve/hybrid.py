@@ -141,7 +141,9 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     head_dim = a.int_arg("mamba_head_dim", 64)
     groups = a.int_arg("mamba_num_groups", 8)
     heads = a.int_arg("mamba_num_heads")
-    if None in (state, head_dim, groups):
+    # HybridModelProvider.mamba_chunk_size (Bridge 0.6.2: it sets the mixer's chunk_size; no Megatron-LM flag)
+    chunk = a.int_arg("mamba_chunk_size", 128)
+    if None in (state, head_dim, groups, chunk):
         return {}
     h, tp = kw["hidden_size"], kw["tensor_model_parallel_size"]
     if heads is None:
@@ -164,7 +166,8 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if a.bool_arg("use_mamba_mem_eff_path", True) is False:
         raise NotModelledError(a.key("use_mamba_mem_eff_path"), "the Mamba layers' non-fused path "
                                "(causal_conv1d and the chunk scan as separate autograd functions)")
-    return dict(mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads)
+    return dict(mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads,
+                mamba_chunk_size=chunk)
 
 
 def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 from .base import MixerActivations, Param, ParamRow, norm_rows, norm_stats, norms_per_layer_norm, param_objects
 from .base import shapes, wgrad
 
-CHUNK = 128     # MambaMixer's chunk_size default (the SSD kernel's chunk of the sequence)
 D_CONV = 4      # MambaMixer's d_conv default (the causal conv1d's width)
 
 
@@ -90,14 +89,16 @@ def _chunk_states(L: Any) -> int:
     (_chunk_state_fwd with states_in_fp32, ssd_combined.py), made in the forward and again in the backward."""
     x = shapes(L)
     _, nh, _, n, hd = dims(L)
-    return x.b * ceil(x.s / CHUNK) * (nh // L.tp) * hd * n * 4
+    return x.b * ceil(x.s / L.mamba_chunk_size) * (nh // L.tp) * hd * n * 4
 
 
 def _chunk_scores(L: Any) -> int:
-    """C^T B per chunk [b, chunks, groups/t, 128, 128] in fp32 (_bmm_chunk_fwd, ssd_combined.py)."""
+    """C^T B per chunk [b, chunks, groups/t, chunk, chunk] in fp32 (_bmm_chunk_fwd, ssd_combined.py); chunk
+    128 by default (MambaMixer's chunk_size)."""
     x = shapes(L)
     _, _, g, _, _ = dims(L)
-    return x.b * ceil(x.s / CHUNK) * (g // L.tp) * CHUNK * CHUNK * 4
+    c = L.mamba_chunk_size
+    return x.b * ceil(x.s / c) * (g // L.tp) * c * c * 4
 
 
 def saved_items(L: Any) -> dict[str, int]:
