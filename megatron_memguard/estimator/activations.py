@@ -132,6 +132,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
+        mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
     norm2_step = () if no_mlp else (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
     )
@@ -183,10 +184,26 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     return mlp_bwd, mixer_bwd
 
 
+def _requantized_proj_input(L: Layout, kind: LayerKind, mixer_bwd: tuple) -> tuple:
+    """linear_proj saving its BF16 input (every recipe but delayed, and FP4: ``fp8_layers.proj_saves_original_input``)
+    quantizes it again in its backward for the weight gradient: that copy joins linear_proj's step (the mixer's
+    first backward step, standard and multi-latent attention), where the saved quantized copy used to be."""
+    from ..partition import MIXER_ATTENTION, MIXER_MLA
+    from .fp8_layers import layer_gemms, proj_backward_input, proj_saves_original_input
+    spec = L.fp8_spec
+    if kind.mixer not in (MIXER_ATTENTION, MIXER_MLA) or not mixer_bwd or not proj_saves_original_input(spec):
+        return mixer_bwd
+    proj = next((g for g in layer_gemms(L, kind) if g.name == "linear_proj"), None)
+    if proj is None:
+        return mixer_bwd
+    (rel, w), *rest = mixer_bwd
+    return ((rel, w + proj_backward_input(spec, proj.tokens, proj.cols)), *rest)
+
+
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
-    (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output lives
-    and dies with ``proj_input``. The working sets of the steps are those of the BF16 layer plus the quantized
+    (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output (delayed
+    scaling) lives and dies with ``proj_input``. The working sets of the steps are those of the BF16 layer plus the quantized
     output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
     from .fp8_layers import layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e

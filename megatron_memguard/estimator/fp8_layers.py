@@ -79,8 +79,10 @@ def layer_recipe_state_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...]) -> int:
 
 
 def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> dict[str, int]:
-    """Bytes each GEMM keeps of its quantized input for backward, by GEMM name (one micro-batch)."""
-    return {g.name: g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
+    """Bytes each GEMM keeps of its quantized input for backward, by GEMM name (one micro-batch); 0 for a
+    linear_proj that keeps its BF16 input (``proj_saves_original_input``)."""
+    return {g.name: 0 if g.name == "linear_proj" and proj_saves_original_input(spec) else
+            g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
             for g in gemms}
 
 
@@ -109,6 +111,27 @@ def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int,
     return tuple(out)
 
 
+def proj_saves_original_input(spec: Fp8Spec) -> bool:
+    """Whether linear_proj keeps its BF16 input for backward instead of a quantized copy: megatron-core calls
+    ``set_save_original_input(self.linear_proj)`` for FP8 with any recipe but delayed (TE >= 2.6) and for FP4
+    (TE >= 2.7) (``attention.py`` SelfAttention/Attention ``__init__``, ``multi_latent_attention.py``, core
+    0.16.1 and 0.19.2; also 0.19.2's ``absorbed_mla.py``). memguard models TE 2.11 (0.16.1 pins ``>= 2.9``),
+    so the TE gates always hold. Delayed scaling cannot (TE 2.11 ``linear.py`` asserts no ``Float8Quantizer``
+    with ``save_original_input``)."""
+    return bool(spec.fp4) or bool(spec.fp8 and spec.fp8_recipe != "delayed")
+
+
+def proj_backward_input(spec: Fp8Spec, tokens: int, width: int, *, non_tn: bool = False) -> int:
+    """Bytes of the quantized copy linear_proj makes of its BF16 input in backward when it saved the original
+    (TE 2.11 ``linear.py`` ``_Linear.backward``, "Prepare input tensor": ``quantizer(inputmat)``), alive through
+    its weight-gradient GEMM. Per-tensor current scaling (``supports_only_rowwise_all_gather``) asks for both
+    usages (row-parallel: no gather), so Hopper makes data and transpose; the block recipes column-wise only."""
+    from .fp8 import quantized_tensor
+    r = spec.recipe
+    return quantized_tensor(r, tokens, width, rowwise=r in ("delayed", "tensorwise"), columnwise=True,
+                            non_tn=non_tn).allocated
+
+
 def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, int], *, act_bytes: int,
                     non_tn: bool = False, fc1_output_elements: int = 0) -> dict[str, int]:
     """The saved tensors of one FP8 layer that change size, by the estimator's names
@@ -119,8 +142,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
       quantizes inside the norm kernel, ``with_quantized_norm``); under MLA the norm output feeds both
       down projections (or linear_q_proj), each keeping its own quantized copy.
     * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
-    * ``fp8_proj_input`` (new): linear_proj quantizes the attention output and keeps that copy; the BF16
-      output stays saved by the core attention (``proj_input``).
+    * ``fp8_proj_input`` (new, delayed scaling only): linear_proj quantizes the attention output and keeps
+      that copy; the BF16 output stays saved by the core attention (``proj_input``). Every other recipe and
+      FP4 keep the BF16 input itself (``proj_saves_original_input``): ``proj_input`` as in BF16, nothing new.
     * MLA ``q_latent`` / ``kv_latent``: kept by the up projections, quantized; with ``--qk-layernorm``
       the up projections are LayerNormLinears and the normalised latents inside ``latent_norms`` are
       quantized instead (the latents stay BF16 as the norms' inputs).
@@ -142,7 +166,7 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
     for name, gemm in (("fc1_input", "linear_fc1"), ("fc2_input", "linear_fc2")):
         if name in saved and gemm in g:
             out[name] = q(gemm)
-    if "linear_proj" in g:
+    if "linear_proj" in g and not proj_saves_original_input(spec):
         out["fp8_proj_input"] = q("linear_proj")
     ups = [(n, lat) for n, lat in (("linear_q_up_proj", "q_latent"), ("linear_kv_up_proj", "kv_latent")) if n in g]
     if "latent_norms" in saved and ups:
