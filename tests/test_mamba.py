@@ -197,3 +197,24 @@ def test_planner_refuses_hybrid_models():
     L = _layout("M*M-")
     with pytest.raises(NotModelledError, match="--hybrid-layer-pattern"):
         model_shape(L, None)
+
+
+def test_nemotron_h_8b_bridge_recipe_preset():
+    # Megatron-Bridge 0.6.2 nemotronh_8b_pretrain_2gpu_h100_bf16_config: TP 2 with SP, MBS 1, GBS 768, seq 8192,
+    # NullTokenizer of 32000 tokens (recipes/utils/tokenizer_utils.py): the 8B count less 2 x (131072 - 32000) x 4096
+    from megatron_memguard.readers.models import read_model
+    from megatron_memguard.resolve import resolve
+    L = resolve(read_model("nemotronh_8b"), world_size=2)
+    assert L.hybrid_layer_pattern == NEMOTRON_H_8B and L.tp == 2 and L.sequence_parallel
+    assert total_parameters(L) == 8_100_852_736 - 2 * (131072 - 32000) * 4096 == 7_289_254_912
+
+
+def test_layout_document_round_trips():
+    from megatron_memguard.layout import Layout
+    L = _layout("M*|M-|MMM|-", "--pipeline-model-parallel-size 2 --mamba-num-heads 8", world=2)
+    d = L.to_dict()
+    assert d["hybrid_layer_pattern"] == "M*|M-|MMM|-" and d["mamba_num_heads"] == 8
+    assert Layout.from_dict(d) == L
+    # a model without a pattern writes none of the hybrid fields (its document is as before)
+    dense = layout_from_flags(SMALL + ["--num-layers", "2"], world_size=1).to_dict()
+    assert not any(k.startswith(("hybrid", "mamba")) for k in dense)
