@@ -111,6 +111,9 @@ def test_pipe_segments_are_the_pipeline_stages():
     assert L.vpp == 2
     got = {(c.pp_rank, c.vpp_rank): (c.first_layer, c.num_layers) for c in L.chunks}
     assert got == {(0, 0): (0, 2), (1, 0): (2, 2), (0, 1): (4, 3), (1, 1): (7, 1)}
+    # chunks without the embedding or the loss (no batch mask): an MLP-only layer's no-op mixer there too
+    L4 = _layout("M*|M-|MM|--", "--pipeline-model-parallel-size 4", world=4)
+    assert [s.num_layers for s in estimate(L4).stages] == [2, 2, 2, 2]
     # without '|' the pattern is split evenly (the deprecated runtime split)
     L = _layout("M*M-", "--pipeline-model-parallel-size 2", world=2)
     assert [c.num_layers for c in L.chunks] == [2, 2]

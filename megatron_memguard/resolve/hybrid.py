@@ -41,9 +41,13 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if text is None and legacy is None:
         return {}
     if text is not None and legacy is not None:
-        a.fail(LEGACY, "cannot be given with --hybrid-layer-pattern (validate_args asserts it; it is the "
-               "deprecated spelling of the same setting)")
-        raise Stop
+        # validate_args copies the legacy flag into hybrid_layer_pattern without clearing it: a live namespace
+        # (the hook's) holds both, equal; a command line with both stops at its assert
+        if text != legacy or (a.key(PATTERN).startswith("--") and a.key(LEGACY).startswith("--")):
+            a.fail(LEGACY, "cannot be given with --hybrid-layer-pattern (validate_args asserts it; it is the "
+                   "deprecated spelling of the same setting)")
+            raise Stop
+        legacy = None
     dest = PATTERN if text is not None else LEGACY
     key = a.key(dest)
     old = ctx.version < Version("0.17")
