@@ -121,6 +121,8 @@ def test_pipe_segments_are_the_pipeline_stages():
 
 def test_pattern_errors_name_the_flag():
     assert "--hybrid-layer-pattern: 'x' is not a layer symbol" in _err("--hybrid-layer-pattern MxM-")
+    # memguard's bound on the layer count (numbers.BOUNDS) holds for a pattern too
+    assert "has 10,001 layers" in _err("--hybrid-layer-pattern " + "M" * 10_001)
     assert "3 '|' segments" in _err("--hybrid-layer-pattern M|M|M --pipeline-model-parallel-size 2", world=2)
     assert "5 layers, which must be divisible" in _err("--hybrid-layer-pattern M*M-M --pipeline-model-parallel-size 2",
                                                        world=2)
@@ -221,3 +223,18 @@ def test_layout_document_round_trips():
     # a model without a pattern writes none of the hybrid fields (its document is as before)
     dense = layout_from_flags(SMALL + ["--num-layers", "2"], world_size=1).to_dict()
     assert not any(k.startswith(("hybrid", "mamba")) for k in dense)
+
+
+def test_validated_namespace_holds_both_spellings():
+    # validate_args (0.19.2) copies --hybrid-override-pattern into hybrid_layer_pattern and keeps both: the hook's
+    # namespace is read as the one pattern; on a command line both together are an error (test above)
+    from argparse import Namespace
+    from megatron_memguard import layout_from_megatron_args
+    ns = Namespace(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
+                   micro_batch_size=1, global_batch_size=8, bf16=True, tokenizer_type="NullTokenizer", vocab_size=1024,
+                   hybrid_layer_pattern="M*M-", hybrid_override_pattern="M*M-", mamba_head_dim=32, mamba_num_groups=2,
+                   mamba_state_dim=16, position_embedding_type="none")
+    assert layout_from_megatron_args(ns, world_size=1).hybrid_layer_pattern == "M*M-"
+    ns.hybrid_override_pattern = "MM--"
+    with pytest.raises(ConfigError, match="--hybrid-override-pattern: cannot be given"):
+        layout_from_megatron_args(ns, world_size=1)

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from packaging.version import Version
 
 from ..errors import NotModelledError
+from ..numbers import BOUNDS
 from .args import Args, Context, Stop
 
 PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
@@ -41,9 +42,9 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if text is None and legacy is None:
         return {}
     if text is not None and legacy is not None:
-        # validate_args copies the legacy flag into hybrid_layer_pattern without clearing it: a live namespace
-        # (the hook's) holds both, equal; a command line with both stops at its assert
-        if text != legacy or (a.key(PATTERN).startswith("--") and a.key(LEGACY).startswith("--")):
+        # validate_args copies the legacy flag into hybrid_layer_pattern without clearing it: a validated namespace
+        # (the hook's, readers/megatron_namespace.py) holds both, equal; a command line with both stops at its assert
+        if text != legacy or a.raw.source != "Megatron argument namespace":
             a.fail(LEGACY, "cannot be given with --hybrid-layer-pattern (validate_args asserts it; it is the "
                    "deprecated spelling of the same setting)")
             raise Stop
@@ -87,6 +88,10 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         raise NotModelledError(key, f"{names} layers in a hybrid pattern (memguard models Mamba 'M', attention '*' "
                                "and MLP '-')")
     n = len(layers)
+    bound, why = BOUNDS["num_layers"]
+    if n > bound:
+        a.fail(dest, f"has {n:,} layers; memguard's bound on the layer count is {bound:,} ({why})")
+        raise Stop
     given_layers = a.get("num_layers")
     if old:
         # 0.16.1 _allocate_override: "The hybrid override pattern is the wrong length"; no '|' symbol
