@@ -197,11 +197,15 @@ def test_full_recompute_keeps_only_block_inputs():
     assert term.bytes == 4 * 128 * 256 * 2
 
 
-def test_planner_refuses_hybrid_models():
+def test_planner_refuses_hybrid_models(capsys):
+    from megatron_memguard.cli.main import main
     from megatron_memguard.planner.space import model_shape
     L = _layout("M*M-")
     with pytest.raises(NotModelledError, match="--hybrid-layer-pattern"):
         model_shape(L, None)
+    # memguard plan says so before its TP-1 probe (the recipe's TP communication overlap needs SP there)
+    assert main(["plan", "--model", "nemotronh_8b", "--gpus", "8", "--gpu", "h100-80gb"]) == 2
+    assert "planning layouts of hybrid Mamba models is not modelled" in capsys.readouterr().err
 
 
 def test_nemotron_h_8b_bridge_recipe_preset():
