@@ -181,6 +181,15 @@ def test_mamba_layer_saved_tensors_by_hand():
         "mamba_norm_stats": T * 2 * 4,         # ... and rstd: fp32 per row and group
         "mamba_out_proj_input": T * 512 * 2,   # out_proj (row-parallel linear) keeps its input
     }
+    # Working sets (mamba_ssm 2.2.6 ssd_combined.py, one chunk of 128 here): the forward's peak is the scan, with
+    # in_proj's [l, b] output 256 x 1104 x 2 (MBS 2: the [b, l] copy is new), the conv output 256 x 576 x 2, fp32 dt
+    # and dA_cumsum 2 x 256 x 16 x 4, the bf16 passed states 2 x 16 x 32 x 16 x 2, fp32 C^T B 2 x 2 x 128^2 x 4 and
+    # the gated output 256 x 512 x 2, less the norm and out_proj tensors not made yet (2 x 262,144 + 2,048)
+    assert la.fwd_transient == (565_248 + 294_912 + 32_768 + 32_768 + 262_144 + 262_144) - 526_336 == 923_648
+    # the backward's peak is the scan's: the layer-output gradient 131,072, dy 262,144, dzxbcdt 565,248, the conv
+    # output recomputed and its gradient 2 x 294,912, the states in fp32 and bf16 16,384 x 6, C^T B, dt's 32,768,
+    # with out_proj's input and the norm's tensors released
+    assert la.bwd_transient == (131_072 + 262_144 + 565_248 + 589_824 + 98_304 + 262_144 + 32_768) - 526_336
     # sequence parallelism (TP 2) shards only the residual-stream tensors; the mixer's are split by heads
     L2 = _layout("M*M-", "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel", world=2)
     la2 = layer_activations(L2, True, LayerKind("mamba", "none"))

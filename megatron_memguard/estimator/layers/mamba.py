@@ -85,11 +85,12 @@ def reads_batch_mask(L: Any) -> bool:
 
 
 def _chunk_states(L: Any) -> int:
-    """Bytes of the SSD kernel's per-chunk states [b, chunks, heads/t, head_dim, N] in fp32
-    (_chunk_state_fwd with states_in_fp32, ssd_combined.py), made in the forward and again in the backward."""
+    """Elements of the SSD kernel's per-chunk states [b, chunks, heads/t, head_dim, N]: made in fp32
+    (_chunk_state_fwd with states_in_fp32), passed along the chunks into a copy in the activation dtype
+    (_state_passing_fwd's out_dtype=C.dtype), mamba_ssm 2.2.6 ssd_combined.py; again in the backward."""
     x = shapes(L)
     _, nh, _, n, hd = dims(L)
-    return x.b * ceil(x.s / L.mamba_chunk_size) * (nh // L.tp) * hd * n * 4
+    return x.b * ceil(x.s / L.mamba_chunk_size) * (nh // L.tp) * hd * n
 
 
 def _chunk_scores(L: Any) -> int:
@@ -130,14 +131,14 @@ def activations(L: Any, mods: set, has_batch_mask: bool, drop_norm: bool, after:
     saved = saved_items(L)
     states, scores = _chunk_states(L), _chunk_scores(L)
     dt_fp32 = 2 * Tf * (nh // t) * 4                  # dt after softplus and dA's cumulative sum, fp32
-    # at the scan: in_proj's [l, b] output (still referenced by the mixer's forward), the conv output, dt and
-    # dA_cumsum, the chunk states, C^T B, and the gated output; the norm and out_proj tensors not made yet
     # (with one sequence per micro-batch the [l, b] -> [b, l] rearrange is a view: no second copy)
     orig = Tf * P * e if x.b > 1 else 0
-    scan_fwd = orig + Tf * conv_t * e + dt_fp32 + states + scores + Tf * di_t * e
+    base = orig + Tf * conv_t * e + dt_fp32           # in_proj's [l, b] output, the conv output, dt, dA_cumsum
     later = after | {"mamba_norm_input", "mamba_norm_stats", "mamba_out_proj_input"}
-    fwd_steps = ((later | {"mamba_scan_output"}, orig),       # in_proj's output next to its (b, l) copy
-                 (later, scan_fwd))
+    fwd_steps = (
+        (later | {"mamba_scan_output"}, base + states * (4 + e)),                  # the states passed along
+        (later, base + states * e + scores + Tf * di_t * e),                       # the scan: C^T B, gated output
+    )
     rel_out = released | {"mamba_out_proj_input"}
     rel_norm = rel_out | {"mamba_norm_input", "mamba_norm_stats"}
     rel_scan = rel_norm | {"mamba_zxbcdt", "mamba_scan_output"}
@@ -145,7 +146,7 @@ def activations(L: Any, mods: set, has_batch_mask: bool, drop_norm: bool, after:
         (released, G + Tf * di_t * e + wgrad(L, h, di_t)),                                       # out_proj
         (rel_out, G + 2 * Tf * di_t * e),                                                         # gated norm
         # the scan's backward: dzxbcdt, the recomputed conv output and its gradient, the states again, dt's
-        (rel_norm, G + Tf * di_t * e + Tf * P * e + 2 * Tf * conv_t * e + states + scores + dt_fp32),
+        (rel_norm, G + Tf * di_t * e + Tf * P * e + 2 * Tf * conv_t * e + states * (4 + e) + scores + dt_fp32),
         (rel_scan, G + Tf * P * e + Tf * h * e + wgrad(L, P, h)),                                # in_proj
         (rel_scan | {"mamba_in_proj_input"}, G + Tf * h * e + T * h * e),                         # fused norm
     )
