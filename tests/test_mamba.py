@@ -251,3 +251,14 @@ def test_validated_namespace_holds_both_spellings():
     ns.hybrid_override_pattern = "MM--"
     with pytest.raises(ConfigError, match="--hybrid-override-pattern: cannot be given"):
         layout_from_megatron_args(ns, world_size=1)
+
+
+def test_megatron_lms_mamba_spec_flag_is_the_modelled_spec():
+    # Megatron-LM's Mamba scripts pass --spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec
+    # (0.19.2: a re-export of models/hybrid/hybrid_layer_specs.py's hybrid_stack_spec): the spec memguard models
+    spec = "--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec"
+    assert _layout("M*M-", spec).num_layers == 4
+    with pytest.raises(NotModelledError, match="--spec"):
+        _layout("M*M-", "--spec my.module my_spec")
+    with pytest.raises(NotModelledError, match="--spec: the hybrid stack spec without"):
+        layout_from_flags(SMALL + ["--num-layers", "2"] + spec.split(), world_size=1)

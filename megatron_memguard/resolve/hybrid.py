@@ -21,6 +21,7 @@ from packaging.version import Version
 from ..errors import NotModelledError
 from ..numbers import BOUNDS
 from .args import Args, Context, Stop
+from .refusals import hybrid_stack_spec
 
 PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
@@ -144,6 +145,9 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     a hybrid model is not estimated with."""
     main = kw.get("hybrid_layer_pattern")
     if not main:
+        if a.get("spec") and hybrid_stack_spec(a.get("spec")):
+            # refusals.py lets the hybrid stack spec through; without a pattern there is no hybrid model to build
+            raise NotModelledError(a.key("spec"), "the hybrid stack spec without --hybrid-layer-pattern")
         return {}
     key = a.key(PATTERN if _given(a, PATTERN) is not None else LEGACY)
     state = a.int_arg("mamba_state_dim", 128)
