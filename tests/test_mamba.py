@@ -74,11 +74,15 @@ def test_tensor_parallel_shards_heads_and_groups():
                     "mixer.norm.weight": 4096, "mixer.out_proj.weight": 4096 * 4096}
 
 
-def test_parameters_match_megatron_core():
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-token-dispatcher-type alltoall"
+
+
+@pytest.mark.parametrize("pattern, extra", [("M*M-", ""), ("M*-E", MOE)], ids=["mamba", "with-moe"])
+def test_parameters_match_megatron_core(pattern, extra):
     if not os.path.exists(PY312):
         pytest.skip("no megatron-core 0.19.2 venv (MEMGUARD_PY312)")
-    cfg = dict(pattern="M*M-", hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
-               vocab=1024, seq=128)
+    cfg = dict(pattern=pattern, hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
+               vocab=1024, seq=128, **(dict(experts=4, topk=2, moe_ffn=128) if extra else {}))
     out = subprocess.run([PY312, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29651"})
@@ -86,13 +90,30 @@ def test_parameters_match_megatron_core():
         pytest.skip(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0, out.stderr[-2000:]
     real = json.loads(out.stdout.strip().splitlines()[-1])
-    L = _layout("M*M-")
+    L = _layout(pattern, extra)
     mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}
     assert sum(mine.values()) == sum(real.values()) == total_parameters(L)
+    # each layer's total (the MoE layer's experts are TE's grouped weights in memguard, local experts here)
+    for i in range(len(pattern)):
+        at = f"decoder.layers.{i}."
+        assert sum(v for n, v in mine.items() if n.startswith(at)) == sum(v for n, v in real.items() if n.startswith(at))
     # the mixer's own parameters by name, in megatron-core's order (the local spec keeps the norm outside in_proj)
     real_mixer = [(n, v) for n, v in real.items() if ".mixer." in n]
     mine_mixer = [(n, v) for n, v in mine.items() if ".mixer." in n and "layer_norm" not in n]
     assert mine_mixer == real_mixer
+
+
+def test_moe_layers_of_a_hybrid_pattern():
+    # 'E': MoETransformerLayer = pre-MLP norm 256 + router 4 x 256 + 4 experts x (fc1 256 x 128 + fc2 128 x 256);
+    # the pattern places the MoE layers (--moe-layer-freq does not apply) and the experts are TE's grouped ones
+    L = _layout("M*-E", MOE)
+    assert L.moe.moe_layer_pattern == (False, False, False, True) and L.moe.moe_grouped_gemm
+    assert layer_kinds(L)[3] == LayerKind("none", "moe")
+    assert total_parameters(L) - total_parameters(_layout("M*-")) == 256 + 4 * 256 + 4 * 2 * 256 * 128 == 263_424
+    assert "--hybrid-layer-pattern: has MoE layers ('E') but --num-experts is not set" in _err(
+        "--hybrid-layer-pattern M*-E")
+    assert [s.num_layers for s in estimate(_layout("M*|-E", MOE + " --pipeline-model-parallel-size 2", world=2))
+            .stages] == [2, 2]
 
 
 def test_pattern_sets_layers_and_kinds():
@@ -152,7 +173,7 @@ def test_megatron_016_rules():
 
 @pytest.mark.parametrize("flags, key", [
     ("--hybrid-layer-pattern MGM-", "--hybrid-layer-pattern"),
-    ("--hybrid-layer-pattern M*ME", "--hybrid-layer-pattern"),
+    ("--hybrid-layer-pattern M*M- " + MOE, "--num-experts"),
     ("--hybrid-layer-pattern M*M-/MM/MM", "--hybrid-layer-pattern"),
     ("--hybrid-layer-pattern M*M- --context-parallel-size 2", "--context-parallel-size"),
     ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),

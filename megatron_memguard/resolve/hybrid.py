@@ -27,7 +27,7 @@ PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
 SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
            "-": "MLP", "E": "MoE"}
-MODELLED = frozenset("M*-")
+MODELLED = frozenset("M*-E")
 MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --num-layers
 
 
@@ -86,8 +86,8 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     other = sorted(set(layers) - MODELLED)
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
-        raise NotModelledError(key, f"{names} layers in a hybrid pattern (memguard models Mamba 'M', attention '*' "
-                               "and MLP '-')")
+        raise NotModelledError(key, f"{names} layers in a hybrid pattern (memguard models Mamba 'M', attention '*', "
+                               "MLP '-' and MoE 'E')")
     n = len(layers)
     bound, why = BOUNDS["num_layers"]
     if n > bound:
@@ -175,7 +175,11 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if heads % groups:
         a.fail("mamba_num_heads", f"{heads} Mamba heads must be divisible by --mamba-num-groups {groups} "
                "(MambaMixer asserts it)")
-    _refuse(a, kw, ctx, key)
+    if "E" in main and not a.get("num_experts"):
+        a.fail(PATTERN if _given(a, PATTERN) is not None else LEGACY,
+               "has MoE layers ('E') but --num-experts is not set (the MoE layer spec needs experts)")
+        return {}
+    _refuse(a, kw, ctx, key, main)
     if a.bool_arg("use_mamba_mem_eff_path", True) is False:
         raise NotModelledError(a.key("use_mamba_mem_eff_path"), "the Mamba layers' non-fused path "
                                "(causal_conv1d and the chunk scan as separate autograd functions)")
@@ -183,7 +187,7 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                 mamba_chunk_size=chunk)
 
 
-def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str) -> None:
+def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -> None:
     """Settings whose effect on a hybrid model memguard has not read: refused by name."""
     if kw.get("transformer_impl", "transformer_engine") != "transformer_engine":
         # training/models/hybrid.py builds hybrid_stack_spec (TE modules) whatever --transformer-impl says
@@ -193,7 +197,8 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str) -> None:
         (kw.get("context_parallel_size", 1) > 1, "context_parallel_size",
          "context parallelism in Mamba layers (MambaContextParallel's all-to-all of heads)"),
         (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 Mamba layers"),
-        (kw.get("moe") is not None, "num_experts", "mixture-of-experts settings with a hybrid pattern"),
+        (kw.get("moe") is not None and "E" not in main, "num_experts", "mixture-of-experts settings with a hybrid "
+         "pattern without MoE ('E') layers"),
         (kw.get("mtp_num_layers"), "mtp_num_layers", "multi-token prediction with a hybrid model"),
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),

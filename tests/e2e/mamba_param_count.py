@@ -72,7 +72,9 @@ def build(cfg: dict):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                             TransformerLayerSubmodules)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     import megatron.core.models.hybrid.hybrid_block as hb
     hb.TENorm = WrappedTorchNorm        # the final norm (TE's on GPU): one weight of the hidden size either way
 
@@ -92,13 +94,20 @@ def build(cfg: dict):
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear))))))
+                                                                linear_fc2=RowParallelLinear)))),
+        # 'E': MoETransformerLayer with its own pre-MLP norm; local experts (SequentialMLP) for TE's grouped ones:
+        # the same numbers of parameters per expert
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)))))
+    moe = dict(num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"], moe_ffn_hidden_size=cfg["moe_ffn"],
+               moe_token_dispatcher_type="alltoall") if cfg.get("experts") else {}
     config = TransformerConfig(
         num_layers=len(cfg["pattern"]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
         num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
         activation_func=F.relu, use_cpu_initialization=True, params_dtype=torch.float32, is_hybrid_model=True,
         mamba_state_dim=cfg["state"], mamba_head_dim=cfg["head_dim"], mamba_num_groups=cfg["mamba_groups"],
-        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0)
+        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **moe)
     return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=cfg["vocab"],
                        max_sequence_length=cfg["seq"], hybrid_layer_pattern=cfg["pattern"],
                        position_embedding_type="none", share_embeddings_and_output_weights=False)
