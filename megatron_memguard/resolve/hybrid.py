@@ -10,7 +10,8 @@ groups divisible by TP, heads by groups). megatron-core 0.16.1 (ssm/mamba_hybrid
 virtual pipelines), and the flag is --hybrid-override-pattern.
 
 What is not modelled is refused by name: the 'G' (gated delta net), 'D' (DSA) and '+' (MLA) layers, MTP
-patterns after '/', MoE ('E') layers, context parallelism, FP8 / FP4, the non-fused Mamba path.
+patterns after '/', context parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers
+(resolve/moe.py places them by the pattern).
 """
 from __future__ import annotations
 
