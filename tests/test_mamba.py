@@ -178,9 +178,11 @@ def test_megatron_016_rules():
     ("--hybrid-layer-pattern M*M- --context-parallel-size 2", "--context-parallel-size"),
     ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),
     ("--hybrid-layer-pattern M*M- --disable-mamba-mem-eff-path", "--disable-mamba-mem-eff-path"),
+    # torch FSDP2 does not wrap MambaLayer (torch_fully_sharded_data_parallel.py 0.19.2)
+    ("--hybrid-layer-pattern M*M- --use-torch-fsdp2 --no-gradient-accumulation-fusion", "--use-torch-fsdp2"),
 ])
 def test_unmodelled_settings_are_refused_by_name(flags, key):
-    world = 2 if "context" in flags else 1
+    world = 2 if "context" in flags or "fsdp" in flags else 1
     with pytest.raises(NotModelledError) as e:
         layout_from_flags(SMALL + flags.split(), world_size=world)
     assert str(e.value).startswith(key)

@@ -211,6 +211,12 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          f"the {kw.get('optimizer')} optimizer with a hybrid model (its per-matrix treatment of the conv1d weight)"),
         (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
          "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states"),
+        # FSDP units: torch FSDP2 wraps TransformerLayer (torch_fully_sharded_data_parallel.py 0.19.2), not MambaLayer;
+        # Megatron-FSDP takes MambaLayer as a unit from 0.17 on (mcore_fsdp_adapter.py: 0.16.1 TransformerLayer only)
+        (kw.get("use_torch_fsdp2") and "M" in main, "use_torch_fsdp2", "torch FSDP2 of Mamba layers (not an FSDP2 "
+         "unit: their parameters are sharded with the root module)"),
+        (ctx.version < Version("0.17") and kw.get("use_megatron_fsdp") and "M" in main, "use_megatron_fsdp",
+         "Megatron-FSDP of Mamba layers under megatron-core 0.16 (its FSDP units are TransformerLayers only)"),
         (ctx.version < Version("0.17") and kw.get("recompute_granularity") == "full", "recompute_granularity",
          "full recomputation of a hybrid model under megatron-core 0.16 (its MambaStack has no checkpointed "
          "forward: the flag is not applied)"),
