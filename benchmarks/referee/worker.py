@@ -380,12 +380,13 @@ def install_phase_hooks(tracker, phase_state):
         tracker.set_phase(f"it{phase_state['iter']} schedule")
         return out
 
-    def bwd(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    def bwd(input_tensor, output_tensor, output_tensor_grad, *rest):
+        # (..., model_type, config) in core 0.16.1, (..., config) in 0.19.2
         ot = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
         label = phase_state["out2label"].pop(id(ot), None)
         label = (label or f"it{phase_state['iter']} ?").replace(" fwd", " bwd")
         tracker.set_phase(label)
-        out = orig_bwd(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        out = orig_bwd(input_tensor, output_tensor, output_tensor_grad, *rest)
         tracker.set_phase(f"it{phase_state['iter']} schedule")
         return out
 

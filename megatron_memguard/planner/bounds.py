@@ -101,7 +101,8 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
         # and, unless the block is recomputed, the N = T k ETP dispatched rows kept by fc1, its output and
         # (unless 'moe_act' recomputes the activation) fc2's input
         ms = shape.moe
-        kept += T * h * e * q
+        if "layernorm" not in mods:
+            kept += T * h * e * q             # (a recomputed pre-MLP norm's output is discarded)
         if "moe" not in mods:
             rows = T * ms.topk * c.etp
             f_e = ms.ffn // c.etp

@@ -15,7 +15,8 @@ Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`
 * backward (``NVTE_FP8_DPA_BWD=1``, the default): the output gradient is quantized (1 B/elem), and under
   delayed scaling dq, dk, dv come out in FP8 and are dequantized into BF16 ones.
 * ``--attention-output-gate``: the gate keeps its two inputs (layers/attention.py), so the BF16 output stays
-  saved (``proj_input``) and, under delayed scaling, the FP8 one is kept next to it (``fp8_attention_output``);
+  saved (``gate_attention_output``) and, under delayed scaling, the FP8 one is kept next to it
+  (``fp8_attention_output``; linear_proj reads the gated product);
   a gate that is a view of the qkv output keeps that output alive.
 
 Not counted: the recipe state of DotProductAttention's quantizers (a few KB per layer) and cuDNN's
@@ -79,7 +80,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
             b = 2 * x.b * x.a_t * x.s * 4              # M and ZInv, fp32 [b, a, s, 1] each
         elif name == "proj_input" and delayed:
             if gated:
-                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (proj_input)
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
             else:
                 b = out8                               # the FP8 output the attention keeps
         new[name] = b
@@ -185,7 +186,7 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
             b = KV                                     # the last ring buffer, FP8
         elif name == "proj_input" and delayed:
             if gated:
-                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (proj_input)
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
             else:
                 b = out8
         new[name] = b

@@ -376,6 +376,10 @@ def input_jitter_bytes(L: Any, m: MoeSpec, T: int, rec: set | frozenset = frozen
     recomputed = "shared_experts" in rec      # (the selectively recomputed modules)
     norm_out_kept = bool(m.moe_shared_expert_intermediate_size) and (recomputed or not (
         (m.moe_shared_expert_overlap and L.tp > 1) or m.use_grouped_gemm_for_shared_expert))
+    if "layernorm" in rec:
+        # a recomputed pre-MLP norm's output is discarded (not counted with the layer): the jittered copy is extra
+        from ..activations import _moe_pre_mlp_norm_recomputed
+        norm_out_kept = norm_out_kept or L.transformer_impl != "transformer_engine" or _moe_pre_mlp_norm_recomputed(L)
     return e * T * h * (2 if norm_out_kept else 1)
 
 
@@ -638,12 +642,12 @@ def global_buffer_request(L: Any, m: MoeSpec) -> int:
 
 def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
     """Bytes one MoE layer's MLP surely keeps per micro-batch with balanced routing (the planner's lower
-    bound): the router's input and, unless 'moe' is recomputed, the dispatched tokens and the experts'
-    fc1 output and fc2 input."""
+    bound): the router's input (unless 'layernorm' recompute discards it) and, unless 'moe' is recomputed, the
+    dispatched tokens and the experts' fc1 output and fc2 input."""
     m = L.moe
     e, h = L.act_bytes, L.hidden_size
     T = b * seq // (tp if sp else 1)
-    kept = T * h * e
+    kept = 0 if "layernorm" in mods else T * h * e
     if "moe" in mods:
         return kept
     N = T * m.moe_router_topk * m.etp
