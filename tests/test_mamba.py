@@ -103,6 +103,30 @@ def test_parameters_match_megatron_core(pattern, extra):
     assert mine_mixer == real_mixer
 
 
+def test_parameters_match_this_venvs_megatron_core():
+    # the interpreter running the tests: megatron-core 0.16.1 (py3.11: MambaModel over MambaStack, whose mixer
+    # registers dt_bias, A_log, D before in_proj and then an nn.Conv1d) or 0.19.2 (py3.12)
+    import sys
+    try:
+        from megatron.core.package_info import __version__ as core
+    except ImportError:
+        pytest.skip("no megatron-core")
+    L = layout_from_flags(SMALL + ["--hybrid-override-pattern", "M*M-", "--num-layers", "4"], world_size=1,
+                          megatron_version=".".join(core.split(".")[:2]))
+    # (the vocabulary as memguard pads it for that release: 0.16's NullTokenizer adds the end-of-document token)
+    cfg = dict(pattern="M*M-", hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
+               vocab=L.padded_vocab_size, seq=128)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29652"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = json.loads(out.stdout.strip().splitlines()[-1])
+    mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}
+    assert sum(mine.values()) == sum(real.values()) == total_parameters(L)
+    assert ([(n, v) for n, v in mine.items() if ".mixer." in n and "layer_norm" not in n]
+            == [(n, v) for n, v in real.items() if ".mixer." in n])
+
+
 def test_moe_layers_of_a_hybrid_pattern():
     # 'E': MoETransformerLayer = pre-MLP norm 256 + router 4 x 256 + 4 experts x (fc1 256 x 128 + fc2 128 x 256);
     # the pattern places the MoE layers (--moe-layer-freq does not apply) and the experts are TE's grouped ones
