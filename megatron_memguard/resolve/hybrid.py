@@ -224,3 +224,11 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
     for bad, dest, what in checks:
         if bad:
             raise NotModelledError(a.key(dest), what)
+
+
+def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """After the PEFT section: LoRA / DoRA on a hybrid model is refused by name (the adapters' target modules
+    and the Mamba layers' frozen tensors were not read)."""
+    if kw.get("hybrid_layer_pattern") and kw.get("peft") is not None:
+        raise NotModelledError(a.key("peft_scheme"), "LoRA / DoRA on a hybrid Mamba model")
+    return {}
