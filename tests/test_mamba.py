@@ -309,3 +309,14 @@ def test_megatron_lms_mamba_spec_flag_is_the_modelled_spec():
         _layout("M*M-", "--spec my.module my_spec")
     with pytest.raises(NotModelledError, match="--spec: the hybrid stack spec without"):
         layout_from_flags(SMALL + ["--num-layers", "2"] + spec.split(), world_size=1)
+
+
+def test_lora_on_a_hybrid_model_is_refused_by_name():
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    args = dict(hybrid_layer_pattern="M*M-", hidden_size=256, num_attention_heads=4, seq_length=128,
+                max_position_embeddings=128, micro_batch_size=1, global_batch_size=8, bf16=True,
+                tokenizer_type="NullTokenizer", vocab_size=1024, mamba_head_dim=32, mamba_num_groups=2,
+                mamba_state_dim=16, position_embedding_type="none", peft_scheme="lora")
+    with pytest.raises(NotModelledError, match="LoRA / DoRA on a hybrid Mamba model"):
+        resolve(RawConfig(args=args, world_size=1))
