@@ -281,6 +281,9 @@ def _attention_backend(v: Any) -> str | None:
 
 
 # GPT-model-level settings (GPTModel / GPTConfig / GPTModelProvider) that are Megatron arguments too.
+# HybridModelProvider's fields that are Megatron arguments (or were: the ratios of megatron-core 0.16)
+HYBRID_FIELDS = frozenset({"hybrid_layer_pattern", "hybrid_override_pattern", "hybrid_attention_ratio",
+                           "hybrid_mlp_ratio", "mamba_chunk_size"})
 GPT_LEVEL_FIELDS = frozenset({"make_vocab_size_divisible_by", "position_embedding_type", "rotary_percent",
                               "rotary_base", "fp16_lm_cross_entropy"})
 _HANDLED = frozenset({
@@ -362,6 +365,12 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
 
     for name, (value, path) in fields.items():
         if name in _HANDLED or name.startswith("_"):
+            continue
+        if name in HYBRID_FIELDS:
+            # HybridModelProvider / HybridModelConfig (Bridge 0.6.2, core 0.19.2 training/models/hybrid.py): the
+            # pattern under its flag's dest; the deprecated ratios only when set (resolve refuses them by name)
+            if value not in (None, "", 0, 0.0) and not is_missing(value):
+                b.set(name, value, path)
             continue
         if name in dests and name in passthrough:
             if value is None or isinstance(value, Mapping) or is_missing(value):

@@ -46,6 +46,9 @@ _MODEL_EXTRAS = frozenset({
     "rope_scaling_factor", "rotary_scaling_factor", "seq_len_interpolation_factor", "mtp_enabled",
     "use_te_activation_func", "pipeline_dtype", "vocab_size", "should_pad_vocab", "seq_length",
     "share_embeddings_and_output_weights", "max_position_embeddings", "parallel_output",
+    # HybridModelProvider (models/hybrid/hybrid_provider.py): its layer spec (the TE hybrid stack memguard models),
+    # and the MTP layers' dtype (no MTP: resolve refuses MTP with a hybrid model)
+    "hybrid_stack_spec", "keep_mtp_spec_in_bf16",
 })
 
 # The model provider classes whose every field memguard knows (megatron-core's config fields, GPTModelProvider's,
