@@ -10,7 +10,9 @@ run cuDNN. The filters that leave only one of them for a self-attention GPT laye
 
 * flash-attn 2 needs bf16/fp16 q/k/v, a head dim that is a multiple of 8 and at most 256, equal q/k
   and v head dims (not MLA), the vanilla softmax (not ``--softmax-type off-by-one / learnable``) and
-  no FP8 attention; flash-attn 3 runs only on sm90 (where cuDNN is preferred anyway);
+  no FP8 attention; flash-attn 3 runs only on sm90 and flash-attn 4 (TE 2.20.2) not below sm90, where
+  cuDNN is preferred anyway, so ``--flash-attention-version 3 / 4`` (core 0.19.2, which switches the
+  other generations off through NVTE_FLASH_ATTN_V2/3/4=0) leaves an A100 with cuDNN;
 * TE 2.11 (not 2.20.2) switches cuDNN off for deterministic training (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0,
   as Megatron's CI runs, or --deterministic-mode) on compute capability >= 10.0, which leaves flash-attn 2
   on Blackwell; below 9.0 it does so too, but flash is chosen there anyway.
@@ -67,6 +69,9 @@ def _no_flash(L: Layout) -> str | None:
         return f"flash-attn has no {L.softmax_type} softmax"
     if d % 8 or d > 256:
         return f"flash-attn 2 needs a head dim that is a multiple of 8 and <= 256 (kv_channels {d})"
+    if L.flash_attention_version not in (None, 2):
+        # TE 2.20.2: flash-attn 3 runs only on sm90, flash-attn 4 not below sm90
+        return f"--flash-attention-version {L.flash_attention_version} leaves no flash-attn for sm8x"
     return None
 
 

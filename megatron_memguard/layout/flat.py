@@ -41,7 +41,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
     ("shape", "mtp_num_layers heterogeneous_layers"),
     ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type use_transformer_engine_op_fuser "
-                "softmax_type"),
+                "softmax_type flash_attention_version"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
     ("optim", "muon_scalar_optimizer muon_split_qkv muon_tp_mode muon_fp32_matmul_prec muon_nesterov"),
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "

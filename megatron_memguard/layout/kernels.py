@@ -33,6 +33,9 @@ class Kernels:
     # --softmax-type (vanilla | off-by-one | learnable): flash-attn has only the vanilla softmax, so it
     # decides which kernel TE's auto backend runs (estimator/attention_backend.py)
     softmax_type: str = "vanilla"
+    # --flash-attention-version (core 0.19.2): the one flash-attn generation TE may use (language_module.py
+    # sets NVTE_FLASH_ATTN_V<other>=0); None: any
+    flash_attention_version: int | None = None
 
     @property
     def fused_wgrad(self) -> bool:
