@@ -98,5 +98,6 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
     "fine_grained_offloading_max_inflight_offloads": None,
+    "softmax_type": "vanilla", "flash_attention_version": None,   # they pick TE's attention kernel (attention_backend)
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
 }
