@@ -132,6 +132,9 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     fwd_steps = mixer.fwd_steps + mlp.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
     # Backward steps: (saved names released, working bytes): the MLP, the pre-MLP norm, the mixer
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
+    if getattr(L, "peft", None) is not None:
+        from .peft import backward_steps
+        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd)
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
@@ -142,6 +145,12 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     bwd_steps = mlp_bwd + norm2_step + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
         bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
+    if getattr(L, "peft", None) is not None:
+        # LoRA / DoRA: frozen linears keep no input for a weight gradient, the adapters keep theirs (estimator/peft.py)
+        from .peft import layer_items, tie_steps
+        saved, dora_fwd = layer_items(L, saved, mods)
+        fwd_steps = tie_steps(fwd_steps, saved) + (((frozenset(), dora_fwd),) if dora_fwd else ())
+        bwd_steps = tie_steps(bwd_steps, saved)
     if kind.quantized:
         saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)

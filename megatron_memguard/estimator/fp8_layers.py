@@ -350,8 +350,9 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             elements += n * sum(x.count * x.rows * x.cols for x in g)
     from .mtp import layers_built
     mtp = layers_built(L)          # per-module weight caches: one module with --mtp-use-repeated-layer
-    if mtp and any(c.has_output for c in chunks):
-        # the MTP depths on the last chunk, in FP8 with --fp8-format (mtp_layer_kind)
+    from .params import holds_mtp
+    if mtp and any(holds_mtp(L, c) for c in chunks):
+        # the MTP depths on their chunk, in FP8 with --fp8-format (mtp_layer_kind)
         g = mtp_gemms(L)
         if g:
             layers += mtp

@@ -226,8 +226,15 @@ def sent_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
     with --moe-router-padding-for-quantization ``pad_routing_map`` (moe_utils.py, megatron-core 0.16.1 and
     0.19.2) first turns zeros of the routing map [T, E] into ones until every expert's count from this rank
     is a multiple of the alignment (at most T): balanced, E x min(T, ceil(T k / E) rounded up); worst, the
-    T x k choices plus (a - 1) per expert."""
+    T x k choices plus (a - 1) per expert. With a capacity factor (megatron-core 0.16.1 and 0.19.2): dropping
+    (apply_router_token_dropping) keeps at most C = capacity(m, T) of each expert's column of the routing map,
+    so ``num_out_tokens = routing_map.sum()`` is at most min(T x k, E x C), exactly that under balanced routing;
+    with --moe-pad-expert-input-to-capacity the dispatcher permutes ``capacity x num_experts`` rows
+    (token_dispatcher.py MoEAlltoAllTokenDispatcher.preprocess, drop_and_pad)."""
     k, E, a = m.moe_router_topk, m.num_experts, m.moe_router_padding_align
+    C = capacity(m, T)
+    if C is not None and not a:
+        return E * C if m.moe_pad_expert_input_to_capacity else min(T * k, E * min(C, T))
     if not a:
         return T * k
     if worst:
@@ -609,7 +616,8 @@ def deepep_buffer_bytes(L: Any, m: MoeSpec) -> int:
     n = min(ranks, DEEPEP_NVL_PEERS)
     r = max(ranks // DEEPEP_NVL_PEERS, 1)
     recv = DEEPEP_NVL_RECV_TOKENS if ranks <= DEEPEP_NVL_PEERS else DEEPEP_INTERNODE_NVL_RECV_TOKENS[ranks]
-    per = (2 * r + 3) * 4 + recv * (L.hidden_size * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
+    # hidden bytes as fused_a2a.get_hidden_bytes reads them off the dispatched tokens (latent MoE: latent-wide)
+    per = (2 * r + 3) * 4 + recv * ((m.moe_latent_size or L.hidden_size) * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
     return -(-C * n * per // 128) * 128
 
 
@@ -625,7 +633,7 @@ def deepep_rdma_buffer_bytes(L: Any, m: MoeSpec) -> int:
         return 0
     C = m.moe_flex_dispatcher_num_sms // 2
     r = ranks // DEEPEP_NVL_PEERS
-    token = L.hidden_size * max(L.act_bytes, 2) + 8 + 3 * 128 * 4
+    token = (m.moe_latent_size or L.hidden_size) * max(L.act_bytes, 2) + 8 + 3 * 128 * 4
     token = -(-token // 16) * 16
     data = token * DEEPEP_RDMA_RECV_TOKENS * r * 2 * C
     meta = (DEEPEP_NVL_PEERS * 2 + 4) * r * 2 * C * 4
@@ -634,10 +642,11 @@ def deepep_rdma_buffer_bytes(L: Any, m: MoeSpec) -> int:
 
 def global_buffer_request(L: Any, m: MoeSpec) -> int:
     """Bytes the allgather dispatcher asks of megatron's GlobalMemoryBuffer ('mpu', kept at the
-    largest request): the hidden states all-gathered over the ETP x EP group, [T*ETP*EP, h]."""
+    largest request): the hidden states all-gathered over the ETP x EP group, [T*ETP*EP, h] (latent MoE: the
+    latent-wide tokens fc1_latent_proj made, MoELayer.preprocess, core 0.16.1 and 0.19.2)."""
     if m.moe_token_dispatcher_type != "allgather" or m.etp * m.ep == 1:
         return 0
-    return tokens_per_rank(L) * m.etp * m.ep * L.hidden_size * L.act_bytes
+    return tokens_per_rank(L) * m.etp * m.ep * (m.moe_latent_size or L.hidden_size) * L.act_bytes
 
 
 def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
