@@ -142,3 +142,13 @@ def test_a100_ci_records_get_closer_with_flash():
     assert mean_abs(flash_err) < 0.8 * mean_abs(fused_err)
     assert mean_abs(flash_err) < 0.01
     assert sum(abs(a) > abs(b) + 1e-4 for a, b in zip(flash_err, fused_err)) == 0
+
+
+def test_the_hook_reads_the_backend_from_the_device_name():
+    # the runtime hook maps torch's device name to the GPU table (runtime/device.py), then estimates with it
+    from megatron_memguard.runtime.device import gpu_spec_for
+    a100 = gpu_spec_for("NVIDIA A100-SXM4-80GB", int(79.35 * 2**30))
+    h100 = gpu_spec_for("NVIDIA H100 80GB HBM3", int(79.11 * 2**30))
+    assert (a100.name, h100.name) == ("A100-80GB", "H100-80GB")
+    assert estimate(lay(), gpu=a100).attention.selected == "flash"
+    assert estimate(lay(), gpu=h100).attention.selected == "fused"
