@@ -13,9 +13,16 @@ run cuDNN. The filters that leave only one of them for a self-attention GPT laye
   no FP8 attention; flash-attn 3 runs only on sm90 and flash-attn 4 (TE 2.20.2) not below sm90, where
   cuDNN is preferred anyway, so ``--flash-attention-version 3 / 4`` (core 0.19.2, which switches the
   other generations off through NVTE_FLASH_ATTN_V2/3/4=0) leaves an A100 with cuDNN;
-* TE 2.11 (not 2.20.2) switches cuDNN off for deterministic training (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0,
-  as Megatron's CI runs, or --deterministic-mode) on compute capability >= 10.0, which leaves flash-attn 2
-  on Blackwell; below 9.0 it does so too, but flash is chosen there anyway.
+* TE 2.11 switches cuDNN off for deterministic training (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, as Megatron's
+  CI runs, or --deterministic-mode) on compute capability >= 10.0, which leaves flash-attn 2 on Blackwell;
+  below 9.0 it does so too, but flash is chosen there anyway. TE 2.12+ passes ``deterministic`` to its C++
+  query ``nvte_get_fused_attn_backend`` (common/fused_attn/fused_attn.cpp), which on sm100/sm103/sm110/sm120
+  in deterministic training returns No_Backend when attention dropout is on, and also, without dropout,
+  under cuDNN < 9.18.1 (the compiled query of TE 2.12.0 and 2.14.1 run on a CPU with stubbed CUDA; TE 2.20.2
+  asks cuDNN-frontend, whose check reads "Deterministic algorithm is not supported on blackwell
+  architecture when dbias, rng/dropout, alibi is enabled" / "... with cudnn version below 9.18.0"). So
+  with attention dropout, Blackwell deterministic training runs flash-attn 2 in every TE; without it
+  memguard assumes a cuDNN >= 9.18.1 (cuDNN fused).
 Sliding windows, attention dropout, GQA, causal masks and context parallelism (p2p, causal) keep both.
 
 memguard assumes flash-attn 2 is installed, as in NVIDIA's NGC PyTorch containers (without it TE would
@@ -100,5 +107,9 @@ def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
         return AttentionBackend(asked, "flash", f"auto on {sm}: flash-attn 2 (Transformer Engine 2.11 switches cuDNN "
                                 "fused attention off for deterministic training on Blackwell: "
                                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
+    if cc >= (10, 0) and _deterministic(L) and L.attention_dropout > 0:
+        return AttentionBackend(asked, "flash", f"auto on {sm}: flash-attn 2 (cuDNN has no deterministic Blackwell "
+                                f"backward with attention dropout {L.attention_dropout:g}: Transformer Engine 2.12+ "
+                                "gets no fused backend for NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
     return AttentionBackend(asked, "fused", f"auto on {sm}: cuDNN fused attention (Transformer Engine prefers it "
                             "over flash-attn on Hopper and later)")
