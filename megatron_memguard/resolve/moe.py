@@ -329,20 +329,25 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
 
 
 def _upcycling(a: Args, kw: Mapping[str, Any], ctx: Context, spec: MoeSpec) -> MoeSpec:
-    """--moe-use-upcycling: megatron/training's setup_model_and_optimizer (training.py, 0.16 to 0.18 alike) builds,
+    """--moe-use-upcycling: megatron/training's setup_model_and_optimizer (training.py, 0.16) builds,
     after the MoE model and its optimizer, a DDP-wrapped dense model from the same arguments with num_experts None,
     EP 1 and ffn_hidden_size x --moe-upcycling-granularity, loads the dense checkpoint into it and converts it
     (upcycling_utils.load_and_upcycle_model): the start-up figure of estimator/upcycling.py. Megatron's rules are
-    errors naming the flag; 0.19 and the settings whose start-up was not read are refused by name."""
+    errors naming the flag (among them 0.17 to 0.19, where the start-up fails); the settings whose start-up was not
+    read are refused by name."""
     if not a.bool_arg("moe_use_upcycling", False):
         return spec
     key = a.key("moe_use_upcycling")
-    if ctx.version >= Version("0.19"):
-        # training.py 0.19.2 _build_model_wrapper builds the "dense" model with cfg.model's builder, which the
-        # arguments it resets do not reach (0.17.1 and 0.18.2 call get_model(model_provider_func))
-        raise NotModelledError(key, "upcycling in megatron/training 0.19 (its _build_model_wrapper builds the dense "
-                                    "model from cfg.model, which the reset num_experts / ffn_hidden_size do not "
-                                    "reach: what it holds at start-up was not pinned down)")
+    if ctx.version >= Version("0.17"):
+        # training.py (core 0.17.1, 0.18.2, 0.19.2) loads the dense checkpoint with load_and_upcycle_model(
+        # load_checkpoint, ..., load_kwargs={'model': ...}) while checkpointing.py's load_checkpoint names that
+        # parameter ddp_model: a TypeError, seen on the real 0.19.2 code (tests/test_moe_upcycling_real.py). Before
+        # it, 0.19.2's pretrain_gpt.py path builds the "dense" model MoE-shaped from cfg.model, and a model provider
+        # (0.18.2, 0.19.2) fails at TransformerConfig (moe_ffn_hidden_size without num_moe_experts).
+        a.fail("moe_use_upcycling", "does not work in megatron/training 0.17 to 0.19 (setup_model_and_optimizer "
+                                    "calls load_checkpoint(model=...), whose parameter is ddp_model: TypeError "
+                                    "at start-up)")
+        return spec
     for dest, what in (("use_megatron_fsdp", "Megatron-FSDP"), ("use_torch_fsdp2", "torch FSDP2"),
                        ("optimizer_cpu_offload", "optimizer CPU offload")):
         if kw.get(dest):
