@@ -291,7 +291,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_apply_probs_on_input", f"only works with --moe-router-topk 1, got {k} (the experts' forward)")
         ok = False
     latent = _latent_size(r, disp=disp, Fs=Fs, overlap=overlap, a2a_overlap=a2a_overlap, delay_wgrad=delay_wgrad,
-                          wgrad_beside_dispatch=wgrad_beside_dispatch, precision=precision or {})
+                          wgrad_beside_dispatch=wgrad_beside_dispatch)
     if latent == -1:
         latent, ok = None, False
     legacy_gg = grouped and r.bool_arg("moe_use_legacy_grouped_gemm", False)
@@ -382,10 +382,11 @@ def _upcycling(a: Args, kw: Mapping[str, Any], ctx: Context, spec: MoeSpec) -> M
 
 
 def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_overlap: bool, delay_wgrad: bool,
-                 wgrad_beside_dispatch: bool, precision: Mapping[str, Any]) -> int | None:
+                 wgrad_beside_dispatch: bool) -> int | None:
     """--moe-latent-size (core 0.16.1 and 0.19.2 MoELayer): the latent width, None when off, -1 after a reported
     error. validate_args: a positive size; MoELayer.preprocess asserts no shared-expert overlap in training.
-    memguard models it in BF16 with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
+    memguard models it in BF16 and FP8 / FP4 (the latent projections are quantized TELinears: estimator/fp8_layers.py,
+    resolve/fp8_shapes.py) with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
     and 0.19.2, so the alltoall, the allgather's gather into the GlobalMemoryBuffer and DeepEP's buffers all move
     latent-wide tokens; the flex dispatcher's HybridEP backend is refused on its own); the rest is refused by name."""
     if r.get("moe_latent_size") is None:
@@ -398,10 +399,7 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
         r.fail("moe_shared_expert_overlap", "does not work with --moe-latent-size in training (MoELayer.preprocess)")
         return -1
     key = r.key("moe_latent_size")
-    for bad, what in ((bool(precision.get("fp8") or precision.get("fp4")),
-                       "latent MoE under FP8 / FP4 (the duplicated TELinear latent projections' quantized inputs and "
-                       "weight caches, and the latent-wide expert GEMMs' shape rules, were not read)"),
-                      (a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
+    for bad, what in ((a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
                        "latent MoE with the expert-parallel overlap or delayed weight gradients (MoELayer.backward_dw "
                        "defers the latent projections' weight gradients, fc2_latent_proj's on the comm stream: how "
                        "long their inputs stay was not pinned down)"),):
