@@ -35,8 +35,15 @@ MOE = ("--ffn-hidden-size 128 --num-experts 4 --moe-ffn-hidden-size 128 --moe-ro
 DENSE, MOE_PARAMS = 109_184, 175_232
 
 
-def _drive(mode: str, *flags: str, port: int) -> dict:
-    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.path.dirname(HERE)}
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _drive(mode: str, *flags: str) -> dict:
+    env = {**os.environ, "MASTER_PORT": str(_free_port()), "PYTHONPATH": os.path.dirname(HERE)}
     out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "upcycling_models.py"), mode, *COMMON, *flags],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -46,7 +53,7 @@ def _drive(mode: str, *flags: str, port: int) -> dict:
 @pytest.fixture(scope="module")
 def dense_checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dense"))
-    seen = _drive("save-dense", "--ffn-hidden-size", "256", "--save", path, port=29741)
+    seen = _drive("save-dense", "--ffn-hidden-size", "256", "--save", path)
     assert seen["dense_checkpoint"]["parameters"] == DENSE
     return path
 
@@ -54,7 +61,7 @@ def dense_checkpoint(tmp_path_factory):
 def test_pretrain_gpt_path_builds_a_moe_shaped_dense_model_then_fails_to_load(dense_checkpoint):
     # core_v0.19's pretrain_gpt.py: GPTModelConfig in the container, so _build_model_wrapper builds from cfg.model,
     # which the reset num_experts / ffn_hidden_size never reach
-    seen = _drive("builder", *MOE, "--load", dense_checkpoint, port=29742)
+    seen = _drive("builder", *MOE, "--load", dense_checkpoint)
     assert seen["moe_model"] == {"parameters": MOE_PARAMS, "expert_parameters": 4 * 2 * 16_384}
     assert seen["dense_model"] == seen["moe_model"]            # not the 109,184 of the dense checkpoint
     assert seen["dense_model_ddp_wrapped"] == "DistributedDataParallel"
@@ -66,7 +73,7 @@ def test_pretrain_gpt_path_builds_a_moe_shaped_dense_model_then_fails_to_load(de
 
 def test_model_provider_path_fails_at_the_dense_config(dense_checkpoint):
     # get_model(model_provider) from the reset arguments: validate_args set moe_ffn_hidden_size, num_experts is None
-    seen = _drive("provider", *MOE, "--load", dense_checkpoint, port=29743)
+    seen = _drive("provider", *MOE, "--load", dense_checkpoint)
     assert "moe_model" not in seen and seen["error"].startswith("ValueError: moe_ffn_hidden_size is set but")
     assert seen["raised_at"] == "core/transformer/transformer_config.py:__post_init__"
 

@@ -1,14 +1,16 @@
 """Which models megatron/training 0.19's setup_model_and_optimizer builds for --moe-use-upcycling, on CPU.
 
-    python tests/e2e/upcycling_models.py [builder|provider] FLAG ...
+    python tests/e2e/upcycling_models.py [save-dense|builder|provider] FLAG ...
 
 One process, a one-rank gloo group. The command line is parsed and validated by the real
-parse_and_validate_args; ``builder`` then does what core_v0.19's pretrain_gpt.py does (gpt_config_from_args ->
-PretrainConfigContainer.model, so _build_model_wrapper builds through GPTModelBuilder), ``provider`` passes a model
-provider and no model config (_build_model_wrapper calls get_model). setup_model_and_optimizer runs for real up to
-upcycling_utils.load_and_upcycle_model, which is replaced by a recorder (no dense checkpoint exists here), as are
-checkpoint_exists / save_checkpoint. Prints one JSON line: the parameters of the MoE model and of the model built
-"for upcycling", and how many of each are routed-expert parameters (``allreduce`` False).
+parse_and_validate_args. ``save-dense`` builds a dense model as core_v0.19's pretrain_gpt.py does and saves it with
+the real save_checkpoint (the checkpoint to upcycle). ``builder`` runs setup_model_and_optimizer as pretrain_gpt.py
+does (gpt_config_from_args -> PretrainConfigContainer.model, so _build_model_wrapper builds through
+GPTModelBuilder), ``provider`` with a model provider and no model config (_build_model_wrapper calls get_model).
+upcycling_utils.load_and_upcycle_model is wrapped to record the MoE model and the model built "for upcycling", then
+runs for real when --load is given; checkpoint_exists / save_checkpoint of the upcycled model are stubbed. Prints one
+JSON line: the parameters of each model (and how many are routed experts'), and the error that stops start-up with
+the megatron function it came from.
 """
 import json
 import os
