@@ -41,9 +41,10 @@ def test_random_routing_does_not_explain_the_muon_4gpu_miss():
     (s,) = _rows("gpt3_moe_mcore_te_ep8_resume_torch_dist_muon_1node")
     assert s["sigma_rel"] == pytest.approx((16384 * 9 / 28) ** 0.5 / 8192, rel=1e-9)
     assert (s["M"], s["n"]) == (12, 200)
-    # the term is a few MiB; the measured peak (3.607 GiB) stays more than 5 % above the estimate with it,
-    # and would need ~110 of the null model's standard deviations
-    assert s["extra"] < 8 * 2**20 and s["err_with"] < -0.05 and s["sigmas"] > 100
+    # the term is a few MiB; the measured peak (3.607 GiB) stays more than 3.5 % above the estimate with it
+    # (flash-attn's tensors, what TE runs on GB200 under determinism with dropout 0.1), and would need ~84 of
+    # the null model's standard deviations
+    assert s["extra"] < 8 * 2**20 and s["err_with"] < -0.035 and s["sigmas"] > 80
 
 
 def test_twins_that_keep_ep_have_matching_deltas():
