@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
+from ..partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -335,23 +335,32 @@ BufferRow = tuple[str, int, str, str, str]
 
 @lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
-                        received: int | None = None) -> tuple[BufferRow, ...]:
+                        received: int | None = None, input_folds: frozenset = frozenset({1})) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
     ``mtp_here``: it runs the MTP block (None: the last stage); ``received``: the activations its receiving chunks
-    get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each).
+    get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each); ``input_folds``: the
+    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
     entry; the buffer grows to the largest request and stays. With TE layers only the output layer
-    (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries."""
+    (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries. The entry is
+    made on first use only (global_vars / parallel_state GlobalMemoryBuffer.get_tensor, megatron-core 0.16.1 and
+    0.19.2): a stage without decoder or MTP layers (a loss-only stage such as the last of 'Et|L') has no
+    attention to ask for the score buffer, and without sequence parallelism nothing else asks."""
     x = shapes(L)
     rows: list[BufferRow] = []
     sizes = []
-    if L.sequence_parallel and (L.transformer_impl == "local" or last):
+    mtp = (last if mtp_here is None else mtp_here) and bool(getattr(L, "mtp_num_layers", 0))
+    layers_here = any(n for runs in stage_runs for _, n in runs)
+    if L.sequence_parallel and (last or L.transformer_impl == "local" and (layers_here or mtp)):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
-    if attention_kind(L).startswith("local"):
+    cores = (MIXER_ATTENTION, MIXER_MLA)        # the mixers with a core attention
+    attention_here = (mtp and mtp_layer_kind(L).mixer in cores
+                      or any(n for runs in stage_runs for kind, n in runs if kind.mixer in cores))
+    if attention_here and attention_kind(L).startswith("local"):
         sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of megatron's attention
     if sizes:
         rows.append(("global_memory_buffer", max(sizes), "transients", "allocated",
@@ -374,6 +383,12 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform).rotary_cache(L, layers)
+    if rotary and mixer == MIXER_ATTENTION and input_folds != {1}:
+        # GPTModel's table is as long as the chunk's input (RotaryEmbedding.get_rotary_seq_len reads
+        # transformer.input_tensor.size(0), megatron-core 0.16.1 and 0.19.2): (1 + D) s after a standalone MTP
+        # stage; forward's lru_cache keeps one table per length
+        n = sum(input_folds)
+        rotary = (rotary[0] * n, rotary[1] + f" x {n} (input lengths {' and '.join(f'{k} s' for k in sorted(input_folds))})")
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(rows)
@@ -840,7 +855,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
-                                      sum(receiving))
+                                      sum(receiving), frozenset([max(1, r) for r in receiving]))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
@@ -860,9 +875,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # stages')
         widen = widened if mtp_here and not has_output or receiving and receiving[-1] > 1 else 1
         fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output,
-                                                                            n_layers > 0 or (mtp_here and not has_output),
-                                                                            moe_rank, kinds,
-                                                                            widen)
+                                                                            n_layers > 0, moe_rank, kinds, widen,
+                                                                            mtp_here)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
     base = state_bytes + sum([r[1] for r in buffer_rows]) + fixed_bytes
@@ -1075,7 +1089,8 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps"))
         elif name == "mtp_received_hidden":
             det = (f"the {1 + L.mtp_num_layers}-fold concatenated hidden states received from the MTP stage "
-                   "(mtp_standalone), whose chunks the output layer keeps for each head")
+                   "(mtp_standalone) and the empty decoder block's clone of them, whose chunks the output layer "
+                   "keeps for each head")
         elif name == "mtp_loss_buffers":
             det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
                    "loss; the last depth's logits are in forward_transient")
@@ -1143,7 +1158,7 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
 @lru_cache(maxsize=1024)
 def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool, has_layers: bool,
                   moe_rank: bool, kinds: frozenset | None = None,
-                  p2p_widen: int = 1) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+                  p2p_widen: int = 1, mtp: bool = False) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
     """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
     follow the output layer and the layers) and the MoE-only ones (``moe_rank``: the stage runs an MoE layer;
     overheads.stage_fixed_terms): the allocated ones with the pipeline buffers in flight and the placeholders,
@@ -1158,10 +1173,10 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
     # (frozen weights: TE makes no placeholder weight gradient, module/linear.py backward runs it only with requires_wgrad;
     # PEFT adapters are megatron-core linears, whose placeholders are per call and adapter-sized)
-    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not (L.freeze_all_layers or L.peft) else 0
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds, mtp) if not (L.freeze_all_layers or L.peft) else 0
     if dummies:
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
-                                lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))} placeholder weight "
+                                lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds, mtp))} placeholder weight "
                                         "gradients, one per weight shape, cached by Transformer Engine under "
                                         "gradient-accumulation fusion"))
     device_only = tuple([t for t in fixed if t.level == "device"])
