@@ -233,13 +233,19 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             moe_layers += d * mtp_la.moe_total
         more.append(f" + {d} MTP layer(s)")
         block_saved, concat = mtp_standalone_block_items(L)
+        if not n and not has_embedding:
+            # a chunk of the MTP block only: its empty TransformerBlock returns hidden_states.clone() (no layer, no
+            # final norm, not pre_process: transformer_block.py, megatron-core 0.16.1 and 0.19.2), which hnorm
+            # keeps, while the schedule keeps the received tensor for the chunk's backward: one row more
+            block_saved = {k: v + p2p_tensor_bytes(L) for k, v in block_saved.items()}
         ends.update(block_saved)
         fwd_extra = max(fwd_extra, concat)
-        # the chunk's backward starts in the MTP layers (their working set, beside the received gradient of the
-        # (1 + D)-fold output: D rows more than a layer's output gradient) and ends the block in the embedding
-        # copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has none (the
-        # end of its backward), else before them, with the block's own tensors released by then
-        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat * d // (1 + d))
+        # the chunk's backward starts in the MTP layers (their working set, whose output gradient is the MTP final
+        # norm's input gradient, beside the received gradient of the (1 + D)-fold output, which the schedule holds
+        # until the chunk's backward ends: measured by the CPU referee on 'Et|m|L') and ends the block in the
+        # embedding copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has
+        # none (the end of its backward), else before them, with the block's own tensors released by then
+        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat)
         if not has_embedding:
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
             if n:
@@ -388,7 +394,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # transformer.input_tensor.size(0), megatron-core 0.16.1 and 0.19.2): (1 + D) s after a standalone MTP
         # stage; forward's lru_cache keeps one table per length
         n = sum(input_folds)
-        rotary = (rotary[0] * n, rotary[1] + f" x {n} (input lengths {' and '.join(f'{k} s' for k in sorted(input_folds))})")
+        rotary = (rotary[0] * n, rotary[1] + f", one table per input length ({', '.join(f'{k} s' for k in sorted(input_folds))})")
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(rows)
@@ -1085,6 +1091,8 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                    + ("ids, hnorm's input (the concatenation it sends on is freed after the send)"
+                      + ("; without decoder layers the received hidden states too, which the empty decoder block "
+                         "clones for hnorm" if not pr.n_layers else "")
                       if not pr.has_output else
                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps"))
         elif name == "mtp_received_hidden":
