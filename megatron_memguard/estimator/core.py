@@ -141,7 +141,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             k = min(k, n)
             layers = k * ckpt_input + _layers_bytes(per_kind, k)
             recompute_group = 1 if k else 0
-            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + " + _layers_detail(per_kind, k)
+            detail = (f"{k} checkpointed layers x {format_bytes(ckpt_input)} + "
+                      + _layers_detail(per_kind, k, bool(L.hybrid_layer_pattern)))
     else:
         layers = _layers_bytes(per_kind, 0)
         detail = None                 # _layers_detail(per_kind, 0), made when first read
@@ -297,7 +298,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
     # (positional, in the fields' order: one per chunk shape of every cold estimate)
-    return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0) if detail is None else detail) + "".join(more),
+    merge = bool(L.hybrid_layer_pattern)
+    return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0, merge) if detail is None else detail)
+                            + "".join(more),
                             ends, fwd_extra, bwd_top, bwd_bottom, moe_layers, staging, host, offload_groups,
                             o.bwd_transient if has_output else 0, o.bwd_wgrad_moment if has_output else 0)
 
@@ -323,14 +326,20 @@ def _chunks_detail(details: list[str]) -> str:
     return "; ".join(details)
 
 
-def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
-    """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind."""
+def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int, merge: bool = False) -> str:
+    """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind (``merge``: one
+    part per size, for a hybrid model's alternating Mamba / attention / MLP layers)."""
     parts = []
+    counts: dict[int, int] = {}
     for la, k in per_kind:
         kept = max(0, k - skip)
         skip = max(0, skip - k)
-        if kept or len(per_kind) == 1:
+        if merge:
+            counts[la.total] = counts.get(la.total, 0) + kept
+        elif kept or len(per_kind) == 1:
             parts.append(f"{kept} {'layer' if kept == 1 else 'layers'} x {format_bytes(la.total)}")
+    if merge:
+        parts = [f"{n} {'layer' if n == 1 else 'layers'} x {format_bytes(b)}" for b, n in counts.items() if n]
     return " + ".join(parts)
 
 
@@ -1271,9 +1280,16 @@ def estimate(
             # the paper's closed form has one layer shape
             from ..errors import NotModelledError
             raise NotModelledError("--profile", "the fujii2024 closed form for heterogeneous layer configs")
+        if layout.hybrid_layer_pattern:
+            from ..errors import NotModelledError
+            raise NotModelledError("--profile", "the fujii2024 closed form for hybrid Mamba models")
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
+    if profile == "local" and layout.hybrid_layer_pattern:
+        # megatron-core builds a hybrid model from its TE layer spec only (models/hybrid/hybrid_layer_specs.py)
+        from ..errors import NotModelledError
+        raise NotModelledError("--profile", "the local profile for a hybrid Mamba model (built from TE modules only)")
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")

@@ -188,6 +188,11 @@ class Planner:
         if ignored:
             self.notes.append("the planner chooses " + ", ".join(ignored) + " itself; the model config's values are "
                               "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
+        for dest in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+            if raw.args.get(dest):
+                # before the probe, whose TP 1 may break the config's own rules first (model_shape says it too)
+                from ..errors import NotModelledError
+                raise NotModelledError(raw.key(dest), "planning layouts of hybrid Mamba models")
         # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
         probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))

@@ -119,9 +119,9 @@ def layer_table(est: Estimate) -> str:
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
         L = L.replace(transformer_impl=est.profile)
-    if L.moe is None:
+    if L.moe is None and not L.hybrid_layer_pattern:
         kinds = [None]
-    else:   # one table per kind of layer the model has (dense and MoE layers)
+    else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)
         from ..partition import layer_kinds
         kinds = list(dict.fromkeys(layer_kinds(L)))
     out = []
@@ -131,7 +131,8 @@ def layer_table(est: Estimate) -> str:
         rows.append(["= per layer and micro-batch", format_bytes(la.total)])
         rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
         rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
-        what = "one layer" if kind is None else f"one {kind.mlp} layer"
+        what = "one layer" if kind is None else (f"one {kind.mlp} layer" if not L.hybrid_layer_pattern else
+                                                 f"one {kind.mixer if kind.mixer != 'none' else kind.mlp} layer")
         out.append(table(rows, [f"saved tensor ({what}, one micro-batch)", "bytes"], right=(1,)))
     return "\n\n".join(out)
 
