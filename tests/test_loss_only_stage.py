@@ -64,5 +64,8 @@ def test_mtp_loss_stage_by_hand(era):
     assert s.parameters == V * H
     assert s.persistent_bytes == V * H * 18 + 2 * SEQ * (H // HEADS) * 4 + 2 * 2 * row
     assert abs(s.persistent_bytes / 2506832 - 1) < 1e-4
-    # the MTP stage has no decoder layer but the MTP layer's attention asks for the score buffer
-    assert est.stages[1].breakdown["global_memory_buffer"] == MB * HEADS * SEQ * SEQ * 2
+    # the MTP stage has no decoder layer but the MTP layer's attention asks for the score buffer, and it reads the
+    # batch (pretrain_gpt.py get_batch: mtp_on_this_rank), whose bool [b, 1, s, s] mask the unfused softmax keeps
+    m = est.stages[1]
+    assert m.breakdown["global_memory_buffer"] == MB * HEADS * SEQ * SEQ * 2
+    assert m.breakdown["attention_mask"] == m.in_flight * MB * SEQ * SEQ

@@ -4,7 +4,7 @@ on CPU, gloo, 3 ranks, PP 3, a --pipeline-model-parallel-layout with 'm' on the 
 A GPT of h 128, 4 heads, LayerNorm, GELU, biases, rope, tied embeddings, NullTokenizer 1000 + 1 EOD padded to 1024,
 --mtp-num-layers 1, 2 micro-batches of 2 x 64 tokens. What is checked: every stage's parameters are the ones
 megatron-core builds (the MTP stage's own embedding copy, no output layer there; the loss stage's output layer and
-nothing else), and memguard's peak of every stage is the measured one within 1% (the stage that sends the
+nothing else), and memguard's peak of every stage is the measured one within 0.5% (the stage that sends the
 concatenated hidden states, with or without decoder layers of its own, and the loss stage that receives them).
 """
 import functools
@@ -54,8 +54,9 @@ def test_standalone_mtp_stages_against_the_referee(layout, layers):
     assert ranks[2]["num_params"] == V * H
     for r, s in zip(ranks, est.stages):
         assert s.parameters == r["num_params"], s.pp_rank
-        assert abs(s.peak_allocated_bytes / r["peak_bytes"] - 1) < 0.01, (s.pp_rank, s.peak_allocated_bytes,
-                                                                           r["peak_bytes"], r["peak_phase"])
+        # (measured: +0.011 / -0.002 / -0.18% on 'Et|m|L', -0.002 / -0.002 / -0.18% on 'Et|tm|L')
+        assert abs(s.peak_allocated_bytes / r["peak_bytes"] - 1) < 0.005, (s.pp_rank, s.peak_allocated_bytes,
+                                                                            r["peak_bytes"], r["peak_phase"])
     # the loss stage after the step: its model states, the rotary table of its (1 + D)-fold input and the retained
     # (1 + D)-fold input and gradient, no GlobalMemoryBuffer (no attention, no SP there): within 0.01%
     assert abs(est.stages[2].persistent_bytes / ranks[2]["live_bytes_after_step"] - 1) < 1e-4

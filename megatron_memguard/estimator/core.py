@@ -38,6 +38,8 @@ from .offload_activations import fine_grained_plan, fraction_kept, last_offload_
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .mtp import standalone_block_items as mtp_standalone_block_items
+from .mtp import block_activations as mtp_block_acts
+from .mtp import spec_of as mtp_spec_of
 from .mtp import standalone_loss_items as mtp_standalone_loss_items
 from .mtp import layers_built as mtp_layers_built
 from .params import holds_final_norm, holds_mtp, mtp_layer_kind
@@ -112,7 +114,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         final_norm = has_output
     mtp_depths = getattr(L, "mtp_num_layers", 0) or 0
     mtp_here = bool(mtp_depths) and (has_output if has_mtp is None else has_mtp)
-    has_batch = has_embedding or has_output
+    # (pretrain_gpt.py get_batch: the first and last stages read the batch, and a stage building the MTP block
+    # before the loss's for the tokens and positions its block embeds, with the attention mask its layers use)
+    has_batch = has_embedding or has_output or mtp_here
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
@@ -246,7 +250,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # until the chunk's backward ends: measured by the CPU referee on 'Et|m|L') and ends the block in the
         # embedding copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has
         # none (the end of its backward), else before them, with the block's own tensors released by then
-        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat)
+        # (the last depth's final norm is back-propagated first: its input and statistics are gone by then)
+        acts = mtp_block_acts(mtp_spec_of(L))
+        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat - (acts.final_norm_inputs + acts.norm_stats // 3) // d)
         if not has_embedding:
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
             if n:
