@@ -29,6 +29,7 @@ from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tok
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
+from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
 from .cuda_graphs import spec_of as cuda_graph_spec
@@ -1299,6 +1300,12 @@ def estimate(
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
+    attention = select_attention_backend(L, gpu)
+    if attention.selected == "flash" and L.attention_backend == "auto":
+        # TE runs flash-attn for auto on this GPU: the flash terms (layers/attention.py) apply
+        L = L.replace(attention_backend="flash")
+    if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
+        notes.append("attention backend: " + attention.why)
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     if gpu is not None and (layout.fp8 or layout.fp4):
         from .fp8 import gpu_violation
@@ -1328,4 +1335,4 @@ def estimate(
     verdict = verdict_for(totals[crit], mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
-                    critical_stage=crit, notes=tuple(notes), site=site)
+                    critical_stage=crit, notes=tuple(notes), site=site, attention=attention)
