@@ -5,13 +5,13 @@ sections after it still run and ``memguard validate`` lists every problem at onc
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from packaging.version import Version
 
 from ..config import RawConfig
 from ..errors import ConfigError
-from ..numbers import bound_reason, shown, to_float, to_int, upper_bound
+from ..numbers import bound_reason, python_scalar, shown, to_float, to_int, upper_bound
 
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
@@ -120,6 +120,12 @@ class Args:
             if word in ("0", "false", "no", "off", ""):
                 return False
             self.fail(dest, f"must be true or false, got {v!r}")
+            return default
+        v = python_scalar(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1) or \
+                isinstance(v, (Mapping, list, tuple, set, frozenset)):
+            # (bool() of a mapping, a list or 0.5 is True: a Bridge / YAML value of the wrong kind taken as on)
+            self.fail(dest, f"must be true or false, got {shown(v)}")
             return default
         return bool(v)
 
