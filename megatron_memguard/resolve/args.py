@@ -122,12 +122,18 @@ class Args:
             self.fail(dest, f"must be true or false, got {v!r}")
             return default
         v = python_scalar(v)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1) or \
-                isinstance(v, (Mapping, list, tuple, set, frozenset)):
-            # (bool() of a mapping, a list or 0.5 is True: a Bridge / YAML value of the wrong kind taken as on)
-            self.fail(dest, f"must be true or false, got {shown(v)}")
-            return default
-        return bool(v)
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, (int, float)) and v in (0, 1):
+            return bool(v)
+        if not isinstance(v, (int, float, Mapping, list, tuple, set, frozenset)) and type(v).__module__ != "numpy":
+            try:   # (another object in Megatron's namespace: its truth, unless it has none)
+                return bool(v)
+            except Exception:  # noqa: BLE001 - any __bool__ that raises is a value of the wrong kind
+                pass
+        # (bool() of a mapping, a list or 0.5 is True: a Bridge / YAML value of the wrong kind taken as on)
+        self.fail(dest, f"must be true or false, got {shown(v)}")
+        return default
 
     def float_arg(self, dest: str, default: float) -> float:
         v = self.a.get(dest)
