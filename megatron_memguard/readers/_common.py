@@ -205,12 +205,16 @@ def apply_overrides(doc: dict, overrides: list[tuple[str, str, Any]], strip_pref
             path = path[len(strip_prefix) + 1:]
         parts = path.split(".")
         node = doc
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
             if not isinstance(nxt, dict):
                 if op == "del":
                     node = None
                     break
+                if isinstance(nxt, (str, int, float, bool)):
+                    # OmegaConf refuses a key below a value; replacing the value by a section dropped it silently
+                    raise ConfigError(key, f"{'.'.join(parts[:i + 1])} is the value {shown(nxt)}, not a section "
+                                           f"with keys")
                 nxt = {}
                 node[p] = nxt
             node = nxt
@@ -219,6 +223,10 @@ def apply_overrides(doc: dict, overrides: list[tuple[str, str, Any]], strip_pref
         if op == "del":
             node.pop(parts[-1], None)
         else:
+            if isinstance(node.get(parts[-1]), dict) and value is not None and not isinstance(value, dict):
+                # (a section replaced by one value: every key under it was lost, and errors named other keys)
+                raise ConfigError(key, f"is a section of the config; it takes KEY.FIELD=VALUE overrides, not the value "
+                                       f"{shown(value)}")
             node[parts[-1]] = value
     return doc
 

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
+from ..numbers import shown
 from ._common import (
     GPT_LEVEL_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields, default_ffn_hidden_size,
     did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
@@ -218,6 +219,11 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 S[sec] = _model_fields(value) if sec == "model" else _section(value, sec)
                 if op == "set":
                     given.update(key for _, key in S[sec].values())
+            elif sec == "model" and value is not None and op == "set":
+                # (the model provider replaced by one value: every model field was lost, and the errors named
+                # --num-layers; Bridge's OmegaConf refuses a value where its model object goes)
+                raise ConfigError(key, f"is the model section; it takes model.FIELD=VALUE overrides, not the value "
+                                       f"{shown(value)}")
             else:
                 top[sec] = (value, key)
                 S.pop(sec, None)
