@@ -12,9 +12,11 @@ micro-batch). Printed per sweep and rule:
 * the first choice and its measured rank among the layouts that ran (1 = the fastest; ``OOM`` when it
   failed), its measured throughput relative to the sweep's best;
 * Spearman's rank correlation of the rule's order with the measured throughput, over the layouts that
-  ran and that memguard keeps;
-* how many layouts that failed (out of memory) memguard ranked as fitting, each with its evidence: the
-  layouts of the same family estimated at least as high that ran, and whether it has CP > 1.
+  ran and that memguard keeps, and next to it a tie-aware one (``ties``: the layouts the rule cannot tell
+  apart share a rank; :func:`tie_groups`), reported, not a target;
+* how many layouts that failed (out of memory) memguard ranked as fitting, each with a reason read from the
+  data (:func:`failure_reason`) and its evidence: the layouts of the same family estimated at least as high
+  that ran, and whether it has CP > 1.
 
 ``--write`` also writes the tables to benchmarks/results/planner-quality.md. ``--candidates`` ranks the Hagemann
 sweeps again with each physical candidate cost for the remaining misses added (``CANDIDATES``; none is in the
@@ -278,6 +280,7 @@ class Quality:
     first_rel: float               # its measured throughput / the sweep's best (0 when it failed)
     spearman: float
     oom_fitting: int               # failed layouts memguard keeps
+    spearman_ties: float = math.nan  # the same with the rule's ties left tied (:func:`tie_groups`), reported only
 
     @property
     def first_ok(self) -> bool:
@@ -352,8 +355,29 @@ def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = 
     both = [s for s in order if not s.run.failed]
     pos = {id(s): i for i, s in enumerate(order)}
     rho = spearman([-pos[id(s)] for s in both], [s.run.throughput for s in both])
+    group = tie_groups(kept, rule, window)
+    rho_ties = spearman([-group[id(s)] for s in both], [s.run.throughput for s in both])
     return Quality(sweep.name, rule, len(ran), len(scored) - len(ran), len(kept), first, first_rank, first_rel, rho,
-                   sum(1 for s in scored if s.verdict == "fits" and s.run.failed))
+                   sum(1 for s in scored if s.verdict == "fits" and s.run.failed), rho_ties)
+
+
+def tie_groups(kept: list[Scored], rule: str, window: float = TIE_WINDOW) -> dict[int, int]:
+    """id -> tie group (0 first) of the layouts a rule cannot tell apart, for a tie-aware Spearman reported next to
+    the plain one (issue 18): rule ``time``, layouts whose predicted step times lie within the tie window of their
+    group's fastest (the model's error, section 4: an order inside a group is the tie-break's, not the time's);
+    ``fujii2024``, layouts with the same key without the predicted time (Fujii et al.'s space, TP x CP x PP, MBS).
+    Spearman's average ranks then count each group as one tied rank."""
+    out: dict[int, int] = {}
+    if rule == "time":
+        g, anchor = -1, None
+        for s in sorted(kept, key=lambda s: s.seconds):
+            if anchor is None or s.seconds > (1 + window) * anchor:
+                g, anchor = g + 1, s.seconds
+            out[id(s)] = g
+        return out
+    keys = sorted({fujii_order_key(s)[:-1] for s in kept})
+    index = {k: i for i, k in enumerate(keys)}
+    return {id(s): index[fujii_order_key(s)[:-1]] for s in kept}
 
 
 def evaluate(sweeps: Iterable[Sweep]) -> list[tuple[Sweep, Quality, Quality, list[Scored]]]:
@@ -410,15 +434,22 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
             continue
         scored_all = [x for sw, _, _, sc in results if sw.family == fam for x in sc]
         lines += [f"### {title}", "",
-                  "| sweep | ran / failed | kept | time: first choice | rank | rel. | Spearman | OOM kept "
-                  "| fujii2024: first choice | rank | rel. | Spearman |",
-                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+                  "| sweep | ran / failed | kept | time: first choice | rank | rel. | Spearman | ties | OOM kept "
+                  "| fujii2024: first choice | rank | rel. | Spearman | ties |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
         for sw, t, f in rows:
             lines.append(f"| {sw.name} | {t.ran} / {t.failed} | {t.kept} | {t.first} | {t.first_rank or 'OOM'} | "
-                         f"{t.first_rel:.1%} | {_fmt_rho(t.spearman)} | {t.oom_fitting} | {f.first} | "
-                         f"{f.first_rank or 'OOM'} | {f.first_rel:.1%} | {_fmt_rho(f.spearman)} |")
+                         f"{t.first_rel:.1%} | {_fmt_rho(t.spearman)} | {_fmt_rho(t.spearman_ties)} | {t.oom_fitting} | "
+                         f"{f.first} | {f.first_rank or 'OOM'} | {f.first_rel:.1%} | {_fmt_rho(f.spearman)} | "
+                         f"{_fmt_rho(f.spearman_ties)} |")
         lines.append("")
         lines += summary(fam, [t for _, t, _ in rows], [f for _, _, f in rows])
+        lines.append(f"- tie-aware Spearman (`ties`: the layouts a rule cannot tell apart share one rank: predicted "
+                     f"within the {TIE_WINDOW:.0%} tie window of their group's fastest for the time rule, the same key for "
+                     f"fujii2024; reported, not a target): median "
+                     f"{_fmt_rho(_median([t.spearman_ties for _, t, _ in rows]))} for the time rule, "
+                     f"{_fmt_rho(_median([f.spearman_ties for _, _, f in rows]))} for fujii2024; lower than fujii2024's on "
+                     + (", ".join(sw.name for sw, t, f in rows if t.spearman_ties < f.spearman_ties - 1e-9) or "none"))
         if fam == "hagemann":
             own = [quality(sw, sc, "time", own_verdicts=True) for sw, _, _, sc in results if sw.family == fam]
             lines.append(f"- with memguard's verdicts instead of the framework's outcomes (a user's view): first choice "
@@ -430,9 +461,17 @@ def render(results: list[tuple[Sweep, Quality, Quality, list[Scored]]]) -> str:
                        if x.run.failed and x.verdict == "fits"]
         ran_mem = [(sw, x) for sw, _, _, sc in results if sw.family == fam for x in sc
                    if not x.run.failed and x.memory is not None]
-        for sw, x in kept_failed:
+        family = [(sw, sc) for sw, _, _, sc in results if sw.family == fam]
+        reasons = [(sw, x, failure_reason(sw, x, family)) for sw, x in kept_failed]
+        if reasons:
+            counts: dict[str, int] = {}
+            for _, _, (code, _) in reasons:
+                counts[code] = counts.get(code, 0) + 1
+            lines.append("- why each failed layout kept as fitting failed (docs/planner.md section 5.2): "
+                         + ", ".join(f"{n} {code}" for code, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+        for sw, x, (code, why) in reasons:
             lines.append(f"  - failed but estimated to fit: {sw.name}, {x.run.label}: {x.memory:.0%} of GPU memory; "
-                         + failure_evidence(x, ran_mem))
+                         f"reason `{code}`: {why}; " + failure_evidence(x, ran_mem))
         lines.append("")
     return "\n".join(lines)
 
@@ -448,6 +487,92 @@ def failure_evidence(x: Scored, ran: list[tuple[Sweep, Scored]]) -> str:
     if x.run.cp > 1:
         text += "; CP > 1"
     return text
+
+
+# Reasons a failed layout memguard keeps as fitting failed, read from the data (issue 18; docs/planner.md section 5.2).
+# Megatron (Fujii et al.'s draft, whose README gives no reason for a "-" cell and says CP cells may have failed for
+# other reasons): ``mbs-column`` no cell of that micro-batch ran in any sweep of the family; ``threshold`` the layout
+# failed at every GPU count it was tried at and memguard rejects it (tight or will not fit) at all the others, this
+# count's estimate being lower only by its optimizer shard; ``smallest-count`` it failed only at its smallest GPU
+# count and ran at every larger one. Hagemann et al. (another framework, whose memory is not Megatron's):
+# ``framework-level`` within its sheet and its (TP, SP) group memguard orders it right (no layout of the group
+# estimated as high ran): the framework's memory at that TP sits above Megatron's; ``framework-tie`` a layout of the
+# group estimated within 1 point of it ran. ``unexplained`` otherwise.
+def failure_reason(sweep: Sweep, x: Scored, family: list[tuple[Sweep, list[Scored]]]) -> tuple[str, str]:
+    """(code, evidence) for a layout that failed in ``sweep`` although memguard estimates it fits; ``family`` is
+    every sweep of the same family with its scored layouts."""
+    r = x.run
+    if sweep.family == "fujii":
+        same_mbs = [y for _, sc in family for y in sc if y.run.mbs == r.mbs]
+        if not any(not y.run.failed for y in same_mbs):
+            return "mbs-column", (f"no MBS {r.mbs} cell ran in any of these sweeps (0 of {len(same_mbs)}), also where "
+                                  f"memguard estimates {min(y.memory for y in same_mbs if y.memory is not None):.0%}: "
+                                  "a cause common to the column, not this layout's memory")
+        cell = [(sw.world, y) for sw, sc in family for y in sc if y.run == dataclasses.replace(r, failed=y.run.failed,
+                                                                                                throughput=y.run.throughput)]
+        others = [(w, y) for w, y in cell if w != sweep.world]
+        if others and all(y.run.failed for _, y in others) and all(y.verdict != "fits" for _, y in others):
+            low = min(y.memory for _, y in others)
+            return "threshold", (f"failed at all {len(cell)} GPU counts, estimated tight or over at the {len(others)} "
+                                 f"others (from {low:.0%}); at {sweep.world} GPUs only the optimizer shard is smaller")
+        larger = [(w, y) for w, y in others if w > sweep.world]
+        if larger and all(w > sweep.world for w, _ in others) and all(not y.run.failed for _, y in larger):
+            text = (f"failed only at its smallest GPU count and ran at all {len(larger)} larger ones (estimated "
+                    f"{min(y.memory for _, y in larger):.0%}-{max(y.memory for _, y in larger):.0%}, the optimizer "
+                    "shard smaller)")
+            if x.candidate is not None and x.candidate.dp == 1:
+                # the layouts with CP > 1 and no data parallelism: where the data put their limit
+                dp1 = [y for sw, sc in family for y in sc if y.candidate is not None and y.candidate.dp == 1
+                       and y.run.cp > 1 and y.memory is not None]
+                ran1 = [y.memory for y in dp1 if not y.run.failed]
+                bad1 = [y.memory for y in dp1 if y.run.failed]
+                text += (f"; at DP 1 with CP > 1, {len(ran1)} layouts ran (up to {max(ran1, default=0):.0%}) and "
+                         f"{len(bad1)} failed (from {min(bad1, default=0):.0%}), while with DP > 1 layouts estimated up "
+                         f"to {max(y.memory for _, sc in family for y in sc if y.memory is not None and not y.run.failed):.0%}"
+                         " ran")
+            return "smallest-count", text
+        return "unexplained", "no pattern in the data"
+    sheet = next(sc for sw, sc in family if sw is sweep)
+    group = [y for y in sheet if y is not x and y.memory is not None and y.run.tp == r.tp and y.run.sp == r.sp
+             and y.run.recompute == r.recompute]
+    ran = [y.memory for y in group if not y.run.failed]
+    failed = [y.memory for y in group if y.run.failed]
+    twin = next((y for y in sheet if r.tp > 1 and y.run == dataclasses.replace(r, sp=not r.sp, failed=y.run.failed,
+                                                                                throughput=y.run.throughput)), None)
+    twin_text = "" if twin is None else f"; its {'no' if r.sp else ''}SP twin {'failed' if twin.run.failed else 'ran'}"
+    twin_text += _other_kernels_text(sweep, r)
+    top = max(ran, default=0.0)
+    if top > x.memory + 0.01:
+        return "unexplained", f"a layout of its (TP, SP) group estimated at {top:.0%} ran" + twin_text
+    if top >= x.memory:
+        return "framework-tie", (f"a layout of its sheet's TP{r.tp} {'SP' if r.sp else 'noSP'} group estimated as high "
+                                 f"({top:.0%}) ran: at the framework's limit" + twin_text)
+    return "framework-level", (f"memguard orders its sheet's TP{r.tp} {'SP' if r.sp else 'noSP'} group right: "
+                               f"{len(ran)} ran (up to {top:.0%}), {len(failed) + 1} failed (from "
+                               f"{min(failed + [x.memory]):.0%}); the framework's memory at TP{r.tp} is above "
+                               "Megatron's" + twin_text)
+
+
+_HAGEMANN_ROWS: list[dict] = []
+
+
+def _other_kernels_text(sweep: Sweep, r: Run) -> str:
+    """The same cell's trials with the other attention / norm kernels of the sheet (the status column's words),
+    grouped by checkpointing: whether the failure is the kernel's or the layout's."""
+    if not _HAGEMANN_ROWS:
+        with open(HAGEMANN_CSV, newline="") as f:
+            _HAGEMANN_ROWS.extend(csv.DictReader(f))
+    kernel = HAGEMANN_KERNEL if sweep.family == "hagemann" else OTHER_KERNELS[sweep.family]
+    model = sweep.name.split()[0]
+    out: dict[str, list[str]] = {}
+    for x in _HAGEMANN_ROWS:
+        if (x["model"], int(x["seq_len"]), int(x["world_size"]), int(x["tp"]), int(x["pp"]),
+                int(x["micro_batch_size"])) == (model, sweep.seq, sweep.world, r.tp, r.pp, r.mbs) and x["kernel"] != kernel \
+                and (r.tp == 1 or x["sequence_parallel"] in ("not_recorded", "1" if r.sp else "0")):
+            ck = "with checkpointing" if x["activation_checkpointing"] == "every_layer" else "without"
+            out.setdefault(ck, []).append(x["status"])
+    return "".join(f"; other kernels {ck}: {', '.join(f'{v.count(k)} {k}' for k in sorted(set(v)))}"
+                   for ck, v in sorted(out.items(), key=lambda kv: kv[0] != "without"))
 
 
 def misordered(sweep: Sweep, scored: list[Scored], gap: float = 0.03) -> list[tuple[float, Scored, Scored]]:
@@ -727,6 +852,35 @@ def cand_dp_exposed(p: Planner, c: Candidate) -> float:
     return full - p.step_time(c).term_seconds["dp_comm"]
 
 
+def _microbatch_backward(p: Planner, c: Candidate) -> float:
+    """The backward of one micro-batch on the critical stage: two thirds of its per-micro-batch compute and TP
+    collectives (the backward runs twice the forward's GEMMs)."""
+    t = p.step_time(c).term_seconds
+    work = sum(t[k] for k in ("gemm", "attention", "elementwise", "kernel_gaps", "tp_comm", "cp_comm", "recompute"))
+    return work / c.m * 2 / 3
+
+
+def cand_grad_rs_per_microbatch(p: Planner, c: Candidate) -> float:
+    """ZeRO's gradient partitioning reduces as the gradients are produced, on every backward (Rajbhandari et al.
+    2020, section 5.2: each bucket reduced to its owner during the backward; DeepSpeed's stage 1/2 optimizer does so
+    on every micro-step), not once per step after accumulating as Megatron's distributed optimizer does: m
+    reduce-scatters, each behind its own micro-batch's backward, the part beyond it exposed."""
+    psi, n, k = _dp_group(p, c)
+    if n <= 1:
+        return 0.0
+    rs = p.timer.collective("rs", psi * p.timer.shape.grad_bytes, n, k)
+    return (c.m - 1) * max(0.0, rs - _microbatch_backward(p, c))
+
+
+def cand_grad_rs_per_microbatch_sync(p: Planner, c: Candidate) -> float:
+    """The same reduce-scatter on every micro-batch, synchronous (after its backward, nothing to overlap): the
+    reading of a framework whose collectives block, as its TP collectives do (section 2.7)."""
+    psi, n, k = _dp_group(p, c)
+    if n <= 1:
+        return 0.0
+    return (c.m - 1) * p.timer.collective("rs", psi * p.timer.shape.grad_bytes, n, k)
+
+
 def cand_bucket_latency(p: Planner, c: Candidate) -> float:
     """Alpha-beta: every DDP bucket (max(40M, 1M x DP) elements) is its own reduce-scatter and all-gather,
     each paying the ring's per-step latencies (3 us NVLink, 8 us network); the model charges one."""
@@ -855,6 +1009,8 @@ CANDIDATES = {
     "network_100": cand_network_100,
     "nosp_p2p_x3": cand_nosp_p2p,
     "eager_elementwise": cand_eager_elementwise,
+    "grad_rs_per_microbatch": cand_grad_rs_per_microbatch,
+    "grad_rs_per_microbatch_sync": cand_grad_rs_per_microbatch_sync,
 }
 
 

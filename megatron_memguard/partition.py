@@ -67,10 +67,13 @@ class Chunk:
     # and what the caches key on (one entry for a uniform chunk: a lookup hashes one kind, not one
     # per layer)
     kind_runs: tuple[tuple[LayerKind, int], ...] = ()
+    # builds the MTP block (mtp_on_this_rank): the last chunk, or the chunk a layout's 'm' names; None: with
+    # the output (a chunk shape of the states' caches, whose has_output carries it)
+    has_mtp: bool | None = None
 
     def __init__(self, pp_rank: int, vpp_rank: int, first_layer: int, num_layers: int, has_embedding: bool,
                  has_output: bool, has_tied_output_copy: bool, vpp_size: int = 1,
-                 kind_runs: tuple[tuple[LayerKind, int], ...] = ()) -> None:
+                 kind_runs: tuple[tuple[LayerKind, int], ...] = (), has_mtp: bool | None = None) -> None:
         # one per chunk of every layout (and per chunk shape of a cold estimate): stored directly (as Term's)
         d = self.__dict__
         d["pp_rank"] = pp_rank
@@ -82,6 +85,7 @@ class Chunk:
         d["has_tied_output_copy"] = has_tied_output_copy
         d["vpp_size"] = vpp_size
         d["kind_runs"] = kind_runs
+        d["has_mtp"] = has_mtp
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -188,14 +192,58 @@ def parse_pipeline_layout(text: str, pp: int, key: str = "--pipeline-model-paral
     flat = s.replace("|", "")
     if not flat or flat[0] != "E" or flat[-1] != "L" or flat.count("E") != 1 or flat.count("L") != 1:
         raise ConfigError(key, "must start with the embedding 'E' and end with the loss 'L', each exactly once")
-    if "m" in flat and "m" in "".join(stages[:-1]):
-        # Megatron also places MTP layers on an earlier stage (mtp_standalone); memguard keeps them on the
-        # last stage's last chunk, where they go without a layout
-        from .errors import NotModelledError
-        # (what that moves was read in core 0.19.2 but not modelled: the MTP stage builds its own embedding copy and
-        # sends the (1 + D)-fold concatenated hidden states on; the loss stage runs every head on them)
-        raise NotModelledError(key, "multi-token prediction ('m') layers before the last pipeline stage (Megatron's "
-                               "mtp_standalone: the MTP stage sends (1 + D)-fold hidden states to the loss stage)")
+    if "m" in flat:
+        _check_mtp_placement(stages, pp, key)
+    return stages
+
+
+def _check_mtp_placement(stages: list[str], pp: int, key: str) -> None:
+    """PipelineParallelLayerLayout.validate_layer_layout's MTP rules (megatron-core 0.16.1 to 0.19.2, the same
+    code): no decoder layer after the first MTP layer, MTP layers only in a rank's last virtual stage, and all
+    of them in one stage. An 'm' before the last stage is Megatron's mtp_standalone (estimated)."""
+    flat = "".join(stages)
+    if "t" in flat[flat.index("m"):]:
+        raise ConfigError(key, "places a decoder layer 't' after an MTP layer 'm' (decoder layers must come first)")
+    vpp = len(stages) // pp
+    holding = [i for i, st in enumerate(stages) if "m" in st]
+    if any(i // pp != vpp - 1 for i in holding):
+        raise ConfigError(key, "places MTP layers 'm' outside a pipeline rank's last virtual stage (Megatron "
+                               "restricts them to it)")
+    if len(holding) > 1:
+        raise ConfigError(key, "spreads the MTP layers 'm' over several stages (all must be in one)")
+
+
+def mtp_stage_index(L: "Layout") -> int | None:
+    """The global stage index (vpp_rank * PP + pp_rank) of the chunk that builds the MTP block: the layout's
+    stage holding 'm', else the last one (mtp_on_this_rank, core 0.16.1 to 0.19.2); None without MTP."""
+    if not getattr(L, "mtp_num_layers", 0):
+        return None             # (before the cache: most layouts have no MTP, and hashing one costs more)
+    return _mtp_stage_index(L)
+
+
+@lru_cache(maxsize=256)
+def _mtp_stage_index(L: "Layout") -> int:
+    if L.pipeline_model_parallel_layout:
+        stages = parse_pipeline_layout(L.pipeline_model_parallel_layout, L.pipeline_model_parallel_size)
+        return next((i for i, st in enumerate(stages) if "m" in st), len(stages) - 1)
+    return L.pipeline_model_parallel_size * L.vpp - 1
+
+
+def mtp_standalone(L: "Layout") -> bool:
+    """Megatron's mtp_standalone: the MTP block on a stage before the loss's (a layout's 'm' there)."""
+    i = mtp_stage_index(L)
+    return i is not None and i != L.pipeline_model_parallel_size * L.vpp - 1
+
+
+def after_mtp(L: "Layout", pp_rank: int, vpp_rank: int) -> bool:
+    """Whether the chunk (pp_rank, vpp_rank) comes after a standalone MTP chunk: it receives (and passes on) the
+    (1 + D)-fold concatenated hidden states (MultiTokenPredictionBlock.forward's torch.cat)."""
+    i = mtp_stage_index(L)
+    if i is None:
+        return False
+    return vpp_rank * L.pipeline_model_parallel_size + pp_rank > i
+
+
     return stages
 
 
@@ -285,11 +333,13 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
     chunks = []
     add = chunks.append
     last_i = pp * vpp - 1
+    mtp_i = mtp_stage_index(L)
     for r in range(pp):
         for i in range(r, pp * vpp, pp):
             last = i == last_i
             # (positional: one Chunk per chunk of every layout; its fields in order)
-            add(Chunk(r, i // pp, firsts[i], counts[i], i == 0, last, tied_copy and last, vpp, chunk_runs[i]))
+            add(Chunk(r, i // pp, firsts[i], counts[i], i == 0, last, tied_copy and last, vpp, chunk_runs[i],
+                      i == mtp_i))
     return tuple(chunks)
 
 

@@ -61,7 +61,7 @@ def class_fields(source: str, cls: str) -> list[str] | None:
 
 
 # ConfigContainer sections not listed: the model (its fields are the lists above, read by map_mcore_fields)
-# and peft (refused by name: PEFT / LoRA is not modelled).
+# and peft (a LoRA / DoRA object, read field by field in readers/bridge.py _peft).
 BRIDGE_CONTAINER = ("megatron.bridge.training.config", "ConfigContainer")
 SKIPPED_SECTIONS = ("model", "peft")
 

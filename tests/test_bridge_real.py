@@ -9,6 +9,7 @@ Bridge's modules import), run_recipe's forward-step loader (the training step, w
 config), the two helper modules the scripts import from Bridge's repository
 (recipe_metadata, benchmark_parallelism: library recipes only), and the Hugging Face hub: each recipe reads its
 model's config.json, written here from memguard's presets (the published config.json values), offline."""
+import functools
 import importlib.util
 import json
 import os
@@ -430,3 +431,93 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     raw = read_config_file(str(p), model="llama32_1b")
     assert any(w.startswith("model.num_layer: ") and "did you mean model.num_layers?" in w for w in raw.warnings)
     assert raw.args["num_layers"] == 16
+
+
+# --- PEFT: Bridge's real adapters vs memguard's count (estimator/peft.py)
+
+@functools.lru_cache(maxsize=None)
+def _real_adapters(tp: int) -> dict:
+    """tests/bridge_real/peft_adapters.py on TP ranks: {"params": {scheme: {target: n}}, "saved": {dropout: ...}}
+    (saved with TP 1 only). Once per TP for the whole file: each process imports Bridge."""
+    import subprocess
+    script = os.path.join(STANDINS, "peft_adapters.py")
+    env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), str(29560 + tp)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(tp)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tp,scheme", [(1, "lora"), (2, "lora"), (2, "dora")])
+def test_peft_adapter_parameters_are_bridges(tp, scheme, tmp_path):
+    from megatron_memguard import resolve
+    from megatron_memguard.estimator.peft import layer_adapter_rows
+    from megatron_memguard.readers.detect import read_config_file
+    real = _real_adapters(tp)["params"][scheme]
+    p = tmp_path / "peft.yaml"
+    cls = "dora.DoRA" if scheme == "dora" else "lora.LoRA"
+    p.write_text(f"peft:\n  _target_: megatron.bridge.peft.{cls}\n  dim: 32\n")
+    L = resolve(read_config_file(str(p), model="llama32_1b",
+                                 overrides=[f"model.tensor_model_parallel_size={tp}"]), world_size=8)
+    ours: dict = {}
+    for name, n, _ in layer_adapter_rows(L):
+        ours[name.split(".")[0]] = ours.get(name.split(".")[0], 0) + n
+    assert ours == real
+    if tp == 1 and scheme == "lora":
+        assert sum(real.values()) * 16 == 19_398_656    # Llama-3.2-1B, rank 32, the four default targets
+
+
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_a_real_peft_recipe_is_read_from_the_object_and_its_dump(recipes, tmp_path, scheme):
+    """Bridge's own Llama-3.2-1B PEFT recipe (its LoRA / DoRA object, its run_config.yaml dump): memguard reads the
+    adapters Bridge would build, and both ways give one layout."""
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
+
+    cfg = recipes.llama32_1b_peft_config(peft_scheme=scheme)
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    L = resolve(read_config_file(str(path)), world_size=8)
+    p = cfg.peft
+    assert (L.peft.scheme, L.peft.dim, L.peft.alpha, L.peft.dropout, L.peft.dropout_position) == (
+        scheme, p.dim, p.alpha, p.dropout, p.dropout_position)
+    assert L.peft.target_modules == tuple(p.target_modules)
+    assert fields(L) == fields(resolve(raw_config(cfg), world_size=8))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_what_bridges_lora_adapters_save_for_backward(dropout):
+    """Each real adapter's forward (TP 1, 128 tokens, r 32, bf16): with no dropout it keeps its input (the base
+    linear's, shared: lora_* items add nothing) and the [tokens, r] intermediate (lora_intermediates); with dropout
+    before it, a dropped copy and a mask instead of the input (lora_*_input). The CPU mask is in the input's dtype
+    (torch's CPU dropout multiplies by it); CUDA's fused native_dropout keeps a bool one, the 1 byte memguard counts."""
+    import tempfile
+    from megatron_memguard import resolve
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.readers.detect import read_config_file
+    real = _real_adapters(1)["saved"][str(dropout)]
+    e = 2
+    for name, m in real.items():
+        inter = m["tokens"] * m["r"] * e
+        if dropout:
+            assert not m["input_kept"] and m["bytes"] == m["tokens"] * m["in"] * (e + e) + inter, name
+        else:
+            assert m["input_kept"] and m["bytes"] == m["tokens"] * m["in"] * e + inter, name
+    # memguard's items for the same layer (Llama-3.2-1B, 64 x 2 tokens, TP 1, no SP)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "peft.yaml")
+        with open(path, "w") as f:
+            f.write(f"peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 32\n  dropout: {dropout}\n")
+        L = resolve(read_config_file(path, model="llama32_1b", overrides=[
+            "model.tensor_model_parallel_size=1", "model.sequence_parallel=false", "model.context_parallel_size=1",
+            "model.seq_length=64", "dataset.seq_length=64", "train.micro_batch_size=2"]), world_size=8)
+    saved = layer_activations(L).saved
+    assert saved["lora_intermediates"] == sum(m["tokens"] * m["r"] * e for m in real.values())
+    for name, m in real.items():
+        item = "lora_" + name.split("_", 1)[1] + "_input"
+        # (the real CPU mask is e bytes per element, memguard's CUDA one 1)
+        assert saved.get(item, 0) == (m["bytes"] - m["tokens"] * m["r"] * e - m["tokens"] * m["in"] * (e - 1)
+                                      if dropout else 0), name
+

@@ -388,7 +388,7 @@ def rr_layout(capsys, *args):
     (["--recipe", "llama3_8b", "--mode", "pretrain"], "run_recipe.py would stop with \"Recipe 'llama3_8b' not found\""),
     (["--model", "llama3_8b"], "--mode: run_recipe.py needs --mode with --model"),
     (["--recipe", "llama3_8b_pretrain_config", "--mode", "sft"], "--mode: sft is incompatible with recipe"),
-    (["--model", "llama3_8b", "--mode", "lora"], "--mode lora: PEFT / LoRA fine-tuning"),
+    (["--model", "llama3_8b", "--mode", "lora"], "--mode lora: the Megatron-Bridge PEFT recipe llama3_8b_peft_config"),
     (["--recipe", "llama3_8b_pretrain_config", "--micro", "8"], "--micro: Unknown option of run_recipe.py"),
     (["--recipe", "llama3_8b_pretrain_config", "--config-file", "a.yaml"], "--config-file: Unknown option"),
     (["--recipe", "llama3_8b_pretrain_config", "8"], "8: run_recipe.py expects overrides in KEY=VALUE form"),

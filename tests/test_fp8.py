@@ -180,10 +180,42 @@ def test_dense_layer_terms_llama3_8b_tp2_sp():
     assert layer_recipe_state_bytes(s, g) == 4 * 10 * 512
     # primary FP8 weights: only the Hopper transposes (+ scale) stay outside the uint8 buffer
     assert primary_weight_extra_bytes(spec("tensorwise", fp8_param_gather=True), g) == weights + 4 * 512
-    # saved inputs: local SP shard rowwise for qkv / fc1 (4096 x 4096), full columnwise for proj / fc2
+    # saved inputs: local SP shard rowwise for qkv / fc1 (4096 x 4096), full columnwise for fc2; linear_proj
+    # keeps the BF16 attention output, no quantized copy (set_save_original_input: attention.py, core 0.16.1 and
+    # 0.19.2, for every recipe but delayed)
     got = saved_inputs(s, g)
-    assert got == {"linear_qkv": 4096 * 4096 + 512, "linear_proj": 8192 * 2048 + 512,
+    assert got == {"linear_qkv": 4096 * 4096 + 512, "linear_proj": 0,
                    "linear_fc1": 4096 * 4096 + 512, "linear_fc2": 8192 * 7168 + 512}
+    # delayed scaling: linear_proj's quantized copy, [8192, 2048] at 1 B/elem = 16 MiB + a 512-byte scale block
+    assert saved_inputs(spec("delayed"), g)["linear_proj"] == 16 * 2**20 + 512
+    for r in ("blockwise", "mxfp8", "nvfp4"):
+        assert saved_inputs(spec(r), g)["linear_proj"] == 0
+
+
+def test_linear_proj_saves_original_input_except_delayed():
+    # megatron/core/transformer/attention.py and multi_latent_attention.py (core 0.16.1 and 0.19.2):
+    # set_save_original_input(self.linear_proj) if (fp8 and fp8_recipe != 'delayed' and TE >= 2.6) or
+    # (fp4 and TE >= 2.7); TE 2.11 (the modelled version) passes both gates
+    from megatron_memguard.estimator.fp8_layers import proj_saves_original_input
+    assert [proj_saves_original_input(spec(r)) for r in ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")] \
+        == [False, True, True, True, True]
+    assert not proj_saves_original_input(Fp8Spec())
+
+
+def test_linear_proj_requantizes_its_input_in_backward():
+    # TE 2.11 module/linear.py _Linear.backward: the saved BF16 input is quantized for the wgrad GEMM; per-tensor
+    # current scaling (supports_only_rowwise_all_gather, float8_tensor.py) asks for rowwise + columnwise (no
+    # gather in a row-parallel linear), the block recipes columnwise only. Llama-3.1-8B TP2: [8192, 2048]
+    from megatron_memguard.estimator.fp8_layers import proj_backward_input
+    T, w = 8192, 2048
+    assert proj_backward_input(spec("tensorwise"), T, w) == 2 * T * w + 512              # Hopper: data + transpose
+    assert proj_backward_input(spec("tensorwise"), T, w, non_tn=True) == T * w + 512     # Blackwell: one copy
+    # mxfp8 columnwise: data + E8M0 [round4(8192/32), round128(2048)] = [256, 2048]
+    assert proj_backward_input(spec("mxfp8"), T, w) == T * w + 256 * 2048
+    # blockwise columnwise 1x128: data + fp32 [ceil(8192/128), round4(2048)] = [64, 2048]
+    assert proj_backward_input(spec("blockwise"), T, w) == T * w + 64 * 2048 * 4
+    # nvfp4 columnwise: half byte + E4M3 [round128(2048), round4(8192/16)] = [2048, 512] + fp32 amax (one block)
+    assert proj_backward_input(spec("nvfp4"), T, w) == T * w // 2 + 2048 * 512 + 512
 
 
 def test_non_tn_gpus():
@@ -203,12 +235,14 @@ def test_saved_overrides_dense_and_mla():
     saved = {"qkv_input": 1024 * 1024 * e, "proj_input": 2048 * 512 * e, "fc1_input": 1024 * 1024 * e,
              "fc2_input": 2048 * 2048 * e, "fc1_output": 2048 * 4096 * e}
     got = saved_overrides(spec("tensorwise"), g, saved, act_bytes=e)
-    # 1 byte per element + one 512-byte scale block (layernorm_linear.py / linear.py saved tensors)
-    assert got == {"qkv_input": 1024 * 1024 + 512, "fc1_input": 1024 * 1024 + 512,
-                   "fc2_input": 2048 * 2048 + 512, "fp8_proj_input": 2048 * 512 + 512}
-    # net per layer: -T*h (qkv) - T*h (fc1) + Tf*h/TP (proj copy) - Tf*ffn/TP (fc2) (moe-fp8.md 2.5), + 4 scale blocks
+    # 1 byte per element + one 512-byte scale block (layernorm_linear.py / linear.py saved tensors); linear_proj
+    # keeps the BF16 attention output itself (set_save_original_input, attention.py core 0.16.1 / 0.19.2)
+    assert got == {"qkv_input": 1024 * 1024 + 512, "fc1_input": 1024 * 1024 + 512, "fc2_input": 2048 * 2048 + 512}
+    # net per layer: -T*h (qkv) - T*h (fc1) - Tf*ffn/TP (fc2) (moe-fp8.md 2.5), + 3 scale blocks
     net = sum(got.values()) - sum(saved[k] for k in ("qkv_input", "fc1_input", "fc2_input"))
-    assert net == -1024 * 1024 - 1024 * 1024 + 2048 * 512 - 2048 * 2048 + 4 * 512
+    assert net == -1024 * 1024 - 1024 * 1024 - 2048 * 2048 + 3 * 512
+    # delayed scaling: linear_proj keeps its quantized copy [Tf, a d / TP], column-wise (Hopper: the transpose)
+    assert saved_overrides(spec("delayed"), g, saved, act_bytes=e)["fp8_proj_input"] == 2048 * 512 + 512
     # 'mlp' recompute: fc2_input is not saved, so it is not made up
     del saved["fc2_input"]
     assert "fc2_input" not in saved_overrides(spec("tensorwise"), g, saved, act_bytes=e)

@@ -52,9 +52,12 @@ def test_saved_tensors_by_hand(recipe):
     assert got["softmax_stats"] == 2 * 1 * A_T * 8192 * 4 == 2 * bf16_att["softmax_stats"]
     # delayed: the FP8 output is what the attention keeps; tensorwise keeps the BF16 output
     assert got["proj_input"] == (TF * CTX + 512 if recipe == "delayed" else 2 * TF * CTX)
-    # linear_proj's own quantized copy and the GEMM inputs are those of the FP8 layer without FP8 attention
+    # linear_proj's own quantized copy (delayed only: other recipes keep the BF16 output it reads, the tensor the
+    # attention saves: set_save_original_input, attention.py core 0.16.1 / 0.19.2) and the GEMM inputs are those
+    # of the FP8 layer without FP8 attention
+    assert ("fp8_proj_input" in got) == ("fp8_proj_input" in bf16_att) == (recipe == "delayed")
     for name in ("fp8_proj_input", "qkv_input", "fc1_input", "fc2_input"):
-        assert got[name] == bf16_att[name]
+        assert got.get(name) == bf16_att.get(name)
     # net per layer: -(2 * 3072 + 2 * 2048 + 2 * 512) * Tf BF16 (qkv output 3072 wide, q 2048, k 512)
     saved_bf16 = 2 * TF * (QKV_W + CTX + G_T * D)
     delta = TF * QKV_W + 512 + A_T * 8192 * 4 - saved_bf16 - (TF * CTX - 512 if recipe == "delayed" else 0)
@@ -102,7 +105,13 @@ def test_output_gate_keeps_the_bf16_output(recipe):
     bf16_att = layer_activations(lay(*fp8)).saved
     got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
     assert bf16_att["qkv_output"] == 2 * TF * 5120 and "qkv_output" not in got
-    assert got["proj_input"] == bf16_att["proj_input"] == 2 * TF * CTX
+    # linear_proj reads the gated product: tensorwise keeps it BF16 (set_save_original_input); delayed keeps only
+    # its FP8 copy (TE 2.11 linear.py), and nothing else keeps the BF16 product (the gate keeps its inputs)
+    if recipe == "delayed":
+        assert "proj_input" not in got and "proj_input" not in bf16_att
+        assert got["fp8_proj_input"] == bf16_att["fp8_proj_input"] == TF * CTX + 512
+    else:
+        assert got["proj_input"] == bf16_att["proj_input"] == 2 * TF * CTX
     assert got["output_gate"] == bf16_att["output_gate"] == got["gate_attention_output"] == 2 * TF * CTX
     assert got["fp8_attention_qkv"] == TF * QKV_W + 512
     # delayed: the FP8 output the attention keeps, next to the BF16 one the gate keeps
@@ -153,20 +162,157 @@ def test_which_recipes_carry_it():
 
 def test_refused_and_rejected_corners():
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
-    with pytest.raises(NotModelledError, match="context parallelism"):
-        lay(*fp8, "--context-parallel-size", "2", fp8_dot_product_attention=True)
-    with pytest.raises(NotModelledError, match="fp8.multi.head.attention"):
-        lay(*fp8, fp8_multi_head_attention=True)
-    with pytest.raises(NotModelledError, match="multi-latent attention"):
-        lay(*fp8, "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-head-dim", "128",
-            "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", fp8_dot_product_attention=True)
     with pytest.raises(ConfigError, match="attention-backend fused or auto"):
         lay(*fp8, "--attention-backend", "flash", fp8_dot_product_attention=True)
+    # TE 2.11 get_attention_backend: with fp8_dpa FusedAttention is off for a non-vanilla softmax and for a sliding
+    # window, and FlashAttention / the unfused backend never run FP8: no backend
+    with pytest.raises(ConfigError, match="^--fp8-dot-product-attention: .*softmax-type learnable"):
+        lay(*fp8, "--softmax-type", "learnable", fp8_dot_product_attention=True)
+    with pytest.raises(ConfigError, match="window-size 4096,0"):
+        lay(*fp8, "--window-size", "4096,0", fp8_dot_product_attention=True)
+    assert lay(*fp8, "--window-size", "-1,0", fp8_dot_product_attention=True).fp8_spec.fp8_dot_product_attention
     # fp8_mha only travels in the delayed recipe: with tensorwise it is dropped, fp8_dpa still acts
     L = lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", fp8_dot_product_attention=True,
             fp8_multi_head_attention=True)
     assert L.fp8_spec.fp8_dot_product_attention
     assert any("fp8-multi-head-attention" in n and "no effect" in n for n in L.notes)
+
+
+def test_multi_head_attention_is_dot_product_attention_under_megatron():
+    # TE 2.11 dot_product_attention.py forward: fp8_mha forces fp8_dpa on; the FP8 output (FusedAttnFunc
+    # is_output_fp8 = fp8_output) is asked for only by TE's MultiheadAttention (multi_head_attention.py
+    # dpa_fp8_output), never by megatron-core's TEDotProductAttention (extensions/transformer_engine.py, 0.16.1 and
+    # 0.19.2: no fp8_output argument): the same tensors as fp8_dot_product_attention
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    for version in ("0.16.1", "0.19.2"):
+        mha = lay(*fp8, fp8_multi_head_attention=True, version=version)
+        assert mha.fp8_spec.fp8_dot_product_attention
+        assert any("estimated as fp8_dot_product_attention" in n for n in mha.notes)
+        got = layer_activations(mha).saved
+        assert got == layer_activations(lay(*fp8, fp8_dot_product_attention=True, version=version)).saved
+        assert got["fp8_attention_qkv"] == TF * QKV_W + 512 and got["proj_input"] == TF * CTX + 512
+
+
+# context parallelism 2: each rank holds s / CP = 4096 tokens (micro-batch 1)
+TC = 4096
+Q, KV = TC * CTX, 2 * TC * G_T * D   # q (= output) and k + v elements per rank: 8 Mi and 4 Mi
+W = Q + KV
+STATS = 1 * A_T * TC * 4             # fp32 log-sum-exp [b, a/t, s/CP]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_ring_attention_saved_by_hand(recipe):
+    # TE 2.11 context_parallel.py AttnFuncWithCPAndKVP2P.forward, ctx.fp8 branch: saves q_fp8 (a view of
+    # combine_and_quantize's one FP8 buffer of q, k, v), kv_fp8 (p2p_comm_buffers[-1], FP8), softmax_lse (fp32,
+    # one statistic) and out_fp8 (delayed) or out_f16 (Float8CurrentScaling with NVTE_DPA_FP8CS_O_in_F16=1)
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2"]
+    bf16_att = layer_activations(lay(*fp8)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    assert bf16_att["query_rope"] == 2 * Q and "query_rope" not in got      # the BF16 ring kept the rope'd q
+    assert bf16_att["cp_kv_buffer"] == 2 * KV and got["cp_kv_buffer"] == KV
+    assert got["fp8_attention_qkv"] == TC * QKV_W + 512 == W + 512
+    assert got["softmax_stats"] == bf16_att["softmax_stats"] == STATS
+    assert got["proj_input"] == (Q + 512 if recipe == "delayed" else 2 * Q)
+    delta = sum(got.values()) - sum(bf16_att.values())
+    # delayed: W + KV + Q (+ two scales) instead of 2 Q + 2 KV + 2 Q: -2 Q; tensorwise keeps the BF16 output: -Q
+    assert delta == (-2 * Q + 1024 if recipe == "delayed" else -Q + 512)
+
+
+@pytest.mark.parametrize("version,n_ring,n_out", [("0.16.1", 1, 2), ("0.19.2", 2, 2)])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_ring_attention_working_sets_by_hand(recipe, version, n_ring, n_out):
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2",
+            fp8_dot_product_attention=True, version=version)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    delayed = recipe == "delayed"
+    alive = 2 * Q + KV                       # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
+    # combine_and_quantize: BF16 concatenation [W] next to its FP8 copy
+    assert f.fwd_steps[0][1] == alive + 2 * W + W + 512
+    # output correction: TE 2.11 keeps every step's ring buffer (CP - 1 besides the saved one) and partial output,
+    # dequantized to fp32 with its fp32 statistic; TE 2.20.2 two of each; + fp32 output, BF16 cast, FP8 copy
+    assert f.fwd_steps[1][1] == alive + n_ring * KV + n_out * (4 * Q + STATS) + 4 * Q + 2 * Q + (Q + 512 if delayed else 0)
+    # backward (AttnFuncWithCPAndKVP2P.backward, ctx.fp8): dO in FP8 and BF16, kv_recv_buffer, dkv_send_buffer and
+    # dkv_recv_buffer of [CP, K+V] FP8, the second half of the statistics made contiguous
+    common = Q + 512 + 2 * Q + KV + 2 * 2 * KV + STATS // 2
+    if delayed:
+        # dq_buffer [CP, q] FP8; at the end the CP steps' FP8 dq/dk/dv go through combine_and_dequantize to fp32
+        # ([CP, W] x 4 B, after a [CP, W] byte concatenation of the contiguous dK/dV) and are summed one by one:
+        # the fp32 sum of dq and its BF16 cast (6 Q), or dv's fp32 sum and cast after dq's and dk's casts
+        ring = common + 2 * Q + max(2 * KV + 2 * W + 8 * W, 8 * W + max(6 * Q, 2 * Q + 4 * KV))
+    else:
+        # fp32 dq_buffer and dkv_buffer; each step's BF16 dq/dk/dv, their fp32 casts and halves of q, out, dO
+        ring = common + 4 * W + 6 * W + 2 * Q
+    bf16_ring = 3 * 2 * Q + 10 * KV + STATS  # attention.py _cp_attention_items' backward (BF16 k: kv1 = KV bytes)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring - bf16_ring, 0, 0]
+    assert "cp_kv_buffer" in f.bwd_steps[2][0] and "fp8_attention_qkv" in f.bwd_steps[2][0]
+
+
+def test_ring_attention_with_core_attention_recompute():
+    # selective recompute's default module core_attn: the checkpoint keeps the BF16 q, k, v (saved unchanged);
+    # the backward replays the FP8 ring forward (its saved tensors and the BF16 output it returns) and runs its
+    # backward at the core attention's step
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2",
+            "--recompute-granularity", "selective"]
+    assert layer_activations(lay(*args, fp8_dot_product_attention=True)).saved == layer_activations(lay(*args)).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*args, fp8_dot_product_attention=True, version="0.16.1")
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    kept = (W + 512) + KV + STATS + 2 * Q + (Q + 512)
+    ring = Q + 512 + 2 * Q + KV + 4 * KV + STATS // 2 + 2 * Q + max(2 * KV + 10 * W, 8 * W + 6 * Q)
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring - bf16, 0, 0]
+
+
+def test_context_parallel_comm_types():
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2"]
+    # TE 2.11 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels)
+    L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True)
+    assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
+    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a"):
+        lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
+
+
+MLA = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--multi-latent-attention",
+       "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32",
+       "--v-head-dim", "64", "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+       "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu",
+       "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--bf16", "--vocab-size", "32000",
+       "--use-distributed-optimizer", "--fp8-format", "hybrid"]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_multi_latent_attention_by_hand(recipe):
+    # MLASelfAttention hands TE contiguous query, key [s b, a/t, 64 + 32] and value [s b, a/t, 64]; FusedAttnFunc
+    # (TE 2.11) keeps one FP8 buffer of all three (combine_and_quantize, sbhd_sbhd_sbhd), M and ZInv, and the
+    # output (FP8 under delayed scaling) of v's width
+    def mla(*extra, world_size=2, **config):
+        raw = parse_megatron_flags(MLA + ["--fp8-recipe", recipe] + list(extra))
+        raw.args.update(config)
+        return resolve(raw, world_size=world_size)
+    tf, a_t = 4096, 8
+    bf16_att = layer_activations(mla()).saved
+    L = mla(fp8_dot_product_attention=True)
+    assert any("multi-latent attention" in n for n in L.notes)
+    got = layer_activations(L).saved
+    assert bf16_att["query"] == bf16_att["key"] == 2 * tf * a_t * 96 and bf16_att["value"] == 2 * tf * a_t * 64
+    assert not {"query", "key", "value"} & set(got)
+    assert got["fp8_attention_qkv"] == tf * a_t * (96 + 96 + 64) + 512
+    assert got["softmax_stats"] == 2 * bf16_att["softmax_stats"] == 2 * a_t * tf * 4
+    assert got["proj_input"] == (tf * a_t * 64 + 512 if recipe == "delayed" else 2 * tf * a_t * 64)
+    # the planner's lower bound counts q, k, v and the output at 1 B/elem (and the norm output [T, h] BF16): below
+    # what the layer keeps
+    from megatron_memguard.estimator.layers import mla as mla_recipe
+    bound = mla_recipe.bound_saved(L, 2, 1, 4096, True, set())
+    assert bound == 2048 * 1024 * 2 + tf * a_t * (96 + 96 + 64) + tf * a_t * 64 <= sum(got.values())
+    # under context parallelism TE 2.11 has no backend: FusedAttention refuses FP8 MLA with CP, FlashAttention FP8
+    # with CP, UnfusedDotProductAttention CP (get_attention_backend)
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*multi-latent attention under context"):
+        mla("--context-parallel-size", "2", world_size=4, fp8_dot_product_attention=True)
 
 
 def test_bridge_config_carries_it(tmp_path):

@@ -26,24 +26,52 @@ CTX, F_T = 2048, 7168                # attention output and ffn width per TP ran
 W = 3072 * 4096 + 4096 * 2048 + 14336 * 4096 + 4096 * 7168
 
 
-def lay(*extra):
-    return layout_from_flags(BASE + list(extra), world_size=16)
+def lay(*extra, version=None):
+    return layout_from_flags(BASE + list(extra), world_size=16, megatron_version=version)
 
 
 def terms(est, stage=0):
     return {t.name: t for t in est.stages[stage].terms}
 
 
-def test_saved_gemm_inputs_per_layer():
-    bf16 = layer_activations(lay()).saved
-    fp8 = layer_activations(lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")).saved
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_saved_gemm_inputs_per_layer(version):
+    bf16 = layer_activations(lay(version=version)).saved
+    fp8 = layer_activations(lay("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", version=version)).saved
     # layernorm_linear.py: the SP-local norm output kept quantized (rowwise, 1 B + a 512-byte scale block);
-    # linear.py: fc2's input kept quantized (columnwise); linear_proj keeps a quantized copy of the attention output
+    # linear.py: fc2's input kept quantized (columnwise); linear_proj keeps the BF16 attention output the core
+    # attention keeps (set_save_original_input: attention.py, core 0.16.1 and 0.19.2), no quantized copy
     assert fp8["qkv_input"] == T * H + 512 and fp8["fc1_input"] == T * H + 512
-    assert fp8["fc2_input"] == TF * F_T + 512 and fp8["fp8_proj_input"] == TF * CTX + 512
+    assert fp8["fc2_input"] == TF * F_T + 512 and "fp8_proj_input" not in fp8
     assert bf16["fc2_input"] == 2 * TF * F_T and bf16["proj_input"] == fp8["proj_input"] == 2 * TF * CTX
-    # net -T h - T h + Tf ctx - Tf ffn/TP per layer (moe-fp8.md 2.5), + the four scale blocks
-    assert sum(fp8.values()) - sum(bf16.values()) == -2 * T * H + TF * CTX - TF * F_T + 4 * 512
+    # net -T h - T h - Tf ffn/TP per layer (moe-fp8.md 2.5), + the three scale blocks
+    assert sum(fp8.values()) - sum(bf16.values()) == -2 * T * H - TF * F_T + 3 * 512
+    # delayed scaling (no save_original_input: TE asserts against Float8Quantizer) keeps the quantized copy,
+    # [Tf, ctx] columnwise (Hopper: the transpose) = 16 MiB + 512 per layer
+    delayed = layer_activations(lay("--fp8-format", "hybrid", "--fp8-recipe", "delayed", version=version)).saved
+    assert delayed["fp8_proj_input"] == TF * CTX + 512 == 16 * 2**20 + 512
+    assert sum(delayed.values()) - sum(fp8.values()) == TF * CTX + 512
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8", "nvfp4"])
+def test_linear_proj_backward_requantizes_its_bf16_input(recipe):
+    # TE 2.11 module/linear.py _Linear.backward quantizes the saved BF16 input for the wgrad GEMM: a transient
+    # of linear_proj's backward step (the mixer's first, after the pre-MLP norm's), where delayed scaling's saved
+    # copy was. [Tf, ctx] = [8192, 2048] per rank; tensorwise both usages (Hopper: data + transpose)
+    flags = ["--fp4-format", "e2m1"] if recipe == "nvfp4" else ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    L = lay(*flags, version="0.19.2")
+    bf16 = layer_activations(lay(version="0.19.2"))
+    fp8 = layer_activations(L)
+
+    def proj_step(acts):
+        return next(w for rel, w in acts.bwd_steps if "mlp_norm_input" in rel)
+
+    requant = {"tensorwise": 2 * TF * CTX + 512, "blockwise": TF * CTX + 64 * 2048 * 4,
+               "mxfp8": TF * CTX + 256 * 2048, "nvfp4": TF * CTX // 2 + 2048 * 512 + 512}[recipe]
+    from megatron_memguard.estimator.fp8 import quantized_tensor
+    r = "nvfp4" if recipe == "nvfp4" else recipe
+    grad_out = quantized_tensor(r, TF, H, rowwise=True, columnwise=True).allocated    # grad_output_preprocess
+    assert proj_step(fp8) - proj_step(bf16) == grad_out + requant
 
 
 @pytest.mark.parametrize("gpu, per_weight", [("H100-80GB", 2), ("B200", 1)])
@@ -236,3 +264,38 @@ def test_megatron_fsdp_primary_fp8_weights_keep_only_scales_outside_its_buffers(
     t = terms(estimate(lay(*fsdp, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather")))
     assert t["fp8_weight_columnwise"].bytes == 16 * 4 * 512
     assert "parameters" not in t and "fp8_weight_cache" not in t
+
+
+# a small multi-latent attention model: 16 heads x v_head_dim 64, TP 2 + SP, seq 4096: linear_proj's input [4096, 512]
+MLA = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--multi-latent-attention",
+       "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32",
+       "--v-head-dim", "64", "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+       "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu",
+       "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--bf16", "--vocab-size", "32000",
+       "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_mla_linear_proj_saved_input(recipe, version):
+    # multi_latent_attention.py (core 0.16.1 and 0.19.2) sets save_original_input on linear_proj as attention.py
+    # does: blockwise keeps the BF16 output [4096, 8 x 64] (proj_input, as in BF16) and quantizes it again in
+    # linear_proj's backward (column-wise, 1x128 scales: data + fp32 [ceil(4096/128), round4(512)]); delayed keeps
+    # its column-wise FP8 copy (data + a 512-byte scale block). MLA adds no quantized output gradients
+    # (docs/assumptions.md), so linear_proj's backward step differs from BF16's by that copy alone.
+    bf16 = layer_activations(layout_from_flags(MLA, world_size=2, megatron_version=version))
+    L = layout_from_flags(MLA + ["--fp8-format", "hybrid", "--fp8-recipe", recipe], world_size=2,
+                          megatron_version=version)
+    fp8 = layer_activations(L)
+    n = 4096 * 512
+    assert fp8.saved["proj_input"] == bf16.saved["proj_input"] == 2 * n
+
+    def proj_step(acts):
+        return next(w for rel, w in acts.bwd_steps if "mlp_norm_input" in rel)
+
+    if recipe == "delayed":
+        assert fp8.saved["fp8_proj_input"] == n + 512
+        assert proj_step(fp8) == proj_step(bf16)
+    else:
+        assert "fp8_proj_input" not in fp8.saved
+        assert proj_step(fp8) - proj_step(bf16) == n + 32 * 512 * 4

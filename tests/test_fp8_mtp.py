@@ -63,5 +63,7 @@ def test_backward_adds_the_quantized_output_gradients():
     bf16 = layer_activations(L, True, kind._replace(quantized=None)).bwd_steps
     extra = [a[1] - b[1] for a, b in zip(fp8, bf16)]
     q = lambda w: 2 * S * w + 512   # noqa: E731
-    # fc2, activation, fc1, pre-MLP norm, linear_proj, core attention, linear_qkv, input norm
-    assert extra == [q(H), 0, q(2 * F), 0, q(H), 0, q(3 * H), 0]
+    # fc2, activation, fc1, pre-MLP norm, linear_proj, core attention, linear_qkv, input norm; linear_proj saved its
+    # BF16 input (set_save_original_input, not delayed) and quantizes it again for wgrad (linear.py _Linear.backward,
+    # tensorwise: row-wise + column-wise, [1024, 1024])
+    assert extra == [q(H), 0, q(2 * F), 0, q(H) + q(H), 0, q(3 * H), 0]

@@ -349,3 +349,25 @@ def test_unit_list_windows_agree_with_uniform_units_and_follow_the_sizes():
     # prefetch limit 1000 elements (comm unit 2000): a large unit's backward gathers one unit behind it
     w = F.backward_window_units(spec(suggested_communication_unit_size=2000), mixed)
     assert max(w.units_weights, 1) <= 2
+
+
+@pytest.mark.parametrize("version,expert_weights", [("0.16.1", True), ("0.17", False), ("0.19", False)])
+def test_one_rank_groups_need_no_bucket(version, expert_weights):
+    """Experts of HSDP whose expert-DP group is split into one rank per replica (EP 2 on 4 ranks, 2 instances):
+    from core 0.17.1 ParamAndGradBuffer builds a one-rank group's model-weight buffer with is_data_distributed =
+    ... and model_wbuf_dp_group.size() > 1 (param_and_grad_buffer.py, 0.17.1 l.2240, 0.19.2 l.2649), so its
+    weights are never all-gathered into a bucket; 0.16.1 (l.1974) tests no size. The main-gradient buffer tests the
+    size in every release (0.16.1 l.2029): no full gradient bucket. Per layer 198,144 dense elements over 2 ranks and
+    786,432 expert elements on 1 (the CPU referee's fsdp_moe_ep2_hsdp); start_param_sync re-gathers all 4 units."""
+    s = spec(version, data_parallel_sharding_strategy="optim_grads_params", accumulate_allreduce_grads_in_fp32=False)
+    groups = F.stage_groups(s, layers=4, layer_shapes=[(198_144,)], expert_shapes=[(786_432,)],
+                            dense_shard=2, expert_shard=1)
+    st = F.stage_fsdp(s, groups)
+    dense, experts = 4 * 198_144 * 2, 4 * 786_432 * 2          # bf16 buckets of the 4 units
+    assert st.after_step == dense + (experts if expert_weights else 0)
+    # the backward's worst moment is its first unit: every unit's weights gathered (prefetch limit 5e8 elements)
+    # and the first unit's gradient bucket, the dense part only in every release
+    assert st.backward.weights == dense + (experts if expert_weights else 0)
+    assert st.backward.grads == 198_144 * 2
+    # persistent state does not move: the one-rank shard is the whole group either way
+    assert st.states.weights == dense // 2 + experts

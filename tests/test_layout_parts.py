@@ -39,9 +39,9 @@ def test_every_flat_name_maps_to_exactly_one_part():
             owners.setdefault(f.name, []).append(part)
     assert all(len(v) == 1 for v in owners.values()), {k: v for k, v in owners.items() if len(v) > 1}
     assert {n: p[0] for n, p in owners.items()} == {n: p for n, p in FLAT.items() if p}
-    assert [n for n, p in FLAT.items() if not p] == ["moe", "notes"]     # Layout's own fields
+    assert [n for n, p in FLAT.items() if not p] == ["moe", "peft", "notes"]     # Layout's own fields
     # no flat name hides a part or a method of Layout
-    assert not set(FLAT_NAMES) & ({f.name for f in dataclasses.fields(Layout)} - {"moe", "notes"})
+    assert not set(FLAT_NAMES) & ({f.name for f in dataclasses.fields(Layout)} - {"moe", "peft", "notes"})
 
 
 def test_flat_names_read_their_part_and_are_read_only():

@@ -104,7 +104,57 @@ def test_rules_and_refusals_name_the_flag():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         _layout(LATENT + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"])
     assert str(e.value).startswith("--moe-shared-expert-overlap: does not work with --moe-latent-size")
-    for extra in (["--moe-token-dispatcher-type", "allgather"], ["--fp8-format", "hybrid"]):
-        with pytest.raises(NotModelledError) as e:
-            _layout(LATENT + extra)
-        assert str(e.value).startswith("--moe-latent-size:")
+    for extra in (["--fp8-format", "hybrid"], ["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+                                               "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]):
+        with pytest.raises((NotModelledError, ConfigErrors)) as e:
+            _layout(LATENT + extra, "0.19")
+        assert "--moe-latent-size:" in str(e.value), str(e.value)
+
+
+def test_allgather_gathers_latent_tokens_by_hand():
+    """The allgather dispatcher gathers what fc1_latent_proj made (MoELayer.preprocess runs the projection before
+    dispatch_preprocess; token_dispatcher.py MoEAllGatherTokenDispatcher.token_dispatch gathers the hidden states
+    over the TP x EP group into megatron's GlobalMemoryBuffer, core 0.16.1 and 0.19.2): [T x ETP x EP, latent],
+    T = s b / TP = 64, ETP x EP = 2: 128 x 32 x 2 B = 8 KiB, half of the h-wide 16 KiB; the experts' input is the
+    balanced N = 128 gathered tokens x k 2 x 2 of the 4 experts local = 128 latent-wide rows."""
+    from megatron_memguard.estimator.layers.moe import global_buffer_request
+    L0 = _layout(["--moe-token-dispatcher-type", "allgather"])
+    L1 = _layout(LATENT + ["--moe-token-dispatcher-type", "allgather"])
+    assert global_buffer_request(L1, L1.moe) == 64 * 2 * LAT * 2 == 8_192
+    assert global_buffer_request(L0, L0.moe) == 64 * 2 * H * 2
+    a0, a1 = moe_activations(L0, L0.moe), moe_activations(L1, L1.moe)
+    assert a1.rows == a0.rows == 128
+    assert a0.saved["moe_expert_input"] - a1.saved["moe_expert_input"] == 2 * 128 * (H - LAT)
+    assert a1.saved["moe_latent_projections"] == 2 * 64 * LAT
+    assert a1.saved["moe_permute_maps"] == a0.saved["moe_permute_maps"]      # routing metadata: width-free
+
+
+def test_deepep_buffer_at_the_latent_width_by_hand():
+    """DeepEP's NVLink buffer is sized from the dispatched tokens' hidden bytes (fused_a2a.get_buffer(group,
+    get_hidden_bytes(x)), x the latent-wide tokens): Config::get_nvl_buffer_size_hint with 20 SMs (10 channels),
+    2 NVLink peers, 1 RDMA rank, 256 receive tokens of latent x 2 B + 8 + 128 x (8 + 4 + 4) B of metadata, plus
+    (2 x 1 + 3) int32 per channel and peer, rounded up to 128 B."""
+    from megatron_memguard.estimator.layers.moe import deepep_buffer_bytes
+    L = _layout(LATENT + ["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"], "0.19")
+    per = (2 * 1 + 3) * 4 + 256 * (LAT * 2 + 8 + 128 * 16)
+    assert deepep_buffer_bytes(L, L.moe) == -(-10 * 2 * per // 128) * 128 == 10_854_912
+    a = moe_activations(L, L.moe)
+    assert a.saved["moe_latent_projections"] == 2 * 64 * LAT
+
+
+def test_megatron_fsdp_expert_groups_at_the_latent_width():
+    """Under Megatron-FSDP the routed experts' groups take their per-rank shapes (TEGroupedMLP / SequentialMLP,
+    core 0.16.1 and 0.19.2: fc1 [g F / ETP, latent], fc2 [latent, F / ETP]); the latent projections are dense
+    [latent, h] and [h, latent] (duplicated: whole on every TP rank), like MLA's down projections."""
+    from megatron_memguard.estimator.fsdp_layout import _layer_shapes
+    from megatron_memguard.partition import LayerKind
+    L = _layout(LATENT + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                          "--use-distributed-optimizer", "--no-gradient-accumulation-fusion", "--ckpt-format",
+                          "fsdp_dtensor"], "0.19")
+    kind = next(k for c in L.chunks for k, _ in c.kind_runs if k.mlp == "moe")
+    assert isinstance(kind, LayerKind)
+    dense, experts = _layer_shapes(L, kind)
+    assert sorted(set(experts)) == sorted({(2 * F, LAT), (LAT, F)})
+    assert (LAT, H) in dense and (H, LAT) in dense
+    est = estimate(L)
+    assert est.stages[0].peak_allocated_bytes > 0

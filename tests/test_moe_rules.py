@@ -93,7 +93,7 @@ def test_top1_is_fine_with_pre_softmax_or_sinkhorn():
     assert _read(num_experts=4, moe_router_topk=1, moe_router_load_balancing_type="sinkhorn")[1] == []
 
 
-@pytest.mark.parametrize("dest", ["moe_paged_stash", "moe_use_upcycling", "moe_expert_rank_capacity_factor"])
+@pytest.mark.parametrize("dest", ["moe_paged_stash", "moe_expert_rank_capacity_factor"])   # upcycling: test_moe_upcycling.py
 def test_unmodelled_moe_settings_are_refused_by_name(dest):
     with pytest.raises(NotModelledError) as e:
         _read(num_experts=4, **{dest: 1.0 if dest == "moe_expert_rank_capacity_factor" else True})

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, assume, given, reject, settings, strategies 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
-from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels, chunk_params, total_parameters
+from megatron_memguard.estimator.params import (chunk_expert_numels, chunk_numels, chunk_params, holds_mtp,
+                                                total_parameters)
 from megatron_memguard.estimator.states import stage_states
 
 from conftest import CONTAINER_ERA
@@ -300,7 +301,7 @@ def test_dense_parameters_rank_by_rank_are_megatron_cores(core, job):
             assert [x[0] for x in r0["layers"]] == [c.first_layer + i for i in range(c.num_layers)], (p, c.vpp_rank)
             assert not any(x[1] for x in r0["layers"])
             placed += c.num_layers
-            assert r0["mtp"] == (c.has_output and mtp > 0), (p, c.vpp_rank)
+            assert r0["mtp"] == holds_mtp(L, c), (p, c.vpp_rank)
             n = sum(q.numel for q in chunk_params(L, c))
             for r in rs:
                 assert r["params"] == n, (p, c.vpp_rank, r["rank"], r["tags"])

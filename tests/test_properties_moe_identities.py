@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
-from megatron_memguard.estimator.params import chunk_expert_numels, chunk_numels, chunk_params, total_parameters
+from megatron_memguard.estimator.params import (chunk_expert_numels, chunk_numels, chunk_params, holds_mtp,
+                                                total_parameters)
 from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.layout import ShardGroup
 
@@ -79,15 +80,22 @@ def _pipeline(draw, pp: int, mtp: int) -> dict:
         if layers < 1:
             reject()
         return dict(layers=layers, vpp=vpp, acc_emb=emb, acc_loss=loss)
-    # layout: virtual-stage-major list of pp x v stages, 0..2 decoder layers each, MTP right before the loss
+    # layout: virtual-stage-major list of pp x v stages, 0..2 decoder layers each, MTP right before the loss or
+    # (Megatron's mtp_standalone) on an earlier rank's last virtual stage, no decoder layer after it
     counts = [draw(st.integers(0, 2)) for _ in range(pp * v)]
+    at = len(counts) - 1
+    if mtp and draw(st.booleans()):
+        at = (v - 1) * pp + draw(st.integers(0, pp - 2))
+        counts[at + 1:] = [0] * (len(counts) - at - 1)
     if sum(counts) == 0:
         counts[0] = 1
     stages = []
     for i, k in enumerate(counts):
         s = ("E" if i == 0 else "") + "t" * k
+        if i == at:
+            s += "m" * mtp
         if i == len(counts) - 1:
-            s += "m" * mtp + "L"
+            s += "L"
         stages.append(s)
     return dict(layers=sum(counts), vpp=vpp, layout="|".join(stages))
 
@@ -337,7 +345,7 @@ def test_parameters_and_placement_rank_by_rank_are_megatron_cores(core, job):
             r0 = rs[0]
             mine = [(c.first_layer + i, k.mlp == "moe") for i, k in enumerate(c.layer_kinds)]
             assert [tuple(x) for x in r0["layers"]] == mine, (p, c.vpp_rank)
-            assert r0["mtp"] == (c.has_output and mtp > 0), (p, c.vpp_rank)
+            assert r0["mtp"] == holds_mtp(L, c), (p, c.vpp_rank)
             ps = chunk_params(L, c)
             for r in rs:
                 assert r["params"] == sum(q.numel for q in ps), (p, c.vpp_rank, r["rank"])

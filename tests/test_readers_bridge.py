@@ -149,9 +149,12 @@ def test_unknown_keys_warn(tmp_path):
     assert not any("moe_router_topk" in w for w in raw.warnings)
 
 
-def test_peft_is_refused(tmp_path):
-    with pytest.raises(NotModelledError, match="peft"):
-        read(tmp_path, FLAT + "peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8\n")
+def test_peft_is_read(tmp_path):
+    # (the estimate: tests/test_peft.py)
+    raw = read(tmp_path, FLAT + "peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8\n")
+    assert (raw.args["peft_scheme"], raw.args["peft_dim"], raw.origin["peft_dim"]) == ("lora", 8, "peft.dim")
+    with pytest.raises(NotModelledError, match="peft._target_"):
+        read(tmp_path, FLAT + "peft:\n  _target_: megatron.bridge.peft.canonical_lora.CanonicalLoRA\n")
 
 
 def test_comm_overlap_data_parallel_size_gives_the_world(tmp_path):
@@ -241,7 +244,7 @@ def test_the_field_list_has_every_section_memguard_reads_with_known_fields():
     for sec, name in KNOWN_FIELD.items():
         assert name in S[sec][1], (sec, name)
     assert S["train"][0] == {"TrainingConfig"} and {"GPTDatasetConfig", "MockGPTDatasetConfig"} <= S["dataset"][0]
-    assert "model" not in S and "peft" not in S   # read by map_mcore_fields / refused by name
+    assert "model" not in S and "peft" not in S   # read by map_mcore_fields / by readers/bridge.py _peft
 
 
 @pytest.mark.parametrize("sec", _bridge_sections())

@@ -6,7 +6,12 @@ and optim_grads; stored in benchmarks/results/referee-fsdp-measured.json
 by benchmarks/referee/fsdp_grid.py) against memguard's estimate of the same flags (--device cpu, local
 profile): parameters exact on every rank, live bytes after the optimizer step within 1% (with bf16
 gradient buckets this includes the expert groups' fp32 gradient copies and every unit re-gathered by
-start_param_sync), peak within 3% (the referee's bounds, compare.py; 1.7% on every rank today)."""
+start_param_sync), peak within 3% (the referee's bounds, compare.py; 1.7% on every rank today).
+
+The same grid on megatron-core 0.19.2 (whose Megatron-FSDP is rewritten; the Megatron CI records ran a 0.19 dev
+build), stored in benchmarks/results/referee-fsdp-measured-core019.json, against memguard's estimate of the flags
+resolved with 0.19's defaults: the same bounds. It includes zp_z3 in the record's own shapes (hidden 512, seq 1024,
+micro-batch 4, GPT-2 vocabulary, 8 experts top-2, TP 2 + SP, EP 2, DP 4; 4 of its 12 layers)."""
 from __future__ import annotations
 
 import json
@@ -14,28 +19,37 @@ import os
 
 import pytest
 
-from benchmarks.referee.fsdp_grid import FSDP_GRID
+from benchmarks.referee.fsdp_grid import FSDP_GRID, resolve_version
 from benchmarks.referee.grid import resolve_config
 from megatron_memguard import estimate
 from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-measured.json")
+MEASURED_CORE019 = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-measured-core019.json")
 
 
-def _configs():
-    with open(MEASURED) as f:
-        by = {c["name"]: c for c in json.load(f)["configs"] if c.get("status") == "ok"}
-    return [(cfg, by[cfg["name"]]) for cfg in FSDP_GRID if cfg["name"] in by]
+def _configs(path=MEASURED):
+    with open(path) as f:
+        res = json.load(f)
+    by = {c["name"]: c for c in res["configs"] if c.get("status") == "ok"}
+    core = res["environment"]["megatron_core"]
+    return [(cfg, dict(by[cfg["name"]], core=core)) for cfg in FSDP_GRID if cfg["name"] in by]
 
 
-def test_both_configurations_were_measured():
-    assert len(_configs()) == len(FSDP_GRID) == 8
+def test_every_configuration_was_measured_on_both_cores():
+    assert len(_configs()) == len(FSDP_GRID) == 9
+    assert len(_configs(MEASURED_CORE019)) == len(FSDP_GRID)
+    assert {m["core"] for _, m in _configs()} == {"0.16.1"}
+    assert {m["core"] for _, m in _configs(MEASURED_CORE019)} == {"0.19.2"}
 
 
-@pytest.mark.parametrize("cfg,measured", _configs(), ids=lambda x: x["name"] if isinstance(x, dict) and "flags" in x else "")
+@pytest.mark.parametrize("cfg,measured", _configs() + _configs(MEASURED_CORE019),
+                         ids=lambda x: x["name"] if isinstance(x, dict) and "flags" in x
+                         else x["core"] if isinstance(x, dict) else "")
 def test_each_rank_of_the_fsdp_grid(cfg, measured):
-    L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+    # the flags resolved with the defaults of the release the grid ran on (as fsdp_grid.settings_of did)
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(measured["core"]))
     assert L.use_megatron_fsdp and (L.moe is not None) == bool(cfg.get("moe_flags"))
     for r in measured["ranks"]:
         # HSDP: the optimizer shards within a replica (dp_rank modulo the replica's size)
@@ -62,3 +76,28 @@ def test_the_expert_step_terms_are_in_the_measurement():
     st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"]).stages[0]
     step = {t.name: t.bytes for t in fsdp_stage_terms(L, st.chunks, [0]).step_terms}
     assert step["fsdp_gathered_after_step"] == 4 * 2 * (786_432 + 198_656)
+
+
+@pytest.mark.parametrize("path", [MEASURED, MEASURED_CORE019], ids=["core0.16.1", "core0.19.2"])
+def test_zp_z3_shape_differs_from_the_estimate_by_its_routing_alone(path):
+    """Megatron CI's zp_z3 record in its own shapes (4 of its 12 layers): the ranks' peaks spread with the rows
+    their routers sent to their experts in the micro-batch of the peak. memguard's estimate assumes balanced
+    rows (16,384 per micro-batch: 2,048 tokens gathered over TP x EP = 4 ranks, top-2, 4 of 8 experts per EP rank:
+    4 x 2,048 x 2 / 2 = 8,192 per layer); moved by its own bytes per row (moe_layer_activations / (4 layers x
+    8,192): 1 KiB of permuted tokens plus fc1's output, the activation and the probs-weighted copy, 3 x 1,024 x
+    2 B, and the routing maps) times the rows the run had over or under that, it lands within 0.05% of the
+    measured peak on every rank of both releases, whose routings differ (0.93-1.08 times balanced)."""
+    cfg, measured = [c for c in _configs(path) if c[0]["name"] == "fsdp_zp_z3_shape"][0]
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(measured["core"]))
+    spread = []
+    for r in measured["ranks"]:
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"]).stages[0]
+        balanced = st.moe["expert_rows_balanced"]
+        assert balanced == 4 * 2048 * 2 // 2
+        per_row = {t.name: t.bytes for t in st.terms}["moe_layer_activations"] / (4 * balanced)
+        assert 7168 <= per_row <= 7250      # 1,024 + 3 x 2,048 B per row, plus the routing maps
+        rows = sum(x["expert_input_rows"] for x in r["routing"] if x["phase"] == r["peak_phase"])
+        spread.append(rows / (4 * balanced))
+        corrected = st.peak_allocated_bytes + per_row * (rows - 4 * balanced)
+        assert abs(corrected / r["peak_bytes"] - 1) <= 0.0005, (r["rank"], rows)
+    assert max(spread) - min(spread) > 0.01     # the routings did differ between ranks

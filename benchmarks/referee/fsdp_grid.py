@@ -2,6 +2,10 @@
 
     python -m benchmarks.referee.fsdp_grid [--list] [--only NAME ...] [--out benchmarks/results/referee-fsdp-measured.json]
 
+It runs on megatron-core 0.16.1 (the Python 3.11 environment) and on 0.19.2 (the Python 3.12 one, whose
+Megatron-FSDP is rewritten: results in benchmarks/results/referee-fsdp-measured-core019.json); the flags are
+resolved with the installed release's defaults (``settings_of``).
+
 Each entry is an MoE grid entry (moe_grid.py: 4 layers, hidden 256, 4 experts of 512, top-2, EP 2, alltoall)
 on 4 ranks with ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params`` and the
 distributed optimizer (0.16.1 does not switch it on): dense groups over DP 4, expert groups over expert
@@ -16,10 +20,15 @@ import platform
 from typing import Any, Dict, List, Optional
 
 from .moe_grid import MOE_BASE, _moe, moe_settings
-from .grid import COMMON, named, resolve_config, run_grid, save_results
+from .grid import COMMON, REFEREE_MEGATRON_VERSION, named, resolve_config, run_grid, save_results
+from .run import FSDP_MEGATRON_CORES
+from .moe_ci_layouts import CI_BASE
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--global-batch-size", "8"]
+
+ZP_Z3_MOE = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"]
 
 FSDP_GRID: List[Dict[str, Any]] = [
     _moe("fsdp_moe_ep2", 4, ["--moe-token-dispatcher-type", "alltoall"], FSDP,
@@ -40,6 +49,13 @@ FSDP_GRID: List[Dict[str, Any]] = [
          FSDP + ["--grad-reduce-in-bf16", "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
                  "--sequence-parallel"],
          note="zp_z3's topology: TP 2 + SP, EP 2, ETP = TP (expert DP 2), DP 4; 2 micro-batches, allgather, aux loss"),
+    # zp_z3 in the record's own shapes (moe_ci_layouts.CI_BASE: hidden 512, 8 heads, seq 1024, micro-batch 4, GPT-2
+    # vocabulary), 4 of its 12 layers: 8 experts top-2 aux loss, TP 2 + SP, EP 2, DP 4, 2 micro-batches
+    {"name": "fsdp_zp_z3_shape", "world_size": 8, "ci": False, "requires": [],
+     "flags": COMMON + CI_BASE + FSDP + ["--grad-reduce-in-bf16", "--global-batch-size", "32",
+                                        "--tensor-model-parallel-size", "2", "--sequence-parallel"] + ZP_Z3_MOE,
+     "dense_flags": COMMON + CI_BASE, "moe_flags": ZP_Z3_MOE,
+     "note": "zp_z3's shapes and topology on 4 layers: TP 2 + SP, EP 2, 8 experts top-2 aux loss, DP 4, 2 micro-batches"},
     {"name": "fsdp_dense", "world_size": 4, "flags": COMMON + MOE_BASE + FSDP, "ci": False, "requires": [],
      "note": "the same model without experts: every group over DP 4"},
     {"name": "fsdp_dense_hfsdp", "world_size": 4, "ci": False, "requires": [],
@@ -59,6 +75,20 @@ def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     return named(FSDP_GRID, only)
 
 
+def resolve_version(core: str) -> str:
+    """The Megatron version memguard resolves a grid entry's flags with, for the installed megatron-core
+    release ``core`` (its defaults, its NullTokenizer): "0.16.1", or "0.19" for 0.19.2."""
+    return REFEREE_MEGATRON_VERSION if core == REFEREE_MEGATRON_VERSION else ".".join(core.split(".")[:2])
+
+
+def settings_of(entry: Dict[str, Any], core: str = REFEREE_MEGATRON_VERSION) -> Dict[str, Any]:
+    """The worker settings of ``entry``: its flags resolved by memguard with the defaults of ``core``."""
+    version = resolve_version(core)
+    if entry.get("moe_flags"):
+        return moe_settings(entry, version)[1]
+    return resolve_config(entry["flags"], entry["world_size"], version)[1]
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", default=None)
@@ -71,8 +101,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         for c in cfgs:
             print(f"{c['name']:<32} ws={c['world_size']}  {c['note']}")
         return
-    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: moe_settings(c)[1] if c.get("moe_flags")
-                   else resolve_config(c["flags"], c["world_size"])[1])
+    from importlib import metadata
+
+    core = metadata.version("megatron-core")
+    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: settings_of(c, core), cores=FSDP_MEGATRON_CORES)
     import megatron.core
     import torch
 

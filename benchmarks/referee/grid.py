@@ -191,7 +191,7 @@ GRID: List[Dict[str, Any]] = [
 REFEREE_MEGATRON_VERSION = "0.16.1"
 
 
-def resolve_config(flags: List[str], world_size: int) -> tuple:
+def resolve_config(flags: List[str], world_size: int, megatron_version: str = REFEREE_MEGATRON_VERSION) -> tuple:
     """The grid flags resolved by memguard itself (the same reader and rules `memguard estimate`
     uses): returns (layout, settings for the worker under Megatron's argument names)."""
     from megatron_memguard.readers.megatron_flags import parse_megatron_flags
@@ -200,7 +200,7 @@ def resolve_config(flags: List[str], world_size: int) -> tuple:
     # The flags describe what the worker builds on megatron-core 0.16.1, which ships no argparse (the worker
     # applies e.g. 0.19's --freeze-all-layers itself): not a 0.16 command line, so no release flag check.
     raw = dataclasses.replace(parse_megatron_flags(flags), megatron_command_line=False)
-    layout = resolve(raw, world_size=world_size, megatron_version=REFEREE_MEGATRON_VERSION)
+    layout = resolve(raw, world_size=world_size, megatron_version=megatron_version)
     settings = layout.to_dict()
     # Settings the worker needs that do not change memory (so the Layout does not carry them).
     settings["initial_loss_scale"] = raw.args.get("initial_loss_scale", 2 ** 32)
@@ -223,8 +223,9 @@ def select(ci: bool = False, only: Optional[List[str]] = None) -> List[Dict[str,
 
 
 def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool = True,
-             settings_of=None) -> Dict[str, Any]:
-    """Run each configuration; `settings_of(cfg)` gives its worker settings (default: resolve_config)."""
+             settings_of=None, cores: Optional[tuple] = None) -> Dict[str, Any]:
+    """Run each configuration; `settings_of(cfg)` gives its worker settings (default: resolve_config);
+    ``cores``: the megatron-core releases the grid runs on (default: run.py's SUPPORTED_MEGATRON_CORE)."""
     from .run import RefereeError, run_referee, summary_line
 
     out = {"configs": []}
@@ -245,7 +246,8 @@ def run_grid(cfgs: List[Dict[str, Any]], timeout: float = 900.0, verbose: bool =
                 entry["status"] = "skipped"
                 entry["error"] = f"missing Python module(s) {missing} needed by megatron-core"
             else:
-                ranks = run_referee(settings, c["world_size"], timeout=timeout)
+                ranks = run_referee(settings, c["world_size"], timeout=timeout,
+                                    **({"cores": cores} if cores else {}))
                 entry["ranks"] = ranks
                 entry["status"] = "ok"
         except RefereeError as e:

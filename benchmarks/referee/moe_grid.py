@@ -103,11 +103,12 @@ MOE_GRID: List[Dict[str, Any]] = [
 _NOT_ARGS = ("moe_layer_pattern", "moe_recompute", "routing", "moe_flex_dispatcher_num_sms")
 
 
-def moe_settings(entry: Dict[str, Any]) -> tuple:
+def moe_settings(entry: Dict[str, Any], megatron_version: Optional[str] = None) -> tuple:
     """Worker settings for an MoE entry: the flags resolved by memguard itself (its MoE section applies
     validate_args's MoE rules: ETP = TP, moe_ffn_hidden_size = ffn_hidden_size, --moe-layer-freq as a
     per-layer list), written back as Megatron's flat argument names for the worker."""
-    layout, settings = resolve_config(entry["flags"], entry["world_size"])
+    layout, settings = resolve_config(entry["flags"], entry["world_size"],
+                                      **({"megatron_version": megatron_version} if megatron_version else {}))
     moe = settings.pop("moe")
     settings.update({k: v for k, v in moe.items() if k not in _NOT_ARGS})
     settings["moe_layer_freq"] = [int(v) for v in moe["moe_layer_pattern"]]

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,19 +24,23 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 # The shims and phase hooks in worker.py follow megatron-core 0.16.1's internals (schedules'
 # backward_step signature, the local layer-spec provider); other versions fail in those hooks.
 SUPPORTED_MEGATRON_CORE = "0.16.1"
+# The Megatron-FSDP grid (fsdp_grid.py) also runs on core 0.19.2, whose Megatron-FSDP differs from 0.16.1's:
+# the two places 0.19.2 needs (backward_step's signature, the adapter's TE check) are handled in worker.py and
+# shims.py; the other grids are only checked on 0.16.1.
+FSDP_MEGATRON_CORES = ("0.16.1", "0.19.2")
 
 
-def unsupported_reason() -> Optional[str]:
-    """Why the referee cannot run in this environment, or None when it can."""
+def unsupported_reason(cores: Sequence[str] = (SUPPORTED_MEGATRON_CORE,)) -> Optional[str]:
+    """Why the referee cannot run in this environment (megatron-core not one of ``cores``), or None when it can."""
     from importlib import metadata
 
     try:
         version = metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         return "megatron-core is not installed (the referee runs megatron-core %s)" % SUPPORTED_MEGATRON_CORE
-    if version != SUPPORTED_MEGATRON_CORE:
+    if version not in cores:
         return ("the referee's CPU shims target megatron-core %s; this environment has %s"
-                % (SUPPORTED_MEGATRON_CORE, version))
+                % (" or ".join(cores), version))
     return None
 
 
@@ -60,10 +64,11 @@ _TRANSPORT_ERRORS = ("Connection reset by peer", "Connection closed by peer", "A
 
 def run_referee(settings: Dict[str, Any], world_size: int, timeout: float = 600.0,
                 python: Optional[str] = None, threads_per_rank: Optional[int] = None,
-                retries: int = 1) -> List[Dict[str, Any]]:
+                retries: int = 1, cores: Sequence[str] = (SUPPORTED_MEGATRON_CORE,)) -> List[Dict[str, Any]]:
     """Run the referee for `settings` on `world_size` local processes; return per-rank results,
-    sorted by global rank. Raises RefereeError with the failing rank's traceback."""
-    reason = unsupported_reason()
+    sorted by global rank. Raises RefereeError with the failing rank's traceback. ``cores``: the
+    megatron-core releases the configuration is checked on."""
+    reason = unsupported_reason(cores)
     if reason:
         raise RefereeError(reason, root_cause_known=True)
     for attempt in range(retries + 1):

@@ -664,7 +664,8 @@ def megatron_fsdp(config, ddp_config, module, disable_bucketing: bool = False):
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    if not isinstance(mcore_fsdp_adapter.TELinear, type):
+    # core 0.16.1 only: 0.19.2's adapter tells TE modules by class name (_detect_parallelism_type)
+    if hasattr(mcore_fsdp_adapter, "TELinear") and not isinstance(mcore_fsdp_adapter.TELinear, type):
         # without Transformer Engine the adapter's TP check (_fix_tensor_parallel_attributes, TP > 1) tests
         # isinstance against megatron's TE stand-in (not a class); no module of the local spec is a TELinear,
         # and the attributes it sets only describe checkpoint DTensors: a class nothing is an instance of

@@ -314,8 +314,23 @@ def make_forward_step(args, tracker, phase_state):
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.core.utils import get_attr_wrapped_model
 
+    mtp_config = []     # the model's TransformerConfig, for mtp_on_this_rank (set by forward_step)
+
+    def _mtp_here(vp_stage) -> bool:
+        if not getattr(args, "mtp_num_layers", None) or not mtp_config:
+            return False
+        import inspect
+        from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+        cfg = mtp_config[0]
+        if "layout" in inspect.signature(mtp_on_this_rank).parameters:      # core 0.19: (layout, mtp_num_layers, ...)
+            return mtp_on_this_rank(cfg.pipeline_model_parallel_layout, cfg.mtp_num_layers,
+                                    ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        return mtp_on_this_rank(cfg, ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+
     def get_batch(data_iterator, vp_stage=None):
-        if not is_first_or_last_pipeline_stage(vp_stage):
+        if not is_first_or_last_pipeline_stage(vp_stage) and not _mtp_here(vp_stage):
+            # (pretrain_gpt.py get_batch: a middle stage that builds the MTP block, a layout's mtp_standalone,
+            # reads the tokens and positions its block embeds)
             return None, None, None, None, None
         batch = get_batch_on_this_tp_rank(data_iterator, args)
         # get_batch_on_this_cp_rank is the identity for CP=1.
@@ -342,6 +357,8 @@ def make_forward_step(args, tracker, phase_state):
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        if not mtp_config:
+            mtp_config.append(get_attr_wrapped_model(model, "config"))
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
         if return_schedule_plan:
             # --overlap-moe-expert-parallel-comm: combined_1f1b asks for the model's schedule plan instead of
@@ -380,12 +397,13 @@ def install_phase_hooks(tracker, phase_state):
         tracker.set_phase(f"it{phase_state['iter']} schedule")
         return out
 
-    def bwd(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    def bwd(input_tensor, output_tensor, output_tensor_grad, *rest):
+        # (..., model_type, config) in core 0.16.1, (..., config) in 0.19.2
         ot = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
         label = phase_state["out2label"].pop(id(ot), None)
         label = (label or f"it{phase_state['iter']} ?").replace(" fwd", " bwd")
         tracker.set_phase(label)
-        out = orig_bwd(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        out = orig_bwd(input_tensor, output_tensor, output_tensor_grad, *rest)
         tracker.set_phase(f"it{phase_state['iter']} schedule")
         return out
 

@@ -30,7 +30,7 @@ from itertools import repeat
 
 from ..layout import Layout
 from ..layout.layout import _derived
-from ..partition import MIXER_NONE, MLP_NONE, LayerKind, uniform_kind
+from ..partition import MIXER_NONE, MLP_MOE, MLP_NONE, LayerKind, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
 from .layers.base import Shapes, Step, shapes  # noqa: F401
@@ -94,6 +94,8 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     te = L.transformer_impl == "transformer_engine"
     T, Tf, h, e, r = x.T, x.Tf, x.h, x.e, x.r
     drop_norm = "layernorm" in mods and not te
+    # the MoE layer's pre-MLP norm is a module of its own in the TE spec too: 'layernorm' recompute discards its output
+    drop_norm2 = drop_norm or ("layernorm" in mods and kind.mlp == MLP_MOE and _moe_pre_mlp_norm_recomputed(L))
     G = T * h * e   # gradient of the layer output (received or from the layer above)
 
     mlp = mlp_recipe(kind).activations(L, mods, G)
@@ -103,11 +105,12 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     mixer = mixer_recipe(kind).activations(L, mods, has_batch_mask, drop_norm, after, rel_norm2, G)
     if kind.quantized in ("delayed", "tensorwise") and L.fp8_spec.fp8_dot_product_attention:
-        from ..partition import MIXER_ATTENTION
-        if kind.mixer == MIXER_ATTENTION and attention_kind(L) == "fused" and L.cp == 1:
-            # the core attention in FP8 (TE FusedAttention; resolve/fp8.py refuses CP, MLA, the output gate)
+        from ..partition import MIXER_ATTENTION, MIXER_MLA
+        if kind.mixer in (MIXER_ATTENTION, MIXER_MLA) and attention_kind(L) == "fused":
+            # the core attention in FP8 (TE FusedAttention, or its p2p ring under CP; resolve/fp8.py refuses the
+            # other CP communication types, and MLA under CP)
             from .layers.fp8_attention import fp8_attention
-            mixer = fp8_attention(L, mixer)
+            mixer = fp8_attention(L, mixer, mla=kind.mixer == MIXER_MLA)
 
     # a heterogeneous layer's no-op half (heterogeneous_layer_specs.py, 0.19.2): its norm, block and
     # bias-dropout-add are identities, so it keeps nothing (layers/noop.py) and neither does the layer for it
@@ -122,24 +125,51 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if not no_mlp:
         saved["mlp_norm_input"] = T * h * r                     # (the layer input itself after a no-op attention)
         saved["norm2_stats"] = _norm_stats(L, T)
-        if not drop_norm:
+        if not drop_norm2:
             saved["fc1_input"] = T * h * e
     saved.update(mlp.saved)
     # Forward steps: (saved names not created yet, working bytes)
     fwd_steps = mixer.fwd_steps + mlp.fwd_steps + ((frozenset(), T * h * r),)  # the layer's output (next layer's input)
     # Backward steps: (saved names released, working bytes): the MLP, the pre-MLP norm, the mixer
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
+    if getattr(L, "peft", None) is not None:
+        from .peft import backward_steps
+        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd)
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
+        mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
+        mixer_bwd = _requantized_down_proj_input(L, kind, mods, mixer_bwd)
     norm2_step = () if no_mlp else (
-        (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # pre-MLP norm
+        (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm2 else 0)),                 # pre-MLP norm
     )
     bwd_steps = mlp_bwd + norm2_step + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
         bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
+    if getattr(L, "peft", None) is not None:
+        # LoRA / DoRA: frozen linears keep no input for a weight gradient, the adapters keep theirs (estimator/peft.py)
+        from .peft import layer_items, tie_steps
+        saved, dora_fwd = layer_items(L, saved, mods)
+        fwd_steps = tie_steps(fwd_steps, saved) + (((frozenset(), dora_fwd),) if dora_fwd else ())
+        bwd_steps = tie_steps(bwd_steps, saved)
     if kind.quantized:
         saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def _moe_pre_mlp_norm_recomputed(L: Layout) -> bool:
+    """Whether 'layernorm' recompute reaches an MoE layer's pre-MLP norm (a TENorm / its own module in every spec):
+    TransformerLayer.__init__ (core 0.16.1 and 0.19.2) runs it in CheckpointWithoutOutput, whose output is discarded
+    after the MLP's forward and remade in its backward (the router, the shared experts' fc1 -- under FP8 / FP4 made
+    to save that BF16 output, ``set_for_recompute_pre_mlp_layernorm`` -- and a checkpoint keep it only as storage
+    that is freed), unless TE CUDA graphs capture the router (``can_recompute_pre_mlp_layernorm_for_cudagraph``):
+    then only with the preprocess captured too, the alltoall dispatcher or latent MoE, and no shared-expert overlap."""
+    modules = set(L.cuda_graph_modules)
+    if "moe_router" not in modules or L.cuda_graph_impl == "local":
+        return True
+    m = L.moe
+    if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_overlap:
+        return False
+    return "moe_preprocess" in modules and (m.moe_token_dispatcher_type == "alltoall" or bool(m.moe_latent_size))
 
 
 def _delayed_wgrad_bytes(L: Layout, kind: LayerKind, Tf: int, e: int) -> int:
@@ -182,16 +212,68 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     return mlp_bwd, mixer_bwd
 
 
+def _requantized_proj_input(L: Layout, kind: LayerKind, mixer_bwd: tuple) -> tuple:
+    """linear_proj saving its BF16 input (every recipe but delayed, and FP4: ``fp8_layers.proj_saves_original_input``)
+    quantizes it again in its backward for the weight gradient: that copy joins linear_proj's step (the mixer's
+    first backward step, standard and multi-latent attention), where the saved quantized copy used to be."""
+    from ..partition import MIXER_ATTENTION, MIXER_MLA
+    from .fp8_layers import layer_gemms, proj_backward_input, proj_saves_original_input
+    spec = L.fp8_spec
+    if kind.mixer not in (MIXER_ATTENTION, MIXER_MLA) or not mixer_bwd or not proj_saves_original_input(spec):
+        return mixer_bwd
+    proj = next((g for g in layer_gemms(L, kind) if g.name == "linear_proj"), None)
+    if proj is None:
+        return mixer_bwd
+    (rel, w), *rest = mixer_bwd
+    return ((rel, w + proj_backward_input(spec, proj.tokens, proj.cols)), *rest)
+
+
+def _recomputed_mla_norm(L: Layout, kind: LayerKind, mods: set) -> bool:
+    """Multi-latent attention with 'layernorm' recompute in an FP8 / FP4 layer: its input norm is a module of its
+    own, whose output CheckpointWithoutOutput discards after the forward; megatron-core then calls
+    ``set_for_recompute_input_layernorm`` (``multi_latent_attention.py``, core 0.16.1 and 0.19.2, also 0.19.2's
+    ``absorbed_mla.py``): ``set_save_original_input`` on linear_q_down_proj (with ``--q-lora-rank``) and
+    linear_kv_down_proj, which keep that BF16 output (discarded: nothing) instead of a quantized copy. Delayed
+    scaling is refused with it (TransformerConfig)."""
+    from ..partition import MIXER_MLA
+    return kind.mixer == MIXER_MLA and "layernorm" in mods
+
+
+def _requantized_down_proj_input(L: Layout, kind: LayerKind, mods: set, mixer_bwd: tuple) -> tuple:
+    """The down projections that saved the (recomputed) BF16 norm output quantize it again in their backward for
+    the weight gradient (TE 2.11 ``linear.py`` ``_Linear.backward``; one [T, h] copy at a time, freed after each
+    weight gradient): added to the down projections' step (the mixer's step before the input norm's)."""
+    if not _recomputed_mla_norm(L, kind, mods) or len(mixer_bwd) < 2:
+        return mixer_bwd
+    from .fp8_layers import proj_backward_input
+    x = shapes(L)
+    *head, (rel, w), last = mixer_bwd
+    return (*head, (rel, w + proj_backward_input(L.fp8_spec, x.T, x.h)), last)
+
+
 def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tuple, bwd_steps: tuple) -> tuple:
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
-    (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output lives
-    and dies with ``proj_input``. The working sets of the steps are those of the BF16 layer plus the quantized
+    (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output (delayed
+    scaling) lives and dies with ``proj_input``, which stays only where the core attention keeps it too
+    (``fp8_layers.attention_keeps_proj_input``). The working sets of the steps are those of the BF16 layer plus the quantized
     output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
-    from .fp8_layers import layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
+    from .fp8_layers import attention_keeps_proj_input, layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
     over = saved_overrides(L.fp8_spec, module_gemms(L, layer_gemms(L, kind)), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e)
     saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e)}
+    if "fp8_proj_input" in saved and "proj_input" in saved and not attention_keeps_proj_input(saved):
+        # delayed scaling: linear_proj keeps only its quantized copy (TE 2.11 linear.py saves the quantized
+        # inputmat, not inp) and nothing else keeps the BF16 output it read
+        del saved["proj_input"]
+    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    if _recomputed_mla_norm(L, kind, mods) and "qkv_input" not in saved:
+        # without --q-lora-rank, linear_q_proj (not made to save its original input) still keeps its quantized
+        # copy of the norm output: the one part of qkv_input that outlives the recompute's discard
+        from .fp8 import saved_input
+        q = next((g for g in layer_gemms(L, kind) if g.name == "linear_q_proj"), None)
+        if q is not None:
+            saved["qkv_input"] = saved_input(L.fp8_spec, q.tokens, q.cols, sp_gathered=q.sp_gathered).allocated
 
     def tie(names: frozenset) -> frozenset:
         return names | {"fp8_proj_input"} if "proj_input" in names else names

@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MLP_DENSE, MLP_MOE, LayerKind, uniform_kind
+from ..partition import MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -37,8 +37,10 @@ from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
+from .mtp import standalone_block_items as mtp_standalone_block_items
+from .mtp import standalone_loss_items as mtp_standalone_loss_items
 from .mtp import layers_built as mtp_layers_built
-from .params import holds_final_norm, mtp_layer_kind
+from .params import holds_final_norm, holds_mtp, mtp_layer_kind
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
@@ -100,12 +102,16 @@ def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
 
 @lru_cache(maxsize=1024)
 def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
-                       has_output: bool, final_norm: bool | None = None) -> ChunkActivations:
+                       has_output: bool, final_norm: bool | None = None,
+                       has_mtp: bool | None = None) -> ChunkActivations:
     """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top). ``final_norm``: the chunk
     runs the decoder's final norm (None: with the loss; with MTP the chunk of the last decoder layer,
-    params.holds_final_norm), so it keeps the norm's input and statistics."""
+    params.holds_final_norm), so it keeps the norm's input and statistics. ``has_mtp``: it runs the MTP block
+    (None: with the loss; a layout's 'm' on an earlier stage: Megatron's mtp_standalone, params.holds_mtp)."""
     if final_norm is None:
         final_norm = has_output
+    mtp_depths = getattr(L, "mtp_num_layers", 0) or 0
+    mtp_here = bool(mtp_depths) and (has_output if has_mtp is None else has_mtp)
     has_batch = has_embedding or has_output
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
@@ -217,6 +223,30 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         bwd_bottom = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
+    if mtp_here and not has_output:
+        # Megatron's mtp_standalone: the MTP block on a stage before the loss's, which it sends the concatenated
+        # hidden states to (estimator/mtp.py); its layers as on the last stage
+        d = L.mtp_num_layers
+        mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
+        layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
+        if L.recompute_granularity != "full":
+            moe_layers += d * mtp_la.moe_total
+        more.append(f" + {d} MTP layer(s)")
+        block_saved, concat = mtp_standalone_block_items(L)
+        ends.update(block_saved)
+        fwd_extra = max(fwd_extra, concat)
+        # the chunk's backward starts in the MTP layers (their working set, beside the received gradient of the
+        # (1 + D)-fold output: D rows more than a layer's output gradient) and ends the block in the embedding
+        # copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has none (the
+        # end of its backward), else before them, with the block's own tensors released by then
+        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat * d // (1 + d))
+        if not has_embedding:
+            wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
+            if n:
+                kept = d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total) + sum(block_saved.values())
+                bwd_top = max(bwd_top, wgrad - kept)
+            else:
+                bwd_bottom = wgrad
     if has_output:
         o = output_items(L)
         o_saved = o.saved
@@ -224,9 +254,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             # a layout string left the loss's stage no decoder layer (MTP): the norm ran on the stage of the
             # last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage), which keeps its tensors
             o_saved = {k: v for k, v in o_saved.items() if k not in _FINAL_NORM_ITEMS}
+        if mtp_depths and not mtp_here:
+            # mtp_standalone's loss chunk: the heads' inputs are views of the received concatenation
+            # (mtp_received_hidden), not a tensor of their own
+            o_saved = {k: v for k, v in o_saved.items() if k != "output_layer_input"}
         ends.update(o_saved)
-        mtp_saved, mtp_logits = mtp_last_stage_items(L)
-        if mtp_saved:
+        mtp_saved, mtp_logits = mtp_last_stage_items(L) if mtp_here else (
+            mtp_standalone_loss_items(L) if mtp_depths else ({}, 0))
+        if mtp_saved and mtp_here:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
             mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
@@ -236,7 +271,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 # the worst-case routing figure scales it)
                 moe_layers += d * mtp_la.moe_total
             more.append(f" + {d} MTP layer(s)")
-            ends.update(mtp_saved)
+        ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
@@ -299,10 +334,13 @@ BufferRow = tuple[str, int, str, str, str]
 
 
 @lru_cache(maxsize=1024)
-def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = ()) -> tuple[BufferRow, ...]:
+def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
+                        received: int | None = None) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
-    ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer).
+    ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
+    ``mtp_here``: it runs the MTP block (None: the last stage); ``received``: the activations its receiving chunks
+    get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -324,11 +362,12 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # arrives: two activation-sized tensors per receiving chunk after the schedule (measured by
         # the CPU referee on every pipeline rank past the first). During the schedule a chunk's pair
         # exists only before its first forward and after its last backward (_simulate).
-        rows.append(("pipeline_inputs_retained", 2 * receiving * p2p_tensor_bytes(L), "transients", "allocated",
+        rows.append(("pipeline_inputs_retained", 2 * (receiving if received is None else received) * p2p_tensor_bytes(L),
+                     "transients", "allocated",
                      f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
-        if last and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
+        if (last if mtp_here is None else mtp_here) and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
             n_moe += mtp_layers_built(L)           # MoE MTP layers have their own dispatchers (one when repeated)
         rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
@@ -474,6 +513,8 @@ def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, 
     k = min(L.pp - pp_rank, L.num_microbatches)
     warm = min(L.pp - pp_rank - 1, L.num_microbatches)
     t = p2p_tensor_bytes(L) if pp_rank > 0 and L.num_microbatches >= warm + 2 else 0
+    if t and after_mtp(L, pp_rank, 0):
+        t *= 1 + L.mtp_num_layers       # mtp_standalone: its input is the (1 + D)-fold concatenation
     cands = [
         (k * a.held + a.fwd_extra + 2 * t, "forward", k, "forward_transient", a.fwd_extra, 2 * t),
         (k * a.held + a.bwd_top_extra + t, "backward", k, "backward_transient", a.bwd_top_extra, t),
@@ -499,13 +540,14 @@ _END_GROUPS = {
     "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
-    "mtp_block_activations": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
+    "mtp_block_activations": "activations", "mtp_received_hidden": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
     "offload_pp_balance_kept": "activations",
     "fsdp_unsharded_parameters": "transients", "fsdp_unsharded_gradients": "transients",
 }
 # the parts at a schedule peak that _part_terms describes (with FSDP, its windows too); the others' terms
 # have no detail
 _DETAILED_PARTS = frozenset({"layer_activations", "moe_layer_activations", "mtp_block_activations", "mtp_loss_buffers",
+                             "mtp_received_hidden",
                              "offload_staging", "offload_pp_balance_kept", "pipeline_inputs_retained"})
 
 
@@ -556,6 +598,15 @@ def _state_row_terms(L: Layout, st: StageStates, rows: tuple[tuple[str, int, str
     """The Term of each of _state_rows' rows (each detail made when read: a report that lists the terms without
     their details does not format them)."""
     return tuple([Term(n, b, g, _ALLOCATED, partial(_state_detail, L, st, n)) for n, b, g in rows])
+
+
+@lru_cache(maxsize=256)
+def _peft_state_terms(L: Layout, pp_rank: int, base_params: int) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
+    """PEFT's model-state terms of a stage and those its optimizer step adds (estimator/peft.py)."""
+    from .peft import stage_peft_states, state_rows
+    rows, step = state_rows(L, stage_peft_states(L, pp_rank, base_params))
+    return (tuple(Term(n, b, g, _ALLOCATED, d) for n, b, g, d in rows),
+            tuple(Term(n, b, g, _ALLOCATED, d) for n, b, g, d in step))
 
 
 def _fp8_state_terms(L: Layout, chunks, gpu_name: str | None, state_terms: tuple[Term, ...]) -> tuple[Term, ...]:
@@ -618,7 +669,8 @@ def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
         # with MTP, which chunk builds the final norm (the chunk of the last decoder layer, maybe a middle stage's)
         cs = by_stage.get(r, ())
         key = (tuple([c.kind_runs for c in cs]), r == 0, r == last, first_bucket if r == 0 else None,
-               tuple([holds_final_norm(L, c) for c in cs]) if mtp else None)
+               tuple([(holds_final_norm(L, c), holds_mtp(L, c), after_mtp(L, c.pp_rank, c.vpp_rank)) for c in cs])
+               if mtp else None)
         shape = made.get(key)
         if shape is None:
             shape = made[key] = _StageShape(key, r)
@@ -713,15 +765,25 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     n_layers, has_output, final_norm = 0, False, False
     acts: list[ChunkActivations] = []
     runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
-    receiving: list[bool] = []                # the chunks that get their input from a previous stage
+    receiving: list[int] = []                 # the chunks that get their input from a previous stage (1), or the
+    mtp_here = False                          # (1 + D)-fold hidden states of a standalone MTP stage (1 + D)
+    depths = getattr(L, "mtp_num_layers", 0) or 0
     for c in chunks:
         n_layers += c.num_layers
         has_output = has_output or c.has_output
         norm_here = holds_final_norm(L, c)    # the chunk runs the decoder's final norm
         final_norm = final_norm or norm_here
         runs_of.append(c.kind_runs)
-        acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here))
-        receiving.append(not (c.pp_rank == 0 and c.vpp_rank == 0))
+        first = c.pp_rank == 0 and c.vpp_rank == 0
+        if depths:
+            chunk_mtp = holds_mtp(L, c)
+            mtp_here = mtp_here or chunk_mtp
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp))
+            receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
+        else:
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here))
+            receiving.append(0 if first else 1)
+    widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
     if fsdp_enabled(L):
@@ -742,7 +804,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     state_terms: tuple[Term, ...] | partial
     step_terms: tuple[Term, ...] | partial
     if (ft is None and not L.freeze_all_layers and not (L.fp8 or L.fp4) and L.optimizer not in EMERGING_OPTIMIZERS
-            and not offload_enabled(L)):
+            and not offload_enabled(L) and L.peft is None):
         # the common case: the state terms as _state_rows lists them, their Term objects made when first read
         state_rows, step_rows = _state_rows(L, st)
         fp32_grads = 4 * fp32_local_accumulation_numel(L, pp_rank)
@@ -752,6 +814,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = partial(_state_row_terms, L, st, state_rows), partial(_state_row_terms, L, st, step_rows)
     else:
         state_terms, step_terms = _state_terms(L, st) if ft is None else (ft.state_terms, ft.step_terms)
+        if L.peft is not None:
+            # LoRA / DoRA: the frozen base weights, then the adapters' buffers and optimizer shard (estimator/peft.py)
+            state_terms, step_terms = _peft_state_terms(L, pp_rank, st.parameters)
         if L.freeze_all_layers:
             # no parameter requires grad: DDP builds no buffer (its weights stay the module's own tensors) and the
             # optimizer gets no parameter (training.py get_model, distributed_data_parallel.py)
@@ -774,7 +839,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                            + tuple(state_terms[at:]))
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
-    buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(receiving), stage_runs)
+    buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
+                                      sum(receiving))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
@@ -782,23 +848,28 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         buffer_rows = [r for r in buffer_rows if r[0] != "pipeline_inputs_retained"]
     # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
     has_moe = any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
-    moe_rank = L.moe is not None and (
-        has_moe or (has_output and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE))
+    moe_rank = L.moe is not None and (has_moe or (mtp_here and mtp_layer_kind(L).mlp == MLP_MOE))
     if device == "gpu":
         # (MoE models: the layer kinds this rank runs, whose GEMMs fill TE's placeholder-gradient cache)
         kinds = None
         if L.moe is not None:
             kinds = frozenset([kind for runs in stage_runs for kind, n in runs if n])
-            if has_output and getattr(L, "mtp_num_layers", 0):
+            if mtp_here:
                 kinds |= {mtp_layer_kind(L)}
-        fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output, n_layers > 0,
-                                                                            moe_rank, kinds)
+        # (a standalone MTP stage's last P2P buffers are its (1 + D)-fold output or gradient, as are the later
+        # stages')
+        widen = widened if mtp_here and not has_output or receiving and receiving[-1] > 1 else 1
+        fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output,
+                                                                            n_layers > 0 or (mtp_here and not has_output),
+                                                                            moe_rank, kinds,
+                                                                            widen)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
     base = state_bytes + sum([r[1] for r in buffer_rows]) + fixed_bytes
     host_bytes = max([a.host_bytes for a in acts])
     staging = max([a.offload_staging for a in acts])
-    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not L.freeze_all_layers else 0
+    frozen_base = L.freeze_all_layers or L.peft is not None
+    deferred = deferred_wgrad_buffers(L) if pp_rank == L.pp - 1 and not frozen_base else 0
     plain = (ft is None and not host_bytes and not staging and not deferred
              and not (L.delta_offload_bytes_across_pp_ranks and acts[-1].offload_groups)
              and not (device == "gpu" and (L.cuda_graph_impl != "none" or L.optimizer_cuda_graph))
@@ -815,7 +886,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # / apex on GPUs, torch's fused CPU kernel in the referee) update in place
         step_bytes,
         # finalize
-        replicated_grad_allreduce_bytes(L, stage_runs, has_output, final_norm) if not L.freeze_all_layers else 0,
+        replicated_grad_allreduce_bytes(L, stage_runs, has_output, final_norm, mtp_here)
+        if not frozen_base else 0,
         sum([r[1] for r in retained_rows]), plain)
 
 
@@ -862,9 +934,10 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
         # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
         moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
-        if has_output and L.mtp_num_layers:
+        mtp_here = any(holds_mtp(L, c) for c in chunks)
+        if mtp_here:
             moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
-        graphed = n_layers + (L.mtp_num_layers if has_output else 0)
+        graphed = n_layers + (L.mtp_num_layers if mtp_here else 0)
         la = layer_activations(L)
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
@@ -997,7 +1070,12 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
                    "per-layer sizes), at balanced routing; worst case: the MoE routing line (JSON moe.worst_case)")
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
-                   f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps")
+                   + ("ids, hnorm's input (the concatenation it sends on is freed after the send)"
+                      if not pr.has_output else
+                      f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps"))
+        elif name == "mtp_received_hidden":
+            det = (f"the {1 + L.mtp_num_layers}-fold concatenated hidden states received from the MTP stage "
+                   "(mtp_standalone), whose chunks the output layer keeps for each head")
         elif name == "mtp_loss_buffers":
             det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
                    "loss; the last depth's logits are in forward_transient")
@@ -1021,13 +1099,15 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
 
 @lru_cache(maxsize=1024)
 def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[LayerKind, int], ...], ...],
-                                     has_output: bool, final_norm: bool | None = None) -> int:
+                                     has_output: bool, final_norm: bool | None = None,
+                                     has_mtp: bool | None = None) -> int:
     """finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) flattens the gradients of the
     parameters every TP rank holds whole into one new buffer before all-reducing them over TP: those
     marked sequence_parallel under SP (norm weights, row-parallel biases, MLA's duplicated down
     projections), and q/k norms with --qk-layernorm. Learned position embeddings are not among them.
     ``has_output``: the stage holds the loss (and the MTP block, whose layers' and enorm / hnorm / final norm's
-    parameters are among them too); ``final_norm``: it holds the decoder's final norm (None: with the loss)."""
+    parameters are among them too); ``final_norm``: it holds the decoder's final norm (None: with the loss);
+    ``has_mtp``: it holds the MTP block (None: with the loss; a standalone MTP stage's otherwise)."""
     if L.tp == 1:
         return 0
     # ``stage_runs``: the (kind, count) runs of each chunk of the stage
@@ -1037,7 +1117,8 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
             counts[kind] = counts.get(kind, 0) + k
     # rows: (name, numel, tp_replicated, shared_embedding, expert, cols)
     layers = [(layer_param_rows(L, kind), k) for kind, k in counts.items()]
-    mtp = mtp_layers_built(L) if has_output else 0        # parameters: one layer with --mtp-use-repeated-layer
+    # parameters: one layer with --mtp-use-repeated-layer
+    mtp = mtp_layers_built(L) if (has_output if has_mtp is None else has_mtp) else 0
     norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
     if mtp:
         # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
@@ -1061,7 +1142,8 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
 
 @lru_cache(maxsize=1024)
 def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool, has_layers: bool,
-                  moe_rank: bool, kinds: frozenset | None = None) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+                  moe_rank: bool, kinds: frozenset | None = None,
+                  p2p_widen: int = 1) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
     """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
     follow the output layer and the layers) and the MoE-only ones (``moe_rank``: the stage runs an MoE layer;
     overheads.stage_fixed_terms): the allocated ones with the pipeline buffers in flight and the placeholders,
@@ -1069,11 +1151,14 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
     fixed = stage_fixed_terms(L, _fixed_terms(L, gpu_name, site), moe_rank)
     fixed_alloc = [t for t in fixed if t.level == "allocated"]
     p2p, count = p2p_in_flight_bytes(L)
+    p2p *= p2p_widen        # mtp_standalone: the (1 + D)-fold hidden states and their gradients
     if p2p:
         fixed_alloc.append(Term("p2p_buffers_in_flight", p2p, "transients", "allocated",
                                 lambda: f"{count} pipeline send/receive buffers held by NCCL work objects"))
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
-    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not L.freeze_all_layers else 0
+    # (frozen weights: TE makes no placeholder weight gradient, module/linear.py backward runs it only with requires_wgrad;
+    # PEFT adapters are megatron-core linears, whose placeholders are per call and adapter-sized)
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not (L.freeze_all_layers or L.peft) else 0
     if dummies:
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
                                 lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))} placeholder weight "
@@ -1186,9 +1271,16 @@ def estimate(
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site, expert_dp_rank)
         stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
-    totals = [s.device_total_bytes for s in stages]
+    if L.moe is not None and L.moe.moe_use_upcycling:
+        # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
+        from .upcycling import startup_figure, startup_terms
+        frag = site.allocator_fragmentation if device == "gpu" else 0.0
+        for s in stages:
+            s.__dict__["startup"] = startup_figure(startup_terms(
+                L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))
+    totals = [s.required_device_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total
-    verdict = verdict_for(stages[crit].device_total_bytes, mem, threshold)
+    verdict = verdict_for(totals[crit], mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
                     critical_stage=crit, notes=tuple(notes), site=site)

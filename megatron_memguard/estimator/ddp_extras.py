@@ -11,7 +11,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from ..layout import Layout, ShardGroup, TensorKind
 from .fsdp import version_tuple
-from .params import chunk_params, holds_final_norm, layer_param_rows
+from .params import chunk_params, holds_final_norm, holds_mtp, layer_param_rows
 from .states import _chunk_buffer, bucket_size_for
 
 
@@ -122,7 +122,7 @@ def rs_fp32_accumulation_bytes(L: Layout, pp_rank: int) -> int:
             expert = group is ShardGroup.EXPERT_DP
             buf, _ = _chunk_buffer(L, c.kind_runs, c.has_embedding and not expert, c.has_output,
                                    c.has_tied_output_copy and not expert, bucket_size_for(L, c), (), group,
-                                   None if expert else holds_final_norm(L, c))
+                                   None if expert else holds_final_norm(L, c), holds_mtp(L, c))
             if not buf.buckets:
                 continue
             shard = L.parallel.shard_size(group)

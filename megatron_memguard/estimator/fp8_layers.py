@@ -79,8 +79,10 @@ def layer_recipe_state_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...]) -> int:
 
 
 def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> dict[str, int]:
-    """Bytes each GEMM keeps of its quantized input for backward, by GEMM name (one micro-batch)."""
-    return {g.name: g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
+    """Bytes each GEMM keeps of its quantized input for backward, by GEMM name (one micro-batch); 0 for a
+    linear_proj that keeps its BF16 input (``proj_saves_original_input``)."""
+    return {g.name: 0 if g.name == "linear_proj" and proj_saves_original_input(spec) else
+            g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
             for g in gemms}
 
 
@@ -109,6 +111,39 @@ def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int,
     return tuple(out)
 
 
+def proj_saves_original_input(spec: Fp8Spec) -> bool:
+    """Whether linear_proj keeps its BF16 input for backward instead of a quantized copy: megatron-core calls
+    ``set_save_original_input(self.linear_proj)`` for FP8 with any recipe but delayed (TE >= 2.6) and for FP4
+    (TE >= 2.7) (``attention.py`` SelfAttention/Attention ``__init__``, ``multi_latent_attention.py``, core
+    0.16.1 and 0.19.2; also 0.19.2's ``absorbed_mla.py``). memguard models TE 2.11 (0.16.1 pins ``>= 2.9``),
+    so the TE gates always hold. Delayed scaling cannot (TE 2.11 ``linear.py`` asserts no ``Float8Quantizer``
+    with ``save_original_input``)."""
+    return bool(spec.fp4) or bool(spec.fp8 and spec.fp8_recipe != "delayed")
+
+
+def attention_keeps_proj_input(saved: Mapping[str, int]) -> bool:
+    """Whether the BF16 tensor linear_proj reads (``proj_input``) is also saved by the core attention, from a
+    layer's saved names: TE's FusedAttention (``FusedAttnFunc`` saves ``out`` and returns it, viewed) and its p2p
+    ring under context parallelism (``AttnFuncWithCPAndKVP2P`` saves and returns ``out_f16``) keep it when they
+    run with autograd (their softmax statistics are saved) (TE 2.11 ``backends.py``, ``context_parallel.py``).
+    Nothing else keeps it: unfused attention (its context is a new tensor the bmm does not save), ``core_attn``
+    recompute (the checkpoint runs the attention without autograd), the output gate (linear_proj reads the gated
+    product), the flash backend with or without CP (linear_proj reads a ``.contiguous()`` sbhd copy of the
+    ``attention_output_bshd`` flash-attn or the ring keeps)."""
+    return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved)
+
+
+def proj_backward_input(spec: Fp8Spec, tokens: int, width: int, *, non_tn: bool = False) -> int:
+    """Bytes of the quantized copy linear_proj makes of its BF16 input in backward when it saved the original
+    (TE 2.11 ``linear.py`` ``_Linear.backward``, "Prepare input tensor": ``quantizer(inputmat)``), alive through
+    its weight-gradient GEMM. Per-tensor current scaling (``supports_only_rowwise_all_gather``) asks for both
+    usages (row-parallel: no gather), so Hopper makes data and transpose; the block recipes column-wise only."""
+    from .fp8 import quantized_tensor
+    r = spec.recipe
+    return quantized_tensor(r, tokens, width, rowwise=r in ("delayed", "tensorwise"), columnwise=True,
+                            non_tn=non_tn).allocated
+
+
 def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, int], *, act_bytes: int,
                     non_tn: bool = False, fc1_output_elements: int = 0) -> dict[str, int]:
     """The saved tensors of one FP8 layer that change size, by the estimator's names
@@ -119,8 +154,10 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
       quantizes inside the norm kernel, ``with_quantized_norm``); under MLA the norm output feeds both
       down projections (or linear_q_proj), each keeping its own quantized copy.
     * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
-    * ``fp8_proj_input`` (new): linear_proj quantizes the attention output and keeps that copy; the BF16
-      output stays saved by the core attention (``proj_input``).
+    * ``fp8_proj_input`` (new, delayed scaling only): linear_proj quantizes the attention output and keeps
+      that copy; the BF16 output stays saved (``proj_input``) only where the core attention keeps it
+      (``attention_keeps_proj_input``; the caller drops it elsewhere). Every other recipe and FP4 keep the BF16
+      input itself (``proj_saves_original_input``): ``proj_input`` as in BF16, nothing new.
     * MLA ``q_latent`` / ``kv_latent``: kept by the up projections, quantized; with ``--qk-layernorm``
       the up projections are LayerNormLinears and the normalised latents inside ``latent_norms`` are
       quantized instead (the latents stay BF16 as the norms' inputs).
@@ -142,7 +179,7 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
     for name, gemm in (("fc1_input", "linear_fc1"), ("fc2_input", "linear_fc2")):
         if name in saved and gemm in g:
             out[name] = q(gemm)
-    if "linear_proj" in g:
+    if "linear_proj" in g and not proj_saves_original_input(spec):
         out["fp8_proj_input"] = q("linear_proj")
     ups = [(n, lat) for n, lat in (("linear_q_up_proj", "q_latent"), ("linear_kv_up_proj", "kv_latent")) if n in g]
     if "latent_norms" in saved and ups:
@@ -313,8 +350,9 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             elements += n * sum(x.count * x.rows * x.cols for x in g)
     from .mtp import layers_built
     mtp = layers_built(L)          # per-module weight caches: one module with --mtp-use-repeated-layer
-    if mtp and any(c.has_output for c in chunks):
-        # the MTP depths on the last chunk, in FP8 with --fp8-format (mtp_layer_kind)
+    from .params import holds_mtp
+    if mtp and any(holds_mtp(L, c) for c in chunks):
+        # the MTP depths on their chunk, in FP8 with --fp8-format (mtp_layer_kind)
         g = mtp_gemms(L)
         if g:
             layers += mtp

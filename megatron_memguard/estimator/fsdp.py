@@ -59,6 +59,13 @@ DECOUPLED_GRAD_SINCE = (0, 18)
 FSDP_DEFAULTS_SINCE = (0, 18)
 # --megatron-fsdp-max-pool-double-buffer (MaxPoolAllocator): in the 0.19.2 wheel, not in 0.18.2's
 MAX_POOL_DOUBLE_BUFFER_SINCE = (0, 19)
+# A group whose FSDP group is one rank (HSDP experts with expert DP = the instances, EP filling the world) keeps
+# its model-weight buffer whole from core 0.17.1 on: ParamAndGradBuffer builds it with is_data_distributed =
+# sharding and model_wbuf_dp_group.size() > 1 (param_and_grad_buffer.py, 0.17.1, 0.18.2, 0.19.2), so fetch_bucket
+# hands out the buffer itself and nothing is all-gathered; 0.16.1 tests no size and all-gathers a one-rank shard
+# into a new bucket. The main-gradient buffer tests the size in every release (0.16.1 included): its bucket is the
+# buffer (unless a different --megatron-fsdp-grad-comm-dtype asks for a copy).
+SINGLE_RANK_WEIGHTS_WHOLE_SINCE = (0, 17)
 
 
 def version_tuple(text: str) -> tuple[int, int]:
@@ -125,6 +132,8 @@ class FsdpSpec:
     # fetches for the backward and reduce-scatters (GradReducePipeline, fetch_bucket(dtype=grad_comm_dtype));
     # None = the main gradients' dtype
     comm_grad_bytes: int | None = None
+    # SINGLE_RANK_WEIGHTS_WHOLE_SINCE: a one-rank group's weights need no gathered bucket (core 0.17+)
+    single_rank_weights_whole: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -230,6 +239,7 @@ class FsdpSpec:
                    # (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode: in the 0.18.2 and 0.19.2 wheels only)
                    cuda_graph_mode=v >= DECOUPLED_GRAD_SINCE and megatron_fsdp_cuda_graph_mode,
                    comm_grad_bytes=(DTYPE_BYTES[cdt] if new and cdt not in (None, "auto") else None),
+                   single_rank_weights_whole=v >= SINGLE_RANK_WEIGHTS_WHOLE_SINCE,
                    notes=tuple(notes))
 
 
@@ -258,6 +268,21 @@ def bucket_grad_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
     """Bytes per element of the group's full gradient bucket: the communication dtype when one is set and the
     gradients are sharded (every group's bucket, FP8 groups' too), else the main gradients'."""
     return spec.comm_grad_bytes if (spec.comm_grad_bytes and spec.shards_grads) else grad_bytes(spec, g)
+
+
+def gathers_weights(spec: FsdpSpec, g: FsdpGroup) -> bool:
+    """The group's compute weights are all-gathered into a bucket of their own (optim_grads_params), i.e. not
+    when its FSDP group is one rank from core 0.17 on (SINGLE_RANK_WEIGHTS_WHOLE_SINCE; HFSDP's helper buffers
+    aside)."""
+    return not (spec.impl == "megatron_fsdp" and spec.single_rank_weights_whole and g.shard == 1 and g.outer <= 1)
+
+
+def fetches_grad_bucket(spec: FsdpSpec, g: FsdpGroup) -> bool:
+    """The backward fetches a full gradient bucket besides the group's buffer: not when the group's FSDP group is
+    one rank (its buffer is not distributed, every release) unless the communication dtype differs."""
+    if spec.impl != "megatron_fsdp" or g.shard != 1 or g.outer > 1:
+        return True
+    return bool(spec.comm_grad_bytes) and spec.comm_grad_bytes != grad_bytes(spec, g)
 
 
 def shard_numel(spec: FsdpSpec, g: FsdpGroup) -> int:
@@ -313,7 +338,7 @@ def group_states(spec: FsdpSpec, g: FsdpGroup) -> FsdpStates:
     else:
         weights = wb * full
     non_unit = 0
-    if spec.shards_weights and not g.unit and spec.keep_non_units_unsharded:
+    if spec.shards_weights and not g.unit and spec.keep_non_units_unsharded and gathers_weights(spec, g):
         # The all-gathered bucket of a group outside FSDP units stays (see FsdpSpec.from_flat).
         non_unit = wb * full
     grads = gb * (part if spec.shards_grads else full if s != "no_shard" else g.numel)
@@ -723,13 +748,14 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
             u = units.setdefault(g.name.split(".")[0], [0, 0, 0])
             full = padded_numel(spec, g)
             u[0] += full
-            u[1] += full * weight_bytes(spec, g)
-            u[2] += full * bucket_grad_bytes(spec, g)
+            u[1] += full * weight_bytes(spec, g) if gathers_weights(spec, g) else 0
+            u[2] += full * bucket_grad_bytes(spec, g) if fetches_grad_bucket(spec, g) else 0
     unit_list = tuple(u[0] for u in units.values())
     n = len(unit_list)
     big = max(units.values(), key=lambda u: u[1]) if units else [0, 0, 0]
     unit = big[0]
-    non_unit = sum(padded_numel(spec, g) for g in groups if not g.unit) if spec.shards_grads else 0
+    non_unit = sum(padded_numel(spec, g) for g in groups
+                   if not g.unit and fetches_grad_bucket(spec, g)) if spec.shards_grads else 0
     if spec.impl == "torch_fsdp2":
         non_unit = 0
     per_unit = tuple((u[0], u[1], u[2]) for u in units.values())

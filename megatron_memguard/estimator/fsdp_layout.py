@@ -12,7 +12,7 @@ from typing import Any
 from .fsdp import (MIXED_PRECISION_POLICY_SINCE, FsdpGroup, FsdpSpec, FsdpStates, FsdpWindow, StageFsdp, stage_fsdp,
                    stage_groups, version_tuple)
 from ..layout import ShardGroup
-from .params import holds_final_norm, layer_linear_shapes, layer_params
+from .params import holds_final_norm, holds_mtp, layer_linear_shapes, layer_params
 from .result import Term
 
 
@@ -53,7 +53,9 @@ def _layer_shapes(L: Any, kind: Any) -> tuple[tuple[tuple[int, ...], ...], tuple
     the recipe's linear weights, 1-D for norms and biases; parameters named ``.experts.`` are the
     routed experts (Megatron-FSDP's expert groups), their fc1 [rows, h] and fc2 [h, cols]."""
     linear = layer_linear_shapes(L, kind)
-    h = L.hidden_size
+    # the routed experts' model width: the latent width with --moe-latent-size (fc1 [g F, latent], fc2 [latent, F]:
+    # experts.py / mlp.py, core 0.16.1 and 0.19.2)
+    h = (getattr(L.moe, "moe_latent_size", None) if getattr(L, "moe", None) is not None else None) or L.hidden_size
     dense: list[tuple[int, ...]] = []
     experts: list[tuple[int, ...]] = []
     for p in layer_params(L, kind=kind):
@@ -89,9 +91,10 @@ def _expert_shard(L: Any) -> int:
 
 
 def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool,
-                 tied_copy: bool, final_norm: bool | None = None) -> tuple[FsdpGroup, ...]:
+                 tied_copy: bool, final_norm: bool | None = None, has_mtp: bool | None = None) -> tuple[FsdpGroup, ...]:
     """The FSDP parameter groups of one model chunk on one rank. ``final_norm``: the chunk builds the decoder's
-    final norm (None: with the output layer; with MTP the chunk of the last decoder layer, params.holds_final_norm)."""
+    final norm (None: with the output layer; with MTP the chunk of the last decoder layer, params.holds_final_norm);
+    ``has_mtp``: it builds the MTP block (None: with the output layer, params.holds_mtp)."""
     spec = fsdp_spec(L)
     h, t = L.hidden_size, L.tensor_model_parallel_size
     rows = L.padded_vocab_size // t
@@ -112,12 +115,12 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
         dense, experts = _layer_shapes(L, kind)
         per_layer += [(list(dense), list(experts))] * count
     depths = getattr(L, "mtp_num_layers", 0) or 0
-    if has_output and depths:
-        # The MTP block on the last chunk (estimator/mtp.py chunk_params): with PP > 1 its embedding copy,
+    if (has_output if has_mtp is None else has_mtp) and depths:
+        # The MTP block on its chunk (estimator/mtp.py chunk_params): on any but the first chunk its embedding copy,
         # registered with the embedding; per depth enorm, hnorm, eh_proj [h / TP, 2h], a TransformerLayer of
         # the last decoder layer's kind (an FSDP unit like the decoder's) and its final norm.
         from .params import mtp_layer_kind
-        if L.pp > 1:
+        if not has_embedding:
             before.append((rows, h))
             if L.position_embedding_type == "learned_absolute":
                 before.append((L.max_position_embeddings, h))
@@ -142,10 +145,11 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
 
 @lru_cache(maxsize=1024)
 def chunk_fsdp(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
-               act_per_layer: int, final_norm: bool | None = None) -> StageFsdp:
+               act_per_layer: int, final_norm: bool | None = None, has_mtp: bool | None = None) -> StageFsdp:
     """States, windows and the after-step gather of one model chunk (Megatron wraps each chunk in
     its own FSDP module)."""
-    return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy, final_norm),
+    return stage_fsdp(fsdp_spec(L), chunk_groups(L, kind_runs, has_embedding, has_output, tied_copy, final_norm,
+                                                 has_mtp),
                       act_per_layer, first_outside_units=has_embedding)
 
 
@@ -186,7 +190,7 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     rest = tuple(output_release) + (0,) * (n - len(tuple(output_release)))
     for c, a, rel, more in zip(chunks, act_per_layer, loss, rest):
         r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
-                       holds_final_norm(L, c))
+                       holds_final_norm(L, c), holds_mtp(L, c))
         total = r.states if total is None else total + r.states
         # (fsdp_all_gather_in_start_param_sync off: start_param_sync gathers nothing, megatron_fsdp.py core 0.17+)
         after += r.after_step if _flag(L, "fsdp_all_gather_in_start_param_sync", True) else 0

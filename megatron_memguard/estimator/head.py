@@ -103,6 +103,11 @@ def output_items(L: Layout) -> EndItems:
         g = output_proj_gemm(L)
         if g is not None:
             saved["output_layer_input"] = saved_input(L.fp8_spec, g.tokens, g.cols, sp_gathered=g.sp_gathered).allocated
+    frozen_output = getattr(L, "peft", None) is not None
+    if frozen_output:
+        # PEFT freezes the output layer: megatron-core's LinearWithFrozenWeight keeps only its weight
+        # (tensor_parallel/layers.py, core 0.16.1 and 0.19.2), no input for a weight gradient
+        del saved["output_layer_input"]
     logits = x.Tf * v_t * x.e
     if L.fp16_lm_cross_entropy or x.e == 4:
         # fp16 cross entropy, or fp32 logits: .float() is a no-op and the softmax is made in place
@@ -125,7 +130,7 @@ def output_items(L: Layout) -> EndItems:
     saved["loss_targets"] = x.Tf * (8 + 1)               # masked target ids (int64) and target mask
     # the output layer's weight gradient: fused into main_grad, deferred to the pipeline flush
     # (--defer-embedding-wgrad-compute), or materialised here
-    wgrad = 0 if (L.fused_wgrad or L.defer_embedding_wgrad_compute) else v_t * x.h * x.e
+    wgrad = 0 if (L.fused_wgrad or L.defer_embedding_wgrad_compute or frozen_output) else v_t * x.h * x.e
     bwd = max(cast, -kept + logits + x.Tf * x.h * x.e + wgrad)
     return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd, bwd_wgrad_moment=-kept + x.Tf * x.h * x.e + wgrad)
 

@@ -192,16 +192,20 @@ def spec_of(L) -> MtpSpec:
         mtp_use_repeated_layer=bool(getattr(L, "mtp_use_repeated_layer", False)))
 
 
-def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]]) -> list[tuple[str, int, bool]]:
-    """The MTP block's parameters on the last stage's last chunk, in registration order
+def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]],
+                 embedding_copy: bool | None = None) -> list[tuple[str, int, bool]]:
+    """The MTP block's parameters on the chunk that builds it, in registration order
     (``GPTModel.__init__``: embedding, decoder, mtp, output layer), as (name, numel, shared_embedding);
-    ``layer_params``: (name, numel) of one layer of the last decoder layer's kind. The embedding copy
-    (PP > 1) is registered first, with the embedding: it is the weight the embedding group keeps in sync."""
+    ``layer_params``: (name, numel) of one layer of the last decoder layer's kind. The embedding copy is
+    registered first, with the embedding: it is the weight the embedding group keeps in sync. GPTModel builds
+    it on every MTP chunk that is not the first (``pre_process or mtp_process``; ``embedding_copy``, None:
+    with PP > 1, the last stage's case), marked shared_embedding (language_module.py
+    setup_embeddings_and_output_layer: ``mtp_process and not pre_process``, core 0.16.1 and 0.19.2)."""
     out: list[tuple[str, int, bool]] = []
     if spec.mtp_num_layers <= 0:
         return out
     h, tp = spec.hidden_size, spec.tensor_model_parallel_size
-    if spec.pipeline_model_parallel_size > 1:
+    if spec.pipeline_model_parallel_size > 1 if embedding_copy is None else embedding_copy:
         out.append(("embedding.word_embeddings.weight", spec.padded_vocab_size // tp * h, True))
         if spec.position_embedding_type == "learned_absolute":
             out.append(("embedding.position_embeddings.weight", (spec.max_position_embeddings or spec.seq_length) * h, False))
@@ -242,3 +246,57 @@ def last_stage_items(L) -> tuple[dict[str, int], int]:
                                                          sp_gathered=head_gemm.sp_gathered).allocated - acts.hidden_concat
     saved = {"mtp_block_activations": block, "mtp_loss_buffers": loss_buffers(spec, per_head)}
     return saved, logits_in_flight(spec)
+
+
+# ----- Megatron's mtp_standalone: the MTP block on a stage before the loss's (a layout's 'm' there) -----------
+# megatron-core 0.16.1 to 0.19.2 alike (TransformerConfig.mtp_standalone from
+# PipelineParallelLayerLayout.validate_layer_layout): the MTP chunk (mtp_process, not post_process) runs its
+# decoder layers and the MTP block, and GPTModel._postprocess returns the block's torch.cat of the main and the D
+# hidden states, [(1 + D) s/CP (/TP with SP), b, h], as the stage's output; the chunks after it (no decoder layer:
+# decoder layers must come first) pass it on and the loss's chunk runs process_mtp_loss (0.17+; the same loop
+# inline in 0.16.1) on it: 1 + D heads on torch.chunk views of the received tensor. P2P exchanges shapes first
+# (p2p_communication.py: config.mtp_standalone), so the received tensors and their gradients are (1 + D)-fold.
+
+
+def concat_bytes(L) -> int:
+    """The (1 + D)-fold concatenated hidden states a standalone MTP chunk sends on: [(1 + D) rows, h]."""
+    spec = spec_of(L)
+    return (1 + spec.mtp_num_layers) * spec.rows * spec.hidden_size * spec.activation_bytes
+
+
+def standalone_block_items(L) -> tuple[dict[str, int], int]:
+    """(saved terms per micro-batch in flight, forward transient) of the MTP block on a chunk before the loss's.
+    What block_activations counts, except the concatenation: it is the stage's output, sent on and then
+    pseudo-deallocated (schedules.py deallocate_output_tensor; megatron/training sets deallocate_pipeline_outputs)
+    and only alive while torch.cat makes it (the forward transient). Plus hnorm's input, the decoder's last hidden
+    state [rows, h], which on the last stage the output layer's input item stands for."""
+    spec = spec_of(L)
+    acts = block_activations(spec)
+    row = spec.rows * spec.hidden_size * spec.activation_bytes
+    block = acts.total - acts.hidden_concat + row
+    from .fp8_layers import mtp_gemms
+    from .fp8 import saved_input
+    eh = next((g for g in mtp_gemms(L) if g.name == "eh_proj"), None)
+    if eh is not None:
+        block += spec.mtp_num_layers * saved_input(L.fp8_spec, eh.tokens, eh.cols,
+                                                   sp_gathered=eh.sp_gathered).allocated - acts.eh_proj_inputs
+    return {"mtp_block_activations": block}, acts.hidden_concat
+
+
+def standalone_loss_items(L) -> tuple[dict[str, int], int]:
+    """(saved terms per micro-batch in flight, extra forward transient) on the loss's chunk when the MTP block is
+    on an earlier stage: the received concatenation (kept whole: the 1 + D heads keep views of it, and the
+    schedule keeps it as the stage's input; with --fp8-output-proj each head keeps a quantized copy as well), the
+    D extra heads' loss buffers, and the last depth's logits in 0.16.1 (logits_in_flight)."""
+    spec = spec_of(L)
+    from .head import output_items
+    head = output_items(L).saved
+    per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+    received = concat_bytes(L)
+    from .fp8_layers import output_proj_gemm
+    from .fp8 import saved_input
+    head_gemm = output_proj_gemm(L)
+    if head_gemm is not None:
+        received += (1 + spec.mtp_num_layers) * saved_input(L.fp8_spec, head_gemm.tokens, head_gemm.cols,
+                                                            sp_gathered=head_gemm.sp_gathered).allocated
+    return {"mtp_received_hidden": received, "mtp_loss_buffers": loss_buffers(spec, per_head)}, logits_in_flight(spec)

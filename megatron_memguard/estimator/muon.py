@@ -403,7 +403,7 @@ def step_working_set(L, pp_rank: int) -> NsWorkingSet:
     TP / ETP shards). Under the layer-wise distributed optimizer a rank updates only the matrices it
     owns; the largest of the stage is taken (an upper bound for the others)."""
     from ..partition import MLP_DENSE
-    from .params import layer_linear_shapes
+    from .params import holds_mtp, layer_linear_shapes
     spec = ns_spec_of(L)
     chunks = L.stage_chunks(pp_rank)
     h = L.hidden_size
@@ -415,7 +415,7 @@ def step_working_set(L, pp_rank: int) -> NsWorkingSet:
                 mats["router"] = (L.moe.num_experts, h)
         if c.has_embedding and L.position_embedding_type == "learned_absolute":
             mats["position_embeddings"] = (L.max_position_embeddings, h)
-        if c.has_output and getattr(L, "mtp_num_layers", 0):
+        if holds_mtp(L, c):
             mats["mtp.eh_proj"] = (h // L.tp, 2 * h)
     moe = L.moe
     best = NsWorkingSet(0, "", (0, 0))

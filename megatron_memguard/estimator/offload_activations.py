@@ -159,6 +159,7 @@ _GROUP_OF = {
     "qkv_input": "qkv_linear", "q_latent": "qkv_linear", "kv_latent": "qkv_linear",   # (MLA's down projections)
     "query": "core_attn", "key": "core_attn", "value": "core_attn",                  # (MLA's attention inputs)
     "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
+    "flash_qkv": "core_attn",                                                          # (the flash backend's copies)
     "fp8_attention_qkv": "core_attn", "fp8_attention_output": "core_attn",            # (FP8 attention's)
     "proj_input": "attn_proj",
     # unfused (local / 'unfused' backend) attention: the softmax output and dropout mask, saved inside

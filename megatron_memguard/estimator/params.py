@@ -72,6 +72,14 @@ def _layer_numel_split(L: Layout, kind: LayerKind) -> tuple[tuple[int, ...], tup
     return (tuple([r[1] for r in rows]), tuple([r[1] for r in rows if not r[4]]), tuple([r[1] for r in rows if r[4]]))
 
 
+def holds_mtp(L: Layout, c: Chunk) -> bool:
+    """Whether chunk ``c`` builds the MTP block (mtp_on_this_rank): the last chunk, or the chunk whose layout
+    stage holds the 'm' entries (Megatron's mtp_standalone: a stage before the loss's)."""
+    if not getattr(L, "mtp_num_layers", 0):
+        return False
+    return c.has_output if c.has_mtp is None else c.has_mtp
+
+
 def holds_final_norm(L: Layout, c: Chunk) -> bool:
     """Whether chunk ``c`` builds the decoder's final norm: the chunk of the loss, or with MTP the chunk of the
     model's last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage, core 0.16.1 and 0.19.2:
@@ -118,20 +126,21 @@ def chunk_expert_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
     out: list[tuple[int, bool]] = []
     for kind, n in c.kind_runs:
         out.extend([(numel, False) for numel in _layer_numels(L, kind, True)] * n)
-    if c.has_output and getattr(L, "mtp_num_layers", 0):
+    if holds_mtp(L, c):
         # the MTP layers (after the decoder) take the last decoder layer's kind
         from .mtp import layers_built
         out.extend([(numel, False) for numel in _layer_numels(L, mtp_layer_kind(L), True)] * layers_built(L))
     return out
 def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
-    """The MTP block's parameters when this chunk holds it (the last stage's last chunk)."""
-    if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
+    """The MTP block's parameters when this chunk holds it (holds_mtp)."""
+    if not holds_mtp(L, c):
         return []
     from .mtp import chunk_params as mtp_chunk_params, spec_of
     # an MoE MTP layer's routed experts go to the expert buffer like the decoder's (chunk_expert_numels)
     sep = L.moe is not None and experts_use_expert_buffer(L.moe, L.tp, L.megatron_version)
     return mtp_chunk_params(spec_of(L), [(name, numel) for name, numel, _tp, _shared, expert, _cols
-                                         in layer_param_rows(L, mtp_layer_kind(L)) if not (sep and expert)])
+                                         in layer_param_rows(L, mtp_layer_kind(L)) if not (sep and expert)],
+                            embedding_copy=not c.has_embedding)
 
 
 def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
@@ -140,14 +149,15 @@ def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
     by megatron-core 0.16.1 holds them on the last stage, tests/test_properties_moe_identities.py); enorm,
     hnorm and the final norm whole on every TP rank; eh_proj a column-parallel [h / TP, 2h] matrix
     (multi_token_prediction.py MultiTokenPredictionLayer)."""
-    if not (c.has_output and getattr(L, "mtp_num_layers", 0)):
+    if not holds_mtp(L, c):
         return []
     from .mtp import chunk_params as mtp_chunk_params, spec_of
     layer = layer_params(L, kind=mtp_layer_kind(L))
     by_name = {p.name: p for p in layer}
     h = L.hidden_size
     out: list[Param] = []
-    for name, n, shared in mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer]):
+    for name, n, shared in mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer],
+                                            embedding_copy=not c.has_embedding):
         if ".transformer_layer." in name:
             q = by_name[name.split(".transformer_layer.", 1)[1]]
             out.append(Param(name, n, q.tp_replicated, shared, q.expert, q.cols))
@@ -168,7 +178,7 @@ def mtp_layer_kind(L: Layout) -> LayerKind:
     "MTP only use global fp8 context", "currently ignoring FP4 in MTP layers"; core 0.16.1 and 0.19.2)."""
     kind = layer_kinds(L)[-1]
     if getattr(L, "mtp_moe_on_empty_chunk", False) and L.moe is not None and kind.mlp != MLP_MOE and \
-            not any(n for _, n in L.stage_chunks(L.pp - 1)[-1].kind_runs):
+            not any(n for c in L.chunks if c.has_mtp for _, n in c.kind_runs):
         # megatron-core 0.19's GPT builder: the MTP layer on a chunk without decoder layers (a layout ending
         # '|mL') gets the MoE layer spec (Shape.mtp_moe_on_empty_chunk, resolve/mtp.py)
         kind = kind._replace(mlp=MLP_MOE)

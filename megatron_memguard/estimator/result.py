@@ -110,12 +110,14 @@ class StageEstimate:
     # stage's peak with the worst routing the dispatcher allows (None for dense models)
     moe: dict[str, Any] | None = None
     host_terms: tuple[Term, ...] = ()  # host (CPU) memory of one rank: optimizer CPU offload
+    # --moe-use-upcycling: the start-up figure (estimator/upcycling.py startup_figure), None otherwise
+    startup: dict[str, Any] | None = None
 
     def __init__(self, pp_rank: int, chunks: tuple[Chunk, ...], num_layers: int, parameters: int,
                  persistent_bytes: int, peak_allocated_bytes: int, peak_reserved_bytes: int, device_total_bytes: int,
                  peak_phase: str, in_flight: int, terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
                  moe: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
-                 host_terms: tuple[Term, ...] = ()) -> None:
+                 host_terms: tuple[Term, ...] = (), startup: dict[str, Any] | None = None) -> None:
         # one per stage of every estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["pp_rank"] = pp_rank
@@ -139,6 +141,13 @@ class StageEstimate:
         else:
             d["moe"] = moe
         d["host_terms"] = host_terms
+        d["startup"] = startup
+
+    @property
+    def required_device_bytes(self) -> int:
+        """The device total the verdict weighs: the training peak's, or a larger start-up figure (upcycling)."""
+        s = self.startup
+        return self.device_total_bytes if s is None else max(self.device_total_bytes, s["device_total_bytes"])
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling / deep copies carry the values, not the functions making them
@@ -182,6 +191,8 @@ class StageEstimate:
         }
         if self.moe is not None:
             d["moe"] = dict(self.moe)
+        if self.startup is not None:
+            d["upcycling_startup"] = dict(self.startup)
         return d
 
 
@@ -247,7 +258,7 @@ class Estimate:
 
     @property
     def peak_device_bytes(self) -> int:
-        return self.critical.device_total_bytes
+        return self.critical.required_device_bytes
 
     def stage(self, pp_rank: int) -> StageEstimate:
         return self.stages[pp_rank]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import Chunk, Layout, ShardGroup, TensorKind
-from .params import _layer_numels, chunk_expert_numels, chunk_numels, holds_final_norm
+from .params import _layer_numels, chunk_expert_numels, chunk_numels, holds_final_norm, holds_mtp
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,13 @@ def shard_pieces(buf: ChunkBuffer, shard: int, rank: int) -> list[int]:
 def _chunk_buffer(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...],
                   group: ShardGroup = ShardGroup.DENSE_DP,
-                  final_norm: bool | None = None) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
+                  final_norm: bool | None = None,
+                  has_mtp: bool | None = None) -> tuple[ChunkBuffer, tuple[tuple[int, ...], ...]]:
     """Buffer and per-rank shard pieces of one chunk shape (the chunks of a deep pipeline mostly
     share one shape); ``group`` EXPERT_DP: the chunk's expert buffer (its MoE layers' routed experts);
-    ``final_norm``: whether the chunk builds the final norm (None: with the output, params.holds_final_norm)."""
-    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
+    ``final_norm``: whether the chunk builds the final norm (None: with the output, params.holds_final_norm);
+    ``has_mtp``: whether it builds the MTP block (None: with the output, params.holds_mtp)."""
+    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs, has_mtp)
     fn = has_output if final_norm is None else final_norm
     plist = chunk_expert_numels(L, c) if group is ShardGroup.EXPERT_DP else chunk_numels(L, c, fn)
     if not plist:                   # no parameter in this buffer (a dense chunk's expert buffer): no bucket
@@ -179,19 +181,19 @@ def _one_bucket_sums(numels: list[int], divisor: int, shard: int,
 
 
 def _plain_numels(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
-                  group: ShardGroup, final_norm: bool | None) -> list[int] | None:
+                  group: ShardGroup, final_norm: bool | None, has_mtp: bool | None = None) -> list[int] | None:
     """The chunk's parameter sizes in registration order when its buffer is one plain bucket's (no shared
     embedding: the distributed optimizer without buckets), else None."""
     expert = group is ShardGroup.EXPERT_DP
     fn = has_output if final_norm is None else final_norm
-    if not has_embedding and not has_output and not fn:
+    if not has_embedding and not has_output and not fn and not has_mtp:
         # layers only (most chunks): their parameter sizes, layer after layer (chunk_numels, without the
         # (size, shared) pairs: no layer parameter is a shared embedding)
         numels: list[int] = []
         for kind, n in kind_runs:
             numels += _layer_numels(L, kind, expert) * n
         return numels
-    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs)
+    c = Chunk(-1, 0, 0, sum(n for _, n in kind_runs), has_embedding, has_output, tied_copy, 1, kind_runs, has_mtp)
     plist = chunk_expert_numels(L, c) if expert else chunk_numels(L, c, fn)
     if any([shared for _, shared in plist]):
         return None
@@ -206,14 +208,14 @@ def _divisor(L: Layout, shard: int) -> int:
 def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                   bucket_size: int | None, ranks: tuple[int, ...],
                   group: ShardGroup = ShardGroup.DENSE_DP,
-                  final_norm: bool | None = None) -> tuple[int, int, int, tuple[int, ...]]:
+                  final_norm: bool | None = None, has_mtp: bool | None = None) -> tuple[int, int, int, tuple[int, ...]]:
     """What _stage_states needs of _chunk_buffer: the parameter count, the padded and unpadded buffer
     sizes and, with the distributed optimizer, the elements each rank of ``ranks`` owns (the sum of
     its shard pieces; else ()). The common case (one bucket, no shared embedding) is worked out from
     the parameter sizes alone (_one_bucket_sums); the others from the buffer's buckets."""
     dist = L.use_distributed_optimizer
     if dist and bucket_size is None:
-        numels = _plain_numels(L, kind_runs, has_embedding, has_output, tied_copy, group, final_norm)
+        numels = _plain_numels(L, kind_runs, has_embedding, has_output, tied_copy, group, final_norm, has_mtp)
         if numels is not None and not numels:
             return 0, 0, 0, (0,) * len(ranks)
         if numels is not None:
@@ -222,7 +224,7 @@ def _chunk_totals(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: 
             unpadded = sum(numels)
             return unpadded, padded, unpadded, sums
     buf, pieces_of = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, ranks, group,
-                                   final_norm)
+                                   final_norm, has_mtp)
     return buf.params, buf.numel, buf.numel_unpadded, tuple([sum(p) for p in pieces_of]) if dist else ()
 
 
@@ -295,19 +297,20 @@ def _buffer_gaps(buf: ChunkBuffer, shard: int) -> tuple[int, GapRuns]:
 @lru_cache(maxsize=1024)
 def _chunk_totals_max(L: Layout, kind_runs: tuple, has_embedding: bool, has_output: bool, tied_copy: bool,
                       bucket_size: int | None, group: ShardGroup = ShardGroup.DENSE_DP,
-                      final_norm: bool | None = None) -> tuple[int, int, int, int, GapRuns]:
+                      final_norm: bool | None = None, has_mtp: bool | None = None) -> tuple[int, int, int, int, GapRuns]:
     """_chunk_totals for the largest shard under the distributed optimizer: the parameter count, the padded and
     unpadded buffer sizes, the sum of a rank's slice sizes and the buffer's gap runs (largest_shard)."""
     shard = L.parallel.shard_size(group)
     if bucket_size is None:
-        numels = _plain_numels(L, kind_runs, has_embedding, has_output, tied_copy, group, final_norm)
+        numels = _plain_numels(L, kind_runs, has_embedding, has_output, tied_copy, group, final_norm, has_mtp)
         if numels is not None:
             if not numels:
                 return 0, 0, 0, 0, ()
             padded, size, runs = _one_bucket_gaps(numels, _divisor(L, shard), shard)
             unpadded = sum(numels)
             return unpadded, padded, unpadded, size, runs
-    buf, _ = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, (), group, final_norm)
+    buf, _ = _chunk_buffer(L, kind_runs, has_embedding, has_output, tied_copy, bucket_size, (), group, final_norm,
+                           has_mtp)
     size, runs = _buffer_gaps(buf, shard)
     return buf.params, buf.numel, buf.numel_unpadded, size, runs
 
@@ -372,7 +375,7 @@ def stage_states(L: Layout, pp_rank: int, dp_rank: int | str = "max",
     chunks = L.stage_chunks(pp_rank)
     # Stages with the same chunk shapes (the middle of a pipeline) have the same states.
     sig = tuple((c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy,
-                 bucket_size_for(L, c), holds_final_norm(L, c)) for c in chunks)
+                 bucket_size_for(L, c), holds_final_norm(L, c), holds_mtp(L, c)) for c in chunks)
     return _stage_states(L, sig, dp_rank, expert_dp_rank)
 
 
@@ -389,14 +392,14 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str, expert_dp_rank: int
     ranks = () if dp_rank == "max" else (shard - 1,) if dp_rank == "last" else (int(dp_rank),)
     owned = [0] * len(ranks)                # elements of the optimizer's shard of each rank in ``ranks``
     parts = []
-    for runs, has_embedding, has_output, tied, bsize, final_norm in sig:
+    for runs, has_embedding, has_output, tied, bsize, final_norm, has_mtp in sig:
         if top:
             n_params, n, n_unpadded, size, gaps = _chunk_totals_max(L, runs, has_embedding, has_output, tied, bsize,
-                                                                    ShardGroup.DENSE_DP, final_norm)
+                                                                    ShardGroup.DENSE_DP, final_norm, has_mtp)
             parts.append((size, gaps))
         else:
             n_params, n, n_unpadded, sums = _chunk_totals(L, runs, has_embedding, has_output, tied, bsize, ranks,
-                                                          ShardGroup.DENSE_DP, final_norm)
+                                                          ShardGroup.DENSE_DP, final_norm, has_mtp)
             for i, x in enumerate(sums):
                 owned[i] += x
         params += n_params
@@ -422,15 +425,15 @@ def _stage_states(L: Layout, sig: tuple, dp_rank: int | str, expert_dp_rank: int
         eowned = [0] * len(eranks)
         eparts = []
         e_params = e_numel = 0
-        for runs, has_embedding, has_output, tied, bsize, _ in sig:
-            # has_output: the last chunk's MTP layers (MoE like the last decoder layer) add their routed experts
+        for runs, has_embedding, has_output, tied, bsize, _, has_mtp in sig:
+            # has_mtp: the MTP chunk's layers (MoE like the last decoder layer) add their routed experts
             if top:
                 n_params, n, n_unpadded, size, gaps = _chunk_totals_max(L, runs, False, has_output, False, bsize,
-                                                                        ShardGroup.EXPERT_DP)
+                                                                        ShardGroup.EXPERT_DP, None, has_mtp)
                 eparts.append((size, gaps))
             else:
                 n_params, n, n_unpadded, sums = _chunk_totals(L, runs, False, has_output, False, bsize, eranks,
-                                                              ShardGroup.EXPERT_DP)
+                                                              ShardGroup.EXPERT_DP, None, has_mtp)
                 for i, x in enumerate(sums):
                     eowned[i] += x
             if not n_params:

@@ -62,6 +62,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
                   "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
                   "fp8_output_proj fp8_dot_product_attention"),
+    ("", "peft"),    # Layout's own field: LoRA / DoRA adapters (layout/peft.py PeftSpec), None without PEFT
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
 # flat names the JSON document leaves out for a dense model (its layout reads as before MoE existed)
@@ -71,7 +72,7 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
-FP8_NAMES: frozenset[str] = frozenset(_RUNS[-2][1].split())
+FP8_NAMES: frozenset[str] = frozenset(_RUNS[-3][1].split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules", "tp_comm_overlap_cfg",
                 "ddp_param_name_patterns_for_fp32_local_accumulation")
@@ -98,4 +99,5 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
     "fine_grained_offloading_max_inflight_offloads": None,
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
+    "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

@@ -55,6 +55,8 @@ class Layout:
     provenance: Provenance
     # mixture of experts: the MoE settings (megatron_memguard.estimator.layers.moe.MoeSpec), None: dense
     moe: Any = None
+    # LoRA / DoRA fine-tuning: the adapters (megatron_memguard.layout.peft.PeftSpec), None: every weight trains
+    peft: Any = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +72,7 @@ class Layout:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.parallel, self.shape, self.batch, self.split, self.precision, self.optim,
-                      self.recompute, self.kernels, self.provenance, self.moe))
+                      self.recompute, self.kernels, self.provenance, self.moe, self.peft))
             self.__dict__["_hash"] = h
         return h
 
@@ -81,6 +83,7 @@ class Layout:
         name or a missing required one, as a dataclass constructor raises."""
         notes = tuple(kw.pop("notes", ()))
         moe = kw.pop("moe", None)
+        peft = kw.pop("peft", None)
         # Built without the dataclasses' __init__, whose object.__setattr__ per field made building a
         # layout 3x slower than the flat one (resolve runs once per layout the planner considers).
         obj = object.__new__(cls)
@@ -104,6 +107,7 @@ class Layout:
             raise TypeError(f"Layout has no field {sorted(kw.keys() - _PART_NAMES)[0]!r}")
         d.update(kw)                                         # every flat name as an instance attribute
         d["moe"] = _moe_part(moe)
+        d["peft"] = _peft_part(peft)
         d["notes"] = notes
         return obj
 
@@ -142,6 +146,8 @@ class Layout:
                 del d[name]
         else:
             d["moe"] = self.moe.to_dict()
+        if self.peft is not None:
+            d["peft"] = self.peft.to_dict()
         for name, default in OMITTED_AT_DEFAULT.items():
             if d.get(name, default) == default:   # (an FP8 name is absent without FP8)
                 d.pop(name, None)
@@ -239,6 +245,14 @@ def _moe_part(value: Any) -> Any:
         return value
     from .moe import MoeSpec
     return MoeSpec.from_dict(value)
+
+
+def _peft_part(value: Any) -> Any:
+    """The ``peft`` part from a PeftSpec, its ``to_dict()`` (from_dict), or None."""
+    if value is None or not isinstance(value, dict):
+        return value
+    from .peft import PeftSpec
+    return PeftSpec.from_dict(value)
 
 
 def _build(t: type, values: dict[str, Any]) -> Any:

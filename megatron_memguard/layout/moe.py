@@ -103,6 +103,10 @@ class MoeSpec:
     # --moe-latent-size: the routed experts (and the dispatch) work in this width; two duplicated TELinear
     # projections h -> latent before the dispatch and latent -> h after the combine
     moe_latent_size: int | None = None
+    # --moe-use-upcycling (megatron/training 0.16 to 0.18): the run starts from a dense checkpoint, building a
+    # dense model (FFN x --moe-upcycling-granularity, EP 1) beside the MoE one at start-up (estimator/upcycling.py)
+    moe_use_upcycling: bool = False
+    moe_upcycling_granularity: int = 1
 
     @classmethod
     def from_flat(cls, *, num_layers: int, ffn_hidden_size: int, tensor_model_parallel_size: int,
@@ -132,8 +136,10 @@ class MoeSpec:
         for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
                      "use_fused_weighted_squared_relu", "use_grouped_gemm_for_shared_expert",
                      "moe_input_jitter_eps", "moe_router_force_biased", "moe_router_padding_align",
-                     "moe_apply_probs_on_input", "moe_use_legacy_grouped_gemm", "moe_latent_size"):
-            if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]):
+                     "moe_apply_probs_on_input", "moe_use_legacy_grouped_gemm", "moe_latent_size",
+                     "moe_use_upcycling", "moe_upcycling_granularity"):
+            if d[name] is None or d[name] is False or (name == "moe_router_padding_align" and not d[name]) or (
+                    name == "moe_upcycling_granularity" and not self.moe_use_upcycling):
                 del d[name]     # shown only when set (the JSON of every other run is unchanged)
         return d
 

@@ -48,8 +48,9 @@ def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_param
     """Model state on one rank of a stage with ``params`` (and routed-expert ``expert_params``) parameters;
     ``factors``: SOAP's preconditioner bytes of the stage (stage_factor_bytes), sharded like the optimizer
     state (the layer-wise distributed optimizer's busiest rank holds at least the average)."""
-    if shape.layout.freeze_all_layers:
-        # --freeze-all-layers: weights only (no DDP buffer, no optimizer state; estimator/core.py)
+    if shape.layout.freeze_all_layers or shape.layout.peft is not None:
+        # --freeze-all-layers: weights only (no DDP buffer, no optimizer state; estimator/core.py); PEFT: the frozen
+        # base weights at least (the adapters' states come on top)
         return (params + expert_params) * shape.param_bytes
     if c.fsdp:
         # Megatron-FSDP (estimator/fsdp.py): what each strategy shards over DP x CP; gradients in the
@@ -89,6 +90,9 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
     mods = set(shape.recompute_modules) if c.recompute == "selective" else set()
     kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
+    if shape.layout.peft is not None:
+        # LoRA / DoRA: an unwrapped frozen linear keeps no input (estimator/peft.py): the residual stream is what is sure
+        return kept
     # FP8 / FP4 keeps GEMM inputs in 1 (FP4: 1/2 + scales) byte instead of 2: a quarter of the recipes'
     # bound stays a lower bound whatever they count
     quant = c.fp8 not in (None, "off") or (c.fp8 is None and shape.layout.fp8_spec.enabled)
@@ -101,7 +105,8 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
         # and, unless the block is recomputed, the N = T k ETP dispatched rows kept by fc1, its output and
         # (unless 'moe_act' recomputes the activation) fc2's input
         ms = shape.moe
-        kept += T * h * e * q
+        if "layernorm" not in mods:
+            kept += T * h * e * q             # (a recomputed pre-MLP norm's output is discarded)
         if "moe" not in mods:
             rows = T * ms.topk * c.etp
             f_e = ms.ffn // c.etp

@@ -315,6 +315,53 @@ def _mp_values(f: Field) -> dict[str, Any]:
     return {**_MP_DEFAULTS, **MIXED_PRECISION_PRESETS[name]}
 
 
+# Bridge's PEFT classes memguard models (megatron/bridge/peft/lora.py LoRA, dora.py DoRA)
+_PEFT_CLASSES = {"LoRA": "lora", "DoRA": "dora"}
+# peft: fields -> the dests resolve/peft.py reads
+_PEFT_FIELDS = {"dim": "peft_dim", "alpha": "peft_alpha", "dropout": "peft_dropout",
+                "dropout_position": "peft_dropout_position", "target_modules": "peft_target_modules",
+                "exclude_modules": "peft_exclude_modules",
+                "sequence_parallel_input_regather": "peft_sp_input_regather"}
+# fields that change no memory of a dense model (initialisation, MoE-only options, checkpoint handling)
+_PEFT_NEUTRAL = frozenset({"lora_A_init_method", "lora_B_init_method", "normalize_moe_lora", "share_expert_adapters",
+                           "experts_shared_outer_loras", "params_to_save", "_target_"})
+
+
+def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
+    """The ``peft:`` section: a LoRA or DoRA object (its ``_target_``) or a scheme name, onto resolve/peft.py's
+    dests; another PEFT class, or a field that changes memory memguard does not model, is refused by name."""
+    if top is not None:
+        value, key = top
+        if isinstance(value, str):
+            b.set("peft_scheme", value, key)      # (resolve/peft.py: lora or dora)
+            return
+        raise ConfigError(key, f"must be a LoRA / DoRA object or a scheme name, got {shown(value)}")
+    target = fields.get("_target_", (None, "peft._target_"))
+    cls = str(target[0] or "").rsplit(".", 1)[-1]
+    if target[0] is None:
+        raise ConfigError("peft._target_", "is missing: memguard cannot tell LoRA from DoRA",
+                          "peft._target_: megatron.bridge.peft.lora.LoRA (or dora.DoRA)")
+    if cls not in _PEFT_CLASSES:
+        raise NotModelledError(target[1], f"PEFT class {cls} (memguard models LoRA and DoRA)")
+    b.set("peft_scheme", _PEFT_CLASSES[cls], target[1])
+    for name, (value, key) in fields.items():
+        if name in _PEFT_FIELDS:
+            # (a live LoRA object's exclude_modules is an empty list: nothing excluded)
+            if value is not None and not (name == "exclude_modules" and not value):
+                b.set(_PEFT_FIELDS[name], value, key)
+        elif name == "canonical_mapping":
+            if value:
+                raise NotModelledError(key, "PEFT targets given by a canonical_mapping")
+        elif name == "lora_dtype":
+            if value is not None:
+                raise NotModelledError(key, "LoRA weights in a dtype other than the model's")
+        elif name == "a2a_experimental":
+            if value:
+                raise NotModelledError(key, "LoRA's experimental all-to-all adapters")
+        elif name not in _PEFT_NEUTRAL:
+            b.warn(f"{key}: not a field of Bridge's {cls}; ignored")
+
+
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool) -> None:  # noqa: C901
     def v(sec: str, name: str, default: Any = None) -> Any:
         f = S.get(sec, {}).get(name)
@@ -334,7 +381,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                 raise ReaderError(f"{key}: is ??? (a mandatory value); set it with {key.split(' ')[0]}=VALUE")
 
     if top.get("peft", (None,))[0] is not None or S.get("peft"):
-        raise NotModelledError(top.get("peft", (None, "peft"))[1], "PEFT / LoRA fine-tuning (frozen base weights)")
+        _peft(b, S.get("peft", {}), top.get("peft"))
 
     # Model.
     model = S.get("model", {})

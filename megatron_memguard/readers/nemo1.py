@@ -398,7 +398,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         raise NotModelledError(k("model.fsdp"), "torch FSDP (model.fsdp)")
     peft = get("model.peft.peft_scheme")
     if peft not in (None, "none", "None"):
-        raise NotModelledError(k("model.peft.peft_scheme"), f"PEFT ({peft}) fine-tuning")
+        _nemo1_lora(b, get, k, str(peft))
     ub = as_bool(get("model.ub_tp_comm_overlap", False))
     if ub:
         if b.args.get("sequence_parallel"):
@@ -600,3 +600,43 @@ def _tokenizer(t: _Tree, b: ArgsBuilder) -> None:
         # Where an error about the vocabulary should point.
         b.origin["vocab_size"] = k("model.tokenizer.model") if library == "sentencepiece" else k("model.tokenizer.type") \
             if t.has("model.tokenizer.type") else k("model.tokenizer.library")
+
+
+# NeMo 1's LoRA target names -> megatron-core's linears (nemo/collections/nlp/parts/peft_config.py LoraPEFTConfig:
+# attention = qkv + dense, mlp = fc1 + fc2, all = the four)
+_NEMO1_TARGETS = {"attention_qkv": ("linear_qkv",), "attention_dense": ("linear_proj",), "mlp_fc1": ("linear_fc1",),
+                  "mlp_fc2": ("linear_fc2",), "attention": ("linear_qkv", "linear_proj"),
+                  "mlp": ("linear_fc1", "linear_fc2"), "all": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")}
+
+
+def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
+    """``model.peft`` with ``peft_scheme: lora`` and its ``lora_tuning`` block onto resolve/peft.py's dests; the
+    other schemes (adapter, ia3, ptuning) and the LoRA options that change which layers get adapters are refused."""
+    key = k("model.peft.peft_scheme")
+    if scheme.strip().lower() != "lora":
+        raise NotModelledError(key, f"NeMo 1 PEFT scheme {scheme!r} (memguard models lora)")
+    b.set("peft_scheme", "lora", key)
+    lt = "model.peft.lora_tuning."
+    targets = get(lt + "target_modules")
+    if targets is not None:
+        names = [targets] if isinstance(targets, str) else list(targets)
+        out: list[str] = []
+        for t in names:
+            if str(t) not in _NEMO1_TARGETS:
+                raise NotModelledError(k(lt + "target_modules"), f"LoRA target {t!r} (memguard models "
+                                       + ", ".join(_NEMO1_TARGETS) + ")")
+            out += [m for m in _NEMO1_TARGETS[str(t)] if m not in out]
+        b.set("peft_target_modules", out, k(lt + "target_modules"))
+    else:
+        # LoraPEFTConfig's default when the block names none: attention_qkv
+        b.set("peft_target_modules", ["linear_qkv"], k(lt + "target_modules"))
+    for name, dest in (("adapter_dim", "peft_dim"), ("alpha", "peft_alpha"), ("adapter_dropout", "peft_dropout"),
+                       ("dropout_position", "peft_dropout_position")):
+        if get(lt + name) is not None:
+            b.set(dest, get(lt + name), k(lt + name))
+    if get(lt + "adapter_dropout") not in (None, 0, 0.0) and get(lt + "dropout_position") is None:
+        raise NotModelledError(k(lt + "adapter_dropout"), "NeMo 1 LoRA dropout without a dropout_position")
+    if get(lt + "layer_selection") is not None:
+        raise NotModelledError(k(lt + "layer_selection"), "LoRA on some layers only")
+    if get(lt + "weight_tying"):
+        raise NotModelledError(k(lt + "weight_tying"), "LoRA weight tying across layers")

@@ -27,7 +27,7 @@ Assumed where the scripts call helpers that are not in these two files (``recipe
 ``recipe_task`` maps pretrain -> ``pretrain``, sft -> ``sft``, lora / dora -> ``peft`` (the names
 ``megatron.bridge.recipes`` exports: ``llama3_8b_pretrain_config``, ``..._sft_config``, ``..._peft_config``),
 and ``infer_recipe_mode`` reads that task word from the recipe name. memguard estimates pretraining:
-fine-tuning modes are refused (PEFT is not modelled; memguard has no SFT recipes).
+fine-tuning modes are refused (memguard has no SFT or PEFT recipes; a PEFT run's run_config.yaml is read).
 """
 from __future__ import annotations
 
@@ -179,8 +179,12 @@ def recipe_key(rr: RunRecipeArgs) -> str:
     it cannot be estimated)."""
     from .models import find_recipe, presets, recipe_for_function, unmodelled_recipe
 
-    if rr.mode in ("lora", "dora"):
-        raise NotModelledError(f"--mode {rr.mode}", "PEFT / LoRA fine-tuning (frozen base weights)")
+    if rr.mode in ("lora", "dora") and not recipe_for_function(rr.recipe):
+        # memguard models LoRA / DoRA (resolve/peft.py) but has none of Bridge's ..._peft_config recipes (their
+        # finetuning datasets, packed sequences and checkpoints): the run's own ConfigContainer dump carries it all
+        raise NotModelledError(f"--mode {rr.mode}", f"the Megatron-Bridge PEFT recipe {rr.recipe} (memguard has "
+                               "Bridge's pretraining recipes only)",
+                               "estimate the run's run_config.yaml: memguard reads its peft: section")
     key = recipe_for_function(rr.recipe)
     if key:
         return key

@@ -223,8 +223,10 @@ def estimate_figure(est: Estimate) -> Plot:
     c = est.critical
     gpu = f"{est.gpu} " if est.gpu else ""
     if mem:
-        head = (f"{est.verdict.upper()}: critical stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = "
-                f"{c.device_total_bytes / mem:.0%} of the {gpu}{format_bytes(mem)} (threshold {est.threshold:.0%})")
+        need = c.required_device_bytes      # (an upcycling run's start-up figure when it is the larger)
+        head = (f"{est.verdict.upper()}: critical stage pp{c.pp_rank} needs {format_bytes(need)}"
+                + (" at upcycling start-up" if need > c.device_total_bytes else "")
+                + f" = {need / mem:.0%} of the {gpu}{format_bytes(mem)} (threshold {est.threshold:.0%})")
     else:
         head = (f"{est.verdict.upper()} (no GPU memory given): critical stage pp{c.pp_rank} peaks at "
                 f"{format_bytes(c.peak_allocated_bytes)} allocated")

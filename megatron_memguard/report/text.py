@@ -153,6 +153,8 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
         out.append(breakdown(s, detail))
         if s.moe:
             out.append(moe_line(s, est.gpu_memory_bytes, est.threshold))
+        if s.startup is not None:
+            out.append(startup_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
         out.append(layer_table(est))
@@ -197,14 +199,25 @@ def host_line(est: Estimate) -> str:
             f"{format_bytes(est.host_bytes_per_node)} per node of {est.gpus_per_node} GPUs")
 
 
+def startup_line(s: Any) -> str:
+    """The start-up figure of an upcycling run (estimator/upcycling.py): its total and its allocated terms."""
+    u = s.startup
+    parts = ", ".join(f"{t['name']} {format_bytes(t['bytes'])}" for t in u["terms"] if t["level"] == "allocated")
+    return (f"upcycling start-up: peak allocated {format_bytes(u['peak_allocated_bytes'])}, device total "
+            f"{format_bytes(u['device_total_bytes'])} ({parts}); "
+            + ("above" if u["device_total_bytes"] > s.device_total_bytes else "below") + " the training peak")
+
+
 def verdict_line(est: Estimate, colour: bool = False) -> str:
     c = est.critical
     dom = max((t for t in c.terms if t.level == "allocated"), key=lambda t: t.bytes)
     v = _c(est.verdict.upper(), _COLOURS.get(est.verdict, "0"), colour)
+    need = c.required_device_bytes
+    at = " at upcycling start-up" if need > c.device_total_bytes else ""
     if est.gpu_memory_bytes:
-        frac = c.device_total_bytes / est.gpu_memory_bytes
-        head = est.gpu_memory_bytes * est.threshold - c.device_total_bytes
-        return (f"verdict: {v} - critical stage pp{c.pp_rank} needs {format_bytes(c.device_total_bytes)} = {frac:.0%} of "
+        frac = need / est.gpu_memory_bytes
+        head = est.gpu_memory_bytes * est.threshold - need
+        return (f"verdict: {v} - critical stage pp{c.pp_rank} needs {format_bytes(need)}{at} = {frac:.0%} of "
                 f"{format_bytes(est.gpu_memory_bytes)} (threshold {est.threshold:.0%}, headroom {format_bytes(head)}); "
                 f"largest term: {dom.name} {format_bytes(dom.bytes)}")
     return (f"verdict: {v} (no GPU memory given) - critical stage pp{c.pp_rank} peaks at "

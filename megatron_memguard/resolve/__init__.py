@@ -21,7 +21,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
 from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, kernels, moe, mtp, muon, offload, optimizer, parallel
-from . import pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
+from . import peft, pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -97,6 +97,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("tensor-parallel split", shape.tp_split),
     ("vocabulary", vocab.vocab),
     ("weight-gradient deferral", kernels.wgrad),
+    ("peft", peft.peft),               # Bridge / NeMo only: Megatron-LM has no PEFT
     ("runtime", runtime.runtime),
 )
 

@@ -4,6 +4,7 @@ defaults and reports each broken rule naming the flag (``rule_violations``, pure
 bytes are ``megatron_memguard.estimator.fp8``'s."""
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from packaging.version import Version
@@ -112,7 +113,8 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
     mha = a.bool_arg("fp8_multi_head_attention", False)
     if not (dpa or mha):
         return False
-    key = a.key("fp8_dot_product_attention" if dpa else "fp8_multi_head_attention")
+    dest = "fp8_dot_product_attention" if dpa else "fp8_multi_head_attention"
+    key = a.key(dest)
     new = ctx.version >= Version("0.17")
     if not (v["fp8"] or v["fp4"]):
         # the flags only reach TE through the FP8 / FP4 recipe object (get_fp8_recipe / get_fp4_recipe)
@@ -133,15 +135,18 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
         return False
     if recipe in ("mxfp8", "nvfp4"):
         # TE 2.11 DotProductAttention.init_fp8_metadata: "DotProductAttention does not support ... recipe"
-        a.fail(key, f"is not supported with the {recipe} recipe (Transformer Engine's DotProductAttention runs FP8 only "
+        a.fail(dest, f"is not supported with the {recipe} recipe (Transformer Engine's DotProductAttention runs FP8 only "
                     "with the per-tensor recipes delayed and tensorwise)")
         return False
     if mha:
-        # fp8_mha: DotProductAttention returns its output as a Float8Tensor to Megatron's linear_proj (TE 2.11
-        # FusedAttnFunc is_output_fp8); whether TE's Linear keeps that tensor or quantizes a copy is not read
-        raise NotModelledError(a.key("fp8_multi_head_attention"),
-                               "FP8 multi-head attention (fp8_multi_head_attention: the attention output handed to "
-                               "linear_proj as an FP8 tensor); fp8_dot_product_attention alone is estimated")
+        # fp8_mha reaches TE only in the delayed recipe object. TE 2.11 DotProductAttention.forward forces fp8_dpa
+        # on with it; the FP8 output (FusedAttnFunc is_output_fp8) and linear_qkv's FP8 output are asked for only
+        # by TE's own MultiheadAttention (multi_head_attention.py qkv_fp8_output / dpa_fp8_output), never by
+        # megatron-core's SelfAttention / TEDotProductAttention (no fp8_output argument in 0.16.1 or 0.19.2): the
+        # attention runs, and keeps, what fp8_dot_product_attention gives
+        a.notes.append(f"{a.key('fp8_multi_head_attention')}: estimated as fp8_dot_product_attention (Transformer "
+                       "Engine turns fp8_dpa on with it; megatron-core never asks for the FP8 attention output or "
+                       "an FP8 linear_qkv output, which only TE's own MultiheadAttention does)")
     if str(a.get("transformer_impl", "transformer_engine")) == "local" or str(
             a.get("attention_backend", "auto")).replace("AttnBackend.", "") == "local":
         a.notes.append(f"{key}: no effect with megatron-core's own core attention (--transformer-impl local / "
@@ -151,19 +156,62 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
     if backend in ("flash", "unfused"):
         # get_attention_backend (TE 2.11): FP8 training disables FlashAttention 2 and 3 and the unfused
         # backend (without NVTE_UnfusedDPA_Emulate_FP8); Megatron's flash / unfused settings switch fused off
-        a.fail(key, f"needs --attention-backend fused or auto (Transformer Engine runs FP8 attention only in its "
+        a.fail(dest, f"needs --attention-backend fused or auto (Transformer Engine runs FP8 attention only in its "
                     f"fused cuDNN backend, not {backend})")
         return False
+    # get_attention_backend (TE 2.11): FP8 attention turns FusedAttention off for a non-vanilla softmax and for a
+    # sliding window (left != -1 or right not in (-1, 0)); FlashAttention and the unfused backend do not run FP8
+    softmax = str(a.get("softmax_type") or "vanilla")
+    if softmax != "vanilla":
+        a.fail(dest, f"cannot be used with --softmax-type {softmax} (Transformer Engine 2.11 has no FP8 attention "
+                     "backend for a non-vanilla softmax)")
+        return False
+    window = [int(w) for w in re.findall(r"-?\d+", str(a.get("window_size") or ""))]
+    if len(window) == 2 and (window[0] != -1 or window[1] not in (-1, 0)):
+        a.fail(dest, f"cannot be used with --window-size {window[0]},{window[1]} (Transformer Engine 2.11 has no FP8 "
+                     "attention backend for sliding-window attention)")
+        return False
+    mla = a.bool_arg("multi_latent_attention", False)
     if kw.get("context_parallel_size", 1) > 1:
-        raise NotModelledError(key, "FP8 attention with context parallelism (Transformer Engine's FP8 ring attention, "
-                                    "context_parallel.py, keeps per-step FP8 buffers not sized here)")
-    if a.bool_arg("multi_latent_attention", False):
-        raise NotModelledError(key, "FP8 attention with multi-latent attention (q/k head dim differs from v's; the FP8 "
-                                    "path of that shape is not sized here)")
+        if not _ring_attention(a, dest, kw, mla):
+            return False
+    if mla:
+        # get_attention_backend (TE 2.11, Python) lets FP8 MLA through to FusedAttention with separate q, k, v
+        # (qkv layout sbhd_sbhd_sbhd); whether cuDNN has an FP8 kernel for these head dims is decided in TE's C++
+        # (nvte_get_fused_attn_backend, not in the Python wheel)
+        a.notes.append(f"{key}: FP8 multi-latent attention is estimated as Transformer Engine's FP8 FusedAttention "
+                       "with separate q, k, v; if cuDNN has no FP8 kernel for these head dims Transformer Engine stops "
+                       "with 'no dot product attention backend'")
     if recipe == "tensorwise":
         a.notes.append(f"{key}: FP8 attention with the tensorwise recipe runs only on Blackwell (sm100) with cuDNN "
                        "9.14 or later (Transformer Engine 2.11); it keeps the attention output in BF16 "
                        "(NVTE_DPA_FP8CS_O_in_F16, default 1)")
+    return True
+
+
+def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bool:
+    """FP8 attention with context parallelism: whether TE's FP8 ring attention runs (sized by
+    estimator/layers/fp8_attention.py for cp_comm_type p2p). TE 2.11 ``context_parallel.py``
+    ``attn_forward_func_with_cp`` hands ``fp8`` to the p2p and a2a paths only; ``utils.py``
+    ``get_attention_backend`` has no backend for FP8 MLA under CP."""
+    key = a.key(dest)
+    comm = a.get("cp_comm_type") or ["p2p"]
+    comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
+    if mla:
+        # FusedAttention: "does not support context parallelism with FP8 MLA attention"; FlashAttention: no FP8
+        # with CP; UnfusedDotProductAttention: no CP: TE finds no backend
+        a.fail(dest, "cannot be used with multi-latent attention under context parallelism (Transformer Engine 2.11 "
+                    "has no attention backend for FP8 MLA with CP)")
+        return False
+    if comm == {"all_gather"}:
+        # AttnFuncWithCPAndKVAllGather takes no fp8 argument: its kernels run in BF16
+        a.notes.append(f"{key}: no effect with --cp-comm-type all_gather (Transformer Engine's all-gather context "
+                       "parallelism runs BF16 attention): attention is estimated in BF16")
+        return False
+    if comm != {"p2p"}:
+        raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
+                               "(Transformer Engine's FP8 all-to-all context-parallel path is not sized; p2p is, and "
+                               "all_gather runs BF16 attention)")
     return True
 
 

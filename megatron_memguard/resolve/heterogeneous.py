@@ -61,7 +61,13 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     if kw.get("multi_latent_attention"):
         a.fail(PATH, "cannot be used with --multi-latent-attention (argument_utils asserts it)")
     if kw.get("moe") is not None:
-        raise NotModelledError(a.key(PATH), "heterogeneous layer configs with mixture-of-experts layers")
+        # megatron/training 0.19.2 models/gpt.py takes the MoE decoder block spec before the heterogeneous one (it checks
+        # num_moe_experts first), so no-op / linear blocks are built as whole layers, while TransformerBlock still
+        # builds each layer from get_config_for_layer (the block's ffn_hidden_size, num_query_groups); the 0.16 to
+        # 0.18 builders (Megatron-LM's gpt_builders.py) are not in the wheels read
+        raise NotModelledError(a.key(PATH), "heterogeneous layer configs with mixture-of-experts layers (Megatron "
+                               "0.19 builds the MoE block spec, ignoring no-op / linear blocks, with each block's "
+                               "ffn_hidden_size and num_query_groups)")
     for bad, what in ((kw.get("fp8") or kw.get("fp4"), "under FP8 / FP4"),
                       (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
                       (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),

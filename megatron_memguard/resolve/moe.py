@@ -27,7 +27,6 @@ from .parallel import weight_shards
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
     ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
-    ("moe_use_upcycling", bool, "MoE upcycling from a dense checkpoint (two models in memory)"),
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
 MAX_CAPACITY_FACTOR = 1_000
@@ -329,11 +328,61 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     )
 
 
+def _upcycling(a: Args, kw: Mapping[str, Any], ctx: Context, spec: MoeSpec) -> MoeSpec:
+    """--moe-use-upcycling: megatron/training's setup_model_and_optimizer (training.py, 0.16 to 0.18 alike) builds,
+    after the MoE model and its optimizer, a DDP-wrapped dense model from the same arguments with num_experts None,
+    EP 1 and ffn_hidden_size x --moe-upcycling-granularity, loads the dense checkpoint into it and converts it
+    (upcycling_utils.load_and_upcycle_model): the start-up figure of estimator/upcycling.py. Megatron's rules are
+    errors naming the flag; 0.19 and the settings whose start-up was not read are refused by name."""
+    if not a.bool_arg("moe_use_upcycling", False):
+        return spec
+    key = a.key("moe_use_upcycling")
+    if ctx.version >= Version("0.19"):
+        # training.py 0.19.2 _build_model_wrapper builds the "dense" model with cfg.model's builder, which the
+        # arguments it resets do not reach (0.17.1 and 0.18.2 call get_model(model_provider_func))
+        raise NotModelledError(key, "upcycling in megatron/training 0.19 (its _build_model_wrapper builds the dense "
+                                    "model from cfg.model, which the reset num_experts / ffn_hidden_size do not "
+                                    "reach: what it holds at start-up was not pinned down)")
+    for dest, what in (("use_megatron_fsdp", "Megatron-FSDP"), ("use_torch_fsdp2", "torch FSDP2"),
+                       ("optimizer_cpu_offload", "optimizer CPU offload")):
+        if kw.get(dest):
+            raise NotModelledError(key, f"upcycling under {what} (the dense model is wrapped as the MoE one)")
+    if kw.get("fp8") or kw.get("fp4"):
+        raise NotModelledError(key, "upcycling under FP8 / FP4 (the dense model's quantized weights at start-up)")
+    g = a.int_arg("moe_upcycling_granularity", 1) or 1
+    if a.raw.megatron_command_line and not a.given("save"):
+        a.fail("moe_use_upcycling", "needs --save (validate_args)")
+    if kw.get("virtual_pipeline_model_parallel_size"):
+        # upcycling_utils.upcycle_state_dict (core 0.16.1 to 0.19.2) calls _convert_to_moe_state_dict(
+        # dense_model[i].state_dict(), moe_model[i]) for several chunks: the arguments swapped, _get_config fails
+        a.fail("moe_use_upcycling", "does not work with virtual pipeline stages (upcycle_state_dict passes each "
+                                    "chunk's dense state dict where the MoE model belongs)")
+    if not all(spec.moe_layer_pattern):
+        # _expand_key_value expands every dense layer's mlp.linear_fc1/fc2 into expert keys, and
+        # load_state_dict(strict=True) refuses them on the layers that stay dense
+        a.fail("moe_layer_freq", "must make every layer MoE with --moe-use-upcycling (upcycling_utils expands every "
+                                 "dense MLP into experts and loads the result strictly)")
+    if spec.moe_use_legacy_grouped_gemm:
+        a.fail("moe_use_legacy_grouped_gemm", "does not work with --moe-use-upcycling (upcycling_utils._get_config "
+                                              "takes SequentialMLP or TEGroupedMLP experts)")
+    dense_ffn = kw["ffn_hidden_size"] * g
+    F = spec.moe_ffn_hidden_size
+    if dense_ffn % F:
+        a.fail("moe_upcycling_granularity", f"the dense FFN {kw['ffn_hidden_size']} x {g} must be divisible by "
+                                            f"--moe-ffn-hidden-size {F} (upcycling_utils._get_config)")
+    elif spec.num_experts % (dense_ffn // F):
+        a.fail("num_experts", f"must be divisible by the upcycling granularity {dense_ffn // F} (dense FFN "
+                              f"{dense_ffn} / --moe-ffn-hidden-size {F}; upcycling_utils._get_config)")
+    return replace(spec, moe_use_upcycling=True, moe_upcycling_granularity=g)
+
+
 def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_overlap: bool, delay_wgrad: bool,
                  wgrad_beside_dispatch: bool, precision: Mapping[str, Any]) -> int | None:
     """--moe-latent-size (core 0.16.1 and 0.19.2 MoELayer): the latent width, None when off, -1 after a reported
     error. validate_args: a positive size; MoELayer.preprocess asserts no shared-expert overlap in training.
-    memguard models it with the alltoall dispatcher in BF16 only; the rest is refused by name."""
+    memguard models it in BF16 with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
+    and 0.19.2, so the alltoall, the allgather's gather into the GlobalMemoryBuffer and DeepEP's buffers all move
+    latent-wide tokens; the flex dispatcher's HybridEP backend is refused on its own); the rest is refused by name."""
     if r.get("moe_latent_size") is None:
         return None
     lat = r.int_arg("moe_latent_size", None, minimum=0)
@@ -344,11 +393,13 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
         r.fail("moe_shared_expert_overlap", "does not work with --moe-latent-size in training (MoELayer.preprocess)")
         return -1
     key = r.key("moe_latent_size")
-    for bad, what in ((disp != "alltoall", f"latent MoE with the {disp} dispatcher (its buffers at the latent width)"),
-                      (bool(precision.get("fp8") or precision.get("fp4")), "latent MoE under FP8 / FP4"),
+    for bad, what in ((bool(precision.get("fp8") or precision.get("fp4")),
+                       "latent MoE under FP8 / FP4 (the duplicated TELinear latent projections' quantized inputs and "
+                       "weight caches, and the latent-wide expert GEMMs' shape rules, were not read)"),
                       (a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
-                       "latent MoE with the expert-parallel overlap or delayed weight gradients"),
-                      (bool(precision.get("use_megatron_fsdp")), "latent MoE under Megatron-FSDP")):
+                       "latent MoE with the expert-parallel overlap or delayed weight gradients (MoELayer.backward_dw "
+                       "defers the latent projections' weight gradients, fc2_latent_proj's on the comm stream: how "
+                       "long their inputs stay was not pinned down)"),):
         if bad:
             raise NotModelledError(key, what)
     return lat
@@ -476,6 +527,7 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             if not a.get("num_experts") and a.bool_arg(dest, False):
                 a.fail(dest, "needs --overlap-moe-expert-parallel-comm (which needs experts)")
         return dict(moe=None, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    spec = _upcycling(a, kw, ctx, spec)
     lbt = spec.moe_router_load_balancing_type
     if "quantile_balancing" in lbt.split(",") and lbt != "quantile_balancing":
         # TopKRouter compares the type to the string: in a list it registers no QB state and routes by top-k

@@ -14,8 +14,8 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     depth = a.int_arg("mtp_num_layers", 0, minimum=0) or 0
     layout = kw.get("pipeline_model_parallel_layout")
     if layout is not None:
-        # the layout's 'm' entries place the MTP layers (partition.parse_pipeline_layout accepts them in the
-        # last stage only); PipelineParallelLayerLayout.validate_layer_layout: their count is --mtp-num-layers
+        # the layout's 'm' entries place the MTP layers (partition.parse_pipeline_layout checks Megatron's rules on
+        # them); PipelineParallelLayerLayout.validate_layer_layout: their count is --mtp-num-layers
         placed = sum(st.count("m") for st in parse_pipeline_layout(str(layout), kw["pipeline_model_parallel_size"],
                                                                     a.key("pipeline_model_parallel_layout")))
         if placed != depth:

@@ -252,8 +252,10 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
         n = p.numel()
         if not getattr(p, "allreduce", True):
             tags["expert_buffer"] += n
-        if getattr(p, "shared_embedding", False) and post and not pre:
-            tags["shared_embedding"] += n      # the tied output copy of a later stage
+        if getattr(p, "shared_embedding", False) and not pre:
+            # the tied output copy of a later stage, or the embedding copy of a standalone MTP stage (mtp_process
+            # and not pre_process: language_module.py setup_embeddings_and_output_layer)
+            tags["shared_embedding"] += n
         elif name == "output_layer.weight" and mtp_spec is not None and not pre and not job["untied"]:
             # tied, MTP on a later stage: the MTP's embedding copy is the tied weight and the output layer's
             # own weight is allocated (skip_weight_param_allocation only on the first stage) but unused

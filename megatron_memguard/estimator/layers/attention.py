@@ -136,6 +136,32 @@ def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1
     return saved, core_fwd, core_bwd, False
 
 
+def _flash_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1: int, qkv_w: int,
+                           rope: bool) -> tuple[dict[str, int], int, int, bool]:
+    """``--attention-backend flash`` without context parallelism: TE 2.11's FlashAttention (``backends.py``
+    FlashAttention.forward, sbhd) copies q, k and v to contiguous [b, s, h, d] tensors (``transpose(0, 1)
+    .contiguous()``, or one [3, b, s, h, d] buffer by ``_PrepareQKVForFA``), which flash-attn keeps for its backward
+    with its own [b, s, h, d] output and the fp32 log-sum-exp [b, a, s]; TE returns a ``transpose(0, 1)
+    .contiguous()`` copy of that output in sbhd, which linear_proj keeps (``proj_input``). The rope'd q and k, the
+    q/k norms' outputs and megatron's qkv output (v was a view of it) are then kept by no one (the q/k norms keep
+    the qkv output with ``--qk-layernorm``). Backward: dq, dk, dv and the output gradient made contiguous."""
+    e, Tf = x.e, x.Tf
+    stats = x.b * x.a_t * x.s * 4
+    originals = sum(saved.pop(n, 0) for n in ("query_norm", "key_norm"))
+    if rope:
+        originals += q + kv1                          # the rope'd q and k, consumed into the copies
+    if L.qk_layernorm:
+        saved["qkv_output"] = Tf * qkv_w * e          # the norms' saved inputs are views of it
+    else:
+        originals += Tf * qkv_w * e
+    saved["flash_qkv"] = q + 2 * kv1
+    saved["attention_output_bshd"] = q
+    saved["softmax_stats"] = stats
+    core_fwd = originals + q                          # the inputs the copies came from, the sbhd output copy
+    core_bwd = 3 * q + stats + q                      # dq, dk, dv and the contiguous output gradient
+    return saved, core_fwd, core_bwd, False
+
+
 def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: bool) -> tuple[dict[str, int], int, int, bool]:
     """Saved bytes of q/k/v handling and the core attention, its forward working set at the softmax
     and its backward working set (with the probs already released), and whether s x s scores exist."""
@@ -158,6 +184,8 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
             saved["key_norm"] = kv1
     if kind == "fused" and L.cp > 1 and not recompute_core:
         return _cp_attention_items(L, x, saved, q, kv1, qkv_w, rope)
+    if kind == "fused" and L.attention_backend == "flash" and not recompute_core:
+        return _flash_attention_items(L, x, saved, q, kv1, qkv_w, rope)
     if kind == "fused":
         # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
         # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax
@@ -288,7 +316,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         core_bwd += ctx
     # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
     rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
-    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask"}
+    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask", "flash_qkv"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     bwd_steps = (

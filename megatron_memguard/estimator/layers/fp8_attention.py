@@ -15,7 +15,8 @@ Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`
 * backward (``NVTE_FP8_DPA_BWD=1``, the default): the output gradient is quantized (1 B/elem), and under
   delayed scaling dq, dk, dv come out in FP8 and are dequantized into BF16 ones.
 * ``--attention-output-gate``: the gate keeps its two inputs (layers/attention.py), so the BF16 output stays
-  saved (``proj_input``) and, under delayed scaling, the FP8 one is kept next to it (``fp8_attention_output``);
+  saved (``gate_attention_output``) and, under delayed scaling, the FP8 one is kept next to it
+  (``fp8_attention_output``; linear_proj reads the gated product);
   a gate that is a view of the qkv output keeps that output alive.
 
 Not counted: the recipe state of DotProductAttention's quantizers (a few KB per layer) and cuDNN's
@@ -31,16 +32,28 @@ from .base import MixerActivations, shapes
 
 # the BF16 tensors of q, k, v that only the core attention kept
 _BF16_INPUTS = ("query_rope", "key_rope", "query_norm", "key_norm")
+# multi-latent attention's: query, key [Tf, a, qk + rope dim] and value [Tf, a, v], made contiguous by
+# MLASelfAttention for TE (layers/mla.py)
+_MLA_BF16_INPUTS = ("query", "key", "value")
 
 
-def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
-    """The standard attention mixer of an FP8 layer with its core attention in FP8."""
+def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
+    """The standard attention mixer (or, ``mla``, multi-latent attention's) of an FP8 layer with its core
+    attention in FP8. Multi-latent attention goes through the same FusedAttnFunc path: one FP8 buffer of
+    q, k ``[Tf, a, qk + rope dim]`` and v ``[Tf, a, v]`` (``combine_and_quantize``, qkv layout sbhd_sbhd_sbhd),
+    an output of v's width."""
+    if L.cp > 1:
+        return fp8_ring_attention(L, mixer)
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
     recipe = L.fp8_spec.recipe
-    width = (x.a_t + 2 * x.g_t) * d                    # q, k, v of the rank's heads
-    ctx_w = x.a_t * d
+    if mla:
+        width = x.a_t * (2 * (L.qk_head_dim + L.qk_pos_emb_head_dim) + L.v_head_dim)
+        ctx_w = x.a_t * L.v_head_dim
+    else:
+        width = (x.a_t + 2 * x.g_t) * d                # q, k, v of the rank's heads
+        ctx_w = x.a_t * d
     qkv8 = quantized_tensor(recipe, Tf, width, rowwise=True, columnwise=False).allocated
     out8 = quantized_tensor(recipe, Tf, ctx_w, rowwise=True, columnwise=False).allocated
     gated = _gated(L) == 2
@@ -53,7 +66,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         replay = qkv8 + x.b * x.a_t * x.s * 4 + out8 + (qkv8 + out8 if delayed else 0)
         return mixer._replace(bwd_steps=tuple((rel, w + replay if i == core else w)
                                               for i, (rel, w) in enumerate(mixer.bwd_steps)))
-    dropped = {n: saved[n] for n in _BF16_INPUTS if n in saved}
+    dropped = {n: saved[n] for n in (_MLA_BF16_INPUTS if mla else _BF16_INPUTS) if n in saved}
     # the qkv output stays alive through the q/k norms' saved inputs, or a gate that is a view of it
     gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
     if "qkv_output" in saved and not (L.qk_layernorm or gate_view):
@@ -67,7 +80,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
             b = 2 * x.b * x.a_t * x.s * 4              # M and ZInv, fp32 [b, a, s, 1] each
         elif name == "proj_input" and delayed:
             if gated:
-                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (proj_input)
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
             else:
                 b = out8                               # the FP8 output the attention keeps
         new[name] = b
@@ -90,5 +103,103 @@ def fp8_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
             w += core_extra
         elif "softmax_stats" in rel:
             rel = rel | {"fp8_attention_qkv", "fp8_attention_output"}
+        bwd.append((rel, w))
+    return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+# the BF16 q the ring attention kept (attention.py _cp_attention_items): FP8 ring attention keeps FP8 q instead
+_BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
+
+
+def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+    """FP8 attention under context parallelism (cp_comm_type p2p, resolve/fp8.py refuses the others):
+    Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; the same
+    tensors in TE 2.20.2, whose ring holds two buffers instead of one per step).
+
+    Saved (forward's end, ``ctx.fp8``): ``q_fp8`` (a view of combine_and_quantize's one FP8 buffer of q, k, v:
+    the whole ``[Tf, (a + 2 g) d]`` stays), ``kv_fp8`` (the last ring buffer, FP8 K and V), the merged fp32
+    log-sum-exp ``[b, a, s]`` (one statistic: only M of each step's M / ZInv is kept), and the output: FP8 under
+    delayed scaling (``O_quantizer(out_f16)``), the BF16 one under tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``).
+    The BF16 q the BF16 ring kept is not saved.
+
+    Forward working set at the output correction: each step's partial output dequantized to fp32 ``[Tf, a d]``
+    and its fp32 statistic (TE 2.11: every step's, kept in ``out_per_step``; TE 2.20.2: two), the ring buffers
+    other than the saved one (TE 2.11: all of them; 2.20.2: two in flight), the fp32 corrected output, its BF16
+    cast and (delayed) its FP8 copy; v made contiguous (``FusedAttention.forward``) throughout.
+
+    Backward working set (``backward``, FP8 branch): dO in FP8, the BF16 dO handed in, the receive buffer of K/V,
+    ``dkv_send_buffer`` / ``dkv_recv_buffer`` of ``cp x`` FP8 dK/dV each, and delayed: ``dq_buffer`` of ``cp x`` FP8
+    dq, every step's FP8 dq/dk/dv collected and, at the end, ``combine_and_dequantize`` of the ``cp`` steps'
+    results to fp32 and their sum (fp32, then BF16); tensorwise: fp32 dq and dK/dV accumulators, each step's
+    BF16 dq/dk/dv and their fp32 casts, and the BF16 casts of the fp32 gradients returned."""
+    from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    recipe = L.fp8_spec.recipe
+    delayed = recipe == "delayed"
+    gated = _gated(L) == 2
+    core = 2 if gated else 1                           # the core attention's backward step
+    Q = Tf * x.a_t * d                                 # q (and the output) elements
+    KV = 2 * Tf * x.g_t * d                            # k and v elements: one ring buffer in FP8 bytes
+    W = Q + KV
+    stats = x.b * x.a_t * x.s * 4
+    qkv8 = quantized_tensor(recipe, Tf, W // Tf, rowwise=True, columnwise=False).allocated
+    out8 = quantized_tensor(recipe, Tf, Q // Tf, rowwise=True, columnwise=False).allocated
+    q, kv1 = Q * e, Tf * x.g_t * d * e
+    rope = L.position_embedding_type in ("rope", "yarn")
+    _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
+    n_ring, n_out = (cp - 1, cp) if _te_keeps_every_cp_step(L) else (2, 2)
+    combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
+    # the output correction: partial outputs in fp32 with their statistics, the other ring buffers, the fp32
+    # output, its BF16 cast and (delayed) the FP8 output
+    correction = n_ring * KV + n_out * (4 * Q + stats) + 4 * Q + e * Q + (out8 if delayed else 0)
+    common = out8 + e * Q + KV + 2 * cp * KV + stats // 2   # dO in FP8, dO, K/V receive, dK/dV send and receive
+    if delayed:
+        # each step: FP8 dq/dk/dv and contiguous halves of q, out, dO; the end: the steps' FP8 results
+        # (dK/dV made contiguous), concatenated and dequantized to fp32, then summed over the steps one tensor
+        # at a time (an fp32 sum next to the BF16 casts made so far: dq's, or dv's after dq's and dk's)
+        end = max(cp * KV + cp * W + 4 * cp * W, 4 * cp * W + max(6 * Q, 2 * Q + 4 * KV))
+        ring_bwd = common + cp * Q + max(W + 3 * Q // 2, end)
+    else:
+        # fp32 dq and dK/dV accumulators; each step: BF16 dq/dk/dv, their fp32 casts and the halves of q, out
+        # (BF16), dO; the fp32 gradients returned are cast to BF16 by autograd
+        ring_bwd = common + 4 * W + max(6 * W + 2 * Q, 2 * W)
+    (names, _), *rest = mixer.fwd_steps
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad
+        # forward makes the ring's transients, and the backward's replay keeps the ring's saved tensors (and
+        # the BF16 output it returns) through the ring's backward
+        kept = qkv8 + KV + stats + e * Q + (out8 if delayed else 0)
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
+        fwd = ((names, kv1 + combine), (names, kv1 + qkv8 + KV + stats + correction))
+        bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
+                    for i, (rel, w) in enumerate(mixer.bwd_steps))
+        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+    dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
+    new: dict[str, int] = {}
+    for name, b in saved.items():
+        if name in dropped:
+            continue
+        if name == "cp_kv_buffer":
+            new["fp8_attention_qkv"] = qkv8
+            b = KV                                     # the last ring buffer, FP8
+        elif name == "proj_input" and delayed:
+            if gated:
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
+            else:
+                b = out8
+        new[name] = b
+    alive = sum(dropped.values()) + kv1                # + v made contiguous
+    fwd = (
+        (names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output"}, alive + combine),
+        (names | {"fp8_attention_output"}, alive + correction),
+    )
+    bwd = []
+    for i, (rel, w) in enumerate(mixer.bwd_steps):
+        if i == core:
+            w += ring_bwd - bf16_ring_bwd
+        elif "softmax_stats" in rel:
+            rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))

@@ -212,9 +212,11 @@ def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> in
     a_t = L.num_attention_heads // tp
     qk, v = L.qk_head_dim + L.qk_pos_emb_head_dim, L.v_head_dim
     kept = 0 if "layernorm" in mods else T * h * e
+    # FP8 attention (layers/fp8_attention.py) keeps q, k, v and, under delayed scaling, the output at 1 B/elem
+    qkv_e = 1 if L.fp8_spec.fp8_dot_product_attention else e
     if "mla_up_proj" not in mods:
-        kept += Tf * a_t * (2 * qk + v) * e
-    kept += Tf * a_t * v * e
+        kept += Tf * a_t * (2 * qk + v) * qkv_e
+    kept += Tf * a_t * v * qkv_e
     if _unfused(L) and "core_attn" not in mods:
         kept += b * a_t * seq * seq * e
     return kept

@@ -376,6 +376,10 @@ def input_jitter_bytes(L: Any, m: MoeSpec, T: int, rec: set | frozenset = frozen
     recomputed = "shared_experts" in rec      # (the selectively recomputed modules)
     norm_out_kept = bool(m.moe_shared_expert_intermediate_size) and (recomputed or not (
         (m.moe_shared_expert_overlap and L.tp > 1) or m.use_grouped_gemm_for_shared_expert))
+    if "layernorm" in rec:
+        # a recomputed pre-MLP norm's output is discarded (not counted with the layer): the jittered copy is extra
+        from ..activations import _moe_pre_mlp_norm_recomputed
+        norm_out_kept = norm_out_kept or L.transformer_impl != "transformer_engine" or _moe_pre_mlp_norm_recomputed(L)
     return e * T * h * (2 if norm_out_kept else 1)
 
 
@@ -605,7 +609,8 @@ def deepep_buffer_bytes(L: Any, m: MoeSpec) -> int:
     n = min(ranks, DEEPEP_NVL_PEERS)
     r = max(ranks // DEEPEP_NVL_PEERS, 1)
     recv = DEEPEP_NVL_RECV_TOKENS if ranks <= DEEPEP_NVL_PEERS else DEEPEP_INTERNODE_NVL_RECV_TOKENS[ranks]
-    per = (2 * r + 3) * 4 + recv * (L.hidden_size * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
+    # hidden bytes as fused_a2a.get_hidden_bytes reads them off the dispatched tokens (latent MoE: latent-wide)
+    per = (2 * r + 3) * 4 + recv * ((m.moe_latent_size or L.hidden_size) * max(L.act_bytes, 2) + DEEPEP_TOKEN_EXTRA)
     return -(-C * n * per // 128) * 128
 
 
@@ -621,7 +626,7 @@ def deepep_rdma_buffer_bytes(L: Any, m: MoeSpec) -> int:
         return 0
     C = m.moe_flex_dispatcher_num_sms // 2
     r = ranks // DEEPEP_NVL_PEERS
-    token = L.hidden_size * max(L.act_bytes, 2) + 8 + 3 * 128 * 4
+    token = (m.moe_latent_size or L.hidden_size) * max(L.act_bytes, 2) + 8 + 3 * 128 * 4
     token = -(-token // 16) * 16
     data = token * DEEPEP_RDMA_RECV_TOKENS * r * 2 * C
     meta = (DEEPEP_NVL_PEERS * 2 + 4) * r * 2 * C * 4
@@ -630,20 +635,21 @@ def deepep_rdma_buffer_bytes(L: Any, m: MoeSpec) -> int:
 
 def global_buffer_request(L: Any, m: MoeSpec) -> int:
     """Bytes the allgather dispatcher asks of megatron's GlobalMemoryBuffer ('mpu', kept at the
-    largest request): the hidden states all-gathered over the ETP x EP group, [T*ETP*EP, h]."""
+    largest request): the hidden states all-gathered over the ETP x EP group, [T*ETP*EP, h] (latent MoE: the
+    latent-wide tokens fc1_latent_proj made, MoELayer.preprocess, core 0.16.1 and 0.19.2)."""
     if m.moe_token_dispatcher_type != "allgather" or m.etp * m.ep == 1:
         return 0
-    return tokens_per_rank(L) * m.etp * m.ep * L.hidden_size * L.act_bytes
+    return tokens_per_rank(L) * m.etp * m.ep * (m.moe_latent_size or L.hidden_size) * L.act_bytes
 
 
 def bound_saved(L: Any, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
     """Bytes one MoE layer's MLP surely keeps per micro-batch with balanced routing (the planner's lower
-    bound): the router's input and, unless 'moe' is recomputed, the dispatched tokens and the experts'
-    fc1 output and fc2 input."""
+    bound): the router's input (unless 'layernorm' recompute discards it) and, unless 'moe' is recomputed, the
+    dispatched tokens and the experts' fc1 output and fc2 input."""
     m = L.moe
     e, h = L.act_bytes, L.hidden_size
     T = b * seq // (tp if sp else 1)
-    kept = T * h * e
+    kept = 0 if "layernorm" in mods else T * h * e
     if "moe" in mods:
         return kept
     N = T * m.moe_router_topk * m.etp

@@ -1,0 +1,255 @@
+"""LoRA / DoRA fine-tuning: the adapters' parameters and states, and what a frozen base keeps for backward.
+
+Megatron-Bridge 0.6.2 (megatron/bridge/peft/base.py, lora.py, dora.py, utils.py ParallelLinearAdapter):
+
+* every base parameter gets ``requires_grad = False``; megatron-core's DDP puts only parameters that require a
+  gradient in its buffers (distributed/distributed_data_parallel.py), so the base weights stay the modules' own
+  16-bit tensors: no gradient, no fp32 main copy, no optimizer state, no padding;
+* each wrapped linear gets ``linear_in`` and ``linear_out``. Column-parallel targets (linear_qkv, linear_fc1):
+  ``linear_in`` = ColumnParallelLinear(in, r), [r/TP, in] per rank, ``linear_out`` = ColumnParallelLinear(r, out),
+  [out/TP, r]. Row-parallel targets (linear_proj, linear_fc2): ``linear_in`` = RowParallelLinear(in, r), [r, in/TP],
+  ``linear_out`` = ColumnParallelLinear(r, out), [out/TP, r]. So (in + out) x r / TP per target and rank.
+  DoRA adds ``weight_magnitude``, the norms of the wrapped weight's local rows: out/TP (column), out (row);
+* activations (TE 2.11 module/linear.py ``backward_needs_input = weight.requires_grad``; layernorm_linear.py keeps
+  its norm output when ``return_layernorm_output``, which Bridge sets on wrapped LayerNormLinears;
+  megatron-core's LinearWithFrozenWeight keeps only the weight): a frozen linear keeps no input for a weight
+  gradient. An adapter's ``linear_in`` keeps its input (the base's, shared, unless dropout made a copy), its
+  ``linear_out`` keeps the [s b, r] intermediate.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from ..layout import Layout, ShardGroup, TensorKind
+from ..layout.peft import COLUMN_TARGETS, SCHEME_NAMES
+from .layers.base import shapes
+
+# registration order inside a layer: SelfAttention registers linear_proj before linear_qkv (attention.py), then the MLP
+_ORDER = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")
+
+
+@lru_cache(maxsize=256)
+def target_shapes(L: Layout) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of each wrapped linear (the layer recipes' linear_shapes)."""
+    from .layers import attention, mlp
+    shapes_ = {**attention.linear_shapes(L), **mlp.linear_shapes(L)}
+    return {t: shapes_[t] for t in _ORDER if t in L.peft.target_modules}
+
+
+@lru_cache(maxsize=256)
+def layer_adapter_rows(L: Layout) -> tuple[tuple[str, int, bool], ...]:
+    """(name, numel per rank, tp_replicated) of one layer's adapter parameters in registration order."""
+    p, t = L.peft, L.tp
+    r = p.dim
+    rows: list[tuple[str, int, bool]] = []
+    for name, (out, inp) in target_shapes(L).items():
+        if name in COLUMN_TARGETS:
+            # linear_in ColumnParallelLinear(in, r): [r/TP, in]; linear_out ColumnParallelLinear(r, out): [out/TP, r]
+            rows.append((f"{name}.adapter.linear_in.weight", (r // t) * inp, False))
+            rows.append((f"{name}.adapter.linear_out.weight", out * r, False))
+            if p.scheme == "dora":
+                rows.append((f"{name}.adapter.weight_magnitude", out, False))
+        else:
+            # linear_in RowParallelLinear(in, r): [r, in/TP]; linear_out ColumnParallelLinear(r, out): [out/TP, r]
+            rows.append((f"{name}.adapter.linear_in.weight", r * inp, False))
+            rows.append((f"{name}.adapter.linear_out.weight", (out // t) * r, False))
+            if p.scheme == "dora":
+                # the norms of the local [out, in/TP] rows: out values, the same size on every TP rank
+                rows.append((f"{name}.adapter.weight_magnitude", out, True))
+    return tuple(rows)
+
+
+def adapter_param_count(L: Layout) -> int:
+    """Trainable parameters of the whole model (every layer, no TP split): (in + out) x r per target, plus
+    DoRA's magnitude (the wrapped weight's output rows)."""
+    p = L.peft
+    total = 0
+    for name, (out, inp) in target_shapes(L).items():
+        out_full, in_full = (out * L.tp, inp) if name in COLUMN_TARGETS else (out, inp * L.tp)
+        total += (in_full + out_full) * p.dim + (out_full if p.scheme == "dora" else 0)
+    return total * L.num_layers
+
+
+class PeftStates:
+    """Bytes of a stage's model state under PEFT (one rank, the largest distributed-optimizer shard)."""
+
+    def __init__(self, base_params: int, adapter_params: int, param_elems: int, buffer_numel: int,
+                 buffer_unpadded: int, main_elems: int) -> None:
+        self.base_params = base_params          # frozen base parameters on this rank
+        self.adapter_params = adapter_params    # adapter parameters on this rank
+        self.param_elems = param_elems          # adapter weights held (the padded param buffer with dist-opt)
+        self.buffer_numel = buffer_numel        # adapter gradient buffer (padded)
+        self.buffer_unpadded = buffer_unpadded
+        self.main_elems = main_elems            # adapter elements this rank's optimizer owns
+
+
+@lru_cache(maxsize=256)
+def stage_peft_states(L: Layout, pp_rank: int, base_params: int) -> PeftStates:
+    """The adapters' DDP buffers (one per model chunk, as megatron-core wraps each chunk) and this rank's
+    optimizer shard; ``base_params``: the stage's parameter count without adapters (stage_states)."""
+    from .states import _buffer_gaps, bucket_size_for, build_buffer, largest_shard
+    per_layer = [n for _, n, _ in layer_adapter_rows(L)]
+    shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
+    dist = L.use_distributed_optimizer
+    numel = unpadded = 0
+    parts = []
+    for c in L.stage_chunks(pp_rank):
+        plist = [(n, False) for n in per_layer] * c.num_layers
+        if not plist:
+            continue
+        buf = build_buffer(L, plist, bucket_size_for(L, c), ShardGroup.DENSE_DP)
+        numel += buf.numel
+        unpadded += buf.numel_unpadded
+        if dist:
+            parts.append(_buffer_gaps(buf, shard))
+    main = largest_shard(parts, shard) if dist and parts else unpadded
+    return PeftStates(base_params, unpadded, numel if dist else unpadded, numel, unpadded, main)
+
+
+def state_rows(L: Layout, ps: PeftStates) -> tuple[tuple[tuple[str, int, str, str], ...],
+                                                   tuple[tuple[str, int, str, str], ...]]:
+    """(name, bytes, group, detail) of the stage's state terms and of those the optimizer step adds."""
+    nb = L.precision.byte_sizes()
+    p_b, g_b = nb[TensorKind.PARAM], nb[TensorKind.MAIN_GRAD]
+    shard = f" / {L.dp_shard_size} (distributed optimizer)" if L.use_distributed_optimizer else ""
+    scheme = SCHEME_NAMES[L.peft.scheme]
+    rows = [("parameters", ps.base_params * p_b, "weights",
+             f"{ps.base_params:,} frozen base params x {p_b} B (requires_grad False: the modules' own tensors, "
+             "outside DDP's buffers)"),
+            ("peft_adapters", ps.param_elems * p_b, "weights",
+             f"{ps.adapter_params:,} {scheme} adapter params x {p_b} B"
+             + (" (padded param buffer)" if L.use_distributed_optimizer else "")),
+            ("gradient_buffer", ps.buffer_numel * g_b, "gradients",
+             f"adapters only: {ps.buffer_numel:,} elements x {g_b} B "
+             f"({ps.buffer_numel - ps.buffer_unpadded:,} padding)")]
+    main = ps.main_elems
+    if L.params_dtype != "fp32":
+        if (L.use_precision_aware_optimizer and L.store_param_remainders and L.params_dtype == "bf16"
+                and L.main_params_dtype == "fp32"):
+            rows.append(("main_parameters", 2 * main, "optimizer", "fp32 master weights' low halves" + shard))
+        else:
+            rows.append(("main_parameters", nb[TensorKind.MAIN_PARAM] * main, "optimizer",
+                         "fp32 master weights of the adapters" + shard))
+    if L.optimizer == "adam":
+        rows.append(("adam_exp_avg", nb[TensorKind.EXP_AVG] * main, "optimizer", f"{L.exp_avg_dtype} first moment" + shard))
+        rows.append(("adam_exp_avg_sq", nb[TensorKind.EXP_AVG_SQ] * main, "optimizer",
+                     f"{L.exp_avg_sq_dtype} second moment" + shard))
+    else:
+        rows.append(("sgd_momentum", nb[TensorKind.MOMENTUM] * main, "optimizer", "fp32 momentum" + shard))
+    step: list[tuple[str, int, str, str]] = []
+    if g_b == 2 and L.params_dtype != "fp32" and not L.use_precision_aware_optimizer:
+        step.append(("main_grad_copies", nb[TensorKind.MAIN_PARAM] * main, "optimizer",
+                     "fp32 copies of the adapters' 16-bit gradients, from the step until the next zero_grad" + shard))
+    return tuple(rows), tuple(step)
+
+
+# the saved items of the layer recipes each adapter ties its own items to (created and released with them)
+_TIES = {"lora_qkv_input": "qkv_input", "lora_proj_input": "proj_input", "lora_fc1_input": "fc1_input",
+         "lora_fc2_input": "fc2_input"}
+_BASE_INPUT = {"linear_qkv": "qkv_input", "linear_proj": "proj_input", "linear_fc1": "fc1_input",
+               "linear_fc2": "fc2_input"}
+_LORA_INPUT = {"linear_qkv": "lora_qkv_input", "linear_proj": "lora_proj_input", "linear_fc1": "lora_fc1_input",
+               "linear_fc2": "lora_fc2_input"}
+
+
+def _core_keeps_proj_input(L: Layout, mods: set) -> bool:
+    """Whether the core attention keeps linear_proj's input for its own backward: flash / cuDNN attention saves
+    its output O, the storage linear_proj reads (layers/attention.py), unless a ring under CP, the output gate
+    or a recomputed core attention leaves linear_proj the only holder."""
+    from .layers.attention import _gated, attention_kind
+    return attention_kind(L) == "fused" and L.cp == 1 and _gated(L) == 1 and "core_attn" not in mods
+
+
+def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, int], int]:
+    """A dense attention layer's saved tensors under PEFT, and DoRA's forward working set (bytes).
+
+    * an unwrapped frozen linear keeps no input: linear_qkv's / linear_fc1's norm output (TE LayerNormLinear
+      clears it), linear_fc2's input, linear_proj's input (unless the core attention keeps it);
+    * a wrapped column-parallel linear (linear_qkv, linear_fc1) still keeps its local norm output (TE, for
+      ``return_layernorm_output``); the adapter's ColumnParallelLinear keeps the whole-sequence copy TE gathers
+      for it under sequence parallelism (``return_layernorm_output_gathered``), [s b, h] (``lora_*_input``);
+    * a wrapped row-parallel linear (linear_proj, linear_fc2): the adapter's RowParallelLinear keeps the base's
+      input (the same tensor);
+    * dropout before the adapter (p > 0): a new [tokens, in] copy and its bool mask replace the shared input;
+      after it: the bool mask of the adapter's output;
+    * each adapter keeps its [s b, r] intermediate (``linear_out``'s input, gathered / all-reduced);
+    * DoRA: ``mag_norm_scale * (base + adapter)`` keeps the sum, the wrapped linear's output;
+    * with 'mlp' recomputed the MLP's adapters are recomputed with it and keep nothing.
+    """
+    p = L.peft
+    x = shapes(L)
+    Tf, T, h, e = x.Tf, x.T, x.h, x.e
+    tg = target_shapes(L)
+    out = dict(saved)
+    mlp_recomputed = "mlp" in mods
+    inter = 0
+    masks = 0
+    dora = 0
+    dora_fwd = 0
+    for name in _ORDER:
+        base = _BASE_INPUT[name]
+        in_mlp = name in ("linear_fc1", "linear_fc2")
+        if name not in tg:
+            if name == "linear_proj" and _core_keeps_proj_input(L, mods):
+                continue
+            out.pop(base, None)
+            continue
+        if in_mlp and mlp_recomputed:
+            continue
+        o, i = tg[name]
+        column = name in COLUMN_TARGETS
+        pre = p.dropout > 0 and p.dropout_position == "pre"
+        if column:
+            if pre:
+                out[_LORA_INPUT[name]] = Tf * i * (e + 1)            # dropped [s b, h] copy + its bool mask
+            elif L.sequence_parallel:
+                out[_LORA_INPUT[name]] = Tf * i * e                  # TE's gathered norm output, kept by linear_in
+        elif pre:
+            out[_LORA_INPUT[name]] = Tf * i * (e + 1)
+            if not (name == "linear_proj" and _core_keeps_proj_input(L, mods)):
+                out.pop(base, None)                                  # the base input is no longer kept
+        inter += Tf * p.dim * e
+        if p.dropout > 0 and p.dropout_position == "post":
+            masks += Tf * o if column else T * h
+        if p.scheme == "dora":
+            dora += (Tf * o if column else T * h) * e
+            # _get_weight_norm: W0 + s B A, [out, in] per rank, made (and its product) and detached in the forward
+            dora_fwd = max(dora_fwd, 2 * o * i * e)
+    if inter:
+        out["lora_intermediates"] = inter
+    if masks:
+        out["lora_dropout_masks"] = masks
+    if dora:
+        out["dora_scaled_outputs"] = dora
+    return out, dora_fwd
+
+
+def tie_steps(steps: tuple, saved: dict[str, int]) -> tuple:
+    """Steps naming a recipe item also name the adapter item tied to it (made and released with it)."""
+    extra = [(k, v) for k, v in _TIES.items() if k in saved]
+    if not extra:
+        return steps
+    return tuple((names | {k for k, v in extra if v in names}, w) for names, w in steps)
+
+
+
+def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:
+    """The dense MLP's and the attention's backward steps with each adapter's working set added at its linear's
+    step (linear_fc2: the MLP's first, linear_fc1: its last; linear_proj: the mixer's first, linear_qkv: the one
+    before the input norm): the gradient of the adapter's input ([s b, in], next to the base's; twice with dropout
+    before the adapter: the dropout's backward makes another) and of its [s b, r] intermediate, twice."""
+    p = L.peft
+    x = shapes(L)
+    e, Tf = x.e, x.Tf
+    pre = 2 if p.dropout > 0 and p.dropout_position == "pre" else 1
+    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e for name, (_, i) in target_shapes(L).items()}
+
+    def plus(steps: tuple, at: dict[int, int]) -> tuple:
+        n = len(steps)
+        add = {k % n: v for k, v in at.items() if v}
+        return tuple((names, w + add.get(i, 0)) for i, (names, w) in enumerate(steps))
+
+    if len(mlp_bwd) >= 2:
+        mlp_bwd = plus(mlp_bwd, {0: extra.get("linear_fc2", 0), -1: extra.get("linear_fc1", 0)})
+    if len(mixer_bwd) >= 3:
+        mixer_bwd = plus(mixer_bwd, {0: extra.get("linear_proj", 0), -2: extra.get("linear_qkv", 0)})
+    return mlp_bwd, mixer_bwd

@@ -1,0 +1,111 @@
+"""Section: LoRA / DoRA fine-tuning (Megatron-Bridge ``peft:``, run_recipe.py ``--mode lora|dora``, NeMo 1
+``model.peft``). Megatron-LM has no PEFT: its flags never set these dests; the Bridge and NeMo readers do
+(``peft_scheme``, ``peft_dim``, ``peft_alpha``, ``peft_dropout``, ``peft_dropout_position``,
+``peft_target_modules``). The rules are those Bridge 0.6.2 applies when it builds the adapters
+(megatron/bridge/peft/lora.py, dora.py, utils.py ParallelLinearAdapter)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import NotModelledError
+from ..layout.peft import COLUMN_TARGETS, DEFAULT_TARGETS, ROW_TARGETS, SCHEME_NAMES, PeftSpec
+from ..numbers import shown
+from .args import Args, Context
+
+SCHEMES = ("lora", "dora")
+# Bridge's defaults: LoRA dim 32, alpha 32; DoRA dim 32, alpha 64; dropout 0.0 before the adapter (lora.py, dora.py)
+DEFAULT_ALPHA = {"lora": 32, "dora": 64}
+
+
+def _refuse_with(a: Args, kw: Mapping[str, Any]) -> None:
+    """The features whose PEFT memory is not modelled: refused by name (the key that turns them on)."""
+    what = None
+    if kw.get("transformer_impl") != "transformer_engine":
+        what, dest = "PEFT with --transformer-impl local (Bridge builds Transformer Engine layers)", "transformer_impl"
+    elif kw.get("moe") is not None:
+        what, dest = "PEFT of a mixture-of-experts model (expert and router adapters)", "num_experts"
+    elif kw.get("multi_latent_attention"):
+        what, dest = "PEFT with multi-latent attention (its linears are not linear_qkv)", "multi_latent_attention"
+    elif kw.get("fp8") or kw.get("fp4"):
+        what, dest = "PEFT with FP8 / FP4 base weights", "fp8" if kw.get("fp8") else "fp4"
+    elif kw.get("use_megatron_fsdp") or kw.get("use_torch_fsdp2"):
+        what, dest = "PEFT under FSDP", "use_megatron_fsdp" if kw.get("use_megatron_fsdp") else "use_torch_fsdp2"
+    elif kw.get("optimizer_cpu_offload"):
+        what, dest = "PEFT with the optimizer offloaded to the CPU", "optimizer_cpu_offload"
+    elif kw.get("optimizer") not in ("adam", "sgd"):
+        what, dest = f"PEFT with the {kw.get('optimizer')} optimizer", "optimizer"
+    elif kw.get("freeze_all_layers"):
+        what, dest = "PEFT with --freeze-all-layers", "freeze_all_layers"
+    elif kw.get("heterogeneous_layers"):
+        what, dest = "PEFT of heterogeneous layers", "heterogeneous_layers_config_path"
+    elif kw.get("mtp_num_layers"):
+        what, dest = "PEFT with multi-token prediction layers", "mtp_num_layers"
+    elif kw.get("cuda_graph_impl", "none") != "none":
+        what, dest = "PEFT with CUDA graphs", "cuda_graph_impl"
+    elif kw.get("use_transformer_engine_op_fuser"):
+        # TP 1 takes TEFusedLoRALinear (lora_layers.py), another autograd path
+        what, dest = "PEFT with Transformer Engine's operation fuser (TEFusedLoRALinear)", "use_transformer_engine_op_fuser"
+    elif kw.get("ddp_reduce_scatter_with_fp32_accumulation"):
+        what, dest = "PEFT with fp32 reduce-scatter accumulation", "ddp_reduce_scatter_with_fp32_accumulation"
+    elif kw.get("ddp_param_name_patterns_for_fp32_local_accumulation"):
+        what, dest = ("PEFT with fp32 local gradient accumulation patterns",
+                      "ddp_param_name_patterns_for_fp32_local_accumulation")
+    elif kw.get("cpu_offloading_num_layers") or kw.get("fine_grained_activation_offloading"):
+        what, dest = "PEFT with activation offloading", "cpu_offloading_num_layers"
+    if what:
+        raise NotModelledError(a.key(dest), what)
+
+
+def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    scheme_v = a.get("peft_scheme")
+    if scheme_v is None:
+        return {"peft": None}
+    scheme = str(scheme_v).strip().lower()
+    if scheme not in SCHEMES:
+        a.fail("peft_scheme", f"unknown PEFT scheme {shown(scheme_v)}", "lora or dora (other adapters are not modelled)")
+        return {"peft": None}
+    if a.given("peft_exclude_modules"):
+        raise NotModelledError(a.key("peft_exclude_modules"), "PEFT exclude_modules (every other linear wrapped)")
+    if a.bool_arg("peft_sp_input_regather", False):
+        raise NotModelledError(a.key("peft_sp_input_regather"), "LoRA sequence_parallel_input_regather")
+    dim = a.int_arg("peft_dim", 32)
+    alpha = a.float_arg("peft_alpha", DEFAULT_ALPHA[scheme])
+    dropout = a.float_arg("peft_dropout", 0.0)
+    if not 0.0 <= dropout < 1.0:
+        a.fail("peft_dropout", f"must be in [0, 1), got {shown(a.get('peft_dropout'))}")
+        dropout = 0.0
+    position = str(a.get("peft_dropout_position", "pre")).strip().lower()
+    if position not in ("pre", "post"):
+        a.fail("peft_dropout_position", f"must be pre or post, got {shown(a.get('peft_dropout_position'))}")
+        position = "pre"
+    if scheme == "dora" and position != "pre":
+        # dora.py __post_init__ asserts it
+        a.fail("peft_dropout_position", "DoRA supports dropout_position 'pre' only")
+    targets_v = a.get("peft_target_modules")
+    if targets_v is None:
+        targets: tuple[str, ...] = DEFAULT_TARGETS
+    else:
+        items = [targets_v] if isinstance(targets_v, str) else list(targets_v) if isinstance(targets_v, (list, tuple)) else None
+        if items is None or not all(isinstance(t, str) for t in items):
+            a.fail("peft_target_modules", f"must be a list of module names, got {shown(targets_v)}")
+            return {"peft": None}
+        targets = tuple(dict.fromkeys(t.strip() for t in items))
+        if not targets:
+            raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules "
+                                   "(Bridge then wraps every linear not excluded)")
+        for t in targets:
+            if t not in COLUMN_TARGETS | ROW_TARGETS:
+                raise NotModelledError(a.key("peft_target_modules"), f"PEFT of {shown(t)} (memguard models "
+                                       "linear_qkv, linear_proj, linear_fc1, linear_fc2 in every layer)")
+    _refuse_with(a, kw)
+    tp = kw["tensor_model_parallel_size"]
+    if dim is not None and tp > 1 and dim % tp and COLUMN_TARGETS & set(targets):
+        # a column-parallel target's linear_in is a ColumnParallelLinear(in, dim): megatron-core splits dim over TP
+        # (tensor_parallel/layers.py divide() asserts it)
+        a.fail("peft_dim", f"{dim} must be divisible by the tensor-parallel size {tp} "
+                           "(the adapters of linear_qkv / linear_fc1 split their rank over TP)")
+    if scheme == "dora" and dropout > 0:
+        raise NotModelledError(a.key("peft_dropout"), "DoRA with dropout > 0 (a second base forward)")
+    a.notes.append(f"{SCHEME_NAMES[scheme]} rank {dim} on {', '.join(targets)}: base weights frozen (no gradients, no "
+                   "optimizer state); the adapters are the only trained parameters")
+    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets)}

@@ -1,0 +1,57 @@
+"""The CPU referee with the MTP block on its own pipeline stage (Megatron's mtp_standalone: real megatron-core 0.16.1
+on CPU, gloo, 3 ranks, PP 3, a --pipeline-model-parallel-layout with 'm' on the middle stage).
+
+A GPT of h 128, 4 heads, LayerNorm, GELU, biases, rope, tied embeddings, NullTokenizer 1000 + 1 EOD padded to 1024,
+--mtp-num-layers 1, 2 micro-batches of 2 x 64 tokens. What is checked: every stage's parameters are the ones
+megatron-core builds (the MTP stage's own embedding copy, no output layer there; the loss stage's output layer and
+nothing else), and memguard's peak of every stage is the measured one within 1% (the stage that sends the
+concatenated hidden states, with or without decoder layers of its own, and the loss stage that receives them).
+"""
+import functools
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from benchmarks.referee.run import unsupported_reason  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
+
+from benchmarks.referee.grid import COMMON, resolve_config  # noqa: E402
+from benchmarks.referee.run import run_referee  # noqa: E402
+from megatron_memguard import estimate, layout_from_flags  # noqa: E402
+
+H, V = 128, 1024
+# LayerNorm (weight, bias) x 2, QKV [3h, h] + bias, proj [h, h] + bias, fc1 [4h, h] + bias, fc2 [h, 4h] + bias
+LAYER = 2 * 2 * H + (H * 3 * H + 3 * H) + (H * H + H) + (H * 4 * H + 4 * H) + (4 * H * H + H)
+MTP_EXTRA = 3 * 2 * H + H * 2 * H          # enorm, hnorm, final norm (LayerNorm) + eh_proj [h, 2h]
+
+
+def _flags(layout: str, layers: int) -> list:
+    return COMMON + (f"--num-layers {layers} --hidden-size {H} --num-attention-heads 4 --seq-length 64 "
+                     "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
+                     "--pipeline-model-parallel-size 3 --vocab-size 1000 --bf16 --position-embedding-type rope "
+                     f"--mtp-num-layers 1 --pipeline-model-parallel-layout {layout}").split()
+
+
+@functools.lru_cache(maxsize=None)
+def measured(layout: str, layers: int) -> list:
+    return run_referee(resolve_config(_flags(layout, layers), 3)[1], 3, timeout=1200)
+
+
+@pytest.mark.parametrize("layout, layers", [("Et|tm|L", 2), ("Et|m|L", 1)])
+def test_standalone_mtp_stages_against_the_referee(layout, layers):
+    ranks = measured(layout, layers)
+    est = estimate(layout_from_flags(_flags(layout, layers), world_size=3, megatron_version="0.16"), device="cpu")
+    mtp_layers = layers - 1                     # the MTP stage's own decoder layers
+    # the first stage: embedding [V, h] (tied: shared with the output copy) and one layer, the final norm on the
+    # stage of the last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage)
+    assert ranks[0]["num_params"] == V * H + LAYER + (2 * H if mtp_layers == 0 else 0)
+    # the MTP stage: its embedding copy, its decoder layers (and the final norm after them), the MTP depth
+    assert ranks[1]["num_params"] == V * H + mtp_layers * (LAYER + 2 * H) + LAYER + MTP_EXTRA
+    # the loss stage: the output layer's own weight (tied: the embedding group's copy) only
+    assert ranks[2]["num_params"] == V * H
+    for r, s in zip(ranks, est.stages):
+        assert s.parameters == r["num_params"], s.pp_rank
+        assert abs(s.peak_allocated_bytes / r["peak_bytes"] - 1) < 0.01, (s.pp_rank, s.peak_allocated_bytes,
+                                                                           r["peak_bytes"], r["peak_phase"])
