@@ -28,7 +28,7 @@ from .main import (
 )
 
 DEFAULT_TOP = 5
-MAX_TOP = 200
+MAX_TOP = 50
 DEFAULT_PLOT_LAYOUTS = 200
 _MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_")
 
