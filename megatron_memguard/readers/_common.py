@@ -223,10 +223,6 @@ def apply_overrides(doc: dict, overrides: list[tuple[str, str, Any]], strip_pref
         if op == "del":
             node.pop(parts[-1], None)
         else:
-            if isinstance(node.get(parts[-1]), dict) and value is not None and not isinstance(value, dict):
-                # (a section replaced by one value: every key under it was lost, and errors named other keys)
-                raise ConfigError(key, f"is a section of the config; it takes KEY.FIELD=VALUE overrides, not the value "
-                                       f"{shown(value)}")
             node[parts[-1]] = value
     return doc
 
