@@ -47,15 +47,19 @@ class RawConfig:
 
     def key(self, dest: str) -> str:
         """How the user wrote ``dest`` (flag or key path); the Megatron flag spelling otherwise."""
-        return self.origin.get(dest) or "--" + dest.replace("_", "-")
+        if self.origin.get(dest):
+            return self.origin[dest]
+        from .knobs import flag_of       # Megatron's own flag where it is not the dest's spelling (fp8: --fp8-format)
+        return flag_of(dest)
 
     def with_args(self, **updates: Any) -> "RawConfig":
         """A copy with some arguments replaced (origin marks them as set by memguard)."""
+        from .knobs import flag_of
         args = dict(self.args)
         origin = dict(self.origin)
         for k, v in updates.items():
             args[k] = v
-            origin.setdefault(k, "--" + k.replace("_", "-"))
+            origin.setdefault(k, flag_of(k))
         return replace(self, args=args, origin=origin)
 
     def merged(self, other: "RawConfig") -> "RawConfig":

@@ -59,6 +59,9 @@ class GpuSpec:
     attention_efficiency: float = 0.45  # achieved / peak of fused causal attention at long sequences (planner)
     sms: int = 132                      # streaming multiprocessors (AMD: compute units): the waves of a kernel's tiles
     host_bytes_per_s: float = 64e9      # host-to-device link per GPU and direction (PCIe 5.0 x16; NVLink-C2C on GB200)
+    # CUDA compute capability (NVIDIA's CUDA GPU table): Transformer Engine picks its attention kernel by it
+    # (estimator/attention_backend.py); None: not an NVIDIA part (ROCm's TE chooses otherwise)
+    compute_capability: tuple[int, int] | None = None
 
 
 def _gib(x: float) -> int:
@@ -69,21 +72,21 @@ GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec("A100-40GB", _gib(39.59), "A100 SXM4 40GB", 8, 8, 312e12, 1.555e12, 300e9, 25e9,
-                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108, host_bytes_per_s=32e9),
+                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108, host_bytes_per_s=32e9, compute_capability=(8, 0)),
         GpuSpec("A100-80GB", _gib(79.35), "A100 SXM4 80GB", 8, 8, 312e12, 2.039e12, 300e9, 25e9,
-                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108, host_bytes_per_s=32e9),
+                gemm_efficiency=0.78, attention_efficiency=0.55, sms=108, host_bytes_per_s=32e9, compute_capability=(8, 0)),
         GpuSpec("H100-80GB", _gib(79.11), "H100 SXM5 80GB HBM3", 8, 8, 989e12, 3.35e12, 450e9, 50e9,
-                gemm_efficiency=0.65, attention_efficiency=0.45),
+                gemm_efficiency=0.65, attention_efficiency=0.45, compute_capability=(9, 0)),
         GpuSpec("H100-94GB", _gib(93.10), "H100 SXM5/NVL 94GB", 4, 4, 989e12, 3.9e12, 450e9, 50e9,
                 "4 per node as on TSUBAME 4.0 (Fujii et al.); use --gpus-per-node for other systems",
-                gemm_efficiency=0.65, attention_efficiency=0.45),
+                gemm_efficiency=0.65, attention_efficiency=0.45, compute_capability=(9, 0)),
         GpuSpec("H200-141GB", _gib(139.81), "H200 SXM 141GB", 8, 8, 989e12, 4.8e12, 450e9, 50e9,
-                gemm_efficiency=0.65, attention_efficiency=0.45),
+                gemm_efficiency=0.65, attention_efficiency=0.45, compute_capability=(9, 0)),
         GpuSpec("B200", _gib(178.36), "B200 180GB (HGX/DGX B200)", 8, 8, 2.25e15, 8.0e12, 900e9, 50e9,
-                gemm_efficiency=0.60, attention_efficiency=0.45, sms=148),
+                gemm_efficiency=0.60, attention_efficiency=0.45, sms=148, compute_capability=(10, 0)),
         GpuSpec("GB200", _gib(184.0), "GB200 NVL72, 186GB HBM3e per GPU", 4, 72, 2.5e15, 8.0e12, 900e9, 50e9,
                 "4 GPUs per compute tray, 72 in one NVLink domain", gemm_efficiency=0.60, attention_efficiency=0.45,
-                sms=148, host_bytes_per_s=450e9),
+                sms=148, host_bytes_per_s=450e9, compute_capability=(10, 0)),
         GpuSpec("MI300X", _gib(191.98), "AMD Instinct MI300X 192GB", 8, 8, 1.307e15, 5.3e12, 448e9, 50e9,
                 gemm_efficiency=0.45, attention_efficiency=0.30, sms=304),
     )

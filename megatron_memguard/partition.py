@@ -36,6 +36,12 @@ MIXER_NONE = "none"
 MLP_NONE = "none"
 MIXER_LINEAR = "linear"            # replace_with_linear: one [h, h] column-parallel linear (layers/linear_block.py)
 MLP_LINEAR = "linear"
+MIXER_MAMBA = "mamba"              # megatron-core MambaMixer (layers/mamba.py); a hybrid model's 'M' layer
+# A hybrid model's layer symbols (--hybrid-layer-pattern; megatron-core 0.19.2 models/hybrid/
+# hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
+# (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
+HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
+                "E": (MIXER_NONE, MLP_MOE)}
 
 
 class LayerKind(NamedTuple):
@@ -135,6 +141,11 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     mixer = _mixer(L)
     moe = L.moe
     het = L.heterogeneous_layers
+    hybrid = L.hybrid_layer_pattern
+    if hybrid:
+        # one symbol per layer ('|' only splits the pipeline; resolve/hybrid.py refuses FP8 with it)
+        made_h = {sym: LayerKind(*HYBRID_KINDS[sym]) for sym in set(hybrid) - {"|"}}
+        return kind_runs(tuple(made_h[sym] for sym in hybrid if sym != "|"))
     if het:
         # one "mixer/mlp" word per layer (no FP8 / MoE here: resolve refuses them together)
         made: dict[str, LayerKind] = {}

@@ -114,6 +114,8 @@ def test_every_recipe_function_is_a_bridge_export_once():
     ("qwen3_next_80b_a3b_pretrain_config", "Gated DeltaNet"),
     ("deepseek_v4_flash_pretrain_config", "DeepSeek-V4"),
     ("nemotron_3_nano_pretrain_config", "Mamba"),
+    ("nemotronh_47b_pretrain_config", "Nemotron-H"),           # dense hybrid Mamba (recipes/nemotronh/h100; 8b has an entry)
+    ("nemotron_nano_9b_v2_pretrain_config", "Nemotron Nano v2"),
     ("gpt_oss_20b_pretrain_config", "gpt-oss-20b"),
     ("qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_functional_config", "HybridEP"),
 ])

@@ -34,33 +34,38 @@ WORLD = 16
 def _hf_cache(root: str) -> None:
     """config.json of each model a memguard recipe uses, where huggingface_hub looks for it offline: the
     published file itself where tests/data/hf has it (the MoE models), else memguard's preset fields. Also
-    under the revision a recipe pins (Qwen3-30B-A3B)."""
+    under the revision a recipe pins (Qwen3-30B-A3B, Qwen3-8B)."""
     from megatron_memguard.readers.models import model_hf, presets
 
     for r in presets()["recipes"].values():
         if not r.get("model"):   # a recipe that builds its provider itself (OLMoE) reads no config.json
             continue
         m = presets()["models"][r["model"]]
-        repo = next(a for a in m["aliases"] if "/" in a)
         whole = os.path.join(HERE, "data", "hf", r["model"] + ".json")
         if os.path.exists(whole):
             with open(whole) as f:
                 doc = json.load(f)
         else:
-            doc = {**model_hf(r["model"]), "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}
-        base = os.path.join(root, "hub", "models--" + repo.replace("/", "--"))
-        for rev in ("0", *PINNED_REVISIONS.get(repo, ())):
-            snap = os.path.join(base, "snapshots", rev)
-            os.makedirs(snap, exist_ok=True)
-            with open(os.path.join(snap, "config.json"), "w") as f:
-                json.dump(doc, f)
-        os.makedirs(os.path.join(base, "refs"), exist_ok=True)
-        with open(os.path.join(base, "refs", "main"), "w") as f:
-            f.write("0")
+            hf = model_hf(r["model"])
+            doc = {**hf, "architectures": [ARCHITECTURES[hf["model_type"]]], "torch_dtype": "bfloat16"}
+        for repo in (a for a in m["aliases"] if "/" in a):   # (Llama 3.1: the recipes spell it Meta-Llama-3.1)
+            base = os.path.join(root, "hub", "models--" + repo.replace("/", "--"))
+            for rev in ("0", *PINNED_REVISIONS.get(repo, ())):
+                snap = os.path.join(base, "snapshots", rev)
+                os.makedirs(snap, exist_ok=True)
+                with open(os.path.join(snap, "config.json"), "w") as f:
+                    json.dump(doc, f)
+            os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+            with open(os.path.join(base, "refs", "main"), "w") as f:
+                f.write("0")
 
 
-# revisions recipes pass to AutoBridge.from_hf_pretrained (recipes/qwen/h100/qwen3_moe.py)
-PINNED_REVISIONS = {"Qwen/Qwen3-30B-A3B": ("ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",)}
+# revisions recipes pass to AutoBridge.from_hf_pretrained (recipes/qwen/h100/qwen3_moe.py, qwen3.py)
+PINNED_REVISIONS = {"Qwen/Qwen3-30B-A3B": ("ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",),
+                    "Qwen/Qwen3-8B": ("b968826d9c46dd6066d109eabc6255188de91218",)}
+# the `architectures` of each family's published config.json (AutoBridge picks the model bridge by it)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +112,7 @@ def resolved(raw, world):
 @pytest.mark.parametrize("key, function", recipe_functions())
 def test_memguards_recipes_are_bridges(recipes, key, function):
     from megatron_memguard.bridge import raw_config
+    from megatron_memguard.config import memory_env
     from megatron_memguard.readers.models import read_model
 
     cfg = getattr(recipes, function)()
@@ -115,6 +121,8 @@ def test_memguards_recipes_are_bridges(recipes, key, function):
     world = world_of(key)
     real, ours = resolved(raw, world), resolved(read_model(key), world)
     assert real == ours
+    # the recipe's env_vars (training/config.py apply_environment_variables), the memory-relevant ones
+    assert raw.env == read_model(key).env == memory_env({k: str(v) for k, v in cfg.env_vars.items()})
     if isinstance(real, tuple):
         # refused by a dispatcher memguard does not model yet (HybridEP, DeepEP across nodes): the rest of the
         # recipe must still be Bridge's, so compare both with the alltoall dispatcher
@@ -166,6 +174,13 @@ LAUNCHES = [
     ["--model", "deepseek_v2_lite", "--mode", "pretrain", "-mb", "2", "-sl", "2048",
      "model.moe_grouped_gemm=false"],
     ["--recipe", "olmoe_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true", "-ep", "4"],
+    # the dense recipes read from Bridge 0.6.2
+    ["--recipe", "qwen3_8b_pretrain_config", "-tp", "2", "train.global_batch_size=256"],
+    ["--model", "qwen25_7b", "--mode", "pretrain", "-mb", "2", "-sl", "2048"],
+    ["--recipe", "llama3_70b_pretrain_deterministic_config", "-pp", "2", "-vp", "5", "-sl", "4096"],
+    ["--recipe", "llama31_405b_pretrain_config", "-tp", "8", "-pp", "2", "-vp", "7", "-cp", "1", "-sl", "8192",
+     "model.account_for_embedding_in_pipeline_split=false", "model.account_for_loss_in_pipeline_split=false"],
+    ["--recipe", "llama3_8b_low_precision_pretrain_config", "-mb", "2"],
 ]
 
 
@@ -433,6 +448,155 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     assert raw.args["num_layers"] == 16
 
 
+# --------------------------------------------------------------------------------------------------
+# A recipe's env_vars reach the job as Bridge's apply_environment_variables puts them there (setdefault: the
+# launch's own value wins); memguard check of `VAR=value torchrun ... run_recipe.py` reads the same environment
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("launch_env", [{}, {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "PYTORCH_CUDA_ALLOC_CONF": ""}])
+def test_recipe_env_vars_are_applied_as_bridge_applies_them(recipes, monkeypatch, capsys, launch_env):
+    from megatron.bridge.training.config import apply_environment_variables
+
+    from megatron_memguard.cli.main import main
+    from megatron_memguard.config import MEMORY_ENV_VARS, memory_env
+
+    function = "llama3_70b_pretrain_deterministic_config"
+    for name in MEMORY_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launch_env.items():
+        monkeypatch.setenv(name, value)
+    apply_environment_variables(getattr(recipes, function)())
+    real = memory_env(os.environ)
+    assert real["CUBLAS_WORKSPACE_CONFIG"] == launch_env.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    prefix = [f"{k}={v}" for k, v in launch_env.items()]
+    for name in launch_env:
+        monkeypatch.delenv(name)
+    code = main(["check", "--json", "--", *prefix, "torchrun", "--nnodes", "4", "--nproc-per-node", "8",
+                 "scripts/training/run_recipe.py", "--recipe", function])
+    doc = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and doc["layout"]["env"] == real
+
+
+# --------------------------------------------------------------------------------------------------
+# Every recipe memguard names, field by field against what Bridge itself finalizes: the real recipe function, then
+# Bridge's runtime_config_update (environment, mixed precision setup, data-parallel size, comm overlap setup,
+# validate: training/config.py 0.6.2) and, for NullTokenizer recipes, the tokenizer and vocabulary setup
+# (training/setup.py _validate_and_set_vocab_size, gpt_provider.py's padding). memguard's three readings of the
+# recipe -- `--model NAME`, `--config` of the run_config.yaml Bridge dumps, preflight() on the object -- must
+# all give those values.
+# --------------------------------------------------------------------------------------------------
+def _finalized(recipes, key, monkeypatch):
+    """(the finalized ConfigContainer, its world size, memguard's recipe overrides): a HybridEP recipe (refused by
+    name: test_memguards_recipes_are_bridges) is taken with the alltoall dispatcher on both sides."""
+    from megatron.bridge.training.config import runtime_config_update
+
+    from megatron_memguard.config import MEMORY_ENV_VARS
+    from megatron_memguard.readers.models import presets
+
+    world = world_of(key)
+    for name in MEMORY_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name in ("NCCL_GRAPH_REGISTER", "NCCL_NVLS_ENABLE", "TORCH_NCCL_HIGH_PRIORITY", "NCCL_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg = getattr(recipes, presets()["recipes"][key]["functions"][0])()
+    overrides = []
+    if cfg.model.moe_token_dispatcher_type == "flex" and cfg.model.moe_flex_dispatcher_backend == "hybridep":
+        cfg.model.moe_token_dispatcher_type = "alltoall"
+        overrides = ["model.moe_token_dispatcher_type=alltoall"]
+    # Transformer Engine and the GPU are stood in: OptimizerConfig's check that TE's FusedAdam takes the
+    # precision-aware arguments (transformer-engine >= 2.x does), and validate_flex_dispatcher_backend's device (an
+    # H100, the GPU the recipes are named for)
+    import types
+
+    import torch
+    import transformer_engine.pytorch.optimizers as te_optimizers
+
+    def fused_adam(params, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None,
+                   use_decoupled_grad=False):
+        raise AssertionError("not built on CPU")
+
+    monkeypatch.setattr(te_optimizers, "FusedAdam", fused_adam, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: types.SimpleNamespace(major=9, minor=0, name="NVIDIA H100 80GB HBM3"))
+    env = dict(os.environ)
+    try:
+        runtime_config_update(cfg)
+    finally:   # (it applies the recipe's env_vars to this process)
+        os.environ.clear()
+        os.environ.update(env)
+    return cfg, world, overrides
+
+
+def _bridge_values(cfg) -> dict:
+    """What Bridge builds the model and its optimizer with, under memguard's Layout names."""
+    m, o, d, t = cfg.model, cfg.optimizer, cfg.ddp, cfg.train
+    dtype = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}
+    mla = bool(getattr(m, "multi_latent_attention", False))
+    v = {
+        "tensor_model_parallel_size": m.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": m.virtual_pipeline_model_parallel_size,
+        "context_parallel_size": m.context_parallel_size, "sequence_parallel": m.sequence_parallel,
+        "data_parallel_size": cfg.data_parallel_size,
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length,
+        "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+        "untie_embeddings_and_output_weights": not m.share_embeddings_and_output_weights,
+        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
+        "gated_linear_unit": m.gated_linear_unit, "normalization": m.normalization,
+        "multi_latent_attention": mla,
+        "recompute_granularity": m.recompute_granularity, "recompute_method": m.recompute_method,
+        "recompute_num_layers": m.recompute_num_layers,
+        "bf16": m.bf16, "fp16": m.fp16, "params_dtype": dtype[str(m.params_dtype)],
+        "transformer_impl": m.transformer_impl, "cross_entropy_loss_fusion": m.cross_entropy_loss_fusion,
+        "tp_comm_overlap": m.tp_comm_overlap, "deterministic_mode": m.deterministic_mode,
+        "account_for_embedding_in_pipeline_split": m.account_for_embedding_in_pipeline_split,
+        "account_for_loss_in_pipeline_split": m.account_for_loss_in_pipeline_split,
+        "use_distributed_optimizer": d.use_distributed_optimizer, "overlap_grad_reduce": d.overlap_grad_reduce,
+        "overlap_param_gather": d.overlap_param_gather, "optimizer": o.optimizer,
+        "use_precision_aware_optimizer": o.use_precision_aware_optimizer,
+    }
+    if not mla:
+        v.update(kv_channels=m.kv_channels, num_query_groups=m.num_query_groups or m.num_attention_heads)
+    if o.use_precision_aware_optimizer:
+        v.update(main_grads_dtype=dtype[str(o.main_grads_dtype)], exp_avg_dtype=dtype[str(o.exp_avg_dtype)],
+                 exp_avg_sq_dtype=dtype[str(o.exp_avg_sq_dtype)])
+    # gradients reduced in fp32, else in the parameters' bf16 (DistributedDataParallelConfig.grad_reduce_in_fp32)
+    v["grad_reduce_in_bf16"] = m.bf16 and not d.grad_reduce_in_fp32
+    if cfg.tokenizer.tokenizer_type == "NullTokenizer":
+        from megatron.bridge.training.setup import _validate_and_set_vocab_size
+        from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
+        from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
+
+        vocab, pad = _validate_and_set_vocab_size(m.vocab_size, build_tokenizer(cfg.tokenizer).vocab_size,
+                                                  cfg.tokenizer.use_tokenizer_vocab_size)
+        v["padded_vocab_size"] = (calculate_padded_vocab_size(vocab, m.make_vocab_size_divisible_by,
+                                                              m.tensor_model_parallel_size) if pad else vocab)
+    return v
+
+
+@pytest.mark.parametrize("key", sorted(__import__("megatron_memguard.readers.models", fromlist=["presets"])
+                                       .presets()["recipes"]))
+def test_every_recipe_reads_as_bridge_finalizes_it(recipes, monkeypatch, tmp_path, key):
+    from megatron_memguard.bridge import preflight
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
+
+    cfg, world, overrides = _finalized(recipes, key, monkeypatch)
+    real = _bridge_values(cfg)
+    by_name = resolve(read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key), world_size=world)
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    dumped = resolve(read_config_file(str(path)), world_size=world)
+    # (MXFP8 and NVFP4 need Blackwell, whatever the recipe's name says: memguard refuses them on an H100)
+    blackwell = (cfg.model.fp8 and cfg.model.fp8_recipe == "mxfp8") or cfg.model.fp4
+    pre = preflight(cfg, world_size=world, gpu="B200" if blackwell else "H100-80GB", mode="report", emit=lambda s: None,
+                    strict=True).layout
+    for L, how in ((by_name, "--model"), (dumped, "--config run_config.yaml"), (pre, "preflight")):
+        ours = L.to_dict()
+        assert {k: ours[k] for k in real} == real, how
 # --- PEFT: Bridge's real adapters vs memguard's count (estimator/peft.py)
 
 @functools.lru_cache(maxsize=None)

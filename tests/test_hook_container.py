@@ -392,3 +392,37 @@ def test_invalid_expert_grid_says_megatron_will_stop(run, hook, capsys):
     assert "training continues unchecked" not in line
     assert ("Megatron's validate_args accepts it but the run will stop in initialize_model_parallel: world size 16 is "
             "not divisible by expert tensor parallel 2 x expert parallel 4 x pipeline parallel 4 = 32") in line
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_moe_fp8_autotune_is_what_megatron_validates_and_builds(run, hook, capsys, monkeypatch, recipe):
+    # MoE under FP8 (hybrid, delayed or current scaling) through the real parse_args + validate_args of this era
+    # (0.18.2, 0.19.2): autotune's change is made before validate_args, which accepts it; the TransformerConfig
+    # pretrain_gpt.py builds next takes it (fp8 and recompute_modules rules); and the validated namespace, read
+    # back by memguard, is the layout the decision estimated (so the tuned job is the one that was checked)
+    from megatron.training import argument_utils
+
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    from megatron_memguard.resolve import resolve
+
+    args = run("--micro-batch-size", 4, "--global-batch-size", 64, *MOE, "--fp8-format", "hybrid", "--fp8-recipe",
+               recipe, "--memguard", "autotune", "--memguard-allow-recompute")
+    out = capsys.readouterr().out
+    d = hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.verdict == "fits" and "[memguard] autotune changed" in out
+    assert (args.fp8, args.fp8_recipe, args.expert_model_parallel_size) == ("hybrid", recipe, 8)
+    assert 16 % (args.expert_model_parallel_size * args.pipeline_model_parallel_size) == 0
+    # (Transformer Engine is not installed here: TransformerConfig's MoE-FP8 check asks for TE >= 1.7, which every
+    # TE that runs core 0.18 / 0.19 is)
+    import megatron.core.transformer.transformer_config as tc
+    monkeypatch.setattr(tc, "is_te_min_version", lambda *a, **k: True)
+    transformer = (argument_utils.gpt_config_from_args(args).transformer if hasattr(argument_utils, "gpt_config_from_args")
+                   else argument_utils.core_transformer_config_from_args(args))
+    assert (transformer.fp8, transformer.num_moe_experts) == ("hybrid", 8)
+    assert transformer.recompute_granularity == args.recompute_granularity
+    L = resolve(raw_from_namespace(args), world_size=16, megatron_version=d.layout.megatron_version)
+    # (vocab_size: the validated namespace keeps only the padded size, which is compared)
+    skip = ("notes", "env", "vocab_size")
+    assert L.padded_vocab_size == d.layout.padded_vocab_size == args.padded_vocab_size
+    assert ({k: v for k, v in L.to_dict().items() if k not in skip}
+            == {k: v for k, v in d.layout.to_dict().items() if k not in skip})

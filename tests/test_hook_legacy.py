@@ -352,6 +352,36 @@ def test_moe_autotune_keeps_the_expert_grid(legacy, capsys):
     assert d.layout.expert_model_parallel_size == 8
 
 
+@pytest.mark.skipif(LEGACY != "real", reason="the stand-in's parser has no --fp8-recipe: core 0.17.1's real one")
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_moe_fp8_autotune_is_what_megatron_validates_and_builds(legacy, capsys, monkeypatch, recipe):
+    # MoE under FP8 through the legacy era's initialize_megatron (core 0.17.1's real parse_args + validate_args):
+    # autotune's change is made before validate_args, which accepts it; the TransformerConfig pretrain_gpt.py
+    # builds next takes it; and the validated namespace, read back by memguard, is the layout the decision estimated
+    from megatron_memguard.readers.megatron_namespace import raw_from_namespace
+    from megatron_memguard.resolve import resolve
+
+    args = legacy.run("--micro-batch-size", 4, "--global-batch-size", 64, *MOE, "--fp8-format", "hybrid",
+                      "--fp8-recipe", recipe, "--no-rope-fusion",   # (TE's fused RoPE: no TE installed here)
+                      "--memguard", "autotune", "--memguard-allow-recompute")
+    out = capsys.readouterr().out
+    d = legacy.hook.STATE.decision
+    assert d.action == "tuned" and d.estimate.verdict == "fits" and "[memguard] autotune changed" in out
+    assert (args.fp8, args.fp8_recipe, args.expert_model_parallel_size) == ("hybrid", recipe, 8)
+    assert 16 % (args.expert_model_parallel_size * args.pipeline_model_parallel_size) == 0
+    # (Transformer Engine is not installed here: TransformerConfig's MoE-FP8 check asks for TE >= 1.7)
+    import megatron.core.transformer.transformer_config as tc
+    monkeypatch.setattr(tc, "is_te_min_version", lambda *a, **k: True)
+    transformer = legacy.arguments.core_transformer_config_from_args(args)
+    assert (transformer.fp8, transformer.num_moe_experts) == ("hybrid", 8)
+    assert transformer.recompute_granularity == args.recompute_granularity
+    L = resolve(raw_from_namespace(args), world_size=16, megatron_version=d.layout.megatron_version)
+    skip = ("notes", "env", "vocab_size")    # (the validated namespace keeps only the padded size, compared)
+    assert L.padded_vocab_size == d.layout.padded_vocab_size == args.padded_vocab_size
+    assert ({k: v for k, v in L.to_dict().items() if k not in skip}
+            == {k: v for k, v in d.layout.to_dict().items() if k not in skip})
+
+
 def test_moe_warn_shows_the_worst_case(legacy, capsys):
     legacy.run("--micro-batch-size", 1, "--global-batch-size", 64, "--pipeline-model-parallel-size", 2, *MOE)
     out = capsys.readouterr().out

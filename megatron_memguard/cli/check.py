@@ -212,8 +212,8 @@ def _read_run_recipe(ns: argparse.Namespace, cmd: LaunchCommand, notes: list[str
     rr, raw = read_run_recipe(cmd.script_args, extra_overrides=ns.set)
     if rr.ignored:
         notes.append("run_recipe.py settings that do not change memory: " + " ".join(rr.ignored))
-    if cmd.env:  # the recipe's env_vars (--deterministic) are applied over the launch's environment
-        raw = replace(raw, env={**memory_env(cmd.env), **raw.env})
+    if cmd.env:  # the recipe's env_vars (and --deterministic's) are os.environ.setdefault: the launch's own win
+        raw = replace(raw, env={**raw.env, **memory_env(cmd.env)})
     sa = ScriptArgs(kind="bridge", recipe=rr.recipe, overrides=list(rr.overrides), ignored=list(rr.ignored))
     return cmd, sa, raw, notes
 

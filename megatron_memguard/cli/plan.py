@@ -240,7 +240,7 @@ def _stage_peaks(est) -> str:
 def render_plan(planner: Planner, res: PlanResult) -> str:
     from ..report.text import table
     from ..units import format_bytes
-    from ..planner.export import bridge_overrides, megatron_flags, nemo2_overrides
+    from ..planner.export import bridge_overrides, flags_to_remove, megatron_flags, nemo2_overrides
 
     cl, s = res.cluster, res.shape
     mem = cl.gpu_memory_bytes
@@ -284,12 +284,15 @@ def render_plan(planner: Planner, res: PlanResult) -> str:
         out.append(f"chosen: #1 {best.candidate.label} ({best.candidate.name}); --explain shows its step-time "
                    f"terms next to the runner-up's")
         out.append("")
-        out.append("Megatron flags:")
-        out.append("  " + " \\\n  ".join(megatron_flags(L, best.experts)))
+        exported = megatron_flags(L, best.experts)
+        drop = flags_to_remove(planner.raw, exported)
+        # (Megatron cannot switch a store-true flag off: the command must lose these for the planned layout)
+        out.append("Megatron flags" + (f" (first remove {', '.join(drop)} from your command):" if drop else ":"))
+        out.append("  " + " \\\n  ".join(exported))
         out.append("NeMo 2 (NeMo-Run recipe overrides):")
-        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts)))
+        out.append("  " + " ".join(nemo2_overrides(L, cl.gpus_per_node, best.experts, raw=planner.raw)))
         out.append("Megatron-Bridge (ConfigContainer overrides):")
-        out.append("  " + " ".join(bridge_overrides(L, best.experts)))
+        out.append("  " + " ".join(bridge_overrides(L, best.experts, raw=planner.raw)))
     else:
         out.append("no layout fits.")
         for frac, c, est in res.closest:
@@ -325,9 +328,19 @@ def plan_json(planner: Planner, res: PlanResult) -> dict[str, Any]:
         "global_batch_size": res.global_batch_size,
         "model_flops_per_token": planner.timer.flops_per_token,
         "search": res.search_dict(),
-        "layouts": [e.to_dict(cl.gpus_per_node) for e in res.entries],
+        "layouts": [_layout_json(planner, e, cl.gpus_per_node) for e in res.entries],
         "notes": list(res.notes),
     }
+
+
+def _layout_json(planner: Planner, entry: Any, gpus_per_node: int) -> dict[str, Any]:
+    from ..planner.export import bridge_overrides, flags_to_remove, nemo2_overrides
+    d = entry.to_dict(gpus_per_node)
+    d["megatron_flags_to_remove"] = flags_to_remove(planner.raw, d["megatron_flags"])
+    # the overrides clear what the model's config sets and the layout leaves unset
+    d["nemo2_overrides"] = nemo2_overrides(entry.layout, gpus_per_node, entry.experts, raw=planner.raw)
+    d["bridge_overrides"] = bridge_overrides(entry.layout, entry.experts, raw=planner.raw)
+    return d
 
 
 def run(own_args: Sequence[str], flags: list[str]) -> int:

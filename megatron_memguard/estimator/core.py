@@ -29,6 +29,7 @@ from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tok
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
+from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
 from .cuda_graphs import spec_of as cuda_graph_spec
@@ -141,7 +142,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             k = min(k, n)
             layers = k * ckpt_input + _layers_bytes(per_kind, k)
             recompute_group = 1 if k else 0
-            detail = f"{k} checkpointed layers x {format_bytes(ckpt_input)} + " + _layers_detail(per_kind, k)
+            detail = (f"{k} checkpointed layers x {format_bytes(ckpt_input)} + "
+                      + _layers_detail(per_kind, k, bool(L.hybrid_layer_pattern)))
     else:
         layers = _layers_bytes(per_kind, 0)
         detail = None                 # _layers_detail(per_kind, 0), made when first read
@@ -291,7 +293,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
     # (positional, in the fields' order: one per chunk shape of every cold estimate)
-    return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0) if detail is None else detail) + "".join(more),
+    merge = bool(L.hybrid_layer_pattern)
+    return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0, merge) if detail is None else detail)
+                            + "".join(more),
                             ends, fwd_extra, bwd_top, bwd_bottom, moe_layers, staging, host, offload_groups,
                             o.bwd_transient if has_output else 0, o.bwd_wgrad_moment if has_output else 0)
 
@@ -317,14 +321,20 @@ def _chunks_detail(details: list[str]) -> str:
     return "; ".join(details)
 
 
-def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int) -> str:
-    """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind."""
+def _layers_detail(per_kind: list[tuple[LayerActivations, int]], skip: int, merge: bool = False) -> str:
+    """'n layers x bytes' for the layers above the first ``skip``, one part per run of a kind (``merge``: one
+    part per size, for a hybrid model's alternating Mamba / attention / MLP layers)."""
     parts = []
+    counts: dict[int, int] = {}
     for la, k in per_kind:
         kept = max(0, k - skip)
         skip = max(0, skip - k)
-        if kept or len(per_kind) == 1:
+        if merge:
+            counts[la.total] = counts.get(la.total, 0) + kept
+        elif kept or len(per_kind) == 1:
             parts.append(f"{kept} {'layer' if kept == 1 else 'layers'} x {format_bytes(la.total)}")
+    if merge:
+        parts = [f"{n} {'layer' if n == 1 else 'layers'} x {format_bytes(b)}" for b, n in counts.items() if n]
     return " + ".join(parts)
 
 
@@ -1248,12 +1258,25 @@ def estimate(
             # the paper's closed form has one layer shape
             from ..errors import NotModelledError
             raise NotModelledError("--profile", "the fujii2024 closed form for heterogeneous layer configs")
+        if layout.hybrid_layer_pattern:
+            from ..errors import NotModelledError
+            raise NotModelledError("--profile", "the fujii2024 closed form for hybrid Mamba models")
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
+    if profile == "local" and layout.hybrid_layer_pattern:
+        # megatron-core builds a hybrid model from its TE layer spec only (models/hybrid/hybrid_layer_specs.py)
+        from ..errors import NotModelledError
+        raise NotModelledError("--profile", "the local profile for a hybrid Mamba model (built from TE modules only)")
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
+    attention = select_attention_backend(L, gpu)
+    if attention.selected == "flash" and L.attention_backend == "auto":
+        # TE runs flash-attn for auto on this GPU: the flash terms (layers/attention.py) apply
+        L = L.replace(attention_backend="flash")
+    if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
+        notes.append("attention backend: " + attention.why)
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
     if gpu is not None and (layout.fp8 or layout.fp4):
         from .fp8 import gpu_violation
@@ -1283,4 +1306,4 @@ def estimate(
     verdict = verdict_for(totals[crit], mem, threshold)
     return Estimate(layout=layout, profile=L.transformer_impl if profile == "auto" else profile, device=device,
                     gpu=gpu_name, gpu_memory_bytes=mem, threshold=threshold, stages=stages, verdict=verdict,
-                    critical_stage=crit, notes=tuple(notes), site=site)
+                    critical_stage=crit, notes=tuple(notes), site=site, attention=attention)

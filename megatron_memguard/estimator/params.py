@@ -90,12 +90,20 @@ def holds_final_norm(L: Layout, c: Chunk) -> bool:
     return c.num_layers > 0 and c.first_layer + c.num_layers == L.num_layers
 
 
+def _first_embedding_shared(L: Layout) -> bool:
+    """Whether the first stage's word embedding is marked ``shared_embedding`` (its own DDP bucket with the
+    distributed optimizer): with PP > 1 when the output layer is tied to it or MTP keeps a copy of it on the last
+    stage, untied too (LanguageModule.setup_embeddings_and_output_layer, core 0.16.1 and 0.19.2: it returns early
+    only without tying and without mtp_num_layers)."""
+    return L.pp > 1 and (not L.untie_embeddings_and_output_weights or bool(getattr(L, "mtp_num_layers", 0)))
+
+
 def chunk_numels(L: Layout, c: Chunk, final_norm: bool | None = None) -> list[tuple[int, bool]]:
     """(numel, shared_embedding) of every parameter of a chunk, in registration order (fast path).
     ``final_norm``: whether it builds the final norm (None: holds_final_norm)."""
     h, t = L.hidden_size, L.tp
     vocab_rows = L.padded_vocab_size // t
-    tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
+    tied_pp = _first_embedding_shared(L)
     out: list[tuple[int, bool]] = []
     if c.has_embedding:
         out.append((vocab_rows * h, tied_pp))
@@ -192,7 +200,7 @@ def chunk_params(L: Layout, c: Chunk, layers: bool = True) -> list[Param]:
     transformer layers')."""
     h, t = L.hidden_size, L.tp
     vocab_rows = L.padded_vocab_size // t
-    tied_pp = (not L.untie_embeddings_and_output_weights) and L.pp > 1
+    tied_pp = _first_embedding_shared(L)
     ps: list[Param] = []
     if c.has_embedding:
         ps.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_pp, cols=h))

@@ -234,10 +234,11 @@ class Estimate:
     critical_stage: int
     notes: tuple[str, ...] = field(default=())
     site: Any = None               # the SiteConstants used (estimator/site.py); None: memguard's defaults
+    attention: Any = None          # the core-attention kernel modelled (estimator/attention_backend.py)
 
     def __init__(self, layout: Layout, profile: str, device: str, gpu: str | None, gpu_memory_bytes: int | None,
                  threshold: float, stages: tuple[StageEstimate, ...], verdict: str, critical_stage: int,
-                 notes: tuple[str, ...] = (), site: Any = None) -> None:
+                 notes: tuple[str, ...] = (), site: Any = None, attention: Any = None) -> None:
         # one per estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["layout"] = layout
@@ -251,6 +252,7 @@ class Estimate:
         d["critical_stage"] = critical_stage
         d["notes"] = notes
         d["site"] = site
+        d["attention"] = attention
 
     @property
     def critical(self) -> StageEstimate:
@@ -302,6 +304,7 @@ class Estimate:
             "layout": self.layout.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "site": self.site.to_dict() if self.site is not None else None,
+            **({"attention_backend": self.attention.to_dict()} if self.attention is not None else {}),
             "notes": list(self.notes),
             **self._moe_parameters(),
             **({"host_bytes_per_rank": self.host_bytes_per_rank, "host_bytes_per_node": self.host_bytes_per_node,

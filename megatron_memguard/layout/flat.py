@@ -40,7 +40,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type"),
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
     ("shape", "mtp_num_layers heterogeneous_layers"),
-    ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type use_transformer_engine_op_fuser"),
+    ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type use_transformer_engine_op_fuser "
+                "softmax_type flash_attention_version"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
     ("optim", "muon_scalar_optimizer muon_split_qkv muon_tp_mode muon_fp32_matmul_prec muon_nesterov"),
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
@@ -57,6 +58,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("recompute", "activation_offload_fraction delta_offload_bytes_across_pp_ranks delay_offload_until_cuda_graph"),
     ("recompute", "fine_grained_offloading_max_inflight_offloads"),
     ("shape", "mtp_moe_on_empty_chunk"),
+    ("shape", "hybrid_layer_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads "
+              "mamba_chunk_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -98,6 +101,9 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
     "fine_grained_offloading_max_inflight_offloads": None,
+    "softmax_type": "vanilla", "flash_attention_version": None,   # they pick TE's attention kernel (attention_backend)
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
+    "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
+    "mamba_num_heads": 0, "mamba_chunk_size": 128,
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

@@ -30,6 +30,12 @@ class Kernels:
     # --use-transformer-engine-op-fuser with the TE spec: TEFusedMLP for a dense model's MLPs, TE's
     # fused grouped MLP for the experts (megatron-core 0.19.2); resolved False where the spec ignores it
     use_transformer_engine_op_fuser: bool = False
+    # --softmax-type (vanilla | off-by-one | learnable): flash-attn has only the vanilla softmax, so it
+    # decides which kernel TE's auto backend runs (estimator/attention_backend.py)
+    softmax_type: str = "vanilla"
+    # --flash-attention-version (core 0.19.2): the one flash-attn generation TE may use (language_module.py
+    # sets NVTE_FLASH_ATTN_V<other>=0); None: any
+    flash_attention_version: int | None = None
 
     @property
     def fused_wgrad(self) -> bool:

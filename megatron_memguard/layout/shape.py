@@ -49,3 +49,12 @@ class ModelShape:
     # through): an MoE model's MTP layer takes the full MoE layer spec when its chunk holds no decoder layer
     # (a layout ending '|mL'), whatever the last decoder layer is (params.mtp_layer_kind)
     mtp_moe_on_empty_chunk: bool = False
+    # --hybrid-layer-pattern (core 0.17+; --hybrid-override-pattern before): one symbol per layer, M (Mamba),
+    # * (attention), - (MLP), E (MoE), '|' between pipeline segments (resolve/hybrid.py); None: not hybrid
+    hybrid_layer_pattern: str | None = None
+    # the Mamba mixer (TransformerConfig 0.19.2 defaults; mamba_num_heads resolved: hidden * 2 // head dim unset)
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int = 0
+    mamba_chunk_size: int = 128     # the SSD kernel's chunk (MambaMixer's chunk_size; Bridge's mamba_chunk_size)

@@ -6,6 +6,7 @@ what order.
 """
 from __future__ import annotations
 
+from ..config import RawConfig
 from ..knobs import knob
 from ..layout import Layout
 
@@ -42,6 +43,27 @@ def megatron_flags(L: Layout, experts: tuple[int, int] | None = None) -> list[st
         f += _flag("use_megatron_fsdp", True) + _flag("data_parallel_sharding_strategy",
                                                       L.data_parallel_sharding_strategy) + ["--ckpt-format fsdp_dtensor"]
     return f + [t for dest, value in _fp8(L) for t in _flag(dest, value)]
+
+
+def flags_to_remove(raw: RawConfig, exported: list[str]) -> list[str]:
+    """The Megatron flags of the user's command (as spelled there) that the exported flags do not override: a
+    searched setting the chosen layout leaves off or unset (no recomputation, no sequence parallelism, even
+    stages, ...). Megatron's store-true flags have no off switch and a value flag given once stays in force,
+    so these must leave the command for it to run the planned layout (and for `memguard estimate` to give
+    the planned bytes)."""
+    import shlex
+
+    from ..readers.megatron_flags import parse_megatron_flags
+    from .space import SEARCHED_ARGS
+    written = set(parse_megatron_flags(shlex.split(" ".join(exported))).args)
+    out: list[str] = []
+    for dest in SEARCHED_ARGS:
+        if raw.args.get(dest) is None or raw.args.get(dest) is False or dest in written:
+            continue
+        spelled = raw.origin.get(dest, "")
+        if spelled.startswith("--") and spelled not in out:   # a flag of the command, not a YAML / recipe key
+            out.append(spelled)
+    return out
 
 
 def _fp8(L: Layout) -> list[tuple[str, object]]:
@@ -81,6 +103,29 @@ def _recompute(L: Layout) -> list[tuple[str, object]]:
     return v
 
 
+# settings a config may hold that a planned layout can leave unset, which an override must then clear: the
+# searched keys the exporters write only when set
+_CLEARABLE = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+              "pipeline_model_parallel_layout", "recompute_method", "recompute_num_layers")
+
+
+def _cleared(L: Layout, raw: RawConfig | None, pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """(dest, null / false) for each _CLEARABLE setting the model's config sets and the layout leaves unset
+    (a NeMo 2 / Bridge override replaces a value; an absent override keeps the config's, e.g. its
+    num_layers_in_first_pipeline_stage under a planned even split)."""
+    if raw is None:
+        return []
+    written = {dest for dest, _ in pairs}
+    out: list[tuple[str, object]] = []
+    for dest in _CLEARABLE:
+        given, planned = raw.args.get(dest), getattr(L, dest, None)
+        if given is None or given is False or dest in written or not (planned is None or planned is False):
+            continue
+        out.append((dest, False if knob(dest).kind == "bool" else None))
+    return out
+
+
 def _nemo2(pairs: list[tuple[str, object]]) -> list[str]:
     return [o for dest, value in pairs for o in knob(dest).overrides(knob(dest).nemo2, value)]
 
@@ -89,22 +134,27 @@ def _bridge(pairs: list[tuple[str, object]]) -> list[str]:
     return [o for dest, value in pairs for o in knob(dest).overrides(knob(dest).bridge, value)]
 
 
-def nemo2_overrides(L: Layout, gpus_per_node: int | None = None, experts: tuple[int, int] | None = None) -> list[str]:
+def nemo2_overrides(L: Layout, gpus_per_node: int | None = None, experts: tuple[int, int] | None = None,
+                    raw: RawConfig | None = None) -> list[str]:
+    """``raw``: the model's config, whose settings the layout leaves unset are cleared (null / false)."""
     o = _nemo2(_values(L, experts))
     o += _nemo2([("micro_batch_size", L.micro_batch_size), ("global_batch_size", L.global_batch_size),
                  ("seq_length", L.seq_length), ("use_distributed_optimizer", L.use_distributed_optimizer),
                  ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
     o += _nemo2(_recompute(L)) + _nemo2(_fsdp(L)) + _nemo2(_fp8(L))
+    o += _nemo2(_cleared(L, raw, _values(L, experts) + _recompute(L)))
     if gpus_per_node:
         nodes = -(-L.world_size // gpus_per_node)
         o += [f"trainer.devices={min(gpus_per_node, L.world_size)}", f"trainer.num_nodes={nodes}"]
     return o
 
 
-def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
+def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None, raw: RawConfig | None = None) -> list[str]:
+    """``raw``: the model's config, whose settings the layout leaves unset are cleared (null / false)."""
     # Bridge writes seq_length to model and dataset, before the batch sizes (as the recipes list them).
     o = _bridge(_values(L, experts))
     o += _bridge([("seq_length", L.seq_length), ("micro_batch_size", L.micro_batch_size),
                   ("global_batch_size", L.global_batch_size), ("use_distributed_optimizer", L.use_distributed_optimizer),
                   ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
-    return o + _bridge(_recompute(L)) + _bridge(_fsdp(L)) + _bridge(_fp8(L))
+    o += _bridge(_recompute(L)) + _bridge(_fsdp(L)) + _bridge(_fp8(L))
+    return o + _bridge(_cleared(L, raw, _values(L, experts) + _recompute(L)))

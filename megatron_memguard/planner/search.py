@@ -188,6 +188,11 @@ class Planner:
         if ignored:
             self.notes.append("the planner chooses " + ", ".join(ignored) + " itself; the model config's values are "
                               "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
+        for dest in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+            if raw.args.get(dest):
+                # before the probe, whose TP 1 may break the config's own rules first (model_shape says it too)
+                from ..errors import NotModelledError
+                raise NotModelledError(raw.key(dest), "planning layouts of hybrid Mamba models")
         # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
         probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
@@ -195,7 +200,20 @@ class Planner:
             # one GPU has one instance; each candidate resolves with the configured number (HSDP), and one whose
             # DP x CP it does not divide is rejected by Megatron's rule
             probe_raw = probe_raw.with_args(num_distributed_optimizer_instances=1)
-        self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
+        if raw.args.get("overlap_moe_expert_parallel_comm"):
+            # the EP overlap needs EP > 1 (TransformerConfig.__post_init__), which the one-GPU probe has not; it
+            # changes no shape, and each candidate resolves with it (those with EP 1 break the rule and are dropped)
+            probe_raw = probe_raw.with_args(overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
+        try:
+            self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
+        except (ConfigError, ConfigErrors):
+            # a rule on the tokens per GEMM (FP8 / FP4 block sizes: MBS x seq) may refuse the probe's micro-batch
+            # of 1 and not the configured one, which the planner searches too: probe with that before giving up
+            mbs = raw.args.get("micro_batch_size")
+            if not isinstance(mbs, int) or isinstance(mbs, bool) or not 1 < mbs <= self.gbs:
+                raise
+            probe_raw = probe_raw.with_args(micro_batch_size=mbs, global_batch_size=mbs)
+            self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
         self.shape = model_shape(self.probe, raw)
         self.notes.extend(n for n in self.probe.notes if n not in self.notes)
         if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):

@@ -353,6 +353,10 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
         # the planner's bounds and timing take one layer shape (partition.uniform_kind)
         from ..errors import NotModelledError
         raise NotModelledError("--heterogeneous-layers-config-path", "planning layouts of heterogeneous layer configs")
+    if L.hybrid_layer_pattern:
+        # the same: the planner's bounds and timing know one layer shape, not Mamba / attention / MLP layers
+        from ..errors import NotModelledError
+        raise NotModelledError("--hybrid-layer-pattern", "planning layouts of hybrid Mamba models")
     fixed_padded = raw.args.get("padded_vocab_size")
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):

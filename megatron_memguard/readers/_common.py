@@ -7,6 +7,7 @@ No torch, NeMo or Megatron is imported here: megatron-core's field names come fr
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import math
 import re
@@ -297,6 +298,9 @@ def _attention_backend(v: Any) -> str | None:
 
 
 # GPT-model-level settings (GPTModel / GPTConfig / GPTModelProvider) that are Megatron arguments too.
+# HybridModelProvider's fields that are Megatron arguments (or were: the ratios of megatron-core 0.16)
+HYBRID_FIELDS = frozenset({"hybrid_layer_pattern", "hybrid_override_pattern", "hybrid_attention_ratio",
+                           "hybrid_mlp_ratio", "mamba_chunk_size"})
 GPT_LEVEL_FIELDS = frozenset({"make_vocab_size_divisible_by", "position_embedding_type", "rotary_percent",
                               "rotary_base", "fp16_lm_cross_entropy"})
 _HANDLED = frozenset({
@@ -314,10 +318,30 @@ _HANDLED = frozenset({
 _LAYOUT_CHARS = {"embedding": "E", "loss": "L", "decoder": "t", "mtp": "m"}
 
 
+# megatron-core fields holding a list of enum members once TransformerConfig.__post_init__ has run (core 0.19
+# cuda_graph_config.py turns cuda_graph_scope into CudaGraphModule members): Bridge dumps each as
+# {_target_: megatron.core.transformer.enums.CudaGraphModule, _name_: moe_router, _args_: [4], _call_: true}
+_ENUM_LISTS = frozenset({"cuda_graph_modules", "cuda_graph_scope"})
+
+
+def _member_name(x: Any) -> Any:
+    if isinstance(x, Mapping) and isinstance(x.get("_name_"), str):
+        return x["_name_"]
+    if isinstance(x, enum.Enum):
+        return x.name
+    return x
+
+
 def layout_text(value: Any, key: str) -> Any:
     """A pipeline layout given as megatron-core's list of stages (``[["embedding", "decoder"], ...,
     ["decoder", "mtp", "loss"]]``, what Bridge dumps) in Megatron's string syntax (``Et|...|tmL``); a
-    string is returned as it is."""
+    string is returned as it is. After Bridge's runtime_config_update the model holds megatron-core's
+    PipelineParallelLayerLayout object (its ``input_data`` is what was given), which a ConfigContainer read as an
+    object (the pre-flight) carries as that object or its attributes."""
+    if hasattr(value, "input_data") and not isinstance(value, (str, list, tuple, Mapping)):
+        value = value.input_data
+    elif isinstance(value, Mapping) and "input_data" in value:
+        value = value["input_data"]
     if not isinstance(value, (list, tuple)):
         return value
     stages = []
@@ -362,11 +386,19 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     for name, (value, path) in fields.items():
         if name in _HANDLED or name.startswith("_"):
             continue
+        if name in HYBRID_FIELDS:
+            # HybridModelProvider / HybridModelConfig (Bridge 0.6.2, core 0.19.2 training/models/hybrid.py): the
+            # pattern under its flag's dest; the deprecated ratios only when set (resolve refuses them by name)
+            if value not in (None, "", 0, 0.0) and not is_missing(value):
+                b.set(name, value, path)
+            continue
         if name in dests and name in passthrough:
             # (an object spec, ``{_target_: ...}``, is code Megatron calls, not a value; any other mapping is kept
             # so that resolve() refuses it under its key instead of the default being taken silently)
             if value is None or (isinstance(value, Mapping) and "_target_" in value) or is_missing(value):
                 continue
+            if name in _ENUM_LISTS and isinstance(value, (list, tuple)):
+                value = [_member_name(x) for x in value]
             b.set(name, _number(value), path)
         elif name not in known and unknown_context is not None:
             b.warn(f"{path}: not a {unknown_context} setting; ignored")

@@ -21,6 +21,7 @@ Read in Megatron-Bridge 0.6.2 (``training/config.py`` ConfigContainer and
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..config import RawConfig
@@ -45,6 +46,9 @@ _MODEL_EXTRAS = frozenset({
     "rope_scaling_factor", "rotary_scaling_factor", "seq_len_interpolation_factor", "mtp_enabled",
     "use_te_activation_func", "pipeline_dtype", "vocab_size", "should_pad_vocab", "seq_length",
     "share_embeddings_and_output_weights", "max_position_embeddings", "parallel_output",
+    # HybridModelProvider (models/hybrid/hybrid_provider.py): its layer spec (the TE hybrid stack memguard models),
+    # and the MTP layers' dtype (no MTP: resolve refuses MTP with a hybrid model)
+    "hybrid_stack_spec", "keep_mtp_spec_in_bf16",
 })
 
 # The model provider classes whose every field memguard knows (megatron-core's config fields, GPTModelProvider's,
@@ -234,6 +238,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         _set_nested(S.setdefault(sec, {}), rest, value, key, op == "del")
     if sync_seq_length:
         _sync_seq_length(b, S, sync_seq_length)
+    env = _env_vars(S.pop("env_vars", {}), top.pop("env_vars", (None, "env_vars")))
     _unknown_keys(b, S, top, given)
     _map(b, S, top, has_target="_target_" in doc or bool(recipe))
     if recipe:
@@ -243,7 +248,26 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         # the GPU count in the recipe function's name (..._pretrain_8gpu_h100_bf16_config): not a world size
         # (Bridge takes that from the launcher), but what an error asking for one suggests
         b.origin["recipe_gpus"] = f"{recipe_gpus(recipe)} (the GPUs recipe {recipe} is written for)"
-    return b.build()
+    raw = b.build()
+    return replace(raw, env=env) if env else raw
+
+
+def _env_vars(fields: dict[str, Field], whole: Field) -> dict[str, str]:
+    """The memory-relevant ``env_vars`` of the container (every 0.6.2 recipe sets some; the deterministic ones
+    CUBLAS_WORKSPACE_CONFIG). Bridge's ``apply_environment_variables`` (training/config.py, 0.6.2) puts each
+    in the process environment with ``os.environ.setdefault(name, str(value))`` before the model is built:
+    a launch that sets one itself keeps its own value (memguard check merges them that way)."""
+    from ..config import memory_env
+
+    value, key = whole
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(key, f"must be a mapping of environment variables, got {shown(value)}")
+    merged = {**(value or {}), **{name: v for name, (v, _) in fields.items()}}
+    bad = [k for k, v in merged.items() if v is not None and not isinstance(v, (str, int, float, bool))]
+    if bad:
+        raise ConfigError(f"env_vars.{bad[0]}", "must be a scalar (Bridge's apply_environment_variables refuses "
+                          "anything else)")
+    return memory_env({str(k): str(v) for k, v in merged.items() if v is not None})
 
 
 def _unknown_keys(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], given: set[str]) -> None:
@@ -577,6 +601,18 @@ def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v
     if v("comm_overlap", "wgrad_deferral_limit") is not None:
         b.set("wgrad_deferral_limit", v("comm_overlap", "wgrad_deferral_limit"),
               k("comm_overlap", "wgrad_deferral_limit"))
+    # _get_optimizer_overlap_cfgs, applied to the optimizer and DDP configs with the distributed optimizer: gradient
+    # reduce and parameter gather overlapped, and 128 Mi-element buckets, iff the data-parallel size is > 1, whatever
+    # ddp.* says, unless the section sets them. DP is known only with the world size: resolve/optimizer.py applies it.
+    for name, dest in _COMM_OVERLAP_DDP:
+        if v("comm_overlap", name) is not None:
+            b.set(dest, v("comm_overlap", name), k("comm_overlap", name))
+    b.set("bridge_comm_overlap_ddp", True, "comm_overlap")
+
+
+# CommOverlapConfig fields _get_optimizer_overlap_cfgs writes into the DDP config (Bridge 0.6.2 comm_overlap.py)
+_COMM_OVERLAP_DDP = (("overlap_grad_reduce", "overlap_grad_reduce"), ("overlap_param_gather", "overlap_param_gather"),
+                     ("bucket_size", "ddp_bucket_size"))
 
 
 _NEEDED = {

@@ -119,9 +119,11 @@ def layer_table(est: Estimate) -> str:
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
         L = L.replace(transformer_impl=est.profile)
-    if L.moe is None:
+    if est.attention is not None and est.attention.selected == "flash" and L.attention_backend == "auto":
+        L = L.replace(attention_backend="flash")      # the kernel the estimate modelled on this GPU
+    if L.moe is None and not L.hybrid_layer_pattern:
         kinds = [None]
-    else:   # one table per kind of layer the model has (dense and MoE layers)
+    else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)
         from ..partition import layer_kinds
         kinds = list(dict.fromkeys(layer_kinds(L)))
     out = []
@@ -131,7 +133,8 @@ def layer_table(est: Estimate) -> str:
         rows.append(["= per layer and micro-batch", format_bytes(la.total)])
         rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
         rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
-        what = "one layer" if kind is None else f"one {kind.mlp} layer"
+        what = "one layer" if kind is None else (f"one {kind.mlp} layer" if not L.hybrid_layer_pattern else
+                                                 f"one {kind.mixer if kind.mixer != 'none' else kind.mlp} layer")
         out.append(table(rows, [f"saved tensor ({what}, one micro-batch)", "bytes"], right=(1,)))
     return "\n\n".join(out)
 
@@ -157,6 +160,8 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
             out.append(startup_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
+        if est.attention is not None:
+            out.append(f"attention backend: {est.attention.selected} ({est.attention.why})")
         out.append(layer_table(est))
         out.append("")
     out.append(verdict_line(est, colour))

@@ -20,7 +20,7 @@ from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
-from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, kernels, moe, mtp, muon, offload, optimizer, parallel
+from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, hybrid, kernels, moe, mtp, muon, offload, optimizer, parallel
 from . import peft, pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
@@ -71,6 +71,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("release flags", releases.release_flags),     # the release's argparse, before validate_args
     ("refusals", refuse),
     ("parallel", parallel.parallel),
+    ("hybrid pattern", hybrid.pattern),            # sets the layer count and the pipeline split
     ("shape (required)", shape.required),
     ("recompute granularity", recompute.granularity),
     ("batch", batch.batch),
@@ -94,10 +95,12 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("cuda graphs", cuda_graphs.cuda_graphs),
     ("numerics", kernels.numerics),
     ("heterogeneous layers", heterogeneous.heterogeneous),
+    ("mamba", hybrid.mamba),
     ("tensor-parallel split", shape.tp_split),
     ("vocabulary", vocab.vocab),
     ("weight-gradient deferral", kernels.wgrad),
     ("peft", peft.peft),               # Bridge / NeMo only: Megatron-LM has no PEFT
+    ("hybrid peft", hybrid.with_peft),
     ("runtime", runtime.runtime),
 )
 

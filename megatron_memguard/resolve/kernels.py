@@ -47,9 +47,15 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
     if kw["squared_relu"]:
         bias_act_fusion = False
     apply_rope_fusion = a.bool_arg("apply_rope_fusion", True) and kw["position_embedding_type"] == "rope"
+    softmax_type = str(a.get("softmax_type") or "vanilla")
+    fa_version = a.int_arg("flash_attention_version", None)
+    if fa_version is not None and fa_version not in (2, 3, 4):
+        # TransformerConfig.__post_init__ (core 0.19.2) asserts it
+        a.fail("flash_attention_version", f"must be 2, 3 or 4, got {fa_version}")
     return dict(transformer_impl=impl, attention_backend=backend, add_bias_linear=add_bias, add_qkv_bias=add_qkv_bias,
                 bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion,
-                use_transformer_engine_op_fuser=op_fuser(a, kw, impl))
+                use_transformer_engine_op_fuser=op_fuser(a, kw, impl), softmax_type=softmax_type,
+                flash_attention_version=fa_version)
 
 
 def _first(v: Any) -> str:

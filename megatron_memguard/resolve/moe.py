@@ -522,6 +522,14 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy,
                     before_019=ctx.version < Version("0.19"),
                     tokens=kw["seq_length"] * kw["micro_batch_size"], precision=kw)
+    hybrid = kw.get("hybrid_layer_pattern")
+    if spec is not None and hybrid:
+        # a hybrid stack's 'E' layers are its MoE layers (--moe-layer-freq does not apply), built from
+        # get_moe_module_spec(use_te=True, moe_grouped_gemm=True) whatever --moe-grouped-gemm says
+        # (models/hybrid/hybrid_layer_specs.py 0.19.2, models/mamba/mamba_layer_specs.py 0.16.1)
+        import dataclasses
+        spec = dataclasses.replace(spec, moe_layer_pattern=tuple(sym == "E" for sym in hybrid if sym != "|"),
+                                   moe_grouped_gemm=True)
     if spec is None:
         for dest in ("delay_wgrad_compute", "ep_overlap_early_attn_memory_release"):
             if not a.get("num_experts") and a.bool_arg(dest, False):

@@ -47,11 +47,13 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("use_precision_aware_optimizer", "needs --use-distributed-optimizer")
     overlap_grad = a.bool_arg("overlap_grad_reduce", False)
     overlap_param = a.bool_arg("overlap_param_gather", False) and not frozen
+    bucket = a.int_arg("ddp_bucket_size")
+    if a.get("bridge_comm_overlap_ddp") and dist_opt:
+        overlap_grad, overlap_param, bucket = _bridge_dp_overlap(a, dp, overlap_grad, overlap_param, bucket)
     if overlap_param and not (dist_opt or kw["optimizer"] == "dist_muon"):   # validate_args: or dist_muon
         a.fail("overlap_param_gather", "needs --use-distributed-optimizer")
     if overlap_param and not overlap_grad:
         a.fail("overlap_param_gather", "needs --overlap-grad-reduce")
-    bucket = a.int_arg("ddp_bucket_size")
     graph = a.bool_arg("optimizer_cuda_graph", False)
     if graph and ctx.version < Version("0.17"):
         # optimizer/optimizer_cuda_graph.py (OptimizerCudaGraphWrapper): in the 0.17.1 wheel, not in 0.16.1's
@@ -64,6 +66,26 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                 freeze_all_layers=frozen, optimizer_cuda_graph=graph,
                 ddp_reduce_scatter_with_fp32_accumulation=rs_fp32,
                 ddp_param_name_patterns_for_fp32_local_accumulation=patterns)
+
+
+def _bridge_dp_overlap(a: Args, dp: int, grad: bool, param: bool, bucket: int | None) -> tuple[bool, bool, int | None]:
+    """A Megatron-Bridge config with a ``comm_overlap`` section and the distributed optimizer: CommOverlapConfig.setup
+    (training/comm_overlap.py _get_optimizer_overlap_cfgs, Bridge 0.6.2) overwrites the DDP config's overlapped
+    gradient reduce and parameter gather with DP > 1, and its bucket size with 128 Mi elements (DP > 1) or None,
+    except where the comm_overlap section itself sets them (the reader gave those with a ``comm_overlap.`` key)."""
+    auto = {"overlap_grad_reduce": dp > 1, "overlap_param_gather": dp > 1,
+            "ddp_bucket_size": 128 * 1024 * 1024 if dp > 1 else None}
+    mine = {"overlap_grad_reduce": grad, "overlap_param_gather": param, "ddp_bucket_size": bucket}
+    out = {}
+    for dest, value in mine.items():
+        if a.key(dest).startswith("comm_overlap."):
+            out[dest] = value
+            continue
+        out[dest] = auto[dest]
+        if a.given(dest) and value != auto[dest]:
+            a.notes.append(f"{a.key(dest)} = {value}: Megatron-Bridge's CommOverlapConfig.setup sets it to "
+                           f"{auto[dest]} (data-parallel size {dp}); estimated with {auto[dest]}")
+    return out["overlap_grad_reduce"], out["overlap_param_gather"], out["ddp_bucket_size"]
 
 
 def _graph_of_offloaded_step(a: Args) -> None:

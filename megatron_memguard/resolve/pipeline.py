@@ -16,6 +16,8 @@ def pipeline(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     acc_emb = a.bool_arg("account_for_embedding_in_pipeline_split", False)
     acc_loss = a.bool_arg("account_for_loss_in_pipeline_split", False)
     pp_layout = a.get("pipeline_model_parallel_layout")
+    if kw.get("hybrid_layer_pattern"):
+        pp_layout = kw.get("pipeline_model_parallel_layout")   # a hybrid pattern's '|' segments (resolve/hybrid.py)
     lpv = a.int_arg("num_layers_per_virtual_pipeline_stage")
     vps = a.int_arg("num_virtual_stages_per_pipeline_rank")
     vpp_given = a.int_arg("virtual_pipeline_model_parallel_size")  # NeMo/Bridge readers set it directly

@@ -12,8 +12,24 @@ from .args import Args, Context
 
 Row = tuple[str, Callable[[Any], bool], str]
 
+# megatron-core's own hybrid stack spec, as Megatron-LM's Mamba scripts name it (--spec MODULE NAME): the spec
+# memguard models (0.16.1 models/mamba/mamba_layer_specs.py mamba_stack_spec; 0.19.2 re-exports it from
+# models/hybrid/hybrid_layer_specs.py, where hybrid_stack_spec is the same object)
+HYBRID_STACK_SPECS = {("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"),
+                      ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
+                      ("megatron.core.models.hybrid.hybrid_layer_specs", "mamba_stack_spec")}
+
+
+def hybrid_stack_spec(value: Any) -> bool:
+    """Whether ``--spec`` names megatron-core's default hybrid stack spec."""
+    parts = value.split() if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
+    return tuple(str(p) for p in parts) in HYBRID_STACK_SPECS
+
 NOT_MODELLED: list[Row] = [
-    ("hybrid_layer_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
+    ("hybrid_attention_ratio", lambda v: v not in (None, 0, 0.0, "0", "0.0"), "hybrid layer ratios (megatron-core "
+     "derives the pattern from them; give the pattern as --hybrid-layer-pattern)"),
+    ("hybrid_mlp_ratio", lambda v: v not in (None, 0, 0.0, "0", "0.0"), "hybrid layer ratios (megatron-core "
+     "derives the pattern from them; give the pattern as --hybrid-layer-pattern)"),
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
@@ -31,8 +47,7 @@ NOT_MODELLED: list[Row] = [
     ("te_precision_config_file", lambda v: bool(v), "per-module Transformer Engine precision recipes (matched to "
      "modules by glob; memguard sizes one recipe for every GEMM: for an estimate give the recipe most GEMMs use as "
      "--fp8-recipe / --fp4-recipe)"),
-    ("spec", lambda v: bool(v), "a custom layer spec (--spec)"),
-    ("hybrid_override_pattern", lambda v: bool(v), "hybrid (Mamba) layer patterns"),
+    ("spec", lambda v: bool(v) and not hybrid_stack_spec(v), "a custom layer spec (--spec)"),
     # the flag and namespace readers replace --yaml-cfg by the file's settings; still set here, it was not read
     ("yaml_cfg", lambda v: bool(v), "settings from a --yaml-cfg file memguard did not read (give the flags as "
      "memguard estimate -- --yaml-cfg FILE)"),

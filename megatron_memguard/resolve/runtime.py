@@ -65,5 +65,8 @@ def late_options(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
         create_attention_mask_in_dataloader=a.bool_arg("create_attention_mask_in_dataloader", True),
         calculate_per_token_loss=a.bool_arg("calculate_per_token_loss", False),
         empty_unused_memory_level=a.int_arg("empty_unused_memory_level", 0, minimum=0),
-        wgrad_deferral_limit=a.int_arg("wgrad_deferral_limit", 0, minimum=0),
+        # ModelParallelConfig.__post_init__ refuses a negative limit only with the deferral on (megatron-core
+        # 0.16.1 / 0.19.2 model_parallel_config.py); Bridge's CommOverlapConfig writes -1 with it off
+        wgrad_deferral_limit=a.int_arg("wgrad_deferral_limit", 0,
+                                       minimum=0 if kw.get("defer_embedding_wgrad_compute") else -1),
     )

@@ -12,7 +12,10 @@ from .args import Args, Context, Stop
 
 def required(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Layers, hidden size and heads: without them there is no model (stop after reporting all three)."""
-    num_layers = a.int_arg("num_layers", required=True)
+    if kw.get("hybrid_layer_pattern"):
+        num_layers = kw["num_layers"]          # the pattern's layers (resolve/hybrid.py)
+    else:
+        num_layers = a.int_arg("num_layers", required=True)
     if num_layers is None and a.get("decoder_num_layers") is not None:
         num_layers = a.int_arg("decoder_num_layers", required=True)
     hidden = a.int_arg("hidden_size", required=True)

@@ -275,10 +275,48 @@ def build_rank(job: dict, pp_rank: int, vp: int | None, tp_rank: int, ep_rank: i
                          if name.rsplit(".", 1)[-1] in ("expert_bias", "local_tokens_per_expert",
                                                         "global_tokens_per_expert"))
     layers = [(layer.layer_number - 1, isinstance(layer.mlp, MoELayer)) for layer in model.decoder.layers]
-    return {"rank": [pp_rank, vp, tp_rank, ep_rank, etp_rank],
-            "params": sum(n for k, n in tags.items() if k != "expert_buffer"), "tags": tags, "expert_tp": expert_tp,
-            "layers": layers, "router_buffers": router_buffers, "expert_tensors": expert_tensors,
-            "mtp": mtp_spec is not None and bool(getattr(model, "mtp_process", False))}
+    rec = {"rank": [pp_rank, vp, tp_rank, ep_rank, etp_rank],
+           "params": sum(n for k, n in tags.items() if k != "expert_buffer"), "tags": tags, "expert_tp": expert_tp,
+           "layers": layers, "router_buffers": router_buffers, "expert_tensors": expert_tensors,
+           "mtp": mtp_spec is not None and bool(getattr(model, "mtp_process", False))}
+    if job.get("ddp"):
+        rec["ddp"] = ddp_buffers(config, model, job["ddp"], pp_rank)
+    return rec
+
+
+def ddp_buffers(config, model, ddp: dict, pp_rank: int) -> list[dict]:
+    """megatron-core's own DistributedDataParallel over the built chunk with the distributed optimizer, its
+    data-parallel groups stand-ins of the sizes ``ddp`` names (dp_cp, expert dp: what _ParamAndGradBuffer reads of
+    them is size() and rank()): per buffer (dense, then expert) its padded and unpadded numel and, for every rank
+    of its group, the elements of real parameters the distributed optimizer's shard of that rank holds
+    (DistributedOptimizer._build_model_gbuf_range, bucket by bucket)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    inst = ddp.get("instances", 1)
+    dp_cp, edp = _Group(ddp["dp_cp"], 0), _Group(ddp["edp"], 0)
+    groups = dict(dp=dp_cp, dp_cp=dp_cp, expt_dp=edp, tp=_Group(config.tensor_model_parallel_size, 0),
+                  pp=_Group(config.pipeline_model_parallel_size, pp_rank), ep=_Group(config.expert_model_parallel_size, 0))
+    if inst > 1:
+        # several optimizer instances: each shards over its part of DP x CP and of expert DP (initialize_model_parallel)
+        groups.update(intra_dp_cp=_Group(ddp["dp_cp"] // inst, 0), intra_expt_dp=_Group(ddp["edp"] // inst, 0),
+                      inter_dist_opt=_Group(inst, 0))
+    pg = ProcessGroupCollection(**groups)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=ddp.get("overlap", False),
+                                        grad_reduce_in_fp32=True, num_distributed_optimizer_instances=inst)
+    wrapped = DistributedDataParallel(config=config, ddp_config=cfg, module=model, pg_collection=pg)
+    out = []
+    for kind, buffers in (("dense", wrapped.buffers), ("expert", wrapped.expert_parallel_buffers)):
+        for buf in buffers:
+            group = buf.data_parallel_group
+            owned = []
+            for r in range(group.size()):
+                group._rank = r
+                owned.append(sum(v["param"].size for b in range(len(buf.buckets))
+                                 for v in DistributedOptimizer._build_model_gbuf_range(buf, b)["param_map"].values()))
+            group._rank = 0
+            out.append({"kind": kind, "numel": buf.numel, "unpadded": buf.numel_unpadded, "owned": owned})
+    return out
 
 
 def build_job(job: dict) -> list[dict]:

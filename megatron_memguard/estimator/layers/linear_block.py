@@ -92,4 +92,5 @@ def recipe(role: str) -> Any:
     mixer = role == "mixer"
     return SimpleNamespace(linear_shapes=linear_shapes, params=mixer_params if mixer else mlp_params,
                            param_rows=mixer_param_rows if mixer else mlp_param_rows,
-                           param_count=param_count, activations=activations, bound_saved=bound_saved)
+                           param_count=param_count, activations=activations, bound_saved=bound_saved,
+                           reads_batch_mask=lambda L: False)

@@ -226,8 +226,15 @@ def sent_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
     with --moe-router-padding-for-quantization ``pad_routing_map`` (moe_utils.py, megatron-core 0.16.1 and
     0.19.2) first turns zeros of the routing map [T, E] into ones until every expert's count from this rank
     is a multiple of the alignment (at most T): balanced, E x min(T, ceil(T k / E) rounded up); worst, the
-    T x k choices plus (a - 1) per expert."""
+    T x k choices plus (a - 1) per expert. With a capacity factor (megatron-core 0.16.1 and 0.19.2): dropping
+    (apply_router_token_dropping) keeps at most C = capacity(m, T) of each expert's column of the routing map,
+    so ``num_out_tokens = routing_map.sum()`` is at most min(T x k, E x C), exactly that under balanced routing;
+    with --moe-pad-expert-input-to-capacity the dispatcher permutes ``capacity x num_experts`` rows
+    (token_dispatcher.py MoEAlltoAllTokenDispatcher.preprocess, drop_and_pad)."""
     k, E, a = m.moe_router_topk, m.num_experts, m.moe_router_padding_align
+    C = capacity(m, T)
+    if C is not None and not a:
+        return E * C if m.moe_pad_expert_input_to_capacity else min(T * k, E * min(C, T))
     if not a:
         return T * k
     if worst:

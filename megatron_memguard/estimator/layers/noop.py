@@ -27,6 +27,11 @@ def param_count(L: Any) -> int:
     return 0
 
 
+def reads_batch_mask(L: Any) -> bool:
+    """A no-op mixer makes no tensors, with or without the batch's attention mask."""
+    return False
+
+
 def activations(L: Any, mods: set, *rest: Any) -> Any:
     """As a mixer (7 arguments) or as an MLP (3 arguments): nothing saved, no working set."""
     if len(rest) == 1:

@@ -1,0 +1,234 @@
+"""Sections: hybrid Mamba models (--hybrid-layer-pattern, the legacy --hybrid-override-pattern, --mamba-*).
+
+Mirrors megatron-core 0.19.2: validate_args's hybrid block (megatron/training/arguments.py: the deprecated
+--hybrid-override-pattern forwarded to --hybrid-layer-pattern, the layer count taken from the pattern, '|'
+segments as the pipeline split and the virtual pipeline size, the flags it forbids with '|'),
+``parse_hybrid_pattern`` / ``select_pipeline_segment`` (models/hybrid/hybrid_layer_allocation.py: symbols,
+'/' MTP patterns, the segment of each rank), and MambaMixer.__init__'s asserts (ssm/mamba_mixer.py: heads and
+groups divisible by TP, heads by groups). megatron-core 0.16.1 (ssm/mamba_hybrid_layer_allocation.py
+``_allocate_override``): the pattern must have --num-layers symbols of M * - E, no '|' (MambaStack refuses
+virtual pipelines), and the flag is --hybrid-override-pattern.
+
+What is not modelled is refused by name: the 'G' (gated delta net), 'D' (DSA) and '+' (MLA) layers, MTP
+patterns after '/', context parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers
+(resolve/moe.py places them by the pattern).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from packaging.version import Version
+
+from ..errors import NotModelledError
+from ..numbers import BOUNDS
+from .args import Args, Context, Stop
+from .refusals import hybrid_stack_spec
+
+PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
+# megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
+SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
+           "-": "MLP", "E": "MoE"}
+MODELLED = frozenset("M*-E")
+MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --num-layers
+
+
+def _given(a: Args, dest: str) -> str | None:
+    v = a.get(dest)
+    return None if v in (None, "", False) else str(v)
+
+
+def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """The layer pattern: its layers (the model's --num-layers), and its '|' segments as the pipeline split
+    (a --pipeline-model-parallel-layout of plain layers, which partition.py reads)."""
+    text, legacy = _given(a, PATTERN), _given(a, LEGACY)
+    if text is None and legacy is None:
+        return {}
+    if text is not None and legacy is not None:
+        # validate_args copies the legacy flag into hybrid_layer_pattern without clearing it: a validated namespace
+        # (the hook's, readers/megatron_namespace.py) holds both, equal; a command line with both stops at its assert
+        if text != legacy or a.raw.source != "Megatron argument namespace":
+            a.fail(LEGACY, "cannot be given with --hybrid-layer-pattern (validate_args asserts it; it is the "
+                   "deprecated spelling of the same setting)")
+            raise Stop
+        legacy = None
+    dest = PATTERN if text is not None else LEGACY
+    key = a.key(dest)
+    old = ctx.version < Version("0.17")
+    if old and dest == PATTERN and key.startswith("--") and a.raw.megatron_command_line:
+        a.fail(PATTERN, "is not a flag of megatron-core 0.16 (added in 0.17; 0.16 reads --hybrid-override-pattern)",
+               "write --hybrid-override-pattern, or give --megatron-version 0.17 or later")
+        raise Stop
+    s = text if text is not None else str(legacy)
+    if len(s) > MAX_PATTERN:
+        a.fail(dest, f"has more than {MAX_PATTERN:,} symbols (memguard's bound on --num-layers is 10,000)")
+        raise Stop
+    bad = next((ch for ch in s if ch not in SYMBOLS and ch not in "|/"), None)
+    if bad is not None:
+        a.fail(dest, f"{bad!r} is not a layer symbol (M Mamba, * attention, - MLP, E MoE, G, D, +; "
+               "'|' between pipeline segments, '/' before MTP patterns)")
+        raise Stop
+    main, *mtp = s.split("/")
+    if any(mtp):
+        if len(set(mtp)) > 1:
+            a.fail(dest, "all MTP patterns after '/' must be identical (parse_hybrid_pattern)")
+            raise Stop
+        if "|" in mtp[0]:
+            a.fail(dest, "an MTP pattern after '/' cannot hold '|' (parse_hybrid_pattern)")
+            raise Stop
+        raise NotModelledError(key, "multi-token prediction layers in a hybrid pattern ('/' patterns: a hybrid "
+                               "stack per MTP depth)")
+    layers = main.replace("|", "")
+    if not layers:
+        a.fail(dest, "has no layers before any '/'")
+        raise Stop
+    if "*" in layers and ("D" in layers or "+" in layers):
+        a.fail(dest, "cannot mix attention '*' with MLA '+' or DSA 'D' layers (_validate_pattern)")
+        raise Stop
+    other = sorted(set(layers) - MODELLED)
+    if other:
+        names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
+        raise NotModelledError(key, f"{names} layers in a hybrid pattern (memguard models Mamba 'M', attention '*', "
+                               "MLP '-' and MoE 'E')")
+    n = len(layers)
+    bound, why = BOUNDS["num_layers"]
+    if n > bound:
+        a.fail(dest, f"has {n:,} layers; memguard's bound on the layer count is {bound:,} ({why})")
+        raise Stop
+    given_layers = a.get("num_layers")
+    if old:
+        # 0.16.1 _allocate_override: "The hybrid override pattern is the wrong length"; no '|' symbol
+        if "|" in main:
+            a.fail(dest, "'|' is not a layer symbol in megatron-core 0.16 (pipeline segments came in 0.17)")
+            raise Stop
+        nl = a.int_arg("num_layers", required=True)
+        if nl is not None and nl != n:
+            a.fail(dest, f"has {n} layers but --num-layers is {nl} (megatron-core 0.16 needs them equal)")
+            raise Stop
+    elif given_layers is not None and str(given_layers) != str(n):
+        a.notes.append(f"{key}: {n} layers; --num-layers {given_layers} ignored (validate_args takes the count "
+                       "from the pattern)")
+    out: dict[str, Any] = dict(hybrid_layer_pattern=main, num_layers=n)
+    for flag in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "pipeline_model_parallel_layout"):
+        if _given(a, flag) is not None:
+            a.fail(flag, f"cannot be used with {key}: its '|' segments give the pipeline stages (validate_args)")
+    for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if a.bool_arg(flag, False):
+            a.fail(flag, f"cannot be used with {key}: its '|' segments give the pipeline stages (validate_args)")
+    pp = kw["pipeline_model_parallel_size"]
+    first_last = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                  if _given(a, f) is not None]
+    if "|" not in main and pp > 1 and not first_last and n % pp:
+        # select_pipeline_segment (0.19.2) splits a pattern without '|' evenly at build time
+        a.fail(dest, f"has {n} layers, which must be divisible by --pipeline-model-parallel-size {pp} when it has "
+               "no '|' separators (select_pipeline_segment)", "add '|' between the pipeline segments")
+        raise Stop
+    if "|" in main:
+        for flag in first_last:
+            a.fail(flag, f"cannot be used with '|' in {key}: the segments give the stages (validate_args)")
+        if first_last:
+            return out
+        segments = main.split("|")
+        if len(segments) % pp:
+            a.fail(dest, f"has {len(segments)} '|' segments, which must be divisible by --pipeline-model-parallel-"
+                   f"size {pp} (validate_args)")
+            return out
+        # segment i is the stage of (pp rank i % pp, virtual stage i // pp), as the layout's stages are
+        stages = ["t" * len(seg) for seg in segments]
+        stages[0] = "E" + stages[0]
+        stages[-1] += "L"
+        out["pipeline_model_parallel_layout"] = "|".join(stages)
+    return out
+
+
+def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """The Mamba mixer's shape (TransformerConfig's mamba_* fields) and MambaMixer's asserts; the settings
+    a hybrid model is not estimated with."""
+    main = kw.get("hybrid_layer_pattern")
+    if not main:
+        if a.get("spec") and hybrid_stack_spec(a.get("spec")):
+            # refusals.py lets the hybrid stack spec through; without a pattern there is no hybrid model to build
+            raise NotModelledError(a.key("spec"), "the hybrid stack spec without --hybrid-layer-pattern")
+        return {}
+    key = a.key(PATTERN if _given(a, PATTERN) is not None else LEGACY)
+    state = a.int_arg("mamba_state_dim", 128)
+    head_dim = a.int_arg("mamba_head_dim", 64)
+    groups = a.int_arg("mamba_num_groups", 8)
+    heads = a.int_arg("mamba_num_heads")
+    # HybridModelProvider.mamba_chunk_size (Bridge 0.6.2: it sets the mixer's chunk_size; no Megatron-LM flag)
+    chunk = a.int_arg("mamba_chunk_size", 128)
+    if None in (state, head_dim, groups, chunk):
+        return {}
+    h, tp = kw["hidden_size"], kw["tensor_model_parallel_size"]
+    if heads is None:
+        # MambaMixer: d_inner = expand (2) x hidden size, nheads = d_inner // headdim
+        if (2 * h) % head_dim:
+            a.fail("mamba_head_dim", f"{head_dim} must divide 2 x --hidden-size = {2 * h} when --mamba-num-heads "
+                   "is not given (MambaMixer asserts d_inner % headdim == 0)")
+            return {}
+        heads = 2 * h // head_dim
+    if heads % tp:
+        a.fail("mamba_num_heads", f"{heads} Mamba heads must be divisible by tensor-model-parallel size {tp} "
+               "(MambaMixer asserts it)")
+    if groups % tp:
+        a.fail("mamba_num_groups", f"{groups} must be divisible by tensor-model-parallel size {tp} (MambaMixer "
+               "asserts it)")
+    if heads % groups:
+        a.fail("mamba_num_heads", f"{heads} Mamba heads must be divisible by --mamba-num-groups {groups} "
+               "(MambaMixer asserts it)")
+    if "E" in main and not a.get("num_experts"):
+        a.fail(PATTERN if _given(a, PATTERN) is not None else LEGACY,
+               "has MoE layers ('E') but --num-experts is not set (the MoE layer spec needs experts)")
+        return {}
+    _refuse(a, kw, ctx, key, main)
+    if a.bool_arg("use_mamba_mem_eff_path", True) is False:
+        raise NotModelledError(a.key("use_mamba_mem_eff_path"), "the Mamba layers' non-fused path "
+                               "(causal_conv1d and the chunk scan as separate autograd functions)")
+    return dict(mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads,
+                mamba_chunk_size=chunk)
+
+
+def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -> None:
+    """Settings whose effect on a hybrid model memguard has not read: refused by name."""
+    if kw.get("transformer_impl", "transformer_engine") != "transformer_engine":
+        # training/models/hybrid.py builds hybrid_stack_spec (TE modules) whatever --transformer-impl says
+        raise NotModelledError(a.key("transformer_impl"), f"{kw.get('transformer_impl')} with a hybrid model "
+                               "(megatron-core builds its TE layer spec whatever the flag says)")
+    checks = (
+        (kw.get("context_parallel_size", 1) > 1, "context_parallel_size",
+         "context parallelism in Mamba layers (MambaContextParallel's all-to-all of heads)"),
+        (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 Mamba layers"),
+        (kw.get("moe") is not None and "E" not in main, "num_experts", "mixture-of-experts settings with a hybrid "
+         "pattern without MoE ('E') layers"),
+        (kw.get("mtp_num_layers"), "mtp_num_layers", "multi-token prediction with a hybrid model"),
+        (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
+         "pattern"),
+        (kw.get("cuda_graph_impl", "none") != "none", "cuda_graph_impl", "CUDA graphs of Mamba layers"),
+        (kw.get("fine_grained_activation_offloading"), "fine_grained_activation_offloading",
+         "activation offloading in Mamba layers"),
+        (kw.get("cpu_offloading_num_layers"), "cpu_offloading_num_layers", "activation offloading in Mamba layers"),
+        (str(kw.get("optimizer", "adam")) not in ("adam", "sgd"), "optimizer",
+         f"the {kw.get('optimizer')} optimizer with a hybrid model (its per-matrix treatment of the conv1d weight)"),
+        (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
+         "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states"),
+        # FSDP units: torch FSDP2 wraps TransformerLayer (torch_fully_sharded_data_parallel.py 0.19.2), not MambaLayer;
+        # Megatron-FSDP takes MambaLayer as a unit from 0.17 on (mcore_fsdp_adapter.py: 0.16.1 TransformerLayer only)
+        (kw.get("use_torch_fsdp2") and "M" in main, "use_torch_fsdp2", "torch FSDP2 of Mamba layers (not an FSDP2 "
+         "unit: their parameters are sharded with the root module)"),
+        (ctx.version < Version("0.17") and kw.get("use_megatron_fsdp") and "M" in main, "use_megatron_fsdp",
+         "Megatron-FSDP of Mamba layers under megatron-core 0.16 (its FSDP units are TransformerLayers only)"),
+        (ctx.version < Version("0.17") and kw.get("recompute_granularity") == "full", "recompute_granularity",
+         "full recomputation of a hybrid model under megatron-core 0.16 (its MambaStack has no checkpointed "
+         "forward: the flag is not applied)"),
+    )
+    for bad, dest, what in checks:
+        if bad:
+            raise NotModelledError(a.key(dest), what)
+
+
+def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """After the PEFT section: LoRA / DoRA on a hybrid model is refused by name (the adapters' target modules
+    and the Mamba layers' frozen tensors were not read)."""
+    if kw.get("hybrid_layer_pattern") and kw.get("peft") is not None:
+        raise NotModelledError(a.key("peft_scheme"), "LoRA / DoRA on a hybrid Mamba model")
+    return {}

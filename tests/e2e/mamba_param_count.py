@@ -1,0 +1,186 @@
+"""Parameter names and sizes of megatron-core 0.19.2's own HybridModel (0.16.1: MambaModel over MambaStack) (MambaLayer / MambaMixer, attention-only
+and MLP-only TransformerLayers, final norm, embedding, output layer) built on CPU, TP = PP = 1.
+
+    python tests/e2e/mamba_param_count.py '{"pattern": "M*M-", "hidden_size": 256, ...}'
+
+prints {name: numel} as JSON (the last line).
+
+Two stand-ins, because the CPU venv has neither library: ``einops`` (MambaMixer.__init__ only checks that it
+imports) and ``mamba_ssm``'s gated RMSNorm, whose parameters are one ``weight`` of the normalised width and no
+bias (mamba_ssm 2.2.6 ops/triton/layernorm_gated.py RMSNorm.__init__); its kernels are never called. The
+layer spec is the local one (ColumnParallelLinear / RowParallelLinear and separate norms where the TE spec
+fuses the norm into in_proj / linear_qkv / linear_fc1): the same numbers of parameters, other names for the norms.
+"""
+import json
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _stub_libraries() -> None:
+    import torch
+    from torch import nn
+
+    if "einops" not in sys.modules:
+        try:
+            import einops  # noqa: F401
+        except ImportError:
+            m = types.ModuleType("einops")
+            m.rearrange = m.repeat = lambda *a, **k: None
+            sys.modules["einops"] = m
+
+    class RMSNorm(nn.Module):
+        def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+            self.register_parameter("bias", None)
+
+    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.layernorm_gated",
+             "mamba_ssm.ops.triton.ssd_combined"]
+    for name in names:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["mamba_ssm.ops.triton.layernorm_gated"].RMSNorm = RMSNorm
+
+    def mamba_chunk_scan_combined(*a, state_dtype=None, **k):
+        raise NotImplementedError
+
+    def mamba_split_conv1d_scan_combined(*a, state_dtype=None, **k):
+        raise NotImplementedError
+
+    sys.modules["mamba_ssm.ops.triton.ssd_combined"].mamba_chunk_scan_combined = mamba_chunk_scan_combined
+    sys.modules["mamba_ssm.ops.triton.ssd_combined"].mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined
+
+
+def _stub_triton() -> None:
+    """megatron-core 0.16.1's mamba_mixer imports inference kernels written in Triton (decorated at import time);
+    the CPU venv has no triton: a stand-in whose decorators return what they decorate (no kernel is called)."""
+    try:
+        import triton  # noqa: F401
+        return
+    except ImportError:
+        pass
+    from unittest.mock import MagicMock
+    for name in ("triton", "triton.language", "triton.language.extra", "triton.language.extra.libdevice",
+                 "triton.runtime", "triton.runtime.autotuner", "triton.backends", "triton.compiler"):
+        sys.modules[name] = MagicMock()
+    sys.modules["triton"].jit = lambda f=None, **k: f if f is not None else (lambda g: g)
+    sys.modules["triton"].autotune = lambda *a, **k: (lambda g: g)
+    sys.modules["triton"].heuristics = lambda *a, **k: (lambda g: g)
+
+
+def build_016(cfg: dict):
+    """megatron-core 0.16.1: MambaModel over MambaStack (the same local stand-ins as build)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    import megatron.core.ssm.mamba_block as mb
+    mb.TENorm = WrappedTorchNorm
+    torch.cuda.current_device = lambda: "cpu"
+    spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=WrappedTorchNorm,
+            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)))),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                      submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                                                         core_attention=DotProductAttention,
+                                                                         linear_proj=RowParallelLinear)))),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear))))))
+    config = TransformerConfig(
+        num_layers=len(cfg["pattern"]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
+        num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
+        activation_func=F.relu, use_cpu_initialization=True, params_dtype=torch.float32,
+        mamba_state_dim=cfg["state"], mamba_head_dim=cfg["head_dim"], mamba_num_groups=cfg["mamba_groups"],
+        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0)
+    return MambaModel(config=config, mamba_stack_spec=spec, vocab_size=cfg["vocab"],
+                      max_sequence_length=cfg["seq"], hybrid_override_pattern=cfg["pattern"],
+                      position_embedding_type="none", share_embeddings_and_output_weights=False)
+
+
+def build(cfg: dict):
+    from single_rank import start   # beside this script (sys.path[0])
+    start(int(os.environ.get("MASTER_PORT", "29551")))
+    _stub_libraries()
+    _stub_triton()
+    import megatron.core.models
+    if not os.path.exists(os.path.join(os.path.dirname(megatron.core.models.__file__), "hybrid")):
+        return build_016(cfg)       # megatron-core 0.16.1 (no models/hybrid yet)
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                             TransformerLayerSubmodules)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    import megatron.core.models.hybrid.hybrid_block as hb
+    hb.TENorm = WrappedTorchNorm        # the final norm (TE's on GPU): one weight of the hidden size either way
+
+    # MambaMixer allocates on torch.cuda.current_device(); on CPU that is the CPU
+    torch.cuda.current_device = lambda: "cpu"
+    spec = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=WrappedTorchNorm,
+            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)))),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                      submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                                                         core_attention=DotProductAttention,
+                                                                         linear_proj=RowParallelLinear)))),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear)))),
+        # 'E': MoETransformerLayer with its own pre-MLP norm; local experts (SequentialMLP) for TE's grouped ones:
+        # the same numbers of parameters per expert
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)))))
+    moe = dict(num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"], moe_ffn_hidden_size=cfg["moe_ffn"],
+               moe_token_dispatcher_type="alltoall") if cfg.get("experts") else {}
+    config = TransformerConfig(
+        num_layers=len(cfg["pattern"]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
+        num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
+        activation_func=F.relu, use_cpu_initialization=True, params_dtype=torch.float32, is_hybrid_model=True,
+        mamba_state_dim=cfg["state"], mamba_head_dim=cfg["head_dim"], mamba_num_groups=cfg["mamba_groups"],
+        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **moe)
+    return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=cfg["vocab"],
+                       max_sequence_length=cfg["seq"], hybrid_layer_pattern=cfg["pattern"],
+                       position_embedding_type="none", share_embeddings_and_output_weights=False)
+
+
+if __name__ == "__main__":
+    model = build(json.loads(sys.argv[1]))
+    print(json.dumps({n: p.numel() for n, p in model.named_parameters()}))
