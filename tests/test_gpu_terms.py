@@ -157,3 +157,31 @@ def test_calibration_counts_the_observed_stages_communicators():
                          [Observation(rank=0, pp_rank=0, reserved=1, device_used=2),
                           Observation(rank=15, pp_rank=1, reserved=1, device_used=2)])
     assert [r.a[1] for r in device_rows([run])] == [2.0, 4.0]
+
+
+def test_dummy_wgrads_of_the_mtp_block():
+    """The MTP block's linears fill TE's placeholder cache too: its layer's (the last decoder layer's kind) and
+    eh_proj, a bias-free column-parallel [2h -> h] linear whose weight is [h/TP, 2h] per rank
+    (multi_token_prediction.py MultiTokenPredictionLayer.__init__, megatron-core 0.16.1 and 0.19.2; TE's
+    get_dummy_wgrad caches per (shape, dtype): transformer_engine/pytorch/module/base.py). On a '|mL' chunk (no
+    decoder layer) the MTP layer's shapes are the only layer shapes there."""
+    h100 = lookup_gpu("H100-80GB")
+    # bf16 [rows, cols] per TP rank as in test_dummy_wgrads_one_per_weight_shape
+    layers = (768 * 512 + 512 * 256 + 1024 * 512 + 512 * 1024) * 2
+    eh_proj = 256 * 1024 * 2                                                       # [512/2, 2 x 512]
+    for era in ("0.16", "0.19"):
+        flags = CI[:1] + ["4"] + CI[2:] + ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]
+        mtp_last = estimate(layout_from_flags(flags, world_size=8, megatron_version=era), gpu=h100)
+        V = mtp_last.layout.padded_vocab_size
+        assert _term(mtp_last.stages[0], "dummy_wgrads") == layers                 # no MTP block on stage 0
+        assert _term(mtp_last.stages[1], "dummy_wgrads") == layers + eh_proj + V // 2 * 512 * 2
+        only_mtp = estimate(layout_from_flags(flags + ["--pipeline-model-parallel-layout", "Etttt|mL"],
+                                              world_size=8, megatron_version=era), gpu=h100)
+        assert only_mtp.stages[1].num_layers == 0
+        assert _term(only_mtp.stages[1], "dummy_wgrads") == layers + eh_proj + V // 2 * 512 * 2
+        standalone = estimate(layout_from_flags(flags[:-2] + ["--mtp-num-layers", "1", "--pipeline-model-parallel-size",
+                                                               "3", "--pipeline-model-parallel-layout", "Etttt|m|L"],
+                                                world_size=12, megatron_version=era), gpu=h100)
+        # the MTP stage: its layer's shapes and eh_proj, no output layer; the loss stage: the output layer only
+        assert _term(standalone.stages[1], "dummy_wgrads") == layers + eh_proj
+        assert _term(standalone.stages[2], "dummy_wgrads") == V // 2 * 512 * 2

@@ -104,11 +104,58 @@ def test_rules_and_refusals_name_the_flag():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         _layout(LATENT + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"])
     assert str(e.value).startswith("--moe-shared-expert-overlap: does not work with --moe-latent-size")
-    for extra in (["--fp8-format", "hybrid"], ["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
-                                               "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]):
+    for extra in (["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+                   "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],):
         with pytest.raises((NotModelledError, ConfigErrors)) as e:
             _layout(LATENT + extra, "0.19")
         assert "--moe-latent-size:" in str(e.value), str(e.value)
+
+
+TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+
+
+def test_fp8_latent_weight_caches_by_hand():
+    """FP8 tensorwise on an H100 (Hopper keeps a transpose): TE caches each BF16 GEMM weight as row-wise + column-wise
+    FP8 data (1 B each) and one fp32 scale_inv, every allocation rounded up to 512 B. Per layer on a TP rank:
+    linear_qkv [96, 64], linear_proj [64, 32], fc1_latent_proj [32, 64] and fc2_latent_proj [64, 32] (TELinear
+    "duplicated", MoELayer.__init__, core 0.16.1 and 0.19.2) and 2 local experts' fc1 [192, 32] and fc2 [32, 96]
+    (at the latent width 32): 30,720 elements, 8 weights -> 2 x 30,720 + 8 x 512 = 65,536 B; 2 layers 131,072 B,
+    18,432 B of it the latent projections' (2 x (2 x 4,096 + 2 x 512))."""
+    from megatron_memguard.gpus import lookup_gpu
+    terms = {t.name: t.bytes for t in estimate(_layout(LATENT + TENSORWISE, "0.19"), gpu=lookup_gpu("H100"))
+             .stages[0].terms}
+    assert terms["fp8_weight_cache"] == 2 * (2 * (96 * 64 + 64 * 32 + 32 * 64 + 64 * 32 + 2 * (192 * 32 + 32 * 96))
+                                             + 8 * 512) == 131_072
+
+
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]])
+def test_fp8_latent_saved_inputs_by_hand(recompute):
+    """FP8 tensorwise (H100): a quantized GEMM keeps its input's column-wise FP8 data (the transpose, 1 B an element)
+    and a 512 B scale_inv. T = s b / TP = 64 tokens. fc2_latent_proj keeps [64, 32] (2,048 + 512 B) instead of the
+    BF16 4,096 B; fc1_latent_proj a copy of the pre-MLP norm's output [64, 64] (4,096 + 512 B), also under 'layernorm'
+    recompute (set_for_recompute_pre_mlp_layernorm makes only the shared experts' fc1 save its original input,
+    moe_layer.py core 0.19.2). The grouped experts keep the dispatched tokens at the latent width: N = 128 rows over
+    2 local experts, 64 each (a multiple of TE's 16-token alignment): 2 x ([32, 64] 2,048 + 512) + the BF16 probs
+    128 x 2 B = 5,376 B (the hidden width 64 would give 9,472)."""
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.partition import model_kind_runs
+    L = _layout(LATENT + TENSORWISE + recompute, "0.19")
+    kind = model_kind_runs(L)[0][0]
+    saved = layer_activations(L, kind=kind).saved
+    assert saved["moe_latent_projections"] == (64 * 32 + 512) + (64 * 64 + 512) == 7_168
+    assert saved["moe_expert_input"] == 2 * (32 * 64 + 512) + 128 * 2 == 5_376
+
+
+def test_fp8_latent_shape_rules_name_the_latent_size():
+    """MXFP8 quantizes in 32-element blocks along every dimension (TE 2.11 MXFP8_BLOCK_SCALING_SIZE): a latent width
+    of 48 gives fc1_latent_proj [48, 64] and the experts' fc1 [192, 48], not multiples of 32: the flag named is
+    --moe-latent-size; 64 passes."""
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _layout(["--moe-latent-size", "48", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], "0.19")
+    msg = str(e.value)
+    assert msg.startswith("--moe-latent-size: with --fp8-recipe mxfp8:") and "(48) are not a multiple of 32" in msg
+    L = _layout(["--moe-latent-size", "64", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], "0.19")
+    assert L.moe.moe_latent_size == 64
 
 
 def test_allgather_gathers_latent_tokens_by_hand():

@@ -110,9 +110,12 @@ def test_standalone_activations_by_hand(era):
     """'Et|tt|mm|L' with D = 2, TP 1, s = 64, b = 1, h = 64, bf16 (row = 64 x 64 x 2 = 8 KiB): the MTP stage keeps
     per micro-batch the block's tensors less the concatenation it sends on (deallocate_output_tensor) plus hnorm's
     input: D x (enorm input 1 + eh_proj input 2 + final-norm input 1) rows + hnorm's input 1 row, 3 RMSNorm
-    rstd rows of fp32 per depth, the rolled ids (int64) per depth; the loss stage keeps the received (1 + D)-fold
-    concatenation (3 rows) and no output-layer input of its own, and its received inputs and P2P buffers are
-    (1 + D)-fold."""
+    rstd rows of fp32 per depth, the rolled ids (int64) per depth, and (no decoder layer on the chunk) the received
+    hidden states, which the schedule keeps while the empty TransformerBlock's clone of them is hnorm's input
+    (transformer_block.py: ``hidden_states.clone()`` when not pre_process, no layer, no final norm; core 0.16.1 and
+    0.19.2); the loss stage keeps the received (1 + D)-fold concatenation (3 rows) and the clone its empty block
+    makes of it (3 rows), whose views the heads keep, and no output-layer input of its own, and its received inputs
+    and P2P buffers are (1 + D)-fold."""
     job = _job("Et|tt|mm|L", 4, 2)
     L = _layout(job, era)
     row = _row(L)
@@ -121,12 +124,12 @@ def test_standalone_activations_by_hand(era):
     s2, s3 = est.stages[2].breakdown, est.stages[3].breakdown
     stats = 64 * 4                    # RMSNorm: one fp32 rstd per row
     ids = 64 * 8                      # the rolled input ids (int64), TP 1, rope: no position ids
-    per_mb_block = 2 * (4 * row + 3 * stats + ids) + row
+    per_mb_block = 2 * (4 * row + 3 * stats + ids) + row + row
     held2 = est.stages[2].in_flight
     assert s2["mtp_block_activations"] == held2 * per_mb_block
     assert "mtp_loss_buffers" not in s2 and "loss_softmax_fp32" not in s2
     held3 = est.stages[3].in_flight
-    assert s3["mtp_received_hidden"] == held3 * 3 * row
+    assert s3["mtp_received_hidden"] == held3 * 2 * 3 * row
     assert "output_layer_input" not in s3 and "mtp_block_activations" not in s3
     # the D extra heads' fp32 softmax [s, V] (+ targets, rolled labels, mask, per-token loss) on the loss stage
     softmax = 4 * 64 * L.padded_vocab_size

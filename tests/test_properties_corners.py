@@ -261,7 +261,10 @@ def test_delayed_and_tensorwise_fp8_store_the_same_weights(fs, era):
     every term is the same but the recipe's own state (fp8_scales: delayed scaling's amax histories and
     scales per TE module) and the allocator slack on top. (Shared experts are left out: under delayed
     scaling their fc1 keeps a quantized copy of its input besides the BF16 one, moe-fp8.md 1.9 / 2.5,
-    fp8_layers.moe_saved_overrides, so their activations differ by that copy.)"""
+    fp8_layers.moe_saved_overrides, so their activations differ by that copy.) The saved activations may differ by
+    linear_proj's input alone: megatron-core sets save_original_input on linear_proj for every recipe but delayed
+    (attention.py, 0.16.1 and 0.19.2), so delayed keeps a 1-byte copy of the attention output where tensorwise
+    keeps the BF16 tensor itself (estimator/fp8_layers.proj_saves_original_input)."""
     if "--fp8-format" not in fs.extra:
         reject()
     if fs.shared_ffn:
@@ -279,7 +282,8 @@ def test_delayed_and_tensorwise_fp8_store_the_same_weights(fs, era):
     a = _est(fs.with_(extra=tuple(ex)).flags(), fs.world, era)
     ex[i + 3] = "tensorwise"
     b = _est(fs.with_(extra=tuple(ex)).flags(), fs.world, era)
-    assert _changed(a, b) <= FP8_STATE_TERMS
+    # linear_proj's input moves the activations and the backward step's requantized copy (proj_backward_input)
+    assert _changed(a, b) <= FP8_STATE_TERMS | {"layer_activations", "forward_transient", "backward_transient"}
 
 
 # --fp8-param-gather trades the BF16 weights and TE's FP8 weight cache for primary FP8 weights: the terms

@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
+from ..partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -39,6 +39,8 @@ from .offload_activations import fine_grained_plan, fraction_kept, last_offload_
 from .offload_activations import layer_groups as offload_layer_groups
 from .mtp import last_stage_items as mtp_last_stage_items
 from .mtp import standalone_block_items as mtp_standalone_block_items
+from .mtp import block_activations as mtp_block_acts
+from .mtp import spec_of as mtp_spec_of
 from .mtp import standalone_loss_items as mtp_standalone_loss_items
 from .mtp import layers_built as mtp_layers_built
 from .params import holds_final_norm, holds_mtp, mtp_layer_kind
@@ -113,7 +115,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         final_norm = has_output
     mtp_depths = getattr(L, "mtp_num_layers", 0) or 0
     mtp_here = bool(mtp_depths) and (has_output if has_mtp is None else has_mtp)
-    has_batch = has_embedding or has_output
+    # (pretrain_gpt.py get_batch: the first and last stages read the batch, and a stage building the MTP block
+    # before the loss's for the tokens and positions its block embeds, with the attention mask its layers use)
+    has_batch = has_embedding or has_output or mtp_here
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
@@ -235,13 +239,21 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             moe_layers += d * mtp_la.moe_total
         more.append(f" + {d} MTP layer(s)")
         block_saved, concat = mtp_standalone_block_items(L)
+        if not n and not has_embedding:
+            # a chunk of the MTP block only: its empty TransformerBlock returns hidden_states.clone() (no layer, no
+            # final norm, not pre_process: transformer_block.py, megatron-core 0.16.1 and 0.19.2), which hnorm
+            # keeps, while the schedule keeps the received tensor for the chunk's backward: one row more
+            block_saved = {k: v + p2p_tensor_bytes(L) for k, v in block_saved.items()}
         ends.update(block_saved)
         fwd_extra = max(fwd_extra, concat)
-        # the chunk's backward starts in the MTP layers (their working set, beside the received gradient of the
-        # (1 + D)-fold output: D rows more than a layer's output gradient) and ends the block in the embedding
-        # copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has none (the
-        # end of its backward), else before them, with the block's own tensors released by then
-        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat * d // (1 + d))
+        # the chunk's backward starts in the MTP layers (their working set, whose output gradient is the MTP final
+        # norm's input gradient, beside the received gradient of the (1 + D)-fold output, which the schedule holds
+        # until the chunk's backward ends: measured by the CPU referee on 'Et|m|L') and ends the block in the
+        # embedding copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has
+        # none (the end of its backward), else before them, with the block's own tensors released by then
+        # (the last depth's final norm is back-propagated first: its input and statistics are gone by then)
+        acts = mtp_block_acts(mtp_spec_of(L))
+        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat - (acts.final_norm_inputs + acts.norm_stats // 3) // d)
         if not has_embedding:
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
             if n:
@@ -345,23 +357,32 @@ BufferRow = tuple[str, int, str, str, str]
 
 @lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
-                        received: int | None = None) -> tuple[BufferRow, ...]:
+                        received: int | None = None, input_folds: frozenset = frozenset({1})) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
     ``mtp_here``: it runs the MTP block (None: the last stage); ``received``: the activations its receiving chunks
-    get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each).
+    get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each); ``input_folds``: the
+    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
     entry; the buffer grows to the largest request and stays. With TE layers only the output layer
-    (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries."""
+    (a megatron ColumnParallelLinear, on the last stage) uses it; TE gathers into temporaries. The entry is
+    made on first use only (global_vars / parallel_state GlobalMemoryBuffer.get_tensor, megatron-core 0.16.1 and
+    0.19.2): a stage without decoder or MTP layers (a loss-only stage such as the last of 'Et|L') has no
+    attention to ask for the score buffer, and without sequence parallelism nothing else asks."""
     x = shapes(L)
     rows: list[BufferRow] = []
     sizes = []
-    if L.sequence_parallel and (L.transformer_impl == "local" or last):
+    mtp = (last if mtp_here is None else mtp_here) and bool(getattr(L, "mtp_num_layers", 0))
+    layers_here = any(n for runs in stage_runs for _, n in runs)
+    if L.sequence_parallel and (last or L.transformer_impl == "local" and (layers_here or mtp)):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
-    if attention_kind(L).startswith("local"):
+    cores = (MIXER_ATTENTION, MIXER_MLA)        # the mixers with a core attention
+    attention_here = (mtp and mtp_layer_kind(L).mixer in cores
+                      or any(n for runs in stage_runs for kind, n in runs if kind.mixer in cores))
+    if attention_here and attention_kind(L).startswith("local"):
         sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of megatron's attention
     if sizes:
         rows.append(("global_memory_buffer", max(sizes), "transients", "allocated",
@@ -384,6 +405,12 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform).rotary_cache(L, layers)
+    if rotary and mixer == MIXER_ATTENTION and input_folds != {1}:
+        # GPTModel's table is as long as the chunk's input (RotaryEmbedding.get_rotary_seq_len reads
+        # transformer.input_tensor.size(0), megatron-core 0.16.1 and 0.19.2): (1 + D) s after a standalone MTP
+        # stage; forward's lru_cache keeps one table per length
+        n = sum(input_folds)
+        rotary = (rotary[0] * n, rotary[1] + f", one table per input length ({', '.join(f'{k} s' for k in sorted(input_folds))})")
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(rows)
@@ -850,7 +877,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
-                                      sum(receiving))
+                                      sum(receiving), frozenset([max(1, r) for r in receiving]))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
@@ -870,9 +897,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # stages')
         widen = widened if mtp_here and not has_output or receiving and receiving[-1] > 1 else 1
         fixed_alloc, fixed_bytes, device_only, device_bytes = _device_terms(L, gpu_name, site, has_output,
-                                                                            n_layers > 0 or (mtp_here and not has_output),
-                                                                            moe_rank, kinds,
-                                                                            widen)
+                                                                            n_layers > 0, moe_rank, kinds, widen,
+                                                                            mtp_here)
     else:
         fixed_alloc, fixed_bytes, device_only, device_bytes = (), 0, (), 0
     base = state_bytes + sum([r[1] for r in buffer_rows]) + fixed_bytes
@@ -1081,11 +1107,14 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         elif name == "mtp_block_activations":
             det = (f"{L.mtp_num_layers} MTP depth(s): enorm / eh_proj / final-norm inputs, norm statistics, rolled "
                    + ("ids, hnorm's input (the concatenation it sends on is freed after the send)"
+                      + ("; without decoder layers the received hidden states too, which the empty decoder block "
+                         "clones for hnorm" if not pr.n_layers else "")
                       if not pr.has_output else
                       f"ids, and the concatenated {1 + L.mtp_num_layers} hidden states the output layer keeps"))
         elif name == "mtp_received_hidden":
             det = (f"the {1 + L.mtp_num_layers}-fold concatenated hidden states received from the MTP stage "
-                   "(mtp_standalone), whose chunks the output layer keeps for each head")
+                   "(mtp_standalone) and the empty decoder block's clone of them, whose chunks the output layer "
+                   "keeps for each head")
         elif name == "mtp_loss_buffers":
             det = (f"{L.mtp_num_layers} extra head(s): fp32 softmax, targets, rolled labels and mask, per-token "
                    "loss; the last depth's logits are in forward_transient")
@@ -1153,7 +1182,7 @@ def _fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants = DEFAULT_
 @lru_cache(maxsize=1024)
 def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_output: bool, has_layers: bool,
                   moe_rank: bool, kinds: frozenset | None = None,
-                  p2p_widen: int = 1) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
+                  p2p_widen: int = 1, mtp: bool = False) -> tuple[tuple[Term, ...], int, tuple[Term, ...], int]:
     """A GPU stage's fixed terms, the same on every stage shape but for the placeholder weight gradients (which
     follow the output layer and the layers) and the MoE-only ones (``moe_rank``: the stage runs an MoE layer;
     overheads.stage_fixed_terms): the allocated ones with the pipeline buffers in flight and the placeholders,
@@ -1168,10 +1197,10 @@ def _device_terms(L: Layout, gpu_name: str | None, site: SiteConstants, has_outp
     # (weight gradients, real or placeholder, exist only for parameters that require grad)
     # (frozen weights: TE makes no placeholder weight gradient, module/linear.py backward runs it only with requires_wgrad;
     # PEFT adapters are megatron-core linears, whose placeholders are per call and adapter-sized)
-    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds) if not (L.freeze_all_layers or L.peft) else 0
+    dummies = dummy_wgrad_bytes(L, has_output, has_layers, kinds, mtp) if not (L.freeze_all_layers or L.peft) else 0
     if dummies:
         fixed_alloc.append(Term("dummy_wgrads", dummies, "transients", "allocated",
-                                lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds))} placeholder weight "
+                                lambda: f"{len(dummy_wgrad_shapes(L, has_output, has_layers, kinds, mtp))} placeholder weight "
                                         "gradients, one per weight shape, cached by Transformer Engine under "
                                         "gradient-accumulation fusion"))
     device_only = tuple([t for t in fixed if t.level == "device"])

@@ -225,19 +225,29 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     ``moe_expert_activations`` are quantized per expert, padded to ``moe_align_size`` tokens
     (``TEGroupedLinear``, ``tex.split_quantize``); the shared expert's fc2 input is quantized, its fc1
     keeps the router's BF16 input (``set_save_original_input``) except under delayed scaling, where it
-    keeps a quantized copy too (moe-fp8.md 1.9, 2.5)."""
+    keeps a quantized copy too (moe-fp8.md 1.9, 2.5). Latent MoE: the experts' inputs are latent-wide and both
+    latent projections keep quantized inputs (``moe_latent_projections``)."""
     if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
         return {}
     from .layers.moe import expert_rows, router_bytes, tokens_per_rank
     m = L.moe
     e, h = act_bytes, L.hidden_size
+    hx = m.moe_latent_size or h     # latent MoE: the experts' input width
     T = tokens_per_rank(L)
     er = expert_rows(m, T)
     N = er.worst if m.routing == "worst" else er.balanced
     El, Fr = m.local_experts, m.moe_ffn_hidden_size // m.etp
     out: dict[str, int] = {}
     if "moe_expert_input" in saved:
-        out["moe_expert_input"] = grouped_saved_input(spec, N, h, El, non_tn=non_tn) + router_bytes(m, e) * N
+        out["moe_expert_input"] = grouped_saved_input(spec, N, hx, El, non_tn=non_tn) + router_bytes(m, e) * N
+    if m.moe_latent_size and "moe_latent_projections" in saved:
+        # the latent projections are TELinear "duplicated" modules (MoELayer.__init__, core 0.16.1 and 0.19.2) on the
+        # local token shard [T, .], inside the layer's FP8 / FP4 autocast, and nothing makes them save their original
+        # input (set_for_recompute_pre_mlp_layernorm reaches only the shared experts' fc1): fc2_latent_proj keeps a
+        # quantized copy of the combined tokens [T, latent] instead of the BF16 tensor, and fc1_latent_proj one of
+        # the pre-MLP norm's output [T, h] beside the BF16 one the router keeps (with 'layernorm' recompute too)
+        out["moe_latent_projections"] = (saved_input(spec, T, hx, non_tn=non_tn).allocated
+                                         + saved_input(spec, T, h, non_tn=non_tn).allocated)
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
     if "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * Fr

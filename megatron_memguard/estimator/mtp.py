@@ -285,14 +285,16 @@ def standalone_block_items(L) -> tuple[dict[str, int], int]:
 
 def standalone_loss_items(L) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient) on the loss's chunk when the MTP block is
-    on an earlier stage: the received concatenation (kept whole: the 1 + D heads keep views of it, and the
-    schedule keeps it as the stage's input; with --fp8-output-proj each head keeps a quantized copy as well), the
-    D extra heads' loss buffers, and the last depth's logits in 0.16.1 (logits_in_flight)."""
+    on an earlier stage: the received concatenation, which the schedule keeps as the stage's input, and its copy:
+    the loss's chunk has no decoder layer and no final norm, so its empty TransformerBlock returns
+    ``hidden_states.clone()`` (transformer_block.py, megatron-core 0.16.1 and 0.19.2), whose views the 1 + D heads
+    keep (with --fp8-output-proj each head keeps a quantized copy as well); the D extra heads' loss buffers, and
+    the last depth's logits in 0.16.1 (logits_in_flight)."""
     spec = spec_of(L)
     from .head import output_items
     head = output_items(L).saved
     per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
-    received = concat_bytes(L)
+    received = 2 * concat_bytes(L)
     from .fp8_layers import output_proj_gemm
     from .fp8 import saved_input
     head_gemm = output_proj_gemm(L)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..layout import Layout, ShardGroup, TensorKind
 from ..units import MiB
-from .params import layer_linear_shapes
+from .params import layer_linear_shapes, mtp_layer_kind
 from .result import Term, TermGroup, TermLevel
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def gpu_fixed_terms(L: Layout, gpu_name: str | None, site: SiteConstants | None 
 
 @lru_cache(maxsize=256)
 def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True,
-                       kinds: frozenset | None = None) -> frozenset[tuple[int, int]]:
+                       kinds: frozenset | None = None, mtp: bool = False) -> frozenset[tuple[int, int]]:
     """Weight shapes for which Transformer Engine keeps a placeholder weight gradient.
 
     With gradient-accumulation fusion the weight gradient goes straight into megatron's main_grad,
@@ -226,12 +226,20 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True,
     megatron-core >= 0.14 routes its own column/row-parallel layers to it too whenever TE is
     installed (tensor_parallel/layers.py), which adds the output layer [V/TP, h]. The cache fills
     only with the GEMMs the rank runs: ``kinds``, the layer kinds of the rank's stage (MoE models: a
-    stage of dense layers only has no expert shapes; default: every kind of the model)."""
+    stage of dense layers only has no expert shapes; default: every kind of the model). ``mtp``: the stage
+    runs the MTP block, whose layers' linears and eh_proj (a column-parallel [2h -> h] linear, bias-free:
+    multi_token_prediction.py MultiTokenPredictionLayer.__init__, megatron-core 0.16.1 and 0.19.2) fill it
+    too, also on a chunk without decoder layers (a layout ending '|mL')."""
     if not L.fused_wgrad:
         return frozenset()
     if has_output:
         # the layers' shapes (shared with the stages without the output layer), and output_layer's
-        return dummy_wgrad_shapes(L, False, has_layers, kinds) | {(L.padded_vocab_size // L.tp, L.hidden_size)}
+        return dummy_wgrad_shapes(L, False, has_layers, kinds, mtp) | {(L.padded_vocab_size // L.tp, L.hidden_size)}
+    if mtp:
+        own = dummy_wgrad_shapes(L, False, has_layers, kinds)
+        # the MTP layer (the last decoder layer's kind, params.mtp_layer_kind) and eh_proj's [h/TP, 2h] weight
+        mtp_shapes = frozenset(layer_linear_shapes(L, mtp_layer_kind(L)).values())
+        return own | mtp_shapes | {(L.hidden_size // L.tp, 2 * L.hidden_size)}
     if has_layers and L.moe is not None:
         # the kinds the stage runs (MoE: the experts' and shared experts' TE linears)
         if kinds is None:
@@ -242,8 +250,10 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True,
 
 
 @lru_cache(maxsize=256)
-def dummy_wgrad_bytes(L: Layout, has_output: bool, has_layers: bool = True, kinds: frozenset | None = None) -> int:
-    return sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers, kinds)) * L.precision.bytes_of(TensorKind.PARAM)
+def dummy_wgrad_bytes(L: Layout, has_output: bool, has_layers: bool = True, kinds: frozenset | None = None,
+                      mtp: bool = False) -> int:
+    return (sum(r * c for r, c in dummy_wgrad_shapes(L, has_output, has_layers, kinds, mtp))
+            * L.precision.bytes_of(TensorKind.PARAM))
 
 
 def p2p_in_flight_bytes(L: Layout) -> tuple[int, int]:

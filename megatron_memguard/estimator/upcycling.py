@@ -1,7 +1,8 @@
 """MoE upcycling (``--moe-use-upcycling``): the start-up peak of a run that turns a dense checkpoint into the MoE
 model, beside the training peak (which is an ordinary MoE run's).
 
-megatron/training ``setup_model_and_optimizer`` (training.py, megatron-core 0.16 to 0.18 alike), in order:
+megatron/training ``setup_model_and_optimizer`` (training.py, megatron-core 0.16; from 0.17 it fails at the dense
+checkpoint's load, resolve/moe.py ``_upcycling``), in order:
 
 1. the MoE model is built and wrapped in DDP (its parameters and gradient buffer) and its optimizer made: the
    fp32 main parameters (the distributed optimizer's shard, or Float16OptimizerWithFloat16Params' whole copies)

@@ -103,7 +103,7 @@ class MoeSpec:
     # --moe-latent-size: the routed experts (and the dispatch) work in this width; two duplicated TELinear
     # projections h -> latent before the dispatch and latent -> h after the combine
     moe_latent_size: int | None = None
-    # --moe-use-upcycling (megatron/training 0.16 to 0.18): the run starts from a dense checkpoint, building a
+    # --moe-use-upcycling (megatron/training 0.16; 0.17 to 0.19 fail at start-up): the run starts from a dense checkpoint, building a
     # dense model (FFN x --moe-upcycling-granularity, EP 1) beside the MoE one at start-up (estimator/upcycling.py)
     moe_use_upcycling: bool = False
     moe_upcycling_granularity: int = 1

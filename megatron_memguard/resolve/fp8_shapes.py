@@ -43,6 +43,9 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
     """The flag that sets one weight dimension of GEMM ``name``."""
     if unsharded_hidden and value == L.hidden_size:
         return "hidden_size"
+    lat = L.moe.moe_latent_size if getattr(L, "moe", None) is not None else None
+    if lat and value == lat and (name.startswith("experts.") or name.endswith("_latent_proj")):
+        return "moe_latent_size"    # the latent side of the latent projections and of the routed experts
     if name.startswith("experts."):
         return "moe_ffn_hidden_size"
     if name.startswith("shared_experts."):

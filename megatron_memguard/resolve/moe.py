@@ -291,7 +291,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_apply_probs_on_input", f"only works with --moe-router-topk 1, got {k} (the experts' forward)")
         ok = False
     latent = _latent_size(r, disp=disp, Fs=Fs, overlap=overlap, a2a_overlap=a2a_overlap, delay_wgrad=delay_wgrad,
-                          wgrad_beside_dispatch=wgrad_beside_dispatch, precision=precision or {})
+                          wgrad_beside_dispatch=wgrad_beside_dispatch)
     if latent == -1:
         latent, ok = None, False
     legacy_gg = grouped and r.bool_arg("moe_use_legacy_grouped_gemm", False)
@@ -329,20 +329,25 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
 
 
 def _upcycling(a: Args, kw: Mapping[str, Any], ctx: Context, spec: MoeSpec) -> MoeSpec:
-    """--moe-use-upcycling: megatron/training's setup_model_and_optimizer (training.py, 0.16 to 0.18 alike) builds,
+    """--moe-use-upcycling: megatron/training's setup_model_and_optimizer (training.py, 0.16) builds,
     after the MoE model and its optimizer, a DDP-wrapped dense model from the same arguments with num_experts None,
     EP 1 and ffn_hidden_size x --moe-upcycling-granularity, loads the dense checkpoint into it and converts it
     (upcycling_utils.load_and_upcycle_model): the start-up figure of estimator/upcycling.py. Megatron's rules are
-    errors naming the flag; 0.19 and the settings whose start-up was not read are refused by name."""
+    errors naming the flag (among them 0.17 to 0.19, where the start-up fails); the settings whose start-up was not
+    read are refused by name."""
     if not a.bool_arg("moe_use_upcycling", False):
         return spec
     key = a.key("moe_use_upcycling")
-    if ctx.version >= Version("0.19"):
-        # training.py 0.19.2 _build_model_wrapper builds the "dense" model with cfg.model's builder, which the
-        # arguments it resets do not reach (0.17.1 and 0.18.2 call get_model(model_provider_func))
-        raise NotModelledError(key, "upcycling in megatron/training 0.19 (its _build_model_wrapper builds the dense "
-                                    "model from cfg.model, which the reset num_experts / ffn_hidden_size do not "
-                                    "reach: what it holds at start-up was not pinned down)")
+    if ctx.version >= Version("0.17"):
+        # training.py (core 0.17.1, 0.18.2, 0.19.2) loads the dense checkpoint with load_and_upcycle_model(
+        # load_checkpoint, ..., load_kwargs={'model': ...}) while checkpointing.py's load_checkpoint names that
+        # parameter ddp_model: a TypeError, seen on the real 0.19.2 code (tests/test_moe_upcycling_real.py). Before
+        # it, 0.19.2's pretrain_gpt.py path builds the "dense" model MoE-shaped from cfg.model, and a model provider
+        # (0.18.2, 0.19.2) fails at TransformerConfig (moe_ffn_hidden_size without num_moe_experts).
+        a.fail("moe_use_upcycling", "does not work in megatron/training 0.17 to 0.19 (setup_model_and_optimizer "
+                                    "calls load_checkpoint(model=...), whose parameter is ddp_model: TypeError "
+                                    "at start-up)")
+        return spec
     for dest, what in (("use_megatron_fsdp", "Megatron-FSDP"), ("use_torch_fsdp2", "torch FSDP2"),
                        ("optimizer_cpu_offload", "optimizer CPU offload")):
         if kw.get(dest):
@@ -377,10 +382,11 @@ def _upcycling(a: Args, kw: Mapping[str, Any], ctx: Context, spec: MoeSpec) -> M
 
 
 def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_overlap: bool, delay_wgrad: bool,
-                 wgrad_beside_dispatch: bool, precision: Mapping[str, Any]) -> int | None:
+                 wgrad_beside_dispatch: bool) -> int | None:
     """--moe-latent-size (core 0.16.1 and 0.19.2 MoELayer): the latent width, None when off, -1 after a reported
     error. validate_args: a positive size; MoELayer.preprocess asserts no shared-expert overlap in training.
-    memguard models it in BF16 with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
+    memguard models it in BF16 and FP8 / FP4 (the latent projections are quantized TELinears: estimator/fp8_layers.py,
+    resolve/fp8_shapes.py) with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
     and 0.19.2, so the alltoall, the allgather's gather into the GlobalMemoryBuffer and DeepEP's buffers all move
     latent-wide tokens; the flex dispatcher's HybridEP backend is refused on its own); the rest is refused by name."""
     if r.get("moe_latent_size") is None:
@@ -393,10 +399,7 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
         r.fail("moe_shared_expert_overlap", "does not work with --moe-latent-size in training (MoELayer.preprocess)")
         return -1
     key = r.key("moe_latent_size")
-    for bad, what in ((bool(precision.get("fp8") or precision.get("fp4")),
-                       "latent MoE under FP8 / FP4 (the duplicated TELinear latent projections' quantized inputs and "
-                       "weight caches, and the latent-wide expert GEMMs' shape rules, were not read)"),
-                      (a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
+    for bad, what in ((a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
                        "latent MoE with the expert-parallel overlap or delayed weight gradients (MoELayer.backward_dw "
                        "defers the latent projections' weight gradients, fc2_latent_proj's on the comm stream: how "
                        "long their inputs stay was not pinned down)"),):
