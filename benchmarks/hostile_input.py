@@ -17,7 +17,9 @@ hostile JSON value in every run-log field; the largest inputs memguard accepts (
 TP-overlap inputs (--moe-layer-freq and --tp-comm-overlap-cfg bombs); hostile files at every path
 argument (a named pipe nobody writes to, /dev/zero, a directory, a symlink loop, UTF-16); Megatron logs
 of 7,000 ranks, an out-of-memory flood and numbers no GPU prints; every field of the MoE config.json files,
-Megatron logs with colour codes / NULs / garbage / cuts, and plan over extreme spaces (issue hostile3). Prints, per command, the number of runs, how many broke the
+Megatron logs with colour codes / NULs / garbage / cuts, and plan over extreme spaces (issue hostile3); odd
+--megatron-version values, DDP's fp32 accumulation pattern bombs, JSON objects at MoE config.json fields, every
+Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, plan --top 10**9 (issue hostile4). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -316,6 +318,69 @@ def surface_cases():
                                                                    "--global-batch-size", "1024", *extra, "--", *dense, *more], {}
 
 
+def release_cases():
+    """The surfaces added since hostile3 (issue hostile4): --megatron-version of every odd form (pre-releases, dev
+    and local builds, epochs, empty, 40 digits) with the flags newer releases added; DDP's fp32 accumulation
+    patterns (100,000 of them, '[' and '*' bombs, digit patterns over 10,000 layers and 500,000 expert weights);
+    a JSON object / list / word at every MoE field of the config.json files; every Megatron-Bridge model field set to
+    a mapping or a word through --set; the argument table of a Megatron log holding 64 KiB lines of spaces or dashes;
+    plan --top 10**9 and over EP / ETP lists that leave nothing; site profiles with odd versions."""
+    moe = [*SMALL, "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
+           "--disable-bias-linear", "--position-embedding-type", "rope"]
+    newer = ["--moe-router-score-function", "sqrtsoftplus", "--moe-router-load-balancing-type", "quantile_balancing",
+             "--moe-input-jitter-eps", "0.01", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--use-nccl-ub"]
+    for v in ("0.19.0rc0", "0.18.0.dev0+g1", "0.16.1.post2", "1!0.16", "", " ", "0.15", "99", "0." + "9" * 38, "9" * 41,
+              "core_v0.17.1", "v0.18", "0.18.", "٠.١٨"):
+        yield f"estimate --megatron-version {v[:20]!r}", ["estimate", "--world-size", "8", "--megatron-version", v, "--",
+                                                          *moe, *newer], {}
+    bf16 = [*SMALL, "--grad-reduce-in-bf16"]
+    tenk = ["--num-layers", "10000", "--pipeline-model-parallel-size", "1"]
+    experts = ["--num-layers", "120", "--pipeline-model-parallel-size", "1", "--num-experts", "2048", "--moe-router-topk", "2",
+               "--sequence-parallel", "--disable-bias-linear", "--moe-grouped-gemm"]
+    pats = "--ddp-param-name-patterns-for-fp32-local-accumulation"
+    for label, patterns, more in (("100,000 patterns", [f"*x{i}*" for i in range(100_000)], []),
+                                  ("100 patterns, 200 characters", ["*" + "a*" * 99 + str(i) for i in range(100)], tenk),
+                                  ("'[' x 100,000", ["[" * 100_000], []), ("'[' x 200", ["[" * 199 + "a"] * 100, tenk),
+                                  ("'*a' x 100,000", ["*a" * 100_000], []), ("8 digit patterns, 10,000 layers",
+                                                                           [f"*layers.{i}*" for i in range(8)], tenk),
+                                  ("index-blind, 10,000 layers", ["*mlp*", "*norm*"], tenk),
+                                  ("500,000 expert weights", ["*experts*", "*weight1?"], experts)):
+        yield f"estimate {pats[2:22]} {label}", ["estimate", "--world-size", "8", "--", *bf16, *more, pats, *patterns], {}
+    hf_dir = os.path.join(ROOT, "tests", "data", "hf")
+    for name in sorted(os.listdir(hf_dir)):
+        with open(os.path.join(hf_dir, name), encoding="utf-8") as f:
+            doc = json.load(f)
+        for key in [k for k in doc if isinstance(doc[k], (int, float)) and not isinstance(doc[k], bool)]:
+            for v in ({"a": 1}, {}, float("nan"), 10**9):
+                d = dict(doc, **{key: v})
+                yield f"estimate {name} {key}={v!r}", ["estimate", "--model", "config.json", "--world-size", "64", "--",
+                                                      "--micro-batch-size", "1", "--seq-length", "4096",
+                                                      "--global-batch-size", "64"], {"config.json": json.dumps(d)}
+    from megatron_memguard.readers._common import GPT_LEVEL_FIELDS, LEGACY_MCORE_FIELDS, mcore_model_fields, megatron_dests
+    fields = sorted(megatron_dests() & (mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS))
+    for name in fields:
+        for v in ("{a: 1}", "maybe", "[1, 2]"):
+            yield f"estimate --set model.{name}={v}", ["estimate", "--model", "qwen3_30b_a3b", "--gpus", "64", "--set",
+                                                       "model.moe_flex_dispatcher_backend=deepep", "--set",
+                                                       f"model.{name}={v}"], {}
+    for override in ("model=1", "model.num_layers.x=4", "model..num_layers=4", "model.=4"):
+        yield f"estimate --set {override}", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", override], {}
+    from fuzz_util import MEGATRON_LOG
+    head = "------------------------ arguments ------------------------\n"
+    for label, line in (("spaces", "a . " + " " * 65_000 + "b"), ("leading spaces", " " * 65_000 + "x"),
+                        ("dashes", "-" * 65_000 + " arguments --"), ("dots", "a " + "." * 65_000)):
+        yield f"report argument table, 64 KiB of {label} x 10", ["report", "run.log"], {
+            "run.log": head + (line + "\n") * 10 + MEGATRON_LOG}
+    plan = ["plan", "--gpus", "64", "--seq-length", "4096", "--global-batch-size", "256", "--model", "mixtral-8x7b"]
+    for extra in (["--top", "1000000000"], ["--top", "50"], ["--ep", "3", "--explain"], ["--ep", "8", "--etp", "3"],
+                  ["--ep", ",".join(["1"] * 100_000)], ["--ep", "8", "--explain", "x" * 5000]):
+        yield f"plan {' '.join(extra)[:40]}", [*plan, *extra], {}
+    for version in ("9" * 5000, "abc", "99.0", "0.0.0"):
+        text = f"schema: memguard.site/1\nmemguard_version: '{version}'\nconstants: {{}}\n"
+        yield f"estimate --site-profile memguard_version {version[:20]}", ["estimate", "--site-profile", "s.yaml",
+                                                                          "--world-size", "8", "--", *SMALL], {"s.yaml": text}
+
+
 def structured_cases():
     """Real inputs mutated by structure (tests/mutate_util.py, issue hostile2): ten mutants of every real
     input and of every command line, each from a fixed Random."""
@@ -396,7 +461,7 @@ def main(argv: list[str]) -> int:
               ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
-              ("structured", structured_cases())]
+              ("releases", release_cases()), ("structured", structured_cases())]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)

@@ -99,17 +99,23 @@ def expert_grid_failure(get: Any, world: Any, flag: Any = None) -> str | None:
     world and raises when the world does not divide into them. ``get(name)`` reads Megatron's argument names;
     ``flag(name)`` spells one as the launch does. None when the grid divides (or is not plain integers)."""
     flag = flag or (lambda n: "--" + n.replace("_", "-"))
+    def whole(v: Any) -> int:
+        n = int(v)
+        if n != v or n < 1:    # (0.5, Fraction(1, 2), -2: the argument checks refuse them by name)
+            raise ValueError(v)
+        return n
+
     try:
         if not get("num_experts"):
             return None
-        world = int(world or 0)
-        tp = int(get("tensor_model_parallel_size") or 1)
-        pp = int(get("pipeline_model_parallel_size") or 1)
-        ep = int(get("expert_model_parallel_size") or 1)
-        etp = int(get("expert_tensor_parallel_size") or tp)
-    except (TypeError, ValueError, OverflowError):
+        world = whole(world or 1)
+        tp = whole(get("tensor_model_parallel_size") or 1)
+        pp = whole(get("pipeline_model_parallel_size") or 1)
+        ep = whole(get("expert_model_parallel_size") or 1)
+        etp = whole(get("expert_tensor_parallel_size") or tp)
+    except (TypeError, ValueError, OverflowError, ArithmeticError):
         return None
-    if world <= 0 or world % (etp * ep * pp) == 0:
+    if world % (etp * ep * pp) == 0:
         return None
     names = ", ".join(flag(n) for n in ("expert_model_parallel_size", "expert_tensor_parallel_size",
                                          "pipeline_model_parallel_size"))

@@ -59,12 +59,15 @@ def _version() -> str:
     return __version__
 
 
-def _newer(theirs: str, ours: str) -> bool:
+def _newer(theirs: str, ours: str) -> bool | None:
+    """Whether ``theirs`` is a newer version than ``ours``; None when it is no version."""
     from packaging.version import InvalidVersion, Version
     try:
+        if len(theirs) > 40:   # (packaging converts each part to an int: 5000 digits would not convert)
+            return None
         return Version(theirs) > Version(ours)
-    except (InvalidVersion, ValueError):  # (a 5000-digit part does not convert to an int)
-        return False
+    except (InvalidVersion, ValueError):
+        return None
 
 
 def _bytes(v: Any, key: str) -> int:
@@ -112,7 +115,11 @@ def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
     written_by = doc.get("memguard_version")
     if written_by is not None and not isinstance(written_by, str):
         raise ConfigError(f"{source}: memguard_version", f"expects a version string, got {written_by!r}")
-    if written_by and _newer(written_by, _version()):
+    newer = _newer(written_by, _version()) if written_by else False
+    if newer is None:   # (a version nothing can compare: it may well be newer)
+        raise ConfigError(f"{source}: memguard_version", f"cannot read version {shown(written_by)}; expected e.g. "
+                                                         f"{_version()}")
+    if newer:
         raise ConfigError(f"{source}: memguard_version", f"written by memguard {written_by}, newer than this "
                                                          f"memguard ({_version()})", "upgrade memguard")
     for k in ("name", "gpu", "created"):

@@ -20,7 +20,8 @@ Derandomized (the same cases on every run): 3,390 cases, 3,300 of them memguard 
 validate, 240 plan, 600 config files, 300 check, 500 report, 200 Megatron logs, 60 gpus / no command, 600
 of the newer features' inputs: MoE / FP8 / FSDP / offload / CUDA-graph / MTP flags, --moe-layer-freq
 expressions, --tp-comm-overlap-cfg YAML, Megatron-Bridge MoE recipes with --set, NeMo 2 MoE exports),
-about 1.5 minutes on two cores. ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
+about 1.5 minutes on two cores; 120 more for issue hostile4's surfaces (--megatron-version, fp32
+accumulation patterns, config.json and Bridge model fields of the wrong kind). ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
 failing, ``MEMGUARD_FUZZ_WALL=S`` stops a case after S seconds: how an older memguard is audited.
 """
 from __future__ import annotations
@@ -556,4 +557,66 @@ def test_new_feature_inputs_with_hostile_values(rnd):
         files["nemo2.yaml"] = text
         argv = ["estimate", "--config", "nemo2.yaml"] + (["--gpus", "8"] if d.coin() else []) if d.coin() \
             else ["validate", "nemo2.yaml"]
+    run(d, argv, files)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue hostile4: --megatron-version, DDP's fp32 accumulation patterns, MoE router / expert flags of the newer
+# releases, config.json MoE fields and Bridge model fields of the wrong kind, the hook's odd types
+# --------------------------------------------------------------------------------------------------
+VERSIONS = {
+    "releases": ["0.16", "0.17", "0.18.2", "0.19", "core_v0.17.1", "v0.18"],
+    "builds": ["0.19.0rc0", "0.18.0.dev0+g1234", "0.16.1.post2", "0.17.0a1", "0.20", "0.15", "99"],
+    "no release": ["", " ", "1!0.16", "0.18.", "٠.١٨", "9" * 41, "0x13", "latest"],
+}
+PATTERN_SETS = {
+    "plain": [["*router*"], ["*layer_norm*", "*bias"], ["all"], ["*embedding*", "*output_layer*"], ["*experts*"]],
+    "indexed": [["*layers.1.*"], ["*layers.1?.*"], ["*[02468].mlp*"], ["*linear_fc1*"], ["*weight1"]],
+    "bombs": [["[" * 5000], ["*a" * 5000], ["?" * 5000], [f"*x{i}*" for i in range(2000)], ["\\"], ["[!]"], [""]],
+}
+NEWER_FLAGS = [["--moe-router-score-function", "sqrtsoftplus"], ["--moe-router-load-balancing-type", "quantile_balancing"],
+               ["--moe-input-jitter-eps", "0.01"], ["--moe-router-force-biased", "0.5"], ["--moe-apply-probs-on-input"],
+               ["--moe-latent-size", "128"], ["--use-grouped-gemm-for-shared-expert"], ["--use-nccl-ub"],
+               ["--moe-router-padding-for-quantization"], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+               ["--freeze-all-layers"], ["--cuda-graph-modules", "attn"]]
+WRONG_KINDS = ["{a: 1}", "{}", "maybe", "[1, 2]", "{_target_: x.y}", ".nan", "1e400", "null", "''"]
+
+
+@fuzz(120)
+def test_release_surfaces_with_hostile_values(rnd):
+    d = Draw(rnd)
+    kind = d.pick(["version", "patterns", "hf", "bridge"], "kind")
+    files: dict[str, str] = {}
+    if kind == "version":
+        flags = MOE + ["--disable-bias-linear"] + [x for _ in range(d.int(0, 3)) for x in d.pick(NEWER_FLAGS)]
+        version = d.hostile(VERSIONS, "version") if d.int(0, 3) else d.any_value("version")
+        argv = [d.pick(["estimate", "validate"]), "--world-size", "8", "--megatron-version", version, "--", *flags]
+    elif kind == "patterns":
+        flags = list(SMALL) + ["--grad-reduce-in-bf16"] + (["--num-layers", d.pick(["4", "100", "10000"]),
+                                                              "--pipeline-model-parallel-size", "1"] if d.coin() else [])
+        if d.coin():
+            flags += ["--num-experts", "8", "--moe-router-topk", "2", "--sequence-parallel", "--disable-bias-linear"]
+        patterns = [p for _ in range(d.int(1, 2)) for p in d.hostile(PATTERN_SETS, "patterns")]
+        argv = ["estimate", "--world-size", "8", "--", *flags, "--ddp-param-name-patterns-for-fp32-local-accumulation",
+                *patterns]
+    elif kind == "hf":
+        name = d.pick(["mixtral-8x7b.json", "qwen3-30b-a3b.json", "deepseek-v3.json", "qwen2-57b-a14b.json"], "config")
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf", name), encoding="utf-8") as f:
+            doc = json.load(f)
+        for _ in range(d.int(1, 3)):
+            key = d.pick(sorted(doc), "key")
+            doc[key] = d.pick([{"a": 1}, {}, [1], "8", "x", None, -8, 0.5, 10**9, True, float("nan")])
+        files["config.json"] = json.dumps(doc)
+        argv = ["estimate", "--model", "config.json", "--world-size", "64", "--", "--micro-batch-size", "1",
+                "--seq-length", "4096", "--global-batch-size", "64"]
+    else:
+        from megatron_memguard.readers._common import GPT_LEVEL_FIELDS, LEGACY_MCORE_FIELDS, mcore_model_fields, megatron_dests
+        fields = sorted(megatron_dests() & (mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS))
+        overrides = []
+        for _ in range(d.int(1, 2)):
+            key = d.pick(fields + ["num_layers.x", "", "num_layers"], "field")
+            value = d.pick(WRONG_KINDS) if d.coin() else d.hostile(YAML_CLASSES)
+            overrides += ["--set", f"model.{key}={value}" if key else f"model={value}"]
+        argv = ["estimate", "--model", d.pick(["qwen3_30b_a3b", "llama32_1b", "deepseek_v2_lite"]), "--gpus", "64",
+                "--set", "model.moe_flex_dispatcher_backend=deepep", *overrides]
     run(d, argv, files)

@@ -653,7 +653,9 @@ def test_expert_parallelism_moves_only_the_expert_side(job):
     last_moe = bool(freq[-1]) if isinstance(freq, list) else (c["num_layers"] - 1) % freq == 0
     for a, b in zip(one.stages, many.stages):
         moe_layers = sum(1 for ch in L.stage_chunks(a.pp_rank) for k in ch.layer_kinds if k.mlp == "moe")
-        if a.pp_rank == L.pp - 1 and last_moe:
+        # the MTP block sits on the chunk that builds it: the last, or the one a layout's 'm' names (mtp_standalone)
+        mtp_here = any(ch.has_mtp if ch.has_mtp is not None else ch.has_output for ch in L.stage_chunks(a.pp_rank))
+        if mtp_here and last_moe:
             moe_layers += mtp
         E = c["experts"]
         assert a.parameters - b.parameters == moe_layers * (E - E // ep) * per_expert_rank, a.pp_rank

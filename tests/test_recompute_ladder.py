@@ -156,9 +156,9 @@ def test_bridge_deepseek_v3_recipe_takes_the_cheap_element_wise_rung():
     r = autotune(raw, world_size=1024, gpu=H100, allow_recompute=True)
     assert r.original.verdict == "tight"
     assert r.changes == {"recompute_granularity": (None, "selective"),
-                         "recompute_modules": (None, ["moe_act", "layernorm"])}
+                         "recompute_modules": (None, ["layernorm", "moe_act"])}
     assert [_spelled(raw, d, new) for d, (_, new) in r.changes.items()] == [
-        "model.recompute_granularity=selective", "model.recompute_modules=[moe_act,layernorm]"]
+        "model.recompute_granularity=selective", "model.recompute_modules=[layernorm,moe_act]"]
     again = estimate(resolve(raw.with_args(recompute_granularity="selective", recompute_modules=["moe_act", "layernorm"]),
                              world_size=1024), gpu=H100)
     assert again.peak_device_bytes == r.chosen.estimate.peak_device_bytes and again.verdict == "fits"

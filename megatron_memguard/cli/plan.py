@@ -28,6 +28,7 @@ from .main import (
 )
 
 DEFAULT_TOP = 5
+MAX_TOP = 50
 DEFAULT_PLOT_LAYOUTS = 200
 _MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_")
 
@@ -347,8 +348,9 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         ns = build_parser().parse_args(list(own_args))
     except SystemExit as e:          # --help (0) or a usage error, already printed (2)
         return int(e.code or 0)
-    if ns.top < 1:
-        raise ConfigError("--top", f"must be >= 1, got {ns.top}")
+    if not 1 <= ns.top <= MAX_TOP:
+        raise ConfigError("--top", f"must be from 1 to {MAX_TOP} (memguard's bound: every layout listed is estimated in "
+                                   f"full, a few milliseconds each), got {ns.top:,}")
     fmt = None
     if ns.plot:  # fail before searching when the file name or matplotlib is wrong
         if ns.explain is not None:

@@ -233,10 +233,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # Megatron's mtp_standalone: the MTP block on a stage before the loss's, which it sends the concatenated
         # hidden states to (estimator/mtp.py); its layers as on the last stage
         d = L.mtp_num_layers
-        mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
-        layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
-        if L.recompute_granularity != "full":
-            moe_layers += d * mtp_la.moe_total
+        mtp_la, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
+        layers += kept
+        moe_layers += kept_moe
         more.append(f" + {d} MTP layer(s)")
         block_saved, concat = mtp_standalone_block_items(L)
         if not n and not has_embedding:
@@ -257,8 +256,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if not has_embedding:
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
             if n:
-                kept = d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total) + sum(block_saved.values())
-                bwd_top = max(bwd_top, wgrad - kept)
+                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()))
             else:
                 bwd_bottom = wgrad
     if has_output:
@@ -278,12 +276,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if mtp_saved and mtp_here:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
-            mtp_la = layer_activations(L, has_batch, mtp_layer_kind(L))
-            layers += d * (ckpt_input if L.recompute_granularity == "full" else mtp_la.total)
-            if L.recompute_granularity != "full":
-                # an MoE MTP layer's MoE half is MoE activations like a decoder layer's (moe_layer_activations;
-                # the worst-case routing figure scales it)
-                moe_layers += d * mtp_la.moe_total
+            _, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
+            layers += kept
+            moe_layers += kept_moe
             more.append(f" + {d} MTP layer(s)")
         ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
@@ -313,6 +308,17 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
 
 
 ChunkActivations.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: ignore[assignment]
+
+
+def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActivations, int, int]:
+    """The D MTP layers of the chunk that builds the MTP block (the last decoder layer's kind; each checkpointed
+    under full recompute): their activations, the bytes they keep, and the MoE part of those (an MoE MTP layer's
+    MoE half is MoE activations like a decoder layer's: moe_layer_activations, which the worst-case routing scales)."""
+    d = L.mtp_num_layers
+    la = layer_activations(L, has_batch, mtp_layer_kind(L))
+    if L.recompute_granularity == "full":
+        return la, d * ckpt_input, 0
+    return la, d * la.total, d * la.moe_total
 
 
 def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int, moe: bool = False) -> int:

@@ -8,15 +8,35 @@ import fnmatch
 import re
 from functools import lru_cache
 
+from ..errors import ConfigError
 from ..layout import Layout, ShardGroup, TensorKind
 from .fsdp import version_tuple
-from .params import chunk_params, holds_final_norm, holds_mtp
+from .params import chunk_params, holds_final_norm, holds_mtp, layer_param_rows
 from .states import _chunk_buffer, bucket_size_for
 
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     """_ParamAndGradBuffer.__init__: ``fnmatch.fnmatch(param_name, pattern) or pattern == 'all'``."""
-    return any(p == "all" or fnmatch.fnmatch(name, p) for p in patterns)
+    return _matcher(patterns)(name)
+
+
+@lru_cache(maxsize=32)
+def _matcher(patterns: tuple[str, ...]):
+    """One compiled test for all the patterns (fnmatch's own translation, so its semantics exactly; a name is
+    tested once, not once per pattern). fnmatch.fnmatch normalises case with os.path.normcase: a no-op on
+    POSIX, where Megatron runs."""
+    if "all" in patterns:
+        return lambda name: True
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
+
+
+# Characters with which a pattern can tell a layer or expert index apart: without them the result of a name is
+# the same for every index (a pattern's literals cannot match the digits of an index, so a '*' takes them,
+# whatever they are), and one layer of each kind stands for all of its layers.
+_INDEX_AWARE = frozenset("0123456789?[")
+# memguard's bound on name tests for patterns that can tell indices apart (each tests every parameter's name):
+# about 1 s of CPU; Megatron's own uses name a handful of modules, not layer numbers.
+MAX_INDEXED_NAME_TESTS = 1_000_000
 
 
 _FUSED_NORM = re.compile(r"\.layer_norm\.(weight|bias)$")
@@ -46,8 +66,31 @@ def fp32_local_accumulation_numel(L: Layout, pp_rank: int) -> int:
     patterns = tuple(getattr(L, "ddp_param_name_patterns_for_fp32_local_accumulation", ()) or ())
     if not patterns:
         return 0
-    return sum(p.numel for c in L.stage_chunks(pp_rank) for p in chunk_params(L, c)
-               if matches(ddp_param_name(L, p.name), patterns))
+    test = _matcher(patterns)
+    chunks = L.stage_chunks(pp_rank)
+    indexed = any(ch in _INDEX_AWARE for p in patterns if p != "all" for ch in p)
+    rows = {kind: layer_param_rows(L, kind) for c in chunks for kind, _ in c.kind_runs}
+    if indexed:
+        tests = sum(len(rows[kind]) * n for c in chunks for kind, n in c.kind_runs) * len(patterns)
+        if tests > MAX_INDEXED_NAME_TESTS:
+            raise ConfigError("--ddp-param-name-patterns-for-fp32-local-accumulation",
+                              f"{len(patterns):,} patterns, with digits, '?' or '[' (which tell layers apart), tested against "
+                              f"each parameter name of pipeline rank {pp_rank} make {tests:,} tests; memguard accepts at most "
+                              f"{MAX_INDEXED_NAME_TESTS:,} (patterns without layer numbers are tested once per layer kind)")
+    # each kind's names as DDP spells them, in layer 0 (a layer's own: its index in place of the 0)
+    named = {kind: [(ddp_param_name(L, f"decoder.layers.0.{name}"), numel) for name, numel, *_ in r]
+             for kind, r in rows.items()}
+    matched = {} if indexed else {kind: sum(numel for name, numel in r if test(name)) for kind, r in named.items()}
+    total = 0
+    for c in chunks:
+        total += sum(p.numel for p in chunk_params(L, c, layers=False) if test(ddp_param_name(L, p.name)))
+        if not indexed:
+            total += sum(n * matched[kind] for kind, n in c.kind_runs)
+            continue
+        for i, kind in enumerate(c.layer_kinds):
+            at = f"decoder.layers.{i}."
+            total += sum(numel for name, numel in named[kind] if test(name.replace("decoder.layers.0.", at, 1)))
+    return total
 
 
 # distributed_data_parallel.py links each bucket group to its predecessor (previous_grad_reduce_bucket_group) in the

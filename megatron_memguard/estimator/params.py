@@ -195,8 +195,9 @@ def mtp_layer_kind(L: Layout) -> LayerKind:
     return kind if kind.quantized == quantized else kind._replace(quantized=quantized)
 
 
-def chunk_params(L: Layout, c: Chunk) -> list[Param]:
-    """All parameters of one model chunk, in ``named_parameters()`` order."""
+def chunk_params(L: Layout, c: Chunk, layers: bool = True) -> list[Param]:
+    """All parameters of one model chunk, in ``named_parameters()`` order (``layers=False``: all but its
+    transformer layers')."""
     h, t = L.hidden_size, L.tp
     vocab_rows = L.padded_vocab_size // t
     tied_pp = _first_embedding_shared(L)
@@ -206,9 +207,9 @@ def chunk_params(L: Layout, c: Chunk) -> list[Param]:
         if L.position_embedding_type == "learned_absolute":
             ps.append(Param("embedding.position_embeddings.weight", L.max_position_embeddings * h, tp_replicated=True,
                             cols=h))
-    layers = {kind: layer_param_rows(L, kind) for kind, _ in c.kind_runs}
-    for i, kind in enumerate(c.layer_kinds):
-        ps += param_objects(layers[kind], f"decoder.layers.{i}.")
+    rows = {kind: layer_param_rows(L, kind) for kind, _ in c.kind_runs} if layers else {}
+    for i, kind in enumerate(c.layer_kinds if layers else ()):
+        ps += param_objects(rows[kind], f"decoder.layers.{i}.")
     mtp = _mtp_param_records(L, c)
     if mtp:
         emb = [p for p in mtp if p.name.startswith("embedding.")]

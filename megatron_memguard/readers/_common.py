@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
-from ..numbers import shown
+from ..numbers import python_scalar, shown
 
 MISSING = "???"  # OmegaConf / Hydra's mandatory-value marker
 
@@ -151,6 +151,19 @@ def as_bool(v: Any) -> bool:
     return bool(v)
 
 
+def true_or_false(v: Any, key: str) -> bool:
+    """A true/false setting of a config, strictly (None or absent: false): ``as_bool`` reads any other word as
+    false and ``bool()`` any mapping or list as true, where Bridge's and NeMo's typed configs stop."""
+    v = python_scalar(v)
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", "", "none", "null"):
+        return as_bool(v)
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    raise ConfigError(key, f"must be true or false, got {shown(v)}")
+
+
 def is_missing(v: Any) -> bool:
     return isinstance(v, str) and v.strip() == MISSING
 
@@ -193,12 +206,16 @@ def apply_overrides(doc: dict, overrides: list[tuple[str, str, Any]], strip_pref
             path = path[len(strip_prefix) + 1:]
         parts = path.split(".")
         node = doc
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
             if not isinstance(nxt, dict):
                 if op == "del":
                     node = None
                     break
+                if isinstance(nxt, (str, int, float, bool)):
+                    # OmegaConf refuses a key below a value; replacing the value by a section dropped it silently
+                    raise ConfigError(key, f"{'.'.join(parts[:i + 1])} is the value {shown(nxt)}, not a section "
+                                           f"with keys")
                 nxt = {}
                 node[p] = nxt
             node = nxt
@@ -363,6 +380,9 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     def key(name: str) -> str:
         return fields[name][1]
 
+    def on(name: str) -> bool:
+        return true_or_false(fields[name][0], fields[name][1]) if name in fields else False
+
     for name, (value, path) in fields.items():
         if name in _HANDLED or name.startswith("_"):
             continue
@@ -373,7 +393,9 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
                 b.set(name, value, path)
             continue
         if name in dests and name in passthrough:
-            if value is None or isinstance(value, Mapping) or is_missing(value):
+            # (an object spec, ``{_target_: ...}``, is code Megatron calls, not a value; any other mapping is kept
+            # so that resolve() refuses it under its key instead of the default being taken silently)
+            if value is None or (isinstance(value, Mapping) and "_target_" in value) or is_missing(value):
                 continue
             if name in _ENUM_LISTS and isinstance(value, (list, tuple)):
                 value = [_member_name(x) for x in value]
@@ -384,7 +406,7 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     # Activation: gated MLP and its function.
     act = target_name(val("activation_func")) if "activation_func" in fields else None
     act = (act or "gelu").lower()
-    gated = as_bool(val("gated_linear_unit")) if "gated_linear_unit" in fields else False
+    gated = on("gated_linear_unit")
     gkey = key("gated_linear_unit") if "gated_linear_unit" in fields else (key("activation_func") if "activation_func" in fields else None)
     if gated:
         if act in _SILU:
@@ -418,18 +440,18 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     # Precision: bf16 / fp16 flags, else the params dtype.
     for flag in ("bf16", "fp16"):
         if flag in fields and val(flag) is not None:
-            b.set(flag, as_bool(val(flag)), key(flag))
+            b.set(flag, on(flag), key(flag))
     if "params_dtype" in fields and val("params_dtype") is not None:
         pd = dtype_name(val("params_dtype"), key("params_dtype"))
-        if pd in ("bf16", "fp16") and not any(as_bool(val(f)) for f in ("bf16", "fp16")):
+        if pd in ("bf16", "fp16") and not any(on(f) for f in ("bf16", "fp16")):
             b.set(pd, True, key("params_dtype"))
-    if as_bool(val("enable_autocast")) and val("autocast_dtype") is not None:
+    if on("enable_autocast") and val("autocast_dtype") is not None:
         ad = dtype_name(val("autocast_dtype"), key("autocast_dtype"))
         b.set("autocast_dtype", ad, key("autocast_dtype"))
     if val("bias_activation_fusion") is not None:
-        b.set("bias_activation_fusion", as_bool(val("bias_activation_fusion")), key("bias_activation_fusion"))
+        b.set("bias_activation_fusion", on("bias_activation_fusion"), key("bias_activation_fusion"))
     if val("bias_dropout_add_fusion") is not None and "bias_dropout_fusion" not in fields:
-        b.set("bias_dropout_fusion", as_bool(val("bias_dropout_add_fusion")), key("bias_dropout_add_fusion"))
+        b.set("bias_dropout_fusion", on("bias_dropout_add_fusion"), key("bias_dropout_add_fusion"))
     if val("attention_backend") is not None:
         ab = _attention_backend(val("attention_backend"))
         if ab:
@@ -445,10 +467,10 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
                        ("activation_func_fp8_input_store", "activation_func_fp8_input_store"),
                        ("fp8_dot_product_attention", "fp8_dot_product_attention"),
                        ("fp8_multi_head_attention", "fp8_multi_head_attention")):
-        if as_bool(val(name)):
+        if on(name):
             b.set(dest, True, key(name))
     if val("share_embeddings_and_output_weights") is not None:
-        b.set("untie_embeddings_and_output_weights", not as_bool(val("share_embeddings_and_output_weights")),
+        b.set("untie_embeddings_and_output_weights", not on("share_embeddings_and_output_weights"),
               key("share_embeddings_and_output_weights"))
     spec = target_name(val("transformer_layer_spec"))
     if spec and "local" in spec.lower():

@@ -223,6 +223,11 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 S[sec] = _model_fields(value) if sec == "model" else _section(value, sec)
                 if op == "set":
                     given.update(key for _, key in S[sec].values())
+            elif sec == "model" and value is not None and op == "set":
+                # (the model provider replaced by one value: every model field was lost, and the errors named
+                # --num-layers; Bridge's OmegaConf refuses a value where its model object goes)
+                raise ConfigError(key, f"is the model section; it takes model.FIELD=VALUE overrides, not the value "
+                                       f"{shown(value)}")
             else:
                 top[sec] = (value, key)
                 S.pop(sec, None)

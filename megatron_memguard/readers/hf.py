@@ -201,14 +201,18 @@ HF_KEYS = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_s
            "moe_router_topk_scaling_factor": "routed_scaling_factor"}
 def hf_key_names(model_type: Any) -> dict[str, str]:
     """Provider field -> config.json key, for messages, per family."""
-    mt = str(model_type)
-    return GPT2_KEYS if mt == "gpt2" else DEEPSEEK_KEYS if mt in DEEPSEEK else HF_KEYS
+    mt = str(model_type).lower()
+    return (GPT2_KEYS if mt == "gpt2" else DEEPSEEK_KEYS if mt in DEEPSEEK else QWEN_MOE_KEYS if mt in QWEN_MOE
+            else HF_KEYS)
 
 
 # The keys that differ in DeepSeek's config.json.
 DEEPSEEK_KEYS = {**HF_KEYS, "num_moe_experts": "n_routed_experts", "moe_layer_freq": "first_k_dense_replace",
                  "moe_shared_expert_intermediate_size": "n_shared_experts", "moe_aux_loss_coeff": "aux_loss_alpha",
                  "moe_router_load_balancing_type": "seq_aux"}
+# Qwen-MoE's expert count is num_experts (Mixtral's num_local_experts)
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+QWEN_MOE_KEYS = {**HF_KEYS, "num_moe_experts": "num_experts"}
 GPT2_KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head", "ffn_hidden_size": "n_inner",
              "max_position_embeddings": "n_positions", "seq_length": "n_positions"}
 
@@ -251,6 +255,11 @@ def read_hf_config(doc: Mapping[str, Any], path: str) -> RawConfig:
     except ReaderError as e:
         raise ReaderError(f"{path}: {e}") from None
     names = hf_key_names(doc.get("model_type"))
+    for field, value in p.items():
+        # every field taken from config.json is a number, a string, true/false or a layer list; the readers
+        # skip a mapping (a NeMo / Bridge object spec), so a JSON object here would silently become the default
+        if isinstance(value, Mapping):
+            raise ConfigError(names.get(field, field), f"expects a number, got a JSON object {shown(value)}")
     raw = provider_to_raw(p, f"Hugging Face config {path}", pad_vocab=True, hf_names=names)
     notes = hf_notes(doc, f"{path}: ")
     return replace(raw, warnings=raw.warnings + notes) if notes else raw

@@ -146,6 +146,10 @@ def parse_run_recipe(argv: list[str]) -> RunRecipeArgs:
         v = getattr(args, dest)
         if v is not None:
             common.append(f"{key}={json.dumps(v) if isinstance(v, str) else v}")
+    for opt in ("recipe", "model"):
+        if getattr(args, opt) is not None and not str(getattr(args, opt)).strip():
+            # (an empty name read as no name: the errors then spoke of '--model None')
+            raise ConfigError(f"--{opt}", f"{SCRIPT} needs a name, got {getattr(args, opt)!r}")
     mode = args.mode
     if mode is None and args.recipe:
         mode = infer_recipe_mode(args.recipe)

@@ -56,10 +56,13 @@ MEMORY_RE = re.compile(
     + r" \| reserved: " + _NUM + r" \| max reserved: " + _NUM + r"(?: \| total device memory used: " + _NUM + ")?")
 _AFTER_IT = re.compile(r"after (\d+) iterations?")
 _SAVE = re.compile(r"(before|after) save_checkpoint for iteration (\d+)")
-ARGS_START = re.compile(r"-{8,} arguments -{8,}")
-ARGS_END = re.compile(r"-{8,} end of arguments -{8,}")
-_ARG = re.compile(r"(?:^|[\s:>\]])([A-Za-z_][A-Za-z0-9_]*) (\.+) (.*?)\s*$")
-_ARG_LONG = re.compile(r"^\s*(?:\S*[:>\]])?\s+([A-Za-z_][A-Za-z0-9_]{47,})  (.*?)\s*$")   # names >= 48: no dots
+# (written to match in time linear in the line: a run of dashes is entered at its first dash only, and a value is
+# taken to the end of the line and stripped after; '(.*?)\s*$' and '^\s*...\s+' were quadratic in a line of
+# spaces, tens of seconds for one 64 KiB line)
+ARGS_START = re.compile(r"(?<!-)-{8,} arguments -{8,}")
+ARGS_END = re.compile(r"(?<!-)-{8,} end of arguments -{8,}")
+_ARG = re.compile(r"(?:^|[\s:>\]])([A-Za-z_][A-Za-z0-9_]*) (\.+) (.*)$")
+_ARG_LONG = re.compile(r"^(?:\s*\S*[:>\]])?\s+([A-Za-z_][A-Za-z0-9_]{47,})  (.*)$")   # names >= 48: no dots
 ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|")
 THEORY_RE = re.compile(r"Theoretical memory footprints: weight and optimizer=" + _NUM + r" MB, activation=" + _NUM
                        + r" MB, total=" + _NUM + " MB")
@@ -296,9 +299,9 @@ def _read_one(path: str, log: MegatronLog) -> None:
             else:
                 m = _ARG.search(line)
                 if m and len(m.group(1)) + len(m.group(2)) == 48:    # _print_args pads name + dots to 48
-                    table[m.group(1)] = m.group(3)
+                    table[m.group(1)] = m.group(3).rstrip()
                 elif (m := _ARG_LONG.search(line)) is not None:
-                    table[m.group(1)] = m.group(2)
+                    table[m.group(1)] = m.group(2).rstrip()
                 continue
         # cheap substring tests first: a log has millions of lines, a few of them ours
         if "arguments --" in line and ARGS_START.search(line):

@@ -30,13 +30,35 @@ DEFAULT_MEGATRON_VERSION = "0.19"
 __all__ = ["DEFAULT_MEGATRON_VERSION", "SECTIONS", "check", "parse_version", "resolve"]
 
 
+# the releases whose rules memguard has read (docs/assumptions.md, "Megatron version")
+OLDEST_READ, NEWEST_READ = Version("0.16"), Version("0.19")
+
+
 def parse_version(text: str, key: str = "--megatron-version") -> Version:
+    """The release a version names: its numbers only. A pre-release, dev build or local build (``0.19.0rc0``,
+    what a Megatron-LM checkout reports) has its release's rules: packaging orders ``0.19.0rc0`` before 0.19,
+    which gave it 0.18's rules in some sections and 0.19's in others. An epoch (``1!0.16``) names no release."""
     try:
         if len(str(text)) > 40:   # (packaging converts each part to an int: 5000 digits would not convert)
             raise InvalidVersion(text)
-        return Version(str(text).lstrip("v").replace("core_v", "").replace("core_r", ""))
+        v = Version(str(text).lstrip("v").replace("core_v", "").replace("core_r", ""))
     except InvalidVersion:
         raise ConfigError(key, f"cannot read Megatron version {shown(text)}; write e.g. 0.16 or 0.19.2") from None
+    if v.epoch:
+        raise ConfigError(key, f"cannot read Megatron version {shown(text)} (no megatron-core release has an epoch); "
+                               "write e.g. 0.16 or 0.19.2")
+    return Version(".".join(map(str, v.release)))
+
+
+def version_note(v: Version) -> str | None:
+    """What a version outside the releases memguard has read is estimated with."""
+    if v < OLDEST_READ:
+        return (f"megatron-core {v} is older than the oldest release memguard has read ({OLDEST_READ}): "
+                f"its rules and defaults are {OLDEST_READ}'s")
+    if Version(f"{v.major}.{v.minor}") > NEWEST_READ:
+        return (f"megatron-core {v} is newer than the newest release memguard has read ({NEWEST_READ}): "
+                f"its rules and defaults are {NEWEST_READ}'s")
+    return None
 
 
 # A section: (raw arguments, flat names resolved so far, context) -> its flat names. It records broken
@@ -86,6 +108,9 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
 def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | None) -> Layout | None:
     """Every section in order; None when a rule is broken (the errors are in ``a.errors``)."""
     ctx = Context(parse_version(version_text), world_size, vocab_size)
+    note = version_note(ctx.version)
+    if note:
+        a.notes.append(note)
     kw: dict[str, Any] = {}
     try:
         for _name, section in SECTIONS:
@@ -108,7 +133,9 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
 
 
 def _version_text(a: Args, megatron_version: str | None) -> str:
-    return megatron_version or a.a.get("megatron_version") or DEFAULT_MEGATRON_VERSION
+    if megatron_version is not None:   # ('' is a version given and unreadable, not the default)
+        return megatron_version
+    return a.a.get("megatron_version") or DEFAULT_MEGATRON_VERSION
 
 
 def resolve(

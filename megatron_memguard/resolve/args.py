@@ -5,13 +5,13 @@ sections after it still run and ``memguard validate`` lists every problem at onc
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from packaging.version import Version
 
 from ..config import RawConfig
 from ..errors import ConfigError
-from ..numbers import bound_reason, shown, to_float, to_int, upper_bound
+from ..numbers import bound_reason, python_scalar, shown, to_float, to_int, upper_bound
 
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                 "fp16": "fp16", "float16": "fp16", "half": "fp16", "fp8": "fp8", "uint8": "fp8"}
@@ -121,7 +121,19 @@ class Args:
                 return False
             self.fail(dest, f"must be true or false, got {v!r}")
             return default
-        return bool(v)
+        v = python_scalar(v)
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, (int, float)) and v in (0, 1):
+            return bool(v)
+        if not isinstance(v, (int, float, Mapping, list, tuple, set, frozenset)) and type(v).__module__ != "numpy":
+            try:   # (another object in Megatron's namespace: its truth, unless it has none)
+                return bool(v)
+            except Exception:  # noqa: BLE001 - any __bool__ that raises is a value of the wrong kind
+                pass
+        # (bool() of a mapping, a list or 0.5 is True: a Bridge / YAML value of the wrong kind taken as on)
+        self.fail(dest, f"must be true or false, got {shown(v)}")
+        return default
 
     def float_arg(self, dest: str, default: float) -> float:
         v = self.a.get(dest)

@@ -112,6 +112,12 @@ def _graph_of_offloaded_step(a: Args) -> None:
                    "which only the plain Adam gets: memory is counted as for a graphed GPU step")
 
 
+# memguard's bounds on --ddp-param-name-patterns-for-fp32-local-accumulation: Megatron's uses name a few modules
+# ('*router*'); fnmatch's translation is quadratic in a pattern's '[' characters.
+MAX_FP32_PATTERNS = 100
+MAX_FP32_PATTERN_CHARS = 200
+
+
 def _fp32_accumulation(a: Args, kw: Mapping[str, Any], ctx: Context, dist_opt: bool, instances: int,
                        frozen: bool) -> tuple[bool, tuple[str, ...]]:
     """DDP's fp32 gradient options (megatron/core/distributed/param_and_grad_buffer.py), which only DDP's
@@ -149,6 +155,12 @@ def _fp32_accumulation(a: Args, kw: Mapping[str, Any], ctx: Context, dist_opt: b
         a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", f"must be fnmatch patterns, got {str(raw)[:60]!r}")
         return rs_fp32, ()
     patterns = tuple(raw)
+    if len(patterns) > MAX_FP32_PATTERNS or max(map(len, patterns)) > MAX_FP32_PATTERN_CHARS:
+        a.fail("ddp_param_name_patterns_for_fp32_local_accumulation",
+               f"takes at most {MAX_FP32_PATTERNS} patterns of at most {MAX_FP32_PATTERN_CHARS} characters (memguard's "
+               f"bound: each is compiled and tested against every parameter name), got {len(patterns):,} of up to "
+               f"{max(map(len, patterns)):,}")
+        return rs_fp32, ()
     if ctx.version < Version("0.17"):
         a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", "needs megatron-core 0.17")
         return rs_fp32, ()
