@@ -110,8 +110,10 @@ def _gate_outcome(gate: dict) -> str:
         # MambaMixer's asserts on the base job's hidden size 64 (heads 2 x 64 / 32 = 4, groups 2, TP 2)
         need = {"mamba_head_dim": 32, "mamba_num_groups": 2}
     raw = RawConfig(args={**BASE, **need, **gate}, world_size=8)
+    # upcycling starts only in megatron/training 0.16 (0.17 to 0.19 raise a TypeError at start-up: resolve/moe.py)
+    version = "0.16" if gate.get("moe_use_upcycling") else None
     try:
-        layout = resolve(raw)
+        layout = resolve(raw, megatron_version=version)
     except NotModelledError:
         return "refused"
     except (ConfigError, ConfigErrors) as e:
