@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags, lookup_gpu
+from megatron_memguard.config import MEMORY_ENV_VARS
 from megatron_memguard.errors import ConfigError, ConfigErrors, MemguardError, NotModelledError
 from megatron_memguard.layout import ShardGroup
 from megatron_memguard.units import format_bytes
@@ -63,11 +64,28 @@ def _job(s) -> tuple[list[str], int, str]:
     return flags, s.world, _gpu(flags)
 
 
+def _clean_env_of(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in MEMORY_ENV_VARS}
+
+
+def _clean_env() -> dict[str, str]:
+    """os.environ without the variables memguard reads as the job's (config.MEMORY_ENV_VARS): an earlier test of the
+    same process (Megatron's own code sets CUDA_DEVICE_MAX_CONNECTIONS, NVTE_*_ATTN) must not change these jobs."""
+    return _clean_env_of(dict(os.environ))
+
+
 def _cli(*argv: str) -> tuple[int, str, str]:
     from megatron_memguard.cli.main import main
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_clean_env_of(saved))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -279,7 +297,7 @@ def namespace_server():
         pytest.skip("no megatron.training (the 3.12 venv: $MEMGUARD_PY312, .venv312)")
     proc = subprocess.Popen([python, os.path.join(ROOT, "tests", "e2e", "namespace_estimates.py")],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+                            env=dict(_clean_env(), PYTHONPATH=ROOT))
 
     def ask(job: dict) -> dict:
         proc.stdin.write(json.dumps(job) + "\n")
