@@ -28,8 +28,8 @@ from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import shown
 from ._common import (
-    GPT_LEVEL_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields, default_ffn_hidden_size,
-    did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
+    GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields,
+    default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
     is_missing, map_mcore_fields, mcore_model_fields, set_vocab,
 )
 
@@ -49,14 +49,14 @@ _MODEL_EXTRAS = frozenset({
     # HybridModelProvider (models/hybrid/hybrid_provider.py): its layer spec (the TE hybrid stack memguard models),
     # and the MTP layers' dtype (no MTP: resolve refuses MTP with a hybrid model)
     "hybrid_stack_spec", "keep_mtp_spec_in_bf16",
-})
+}) | HYBRID_FIELDS   # and its hybrid fields, passed on as Megatron's flags (resolve/hybrid.py reads or refuses them)
 
 # The model provider classes whose every field memguard knows (megatron-core's config fields, GPTModelProvider's,
 # GPTModelConfig's and the extras above): those of memguard's recipes in Bridge 0.6.2 (gpt_provider.py,
-# mla_provider.py, olmoe/olmoe_provider.py; tests/test_bridge_real.py checks both). An unknown model.* key is then
-# refused / warned as the other sections' are; other providers (Gemma, Mamba, vision-language...) add fields of
-# their own, so an unknown key there only gets the old warning.
-_CHECKED_PROVIDERS = frozenset({"GPTModelProvider", "MLAModelProvider", "OlMoEModelProvider"})
+# mla_provider.py, olmoe/olmoe_provider.py, hybrid/hybrid_provider.py; tests/test_bridge_real.py checks both). An
+# unknown model.* key is then refused / warned as the other sections' are; other providers (Gemma,
+# vision-language...) add fields of their own, so an unknown key there only gets the old warning.
+_CHECKED_PROVIDERS = frozenset({"GPTModelProvider", "MLAModelProvider", "OlMoEModelProvider", "HybridModelProvider"})
 
 
 def model_known_fields() -> frozenset[str]:
