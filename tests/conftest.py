@@ -95,3 +95,26 @@ CONTAINER_ERA = [
 # torch.cuda.get_device_properties of an H100 SXM (what the hook reads for the GPU's memory)
 Props = collections.namedtuple("Props", "name major minor total_memory multi_processor_count")
 H100 = Props("NVIDIA H100 80GB HBM3", 9, 0, 85028896768, 132)
+
+
+def validated_by_megatron(monkeypatch, script: str, flags: list[str], world: int = 8):
+    """megatron.training's own parse_and_validate_args over ``script flags --memguard report`` (with the defaults
+    pretrain_gpt.py passes) with memguard's hook installed, as rank 0 of ``world`` H100s (torch's device query
+    faked): (the hook, the namespace). The environment is restored after the test."""
+    import torch
+
+    import megatron_memguard.megatron as hook
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert hook.install(quiet=True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
+    for k, v in (("WORLD_SIZE", str(world)), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    hook.STATE.decision = None
+    monkeypatch.setattr(sys, "argv", [script, *flags, "--memguard", "report"])
+    try:
+        args = parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    finally:
+        global_vars.unset_global_variables()
+    return hook, args

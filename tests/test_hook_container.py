@@ -2,7 +2,6 @@
 Python 3.12, through the real parse_and_validate_args (argparse, validate_args, set_global_variables with
 the micro-batch calculator and tokenizer) and the config snapshot pretrain_gpt.py takes afterwards.
 torch.cuda.get_device_properties answers with an H100's properties; nothing else needs a GPU."""
-import os
 import sys
 
 import pytest
@@ -17,10 +16,11 @@ DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}   # what pretrain_gpt.py passe
 
 @pytest.fixture(scope="module")
 def hook():
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    import megatron_memguard.megatron as hook
-    assert hook.install(quiet=True)
-    return hook
+    with pytest.MonkeyPatch.context() as mp:   # (restored after the module: later tests read the environment)
+        mp.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        import megatron_memguard.megatron as hook
+        assert hook.install(quiet=True)
+        yield hook
 
 
 def as_rank0_of_16_h100(hook, monkeypatch) -> None:

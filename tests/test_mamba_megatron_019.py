@@ -2,10 +2,7 @@
 megatron.training), read by memguard's hook: validate_args copies the deprecated --hybrid-override-pattern into
 hybrid_layer_pattern (both stay set), takes the layer count from the pattern and the virtual pipeline size from
 its '|' segments; the layout memguard resolves from that namespace is the one it resolves from the flags."""
-import os
-import sys
-
-from conftest import CONTAINER_ERA, H100
+from conftest import CONTAINER_ERA, validated_by_megatron
 
 pytestmark = CONTAINER_ERA
 HYBRID = ("--num-layers 3 --hidden-size 256 --num-attention-heads 4 --seq-length 512 --max-position-embeddings 512 "
@@ -16,22 +13,8 @@ HYBRID = ("--num-layers 3 --hidden-size 256 --num-attention-heads 4 --seq-length
 
 
 def test_hybrid_namespace_of_validate_args_resolves_like_the_flags(monkeypatch, capsys):
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    import torch
-    import megatron_memguard.megatron as hook
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_and_validate_args
     from megatron_memguard import layout_from_flags
-    assert hook.install(quiet=True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
-    for k, v in (("WORLD_SIZE", "8"), ("RANK", "0"), ("LOCAL_RANK", "0")):
-        monkeypatch.setenv(k, v)
-    hook.STATE.decision = None
-    monkeypatch.setattr(sys, "argv", ["pretrain_mamba.py", *HYBRID, "--memguard", "report"])
-    try:
-        args = parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    finally:
-        global_vars.unset_global_variables()
+    hook, args = validated_by_megatron(monkeypatch, "pretrain_mamba.py", HYBRID)
     out = capsys.readouterr().out
     assert args.hybrid_layer_pattern == args.hybrid_override_pattern == "M*|M-|MM|--"
     assert args.num_layers == 8 and args.virtual_pipeline_model_parallel_size == 2

@@ -1,11 +1,7 @@
 """MoE flags as megatron-core 0.19.2's own parser and validate_args leave them (Python 3.12, the real
 megatron.training), read by memguard's hook: the layout memguard resolves from the namespace is the one
 it resolves from the same flags, and the hook's pre-allocation report names the MoE terms."""
-import os
-import sys
-
-import pytest
-from conftest import CONTAINER_ERA, H100
+from conftest import CONTAINER_ERA, validated_by_megatron
 
 
 pytestmark = CONTAINER_ERA
@@ -17,22 +13,8 @@ MOE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 10
 
 
 def test_moe_namespace_of_validate_args_resolves_like_the_flags(monkeypatch, capsys):
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    import torch
-    import megatron_memguard.megatron as hook
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_and_validate_args
     from megatron_memguard import layout_from_flags
-    assert hook.install(quiet=True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: H100)
-    for k, v in (("WORLD_SIZE", "8"), ("RANK", "0"), ("LOCAL_RANK", "0")):
-        monkeypatch.setenv(k, v)
-    hook.STATE.decision = None
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MOE, "--memguard", "report"])
-    try:
-        args = parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    finally:
-        global_vars.unset_global_variables()
+    hook, args = validated_by_megatron(monkeypatch, "pretrain_gpt.py", MOE)
     out = capsys.readouterr().out
     # validate_args turned --moe-layer-freq into a list and set ETP = TP; the hook read the arguments it got
     assert args.moe_layer_freq == [0, 1, 1, 1] and args.expert_tensor_parallel_size == 2

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -176,11 +175,11 @@ def _installed_minor() -> tuple[int, int] | None:
 @pytest.mark.megatron_training
 @pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
                     "tests/run.sh runs these in .venv312")
-def test_the_real_parser():
+def test_the_real_parser(monkeypatch):
     import argparse
     import warnings
 
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # (restored after: later tests read the environment)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.training.arguments import add_megatron_arguments
@@ -200,14 +199,14 @@ def test_the_real_parser():
 @pytest.mark.megatron_training
 @pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
                     "tests/run.sh runs these in .venv312")
-def test_every_optimizer_choice_is_modelled():
+def test_every_optimizer_choice_is_modelled(monkeypatch):
     # arguments.py --optimizer choices (0.19.2: adam, sgd, muon, dist_muon, lion, soap, adaptive_muon)
     import argparse
     import warnings
 
     from megatron_memguard.resolve.refusals import OPTIMIZERS
 
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # (restored after: later tests read the environment)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.training.arguments import add_megatron_arguments
