@@ -70,12 +70,9 @@ def _stub_triton() -> None:
     sys.modules["triton"].heuristics = lambda *a, **k: (lambda g: g)
 
 
-def build_016(cfg: dict):
-    """megatron-core 0.16.1: MambaModel over MambaStack (the same local stand-ins as build)."""
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.models.mamba.mamba_model import MambaModel
-    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+def _layer_specs() -> dict:
+    """The Mamba, attention-only and MLP-only layers' specs both eras take, with megatron-core's local modules
+    and torch norms for TE's (the same parameters)."""
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -86,12 +83,8 @@ def build_016(cfg: dict):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-    import megatron.core.ssm.mamba_block as mb
-    mb.TENorm = WrappedTorchNorm
-    torch.cuda.current_device = lambda: "cpu"
-    spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+    return dict(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
             norm=WrappedTorchNorm,
             mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
@@ -105,7 +98,22 @@ def build_016(cfg: dict):
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear))))))
+                                                                linear_fc2=RowParallelLinear)))))
+
+
+def build_016(cfg: dict):
+    """megatron-core 0.16.1: MambaModel over MambaStack (the same local stand-ins as build)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    import megatron.core.ssm.mamba_block as mb
+    mb.TENorm = WrappedTorchNorm
+    torch.cuda.current_device = lambda: "cpu"
+    spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**_layer_specs()))
     config = TransformerConfig(
         num_layers=len(cfg["pattern"]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
         num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
@@ -129,19 +137,10 @@ def build(cfg: dict):
     import torch.nn.functional as F
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
-                                                             TransformerLayerSubmodules)
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     import megatron.core.models.hybrid.hybrid_block as hb
     hb.TENorm = WrappedTorchNorm        # the final norm (TE's on GPU): one weight of the hidden size either way
@@ -149,20 +148,7 @@ def build(cfg: dict):
     # MambaMixer allocates on torch.cuda.current_device(); on CPU that is the CPU
     torch.cuda.current_device = lambda: "cpu"
     spec = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            norm=WrappedTorchNorm,
-            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
-                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)))),
-        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                                      submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                                                         core_attention=DotProductAttention,
-                                                                         linear_proj=RowParallelLinear)))),
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=WrappedTorchNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear)))),
+        **_layer_specs(),
         # 'E': MoETransformerLayer with its own pre-MLP norm; local experts (SequentialMLP) for TE's grouped ones:
         # the same numbers of parameters per expert
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
