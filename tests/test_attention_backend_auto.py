@@ -142,7 +142,7 @@ def test_detail_and_json_show_the_backend_and_flash_tensors(capsys):
 def test_a100_ci_records_get_closer_with_flash():
     # the clean A100 records of Megatron's CI that run TE's auto backend without CP: the peak allocated
     # measured on the GPU against the estimate with flash-attn (what TE runs there) and with cuDNN
-    from accuracy_megatron_ci import PLATFORM_GPU, _numbers, load_records, record_raw
+    from accuracy_megatron_ci import PLATFORM_GPU, load_records, record_raw
     from megatron_memguard.resolve import resolve
     flash_err, fused_err = [], []
     for r in load_records():
@@ -152,12 +152,9 @@ def test_a100_ci_records_get_closer_with_flash():
         if L.transformer_impl != "transformer_engine" or L.attention_backend != "auto":
             continue
         gpu = lookup_gpu(PLATFORM_GPU[r["platform"]])
-        measured = max(_numbers(r["mem_max_allocated_bytes"]))
         est = estimate(L, gpu=gpu, dp_rank="last")
         assert est.attention.selected == "flash"
-        fused = estimate(L.replace(attention_backend="fused"), gpu=gpu, dp_rank="last")
-        flash_err.append(est.stages[-1].peak_allocated_bytes / measured - 1)
-        fused_err.append(fused.stages[-1].peak_allocated_bytes / measured - 1)
+        _add_errors(r, L, gpu, est, flash_err, fused_err)
     assert len(flash_err) >= 16
     mean_abs = lambda e: statistics.mean(abs(x) for x in e)  # noqa: E731
     assert mean_abs(flash_err) < 0.8 * mean_abs(fused_err)
@@ -165,11 +162,20 @@ def test_a100_ci_records_get_closer_with_flash():
     assert sum(abs(a) > abs(b) + 1e-4 for a, b in zip(flash_err, fused_err)) == 0
 
 
+def _add_errors(r: dict, L, gpu, est, flash_err: list, fused_err: list) -> None:
+    """The record's measured peak allocated against ``est`` (flash-attn) and the same layout with cuDNN fused."""
+    from accuracy_megatron_ci import _numbers
+    measured = max(_numbers(r["mem_max_allocated_bytes"]))
+    fused = estimate(L.replace(attention_backend="fused"), gpu=gpu, dp_rank="last")
+    flash_err.append(est.stages[-1].peak_allocated_bytes / measured - 1)
+    fused_err.append(fused.stages[-1].peak_allocated_bytes / measured - 1)
+
+
 def test_gb200_deterministic_ci_records_get_closer_with_flash():
     # the clean GB200 records of Megatron's CI that run TE's auto backend under NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
     # with Megatron's default attention dropout 0.1 (no cuDNN backend there, see test_blackwell_under_determinism):
     # the peak allocated measured on the GPU against the estimate with flash-attn and with cuDNN
-    from accuracy_megatron_ci import PLATFORM_GPU, _numbers, load_records, record_raw
+    from accuracy_megatron_ci import PLATFORM_GPU, load_records, record_raw
     from megatron_memguard.errors import MemguardError
     from megatron_memguard.resolve import resolve
     flash_err, fused_err = [], []
@@ -188,10 +194,7 @@ def test_gb200_deterministic_ci_records_get_closer_with_flash():
         assert est.attention.selected == ("flash" if deterministic and L.attention_dropout > 0 else "fused")
         if est.attention.selected != "flash":
             continue
-        measured = max(_numbers(r["mem_max_allocated_bytes"]))
-        fused = estimate(L.replace(attention_backend="fused"), gpu=gpu, dp_rank="last")
-        flash_err.append(est.stages[-1].peak_allocated_bytes / measured - 1)
-        fused_err.append(fused.stages[-1].peak_allocated_bytes / measured - 1)
+        _add_errors(r, L, gpu, est, flash_err, fused_err)
     assert len(flash_err) >= 20
     mean_abs = lambda e: statistics.mean(abs(x) for x in e)  # noqa: E731
     assert mean_abs(flash_err) < 0.5 * mean_abs(fused_err)
