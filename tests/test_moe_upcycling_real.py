@@ -59,9 +59,11 @@ def dense_checkpoint(tmp_path_factory):
 
 
 def test_pretrain_gpt_path_builds_a_moe_shaped_dense_model_then_fails_to_load(dense_checkpoint):
+    seen = _drive("builder", *MOE, "--load", dense_checkpoint)
+    if "skipped" in seen:   # 0.18.2 (tests/run_releases.sh): pretrain_gpt.py has only the model provider path
+        pytest.skip(seen["skipped"])
     # core_v0.19's pretrain_gpt.py: GPTModelConfig in the container, so _build_model_wrapper builds from cfg.model,
     # which the reset num_experts / ffn_hidden_size never reach
-    seen = _drive("builder", *MOE, "--load", dense_checkpoint)
     assert seen["moe_model"] == {"parameters": MOE_PARAMS, "expert_parameters": 4 * 2 * 16_384}
     assert seen["dense_model"] == seen["moe_model"]            # not the 109,184 of the dense checkpoint
     assert seen["dense_model_ddp_wrapped"] == "DistributedDataParallel"

@@ -1,4 +1,4 @@
-"""Which models megatron/training 0.19's setup_model_and_optimizer builds for --moe-use-upcycling, on CPU.
+"""Which models megatron/training 0.18 and 0.19 build for --moe-use-upcycling, on CPU (builder mode: 0.19 only).
 
     python tests/e2e/upcycling_models.py [save-dense|builder|provider] FLAG ...
 
@@ -90,13 +90,27 @@ def main() -> None:
     training.checkpoint_exists = lambda path: False
     if mode != "save-dense":
         training.save_checkpoint = lambda *a, **k: None
-    if mode == "save-dense":   # a dense checkpoint to upcycle from (the real save_checkpoint)
-        model_cfg = argument_utils.gpt_config_from_args(args)
-        container = argument_utils.pretrain_cfg_container_from_args(args, model_cfg)
+    # 0.18's setup_model_and_optimizer takes only a model provider (its first argument) and has no model builder:
+    # gpt_config_from_args and the cfg_container / pg_collection keywords arrived in 0.19
+    builder_era = hasattr(argument_utils, "gpt_config_from_args")
 
+    def setup_from_provider():
+        if builder_era:
+            return training.setup_model_and_optimizer(ModelType.encoder_or_decoder, provider, pg_collection=pgc)
+        return training.setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
+
+    if mode == "builder" and not builder_era:
+        print(json.dumps({"skipped": "no gpt_config_from_args in this megatron.training"}))
+        return
+    if mode == "save-dense":   # a dense checkpoint to upcycle from (the real save_checkpoint)
         def run():
-            model, opt, sched = training.setup_model_and_optimizer(
-                ModelType.encoder_or_decoder, cfg_container=container, pg_collection=pgc)
+            if builder_era:
+                container = argument_utils.pretrain_cfg_container_from_args(
+                    args, argument_utils.gpt_config_from_args(args))
+                model, opt, sched = training.setup_model_and_optimizer(
+                    ModelType.encoder_or_decoder, cfg_container=container, pg_collection=pgc)
+            else:
+                model, opt, sched = setup_from_provider()
             seen["dense_checkpoint"] = _counts(training.unwrap_model(model))
             training.save_checkpoint(1, model, None, None, 0)
     elif mode == "builder":
@@ -105,7 +119,7 @@ def main() -> None:
         run = lambda: training.setup_model_and_optimizer(ModelType.encoder_or_decoder, cfg_container=container,
                                                          pg_collection=pgc)
     else:
-        run = lambda: training.setup_model_and_optimizer(ModelType.encoder_or_decoder, provider, pg_collection=pgc)
+        run = setup_from_provider
     # what pretrain passes (training.py 0.19.2: ProcessGroupCollection.use_mpu_process_groups())
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     try:
