@@ -221,7 +221,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         bwd_top = recompute_group * per_layer + bwd_transient
         if len(per_kind) > 1 and L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
             # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
-            bwd_top = _mixed_replays(per_kind, recompute_group)
+            bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
     bwd_bottom = 0
     if has_batch:
         b = batch_items(L, first=has_embedding, last=has_output)
@@ -346,11 +346,12 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
     return fwd or 0, bwd or 0
 
 
-def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int) -> int:
+def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
     """Full uniform recompute of a chunk of layers of different kinds (bottom to top) in blocks of ``k``
     (recompute.py checkpointed_forward, megatron-core 0.19.2: TransformerBlock and HybridStack alike): the
     largest block replay in backward, its layers' saved bytes with the working set of its layers
-    (``_mixed_transients`` within the block) over what the chunk holds."""
+    (``_mixed_transients`` within the block) over what the chunk holds, less the checkpointed inputs of the
+    blocks above it (freed when their backward has run)."""
     layers = [la for la, n in per_kind for _ in range(n)]
     best = None
     for start in range(0, len(layers), k):
@@ -361,7 +362,7 @@ def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int) -> int:
                 runs[-1] = (la, runs[-1][1] + 1)
             else:
                 runs.append((la, 1))
-        v = sum(la.total for la in block) + _mixed_transients(runs)[1]
+        v = sum(la.total for la in block) + _mixed_transients(runs)[1] - ckpt_input * (-(-(len(layers) - start - len(block)) // k))
         best = v if best is None else max(best, v)
     return best or 0
 

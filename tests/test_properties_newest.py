@@ -1,0 +1,138 @@
+"""Properties of the newest features on the dense space (tests/property_space.py specs): LoRA / DoRA fine-tuning
+(resolve/peft.py, estimator/peft.py; the adapters as Megatron-Bridge 0.6.2 builds them, megatron/bridge/peft/
+lora.py, dora.py, utils.py ParallelLinearAdapter), multi-token prediction on its own pipeline stage ('m' in
+--pipeline-model-parallel-layout), and every term a documented name.
+
+Derandomized; MEMGUARD_PROPERTY_EXAMPLES sets the count (default 200, these use a quarter).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from hypothesis import HealthCheck, given, reject, settings, strategies as st
+
+from megatron_memguard import estimate, resolve
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.estimator.peft import adapter_param_count, stage_peft_states
+from megatron_memguard.estimator.result import GROUPS
+from megatron_memguard.estimator.states import stage_states
+from megatron_memguard.layout import TensorKind
+from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+
+from property_space import Spec, specs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+QUARTER = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _resolve(flags: list[str], world: int, **peft):
+    raw = parse_megatron_flags(flags)
+    if peft:
+        # Megatron-LM has no PEFT flags: the Bridge / NeMo readers set these dests (resolve/peft.py)
+        raw = raw.with_args(**peft)
+    try:
+        return resolve(raw, world_size=world, megatron_version="0.19")
+    except (ConfigError, ConfigErrors, NotModelledError) as e:
+        errors = e.errors if isinstance(e, ConfigErrors) else [e]
+        for err in errors:
+            text = str(err)
+            assert "\n" not in text and len(text) < 400, text
+        reject()
+
+
+@st.composite
+def peft_jobs(draw):
+    """A dense TE job (Bridge builds TE layers) with LoRA or DoRA: a rank TP divides when a column-parallel
+    linear is wrapped (ColumnParallelLinear(in, r) splits r), DoRA without dropout (not modelled)."""
+    s = draw(specs(max_layers=8)).with_(impl="transformer_engine", distribute_saved=False)
+    scheme = draw(st.sampled_from(["lora", "dora"]))
+    targets = tuple(t for t in TARGETS if draw(st.booleans())) or ("linear_qkv",)
+    dim = s.tp * draw(st.sampled_from([1, 2, 4, 8]))
+    dropout = 0.0 if scheme == "dora" else draw(st.sampled_from([0.0, 0.0, 0.1]))
+    return s, dict(peft_scheme=scheme, peft_dim=dim, peft_target_modules=list(targets), peft_dropout=dropout)
+
+
+def _hand_adapters(s: Spec, L, peft: dict) -> tuple[int, int]:
+    """(trainable parameters of the whole model, of one TP rank summed over the pipeline stages), by hand:
+    r (in + out) per wrapped linear; DoRA adds the wrapped weight's output rows (its magnitude), whole on every
+    TP rank for the row-parallel linears (the norms of the local [out, in / TP] rows)."""
+    h, a, d, g = s.hidden, s.heads, s.kv_channels, s.groups or s.heads
+    ffn_out = s.ffn * (2 if s.swiglu else 1)
+    shapes = {"linear_qkv": (h, (a + 2 * g) * d), "linear_proj": (a * d, h), "linear_fc1": (h, ffn_out),
+              "linear_fc2": (s.ffn, h)}
+    r, t, dora = peft["peft_dim"], s.tp, peft["peft_scheme"] == "dora"
+    total = per_rank = 0
+    for name in peft["peft_target_modules"]:
+        i, o = shapes[name]
+        total += r * (i + o) + (o if dora else 0)
+        per_rank += r * (i + o) // t + ((o // t if name in ("linear_qkv", "linear_fc1") else o) if dora else 0)
+    return total * s.layers, per_rank * s.layers
+
+
+@QUARTER
+@given(peft_jobs())
+def test_peft_trains_only_the_adapters_of_the_hand_count(job):
+    """LoRA / DoRA: the adapters are r (in + out) per wrapped linear (DoRA: and the magnitude), per TP rank
+    their / TP; the base weights are the same parameters as the full run's, frozen: no gradient buffer, main
+    copy or optimizer state for them (megatron-core's DDP buffers only parameters that require grad), so every
+    stage's weights + gradients + optimizer bytes are below the full run's, and its gradient buffer holds the
+    adapters only."""
+    s, peft = job
+    full = _resolve(s.flags(), s.world)
+    L = _resolve(s.flags(), s.world, **peft)
+    total, per_rank = _hand_adapters(s, L, peft)
+    assert adapter_param_count(L) == total
+    ranks = [stage_peft_states(L, p, stage_states(full, p).parameters) for p in range(L.pp)]
+    assert sum(ps.adapter_params for ps in ranks) == per_rank
+    ef, ep = estimate(full), estimate(L)
+    nb = L.precision.byte_sizes()
+    for p, (sf, sp_) in enumerate(zip(ef.stages, ep.stages)):
+        # the frozen base: the full run's parameters, in the model dtype, outside DDP's buffers
+        assert sp_.breakdown["parameters"] == stage_states(full, p).parameters * nb[TensorKind.PARAM]
+        # the gradient buffer holds the adapters (and their bucket padding) only
+        ps = ranks[p]
+        assert ps.buffer_unpadded == ps.adapter_params
+        assert sp_.breakdown.get("gradient_buffer", 0) == ps.buffer_numel * nb[TensorKind.MAIN_GRAD]
+        states = ("weights", "gradients", "optimizer")
+        assert sum(t.bytes for t in sp_.terms if str(t.group) in states) < sum(
+            t.bytes for t in sf.terms if str(t.group) in states)
+
+
+_INPUT = {"linear_qkv": "qkv_input", "linear_proj": "proj_input", "linear_fc1": "fc1_input", "linear_fc2": "fc2_input"}
+
+
+@QUARTER
+@given(peft_jobs())
+def test_a_frozen_layer_keeps_its_adapters_inputs_and_intermediates(job):
+    """Without sequence parallelism or adapter dropout, a layer under LoRA / DoRA keeps what the full layer keeps,
+    less the inputs of the frozen linears no adapter wraps (TE 2.11 module/linear.py: ``backward_needs_input =
+    weight.requires_grad``; linear_proj's input stays when the flash / cuDNN attention keeps its output, the same
+    storage), plus one [s b, r] intermediate per adapter (its linear_out's input); DoRA also keeps each wrapped
+    linear's output for ``mag_norm_scale * (base + adapter)``."""
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.estimator.peft import _core_keeps_proj_input
+    s, peft = job
+    s = s.with_(sp=False, recompute=())
+    peft = dict(peft, peft_dropout=0.0)
+    full = _resolve(s.flags(), s.world)
+    L = _resolve(s.flags(), s.world, **peft)
+    a, b = layer_activations(full).saved, layer_activations(L).saved
+    tf = s.seq // s.cp * s.mbs                   # tokens of the micro-batch on this rank (no SP: whole)
+    e = 4 if s.precision == "fp32" else 2
+    r = peft["peft_dim"]
+    targets = peft["peft_target_modules"]
+    dropped = {_INPUT[t] for t in _INPUT if t not in targets}
+    if _core_keeps_proj_input(L, set()):
+        dropped.discard("proj_input")
+    want = {k: v for k, v in a.items() if k not in dropped}
+    want["lora_intermediates"] = len(targets) * tf * r * e
+    if peft["peft_scheme"] == "dora":
+        h, g, d, heads = s.hidden, s.groups or s.heads, s.kv_channels, s.heads
+        out = {"linear_qkv": (heads + 2 * g) * d // s.tp, "linear_proj": h,
+               "linear_fc1": s.ffn * (2 if s.swiglu else 1) // s.tp, "linear_fc2": h}
+        want["dora_scaled_outputs"] = sum(tf * out[t] * e for t in targets)
+    assert b == want
