@@ -20,7 +20,9 @@ from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.layout import TensorKind
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags
 
-from property_space import Spec, specs
+from property_space import Spec, moe_specs, specs
+from test_properties_features import _moe_counts, layout as moe_layout
+from megatron_memguard.estimator.params import total_parameters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -136,3 +138,58 @@ def test_a_frozen_layer_keeps_its_adapters_inputs_and_intermediates(job):
                "linear_fc1": s.ffn * (2 if s.swiglu else 1) // s.tp, "linear_fc2": h}
         want["dora_scaled_outputs"] = sum(tf * out[t] * e for t in targets)
     assert b == want
+
+
+# ---------------------------------------------------------------------------------------------------
+# Latent MoE
+
+@QUARTER
+@given(moe_specs(), st.sampled_from([8, 16, 32]))
+def test_latent_moe_parameters_over_tp_ep_etp_and_pp_ranks_add_up(fs, latent):
+    """--moe-latent-size (megatron-core 0.19.2 transformer/moe/moe_layer.py, experts.py): each MoE layer gains
+    fc1_latent_proj [latent, h] and fc2_latent_proj [h, latent] (and their biases with --add-bias-linear), TELinear
+    "duplicated" (whole on every TP rank),
+    and its routed experts work at the latent width (fc1 [g F / ETP, latent], fc2 [latent, F / ETP], fc2's bias
+    latent wide, whole on each ETP rank); the router and the shared experts keep the full width. One rank of each
+    stage summed over the stages, and the model's total, are the plain model's hand count plus that difference
+    (tests/test_properties_features.py _moe_counts counts the plain model from megatron-core's modules)."""
+    b = fs.base
+    fs_lat = fs.with_(extra=fs.extra + ("--moe-latent-size", str(latent)))
+    L0, L = moe_layout(fs), moe_layout(fs_lat)
+    per_rank, total, _ = _moe_counts(fs, L0)
+    h, F, E, gl = b.hidden, fs.moe_ffn, fs.experts, 2 if b.swiglu else 1
+    n_moe = sum(fs.moe_pattern())
+
+    def experts(width: int) -> tuple[int, int]:    # (split over ETP, whole on each ETP rank) of one expert
+        return gl * F * width + width * F + (gl * F if b.bias else 0), (width if b.bias else 0)
+
+    (s_lat, w_lat), (s_h, w_h) = experts(latent), experts(h)
+    # the projections' biases (latent and h) with --add-bias-linear (moe_layer.py: bias=config.add_bias_linear)
+    proj = 2 * latent * h + ((latent + h) if b.bias else 0)
+    d_rank = n_moe * (proj + (E // fs.ep) * ((s_lat - s_h) // fs.etp + w_lat - w_h))
+    d_total = n_moe * (proj + E * (s_lat - s_h + w_lat - w_h))
+    assert total_parameters(L) == total + d_total
+    assert sum(stage_states(L, p).parameters for p in range(L.pp)) == per_rank + d_rank
+
+
+# ---------------------------------------------------------------------------------------------------
+# Capacity factor
+
+@QUARTER
+@given(moe_specs(), st.sampled_from([1.0, 1.5, 4.0]))
+def test_a_capacity_that_drops_nothing_at_balanced_routing_is_the_dropless_estimate(fs, factor):
+    """With the alltoall dispatcher, a capacity factor >= 1 gives each expert C = ceil(T k / E x factor) >= T k / E
+    slots per source rank (moe_utils.py get_capacity / apply_router_token_dropping, megatron-core 0.16.1 and 0.19.2):
+    balanced routing drops no token, so every term of every stage is the dropless estimate's. The worst case is
+    bounded by the capacity instead: C E ETP rows, never more than dropless's worst, T ETP EP min(k, E / EP);
+    padded to capacity (--moe-pad-expert-input-to-capacity) the rows are exactly C E ETP, never below balanced."""
+    if fs.dispatcher != "alltoall":
+        fs = fs.with_(dispatcher="alltoall")
+    drop = estimate(moe_layout(fs.with_(capacity=None, pad=False)))
+    cap = estimate(moe_layout(fs.with_(capacity=factor, pad=False)))
+    pad = estimate(moe_layout(fs.with_(capacity=factor, pad=True)))
+    for a, b, c in zip(drop.stages, cap.stages, pad.stages):
+        assert b.breakdown == a.breakdown and b.peak_allocated_bytes == a.peak_allocated_bytes
+        assert b.moe["expert_rows_balanced"] == a.moe["expert_rows_balanced"]
+        assert b.moe["expert_rows_worst"] <= a.moe["expert_rows_worst"]
+        assert c.moe["expert_rows_balanced"] == c.moe["expert_rows_worst"] >= a.moe["expert_rows_balanced"]
