@@ -20,7 +20,8 @@ from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.layout import TensorKind
 from megatron_memguard.readers.megatron_flags import parse_megatron_flags
 
-from property_space import Spec, moe_specs, specs
+from property_space import Spec, feature_specs, moe_specs, specs
+from megatron_memguard.gpus import GPUS
 from test_properties_features import _moe_counts, layout as moe_layout
 from megatron_memguard.estimator.params import total_parameters
 
@@ -193,3 +194,58 @@ def test_a_capacity_that_drops_nothing_at_balanced_routing_is_the_dropless_estim
         assert b.moe["expert_rows_balanced"] == a.moe["expert_rows_balanced"]
         assert b.moe["expert_rows_worst"] <= a.moe["expert_rows_worst"]
         assert c.moe["expert_rows_balanced"] == c.moe["expert_rows_worst"] >= a.moe["expert_rows_balanced"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention kernel --attention-backend auto runs on each GPU
+
+@QUARTER
+@given(feature_specs(), st.sampled_from(sorted(GPUS)))
+def test_auto_attention_is_the_kernel_it_selects_on_each_gpu(fs, gpu_name):
+    """--attention-backend auto is Transformer Engine's choice on the GPU (estimator/attention_backend.py: flash-attn 2
+    below sm90 and for Blackwell deterministic training with dropout, cuDNN fused otherwise, TE 2.11 / 2.20.2
+    get_attention_backend): the estimate on that GPU is, term by term, the estimate with that kernel asked for by
+    name (its selection's 'selected' in the JSON)."""
+    from megatron_memguard.estimator.attention_backend import select
+    gpu = GPUS[gpu_name]
+    base = fs.base.with_(backend="auto")
+    L = moe_layout(fs.with_(base=base))
+    chosen = select(L, gpu).selected
+    if chosen not in ("flash", "fused"):
+        reject()
+    Lx = moe_layout(fs.with_(base=base.with_(backend=chosen)))
+    try:
+        a = estimate(L, gpu=gpu)
+    except ConfigError as e:
+        # the GPU cannot run the job (FP8 / FP4 below sm89): one line naming --gpu
+        assert str(e).startswith("--gpu: ") and "\n" not in str(e), str(e)
+        reject()
+    b = estimate(Lx, gpu=gpu)
+    for sa, sb in zip(a.stages, b.stages):
+        assert sa.breakdown == sb.breakdown, (gpu_name, chosen)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Megatron-FSDP over a one-rank group
+
+@QUARTER
+@given(specs(max_layers=6))
+def test_megatron_fsdp_over_one_rank_shards_nothing(s):
+    """With DP x CP = 1 every Megatron-FSDP group is one rank: sharding the optimizer state, and the gradients too,
+    divides by 1 (megatron_fsdp param_and_grad_buffer.py, core 0.19.2: the shard of a one-rank group is the whole
+    buffer), so 'optim' and 'optim_grads' estimate alike, term by term; 'optim_grads_params' has nothing to gather
+    (from core 0.17.1 ``is_data_distributed`` needs a group of more than one rank: its weight buffer serves as the
+    unit's bucket), so no unsharded-parameter or double buffers appear, and its weights and gradients differ from
+    'optim' only by its units' bucket padding (each unit's group padded to the lcm of its row widths: within 1%
+    on these models)."""
+    s = s.with_(impl="transformer_engine", dp=1, cp=1, rope=True, distribute_saved=False, dist_opt=True, instances=1)
+    est = {}
+    for k in ("optim", "optim_grads", "optim_grads_params"):
+        est[k] = estimate(_resolve(s.flags() + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+                                                "--data-parallel-sharding-strategy", k], s.world))
+    for a, b, c in zip(est["optim"].stages, est["optim_grads"].stages, est["optim_grads_params"].stages):
+        assert a.breakdown == b.breakdown
+        assert not {"fsdp_unsharded_parameters", "fsdp_double_buffers", "fsdp_gathered_after_step"} & set(c.breakdown)
+        for term in ("fsdp_parameters", "fsdp_gradients"):
+            assert c.breakdown.get(term, 0) >= 0 and abs(c.breakdown.get(term, 0) - a.breakdown.get(term, 0)) <= max(
+                1, a.breakdown.get(term, 0)) // 100
