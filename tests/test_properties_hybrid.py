@@ -187,3 +187,22 @@ def test_full_recompute_of_every_layer_never_raises_a_hybrid_stage_peak(hs):
     rec = hs.with_(recompute=("full", "uniform", 1))
     for a, b in zip(_peaks(plain), _peaks(rec)):
         assert b <= a
+
+
+@QUARTER
+@given(hybrid_specs(symbols="M*-E"))
+def test_a_pattern_cut_evenly_by_bars_is_the_pattern_without_them(hs):
+    """A pattern without '|' is split evenly over PP at build time (select_pipeline_segment, 0.19.2): writing the same
+    even split with '|' (one segment a rank) estimates alike, term by term."""
+    if len(hs.segments) > 1:
+        flat = "".join(hs.segments)
+        if len(flat) % hs.pp:
+            reject()
+        hs = hs.with_(segments=(flat,), microbatches=max(1, hs.microbatches))
+    n = hs.layers // hs.pp
+    cut = hs.with_(segments=tuple(hs.segments[0][i * n:(i + 1) * n] for i in range(hs.pp)))
+    if hs.pp == 1:
+        reject()
+    a, b = estimate(layout(hs)), estimate(layout(cut))
+    for sa, sb in zip(a.stages, b.stages):
+        assert sa.breakdown == sb.breakdown

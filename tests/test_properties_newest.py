@@ -12,7 +12,7 @@ import os
 
 from hypothesis import HealthCheck, given, reject, settings, strategies as st
 
-from megatron_memguard import estimate, resolve
+from megatron_memguard import estimate, layout_from_flags, resolve
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.peft import adapter_param_count, stage_peft_states
 from megatron_memguard.estimator.result import GROUPS
@@ -249,3 +249,64 @@ def test_megatron_fsdp_over_one_rank_shards_nothing(s):
         for term in ("fsdp_parameters", "fsdp_gradients"):
             assert c.breakdown.get(term, 0) >= 0 and abs(c.breakdown.get(term, 0) - a.breakdown.get(term, 0)) <= max(
                 1, a.breakdown.get(term, 0)) // 100
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE upcycling (megatron-core 0.16)
+
+def _strip_moe(flags: list[str], ffn: int) -> list[str]:
+    """The dense model megatron/training builds for upcycling: the same flags without the MoE ones, FFN ffn."""
+    out, skip = [], 0
+    valued = {"--num-experts", "--moe-router-topk", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+              "--moe-ffn-hidden-size", "--moe-token-dispatcher-type", "--moe-shared-expert-intermediate-size",
+              "--moe-layer-freq", "--moe-expert-capacity-factor", "--moe-flex-dispatcher-backend"}
+    for i, f in enumerate(flags):
+        if skip:
+            skip -= 1
+            continue
+        if f in valued:
+            skip = 1
+            continue
+        if f.startswith("--moe-"):
+            continue
+        out.append(f)
+    i = out.index("--ffn-hidden-size")
+    out[i + 1] = str(ffn)
+    return out
+
+
+@QUARTER
+@given(moe_specs(), st.sampled_from([1, 2]))
+def test_upcycling_adds_a_startup_figure_of_both_models(fs, g):
+    """--moe-use-upcycling (megatron/training training.py setup_model_and_optimizer, upcycling_utils.py, core 0.16.1):
+    training is the MoE run's, term by term; the start-up holds the MoE model's weights, gradient buffer and main
+    parameters, the dense model (the same job without experts, FFN x granularity, EP 1) wrapped in DDP, and both state
+    dicts deep-copied in the parameter dtype; the stage needs the larger of training and start-up."""
+    b = fs.base
+    # upcycling_utils: every layer MoE, no virtual stages, the dense FFN x g a multiple of the expert FFN, whose
+    # ratio divides the experts; no capacity, shared experts or the legacy grouped GEMM
+    fs = fs.with_(freq=None, capacity=None, pad=False, shared_ffn=0, shared_gate=False, moe_ffn=b.ffn * g // 2
+                  if (b.ffn * g) % 2 == 0 and fs.experts % 2 == 0 else b.ffn * g)
+    fs = fs.with_base(vpp=None, recompute=() if b.vpp else b.recompute,
+                      microbatches=b.microbatches if not b.vpp else 1)
+    up = ["--moe-use-upcycling", "--moe-upcycling-granularity", str(g), "--save", "/ckpt/moe"]
+    try:
+        plain = layout_from_flags(fs.flags(), world_size=fs.world, megatron_version="0.16")
+        L = layout_from_flags(fs.flags() + up, world_size=fs.world, megatron_version="0.16")
+    except (ConfigError, ConfigErrors, NotModelledError) as e:
+        text = str(e)
+        assert text.startswith("--") and "\n" not in text, text
+        reject()
+    # (its recompute settings do not change its parameters or gradient buffer: left out, 'moe_act' needs experts)
+    dense = layout_from_flags(_strip_moe(fs.with_base(recompute=()).flags(), b.ffn * g), world_size=fs.world,
+                              megatron_version="0.16")
+    p_bytes = L.precision.byte_sizes()[TensorKind.PARAM]
+    for s0, s in zip(estimate(plain).stages, estimate(L).stages):
+        assert s.breakdown == s0.breakdown
+        terms = {t["name"]: t["bytes"] for t in s.startup["terms"]}
+        d, m = stage_states(dense, s.pp_rank), stage_states(L, s.pp_rank)
+        assert terms["upcycling_dense_model"] == d.param_bytes + d.grad_bytes
+        assert terms["upcycling_state_dict_copies"] == (d.parameters + m.parameters) * p_bytes
+        assert terms["upcycling_moe_model_state"] == (s.breakdown["parameters"] + s.breakdown["gradient_buffer"]
+                                                      + s.breakdown.get("main_parameters", 0))
+        assert s.required_device_bytes == max(s.device_total_bytes, s.startup["device_total_bytes"])
