@@ -83,7 +83,10 @@ def test_peft_trains_only_the_adapters_of_the_hand_count(job):
     their / TP; the base weights are the same parameters as the full run's, frozen: no gradient buffer, main
     copy or optimizer state for them (megatron-core's DDP buffers only parameters that require grad), so every
     stage's weights + gradients + optimizer bytes are below the full run's, and its gradient buffer holds the
-    adapters only."""
+    adapters only. (The whole peak is not always below the full run's: the adapters keep their [s b, r]
+    intermediates, under SP the whole-sequence input TE gathers for a column-parallel adapter, TP times the base's
+    shard, and with dropout a copy of their input; their input gradients come next to the base's in backward. On
+    activation-heavy jobs, 25% of the stages drawn here, these outweigh the states saved.)"""
     s, peft = job
     full = _resolve(s.flags(), s.world)
     L = _resolve(s.flags(), s.world, **peft)
