@@ -323,3 +323,55 @@ def test_upcycling_adds_a_startup_figure_of_both_models(fs, g):
         assert terms["upcycling_moe_model_state"] == (s.breakdown["parameters"] + s.breakdown["gradient_buffer"]
                                                       + s.breakdown.get("main_parameters", 0))
         assert s.required_device_bytes == max(s.device_total_bytes, s.startup["device_total_bytes"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-token prediction on its own pipeline stage
+
+@st.composite
+def mtp_layouts(draw):
+    """--pipeline-model-parallel-layout strings with D MTP layers 'm' in one stage of a rank's last virtual stage,
+    no decoder layer after them (PipelineParallelLayerLayout.validate_layer_layout, core 0.16.1 to 0.19.2)."""
+    pp = draw(st.integers(2, 5))
+    vpp = draw(st.sampled_from([1, 1, 2]))
+    n = pp * vpp
+    j = draw(st.integers((vpp - 1) * pp, n - 1))           # the stage of the MTP block
+    depth = draw(st.integers(1, 2))
+    counts = [draw(st.integers(0, 2)) if i <= j else 0 for i in range(n)]
+    if not sum(counts):
+        counts[0] = 1
+    stages = ["t" * c for c in counts]
+    stages[j] += "m" * depth
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return "|".join(stages), pp, vpp, j, depth, sum(counts)
+
+
+@QUARTER
+@given(mtp_layouts(), st.sampled_from([1, 2]), st.booleans(), st.sampled_from([64, 128]))
+def test_mtp_anywhere_parameters_over_the_stages_add_up(lay, tp, untied, h):
+    """Wherever the layout puts the MTP block, one TP rank of every stage together holds each decoder layer and
+    each MTP depth once (layer + enorm + hnorm + its final norm + eh_proj [h, 2h] / TP), the final norm once, and the
+    vocabulary-parallel word embedding V h / TP on every chunk that embeds: the first (pre_process) and the MTP
+    block's (GPTModel builds its embedding when pre_process or mtp_process, gpt_model.py, core 0.19.2), plus the
+    output layer on the last (its own weight unless that chunk is also pre_process: never, PP > 1). By hand."""
+    layout_str, pp, vpp, j, depth, n_dec = lay
+    F, heads, kv = 128, 4 * tp, 16
+    f = ["--transformer-impl", "transformer_engine", "--num-layers", str(n_dec), "--hidden-size", str(h),
+         "--num-attention-heads", str(heads), "--kv-channels", str(kv), "--ffn-hidden-size", str(F),
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+         "--global-batch-size", str(2 * pp), "--tensor-model-parallel-size", str(tp),
+         "--pipeline-model-parallel-size", str(pp), "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+         "--bf16", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0", "--mtp-num-layers", str(depth),
+         "--pipeline-model-parallel-layout", layout_str] + (["--sequence-parallel"] if tp > 1 else []) + (
+        ["--untie-embeddings-and-output-weights"] if untied else [])
+    L = _resolve(f, tp * pp)
+    V = L.padded_vocab_size
+    # a layer on one TP rank: fused norms h (replicated), linear_qkv 3 a d x h, linear_proj h x a d, fc1 2 F x h,
+    # fc2 h x F, split over TP
+    layer = 2 * h + (3 * heads * kv * h + h * heads * kv + 2 * F * h + h * F) // tp
+    mtp_depth = layer + 3 * h + 2 * h * h // tp
+    embeds = 2 + (j != 0)
+    want = n_dec * layer + depth * mtp_depth + h + embeds * V * h // tp
+    assert sum(stage_states(L, p).parameters for p in range(pp)) == want
