@@ -375,3 +375,48 @@ def test_mtp_anywhere_parameters_over_the_stages_add_up(lay, tp, untied, h):
     embeds = 2 + (j != 0)
     want = n_dec * layer + depth * mtp_depth + h + embeds * V * h // tp
     assert sum(stage_states(L, p).parameters for p in range(pp)) == want
+
+
+# ---------------------------------------------------------------------------------------------------
+# Directions a Megatron user expects, with every feature
+
+def _both(a, b):
+    try:
+        return (layout_from_flags(a.flags(), world_size=a.world, megatron_version="0.19"),
+                layout_from_flags(b.flags(), world_size=b.world, megatron_version="0.19"))
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+
+
+@QUARTER
+@given(feature_specs())
+def test_twice_the_tensor_parallelism_with_sp_never_raises_a_stage_peak(fs):
+    """The same world with TP doubled and DP halved, sequence parallelism on: every sharded weight, gradient and
+    optimizer shard per rank is the same or half (P / (TP DP) for the distributed optimizer's), every saved
+    tensor of a layer is divided by TP (SP) or kept whole, the vocabulary per rank shrinks (padded to a multiple of
+    128 x TP, ceil(V / 128 TP) x 128 is non-increasing), and the SP all-gather buffer is [s b, h] whatever TP:
+    no stage's allocated peak grows (dense, MoE with ETP 1, FP8, MTP, offloading, CUDA graphs, Megatron-FSDP)."""
+    s = fs.base
+    t2, g = 2 * s.tp, s.groups or s.heads
+    if s.dp % 2 or s.heads % t2 or (g % t2 and t2 % g) or s.ffn % t2 or (s.seq // s.cp) % t2 or (2 * g * s.kv_channels) % t2:
+        reject()
+    if fs.experts and (fs.etp != 1 or fs.shared_ffn % t2):
+        reject()
+    La, Lb = _both(fs.with_base(sp=s.tp > 1), fs.with_base(tp=t2, dp=s.dp // 2, sp=True))
+    for sa, sb in zip(estimate(La).stages, estimate(Lb).stages):
+        assert sb.peak_allocated_bytes <= sa.peak_allocated_bytes
+
+
+@QUARTER
+@given(feature_specs())
+def test_the_distributed_optimizer_over_twice_the_ranks_never_raises_a_stage_peak(fs):
+    """Twice the data-parallel ranks with the distributed optimizer: each rank's optimizer shard halves (up to the
+    buckets' padding to lcm(DP, 128)), nothing else per rank grows, so no stage's allocated peak does. Not asserted under Megatron-FSDP's 'optim' / 'optim_grads' strategies: their whole
+    weights sit in buckets padded to a multiple of DP x CP x chunk_size_factor (megatron_fsdp
+    param_and_grad_buffer.py), padding that grows with DP (+2 MB on 1.5 GB of weights at DP x CP 96 here)."""
+    if any(x in fs.extra for x in ("optim", "optim_grads")) or fs.base.instances > 1:
+        reject()
+    a = fs.with_base(dist_opt=True)
+    La, Lb = _both(a, a.with_base(dp=2 * a.base.dp))
+    for sa, sb in zip(estimate(La).stages, estimate(Lb).stages):
+        assert sb.peak_allocated_bytes <= sa.peak_allocated_bytes
