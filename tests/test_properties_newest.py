@@ -148,6 +148,20 @@ def test_a_frozen_layer_keeps_its_adapters_inputs_and_intermediates(job):
     assert b == want
 
 
+@QUARTER
+@given(peft_jobs(), st.sampled_from(["mbs", "seq"]))
+def test_a_larger_micro_batch_or_sequence_never_lowers_a_peft_stage_peak(job, what):
+    """Under LoRA / DoRA every kept tensor (the adapters' inputs and intermediates, DoRA's scaled outputs, the
+    frozen layers' remaining saved tensors) and every working set grows with the micro-batch's tokens: one more
+    sequence per micro-batch, or twice the sequence, never lowers a stage's peak."""
+    s, peft = job
+    bigger = s.with_(mbs=s.mbs + 1) if what == "mbs" else s.with_(seq=2 * s.seq)
+    a = estimate(_resolve(s.flags(), s.world, **peft))
+    b = estimate(_resolve(bigger.flags(), bigger.world, **peft))
+    for sa, sb in zip(a.stages, b.stages):
+        assert sb.peak_allocated_bytes >= sa.peak_allocated_bytes
+
+
 # ---------------------------------------------------------------------------------------------------
 # Latent MoE
 
@@ -323,6 +337,8 @@ def test_upcycling_adds_a_startup_figure_of_both_models(fs, g):
         assert terms["upcycling_moe_model_state"] == (s.breakdown["parameters"] + s.breakdown["gradient_buffer"]
                                                       + s.breakdown.get("main_parameters", 0))
         assert s.required_device_bytes == max(s.device_total_bytes, s.startup["device_total_bytes"])
+        for name in terms:
+            assert os.path.exists(os.path.join(ROOT, "docs", "terms", name + ".md")), name
 
 
 # ---------------------------------------------------------------------------------------------------

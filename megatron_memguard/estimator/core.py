@@ -301,7 +301,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # is a forward transient here: one layer's tensors while it runs (what it would save, and its working
         # set), or the output items at the loss; the batch and embedding items alongside. Later stages receive an
         # input that requires grad (p2p_communication.py) and are counted as in training.
-        one_layer = (per_layer + fwd_transient) if n else 0
+        # (one layer at a time, nothing above it kept: the largest layer's working set, whatever its position)
+        one_layer = (per_layer + max(la.fwd_transient for la, _ in per_kind)) if n else 0
         return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
