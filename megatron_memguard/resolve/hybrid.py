@@ -161,6 +161,10 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
     if len(set(parts)) > 1:
         a.fail(dest, "all MTP patterns after '/' must be identical (parse_hybrid_pattern)")
         raise Stop
+    bound, why = BOUNDS["mtp_num_layers"]
+    if len(parts) > bound:
+        a.fail(dest, f"has {len(parts):,} MTP depths after '/'; memguard's bound on --mtp-num-layers is {bound} ({why})")
+        raise Stop
     mtp = parts[0]
     bad = next((ch for ch in mtp if ch not in SYMBOLS), None)
     if bad is not None:
