@@ -9,9 +9,11 @@ groups divisible by TP, heads by groups). megatron-core 0.16.1 (ssm/mamba_hybrid
 ``_allocate_override``): the pattern must have --num-layers symbols of M * - E, no '|' (MambaStack refuses
 virtual pipelines), and the flag is --hybrid-override-pattern.
 
-What is not modelled is refused by name: the 'G' (gated delta net), 'D' (DSA) and '+' (MLA) layers, MTP
-patterns after '/', context parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers
-(resolve/moe.py places them by the pattern).
+The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
+``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
+(gated delta net), 'D' (DSA) and '+' (MLA) layers, full recompute and Megatron-FSDP of hybrid MTP layers, context
+parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers (resolve/moe.py places them by the
+pattern).
 """
 from __future__ import annotations
 
