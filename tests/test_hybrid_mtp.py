@@ -210,3 +210,20 @@ def test_nemotron_3_super_shape_and_what_still_blocks_its_recipe():
         with pytest.raises(NotModelledError) as e:
             layout_from_flags(argv + extra.split(), world_size=4)
         assert str(e.value).startswith(key)
+
+
+def test_bridge_provider_builds_the_pattern_from_its_mtp_field():
+    # Megatron-Bridge 0.6.2 HybridModelProvider.finalize: hybrid_layer_pattern + '/' + mtp_hybrid_override_pattern
+    # repeated mtp_num_layers times. On Nemotron-H 8B (h 4096; tests/test_mamba.py's by-hand layers) one "*-" depth
+    # is enorm, hnorm, final norm 3 x 4096, eh_proj 4096 x 8192, the attention layer 41,947,136 and the MLP layer
+    # 176,164,864
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+    depth = 3 * 4096 + 4096 * 8192 + 41_947_136 + 176_164_864
+    assert depth == 251_678_720
+    base = total_parameters(resolve(read_bridge({}, "recipe", [], recipe="nemotronh_8b"), world_size=2))
+    for repeated, built in ((False, 2), (True, 1)):
+        model = {"mtp_num_layers": 2, "mtp_hybrid_override_pattern": "*-", "mtp_use_repeated_layer": repeated}
+        L = resolve(read_bridge({"model": model}, "run_config.yaml", [], recipe="nemotronh_8b"), world_size=2)
+        assert (L.mtp_num_layers, L.hybrid_mtp_pattern) == (2, "*-")
+        assert total_parameters(L) - base == built * depth
