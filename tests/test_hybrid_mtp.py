@@ -159,7 +159,7 @@ def test_pattern_rules_name_the_flag():
     assert "'/' is not a layer symbol in megatron-core 0.16" in _err(
         "--hybrid-override-pattern M*M-/MM --num-layers 4", version="0.16")
     # validate_args requires rope or no position embedding with MTP, also when the pattern sets the depths
-    assert "--mtp-num-layers: needs --position-embedding-type rope or none" in _err(
+    assert "--hybrid-layer-pattern: needs --position-embedding-type rope or none" in _err(
         "--hybrid-layer-pattern M*M-/MM --position-embedding-type learned_absolute")
 
 
@@ -227,3 +227,15 @@ def test_bridge_provider_builds_the_pattern_from_its_mtp_field():
         L = resolve(read_bridge({"model": model}, "run_config.yaml", [], recipe="nemotronh_8b"), world_size=2)
         assert (L.mtp_num_layers, L.hybrid_mtp_pattern) == (2, "*-")
         assert total_parameters(L) - base == built * depth
+
+
+def test_layout_document_round_trips():
+    from megatron_memguard.layout import Layout
+    L = _layout("M*|M-/*-/*-", "--pipeline-model-parallel-size 2 --mtp-use-repeated-layer", world=2)
+    d = L.to_dict()
+    assert (d["hybrid_layer_pattern"], d["hybrid_mtp_pattern"], d["mtp_num_layers"]) == ("M*|M-", "*-", 2)
+    assert Layout.from_dict(d) == L
+    assert ([s.peak_allocated_bytes for s in estimate(Layout.from_dict(d)).stages]
+            == [s.peak_allocated_bytes for s in estimate(L).stages])
+    # a hybrid model without MTP writes no MTP pattern (its document is as before)
+    assert "hybrid_mtp_pattern" not in _layout("M*M-").to_dict()

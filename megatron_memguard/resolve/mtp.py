@@ -37,7 +37,10 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # 0.16.1 as also taking learned_absolute and mrope (docs/assumptions.md)
     allowed = ("rope", "none") if ctx.version >= Version("0.17") else ("learned_absolute", "rope", "mrope", "none")
     if position not in allowed:
-        a.fail("mtp_num_layers", f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
+        # (the depths of a hybrid pattern's '/' parts: the error names the pattern's flag)
+        named = ("mtp_num_layers" if not hybrid_mtp or a.given("mtp_num_layers") else
+                 "hybrid_layer_pattern" if a.given("hybrid_layer_pattern") else "hybrid_override_pattern")
+        a.fail(named, f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
                f"got {position}")
     dest = "mtp_hybrid_override_pattern"
     if a.given(dest) and a.get(dest) not in (None, "", False, "false", "False", 0) and not hybrid_mtp:
