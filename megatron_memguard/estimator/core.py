@@ -276,14 +276,15 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if mtp_saved and mtp_here:
             # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
             d = L.mtp_num_layers
-            mtp_la, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
+            _, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
             layers += kept
             moe_layers += kept_moe
             if L.hybrid_mtp_pattern:
                 # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too
                 more.append(f" + {d} MTP depth(s) of '{L.hybrid_mtp_pattern}'")
-                fwd_extra = max(fwd_extra, mtp_la.fwd_transient)
-                bwd_top = max(bwd_top, mtp_la.bwd_transient)
+                stack = [layer_activations(L, has_batch, kind) for kind, _ in mtp_stack_runs(L)]
+                fwd_extra = max(fwd_extra, max(x.fwd_transient for x in stack))
+                bwd_top = max(bwd_top, max(x.bwd_transient for x in stack))
             else:
                 more.append(f" + {d} MTP layer(s)")
         ends.update(mtp_saved)
