@@ -239,3 +239,25 @@ def test_layout_document_round_trips():
             == [s.peak_allocated_bytes for s in estimate(L).stages])
     # a hybrid model without MTP writes no MTP pattern (its document is as before)
     assert "hybrid_mtp_pattern" not in _layout("M*M-").to_dict()
+
+
+def test_bridge_pattern_with_slash_runs_mtp_num_layers_depths():
+    # a provider whose hybrid_layer_pattern holds the '/' parts itself: Bridge 0.6.2 does not reconcile
+    # mtp_num_layers (its default 0) with them; HybridModel builds the pattern's depths (one with the repeated
+    # layer) and its forward runs mtp_num_layers of them
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-/*-"
+    base = total_parameters(resolve(read_bridge({}, "recipe", [], recipe="nemotronh_8b"), world_size=2))
+    model = {"hybrid_layer_pattern": pattern, "mtp_num_layers": 3, "mtp_use_repeated_layer": True}
+    L = resolve(read_bridge({"model": model}, "run_config.yaml", [], recipe="nemotronh_8b"), world_size=2)
+    assert (L.mtp_num_layers, L.hybrid_mtp_pattern) == (3, "*-")
+    assert total_parameters(L) - base == 251_678_720          # one "*-" depth's parameters (test above)
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        resolve(read_bridge({"model": {"hybrid_layer_pattern": pattern}}, "run_config.yaml", [],
+                            recipe="nemotronh_8b"), world_size=2)
+    assert "model.hybrid_layer_pattern: has 1 MTP depth(s) after '/' but mtp_num_layers is not set" in str(e.value)
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        resolve(read_bridge({"model": {"hybrid_layer_pattern": pattern, "mtp_num_layers": 2}}, "run_config.yaml", [],
+                            recipe="nemotronh_8b"), world_size=2)
+    assert "model.mtp_num_layers: is 2 but model.hybrid_layer_pattern has 1 MTP depth(s)" in str(e.value)

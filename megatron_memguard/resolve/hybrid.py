@@ -181,6 +181,20 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
         raise NotModelledError(key, f"{names} layers in a hybrid MTP pattern (memguard models Mamba 'M', attention "
                                "'*', MLP '-' and MoE 'E')")
+    if not a.raw.megatron_command_line and legacy is None:
+        # Megatron-Bridge 0.6.2 HybridModelProvider reconciles mtp_num_layers with the pattern only when it builds
+        # the pattern from mtp_hybrid_override_pattern; HybridModel builds one MTP layer per '/' part (one with the
+        # repeated layer) and its forward runs mtp_num_layers depths (asserting > 0), indexing those layers
+        if a.bool_arg("mtp_use_repeated_layer", False) and depth_flag > 0:
+            return mtp, depth_flag
+        if depth_flag != len(parts):
+            if a.given("mtp_num_layers"):
+                a.fail("mtp_num_layers", f"is {depth_flag} but {key} has {len(parts)} MTP depth(s) after '/': "
+                       "HybridModel builds the pattern's depths and runs mtp_num_layers of them (give them equal)")
+            else:
+                a.fail(dest, f"has {len(parts)} MTP depth(s) after '/' but mtp_num_layers is not set (0: "
+                       "HybridModel's forward asserts mtp_num_layers > 0; set it to the depth count)")
+            raise Stop
     if depth_flag and depth_flag != len(parts):
         a.notes.append(f"{a.key('mtp_num_layers')}: {depth_flag} ignored; the pattern has {len(parts)} MTP depth(s) "
                        "(validate_args takes the count from the pattern)")
