@@ -155,6 +155,9 @@ def test_pattern_rules_name_the_flag():
     assert "all MTP patterns after '/' must be identical" in _err("--hybrid-layer-pattern M*M-/MM/M*")
     assert "'|' is not a layer symbol of an MTP pattern" in _err("--hybrid-layer-pattern M*M-/M|M/M|M")
     assert "'x' is not a layer symbol" in _err("--hybrid-layer-pattern M*M-/Mx")
+    # a bad --mtp-num-layers is one error, also when the hybrid section reads it for the legacy flag
+    assert _err("--hybrid-layer-pattern M*M- --mtp-hybrid-override-pattern MM --mtp-num-layers 101").count(
+        "--mtp-num-layers: must be <= 100") == 1
     # megatron-core 0.16's pattern has no '/' (MTP patterns came with 0.17's unified pattern)
     assert "'/' is not a layer symbol in megatron-core 0.16" in _err(
         "--hybrid-override-pattern M*M-/MM --num-layers 4", version="0.16")

@@ -148,7 +148,9 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
     '/' parts)."""
     legacy = a.get("mtp_hybrid_override_pattern")
     legacy = None if legacy in (None, "", False) else str(legacy)
+    seen = len(a.errors)
     depth_flag = a.int_arg("mtp_num_layers", 0, minimum=0) or 0
+    del a.errors[seen:]     # (a bad --mtp-num-layers is reported once, by the multi-token prediction section)
     if legacy is not None and depth_flag > 0 and (not any(parts) or not a.raw.megatron_command_line):
         if old:
             a.fail("mtp_hybrid_override_pattern", "is not read by megatron-core 0.16 (hybrid MTP came in 0.17)")
