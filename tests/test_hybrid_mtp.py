@@ -80,6 +80,11 @@ def test_pipeline_places_the_block_on_the_last_stage():
     b_first, b_last = (sum(p.numel for p in chunk_params(base, c)) for c in base.chunks)
     assert first == b_first
     assert last - b_last == 2 * (DEPTH + ATTN + MLP) + 1024 * 256
+    # with virtual stages ('|' segments = 2 x PP) the block is in the last rank's last virtual stage only
+    # (MultiTokenPredictionBlock asserts is_vp_last_stage)
+    V = _layout("M*|M-|MM|--/*-/*-", "--pipeline-model-parallel-size 2", world=2)
+    holding = [(c.pp_rank, c.vpp_rank) for c in V.chunks if any(p.name.startswith("mtp.") for p in chunk_params(V, c))]
+    assert V.vpp == 2 and holding == [(1, 1)]
 
 
 @pytest.mark.parametrize("pattern, extra, repeated", [
