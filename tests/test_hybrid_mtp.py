@@ -80,6 +80,11 @@ def test_pipeline_places_the_block_on_the_last_stage():
     b_first, b_last = (sum(p.numel for p in chunk_params(base, c)) for c in base.chunks)
     assert first == b_first
     assert last - b_last == 2 * (DEPTH + ATTN + MLP) + 1024 * 256
+    # an empty last segment: the HybridStack of the last stage still builds the final norm (post_process,
+    # hybrid_block.py), beside the MTP block; GPT's TransformerBlock would put it with the last decoder layer
+    E = _layout("M*M-|/*-", "--pipeline-model-parallel-size 2", world=2)
+    norms = [[p.name for p in chunk_params(E, c) if p.name.startswith("decoder.final")] for c in E.chunks]
+    assert [c.num_layers for c in E.chunks] == [4, 0] and norms == [[], ["decoder.final_layernorm.weight"]]
     # with virtual stages ('|' segments = 2 x PP) the block is in the last rank's last virtual stage only
     # (MultiTokenPredictionBlock asserts is_vp_last_stage)
     V = _layout("M*|M-|MM|--/*-/*-", "--pipeline-model-parallel-size 2", world=2)

@@ -86,7 +86,9 @@ def holds_final_norm(L: Layout, c: Chunk) -> bool:
     model's last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage, core 0.16.1 and 0.19.2:
     "for model with MTPLayer, the final layernorm is set in the stage which has the last layer of the
     decoder"), another chunk when a --pipeline-model-parallel-layout leaves the loss's stage no decoder layer."""
-    if not getattr(L, "mtp_num_layers", 0):
+    if not getattr(L, "mtp_num_layers", 0) or L.hybrid_layer_pattern:
+        # (a hybrid model's HybridStack builds its final norm on the last stage, post_process, with or without MTP
+        # and layers there: hybrid_block.py, megatron-core 0.17.1 to 0.19.2)
         return c.has_output
     return c.num_layers > 0 and c.first_layer + c.num_layers == L.num_layers
 

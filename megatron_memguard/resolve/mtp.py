@@ -56,7 +56,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # the repeated layer and the builder's MoE rule only when they apply: the section's output for other runs
     # stays what it was
     return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}),
-                **({"mtp_moe_on_empty_chunk": True} if _moe_on_empty_chunk(a, kw, ctx) else {}))
+                **({"mtp_moe_on_empty_chunk": True} if not hybrid_mtp and _moe_on_empty_chunk(a, kw, ctx) else {}))
 
 
 def _moe_on_empty_chunk(a: Args, kw: Mapping[str, Any], ctx: Context) -> bool:
