@@ -69,6 +69,11 @@ def test_parameters_by_hand():
     assert sum(p.numel for p in chunk_params(L, L.chunks[0])) == total_parameters(L)
     assert "mtp.layers.1.mtp_model_layer.layers.1.mlp.linear_fc2.weight" in names
     assert "mtp.layers.0.eh_proj.weight" in names and "mtp.layers.1.final_layernorm.weight" in names
+    # per TP rank (TP 2): eh_proj [128, 512] (column-parallel), the attention layer's norm 256, qkv [256, 256] and
+    # proj [256, 128], the MLP layer's norm 256, fc1 [256, 256] and fc2 [256, 256]; the three norms whole
+    T = _layout("M*M-/*-/*-", "--tensor-model-parallel-size 2", world=2)
+    per_rank = sum(p.numel for p in chunk_params(T, T.chunks[0]) if p.name.startswith("mtp."))
+    assert per_rank == 2 * (3 * 256 + 128 * 512 + (256 + 256 * 256 + 256 * 128) + (256 + 2 * 256 * 256)) == 592_384
 
 
 def test_pipeline_places_the_block_on_the_last_stage():
