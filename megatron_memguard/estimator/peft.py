@@ -18,7 +18,9 @@ Megatron-Bridge 0.6.2 (megatron/bridge/peft/base.py, lora.py, dora.py, utils.py 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+
 from ..layout import Layout, ShardGroup, TensorKind
 from ..layout.peft import COLUMN_TARGETS, SCHEME_NAMES
 from .layers.base import shapes
@@ -69,17 +71,15 @@ def adapter_param_count(L: Layout) -> int:
     return total * L.num_layers
 
 
+@dataclass(frozen=True)
 class PeftStates:
-    """Bytes of a stage's model state under PEFT (one rank, the largest distributed-optimizer shard)."""
-
-    def __init__(self, base_params: int, adapter_params: int, param_elems: int, buffer_numel: int,
-                 buffer_unpadded: int, main_elems: int) -> None:
-        self.base_params = base_params          # frozen base parameters on this rank
-        self.adapter_params = adapter_params    # adapter parameters on this rank
-        self.param_elems = param_elems          # adapter weights held (the padded param buffer with dist-opt)
-        self.buffer_numel = buffer_numel        # adapter gradient buffer (padded)
-        self.buffer_unpadded = buffer_unpadded
-        self.main_elems = main_elems            # adapter elements this rank's optimizer owns
+    """Element counts of a stage's model state under PEFT (one rank, the largest distributed-optimizer shard)."""
+    base_params: int          # frozen base parameters on this rank
+    adapter_params: int       # adapter parameters on this rank
+    param_elems: int          # adapter weights held (the padded param buffer with dist-opt)
+    buffer_numel: int         # adapter gradient buffer (padded)
+    buffer_unpadded: int
+    main_elems: int           # adapter elements this rank's optimizer owns
 
 
 @lru_cache(maxsize=256)
@@ -229,7 +229,6 @@ def tie_steps(steps: tuple, saved: dict[str, int]) -> tuple:
     if not extra:
         return steps
     return tuple((names | {k for k, v in extra if v in names}, w) for names, w in steps)
-
 
 
 def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:
