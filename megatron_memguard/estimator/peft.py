@@ -151,14 +151,6 @@ _LORA_INPUT = {"linear_qkv": "lora_qkv_input", "linear_proj": "lora_proj_input",
                "linear_fc2": "lora_fc2_input"}
 
 
-def _core_keeps_proj_input(L: Layout, mods: set) -> bool:
-    """Whether the core attention keeps linear_proj's input for its own backward: flash / cuDNN attention saves
-    its output O, the storage linear_proj reads (layers/attention.py), unless a ring under CP, the output gate
-    or a recomputed core attention leaves linear_proj the only holder."""
-    from .layers.attention import _gated, attention_kind
-    return attention_kind(L) == "fused" and L.cp == 1 and _gated(L) == 1 and "core_attn" not in mods
-
-
 def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, int], int]:
     """A dense attention layer's saved tensors under PEFT, and DoRA's forward working set (bytes).
 
@@ -185,11 +177,16 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
     masks = 0
     dora = 0
     dora_fwd = 0
+    # the core attention keeps linear_proj's input for its own backward (cuDNN FusedAttention and its p2p ring under
+    # CP save the output they return); the flash backend's sbhd copy, the output gate's product and a recomputed
+    # core attention leave linear_proj the only holder (fp8_layers.attention_keeps_proj_input)
+    from .fp8_layers import attention_keeps_proj_input
+    core_keeps_proj_input = attention_keeps_proj_input(saved)
     for name in _ORDER:
         base = _BASE_INPUT[name]
         in_mlp = name in ("linear_fc1", "linear_fc2")
         if name not in tg:
-            if name == "linear_proj" and _core_keeps_proj_input(L, mods):
+            if name == "linear_proj" and core_keeps_proj_input:
                 continue
             out.pop(base, None)
             continue
@@ -205,7 +202,7 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
                 out[_LORA_INPUT[name]] = Tf * i * e                  # TE's gathered norm output, kept by linear_in
         elif pre:
             out[_LORA_INPUT[name]] = Tf * i * (e + 1)
-            if not (name == "linear_proj" and _core_keeps_proj_input(L, mods)):
+            if not (name == "linear_proj" and core_keeps_proj_input):
                 out.pop(base, None)                                  # the base input is no longer kept
         inter += Tf * p.dim * e
         if p.dropout > 0 and p.dropout_position == "post":
