@@ -48,6 +48,18 @@ def test_layer_groups_of_a_te_layer():
     assert layer_groups({"proj_input": 2 * mib}, ("attn_proj", "core_attn"), 2) == {"attn_proj": 2 * mib}
 
 
+def test_layer_groups_of_a_flash_attention_layer():
+    # --attention-backend flash (or auto on an A100): TE 2.11 FlashAttention saves, inside the core_attn call,
+    # contiguous [b, s, h, d] copies of q, k, v and flash-attn's own output (backends.py FlashAttention.forward);
+    # the sbhd copy it returns (output.contiguous()) is saved by linear_proj only, inside the attn_proj call
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    mib = 1024 * 1024
+    saved = {"layer_input": 4 * mib, "qkv_input": 4 * mib, "flash_qkv": 8 * mib, "attention_output_bshd": 4 * mib,
+             "softmax_stats": 128 * 1024, "proj_input": 4 * mib}
+    assert layer_groups(saved, ("core_attn",), 2) == {"core_attn": 12 * mib}
+    assert layer_groups(saved, ("core_attn", "attn_proj"), 2) == {"core_attn": 12 * mib, "attn_proj": 4 * mib}
+
+
 def test_layer_groups_of_an_mla_layer():
     # MLA (TE): the input norm is a module of its own, so attn_norm takes the layer input; the down
     # projections' latents go with qkv_linear, the attention inputs with core_attn
