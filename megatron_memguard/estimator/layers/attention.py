@@ -316,7 +316,10 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         core_bwd += ctx
     # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
     rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
-    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask", "flash_qkv"}
+    # (the core attention's autograd node frees what it saved: flash-attn's q, k, v copies and output, the ring's
+    # last K/V buffer)
+    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask", "flash_qkv", "attention_output_bshd",
+                           "cp_kv_buffer"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     bwd_steps = (
