@@ -221,6 +221,17 @@ def test_nemo1_lora(tmp_path):
         read_config_file(str(p))
 
 
+@pytest.mark.parametrize("targets", ["5", "{attention: 1}"])
+def test_nemo1_lora_targets_of_the_wrong_kind_name_the_key(tmp_path, targets):
+    # LoraPEFTConfig reads target_modules as a list of names: an int was an internal error (list(5)) and a
+    # mapping's keys were taken as names
+    pytest.importorskip("omegaconf")
+    p = tmp_path / "megatron_gpt_peft.yaml"
+    p.write_text(NEMO1.replace("target_modules: [attention, mlp_fc1]", f"target_modules: {targets}"))
+    with pytest.raises(ConfigError, match="model.peft.lora_tuning.target_modules: must be a target name or a list"):
+        read_config_file(str(p))
+
+
 def test_run_recipe_lora_mode_names_the_recipe():
     from megatron_memguard.readers.run_recipe import parse_run_recipe, recipe_key
     with pytest.raises(NotModelledError, match="--mode lora.*llama32_1b_peft_config"):
