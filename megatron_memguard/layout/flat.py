@@ -9,11 +9,6 @@ A new field is one word here and one field in its part.
 from __future__ import annotations
 
 # (part attribute of Layout, flat names in JSON order); runs may repeat a part to keep the order.
-# the FP8 / FP4 settings, one run of _RUNS (FP8_NAMES below)
-_FP8_RUN = ("fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
-            "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
-            "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
-            "fp8_output_proj fp8_dot_product_attention")
 _RUNS: tuple[tuple[str, str], ...] = (
     ("parallel", "world_size tensor_model_parallel_size pipeline_model_parallel_size "
                  "virtual_pipeline_model_parallel_size context_parallel_size data_parallel_size sequence_parallel "
@@ -66,7 +61,10 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "hybrid_layer_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads "
               "mamba_chunk_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
-    ("precision", _FP8_RUN),
+    ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
+                  "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
+                  "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
+                  "fp8_output_proj fp8_dot_product_attention"),
     ("", "peft"),    # Layout's own field: LoRA / DoRA adapters (layout/peft.py PeftSpec), None without PEFT
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -77,7 +75,7 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
-FP8_NAMES: frozenset[str] = frozenset(_FP8_RUN.split())
+FP8_NAMES: frozenset[str] = frozenset(next(names for _, names in _RUNS if names.startswith("fp8 ")).split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules", "tp_comm_overlap_cfg",
                 "ddp_param_name_patterns_for_fp32_local_accumulation")
