@@ -323,3 +323,24 @@ def test_the_hook_reads_the_backend_from_the_device_name():
     assert (a100.name, h100.name) == ("A100-80GB", "H100-80GB")
     assert estimate(lay(), gpu=a100).attention.selected == "flash"
     assert estimate(lay(), gpu=h100).attention.selected == "fused"
+
+
+def test_the_planner_leaves_cp_out_where_te_runs_its_unfused_attention():
+    # an fp32 model: TE's unfused attention on every layout, which has no context parallelism (the estimate
+    # refuses CP > 1 there), so no candidate has CP > 1 and every estimate models the unfused attention
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import LLAMA31_8B
+    from planner_util import make_planner
+    P = make_planner([f for f in LLAMA31_8B if f != "--bf16"][:], 64, 8192, 512)
+    assert any("context parallelism is left out" in n and "fp32" in n for n in P.notes)
+    res = P.plan(top=3)
+    assert res.entries and all(e.candidate.cp == 1 for e in res.entries)
+    assert all(e.estimate.attention.selected == "unfused" for e in res.entries)
+
+
+def test_core_attn_recompute_keeps_neither_probs_nor_mask():
+    # the mask is made inside the checkpointed core attention (get_full_mask / forward_torch_softmax), like the probs
+    from megatron_memguard.estimator.activations import layer_activations
+    L = layout_from_flags(TINY + ["--recompute-granularity", "selective"], world_size=1)
+    saved = layer_activations(L.replace(attention_backend="unfused")).saved
+    assert "attention_probs" not in saved and "causal_mask" not in saved

@@ -1314,7 +1314,8 @@ def estimate(
             # TE 2.11 / 2.20.2 get_attention_backend disables UnfusedDotProductAttention under context
             # parallelism, then DotProductAttention raises "No dot product attention backend is available"
             raise ConfigError("--context-parallel-size", f"must be 1 here (got {L.cp}): Transformer Engine has no "
-                              "attention kernel for this layer under context parallelism; " + attention.why)
+                              "attention kernel for this layer under context parallelism; " + attention.why,
+                              "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes")
         L = L.replace(attention_backend=attention.selected)
     if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
         notes.append("attention backend: " + attention.why)

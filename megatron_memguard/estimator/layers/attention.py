@@ -269,8 +269,9 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
     mask_made = kind == "local_unfused" and not (has_batch_mask and L.create_attention_mask_in_dataloader)
     if mask_made:
         saved["causal_mask"] = x.s * x.s               # bool mask kept by masked_fill_
-    if te_torch:
-        saved["causal_mask"] = te_torch_softmax_mask(L, x, has_batch_mask)
+    te_mask = te_torch_softmax_mask(L, x, has_batch_mask) if te_torch else 0
+    if te_mask and not recompute_core:
+        saved["causal_mask"] = te_mask                 # made inside the core attention: a checkpoint drops it
     # forward at the softmax: the raw scores (+ fp32 copy, + the mask being built; TE's unfused
     # path also holds its preallocated output buffer) next to the probs being made
     core_fwd = scores * e + (scores * 4 if soft32 else 0) + (8 * x.s * x.s if mask_made else 0)
@@ -291,7 +292,7 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         # by this step; CheckpointFunction.backward still holds the recomputed context and the
         # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage),
         # and under GQA the recomputed repeat of K that the scores' backward still needs.
-        core_bwd += 2 * q + (q if gqa else 0)
+        core_bwd += 2 * q + (q if gqa else 0) + te_mask   # (TE's torch path: and the remade mask)
     return saved, core_fwd, core_bwd, True
 
 

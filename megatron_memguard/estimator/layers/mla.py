@@ -140,9 +140,12 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
         probs = scores * 4 + (scores * (1 + e) if L.attention_dropout > 0 else scores * e if half else 0)
         if not recompute_core:
             saved["attention_probs"] = probs
-        saved["causal_mask"] = te_torch_softmax_mask(L, x, False)
+        mask = te_torch_softmax_mask(L, x, False)
+        if not recompute_core:
+            saved["causal_mask"] = mask                # made inside the core attention: a checkpoint drops it
         core_fwd = scores * e + (scores * 4 if half else 0) + x.s * x.s
-        core_bwd = scores * (2 * e + 8 if half else 4 * e) + 2 * v_b + (2 * v_b if recompute_core else 0)
+        core_bwd = (scores * (2 * e + 8 if half else 4 * e) + 2 * v_b
+                    + (2 * v_b + mask if recompute_core else 0))
         unfused = True
     remade = 2 * q_b + v_b if recompute_up else 0              # query, key and value made again
     core_bwd += 2 * remade
