@@ -33,7 +33,8 @@ parallelism, 2.11 and 2.20.2 utils.py), which memguard refuses. That happens, in
   but bf16/fp16 (FP8 for cuDNN), TE 2.11 and 2.20.2 ``utils.py``, on every GPU;
 * a head dim that is not a multiple of 8 or above 256 (not MLA): flash-attn 2 by the python filter, cuDNN by the
   compiled query (``nvte_get_fused_attn_backend`` of the transformer_engine_cu12 2.11.0 wheel, called on a CPU
-  with a stubbed CUDA runtime: No_Backend for head dims 100, 264, 320 on sm80, sm90 and sm100, cuDNN 9.8 to 9.14);
+  with a stubbed CUDA runtime: No_Backend for head dims 100, 264, 320 on sm80, sm90 and sm100, cuDNN 9.8 to 9.14;
+  TE 2.20.2 asks cuDNN's frontend, assumed to keep the same limits);
 * MLA on an A100 under TE 2.11 (megatron-core 0.16): flash-attn 2 needs equal q/k and v head dims there, and the
   same compiled query has no sm80 training backend once either head dim exceeds 128 (192/128 and 136/128:
   No_Backend; 96/64: F16_arbitrary_seqlen). TE 2.20.2 lets flash-attn 2 take MLA (it pads to the larger head
