@@ -123,12 +123,9 @@ def specs(draw, max_layers: int = 32) -> Spec:
     impl = draw(st.sampled_from(["transformer_engine", "local"]))
     backend = draw(st.sampled_from(["auto", "flash", "fused", "unfused"])) if impl == "transformer_engine" else "auto"
     tp = draw(st.sampled_from([1, 1, 2, 4, 8, 16, 32, 64]))
-    precision = draw(st.sampled_from(["bf16", "bf16", "fp16", "fp32"]))
     # megatron's local DotProductAttention has no context parallelism (it asserts CP == 1), nor has TE's
-    # unfused attention (get_attention_backend disables it under CP: no backend is left, TE 2.11), which auto
-    # runs in fp32 (flash-attn and cuDNN take bf16/fp16 only)
-    te_unfused = backend == "unfused" or (backend == "auto" and precision == "fp32")
-    cp = draw(st.sampled_from([1, 1, 2, 4, 8, 16])) if impl == "transformer_engine" and not te_unfused else 1
+    # unfused attention (get_attention_backend disables it under CP: no backend is left, TE 2.11)
+    cp = draw(st.sampled_from([1, 1, 2, 4, 8, 16])) if impl == "transformer_engine" and backend != "unfused" else 1
     dp = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
     # heads divisible by TP; query groups dividing the heads, a multiple or a divisor of TP (validate_args)
     heads = tp * draw(st.sampled_from([1, 2, 3, 4, 8]))
@@ -174,6 +171,11 @@ def specs(draw, max_layers: int = 32) -> Spec:
     seq = base * draw(st.sampled_from([1, 2, 3, 4, 8, 16, 64, 256, 1024]))
     seq = max(seq, base * (-(-16 // base)))      # a few tokens at least
     mbs = draw(st.integers(1, 16))
+    precision = draw(st.sampled_from(["bf16", "bf16", "fp16", "fp32"]))
+    if backend == "auto" and precision == "fp32":
+        # auto runs TE's unfused attention in fp32 (flash-attn and cuDNN take bf16/fp16 only): no CP either (the
+        # sequence drawn for CP is a multiple of TP, which CP 1 needs)
+        cp = 1
     vocab = draw(st.sampled_from([8, 1000, 32000, 50257, 128256, 256000, 1_000_000]))
 
     rec_kind = draw(st.sampled_from(["none", "selective", "full_uniform", "full_block"]))

@@ -123,9 +123,9 @@ def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
     if asked != "auto":
         return AttentionBackend(asked, asked, f"--attention-backend {asked}")
     cc = gpu.compute_capability if gpu is not None else None
-    none = _no_kernel(L, cc)
-    if none:
-        return AttentionBackend(asked, "unfused", f"auto: Transformer Engine's unfused attention ({none})")
+    neither = _no_kernel(L, cc)
+    if neither:
+        return AttentionBackend(asked, "unfused", f"auto: Transformer Engine's unfused attention ({neither})")
     if cc is None:
         where = f"{gpu.name} is not a CUDA GPU memguard knows the compute capability of" if gpu is not None \
             else "the GPU is unknown"

@@ -95,12 +95,12 @@ def te_softmax_kernel(L: Layout, x: Shapes) -> bool:
     """Whether TE's UnfusedDotProductAttention runs its fused scale-mask-softmax kernel (it then keeps only the
     probs) rather than torch's softmax. ``FusedScaleMaskSoftmax.is_kernel_available`` (TE 2.11 and 2.20.2
     ``pytorch/attention/dot_product_attention/softmax.py``), for a causal self-attention: NVTE_MASKED_SOFTMAX_FUSION
-    not 0, fp16/bf16 scores, 16 < s < 16384, s % 8 == 0, s % 4 == 0, b x heads % 4 == 0 and s a multiple of
+    not 0, fp16/bf16 scores, 16 < s < 16384, s % 8 == 0 (so sq % 4 == 0), b x heads % 4 == 0 and s a multiple of
     ``get_batch_per_block(s)`` (128 threads per block / the warp width, two rows per warp up to s = 128)."""
     if str(dict(L.env).get("NVTE_MASKED_SOFTMAX_FUSION", "1")).strip() == "0" or x.e == 4:
         return False
     s = x.s
-    if not (16 < s < 16384 and s % 8 == 0 and s % 4 == 0 and (x.b * x.a_t) % 4 == 0):
+    if not (16 < s < 16384 and s % 8 == 0 and (x.b * x.a_t) % 4 == 0):
         return False
     pow2 = 1 << (s - 1).bit_length()
     per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
