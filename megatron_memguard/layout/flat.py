@@ -76,7 +76,7 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
-FP8_NAMES: frozenset[str] = frozenset(_RUNS[-3][1].split())
+FP8_NAMES: frozenset[str] = frozenset(next(names for _, names in _RUNS if names.startswith("fp8 ")).split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules", "tp_comm_overlap_cfg",
                 "ddp_param_name_patterns_for_fp32_local_accumulation")

@@ -55,7 +55,7 @@ _MODEL_EXTRAS = frozenset({
 # GPTModelConfig's and the extras above): those of memguard's recipes in Bridge 0.6.2 (gpt_provider.py,
 # mla_provider.py, olmoe/olmoe_provider.py, hybrid/hybrid_provider.py; tests/test_bridge_real.py checks both). An
 # unknown model.* key is then refused / warned as the other sections' are; other providers (Gemma,
-# vision-language...) add fields of their own, so an unknown key there only gets the old warning.
+# vision-language...) add fields of their own, so an unknown key there is only warned about.
 _CHECKED_PROVIDERS = frozenset({"GPTModelProvider", "MLAModelProvider", "OlMoEModelProvider", "HybridModelProvider"})
 
 
