@@ -120,11 +120,11 @@ _INPUT = {"linear_qkv": "qkv_input", "linear_proj": "proj_input", "linear_fc1": 
 def test_a_frozen_layer_keeps_its_adapters_inputs_and_intermediates(job):
     """Without sequence parallelism or adapter dropout, a layer under LoRA / DoRA keeps what the full layer keeps,
     less the inputs of the frozen linears no adapter wraps (TE 2.11 module/linear.py: ``backward_needs_input =
-    weight.requires_grad``; linear_proj's input stays when the flash / cuDNN attention keeps its output, the same
-    storage), plus one [s b, r] intermediate per adapter (its linear_out's input); DoRA also keeps each wrapped
+    weight.requires_grad``; linear_proj's input stays when the cuDNN fused attention or its CP ring keeps its output,
+    the same storage), plus one [s b, r] intermediate per adapter (its linear_out's input); DoRA also keeps each wrapped
     linear's output for ``mag_norm_scale * (base + adapter)``."""
     from megatron_memguard.estimator.activations import layer_activations
-    from megatron_memguard.estimator.peft import _core_keeps_proj_input
+    from megatron_memguard.estimator.fp8_layers import attention_keeps_proj_input
     s, peft = job
     s = s.with_(sp=False, recompute=())
     peft = dict(peft, peft_dropout=0.0)
@@ -136,7 +136,7 @@ def test_a_frozen_layer_keeps_its_adapters_inputs_and_intermediates(job):
     r = peft["peft_dim"]
     targets = peft["peft_target_modules"]
     dropped = {_INPUT[t] for t in _INPUT if t not in targets}
-    if _core_keeps_proj_input(L, set()):
+    if attention_keeps_proj_input(a):
         dropped.discard("proj_input")
     want = {k: v for k, v in a.items() if k not in dropped}
     want["lora_intermediates"] = len(targets) * tf * r * e
