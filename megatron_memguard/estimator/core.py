@@ -127,11 +127,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     else:
         n = sum(k for _, k in runs)
         per_layer = max(la.total for la, _ in per_kind)
-        if L.recompute_granularity == "full" or L.cpu_offloading_num_layers or L.fine_grained_activation_offloading:
+        if (L.recompute_granularity == "full" and L.recompute_method == "uniform") or L.cpu_offloading_num_layers \
+                or L.fine_grained_activation_offloading:
             # With layers of different kinds, the largest layer's saved bytes and working sets stand for
-            # the one whose backward runs first (an upper bound).
+            # the one whose backward runs first (an upper bound; uniform's replays: _mixed_replays).
             fwd_transient = max(la.fwd_transient for la, _ in per_kind)
             bwd_transient = max(la.bwd_transient for la, _ in per_kind)
+        elif L.recompute_granularity == "full":
+            # block: the first k layers checkpointed one by one, composed layer by layer with their replays
+            fwd_transient, bwd_transient = _block_transients(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
+                                                             x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1))
         else:
             fwd_transient, bwd_transient = _mixed_transients(per_kind)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
@@ -222,6 +227,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if len(per_kind) > 1 and L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
             # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
             bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
+        elif len(per_kind) > 1 and not (L.cpu_offloading_num_layers or L.fine_grained_activation_offloading):
+            # block, layers of different kinds: the replays are in the composed working set (_block_transients)
+            bwd_top = bwd_transient
     bwd_bottom = 0
     if has_batch:
         b = batch_items(L, first=has_embedding, last=has_output)
@@ -357,6 +365,27 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
         fwd = f if fwd is None else max(fwd, f)
         bwd = b if bwd is None else max(bwd, b)
         above += k * la.total
+    return fwd or 0, bwd or 0
+
+
+def _block_transients(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> tuple[int, int]:
+    """Full ``block`` recompute of a chunk of layers of different kinds (bottom to top): its first ``k`` layers
+    are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1 and 0.19.2:
+    ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers above keep
+    their saved tensors. Backward runs the top layers first and frees their tensors, then each checkpointed
+    layer replays its forward (its saved bytes) before its own backward. Composed as ``_mixed_transients``:
+    each layer's working set (a checkpointed one's with its replay) less what the layers above it keep."""
+    fwd = bwd = None
+    above = 0
+    layers = [la for la, n in per_kind for _ in range(n)]
+    for i in range(len(layers) - 1, -1, -1):
+        la = layers[i]
+        replayed = i < k
+        f = la.fwd_transient - above
+        b = (la.total if replayed else 0) + la.bwd_transient - above
+        fwd = f if fwd is None else max(fwd, f)
+        bwd = b if bwd is None else max(bwd, b)
+        above += ckpt_input if replayed else la.total
     return fwd or 0, bwd or 0
 
 
