@@ -294,11 +294,15 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             layers += kept
             moe_layers += kept_moe
             if L.hybrid_mtp_pattern:
-                # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too
+                # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too, composed
+                # layer by layer over the D depths' HybridStacks (plain autograd: MultiTokenPredictionLayer
+                # _proj_and_transformer_layer calls its mtp_model_layer, megatron-core 0.19.2; full recompute of
+                # them is refused), each layer's less what the layers above it in the depths keep
                 more.append(f" + {d} MTP depth(s) of '{L.hybrid_mtp_pattern}'")
-                stack = [layer_activations(L, has_batch, kind) for kind, _ in mtp_stack_runs(L)]
-                fwd_extra = max(fwd_extra, max(x.fwd_transient for x in stack))
-                bwd_top = max(bwd_top, max(x.bwd_transient for x in stack))
+                f, b = _mixed_transients([(layer_activations(L, has_batch, kind), k)
+                                          for kind, k in mtp_stack_runs(L)] * d)
+                fwd_extra = max(fwd_extra, f)
+                bwd_top = max(bwd_top, b)
             else:
                 more.append(f" + {d} MTP layer(s)")
         ends.update(mtp_saved)
