@@ -51,3 +51,32 @@ def test_checkpointing_the_bottom_layer_keeps_the_embedding_gradient_peak():
         assert s.peak_phase.startswith("end of backward")
         assert {t.name: t.bytes for t in s.terms}["backward_transient"] == 32000 * 32 * 2
         assert not [t for t in s.terms if str(t.group) == "activations"]
+
+
+# A dense FP8 (tensorwise) job, TP 16, PP 2 with three layers on stage 0 (--decoder-last-pipeline-num-layers 1),
+# vocabulary 50257 padded to 51200 (a multiple of 128 x TP): the case the property drew
+DENSE = ("--transformer-impl transformer_engine --num-layers 4 --hidden-size 1792 --num-attention-heads 128 "
+         "--kv-channels 64 --ffn-hidden-size 256 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 14 "
+         "--global-batch-size 14 --tensor-model-parallel-size 16 --pipeline-model-parallel-size 2 "
+         "--tokenizer-type NullTokenizer --vocab-size 50257 --hidden-dropout 0.0 --attention-dropout 0.0 --bf16 "
+         "--decoder-last-pipeline-num-layers 1 --group-query-attention --num-query-groups 1 "
+         "--position-embedding-type rope --disable-bias-linear --fp8-format hybrid --fp8-recipe tensorwise").split()
+
+
+def test_one_kind_chunk_replays_after_the_layers_above_it_freed():
+    for era in ("0.16", "0.19"):
+        for k in (1, 2, 3):
+            L = layout_from_flags(DENSE + BLOCK + [str(k)], world_size=32, megatron_version=era)
+            c = L.stage_chunks(0)[0]
+            ((kind, n),) = c.kind_runs
+            la = layer_activations(L, True, kind)
+            a = chunk_activations(L, c)
+            ckpt = 16 * 14 * 1792 * 2                  # the checkpointed input [s, b, h] in bf16
+            assert n == 3 and a.layers == k * ckpt + (n - k) * la.total
+            # the top layers' backward over all kept, or the replay of layer k - 1 (its saved tensors and working
+            # set) once the n - k layers above it freed theirs, over the k checkpointed inputs
+            assert a.bwd_top_extra == max(la.bwd_transient, la.total + la.bwd_transient - (n - k) * la.total)
+            # stage 0's peak stays the embedding's weight gradient [51200 / 16, 1792] in bf16, nothing held
+            s = estimate(L).stages[0]
+            assert s.peak_phase.startswith("end of backward")
+            assert {t.name: t.bytes for t in s.terms}["backward_transient"] == 51200 // 16 * 1792 * 2 == 11_468_800

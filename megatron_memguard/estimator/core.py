@@ -121,25 +121,28 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
+    ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
+    # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
+    # (_block_transients; a chunk building MTP layers, checkpointed above its decoder layers, and activation
+    # offloading keep the replay over everything the chunk holds: an upper bound)
+    block = (L.recompute_granularity == "full" and L.recompute_method == "block" and not mtp_here
+             and not L.cpu_offloading_num_layers and not L.fine_grained_activation_offloading)
     if len(per_kind) == 1:                        # a uniform chunk (the common case)
         la, n = per_kind[0]
         per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
     else:
         n = sum(k for _, k in runs)
         per_layer = max(la.total for la, _ in per_kind)
-        if (L.recompute_granularity == "full" and L.recompute_method == "uniform") or L.cpu_offloading_num_layers \
-                or L.fine_grained_activation_offloading:
+        if L.recompute_granularity == "full" or L.cpu_offloading_num_layers or L.fine_grained_activation_offloading:
             # With layers of different kinds, the largest layer's saved bytes and working sets stand for
             # the one whose backward runs first (an upper bound; uniform's replays: _mixed_replays).
             fwd_transient = max(la.fwd_transient for la, _ in per_kind)
             bwd_transient = max(la.bwd_transient for la, _ in per_kind)
-        elif L.recompute_granularity == "full":
-            # block: the first k layers checkpointed one by one, composed layer by layer with their replays
-            fwd_transient, bwd_transient = _block_transients(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
-                                                             x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1))
         else:
             fwd_transient, bwd_transient = _mixed_transients(per_kind)
-    ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
+    if block and n:
+        fwd_transient, bwd_transient = _block_transients(
+            per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1, ckpt_input)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
         # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
@@ -227,8 +230,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if len(per_kind) > 1 and L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
             # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
             bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
-        elif len(per_kind) > 1 and not (L.cpu_offloading_num_layers or L.fine_grained_activation_offloading):
-            # block, layers of different kinds: the replays are in the composed working set (_block_transients)
+        elif block:
+            # the replays are in the composed working set (_block_transients)
             bwd_top = bwd_transient
     bwd_bottom = 0
     if has_batch:
