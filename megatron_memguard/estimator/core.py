@@ -123,7 +123,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     x = shapes(L)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
-    # (_block_transients; a chunk building MTP layers, checkpointed above its decoder layers, and activation
+    # (_block_replays; a chunk building MTP layers, checkpointed above its decoder layers, and activation
     # offloading keep the replay over everything the chunk holds: an upper bound)
     block = (L.recompute_granularity == "full" and L.recompute_method == "block" and not mtp_here
              and not L.cpu_offloading_num_layers and not L.fine_grained_activation_offloading)
@@ -141,8 +141,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         else:
             fwd_transient, bwd_transient = _mixed_transients(per_kind)
     if block and n:
-        fwd_transient, bwd_transient = _block_transients(
-            per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1, ckpt_input)
+        bwd_transient = _block_replays(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
+                                       ckpt_input)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
         # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
@@ -231,7 +231,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
             bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
         elif block:
-            # the replays are in the composed working set (_block_transients)
+            # the replays are in the composed working set (_block_replays)
             bwd_top = bwd_transient
     bwd_bottom = 0
     if has_batch:
@@ -375,25 +375,24 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
     return fwd or 0, bwd or 0
 
 
-def _block_transients(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> tuple[int, int]:
-    """Full ``block`` recompute of a chunk of layers of different kinds (bottom to top): its first ``k`` layers
-    are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1 and 0.19.2:
-    ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers above keep
-    their saved tensors. Backward runs the top layers first and frees their tensors, then each checkpointed
-    layer replays its forward (its saved bytes) before its own backward. Composed as ``_mixed_transients``:
-    each layer's working set (a checkpointed one's with its replay) less what the layers above it keep."""
-    fwd = bwd = None
+def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
+    """Full ``block`` recompute of a chunk (bottom to top): its backward working set over what the chunk holds. The
+    first ``k`` layers are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1
+    and 0.19.2: ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers
+    above keep their saved tensors. Backward runs the top layers first and frees their tensors, then each
+    checkpointed layer replays its forward (its saved bytes) before its own backward. Composed as
+    ``_mixed_transients``: each layer's working set (a checkpointed one's with its replay) less what the layers
+    above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.)"""
+    bwd = None
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
     for i in range(len(layers) - 1, -1, -1):
         la = layers[i]
         replayed = i < k
-        f = la.fwd_transient - above
         b = (la.total if replayed else 0) + la.bwd_transient - above
-        fwd = f if fwd is None else max(fwd, f)
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
-    return fwd or 0, bwd or 0
+    return bwd or 0
 
 
 def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
