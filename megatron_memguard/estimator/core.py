@@ -43,6 +43,7 @@ from .mtp import block_activations as mtp_block_acts
 from .mtp import spec_of as mtp_spec_of
 from .mtp import standalone_loss_items as mtp_standalone_loss_items
 from .mtp import layers_built as mtp_layers_built
+from .mtp import checkpointed as mtp_checkpointed
 from .params import holds_final_norm, holds_mtp, mtp_layer_kind, mtp_stack_runs
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
@@ -280,7 +281,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         mtp_saved, mtp_logits = mtp_last_stage_items(L) if mtp_here else (
             mtp_standalone_loss_items(L) if mtp_depths else ({}, 0))
         if mtp_saved and mtp_here:
-            # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
+            # the D MTP layers (the last decoder layer's kind; each checkpointed under full uniform recompute)
             d = L.mtp_num_layers
             _, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
             layers += kept
@@ -326,8 +327,9 @@ ChunkActivations.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: 
 
 def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActivations, int, int]:
     """The D MTP layers of the chunk that builds the MTP block (the last decoder layer's kind; each checkpointed
-    under full recompute): their activations, the bytes they keep, and the MoE part of those (an MoE MTP layer's
-    MoE half is MoE activations like a decoder layer's: moe_layer_activations, which the worst-case routing scales)."""
+    under full uniform recompute, kept whole under block: estimator/mtp.py checkpointed): their activations, the
+    bytes they keep, and the MoE part of those (an MoE MTP layer's MoE half is MoE activations like a decoder
+    layer's: moe_layer_activations, which the worst-case routing scales)."""
     d = L.mtp_num_layers
     if L.hybrid_mtp_pattern:
         # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (resolve/hybrid.py
@@ -336,7 +338,7 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
         la = max((x for x, _ in per_kind), key=lambda x: (x.bwd_transient, x.fwd_transient))
         return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
-    if L.recompute_granularity == "full":
+    if mtp_checkpointed(L):
         return la, d * ckpt_input, 0
     return la, d * la.total, d * la.moe_total
 

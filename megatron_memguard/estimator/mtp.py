@@ -179,6 +179,16 @@ def layers_built(L) -> int:
     return min(1, d) if getattr(L, "mtp_use_repeated_layer", False) else d
 
 
+def checkpointed(L) -> bool:
+    """Whether full recompute checkpoints the MTP depths: under ``--recompute-method uniform`` only.
+    ``MultiTokenPredictionLayer._checkpointed_forward`` (transformer/multi_token_prediction.py, megatron-core
+    0.16.1, 0.17.1, 0.18.2 and 0.19.2 alike) checkpoints each depth's ``_proj_and_transformer_layer`` under
+    uniform (asserting ``recompute_num_layers == 1``: resolve/mtp.py refuses other counts) and, under block,
+    warns "not supported for MTP yet. Skipping recompute." and runs it plainly: every depth keeps all its
+    activations, whatever ``--recompute-num-layers`` (which counts decoder layers only)."""
+    return getattr(L, "recompute_granularity", None) == "full" and getattr(L, "recompute_method", None) == "uniform"
+
+
 def spec_of(L) -> MtpSpec:
     """The MTP spec of a Layout (any object with Megatron's flat names)."""
     return MtpSpec(
