@@ -267,7 +267,9 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          "multi-token prediction with a hybrid model under megatron-core 0.16 (its MambaModel has no MTP block)"),
         # MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints the depth around a HybridStack that
         # checkpoints its own layers again (its recompute_granularity is the model's); not read further
-        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full", "recompute_granularity",
+        # (not when uniform puts more than one layer in a checkpoint: the MTP layer's assertion, resolve/mtp.py)
+        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full" and not _mtp_asserts(a),
+         "recompute_granularity",
          "full recomputation of hybrid MTP layers (a checkpointed MTP depth around a checkpointed HybridStack)"),
         (kw.get("hybrid_mtp_pattern") and kw.get("use_megatron_fsdp"), "use_megatron_fsdp",
          "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
@@ -294,6 +296,15 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
     for bad, dest, what in checks:
         if bad:
             raise NotModelledError(a.key(dest), what)
+
+
+def _mtp_asserts(a: Args) -> bool:
+    """Full uniform recompute of more than one layer per checkpoint: an MTP depth stops Megatron at its first forward
+    (MultiTokenPredictionLayer._checkpointed_forward, hybrid depths too; resolve/mtp.py names the flag)."""
+    try:
+        return a.get("recompute_method") == "uniform" and int(a.get("recompute_num_layers")) > 1
+    except (TypeError, ValueError):
+        return False
 
 
 def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

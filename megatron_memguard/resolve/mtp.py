@@ -107,7 +107,9 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
         return
     rnl, method = kw.get("recompute_num_layers"), kw.get("recompute_method")
     if method == "uniform" and rnl is not None and rnl > 1:   # (0 is refused by the recompute section)
-        a.fail("recompute_num_layers", f"must be 1 with {a.key('mtp_num_layers')} under {a.key('recompute_method')} "
+        mtp_of = (a.key("mtp_num_layers") if not kw.get("hybrid_mtp_pattern") or a.given("mtp_num_layers") else
+                  f"the MTP depths of {a.key('hybrid_layer_pattern' if a.given('hybrid_layer_pattern') else 'hybrid_override_pattern')}")
+        a.fail("recompute_num_layers", f"must be 1 with {mtp_of} under {a.key('recompute_method')} "
                f"uniform, got {rnl}: MultiTokenPredictionLayer asserts \"recompute_num_layers must be 1 for MTP "
                "recompute\" at the first forward", f"give 1, or {a.key('recompute_method')} block, which does not "
                "recompute the MTP layers")
