@@ -1401,9 +1401,8 @@ def estimate(
         # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
         from .upcycling import startup_figure, startup_terms
         frag = site.allocator_fragmentation if device == "gpu" else 0.0
-        for s in stages:
-            s.__dict__["startup"] = startup_figure(startup_terms(
-                L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))
+        stages = tuple(replace(s, startup=startup_figure(startup_terms(
+            L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))) for s in stages)
     totals = [s.required_device_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total
     verdict = verdict_for(totals[crit], mem, threshold)
