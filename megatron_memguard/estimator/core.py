@@ -1368,7 +1368,8 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     attention = select_attention_backend(L, gpu)
-    if attention.selected in ("flash", "unfused") and L.attention_backend == "auto":
+    modelled = attention.modelled_layout(L)
+    if modelled is not L:
         # TE runs flash-attn (or, where neither flash-attn nor cuDNN can, its unfused attention) for auto on
         # this GPU: those terms (layers/attention.py) apply
         if attention.selected == "unfused" and L.cp > 1:
@@ -1377,7 +1378,7 @@ def estimate(
             raise ConfigError("--context-parallel-size", f"must be 1 here (got {L.cp}): Transformer Engine has no "
                               "attention kernel for this layer under context parallelism; " + attention.why,
                               "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes")
-        L = L.replace(attention_backend=attention.selected)
+        L = modelled
     if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
         notes.append("attention backend: " + attention.why)
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
