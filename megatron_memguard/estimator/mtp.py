@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import Layout
+
 # core 0.19.2 runs the MTP heads' loop in the function process_mtp_loss (transformer/multi_token_prediction.py),
 # called from GPTModel._postprocess: its last mtp_logits die when it returns, before the main head runs.
 # 0.16.1 runs the loop inline, so they stay referenced. The 0.17.1 and 0.18.2 wheels call process_mtp_loss
@@ -173,14 +175,14 @@ def fp32_softmax_bytes(spec: MtpSpec) -> int:
 
 # ----- from a Layout (flat Megatron names; ``mtp_num_layers`` is 0 when the layout has none) -------
 
-def layers_built(L) -> int:
+def layers_built(L: Layout) -> int:
     """MTP layers a Layout builds (their parameters): ``mtp_num_layers``, or one with --mtp-use-repeated-layer."""
     d = getattr(L, "mtp_num_layers", 0) or 0
     return min(1, d) if getattr(L, "mtp_use_repeated_layer", False) else d
 
 
-def spec_of(L) -> MtpSpec:
-    """The MTP spec of a Layout (any object with Megatron's flat names)."""
+def spec_of(L: Layout) -> MtpSpec:
+    """The MTP spec of a Layout (its flat Megatron names)."""
     return MtpSpec(
         mtp_num_layers=getattr(L, "mtp_num_layers", 0) or 0, hidden_size=L.hidden_size,
         padded_vocab_size=L.padded_vocab_size, seq_length=L.seq_length, micro_batch_size=L.micro_batch_size,
@@ -220,7 +222,7 @@ def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]],
     return out
 
 
-def last_stage_items(L) -> tuple[dict[str, int], int]:
+def last_stage_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient at the loss) that MTP adds to the
     last stage's last chunk, besides its D layers' activations (the layer recipe's, counted as layers)."""
     if (getattr(L, "mtp_num_layers", 0) or 0) <= 0:   # spec_of's rule, without building the spec
@@ -259,13 +261,13 @@ def last_stage_items(L) -> tuple[dict[str, int], int]:
 # (p2p_communication.py: config.mtp_standalone), so the received tensors and their gradients are (1 + D)-fold.
 
 
-def concat_bytes(L) -> int:
+def concat_bytes(L: Layout) -> int:
     """The (1 + D)-fold concatenated hidden states a standalone MTP chunk sends on: [(1 + D) rows, h]."""
     spec = spec_of(L)
     return (1 + spec.mtp_num_layers) * spec.rows * spec.hidden_size * spec.activation_bytes
 
 
-def standalone_block_items(L) -> tuple[dict[str, int], int]:
+def standalone_block_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, forward transient) of the MTP block on a chunk before the loss's.
     What block_activations counts, except the concatenation: it is the stage's output, sent on and then
     pseudo-deallocated (schedules.py deallocate_output_tensor; megatron/training sets deallocate_pipeline_outputs)
@@ -284,7 +286,7 @@ def standalone_block_items(L) -> tuple[dict[str, int], int]:
     return {"mtp_block_activations": block}, acts.hidden_concat
 
 
-def standalone_loss_items(L) -> tuple[dict[str, int], int]:
+def standalone_loss_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient) on the loss's chunk when the MTP block is
     on an earlier stage: the received concatenation, which the schedule keeps as the stage's input, and its copy:
     the loss's chunk has no decoder layer and no final norm, so its empty TransformerBlock returns
