@@ -869,8 +869,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     n_layers, has_output, final_norm = 0, False, False
     acts: list[ChunkActivations] = []
     runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
-    receiving: list[int] = []                 # the chunks that get their input from a previous stage (1), or the
-    mtp_here = False                          # (1 + D)-fold hidden states of a standalone MTP stage (1 + D)
+    # per chunk, the input it gets from a previous stage, in [s/CP, b, h] units: 0 (the first chunk), 1, or 1 + D
+    # after a standalone MTP stage (the (1 + D)-fold hidden states it sends on)
+    receiving: list[int] = []
+    mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
     for c in chunks:
         n_layers += c.num_layers
