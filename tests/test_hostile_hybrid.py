@@ -1,0 +1,112 @@
+"""Regressions of issue hostile5: hostile input to the hybrid Mamba, PEFT, MTP-stage, latent-MoE and attention-backend
+surfaces (tests/test_fuzz_cli.py test_hybrid_and_peft_inputs_with_hostile_values draws from the same values). Each is
+the smallest input that broke the promise (a setting silently dropped or a real run's log refused), with what
+memguard does now."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fuzz_util import run_memguard
+
+GiB = 2**30
+NEMOTRON = ["estimate", "--json", "--model", "nemotronh_8b", "--gpus", "8"]
+# Megatron-Bridge 0.6.2 recipes/nemotronh/h100/nemotronh.py: HybridModelProvider(hybrid_layer_pattern=<52 symbols>,
+# num_layers=52, ...)
+PATTERN_52 = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def one_error(o, *needles) -> str:
+    assert not o.problems, o.describe()
+    lines = [line for line in o.err.splitlines() if line.strip()]
+    assert o.code == 2 and len(lines) == 1 and lines[0].startswith("memguard: error: "), (o.code, o.err)
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def _json(o) -> dict:
+    assert not o.problems and o.code in (0, 1), o.describe()
+    return json.loads(o.out)
+
+
+# --- report / calibrate: a Megatron log of a run launched with the deprecated flag ------------------------------
+def _log(args: dict) -> str:
+    from megatron_logs import print_args, report_memory
+    lines = print_args(args) + [report_memory(0, "(after 10 iterations)", GiB, 3 * GiB, 4 * GiB, 4 * GiB)]
+    return "\n".join(lines) + "\n"
+
+
+def test_log_of_a_run_with_the_deprecated_hybrid_flag_is_read():
+    # megatron-core 0.19.2 validate_args copies --hybrid-override-pattern into hybrid_layer_pattern and leaves it set
+    # (megatron/training/arguments.py: 'args.hybrid_layer_pattern = args.hybrid_override_pattern'), so the argument
+    # table prints both, equal; report refused the log with "cannot be given with --hybrid-layer-pattern"
+    from megatron_logs import args_of
+
+    from test_mamba import SMALL
+    args = args_of(SMALL + ["--hybrid-layer-pattern", "M*M-"], 8)
+    args.update(num_layers=4, hybrid_override_pattern="None")
+    both = dict(args, hybrid_override_pattern="M*M-")
+    new, old = (run_memguard(["report", "--json", "run.log", "--megatron-version", "0.19.2"], {"run.log": _log(a)},
+                             cpu_limit=2.0) for a in (args, both))
+    new, old = _json(new), _json(old)
+    assert [r["predicted_peak_allocated"] for r in old["ranks"]] == [r["predicted_peak_allocated"] for r in new["ranks"]]
+    assert old["ranks"][0]["actual_max_allocated"] == 3 * GiB
+    # two different patterns are still the assert they are
+    other = dict(args, hybrid_override_pattern="MM**")
+    one_error(run_memguard(["report", "run.log", "--megatron-version", "0.19.2"], {"run.log": _log(other)}),
+              "--hybrid-override-pattern: cannot be given with --hybrid-layer-pattern")
+
+
+# --- Megatron-Bridge's HybridModelProvider (the nemotronh_8b recipe) -----------------------------------------------
+@pytest.mark.parametrize("value", ["null", "''"])
+def test_a_hybrid_provider_without_its_pattern_is_refused(value):
+    # Bridge 0.6.2 HybridModelProvider.finalize: no pattern -> the layers come from hybrid_attention_ratio /
+    # hybrid_mlp_ratio (all Mamba at 0.0); memguard dropped the pattern and estimated 52 attention + MLP layers
+    one_error(run_memguard([*NEMOTRON, "--set", f"model.hybrid_layer_pattern={value}"], cpu_limit=2.0),
+              "model.hybrid_layer_pattern: a hybrid model without a layer pattern", "is not modelled yet")
+
+
+@pytest.mark.parametrize("value, rule", [("0", "must be >= 1, got 0"), ("''", "must be an integer, got ''"),
+                                         ("|", "must be an integer, got '|'")])
+def test_mamba_chunk_size_below_one_is_refused(value, rule):
+    # HybridModelProvider.finalize raises 'mamba_chunk_size must be at least 1.'; the reader dropped 0 and '' (so the
+    # recipe's 128 was estimated), and '|' read as YAML's block scalar, ''
+    one_error(run_memguard([*NEMOTRON, "--set", f"model.mamba_chunk_size={value}"], cpu_limit=2.0),
+              f"model.mamba_chunk_size: {rule}")
+
+
+def test_num_layers_that_disagrees_with_the_pattern_is_refused_for_bridge():
+    # HybridModelProvider.finalize asserts num_layers == the pattern's layer count when both are set; the recipe sets
+    # num_layers=52, so overriding only the pattern stops Bridge (memguard noted "--num-layers 52 ignored")
+    one_error(run_memguard([*NEMOTRON, "--set", "model.hybrid_layer_pattern=M*M-"], cpu_limit=2.0),
+              "model.num_layers (recipe nemotronh_8b): is 52 but model.hybrid_layer_pattern has 4 layers",
+              "set model.num_layers=4")
+    one_error(run_memguard([*NEMOTRON, "--set", "model.num_layers=50"], cpu_limit=2.0), "model.num_layers: is 50")
+    both = _json(run_memguard([*NEMOTRON, "--set", "model.hybrid_layer_pattern=M*M-", "--set", "model.num_layers=4"],
+                              cpu_limit=2.0))
+    assert both["layout"]["num_layers"] == 4
+    # Megatron-LM's validate_args takes the count from the pattern and ignores --num-layers: a note, not an error
+    from test_mamba import SMALL
+    o = run_memguard(["estimate", "--world-size", "1", "--", *SMALL, "--hybrid-layer-pattern", "M*M-", "--num-layers", "7"],
+                     cpu_limit=2.0)
+    assert not o.problems and o.code == 0 and "--num-layers 7 ignored" in o.out, o.describe()
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 2), (1, 3)])
+def test_bridge_virtual_pipeline_with_a_hybrid_pattern_is_refused(pp, vpp):
+    # HybridModelProvider.provide asserts virtual_pipeline_model_parallel_size is None ('Virtual pipeline model
+    # parallelism is temporarily unsupported in Hybrid models'); at PP 2 memguard estimated an interleaved schedule
+    one_error(run_memguard([*NEMOTRON, "--set", f"model.pipeline_model_parallel_size={pp}", "--set",
+                            f"model.virtual_pipeline_model_parallel_size={vpp}"], cpu_limit=2.0),
+              "model.virtual_pipeline_model_parallel_size: cannot be used with model.hybrid_layer_pattern")
+
+
+def test_an_override_value_starting_with_a_bar_is_text():
+    # YAML reads '|' / '>' as block-scalar indicators ('' or an error); Hydra's override grammar keeps the text, so a
+    # pattern whose first pipeline segment is empty keeps its 52 layers (2 segments: PP 1 cannot interleave them)
+    one_error(run_memguard([*NEMOTRON, "--set", f"model.hybrid_layer_pattern=|{PATTERN_52}"], cpu_limit=2.0),
+              "(2 virtual pipeline stages)")
+    one_error(run_memguard([*NEMOTRON, "--set", "model.hybrid_layer_pattern=|"], cpu_limit=2.0),
+              "model.hybrid_layer_pattern: has no layers")
