@@ -110,3 +110,57 @@ def test_an_override_value_starting_with_a_bar_is_text():
               "(2 virtual pipeline stages)")
     one_error(run_memguard([*NEMOTRON, "--set", "model.hybrid_layer_pattern=|"], cpu_limit=2.0),
               "model.hybrid_layer_pattern: has no layers")
+
+
+# a HybridModelProvider run_config.yaml (Bridge 0.6.2 models/hybrid/hybrid_provider.py field names)
+HYBRID_YAML = """_target_: megatron.bridge.training.config.ConfigContainer
+model:
+  _target_: megatron.bridge.models.hybrid.hybrid_provider.HybridModelProvider
+  hybrid_layer_pattern: M*M-
+  hybrid_override_pattern: null
+  num_layers: 4
+  hidden_size: 256
+  ffn_hidden_size: 512
+  num_attention_heads: 4
+  num_query_groups: 2
+  kv_channels: 64
+  mamba_state_dim: 16
+  mamba_head_dim: 32
+  mamba_num_groups: 2
+  mamba_chunk_size: 128
+  normalization: RMSNorm
+  add_bias_linear: false
+  seq_length: 128
+  bf16: true
+  params_dtype: bf16
+train: {micro_batch_size: 1, global_batch_size: 8}
+dataset: {seq_length: 128}
+optimizer: {optimizer: adam, use_distributed_optimizer: true, bf16: true}
+ddp: {use_distributed_optimizer: true, grad_reduce_in_fp32: true}
+tokenizer: {tokenizer_type: NullTokenizer, vocab_size: 1024}
+mixed_precision: bf16_mixed
+"""
+
+
+def _hybrid_yaml(*overrides: str):
+    return run_memguard(["estimate", "--json", "--config", "c.yaml", "--gpus", "8", *[x for o in overrides for x in ("--set", o)]],
+                        {"c.yaml": HYBRID_YAML}, cpu_limit=2.0)
+
+
+def test_a_pattern_of_the_wrong_kind_is_refused_not_dropped():
+    plain = _json(_hybrid_yaml())
+    assert plain["layout"]["num_layers"] == 4 and plain["layout"]["hybrid_layer_pattern"] == "M*M-"
+    # YAML's 0 is False to Python ('v in (None, "", False)'): the pattern was dropped and 4 GPT layers estimated
+    one_error(_hybrid_yaml("model.hybrid_layer_pattern=0"), "model.hybrid_layer_pattern: '0' is not a layer symbol")
+    one_error(_hybrid_yaml("model.hybrid_layer_pattern=null"), "model.hybrid_layer_pattern: a hybrid model without a layer "
+              "pattern")
+    # the deprecated field alone is Bridge's pattern (finalize copies it over)
+    legacy = _json(_hybrid_yaml("model.hybrid_layer_pattern=null", "model.hybrid_override_pattern=M*M-"))
+    assert legacy["layout"]["hybrid_layer_pattern"] == "M*M-"
+
+
+@pytest.mark.parametrize("option, rule", [("--gpu", "--gpu: unknown GPU ''"), ("--gpu-memory", "--gpu-memory: cannot read size ''")])
+def test_an_empty_gpu_option_is_refused(option, rule):
+    # 'if ns.gpu' took --gpu '' as absent: the H100-80GB default was estimated without a word
+    from fuzz_util import SMALL
+    one_error(run_memguard(["estimate", "--world-size", "8", option, "", "--", *SMALL], cpu_limit=2.0), rule)

@@ -402,9 +402,11 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
             # HybridModelProvider / HybridModelConfig (Bridge 0.6.2, core 0.19.2 training/models/hybrid.py): the
             # pattern under its flag's dest; the deprecated ratios only when set (resolve refuses them by name); the
             # chunk size whenever given (finalize raises below 1: resolve refuses 0 by name)
-            if name == "mamba_chunk_size" and value is not None and not is_missing(value):
-                b.set(name, value, path)
-            elif value not in (None, "", 0, 0.0) and not is_missing(value):
+            if is_missing(value) or value is None:
+                continue
+            if name == "mamba_chunk_size" or (name in ("hybrid_layer_pattern", "hybrid_override_pattern") and value != ""):
+                b.set(name, value, path)      # (a chunk size of 0 or '', a pattern of 0: refused by name, not dropped)
+            elif value not in ("", 0, 0.0):
                 b.set(name, value, path)
             continue
         if name in dests and name in passthrough:

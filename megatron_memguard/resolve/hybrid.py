@@ -34,7 +34,7 @@ MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --nu
 
 def _given(a: Args, dest: str) -> str | None:
     v = a.get(dest)
-    return None if v in (None, "", False) else str(v)
+    return None if v is None or v is False or v == "" else str(v)     # (a YAML 0 is a value: 0 == False)
 
 
 def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
