@@ -37,9 +37,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzz_util import (  # noqa: E402
-    JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG,
-    RUNLOG_RECORD_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES, YAML_SEEDS, V, run_memguard,
-    alias_bomb, with_values,
+    HYBRID, HYBRID_PATTERNS, JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, MTP_LAYOUTS, NUMBER_CLASSES,
+    NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG, RUNLOG_RECORD_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES,
+    YAML_SEEDS, V, run_memguard, alias_bomb, with_values,
 )
 
 # A hang guard, far above the 2 s target that benchmarks/hostile_input.py measures: on a shared machine under
@@ -627,17 +627,6 @@ def test_release_surfaces_with_hostile_values(rnd):
 # LoRA / DoRA sections, MTP on its own stage, latent MoE, capacity factors, upcycling, attention backends and GPU
 # names, plan of those models, report / calibrate on logs of hybrid and MTP runs
 # --------------------------------------------------------------------------------------------------
-HYBRID = ["--hidden-size", "256", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-          "--ffn-hidden-size", "512", "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
-          "--global-batch-size", "8", "--bf16", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer",
-          "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "none",
-          "--mamba-state-dim", "16", "--mamba-head-dim", "32", "--mamba-num-groups", "2"]
-HYBRID_PATTERNS = {   # --hybrid-layer-pattern / --hybrid-override-pattern / Bridge's hybrid_layer_pattern
-    "valid": ["M*M-", "M*|M-", "MM**", "M-M-|M*M-", "M*M-/", "****", "M*-E"],
-    "separators": ["", "|", "||", "|M*", "M*|", "M||*", "/", "M*/M", "M*/M/M-", "M*/|", "/M*", "M*//", "M*|M-" * 2 + "|"],
-    "symbols": ["m*", "MX", "G*", "D*", "+M", "M\u2217M", "\uff2d*", "M\u200b*", "M* M", "M\n*", "\x00", "é", "0", "M*\u202e-"],
-    "huge": ["M" * 100_000, "M" * 100_001, "M*" * 5_000, "M|" * 5_000, "|" * 100_000, "M" + "|" * 99_999],
-}
 HYBRID_MORE = [["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"], ["--num-layers", "3"],
                ["--num-layers-per-virtual-pipeline-stage", "1"], ["--pipeline-model-parallel-layout", "Et|tL"],
                ["--decoder-first-pipeline-num-layers", "1"], ["--tensor-model-parallel-size", "2"],
@@ -656,12 +645,6 @@ PEFT_FIELDS = {"dim": None, "alpha": None, "dropout": None, "dropout_position": 
                "canonical_mapping": ["{}", "{a: b}"], "_target_": ["megatron.bridge.peft.ia3.IA3", "''", "LoRA"]}
 PEFT_WITH = ["", "ddp: {use_megatron_fsdp: true, use_distributed_optimizer: true}\n",
              "model: {num_moe_experts: 4, moe_router_topk: 2}\n", "mixed_precision: bf16_with_fp8_current_scaling_mixed\n"]
-MTP_LAYOUTS = {
-    "standalone": ["Ett|tt|m|L", "Etttt|m|L", "Et|tt|tm|L", "Ett|ttmL", "E|tttt|m|L", "Etttt|m||L"],
-    "odd": ["mEtttt|L", "Et|m|m|tttL", "Etttt|L|m", "Etmtmtmt|L", "m", "Etttt|Lm", "|Etttt|m|L", "Etttt|m|L|",
-            "Etttt|m*2|L", "Etttt|(m)*3|L", "Etttt|m*100000|L", "Etttt|\uff4d|L", "Etttt|M|L", "Etttt,m,L"],
-    "huge": ["Etttt|m|L" * 1_000, "E" + "t" * 4 + "|" * 50_000 + "mL", "Etttt|" + "m" * 100_000 + "|L"],
-}
 MOE_ODD = ["--moe-latent-size", "--moe-expert-capacity-factor", "--moe-upcycling-granularity"]
 BACKENDS = ["auto", "flash", "fused", "unfused", "local", "cudnn", "FLASH", "", "flash attention", "\x00"]
 GPU_NAMES = ["H100-80GB", "h100", "B200", "GB200", "A100-40GB", "MI300X", "", "h 100", "\uff48100", "t4", "x" * 1000]
