@@ -164,3 +164,39 @@ def test_an_empty_gpu_option_is_refused(option, rule):
     # 'if ns.gpu' took --gpu '' as absent: the H100-80GB default was estimated without a word
     from fuzz_util import SMALL
     one_error(run_memguard(["estimate", "--world-size", "8", option, "", "--", *SMALL], cpu_limit=2.0), rule)
+
+
+# --- LoRA / DoRA ---------------------------------------------------------------------------------------------------
+def _bridge_lora(peft: str):
+    from test_readers_bridge import FLAT
+    return run_memguard(["estimate", "--json", "--config", "c.yaml", "--gpus", "8"],
+                        {"c.yaml": FLAT + "peft:\n" + peft}, cpu_limit=2.0)
+
+
+def test_lora_target_names_are_matched_as_bridge_matches_them():
+    # Bridge 0.6.2 ModuleMatcher: 'name == pattern or wildcard_match(pattern, full_name)': ' linear_qkv ' wraps no
+    # module; memguard stripped it and counted linear_qkv's adapters
+    one_error(_bridge_lora("  _target_: megatron.bridge.peft.lora.LoRA\n  target_modules: [' linear_qkv ']\n"),
+              "peft.target_modules: PEFT of ' linear_qkv '")
+    # a name given twice wraps the linear once (FLAT: h 512, qkv out 768, rank 8, TP 2: linear_in [8/2, 512] + linear_out
+    # [768/2, 8] = 5,120 a layer and rank, 4 layers = 20,480 bf16 parameters, 40,960 bytes)
+    for t in ("[linear_qkv]", "[linear_qkv, linear_qkv]"):
+        doc = _json(_bridge_lora(f"  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8\n  target_modules: {t}\n"))
+        assert [x["bytes"] for x in doc["stages"][0]["terms"] if x["name"] == "peft_adapters"] == [40_960], t
+    one_error(_bridge_lora("  _target_: ''\n"), "peft._target_: is missing")
+
+
+def test_nemo1_lora_settings_of_the_wrong_shape():
+    from fuzz_util import YAML_SEEDS
+    nemo = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
+
+    def run(block: str):
+        text = nemo.replace("\nmodel:\n", "\nmodel:\n  peft:\n    peft_scheme: lora\n" + block, 1)
+        return run_memguard(["estimate", "--config", "c.yaml", "--gpus", "4", "--vocab-size", "32000", "--set",
+                             "model.global_batch_size=256"], {"c.yaml": text}, cpu_limit=2.0)
+    # 'lora_tuning: 3' was read as no settings (rank 32 on linear_qkv)
+    one_error(run("    lora_tuning: 3\n"), "model.peft.lora_tuning: must be a mapping of LoRA settings, got 3")
+    # nemo_toolkit 2.2.1 peft_config.py: variant 'canonical' builds unfused q / k / v and gate / up adapters
+    one_error(run("    lora_tuning:\n      variant: canonical\n"), "model.peft.lora_tuning.variant: NeMo 1's canonical LoRA")
+    o = run("    lora_tuning:\n      variant: nemo\n")
+    assert not o.problems and o.code in (0, 1), o.describe()

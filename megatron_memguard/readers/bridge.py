@@ -362,7 +362,7 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
         raise ConfigError(key, f"must be a LoRA / DoRA object or a scheme name, got {shown(value)}")
     target = fields.get("_target_", (None, "peft._target_"))
     cls = str(target[0] or "").rsplit(".", 1)[-1]
-    if target[0] is None:
+    if target[0] is None or not str(target[0]).strip():
         raise ConfigError("peft._target_", "is missing: memguard cannot tell LoRA from DoRA",
                           "peft._target_: megatron.bridge.peft.lora.LoRA (or dora.DoRA)")
     if cls not in _PEFT_CLASSES:
