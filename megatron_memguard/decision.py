@@ -106,9 +106,10 @@ def expert_grid_failure(get: Any, world: Any, flag: Any = None) -> str | None:
         return n
 
     try:
-        if not get("num_experts"):
-            return None
-        world = whole(world or 1)
+        if not get("num_experts") or world is None or world == "":
+            return None         # (no experts, or the world is not known yet: nothing to check)
+        # (the pre-flight falls back on the environment's WORLD_SIZE, a string)
+        world = whole(int(world) if isinstance(world, str) else world)
         tp = whole(get("tensor_model_parallel_size") or 1)
         pp = whole(get("pipeline_model_parallel_size") or 1)
         ep = whole(get("expert_model_parallel_size") or 1)

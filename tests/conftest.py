@@ -118,3 +118,18 @@ def validated_by_megatron(monkeypatch, script: str, flags: list[str], world: int
     finally:
         global_vars.unset_global_variables()
     return hook, args
+
+
+def run_as_written(command: str, cwd) -> "subprocess.CompletedProcess[str]":
+    """A `memguard ...` line of the README or docs/*.md run as a user types it in ``cwd``: this tree's CLI, the
+    line's shell globs expanded there, without the launcher's and the hook's variables of the test's environment."""
+    import glob
+    import shlex
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEMGUARD", "PET_")) and k != "WORLD_SIZE"}
+    env["PYTHONPATH"] = ROOT
+    words = []
+    for w in shlex.split(command, comments=True)[1:]:
+        words += sorted(glob.glob(w, root_dir=cwd)) or [w] if any(c in w for c in "*?") else [w]
+    return subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", *words], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)

@@ -69,20 +69,133 @@ def test_local_spec_is_local():
 
 @pytest.mark.parametrize("extra, why", [
     (["--softmax-type", "off-by-one"], "no off-by-one softmax"),     # flash-attn: vanilla softmax only
-    (["--kv-channels", "320"], "head dim"),                          # flash-attn 2: head dim <= 256
-    (["--kv-channels", "100"], "head dim"),                          # flash-attn 2: head dim % 8 == 0
+    (["--kv-channels", "136"], "head dim"),                          # flash-attn 2 takes 136 (sm80); cuDNN on sm80
     (["--flash-attention-version", "3"], "--flash-attention-version 3"),   # FA3 runs on sm90 only
 ])
 def test_a100_falls_back_to_cudnn_where_flash_attn_2_cannot_run(extra, why):
     choice = select(lay(*extra), lookup_gpu("A100"))
+    if extra[1] == "136":
+        # head dim 136: flash-attn 2 runs it (a multiple of 8, <= 256), so an A100 keeps flash
+        assert choice.selected == "flash"
+        return
     assert choice.selected == "fused" and why in choice.why
 
 
-def test_fp32_is_not_moved_to_flash():
-    # neither flash-attn nor cuDNN takes fp32 q/k/v (TE runs UnfusedDotProductAttention): not modelled for auto
-    L = layout_from_flags([f for f in LLAMA if f != "--bf16"], world_size=8)
-    choice = select(L, lookup_gpu("A100"))
-    assert choice.selected == "fused" and "unfused" in choice.why
+# Where neither flash-attn nor cuDNN runs, TE runs UnfusedDotProductAttention. fp32: "Filter: Data type" in
+# get_attention_backend (TE 2.11 and 2.20.2 pytorch/attention/dot_product_attention/utils.py) keeps flash-attn
+# and FusedAttention to bf16/fp16. Head dims: flash-attn 2's python filter (multiple of 8, <= 256) and the
+# compiled cuDNN query (nvte_get_fused_attn_backend of the transformer_engine_cu12 2.11.0 wheel, called on a CPU
+# with a stubbed CUDA runtime, bf16, sbhd, causal, GQA 32/8, s 4096, training, cuDNN 9.8 / 9.11 / 9.14):
+# No_Backend (-1) for head dims 100, 264 and 320 on sm80, sm90 and sm100; MLA 192/128 and 136/128: -1 on sm80.
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("gpu", ["A100", "H100", "H200", "B200", "GB200", None])
+def test_fp32_runs_te_unfused_on_every_gpu(gpu, version):
+    L = layout_from_flags([f for f in LLAMA if f != "--bf16"], world_size=8, megatron_version=version)
+    choice = select(L, lookup_gpu(gpu) if gpu else None)
+    assert (choice.requested, choice.selected) == ("auto", "unfused") and "fp32" in choice.why
+
+
+@pytest.mark.parametrize("kv", ["100", "264", "320"])
+@pytest.mark.parametrize("gpu", ["A100", "H100", "B200"])
+def test_head_dims_no_fused_kernel_takes_run_te_unfused(gpu, kv):
+    choice = select(lay("--kv-channels", kv), lookup_gpu(gpu))
+    assert choice.selected == "unfused" and f"kv_channels {kv}" in choice.why
+
+
+def test_head_dim_256_is_not_unfused():
+    # flash-attn 2 runs 256 on sm80 / sm100 and cuDNN on sm90 (the same query: F16_arbitrary_seqlen on sm90)
+    assert select(lay("--kv-channels", "256"), lookup_gpu("A100")).selected == "flash"
+    assert select(lay("--kv-channels", "256"), lookup_gpu("H100")).selected == "fused"
+
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "128",
+       "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128"]
+
+
+def mla(*extra, version):
+    # the Llama shape without GQA (mutually exclusive with MLA) and with MLA's head dims
+    i = LLAMA.index("--group-query-attention")
+    flags = LLAMA[:i] + LLAMA[i + 3:]          # drop --group-query-attention --num-query-groups 8
+    return layout_from_flags(flags + list(extra), world_size=8, megatron_version=version)
+
+
+def test_mla_on_an_a100_runs_te_unfused_under_te_211():
+    # TE 2.11 (megatron-core 0.16): flash-attn 2 only for equal head dims, and cuDNN has no sm80 training
+    # backend for 192/128 (the compiled query above); TE 2.20.2's flash-attn 2 pads MLA (not modelled: cuDNN kept)
+    L16 = mla(*MLA, version="0.16.1")
+    choice = select(L16, lookup_gpu("A100"))
+    assert choice.selected == "unfused" and "MLA 192/128" in choice.why
+    assert select(L16, lookup_gpu("H100")).selected == "fused"
+    assert select(mla(*MLA, version="0.19.2"), lookup_gpu("A100")).selected == "fused"
+    # head dims up to 128 keep cuDNN on sm80 (the query: 96/64 -> F16_arbitrary_seqlen)
+    small = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64",
+                "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", version="0.16.1")
+    assert select(small, lookup_gpu("A100")).selected == "fused"
+    est = estimate(L16, gpu=lookup_gpu("A100"))
+    assert est.attention.selected == "unfused"
+    assert est.stages[0].peak_allocated_bytes > estimate(L16, gpu=lookup_gpu("H100")).stages[0].peak_allocated_bytes
+
+
+# A tiny fp32 GPT: 4 heads of 16, seq 64, micro-batch 2, TP 1, learned positions, attention dropout 0
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2", "--vocab-size", "128",
+        "--attention-dropout", "0"]
+
+
+def test_tiny_fp32_layer_keeps_the_unfused_tensors(capsys):
+    # TE 2.11 / 2.20.2 UnfusedDotProductAttention (backends.py) on fp32 scores: FusedScaleMaskSoftmax's kernel needs
+    # fp16/bf16 (softmax.py is_kernel_available), so torch's softmax runs and keeps its fp32 output
+    # b x heads x s x s x 4 B = 2 x 4 x 64 x 64 x 4 = 128 KiB; dropout 0 adds nothing (torch returns its input);
+    # masked_fill_ keeps the mask OR'd with the data loader's [b, 1, s, s] one: 2 x 64 x 64 x 1 B = 8 KiB;
+    # q, k, v are views of linear_qkv's output [s, b, 3h]: 64 x 2 x 192 x 4 B = 96 KiB
+    assert main(["estimate", "--gpus", "1", "--gpu", "a100", "--detail", "--"] + TINY) == 0
+    out = capsys.readouterr().out
+    assert "attention backend: unfused (auto: Transformer Engine's unfused attention (flash-attn and cuDNN" in out
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.split()}
+    assert rows["attention_probs"] == ["128.0", "KiB"]
+    assert rows["causal_mask"] == ["8.0", "KiB"]
+    assert rows["qkv_output"] == ["96.0", "KiB"]
+    assert main(["estimate", "--json", "--gpus", "1", "--gpu", "h100", "--"] + TINY) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["attention_backend"]["selected"] == "unfused" and "fp32" in doc["attention_backend"]["why"]
+
+
+def test_auto_on_fp32_is_the_explicit_unfused_estimate():
+    L = layout_from_flags(TINY, world_size=1)
+    peak = lambda L, g: [s.peak_allocated_bytes for s in estimate(L, gpu=lookup_gpu(g)).stages]  # noqa: E731
+    for g in ("A100", "H100", "B200"):
+        unfused = peak(L.replace(attention_backend="unfused"), g)
+        assert peak(L, g) == unfused
+        # the fp32 probs 2 x 4 x 64 x 64 x 4 B per layer are in the peak, and missing from the fused estimate
+        assert unfused[0] - peak(L.replace(attention_backend="fused"), g)[0] >= 2 * 4 * 64 * 64 * 4
+
+
+def test_context_parallelism_has_no_kernel_without_flash_and_cudnn():
+    # TE disables UnfusedDotProductAttention under context parallelism (utils.py, 2.11 and 2.20.2): no backend
+    from megatron_memguard.errors import ConfigError
+    L = layout_from_flags([f for f in LLAMA if f != "--bf16"] + ["--context-parallel-size", "2"], world_size=8)
+    with pytest.raises(ConfigError) as e:
+        estimate(L, gpu=lookup_gpu("H100"))
+    assert e.value.key == "--context-parallel-size" and "fp32" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("seq, probs_per_score", [
+    # TE's fused softmax kernel (16 < s < 16384, s % 8 == 0, b x heads % 4 == 0, s % batches per block == 0): the
+    # bf16 probs only (2 B per score)
+    (4096, 2),
+    # s >= 16384: torch's softmax on an fp32 copy (softmax_in_fp32=True in UnfusedDotProductAttention), which keeps
+    # its fp32 output, and the bf16 cast the bmm keeps: 4 + 2 B per score
+    (16384, 6),
+])
+def test_explicit_unfused_follows_te_softmax_kernel_availability(seq, probs_per_score):
+    from megatron_memguard.estimator.activations import layer_activations
+    flags = [f if f != "4096" else str(seq) for f in LLAMA] + ["--attention-backend", "unfused", "--attention-dropout", "0"]
+    la = layer_activations(layout_from_flags(flags, world_size=8))
+    heads = 32 // 2                                                  # TP 2
+    assert la.saved["attention_probs"] == heads * seq * seq * probs_per_score
+    assert ("causal_mask" in la.saved) == (seq == 16384)
+    if seq == 16384:
+        assert la.saved["causal_mask"] == seq * seq                    # micro-batch 1: [1, 1, s, s] bool
 
 
 DET = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
@@ -210,3 +323,24 @@ def test_the_hook_reads_the_backend_from_the_device_name():
     assert (a100.name, h100.name) == ("A100-80GB", "H100-80GB")
     assert estimate(lay(), gpu=a100).attention.selected == "flash"
     assert estimate(lay(), gpu=h100).attention.selected == "fused"
+
+
+def test_the_planner_leaves_cp_out_where_te_runs_its_unfused_attention():
+    # an fp32 model: TE's unfused attention on every layout, which has no context parallelism (the estimate
+    # refuses CP > 1 there), so no candidate has CP > 1 and every estimate models the unfused attention
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import LLAMA31_8B
+    from planner_util import make_planner
+    P = make_planner([f for f in LLAMA31_8B if f != "--bf16"][:], 64, 8192, 512)
+    assert any("context parallelism is left out" in n and "fp32" in n for n in P.notes)
+    res = P.plan(top=3)
+    assert res.entries and all(e.candidate.cp == 1 for e in res.entries)
+    assert all(e.estimate.attention.selected == "unfused" for e in res.entries)
+
+
+def test_core_attn_recompute_keeps_neither_probs_nor_mask():
+    # the mask is made inside the checkpointed core attention (get_full_mask / forward_torch_softmax), like the probs
+    from megatron_memguard.estimator.activations import layer_activations
+    L = layout_from_flags(TINY + ["--recompute-granularity", "selective"], world_size=1)
+    saved = layer_activations(L.replace(attention_backend="unfused")).saved
+    assert "attention_probs" not in saved and "causal_mask" not in saved

@@ -685,3 +685,28 @@ def test_what_bridges_lora_adapters_save_for_backward(dropout):
         assert saved.get(item, 0) == (m["bytes"] - m["tokens"] * m["r"] * e - m["tokens"] * m["in"] * (e - 1)
                                       if dropout else 0), name
 
+
+
+# --------------------------------------------------------------------------------------------------
+# hybrid MTP: HybridModelProvider.finalize's unified pattern and depth count, as memguard reads the provider
+# --------------------------------------------------------------------------------------------------
+NH8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+@pytest.mark.parametrize("model", [
+    dict(mtp_hybrid_override_pattern="*-", mtp_num_layers=2, mtp_use_repeated_layer=True),
+    dict(hybrid_layer_pattern=NH8B_PATTERN + "/*E", mtp_num_layers=3, mtp_use_repeated_layer=True),
+    dict(hybrid_layer_pattern=NH8B_PATTERN + "/*-/*-", mtp_hybrid_override_pattern="MM", mtp_num_layers=3),
+], ids=["legacy-field", "own-slash-repeated", "field-replaces-slash"])
+def test_hybrid_mtp_reads_as_bridge_finalizes_it(recipes, model):
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+    p = HybridModelProvider(num_layers=52, hidden_size=4096, num_attention_heads=32,
+                            **{"hybrid_layer_pattern": NH8B_PATTERN, **model})
+    p.finalize()
+    main, *parts = p.hybrid_layer_pattern.split("/")
+    extra = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 512} if "E" in parts[0] else {}
+    L = resolve(read_bridge({"model": {**model, **extra}}, "run_config.yaml", [], recipe="nemotronh_8b"), world_size=2)
+    assert (L.hybrid_layer_pattern, L.hybrid_mtp_pattern, L.mtp_num_layers) == (main, parts[0], p.mtp_num_layers)

@@ -73,6 +73,23 @@ def test_flash_backend_keeps_its_bshd_output_too():
     assert saved["query_rope"] == Q and saved["cp_kv_buffer"] == 2 * KV1
 
 
+@pytest.mark.parametrize("cp, backend, together", [
+    (4, "fused", {"cp_kv_buffer"}), (4, "flash", {"cp_kv_buffer", "attention_output_bshd"}),
+    (1, "flash", {"flash_qkv", "attention_output_bshd"}),
+])
+def test_the_core_attentions_saved_tensors_are_freed_together(cp, backend, together):
+    # one autograd node saves them and frees them after its backward: the ring (TE 2.11 context_parallel.py
+    # AttnFuncWithCPAndKVP2P.forward: ctx.save_for_backward of q, the last K/V buffer, out and softmax_lse) and
+    # flash-attn's function under TE's FlashAttention (q, k, v, its [b, s, h, d] out and softmax_lse): every
+    # backward step after the core attention's (those that no longer hold the statistics) no longer holds them
+    L = layout_from_flags(flags(SEQ // 4 * cp, 2, cp, "--attention-backend", backend), world_size=2 * cp,
+                          megatron_version="0.19")
+    la = layer_activations(L, True)
+    assert together <= set(la.saved)
+    after_core = [names for names, _ in la.bwd_steps if "softmax_stats" in names]
+    assert after_core and all(together <= names for names in after_core)
+
+
 def test_ring_transients_by_transformer_engine_version():
     # TE 2.20.2 double-buffers the ring (two K/V buffers and two partial outputs besides the output);
     # TE 2.11 (megatron-core 0.16 pins TE < 2.12) keeps all CP of each until the forward ends.

@@ -345,3 +345,18 @@ def test_autotune_keeps_the_options_on_the_layouts_it_tries():
     assert L.ddp_param_name_patterns_for_fp32_local_accumulation == ("*final_layernorm*",)
     last = terms(estimate(L), L.pp - 1)
     assert last["fp32_local_main_grads"] == 4 * 4096           # Llama-3.1-8B's final norm, h = 4096
+
+
+@pytest.mark.parametrize("value", ["   ", [], ["*router*", ""]])
+def test_fp32_local_patterns_of_nothing_are_an_error_naming_the_key(value):
+    # a YAML string of blanks splits into no pattern (the length bound's max() of nothing was an internal error),
+    # and an empty pattern is no fnmatch pattern either
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    raw = parse_megatron_flags(TINY + ["--grad-reduce-in-bf16"]).with_args(
+        ddp_param_name_patterns_for_fp32_local_accumulation=value)
+    if value == []:
+        assert resolve(raw, world_size=1).ddp_param_name_patterns_for_fp32_local_accumulation == ()   # none given
+        return
+    with pytest.raises((ConfigError, ConfigErrors), match="--ddp-param-name-patterns-for-fp32-local-accumulation: "
+                                                          "must be fnmatch patterns"):
+        resolve(raw, world_size=1)

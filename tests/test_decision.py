@@ -40,3 +40,16 @@ def test_modes_and_threshold_defined_once():
     assert _integration.threshold_from(None, {}) == 0.8 and _integration.mode_from(None, {}) == "warn"
     with pytest.raises(ConfigError, match="autotune is the Megatron hook's"):
         _integration.mode_from("autotune", {})
+
+
+def test_expert_grid_rule_with_the_world_from_the_environment_or_unknown():
+    # initialize_model_parallel (parallel_state.py, 0.16.1 and 0.19.2): the world must divide into ETP x EP x PP; the
+    # pre-flight reads the world from args.world_size or, failing that, the environment's WORLD_SIZE (a string)
+    from megatron_memguard.decision import expert_grid_failure
+    args = {"num_experts": 8, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "expert_model_parallel_size": 4}.get
+    assert "world size 6 is not divisible by expert tensor parallel 1 x expert parallel 4" in expert_grid_failure(args, "6")
+    assert expert_grid_failure(args, "8") is None and expert_grid_failure(args, 8) is None
+    # an unknown world is nothing to check (not a world of 1, into which 4 expert-parallel ranks do not divide)
+    assert expert_grid_failure(args, None) is None and expert_grid_failure(args, "") is None
+    assert "world size 6" in expert_grid_failure(args, 6)

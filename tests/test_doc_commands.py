@@ -9,10 +9,10 @@ import pathlib
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from conftest import run_as_written
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEHOLDER = re.compile(r"<|\[|\.\.\.|\||/path/to/")
@@ -55,14 +55,7 @@ def _workdir(tmp_path: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.parametrize("page, command", doc_commands())
 def test_doc_command_runs_as_written(page, command, tmp_path):
-    cwd = _workdir(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEMGUARD", "PET_")) and k != "WORLD_SIZE"}
-    env["PYTHONPATH"] = ROOT
-    words = []
-    for w in shlex.split(command, comments=True)[1:]:
-        words += sorted(glob.glob(w, root_dir=cwd)) or [w] if any(c in w for c in "*?") else [w]
-    argv = [sys.executable, "-m", "megatron_memguard.cli.main", *words]
-    out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    out = run_as_written(command, _workdir(tmp_path))
     assert out.returncode in (0, 1), (page, out.stderr)     # 2 would be a command memguard cannot read
     assert "Traceback" not in out.stderr and out.stdout
 

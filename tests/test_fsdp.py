@@ -351,14 +351,16 @@ def test_unit_list_windows_agree_with_uniform_units_and_follow_the_sizes():
     assert max(w.units_weights, 1) <= 2
 
 
-@pytest.mark.parametrize("version,expert_weights", [("0.16.1", True), ("0.17", False), ("0.19", False)])
+@pytest.mark.parametrize("version,expert_weights", [("0.16.1", False), ("0.17", False), ("0.19", False)])
 def test_one_rank_groups_need_no_bucket(version, expert_weights):
-    """Experts of HSDP whose expert-DP group is split into one rank per replica (EP 2 on 4 ranks, 2 instances):
-    from core 0.17.1 ParamAndGradBuffer builds a one-rank group's model-weight buffer with is_data_distributed =
-    ... and model_wbuf_dp_group.size() > 1 (param_and_grad_buffer.py, 0.17.1 l.2240, 0.19.2 l.2649), so its
-    weights are never all-gathered into a bucket; 0.16.1 (l.1974) tests no size. The main-gradient buffer tests the
-    size in every release (0.16.1 l.2029): no full gradient bucket. Per layer 198,144 dense elements over 2 ranks and
-    786,432 expert elements on 1 (the CPU referee's fsdp_moe_ep2_hsdp); start_param_sync re-gathers all 4 units."""
+    """A group whose FSDP group is one rank (experts with expert DP 1; from core 0.17 also HSDP experts split into
+    one rank per replica, EP 2 on 4 ranks with 2 instances): ParamAndGradBuffer builds its model-weight buffer with
+    is_data_distributed = ... and model_wbuf_dp_group.size() > 1 (param_and_grad_buffer.py, 0.16.1 l.1974, 0.17.1
+    l.2240, 0.19.2 l.2649), so its weights are never all-gathered into a bucket, in every release (the CPU referee's
+    fsdp_moe_ep4_onerank on 0.16.1 and 0.19.2). The main-gradient buffer tests the size likewise (0.16.1 l.2029): no
+    full gradient bucket. Per layer 198,144 dense elements over 2 ranks and 786,432 expert elements on 1 (the CPU
+    referee's fsdp_moe_ep2_hsdp on 0.19.2; 0.16.1's HSDP experts shard over the hybrid group instead,
+    fsdp_layout._expert_shard); start_param_sync re-gathers all 4 units."""
     s = spec(version, data_parallel_sharding_strategy="optim_grads_params", accumulate_allreduce_grads_in_fp32=False)
     groups = F.stage_groups(s, layers=4, layer_shapes=[(198_144,)], expert_shapes=[(786_432,)],
                             dense_shard=2, expert_shard=1)

@@ -198,7 +198,7 @@ def test_megatron_016_rules():
 @pytest.mark.parametrize("flags, key", [
     ("--hybrid-layer-pattern MGM-", "--hybrid-layer-pattern"),
     ("--hybrid-layer-pattern M*M- " + MOE, "--num-experts"),
-    ("--hybrid-layer-pattern M*M-/MM/MM", "--hybrid-layer-pattern"),
+    ("--hybrid-layer-pattern M*M-/MG", "--hybrid-layer-pattern"),    # a gated delta net in the MTP pattern
     ("--hybrid-layer-pattern M*M- --context-parallel-size 2", "--context-parallel-size"),
     ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),
     ("--hybrid-layer-pattern M*M- --disable-mamba-mem-eff-path", "--disable-mamba-mem-eff-path"),
@@ -320,3 +320,18 @@ def test_lora_on_a_hybrid_model_is_refused_by_name():
                 mamba_state_dim=16, position_embedding_type="none", peft_scheme="lora")
     with pytest.raises(NotModelledError, match="LoRA / DoRA on a hybrid Mamba model"):
         resolve(RawConfig(args=args, world_size=1))
+
+
+@pytest.mark.parametrize("version, conv", [("0.17", "nn.Conv1d"), ("0.18", "nn.Conv1d"), ("0.19", "own")])
+def test_conv1d_parameters_by_release(version, conv):
+    # megatron-core 0.17.1 and 0.18.2 ssm/mamba_mixer.py still build self.conv1d = nn.Conv1d(...) after in_proj (its
+    # own dt_bias, A_log, D come first in parameters()); 0.19.2 registers conv1d_weight / conv1d_bias on the mixer
+    # before dt_bias (checked on the real 0.17.1 / 0.18.2 builds: test_parameters_match_this_venvs_megatron_core in
+    # .venv312-core017 / -core018)
+    L = layout_from_flags(SMALL + "--hybrid-layer-pattern M*M-".split(), world_size=1, megatron_version=version)
+    names = [r[0] for r in mamba.param_rows(L)]
+    if conv == "own":
+        assert names[:3] == ["mixer.conv1d_weight", "mixer.conv1d_bias", "mixer.dt_bias"]
+    else:
+        assert names[:4] == ["mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj.layer_norm_weight"]
+        assert names.index("mixer.conv1d.weight") == names.index("mixer.in_proj.weight") + 1

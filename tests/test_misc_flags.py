@@ -297,3 +297,13 @@ def test_offload_tuning_needs_core_0_19():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(OFF + ["--activation-offload-fraction", "0.5"], world_size=2, megatron_version="0.16")
     assert "--activation-offload-fraction" in str(e.value)
+
+
+@pytest.mark.parametrize("spelling", [["--softmax-type", "weird"], ["--softmax-type=softmax"]])
+def test_softmax_type_takes_megatrons_choices(spelling):
+    # TransformerConfig.softmax_type: Literal['vanilla', 'off-by-one', 'learnable'] (core 0.19.2), which Megatron's
+    # argparse turns into choices (argument_utils.py); it decides Transformer Engine's attention kernel (flash-attn has
+    # only the vanilla softmax), so another word is an error naming the flag, not an estimate
+    with pytest.raises((ConfigError, ConfigErrors), match="--softmax-type: must be one of vanilla, off-by-one, learnable"):
+        layout_from_flags(GPT4 + spelling, world_size=1)
+    assert layout_from_flags(GPT4 + ["--softmax-type", "learnable"], world_size=1).softmax_type == "learnable"

@@ -48,15 +48,32 @@ def test_layer_groups_of_a_te_layer():
     assert layer_groups({"proj_input": 2 * mib}, ("attn_proj", "core_attn"), 2) == {"attn_proj": 2 * mib}
 
 
+def test_layer_groups_of_a_flash_attention_layer():
+    # --attention-backend flash (or auto on an A100): TE 2.11 FlashAttention saves, inside the core_attn call,
+    # contiguous [b, s, h, d] copies of q, k, v and flash-attn's own output (backends.py FlashAttention.forward);
+    # the sbhd copy it returns (output.contiguous()) is saved by linear_proj only, inside the attn_proj call
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    mib = 1024 * 1024
+    saved = {"layer_input": 4 * mib, "qkv_input": 4 * mib, "flash_qkv": 8 * mib, "attention_output_bshd": 4 * mib,
+             "softmax_stats": 128 * 1024, "proj_input": 4 * mib}
+    assert layer_groups(saved, ("core_attn",), 2) == {"core_attn": 12 * mib}
+    assert layer_groups(saved, ("core_attn", "attn_proj"), 2) == {"core_attn": 12 * mib, "attn_proj": 4 * mib}
+    # unfused attention (no statistics: its context is a new tensor the bmm does not save) and a recomputed core
+    # attention leave linear_proj the only holder of its input, too
+    unfused = {"qkv_output": 6 * mib, "attention_probs": 64 * mib, "proj_input": 4 * mib}
+    assert layer_groups(unfused, ("core_attn",), 2) == {"core_attn": 70 * mib}
+
+
 def test_layer_groups_of_an_mla_layer():
     # MLA (TE): the input norm is a module of its own, so attn_norm takes the layer input; the down
     # projections' latents go with qkv_linear, the attention inputs with core_attn
     from megatron_memguard.estimator.offload_activations import layer_groups
     mib = 1024 * 1024
     saved = {"layer_input": 4 * mib, "qkv_input": 4 * mib, "q_latent": 2 * mib, "kv_latent": 1 * mib,
-             "query": 6 * mib, "key": 6 * mib, "value": 4 * mib, "proj_input": 4 * mib}
+             "query": 6 * mib, "key": 6 * mib, "value": 4 * mib, "softmax_stats": 64 * 1024, "proj_input": 4 * mib}
     groups = layer_groups(saved, ("attn_norm", "qkv_linear", "core_attn"), 2, separate_input_norm=True)
-    # kv_latent (1 MiB of bf16 = 524,288 elements) is under the threshold and stays
+    # kv_latent (1 MiB of bf16 = 524,288 elements) and the fp32 statistics are under the threshold and stay; the
+    # output linear_proj reads is FusedAttention's saved output, offloaded with core_attn
     assert groups == {"attn_norm": 4 * mib, "qkv_linear": 6 * mib, "core_attn": 20 * mib}
 
 

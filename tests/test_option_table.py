@@ -213,3 +213,24 @@ def test_every_optimizer_choice_is_modelled(monkeypatch):
         parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     choices = next(a.choices for a in parser._actions if a.dest == "optimizer")
     assert set(choices) == set(OPTIMIZERS)
+
+
+@pytest.mark.megatron_training
+@pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                    "tests/run.sh runs these in .venv312")
+def test_memory_flag_choices_are_megatrons(monkeypatch):
+    # the choices memguard's flag reader enforces for the flags of memory features are those of Megatron's own parser
+    import argparse
+    import warnings
+
+    from megatron_memguard.readers.megatron_flags import _CHOICES
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # (restored after: later tests read the environment)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    real = {s: a.choices for a in parser._actions for s in a.option_strings if a.choices}
+    differ = {flag: (sorted(mine), sorted(real.get(flag) or ())) for flag, mine in _CHOICES.items()
+              if set(mine) != set(real.get(flag) or ())}
+    assert not differ, differ

@@ -94,6 +94,27 @@ def test_unwrapped_frozen_linears_keep_no_input(tmp_path):
     assert sum(a.values()) - sum(b.values()) == a["fc1_input"] + a["fc2_input"] - 2048 * 8 * 2
 
 
+@pytest.mark.parametrize("overrides, kept", [
+    # TE 2.11 FlashAttention keeps its own [b, s, h, d] output (attention_output_bshd) and returns a .contiguous()
+    # sbhd copy, which only linear_proj would keep: frozen, it keeps none (what --attention-backend auto runs on an A100)
+    (["model.attention_backend=flash"], False),
+    # cuDNN FusedAttention's p2p ring under CP saves out_f16 and returns it (TE 2.11 context_parallel.py
+    # AttnFuncWithCPAndKVP2P.forward: f16_tensors = (q_f16, kv_f16, out_f16)): linear_proj reads that storage
+    (["model.context_parallel_size=2"], True),
+    ([], True),                          # FusedAttnFunc without CP: the same, it saves the output it returns
+])
+def test_a_frozen_linear_proj_keeps_its_input_only_where_the_core_attention_does(tmp_path, overrides, kept):
+    over = ["model.sequence_parallel=false", *overrides]
+    L = layout(tmp_path, FLAT + LORA + "  target_modules: [linear_qkv]\n", overrides=over)
+    full = layout(tmp_path, FLAT, overrides=over)
+    a, b = layer_activations(full).saved, layer_activations(L).saved
+    assert a["proj_input"] == 2048 // L.cp * 256 * 2          # [s/CP b, a d / TP] bf16, in the model that trains it
+    assert ("proj_input" in b) is kept
+    # the rest: fc1's norm output and fc2's input go, the qkv adapter keeps its [s b / CP, r] intermediate
+    assert sum(a.values()) - sum(b.values()) == (a["fc1_input"] + a["fc2_input"] - 2048 // L.cp * 8 * 2
+                                                  + (0 if kept else a["proj_input"]))
+
+
 def test_dropout_before_the_adapter_keeps_a_copy_and_a_mask(tmp_path):
     L = layout(tmp_path, FLAT + LORA + "  dropout: 0.1\n")
     b = layer_activations(L).saved
@@ -197,6 +218,17 @@ def test_nemo1_lora(tmp_path):
     assert (L.peft.scheme, L.peft.dim, L.peft.target_modules) == ("lora", 16, ("linear_qkv", "linear_proj", "linear_fc1"))
     p.write_text(NEMO1.replace("peft_scheme: lora", "peft_scheme: ia3"))
     with pytest.raises(NotModelledError, match="model.peft.peft_scheme"):
+        read_config_file(str(p))
+
+
+@pytest.mark.parametrize("targets", ["5", "{attention: 1}"])
+def test_nemo1_lora_targets_of_the_wrong_kind_name_the_key(tmp_path, targets):
+    # LoraPEFTConfig reads target_modules as a list of names: an int was an internal error (list(5)) and a
+    # mapping's keys were taken as names
+    pytest.importorskip("omegaconf")
+    p = tmp_path / "megatron_gpt_peft.yaml"
+    p.write_text(NEMO1.replace("target_modules: [attention, mlp_fc1]", f"target_modules: {targets}"))
+    with pytest.raises(ConfigError, match="model.peft.lora_tuning.target_modules: must be a target name or a list"):
         read_config_file(str(p))
 
 

@@ -3,18 +3,15 @@ lines with placeholders such as <flags>, [options] or ... are synopses). They ru
 files they name: conf/megatron_gpt_config.yaml (NeMo's, from ../shared/configs), job.sbatch (the example sbatch
 script), examples/ and runs/ (three Megatron training logs written by tests/test_calibrate.py's helper); globs are
 expanded and comments dropped as a shell would."""
-import glob
 import os
 import pathlib
 import re
-import shlex
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.shared_data import CONFIGS
+from conftest import run_as_written
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,13 +47,7 @@ def test_readme_command_runs_as_written(command, tmp_path):
     shutil.copytree(os.path.join(ROOT, "examples"), tmp_path / "examples")
     from test_calibrate import write_runs
     write_runs(pathlib.Path(tmp_path) / "runs")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEMGUARD", "PET_")) and k != "WORLD_SIZE"}
-    env["PYTHONPATH"] = ROOT
-    words = []
-    for w in shlex.split(command, comments=True)[1:]:
-        words += sorted(glob.glob(w, root_dir=tmp_path)) or [w] if any(c in w for c in "*?") else [w]
-    argv = [sys.executable, "-m", "megatron_memguard.cli.main", *words]
-    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = run_as_written(command, tmp_path)
     assert out.returncode in (0, 1), out.stderr     # 2 would be a command memguard cannot read
     assert "Traceback" not in out.stderr and out.stdout
     if " check " in command and "run_recipe.py" in command:

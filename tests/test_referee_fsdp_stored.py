@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from benchmarks.referee.fsdp_grid import FSDP_GRID, resolve_version
+from benchmarks.referee.fsdp_grid import FSDP_GRID, FSDP_ONE_RANK, resolve_version
 from benchmarks.referee.grid import resolve_config
 from megatron_memguard import estimate
 from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
@@ -27,6 +27,7 @@ from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-measured.json")
 MEASURED_CORE019 = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-measured-core019.json")
+MEASURED_ONE_RANK = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-onerank-measured.json")
 
 
 def _configs(path=MEASURED):
@@ -101,3 +102,32 @@ def test_zp_z3_shape_differs_from_the_estimate_by_its_routing_alone(path):
         corrected = st.peak_allocated_bytes + per_row * (rows - 4 * balanced)
         assert abs(corrected / r["peak_bytes"] - 1) <= 0.0005, (r["rank"], rows)
     assert max(spread) - min(spread) > 0.01     # the routings did differ between ranks
+
+
+@pytest.mark.parametrize("core", ["0.16.1", "0.19.2"])
+def test_a_one_rank_expert_group_keeps_its_weights_whole(core):
+    """EP 4 on 4 ranks (python -m benchmarks.referee.fsdp_grid --only fsdp_moe_ep4_onerank, on both cores): expert DP
+    1, so the experts' model-weight buffer is not distributed (ParamAndGradBuffer: is_data_distributed = ... and
+    model_wbuf_dp_group.size() > 1, 0.16.1 l.1974, 0.19.2 l.2649) and nothing all-gathers it. A gathered bucket of the
+    4 units' expert weights (one expert of fc1 [1024, 256] + fc2 [256, 512] per layer: 4 x 393,216 bf16 = 3 MiB)
+    would be 5.0% of the live bytes after the step; memguard is within 0.1% of them on every rank. The ranks' peaks
+    follow the rows their routers sent (each rank hosts one of the 4 experts): moved by memguard's own bytes per
+    row times the rows over or under the balanced 1,024 per layer (as for zp_z3 above), within 0.1%."""
+    with open(MEASURED_ONE_RANK) as f:
+        measured = json.load(f)[core]
+    assert measured["environment"]["megatron_core"] == core and measured["name"] == FSDP_ONE_RANK["name"]
+    L, _ = resolve_config(FSDP_ONE_RANK["flags"], FSDP_ONE_RANK["world_size"], resolve_version(core))
+    assert (L.moe.ep, L.moe.etp, L.pp, L.world_size) == (4, 1, 1, 4)       # expert DP = 4 / (1 x 4 x 1) = 1
+    bucket = 4 * (1024 * 256 + 256 * 512) * 2
+    for r in measured["ranks"]:
+        assert r["edp_size"] == 1
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"]).stages[0]
+        assert st.parameters == r["num_params"], r["rank"]
+        assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.001, r["rank"]
+        assert (st.persistent_bytes + bucket) / r["live_bytes_after_step"] - 1 > 0.045
+        balanced = st.moe["expert_rows_balanced"]
+        assert balanced == 512 * 2        # 512 tokens (seq 256 x micro-batch 2), top-2, 4 ranks' over 4 experts
+        per_row = {t.name: t.bytes for t in st.terms}["moe_layer_activations"] / (4 * balanced)
+        rows = sum(x["expert_input_rows"] for x in r["routing"] if x["phase"] == r["peak_phase"])
+        corrected = st.peak_allocated_bytes + per_row * (rows - 4 * balanced)
+        assert abs(corrected / r["peak_bytes"] - 1) <= 0.001, (r["rank"], rows)

@@ -67,12 +67,19 @@ FSDP_GRID: List[Dict[str, Any]] = [
      "note": "optim_grads: whole weights, no units, the group's full gradient bucket through the backward"},
 ]
 
-for _c in FSDP_GRID:
+# a one-rank expert group: EP 4 on 4 ranks leaves expert DP 1, whose model-weight buffer is not distributed (every
+# release); its ranks' peaks follow their routing, so it is scored apart (tests/test_referee_fsdp_stored.py, stored in
+# benchmarks/results/referee-fsdp-onerank-measured.json, both cores)
+FSDP_ONE_RANK = _moe("fsdp_moe_ep4_onerank", 4, ["--moe-token-dispatcher-type", "alltoall",
+                                                 "--expert-model-parallel-size", "4"], FSDP,
+                     note="EP 4 on 4 ranks: expert DP 1 (one-rank expert FSDP group), no HSDP")
+
+for _c in FSDP_GRID + [FSDP_ONE_RANK]:
     _c["requires"] = ["einops"]     # Megatron-FSDP's device-mesh helpers (mcore_fsdp_adapter.py)
 
 
 def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    return named(FSDP_GRID, only)
+    return named(FSDP_GRID + [FSDP_ONE_RANK], only) if only else named(FSDP_GRID, only)
 
 
 def resolve_version(core: str) -> str:

@@ -25,7 +25,7 @@ from ..estimator.overheads import (CUBLAS_DEFAULT_BYTES, CUBLAS_HOPPER_BYTES, NC
                                    nccl_communicators, te_workspace_bytes)
 from ..estimator.result import StageEstimate
 from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
-from ..estimator.params import mtp_layer_kind
+from ..estimator.params import mtp_stack_runs
 from ..gpus import GpuSpec
 from ..layout import Layout
 from ..partition import MLP_MOE
@@ -107,7 +107,7 @@ def _stage_has_moe(run: CalibrationRun, o: Observation) -> bool:
         return True
     st = stage(run, o, DEFAULT_SITE)
     return any(kind.mlp == MLP_MOE and n for c in st.chunks for kind, n in c.kind_runs) or (
-        st.pp_rank == L.pp - 1 and bool(getattr(L, "mtp_num_layers", 0)) and mtp_layer_kind(L).mlp == MLP_MOE)
+        st.pp_rank == L.pp - 1 and bool(getattr(L, "mtp_num_layers", 0)) and any(kind.mlp == MLP_MOE for kind, _ in mtp_stack_runs(L)))
 
 
 def _coefficients(run: CalibrationRun, o: Observation, site: SiteConstants, names: Sequence[str],

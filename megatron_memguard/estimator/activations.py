@@ -215,7 +215,7 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
 def _requantized_proj_input(L: Layout, kind: LayerKind, mixer_bwd: tuple) -> tuple:
     """linear_proj saving its BF16 input (every recipe but delayed, and FP4: ``fp8_layers.proj_saves_original_input``)
     quantizes it again in its backward for the weight gradient: that copy joins linear_proj's step (the mixer's
-    first backward step, standard and multi-latent attention), where the saved quantized copy used to be."""
+    first backward step, standard and multi-latent attention)."""
     from ..partition import MIXER_ATTENTION, MIXER_MLA
     from .fp8_layers import layer_gemms, proj_backward_input, proj_saves_original_input
     spec = L.fp8_spec

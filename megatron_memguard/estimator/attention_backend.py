@@ -25,6 +25,21 @@ run cuDNN. The filters that leave only one of them for a self-attention GPT laye
   memguard assumes a cuDNN >= 9.18.1 (cuDNN fused).
 Sliding windows, attention dropout, GQA, causal masks and context parallelism (p2p, causal) keep both.
 
+Where neither runs, TE falls back to ``UnfusedDotProductAttention`` (its s x s scores and probs, the terms of
+``--attention-backend unfused``); CP then has no backend at all (TE disables the unfused one under context
+parallelism, 2.11 and 2.20.2 utils.py), which memguard refuses. That happens, in training, for:
+
+* fp32 q/k/v (no --bf16 / --fp16): "Filter: Data type" drops flash-attn 2/3/4 and FusedAttention for any dtype
+  but bf16/fp16 (FP8 for cuDNN), TE 2.11 and 2.20.2 ``utils.py``, on every GPU;
+* a head dim that is not a multiple of 8 or above 256 (not MLA): flash-attn 2 by the python filter, cuDNN by the
+  compiled query (``nvte_get_fused_attn_backend`` of the transformer_engine_cu12 2.11.0 wheel, called on a CPU
+  with a stubbed CUDA runtime: No_Backend for head dims 100, 264, 320 on sm80, sm90 and sm100, cuDNN 9.8 to 9.14;
+  TE 2.20.2 asks cuDNN's frontend, assumed to keep the same limits);
+* MLA on an A100 under TE 2.11 (megatron-core 0.16): flash-attn 2 needs equal q/k and v head dims there, and the
+  same compiled query has no sm80 training backend once either head dim exceeds 128 (192/128 and 136/128:
+  No_Backend; 96/64: F16_arbitrary_seqlen). TE 2.20.2 lets flash-attn 2 take MLA (it pads to the larger head
+  dim), which memguard does not model: 0.19 keeps the cuDNN estimate there.
+
 memguard assumes flash-attn 2 is installed, as in NVIDIA's NGC PyTorch containers (without it TE would
 run cuDNN on an A100, or its unfused attention under determinism). Megatron-core 0.16 pins TE < 2.12
 (its ``dev`` extra); later releases are read with TE 2.20.2.
@@ -64,10 +79,6 @@ def _deterministic(L: Layout) -> bool:
 def _no_flash(L: Layout) -> str | None:
     """Why flash-attn 2 cannot run this layer's attention (TE 2.11 get_attention_backend's filters), or None."""
     d = L.kv_channels
-    if L.params_dtype not in ("bf16", "fp16"):
-        # TE then runs neither (cuDNN needs them too) but UnfusedDotProductAttention: not modelled here
-        return (f"flash-attn and cuDNN need bf16/fp16 q/k/v (params {L.params_dtype}): Transformer Engine would "
-                "run its unfused attention, which this estimate does not model for auto")
     if L.fp8_spec.fp8_dot_product_attention:
         return "FP8 attention runs only in cuDNN"
     if L.multi_latent_attention:
@@ -82,6 +93,27 @@ def _no_flash(L: Layout) -> str | None:
     return None
 
 
+def _no_kernel(L: Layout, cc: tuple[int, int] | None) -> str | None:
+    """Why neither flash-attn nor cuDNN fused attention can run this layer's attention in training, so that
+    Transformer Engine runs UnfusedDotProductAttention (module docstring), or None. ``cc``: compute capability
+    (None: unknown GPU; the dtype and head-dim rules hold on every NVIDIA GPU)."""
+    if L.act_bytes == 4:
+        # "Filter: Data type" (TE 2.11 / 2.20.2 utils.py): flash-attn and FusedAttention take bf16/fp16 only
+        return "flash-attn and cuDNN take only bf16/fp16 q/k/v, these are fp32"
+    if L.multi_latent_attention:
+        qk, v = L.qk_head_dim + L.qk_pos_emb_head_dim, L.v_head_dim
+        if cc is not None and cc[0] == 8 and _te_211(L) and (qk > 128 or v > 128):
+            # TE 2.11: flash-attn 2 only for equal head dims; compiled cuDNN query: no sm80 backend above 128
+            return (f"on sm8x flash-attn 2 needs equal q/k and v head dims and cuDNN has no training kernel for "
+                    f"head dims above 128 (MLA {qk}/{v}, Transformer Engine 2.11)")
+        return None
+    d = L.kv_channels
+    if d % 8 or d > 256:
+        # flash-attn 2: python filter; cuDNN: the compiled query returns No_Backend on sm80, sm90 and sm100
+        return f"flash-attn 2 and cuDNN need a head dim that is a multiple of 8 and <= 256 (kv_channels {d})"
+    return None
+
+
 def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
     """The core-attention kernel modelled for ``L`` on ``gpu`` (None: unknown GPU)."""
     asked = L.attention_backend
@@ -91,6 +123,9 @@ def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
     if asked != "auto":
         return AttentionBackend(asked, asked, f"--attention-backend {asked}")
     cc = gpu.compute_capability if gpu is not None else None
+    neither = _no_kernel(L, cc)
+    if neither:
+        return AttentionBackend(asked, "unfused", f"auto: Transformer Engine's unfused attention ({neither})")
     if cc is None:
         where = f"{gpu.name} is not a CUDA GPU memguard knows the compute capability of" if gpu is not None \
             else "the GPU is unknown"

@@ -43,7 +43,7 @@ from .mtp import block_activations as mtp_block_acts
 from .mtp import spec_of as mtp_spec_of
 from .mtp import standalone_loss_items as mtp_standalone_loss_items
 from .mtp import layers_built as mtp_layers_built
-from .params import holds_final_norm, holds_mtp, mtp_layer_kind
+from .params import holds_final_norm, holds_mtp, mtp_layer_kind, mtp_stack_runs
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
 from .muon import stage_step_terms as muon_step_terms
@@ -279,7 +279,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             _, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
             layers += kept
             moe_layers += kept_moe
-            more.append(f" + {d} MTP layer(s)")
+            if L.hybrid_mtp_pattern:
+                # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too
+                more.append(f" + {d} MTP depth(s) of '{L.hybrid_mtp_pattern}'")
+                stack = [layer_activations(L, has_batch, kind) for kind, _ in mtp_stack_runs(L)]
+                fwd_extra = max(fwd_extra, max(x.fwd_transient for x in stack))
+                bwd_top = max(bwd_top, max(x.bwd_transient for x in stack))
+            else:
+                more.append(f" + {d} MTP layer(s)")
         ends.update(mtp_saved)
         # the last MTP depth's logits are still referenced while the main head computes its loss
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
@@ -315,6 +322,12 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     under full recompute): their activations, the bytes they keep, and the MoE part of those (an MoE MTP layer's
     MoE half is MoE activations like a decoder layer's: moe_layer_activations, which the worst-case routing scales)."""
     d = L.mtp_num_layers
+    if L.hybrid_mtp_pattern:
+        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (resolve/hybrid.py
+        # refuses full recompute here); the layer with the largest backward working set stands for the stack's
+        per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
+        la = max((x for x, _ in per_kind), key=lambda x: (x.bwd_transient, x.fwd_transient))
+        return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if L.recompute_granularity == "full":
         return la, d * ckpt_input, 0
@@ -386,7 +399,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     if L.sequence_parallel and (last or L.transformer_impl == "local" and (layers_here or mtp)):
         sizes.append(x.Tf * x.h * x.e)          # all-gather of the sequence-parallel input
     cores = (MIXER_ATTENTION, MIXER_MLA)        # the mixers with a core attention
-    attention_here = (mtp and mtp_layer_kind(L).mixer in cores
+    attention_here = (mtp and any(kind.mixer in cores for kind, _ in mtp_stack_runs(L))
                       or any(n for runs in stage_runs for kind, n in runs if kind.mixer in cores))
     if attention_here and attention_kind(L).startswith("local"):
         sizes.append(x.b * x.a_t * x.s * x.s * x.e)  # baddbmm input buffer of megatron's attention
@@ -404,8 +417,9 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
                      f"last received input and its gradient of {receiving} chunk(s), kept by TransformerBlock.input_tensor"))
     if L.moe is not None:
         n_moe = sum(n for runs in stage_runs for kind, n in runs if kind.mlp == MLP_MOE)
-        if (last if mtp_here is None else mtp_here) and L.mtp_num_layers and mtp_layer_kind(L).mlp == MLP_MOE:
-            n_moe += mtp_layers_built(L)           # MoE MTP layers have their own dispatchers (one when repeated)
+        if (last if mtp_here is None else mtp_here) and L.mtp_num_layers:
+            # MoE MTP layers have their own dispatchers (one depth's when repeated)
+            n_moe += mtp_layers_built(L) * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp == MLP_MOE)
         rows = _moe_buffers(L, rows, n_moe)
     uniform = uniform_kind(L)
     mixer = uniform.mixer
@@ -891,14 +905,14 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         buffer_rows = [r for r in buffer_rows if r[0] != "pipeline_inputs_retained"]
     # a rank running an MoE layer (or the MoE MTP layers) allocates the MoE-only fixed terms (stage_fixed_terms)
     has_moe = any([kind.mlp == MLP_MOE and n for runs in stage_runs for kind, n in runs])
-    moe_rank = L.moe is not None and (has_moe or (mtp_here and mtp_layer_kind(L).mlp == MLP_MOE))
+    moe_rank = L.moe is not None and (has_moe or (mtp_here and any(kind.mlp == MLP_MOE for kind, _ in mtp_stack_runs(L))))
     if device == "gpu":
         # (MoE models: the layer kinds this rank runs, whose GEMMs fill TE's placeholder-gradient cache)
         kinds = None
         if L.moe is not None:
             kinds = frozenset([kind for runs in stage_runs for kind, n in runs if n])
             if mtp_here:
-                kinds |= {mtp_layer_kind(L)}
+                kinds |= {kind for kind, _ in mtp_stack_runs(L)}
         # (a standalone MTP stage's last P2P buffers are its (1 + D)-fold output or gradient, as are the later
         # stages')
         widen = widened if mtp_here and not has_output or receiving and receiving[-1] > 1 else 1
@@ -978,8 +992,8 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
         mtp_here = any(holds_mtp(L, c) for c in chunks)
         if mtp_here:
-            moe += L.mtp_num_layers if mtp_layer_kind(L).mlp != MLP_DENSE else 0
-        graphed = n_layers + (L.mtp_num_layers if mtp_here else 0)
+            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp != MLP_DENSE)
+        graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
         la = layer_activations(L)
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
@@ -1167,7 +1181,7 @@ def replicated_grad_allreduce_bytes(L: Layout, stage_runs: tuple[tuple[tuple[Lay
     norm = L.hidden_size * (2 if L.normalization == "LayerNorm" else 1)
     if mtp:
         # every model chunk's parameters are walked (finalize_model_grads.py), the MTP block's included
-        layers.append((layer_param_rows(L, mtp_layer_kind(L)), mtp))
+        layers += [(layer_param_rows(L, kind), mtp * k) for kind, k in mtp_stack_runs(L)]
     if L.sequence_parallel:
         n = sum(k * sum(r[1] for r in layer if r[2]) for layer, k in layers)
         if has_output if final_norm is None else final_norm:
@@ -1307,9 +1321,16 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     attention = select_attention_backend(L, gpu)
-    if attention.selected == "flash" and L.attention_backend == "auto":
-        # TE runs flash-attn for auto on this GPU: the flash terms (layers/attention.py) apply
-        L = L.replace(attention_backend="flash")
+    if attention.selected in ("flash", "unfused") and L.attention_backend == "auto":
+        # TE runs flash-attn (or, where neither flash-attn nor cuDNN can, its unfused attention) for auto on
+        # this GPU: those terms (layers/attention.py) apply
+        if attention.selected == "unfused" and L.cp > 1:
+            # TE 2.11 / 2.20.2 get_attention_backend disables UnfusedDotProductAttention under context
+            # parallelism, then DotProductAttention raises "No dot product attention backend is available"
+            raise ConfigError("--context-parallel-size", f"must be 1 here (got {L.cp}): Transformer Engine has no "
+                              "attention kernel for this layer under context parallelism; " + attention.why,
+                              "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes")
+        L = L.replace(attention_backend=attention.selected)
     if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
         notes.append("attention backend: " + attention.why)
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)

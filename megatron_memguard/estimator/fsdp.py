@@ -59,13 +59,13 @@ DECOUPLED_GRAD_SINCE = (0, 18)
 FSDP_DEFAULTS_SINCE = (0, 18)
 # --megatron-fsdp-max-pool-double-buffer (MaxPoolAllocator): in the 0.19.2 wheel, not in 0.18.2's
 MAX_POOL_DOUBLE_BUFFER_SINCE = (0, 19)
-# A group whose FSDP group is one rank (HSDP experts with expert DP = the instances, EP filling the world) keeps
-# its model-weight buffer whole from core 0.17.1 on: ParamAndGradBuffer builds it with is_data_distributed =
-# sharding and model_wbuf_dp_group.size() > 1 (param_and_grad_buffer.py, 0.17.1, 0.18.2, 0.19.2), so fetch_bucket
-# hands out the buffer itself and nothing is all-gathered; 0.16.1 tests no size and all-gathers a one-rank shard
-# into a new bucket. The main-gradient buffer tests the size in every release (0.16.1 included): its bucket is the
-# buffer (unless a different --megatron-fsdp-grad-comm-dtype asks for a copy).
-SINGLE_RANK_WEIGHTS_WHOLE_SINCE = (0, 17)
+# A group whose FSDP group is one rank (EP filling the world; from core 0.17 also HSDP experts with expert DP = the
+# instances) keeps its model-weight buffer whole: ParamAndGradBuffer builds it with is_data_distributed = sharding
+# and model_wbuf_dp_group.size() > 1 (megatron_fsdp/param_and_grad_buffer.py, 0.16.1 l.1974, 0.17.1 l.2240, 0.19.2
+# l.2649), so fetch_bucket hands out the buffer itself and nothing is all-gathered (the CPU referee on 0.16.1, EP 4 on
+# 4 ranks: within 0.05% after the step; tests/test_fsdp.py). The main-gradient buffer tests the size likewise: its
+# bucket is the buffer (unless a different --megatron-fsdp-grad-comm-dtype asks for a copy). 0.16.1's HSDP experts
+# are not a one-rank group: they shard over the hybrid DP group (fsdp_layout._expert_shard).
 
 
 def version_tuple(text: str) -> tuple[int, int]:
@@ -132,8 +132,6 @@ class FsdpSpec:
     # fetches for the backward and reduce-scatters (GradReducePipeline, fetch_bucket(dtype=grad_comm_dtype));
     # None = the main gradients' dtype
     comm_grad_bytes: int | None = None
-    # SINGLE_RANK_WEIGHTS_WHOLE_SINCE: a one-rank group's weights need no gathered bucket (core 0.17+)
-    single_rank_weights_whole: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -239,7 +237,6 @@ class FsdpSpec:
                    # (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode: in the 0.18.2 and 0.19.2 wheels only)
                    cuda_graph_mode=v >= DECOUPLED_GRAD_SINCE and megatron_fsdp_cuda_graph_mode,
                    comm_grad_bytes=(DTYPE_BYTES[cdt] if new and cdt not in (None, "auto") else None),
-                   single_rank_weights_whole=v >= SINGLE_RANK_WEIGHTS_WHOLE_SINCE,
                    notes=tuple(notes))
 
 
@@ -272,9 +269,8 @@ def bucket_grad_bytes(spec: FsdpSpec, g: FsdpGroup) -> int:
 
 def gathers_weights(spec: FsdpSpec, g: FsdpGroup) -> bool:
     """The group's compute weights are all-gathered into a bucket of their own (optim_grads_params), i.e. not
-    when its FSDP group is one rank from core 0.17 on (SINGLE_RANK_WEIGHTS_WHOLE_SINCE; HFSDP's helper buffers
-    aside)."""
-    return not (spec.impl == "megatron_fsdp" and spec.single_rank_weights_whole and g.shard == 1 and g.outer <= 1)
+    when its FSDP group is one rank (its buffer is not distributed, every release; HFSDP's helper buffers aside)."""
+    return not (spec.impl == "megatron_fsdp" and g.shard == 1 and g.outer <= 1)
 
 
 def fetches_grad_bucket(spec: FsdpSpec, g: FsdpGroup) -> bool:

@@ -193,14 +193,15 @@ def spec_of(L) -> MtpSpec:
 
 
 def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]],
-                 embedding_copy: bool | None = None) -> list[tuple[str, int, bool]]:
+                 embedding_copy: bool | None = None, layer_prefix: str = "transformer_layer.") -> list[tuple[str, int, bool]]:
     """The MTP block's parameters on the chunk that builds it, in registration order
     (``GPTModel.__init__``: embedding, decoder, mtp, output layer), as (name, numel, shared_embedding);
     ``layer_params``: (name, numel) of one layer of the last decoder layer's kind. The embedding copy is
     registered first, with the embedding: it is the weight the embedding group keeps in sync. GPTModel builds
     it on every MTP chunk that is not the first (``pre_process or mtp_process``; ``embedding_copy``, None:
     with PP > 1, the last stage's case), marked shared_embedding (language_module.py
-    setup_embeddings_and_output_layer: ``mtp_process and not pre_process``, core 0.16.1 and 0.19.2)."""
+    setup_embeddings_and_output_layer: ``mtp_process and not pre_process``, core 0.16.1 and 0.19.2).
+    ``layer_prefix``: put before each name of ``layer_params`` (a hybrid depth's names carry their own)."""
     out: list[tuple[str, int, bool]] = []
     if spec.mtp_num_layers <= 0:
         return out
@@ -214,7 +215,7 @@ def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]],
         p = f"mtp.layers.{d}."
         out += [(p + f"enorm.{x}", h, False) for x in norm] + [(p + f"hnorm.{x}", h, False) for x in norm]
         out.append((p + "eh_proj.weight", h // tp * 2 * h, False))
-        out += [(p + "transformer_layer." + name, n, False) for name, n in layer_params]
+        out += [(p + layer_prefix + name, n, False) for name, n in layer_params]
         out += [(p + f"final_layernorm.{x}", h, False) for x in norm]
     return out
 

@@ -159,7 +159,7 @@ _GROUP_OF = {
     "qkv_input": "qkv_linear", "q_latent": "qkv_linear", "kv_latent": "qkv_linear",   # (MLA's down projections)
     "query": "core_attn", "key": "core_attn", "value": "core_attn",                  # (MLA's attention inputs)
     "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
-    "flash_qkv": "core_attn",                                                          # (the flash backend's copies)
+    "flash_qkv": "core_attn", "attention_output_bshd": "core_attn",                   # (the flash backend's)
     "fp8_attention_qkv": "core_attn", "fp8_attention_output": "core_attn",            # (FP8 attention's)
     "proj_input": "attn_proj",
     # unfused (local / 'unfused' backend) attention: the softmax output and dropout mask, saved inside
@@ -171,14 +171,19 @@ _GROUP_OF = {
 }
 
 
-def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separate_mlp_norm: bool) -> str | None:
-    """The listed module group that offloads the saved tensor ``name`` of a layer recipe, or None."""
+def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separate_mlp_norm: bool,
+             core_keeps_proj_input: bool = True) -> str | None:
+    """The listed module group that offloads the saved tensor ``name`` of a layer recipe, or None.
+    ``core_keeps_proj_input``: the core attention saves the output linear_proj reads (fp8_layers.attention_keeps_proj_input)."""
     if name == "layer_input":
         g = "attn_norm" if separate_input_norm else "qkv_linear"
     elif name == "mlp_norm_input":
         g = "mlp_norm" if separate_mlp_norm else None
     elif name == "proj_input" and "attn_proj" not in modules:
-        g = "core_attn"           # flash/cuDNN attention saves its output too
+        # cuDNN attention (and its CP ring) saves its output too, inside the core_attn call; TE 2.11's FlashAttention
+        # returns a .contiguous() copy of flash-attn's output (backends.py) and unfused attention a new tensor, which
+        # only linear_proj saves
+        g = "core_attn" if core_keeps_proj_input else None
     elif name in ("moe_expert_input", "moe_expert_activations") and "fused_group_mlp" in modules:
         # TEGroupedMLP._fused_forward (core 0.19.2): one group around the op fuser's call, which saves fc1's
         # input, fc1's output and fc2's input (TransformerConfig forbids it next to expert_fc1 / moe_act)
@@ -194,9 +199,11 @@ def layer_groups(saved: Mapping[str, int], modules: Sequence[str], elem_bytes: i
     """Bytes each listed group takes off one layer's saved tensors (``saved``: name -> bytes, tensors in
     the activation dtype; statistics in fp32 are below any useful threshold and stay). ``outside``: the
     bytes of an entry that are saved outside its group's call (they stay)."""
+    from .fp8_layers import attention_keeps_proj_input
+    keeps = attention_keeps_proj_input(saved)
     out: dict[str, int] = {}
     for name, nbytes in saved.items():
-        g = group_of(name, modules, separate_input_norm, separate_mlp_norm)
+        g = group_of(name, modules, separate_input_norm, separate_mlp_norm, keeps)
         nbytes -= (outside or {}).get(name, 0)
         if g is not None and nbytes // elem_bytes >= min_elements:
             out[g] = out.get(g, 0) + nbytes

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..layout import Layout, ShardGroup, TensorKind
 from ..units import MiB
-from .params import layer_linear_shapes, mtp_layer_kind
+from .params import layer_linear_shapes, mtp_stack_runs
 from .result import Term, TermGroup, TermLevel
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def dummy_wgrad_shapes(L: Layout, has_output: bool, has_layers: bool = True,
     if mtp:
         own = dummy_wgrad_shapes(L, False, has_layers, kinds)
         # the MTP layer (the last decoder layer's kind, params.mtp_layer_kind) and eh_proj's [h/TP, 2h] weight
-        mtp_shapes = frozenset(layer_linear_shapes(L, mtp_layer_kind(L)).values())
+        mtp_shapes = frozenset(sh for kind, _ in mtp_stack_runs(L) for sh in layer_linear_shapes(L, kind).values())
         return own | mtp_shapes | {(L.hidden_size // L.tp, 2 * L.hidden_size)}
     if has_layers and L.moe is not None:
         # the kinds the stage runs (MoE: the experts' and shared experts' TE linears)

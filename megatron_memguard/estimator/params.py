@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
-from ..partition import MLP_MOE, LayerKind, layer_kinds, uniform_kind
+from ..partition import HYBRID_KINDS, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param, ParamRow, param_objects
@@ -28,7 +28,8 @@ from .layers.mla import linear_shapes as mla_linear_shapes  # noqa: F401
 from .layers.mlp import fc1_out_per_rank  # noqa: F401
 
 __all__ = ["Param", "active_parameters", "chunk_expert_numels", "chunk_numels", "chunk_params", "holds_final_norm",
-           "layer_linear_shapes", "layer_param_rows", "layer_params", "total_parameters"]
+           "layer_linear_shapes", "layer_param_rows", "layer_params", "mtp_stack_layers", "mtp_stack_runs",
+           "total_parameters"]
 
 
 def layer_linear_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
@@ -85,7 +86,9 @@ def holds_final_norm(L: Layout, c: Chunk) -> bool:
     model's last decoder layer (TransformerBlock.has_final_layernorm_in_this_stage, core 0.16.1 and 0.19.2:
     "for model with MTPLayer, the final layernorm is set in the stage which has the last layer of the
     decoder"), another chunk when a --pipeline-model-parallel-layout leaves the loss's stage no decoder layer."""
-    if not getattr(L, "mtp_num_layers", 0):
+    if not getattr(L, "mtp_num_layers", 0) or L.hybrid_layer_pattern:
+        # (a hybrid model's HybridStack builds its final norm on the last stage, post_process, with or without MTP
+        # and layers there: hybrid_block.py, megatron-core 0.17.1 to 0.19.2)
         return c.has_output
     return c.num_layers > 0 and c.first_layer + c.num_layers == L.num_layers
 
@@ -137,7 +140,8 @@ def chunk_expert_numels(L: Layout, c: Chunk) -> list[tuple[int, bool]]:
     if holds_mtp(L, c):
         # the MTP layers (after the decoder) take the last decoder layer's kind
         from .mtp import layers_built
-        out.extend([(numel, False) for numel in _layer_numels(L, mtp_layer_kind(L), True)] * layers_built(L))
+        depth = [numel for _, kind in mtp_stack_layers(L) for numel in _layer_numels(L, kind, True)]
+        out.extend([(numel, False) for numel in depth] * layers_built(L))
     return out
 def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
     """The MTP block's parameters when this chunk holds it (holds_mtp)."""
@@ -146,9 +150,10 @@ def _mtp_params(L: Layout, c: Chunk) -> list[tuple[str, int, bool]]:
     from .mtp import chunk_params as mtp_chunk_params, spec_of
     # an MoE MTP layer's routed experts go to the expert buffer like the decoder's (chunk_expert_numels)
     sep = L.moe is not None and experts_use_expert_buffer(L.moe, L.tp, L.megatron_version)
-    return mtp_chunk_params(spec_of(L), [(name, numel) for name, numel, _tp, _shared, expert, _cols
-                                         in layer_param_rows(L, mtp_layer_kind(L)) if not (sep and expert)],
-                            embedding_copy=not c.has_embedding)
+    return mtp_chunk_params(spec_of(L), [(prefix + name, numel) for prefix, kind in mtp_stack_layers(L)
+                                         for name, numel, _tp, _shared, expert, _cols in layer_param_rows(L, kind)
+                                         if not (sep and expert)],
+                            embedding_copy=not c.has_embedding, layer_prefix="")
 
 
 def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
@@ -160,14 +165,15 @@ def _mtp_param_records(L: Layout, c: Chunk) -> list[Param]:
     if not holds_mtp(L, c):
         return []
     from .mtp import chunk_params as mtp_chunk_params, spec_of
-    layer = layer_params(L, kind=mtp_layer_kind(L))
+    layer = [p for prefix, kind in mtp_stack_layers(L) for p in layer_params(L, prefix, kind)]
     by_name = {p.name: p for p in layer}
     h = L.hidden_size
     out: list[Param] = []
     for name, n, shared in mtp_chunk_params(spec_of(L), [(p.name, p.numel) for p in layer],
-                                            embedding_copy=not c.has_embedding):
-        if ".transformer_layer." in name:
-            q = by_name[name.split(".transformer_layer.", 1)[1]]
+                                            embedding_copy=not c.has_embedding, layer_prefix=""):
+        rel = name.split(".", 3)[-1]            # (mtp.layers.{d}.<the layer's name>)
+        if name.startswith("mtp.") and rel in by_name:
+            q = by_name[rel]
             out.append(Param(name, n, q.tp_replicated, shared, q.expert, q.cols))
         elif name.startswith("embedding."):
             out.append(Param(name, n, tp_replicated="position" in name, shared_embedding=shared, cols=h))
@@ -193,6 +199,27 @@ def mtp_layer_kind(L: Layout) -> LayerKind:
     spec = L.fp8_spec
     quantized = spec.fp8_recipe if spec.fp8 and L.transformer_impl == "transformer_engine" else None
     return kind if kind.quantized == quantized else kind._replace(quantized=quantized)
+
+
+def mtp_stack_layers(L: Layout) -> tuple[tuple[str, LayerKind], ...]:
+    """The layers of one MTP depth, bottom to top, as (name prefix in the depth, kind). A hybrid model's MTP
+    pattern (``hybrid_mtp_pattern``): MultiTokenPredictionLayer builds a HybridStack of one layer per symbol,
+    without a final norm (``mtp_model_layer``, post_layer_norm=False; megatron-core 0.17.1 to 0.19.2
+    multi_token_prediction.py); else the one transformer layer of mtp_layer_kind."""
+    pattern = getattr(L, "hybrid_mtp_pattern", None)
+    if pattern:
+        return _hybrid_mtp_layers(pattern)
+    return (("transformer_layer.", mtp_layer_kind(L)),)
+
+
+@lru_cache(maxsize=64)
+def _hybrid_mtp_layers(pattern: str) -> tuple[tuple[str, LayerKind], ...]:
+    return tuple((f"mtp_model_layer.layers.{i}.", LayerKind(*HYBRID_KINDS[sym])) for i, sym in enumerate(pattern))
+
+
+def mtp_stack_runs(L: Layout) -> tuple[tuple[LayerKind, int], ...]:
+    """mtp_stack_layers' kinds as (kind, count) runs."""
+    return kind_runs(tuple(kind for _, kind in mtp_stack_layers(L)))
 
 
 def chunk_params(L: Layout, c: Chunk, layers: bool = True) -> list[Param]:
@@ -236,9 +263,11 @@ def total_parameters(L: Layout) -> int:
     from .mtp import layers_built
     d = layers_built(L)            # one with --mtp-use-repeated-layer
     if d:
-        last = mtp_layer_kind(L)
-        KL = kind_layout(L, last)
-        total += d * (mixer_recipe(last).param_count(KL) + mlp_recipe(last).param_count(KL) + 3 * norm * h + 2 * h * h)
+        stack = 0
+        for _, kind in mtp_stack_layers(L):
+            KL = kind_layout(L, kind)
+            stack += mixer_recipe(kind).param_count(KL) + mlp_recipe(kind).param_count(KL)
+        total += d * (stack + 3 * norm * h + 2 * h * h)
     if L.untie_embeddings_and_output_weights:
         total += V * h
     if L.position_embedding_type == "learned_absolute":
@@ -253,7 +282,8 @@ def active_parameters(L: Layout) -> int:
     kinds = Counter(layer_kinds(L))
     if getattr(L, "mtp_num_layers", 0):
         from .mtp import layers_built
-        kinds[mtp_layer_kind(L)] += layers_built(L)
+        for _, kind in mtp_stack_layers(L):
+            kinds[kind] += layers_built(L)
     unpicked = 0
     for kind, n in kinds.items():
         if kind.mlp != MLP_MOE:

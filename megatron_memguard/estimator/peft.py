@@ -18,7 +18,9 @@ Megatron-Bridge 0.6.2 (megatron/bridge/peft/base.py, lora.py, dora.py, utils.py 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+
 from ..layout import Layout, ShardGroup, TensorKind
 from ..layout.peft import COLUMN_TARGETS, SCHEME_NAMES
 from .layers.base import shapes
@@ -69,17 +71,15 @@ def adapter_param_count(L: Layout) -> int:
     return total * L.num_layers
 
 
+@dataclass(frozen=True)
 class PeftStates:
-    """Bytes of a stage's model state under PEFT (one rank, the largest distributed-optimizer shard)."""
-
-    def __init__(self, base_params: int, adapter_params: int, param_elems: int, buffer_numel: int,
-                 buffer_unpadded: int, main_elems: int) -> None:
-        self.base_params = base_params          # frozen base parameters on this rank
-        self.adapter_params = adapter_params    # adapter parameters on this rank
-        self.param_elems = param_elems          # adapter weights held (the padded param buffer with dist-opt)
-        self.buffer_numel = buffer_numel        # adapter gradient buffer (padded)
-        self.buffer_unpadded = buffer_unpadded
-        self.main_elems = main_elems            # adapter elements this rank's optimizer owns
+    """Element counts of a stage's model state under PEFT (one rank, the largest distributed-optimizer shard)."""
+    base_params: int          # frozen base parameters on this rank
+    adapter_params: int       # adapter parameters on this rank
+    param_elems: int          # adapter weights held (the padded param buffer with dist-opt)
+    buffer_numel: int         # adapter gradient buffer (padded)
+    buffer_unpadded: int
+    main_elems: int           # adapter elements this rank's optimizer owns
 
 
 @lru_cache(maxsize=256)
@@ -151,14 +151,6 @@ _LORA_INPUT = {"linear_qkv": "lora_qkv_input", "linear_proj": "lora_proj_input",
                "linear_fc2": "lora_fc2_input"}
 
 
-def _core_keeps_proj_input(L: Layout, mods: set) -> bool:
-    """Whether the core attention keeps linear_proj's input for its own backward: flash / cuDNN attention saves
-    its output O, the storage linear_proj reads (layers/attention.py), unless a ring under CP, the output gate
-    or a recomputed core attention leaves linear_proj the only holder."""
-    from .layers.attention import _gated, attention_kind
-    return attention_kind(L) == "fused" and L.cp == 1 and _gated(L) == 1 and "core_attn" not in mods
-
-
 def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, int], int]:
     """A dense attention layer's saved tensors under PEFT, and DoRA's forward working set (bytes).
 
@@ -185,11 +177,16 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
     masks = 0
     dora = 0
     dora_fwd = 0
+    # the core attention keeps linear_proj's input for its own backward (cuDNN FusedAttention and its p2p ring under
+    # CP save the output they return); the flash backend's sbhd copy, the output gate's product and a recomputed
+    # core attention leave linear_proj the only holder (fp8_layers.attention_keeps_proj_input)
+    from .fp8_layers import attention_keeps_proj_input
+    core_keeps_proj_input = attention_keeps_proj_input(saved)
     for name in _ORDER:
         base = _BASE_INPUT[name]
         in_mlp = name in ("linear_fc1", "linear_fc2")
         if name not in tg:
-            if name == "linear_proj" and _core_keeps_proj_input(L, mods):
+            if name == "linear_proj" and core_keeps_proj_input:
                 continue
             out.pop(base, None)
             continue
@@ -205,7 +202,7 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
                 out[_LORA_INPUT[name]] = Tf * i * e                  # TE's gathered norm output, kept by linear_in
         elif pre:
             out[_LORA_INPUT[name]] = Tf * i * (e + 1)
-            if not (name == "linear_proj" and _core_keeps_proj_input(L, mods)):
+            if not (name == "linear_proj" and core_keeps_proj_input):
                 out.pop(base, None)                                  # the base input is no longer kept
         inter += Tf * p.dim * e
         if p.dropout > 0 and p.dropout_position == "post":
@@ -229,7 +226,6 @@ def tie_steps(steps: tuple, saved: dict[str, int]) -> tuple:
     if not extra:
         return steps
     return tuple((names | {k for k, v in extra if v in names}, w) for names, w in steps)
-
 
 
 def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:

@@ -60,6 +60,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "mtp_moe_on_empty_chunk"),
     ("shape", "hybrid_layer_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads "
               "mamba_chunk_size"),
+    ("shape", "hybrid_mtp_pattern"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -75,7 +76,7 @@ MOE_ONLY = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe")
 FLAT: dict[str, str] = {name: part for part, names in _RUNS for name in names.split()}
 FLAT_NAMES: tuple[str, ...] = tuple(FLAT)
 # the FP8 / FP4 settings (absent from the JSON document of a layout without FP8 or FP4)
-FP8_NAMES: frozenset[str] = frozenset(_RUNS[-3][1].split())
+FP8_NAMES: frozenset[str] = frozenset(next(names for _, names in _RUNS if names.startswith("fp8 ")).split())
 # the flat fields the JSON document writes as lists/objects and ``from_dict`` turns back into tuples
 TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offload_modules", "tp_comm_overlap_cfg",
                 "ddp_param_name_patterns_for_fp32_local_accumulation")
@@ -104,6 +105,6 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "softmax_type": "vanilla", "flash_attention_version": None,   # they pick TE's attention kernel (attention_backend)
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
     "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
-    "mamba_num_heads": 0, "mamba_chunk_size": 128,
+    "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

@@ -58,3 +58,7 @@ class ModelShape:
     mamba_num_groups: int = 8
     mamba_num_heads: int = 0
     mamba_chunk_size: int = 128     # the SSD kernel's chunk (MambaMixer's chunk_size; Bridge's mamba_chunk_size)
+    # the layers of one MTP depth of a hybrid model (the pattern after '/' in --hybrid-layer-pattern, core 0.17+):
+    # MultiTokenPredictionLayer builds a HybridStack of them; None: an MTP depth is one layer of the last decoder
+    # layer's kind (params.mtp_stack_runs)
+    hybrid_mtp_pattern: str | None = None

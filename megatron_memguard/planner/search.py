@@ -214,7 +214,16 @@ class Planner:
                 raise
             probe_raw = probe_raw.with_args(micro_batch_size=mbs, global_batch_size=mbs)
             self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
-        self.shape = model_shape(self.probe, raw)
+        shape_layout = self.probe
+        from ..estimator.attention_backend import select as select_attention
+        kernel = select_attention(self.probe, cluster.gpu)
+        if kernel.requested == "auto" and kernel.selected == "unfused":
+            # fp32, or a head dim no fused kernel takes: TE runs its unfused attention on every layout, which has no
+            # context parallelism (the estimate refuses CP > 1 there)
+            shape_layout = self.probe.replace(attention_backend="unfused")
+            self.notes.append(f"attention backend: {kernel.why}; context parallelism is left out, and the step-time "
+                              "model assumes fused attention kernels (the unfused one is slower than predicted)")
+        self.shape = model_shape(shape_layout, raw)
         self.notes.extend(n for n in self.probe.notes if n not in self.notes)
         if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):
             self.notes.append("the step-time model assumes fused (flash) attention kernels; the unfused attention "

@@ -47,7 +47,7 @@ _MODEL_EXTRAS = frozenset({
     "use_te_activation_func", "pipeline_dtype", "vocab_size", "should_pad_vocab", "seq_length",
     "share_embeddings_and_output_weights", "max_position_embeddings", "parallel_output",
     # HybridModelProvider (models/hybrid/hybrid_provider.py): its layer spec (the TE hybrid stack memguard models),
-    # and the MTP layers' dtype (no MTP: resolve refuses MTP with a hybrid model)
+    # and the MTP layers' dtype under FP8 (resolve refuses FP8 with a hybrid model)
     "hybrid_stack_spec", "keep_mtp_spec_in_bf16",
 }) | HYBRID_FIELDS   # and its hybrid fields, passed on as Megatron's flags (resolve/hybrid.py reads or refuses them)
 
@@ -55,7 +55,7 @@ _MODEL_EXTRAS = frozenset({
 # GPTModelConfig's and the extras above): those of memguard's recipes in Bridge 0.6.2 (gpt_provider.py,
 # mla_provider.py, olmoe/olmoe_provider.py, hybrid/hybrid_provider.py; tests/test_bridge_real.py checks both). An
 # unknown model.* key is then refused / warned as the other sections' are; other providers (Gemma,
-# vision-language...) add fields of their own, so an unknown key there only gets the old warning.
+# vision-language...) add fields of their own, so an unknown key there is only warned about.
 _CHECKED_PROVIDERS = frozenset({"GPTModelProvider", "MLAModelProvider", "OlMoEModelProvider", "HybridModelProvider"})
 
 

@@ -49,6 +49,7 @@ _CHOICES = {
     "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
                                          "quantile_balancing", "none"),
     "--cuda-graph-impl": ("none", "local", "transformer_engine", "full_iteration"),
+    "--softmax-type": ("vanilla", "off-by-one", "learnable"),     # (TransformerConfig's Literal; it picks TE's kernel)
     "--symmetric-ar-type": ("two_shot", "one_shot", "multimem_all_reduce"),
     "--data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
     "--outer-dp-sharding-strategy": ("no_shard", "optim"),

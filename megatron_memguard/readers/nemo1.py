@@ -627,6 +627,9 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
                                "adapters; memguard models 'nemo', the fused ones)")
     targets = get(lt + "target_modules")
     if targets is not None:
+        if not isinstance(targets, (str, list, tuple)):
+            # (an int or a mapping: list() raised or took the mapping's keys as target names)
+            raise ConfigError(k(lt + "target_modules"), f"must be a target name or a list of them, got {shown(targets)}")
         names = [targets] if isinstance(targets, str) else list(targets)
         out: list[str] = []
         for t in names:

@@ -119,8 +119,8 @@ def layer_table(est: Estimate) -> str:
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
         L = L.replace(transformer_impl=est.profile)
-    if est.attention is not None and est.attention.selected == "flash" and L.attention_backend == "auto":
-        L = L.replace(attention_backend="flash")      # the kernel the estimate modelled on this GPU
+    if est.attention is not None and est.attention.selected in ("flash", "unfused") and L.attention_backend == "auto":
+        L = L.replace(attention_backend=est.attention.selected)   # the kernel the estimate modelled on this GPU
     if L.moe is None and not L.hybrid_layer_pattern:
         kinds = [None]
     else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)

@@ -9,9 +9,11 @@ groups divisible by TP, heads by groups). megatron-core 0.16.1 (ssm/mamba_hybrid
 ``_allocate_override``): the pattern must have --num-layers symbols of M * - E, no '|' (MambaStack refuses
 virtual pipelines), and the flag is --hybrid-override-pattern.
 
-What is not modelled is refused by name: the 'G' (gated delta net), 'D' (DSA) and '+' (MLA) layers, MTP
-patterns after '/', context parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers
-(resolve/moe.py places them by the pattern).
+The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
+``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
+(gated delta net), 'D' (DSA) and '+' (MLA) layers, full recompute and Megatron-FSDP of hybrid MTP layers, context
+parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers (resolve/moe.py places them by the
+pattern).
 """
 from __future__ import annotations
 
@@ -67,16 +69,8 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail(dest, f"{bad!r} is not a layer symbol (M Mamba, * attention, - MLP, E MoE, G, D, +; "
                "'|' between pipeline segments, '/' before MTP patterns)")
         raise Stop
-    main, *mtp = s.split("/")
-    if any(mtp):
-        if len(set(mtp)) > 1:
-            a.fail(dest, "all MTP patterns after '/' must be identical (parse_hybrid_pattern)")
-            raise Stop
-        if "|" in mtp[0]:
-            a.fail(dest, "an MTP pattern after '/' cannot hold '|' (parse_hybrid_pattern)")
-            raise Stop
-        raise NotModelledError(key, "multi-token prediction layers in a hybrid pattern ('/' patterns: a hybrid "
-                               "stack per MTP depth)")
+    main, *mtp_parts = s.split("/")
+    mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old)
     layers = main.replace("|", "")
     if not layers:
         a.fail(dest, "has no layers before any '/'")
@@ -113,6 +107,8 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.notes.append(f"{key}: {n} layers; --num-layers {given_layers} ignored (validate_args takes the count "
                        "from the pattern)")
     out: dict[str, Any] = dict(hybrid_layer_pattern=main, num_layers=n)
+    if depths:
+        out.update(hybrid_mtp_pattern=mtp, mtp_num_layers=depths)
     for flag in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
                  "pipeline_model_parallel_layout"):
         if _given(a, flag) is not None:
@@ -157,6 +153,72 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     return out
 
 
+def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> tuple[str | None, int]:
+    """The MTP layers of a hybrid model: (one depth's pattern, the number of depths), or (None, 0).
+
+    parse_hybrid_pattern (megatron-core 0.17.1 ssm/mamba_hybrid_layer_allocation.py, 0.18.2 and 0.19.2
+    models/hybrid/hybrid_layer_allocation.py, the same code): each part after '/' is one MTP depth's pattern, all
+    identical, no '|'; only empty parts after '/' mean no MTP. The legacy --mtp-hybrid-override-pattern is one
+    depth's pattern repeated --mtp-num-layers times when the main pattern has no '/' (validate_args, 0.17.1 to
+    0.19.2; Megatron-Bridge 0.6.2 HybridModelProvider.finalize builds the same unified pattern, replacing any
+    '/' parts)."""
+    legacy = a.get("mtp_hybrid_override_pattern")
+    legacy = None if legacy in (None, "", False) else str(legacy)
+    seen = len(a.errors)
+    depth_flag = a.int_arg("mtp_num_layers", 0, minimum=0) or 0
+    del a.errors[seen:]     # (a bad --mtp-num-layers is reported once, by the multi-token prediction section)
+    if legacy is not None and depth_flag > 0 and (not any(parts) or not a.raw.megatron_command_line):
+        if old:
+            a.fail("mtp_hybrid_override_pattern", "is not read by megatron-core 0.16 (hybrid MTP came in 0.17)")
+            raise Stop
+        parts = [legacy] * depth_flag
+        dest, key = "mtp_hybrid_override_pattern", a.key("mtp_hybrid_override_pattern")
+    if not any(parts):
+        return None, 0
+    if old:
+        a.fail(dest, "'/' is not a layer symbol in megatron-core 0.16 (MTP patterns after '/' came in 0.17)")
+        raise Stop
+    if len(set(parts)) > 1:
+        a.fail(dest, "all MTP patterns after '/' must be identical (parse_hybrid_pattern)")
+        raise Stop
+    bound, why = BOUNDS["mtp_num_layers"]
+    if len(parts) > bound:
+        a.fail(dest, f"has {len(parts):,} MTP depths after '/'; memguard's bound on --mtp-num-layers is {bound} ({why})")
+        raise Stop
+    mtp = parts[0]
+    bad = next((ch for ch in mtp if ch not in SYMBOLS), None)
+    if bad is not None:
+        a.fail(dest, f"{bad!r} is not a layer symbol of an MTP pattern (M, *, -, E, G, D, +; no '|': "
+               "parse_hybrid_pattern)")
+        raise Stop
+    if "*" in mtp and ("D" in mtp or "+" in mtp):
+        a.fail(dest, "cannot mix attention '*' with MLA '+' or DSA 'D' layers in the MTP pattern (_validate_pattern)")
+        raise Stop
+    other = sorted(set(mtp) - MODELLED)
+    if other:
+        names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
+        raise NotModelledError(key, f"{names} layers in a hybrid MTP pattern (memguard models Mamba 'M', attention "
+                               "'*', MLP '-' and MoE 'E')")
+    if not a.raw.megatron_command_line and legacy is None:
+        # Megatron-Bridge 0.6.2 HybridModelProvider reconciles mtp_num_layers with the pattern only when it builds
+        # the pattern from mtp_hybrid_override_pattern; HybridModel builds one MTP layer per '/' part (one with the
+        # repeated layer) and its forward runs mtp_num_layers depths (asserting > 0), indexing those layers
+        if a.bool_arg("mtp_use_repeated_layer", False) and depth_flag > 0:
+            return mtp, depth_flag
+        if depth_flag != len(parts):
+            if a.given("mtp_num_layers"):
+                a.fail("mtp_num_layers", f"is {depth_flag} but {key} has {len(parts)} MTP depth(s) after '/': "
+                       "HybridModel builds the pattern's depths and runs mtp_num_layers of them (give them equal)")
+            else:
+                a.fail(dest, f"has {len(parts)} MTP depth(s) after '/' but mtp_num_layers is not set (0: "
+                       "HybridModel's forward asserts mtp_num_layers > 0; set it to the depth count)")
+            raise Stop
+    if depth_flag and depth_flag != len(parts):
+        a.notes.append(f"{a.key('mtp_num_layers')}: {depth_flag} ignored; the pattern has {len(parts)} MTP depth(s) "
+                       "(validate_args takes the count from the pattern)")
+    return mtp, len(parts)
+
+
 def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The Mamba mixer's shape (TransformerConfig's mamba_* fields) and MambaMixer's asserts; the settings
     a hybrid model is not estimated with."""
@@ -192,11 +254,12 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if heads % groups:
         a.fail("mamba_num_heads", f"{heads} Mamba heads must be divisible by --mamba-num-groups {groups} "
                "(MambaMixer asserts it)")
-    if "E" in main and not a.get("num_experts"):
+    mtp = kw.get("hybrid_mtp_pattern") or ""
+    if "E" in main + mtp and not a.get("num_experts"):
         a.fail(PATTERN if _given(a, PATTERN) is not None else LEGACY,
                "has MoE layers ('E') but --num-experts is not set (the MoE layer spec needs experts)")
         return {}
-    _refuse(a, kw, ctx, key, main)
+    _refuse(a, kw, ctx, key, main + mtp)
     if a.bool_arg("use_mamba_mem_eff_path", True) is False:
         raise NotModelledError(a.key("use_mamba_mem_eff_path"), "the Mamba layers' non-fused path "
                                "(causal_conv1d and the chunk scan as separate autograd functions)")
@@ -216,7 +279,14 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 Mamba layers"),
         (kw.get("moe") is not None and "E" not in main, "num_experts", "mixture-of-experts settings with a hybrid "
          "pattern without MoE ('E') layers"),
-        (kw.get("mtp_num_layers"), "mtp_num_layers", "multi-token prediction with a hybrid model"),
+        (kw.get("mtp_num_layers") and ctx.version < Version("0.17"), "mtp_num_layers",
+         "multi-token prediction with a hybrid model under megatron-core 0.16 (its MambaModel has no MTP block)"),
+        # MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints the depth around a HybridStack that
+        # checkpoints its own layers again (its recompute_granularity is the model's); not read further
+        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full", "recompute_granularity",
+         "full recomputation of hybrid MTP layers (a checkpointed MTP depth around a checkpointed HybridStack)"),
+        (kw.get("hybrid_mtp_pattern") and kw.get("use_megatron_fsdp"), "use_megatron_fsdp",
+         "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
         (kw.get("cuda_graph_impl", "none") != "none", "cuda_graph_impl", "CUDA graphs of Mamba layers"),

@@ -8,6 +8,9 @@ from ..errors import NotModelledError
 from .args import Args, Context
 
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
 def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     tp, cp, sp, seq = (kw["tensor_model_parallel_size"], kw["context_parallel_size"], kw["sequence_parallel"],
                        kw["seq_length"])
@@ -48,6 +51,11 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         bias_act_fusion = False
     apply_rope_fusion = a.bool_arg("apply_rope_fusion", True) and kw["position_embedding_type"] == "rope"
     softmax_type = str(a.get("softmax_type") or "vanilla")
+    if softmax_type not in SOFTMAX_TYPES:
+        # TransformerConfig.softmax_type: Literal['vanilla', 'off-by-one', 'learnable'] (core 0.19.2; Megatron's
+        # argparse choices), as TE 2.11's DotProductAttention takes it; it decides TE's attention kernel
+        a.fail("softmax_type", f"must be one of {', '.join(SOFTMAX_TYPES)}, got {softmax_type!r}")
+        softmax_type = "vanilla"
     fa_version = a.int_arg("flash_attention_version", None)
     if fa_version is not None and fa_version not in (2, 3, 4):
         # TransformerConfig.__post_init__ (core 0.19.2) asserts it

@@ -11,9 +11,19 @@ from .args import Args, Context
 
 
 def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
-    depth = a.int_arg("mtp_num_layers", 0, minimum=0) or 0
+    hybrid_mtp = kw.get("hybrid_mtp_pattern")
+    # a hybrid pattern's '/' parts are its MTP depths (resolve/hybrid.py); validate_args takes their count
+    depth = kw["mtp_num_layers"] if hybrid_mtp else (a.int_arg("mtp_num_layers", 0, minimum=0) or 0)
+    if depth and kw.get("hybrid_layer_pattern") and not hybrid_mtp and ctx.version >= Version("0.17"):
+        # validate_args (0.17.1 to 0.19.2) only warns "Hybrid model with --mtp-num-layers but no MTP pattern";
+        # HybridModel (MambaModel in 0.17) builds MTP layers from the pattern's '/' parts only (mtp_process)
+        a.notes.append(f"{a.key('mtp_num_layers')}: no MTP layers are built: the hybrid pattern has no MTP "
+                       "pattern after '/' (Megatron warns and trains without MTP)")
+        return dict(mtp_num_layers=0)
     layout = kw.get("pipeline_model_parallel_layout")
-    if layout is not None:
+    if layout is not None and not kw.get("hybrid_layer_pattern"):
+        # (a hybrid pattern's '|' segments are written as a layout of plain layers: its MTP block is on the last
+        # stage, HybridModel's mtp_on_this_rank without a layout)
         # the layout's 'm' entries place the MTP layers (partition.parse_pipeline_layout checks Megatron's rules on
         # them); PipelineParallelLayerLayout.validate_layer_layout: their count is --mtp-num-layers
         placed = sum(st.count("m") for st in parse_pipeline_layout(str(layout), kw["pipeline_model_parallel_size"],
@@ -27,11 +37,16 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # 0.16.1 as also taking learned_absolute and mrope (docs/assumptions.md)
     allowed = ("rope", "none") if ctx.version >= Version("0.17") else ("learned_absolute", "rope", "mrope", "none")
     if position not in allowed:
-        a.fail("mtp_num_layers", f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
+        # (the depths of a hybrid pattern's '/' parts: the error names the pattern's flag)
+        named = ("mtp_num_layers" if not hybrid_mtp or a.given("mtp_num_layers") else
+                 "hybrid_layer_pattern" if a.given("hybrid_layer_pattern") else "hybrid_override_pattern")
+        a.fail(named, f"needs --position-embedding-type {' or '.join(allowed)} (validate_args), "
                f"got {position}")
     dest = "mtp_hybrid_override_pattern"
-    if a.given(dest) and a.get(dest) not in (False, "false", "False", 0):
-        raise NotModelledError(a.key(dest), "hybrid MTP layers")
+    if a.given(dest) and a.get(dest) not in (None, "", False, "false", "False", 0) and not hybrid_mtp:
+        # validate_args (0.17.1 to 0.19.2) warns that a GPT model ignores it ("for Mamba/hybrid models only")
+        a.notes.append(f"{a.key(dest)}: ignored (one MTP depth's hybrid pattern: read with a hybrid pattern and "
+                       "--mtp-num-layers > 0 only)")
     if a.bool_arg("mtp_standalone", False) and layout is None:
         # TransformerConfig.__post_init__ (core 0.16.1 to 0.19.2) sets mtp_standalone from the layout when one is
         # given; without one the MTP block stays on the last stage (mtp_on_this_rank) and the flag only makes the
@@ -41,7 +56,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # the repeated layer and the builder's MoE rule only when they apply: the section's output for other runs
     # stays what it was
     return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}),
-                **({"mtp_moe_on_empty_chunk": True} if _moe_on_empty_chunk(a, kw, ctx) else {}))
+                **({"mtp_moe_on_empty_chunk": True} if not hybrid_mtp and _moe_on_empty_chunk(a, kw, ctx) else {}))
 
 
 def _moe_on_empty_chunk(a: Args, kw: Mapping[str, Any], ctx: Context) -> bool:

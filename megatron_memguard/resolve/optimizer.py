@@ -148,11 +148,13 @@ def _fp32_accumulation(a: Args, kw: Mapping[str, Any], ctx: Context, dist_opt: b
     if raw in (None, "", [], ()):
         return rs_fp32, ()
     key = a.key("ddp_param_name_patterns_for_fp32_local_accumulation")
+    given = raw
     if isinstance(raw, str):
         # a flag's value (nargs='+': the reader keeps a list) or a YAML string: space-separated patterns
         raw = raw.split()
-    if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) and p for p in raw):
-        a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", f"must be fnmatch patterns, got {str(raw)[:60]!r}")
+    if not raw or not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) and p for p in raw):
+        # (a string of blanks splits into no pattern at all)
+        a.fail("ddp_param_name_patterns_for_fp32_local_accumulation", f"must be fnmatch patterns, got {str(given)[:60]!r}")
         return rs_fp32, ()
     patterns = tuple(raw)
     if len(patterns) > MAX_FP32_PATTERNS or max(map(len, patterns)) > MAX_FP32_PATTERN_CHARS:

@@ -101,6 +101,32 @@ def _layer_specs() -> dict:
                                                                 linear_fc2=RowParallelLinear)))))
 
 
+def _mtp_block_spec() -> dict:
+    """The MTP block of a '/' pattern (megatron-core 0.19.2 hybrid_layer_specs.py _hybrid_mtp_block_spec: TE norms
+    and TEColumnParallelLinear; here torch norms and the local column-parallel linear, the same parameters): its
+    inner HybridStack is built from the model's own layer specs."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlock,
+                                                                  MultiTokenPredictionBlockSubmodules,
+                                                                  MultiTokenPredictionLayer,
+                                                                  MultiTokenPredictionLayerSubmodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear, mtp_model_layer=None,
+        layer_norm=WrappedTorchNorm))
+    return dict(mtp_block_spec=ModuleSpec(module=MultiTokenPredictionBlock,
+                                          submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer])))
+
+
+def _mtp_config(cfg: dict) -> dict:
+    """TransformerConfig's MTP fields for a '/' pattern: validate_args sets mtp_num_layers to its depth count."""
+    depths = len(cfg["pattern"].split("/")) - 1
+    if not depths:
+        return {}
+    return dict(mtp_num_layers=depths, mtp_use_repeated_layer=bool(cfg.get("repeated")))
+
+
 def build_016(cfg: dict):
     """megatron-core 0.16.1: MambaModel over MambaStack (the same local stand-ins as build)."""
     import torch
@@ -148,7 +174,7 @@ def build(cfg: dict):
     # MambaMixer allocates on torch.cuda.current_device(); on CPU that is the CPU
     torch.cuda.current_device = lambda: "cpu"
     spec = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        **_layer_specs(),
+        **_layer_specs(), **_mtp_block_spec(),
         # 'E': MoETransformerLayer with its own pre-MLP norm; local experts (SequentialMLP) for TE's grouped ones:
         # the same numbers of parameters per expert
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
@@ -157,11 +183,11 @@ def build(cfg: dict):
     moe = dict(num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"], moe_ffn_hidden_size=cfg["moe_ffn"],
                moe_token_dispatcher_type="alltoall") if cfg.get("experts") else {}
     config = TransformerConfig(
-        num_layers=len(cfg["pattern"]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
+        num_layers=len(cfg["pattern"].split("/")[0]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
         num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
         activation_func=F.relu, use_cpu_initialization=True, params_dtype=torch.float32, is_hybrid_model=True,
         mamba_state_dim=cfg["state"], mamba_head_dim=cfg["head_dim"], mamba_num_groups=cfg["mamba_groups"],
-        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **moe)
+        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **moe, **_mtp_config(cfg))
     return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=cfg["vocab"],
                        max_sequence_length=cfg["seq"], hybrid_layer_pattern=cfg["pattern"],
                        position_embedding_type="none", share_embeddings_and_output_weights=False)

@@ -91,6 +91,31 @@ def attention_kind(L: Layout) -> str:
     return "fused"
 
 
+def te_softmax_kernel(L: Layout, x: Shapes) -> bool:
+    """Whether TE's UnfusedDotProductAttention runs its fused scale-mask-softmax kernel (it then keeps only the
+    probs) rather than torch's softmax. ``FusedScaleMaskSoftmax.is_kernel_available`` (TE 2.11 and 2.20.2
+    ``pytorch/attention/dot_product_attention/softmax.py``), for a causal self-attention: NVTE_MASKED_SOFTMAX_FUSION
+    not 0, fp16/bf16 scores, 16 < s < 16384, s % 8 == 0 (so sq % 4 == 0), b x heads % 4 == 0 and s a multiple of
+    ``get_batch_per_block(s)`` (128 threads per block / the warp width, two rows per warp up to s = 128)."""
+    if str(dict(L.env).get("NVTE_MASKED_SOFTMAX_FUSION", "1")).strip() == "0" or x.e == 4:
+        return False
+    s = x.s
+    if not (16 < s < 16384 and s % 8 == 0 and (x.b * x.a_t) % 4 == 0):
+        return False
+    pow2 = 1 << (s - 1).bit_length()
+    per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    return s % per_block == 0
+
+
+def te_torch_softmax_mask(L: Layout, x: Shapes, has_batch_mask: bool) -> int:
+    """Bytes of the bool mask TE's torch-softmax path keeps per layer (``masked_fill_`` saves it for backward):
+    ``get_full_mask`` ORs its [1, 1, s, s] window mask with the mask megatron hands over (the data loader's
+    [b, 1, s, s] one when it makes one), and ``forward_torch_softmax`` ORs the result with the cached causal mask
+    into a new tensor (TE 2.11 and 2.20.2 ``utils.py`` / ``softmax.py``)."""
+    rows = x.b if has_batch_mask and L.create_attention_mask_in_dataloader else 1
+    return rows * x.s * x.s
+
+
 def _te_keeps_every_cp_step(L: Layout) -> bool:
     """Transformer Engine up to 2.11 (megatron-core 0.16 pins TE < 2.12) keeps every ring step's K/V
     buffer and partial output until the forward's end; TE 2.20.2 keeps two of each (double buffering).
@@ -225,8 +250,12 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         if rope:
             saved["query_rope"] = q
             saved["key_rope"] = kv1
-    fused_softmax = kind in ("local_fused_softmax", "te_unfused")
-    soft32 = L.attention_softmax_in_fp32 and not fused_softmax
+    # TE's unfused attention falls back to torch's softmax where its kernel cannot run (fp32 scores, s >= 16384,
+    # ...): that path casts fp16/bf16 scores to fp32 first whatever --attention-softmax-in-fp32 says
+    # (UnfusedDotProductAttention builds FusedScaleMaskSoftmax with softmax_in_fp32=True) and keeps its mask
+    te_torch = kind == "te_unfused" and not te_softmax_kernel(L, x)
+    fused_softmax = kind == "local_fused_softmax" or (kind == "te_unfused" and not te_torch)
+    soft32 = (e != 4) if te_torch else L.attention_softmax_in_fp32 and not fused_softmax
     # the softmax keeps its output (fp32 with the fp32 softmax); the bmm keeps what it multiplies: the
     # cast back to the activation dtype, or the dropout output (then the cast is not kept, the dropout
     # keeps its bool mask instead)
@@ -240,14 +269,21 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
     mask_made = kind == "local_unfused" and not (has_batch_mask and L.create_attention_mask_in_dataloader)
     if mask_made:
         saved["causal_mask"] = x.s * x.s               # bool mask kept by masked_fill_
+    te_mask = te_torch_softmax_mask(L, x, has_batch_mask) if te_torch else 0
+    if te_mask and not recompute_core:
+        saved["causal_mask"] = te_mask                 # made inside the core attention: a checkpoint drops it
     # forward at the softmax: the raw scores (+ fp32 copy, + the mask being built; TE's unfused
     # path also holds its preallocated output buffer) next to the probs being made
     core_fwd = scores * e + (scores * 4 if soft32 else 0) + (8 * x.s * x.s if mask_made else 0)
-    if kind == "te_unfused":
+    if kind == "te_unfused" and not te_torch:
         core_fwd += scores * e
+    elif te_torch:
+        # get_full_mask's window mask, alive through the forward (the preallocated buffer is gone by the softmax)
+        core_fwd += x.s * x.s
     # backward just after the softmax's (the probs are released by then): grads of probs and
     # scores, the masked grad, the bmm's grad buffer, and the grads of the context and of v
-    if kind == "local_unfused":
+    # (TE's torch-softmax path runs the same torch ops as megatron's unfused one)
+    if kind == "local_unfused" or te_torch:
         core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + 2 * q
     else:
         core_bwd = 2 * scores * e + 2 * q
@@ -256,15 +292,19 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         # by this step; CheckpointFunction.backward still holds the recomputed context and the
         # gradient handed to it (measured by the CPU referee: recompute core_attn on a PP2 first stage),
         # and under GQA the recomputed repeat of K that the scores' backward still needs.
-        core_bwd += 2 * q + (q if gqa else 0)
+        core_bwd += 2 * q + (q if gqa else 0) + te_mask   # (TE's torch path: and the remade mask)
     return saved, core_fwd, core_bwd, True
 
 
 
 def reads_batch_mask(L: Layout) -> bool:
-    """Whether ``has_batch_mask`` changes the layer's tensors: only megatron's unfused local attention
-    builds (and keeps) a causal mask, when the data loader made none (attention_items)."""
-    return bool(L.create_attention_mask_in_dataloader) and attention_kind(L) == "local_unfused"
+    """Whether ``has_batch_mask`` changes the layer's tensors: megatron's unfused local attention builds (and
+    keeps) a causal mask when the data loader made none, TE's torch-softmax path keeps a mask as wide as the
+    batch's (attention_items)."""
+    if not L.create_attention_mask_in_dataloader:
+        return False
+    kind = attention_kind(L)
+    return kind == "local_unfused" or (kind == "te_unfused" and not te_softmax_kernel(L, shapes(L)))
 
 
 def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, after: frozenset,
@@ -316,7 +356,10 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         core_bwd += ctx
     # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
     rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
-    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask", "flash_qkv"}
+    # (the core attention's autograd node frees what it saved: flash-attn's q, k, v copies and output, the ring's
+    # last K/V buffer)
+    rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask", "flash_qkv", "attention_output_bshd",
+                           "cp_kv_buffer"}
     rel_qkv = rel_core | {"qkv_output", "query", "key_repeated", "value_repeated", "query_rope", "key_rope",
                           "rope_cos_sin", "query_norm", "key_norm", "qk_norm_stats"}
     bwd_steps = (

@@ -4,8 +4,8 @@ Sources: megatron-core 0.19.2 ssm/mamba_mixer.py (MambaMixer.__init__ and _ssm_t
 models/hybrid/hybrid_layer_specs.py (in_proj = TELayerNormColumnParallelLinear with the layer's norm fused in,
 out_proj = TERowParallelLinear, the MambaLayer's own norm left IdentityOp); mamba_ssm 2.2.6
 ops/triton/ssd_combined.py (MambaSplitConv1dScanCombinedFn: what the fused conv + chunked scan keeps for
-backward) and ops/triton/layernorm_gated.py (the gated RMSNorm's LayerNormFn). megatron-core 0.16.1 builds
-the same tensors (its conv1d is an nn.Conv1d: parameters ``conv1d.weight`` / ``conv1d.bias``).
+backward) and ops/triton/layernorm_gated.py (the gated RMSNorm's LayerNormFn). megatron-core 0.16.1 to 0.18.2
+build the same tensors (their conv1d is an nn.Conv1d: parameters ``conv1d.weight`` / ``conv1d.bias``).
 
 Shapes per TP rank (t): d_inner = heads x head_dim (heads = 2 h / head_dim unless --mamba-num-heads), heads
 and groups split over TP; in_proj's output packs [z, x, B, C, dt] = 2 d_inner + 2 groups N + heads
@@ -44,8 +44,9 @@ def param_rows(L: Any) -> list[ParamRow]:
     """In the order module.parameters() walks MambaMixer (what the DDP buffer follows): its own parameters
     first, in registration order, then its submodules'. 0.19.2: conv1d_weight [conv_dim, 1, 4], conv1d_bias,
     dt_bias, A_log, D (one per head), then in_proj (TE registers its fused norm first), the gated RMSNorm's
-    weight, out_proj. 0.16.1: dt_bias, A_log, D, then in_proj, conv1d (an nn.Conv1d), norm, out_proj. All but
-    the fused norm are TP-sharded; no biases on in_proj / out_proj (MambaMixer asserts bias=False)."""
+    weight, out_proj. 0.16.1 to 0.18.2: dt_bias, A_log, D, then in_proj, conv1d (an nn.Conv1d), norm, out_proj
+    (the conv1d became the mixer's own conv1d_weight / conv1d_bias in 0.19). All but the fused norm are TP-sharded;
+    no biases on in_proj / out_proj (MambaMixer asserts bias=False)."""
     h, t = L.hidden_size, L.tp
     di, nh, g, n, _ = dims(L)
     conv = (di + 2 * g * n) // t
@@ -58,7 +59,8 @@ def param_rows(L: Any) -> list[ParamRow]:
         ("mixer.in_proj.weight", in_proj_out(L) * h, False, False, False, h)]
     tail = [("mixer.norm.weight", di // t, False, False, False, 0),
             ("mixer.out_proj.weight", h * (di // t), False, False, False, di // t)]
-    if str(L.megatron_version).startswith("0.16"):
+    from packaging.version import Version
+    if Version(str(L.megatron_version)) < Version("0.19"):
         conv_rows = [("mixer.conv1d.weight", conv * D_CONV, False, False, False, 0),
                      ("mixer.conv1d.bias", conv, False, False, False, 0)]
         return own + in_proj + conv_rows + tail

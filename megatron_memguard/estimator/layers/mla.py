@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ...layout import Layout
-from .attention import attention_kind
+from .attention import attention_kind, te_softmax_kernel, te_torch_softmax_mask
 from .base import (MixerActivations, Param, ParamRow, Shapes, Step, norm_rows, norm_stats, norms_per_layer_norm,
                    param_objects, shapes, wgrad)
 
@@ -124,7 +124,7 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
         core_fwd = v_b                                          # the output being written
         core_bwd = 2 * q_b + v_b + stats + (v_b if recompute_core else 0)
         unfused = False
-    else:
+    elif te_softmax_kernel(L, x):
         # TE's unfused attention with its fused softmax kernel (as for standard attention)
         probs = scores * e + (scores * (1 + e) if L.attention_dropout > 0 else 0)
         if not recompute_core:
@@ -132,9 +132,24 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
         core_fwd = 2 * scores * e
         core_bwd = 2 * scores * e + 2 * v_b + (2 * v_b if recompute_core else 0)   # as for standard attention
         unfused = True
+    else:
+        # TE's torch-softmax path (fp32 scores, s >= 16384, ...; attention.attention_items): fp32 probs, their cast
+        # back to fp16/bf16 kept by the bmm (or the dropout's mask and output), and the [1, 1, s, s] mask kept by
+        # masked_fill_ (MLA hands TE no batch mask)
+        half = e != 4
+        probs = scores * 4 + (scores * (1 + e) if L.attention_dropout > 0 else scores * e if half else 0)
+        if not recompute_core:
+            saved["attention_probs"] = probs
+        mask = te_torch_softmax_mask(L, x, False)
+        if not recompute_core:
+            saved["causal_mask"] = mask                # made inside the core attention: a checkpoint drops it
+        core_fwd = scores * e + (scores * 4 if half else 0) + x.s * x.s
+        core_bwd = (scores * (2 * e + 8 if half else 4 * e) + 2 * v_b
+                    + (2 * v_b + mask if recompute_core else 0))
+        unfused = True
     remade = 2 * q_b + v_b if recompute_up else 0              # query, key and value made again
     core_bwd += 2 * remade
-    rel_core = frozenset({"attention_probs", "softmax_stats"})
+    rel_core = frozenset({"attention_probs", "softmax_stats", "causal_mask"})
     rel_up = rel_core | {"query", "key", "value", "rope_cos_sin"}
     rel_down = rel_up | {"q_latent", "kv_latent", "latent_norms", "k_rope_gathered"}
     latents = T * ((ql or 0) + kvl + pe) * e
