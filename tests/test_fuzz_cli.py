@@ -21,7 +21,9 @@ validate, 240 plan, 600 config files, 300 check, 500 report, 200 Megatron logs, 
 of the newer features' inputs: MoE / FP8 / FSDP / offload / CUDA-graph / MTP flags, --moe-layer-freq
 expressions, --tp-comm-overlap-cfg YAML, Megatron-Bridge MoE recipes with --set, NeMo 2 MoE exports),
 about 1.5 minutes on two cores; 120 more for issue hostile4's surfaces (--megatron-version, fp32
-accumulation patterns, config.json and Bridge model fields of the wrong kind). ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
+accumulation patterns, config.json and Bridge model fields of the wrong kind); 150 for issue hostile5's (hybrid Mamba
+patterns and sizes, the Nemotron-H recipe, LoRA / DoRA sections, MTP stages, latent MoE / capacity / upcycling sizes,
+attention backends and GPU names, plan of hybrid models, logs of hybrid and MTP runs; about 20 s). ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
 failing, ``MEMGUARD_FUZZ_WALL=S`` stops a case after S seconds: how an older memguard is audited.
 """
 from __future__ import annotations

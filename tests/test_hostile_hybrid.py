@@ -1,5 +1,5 @@
 """Regressions of issue hostile5: hostile input to the hybrid Mamba, PEFT, MTP-stage, latent-MoE and attention-backend
-surfaces (tests/test_fuzz_cli.py test_hybrid_and_peft_inputs_with_hostile_values draws from the same values). Each is
+surfaces (tests/test_fuzz_cli.py test_hybrid_peft_and_mtp_inputs_with_hostile_values draws from the same values). Each is
 the smallest input that broke the promise (a setting silently dropped or a real run's log refused), with what
 memguard does now."""
 from __future__ import annotations
