@@ -70,3 +70,17 @@ def test_permuted_rows_are_megatron_cores(factor, pad):
     # (0.16.1 returns permuted tokens, probs and indices; 0.19.2 two more: the indices stay third)
     out = mu.permute(tokens, routing, num_out_tokens=num_out, drop_and_pad=pad)
     assert out[0].shape[0] == out[2].numel() == sent_rows(L.moe, T)
+
+
+@pytest.mark.parametrize("factor, pad, worst", [
+    (2.0, False, 8),      # C = 8 per expert, but the 8 tokens make 8 top-1 choices: at most 8 rows, not C x E = 16
+    (0.5, False, 4),      # C = 2: 2 experts x 2 kept
+    (2.0, True, 16),      # padded to capacity: exactly C x E = 16
+])
+def test_the_worst_case_rows_are_bounded_by_the_choices_too(factor, pad, worst):
+    """Dropping only removes rows (apply_router_token_dropping, moe_utils.py, core 0.16.1 and 0.19.2): a rank's experts
+    get at most C per expert and source rank and at most the source's T x min(k, E_l) choices (found by
+    tests/test_properties_newest.py: the worst case with a capacity was above the dropless worst case)."""
+    from megatron_memguard.estimator.layers.moe import expert_rows
+    L = _layout(factor, pad)
+    assert expert_rows(L.moe, tokens_per_rank(L)).worst == worst

@@ -125,12 +125,15 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         la, n = per_kind[0]
         per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
     else:
-        # With layers of different kinds, the largest layer's saved bytes and working sets stand for
-        # the one whose backward runs first (an upper bound).
         n = sum(k for _, k in runs)
         per_layer = max(la.total for la, _ in per_kind)
-        fwd_transient = max(la.fwd_transient for la, _ in per_kind)
-        bwd_transient = max(la.bwd_transient for la, _ in per_kind)
+        if L.recompute_granularity == "full" or L.cpu_offloading_num_layers or L.fine_grained_activation_offloading:
+            # With layers of different kinds, the largest layer's saved bytes and working sets stand for
+            # the one whose backward runs first (an upper bound).
+            fwd_transient = max(la.fwd_transient for la, _ in per_kind)
+            bwd_transient = max(la.bwd_transient for la, _ in per_kind)
+        else:
+            fwd_transient, bwd_transient = _mixed_transients(per_kind)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
@@ -216,6 +219,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if recompute_group:
         # Backward of a checkpointed block first replays its forward with grad enabled.
         bwd_top = recompute_group * per_layer + bwd_transient
+        if len(per_kind) > 1 and L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
+            # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
+            bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
     bwd_bottom = 0
     if has_batch:
         b = batch_items(L, first=has_embedding, last=has_output)
@@ -302,7 +308,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # is a forward transient here: one layer's tensors while it runs (what it would save, and its working
         # set), or the output items at the loss; the batch and embedding items alongside. Later stages receive an
         # input that requires grad (p2p_communication.py) and are counted as in training.
-        one_layer = (per_layer + fwd_transient) if n else 0
+        # (one layer at a time, nothing above it kept: the largest layer's working set, whatever its position)
+        one_layer = (per_layer + max(la.fwd_transient for la, _ in per_kind)) if n else 0
         return ChunkActivations(layers=0, layers_detail="frozen: nothing saved for backward", ends={},
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
@@ -332,6 +339,46 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     if L.recompute_granularity == "full":
         return la, d * ckpt_input, 0
     return la, d * la.total, d * la.moe_total
+
+
+def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
+    """A chunk of layers of different kinds (bottom to top): its forward and backward working sets over the
+    whole chunk's saved bytes. A layer's forward runs before the layers above it have saved anything, and its
+    backward after their saved tensors are freed (autograd releases a node's saved tensors once its backward
+    has run), so layer i adds its own working set less what the layers above it keep: the largest over the
+    layers. Within a run of one kind its top layer is the largest. (A hybrid model's attention layer under its
+    MLP layer: the attention's backward working set comes when the MLP layer above has freed its tensors.)"""
+    fwd = bwd = None
+    above = 0
+    for la, k in reversed(per_kind):
+        if k <= 0:
+            continue
+        f, b = la.fwd_transient - above, la.bwd_transient - above
+        fwd = f if fwd is None else max(fwd, f)
+        bwd = b if bwd is None else max(bwd, b)
+        above += k * la.total
+    return fwd or 0, bwd or 0
+
+
+def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
+    """Full uniform recompute of a chunk of layers of different kinds (bottom to top) in blocks of ``k``
+    (recompute.py checkpointed_forward, megatron-core 0.19.2: TransformerBlock and HybridStack alike): the
+    largest block replay in backward, its layers' saved bytes with the working set of its layers
+    (``_mixed_transients`` within the block) over what the chunk holds, less the checkpointed inputs of the
+    blocks above it (freed when their backward has run)."""
+    layers = [la for la, n in per_kind for _ in range(n)]
+    best = None
+    for start in range(0, len(layers), k):
+        block = layers[start:start + k]
+        runs: list[tuple[LayerActivations, int]] = []
+        for la in block:
+            if runs and runs[-1][0] is la:
+                runs[-1] = (la, runs[-1][1] + 1)
+            else:
+                runs.append((la, 1))
+        v = sum(la.total for la in block) + _mixed_transients(runs)[1] - ckpt_input * (-(-(len(layers) - start - len(block)) // k))
+        best = v if best is None else max(best, v)
+    return best or 0
 
 
 def _layers_bytes(per_kind: list[tuple[LayerActivations, int]], skip: int, moe: bool = False) -> int:

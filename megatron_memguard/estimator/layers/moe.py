@@ -202,8 +202,8 @@ def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
     """Balanced: every token's k copies spread evenly over the E experts, so this rank's E_l experts
     get T*k*ETP (the ETP ranks of an expert each get the tokens of their whole ETP group). Worst
     (dropless): every token of the ETP x EP group picks as many of this rank's experts as it can,
-    T*ETP*EP*min(k, E_l). With a capacity factor: at most C*E*ETP (C per expert per source rank), and
-    exactly that with --moe-pad-expert-input-to-capacity."""
+    T*ETP*EP*min(k, E_l). With a capacity factor: at most C*E*ETP (C per expert per source rank) and at most the
+    dropless worst case (dropping removes rows), and exactly C*E*ETP with --moe-pad-expert-input-to-capacity."""
     k, etp, ep, El = m.moe_router_topk, m.etp, m.ep, m.local_experts
     C = capacity(m, T)
     balanced = T * k * etp
@@ -214,7 +214,10 @@ def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
     full = C * m.num_experts * etp
     if m.moe_pad_expert_input_to_capacity:
         return ExpertRows(full, full, f"padded to a capacity of {C} per expert and source rank")
-    return ExpertRows(min(balanced, full), full, f"capacity {C} per expert and source rank")
+    # dropping only removes rows: a source rank sends this rank's E_l experts at most C each and at most its T
+    # tokens' min(k, E_l) choices (apply_router_token_dropping, moe_utils.py, megatron-core 0.16.1 and 0.19.2)
+    return ExpertRows(min(balanced, full), min(full, T * etp * ep * min(k, El)),
+                      f"capacity {C} per expert and source rank")
 
 
 def _round_up(n: int, a: int) -> int:
