@@ -200,3 +200,16 @@ def test_nemo1_lora_settings_of_the_wrong_shape():
     one_error(run("    lora_tuning:\n      variant: canonical\n"), "model.peft.lora_tuning.variant: NeMo 1's canonical LoRA")
     o = run("    lora_tuning:\n      variant: nemo\n")
     assert not o.problems and o.code in (0, 1), o.describe()
+
+
+@pytest.mark.parametrize("spec, rule", [
+    ("{_target_: my_pkg.specs.my_hybrid_spec}", "the hybrid stack spec 'my_pkg.specs.my_hybrid_spec'"),
+    ("3", "must name a layer spec"),
+])
+def test_a_hybrid_stack_spec_of_the_users_own_is_refused(spec, rule):
+    # HybridModelProvider._resolve_hybrid_stack_spec builds the layers from hybrid_stack_spec when it is set: any value
+    # was taken as megatron-core's TE hybrid stack (Bridge 0.6.2 models/hybrid/hybrid_provider.py)
+    one_error(_hybrid_yaml(f"model.hybrid_stack_spec={spec}"), f"model.hybrid_stack_spec: {rule}")
+    default = _json(_hybrid_yaml("model.hybrid_stack_spec={_target_: megatron.core.models.hybrid.hybrid_layer_specs."
+                                 "hybrid_stack_spec, _call_: false}"))
+    assert default["stages"] == _json(_hybrid_yaml())["stages"]
