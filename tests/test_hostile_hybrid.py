@@ -213,3 +213,25 @@ def test_a_hybrid_stack_spec_of_the_users_own_is_refused(spec, rule):
     default = _json(_hybrid_yaml("model.hybrid_stack_spec={_target_: megatron.core.models.hybrid.hybrid_layer_specs."
                                  "hybrid_stack_spec, _call_: false}"))
     assert default["stages"] == _json(_hybrid_yaml())["stages"]
+
+
+def test_run_recipe_with_the_short_nemotron_name():
+    # run_recipe.py loads megatron.bridge.recipes.<--recipe> and stops with "Recipe 'nemotronh_8b' not found": memguard
+    # said the recipe 'nemotronh_8b' was one it "has no entry for (nemotronh_8b is one...)" (the 'nemotronh_' prefix of
+    # the unmodelled Nemotron-H recipes matched first)
+    launch = "torchrun --nproc-per-node 8 scripts/training/run_recipe.py --recipe {} --mode pretrain\n"
+    check_error(launch.format("nemotronh_8b"), "--recipe nemotronh_8b: is not a recipe function of megatron.bridge.recipes",
+                "--recipe nemotronh_8b_pretrain_config")
+    o = run_memguard(["check", "--file", "run.sh"], {"run.sh": launch.format("nemotronh_8b_pretrain_config")}, cpu_limit=2.0)
+    assert not o.problems and o.code == 0, o.describe()
+    check_error(launch.format("nemotronh_4b_pretrain_config"), "a Nemotron-H recipe memguard has no entry for")
+
+
+def check_error(script: str, *needles) -> None:
+    """memguard check's refusal: the error line naming the key, then its DO NOT LAUNCH line (exit 2)."""
+    o = run_memguard(["check", "--file", "run.sh"], {"run.sh": script}, cpu_limit=2.0)
+    assert not o.problems and o.code == 2, o.describe()
+    first, *rest = o.err.strip().splitlines()
+    assert first.startswith("memguard check: error: ") and rest == ["memguard check: DO NOT LAUNCH - not checked (exit 2)"], o.err
+    for n in needles:
+        assert n in first, first
