@@ -869,8 +869,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     n_layers, has_output, final_norm = 0, False, False
     acts: list[ChunkActivations] = []
     runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
-    receiving: list[int] = []                 # the chunks that get their input from a previous stage (1), or the
-    mtp_here = False                          # (1 + D)-fold hidden states of a standalone MTP stage (1 + D)
+    # per chunk, the input it gets from a previous stage, in [s/CP, b, h] units: 0 (the first chunk), 1, or 1 + D
+    # after a standalone MTP stage (the (1 + D)-fold hidden states it sends on)
+    receiving: list[int] = []
+    mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
     for c in chunks:
         n_layers += c.num_layers
@@ -1368,7 +1370,8 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     attention = select_attention_backend(L, gpu)
-    if attention.selected in ("flash", "unfused") and L.attention_backend == "auto":
+    modelled = attention.modelled_layout(L)
+    if modelled is not L:
         # TE runs flash-attn (or, where neither flash-attn nor cuDNN can, its unfused attention) for auto on
         # this GPU: those terms (layers/attention.py) apply
         if attention.selected == "unfused" and L.cp > 1:
@@ -1377,7 +1380,7 @@ def estimate(
             raise ConfigError("--context-parallel-size", f"must be 1 here (got {L.cp}): Transformer Engine has no "
                               "attention kernel for this layer under context parallelism; " + attention.why,
                               "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes")
-        L = L.replace(attention_backend=attention.selected)
+        L = modelled
     if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
         notes.append("attention backend: " + attention.why)
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
@@ -1401,9 +1404,8 @@ def estimate(
         # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
         from .upcycling import startup_figure, startup_terms
         frag = site.allocator_fragmentation if device == "gpu" else 0.0
-        for s in stages:
-            s.__dict__["startup"] = startup_figure(startup_terms(
-                L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))
+        stages = tuple(replace(s, startup=startup_figure(startup_terms(
+            L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))) for s in stages)
     totals = [s.required_device_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total
     verdict = verdict_for(totals[crit], mem, threshold)
