@@ -392,6 +392,12 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     # SharedExpertMLP.__init__: no bias in shared experts (moe/shared_experts.py 124)
     if ns.num_experts and ns.moe_shared_expert_intermediate_size and ns.add_bias_linear:
         return "SharedExpertMLP: bias is not supported in the shared experts"
+    # TE's DotProductAttention at the first forward: flash-attn and cuDNN take only bf16/fp16 q/k/v, and its unfused
+    # attention does not run under context parallelism (get_attention_backend's dtype and context-parallelism
+    # filters, transformer_engine/pytorch/attention/dot_product_attention/utils.py, TE 2.11.0 and 2.20.2)
+    if (ns.transformer_impl == "transformer_engine" and ns.context_parallel_size > 1
+            and not (ns.bf16 or ns.fp16)):
+        return "TE attention: no backend for fp32 q/k/v under context parallelism"
     split = _tp_split(config)
     if split:
         return split
