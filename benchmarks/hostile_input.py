@@ -19,7 +19,8 @@ argument (a named pipe nobody writes to, /dev/zero, a directory, a symlink loop,
 of 7,000 ranks, an out-of-memory flood and numbers no GPU prints; every field of the MoE config.json files,
 Megatron logs with colour codes / NULs / garbage / cuts, and plan over extreme spaces (issue hostile3); odd
 --megatron-version values, DDP's fp32 accumulation pattern bombs, JSON objects at MoE config.json fields, every
-Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, plan --top 10**9 (issue hostile4). Prints, per command, the number of runs, how many broke the
+Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, plan --top 10**9 (issue hostile4);
+hybrid Mamba patterns, Nemotron-H recipe fields, MTP stages, latent MoE / capacity / upcycling sizes (issue hostile5). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -36,8 +37,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from benchmarks.shared_data import SHARED  # noqa: E402
 from fuzz_util import (  # noqa: E402
-    JSON_VALUES, LAUNCH, LEAVES, NUMBERS, NUMERIC_FLAGS, RUNLOG, RUNLOG_FIELDS, SENTINEL, SHELL_LINES, SMALL, TEXTS, YAML_SEEDS,
-    YAML_VALUES, alias_bomb, run_memguard, with_values,
+    HYBRID, HYBRID_PATTERNS, JSON_VALUES, LAUNCH, LEAVES, MTP_LAYOUTS, NUMBERS, NUMBER_CLASSES, NUMERIC_FLAGS, RUNLOG,
+    RUNLOG_FIELDS, SENTINEL, SHELL_LINES, SMALL, TEXTS, YAML_SEEDS, YAML_VALUES, alias_bomb, run_memguard, with_values,
 )
 
 TARGET = 2.0          # seconds per command (CPU)
@@ -198,6 +199,52 @@ def feature_cases():
     for label, text in ub.items():
         yield f"estimate --tp-comm-overlap-cfg {label}", ["estimate", "--world-size", "8", "--", *MOE, "--tp-comm-overlap",
                                                           "--tp-comm-overlap-cfg", "ub.yaml"], {"ub.yaml": text}
+
+
+def hybrid_cases():
+    """Issue hostile5: hybrid Mamba patterns of every class (separators, odd symbols, 10**5 symbols) with PP / VPP /
+    layouts, Mamba sizes, the nemotronh_8b recipe's fields with --set, plan of hybrid models over 10**6 GPUs, MTP on its
+    own stage ('m' anywhere, 10**5 of them), latent MoE / capacity factor / upcycling sizes, empty --gpu, and the log of
+    a run launched with the deprecated --hybrid-override-pattern."""
+    values = [v for vs in HYBRID_PATTERNS.values() for v in vs]
+    for v in values:
+        for more in ([], ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4", "--num-layers", "3"]):
+            yield f"estimate --hybrid-layer-pattern {v[:20]!r} {more[:1]}", [
+                "estimate", "--world-size", "8", "--", *HYBRID, "--hybrid-layer-pattern", v, *more], {}
+        yield f"plan --hybrid-layer-pattern {v[:20]!r}", ["plan", "--gpus", "1000000", "--seq-length", "128",
+                                                          "--global-batch-size", "1024", "--", *HYBRID, "--hybrid-layer-pattern", v], {}
+        yield f"estimate nemotronh_8b pattern={v[:20]!r}", ["estimate", "--model", "nemotronh_8b", "--gpus", "8", "--set",
+                                                            f"model.hybrid_layer_pattern={v}"], {}
+    numbers = [v for vs in NUMBER_CLASSES.values() for v in vs]
+    for flag in ("--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads"):
+        for v in numbers:
+            yield f"estimate {flag} {v[:20]!r}", ["estimate", "--world-size", "8", "--", *HYBRID, "--hybrid-layer-pattern",
+                                                  "M*M-", "--tensor-model-parallel-size", "2", flag, v], {}
+    for key in ("model.mamba_chunk_size", "model.num_layers", "model.virtual_pipeline_model_parallel_size", "peft"):
+        for v in ["0", "''", "null", "|", "-1", "1e400", "lora", "3"]:
+            yield f"estimate nemotronh_8b {key}={v}", ["estimate", "--model", "nemotronh_8b", "--gpus", "8", "--set",
+                                                       f"{key}={v}"], {}
+    yield "plan nemotronh_8b on 10**6 GPUs", ["plan", "--model", "nemotronh_8b", "--gpus", "1000000", "--seq-length", "8192",
+                                             "--global-batch-size", "1048576", "--vpp", "1,2,4,8"], {}
+    mtp = SMALL[:SMALL.index("--tensor-model-parallel-size")]
+    for v in [v for vs in MTP_LAYOUTS.values() for v in vs]:
+        for pp, depth in (("2", "1"), ("4", "2")):
+            yield f"estimate layout {v[:20]!r} PP {pp} MTP {depth}", [
+                "estimate", "--world-size", "8", "--", *mtp, "--pipeline-model-parallel-size", pp, "--mtp-num-layers", depth,
+                "--pipeline-model-parallel-layout", v], {}
+    for flag in ("--moe-latent-size", "--moe-expert-capacity-factor", "--moe-upcycling-granularity"):
+        for v in numbers:
+            for dispatcher in ("alltoall", "allgather", "flex"):
+                yield f"estimate {flag} {v[:20]!r} {dispatcher}", [
+                    "estimate", "--world-size", "8", "--", *MOE, "--moe-token-dispatcher-type", dispatcher, flag, v], {}
+    for option in ("--gpu", "--gpu-memory"):
+        yield f"estimate {option} ''", ["estimate", "--world-size", "8", option, "", "--", *SMALL], {}
+    from megatron_logs import args_of, print_args, report_memory
+    args = args_of(HYBRID + ["--hybrid-layer-pattern", "M*M-"], 8)
+    args.update(num_layers=4, hybrid_override_pattern="M*M-")
+    log = "\n".join(print_args(args) + [report_memory(0, "(after 10 iterations)", 2**30, 2**31, 2**31, 2**31)]) + "\n"
+    yield "report log of a --hybrid-override-pattern run", ["report", "run.log"], {"run.log": log}
+    yield "calibrate log of a --hybrid-override-pattern run", ["calibrate", "run.log", "run.log"], {"run.log": log}
 
 
 def hostile_files(d: str) -> dict[str, str]:
@@ -461,7 +508,7 @@ def main(argv: list[str]) -> int:
               ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
-              ("releases", release_cases()), ("structured", structured_cases())]
+              ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases())]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -553,19 +554,20 @@ def failure_reason(sweep: Sweep, x: Scored, family: list[tuple[Sweep, list[Score
                                "Megatron's" + twin_text)
 
 
-_HAGEMANN_ROWS: list[dict] = []
+@functools.cache
+def _hagemann_rows() -> tuple[dict[str, str], ...]:
+    """The rows of the Hagemann sheet, read once."""
+    with open(HAGEMANN_CSV, newline="") as f:
+        return tuple(csv.DictReader(f))
 
 
 def _other_kernels_text(sweep: Sweep, r: Run) -> str:
     """The same cell's trials with the other attention / norm kernels of the sheet (the status column's words),
     grouped by checkpointing: whether the failure is the kernel's or the layout's."""
-    if not _HAGEMANN_ROWS:
-        with open(HAGEMANN_CSV, newline="") as f:
-            _HAGEMANN_ROWS.extend(csv.DictReader(f))
     kernel = HAGEMANN_KERNEL if sweep.family == "hagemann" else OTHER_KERNELS[sweep.family]
     model = sweep.name.split()[0]
     out: dict[str, list[str]] = {}
-    for x in _HAGEMANN_ROWS:
+    for x in _hagemann_rows():
         if (x["model"], int(x["seq_len"]), int(x["world_size"]), int(x["tp"]), int(x["pp"]),
                 int(x["micro_batch_size"])) == (model, sweep.seq, sweep.world, r.tp, r.pp, r.mbs) and x["kernel"] != kernel \
                 and (r.tp == 1 or x["sequence_parallel"] in ("not_recorded", "1" if r.sp else "0")):

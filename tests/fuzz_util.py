@@ -91,6 +91,26 @@ JSON_CLASSES = {
     "long": ["\"" + "x" * BIG + "\""],
 }
 
+# Issue hostile5: a small hybrid Mamba model's flags (tests/test_mamba.py's shape), hybrid layer patterns and
+# pipeline layouts with MTP layers ('m'), by class
+HYBRID = ["--hidden-size", "256", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+          "--ffn-hidden-size", "512", "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+          "--global-batch-size", "8", "--bf16", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer",
+          "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "none",
+          "--mamba-state-dim", "16", "--mamba-head-dim", "32", "--mamba-num-groups", "2"]
+HYBRID_PATTERNS = {   # --hybrid-layer-pattern / --hybrid-override-pattern / Bridge's hybrid_layer_pattern
+    "valid": ["M*M-", "M*|M-", "MM**", "M-M-|M*M-", "M*M-/", "****", "M*-E"],
+    "separators": ["", "|", "||", "|M*", "M*|", "M||*", "/", "M*/M", "M*/M/M-", "M*/|", "/M*", "M*//", "M*|M-" * 2 + "|"],
+    "symbols": ["m*", "MX", "G*", "D*", "+M", "M\u2217M", "\uff2d*", "M\u200b*", "M* M", "M\n*", "\x00", "é", "0", "M*\u202e-"],
+    "huge": ["M" * 100_000, "M" * 100_001, "M*" * 5_000, "M|" * 5_000, "|" * 100_000, "M" + "|" * 99_999],
+}
+MTP_LAYOUTS = {
+    "standalone": ["Ett|tt|m|L", "Etttt|m|L", "Et|tt|tm|L", "Ett|ttmL", "E|tttt|m|L", "Etttt|m||L"],
+    "odd": ["mEtttt|L", "Et|m|m|tttL", "Etttt|L|m", "Etmtmtmt|L", "m", "Etttt|Lm", "|Etttt|m|L", "Etttt|m|L|",
+            "Etttt|m*2|L", "Etttt|(m)*3|L", "Etttt|m*100000|L", "Etttt|\uff4d|L", "Etttt|M|L", "Etttt,m,L"],
+    "huge": ["Etttt|m|L" * 1_000, "E" + "t" * 4 + "|" * 50_000 + "mL", "Etttt|" + "m" * 100_000 + "|L"],
+}
+
 
 def _flat(classes: dict) -> list[str]:
     return _v([x for values in classes.values() for x in values])

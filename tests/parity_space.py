@@ -392,6 +392,12 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     # SharedExpertMLP.__init__: no bias in shared experts (moe/shared_experts.py 124)
     if ns.num_experts and ns.moe_shared_expert_intermediate_size and ns.add_bias_linear:
         return "SharedExpertMLP: bias is not supported in the shared experts"
+    # TE's DotProductAttention at the first forward: flash-attn and cuDNN take only bf16/fp16 q/k/v, and its unfused
+    # attention does not run under context parallelism (get_attention_backend's dtype and context-parallelism
+    # filters, transformer_engine/pytorch/attention/dot_product_attention/utils.py, TE 2.11.0 and 2.20.2)
+    if (ns.transformer_impl == "transformer_engine" and ns.context_parallel_size > 1
+            and not (ns.bf16 or ns.fp16)):
+        return "TE attention: no backend for fp32 q/k/v under context parallelism"
     split = _tp_split(config)
     if split:
         return split
@@ -425,6 +431,11 @@ def _later_rules(ns: Any, config: Any) -> str | None:
     # checkpointed_forward: the uniform loop advances by recompute_num_layers, 0 never ends (recompute.py 157)
     if config.recompute_granularity == "full" and config.recompute_method == "uniform" and not config.recompute_num_layers:
         return "checkpointed_forward: uniform recompute of 0 layers never finishes a forward"
+    # MultiTokenPredictionLayer._checkpointed_forward asserts one layer per checkpoint under uniform at the first
+    # forward (transformer/multi_token_prediction.py 1420, 0.19.2)
+    if (config.mtp_num_layers and config.recompute_granularity == "full" and config.recompute_method == "uniform"
+            and config.recompute_num_layers != 1):
+        return "MultiTokenPredictionLayer: recompute_num_layers must be 1 for MTP recompute"
     # initialize_model_parallel: the expert grid (parallel_state.py 881)
     expert_grid = ns.expert_tensor_parallel_size * ns.expert_model_parallel_size * pp * ns.expert_gtp_weight_remat_size
     if ns.world_size % expert_grid:
@@ -680,4 +691,8 @@ FOUND = [
     Found((*MOE, "--moe-router-padding-for-quantization"), 2, "--moe-router-padding-for-quantization",
           ("0.16", "0.19"), "TransformerConfig.__post_init__, transformer_config.py line 2317 (0.16.1: 1622): the "
           "routing map is padded for FP8 / FP4 only (fp8/fp4 must be specified)"),
+    Found(("--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+           "--recompute-num-layers", "2"), 2, "--recompute-num-layers", ("0.16", "0.19"),
+          "MultiTokenPredictionLayer._checkpointed_forward, transformer/multi_token_prediction.py line 1420 (0.16.1: "
+          "847): one layer per checkpoint of an MTP depth under uniform (asserted at the first forward)"),
 ]

@@ -21,7 +21,9 @@ validate, 240 plan, 600 config files, 300 check, 500 report, 200 Megatron logs, 
 of the newer features' inputs: MoE / FP8 / FSDP / offload / CUDA-graph / MTP flags, --moe-layer-freq
 expressions, --tp-comm-overlap-cfg YAML, Megatron-Bridge MoE recipes with --set, NeMo 2 MoE exports),
 about 1.5 minutes on two cores; 120 more for issue hostile4's surfaces (--megatron-version, fp32
-accumulation patterns, config.json and Bridge model fields of the wrong kind). ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
+accumulation patterns, config.json and Bridge model fields of the wrong kind); 150 for issue hostile5's (hybrid Mamba
+patterns and sizes, the Nemotron-H recipe, LoRA / DoRA sections, MTP stages, latent MoE / capacity / upcycling sizes,
+attention backends and GPU names, plan of hybrid models, logs of hybrid and MTP runs; about 20 s). ``MEMGUARD_FUZZ_RECORD=FILE`` appends each broken case to FILE instead of
 failing, ``MEMGUARD_FUZZ_WALL=S`` stops a case after S seconds: how an older memguard is audited.
 """
 from __future__ import annotations
@@ -37,9 +39,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzz_util import (  # noqa: E402
-    JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, NUMBER_CLASSES, NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG,
-    RUNLOG_RECORD_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES, YAML_SEEDS, V, run_memguard,
-    alias_bomb, with_values,
+    HYBRID, HYBRID_PATTERNS, JSON_CLASSES, LAUNCH, LEAVES, MEGATRON_LOG, MEGATRON_LOG_LINES, MTP_LAYOUTS, NUMBER_CLASSES,
+    NUMBER_LEAVES, NUMERIC_FLAGS, RUNLOG, RUNLOG_RECORD_FIELDS, SENTINEL, SHELL_CLASSES, SMALL, TEXT_CLASSES, YAML_CLASSES,
+    YAML_SEEDS, V, run_memguard, alias_bomb, with_values,
 )
 
 # A hang guard, far above the 2 s target that benchmarks/hostile_input.py measures: on a shared machine under
@@ -619,4 +621,113 @@ def test_release_surfaces_with_hostile_values(rnd):
             overrides += ["--set", f"model.{key}={value}" if key else f"model={value}"]
         argv = ["estimate", "--model", d.pick(["qwen3_30b_a3b", "llama32_1b", "deepseek_v2_lite"]), "--gpus", "64",
                 "--set", "model.moe_flex_dispatcher_backend=deepep", *overrides]
+    run(d, argv, files)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue hostile5: hybrid Mamba patterns and sizes (flags, the nemotronh_8b recipe, a HybridModelProvider YAML),
+# LoRA / DoRA sections, MTP on its own stage, latent MoE, capacity factors, upcycling, attention backends and GPU
+# names, plan of those models, report / calibrate on logs of hybrid and MTP runs
+# --------------------------------------------------------------------------------------------------
+HYBRID_MORE = [["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"], ["--num-layers", "3"],
+               ["--num-layers-per-virtual-pipeline-stage", "1"], ["--pipeline-model-parallel-layout", "Et|tL"],
+               ["--decoder-first-pipeline-num-layers", "1"], ["--tensor-model-parallel-size", "2"],
+               ["--num-experts", "4", "--moe-router-topk", "2"], ["--mtp-num-layers", "1"], ["--context-parallel-size", "2"],
+               ["--megatron-version", "0.16"], ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]]
+HYBRID_SIZES = ["--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads", "--hidden-size",
+                "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--num-layers"]
+NEMOTRON_KEYS = ["model.hybrid_layer_pattern", "model.hybrid_override_pattern", "model.mamba_num_heads",
+                 "model.mamba_head_dim", "model.mamba_num_groups", "model.mamba_state_dim", "model.mamba_chunk_size",
+                 "model.num_layers", "model.virtual_pipeline_model_parallel_size", "model.pipeline_model_parallel_size",
+                 "model.hybrid_attention_ratio", "model.mtp_num_layers", "model.mtp_hybrid_override_pattern", "peft"]
+PEFT_FIELDS = {"dim": None, "alpha": None, "dropout": None, "dropout_position": ["pre", "post", "PRE", "mid"],
+               "target_modules": ["[linear_qkv, linear_qkv]", "[foo]", "[]", "['']", "[' linear_qkv ']", "linear_qkv",
+                                  "[" + ", ".join(["linear_fc1"] * 20_000) + "]", "[" + ", ".join(f"m{i}" for i in range(9_000)) + "]"],
+               "exclude_modules": ["[]", "[linear_qkv]"], "lora_dtype": ["bf16", "null"], "bogus": ["1"],
+               "canonical_mapping": ["{}", "{a: b}"], "_target_": ["megatron.bridge.peft.ia3.IA3", "''", "LoRA"]}
+PEFT_WITH = ["", "ddp: {use_megatron_fsdp: true, use_distributed_optimizer: true}\n",
+             "model: {num_moe_experts: 4, moe_router_topk: 2}\n", "mixed_precision: bf16_with_fp8_current_scaling_mixed\n"]
+MOE_ODD = ["--moe-latent-size", "--moe-expert-capacity-factor", "--moe-upcycling-granularity"]
+BACKENDS = ["auto", "flash", "fused", "unfused", "local", "cudnn", "FLASH", "", "flash attention", "\x00"]
+GPU_NAMES = ["H100-80GB", "h100", "B200", "GB200", "A100-40GB", "MI300X", "", "h 100", "\uff48100", "t4", "x" * 1000]
+
+
+def _hybrid_log(d: Draw) -> str:
+    from megatron_logs import args_of, print_args, report_memory
+    mtp = d.coin()
+    flags = (SMALL[:SMALL.index("--tensor-model-parallel-size")] + ["--mtp-num-layers", "1", "--pipeline-model-parallel-size",
+             "2", "--pipeline-model-parallel-layout", d.pick(["Ett|ttmL", "Etttt|mL"])]) if mtp else \
+        HYBRID + ["--hybrid-layer-pattern", "M*M-"]
+    args = args_of(flags, 8)
+    for _ in range(d.int(1, 2)):
+        key = d.pick(["mtp_num_layers", "pipeline_model_parallel_layout", "hybrid_layer_pattern", "hybrid_override_pattern",
+                      "num_layers", "mamba_num_heads", "is_hybrid_model"], "field")
+        args[key] = d.hostile(HYBRID_PATTERNS) if d.coin() else d.any_value()
+    lines = print_args(args) + [report_memory(r, "(after 10 iterations)", 2**30, 3 * 2**30, 4 * 2**30, 4 * 2**30)
+                                for r in range(2 if mtp else 1)]
+    return "\n".join(lines) + "\n"
+
+
+@fuzz(150)
+def test_hybrid_peft_and_mtp_inputs_with_hostile_values(rnd):
+    d = Draw(rnd)
+    kind = d.pick(["hybrid", "hybrid", "nemotron", "peft", "mtp", "moe", "backend", "plan", "log"], "kind")
+    files: dict[str, str] = {}
+    if kind == "hybrid":
+        flags = HYBRID + [d.pick(["--hybrid-layer-pattern", "--hybrid-override-pattern"]), d.hostile(HYBRID_PATTERNS, "pattern")]
+        for _ in range(d.int(0, 2)):
+            flags += d.pick(HYBRID_MORE) if d.coin() else [d.pick(HYBRID_SIZES), d.hostile(NUMBER_CLASSES)]
+        version = ["--megatron-version", flags.pop(flags.index("--megatron-version") + 1)] if "--megatron-version" in flags else []
+        flags = [f for f in flags if f != "--megatron-version"]
+        argv = [d.pick(["estimate", "validate"]), "--world-size", "8", *version, "--", *flags]
+    elif kind == "nemotron":
+        overrides = []
+        for _ in range(d.int(1, 2)):
+            key = d.pick(NEMOTRON_KEYS, "key")
+            value = d.hostile(HYBRID_PATTERNS) if "pattern" in key and d.coin() else d.hostile(YAML_CLASSES)
+            overrides += ["--set", f"{key}={value}"]
+        argv = ["estimate", "--model", "nemotronh_8b", "--gpus", d.pick(["8", "2", "64"]), *overrides]
+    elif kind == "peft":
+        from test_readers_bridge import FLAT
+        lines = [f"  _target_: megatron.bridge.peft.{d.pick(['lora.LoRA', 'dora.DoRA'])}"]
+        for _ in range(d.int(1, 3)):
+            field = d.pick(sorted(PEFT_FIELDS), "field")
+            choices = PEFT_FIELDS[field]
+            value = d.pick(choices) if choices and d.coin() else d.hostile(YAML_CLASSES)
+            lines.append(f"  {field}: {value}")
+        files["c.yaml"] = FLAT + d.pick(PEFT_WITH) + "peft:\n" + "\n".join(lines) + "\n"
+        argv = ["estimate", "--config", "c.yaml", "--gpus", "8"]
+    elif kind == "mtp":
+        flags = list(SMALL[:SMALL.index("--tensor-model-parallel-size")]) + [
+            "--pipeline-model-parallel-size", d.pick(["1", "2", "3", "4"]), "--mtp-num-layers", d.pick(["0", "1", "2", "100"]),
+            "--pipeline-model-parallel-layout", d.hostile(MTP_LAYOUTS, "layout")]
+        if d.coin():
+            flags += d.pick([["--num-experts", "4", "--moe-router-topk", "2"], ["--num-virtual-stages-per-pipeline-rank", "2"],
+                             ["--account-for-loss-in-pipeline-split"], ["--mtp-num-layers", d.any_value()]])
+        argv = [d.pick(["estimate", "validate"]), "--world-size", "8", "--", *flags]
+    elif kind == "moe":
+        flags = MOE + ["--moe-token-dispatcher-type", d.pick(["alltoall", "allgather", "flex"])]
+        for _ in range(d.int(1, 2)):
+            flags += [d.pick(MOE_ODD, "flag"), d.hostile(NUMBER_CLASSES)]
+        if d.coin():
+            flags += d.pick([["--moe-pad-expert-input-to-capacity"], ["--moe-use-upcycling", "--save", "/ckpt"],
+                             ["--ffn-hidden-size", "1024", "--moe-ffn-hidden-size", "512"]])
+        argv = ["estimate", "--world-size", "8", "--", *flags]
+    elif kind == "backend":
+        argv = [d.pick(["estimate", "plan"]), "--gpu", d.pick(GPU_NAMES, "gpu")]
+        argv += ["--gpus", "8", "--seq-length", "512", "--global-batch-size", "16"] if argv[0] == "plan" else ["--world-size", "8"]
+        argv += ["--", *SMALL, "--attention-backend", d.pick(BACKENDS, "backend") if d.coin() else d.any_value()]
+    elif kind == "plan":
+        gpus = d.pick(["8", "1024", str(2**20), "1000000"], "gpus")
+        if d.coin():
+            argv = ["plan", "--model", "nemotronh_8b", "--gpus", gpus, "--seq-length", "8192", "--global-batch-size", "1024"]
+            argv += ["--set", f"model.hybrid_layer_pattern={d.hostile(HYBRID_PATTERNS)}"] if d.coin() else []
+        else:
+            pattern = d.pick(["M*" * 5_000, "|".join(["M*"] * 5_000), "M*M-", d.hostile(HYBRID_PATTERNS)], "pattern")
+            argv = ["plan", "--gpus", gpus, "--seq-length", "128", "--global-batch-size", "1024", "--vpp",
+                    d.pick(["1", "1,2,4,8"]), "--", *HYBRID, "--hybrid-layer-pattern", pattern]
+    else:
+        files["run.log"] = _hybrid_log(d)
+        argv = d.pick([["report", "--json", "run.log"], ["calibrate", "run.log", "run.log", "--out", "s.yaml"],
+                       ["report", "run.log", "--megatron-version", "0.16"]])
     run(d, argv, files)

@@ -207,6 +207,11 @@ def test_unmodelled_mtp_settings_are_refused_by_name():
     with pytest.raises(NotModelledError) as e:
         _layout("M*M-/MM", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
     assert str(e.value).startswith("--recompute-granularity")
+    # more than one layer per uniform checkpoint is not a refusal but Megatron's assertion at the first forward
+    # (MultiTokenPredictionLayer._checkpointed_forward, core 0.19.2, hybrid depths too): an error naming the flag
+    assert _err("--hybrid-layer-pattern M*M-/MM --recompute-granularity full --recompute-method uniform "
+                "--recompute-num-layers 2").startswith("--recompute-num-layers: must be 1 with the MTP depths of "
+                                                       "--hybrid-layer-pattern under --recompute-method uniform, got 2")
 
 
 def test_depth_count_comes_from_the_pattern():

@@ -187,6 +187,23 @@ def test_layout_json_round_trip(tmp_path):
     assert "peft" not in layout(tmp_path, FLAT).to_dict()
 
 
+def test_trainable_parameters_in_report_and_json(tmp_path):
+    from megatron_memguard.report.text import render
+    # FLAT's 4 layers, r 8, the four default targets (whole-model shapes): qkv (512 + 768) 8 = 10,240,
+    # proj (512 + 512) 8 = 8,192, fc1 (512 + 3072) 8 = 28,672, fc2 (1536 + 512) 8 = 16,384: 63,488 a layer
+    est = estimate(layout(tmp_path, FLAT + LORA))
+    assert est.to_dict()["trainable_parameters"] == 4 * 63_488 == 253_952
+    assert "adapters: LoRA rank 8 on linear_qkv, linear_proj, linear_fc1, linear_fc2; 253,952 trainable parameters" \
+        in render(est)
+    # DoRA adds each wrapped weight's output rows, whole: 768 + 512 + 3072 + 512 = 4,864 a layer
+    est = estimate(layout(tmp_path, FLAT + DORA + "  target_modules: [linear_qkv, linear_fc2]\n"))
+    assert est.to_dict()["trainable_parameters"] == 4 * ((512 + 768) * 8 + 768 + (1536 + 512) * 8 + 512) == 111_616
+    assert "adapters: DoRA rank 8 on linear_qkv, linear_fc2; 111,616 trainable parameters" in render(est)
+    # without PEFT: no line, no key
+    est = estimate(layout(tmp_path, FLAT))
+    assert "trainable_parameters" not in est.to_dict() and "adapters:" not in render(est)
+
+
 NEMO1 = """
 trainer: {devices: 8, num_nodes: 1, precision: bf16}
 model:

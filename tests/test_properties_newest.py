@@ -124,7 +124,7 @@ def test_a_frozen_layer_keeps_its_adapters_inputs_and_intermediates(job):
     the same storage), plus one [s b, r] intermediate per adapter (its linear_out's input); DoRA also keeps each wrapped
     linear's output for ``mag_norm_scale * (base + adapter)``."""
     from megatron_memguard.estimator.activations import layer_activations
-    from megatron_memguard.estimator.fp8_layers import attention_keeps_proj_input
+    from megatron_memguard.estimator.layers.attention import attention_keeps_proj_input
     s, peft = job
     s = s.with_(sp=False, recompute=())
     peft = dict(peft, peft_dropout=0.0)

@@ -85,3 +85,42 @@ def test_memguard_estimate_of_the_mtp_stage():
     assert last.parameters == measured()[1]["num_params"]
     peak = measured()[1]["peak_bytes"]
     assert abs(last.peak_allocated_bytes - peak) < 0.01 * peak, (last.peak_allocated_bytes, peak)
+
+
+BLOCK = "--recompute-granularity full --recompute-method block --recompute-num-layers 1".split()
+
+
+@functools.lru_cache(maxsize=None)
+def measured_block() -> list:
+    _, settings = resolve_config(FLAGS + BLOCK, 2)
+    settings["mtp_num_layers"] = 1
+    return run_referee(settings, 2, timeout=900)
+
+
+def test_block_recompute_leaves_the_mtp_layer_whole():
+    # MultiTokenPredictionLayer._checkpointed_forward (core 0.16.1): under block it warns and runs the depth without
+    # recompute. So block's only saving on the MTP stage is its one decoder layer: 578 KiB kept (by hand, above)
+    # replaced by its 32 KiB checkpointed input [128 rows, h 128] bf16. Measured: exactly 559,104 B.
+    full, block = measured()[1], measured_block()[1]
+    assert full["peak_phase"] == block["peak_phase"] == "it2 fwd mb1"
+    assert abs(full["peak_bytes"] - block["peak_bytes"] - (578 - 32) * 1024) < 1024
+    from megatron_memguard import estimate, layout_from_flags
+    L = layout_from_flags(FLAGS + BLOCK + ["--mtp-num-layers", "1"], world_size=2, megatron_version="0.16")
+    predicted = estimate(L, device="cpu").stages[1].peak_allocated_bytes
+    assert abs(predicted - block["peak_bytes"]) < 0.01 * block["peak_bytes"], (predicted, block["peak_bytes"])
+
+
+def test_uniform_with_two_layers_per_checkpoint_stops_megatron_where_memguard_says():
+    # validate_args lets it through; MultiTokenPredictionLayer._checkpointed_forward (core 0.16.1 line 847) asserts
+    # at the first forward. memguard refuses the same flags naming --recompute-num-layers (resolve/mtp.py).
+    from benchmarks.referee.run import RefereeError
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.errors import ConfigError
+    uniform2 = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2".split()
+    flags = [("4" if f == "2" and FLAGS[i - 1] == "--num-layers" else f) for i, f in enumerate(FLAGS)] + uniform2
+    _, settings = resolve_config(flags, 2)
+    settings["mtp_num_layers"] = 1
+    with pytest.raises(RefereeError, match="recompute_num_layers must be 1 for MTP recompute"):
+        run_referee(settings, 2, timeout=900)
+    with pytest.raises(ConfigError, match="^--recompute-num-layers: must be 1 with --mtp-num-layers"):
+        layout_from_flags(flags + ["--mtp-num-layers", "1"], world_size=2, megatron_version="0.16")

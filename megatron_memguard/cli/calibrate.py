@@ -142,7 +142,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
             raise ConfigError("--out", f"directory {parent} does not exist")
     given = bool(ns.config or ns.model or flags or ns.set)
     raw = load_raw(ns, flags) if given else None
-    runs = read_runs(ns.logs, gpu=lookup_gpu(ns.gpu) if ns.gpu else None, device=ns.device, raw=raw,
+    runs = read_runs(ns.logs, gpu=lookup_gpu(ns.gpu) if ns.gpu is not None else None, device=ns.device, raw=raw,
                      env=job_env(ns.env), resolve_kw={"world_size": resolve_world(ns),
                                                      "megatron_version": ns.megatron_version,
                                                      "vocab_size": ns.vocab_size})

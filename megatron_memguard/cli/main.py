@@ -205,8 +205,9 @@ def target_gpu(ns: argparse.Namespace) -> tuple[GpuSpec | None, int | None]:
     from ..gpus import lookup_gpu
     from ..units import parse_bytes
 
-    gpu = lookup_gpu(ns.gpu) if ns.gpu else (None if ns.gpu_memory else lookup_gpu("H100-80GB"))
-    mem = parse_bytes(ns.gpu_memory, "--gpu-memory") if ns.gpu_memory else None
+    # (an empty --gpu '' / --gpu-memory '' is a value, refused by name, not the default taken silently)
+    gpu = lookup_gpu(ns.gpu) if ns.gpu is not None else (None if ns.gpu_memory is not None else lookup_gpu("H100-80GB"))
+    mem = parse_bytes(ns.gpu_memory, "--gpu-memory") if ns.gpu_memory is not None else None
     if not 0 < ns.threshold <= 1.5:
         raise ConfigError("--threshold", f"must be a fraction of GPU memory in (0, 1.5], got {ns.threshold}")
     return gpu, mem

@@ -255,9 +255,10 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
     """An FP8 / FP4 layer: the GEMM inputs its TE modules keep at their quantized size
     (``estimator.fp8_layers.saved_overrides``); linear_proj's quantized copy of the attention output (delayed
     scaling) lives and dies with ``proj_input``, which stays only where the core attention keeps it too
-    (``fp8_layers.attention_keeps_proj_input``). The working sets of the steps are those of the BF16 layer plus the quantized
+    (``layers.attention.attention_keeps_proj_input``). The working sets of the steps are those of the BF16 layer plus the quantized
     output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
-    from .fp8_layers import attention_keeps_proj_input, layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
+    from .layers.attention import attention_keeps_proj_input
+    from .fp8_layers import layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
     over = saved_overrides(L.fp8_spec, module_gemms(L, layer_gemms(L, kind)), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e)

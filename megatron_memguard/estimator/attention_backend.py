@@ -62,6 +62,14 @@ class AttentionBackend:
     def to_dict(self) -> dict[str, str]:
         return {"requested": self.requested, "selected": self.selected, "why": self.why}
 
+    def modelled_layout(self, L: Layout) -> Layout:
+        """``L`` with ``--attention-backend auto`` replaced by the kernel TE runs for it when that is flash-attn or
+        its unfused attention, whose terms differ (layers/attention.py); otherwise ``L`` itself (auto's terms are
+        cuDNN fused attention's)."""
+        if self.selected in ("flash", "unfused") and L.attention_backend == "auto":
+            return L.replace(attention_backend=self.selected)
+        return L
+
 
 def _te_211(L: Layout) -> bool:
     """megatron-core before 0.17 runs TE up to 2.11 (its pin); later releases TE 2.20.2."""

@@ -43,6 +43,7 @@ from .mtp import block_activations as mtp_block_acts
 from .mtp import spec_of as mtp_spec_of
 from .mtp import standalone_loss_items as mtp_standalone_loss_items
 from .mtp import layers_built as mtp_layers_built
+from .mtp import checkpointed as mtp_checkpointed
 from .params import holds_final_norm, holds_mtp, mtp_layer_kind, mtp_stack_runs
 from .muon import EMERGING_OPTIMIZERS, MUON_OPTIMIZERS
 from .muon import stage_state_terms as muon_state_terms
@@ -123,7 +124,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     x = shapes(L)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
     # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
-    # (_block_replays; a chunk building MTP layers, checkpointed above its decoder layers, and activation
+    # (_block_replays; a chunk building MTP layers above its decoder layers (estimator/mtp.py) and activation
     # offloading keep the replay over everything the chunk holds: an upper bound)
     block = (L.recompute_granularity == "full" and L.recompute_method == "block" and not mtp_here
              and not L.cpu_offloading_num_layers and not L.fine_grained_activation_offloading)
@@ -291,7 +292,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         mtp_saved, mtp_logits = mtp_last_stage_items(L) if mtp_here else (
             mtp_standalone_loss_items(L) if mtp_depths else ({}, 0))
         if mtp_saved and mtp_here:
-            # the D MTP layers (the last decoder layer's kind; each checkpointed under full recompute)
+            # the D MTP layers (the last decoder layer's kind; each checkpointed under full uniform recompute)
             d = L.mtp_num_layers
             _, kept, kept_moe = _mtp_layers(L, has_batch, ckpt_input)
             layers += kept
@@ -341,8 +342,9 @@ ChunkActivations.layers_detail = _MadeAtFirstRead("layers_detail", "")  # type: 
 
 def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActivations, int, int]:
     """The D MTP layers of the chunk that builds the MTP block (the last decoder layer's kind; each checkpointed
-    under full recompute): their activations, the bytes they keep, and the MoE part of those (an MoE MTP layer's
-    MoE half is MoE activations like a decoder layer's: moe_layer_activations, which the worst-case routing scales)."""
+    under full uniform recompute, kept whole under block: estimator/mtp.py checkpointed): their activations, the
+    bytes they keep, and the MoE part of those (an MoE MTP layer's MoE half is MoE activations like a decoder
+    layer's: moe_layer_activations, which the worst-case routing scales)."""
     d = L.mtp_num_layers
     if L.hybrid_mtp_pattern:
         # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (resolve/hybrid.py
@@ -351,7 +353,7 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
         la = max((x for x, _ in per_kind), key=lambda x: (x.bwd_transient, x.fwd_transient))
         return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
-    if L.recompute_granularity == "full":
+    if mtp_checkpointed(L):
         return la, d * ckpt_input, 0
     return la, d * la.total, d * la.moe_total
 
@@ -904,8 +906,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     n_layers, has_output, final_norm = 0, False, False
     acts: list[ChunkActivations] = []
     runs_of: list[tuple[tuple[LayerKind, int], ...]] = []
-    receiving: list[int] = []                 # the chunks that get their input from a previous stage (1), or the
-    mtp_here = False                          # (1 + D)-fold hidden states of a standalone MTP stage (1 + D)
+    # per chunk, the input it gets from a previous stage, in [s/CP, b, h] units: 0 (the first chunk), 1, or 1 + D
+    # after a standalone MTP stage (the (1 + D)-fold hidden states it sends on)
+    receiving: list[int] = []
+    mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
     for c in chunks:
         n_layers += c.num_layers
@@ -1403,7 +1407,8 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     attention = select_attention_backend(L, gpu)
-    if attention.selected in ("flash", "unfused") and L.attention_backend == "auto":
+    modelled = attention.modelled_layout(L)
+    if modelled is not L:
         # TE runs flash-attn (or, where neither flash-attn nor cuDNN can, its unfused attention) for auto on
         # this GPU: those terms (layers/attention.py) apply
         if attention.selected == "unfused" and L.cp > 1:
@@ -1412,7 +1417,7 @@ def estimate(
             raise ConfigError("--context-parallel-size", f"must be 1 here (got {L.cp}): Transformer Engine has no "
                               "attention kernel for this layer under context parallelism; " + attention.why,
                               "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes")
-        L = L.replace(attention_backend=attention.selected)
+        L = modelled
     if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
         notes.append("attention backend: " + attention.why)
     mem = gpu_memory if gpu_memory is not None else (gpu.memory_bytes if gpu else None)
@@ -1436,9 +1441,8 @@ def estimate(
         # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
         from .upcycling import startup_figure, startup_terms
         frag = site.allocator_fragmentation if device == "gpu" else 0.0
-        for s in stages:
-            s.__dict__["startup"] = startup_figure(startup_terms(
-                L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))
+        stages = tuple(replace(s, startup=startup_figure(startup_terms(
+            L, s.pp_rank, dp_rank, tuple(t for t in s.terms if t.level == "device"), frag))) for s in stages)
     totals = [s.required_device_bytes for s in stages]
     crit = totals.index(max(totals))        # the first stage with the largest total
     verdict = verdict_for(totals[crit], mem, threshold)

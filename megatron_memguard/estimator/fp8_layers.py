@@ -121,18 +121,6 @@ def proj_saves_original_input(spec: Fp8Spec) -> bool:
     return bool(spec.fp4) or bool(spec.fp8 and spec.fp8_recipe != "delayed")
 
 
-def attention_keeps_proj_input(saved: Mapping[str, int]) -> bool:
-    """Whether the BF16 tensor linear_proj reads (``proj_input``) is also saved by the core attention, from a
-    layer's saved names: TE's FusedAttention (``FusedAttnFunc`` saves ``out`` and returns it, viewed) and its p2p
-    ring under context parallelism (``AttnFuncWithCPAndKVP2P`` saves and returns ``out_f16``) keep it when they
-    run with autograd (their softmax statistics are saved) (TE 2.11 ``backends.py``, ``context_parallel.py``).
-    Nothing else keeps it: unfused attention (its context is a new tensor the bmm does not save), ``core_attn``
-    recompute (the checkpoint runs the attention without autograd), the output gate (linear_proj reads the gated
-    product), the flash backend with or without CP (linear_proj reads a ``.contiguous()`` sbhd copy of the
-    ``attention_output_bshd`` flash-attn or the ring keeps)."""
-    return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved)
-
-
 def proj_backward_input(spec: Fp8Spec, tokens: int, width: int, *, non_tn: bool = False) -> int:
     """Bytes of the quantized copy linear_proj makes of its BF16 input in backward when it saved the original
     (TE 2.11 ``linear.py`` ``_Linear.backward``, "Prepare input tensor": ``quantizer(inputmat)``), alive through
@@ -156,7 +144,7 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
     * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
     * ``fp8_proj_input`` (new, delayed scaling only): linear_proj quantizes the attention output and keeps
       that copy; the BF16 output stays saved (``proj_input``) only where the core attention keeps it
-      (``attention_keeps_proj_input``; the caller drops it elsewhere). Every other recipe and FP4 keep the BF16
+      (``layers.attention.attention_keeps_proj_input``; the caller drops it elsewhere). Every other recipe and FP4 keep the BF16
       input itself (``proj_saves_original_input``): ``proj_input`` as in BF16, nothing new.
     * MLA ``q_latent`` / ``kv_latent``: kept by the up projections, quantized; with ``--qk-layernorm``
       the up projections are LayerNormLinears and the normalised latents inside ``latent_norms`` are

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import Layout
+
 # core 0.19.2 runs the MTP heads' loop in the function process_mtp_loss (transformer/multi_token_prediction.py),
 # called from GPTModel._postprocess: its last mtp_logits die when it returns, before the main head runs.
 # 0.16.1 runs the loop inline, so they stay referenced. The 0.17.1 and 0.18.2 wheels call process_mtp_loss
@@ -173,14 +175,24 @@ def fp32_softmax_bytes(spec: MtpSpec) -> int:
 
 # ----- from a Layout (flat Megatron names; ``mtp_num_layers`` is 0 when the layout has none) -------
 
-def layers_built(L) -> int:
+def layers_built(L: Layout) -> int:
     """MTP layers a Layout builds (their parameters): ``mtp_num_layers``, or one with --mtp-use-repeated-layer."""
     d = getattr(L, "mtp_num_layers", 0) or 0
     return min(1, d) if getattr(L, "mtp_use_repeated_layer", False) else d
 
 
-def spec_of(L) -> MtpSpec:
-    """The MTP spec of a Layout (any object with Megatron's flat names)."""
+def checkpointed(L: Layout) -> bool:
+    """Whether full recompute checkpoints the MTP depths: under ``--recompute-method uniform`` only.
+    ``MultiTokenPredictionLayer._checkpointed_forward`` (transformer/multi_token_prediction.py, megatron-core
+    0.16.1, 0.17.1, 0.18.2 and 0.19.2 alike) checkpoints each depth's ``_proj_and_transformer_layer`` under
+    uniform (asserting ``recompute_num_layers == 1``: resolve/mtp.py refuses other counts) and, under block,
+    warns "not supported for MTP yet. Skipping recompute." and runs it plainly: every depth keeps all its
+    activations, whatever ``--recompute-num-layers`` (which counts decoder layers only)."""
+    return L.recompute_granularity == "full" and L.recompute_method == "uniform"
+
+
+def spec_of(L: Layout) -> MtpSpec:
+    """The MTP spec of a Layout (its flat Megatron names)."""
     return MtpSpec(
         mtp_num_layers=getattr(L, "mtp_num_layers", 0) or 0, hidden_size=L.hidden_size,
         padded_vocab_size=L.padded_vocab_size, seq_length=L.seq_length, micro_batch_size=L.micro_batch_size,
@@ -220,24 +232,36 @@ def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]],
     return out
 
 
-def last_stage_items(L) -> tuple[dict[str, int], int]:
+def _head_loss_bytes(L: Layout) -> int:
+    """What the output head keeps for its loss per micro-batch (head.py output_items: the softmax, in fp32 or
+    not, and the targets); every MTP depth's loss keeps as much (loss_buffers)."""
+    from .head import output_items
+    head = output_items(L).saved
+    return sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+
+
+def _eh_proj_fp8_change(L: Layout, spec: MtpSpec, acts: MtpActivations) -> int:
+    """FP8: eh_proj keeps its quantized input instead of the BF16 concatenation (estimator/fp8.py saved_input): the
+    change to the D depths' saved bytes; 0 where eh_proj runs in BF16."""
+    from .fp8 import saved_input
+    from .fp8_layers import mtp_gemms
+    eh = next((g for g in mtp_gemms(L) if g.name == "eh_proj"), None)
+    if eh is None:
+        return 0
+    quantized = saved_input(L.fp8_spec, eh.tokens, eh.cols, sp_gathered=eh.sp_gathered).allocated
+    return spec.mtp_num_layers * quantized - acts.eh_proj_inputs
+
+
+def last_stage_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient at the loss) that MTP adds to the
     last stage's last chunk, besides its D layers' activations (the layer recipe's, counted as layers)."""
     if (getattr(L, "mtp_num_layers", 0) or 0) <= 0:   # spec_of's rule, without building the spec
         return {}, 0
     spec = spec_of(L)
-    from .head import output_items
-    head = output_items(L).saved
-    per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+    per_head = _head_loss_bytes(L)
     acts = block_activations(spec)
-    block = acts.total
-    from .fp8_layers import mtp_gemms
+    block = acts.total + _eh_proj_fp8_change(L, spec, acts)
     from .fp8 import saved_input
-    eh = next((g for g in mtp_gemms(L) if g.name == "eh_proj"), None)
-    if eh is not None:
-        # FP8: eh_proj keeps its quantized input instead of the BF16 concatenation (estimator/fp8.py saved_input)
-        block += spec.mtp_num_layers * saved_input(L.fp8_spec, eh.tokens, eh.cols,
-                                                   sp_gathered=eh.sp_gathered).allocated - acts.eh_proj_inputs
     from .fp8_layers import output_proj_gemm
     head_gemm = output_proj_gemm(L)
     if head_gemm is not None and acts.hidden_concat:
@@ -259,13 +283,13 @@ def last_stage_items(L) -> tuple[dict[str, int], int]:
 # (p2p_communication.py: config.mtp_standalone), so the received tensors and their gradients are (1 + D)-fold.
 
 
-def concat_bytes(L) -> int:
+def concat_bytes(L: Layout) -> int:
     """The (1 + D)-fold concatenated hidden states a standalone MTP chunk sends on: [(1 + D) rows, h]."""
     spec = spec_of(L)
     return (1 + spec.mtp_num_layers) * spec.rows * spec.hidden_size * spec.activation_bytes
 
 
-def standalone_block_items(L) -> tuple[dict[str, int], int]:
+def standalone_block_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, forward transient) of the MTP block on a chunk before the loss's.
     What block_activations counts, except the concatenation: it is the stage's output, sent on and then
     pseudo-deallocated (schedules.py deallocate_output_tensor; megatron/training sets deallocate_pipeline_outputs)
@@ -274,17 +298,11 @@ def standalone_block_items(L) -> tuple[dict[str, int], int]:
     spec = spec_of(L)
     acts = block_activations(spec)
     row = spec.rows * spec.hidden_size * spec.activation_bytes
-    block = acts.total - acts.hidden_concat + row
-    from .fp8_layers import mtp_gemms
-    from .fp8 import saved_input
-    eh = next((g for g in mtp_gemms(L) if g.name == "eh_proj"), None)
-    if eh is not None:
-        block += spec.mtp_num_layers * saved_input(L.fp8_spec, eh.tokens, eh.cols,
-                                                   sp_gathered=eh.sp_gathered).allocated - acts.eh_proj_inputs
+    block = acts.total - acts.hidden_concat + row + _eh_proj_fp8_change(L, spec, acts)
     return {"mtp_block_activations": block}, acts.hidden_concat
 
 
-def standalone_loss_items(L) -> tuple[dict[str, int], int]:
+def standalone_loss_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient) on the loss's chunk when the MTP block is
     on an earlier stage: the received concatenation, which the schedule keeps as the stage's input, and its copy:
     the loss's chunk has no decoder layer and no final norm, so its empty TransformerBlock returns
@@ -292,9 +310,7 @@ def standalone_loss_items(L) -> tuple[dict[str, int], int]:
     keep (with --fp8-output-proj each head keeps a quantized copy as well); the D extra heads' loss buffers, and
     the last depth's logits in 0.16.1 (logits_in_flight)."""
     spec = spec_of(L)
-    from .head import output_items
-    head = output_items(L).saved
-    per_head = sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+    per_head = _head_loss_bytes(L)
     received = 2 * concat_bytes(L)
     from .fp8_layers import output_proj_gemm
     from .fp8 import saved_input

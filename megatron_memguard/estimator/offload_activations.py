@@ -174,7 +174,7 @@ _GROUP_OF = {
 def group_of(name: str, modules: Sequence[str], separate_input_norm: bool, separate_mlp_norm: bool,
              core_keeps_proj_input: bool = True) -> str | None:
     """The listed module group that offloads the saved tensor ``name`` of a layer recipe, or None.
-    ``core_keeps_proj_input``: the core attention saves the output linear_proj reads (fp8_layers.attention_keeps_proj_input)."""
+    ``core_keeps_proj_input``: the core attention saves the output linear_proj reads (layers.attention.attention_keeps_proj_input)."""
     if name == "layer_input":
         g = "attn_norm" if separate_input_norm else "qkv_linear"
     elif name == "mlp_norm_input":
@@ -199,7 +199,7 @@ def layer_groups(saved: Mapping[str, int], modules: Sequence[str], elem_bytes: i
     """Bytes each listed group takes off one layer's saved tensors (``saved``: name -> bytes, tensors in
     the activation dtype; statistics in fp32 are below any useful threshold and stay). ``outside``: the
     bytes of an entry that are saved outside its group's call (they stay)."""
-    from .fp8_layers import attention_keeps_proj_input
+    from .layers.attention import attention_keeps_proj_input
     keeps = attention_keeps_proj_input(saved)
     out: dict[str, int] = {}
     for name, nbytes in saved.items():

@@ -179,8 +179,8 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
     dora_fwd = 0
     # the core attention keeps linear_proj's input for its own backward (cuDNN FusedAttention and its p2p ring under
     # CP save the output they return); the flash backend's sbhd copy, the output gate's product and a recomputed
-    # core attention leave linear_proj the only holder (fp8_layers.attention_keeps_proj_input)
-    from .fp8_layers import attention_keeps_proj_input
+    # core attention leave linear_proj the only holder (layers.attention.attention_keeps_proj_input)
+    from .layers.attention import attention_keeps_proj_input
     core_keeps_proj_input = attention_keeps_proj_input(saved)
     for name in _ORDER:
         base = _BASE_INPUT[name]

@@ -288,6 +288,13 @@ class Estimate:
         from .params import active_parameters, total_parameters
         return {"model_parameters": {"total": total_parameters(self.layout), "active": active_parameters(self.layout)}}
 
+    def _peft_parameters(self) -> dict[str, Any]:
+        """LoRA / DoRA: the whole model's trainable (adapter) parameters; documents without PEFT are unchanged."""
+        if self.layout.peft is None:
+            return {}
+        from .peft import adapter_param_count
+        return {"trainable_parameters": adapter_param_count(self.layout)}
+
     def to_dict(self) -> dict[str, Any]:
         c = self.critical
         return {
@@ -307,6 +314,7 @@ class Estimate:
             **({"attention_backend": self.attention.to_dict()} if self.attention is not None else {}),
             "notes": list(self.notes),
             **self._moe_parameters(),
+            **self._peft_parameters(),
             **({"host_bytes_per_rank": self.host_bytes_per_rank, "host_bytes_per_node": self.host_bytes_per_node,
                 "host_gpus_per_node": self.gpus_per_node} if self.host_bytes_per_rank else {}),
         }

@@ -83,6 +83,10 @@ LEGACY_MCORE_FIELDS = frozenset({
 def parse_scalar(text: str) -> Any:
     """A KEY=VALUE value as Hydra reads it: YAML scalars/lists (4, true, null, [1,2]), else the string."""
     from ..files import load_yaml
+    if text.lstrip()[:1] in ("|", ">"):
+        # YAML's block-scalar indicators ('model.hybrid_layer_pattern=|M*' read as '' or an error): Hydra's
+        # override grammar takes such a value as text
+        return text
     try:
         v = load_yaml(text, "--set")
     except ReaderError:  # not YAML (or beyond the nesting / size limits): the text itself
@@ -360,14 +364,15 @@ def layout_text(value: Any, key: str) -> Any:
 
 
 def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extra_known: Iterable[str] = (),
-                     unknown_context: str | None = None, skip: Iterable[str] = ()) -> None:
+                     unknown_context: str | None = None, skip: Iterable[str] = (), provider: bool = True) -> None:
     """Map megatron-core config fields (``{name: (value, key path)}``) onto Megatron args.
 
     Fields whose name is also a Megatron argument ``dest`` pass through; the handful whose name or
     meaning differs are translated (num_moe_experts, gated_linear_unit + activation_func, params_dtype,
     cpu_offloading, first/last pipeline stage layers, ...); other megatron-core fields do not change
     memory and pass silently. Names that are neither megatron-core fields nor in ``extra_known`` get a
-    warning naming ``unknown_context`` (None: no warnings)."""
+    warning naming ``unknown_context`` (None: no warnings). ``provider``: the fields are a model provider's or
+    config class's (only hybrid ones have the pattern fields), not Megatron's flat argument names."""
     dests = megatron_dests()
     passthrough = mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS
     known = passthrough | frozenset(extra_known)
@@ -383,13 +388,25 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     def on(name: str) -> bool:
         return true_or_false(fields[name][0], fields[name][1]) if name in fields else False
 
+    patterns = [n for n in ("hybrid_layer_pattern", "hybrid_override_pattern") if n in fields]
+    if provider and patterns and all(val(n) in (None, "") or is_missing(val(n)) for n in patterns):
+        # a hybrid provider whose pattern was emptied (model.hybrid_layer_pattern=null): Bridge 0.6.2's
+        # HybridModelProvider then allocates the layers from hybrid_attention_ratio / hybrid_mlp_ratio (all Mamba at
+        # 0), where the layers estimated as GPT layers silently
+        raise NotModelledError(key(patterns[0]), "a hybrid model without a layer pattern (Megatron-Bridge then "
+                               "allocates its layers from hybrid_attention_ratio / hybrid_mlp_ratio)")
     for name, (value, path) in fields.items():
         if name in _HANDLED or name.startswith("_"):
             continue
         if name in HYBRID_FIELDS:
             # HybridModelProvider / HybridModelConfig (Bridge 0.6.2, core 0.19.2 training/models/hybrid.py): the
-            # pattern under its flag's dest; the deprecated ratios only when set (resolve refuses them by name)
-            if value not in (None, "", 0, 0.0) and not is_missing(value):
+            # pattern under its flag's dest; the deprecated ratios only when set (resolve refuses them by name); the
+            # chunk size whenever given (finalize raises below 1: resolve refuses 0 by name)
+            if is_missing(value) or value is None:
+                continue
+            if name == "mamba_chunk_size" or (name in ("hybrid_layer_pattern", "hybrid_override_pattern") and value != ""):
+                b.set(name, value, path)      # (a chunk size of 0 or '', a pattern of 0: refused by name, not dropped)
+            elif value not in ("", 0, 0.0):
                 b.set(name, value, path)
             continue
         if name in dests and name in passthrough:

@@ -362,7 +362,7 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
         raise ConfigError(key, f"must be a LoRA / DoRA object or a scheme name, got {shown(value)}")
     target = fields.get("_target_", (None, "peft._target_"))
     cls = str(target[0] or "").rsplit(".", 1)[-1]
-    if target[0] is None:
+    if target[0] is None or not str(target[0]).strip():
         raise ConfigError("peft._target_", "is missing: memguard cannot tell LoRA from DoRA",
                           "peft._target_: megatron.bridge.peft.lora.LoRA (or dora.DoRA)")
     if cls not in _PEFT_CLASSES:
@@ -384,6 +384,24 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
                 raise NotModelledError(key, "LoRA's experimental all-to-all adapters")
         elif name not in _PEFT_NEUTRAL:
             b.warn(f"{key}: not a field of Bridge's {cls}; ignored")
+
+
+def _hybrid_stack_spec(field: Field | None) -> None:
+    """HybridModelProvider.hybrid_stack_spec: unset (Bridge takes megatron-core's TE hybrid stack) or that stack named;
+    a spec of the user's own builds layers of its own (it was taken as the default), another value builds nothing."""
+    from ..resolve.refusals import HYBRID_STACK_SPECS
+
+    value, key = field if field is not None else (None, "")
+    if value is None or is_missing(value):
+        return
+    target = value.get("_target_") if isinstance(value, Mapping) else value
+    if isinstance(target, str) and tuple(target.strip().rsplit(".", 1)) in HYBRID_STACK_SPECS:
+        return
+    if isinstance(target, str) and target.strip():
+        raise NotModelledError(key, f"the hybrid stack spec {shown(target)} (memguard models megatron-core's "
+                               "hybrid_stack_spec)")
+    raise ConfigError(key, f"must name a layer spec ({{_target_: megatron.core.models.hybrid.hybrid_layer_specs."
+                           f"hybrid_stack_spec}}) or be null, got {shown(value)}")
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool) -> None:  # noqa: C901
@@ -409,6 +427,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
 
     # Model.
     model = S.get("model", {})
+    _hybrid_stack_spec(model.get("hybrid_stack_spec"))
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,   # (checked providers: _unknown_keys)
                      unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model")

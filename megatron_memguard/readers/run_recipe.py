@@ -188,10 +188,11 @@ def recipe_key(rr: RunRecipeArgs) -> str:
     key = recipe_for_function(rr.recipe)
     if key:
         return key
-    unmodelled_recipe(rr.recipe, f"--recipe {rr.recipe}")
     if find_recipe(rr.recipe):   # memguard's short name, which megatron.bridge.recipes does not export
+        # (before the unmodelled prefixes: 'nemotronh_8b' matched 'nemotronh_', "a recipe memguard has no entry for")
         raise ConfigError(f"--recipe {rr.recipe}", "is not a recipe function of megatron.bridge.recipes; "
                           f"{SCRIPT} would stop with \"Recipe '{rr.recipe}' not found\"", _short_name_hint(rr.recipe))
+    unmodelled_recipe(rr.recipe, f"--recipe {rr.recipe}")
     names = sorted(f for r in presets().get("recipes", {}).values() for f in (r.get("functions") or ()))
     raise ConfigError("--recipe" if not re.search(r"_(sft|peft)_", rr.recipe + "_") else "--mode",
                       f"{rr.recipe} is not a Megatron-Bridge pretraining recipe memguard has",

@@ -51,6 +51,11 @@ def post_validation(args: dict[str, Any]) -> dict[str, Any]:
         if out.get(remat, 1) in (1, None) and out.get(shards) in (None, out.get(tp)):
             out.pop(shards, None)
             out.pop(remat, None)
+    # 0.17+ validate_args copies the deprecated --hybrid-override-pattern into hybrid_layer_pattern without clearing
+    # it (megatron/training/arguments.py, 0.19.2): a run launched with the old flag prints both, equal
+    if out.get("hybrid_override_pattern") not in (None, "None") and \
+            out.get("hybrid_override_pattern") == out.get("hybrid_layer_pattern"):
+        out.pop("hybrid_override_pattern")
     return out
 
 

@@ -62,7 +62,20 @@ def describe_layout(est: Estimate) -> str:
     batch = f"seq {L.seq_length}, MBS {L.micro_batch_size}, GBS {L.global_batch_size} ({L.num_microbatches} micro-batches)"
     opts = [par, "SP" if L.sequence_parallel else "no SP", "dist-opt" if L.use_distributed_optimizer else "no dist-opt",
             f"recompute {rec}", L.params_dtype, L.transformer_impl]
-    return f"model:  {model}\n{experts_line(L)}batch:  {batch}\nlayout: {', '.join(opts)}"
+    return f"model:  {model}\n{experts_line(L)}{adapters_line(L)}batch:  {batch}\nlayout: {', '.join(opts)}"
+
+
+def adapters_line(L: Any) -> str:
+    """LoRA / DoRA fine-tuning: the scheme, rank and targets, and the whole model's trainable parameters (a count a
+    user can check against PEFT's own print-out), as one line ending in a newline; "" without PEFT."""
+    if L.peft is None:
+        return ""
+    from ..estimator.peft import adapter_param_count
+    from ..layout.peft import SCHEME_NAMES
+
+    p = L.peft
+    return (f"adapters: {SCHEME_NAMES[p.scheme]} rank {p.dim} on {', '.join(p.target_modules)}; "
+            f"{adapter_param_count(L):,} trainable parameters\n")
 
 
 def experts_line(L: Any) -> str:
@@ -119,8 +132,8 @@ def layer_table(est: Estimate) -> str:
     L = est.layout
     if est.profile in ("local", "transformer_engine") and est.profile != L.transformer_impl:
         L = L.replace(transformer_impl=est.profile)
-    if est.attention is not None and est.attention.selected in ("flash", "unfused") and L.attention_backend == "auto":
-        L = L.replace(attention_backend=est.attention.selected)   # the kernel the estimate modelled on this GPU
+    if est.attention is not None:
+        L = est.attention.modelled_layout(L)   # the kernel the estimate modelled on this GPU
     if L.moe is None and not L.hybrid_layer_pattern:
         kinds = [None]
     else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from packaging.version import Version
 
 from ..errors import NotModelledError
-from ..numbers import BOUNDS
+from ..numbers import BOUNDS, shown
 from .args import Args, Context, Stop
 from .refusals import hybrid_stack_spec
 
@@ -36,7 +36,7 @@ MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --nu
 
 def _given(a: Args, dest: str) -> str | None:
     v = a.get(dest)
-    return None if v in (None, "", False) else str(v)
+    return None if v is None or v is False or v == "" else str(v)     # (a YAML 0 is a value: 0 == False)
 
 
 def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
@@ -98,6 +98,11 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if nl is not None and nl != n:
             a.fail(dest, f"has {n} layers but --num-layers is {nl} (megatron-core 0.16 needs them equal)")
             raise Stop
+    elif given_layers is not None and str(given_layers) != str(n) and a.key("num_layers").startswith("model."):
+        # Megatron-Bridge 0.6.2 HybridModelProvider.finalize asserts num_layers == the pattern's count when both are
+        # set (validate_args instead ignores --num-layers): a recipe's num_layers stays when only the pattern changes
+        a.fail("num_layers", f"is {shown(given_layers)} but {key} has {n} layers (Megatron-Bridge's "
+               "HybridModelProvider asserts they match)", f"set {a.key('num_layers').split(' ')[0]}={n}, the pattern's count")
     elif given_layers is not None and str(given_layers) != str(n):
         a.notes.append(f"{key}: {n} layers; --num-layers {given_layers} ignored (validate_args takes the count "
                        "from the pattern)")
@@ -112,6 +117,17 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if a.bool_arg(flag, False):
             a.fail(flag, f"cannot be used with {key}: its '|' segments give the pipeline stages (validate_args)")
     pp = kw["pipeline_model_parallel_size"]
+    vpp = a.get("virtual_pipeline_model_parallel_size")
+    segments_n = main.count("|") + 1
+    try:
+        vpp_n = int(vpp) if vpp not in (None, "", "None") and not isinstance(vpp, bool) else None
+    except (TypeError, ValueError, OverflowError):
+        vpp_n = None        # (not a number: the pipeline section refuses it by name)
+    if vpp_n is not None and vpp_n > 1 and vpp_n != (segments_n // pp if segments_n % pp == 0 else 1):
+        # validate_args derives the virtual pipeline size from the '|' segments; Bridge's HybridModelProvider asserts
+        # virtual_pipeline_model_parallel_size is None (a NeMo / Bridge value was taken as an interleaved schedule)
+        a.fail("virtual_pipeline_model_parallel_size", f"cannot be used with {key}: its '|' segments give the "
+               "virtual pipeline stages (validate_args; Megatron-Bridge's HybridModelProvider asserts it is unset)")
     first_last = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
                   if _given(a, f) is not None]
     if "|" not in main and pp > 1 and not first_last and n % pp:
@@ -267,7 +283,9 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          "multi-token prediction with a hybrid model under megatron-core 0.16 (its MambaModel has no MTP block)"),
         # MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints the depth around a HybridStack that
         # checkpoints its own layers again (its recompute_granularity is the model's); not read further
-        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full", "recompute_granularity",
+        # (not when uniform puts more than one layer in a checkpoint: the MTP layer's assertion, resolve/mtp.py)
+        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full" and not _mtp_asserts(a),
+         "recompute_granularity",
          "full recomputation of hybrid MTP layers (a checkpointed MTP depth around a checkpointed HybridStack)"),
         (kw.get("hybrid_mtp_pattern") and kw.get("use_megatron_fsdp"), "use_megatron_fsdp",
          "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
@@ -294,6 +312,15 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
     for bad, dest, what in checks:
         if bad:
             raise NotModelledError(a.key(dest), what)
+
+
+def _mtp_asserts(a: Args) -> bool:
+    """Full uniform recompute of more than one layer per checkpoint: an MTP depth stops Megatron at its first forward
+    (MultiTokenPredictionLayer._checkpointed_forward, hybrid depths too; resolve/mtp.py names the flag)."""
+    try:
+        return a.get("recompute_method") == "uniform" and int(a.get("recompute_num_layers")) > 1
+    except (TypeError, ValueError):
+        return False
 
 
 def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

@@ -32,6 +32,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("pipeline_model_parallel_layout", f"places {placed} MTP layers ('m') but --mtp-num-layers is {depth}")
     if not depth:
         return dict(mtp_num_layers=0)
+    _full_recompute(a, kw, depth)
     position = kw["position_embedding_type"]
     # validate_args (core 0.19.2, and already 0.17.1 and 0.18.2) asserts rope or none first; the reference reads
     # 0.16.1 as also taking learned_absolute and mrope (docs/assumptions.md)
@@ -94,3 +95,25 @@ def _repeated(a: Args, ctx: Context, depth: int) -> bool:
         a.notes.append(f"{key}: one MTP layer's parameters for the {depth} depths; its activations are kept at "
                        "each depth")
     return True
+
+
+def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
+    """Full recompute of the MTP depths: MultiTokenPredictionLayer._checkpointed_forward
+    (transformer/multi_token_prediction.py; the same in megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2, the
+    releases memguard reads) asserts ``recompute_num_layers == 1`` under uniform, at the first training
+    forward (validate_args and TransformerConfig let the pair through), and under block warns and runs the
+    depths without recompute (estimator/mtp.py checkpointed)."""
+    if kw.get("recompute_granularity") != "full":
+        return
+    rnl, method = kw.get("recompute_num_layers"), kw.get("recompute_method")
+    if method == "uniform" and rnl is not None and rnl > 1:   # (0 is refused by the recompute section)
+        mtp_of = (a.key("mtp_num_layers") if not kw.get("hybrid_mtp_pattern") or a.given("mtp_num_layers") else
+                  f"the MTP depths of {a.key('hybrid_layer_pattern' if a.given('hybrid_layer_pattern') else 'hybrid_override_pattern')}")
+        a.fail("recompute_num_layers", f"must be 1 with {mtp_of} under {a.key('recompute_method')} "
+               f"uniform, got {rnl}: MultiTokenPredictionLayer asserts \"recompute_num_layers must be 1 for MTP "
+               "recompute\" at the first forward", f"give 1, or {a.key('recompute_method')} block, which does not "
+               "recompute the MTP layers")
+    elif method == "block":
+        a.notes.append(f"{a.key('recompute_method')} block does not recompute the {depth} MTP layer(s) "
+                       "(Megatron warns \"not supported for MTP yet\" and runs them plainly): they keep all their "
+                       "activations; --recompute-num-layers counts decoder layers only")

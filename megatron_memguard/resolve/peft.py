@@ -89,7 +89,7 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if items is None or not all(isinstance(t, str) for t in items):
             a.fail("peft_target_modules", f"must be a list of module names, got {shown(targets_v)}")
             return {"peft": None}
-        targets = tuple(dict.fromkeys(t.strip() for t in items))
+        targets = tuple(dict.fromkeys(items))     # (no strip: Bridge matches " linear_qkv " to no module)
         if not targets:
             raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules "
                                    "(Bridge then wraps every linear not excluded)")

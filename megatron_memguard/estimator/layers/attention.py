@@ -7,6 +7,8 @@ input norm into linear_qkv (``layer_norm_weight``/``layer_norm_bias``): counts a
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from ...layout import Layout
 from .base import (MixerActivations, Param, ParamRow, Shapes, norm_rows, norm_stats, norms_per_layer_norm, param_objects,
                    shapes, wgrad)
@@ -295,6 +297,17 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         core_bwd += 2 * q + (q if gqa else 0) + te_mask   # (TE's torch path: and the remade mask)
     return saved, core_fwd, core_bwd, True
 
+
+def attention_keeps_proj_input(saved: Mapping[str, int]) -> bool:
+    """Whether the BF16 tensor linear_proj reads (``proj_input``) is also saved by the core attention, from a
+    layer's saved names: TE's FusedAttention (``FusedAttnFunc`` saves ``out`` and returns it, viewed) and its p2p
+    ring under context parallelism (``AttnFuncWithCPAndKVP2P`` saves and returns ``out_f16``) keep it when they
+    run with autograd (their softmax statistics are saved) (TE 2.11 ``backends.py``, ``context_parallel.py``).
+    Nothing else keeps it: unfused attention (its context is a new tensor the bmm does not save), ``core_attn``
+    recompute (the checkpoint runs the attention without autograd), the output gate (linear_proj reads the gated
+    product), the flash backend with or without CP (linear_proj reads a ``.contiguous()`` sbhd copy of the
+    ``attention_output_bshd`` flash-attn or the ring keeps)."""
+    return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved)
 
 
 def reads_batch_mask(L: Layout) -> bool:

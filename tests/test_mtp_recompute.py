@@ -1,0 +1,77 @@
+"""Full recompute with multi-token prediction, as MultiTokenPredictionLayer._checkpointed_forward
+(megatron/core/transformer/multi_token_prediction.py) runs it in megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2:
+under ``--recompute-method uniform`` each depth is checkpointed and ``recompute_num_layers == 1`` is asserted at
+the first forward; under ``block`` the depths are not recomputed at all ("not supported for MTP yet. Skipping
+recompute."), whatever ``--recompute-num-layers``, which counts decoder layers only (TransformerBlock).
+
+The model is the CPU referee's of tests/test_referee_mtp.py (h 128, s 64, b 2, local spec, PP 2: one decoder
+layer per stage), whose layer keeps 578 KiB when not recomputed (counted by hand there) and its 32 KiB input
+[128 rows, 128] bf16 when checkpointed."""
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError
+
+FLAGS = ("--transformer-impl local --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+         "--no-gradient-accumulation-fusion --hidden-dropout 0 --attention-dropout 0 --tokenizer-type NullTokenizer "
+         "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+         "--micro-batch-size 2 --global-batch-size 4 --pipeline-model-parallel-size 2 --vocab-size 1000 --bf16").split()
+LAYER_KEPT = 578 * 1024          # one local-spec layer's saved tensors (tests/test_referee_mtp.py, by hand)
+CKPT_INPUT = 128 * 128 * 2       # a checkpointed layer's input: s*b rows x h, bf16
+
+
+def _last(extra: str, version: str = "0.16"):
+    L = layout_from_flags(FLAGS + extra.split(), world_size=2, megatron_version=version)
+    return estimate(L, device="cpu").stages[-1]
+
+
+def _full(method: str, n: int = 1) -> str:
+    return f"--recompute-granularity full --recompute-method {method} --recompute-num-layers {n}"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_block_recomputes_the_decoder_layer_and_keeps_the_mtp_layers_whole(depth):
+    mtp = f"--mtp-num-layers {depth}"
+    none, block, uniform = _last(mtp).peak_allocated_bytes, _last(f"{mtp} {_full('block')}").peak_allocated_bytes, \
+        _last(f"{mtp} {_full('uniform')}").peak_allocated_bytes
+    # block checkpoints the stage's one decoder layer only: 578 KiB - 32 KiB less than without recompute
+    assert none - block == LAYER_KEPT - CKPT_INPUT == 559_104
+    # uniform checkpoints the decoder layer and each MTP depth's layer as well
+    assert block - uniform == depth * (LAYER_KEPT - CKPT_INPUT)
+    # without MTP the two methods keep the same on this stage (one decoder layer, checkpointed by both)
+    assert _last(_full("block")).peak_allocated_bytes == _last(_full("uniform")).peak_allocated_bytes
+
+
+def test_block_recompute_num_layers_counts_decoder_layers_only():
+    # PP 1, 4 decoder layers: block with 4 checkpoints all of them; the MTP layer stays whole either way, so each
+    # decoder layer more that block checkpoints saves one layer's 546 KiB and nothing else moves
+    flags = "--pipeline-model-parallel-size 1 --num-layers 4 --mtp-num-layers 1"
+    kept = [_last(f"{flags} {_full('block', n)}").terms for n in (2, 4)]
+    acts = [{t.name: t.bytes for t in k}["layer_activations"] for k in kept]
+    assert acts[0] - acts[1] == 2 * (LAYER_KEPT - CKPT_INPUT)
+    # 4 checkpointed inputs + the MTP layer kept whole
+    assert acts[1] == 4 * CKPT_INPUT + LAYER_KEPT
+
+
+def test_block_zero_is_no_recompute_with_mtp():
+    assert (_last(f"--mtp-num-layers 1 {_full('block', 0)}").peak_allocated_bytes
+            == _last("--mtp-num-layers 1").peak_allocated_bytes)
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.17", "0.18", "0.19"])
+def test_uniform_with_more_than_one_layer_per_checkpoint_is_megatrons_assertion(version):
+    pos = "" if version == "0.16" else "--position-embedding-type rope"   # (0.17+: MTP needs rope or none)
+    with pytest.raises(ConfigError) as e:
+        _last(f"--mtp-num-layers 1 {pos} {_full('uniform', 2)}", version)
+    text = str(e.value)
+    assert text.startswith("--recompute-num-layers: must be 1 with --mtp-num-layers under --recompute-method uniform")
+    assert "got 2" in text and "\n" not in text
+    # the same flags without MTP, and MTP with one layer per checkpoint, are estimated
+    assert _last(f"{pos} {_full('uniform', 2)}", version).peak_allocated_bytes > 0
+    assert _last(f"--mtp-num-layers 1 {pos} {_full('uniform', 1)}", version).peak_allocated_bytes > 0
+
+
+def test_block_with_mtp_says_the_mtp_layers_are_not_recomputed():
+    L = layout_from_flags(FLAGS + f"--mtp-num-layers 2 {_full('block', 2)}".split(), world_size=2,
+                          megatron_version="0.16")
+    assert any("does not recompute the 2 MTP layer(s)" in n for n in L.notes)
