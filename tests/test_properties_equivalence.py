@@ -241,10 +241,19 @@ def test_mtp_layers_go_to_the_last_stage_only(spec, depth):
     transformer layer; and with PP > 1 its own embedding [V / TP, h] (gpt_model.py builds it where
     mtp_process; the output layer keeps its weight off the first stage, tied or not)."""
     spec = spec.with_(impl="transformer_engine", rope=True)
+    if spec.recompute and spec.recompute[:2] == ("full", "uniform"):
+        # MultiTokenPredictionLayer._checkpointed_forward asserts recompute_num_layers == 1 (0.16.1-0.19.2)
+        spec = spec.with_(recompute=("full", "uniform", 1))
     base = FeatureSpec(base=spec)
     a = _est(base.flags(), spec.world)
     b = _est(base.flags() + ["--mtp-num-layers", str(depth)], spec.world)
-    assert _numbers(a)[:-1] == _numbers(b)[:-1]
+    # except the first stage's embedding buffer: with MTP even an untied first-stage embedding is marked
+    # shared_embedding (language_module.py setup_embeddings_and_output_layer, core 0.16.1 / 0.19.2), so under the
+    # distributed optimizer it gets a bucket of its own and the optimizer's shards move
+    first = 1 if spec.untied and spec.pp > 1 and spec.dist_opt else 0
+    assert _numbers(a)[first:-1] == _numbers(b)[first:-1]
+    if first:
+        assert a.stages[0].parameters == b.stages[0].parameters
     h, heads, d, tp = spec.hidden, spec.heads, spec.kv_channels, spec.tp
     g = spec.groups or heads
     norm = h * (1 if spec.rmsnorm else 2)
