@@ -91,3 +91,18 @@ def test_uniform_keeps_the_checkpoint_inputs_of_each_depth_by_hand():
     for depth in (1, 2):
         terms = {t.name: t.bytes for t in _last(f"--mtp-num-layers {depth} {_full('uniform')}").terms}
         assert terms["mtp_block_activations"] == depth * 2 * 1024 + (depth - 1) * 32 * 1024 + (1 + depth) * 32 * 1024
+
+
+def test_distributed_saved_activations_with_mtp_under_uniform_is_refused_by_name():
+    # CheckpointFunction (tensor_parallel/random.py) splits its first input, an MTP depth's hidden_states, not the
+    # embedding memguard counts as the depth's checkpointed input: refused rather than guessed
+    from megatron_memguard.errors import NotModelledError
+    tp2 = "--tensor-model-parallel-size 2 --distribute-saved-activations"
+    flags = FLAGS + f"--mtp-num-layers 1 {tp2} {_full('uniform')}".split()
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(flags, world_size=4, megatron_version="0.16")
+    assert str(e.value).startswith("--distribute-saved-activations: ") and "\n" not in str(e.value)
+    # without MTP, and under block (the MTP depths are not checkpointed), it is estimated
+    for extra in (f"{tp2} {_full('uniform')}", f"--mtp-num-layers 1 {tp2} {_full('block')}"):
+        L = layout_from_flags(FLAGS + extra.split(), world_size=4, megatron_version="0.16")
+        assert estimate(L, device="cpu").stages[-1].peak_allocated_bytes > 0
