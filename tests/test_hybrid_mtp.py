@@ -149,8 +149,9 @@ def test_activations_per_depth():
     assert t["layer_activations"] - base["layer_activations"] == 2 * 2 * mamba
     # the block around the stacks (docs/terms/mtp_block_activations.md): per depth enorm's input 65,536, eh_proj's
     # [rows, 2h] input 131,072, the final norm's input 65,536, three fp32 rstd 3 x 512, the rolled ids (int64)
-    # 1,024; once the (1 + 2)-fold concatenation of the hidden states 3 x 65,536
-    assert t["mtp_block_activations"] == 2 * (65_536 + 131_072 + 65_536 + 3 * 512 + 1_024) + 3 * 65_536
+    # 1,024; once the (1 + 2)-fold concatenation of the hidden states 3 x 65,536; and depth 1's output, which depth
+    # 2's hnorm keeps (MultiTokenPredictionBlock.forward, megatron-core 0.19.2), 65,536
+    assert t["mtp_block_activations"] == 2 * (65_536 + 131_072 + 65_536 + 3 * 512 + 1_024) + 3 * 65_536 + 65_536
     # the repeated layer: the same activations at each depth (its weights once)
     assert _terms(_layout("M*M-/MM/MM", "--mtp-use-repeated-layer"))["layer_activations"] == t["layer_activations"]
 

@@ -161,3 +161,17 @@ def test_ffn_width_is_checked_where_megatron_builds_a_dense_mlp(freq, monkeypatc
         else:
             L = layout_from_flags(flags, world_size=3, megatron_version=version)
             assert L.mtp_num_layers == 1 and L.ffn_hidden_size == 100
+
+
+def test_the_second_depth_keeps_the_first_depths_output_for_hnorm():
+    # MultiTokenPredictionBlock.forward (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2) passes depth
+    # k-1's final_layernorm output to depth k as hidden_states; depth k's hnorm saves it (torch.cat copies it into
+    # the concatenation, which is another tensor). One [s*b/CP (/TP with SP), h] row set per depth after the first:
+    # 64 * 2 rows x 128 x 2 B = 32 KiB each here; with SP over TP 2 half of it.
+    from megatron_memguard.estimator.mtp import MtpSpec, block_activations
+    spec = dict(hidden_size=128, padded_vocab_size=1024, seq_length=64, micro_batch_size=2)
+    assert block_activations(MtpSpec(mtp_num_layers=1, **spec)).previous_depth_outputs == 0
+    assert block_activations(MtpSpec(mtp_num_layers=2, **spec)).previous_depth_outputs == 32 * 1024
+    assert block_activations(MtpSpec(mtp_num_layers=3, **spec)).previous_depth_outputs == 2 * 32 * 1024
+    sp = MtpSpec(mtp_num_layers=3, tensor_model_parallel_size=2, sequence_parallel=True, **spec)
+    assert block_activations(sp).previous_depth_outputs == 2 * 16 * 1024

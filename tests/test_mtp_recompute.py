@@ -18,6 +18,7 @@ FLAGS = ("--transformer-impl local --no-masked-softmax-fusion --no-bias-gelu-fus
          "--micro-batch-size 2 --global-batch-size 4 --pipeline-model-parallel-size 2 --vocab-size 1000 --bf16").split()
 LAYER_KEPT = 578 * 1024          # one local-spec layer's saved tensors (tests/test_referee_mtp.py, by hand)
 CKPT_INPUT = 128 * 128 * 2       # a checkpointed layer's input: s*b rows x h, bf16
+INSIDE_CKPT = (32 + 64 + 32) * 1024 + 3 * 128 * 8   # an MTP depth's enorm/eh_proj/final-norm inputs and norm stats
 
 
 def _last(extra: str, version: str = "0.16"):
@@ -36,8 +37,11 @@ def test_block_recomputes_the_decoder_layer_and_keeps_the_mtp_layers_whole(depth
         _last(f"{mtp} {_full('uniform')}").peak_allocated_bytes
     # block checkpoints the stage's one decoder layer only: 578 KiB - 32 KiB less than without recompute
     assert none - block == LAYER_KEPT - CKPT_INPUT == 559_104
-    # uniform checkpoints the decoder layer and each MTP depth's layer as well
-    assert block - uniform == depth * (LAYER_KEPT - CKPT_INPUT)
+    # uniform checkpoints the decoder layer and each MTP depth's _proj_and_transformer_layer as well: its layer
+    # and the block's tensors inside the checkpoint (enorm's input 32 KiB, eh_proj's [128, 2 * 128] input 64 KiB,
+    # final_layernorm's input 32 KiB, the three LayerNorms' fp32 mean and rstd 3 * 128 rows * 8 B), which only
+    # keeps its inputs (multi_token_prediction.py _checkpointed_forward, megatron-core 0.16.1 and 0.19.2)
+    assert block - uniform == depth * (LAYER_KEPT - CKPT_INPUT + INSIDE_CKPT)
     # without MTP the two methods keep the same on this stage (one decoder layer, checkpointed by both)
     assert _last(_full("block")).peak_allocated_bytes == _last(_full("uniform")).peak_allocated_bytes
 
@@ -75,3 +79,30 @@ def test_block_with_mtp_says_the_mtp_layers_are_not_recomputed():
     L = layout_from_flags(FLAGS + f"--mtp-num-layers 2 {_full('block', 2)}".split(), world_size=2,
                           megatron_version="0.16")
     assert any("does not recompute the 2 MTP layer(s)" in n for n in L.notes)
+
+
+def test_uniform_keeps_the_checkpoint_inputs_of_each_depth_by_hand():
+    # MultiTokenPredictionLayer.forward (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2): the embedding
+    # of the rolled ids runs outside the checkpoint, _proj_and_transformer_layer inside it, checkpointed with its
+    # inputs hidden_states and decoder_input. Per depth the block then keeps the rolled token and position ids
+    # (int64, 128 tokens each: 2 KiB) and, from depth 2, depth 1's output [128, 128] bf16 (32 KiB; hnorm's input,
+    # the checkpoint's hidden_states); once the concatenation of the main and the D outputs, (1 + D) x 32 KiB.
+    # decoder_input (32 KiB per depth) is the depth's checkpointed input, in layer_activations.
+    for depth in (1, 2):
+        terms = {t.name: t.bytes for t in _last(f"--mtp-num-layers {depth} {_full('uniform')}").terms}
+        assert terms["mtp_block_activations"] == depth * 2 * 1024 + (depth - 1) * 32 * 1024 + (1 + depth) * 32 * 1024
+
+
+def test_distributed_saved_activations_with_mtp_under_uniform_is_refused_by_name():
+    # CheckpointFunction (tensor_parallel/random.py) splits its first input, an MTP depth's hidden_states, not the
+    # embedding memguard counts as the depth's checkpointed input: refused rather than guessed
+    from megatron_memguard.errors import NotModelledError
+    tp2 = "--tensor-model-parallel-size 2 --distribute-saved-activations"
+    flags = FLAGS + f"--mtp-num-layers 1 {tp2} {_full('uniform')}".split()
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(flags, world_size=4, megatron_version="0.16")
+    assert str(e.value).startswith("--distribute-saved-activations: ") and "\n" not in str(e.value)
+    # without MTP, and under block (the MTP depths are not checkpointed), it is estimated
+    for extra in (f"{tp2} {_full('uniform')}", f"--mtp-num-layers 1 {tp2} {_full('block')}"):
+        L = layout_from_flags(FLAGS + extra.split(), world_size=4, megatron_version="0.16")
+        assert estimate(L, device="cpu").stages[-1].peak_allocated_bytes > 0

@@ -124,7 +124,8 @@ def test_standalone_activations_by_hand(era):
     s2, s3 = est.stages[2].breakdown, est.stages[3].breakdown
     stats = 64 * 4                    # RMSNorm: one fp32 rstd per row
     ids = 64 * 8                      # the rolled input ids (int64), TP 1, rope: no position ids
-    per_mb_block = 2 * (4 * row + 3 * stats + ids) + row + row
+    # + depth 1's output, which depth 2's hnorm keeps (MultiTokenPredictionBlock.forward): one row
+    per_mb_block = 2 * (4 * row + 3 * stats + ids) + row + row + row
     held2 = est.stages[2].in_flight
     assert s2["mtp_block_activations"] == held2 * per_mb_block
     assert "mtp_loss_buffers" not in s2 and "loss_softmax_fp32" not in s2

@@ -116,20 +116,33 @@ class MtpActivations:
     norm_stats: int                 # enorm, hnorm, final_layernorm statistics (fp32 per row), per depth
     token_ids: int                  # the rolled ids each depth's embedding saves (int64; + positions if learned)
     hidden_concat: int              # torch.cat of the main and the D hidden states [(1+D) rows, h]
+    previous_depth_outputs: int = 0  # hnorm's input at depths 2..D: the depth before's output [rows, h] each
 
     @property
     def total(self) -> int:
         return (self.embedding_norm_inputs + self.eh_proj_inputs + self.final_norm_inputs + self.norm_stats
-                + self.token_ids + self.hidden_concat)
+                + self.token_ids + self.hidden_concat + self.previous_depth_outputs)
 
 
-def block_activations(spec: MtpSpec) -> MtpActivations:
+def block_activations(spec: MtpSpec, checkpointed: bool = False) -> MtpActivations:
     """The tensors the MTP block saves for backward besides its layers' and its heads'.
 
-    ``hnorm``'s input is the decoder's final hidden state; without MTP the output layer would save
-    it, with MTP the output layer saves chunk 0 of the concatenation instead, so the concatenation
-    counts whole (all 1+D chunks). With sequence parallelism eh_proj (column-parallel) saves its
-    local input and gathers it again in backward, so every term is over the SP-split rows.
+    At depth 1 ``hnorm``'s input is the decoder's final hidden state; without MTP the output layer would
+    save it, with MTP the output layer saves chunk 0 of the concatenation instead, so the concatenation
+    counts whole (all 1+D chunks). At depth k >= 2 it is depth k-1's output, the final_layernorm output
+    that ``MultiTokenPredictionBlock.forward`` appends to ``hidden_states_list`` and passes on as the next
+    depth's ``hidden_states``: a tensor of its own (``torch.cat`` copies it into the concatenation), which
+    hnorm saves (or the next depth's checkpoint, under uniform recompute): ``previous_depth_outputs``,
+    D - 1 rows (transformer/multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2 alike).
+    With sequence parallelism eh_proj (column-parallel) saves its local input and gathers it again in
+    backward, so every term is over the SP-split rows.
+
+    ``checkpointed`` (full recompute, uniform: ``checkpointed(L)``): each depth's
+    ``_proj_and_transformer_layer`` (enorm, hnorm, eh_proj, the layer, final_layernorm) runs inside the
+    checkpoint, which keeps its inputs only: ``hidden_states`` (the decoder's output at depth 1, the
+    depth before's at depths >= 2: ``previous_depth_outputs``) and ``decoder_input`` (the embedding of the
+    rolled tokens, [rows, h]: the layer's checkpointed input in ``layer_activations`` counts it). The
+    embedding runs outside it (its ids stay), and so does the concatenation.
     """
     d, a = spec.mtp_num_layers, spec.activation_bytes
     row_bytes = spec.rows * spec.hidden_size * a
@@ -140,9 +153,11 @@ def block_activations(spec: MtpSpec) -> MtpActivations:
     ids = tokens * 8 + (tokens if spec.tensor_model_parallel_size > 1 else 0)
     if spec.position_embedding_type == "learned_absolute":
         ids += tokens * 8
-    return MtpActivations(embedding_norm_inputs=d * row_bytes, eh_proj_inputs=d * 2 * row_bytes,
-                          final_norm_inputs=d * row_bytes, norm_stats=d * 3 * stats, token_ids=d * ids,
-                          hidden_concat=(1 + d) * row_bytes if d else 0)
+    inside = 0 if checkpointed else d   # depths whose enorm/eh_proj/final-norm tensors are kept
+    return MtpActivations(embedding_norm_inputs=inside * row_bytes, eh_proj_inputs=inside * 2 * row_bytes,
+                          final_norm_inputs=inside * row_bytes, norm_stats=inside * 3 * stats, token_ids=d * ids,
+                          hidden_concat=(1 + d) * row_bytes if d else 0,
+                          previous_depth_outputs=max(d - 1, 0) * row_bytes)
 
 
 def logits_in_flight(spec: MtpSpec) -> int:
@@ -246,7 +261,7 @@ def _eh_proj_fp8_change(L: Layout, spec: MtpSpec, acts: MtpActivations) -> int:
     from .fp8 import saved_input
     from .fp8_layers import mtp_gemms
     eh = next((g for g in mtp_gemms(L) if g.name == "eh_proj"), None)
-    if eh is None:
+    if eh is None or checkpointed(L):   # under uniform recompute eh_proj's input is not kept (block_activations)
         return 0
     quantized = saved_input(L.fp8_spec, eh.tokens, eh.cols, sp_gathered=eh.sp_gathered).allocated
     return spec.mtp_num_layers * quantized - acts.eh_proj_inputs
@@ -259,7 +274,7 @@ def last_stage_items(L: Layout) -> tuple[dict[str, int], int]:
         return {}, 0
     spec = spec_of(L)
     per_head = _head_loss_bytes(L)
-    acts = block_activations(spec)
+    acts = block_activations(spec, checkpointed(L))
     block = acts.total + _eh_proj_fp8_change(L, spec, acts)
     from .fp8 import saved_input
     from .fp8_layers import output_proj_gemm
@@ -296,7 +311,7 @@ def standalone_block_items(L: Layout) -> tuple[dict[str, int], int]:
     and only alive while torch.cat makes it (the forward transient). Plus hnorm's input, the decoder's last hidden
     state [rows, h], which on the last stage the output layer's input item stands for."""
     spec = spec_of(L)
-    acts = block_activations(spec)
+    acts = block_activations(spec, checkpointed(L))
     row = spec.rows * spec.hidden_size * spec.activation_bytes
     block = acts.total - acts.hidden_concat + row + _eh_proj_fp8_change(L, spec, acts)
     return {"mtp_block_activations": block}, acts.hidden_concat

@@ -113,6 +113,12 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
                f"uniform, got {rnl}: MultiTokenPredictionLayer asserts \"recompute_num_layers must be 1 for MTP "
                "recompute\" at the first forward", f"give 1, or {a.key('recompute_method')} block, which does not "
                "recompute the MTP layers")
+    elif method == "uniform" and kw.get("distribute_saved_activations"):
+        # CheckpointFunction splits its first input over TP: for an MTP depth that is hidden_states (the decoder's or
+        # the depth before's output, also an entry of the list MultiTokenPredictionBlock concatenates), not the
+        # embedding it keeps whole (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2)
+        raise NotModelledError(a.key("distribute_saved_activations"), "splitting the MTP depths' checkpointed "
+                               f"hidden states (with {a.key('mtp_num_layers')} under uniform recompute)")
     elif method == "block":
         a.notes.append(f"{a.key('recompute_method')} block does not recompute the {depth} MTP layer(s) "
                        "(Megatron warns \"not supported for MTP yet\" and runs them plainly): they keep all their "
