@@ -344,3 +344,34 @@ def test_core_attn_recompute_keeps_neither_probs_nor_mask():
     L = layout_from_flags(TINY + ["--recompute-granularity", "selective"], world_size=1)
     saved = layer_activations(L.replace(attention_backend="unfused")).saved
     assert "attention_probs" not in saved and "causal_mask" not in saved
+
+
+@pytest.mark.parametrize("backend", ["flash", "fused"])
+def test_explicit_flash_or_fused_on_fp32_is_refused_by_the_cli_and_the_hook(backend):
+    # TE 2.11.0 / 2.20.2 utils.py get_attention_backend "Filter: Data type": flash-attn and FusedAttention take
+    # bf16/fp16 q/k/v only; _set_attention_backend (language_module.py, core 0.16.1 / 0.19.2) sets
+    # NVTE_UNFUSED_ATTN=0 for flash and fused, so DotProductAttention.forward raises "No dot product attention
+    # backend is available" at the first forward: refused by name, in one line
+    import argparse
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    from megatron_memguard.megatron.preflight import raw_config_from_args
+    from megatron_memguard.resolve import resolve
+    fp32 = [f for f in LLAMA if f != "--bf16"]
+    keys = lambda e: [x.key for x in getattr(e, "errors", [e])]  # noqa: E731
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout_from_flags(fp32 + ["--attention-backend", backend], world_size=8)
+    assert keys(e.value) == ["--attention-backend"]
+    assert "bf16 or fp16" in str(e.value) and "\n" not in str(e.value)
+    # the hook reads Megatron's parsed namespace, where the backend is an AttnBackend
+    ns = argparse.Namespace(**{a[2:].replace("-", "_"): b for a, b in zip(fp32, fp32[1:] + [None])
+                               if a.startswith("--") and b is not None and not b.startswith("--")},
+                            group_query_attention=True, swiglu=True, disable_bias_linear=True,
+                            untie_embeddings_and_output_weights=True, world_size=8,
+                            attention_backend=getattr(AttnBackend, backend))
+    with pytest.raises((ConfigError, ConfigErrors)) as h:
+        resolve(raw_config_from_args(ns), world_size=8)
+    assert keys(h.value) == ["--attention-backend"]
+    # the same job in bf16, or with the unfused backend, is estimated
+    assert estimate(layout_from_flags(LLAMA + ["--attention-backend", backend], world_size=8)).stages
+    assert estimate(layout_from_flags(fp32 + ["--attention-backend", "unfused"], world_size=8)).stages

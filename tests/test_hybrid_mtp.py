@@ -155,6 +155,25 @@ def test_activations_per_depth():
     assert _terms(_layout("M*M-/MM/MM", "--mtp-use-repeated-layer"))["layer_activations"] == t["layer_activations"]
 
 
+def test_mtp_stack_working_sets_compose_layer_by_layer():
+    # MultiTokenPredictionLayer runs its HybridStack with plain autograd (multi_token_prediction.py
+    # _proj_and_transformer_layer, megatron-core 0.19.2): the depth's attention layer, above its Mamba layer, is
+    # back-propagated first and frees what it saved before the Mamba layer's backward working set comes
+    from megatron_memguard.estimator.core import chunk_activations
+    L = _layout("*-/M*", "--vocab-size 128")             # a small vocabulary: the logits' gradient is not the peak
+    mamba = layer_activations(L, True, LayerKind("mamba", "none"))
+    attn = layer_activations(L, True, LayerKind("attention", "none"))
+    # seq 128, MBS 1, h 256, bf16: input 65,536, fp32 rstd 512, qkv input 65,536, qkv output (4 + 2 x 2) x 64 x 128
+    # x 2 = 131,072, fp32 softmax statistics 4 x 128 x 4 = 2,048, proj input 65,536
+    assert attn.total == 65_536 + 512 + 65_536 + 131_072 + 2_048 + 65_536 == 330_240
+    a = chunk_activations(L, L.stage_chunks(L.pp - 1)[-1])
+    # the loss's items are back-propagated first (final norm input and fp32 rstd, output layer input, fp32 softmax
+    # [128, 128], int64 target ids and bool mask 128 x 9): 198,272 B freed before the layers' backward
+    out = 65_536 + 512 + 65_536 + 128 * 128 * 4 + 128 * 9
+    assert a.bwd_top_extra == mamba.bwd_transient - attn.total - out == 707_584 - 330_240 - 198_272
+    # (the stack's largest working set over everything kept was 330,240 B more)
+
+
 def test_moe_mtp_layers_count_as_moe_layers():
     # an 'E' layer in the MTP pattern: its MoE half is MoE activations (the worst-case routing scales them) and the
     # stage allocates the MoE buffers even though its decoder layers hold no 'E'

@@ -18,6 +18,7 @@ from megatron_memguard.estimator.states import stage_states
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, feature_specs, moe_specs
+from test_properties import _ckpt_input
 from test_properties_corners import bridge_moe_config
 from test_properties_equivalence import _chunk_counts, _drop, _numbers, bridge_run_config
 from test_properties_moe_identities import (Job, _layout, _mla_and_pipeline_flags, _mla_core, _owned,  # noqa: F401
@@ -396,9 +397,17 @@ def test_checkpointing_one_more_layer_never_raises_what_layers_keep(fs, era):
     assume("--overlap-moe-expert-parallel-comm" not in fs.extra)
     n = b.recompute[2] if b.recompute and b.recompute[1] == "block" else 0
     a = _est(fs.with_base(recompute=("full", "block", n) if n else ()).flags(), fs.world, era)
-    m = _est(fs.with_base(recompute=("full", "block", n + 1)).flags(), fs.world, era)
+    flags = fs.with_base(recompute=("full", "block", n + 1)).flags()
+    m = _est(flags, fs.world, era)
+    ckpt = _ckpt_input(layout_from_flags(list(flags), world_size=fs.world, megatron_version=era))
     for x, y in zip(a.stages, m.stages):
         held = lambda s: sum(t.bytes for t in s.terms if str(t.group) == "activations")  # noqa: E731
+        if x.peak_phase.split(" of ")[0] != y.peak_phase.split(" of ")[0] \
+                and y.peak_allocated_bytes <= x.peak_allocated_bytes + ckpt:
+            # a layer checkpointed at the top of its chunk is replayed beside its checkpointed input, so the
+            # backward can grow by that one input and become the peak, where the activations then show
+            # (test_properties.py test_recomputation_does_not_raise_the_peak: the same allowance)
+            continue
         assert held(y) <= held(x), (x.pp_rank, {t.name: t.bytes for t in x.terms if str(t.group) == "activations"},
                                     {t.name: t.bytes for t in y.terms if str(t.group) == "activations"})
 

@@ -130,6 +130,11 @@ GRID: List[Dict[str, Any]] = [
                                      "uniform", "--recompute-num-layers", "2"]),
     _cfg("recomp_full_block1", 1, ["--recompute-granularity", "full", "--recompute-method", "block",
                                    "--recompute-num-layers", "1"]),
+    _cfg("recomp_full_block1_of4_bwd", 1, ["--recompute-granularity", "full", "--recompute-method", "block",
+                                           "--recompute-num-layers", "1", "--vocab-size", "128",
+                                           "--global-batch-size", "2"],
+         note="block 1 of 4 layers, a small vocabulary: the peak in the backward, the checkpointed layer replayed "
+              "after the three layers above it freed their tensors"),
     _cfg("recomp_full_block2_pp2", 2, ["--recompute-granularity", "full", "--recompute-method",
                                        "block", "--recompute-num-layers", "2",
                                        "--pipeline-model-parallel-size", "2",

@@ -122,6 +122,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     # a chunk without layers still names the model's layer in its detail
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
+    ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
+    # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
+    # (_block_replays; a chunk building MTP layers above its decoder layers (estimator/mtp.py) and activation
+    # offloading keep the replay over everything the chunk holds: an upper bound)
+    block = (L.recompute_granularity == "full" and L.recompute_method == "block" and not mtp_here
+             and not L.cpu_offloading_num_layers and not L.fine_grained_activation_offloading)
     if len(per_kind) == 1:                        # a uniform chunk (the common case)
         la, n = per_kind[0]
         per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
@@ -130,12 +136,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         per_layer = max(la.total for la, _ in per_kind)
         if L.recompute_granularity == "full" or L.cpu_offloading_num_layers or L.fine_grained_activation_offloading:
             # With layers of different kinds, the largest layer's saved bytes and working sets stand for
-            # the one whose backward runs first (an upper bound).
+            # the one whose backward runs first (an upper bound; uniform's replays: _mixed_replays).
             fwd_transient = max(la.fwd_transient for la, _ in per_kind)
             bwd_transient = max(la.bwd_transient for la, _ in per_kind)
         else:
             fwd_transient, bwd_transient = _mixed_transients(per_kind)
-    ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
+    if block and n:
+        bwd_transient = _block_replays(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
+                                       ckpt_input)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
         # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
@@ -223,6 +231,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if len(per_kind) > 1 and L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
             # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
             bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
+        elif block:
+            # the replays are in the composed working set (_block_replays)
+            bwd_top = bwd_transient
     bwd_bottom = 0
     if has_batch:
         b = batch_items(L, first=has_embedding, last=has_output)
@@ -287,11 +298,15 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             layers += kept
             moe_layers += kept_moe
             if L.hybrid_mtp_pattern:
-                # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too
+                # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too, composed
+                # layer by layer over the D depths' HybridStacks (plain autograd: MultiTokenPredictionLayer
+                # _proj_and_transformer_layer calls its mtp_model_layer, megatron-core 0.19.2; full recompute of
+                # them is refused), each layer's less what the layers above it in the depths keep
                 more.append(f" + {d} MTP depth(s) of '{L.hybrid_mtp_pattern}'")
-                stack = [layer_activations(L, has_batch, kind) for kind, _ in mtp_stack_runs(L)]
-                fwd_extra = max(fwd_extra, max(x.fwd_transient for x in stack))
-                bwd_top = max(bwd_top, max(x.bwd_transient for x in stack))
+                f, b = _mixed_transients([(layer_activations(L, has_batch, kind), k)
+                                          for kind, k in mtp_stack_runs(L)] * d)
+                fwd_extra = max(fwd_extra, f)
+                bwd_top = max(bwd_top, b)
             else:
                 more.append(f" + {d} MTP layer(s)")
         ends.update(mtp_saved)
@@ -360,6 +375,26 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
         bwd = b if bwd is None else max(bwd, b)
         above += k * la.total
     return fwd or 0, bwd or 0
+
+
+def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
+    """Full ``block`` recompute of a chunk (bottom to top): its backward working set over what the chunk holds. The
+    first ``k`` layers are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1
+    and 0.19.2: ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers
+    above keep their saved tensors. Backward runs the top layers first and frees their tensors, then each
+    checkpointed layer replays its forward (its saved bytes) before its own backward. Composed as
+    ``_mixed_transients``: each layer's working set (a checkpointed one's with its replay) less what the layers
+    above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.)"""
+    bwd = None
+    above = 0
+    layers = [la for la, n in per_kind for _ in range(n)]
+    for i in range(len(layers) - 1, -1, -1):
+        la = layers[i]
+        replayed = i < k
+        b = (la.total if replayed else 0) + la.bwd_transient - above
+        bwd = b if bwd is None else max(bwd, b)
+        above += ckpt_input if replayed else la.total
+    return bwd or 0
 
 
 def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:

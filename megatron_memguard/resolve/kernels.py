@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import NotModelledError
-from .args import Args, Context
+from .args import _DTYPE_NAMES, Args, Context
 
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -37,6 +37,15 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         # local: megatron-core's DotProductAttention asserts context_parallel_size == 1
         a.fail("attention_backend", f"{backend} has no context parallelism (context-parallel size {cp}): only "
                "Transformer Engine's flash and fused attention implement it", "use --attention-backend auto")
+    elif impl == "transformer_engine" and backend in ("flash", "fused") and _act_dtype(a, kw) == "fp32" \
+            and not kw.get("fp8_dot_product_attention"):
+        # TE's get_attention_backend "Filter: Data type" drops flash-attn and FusedAttention for q/k/v other than
+        # bf16/fp16 (TE 2.11.0 / 2.20.2 pytorch/attention/dot_product_attention/utils.py), the backend's NVTE_*
+        # variables (language_module.py _set_attention_backend, core 0.16.1 / 0.19.2) switch the unfused one
+        # off, and DotProductAttention.forward raises "No dot product attention backend is available" at the
+        # first forward: no fallback
+        a.fail("attention_backend", f"{backend} needs bf16 or fp16 activations (--bf16 / --fp16): Transformer "
+               "Engine has no flash or fused attention for fp32 q/k/v", "use --attention-backend unfused or auto")
     elif backend == "local" and not ctx.legacy and a.key("attention_backend").startswith("--") and (
             not a.get("spec") or _first(a.get("spec")) != "local"):
         # core 0.19.2 megatron/training/arguments.py validate_args: ``assert args.spec[0] == 'local'``
@@ -64,6 +73,14 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
                 bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion,
                 use_transformer_engine_op_fuser=op_fuser(a, kw, impl), softmax_type=softmax_type,
                 flash_attention_version=fa_version)
+
+
+def _act_dtype(a: Args, kw: Mapping[str, Any]) -> str:
+    """The activations' dtype: the autocast dtype where given, else the parameters' (layout Precision)."""
+    v = a.a.get("autocast_dtype")
+    name = str(v).replace("torch.", "").lower() if v is not None else ""
+    # (an unknown name is the runtime section's error, once)
+    return _DTYPE_NAMES.get(name, kw["params_dtype"])
 
 
 def _first(v: Any) -> str:
