@@ -89,8 +89,9 @@ def _lora(extra: str = "", *sets: str):
 @pytest.mark.parametrize("field", ["dim", "alpha", "dropout", "dropout_position"])
 def test_a_null_lora_setting_is_refused(field):
     # Bridge 0.6.2 peft/lora.py LoRA: dim: int = 32, alpha: int = 32, dropout: float = 0.0, dropout_position = 'pre';
-    # a null is passed on as None (instantiate / _apply_overrides) and the adapters are built from it
-    # (ParallelLinearAdapter(dim=None, alpha=None, dropout=None, ...)). memguard took rank 32.
+    # a null is passed on as None (instantiate / _apply_overrides) and ParallelLinearAdapter.__init__ fails on it
+    # (peft/lora_layers.py: 'alpha / dim', 'if dropout > 0.0', 'assert dropout_position in ["pre", "post"]').
+    # memguard took rank 32.
     rule = f"peft.{field}: is null: Megatron-Bridge's LoRA takes it as None"
     one_error(_lora("", f"peft.{field}=null"), rule)
     one_error(_lora(f"  {field}: null\n" if field != "dim" else "  alpha: 16\n", *(["peft.dim=null"] if field == "dim" else [])),

@@ -375,7 +375,8 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None, given: fr
     for name, (value, key) in fields.items():
         if value is None and name in _PEFT_NOT_NULL:
             # LoRA / DoRA (Bridge 0.6.2 peft/lora.py, dora.py) declare these with a value default; a null is passed to
-            # the dataclass as None (instantiate / _apply_overrides), and the adapters are built from it (alpha / dim)
+            # the dataclass as None (instantiate / _apply_overrides), and the adapter's constructor fails on it
+            # (peft/lora_layers.py: 'alpha / dim', 'if dropout > 0.0', 'assert dropout_position in ["pre", "post"]')
             raise ConfigError(key, f"is null: Megatron-Bridge's {cls} takes it as None, not its default, and cannot "
                               "build the adapters", f"set {key}=VALUE or drop the key")
         if name in _PEFT_FIELDS:
