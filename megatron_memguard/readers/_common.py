@@ -363,8 +363,31 @@ def layout_text(value: Any, key: str) -> Any:
     return "|".join(stages)
 
 
+# int fields of a hybrid model whose default is not None: megatron-core 0.19.2 TransformerConfig (mamba_state_dim 128,
+# mamba_head_dim 64, mamba_num_groups 8) and Megatron-Bridge 0.6.2 HybridModelProvider (mamba_chunk_size 128). A null
+# is handed to the provider as None (omegaconf_utils._apply_overrides / instantiate), not replaced by the default.
+_HYBRID_INTS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size")
+
+
+def _bridge_unset(fields: Mapping[str, tuple[Any, str]], passthrough: frozenset[str]) -> None:
+    """Megatron-Bridge keeps what the YAML says: OmegaConf's missing marker '???' stays the text '???'
+    (OmegaConf.to_container leaves it, Bridge 0.6.2 omegaconf_utils.py) and a null stays None; neither is the default
+    memguard would otherwise take. Refused for the fields memguard reads (a null only where Bridge needs an int; an
+    emptied pattern is refused by map_mcore_fields as a hybrid model without one)."""
+    hybrid = any(fields.get(n, (None,))[0] not in (None, "") and not is_missing(fields.get(n, (None,))[0])
+                 for n in ("hybrid_layer_pattern", "hybrid_override_pattern"))
+    for name, (value, path) in fields.items():
+        if is_missing(value) and (name in passthrough or name in HYBRID_FIELDS) and "pattern" not in name:
+            raise ConfigError(path, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
+                              "not a default", f"set {path.split(' ')[0]}=VALUE")
+        if value is None and hybrid and name in _HYBRID_INTS:
+            raise ConfigError(path, "is null: Megatron-Bridge passes None to the hybrid model, which needs an integer "
+                              "(its default is not taken)", f"set {path.split(' ')[0]}=VALUE or drop the key")
+
+
 def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extra_known: Iterable[str] = (),
-                     unknown_context: str | None = None, skip: Iterable[str] = (), provider: bool = True) -> None:
+                     unknown_context: str | None = None, skip: Iterable[str] = (), provider: bool = True,
+                     bridge: bool = False) -> None:
     """Map megatron-core config fields (``{name: (value, key path)}``) onto Megatron args.
 
     Fields whose name is also a Megatron argument ``dest`` pass through; the handful whose name or
@@ -372,12 +395,15 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     cpu_offloading, first/last pipeline stage layers, ...); other megatron-core fields do not change
     memory and pass silently. Names that are neither megatron-core fields nor in ``extra_known`` get a
     warning naming ``unknown_context`` (None: no warnings). ``provider``: the fields are a model provider's or
-    config class's (only hybrid ones have the pattern fields), not Megatron's flat argument names."""
+    config class's (only hybrid ones have the pattern fields), not Megatron's flat argument names. ``bridge``: the
+    fields are a Megatron-Bridge YAML's, where '???' and a null are passed on as they are (``_bridge_unset``)."""
     dests = megatron_dests()
     passthrough = mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS
     known = passthrough | frozenset(extra_known)
     skip = set(skip)
     fields = {n: v for n, v in fields.items() if n not in skip}
+    if bridge:
+        _bridge_unset(fields, passthrough)
 
     def val(name: str) -> Any:
         return fields[name][0] if name in fields else None

@@ -240,7 +240,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         _sync_seq_length(b, S, sync_seq_length)
     env = _env_vars(S.pop("env_vars", {}), top.pop("env_vars", (None, "env_vars")))
     _unknown_keys(b, S, top, given)
-    _map(b, S, top, has_target="_target_" in doc or bool(recipe))
+    _map(b, S, top, has_target="_target_" in doc or bool(recipe), given=frozenset(given))
     if recipe:
         for note in recipe_notes(recipe):
             b.warn(note)
@@ -346,14 +346,18 @@ _PEFT_FIELDS = {"dim": "peft_dim", "alpha": "peft_alpha", "dropout": "peft_dropo
                 "dropout_position": "peft_dropout_position", "target_modules": "peft_target_modules",
                 "exclude_modules": "peft_exclude_modules",
                 "sequence_parallel_input_regather": "peft_sp_input_regather"}
+# fields typed with a value default in LoRA / DoRA (Bridge 0.6.2: dim 32, alpha 32 / 64, dropout 0.0, dropout_position
+# 'pre'); target_modules / exclude_modules null mean "no list" to ModuleMatcher ('self.target_modules or []')
+_PEFT_NOT_NULL = frozenset({"dim", "alpha", "dropout", "dropout_position"})
 # fields that change no memory of a dense model (initialisation, MoE-only options, checkpoint handling)
 _PEFT_NEUTRAL = frozenset({"lora_A_init_method", "lora_B_init_method", "normalize_moe_lora", "share_expert_adapters",
                            "experts_shared_outer_loras", "params_to_save", "_target_"})
 
 
-def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
+def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None, given: frozenset[str] = frozenset()) -> None:
     """The ``peft:`` section: a LoRA or DoRA object (its ``_target_``) or a scheme name, onto resolve/peft.py's
-    dests; another PEFT class, or a field that changes memory memguard does not model, is refused by name."""
+    dests; another PEFT class, or a field that changes memory memguard does not model, is refused by name.
+    ``given``: the keys plain ``KEY=VALUE`` overrides wrote (an unknown one is an error there, as in Bridge)."""
     if top is not None:
         value, key = top
         if isinstance(value, str):
@@ -369,6 +373,12 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
         raise NotModelledError(target[1], f"PEFT class {cls} (memguard models LoRA and DoRA)")
     b.set("peft_scheme", _PEFT_CLASSES[cls], target[1])
     for name, (value, key) in fields.items():
+        if value is None and name in _PEFT_NOT_NULL:
+            # LoRA / DoRA (Bridge 0.6.2 peft/lora.py, dora.py) declare these with a value default; a null is passed to
+            # the dataclass as None (instantiate / _apply_overrides), and the adapter's constructor fails on it
+            # (peft/lora_layers.py: 'alpha / dim', 'if dropout > 0.0', 'assert dropout_position in ["pre", "post"]')
+            raise ConfigError(key, f"is null: Megatron-Bridge's {cls} takes it as None, not its default, and cannot "
+                              "build the adapters", f"set {key}=VALUE or drop the key")
         if name in _PEFT_FIELDS:
             # (a live LoRA object's exclude_modules is an empty list: nothing excluded)
             if value is not None and not (name == "exclude_modules" and not value):
@@ -382,7 +392,14 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None) -> None:
         elif name == "a2a_experimental":
             if value:
                 raise NotModelledError(key, "LoRA's experimental all-to-all adapters")
+        elif name not in _PEFT_NEUTRAL and key in given:
+            # Hydra applies a KEY=VALUE override in struct mode and raises on a key the dataclass lacks (Bridge 0.6.2
+            # omegaconf_utils.parse_hydra_overrides: OverridesError)
+            raise ConfigError(key, f"not a field of Megatron-Bridge's {cls}: Megatron-Bridge refuses this override")
         elif name not in _PEFT_NEUTRAL:
+            # a YAML file's unknown key is dropped with a warning: instantiate's LENIENT mode (megatron-core 0.19.2
+            # training/config/instantiate_utils._filter_kwargs_for_target), or "not found in config object" in
+            # omegaconf_utils._apply_overrides
             b.warn(f"{key}: not a field of Bridge's {cls}; ignored")
 
 
@@ -404,7 +421,8 @@ def _hybrid_stack_spec(field: Field | None) -> None:
                            f"hybrid_stack_spec}}) or be null, got {shown(value)}")
 
 
-def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool) -> None:  # noqa: C901
+def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool,  # noqa: C901
+         given: frozenset[str] = frozenset()) -> None:
     def v(sec: str, name: str, default: Any = None) -> Any:
         f = S.get(sec, {}).get(name)
         return default if f is None or f[0] is None or is_missing(f[0]) else f[0]
@@ -423,14 +441,15 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                 raise ReaderError(f"{key}: is ??? (a mandatory value); set it with {key.split(' ')[0]}=VALUE")
 
     if top.get("peft", (None,))[0] is not None or S.get("peft"):
-        _peft(b, S.get("peft", {}), top.get("peft"))
+        _peft(b, S.get("peft", {}), top.get("peft"), given)
 
     # Model.
     model = S.get("model", {})
     _hybrid_stack_spec(model.get("hybrid_stack_spec"))
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,   # (checked providers: _unknown_keys)
-                     unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model")
+                     unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model",
+                     bridge=True)
     group_query_attention(b, model)
     if not has("model", "ffn_hidden_size") and has("model", "hidden_size"):
         default_ffn_hidden_size(b, v("model", "hidden_size"), k("model", "hidden_size"))

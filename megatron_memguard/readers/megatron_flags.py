@@ -64,6 +64,9 @@ _CHOICES = {
     "--muon-tp-mode": ("blockwise", "duplicated", "distributed"),
     "--optimizer": ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
 }
+# digits beyond int()'s limit on a string's length (sys.get_int_max_str_digits, 4300): argparse refuses them too,
+# memguard names the bound of the setting instead
+_LONG_DIGITS = re.compile(r"\s*[+-]?[0-9][0-9_]{4000,}\s*")
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
 
@@ -113,8 +116,16 @@ def _convert(value: str, typ: str | None, flag: str) -> Any:
         from .moe_freq import parse_moe_layer_freq
         return parse_moe_layer_freq(value, flag)
     if typ == "int":
-        # Megatron's argparse takes any int. One beyond 64 bits stays text: resolve() refuses it with the
-        # bound of its setting when memguard computes with it (memory-neutral flags are not checked).
+        # Megatron's argparse reads the flag with type=int (megatron/training/arguments.py, core 0.19.2 and
+        # 0.16.1): int() refuses '4.0', '1e3' and '1e-400' at start-up, so memguard does too. One beyond 64 bits
+        # (or beyond int()'s digit limit) stays text: resolve() refuses it with the bound of its setting when
+        # memguard computes with it (memory-neutral flags are not checked).
+        if not _LONG_DIGITS.fullmatch(value):
+            try:
+                int(value)
+            except ValueError:
+                raise ConfigError(flag, f"must be an integer, got {shown(value)} (Megatron's argparse reads it "
+                                  "with type=int: digits only)") from None
         n = integral(value, flag)
         return n if abs(n) <= INT64_MAX else value
     if typ == "float":

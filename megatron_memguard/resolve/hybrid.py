@@ -42,6 +42,16 @@ def _given(a: Args, dest: str) -> str | None:
 def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The layer pattern: its layers (the model's --num-layers), and its '|' segments as the pipeline split
     (a --pipeline-model-parallel-layout of plain layers, which partition.py reads)."""
+    old = ctx.version < Version("0.17")
+    for dest in (PATTERN, LEGACY):
+        if a.get(dest) == "":
+            # an empty pattern is a pattern, not "no pattern": megatron-core 0.19.2 validate_args (training/
+            # arguments.py: 'if args.hybrid_layer_pattern is not None') sets --num-layers to its 0 layers; 0.16.1's
+            # _allocate_override (ssm/mamba_hybrid_layer_allocation.py) asserts it has --num-layers symbols
+            a.fail(dest, "is empty: " + ("megatron-core 0.16 asserts the pattern has --num-layers symbols" if old else
+                   "validate_args takes the layer count from the pattern (0 layers)"),
+                   "give the layer symbols (e.g. M*M-), or drop the flag for a GPT model")
+            raise Stop
     text, legacy = _given(a, PATTERN), _given(a, LEGACY)
     if text is None and legacy is None:
         return {}
@@ -55,7 +65,6 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         legacy = None
     dest = PATTERN if text is not None else LEGACY
     key = a.key(dest)
-    old = ctx.version < Version("0.17")
     if old and dest == PATTERN and key.startswith("--") and a.raw.megatron_command_line:
         a.fail(PATTERN, "is not a flag of megatron-core 0.16 (added in 0.17; 0.16 reads --hybrid-override-pattern)",
                "write --hybrid-override-pattern, or give --megatron-version 0.17 or later")
