@@ -84,14 +84,7 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if not layers:
         a.fail(dest, "has no layers before any '/'")
         raise Stop
-    if "*" in layers and ("D" in layers or "+" in layers):
-        a.fail(dest, "cannot mix attention '*' with MLA '+' or DSA 'D' layers (_validate_pattern)")
-        raise Stop
-    other = sorted(set(layers) - MODELLED)
-    if other:
-        names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
-        raise NotModelledError(key, f"{names} layers in a hybrid pattern (memguard models Mamba 'M', attention '*', "
-                               "MLP '-' and MoE 'E')")
+    _modelled_symbols(a, dest, key, layers, mtp=False)
     n = len(layers)
     bound, why = BOUNDS["num_layers"]
     if n > bound:
@@ -162,6 +155,20 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     return out
 
 
+def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> None:
+    """Megatron's rule on mixing attention with MLA / DSA layers (_validate_pattern), then memguard's refusal of
+    the layer kinds it does not model, for the main pattern or (``mtp``) the MTP pattern after '/'."""
+    if "*" in layers and ("D" in layers or "+" in layers):
+        where = " in the MTP pattern" if mtp else ""
+        a.fail(dest, f"cannot mix attention '*' with MLA '+' or DSA 'D' layers{where} (_validate_pattern)")
+        raise Stop
+    other = sorted(set(layers) - MODELLED)
+    if other:
+        names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
+        raise NotModelledError(key, f"{names} layers in a hybrid {'MTP ' if mtp else ''}pattern (memguard models "
+                               "Mamba 'M', attention '*', MLP '-' and MoE 'E')")
+
+
 def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> tuple[str | None, int]:
     """The MTP layers of a hybrid model: (one depth's pattern, the number of depths), or (None, 0).
 
@@ -200,14 +207,7 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
         a.fail(dest, f"{bad!r} is not a layer symbol of an MTP pattern (M, *, -, E, G, D, +; no '|': "
                "parse_hybrid_pattern)")
         raise Stop
-    if "*" in mtp and ("D" in mtp or "+" in mtp):
-        a.fail(dest, "cannot mix attention '*' with MLA '+' or DSA 'D' layers in the MTP pattern (_validate_pattern)")
-        raise Stop
-    other = sorted(set(mtp) - MODELLED)
-    if other:
-        names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
-        raise NotModelledError(key, f"{names} layers in a hybrid MTP pattern (memguard models Mamba 'M', attention "
-                               "'*', MLP '-' and MoE 'E')")
+    _modelled_symbols(a, dest, key, mtp, mtp=True)
     if not a.raw.megatron_command_line and legacy is None:
         # Megatron-Bridge 0.6.2 HybridModelProvider reconciles mtp_num_layers with the pattern only when it builds
         # the pattern from mtp_hybrid_override_pattern; HybridModel builds one MTP layer per '/' part (one with the
