@@ -302,9 +302,9 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
         if strict:
             raise
         r.action, r.reason = "unsupported", str(e)
-        later = None
-        if r.raw is not None:
-            from .decision import expert_grid_failure
+        from .decision import expert_grid_failure, megatron_failure
+        later = megatron_failure(e)
+        if later is None and r.raw is not None:
             later = expert_grid_failure(r.raw.args.get, world_size, r.raw.key)
         if rank0:
             emit(f"{PREFIX} {label}: cannot estimate this configuration: {e}; "

@@ -93,6 +93,18 @@ PreflightResult = Decision
 PreflightAbort = MemguardAbort
 
 
+def megatron_failure(e: BaseException) -> str | None:
+    """Where Megatron stops on an input memguard refused although Megatron's argument validation accepts it, and
+    what to change (the marker ``megatron_fails_later`` set where the error is raised); None for memguard's own
+    refusals, after which the run does go on unchecked."""
+    where = getattr(e, "megatron_fails_later", None)
+    if not where:
+        return None
+    errors = getattr(e, "errors", None) or [e]
+    keys = list(dict.fromkeys(k.key for k in errors if getattr(k, "megatron_fails_later", None) and getattr(k, "key", "")))
+    return f"the run will stop {where}" + (f" (change {', '.join(keys)})" if keys else "")
+
+
 def expert_grid_failure(get: Any, world: Any, flag: Any = None) -> str | None:
     """The expert-grid rule megatron-core checks only after its argument validation: initialize_model_parallel
     (parallel_state.py, 0.16.1 and 0.19.2) lays the expert groups ETP x EP x expert-DP x PP over the same

@@ -27,8 +27,18 @@ def one_line(text: str) -> str:
     return text
 
 
+# Where Megatron stops when Transformer Engine finds no attention backend for a layer (validate_args does not
+# apply TE's filters): DotProductAttention.forward, TE 2.11 / 2.20.2 pytorch/attention/dot_product_attention
+NO_TE_BACKEND = ("at the first forward step (Transformer Engine's DotProductAttention raises \"No dot product "
+                 "attention backend is available\")")
+
+
 class MemguardError(Exception):
     """Base class: a problem with the user's input that memguard reports in one line."""
+
+    # Where Megatron itself stops on this input after its argument validation accepted it ("at the first
+    # forward step (...)"), when memguard knows; None: memguard's own refusal, the run may go on.
+    megatron_fails_later: str | None = None
 
     def __init__(self, *args: object):
         if len(args) == 1 and isinstance(args[0], str):
@@ -41,10 +51,12 @@ class ConfigError(MemguardError):
 
     ``key`` is the flag or key path as the user wrote it (``--tensor-model-parallel-size``,
     ``model.tensor_model_parallel_size``); ``rule`` says what must hold; ``fix`` optionally
-    suggests a change.
+    suggests a change. ``fails_later`` says where Megatron stops on it although validate_args lets it
+    through (model build, first forward step), for the hook's message; it does not change the text.
     """
 
-    def __init__(self, key: str, rule: str, fix: str | None = None):
+    def __init__(self, key: str, rule: str, fix: str | None = None, *, fails_later: str | None = None):
+        self.megatron_fails_later = fails_later
         self.key = one_line(key)
         self.rule = one_line(rule)
         self.fix = one_line(fix) if fix else fix
@@ -66,6 +78,11 @@ class ConfigErrors(MemguardError):
     def __init__(self, errors: list[ConfigError]):
         self.errors = list(errors)
         super().__init__("; ".join(str(e) for e in self.errors))
+
+    @property
+    def megatron_fails_later(self) -> str | None:  # type: ignore[override]
+        """The first of the errors Megatron stops on later (one is enough to stop the run)."""
+        return next((e.megatron_fails_later for e in self.errors if e.megatron_fails_later), None)
 
 
 class NotModelledError(MemguardError):

@@ -426,3 +426,45 @@ def test_moe_fp8_autotune_is_what_megatron_validates_and_builds(run, hook, capsy
     assert L.padded_vocab_size == d.layout.padded_vocab_size == args.padded_vocab_size
     assert ({k: v for k, v in L.to_dict().items() if k not in skip}
             == {k: v for k, v in d.layout.to_dict().items() if k not in skip})
+
+
+# Inputs megatron.training's validate_args (0.19.2) lets through but Megatron stops on later: the hook names where and
+# what to change instead of "training continues unchecked" (decision.megatron_failure); the mode still decides
+# whether it aborts, and on such an input the hook never does (no estimate).
+def _refusal_line(out: str) -> str:
+    return next(ln for ln in out.splitlines() if "cannot estimate this configuration" in ln)
+
+
+def test_mtp_uniform_recompute_of_two_layers_says_megatron_will_stop(run, hook, capsys):
+    # MultiTokenPredictionLayer._checkpointed_forward (transformer/multi_token_prediction.py, core 0.19.2) asserts
+    # "recompute_num_layers must be 1 for MTP recompute" under uniform, at the first forward
+    args = run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--mtp-num-layers", 1,
+               "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 2,
+               "--memguard", "abort")
+    line = _refusal_line(capsys.readouterr().out)
+    assert hook.STATE.decision.action == "unsupported" and args.recompute_num_layers == 2
+    assert "training continues unchecked" not in line
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first forward step "
+                         "(MultiTokenPredictionLayer._checkpointed_forward asserts) (change --recompute-num-layers)")
+
+
+@pytest.mark.parametrize("extra, key", [(["--attention-backend", "flash"], "--attention-backend"),
+                                        (["--context-parallel-size", 2], "--context-parallel-size")])
+def test_fp32_attention_without_a_te_backend_says_megatron_will_stop(run, hook, capsys, monkeypatch, extra, key):
+    # fp32 q/k/v: TE's get_attention_backend drops flash-attn and FusedAttention (TE 2.20.2 dot_product_attention/
+    # utils.py); flash switches the unfused one off, and under CP TE disables it anyway (auto on an H100):
+    # DotProductAttention raises "No dot product attention backend is available" at the first forward
+    monkeypatch.setattr(sys.modules[__name__], "BASE", [f for f in BASE if f != "--bf16"])
+    args = run("--micro-batch-size", 1, "--tensor-model-parallel-size", 4, *extra)
+    line = _refusal_line(capsys.readouterr().out)
+    assert not args.bf16 and hook.STATE.decision.action == "unsupported"
+    assert "training continues unchecked" not in line
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first forward step "
+                         "(Transformer Engine's DotProductAttention raises \"No dot product attention backend is "
+                         f"available\") (change {key})")
+
+
+def test_a_refusal_of_memguard_alone_still_says_training_continues(run, capsys):
+    # a custom layer spec: memguard does not model it, Megatron runs it
+    run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--spec", "my_module", "my_spec")
+    assert _refusal_line(capsys.readouterr().out).endswith("training continues unchecked")

@@ -494,3 +494,38 @@ def test_yaml_settings_bug_lets_the_run_go_on(legacy, monkeypatch, tmp_path, cap
     args, _ = _yaml_run(legacy, monkeypatch, tmp_path, NOT_FITTING, "--memguard", "abort")
     assert args.micro_batch_size == 4 and legacy.hook.STATE.decision is None and legacy.hook.STATE.errors == before + 1
     assert "[memguard] internal error in reading the --memguard settings of a --yaml-cfg run" in capsys.readouterr().err
+
+
+# Inputs validate_args lets through but Megatron stops on later: the hook names where and what to change instead of
+# "training continues unchecked" (decision.megatron_failure); whether it aborts stays the user's mode.
+MTP_UNIFORM_2 = ["--mtp-num-layers", 1, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", 2]
+
+
+def test_mtp_uniform_recompute_of_two_layers_says_megatron_will_stop(legacy, capsys):
+    # MultiTokenPredictionLayer._checkpointed_forward (transformer/multi_token_prediction.py, core 0.16.1) asserts
+    # recompute_num_layers == 1 under uniform at the first forward; validate_args does not check it
+    args = legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, *MTP_UNIFORM_2, "--memguard", "abort")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "cannot estimate this configuration" in ln)
+    assert legacy.hook.STATE.decision.action == "unsupported" and args.recompute_num_layers == 2
+    assert "training continues unchecked" not in line
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first forward step "
+                         "(MultiTokenPredictionLayer._checkpointed_forward asserts) (change --recompute-num-layers)")
+
+
+def test_fp32_flash_attention_says_megatron_will_stop(legacy, capsys, monkeypatch):
+    # fp32 q/k/v: TE's get_attention_backend drops flash-attn and FusedAttention, --attention-backend flash switches
+    # the unfused one off, DotProductAttention raises at the first forward (TE 2.11 dot_product_attention/utils.py)
+    monkeypatch.setattr(sys.modules[__name__], "BASE", [f for f in BASE if f != "--bf16"])
+    args = legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 8, "--attention-backend", "flash")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "cannot estimate this configuration" in ln)
+    assert not args.bf16 and "training continues unchecked" not in line
+    assert line.endswith("the run will stop at the first forward step (Transformer Engine's DotProductAttention "
+                         "raises \"No dot product attention backend is available\") (change --attention-backend)")
+
+
+def test_a_refusal_of_memguard_alone_still_says_training_continues(legacy, capsys):
+    # a custom layer spec: memguard cannot model it, Megatron runs it
+    legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--spec", "my_module", "my_spec")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "cannot estimate this configuration" in ln)
+    assert line.endswith("training continues unchecked")

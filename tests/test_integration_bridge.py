@@ -511,3 +511,16 @@ def test_invalid_expert_grid_is_not_called_unchecked(monkeypatch):
                              "tensor parallel 2 x expert parallel 4 x pipeline parallel 4 = 32 (change "
                              "model.expert_model_parallel_size, model.expert_tensor_parallel_size, "
                              "model.pipeline_model_parallel_size)")
+
+
+def test_an_input_megatron_stops_on_later_is_said_so():
+    # MTP under uniform recompute of 2 layers per checkpoint: Bridge builds it, then
+    # MultiTokenPredictionLayer._checkpointed_forward (transformer/multi_token_prediction.py, core 0.16.1 / 0.19.2)
+    # asserts recompute_num_layers == 1 at the first forward: not "training continues unchecked"; no abort either
+    doc = config_dict(ConfigContainer())
+    doc["model"].update(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    lines, emit = quiet()
+    r = preflight(doc, world_size=32, gpu="H100-80GB", mode="abort", emit=emit)
+    assert r.action == "unsupported" and len(lines) == 1 and "training continues unchecked" not in lines[0]
+    assert lines[0].endswith("the run will stop at the first forward step (MultiTokenPredictionLayer._checkpointed_forward "
+                             "asserts) (change model.recompute_num_layers)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Callable
 
-from ..errors import ConfigError
+from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
@@ -1416,7 +1416,8 @@ def estimate(
             # parallelism, then DotProductAttention raises "No dot product attention backend is available"
             raise ConfigError("--context-parallel-size", f"must be 1 here (got {L.cp}): Transformer Engine has no "
                               "attention kernel for this layer under context parallelism; " + attention.why,
-                              "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes")
+                              "use --context-parallel-size 1, or bf16/fp16 and a head dim flash-attn or cuDNN takes",
+                              fails_later=NO_TE_BACKEND)
         L = modelled
     if attention.requested == "auto" and gpu is None and L.transformer_impl == "transformer_engine":
         notes.append("attention backend: " + attention.why)

@@ -26,7 +26,7 @@ import os
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
-from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort, expert_grid_failure  # noqa: F401 (MemguardAbort: re-exported)
+from ..decision import ABORT_EXIT_CODE, PREFIX, Decision, MemguardAbort, expert_grid_failure, megatron_failure  # noqa: F401 (MemguardAbort: re-exported)
 from ..autotune import autotune, describe_layout_choice
 from ..config import RawConfig
 from ..estimator import Estimate, estimate
@@ -166,14 +166,15 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
             from ..site_profile import load_site_profile
             # checked when parsed; read again here (a namespace set by other code, a file changed since)
             site = load_site_profile(settings.profile, key="--memguard-profile").constants
+        # (inside: the estimate refuses what only the GPU decides, e.g. no TE attention backend under CP)
+        est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     except MemguardError as e:
         d.action, d.reason = "unsupported", str(e)
-        later = _expert_grid_failure(args, environ)
+        later = megatron_failure(e) or _expert_grid_failure(args, environ)
         if rank0:
             (emit or print)(f"{PREFIX} cannot estimate this configuration: {e}; "
                             + (f"Megatron's {validator} accepts it but {later}" if later else "training continues unchecked"))
         return d
-    est = estimate(layout, gpu=d.gpu, gpu_memory=d.gpu_memory, threshold=settings.threshold, site=site)
     d.layout, d.estimate = layout, est
     say(_settings_line(settings, d.gpu, d.gpu_memory, d.gpu_memory_source))
 

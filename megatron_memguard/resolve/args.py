@@ -93,8 +93,9 @@ class Args:
     def key(self, dest: str) -> str:
         return self.raw.key(dest)
 
-    def fail(self, dest: str, rule: str, fix: str | None = None) -> None:
-        self.errors.append(ConfigError(self.key(dest) if dest else "", rule, fix))
+    def fail(self, dest: str, rule: str, fix: str | None = None, *, fails_later: str | None = None) -> None:
+        """Record a broken rule; ``fails_later``: where Megatron stops on it after validate_args accepted it."""
+        self.errors.append(ConfigError(self.key(dest) if dest else "", rule, fix, fails_later=fails_later))
 
     def int_arg(self, dest: str, default: int | None = None, required: bool = False, minimum: int = 1) -> int | None:
         v = self.a.get(dest)

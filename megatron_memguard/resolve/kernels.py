@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import NotModelledError
+from ..errors import NO_TE_BACKEND, NotModelledError
 from .args import _DTYPE_NAMES, Args, Context
 
 
@@ -45,7 +45,8 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         # off, and DotProductAttention.forward raises "No dot product attention backend is available" at the
         # first forward: no fallback
         a.fail("attention_backend", f"{backend} needs bf16 or fp16 activations (--bf16 / --fp16): Transformer "
-               "Engine has no flash or fused attention for fp32 q/k/v", "use --attention-backend unfused or auto")
+               "Engine has no flash or fused attention for fp32 q/k/v", "use --attention-backend unfused or auto",
+               fails_later=NO_TE_BACKEND)
     elif backend == "local" and not ctx.legacy and a.key("attention_backend").startswith("--") and (
             not a.get("spec") or _first(a.get("spec")) != "local"):
         # core 0.19.2 megatron/training/arguments.py validate_args: ``assert args.spec[0] == 'local'``

@@ -112,7 +112,8 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
         a.fail("recompute_num_layers", f"must be 1 with {mtp_of} under {a.key('recompute_method')} "
                f"uniform, got {rnl}: MultiTokenPredictionLayer asserts \"recompute_num_layers must be 1 for MTP "
                "recompute\" at the first forward", f"give 1, or {a.key('recompute_method')} block, which does not "
-               "recompute the MTP layers")
+               "recompute the MTP layers",
+               fails_later="at the first forward step (MultiTokenPredictionLayer._checkpointed_forward asserts)")
     elif method == "uniform" and kw.get("distribute_saved_activations"):
         # CheckpointFunction splits its first input over TP: for an MTP depth that is hidden_states (the decoder's or
         # the depth before's output, also an entry of the list MultiTokenPredictionBlock concatenates), not the

@@ -165,6 +165,10 @@ def _add_training_args(parser):
     group.add_argument('--use-cpu-initialization', action='store_true', default=None)
     group.add_argument('--use-legacy-models', action='store_true')
     group.add_argument('--transformer-impl', default='transformer_engine', choices=['local', 'transformer_engine'])
+    # core_v0.16.1 _add_training_args: the enum's member by name
+    from megatron.core.transformer.enums import AttnBackend
+    group.add_argument('--attention-backend', type=lambda name: AttnBackend[name], default=AttnBackend.auto,
+                       choices=list(AttnBackend))
     group.add_argument('--empty-unused-memory-level', type=int, default=0, choices=[0, 1, 2])
     group.add_argument('--exit-interval', type=int, default=None)
     return parser
@@ -262,6 +266,8 @@ def _add_transformer_engine_args(parser):
 def _add_experimental_args(parser):
     group = parser.add_argument_group(title='experimental')
     group.add_argument('--spec', type=str, default=None, nargs='*')
+    # core_v0.16.1 _add_multi_token_prediction_args (a group of its own there)
+    group.add_argument('--mtp-num-layers', type=int, default=None)
     return parser
 
 
@@ -281,6 +287,12 @@ def validate_args(args, defaults={}):
               'tensor-model-parallel size: {}, pipeline-model-parallel size: {} '.format(
                   args.world_size, args.data_parallel_size, args.context_parallel_size,
                   args.tensor_model_parallel_size, args.pipeline_model_parallel_size), flush=True)
+
+    # core_v0.16.1 validate_args: MTP needs the mcore models and rope / no position embedding (nothing on recompute)
+    if args.mtp_num_layers:
+        assert not args.use_legacy_models, "The legacy Megatron models does not support Multi-Token Prediction (MTP)."
+        assert args.position_embedding_type in ("rope", "none"), \
+            f"Multi-Token Prediction (MTP) is not supported with {args.position_embedding_type} position embedding type."
 
     # Deprecated arguments (the deletions make validate_args non-idempotent).
     assert args.batch_size is None, '--batch-size argument is no longer valid, use --micro-batch-size instead'
