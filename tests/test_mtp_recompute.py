@@ -106,3 +106,32 @@ def test_distributed_saved_activations_with_mtp_under_uniform_is_refused_by_name
     for extra in (f"{tp2} {_full('uniform')}", f"--mtp-num-layers 1 {tp2} {_full('block')}"):
         L = layout_from_flags(FLAGS + extra.split(), world_size=4, megatron_version="0.16")
         assert estimate(L, device="cpu").stages[-1].peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("version, position", [("0.16", "learned_absolute"), ("0.16", "rope"), ("0.19", "rope")])
+def test_uniform_replays_the_last_depth_at_the_top_of_a_standalone_mtp_stage_by_hand(version, position):
+    # 'Et|m|L' (Megatron's mtp_standalone): the middle stage runs the MTP block only. Its backward starts in the last
+    # depth; without recompute that depth's tensors are already held. Under uniform the depth kept its checkpoint
+    # inputs only, and CheckpointFunction.backward (tensor_parallel/random.py) replays _proj_and_transformer_layer
+    # first (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2): the layer's 578 KiB, eh_proj's 64 KiB input,
+    # the final norm's 32 KiB input, the three norms' statistics, and the replayed 32 KiB output it holds until its
+    # backward returns; enorm's input is decoder_input, a checkpoint input still held. So the top of the backward
+    # rises by one depth's tensors as kept without recompute: its layer (578 KiB with learned positions) + INSIDE_CKPT.
+    # (0.19 validate_args wants rope with MTP; the CPU referee measures the MTP stage of 'Et|m|L' and 'Et|tm|L' of
+    # its own model under uniform at -0.002%: tests/test_referee_mtp_standalone.py)
+    from megatron_memguard.estimator.core import _chunk_activations
+    from megatron_memguard.estimator.params import holds_final_norm, holds_mtp
+
+    def mtp_chunk(extra: str):
+        L = layout_from_flags(FLAGS + ("--num-layers 1 --pipeline-model-parallel-size 3 --mtp-num-layers 1 "
+                                       f"--pipeline-model-parallel-layout Et|m|L --position-embedding-type {position} {extra}").split(),
+                              world_size=3, megatron_version=version)
+        c = L.stage_chunks(1)[-1]
+        assert holds_mtp(L, c) and not c.has_output
+        return _chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, holds_final_norm(L, c), True)
+    none, uniform = mtp_chunk(""), mtp_chunk(_full("uniform"))
+    layer = none.layers                  # the MTP layer, kept whole without recompute (no decoder layer here)
+    if position == "learned_absolute":
+        assert layer == LAYER_KEPT
+    assert uniform.layers == CKPT_INPUT   # under uniform: decoder_input, the depth's checkpointed input
+    assert uniform.bwd_top_extra - none.bwd_top_extra == layer + INSIDE_CKPT

@@ -269,8 +269,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # embedding copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has
         # none (the end of its backward), else before them, with the block's own tensors released by then
         # (the last depth's final norm is back-propagated first: its input and statistics are gone by then)
-        acts = mtp_block_acts(mtp_spec_of(L))
-        bwd_top = max(bwd_top, mtp_la.bwd_transient + concat - (acts.final_norm_inputs + acts.norm_stats // 3) // d)
+        acts = mtp_block_acts(mtp_spec_of(L))   # (as without recompute: one depth's tensors are 1/d of each term)
+        top = mtp_la.bwd_transient + concat - (acts.final_norm_inputs + acts.norm_stats // 3) // d
+        if mtp_checkpointed(L):
+            # full uniform recompute: the last depth kept only its checkpoint inputs (hidden_states, decoder_input), so
+            # CheckpointFunction.backward (tensor_parallel/random.py) first replays _proj_and_transformer_layer
+            # (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2): the layer's saved tensors, eh_proj's
+            # concatenated input, the three norms' statistics, the final norm's input, and the replayed output it
+            # holds until its torch.autograd.backward returns (one row more, as the final norm's input)
+            top += mtp_la.total + (acts.eh_proj_inputs + 2 * acts.final_norm_inputs + acts.norm_stats) // d
+        bwd_top = max(bwd_top, top)
         if not has_embedding:
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
             if n:
