@@ -363,26 +363,43 @@ def layout_text(value: Any, key: str) -> Any:
     return "|".join(stages)
 
 
-# int fields of a hybrid model whose default is not None: megatron-core 0.19.2 TransformerConfig (mamba_state_dim 128,
-# mamba_head_dim 64, mamba_num_groups 8) and Megatron-Bridge 0.6.2 HybridModelProvider (mamba_chunk_size 128). A null
-# is handed to the provider as None (omegaconf_utils._apply_overrides / instantiate), not replaced by the default.
-_HYBRID_INTS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size")
+@lru_cache(maxsize=1)
+def typed_defaults() -> dict[str, dict[str, Any]]:
+    """Model-config fields typed int / float / bool whose dataclass default is a value, not None (megatron-core
+    0.16.1 / 0.19.2, Megatron-Bridge 0.6.2; data/typed_defaults.json, made by scripts/gen_typed_defaults.py)."""
+    doc = json.loads(resources.files("megatron_memguard").joinpath("data/typed_defaults.json").read_text())
+    return doc["fields"]
 
 
-def _bridge_unset(fields: Mapping[str, tuple[Any, str]], passthrough: frozenset[str]) -> None:
+def _null_not_default(name: str) -> bool:
+    """A null on this field is not its default: an int or float (None fails in arithmetic and comparisons), or a
+    bool whose default is true (None is false wherever Megatron tests it). A bool defaulting to false reads None as
+    its default; a None-able field (Optional, or defaulting to None) is not in the table: None has its meaning."""
+    f = typed_defaults().get(name)
+    return f is not None and (f["type"] != "bool" or f["default"] is True)
+
+
+def _bridge_unset(fields: Mapping[str, tuple[Any, str]], passthrough: frozenset[str], read: frozenset[str]) -> None:
     """Megatron-Bridge keeps what the YAML says: OmegaConf's missing marker '???' stays the text '???'
-    (OmegaConf.to_container leaves it, Bridge 0.6.2 omegaconf_utils.py) and a null stays None; neither is the default
-    memguard would otherwise take. Refused for the fields memguard reads (a null only where Bridge needs an int; an
-    emptied pattern is refused by map_mcore_fields as a hybrid model without one)."""
+    (OmegaConf.to_container leaves it, Bridge 0.6.2 omegaconf_utils.py) and a null stays None (omegaconf_utils
+    _apply_overrides / instantiate set the attribute, no type check); neither is the default memguard would otherwise
+    take. Refused for the fields memguard reads (``read``): '???' always, a null where ``_null_not_default`` (the
+    mamba_* sizes only for a hybrid model, the one that reads them; an emptied pattern is refused by map_mcore_fields
+    as a hybrid model without one)."""
     hybrid = any(fields.get(n, (None,))[0] not in (None, "") and not is_missing(fields.get(n, (None,))[0])
                  for n in ("hybrid_layer_pattern", "hybrid_override_pattern"))
     for name, (value, path) in fields.items():
         if is_missing(value) and (name in passthrough or name in HYBRID_FIELDS) and "pattern" not in name:
             raise ConfigError(path, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
                               "not a default", f"set {path.split(' ')[0]}=VALUE")
-        if value is None and hybrid and name in _HYBRID_INTS:
-            raise ConfigError(path, "is null: Megatron-Bridge passes None to the hybrid model, which needs an integer "
-                              "(its default is not taken)", f"set {path.split(' ')[0]}=VALUE or drop the key")
+        if value is None and name in read and _null_not_default(name) and (hybrid or not name.startswith("mamba_")):
+            f = typed_defaults()[name]
+            if name.startswith("mamba_"):
+                rule = "is null: Megatron-Bridge passes None to the hybrid model, which needs an integer (its default is not taken)"
+            else:
+                rule = (f"is null: Megatron-Bridge passes None on, where {f['classes'][0]} declares {f['type']} with "
+                        f"default {f['default']} (the default is not taken)")
+            raise ConfigError(path, rule, f"set {path.split(' ')[0]}=VALUE or drop the key")
 
 
 def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extra_known: Iterable[str] = (),
@@ -403,7 +420,7 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     skip = set(skip)
     fields = {n: v for n, v in fields.items() if n not in skip}
     if bridge:
-        _bridge_unset(fields, passthrough)
+        _bridge_unset(fields, passthrough, _HANDLED | HYBRID_FIELDS | (dests & passthrough))
 
     def val(name: str) -> Any:
         return fields[name][0] if name in fields else None
