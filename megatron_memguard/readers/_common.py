@@ -384,9 +384,9 @@ def null_not_default(name: str) -> bool:
 _MISSING_RULE = {
     # Bridge 0.6.2 omegaconf_utils.py: OmegaConf.to_container leaves '???' as the text
     "Megatron-Bridge": "Megatron-Bridge passes the text '???' on, not a default",
-    # NeMo 1 (NeMo 2.5 nlp megatron_base_model.py build_transformer_config): cfg[field] on an OmegaConf DictConfig
-    # raises MissingMandatoryValue (omegaconf 2.3)
-    "NeMo": "NeMo reads its config through OmegaConf, which raises MissingMandatoryValue on it",
+    # NeMo 1 (NeMo 2.5 nlp/models/language_modeling/megatron_base_model.py build_transformer_config): cfg[field.name]
+    # of OmegaConf.to_container(self.cfg, resolve=True), which keeps '???' as text (throw_on_missing=False)
+    "NeMo": "NeMo copies the text '???' into TransformerConfig (build_transformer_config), not a default",
     # NeMo 2's io exports are plain YAML rebuilt by fiddle: the text '???' is the value
     "NeMo 2": "NeMo 2 rebuilds the config with the text '???' as the value, not a default",
     # megatron-core 0.19.2 megatron/training/yaml_arguments.py load_yaml: yaml.safe_load, no OmegaConf

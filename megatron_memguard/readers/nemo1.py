@@ -241,17 +241,18 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     def k(name: str) -> str:
         return t.shown(name)
 
-    def get(name: str, default: Any = None, needed: bool = False, what: str = "") -> Any:
-        # NeMo 1 reads its config through OmegaConf (cfg.get / attribute access), which raises MissingMandatoryValue
-        # on a '???' value (omegaconf 2.3 basecontainer._get_node, throw_on_missing); every key read here NeMo reads
+    def get(name: str, default: Any = None, needed: bool = False) -> Any:
+        # NeMo reads these keys as self.cfg.get(key, default) on its DictConfig, which returns the default for a '???'
+        # value (omegaconf 2.4.0; not MissingMandatoryValue, which attribute access raises: ``need``)
         v = t.get(name, default, needed)
+        return default if is_missing(v) else v
+
+    def need(name: str, what: str = "") -> Any:
+        v = t.get(name, needed=True)
         if is_missing(v):
             raise ReaderError(f"{t.path}: {k(name)}: is ??? (a mandatory value left to the command line)"
                               f"{'; ' + what if what else ''}; set it with --set {k(name)}=VALUE")
         return v
-
-    def need(name: str, what: str = "") -> Any:
-        return get(name, needed=True, what=what)
 
     def put(dest: str, name: str, needed: bool = True, conv=None) -> Any:
         if not t.has(name):
