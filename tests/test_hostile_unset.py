@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from megatron_memguard.errors import ConfigError, ReaderError
+from megatron_memguard.errors import ConfigError
 from megatron_memguard.readers._common import model_fields_read, null_not_default, typed_defaults
 from megatron_memguard.readers.detect import read_config_file
 from test_readers_bridge import FLAT
@@ -150,8 +150,7 @@ def test_a_nemo2_export_unset_value_is_refused(tmp_path, line, rule):
     # NeMo 2's io exports are YAML rebuilt into the GPTConfig dataclass (fiddle): '???' and None are its values
     assert _read(tmp_path, NEMO2).args["hidden_size"] == 512
     with pytest.raises(ConfigError, match=rf"model\.config\.{line.split(':')[0]}: {rule}"):
-        _read(tmp_path, NEMO2 + f"    {line}\n".replace("\n    ", "\n    ", 1).replace(
-            "trainer:", "trainer:", 1) if False else NEMO2.replace("    vocab_size: 32000\n", f"    vocab_size: 32000\n    {line}\n"))
+        _read(tmp_path, NEMO2.replace("    vocab_size: 32000\n", f"    vocab_size: 32000\n    {line}\n"))
 
 
 # --- Megatron --yaml-cfg ---------------------------------------------------------------------------------------------
