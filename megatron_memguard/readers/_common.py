@@ -363,31 +363,70 @@ def layout_text(value: Any, key: str) -> Any:
     return "|".join(stages)
 
 
-# int fields of a hybrid model whose default is not None: megatron-core 0.19.2 TransformerConfig (mamba_state_dim 128,
-# mamba_head_dim 64, mamba_num_groups 8) and Megatron-Bridge 0.6.2 HybridModelProvider (mamba_chunk_size 128). A null
-# is handed to the provider as None (omegaconf_utils._apply_overrides / instantiate), not replaced by the default.
-_HYBRID_INTS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size")
+@lru_cache(maxsize=1)
+def typed_defaults() -> dict[str, dict[str, Any]]:
+    """Model-config fields typed int / float / bool whose dataclass default is a value, not None (megatron-core
+    0.16.1 / 0.19.2, Megatron-Bridge 0.6.2; data/typed_defaults.json, made by scripts/gen_typed_defaults.py)."""
+    doc = json.loads(resources.files("megatron_memguard").joinpath("data/typed_defaults.json").read_text())
+    return doc["fields"]
 
 
-def _bridge_unset(fields: Mapping[str, tuple[Any, str]], passthrough: frozenset[str]) -> None:
-    """Megatron-Bridge keeps what the YAML says: OmegaConf's missing marker '???' stays the text '???'
-    (OmegaConf.to_container leaves it, Bridge 0.6.2 omegaconf_utils.py) and a null stays None; neither is the default
-    memguard would otherwise take. Refused for the fields memguard reads (a null only where Bridge needs an int; an
+def null_not_default(name: str) -> bool:
+    """A null on this field is not its default: an int or float (None fails in arithmetic and comparisons), or a
+    bool whose default is true (None is false wherever Megatron tests it). A bool defaulting to false reads None as
+    its default; a None-able field (Optional, or defaulting to None) is not in the table: None has its meaning."""
+    f = typed_defaults().get(name)
+    return f is not None and (f["type"] != "bool" or f["default"] is True)
+
+
+# What each framework does with OmegaConf's '???' and with a null on a model-config field memguard reads
+# (``refuse_unset``'s ``carrier``): the sentence naming it in the error.
+_MISSING_RULE = {
+    # Bridge 0.6.2 omegaconf_utils.py: OmegaConf.to_container leaves '???' as the text
+    "Megatron-Bridge": "Megatron-Bridge passes the text '???' on, not a default",
+    # NeMo 1 (NeMo 2.5 nlp/models/language_modeling/megatron_base_model.py build_transformer_config): cfg[field.name]
+    # of OmegaConf.to_container(self.cfg, resolve=True), which keeps '???' as text (throw_on_missing=False)
+    "NeMo": "NeMo copies the text '???' into TransformerConfig (build_transformer_config), not a default",
+    # NeMo 2's io exports are plain YAML rebuilt by fiddle: the text '???' is the value
+    "NeMo 2": "NeMo 2 rebuilds the config with the text '???' as the value, not a default",
+    # megatron-core 0.19.2 megatron/training/yaml_arguments.py load_yaml: yaml.safe_load, no OmegaConf
+    "Megatron's --yaml-cfg": "Megatron's --yaml-cfg reads it with yaml.safe_load as the text '???', not a default",
+}
+
+
+def refuse_unset(fields: Mapping[str, tuple[Any, str]], marker_names: frozenset[str], read: frozenset[str],
+                 carrier: str) -> None:
+    """'???' and null are what the framework (``carrier``) keeps, not the default memguard would otherwise take.
+    Megatron-Bridge keeps what the YAML says: OmegaConf's missing marker '???' stays the text '???' (OmegaConf.to_container
+    leaves it, Bridge 0.6.2 omegaconf_utils.py) and a null stays None (omegaconf_utils _apply_overrides / instantiate
+    set the attribute, no type check); NeMo 1 copies a null into TransformerConfig (build_transformer_config), NeMo 2
+    and --yaml-cfg build the dataclass from it. Refused: '???' on ``marker_names``, a null on a field memguard reads
+    (``read``) where ``null_not_default`` (the mamba_* sizes only for a hybrid model, the one that reads them; an
     emptied pattern is refused by map_mcore_fields as a hybrid model without one)."""
     hybrid = any(fields.get(n, (None,))[0] not in (None, "") and not is_missing(fields.get(n, (None,))[0])
                  for n in ("hybrid_layer_pattern", "hybrid_override_pattern"))
     for name, (value, path) in fields.items():
-        if is_missing(value) and (name in passthrough or name in HYBRID_FIELDS) and "pattern" not in name:
-            raise ConfigError(path, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
-                              "not a default", f"set {path.split(' ')[0]}=VALUE")
-        if value is None and hybrid and name in _HYBRID_INTS:
-            raise ConfigError(path, "is null: Megatron-Bridge passes None to the hybrid model, which needs an integer "
-                              "(its default is not taken)", f"set {path.split(' ')[0]}=VALUE or drop the key")
+        if is_missing(value) and name in marker_names and "pattern" not in name:
+            raise ConfigError(path, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE[carrier]}",
+                              f"set {path.split(' ')[0]}=VALUE")
+        if value is None and name in read and null_not_default(name) and (hybrid or not name.startswith("mamba_")):
+            f = typed_defaults()[name]
+            if name.startswith("mamba_"):
+                rule = f"is null: {carrier} passes None to the hybrid model, which needs an integer (its default is not taken)"
+            else:
+                rule = (f"is null: {carrier} passes None on, where {f['classes'][0]} declares {f['type']} with "
+                        f"default {f['default']} (the default is not taken)")
+            raise ConfigError(path, rule, f"set {path.split(' ')[0]}=VALUE or drop the key")
+
+
+def model_fields_read() -> frozenset[str]:
+    """The model-config field names map_mcore_fields reads (passes on or translates)."""
+    return _HANDLED | HYBRID_FIELDS | (megatron_dests() & (mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS))
 
 
 def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extra_known: Iterable[str] = (),
                      unknown_context: str | None = None, skip: Iterable[str] = (), provider: bool = True,
-                     bridge: bool = False) -> None:
+                     bridge: bool = False, carrier: str | None = None) -> None:
     """Map megatron-core config fields (``{name: (value, key path)}``) onto Megatron args.
 
     Fields whose name is also a Megatron argument ``dest`` pass through; the handful whose name or
@@ -396,14 +435,17 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
     memory and pass silently. Names that are neither megatron-core fields nor in ``extra_known`` get a
     warning naming ``unknown_context`` (None: no warnings). ``provider``: the fields are a model provider's or
     config class's (only hybrid ones have the pattern fields), not Megatron's flat argument names. ``bridge``: the
-    fields are a Megatron-Bridge YAML's, where '???' and a null are passed on as they are (``_bridge_unset``)."""
+    fields are a Megatron-Bridge YAML's, where '???' and a null are passed on as they are (``refuse_unset``);
+    ``carrier``: the framework whose '???' and null ``refuse_unset`` refuses on the fields read (bridge: Megatron-Bridge)."""
     dests = megatron_dests()
     passthrough = mcore_model_fields() | LEGACY_MCORE_FIELDS | GPT_LEVEL_FIELDS
     known = passthrough | frozenset(extra_known)
     skip = set(skip)
     fields = {n: v for n, v in fields.items() if n not in skip}
     if bridge:
-        _bridge_unset(fields, passthrough)
+        refuse_unset(fields, passthrough | HYBRID_FIELDS, model_fields_read(), "Megatron-Bridge")
+    elif carrier is not None:
+        refuse_unset(fields, model_fields_read(), model_fields_read(), carrier)
 
     def val(name: str) -> Any:
         return fields[name][0] if name in fields else None

@@ -76,7 +76,8 @@ def read_yaml_cfg(doc: Any, path: str, env: Mapping[str, str] | None = None,
         if v is not None and not isinstance(v, Mapping):
             b.set(k, _number(v), key)
     map_mcore_fields(b, fields, extra_known=args_only, unknown_context="megatron-core",
-                     skip={"activation_func", "gated_linear_unit", "bias_activation_fusion"} | args_only, provider=False)
+                     skip={"activation_func", "gated_linear_unit", "bias_activation_fusion"} | args_only, provider=False,
+                     carrier="Megatron's --yaml-cfg")
     _activation(b, fields, top)
     if fields.get("num_query_groups", (None,))[0] is not None:
         # TransformerConfig takes num_query_groups as given; Megatron's flags read it only with

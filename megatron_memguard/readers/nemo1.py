@@ -29,7 +29,7 @@ from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import shown
 from ._common import (
     MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
-    _number,
+    null_not_default, typed_defaults, _number,
 )
 
 # NeMo 1 ``model.*`` keys that are not megatron-core field names (read by NeMo itself, or harmless
@@ -242,10 +242,13 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         return t.shown(name)
 
     def get(name: str, default: Any = None, needed: bool = False) -> Any:
-        return t.get(name, default, needed)
+        # NeMo reads these keys as self.cfg.get(key, default) on its DictConfig, which returns the default for a '???'
+        # value (omegaconf 2.4.0; not MissingMandatoryValue, which attribute access raises: ``need``)
+        v = t.get(name, default, needed)
+        return default if is_missing(v) else v
 
     def need(name: str, what: str = "") -> Any:
-        v = get(name, needed=True)
+        v = t.get(name, needed=True)
         if is_missing(v):
             raise ReaderError(f"{t.path}: {k(name)}: is ??? (a mandatory value left to the command line)"
                               f"{'; ' + what if what else ''}; set it with --set {k(name)}=VALUE")
@@ -255,6 +258,12 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         if not t.has(name):
             return None
         v = need(name) if needed else get(name)
+        if v is None and null_not_default(dest):
+            # build_transformer_config copies cfg.get(key, default) into TransformerConfig: a null is None there
+            f = typed_defaults()[dest]
+            raise ConfigError(k(name), f"is null: NeMo passes None on, where {f['classes'][0]} declares {f['type']} "
+                              f"with default {f['default']} (the default is not taken)",
+                              f"set {k(name)}=VALUE or drop the key")
         if v is None or is_missing(v):
             return None
         b.set(dest, conv(v) if conv else v, k(name))
@@ -498,10 +507,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         if name in _NEMO_OVERRIDDEN:
             continue
         full = "model." + name
-        v = t.get(full)
-        if is_missing(v):
-            continue
-        fields[name] = (v, k(full))
+        fields[name] = (t.get(full), k(full))   # ('???' and null: refused by name where read, refuse_unset)
     explicit = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                 "expert_model_parallel_size", "micro_batch_size", "global_batch_size", "virtual_pipeline_model_parallel_size",
                 "sequence_parallel", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
@@ -510,7 +516,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
                 "gradient_accumulation_fusion", "overlap_p2p_comm", "share_embeddings_and_output_weights",
                 "position_embedding_type", "max_position_embeddings", "fp8", "transformer_engine"}
     map_mcore_fields(b, fields, extra_known=NEMO1_MODEL_KEYS, unknown_context="NeMo or megatron-core model",
-                     skip=explicit)
+                     skip=explicit, carrier="NeMo")
     # Conflicts NeMo does not catch but that change what trains.
     ds = get("model.data.seq_length")
     if ds is not None and not is_missing(ds) and "seq_length" in b.args and ds != b.args["seq_length"]:

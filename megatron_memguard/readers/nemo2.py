@@ -23,7 +23,8 @@ from ..config import RawConfig
 from ..errors import ReaderError
 from ._common import (
     ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer,
-    fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, set_vocab, target_name,
+    fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read, refuse_unset,
+    set_vocab, target_name,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -76,10 +77,11 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
             b.warn(f"{ckey}: the export names only {cls}; its shape is taken from memguard's preset {preset}")
     elif "num_layers" not in cfg:
         b.warn(f"{ckey}: {cls} is not a class memguard knows and the file has no shape; give --model NAME")
-    for name, value in cfg.items():
-        if name == "_target_" or is_missing(value):
-            continue
-        fields[name] = (value, f"{ckey}.{name}")
+    given = {str(name): (value, f"{ckey}.{name}") for name, value in cfg.items() if name != "_target_"}
+    refuse_unset(given, model_fields_read(), model_fields_read(), "NeMo 2")   # the file's '???' / null, not the preset's
+    for name, (value, key) in given.items():
+        if not is_missing(value):
+            fields[name] = (value, key)
     extra = config_fields().get("GPTModelProvider", frozenset()) | _GPTCONFIG_EXTRAS
     map_mcore_fields(b, fields, extra_known=extra, unknown_context="megatron-core / NeMo 2 GPTConfig")
     group_query_attention(b, fields)
