@@ -19,16 +19,11 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.params import chunk_params, total_parameters
 from megatron_memguard.partition import LayerKind
+from test_mamba import SMALL, _err, _layout   # the small hybrid model of tests/test_mamba.py, read the same way
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY312 = os.environ.get("MEMGUARD_PY312", "/work/venv312/bin/python")   # megatron-core 0.19.2
 
-SMALL = ("--hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-         "--ffn-hidden-size 512 --seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 "
-         "--global-batch-size 8 --bf16 --vocab-size 1024 --tokenizer-type NullTokenizer --normalization RMSNorm "
-         "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type none "
-         "--mamba-state-dim 16 --mamba-head-dim 32 --mamba-num-groups 2 --hidden-dropout 0 --attention-dropout 0 "
-         "--make-vocab-size-divisible-by 128").split()
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-token-dispatcher-type alltoall"
 
 # one layer of each kind at h 256 (RMSNorm, no biases; tests/test_mamba.py counts them the same way):
@@ -39,17 +34,6 @@ MLP = 256 + 512 * 256 + 256 * 512                         # fused norm, fc1, fc2
 MAMBA = 256 + 1104 * 256 + 576 * 5 + 3 * 16 + 512 + 256 * 512   # = 417,392
 # one MTP depth besides its stack: enorm, hnorm, final_layernorm (256 each, RMSNorm) and eh_proj [256, 512]
 DEPTH = 3 * 256 + 256 * 512
-
-
-def _layout(pattern, extra="", world=1, version=None):
-    return layout_from_flags(SMALL + ["--hybrid-layer-pattern", pattern] + extra.split(), world_size=world,
-                             megatron_version=version)
-
-
-def _err(flags, world=1, version=None):
-    with pytest.raises((ConfigError, ConfigErrors, NotModelledError)) as e:
-        layout_from_flags(SMALL + flags.split(), world_size=world, megatron_version=version)
-    return str(e.value)
 
 
 def test_parameters_by_hand():
