@@ -8,9 +8,6 @@ hybrid_model.py (the MTP block on the last pipeline stage, mtp_process), transfo
 norm, final_layernorm; _build_layers: one layer for every depth with mtp_use_repeated_layer), megatron/training/
 arguments.py validate_args (mtp_num_layers taken from the pattern; the legacy flag converted); 0.17.1 and 0.18.2
 have the same code."""
-import json
-import os
-import subprocess
 
 import pytest
 
@@ -19,10 +16,8 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.params import chunk_params, total_parameters
 from megatron_memguard.partition import LayerKind
-from test_mamba import SMALL, _err, _layout   # the small hybrid model of tests/test_mamba.py, read the same way
+from test_mamba import SMALL, _err, _layout, real_hybrid_params   # the small hybrid model of tests/test_mamba.py, read the same way
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PY312 = os.environ.get("MEMGUARD_PY312", "/work/venv312/bin/python")   # megatron-core 0.19.2
 
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-token-dispatcher-type alltoall"
 
@@ -85,17 +80,7 @@ def test_pipeline_places_the_block_on_the_last_stage():
     ("M*M-/*-/*-", "", False), ("M*M-/M*-/M*-", "--mtp-use-repeated-layer", True), ("M*-E/*E/*E", MOE, False)],
     ids=["two-depths", "repeated", "moe"])
 def test_parameters_match_megatron_core(pattern, extra, repeated):
-    if not os.path.exists(PY312):
-        pytest.skip("no megatron-core 0.19.2 venv (MEMGUARD_PY312)")
-    cfg = dict(pattern=pattern, hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
-               vocab=1024, seq=128, repeated=repeated, **(dict(experts=4, topk=2, moe_ffn=128) if extra == MOE else {}))
-    out = subprocess.run([PY312, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29653"})
-    if out.returncode and "No module named" in out.stderr:
-        pytest.skip(out.stderr.strip().splitlines()[-1])
-    assert out.returncode == 0, out.stderr[-2000:]
-    real = json.loads(out.stdout.strip().splitlines()[-1])
+    real = real_hybrid_params(pattern, extra == MOE, 29653, repeated=repeated)
     L = _layout(pattern, extra)
     mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}
     assert sum(mine.values()) == sum(real.values()) == total_parameters(L)

@@ -77,19 +77,25 @@ def test_tensor_parallel_shards_heads_and_groups():
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-token-dispatcher-type alltoall"
 
 
-@pytest.mark.parametrize("pattern, extra", [("M*M-", ""), ("M*-E", MOE)], ids=["mamba", "with-moe"])
-def test_parameters_match_megatron_core(pattern, extra):
+def real_hybrid_params(pattern: str, moe: bool, port: int, **extra) -> dict:
+    """{name: numel} of the SMALL hybrid model as megatron-core 0.19.2 builds it on CPU (tests/e2e/mamba_param_count.py,
+    in the MEMGUARD_PY312 venv; skips without it)."""
     if not os.path.exists(PY312):
         pytest.skip("no megatron-core 0.19.2 venv (MEMGUARD_PY312)")
     cfg = dict(pattern=pattern, hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
-               vocab=1024, seq=128, **(dict(experts=4, topk=2, moe_ffn=128) if extra else {}))
+               vocab=1024, seq=128, **extra, **(dict(experts=4, topk=2, moe_ffn=128) if moe else {}))
     out = subprocess.run([PY312, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29651"})
+                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
     if out.returncode and "No module named" in out.stderr:
         pytest.skip(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0, out.stderr[-2000:]
-    real = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("pattern, extra", [("M*M-", ""), ("M*-E", MOE)], ids=["mamba", "with-moe"])
+def test_parameters_match_megatron_core(pattern, extra):
+    real = real_hybrid_params(pattern, bool(extra), 29651)
     L = _layout(pattern, extra)
     mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}
     assert sum(mine.values()) == sum(real.values()) == total_parameters(L)

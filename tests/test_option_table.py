@@ -172,10 +172,8 @@ def _installed_minor() -> tuple[int, int] | None:
     return tuple(v[:2]) if v else None
 
 
-@pytest.mark.megatron_training
-@pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
-                    "tests/run.sh runs these in .venv312")
-def test_the_real_parser(monkeypatch):
+def _megatron_parser(monkeypatch):
+    """megatron/training's own argument parser (the installed release's add_megatron_arguments)."""
     import argparse
     import warnings
 
@@ -183,7 +181,14 @@ def test_the_real_parser(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.training.arguments import add_megatron_arguments
-        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+@pytest.mark.megatron_training
+@pytest.mark.skipif(not container_era(), reason="needs Python 3.12 with megatron-core >= 0.18 (megatron.training); "
+                    "tests/run.sh runs these in .venv312")
+def test_the_real_parser(monkeypatch):
+    parser = _megatron_parser(monkeypatch)
     # (memguard's own --memguard* options are there when the hook was imported earlier in the session)
     dests = {a.dest for a in parser._actions if a.dest != "help" and not a.dest.startswith("memguard")}
     # the stored copy memguard's readers use is this parser's table (extensions such as kitchen add
@@ -220,16 +225,9 @@ def test_every_optimizer_choice_is_modelled(monkeypatch):
                     "tests/run.sh runs these in .venv312")
 def test_memory_flag_choices_are_megatrons(monkeypatch):
     # the choices memguard's flag reader enforces for the flags of memory features are those of Megatron's own parser
-    import argparse
-    import warnings
-
     from megatron_memguard.readers.megatron_flags import _CHOICES
 
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # (restored after: later tests read the environment)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.training.arguments import add_megatron_arguments
-        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    parser = _megatron_parser(monkeypatch)
     from importlib.metadata import version
     real = {s: a.choices for a in parser._actions for s in a.option_strings if a.choices}
     # memguard's table is the newest release's (0.19.2); an older one (0.18.2 in tests/run_releases.sh) offers a

@@ -31,11 +31,11 @@ PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples
 HALF = settings(PROPERTY, max_examples=max(1, EXAMPLES // 2))
 
 
-def layout(fs: FeatureSpec):
+def layout(fs: FeatureSpec, version: str = "0.19"):
     """The Layout, or (for a combination memguard refuses) a check that the refusal is one line naming a
-    flag, and the example dropped."""
+    flag, and the example dropped (any spec with flags() and world: also tests/test_properties_hybrid.py's)."""
     try:
-        return layout_from_flags(fs.flags(), world_size=fs.world, megatron_version="0.19")
+        return layout_from_flags(fs.flags(), world_size=fs.world, megatron_version=version)
     except (ConfigError, ConfigErrors, NotModelledError) as e:
         errors = e.errors if isinstance(e, ConfigErrors) else [e]
         for err in errors:

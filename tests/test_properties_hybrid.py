@@ -18,21 +18,11 @@ from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.states import stage_states
 
 from property_space_newest import HybridSpec, hybrid_specs
+from test_properties_features import layout   # the Layout, or the refusal checked and the example dropped
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 QUARTER = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-
-
-def layout(hs: HybridSpec, version: str = "0.19"):
-    try:
-        return layout_from_flags(hs.flags(), world_size=hs.world, megatron_version=version)
-    except (ConfigError, ConfigErrors, NotModelledError) as e:
-        errors = e.errors if isinstance(e, ConfigErrors) else [e]
-        for err in errors:
-            text = str(err)
-            assert "\n" not in text and text.startswith("--") and len(text) < 400, text
-        reject()
 
 
 def layer_params(hs: HybridSpec, sym: str, t: int) -> int:
