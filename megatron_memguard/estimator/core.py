@@ -25,6 +25,7 @@ from .activations import LayerActivations, attention_kind, layer_activations, sh
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
+from .layers.base import selective_modules
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
@@ -187,7 +188,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             outside = None
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
-                outside = offload_outside(L, set(L.recompute_modules) if L.recompute_granularity == "selective" else set())
+                outside = offload_outside(L, set(selective_modules(L)))
             groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
                                           separate_input_norm=L.multi_latent_attention,
                                           min_elements=L.min_offloaded_tensor_size, outside=outside)
@@ -1328,7 +1329,7 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
     of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
     how much its working set grows, and the allocator's slack on top."""
     rows = expert_rows(L.moe, tokens_per_rank(L))
-    mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
+    mods = selective_modules(L)
     # at balanced routing the layer's own (its default rows), already made by its recipe
     bal = (layer_moe_activations(L, mods) if L.moe.routing != "worst"
            else moe_activations(L, L.moe, rows=rows.balanced, mods=mods))

@@ -217,6 +217,7 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     latent projections keep quantized inputs (``moe_latent_projections``)."""
     if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
         return {}
+    from .layers.base import selective_modules
     from .layers.moe import expert_rows, router_bytes, tokens_per_rank
     m = L.moe
     e, h = act_bytes, L.hidden_size
@@ -236,7 +237,7 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
         # the pre-MLP norm's output [T, h] beside the BF16 one the router keeps (with 'layernorm' recompute too)
         out["moe_latent_projections"] = (saved_input(spec, T, hx, non_tn=non_tn).allocated
                                          + saved_input(spec, T, h, non_tn=non_tn).allocated)
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    mods = set(selective_modules(L))
     if "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * Fr
                                          + grouped_saved_input(spec, N, Fr, El, non_tn=non_tn))
