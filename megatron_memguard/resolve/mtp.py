@@ -32,7 +32,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("pipeline_model_parallel_layout", f"places {placed} MTP layers ('m') but --mtp-num-layers is {depth}")
     if not depth:
         return dict(mtp_num_layers=0)
-    _full_recompute(a, kw, depth)
+    _full_recompute(a, kw, depth, ctx)
     position = kw["position_embedding_type"]
     # validate_args (core 0.19.2, and already 0.17.1 and 0.18.2) asserts rope or none first; the reference reads
     # 0.16.1 as also taking learned_absolute and mrope (docs/assumptions.md)
@@ -97,7 +97,7 @@ def _repeated(a: Args, ctx: Context, depth: int) -> bool:
     return True
 
 
-def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
+def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int, ctx: Context) -> None:
     """Full recompute of the MTP depths: MultiTokenPredictionLayer._checkpointed_forward
     (transformer/multi_token_prediction.py; the same in megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2, the
     releases memguard reads) asserts ``recompute_num_layers == 1`` under uniform, at the first training
@@ -115,12 +115,32 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
                "recompute the MTP layers",
                fails_later="at the first forward step (MultiTokenPredictionLayer._checkpointed_forward asserts)")
     elif method == "uniform" and kw.get("distribute_saved_activations"):
-        # CheckpointFunction splits its first input over TP: for an MTP depth that is hidden_states (the decoder's or
-        # the depth before's output, also an entry of the list MultiTokenPredictionBlock concatenates), not the
-        # embedding it keeps whole (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2)
-        raise NotModelledError(a.key("distribute_saved_activations"), "splitting the MTP depths' checkpointed "
-                               f"hidden states (with {a.key('mtp_num_layers')} under uniform recompute)")
+        _distributed_checkpoint(a, kw, depth, ctx)
     elif method == "block":
         a.notes.append(f"{a.key('recompute_method')} block does not recompute the {depth} MTP layer(s) "
                        "(Megatron warns \"not supported for MTP yet\" and runs them plainly): they keep all their "
                        "activations; --recompute-num-layers counts decoder layers only")
+
+
+def _distributed_checkpoint(a: Args, kw: Mapping[str, Any], depth: int, ctx: Context) -> None:
+    """--distribute-saved-activations with the MTP depths checkpointed (uniform). CheckpointFunction.forward
+    (tensor_parallel/random.py; TE's _CheckpointFunction alike) replaces its first input's ``.data`` by this rank's
+    1-D 1/TP shard: for an MTP depth that is ``hidden_states`` (MultiTokenPredictionLayer._checkpointed_forward,
+    multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2). At depth 1 it is a viewless copy
+    (make_viewless_tensor) of the decoder output's torch.chunk view, so only the shard stays (estimated:
+    estimator/mtp.py); from depth 2 it is the depth before's output itself, the tensor MultiTokenPredictionBlock
+    appended to its hidden_states_list, which torch.cat then meets 1-D: "Tensors must have same number of
+    dimensions" (reproduced with megatron-core 0.16.1's and 0.19.2's CheckpointFunction and make_viewless_tensor on
+    CPU). 0.16.1 under FP8 hands te_checkpoint every input as a keyword, so TE's ``args[0]`` does not exist."""
+    mtp_of = a.key("mtp_num_layers")
+    if depth > 1:
+        a.fail("distribute_saved_activations", f"does not work with {depth} MTP depths ({mtp_of}) under uniform "
+               "recompute: the second depth's checkpoint shards the first depth's output, which "
+               "MultiTokenPredictionBlock then concatenates (torch.cat: \"Tensors must have same number of "
+               "dimensions\")", f"drop {a.key('distribute_saved_activations')}, or use one MTP depth",
+               fails_later="at the first forward step (MultiTokenPredictionBlock.forward)")
+    elif ctx.version < Version("0.17") and kw.get("fp8"):
+        a.fail("distribute_saved_activations", f"does not work with {mtp_of} under uniform recompute and FP8 in "
+               "megatron-core 0.16 (MultiTokenPredictionLayer passes te_checkpoint its inputs as keywords: Transformer "
+               "Engine's checkpoint finds no first input to shard)", f"drop {a.key('distribute_saved_activations')}",
+               fails_later="at the first forward step (te_checkpoint)")
