@@ -86,9 +86,35 @@ def test_repeated_layer_rules():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(FLAGS + REPEATED, world_size=2, megatron_version="0.16")
     assert "--mtp-use-repeated-layer" in str(e.value) and "0.17" in str(e.value)
+    # one MTP layer run at 3 depths by one Megatron-FSDP / FSDP2 unit: refused by name, with the reason
+    for fsdp in (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                  "--use-distributed-optimizer", "--no-gradient-accumulation-fusion"],
+                 ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]):
+        with pytest.raises(NotModelledError) as e:
+            layout_from_flags(FLAGS + REPEATED + fsdp, world_size=2)
+        assert str(e.value).startswith("--mtp-use-repeated-layer: one MTP layer run at 3 depths under --use-"), \
+            str(e.value)
+
+
+def test_repeated_layer_under_cuda_graphs():
+    # local graphs (CudaGraphManager.get_cudagraph_runner, transformer/cuda_graphs.py core 0.17.1 to 0.19.2): a
+    # call takes a FWD_READY runner and a recorded runner waits for its backward, so the 3 depths take 3 runners,
+    # as 3 layers. Last stage: 1 decoder + 3 MTP graphed layers x 8 micro-batches (PP 2: a runner per micro-batch)
+    # x static input and grad-output [64, 64] bf16 (2 x 8,192 B) = 524,288 B
+    local = ["--cuda-graph-impl", "local"]
+    three, one = _stages(local), _stages(REPEATED + local)
+    assert three[1].breakdown["cuda_graph_static_io"] == one[1].breakdown["cuda_graph_static_io"] == 4 * 8 * 2 * 8_192
+    assert three[1].parameters - one[1].parameters == 2 * DEPTH
+    # Transformer Engine's graphs: one callable for the one MTP layer, replayed at every depth (module.py
+    # cuda_graphs[current_microbatch % len]): refused by name
     with pytest.raises(NotModelledError) as e:
-        layout_from_flags(FLAGS + REPEATED + ["--cuda-graph-impl", "local"], world_size=2)
-    assert "--mtp-use-repeated-layer" in str(e.value)
+        _stages(REPEATED + ["--cuda-graph-impl", "transformer_engine"])
+    assert str(e.value).startswith("--mtp-use-repeated-layer: one MTP layer at 3 depths under --cuda-graph-impl "
+                                   "transformer_engine")
+    # one depth: the repeated layer is the plain one, graphed alike
+    one_depth = [a.replace("3", "1") if a == "3" else a for a in FLAGS]
+    L = layout_from_flags(one_depth + REPEATED + ["--cuda-graph-impl", "transformer_engine"], world_size=2)
+    assert L.mtp_num_layers == 1
 
 
 def test_standalone_flag_without_a_layout_keeps_mtp_on_the_last_stage():

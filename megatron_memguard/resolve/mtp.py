@@ -56,7 +56,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "--pipeline-model-parallel-layout moves them); the flag only makes P2P exchange shapes")
     # the repeated layer and the builder's MoE rule only when they apply: the section's output for other runs
     # stays what it was
-    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}),
+    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, kw, ctx, depth) else {}),
                 **({"mtp_moe_on_empty_chunk": True} if not hybrid_mtp and _moe_on_empty_chunk(a, kw, ctx) else {}))
 
 
@@ -74,7 +74,7 @@ def _moe_on_empty_chunk(a: Args, kw: Mapping[str, Any], ctx: Context) -> bool:
             and a.key("mtp_num_layers").startswith("--") and not a.given("spec"))
 
 
-def _repeated(a: Args, ctx: Context, depth: int) -> bool:
+def _repeated(a: Args, kw: Mapping[str, Any], ctx: Context, depth: int) -> bool:
     """--mtp-use-repeated-layer: MultiTokenPredictionBlock._build_layers (core 0.19.2, the same in 0.17.1 and
     0.18.2; no such field in 0.16.1) builds one MTP layer and applies it at every depth: its parameters (enorm,
     hnorm, eh_proj, the transformer layer, final norm) once, its activations at each of the D depths."""
@@ -84,13 +84,17 @@ def _repeated(a: Args, ctx: Context, depth: int) -> bool:
     if ctx.version < Version("0.17"):
         a.fail("mtp_use_repeated_layer", "needs megatron-core 0.17")
         return False
-    # one module run D times per micro-batch: its CUDA graphs and FSDP unit (gathered / reduced at each call)
-    # were not read
-    if str(a.get("cuda_graph_impl") or "none") != "none" or a.bool_arg("enable_cuda_graph", False):
-        raise NotModelledError(key, "one MTP layer applied at every depth under CUDA graphs")
-    for dest in ("use_megatron_fsdp", "use_torch_fsdp2"):
-        if a.bool_arg(dest, False):
-            raise NotModelledError(key, f"one MTP layer applied at every depth under {a.key(dest)}")
+    # (under CUDA graphs: resolve/cuda_graphs.py _repeated_mtp_layer)
+    for dest, how in (("use_megatron_fsdp", "Megatron-FSDP gathers and releases the unit's parameters at each call "
+                       "(its forward pre-hooks and RegisterFSDPBackwardFunction) while the weights' gradient "
+                       "(register_post_accumulate_grad_hook) comes once, after the last depth's backward"),
+                      ("use_torch_fsdp2", "fully_shard's unshard, reshard and post-backward hooks run at each of the "
+                       "calls while the weights' gradient is complete only after the last depth's backward")):
+        if depth > 1 and (kw.get(dest) or a.bool_arg(dest, False)):
+            # megatron_fsdp.py (core 0.19.2): what the weights' partial gradients keep between the D backward
+            # calls, and when the unit's gradient is reduced, were not established
+            raise NotModelledError(key, f"one MTP layer run at {depth} depths under {a.key(dest)}: {how}; what the "
+                                   "unit keeps between its calls was not established")
     if depth > 1:
         a.notes.append(f"{key}: one MTP layer's parameters for the {depth} depths; its activations are kept at "
                        "each depth")
