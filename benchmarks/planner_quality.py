@@ -25,6 +25,11 @@ cells, the three-way discordant pairs, the model's error band from all sweeps' r
 against two cluster policies at those bands (none kept). ``--scaling`` prints, for every Megatron layout
 that ran at several GPU counts, its measured step over the predicted one at each count and the measured
 step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
+``--blind [a100|paper]`` needs no measurements: it rebuilds the same draft's H100-94GB sweeps (TSUBAME 4.0, 4 GPUs per
+node, 4-128 GPUs) over the A100 table's cells or Fujii et al.'s grid and prints, per GPU count, both rules' first
+choices, the Spearman between their orders and the terms behind each pair they order apart beyond the tie window.
+``--aggregate`` ranks the targets with rank aggregations of the time rule and Fujii et al.'s key (Borda's count, the
+key as a prior; evaluated leaving one family out, not in the planner).
 
 Sweeps
 ------
