@@ -129,10 +129,10 @@ def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str) -> None:
         return
     if impl == "transformer_engine":
         dest = "cuda_graph_impl" if a.given("cuda_graph_impl") else "external_cuda_graph"
-        raise NotModelledError(a.key("mtp_use_repeated_layer"), f"one MTP layer at {d} depths under "
-                               f"{a.key(dest)} transformer_engine: TECudaGraphHelper captures it once per "
-                               "micro-batch and every depth replays that graph (shared static outputs and saved "
-                               "tensors); local or full_iteration graphs capture each call")
+        raise NotModelledError(a.key("mtp_use_repeated_layer"), f"one MTP layer replayed at {d} depths from one "
+                               f"graph per micro-batch ({a.key(dest)} transformer_engine: TECudaGraphHelper captures "
+                               "it once, its depths share the graph's static outputs and saved tensors; local or "
+                               "full_iteration graphs capture each call)")
     what = ("the full-iteration graph captures each of its calls" if impl == "full_iteration" else
             f"the local graphs give its {d} calls a runner each, as {d} layers")
     a.notes.append(f"{a.key('mtp_use_repeated_layer')}: {what}")

@@ -416,7 +416,7 @@ def _moe_recompute_under_overlap_016(r: Reader) -> None:
     pair in TransformerConfig): the combined 1F1B schedule runs an MoE layer through the fine-grained callables
     (models/gpt/fine_grained_callables.py 0.16.1: mlp.route, preprocess, dispatch, routed_experts_compute, combine,
     postprocess), never MoELayer.forward, whose tensor_parallel.checkpoint is the 'moe' recompute (moe_layer.py
-    ``moe_layer_recompute``): nothing is recomputed, estimated so (estimator/layers/moe.py selective_modules) with a
+    ``moe_layer_recompute``): nothing is recomputed, estimated so (estimator/layers/base.py selective_modules) with a
     note. With CUDA graphs the partial-graph MoE layer recomputes its own way (MoETransformerLayer, local
     ``moe_router`` graphs): refused by name."""
     graphs = str(r.get("cuda_graph_impl") or "none") != "none" or r.bool_arg("enable_cuda_graph", False)
