@@ -290,3 +290,22 @@ def test_pp1_overlap_records_after_the_step():
         assert row.error is None
         assert abs(row.steady_err) <= 0.01, (row.id, row.steady_err)
         assert abs(row.peak_err) <= 0.03, (row.id, row.peak_err)
+
+
+def test_cuda_graphs_under_the_overlap():
+    # TransformerConfig.__post_init__: under the overlap the transformer_engine graphs may not take moe or mlp
+    # (core 0.16.1 to 0.19.2), and 0.16.1 / 0.17.1 assert cuda_graph_impl == "transformer_engine" whenever graphs
+    # are on ("CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm")
+    vpp = ["--num-layers-per-virtual-pipeline-stage", "2"]
+    with pytest.raises(ConfigError, match="--cuda-graph-impl: must be transformer_engine under"):
+        _resolve(vpp + ["--cuda-graph-impl", "local"], version="0.16.1")
+    with pytest.raises(ConfigError, match="--enable-cuda-graph: must be transformer_engine under"):
+        _resolve(vpp + ["--enable-cuda-graph"], version="0.17.1")
+    assert _resolve(vpp + ["--cuda-graph-impl", "local"]).cuda_graph_impl == "local"          # 0.19.2
+    from megatron_memguard.errors import ConfigErrors
+    with pytest.raises(ConfigErrors) as e:    # (with the mlp graph's own rule: every layer here is MoE)
+        _resolve(vpp + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"],
+                 version="0.16.1")
+    assert "--cuda-graph-scope: must not contain moe or mlp under --overlap-moe-expert-parallel-comm" in str(e.value)
+    L = _resolve(vpp + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router"])
+    assert L.cuda_graph_modules == ("attn", "moe_router")

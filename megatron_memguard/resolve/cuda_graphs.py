@@ -103,6 +103,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                      else "enable_cuda_graph" if enable else "external_cuda_graph")
         _offload_graphs(a, impl, dest or impl_dest, names, set(kw.get("offload_modules") or ()))
     _repeated_mtp_layer(a, kw, impl)
+    _ep_overlap_graphs(a, kw, ctx, impl, dest, names)
     out: dict[str, Any] = dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
     if (kw.get("use_megatron_fsdp") and impl != "none" and new and not a.given("megatron_fsdp_cuda_graph_mode")
             and a.key("use_megatron_fsdp" if a.given("use_megatron_fsdp") else "use_custom_fsdp").startswith("--")):
@@ -113,6 +114,23 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # and under the full-iteration graph, no all-gather in start_param_sync (the optimizer step's)
             out["fsdp_all_gather_in_start_param_sync"] = False
     return out
+
+
+def _ep_overlap_graphs(a: Args, kw: Mapping[str, Any], ctx: Context, impl: str, dest: str | None,
+                       names: list[str]) -> None:
+    """CUDA graphs under --overlap-moe-expert-parallel-comm, TransformerConfig.__post_init__: the
+    transformer_engine graphs without the moe or mlp module (core 0.16.1 to 0.19.2), and in 0.16.1 and 0.17.1 no
+    other implementation ("CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm")."""
+    moe = kw.get("moe")
+    if impl == "none" or moe is None or not moe.overlap_moe_expert_parallel_comm:
+        return
+    if impl != "transformer_engine" and ctx.version < Version("0.18"):
+        key = "cuda_graph_impl" if a.given("cuda_graph_impl") else "enable_cuda_graph"
+        a.fail(key, f"must be transformer_engine under --overlap-moe-expert-parallel-comm in megatron-core "
+                    f"{ctx.version.major}.{ctx.version.minor} (TransformerConfig), got {impl}")
+    elif impl == "transformer_engine" and {"moe", "mlp"} & set(names):
+        a.fail(dest or "cuda_graph_modules", "must not contain moe or mlp under --overlap-moe-expert-parallel-comm "
+               "(TransformerConfig)")
 
 
 def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str) -> None:
