@@ -38,7 +38,6 @@ from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
 from .offload_activations import fine_grained_plan, fraction_kept, last_offload_group, ordered_sizes, pp_balance_kept
 from .offload_activations import layer_groups as offload_layer_groups
-from .mtp import depth1_input as mtp_depth1_input
 from .mtp import last_stage_items as mtp_last_stage_items
 from .mtp import standalone_block_items as mtp_standalone_block_items
 from .mtp import block_activations as mtp_block_acts
@@ -298,9 +297,6 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             # mtp_standalone's loss chunk: the heads' inputs are views of the received concatenation
             # (mtp_received_hidden), not a tensor of their own
             o_saved = {k: v for k, v in o_saved.items() if k != "output_layer_input"}
-        if mtp_here and "output_layer_input" in o_saved:
-            # with MTP the item is the decoder's final hidden state that depth 1 keeps (estimator/mtp.py)
-            o_saved = {**o_saved, "output_layer_input": mtp_depth1_input(L, o_saved["output_layer_input"])}
         ends.update(o_saved)
         mtp_saved, mtp_logits = mtp_last_stage_items(L) if mtp_here else (
             mtp_standalone_loss_items(L) if mtp_depths else ({}, 0))

@@ -142,7 +142,13 @@ def block_activations(spec: MtpSpec, checkpointed: bool = False) -> MtpActivatio
     checkpoint, which keeps its inputs only: ``hidden_states`` (the decoder's output at depth 1, the
     depth before's at depths >= 2: ``previous_depth_outputs``) and ``decoder_input`` (the embedding of the
     rolled tokens, [rows, h]: the layer's checkpointed input in ``layer_activations`` counts it). The
-    embedding runs outside it (its ids stay), and so does the concatenation.
+    embedding runs outside it (its ids stay), and so does the concatenation. With --distribute-saved-activations
+    CheckpointFunction keeps only a 1-D TP shard of ``hidden_states`` (the first input; ``decoder_input`` stays
+    whole): at depth 1 a viewless copy of the decoder output's chunk view, while GPTModel.forward's frame still
+    holds the decoder output itself until the forward returns. The decoder output is counted whole: at the last
+    stage's peak, the forward of its one micro-batch in flight, it is (CPU referee, megatron-core 0.16.1, TP 2:
+    the last stage's peak unchanged by the flag); a stage holding more micro-batches with the MTP block keeps the
+    earlier ones' shards only (errs high there by (1 - 1/TP) [rows, h] per earlier micro-batch).
     """
     d, a = spec.mtp_num_layers, spec.activation_bytes
     row_bytes = spec.rows * spec.hidden_size * a
@@ -267,20 +273,6 @@ def _eh_proj_fp8_change(L: Layout, spec: MtpSpec, acts: MtpActivations) -> int:
     return spec.mtp_num_layers * quantized - acts.eh_proj_inputs
 
 
-def depth1_input(L: Layout, whole: int) -> int:
-    """What depth 1 keeps of the decoder's final hidden state (``whole`` bytes): hnorm's input, or its checkpoint's
-    ``hidden_states`` under uniform recompute; with --distribute-saved-activations (no sequence parallelism, TP > 1)
-    CheckpointFunction.forward keeps this rank's 1-D shard, numel // TP (tensor_parallel/utils.py
-    split_tensor_into_1d_equal_chunks, new_buffer=True), of the viewless copy make_viewless_tensor made of the
-    decoder output's chunk view, and nothing else keeps the decoder output (megatron-core 0.16.1 and 0.19.2; more
-    depths fail, resolve/mtp.py). Its backward gathers it back whole for the recompute (the decoder layers' own
-    sharded inputs are taken alike: not added to the backward working set)."""
-    if checkpointed(L) and getattr(L, "distribute_saved_activations", False):
-        e = L.act_bytes
-        return whole // e // L.tp * e
-    return whole
-
-
 def last_stage_items(L: Layout) -> tuple[dict[str, int], int]:
     """(saved terms per micro-batch in flight, extra forward transient at the loss) that MTP adds to the
     last stage's last chunk, besides its D layers' activations (the layer recipe's, counted as layers)."""
@@ -326,7 +318,7 @@ def standalone_block_items(L: Layout) -> tuple[dict[str, int], int]:
     state [rows, h], which on the last stage the output layer's input item stands for."""
     spec = spec_of(L)
     acts = block_activations(spec, checkpointed(L))
-    row = depth1_input(L, spec.rows * spec.hidden_size * spec.activation_bytes)
+    row = spec.rows * spec.hidden_size * spec.activation_bytes
     block = acts.total - acts.hidden_concat + row + _eh_proj_fp8_change(L, spec, acts)
     return {"mtp_block_activations": block}, acts.hidden_concat
 
