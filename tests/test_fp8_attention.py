@@ -273,8 +273,117 @@ def test_context_parallel_comm_types():
     # TE 2.11 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels)
     L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True)
     assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
-    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a"):
-        lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
+    # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below); the hierarchical a2a+p2p path is not sized
+    L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
+    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.fp8_attention_cp_comm_type == "a2a"
+    assert lay(*fp8, fp8_dot_product_attention=True).fp8_spec.fp8_attention_cp_comm_type == "p2p"
+    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p"):
+        lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1",
+            fp8_dot_product_attention=True)
+    # AttnFuncWithCPAndQKVOA2A.forward asserts "The number of attention heads needs to be divisible by CP size!"
+    # for q and k: 8 KV heads over TP 2 leave 4 per rank, not a multiple of CP 8 (seq 8192 = 2 x 8 x 512)
+    with pytest.raises(ConfigError, match="cp.comm.type.*multiples of context-parallel-size 8"):
+        _a2a_cp8(fp8[:4])
+
+
+def _a2a_cp8(fp8):
+    raw = parse_megatron_flags(BASE + fp8 + ["--context-parallel-size", "8", "--cp-comm-type", "a2a"])
+    raw.args.update(fp8_dot_product_attention=True)
+    return resolve(raw, world_size=32)
+
+
+# --cp-comm-type a2a: TE 2.11 context_parallel.py AttnFuncWithCPAndQKVOA2A with fp8 (megatron-core hands it BF16
+# q, k, v: is_input_fp8 False) and flash_attn_a2a_communicate; CP 2, the shapes above
+K = TC * G_T * D                     # k (and v) elements per rank: 2 Mi
+
+
+def test_a2a_peak_by_hand():
+    from megatron_memguard.estimator.layers.fp8_attention import a2a_peak
+    # before the attention, q 4 and k, v 1 byte: send copies 4 + 1 and receive buffers 4 + 1 when q's received
+    # buffer is reordered (two more copies of 4): 18; the last step (v's reorder) holds 6 + 6 + 2 = 14
+    assert a2a_peak((4, 1, 1), True) == 18
+    assert a2a_peak((4,), True) == 4 * 4          # send copy, receive buffer, movedim copy, index_select output
+    # after the attention, one tensor: reordered send copy, receive buffer, its contiguous copy
+    assert a2a_peak((4,), False) == 3 * 4
+    # dq 4, dk 1, dv 1: all three send copies (6), receive buffers of dq and dk (5), dq's contiguous copy (4)
+    assert a2a_peak((4, 1, 1), False) == 15
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a2a_attention_saved_by_hand(recipe):
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    bf16_att = layer_activations(lay(*fp8)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    # ctx.fp8 saves the exchanged FP8 q, k, v (three tensors, the one buffer's scale shared): no BF16 q, no ring buffer
+    for name in ("query_rope", "cp_kv_buffer"):
+        assert name in bf16_att and name not in got
+    assert got["fp8_attention_qkv"] == Q + 2 * K + 512 == W + 512
+    # the FP8 kernel's M and ZInv, fp32 [b, a/CP, s] each = 1 x 16 x 4096 x 4 bytes per statistic
+    assert got["softmax_stats"] == 2 * STATS == 2 * 1 * A_T * TC * 4
+    if recipe == "delayed":
+        # out_part: the kernel's FP8 output before its all-to-all (the BF16 one returned is linear_proj's to quantize)
+        assert got["proj_input"] == Q + 512 and "cp_a2a_attention_output" not in got
+    else:
+        # out_part: the BF16 output before its all-to-all; linear_proj keeps the exchanged BF16 one it reads
+        assert got["proj_input"] == bf16_att["proj_input"] == 2 * Q and got["cp_a2a_attention_output"] == 2 * Q
+    delta = sum(got.values()) - sum(bf16_att.values())
+    # against the BF16 estimate (rope'd q 2 Q + ring buffer 2 KV + one statistic): W + 512 + one statistic more, and
+    # delayed the FP8 output (Q + 512 instead of 2 Q), tensorwise the second BF16 output (+2 Q)
+    base = W + 512 - 2 * Q - 2 * KV + STATS
+    assert delta == (base - Q + 512 if recipe == "delayed" else base + 2 * Q)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a2a_attention_working_sets_by_hand(recipe):
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+            fp8_dot_product_attention=True)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    delayed = recipe == "delayed"
+    Mi = 2 ** 20
+    alive = 2 * Q + 2 * K                    # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
+    # combine_and_quantize: BF16 concatenation [W] next to its FP8 copy
+    assert f.fwd_steps[0][1] == alive + 2 * W + W + 512 == 56 * Mi + 512
+    # the all-to-all of FP8 q (8 Mi), k, v (2 Mi each) next to the FP8 buffer: peak 4 q + 2 k (q's reorder)
+    assert f.fwd_steps[1][1] == alive + W + 512 + 4 * Q + 2 * K == 68 * Mi + 512
+    if delayed:
+        # the saved FP8 output, its exchange (3 Q) or the exchanged FP8 output and its BF16 dequantization (Q + 2 Q)
+        assert f.fwd_steps[2][1] == alive + W + 512 + Q + 512 + 3 * Q == 64 * Mi + 1024
+    else:
+        # the BF16 output's exchange (3 x 2 Q); the output saved before it is counted in the saved tensors
+        assert f.fwd_steps[2][1] == alive + W + 512 + 3 * 2 * Q == 80 * Mi + 512
+    # backward: BF16 dO handed in (2 Q) and its FP8 copy (Q + 512), then the largest of: dO's exchange (4 Q);
+    # the exchanged dO, the kernel's dq, dk, dv and their exchange (peak: send copies, two receive buffers and
+    # dq's contiguous copy); delayed, combine_and_dequantize: exchanged dO, kernel and exchanged FP8 gradients,
+    # their concatenation (3 W) and its BF16 dequantization (2 W)
+    if delayed:
+        bwd = 2 * Q + Q + 512 + max(4 * Q, Q + W + (W + 2 * Q + K), Q + 3 * W + 2 * W)
+        assert bwd == 92 * Mi + 512
+    else:
+        bwd = 2 * Q + Q + 512 + max(4 * Q, Q + 2 * W + 2 * (W + 2 * Q + K))
+        assert bwd == 116 * Mi + 512
+    bf16_ring = 3 * 2 * Q + 10 * KV + STATS  # attention.py _cp_attention_items' backward (BF16 k: kv1 = KV bytes)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, bwd - bf16_ring, 0, 0]
+    assert {"fp8_attention_qkv", "cp_a2a_attention_output"} <= f.bwd_steps[2][0]
+
+
+def test_a2a_attention_with_core_attention_recompute():
+    # the checkpoint keeps the BF16 q, k, v (saved unchanged); the backward's replay keeps the a2a function's saved
+    # tensors and the BF16 output it returns through its backward
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2", "--cp-comm-type",
+            "a2a", "--recompute-granularity", "selective"]
+    assert layer_activations(lay(*args, fp8_dot_product_attention=True)).saved == layer_activations(lay(*args)).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*args, fp8_dot_product_attention=True)
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    kept = (W + 512) + 2 * STATS + (Q + 512) + 2 * Q
+    bwd = 2 * Q + Q + 512 + Q + 3 * W + 2 * W
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - bf16, 0, 0]
 
 
 MLA = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--multi-latent-attention",

@@ -86,6 +86,9 @@ class Fp8Spec:
     disable_parameter_transpose_cache: bool = False
     activation_func_fp8_input_store: bool = False
     fp8_dot_product_attention: bool = False
+    # memguard's own: how FP8 attention crosses context-parallel ranks (resolve/fp8.py from --cp-comm-type):
+    # p2p (TE's ring, AttnFuncWithCPAndKVP2P) or a2a (AttnFuncWithCPAndQKVOA2A)
+    fp8_attention_cp_comm_type: str = "p2p"
 
     # names Megatron (or its configs) also use for the same setting
     _ALIASES = {"fp8_param": "fp8_param_gather", "fp4_param": "fp4_param_gather", "fp8_format": "fp8",

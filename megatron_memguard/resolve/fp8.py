@@ -29,7 +29,8 @@ _OFF: dict[str, Any] = dict(
     fp8=None, fp8_recipe="delayed", fp4=None, fp4_recipe="nvfp4", fp8_param_gather=False, fp4_param_gather=False,
     first_last_layers_bf16=False, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_amax_history_len=1,
     fp8_amax_compute_algo="most_recent", reuse_grad_buf_for_mxfp8_param_ag=False, disable_parameter_transpose_cache=False,
-    activation_func_fp8_input_store=False, fp8_output_proj=False, fp8_dot_product_attention=False)
+    activation_func_fp8_input_store=False, fp8_output_proj=False, fp8_dot_product_attention=False,
+    fp8_attention_cp_comm_type="p2p")
 
 
 # --te-precision-config-file (core 0.19.2 core/quantization/quant_config.py, extensions/transformer_engine.py
@@ -104,7 +105,7 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 _DPA_RECIPES = ("delayed", "tensorwise")
 
 
-def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapping[str, Any]) -> bool:
+def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict[str, Any]) -> bool:
     """fp8_dot_product_attention / fp8_multi_head_attention (TransformerConfig only, no Megatron flag): whether
     the FP8 layers' core attention runs TE's FP8 FusedAttention. Which recipe carries ``fp8_dpa`` is megatron-core's
     (fp8_utils.get_fp8_recipe, fp4_utils.get_fp4_recipe, TEDelayedScaling); what TE accepts is TE 2.11's
@@ -173,8 +174,10 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
         return False
     mla = a.bool_arg("multi_latent_attention", False)
     if kw.get("context_parallel_size", 1) > 1:
-        if not _ring_attention(a, dest, kw, mla):
+        comm = _ring_attention(a, dest, kw, mla)
+        if comm is None:
             return False
+        v["fp8_attention_cp_comm_type"] = comm
     if mla:
         # get_attention_backend (TE 2.11, Python) lets FP8 MLA through to FusedAttention with separate q, k, v
         # (qkv layout sbhd_sbhd_sbhd); whether cuDNN has an FP8 kernel for these head dims is decided in TE's C++
@@ -189,9 +192,10 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
     return True
 
 
-def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bool:
-    """FP8 attention with context parallelism: whether TE's FP8 ring attention runs (sized by
-    estimator/layers/fp8_attention.py for cp_comm_type p2p). TE 2.11 ``context_parallel.py``
+def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> str | None:
+    """FP8 attention with context parallelism: which of Transformer Engine's FP8 CP paths runs (sized by
+    estimator/layers/fp8_attention.py): ``p2p`` (``AttnFuncWithCPAndKVP2P``) or ``a2a``
+    (``AttnFuncWithCPAndQKVOA2A``), or None where the attention runs in BF16. TE 2.11 ``context_parallel.py``
     ``attn_forward_func_with_cp`` hands ``fp8`` to the p2p and a2a paths only; ``utils.py``
     ``get_attention_backend`` has no backend for FP8 MLA under CP."""
     key = a.key(dest)
@@ -202,17 +206,31 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> boo
         # with CP; UnfusedDotProductAttention: no CP: TE finds no backend
         a.fail(dest, "cannot be used with multi-latent attention under context parallelism (Transformer Engine 2.11 "
                     "has no attention backend for FP8 MLA with CP)")
-        return False
+        return None
     if comm == {"all_gather"}:
         # AttnFuncWithCPAndKVAllGather takes no fp8 argument: its kernels run in BF16
         a.notes.append(f"{key}: no effect with --cp-comm-type all_gather (Transformer Engine's all-gather context "
                        "parallelism runs BF16 attention): attention is estimated in BF16")
-        return False
+        return None
+    if comm == {"a2a"}:
+        # AttnFuncWithCPAndQKVOA2A.forward (TE 2.11 and 2.20.2) splits the heads of q and of k over the CP ranks:
+        # "The number of attention heads needs to be divisible by CP size!" (k has max(1, g / TP) heads per rank:
+        # megatron-core replicates the KV heads when TP > query groups)
+        cp, tp = kw["context_parallel_size"], kw.get("tensor_model_parallel_size", 1)
+        heads = kw.get("num_attention_heads") or 0
+        groups = kw.get("num_query_groups") or heads
+        a_t, g_t = heads // tp, max(1, groups // tp)
+        if a_t % cp or g_t % cp:
+            a.fail("cp_comm_type", f"a2a needs the attention heads ({a_t}) and query groups ({g_t}) of a "
+                                   f"tensor-parallel rank to be multiples of context-parallel-size {cp} (Transformer "
+                                   "Engine's all-to-all splits the heads over the CP ranks)")
+            return None
+        return "a2a"
     if comm != {"p2p"}:
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(Transformer Engine's FP8 all-to-all context-parallel path is not sized; p2p is, and "
+                               "(Transformer Engine's hierarchical a2a+p2p FP8 path is not sized; p2p and a2a are, and "
                                "all_gather runs BF16 attention)")
-    return True
+    return "p2p"
 
 
 def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ attention's backward step (docs/terms/fp8.md)."""
 from __future__ import annotations
 
 from ...layout import Layout
-from ..fp8 import quantized_tensor
+from ..fp8 import _alloc, quantized_tensor
 from .attention import _gated
 from .base import MixerActivations, shapes
 
@@ -43,6 +43,8 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     q, k ``[Tf, a, qk + rope dim]`` and v ``[Tf, a, v]`` (``combine_and_quantize``, qkv layout sbhd_sbhd_sbhd),
     an output of v's width."""
     if L.cp > 1:
+        if L.fp8_spec.fp8_attention_cp_comm_type == "a2a":
+            return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer)
     saved = mixer.saved
     x = shapes(L)
@@ -201,5 +203,143 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
             w += ring_bwd - bf16_ring_bwd
         elif "softmax_stats" in rel:
             rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer"}
+        bwd.append((rel, w))
+    return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+def a2a_peak(sizes: tuple[int, ...], before_attn: bool) -> int:
+    """Peak bytes ``flash_attn_a2a_communicate`` (TE 2.11 and 2.20.2 ``context_parallel.py``) holds for tensors
+    of ``sizes`` bytes, its callers' tensors not included; what it returns (one tensor per input) is part of it.
+
+    Per tensor it makes a send copy (``movedim(-3, 0).contiguous()`` before the attention; after it the chunk
+    reorder: ``movedim(...).contiguous()`` then ``index_select``, two copies, the first freed), an
+    ``all_to_all_single`` receive buffer (``empty_like``), and the reordered result (before the attention: the
+    chunk reorder of the received buffer, two copies; after it one ``contiguous()`` copy), which replaces the
+    received buffer. The send copies live in the caller's list until the function returns. The loop runs
+    ``len(sizes) + 2`` times: receive buffer ``i - 1``, then (before the attention) reorder of ``i - 2`` and
+    send copy ``i``; (after it) send copy ``i``, then the copy of ``i - 2``."""
+    n = len(sizes)
+    sent = recv = peak = 0
+    for i in range(n + 2):
+        if 0 < i < n + 1:
+            recv += sizes[i - 1]
+            peak = max(peak, sent + recv)
+        if before_attn:
+            if i > 1:
+                peak = max(peak, sent + recv + 2 * sizes[i - 2])
+            if i < n:
+                sent += sizes[i]
+                peak = max(peak, sent + recv)
+        else:
+            if i < n:
+                peak = max(peak, sent + recv + 2 * sizes[i])
+                sent += sizes[i]
+            if i > 1:
+                peak = max(peak, sent + recv + sizes[i - 2])
+    return peak
+
+
+def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+    """FP8 attention under context parallelism with ``--cp-comm-type a2a``: Transformer Engine's
+    ``AttnFuncWithCPAndQKVOA2A`` with ``fp8`` (TE 2.11 ``context_parallel.py``; megatron-core 0.16.1 and 0.19.2
+    build no FP8 q, k, v, so ``is_input_fp8`` is False). The all-to-alls move FP8 bytes: q, k, v are quantized
+    first (``combine_and_quantize``: one FP8 buffer of q, k, v) and their uint8 data is exchanged, turning
+    [s/CP, all the rank's heads] into [s, heads/CP]; the output goes back the same way (FP8 under delayed
+    scaling, BF16 under tensorwise, ``NVTE_DPA_FP8CS_O_in_F16=1``).
+
+    Saved (``ctx.fp8``): the exchanged FP8 q, k, v (three tensors of the one buffer's bytes: ``fp8_attention_qkv``,
+    sharing its scale), the FP8 kernel's M and ZInv (fp32 ``[b, a/CP, s]`` each: two statistics of the rank's
+    ``[b, a, s/CP]`` size) and the output before its all-to-all: FP8 under delayed scaling (``proj_input`` at
+    1 B/elem, or ``fp8_attention_output`` next to the gate's BF16 output), BF16 under tensorwise, a tensor
+    other than the returned one linear_proj keeps (``cp_a2a_attention_output``). No ring buffer.
+
+    Forward working sets: the BF16 concatenation of q, k, v and its FP8 copy; the all-to-all of q, k, v next to
+    that FP8 buffer (alive until the forward returns); the kernel's output and its all-to-all (delayed: then the
+    exchanged FP8 output and its BF16 dequantization, which linear_proj reads). Backward: the BF16 output gradient
+    handed in and its FP8 copy, then its all-to-all (FP8); the kernel's dq, dk, dv (delayed: FP8; tensorwise:
+    BF16) and their all-to-all; delayed: ``combine_and_dequantize`` (the exchanged FP8 gradients concatenated,
+    dequantized to BF16) while the kernel's FP8 gradients are still held."""
+    from .attention import _cp_attention_items, qkv_out_per_rank
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d = x.e, x.Tf, x.d
+    recipe = L.fp8_spec.recipe
+    delayed = recipe == "delayed"
+    gated = _gated(L) == 2
+    core = 2 if gated else 1                           # the core attention's backward step
+    Q = Tf * x.a_t * d                                 # q (and the output) elements: the same before and after
+    K = Tf * x.g_t * d                                 # k (and v) elements
+    W = Q + 2 * K
+    stats = x.b * x.a_t * x.s * 4                      # one fp32 statistic [b, a/CP, s] = [b, a, s/CP] elements
+    scale = _alloc(4)                                  # a Float8Tensor's fp32 scale-inverse
+    qkv8 = quantized_tensor(recipe, Tf, W // Tf, rowwise=True, columnwise=False).allocated
+    out8 = quantized_tensor(recipe, Tf, Q // Tf, rowwise=True, columnwise=False).allocated
+    fp8_qkv = _alloc(Q) + 2 * _alloc(K) + scale        # the exchanged q, k, v (the buffer's scale shared)
+    out_b = 1 if delayed else e                        # bytes per element of the kernel's output
+    saved_out = out8 if delayed else Q * e             # the output saved before its all-to-all
+    q, kv1 = Q * e, K * e
+    rope = L.position_embedding_type in ("rope", "yarn")
+    _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
+    combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
+    qkv_a2a = qkv8 + a2a_peak((Q, K, K), True)         # the exchange of q, k, v next to the FP8 buffer
+    if delayed:
+        # the FP8 output's all-to-all, then the exchanged FP8 output and its BF16 dequantization
+        out_a2a = max(a2a_peak((Q,), False), Q + e * Q)
+    else:
+        out_a2a = a2a_peak((e * Q,), False)            # its last copy is the BF16 output returned
+    # backward (ctx.fp8): the BF16 dO handed in and its FP8 copy; the exchange of dO (FP8); with the exchanged dO:
+    # the kernel's dq, dk, dv, their exchange, and (delayed) combine_and_dequantize: the FP8 gradients' one byte
+    # concatenation and its BF16 dequantization next to the kernel's FP8 gradients and the exchanged ones
+    dqkv = W if delayed else W * e
+    sizes = (Q, K, K) if delayed else (Q * e, K * e, K * e)
+    a2a_bwd = e * Q + out8 + max(a2a_peak((Q,), True), Q + dqkv + a2a_peak(sizes, False),
+                                 Q + 3 * W + W * e if delayed else 0)
+    (names, _), *rest = mixer.fwd_steps
+    out_names = {"fp8_attention_output", "cp_a2a_attention_output"}
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad forward
+        # makes the transients, and the backward's replay keeps the saved tensors (and the BF16 output it returns)
+        # through the attention's backward
+        kept = fp8_qkv + 2 * stats + saved_out + e * Q
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
+        fwd = ((names, kv1 + combine), (names, kv1 + max(qkv_a2a, qkv8 + fp8_qkv + 2 * stats + saved_out + out_a2a)))
+        bwd = tuple((rel, w + kept + a2a_bwd - bf16 if i == core else w)
+                    for i, (rel, w) in enumerate(mixer.bwd_steps))
+        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+    dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
+    new: dict[str, int] = {}
+    for name, b in saved.items():
+        if name in dropped:
+            continue
+        if name == "cp_kv_buffer":
+            new["fp8_attention_qkv"] = fp8_qkv         # in place of the ring's K/V buffer: no ring here
+            continue
+        if name == "softmax_stats":
+            b = 2 * stats                              # M and ZInv
+            if not delayed:
+                new[name] = b
+                new["cp_a2a_attention_output"] = saved_out
+                continue
+        elif name == "proj_input" and delayed:
+            if gated:
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
+            else:
+                b = out8                               # the FP8 output the attention keeps
+        new[name] = b
+    alive = sum(dropped.values()) + kv1                # + v made contiguous
+    first = names | {"fp8_attention_qkv", "softmax_stats"} | out_names
+    fwd = (
+        (first, alive + combine),
+        (first, alive + qkv_a2a),
+        # the kernel's output: delayed, the saved FP8 one (proj_input / fp8_attention_output, not yet counted) and
+        # its exchange; tensorwise, the saved BF16 one (cp_a2a_attention_output) and its exchange to proj_input
+        (names | {"fp8_attention_output"}, alive + qkv8 + (out8 if delayed else 0) + out_a2a),
+    )
+    bwd = []
+    for i, (rel, w) in enumerate(mixer.bwd_steps):
+        if i == core:
+            w += a2a_bwd - bf16_ring_bwd
+        elif "softmax_stats" in rel:
+            rel = rel | {"fp8_attention_qkv", "cp_kv_buffer"} | out_names
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
