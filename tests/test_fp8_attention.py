@@ -275,14 +275,24 @@ def test_context_parallel_comm_types():
     assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
     # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below); the hierarchical a2a+p2p path is not sized
     L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
-    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.fp8_attention_cp_comm_type == "a2a"
-    assert lay(*fp8, fp8_dot_product_attention=True).fp8_spec.fp8_attention_cp_comm_type == "p2p"
-    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p"):
-        lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1",
-            fp8_dot_product_attention=True)
+    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.fp8_attention_a2a_size == 2
+    assert lay(*fp8, fp8_dot_product_attention=True).fp8_spec.fp8_attention_a2a_size == 1
+    # a2a+p2p: megatron-core hands TE [a2a group, p2p group] in the order of --hierarchical-context-parallel-sizes
+    # (parallel_state.create_hierarchical_groups); attn_forward_func_with_cp runs a2a when the p2p group has one
+    # rank, p2p when the a2a group has one; the two-level path is not sized
+    for sizes, a2a in ((["2", "1"], 2), (["1", "2"], 1)):
+        L = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", *sizes,
+                fp8_dot_product_attention=True)
+        assert L.fp8_spec.fp8_attention_a2a_size == a2a
+    cp4 = fp8[:4] + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p over two levels"):
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True)
+    # TE asserts "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
+    with pytest.raises(ConfigError, match="hierarchical.context.parallel.sizes.*two sizes"):
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "1", "2", fp8_dot_product_attention=True)
     # AttnFuncWithCPAndQKVOA2A.forward asserts "The number of attention heads needs to be divisible by CP size!"
     # for q and k: 8 KV heads over TP 2 leave 4 per rank, not a multiple of CP 8 (seq 8192 = 2 x 8 x 512)
-    with pytest.raises(ConfigError, match="cp.comm.type.*multiples of context-parallel-size 8"):
+    with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
         _a2a_cp8(fp8[:4])
 
 

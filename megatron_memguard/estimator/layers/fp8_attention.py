@@ -43,7 +43,8 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     q, k ``[Tf, a, qk + rope dim]`` and v ``[Tf, a, v]`` (``combine_and_quantize``, qkv layout sbhd_sbhd_sbhd),
     an output of v's width."""
     if L.cp > 1:
-        if L.fp8_spec.fp8_attention_cp_comm_type == "a2a":
+        # the all-to-all over every CP rank (a2a), or the ring (p2p); resolve/fp8.py refuses the two-level a2a+p2p
+        if L.fp8_spec.fp8_attention_a2a_size == L.cp:
             return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer)
     saved = mixer.saved
@@ -114,7 +115,7 @@ _BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
 
 
 def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
-    """FP8 attention under context parallelism (cp_comm_type p2p, resolve/fp8.py refuses the others):
+    """FP8 attention under context parallelism with cp_comm_type p2p (a2a: ``fp8_a2a_attention``):
     Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; the same
     tensors in TE 2.20.2, whose ring holds two buffers instead of one per step).
 
