@@ -379,6 +379,20 @@ def test_a2a_attention_working_sets_by_hand(recipe):
     assert {"fp8_attention_qkv", "cp_a2a_attention_output"} <= f.bwd_steps[2][0]
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a2a_estimate_moves_by_the_layers_saved_bytes(recipe):
+    # the stage's layer_activations move by 16 layers x 2 micro-batches in flight x the per-layer change counted by
+    # hand in test_a2a_attention_saved_by_hand (delayed keeps less than the BF16 estimate, tensorwise more: its
+    # second BF16 output)
+    gpu = lookup_gpu("H100-80GB")
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    t_off = {t.name: t.bytes for t in estimate(lay(*fp8), gpu=gpu).stages[0].terms}
+    t_on = {t.name: t.bytes for t in estimate(lay(*fp8, fp8_dot_product_attention=True), gpu=gpu).stages[0].terms}
+    base = W + 512 - 2 * Q - 2 * KV + STATS
+    per_layer = base - Q + 512 if recipe == "delayed" else base + 2 * Q
+    assert t_on["layer_activations"] - t_off["layer_activations"] == 16 * 2 * per_layer
+
+
 def test_a2a_attention_with_core_attention_recompute():
     # the checkpoint keeps the BF16 q, k, v (saved unchanged); the backward's replay keeps the a2a function's saved
     # tensors and the BF16 output it returns through its backward
