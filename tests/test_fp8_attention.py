@@ -341,6 +341,10 @@ def test_a2a_attention_saved_by_hand(recipe):
     # delayed the FP8 output (Q + 512 instead of 2 Q), tensorwise the second BF16 output (+2 Q)
     base = W + 512 - 2 * Q - 2 * KV + STATS
     assert delta == (base - Q + 512 if recipe == "delayed" else base + 2 * Q)
+    # proj_input is the attention's (FP8) output under delayed scaling, linear_proj's alone under tensorwise (what
+    # offloading's groups and PEFT's frozen linear_proj read)
+    from megatron_memguard.estimator.layers.attention import attention_keeps_proj_input
+    assert attention_keeps_proj_input(got) == (recipe == "delayed")
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
