@@ -462,3 +462,17 @@ def test_bridge_config_carries_it(tmp_path):
     L = resolve(raw, world_size=8)
     assert L.fp8_spec.fp8_dot_product_attention
     assert "fp8_attention_qkv" in layer_activations(L).saved
+
+
+def test_bridge_config_a2a_heads_rule(tmp_path):
+    # the Bridge shape (8 heads, 2 query groups, TP 2): k has 1 head per TP rank, which TE's all-to-all cannot split
+    # over CP 2 (AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs to be divisible by CP size!")
+    text = FLAT.replace("  bf16: true\ntrain", "  bf16: true\n  fp8: hybrid\n  fp8_recipe: delayed\n"
+                        "  fp8_dot_product_attention: true\n  cp_comm_type: a2a\ntrain").replace(
+        "mixed_precision: bf16_mixed\n", "").replace("context_parallel_size: 1", "context_parallel_size: 2")
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(text))
+    raw = read_config_file(str(p))
+    assert raw.args["cp_comm_type"] == "a2a" and raw.args["context_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="cp_comm_type.*query groups \\(1\\).*2 ranks"):
+        resolve(raw, world_size=8)
