@@ -285,8 +285,11 @@ def test_context_parallel_comm_types():
                 fp8_dot_product_attention=True)
         assert L.fp8_spec.fp8_attention_a2a_size == a2a
     cp4 = fp8[:4] + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+    # two levels: TE 2.11's (megatron-core 0.16) is sized (test_two_level_a2a_p2p_by_hand), TE 2.20.2's is not
     with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p over two levels"):
-        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True)
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.19.2")
+    L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.16.1")
+    assert L.fp8_spec.fp8_attention_a2a_size == 2
     # TE asserts "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
     with pytest.raises(ConfigError, match="hierarchical.context.parallel.sizes.*two sizes"):
         lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "1", "2", fp8_dot_product_attention=True)
@@ -476,3 +479,49 @@ def test_bridge_config_a2a_heads_rule(tmp_path):
     assert raw.args["cp_comm_type"] == "a2a" and raw.args["context_parallel_size"] == 2
     with pytest.raises(ConfigError, match="cp_comm_type.*query groups \\(1\\).*2 ranks"):
         resolve(raw, world_size=8)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_two_level_a2a_p2p_by_hand(recipe):
+    # --cp-comm-type a2a+p2p, --hierarchical-context-parallel-sizes 2 2 (CP 4: an all-to-all over 2 ranks around a
+    # ring over 2), megatron-core 0.16.1 / TE 2.11 AttnFuncWithCPAndKVP2P with cp_size_a2a 2: seq 8192 / 4 = 2048
+    # tokens per rank; in Mi: q 4 (and the output), k 1, v 1, W 6 elements; e = 2
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "4"]
+    two = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
+              fp8_dot_product_attention=True, version="0.16.1")
+    ring = lay(*fp8, fp8_dot_product_attention=True, version="0.16.1")
+    Mi = 2 ** 20
+    Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
+    # the exchange trades sequence for heads: the ring's saved tensors keep their bytes (the whole FP8 q, k, v
+    # buffer, the last FP8 ring buffer, one statistic, the output)
+    saved = layer_activations(two).saved
+    assert saved == layer_activations(ring).saved
+    assert saved["fp8_attention_qkv"] == W4 + 512 and saved["cp_kv_buffer"] == KV4
+    m = attention(two, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(two, m)
+    alive = 2 * Q4 + 2 * K4                  # Megatron's rope'd BF16 q, v made contiguous
+    # 1. megatron's BF16 q (8 Mi bytes), k, v (2 Mi each) exchanged: peak at q's reorder, 4 q + 2 k = 36 Mi
+    # 2. combine_and_quantize of the exchanged BF16 q, k, v (2 W): their concatenation (2 W) and FP8 copy (W)
+    # 3. the ring over 2 ranks (TE 2.11: 1 other ring buffer, 2 partial outputs in fp32 with their statistics),
+    #    the fp32 output (16 Mi) and its exchange (send copy, receive buffer, reordered copy: 48 Mi), next to the
+    #    exchanged BF16 q (8 Mi)
+    assert [w for _, w in f.fwd_steps[:3]] == [alive + 36 * Mi, alive + 5 * W4 + 512,
+                                               alive + KV4 + 2 * (4 * Q4 + ST4) + 16 * Mi + 48 * Mi + 2 * Q4]
+    # backward: the ring's buffers over 2 ranks (FP8 dO, BF16 dO, K/V receive, dK/dV send and receive of 2 x KV,
+    # half the statistics) and, delayed, dq_buffer of 2 x q; then the largest of: [out, dO] exchanged (delayed FP8
+    # out 4 + dO 4 Mi: 24 Mi), the ring's steps with both exchanged kept (delayed: the end's fp32 dequantization
+    # of 2 x W and sums, 72 Mi), the gradients' exchange (delayed: BF16 dq 8, dk 2, dv 2 Mi: 30 Mi next to them;
+    # tensorwise: the fp32 accumulators' dq 16, dk 4, dv 4 Mi bytes: send copies 24, receive buffers of dq and dk
+    # 20, dq's contiguous copy 16: 60 Mi)
+    common = Q4 + 512 + 2 * Q4 + KV4 + 2 * 2 * KV4 + ST4 // 2
+    if recipe == "delayed":
+        ring_bwd = common + 2 * Q4 + max(2 * Q4 + 72 * Mi, 2 * Q4 + 2 * W4 + 30 * Mi, 24 * Mi)
+        assert ring_bwd == 110 * Mi + ST4 // 2 + 512
+    else:
+        # (fp32 dq and dK/dV accumulators 4 W; [out, dO] exchanged: BF16 out 8 + dO 4 Mi, 40 Mi at out's reorder)
+        ring_bwd = common + 4 * W4 + max(3 * Q4 + 6 * W4 + 2 * Q4, 3 * Q4 + 60 * Mi, 40 * Mi)
+        assert ring_bwd == 118 * Mi + ST4 // 2 + 512
+    bf16_ring = 3 * 2 * Q4 + 10 * 2 * K4 + ST4   # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring_bwd - bf16_ring, 0, 0]

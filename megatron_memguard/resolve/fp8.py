@@ -174,7 +174,7 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         return False
     mla = a.bool_arg("multi_latent_attention", False)
     if kw.get("context_parallel_size", 1) > 1:
-        a2a = _ring_attention(a, dest, kw, mla)
+        a2a = _ring_attention(a, dest, kw, mla, ctx)
         if a2a is None:
             return False
         v["fp8_attention_a2a_size"] = a2a
@@ -192,7 +192,7 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
     return True
 
 
-def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> int | None:
+def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: Context) -> int | None:
     """FP8 attention with context parallelism: over how many CP ranks Transformer Engine's FP8 attention runs an
     all-to-all (sized by estimator/layers/fp8_attention.py), or None where the attention runs in BF16. 1: ``p2p``,
     the ring ``AttnFuncWithCPAndKVP2P`` over all of them; CP: ``a2a``, ``AttnFuncWithCPAndQKVOA2A``; between:
@@ -234,13 +234,14 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> int
                        "ring's) with --cp-comm-type a2a+p2p (Transformer Engine takes two CP groups)")
             return None
         a2a = sizes[0]
-        if 1 < a2a < cp:
-            # TE 2.11 AttnFuncWithCPAndKVP2P with cp_size_a2a > 1: the all-to-all exchanges BF16 q, k, v before they
-            # are quantized and the ring's fp32 output after the correction; TE 2.20.2 saves a BF16 copy of the
-            # output before that exchange and exchanges only dO in the backward: not sized
+        if 1 < a2a < cp and ctx.version >= Version("0.17"):
+            # TE 2.20.2 (paired with core >= 0.17) AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 saves a BF16 copy of
+            # the output before its exchange and exchanges only dO in the backward: not read far enough (TE 2.11's,
+            # core 0.16's, is sized: estimator/layers/fp8_attention.py fp8_ring_attention)
             raise NotModelledError(a.key("cp_comm_type"), "FP8 attention with --cp-comm-type a2a+p2p over two levels "
-                                   "(Transformer Engine's hierarchical FP8 path is not sized; p2p and a2a are, and so "
-                                   "is a2a+p2p with one rank on either level, which TE runs as a2a or p2p)")
+                                   f"with megatron-core {ctx.version} (Transformer Engine 2.20's hierarchical FP8 path "
+                                   "is not sized; TE 2.11's, megatron-core 0.16's, is, and so is a2a+p2p with one rank "
+                                   "on either level, which TE runs as a2a or p2p)")
     else:
         # per-layer communication types (a list of several): each layer's attention would be sized by its own type
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "

@@ -44,9 +44,10 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     an output of v's width."""
     if L.cp > 1:
         # the all-to-all over every CP rank (a2a), or the ring (p2p); resolve/fp8.py refuses the two-level a2a+p2p
-        if L.fp8_spec.fp8_attention_a2a_size == L.cp:
+        a2a = L.fp8_spec.fp8_attention_a2a_size
+        if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
-        return fp8_ring_attention(L, mixer)
+        return fp8_ring_attention(L, mixer, a2a)
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
@@ -114,7 +115,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
 _BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
 
 
-def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> MixerActivations:
     """FP8 attention under context parallelism with cp_comm_type p2p (a2a: ``fp8_a2a_attention``):
     Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; the same
     tensors in TE 2.20.2, whose ring holds two buffers instead of one per step).
@@ -134,11 +135,19 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     ``dkv_send_buffer`` / ``dkv_recv_buffer`` of ``cp x`` FP8 dK/dV each, and delayed: ``dq_buffer`` of ``cp x`` FP8
     dq, every step's FP8 dq/dk/dv collected and, at the end, ``combine_and_dequantize`` of the ``cp`` steps'
     results to fp32 and their sum (fp32, then BF16); tensorwise: fp32 dq and dK/dV accumulators, each step's
-    BF16 dq/dk/dv and their fp32 casts, and the BF16 casts of the fp32 gradients returned."""
+    BF16 dq/dk/dv and their fp32 casts, and the BF16 casts of the fp32 gradients returned.
+
+    ``a2a`` > 1: ``--cp-comm-type a2a+p2p`` over two levels, read in TE 2.11 only (resolve/fp8.py refuses it for
+    the TE 2.20.2 era): an all-to-all over ``a2a`` ranks around a ring over ``CP / a2a``. The saved tensors keep
+    their bytes (the exchange trades sequence for heads); the ring's working sets count ``CP / a2a`` steps, and the
+    exchanges add theirs (``a2a_peak``): forward, megatron's BF16 q, k, v exchanged before they are quantized (the
+    exchanged BF16 q stays until the forward returns, ``q_f16``), the fp32 corrected output exchanged before its BF16
+    cast; backward, the saved output and the FP8 dO exchanged together ([out, dout]) before the ring, the
+    gradients (BF16 under delayed scaling, the fp32 accumulators under tensorwise) after it."""
     from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
-    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp // a2a         # cp: the ring's ranks
     recipe = L.fp8_spec.recipe
     delayed = recipe == "delayed"
     gated = _gated(L) == 2
@@ -154,20 +163,40 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
     n_ring, n_out = (cp - 1, cp) if _te_keeps_every_cp_step(L) else (2, 2)
     combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
+    # a2a+p2p: the exchanged BF16 q, k, v combine_and_quantize reads; the exchanged q kept to the forward's end
+    a2a_in, a2a_q = (W * e, q) if a2a > 1 else (0, 0)
     # the output correction: partial outputs in fp32 with their statistics, the other ring buffers, the fp32
     # output, its BF16 cast and (delayed) the FP8 output
-    correction = n_ring * KV + n_out * (4 * Q + stats) + 4 * Q + e * Q + (out8 if delayed else 0)
+    out_end = 4 * Q + e * Q + (out8 if delayed else 0)
+    if a2a > 1:
+        # the fp32 output exchanged (send copy, receive buffer, reordered copy) before its casts
+        out_end = max(4 * Q + a2a_peak((4 * Q,), False), out_end)
+    correction = n_ring * KV + n_out * (4 * Q + stats) + out_end
     common = out8 + e * Q + KV + 2 * cp * KV + stats // 2   # dO in FP8, dO, K/V receive, dK/dV send and receive
+    ob = 1 if delayed else e                           # bytes per element of the saved output
+    # a2a+p2p: the saved output and the FP8 dO exchanged before the ring, kept through it
+    kept_a2a = ob * Q + Q if a2a > 1 else 0
     if delayed:
         # each step: FP8 dq/dk/dv and contiguous halves of q, out, dO; the end: the steps' FP8 results
         # (dK/dV made contiguous), concatenated and dequantized to fp32, then summed over the steps one tensor
         # at a time (an fp32 sum next to the BF16 casts made so far: dq's, or dv's after dq's and dk's)
         end = max(cp * KV + cp * W + 4 * cp * W, 4 * cp * W + max(6 * Q, 2 * Q + 4 * KV))
-        ring_bwd = common + cp * Q + max(W + 3 * Q // 2, end)
+        phases = [kept_a2a + max(W + 3 * Q // 2, end)]
+        if a2a > 1:
+            # the BF16 dq, dk, dv exchanged after the ring
+            phases.append(kept_a2a + W * e + a2a_peak((e * Q, e * KV // 2, e * KV // 2), False))
+        ring_bwd = common + cp * Q
     else:
         # fp32 dq and dK/dV accumulators; each step: BF16 dq/dk/dv, their fp32 casts and the halves of q, out
         # (BF16), dO; the fp32 gradients returned are cast to BF16 by autograd
-        ring_bwd = common + 4 * W + max(6 * W + 2 * Q, 2 * W)
+        phases = [kept_a2a + max(6 * W + 2 * Q, 2 * W)]
+        if a2a > 1:
+            # the fp32 accumulators' dq, dk, dv exchanged after the ring
+            phases.append(kept_a2a + a2a_peak((4 * Q, 2 * KV, 2 * KV), False))
+        ring_bwd = common + 4 * W
+    if a2a > 1:
+        phases.append(a2a_peak((ob * Q, Q), True))     # the exchange of the saved output and dO
+    ring_bwd += max(phases)
     (names, _), *rest = mixer.fwd_steps
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad
@@ -175,7 +204,9 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # the BF16 output it returns) through the ring's backward
         kept = qkv8 + KV + stats + e * Q + (out8 if delayed else 0)
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
-        fwd = ((names, kv1 + combine), (names, kv1 + qkv8 + KV + stats + correction))
+        fwd = ((names, kv1 + combine + a2a_in), (names, kv1 + qkv8 + KV + stats + correction + a2a_q))
+        if a2a > 1:
+            fwd = ((names, kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
         bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
                     for i, (rel, w) in enumerate(mixer.bwd_steps))
         return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
@@ -194,10 +225,13 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
                 b = out8
         new[name] = b
     alive = sum(dropped.values()) + kv1                # + v made contiguous
+    first = names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output"}
     fwd = (
-        (names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output"}, alive + combine),
-        (names | {"fp8_attention_output"}, alive + correction),
+        (first, alive + combine + a2a_in),
+        (names | {"fp8_attention_output"}, alive + correction + a2a_q),
     )
+    if a2a > 1:
+        fwd = ((first, alive + a2a_peak((q, kv1, kv1), True)),) + fwd   # megatron's BF16 q, k, v exchanged
     bwd = []
     for i, (rel, w) in enumerate(mixer.bwd_steps):
         if i == core:
