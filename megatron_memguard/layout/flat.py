@@ -66,7 +66,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
                   "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
-                  "fp8_output_proj fp8_dot_product_attention fp8_attention_a2a_size"),
+                  "fp8_output_proj fp8_dot_product_attention"),
     ("", "peft"),    # Layout's own field: LoRA / DoRA adapters (layout/peft.py PeftSpec), None without PEFT
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
