@@ -163,3 +163,24 @@ def test_mla_refuses_a2a():
     L = resolve(parse_megatron_flags(mla[:-1] + ["4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-"
                                                  "sizes", "2", "2"]), world_size=4)
     assert L.cp_a2a_size == 2
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_two_level_with_core_attention_recompute(version):
+    args = [*TWO_LEVEL, "--recompute-granularity", "selective"]
+    L = lay(*args, version=version)
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = cp_a2a_attention(L, m)
+    te211 = version == "0.16.1"
+    ring_fwd = 3 * Q4 + 2 * K4 if te211 else 3 * Q4 + 4 * K4
+    # no-grad forward next to the contiguous v: q, k, v exchanged; the ring beside the exchanged q; the ring's saved
+    # q, K/V buffer, statistic and its output (not saved under TE 2.11, out_part under 2.20.2) next to its exchange
+    assert f.fwd_steps[0][1] == K4 + max(4 * Q4 + 2 * K4, Q4 + ring_fwd, Q4 + 2 * K4 + STATS4 + Q4 + 3 * Q4)
+    # the replay keeps the exchanged q, the last K/V buffer, the statistic and the output returned (TE 2.20.2: and
+    # the one before the exchange) through the backward
+    kept = Q4 + 2 * K4 + STATS4 + Q4 + (0 if te211 else Q4)
+    held, first = (2 * Q4, 6 * Q4) if te211 else (Q4, 4 * Q4)
+    ring_bwd = 3 * Q4 + 10 * K4 + STATS4
+    bwd = Q4 + max(first, held + ring_bwd, held + W4 + 3 * Q4 + 3 * K4)
+    recomputed = ring_bwd + 2 * K4 + STATS4 + 2 * Q4
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - recomputed, 0, 0]

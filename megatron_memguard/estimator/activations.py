@@ -113,7 +113,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
             from .layers.fp8_attention import fp8_attention
             mixer = fp8_attention(L, mixer, mla=kind.mixer == MIXER_MLA)
             fp8_done = True
-    if L.cp_a2a_size > 1 and not fp8_done:
+    if L.cp > 1 and L.cp_a2a_size > 1 and not fp8_done:
         from ..partition import MIXER_ATTENTION
         if kind.mixer == MIXER_ATTENTION and attention_kind(L) == "fused":
             # BF16 attention under an all-to-all CP (a2a, a2a+p2p over two levels): TE's functions keep other tensors
