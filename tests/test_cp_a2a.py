@@ -184,3 +184,18 @@ def test_two_level_with_core_attention_recompute(version):
     bwd = Q4 + max(first, held + ring_bwd, held + W4 + 3 * Q4 + 3 * K4)
     recomputed = ring_bwd + 2 * K4 + STATS4 + 2 * Q4
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - recomputed, 0, 0]
+
+
+def test_a2a_flash_backend():
+    # FlashAttention.forward copies q, k, v to [b, s, h, d] before the CP function; flash-attn's output before the
+    # exchange is the one saved (the ring kept its [b, s, h, d] output too): the same bytes as the ring's
+    flash = ["--attention-backend", "flash"]
+    ring = layer_activations(lay(*CP2, *flash)).saved
+    got = layer_activations(lay(*CP2, *flash, "--cp-comm-type", "a2a")).saved
+    assert ring["attention_output_bshd"] == Q and "attention_output_bshd" not in got
+    assert got["cp_a2a_qkv"] == W and got["cp_a2a_attention_output"] == Q
+    assert sum(got.values()) == sum(ring.values())
+    L = lay(*CP2, *flash, "--cp-comm-type", "a2a")
+    f = cp_a2a_attention(L, attention(L, set(), True, False, frozenset(), frozenset(), 0))
+    # Megatron's rope'd q and the [b, s, h, d] copies of q, k, v next to the exchange (4 Q + 2 K)
+    assert f.fwd_steps[0][1] == Q + W + 4 * Q + 2 * K

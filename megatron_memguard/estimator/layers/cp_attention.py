@@ -101,7 +101,8 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps Megatron's q, k, v (saved tensors unchanged); its no-grad forward
         # makes the transients, and the backward's replay keeps what the function saves (and the output it returns)
-        # through its backward. v made contiguous (FusedAttention.forward) throughout
+        # through its backward. v made contiguous (FusedAttention.forward; flash: q, k, v copied to [b, s, h, d])
+        # throughout
         if not two_level:
             kept = W + stats + Q + Q
             fwd = max(qkv_in, W + stats + Q + out_a2a)
@@ -111,7 +112,7 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         recomputed = ring_bwd + 2 * K + stats + 2 * Q   # attention_items' recompute step under CP (the ring's)
         steps = tuple((rel, w + kept + bwd - recomputed if i == core else w)
                       for i, (rel, w) in enumerate(mixer.bwd_steps))
-        return mixer._replace(fwd_steps=((names, K + fwd),) + tuple(rest), bwd_steps=steps)
+        return mixer._replace(fwd_steps=((names, (W if flash else K) + fwd),) + tuple(rest), bwd_steps=steps)
     new: dict[str, int] = {}
     dropped = 0
     for name, b in saved.items():
