@@ -208,10 +208,11 @@ def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
     padded = " with q/k/v padded to one head dim" if L.multi_latent_attention else ""
     if no_flash:
         return AttentionBackend(asked, "fused", f"auto on {sm}: cuDNN fused attention ({no_flash})")
-    if no_cudnn:
-        return AttentionBackend(asked, "flash", f"auto on {sm}: flash-attn 2{padded} ({no_cudnn})")
     if cc < (9, 0):
+        # flash-attn 2 wins below sm90 whether cuDNN runs or not
         return AttentionBackend(asked, "flash", f"auto on {sm}: flash-attn 2{padded} (Transformer Engine prefers "
                                 "FlashAttention below sm90 when flash and cuDNN both run)")
+    if no_cudnn:
+        return AttentionBackend(asked, "flash", f"auto on {sm}: flash-attn 2{padded} ({no_cudnn})")
     return AttentionBackend(asked, "fused", f"auto on {sm}: cuDNN fused attention (Transformer Engine prefers it "
                             "over flash-attn on Hopper and later)")
