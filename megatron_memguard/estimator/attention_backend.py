@@ -20,11 +20,13 @@ cuDNN fused attention (``_cudnn_blocked``) has a training kernel for the head di
 CPU with a stubbed CUDA runtime and cuDNN (bf16, sbhd, causal, 32 heads / 8 groups, s 4096, training):
 
 * TE 2.11.0 (its own C++ table), cuDNN 9.11 to 9.23: F16_arbitrary_seqlen for head dims up to 128 (multiples of 8)
-  on sm80, sm90, sm100 and sm103, up to 256 on sm90, and MLA 192/128 on sm100 / sm103; No_Backend for equal head dims
-  136 to 256 on sm80, sm100 and sm103, for 264 and 320 everywhere, and for MLA 192/128 on sm80;
+  on sm80, sm90, sm100 and sm103, up to 256 on sm90, and MLA 192/128 on sm90, sm100 and sm103; No_Backend for equal
+  head dims 136 to 256 on sm80, sm100 and sm103, for 264 and 320 everywhere, for MLA 192/128 on sm80, and on sm90 for
+  MLA whose head dims are both 128 or more, 192/128 aside (136/128, 160/128, 256/128, 192/160, 128/192: No_Backend from
+  cuDNN 9.11, F16_arbitrary_seqlen under 9.10; 192/96, 160/96, 256/96: F16_arbitrary_seqlen);
 * TE 2.20.2 (``nvte_get_fused_attn_backend_v2``, which builds the cuDNN-frontend graphs; the reject messages are
   cuDNN-frontend's ``scaled_dot_product_flash_attention.h`` backward checks), cuDNN 9.18.1 to 9.26: the same, except
-  that on sm100 / sm103 equal head dims in (256, 512] (multiples of 8) get a backend ("unless both head dims are in
+  that sm90 takes every MLA pair up to 256 and on sm100 / sm103 equal head dims in (256, 512] (multiples of 8) get a backend ("unless both head dims are in
   (256, 512]": the frontend's own SM100 engine) and 256/256 gets past the check from cuDNN 9.23 ("Num hidden_dim
   should be less than or equal to 128 ... when d_qk != d_v" below 9.23). memguard assumes cuDNN 9.18.1 or later
   (below) and no newer, so head dim 256 on Blackwell is modelled as flash-attn 2 (with cuDNN 9.23+ TE 2.20.2 runs
@@ -144,7 +146,10 @@ def _flash_blocked(L: Layout, cc: tuple[int, int] | None) -> str | None:
 def _cudnn_trains(L: Layout, cc: tuple[int, int], qk: int, v: int) -> bool:
     """Whether the compiled query (module docstring) has a bf16/fp16 training backend for head dims qk / v."""
     if cc[0] == 9:
-        return qk <= 256 and v <= 256
+        if qk > 256 or v > 256:
+            return False
+        # TE 2.11's table, from cuDNN 9.11: no sm90 backward for MLA with both head dims >= 128 but 192/128
+        return not (_te_211(L) and qk != v and qk >= 128 and v >= 128 and (qk, v) != (192, 128))
     if cc[0] == 10:
         if (qk <= 128 and v <= 128) or (qk, v) == (192, 128):
             return True
