@@ -218,7 +218,9 @@ def test_mla_head_dims_cudnn_cannot_train_on_blackwell(version, selected):
     L = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "128",
             "--qk-pos-emb-head-dim", "32", "--v-head-dim", "128", version=version)
     assert select(L, lookup_gpu("B200")).selected == selected
-    assert select(L, lookup_gpu("H100")).selected == "fused"
+    # sm90: TE 2.11's table has no backward for MLA with both head dims >= 128 but 192/128 from cuDNN 9.11 (the same
+    # query: 160/128, 136/128, 256/128 -> No_Backend, 192/96 -> F16_arbitrary_seqlen); TE 2.20.2's takes it
+    assert select(L, lookup_gpu("H100")).selected == selected.replace("flash", "fused")
 
 
 def test_determinism_below_sm90_leaves_only_flash_attn():
