@@ -193,7 +193,8 @@ def test_padded_flash_attn_keeps_the_padded_tensors():
     # TE 2.20.2 dot_product_attention.py _pad_qkv_head_dim pads v [s, b, 16 heads, 128] to 192; FlashAttention.forward
     # copies q, k, v to contiguous [b, s, h, 192] (backends.py), kept by flash-attn with its [b, s, h, 192] output:
     # 4096 tokens x 16 heads (32 / TP 2) x 192 x 2 B = 24 MiB each; _trim_output gives linear_proj a new [s, b, h 128]
-    # tensor, 4096 x 16 x 128 x 2 B = 16 MiB. The rope'd query / key (24 MiB each) and value (16 MiB) are kept by no one.
+    # tensor, 4096 x 16 x 128 x 2 B = 16 MiB. The rope'd query / key (24 MiB each) and value (16 MiB) are kept by
+    # no one.
     from megatron_memguard.estimator.activations import layer_activations
     L = mla(*MLA, version="0.19.2")
     flash = layer_activations(L.replace(attention_backend="flash")).saved

@@ -65,7 +65,8 @@ def oracle(te: str, sm: int, qk: int, v: int, half: bool, vanilla: bool, det: bo
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
-        "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "8", "--vocab-size", "512",
+        "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--vocab-size", "512",
         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
         "--ffn-hidden-size", "512"]
 

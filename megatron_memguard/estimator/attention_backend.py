@@ -26,16 +26,16 @@ CPU with a stubbed CUDA runtime and cuDNN (bf16, sbhd, causal, 32 heads / 8 grou
   cuDNN 9.11, F16_arbitrary_seqlen under 9.10; 192/96, 160/96, 256/96: F16_arbitrary_seqlen);
 * TE 2.20.2 (``nvte_get_fused_attn_backend_v2``, which builds the cuDNN-frontend graphs; the reject messages are
   cuDNN-frontend's ``scaled_dot_product_flash_attention.h`` backward checks), cuDNN 9.18.1 to 9.26: the same, except
-  that sm90 takes every MLA pair up to 256 and on sm100 / sm103 equal head dims in (256, 512] (multiples of 8) get a backend ("unless both head dims are in
-  (256, 512]": the frontend's own SM100 engine) and 256/256 gets past the check from cuDNN 9.23 ("Num hidden_dim
-  should be less than or equal to 128 ... when d_qk != d_v" below 9.23). memguard assumes cuDNN 9.18.1 or later
-  (below) and no newer, so head dim 256 on Blackwell is modelled as flash-attn 2 (with cuDNN 9.23+ TE 2.20.2 runs
-  cuDNN there, whose estimate is a few tenths of a percent apart).
+  that sm90 takes every MLA pair up to 256 and on sm100 / sm103 equal head dims in (256, 512] (multiples of 8) get a
+  backend ("unless both head dims are in (256, 512]": the frontend's own SM100 engine), and 256/256 gets past the
+  check from cuDNN 9.23 ("Num hidden_dim should be less than or equal to 128 ... when d_qk != d_v" below 9.23).
+  memguard takes cuDNN 9.18.1 (the deterministic rule below) to 9.22 here, so head dim 256 on Blackwell is modelled
+  as flash-attn 2; with cuDNN 9.23+ TE 2.20.2 runs cuDNN there, an estimate a few tenths of a percent apart.
 
 So on B200 / GB200 (sm100) equal head dims 136 to 256 run flash-attn 2 in both TE releases (cuDNN has no backward
 kernel there), and MLA whose head dims cuDNN cannot train (not 192/128 nor both <= 128) runs flash-attn 2 with padded
 tensors under TE 2.20.2 and TE's unfused attention under TE 2.11. MLA on an A100 under TE 2.20.2 (megatron-core >= 0.17)
-runs flash-attn 2 with padded tensors whatever its head dims (TE prefers flash below sm90); under TE 2.11 it runs
+runs flash-attn 2 with padded tensors for any head dims up to 256 (TE prefers flash below sm90); under TE 2.11 it runs
 cuDNN for head dims up to 128 and TE's unfused attention above.
 
 Deterministic training (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, as Megatron's CI runs, or --deterministic-mode) switches
@@ -53,9 +53,9 @@ parallelism, 2.11 and 2.20.2 utils.py), which memguard refuses. fp32 q/k/v (no -
 "Filter: Data type" drops flash-attn 2/3/4 and FusedAttention for any dtype but bf16/fp16 (FP8 for cuDNN).
 
 FP8 attention (``--fp8-dot-product-attention``) runs only in cuDNN; its head-dim and determinism rules are
-resolve/fp8.py's. memguard assumes flash-attn 2 is installed, as in NVIDIA's NGC PyTorch containers (without it TE would
-run cuDNN on an A100, or its unfused attention under determinism), and not flash-attn 4 (TE 2.20.2 would also weigh it on
-sm100). Megatron-core 0.16 pins TE < 2.12 (its ``dev`` extra); later releases are read with TE 2.20.2.
+resolve/fp8.py's. memguard assumes flash-attn 2 is installed, as in NVIDIA's NGC PyTorch containers (without it TE
+would run cuDNN on an A100, or its unfused attention under determinism), and not flash-attn 4 (TE 2.20.2 would also
+weigh it on sm100). Megatron-core 0.16 pins TE < 2.12 (its ``dev`` extra); later releases are read with TE 2.20.2.
 """
 from __future__ import annotations
 
