@@ -470,3 +470,23 @@ def test_explicit_flash_or_fused_on_fp32_is_refused_by_the_cli_and_the_hook(back
     # the same job in bf16, or with the unfused backend, is estimated
     assert estimate(layout_from_flags(LLAMA + ["--attention-backend", backend], world_size=8)).stages
     assert estimate(layout_from_flags(fp32 + ["--attention-backend", "unfused"], world_size=8)).stages
+
+
+def test_flash_by_name_on_mla_is_refused_under_te_211():
+    # TE 2.11 get_attention_backend: "Disabling FlashAttention 2 as it does not support MLA", and Megatron's flash
+    # backend switches fused and unfused off (language_module.py _set_attention_backend, core 0.16.1): no kernel, the
+    # first forward raises. TE 2.20.2 pads instead (megatron-core 0.19: estimated, the padded tensors above)
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        mla(*MLA, "--attention-backend", "flash", version="0.16.1")
+    errors = getattr(e.value, "errors", [e.value])
+    assert [x.key for x in errors] == ["--attention-backend"] and "\n" not in str(e.value)
+    assert "multi-latent" in str(e.value) and e.value.megatron_fails_later
+    assert mla(*MLA, "--attention-backend", "flash", version="0.19.2").attention_backend == "flash"
+    # equal head dims (qk 64 + rope 64 = v 128) keep flash-attn 2 in TE 2.11
+    equal = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64",
+                "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--attention-backend", "flash", version="0.16.1")
+    assert equal.attention_backend == "flash"
+    assert select(mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim",
+                      "64", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", version="0.16.1"),
+                  lookup_gpu("A100")).selected == "flash"
