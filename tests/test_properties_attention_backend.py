@@ -6,7 +6,8 @@ of memguard's code:
 * whether cuDNN has a training kernel for the head dims: the compiled C++ query ``nvte_get_fused_attn_backend`` of
   the transformer_engine_cu12 2.11.0 wheel and ``nvte_get_fused_attn_backend_v2`` of the 2.20.2 wheel, called on a
   CPU with a stubbed CUDA runtime and cuDNN (cuDNN 9.18.1; bf16, sbhd, causal, training; 1 = F16_arbitrary_seqlen,
-  -1 = No_Backend), listed point by point in ``CUDNN_QUERY``;
+  -1 = No_Backend; benchmarks/te_attention_query.py, benchmarks/results/te-attention-query.md), listed point by
+  point in ``CUDNN_QUERY``;
 * flash-attn 2's filters, determinism and the preference for cuDNN from sm90 (``get_attention_backend``, TE 2.11 and
   2.20.2 ``pytorch/attention/dot_product_attention/utils.py``; TE 2.20.2 pads MLA to the larger head dim).
 

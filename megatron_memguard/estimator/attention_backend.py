@@ -17,7 +17,8 @@ flash-attn 4 (TE 2.20.2) not below sm90, where cuDNN is preferred anyway, so ``-
 
 cuDNN fused attention (``_cudnn_blocked``) has a training kernel for the head dims its C++ query
 ``nvte_get_fused_attn_backend`` accepts, read by calling the compiled query of the transformer_engine_cu12 wheels on a
-CPU with a stubbed CUDA runtime and cuDNN (bf16, sbhd, causal, 32 heads / 8 groups, s 4096, training):
+CPU with a stubbed CUDA runtime and cuDNN (bf16, sbhd, causal, 32 heads / 8 groups, s 4096, training;
+benchmarks/te_attention_query.py, table in benchmarks/results/te-attention-query.md):
 
 * TE 2.11.0 (its own C++ table), cuDNN 9.11 to 9.23: F16_arbitrary_seqlen for head dims up to 128 (multiples of 8)
   on sm80, sm90, sm100 and sm103, up to 256 on sm90, and MLA 192/128 on sm90, sm100 and sm103; No_Backend for equal
