@@ -10,7 +10,8 @@ cuDNN-frontend graphs, whose checks make the message; the stub cuDNN accepts wha
 estimator/attention_backend.py and tests/test_properties_attention_backend.py rest on its output
 (benchmarks/results/te-attention-query.md).
 
-    pip download --no-deps --only-binary=:all: transformer_engine_cu12==2.20.2 -d /tmp/te && cd /tmp/te && unzip -q *.whl
+    pip download --no-deps --only-binary=:all: transformer_engine_cu12==2.20.2 -d /tmp/te
+    (cd /tmp/te && unzip -q *.whl)
     python benchmarks/te_attention_query.py --lib /tmp/te/transformer_engine/wheel_lib/libtransformer_engine.so \
         --api v2 --sm 80 90 100 --cudnn 91801 92300 --dims 128/128 160/160 256/256 192/128
 
@@ -39,7 +40,8 @@ const char* cudaGetErrorString(int e){return "stub";}
 int cudaGetLastError(void){return 0;}
 int cudaPeekAtLastError(void){return 0;}
 /* cudaDeviceProp (CUDA 12): major at byte 360, minor at 364 */
-int cudaGetDeviceProperties_v2(void*p,int d){memset(p,0,1032);*(int*)((char*)p+360)=cc()/10;*(int*)((char*)p+364)=cc()%10;return 0;}
+int cudaGetDeviceProperties_v2(void*p,int d){
+  memset(p,0,1032);*(int*)((char*)p+360)=cc()/10;*(int*)((char*)p+364)=cc()%10;return 0;}
 int cudaGetDeviceProperties(void*p,int d){return cudaGetDeviceProperties_v2(p,d);}
 int cudaDeviceGetStreamPriorityRange(int*a,int*b){*a=0;*b=-1;return 0;}
 void** __cudaRegisterFatBinary(void*f){return (void**)fake;}
