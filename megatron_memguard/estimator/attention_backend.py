@@ -27,8 +27,10 @@ benchmarks/te_attention_query.py, table in benchmarks/results/te-attention-query
   cuDNN 9.11, F16_arbitrary_seqlen under 9.10; 192/96, 160/96, 256/96: F16_arbitrary_seqlen);
 * TE 2.20.2 (``nvte_get_fused_attn_backend_v2``, which builds the cuDNN-frontend graphs; the reject messages are
   cuDNN-frontend's ``scaled_dot_product_flash_attention.h`` backward checks), cuDNN 9.18.1 to 9.26: the same, except
-  that sm90 takes every MLA pair up to 256 and on sm100 / sm103 equal head dims in (256, 512] (multiples of 8) get a
-  backend ("unless both head dims are in (256, 512]": the frontend's own SM100 engine), and 256/256 gets past the
+  that sm90 takes every MLA pair up to 256, and that on sm100 / sm103 equal head dims in (256, 512] pass the checks
+  ("unless both head dims are in (256, 512]") but no cuDNN plan serves them (only cuDNN-frontend's opt-in SM100
+  engine, ``override_heuristics_query`` in the frontend's ``scaled_dot_product_flash_attention.h``: the heuristics
+  return no configuration, so the query gets No_Backend; the stub cuDNN hands out one), and 256/256 gets past the
   check from cuDNN 9.23 ("Num hidden_dim should be less than or equal to 128 ... when d_qk != d_v" below 9.23).
   memguard takes cuDNN 9.18.1 (the deterministic rule below) to 9.22 here, so head dim 256 on Blackwell is modelled
   as flash-attn 2; with cuDNN 9.23+ TE 2.20.2 runs cuDNN there, an estimate a few tenths of a percent apart.
@@ -152,10 +154,7 @@ def _cudnn_trains(L: Layout, cc: tuple[int, int], qk: int, v: int) -> bool:
         # TE 2.11's table, from cuDNN 9.11: no sm90 backward for MLA with both head dims >= 128 but 192/128
         return not (_te_211(L) and qk != v and qk >= 128 and v >= 128 and (qk, v) != (192, 128))
     if cc[0] == 10:
-        if (qk <= 128 and v <= 128) or (qk, v) == (192, 128):
-            return True
-        # TE 2.20.2 asks cuDNN-frontend, whose own SM100 backward engine takes both head dims in (256, 512]
-        return not _te_211(L) and 256 < qk <= 512 and 256 < v <= 512
+        return (qk <= 128 and v <= 128) or (qk, v) == (192, 128)
     return qk <= 128 and v <= 128
 
 
