@@ -100,7 +100,6 @@ def _deterministic(L: Layout) -> bool:
     return L.deterministic_mode or str(env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")).strip() == "0"
 
 
-
 def head_dims(L: Layout) -> tuple[int, int]:
     """The q/k and v head dims the core attention sees: MLA's (qk + rope dim, v), else kv_channels twice."""
     if L.multi_latent_attention:
