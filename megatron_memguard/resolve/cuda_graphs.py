@@ -102,7 +102,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         impl_dest = ("cuda_graph_impl" if str(a.get("cuda_graph_impl", "none")) != "none"
                      else "enable_cuda_graph" if enable else "external_cuda_graph")
         _offload_graphs(a, impl, dest or impl_dest, names, set(kw.get("offload_modules") or ()))
-    _repeated_mtp_layer(a, kw, impl)
+    _repeated_mtp_layer(a, kw, impl, names)
     _ep_overlap_graphs(a, kw, ctx, impl, dest, names)
     out: dict[str, Any] = dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
     if (kw.get("use_megatron_fsdp") and impl != "none" and new and not a.given("megatron_fsdp_cuda_graph_mode")
@@ -133,7 +133,7 @@ def _ep_overlap_graphs(a: Args, kw: Mapping[str, Any], ctx: Context, impl: str, 
                "(TransformerConfig)")
 
 
-def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str) -> None:
+def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str, names: list[str]) -> None:
     """--mtp-use-repeated-layer (core 0.17+): one MTP layer called at each of the D depths of a micro-batch.
     The local graphs (CudaGraphManager.get_cudagraph_runner, transformer/cuda_graphs.py 0.17.1 to 0.19.2) give a
     call a runner that is FWD_READY, and a runner whose forward was recorded waits for its backward (BWD_READY):
@@ -141,9 +141,20 @@ def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str) -> None:
     graph captures the D calls as they run eagerly. Transformer Engine's graphs (TECudaGraphHelper) make one
     graphed callable per entry of mtp.layers, one here, and every call replays
     ``cuda_graphs[current_microbatch % len]`` (transformer/module.py): the D depths of a micro-batch replay the
-    same graph, sharing its static outputs and saved tensors. Megatron does not guard it; refused by name."""
+    same graph, sharing its static outputs and saved tensors. Megatron does not guard it; refused by name when the
+    MTP layer is graphed (_layer_is_graphable: every layer without --cuda-graph-modules, else attn, the MoE modules
+    on an MoE layer, mlp on a dense one)."""
     d = kw.get("mtp_num_layers") or 0
     if not kw.get("mtp_use_repeated_layer") or d < 2 or impl == "none":
+        return
+    moe = kw.get("moe")
+    # the MTP layer takes the last decoder layer's spec, or the MoE spec on an empty chunk (resolve/mtp.py)
+    kinds = {bool(moe is not None and moe.moe_layer_pattern and moe.moe_layer_pattern[-1])}
+    if kw.get("mtp_moe_on_empty_chunk"):
+        kinds.add(True)
+    graphed = (kw.get("hybrid_mtp_pattern") or not names or "attn" in names
+               or any(set(names) & ({"moe", "moe_router", "moe_preprocess"} if k else {"mlp"}) for k in kinds))
+    if impl == "transformer_engine" and not graphed:
         return
     if impl == "transformer_engine":
         dest = "cuda_graph_impl" if a.given("cuda_graph_impl") else "external_cuda_graph"
