@@ -32,6 +32,7 @@ from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_i
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
+from .cuda_graphs import kind_graphed
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -1088,11 +1089,20 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         if mtp_here:
             moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp != MLP_DENSE)
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
-        la = layer_activations(L)
+        kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
+        if kinds is not None:
+            # the pool's free blocks: the largest working memory of one graphed layer (of a kind the graphs take)
+            spec = cuda_graph_spec(L)
+            las = [layer_activations(L, True, kind) for kind, k in kinds.items()
+                   if k and kind_graphed(spec, kind.mixer, kind.mlp)]
+            region = max((max(la.fwd_transient, la.bwd_transient) for la in las), default=0)
+            kinds = [(kind.mixer, kind.mlp, k) for kind, k in kinds.items()]
+        else:
+            la = layer_activations(L)
+            region = max(la.fwd_transient, la.bwd_transient)
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
-                L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
-                pr.step_bytes, len(chunks)):
+                L, graphed - moe, moe, in_flight, region, pr.step_bytes, len(chunks), kinds):
             t = Term(name, nbytes, group, level, det)
             if level == "allocated":
                 fixed_alloc.append(t)
@@ -1109,6 +1119,21 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:
+    """A hybrid stage's layers by kind, for its CUDA graphs: the decoder layers of its chunks and, on the stage of the
+    MTP block under the local implementation, the MTP depths' layers (each a GraphableMegatronModule with its own
+    CudaGraphManager). TE's helper graphs none of them: it takes ``mtp.layers[i].mtp_model_layer``, a hybrid
+    model's HybridStack, which is no GraphableMegatronModule (cuda_graphs.py _discover_layers, core 0.19.2)."""
+    out: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, k in c.kind_runs:
+            out[kind] = out.get(kind, 0) + k
+    if mtp_here and cuda_graph_spec(L).impl == "local":
+        for kind, k in mtp_stack_runs(L):
+            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
+    return out
 
 
 def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,

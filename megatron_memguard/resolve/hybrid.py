@@ -300,7 +300,6 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
-        (kw.get("cuda_graph_impl", "none") != "none", "cuda_graph_impl", "CUDA graphs of Mamba layers"),
         (kw.get("fine_grained_activation_offloading"), "fine_grained_activation_offloading",
          "activation offloading in Mamba layers"),
         (kw.get("cpu_offloading_num_layers"), "cpu_offloading_num_layers", "activation offloading in Mamba layers"),
