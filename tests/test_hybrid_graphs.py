@@ -17,7 +17,7 @@ import pytest
 from megatron_memguard import estimate
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.partition import LayerKind
-from test_mamba import PY312, ROOT, _layout
+from test_mamba import MOE, PY312, ROOT, _layout
 
 S, B, H = 128, 2, 256
 HIDDEN = S * B * H * 2          # one layer's static hidden states (bf16), and as many for its grad-output buffer
@@ -41,6 +41,15 @@ def test_static_buffers_of_the_graphed_layers(modules, graphed, masked):
     terms = _graph_terms("M*M-", "--cuda-graph-impl transformer_engine " + mods)
     # PP = 1: one sample set (graphs reused across micro-batches); input + grad-output per graphed layer
     assert terms["cuda_graph_static_io"] == graphed * 2 * HIDDEN + masked * MASK
+
+
+def test_nemotron_3_graph_modules_on_an_moe_hybrid_pattern():
+    # Megatron-Bridge 0.6.2 recipes/nemotronh/gb200/nemotron_3_super.py and nemotron_3_nano.py: TE graphs of
+    # attn, mamba, moe_router and moe_preprocess. Of M E M * E M - E, all but the MLP layer '-' are graphed (7), the
+    # attention layer with the mask
+    terms = _graph_terms("MEM*EM-E", "--cuda-graph-impl transformer_engine --cuda-graph-modules attn mamba moe_router "
+                         "moe_preprocess " + MOE)
+    assert terms["cuda_graph_static_io"] == 7 * 2 * HIDDEN + MASK
 
 
 def test_the_pool_keeps_the_largest_graphed_layers_working_memory():
@@ -94,7 +103,8 @@ def test_the_full_iteration_graph_of_a_hybrid_model():
 
 def _real(pattern: str, modules: list[str], python: str, port: int) -> list:
     cfg = dict(pattern=pattern, hidden_size=H, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
-               vocab=1024, seq=S, mbs=B, modules=modules)
+               vocab=1024, seq=S, mbs=B, modules=modules, **(dict(experts=4, topk=2, moe_ffn=128) if "E" in pattern
+                                                             else {}))
     out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", "hybrid_graph_inputs.py"), json.dumps(cfg)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
@@ -105,7 +115,9 @@ def _real(pattern: str, modules: list[str], python: str, port: int) -> list:
 
 
 @pytest.mark.parametrize("pattern, modules", [("M*M-", []), ("M*M-", ["mamba"]), ("M*M-", ["attn"]),
-                                              ("M*M-", ["mlp"]), ("M*M-/*-", [])])
+                                              ("M*M-", ["mlp"]), ("M*M-/*-", []),
+                                              # Megatron-Bridge 0.6.2's Nemotron 3 recipes (nemotronh/gb200/)
+                                              ("MEM*EM-E", ["attn", "mamba", "moe_router", "moe_preprocess"])])
 def test_graphed_layers_and_static_inputs_match_megatron_core(pattern, modules):
     """megatron-core 0.19.2's own HybridModel on CPU: _layer_is_graphable over its decoder and MTP layers, and the
     bytes of each graphable layer's get_layer_static_inputs; memguard adds the grad-output buffer (TE keeps one of
@@ -115,7 +127,8 @@ def test_graphed_layers_and_static_inputs_match_megatron_core(pattern, modules):
     real = _real(pattern, modules, PY312, 29681)
     want = sum(b + HIDDEN for ok, b in real if ok)
     mods = ("--cuda-graph-modules " + " ".join(modules)) if modules else ""
-    assert _graph_terms(pattern, "--cuda-graph-impl transformer_engine " + mods)["cuda_graph_static_io"] == want
+    moe = MOE if "E" in pattern else ""
+    assert _graph_terms(pattern, f"--cuda-graph-impl transformer_engine {mods} {moe}")["cuda_graph_static_io"] == want
 
 
 def test_graphed_layers_match_this_venvs_megatron_core():

@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
+from ..partition import MIXER_ATTENTION, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -181,19 +181,31 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         seq: list[int] = []
+        groups_of: list[dict[str, int]] = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
+            if kind is not None and kind.mixer == MIXER_MAMBA:
+                # MambaLayer / MambaMixer open no offload group (core 0.18.2 and 0.19.2 ssm/): a Mamba layer keeps
+                # every tensor it saves
+                groups_of.append({})
+                continue
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
                                                 kind is not None and kind.mlp != MLP_DENSE)
             outside = None
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
                 outside = offload_outside(L, set(L.recompute_modules) if L.recompute_granularity == "selective" else set())
-            groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
-                                          separate_input_norm=L.multi_latent_attention,
-                                          min_elements=L.min_offloaded_tensor_size, outside=outside)
-            # the chunk's last group stays on the last stage: it belongs to the top layer
-            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1,
+            groups_of.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
+                                                  separate_input_norm=L.multi_latent_attention,
+                                                  min_elements=L.min_offloaded_tensor_size, outside=outside))
+        # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid
+        # chunk's top layers may be Mamba layers, which offload none)
+        top = (max((i for i, g in enumerate(groups_of) if any(g.values())), default=len(per_kind) - 1)
+               if L.hybrid_layer_pattern else len(per_kind) - 1)
+        for i, (la_k, k) in enumerate(per_kind):
+            kind = runs[i][0] if i < len(runs) else None
+            groups = groups_of[i]
+            plan = fine_grained_plan(groups, k, has_output and i == top,
                                      getattr(L, "fine_grained_offloading_max_inflight_offloads", None))
             layers -= plan.offloaded
             # the MoE halves' share of what left (the expert groups), so moe_layer_activations stays on the GPU's side
@@ -210,7 +222,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             seq += sizes * k
             if plan.kept_last_group:
                 seq.pop()
-            if L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes:
+            if (L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes
+                    and (kind is None or not L.hybrid_layer_pattern
+                         or kind_graphed(cuda_graph_spec(L), kind.mixer, kind.mlp))):
                 # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
                 # group reloaded ahead
                 staging = max(staging, sum(sizes) + max(sizes))

@@ -269,10 +269,18 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                "has MoE layers ('E') but --num-experts is not set (the MoE layer spec needs experts)")
         return {}
     _refuse(a, kw, ctx, key, main + mtp)
+    out: dict[str, Any] = {}
+    if kw.get("cpu_offloading_num_layers"):
+        # TE's layer-level offload context is entered by TransformerBlock only: HybridStack (0.17.1 to 0.19.2,
+        # hybrid_block.py) and 0.16.1's MambaStack run their layers without it, so nothing leaves the GPU
+        a.notes.append(f"{a.key('cpu_offloading_num_layers')} {kw['cpu_offloading_num_layers']}: not applied to a "
+                       "hybrid model (its HybridStack runs no layer in Transformer Engine's offload context); "
+                       "estimated with every layer's activations on the GPU")
+        out["cpu_offloading_num_layers"] = 0
     if a.bool_arg("use_mamba_mem_eff_path", True) is False:
         raise NotModelledError(a.key("use_mamba_mem_eff_path"), "the Mamba layers' non-fused path "
                                "(causal_conv1d and the chunk scan as separate autograd functions)")
-    return dict(mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads,
+    return dict(out, mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads,
                 mamba_chunk_size=chunk)
 
 
@@ -300,9 +308,11 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
-        (kw.get("fine_grained_activation_offloading"), "fine_grained_activation_offloading",
-         "activation offloading in Mamba layers"),
-        (kw.get("cpu_offloading_num_layers"), "cpu_offloading_num_layers", "activation offloading in Mamba layers"),
+        # HybridModel.preprocess_for_fine_grained_offloading sets up the offload manager from 0.18.2 on (hybrid_model.py);
+        # 0.16.1's MambaModel and 0.17.1's HybridModel do not, under TransformerLayers that open offload groups
+        (kw.get("fine_grained_activation_offloading") and ctx.version < Version("0.18"),
+         "fine_grained_activation_offloading", "fine-grained activation offloading in a hybrid model under "
+         "megatron-core 0.16 / 0.17 (its model does not set up the offload manager its attention and MLP layers call)"),
         (str(kw.get("optimizer", "adam")) not in ("adam", "sgd"), "optimizer",
          f"the {kw.get('optimizer')} optimizer with a hybrid model (its per-matrix treatment of the conv1d weight)"),
         (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
