@@ -313,8 +313,6 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         (kw.get("fine_grained_activation_offloading") and ctx.version < Version("0.18"),
          "fine_grained_activation_offloading", "fine-grained activation offloading in a hybrid model under "
          "megatron-core 0.16 / 0.17 (its model does not set up the offload manager its attention and MLP layers call)"),
-        (str(kw.get("optimizer", "adam")) not in ("adam", "sgd"), "optimizer",
-         f"the {kw.get('optimizer')} optimizer with a hybrid model (its per-matrix treatment of the conv1d weight)"),
         (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
          "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states"),
         # FSDP units: torch FSDP2 wraps TransformerLayer (torch_fully_sharded_data_parallel.py 0.19.2), not MambaLayer;
