@@ -11,8 +11,8 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net), 'D' (DSA) and '+' (MLA) layers, full recompute and Megatron-FSDP of hybrid MTP layers, context
-parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers (resolve/moe.py places them by the
+(gated delta net), 'D' (DSA) and '+' (MLA) layers, full recompute of hybrid MTP layers, context parallelism, FP8 /
+FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers are the MoE layers (resolve/moe.py places them by the
 pattern).
 """
 from __future__ import annotations
@@ -304,8 +304,6 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full" and not _mtp_asserts(a),
          "recompute_granularity",
          "full recomputation of hybrid MTP layers (a checkpointed MTP depth around a checkpointed HybridStack)"),
-        (kw.get("hybrid_mtp_pattern") and kw.get("use_megatron_fsdp"), "use_megatron_fsdp",
-         "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
         # HybridModel.preprocess_for_fine_grained_offloading sets up the offload manager from 0.18.2 on (hybrid_model.py);
