@@ -12,8 +12,8 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
 (gated delta net), 'D' (DSA) and '+' (MLA) layers, full recompute of hybrid MTP layers, context parallelism, FP8 /
-FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers are the MoE layers (resolve/moe.py places them by the
-pattern).
+FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers
+are the MoE layers (resolve/moe.py places them by the pattern).
 """
 from __future__ import annotations
 
