@@ -90,3 +90,19 @@ def test_fine_grained_offloading_needs_megatron_core_018_with_a_hybrid_model():
         _est("M*M-", "--fine-grained-activation-offloading --offload-modules core_attn", version="0.17")
     assert str(e.value).startswith("--fine-grained-activation-offloading")
     _est("M*M-", "--fine-grained-activation-offloading --offload-modules core_attn", version="0.18")
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.17"])
+def test_full_recompute_of_a_hybrid_stack_needs_megatron_core_018(version):
+    # 0.16.1's and 0.17.1's MambaStack (ssm/mamba_block.py) run their layers one by one whatever
+    # recompute_granularity says; HybridStack's checkpointed_forward (models/hybrid/hybrid_block.py) came in 0.18.2
+    pat = "--hybrid-override-pattern M*M- --num-layers 4" if version == "0.16" else "--hybrid-layer-pattern M*M-"
+    flags = pat + " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(SMALL + flags.split(), world_size=1, megatron_version=version)
+    assert str(e.value).startswith("--recompute-granularity") and f"megatron-core {version}" in str(e.value)
+    src = _core_source("ssm", "mamba_block.py")
+    if src is not None and "class MambaStack" in src and "HybridStack" not in src:
+        assert "checkpointed_forward" not in src and "recompute_granularity" not in src
+    layout_from_flags(SMALL + "--hybrid-layer-pattern M*M-".split() + flags.split()[2:], world_size=1,
+                      megatron_version="0.18")

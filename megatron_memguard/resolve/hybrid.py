@@ -319,9 +319,10 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          "unit: their parameters are sharded with the root module)"),
         (ctx.version < Version("0.17") and kw.get("use_megatron_fsdp") and "M" in main, "use_megatron_fsdp",
          "Megatron-FSDP of Mamba layers under megatron-core 0.16 (its FSDP units are TransformerLayers only)"),
-        (ctx.version < Version("0.17") and kw.get("recompute_granularity") == "full", "recompute_granularity",
-         "full recomputation of a hybrid model under megatron-core 0.16 (its MambaStack has no checkpointed "
-         "forward: the flag is not applied)"),
+        # (0.17.1's MambaStack, ssm/mamba_block.py, has none either: HybridStack's checkpointed_forward came in 0.18.2)
+        (ctx.version < Version("0.18") and kw.get("recompute_granularity") == "full", "recompute_granularity",
+         f"full recomputation of a hybrid model under megatron-core {ctx.version.major}.{ctx.version.minor} (its "
+         "MambaStack has no checkpointed forward: the flag is not applied)"),
     )
     for bad, dest, what in checks:
         if bad:
