@@ -323,11 +323,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if L.hybrid_mtp_pattern:
                 # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too, composed
                 # layer by layer over the D depths' HybridStacks (plain autograd: MultiTokenPredictionLayer
-                # _proj_and_transformer_layer calls its mtp_model_layer, megatron-core 0.19.2; full recompute of
-                # them is refused), each layer's less what the layers above it in the depths keep
+                # _proj_and_transformer_layer calls its mtp_model_layer, megatron-core 0.19.2), each layer's less
+                # what the layers above it in the depths keep
                 more.append(f" + {d} MTP depth(s) of '{L.hybrid_mtp_pattern}'")
-                f, b = _mixed_transients([(layer_activations(L, has_batch, kind), k)
-                                          for kind, k in mtp_stack_runs(L)] * d)
+                stack = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
+                if mtp_checkpointed(L):
+                    f, b = _checkpointed_hybrid_depth(L, stack, ckpt_input)
+                else:
+                    f, b = _mixed_transients(stack * d)
                 fwd_extra = max(fwd_extra, f)
                 bwd_top = max(bwd_top, b)
             else:
@@ -370,15 +373,35 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     layer's: moe_layer_activations, which the worst-case routing scales)."""
     d = L.mtp_num_layers
     if L.hybrid_mtp_pattern:
-        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (resolve/hybrid.py
-        # refuses full recompute here); the layer with the largest backward working set stands for the stack's
+        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (under full uniform
+        # recompute the depth's checkpoint keeps its inputs only, as a GPT depth's); the layer with the largest
+        # backward working set stands for the stack's
         per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
         la = max((x for x, _ in per_kind), key=lambda x: (x.bwd_transient, x.fwd_transient))
+        if mtp_checkpointed(L):
+            return la, d * ckpt_input, 0
         return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
         return la, d * ckpt_input, 0
     return la, d * la.total, d * la.moe_total
+
+
+def _checkpointed_hybrid_depth(L: Layout, stack: list[tuple[LayerActivations, int]], ckpt_input: int) -> tuple[int, int]:
+    """The working sets of a hybrid MTP depth under full uniform recompute (core 0.18.2 / 0.19.2): its forward runs
+    inside the depth's checkpoint without grad, one layer at a time; its backward first replays the depth
+    (CheckpointFunction.backward: enorm, hnorm, eh_proj's concatenated input, the final norm's input and the
+    statistics), whose HybridStack checkpoints each of its layers again (hybrid_block.py checkpointed_forward, the
+    model's recompute settings: one layer per checkpoint), so the replay keeps the stack's layer inputs and then
+    replays one layer at a time in its backward: the largest layer's saved tensors and working set on top (an upper
+    bound: the layer's own input counted twice)."""
+    d = L.mtp_num_layers
+    acts = mtp_block_acts(mtp_spec_of(L))                 # (without recompute: one depth's tensors are 1/d of each)
+    outside = (acts.embedding_norm_inputs + acts.eh_proj_inputs + acts.final_norm_inputs + acts.norm_stats) // d
+    layers = sum(k for _, k in stack)
+    fwd = max(la.fwd_transient + la.total for la, _ in stack)
+    bwd = outside + layers * ckpt_input + max(la.total + la.bwd_transient for la, _ in stack)
+    return fwd, bwd
 
 
 def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
