@@ -147,3 +147,35 @@ def test_graphed_layers_match_this_venvs_megatron_core():
                           f"--cuda-graph-scope mamba".split(), world_size=1, megatron_version=version)
     terms = {t.name: t.bytes for t in estimate(L).critical.terms}
     assert terms["cuda_graph_static_io"] == sum(b + HIDDEN for ok, b in real if ok) == 2 * 2 * HIDDEN
+
+
+# ----- property: any pattern, any modules ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings      # noqa: E402
+from hypothesis import strategies as st                  # noqa: E402
+
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
+          suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=st.text(alphabet="M*-", min_size=1, max_size=12),
+       modules=st.sets(st.sampled_from(["attn", "mamba", "mlp"])),
+       impl=st.sampled_from(["transformer_engine", "local"]))
+def test_any_pattern_graphs_its_layers_by_symbol(pattern, modules, impl):
+    """PP = 1, one sample set: per symbol, graphed as _layer_is_graphable decides (all without modules; 'M' with
+    mamba, '*' with attn, '-' with mlp), each graphed layer its input and grad-output buffer, each graphed '*' under
+    TE the causal mask."""
+    graphed = {"M": not modules or "mamba" in modules, "*": not modules or "attn" in modules,
+               "-": not modules or "mlp" in modules}
+    n = sum(graphed[sym] for sym in pattern)
+    masks = pattern.count("*") * graphed["*"] * (impl == "transformer_engine")
+    mods = ("--cuda-graph-modules " + " ".join(sorted(modules))) if modules else ""
+    from megatron_memguard import layout_from_flags
+    from test_mamba import SMALL
+    # (the '=' form: a pattern may start with '-')
+    L = layout_from_flags(SMALL + [f"--hybrid-layer-pattern={pattern}"] + f"--micro-batch-size {B} --cuda-graph-impl "
+                          f"{impl} {mods}".split(), world_size=1)
+    terms = {t.name: t.bytes for t in estimate(L).critical.terms if t.name.startswith("cuda_graph")}
+    assert terms.get("cuda_graph_static_io", 0) == n * 2 * HIDDEN + masks * MASK
+    assert ("cuda_graph_pool" in terms) == (n > 0)
