@@ -312,8 +312,11 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         (kw.get("fine_grained_activation_offloading") and ctx.version < Version("0.18"),
          "fine_grained_activation_offloading", "fine-grained activation offloading in a hybrid model under "
          "megatron-core 0.16 / 0.17 (its model does not set up the offload manager its attention and MLP layers call)"),
+        # MambaMixer.__init__ (0.19.2) raises unless mamba_ssm's fused scan takes state_dtype, which no mamba_ssm release
+        # up to 2.3.2.post1 does (ops/triton/ssd_combined.py): a build of its own that was not read
         (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
-         "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states"),
+         "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states (MambaMixer needs a mamba_ssm "
+         "whose scan takes state_dtype: none of its releases up to 2.3.2.post1)"),
         # FSDP units: torch FSDP2 wraps TransformerLayer (torch_fully_sharded_data_parallel.py 0.19.2), not MambaLayer;
         # Megatron-FSDP takes MambaLayer as a unit from 0.17 on (mcore_fsdp_adapter.py: 0.16.1 TransformerLayer only)
         (kw.get("use_torch_fsdp2") and "M" in main, "use_torch_fsdp2", "torch FSDP2 of Mamba layers (not an FSDP2 "
