@@ -72,6 +72,8 @@ MODES = ("pretrain", "sft", "lora", "dora")
 DATASETS = ("mock", "megatron-indexed", "squad", "tulu3", "openmathinstruct2", "openmathinstruct2-thinking", "gsm8k",
             "local-jsonl", "local-vlm", "cord-v2", "llava-video-178k", "medpix", "raven", "rdr")
 PRETRAIN_DATASETS = ("mock", "megatron-indexed")
+# the vision-language presets (dataset_utils._local_vlm_dataset_config, _hf_vlm_dataset_config)
+VLM_DATASETS = ("local-vlm", "cord-v2", "llava-video-178k", "medpix", "raven", "rdr")
 # recipes/utils/determinism_utils.py apply_determinism_overrides (env_vars it adds to the config).
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
@@ -180,10 +182,12 @@ def recipe_key(rr: RunRecipeArgs) -> str:
     from .models import find_recipe, presets, recipe_for_function, unmodelled_recipe
 
     if rr.mode in ("lora", "dora") and not recipe_for_function(rr.recipe):
-        # memguard models LoRA / DoRA (resolve/peft.py) but has none of Bridge's ..._peft_config recipes (their
-        # finetuning datasets, packed sequences and checkpoints): the run's own ConfigContainer dump carries it all
+        # memguard models LoRA / DoRA (resolve/peft.py) and has Bridge's Llama ..._peft_config recipes; for another
+        # the run's own ConfigContainer dump carries it all
+        have = ", ".join(f for r in presets().get("recipes", {}).values() for f in (r.get("functions") or ())[:1]
+                         if "_peft_" in f)
         raise NotModelledError(f"--mode {rr.mode}", f"the Megatron-Bridge PEFT recipe {rr.recipe} (memguard has "
-                               "Bridge's pretraining recipes only)",
+                               f"Bridge's pretraining recipes and these PEFT ones: {have})",
                                "estimate the run's run_config.yaml: memguard reads its peft: section")
     key = recipe_for_function(rr.recipe)
     if key:
@@ -206,17 +210,43 @@ def overrides_before_cli(rr: RunRecipeArgs, key: str) -> list[str]:
     from .models import recipe_doc
 
     out: list[str] = []
+    peft = rr.mode in ("lora", "dora")
+    if peft:
+        out += peft_scheme_overrides(rr.mode, key)
     if rr.dataset is not None:
-        if rr.dataset not in PRETRAIN_DATASETS:
-            raise ConfigError("--dataset", f"Mode '{rr.mode}' is incompatible with dataset '{rr.dataset}' ({SCRIPT} "
-                              "stops: it is a fine-tuning dataset)")
         seq = (recipe_doc(key)[0].get("model") or {}).get("seq_length")
-        # dataset_utils._mock_dataset_config / _megatron_indexed_dataset_config: a new GPTDatasetConfig of the
-        # recipe model's sequence length that skips the attention mask.
-        out.append("dataset={seq_length: %s, skip_getting_attention_mask_from_dataset: true}" % seq)
+        if rr.dataset in VLM_DATASETS:
+            # dataset_utils._require_direct_hf_config: a text recipe's dataset is no DirectHFSFTDatasetConfig
+            raise ConfigError("--dataset", f"{rr.dataset} requires a recipe using DirectHFSFTDatasetConfig ({SCRIPT} "
+                              f"stops: {rr.recipe} is a text recipe)")
+        if (rr.dataset in PRETRAIN_DATASETS) == peft:
+            # run_recipe._apply_dataset: dataset_train_mode (pretrain for a GPTDatasetConfig) must be the mode's
+            raise ConfigError("--dataset", f"Mode '{rr.mode}' is incompatible with dataset '{rr.dataset}' ({SCRIPT} "
+                              "stops: it is a " + ("pretraining" if peft else "fine-tuning") + " dataset)")
+        if peft:
+            # dataset_utils._squad_dataset_config (packing off), _tulu3_ / _gsm8k_ / _local_jsonl_dataset_config...: a
+            # new fine-tuning dataset of the recipe model's sequence length (samples up to that many tokens)
+            out.append("dataset={seq_length: %s}" % seq)
+        else:
+            # dataset_utils._mock_dataset_config / _megatron_indexed_dataset_config: a new GPTDatasetConfig of the
+            # recipe model's sequence length that skips the attention mask.
+            out.append("dataset={seq_length: %s, skip_getting_attention_mask_from_dataset: true}" % seq)
     if rr.deterministic:
         out += ["model.deterministic_mode=true", "model.cross_entropy_loss_fusion=false"]
     return out
+
+
+def peft_scheme_overrides(mode: str, key: str) -> list[str]:
+    """The PEFT object run_recipe.py's ``--mode lora|dora`` makes the recipe build (``load_recipe(name,
+    peft_scheme=mode)``; dataset_utils.default_peft_config: ``LoRA()`` / ``DoRA()``, then the fields the recipe
+    function sets on either, ``peft_fields`` in data/presets.yaml), as an override of the recipe's ``peft:``."""
+    from .models import presets
+
+    if mode != "dora":
+        return []      # (memguard's recipes are the functions' LoRA defaults)
+    fields = dict(presets()["recipes"][key].get("peft_fields") or {})
+    body = ", ".join(f"{k}: {v}" for k, v in fields.items())
+    return ["peft={_target_: megatron.bridge.peft.dora.DoRA" + (f", {body}" if body else "") + "}"]
 
 
 def read_run_recipe(argv: list[str], extra_overrides: list[str] | None = None) -> tuple[RunRecipeArgs, Any]:
