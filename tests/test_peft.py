@@ -302,3 +302,16 @@ def test_the_adapters_backward_working_sets(tmp_path):
     adapter = 2 * Tf * r * e
     assert extra == [Tf * 768 * e + adapter, 0, 0, 0, Tf * 512 * e + adapter, 0, Tf * 256 * e + adapter, 0,
                      Tf * 512 * e + adapter, 0]
+
+
+def test_a_recipes_peft_object_takes_no_override():
+    # Bridge 0.6.2 omegaconf_utils._is_omegaconf_problematic: the (callable) PEFT object is left out of the config the
+    # overrides apply to: Hydra refuses 'peft.dim=16' (tests/test_bridge_real.py runs run_recipe.py on it) and a
+    # '+peft.dim' key is dropped when the object is restored
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    with pytest.raises(ConfigError, match="peft.dim: Megatron-Bridge cannot override the recipe's PEFT object"):
+        read_run_recipe(["--recipe", "llama32_1b_peft_config", "peft.dim=16"])
+    _, raw = read_run_recipe(["--model", "llama32_1b", "--mode", "dora", "+peft.dim=4"])
+    L = resolve(raw, world_size=8)
+    assert (L.peft.scheme, L.peft.dim, L.peft.alpha) == ("dora", 32, 64)     # DoRA() as the 1B recipe leaves it
+    assert raw.origin["peft_scheme"] == "peft._target_ (--mode dora)"

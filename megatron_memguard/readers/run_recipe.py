@@ -26,8 +26,9 @@ What a ``torchrun ... run_recipe.py ARGS`` launch turns into a ConfigContainer, 
 Assumed where the scripts call helpers that are not in these two files (``recipe_metadata.py``):
 ``recipe_task`` maps pretrain -> ``pretrain``, sft -> ``sft``, lora / dora -> ``peft`` (the names
 ``megatron.bridge.recipes`` exports: ``llama3_8b_pretrain_config``, ``..._sft_config``, ``..._peft_config``),
-and ``infer_recipe_mode`` reads that task word from the recipe name. memguard estimates pretraining:
-fine-tuning modes are refused (memguard has no SFT or PEFT recipes; a PEFT run's run_config.yaml is read).
+and ``infer_recipe_mode`` reads that task word from the recipe name. memguard estimates pretraining and, for the
+Llama PEFT recipes in its presets, ``--mode lora`` / ``dora`` (``load_recipe(name, peft_scheme=mode)``): SFT and
+other models' PEFT recipes are refused (a PEFT run's run_config.yaml is read).
 """
 from __future__ import annotations
 
@@ -211,8 +212,6 @@ def overrides_before_cli(rr: RunRecipeArgs, key: str) -> list[str]:
 
     out: list[str] = []
     peft = rr.mode in ("lora", "dora")
-    if peft:
-        out += peft_scheme_overrides(rr.mode, key)
     if rr.dataset is not None:
         seq = (recipe_doc(key)[0].get("model") or {}).get("seq_length")
         if rr.dataset in VLM_DATASETS:
@@ -236,17 +235,21 @@ def overrides_before_cli(rr: RunRecipeArgs, key: str) -> list[str]:
     return out
 
 
-def peft_scheme_overrides(mode: str, key: str) -> list[str]:
-    """The PEFT object run_recipe.py's ``--mode lora|dora`` makes the recipe build (``load_recipe(name,
-    peft_scheme=mode)``; dataset_utils.default_peft_config: ``LoRA()`` / ``DoRA()``, then the fields the recipe
-    function sets on either, ``peft_fields`` in data/presets.yaml), as an override of the recipe's ``peft:``."""
+# Megatron-Bridge 0.6.2 peft/dora.py DoRA's fields and defaults (target_modules, dim 32, alpha 64, dropout 0.0 'pre')
+DORA_DEFAULTS = {"_target_": "megatron.bridge.peft.dora.DoRA",
+                 "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "dim": 32, "alpha": 64,
+                 "dropout": 0.0, "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+
+
+def recipe_peft(mode: str, key: str) -> tuple[dict[str, Any], str] | None:
+    """The PEFT object run_recipe.py's ``--mode dora`` makes the recipe build (``load_recipe(name, peft_scheme=mode)``;
+    dataset_utils.default_peft_config: ``DoRA()``, then the fields the recipe function sets on it, ``peft_fields`` in
+    data/presets.yaml); None for lora (memguard's recipes hold the functions' LoRA objects) and the other modes."""
     from .models import presets
 
     if mode != "dora":
-        return []      # (memguard's recipes are the functions' LoRA defaults)
-    fields = dict(presets()["recipes"][key].get("peft_fields") or {})
-    body = ", ".join(f"{k}: {v}" for k, v in fields.items())
-    return ["peft={_target_: megatron.bridge.peft.dora.DoRA" + (f", {body}" if body else "") + "}"]
+        return None
+    return {**DORA_DEFAULTS, **(presets()["recipes"][key].get("peft_fields") or {})}, f"--mode {mode}"
 
 
 def read_run_recipe(argv: list[str], extra_overrides: list[str] | None = None) -> tuple[RunRecipeArgs, Any]:
@@ -262,7 +265,8 @@ def read_run_recipe(argv: list[str], extra_overrides: list[str] | None = None) -
     rr = parse_run_recipe(argv)
     key = recipe_key(rr)
     overrides = overrides_before_cli(rr, key) + rr.overrides + list(extra_overrides or [])
-    raw = read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key, sync_seq_length=SCRIPT)
+    raw = read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key, sync_seq_length=SCRIPT,
+                      recipe_peft=recipe_peft(rr.mode, key))
     raw = replace(raw, source=f"Megatron-Bridge {SCRIPT} --recipe {rr.recipe} (memguard recipe {key})")
     if rr.deterministic:
         raw = replace(raw, env={**raw.env, **memory_env(DETERMINISTIC_ENV)})
