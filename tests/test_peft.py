@@ -311,7 +311,12 @@ def test_a_recipes_peft_object_takes_no_override():
     from megatron_memguard.readers.run_recipe import read_run_recipe
     with pytest.raises(ConfigError, match="peft.dim: Megatron-Bridge cannot override the recipe's PEFT object"):
         read_run_recipe(["--recipe", "llama32_1b_peft_config", "peft.dim=16"])
+    # '+peft.dim' is added by Hydra, then set on the object itself: DoRA() of the 1B recipe (alpha 64) with rank 4
     _, raw = read_run_recipe(["--model", "llama32_1b", "--mode", "dora", "+peft.dim=4"])
     L = resolve(raw, world_size=8)
-    assert (L.peft.scheme, L.peft.dim, L.peft.alpha) == ("dora", 32, 64)     # DoRA() as the 1B recipe leaves it
+    assert (L.peft.scheme, L.peft.dim, L.peft.alpha) == ("dora", 4, 64)
     assert raw.origin["peft_scheme"] == "peft._target_ (--mode dora)"
+    # ConfigContainer.validate asserts a pretrained checkpoint for PEFT: a warning until it is given
+    assert any("PEFT requires a pretrained checkpoint path" in w for w in raw.warnings)
+    _, raw = read_run_recipe(["--model", "llama32_1b", "--mode", "lora", "--pretrained_checkpoint", "/ckpt/llama"])
+    assert not any("pretrained checkpoint" in w for w in raw.warnings)

@@ -214,16 +214,16 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         parts = key.split(".")
         sec = parts[0]
         rest = parts[1:]
-        if recipe and sec == "peft":
+        if recipe and sec == "peft" and (op != "add" or not rest):
             # A recipe's PEFT object is callable: Bridge 0.6.2 leaves it out of the OmegaConf config it applies the
             # overrides to (training/utils/omegaconf_utils.py _is_omegaconf_problematic), so Hydra refuses a peft key
-            # ("Could not override 'peft.dim'") and a +peft one is lost when apply_overrides restores the object
-            if op == "add":
-                b.warn(f"+{key}: ignored: Megatron-Bridge restores the recipe's PEFT object after the overrides")
-                continue
+            # ("Could not override 'peft.dim'"); a +peft.FIELD one is added, then set on the object itself
+            # (_apply_overrides), which is what tests/test_bridge_real.py sees run_recipe.py do
             raise ConfigError(key, "Megatron-Bridge cannot override the recipe's PEFT object (it is left out of the "
-                              "override config: \"Could not override\")", "choose LoRA / DoRA with run_recipe.py "
-                              "--mode, or estimate a run_config.yaml with the peft: section you want")
+                              "override config: \"Could not override\")", f"write +{key}=VALUE (Hydra adds it and "
+                              "Bridge sets it on the object), or choose LoRA / DoRA with run_recipe.py --mode")
+        if recipe and sec == "peft":
+            given.add(key)      # (set on the object: an unknown field fails there)
         if op == "set":
             given.update((key, sec))
         if sec == "model" and rest[:1] == ["transformer"]:
@@ -254,6 +254,11 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     env = _env_vars(S.pop("env_vars", {}), top.pop("env_vars", (None, "env_vars")))
     _unknown_keys(b, S, top, given)
     _map(b, S, top, has_target="_target_" in doc or bool(recipe), given=frozenset(given))
+    if b.args.get("peft_scheme") is not None and "checkpoint" in S and S["checkpoint"].get(
+            "pretrained_checkpoint", (None,))[0] is None:
+        # ConfigContainer.validate (training/config.py 0.6.2): the adapters train on a loaded base model
+        b.warn("checkpoint.pretrained_checkpoint is not set: Megatron-Bridge asserts \"PEFT requires a pretrained "
+               "checkpoint path\" at start-up (run_recipe.py --pretrained_checkpoint PATH)")
     if recipe:
         for note in recipe_notes(recipe):
             b.warn(note)
