@@ -511,8 +511,8 @@ def _finalized(recipes, key, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = getattr(recipes, presets()["recipes"][key]["functions"][0])()
-    if cfg.peft is not None:     # (validate asserts one for PEFT; the recipes leave it to the user)
-        cfg.checkpoint.pretrained_checkpoint = "/checkpoints/base"
+    if cfg.peft is not None:     # (validate asserts one for PEFT, and that it exists; the recipes leave it to the user)
+        cfg.checkpoint.pretrained_checkpoint = tempfile.mkdtemp(prefix="memguard-base-ckpt-")
     overrides = []
     if cfg.model.moe_token_dispatcher_type == "flex" and cfg.model.moe_flex_dispatcher_backend == "hybridep":
         cfg.model.moe_token_dispatcher_type = "alltoall"
