@@ -152,8 +152,10 @@ def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str, names: list[s
     kinds = {bool(moe is not None and moe.moe_layer_pattern and moe.moe_layer_pattern[-1])}
     if kw.get("mtp_moe_on_empty_chunk"):
         kinds.add(True)
-    graphed = (kw.get("hybrid_mtp_pattern") or not names or "attn" in names
-               or any(set(names) & ({"moe", "moe_router", "moe_preprocess"} if k else {"mlp"}) for k in kinds))
+    # (a hybrid depth's mtp_model_layer is a HybridStack, a MegatronModule the helper does not graph)
+    graphed = not kw.get("hybrid_mtp_pattern") and (
+        not names or "attn" in names
+        or any(set(names) & ({"moe", "moe_router", "moe_preprocess"} if k else {"mlp"}) for k in kinds))
     if impl == "transformer_engine" and not graphed:
         return
     if impl == "transformer_engine":
