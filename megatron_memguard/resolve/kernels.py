@@ -105,15 +105,34 @@ def op_fuser(a: Args, kw: Mapping[str, Any], impl: str) -> bool:
         return False
     # a MoE model's experts under FP8 / FP4: the recipes resolve/moe.py experts_op_fuser refuses by name
     if a.bool_arg("use_grouped_gemm_for_dense_mlp", False) and not a.get("num_experts"):
-        # gpt_layer_specs.py (0.19.2): the dense MLP becomes TEFusedMLPWithGroupedLinear, whose saved tensors
-        # (TE's GroupedLinear ops) were not read
-        raise NotModelledError(a.key("use_grouped_gemm_for_dense_mlp"),
-                               "grouped GEMM for the dense MLP under Transformer Engine's operation fuser")
+        grouped_dense_mlp(a, kw)
     if not a.get("num_experts") and (kw["squared_relu"] or a.bool_arg("quick_geglu", False)):
         # TEFusedMLP._make_activation_op (0.19.2) maps only GELU, SiLU, ReLU and their GLUs to TE ops
         a.fail("use_transformer_engine_op_fuser", "TEFusedMLP supports only the GELU, SiLU and ReLU activations "
                "and their GLUs (not squared ReLU or quick GEGLU)")
     return True
+
+
+def grouped_dense_mlp(a: Args, kw: Mapping[str, Any]) -> None:
+    """--use-grouped-gemm-for-dense-mlp under the op fuser: a dense model's MLP is TEFusedMLPWithGroupedLinear
+    (megatron-core 0.19.2 gpt_layer_specs.get_mlp_module_spec_for_backend, extensions/transformer_engine.py).
+    Its __init__ needs a SwiGLU without biases (ValueError). With TP > 1 its forward and fused impl are
+    TEFusedMLP's (``super().forward`` / ``super()._make_fused_impl``): sized as the op fuser's MLP. With TP 1 it runs
+    under its own MXFP8 autocast (NVFP4 with FP4_RECIPE=nvfp4) whatever the model's precision, its norm outside
+    it: refused by name."""
+    key = "use_grouped_gemm_for_dense_mlp"
+    if a.bool_arg("add_bias_linear", True):
+        a.fail(key, "TEFusedMLPWithGroupedLinear (megatron-core 0.19.2) needs --disable-bias-linear (the CuTe-DSL fused "
+               "kernel has no bias)")
+    if not kw["gated_linear_unit"] or kw["squared_relu"] or a.bool_arg("quick_geglu", False):
+        a.fail(key, "TEFusedMLPWithGroupedLinear (megatron-core 0.19.2) needs the SwiGLU activation (--swiglu)")
+    if kw["tensor_model_parallel_size"] > 1:
+        a.notes.append(f"{a.key(key)}: with tensor-parallel size > 1 TEFusedMLPWithGroupedLinear runs TEFusedMLP's "
+                       "path (estimated as --use-transformer-engine-op-fuser alone)")
+        return
+    raise NotModelledError(a.key(key), "grouped GEMM for the dense MLP with tensor-parallel size 1 "
+                                       "(TEFusedMLPWithGroupedLinear runs the MLP under its own MXFP8 / NVFP4 autocast "
+                                       "whatever the model's precision, its norm outside it)")
 
 
 def numerics(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
