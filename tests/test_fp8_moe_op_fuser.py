@@ -131,3 +131,12 @@ def test_refused_recipes(flags, words):
     with pytest.raises(NotModelledError) as e:
         layout(*flags, *FUSER)
     assert "--use-transformer-engine-op-fuser" in str(e.value) and words in str(e.value)
+
+
+def test_delayed_single_grouped_weight_is_an_error():
+    # TE 2.20.2 GroupedLinear.fuser_forward: single grouped parameters need the grouped-tensor path, which delayed
+    # scaling never takes (is_op_fuser_grouped_tensor_path_supported): a RuntimeError at the first forward
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        layout(*DELAYED, "--moe-single-grouped-weight", *FUSER)
+    assert "--moe-single-grouped-weight" in str(e.value) and "delayed" in str(e.value)

@@ -679,6 +679,12 @@ def _refuse_quantized_fused_experts(a: Args, kw: Mapping[str, Any]) -> None:
     if recipe == "custom":
         raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP8 recipe (TE takes its "
                                     "quantizers from the factory)")
+    if recipe == "delayed" and a.bool_arg("moe_single_grouped_weight", False):
+        # TE 2.20.2 ops/basic/grouped_linear.py fuser_forward: delayed scaling never takes the grouped-tensor path,
+        # which single grouped parameters require (RuntimeError at the first forward)
+        a.fail("moe_single_grouped_weight", "the experts' fused grouped MLP (--use-transformer-engine-op-fuser) under "
+               "delayed scaling cannot use one grouped weight (Transformer Engine's grouped-tensor path has no delayed "
+               "scaling)")
 
 
 def _deepep_instead(key: str) -> str:
