@@ -140,3 +140,11 @@ def test_delayed_single_grouped_weight_is_an_error():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout(*DELAYED, "--moe-single-grouped-weight", *FUSER)
     assert "--moe-single-grouped-weight" in str(e.value) and "delayed" in str(e.value)
+
+
+def test_weight_cache_detail_counts_only_cached_weights():
+    # the detail names the elements TE modules cache: 4 layers' linear_qkv [3 x 512, 512] and linear_proj [512, 512]
+    # (the experts' GroupedLinear ops cache none)
+    t = next(t for t in estimate(layout(*MXFP8, *FUSER), gpu=lookup_gpu("B200")).stages[0].terms
+             if t.name == "fp8_weight_cache")
+    assert f"{4 * (1536 * 512 + 512 * 512):,} GEMM weight elements" in t.detail

@@ -422,6 +422,11 @@ def mtp_gemms(L: Any) -> tuple[Gemm, ...]:
     return layer_gemms(L, kind) + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),)
 
 
+def _cached_elements(gemms: tuple[Gemm, ...]) -> int:
+    """Weight elements of the GEMMs whose TE module caches a workspace (not the op fuser's)."""
+    return sum(x.count * x.rows * x.cols for x in gemms if not x.op_fused)
+
+
 def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
     """FP8 / FP4 persistent terms of one pipeline rank's chunks, and the bytes the DDP parameter
     buffer holds less because primary quantized weights take ``param_buffer_bytes_per_element`` (1,
@@ -444,7 +449,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     keep = megatron_fsdp and bool(getattr(L, "keep_fp8_transpose_cache", False)) and spec.recipe != "mxfp8"
     fsdp = megatron_fsdp and not keep
     dist = L.use_distributed_optimizer and not megatron_fsdp
-    cache = colw = scales = layers = elements = 0
+    cache = colw = scales = layers = elements = cached = 0
     for c in chunks:
         for kind, n in c.kind_runs:
             if not kind.quantized:
@@ -452,6 +457,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             g = layer_gemms(L, kind)
             layers += n
             cache += n * weight_cache_bytes(spec, module_gemms(L, g), non_tn=non_tn)
+            cached += n * _cached_elements(module_gemms(L, g))
             colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist or keep))
             scales += n * layer_recipe_state_bytes(spec, g)
@@ -465,6 +471,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
         if g:
             layers += mtp
             cache += mtp * weight_cache_bytes(spec, g, non_tn=non_tn)
+            cached += mtp * _cached_elements(g)
             colw += mtp * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
                            primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
             scales += mtp * layer_recipe_state_bytes(spec, g)
@@ -488,7 +495,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     if cache:
         lm = f" and the output layer's [{head.rows}, {head.cols}] (--fp8-output-proj)" if head is not None else ""
         terms.append(Term("fp8_weight_cache", cache, TermGroup.WEIGHTS,
-                          detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers{lm}, row-wise + "
+                          detail=f"{r} copies of {cached:,} GEMM weight elements of {layers} FP8 layers{lm}, row-wise + "
                                  f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
     if colw:
         where = ("scale tensors outside Megatron-FSDP's buffers (its transposes are dropped after each use)" if fsdp
