@@ -23,6 +23,8 @@ class Gemm:
     count: int = 1
     # run by Transformer Engine's operation fuser (TEFusedMLP's BasicLinear ops), not by its TE module
     op_fused: bool = False
+    # the op keeps its weight copy with both usages (TEFusedMLPWithGroupedLinear's fused grouped MLP kernel)
+    op_keeps_both: bool = False
 
 
 def op_fuser_weight(spec: Fp8Spec, g: Gemm, *, non_tn: bool = False, both_usages: bool = False) -> int:
@@ -38,7 +40,8 @@ def op_fuser_weight(spec: Fp8Spec, g: Gemm, *, non_tn: bool = False, both_usages
     if r is None or spec.primary_weights_quantized or not g.op_fused:
         return 0
     from .fp8 import quantized_tensor
-    return g.count * quantized_tensor(r, g.rows, g.cols, rowwise=both_usages, columnwise=True, non_tn=non_tn,
+    return g.count * quantized_tensor(r, g.rows, g.cols, rowwise=both_usages or g.op_keeps_both, columnwise=True,
+                                      non_tn=non_tn,
                                       block_2d=r == "blockwise").allocated
 
 
@@ -226,6 +229,11 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
         ops = sum(op_fuser_weight(spec, x, non_tn=non_tn) for x in gemms)
         if ops:
             out["fp8_op_fuser_weights"] = ops
+        fc2 = g.get("linear_fc2")
+        if fc2 is not None and fc2.op_keeps_both:
+            # TEFusedMLPWithGroupedLinear.forward: the activation's scales, torch.ones(tokens) in the activation
+            # dtype, kept by the fused grouped MLP kernel with its inputs
+            out["dense_mlp_scales"] = fc2.tokens * act_bytes
     return out
 
 
@@ -251,7 +259,12 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     elif getattr(L, "use_transformer_engine_op_fuser", False):
         # --use-transformer-engine-op-fuser (core 0.19.2 gpt_layer_specs): a dense model's MLP is TEFusedMLP, whose
         # fc1 / fc2 run as TE BasicLinear ops (resolve/kernels.py op_fuser)
-        gemms = tuple(replace(g, op_fused=True) if g.name in ("linear_fc1", "linear_fc2") else g for g in gemms)
+        # with --use-grouped-gemm-for-dense-mlp at TP 1 (resolve/kernels.py grouped_dense_mlp) they are
+        # TEFusedMLPWithGroupedLinear's GroupedLinear(1) ops under the fused grouped MLP kernel, which keeps its
+        # weight copies with both usages (ops/fused/grouped_mlp.py, TE 2.20.2)
+        both = bool(getattr(L, "grouped_dense_mlp", False))
+        gemms = tuple(replace(g, op_fused=True, op_keeps_both=both) if g.name in ("linear_fc1", "linear_fc2") else g
+                      for g in gemms)
     return gemms
 
 
