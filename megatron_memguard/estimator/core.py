@@ -170,12 +170,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         detail = None                 # _layers_detail(per_kind, 0), made when first read
     more: list[str] = []              # what the detail adds (offloading, MTP layers)
     if recompute_group and (block or L.recompute_method == "uniform" and not L.cpu_offloading_num_layers):
-        # (in the backward working set, _replay; the top replay's handed gradient: received ones the schedule holds)
-        at_top = not block or (L.recompute_num_layers if L.recompute_num_layers is not None else 1) >= n
-        handed = top_grad if at_top else replay_out
-        more.append(f"; a replay saves its kept input again (- {format_bytes(ckpt_input)}) and holds its output "
-                    + (f"and output gradient (+ 2 x {format_bytes(replay_out)})" if handed
-                       else f"(+ {format_bytes(replay_out)}; its output gradient is the received one)"))
+        # (in the backward working set, _replay; the same words for every chunk, so that virtual chunks share them)
+        more.append(f"; a replay saves its kept input again (- {format_bytes(ckpt_input)}) and holds its output and "
+                    f"the gradient it is handed (+ {format_bytes(replay_out)} each; a received gradient is the schedule's)")
     moe_layers = 0
     if L.moe is not None and n:
         # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
