@@ -398,7 +398,7 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
 def _replay_transient(la: LayerActivations, grad: int, top: bool) -> int:
     """A replayed layer's backward working set over its saved bytes while CheckpointFunction.backward holds the
     output gradient it was handed (``args``, until ``torch.autograd.backward(outputs, args)`` returns;
-    tensor_parallel/random.py, megatron-core 0.16.1 and 0.19.2; TE 2.11's reentrant ``_CheckpointFunction`` alike).
+    tensor_parallel/random.py, megatron-core 0.16.1 and 0.19.2; TE 2.11 and 2.20.2's reentrant ``_CheckpointFunction`` alike).
     In the block's top layer that tensor is the layer's own output gradient (each step's ``G``) until its residual
     gradients merge below the pre-MLP norm (the steps releasing ``mlp_norm_input``: the merge cannot reuse the held
     tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step."""
