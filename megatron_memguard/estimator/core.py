@@ -172,7 +172,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if recompute_group and (block or L.recompute_method == "uniform" and not L.cpu_offloading_num_layers):
         # (in the backward working set, _replay; the same words for every chunk, so that virtual chunks share them)
         more.append(f"; a replay saves its kept input again (- {format_bytes(ckpt_input)}) and holds its output and "
-                    f"the gradient it is handed (+ {format_bytes(replay_out)} each; a received gradient is the schedule's)")
+                    f"the gradient it is handed (+ {format_bytes(replay_out)} each; "
+                    "a received gradient is the schedule's)")
     moe_layers = 0
     if L.moe is not None and n:
         # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
@@ -398,7 +399,8 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
 def _replay_transient(la: LayerActivations, grad: int, top: bool) -> int:
     """A replayed layer's backward working set over its saved bytes while CheckpointFunction.backward holds the
     output gradient it was handed (``args``, until ``torch.autograd.backward(outputs, args)`` returns;
-    tensor_parallel/random.py, megatron-core 0.16.1 and 0.19.2; TE 2.11 and 2.20.2's reentrant ``_CheckpointFunction`` alike).
+    tensor_parallel/random.py, megatron-core 0.16.1 and 0.19.2; TE 2.11 and 2.20.2's reentrant
+    ``_CheckpointFunction`` alike).
     In the block's top layer that tensor is the layer's own output gradient (each step's ``G``) until its residual
     gradients merge below the pre-MLP norm (the steps releasing ``mlp_norm_input``: the merge cannot reuse the held
     tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step."""
