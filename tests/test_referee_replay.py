@@ -92,3 +92,17 @@ def test_a_replay_handed_a_received_gradient_adds_only_its_output():
         entry = next(e for e in json.load(fh)["configs"] if e["name"] == "recomp_full_block2_pp2")
     stage0 = [r for r in entry["ranks"] if r["pp_rank"] == 0]
     assert stage0 and abs(_offsets(dict(entry, ranks=stage0), "0.16.1")[0]) <= 120
+
+
+def test_the_kept_input_is_subtracted_once_from_the_layer_that_saves_it():
+    """By hand, estimator/core.py _replay on made-up layers: a 100 B kept input, a 100 B replayed output, a 30 B
+    working set. A layer whose norm saves its input (``layer_input``) makes the replay 150 - 100 + 100 + 30 = 180 B;
+    an identity layer below it (a heterogeneous no-op layer, which saves nothing) hands it the same kept tensor; a
+    layer that keeps no norm input of its own (here ``x`` only) aliases nothing: 150 + 100 + 30 = 280 B."""
+    from megatron_memguard.estimator.activations import LayerActivations
+    from megatron_memguard.estimator.core import _replay
+    steps = ((frozenset(), 30),)
+    layer = LayerActivations({"layer_input": 100, "x": 50}, (), steps)
+    assert _replay([layer], 100, 100, 0) == 180
+    assert _replay([LayerActivations(), layer], 100, 100, 0) == 180
+    assert _replay([LayerActivations({"x": 150}, (), steps)], 100, 100, 0) == 280

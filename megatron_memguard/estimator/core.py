@@ -425,7 +425,8 @@ def _replay(block: list[LayerActivations], ckpt_input: int, out: int, grad: int)
     gradient (``_replay_transient``; ``grad``: 0 when the schedule holds it anyway) stay referenced until the
     block's backward has run; each layer's working set comes after the layers above it freed their tensors
     (``_mixed_transients``)."""
-    first = block[0].saved
+    # (a layer that saves nothing is an identity, heterogeneous_layer_specs.py's no-op layer: the next one saves it)
+    first = next((la.saved for la in block if la.saved), {})
     aliased = ckpt_input if ("layer_input" in first or "mlp_norm_input" in first) else 0
     best = None
     above = 0
