@@ -407,12 +407,12 @@ def _replay_transient(la: LayerActivations, grad: int, top: bool) -> int:
     if not top:
         return la.bwd_transient + grad
     get = la.saved.get
-    best = 0
+    steps = []
     merged = False
     for names, w in la.bwd_steps:
         merged = merged or "mlp_norm_input" in names
-        best = max(best, w - sum(get(n, 0) for n in names) + (grad if merged else 0))
-    return best
+        steps.append(w - sum(get(n, 0) for n in names) + (grad if merged else 0))
+    return max(steps, default=0)   # (as LayerActivations.bwd_transient)
 
 
 def _replay(block: list[LayerActivations], ckpt_input: int, out: int, grad: int) -> int:
