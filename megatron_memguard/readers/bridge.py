@@ -30,7 +30,7 @@ from ..numbers import shown
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields,
     default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
-    is_missing, map_mcore_fields, mcore_model_fields, set_vocab,
+    is_missing, map_mcore_fields, mcore_model_fields, refuse_unset_section_field, section_typed_field, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -435,6 +435,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         f = S.get(sec, {}).get(name)
         return f is not None and f[0] is not None and not is_missing(f[0])
 
+    _refuse_unset_sections(S, top)
+
     for sec, fields in S.items():
         for name, (val, key) in fields.items():
             if is_missing(val) and name in _NEEDED.get(sec, ()):
@@ -615,6 +617,40 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=as_bool(v("model", "should_pad_vocab", False)))
 
 
+# ConfigContainer sections Megatron-Bridge 0.6.2 declares without None that it still tests against None
+# (config.py: ``if self.profiling is not None``): a null there is "no profiling", not an error
+_NONEABLE_SECTIONS = frozenset({"profiling"})
+
+
+def _refuse_unset_sections(S: dict[str, dict[str, Field]], top: dict[str, Field]) -> None:
+    """'???' and null in the non-model sections, as Megatron-Bridge 0.6.2 treats them (refuse_unset_section_field;
+    the model section: map_mcore_fields, peft: _peft). A whole section null where ConfigContainer declares it
+    without None (train, optimizer, ddp, dataset, tokenizer, scheduler, checkpoint, ...) is an error: Bridge's
+    validate fails on it (``'NoneType' object has no attribute ...``) or its setup does (the tokenizer)."""
+    for sec, (value, key) in top.items():
+        row = section_typed_field(sec, "")
+        if row is None or " (recipe " in key:
+            continue
+        if is_missing(value):
+            raise ConfigError(key, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
+                                   f"where it needs a {row['class']}", f"give the {sec}: section")
+        if value is None and row["default"] == "required" and sec not in _NONEABLE_SECTIONS:
+            raise ConfigError(key, f"is null: Megatron-Bridge's ConfigContainer declares {row['class']} (not Optional) "
+                                   "and fails on None", f"give the {sec}: section or drop the key")
+    for sec, fields in S.items():
+        if sec in ("model", "peft", "env_vars"):
+            continue
+        target = fields.get("_target_", (None,))[0]
+        own = section_typed_field(sec, "")
+        # (another class than the table's, e.g. a fine-tuning dataset: only '???' is checked)
+        typed = not (isinstance(target, str) and own is not None and not target.endswith(own["class"]))
+        for name, f in fields.items():
+            if name.startswith("_") or f[1] == sec:   # (_target_; a preset's own values, opened by an override)
+                continue
+            if typed or is_missing(f[0]):
+                refuse_unset_section_field(sec, name, f, _NEEDED_SET.get(sec, ()))
+
+
 # CommOverlapConfig fields that CommOverlapConfig.setup writes into the model config (Bridge 0.6.2
 # training/comm_overlap.py _get_model_comm_overlap_cfgs: off unless the comm_overlap section sets them)
 _COMM_OVERLAP_MODEL = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "defer_embedding_wgrad_compute",
@@ -660,5 +696,8 @@ _NEEDED = {
     "train": {"micro_batch_size", "global_batch_size"},
     "dataset": {"seq_length"},
 }
+# of those, the non-model ones ConfigContainer.validate asserts are set although TrainingConfig declares them
+# None-able (Bridge 0.6.2: "train.micro_batch_size must be set when eval_micro_batch_size is not explicitly configured")
+_NEEDED_SET = {"train": frozenset({"micro_batch_size", "global_batch_size"})}
 
 
