@@ -771,3 +771,37 @@ def test_a_null_outside_the_model_is_refused_where_bridge_does_not_take_the_defa
     else:
         with pytest.raises(ConfigError, match=rf"^{'.'.join(path)}: is (null|\?\?\?)"):
             read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
+
+
+def test_a_null_or_string_target_modules_is_what_bridges_module_matcher_makes_of_it(recipes):
+    """Bridge 0.6.2 peft/module_matcher.py: a null target_modules (or '') wraps every linear module, the output layer
+    too, and a string's characters match no module; memguard estimated both as the four default linears."""
+    import torch.nn as nn
+    from megatron.bridge.peft.lora import LoRA
+
+    from megatron_memguard.errors import ConfigError, NotModelledError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    linear = nn.Linear(2, 2)
+    every = LoRA(target_modules=None)
+    assert every.match(linear, name="output_layer", prefix="") is not None
+    assert LoRA(target_modules="").match(linear, name="output_layer", prefix="") is not None
+    text = LoRA(target_modules="linear_qkv")
+    assert text.match(linear, name="linear_qkv", prefix="decoder.layers.0.self_attention") is None
+    four = LoRA()
+    assert four.match(linear, name="output_layer", prefix="") is None
+    assert four.match(linear, name="linear_qkv", prefix="decoder.layers.0.self_attention") is not None
+
+    def read(*o):
+        return resolve(read_bridge({}, "recipe llama32_1b", parse_overrides(["peft=lora", *o]), recipe="llama32_1b"),
+                       world_size=8)
+    assert read().peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    for v in ("null", "''"):
+        with pytest.raises(NotModelledError, match=r"^peft\.target_modules: PEFT with an empty target_modules"):
+            read(f"peft.target_modules={v}")
+    with pytest.raises(ConfigError, match=r"^peft\.target_modules: must be a list of module names, got the string"):
+        read("peft.target_modules=linear_qkv")
+    # a scheme name's fields set by overrides are that object's (peft.dim=8 was dropped: rank 32 estimated)
+    assert read("peft.dim=8").peft.dim == 8

@@ -232,6 +232,14 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 top[sec] = (value, key)
                 S.pop(sec, None)
             continue
+        if sec == "peft" and isinstance(top.get("peft", (None,))[0], str):
+            # a scheme name (a recipe's peft_scheme: default_peft_config builds LoRA() / DoRA()) whose fields an override
+            # sets: those fields of that object (they were dropped, e.g. peft.dim=8 estimated with rank 32)
+            scheme, where = top["peft"]
+            cls = {v: k for k, v in _PEFT_CLASSES.items()}.get(scheme.strip().lower())
+            if cls is not None:
+                top.pop("peft")
+                S["peft"] = {"_target_": (f"megatron.bridge.peft.{cls.lower()}.{cls}", where)}
         if sec == "mixed_precision" and "mixed_precision" in top:
             preset = _mp_values(top.pop("mixed_precision"))
             S["mixed_precision"] = {k: (v, "mixed_precision") for k, v in preset.items()}
@@ -379,7 +387,18 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None, given: fr
             # (peft/lora_layers.py: 'alpha / dim', 'if dropout > 0.0', 'assert dropout_position in ["pre", "post"]')
             raise ConfigError(key, f"is null: Megatron-Bridge's {cls} takes it as None, not its default, and cannot "
                               "build the adapters", f"set {key}=VALUE or drop the key")
-        if name in _PEFT_FIELDS:
+        if name == "target_modules" and (value is None or isinstance(value, str)):
+            # Bridge 0.6.2 peft/module_matcher.py: 'len(self.target_modules or []) > 0', then 'for pattern in
+            # self.target_modules': a null wraps every linear module (the output layer too), as an empty list does;
+            # a string's characters match no module name (both were estimated as the four linears)
+            if is_missing(value):
+                raise ConfigError(key, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
+                                  "not a default", f"set {key}=[...]")
+            if value:
+                raise ConfigError(key, f"must be a list of module names, got the string {shown(value)} (Bridge's "
+                                  "ModuleMatcher iterates its characters: no module matches)", f"{key}=[{value}]")
+            b.set(_PEFT_FIELDS[name], [], key)   # (null or '': every linear, refused by resolve/peft.py)
+        elif name in _PEFT_FIELDS:
             # (a live LoRA object's exclude_modules is an empty list: nothing excluded)
             if value is not None and not (name == "exclude_modules" and not value):
                 b.set(_PEFT_FIELDS[name], value, key)
