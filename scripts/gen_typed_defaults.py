@@ -14,7 +14,7 @@ torch.dtype (not Optional, not a union; a Literal of ints is int) whose default 
 where the flags would give that default.
 
 Each argument is a directory holding ``megatron/``. Lists the model-config dataclass fields annotated
-``int``, ``float`` or ``bool`` (not Optional, not a union) whose default is a value, not None: megatron-core's
+``int``, ``float``, ``bool`` or ``str`` (or a Literal of strings; not Optional, not a union) whose default is a value, not None: megatron-core's
 ModelParallelConfig, TransformerConfig, MLATransformerConfig and Megatron-Bridge's GPTModelProvider,
 MLAModelProvider, HybridModelProvider, MambaModelProvider. A field some class or release declares None-able
 (``Optional[int]``, ``int | None``, ``= None``) is left out: there None has a meaning; so is a field the code of
@@ -38,7 +38,7 @@ FILES = (
     ("megatron/bridge/models/hybrid/hybrid_provider.py", ("HybridModelProvider",)),
     ("megatron/bridge/models/mamba/mamba_provider.py", ("MambaModelProvider",)),
 )
-TYPES = ("int", "float", "bool")
+TYPES = ("int", "float", "bool", "str")
 
 
 def tested_against_none(roots: list[str]) -> set[str]:
@@ -76,6 +76,10 @@ def main(roots: list[str]) -> None:
                     if not (isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)):
                         continue
                     name, ann = s.target.id, ast.unparse(s.annotation)
+                    if isinstance(s.annotation, ast.Subscript) and ast.unparse(s.annotation.value) in ("Literal", "typing.Literal"):
+                        elts = s.annotation.slice.elts if isinstance(s.annotation.slice, ast.Tuple) else [s.annotation.slice]
+                        if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts):
+                            ann = "str"   # Literal['allgather', 'alltoall', 'flex']: a string with choices
                     default = s.value
                     if isinstance(default, ast.Call) and ast.unparse(default.func).endswith("field"):
                         kw = {k.arg: k.value for k in default.keywords}
@@ -93,8 +97,11 @@ def main(roots: list[str]) -> None:
     noneable |= tested_against_none(roots)
     fields = {k: v for k, v in sorted(typed.items()) if k not in noneable}
     doc = {"source": "scripts/gen_typed_defaults.py over megatron-core 0.16.1 and 0.19.2 and Megatron-Bridge 0.6.2 "
-                     "model-config dataclasses: int/float/bool fields whose default is a value",
+                     "model-config dataclasses: int/float/bool/str fields whose default is a value",
            "fields": fields}
+    if os.path.exists(OUT):   # (keep what --sections and --yaml-cfg wrote)
+        with open(OUT) as f:
+            doc = {**json.load(f), **doc}
     with open(OUT, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=False)
         f.write("\n")

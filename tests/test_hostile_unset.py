@@ -54,7 +54,10 @@ def test_the_table_is_the_installed_transformer_config():
     assert src["moe_router_topk"] == ("int", 2) == (table["moe_router_topk"]["type"], table["moe_router_topk"]["default"])
     for name, f in table.items():
         if "TransformerConfig" in f["classes"] and name in src:
-            assert src[name][0] == f["type"], name
+            # (a Literal of strings is a str: 'moe_token_dispatcher_type: Literal['allgather', 'alltoall', 'flex']')
+            declared = "str" if src[name][0].startswith("Literal[") and f["type"] == "str" else src[name][0]
+            assert declared == f["type"], name
+    assert (table["moe_token_dispatcher_type"]["type"], table["moe_token_dispatcher_type"]["default"]) == ("str", "allgather")
     # None-able fields are not in it: 'num_query_groups: Optional[int] = None', 'ffn_hidden_size: Optional[int] = None'
     # (0.19.2; 'int = None' in 0.16.1); MLATransformerConfig's 'q_lora_rank: int = 512' is tested 'is None' in
     # multi_latent_attention.py (DeepSeek-V2-Lite's null: no query compression)
@@ -70,6 +73,10 @@ def test_the_table_is_the_installed_transformer_config():
     ("share_embeddings_and_output_weights", "declares bool with default True"),  # None: untied output layer
     ("tensor_model_parallel_size", "declares int with default 1"),       # ModelParallelConfig
     ("rotary_percent", "declares float with default 1.0"),               # GPTModelProvider
+    # TransformerConfig 'moe_token_dispatcher_type: Literal['allgather', 'alltoall', 'flex'] = "allgather"': None is
+    # none of them (MoELayer raises); 'normalization: Literal['LayerNorm', 'RMSNorm'] = "LayerNorm"'
+    ("moe_token_dispatcher_type", "declares str with default allgather"),
+    ("normalization", "declares str with default LayerNorm"),
 ])
 def test_a_bridge_null_on_a_typed_field_is_refused(tmp_path, field, declared):
     # Bridge 0.6.2 omegaconf_utils._apply_overrides / instantiate set the dataclass attribute to None (no type check)
