@@ -255,7 +255,7 @@ def newest_cases():
     """Issue hostile8 (the hostile9 round): hybrid MTP patterns ('/' depths, the legacy --mtp-hybrid-override-pattern,
     100,000-symbol depths), Megatron-Bridge PEFT keys on a scheme name (every LoRA / DoRA field with words, lists,
     negative, huge and null values; 50,000-entry target lists), heterogeneous block configs (wrong types, missing keys,
-    100,000 blocks, NaN / Infinity / 5000-digit tokens), MoE flags and Bridge keys with strings / lists / negative / huge
+    15,000 blocks, NaN / Infinity / 5000-digit tokens), MoE flags and Bridge keys with strings / lists / negative / huge
     values, '???' and null in every Bridge section memguard reads and at --yaml-cfg's top level, adversarial Megatron
     logs (10,000 argument tables, a memory line per iteration of 10,000 ranks, 1 MB lines), and plan over 10**6 and
     10**18 GPUs with 10**9 layers, 10**9 hidden size or 10**6 experts."""
@@ -289,7 +289,9 @@ def newest_cases():
     docs: dict[str, str] = {}
     for v in ({}, "x", 5, None, [], [None] * 4, [{}] * 4):
         docs[f"block_configs={json.dumps(v)[:16]}"] = json.dumps(dict(base, block_configs=v))
-    docs["100,000 blocks"] = json.dumps(dict(base, block_configs=base["block_configs"][:1] * 100_000, num_hidden_layers=100_000))
+    small = {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": 1}}   # (the shortest block: 15,000 under 1 MB)
+    docs["15,000 blocks"] = json.dumps(dict(base, block_configs=[small] * 15_000, num_hidden_layers=15_000), separators=(",", ":"))
+    docs["15,000 blocks, 4 layers"] = json.dumps(dict(base, block_configs=[small] * 15_000), separators=(",", ":"))
     for part, key in (("attention", "n_heads_in_group"), ("ffn", "ffn_mult"), ("attention", "no_op"),
                       ("ffn", "replace_with_linear"), ("attention", "num_query_groups"), ("ffn", "ffn_hidden_size")):
         for v in ("x", -1, 0, 10**30, True, None, [4], {"a": 1}, 1e-300):
