@@ -104,7 +104,7 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 _DPA_RECIPES = ("delayed", "tensorwise")
 
 
-def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapping[str, Any]) -> bool:
+def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict[str, Any]) -> bool:
     """fp8_dot_product_attention / fp8_multi_head_attention (TransformerConfig only, no Megatron flag): whether
     the FP8 layers' core attention runs TE's FP8 FusedAttention. Which recipe carries ``fp8_dpa`` is megatron-core's
     (fp8_utils.get_fp8_recipe, fp4_utils.get_fp4_recipe, TEDelayedScaling); what TE accepts is TE 2.11's
@@ -173,7 +173,7 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
         return False
     mla = a.bool_arg("multi_latent_attention", False)
     if kw.get("context_parallel_size", 1) > 1:
-        if not _ring_attention(a, dest, kw, mla):
+        if not _ring_attention(a, dest, kw, mla, ctx):
             return False
     if mla:
         # get_attention_backend (TE 2.11, Python) lets FP8 MLA through to FusedAttention with separate q, k, v
@@ -189,11 +189,12 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: Mapp
     return True
 
 
-def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bool:
-    """FP8 attention with context parallelism: whether TE's FP8 ring attention runs (sized by
-    estimator/layers/fp8_attention.py for cp_comm_type p2p). TE 2.11 ``context_parallel.py``
-    ``attn_forward_func_with_cp`` hands ``fp8`` to the p2p and a2a paths only; ``utils.py``
-    ``get_attention_backend`` has no backend for FP8 MLA under CP."""
+def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: Context) -> bool:
+    """FP8 attention with context parallelism: whether Transformer Engine runs it in FP8 (False: BF16). Its
+    all-to-all ranks are the BF16 attention's (``cp_a2a_size``, resolve/shape.py ``cp_attention``, with TE's heads
+    rule); sized by estimator/layers/fp8_attention.py. TE 2.11 ``context_parallel.py`` ``attn_forward_func_with_cp``
+    hands ``fp8`` to the p2p and a2a paths only; ``utils.py`` ``get_attention_backend`` has no backend for FP8 MLA
+    under CP."""
     key = a.key(dest)
     comm = a.get("cp_comm_type") or ["p2p"]
     comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
@@ -208,10 +209,20 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> boo
         a.notes.append(f"{key}: no effect with --cp-comm-type all_gather (Transformer Engine's all-gather context "
                        "parallelism runs BF16 attention): attention is estimated in BF16")
         return False
-    if comm != {"p2p"}:
+    if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
+        # per-layer communication types (a list of several): each layer's attention would be sized by its own type
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(Transformer Engine's FP8 all-to-all context-parallel path is not sized; p2p is, and "
-                               "all_gather runs BF16 attention)")
+                               "(one communication type per layer is not sized for FP8 attention; p2p, a2a and "
+                               "a2a+p2p are, and all_gather runs BF16 attention)")
+    a2a, cp = kw.get("cp_a2a_size", 1), kw["context_parallel_size"]
+    if 1 < a2a < cp and ctx.version >= Version("0.17"):
+        # TE 2.20.2 (paired with core >= 0.17) AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 saves a BF16 copy of
+        # the output before its exchange and exchanges only dO in the backward: not read far enough for FP8 (TE
+        # 2.11's, core 0.16's, is sized: estimator/layers/fp8_attention.py fp8_ring_attention)
+        raise NotModelledError(a.key("cp_comm_type"), "FP8 attention with --cp-comm-type a2a+p2p over two levels "
+                               f"with megatron-core {ctx.version} (Transformer Engine 2.20's hierarchical FP8 path "
+                               "is not sized; TE 2.11's, megatron-core 0.16's, is, and so is a2a+p2p with one rank "
+                               "on either level, which TE runs as a2a or p2p)")
     return True
 
 
