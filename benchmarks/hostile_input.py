@@ -260,6 +260,8 @@ def newest_cases():
     logs (10,000 argument tables, a memory line per iteration of 10,000 ranks, 1 MB lines), and plan over 10**6 and
     10**18 GPUs with 10**9 layers, 10**9 hidden size or 10**6 experts."""
     import copy
+
+    from test_readers_bridge import FLAT
     values = ["x", "[1,2]", "-1", "0", "1e400", "9" * 30, "1.5", "", "null", "true", "{a: 1}", "nan", "'???'"]
     for pat in ("M*M-/MM", "M*M-/MM/MM", "M*M-/MM/M*", "M*M-/" + "MM/" * 1000, "M*M-/" + "M" * 99_000,
                 "M*M-" + "/" * 99_000, "M*M-/MM|", "M*M-/E", "M*M-//MM", "/MM", "M*M-" + ("/" + "M" * 999) * 20):
@@ -278,8 +280,11 @@ def newest_cases():
                 "a2a_experimental", "lora_dtype", "canonical_mapping"):
         for v in values + ["[]", "[x]", "linear_qkv", "[" + ",".join(["linear_qkv"] * 50_000) + "]", "os.system"]:
             for scheme in ("lora", "dora"):
-                yield f"estimate peft={scheme} {key}={v[:20]}", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--set",
-                                                                  f"peft={scheme}", "--set", f"peft.{key}={v}"], {}
+                yield f"estimate peft={scheme} {key}={v[:20]}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                                  f"peft={scheme}", "--set", f"peft.{key}={v}"], {"c.yaml": FLAT}
+                if scheme == "lora":   # (a recipe's PEFT object takes +peft.FIELD overrides)
+                    yield f"estimate llama32_1b_peft +peft.{key}={v[:20]}", [
+                        "estimate", "--model", "llama32_1b_peft", "--gpus", "8", "--set", f"+peft.{key}={v}"], {}
     base = json.load(open(os.path.join(ROOT, "tests", "data", "heterogeneous", "small_blocks.json")))
     flags = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
              "--ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope --use-rope-scaling "
@@ -644,7 +649,7 @@ def main(argv: list[str]) -> int:
     for cmd in sorted(runs):
         c, w, label = worst[cmd]
         print(f"{cmd:<10} {runs[cmd]:>6} {len(broken[cmd]):>7} {c:>9.2f}s {w:>8.2f}s  {label}")
-    n, hook_broken, hook_cpu, hook_label = hook_cases(60 if step > 1 else 600)
+    n, hook_broken, hook_cpu, hook_label = hook_cases(0 if "--group" in argv else 60 if step > 1 else 600)
     print(f"{'hook':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
     runs["hook"], broken["hook"], worst["hook"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())

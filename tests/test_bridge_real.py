@@ -863,9 +863,12 @@ def test_a_null_or_string_target_modules_is_what_bridges_module_matcher_makes_of
     assert four.match(linear, name="output_layer", prefix="") is None
     assert four.match(linear, name="linear_qkv", prefix="decoder.layers.0.self_attention") is not None
 
-    def read(*o):
-        return resolve(read_bridge({}, "recipe llama32_1b", parse_overrides(["peft=lora", *o]), recipe="llama32_1b"),
-                       world_size=8)
+    import yaml
+
+    from test_readers_bridge import FLAT
+
+    def read(*o):   # (a config file: a recipe's PEFT object takes only +peft.FIELD overrides)
+        return resolve(read_bridge(yaml.safe_load(FLAT), "c.yaml", parse_overrides(["peft=lora", *o])), world_size=8)
     assert read().peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     for v in ("null", "''"):
         with pytest.raises(NotModelledError, match=r"^peft\.target_modules: PEFT with an empty target_modules"):

@@ -50,7 +50,15 @@ def test_a_huge_mtp_pattern_of_a_bridge_hybrid_recipe_is_refused():
 
 
 # --- Megatron-Bridge PEFT keys ------------------------------------------------------------------------------------
-LLAMA = ["estimate", "--json", "--model", "llama32_1b", "--gpus", "8"]
+# a Bridge config file (a recipe's PEFT object takes only +peft.FIELD overrides: tests/test_bridge_real.py)
+from test_readers_bridge import FLAT  # noqa: E402
+
+LLAMA = ["estimate", "--json", "--config", "c.yaml", "--gpus", "8"]
+BASE = ["estimate", "--config", "c.yaml", "--gpus", "8"]
+
+
+def _run(argv):
+    return run_memguard(argv, {"c.yaml": FLAT})
 
 
 def _peft(o) -> dict:
@@ -61,14 +69,12 @@ def _peft(o) -> dict:
 def test_fields_set_on_a_peft_scheme_name_are_read():
     # peft=lora is the recipe's peft_scheme (default_peft_config builds LoRA()); peft.dim=8 then sets that object's
     # dim (Hydra overrides on the built config). memguard dropped it: rank 32, Bridge's default
-    assert _peft(run_memguard([*LLAMA, "--set", "peft=lora"]))["dim"] == 32
-    lora = _peft(run_memguard([*LLAMA, "--set", "peft=lora", "--set", "peft.dim=8", "--set", "peft.alpha=16"]))
+    assert _peft(_run([*LLAMA, "--set", "peft=lora"]))["dim"] == 32
+    lora = _peft(_run([*LLAMA, "--set", "peft=lora", "--set", "peft.dim=8", "--set", "peft.alpha=16"]))
     assert (lora["scheme"], lora["dim"], lora["alpha"]) == ("lora", 8, 16)
-    assert _peft(run_memguard([*LLAMA, "--set", "peft=dora", "--set", "peft.dim=8"]))["dim"] == 8
-    one_error(run_memguard(["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", "peft=lora", "--set",
-                            "peft.dim=x"]), "peft.dim: must be an integer, got 'x'")
-    one_error(run_memguard(["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", "peft=lora", "--set",
-                            "peft.rank=8"]),
+    assert _peft(_run([*LLAMA, "--set", "peft=dora", "--set", "peft.dim=8"]))["dim"] == 8
+    one_error(_run([*BASE, "--set", "peft=lora", "--set", "peft.dim=x"]), "peft.dim: must be an integer, got 'x'")
+    one_error(_run([*BASE, "--set", "peft=lora", "--set", "peft.rank=8"]),
               "peft.rank: not a field of Megatron-Bridge's LoRA: Megatron-Bridge refuses this override")
 
 
@@ -76,16 +82,14 @@ def test_fields_set_on_a_peft_scheme_name_are_read():
 def test_an_empty_peft_target_modules_is_refused(value):
     # Bridge 0.6.2 peft/module_matcher.py: 'len(self.target_modules or []) > 0' is false: every linear module is
     # wrapped (the output layer too); memguard estimated the four default linears
-    one_error(run_memguard(["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", "peft=lora", "--set",
-                            f"peft.target_modules={value}"]),
+    one_error(_run([*BASE, "--set", "peft=lora", "--set", f"peft.target_modules={value}"]),
               "peft.target_modules: PEFT with an empty target_modules (Bridge then wraps every linear not excluded) is "
               "not modelled yet; memguard will not guess its memory")
 
 
 def test_a_peft_target_modules_string_is_refused():
     # 'for pattern in self.target_modules' iterates the string's characters: no module matches
-    one_error(run_memguard(["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", "peft=lora", "--set",
-                            "peft.target_modules=linear_qkv"]),
+    one_error(_run([*BASE, "--set", "peft=lora", "--set", "peft.target_modules=linear_qkv"]),
               "peft.target_modules: must be a list of module names, got the string 'linear_qkv' (Bridge's ModuleMatcher "
               "iterates its characters: no module matches) (peft.target_modules=[linear_qkv])")
 
