@@ -190,3 +190,62 @@ def test_parameters_match_megatron_core_on_cpu(blocks):
     L = _layout(path=blocks)
     mine = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
     assert mine == real
+
+
+# A mixture of experts with small_blocks.json: 4 experts of 256, a shared expert of 384, MoE layers 0 and 2
+MOE = ("--num-experts 4 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-layer-freq [1,0,1,0] "
+       "--moe-shared-expert-intermediate-size 384 --moe-token-dispatcher-type alltoall").split()
+MOE_CFG = dict(experts=4, moe_ffn=256, topk=2, freq=[1, 0, 1, 0], shared_ffn=384)
+
+
+def test_moe_layers_are_whole_layers():
+    # megatron/training 0.19.2 models/gpt.py default_layer_spec takes get_gpt_decoder_block_spec before the
+    # heterogeneous spec: every layer has attention and an MoE or dense MLP (--moe-layer-freq); each layer's
+    # get_config_for_layer sets only ffn_hidden_size (num_query_groups: the same here), which a dense layer's MLP
+    # takes and the experts do not (moe_ffn_hidden_size is set once in the model's config). Block 1 (no-op
+    # attention, ffn 512) is a full attention + dense 512 layer; block 3 (both no-op) attention + dense 1024.
+    attn = 512 + 768 * 512 + 512 * 512                     # input norm, linear_qkv, linear_proj
+    dense = lambda F: 512 + 3 * F * 512                     # noqa: E731  pre-MLP norm, fc1 [2F, h], fc2 [h, F]
+    moe = lambda ep: 512 + 4 * 512 + 4 // ep * 3 * 256 * 512 + 3 * 384 * 512   # noqa: E731  norm, router, experts, shared
+    L = _layout(MOE)
+    assert [k.mixer + "/" + k.mlp for k in layer_kinds(L)] == ["attention/moe", "attention/dense:512",
+                                                               "attention/moe", "attention/dense"]
+    expected = 4 * attn + 2 * moe(1) + dense(512) + dense(1024) + 2 * 1024 * 512 + 512
+    assert total_parameters(L) == estimate(L).stages[0].parameters == expected == 10_363_392
+    assert any("no-op and replace_with_linear blocks are built as full" in n for n in L.notes)
+    # PP 2 x EP 2: stage 0 holds the embedding, layer 0 (2 of the 4 experts) and layer 1 (dense 512)
+    L2 = _layout(MOE + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], world=4)
+    assert estimate(L2).stages[0].parameters == 1024 * 512 + 2 * attn + moe(2) + dense(512) == 4_001_792
+
+
+def test_moe_rules(tmp_path):
+    key = "--heterogeneous-layers-config-path"
+    # the 0.16 to 0.18 builders (Megatron-LM's gpt_builders.py) are not in the wheels read: refused there
+    with pytest.raises(NotModelledError, match="mixture-of-experts layers in megatron-core 0.16.1"):
+        _layout(MOE, megatron_version="0.16.1")
+    # a dense layer's MLP splits its own width over TP: block 1's 512 at TP 3 (the flags' 1024 too)
+    msg = _err(FLAGS + MOE + [key, BLOCKS, "--tensor-model-parallel-size", "3", "--sequence-parallel"], world=3)
+    assert "block 1: the dense layer's ffn size 512 must be divisible by tensor-model-parallel size 3" in msg
+    # a block that sets num_query_groups itself gives its layer another attention width: refused by name
+    other = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=1))
+    with pytest.raises(NotModelledError, match="block 0: num_query_groups 1"):
+        layout_from_flags(FLAGS + MOE + [key, other], world_size=1)
+    # the features still refused with heterogeneous layers stay refused with MoE
+    with pytest.raises(NotModelledError, match="with multi-token prediction"):
+        _layout(MOE + ["--mtp-num-layers", "1"])
+
+
+def test_moe_parameters_match_megatron_core_on_cpu():
+    # megatron-core's own MoE model of small_blocks.json (get_gpt_decoder_block_spec with the
+    # HeterogeneousTransformerConfig, as megatron/training 0.19.2 builds it), on CPU
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
+    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256, **MOE_CFG)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), BLOCKS,
+                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
+                         env={**os.environ, "MASTER_PORT": "29613"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = json.loads(out.stdout.strip().splitlines()[-1])
+    L = _layout(MOE)
+    assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == real

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import ConfigError, NotModelledError, ReaderError
 from .args import Args, Context
 
@@ -60,43 +62,74 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         return dict(heterogeneous_layers=None)
     if kw.get("multi_latent_attention"):
         a.fail(PATH, "cannot be used with --multi-latent-attention (argument_utils asserts it)")
-    if kw.get("moe") is not None:
-        # megatron/training 0.19.2 models/gpt.py takes the MoE decoder block spec before the heterogeneous one (it checks
-        # num_moe_experts first), so no-op / linear blocks are built as whole layers, while TransformerBlock still
-        # builds each layer from get_config_for_layer (the block's ffn_hidden_size, num_query_groups); the 0.16 to
-        # 0.18 builders (Megatron-LM's gpt_builders.py) are not in the wheels read
-        raise NotModelledError(a.key(PATH), "heterogeneous layer configs with mixture-of-experts layers (Megatron "
-                               "0.19 builds the MoE block spec, ignoring no-op / linear blocks, with each block's "
-                               "ffn_hidden_size and num_query_groups)")
+    L = kw["num_layers"]
+    if len(blocks) < L:
+        a.fail(PATH, f"has {len(blocks)} block_configs for {L} layers (get_config_for_layer needs one per layer)")
+        return dict(heterogeneous_layers=None)
+    tp = kw["tensor_model_parallel_size"]
+    for i, (attn, _, _, groups) in enumerate(blocks[:L]):
+        if groups is not None and attn == "attention" and groups != kw["num_query_groups"]:
+            # AttentionConfig takes a block's num_query_groups over n_heads_in_group, and get_config_for_layer
+            # gives that layer its own attention width
+            raise NotModelledError(a.key(PATH), f"block {i}: num_query_groups {groups} other than --num-query-groups "
+                                   f"{kw['num_query_groups']} (one layer's own attention width)")
     for bad, what in ((kw.get("fp8") or kw.get("fp4"), "under FP8 / FP4"),
                       (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
                       (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),
                       (kw.get("mtp_num_layers"), "with multi-token prediction")):
         if bad:
             raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
-    L = kw["num_layers"]
-    if len(blocks) < L:
-        a.fail(PATH, f"has {len(blocks)} block_configs for {L} layers (get_config_for_layer needs one per layer)")
-        return dict(heterogeneous_layers=None)
+    if kw.get("moe") is not None:
+        return _moe_layers(a, kw, ctx, blocks[:L])
     words = []
-    for i, (attn, mlp, ffn) in enumerate(blocks[:L]):
-        if "linear" in (attn, mlp) and kw["tensor_model_parallel_size"] > 1 and kw["sequence_parallel"]:
+    for i, (attn, mlp, ffn, _) in enumerate(blocks[:L]):
+        if "linear" in (attn, mlp) and tp > 1 and kw["sequence_parallel"]:
             # linear_replacements._gather_from_tensor_parallel_region (0.16.1 and 0.19.2) pads dim 0 (F.pad's
             # pairs run from the last dimension) before the sequence-parallel reduce-scatter: the residual add
             # then fails on the shapes (the CPU referee reproduces it)
             a.fail(PATH, f"block {i}: replace_with_linear fails with --sequence-parallel and tensor-model-parallel "
                          "size > 1 in megatron-core (its output gather pads the sequence dimension)")
-        if ffn is not None and ffn % kw["tensor_model_parallel_size"]:
-            a.fail(PATH, f"block {i}: ffn size {ffn} must be divisible by tensor-model-parallel size "
-                         f"{kw['tensor_model_parallel_size']}")
+        if ffn is not None and ffn % tp:
+            a.fail(PATH, f"block {i}: ffn size {ffn} must be divisible by tensor-model-parallel size {tp}")
         size = kw["ffn_hidden_size"] if ffn is None else ffn
         words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
                                    else f"dense:{size}"))
     return dict(heterogeneous_layers=",".join(words))
 
 
-def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None]:
-    """(attention: attention | none | linear, mlp: dense | none | linear, the MLP's ffn size or None)."""
+def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list) -> dict[str, Any]:
+    """The layers of a mixture-of-experts model with a heterogeneous config. megatron/training 0.19.2
+    (models/gpt.py default_layer_spec, as Megatron-LM's gpt_builders.py) takes the MoE decoder block spec
+    (get_gpt_decoder_block_spec: a TransformerLayer with attention and an MoE or dense MLP by --moe-layer-freq)
+    before the heterogeneous one, so no-op and linear blocks are built as whole layers; TransformerBlock still
+    builds each layer from get_config_for_layer, which overrides only num_query_groups and ffn_hidden_size. The
+    experts keep moe_ffn_hidden_size and the shared expert its size (set once in the model's config); a dense
+    layer's MLP takes its block's ffn size (the model's for a no-op / linear block). Checked against
+    megatron-core 0.19.2 built on CPU (tests/e2e/heterogeneous_param_count.py)."""
+    if ctx.version < Version("0.19"):
+        # the layer spec is chosen by Megatron-LM's gpt_builders.py, not in the 0.16 to 0.18 wheels read
+        raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with mixture-of-experts layers in megatron-core "
+                               f"{ctx.version} (the 0.16 to 0.18 model builders, outside the wheels, are not read)")
+    tp, pattern, main = kw["tensor_model_parallel_size"], kw["moe"].moe_layer_pattern, kw["ffn_hidden_size"]
+    words = []
+    for i, ((attn, mlp, ffn, _), is_moe) in enumerate(zip(blocks, pattern)):
+        if is_moe:
+            words.append("attention/moe")
+            continue
+        size = main if ffn is None else ffn
+        if size % tp:
+            a.fail(PATH, f"block {i}: the dense layer's ffn size {size} must be divisible by tensor-model-parallel "
+                         f"size {tp} (MLP linear_fc2, megatron-core divide)")
+        words.append("attention/dense" if size == main else f"attention/dense:{size}")
+    if any(attn != "attention" or mlp not in ("dense",) for attn, mlp, _, _ in blocks):
+        a.notes.append(f"{a.key(PATH)}: with mixture-of-experts layers Megatron 0.19 builds the MoE block spec, so "
+                       "no-op and replace_with_linear blocks are built as full attention and MLP layers")
+    return dict(heterogeneous_layers=",".join(words))
+
+
+def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None, int | None]:
+    """(attention: attention | none | linear, mlp: dense | none | linear, the MLP's ffn size or None,
+    the attention's num_query_groups when the block sets it by that key, else None)."""
     if not isinstance(b, dict) or not isinstance(b.get("attention"), dict):
         raise ConfigError("", "each block_configs entry needs an attention object")
     att = b["attention"]
@@ -130,7 +163,7 @@ def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None]:
         raise ConfigError("", "a no_op / replace_with_linear attention block cannot set its query groups")
     if ffn is not None and m_kind != "dense":
         raise ConfigError("", "a no_op / replace_with_linear ffn block cannot set its size")
-    return a_kind, m_kind, ffn
+    return a_kind, m_kind, ffn, (groups if "num_query_groups" in att else None)
 
 
 def _check_flags(a: Args, dest: str, doc: dict, blocks: list, kw: Mapping[str, Any]) -> None:
