@@ -177,16 +177,7 @@ def test_referee_measures_the_heterogeneous_model(blocks, world, peak_bound):
 @pytest.mark.parametrize("blocks", [BLOCKS, LINEAR], ids=["noop", "linear"])
 def test_parameters_match_megatron_core_on_cpu(blocks):
     # megatron-core's own model of small_blocks.json, built on CPU (0.19.2 in the Python 3.12 venv, 0.16.1 in 3.11)
-    import subprocess
-    import sys
-    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
-    root = os.path.dirname(HERE)
-    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
-                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=root,
-                         env={**os.environ, "MASTER_PORT": str(29611 + (blocks == LINEAR))})
-    assert out.returncode == 0, out.stderr[-2000:]
-    real = json.loads(out.stdout.strip().splitlines()[-1])
+    real = _real_params(blocks)
     L = _layout(path=blocks)
     mine = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
     assert mine == real
@@ -230,22 +221,64 @@ def test_moe_rules(tmp_path):
     other = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=1))
     with pytest.raises(NotModelledError, match="block 0: num_query_groups 1"):
         layout_from_flags(FLAGS + MOE + [key, other], world_size=1)
-    # the features still refused with heterogeneous layers stay refused with MoE
-    with pytest.raises(NotModelledError, match="with multi-token prediction"):
-        _layout(MOE + ["--mtp-num-layers", "1"])
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:     # a port no other run on this machine holds now
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _real_params(blocks, **cfg):
+    """{name: numel} of megatron-core's own model (tests/e2e/heterogeneous_param_count.py), built on CPU."""
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
+    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256, **cfg)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
+                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
+                         env={**os.environ, "MASTER_PORT": str(_free_port())})
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the MTP depth's transformer layer: "transformer_layer" up to core 0.16, "mtp_model_layer" from 0.17 (one name
+    # in memguard)
+    return {k.replace(".mtp_model_layer.", ".transformer_layer."): v
+            for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 def test_moe_parameters_match_megatron_core_on_cpu():
     # megatron-core's own MoE model of small_blocks.json (get_gpt_decoder_block_spec with the
     # HeterogeneousTransformerConfig, as megatron/training 0.19.2 builds it), on CPU
-    import subprocess
-    import sys
-    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
-    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256, **MOE_CFG)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), BLOCKS,
-                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
-                         env={**os.environ, "MASTER_PORT": "29613"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    real = json.loads(out.stdout.strip().splitlines()[-1])
+    real = _real_params(BLOCKS, **MOE_CFG)
     L = _layout(MOE)
+    assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == real
+
+
+def test_mtp_layer_is_the_flags_layer():
+    # megatron/training 0.19.2 models/gpt.py mtp_block_spec: get_gpt_decoder_layer_specs(config)[-1] (the MoE / dense
+    # spec, not the heterogeneous one), built with the model's config: block 3 (both halves no-op) does not make the
+    # MTP layer empty. One depth: enorm, hnorm, eh_proj [h, 2h], attention (input norm, qkv, proj), pre-MLP norm,
+    # the flags' dense MLP (1024) or, with the last layer MoE, the MoE MLP, and its final norm
+    attn = 512 + 768 * 512 + 512 * 512
+    head = 3 * 512 + 512 * 1024
+    L = _layout(["--mtp-num-layers", "1"])
+    mtp = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0]) if p.name.startswith("mtp.")}
+    assert sum(mtp.values()) == head + attn + 512 + 3 * 1024 * 512 == 2_755_072
+    assert total_parameters(L) == 4_721_152 + 2_755_072
+    freq = ["--moe-layer-freq", "[0,1,0,1]"]
+    M = _layout(MOE[:6] + freq + MOE[8:] + ["--mtp-num-layers", "1"])
+    mtp = {p.name: p.numel for p in chunk_params(M, partition_layers(M)[0]) if p.name.startswith("mtp.")}
+    moe = 512 + 4 * 512 + 4 * 3 * 256 * 512 + 3 * 384 * 512
+    assert sum(mtp.values()) == head + attn + moe
+    # before 0.19 the builders (Megatron-LM's gpt_builders.py) were not read: refused by name
+    with pytest.raises(NotModelledError, match="multi-token prediction in megatron-core 0.18.2"):
+        _layout(["--mtp-num-layers", "1"], megatron_version="0.18.2")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_mtp_parameters_match_megatron_core_on_cpu(moe):
+    cfg = dict(MOE_CFG, freq=[0, 1, 0, 1]) if moe else {}
+    real = _real_params(BLOCKS, mtp=1, **cfg)
+    flags = (MOE[:6] + ["--moe-layer-freq", "[0,1,0,1]"] + MOE[8:] if moe else []) + ["--mtp-num-layers", "1"]
+    L = _layout(flags)
     assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == real

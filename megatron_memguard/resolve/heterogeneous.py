@@ -76,7 +76,9 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     for bad, what in ((kw.get("fp8") or kw.get("fp4"), "under FP8 / FP4"),
                       (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
                       (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),
-                      (kw.get("mtp_num_layers"), "with multi-token prediction")):
+                      (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
+                       f"with multi-token prediction in megatron-core {ctx.version} (the 0.16 to 0.18 builders' MTP "
+                       "layer spec, in Megatron-LM's gpt_builders.py outside the wheels, is not read)")):
         if bad:
             raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
     if kw.get("moe") is not None:
