@@ -189,7 +189,7 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     the saved inputs). The dense MLP and standard attention recipes only: MLA and the MoE MLP keep their BF16
     working sets (docs/assumptions.md)."""
     from ..partition import MIXER_ATTENTION, MLP_DENSE
-    dense = kind.mlp == MLP_DENSE and len(mlp_bwd) >= 2
+    dense = kind.mlp.split(":", 1)[0] == MLP_DENSE and len(mlp_bwd) >= 2   # (a heterogeneous "dense:FFN" too)
     attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
     if not (dense or attention):
         return mlp_bwd, mixer_bwd

@@ -192,8 +192,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
 def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     """The TE GEMMs of one layer of ``kind`` on one rank of layout ``L``, from its recipes'
     ``linear_shapes``."""
-    from .layers import mixer_recipe, mlp_recipe
+    from .layers import kind_layout, mixer_recipe, mlp_recipe
     from .layers.base import shapes
+    L = kind_layout(L, kind)     # a heterogeneous layer's own MLP width
     x = shapes(L)
     sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
@@ -340,6 +341,8 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             if not kind.quantized:
                 continue
             g = layer_gemms(L, kind)
+            if not g:
+                continue          # a heterogeneous layer of two no-op halves: no TE module
             layers += n
             cache += n * weight_cache_bytes(spec, module_gemms(L, g), non_tn=non_tn)
             colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else

@@ -73,7 +73,13 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
             # gives that layer its own attention width
             raise NotModelledError(a.key(PATH), f"block {i}: num_query_groups {groups} other than --num-query-groups "
                                    f"{kw['num_query_groups']} (one layer's own attention width)")
-    for bad, what in ((kw.get("fp8") or kw.get("fp4"), "under FP8 / FP4"),
+    # FP8 / FP4: each layer in get_fp8_context of its global index (TransformerBlock, 0.16.1 and 0.19.2), its TE GEMMs
+    # those of its blocks (partition.model_kind_runs); a replace_with_linear block is a TE LayerNormLinear whose
+    # quantized tensors (TELayerNormColumnParallelLinearGathered) the linear recipe does not model
+    linear_fp8 = (bool(kw.get("fp8") or kw.get("fp4")) and kw.get("transformer_impl") == "transformer_engine"
+                  and kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L]))
+    for bad, what in ((linear_fp8, "with replace_with_linear blocks under FP8 / FP4 (the quantized input and output "
+                                   "gradient of TE's gathered linear replacement)"),
                       (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
                       (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),
                       (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
