@@ -321,3 +321,32 @@ def test_fp8_per_layer(tmp_path):
         layout_from_flags(te + ["--fp8-format", "hybrid", "--heterogeneous-layers-config-path", LINEAR], world_size=1)
     L = _layout(["--fp8-format", "hybrid"], path=LINEAR)
     assert not any(k.quantized for k in layer_kinds(L))
+
+
+def test_offloading_and_full_iteration_graphs():
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    from megatron_memguard.gpus import lookup_gpu
+    off = ["--fine-grained-activation-offloading", "--offload-modules", "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm",
+           "--min-offloaded-tensor-size", "1"]
+    L = layout_from_flags(te + off + ["--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    st = estimate(L, gpu=lookup_gpu("H100")).stages[0]
+    # the groups hook SelfAttention and the layer's norms (TransformerLayer._set_offload_modules, 0.19.2; TE fuses the
+    # norms, so attn_norm / mlp_norm offload nothing): the attention layers 0 and 2 each offload qkv_linear (layer
+    # input + norm output, [256 x 2, 512] bf16 each: 2 x 524,288), core_attn (q/k/v [512, 768] bf16 786,432, roped
+    # query 524,288 and key 131,072, softmax statistics [2, 8, 256] fp32 16,384) and attn_proj (524,288); the no-op
+    # halves nothing. On the last stage the chunk's last group (layer 2's attn_proj: layer 3 offloads nothing) stays
+    per_layer = 2 * 524_288 + (786_432 + 524_288 + 131_072 + 16_384) + 524_288
+    assert st.host_bytes == 2 * per_layer - 524_288 == 5_537_792
+    # the full-iteration graph's static batches do not depend on the layers (StaticBufferLoader): 2 micro-batches of
+    # tokens, labels, position ids (int64), loss mask (fp32) [2, 256] and the bool mask [2, 1, 256, 256]
+    L = layout_from_flags(te + ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad",
+                                "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    io = _terms(L, "H100")["cuda_graph_static_io"]
+    assert io.bytes == 2 * (2 * 256 * 28 + 2 * 256 * 256) == 290_816
+    # still refused: per-layer graphs (which no-op / linear layers TE and the local manager capture), and linear
+    # replacements under offloading (outside Megatron's offload groups)
+    with pytest.raises(NotModelledError, match="per-layer CUDA graphs"):
+        layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path", BLOCKS],
+                          world_size=1)
+    with pytest.raises(NotModelledError, match="replace_with_linear blocks under fine-grained activation offloading"):
+        layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)

@@ -180,6 +180,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         seq: list[int] = []
+        run_groups = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
@@ -188,11 +189,17 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
                 outside = offload_outside(L, set(L.recompute_modules) if L.recompute_granularity == "selective" else set())
-            groups = offload_layer_groups(la_k.saved, modules, L.act_bytes,
-                                          separate_input_norm=L.multi_latent_attention,
-                                          min_elements=L.min_offloaded_tensor_size, outside=outside)
+            run_groups.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
+                                                   separate_input_norm=L.multi_latent_attention,
+                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
+        top = len(per_kind) - 1
+        if L.heterogeneous_layers:
+            # no-op layers on top offload nothing: the chunk's last group is the highest layer's that has one
+            top = max((i for i, g in enumerate(run_groups) if any(g.values())), default=top)
+        for i, (la_k, k) in enumerate(per_kind):
+            groups = run_groups[i]
             # the chunk's last group stays on the last stage: it belongs to the top layer
-            plan = fine_grained_plan(groups, k, has_output and i == len(per_kind) - 1,
+            plan = fine_grained_plan(groups, k, has_output and i == top,
                                      getattr(L, "fine_grained_offloading_max_inflight_offloads", None))
             layers -= plan.offloaded
             # the MoE halves' share of what left (the expert groups), so moe_layer_activations stays on the GPU's side

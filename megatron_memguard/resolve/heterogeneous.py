@@ -76,12 +76,23 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     # FP8 / FP4: each layer in get_fp8_context of its global index (TransformerBlock, 0.16.1 and 0.19.2), its TE GEMMs
     # those of its blocks (partition.model_kind_runs); a replace_with_linear block is a TE LayerNormLinear whose
     # quantized tensors (TELayerNormColumnParallelLinearGathered) the linear recipe does not model
-    linear_fp8 = (bool(kw.get("fp8") or kw.get("fp4")) and kw.get("transformer_impl") == "transformer_engine"
-                  and kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L]))
+    linear = kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L])
+    linear_fp8 = bool(kw.get("fp8") or kw.get("fp4")) and kw.get("transformer_impl") == "transformer_engine" and linear
+    impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
+    # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
+    # per-layer graphs do: which no-op / linear layers are graphed differs between TE's _layer_is_graphable
+    # (isinstance checks) and the local CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares
+    # the submodule spec with IdentityOp, which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
+    per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs
     for bad, what in ((linear_fp8, "with replace_with_linear blocks under FP8 / FP4 (the quantized input and output "
                                    "gradient of TE's gathered linear replacement)"),
-                      (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
-                      (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),
+                      (per_layer_graphs, "with per-layer CUDA graphs (--cuda-graph-impl local / transformer_engine: "
+                                         "which no-op and linear layers are captured; full_iteration is estimated)"),
+                      # Megatron's offload groups hook SelfAttention / MLP / the layer's norms
+                      # (TransformerLayer._set_offload_modules, 0.19.2): a linear replacement is none of them
+                      (kw.get("fine_grained_activation_offloading") and linear,
+                       "with replace_with_linear blocks under fine-grained activation offloading (which offload "
+                       "group holds a linear replacement's saved input)"),
                       (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
                        f"with multi-token prediction in megatron-core {ctx.version} (the 0.16 to 0.18 builders' MTP "
                        "layer spec, in Megatron-LM's gpt_builders.py outside the wheels, is not read)")):
