@@ -25,6 +25,11 @@ cells, the three-way discordant pairs, the model's error band from all sweeps' r
 against two cluster policies at those bands (none kept). ``--scaling`` prints, for every Megatron layout
 that ran at several GPU counts, its measured step over the predicted one at each count and the measured
 step's excess over the smallest count's ratio (seconds per step): what grows with the GPU count.
+``--blind [a100|paper]`` needs no measurements: it rebuilds the same draft's H100-94GB sweeps (TSUBAME 4.0, 4 GPUs per
+node, 4-128 GPUs) over the A100 table's cells or Fujii et al.'s grid and prints, per GPU count, both rules' first
+choices, the Spearman between their orders and the terms behind each pair they order apart beyond the tie window.
+``--aggregate`` ranks the targets with rank aggregations of the time rule and Fujii et al.'s key (Borda's count, the
+key as a prior; evaluated leaving one family out, not in the planner).
 
 Sweeps
 ------
@@ -66,7 +71,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -340,11 +345,13 @@ def cluster_order(kept: list[Scored], band: float, linkage: str) -> list[Scored]
 
 
 def quality(sweep: Sweep, scored: list[Scored], rule: str, own_verdicts: bool = False,
-            window: float = TIE_WINDOW, policy: str = "window") -> Quality:
+            window: float = TIE_WINDOW, policy: str = "window",
+            order_by: Callable[[list[Scored]], list[Scored]] | None = None) -> Quality:
+    """The rule's figures on a sweep; ``order_by`` replaces the rule's order (``--aggregate``'s policies)."""
     ran = [s for s in scored if not s.run.failed]
     best = max(s.run.throughput for s in ran)
     kept = [s for s in scored if kept_by(sweep, s, own_verdicts)]
-    order = rank(kept, rule, window, policy)
+    order = order_by(kept) if order_by else rank(kept, rule, window, policy)
     measured = sorted((s.run.throughput for s in ran), reverse=True)
     if order:
         top = order[0].run
@@ -1063,6 +1070,217 @@ def candidates_check(data: list[tuple[Sweep, list[Scored]]], families: tuple[str
     return "\n".join(lines)
 
 
+# ---- Issue 18, blind: the same author's H100-94GB draft (TSUBAME 4.0), no measurements in the repository ----
+# TSUBAME 4.0 node_f (shared/reference/paper-2411.06465.md section 2): 4 H100 SXM5 94 GB per node, Megatron v0.8,
+# Llama-3.1-8B s8192, GBS 1024, 4-128 GPUs.  Network per GPU: TSUBAME 4.0's compute node has 4 InfiniBand NDR200
+# ports (200 Gb/s) for its 4 GPUs (Tokyo Tech GSIC, TSUBAME 4.0 system overview; the reference names the node, not
+# its network), i.e. 200 Gb/s per GPU.
+BLIND_GPU = "H100-94GB"
+BLIND_GPUS_PER_NODE = 4
+BLIND_NETWORK_GBPS = 200.0
+BLIND_WORLDS = (4, 8, 16, 32, 64, 128)
+
+
+def blind_cells(grid: str = "a100") -> list[tuple[int, int, int, int]]:
+    """(TP, CP, PP, MBS) cells: ``a100`` those of the A100 draft table (the file's cells, whatever their status);
+    ``paper`` Fujii et al.'s own grid (reference section 2: TP, CP in {1, 2, 4, 8} with TP x CP within a node,
+    PP dividing the layers up to 8, MBS in {1, 2, 4, 8})."""
+    if grid == "a100":
+        with open(FUJII_CSV, newline="") as f:
+            return sorted({(int(r["tp"]), int(r["cp"]), int(r["pp"]), int(r["micro_batch_size"]))
+                           for r in csv.DictReader(f) if "impossible" not in r["note"]})
+    return [(t, c, p, b) for t in (1, 2, 4) for c in (1, 2, 4) if t * c <= BLIND_GPUS_PER_NODE
+            for p in (1, 2, 4, 8) for b in (1, 2, 4, 8)]
+
+
+def blind_sweeps(grid: str = "a100") -> list[Sweep]:
+    """The H100-94GB sweeps the draft's second table ran, rebuilt without their measurements: every cell of the
+    grid that divides the GPU count and the global batch, for each GPU count."""
+    out = []
+    for w in BLIND_WORLDS:
+        runs = tuple(Run(tp=t, cp=c, pp=p, mbs=b, sp=t > 1, recompute="none", failed=False, throughput=None)
+                     for t, c, p, b in blind_cells(grid)
+                     if w % (t * c * p) == 0 and 1024 % (b * (w // (t * c * p))) == 0)
+        if runs:
+            out.append(Sweep("blind", f"Llama-3.1-8B s8192 {w} x H100-94GB", tuple(LLAMA31_8B), BLIND_GPU,
+                             BLIND_GPUS_PER_NODE, BLIND_NETWORK_GBPS, w, 8192, 1024, "0.8", runs))
+    return out
+
+
+def _fujii_disagreements(kept: list[Scored], window: float) -> list[tuple[float, Scored, Scored]]:
+    """(a's predicted time / b's, a, b): pairs Fujii et al.'s key orders a before b where the model predicts b
+    faster by more than the tie window, largest first."""
+    out = [(a.seconds / b.seconds, a, b) for a in kept for b in kept
+           if fujii_order_key(a)[:-1] < fujii_order_key(b)[:-1] and a.seconds > (1 + window) * b.seconds]
+    return sorted(out, key=lambda x: -x[0])
+
+
+def disagreement_kind(a: Run, b: Run) -> str:
+    """What a pair the model orders against Fujii et al.'s key (a the key's pick, b predicted faster) says about the
+    draft's published findings (reference section 4): ``smaller MBS`` the same TP, CP, PP with a smaller micro-batch
+    predicted faster (against "larger MBS gives higher TFLOP/s when it fits"); ``more model parallelism`` a larger
+    TP x CP x PP predicted faster (against "minimising TP x CP x PP gives higher throughput"); ``same product`` the same
+    TP x CP x PP split otherwise, which no published finding orders."""
+    if (a.tp, a.cp, a.pp) == (b.tp, b.cp, b.pp):
+        return "smaller MBS"
+    if a.tp * a.cp * a.pp < b.tp * b.cp * b.pp:
+        return "more model parallelism"
+    return "same product"
+
+
+def blind_check(grid: str = "a100", limit: int = 3) -> str:
+    """Per GPU count: both rules' first choices, Spearman between the two rules' orders over the layouts memguard
+    keeps, and where they disagree beyond the tie window, what kind of disagreement (:func:`disagreement_kind`) with
+    the step-time terms that decide (the key's pick minus the layout predicted faster), the largest few printed."""
+    lines = [f"| GPUs | kept / cells | time: first choice | fujii2024: first choice | Spearman (time vs fujii2024) "
+             f"| pairs against the key beyond {TIE_WINDOW:.0%}: smaller MBS / more model parallelism / same product |",
+             "| ---: | ---: | --- | --- | ---: | --- |"]
+    notes, rhos, terms = [], [], {}
+    for sw in blind_sweeps(grid):
+        p = planner_for(sw)
+        kept = [s for s in score(sw, p) if s.verdict == "fits"]
+        if not kept:
+            lines.append(f"| {sw.world} | 0 / {len(sw.runs)} | (none kept) | | | |")
+            continue
+        t_order, f_order = rank(kept, "time"), rank(kept, "fujii2024")
+        pos = {id(s): i for i, s in enumerate(f_order)}
+        rho = spearman([float(i) for i in range(len(t_order))], [float(pos[id(s)]) for s in t_order])
+        rhos.append(rho)
+        bad = _fujii_disagreements(kept, TIE_WINDOW)
+        kinds = {k: 0 for k in ("smaller MBS", "more model parallelism", "same product")}
+        for r, a, b in bad:
+            kind = disagreement_kind(a.run, b.run)
+            kinds[kind] += 1
+            ta, tb = p.step_time(a.candidate).term_seconds, p.step_time(b.candidate).term_seconds
+            top = max(ta, key=lambda k: abs(ta[k] - tb[k]))
+            terms.setdefault(kind, {}).setdefault(top, 0)
+            terms[kind][top] += 1
+        lines.append(f"| {sw.world} | {len(kept)} / {len(sw.runs)} | {t_order[0].run.label} | {f_order[0].run.label} | "
+                     f"{_fmt_rho(rho)} | {' / '.join(str(v) for v in kinds.values())} |")
+        for r, a, b in bad[:limit]:
+            ta, tb = p.step_time(a.candidate).term_seconds, p.step_time(b.candidate).term_seconds
+            diff = sorted(((ta[k] - tb[k], k) for k in ta), key=lambda x: -abs(x[0]))[:3]
+            notes.append(f"- {sw.world} GPUs ({disagreement_kind(a.run, b.run)}): {b.run.label} predicted {r - 1:.1%} "
+                         f"faster than {a.run.label}, the key's pick; terms (pick - faster): "
+                         + ", ".join(f"{k} {d:+.2f} s" for d, k in diff))
+    lines += ["", f"median Spearman between the two rules' orders: {_fmt_rho(_median(rhos))}; the term that differs "
+              "most in each pair against the key: " + "; ".join(
+                  f"{kind}: " + ", ".join(f"{k} {n}" for k, n in sorted(d.items(), key=lambda kv: -kv[1]))
+                  for kind, d in terms.items())]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+# ---- Issue 18, round 7: rank aggregation of the time rule and Fujii et al.'s key (evaluated, not kept) ----
+def key_ranks(kept: list[Scored]) -> list[float]:
+    """Each layout's rank (0 first) in Fujii et al.'s key without the predicted time: the layouts with the same key
+    share their average rank."""
+    keys = [fujii_order_key(s)[:-1] for s in kept]
+    pos, i = {}, 0
+    for k in sorted(set(keys)):
+        n = keys.count(k)
+        pos[k], i = i + (n - 1) / 2, i + n
+    return [pos[k] for k in keys]
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+def aggregate_order(kept: list[Scored], policy: str, weight: float = 0.5, sigma: float = 0.052) -> list[Scored]:
+    """Two rank aggregations of the time model and Fujii et al.'s key. ``borda``: the weighted mean of each layout's
+    rank by predicted time and by the key (``weight`` on the time; 0.5 is Borda's count), ties by the time.
+    ``prior``: expected losses, the sum over the other layouts of P(the other is faster), where the model gives
+    Phi(log(t_self / t_other) / sigma) (``sigma`` the model's error on the ratio of two step times, section 5.2) and,
+    where the keys differ, the key is a prior that its pick is faster with probability ``weight`` (Bayes' rule on
+    the odds)."""
+    if not kept:
+        return []
+    fr = key_ranks(kept)
+    idx = range(len(kept))
+    if policy == "borda":
+        tr = {i: r for r, i in enumerate(sorted(idx, key=lambda i: kept[i].seconds))}
+        return [kept[i] for i in sorted(idx, key=lambda i: (weight * tr[i] + (1 - weight) * fr[i], kept[i].seconds))]
+    loss = []
+    for i in idx:
+        e = 0.0
+        for j in idx:
+            if i == j:
+                continue
+            pr = min(1 - 1e-12, _phi(math.log(kept[i].seconds / kept[j].seconds) / sigma))
+            if fr[i] != fr[j]:
+                prior = weight if fr[j] < fr[i] else 1 - weight
+                odds = pr / (1 - pr) * prior / (1 - prior)
+                pr = odds / (1 + odds)
+            e += pr
+        loss.append(e)
+    return [kept[i] for i in sorted(idx, key=lambda i: (loss[i], kept[i].seconds))]
+
+
+def key_accuracy(data: list[tuple[Sweep, list[Scored]]]) -> float:
+    """Over every pair of ranked layouts that ran with different keys, the share in which Fujii et al.'s key picks
+    the one that ran faster: the prior's weight, measured on one family and used on the other."""
+    right = total = 0
+    for sw, sc in data:
+        k = _ran_kept(sw, sc)
+        fr = key_ranks(k)
+        for i, a in enumerate(k):
+            for j, b in enumerate(k):
+                if fr[i] < fr[j]:
+                    total += 1
+                    right += a.run.throughput > b.run.throughput
+    return right / total
+
+
+def blind_agreement(order_by: Callable[[list[Scored]], list[Scored]], grid: str) -> float:
+    """Median over the blind H100 sweeps of the Spearman between ``order_by`` and Fujii et al.'s rule."""
+    rhos = []
+    for sw in blind_sweeps(grid):
+        kept = [s for s in score(sw) if s.verdict == "fits"]
+        if len(kept) >= 3:
+            pos = {id(s): i for i, s in enumerate(rank(kept, "fujii2024"))}
+            rhos.append(spearman([float(i) for i in range(len(kept))], [float(pos[id(s)]) for s in order_by(kept)]))
+    return _median(rhos)
+
+
+def aggregate_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
+    """The targets' figures with each aggregation in place of the planner's order: Borda's count (no parameter), and
+    the key as a prior with its weight and the model's band each measured on the other family (leave one family
+    out) or on both; with the blind H100 agreement of ``--blind``."""
+    miss13, miss30 = "LLaMA-13B s2048 32 x A100-80GB", "LLaMA-30B s2048 256 x A100-80GB"
+    fams = {f: [x for x in data if x[0].family == f] for f in ("fujii", "hagemann")}
+    acc = {f: key_accuracy(d) for f, d in fams.items()}
+    sig = {f: pair_sigma(d) for f, d in fams.items()}
+    acc_all, sig_all = key_accuracy(data), pair_sigma(data)
+    other = {"fujii": "hagemann", "hagemann": "fujii"}
+    policies: list[tuple[str, dict[str, Callable]]] = [
+        ("planner (4% window, Fujii et al.'s key inside it)", {f: (lambda k: rank(k, "time")) for f in fams}),
+        ("borda, weight 0.5", {f: (lambda k: aggregate_order(k, "borda")) for f in fams}),
+        (f"prior, both families: weight {acc_all:.2f}, sigma {sig_all:.1%}",
+         {f: (lambda k: aggregate_order(k, "prior", acc_all, sig_all)) for f in fams}),
+        ("prior, leave one family out: " + ", ".join(f"{f} weight {acc[other[f]]:.2f} sigma {sig[other[f]]:.1%}"
+                                                     for f in fams),
+         {f: (lambda w, s: lambda k: aggregate_order(k, "prior", w, s))(acc[other[f]], sig[other[f]]) for f in fams}),
+    ]
+    lines = [f"key accuracy (pairs with different keys where the key's pick ran faster): Megatron {acc['fujii']:.1%}, "
+             f"Hagemann {acc['hagemann']:.1%}; pair sigma Megatron {sig['fujii']:.1%}, Hagemann {sig['hagemann']:.1%}",
+             "", "| policy | Megatron: within 3% / median / worse | Hagemann: within 3% / median / worse | "
+             f"{miss13} | {miss30} | blind H100 agreement (a100 / paper grid) |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, by_fam in policies:
+        cells, got = [], {}
+        for fam, d in fams.items():
+            rows = [(sw, quality(sw, sc, "time", order_by=by_fam[fam]), quality(sw, sc, "fujii2024")) for sw, sc in d]
+            got.update({sw.name: t for sw, t, _ in rows})
+            worse = sum(t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
+                        for _, t, f in rows)
+            cells.append(f"{sum(t.first_ok for _, t, _ in rows)} of {len(rows)} / "
+                         f"{_fmt_rho(_median([t.spearman for _, t, _ in rows]))} / {worse}")
+        cells += [f"{got[m].first_rel:.1%}, {_fmt_rho(got[m].spearman)}" for m in (miss13, miss30)]
+        # the blind sweeps are Megatron's: the Megatron family's order (leave-one-out: the weight from Hagemann's)
+        cells.append(" / ".join(_fmt_rho(blind_agreement(by_fam["fujii"], g)) for g in ("a100", "paper")))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else math.nan
@@ -1133,7 +1351,16 @@ def main(argv: list[str] | None = None) -> int:
                          "and the tie / cluster ranking policies at those bands (docs/planner.md section 5.2)")
     ap.add_argument("--scaling", action="store_true",
                     help="Megatron layouts: measured / predicted step at each GPU count, and the excess that grows")
+    ap.add_argument("--blind", nargs="?", const="a100", choices=("a100", "paper"),
+                    help="no measurements: the H100-94GB TSUBAME 4.0 sweeps of the same draft, both rules' first choices "
+                         "and their agreement per GPU count (grid: the A100 table's cells, or the paper's)")
+    ap.add_argument("--aggregate", action="store_true",
+                    help="rank aggregations of the time rule and Fujii et al.'s key (Borda, the key as a prior), "
+                         "leave one family out (docs/planner.md section 5.2; not in the planner)")
     ns = ap.parse_args(argv)
+    if ns.blind:
+        print(blind_check(ns.blind))
+        return 0
     sweeps = [s for s in fujii_sweeps() + hagemann_sweeps() + other_kernel_sweeps()
               if ns.family in (None, s.family)]
     results = evaluate(sweeps)
@@ -1170,6 +1397,14 @@ def main(argv: list[str] | None = None) -> int:
                       "planner keeps its 4% window.\n")
     if ns.bands:
         print(bands_text)
+    agg_text = ""
+    if (ns.aggregate or ns.write) and {sw.family for sw, _ in targets} >= {"fujii", "hagemann"}:
+        agg_text = ("\n### Rank aggregation of the time rule and Fujii et al.'s key (`--aggregate`)\n\n"
+                    + aggregate_check(targets) + "\n\nColumns as in the candidates' table, and the median Spearman "
+                    "between each policy's order and `--rule fujii2024` on the blind H100 sweeps (`--blind`). "
+                    "docs/planner.md section 5.2; the planner keeps its 4% window.\n")
+    if ns.aggregate:
+        print(agg_text)
     if ns.pairs is not None:
         for sw, _, _, scored in results:
             print(discordant_pairs(sw, scored, ns.pairs))
@@ -1184,7 +1419,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
                     "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n"
-                    + scale_text + cand_text + bands_text)
+                    + scale_text + cand_text + bands_text + agg_text
+                    + "\n### Blind: the H100-94GB sweeps of the same draft, no measurements (`--blind`, `--blind paper`)\n\n"
+                    + "Cells of the A100 table:\n\n" + blind_check("a100") + "\n\nFujii et al.'s grid (TP x CP within "
+                    "a node of 4):\n\n" + blind_check("paper") + "\n\nLlama-3.1-8B s8192, GBS 1024, Megatron v0.8, 4 "
+                    "H100-94GB per node, 200 Gb/s per GPU (TSUBAME 4.0); docs/planner.md section 5.2.\n")
     return 0
 
 

@@ -273,8 +273,148 @@ def test_context_parallel_comm_types():
     # TE 2.11 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels)
     L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True)
     assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
-    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a"):
-        lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
+    # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below); the hierarchical a2a+p2p path is not sized
+    L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
+    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.fp8_attention_a2a_size == 2
+    assert lay(*fp8, fp8_dot_product_attention=True).fp8_spec.fp8_attention_a2a_size == 1
+    # a2a+p2p: megatron-core hands TE [a2a group, p2p group] in the order of --hierarchical-context-parallel-sizes
+    # (parallel_state.create_hierarchical_groups); attn_forward_func_with_cp runs a2a when the p2p group has one
+    # rank, p2p when the a2a group has one; the two-level path is not sized
+    for sizes, a2a in ((["2", "1"], 2), (["1", "2"], 1)):
+        L = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", *sizes,
+                fp8_dot_product_attention=True)
+        assert L.fp8_spec.fp8_attention_a2a_size == a2a
+    cp4 = fp8[:4] + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+    # two levels: TE 2.11's (megatron-core 0.16) is sized (test_two_level_a2a_p2p_by_hand), TE 2.20.2's is not
+    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p over two levels"):
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.19.2")
+    L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.16.1")
+    assert L.fp8_spec.fp8_attention_a2a_size == 2
+    # TE asserts "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
+    with pytest.raises(ConfigError, match="hierarchical.context.parallel.sizes.*two sizes"):
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "1", "2", fp8_dot_product_attention=True)
+    # AttnFuncWithCPAndQKVOA2A.forward asserts "The number of attention heads needs to be divisible by CP size!"
+    # for q and k: 8 KV heads over TP 2 leave 4 per rank, not a multiple of CP 8 (seq 8192 = 2 x 8 x 512)
+    with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
+        _a2a_cp8(fp8[:4])
+
+
+def _a2a_cp8(fp8):
+    raw = parse_megatron_flags(BASE + fp8 + ["--context-parallel-size", "8", "--cp-comm-type", "a2a"])
+    raw.args.update(fp8_dot_product_attention=True)
+    return resolve(raw, world_size=32)
+
+
+# --cp-comm-type a2a: TE 2.11 context_parallel.py AttnFuncWithCPAndQKVOA2A with fp8 (megatron-core hands it BF16
+# q, k, v: is_input_fp8 False) and flash_attn_a2a_communicate; CP 2, the shapes above
+K = TC * G_T * D                     # k (and v) elements per rank: 2 Mi
+
+
+def test_a2a_peak_by_hand():
+    from megatron_memguard.estimator.layers.fp8_attention import a2a_peak
+    # before the attention, q 4 and k, v 1 byte: send copies 4 + 1 and receive buffers 4 + 1 when q's received
+    # buffer is reordered (two more copies of 4): 18; the last step (v's reorder) holds 6 + 6 + 2 = 14
+    assert a2a_peak((4, 1, 1), True) == 18
+    assert a2a_peak((4,), True) == 4 * 4          # send copy, receive buffer, movedim copy, index_select output
+    # after the attention, one tensor: reordered send copy, receive buffer, its contiguous copy
+    assert a2a_peak((4,), False) == 3 * 4
+    # dq 4, dk 1, dv 1: all three send copies (6), receive buffers of dq and dk (5), dq's contiguous copy (4)
+    assert a2a_peak((4, 1, 1), False) == 15
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a2a_attention_saved_by_hand(recipe):
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    bf16_att = layer_activations(lay(*fp8)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    # ctx.fp8 saves the exchanged FP8 q, k, v (three tensors, the one buffer's scale shared): no BF16 q, no ring buffer
+    for name in ("query_rope", "cp_kv_buffer"):
+        assert name in bf16_att and name not in got
+    assert got["fp8_attention_qkv"] == Q + 2 * K + 512 == W + 512
+    # the FP8 kernel's M and ZInv, fp32 [b, a/CP, s] each = 1 x 16 x 4096 x 4 bytes per statistic
+    assert got["softmax_stats"] == 2 * STATS == 2 * 1 * A_T * TC * 4
+    if recipe == "delayed":
+        # out_part: the kernel's FP8 output before its all-to-all (the BF16 one returned is linear_proj's to quantize)
+        assert got["proj_input"] == Q + 512 and "cp_a2a_attention_output" not in got
+    else:
+        # out_part: the BF16 output before its all-to-all; linear_proj keeps the exchanged BF16 one it reads
+        assert got["proj_input"] == bf16_att["proj_input"] == 2 * Q and got["cp_a2a_attention_output"] == 2 * Q
+    delta = sum(got.values()) - sum(bf16_att.values())
+    # against the BF16 estimate (rope'd q 2 Q + ring buffer 2 KV + one statistic): W + 512 + one statistic more, and
+    # delayed the FP8 output (Q + 512 instead of 2 Q), tensorwise the second BF16 output (+2 Q)
+    base = W + 512 - 2 * Q - 2 * KV + STATS
+    assert delta == (base - Q + 512 if recipe == "delayed" else base + 2 * Q)
+    # proj_input is the attention's (FP8) output under delayed scaling, linear_proj's alone under tensorwise (what
+    # offloading's groups and PEFT's frozen linear_proj read)
+    from megatron_memguard.estimator.layers.attention import attention_keeps_proj_input
+    assert attention_keeps_proj_input(got) == (recipe == "delayed")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a2a_attention_working_sets_by_hand(recipe):
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+            fp8_dot_product_attention=True)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    delayed = recipe == "delayed"
+    Mi = 2 ** 20
+    alive = 2 * Q + 2 * K                    # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
+    # combine_and_quantize: BF16 concatenation [W] next to its FP8 copy
+    assert f.fwd_steps[0][1] == alive + 2 * W + W + 512 == 56 * Mi + 512
+    # the all-to-all of FP8 q (8 Mi), k, v (2 Mi each) next to the FP8 buffer: peak 4 q + 2 k (q's reorder)
+    assert f.fwd_steps[1][1] == alive + W + 512 + 4 * Q + 2 * K == 68 * Mi + 512
+    if delayed:
+        # the saved FP8 output, its exchange (3 Q) or the exchanged FP8 output and its BF16 dequantization (Q + 2 Q)
+        assert f.fwd_steps[2][1] == alive + W + 512 + Q + 512 + 3 * Q == 64 * Mi + 1024
+    else:
+        # the BF16 output's exchange (3 x 2 Q); the output saved before it is counted in the saved tensors
+        assert f.fwd_steps[2][1] == alive + W + 512 + 3 * 2 * Q == 80 * Mi + 512
+    # backward: BF16 dO handed in (2 Q) and its FP8 copy (Q + 512), then the largest of: dO's exchange (4 Q);
+    # the exchanged dO, the kernel's dq, dk, dv and their exchange (peak: send copies, two receive buffers and
+    # dq's contiguous copy); delayed, combine_and_dequantize: exchanged dO, kernel and exchanged FP8 gradients,
+    # their concatenation (3 W) and its BF16 dequantization (2 W)
+    if delayed:
+        bwd = 2 * Q + Q + 512 + max(4 * Q, Q + W + (W + 2 * Q + K), Q + 3 * W + 2 * W)
+        assert bwd == 92 * Mi + 512
+    else:
+        bwd = 2 * Q + Q + 512 + max(4 * Q, Q + 2 * W + 2 * (W + 2 * Q + K))
+        assert bwd == 116 * Mi + 512
+    bf16_ring = 3 * 2 * Q + 10 * KV + STATS  # attention.py _cp_attention_items' backward (BF16 k: kv1 = KV bytes)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, bwd - bf16_ring, 0, 0]
+    assert {"fp8_attention_qkv", "cp_a2a_attention_output"} <= f.bwd_steps[2][0]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a2a_estimate_moves_by_the_layers_saved_bytes(recipe):
+    # the stage's layer_activations move by 16 layers x 2 micro-batches in flight x the per-layer change counted by
+    # hand in test_a2a_attention_saved_by_hand (delayed keeps less than the BF16 estimate, tensorwise more: its
+    # second BF16 output)
+    gpu = lookup_gpu("H100-80GB")
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    t_off = {t.name: t.bytes for t in estimate(lay(*fp8), gpu=gpu).stages[0].terms}
+    t_on = {t.name: t.bytes for t in estimate(lay(*fp8, fp8_dot_product_attention=True), gpu=gpu).stages[0].terms}
+    base = W + 512 - 2 * Q - 2 * KV + STATS
+    per_layer = base - Q + 512 if recipe == "delayed" else base + 2 * Q
+    assert t_on["layer_activations"] - t_off["layer_activations"] == 16 * 2 * per_layer
+
+
+def test_a2a_attention_with_core_attention_recompute():
+    # the checkpoint keeps the BF16 q, k, v (saved unchanged); the backward's replay keeps the a2a function's saved
+    # tensors and the BF16 output it returns through its backward
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2", "--cp-comm-type",
+            "a2a", "--recompute-granularity", "selective"]
+    assert layer_activations(lay(*args, fp8_dot_product_attention=True)).saved == layer_activations(lay(*args)).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*args, fp8_dot_product_attention=True)
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    kept = (W + 512) + 2 * STATS + (Q + 512) + 2 * Q
+    bwd = 2 * Q + Q + 512 + Q + 3 * W + 2 * W
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - bf16, 0, 0]
 
 
 MLA = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--multi-latent-attention",
@@ -325,3 +465,63 @@ def test_bridge_config_carries_it(tmp_path):
     L = resolve(raw, world_size=8)
     assert L.fp8_spec.fp8_dot_product_attention
     assert "fp8_attention_qkv" in layer_activations(L).saved
+
+
+def test_bridge_config_a2a_heads_rule(tmp_path):
+    # the Bridge shape (8 heads, 2 query groups, TP 2): k has 1 head per TP rank, which TE's all-to-all cannot split
+    # over CP 2 (AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs to be divisible by CP size!")
+    text = FLAT.replace("  bf16: true\ntrain", "  bf16: true\n  fp8: hybrid\n  fp8_recipe: delayed\n"
+                        "  fp8_dot_product_attention: true\n  cp_comm_type: a2a\ntrain").replace(
+        "mixed_precision: bf16_mixed\n", "").replace("context_parallel_size: 1", "context_parallel_size: 2")
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(text))
+    raw = read_config_file(str(p))
+    assert raw.args["cp_comm_type"] == "a2a" and raw.args["context_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="cp_comm_type.*query groups \\(1\\).*2 ranks"):
+        resolve(raw, world_size=8)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_two_level_a2a_p2p_by_hand(recipe):
+    # --cp-comm-type a2a+p2p, --hierarchical-context-parallel-sizes 2 2 (CP 4: an all-to-all over 2 ranks around a
+    # ring over 2), megatron-core 0.16.1 / TE 2.11 AttnFuncWithCPAndKVP2P with cp_size_a2a 2: seq 8192 / 4 = 2048
+    # tokens per rank; in Mi: q 4 (and the output), k 1, v 1, W 6 elements; e = 2
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "4"]
+    two = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
+              fp8_dot_product_attention=True, version="0.16.1")
+    ring = lay(*fp8, fp8_dot_product_attention=True, version="0.16.1")
+    Mi = 2 ** 20
+    Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
+    # the exchange trades sequence for heads: the ring's saved tensors keep their bytes (the whole FP8 q, k, v
+    # buffer, the last FP8 ring buffer, one statistic, the output)
+    saved = layer_activations(two).saved
+    assert saved == layer_activations(ring).saved
+    assert saved["fp8_attention_qkv"] == W4 + 512 and saved["cp_kv_buffer"] == KV4
+    m = attention(two, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(two, m)
+    alive = 2 * Q4 + 2 * K4                  # Megatron's rope'd BF16 q, v made contiguous
+    # 1. megatron's BF16 q (8 Mi bytes), k, v (2 Mi each) exchanged: peak at q's reorder, 4 q + 2 k = 36 Mi
+    # 2. combine_and_quantize of the exchanged BF16 q, k, v (2 W): their concatenation (2 W) and FP8 copy (W)
+    # 3. the ring over 2 ranks (TE 2.11: 1 other ring buffer, 2 partial outputs in fp32 with their statistics),
+    #    the fp32 output (16 Mi) and its exchange (send copy, receive buffer, reordered copy: 48 Mi), next to the
+    #    exchanged BF16 q (8 Mi)
+    assert [w for _, w in f.fwd_steps[:3]] == [alive + 36 * Mi, alive + 5 * W4 + 512,
+                                               alive + KV4 + 2 * (4 * Q4 + ST4) + 16 * Mi + 48 * Mi + 2 * Q4]
+    # backward: the ring's buffers over 2 ranks (FP8 dO, BF16 dO, K/V receive, dK/dV send and receive of 2 x KV,
+    # half the statistics) and, delayed, dq_buffer of 2 x q; then the largest of: [out, dO] exchanged (delayed FP8
+    # out 4 + dO 4 Mi: 24 Mi), the ring's steps with both exchanged kept (delayed: the end's fp32 dequantization
+    # of 2 x W and sums, 72 Mi), the gradients' exchange (delayed: BF16 dq 8, dk 2, dv 2 Mi: 30 Mi next to them;
+    # tensorwise: the fp32 accumulators' dq 16, dk 4, dv 4 Mi bytes: send copies 24, receive buffers of dq and dk
+    # 20, dq's contiguous copy 16: 60 Mi)
+    common = Q4 + 512 + 2 * Q4 + KV4 + 2 * 2 * KV4 + ST4 // 2
+    if recipe == "delayed":
+        ring_bwd = common + 2 * Q4 + max(2 * Q4 + 72 * Mi, 2 * Q4 + 2 * W4 + 30 * Mi, 24 * Mi)
+        assert ring_bwd == 110 * Mi + ST4 // 2 + 512
+    else:
+        # (fp32 dq and dK/dV accumulators 4 W; [out, dO] exchanged: BF16 out 8 + dO 4 Mi, 40 Mi at out's reorder)
+        ring_bwd = common + 4 * W4 + max(3 * Q4 + 6 * W4 + 2 * Q4, 3 * Q4 + 60 * Mi, 40 * Mi)
+        assert ring_bwd == 118 * Mi + ST4 // 2 + 512
+    bf16_ring = 3 * 2 * Q4 + 10 * 2 * K4 + ST4   # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring_bwd - bf16_ring, 0, 0]

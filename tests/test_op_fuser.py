@@ -71,8 +71,11 @@ def test_rules_and_refusals():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(no_glu + FUSER + ["--squared-relu"], world_size=8)
     assert "--use-transformer-engine-op-fuser" in str(e.value) and "squared ReLU" in str(e.value)
-    # FP8 under the op fuser: the ops' quantized saved tensors, refused by name
-    assert "--use-transformer-engine-op-fuser" in _err(FUSER + ["--fp8-format", "hybrid"])
+    # FP8 under the op fuser: a dense model's TEFusedMLP is sized (tests/test_fp8_op_fuser.py); the experts' fused
+    # grouped MLP under FP8 is refused by name
+    assert _layout(FUSER + ["--fp8-format", "hybrid"]).use_transformer_engine_op_fuser
+    msg = _err(FUSER + MOE + ["--fp8-format", "hybrid"], env=CUTEDSL)
+    assert "--use-transformer-engine-op-fuser" in msg and "MoE experts under FP8" in msg
 
 
 def test_moe_experts_rules():

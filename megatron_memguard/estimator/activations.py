@@ -277,7 +277,10 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
             saved["qkv_input"] = saved_input(L.fp8_spec, q.tokens, q.cols, sp_gathered=q.sp_gathered).allocated
 
     def tie(names: frozenset) -> frozenset:
-        return names | {"fp8_proj_input"} if "proj_input" in names else names
+        # linear_proj's quantized copy goes with proj_input; the op fuser's weight copies with fc1's input (fc1's
+        # backward is the MLP's last)
+        names = names | {"fp8_proj_input"} if "proj_input" in names else names
+        return names | {"fp8_op_fuser_weights"} if "fc1_input" in names else names
 
     return saved, tuple((tie(n), w) for n, w in fwd_steps), tuple((tie(n), w) for n, w in bwd_steps)
 

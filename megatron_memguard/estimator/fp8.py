@@ -86,6 +86,11 @@ class Fp8Spec:
     disable_parameter_transpose_cache: bool = False
     activation_func_fp8_input_store: bool = False
     fp8_dot_product_attention: bool = False
+    # memguard's own: how FP8 attention crosses the context-parallel ranks (resolve/fp8.py, from --cp-comm-type and
+    # --hierarchical-context-parallel-sizes): the ranks of its all-to-all. 1: TE's ring over all of them (p2p,
+    # AttnFuncWithCPAndKVP2P); CP: all-to-all alone (a2a, AttnFuncWithCPAndQKVOA2A); between: a2a+p2p (an
+    # all-to-all over this many ranks, then the ring over the others, AttnFuncWithCPAndKVP2P)
+    fp8_attention_a2a_size: int = 1
 
     # names Megatron (or its configs) also use for the same setting
     _ALIASES = {"fp8_param": "fp8_param_gather", "fp4_param": "fp4_param_gather", "fp8_format": "fp8",
@@ -315,7 +320,7 @@ def param_buffer_bytes_per_element(spec: Fp8Spec) -> float:
     return {"mxfp8": 0.0, "nvfp4": 0.5}.get(r, 1.0)
 
 
-def recipe_state_bytes(spec: Fp8Spec, num_gemms: int = 1) -> int:
+def recipe_state_bytes(spec: Fp8Spec, num_gemms: int = 1, *, forward: int = 3, backward: int = 2) -> int:
     """Scales and amax histories one TE module keeps (``set_meta_tensor``, forward and backward), with
     the allocator's rounding of each tensor.
 
@@ -323,15 +328,16 @@ def recipe_state_bytes(spec: Fp8Spec, num_gemms: int = 1) -> int:
     forward, 2 * num_gemms backward (``DelayedScalingRecipeState``); tensorwise: one fp32 scale and one
     fp32 amax per quantizer (``Float8CurrentScalingQuantizer``), 5 * num_gemms quantizers; blockwise,
     mxfp8 and nvfp4 quantizers hold no tensors (``Float8BlockQuantizer``, ``MXFP8Quantizer``,
-    ``NVFP4Quantizer``; the NVFP4 Hadamard matrix is one shared 16x16 tensor)."""
+    ``NVFP4Quantizer``; the NVFP4 Hadamard matrix is one shared 16x16 tensor). ``forward`` / ``backward``:
+    quantizers per GEMM (a TE module's 3 and 2; the op fuser's ``BasicLinear`` has 2 and 1)."""
     r = spec.recipe
     if r == "delayed":
         total = 0
-        for n in (3 * num_gemms, 2 * num_gemms):
+        for n in (forward * num_gemms, backward * num_gemms):
             total += _alloc(4 * n) + _alloc(4 * n * spec.fp8_amax_history_len)
         return total
     if r == "tensorwise":
-        return 5 * num_gemms * 2 * _alloc(4)
+        return (forward + backward) * num_gemms * 2 * _alloc(4)
     return 0
 
 

@@ -21,6 +21,35 @@ class Gemm:
     tokens: int = 0
     sp_gathered: bool = False
     count: int = 1
+    # run by Transformer Engine's operation fuser (TEFusedMLP's BasicLinear ops), not by its TE module
+    op_fused: bool = False
+
+
+def op_fuser_weight(spec: Fp8Spec, g: Gemm, *, non_tn: bool = False) -> int:
+    """What an op-fused GEMM (``TEFusedMLP``'s ``BasicLinear``, TE 2.20.2 ``ops/basic/basic_linear.py``
+    ``_functional_forward``) keeps of its weight per micro-batch: with a BF16 weight it quantizes a fresh copy
+    each forward (``weight_quantizer(w)``, no workspace cache: "workspace freshly created each forward pass") and
+    saves it column-wise only (``update_usage(rowwise_usage=False, columnwise_usage=True)``); a primary quantized
+    weight is used as it is (nothing new)."""
+    r = spec.recipe
+    if r is None or spec.primary_weights_quantized or not g.op_fused:
+        return 0
+    from .fp8 import quantized_tensor
+    return g.count * quantized_tensor(r, g.rows, g.cols, rowwise=False, columnwise=True, non_tn=non_tn,
+                                      block_2d=r == "blockwise").allocated
+
+
+def op_fuser_saved_input(spec: Fp8Spec, g: Gemm, *, non_tn: bool = False) -> int:
+    """What an op-fused GEMM keeps of its quantized input: the norm (or activation) op before it quantizes its
+    output with the GEMM's input quantizer, set for both usages in training (``BasicLinear.pre_fuser_forward``);
+    the GEMM then keeps the column-wise data, except a Float8 input all-gathered over TP (delayed / tensorwise,
+    column-parallel with sequence parallelism: "FP8 does not support all-gather of transpose data"), which keeps
+    the local shard as quantized: row-wise data and, on Hopper, its transpose (TE 2.20.2 ``basic_linear.py``)."""
+    r = spec.recipe
+    if r in ("delayed", "tensorwise") and g.sp_gathered:
+        from .fp8 import quantized_tensor
+        return g.count * quantized_tensor(r, g.tokens, g.cols, rowwise=True, columnwise=True, non_tn=non_tn).allocated
+    return g.count * saved_input(spec, g.tokens, g.cols, sp_gathered=g.sp_gathered, non_tn=non_tn).allocated
 
 
 def dense_layer_gemms(*, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -50,7 +79,8 @@ def dense_layer_gemms(*, hidden_size: int, ffn_hidden_size: int, num_attention_h
 def weight_cache_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> int:
     """``fp8_weight_cache``: the cached quantized copies of one layer's GEMM weights (payload and scale
     tensors), 0 when the weights are primary FP8/FP4 or caching is disabled."""
-    return sum(g.count * weight_workspace(spec, g.rows, g.cols, non_tn=non_tn).allocated for g in gemms)
+    return sum(g.count * weight_workspace(spec, g.rows, g.cols, non_tn=non_tn).allocated for g in gemms
+               if not g.op_fused)   # TE's op fuser caches no workspace (op_fuser_weight)
 
 
 def primary_weight_extra_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False,
@@ -74,8 +104,10 @@ def primary_weight_scale_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn
 
 def layer_recipe_state_bytes(spec: Fp8Spec, gemms: tuple[Gemm, ...]) -> int:
     """``fp8_scales``: the recipe state of one layer's TE modules (a grouped linear is one module of
-    ``count`` GEMMs)."""
-    return sum(recipe_state_bytes(spec, g.count) for g in gemms)
+    ``count`` GEMMs); an op-fused GEMM's ``BasicLinear`` has 2 forward and 1 backward quantizers (input, weight;
+    grad output: ``num_quantizers``, TE 2.20.2 ``ops/basic/basic_linear.py``; its TE module never runs)."""
+    return sum(recipe_state_bytes(spec, g.count, forward=2, backward=1) if g.op_fused else
+               recipe_state_bytes(spec, g.count) for g in gemms)
 
 
 def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False) -> dict[str, int]:
@@ -157,6 +189,8 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
 
     def q(name: str) -> int:
         x = g[name]
+        if x.op_fused:
+            return op_fuser_saved_input(spec, x, non_tn=non_tn)
         return x.count * saved_input(spec, x.tokens, x.cols, sp_gathered=x.sp_gathered, non_tn=non_tn).allocated
 
     out: dict[str, int] = {}
@@ -183,7 +217,12 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
     if spec.disable_parameter_transpose_cache:
         # no workspace cache: each GEMM saves the weight copy it quantized for this micro-batch
         out["fp8_weight_copies"] = sum(x.count * uncached_weight_copies(spec, x.rows, x.cols, non_tn=non_tn).allocated
-                                       for x in gemms)
+                                       for x in gemms if not x.op_fused)
+    if "fc2_input" in saved:
+        # TEFusedMLP's BasicLinear ops: the column-wise weight copies of this micro-batch (none with primary weights)
+        ops = sum(op_fuser_weight(spec, x, non_tn=non_tn) for x in gemms)
+        if ops:
+            out["fp8_op_fuser_weights"] = ops
     return out
 
 
@@ -202,8 +241,11 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     moe = getattr(L, "moe", None)
     if moe is not None:
         # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}")
-        from dataclasses import replace
         gemms = tuple(replace(g, count=moe.local_experts) if g.name.startswith("experts.") else g for g in gemms)
+    elif getattr(L, "use_transformer_engine_op_fuser", False):
+        # --use-transformer-engine-op-fuser (core 0.19.2 gpt_layer_specs): a dense model's MLP is TEFusedMLP, whose
+        # fc1 / fc2 run as TE BasicLinear ops (resolve/kernels.py op_fuser)
+        gemms = tuple(replace(g, op_fused=True) if g.name in ("linear_fc1", "linear_fc2") else g for g in gemms)
     return gemms
 
 

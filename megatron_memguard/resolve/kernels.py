@@ -103,10 +103,12 @@ def op_fuser(a: Args, kw: Mapping[str, Any], impl: str) -> bool:
         a.notes.append(f"{a.key('use_transformer_engine_op_fuser')}: no effect with --transformer-impl local "
                        "(only the Transformer Engine spec reads it)")
         return False
-    if kw.get("fp8") or kw.get("fp4"):
-        # the ops save quantized inputs of their own (BasicLinear, cache_quantized_input): not analysed
+    if (kw.get("fp8") or kw.get("fp4")) and a.get("num_experts"):
+        # the experts' fused grouped MLP (TEGroupedMLP._fused_forward, TE's grouped ops) under FP8 / FP4 was not
+        # read; a dense model's TEFusedMLP is sized (estimator/fp8_layers.py op_fuser_weight, op_fuser_saved_input)
         raise NotModelledError(a.key("use_transformer_engine_op_fuser"),
-                               "Transformer Engine's operation fuser under FP8 / FP4 (its quantized saved tensors)")
+                               "Transformer Engine's operation fuser for MoE experts under FP8 / FP4 (the fused "
+                               "grouped MLP's quantized saved tensors; a dense model's fused MLP is sized)")
     if a.bool_arg("use_grouped_gemm_for_dense_mlp", False) and not a.get("num_experts"):
         # gpt_layer_specs.py (0.19.2): the dense MLP becomes TEFusedMLPWithGroupedLinear, whose saved tensors
         # (TE's GroupedLinear ops) were not read

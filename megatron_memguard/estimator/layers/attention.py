@@ -306,8 +306,10 @@ def attention_keeps_proj_input(saved: Mapping[str, int]) -> bool:
     Nothing else keeps it: unfused attention (its context is a new tensor the bmm does not save), ``core_attn``
     recompute (the checkpoint runs the attention without autograd), the output gate (linear_proj reads the gated
     product), the flash backend with or without CP (linear_proj reads a ``.contiguous()`` sbhd copy of the
-    ``attention_output_bshd`` flash-attn or the ring keeps)."""
-    return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved)
+    ``attention_output_bshd`` flash-attn or the ring keeps), FP8 attention's all-to-all under tensorwise scaling (it
+    keeps the output before its exchange, ``cp_a2a_attention_output``; layers/fp8_attention.py)."""
+    return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved
+                                             or "cp_a2a_attention_output" in saved)
 
 
 def reads_batch_mask(L: Layout) -> bool:

@@ -26,7 +26,7 @@ attention's backward step (docs/terms/fp8.md)."""
 from __future__ import annotations
 
 from ...layout import Layout
-from ..fp8 import quantized_tensor
+from ..fp8 import _alloc, quantized_tensor
 from .attention import _gated
 from .base import MixerActivations, shapes
 
@@ -43,7 +43,11 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     q, k ``[Tf, a, qk + rope dim]`` and v ``[Tf, a, v]`` (``combine_and_quantize``, qkv layout sbhd_sbhd_sbhd),
     an output of v's width."""
     if L.cp > 1:
-        return fp8_ring_attention(L, mixer)
+        # the all-to-all over every CP rank (a2a), or the ring (p2p); resolve/fp8.py refuses the two-level a2a+p2p
+        a2a = L.fp8_spec.fp8_attention_a2a_size
+        if a2a == L.cp:
+            return fp8_a2a_attention(L, mixer)
+        return fp8_ring_attention(L, mixer, a2a)
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
@@ -111,8 +115,8 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
 _BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
 
 
-def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
-    """FP8 attention under context parallelism (cp_comm_type p2p, resolve/fp8.py refuses the others):
+def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> MixerActivations:
+    """FP8 attention under context parallelism with cp_comm_type p2p (a2a: ``fp8_a2a_attention``):
     Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; the same
     tensors in TE 2.20.2, whose ring holds two buffers instead of one per step).
 
@@ -131,11 +135,19 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     ``dkv_send_buffer`` / ``dkv_recv_buffer`` of ``cp x`` FP8 dK/dV each, and delayed: ``dq_buffer`` of ``cp x`` FP8
     dq, every step's FP8 dq/dk/dv collected and, at the end, ``combine_and_dequantize`` of the ``cp`` steps'
     results to fp32 and their sum (fp32, then BF16); tensorwise: fp32 dq and dK/dV accumulators, each step's
-    BF16 dq/dk/dv and their fp32 casts, and the BF16 casts of the fp32 gradients returned."""
+    BF16 dq/dk/dv and their fp32 casts, and the BF16 casts of the fp32 gradients returned.
+
+    ``a2a`` > 1: ``--cp-comm-type a2a+p2p`` over two levels, read in TE 2.11 only (resolve/fp8.py refuses it for
+    the TE 2.20.2 era): an all-to-all over ``a2a`` ranks around a ring over ``CP / a2a``. The saved tensors keep
+    their bytes (the exchange trades sequence for heads); the ring's working sets count ``CP / a2a`` steps, and the
+    exchanges add theirs (``a2a_peak``): forward, megatron's BF16 q, k, v exchanged before they are quantized (the
+    exchanged BF16 q stays until the forward returns, ``q_f16``), the fp32 corrected output exchanged before its BF16
+    cast; backward, the saved output and the FP8 dO exchanged together ([out, dout]) before the ring, the
+    gradients (BF16 under delayed scaling, the fp32 accumulators under tensorwise) after it."""
     from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
-    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp // a2a         # cp: the ring's ranks
     recipe = L.fp8_spec.recipe
     delayed = recipe == "delayed"
     gated = _gated(L) == 2
@@ -151,20 +163,40 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
     n_ring, n_out = (cp - 1, cp) if _te_keeps_every_cp_step(L) else (2, 2)
     combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
+    # a2a+p2p: the exchanged BF16 q, k, v combine_and_quantize reads; the exchanged q kept to the forward's end
+    a2a_in, a2a_q = (W * e, q) if a2a > 1 else (0, 0)
     # the output correction: partial outputs in fp32 with their statistics, the other ring buffers, the fp32
     # output, its BF16 cast and (delayed) the FP8 output
-    correction = n_ring * KV + n_out * (4 * Q + stats) + 4 * Q + e * Q + (out8 if delayed else 0)
+    out_end = 4 * Q + e * Q + (out8 if delayed else 0)
+    if a2a > 1:
+        # the fp32 output exchanged (send copy, receive buffer, reordered copy) before its casts
+        out_end = max(4 * Q + a2a_peak((4 * Q,), False), out_end)
+    correction = n_ring * KV + n_out * (4 * Q + stats) + out_end
     common = out8 + e * Q + KV + 2 * cp * KV + stats // 2   # dO in FP8, dO, K/V receive, dK/dV send and receive
+    ob = 1 if delayed else e                           # bytes per element of the saved output
+    # a2a+p2p: the saved output and the FP8 dO exchanged before the ring, kept through it
+    kept_a2a = ob * Q + Q if a2a > 1 else 0
     if delayed:
         # each step: FP8 dq/dk/dv and contiguous halves of q, out, dO; the end: the steps' FP8 results
         # (dK/dV made contiguous), concatenated and dequantized to fp32, then summed over the steps one tensor
         # at a time (an fp32 sum next to the BF16 casts made so far: dq's, or dv's after dq's and dk's)
         end = max(cp * KV + cp * W + 4 * cp * W, 4 * cp * W + max(6 * Q, 2 * Q + 4 * KV))
-        ring_bwd = common + cp * Q + max(W + 3 * Q // 2, end)
+        phases = [kept_a2a + max(W + 3 * Q // 2, end)]
+        if a2a > 1:
+            # the BF16 dq, dk, dv exchanged after the ring
+            phases.append(kept_a2a + W * e + a2a_peak((e * Q, e * KV // 2, e * KV // 2), False))
+        ring_bwd = common + cp * Q
     else:
         # fp32 dq and dK/dV accumulators; each step: BF16 dq/dk/dv, their fp32 casts and the halves of q, out
         # (BF16), dO; the fp32 gradients returned are cast to BF16 by autograd
-        ring_bwd = common + 4 * W + max(6 * W + 2 * Q, 2 * W)
+        phases = [kept_a2a + max(6 * W + 2 * Q, 2 * W)]
+        if a2a > 1:
+            # the fp32 accumulators' dq, dk, dv exchanged after the ring
+            phases.append(kept_a2a + a2a_peak((4 * Q, 2 * KV, 2 * KV), False))
+        ring_bwd = common + 4 * W
+    if a2a > 1:
+        phases.append(a2a_peak((ob * Q, Q), True))     # the exchange of the saved output and dO
+    ring_bwd += max(phases)
     (names, _), *rest = mixer.fwd_steps
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad
@@ -172,7 +204,9 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # the BF16 output it returns) through the ring's backward
         kept = qkv8 + KV + stats + e * Q + (out8 if delayed else 0)
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
-        fwd = ((names, kv1 + combine), (names, kv1 + qkv8 + KV + stats + correction))
+        fwd = ((names, kv1 + combine + a2a_in), (names, kv1 + qkv8 + KV + stats + correction + a2a_q))
+        if a2a > 1:
+            fwd = ((names, kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
         bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
                     for i, (rel, w) in enumerate(mixer.bwd_steps))
         return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
@@ -191,15 +225,156 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
                 b = out8
         new[name] = b
     alive = sum(dropped.values()) + kv1                # + v made contiguous
+    first = names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output"}
     fwd = (
-        (names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output"}, alive + combine),
-        (names | {"fp8_attention_output"}, alive + correction),
+        (first, alive + combine + a2a_in),
+        (names | {"fp8_attention_output"}, alive + correction + a2a_q),
     )
+    if a2a > 1:
+        fwd = ((first, alive + a2a_peak((q, kv1, kv1), True)),) + fwd   # megatron's BF16 q, k, v exchanged
     bwd = []
     for i, (rel, w) in enumerate(mixer.bwd_steps):
         if i == core:
             w += ring_bwd - bf16_ring_bwd
         elif "softmax_stats" in rel:
             rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer"}
+        bwd.append((rel, w))
+    return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+def a2a_peak(sizes: tuple[int, ...], before_attn: bool) -> int:
+    """Peak bytes ``flash_attn_a2a_communicate`` (TE 2.11 and 2.20.2 ``context_parallel.py``) holds for tensors
+    of ``sizes`` bytes, its callers' tensors not included; what it returns (one tensor per input) is part of it.
+
+    Per tensor it makes a send copy (``movedim(-3, 0).contiguous()`` before the attention; after it the chunk
+    reorder: ``movedim(...).contiguous()`` then ``index_select``, two copies, the first freed), an
+    ``all_to_all_single`` receive buffer (``empty_like``), and the reordered result (before the attention: the
+    chunk reorder of the received buffer, two copies; after it one ``contiguous()`` copy), which replaces the
+    received buffer. The send copies live in the caller's list until the function returns. The loop runs
+    ``len(sizes) + 2`` times: receive buffer ``i - 1``, then (before the attention) reorder of ``i - 2`` and
+    send copy ``i``; (after it) send copy ``i``, then the copy of ``i - 2``."""
+    n = len(sizes)
+    sent = recv = peak = 0
+    for i in range(n + 2):
+        if 0 < i < n + 1:
+            recv += sizes[i - 1]
+            peak = max(peak, sent + recv)
+        if before_attn:
+            if i > 1:
+                peak = max(peak, sent + recv + 2 * sizes[i - 2])
+            if i < n:
+                sent += sizes[i]
+                peak = max(peak, sent + recv)
+        else:
+            if i < n:
+                peak = max(peak, sent + recv + 2 * sizes[i])
+                sent += sizes[i]
+            if i > 1:
+                peak = max(peak, sent + recv + sizes[i - 2])
+    return peak
+
+
+def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+    """FP8 attention under context parallelism with ``--cp-comm-type a2a``: Transformer Engine's
+    ``AttnFuncWithCPAndQKVOA2A`` with ``fp8`` (TE 2.11 ``context_parallel.py``; megatron-core 0.16.1 and 0.19.2
+    build no FP8 q, k, v, so ``is_input_fp8`` is False). The all-to-alls move FP8 bytes: q, k, v are quantized
+    first (``combine_and_quantize``: one FP8 buffer of q, k, v) and their uint8 data is exchanged, turning
+    [s/CP, all the rank's heads] into [s, heads/CP]; the output goes back the same way (FP8 under delayed
+    scaling, BF16 under tensorwise, ``NVTE_DPA_FP8CS_O_in_F16=1``).
+
+    Saved (``ctx.fp8``): the exchanged FP8 q, k, v (three tensors of the one buffer's bytes: ``fp8_attention_qkv``,
+    sharing its scale), the FP8 kernel's M and ZInv (fp32 ``[b, a/CP, s]`` each: two statistics of the rank's
+    ``[b, a, s/CP]`` size) and the output before its all-to-all: FP8 under delayed scaling (``proj_input`` at
+    1 B/elem, or ``fp8_attention_output`` next to the gate's BF16 output), BF16 under tensorwise, a tensor
+    other than the returned one linear_proj keeps (``cp_a2a_attention_output``). No ring buffer.
+
+    Forward working sets: the BF16 concatenation of q, k, v and its FP8 copy; the all-to-all of q, k, v next to
+    that FP8 buffer (alive until the forward returns); the kernel's output and its all-to-all (delayed: then the
+    exchanged FP8 output and its BF16 dequantization, which linear_proj reads). Backward: the BF16 output gradient
+    handed in and its FP8 copy, then its all-to-all (FP8); the kernel's dq, dk, dv (delayed: FP8; tensorwise:
+    BF16) and their all-to-all; delayed: ``combine_and_dequantize`` (the exchanged FP8 gradients concatenated,
+    dequantized to BF16) while the kernel's FP8 gradients are still held."""
+    from .attention import _cp_attention_items, qkv_out_per_rank
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d = x.e, x.Tf, x.d
+    recipe = L.fp8_spec.recipe
+    delayed = recipe == "delayed"
+    gated = _gated(L) == 2
+    core = 2 if gated else 1                           # the core attention's backward step
+    Q = Tf * x.a_t * d                                 # q (and the output) elements: the same before and after
+    K = Tf * x.g_t * d                                 # k (and v) elements
+    W = Q + 2 * K
+    stats = x.b * x.a_t * x.s * 4                      # one fp32 statistic [b, a/CP, s] = [b, a, s/CP] elements
+    scale = _alloc(4)                                  # a Float8Tensor's fp32 scale-inverse
+    qkv8 = quantized_tensor(recipe, Tf, W // Tf, rowwise=True, columnwise=False).allocated
+    out8 = quantized_tensor(recipe, Tf, Q // Tf, rowwise=True, columnwise=False).allocated
+    fp8_qkv = _alloc(Q) + 2 * _alloc(K) + scale        # the exchanged q, k, v (the buffer's scale shared)
+    out_b = 1 if delayed else e                        # bytes per element of the kernel's output
+    saved_out = out8 if delayed else Q * e             # the output saved before its all-to-all
+    q, kv1 = Q * e, K * e
+    rope = L.position_embedding_type in ("rope", "yarn")
+    _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
+    combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
+    qkv_a2a = qkv8 + a2a_peak((Q, K, K), True)         # the exchange of q, k, v next to the FP8 buffer
+    if delayed:
+        # the FP8 output's all-to-all, then the exchanged FP8 output and its BF16 dequantization
+        out_a2a = max(a2a_peak((Q,), False), Q + e * Q)
+    else:
+        out_a2a = a2a_peak((e * Q,), False)            # its last copy is the BF16 output returned
+    # backward (ctx.fp8): the BF16 dO handed in and its FP8 copy; the exchange of dO (FP8); with the exchanged dO:
+    # the kernel's dq, dk, dv, their exchange, and (delayed) combine_and_dequantize: the FP8 gradients' one byte
+    # concatenation and its BF16 dequantization next to the kernel's FP8 gradients and the exchanged ones
+    dqkv = W if delayed else W * e
+    sizes = (Q, K, K) if delayed else (Q * e, K * e, K * e)
+    a2a_bwd = e * Q + out8 + max(a2a_peak((Q,), True), Q + dqkv + a2a_peak(sizes, False),
+                                 Q + 3 * W + W * e if delayed else 0)
+    (names, _), *rest = mixer.fwd_steps
+    out_names = {"fp8_attention_output", "cp_a2a_attention_output"}
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad forward
+        # makes the transients, and the backward's replay keeps the saved tensors (and the BF16 output it returns)
+        # through the attention's backward
+        kept = fp8_qkv + 2 * stats + saved_out + e * Q
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
+        fwd = ((names, kv1 + combine), (names, kv1 + max(qkv_a2a, qkv8 + fp8_qkv + 2 * stats + saved_out + out_a2a)))
+        bwd = tuple((rel, w + kept + a2a_bwd - bf16 if i == core else w)
+                    for i, (rel, w) in enumerate(mixer.bwd_steps))
+        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+    dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
+    new: dict[str, int] = {}
+    for name, b in saved.items():
+        if name in dropped:
+            continue
+        if name == "cp_kv_buffer":
+            new["fp8_attention_qkv"] = fp8_qkv         # in place of the ring's K/V buffer: no ring here
+            continue
+        if name == "softmax_stats":
+            b = 2 * stats                              # M and ZInv
+            if not delayed:
+                new[name] = b
+                new["cp_a2a_attention_output"] = saved_out
+                continue
+        elif name == "proj_input" and delayed:
+            if gated:
+                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
+            else:
+                b = out8                               # the FP8 output the attention keeps
+        new[name] = b
+    alive = sum(dropped.values()) + kv1                # + v made contiguous
+    first = names | {"fp8_attention_qkv", "softmax_stats"} | out_names
+    fwd = (
+        (first, alive + combine),
+        (first, alive + qkv_a2a),
+        # the kernel's output: delayed, the saved FP8 one (proj_input / fp8_attention_output, not yet counted) and
+        # its exchange; tensorwise, the saved BF16 one (cp_a2a_attention_output) and its exchange to proj_input
+        (names | {"fp8_attention_output"}, alive + qkv8 + (out8 if delayed else 0) + out_a2a),
+    )
+    bwd = []
+    for i, (rel, w) in enumerate(mixer.bwd_steps):
+        if i == core:
+            w += a2a_bwd - bf16_ring_bwd
+        elif "softmax_stats" in rel:
+            rel = rel | {"fp8_attention_qkv", "cp_kv_buffer"} | out_names
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
