@@ -304,6 +304,12 @@ def test_fp8_per_layer(tmp_path):
     n = 2_228_224 + 786_432 + 655_360
     assert "3,670,016 GEMM weight elements of 3 FP8 layers" in cache.detail
     assert cache.bytes == 2 * n + 2 * n // 32 == 7_569_408
+    # get_gpt_heterogeneous_layer_spec builds plain TE linears whatever --use-transformer-engine-op-fuser says (no
+    # TEFusedMLP, whose ops would cache no workspace): the same cache, and a note
+    L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--use-transformer-engine-op-fuser",
+                                "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    assert _terms(L, "B200")["fp8_weight_cache"].bytes == 7_569_408
+    assert any("no effect on a heterogeneous layer config" in note for note in L.notes)
     # --first-last-layers-bf16 with 1 layer at the start: layers 1 and 2 only
     L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
                                 "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "0",

@@ -113,7 +113,14 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         size = kw["ffn_hidden_size"] if ffn is None else ffn
         words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
                                    else f"dense:{size}"))
-    return dict(heterogeneous_layers=",".join(words))
+    out: dict[str, Any] = dict(heterogeneous_layers=",".join(words))
+    if kw.get("use_transformer_engine_op_fuser"):
+        # get_gpt_heterogeneous_layer_spec (0.19.2) builds each MLP from TELayerNormColumnParallelLinear and
+        # TERowParallelLinear whatever the flag says (no TEFusedMLP)
+        a.notes.append(f"{a.key('use_transformer_engine_op_fuser')}: no effect on a heterogeneous layer config's "
+                       "layers (their spec builds plain Transformer Engine linears)")
+        out["use_transformer_engine_op_fuser"] = False
+    return out
 
 
 def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list) -> dict[str, Any]:
