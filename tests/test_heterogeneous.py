@@ -356,3 +356,41 @@ def test_offloading_and_full_iteration_graphs():
                           world_size=1)
     with pytest.raises(NotModelledError, match="replace_with_linear blocks under fine-grained activation offloading"):
         layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+
+
+def test_moe_parameters_per_rank_match_megatron_core():
+    # TP 2 (sequence parallel), PP 2, EP 2, ETP 1, one MTP depth: each pipeline rank's parameters as megatron-core
+    # builds that rank (tests/e2e/moe_rank_params.py: HeterogeneousTransformerConfig, the MoE block spec, the MTP
+    # spec of megatron/training 0.19.2's builder where installed, else the last decoder layer's; model-parallel
+    # ranks set in parallel_state)
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
+    job = dict(num_layers=4, hidden_size=512, heads=8, kv_channels=None, groups=2, ffn=1024, bias=False, glu=True,
+               norm="RMSNorm", tp=2, pp=2, vpp=None, ep=2, etp=1, experts=4, moe_ffn=256, topk=2, freq=[1, 0, 1, 0],
+               shared_ffn=384, shared_gate=False, expert_bias=False, untied=True, seq=256, mtp=1, mla=None,
+               first=None, last=None, acc_emb=False, acc_loss=False, layout=None, vocab=1024, het=BLOCKS,
+               ranks=[[0, None, 0, 0, 0], [1, None, 1, 1, 0]])
+    port = str(_free_port())
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "moe_rank_params.py"), json.dumps([job])],
+                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE),
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "MEMGUARD_E2E_PORT": port,
+                              "MASTER_PORT": port})
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = json.loads(out.stdout.strip().splitlines()[-1])[0]
+    L = _layout(MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
+                       "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                       "--mtp-num-layers", "1"], world=8)
+    est = estimate(L)
+    for r in real:
+        pp = r["rank"][0]
+        mine = chunk_params(L, L.stage_chunks(pp)[0])
+        assert r["params"] == est.stages[pp].parameters == sum(p.numel for p in mine)
+        assert r["tags"]["expert"] == sum(p.numel for p in mine if p.expert)
+        assert [is_moe for _, is_moe in r["layers"]] == [k.mlp == "moe" for k in L.stage_chunks(pp)[0].layer_kinds]
+    # by hand, rank 0: embedding [1024 / 2, 512]; layer 0: norm, qkv 768 / 2 x 512, proj 512 x 256, pre-MLP norm,
+    # router 4 x 512, 2 local experts x 3 x 256 x 512, shared expert 3 x 384 / 2 x 512; layer 1: norm, qkv, proj,
+    # pre-MLP norm, dense MLP 512 (fc1 1024 / 2 x 512, fc2 512 x 256)
+    attn = 512 + 384 * 512 + 512 * 256
+    assert est.stages[0].parameters == (512 * 512 + attn + 512 + 2048 + 2 * 3 * 256 * 512 + 3 * 192 * 512
+                                        + attn + 512 + 512 * 512 + 512 * 256) == 2_396_160
