@@ -322,9 +322,21 @@ def test_fp8_per_layer(tmp_path):
                                                                        "replace_with_linear": False}))
     msg = _err(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--heterogeneous-layers-config-path", odd])
     assert msg.startswith("--heterogeneous-layers-config-path: with --fp8-recipe mxfp8: linear_fc1's weight is [1040, 512]")
-    # TE's gathered linear replacement under FP8 is not modelled: refused by name; the local spec runs FP8 flags in BF16
-    with pytest.raises(NotModelledError, match="replace_with_linear blocks under FP8"):
-        layout_from_flags(te + ["--fp8-format", "hybrid", "--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    # a linear replacement is TELayerNormColumnParallelLinearGathered (a TE LayerNormLinear): one more [512, 512] GEMM
+    # per linear block of linear_blocks.json: layer 0 2,228,224, layer 1 (linear + MLP 512) 262,144 + 786,432,
+    # layer 2 (attention + linear) 655,360 + 262,144, layer 3 (two linears) 2 x 262,144
+    L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--heterogeneous-layers-config-path",
+                                LINEAR], world_size=1)
+    n = 2_228_224 + 1_048_576 + 917_504 + 524_288
+    assert _terms(L, "B200")["fp8_weight_cache"].bytes == 2 * n + 2 * n // 32 == 9_732_096
+    # each linear keeps its norm output quantized: [512, 512] MXFP8, 1 byte an element and a scale per 32
+    saved = layer_activations(L, True, layer_kinds(L)[3]).saved
+    assert saved["qkv_input"] == saved["fc1_input"] == 512 * 512 + 512 * 512 // 32 == 270_336
+    # and its backward quantizes the [512, 512] output gradient both ways (TE grad_output_preprocess) next to the BF16
+    bf16 = layout_from_flags(te + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    assert (layer_activations(L, True, layer_kinds(L)[3]).bwd_transient
+            - layer_activations(bf16, True, layer_kinds(bf16)[3]).bwd_transient) == 2 * 270_336
+    # the local spec runs FP8 flags in BF16
     L = _layout(["--fp8-format", "hybrid"], path=LINEAR)
     assert not any(k.quantized for k in layer_kinds(L))
 

@@ -74,19 +74,16 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
             raise NotModelledError(a.key(PATH), f"block {i}: num_query_groups {groups} other than --num-query-groups "
                                    f"{kw['num_query_groups']} (one layer's own attention width)")
     # FP8 / FP4: each layer in get_fp8_context of its global index (TransformerBlock, 0.16.1 and 0.19.2), its TE GEMMs
-    # those of its blocks (partition.model_kind_runs); a replace_with_linear block is a TE LayerNormLinear whose
-    # quantized tensors (TELayerNormColumnParallelLinearGathered) the linear recipe does not model
+    # those of its blocks (partition.model_kind_runs; a linear replacement is TELayerNormColumnParallelLinearGathered,
+    # a TE LayerNormLinear: estimator/fp8_layers.py linear_attn / linear_mlp)
     linear = kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L])
-    linear_fp8 = bool(kw.get("fp8") or kw.get("fp4")) and kw.get("transformer_impl") == "transformer_engine" and linear
     impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
     # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
     # per-layer graphs do: which no-op / linear layers are graphed differs between TE's _layer_is_graphable
     # (isinstance checks) and the local CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares
     # the submodule spec with IdentityOp, which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
     per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs
-    for bad, what in ((linear_fp8, "with replace_with_linear blocks under FP8 / FP4 (the quantized input and output "
-                                   "gradient of TE's gathered linear replacement)"),
-                      (per_layer_graphs, "with per-layer CUDA graphs (--cuda-graph-impl local / transformer_engine: "
+    for bad, what in ((per_layer_graphs, "with per-layer CUDA graphs (--cuda-graph-impl local / transformer_engine: "
                                          "which no-op and linear layers are captured; full_iteration is estimated)"),
                       # Megatron's offload groups hook SelfAttention / MLP / the layer's norms
                       # (TransformerLayer._set_offload_modules, 0.19.2): a linear replacement is none of them
@@ -108,9 +105,10 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
             # then fails on the shapes (the CPU referee reproduces it)
             a.fail(PATH, f"block {i}: replace_with_linear fails with --sequence-parallel and tensor-model-parallel "
                          "size > 1 in megatron-core (its output gather pads the sequence dimension)")
-        if ffn is not None and ffn % tp:
-            a.fail(PATH, f"block {i}: ffn size {ffn} must be divisible by tensor-model-parallel size {tp}")
         size = kw["ffn_hidden_size"] if ffn is None else ffn
+        if mlp == "dense" and size % tp:
+            # (a dense block without its own width takes the flags': MLP linear_fc2 splits it, megatron-core divide)
+            a.fail(PATH, f"block {i}: ffn size {size} must be divisible by tensor-model-parallel size {tp}")
         words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
                                    else f"dense:{size}"))
     out: dict[str, Any] = dict(heterogeneous_layers=",".join(words))
