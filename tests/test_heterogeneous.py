@@ -406,3 +406,14 @@ def test_moe_parameters_per_rank_match_megatron_core():
     attn = 512 + 384 * 512 + 512 * 256
     assert est.stages[0].parameters == (512 * 512 + attn + 512 + 2048 + 2 * 3 * 256 * 512 + 3 * 192 * 512
                                         + attn + 512 + 512 * 512 + 512 * 256) == 2_396_160
+
+
+def test_muon_step_takes_the_widest_layer(tmp_path):
+    # Muon's step working set is the largest 2-D weight of the stage: with block 3 an MLP of 512 after block 0's 1024,
+    # layer 0's linear_fc1 [2 x 1024, 512] sets it (not the last layer's [2 x 512, 512] of the same name)
+    from megatron_memguard.estimator.muon import step_working_set
+    top = _write(tmp_path, lambda d: d["block_configs"][3].update(ffn={"ffn_mult": 1.3125, "no_op": False,
+                                                                       "replace_with_linear": False}))
+    L = layout_from_flags(FLAGS + ["--optimizer", "muon", "--heterogeneous-layers-config-path", top], world_size=1)
+    ws = step_working_set(L, 0)
+    assert (ws.matrix, ws.shape) == ("linear_fc1", (2048, 512))

@@ -410,8 +410,11 @@ def step_working_set(L, pp_rank: int) -> NsWorkingSet:
     mats: dict[str, tuple[int, int]] = {}
     for c in chunks:
         for kind, _ in c.kind_runs:
-            mats.update(layer_linear_shapes(L, kind))
-            if kind.mlp != MLP_DENSE and L.moe is not None:
+            for name, shape in layer_linear_shapes(L, kind).items():
+                # (layers of a heterogeneous config share names at different widths: the larger one sets the step)
+                if name not in mats or shape[0] * shape[1] > mats[name][0] * mats[name][1]:
+                    mats[name] = shape
+            if kind.mlp != MLP_DENSE and not kind.mlp.startswith(MLP_DENSE + ":") and L.moe is not None:
                 mats["router"] = (L.moe.num_experts, h)
         if c.has_embedding and L.position_embedding_type == "learned_absolute":
             mats["position_embeddings"] = (L.max_position_embeddings, h)
