@@ -126,6 +126,10 @@ def test_rules(tmp_path):
     assert "should be silu" in _err(FLAGS + [key, _write(tmp_path, lambda d: d.update(hidden_act="gelu"))])
     bad = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(n_heads_in_group=3))
     assert "n_heads_in_group" in _err(FLAGS + [key, bad])
+    # validate_model_config_args_from_heterogeneous_config indexes every block's n_heads_in_group (0.19.2), even where
+    # num_query_groups sets the block's groups (which AttentionConfig reads then)
+    missing = _write(tmp_path, lambda d: d["block_configs"][0].update(attention={"num_query_groups": 2}))
+    assert "every block's attention needs n_heads_in_group" in _err(FLAGS + [key, missing])
     fewer = _write(tmp_path, lambda d: d.update(block_configs=d["block_configs"][:3]))
     assert "3 block_configs for 4 layers" in _err(FLAGS + [key, fewer])
     # a linear replacement under sequence parallelism: megatron-core's gather pads the wrong dimension and

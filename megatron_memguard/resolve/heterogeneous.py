@@ -195,6 +195,10 @@ def _check_flags(a: Args, dest: str, doc: dict, blocks: list, kw: Mapping[str, A
     flags equal to what the JSON says."""
     if doc.get("hidden_act") != "silu":
         a.fail(dest, f"hidden_act in the heterogeneous config is {str(doc.get('hidden_act'))[:60]!r}, should be silu")
+    if any("n_heads_in_group" not in b["attention"] for b in doc["block_configs"]):
+        # (it indexes config["attention"]["n_heads_in_group"] of every block: a KeyError at start-up otherwise)
+        a.fail(dest, "every block's attention needs n_heads_in_group, null for no-op / linear blocks "
+                     "(validate_model_config_args_from_heterogeneous_config reads it)")
     ns = [b["attention"].get("n_heads_in_group") for b in doc["block_configs"]
           if isinstance(b.get("attention"), dict) and b["attention"].get("n_heads_in_group") is not None]
     if len(set(ns)) > 1:
