@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 MIB = 2**20
+DET = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 # Llama-3.1-8B shape (32 heads, 8 query groups, head dim 128), TP 2, micro-batch 1, seq 4096, BF16
 LLAMA = ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
          "--group-query-attention", "--num-query-groups", "8", "--seq-length", "4096", "--max-position-embeddings",
@@ -98,14 +99,51 @@ def test_fp32_runs_te_unfused_on_every_gpu(gpu, version):
 @pytest.mark.parametrize("kv", ["100", "264", "320"])
 @pytest.mark.parametrize("gpu", ["A100", "H100", "B200"])
 def test_head_dims_no_fused_kernel_takes_run_te_unfused(gpu, kv):
-    choice = select(lay("--kv-channels", kv), lookup_gpu(gpu))
+    # TE 2.11 (megatron-core 0.16): No_Backend for 100, 264 and 320 on sm80, sm90 and sm100 (the query above)
+    choice = select(lay("--kv-channels", kv, version="0.16.1"), lookup_gpu(gpu))
     assert choice.selected == "unfused" and f"kv_channels {kv}" in choice.why
+    # TE 2.20.2: the same (its query, benchmarks/te_attention_query.py: the cuDNN-frontend checks reject them on sm80
+    # and sm90; on sm100 264 and 320 pass the checks, and then no cuDNN plan serves them: the frontend's
+    # override_heuristics_query says only its opt-in SM100 engine does)
+    later = select(lay("--kv-channels", kv, version="0.19.2"), lookup_gpu(gpu))
+    assert later.selected == "unfused" and f"kv_channels {kv}" in later.why
 
 
 def test_head_dim_256_is_not_unfused():
     # flash-attn 2 runs 256 on sm80 / sm100 and cuDNN on sm90 (the same query: F16_arbitrary_seqlen on sm90)
     assert select(lay("--kv-channels", "256"), lookup_gpu("A100")).selected == "flash"
     assert select(lay("--kv-channels", "256"), lookup_gpu("H100")).selected == "fused"
+
+
+# Blackwell, equal head dims above 128: the compiled query has no training backend on sm100 for 136 ... 256, in both
+# TE releases (TE 2.11.0's C++ table, cuDNN 9.11 / 9.14 / 9.18 / 9.23: No_Backend for 136, 160, 192, 224, 256 on
+# sm100 and sm103, F16_arbitrary_seqlen for 64 and 128; TE 2.20.2's query, cuDNN 9.18.1 / 9.20: "Num hidden_dim
+# should be less than or equal to 128 and hidden_dim should be multiple of 8 when d_qk != d_v, unless both head dims
+# are in (256, 512]"), while sm90 takes them up to 256 ("... less than or equal to 256"). flash-attn 2 takes them on
+# sm100 (TE 2.11 / 2.20.2 utils.py: head dim <= 256, above 192 on sm80/90/100/120), so TE runs flash-attn 2 there.
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+@pytest.mark.parametrize("kv", ["136", "160", "192", "224", "256"])
+def test_blackwell_head_dims_above_128_run_flash_attn(kv, version):
+    L = lay("--kv-channels", kv, version=version)
+    for gpu in ("B200", "GB200"):
+        choice = select(L, lookup_gpu(gpu))
+        assert choice.selected == "flash" and "sm100" in choice.why and f"kv_channels {kv}" in choice.why
+    assert select(L, lookup_gpu("H100")).selected == "fused"
+    assert select(lay("--kv-channels", "128", version=version), lookup_gpu("B200")).selected == "fused"
+
+
+def test_blackwell_head_dim_160_keeps_flash_attn_tensors():
+    # auto on a B200 is the explicit flash estimate; flash-attn's contiguous q, k, v per TP rank:
+    # 4096 tokens x (16 + 2 x 4 heads) x 160 x 2 B = 30 MiB, its [b, s, h, d] output 4096 x 16 x 160 x 2 B = 20 MiB
+    from megatron_memguard.estimator.activations import layer_activations
+    b200 = lookup_gpu("B200")
+    L = lay("--kv-channels", "160")
+    est = estimate(L, gpu=b200)
+    assert est.attention.selected == "flash"
+    assert [s.peak_allocated_bytes for s in est.stages] == \
+        [s.peak_allocated_bytes for s in estimate(L.replace(attention_backend="flash"), gpu=b200).stages]
+    saved = layer_activations(L.replace(attention_backend="flash")).saved
+    assert saved["flash_qkv"] == 30 * MIB and saved["attention_output_bshd"] == 20 * MIB
 
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "128",
@@ -121,12 +159,11 @@ def mla(*extra, version):
 
 def test_mla_on_an_a100_runs_te_unfused_under_te_211():
     # TE 2.11 (megatron-core 0.16): flash-attn 2 only for equal head dims, and cuDNN has no sm80 training
-    # backend for 192/128 (the compiled query above); TE 2.20.2's flash-attn 2 pads MLA (not modelled: cuDNN kept)
+    # backend for 192/128 (the compiled query above)
     L16 = mla(*MLA, version="0.16.1")
     choice = select(L16, lookup_gpu("A100"))
     assert choice.selected == "unfused" and "MLA 192/128" in choice.why
     assert select(L16, lookup_gpu("H100")).selected == "fused"
-    assert select(mla(*MLA, version="0.19.2"), lookup_gpu("A100")).selected == "fused"
     # head dims up to 128 keep cuDNN on sm80 (the query: 96/64 -> F16_arbitrary_seqlen)
     small = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64",
                 "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", version="0.16.1")
@@ -134,6 +171,65 @@ def test_mla_on_an_a100_runs_te_unfused_under_te_211():
     est = estimate(L16, gpu=lookup_gpu("A100"))
     assert est.attention.selected == "unfused"
     assert est.stages[0].peak_allocated_bytes > estimate(L16, gpu=lookup_gpu("H100")).stages[0].peak_allocated_bytes
+
+
+def test_mla_on_an_a100_runs_padded_flash_attn_under_te_220():
+    # TE 2.20.2 (megatron-core >= 0.17): get_attention_backend checks flash-attn 2 at the padded head dim
+    # max(192, 128) = 192 (utils.py fa2_padded_head_dim) and prefers it below sm90; the same holds for MLA head dims
+    # cuDNN takes on sm80 (96/64: flash-attn 2 too)
+    a100 = lookup_gpu("A100")
+    L = mla(*MLA, version="0.19.2")
+    choice = select(L, a100)
+    assert choice.selected == "flash" and "padded" in choice.why
+    small = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64",
+                "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", version="0.19.2")
+    assert select(small, a100).selected == "flash"
+    # Hopper and Blackwell keep cuDNN (it has 192/128 there: sm90 up to 256, sm100 192/128 from cuDNN 9.11)
+    assert select(L, lookup_gpu("H100")).selected == select(L, lookup_gpu("B200")).selected == "fused"
+
+
+def test_padded_flash_attn_keeps_the_padded_tensors():
+    # TE 2.20.2 dot_product_attention.py _pad_qkv_head_dim pads v [s, b, 16 heads, 128] to 192; FlashAttention.forward
+    # copies q, k, v to contiguous [b, s, h, 192] (backends.py), kept by flash-attn with its [b, s, h, 192] output:
+    # 4096 tokens x 16 heads (32 / TP 2) x 192 x 2 B = 24 MiB each; _trim_output gives linear_proj a new [s, b, h 128]
+    # tensor, 4096 x 16 x 128 x 2 B = 16 MiB. The rope'd query / key (24 MiB each) and value (16 MiB) are kept by
+    # no one.
+    from megatron_memguard.estimator.activations import layer_activations
+    L = mla(*MLA, version="0.19.2")
+    flash = layer_activations(L.replace(attention_backend="flash")).saved
+    fused = layer_activations(L.replace(attention_backend="fused")).saved
+    assert flash["flash_qkv"] == 3 * 24 * MIB and flash["attention_output_bshd"] == 24 * MIB
+    assert flash["proj_input"] == fused["proj_input"] == 16 * MIB
+    assert (fused["query"], fused["key"], fused["value"]) == (24 * MIB, 24 * MIB, 16 * MIB)
+    assert not {"query", "key", "value"} & set(flash)
+    assert flash["softmax_stats"] == fused["softmax_stats"] == 16 * 4096 * 4
+    # what changes is 72 + 24 MiB against 24 + 24 + 16 = 64 MiB per layer
+    assert sum(flash.values()) - sum(fused.values()) == (72 + 24 - 64) * MIB
+    a100 = lookup_gpu("A100")
+    peak = lambda L: [s.peak_allocated_bytes for s in estimate(L, gpu=a100).stages]  # noqa: E731
+    assert peak(L) == peak(L.replace(attention_backend="flash")) != peak(L.replace(attention_backend="fused"))
+
+
+@pytest.mark.parametrize("version, selected", [("0.16.1", "unfused"), ("0.19.2", "flash")])
+def test_mla_head_dims_cudnn_cannot_train_on_blackwell(version, selected):
+    # MLA 160/128 (qk 128 + rope 32): the compiled query has no sm100 backend (only 192/128 and both <= 128; TE 2.11.0
+    # and 2.20.2 alike), so TE 2.11 (no flash-attn for MLA) runs its unfused attention and TE 2.20.2 flash-attn 2 at
+    # the padded head dim 160
+    L = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "128",
+            "--qk-pos-emb-head-dim", "32", "--v-head-dim", "128", version=version)
+    assert select(L, lookup_gpu("B200")).selected == selected
+    # sm90: TE 2.11's table has no backward for MLA with both head dims >= 128 but 192/128 from cuDNN 9.11 (the same
+    # query: 160/128, 136/128, 256/128 -> No_Backend, 192/96 -> F16_arbitrary_seqlen); TE 2.20.2's takes it
+    assert select(L, lookup_gpu("H100")).selected == selected.replace("flash", "fused")
+
+
+def test_determinism_below_sm90_leaves_only_flash_attn():
+    # TE 2.11 / 2.20.2 "Filter: Determinism": F16_arbitrary_seqlen is switched off in deterministic training below
+    # sm90, so an A100 layer flash-attn cannot take (off-by-one softmax) runs TE's unfused attention
+    L = lay("--softmax-type", "off-by-one", env=DET)
+    assert select(lay("--softmax-type", "off-by-one"), lookup_gpu("A100")).selected == "fused"
+    assert select(L, lookup_gpu("A100")).selected == "unfused"
+    assert select(lay(env=DET), lookup_gpu("A100")).selected == "flash"
 
 
 # A tiny fp32 GPT: 4 heads of 16, seq 64, micro-batch 2, TP 1, learned positions, attention dropout 0
@@ -197,8 +293,6 @@ def test_explicit_unfused_follows_te_softmax_kernel_availability(seq, probs_per_
     if seq == 16384:
         assert la.saved["causal_mask"] == seq * seq                    # micro-batch 1: [1, 1, s, s] bool
 
-
-DET = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
 
 @pytest.mark.parametrize("version, env, dropout, selected", [
@@ -375,3 +469,23 @@ def test_explicit_flash_or_fused_on_fp32_is_refused_by_the_cli_and_the_hook(back
     # the same job in bf16, or with the unfused backend, is estimated
     assert estimate(layout_from_flags(LLAMA + ["--attention-backend", backend], world_size=8)).stages
     assert estimate(layout_from_flags(fp32 + ["--attention-backend", "unfused"], world_size=8)).stages
+
+
+def test_flash_by_name_on_mla_is_refused_under_te_211():
+    # TE 2.11 get_attention_backend: "Disabling FlashAttention 2 as it does not support MLA", and Megatron's flash
+    # backend switches fused and unfused off (language_module.py _set_attention_backend, core 0.16.1): no kernel, the
+    # first forward raises. TE 2.20.2 pads instead (megatron-core 0.19: estimated, the padded tensors above)
+    from megatron_memguard.errors import ConfigError, ConfigErrors
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        mla(*MLA, "--attention-backend", "flash", version="0.16.1")
+    errors = getattr(e.value, "errors", [e.value])
+    assert [x.key for x in errors] == ["--attention-backend"] and "\n" not in str(e.value)
+    assert "multi-latent" in str(e.value) and e.value.megatron_fails_later
+    assert mla(*MLA, "--attention-backend", "flash", version="0.19.2").attention_backend == "flash"
+    # equal head dims (qk 64 + rope 64 = v 128) keep flash-attn 2 in TE 2.11
+    equal = mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64",
+                "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--attention-backend", "flash", version="0.16.1")
+    assert equal.attention_backend == "flash"
+    assert select(mla("--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim",
+                      "64", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", version="0.16.1"),
+                  lookup_gpu("A100")).selected == "flash"

@@ -275,21 +275,21 @@ def test_context_parallel_comm_types():
     assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
     # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below); the hierarchical a2a+p2p path is not sized
     L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
-    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.fp8_attention_a2a_size == 2
-    assert lay(*fp8, fp8_dot_product_attention=True).fp8_spec.fp8_attention_a2a_size == 1
+    assert L.fp8_spec.fp8_dot_product_attention and L.cp_a2a_size == 2
+    assert lay(*fp8, fp8_dot_product_attention=True).cp_a2a_size == 1
     # a2a+p2p: megatron-core hands TE [a2a group, p2p group] in the order of --hierarchical-context-parallel-sizes
     # (parallel_state.create_hierarchical_groups); attn_forward_func_with_cp runs a2a when the p2p group has one
     # rank, p2p when the a2a group has one; the two-level path is not sized
     for sizes, a2a in ((["2", "1"], 2), (["1", "2"], 1)):
         L = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", *sizes,
                 fp8_dot_product_attention=True)
-        assert L.fp8_spec.fp8_attention_a2a_size == a2a
+        assert L.cp_a2a_size == a2a
     cp4 = fp8[:4] + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
     # two levels: TE 2.11's (megatron-core 0.16) is sized (test_two_level_a2a_p2p_by_hand), TE 2.20.2's is not
     with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p over two levels"):
         lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.19.2")
     L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.16.1")
-    assert L.fp8_spec.fp8_attention_a2a_size == 2
+    assert L.cp_a2a_size == 2
     # TE asserts "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
     with pytest.raises(ConfigError, match="hierarchical.context.parallel.sizes.*two sizes"):
         lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "1", "2", fp8_dot_product_attention=True)
@@ -327,9 +327,11 @@ def test_a2a_attention_saved_by_hand(recipe):
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
     bf16_att = layer_activations(lay(*fp8)).saved
     got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
-    # ctx.fp8 saves the exchanged FP8 q, k, v (three tensors, the one buffer's scale shared): no BF16 q, no ring buffer
+    # ctx.fp8 saves the exchanged FP8 q, k, v (three tensors, the one buffer's scale shared) instead of the BF16 ones
+    # (BF16 a2a: cp_a2a_qkv, 2 W bytes; layers/cp_attention.py); no ring buffer, no rope'd q in either
+    assert bf16_att["cp_a2a_qkv"] == 2 * W and "cp_a2a_qkv" not in got
     for name in ("query_rope", "cp_kv_buffer"):
-        assert name in bf16_att and name not in got
+        assert name not in bf16_att and name not in got
     assert got["fp8_attention_qkv"] == Q + 2 * K + 512 == W + 512
     # the FP8 kernel's M and ZInv, fp32 [b, a/CP, s] each = 1 x 16 x 4096 x 4 bytes per statistic
     assert got["softmax_stats"] == 2 * STATS == 2 * 1 * A_T * TC * 4
@@ -340,10 +342,12 @@ def test_a2a_attention_saved_by_hand(recipe):
         # out_part: the BF16 output before its all-to-all; linear_proj keeps the exchanged BF16 one it reads
         assert got["proj_input"] == bf16_att["proj_input"] == 2 * Q and got["cp_a2a_attention_output"] == 2 * Q
     delta = sum(got.values()) - sum(bf16_att.values())
-    # against the BF16 estimate (rope'd q 2 Q + ring buffer 2 KV + one statistic): W + 512 + one statistic more, and
-    # delayed the FP8 output (Q + 512 instead of 2 Q), tensorwise the second BF16 output (+2 Q)
-    base = W + 512 - 2 * Q - 2 * KV + STATS
-    assert delta == (base - Q + 512 if recipe == "delayed" else base + 2 * Q)
+    # against the BF16 a2a (exchanged BF16 q, k, v 2 W, one statistic, its BF16 output before the exchange 2 Q next
+    # to linear_proj's): W + 512 instead of 2 W, one statistic more, and delayed the FP8 output (Q + 512) in place
+    # of the BF16 one (the exchanged BF16 output is kept by no one: linear_proj keeps its quantized copy,
+    # fp8_proj_input, in both), tensorwise the same second BF16 output
+    base = W + 512 - 2 * W + STATS
+    assert delta == (base + Q + 512 - 2 * Q if recipe == "delayed" else base)
     # proj_input is the attention's (FP8) output under delayed scaling, linear_proj's alone under tensorwise (what
     # offloading's groups and PEFT's frozen linear_proj read)
     from megatron_memguard.estimator.layers.attention import attention_keeps_proj_input
@@ -389,14 +393,14 @@ def test_a2a_attention_working_sets_by_hand(recipe):
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_a2a_estimate_moves_by_the_layers_saved_bytes(recipe):
     # the stage's layer_activations move by 16 layers x 2 micro-batches in flight x the per-layer change counted by
-    # hand in test_a2a_attention_saved_by_hand (delayed keeps less than the BF16 estimate, tensorwise more: its
-    # second BF16 output)
+    # hand in test_a2a_attention_saved_by_hand (FP8 q, k, v at 1 B/elem against BF16 a2a's; delayed keeps its
+    # output in FP8)
     gpu = lookup_gpu("H100-80GB")
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
     t_off = {t.name: t.bytes for t in estimate(lay(*fp8), gpu=gpu).stages[0].terms}
     t_on = {t.name: t.bytes for t in estimate(lay(*fp8, fp8_dot_product_attention=True), gpu=gpu).stages[0].terms}
-    base = W + 512 - 2 * Q - 2 * KV + STATS
-    per_layer = base - Q + 512 if recipe == "delayed" else base + 2 * Q
+    base = W + 512 - 2 * W + STATS
+    per_layer = base + Q + 512 - 2 * Q if recipe == "delayed" else base
     assert t_on["layer_activations"] - t_off["layer_activations"] == 16 * 2 * per_layer
 
 

@@ -104,6 +104,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     rel_fc1 = mlp.released | {"fc1_input"}
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     mixer = mixer_recipe(kind).activations(L, mods, has_batch_mask, drop_norm, after, rel_norm2, G)
+    fp8_done = False
     if kind.quantized in ("delayed", "tensorwise") and L.fp8_spec.fp8_dot_product_attention:
         from ..partition import MIXER_ATTENTION, MIXER_MLA
         if kind.mixer in (MIXER_ATTENTION, MIXER_MLA) and attention_kind(L) == "fused":
@@ -111,6 +112,14 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
             # other CP communication types, and MLA under CP)
             from .layers.fp8_attention import fp8_attention
             mixer = fp8_attention(L, mixer, mla=kind.mixer == MIXER_MLA)
+            fp8_done = True
+    if L.cp > 1 and L.cp_a2a_size > 1 and not fp8_done:
+        from ..partition import MIXER_ATTENTION
+        if kind.mixer == MIXER_ATTENTION and attention_kind(L) == "fused":
+            # BF16 attention under an all-to-all CP (a2a, a2a+p2p over two levels): TE's functions keep other tensors
+            # than the p2p ring the attention recipe sizes (MLA under CP keeps its CP-less model)
+            from .layers.cp_attention import cp_a2a_attention
+            mixer = cp_a2a_attention(L, mixer)
 
     # a heterogeneous layer's no-op half (heterogeneous_layer_specs.py, 0.19.2): its norm, block and
     # bias-dropout-add are identities, so it keeps nothing (layers/noop.py) and neither does the layer for it

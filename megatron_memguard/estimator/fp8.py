@@ -86,11 +86,6 @@ class Fp8Spec:
     disable_parameter_transpose_cache: bool = False
     activation_func_fp8_input_store: bool = False
     fp8_dot_product_attention: bool = False
-    # memguard's own: how FP8 attention crosses the context-parallel ranks (resolve/fp8.py, from --cp-comm-type and
-    # --hierarchical-context-parallel-sizes): the ranks of its all-to-all. 1: TE's ring over all of them (p2p,
-    # AttnFuncWithCPAndKVP2P); CP: all-to-all alone (a2a, AttnFuncWithCPAndQKVOA2A); between: a2a+p2p (an
-    # all-to-all over this many ranks, then the ring over the others, AttnFuncWithCPAndKVP2P)
-    fp8_attention_a2a_size: int = 1
 
     # names Megatron (or its configs) also use for the same setting
     _ALIASES = {"fp8_param": "fp8_param_gather", "fp4_param": "fp4_param_gather", "fp8_format": "fp8",

@@ -161,7 +161,7 @@ _GROUP_OF = {
     "query_rope": "core_attn", "key_rope": "core_attn", "qkv_output": "core_attn", "softmax_stats": "core_attn",
     "flash_qkv": "core_attn", "attention_output_bshd": "core_attn",                   # (the flash backend's)
     "fp8_attention_qkv": "core_attn", "fp8_attention_output": "core_attn",            # (FP8 attention's)
-    "cp_a2a_attention_output": "core_attn",                                           # (its CP all-to-all's)
+    "cp_a2a_attention_output": "core_attn", "cp_a2a_qkv": "core_attn",               # (the CP all-to-all's)
     "proj_input": "attn_proj",
     # unfused (local / 'unfused' backend) attention: the softmax output and dropout mask, saved inside
     # the core_attn call (attention.py, core 0.19.2: the whole core_attention call is in the group)

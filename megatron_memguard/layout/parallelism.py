@@ -40,6 +40,10 @@ class Parallelism:
     # mixture of experts (--expert-model-parallel-size, --expert-tensor-parallel-size; ETP None: no experts)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
+    # the ranks of Transformer Engine's all-to-all in the attention under context parallelism (resolve/shape.py
+    # cp_attention, from --cp-comm-type and --hierarchical-context-parallel-sizes): 1, the p2p ring over all CP
+    # ranks (or all_gather); CP, a2a (AttnFuncWithCPAndQKVOA2A); between, a2a+p2p over two levels
+    cp_a2a_size: int = 1
 
     @property
     def tp(self) -> int:

@@ -67,7 +67,6 @@ class Precision:
     activation_func_fp8_input_store: bool = False     # TransformerConfig only
     fp8_output_proj: bool = False                     # --fp8-output-proj (core 0.19): the LM head in MXFP8
     fp8_dot_product_attention: bool = False           # TransformerConfig only: FP8 fused attention (delayed/tensorwise)
-    fp8_attention_a2a_size: int = 1                   # FP8 attention under CP: ranks of its all-to-all (resolve/fp8.py)
 
     @property
     def fp8_spec(self):

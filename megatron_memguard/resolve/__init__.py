@@ -77,6 +77,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("batch", batch.batch),
     ("sequence", shape.sequence),
     ("shape", shape.dense_shape),
+    ("context-parallel attention", shape.cp_attention),
     ("precision", precision.precision),
     ("sequence parallel", parallel.sequence_parallel),
     ("tp comm overlap", tp_overlap.tp_overlap),

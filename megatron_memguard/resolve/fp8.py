@@ -29,8 +29,7 @@ _OFF: dict[str, Any] = dict(
     fp8=None, fp8_recipe="delayed", fp4=None, fp4_recipe="nvfp4", fp8_param_gather=False, fp4_param_gather=False,
     first_last_layers_bf16=False, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_amax_history_len=1,
     fp8_amax_compute_algo="most_recent", reuse_grad_buf_for_mxfp8_param_ag=False, disable_parameter_transpose_cache=False,
-    activation_func_fp8_input_store=False, fp8_output_proj=False, fp8_dot_product_attention=False,
-    fp8_attention_a2a_size=1)
+    activation_func_fp8_input_store=False, fp8_output_proj=False, fp8_dot_product_attention=False)
 
 
 # --te-precision-config-file (core 0.19.2 core/quantization/quant_config.py, extensions/transformer_engine.py
@@ -174,10 +173,8 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         return False
     mla = a.bool_arg("multi_latent_attention", False)
     if kw.get("context_parallel_size", 1) > 1:
-        a2a = _ring_attention(a, dest, kw, mla, ctx)
-        if a2a is None:
+        if not _ring_attention(a, dest, kw, mla, ctx):
             return False
-        v["fp8_attention_a2a_size"] = a2a
     if mla:
         # get_attention_backend (TE 2.11, Python) lets FP8 MLA through to FusedAttention with separate q, k, v
         # (qkv layout sbhd_sbhd_sbhd); whether cuDNN has an FP8 kernel for these head dims is decided in TE's C++
@@ -192,16 +189,12 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
     return True
 
 
-def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: Context) -> int | None:
-    """FP8 attention with context parallelism: over how many CP ranks Transformer Engine's FP8 attention runs an
-    all-to-all (sized by estimator/layers/fp8_attention.py), or None where the attention runs in BF16. 1: ``p2p``,
-    the ring ``AttnFuncWithCPAndKVP2P`` over all of them; CP: ``a2a``, ``AttnFuncWithCPAndQKVOA2A``; between:
-    ``a2a+p2p``, ``AttnFuncWithCPAndKVP2P`` with ``cp_group = [a2a group, p2p group]``, megatron-core's
-    hierarchical CP groups in the order of ``--hierarchical-context-parallel-sizes`` (parallel_state.py
-    ``create_hierarchical_groups``, core 0.16.1 and 0.19.2). TE 2.11 ``context_parallel.py``
-    ``attn_forward_func_with_cp`` hands ``fp8`` to the p2p and a2a paths only (an a2a+p2p whose p2p group has one
-    rank runs the a2a function, one whose a2a group has one rank the ring); ``utils.py``
-    ``get_attention_backend`` has no backend for FP8 MLA under CP."""
+def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: Context) -> bool:
+    """FP8 attention with context parallelism: whether Transformer Engine runs it in FP8 (False: BF16). Its
+    all-to-all ranks are the BF16 attention's (``cp_a2a_size``, resolve/shape.py ``cp_attention``, with TE's heads
+    rule); sized by estimator/layers/fp8_attention.py. TE 2.11 ``context_parallel.py`` ``attn_forward_func_with_cp``
+    hands ``fp8`` to the p2p and a2a paths only; ``utils.py`` ``get_attention_backend`` has no backend for FP8 MLA
+    under CP."""
     key = a.key(dest)
     comm = a.get("cp_comm_type") or ["p2p"]
     comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
@@ -210,57 +203,27 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
         # with CP; UnfusedDotProductAttention: no CP: TE finds no backend
         a.fail(dest, "cannot be used with multi-latent attention under context parallelism (Transformer Engine 2.11 "
                     "has no attention backend for FP8 MLA with CP)")
-        return None
+        return False
     if comm == {"all_gather"}:
         # AttnFuncWithCPAndKVAllGather takes no fp8 argument: its kernels run in BF16
         a.notes.append(f"{key}: no effect with --cp-comm-type all_gather (Transformer Engine's all-gather context "
                        "parallelism runs BF16 attention): attention is estimated in BF16")
-        return None
-    cp = kw["context_parallel_size"]
-    if comm == {"p2p"}:
-        return 1
-    if comm == {"a2a"}:
-        a2a = cp
-    elif comm == {"a2a+p2p"}:
-        sizes = a.get("hierarchical_context_parallel_sizes")
-        try:
-            sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes or "").split())]
-        except ValueError:
-            return None                                # the shape section reports it
-        if len(sizes) != 2:
-            # attn_forward_func_with_cp: "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
-            if sizes:
-                a.fail("hierarchical_context_parallel_sizes", "must give two sizes (the all-to-all ranks, then the "
-                       "ring's) with --cp-comm-type a2a+p2p (Transformer Engine takes two CP groups)")
-            return None
-        a2a = sizes[0]
-        if 1 < a2a < cp and ctx.version >= Version("0.17"):
-            # TE 2.20.2 (paired with core >= 0.17) AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 saves a BF16 copy of
-            # the output before its exchange and exchanges only dO in the backward: not read far enough (TE 2.11's,
-            # core 0.16's, is sized: estimator/layers/fp8_attention.py fp8_ring_attention)
-            raise NotModelledError(a.key("cp_comm_type"), "FP8 attention with --cp-comm-type a2a+p2p over two levels "
-                                   f"with megatron-core {ctx.version} (Transformer Engine 2.20's hierarchical FP8 path "
-                                   "is not sized; TE 2.11's, megatron-core 0.16's, is, and so is a2a+p2p with one rank "
-                                   "on either level, which TE runs as a2a or p2p)")
-    else:
+        return False
+    if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
         # per-layer communication types (a list of several): each layer's attention would be sized by its own type
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
                                "(one communication type per layer is not sized for FP8 attention; p2p, a2a and "
                                "a2a+p2p are, and all_gather runs BF16 attention)")
-    if a2a > 1:
-        # flash_attn_a2a_communicate (TE 2.11 and 2.20.2) splits the heads of q and of k over the all-to-all ranks
-        # (AttnFuncWithCPAndQKVOA2A asserts "The number of attention heads needs to be divisible by CP size!"); k has
-        # max(1, g / TP) heads per rank: megatron-core replicates the KV heads when TP > query groups
-        tp = kw.get("tensor_model_parallel_size", 1)
-        heads = kw.get("num_attention_heads") or 0
-        groups = kw.get("num_query_groups") or heads
-        a_t, g_t = heads // tp, max(1, groups // tp)
-        if a_t % a2a or g_t % a2a:
-            a.fail("cp_comm_type", f"{'a2a' if a2a == cp else 'a2a+p2p'} needs the attention heads ({a_t}) and query "
-                                   f"groups ({g_t}) of a tensor-parallel rank to be multiples of the all-to-all's "
-                                   f"{a2a} ranks (Transformer Engine's all-to-all splits the heads over them)")
-            return None
-    return a2a
+    a2a, cp = kw.get("cp_a2a_size", 1), kw["context_parallel_size"]
+    if 1 < a2a < cp and ctx.version >= Version("0.17"):
+        # TE 2.20.2 (paired with core >= 0.17) AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 saves a BF16 copy of
+        # the output before its exchange and exchanges only dO in the backward: not read far enough for FP8 (TE
+        # 2.11's, core 0.16's, is sized: estimator/layers/fp8_attention.py fp8_ring_attention)
+        raise NotModelledError(a.key("cp_comm_type"), "FP8 attention with --cp-comm-type a2a+p2p over two levels "
+                               f"with megatron-core {ctx.version} (Transformer Engine 2.20's hierarchical FP8 path "
+                               "is not sized; TE 2.11's, megatron-core 0.16's, is, and so is a2a+p2p with one rank "
+                               "on either level, which TE runs as a2a or p2p)")
+    return True
 
 
 def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:

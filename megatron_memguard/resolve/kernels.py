@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import NO_TE_BACKEND, NotModelledError
 from .args import _DTYPE_NAMES, Args, Context
 
@@ -47,6 +49,15 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         a.fail("attention_backend", f"{backend} needs bf16 or fp16 activations (--bf16 / --fp16): Transformer "
                "Engine has no flash or fused attention for fp32 q/k/v", "use --attention-backend unfused or auto",
                fails_later=NO_TE_BACKEND)
+    elif impl == "transformer_engine" and backend == "flash" and _mla_dims_differ(a) and ctx.version < Version("0.17") \
+            and not kw.get("fp8_dot_product_attention"):
+        # TE 2.11 get_attention_backend: "Disabling FlashAttention 2 as it does not support MLA" (head_dim_qk !=
+        # head_dim_v; TE 2.20.2 pads instead), with fused and unfused switched off by the backend's NVTE_* variables:
+        # DotProductAttention.forward raises at the first forward (megatron-core 0.16 pins TE < 2.12)
+        a.fail("attention_backend", "flash has no multi-latent attention kernel in Transformer Engine 2.11 "
+               "(megatron-core 0.16): flash-attn 2 needs equal q/k and v head dims",
+               "use --attention-backend auto or fused",
+               fails_later=NO_TE_BACKEND)
     elif backend == "local" and not ctx.legacy and a.key("attention_backend").startswith("--") and (
             not a.get("spec") or _first(a.get("spec")) != "local"):
         # core 0.19.2 megatron/training/arguments.py validate_args: ``assert args.spec[0] == 'local'``
@@ -74,6 +85,12 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
                 bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion,
                 use_transformer_engine_op_fuser=op_fuser(a, kw, impl), softmax_type=softmax_type,
                 flash_attention_version=fa_version)
+
+
+def _mla_dims_differ(a: Args) -> bool:
+    """Multi-latent attention whose q/k head dim (qk + rope dim) is not v's (resolve/shape.py's defaults)."""
+    return a.bool_arg("multi_latent_attention", False) and \
+        a.int_arg("qk_head_dim", 128) + a.int_arg("qk_pos_emb_head_dim", 64) != a.int_arg("v_head_dim", 128)
 
 
 def _act_dtype(a: Args, kw: Mapping[str, Any]) -> str:

@@ -77,6 +77,66 @@ def _check_cp_comm(a: Args, cp: int) -> None:
         a.fail("hierarchical_context_parallel_sizes", "must be set when --cp-comm-type is a2a+p2p")
 
 
+def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """Over how many CP ranks Transformer Engine's attention runs an all-to-all (``cp_a2a_size``): 1 for the p2p
+    ring over all of them (and all_gather); CP for ``a2a`` (``AttnFuncWithCPAndQKVOA2A``); between, ``a2a+p2p``
+    over two levels (``AttnFuncWithCPAndKVP2P`` with ``cp_group = [a2a group, p2p group]``, megatron-core's
+    hierarchical CP groups in the order of ``--hierarchical-context-parallel-sizes``: parallel_state.py
+    ``create_hierarchical_groups``, core 0.16.1 and 0.19.2). TE 2.11 and 2.20.2 ``context_parallel.py``
+    ``attn_forward_func_with_cp``: an a2a+p2p whose p2p group has one rank runs the a2a function, one whose a2a
+    group has one rank the ring; MLA (k and v head dims differ) runs only p2p or a2a+p2p; the all-to-all splits
+    the heads of q and k over its ranks. Sized by estimator/layers/cp_attention.py (BF16) and fp8_attention.py."""
+    cp = kw["context_parallel_size"]
+    if cp == 1:
+        return {}
+    comm = a.get("cp_comm_type") or ["p2p"]
+    comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
+    if len(comm) > 1 and comm & {"a2a", "a2a+p2p"}:
+        # per-layer communication types (TransformerConfig.cp_comm_type as a list): each layer would be sized by its own
+        raise NotModelledError(a.key("cp_comm_type"), f"--cp-comm-type {' '.join(sorted(comm))} (one communication "
+                               "type per layer with an all-to-all among them: each layer's attention is not sized by "
+                               "its own type)")
+    if comm == {"a2a"}:
+        a2a = cp
+    elif comm == {"a2a+p2p"}:
+        sizes = a.get("hierarchical_context_parallel_sizes")
+        try:
+            sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes or "").split())]
+        except ValueError:
+            return {}                                  # _check_cp_comm reports it
+        if len(sizes) != 2:
+            # attn_forward_func_with_cp: "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
+            if sizes:
+                a.fail("hierarchical_context_parallel_sizes", "must give two sizes (the all-to-all ranks, then the "
+                       "ring's) with --cp-comm-type a2a+p2p (Transformer Engine takes two CP groups)")
+            return {}
+        a2a = sizes[0]
+    else:
+        return {}
+    if a2a == 1:
+        return {}
+    if a2a == cp and a.bool_arg("multi_latent_attention", False) and (
+            a.int_arg("qk_head_dim", 128) + a.int_arg("qk_pos_emb_head_dim", 64) != a.int_arg("v_head_dim", 128)):
+        # attn_forward_func_with_cp (TE 2.11 and 2.20.2): "Context parallelism does not support MLA with
+        # cp_comm_type='a2a'" (k's head dim differs from v's)
+        a.fail("cp_comm_type", "a2a cannot be used with --multi-latent-attention (Transformer Engine's context "
+                               "parallelism runs MLA only with p2p or a2a+p2p)")
+        return {}
+    # flash_attn_a2a_communicate (TE 2.11 and 2.20.2) splits the heads of q and of k over the all-to-all ranks
+    # (AttnFuncWithCPAndQKVOA2A asserts "The number of attention heads needs to be divisible by CP size!"); k has
+    # max(1, g / TP) heads per rank: megatron-core replicates the KV heads when TP > query groups
+    tp = kw.get("tensor_model_parallel_size", 1)
+    heads = kw.get("num_attention_heads") or 0
+    groups = kw.get("num_query_groups") or heads
+    a_t, g_t = heads // tp, max(1, groups // tp)
+    if a_t % a2a or g_t % a2a:
+        a.fail("cp_comm_type", f"{'a2a' if a2a == cp else 'a2a+p2p'} needs the attention heads ({a_t}) and query "
+                               f"groups ({g_t}) of a tensor-parallel rank to be multiples of the all-to-all's "
+                               f"{a2a} ranks (Transformer Engine's all-to-all splits the heads over them)")
+        return {}
+    return dict(cp_a2a_size=a2a)
+
+
 def dense_shape(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Shape defaults (validate_args): activation, FFN size, head dim, query groups and their TP rules."""
     hidden, heads, tp = kw["hidden_size"], kw["num_attention_heads"], kw["tensor_model_parallel_size"]

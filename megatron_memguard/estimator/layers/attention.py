@@ -127,7 +127,7 @@ def _te_keeps_every_cp_step(L: Layout) -> bool:
 
 
 def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1: int, qkv_w: int,
-                        rope: bool) -> tuple[dict[str, int], int, int, bool]:
+                        rope: bool, ring: int | None = None) -> tuple[dict[str, int], int, int, bool]:
     """Context parallelism's ring attention (TE AttnFuncWithCPAndKVP2P, cp_comm_type p2p, read in TE
     2.11 and 2.20.2 context_parallel.py): the K/V of this rank are concatenated into the first ring
     buffer and passed around; the function keeps q as it receives it (the rope'd query, a contiguous
@@ -135,7 +135,7 @@ def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1
     [2, s/CP, b, g/t, d], its output and the merged fp32 softmax statistics. So megatron's qkv
     projection output and rope'd key die after the forward (unless q/k norms keep views of the qkv
     output). The flash backend also keeps its [b, s, h, d] output next to the [s, b, h] copy that
-    linear_proj keeps."""
+    linear_proj keeps. ``ring``: the ring's ranks (default CP; ``CP / a2a`` under a two-level a2a+p2p)."""
     e, Tf = x.e, x.Tf
     stats = x.b * x.a_t * x.s * 4
     saved.pop("key_norm", None)                       # consumed into the ring buffer
@@ -149,7 +149,7 @@ def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1
     saved["softmax_stats"] = stats
     if L.attention_backend == "flash":
         saved["attention_output_bshd"] = q
-    cp = L.cp
+    cp = ring or L.cp
     if _te_keeps_every_cp_step(L):
         # the output, every step's partial output (the last CP rank's are all full size) and the
         # ring buffers other than the one kept
@@ -306,8 +306,9 @@ def attention_keeps_proj_input(saved: Mapping[str, int]) -> bool:
     Nothing else keeps it: unfused attention (its context is a new tensor the bmm does not save), ``core_attn``
     recompute (the checkpoint runs the attention without autograd), the output gate (linear_proj reads the gated
     product), the flash backend with or without CP (linear_proj reads a ``.contiguous()`` sbhd copy of the
-    ``attention_output_bshd`` flash-attn or the ring keeps), FP8 attention's all-to-all under tensorwise scaling (it
-    keeps the output before its exchange, ``cp_a2a_attention_output``; layers/fp8_attention.py)."""
+    ``attention_output_bshd`` flash-attn or the ring keeps), the CP all-to-all (``a2a``, TE 2.20.2's two-level
+    ``a2a+p2p``, FP8 attention's ``a2a`` under tensorwise scaling: it keeps the output before its exchange,
+    ``cp_a2a_attention_output``; layers/cp_attention.py, layers/fp8_attention.py)."""
     return "softmax_stats" in saved and not ("gate_attention_output" in saved or "attention_output_bshd" in saved
                                              or "cp_a2a_attention_output" in saved)
 

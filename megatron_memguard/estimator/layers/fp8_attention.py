@@ -29,6 +29,7 @@ from ...layout import Layout
 from ..fp8 import _alloc, quantized_tensor
 from .attention import _gated
 from .base import MixerActivations, shapes
+from .cp_attention import a2a_peak
 
 # the BF16 tensors of q, k, v that only the core attention kept
 _BF16_INPUTS = ("query_rope", "key_rope", "query_norm", "key_norm")
@@ -44,7 +45,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     an output of v's width."""
     if L.cp > 1:
         # the all-to-all over every CP rank (a2a), or the ring (p2p); resolve/fp8.py refuses the two-level a2a+p2p
-        a2a = L.fp8_spec.fp8_attention_a2a_size
+        a2a = L.cp_a2a_size
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer, a2a)
@@ -240,38 +241,6 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
             rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
-
-
-def a2a_peak(sizes: tuple[int, ...], before_attn: bool) -> int:
-    """Peak bytes ``flash_attn_a2a_communicate`` (TE 2.11 and 2.20.2 ``context_parallel.py``) holds for tensors
-    of ``sizes`` bytes, its callers' tensors not included; what it returns (one tensor per input) is part of it.
-
-    Per tensor it makes a send copy (``movedim(-3, 0).contiguous()`` before the attention; after it the chunk
-    reorder: ``movedim(...).contiguous()`` then ``index_select``, two copies, the first freed), an
-    ``all_to_all_single`` receive buffer (``empty_like``), and the reordered result (before the attention: the
-    chunk reorder of the received buffer, two copies; after it one ``contiguous()`` copy), which replaces the
-    received buffer. The send copies live in the caller's list until the function returns. The loop runs
-    ``len(sizes) + 2`` times: receive buffer ``i - 1``, then (before the attention) reorder of ``i - 2`` and
-    send copy ``i``; (after it) send copy ``i``, then the copy of ``i - 2``."""
-    n = len(sizes)
-    sent = recv = peak = 0
-    for i in range(n + 2):
-        if 0 < i < n + 1:
-            recv += sizes[i - 1]
-            peak = max(peak, sent + recv)
-        if before_attn:
-            if i > 1:
-                peak = max(peak, sent + recv + 2 * sizes[i - 2])
-            if i < n:
-                sent += sizes[i]
-                peak = max(peak, sent + recv)
-        else:
-            if i < n:
-                peak = max(peak, sent + recv + 2 * sizes[i])
-                sent += sizes[i]
-            if i > 1:
-                peak = max(peak, sent + recv + sizes[i - 2])
-    return peak
 
 
 def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:

@@ -117,7 +117,10 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
         # unfused rope: cos and sin cast to the activation dtype, for q and for k
         saved["rope_cos_sin"] = 4 * x.s * pe * e
     scores = x.b * a_t * x.s * x.s
-    if kind == "fused":
+    if kind == "fused" and L.attention_backend == "flash" and not recompute_core and L.cp == 1:
+        saved, core_fwd, core_bwd = _padded_flash_items(L, x, saved, q_b, v_b)
+        unfused = False
+    elif kind == "fused":
         stats = x.b * a_t * x.s * 4
         if not recompute_core:
             saved["softmax_stats"] = stats
@@ -149,7 +152,7 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
         unfused = True
     remade = 2 * q_b + v_b if recompute_up else 0              # query, key and value made again
     core_bwd += 2 * remade
-    rel_core = frozenset({"attention_probs", "softmax_stats", "causal_mask"})
+    rel_core = frozenset({"attention_probs", "softmax_stats", "causal_mask", "flash_qkv", "attention_output_bshd"})
     rel_up = rel_core | {"query", "key", "value", "rope_cos_sin"}
     rel_down = rel_up | {"q_latent", "kv_latent", "latent_norms", "k_rope_gathered"}
     latents = T * ((ql or 0) + kvl + pe) * e
@@ -162,6 +165,35 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
     )
     return saved, core_fwd, core_bwd, unfused, bwd_steps
 
+
+
+def _padded_flash_items(L: Layout, x: Shapes, saved: dict[str, int], q_b: int,
+                        v_b: int) -> tuple[dict[str, int], int, int]:
+    """flash-attn 2 on MLA (TE 2.20.2; TE 2.11 has none): DotProductAttention pads the smaller head dim to the larger,
+    P (``_pad_qkv_head_dim``: ``F.pad`` of v, or of q and k), FlashAttention.forward (sbhd) copies q, k and v to
+    contiguous [b, s, h, P] tensors, which flash-attn keeps for its backward with its [b, s, h, P] output and fp32
+    log-sum-exp [b, a, s]; TE returns a ``transpose(0, 1).contiguous()`` copy [s, b, h P] of the output, which
+    ``_trim_output`` slices back to v's head dim into a new [s, b, h v] tensor, linear_proj's input (``backends.py``,
+    ``dot_product_attention.py``, TE 2.20.2). The rope'd query and key and the value copy megatron hands over are
+    then kept by no one (``F.pad`` and the copies save nothing). Backward: the output gradient padded back to P
+    (the slice's backward) and made contiguous, dq, dk, dv at P."""
+    from ..attention_backend import flash_head_dim
+    qh = L.qk_head_dim + L.qk_pos_emb_head_dim
+    p = x.Tf * x.a_t * flash_head_dim(L) * x.e         # one [s b, a/t, P] tensor
+    stats = x.b * x.a_t * x.s * 4
+    originals = 2 * q_b + v_b                          # made in the forward even when mla_up_proj drops them after
+    for n in ("query", "key", "value"):
+        saved.pop(n, None)
+    saved["flash_qkv"] = 3 * p
+    saved["attention_output_bshd"] = p
+    saved["softmax_stats"] = stats
+    trimmed = qh > L.v_head_dim                        # the [s, b, h P] output is sliced to v's head dim
+    pads = (p if L.v_head_dim < qh else 0) + (2 * p if qh < L.v_head_dim else 0)
+    # the q, k, v handed over (alive until the call returns), the padded ones, TE's sbhd output (linear_proj's input,
+    # or the padded copy and the trimmed one)
+    core_fwd = originals + pads + (p + v_b if trimmed else p)
+    core_bwd = 3 * p + stats + p + (p if trimmed else 0)
+    return saved, core_fwd, core_bwd
 
 
 @lru_cache(maxsize=256)
