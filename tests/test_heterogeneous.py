@@ -365,9 +365,9 @@ def test_offloading_and_full_iteration_graphs():
                                 "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
     io = _terms(L, "H100")["cuda_graph_static_io"]
     assert io.bytes == 2 * (2 * 256 * 28 + 2 * 256 * 256) == 290_816
-    # still refused: per-layer graphs (which no-op / linear layers TE and the local manager capture), and linear
-    # replacements under offloading (outside Megatron's offload groups)
-    with pytest.raises(NotModelledError, match="per-layer CUDA graphs"):
+    # still refused: per-layer graphs with no-op / linear layers (which of them TE and the local manager capture),
+    # and linear replacements under offloading (outside Megatron's offload groups)
+    with pytest.raises(NotModelledError, match="no-op or replace_with_linear blocks under per-layer CUDA graphs"):
         layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path", BLOCKS],
                           world_size=1)
     with pytest.raises(NotModelledError, match="replace_with_linear blocks under fine-grained activation offloading"):
@@ -421,3 +421,33 @@ def test_muon_step_takes_the_widest_layer(tmp_path):
     L = layout_from_flags(FLAGS + ["--optimizer", "muon", "--heterogeneous-layers-config-path", top], world_size=1)
     ws = step_working_set(L, 0)
     assert (ws.matrix, ws.shape) == ("linear_fc1", (2048, 512))
+
+
+def test_per_layer_graphs_of_whole_layers(tmp_path):
+    # every block attention and a dense MLP (ffn_mult 2.625, 5.25, 2.625, 1.3125 -> 1024, 1792, 1024, 512): TE graphs
+    # every layer (_layer_is_graphable), each with its static input and grad-output [256 x 2, 512] bf16 and the causal
+    # mask [2, 1, 256, 256] bool (TransformerLayer.get_layer_static_inputs)
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+
+    def whole(d):
+        for b, mult in zip(d["block_configs"], (2.625, 5.25, 2.625, 1.3125)):
+            b.update(attention={"n_heads_in_group": 4, "no_op": False, "replace_with_linear": False},
+                     ffn={"ffn_mult": mult, "no_op": False, "replace_with_linear": False})
+    L = layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path",
+                                _write(tmp_path, whole)], world_size=1)
+    assert [k.mlp for k in layer_kinds(L)] == ["dense", "dense:1792", "dense", "dense:512"]
+    t = _terms(L, "H100")
+    assert t["cuda_graph_static_io"].bytes == 4 * (2 * 512 * 512 * 2 + 2 * 256 * 256) == 4_718_592
+    # the pool keeps the widest graphed layer's working memory: layer 1's (MLP 1792), above the flags' 1024 layer's
+    widest = layer_activations(L, True, layer_kinds(L)[1])
+    flags = layer_activations(L, True, layer_kinds(L)[0])
+    assert t["cuda_graph_pool"].bytes == max(widest.fwd_transient, widest.bwd_transient) > max(
+        flags.fwd_transient, flags.bwd_transient)
+    # with MoE every layer is whole (the MoE block spec): graphed as the same model without the heterogeneous config,
+    # whose dense layers (512 and the flags' 1024) are no wider
+    graphs = ["--cuda-graph-impl", "transformer_engine"]
+    het = _terms(layout_from_flags(te + MOE + graphs + ["--heterogeneous-layers-config-path", BLOCKS], world_size=1),
+                 "H100")
+    plain = _terms(layout_from_flags(te + MOE + graphs, world_size=1), "H100")
+    for name in ("cuda_graph_static_io", "cuda_graph_pool"):
+        assert het[name].bytes == plain[name].bytes

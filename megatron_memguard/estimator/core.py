@@ -184,7 +184,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
-                                                kind is not None and kind.mlp != MLP_DENSE)
+                                                kind is not None and (kind.mlp == MLP_MOE if L.heterogeneous_layers
+                                                                      else kind.mlp != MLP_DENSE))
             outside = None
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
@@ -1090,16 +1091,26 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     if device == "gpu" and L.cuda_graph_impl != "none":
         # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
         # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
-        moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
+        het = bool(L.heterogeneous_layers)
+
+        def sparse(kind: LayerKind) -> bool:   # (a heterogeneous config's "dense:FFN" is a dense layer)
+            return kind.mlp == MLP_MOE if het else kind.mlp != MLP_DENSE
+        moe = sum(k for c in chunks for kind, k in c.kind_runs if sparse(kind))
         mtp_here = any(holds_mtp(L, c) for c in chunks)
         if mtp_here:
-            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp != MLP_DENSE)
+            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
         la = layer_activations(L)
+        region = max(la.fwd_transient, la.bwd_transient)
+        if het:
+            # dense layers of their blocks' widths (resolve/heterogeneous.py lets only whole layers be graphed per
+            # layer): the widest sets the pool's free blocks, as the flags' dense layer does for a uniform model
+            region = max([region] + [max(a.fwd_transient, a.bwd_transient) for a in
+                                     (layer_activations(L, True, kind) for c in chunks for kind, _ in c.kind_runs
+                                      if kind.mlp.startswith(MLP_DENSE + ":"))])
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
-                L, graphed - moe, moe, in_flight, max(la.fwd_transient, la.bwd_transient),
-                pr.step_bytes, len(chunks)):
+                L, graphed - moe, moe, in_flight, region, pr.step_bytes, len(chunks)):
             t = Term(name, nbytes, group, level, det)
             if level == "allocated":
                 fixed_alloc.append(t)

@@ -79,12 +79,16 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     linear = kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L])
     impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
     # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
-    # per-layer graphs do: which no-op / linear layers are graphed differs between TE's _layer_is_graphable
-    # (isinstance checks) and the local CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares
-    # the submodule spec with IdentityOp, which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
-    per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs
-    for bad, what in ((per_layer_graphs, "with per-layer CUDA graphs (--cuda-graph-impl local / transformer_engine: "
-                                         "which no-op and linear layers are captured; full_iteration is estimated)"),
+    # per-layer graphs of whole layers (attention and a dense MLP of any width; every layer with MoE, whose block
+    # spec ignores no-op / linear blocks) are graphed as in a uniform model (the widest sets the pool); which no-op /
+    # linear layers are graphed differs between TE's _layer_is_graphable (isinstance checks) and the local
+    # CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares the submodule spec with IdentityOp,
+    # which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
+    halves = kw.get("moe") is None and any((attn, mlp) != ("attention", "dense") for attn, mlp, _, _ in blocks[:L])
+    per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs and halves
+    for bad, what in ((per_layer_graphs, "with no-op or replace_with_linear blocks under per-layer CUDA graphs "
+                                         "(--cuda-graph-impl local / transformer_engine: which of those layers are "
+                                         "captured; full_iteration is estimated)"),
                       # Megatron's offload groups hook SelfAttention / MLP / the layer's norms
                       # (TransformerLayer._set_offload_modules, 0.19.2): a linear replacement is none of them
                       (kw.get("fine_grained_activation_offloading") and linear,
