@@ -93,8 +93,11 @@ def recipe_functions():
 # memguard's recipe table against Bridge's recipe functions; no notes for fields that exist (issue 20, item 5)
 # --------------------------------------------------------------------------------------------------
 def world_of(key):
-    """The recipe's own GPU count (its function name's), else the dense recipes' 16."""
+    """The recipe's own GPU count (its function name's), else the dense recipes' 16 (8 for the PEFT recipes, whose
+    global batch is 8)."""
     from megatron_memguard.readers.models import recipe_gpus
+    if key.endswith("_peft"):
+        return 8
     return recipe_gpus(key) if recipe_gpus(key) and recipe_gpus(key) > 2 else WORLD
 
 
@@ -181,6 +184,11 @@ LAUNCHES = [
     ["--recipe", "llama31_405b_pretrain_config", "-tp", "8", "-pp", "2", "-vp", "7", "-cp", "1", "-sl", "8192",
      "model.account_for_embedding_in_pipeline_split=false", "model.account_for_loss_in_pipeline_split=false"],
     ["--recipe", "llama3_8b_low_precision_pretrain_config", "-mb", "2"],
+    # PEFT recipes: --mode lora / dora picks the recipe's peft_scheme (GBS 16 for the test's 16 GPUs)
+    ["--recipe", "llama32_1b_peft_config", "-gb", "16"],
+    ["--model", "llama3_8b", "--mode", "dora", "-tp", "2", "-gb", "16"],
+    ["--model", "llama32_1b", "--mode", "lora", "--dataset", "squad", "-sl", "2048", "-gb", "32", "-mb", "2"],
+    ["--recipe", "llama3_70b_peft_config", "--mode", "dora", "-tp", "4", "-gb", "16", "+peft.dim=4"],
 ]
 
 
@@ -202,6 +210,9 @@ def test_run_recipe_gives_what_memguard_check_reads(recipes, monkeypatch, versio
 
 @pytest.mark.parametrize("argv", [
     ["--recipe", "llama3_8b", "model.tensor_model_parallel_size=4"],     # the README's old example
+    # a recipe's PEFT object is left out of the override config (callable): Hydra cannot override its fields
+    ["--recipe", "llama32_1b_peft_config", "peft.dim=16"],
+    ["--model", "llama32_1b", "--mode", "lora", "--dataset", "mock"],
     ["--recipe", "llama3_8b", "--mode", "pretrain"],
     ["--model", "llama3_8b"],
     ["--recipe", "llama3_8b_pretrain_config", "--micro", "8"],
@@ -211,7 +222,8 @@ def test_launches_run_recipe_refuses_are_refused(recipes, monkeypatch, argv):
     from megatron_memguard.errors import MemguardError
     from megatron_memguard.readers.run_recipe import read_run_recipe
 
-    with pytest.raises((ValueError, AttributeError, SystemExit)):
+    from megatron.bridge.training.utils.omegaconf_utils import OverridesError
+    with pytest.raises((ValueError, AttributeError, SystemExit, OverridesError)):
         run_recipe_main("v0.6.0", argv, monkeypatch)
     with pytest.raises(MemguardError):
         read_run_recipe(argv)
@@ -499,6 +511,8 @@ def _finalized(recipes, key, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = getattr(recipes, presets()["recipes"][key]["functions"][0])()
+    if cfg.peft is not None:     # (validate asserts one for PEFT, and that it exists; the recipes leave it to the user)
+        cfg.checkpoint.pretrained_checkpoint = tempfile.mkdtemp(prefix="memguard-base-ckpt-")
     overrides = []
     if cfg.model.moe_token_dispatcher_type == "flex" and cfg.model.moe_flex_dispatcher_backend == "hybridep":
         cfg.model.moe_token_dispatcher_type = "alltoall"
@@ -649,6 +663,61 @@ def test_a_real_peft_recipe_is_read_from_the_object_and_its_dump(recipes, tmp_pa
         scheme, p.dim, p.alpha, p.dropout, p.dropout_position)
     assert L.peft.target_modules == tuple(p.target_modules)
     assert fields(L) == fields(resolve(raw_config(cfg), world_size=8))
+
+
+def _real_peft_model(fn: str, scheme: str, layers: int, targets: str | None = None) -> dict:
+    """tests/bridge_real/peft_model.py: the recipe's model (LAYERS layers) with the recipe's PEFT object applied."""
+    import subprocess
+    env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, os.path.join(STANDINS, "peft_model.py"), fn, scheme, str(layers), "29581"] + (
+        [targets] if targets else [])
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fn, scheme", [("llama32_1b_peft_config", "lora"), ("llama32_1b_peft_config", "dora"),
+                                        ("llama3_8b_peft_config", "dora")])
+def test_a_peft_recipes_trainable_parameters_are_bridges(recipes, fn, scheme):
+    """run_recipe.py --recipe FN --mode SCHEME: Bridge builds the recipe's model (2 of its layers, on CPU) and applies
+    the recipe's own LoRA / DoRA object; memguard's trainable parameter count of the launch is that per layer x the
+    recipe's layers. By hand: Llama-3.2-1B (37,888 x 32 a layer, DoRA + 23,552), Llama-3-8B rank 8 (69,632 x 8,
+    DoRA + 43,008)."""
+    from megatron_memguard.estimator.peft import adapter_param_count
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+    real = _real_peft_model(fn, scheme, 2)
+    L = resolve(read_run_recipe(["--recipe", fn, "--mode", scheme])[1], world_size=8)
+    assert (L.peft.scheme, L.peft.dim) == (scheme, real["dim"])
+    assert len(real["wrapped"]) == 2 * 4
+    assert adapter_param_count(L) == real["per_layer"] * L.num_layers
+    by_hand = {("llama32_1b_peft_config", "lora"): 37_888 * 32, ("llama32_1b_peft_config", "dora"): 37_888 * 32 + 23_552,
+               ("llama3_8b_peft_config", "dora"): 69_632 * 8 + 43_008}
+    assert real["per_layer"] == by_hand[(fn, scheme)]
+
+
+def test_wildcard_targets_wrap_what_bridge_wraps(recipes, tmp_path):
+    """'*' patterns in target_modules, matched by Bridge's own ModuleMatcher on the real model: memguard's reading
+    wraps the same linears, and refuses by name a pattern Bridge applies to some layers only."""
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
+    real = _real_peft_model("llama32_1b_peft_config", "lora", 12, "*linear_fc*,*.self_attention.linear_qkv,*.layers.1*.linear_proj")
+    suffixes = {n.rsplit(".", 1)[-1] for n in real["wrapped"]}
+    every = {t for t in suffixes if sum(n.endswith("." + t) for n in real["wrapped"]) == 12}
+    assert every == {"linear_fc1", "linear_fc2", "linear_qkv"}
+    # linear_proj of layers 1, 10 and 11 only
+    assert sorted(n for n in real["wrapped"] if n.endswith("linear_proj")) == [
+        f"decoder.layers.{i}.self_attention.linear_proj" for i in (1, 10, 11)]
+    def read(targets):
+        # (a run_config.yaml's peft: section over the recipe: Bridge takes no peft override on a recipe)
+        p = tmp_path / "run_config.yaml"
+        p.write_text("peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  target_modules: " + json.dumps(targets) + "\n")
+        return resolve(read_config_file(str(p), model="llama32_1b_peft"), world_size=8)
+
+    assert set(read(["*linear_fc*", "*.self_attention.linear_qkv"]).peft.target_modules) == every
+    with pytest.raises(NotModelledError, match="in some layers"):
+        read(["*.layers.1*.linear_proj"])
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

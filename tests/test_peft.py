@@ -251,8 +251,45 @@ def test_nemo1_lora_targets_of_the_wrong_kind_name_the_key(tmp_path, targets):
 
 def test_run_recipe_lora_mode_names_the_recipe():
     from megatron_memguard.readers.run_recipe import parse_run_recipe, recipe_key
-    with pytest.raises(NotModelledError, match="--mode lora.*llama32_1b_peft_config"):
-        recipe_key(parse_run_recipe(["--model", "llama32_1b", "--mode", "lora"]))
+    # (Bridge 0.6.2 has qwen3_8b_peft_config; memguard has the Llama PEFT recipes only)
+    with pytest.raises(NotModelledError, match="--mode lora.*qwen3_8b_peft_config.*llama32_1b_peft_config"):
+        recipe_key(parse_run_recipe(["--model", "qwen3_8b", "--mode", "lora"]))
+
+
+@pytest.mark.parametrize("argv, scheme, dim, alpha, tp, trainable", [
+    # Bridge 0.6.2 recipes/llama/h100/llama3.py: the 1B / 3B recipes keep LoRA's / DoRA's defaults (dim 32, alpha 32 /
+    # 64); the 8B ones set dim 8, alpha 16 and the 70B ones dim 16, alpha 32 on either scheme.
+    # Llama-3.2-1B: 16 layers, h 2048, qkv out 2048 + 2 x 512, fc1 out 16384, fc2 in 8192:
+    # (2048 + 3072) + (2048 + 2048) + (2048 + 16384) + (8192 + 2048) = 37,888 x 32 x 16 layers
+    (["--recipe", "llama32_1b_peft_config"], "lora", 32, 32, 1, 37_888 * 32 * 16),
+    # DoRA adds the wrapped weights' output rows: 3072 + 2048 + 16384 + 2048 = 23,552 a layer
+    (["--model", "llama32_1b", "--mode", "dora"], "dora", 32, 64, 1, (37_888 * 32 + 23_552) * 16),
+    # Llama-3-8B: 32 layers, (4096 + 6144) + (4096 + 4096) + (4096 + 28672) + (14336 + 4096) = 69,632 x 8 (HF's
+    # separate q, k, v, gate, up adapters would count 20,971,520)
+    (["--model", "llama3_8b", "--mode", "lora", "-tp", "2"], "lora", 8, 16, 2, 17_825_792),
+    (["--recipe", "llama3_8b_peft_config", "--mode", "dora"], "dora", 8, 16, 1, 17_825_792 + 32 * 43_008),
+    # Llama-3-70B: 80 layers, TP 8; (8192 + 10240) + (8192 + 8192) + (8192 + 57344) + (28672 + 8192) = 137,216 x 16
+    (["--recipe", "llama3_70b_peft_config"], "lora", 16, 32, 8, 137_216 * 16 * 80),
+])
+def test_run_recipe_peft_recipes(argv, scheme, dim, alpha, tp, trainable):
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    rr, raw = read_run_recipe(argv)
+    L = resolve(raw, world_size=8)
+    assert (L.peft.scheme, L.peft.dim, L.peft.alpha, L.tp) == (scheme, dim, alpha, tp)
+    assert L.peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert adapter_param_count(L) == trainable
+    # _peft_common / the recipe: seq 4096, MBS 1, GBS 8, no distributed optimizer, bf16
+    assert (L.seq_length, L.micro_batch_size, L.global_batch_size, L.use_distributed_optimizer) == (4096, 1, 8, False)
+
+
+def test_run_recipe_peft_datasets():
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    # a fine-tuning dataset preset: a new dataset of the recipe model's sequence length, then -sl
+    _, raw = read_run_recipe(["--model", "llama32_1b", "--mode", "lora", "--dataset", "squad", "-sl", "2048"])
+    assert resolve(raw, world_size=8).seq_length == 2048
+    for ds, rule in (("mock", "incompatible with dataset 'mock'"), ("cord-v2", "DirectHFSFTDatasetConfig")):
+        with pytest.raises(ConfigError, match=rule):
+            read_run_recipe(["--model", "llama32_1b", "--mode", "lora", "--dataset", ds])
 
 
 def test_the_adapters_backward_working_sets(tmp_path):
@@ -265,3 +302,21 @@ def test_the_adapters_backward_working_sets(tmp_path):
     adapter = 2 * Tf * r * e
     assert extra == [Tf * 768 * e + adapter, 0, 0, 0, Tf * 512 * e + adapter, 0, Tf * 256 * e + adapter, 0,
                      Tf * 512 * e + adapter, 0]
+
+
+def test_a_recipes_peft_object_takes_no_override():
+    # Bridge 0.6.2 omegaconf_utils._is_omegaconf_problematic: the (callable) PEFT object is left out of the config the
+    # overrides apply to: Hydra refuses 'peft.dim=16' (tests/test_bridge_real.py runs run_recipe.py on it) and a
+    # '+peft.dim' key is dropped when the object is restored
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    with pytest.raises(ConfigError, match="peft.dim: Megatron-Bridge cannot override the recipe's PEFT object"):
+        read_run_recipe(["--recipe", "llama32_1b_peft_config", "peft.dim=16"])
+    # '+peft.dim' is added by Hydra, then set on the object itself: DoRA() of the 1B recipe (alpha 64) with rank 4
+    _, raw = read_run_recipe(["--model", "llama32_1b", "--mode", "dora", "+peft.dim=4"])
+    L = resolve(raw, world_size=8)
+    assert (L.peft.scheme, L.peft.dim, L.peft.alpha) == ("dora", 4, 64)
+    assert raw.origin["peft_scheme"] == "peft._target_ (--mode dora)"
+    # ConfigContainer.validate asserts a pretrained checkpoint for PEFT: a warning until it is given
+    assert any("PEFT requires a pretrained checkpoint path" in w for w in raw.warnings)
+    _, raw = read_run_recipe(["--model", "llama32_1b", "--mode", "lora", "--pretrained_checkpoint", "/ckpt/llama"])
+    assert not any("pretrained checkpoint" in w for w in raw.warnings)

@@ -171,10 +171,11 @@ def _set_nested(container: dict[str, Field], parts: list[str], value: Any, key: 
 
 
 def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], recipe: str | None = None,
-                sync_seq_length: str | None = None) -> RawConfig:
+                sync_seq_length: str | None = None, recipe_peft: tuple[Mapping, str] | None = None) -> RawConfig:
     """``sync_seq_length``: the launcher (``run_recipe.py``) that copies ``dataset.seq_length`` into
     ``model.seq_length`` after the overrides, as Bridge's ``recipe_runner.sync_model_dataset_sequence_length``
-    does; None for a config read as it is."""
+    does; None for a config read as it is. ``recipe_peft``: (the PEFT object the recipe function builds for the
+    launcher's ``peft_scheme``, the option that chose it), in place of the recipe's own."""
     from .models import recipe_doc, recipe_gpus, recipe_notes
 
     label = f"Megatron-Bridge config {path}" if path and not path.startswith("recipe ") else "Megatron-Bridge"
@@ -192,6 +193,8 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 S[sec] = _section(val, sec, tag)
             else:
                 top[sec] = (val, sec + tag)
+        if recipe_peft is not None:
+            S["peft"] = _section(recipe_peft[0], "peft", f" ({recipe_peft[1]})")
     for sec, val in doc.items():
         if sec in ("defaults", "_target_"):
             continue
@@ -211,6 +214,16 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
         parts = key.split(".")
         sec = parts[0]
         rest = parts[1:]
+        if recipe and sec == "peft" and (op != "add" or not rest):
+            # A recipe's PEFT object is callable: Bridge 0.6.2 leaves it out of the OmegaConf config it applies the
+            # overrides to (training/utils/omegaconf_utils.py _is_omegaconf_problematic), so Hydra refuses a peft key
+            # ("Could not override 'peft.dim'"); a +peft.FIELD one is added, then set on the object itself
+            # (_apply_overrides), which is what tests/test_bridge_real.py sees run_recipe.py do
+            raise ConfigError(key, "Megatron-Bridge cannot override the recipe's PEFT object (it is left out of the "
+                              "override config: \"Could not override\")", f"write +{key}=VALUE (Hydra adds it and "
+                              "Bridge sets it on the object), or choose LoRA / DoRA with run_recipe.py --mode")
+        if recipe and sec == "peft":
+            given.add(key)      # (set on the object: an unknown field fails there)
         if op == "set":
             given.update((key, sec))
         if sec == "model" and rest[:1] == ["transformer"]:
@@ -241,6 +254,11 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     env = _env_vars(S.pop("env_vars", {}), top.pop("env_vars", (None, "env_vars")))
     _unknown_keys(b, S, top, given)
     _map(b, S, top, has_target="_target_" in doc or bool(recipe), given=frozenset(given))
+    if b.args.get("peft_scheme") is not None and "checkpoint" in S and S["checkpoint"].get(
+            "pretrained_checkpoint", (None,))[0] is None:
+        # ConfigContainer.validate (training/config.py 0.6.2): the adapters train on a loaded base model
+        b.warn("checkpoint.pretrained_checkpoint is not set: Megatron-Bridge asserts \"PEFT requires a pretrained "
+               "checkpoint path\" at start-up (run_recipe.py --pretrained_checkpoint PATH)")
     if recipe:
         for note in recipe_notes(recipe):
             b.warn(note)

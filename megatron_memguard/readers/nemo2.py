@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..config import RawConfig
-from ..errors import ReaderError
+from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
     ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer,
     fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read, refuse_unset,
@@ -206,6 +206,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
             b.set("tokenizer_type", "NeMoTokenizer", "tokenizer")
             b.origin["vocab_size"] = "tokenizer"
     _grad_reduce_dtype(b)
+    _peft(b, doc, model, mprefix)
     if b.args.get("attention_backend") == "local" and b.args.get("transformer_impl", "transformer_engine") != "local":
         # NeMo 2.5's GPTConfig keeps the TE spec's core attention (it does not swap in megatron-core's
         # DotProductAttention as Megatron-Bridge does), and LanguageModule sets NVTE_FLASH/FUSED/UNFUSED_ATTN=0
@@ -313,3 +314,71 @@ def _grad_reduce(b: ArgsBuilder, g: Any, dtype: str | None, key: str) -> None:
         b.args.pop("grad_reduce_in_bf16", None)
     elif dtype == "bf16":
         b.set("grad_reduce_in_bf16", True, f"{key}.grad_reduce_in_fp32")
+
+
+# NeMo 2.5.0 nemo/collections/llm/peft/lora.py LoRA, dora.py DoRA (the classes llm.peft.PEFT_STR2CLS names 'lora' /
+# 'dora'); canonical_lora.py CanonicalLoRA (separate q / k / v and gate / up adapters) is another layout
+_NEMO2_PEFT = {"LoRA": "lora", "DoRA": "dora"}
+_NEMO2_PEFT_FIELDS = {"dim": "peft_dim", "alpha": "peft_alpha", "dropout": "peft_dropout",
+                      "dropout_position": "peft_dropout_position", "target_modules": "peft_target_modules",
+                      "exclude_modules": "peft_exclude_modules"}
+# fields with no memory effect on a dense model: initialisation of A and B
+_NEMO2_PEFT_NEUTRAL = frozenset({"_target_", "lora_A_init_method", "lora_B_init_method"})
+
+
+def _peft(b: ArgsBuilder, doc: Mapping, model: Mapping, mprefix: str) -> None:
+    """NeMo 2's PEFT: ``llm.finetune(..., peft=llm.peft.LoRA(...))`` writes it as the recipe's top-level ``peft:``
+    (a ``--to-yaml`` export); ``api._setup`` sets it as the model's ``model_transform`` (``_set_with_io``), which a
+    checkpoint's ``context/model.yaml`` keeps. NeMo 2.5's LoRA / DoRA build the same adapters as Megatron-Bridge's
+    (nemo/collections/llm/peft/utils.py ParallelLinearAdapter, get_adapter_attributes_from_linear), so they go to the
+    same dests (resolve/peft.py). Fiddle writes only the arguments given: the rest are the class's defaults."""
+    found = [(v, k) for v, k in ((doc.get("peft"), "peft"), (model.get("model_transform"), f"{mprefix}model_transform"))
+             if v is not None and not is_missing(v)]
+    if not found:
+        return
+    value, key = found[0]
+    if isinstance(value, str):
+        # a scheme name, as the recipes' peft_scheme (PEFT_STR2CLS: 'lora', 'dora'; 'none' is full fine-tuning)
+        if value.strip().lower() != "none":
+            b.set("peft_scheme", value, key)
+        return
+    if not isinstance(value, Mapping):
+        raise ReaderError(f"{key}: must be a LoRA / DoRA config (_target_: nemo.collections.llm.peft.lora.LoRA), "
+                          f"got {value!r}")
+    target = str(value.get("_target_") or "")
+    cls = target.rsplit(".", 1)[-1]
+    if not target:
+        raise ReaderError(f"{key}._target_: is missing: memguard cannot tell LoRA from DoRA "
+                          "(_target_: nemo.collections.llm.peft.lora.LoRA, or dora.DoRA)")
+    if not target.startswith("nemo.collections.llm.peft.") or cls not in _NEMO2_PEFT:
+        raise NotModelledError(f"{key}._target_", f"the model transform {target} (memguard models NeMo 2's LoRA and "
+                               "DoRA: CanonicalLoRA, other PEFT classes and other transforms are not modelled)")
+    b.set("peft_scheme", _NEMO2_PEFT[cls], f"{key}._target_")
+    for name, v in value.items():
+        fkey = f"{key}.{name}"
+        if name in _NEMO2_PEFT_FIELDS:
+            if v is None or is_missing(v):
+                if name in ("target_modules", "exclude_modules"):
+                    continue      # ModuleMatcher: 'self.target_modules or []'
+                raise ConfigError(fkey, f"is null: NeMo 2's {cls} takes it as None, not its default, and cannot "
+                                  "build the adapters", f"drop {fkey} or give a value")
+            if name == "exclude_modules" and not v:
+                continue          # (an empty list excludes nothing)
+            b.set(_NEMO2_PEFT_FIELDS[name], v, fkey)
+        elif name == "canonical_mapping":
+            if v:
+                raise NotModelledError(fkey, "PEFT targets given by a canonical_mapping")
+        elif name == "lora_dtype":
+            if v is not None:
+                raise NotModelledError(fkey, "LoRA weights in a dtype other than the model's")
+        elif name == "a2a_experimental":
+            if as_bool(v):
+                raise NotModelledError(fkey, "LoRA's experimental all-to-all adapters")
+        elif name == "dropout_recompute":
+            if as_bool(v):
+                # lora.py: thunder.jit on the adapter's dropout, recomputed in backward instead of keeping its mask
+                raise NotModelledError(fkey, "LoRA's dropout_recompute (Thunder-compiled dropout)")
+        elif name not in _NEMO2_PEFT_NEUTRAL:
+            # fiddle builds the class with this keyword: NeMo would fail on an argument LoRA / DoRA do not take
+            raise ConfigError(fkey, f"not an argument of NeMo 2's {cls}")
+

@@ -26,8 +26,9 @@ What a ``torchrun ... run_recipe.py ARGS`` launch turns into a ConfigContainer, 
 Assumed where the scripts call helpers that are not in these two files (``recipe_metadata.py``):
 ``recipe_task`` maps pretrain -> ``pretrain``, sft -> ``sft``, lora / dora -> ``peft`` (the names
 ``megatron.bridge.recipes`` exports: ``llama3_8b_pretrain_config``, ``..._sft_config``, ``..._peft_config``),
-and ``infer_recipe_mode`` reads that task word from the recipe name. memguard estimates pretraining:
-fine-tuning modes are refused (memguard has no SFT or PEFT recipes; a PEFT run's run_config.yaml is read).
+and ``infer_recipe_mode`` reads that task word from the recipe name. memguard estimates pretraining and, for the
+Llama PEFT recipes in its presets, ``--mode lora`` / ``dora`` (``load_recipe(name, peft_scheme=mode)``): SFT and
+other models' PEFT recipes are refused (a PEFT run's run_config.yaml is read).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ MODES = ("pretrain", "sft", "lora", "dora")
 DATASETS = ("mock", "megatron-indexed", "squad", "tulu3", "openmathinstruct2", "openmathinstruct2-thinking", "gsm8k",
             "local-jsonl", "local-vlm", "cord-v2", "llava-video-178k", "medpix", "raven", "rdr")
 PRETRAIN_DATASETS = ("mock", "megatron-indexed")
+# the vision-language presets (dataset_utils._local_vlm_dataset_config, _hf_vlm_dataset_config)
+VLM_DATASETS = ("local-vlm", "cord-v2", "llava-video-178k", "medpix", "raven", "rdr")
 # recipes/utils/determinism_utils.py apply_determinism_overrides (env_vars it adds to the config).
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
@@ -180,10 +183,12 @@ def recipe_key(rr: RunRecipeArgs) -> str:
     from .models import find_recipe, presets, recipe_for_function, unmodelled_recipe
 
     if rr.mode in ("lora", "dora") and not recipe_for_function(rr.recipe):
-        # memguard models LoRA / DoRA (resolve/peft.py) but has none of Bridge's ..._peft_config recipes (their
-        # finetuning datasets, packed sequences and checkpoints): the run's own ConfigContainer dump carries it all
+        # memguard models LoRA / DoRA (resolve/peft.py) and has Bridge's Llama ..._peft_config recipes; for another
+        # the run's own ConfigContainer dump carries it all
+        have = ", ".join(f for r in presets().get("recipes", {}).values() for f in (r.get("functions") or ())[:1]
+                         if "_peft_" in f)
         raise NotModelledError(f"--mode {rr.mode}", f"the Megatron-Bridge PEFT recipe {rr.recipe} (memguard has "
-                               "Bridge's pretraining recipes only)",
+                               f"Bridge's pretraining recipes and these PEFT ones: {have})",
                                "estimate the run's run_config.yaml: memguard reads its peft: section")
     key = recipe_for_function(rr.recipe)
     if key:
@@ -206,17 +211,45 @@ def overrides_before_cli(rr: RunRecipeArgs, key: str) -> list[str]:
     from .models import recipe_doc
 
     out: list[str] = []
+    peft = rr.mode in ("lora", "dora")
     if rr.dataset is not None:
-        if rr.dataset not in PRETRAIN_DATASETS:
-            raise ConfigError("--dataset", f"Mode '{rr.mode}' is incompatible with dataset '{rr.dataset}' ({SCRIPT} "
-                              "stops: it is a fine-tuning dataset)")
         seq = (recipe_doc(key)[0].get("model") or {}).get("seq_length")
-        # dataset_utils._mock_dataset_config / _megatron_indexed_dataset_config: a new GPTDatasetConfig of the
-        # recipe model's sequence length that skips the attention mask.
-        out.append("dataset={seq_length: %s, skip_getting_attention_mask_from_dataset: true}" % seq)
+        if rr.dataset in VLM_DATASETS:
+            # dataset_utils._require_direct_hf_config: a text recipe's dataset is no DirectHFSFTDatasetConfig
+            raise ConfigError("--dataset", f"{rr.dataset} requires a recipe using DirectHFSFTDatasetConfig ({SCRIPT} "
+                              f"stops: {rr.recipe} is a text recipe)")
+        if (rr.dataset in PRETRAIN_DATASETS) == peft:
+            # run_recipe._apply_dataset: dataset_train_mode (pretrain for a GPTDatasetConfig) must be the mode's
+            raise ConfigError("--dataset", f"Mode '{rr.mode}' is incompatible with dataset '{rr.dataset}' ({SCRIPT} "
+                              "stops: it is a " + ("pretraining" if peft else "fine-tuning") + " dataset)")
+        if peft:
+            # dataset_utils._squad_dataset_config (packing off), _tulu3_ / _gsm8k_ / _local_jsonl_dataset_config...: a
+            # new fine-tuning dataset of the recipe model's sequence length (samples up to that many tokens)
+            out.append("dataset={seq_length: %s}" % seq)
+        else:
+            # dataset_utils._mock_dataset_config / _megatron_indexed_dataset_config: a new GPTDatasetConfig of the
+            # recipe model's sequence length that skips the attention mask.
+            out.append("dataset={seq_length: %s, skip_getting_attention_mask_from_dataset: true}" % seq)
     if rr.deterministic:
         out += ["model.deterministic_mode=true", "model.cross_entropy_loss_fusion=false"]
     return out
+
+
+# Megatron-Bridge 0.6.2 peft/dora.py DoRA's fields and defaults (target_modules, dim 32, alpha 64, dropout 0.0 'pre')
+DORA_DEFAULTS = {"_target_": "megatron.bridge.peft.dora.DoRA",
+                 "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "dim": 32, "alpha": 64,
+                 "dropout": 0.0, "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+
+
+def recipe_peft(mode: str, key: str) -> tuple[dict[str, Any], str] | None:
+    """The PEFT object run_recipe.py's ``--mode dora`` makes the recipe build (``load_recipe(name, peft_scheme=mode)``;
+    dataset_utils.default_peft_config: ``DoRA()``, then the fields the recipe function sets on it, ``peft_fields`` in
+    data/presets.yaml); None for lora (memguard's recipes hold the functions' LoRA objects) and the other modes."""
+    from .models import presets
+
+    if mode != "dora":
+        return None
+    return {**DORA_DEFAULTS, **(presets()["recipes"][key].get("peft_fields") or {})}, f"--mode {mode}"
 
 
 def read_run_recipe(argv: list[str], extra_overrides: list[str] | None = None) -> tuple[RunRecipeArgs, Any]:
@@ -232,7 +265,8 @@ def read_run_recipe(argv: list[str], extra_overrides: list[str] | None = None) -
     rr = parse_run_recipe(argv)
     key = recipe_key(rr)
     overrides = overrides_before_cli(rr, key) + rr.overrides + list(extra_overrides or [])
-    raw = read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key, sync_seq_length=SCRIPT)
+    raw = read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key, sync_seq_length=SCRIPT,
+                      recipe_peft=recipe_peft(rr.mode, key))
     raw = replace(raw, source=f"Megatron-Bridge {SCRIPT} --recipe {rr.recipe} (memguard recipe {key})")
     if rr.deterministic:
         raw = replace(raw, env={**raw.env, **memory_env(DETERMINISTIC_ENV)})

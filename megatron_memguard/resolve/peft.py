@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import NotModelledError
+from ..errors import ConfigError, NotModelledError
 from ..layout.peft import COLUMN_TARGETS, DEFAULT_TARGETS, ROW_TARGETS, SCHEME_NAMES, PeftSpec
 from ..numbers import shown
 from .args import Args, Context
@@ -56,6 +56,52 @@ def _refuse_with(a: Args, kw: Mapping[str, Any]) -> None:
         raise NotModelledError(a.key(dest), what)
 
 
+# The module names of a GPT model's decoder layer and around it, as the PEFT walk sees them (megatron-core
+# gpt_model.py / transformer_layer.py attribute names); '{i}' is the layer's index in its pipeline stage.
+_LAYER_MODULES = ("decoder.layers.{i}", "decoder.layers.{i}.input_layernorm", "decoder.layers.{i}.self_attention",
+                  "decoder.layers.{i}.self_attention.core_attention", "decoder.layers.{i}.self_attention.q_layernorm",
+                  "decoder.layers.{i}.self_attention.k_layernorm", "decoder.layers.{i}.pre_mlp_layernorm",
+                  "decoder.layers.{i}.mlp")
+_TARGET_MODULES = {"linear_qkv": "decoder.layers.{i}.self_attention.linear_qkv",
+                   "linear_proj": "decoder.layers.{i}.self_attention.linear_proj",
+                   "linear_fc1": "decoder.layers.{i}.mlp.linear_fc1", "linear_fc2": "decoder.layers.{i}.mlp.linear_fc2"}
+_OTHER_MODULES = ("", "embedding", "embedding.word_embeddings", "embedding.position_embeddings", "decoder",
+                  "decoder.layers", "decoder.final_layernorm", "output_layer", "rotary_pos_emb")
+# prefixes the wrappers may put before those names (DDP / Float16Module's 'module.', a chunk list's index)
+_PREFIXES = ("", "module.", "module.module.", "0.module.", "0.module.module.")
+
+
+def wildcard_targets(a: Args, pattern: str, num_layers: int) -> list[str]:
+    """The linears a ``*`` pattern of target_modules wraps, matched as Megatron-Bridge 0.6.2 and NeMo 2.5 match it
+    (peft/utils.py wildcard_match: '^' + pattern with '*' -> '(.*)' + '$' on the module's full name, dots unescaped).
+    memguard models a target wrapped in every layer: a pattern that matches a linear in some layers only, matches
+    another module (the output layer, a norm, a whole layer), or depends on the wrappers' name prefix is refused."""
+    import re
+    key = a.key("peft_target_modules")
+    try:
+        rx = re.compile("^" + pattern.replace("*", "(.*)") + "$")
+    except re.error as exc:   # (Bridge's own re.compile raises the same)
+        raise ConfigError(key, f"{shown(pattern)} is not a valid pattern ({exc})") from None
+    hit = lambda name: {bool(rx.match(p + name)) for p in _PREFIXES}   # noqa: E731
+    found: list[str] = []
+    layers = range(max(num_layers, 1))
+    for name in _OTHER_MODULES + tuple(m.format(i=i) for i in layers for m in _LAYER_MODULES):
+        if True in hit(name):
+            raise NotModelledError(key, f"PEFT target {shown(pattern)}: it matches {name or 'the model'!r}, "
+                                   "not a linear memguard wraps (linear_qkv, linear_proj, linear_fc1, linear_fc2)")
+    for target, template in _TARGET_MODULES.items():
+        seen = set().union(*(hit(template.format(i=i)) for i in layers))
+        if seen == {True}:
+            found.append(target)
+        elif True in seen:
+            raise NotModelledError(key, f"PEFT target {shown(pattern)}: it wraps {target} in some layers (or under "
+                                   "some module prefixes) only; memguard models a target wrapped in every layer")
+    if not found:
+        raise NotModelledError(key, f"PEFT target {shown(pattern)}: it matches none of linear_qkv, linear_proj, "
+                               "linear_fc1, linear_fc2")
+    return found
+
+
 def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     scheme_v = a.get("peft_scheme")
     if scheme_v is None:
@@ -93,10 +139,16 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if not targets:
             raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules "
                                    "(Bridge then wraps every linear not excluded)")
+        expanded: list[str] = []
         for t in targets:
-            if t not in COLUMN_TARGETS | ROW_TARGETS:
+            if t in COLUMN_TARGETS | ROW_TARGETS:
+                expanded.append(t)
+            elif "*" in t:
+                expanded += wildcard_targets(a, t, int(kw.get("num_layers") or 1))
+            else:
                 raise NotModelledError(a.key("peft_target_modules"), f"PEFT of {shown(t)} (memguard models "
                                        "linear_qkv, linear_proj, linear_fc1, linear_fc2 in every layer)")
+        targets = tuple(dict.fromkeys(expanded))
     _refuse_with(a, kw)
     tp = kw["tensor_model_parallel_size"]
     if dim is not None and tp > 1 and dim % tp and COLUMN_TARGETS & set(targets):
