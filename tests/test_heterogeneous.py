@@ -227,6 +227,12 @@ def test_moe_rules(tmp_path):
         layout_from_flags(FLAGS + MOE + [key, other], world_size=1)
 
 
+def _megatron_core_at_least(version: str) -> bool:
+    from importlib import metadata
+    from packaging.version import Version
+    return Version(metadata.version("megatron-core")) >= Version(version)
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as sock:     # a port no other run on this machine holds now
@@ -387,13 +393,16 @@ def test_moe_parameters_per_rank_match_megatron_core():
                shared_ffn=384, shared_gate=False, expert_bias=False, untied=True, seq=256, mtp=1, mla=None,
                first=None, last=None, acc_emb=False, acc_loss=False, layout=None, vocab=1024, het=BLOCKS,
                ranks=[[0, None, 0, 0, 0], [1, None, 1, 1, 0]])
+    # and the MTP depth alone on the last stage (layout Etttt|mL): megatron/training 0.19.2's builder gives it the MoE
+    # layer spec there (mtp_block_spec's _te_or_local_layer_spec for a chunk without decoder layers)
+    alone = dict(job, tp=1, ep=1, layout="Etttt|mL", ranks=[[0, None, 0, 0, 0], [1, None, 0, 0, 0]])
     port = str(_free_port())
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "moe_rank_params.py"), json.dumps([job])],
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "moe_rank_params.py"), json.dumps([job, alone])],
                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE),
                          env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "MEMGUARD_E2E_PORT": port,
                               "MASTER_PORT": port})
     assert out.returncode == 0, out.stderr[-2000:]
-    real = json.loads(out.stdout.strip().splitlines()[-1])[0]
+    real, real_alone = json.loads(out.stdout.strip().splitlines()[-1])
     L = _layout(MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
                        "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                        "--mtp-num-layers", "1"], world=8)
@@ -404,6 +413,13 @@ def test_moe_parameters_per_rank_match_megatron_core():
         assert r["params"] == est.stages[pp].parameters == sum(p.numel for p in mine)
         assert r["tags"]["expert"] == sum(p.numel for p in mine if p.expert)
         assert [is_moe for _, is_moe in r["layers"]] == [k.mlp == "moe" for k in L.stage_chunks(pp)[0].layer_kinds]
+    if _megatron_core_at_least("0.19"):    # (the builder's MoE rule; older cores take the last decoder layer's spec)
+        A = _layout(MOE + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Etttt|mL",
+                           "--mtp-num-layers", "1"], world=2)
+        for r in real_alone:
+            mine = chunk_params(A, A.stage_chunks(r["rank"][0])[0])
+            assert r["params"] == sum(p.numel for p in mine)
+            assert r["tags"]["expert"] == sum(p.numel for p in mine if p.expert)
     # by hand, rank 0: embedding [1024 / 2, 512]; layer 0: norm, qkv 768 / 2 x 512, proj 512 x 256, pre-MLP norm,
     # router 4 x 512, 2 local experts x 3 x 256 x 512, shared expert 3 x 384 / 2 x 512; layer 1: norm, qkv, proj,
     # pre-MLP norm, dense MLP 512 (fc1 1024 / 2 x 512, fc2 512 x 256)
