@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
+from ..partition import MIXER_ATTENTION, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -32,6 +32,7 @@ from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_i
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
+from .cuda_graphs import kind_graphed
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -180,9 +181,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         seq: list[int] = []
-        run_groups = []
+        groups_of: list[dict[str, int]] = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
+            if kind is not None and kind.mixer == MIXER_MAMBA:
+                # MambaLayer / MambaMixer open no offload group (core 0.18.2 and 0.19.2 ssm/): a Mamba layer keeps
+                # every tensor it saves
+                groups_of.append({})
+                continue
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
                                                 kind is not None and (kind.mlp == MLP_MOE if L.heterogeneous_layers
                                                                       else kind.mlp != MLP_DENSE))
@@ -190,16 +196,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
                 outside = offload_outside(L, set(L.recompute_modules) if L.recompute_granularity == "selective" else set())
-            run_groups.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
-                                                   separate_input_norm=L.multi_latent_attention,
-                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
-        top = len(per_kind) - 1
-        if L.heterogeneous_layers:
-            # no-op layers on top offload nothing: the chunk's last group is the highest layer's that has one
-            top = max((i for i, g in enumerate(run_groups) if any(g.values())), default=top)
+            groups_of.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
+                                                  separate_input_norm=L.multi_latent_attention,
+                                                  min_elements=L.min_offloaded_tensor_size, outside=outside))
+        # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid
+        # chunk's top layers may be Mamba layers, a heterogeneous chunk's no-op layers, which offload none)
+        top = (max((i for i, g in enumerate(groups_of) if any(g.values())), default=len(per_kind) - 1)
+               if L.hybrid_layer_pattern or L.heterogeneous_layers else len(per_kind) - 1)
         for i, (la_k, k) in enumerate(per_kind):
-            groups = run_groups[i]
-            # the chunk's last group stays on the last stage: it belongs to the top layer
+            kind = runs[i][0] if i < len(runs) else None
+            groups = groups_of[i]
             plan = fine_grained_plan(groups, k, has_output and i == top,
                                      getattr(L, "fine_grained_offloading_max_inflight_offloads", None))
             layers -= plan.offloaded
@@ -217,7 +223,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             seq += sizes * k
             if plan.kept_last_group:
                 seq.pop()
-            if L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes:
+            if (L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes
+                    and (kind is None or not L.hybrid_layer_pattern
+                         or kind_graphed(cuda_graph_spec(L), kind.mixer, kind.mlp))):
                 # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
                 # group reloaded ahead
                 staging = max(staging, sum(sizes) + max(sizes))
@@ -316,11 +324,14 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if L.hybrid_mtp_pattern:
                 # a hybrid depth's layers need not be of the chunk's kinds: their working sets count too, composed
                 # layer by layer over the D depths' HybridStacks (plain autograd: MultiTokenPredictionLayer
-                # _proj_and_transformer_layer calls its mtp_model_layer, megatron-core 0.19.2; full recompute of
-                # them is refused), each layer's less what the layers above it in the depths keep
+                # _proj_and_transformer_layer calls its mtp_model_layer, megatron-core 0.19.2), each layer's less
+                # what the layers above it in the depths keep
                 more.append(f" + {d} MTP depth(s) of '{L.hybrid_mtp_pattern}'")
-                f, b = _mixed_transients([(layer_activations(L, has_batch, kind), k)
-                                          for kind, k in mtp_stack_runs(L)] * d)
+                stack = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
+                if mtp_checkpointed(L):
+                    f, b = _checkpointed_hybrid_depth(L, stack, ckpt_input)
+                else:
+                    f, b = _mixed_transients(stack * d)
                 fwd_extra = max(fwd_extra, f)
                 bwd_top = max(bwd_top, b)
             else:
@@ -363,15 +374,35 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     layer's: moe_layer_activations, which the worst-case routing scales)."""
     d = L.mtp_num_layers
     if L.hybrid_mtp_pattern:
-        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (resolve/hybrid.py
-        # refuses full recompute here); the layer with the largest backward working set stands for the stack's
+        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (under full uniform
+        # recompute the depth's checkpoint keeps its inputs only, as a GPT depth's); the layer with the largest
+        # backward working set stands for the stack's
         per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
         la = max((x for x, _ in per_kind), key=lambda x: (x.bwd_transient, x.fwd_transient))
+        if mtp_checkpointed(L):
+            return la, d * ckpt_input, 0
         return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
         return la, d * ckpt_input, 0
     return la, d * la.total, d * la.moe_total
+
+
+def _checkpointed_hybrid_depth(L: Layout, stack: list[tuple[LayerActivations, int]], ckpt_input: int) -> tuple[int, int]:
+    """The working sets of a hybrid MTP depth under full uniform recompute (core 0.18.2 / 0.19.2): its forward runs
+    inside the depth's checkpoint without grad, one layer at a time; its backward first replays the depth
+    (CheckpointFunction.backward: enorm, hnorm, eh_proj's concatenated input, the final norm's input and the
+    statistics), whose HybridStack checkpoints each of its layers again (hybrid_block.py checkpointed_forward, the
+    model's recompute settings: one layer per checkpoint), so the replay keeps the stack's layer inputs and then
+    replays one layer at a time in its backward: the largest layer's saved tensors and working set on top (an upper
+    bound: the layer's own input counted twice)."""
+    d = L.mtp_num_layers
+    acts = mtp_block_acts(mtp_spec_of(L))                 # (without recompute: one depth's tensors are 1/d of each)
+    outside = (acts.embedding_norm_inputs + acts.eh_proj_inputs + acts.final_norm_inputs + acts.norm_stats) // d
+    layers = sum(k for _, k in stack)
+    fwd = max(la.fwd_transient + la.total for la, _ in stack)
+    bwd = outside + layers * ckpt_input + max(la.total + la.bwd_transient for la, _ in stack)
+    return fwd, bwd
 
 
 def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
@@ -1100,17 +1131,26 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         if mtp_here:
             moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
-        la = layer_activations(L)
-        region = max(la.fwd_transient, la.bwd_transient)
-        if het:
-            # dense layers of their blocks' widths (resolve/heterogeneous.py lets only whole layers be graphed per
-            # layer): the widest sets the pool's free blocks, as the flags' dense layer does for a uniform model
-            region = max([region] + [max(a.fwd_transient, a.bwd_transient) for a in
-                                     (layer_activations(L, True, kind) for c in chunks for kind, _ in c.kind_runs
-                                      if kind.mlp.startswith(MLP_DENSE + ":"))])
+        kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
+        if kinds is not None:
+            # the pool's free blocks: the largest working memory of one graphed layer (of a kind the graphs take)
+            spec = cuda_graph_spec(L)
+            las = [layer_activations(L, True, kind) for kind, k in kinds.items()
+                   if k and kind_graphed(spec, kind.mixer, kind.mlp)]
+            region = max((max(la.fwd_transient, la.bwd_transient) for la in las), default=0)
+            kinds = [(kind.mixer, kind.mlp, k) for kind, k in kinds.items()]
+        else:
+            la = layer_activations(L)
+            region = max(la.fwd_transient, la.bwd_transient)
+            if het:
+                # dense layers of their blocks' widths (resolve/heterogeneous.py lets only whole layers be graphed per
+                # layer): the widest sets the pool's free blocks, as the flags' dense layer does for a uniform model
+                region = max([region] + [max(a.fwd_transient, a.bwd_transient) for a in
+                                         (layer_activations(L, True, kind) for c in chunks for kind, _ in c.kind_runs
+                                          if kind.mlp.startswith(MLP_DENSE + ":"))])
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
-                L, graphed - moe, moe, in_flight, region, pr.step_bytes, len(chunks)):
+                L, graphed - moe, moe, in_flight, region, pr.step_bytes, len(chunks), kinds):
             t = Term(name, nbytes, group, level, det)
             if level == "allocated":
                 fixed_alloc.append(t)
@@ -1127,6 +1167,21 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:
+    """A hybrid stage's layers by kind, for its CUDA graphs: the decoder layers of its chunks and, on the stage of the
+    MTP block under the local implementation, the MTP depths' layers (each a GraphableMegatronModule with its own
+    CudaGraphManager). TE's helper graphs none of them: it takes ``mtp.layers[i].mtp_model_layer``, a hybrid
+    model's HybridStack, which is no GraphableMegatronModule (cuda_graphs.py _discover_layers, core 0.19.2)."""
+    out: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, k in c.kind_runs:
+            out[kind] = out.get(kind, 0) + k
+    if mtp_here and cuda_graph_spec(L).impl == "local":
+        for kind, k in mtp_stack_runs(L):
+            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
+    return out
 
 
 def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,

@@ -27,6 +27,7 @@ the optimizer step can then no longer reuse.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -75,6 +76,35 @@ def regions_per_layer(spec: CudaGraphSpec, moe_layer: bool = False) -> int:
     return int(bool(mods & ({"moe", "moe_router"} if moe_layer else {"mlp"})))
 
 
+def kind_graphed(spec: CudaGraphSpec, mixer: str, mlp: str) -> bool:
+    """Whether a layer of one kind (``partition.LayerKind``'s mixer and MLP) is one graphed callable: a hybrid
+    model's layers by their own kind (``_layer_is_graphable``, cuda_graphs.py; the same in megatron-core 0.16.1,
+    0.17.1, 0.18.2 and 0.19.2): every layer without modules; with modules a MambaLayer ('M') when ``mamba`` is
+    listed, a TransformerLayer whose attention is not an IdentityOp ('*') when ``attn`` is, an MoE layer ('E')
+    with ``moe`` / ``moe_router`` / ``moe_preprocess``, a layer whose MLP is a dense ``MLP`` ('-') with ``mlp``.
+    (The local implementation's MambaLayer.create_mcore_cudagraph_manager asks the same of a Mamba layer.)"""
+    if spec.impl not in ("local", "transformer_engine"):
+        return False
+    mods = set(spec.cuda_graph_modules)
+    if not mods:
+        return True
+    if mixer == "mamba":
+        return "mamba" in mods
+    if "attn" in mods and mixer != "none":
+        return True
+    if mlp == "moe":
+        return bool(mods & {"moe", "moe_router", "moe_preprocess"})
+    return mlp == "dense" and "mlp" in mods
+
+
+def kind_masked(spec: CudaGraphSpec, mixer: str) -> bool:
+    """Whether a graphed layer of this mixer gets the static causal mask (TE implementation):
+    TransformerLayer.get_layer_static_inputs adds it when its self-attention is not an IdentityOp and attention
+    is graphed; a MambaLayer's static inputs are the hidden states only (GraphableMegatronModule's)."""
+    return (spec.impl == "transformer_engine" and mixer not in ("none", "mamba")
+            and (not spec.cuda_graph_modules or "attn" in spec.cuda_graph_modules))
+
+
 def attention_graphed(spec: CudaGraphSpec) -> bool:
     return spec.impl in ("local", "transformer_engine") and (not spec.cuda_graph_modules
                                                              or "attn" in spec.cuda_graph_modules)
@@ -107,6 +137,18 @@ def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0,
         s_cp = spec.seq_length // spec.context_parallel_size
         per_layer += spec.micro_batch_size * s_cp * spec.seq_length
     return int(layers * sample_slots(spec, in_flight, chunks) * per_layer)
+
+
+def hybrid_static_io_bytes(spec: CudaGraphSpec, kinds: Sequence[tuple[str, str, int]], in_flight: int = 1,
+                           chunks: int = 1) -> tuple[int, int, int]:
+    """``cuda_graph_static_io`` of a hybrid stage, layer kind by layer kind (``kinds``: (mixer, MLP, layers)):
+    (bytes, graphed layers, of which with the causal mask). Every graphed layer keeps its static input and
+    grad-output ``[rows, b, h]`` bf16 per sample set; only graphed attention layers ('*') the mask as well."""
+    graphed = sum(k for mixer, mlp, k in kinds if kind_graphed(spec, mixer, mlp))
+    masked = sum(k for mixer, mlp, k in kinds if kind_graphed(spec, mixer, mlp) and kind_masked(spec, mixer))
+    s_cp = spec.seq_length // spec.context_parallel_size
+    per_set = graphed * 2 * spec.rows * spec.hidden_size * 2 + masked * spec.micro_batch_size * s_cp * spec.seq_length
+    return int(sample_slots(spec, in_flight, chunks) * per_set), graphed, masked
 
 
 def batch_bytes(spec: CudaGraphSpec) -> int:
@@ -156,12 +198,27 @@ def spec_of(L) -> CudaGraphSpec:
 
 
 def stage_terms(L, dense_layers: int, moe_layers: int, in_flight: int, region_transient: int,
-                step_transient: int = 0, chunks: int = 1) -> list[tuple[str, int, str, str, str]]:
-    """(name, bytes, group, level, detail) of the graph terms of one pipeline stage."""
+                step_transient: int = 0, chunks: int = 1,
+                kinds: Sequence[tuple[str, str, int]] | None = None) -> list[tuple[str, int, str, str, str]]:
+    """(name, bytes, group, level, detail) of the graph terms of one pipeline stage. ``kinds``: a hybrid stage's
+    layers as (mixer, MLP, count), graphed kind by kind (then ``dense_layers`` / ``moe_layers`` are not read)."""
     spec = spec_of(L)
     if spec.impl == "none":
         return []
     out = []
+    if kinds is not None and spec.impl != "full_iteration":
+        io, graphed, masked = hybrid_static_io_bytes(spec, kinds, in_flight, chunks)
+        if io:
+            det = (f"{graphed} graphed layers x {sample_slots(spec, in_flight, chunks):g} sample set(s) x static input "
+                   f"and grad-output [{spec.rows}, {spec.hidden_size}] bf16"
+                   + (f" + causal mask of {masked} attention layers" if masked else "") + f" ({spec.impl})")
+            out.append(("cuda_graph_static_io", io, "transients", "allocated", det))
+        pool = pool_bytes(spec, region_transient, step_transient) if graphed else 0
+        if pool:
+            out.append(("cuda_graph_pool", pool, "allocator", "reserved",
+                        "working memory the graphs' private pool keeps reserved: the largest graphed layer's "
+                        "(assumption, docs/assumptions.md)"))
+        return out
     io = static_io_bytes(spec, dense_layers, moe_layers, in_flight, chunks) + full_iteration_static_inputs(spec)
     if io:
         if spec.impl == "full_iteration":

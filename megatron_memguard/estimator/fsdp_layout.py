@@ -125,8 +125,17 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
             if L.position_embedding_type == "learned_absolute":
                 before.append((L.max_position_embeddings, h))
         norms = 2 if L.normalization == "LayerNorm" else 1
-        dense, experts = _layer_shapes(L, mtp_layer_kind(L))
-        per_layer += [(list(dense), list(experts))] * depths
+        if getattr(L, "hybrid_mtp_pattern", None):
+            # a hybrid depth's HybridStack: each of its layers (MambaLayer, TransformerLayer and its subclasses) is an
+            # FSDP unit of its own (mcore_fsdp_adapter.py fsdp_unit_modules, 0.17.1 to 0.19.2); enorm, hnorm, eh_proj
+            # and the final norm stay outside the units, as a GPT depth's
+            from .params import mtp_stack_runs
+            depth = [(list(d), list(e)) for kind, count in mtp_stack_runs(L) for d, e in [_layer_shapes(L, kind)]
+                     for _ in range(count)]
+            per_layer += depth * depths
+        else:
+            dense, experts = _layer_shapes(L, mtp_layer_kind(L))
+            per_layer += [(list(dense), list(experts))] * depths
         after += [(h,)] * (3 * norms * depths) + [(h // t, 2 * h)] * depths
     # Megatron-FSDP shards dense groups over get_fsdp_group(): DP x CP, or with HSDP
     # (--num-distributed-optimizer-instances > 1) the partial DP x CP group of one replica

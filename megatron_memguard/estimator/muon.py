@@ -69,7 +69,9 @@ def takes_muon_by_name(name: str) -> bool:
     parts = name.split(".")
     if parts[-1] != "weight" and not parts[-1].startswith("weight"):     # biases; TE's grouped weight0..N
         return False
-    if len(parts) > 1 and "norm" in parts[-2]:
+    if len(parts) > 1 and ("norm" in parts[-2] or parts[-2] == "conv1d"):
+        # a Mamba mixer's causal conv1d weight is 3-D [channels, 1, 4] (an nn.Conv1d up to megatron-core 0.18.2;
+        # 0.19's own conv1d_weight fails the first test): not a matrix, so the fallback takes it
         return False
     return not (name.startswith("embedding.word_embeddings") or name.startswith("output_layer"))
 
@@ -375,8 +377,11 @@ def qkv_orthogonalize_peak(groups: int, split_shapes: tuple[int, ...], cols: int
     return peak
 
 
-_COLUMN = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
-_ROW = ("linear_proj", "linear_fc2")
+# (a Mamba mixer's in_proj is a TE column-parallel linear, its out_proj a row-parallel one: ssm/mamba_mixer.py 0.19.2)
+# (a heterogeneous config's linear replacements, linear_attn / linear_mlp, are column-parallel: linear_replacements.py)
+_COLUMN = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "in_proj",
+           "linear_attn", "linear_mlp")
+_ROW = ("linear_proj", "linear_fc2", "out_proj")
 
 
 def _partition_dim(name: str) -> int | None:

@@ -11,9 +11,9 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net), 'D' (DSA) and '+' (MLA) layers, full recompute and Megatron-FSDP of hybrid MTP layers, context
-parallelism, FP8 / FP4, the non-fused Mamba path. 'E' layers are the MoE layers (resolve/moe.py places them by the
-pattern).
+(gated delta net), 'D' (DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
+FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers
+are the MoE layers (resolve/moe.py places them by the pattern).
 """
 from __future__ import annotations
 
@@ -269,10 +269,18 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                "has MoE layers ('E') but --num-experts is not set (the MoE layer spec needs experts)")
         return {}
     _refuse(a, kw, ctx, key, main + mtp)
+    out: dict[str, Any] = {}
+    if kw.get("cpu_offloading_num_layers"):
+        # TE's layer-level offload context is entered by TransformerBlock only: HybridStack (0.17.1 to 0.19.2,
+        # hybrid_block.py) and 0.16.1's MambaStack run their layers without it, so nothing leaves the GPU
+        a.notes.append(f"{a.key('cpu_offloading_num_layers')} {kw['cpu_offloading_num_layers']}: not applied to a "
+                       "hybrid model (its HybridStack runs no layer in Transformer Engine's offload context); "
+                       "estimated with every layer's activations on the GPU")
+        out["cpu_offloading_num_layers"] = 0
     if a.bool_arg("use_mamba_mem_eff_path", True) is False:
         raise NotModelledError(a.key("use_mamba_mem_eff_path"), "the Mamba layers' non-fused path "
                                "(causal_conv1d and the chunk scan as separate autograd functions)")
-    return dict(mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads,
+    return dict(out, mamba_state_dim=state, mamba_head_dim=head_dim, mamba_num_groups=groups, mamba_num_heads=heads,
                 mamba_chunk_size=chunk)
 
 
@@ -291,45 +299,38 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         (kw.get("mtp_num_layers") and ctx.version < Version("0.17"), "mtp_num_layers",
          "multi-token prediction with a hybrid model under megatron-core 0.16 (its MambaModel has no MTP block)"),
         # MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints the depth around a HybridStack that
-        # checkpoints its own layers again (its recompute_granularity is the model's); not read further
-        # (not when uniform puts more than one layer in a checkpoint: the MTP layer's assertion, resolve/mtp.py)
-        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full" and not _mtp_asserts(a),
-         "recompute_granularity",
-         "full recomputation of hybrid MTP layers (a checkpointed MTP depth around a checkpointed HybridStack)"),
-        (kw.get("hybrid_mtp_pattern") and kw.get("use_megatron_fsdp"), "use_megatron_fsdp",
-         "Megatron-FSDP of hybrid MTP layers (their FSDP units were not read)"),
+        # checkpoints its own layers again (its recompute_granularity is the model's): estimated under uniform
+        # (estimator/core.py _checkpointed_hybrid_depth). Under block the depth skips its recompute (a warning)
+        # while its HybridStack checkpoints its first --recompute-num-layers layers: not read further
+        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full"
+         and kw.get("recompute_method") == "block", "recompute_method",
+         "block recomputation of hybrid MTP layers (the depth is not checkpointed, its HybridStack's first layers are)"),
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
-        (kw.get("cuda_graph_impl", "none") != "none", "cuda_graph_impl", "CUDA graphs of Mamba layers"),
-        (kw.get("fine_grained_activation_offloading"), "fine_grained_activation_offloading",
-         "activation offloading in Mamba layers"),
-        (kw.get("cpu_offloading_num_layers"), "cpu_offloading_num_layers", "activation offloading in Mamba layers"),
-        (str(kw.get("optimizer", "adam")) not in ("adam", "sgd"), "optimizer",
-         f"the {kw.get('optimizer')} optimizer with a hybrid model (its per-matrix treatment of the conv1d weight)"),
+        # HybridModel.preprocess_for_fine_grained_offloading sets up the offload manager from 0.18.2 on (hybrid_model.py);
+        # 0.16.1's MambaModel and 0.17.1's HybridModel do not, under TransformerLayers that open offload groups
+        (kw.get("fine_grained_activation_offloading") and ctx.version < Version("0.18"),
+         "fine_grained_activation_offloading", "fine-grained activation offloading in a hybrid model under "
+         "megatron-core 0.16 / 0.17 (its model does not set up the offload manager its attention and MLP layers call)"),
+        # MambaMixer.__init__ (0.19.2) raises unless mamba_ssm's fused scan takes state_dtype, which no mamba_ssm release
+        # up to 2.3.2.post1 does (ops/triton/ssd_combined.py): a build of its own that was not read
         (kw.get("mamba_training_ssm_states_dtype") or a.get("mamba_training_ssm_states_dtype"),
-         "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states"),
+         "mamba_training_ssm_states_dtype", "another dtype for the Mamba chunk states (MambaMixer needs a mamba_ssm "
+         "whose scan takes state_dtype: none of its releases up to 2.3.2.post1)"),
         # FSDP units: torch FSDP2 wraps TransformerLayer (torch_fully_sharded_data_parallel.py 0.19.2), not MambaLayer;
         # Megatron-FSDP takes MambaLayer as a unit from 0.17 on (mcore_fsdp_adapter.py: 0.16.1 TransformerLayer only)
         (kw.get("use_torch_fsdp2") and "M" in main, "use_torch_fsdp2", "torch FSDP2 of Mamba layers (not an FSDP2 "
          "unit: their parameters are sharded with the root module)"),
         (ctx.version < Version("0.17") and kw.get("use_megatron_fsdp") and "M" in main, "use_megatron_fsdp",
          "Megatron-FSDP of Mamba layers under megatron-core 0.16 (its FSDP units are TransformerLayers only)"),
-        (ctx.version < Version("0.17") and kw.get("recompute_granularity") == "full", "recompute_granularity",
-         "full recomputation of a hybrid model under megatron-core 0.16 (its MambaStack has no checkpointed "
-         "forward: the flag is not applied)"),
+        # (0.17.1's MambaStack, ssm/mamba_block.py, has none either: HybridStack's checkpointed_forward came in 0.18.2)
+        (ctx.version < Version("0.18") and kw.get("recompute_granularity") == "full", "recompute_granularity",
+         f"full recomputation of a hybrid model under megatron-core {ctx.version.major}.{ctx.version.minor} (its "
+         "MambaStack has no checkpointed forward: the flag is not applied)"),
     )
     for bad, dest, what in checks:
         if bad:
             raise NotModelledError(a.key(dest), what)
-
-
-def _mtp_asserts(a: Args) -> bool:
-    """Full uniform recompute of more than one layer per checkpoint: an MTP depth stops Megatron at its first forward
-    (MultiTokenPredictionLayer._checkpointed_forward, hybrid depths too; resolve/mtp.py names the flag)."""
-    try:
-        return a.get("recompute_method") == "uniform" and int(a.get("recompute_num_layers")) > 1
-    except (TypeError, ValueError):
-        return False
 
 
 def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:

@@ -3,7 +3,7 @@ and MLP-only TransformerLayers, final norm, embedding, output layer) built on CP
 
     python tests/e2e/mamba_param_count.py '{"pattern": "M*M-", "hidden_size": 256, ...}'
 
-prints {name: numel} as JSON (the last line).
+prints {name: numel} as JSON (the last line). An optional "config" object adds TransformerConfig fields.
 
 Two stand-ins, because the CPU venv has neither library: ``einops`` (MambaMixer.__init__ only checks that it
 imports) and ``mamba_ssm``'s gated RMSNorm, whose parameters are one ``weight`` of the normalised width and no
@@ -145,7 +145,7 @@ def build_016(cfg: dict):
         num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
         activation_func=F.relu, use_cpu_initialization=True, params_dtype=torch.float32,
         mamba_state_dim=cfg["state"], mamba_head_dim=cfg["head_dim"], mamba_num_groups=cfg["mamba_groups"],
-        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0)
+        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **cfg.get("config", {}))
     return MambaModel(config=config, mamba_stack_spec=spec, vocab_size=cfg["vocab"],
                       max_sequence_length=cfg["seq"], hybrid_override_pattern=cfg["pattern"],
                       position_embedding_type="none", share_embeddings_and_output_weights=False)
@@ -187,7 +187,8 @@ def build(cfg: dict):
         num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,
         activation_func=F.relu, use_cpu_initialization=True, params_dtype=torch.float32, is_hybrid_model=True,
         mamba_state_dim=cfg["state"], mamba_head_dim=cfg["head_dim"], mamba_num_groups=cfg["mamba_groups"],
-        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **moe, **_mtp_config(cfg))
+        mamba_num_heads=cfg.get("mamba_heads"), hidden_dropout=0.0, attention_dropout=0.0, **moe, **_mtp_config(cfg),
+        **cfg.get("config", {}))
     return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=cfg["vocab"],
                        max_sequence_length=cfg["seq"], hybrid_layer_pattern=cfg["pattern"],
                        position_embedding_type="none", share_embeddings_and_output_weights=False)

@@ -1,0 +1,64 @@
+"""Full uniform recompute of a hybrid model's MTP depths (megatron-core 0.18.2 / 0.19.2): each depth's
+_proj_and_transformer_layer runs inside one checkpoint (MultiTokenPredictionLayer._checkpointed_forward,
+transformer/multi_token_prediction.py: recompute_num_layers must be 1), which keeps its inputs only; its replay in
+backward runs the depth's HybridStack, whose checkpointed_forward (models/hybrid/hybrid_block.py, recompute.py)
+checkpoints each of its layers again. The small model of tests/test_mamba.py: seq 128, MBS 1, h 256, bf16."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_memguard import estimate
+from megatron_memguard.errors import NotModelledError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.core import _checkpointed_hybrid_depth
+from megatron_memguard.partition import LayerKind
+from test_mamba import _layout
+
+T, H = 128, 256
+ROW = T * H * 2                 # one [s, b, h] bf16 tensor: a checkpoint's input
+UNIFORM = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+def _terms(pattern: str, extra: str = UNIFORM) -> dict:
+    return {t.name: t.bytes for t in estimate(_layout(pattern, extra)).critical.terms}
+
+
+def test_each_depth_keeps_its_checkpoint_input():
+    # 4 decoder layers and 1 or 2 depths, each one checkpoint keeping its [s, b, h] input (decoder_input; hidden_states
+    # is the decoder's output, counted by the MTP block terms)
+    assert _terms("M*M-")["layer_activations"] == 4 * ROW == 262_144
+    assert _terms("M*M-/MM")["layer_activations"] == (4 + 1) * ROW
+    assert _terms("M*M-/*-/*-")["layer_activations"] == (4 + 2) * ROW
+    # without recompute the depth keeps its two Mamba layers whole: more than a checkpoint input
+    plain = _terms("M*M-/MM", "")["layer_activations"] - _terms("M*M-", "")["layer_activations"]
+    mamba = layer_activations(_layout("M*M-/MM"), True, LayerKind("mamba", "none")).total
+    assert plain == 2 * mamba > ROW
+
+
+def test_the_depths_replay():
+    # the replay of a depth of two Mamba layers: enorm's input, eh_proj's [s, b, 2h] input, the final norm's input and
+    # three norms' fp32 rstd (RMSNorm), the stack's two checkpoint inputs, then one Mamba layer replayed: its saved
+    # tensors and its backward working set (test_mamba.py works both out by hand)
+    L = _layout("M*M-/MM", UNIFORM)
+    la = layer_activations(L, True, LayerKind("mamba", "none"))
+    outside = ROW + 2 * ROW + ROW + 3 * T * 4
+    fwd, bwd = _checkpointed_hybrid_depth(L, [(la, 2)], ROW)
+    assert bwd == outside + 2 * ROW + la.total + la.bwd_transient
+    assert fwd == la.fwd_transient + la.total
+    # by hand at MBS 1 (mamba_ssm 2.2.6 as tests/test_mamba.py reads it): the Mamba layer keeps 808,448 B (its input and
+    # in_proj's input 65,536 each, zxbcdt 128 x 1104 x 2, the scan output, the gated norm's input and out_proj's input
+    # 128 x 512 x 2 each, fp32 statistics 512 + 1,024); its backward at the scan 707,584 B (the output gradient 65,536,
+    # dy 131,072, dzxbcdt 282,624, the conv output and its gradient 2 x 128 x 576 x 2, the states 8,192 x 6, fp32 C^T B
+    # 2 x 128^2 x 4, dt's 16,384, less the released norm and out_proj tensors 263,168)
+    assert (la.total, la.bwd_transient) == (808_448, 707_584)
+    assert outside == 263_680 and bwd == 263_680 + 131_072 + 808_448 + 707_584 == 1_910_784
+    # the replay raises the last stage's backward working set above the decoder's own (one layer replayed)
+    with_mtp = {t.name: t.bytes for t in estimate(L).critical.terms}["backward_transient"]
+    without = {t.name: t.bytes for t in estimate(_layout("M*M-", UNIFORM)).critical.terms}["backward_transient"]
+    assert with_mtp > without
+
+
+def test_block_recompute_of_hybrid_mtp_depths_is_refused_by_name():
+    with pytest.raises(NotModelledError) as e:
+        _layout("M*M-/MM", "--recompute-granularity full --recompute-method block --recompute-num-layers 1")
+    assert str(e.value).startswith("--recompute-method")
