@@ -19,6 +19,7 @@ MEMORY_ENV_VARS = (
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN", "NVTE_UNFUSED_ATTN",
     "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_NCCL_AVOID_RECORD_STREAMS", "CUDA_DEVICE_MAX_CONNECTIONS",
     "NVTE_CUTEDSL_FUSED_GROUPED_MLP",   # whether the experts may take TE's fused grouped MLP (resolve/moe.py)
+    "FP4_RECIPE",   # TEFusedMLPWithGroupedLinear's NVFP4 autocast (resolve/kernels.py grouped_dense_mlp)
 )
 
 

@@ -13,7 +13,7 @@ the flag exists from 0.18):
 import pytest
 
 from megatron_memguard import estimate, layout_from_flags
-from megatron_memguard.errors import NotModelledError
+from megatron_memguard.errors import ConfigError, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.gpus import lookup_gpu
 
@@ -99,9 +99,11 @@ def test_primary_fp8_weights_and_recompute_keep_no_copies():
     assert "fc2_input" not in saved and "fp8_op_fuser_weights" not in saved
 
 
-def test_moe_experts_under_fp8_stay_refused():
+def test_moe_experts_under_fp8_keep_megatron_rules():
+    # the experts' fused grouped MLP under FP8 is sized (tests/test_fp8_moe_op_fuser.py) where Megatron builds it:
+    # TP 2 makes the expert TP 2, which TEGroupedMLP._is_fused_impl_supported refuses (an assert at build time)
     moe = ("--num-experts 4 --moe-router-topk 1 --moe-router-load-balancing-type sinkhorn --moe-grouped-gemm "
            "--moe-token-dispatcher-type alltoall").split()
-    with pytest.raises(NotModelledError, match="op.fuser.*MoE experts under FP8"):
+    with pytest.raises(ConfigError, match="op-fuser.*expert tensor parallel size 1, got 2"):
         layout_from_flags(BASE + FUSER + moe + ["--fp8-format", "hybrid"], world_size=8,
                           env={"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"})

@@ -71,11 +71,12 @@ def test_rules_and_refusals():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(no_glu + FUSER + ["--squared-relu"], world_size=8)
     assert "--use-transformer-engine-op-fuser" in str(e.value) and "squared ReLU" in str(e.value)
-    # FP8 under the op fuser: a dense model's TEFusedMLP is sized (tests/test_fp8_op_fuser.py); the experts' fused
-    # grouped MLP under FP8 is refused by name
+    # FP8 under the op fuser: a dense model's TEFusedMLP is sized (tests/test_fp8_op_fuser.py), the experts' fused
+    # grouped MLP under delayed scaling too (tests/test_fp8_moe_op_fuser.py); tensorwise is refused by name
     assert _layout(FUSER + ["--fp8-format", "hybrid"]).use_transformer_engine_op_fuser
-    msg = _err(FUSER + MOE + ["--fp8-format", "hybrid"], env=CUTEDSL)
-    assert "--use-transformer-engine-op-fuser" in msg and "MoE experts under FP8" in msg
+    assert _layout(FUSER + MOE + ["--fp8-format", "hybrid"], env=CUTEDSL).use_transformer_engine_op_fuser
+    msg = _err(FUSER + MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], env=CUTEDSL)
+    assert "--use-transformer-engine-op-fuser" in msg and "tensorwise recipe" in msg
 
 
 def test_moe_experts_rules():

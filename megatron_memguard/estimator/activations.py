@@ -295,9 +295,10 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
 
     def tie(names: frozenset) -> frozenset:
         # linear_proj's quantized copy goes with proj_input; the op fuser's weight copies with fc1's input (fc1's
-        # backward is the MLP's last)
+        # backward is the MLP's last; the experts' fc1 keeps moe_expert_input)
         names = names | {"fp8_proj_input"} if "proj_input" in names else names
-        return names | {"fp8_op_fuser_weights"} if "fc1_input" in names else names
+        return names | {"fp8_op_fuser_weights", "dense_mlp_scales"} if {"fc1_input", "moe_expert_input"} & names \
+            else names
 
     return saved, tuple((tie(n), w) for n, w in fwd_steps), tuple((tie(n), w) for n, w in bwd_steps)
 

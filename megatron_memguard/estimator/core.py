@@ -124,6 +124,11 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in runs] or [(layer_activations(L, has_batch), 0)]
     x = shapes(L)
     ckpt_input = x.T * x.h * x.r // (L.tp if L.distribute_saved_activations else 1)
+    # a replay's output, kept by CheckpointFunction.backward with the output gradient it was handed (_replay); the
+    # chunk's top block is handed the gradient the schedule received and holds (p2p buffers), unless the chunk runs
+    # the final norm (or the MTP block), whose backward makes it
+    replay_out = x.T * x.h * x.r
+    top_grad = replay_out if (final_norm or mtp_here) else 0
     # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
     # (_block_replays; a chunk building MTP layers above its decoder layers (estimator/mtp.py) and activation
     # offloading keep the replay over everything the chunk holds: an upper bound)
@@ -144,7 +149,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             fwd_transient, bwd_transient = _mixed_transients(per_kind)
     if block and n:
         bwd_transient = _block_replays(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
-                                       ckpt_input)
+                                       ckpt_input, replay_out, top_grad)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
         # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
@@ -165,6 +170,11 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         layers = _layers_bytes(per_kind, 0)
         detail = None                 # _layers_detail(per_kind, 0), made when first read
     more: list[str] = []              # what the detail adds (offloading, MTP layers)
+    if recompute_group and (block or L.recompute_method == "uniform" and not L.cpu_offloading_num_layers):
+        # (in the backward working set, _replay; the same words for every chunk, so that virtual chunks share them)
+        more.append(f"; a replay saves its kept input again (- {format_bytes(ckpt_input)}) and holds its output and "
+                    f"the gradient it is handed (+ {format_bytes(replay_out)} each; "
+                    "a received gradient is the schedule's)")
     moe_layers = 0
     if L.moe is not None and n:
         # the MoE halves' share of the layers kept whole (checkpointed layers keep only their input)
@@ -244,9 +254,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if recompute_group:
         # Backward of a checkpointed block first replays its forward with grad enabled.
         bwd_top = recompute_group * per_layer + bwd_transient
-        if len(per_kind) > 1 and L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
-            # blocks of layers of different kinds: each block's own layers replayed (not k of the largest)
-            bwd_top = _mixed_replays(per_kind, recompute_group, ckpt_input)
+        if L.recompute_method == "uniform" and not L.cpu_offloading_num_layers:
+            # each block's own layers replayed (not k of the largest), over its kept input (_replay)
+            bwd_top = (_mixed_replays(per_kind, recompute_group, ckpt_input, replay_out, top_grad) if len(per_kind) > 1
+                       else _uniform_replays(per_kind[0][0], n, recompute_group, ckpt_input, replay_out, top_grad))
         elif block:
             # the replays are in the composed working set (_block_replays)
             bwd_top = bwd_transient
@@ -424,43 +435,94 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
     return fwd or 0, bwd or 0
 
 
-def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
+def _replay_transient(la: LayerActivations, grad: int, top: bool) -> int:
+    """A replayed layer's backward working set over its saved bytes while CheckpointFunction.backward holds the
+    output gradient it was handed (``args``, until ``torch.autograd.backward(outputs, args)`` returns;
+    tensor_parallel/random.py, megatron-core 0.16.1 and 0.19.2; TE 2.11 and 2.20.2's reentrant
+    ``_CheckpointFunction`` alike).
+    In the block's top layer that tensor is the layer's own output gradient (each step's ``G``) until its residual
+    gradients merge below the pre-MLP norm (the steps releasing ``mlp_norm_input``: the merge cannot reuse the held
+    tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step."""
+    if not top:
+        return la.bwd_transient + grad
+    get = la.saved.get
+    steps = []
+    merged = False
+    for names, w in la.bwd_steps:
+        merged = merged or "mlp_norm_input" in names
+        steps.append(w - sum(get(n, 0) for n in names) + (grad if merged else 0))
+    return max(steps, default=0)   # (as LayerActivations.bwd_transient)
+
+
+def _replay(block: list[LayerActivations], ckpt_input: int, out: int, grad: int) -> int:
+    """Backward working set of one checkpointed block (its layers bottom to top) over what the chunk holds, its
+    kept input included. CheckpointFunction.backward replays the block on ``detach_variable(inputs)`` (a new
+    tensor object on the same storage, no copy): the first layer's norm saves that storage again
+    (``layer_input``, or ``mlp_norm_input`` after a no-op attention), so the replay adds its layers' saved bytes
+    less the kept input. (With --distribute-saved-activations the kept shard is swapped for the gathered input,
+    which that layer saves: the shard is what is freed.) The replayed output (``outputs``) and the handed output
+    gradient (``_replay_transient``; ``grad``: 0 when the schedule holds it anyway) stay referenced until the
+    block's backward has run; each layer's working set comes after the layers above it freed their tensors
+    (``_mixed_transients``)."""
+    # (a layer that saves nothing is an identity, heterogeneous_layer_specs.py's no-op layer: the next one saves it)
+    first = next((la.saved for la in block if la.saved), {})
+    aliased = ckpt_input if ("layer_input" in first or "mlp_norm_input" in first) else 0
+    best = None
+    above = 0
+    for j in range(len(block) - 1, -1, -1):
+        la = block[j]
+        b = _replay_transient(la, grad, j == len(block) - 1) - above
+        best = b if best is None else max(best, b)
+        above += la.total
+    return above - aliased + out + (best or 0)
+
+
+def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out: int, top_grad: int) -> int:
+    """Full uniform recompute of ``n`` layers of one kind in blocks of ``k``: the top block (``n % k`` layers when
+    k does not divide n; handed the gradient ``top_grad``, _replay) replays first, a full block below it after the
+    top block freed its kept input."""
+    top = n % k
+    if not top:
+        best = _replay([la] * k, ckpt_input, out, top_grad)
+        return best if n == k else max(best, _replay([la] * k, ckpt_input, out, out) - ckpt_input)
+    return max(_replay([la] * top, ckpt_input, out, top_grad), _replay([la] * k, ckpt_input, out, out) - ckpt_input)
+
+
+def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int, out: int = 0,
+                   top_grad: int = 0) -> int:
     """Full ``block`` recompute of a chunk (bottom to top): its backward working set over what the chunk holds. The
     first ``k`` layers are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1
     and 0.19.2: ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers
     above keep their saved tensors. Backward runs the top layers first and frees their tensors, then each
-    checkpointed layer replays its forward (its saved bytes) before its own backward. Composed as
-    ``_mixed_transients``: each layer's working set (a checkpointed one's with its replay) less what the layers
-    above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.)"""
+    checkpointed layer replays its forward (its saved bytes less its kept input, ``_replay``) before its own
+    backward. Composed as ``_mixed_transients``: each layer's working set (a checkpointed one's with its replay) less
+    what the layers above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.)"""
     bwd = None
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
     for i in range(len(layers) - 1, -1, -1):
         la = layers[i]
         replayed = i < k
-        b = (la.total if replayed else 0) + la.bwd_transient - above
+        grad = top_grad if i == len(layers) - 1 else out
+        b = (_replay([la], ckpt_input, out, grad) if replayed else la.bwd_transient) - above
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
     return bwd or 0
 
 
-def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int) -> int:
+def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int, out: int = 0,
+                   top_grad: int = 0) -> int:
     """Full uniform recompute of a chunk of layers of different kinds (bottom to top) in blocks of ``k``
     (recompute.py checkpointed_forward, megatron-core 0.19.2: TransformerBlock and HybridStack alike): the
-    largest block replay in backward, its layers' saved bytes with the working set of its layers
-    (``_mixed_transients`` within the block) over what the chunk holds, less the checkpointed inputs of the
-    blocks above it (freed when their backward has run)."""
+    largest block replay in backward (``_replay``: its layers' saved bytes with the working set of its layers
+    over what the chunk holds), less the checkpointed inputs of the blocks above it (freed when their backward
+    has run)."""
     layers = [la for la, n in per_kind for _ in range(n)]
     best = None
     for start in range(0, len(layers), k):
         block = layers[start:start + k]
-        runs: list[tuple[LayerActivations, int]] = []
-        for la in block:
-            if runs and runs[-1][0] is la:
-                runs[-1] = (la, runs[-1][1] + 1)
-            else:
-                runs.append((la, 1))
-        v = sum(la.total for la in block) + _mixed_transients(runs)[1] - ckpt_input * (-(-(len(layers) - start - len(block)) // k))
+        above = -(-(len(layers) - start - len(block)) // k)
+        v = _replay(block, ckpt_input, out, out if above else top_grad) - ckpt_input * above
         best = v if best is None else max(best, v)
     return best or 0
 

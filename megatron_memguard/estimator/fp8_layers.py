@@ -23,19 +23,25 @@ class Gemm:
     count: int = 1
     # run by Transformer Engine's operation fuser (TEFusedMLP's BasicLinear ops), not by its TE module
     op_fused: bool = False
+    # the op keeps its weight copy with both usages (TEFusedMLPWithGroupedLinear's fused grouped MLP kernel)
+    op_keeps_both: bool = False
 
 
-def op_fuser_weight(spec: Fp8Spec, g: Gemm, *, non_tn: bool = False) -> int:
+def op_fuser_weight(spec: Fp8Spec, g: Gemm, *, non_tn: bool = False, both_usages: bool = False) -> int:
     """What an op-fused GEMM (``TEFusedMLP``'s ``BasicLinear``, TE 2.20.2 ``ops/basic/basic_linear.py``
     ``_functional_forward``) keeps of its weight per micro-batch: with a BF16 weight it quantizes a fresh copy
     each forward (``weight_quantizer(w)``, no workspace cache: "workspace freshly created each forward pass") and
     saves it column-wise only (``update_usage(rowwise_usage=False, columnwise_usage=True)``); a primary quantized
-    weight is used as it is (nothing new)."""
+    weight is used as it is (nothing new). ``both_usages``: the experts' fused grouped MLP kernel and TE's
+    grouped-tensor GroupedLinear path keep the copy as quantized, row-wise and column-wise (TE 2.20.2
+    ``ops/fused/grouped_mlp.py`` ``fuser_forward``, ``ops/basic/grouped_linear.py`` ``_fuser_forward_grouped_tensor``:
+    no ``update_usage`` on the weights they save)."""
     r = spec.recipe
     if r is None or spec.primary_weights_quantized or not g.op_fused:
         return 0
     from .fp8 import quantized_tensor
-    return g.count * quantized_tensor(r, g.rows, g.cols, rowwise=False, columnwise=True, non_tn=non_tn,
+    return g.count * quantized_tensor(r, g.rows, g.cols, rowwise=both_usages or g.op_keeps_both, columnwise=True,
+                                      non_tn=non_tn,
                                       block_2d=r == "blockwise").allocated
 
 
@@ -225,6 +231,11 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
         ops = sum(op_fuser_weight(spec, x, non_tn=non_tn) for x in gemms)
         if ops:
             out["fp8_op_fuser_weights"] = ops
+        fc2 = g.get("linear_fc2")
+        if fc2 is not None and fc2.op_keeps_both:
+            # TEFusedMLPWithGroupedLinear.forward: the activation's scales, torch.ones(tokens) in the activation
+            # dtype, kept by the fused grouped MLP kernel with its inputs
+            out["dense_mlp_scales"] = fc2.tokens * act_bytes
     return out
 
 
@@ -242,12 +253,21 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
                               sequence_parallel=L.sequence_parallel)
     moe = getattr(L, "moe", None)
     if moe is not None:
-        # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}")
-        gemms = tuple(replace(g, count=moe.local_experts) if g.name.startswith("experts.") else g for g in gemms)
+        # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}"); under
+        # the op fuser the experts run as TE's GroupedLinear ops instead (resolve/moe.py experts_op_fuser), which
+        # cache no workspace (fused_experts_overrides)
+        fused = bool(getattr(L, "use_transformer_engine_op_fuser", False))
+        gemms = tuple(replace(g, count=moe.local_experts, op_fused=fused) if g.name.startswith("experts.") else g
+                      for g in gemms)
     elif getattr(L, "use_transformer_engine_op_fuser", False):
         # --use-transformer-engine-op-fuser (core 0.19.2 gpt_layer_specs): a dense model's MLP is TEFusedMLP, whose
         # fc1 / fc2 run as TE BasicLinear ops (resolve/kernels.py op_fuser)
-        gemms = tuple(replace(g, op_fused=True) if g.name in ("linear_fc1", "linear_fc2") else g for g in gemms)
+        # with --use-grouped-gemm-for-dense-mlp at TP 1 (resolve/kernels.py grouped_dense_mlp) they are
+        # TEFusedMLPWithGroupedLinear's GroupedLinear(1) ops under the fused grouped MLP kernel, which keeps its
+        # weight copies with both usages (ops/fused/grouped_mlp.py, TE 2.20.2)
+        both = bool(getattr(L, "grouped_dense_mlp", False))
+        gemms = tuple(replace(g, op_fused=True, op_keeps_both=both) if g.name in ("linear_fc1", "linear_fc2") else g
+                      for g in gemms)
     return gemms
 
 
@@ -281,8 +301,11 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
         # the pre-MLP norm's output [T, h] beside the BF16 one the router keeps (with 'layernorm' recompute too)
         out["moe_latent_projections"] = (saved_input(spec, T, hx, non_tn=non_tn).allocated
                                          + saved_input(spec, T, h, non_tn=non_tn).allocated)
+    if L.use_transformer_engine_op_fuser:
+        out.update(fused_experts_overrides(spec, L, saved, N=N, non_tn=non_tn))
+        N = 0       # the routed experts are done; the shared experts below are TE modules as without the fuser
     mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
-    if "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
+    if N and "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * Fr
                                          + grouped_saved_input(spec, N, Fr, El, non_tn=non_tn))
     Fs = m.moe_shared_expert_intermediate_size
@@ -306,6 +329,64 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
         elif spec.recipe == "delayed":
             b += saved_input(spec, T, h, sp_gathered=L.sequence_parallel and L.tp > 1, non_tn=non_tn).allocated
         out["moe_shared_experts"] = b
+    return out
+
+
+# TEGroupedMLP.__init__ (megatron-core 0.19.2 transformer/moe/experts.py): under the fused impl, FP8 / FP4 pad each
+# expert's tokens to 256 (Fp8Padding(align_size=256)), the router's padding being 256 too (router_padding_align)
+FUSED_EXPERTS_ALIGN = 256
+
+
+def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, N: int,
+                            non_tn: bool = False) -> dict[str, int]:
+    """The routed experts' saved tensors under TE's operation fuser in FP8 / FP4 (TEGroupedMLP._fused_forward,
+    megatron-core 0.19.2; TE 2.20.2): GroupedLinear -> ScaledSwiGLU / ScaledClampedQGeGLU -> GroupedLinear on the
+    ``N`` routed rows, each expert's padded to 256 (``FUSED_EXPERTS_ALIGN``).
+
+    * MXFP8 (E4M3 gradients) and NVFP4 (``NVFP4BlockScaling()``, Hadamard transform on) run the CuTe-DSL fused
+      kernel (``ops/fused/grouped_mlp.py`` ``fuse_grouped_mlp_ops``; NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 is required
+      anyway, resolve/moe.py): it saves fc1's grouped quantized input, the BF16 GLU input ``c_tensor`` [Np, 2F],
+      the probs, fc2's grouped quantized input, and the weight copies it quantized (both usages). MXFP8 drops the
+      inputs' row-wise data and scales ("MXFP8 wgrad only needs columnwise tiles"); NVFP4 keeps the whole grouped
+      tensors ("NVFP4 generic GEMM fallbacks need the full grouped tensor state").
+    * delayed scaling: no fused kernel and no grouped-tensor path (``is_op_fuser_grouped_tensor_path_supported``):
+      ``_fuser_forward_split_quantize`` keeps each expert's quantized input and weight copy column-wise only
+      (``update_usage(rowwise_usage=False, columnwise_usage=True)``); ScaledSwiGLU keeps its BF16 input.
+
+    Names: ``moe_expert_input`` (fc1's quantized input and the padded probs), ``moe_expert_activations`` (the GLU
+    input and fc2's quantized input), ``fp8_op_fuser_weights`` (the weight copies of one micro-batch; none with
+    primary quantized weights, used as they are: ``is_quantized_tensor(weight)``)."""
+    from .fp8 import quantized_tensor
+    from .layers.moe import router_bytes
+    m = L.moe
+    r = spec.recipe
+    e = L.act_bytes
+    hx = m.moe_latent_size or L.hidden_size
+    El, Fr = m.local_experts, m.moe_ffn_hidden_size // m.etp
+    g = 2 if L.gated_linear_unit else 1
+    if El <= 0 or N <= 0:
+        return {}
+    per = -(-N // El)
+    per = -(-per // FUSED_EXPERTS_ALIGN) * FUSED_EXPERTS_ALIGN
+    Np = El * per
+    both = r == "nvfp4"       # NVFP4 keeps the grouped inputs whole; MXFP8 and delayed column-wise only
+
+    def x(width: int) -> int:
+        return El * quantized_tensor(r, per, width, rowwise=both, columnwise=True, non_tn=non_tn).allocated
+
+    out: dict[str, int] = {}
+    if "moe_expert_input" in saved:
+        out["moe_expert_input"] = x(hx) + router_bytes(m, e) * Np
+    if "moe_expert_activations" in saved:
+        # the BF16 part without the fuser's padding: g F_r (the GLU input) + F_r (fc2's input) per row
+        out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * (g + 1) * Fr
+                                         + e * Np * g * Fr + x(Fr))
+    fused_kernel = r in ("mxfp8", "nvfp4")
+    w = sum(op_fuser_weight(spec, Gemm(n, rows, cols, count=El, op_fused=True), non_tn=non_tn,
+                            both_usages=fused_kernel)
+            for n, (rows, cols) in (("experts.linear_fc1", (g * Fr, hx)), ("experts.linear_fc2", (hx, Fr))))
+    if w and "moe_expert_input" in saved:
+        out["fp8_op_fuser_weights"] = w
     return out
 
 
@@ -357,6 +438,11 @@ def mtp_gemms(L: Any) -> tuple[Gemm, ...]:
     return layer_gemms(L, kind) + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),)
 
 
+def _cached_elements(gemms: tuple[Gemm, ...]) -> int:
+    """Weight elements of the GEMMs whose TE module caches a workspace (not the op fuser's)."""
+    return sum(x.count * x.rows * x.cols for x in gemms if not x.op_fused)
+
+
 def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[Any]]:
     """FP8 / FP4 persistent terms of one pipeline rank's chunks, and the bytes the DDP parameter
     buffer holds less because primary quantized weights take ``param_buffer_bytes_per_element`` (1,
@@ -379,7 +465,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     keep = megatron_fsdp and bool(getattr(L, "keep_fp8_transpose_cache", False)) and spec.recipe != "mxfp8"
     fsdp = megatron_fsdp and not keep
     dist = L.use_distributed_optimizer and not megatron_fsdp
-    cache = colw = scales = layers = elements = 0
+    cache = colw = scales = layers = elements = cached = 0
     for c in chunks:
         for kind, n in c.kind_runs:
             if not kind.quantized:
@@ -389,6 +475,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
                 continue          # a heterogeneous layer of two no-op halves: no TE module
             layers += n
             cache += n * weight_cache_bytes(spec, module_gemms(L, g), non_tn=non_tn)
+            cached += n * _cached_elements(module_gemms(L, g))
             colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist or keep))
             scales += n * layer_recipe_state_bytes(spec, g)
@@ -402,6 +489,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
         if g:
             layers += mtp
             cache += mtp * weight_cache_bytes(spec, g, non_tn=non_tn)
+            cached += mtp * _cached_elements(g)
             colw += mtp * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
                            primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist))
             scales += mtp * layer_recipe_state_bytes(spec, g)
@@ -425,7 +513,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
     if cache:
         lm = f" and the output layer's [{head.rows}, {head.cols}] (--fp8-output-proj)" if head is not None else ""
         terms.append(Term("fp8_weight_cache", cache, TermGroup.WEIGHTS,
-                          detail=f"{r} copies of {elements:,} GEMM weight elements of {layers} FP8 layers{lm}, row-wise + "
+                          detail=f"{r} copies of {cached:,} GEMM weight elements of {layers} FP8 layers{lm}, row-wise + "
                                  f"column-wise ({arch}); kept across micro-batches (TE _fp8_workspaces)"))
     if colw:
         where = ("scale tensors outside Megatron-FSDP's buffers (its transposes are dropped after each use)" if fsdp

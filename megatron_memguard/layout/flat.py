@@ -41,7 +41,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("", "moe"),     # Layout's own field: the MoE part (layout/moe.py MoeSpec), None for dense models
     ("shape", "mtp_num_layers heterogeneous_layers"),
     ("kernels", "cuda_graph_impl cuda_graph_modules tp_comm_overlap_cfg symmetric_ar_type use_transformer_engine_op_fuser "
-                "softmax_type flash_attention_version"),
+                "grouped_dense_mlp softmax_type flash_attention_version"),
     ("recompute", "cpu_offloading_num_layers fine_grained_activation_offloading offload_modules min_offloaded_tensor_size"),
     ("optim", "muon_scalar_optimizer muon_split_qkv muon_tp_mode muon_fp32_matmul_prec muon_nesterov"),
     ("optim", "use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy fsdp_double_buffer "
@@ -90,6 +90,7 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
     "muon_scalar_optimizer": "adam", "use_transformer_engine_op_fuser": False, "heterogeneous_layers": None,
+    "grouped_dense_mlp": False,
     "muon_split_qkv": True, "muon_tp_mode": "blockwise", "muon_fp32_matmul_prec": "medium", "muon_nesterov": False,
     # Megatron-FSDP, torch FSDP2, optimizer CPU offload (``from_dict`` takes these back when a key is absent)
     "use_megatron_fsdp": False, "use_torch_fsdp2": False, "data_parallel_sharding_strategy": None,

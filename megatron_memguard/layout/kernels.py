@@ -30,6 +30,9 @@ class Kernels:
     # --use-transformer-engine-op-fuser with the TE spec: TEFusedMLP for a dense model's MLPs, TE's
     # fused grouped MLP for the experts (megatron-core 0.19.2); resolved False where the spec ignores it
     use_transformer_engine_op_fuser: bool = False
+    # --use-grouped-gemm-for-dense-mlp with the op fuser at TP 1: a dense model's MLP is TEFusedMLPWithGroupedLinear,
+    # GroupedLinear(1) ops under the CuTe-DSL fused grouped MLP kernel in MXFP8 (megatron-core 0.19.2, TE 2.20.2)
+    grouped_dense_mlp: bool = False
     # --softmax-type (vanilla | off-by-one | learnable): flash-attn has only the vanilla softmax, so it
     # decides which kernel TE's auto backend runs (estimator/attention_backend.py)
     softmax_type: str = "vanilla"

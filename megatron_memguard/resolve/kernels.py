@@ -81,9 +81,12 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
     if fa_version is not None and fa_version not in (2, 3, 4):
         # TransformerConfig.__post_init__ (core 0.19.2) asserts it
         a.fail("flash_attention_version", f"must be 2, 3 or 4, got {fa_version}")
+    fuser = op_fuser(a, kw, impl)
+    grouped = (fuser and not a.get("num_experts") and a.bool_arg("use_grouped_gemm_for_dense_mlp", False)
+               and grouped_dense_mlp(a, kw))
     return dict(transformer_impl=impl, attention_backend=backend, add_bias_linear=add_bias, add_qkv_bias=add_qkv_bias,
                 bias_activation_fusion=bias_act_fusion, apply_rope_fusion=apply_rope_fusion,
-                use_transformer_engine_op_fuser=op_fuser(a, kw, impl), softmax_type=softmax_type,
+                use_transformer_engine_op_fuser=fuser, grouped_dense_mlp=grouped, softmax_type=softmax_type,
                 flash_attention_version=fa_version)
 
 
@@ -120,21 +123,59 @@ def op_fuser(a: Args, kw: Mapping[str, Any], impl: str) -> bool:
         a.notes.append(f"{a.key('use_transformer_engine_op_fuser')}: no effect with --transformer-impl local "
                        "(only the Transformer Engine spec reads it)")
         return False
-    if (kw.get("fp8") or kw.get("fp4")) and a.get("num_experts"):
-        # the experts' fused grouped MLP (TEGroupedMLP._fused_forward, TE's grouped ops) under FP8 / FP4 was not
-        # read; a dense model's TEFusedMLP is sized (estimator/fp8_layers.py op_fuser_weight, op_fuser_saved_input)
-        raise NotModelledError(a.key("use_transformer_engine_op_fuser"),
-                               "Transformer Engine's operation fuser for MoE experts under FP8 / FP4 (the fused "
-                               "grouped MLP's quantized saved tensors; a dense model's fused MLP is sized)")
-    if a.bool_arg("use_grouped_gemm_for_dense_mlp", False) and not a.get("num_experts"):
-        # gpt_layer_specs.py (0.19.2): the dense MLP becomes TEFusedMLPWithGroupedLinear, whose saved tensors
-        # (TE's GroupedLinear ops) were not read
-        raise NotModelledError(a.key("use_grouped_gemm_for_dense_mlp"),
-                               "grouped GEMM for the dense MLP under Transformer Engine's operation fuser")
+    # a MoE model's experts under FP8 / FP4: the recipes resolve/moe.py experts_op_fuser refuses by name;
+    # --use-grouped-gemm-for-dense-mlp: grouped_dense_mlp (after this)
     if not a.get("num_experts") and (kw["squared_relu"] or a.bool_arg("quick_geglu", False)):
         # TEFusedMLP._make_activation_op (0.19.2) maps only GELU, SiLU, ReLU and their GLUs to TE ops
         a.fail("use_transformer_engine_op_fuser", "TEFusedMLP supports only the GELU, SiLU and ReLU activations "
                "and their GLUs (not squared ReLU or quick GEGLU)")
+    return True
+
+
+def grouped_dense_mlp(a: Args, kw: Mapping[str, Any]) -> bool:
+    """--use-grouped-gemm-for-dense-mlp under the op fuser: whether a dense model's MLP runs as
+    TEFusedMLPWithGroupedLinear's grouped ops (megatron-core 0.19.2 gpt_layer_specs.get_mlp_module_spec_for_backend,
+    extensions/transformer_engine.py). Its __init__ needs a SwiGLU without biases (ValueError). With TP > 1 its
+    forward and fused impl are TEFusedMLP's (``super().forward`` / ``super()._make_fused_impl``): False, sized as
+    the op fuser's MLP. With TP 1 its forward runs the norm op in BF16, then GroupedLinear(1) -> ScaledSwiGLU ->
+    GroupedLinear(1) under its own autocast with ``MXFP8BlockScaling()`` (E4M3; ``NVFP4BlockScaling()`` with
+    FP4_RECIPE=nvfp4), whatever the model's precision: sized (True) where that is the model's own recipe on every
+    layer and TE 2.20.2 fuses the three ops into the CuTe-DSL kernel (NVTE_CUTEDSL_FUSED_GROUPED_MLP=1), refused by
+    name elsewhere."""
+    key = "use_grouped_gemm_for_dense_mlp"
+    if a.bool_arg("add_bias_linear", True):
+        a.fail(key, "TEFusedMLPWithGroupedLinear (megatron-core 0.19.2) needs --disable-bias-linear (the CuTe-DSL fused "
+               "kernel has no bias)")
+    if not kw["gated_linear_unit"] or kw["squared_relu"] or a.bool_arg("quick_geglu", False):
+        a.fail(key, "TEFusedMLPWithGroupedLinear (megatron-core 0.19.2) needs the SwiGLU activation (--swiglu)")
+    if kw["tensor_model_parallel_size"] > 1:
+        a.notes.append(f"{a.key(key)}: with tensor-parallel size > 1 TEFusedMLPWithGroupedLinear runs TEFusedMLP's "
+                       "path (estimated as --use-transformer-engine-op-fuser alone)")
+        return False
+    env = a.raw.env
+    why = ""
+    if str(env.get("FP4_RECIPE", "")).strip() == "nvfp4":
+        why = "its NVFP4 autocast (FP4_RECIPE=nvfp4)"
+    elif not (kw.get("fp8") == "e4m3" and kw.get("fp8_recipe") == "mxfp8" and not kw.get("fp4")):
+        why = "its own MXFP8 autocast inside a model of another precision (sized with --fp8-recipe mxfp8 --fp8-format e4m3)"
+    elif kw.get("first_last_layers_bf16"):
+        why = "its own MXFP8 autocast in the BF16 first / last layers (--first-last-layers-bf16)"
+    else:
+        try:
+            cutedsl = int(str(env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0)
+        except ValueError:
+            cutedsl = 0
+        if cutedsl <= 0:
+            why = ("TE's unfused GroupedLinear ops without NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 (their path, and so their "
+                   "weight copies, depends on the cuBLASLt version)")
+    if why:
+        raise NotModelledError(a.key(key), f"grouped GEMM for the dense MLP with tensor-parallel size 1: "
+                                           f"TEFusedMLPWithGroupedLinear under {why}")
+    tokens = kw["seq_length"] // max(1, kw.get("context_parallel_size", 1)) * kw["micro_batch_size"]
+    if tokens % 128:
+        # TE 2.20.2 ops/fused/grouped_mlp.py fuser_forward: ValueError unless the rows are a multiple of 128
+        a.fail(key, f"TE's fused grouped MLP kernel needs the tokens of a micro-batch (sequence / CP x micro-batch "
+               f"size = {tokens}) to be a multiple of 128")
     return True
 
 

@@ -649,7 +649,42 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
         if cutedsl <= 0:
             a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
                    "with a GLU activation")
+    _refuse_quantized_fused_experts(a, kw)
     return True
+
+
+def _refuse_quantized_fused_experts(a: Args, kw: Mapping[str, Any]) -> None:
+    """The experts' fused grouped MLP under FP8 / FP4, by recipe (TE 2.20.2 ops/fused/grouped_mlp.py
+    fuse_grouped_mlp_ops, ops/basic/grouped_linear.py is_op_fuser_grouped_tensor_path_supported). Sized
+    (estimator/fp8_layers.py fused_experts_overrides): MXFP8 with E4M3 gradients and NVFP4 with its Hadamard
+    transform (the CuTe-DSL fused kernel, SM 10), delayed scaling (always the split-quantize GroupedLinear path).
+    Refused: the path TE takes, and so the weight copies it keeps, depends on what memguard cannot see."""
+    key = a.key("use_transformer_engine_op_fuser")
+    if kw.get("fp4"):
+        if kw.get("fp4_recipe", "nvfp4") != "nvfp4":
+            raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP4 recipe (TE takes its "
+                                        "quantizers from the factory)")
+        return
+    if not kw.get("fp8"):
+        return
+    recipe = kw.get("fp8_recipe", "delayed")
+    if recipe in ("tensorwise", "blockwise"):
+        raise NotModelledError(key, f"the experts' fused grouped MLP under the {recipe} recipe (TE 2.20.2 runs its "
+                                    "grouped-tensor GroupedLinear path, which keeps both usages of each weight copy, or "
+                                    "the split-quantize path, which keeps the column-wise one, by GPU and cuBLASLt version)")
+    if recipe == "mxfp8" and kw.get("fp8") != "e4m3":
+        raise NotModelledError(key, "the experts' fused grouped MLP under MXFP8 with --fp8-format hybrid (TE 2.20.2 "
+                                    "declines the CuTe-DSL fused kernel for E5M2 gradients; the unfused GroupedLinear "
+                                    "path it takes instead depends on the cuBLASLt version)")
+    if recipe == "custom":
+        raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP8 recipe (TE takes its "
+                                    "quantizers from the factory)")
+    if recipe == "delayed" and a.bool_arg("moe_single_grouped_weight", False):
+        # TE 2.20.2 ops/basic/grouped_linear.py fuser_forward: delayed scaling never takes the grouped-tensor path,
+        # which single grouped parameters require (RuntimeError at the first forward)
+        a.fail("moe_single_grouped_weight", "the experts' fused grouped MLP (--use-transformer-engine-op-fuser) under "
+               "delayed scaling cannot use one grouped weight (Transformer Engine's grouped-tensor path has no delayed "
+               "scaling)")
 
 
 def _deepep_instead(key: str) -> str:
