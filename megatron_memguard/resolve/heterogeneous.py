@@ -127,7 +127,7 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
 
 def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list) -> dict[str, Any]:
     """The layers of a mixture-of-experts model with a heterogeneous config. megatron/training 0.19.2
-    (models/gpt.py default_layer_spec, as Megatron-LM's gpt_builders.py) takes the MoE decoder block spec
+    (models/gpt.py default_layer_spec) takes the MoE decoder block spec
     (get_gpt_decoder_block_spec: a TransformerLayer with attention and an MoE or dense MLP by --moe-layer-freq)
     before the heterogeneous one, so no-op and linear blocks are built as whole layers; TransformerBlock still
     builds each layer from get_config_for_layer, which overrides only num_query_groups and ffn_hidden_size. The
