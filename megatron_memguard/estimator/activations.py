@@ -203,9 +203,13 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     the saved inputs). The dense MLP and standard attention recipes only: MLA and the MoE MLP keep their BF16
     working sets (docs/assumptions.md)."""
     from ..partition import MIXER_ATTENTION, MLP_DENSE
-    dense = kind.mlp == MLP_DENSE and len(mlp_bwd) >= 2
+    from ..partition import MIXER_LINEAR, MLP_LINEAR
+    dense = kind.mlp.split(":", 1)[0] == MLP_DENSE and len(mlp_bwd) >= 2   # (a heterogeneous "dense:FFN" too)
     attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
-    if not (dense or attention):
+    # a heterogeneous config's linear replacement (TELayerNormColumnParallelLinearGathered): one column-parallel GEMM
+    # whose [s b, h/TP] output gradient is quantized in its backward step (the first of its role's steps)
+    lin_mixer, lin_mlp = kind.mixer == MIXER_LINEAR and mixer_bwd, kind.mlp == MLP_LINEAR and mlp_bwd
+    if not (dense or attention or lin_mixer or lin_mlp):
         return mlp_bwd, mixer_bwd
     from .fp8 import quantized_tensor
     from .fp8_layers import layer_gemms
@@ -223,6 +227,10 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
         mlp_bwd = plus(mlp_bwd, {0: q(x.h), len(mlp_bwd) - 1: q(g["linear_fc1"].rows)})
     if attention:
         mixer_bwd = plus(mixer_bwd, {0: q(x.h), 2: q(g["linear_qkv"].rows)})
+    if lin_mixer:
+        mixer_bwd = plus(mixer_bwd, {0: q(g["linear_attn"].rows)})
+    if lin_mlp:
+        mlp_bwd = plus(mlp_bwd, {0: q(g["linear_mlp"].rows)})
     return mlp_bwd, mixer_bwd
 
 

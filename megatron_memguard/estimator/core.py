@@ -201,7 +201,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 groups_of.append({})
                 continue
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
-                                                kind is not None and kind.mlp != MLP_DENSE)
+                                                kind is not None and (kind.mlp == MLP_MOE if L.heterogeneous_layers
+                                                                      else kind.mlp != MLP_DENSE))
             outside = None
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
@@ -210,9 +211,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                                   separate_input_norm=L.multi_latent_attention,
                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
         # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid
-        # chunk's top layers may be Mamba layers, which offload none)
+        # chunk's top layers may be Mamba layers, a heterogeneous chunk's no-op layers, which offload none)
         top = (max((i for i, g in enumerate(groups_of) if any(g.values())), default=len(per_kind) - 1)
-               if L.hybrid_layer_pattern else len(per_kind) - 1)
+               if L.hybrid_layer_pattern or L.heterogeneous_layers else len(per_kind) - 1)
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             groups = groups_of[i]
@@ -1187,10 +1188,14 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     if device == "gpu" and L.cuda_graph_impl != "none":
         # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
         # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
-        moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
+        het = bool(L.heterogeneous_layers)
+
+        def sparse(kind: LayerKind) -> bool:   # (a heterogeneous config's "dense:FFN" is a dense layer)
+            return kind.mlp == MLP_MOE if het else kind.mlp != MLP_DENSE
+        moe = sum(k for c in chunks for kind, k in c.kind_runs if sparse(kind))
         mtp_here = any(holds_mtp(L, c) for c in chunks)
         if mtp_here:
-            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp != MLP_DENSE)
+            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
         kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
         if kinds is not None:
@@ -1203,6 +1208,12 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         else:
             la = layer_activations(L)
             region = max(la.fwd_transient, la.bwd_transient)
+            if het:
+                # dense layers of their blocks' widths (resolve/heterogeneous.py lets only whole layers be graphed per
+                # layer): the widest sets the pool's free blocks, as the flags' dense layer does for a uniform model
+                region = max([region] + [max(a.fwd_transient, a.bwd_transient) for a in
+                                         (layer_activations(L, True, kind) for c in chunks for kind, _ in c.kind_runs
+                                          if kind.mlp.startswith(MLP_DENSE + ":"))])
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
                 L, graphed - moe, moe, in_flight, region, pr.step_bytes, len(chunks), kinds):
