@@ -22,8 +22,8 @@ Megatron logs with colour codes / NULs / garbage / cuts, and plan over extreme s
 --megatron-version values, DDP's fp32 accumulation pattern bombs, JSON objects at MoE config.json fields, every
 Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, plan --top 10**9 (issue hostile4);
 hybrid Mamba patterns, Nemotron-H recipe fields, MTP stages, latent MoE / capacity / upcycling sizes (issue hostile5);
-hybrid MTP patterns, Bridge PEFT keys, heterogeneous block configs, MoE values, '???' / null outside Bridge's model section
-and at --yaml-cfg's top level, adversarial Megatron logs, plan over 10**18 GPUs (issue hostile8, the hostile9 round; --big
+hybrid MTP patterns, Bridge PEFT keys, heterogeneous block configs, MoE values, '???' / null outside Bridge's model section,
+at --yaml-cfg's top level and in NeMo 1 / NeMo 2's trainer, strategy, data, precision and optimizer sections, adversarial Megatron logs, plan over 10**18 GPUs (issue hostile8, the hostile9 round; --big
 adds 100 MB logs). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
@@ -50,6 +50,24 @@ LIMIT = 1_000_000     # bytes: the inputs stay under this
 S = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
      "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16").split()
 PLAN = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "64"]
+
+
+# A NeMo 2 --to-yaml export with every non-model section the reader takes (NeMo 2.5.0 class paths).
+_NEMO2 = """_target_: nemo.collections.llm.api.pretrain
+model:
+  _target_: nemo.collections.llm.gpt.model.base.GPTModel
+  config: {_target_: nemo.collections.llm.gpt.model.base.GPTConfig, num_layers: 4, hidden_size: 512,
+           num_attention_heads: 8, seq_length: 1024, vocab_size: 32000}
+trainer:
+  _target_: nemo.lightning.pytorch.trainer.Trainer
+  devices: 8
+  num_nodes: 1
+  strategy: {_target_: nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy, tensor_model_parallel_size: 2,
+             sequence_parallel: true, ddp: {use_distributed_optimizer: true, grad_reduce_in_fp32: true}}
+  plugins: {_target_: nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision, precision: bf16-mixed}
+data: {_target_: nemo.collections.llm.gpt.data.mock.MockDataModule, micro_batch_size: 1, global_batch_size: 8, seq_length: 1024}
+optim: {config: {optimizer: adam, use_distributed_optimizer: true}}
+"""
 
 
 def _nemo(value: str) -> str:
@@ -335,6 +353,23 @@ def newest_cases():
         for v in ("null", "'???'"):
             text = f"{key}: {v}\n" + "\n".join(x for x in yaml_cfg.splitlines() if not x.startswith(f"{key}:"))
             yield f"estimate --yaml-cfg {key}: {v}", ["estimate", "--world-size", "8", "--", "--yaml-cfg", "c.yaml"], {"c.yaml": text}
+    # '???' and null in NeMo 1's and NeMo 2's non-model sections (issue nemonulls)
+    nemo1 = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
+    for key in ("trainer.devices", "trainer.num_nodes", "trainer.accumulate_grad_batches", "trainer.precision",
+                "model.micro_batch_size", "model.global_batch_size", "model.optim", "model.optim.name",
+                "model.optim.grad_sync_dtype", "model.data.seq_length"):
+        # (the world size is the file's trainer.devices x num_nodes; grad_sync_dtype is read by mcore's optimizer)
+        more = ["--set", "model.optim.name=mcore_distributed_optim"] if key.endswith("grad_sync_dtype") else []
+        for v in ("null", "'???'"):
+            yield f"estimate NeMo 1 {key}={v}", ["estimate", "--config", "c.yaml", "--vocab-size", "32000", *more,
+                                                  "--set", f"{key}={v}"], {"c.yaml": nemo1}
+    for key in ("trainer.devices", "trainer.num_nodes", "trainer.strategy.tensor_model_parallel_size",
+                "trainer.strategy.sequence_parallel", "trainer.strategy.ddp.grad_reduce_in_fp32", "trainer.strategy.ddp",
+                "trainer.plugins.precision", "trainer.plugins.grad_reduce_in_fp32", "data.micro_batch_size",
+                "data.seq_length", "optim.config.optimizer", "optim.config.store_param_remainders",
+                "optim.config.main_grads_dtype", "optim"):
+        for v in ("null", "'???'"):
+            yield f"estimate NeMo 2 {key}={v}", ["estimate", "--config", "c.yaml", "--set", f"{key}={v}"], {"c.yaml": _NEMO2}
     from megatron_logs import args_of, print_args, report_memory
     head = "\n".join(print_args(args_of(SMALL, 8))) + "\n"
     logs = {"10,000 argument tables": head * (900_000 // len(head)),

@@ -395,20 +395,22 @@ def yaml_cfg_arg_default(dest: str) -> Any:
     return _typed_defaults_doc().get("yaml_cfg_arg_defaults", {}).get(dest)
 
 
-def refuse_unset_section_field(section: str, name: str, field: tuple[Any, str] | None, needed: Iterable[str] = ()) -> None:
+def refuse_unset_section_field(section: str, name: str, field: tuple[Any, str] | None, needed: Iterable[str] = (),
+                               carrier: str = "Megatron-Bridge") -> None:
     """'???' and null on a Megatron-Bridge non-model section field memguard reads (train, optimizer, ddp, dist,
     mixed_precision, dataset, tokenizer, comm_overlap, ...): Bridge hands both on as they are (omegaconf_utils
     _apply_overrides / instantiate: no type check), so neither is the default. Refused: '???' always; null where the
     dataclass declares int / float / str / torch.dtype with a value default or none, or bool defaulting to true (a
     None-able field keeps None's meaning, a bool defaulting to false reads None as false, its default), and on
     ``needed`` fields ConfigContainer.validate asserts are set (train.micro_batch_size, global_batch_size). A
-    value a built-in recipe carries (its key tagged '(recipe ...)') is Bridge's own, not checked."""
+    value a built-in recipe carries (its key tagged '(recipe ...)') is Bridge's own, not checked. ``carrier``: NeMo 2,
+    whose OptimizerConfig / DistributedDataParallelConfig are megatron-core's, as Bridge's sections are."""
     if field is None or " (recipe " in field[1]:
         return
     value, key = field
     where = key.split(" ")[0]
     if is_missing(value):
-        raise ConfigError(key, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE['Megatron-Bridge']}",
+        raise ConfigError(key, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE[carrier]}",
                           f"set {where}=VALUE")
     if value is not None:
         return
@@ -419,7 +421,7 @@ def refuse_unset_section_field(section: str, name: str, field: tuple[Any, str] |
     if f is None or (f["type"] == "bool" and f["default"] is not True):
         return
     declared = "with no default" if f["default"] == "required" else f"with default {f['default']}"
-    raise ConfigError(key, f"is null: Megatron-Bridge passes None on, where {f['class']} declares {f['type']} "
+    raise ConfigError(key, f"is null: {carrier} passes None on, where {f['class']} declares {f['type']} "
                            f"{declared} (the default is not taken)", f"set {where}=VALUE or drop the key")
 
 

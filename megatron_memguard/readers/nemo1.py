@@ -271,6 +271,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
 
     # World size: trainer.devices x trainer.num_nodes.
     if not model_only:
+        _refuse_unset_trainer(t)
         b.trainer_world(get("trainer.devices"), get("trainer.num_nodes", 1))
         agb = get("trainer.accumulate_grad_batches", 1)
         if agb not in (None, 1):
@@ -280,6 +281,11 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     # Parallelism and batch.
     for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size", "micro_batch_size", "global_batch_size"):
+        if dest.endswith("batch_size") and t.has("model." + dest) and t.get("model." + dest) is None:
+            # megatron_init.py initialize_model_parallel_for_nemo: 'if global_batch_size and micro_batch_size is not
+            # None' sets up the micro-batch calculator; a null leaves none (there is no default batch size)
+            raise ConfigError(k("model." + dest), "is null: NeMo builds no micro-batch calculator from None "
+                              "(initialize_model_parallel_for_nemo), there is no default", f"set {k('model.' + dest)}=VALUE")
         put(dest, "model." + dest)
     vpp = get("model.virtual_pipeline_model_parallel_size", needed=True)
     if vpp is not None and not is_missing(vpp):
@@ -435,6 +441,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         b.set("overlap_p2p_comm", True, k("model.overlap_p2p_comm"))
 
     # Optimizer (model.optim.name decides Adam vs distributed optimizer).
+    _refuse_unset_optim(t, k)
     gaf = as_bool(get("model.gradient_accumulation_fusion", False))
     gaf_key = k("model.gradient_accumulation_fusion") if t.has("model.gradient_accumulation_fusion") else "model.gradient_accumulation_fusion"
     name = get("model.optim.name", "fused_adam")
@@ -471,6 +478,12 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         # apex DistributedFusedAdam: defaults to the optimizer dtype, fp32).
         gsd_key = "model.optim.grad_sync_dtype"
         gsd = get(gsd_key)
+        if gsd is None and t.has(gsd_key) and name == "mcore_distributed_optim":
+            # megatron_gpt_model.py setup_mcore_distributed_parallel (NeMo 2.5.0):
+            # grad_reduce_in_fp32=(cfg.optim.get('grad_sync_dtype', 'fp32') == 'fp32'): None reduces in the model dtype
+            raise ConfigError(k(gsd_key), "is null: NeMo sets grad_reduce_in_fp32 = (grad_sync_dtype == 'fp32'), so None "
+                              "reduces gradients in the model dtype, not in its default fp32",
+                              f"set {k(gsd_key)}=fp32 (or bf16) or drop the key")
         try:
             gsd = dtype_name(gsd, k(gsd_key)) if gsd is not None else None
         except ConfigError as e:
@@ -518,10 +531,62 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     map_mcore_fields(b, fields, extra_known=NEMO1_MODEL_KEYS, unknown_context="NeMo or megatron-core model",
                      skip=explicit, carrier="NeMo")
     # Conflicts NeMo does not catch but that change what trains.
+    if t.has("model.data.seq_length") and t.get("model.data.seq_length") in (None, MISSING):
+        # megatron_gpt_model.py build_train_valid_test_datasets: sequence_length=self.cfg.data.seq_length (attribute
+        # access raises MissingMandatoryValue on '???'; None reaches GPTDatasetConfig, which has no default)
+        v = t.get("model.data.seq_length")
+        raise ConfigError(k("model.data.seq_length"), ("is ??? (a mandatory value left to the command line)" if v is MISSING
+                          else "is null") + ": NeMo builds the dataset from it, there is no default",
+                          f"set {k('model.data.seq_length')}=${{model.encoder_seq_length}}")
     ds = get("model.data.seq_length")
     if ds is not None and not is_missing(ds) and "seq_length" in b.args and ds != b.args["seq_length"]:
         b.problem(k("model.data.seq_length"), f"{ds} differs from {k('model.encoder_seq_length')} = {b.args['seq_length']}",
                   "the model is built for encoder_seq_length; make the two equal")
+
+
+# '???' and null on the trainer keys memguard reads. MegatronTrainerBuilder (NeMo 2.5.0
+# nlp/parts/megatron_trainer_builder.py) reads cfg.trainer.precision by attribute and builds
+# Trainer(**cfg.trainer): a '???' raises MissingMandatoryValue. A null reaches Lightning (2.5 checked) as None:
+_TRAINER_NULL_RULES = {
+    # accelerators/cuda.py get_parallel_devices iterates the device list: None is not Lightning's default 'auto'
+    "devices": "Lightning's GPU accelerator iterates None as its device list (TypeError), its default 'auto' is not taken",
+    # trainer/connectors/accelerator_connector.py: "`num_nodes` must be a positive integer"
+    "num_nodes": "Lightning's Trainer raises '`num_nodes` must be a positive integer', its default 1 is not taken",
+    # megatron_gpt_model.py: 'if self.trainer.accumulate_grad_batches > 1' (TypeError on None)
+    "accumulate_grad_batches": "NeMo compares it with 1 (a TypeError on None), Lightning's default 1 is not taken",
+    # null precision: Trainer(precision=None) is Lightning's default, 32-true (read as fp32, a note)
+    "precision": None,
+}
+
+
+def _refuse_unset_trainer(t: _Tree) -> None:
+    for name, null_rule in _TRAINER_NULL_RULES.items():
+        key = "trainer." + name
+        if not t.has(key):
+            continue
+        v = t.get(key)
+        if is_missing(v):
+            raise ConfigError(key, "is ??? (a mandatory value left to the command line): NeMo builds "
+                              "Trainer(**cfg.trainer), which raises MissingMandatoryValue on it", f"set {key}=VALUE")
+        if v is None and null_rule:
+            raise ConfigError(key, f"is null: {null_rule}", f"set {key}=VALUE or drop the key")
+
+
+def _refuse_unset_optim(t: _Tree, k) -> None:
+    """model.optim and model.optim.name: NeMo reads cfg.optim.get('name') in MegatronBaseModel.__init__ (NeMo 2.5.0
+    megatron_base_model.py): a null section fails there, a '???' section raises MissingMandatoryValue. ModelPT's
+    setup_optimization looks the name up after OmegaConf.to_container(resolve=True), which keeps '???' as the text:
+    no optimizer of that name (the default fused_adam is not taken)."""
+    if t.has("model.optim"):
+        v = t.get("model.optim")
+        if is_missing(v) or v is None:
+            what = "is ??? (a mandatory value left to the command line)" if v is not None else "is null"
+            raise ConfigError(k("model.optim"), f"{what}: NeMo reads cfg.optim.get('name') (megatron_base_model.py), "
+                              "there is no default optimizer section", f"set {k('model.optim')}.name=fused_adam")
+    if t.has("model.optim.name") and is_missing(t.get("model.optim.name")):
+        raise ConfigError(k("model.optim.name"), "is ??? (a mandatory value left to the command line): NeMo looks up "
+                          "an optimizer named '???' (modelPT.py setup_optimization keeps the text), not fused_adam",
+                          f"set {k('model.optim.name')}=fused_adam")
 
 
 def _apex_dist_adam(t: _Tree, b: ArgsBuilder, k, o2: bool, dtype: str | None) -> None:

@@ -24,7 +24,7 @@ from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
     ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer,
     fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read, refuse_unset,
-    set_vocab, target_name,
+    refuse_unset_section_field, set_vocab, target_name, _FSDP_DDP_KEYS, _MISSING_RULE, _OFFLOAD_OPTIMIZER_KEYS,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -99,6 +99,7 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
 
     # Trainer: world size, strategy (parallel sizes, DDP), precision plugin.
     trainer = doc.get("trainer") or {}
+    _refuse_unset_sections(doc)
     if isinstance(trainer, Mapping):
         b.trainer_world(trainer.get("devices"), trainer.get("num_nodes", 1))
         strategy = trainer.get("strategy") or {}
@@ -160,6 +161,12 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
             if ocfg.get(name) is not None:
                 b.set(name, dtype_name(ocfg[name], f"{okey}.{name}"), f"{okey}.{name}")
 
+    elif doc.get("optim") is None and model.get("optim") is None:
+        # no optimizer (absent or null): the model keeps its own, GPTModel.__init__'s 'optim or
+        # MegatronOptimizerModule(config=OptimizerConfig(lr=1e-4, use_distributed_optimizer=True))' (NeMo 2.5.0
+        # collections/llm/gpt/model/base.py; api.py _setup connects a given optim only)
+        b.default("use_distributed_optimizer", True, "optim")
+
     # Megatron-FSDP (trainer.strategy.ddp) and optimizer offload (optim.config) keys.
     tstrat = trainer.get("strategy") if isinstance(trainer, Mapping) else None
     secs = {"ddp": (tstrat.get("ddp") if isinstance(tstrat, Mapping) else None, "trainer.strategy.ddp"),
@@ -216,6 +223,101 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
                   "local needs the local layer spec in NeMo 2 (Transformer Engine's attention finds no backend "
                   "with NVTE_*_ATTN=0)", "use attention_backend unfused, or the local transformer_layer_spec")
     return b.build()
+
+
+# '???' and null outside the model config. NeMo 2 builds each section's class from the YAML as it is (fiddle): '???' is
+# the text, a null is None handed to the class, never its default. A null is refused where the class declares an int
+# with a value default (None fails in arithmetic) or a bool defaulting to true; a bool defaulting to false reads None
+# as false, its default, and Optional arguments keep None's meaning (NeMo 2.5.0 sources named per section).
+_NULL_INT = "NeMo 2 passes None on, where {cls} declares int with default {default} (the default is not taken)"
+_NEMO2_SECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
+    # Lightning 2.5 Trainer: accelerator_connector.py raises "`num_nodes` must be a positive integer"; accelerators/
+    # cuda.py get_parallel_devices iterates None (devices' default is 'auto')
+    ("trainer", "", {"devices": "Lightning's GPU accelerator iterates None as its device list (TypeError), its default "
+                                "'auto' is not taken",
+                     "num_nodes": "Lightning's Trainer raises '`num_nodes` must be a positive integer', its default 1 "
+                                  "is not taken"}),
+    # lightning/pytorch/strategies/megatron_strategy.py MegatronStrategy.__init__
+    ("trainer.strategy", "MegatronStrategy", {
+        **{n: _NULL_INT.format(cls="MegatronStrategy", default=1)
+           for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "num_distributed_optimizer_instances")},
+        **{n: None for n in ("virtual_pipeline_model_parallel_size", "sequence_parallel", "expert_tensor_parallel_size",
+                             "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                             "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                             "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage", "fsdp")},
+        # 'ddp: Union[DDPLiteral, DistributedDataParallelConfig] = "megatron"': any other value raises "Invalid DDP type"
+        "ddp": "MegatronStrategy raises 'Invalid DDP type: None', its default 'megatron' is not taken"}),
+    # collections/llm/gpt/data/pre_training.py PreTrainingDataModule, mock.py MockDataModule: seq_length: int = 2048,
+    # micro_batch_size: int = 4, global_batch_size: int = 8, create_attention_mask: bool = False
+    ("data", "PreTrainingDataModule", {
+        "micro_batch_size": _NULL_INT.format(cls="PreTrainingDataModule", default=4),
+        "global_batch_size": _NULL_INT.format(cls="PreTrainingDataModule", default=8),
+        "seq_length": _NULL_INT.format(cls="PreTrainingDataModule", default=2048),
+        "create_attention_mask": None}),
+)
+# lightning/pytorch/plugins/mixed_precision.py MegatronMixedPrecision: 'grad_reduce_in_fp32: bool = True' goes to the
+# DDP config as it is (update_config_with_dtype_overrides): None reduces in the parameter dtype. A null precision is
+# its '32-true' (DtypeConfig: neither fp16 nor bf16), as memguard reads it.
+_PLUGIN_NULL = {"grad_reduce_in_fp32": "NeMo 2 passes None on, where MegatronMixedPrecision declares bool with default "
+                                       "True: None reaches the DDP config and reduces gradients in the parameter "
+                                       "dtype, not in fp32"}
+_PLUGIN_READ = ("precision", "params_dtype", "bf16", "fp16", "fp8", "fp4", "grad_reduce_in_fp32")
+# the optimizer (megatron-core OptimizerConfig) and DDP (DistributedDataParallelConfig) fields the reader takes
+_OPTIM_READ = ("optimizer", "use_distributed_optimizer", "use_precision_aware_optimizer", "store_param_remainders",
+               "overlap_param_gather", "optimizer_cpu_offload", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+               "exp_avg_sq_dtype", "use_layer_wise_distributed_optimizer", "muon_scalar_optimizer",
+               "optimizer_cuda_graph", "overlap_param_gather_with_optimizer_step") + _OFFLOAD_OPTIMIZER_KEYS
+_DDP_READ = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "num_distributed_optimizer_instances",
+             "bucket_size", "use_megatron_fsdp", "use_custom_fsdp", "delay_wgrad_compute", "nccl_ub",
+             "grad_reduce_in_fp32") + tuple(n for n, _ in _FSDP_DDP_KEYS)
+
+
+def _refuse_unset(value: Any, key: str, null_rule: str | None) -> None:
+    if is_missing(value):
+        raise ConfigError(key, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE['NeMo 2']}", f"set {key}=VALUE")
+    if value is None and null_rule:
+        raise ConfigError(key, f"is null: {null_rule}", f"set {key}=VALUE or drop the key")
+
+
+def _refuse_unset_sections(doc: Mapping) -> None:
+    """'???' and null on the trainer / strategy / data / precision-plugin / optimizer / DDP keys the reader takes."""
+    for path, _cls, rules in _NEMO2_SECTIONS:
+        sec: Any = doc
+        for part in path.split("."):
+            sec = sec.get(part) if isinstance(sec, Mapping) else None
+        if not isinstance(sec, Mapping):
+            continue
+        for name, rule in rules.items():
+            if name in sec:
+                _refuse_unset(sec[name], f"{path}.{name}", rule)
+    if is_missing(doc.get("optim")):
+        # api.py _setup: 'if optim: optim.connect(model)' on the text '???' (a null keeps the model's own optimizer)
+        raise ConfigError("optim", f"is ??? (OmegaConf's missing marker): {_MISSING_RULE['NeMo 2']}", "set optim=VALUE")
+    trainer = doc.get("trainer")
+    if not isinstance(trainer, Mapping):
+        return
+    plugins = trainer.get("plugins")
+    for i, plug in enumerate(plugins if isinstance(plugins, list) else [plugins]):
+        if isinstance(plug, Mapping):
+            pkey = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
+            for name in _PLUGIN_READ + tuple(_FP8_PLUGIN_KEYS):
+                if name in plug:
+                    _refuse_unset(plug[name], f"{pkey}.{name}", _PLUGIN_NULL.get(name))
+    strategy = trainer.get("strategy")
+    ddp = strategy.get("ddp") if isinstance(strategy, Mapping) else None
+    if isinstance(ddp, Mapping):
+        for name in _DDP_READ:
+            if name in ddp:
+                refuse_unset_section_field("ddp", name, (ddp[name], f"trainer.strategy.ddp.{name}"), carrier="NeMo 2")
+    for optim, oprefix in ((doc.get("optim"), "optim"), ((doc.get("model") or {}).get("optim")
+                                                         if isinstance(doc.get("model"), Mapping) else None, "model.optim")):
+        ocfg = optim.get("config") if isinstance(optim, Mapping) else None
+        if isinstance(ocfg, Mapping):
+            for name in _OPTIM_READ:
+                if name in ocfg:
+                    refuse_unset_section_field("optimizer", name, (ocfg[name], f"{oprefix}.config.{name}"),
+                                               carrier="NeMo 2")
 
 
 def _grad_reduce_dtype(b: ArgsBuilder) -> None:
