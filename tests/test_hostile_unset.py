@@ -317,3 +317,119 @@ def test_yaml_cfg_top_level_nulls_with_a_meaning_are_accepted(tmp_path):
     raw = _yaml_cfg(tmp_path, global_batch_size=None, log_interval=None, use_distributed_optimizer=None)
     assert "global_batch_size" not in raw.args and base.args["global_batch_size"] == 64
     assert not raw.args.get("use_distributed_optimizer") and base.args["use_distributed_optimizer"]
+
+
+# --- issue nemonulls: NeMo 1's and NeMo 2's non-model sections ------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    # NeMo 2.5.0 nlp/parts/megatron_trainer_builder.py: Trainer(**self.cfg.trainer) and 'self.cfg.trainer.precision in'
+    ("trainer.devices=???", "trainer.devices: is ??? (a mandatory value left to the command line): NeMo builds "
+                            "Trainer(**cfg.trainer), which raises MissingMandatoryValue on it"),
+    ("trainer.precision=???", "trainer.precision: is ??? (a mandatory value left to the command line)"),
+    # Lightning 2.5.2 trainer/connectors/accelerator_connector.py: "`num_nodes` must be a positive integer"
+    ("trainer.num_nodes=null", "trainer.num_nodes: is null: Lightning's Trainer raises '`num_nodes` must be a positive "
+                               "integer', its default 1 is not taken"),
+    # Lightning 2.5.2 accelerators/cuda.py get_parallel_devices: '[torch.device("cuda", i) for i in devices]'
+    ("trainer.devices=null", "trainer.devices: is null: Lightning's GPU accelerator iterates None"),
+    # megatron_gpt_model.py: 'if self.trainer.accumulate_grad_batches > 1' (None > 1 is a TypeError)
+    ("trainer.accumulate_grad_batches=null", "trainer.accumulate_grad_batches: is null: NeMo compares it with 1"),
+    # megatron_init.py initialize_model_parallel_for_nemo: 'if global_batch_size and micro_batch_size is not None'
+    ("model.micro_batch_size=null", "model.micro_batch_size: is null: NeMo builds no micro-batch calculator from None"),
+    # megatron_base_model.py __init__: 'cfg.optim.get('name')'
+    ("model.optim=null", "model.optim: is null: NeMo reads cfg.optim.get('name')"),
+    ("model.optim=???", "model.optim: is ??? (a mandatory value left to the command line): NeMo reads cfg.optim"),
+    # modelPT.py setup_optimization: OmegaConf.to_container(optim_config, resolve=True) keeps '???', then get_optimizer
+    ("model.optim.name=???", "model.optim.name: is ??? (a mandatory value left to the command line): NeMo looks up an "
+                             "optimizer named '???'"),
+    # megatron_gpt_model.py build_train_valid_test_datasets: 'sequence_length': self.cfg.data.seq_length
+    ("model.data.seq_length=null", "model.data.seq_length: is null: NeMo builds the dataset from it, there is no default"),
+])
+def test_a_nemo1_unset_non_model_key_is_refused(tmp_path, override, message):
+    omegaconf = pytest.importorskip("omegaconf")
+    with pytest.raises(omegaconf.errors.MissingMandatoryValue):    # what Trainer(**cfg.trainer) meets
+        dict(**omegaconf.OmegaConf.create({"devices": "???"}))
+    assert _read(tmp_path, NEMO1).world_size == 16                 # (the file is good as it is)
+    with pytest.raises(ConfigError) as e:
+        _read(tmp_path, NEMO1, override)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_nemo1_grad_sync_dtype_null_is_refused_where_mcore_reads_it(tmp_path):
+    # megatron_gpt_model.py setup_mcore_distributed_parallel (mcore_distributed_optim only):
+    # grad_reduce_in_fp32=(self.cfg.optim.get('grad_sync_dtype', 'fp32') == 'fp32'): None is False, a bf16 reduction
+    pytest.importorskip("omegaconf")
+    with pytest.raises(ConfigError, match=r"^model\.optim\.grad_sync_dtype: is null: NeMo sets grad_reduce_in_fp32 = "
+                                          r"\(grad_sync_dtype == 'fp32'\)"):
+        _read(tmp_path, NEMO1, "model.optim.name=mcore_distributed_optim", "model.optim.grad_sync_dtype=null")
+    # apex DistributedFusedAdam (and the non-distributed optimizers) take None as their default: accepted
+    raw = _read(tmp_path, NEMO1, "model.optim.name=distributed_fused_adam", "model.optim.grad_sync_dtype=null")
+    assert raw.args["use_distributed_optimizer"] is True
+
+
+def test_nemo1_trainer_precision_null_is_lightnings_fp32(tmp_path):
+    # megatron_trainer_builder.py: None is not in [16, '16', 'bf16', ...]: no half-precision plugin; Lightning 2.5
+    # Trainer(precision=None) is 32-true. BASE's bf16 (megatron_amp_O2) parameters become fp32 ones.
+    pytest.importorskip("omegaconf")
+    assert _read(tmp_path, NEMO1).args.get("bf16") is True
+    raw = _read(tmp_path, NEMO1, "trainer.precision=null")
+    assert not raw.args.get("bf16") and not raw.args.get("fp16") and "autocast_dtype" not in raw.args
+
+
+NEMO2_EXPORT = NEMO2.replace("trainer: {_target_: nemo.lightning.pytorch.trainer.Trainer, devices: 8, num_nodes: 1}\n", """\
+trainer:
+  _target_: nemo.lightning.pytorch.trainer.Trainer
+  devices: 8
+  num_nodes: 1
+  strategy: {_target_: nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy, tensor_model_parallel_size: 2,
+             sequence_parallel: true, ddp: {use_distributed_optimizer: true, grad_reduce_in_fp32: true}}
+  plugins: {_target_: nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision, precision: bf16-mixed}
+data: {_target_: nemo.collections.llm.gpt.data.mock.MockDataModule, micro_batch_size: 1, global_batch_size: 8, seq_length: 1024}
+optim: {config: {optimizer: adam, use_distributed_optimizer: true}}
+""")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.num_nodes=???", "trainer.num_nodes: is ??? (OmegaConf's missing marker): NeMo 2 rebuilds the config with "
+                              "the text '???' as the value"),
+    ("trainer.num_nodes=null", "trainer.num_nodes: is null: Lightning's Trainer raises '`num_nodes` must be a positive"),
+    # NeMo 2.5.0 lightning/pytorch/strategies/megatron_strategy.py: 'tensor_model_parallel_size: int = 1'
+    ("trainer.strategy.tensor_model_parallel_size=null", "trainer.strategy.tensor_model_parallel_size: is null: NeMo 2 "
+     "passes None on, where MegatronStrategy declares int with default 1 (the default is not taken)"),
+    ("trainer.strategy.ddp=null", "trainer.strategy.ddp: is null: MegatronStrategy raises 'Invalid DDP type: None'"),
+    # collections/llm/gpt/data/mock.py MockDataModule: 'micro_batch_size: int = 4', 'seq_length: int = 2048'
+    ("data.micro_batch_size=null", "data.micro_batch_size: is null: NeMo 2 passes None on, where PreTrainingDataModule "
+                                   "declares int with default 4"),
+    ("data.seq_length=???", "data.seq_length: is ??? (OmegaConf's missing marker)"),
+    # lightning/pytorch/plugins/mixed_precision.py MegatronMixedPrecision: 'grad_reduce_in_fp32: bool = True'
+    ("trainer.plugins.grad_reduce_in_fp32=null", "trainer.plugins.grad_reduce_in_fp32: is null: NeMo 2 passes None on, "
+     "where MegatronMixedPrecision declares bool with default True"),
+    # megatron-core optimizer_config.py: 'store_param_remainders: bool = True', 'optimizer: str = 'adam''
+    ("optim.config.store_param_remainders=null", "optim.config.store_param_remainders: is null: NeMo 2 passes None on, "
+     "where OptimizerConfig declares bool with default True"),
+    ("optim.config.optimizer=null", "optim.config.optimizer: is null: NeMo 2 passes None on, where OptimizerConfig "
+                                    "declares str with default adam"),
+    ("optim=???", "optim: is ??? (OmegaConf's missing marker)"),
+])
+def test_a_nemo2_unset_non_model_key_is_refused(tmp_path, override, message):
+    base = _read(tmp_path, NEMO2_EXPORT)
+    assert (base.world_size, base.args["tensor_model_parallel_size"], base.args["micro_batch_size"]) == (8, 2, 1)
+    with pytest.raises(ConfigError) as e:
+        _read(tmp_path, NEMO2_EXPORT, override)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_nemo2_nulls_with_a_meaning_are_accepted(tmp_path):
+    # bool arguments defaulting to false read None as false (MegatronStrategy 'sequence_parallel: bool = False'),
+    # Optional ones keep None ('virtual_pipeline_model_parallel_size: Optional[int] = None')
+    raw = _read(tmp_path, NEMO2_EXPORT, "trainer.strategy.sequence_parallel=null",
+                "trainer.strategy.virtual_pipeline_model_parallel_size=null", "data.create_attention_mask=null")
+    assert not raw.args.get("sequence_parallel") and raw.args.get("virtual_pipeline_model_parallel_size") is None
+    # a null precision is MegatronMixedPrecision's '32-true' (DtypeConfig: neither bf16 nor fp16)
+    raw = _read(tmp_path, NEMO2_EXPORT, "trainer.plugins.precision=null")
+    assert raw.args["bf16"] is False and raw.args["fp16"] is False
+    # no optimizer (null or absent): GPTModel keeps its own, 'MegatronOptimizerModule(config=OptimizerConfig(lr=1e-4,
+    # use_distributed_optimizer=True))' (NeMo 2.5.0 collections/llm/gpt/model/base.py); the file's wins when given
+    raw = _read(tmp_path, NEMO2_EXPORT.replace("optim: {config: {optimizer: adam, use_distributed_optimizer: true}}\n",
+                                               "optim: {config: {optimizer: adam, use_distributed_optimizer: false}}\n"))
+    assert raw.args["use_distributed_optimizer"] is False
+    for override in ("optim=null", "~optim"):
+        assert _read(tmp_path, NEMO2_EXPORT, override).args["use_distributed_optimizer"] is True
