@@ -329,7 +329,7 @@ def test_yaml_cfg_top_level_nulls_with_a_meaning_are_accepted(tmp_path):
     ("trainer.num_nodes=null", "trainer.num_nodes: is null: Lightning's Trainer raises '`num_nodes` must be a positive "
                                "integer', its default 1 is not taken"),
     # Lightning 2.5.2 accelerators/cuda.py get_parallel_devices: '[torch.device("cuda", i) for i in devices]'
-    ("trainer.devices=null", "trainer.devices: is null: Lightning's GPU accelerator iterates None"),
+    ("trainer.devices=null", "trainer.devices: is null: Lightning's GPU accelerator rejects None"),
     # megatron_gpt_model.py: 'if self.trainer.accumulate_grad_batches > 1' (None > 1 is a TypeError)
     ("trainer.accumulate_grad_batches=null", "trainer.accumulate_grad_batches: is null: NeMo compares it with 1"),
     # megatron_init.py initialize_model_parallel_for_nemo: 'if global_batch_size and micro_batch_size is not None'
@@ -351,6 +351,16 @@ def test_a_nemo1_unset_non_model_key_is_refused(tmp_path, override, message):
     with pytest.raises(ConfigError) as e:
         _read(tmp_path, NEMO1, override)
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_lightning_refuses_the_null_trainer_keys():
+    # the installed Lightning (2.6.6 in the py3.11 venv) on what a NeMo trainer section's null becomes
+    lp = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.accelerators.cuda import CUDAAccelerator
+    with pytest.raises(ValueError, match="`num_nodes` must be a positive integer"):
+        lp.Trainer(num_nodes=None, logger=False)
+    with pytest.raises(TypeError):
+        CUDAAccelerator.get_parallel_devices(CUDAAccelerator.parse_devices(None))
 
 
 def test_nemo1_grad_sync_dtype_null_is_refused_where_mcore_reads_it(tmp_path):

@@ -548,8 +548,8 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
 # nlp/parts/megatron_trainer_builder.py) reads cfg.trainer.precision by attribute and builds
 # Trainer(**cfg.trainer): a '???' raises MissingMandatoryValue. A null reaches Lightning (2.5 checked) as None:
 _TRAINER_NULL_RULES = {
-    # accelerators/cuda.py get_parallel_devices iterates the device list: None is not Lightning's default 'auto'
-    "devices": "Lightning's GPU accelerator iterates None as its device list (TypeError), its default 'auto' is not taken",
+    # accelerators/cuda.py: parse_devices(None) raises (2.6.6: _check_data_type) or get_parallel_devices iterates None
+    "devices": "Lightning's GPU accelerator rejects None as its device list (TypeError), its default 'auto' is not taken",
     # trainer/connectors/accelerator_connector.py: "`num_nodes` must be a positive integer"
     "num_nodes": "Lightning's Trainer raises '`num_nodes` must be a positive integer', its default 1 is not taken",
     # megatron_gpt_model.py: 'if self.trainer.accumulate_grad_batches > 1' (TypeError on None)

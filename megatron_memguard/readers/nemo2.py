@@ -232,8 +232,8 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
 _NULL_INT = "NeMo 2 passes None on, where {cls} declares int with default {default} (the default is not taken)"
 _NEMO2_SECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     # Lightning 2.5 Trainer: accelerator_connector.py raises "`num_nodes` must be a positive integer"; accelerators/
-    # cuda.py get_parallel_devices iterates None (devices' default is 'auto')
-    ("trainer", "", {"devices": "Lightning's GPU accelerator iterates None as its device list (TypeError), its default "
+    # cuda.py parse_devices / get_parallel_devices refuse None (devices' default is 'auto')
+    ("trainer", "", {"devices": "Lightning's GPU accelerator rejects None as its device list (TypeError), its default "
                                 "'auto' is not taken",
                      "num_nodes": "Lightning's Trainer raises '`num_nodes` must be a positive integer', its default 1 "
                                   "is not taken"}),
