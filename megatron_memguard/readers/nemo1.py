@@ -546,7 +546,7 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
 
 # '???' and null on the trainer keys memguard reads. MegatronTrainerBuilder (NeMo 2.5.0
 # nlp/parts/megatron_trainer_builder.py) reads cfg.trainer.precision by attribute and builds
-# Trainer(**cfg.trainer): a '???' raises MissingMandatoryValue. A null reaches Lightning (2.5 checked) as None:
+# Trainer(**cfg.trainer): a '???' raises MissingMandatoryValue. A null reaches Lightning (2.5.2, 2.6.6) as None:
 _TRAINER_NULL_RULES = {
     # accelerators/cuda.py: parse_devices(None) raises (2.6.6: _check_data_type) or get_parallel_devices iterates None
     "devices": "Lightning's GPU accelerator rejects None as its device list (TypeError), its default 'auto' is not taken",
