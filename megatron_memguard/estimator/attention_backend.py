@@ -100,6 +100,11 @@ def _deterministic(L: Layout) -> bool:
     return L.deterministic_mode or str(env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")).strip() == "0"
 
 
+def _deterministic_by(L: Layout) -> str:
+    """The setting that makes the run deterministic, as the user wrote it."""
+    return "--deterministic-mode" if L.deterministic_mode else "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+
+
 def head_dims(L: Layout) -> tuple[int, int]:
     """The q/k and v head dims the core attention sees: MLA's (qk + rope dim, v), else kv_channels twice."""
     if L.multi_latent_attention:
@@ -187,15 +192,16 @@ def _cudnn_blocked(L: Layout, cc: tuple[int, int] | None) -> str | None:
     if _deterministic(L):
         if cc < (9, 0):
             # TE 2.11 / 2.20.2 "Filter: Determinism": F16_arbitrary_seqlen is not deterministic below sm90
-            return f"cuDNN's backward is not deterministic on {sm} (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)"
+            return f"cuDNN's backward is not deterministic on {sm} ({_deterministic_by(L)})"
         if cc >= (10, 0) and _te_211(L):
             return ("Transformer Engine 2.11 switches cuDNN fused attention off for deterministic training on "
-                    "Blackwell: NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+                    f"Blackwell: {_deterministic_by(L)}")
         if cc >= (10, 0) and L.attention_dropout > 0:
             return (f"cuDNN has no deterministic Blackwell backward with attention dropout {L.attention_dropout:g}: "
-                    "Transformer Engine 2.12+ gets no fused backend for NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+                    f"Transformer Engine 2.12+ gets no fused backend for {_deterministic_by(L)}")
         if L.softmax_type != "vanilla" and not _te_211(L):
-            return f"Transformer Engine 2.20 switches cuDNN off for a deterministic {L.softmax_type} softmax"
+            return (f"Transformer Engine 2.20 switches cuDNN off for a deterministic {L.softmax_type} softmax "
+                    f"({_deterministic_by(L)})")
     return None
 
 
