@@ -17,17 +17,8 @@ from megatron_memguard.decision import megatron_failure
 from megatron_memguard.errors import ConfigError
 from megatron_memguard.estimator.attention_backend import explicit_blocked, select
 
-DET = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
-# Llama-3.1-8B shape (32 heads, 8 query groups, head dim 128), TP 2, micro-batch 1, seq 4096, BF16, 2 layers
-LLAMA = ["--num-layers", "2", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
-         "--group-query-attention", "--num-query-groups", "8", "--seq-length", "4096", "--max-position-embeddings",
-         "4096", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size", "128256", "--bf16",
-         "--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
-         "--use-distributed-optimizer"]
-# MLA 192/128 (qk 128 + rope 64, v 128) on the same shape without GQA
-MLA = ["--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "128",
-       "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128"]
+# Llama-3.1-8B shape (head dim 128, GQA 32/8), TP 2, seq 4096, BF16; MLA 192/128 (qk 128 + rope 64, v 128)
+from test_attention_backend_auto import DET, LLAMA, MLA  # noqa: E402
 
 
 def lay(*extra, version=None, env=None, mla=False):
