@@ -2,6 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hybrid, newest)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -20,7 +21,10 @@ of 7,000 ranks, an out-of-memory flood and numbers no GPU prints; every field of
 Megatron logs with colour codes / NULs / garbage / cuts, and plan over extreme spaces (issue hostile3); odd
 --megatron-version values, DDP's fp32 accumulation pattern bombs, JSON objects at MoE config.json fields, every
 Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, plan --top 10**9 (issue hostile4);
-hybrid Mamba patterns, Nemotron-H recipe fields, MTP stages, latent MoE / capacity / upcycling sizes (issue hostile5). Prints, per command, the number of runs, how many broke the
+hybrid Mamba patterns, Nemotron-H recipe fields, MTP stages, latent MoE / capacity / upcycling sizes (issue hostile5);
+hybrid MTP patterns, Bridge PEFT keys, heterogeneous block configs, MoE values, '???' / null outside Bridge's model section
+and at --yaml-cfg's top level, adversarial Megatron logs, plan over 10**18 GPUs (issue hostile8, the hostile9 round; --big
+adds 100 MB logs). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -245,6 +249,111 @@ def hybrid_cases():
     log = "\n".join(print_args(args) + [report_memory(0, "(after 10 iterations)", 2**30, 2**31, 2**31, 2**31)]) + "\n"
     yield "report log of a --hybrid-override-pattern run", ["report", "run.log"], {"run.log": log}
     yield "calibrate log of a --hybrid-override-pattern run", ["calibrate", "run.log", "run.log"], {"run.log": log}
+
+
+def newest_cases():
+    """Issue hostile8 (the hostile9 round): hybrid MTP patterns ('/' depths, the legacy --mtp-hybrid-override-pattern,
+    100,000-symbol depths), Megatron-Bridge PEFT keys on a scheme name (every LoRA / DoRA field with words, lists,
+    negative, huge and null values; 50,000-entry target lists), heterogeneous block configs (wrong types, missing keys,
+    15,000 blocks, NaN / Infinity / 5000-digit tokens), MoE flags and Bridge keys with strings / lists / negative / huge
+    values, '???' and null in every Bridge section memguard reads and at --yaml-cfg's top level, adversarial Megatron
+    logs (10,000 argument tables, a memory line per iteration of 10,000 ranks, 1 MB lines), and plan over 10**6 and
+    10**18 GPUs with 10**9 layers, 10**9 hidden size or 10**6 experts."""
+    import copy
+
+    from test_readers_bridge import FLAT
+    values = ["x", "[1,2]", "-1", "0", "1e400", "9" * 30, "1.5", "", "null", "true", "{a: 1}", "nan", "'???'"]
+    for pat in ("M*M-/MM", "M*M-/MM/MM", "M*M-/MM/M*", "M*M-/" + "MM/" * 1000, "M*M-/" + "M" * 99_000,
+                "M*M-" + "/" * 99_000, "M*M-/MM|", "M*M-/E", "M*M-//MM", "/MM", "M*M-" + ("/" + "M" * 999) * 20):
+        for more in ([], ["--mtp-num-layers", "2"], ["--pipeline-model-parallel-size", "2"],
+                     ["--mtp-hybrid-override-pattern", "MM", "--mtp-num-layers", "3"]):
+            yield f"estimate hybrid MTP {pat[:20]!r} {more[:1]}", ["estimate", "--world-size", "8", "--", *HYBRID,
+                                                                   "--hybrid-layer-pattern", pat, *more], {}
+        yield f"estimate nemotronh_8b MTP pattern {pat[:20]!r}", ["estimate", "--model", "nemotronh_8b", "--gpus", "8", "--set",
+                                                                  f"model.hybrid_layer_pattern={pat}"], {}
+    for v in ("MM", "M" * 99_000, "/", "x"):
+        for depth in ("1", "100", "1000000000", "x"):
+            yield f"estimate --mtp-hybrid-override-pattern {v[:10]!r} x {depth}", [
+                "estimate", "--world-size", "8", "--", *HYBRID, "--hybrid-layer-pattern", "M*M-",
+                "--mtp-hybrid-override-pattern", v, "--mtp-num-layers", depth], {}
+    for key in ("dim", "alpha", "dropout", "dropout_position", "target_modules", "exclude_modules", "_target_",
+                "a2a_experimental", "lora_dtype", "canonical_mapping"):
+        for v in values + ["[]", "[x]", "linear_qkv", "[" + ",".join(["linear_qkv"] * 50_000) + "]", "os.system"]:
+            for scheme in ("lora", "dora"):
+                yield f"estimate peft={scheme} {key}={v[:20]}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                                  f"peft={scheme}", "--set", f"peft.{key}={v}"], {"c.yaml": FLAT}
+                if scheme == "lora":   # (a recipe's PEFT object takes +peft.FIELD overrides)
+                    yield f"estimate llama32_1b_peft +peft.{key}={v[:20]}", [
+                        "estimate", "--model", "llama32_1b_peft", "--gpus", "8", "--set", f"+peft.{key}={v}"], {}
+    base = json.load(open(os.path.join(ROOT, "tests", "data", "heterogeneous", "small_blocks.json")))
+    flags = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+             "--ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope --use-rope-scaling "
+             "--disable-bias-linear --seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 --bf16 "
+             "--tokenizer-type NullTokenizer --vocab-size 1024 --untie-embeddings-and-output-weights "
+             "--global-batch-size 4").split()
+    docs: dict[str, str] = {}
+    for v in ({}, "x", 5, None, [], [None] * 4, [{}] * 4):
+        docs[f"block_configs={json.dumps(v)[:16]}"] = json.dumps(dict(base, block_configs=v))
+    small = {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": 1}}   # (the shortest block: 15,000 under 1 MB)
+    docs["15,000 blocks"] = json.dumps(dict(base, block_configs=[small] * 15_000, num_hidden_layers=15_000), separators=(",", ":"))
+    docs["15,000 blocks, 4 layers"] = json.dumps(dict(base, block_configs=[small] * 15_000), separators=(",", ":"))
+    for part, key in (("attention", "n_heads_in_group"), ("ffn", "ffn_mult"), ("attention", "no_op"),
+                      ("ffn", "replace_with_linear"), ("attention", "num_query_groups"), ("ffn", "ffn_hidden_size")):
+        for v in ("x", -1, 0, 10**30, True, None, [4], {"a": 1}, 1e-300):
+            d = copy.deepcopy(base)
+            for b in d["block_configs"]:
+                b[part][key] = v
+            docs[f"{part}.{key}={v!r}"] = json.dumps(d)
+    for token in ("NaN", "Infinity", "-Infinity", "9" * 5000):
+        docs[f"ffn_mult {token[:10]}"] = json.dumps(base).replace("2.625", token)
+    docs["[ x 100,000"] = "[" * 100_000
+    for label, text in docs.items():
+        yield f"estimate heterogeneous {label}", ["estimate", "--world-size", "1", "--", *flags,
+                                                  "--heterogeneous-layers-config-path", "h.json"], {"h.json": text}
+    for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+                 "--moe-router-num-groups", "--moe-router-group-topk", "--moe-expert-capacity-factor", "--moe-layer-freq",
+                 "--expert-tensor-parallel-size", "--moe-router-dtype", "--moe-token-dispatcher-type", "--moe-latent-size"):
+        for v in values[:-1] + ["[2]*3", "-" + "9" * 20]:
+            yield f"estimate {flag} {v[:20]!r}", ["estimate", "--world-size", "8", "--", *MOE, flag, v], {}
+    for key in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_token_dispatcher_type",
+                "moe_router_dtype", "expert_model_parallel_size", "moe_shared_expert_intermediate_size", "mtp_num_layers"):
+        for v in values + ["[2, 3]", "[" + ",".join(["1"] * 100_000) + "]"]:
+            yield f"estimate qwen3_30b_a3b {key}={v[:20]}", ["estimate", "--model", "qwen3_30b_a3b", "--gpus", "64", "--set",
+                                                             f"model.{key}={v}"], {}
+    from megatron_memguard.readers._common import section_typed_field
+    for sec, name in (("train", "micro_batch_size"), ("ddp", "num_distributed_optimizer_instances"), ("ddp", "bucket_size"),
+                      ("optimizer", "optimizer"), ("mixed_precision", "grad_reduce_in_fp32"), ("dataset", "seq_length"),
+                      ("tokenizer", "vocab_size"), ("scheduler", "lr_warmup_iters"), ("checkpoint", "save"), ("train", ""),
+                      ("profiling", ""), ("logger", "")):
+        assert sec == "train" or section_typed_field(sec, "") is not None
+        key = f"{sec}.{name}" if name else sec
+        for v in ("null", "'???'"):
+            yield f"estimate llama32_1b {key}={v}", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--set", f"{key}={v}"], {}
+    yaml_cfg = open(os.path.join(ROOT, "tests", "data", "yaml_cfg", "gpt_small.yaml")).read()
+    for key in ("optimizer", "micro_batch_size", "global_batch_size", "make_vocab_size_divisible_by", "log_interval",
+                "use_distributed_optimizer", "seq_length"):
+        for v in ("null", "'???'"):
+            text = f"{key}: {v}\n" + "\n".join(x for x in yaml_cfg.splitlines() if not x.startswith(f"{key}:"))
+            yield f"estimate --yaml-cfg {key}: {v}", ["estimate", "--world-size", "8", "--", "--yaml-cfg", "c.yaml"], {"c.yaml": text}
+    from megatron_logs import args_of, print_args, report_memory
+    head = "\n".join(print_args(args_of(SMALL, 8))) + "\n"
+    logs = {"10,000 argument tables": head * (900_000 // len(head)),
+            "a line per iteration of 10,000 ranks": head + "\n".join(
+                report_memory(r % 10_000, f"(after {r} iterations)", 2**30, 2**31, 2**31, 2**31) for r in range(6_000)),
+            "1 MB lines": head + ("[Rank 0] (after 10 iterations) memory (MB) | allocated: " + "9" * 450_000 + "\n") * 2,
+            "an argument table that never ends": head.split("\n")[0] + "\n" + "".join(
+                f"  num_layers{i} {'.' * 36} {i}\n" for i in range(15_000))}
+    for label, text in logs.items():
+        for cmd in (["report", "run.log"], ["calibrate", "run.log", "run.log", "run.log"]):
+            yield f"{cmd[0]} Megatron log, {label}", cmd, {"run.log": text}
+    dense = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--max-position-embeddings", "4096",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--bf16"]
+    for gpus in ("1000000", str(10**18)):
+        for more in (["--num-layers", "1000000000"], ["--hidden-size", "1000000000"], ["--vocab-size", "1000000000000"],
+                     ["--num-experts", "1000000", "--moe-router-topk", "2"], ["--seq-length", "1000000000",
+                                                                               "--max-position-embeddings", "1000000000"]):
+            yield f"plan {gpus} GPUs {' '.join(more)[:40]}", ["plan", "--gpus", gpus, "--seq-length", "4096",
+                                                               "--global-batch-size", "1048576", "--", *dense, *more], {}
 
 
 def hostile_files(d: str) -> dict[str, str]:
@@ -508,7 +617,11 @@ def main(argv: list[str]) -> int:
               ("launch", launch_cases()), ("run logs", runlog_cases()), ("largest", largest_cases()),
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
-              ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases())]
+              ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
+              ("newest", newest_cases())]
+    if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
+        only = argv[argv.index("--group") + 1]
+        groups = [g for g in groups if g[0] == only]
     worst: dict[str, tuple[float, float, str]] = {}
     runs: dict[str, int] = defaultdict(int)
     broken: dict[str, list[str]] = defaultdict(list)
@@ -536,7 +649,7 @@ def main(argv: list[str]) -> int:
     for cmd in sorted(runs):
         c, w, label = worst[cmd]
         print(f"{cmd:<10} {runs[cmd]:>6} {len(broken[cmd]):>7} {c:>9.2f}s {w:>8.2f}s  {label}")
-    n, hook_broken, hook_cpu, hook_label = hook_cases(60 if step > 1 else 600)
+    n, hook_broken, hook_cpu, hook_label = hook_cases(0 if "--group" in argv else 60 if step > 1 else 600)
     print(f"{'hook':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
     runs["hook"], broken["hook"], worst["hook"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())

@@ -779,3 +779,101 @@ def test_hybrid_mtp_reads_as_bridge_finalizes_it(recipes, model):
     extra = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 512} if "E" in parts[0] else {}
     L = resolve(read_bridge({"model": {**model, **extra}}, "run_config.yaml", [], recipe="nemotronh_8b"), world_size=2)
     assert (L.hybrid_layer_pattern, L.hybrid_mtp_pattern, L.mtp_num_layers) == (main, parts[0], p.mtp_num_layers)
+
+
+# --- issue hostile8: a null / '???' outside the model section, as Bridge 0.6.2 itself takes it --------------------
+@pytest.mark.parametrize("override, bridge", [
+    ("train.micro_batch_size=null", "fails"),             # validate: "train.micro_batch_size must be set ..."
+    ("dataset.seq_length=null", "fails"),                 # validate: model and dataset sequence lengths differ
+    ("scheduler.lr_warmup_iters=null", "fails"),          # validate: None * int
+    ("train=null", "fails"),                              # validate: 'NoneType' object has no attribute
+    ("train.micro_batch_size='???'", "fails"),            # validate: int % str
+    ("optimizer.optimizer=null", "not the default"),      # kept None: get_megatron_optimizer supports no None
+    ("mixed_precision.grad_reduce_in_fp32=null", "not the default"),   # None: gradients reduced in bf16
+    ("ddp.num_distributed_optimizer_instances=null", "not the default"),
+    ("optimizer.store_param_remainders=null", "not the default"),
+    ("ddp.overlap_grad_reduce='???'", "not the default"),  # the text '???' kept (truthy)
+    ("ddp.bucket_size=null", "the default"),              # Optional[int] = None
+    ("ddp.overlap_param_gather=null", "the default"),     # bool = False: None is false
+    ("tokenizer.vocab_size=null", "the default"),         # int = None
+    ("profiling=null", "the default"),                    # 'if self.profiling is not None'
+])
+def test_a_null_outside_the_model_is_refused_where_bridge_does_not_take_the_default(recipes, monkeypatch, override,
+                                                                                      bridge):
+    import dataclasses
+    import types
+
+    import torch
+    from megatron.bridge.training.config import runtime_config_update
+    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: types.SimpleNamespace(major=9, minor=0, name="NVIDIA H100 80GB HBM3"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = recipes.llama32_1b_pretrain_config()
+    if isinstance(cfg.mixed_precision, str):   # (the recipe names a preset; an override of one field needs the object)
+        cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
+    path = override.split("=")[0].split(".")
+    default = None
+    if len(path) == 2:
+        default = {f.name: f.default for f in dataclasses.fields(getattr(cfg, path[0]))}[path[1]]
+    env = dict(os.environ)
+    try:
+        cfg = process_config_with_overrides(cfg, cli_overrides=[override])
+        runtime_config_update(cfg)
+        value = getattr(getattr(cfg, path[0]), path[1]) if len(path) == 2 else getattr(cfg, path[0])
+        seen = ("the default" if value is None and default in (None, False, dataclasses.MISSING) or value == default
+                else "not the default")
+    except (AssertionError, TypeError, AttributeError, ValueError):
+        seen = "fails"
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert seen == bridge
+    if bridge == "the default":
+        read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
+    else:
+        with pytest.raises(ConfigError, match=rf"^{'.'.join(path)}: is (null|\?\?\?)"):
+            read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
+
+
+def test_a_null_or_string_target_modules_is_what_bridges_module_matcher_makes_of_it(recipes):
+    """Bridge 0.6.2 peft/module_matcher.py: a null target_modules (or '') wraps every linear module, the output layer
+    too, and a string's characters match no module; memguard estimated both as the four default linears."""
+    import torch.nn as nn
+    from megatron.bridge.peft.lora import LoRA
+
+    from megatron_memguard.errors import ConfigError, NotModelledError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    linear = nn.Linear(2, 2)
+    every = LoRA(target_modules=None)
+    assert every.match(linear, name="output_layer", prefix="") is not None
+    assert LoRA(target_modules="").match(linear, name="output_layer", prefix="") is not None
+    text = LoRA(target_modules="linear_qkv")
+    assert text.match(linear, name="linear_qkv", prefix="decoder.layers.0.self_attention") is None
+    four = LoRA()
+    assert four.match(linear, name="output_layer", prefix="") is None
+    assert four.match(linear, name="linear_qkv", prefix="decoder.layers.0.self_attention") is not None
+
+    import yaml
+
+    from test_readers_bridge import FLAT
+
+    def read(*o):   # (a config file: a recipe's PEFT object takes only +peft.FIELD overrides)
+        return resolve(read_bridge(yaml.safe_load(FLAT), "c.yaml", parse_overrides(["peft=lora", *o])), world_size=8)
+    assert read().peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    for v in ("null", "''"):
+        with pytest.raises(NotModelledError, match=r"^peft\.target_modules: PEFT with an empty target_modules"):
+            read(f"peft.target_modules={v}")
+    with pytest.raises(ConfigError, match=r"^peft\.target_modules: must be a list of module names, got the string"):
+        read("peft.target_modules=linear_qkv")
+    # a scheme name's fields set by overrides are that object's (peft.dim=8 was dropped: rank 32 estimated)
+    assert read("peft.dim=8").peft.dim == 8

@@ -54,7 +54,10 @@ def test_the_table_is_the_installed_transformer_config():
     assert src["moe_router_topk"] == ("int", 2) == (table["moe_router_topk"]["type"], table["moe_router_topk"]["default"])
     for name, f in table.items():
         if "TransformerConfig" in f["classes"] and name in src:
-            assert src[name][0] == f["type"], name
+            # (a Literal of strings is a str: 'moe_token_dispatcher_type: Literal['allgather', 'alltoall', 'flex']')
+            declared = "str" if src[name][0].startswith("Literal[") and f["type"] == "str" else src[name][0]
+            assert declared == f["type"], name
+    assert (table["moe_token_dispatcher_type"]["type"], table["moe_token_dispatcher_type"]["default"]) == ("str", "allgather")
     # None-able fields are not in it: 'num_query_groups: Optional[int] = None', 'ffn_hidden_size: Optional[int] = None'
     # (0.19.2; 'int = None' in 0.16.1); MLATransformerConfig's 'q_lora_rank: int = 512' is tested 'is None' in
     # multi_latent_attention.py (DeepSeek-V2-Lite's null: no query compression)
@@ -70,6 +73,10 @@ def test_the_table_is_the_installed_transformer_config():
     ("share_embeddings_and_output_weights", "declares bool with default True"),  # None: untied output layer
     ("tensor_model_parallel_size", "declares int with default 1"),       # ModelParallelConfig
     ("rotary_percent", "declares float with default 1.0"),               # GPTModelProvider
+    # TransformerConfig 'moe_token_dispatcher_type: Literal['allgather', 'alltoall', 'flex'] = "allgather"': None is
+    # none of them (MoELayer raises); 'normalization: Literal['LayerNorm', 'RMSNorm'] = "LayerNorm"'
+    ("moe_token_dispatcher_type", "declares str with default allgather"),
+    ("normalization", "declares str with default LayerNorm"),
 ])
 def test_a_bridge_null_on_a_typed_field_is_refused(tmp_path, field, declared):
     # Bridge 0.6.2 omegaconf_utils._apply_overrides / instantiate set the dataclass attribute to None (no type check)
@@ -171,3 +178,142 @@ def test_the_fields_read_are_the_mapped_ones():
     # (the rule covers exactly what map_mcore_fields passes on: a field it drops cannot change the estimate)
     assert {"hidden_size", "add_bias_linear", "tensor_model_parallel_size"} <= model_fields_read()
     assert "beta_fast" not in model_fields_read()
+
+
+# --- issue hostile8: the non-model sections of Megatron-Bridge and --yaml-cfg's top level ------------------------
+@pytest.mark.parametrize("override, rule", [
+    # megatron-core 0.19.2 distributed/distributed_data_parallel_config.py: 'num_distributed_optimizer_instances: int = 1'
+    ("ddp.num_distributed_optimizer_instances=null",
+     "ddp.num_distributed_optimizer_instances: is null: Megatron-Bridge passes None on, where DistributedDataParallelConfig "
+     "declares int with default 1 (the default is not taken)"),
+    # megatron-core 0.19.2 optimizer/optimizer_config.py: 'optimizer: str = 'adam'' (get_megatron_optimizer raises on None)
+    ("optimizer.optimizer=null", "optimizer.optimizer: is null: Megatron-Bridge passes None on, where OptimizerConfig "
+                                 "declares str with default adam"),
+    # 'store_param_remainders: bool = True': None is false, the remainders are not kept
+    ("optimizer.store_param_remainders=null", "optimizer.store_param_remainders: is null: Megatron-Bridge passes None on, "
+                                              "where OptimizerConfig declares bool with default True"),
+    # Bridge 0.6.2 training/mixed_precision.py 'grad_reduce_in_fp32: bool = True', copied into ddp by setup(): None
+    # reduces in bf16 where the default reduces in fp32
+    ("mixed_precision.grad_reduce_in_fp32=null", "mixed_precision.grad_reduce_in_fp32: is null: Megatron-Bridge passes "
+                                                 "None on, where MixedPrecisionConfig declares bool with default True"),
+    # megatron-core 0.19.2 datasets/gpt_dataset.py GPTDatasetConfig: 'create_attention_mask: bool = True'
+    ("dataset.create_attention_mask=null", "dataset.create_attention_mask: is null: Megatron-Bridge passes None on, "
+                                           "where GPTDatasetConfig declares bool with default True"),
+    # megatron-core BlendedMegatronDatasetConfig 'sequence_length: int' (no default); Bridge's GPTDatasetConfig
+    # 'seq_length': ConfigContainer.validate asserts it equals model.seq_length
+    ("dataset.seq_length=null", "dataset.seq_length: is null: Megatron-Bridge passes None on, where GPTDatasetConfig "
+                                "declares int with no default"),
+    # ConfigContainer.validate: "train.micro_batch_size must be set when eval_micro_batch_size is not explicitly
+    # configured" (TrainingConfig declares it 'int | None = None')
+    ("train.micro_batch_size=null", "train.micro_batch_size: is null: Megatron-Bridge's ConfigContainer.validate "
+                                    "asserts it is set"),
+    ("train.global_batch_size=null", "train.global_batch_size: is null: Megatron-Bridge's ConfigContainer.validate "
+                                     "asserts it is set"),
+    # megatron.training SchedulerConfig 'lr_warmup_iters: int = 0': validate multiplies it (TypeError on None)
+    ("scheduler.lr_warmup_iters=null", "scheduler.lr_warmup_iters: is null: Megatron-Bridge passes None on, where "
+                                       "SchedulerConfig declares int with default 0"),
+    # OmegaConf.to_container keeps '???' as the text (Bridge 0.6.2 omegaconf_utils.py): truthy, not False
+    ("ddp.overlap_grad_reduce='???'", "ddp.overlap_grad_reduce: is ??? (OmegaConf's missing marker): Megatron-Bridge "
+                                      "passes the text '???' on, not a default"),
+    ("checkpoint.save='???'", "checkpoint.save: is ??? (OmegaConf's missing marker)"),
+    # a whole section null: ConfigContainer declares TrainingConfig (validate: 'NoneType' object has no attribute)
+    ("train=null", "train: is null: Megatron-Bridge's ConfigContainer declares TrainingConfig (not Optional) and fails "
+                   "on None"),
+    ("tokenizer=null", "tokenizer: is null: Megatron-Bridge's ConfigContainer declares TokenizerConfig"),
+    ("optimizer='???'", "optimizer: is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, where "
+                        "it needs a OptimizerConfig"),
+])
+def test_a_bridge_unset_value_in_a_non_model_section_is_refused(tmp_path, override, rule):
+    with pytest.raises(ConfigError) as e:
+        _read(tmp_path, FLAT, override)
+    assert str(e.value).startswith(rule), str(e.value)
+
+
+def test_a_bridge_unset_value_in_a_non_model_section_of_the_file_is_refused(tmp_path):
+    text = FLAT.replace("ddp: {use_distributed_optimizer: true,", "ddp: {use_distributed_optimizer: true, "
+                        "num_distributed_optimizer_instances: null,")
+    with pytest.raises(ConfigError, match=r"^ddp\.num_distributed_optimizer_instances: is null"):
+        _read(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"^train: is null"):
+        _read(tmp_path, FLAT.replace("train: {micro_batch_size: 2, global_batch_size: 32}", "train: null"))
+
+
+def test_bridge_non_model_nulls_with_a_meaning_are_accepted(tmp_path):
+    base = _read(tmp_path, FLAT)
+    # ddp.bucket_size 'Optional[int] = None' (None: Megatron's size), tokenizer.vocab_size 'int = None', a bool
+    # defaulting to false (None is false: ddp.overlap_param_gather), profiling (ConfigContainer: 'if self.profiling is
+    # not None'), comm_overlap / mixed_precision (Optional sections), logger.log_throughput (bool, default false)
+    raw = _read(tmp_path, FLAT, "ddp.bucket_size=null", "ddp.overlap_param_gather=null", "profiling=null",
+                "comm_overlap=null", "logger.log_throughput=null", "train.rampup_batch_size=null")
+    assert raw.args == base.args
+    # ddp.use_distributed_optimizer: null with optimizer.use_distributed_optimizer false is off (Bridge syncs the two
+    # with 'or'; None is false), as memguard reads it
+    raw = _read(tmp_path, FLAT, "ddp.use_distributed_optimizer=null")
+    assert raw.args["use_distributed_optimizer"] is False and base.args["use_distributed_optimizer"] is True
+    # an Optional section null: no mixed-precision recipe (the model's own bf16: true stays)
+    assert _read(tmp_path, FLAT, "mixed_precision=null").args["bf16"] is True
+
+
+def test_a_recipes_own_values_are_not_checked():
+    # the recipe's own values are Bridge's (its recipe function built them): only what the user wrote is checked
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides([]), recipe="llama32_1b")
+    assert raw.args["micro_batch_size"] == 1
+    with pytest.raises(ConfigError, match=r"^ddp\.num_distributed_optimizer_instances: is null"):
+        read_bridge({}, "recipe llama32_1b", parse_overrides(["ddp.num_distributed_optimizer_instances=null"]),
+                    recipe="llama32_1b")
+
+
+def test_the_section_table_holds_bridges_declarations():
+    from megatron_memguard.readers._common import section_typed_field
+    # (Bridge 0.6.2 / megatron-core 0.19.2 declarations, named in the tests above)
+    assert section_typed_field("ddp", "num_distributed_optimizer_instances") == {
+        "type": "int", "default": 1, "class": "DistributedDataParallelConfig"}
+    assert section_typed_field("mixed_precision", "grad_reduce_in_fp32")["default"] is True
+    assert section_typed_field("optimizer", "optimizer")["default"] == "adam"
+    # None-able: not in the table (Optional[int] = None / int | None = None / int = None)
+    for sec, name in (("ddp", "bucket_size"), ("train", "micro_batch_size"), ("tokenizer", "vocab_size"),
+                      ("comm_overlap", "overlap_grad_reduce")):
+        assert section_typed_field(sec, name) is None, (sec, name)
+    assert section_typed_field("train", "")["default"] == "required"
+    assert section_typed_field("comm_overlap", "")["default"] == "optional"
+
+
+def _yaml_cfg(tmp_path, **top):
+    import yaml
+    doc = yaml.safe_load(open(YAML_CFG))
+    doc.update(top)
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return read_config_file(str(p))
+
+
+@pytest.mark.parametrize("key, default", [
+    ("optimizer", "adam"),                         # arguments.py: '--optimizer', default='adam'
+    ("make_vocab_size_divisible_by", "128"),       # '--make-vocab-size-divisible-by', default=128
+    ("bias_swiglu_fusion", "True"),                # '--no-bias-swiglu-fusion', action='store_false'
+])
+def test_a_yaml_cfg_top_level_null_is_refused(tmp_path, key, default):
+    # megatron-core 0.19.2 yaml_arguments.py load_yaml: the namespace is yaml.safe_load's document (no argparse
+    # defaults), so a null stays None where the flags would give the default
+    with pytest.raises(ConfigError) as e:
+        _yaml_cfg(tmp_path, **{key: None})
+    assert str(e.value).startswith(f"{key}: is null: Megatron's --yaml-cfg passes None on (load_yaml reads the file with "
+                                   f"yaml.safe_load, no argparse defaults), where Megatron's default is {default} "
+                                   "(the default is not taken)"), str(e.value)
+
+
+def test_a_yaml_cfg_top_level_missing_marker_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^micro_batch_size: is \?\?\? \(OmegaConf's missing marker\): Megatron's "
+                                          r"--yaml-cfg reads it with yaml\.safe_load as the text '\?\?\?', not a default"):
+        _yaml_cfg(tmp_path, micro_batch_size="???")
+
+
+def test_yaml_cfg_top_level_nulls_with_a_meaning_are_accepted(tmp_path):
+    base = _yaml_cfg(tmp_path)
+    # default None (global_batch_size: MBS x DP), a store_true flag (None is false: its default), a memory-neutral
+    # argument memguard does not read (log_interval)
+    raw = _yaml_cfg(tmp_path, global_batch_size=None, log_interval=None, use_distributed_optimizer=None)
+    assert "global_batch_size" not in raw.args and base.args["global_batch_size"] == 64
+    assert not raw.args.get("use_distributed_optimizer") and base.args["use_distributed_optimizer"]

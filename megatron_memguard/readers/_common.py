@@ -367,8 +367,60 @@ def layout_text(value: Any, key: str) -> Any:
 def typed_defaults() -> dict[str, dict[str, Any]]:
     """Model-config fields typed int / float / bool whose dataclass default is a value, not None (megatron-core
     0.16.1 / 0.19.2, Megatron-Bridge 0.6.2; data/typed_defaults.json, made by scripts/gen_typed_defaults.py)."""
-    doc = json.loads(resources.files("megatron_memguard").joinpath("data/typed_defaults.json").read_text())
-    return doc["fields"]
+    return _typed_defaults_doc()["fields"]
+
+
+@lru_cache(maxsize=1)
+def _typed_defaults_doc() -> dict[str, Any]:
+    return json.loads(resources.files("megatron_memguard").joinpath("data/typed_defaults.json").read_text())
+
+
+def section_typed_field(section: str, name: str) -> dict[str, Any] | None:
+    """A Megatron-Bridge 0.6.2 non-model section field typed int / float / bool / str / torch.dtype whose default is
+    a value or that has none ('required'): {type, default, class}; None for a None-able or unknown field
+    (data/typed_defaults.json ``sections``, made by scripts/gen_typed_defaults.py --sections)."""
+    return _typed_defaults_doc().get("sections", {}).get(section, {}).get(name)
+
+
+@lru_cache(maxsize=1)
+def memory_neutral_dests() -> frozenset[str]:
+    """Megatron argument dests memguard neither reads nor refuses (data/memory_neutral_flags.json ``neutral``)."""
+    doc = json.loads(resources.files("megatron_memguard").joinpath("data/memory_neutral_flags.json").read_text())
+    return frozenset(doc["neutral"])
+
+
+def yaml_cfg_arg_default(dest: str) -> Any:
+    """Megatron's argparse default of ``dest`` where it is neither None nor False (megatron-core 0.19.2
+    arguments.py; data/typed_defaults.json ``yaml_cfg_arg_defaults``), else None."""
+    return _typed_defaults_doc().get("yaml_cfg_arg_defaults", {}).get(dest)
+
+
+def refuse_unset_section_field(section: str, name: str, field: tuple[Any, str] | None, needed: Iterable[str] = ()) -> None:
+    """'???' and null on a Megatron-Bridge non-model section field memguard reads (train, optimizer, ddp, dist,
+    mixed_precision, dataset, tokenizer, comm_overlap, ...): Bridge hands both on as they are (omegaconf_utils
+    _apply_overrides / instantiate: no type check), so neither is the default. Refused: '???' always; null where the
+    dataclass declares int / float / str / torch.dtype with a value default or none, or bool defaulting to true (a
+    None-able field keeps None's meaning, a bool defaulting to false reads None as false, its default), and on
+    ``needed`` fields ConfigContainer.validate asserts are set (train.micro_batch_size, global_batch_size). A
+    value a built-in recipe carries (its key tagged '(recipe ...)') is Bridge's own, not checked."""
+    if field is None or " (recipe " in field[1]:
+        return
+    value, key = field
+    where = key.split(" ")[0]
+    if is_missing(value):
+        raise ConfigError(key, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE['Megatron-Bridge']}",
+                          f"set {where}=VALUE")
+    if value is not None:
+        return
+    if name in needed:
+        raise ConfigError(key, "is null: Megatron-Bridge's ConfigContainer.validate asserts it is set (no default)",
+                          f"set {where}=VALUE")
+    f = section_typed_field(section, name)
+    if f is None or (f["type"] == "bool" and f["default"] is not True):
+        return
+    declared = "with no default" if f["default"] == "required" else f"with default {f['default']}"
+    raise ConfigError(key, f"is null: Megatron-Bridge passes None on, where {f['class']} declares {f['type']} "
+                           f"{declared} (the default is not taken)", f"set {where}=VALUE or drop the key")
 
 
 def null_not_default(name: str) -> bool:

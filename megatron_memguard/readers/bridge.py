@@ -30,7 +30,7 @@ from ..numbers import shown
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields,
     default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
-    is_missing, map_mcore_fields, mcore_model_fields, set_vocab,
+    is_missing, map_mcore_fields, mcore_model_fields, refuse_unset_section_field, section_typed_field, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -245,6 +245,14 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
                 top[sec] = (value, key)
                 S.pop(sec, None)
             continue
+        if sec == "peft" and isinstance(top.get("peft", (None,))[0], str):
+            # a scheme name (a recipe's peft_scheme: default_peft_config builds LoRA() / DoRA()) whose fields an override
+            # sets: those fields of that object (they were dropped, e.g. peft.dim=8 estimated with rank 32)
+            scheme, where = top["peft"]
+            cls = {v: k for k, v in _PEFT_CLASSES.items()}.get(scheme.strip().lower())
+            if cls is not None:
+                top.pop("peft")
+                S["peft"] = {"_target_": (f"megatron.bridge.peft.{cls.lower()}.{cls}", where)}
         if sec == "mixed_precision" and "mixed_precision" in top:
             preset = _mp_values(top.pop("mixed_precision"))
             S["mixed_precision"] = {k: (v, "mixed_precision") for k, v in preset.items()}
@@ -397,7 +405,18 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None, given: fr
             # (peft/lora_layers.py: 'alpha / dim', 'if dropout > 0.0', 'assert dropout_position in ["pre", "post"]')
             raise ConfigError(key, f"is null: Megatron-Bridge's {cls} takes it as None, not its default, and cannot "
                               "build the adapters", f"set {key}=VALUE or drop the key")
-        if name in _PEFT_FIELDS:
+        if name == "target_modules" and (value is None or isinstance(value, str)):
+            # Bridge 0.6.2 peft/module_matcher.py: 'len(self.target_modules or []) > 0', then 'for pattern in
+            # self.target_modules': a null wraps every linear module (the output layer too), as an empty list does;
+            # a string's characters match no module name (both were estimated as the four linears)
+            if is_missing(value):
+                raise ConfigError(key, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
+                                  "not a default", f"set {key}=[...]")
+            if value:
+                raise ConfigError(key, f"must be a list of module names, got the string {shown(value)} (Bridge's "
+                                  "ModuleMatcher iterates its characters: no module matches)", f"{key}=[{value}]")
+            b.set(_PEFT_FIELDS[name], [], key)   # (null or '': every linear, refused by resolve/peft.py)
+        elif name in _PEFT_FIELDS:
             # (a live LoRA object's exclude_modules is an empty list: nothing excluded)
             if value is not None and not (name == "exclude_modules" and not value):
                 b.set(_PEFT_FIELDS[name], value, key)
@@ -452,6 +471,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     def has(sec: str, name: str) -> bool:
         f = S.get(sec, {}).get(name)
         return f is not None and f[0] is not None and not is_missing(f[0])
+
+    _refuse_unset_sections(S, top)
 
     for sec, fields in S.items():
         for name, (val, key) in fields.items():
@@ -633,6 +654,40 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         set_vocab(b, v("model", "vocab_size"), k("model", "vocab_size"), pad=as_bool(v("model", "should_pad_vocab", False)))
 
 
+# ConfigContainer sections Megatron-Bridge 0.6.2 declares without None that it still tests against None
+# (config.py: ``if self.profiling is not None``): a null there is "no profiling", not an error
+_NONEABLE_SECTIONS = frozenset({"profiling"})
+
+
+def _refuse_unset_sections(S: dict[str, dict[str, Field]], top: dict[str, Field]) -> None:
+    """'???' and null in the non-model sections, as Megatron-Bridge 0.6.2 treats them (refuse_unset_section_field;
+    the model section: map_mcore_fields, peft: _peft). A whole section null where ConfigContainer declares it
+    without None (train, optimizer, ddp, dataset, tokenizer, scheduler, checkpoint, ...) is an error: Bridge's
+    validate fails on it (``'NoneType' object has no attribute ...``) or its setup does (the tokenizer)."""
+    for sec, (value, key) in top.items():
+        row = section_typed_field(sec, "")
+        if row is None or " (recipe " in key:
+            continue
+        if is_missing(value):
+            raise ConfigError(key, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
+                                   f"where it needs a {row['class']}", f"give the {sec}: section")
+        if value is None and row["default"] == "required" and sec not in _NONEABLE_SECTIONS:
+            raise ConfigError(key, f"is null: Megatron-Bridge's ConfigContainer declares {row['class']} (not Optional) "
+                                   "and fails on None", f"give the {sec}: section or drop the key")
+    for sec, fields in S.items():
+        if sec in ("model", "peft", "env_vars"):
+            continue
+        target = fields.get("_target_", (None,))[0]
+        own = section_typed_field(sec, "")
+        # (another class than the table's, e.g. a fine-tuning dataset: only '???' is checked)
+        typed = not (isinstance(target, str) and own is not None and not target.endswith(own["class"]))
+        for name, f in fields.items():
+            if name.startswith("_") or f[1] == sec:   # (_target_; a preset's own values, opened by an override)
+                continue
+            if typed or is_missing(f[0]):
+                refuse_unset_section_field(sec, name, f, _NEEDED_SET.get(sec, ()))
+
+
 # CommOverlapConfig fields that CommOverlapConfig.setup writes into the model config (Bridge 0.6.2
 # training/comm_overlap.py _get_model_comm_overlap_cfgs: off unless the comm_overlap section sets them)
 _COMM_OVERLAP_MODEL = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "defer_embedding_wgrad_compute",
@@ -678,5 +733,8 @@ _NEEDED = {
     "train": {"micro_batch_size", "global_batch_size"},
     "dataset": {"seq_length"},
 }
+# of those, the non-model ones ConfigContainer.validate asserts are set although TrainingConfig declares them
+# None-able (Bridge 0.6.2: "train.micro_batch_size must be set when eval_micro_batch_size is not explicitly configured")
+_NEEDED_SET = {"train": frozenset({"micro_batch_size", "global_batch_size"})}
 
 

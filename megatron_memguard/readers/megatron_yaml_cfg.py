@@ -15,10 +15,14 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ..config import RawConfig, memory_env
-from ..errors import ReaderError
-from ._common import ArgsBuilder, _number, as_bool, map_mcore_fields, mcore_model_fields, megatron_dests
+from ..errors import ConfigError, ReaderError
+from ._common import (
+    _MISSING_RULE, ArgsBuilder, _number, as_bool, is_missing, map_mcore_fields, mcore_model_fields, megatron_dests,
+    memory_neutral_dests, yaml_cfg_arg_default,
+)
 
 SECTIONS = ("model_parallel", "language_model")
+CARRIER = "Megatron's --yaml-cfg"
 ACTIVATIONS = ("swiglu", "squaredrelu", "gelu")
 # set by load_yaml / parse_args themselves, or derived by validate_yaml: not inputs
 _NOT_INPUTS = frozenset({"yaml_cfg", "rank", "world_size", "data_parallel_size", "num_experts",
@@ -58,6 +62,7 @@ def read_yaml_cfg(doc: Any, path: str, env: Mapping[str, str] | None = None,
         if k in _NOT_INPUTS or k.startswith("_"):
             continue
         if k in dests:
+            _refuse_unset_arg(k, v, k)
             if v is not None and not isinstance(v, Mapping):
                 b.set(k, _number(v), k)
         else:
@@ -73,11 +78,12 @@ def read_yaml_cfg(doc: Any, path: str, env: Mapping[str, str] | None = None,
     args_only = {k for k in fields if k in dests and k not in core}
     for k in sorted(args_only):
         v, key = fields[k]
+        _refuse_unset_arg(k, v, key)
         if v is not None and not isinstance(v, Mapping):
             b.set(k, _number(v), key)
     map_mcore_fields(b, fields, extra_known=args_only, unknown_context="megatron-core",
                      skip={"activation_func", "gated_linear_unit", "bias_activation_fusion"} | args_only, provider=False,
-                     carrier="Megatron's --yaml-cfg")
+                     carrier=CARRIER)
     _activation(b, fields, top)
     if fields.get("num_query_groups", (None,))[0] is not None:
         # TransformerConfig takes num_query_groups as given; Megatron's flags read it only with
@@ -86,6 +92,22 @@ def read_yaml_cfg(doc: Any, path: str, env: Mapping[str, str] | None = None,
     raw = b.build()
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, warnings=raw.warnings,
                      problems=raw.problems, env=memory_env(env))
+
+
+def _refuse_unset_arg(dest: str, value: Any, key: str) -> None:
+    """A Megatron argument given null or '???' in a --yaml-cfg file: load_yaml's namespace is the YAML itself
+    (megatron-core 0.19.2 yaml_arguments.py: yaml.safe_load, no argparse defaults), so a null is None and '???' the
+    text, where memguard would take the argument's default. Refused where that default is neither None nor False
+    (None is falsy: a store_true flag's false) and the argument is one memguard reads (not memory-neutral)."""
+    if dest in memory_neutral_dests():
+        return
+    if is_missing(value):
+        raise ConfigError(key, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE[CARRIER]}", f"set {key}: VALUE")
+    default = yaml_cfg_arg_default(dest)
+    if value is None and default is not None:
+        raise ConfigError(key, f"is null: {CARRIER} passes None on (load_yaml reads the file with yaml.safe_load, no "
+                               f"argparse defaults), where Megatron's default is {default} (the default is not taken)",
+                          f"set {key}: VALUE or drop the key")
 
 
 def _activation(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], top: Mapping[str, Any]) -> None:

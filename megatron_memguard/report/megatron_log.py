@@ -48,6 +48,13 @@ MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlin
 # (``None\x1b[0m``) no longer reads as the value it is.
 _NOISE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 MAX_OOMS = 64                      # out-of-memory messages analysed (a job ends at its ranks' first; launchers repeat them)
+# memory lines kept per rank: past them, only a line that raises one of the rank's peaks, and its last steady and last
+# checkpoint lines (a --log-memory-interval 1 run of 10**6 iterations held 590 MB of lines; what report and calibrate
+# read of a rank is its first lines, its peaks and its last lines)
+MAX_LINES_PER_RANK = 100_000
+# ranks whose memory lines are read: Megatron prints them on data-parallel rank 0 of each model-parallel position (TP x
+# PP x CP; 65,536 is TP 8 x PP 128 x CP 64); a log of 10**6 ranks' lines took 1.7 GB in report
+MAX_RANKS = 65_536
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt", ".stdout", ".stderr")
 
 _NUM = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
@@ -176,6 +183,9 @@ class MegatronLog:
     memguard_oom_ranks: dict[int, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _index: dict[int, list[MemoryLine]] | None = field(default=None, repr=False, compare=False)
+    skipped_ranks: int = 0      # memory lines of ranks past MAX_RANKS, not read
+    _counts: dict[int, int] = field(default_factory=dict, repr=False, compare=False)   # memory lines kept per rank
+    _peaks: dict[int, tuple[int, int, int]] = field(default_factory=dict, repr=False, compare=False)
     _index_of: int = field(default=-1, repr=False, compare=False)
 
     @property
@@ -282,6 +292,7 @@ def _read_one(path: str, log: MegatronLog) -> None:
     file_ranks: set[int] = set()
     names: dict[str, str] = {}
     ooms: list[tuple[int, str, int | None]] = []
+    later: dict[tuple[int, bool], MemoryLine] = {}   # a rank's last line past MAX_LINES_PER_RANK not yet kept
     for n, line in _lines(path):
         if in_args:
             cut_off = "memory (MB)" in line and MEMORY_RE.search(line) is not None   # training began: the table ended
@@ -311,12 +322,14 @@ def _read_one(path: str, log: MegatronLog) -> None:
             m = MEMORY_RE.search(line)
             v = _values(m) if m else None
             if v is not None:
-                name = names.setdefault(m.group(2).strip(), m.group(2).strip())   # (one string per distinct name)
+                name = m.group(2).strip()
+                if len(names) < 10_000:   # (one string per distinct name; 'after K iterations' never repeats)
+                    name = names.setdefault(name, name)
                 it = _AFTER_IT.search(name) or _SAVE.search(name)
                 it = it if it and len(it.group(it.lastindex)) <= 19 else None
                 rank = int(m.group(1))
                 file_ranks.add(rank)
-                log.memory.append(MemoryLine(rank, name, int(it.group(it.lastindex)) if it else None, *v, path, n))
+                _keep(log, MemoryLine(rank, name, int(it.group(it.lastindex)) if it else None, *v, path, n), later)
         elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None and len(m.group(0)) < 64:
             log.iterations.append(int(m.group(1)))
             log.train_iters = int(m.group(2))
@@ -329,6 +342,10 @@ def _read_one(path: str, log: MegatronLog) -> None:
             log.oom_messages += 1
             if len(ooms) + len(log.ooms) < MAX_OOMS:
                 ooms.append((n, line, _rank_of_prefix(line)))
+    log.memory.extend(sorted(later.values(), key=lambda m: m.line))
+    if later:
+        log.notes.append(f"{path}: more than {MAX_LINES_PER_RANK:,} memory lines of a rank: past them only those that "
+                         "raise a peak, and the last, are read")
     if in_args:
         log.notes.append(f"{path}: the argument table is cut off (no 'end of arguments' line); read as far as it goes")
         log.args_complete = False
@@ -339,6 +356,28 @@ def _read_one(path: str, log: MegatronLog) -> None:
         ev = parse_oom(text, path, n, prefix_rank if prefix_rank is not None else file_rank)
         if ev is not None:
             log.ooms.append(ev)
+
+
+def _keep(log: MegatronLog, m: MemoryLine, later: dict[tuple[int, bool], MemoryLine]) -> None:
+    """Append ``m`` unless its rank has MAX_LINES_PER_RANK lines already and it raises none of the rank's peaks
+    (max allocated, max reserved, device memory used); such a line waits in ``later`` as the rank's last."""
+    counts, peaks = log._counts, log._peaks
+    k = counts.get(m.rank, 0)
+    if not k and len(counts) >= MAX_RANKS:
+        if log.skipped_ranks == 0:
+            log.notes.append(f"memory lines of more than {MAX_RANKS:,} ranks: those of further ranks are not read "
+                             f"(first skipped: rank {m.rank})")
+        log.skipped_ranks += 1
+        return
+    top = peaks.get(m.rank, (0, 0, 0))
+    now = (m.max_allocated, m.max_reserved, m.device_used or 0)
+    peaks[m.rank] = tuple(max(a, b) for a, b in zip(top, now))
+    if k < MAX_LINES_PER_RANK or any(b > a for a, b in zip(top, now)):
+        counts[m.rank] = k + 1
+        later.pop((m.rank, m.at_checkpoint), None)    # (a kept line is later than the one waiting)
+        log.memory.append(m)
+    else:
+        later[(m.rank, m.at_checkpoint)] = m
 
 
 def parse_oom(text: str, file: str = "", line: int = 0, rank: int | None = None,

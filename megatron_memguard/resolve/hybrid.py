@@ -187,8 +187,12 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
         if old:
             a.fail("mtp_hybrid_override_pattern", "is not read by megatron-core 0.16 (hybrid MTP came in 0.17)")
             raise Stop
-        parts = [legacy] * depth_flag
         dest, key = "mtp_hybrid_override_pattern", a.key("mtp_hybrid_override_pattern")
+        bound, why = BOUNDS["mtp_num_layers"]
+        if depth_flag > bound:   # (before the list of depths is built: 10**9 of them took the memory)
+            a.fail("mtp_num_layers", f"is {depth_flag:,}; memguard's bound on --mtp-num-layers is {bound} ({why})")
+            raise Stop
+        parts = [legacy] * depth_flag
     if not any(parts):
         return None, 0
     if old:
@@ -208,6 +212,11 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
                "parse_hybrid_pattern)")
         raise Stop
     _modelled_symbols(a, dest, key, mtp, mtp=True)
+    bound, why = BOUNDS["num_layers"]
+    if len(mtp) * len(parts) > bound:   # (100 depths of 100,000 symbols ran past 60 s in the MTP estimate)
+        a.fail(dest, f"has {len(parts)} MTP depth(s) of {len(mtp):,} layers; memguard's bound on the layer count is "
+               f"{bound:,} ({why})")
+        raise Stop
     if not a.raw.megatron_command_line and legacy is None:
         # Megatron-Bridge 0.6.2 HybridModelProvider reconciles mtp_num_layers with the pattern only when it builds
         # the pattern from mtp_hybrid_override_pattern; HybridModel builds one MTP layer per '/' part (one with the
