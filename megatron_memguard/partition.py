@@ -147,9 +147,14 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
         made_h = {sym: LayerKind(*HYBRID_KINDS[sym]) for sym in set(hybrid) - {"|"}}
         return kind_runs(tuple(made_h[sym] for sym in hybrid if sym != "|"))
     if het:
-        # one "mixer/mlp" word per layer (no FP8 / MoE here: resolve refuses them together)
-        made: dict[str, LayerKind] = {}
-        kinds = tuple(made.setdefault(w, LayerKind(*w.split("/"))) for w in het.split(","))
+        # one "mixer/mlp" word per layer; FP8 / FP4 per global layer index as below (TransformerBlock builds
+        # each layer in get_fp8_context(layer_config, global index), get_config_for_layer keeping the recipe)
+        spec = L.fp8_spec
+        te_quant = spec.enabled and L.transformer_impl == "transformer_engine"
+        made: dict[tuple[str, str | None], LayerKind] = {}
+        kinds = tuple(made.setdefault((w, q), LayerKind(*w.split("/"), q)) for w, q in zip(
+            het.split(","), (spec.recipe if te_quant and spec.layer_quantized(i, L.num_layers) else None
+                             for i in range(L.num_layers))))
         return kind_runs(kinds)
     # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
     # modules quantize, so the local spec runs FP8 flags in BF16

@@ -89,14 +89,30 @@ def test_soap_on_core_0_18_is_core_0_19s():
     assert any(t.name == "soap_preconditioners" and t.bytes > 0 for t in a.stages[0].terms)
 
 
-def test_soap_with_fp16_or_mtp():
+def test_soap_with_fp16():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags([a for a in GPT4 if a != "--bf16"] + ["--fp16", "--optimizer", "soap"], world_size=1)
     assert "--fp16" in str(e.value)
-    with pytest.raises(NotModelledError) as e:
-        layout_from_flags(GPT4 + ["--optimizer", "soap", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-                          world_size=1)
-    assert "--mtp-num-layers" in str(e.value)
+
+
+@pytest.mark.parametrize("depths", [1, 2])
+def test_soap_with_mtp_layers(depths):
+    # MTP (validate_args: rope) adds per depth (multi_token_prediction.py MultiTokenPredictionLayer, core 0.19.2):
+    # eh_proj [512, 1024] (2-D, not flagged embedding_or_output: SOAP) and one layer of the decoder's kind (its four
+    # matrices, SOAP); enorm, hnorm, the final norm (LayerNorm weight + bias) and the layer's biases and norms go to
+    # Adam (emerging_optimizers.py _is_nonlinear_or_embedding). Without a position table the decoder's matrices are
+    # 4 x 3,145,728 and their factors 4 x 96,468,992 B (test_soap_estimate's per-layer figures).
+    rope = ["--optimizer", "soap", "--position-embedding-type", "rope"]
+    base, _ = _terms(rope)
+    terms, _ = _terms(rope + ["--mtp-num-layers", str(depths)])
+    layer = 1536 * 512 + 512 * 512 + 2048 * 512 + 512 * 2048                  # 3,145,728
+    assert base["soap_exp_avg"] == 4 * 4 * layer
+    assert terms["soap_exp_avg"] == terms["soap_exp_avg_sq"] == 4 * (4 + depths) * layer + 4 * depths * 512 * 1024
+    # eh_proj's factors: 8 (512^2 + 1024^2) = 10,485,760 B per depth
+    assert terms["soap_preconditioners"] == (4 + depths) * 96_468_992 + depths * 10_485_760
+    # Adam per depth: 3 LayerNorms (enorm, hnorm, final) 3 x 1,024 + the layer's biases 1,536 + 512 + 2,048 + 512 and
+    # its two LayerNorms 2 x 1,024 = 9,728 elements
+    assert terms["adam_exp_avg"] - base["adam_exp_avg"] == 4 * depths * 9_728
 
 
 def test_live_namespace_after_validate_args():

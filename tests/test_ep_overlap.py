@@ -135,13 +135,25 @@ def test_mtp_rules_by_version():
     assert _resolve(vpp + ["--mtp-num-layers", "1"]).mtp_num_layers == 1
 
 
-def test_moe_recompute_refused_by_name():
-    vpp = ["--num-layers-per-virtual-pipeline-stage", "2", "--recompute-granularity", "selective",
-           "--recompute-modules", "moe"]
-    with pytest.raises(ConfigError, match="'moe' in --recompute-modules"):
-        _resolve(vpp)
+def test_moe_recompute_under_the_overlap():
+    vpp = ["--num-layers-per-virtual-pipeline-stage", "2", "--recompute-granularity", "selective"]
+    # TransformerConfig.__post_init__ (0.17.1, 0.18.2, 0.19.2): "disable moe in recompute_modules"
+    for version in ("0.17.1", "0.18.2", "0.19.2"):
+        with pytest.raises(ConfigError, match="'moe' in --recompute-modules"):
+            _resolve(vpp + ["--recompute-modules", "moe"], version=version)
+    # 0.16.1 lets the pair through, and its combined 1F1B schedule runs the MoE layer's parts
+    # (fine_grained_callables.py: route, preprocess, dispatch, routed_experts_compute, combine), never the
+    # checkpointed MoELayer.forward: nothing is recomputed, every term equal to the run without 'moe'
+    from megatron_memguard import estimate
+    with_moe = _resolve(vpp + ["--recompute-modules", "moe"], version="0.16.1")
+    without = _resolve(vpp[:2], version="0.16.1")
+    assert with_moe.moe.moe_recompute == ()
+    assert any("'moe' is not recomputed" in n for n in with_moe.notes)
+    terms = [[(t.name, t.bytes) for t in s.terms] for s in estimate(with_moe).stages]
+    assert terms == [[(t.name, t.bytes) for t in s.terms] for s in estimate(without).stages]
+    # with CUDA graphs the partial-graph MoE layer (MoETransformerLayer) recomputes its own way: refused by name
     with pytest.raises(NotModelledError, match="--recompute-modules"):
-        _resolve(vpp, version="0.16.1")
+        _resolve(vpp + ["--recompute-modules", "moe", "--cuda-graph-impl", "local"], version="0.16.1")
 
 
 # ----- Megatron's CI: the fine-grained offloading test runs the overlap with PP 2 / VPP 4 ------------
@@ -278,3 +290,22 @@ def test_pp1_overlap_records_after_the_step():
         assert row.error is None
         assert abs(row.steady_err) <= 0.01, (row.id, row.steady_err)
         assert abs(row.peak_err) <= 0.03, (row.id, row.peak_err)
+
+
+def test_cuda_graphs_under_the_overlap():
+    # TransformerConfig.__post_init__: under the overlap the transformer_engine graphs may not take moe or mlp
+    # (core 0.16.1 to 0.19.2), and 0.16.1 / 0.17.1 assert cuda_graph_impl == "transformer_engine" whenever graphs
+    # are on ("CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm")
+    vpp = ["--num-layers-per-virtual-pipeline-stage", "2"]
+    with pytest.raises(ConfigError, match="--cuda-graph-impl: must be transformer_engine under"):
+        _resolve(vpp + ["--cuda-graph-impl", "local"], version="0.16.1")
+    with pytest.raises(ConfigError, match="--enable-cuda-graph: must be transformer_engine under"):
+        _resolve(vpp + ["--enable-cuda-graph"], version="0.17.1")
+    assert _resolve(vpp + ["--cuda-graph-impl", "local"]).cuda_graph_impl == "local"          # 0.19.2
+    from megatron_memguard.errors import ConfigErrors
+    with pytest.raises(ConfigErrors) as e:    # (with the mlp graph's own rule: every layer here is MoE)
+        _resolve(vpp + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"],
+                 version="0.16.1")
+    assert "--cuda-graph-scope: must not contain moe or mlp under --overlap-moe-expert-parallel-comm" in str(e.value)
+    L = _resolve(vpp + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router"])
+    assert L.cuda_graph_modules == ("attn", "moe_router")

@@ -126,6 +126,10 @@ def test_rules(tmp_path):
     assert "should be silu" in _err(FLAGS + [key, _write(tmp_path, lambda d: d.update(hidden_act="gelu"))])
     bad = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(n_heads_in_group=3))
     assert "n_heads_in_group" in _err(FLAGS + [key, bad])
+    # validate_model_config_args_from_heterogeneous_config indexes every block's n_heads_in_group (0.19.2), even where
+    # num_query_groups sets the block's groups (which AttentionConfig reads then)
+    missing = _write(tmp_path, lambda d: d["block_configs"][0].update(attention={"num_query_groups": 2}))
+    assert "every block's attention needs n_heads_in_group" in _err(FLAGS + [key, missing])
     fewer = _write(tmp_path, lambda d: d.update(block_configs=d["block_configs"][:3]))
     assert "3 block_configs for 4 layers" in _err(FLAGS + [key, fewer])
     # a linear replacement under sequence parallelism: megatron-core's gather pads the wrong dimension and
@@ -177,16 +181,289 @@ def test_referee_measures_the_heterogeneous_model(blocks, world, peak_bound):
 @pytest.mark.parametrize("blocks", [BLOCKS, LINEAR], ids=["noop", "linear"])
 def test_parameters_match_megatron_core_on_cpu(blocks):
     # megatron-core's own model of small_blocks.json, built on CPU (0.19.2 in the Python 3.12 venv, 0.16.1 in 3.11)
-    import subprocess
-    import sys
-    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
-    root = os.path.dirname(HERE)
-    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
-                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=root,
-                         env={**os.environ, "MASTER_PORT": str(29611 + (blocks == LINEAR))})
-    assert out.returncode == 0, out.stderr[-2000:]
-    real = json.loads(out.stdout.strip().splitlines()[-1])
+    real = _real_params(blocks)
     L = _layout(path=blocks)
     mine = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
     assert mine == real
+
+
+# A mixture of experts with small_blocks.json: 4 experts of 256, a shared expert of 384, MoE layers 0 and 2
+MOE = ("--num-experts 4 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-layer-freq [1,0,1,0] "
+       "--moe-shared-expert-intermediate-size 384 --moe-token-dispatcher-type alltoall").split()
+MOE_CFG = dict(experts=4, moe_ffn=256, topk=2, freq=[1, 0, 1, 0], shared_ffn=384)
+
+
+def test_moe_layers_are_whole_layers():
+    # megatron/training 0.19.2 models/gpt.py default_layer_spec takes get_gpt_decoder_block_spec before the
+    # heterogeneous spec: every layer has attention and an MoE or dense MLP (--moe-layer-freq); each layer's
+    # get_config_for_layer sets only ffn_hidden_size (num_query_groups: the same here), which a dense layer's MLP
+    # takes and the experts do not (moe_ffn_hidden_size is set once in the model's config). Block 1 (no-op
+    # attention, ffn 512) is a full attention + dense 512 layer; block 3 (both no-op) attention + dense 1024.
+    attn = 512 + 768 * 512 + 512 * 512                     # input norm, linear_qkv, linear_proj
+    dense = lambda F: 512 + 3 * F * 512                     # noqa: E731  pre-MLP norm, fc1 [2F, h], fc2 [h, F]
+    moe = lambda ep: 512 + 4 * 512 + 4 // ep * 3 * 256 * 512 + 3 * 384 * 512   # noqa: E731  norm, router, experts, shared
+    L = _layout(MOE)
+    assert [k.mixer + "/" + k.mlp for k in layer_kinds(L)] == ["attention/moe", "attention/dense:512",
+                                                               "attention/moe", "attention/dense"]
+    expected = 4 * attn + 2 * moe(1) + dense(512) + dense(1024) + 2 * 1024 * 512 + 512
+    assert total_parameters(L) == estimate(L).stages[0].parameters == expected == 10_363_392
+    assert any("no-op and replace_with_linear blocks are built as full" in n for n in L.notes)
+    # PP 2 x EP 2: stage 0 holds the embedding, layer 0 (2 of the 4 experts) and layer 1 (dense 512)
+    L2 = _layout(MOE + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], world=4)
+    assert estimate(L2).stages[0].parameters == 1024 * 512 + 2 * attn + moe(2) + dense(512) == 4_001_792
+
+
+def test_moe_rules(tmp_path):
+    key = "--heterogeneous-layers-config-path"
+    # the 0.16 to 0.18 builders (Megatron-LM's gpt_builders.py) are not in the wheels read: refused there
+    with pytest.raises(NotModelledError, match="mixture-of-experts layers in megatron-core 0.16.1"):
+        _layout(MOE, megatron_version="0.16.1")
+    # a dense layer's MLP splits its own width over TP: block 1's 512 at TP 3 (the flags' 1024 too)
+    msg = _err(FLAGS + MOE + [key, BLOCKS, "--tensor-model-parallel-size", "3", "--sequence-parallel"], world=3)
+    assert "block 1: the dense layer's ffn size 512 must be divisible by tensor-model-parallel size 3" in msg
+    # a block that sets num_query_groups itself gives its layer another attention width: refused by name
+    other = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=1))
+    with pytest.raises(NotModelledError, match="block 0: num_query_groups 1"):
+        layout_from_flags(FLAGS + MOE + [key, other], world_size=1)
+
+
+def _megatron_core_at_least(version: str) -> bool:
+    from importlib import metadata
+    from packaging.version import Version
+    return Version(metadata.version("megatron-core")) >= Version(version)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:     # a port no other run on this machine holds now
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _real_params(blocks, **cfg):
+    """{name: numel} of megatron-core's own model (tests/e2e/heterogeneous_param_count.py), built on CPU."""
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
+    cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256, **cfg)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
+                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
+                         env={**os.environ, "MASTER_PORT": str(_free_port())})
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the MTP depth's transformer layer: "transformer_layer" up to core 0.16, "mtp_model_layer" from 0.17 (one name
+    # in memguard)
+    return {k.replace(".mtp_model_layer.", ".transformer_layer."): v
+            for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def test_moe_parameters_match_megatron_core_on_cpu():
+    # megatron-core's own MoE model of small_blocks.json (get_gpt_decoder_block_spec with the
+    # HeterogeneousTransformerConfig, as megatron/training 0.19.2 builds it), on CPU
+    real = _real_params(BLOCKS, **MOE_CFG)
+    L = _layout(MOE)
+    assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == real
+
+
+def test_mtp_layer_is_the_flags_layer():
+    # megatron/training 0.19.2 models/gpt.py mtp_block_spec: get_gpt_decoder_layer_specs(config)[-1] (the MoE / dense
+    # spec, not the heterogeneous one), built with the model's config: block 3 (both halves no-op) does not make the
+    # MTP layer empty. One depth: enorm, hnorm, eh_proj [h, 2h], attention (input norm, qkv, proj), pre-MLP norm,
+    # the flags' dense MLP (1024) or, with the last layer MoE, the MoE MLP, and its final norm
+    attn = 512 + 768 * 512 + 512 * 512
+    head = 3 * 512 + 512 * 1024
+    L = _layout(["--mtp-num-layers", "1"])
+    mtp = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0]) if p.name.startswith("mtp.")}
+    assert sum(mtp.values()) == head + attn + 512 + 3 * 1024 * 512 == 2_755_072
+    assert total_parameters(L) == 4_721_152 + 2_755_072
+    freq = ["--moe-layer-freq", "[0,1,0,1]"]
+    M = _layout(MOE[:6] + freq + MOE[8:] + ["--mtp-num-layers", "1"])
+    mtp = {p.name: p.numel for p in chunk_params(M, partition_layers(M)[0]) if p.name.startswith("mtp.")}
+    moe = 512 + 4 * 512 + 4 * 3 * 256 * 512 + 3 * 384 * 512
+    assert sum(mtp.values()) == head + attn + moe
+    # before 0.19 the builders (Megatron-LM's gpt_builders.py) were not read: refused by name
+    with pytest.raises(NotModelledError, match="multi-token prediction in megatron-core 0.18.2"):
+        _layout(["--mtp-num-layers", "1"], megatron_version="0.18.2")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_mtp_parameters_match_megatron_core_on_cpu(moe):
+    cfg = dict(MOE_CFG, freq=[0, 1, 0, 1]) if moe else {}
+    real = _real_params(BLOCKS, mtp=1, **cfg)
+    flags = (MOE[:6] + ["--moe-layer-freq", "[0,1,0,1]"] + MOE[8:] if moe else []) + ["--mtp-num-layers", "1"]
+    L = _layout(flags)
+    assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == real
+
+
+def _terms(L, gpu):
+    from megatron_memguard.gpus import lookup_gpu
+    return {t.name: t for t in estimate(L, gpu=lookup_gpu(gpu)).stages[0].terms}
+
+
+def test_fp8_per_layer(tmp_path):
+    # TransformerBlock builds each layer in get_fp8_context(layer_config, global index) (0.16.1 and 0.19.2): the TE
+    # GEMMs of small_blocks.json are its blocks' own. Weight elements by hand: layer 0 qkv 768 x 512 + proj 512 x 512
+    # + fc1 2048 x 512 + fc2 512 x 1024 = 2,228,224; layer 1 (no-op attention, MLP 512) fc1 1024 x 512 + fc2 512 x 512
+    # = 786,432; layer 2 (no-op MLP) 655,360; layer 3 none
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--heterogeneous-layers-config-path",
+                                BLOCKS], world_size=1)
+    assert [k.quantized for k in layer_kinds(L)] == ["mxfp8"] * 4
+    cache = _terms(L, "B200")["fp8_weight_cache"]
+    # MXFP8 (TE 2.11 MXFP8Quantizer): row-wise and column-wise data, 1 byte each, and one E8M0 scale per 32 elements
+    # each way
+    n = 2_228_224 + 786_432 + 655_360
+    assert "3,670,016 GEMM weight elements of 3 FP8 layers" in cache.detail
+    assert cache.bytes == 2 * n + 2 * n // 32 == 7_569_408
+    # get_gpt_heterogeneous_layer_spec builds plain TE linears whatever --use-transformer-engine-op-fuser says (no
+    # TEFusedMLP, whose ops would cache no workspace): the same cache, and a note
+    L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--use-transformer-engine-op-fuser",
+                                "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    assert _terms(L, "B200")["fp8_weight_cache"].bytes == 7_569_408
+    assert any("no effect on a heterogeneous layer config" in note for note in L.notes)
+    # --first-last-layers-bf16 with 1 layer at the start: layers 1 and 2 only
+    L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+                                "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "0",
+                                "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    assert [k.quantized for k in layer_kinds(L)] == [None, "tensorwise", "tensorwise", "tensorwise"]
+    assert "1,441,792 GEMM weight elements of 2 FP8 layers" in _terms(L, "H100")["fp8_weight_cache"].detail
+    # a block's own width TE cannot quantize names the config: MXFP8 needs every dimension divisible by 32, and a
+    # block MLP of 520 gives linear_fc1 [1040, 512]
+    odd = _write(tmp_path, lambda d: d["block_configs"][1].update(ffn={"ffn_hidden_size": 520, "no_op": False,
+                                                                       "replace_with_linear": False}))
+    msg = _err(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--heterogeneous-layers-config-path", odd])
+    assert msg.startswith("--heterogeneous-layers-config-path: with --fp8-recipe mxfp8: linear_fc1's weight is [1040, 512]")
+    # a linear replacement is TELayerNormColumnParallelLinearGathered (a TE LayerNormLinear): one more [512, 512] GEMM
+    # per linear block of linear_blocks.json: layer 0 2,228,224, layer 1 (linear + MLP 512) 262,144 + 786,432,
+    # layer 2 (attention + linear) 655,360 + 262,144, layer 3 (two linears) 2 x 262,144
+    L = layout_from_flags(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--heterogeneous-layers-config-path",
+                                LINEAR], world_size=1)
+    n = 2_228_224 + 1_048_576 + 917_504 + 524_288
+    assert _terms(L, "B200")["fp8_weight_cache"].bytes == 2 * n + 2 * n // 32 == 9_732_096
+    # each linear keeps its norm output quantized: [512, 512] MXFP8, 1 byte an element and a scale per 32
+    saved = layer_activations(L, True, layer_kinds(L)[3]).saved
+    assert saved["qkv_input"] == saved["fc1_input"] == 512 * 512 + 512 * 512 // 32 == 270_336
+    # and its backward quantizes the [512, 512] output gradient both ways (TE grad_output_preprocess) next to the BF16
+    bf16 = layout_from_flags(te + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    assert (layer_activations(L, True, layer_kinds(L)[3]).bwd_transient
+            - layer_activations(bf16, True, layer_kinds(bf16)[3]).bwd_transient) == 2 * 270_336
+    # the local spec runs FP8 flags in BF16
+    L = _layout(["--fp8-format", "hybrid"], path=LINEAR)
+    assert not any(k.quantized for k in layer_kinds(L))
+
+
+def test_offloading_and_full_iteration_graphs():
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    from megatron_memguard.gpus import lookup_gpu
+    off = ["--fine-grained-activation-offloading", "--offload-modules", "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm",
+           "--min-offloaded-tensor-size", "1"]
+    L = layout_from_flags(te + off + ["--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    st = estimate(L, gpu=lookup_gpu("H100")).stages[0]
+    # the groups hook SelfAttention and the layer's norms (TransformerLayer._set_offload_modules, 0.19.2; TE fuses the
+    # norms, so attn_norm / mlp_norm offload nothing): the attention layers 0 and 2 each offload qkv_linear (layer
+    # input + norm output, [256 x 2, 512] bf16 each: 2 x 524,288), core_attn (q/k/v [512, 768] bf16 786,432, roped
+    # query 524,288 and key 131,072, softmax statistics [2, 8, 256] fp32 16,384) and attn_proj (524,288); the no-op
+    # halves nothing. On the last stage the chunk's last group (layer 2's attn_proj: layer 3 offloads nothing) stays
+    per_layer = 2 * 524_288 + (786_432 + 524_288 + 131_072 + 16_384) + 524_288
+    assert st.host_bytes == 2 * per_layer - 524_288 == 5_537_792
+    # the full-iteration graph's static batches do not depend on the layers (StaticBufferLoader): 2 micro-batches of
+    # tokens, labels, position ids (int64), loss mask (fp32) [2, 256] and the bool mask [2, 1, 256, 256]
+    L = layout_from_flags(te + ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad",
+                                "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+    io = _terms(L, "H100")["cuda_graph_static_io"]
+    assert io.bytes == 2 * (2 * 256 * 28 + 2 * 256 * 256) == 290_816
+    # still refused: per-layer graphs with no-op / linear layers (which of them TE and the local manager capture),
+    # and linear replacements under offloading (outside Megatron's offload groups)
+    with pytest.raises(NotModelledError, match="no-op or replace_with_linear blocks under per-layer CUDA graphs"):
+        layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path", BLOCKS],
+                          world_size=1)
+    with pytest.raises(NotModelledError, match="replace_with_linear blocks under fine-grained activation offloading"):
+        layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+
+
+def test_moe_parameters_per_rank_match_megatron_core():
+    # TP 2 (sequence parallel), PP 2, EP 2, ETP 1, one MTP depth: each pipeline rank's parameters as megatron-core
+    # builds that rank (tests/e2e/moe_rank_params.py: HeterogeneousTransformerConfig, the MoE block spec, the MTP
+    # spec of megatron/training 0.19.2's builder where installed, else the last decoder layer's; model-parallel
+    # ranks set in parallel_state)
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
+    job = dict(num_layers=4, hidden_size=512, heads=8, kv_channels=None, groups=2, ffn=1024, bias=False, glu=True,
+               norm="RMSNorm", tp=2, pp=2, vpp=None, ep=2, etp=1, experts=4, moe_ffn=256, topk=2, freq=[1, 0, 1, 0],
+               shared_ffn=384, shared_gate=False, expert_bias=False, untied=True, seq=256, mtp=1, mla=None,
+               first=None, last=None, acc_emb=False, acc_loss=False, layout=None, vocab=1024, het=BLOCKS,
+               ranks=[[0, None, 0, 0, 0], [1, None, 1, 1, 0]])
+    # and the MTP depth alone on the last stage (layout Etttt|mL): megatron/training 0.19.2's builder gives it the MoE
+    # layer spec there (mtp_block_spec's _te_or_local_layer_spec for a chunk without decoder layers)
+    alone = dict(job, tp=1, ep=1, layout="Etttt|mL", ranks=[[0, None, 0, 0, 0], [1, None, 0, 0, 0]])
+    port = str(_free_port())
+    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "moe_rank_params.py"), json.dumps([job, alone])],
+                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE),
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "MEMGUARD_E2E_PORT": port,
+                              "MASTER_PORT": port})
+    assert out.returncode == 0, out.stderr[-2000:]
+    real, real_alone = json.loads(out.stdout.strip().splitlines()[-1])
+    L = _layout(MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
+                       "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                       "--mtp-num-layers", "1"], world=8)
+    est = estimate(L)
+    for r in real:
+        pp = r["rank"][0]
+        mine = chunk_params(L, L.stage_chunks(pp)[0])
+        assert r["params"] == est.stages[pp].parameters == sum(p.numel for p in mine)
+        assert r["tags"]["expert"] == sum(p.numel for p in mine if p.expert)
+        assert [is_moe for _, is_moe in r["layers"]] == [k.mlp == "moe" for k in L.stage_chunks(pp)[0].layer_kinds]
+    if _megatron_core_at_least("0.19"):    # (the builder's MoE rule; older cores take the last decoder layer's spec)
+        A = _layout(MOE + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Etttt|mL",
+                           "--mtp-num-layers", "1"], world=2)
+        for r in real_alone:
+            mine = chunk_params(A, A.stage_chunks(r["rank"][0])[0])
+            assert r["params"] == sum(p.numel for p in mine)
+            assert r["tags"]["expert"] == sum(p.numel for p in mine if p.expert)
+    # by hand, rank 0: embedding [1024 / 2, 512]; layer 0: norm, qkv 768 / 2 x 512, proj 512 x 256, pre-MLP norm,
+    # router 4 x 512, 2 local experts x 3 x 256 x 512, shared expert 3 x 384 / 2 x 512; layer 1: norm, qkv, proj,
+    # pre-MLP norm, dense MLP 512 (fc1 1024 / 2 x 512, fc2 512 x 256)
+    attn = 512 + 384 * 512 + 512 * 256
+    assert est.stages[0].parameters == (512 * 512 + attn + 512 + 2048 + 2 * 3 * 256 * 512 + 3 * 192 * 512
+                                        + attn + 512 + 512 * 512 + 512 * 256) == 2_396_160
+
+
+def test_muon_step_takes_the_widest_layer(tmp_path):
+    # Muon's step working set is the largest 2-D weight of the stage: with block 3 an MLP of 512 after block 0's 1024,
+    # layer 0's linear_fc1 [2 x 1024, 512] sets it (not the last layer's [2 x 512, 512] of the same name)
+    from megatron_memguard.estimator.muon import step_working_set
+    top = _write(tmp_path, lambda d: d["block_configs"][3].update(ffn={"ffn_mult": 1.3125, "no_op": False,
+                                                                       "replace_with_linear": False}))
+    L = layout_from_flags(FLAGS + ["--optimizer", "muon", "--heterogeneous-layers-config-path", top], world_size=1)
+    ws = step_working_set(L, 0)
+    assert (ws.matrix, ws.shape) == ("linear_fc1", (2048, 512))
+
+
+def test_per_layer_graphs_of_whole_layers(tmp_path):
+    # every block attention and a dense MLP (ffn_mult 2.625, 5.25, 2.625, 1.3125 -> 1024, 1792, 1024, 512): TE graphs
+    # every layer (_layer_is_graphable), each with its static input and grad-output [256 x 2, 512] bf16 and the causal
+    # mask [2, 1, 256, 256] bool (TransformerLayer.get_layer_static_inputs)
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+
+    def whole(d):
+        for b, mult in zip(d["block_configs"], (2.625, 5.25, 2.625, 1.3125)):
+            b.update(attention={"n_heads_in_group": 4, "no_op": False, "replace_with_linear": False},
+                     ffn={"ffn_mult": mult, "no_op": False, "replace_with_linear": False})
+    L = layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path",
+                                _write(tmp_path, whole)], world_size=1)
+    assert [k.mlp for k in layer_kinds(L)] == ["dense", "dense:1792", "dense", "dense:512"]
+    t = _terms(L, "H100")
+    assert t["cuda_graph_static_io"].bytes == 4 * (2 * 512 * 512 * 2 + 2 * 256 * 256) == 4_718_592
+    # the pool keeps the widest graphed layer's working memory: layer 1's (MLP 1792), above the flags' 1024 layer's
+    widest = layer_activations(L, True, layer_kinds(L)[1])
+    flags = layer_activations(L, True, layer_kinds(L)[0])
+    assert t["cuda_graph_pool"].bytes == max(widest.fwd_transient, widest.bwd_transient) > max(
+        flags.fwd_transient, flags.bwd_transient)
+    # with MoE every layer is whole (the MoE block spec): graphed as the same model without the heterogeneous config,
+    # whose dense layers (512 and the flags' 1024) are no wider
+    graphs = ["--cuda-graph-impl", "transformer_engine"]
+    het = _terms(layout_from_flags(te + MOE + graphs + ["--heterogeneous-layers-config-path", BLOCKS], world_size=1),
+                 "H100")
+    plain = _terms(layout_from_flags(te + MOE + graphs, world_size=1), "H100")
+    for name in ("cuda_graph_static_io", "cuda_graph_pool"):
+        assert het[name].bytes == plain[name].bytes

@@ -104,11 +104,44 @@ def test_rules_and_refusals_name_the_flag():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         _layout(LATENT + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"])
     assert str(e.value).startswith("--moe-shared-expert-overlap: does not work with --moe-latent-size")
-    for extra in (["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
-                   "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],):
-        with pytest.raises((NotModelledError, ConfigErrors)) as e:
-            _layout(LATENT + extra, "0.19")
-        assert "--moe-latent-size:" in str(e.value), str(e.value)
+    # megatron-core 0.16.1: the projections defer their weight gradients (TELinear with config.delay_wgrad_compute)
+    # but MoELayer.backward_dw never runs them (0.17.1 added the calls): an error naming the flag
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _layout(LATENT + ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], "0.16")
+    assert str(e.value).startswith("--delay-wgrad-compute: does not work with --moe-latent-size in megatron-core 0.16")
+
+
+OVERLAP = ["--overlap-moe-expert-parallel-comm"]
+
+
+@pytest.mark.parametrize("version", ["0.17.1", "0.18.2", "0.19"])
+def test_delayed_wgrad_of_the_latent_projections_by_hand(version):
+    # MoELayer.backward_dw (core 0.17.1 to 0.19.2): the mlp node's backward_dw (after the experts' backward,
+    # TransformerLayerSchedulePlan.run) runs the experts' and fc2_latent_proj's deferred wgrads; the pre-dispatch
+    # node's (_BackwardDWWrapper, the layer's end) fc1_latent_proj's
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.partition import MLP_MOE, LayerKind
+    kind = LayerKind("attention", MLP_MOE)
+    delay, plain = (layer_activations(_layout(LATENT + OVERLAP + x, version), True, kind)
+                    for x in (["--delay-wgrad-compute"], []))
+    dense_delay = layer_activations(_layout(OVERLAP + ["--delay-wgrad-compute"], version), True, kind)
+    assert delay.saved == plain.saved and len(delay.bwd_steps) == len(plain.bwd_steps) + 2
+    # T = 64 x 2 / TP 2 = 64 tokens, N = T k = 128 rows, bf16. The experts' end: the expert input gradient [N, lat],
+    # fc1's output gradient [N, 2F], fc2's output gradient [N, lat] and input [N, F] (beside the fc1 step's
+    # [N, 2F] + [N, lat]), and fc2_latent_proj's output gradient [T, h]
+    e, T, N = 2, 64, 128
+    assert delay.bwd_steps[3][1] - plain.bwd_steps[2][1] == e * N * (LAT + F) + e * T * H == 40_960
+    # the layer's end: the attention's linears as without latent, plus fc1_latent_proj's input [T, h] and output
+    # gradient [T, lat] ("duplicated": the sequence-parallel tokens); fc2_latent_proj's ran before
+    assert delay.bwd_steps[-1][1] - dense_delay.bwd_steps[-1][1] == e * T * (H + LAT) == 12_288
+    # without the deferral, latent MoE under the overlap is the overlap's schedule at the latent width: the
+    # dispatched tokens [N, lat] and their probs [N] (bf16 without --moe-router-dtype)
+    assert plain.saved["moe_expert_input"] == e * N * LAT + e * N
+
+
+def test_latent_under_the_overlap_on_core_0_16():
+    L = _layout(LATENT + OVERLAP, "0.16")
+    assert L.moe.moe_latent_size == LAT and L.moe.overlap_moe_expert_parallel_comm
 
 
 TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -205,3 +238,17 @@ def test_megatron_fsdp_expert_groups_at_the_latent_width():
     assert (LAT, H) in dense and (H, LAT) in dense
     est = estimate(L)
     assert est.stages[0].peak_allocated_bytes > 0
+
+
+def test_experts_wgrad_beside_the_dispatch_at_the_latent_width():
+    # --overlap-dispatch-backward-with-experts-wgrad (core 0.19.2): only TEGroupedLinear defers (its
+    # delay_wgrad_compute reads the flag; the latent projections' TELinear does not), so the dispatch step keeps
+    # fc1's input [N, lat], its output gradient [N, 2F], fc2's input [N, F] and output gradient [N, lat]
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.partition import MLP_MOE, LayerKind
+    kind = LayerKind("attention", MLP_MOE)
+    a, b = (layer_activations(_layout(LATENT + x, "0.19"), True, kind)
+            for x in (["--overlap-dispatch-backward-with-experts-wgrad"], []))
+    e, N = 2, 128
+    diff = [wa - wb for (_, wa), (_, wb) in zip(a.bwd_steps, b.bwd_steps)]
+    assert diff == [0, 0, 0, e * N * (2 * LAT + 2 * F + F)] + [0] * (len(diff) - 4)

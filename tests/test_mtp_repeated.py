@@ -86,9 +86,68 @@ def test_repeated_layer_rules():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(FLAGS + REPEATED, world_size=2, megatron_version="0.16")
     assert "--mtp-use-repeated-layer" in str(e.value) and "0.17" in str(e.value)
+    # one MTP layer run at 3 depths by one FSDP2 unit (not measured): refused by name, with the reason
     with pytest.raises(NotModelledError) as e:
-        layout_from_flags(FLAGS + REPEATED + ["--cuda-graph-impl", "local"], world_size=2)
-    assert "--mtp-use-repeated-layer" in str(e.value)
+        layout_from_flags(FLAGS + REPEATED + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], world_size=2)
+    assert str(e.value).startswith("--mtp-use-repeated-layer: one MTP layer run at 3 depths as one FSDP2 unit")
+
+
+FSDP_MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-mtp-core019.json")
+
+
+def test_repeated_layer_under_megatron_fsdp_against_the_referee():
+    """benchmarks/referee/fsdp_grid.py FSDP_MTP on megatron-core 0.19.2 (CPU, 4 ranks: optim_grads_params, DP 4,
+    EP 2, the MoE grid's model with 2 MTP depths): the repeated layer is one FSDP unit (its parameters, gradient and
+    optimizer shards once), gathered and released at each of its calls. Each rank: parameters exact, live bytes
+    after the step within 1%, peak within 3% (the referee's bounds, compare.py)."""
+    import json
+    from benchmarks.referee.fsdp_grid import FSDP_MTP, resolve_version
+    from benchmarks.referee.grid import resolve_config
+    with open(FSDP_MEASURED) as f:
+        res = json.load(f)
+    core = res["environment"]["megatron_core"]
+    by = {c["name"]: c for c in res["configs"] if c.get("status") == "ok"}
+    assert core == "0.19.2" and set(by) == {c["name"] for c in FSDP_MTP}
+    after = {}
+    for cfg in FSDP_MTP:
+        L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(core))
+        for r in by[cfg["name"]]["ranks"]:
+            st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[0]
+            assert st.parameters == r["num_params"], (cfg["name"], r["rank"])
+            assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.01, (cfg["name"], r["rank"])
+            assert abs(st.peak_allocated_bytes / r["peak_bytes"] - 1) <= 0.03, (cfg["name"], r["rank"])
+            after[cfg["name"], r["rank"]] = (r["live_bytes_after_step"], st.persistent_bytes)
+    # the one layer less: measured and estimated after the step alike (within 1% of the difference)
+    for rank in range(4):
+        (m2, e2), (m1, e1) = after["fsdp_moe_ep2_mtp2", rank], after["fsdp_moe_ep2_mtp2_repeated", rank]
+        assert abs((e2 - e1) / (m2 - m1) - 1) < 0.01, rank
+
+
+def test_repeated_layer_under_cuda_graphs():
+    # local graphs (CudaGraphManager.get_cudagraph_runner, transformer/cuda_graphs.py core 0.17.1 to 0.19.2): a
+    # call takes a FWD_READY runner and a recorded runner waits for its backward, so the 3 depths take 3 runners,
+    # as 3 layers. Last stage: 1 decoder + 3 MTP graphed layers x 8 micro-batches (PP 2: a runner per micro-batch)
+    # x static input and grad-output [64, 64] bf16 (2 x 8,192 B) = 524,288 B
+    local = ["--cuda-graph-impl", "local"]
+    three, one = _stages(local), _stages(REPEATED + local)
+    assert three[1].breakdown["cuda_graph_static_io"] == one[1].breakdown["cuda_graph_static_io"] == 4 * 8 * 2 * 8_192
+    assert three[1].parameters - one[1].parameters == 2 * DEPTH
+    # Transformer Engine's graphs: one callable for the one MTP layer, replayed at every depth (module.py
+    # cuda_graphs[current_microbatch % len]): refused by name
+    with pytest.raises(NotModelledError) as e:
+        _stages(REPEATED + ["--cuda-graph-impl", "transformer_engine"])
+    assert str(e.value).startswith("--mtp-use-repeated-layer: one MTP layer replayed at 3 depths from one graph "
+                                   "per micro-batch (--cuda-graph-impl transformer_engine")
+    # an MTP layer the modules do not graph (its MoE MLP under --cuda-graph-modules mlp with a dense first layer:
+    # _layer_is_graphable) is not captured: estimated
+    dense_first = ["--moe-layer-freq", "[0,1]"]
+    L = layout_from_flags(FLAGS + REPEATED + dense_first + ["--cuda-graph-impl", "transformer_engine",
+                                                            "--cuda-graph-modules", "mlp"], world_size=2)
+    assert L.mtp_use_repeated_layer
+    # one depth: the repeated layer is the plain one, graphed alike
+    one_depth = [a.replace("3", "1") if a == "3" else a for a in FLAGS]
+    L = layout_from_flags(one_depth + REPEATED + ["--cuda-graph-impl", "transformer_engine"], world_size=2)
+    assert L.mtp_num_layers == 1
 
 
 def test_standalone_flag_without_a_layout_keeps_mtp_on_the_last_stage():

@@ -74,12 +74,22 @@ FSDP_ONE_RANK = _moe("fsdp_moe_ep4_onerank", 4, ["--moe-token-dispatcher-type", 
                                                  "--expert-model-parallel-size", "4"], FSDP,
                      note="EP 4 on 4 ranks: expert DP 1 (one-rank expert FSDP group), no HSDP")
 
-for _c in FSDP_GRID + [FSDP_ONE_RANK]:
+# --mtp-use-repeated-layer (core 0.17+; run on 0.19.2 only, stored in benchmarks/results/referee-fsdp-mtp-core019.json,
+# tests/test_mtp_repeated.py): fsdp_moe_ep2 with 2 MTP depths, as 2 layers and as one layer applied twice (one unit)
+FSDP_MTP = [
+    _moe("fsdp_moe_ep2_mtp2", 4, ["--moe-token-dispatcher-type", "alltoall"], FSDP + ["--mtp-num-layers", "2"],
+         note="fsdp_moe_ep2 with 2 MTP depths (2 MTP units)"),
+    _moe("fsdp_moe_ep2_mtp2_repeated", 4, ["--moe-token-dispatcher-type", "alltoall"],
+         FSDP + ["--mtp-num-layers", "2", "--mtp-use-repeated-layer"],
+         note="one MTP layer (one unit) applied at both depths (core 0.17+)"),
+]
+
+for _c in FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP:
     _c["requires"] = ["einops"]     # Megatron-FSDP's device-mesh helpers (mcore_fsdp_adapter.py)
 
 
 def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    return named(FSDP_GRID + [FSDP_ONE_RANK], only) if only else named(FSDP_GRID, only)
+    return named(FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP, only) if only else named(FSDP_GRID, only)
 
 
 def resolve_version(core: str) -> str:

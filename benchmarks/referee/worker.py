@@ -239,8 +239,10 @@ def _to_device(t):
     return None if t is None else t.clone()
 
 
-def get_batch_on_this_tp_rank(data_iterator, args):
-    """megatron/training/utils.py get_batch_on_this_tp_rank (core_v0.16 era, no MTP)."""
+def get_batch_on_this_tp_rank(data_iterator, args, mtp_on_this_rank: bool = False):
+    """megatron/training/utils.py get_batch_on_this_tp_rank (core_v0.16 era). A stage building the MTP block
+    broadcasts the whole batch over TP as with PP = 1 (its block embeds the tokens; ``mtp_on_this_rank``, as the
+    0.17.1 release's utils.py has it)."""
     from megatron.core import parallel_state as mpu
 
     def _broadcast(item):
@@ -258,7 +260,7 @@ def get_batch_on_this_tp_rank(data_iterator, args):
             "position_ids": _to_device(data["position_ids"]),
         }
         del data
-        if args.pipeline_model_parallel_size == 1:
+        if args.pipeline_model_parallel_size == 1 or mtp_on_this_rank:
             for k in ("tokens", "labels", "loss_mask", "attention_mask", "position_ids"):
                 _broadcast(batch[k])
         elif mpu.is_pipeline_first_stage():
@@ -280,7 +282,7 @@ def get_batch_on_this_tp_rank(data_iterator, args):
         else:
             attention_mask = None
         position_ids = torch.empty((b, s), dtype=torch.int64, device=dev)
-        if args.pipeline_model_parallel_size == 1:
+        if args.pipeline_model_parallel_size == 1 or mtp_on_this_rank:
             for t in (tokens, labels, loss_mask, attention_mask, position_ids):
                 _broadcast(t)
         elif mpu.is_pipeline_first_stage():
@@ -332,7 +334,7 @@ def make_forward_step(args, tracker, phase_state):
             # (pretrain_gpt.py get_batch: a middle stage that builds the MTP block, a layout's mtp_standalone,
             # reads the tokens and positions its block embeds)
             return None, None, None, None, None
-        batch = get_batch_on_this_tp_rank(data_iterator, args)
+        batch = get_batch_on_this_tp_rank(data_iterator, args, _mtp_here(vp_stage))
         # get_batch_on_this_cp_rank is the identity for CP=1.
         return batch.values()
 

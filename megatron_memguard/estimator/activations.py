@@ -35,6 +35,7 @@ from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
 from .layers.base import Shapes, Step, shapes  # noqa: F401
 from .layers.base import norm_stats as _norm_stats
+from .layers.base import selective_modules
 from .layers.base import wgrad as _wgrad  # noqa: F401
 from .layers.mla import mla_attention_items  # noqa: F401
 
@@ -90,7 +91,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
         return layer_activations(L, True, kind)
     L = kind_layout(L, kind)   # a heterogeneous layer's own ffn size
     x = shapes(L)
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    mods = set(selective_modules(L))
     te = L.transformer_impl == "transformer_engine"
     T, Tf, h, e, r = x.T, x.Tf, x.h, x.e, x.r
     drop_norm = "layernorm" in mods and not te
@@ -153,7 +154,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     )
     bwd_steps = mlp_bwd + norm2_step + mixer_bwd
     if L.moe is not None and L.moe.delay_wgrad_compute:
-        bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, Tf, e)),)
+        bwd_steps += ((frozenset(saved), G + _delayed_wgrad_bytes(L, kind, T, Tf, e)),)
     if getattr(L, "peft", None) is not None:
         # LoRA / DoRA: frozen linears keep no input for a weight gradient, the adapters keep theirs (estimator/peft.py)
         from .peft import layer_items, tie_steps
@@ -181,14 +182,18 @@ def _moe_pre_mlp_norm_recomputed(L: Layout) -> bool:
     return "moe_preprocess" in modules and (m.moe_token_dispatcher_type == "alltoall" or bool(m.moe_latent_size))
 
 
-def _delayed_wgrad_bytes(L: Layout, kind: LayerKind, Tf: int, e: int) -> int:
+def _delayed_wgrad_bytes(L: Layout, kind: LayerKind, T: int, Tf: int, e: int) -> int:
     """--delay-wgrad-compute: at the end of a layer's backward, TE's wgrad store still holds the input and
     the output gradient of each linear outside the routed experts (attention, shared experts, a dense
     MLP) until the schedule's backward_dw of that layer (TransformerLayerSchedulePlan.run, core 0.19.2).
     Each taken as [Tf, in] + [Tf, out] of its per-rank weight: the sequence-parallel input is gathered
-    for the weight gradient, the row-parallel output gradient too (an upper bound where it is not)."""
+    for the weight gradient, the row-parallel output gradient too (an upper bound where it is not). Latent MoE
+    (core 0.17.1 to 0.19.2): fc1_latent_proj's wgrad runs with the shared experts' (_BackwardDWWrapper, the
+    pre-dispatch node's backward_dw at the layer's end), [T, h] in + [T, latent] out ("duplicated": the
+    sequence-parallel tokens, not gathered); fc2_latent_proj's ran earlier with the experts' (layers/moe.py)."""
     shapes = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
-    return sum(e * Tf * (o + i) for name, (o, i) in shapes.items() if not name.startswith("experts."))
+    return sum(e * (T if name == "fc1_latent_proj" else Tf) * (o + i) for name, (o, i) in shapes.items()
+               if not name.startswith("experts.") and name != "fc2_latent_proj")
 def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:
     """An FP8 / FP4 layer's backward: each quantized GEMM quantizes its output gradient (row-wise for dgrad,
     column-wise for wgrad) into a new tensor next to the BF16 one autograd handed it
@@ -198,9 +203,13 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     the saved inputs). The dense MLP and standard attention recipes only: MLA and the MoE MLP keep their BF16
     working sets (docs/assumptions.md)."""
     from ..partition import MIXER_ATTENTION, MLP_DENSE
-    dense = kind.mlp == MLP_DENSE and len(mlp_bwd) >= 2
+    from ..partition import MIXER_LINEAR, MLP_LINEAR
+    dense = kind.mlp.split(":", 1)[0] == MLP_DENSE and len(mlp_bwd) >= 2   # (a heterogeneous "dense:FFN" too)
     attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
-    if not (dense or attention):
+    # a heterogeneous config's linear replacement (TELayerNormColumnParallelLinearGathered): one column-parallel GEMM
+    # whose [s b, h/TP] output gradient is quantized in its backward step (the first of its role's steps)
+    lin_mixer, lin_mlp = kind.mixer == MIXER_LINEAR and mixer_bwd, kind.mlp == MLP_LINEAR and mlp_bwd
+    if not (dense or attention or lin_mixer or lin_mlp):
         return mlp_bwd, mixer_bwd
     from .fp8 import quantized_tensor
     from .fp8_layers import layer_gemms
@@ -218,6 +227,10 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
         mlp_bwd = plus(mlp_bwd, {0: q(x.h), len(mlp_bwd) - 1: q(g["linear_fc1"].rows)})
     if attention:
         mixer_bwd = plus(mixer_bwd, {0: q(x.h), 2: q(g["linear_qkv"].rows)})
+    if lin_mixer:
+        mixer_bwd = plus(mixer_bwd, {0: q(g["linear_attn"].rows)})
+    if lin_mlp:
+        mlp_bwd = plus(mlp_bwd, {0: q(g["linear_mlp"].rows)})
     return mlp_bwd, mixer_bwd
 
 
@@ -276,7 +289,7 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
         # delayed scaling: linear_proj keeps only its quantized copy (TE 2.11 linear.py saves the quantized
         # inputmat, not inp) and nothing else keeps the BF16 output it read
         del saved["proj_input"]
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    mods = set(selective_modules(L))
     if _recomputed_mla_norm(L, kind, mods) and "qkv_input" not in saved:
         # without --q-lora-rank, linear_q_proj (not made to save its original input) still keeps its quantized
         # copy of the norm output: the one part of qkv_input that outlives the recompute's discard

@@ -25,6 +25,7 @@ from .activations import LayerActivations, attention_kind, layer_activations, sh
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
 from .layers import mixer_recipe
+from .layers.base import selective_modules
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
@@ -201,18 +202,19 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 groups_of.append({})
                 continue
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
-                                                kind is not None and kind.mlp != MLP_DENSE)
+                                                kind is not None and (kind.mlp == MLP_MOE if L.heterogeneous_layers
+                                                                      else kind.mlp != MLP_DENSE))
             outside = None
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
-                outside = offload_outside(L, set(L.recompute_modules) if L.recompute_granularity == "selective" else set())
+                outside = offload_outside(L, set(selective_modules(L)))
             groups_of.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
                                                   separate_input_norm=L.multi_latent_attention,
                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
         # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid
-        # chunk's top layers may be Mamba layers, which offload none)
+        # chunk's top layers may be Mamba layers, a heterogeneous chunk's no-op layers, which offload none)
         top = (max((i for i, g in enumerate(groups_of) if any(g.values())), default=len(per_kind) - 1)
-               if L.hybrid_layer_pattern else len(per_kind) - 1)
+               if L.hybrid_layer_pattern or L.heterogeneous_layers else len(per_kind) - 1)
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
             groups = groups_of[i]
@@ -395,7 +397,10 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
         return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
-        return la, d * ckpt_input, 0
+        # each depth's checkpoint keeps decoder_input (the rolled tokens' embedding) whole: with
+        # --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py)
+        x = shapes(L)
+        return la, d * (x.T * x.h * x.r if L.distribute_saved_activations else ckpt_input), 0
     return la, d * la.total, d * la.moe_total
 
 
@@ -1184,10 +1189,14 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     if device == "gpu" and L.cuda_graph_impl != "none":
         # graphed layers: the decoder layers of this stage and, on the last, the MTP layers (of the last
         # layer's kind); dense and MoE layers graph different parts (--cuda-graph-modules)
-        moe = sum(k for c in chunks for kind, k in c.kind_runs if kind.mlp != MLP_DENSE)
+        het = bool(L.heterogeneous_layers)
+
+        def sparse(kind: LayerKind) -> bool:   # (a heterogeneous config's "dense:FFN" is a dense layer)
+            return kind.mlp == MLP_MOE if het else kind.mlp != MLP_DENSE
+        moe = sum(k for c in chunks for kind, k in c.kind_runs if sparse(kind))
         mtp_here = any(holds_mtp(L, c) for c in chunks)
         if mtp_here:
-            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp != MLP_DENSE)
+            moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
         kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
         if kinds is not None:
@@ -1200,6 +1209,12 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         else:
             la = layer_activations(L)
             region = max(la.fwd_transient, la.bwd_transient)
+            if het:
+                # dense layers of their blocks' widths (resolve/heterogeneous.py lets only whole layers be graphed per
+                # layer): the widest sets the pool's free blocks, as the flags' dense layer does for a uniform model
+                region = max([region] + [max(a.fwd_transient, a.bwd_transient) for a in
+                                         (layer_activations(L, True, kind) for c in chunks for kind, _ in c.kind_runs
+                                          if kind.mlp.startswith(MLP_DENSE + ":"))])
         fixed_alloc = list(fixed_alloc)
         for name, nbytes, group, level, det in cuda_graph_terms(
                 L, graphed - moe, moe, in_flight, region, pr.step_bytes, len(chunks), kinds):
@@ -1453,7 +1468,7 @@ def _moe_worst_inputs(L: Layout, device: str, site: SiteConstants) -> tuple:
     of the ETP x EP group to this rank's experts, or the capacity), a MoE layer's saved bytes at both,
     how much its working set grows, and the allocator's slack on top."""
     rows = expert_rows(L.moe, tokens_per_rank(L))
-    mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
+    mods = selective_modules(L)
     # at balanced routing the layer's own (its default rows), already made by its recipe
     bal = (layer_moe_activations(L, mods) if L.moe.routing != "worst"
            else moe_activations(L, L.moe, rows=rows.balanced, mods=mods))

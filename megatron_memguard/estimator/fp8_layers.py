@@ -127,7 +127,8 @@ def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False
 # GEMMs whose input is all-gathered over TP inside the module with sequence parallelism (column-parallel
 # TE linears), those that take the whole sequence already split over TP (row-parallel) and MLA's down
 # projections (TE Linears in "duplicated" mode on the local sequence shard).
-_COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"})
+_COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
+                     "linear_attn", "linear_mlp"})   # (the last two: a heterogeneous config's linear replacements)
 _ROW = frozenset({"linear_proj", "linear_fc2"})
 
 
@@ -201,10 +202,11 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
 
     out: dict[str, int] = {}
     if "qkv_input" in saved:
-        readers = [n for n in ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj") if n in g]
+        readers = [n for n in ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj",
+                               "linear_attn") if n in g]
         if readers:
             out["qkv_input"] = sum(q(n) for n in readers)
-    for name, gemm in (("fc1_input", "linear_fc1"), ("fc2_input", "linear_fc2")):
+    for name, gemm in (("fc1_input", "linear_fc1"), ("fc1_input", "linear_mlp"), ("fc2_input", "linear_fc2")):
         if name in saved and gemm in g:
             out[name] = q(gemm)
     if "linear_proj" in g and not proj_saves_original_input(spec):
@@ -242,8 +244,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
 def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     """The TE GEMMs of one layer of ``kind`` on one rank of layout ``L``, from its recipes'
     ``linear_shapes``."""
-    from .layers import mixer_recipe, mlp_recipe
+    from .layers import kind_layout, mixer_recipe, mlp_recipe
     from .layers.base import shapes
+    L = kind_layout(L, kind)     # a heterogeneous layer's own MLP width
     x = shapes(L)
     sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
@@ -279,6 +282,7 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     latent projections keep quantized inputs (``moe_latent_projections``)."""
     if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
         return {}
+    from .layers.base import selective_modules
     from .layers.moe import expert_rows, router_bytes, tokens_per_rank
     m = L.moe
     e, h = act_bytes, L.hidden_size
@@ -301,7 +305,7 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     if L.use_transformer_engine_op_fuser:
         out.update(fused_experts_overrides(spec, L, saved, N=N, non_tn=non_tn))
         N = 0       # the routed experts are done; the shared experts below are TE modules as without the fuser
-    mods = set(L.recompute_modules) if L.recompute_granularity == "selective" else set()
+    mods = set(selective_modules(L))
     if N and "moe_expert_activations" in saved and "moe_act" not in mods | set(m.moe_recompute):
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * Fr
                                          + grouped_saved_input(spec, N, Fr, El, non_tn=non_tn))
@@ -468,6 +472,8 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             if not kind.quantized:
                 continue
             g = layer_gemms(L, kind)
+            if not g:
+                continue          # a heterogeneous layer of two no-op halves: no TE module
             layers += n
             cache += n * weight_cache_bytes(spec, module_gemms(L, g), non_tn=non_tn)
             cached += n * _cached_elements(module_gemms(L, g))

@@ -119,7 +119,10 @@ def chunk_groups(L: Any, kind_runs: tuple, has_embedding: bool, has_output: bool
         # The MTP block on its chunk (estimator/mtp.py chunk_params): on any but the first chunk its embedding copy,
         # registered with the embedding; per depth enorm, hnorm, eh_proj [h / TP, 2h], a TransformerLayer of
         # the last decoder layer's kind (an FSDP unit like the decoder's) and its final norm.
+        from .mtp import layers_built
         from .params import mtp_layer_kind
+        # --mtp-use-repeated-layer: one layer (one FSDP unit) built for the D depths
+        depths = layers_built(L)
         if not has_embedding:
             before.append((rows, h))
             if L.position_embedding_type == "learned_absolute":

@@ -142,7 +142,13 @@ def block_activations(spec: MtpSpec, checkpointed: bool = False) -> MtpActivatio
     checkpoint, which keeps its inputs only: ``hidden_states`` (the decoder's output at depth 1, the
     depth before's at depths >= 2: ``previous_depth_outputs``) and ``decoder_input`` (the embedding of the
     rolled tokens, [rows, h]: the layer's checkpointed input in ``layer_activations`` counts it). The
-    embedding runs outside it (its ids stay), and so does the concatenation.
+    embedding runs outside it (its ids stay), and so does the concatenation. With --distribute-saved-activations
+    CheckpointFunction keeps only a 1-D TP shard of ``hidden_states`` (the first input; ``decoder_input`` stays
+    whole): at depth 1 a viewless copy of the decoder output's chunk view, while GPTModel.forward's frame still
+    holds the decoder output itself until the forward returns. The decoder output is counted whole: at the last
+    stage's peak, the forward of its one micro-batch in flight, it is (CPU referee, megatron-core 0.16.1, TP 2:
+    the last stage's peak unchanged by the flag); a stage holding more micro-batches with the MTP block keeps the
+    earlier ones' shards only (errs high there by (1 - 1/TP) [rows, h] per earlier micro-batch).
     """
     d, a = spec.mtp_num_layers, spec.activation_bytes
     row_bytes = spec.rows * spec.hidden_size * a

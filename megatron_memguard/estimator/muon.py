@@ -378,7 +378,9 @@ def qkv_orthogonalize_peak(groups: int, split_shapes: tuple[int, ...], cols: int
 
 
 # (a Mamba mixer's in_proj is a TE column-parallel linear, its out_proj a row-parallel one: ssm/mamba_mixer.py 0.19.2)
-_COLUMN = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "in_proj")
+# (a heterogeneous config's linear replacements, linear_attn / linear_mlp, are column-parallel: linear_replacements.py)
+_COLUMN = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "in_proj",
+           "linear_attn", "linear_mlp")
 _ROW = ("linear_proj", "linear_fc2", "out_proj")
 
 
@@ -413,8 +415,11 @@ def step_working_set(L, pp_rank: int) -> NsWorkingSet:
     mats: dict[str, tuple[int, int]] = {}
     for c in chunks:
         for kind, _ in c.kind_runs:
-            mats.update(layer_linear_shapes(L, kind))
-            if kind.mlp != MLP_DENSE and L.moe is not None:
+            for name, shape in layer_linear_shapes(L, kind).items():
+                # (layers of a heterogeneous config share names at different widths: the larger one sets the step)
+                if name not in mats or shape[0] * shape[1] > mats[name][0] * mats[name][1]:
+                    mats[name] = shape
+            if kind.mlp != MLP_DENSE and not kind.mlp.startswith(MLP_DENSE + ":") and L.moe is not None:
                 mats["router"] = (L.moe.num_experts, h)
         if c.has_embedding and L.position_embedding_type == "learned_absolute":
             mats["position_embeddings"] = (L.max_position_embeddings, h)

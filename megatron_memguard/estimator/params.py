@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
-from ..partition import HYBRID_KINDS, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
+from ..partition import HYBRID_KINDS, MIXER_ATTENTION, MLP_DENSE, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param, ParamRow, param_objects
@@ -191,6 +191,13 @@ def mtp_layer_kind(L: Layout) -> LayerKind:
     -1 in ``get_fp8_context``), FP4 not at all (multi_token_prediction.py ``_proj_and_transformer_layer``:
     "MTP only use global fp8 context", "currently ignoring FP4 in MTP layers"; core 0.16.1 and 0.19.2)."""
     kind = layer_kinds(L)[-1]
+    if L.heterogeneous_layers:
+        # megatron/training 0.19.2 models/gpt.py mtp_block_spec takes get_gpt_decoder_layer_specs(...)[-1], the
+        # MoE / dense spec of the model's config (not the heterogeneous block spec), and MultiTokenPredictionLayer
+        # builds it with the model's config, not get_config_for_layer's: full attention and an MoE or dense MLP
+        # of the flags' widths, whatever the last block is
+        moe = L.moe is not None and L.moe.moe_layer_pattern[-1]
+        kind = LayerKind(MIXER_ATTENTION, MLP_MOE if moe else MLP_DENSE)
     if getattr(L, "mtp_moe_on_empty_chunk", False) and L.moe is not None and kind.mlp != MLP_MOE and \
             not any(n for c in L.chunks if c.has_mtp for _, n in c.kind_runs):
         # megatron-core 0.19's GPT builder: the MTP layer on a chunk without decoder layers (a layout ending

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
+from ..errors import NotModelledError
 from .args import Args, Context
 
 MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -101,6 +102,8 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         impl_dest = ("cuda_graph_impl" if str(a.get("cuda_graph_impl", "none")) != "none"
                      else "enable_cuda_graph" if enable else "external_cuda_graph")
         _offload_graphs(a, impl, dest or impl_dest, names, set(kw.get("offload_modules") or ()))
+    _repeated_mtp_layer(a, kw, impl, names)
+    _ep_overlap_graphs(a, kw, ctx, impl, dest, names)
     out: dict[str, Any] = dict(cuda_graph_impl=impl, cuda_graph_modules=tuple(names))
     if (kw.get("use_megatron_fsdp") and impl != "none" and new and not a.given("megatron_fsdp_cuda_graph_mode")
             and a.key("use_megatron_fsdp" if a.given("use_megatron_fsdp") else "use_custom_fsdp").startswith("--")):
@@ -111,6 +114,59 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # and under the full-iteration graph, no all-gather in start_param_sync (the optimizer step's)
             out["fsdp_all_gather_in_start_param_sync"] = False
     return out
+
+
+def _ep_overlap_graphs(a: Args, kw: Mapping[str, Any], ctx: Context, impl: str, dest: str | None,
+                       names: list[str]) -> None:
+    """CUDA graphs under --overlap-moe-expert-parallel-comm, TransformerConfig.__post_init__: the
+    transformer_engine graphs without the moe or mlp module (core 0.16.1 to 0.19.2), and in 0.16.1 and 0.17.1 no
+    other implementation ("CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm")."""
+    moe = kw.get("moe")
+    if impl == "none" or moe is None or not moe.overlap_moe_expert_parallel_comm:
+        return
+    if impl != "transformer_engine" and ctx.version < Version("0.18"):
+        key = "cuda_graph_impl" if a.given("cuda_graph_impl") else "enable_cuda_graph"
+        a.fail(key, f"must be transformer_engine under --overlap-moe-expert-parallel-comm in megatron-core "
+                    f"{ctx.version.major}.{ctx.version.minor} (TransformerConfig), got {impl}")
+    elif impl == "transformer_engine" and {"moe", "mlp"} & set(names):
+        a.fail(dest or "cuda_graph_modules", "must not contain moe or mlp under --overlap-moe-expert-parallel-comm "
+               "(TransformerConfig)")
+
+
+def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str, names: list[str]) -> None:
+    """--mtp-use-repeated-layer (core 0.17+): one MTP layer called at each of the D depths of a micro-batch.
+    The local graphs (CudaGraphManager.get_cudagraph_runner, transformer/cuda_graphs.py 0.17.1 to 0.19.2) give a
+    call a runner that is FWD_READY, and a runner whose forward was recorded waits for its backward (BWD_READY):
+    the D calls take D runners with their own static buffers, as D layers would (estimated so); the full-iteration
+    graph captures the D calls as they run eagerly. Transformer Engine's graphs (TECudaGraphHelper) make one
+    graphed callable per entry of mtp.layers, one here, and every call replays
+    ``cuda_graphs[current_microbatch % len]`` (transformer/module.py): the D depths of a micro-batch replay the
+    same graph, sharing its static outputs and saved tensors. Megatron does not guard it; refused by name when the
+    MTP layer is graphed (_layer_is_graphable: every layer without --cuda-graph-modules, else attn, the MoE modules
+    on an MoE layer, mlp on a dense one)."""
+    d = kw.get("mtp_num_layers") or 0
+    if not kw.get("mtp_use_repeated_layer") or d < 2 or impl == "none":
+        return
+    moe = kw.get("moe")
+    # the MTP layer takes the last decoder layer's spec, or the MoE spec on an empty chunk (resolve/mtp.py)
+    kinds = {bool(moe is not None and moe.moe_layer_pattern and moe.moe_layer_pattern[-1])}
+    if kw.get("mtp_moe_on_empty_chunk"):
+        kinds.add(True)
+    # (a hybrid depth's mtp_model_layer is a HybridStack, a MegatronModule the helper does not graph)
+    graphed = not kw.get("hybrid_mtp_pattern") and (
+        not names or "attn" in names
+        or any(set(names) & ({"moe", "moe_router", "moe_preprocess"} if k else {"mlp"}) for k in kinds))
+    if impl == "transformer_engine" and not graphed:
+        return
+    if impl == "transformer_engine":
+        dest = "cuda_graph_impl" if a.given("cuda_graph_impl") else "external_cuda_graph"
+        raise NotModelledError(a.key("mtp_use_repeated_layer"), f"one MTP layer replayed at {d} depths from one "
+                               f"graph per micro-batch ({a.key(dest)} transformer_engine: TECudaGraphHelper captures "
+                               "it once, its depths share the graph's static outputs and saved tensors; local or "
+                               "full_iteration graphs capture each call)")
+    what = ("the full-iteration graph captures each of its calls" if impl == "full_iteration" else
+            f"the local graphs give its {d} calls a runner each, as {d} layers")
+    a.notes.append(f"{a.key('mtp_use_repeated_layer')}: {what}")
 
 
 def _moe_graphs(a: Args, moe: Any, dest: str, names: list[str]) -> None:

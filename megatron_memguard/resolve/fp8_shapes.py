@@ -59,25 +59,27 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
     if name == "output_layer":
         # [padded vocabulary / TP, hidden]: the vocabulary pads to --make-vocab-size-divisible-by x TP
         return "make_vocab_size_divisible_by"
-    if name == "eh_proj":
+    if name in ("eh_proj", "linear_attn", "linear_mlp"):   # (a linear replacement's [h / TP, h])
         return "hidden_size"
     return "kv_channels"
 
 
-def _gemms(L: Any) -> list[Any]:
+def _gemms(L: Any) -> list[tuple[Any, bool]]:
+    """The model's quantized GEMMs, each with whether a heterogeneous block's own MLP width ("dense:FFN", from the
+    JSON, not --ffn-hidden-size) sets it."""
     from ..estimator.fp8_layers import layer_gemms, mtp_gemms, output_proj_gemm
     from ..partition import model_kind_runs
-    out: list[Any] = []
+    out: list[tuple[Any, bool]] = []
     seen = set()
     for kind, _n in model_kind_runs(L):
         if kind.quantized and kind not in seen:
             seen.add(kind)
-            out += layer_gemms(L, kind)
+            out += [(g, ":" in kind.mlp and g.name in ("linear_fc1", "linear_fc2")) for g in layer_gemms(L, kind)]
     if getattr(L, "mtp_num_layers", 0):
-        out += mtp_gemms(L)
+        out += [(g, False) for g in mtp_gemms(L)]
     head = output_proj_gemm(L)
     if head is not None:
-        out.append(head)
+        out.append((head, False))
     return out
 
 
@@ -101,9 +103,10 @@ def shape_violations(L: Any) -> list[tuple[str, str]]:
     block = BLOCK.get(r)
     found: dict[str, str] = {}
 
-    def weight(g: Any, side: str, value: int, multiple: int, why: str) -> None:
+    def weight(g: Any, side: str, value: int, multiple: int, why: str, own: bool = False) -> None:
         # rows are the output features (hidden for row-parallel / down GEMMs), cols the input features
-        flag = _weight_flag(L, g.name, value, True)
+        flag = ("heterogeneous_layers_config_path" if own and value != L.hidden_size
+                else _weight_flag(L, g.name, value, True))
         experts = g.name.startswith("experts.")
         tp_note = (" on one expert-tensor-parallel rank" if experts and L.moe.etp > 1 else
                    " on one tensor-parallel rank" if not experts and L.tp > 1 else "")
@@ -111,28 +114,28 @@ def shape_violations(L: Any) -> list[tuple[str, str]]:
                                f"({value}) are not a multiple of {multiple} ({why})")
 
     tp_overlap = bool(getattr(L, "tp_comm_overlap", False))
-    for g in _gemms(L):
+    for g, own in _gemms(L):
         grouped = g.name.startswith("experts.")
         if block:
             why = f"Transformer Engine's {r} quantizer needs every dimension divisible by its {block}-element block"
             for side, v in (("input features", g.cols), ("output features", g.rows)):
                 if v % block:
-                    weight(g, side, v, block, why)
+                    weight(g, side, v, block, why, own)
             if not grouped and g.tokens and g.tokens % block and "seq_length" not in found:
                 found["seq_length"] = _tokens_rule(L, g.tokens, block, why)[1]
         if not grouped:
             why = "Transformer Engine's FP8 GEMM (assert_dim_for_fp8_exec) needs input features divisible by 16, output features by 8"
             if g.cols % LAST_MULTIPLE:
-                weight(g, "input features", g.cols, LAST_MULTIPLE, why)
+                weight(g, "input features", g.cols, LAST_MULTIPLE, why, own)
             if g.rows % ROWS_MULTIPLE:
-                weight(g, "output features", g.rows, ROWS_MULTIPLE, why)
+                weight(g, "output features", g.rows, ROWS_MULTIPLE, why, own)
             if g.tokens and g.tokens % ROWS_MULTIPLE and "seq_length" not in found:
                 found["seq_length"] = _tokens_rule(L, g.tokens, ROWS_MULTIPLE,
                                                    "Transformer Engine's FP8 GEMM (assert_dim_for_fp8_exec)")[1]
         if r == "blockwise" and g.sp_gathered and not tp_overlap and not grouped:
             why = "the sequence-parallel all-gather of a blockwise FP8 input needs both dimensions divisible by 128"
             if g.cols % BLOCKWISE_LEN:
-                weight(g, "input features", g.cols, BLOCKWISE_LEN, why)
+                weight(g, "input features", g.cols, BLOCKWISE_LEN, why, own)
             if g.tokens % BLOCKWISE_LEN and "seq_length" not in found:
                 found["seq_length"] = _tokens_rule(L, g.tokens, BLOCKWISE_LEN, why)[1]
     return list(found.items())

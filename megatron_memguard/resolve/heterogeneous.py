@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import ConfigError, NotModelledError, ReaderError
 from .args import Args, Context
 
@@ -60,43 +62,102 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         return dict(heterogeneous_layers=None)
     if kw.get("multi_latent_attention"):
         a.fail(PATH, "cannot be used with --multi-latent-attention (argument_utils asserts it)")
-    if kw.get("moe") is not None:
-        # megatron/training 0.19.2 models/gpt.py takes the MoE decoder block spec before the heterogeneous one (it checks
-        # num_moe_experts first), so no-op / linear blocks are built as whole layers, while TransformerBlock still
-        # builds each layer from get_config_for_layer (the block's ffn_hidden_size, num_query_groups); the 0.16 to
-        # 0.18 builders (Megatron-LM's gpt_builders.py) are not in the wheels read
-        raise NotModelledError(a.key(PATH), "heterogeneous layer configs with mixture-of-experts layers (Megatron "
-                               "0.19 builds the MoE block spec, ignoring no-op / linear blocks, with each block's "
-                               "ffn_hidden_size and num_query_groups)")
-    for bad, what in ((kw.get("fp8") or kw.get("fp4"), "under FP8 / FP4"),
-                      (kw.get("cuda_graph_impl", "none") != "none", "with CUDA graphs"),
-                      (kw.get("fine_grained_activation_offloading"), "with fine-grained activation offloading"),
-                      (kw.get("mtp_num_layers"), "with multi-token prediction")):
-        if bad:
-            raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
     L = kw["num_layers"]
     if len(blocks) < L:
         a.fail(PATH, f"has {len(blocks)} block_configs for {L} layers (get_config_for_layer needs one per layer)")
         return dict(heterogeneous_layers=None)
+    tp = kw["tensor_model_parallel_size"]
+    for i, (attn, _, _, groups) in enumerate(blocks[:L]):
+        if groups is not None and attn == "attention" and groups != kw["num_query_groups"]:
+            # AttentionConfig takes a block's num_query_groups over n_heads_in_group, and get_config_for_layer
+            # gives that layer its own attention width
+            raise NotModelledError(a.key(PATH), f"block {i}: num_query_groups {groups} other than --num-query-groups "
+                                   f"{kw['num_query_groups']} (one layer's own attention width)")
+    # FP8 / FP4: each layer in get_fp8_context of its global index (TransformerBlock, 0.16.1 and 0.19.2), its TE GEMMs
+    # those of its blocks (partition.model_kind_runs; a linear replacement is TELayerNormColumnParallelLinearGathered,
+    # a TE LayerNormLinear: estimator/fp8_layers.py linear_attn / linear_mlp)
+    linear = kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L])
+    impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
+    # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
+    # per-layer graphs of whole layers (attention and a dense MLP of any width; every layer with MoE, whose block
+    # spec ignores no-op / linear blocks) are graphed as in a uniform model (the widest sets the pool); which no-op /
+    # linear layers are graphed differs between TE's _layer_is_graphable (isinstance checks) and the local
+    # CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares the submodule spec with IdentityOp,
+    # which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
+    halves = kw.get("moe") is None and any((attn, mlp) != ("attention", "dense") for attn, mlp, _, _ in blocks[:L])
+    per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs and halves
+    for bad, what in ((per_layer_graphs, "with no-op or replace_with_linear blocks under per-layer CUDA graphs "
+                                         "(--cuda-graph-impl local / transformer_engine: which of those layers are "
+                                         "captured; full_iteration is estimated)"),
+                      # Megatron's offload groups hook SelfAttention / MLP / the layer's norms
+                      # (TransformerLayer._set_offload_modules, 0.19.2): a linear replacement is none of them
+                      (kw.get("fine_grained_activation_offloading") and linear,
+                       "with replace_with_linear blocks under fine-grained activation offloading (which offload "
+                       "group holds a linear replacement's saved input)"),
+                      (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
+                       f"with multi-token prediction in megatron-core {ctx.version} (the 0.16 to 0.18 builders' MTP "
+                       "layer spec, in Megatron-LM's gpt_builders.py outside the wheels, is not read)")):
+        if bad:
+            raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
+    if kw.get("moe") is not None:
+        return _moe_layers(a, kw, ctx, blocks[:L])
     words = []
-    for i, (attn, mlp, ffn) in enumerate(blocks[:L]):
-        if "linear" in (attn, mlp) and kw["tensor_model_parallel_size"] > 1 and kw["sequence_parallel"]:
+    for i, (attn, mlp, ffn, _) in enumerate(blocks[:L]):
+        if "linear" in (attn, mlp) and tp > 1 and kw["sequence_parallel"]:
             # linear_replacements._gather_from_tensor_parallel_region (0.16.1 and 0.19.2) pads dim 0 (F.pad's
             # pairs run from the last dimension) before the sequence-parallel reduce-scatter: the residual add
             # then fails on the shapes (the CPU referee reproduces it)
             a.fail(PATH, f"block {i}: replace_with_linear fails with --sequence-parallel and tensor-model-parallel "
                          "size > 1 in megatron-core (its output gather pads the sequence dimension)")
-        if ffn is not None and ffn % kw["tensor_model_parallel_size"]:
-            a.fail(PATH, f"block {i}: ffn size {ffn} must be divisible by tensor-model-parallel size "
-                         f"{kw['tensor_model_parallel_size']}")
         size = kw["ffn_hidden_size"] if ffn is None else ffn
+        if mlp == "dense" and size % tp:
+            # (a dense block without its own width takes the flags': MLP linear_fc2 splits it, megatron-core divide)
+            a.fail(PATH, f"block {i}: ffn size {size} must be divisible by tensor-model-parallel size {tp}")
         words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
                                    else f"dense:{size}"))
+    out: dict[str, Any] = dict(heterogeneous_layers=",".join(words))
+    if kw.get("use_transformer_engine_op_fuser"):
+        # get_gpt_heterogeneous_layer_spec (0.19.2) builds each MLP from TELayerNormColumnParallelLinear and
+        # TERowParallelLinear whatever the flag says (no TEFusedMLP)
+        a.notes.append(f"{a.key('use_transformer_engine_op_fuser')}: no effect on a heterogeneous layer config's "
+                       "layers (their spec builds plain Transformer Engine linears)")
+        out["use_transformer_engine_op_fuser"] = False
+    return out
+
+
+def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list) -> dict[str, Any]:
+    """The layers of a mixture-of-experts model with a heterogeneous config. megatron/training 0.19.2
+    (models/gpt.py default_layer_spec) takes the MoE decoder block spec
+    (get_gpt_decoder_block_spec: a TransformerLayer with attention and an MoE or dense MLP by --moe-layer-freq)
+    before the heterogeneous one, so no-op and linear blocks are built as whole layers; TransformerBlock still
+    builds each layer from get_config_for_layer, which overrides only num_query_groups and ffn_hidden_size. The
+    experts keep moe_ffn_hidden_size and the shared expert its size (set once in the model's config); a dense
+    layer's MLP takes its block's ffn size (the model's for a no-op / linear block). Checked against
+    megatron-core 0.19.2 built on CPU (tests/e2e/heterogeneous_param_count.py)."""
+    if ctx.version < Version("0.19"):
+        # the layer spec is chosen by Megatron-LM's gpt_builders.py, not in the 0.16 to 0.18 wheels read
+        raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with mixture-of-experts layers in megatron-core "
+                               f"{ctx.version} (the 0.16 to 0.18 model builders, outside the wheels, are not read)")
+    tp, pattern, main = kw["tensor_model_parallel_size"], kw["moe"].moe_layer_pattern, kw["ffn_hidden_size"]
+    words = []
+    for i, ((attn, mlp, ffn, _), is_moe) in enumerate(zip(blocks, pattern)):
+        if is_moe:
+            words.append("attention/moe")
+            continue
+        size = main if ffn is None else ffn
+        if size % tp:
+            a.fail(PATH, f"block {i}: the dense layer's ffn size {size} must be divisible by tensor-model-parallel "
+                         f"size {tp} (MLP linear_fc2, megatron-core divide)")
+        words.append("attention/dense" if size == main else f"attention/dense:{size}")
+    if any(attn != "attention" or mlp not in ("dense",) for attn, mlp, _, _ in blocks):
+        a.notes.append(f"{a.key(PATH)}: with mixture-of-experts layers Megatron 0.19 builds the MoE block spec, so "
+                       "no-op and replace_with_linear blocks are built as full attention and MLP layers")
     return dict(heterogeneous_layers=",".join(words))
 
 
-def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None]:
-    """(attention: attention | none | linear, mlp: dense | none | linear, the MLP's ffn size or None)."""
+def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None, int | None]:
+    """(attention: attention | none | linear, mlp: dense | none | linear, the MLP's ffn size or None,
+    the attention's num_query_groups when the block sets it by that key, else None)."""
     if not isinstance(b, dict) or not isinstance(b.get("attention"), dict):
         raise ConfigError("", "each block_configs entry needs an attention object")
     att = b["attention"]
@@ -130,7 +191,7 @@ def _block(b: Any, heads: int, hidden: int) -> tuple[str, str, int | None]:
         raise ConfigError("", "a no_op / replace_with_linear attention block cannot set its query groups")
     if ffn is not None and m_kind != "dense":
         raise ConfigError("", "a no_op / replace_with_linear ffn block cannot set its size")
-    return a_kind, m_kind, ffn
+    return a_kind, m_kind, ffn, (groups if "num_query_groups" in att else None)
 
 
 def _check_flags(a: Args, dest: str, doc: dict, blocks: list, kw: Mapping[str, Any]) -> None:
@@ -138,6 +199,10 @@ def _check_flags(a: Args, dest: str, doc: dict, blocks: list, kw: Mapping[str, A
     flags equal to what the JSON says."""
     if doc.get("hidden_act") != "silu":
         a.fail(dest, f"hidden_act in the heterogeneous config is {str(doc.get('hidden_act'))[:60]!r}, should be silu")
+    if any("n_heads_in_group" not in b["attention"] for b in doc["block_configs"]):
+        # (it indexes config["attention"]["n_heads_in_group"] of every block: a KeyError at start-up otherwise)
+        a.fail(dest, "every block's attention needs n_heads_in_group, null for no-op / linear blocks "
+                     "(validate_model_config_args_from_heterogeneous_config reads it)")
     ns = [b["attention"].get("n_heads_in_group") for b in doc["block_configs"]
           if isinstance(b.get("attention"), dict) and b["attention"].get("n_heads_in_group") is not None]
     if len(set(ns)) > 1:

@@ -54,12 +54,13 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
              recompute_granularity: str | None, vpp: int | None = None, recompute_method: str | None = None,
              recompute_num_layers: int | None = None, half: bool = True, legacy: bool = False,
              before_019: bool | None = None, tokens: int | None = None,
-             precision: Mapping[str, Any] | None = None) -> MoeSpec | None:
+             precision: Mapping[str, Any] | None = None, before_017: bool | None = None) -> MoeSpec | None:
     """The resolved MoE settings, or None for a dense model (and then no expert flag may be set).
-    ``before_019``: the release predates megatron-core 0.19 (default: ``legacy``); ``tokens``: s x b, the
+    ``before_019`` / ``before_017``: the release predates megatron-core 0.19 / 0.17 (default: ``legacy``); ``tokens``: s x b, the
     tokens of one micro-batch over the TP x CP group (quantile balancing's rule); ``precision``: the flat
     names fp8, fp8_recipe, fp4, fp4_recipe, swiglu, transformer_impl (the fused shared expert's rules)."""
     before_019 = legacy if before_019 is None else before_019
+    before_017 = legacy if before_017 is None else before_017
     n = r.int_arg("num_experts", None, minimum=0)
     ep = r.int_arg("expert_model_parallel_size", 1) or 1
     if not n:   # validate_args: --num-experts 0 is a dense model
@@ -223,12 +224,10 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     if a2a_overlap:
         # TransformerConfig.__post_init__ (0.16.1 and 0.19.2): EP > 1, alltoall or flex, VPP when PP > 1,
         # no full recompute / recompute method / recompute layers, bf16 or fp16, no shared-expert overlap,
-        # at most one MTP layer (0.16.1: exactly one, and then PP > 1); 0.19.2 also no 'moe' recompute
+        # at most one MTP layer (0.16.1: exactly one, and then PP > 1); 0.17.1 to 0.19.2 also no 'moe' recompute
         mtp = r.int_arg("mtp_num_layers", 0, minimum=0) or 0
-        if "moe" in mods and legacy:
-            # 0.16.1 does not forbid the pair (0.19 does); how its layer-split schedule recomputes was not analysed
-            raise NotModelledError(r.key("recompute_modules"), "'moe' recompute under the expert-parallel "
-                                   "all-to-all overlap (megatron-core 0.16)")
+        if "moe" in mods and before_017:
+            _moe_recompute_under_overlap_016(r)
         for bad_when, rule in ((ep == 1, "needs --expert-model-parallel-size > 1"),
                                (disp not in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
                                (pp > 1 and not vpp, "needs virtual pipeline stages when --pipeline-model-parallel-size > 1 "
@@ -237,7 +236,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                                (recompute_method is not None, "cannot be used with --recompute-method"),
                                (recompute_num_layers is not None, "cannot be used with --recompute-num-layers"),
                                (not half, "needs --bf16 or --fp16"),
-                               ("moe" in mods, "cannot be used with 'moe' in --recompute-modules"),
+                               ("moe" in mods and not before_017, "cannot be used with 'moe' in --recompute-modules"),
                                (bool(Fs) and overlap, "cannot be used with --moe-shared-expert-overlap"),
                                (mtp > 1, "supports at most one MTP layer (--mtp-num-layers)"),
                                (legacy and mtp == 1 and pp == 1, "with an MTP layer needs --pipeline-model-parallel-size > 1 "
@@ -290,8 +289,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         # TEGroupedMLP / SequentialMLP.forward assert it at the first forward (experts.py, 0.16.1 and 0.19.2)
         r.fail("moe_apply_probs_on_input", f"only works with --moe-router-topk 1, got {k} (the experts' forward)")
         ok = False
-    latent = _latent_size(r, disp=disp, Fs=Fs, overlap=overlap, a2a_overlap=a2a_overlap, delay_wgrad=delay_wgrad,
-                          wgrad_beside_dispatch=wgrad_beside_dispatch)
+    latent = _latent_size(r, Fs=Fs, overlap=overlap, delay_wgrad=delay_wgrad, before_017=before_017)
     if latent == -1:
         latent, ok = None, False
     legacy_gg = grouped and r.bool_arg("moe_use_legacy_grouped_gemm", False)
@@ -318,7 +316,8 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         moe_z_loss_coeff=(r.float_arg("moe_z_loss_coeff", 0.0) if r.get("moe_z_loss_coeff") is not None else None),
         moe_router_pre_softmax=pre, moe_router_score_function=score,
         moe_router_enable_expert_bias=r.bool_arg("moe_router_enable_expert_bias", False),
-        moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts"))),
+        moe_recompute=tuple(sorted(m for m in mods if m in ("moe", "moe_act", "shared_experts")
+                                   and not (m == "moe" and a2a_overlap))),    # (0.16: not recomputed)
         overlap_moe_expert_parallel_comm=a2a_overlap, delay_wgrad_compute=delay_wgrad,
         overlap_dispatch_backward_with_experts_wgrad=wgrad_beside_dispatch, moe_flex_dispatcher_num_sms=num_sms,
         use_fused_weighted_squared_relu=r.bool_arg("use_fused_weighted_squared_relu", False),
@@ -381,14 +380,17 @@ def _upcycling(a: Args, kw: Mapping[str, Any], ctx: Context, spec: MoeSpec) -> M
     return replace(spec, moe_use_upcycling=True, moe_upcycling_granularity=g)
 
 
-def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_overlap: bool, delay_wgrad: bool,
-                 wgrad_beside_dispatch: bool) -> int | None:
+def _latent_size(r: Reader, *, Fs: int | None, overlap: bool, delay_wgrad: bool, before_017: bool) -> int | None:
     """--moe-latent-size (core 0.16.1 and 0.19.2 MoELayer): the latent width, None when off, -1 after a reported
     error. validate_args: a positive size; MoELayer.preprocess asserts no shared-expert overlap in training.
     memguard models it in BF16 and FP8 / FP4 (the latent projections are quantized TELinears: estimator/fp8_layers.py,
     resolve/fp8_shapes.py) with every dispatcher (fc1_latent_proj runs before dispatch_preprocess in core 0.16.1
     and 0.19.2, so the alltoall, the allgather's gather into the GlobalMemoryBuffer and DeepEP's buffers all move
-    latent-wide tokens; the flex dispatcher's HybridEP backend is refused on its own); the rest is refused by name."""
+    latent-wide tokens; the flex dispatcher's HybridEP backend is refused on its own), under the expert-parallel
+    overlap (the schedule's pre-dispatch node runs MoELayer.preprocess, its combine node postprocess:
+    fine_grained_callables.py 0.16.1 and 0.19.2) and with delayed weight gradients from megatron-core 0.17
+    (MoELayer.backward_dw runs the projections' deferred weight gradients: estimator/layers/moe.py activations,
+    estimator/activations.py _delayed_wgrad_bytes)."""
     if r.get("moe_latent_size") is None:
         return None
     lat = r.int_arg("moe_latent_size", None, minimum=0)
@@ -398,14 +400,34 @@ def _latent_size(r: Reader, *, disp: str, Fs: int | None, overlap: bool, a2a_ove
     if Fs and overlap:
         r.fail("moe_shared_expert_overlap", "does not work with --moe-latent-size in training (MoELayer.preprocess)")
         return -1
-    key = r.key("moe_latent_size")
-    for bad, what in ((a2a_overlap or delay_wgrad or wgrad_beside_dispatch,
-                       "latent MoE with the expert-parallel overlap or delayed weight gradients (MoELayer.backward_dw "
-                       "defers the latent projections' weight gradients, fc2_latent_proj's on the comm stream: how "
-                       "long their inputs stay was not pinned down)"),):
-        if bad:
-            raise NotModelledError(key, what)
+    if delay_wgrad and before_017:
+        # the latent projections are TELinears built with config.delay_wgrad_compute (TE puts each backward's input
+        # and output gradient in its WeightGradStore queue), but 0.16.1's MoELayer.backward_dw runs only the experts'
+        # and shared experts' backward_dw: the queue is never popped (0.17.1 added the projections' calls)
+        r.fail("delay_wgrad_compute", "does not work with --moe-latent-size in megatron-core 0.16 (MoELayer.backward_dw "
+               "never runs the latent projections' deferred weight gradients: they get none, and Transformer "
+               "Engine's wgrad store keeps every micro-batch's inputs)", "use megatron-core 0.17 or later")
+        return -1
     return lat
+
+
+def _moe_recompute_under_overlap_016(r: Reader) -> None:
+    """'moe' in --recompute-modules under --overlap-moe-expert-parallel-comm, megatron-core 0.16 (0.17.1 forbids the
+    pair in TransformerConfig): the combined 1F1B schedule runs an MoE layer through the fine-grained callables
+    (models/gpt/fine_grained_callables.py 0.16.1: mlp.route, preprocess, dispatch, routed_experts_compute, combine,
+    postprocess), never MoELayer.forward, whose tensor_parallel.checkpoint is the 'moe' recompute (moe_layer.py
+    ``moe_layer_recompute``): nothing is recomputed, estimated so (estimator/layers/base.py selective_modules) with a
+    note. With CUDA graphs the partial-graph MoE layer recomputes its own way (MoETransformerLayer, local
+    ``moe_router`` graphs): refused by name."""
+    graphs = str(r.get("cuda_graph_impl") or "none") != "none" or r.bool_arg("enable_cuda_graph", False)
+    if graphs:
+        raise NotModelledError(r.key("recompute_modules"), "'moe' recompute under the expert-parallel all-to-all "
+                               "overlap with CUDA graphs (megatron-core 0.16)")
+    notes = getattr(r, "notes", None)
+    if notes is not None:
+        notes.append(f"{r.key('recompute_modules')}: 'moe' is not recomputed under --overlap-moe-expert-parallel-comm "
+                     "(megatron-core 0.16's combined 1F1B schedule calls the MoE layer's parts, not the checkpointed "
+                     "forward): estimated without it")
 
 
 def _legacy_grouped_mlp_rules(r: Reader, *, add_bias_linear: bool, mods: set, delay_wgrad: bool,
@@ -523,7 +545,7 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                     vpp=kw.get("virtual_pipeline_model_parallel_size"), recompute_method=kw.get("recompute_method"),
                     recompute_num_layers=kw.get("recompute_num_layers"),
                     half=bool(kw.get("bf16") or kw.get("fp16")), legacy=ctx.legacy,
-                    before_019=ctx.version < Version("0.19"),
+                    before_019=ctx.version < Version("0.19"), before_017=ctx.version < Version("0.17"),
                     tokens=kw["seq_length"] * kw["micro_batch_size"], precision=kw)
     hybrid = kw.get("hybrid_layer_pattern")
     if spec is not None and hybrid:

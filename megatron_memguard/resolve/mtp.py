@@ -32,7 +32,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("pipeline_model_parallel_layout", f"places {placed} MTP layers ('m') but --mtp-num-layers is {depth}")
     if not depth:
         return dict(mtp_num_layers=0)
-    _full_recompute(a, kw, depth)
+    _full_recompute(a, kw, depth, ctx)
     position = kw["position_embedding_type"]
     # validate_args (core 0.19.2, and already 0.17.1 and 0.18.2) asserts rope or none first; the reference reads
     # 0.16.1 as also taking learned_absolute and mrope (docs/assumptions.md)
@@ -56,7 +56,7 @@ def mtp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "--pipeline-model-parallel-layout moves them); the flag only makes P2P exchange shapes")
     # the repeated layer and the builder's MoE rule only when they apply: the section's output for other runs
     # stays what it was
-    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, ctx, depth) else {}),
+    return dict(mtp_num_layers=depth, **({"mtp_use_repeated_layer": True} if _repeated(a, kw, ctx, depth) else {}),
                 **({"mtp_moe_on_empty_chunk": True} if not hybrid_mtp and _moe_on_empty_chunk(a, kw, ctx) else {}))
 
 
@@ -74,7 +74,7 @@ def _moe_on_empty_chunk(a: Args, kw: Mapping[str, Any], ctx: Context) -> bool:
             and a.key("mtp_num_layers").startswith("--") and not a.given("spec"))
 
 
-def _repeated(a: Args, ctx: Context, depth: int) -> bool:
+def _repeated(a: Args, kw: Mapping[str, Any], ctx: Context, depth: int) -> bool:
     """--mtp-use-repeated-layer: MultiTokenPredictionBlock._build_layers (core 0.19.2, the same in 0.17.1 and
     0.18.2; no such field in 0.16.1) builds one MTP layer and applies it at every depth: its parameters (enorm,
     hnorm, eh_proj, the transformer layer, final norm) once, its activations at each of the D depths."""
@@ -84,20 +84,21 @@ def _repeated(a: Args, ctx: Context, depth: int) -> bool:
     if ctx.version < Version("0.17"):
         a.fail("mtp_use_repeated_layer", "needs megatron-core 0.17")
         return False
-    # one module run D times per micro-batch: its CUDA graphs and FSDP unit (gathered / reduced at each call)
-    # were not read
-    if str(a.get("cuda_graph_impl") or "none") != "none" or a.bool_arg("enable_cuda_graph", False):
-        raise NotModelledError(key, "one MTP layer applied at every depth under CUDA graphs")
-    for dest in ("use_megatron_fsdp", "use_torch_fsdp2"):
-        if a.bool_arg(dest, False):
-            raise NotModelledError(key, f"one MTP layer applied at every depth under {a.key(dest)}")
+    # (under CUDA graphs: resolve/cuda_graphs.py _repeated_mtp_layer)
+    if depth > 1 and (kw.get("use_torch_fsdp2") or a.bool_arg("use_torch_fsdp2", False)):
+        # fully_shard's unshard, reshard and post-backward hooks run at each of the D calls while the weights'
+        # gradient is complete only after the last depth's backward; not measured (Megatron-FSDP's is, on the CPU
+        # referee: one unit, estimator/fsdp_layout.py chunk_groups)
+        raise NotModelledError(key, f"one MTP layer run at {depth} depths as one FSDP2 unit ({a.key('use_torch_fsdp2')}: "
+                               "gathered and released at each call, its gradient complete only after the last "
+                               "depth's backward)")
     if depth > 1:
         a.notes.append(f"{key}: one MTP layer's parameters for the {depth} depths; its activations are kept at "
                        "each depth")
     return True
 
 
-def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
+def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int, ctx: Context) -> None:
     """Full recompute of the MTP depths: MultiTokenPredictionLayer._checkpointed_forward
     (transformer/multi_token_prediction.py; the same in megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2, the
     releases memguard reads) asserts ``recompute_num_layers == 1`` under uniform, at the first training
@@ -115,12 +116,32 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int) -> None:
                "recompute the MTP layers",
                fails_later="at the first forward step (MultiTokenPredictionLayer._checkpointed_forward asserts)")
     elif method == "uniform" and kw.get("distribute_saved_activations"):
-        # CheckpointFunction splits its first input over TP: for an MTP depth that is hidden_states (the decoder's or
-        # the depth before's output, also an entry of the list MultiTokenPredictionBlock concatenates), not the
-        # embedding it keeps whole (multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2)
-        raise NotModelledError(a.key("distribute_saved_activations"), "splitting the MTP depths' checkpointed "
-                               f"hidden states (with {a.key('mtp_num_layers')} under uniform recompute)")
+        _distributed_checkpoint(a, kw, depth, ctx)
     elif method == "block":
         a.notes.append(f"{a.key('recompute_method')} block does not recompute the {depth} MTP layer(s) "
                        "(Megatron warns \"not supported for MTP yet\" and runs them plainly): they keep all their "
                        "activations; --recompute-num-layers counts decoder layers only")
+
+
+def _distributed_checkpoint(a: Args, kw: Mapping[str, Any], depth: int, ctx: Context) -> None:
+    """--distribute-saved-activations with the MTP depths checkpointed (uniform). CheckpointFunction.forward
+    (tensor_parallel/random.py; TE's _CheckpointFunction alike) replaces its first input's ``.data`` by this rank's
+    1-D 1/TP shard: for an MTP depth that is ``hidden_states`` (MultiTokenPredictionLayer._checkpointed_forward,
+    multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2). At depth 1 it is a viewless copy
+    (make_viewless_tensor) of the decoder output's torch.chunk view, so only the shard stays (estimated:
+    estimator/mtp.py); from depth 2 it is the depth before's output itself, the tensor MultiTokenPredictionBlock
+    appended to its hidden_states_list, which torch.cat then meets 1-D: "Tensors must have same number of
+    dimensions" (reproduced with megatron-core 0.16.1's and 0.19.2's CheckpointFunction and make_viewless_tensor on
+    CPU). 0.16.1 under FP8 hands te_checkpoint every input as a keyword, so TE's ``args[0]`` does not exist."""
+    mtp_of = a.key("mtp_num_layers")
+    if depth > 1:
+        a.fail("distribute_saved_activations", f"does not work with {depth} MTP depths ({mtp_of}) under uniform "
+               "recompute: the second depth's checkpoint shards the first depth's output, which "
+               "MultiTokenPredictionBlock then concatenates (torch.cat: \"Tensors must have same number of "
+               "dimensions\")", f"drop {a.key('distribute_saved_activations')}, or use one MTP depth",
+               fails_later="at the first forward step (MultiTokenPredictionBlock.forward)")
+    elif ctx.version < Version("0.17") and kw.get("fp8"):
+        a.fail("distribute_saved_activations", f"does not work with {mtp_of} under uniform recompute and FP8 in "
+               "megatron-core 0.16 (MultiTokenPredictionLayer passes te_checkpoint its inputs as keywords: Transformer "
+               "Engine's checkpoint finds no first input to shard)", f"drop {a.key('distribute_saved_activations')}",
+               fails_later="at the first forward step (te_checkpoint)")

@@ -67,9 +67,6 @@ def muon(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    "(the layer-wise + distributed optimizer split)")
         if new and dist and not a.bool_arg("use_layer_wise_param_layout", True):
             raise NotModelledError(a.key("use_layer_wise_param_layout"), f"{opt}'s legacy layer-wise sharding in core >= 0.18")
-    if opt == "soap" and a.int_arg("mtp_num_layers", 0, minimum=0):
-        # SOAP's state depends on each matrix's shape; the MTP block's matrices are counted by size only
-        raise NotModelledError(a.key("mtp_num_layers"), "SOAP with multi-token prediction layers")
     if opt == "soap":
         a.notes.append(f"{a.key('optimizer')} soap: the step's temporaries (the fp32 gradient, its projections onto the "
                        "eigenbases, the eigendecomposition's workspace) are not counted")

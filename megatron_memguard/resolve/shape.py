@@ -219,11 +219,10 @@ def tp_split(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     lines 842 and 1166) and their Transformer Engine twins (extensions/transformer_engine.py, 0.19.2 lines
     1292, 1451, 1707, the experts' 1010-1012 and 2193-2195; 0.16.1 lines 854, 993, 1093, 615-617 and
     1525-1527), and Transformer Engine's own divide of a linear's split dimension by its tp_size."""
-    if kw.get("heterogeneous_layers"):   # per-layer shapes: heterogeneous.py checks what it builds
-        return {}
     tp, spec = kw["tensor_model_parallel_size"], kw.get("moe")
     ffn_key = "ffn_hidden_size" if a.given("ffn_hidden_size") else "hidden_size"
-    dense = spec is None or not all(spec.moe_layer_pattern)
+    # a heterogeneous config's dense MLPs have per-layer widths: heterogeneous.py checks each layer's
+    dense = (spec is None or not all(spec.moe_layer_pattern)) and not kw.get("heterogeneous_layers")
     if dense and kw["ffn_hidden_size"] % tp:
         # MLP.linear_fc2 is a RowParallelLinear over the FFN width (transformer/mlp.py)
         a.fail(ffn_key, f"FFN width {kw['ffn_hidden_size']} must be divisible by tensor-model-parallel size {tp} "

@@ -87,6 +87,11 @@ def _config(job: dict):
         kw.update(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)
     if job.get("mtp_repeated"):
         kw["mtp_use_repeated_layer"] = True     # core 0.17+ (no such TransformerConfig field in 0.16.1)
+    if job.get("het"):
+        # a heterogeneous layer config (the blocks' JSON path): megatron-core's HeterogeneousTransformerConfig, whose
+        # get_config_for_layer TransformerBlock asks for each layer of the MoE block spec
+        from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+        return HeterogeneousTransformerConfig(heterogeneous_layers_config_path=job["het"], **kw)
     if job.get("mla"):
         m = job["mla"]
         return MLATransformerConfig(multi_latent_attention=True, q_lora_rank=m["q_lora"], kv_lora_rank=m["kv_lora"],

@@ -103,6 +103,19 @@ def shapes(L: Layout) -> Shapes:
 Step = tuple[frozenset, int]   # (saved names released / not yet created, working bytes)
 
 
+def selective_modules(L: Layout) -> frozenset[str]:
+    """The modules selective recompute recomputes: --recompute-modules, except 'moe' under the expert-parallel
+    overlap (reachable on megatron-core 0.16 only, resolve/moe.py): its combined 1F1B schedule runs the MoE layer's
+    parts through the fine-grained callables, never the checkpointed MoELayer.forward."""
+    if L.recompute_granularity != "selective":
+        return frozenset()
+    mods = frozenset(L.recompute_modules)
+    m = getattr(L, "moe", None)
+    if "moe" in mods and m is not None and m.overlap_moe_expert_parallel_comm:
+        mods -= {"moe"}
+    return mods
+
+
 def norm_stats(L: Layout, n_tokens: int) -> int:
     # fp32 mean and rstd per token (LayerNorm), rstd only (RMSNorm)
     return n_tokens * 4 * (2 if L.normalization == "LayerNorm" else 1)

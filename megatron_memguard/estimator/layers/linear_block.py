@@ -15,8 +15,10 @@ from .base import (MixerActivations, MlpActivations, Param, ParamRow, norm_rows,
                    shapes, wgrad)
 
 
-def linear_shapes(L: Any) -> dict[str, tuple[int, int]]:
-    return {"linear_replacement": (L.hidden_size // L.tp, L.hidden_size)}
+def linear_shapes(L: Any, role: str = "mixer") -> dict[str, tuple[int, int]]:
+    """[h / TP, h], named by its role's tp_comm_buffer_name (heterogeneous_layer_specs.py: linear_attn,
+    linear_mlp), so that a layer of two linear replacements has two GEMMs."""
+    return {"linear_attn" if role == "mixer" else "linear_mlp": (L.hidden_size // L.tp, L.hidden_size)}
 
 
 def _rows(L: Any, module: str, local_norm: str) -> list[ParamRow]:
@@ -90,7 +92,7 @@ def recipe(role: str) -> Any:
     """This module as the recipe of one role (the parameters' names differ)."""
     from types import SimpleNamespace
     mixer = role == "mixer"
-    return SimpleNamespace(linear_shapes=linear_shapes, params=mixer_params if mixer else mlp_params,
+    return SimpleNamespace(linear_shapes=lambda L: linear_shapes(L, role), params=mixer_params if mixer else mlp_params,
                            param_rows=mixer_param_rows if mixer else mlp_param_rows,
                            param_count=param_count, activations=activations, bound_saved=bound_saved,
                            reads_batch_mask=lambda L: False)

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from ...errors import ConfigError
+from .base import selective_modules
 from ...layout.moe import (AUX_LOSS_TYPES, DISPATCHERS, MoeSpec, moe_layers_in,  # noqa: F401 (re-exported)
                            parse_moe_layer_freq)
 
@@ -749,18 +750,24 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
         # dgrad, and mlp.backward_dw runs only after the paired forward's dispatch. At the end of the
         # experts' backward: the expert input gradient [N, h], fc1's output gradient [N, g F/ETP], fc2's
         # output gradient [N, h] and fc2's input [N, F/ETP] (past its usual release); fc1's input is the
-        # saved expert input, released later anyway
-        e, h, N = L.act_bytes, L.hidden_size, a.rows
+        # saved expert input, released later anyway. Latent MoE (core 0.17.1 to 0.19.2 MoELayer.backward_dw): the
+        # experts' tensors are latent-wide, and fc2_latent_proj, whose backward ran first (the combine node), defers
+        # its weight gradient to the same backward_dw: its output gradient [T, h] is kept too (its input, the
+        # combined tokens, is the saved moe_latent_projections)
+        e, N = L.act_bytes, a.rows
+        hx = L.moe.moe_latent_size or L.hidden_size
         Fr = L.moe.moe_ffn_hidden_size // L.moe.etp
         g = 2 if L.gated_linear_unit else 1
         rel_exp = frozenset({"moe_expert_activations"})
-        bwd = bwd[:3] + ((rel_exp, G + extra + e * N * (2 * h + g * Fr + Fr)),) + bwd[3:]
+        fc2_latent = e * tokens_per_rank(L) * L.hidden_size if L.moe.moe_latent_size else 0
+        bwd = bwd[:3] + ((rel_exp, G + extra + e * N * (2 * hx + g * Fr + Fr) + fc2_latent),) + bwd[3:]
     elif L.moe.overlap_dispatch_backward_with_experts_wgrad and "moe" not in mods:
         # --overlap-dispatch-backward-with-experts-wgrad (0.19.2 MoELayer._RegisterDelayedWgradForExperts): the
         # experts' weight gradients run on a side stream during the dispatch's backward, so fc1's input
         # [N, h] and output gradient [N, g F/ETP], fc2's input [N, F/ETP] and output gradient [N, h] stay
-        # through the dispatch step
-        e, h, N = L.act_bytes, L.hidden_size, a.rows
+        # through the dispatch step (latent MoE: the experts' tensors are latent-wide; the latent projections are
+        # TELinears, which do not defer under this flag: only TEGroupedLinear reads it, core 0.19.2)
+        e, h, N = L.act_bytes, L.moe.moe_latent_size or L.hidden_size, a.rows
         Fr = L.moe.moe_ffn_hidden_size // L.moe.etp
         g = 2 if L.gated_linear_unit else 1
         rel, w = bwd[3]
@@ -790,5 +797,5 @@ def offload_outside(L: Any, mods: set) -> dict[str, int]:
 
 def held_bytes(L: Any) -> int:
     """What one MoE layer's dispatcher keeps from one forward to the next (moe_dispatcher_state)."""
-    mods = frozenset(L.recompute_modules) if L.recompute_granularity == "selective" else frozenset()
+    mods = selective_modules(L)
     return layer_moe_activations(L, mods).held
