@@ -97,10 +97,13 @@ def test_ring_transients_by_transformer_engine_version():
     old = layer_activations(_layout(version="0.16"), True)
     assert new.fwd_steps[0][1] == 3 * Q + 4 * KV1
     assert old.fwd_steps[0][1] == (4 + 1) * Q + 3 * 2 * KV1
-    # backward: dq buffer, two [2, K/V] buffers of K/V and dK/dV, the step's gradients and the
-    # upper-triangle steps' contiguous halves of q, out and dout
+    # backward (AttnFuncWithCPAndKVP2P.backward, TE 2.11 / 2.20.2 context_parallel.py) at an upper-triangle step:
+    # dO handed in (Q), dq buffer empty_like(q) (Q), two [2, K/V] buffers of K/V and dK/dV (2 x 2 x 2 KV1), the
+    # contiguous halves of q, out and dO (1.5 Q), the step's half dq (Q / 2) and dk, dv (2 KV1); the statistics
     core = [w for names, w in new.bwd_steps if "softmax_stats" not in names and "proj_input" in names]
-    assert core and core[0] == 32768 // 2 * 8192 * 2 + 3 * Q + 10 * KV1 + STATS   # + G, the incoming gradient
+    by_hand = Q + Q + 8 * KV1 + 3 * Q // 2 + Q // 2 + 2 * KV1 + STATS
+    assert by_hand == 4 * Q + 10 * KV1 + STATS
+    assert core and core[0] == 32768 // 2 * 8192 * 2 + by_hand   # + G, the incoming gradient
 
 
 def test_rotary_table_is_this_cp_ranks_rows():

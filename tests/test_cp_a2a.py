@@ -32,7 +32,7 @@ Q = 4096 * 16 * 128 * 2              # bytes of q (and of the output) on a rank:
 K = 4096 * 4 * 128 * 2               # of k (and of v): 4 MiB
 W = Q + 2 * K
 STATS = 16 * 4096 * 4                # fp32 softmax statistic [b, a/CP, s] = [b, a, s/CP]
-RING_BWD = 3 * Q + 10 * K + STATS    # attention.py _cp_attention_items' backward step (the p2p ring)
+RING_BWD = Q + 3 * Q + 10 * K + STATS    # attention.py _cp_attention_items' backward step (the p2p ring): dO + its own
 
 
 def test_a2a_saved_by_hand():
@@ -98,7 +98,7 @@ def test_a2a_with_core_attention_recompute():
     # the replay keeps exchanged q, k, v, statistic, output before and after the exchange through the backward
     kept = W + STATS + 2 * Q
     bwd = Q + max(4 * Q, Q + W + 3 * Q + 3 * K)
-    recomputed = RING_BWD + 2 * K + STATS + 2 * Q     # attention_items' recompute step under CP (the ring's)
+    recomputed = RING_BWD + 2 * K + STATS + Q         # attention_items' recompute step under CP (the ring's)
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - recomputed, 0, 0]
 
 
@@ -131,8 +131,8 @@ def test_two_level_a2a_p2p_by_hand(version):
     # then the ring's dq, dk, dv exchanged (3 Q + 3 K)
     held = 2 * Q4 if te211 else Q4
     first = 6 * Q4 if te211 else 4 * Q4
-    ring_bwd = 3 * Q4 + 10 * K4 + STATS4
-    bwd = Q4 + max(first, held + ring_bwd, held + W4 + 3 * Q4 + 3 * K4)
+    ring_bwd = Q4 + 3 * Q4 + 10 * K4 + STATS4          # the ring's step: dO + its own buffers
+    bwd = Q4 + max(first, held + ring_bwd - Q4, held + W4 + 3 * Q4 + 3 * K4)   # its dO is the exchanged one, in held
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, bwd - ring_bwd, 0, 0]
 
 
@@ -180,9 +180,9 @@ def test_two_level_with_core_attention_recompute(version):
     # the one before the exchange) through the backward
     kept = Q4 + 2 * K4 + STATS4 + Q4 + (0 if te211 else Q4)
     held, first = (2 * Q4, 6 * Q4) if te211 else (Q4, 4 * Q4)
-    ring_bwd = 3 * Q4 + 10 * K4 + STATS4
-    bwd = Q4 + max(first, held + ring_bwd, held + W4 + 3 * Q4 + 3 * K4)
-    recomputed = ring_bwd + 2 * K4 + STATS4 + 2 * Q4
+    ring_bwd = Q4 + 3 * Q4 + 10 * K4 + STATS4          # the ring's step: dO + its own buffers
+    bwd = Q4 + max(first, held + ring_bwd - Q4, held + W4 + 3 * Q4 + 3 * K4)   # its dO is the exchanged one, in held
+    recomputed = ring_bwd + 2 * K4 + STATS4 + Q4
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - recomputed, 0, 0]
 
 

@@ -7,9 +7,7 @@ its self-attention is no IdentityOp), the same in 0.16.1, 0.17.1 and 0.18.2; and
 HybridModel built on CPU (tests/e2e/hybrid_graph_inputs.py)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,7 +15,7 @@ import pytest
 from megatron_memguard import estimate
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.partition import LayerKind
-from test_mamba import MOE, PY312, ROOT, _layout
+from test_mamba import MOE, PY312, _layout, run_e2e
 
 S, B, H = 128, 2, 256
 HIDDEN = S * B * H * 2          # one layer's static hidden states (bf16), and as many for its grad-output buffer
@@ -105,13 +103,7 @@ def _real(pattern: str, modules: list[str], python: str, port: int) -> list:
     cfg = dict(pattern=pattern, hidden_size=H, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
                vocab=1024, seq=S, mbs=B, modules=modules, **(dict(experts=4, topk=2, moe_ffn=128) if "E" in pattern
                                                              else {}))
-    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", "hybrid_graph_inputs.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
-    if out.returncode and "No module named" in out.stderr:
-        pytest.skip(out.stderr.strip().splitlines()[-1])
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_e2e(python, "hybrid_graph_inputs.py", cfg, port)
 
 
 @pytest.mark.parametrize("pattern, modules", [("M*M-", []), ("M*M-", ["mamba"]), ("M*M-", ["attn"]),

@@ -5,9 +5,7 @@ norm's weight fall back to Adam (megatron-core 0.19.2 optimizer/emerging_optimiz
 own model and predicate on CPU (tests/e2e/hybrid_muon_split.py)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.estimator.muon import state_split
 from megatron_memguard.estimator.params import chunk_params
-from test_mamba import PY312, ROOT, SMALL
+from test_mamba import PY312, SMALL, run_e2e
 
 # the SMALL model of tests/test_mamba.py: h 256, 4 heads of 64 in 2 query groups, FFN 512 (one fc1: no GLU), Mamba
 # d_inner 512 in 16 heads of 32, 2 groups, state 16: in_proj [2 x 512 + 2 x 2 x 16 + 16, 256] = [1104, 256],
@@ -77,13 +75,7 @@ def test_in_proj_is_gathered_as_a_column_parallel_weight():
 def _real(python: str, port: int, vocab: int) -> dict:
     cfg = dict(pattern="M*M-", hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
                vocab=vocab, seq=128)
-    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", "hybrid_muon_split.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
-    if out.returncode and "No module named" in out.stderr:
-        pytest.skip(out.stderr.strip().splitlines()[-1])
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_e2e(python, "hybrid_muon_split.py", cfg, port)
 
 
 def _check(real: dict, L) -> None:

@@ -84,7 +84,13 @@ def real_hybrid_params(pattern: str, moe: bool, port: int, **extra) -> dict:
         pytest.skip("no megatron-core 0.19.2 venv (MEMGUARD_PY312)")
     cfg = dict(pattern=pattern, hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
                vocab=1024, seq=128, **extra, **(dict(experts=4, topk=2, moe_ffn=128) if moe else {}))
-    out = subprocess.run([PY312, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
+    return run_e2e(PY312, "mamba_param_count.py", cfg, port)
+
+
+def run_e2e(python: str, script: str, cfg: dict, port: int):
+    """The last stdout line (JSON) of tests/e2e/SCRIPT run on ``cfg`` by ``python``; skips when that venv lacks a
+    module the script needs."""
+    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", script), json.dumps(cfg)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
     if out.returncode and "No module named" in out.stderr:

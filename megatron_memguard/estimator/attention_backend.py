@@ -100,6 +100,11 @@ def _deterministic(L: Layout) -> bool:
     return L.deterministic_mode or str(env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")).strip() == "0"
 
 
+def _deterministic_by(L: Layout) -> str:
+    """The setting that makes the run deterministic, as the user wrote it."""
+    return "--deterministic-mode" if L.deterministic_mode else "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+
+
 def head_dims(L: Layout) -> tuple[int, int]:
     """The q/k and v head dims the core attention sees: MLA's (qk + rope dim, v), else kv_channels twice."""
     if L.multi_latent_attention:
@@ -122,12 +127,21 @@ def _dims(L: Layout) -> str:
 _FLASH_ABOVE_192 = ((8, 0), (9, 0), (10, 0), (12, 0))
 
 
-def _flash_blocked(L: Layout, cc: tuple[int, int] | None) -> str | None:
-    """Why flash-attn 2 cannot run this layer's attention (get_attention_backend's filters), or None."""
+def _flash_blocked(L: Layout, cc: tuple[int, int] | None, explicit: bool = False) -> str | None:
+    """Why flash-attn 2 cannot run this layer's attention (get_attention_backend's filters), or None.
+    ``explicit``: for ``--attention-backend flash``, where ``--flash-attention-version 3 / 4`` asks for that
+    generation (whose own head-dim rules are not modelled: only where it runs at all is checked)."""
     if L.act_bytes == 4:
         return "flash-attn takes only bf16/fp16 q/k/v, these are fp32"
     if L.fp8_spec.fp8_dot_product_attention:
         return "FP8 attention runs only in cuDNN"
+    if explicit and L.flash_attention_version in (3, 4):
+        # TE 2.20.2 get_attention_backend: flash-attn 3 runs only on sm90, flash-attn 4 not below sm90
+        fa = L.flash_attention_version
+        if cc is not None and ((fa == 3 and cc != (9, 0)) or (fa == 4 and cc < (9, 0))):
+            return (f"flash-attn {fa} (--flash-attention-version {fa}) does not run on sm{cc[0]}{cc[1]}: "
+                    + ("only on sm90" if fa == 3 else "not below sm90"))
+        return None
     qk, v = head_dims(L)
     if qk != v and _te_211(L):
         return f"flash-attn 2 needs equal q/k and v head dims in Transformer Engine 2.11 ({_dims(L)})"
@@ -178,16 +192,31 @@ def _cudnn_blocked(L: Layout, cc: tuple[int, int] | None) -> str | None:
     if _deterministic(L):
         if cc < (9, 0):
             # TE 2.11 / 2.20.2 "Filter: Determinism": F16_arbitrary_seqlen is not deterministic below sm90
-            return f"cuDNN's backward is not deterministic on {sm} (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)"
+            return f"cuDNN's backward is not deterministic on {sm} ({_deterministic_by(L)})"
         if cc >= (10, 0) and _te_211(L):
             return ("Transformer Engine 2.11 switches cuDNN fused attention off for deterministic training on "
-                    "Blackwell: NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+                    f"Blackwell: {_deterministic_by(L)}")
         if cc >= (10, 0) and L.attention_dropout > 0:
             return (f"cuDNN has no deterministic Blackwell backward with attention dropout {L.attention_dropout:g}: "
-                    "Transformer Engine 2.12+ gets no fused backend for NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+                    f"Transformer Engine 2.12+ gets no fused backend for {_deterministic_by(L)}")
         if L.softmax_type != "vanilla" and not _te_211(L):
-            return f"Transformer Engine 2.20 switches cuDNN off for a deterministic {L.softmax_type} softmax"
+            return (f"Transformer Engine 2.20 switches cuDNN off for a deterministic {L.softmax_type} softmax "
+                    f"({_deterministic_by(L)})")
     return None
+
+
+def explicit_blocked(L: Layout, gpu: GpuSpec | None) -> str | None:
+    """Why the kernel an explicit ``--attention-backend flash`` / ``fused`` names cannot run this layer's attention,
+    or None: the filters ``auto`` chooses by (_flash_blocked / _cudnn_blocked). Megatron's backend switches the
+    other two kernels off (NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN, language_module.py
+    ``_set_attention_backend``, core 0.16.1 / 0.19.2), so TE's DotProductAttention raises "No dot product attention
+    backend is available" at the first forward step. fp32 and flash for MLA under core 0.16 are refused earlier
+    (resolve/kernels.py); FP8 attention's cuDNN rules are resolve/fp8.py's."""
+    asked = L.attention_backend
+    if L.transformer_impl != "transformer_engine" or asked not in ("flash", "fused"):
+        return None
+    cc = gpu.compute_capability if gpu is not None else None
+    return _flash_blocked(L, cc, explicit=True) if asked == "flash" else _cudnn_blocked(L, cc)
 
 
 def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:

@@ -30,6 +30,7 @@ from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tok
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
+from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
@@ -1554,6 +1555,13 @@ def estimate(
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")
     attention = select_attention_backend(L, gpu)
+    blocked = explicit_attention_blocked(L, gpu)
+    if blocked:
+        # an explicit backend leaves TE no other kernel (attention_backend.explicit_blocked): Megatron stops at the
+        # first forward step
+        where = f" on {gpu.name}" if gpu is not None else ""
+        raise ConfigError("--attention-backend", f"{L.attention_backend}{where} has no Transformer Engine kernel for "
+                          f"this layer: {blocked}", "use --attention-backend auto", fails_later=NO_TE_BACKEND)
     modelled = attention.modelled_layout(L)
     if modelled is not L:
         # TE runs flash-attn (or, where neither flash-attn nor cuDNN can, its unfused attention) for auto on

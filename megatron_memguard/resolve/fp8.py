@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
-from ..errors import NotModelledError
+from ..errors import NO_TE_BACKEND, NotModelledError
 from .args import Args, Context
 
 # argparse choices of core 0.19.2 (--fp8-recipe custom needs a quantizer factory: refused below)
@@ -157,7 +157,7 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         # get_attention_backend (TE 2.11): FP8 training disables FlashAttention 2 and 3 and the unfused
         # backend (without NVTE_UnfusedDPA_Emulate_FP8); Megatron's flash / unfused settings switch fused off
         a.fail(dest, f"needs --attention-backend fused or auto (Transformer Engine runs FP8 attention only in its "
-                    f"fused cuDNN backend, not {backend})")
+                    f"fused cuDNN backend, not {backend})", fails_later=NO_TE_BACKEND)
         return False
     # get_attention_backend (TE 2.11): FP8 attention turns FusedAttention off for a non-vanilla softmax and for a
     # sliding window (left != -1 or right not in (-1, 0)); FlashAttention and the unfused backend do not run FP8

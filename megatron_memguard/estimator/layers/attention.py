@@ -157,9 +157,11 @@ def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1
     else:
         # the output, two partial outputs and two more ring buffers in flight
         core_fwd = 3 * q + 2 * 2 * kv1
-    # backward: dq buffer, two [2, K/V] ring buffers of K/V and dK/dV, the step's dq/dk/dv and, on the
-    # upper-triangle steps of the early CP ranks, contiguous halves of q, the output and its gradient
-    core_bwd = 3 * q + 10 * kv1 + stats
+    # backward (AttnFuncWithCPAndKVP2P.backward, TE 2.11 and 2.20.2 context_parallel.py), at an upper-triangle step
+    # of an early CP rank: the output gradient dO handed in (held by the backward's arguments and read by every
+    # step, as under a2a: cp_attention.py), the dq buffer (empty_like(q)), two [2, K/V] ring buffers of K/V and
+    # dK/dV, contiguous halves of q, the output and dO, the step's half dq and its dk/dv (3 q + 10 K/V + stats)
+    core_bwd = q + 3 * q + 10 * kv1 + stats
     return saved, core_fwd, core_bwd, False
 
 
@@ -228,9 +230,9 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         core_bwd = 3 * q + stats + (q if recompute_core else 0)   # dq, dk, dv (+ recomputed O)
         if recompute_core and L.cp > 1:
             # the checkpoint replays the ring forward (its K/V buffer, output and statistics kept) and
-            # runs the ring backward; it holds the recomputed output and the gradient handed to it
+            # runs the ring backward (which counts the gradient handed to it); it holds the recomputed output
             _, cp_fwd, cp_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_w, rope)
-            core_bwd = cp_bwd + 2 * kv1 + stats + 2 * q
+            core_bwd = cp_bwd + 2 * kv1 + stats + q
         return saved, core_fwd, core_bwd, False
     # Unfused: the s x s scores and probs exist per layer.
     if recompute_core:

@@ -92,10 +92,11 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         bwd = Q + max(a2a_peak((Q,), True), Q + W + a2a_peak((Q, K, K), False))
     else:
         # TE 2.11 exchanges the saved output with dO ([out, dout]) before the ring, TE 2.20.2 dO alone; both are kept
-        # through the ring; then the ring's dq, dk, dv exchanged
+        # through the ring, whose dO is the exchanged one (ring_bwd counts a dO: the one in ``held``); then the ring's
+        # dq, dk, dv exchanged
         held = Q if out_part else 2 * Q
         first = a2a_peak((Q,), True) if out_part else a2a_peak((Q, Q), True)
-        bwd = Q + max(first, held + ring_bwd, held + W + a2a_peak((Q, K, K), False))
+        bwd = Q + max(first, held + ring_bwd - Q, held + W + a2a_peak((Q, K, K), False))
     (names, _), *rest = mixer.fwd_steps
     saved = mixer.saved
     if "softmax_stats" not in saved:
@@ -109,7 +110,7 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         else:
             kept = Q + 2 * K + stats + Q + (Q if out_part else 0)   # exchanged q, last K/V buffer, statistic, output
             fwd = max(qkv_in, Q + ring_fwd, Q + 2 * K + stats + Q + out_a2a)
-        recomputed = ring_bwd + 2 * K + stats + 2 * Q   # attention_items' recompute step under CP (the ring's)
+        recomputed = ring_bwd + 2 * K + stats + Q       # attention_items' recompute step under CP (the ring's)
         steps = tuple((rel, w + kept + bwd - recomputed if i == core else w)
                       for i, (rel, w) in enumerate(mixer.bwd_steps))
         return mixer._replace(fwd_steps=((names, (W if flash else K) + fwd),) + tuple(rest), bwd_steps=steps)

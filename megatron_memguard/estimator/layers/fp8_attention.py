@@ -204,7 +204,7 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
         # forward makes the ring's transients, and the backward's replay keeps the ring's saved tensors (and
         # the BF16 output it returns) through the ring's backward
         kept = qkv8 + KV + stats + e * Q + (out8 if delayed else 0)
-        bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
         fwd = ((names, kv1 + combine + a2a_in), (names, kv1 + qkv8 + KV + stats + correction + a2a_q))
         if a2a > 1:
             fwd = ((names, kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
@@ -305,7 +305,7 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # makes the transients, and the backward's replay keeps the saved tensors (and the BF16 output it returns)
         # through the attention's backward
         kept = fp8_qkv + 2 * stats + saved_out + e * Q
-        bf16 = bf16_ring_bwd + 2 * kv1 + stats + 2 * q   # attention_items' recompute step under CP
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
         fwd = ((names, kv1 + combine), (names, kv1 + max(qkv_a2a, qkv8 + fp8_qkv + 2 * stats + saved_out + out_a2a)))
         bwd = tuple((rel, w + kept + a2a_bwd - bf16 if i == core else w)
                     for i, (rel, w) in enumerate(mixer.bwd_steps))
