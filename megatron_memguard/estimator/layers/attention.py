@@ -187,8 +187,29 @@ def _flash_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, 
     saved["attention_output_bshd"] = q
     saved["softmax_stats"] = stats
     core_fwd = originals + q                          # the inputs the copies came from, the sbhd output copy
-    core_bwd = 3 * q + stats + q                      # dq, dk, dv and the contiguous output gradient
+    core_bwd = flash_attention_bwd(x, q, kv1, stats)
     return saved, core_fwd, core_bwd, False
+
+
+def fused_attention_bwd(q: int, k: int, v: int, d_out: int, stats: int) -> int:
+    """Working set of TE's cuDNN FusedAttention backward without context parallelism, next to what the core
+    attention saved (q, k, v, the output, the softmax statistics): the output gradient ``d_out`` handed in
+    (linear_proj's input gradient, held by the backward's argument through the kernel; ``d_out.contiguous()`` is
+    a no-op on it), dq, dk, dv shaped like q, k, v (``fused_attn_bwd``: [s, b, g/t, d] for K/V under GQA) and the
+    kernel's fp32 softmax-sum scratch [b, a/t, s] (``stats``) (TE 2.11 and 2.20.2 ``backends.py``
+    FusedAttnFunc.backward). The same terms as the CP paths' (ring and all-to-all: dO handed in, dq, dk, dv)."""
+    return d_out + q + k + v + stats
+
+
+def flash_attention_bwd(x: Shapes, q: int, kv1: int, stats: int) -> int:
+    """Working set of flash-attn 2's backward (TE 2.11 / 2.20.2 FlashAttention, sbhd, without CP) next to what it
+    saved: the output gradient handed in (a transposed view of linear_proj's input gradient: its last stride is 1,
+    so flash_attn_interface's ``maybe_contiguous`` copies nothing), dq, dk, dv (``empty_like`` q, k, v: K/V with
+    g/t heads), and from ``mha_bwd`` (flash-attn 2.x csrc/flash_attn/flash_api.cpp): the fp32 dq accumulator
+    [b, s, a/t, d], the fp32 ``softmax_d`` [b, a/t, s] and, under GQA, dk and dv expanded to every query head
+    ([b, s, a/t, d] each, summed into dk, dv after the kernel)."""
+    expanded = 2 * q if kv1 < q else 0
+    return fused_attention_bwd(q, kv1, kv1, q, stats) + q * 4 // x.e + expanded
 
 
 def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: bool) -> tuple[dict[str, int], int, int, bool]:
@@ -227,7 +248,11 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         if not recompute_core:
             saved["softmax_stats"] = stats
         core_fwd = q                                   # the output being written
-        core_bwd = 3 * q + stats + (q if recompute_core else 0)   # dq, dk, dv (+ recomputed O)
+        core_bwd = fused_attention_bwd(q, kv1, kv1, q, stats)
+        if recompute_core:
+            # CheckpointFunction.backward holds the recomputed output (the gradient it hands on is d_out); the
+            # replayed FusedAttnFunc saved its softmax statistics again
+            core_bwd += q + stats
         if recompute_core and L.cp > 1:
             # the checkpoint replays the ring forward (its K/V buffer, output and statistics kept) and
             # runs the ring backward (which counts the gradient handed to it); it holds the recomputed output

@@ -9,7 +9,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ...layout import Layout
-from .attention import attention_kind, te_softmax_kernel, te_torch_softmax_mask
+from .attention import (attention_kind, flash_attention_bwd, fused_attention_bwd, te_softmax_kernel,
+                        te_torch_softmax_mask)
 from .base import (MixerActivations, Param, ParamRow, Shapes, Step, norm_rows, norm_stats, norms_per_layer_norm,
                    param_objects, shapes, wgrad)
 
@@ -125,7 +126,9 @@ def mla_attention_items(L: Layout, x: Shapes, recompute_core: bool,
         if not recompute_core:
             saved["softmax_stats"] = stats
         core_fwd = v_b                                          # the output being written
-        core_bwd = 2 * q_b + v_b + stats + (v_b if recompute_core else 0)
+        # dO (v's head dim), dq, dk, dv (attention.fused_attention_bwd); with core_attn recomputed the checkpoint's
+        # recomputed output and the replay's softmax statistics
+        core_bwd = fused_attention_bwd(q_b, q_b, v_b, v_b, stats) + (v_b + stats if recompute_core else 0)
         unfused = False
     elif te_softmax_kernel(L, x):
         # TE's unfused attention with its fused softmax kernel (as for standard attention)
@@ -192,7 +195,7 @@ def _padded_flash_items(L: Layout, x: Shapes, saved: dict[str, int], q_b: int,
     # the q, k, v handed over (alive until the call returns), the padded ones, TE's sbhd output (linear_proj's input,
     # or the padded copy and the trimmed one)
     core_fwd = originals + pads + (p + v_b if trimmed else p)
-    core_bwd = 3 * p + stats + p + (p if trimmed else 0)
+    core_bwd = flash_attention_bwd(x, p, p, stats) + (p if trimmed else 0)   # (+ the trimmed output's gradient)
     return saved, core_fwd, core_bwd
 
 

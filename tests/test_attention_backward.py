@@ -1,0 +1,55 @@
+"""The core attention's backward working set without context parallelism, counted by hand from the kernels'
+allocations: TE 2.11 / 2.20.2 ``backends.py`` (FusedAttnFunc.backward, FlashAttention) and flash-attn 2.x
+``csrc/flash_attn/flash_api.cpp`` (mha_bwd)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_memguard import layout_from_flags
+from megatron_memguard.estimator.activations import layer_activations
+
+from conftest import LLAMA2_7B, LLAMA31_70B
+
+SEQ = 8192
+T = SEQ // 2 * 8192 * 2               # G: the layer output's gradient, [s/TP, b, h] under SP, bf16
+# Llama-3-70B at TP2, MBS 1, bf16: 32 heads and 4 query groups per rank, head dim 128
+Q = SEQ * 32 * 128 * 2                # one query-sized tensor
+KV1 = SEQ * 4 * 128 * 2               # one of K or V
+STATS = 32 * SEQ * 4                  # fp32 [b, heads/TP, s]
+
+
+def _core_step(shape: list[str], *extra: str) -> int:
+    L = layout_from_flags([*shape, "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+                           "--micro-batch-size", "1", "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel", *extra], world_size=2, megatron_version="0.19")
+    la = layer_activations(L, True)
+    # the core attention's step: linear_proj's input released, the attention's saved tensors not yet
+    steps = [w for names, w in la.bwd_steps if "proj_input" in names and "softmax_stats" not in names]
+    assert steps
+    return steps[0]
+
+
+def test_fused_backward_counts_the_handed_gradient_and_gqa_shaped_dk_dv():
+    # FusedAttnFunc.backward: d_out (linear_proj's input gradient, contiguous: .contiguous() copies nothing) is
+    # alive through fused_attn_bwd, which returns dq, dk, dv shaped like q, k, v (K/V: 4 groups, not 32 heads),
+    # with the kernel's fp32 softmax sum [b, a/t, s]
+    assert _core_step(LLAMA31_70B) == T + Q + (Q + 2 * KV1) + STATS
+
+
+def test_fused_backward_without_gqa():
+    # Llama-2-7B at TP2: 16 heads per rank, head dim 128; dq, dk, dv all query-sized, and d_out
+    q = SEQ * 16 * 128 * 2
+    g = SEQ // 2 * 4096 * 2
+    assert _core_step(LLAMA2_7B) == g + q + 3 * q + 16 * SEQ * 4
+
+
+@pytest.mark.parametrize("shape, heads, expanded", [(LLAMA31_70B, 32, True), (LLAMA2_7B, 16, False)])
+def test_flash_backward_adds_the_fp32_dq_accumulator_and_gqa_expanded_dk_dv(shape, heads, expanded):
+    # flash-attn 2's mha_bwd: dq, dk, dv (empty_like q, k, v in FlashAttnFunc.backward), dq_accum fp32
+    # [b, s, a/t, d] (twice a bf16 q), softmax_d fp32 [b, a/t, s], under GQA dk/dv_expanded [b, s, a/t, d] each; the
+    # handed gradient is a transposed view with last stride 1 (maybe_contiguous copies nothing)
+    h = 8192 if heads == 32 else 4096
+    q = SEQ * heads * 128 * 2
+    kv = KV1 if expanded else q
+    by_hand = q + (q + 2 * kv) + 2 * q + heads * SEQ * 4 + (2 * q if expanded else 0)
+    assert _core_step(shape, "--attention-backend", "flash") == SEQ // 2 * h * 2 + by_hand
