@@ -53,3 +53,25 @@ def test_flash_backward_adds_the_fp32_dq_accumulator_and_gqa_expanded_dk_dv(shap
     kv = KV1 if expanded else q
     by_hand = q + (q + 2 * kv) + 2 * q + heads * SEQ * 4 + (2 * q if expanded else 0)
     assert _core_step(shape, "--attention-backend", "flash") == SEQ // 2 * h * 2 + by_hand
+
+
+def test_fused_backward_under_core_attn_recompute():
+    # megatron-core tensor_parallel CheckpointFunction.backward (0.16.1 / 0.19.2) replays the core attention and
+    # hands its gradient (the same d_out) to the replay's FusedAttnFunc.backward: it holds the recomputed output,
+    # and the replay saved its softmax statistics again
+    core = _core_step(LLAMA31_70B, "--recompute-granularity", "selective", "--recompute-modules", "core_attn")
+    assert core == T + Q + (Q + 2 * KV1) + STATS + Q + STATS
+
+
+def test_multi_latent_fused_backward():
+    # Megatron CI's MLA shape (gpt3_mcore_te_tp2_pp2_mla at TP 1): 8 heads, q/k head dim 16 + 8, v head dim 16,
+    # seq 1024, MBS 4. FusedAttnFunc.backward: d_out [s, b, 8 x 16], dq and dk [s, b, 8, 24], dv [s, b, 8, 16], and
+    # the fp32 softmax sum [b, 8, s]
+    F = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--multi-latent-attention",
+         "--q-lora-rank", "192", "--kv-lora-rank", "64", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+         "--v-head-dim", "16", "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
+         "--global-batch-size", "32", "--bf16", "--vocab-size", "50257", "--attention-backend", "fused"]
+    la = layer_activations(layout_from_flags(F, world_size=1, megatron_version="0.19"), True)
+    core = [w for names, w in la.bwd_steps if "proj_input" in names and "softmax_stats" not in names]
+    g, q_b, v_b, stats = 4 * 1024 * 512 * 2, 4 * 1024 * 8 * 24 * 2, 4 * 1024 * 8 * 16 * 2, 4 * 8 * 1024 * 4
+    assert core and core[0] == g + v_b + (2 * q_b + v_b) + stats
