@@ -160,8 +160,9 @@ def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1
     # backward (AttnFuncWithCPAndKVP2P.backward, TE 2.11 and 2.20.2 context_parallel.py), at an upper-triangle step
     # of an early CP rank: the output gradient dO handed in (held by the backward's arguments and read by every
     # step, as under a2a: cp_attention.py), the dq buffer (empty_like(q)), two [2, K/V] ring buffers of K/V and
-    # dK/dV, contiguous halves of q, the output and dO, the step's half dq and its dk/dv (3 q + 10 K/V + stats)
-    core_bwd = q + 3 * q + 10 * kv1 + stats
+    # dK/dV, contiguous halves of q, the output and dO, the step's half dq and its dk/dv (4 q + 10 K/V + stats): the
+    # non-CP kernel's terms (dO, dq as the buffer, the step's dk/dv, stats) and the ring's own
+    core_bwd = fused_attention_bwd(q, kv1, kv1, q, stats) + 2 * 2 * 2 * kv1 + 3 * q // 2 + q // 2
     return saved, core_fwd, core_bwd, False
 
 
