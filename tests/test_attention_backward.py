@@ -63,15 +63,31 @@ def test_fused_backward_under_core_attn_recompute():
     assert core == T + Q + (Q + 2 * KV1) + STATS + Q + STATS
 
 
+MLA_CI = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--multi-latent-attention",
+          "--q-lora-rank", "192", "--kv-lora-rank", "64", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+          "--v-head-dim", "16", "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
+          "--global-batch-size", "32", "--bf16", "--vocab-size", "50257"]
+
+
+def _mla_core_step(backend: str) -> int:
+    la = layer_activations(layout_from_flags([*MLA_CI, "--attention-backend", backend], world_size=1,
+                                             megatron_version="0.19"), True)
+    core = [w for names, w in la.bwd_steps if "proj_input" in names and "softmax_stats" not in names]
+    assert core
+    return core[0]
+
+
+def test_multi_latent_flash_backward():
+    # TE 2.20.2 pads v to q/k's head dim 24 for flash-attn (_pad_qkv_head_dim): the output is sliced back to 16, so
+    # the gradient flash-attn gets is the slice's backward's new [s, b, 8 x 24] tensor (a transposed view, not
+    # copied); then dq, dk, dv at 24, the fp32 dq accumulator (twice a bf16 q) and softmax_d [b, 8, s] fp32
+    g, p, stats = 4 * 1024 * 512 * 2, 4 * 1024 * 8 * 24 * 2, 4 * 8 * 1024 * 4
+    assert _mla_core_step("flash") == g + p + 3 * p + 2 * p + stats
+
+
 def test_multi_latent_fused_backward():
     # Megatron CI's MLA shape (gpt3_mcore_te_tp2_pp2_mla at TP 1): 8 heads, q/k head dim 16 + 8, v head dim 16,
     # seq 1024, MBS 4. FusedAttnFunc.backward: d_out [s, b, 8 x 16], dq and dk [s, b, 8, 24], dv [s, b, 8, 16], and
     # the fp32 softmax sum [b, 8, s]
-    F = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--multi-latent-attention",
-         "--q-lora-rank", "192", "--kv-lora-rank", "64", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
-         "--v-head-dim", "16", "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
-         "--global-batch-size", "32", "--bf16", "--vocab-size", "50257", "--attention-backend", "fused"]
-    la = layer_activations(layout_from_flags(F, world_size=1, megatron_version="0.19"), True)
-    core = [w for names, w in la.bwd_steps if "proj_input" in names and "softmax_stats" not in names]
     g, q_b, v_b, stats = 4 * 1024 * 512 * 2, 4 * 1024 * 8 * 24 * 2, 4 * 1024 * 8 * 16 * 2, 4 * 8 * 1024 * 4
-    assert core and core[0] == g + v_b + (2 * q_b + v_b) + stats
+    assert _mla_core_step("fused") == g + v_b + (2 * q_b + v_b) + stats

@@ -174,7 +174,7 @@ def _flash_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, 
     with its own [b, s, h, d] output and the fp32 log-sum-exp [b, a, s]; TE returns a ``transpose(0, 1)
     .contiguous()`` copy of that output in sbhd, which linear_proj keeps (``proj_input``). The rope'd q and k, the
     q/k norms' outputs and megatron's qkv output (v was a view of it) are then kept by no one (the q/k norms keep
-    the qkv output with ``--qk-layernorm``). Backward: dq, dk, dv and the output gradient made contiguous."""
+    the qkv output with ``--qk-layernorm``). Backward: flash_attention_bwd."""
     e, Tf = x.e, x.Tf
     stats = x.b * x.a_t * x.s * 4
     originals = sum(saved.pop(n, 0) for n in ("query_norm", "key_norm"))

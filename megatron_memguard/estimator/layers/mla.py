@@ -179,7 +179,8 @@ def _padded_flash_items(L: Layout, x: Shapes, saved: dict[str, int], q_b: int,
     ``_trim_output`` slices back to v's head dim into a new [s, b, h v] tensor, linear_proj's input (``backends.py``,
     ``dot_product_attention.py``, TE 2.20.2). The rope'd query and key and the value copy megatron hands over are
     then kept by no one (``F.pad`` and the copies save nothing). Backward: the output gradient padded back to P
-    (the slice's backward) and made contiguous, dq, dk, dv at P."""
+    (the slice's backward, a new [s, b, h P] tensor; the one handed in is freed with that node) or handed in as is,
+    then flash_attention_bwd at P (no copy: flash-attn gets a transposed view with last stride 1)."""
     from ..attention_backend import flash_head_dim
     qh = L.qk_head_dim + L.qk_pos_emb_head_dim
     p = x.Tf * x.a_t * flash_head_dim(L) * x.e         # one [s b, a/t, P] tensor
@@ -195,7 +196,7 @@ def _padded_flash_items(L: Layout, x: Shapes, saved: dict[str, int], q_b: int,
     # the q, k, v handed over (alive until the call returns), the padded ones, TE's sbhd output (linear_proj's input,
     # or the padded copy and the trimmed one)
     core_fwd = originals + pads + (p + v_b if trimmed else p)
-    core_bwd = flash_attention_bwd(x, p, p, stats) + (p if trimmed else 0)   # (+ the trimmed output's gradient)
+    core_bwd = flash_attention_bwd(x, p, p, stats)
     return saved, core_fwd, core_bwd
 
 
