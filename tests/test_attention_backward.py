@@ -1,6 +1,6 @@
 """The core attention's backward working set without context parallelism, counted by hand from the kernels'
-allocations: TE 2.11 / 2.20.2 ``backends.py`` (FusedAttnFunc.backward, FlashAttention) and flash-attn 2.x
-``csrc/flash_attn/flash_api.cpp`` (mha_bwd)."""
+allocations: TE 2.11 / 2.20.2 ``backends.py`` (FusedAttnFunc.backward, FlashAttention) and flash-attn 2.7.4.post1
+``csrc/flash_attn/flash_api.cpp`` (mha_bwd, lines 883-903: softmax_d, dq_accum, dk/dv_expanded)."""
 from __future__ import annotations
 
 import pytest

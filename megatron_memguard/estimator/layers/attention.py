@@ -206,7 +206,7 @@ def flash_attention_bwd(x: Shapes, q: int, kv1: int, stats: int) -> int:
     """Working set of flash-attn 2's backward (TE 2.11 / 2.20.2 FlashAttention, sbhd, without CP) next to what it
     saved: the output gradient handed in (a transposed view of linear_proj's input gradient: its last stride is 1,
     so flash_attn_interface's ``maybe_contiguous`` copies nothing), dq, dk, dv (``empty_like`` q, k, v: K/V with
-    g/t heads), and from ``mha_bwd`` (flash-attn 2.x csrc/flash_attn/flash_api.cpp): the fp32 dq accumulator
+    g/t heads), and from ``mha_bwd`` (flash-attn 2.7.4.post1 csrc/flash_attn/flash_api.cpp, lines 883-903): the fp32 dq accumulator
     [b, s, a/t, d], the fp32 ``softmax_d`` [b, a/t, s] and, under GQA, dk and dv expanded to every query head
     ([b, s, a/t, d] each, summed into dk, dv after the kernel)."""
     expanded = 2 * q if kv1 < q else 0
