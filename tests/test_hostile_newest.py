@@ -90,7 +90,7 @@ def test_an_empty_peft_target_modules_is_refused(value):
 def test_a_peft_target_modules_string_is_refused():
     # 'for pattern in self.target_modules' iterates the string's characters: no module matches
     one_error(_run([*BASE, "--set", "peft=lora", "--set", "peft.target_modules=linear_qkv"]),
-              "peft.target_modules: must be a list of module names, got the string 'linear_qkv' (Bridge's ModuleMatcher "
+              "peft.target_modules: must be a list of module names, got the string 'linear_qkv' (Megatron-Bridge's ModuleMatcher "
               "iterates its characters: no module matches) (peft.target_modules=[linear_qkv])")
 
 

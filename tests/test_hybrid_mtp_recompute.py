@@ -62,3 +62,16 @@ def test_block_recompute_of_hybrid_mtp_depths_is_refused_by_name():
     with pytest.raises(NotModelledError) as e:
         _layout("M*M-/MM", "--recompute-granularity full --recompute-method block --recompute-num-layers 1")
     assert str(e.value).startswith("--recompute-method")
+
+
+def test_distributed_checkpoint_keeps_the_depths_decoder_input_whole():
+    # --distribute-saved-activations at TP 2: CheckpointFunction.forward shards only its first input
+    # (tensor_parallel/random.py, megatron-core 0.19.2), a decoder layer's hidden_states (4 layers x ROW / 2) and an MTP
+    # depth's hidden_states, not the depth's decoder_input (MultiTokenPredictionLayer._checkpointed_forward hands it
+    # second), which stays one whole [s, b, h] bf16 tensor per depth, as for a GPT depth (estimator/mtp.py)
+    extra = UNIFORM + " --tensor-model-parallel-size 2 --distribute-saved-activations"
+
+    def acts(pattern: str) -> int:
+        return {t.name: t.bytes for t in estimate(_layout(pattern, extra, world=2)).critical.terms}["layer_activations"]
+    assert acts("M*M-") == 4 * ROW // 2 == 131_072
+    assert acts("M*M-/MM") - acts("M*M-") == ROW == 65_536

@@ -139,6 +139,9 @@ def test_dora_keeps_the_scaled_sum(tmp_path):
     ("  target_modules: ['*.layers.0.*.linear_qkv']\n", "peft.target_modules", NotModelledError),
     ("  exclude_modules: [linear_fc2]\n", "peft.exclude_modules", NotModelledError),
     ("  lora_dtype: float32\n", "peft.lora_dtype", NotModelledError),
+    # Bridge 0.6.2 peft/module_matcher.py ModuleMatcher.match: 'assert len(self.exclude_modules) == 0' (with
+    # target_modules) or 'name not in self.exclude_modules' (without) on every module: None is a TypeError
+    ("  exclude_modules: null\n", "peft.exclude_modules: is null", ConfigError),
 ])
 def test_bad_or_unmodelled_peft_settings_name_the_key(tmp_path, extra, key, exc):
     with pytest.raises((exc, ConfigError)) as e:

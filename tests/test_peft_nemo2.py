@@ -140,6 +140,13 @@ def test_wildcards_memguard_does_not_model_are_refused_by_name(tmp_path, targets
     ("  a2a_experimental: true\n", "peft.a2a_experimental", NotModelledError),
     ("  exclude_modules: [linear_fc2]\n", "peft.exclude_modules", NotModelledError),
     ("  dim: null\n", "peft.dim", ConfigError),
+    # NeMo 2.5.0 peft/module_matcher.py ModuleMatcher.match: 'len(self.target_modules or []) > 0' is false for a null,
+    # which then wraps every linear (the output layer too), not the default four; 'assert len(self.exclude_modules)
+    # == 0' on a null exclude_modules is a TypeError; a string's characters match no module; '???' is that text
+    ("  target_modules: null\n", "peft.target_modules", NotModelledError),
+    ("  target_modules: linear_qkv\n", "peft.target_modules", ConfigError),
+    ("  target_modules: '???'\n", "peft.target_modules", ConfigError),
+    ("  exclude_modules: null\n", "peft.exclude_modules", ConfigError),
     ("  rank: 8\n", "peft.rank", ConfigError),
 ])
 def test_unmodelled_or_bad_peft_fields_name_the_key(tmp_path, extra, key, exc):

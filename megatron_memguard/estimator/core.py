@@ -386,21 +386,22 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     bytes they keep, and the MoE part of those (an MoE MTP layer's MoE half is MoE activations like a decoder
     layer's: moe_layer_activations, which the worst-case routing scales)."""
     d = L.mtp_num_layers
+    x = shapes(L)
+    # under full uniform recompute each depth's checkpoint keeps decoder_input (the rolled tokens' embedding) whole:
+    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py); a
+    # hybrid depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
+    kept = d * (x.T * x.h * x.r if L.distribute_saved_activations else ckpt_input)
     if L.hybrid_mtp_pattern:
-        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind (under full uniform
-        # recompute the depth's checkpoint keeps its inputs only, as a GPT depth's); the layer with the largest
-        # backward working set stands for the stack's
+        # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind; the layer with the
+        # largest backward working set stands for the stack's
         per_kind = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
-        la = max((x for x, _ in per_kind), key=lambda x: (x.bwd_transient, x.fwd_transient))
+        la = max((a for a, _ in per_kind), key=lambda a: (a.bwd_transient, a.fwd_transient))
         if mtp_checkpointed(L):
-            return la, d * ckpt_input, 0
-        return la, d * sum(x.total * k for x, k in per_kind), d * sum(x.moe_total * k for x, k in per_kind)
+            return la, kept, 0
+        return la, d * sum(a.total * k for a, k in per_kind), d * sum(a.moe_total * k for a, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
-        # each depth's checkpoint keeps decoder_input (the rolled tokens' embedding) whole: with
-        # --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py)
-        x = shapes(L)
-        return la, d * (x.T * x.h * x.r if L.distribute_saved_activations else ckpt_input), 0
+        return la, kept, 0
     return la, d * la.total, d * la.moe_total
 
 

@@ -324,7 +324,7 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
             b += saved_input(spec, Tf, h, non_tn=non_tn).allocated
             if not spec.primary_weights_quantized:
                 from .fp8 import quantized_tensor
-                both = spec.recipe == "mxfp8" and _cutedsl_fused_grouped_mlp(L)
+                both = spec.recipe == "mxfp8" and cutedsl_fused_grouped_mlp(getattr(L, "env_dict", None))
                 b += sum(quantized_tensor(spec.recipe, rows, cols, rowwise=both, columnwise=True,
                                           non_tn=non_tn).allocated for rows, cols in ((2 * fs, h), (h, fs)))
         elif spec.recipe == "delayed":
@@ -391,12 +391,12 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
     return out
 
 
-def _cutedsl_fused_grouped_mlp(L: Any) -> bool:
+def cutedsl_fused_grouped_mlp(env: Mapping[str, Any] | None) -> bool:
     """TE's fused grouped MLP kernel (ForwardGroupedMLP_CuTeGEMMSwiGLU_MXFP8.is_supported, TE 2.14): asked for by
-    NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 (it also needs an SM 10 GPU, which MXFP8 training has)."""
-    env = getattr(L, "env_dict", None) or {}
+    NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 in the run's environment (it also needs an SM 10 GPU, which MXFP8 training
+    has); a value that is no integer asks for nothing."""
     try:
-        return int(str(env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0) > 0
+        return int(str((env or {}).get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0) > 0
     except ValueError:
         return False
 

@@ -726,3 +726,26 @@ def emerging_optimizer(b: ArgsBuilder, name: str, key: str, layer_wise_key: bool
     b.set("optimizer", "dist_muon" if bare == "muon" and layer_wise else bare, key)
     if layer_wise:
         b.set("use_layer_wise_distributed_optimizer", True, key)
+
+
+def peft_module_list(name: str, value: Any, key: str, carrier: str) -> Any:
+    """A LoRA / DoRA ``target_modules`` or ``exclude_modules`` value as ModuleMatcher.match reads it (Megatron-Bridge
+    0.6.2 and NeMo 2.5.0 peft/module_matcher.py, alike): the list to hand resolve/peft.py, or None for nothing to set.
+    target_modules: ``len(self.target_modules or []) > 0`` then ``for pattern in self.target_modules``, so a null or
+    '' wraps every linear module (as an empty list: [], which resolve/peft.py refuses) and a string's characters match
+    no module. exclude_modules: ``len(self.exclude_modules)`` / ``name not in self.exclude_modules`` on every module,
+    so a null stops the adapters' build (TypeError); an empty list excludes nothing. '???' is the text, not a default."""
+    if is_missing(value):
+        raise ConfigError(key, f"is ??? (OmegaConf's missing marker): {carrier} passes the text '???' on, not a default",
+                          f"set {key}=[...]")
+    if name == "exclude_modules":
+        if value is None:
+            raise ConfigError(key, f"is null: {carrier}'s ModuleMatcher takes len() of it for every module (TypeError "
+                              "when the adapters are built), its default [] is not taken", f"drop {key} or give []")
+        return value or None
+    if value is None or isinstance(value, str):
+        if value:
+            raise ConfigError(key, f"must be a list of module names, got the string {shown(value)} ({carrier}'s "
+                              "ModuleMatcher iterates its characters: no module matches)", f"{key}=[{value}]")
+        return []
+    return value

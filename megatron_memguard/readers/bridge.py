@@ -30,7 +30,8 @@ from ..numbers import shown
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields,
     default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
-    is_missing, map_mcore_fields, mcore_model_fields, refuse_unset_section_field, section_typed_field, set_vocab,
+    is_missing, map_mcore_fields, mcore_model_fields, peft_module_list, refuse_unset_section_field, section_typed_field,
+    set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -373,7 +374,7 @@ _PEFT_FIELDS = {"dim": "peft_dim", "alpha": "peft_alpha", "dropout": "peft_dropo
                 "exclude_modules": "peft_exclude_modules",
                 "sequence_parallel_input_regather": "peft_sp_input_regather"}
 # fields typed with a value default in LoRA / DoRA (Bridge 0.6.2: dim 32, alpha 32 / 64, dropout 0.0, dropout_position
-# 'pre'); target_modules / exclude_modules null mean "no list" to ModuleMatcher ('self.target_modules or []')
+# 'pre'); target_modules / exclude_modules: _common.peft_module_list
 _PEFT_NOT_NULL = frozenset({"dim", "alpha", "dropout", "dropout_position"})
 # fields that change no memory of a dense model (initialisation, MoE-only options, checkpoint handling)
 _PEFT_NEUTRAL = frozenset({"lora_A_init_method", "lora_B_init_method", "normalize_moe_lora", "share_expert_adapters",
@@ -405,20 +406,12 @@ def _peft(b: ArgsBuilder, fields: dict[str, Field], top: Field | None, given: fr
             # (peft/lora_layers.py: 'alpha / dim', 'if dropout > 0.0', 'assert dropout_position in ["pre", "post"]')
             raise ConfigError(key, f"is null: Megatron-Bridge's {cls} takes it as None, not its default, and cannot "
                               "build the adapters", f"set {key}=VALUE or drop the key")
-        if name == "target_modules" and (value is None or isinstance(value, str)):
-            # Bridge 0.6.2 peft/module_matcher.py: 'len(self.target_modules or []) > 0', then 'for pattern in
-            # self.target_modules': a null wraps every linear module (the output layer too), as an empty list does;
-            # a string's characters match no module name (both were estimated as the four linears)
-            if is_missing(value):
-                raise ConfigError(key, "is ??? (OmegaConf's missing marker): Megatron-Bridge passes the text '???' on, "
-                                  "not a default", f"set {key}=[...]")
-            if value:
-                raise ConfigError(key, f"must be a list of module names, got the string {shown(value)} (Bridge's "
-                                  "ModuleMatcher iterates its characters: no module matches)", f"{key}=[{value}]")
-            b.set(_PEFT_FIELDS[name], [], key)   # (null or '': every linear, refused by resolve/peft.py)
+        if name in ("target_modules", "exclude_modules"):
+            v = peft_module_list(name, value, key, "Megatron-Bridge")
+            if v is not None:
+                b.set(_PEFT_FIELDS[name], v, key)
         elif name in _PEFT_FIELDS:
-            # (a live LoRA object's exclude_modules is an empty list: nothing excluded)
-            if value is not None and not (name == "exclude_modules" and not value):
+            if value is not None:
                 b.set(_PEFT_FIELDS[name], value, key)
         elif name == "canonical_mapping":
             if value:

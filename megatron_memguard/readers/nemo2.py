@@ -24,7 +24,8 @@ from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
     ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer,
     fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read, refuse_unset,
-    refuse_unset_section_field, set_vocab, target_name, _FSDP_DDP_KEYS, _MISSING_RULE, _OFFLOAD_OPTIMIZER_KEYS,
+    peft_module_list, refuse_unset_section_field, set_vocab, target_name, _FSDP_DDP_KEYS, _MISSING_RULE,
+    _OFFLOAD_OPTIMIZER_KEYS,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -458,14 +459,14 @@ def _peft(b: ArgsBuilder, doc: Mapping, model: Mapping, mprefix: str) -> None:
     b.set("peft_scheme", _NEMO2_PEFT[cls], f"{key}._target_")
     for name, v in value.items():
         fkey = f"{key}.{name}"
-        if name in _NEMO2_PEFT_FIELDS:
+        if name in ("target_modules", "exclude_modules"):
+            listed = peft_module_list(name, v, fkey, "NeMo 2")
+            if listed is not None:
+                b.set(_NEMO2_PEFT_FIELDS[name], listed, fkey)
+        elif name in _NEMO2_PEFT_FIELDS:
             if v is None or is_missing(v):
-                if name in ("target_modules", "exclude_modules"):
-                    continue      # ModuleMatcher: 'self.target_modules or []'
                 raise ConfigError(fkey, f"is null: NeMo 2's {cls} takes it as None, not its default, and cannot "
                                   "build the adapters", f"drop {fkey} or give a value")
-            if name == "exclude_modules" and not v:
-                continue          # (an empty list excludes nothing)
             b.set(_NEMO2_PEFT_FIELDS[name], v, fkey)
         elif name == "canonical_mapping":
             if v:

@@ -161,11 +161,8 @@ def grouped_dense_mlp(a: Args, kw: Mapping[str, Any]) -> bool:
     elif kw.get("first_last_layers_bf16"):
         why = "its own MXFP8 autocast in the BF16 first / last layers (--first-last-layers-bf16)"
     else:
-        try:
-            cutedsl = int(str(env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0)
-        except ValueError:
-            cutedsl = 0
-        if cutedsl <= 0:
+        from ..estimator.fp8_layers import cutedsl_fused_grouped_mlp
+        if not cutedsl_fused_grouped_mlp(env):
             why = ("TE's unfused GroupedLinear ops without NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 (their path, and so their "
                    "weight copies, depends on the cuBLASLt version)")
     if why:

@@ -664,11 +664,8 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
     if not kw["gated_linear_unit"] or kw["squared_relu"]:
         a.fail("use_transformer_engine_op_fuser", rule + "a SwiGLU or quick-GEGLU activation")
     else:
-        try:
-            cutedsl = int(str(a.raw.env.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "0")).strip() or 0)
-        except ValueError:
-            cutedsl = 0
-        if cutedsl <= 0:
+        from ..estimator.fp8_layers import cutedsl_fused_grouped_mlp
+        if not cutedsl_fused_grouped_mlp(a.raw.env):
             a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
                    "with a GLU activation")
     _refuse_quantized_fused_experts(a, kw)
