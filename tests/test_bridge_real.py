@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import pytest
 
@@ -69,15 +68,17 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    home = tempfile.mkdtemp(prefix="memguard-hf-")
+def recipes(tmp_path_factory):
+    home = str(tmp_path_factory.mktemp("memguard-hf"))   # (pytest's own tmp tree: removed with its old runs)
     _hf_cache(home)
-    os.environ.update(HF_HOME=home, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    for p in (os.path.join(STANDINS, "te_standin"), os.path.join(STANDINS, "scripts_standin")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    import megatron.bridge.recipes as r
-    return r
+    with pytest.MonkeyPatch.context() as mp:   # (restored after the module)
+        for k, v in (("HF_HOME", home), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+            mp.setenv(k, v)
+        for p in (os.path.join(STANDINS, "te_standin"), os.path.join(STANDINS, "scripts_standin")):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        import megatron.bridge.recipes as r
+        yield r
 
 
 def fields(L):
@@ -496,7 +497,7 @@ def test_recipe_env_vars_are_applied_as_bridge_applies_them(recipes, monkeypatch
 # recipe -- `--model NAME`, `--config` of the run_config.yaml Bridge dumps, preflight() on the object -- must
 # all give those values.
 # --------------------------------------------------------------------------------------------------
-def _finalized(recipes, key, monkeypatch):
+def _finalized(recipes, key, monkeypatch, tmp_path):
     """(the finalized ConfigContainer, its world size, memguard's recipe overrides): a HybridEP recipe (refused by
     name: test_memguards_recipes_are_bridges) is taken with the alltoall dispatcher on both sides."""
     from megatron.bridge.training.config import runtime_config_update
@@ -512,7 +513,8 @@ def _finalized(recipes, key, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = getattr(recipes, presets()["recipes"][key]["functions"][0])()
     if cfg.peft is not None:     # (validate asserts one for PEFT, and that it exists; the recipes leave it to the user)
-        cfg.checkpoint.pretrained_checkpoint = tempfile.mkdtemp(prefix="memguard-base-ckpt-")
+        cfg.checkpoint.pretrained_checkpoint = str(tmp_path / "base-ckpt")
+        os.makedirs(cfg.checkpoint.pretrained_checkpoint)
     overrides = []
     if cfg.model.moe_token_dispatcher_type == "flex" and cfg.model.moe_flex_dispatcher_backend == "hybridep":
         cfg.model.moe_token_dispatcher_type = "alltoall"
@@ -598,7 +600,7 @@ def test_every_recipe_reads_as_bridge_finalizes_it(recipes, monkeypatch, tmp_pat
     from megatron_memguard.readers.detect import read_config_file
     from megatron_memguard.resolve import resolve
 
-    cfg, world, overrides = _finalized(recipes, key, monkeypatch)
+    cfg, world, overrides = _finalized(recipes, key, monkeypatch, tmp_path)
     real = _bridge_values(cfg)
     by_name = resolve(read_bridge({}, f"recipe {key}", parse_overrides(overrides), recipe=key), world_size=world)
     path = tmp_path / "run_config.yaml"

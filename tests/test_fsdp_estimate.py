@@ -213,7 +213,8 @@ _PIN_DTENSOR = """
 import sys, tempfile, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+store_dir = tempfile.TemporaryDirectory()   # (the store's file is removed with it at exit)
+dist.init_process_group("gloo", store=dist.FileStore(store_dir.name + "/store", 1), rank=0, world_size=1)
 p = distribute_tensor(torch.zeros(8, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
 try:
     p.detach().clone().cpu().pin_memory()

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 def build(blocks_path: str, cfg: dict):
     from single_rank import start   # beside this script (sys.path[0])
-    start(29541)
+    start()
     import torch
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel

@@ -153,7 +153,7 @@ def build_016(cfg: dict):
 
 def build(cfg: dict):
     from single_rank import start   # beside this script (sys.path[0])
-    start(int(os.environ.get("MASTER_PORT", "29551")))
+    start()
     _stub_libraries()
     _stub_triton()
     import megatron.core.models

@@ -335,7 +335,7 @@ def _start() -> None:
     import warnings
     warnings.filterwarnings("ignore")
     from single_rank import start   # beside this script (sys.path[0])
-    start(int(os.environ.get("MEMGUARD_E2E_PORT", "29561")))
+    start()
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ def main() -> None:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import get_args
 
-    if mode != "save-dense":
-        flags = [*flags, "--save", tempfile.mkdtemp()]
+    if mode != "save-dense":   # (a directory that exists, removed at exit: nothing is saved in it, save is stubbed)
+        save_dir = tempfile.TemporaryDirectory(prefix="memguard-upcycle-save-")
+        flags = [*flags, "--save", save_dir.name]
     sys.argv = ["pretrain_gpt.py", *flags]
     parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     args = get_args()
