@@ -11,8 +11,19 @@
 #            megatron_training tests against those releases' real megatron.training (0.17.1: the legacy era).
 # MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one, MEMGUARD_SKIP_RELEASES=1 the
 # 0.17.1 / 0.18.2 ones; PYTHON312=/path/to/python3.12 picks the interpreter.
+# The two main runs spread whole files over MEMGUARD_TEST_WORKERS pytest-xdist workers (default 2, one per core of
+# the CI machine; 0 runs in one process): each file's tests run in order in one process, and the tests share no
+# port, fixed temporary path or state across files. pip installs with --no-compile: byte-compiling torch and
+# transformers at install time is most of their install time, and a test run compiles only what it imports.
+# docs/testing.md has the layout and the timings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WORKERS=${MEMGUARD_TEST_WORKERS:-2}
+PARALLEL=(-n "$WORKERS" --dist loadfile --durations=15)
+# each step's wall time, printed (stderr) when the script ends, so a suite that grows shows in every CI log
+T0=$SECONDS LAST=$SECONDS STEPS=()
+step() { STEPS+=("$1 $((SECONDS - LAST))s"); LAST=$SECONDS; }
+trap 'echo "tests/run.sh: wall time by step: ${STEPS[*]:-}; total $((SECONDS - T0))s (CI budget: 30 min)" >&2' EXIT
 # The venvs take about 7.8 GB on a first run (.venv 1.2 GB, .venv312 5.5 GB: torch's CUDA wheel and its
 # libraries, .venv312-bridge 1.0 GB, .venv312-core017 and -core018 31 MB each). A full disk fails pip late and far from the cause: say so up front.
 if [ ! -d .venv312-bridge ]; then
@@ -27,8 +38,10 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 # torch is pinned to the CPU wheel on the CI machines (a looser pin pulls a multi-GB CUDA build).
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e ".[test]"
+step "py3.11-pip"
+.venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"
+step "py3.11-tests"
 
 if [ "${MEMGUARD_SKIP_PY312:-0}" = "1" ]; then
     exit 0
@@ -49,17 +62,22 @@ if [ ! -x .venv312/bin/python ]; then
     "$PY312" -m venv .venv312
 fi
 # megatron-core >= 0.17 ships megatron.training and needs Python >= 3.12 (about a minute, 5.5 GB with torch).
-.venv312/bin/python -m pip install -q --disable-pip-version-check torch==2.14.1 megatron-core==0.19.2 pytest pyyaml packaging "hypothesis>=6.100"
-.venv312/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
-.venv312/bin/python -m pip install -q --disable-pip-version-check "omegaconf>=2.1"
-CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "$@"
+.venv312/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.14.1 megatron-core==0.19.2 pytest \
+    pytest-xdist==3.8.0 pyyaml packaging "hypothesis>=6.100"
+.venv312/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .
+.venv312/bin/python -m pip install -q --disable-pip-version-check --no-compile "omegaconf>=2.1"
+step "py3.12-pip"
+CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "${PARALLEL[@]}" "$@"
+step "py3.12-tests"
 
 # megatron-core 0.17.1 and 0.18.2, each layered over .venv312 (31-33 MB each, no torch; about 3.5 minutes).
 if [ "${MEMGUARD_SKIP_RELEASES:-0}" != "1" ]; then
     bash tests/run_releases.sh "$@"
+    step "core-0.17.1+0.18.2"
 fi
 
 # Megatron-Bridge 0.6.2 itself, layered over .venv312 (MEMGUARD_SKIP_BRIDGE=1 skips it).
 if [ "${MEMGUARD_SKIP_BRIDGE:-0}" != "1" ]; then
     bash tests/run_bridge.sh "$@"
+    step "bridge-0.6.2"
 fi

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . tests/layer_venv.sh
 layer_over_venv312 .venv312-bridge
-PIP=(.venv312-bridge/bin/python -m pip install -q --disable-pip-version-check)
+PIP=(.venv312-bridge/bin/python -m pip install -q --disable-pip-version-check --no-compile)
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==2.14.1" > "$CONSTRAINTS"

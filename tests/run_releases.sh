@@ -17,7 +17,7 @@ for release in 0.17.1 0.18.2; do
     tag=$(echo "$release" | awk -F. '{printf "%d%02d", $1, $2}')   # 0.17.1 -> 017
     venv=.venv312-core$tag
     layer_over_venv312 "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "megatron-core==$release"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-deps "megatron-core==$release"
     got=$("$venv/bin/python" -c 'from importlib import metadata; print(metadata.version("megatron-core"))')
     if [ "$got" != "$release" ]; then
         echo "tests/run_releases.sh: $venv has megatron-core $got, not $release" >&2
