@@ -252,7 +252,11 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
                               sequence_parallel=L.sequence_parallel)
     moe = getattr(L, "moe", None)
-    if moe is not None:
+    if moe is not None and moe.moe_use_legacy_grouped_gemm:
+        # the legacy GroupedMLP (core 0.16.1 experts.py) runs grouped_gemm's gmm on its BF16 weight1 / weight2: no TE
+        # module, so no quantized copy, recipe state or primary FP8 weight for the experts (resolve/moe.py)
+        gemms = tuple(g for g in gemms if not g.name.startswith("experts."))
+    elif moe is not None:
         # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}"); under
         # the op fuser the experts run as TE's GroupedLinear ops instead (resolve/moe.py experts_op_fuser), which
         # cache no workspace (fused_experts_overrides)
@@ -282,6 +286,10 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     latent projections keep quantized inputs (``moe_latent_projections``)."""
     if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
         return {}
+    if L.moe.moe_use_legacy_grouped_gemm:
+        # the legacy GroupedMLP's gmm keeps its BF16 inputs (no TE module, no Fp8Padding): only the shared experts
+        # and latent projections below are TE modules
+        saved = {k: v for k, v in saved.items() if k not in ("moe_expert_input", "moe_expert_activations")}
     from .layers.base import selective_modules
     from .layers.moe import expert_rows, router_bytes, tokens_per_rank
     m = L.moe
