@@ -675,42 +675,65 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
         if not cutedsl_fused_grouped_mlp(a.raw.env):
             a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
                    "with a GLU activation")
-    _refuse_quantized_fused_experts(a, kw)
+    _quantized_fused_experts(a, kw, spec)
     return True
 
 
-def _refuse_quantized_fused_experts(a: Args, kw: Mapping[str, Any]) -> None:
+def _quantized_fused_experts(a: Args, kw: Mapping[str, Any], spec: MoeSpec) -> None:
     """The experts' fused grouped MLP under FP8 / FP4, by recipe (TE 2.20.2 ops/fused/grouped_mlp.py
-    fuse_grouped_mlp_ops, ops/basic/grouped_linear.py is_op_fuser_grouped_tensor_path_supported). Sized
-    (estimator/fp8_layers.py fused_experts_overrides): MXFP8 with E4M3 gradients and NVFP4 with its Hadamard
-    transform (the CuTe-DSL fused kernel, SM 10), delayed scaling (always the split-quantize GroupedLinear path).
-    Refused: the path TE takes, and so the weight copies it keeps, depends on what memguard cannot see."""
+    fuse_grouped_mlp_ops, ops/basic/grouped_linear.py is_op_fuser_grouped_tensor_path_supported), sized by
+    estimator/fp8_layers.py fused_experts_overrides: MXFP8 with E4M3 gradients and NVFP4 with its Hadamard transform
+    (the CuTe-DSL fused kernel, SM 10), delayed scaling (always the split-quantize GroupedLinear path), and tensorwise,
+    blockwise and MXFP8 with --fp8-format hybrid, whose path depends on the GPU and the cuBLASLt version: the
+    grouped-tensor path (the one that keeps more) is sized, and a note gives what the other keeps less. Refused:
+    custom recipes (TE takes their quantizers from the factory, arbitrary Python)."""
     key = a.key("use_transformer_engine_op_fuser")
     if kw.get("fp4"):
         if kw.get("fp4_recipe", "nvfp4") != "nvfp4":
             raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP4 recipe (TE takes its "
-                                        "quantizers from the factory)")
+                                        "quantizers from the factory, Python code whose tensors are known only when "
+                                        "it runs)")
         return
     if not kw.get("fp8"):
         return
     recipe = kw.get("fp8_recipe", "delayed")
-    if recipe in ("tensorwise", "blockwise"):
-        raise NotModelledError(key, f"the experts' fused grouped MLP under the {recipe} recipe (TE 2.20.2 runs its "
-                                    "grouped-tensor GroupedLinear path, which keeps both usages of each weight copy, or "
-                                    "the split-quantize path, which keeps the column-wise one, by GPU and cuBLASLt version)")
-    if recipe == "mxfp8" and kw.get("fp8") != "e4m3":
-        raise NotModelledError(key, "the experts' fused grouped MLP under MXFP8 with --fp8-format hybrid (TE 2.20.2 "
-                                    "declines the CuTe-DSL fused kernel for E5M2 gradients; the unfused GroupedLinear "
-                                    "path it takes instead depends on the cuBLASLt version)")
     if recipe == "custom":
         raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP8 recipe (TE takes its "
-                                    "quantizers from the factory)")
+                                    "quantizers from the factory, Python code whose tensors are known only when it runs)")
     if recipe == "delayed" and a.bool_arg("moe_single_grouped_weight", False):
         # TE 2.20.2 ops/basic/grouped_linear.py fuser_forward: delayed scaling never takes the grouped-tensor path,
         # which single grouped parameters require (RuntimeError at the first forward)
         a.fail("moe_single_grouped_weight", "the experts' fused grouped MLP (--use-transformer-engine-op-fuser) under "
                "delayed scaling cannot use one grouped weight (Transformer Engine's grouped-tensor path has no delayed "
                "scaling)")
+    if recipe == "delayed" or (recipe == "mxfp8" and kw.get("fp8") == "e4m3"):
+        return
+    # is_op_fuser_grouped_tensor_path_supported (TE 2.20.2): which GPUs and cuBLASLt versions take the grouped-tensor
+    # path; the rest run _fuser_forward_split_quantize, which keeps the weight copies column-wise only
+    where = {"tensorwise": "on Blackwell (SM 10.x, 11.0) with cuBLASLt >= 13.3 and on Hopper with cuBLASLt >= 13.5; "
+                           "on other GPUs (Ada) or older cuBLASLt it takes the split-quantize path",
+             "blockwise": "only on Hopper with cuBLASLt >= 13.6; on Blackwell, or older cuBLASLt, it takes the "
+                          "split-quantize path",
+             "mxfp8": "on Blackwell with cuBLASLt >= 13.3 (the CuTe-DSL fused kernel declines E5M2 gradients); with an "
+                      "older cuBLASLt it takes the split-quantize path"}[recipe]
+    if not spec.local_experts or kw.get("fp8_param_gather"):
+        less = ""       # primary FP8 weights are used as they are: no per-forward copy on either path
+    else:
+        from ..estimator.fp8_layers import fused_experts_rowwise_weight_bytes
+        b = fused_experts_rowwise_weight_bytes(recipe, local_experts=spec.local_experts,
+                                               ffn=spec.moe_ffn_hidden_size // spec.etp,
+                                               width=spec.moe_latent_size or kw["hidden_size"],
+                                               glu=bool(kw["gated_linear_unit"]))
+        less = (f"; the split-quantize path keeps {b / 2**20:,.2f} MiB ({b:,} B) less per MoE layer and micro-batch in flight (the row-wise "
+                "data of the experts' weight copies" + (", Hopper storage; none on Blackwell, where one Float8 copy "
+                                                        "serves both usages)" if recipe == "tensorwise" else ")"))
+    single = (" --moe-single-grouped-weight needs the grouped-tensor path (a RuntimeError on the split-quantize one)."
+              if a.bool_arg("moe_single_grouped_weight", False) else "")
+    a.notes.append(f"{key}: the experts' GroupedLinear ops under the {recipe} recipe"
+                   + (" with --fp8-format hybrid" if recipe == "mxfp8" else "")
+                   + f" take Transformer Engine 2.20.2's grouped-tensor path {where}. memguard cannot see the cuBLASLt "
+                   f"version and sizes the grouped-tensor path, which keeps each weight copy with both usages{less}."
+                   + single)
 
 
 def _deepep_instead(key: str) -> str:
