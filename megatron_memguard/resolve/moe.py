@@ -300,7 +300,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     if legacy_gg:
         ok = _legacy_grouped_mlp_rules(r, add_bias_linear=add_bias_linear, mods=mods, delay_wgrad=delay_wgrad,
                                        precision=precision or {}) and ok
-    pad_align = _router_padding(r, disp=disp, cf=cf, precision=precision or {})
+    pad_align = _router_padding(r, disp=disp, precision=precision or {})
     if pad_align is None:
         ok = False
     if not ok:
@@ -473,7 +473,7 @@ def router_padding_align(precision: Mapping[str, Any], op_fuser: bool = False) -
     return 128 if precision.get("fp4") else 0
 
 
-def _router_padding(r: Reader, *, disp: str, cf: float | None, precision: Mapping[str, Any]) -> int | None:
+def _router_padding(r: Reader, *, disp: str, precision: Mapping[str, Any]) -> int | None:
     """--moe-router-padding-for-quantization (--moe-router-padding-for-fp8 is its alias: TransformerConfig sets
     the first from the second). TransformerConfig.__post_init__ (0.16.1 and 0.19.2) needs FP8 or FP4 and
     refuses the allgather dispatcher. Returns the alignment (0 when off), None after a reported error."""
@@ -490,10 +490,8 @@ def _router_padding(r: Reader, *, disp: str, cf: float | None, precision: Mappin
         r.fail(dest, "does not work with the allgather token dispatcher (TransformerConfig)",
                "use --moe-token-dispatcher-type alltoall or flex")
         ok = False
-    if ok and cf is not None:
-        # pad_routing_map runs after the router dropped tokens to the capacity: how the padded rows meet the
-        # capacity (and --moe-pad-expert-input-to-capacity's fixed sizes) was not analysed
-        raise NotModelledError(r.key(dest), "router padding for quantization with --moe-expert-capacity-factor")
+    # with --moe-expert-capacity-factor pad_routing_map runs on the routing map the router already dropped to the
+    # capacity: estimator/layers/moe.py expert_rows pads the dropped counts (padded to capacity: C rows an expert)
     return align if ok else None
 
 
