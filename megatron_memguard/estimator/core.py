@@ -1583,6 +1583,12 @@ def estimate(
         bad = gpu_violation(layout.fp8_spec, gpu.name)
         if bad:
             raise ConfigError("--gpu", bad)
+        # the experts' fused grouped MLP: the GPU, as data, may rule TE's grouped-tensor path out (fp8_layers.py)
+        from .fp8_layers import fused_experts_gpu_path
+        split = fused_experts_gpu_path(L, gpu.name)
+        if split:
+            L = L.replace(fused_experts_split_quantize=True)
+            notes.append(split)
     gpu_name = gpu.name if gpu else None
     # one _StagePrep per distinct stage shape (the middle of a deep pipeline shares one), looked up here
     # rather than once per stage; only the schedule's peak and its terms are made per stage

@@ -67,6 +67,9 @@ class Precision:
     activation_func_fp8_input_store: bool = False     # TransformerConfig only
     fp8_output_proj: bool = False                     # --fp8-output-proj (core 0.19): the LM head in MXFP8
     fp8_dot_product_attention: bool = False           # TransformerConfig only: FP8 fused attention (delayed/tensorwise)
+    # set by estimate() from the GPU it is given, never read from a config: the GPU alone sends the experts'
+    # GroupedLinear ops under the op fuser to TE's split-quantize path (estimator/fp8_layers.py fused_experts_gpu_path)
+    fused_experts_split_quantize: bool = False
 
     @property
     def fp8_spec(self):
