@@ -151,12 +151,16 @@ def test_which_recipes_carry_it():
     # blockwise: Float8BlockScaling is built without fp8_dpa (both versions)
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "blockwise", fp8_dot_product_attention=True)
     assert not L.fp8_spec.fp8_dot_product_attention
-    # mxfp8: 0.16.1 drops it, 0.19.2 passes it and TE's DotProductAttention asserts
+    # mxfp8: 0.16.1 drops it; 0.19.2 passes it (fp8_utils.get_fp8_recipe) to TE 2.20.2, which runs MXFP8 attention
+    # in cuDNN >= 9.21 on Blackwell (attention/dot_product_attention/utils.py get_attention_backend): refused by name,
+    # not sized
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.16.1")
     assert not L.fp8_spec.fp8_dot_product_attention
-    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*per-tensor recipes"):
+    with pytest.raises(NotModelledError, match="fp8.dot.product.attention.*mxfp8 recipe"):
         lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
-    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*per-tensor recipes"):
+    # nvfp4 (fp4_utils.get_fp4_recipe passes fp8_dpa, 0.19.2): TE 2.20.2 disables FusedAttention for
+    # NVFP4BlockScaling and runs FP8 attention nowhere else
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*nvfp4 recipe.*no attention backend"):
         lay("--fp4-format", "e2m1", fp8_dot_product_attention=True, version="0.19.2")
 
 
