@@ -118,14 +118,17 @@ _BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
 
 def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> MixerActivations:
     """FP8 attention under context parallelism with cp_comm_type p2p (a2a: ``fp8_a2a_attention``):
-    Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; the same
-    tensors in TE 2.20.2, whose ring holds two buffers instead of one per step).
+    Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; TE 2.20.2, for
+    megatron-core >= 0.17, holds two ring buffers instead of one per step and casts the fp32 output to BF16 twice:
+    ``out_part`` (2255), which it saves, and the returned ``out_f16`` (2298)).
 
     Saved (forward's end, ``ctx.fp8``): ``q_fp8`` (a view of combine_and_quantize's one FP8 buffer of q, k, v:
     the whole ``[Tf, (a + 2 g) d]`` stays), ``kv_fp8`` (the last ring buffer, FP8 K and V), the merged fp32
     log-sum-exp ``[b, a, s]`` (one statistic: only M of each step's M / ZInv is kept), and the output: FP8 under
-    delayed scaling (``O_quantizer(out_f16)``), the BF16 one under tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``).
-    The BF16 q the BF16 ring kept is not saved.
+    delayed scaling (``O_quantizer(out_f16)``), the BF16 one under tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``): in
+    TE 2.11 the returned tensor linear_proj keeps too, in TE 2.20.2 ``out_part``, a second BF16 copy
+    (``cp_a2a_attention_output``; under delayed scaling a forward transient). The BF16 q the BF16 ring kept is not
+    saved.
 
     Forward working set at the output correction: each step's partial output dequantized to fp32 ``[Tf, a d]``
     and its fp32 statistic (TE 2.11: every step's, kept in ``out_per_step``; TE 2.20.2: two), the ring buffers
