@@ -291,6 +291,27 @@ def test_ring_attention_with_core_attention_recompute():
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring - bf16, 0, 0]
 
 
+def test_ring_attention_with_core_attention_recompute_te_2_20():
+    # megatron-core 0.19.2 (TE 2.20.2), tensorwise: the backward's replay of the ring forward keeps, besides TE
+    # 2.11's saved tensors and the BF16 output it returns, out_part (context_parallel.py 2255, 2321-2326: the BF16
+    # copy saved under NVTE_DPA_FP8CS_O_in_F16), 2 Q bytes more, through the ring's backward; no FP8 output
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--context-parallel-size", "2",
+            "--recompute-granularity", "selective"]
+    L = lay(*args, fp8_dot_product_attention=True, version="0.19.2")
+    assert layer_activations(L).saved == layer_activations(lay(*args, version="0.19.2")).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    kept = (W + 512) + KV + STATS + 2 * Q + 2 * Q
+    # tensorwise ring backward (test_ring_attention_working_sets_by_hand): FP8 dO, BF16 dO, K/V receive buffer,
+    # dK/dV send and receive [2, K+V] FP8, half the statistics; fp32 dq and dK/dV accumulators; each step's BF16
+    # dq/dk/dv, their fp32 casts and the BF16 halves of q, out, dO
+    ring = Q + 512 + 2 * Q + KV + 4 * KV + STATS // 2 + 4 * W + 6 * W + 2 * Q
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring - bf16, 0, 0]
+
+
 def test_context_parallel_comm_types():
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2"]
     # TE 2.11 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels)
