@@ -170,7 +170,7 @@ def test_blockwise_on_blackwell_takes_the_split_quantize_path():
     assert fused_experts_gpu_path(L, "H100-80GB") is None      # Hopper: the cuBLASLt version decides (not seen)
     for gpu in ("B200", "GB200"):
         assert "split-quantize path" in fused_experts_gpu_path(L, gpu)
-    split = moe_saved(L.replace(fused_experts_split_quantize=True))
+    split = moe_saved(L.replace(fp8_gpu="B200"))
     grouped = moe_saved(L)
     # per expert: fc1 [2048, 512] column-wise 2048 x 512 B + scales [ceil(512/128), round4(ceil(2048/128))] fp32 = 4 x 16
     # x 4 B (one 512 B allocation); fc2 [512, 1024] 512 x 1024 B + [8, 4] x 4 B (512 B)
@@ -187,8 +187,12 @@ def test_blockwise_on_blackwell_takes_the_split_quantize_path():
     assert not any("split-quantize path on Blackwell" in n for n in h100.notes + free.notes)
     acts = {k: _term_bytes(e, "layer_activations") for k, e in (("b200", b200), ("h100", h100), ("free", free))}
     assert acts["h100"] == acts["free"] > acts["b200"]
-    # tensorwise: the cuBLASLt version decides on both Hopper and Blackwell; nothing changes with the GPU
-    assert fused_experts_gpu_path(layout(*TENSORWISE, *FUSER), "B200") is None
+    # tensorwise: the cuBLASLt version decides on both Hopper and Blackwell (the grouped-tensor path stays sized);
+    # on Blackwell one Float8 copy serves both usages (is_non_tn_fp8_gemm_supported), so the weight copies are the
+    # FP8 data + a scale-inverse per expert linear, not data + transpose as on Hopper
+    T_ = layout(*TENSORWISE, *FUSER)
+    assert fused_experts_gpu_path(T_, "B200") is None
+    assert moe_saved(T_.replace(fp8_gpu="B200"))["fp8_op_fuser_weights"] == 4 * (2048 * 512 + 512) + 4 * (512 * 1024 + 512)
     assert fused_experts_gpu_path(layout(*MXFP8_HYBRID, *FUSER), "B200") is None
     # pre-Hopper: no FP8 at all (TE check_fp8_support: compute capability 8.9)
     from megatron_memguard.errors import ConfigError

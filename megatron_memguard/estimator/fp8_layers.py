@@ -399,7 +399,8 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
                                          + e * Np * g * Fr + x(Fr))
     # the split-quantize path: delayed scaling always; the other recipes where estimate()'s GPU rules the
     # grouped-tensor path out (fused_experts_gpu_path)
-    split = r == "delayed" or bool(getattr(L, "fused_experts_split_quantize", False))
+    gpu = getattr(L, "fp8_gpu", None)
+    split = r == "delayed" or (gpu is not None and fused_experts_gpu_path(L, gpu) is not None)
     w = sum(op_fuser_weight(spec, Gemm(n, rows, cols, count=El, op_fused=True), non_tn=non_tn,
                             both_usages=not split)
             for n, (rows, cols) in (("experts.linear_fc1", (g * Fr, hx)), ("experts.linear_fc2", (hx, Fr))))
