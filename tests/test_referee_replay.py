@@ -137,3 +137,30 @@ def test_distributed_saved_activations_move_each_stage_by_the_measured_bytes(voc
     without, with_flag = DIST_MEASURED[(vocab, stage)]
     assert est[1] - est[0] == with_flag - without
     assert abs(est[0] - without) < 0.005 * without
+
+
+def test_a_top_layer_without_a_pre_mlp_norm_holds_no_more_than_its_output_gradient():
+    """A hybrid model's Mamba layer (MambaLayer.forward: residual, norm, mixer, bias-dropout-add; megatron-core 0.16.1
+    and 0.19.2) and attention-only '*' layer have one residual branch: the gradient CheckpointFunction.backward holds
+    is the layer's own output gradient (each step's G) until the input norm's backward merges the residual, the
+    layer's last step. So the block's top layer of either kind adds nothing over its own backward working set, while a
+    layer below it, or a full layer above its pre-MLP norm's merge, holds one [s, b, h] tensor more (here [128, 1, 256]
+    bf16 = 65,536 B). (The replayed heterogeneous attention-only top layer on the referee: the test above.)"""
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.estimator.core import _replay_transient
+    from megatron_memguard.partition import layer_kinds
+    from test_mamba import SMALL
+    L = layout_from_flags(SMALL + ["--hybrid-layer-pattern", "M*-"], world_size=1)
+    grad = 128 * 1 * 256 * 2
+    for kind in layer_kinds(L):
+        la = layer_activations(L, True, kind)
+        assert _replay_transient(la, grad, False) == la.bwd_transient + grad == la.bwd_transient + 65_536
+        # the top layer: M and * merge at their last step, '-' (no attention) at its pre-MLP norm, its last step
+        assert _replay_transient(la, grad, True) == la.bwd_transient, kind
+    # a GPT layer (attention + MLP) on top holds the gradient from its pre-MLP norm's merge on: the attention steps
+    gpt = layout_from_flags(SMALL + ["--num-layers", "1"], world_size=1)
+    la = layer_activations(gpt)
+    get = la.saved.get
+    after_merge = max(w - sum(get(n, 0) for n in names) for names, w in la.bwd_steps if "mlp_norm_input" in names)
+    assert _replay_transient(la, grad, True) == max(la.bwd_transient, after_merge + grad)
