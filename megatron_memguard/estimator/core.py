@@ -388,9 +388,13 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     d = L.mtp_num_layers
     x = shapes(L)
     # under full uniform recompute each depth's checkpoint keeps decoder_input (the rolled tokens' embedding) whole:
-    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py); a
-    # hybrid depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
-    kept = d * (x.T * x.h * x.r if L.distribute_saved_activations else ckpt_input)
+    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py), into a
+    # new 1/TP buffer (split_tensor_into_1d_equal_chunks(new_buffer=True), tensor_parallel/utils.py 0.16.1 / 0.19.2)
+    # while the tensor it shards, a viewless copy of a view of the decoder output (or of the received concatenation),
+    # leaves that storage referenced: the shard is one more (one depth: two fail at the first forward); a hybrid
+    # depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
+    whole = x.T * x.h * x.r
+    kept = d * whole + whole // L.tp if L.distribute_saved_activations else d * ckpt_input
     if L.hybrid_mtp_pattern:
         # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind; the layer with the
         # largest backward working set stands for the stack's
