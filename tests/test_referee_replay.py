@@ -29,8 +29,9 @@ VERSION = {"0.16.1": "0.16.1", "0.19.2": "0.19"}   # megatron-core release -> me
 
 def _offsets(entry: dict, core: str) -> list[int]:
     """Estimated minus measured peak (bytes) of each rank of a stored entry, with the release's defaults."""
+    from benchmarks.referee.replay_grid import het_flags
     from megatron_memguard import estimate
-    layout, _ = resolve_config(entry["flags"], entry["world_size"], VERSION[core])
+    layout, _ = resolve_config(het_flags(entry["flags"], ROOT), entry["world_size"], VERSION[core])
     out = []
     for r in entry["ranks"]:
         assert "bwd" in r["peak_phase"], (entry["name"], r["peak_phase"])   # the peak this file is about
@@ -61,6 +62,28 @@ def test_a_replay_is_estimated_as_exactly_as_a_backward_without_one(measured, co
     # 1/TP shard is swapped for the gathered input at the replay: the shard is what is freed)
     for name in ("recomp_full_uniform1_tp2_sp_bwd", "recomp_full_uniform1_distributed_bwd"):
         assert _offsets(entries[name], core) == tp2, name
+
+
+@pytest.mark.parametrize("core", list(VERSION))
+@pytest.mark.parametrize("blocks", ["top_attention_only", "top_mlp_only", "top_identity"])
+def test_a_replayed_top_layer_without_a_pre_mlp_norm_is_estimated_as_exactly_as_without_a_replay(measured, core, blocks):
+    """Heterogeneous models (tests/data/heterogeneous/top_*.json: h 512, s 256, b 2, GQA, SwiGLU, RMSNorm, rope) whose
+    top layer has no pre-MLP norm (an attention-only block over three MLP-only ones: a Mamba or '*' hybrid layer's
+    structure, one residual branch merged at the input norm), no attention (an MLP-only block over attention-only
+    ones) or is an identity (both halves no-op) over an attention-only block. Block 3 of 4 leaves the top layer
+    unreplayed (the reference); uniform 1 and 2 and block 4 of 4 replay it, handed the final norm's gradient, and the
+    identity hands its gradient on unchanged (uniform 2: one block of the attention-only layer and the identity) or
+    copied (AccumulateGrad clones a gradient its caller holds: its own block). Each replay errs by the reference's
+    bytes exactly. Before, the attention-only layer (and the one under the identity) was estimated one [s, b, h] bf16
+    tensor (524,288 B) high: its steps' release sets name the pre-MLP norm's input it never saved, which counted the
+    handed gradient as a tensor of its own, and under uniform 2 the identity counted as the top layer."""
+    entries = measured[core]
+    ref = _offsets(entries[f"het_{blocks}_b3"], core)
+    # the reference itself: within 1% (524,068 B high for the attention-only top layer's core attention step: the unfused
+    # attention's backward there, not what this test checks)
+    assert abs(ref[0]) < 0.01 * entries[f"het_{blocks}_b3"]["ranks"][0]["peak_bytes"]
+    for r in ("u1", "b4", "u2"):
+        assert _offsets(entries[f"het_{blocks}_{r}"], core) == ref, r
 
 
 def test_the_replay_saves_its_kept_input_without_a_copy(measured):
