@@ -172,3 +172,44 @@ def test_each_stages_parameters_are_its_blocks_and_sum_to_the_model(job):
                     if not b[half]["no_op"]) + (h if p == pp - 1 else 0)
         whole += (want - norms) * tp + norms
     assert whole == total_parameters(L)
+
+
+IDENTITY = {"attention": {"n_heads_in_group": None, "no_op": True, "replace_with_linear": False},
+            "ffn": {"ffn_hidden_size": None, "no_op": True, "replace_with_linear": False}}
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.data())
+def test_identity_blocks_on_top_of_each_stage_change_nothing(job, data):
+    """A block whose attention and MLP are both no-op returns its input (heterogeneous_layer_specs.py: IdentityOp
+    halves, IdentityFuncOp bias-dropout-adds): no parameter, nothing saved, and the output gradient passes to the
+    layer below unchanged. One on top of every stage's layers leaves every estimate as it was, byte for byte, without
+    recompute, with selective recompute and with full block recompute of up to all the original layers (the identity
+    not checkpointed: the layer under it is handed the stage's own output gradient, which on a stage before the last
+    the schedule holds, so a replayed full layer there holds no copy of it)."""
+    flags, doc, world, version = job
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+    blocks = list(doc["block_configs"])
+    per = len(blocks) // pp
+    full = {"attention": next((b["attention"] for b in blocks if b["attention"]["n_heads_in_group"]),
+                              {"n_heads_in_group": 1, "no_op": False, "replace_with_linear": False}),
+            "ffn": {"ffn_hidden_size": doc["hidden_size"] * 2, "no_op": False, "replace_with_linear": False}}
+    if full["attention"]["n_heads_in_group"] != doc["num_attention_heads"] // int(
+            flags[flags.index("--num-query-groups") + 1]):
+        reject()
+    for p in range(pp):
+        if data.draw(st.booleans()):
+            blocks[p * per + per - 1] = full      # a full layer under the identity (its replay merges below its MLP)
+    if "full" in flags:
+        i = flags.index("--recompute-method")
+        flags = flags[:i] + ["--recompute-method", "block", "--recompute-num-layers",
+                             str(data.draw(st.integers(1, per)))] + flags[i + 4:]
+    more = [b for p in range(pp) for b in blocks[p * per:(p + 1) * per] + [IDENTITY]]
+    n = flags.index("--num-layers") + 1
+    flags2 = flags[:n] + [str(len(more))] + flags[n + 1:]
+    a = _with_config(flags, dict(doc, block_configs=blocks), world, version)
+    b = _with_config(flags2, dict(doc, num_hidden_layers=len(more), block_configs=more), world, version)
+    ea, eb = estimate(a), estimate(b)
+    for sa, sb in zip(ea.stages, eb.stages, strict=True):
+        assert [(t.name, t.bytes) for t in sb.terms] == [(t.name, t.bytes) for t in sa.terms]
+        assert sb.peak_allocated_bytes == sa.peak_allocated_bytes
