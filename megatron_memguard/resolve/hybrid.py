@@ -11,9 +11,11 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net), 'D' (DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
-FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers
-are the MoE layers (resolve/moe.py places them by the pattern).
+(gated delta net), 'D' (DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, FP8 / FP4 with a '/' MTP
+pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E'
+layers are the MoE layers (resolve/moe.py places them by the pattern). Context parallelism follows
+MambaContextParallel's asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's (the in_proj
+width a multiple of 16 under FP8).
 """
 from __future__ import annotations
 
@@ -272,6 +274,22 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if heads % groups:
         a.fail("mamba_num_heads", f"{heads} Mamba heads must be divisible by --mamba-num-groups {groups} "
                "(MambaMixer asserts it)")
+    cp = kw.get("context_parallel_size", 1)
+    if cp > 1 and "M" in main + (kw.get("hybrid_mtp_pattern") or "") and not heads % tp and not groups % tp:
+        # MambaContextParallel.__init__ (0.16.1 and 0.19.2 ssm/mamba_context_parallel.py): the heads of a TP rank split
+        # over CP; its groups too, or CP a multiple of them (each group repeated on CP / groups ranks)
+        if (heads // tp) % cp:
+            a.fail("context_parallel_size", f"{cp} must divide the {heads // tp} Mamba heads of a tensor-parallel rank "
+                   f"(--mamba-num-heads {heads} / TP {tp}; MambaContextParallel asserts it)")
+        g_t = groups // tp
+        if (g_t < cp and cp % g_t) or (g_t >= cp and g_t % cp):
+            a.fail("context_parallel_size", f"{cp} and the {g_t} Mamba groups of a tensor-parallel rank (--mamba-num-"
+                   f"groups {groups} / TP {tp}) must divide one another (MambaContextParallel asserts it)")
+    if kw.get("fp8") and (2 * heads * head_dim + 2 * groups * state + heads) % 16:
+        # MambaMixer.__init__ (0.16.1 and 0.19.2) asserts it under FP8 (not FP4): the in_proj output's width
+        a.fail("mamba_num_heads", f"with --fp8-format the Mamba in_proj output width 2 x {heads * head_dim} (d_inner) "
+               f"+ 2 x {groups} x {state} (groups x state) + {heads} (heads) = {2 * heads * head_dim + 2 * groups * state + heads} "
+               "must be a multiple of 16 (MambaMixer asserts it)")
     mtp = kw.get("hybrid_mtp_pattern") or ""
     if "E" in main + mtp and not a.get("num_experts"):
         a.fail(PATTERN if _given(a, PATTERN) is not None else LEGACY,
@@ -300,9 +318,10 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         raise NotModelledError(a.key("transformer_impl"), f"{kw.get('transformer_impl')} with a hybrid model "
                                "(megatron-core builds its TE layer spec whatever the flag says)")
     checks = (
-        (kw.get("context_parallel_size", 1) > 1, "context_parallel_size",
-         "context parallelism in Mamba layers (MambaContextParallel's all-to-all of heads)"),
-        (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 Mamba layers"),
+        # MultiTokenPredictionLayer runs its depth in the global FP8 context and ignores FP4 (0.19.2
+        # multi_token_prediction.py); its HybridStack opens per-layer contexts again: not read for a '/' pattern
+        (kw.get("hybrid_mtp_pattern") and (kw.get("fp8") or kw.get("fp4")), "fp8" if kw.get("fp8") else "fp4",
+         "FP8 / FP4 with the MTP depths of a hybrid '/' pattern"),
         (kw.get("moe") is not None and "E" not in main, "num_experts", "mixture-of-experts settings with a hybrid "
          "pattern without MoE ('E') layers"),
         (kw.get("mtp_num_layers") and ctx.version < Version("0.17"), "mtp_num_layers",
