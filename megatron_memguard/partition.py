@@ -41,7 +41,7 @@ MIXER_MAMBA = "mamba"              # megatron-core MambaMixer (layers/mamba.py);
 # hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
 HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
-                "E": (MIXER_NONE, MLP_MOE)}
+                "E": (MIXER_NONE, MLP_MOE), "+": (MIXER_MLA, MLP_NONE)}   # ('+': 0.19's mla_layer, MLP IdentityOp)
 
 
 class LayerKind(NamedTuple):

@@ -32,7 +32,10 @@ PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
 SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
            "-": "MLP", "E": "MoE"}
-MODELLED = frozenset("M*-E")
+MODELLED = frozenset("M*-E+")
+# the release whose Symbols.VALID_LAYERS first holds a symbol (0.16.1 ssm/mamba_hybrid_layer_allocation.py: M * - E;
+# 0.17.1 adds G, 0.18.2 D (models/hybrid/hybrid_layer_allocation.py), 0.19.2 + (MLA))
+SINCE = {"G": Version("0.17"), "D": Version("0.18"), "+": Version("0.19")}
 MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --num-layers
 
 
@@ -81,12 +84,14 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                "'|' between pipeline segments, '/' before MTP patterns)")
         raise Stop
     main, *mtp_parts = s.split("/")
-    mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old)
+    mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old, ctx.version)
     layers = main.replace("|", "")
     if not layers:
         a.fail(dest, "has no layers before any '/'")
         raise Stop
-    _modelled_symbols(a, dest, key, layers, mtp=False)
+    _modelled_symbols(a, dest, key, layers, mtp=False, version=ctx.version)
+    if "+" in layers + (mtp or ""):
+        _mla_layers(a, layers + (mtp or ""))
     n = len(layers)
     bound, why = BOUNDS["num_layers"]
     if n > bound:
@@ -157,9 +162,15 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     return out
 
 
-def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> None:
-    """Megatron's rule on mixing attention with MLA / DSA layers (_validate_pattern), then memguard's refusal of
-    the layer kinds it does not model, for the main pattern or (``mtp``) the MTP pattern after '/'."""
+def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool, version: Version | None = None) -> None:
+    """A symbol the release does not know (its Symbols.VALID_LAYERS), Megatron's rule on mixing attention with MLA /
+    DSA layers (_validate_pattern), then memguard's refusal of the layer kinds it does not model, for the main pattern
+    or (``mtp``) the MTP pattern after '/'."""
+    young = next((sym for sym in layers if version is not None and sym in SINCE and version < SINCE[sym]), None)
+    if young == "+":
+        a.fail(dest, f"'+' (MLA) is not a layer symbol of megatron-core {version.major}.{version.minor} (its "
+               "hybrid_layer_allocation.Symbols gained it in 0.19)", "give --megatron-version 0.19 or later")
+        raise Stop
     if "*" in layers and ("D" in layers or "+" in layers):
         where = " in the MTP pattern" if mtp else ""
         a.fail(dest, f"cannot mix attention '*' with MLA '+' or DSA 'D' layers{where} (_validate_pattern)")
@@ -168,10 +179,23 @@ def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> N
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
         raise NotModelledError(key, f"{names} layers in a hybrid {'MTP ' if mtp else ''}pattern (memguard models "
-                               "Mamba 'M', attention '*', MLP '-' and MoE 'E')")
+                               "Mamba 'M', attention '*', MLA '+', MLP '-' and MoE 'E')")
 
 
-def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> tuple[str | None, int]:
+def _mla_layers(a: Args, layers: str) -> None:
+    """'+' layers: validate_args (0.19.2) sets --multi-latent-attention for a pattern with MLA or DSA layers, so the
+    MLA section reads their shape (--q-lora-rank, --kv-lora-rank, ...). Their spec (hybrid_layer_specs.py mla_layer)
+    is GPT's TE MLA layer without latent norms: q_layernorm / kv_layernorm IdentityOp and plain TEColumnParallelLinear
+    up-projections, whatever --qk-layernorm says (GPT's spec makes them TELayerNormColumnParallelLinear with it)."""
+    a.a["multi_latent_attention"] = True
+    if "*" not in layers and a.get("qk_layernorm") is not None and a.bool_arg("qk_layernorm", False):
+        a.notes.append(f"{a.key('qk_layernorm')}: not applied to the hybrid MLA layers ('+': their spec has no latent "
+                       "norms, hybrid_layer_specs.py)")
+        a.a["qk_layernorm"] = False
+
+
+def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool,
+                 ctx_version: Version | None = None) -> tuple[str | None, int]:
     """The MTP layers of a hybrid model: (one depth's pattern, the number of depths), or (None, 0).
 
     parse_hybrid_pattern (megatron-core 0.17.1 ssm/mamba_hybrid_layer_allocation.py, 0.18.2 and 0.19.2
@@ -213,7 +237,7 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
         a.fail(dest, f"{bad!r} is not a layer symbol of an MTP pattern (M, *, -, E, G, D, +; no '|': "
                "parse_hybrid_pattern)")
         raise Stop
-    _modelled_symbols(a, dest, key, mtp, mtp=True)
+    _modelled_symbols(a, dest, key, mtp, mtp=True, version=ctx_version)
     bound, why = BOUNDS["num_layers"]
     if len(mtp) * len(parts) > bound:   # (100 depths of 100,000 symbols ran past 60 s in the MTP estimate)
         a.fail(dest, f"has {len(parts)} MTP depth(s) of {len(mtp):,} layers; memguard's bound on the layer count is "
