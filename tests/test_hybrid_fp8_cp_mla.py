@@ -196,3 +196,62 @@ def test_mxfp8_block_rule_names_the_mamba_shape():
     # MXFP8 quantizes every GEMM tensor in 32-element blocks (resolve/fp8_shapes.py): in_proj's 1104 rows are not
     text = _err("M*M-", "--fp8-format e4m3 --fp8-recipe mxfp8")
     assert "--mamba-num-heads: with --fp8-recipe mxfp8: mixer.in_proj's weight is [1104, 256]" in text
+
+
+# --- --hybrid-attention-ratio / --hybrid-mlp-ratio ---------------------------------------------------------------
+RATIOS = [(10, 0.2, 0.0), (10, 0.2, 0.3), (48, 0.1, 0.0), (48, 0.08, 0.5), (52, 4 / 52, 24 / 52), (7, 0.5, 0.5),
+          (1, 0.0, 1.0), (56, 0.0, 0.0), (13, 0.33, 0.33), (100, 0.05, 0.45)]
+
+
+def _megatron_allocation():
+    """megatron-core's own allocation in this venv: 0.17+ pattern_from_ratios, 0.16.1 _allocate_auto."""
+    try:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
+        return pattern_from_ratios
+    except ImportError:
+        pass
+    try:
+        from megatron.core.ssm.mamba_hybrid_layer_allocation import _allocate_auto
+    except ImportError:
+        pytest.skip("no megatron-core in this venv")
+    return lambda n, a, m: "".join(_allocate_auto(n, a, m))
+
+
+@pytest.mark.parametrize("n, attention, mlp", RATIOS)
+def test_pattern_from_ratios_is_megatron_cores(n, attention, mlp):
+    from megatron_memguard.resolve.hybrid import pattern_from_ratios
+    assert pattern_from_ratios(n, attention, mlp) == _megatron_allocation()(n, attention, mlp)
+
+
+def _from_raw(version, **args):
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.resolve import resolve
+    return resolve(parse_megatron_flags(SMALL).with_args(**args), world_size=1, megatron_version=version)
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.19"])
+def test_ratios_without_a_pattern_are_estimated(version):
+    # a namespace with the deprecated ratios (0.16.1 MambaStack / 0.19.2 HybridModel derive the pattern): 10 layers,
+    # 2 attention (round(10 x 0.2)) evenly spaced, 3 MLP (round(10 x 0.3)) spread over the Mamba ones
+    L = _from_raw(version, num_layers=10, hybrid_attention_ratio=0.2, hybrid_mlp_ratio=0.3)
+    assert L.hybrid_layer_pattern == _megatron_allocation()(10, 0.2, 0.3) == "MM-*M-*MM-"
+    assert L.num_layers == 10 and any("derived" in n for n in L.notes)
+    assert estimate(L).critical.peak_allocated_bytes > 0
+
+
+def test_ratio_rules():
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _from_raw("0.19", num_layers=4, hybrid_attention_ratio=0.7, hybrid_mlp_ratio=0.5)
+    assert "--hybrid-mlp-ratio: 0.5 plus --hybrid-attention-ratio 0.7 must be at most 1" in str(e.value)
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _from_raw("0.19", num_layers=4, hybrid_attention_ratio=1.5)
+    assert "--hybrid-attention-ratio: must be between 0 and 1" in str(e.value)
+    # 0.16's allocate_layers: an override pattern must hold the ratios' counts (4 layers x 0.5: 2 attention)
+    with pytest.raises((ConfigError, ConfigErrors)) as e:
+        _from_raw("0.16", num_layers=4, hybrid_override_pattern="MM*-", hybrid_attention_ratio=0.5)
+    assert "--hybrid-override-pattern: must hold as many layers of each kind as the ratios give" in str(e.value)
+    assert _from_raw("0.16", num_layers=4, hybrid_override_pattern="M*M-", hybrid_attention_ratio=0.25,
+                     hybrid_mlp_ratio=0.25).hybrid_layer_pattern == "M*M-"
+    # 0.17+: the builder passes only the pattern (noted)
+    L = _from_raw("0.19", hybrid_layer_pattern="MM*-", hybrid_attention_ratio=0.5)
+    assert L.hybrid_layer_pattern == "MM*-" and any("ignored beside the layer pattern" in n for n in L.notes)
