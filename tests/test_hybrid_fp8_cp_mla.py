@@ -255,3 +255,34 @@ def test_ratio_rules():
     # 0.17+: the builder passes only the pattern (noted)
     L = _from_raw("0.19", hybrid_layer_pattern="MM*-", hybrid_attention_ratio=0.5)
     assert L.hybrid_layer_pattern == "MM*-" and any("ignored beside the layer pattern" in n for n in L.notes)
+
+
+# --- LoRA / DoRA -------------------------------------------------------------------------------------------------
+PEFT_BASE = dict(hidden_size=256, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
+                 micro_batch_size=2, global_batch_size=8, bf16=True, tokenizer_type="NullTokenizer", vocab_size=1024,
+                 position_embedding_type="none", normalization="RMSNorm", add_bias_linear=False,
+                 untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, mamba_head_dim=32,
+                 mamba_num_groups=2, mamba_state_dim=16, use_distributed_optimizer=True)
+
+
+@pytest.mark.parametrize("peft", [dict(peft_scheme="lora"), dict(peft_scheme="dora"),
+                                  dict(peft_scheme="lora", peft_dropout=0.1)], ids=["lora", "dora", "dropout"])
+def test_peft_of_attention_mlp_pairs_is_the_gpt_models(peft):
+    # '*-' pairs build one GPT layer's modules each (hybrid_layer_specs.py); Bridge wraps linear_qkv / linear_proj in
+    # the '*' layer and linear_fc1 / linear_fc2 in the '-' layer, in the GPT layer's order: every term equal
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    H = resolve(RawConfig(args=dict(PEFT_BASE, hybrid_layer_pattern="*-*-", **peft), world_size=2))
+    G = resolve(RawConfig(args=dict(PEFT_BASE, num_layers=2, **peft), world_size=2))
+    eh, eg = estimate(H), estimate(G)
+    assert eh.critical.breakdown == eg.critical.breakdown
+    assert eh.critical.peak_allocated_bytes == eg.critical.peak_allocated_bytes
+
+
+def test_peft_wildcards_on_a_hybrid_model_are_refused_by_name():
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    with pytest.raises(NotModelledError) as e:
+        resolve(RawConfig(args=dict(PEFT_BASE, hybrid_layer_pattern="M*M-", peft_scheme="lora",
+                                    peft_target_modules=["*.linear_qkv"]), world_size=1))
+    assert "'*' target patterns on a hybrid model" in str(e.value)

@@ -144,7 +144,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
     if getattr(L, "peft", None) is not None:
         from .peft import backward_steps
-        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd)
+        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd, kind)
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
@@ -158,7 +158,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if getattr(L, "peft", None) is not None:
         # LoRA / DoRA: frozen linears keep no input for a weight gradient, the adapters keep theirs (estimator/peft.py)
         from .peft import layer_items, tie_steps
-        saved, dora_fwd = layer_items(L, saved, mods)
+        saved, dora_fwd = layer_items(L, saved, mods, kind)
         fwd_steps = tie_steps(fwd_steps, saved) + (((frozenset(), dora_fwd),) if dora_fwd else ())
         bwd_steps = tie_steps(bwd_steps, saved)
     if kind.quantized:

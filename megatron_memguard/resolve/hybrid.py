@@ -476,8 +476,23 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
 
 
 def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
-    """After the PEFT section: LoRA / DoRA on a hybrid model is refused by name (the adapters' target modules
-    and the Mamba layers' frozen tensors were not read)."""
-    if kw.get("hybrid_layer_pattern") and kw.get("peft") is not None:
-        raise NotModelledError(a.key("peft_scheme"), "LoRA / DoRA on a hybrid Mamba model")
+    """After the PEFT section: LoRA / DoRA on a hybrid model. Megatron-Bridge 0.6.2 matches target_modules against
+    each module's own name (peft/module_matcher.py): linear_qkv / linear_proj exist in the '*' layers, linear_fc1 /
+    linear_fc2 in the '-' layers; a Mamba layer's in_proj / out_proj are not among memguard's target names, so Mamba
+    layers stay frozen and unwrapped (estimator/peft.py). MoE 'E' and MLA '+' layers are refused by the PEFT section.
+    A '*' pattern is matched over GPT layers' module names there: refused by name for a hybrid model."""
+    main = kw.get("hybrid_layer_pattern")
+    spec = kw.get("peft")
+    if not main or spec is None:
+        return {}
+    targets_v = a.get("peft_target_modules")
+    if targets_v is not None and any("*" in str(t) for t in ([targets_v] if isinstance(targets_v, str) else targets_v)):
+        raise NotModelledError(a.key("peft_target_modules"), "'*' target patterns on a hybrid model (matched over "
+                               "GPT layers' module names)")
+    wrapped = [t for t in spec.target_modules
+               if ("*" in main if t in ("linear_qkv", "linear_proj") else "-" in main)]
+    if not wrapped:
+        a.fail("peft_target_modules", f"wraps no linear of the pattern {main} ({', '.join(spec.target_modules)}: "
+               "linear_qkv / linear_proj are in '*' layers, linear_fc1 / linear_fc2 in '-' layers; Megatron-Bridge "
+               "would train no parameter)")
     return {}
