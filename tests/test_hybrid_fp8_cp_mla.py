@@ -89,6 +89,14 @@ def test_fp8_with_a_hybrid_mtp_pattern_is_refused_by_name():
     with pytest.raises(NotModelledError) as e:
         _layout("M*M-/*-", "--fp8-format hybrid --fp8-recipe tensorwise")
     assert str(e.value).startswith("--fp8-format")
+    # 0.16.1's MambaStack opens get_fp8_context per layer, never an FP4 one
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(SMALL + "--hybrid-override-pattern M*M- --num-layers 4 --fp4-format e2m1 "
+                          "--fp4-recipe nvfp4".split(), world_size=1, megatron_version="0.16")
+    assert str(e.value).startswith("--fp4-format")
+    L = layout_from_flags(SMALL + "--hybrid-override-pattern M*M- --num-layers 4 --fp8-format hybrid "
+                          "--fp8-recipe tensorwise".split(), world_size=1, megatron_version="0.16")
+    assert all(k.quantized == "tensorwise" for k, _ in model_kind_runs(L))
 
 
 # --- context parallelism -----------------------------------------------------------------------------------------

@@ -436,6 +436,9 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         # multi_token_prediction.py); its HybridStack opens per-layer contexts again: not read for a '/' pattern
         (kw.get("hybrid_mtp_pattern") and (kw.get("fp8") or kw.get("fp4")), "fp8" if kw.get("fp8") else "fp4",
          "FP8 / FP4 with the MTP depths of a hybrid '/' pattern"),
+        # 0.16.1's MambaStack (ssm/mamba_block.py) builds and runs its layers in get_fp8_context only: no FP4 context
+        (kw.get("fp4") and ctx.version < Version("0.17"), "fp4", "FP4 in a hybrid model under megatron-core 0.16 (its "
+         "MambaStack opens no FP4 context)"),
         (kw.get("moe") is not None and "E" not in main, "num_experts", "mixture-of-experts settings with a hybrid "
          "pattern without MoE ('E') layers"),
         (kw.get("mtp_num_layers") and ctx.version < Version("0.17"), "mtp_num_layers",
