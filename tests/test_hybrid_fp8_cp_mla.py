@@ -168,7 +168,7 @@ def test_mla_layer_parameters_by_hand():
 
 
 def test_mla_layer_parameters_match_megatron_core():
-    real = real_hybrid_params("M+M-", False, 29653, config=dict(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32,
+    real = real_hybrid_params("M+M-", False, 29657, config=dict(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32,
                                                                   qk_pos_emb_head_dim=16, v_head_dim=32))
     L = _mla("M+M-", MLA)
     mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}
