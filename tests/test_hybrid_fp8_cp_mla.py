@@ -227,7 +227,7 @@ def _megatron_allocation():
 
 @pytest.mark.parametrize("n, attention, mlp", RATIOS)
 def test_pattern_from_ratios_is_megatron_cores(n, attention, mlp):
-    from megatron_memguard.resolve.hybrid import pattern_from_ratios
+    from megatron_memguard.resolve.hybrid_ratios import pattern_from_ratios
     assert pattern_from_ratios(n, attention, mlp) == _megatron_allocation()(n, attention, mlp)
 
 
