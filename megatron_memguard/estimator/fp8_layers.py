@@ -211,8 +211,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
         if readers:
             out["qkv_input"] = sum(q(n) for n in readers)
     for name, gemm in (("fc1_input", "linear_fc1"), ("fc1_input", "linear_mlp"), ("fc2_input", "linear_fc2"),
-                       # a Mamba layer: in_proj keeps its fused norm's quantized output, out_proj a quantized copy of
-                       # the gated norm's output (MambaMixer makes neither save its original input, 0.19.2 mamba_mixer.py)
+                       # a Mamba layer: in_proj keeps its fused norm's quantized output, out_proj a quantized
+                       # copy of the gated norm's output (MambaMixer makes neither save its original input,
+                       # 0.19.2 mamba_mixer.py)
                        ("mamba_in_proj_input", "mixer.in_proj"), ("mamba_out_proj_input", "mixer.out_proj")):
         if name in saved and gemm in g:
             out[name] = q(gemm)

@@ -13,9 +13,8 @@ The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per dept
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
 (gated delta net) and 'D' (DSA) layers, block recompute of hybrid MTP layers, FP8 / FP4 with a '/' MTP
 pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E'
-layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19 (--multi-latent-attention
-inferred as validate_args does). Context parallelism follows
-MambaContextParallel's asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's (the in_proj
+layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19
+(--multi-latent-attention inferred as validate_args does). Context parallelism follows MambaContextParallel's asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's (the in_proj
 width a multiple of 16 under FP8).
 """
 from __future__ import annotations
@@ -320,9 +319,10 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    f"groups {groups} / TP {tp}) must divide one another (MambaContextParallel asserts it)")
     if kw.get("fp8") and (2 * heads * head_dim + 2 * groups * state + heads) % 16:
         # MambaMixer.__init__ (0.16.1 and 0.19.2) asserts it under FP8 (not FP4): the in_proj output's width
+        width = 2 * heads * head_dim + 2 * groups * state + heads
         a.fail("mamba_num_heads", f"with --fp8-format the Mamba in_proj output width 2 x {heads * head_dim} (d_inner) "
-               f"+ 2 x {groups} x {state} (groups x state) + {heads} (heads) = {2 * heads * head_dim + 2 * groups * state + heads} "
-               "must be a multiple of 16 (MambaMixer asserts it)")
+               f"+ 2 x {groups} x {state} (groups x state) + {heads} (heads) = {width} must be a multiple of 16 "
+               "(MambaMixer asserts it)")
     mtp = kw.get("hybrid_mtp_pattern") or ""
     if "E" in main + mtp and not a.get("num_experts"):
         a.fail(PATTERN if _given(a, PATTERN) is not None else LEGACY,
