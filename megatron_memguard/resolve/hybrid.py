@@ -14,8 +14,9 @@ The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per dept
 (gated delta net) and 'D' (DSA) layers, block recompute of hybrid MTP layers, FP8 / FP4 with a '/' MTP
 pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E'
 layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19
-(--multi-latent-attention inferred as validate_args does). Context parallelism follows MambaContextParallel's asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's (the in_proj
-width a multiple of 16 under FP8).
+(--multi-latent-attention inferred as validate_args does). Context parallelism follows MambaContextParallel's
+asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's (the in_proj width a multiple of 16
+under FP8).
 """
 from __future__ import annotations
 
