@@ -343,6 +343,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 stack = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
                 if mtp_checkpointed(L):
                     f, b = _checkpointed_hybrid_depth(L, stack, ckpt_input)
+                elif _hybrid_depth_block(L):
+                    f, b = _block_hybrid_depths(stack, d, _hybrid_depth_block(L), ckpt_input, replay_out)
                 else:
                     f, b = _mixed_transients(stack * d)
                 fwd_extra = max(fwd_extra, f)
@@ -398,6 +400,12 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
         la = max((a for a, _ in per_kind), key=lambda a: (a.bwd_transient, a.fwd_transient))
         if mtp_checkpointed(L):
             return la, kept, 0
+        k = _hybrid_depth_block(L)
+        if k:
+            # block: each depth's HybridStack keeps the inputs of its first k layers and the others' saved tensors
+            n = sum(c for _, c in per_kind)
+            return (la, d * (min(k, n) * ckpt_input + _layers_bytes(per_kind, k)),
+                    d * _layers_bytes(per_kind, k, moe=True))
         return la, d * sum(a.total * k for a, k in per_kind), d * sum(a.moe_total * k for a, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
@@ -420,6 +428,40 @@ def _checkpointed_hybrid_depth(L: Layout, stack: list[tuple[LayerActivations, in
     fwd = max(la.fwd_transient + la.total for la, _ in stack)
     bwd = outside + layers * ckpt_input + max(la.total + la.bwd_transient for la, _ in stack)
     return fwd, bwd
+
+
+def _hybrid_depth_block(L: Layout) -> int:
+    """The layers each hybrid MTP depth's HybridStack checkpoints under full ``block`` recompute (0: not block).
+    MultiTokenPredictionLayer.forward (transformer/multi_token_prediction.py, megatron-core 0.18.2 and 0.19.2) warns
+    "recompute_method == 'block' is not supported for MTP yet. Skipping recompute." and runs the depth plainly, but
+    the depth's mtp_model_layer is a HybridStack with the model's config, whose forward (models/hybrid/hybrid_block.py)
+    takes recompute.py checkpointed_forward: under block its first ``recompute_num_layers`` layers are checkpointed
+    one by one (``layer_idx < recompute_num_layers``; the FP8 / FP4 skip does not arise: hybrid FP8 is refused), the
+    others run plainly."""
+    if not (L.hybrid_mtp_pattern and L.recompute_granularity == "full" and L.recompute_method == "block"):
+        return 0
+    return L.recompute_num_layers if L.recompute_num_layers is not None else 1
+
+
+def _block_hybrid_depths(stack: list[tuple[LayerActivations, int]], d: int, k: int, ckpt_input: int,
+                         out: int) -> tuple[int, int]:
+    """The forward and backward working sets of ``d`` hybrid MTP depths (bottom to top) whose HybridStacks each
+    checkpoint their first ``k`` layers (_hybrid_depth_block), over what the chunk holds; composed layer by layer as
+    ``_block_replays``: a checkpointed layer keeps its input and replays before its backward (``_replay``, handed a
+    gradient of its own: the layer above's or the depth's final norm's), the others keep their saved tensors. In the
+    forward a checkpointed layer runs without grad: its tensors live until it returns (an upper bound: its saved
+    bytes on top of its working set, as _checkpointed_hybrid_depth)."""
+    depth = [la for la, c in stack for _ in range(c)]
+    layers = [(la, i < k) for _ in range(d) for i, la in enumerate(depth)]
+    fwd = bwd = None
+    above = 0
+    for la, replayed in reversed(layers):
+        f = la.fwd_transient + (la.total if replayed else 0) - above
+        b = (_replay([la], ckpt_input, out, out) if replayed else la.bwd_transient) - above
+        fwd = f if fwd is None else max(fwd, f)
+        bwd = b if bwd is None else max(bwd, b)
+        above += ckpt_input if replayed else la.total
+    return fwd or 0, bwd or 0
 
 
 def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:

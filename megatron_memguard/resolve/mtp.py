@@ -117,6 +117,11 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int, ctx: Context) ->
                fails_later="at the first forward step (MultiTokenPredictionLayer._checkpointed_forward asserts)")
     elif method == "uniform" and kw.get("distribute_saved_activations"):
         _distributed_checkpoint(a, kw, depth, ctx)
+    elif method == "block" and kw.get("hybrid_mtp_pattern"):
+        k = rnl if rnl is not None else 1
+        a.notes.append(f"{a.key('recompute_method')} block does not checkpoint the {depth} hybrid MTP depth(s) "
+                       "(Megatron warns \"not supported for MTP yet\"), but each depth's HybridStack checkpoints its "
+                       f"first {k} layer(s) (recompute.py checkpointed_forward, the model's settings)")
     elif method == "block":
         a.notes.append(f"{a.key('recompute_method')} block does not recompute the {depth} MTP layer(s) "
                        "(Megatron warns \"not supported for MTP yet\" and runs them plainly): they keep all their "
