@@ -221,10 +221,53 @@ def test_moe_rules(tmp_path):
     # a dense layer's MLP splits its own width over TP: block 1's 512 at TP 3 (the flags' 1024 too)
     msg = _err(FLAGS + MOE + [key, BLOCKS, "--tensor-model-parallel-size", "3", "--sequence-parallel"], world=3)
     assert "block 1: the dense layer's ffn size 512 must be divisible by tensor-model-parallel size 3" in msg
-    # a block that sets num_query_groups itself gives its layer another attention width: refused by name
-    other = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=1))
-    with pytest.raises(NotModelledError, match="block 0: num_query_groups 1"):
-        layout_from_flags(FLAGS + MOE + [key, other], world_size=1)
+    # a block's own num_query_groups follows the model's rules (TransformerConfig, the attention's head split)
+    three = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=3))
+    assert "block 0: num_query_groups 3 must divide num_attention_heads 8" in _err(FLAGS + MOE + [key, three])
+
+
+def _own_groups(tmp_path, groups=(1, 8)):
+    """small_blocks.json with block 0's attention of ``groups[0]`` query groups and block 2's of ``groups[1]``
+    (AttentionConfig takes num_query_groups over n_heads_in_group, which the flags' check still reads)."""
+    def change(d):
+        d["block_configs"][0]["attention"]["num_query_groups"] = groups[0]
+        d["block_configs"][2]["attention"]["num_query_groups"] = groups[1]
+    return _write(tmp_path, change)
+
+
+def test_own_query_groups_per_layer(tmp_path):
+    # get_config_for_layer gives a block's layer its own num_query_groups: linear_qkv [(heads + 2 g) x 64, 512]
+    # (heads 8, head dim 64): block 0 with 1 group (640 x 512), block 2 with 8 (1536 x 512), against the flags' 2
+    # (768 x 512)
+    path = _own_groups(tmp_path)
+    L = _layout(path=path)
+    assert [k.label for k in layer_kinds(L)] == ["attention:g1+dense", "none+dense:512", "attention:g8+none",
+                                                 "none+none"]
+    base = _layout()
+    assert total_parameters(L) - total_parameters(base) == (640 - 768) * 512 + (1536 - 768) * 512 == 327_680
+    names = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
+    assert names["decoder.layers.0.self_attention.linear_qkv.weight"] == 640 * 512
+    assert names["decoder.layers.2.self_attention.linear_qkv.weight"] == 1536 * 512
+    # the activations under TE's fused attention (seq 256 x MBS 2 = 512 tokens, bf16): linear_qkv's output
+    # [tokens, (8 + 2 g) x 64] that the fused kernel reads, and the rotated key copy [tokens, g x 64]
+    # (apply_rotary_pos_emb, unfused rope): block 0 keeps (2 - 1) x (2 + 1) x 64 x 512 x 2 = 196,608 bytes less than
+    # with the flags' 2 groups, block 2 (8 - 2) x (2 + 1) x 64 x 512 x 2 = 1,179,648 more
+    te = ["--transformer-impl", "transformer_engine", "--attention-backend", "fused"]
+    L, base = _layout(te, path=path), _layout(te)
+    acts = lambda X, i: layer_activations(X, True, layer_kinds(X)[i])   # noqa: E731
+    assert acts(base, 0).total - acts(L, 0).total == 196_608
+    assert acts(L, 2).total - acts(base, 2).total == 1_179_648
+    assert acts(L, 2).saved["qkv_output"] == 512 * (8 + 2 * 8) * 64 * 2 == 1_572_864
+    assert estimate(L).stages[0].parameters == total_parameters(L)
+
+
+def test_own_query_groups_match_megatron_core_on_cpu(tmp_path):
+    # megatron-core's own model (get_config_for_layer per layer) of the same config, dense and with MoE layers
+    path = _own_groups(tmp_path)
+    L = _layout(path=path)
+    assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == _real_params(path)
+    M = _layout(MOE, path=path)
+    assert {p.name: p.numel for p in chunk_params(M, partition_layers(M)[0])} == _real_params(path, **MOE_CFG)
 
 
 def _megatron_core_at_least(version: str) -> bool:
