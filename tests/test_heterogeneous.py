@@ -414,13 +414,16 @@ def test_offloading_and_full_iteration_graphs():
                                 "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
     io = _terms(L, "H100")["cuda_graph_static_io"]
     assert io.bytes == 2 * (2 * 256 * 28 + 2 * 256 * 256) == 290_816
-    # still refused: per-layer graphs with no-op / linear layers (which of them TE and the local manager capture),
-    # and linear replacements under offloading (outside Megatron's offload groups)
+    # still refused: per-layer graphs with no-op / linear layers (which of them TE and the local manager capture)
     with pytest.raises(NotModelledError, match="no-op or replace_with_linear blocks under per-layer CUDA graphs"):
         layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path", BLOCKS],
                           world_size=1)
-    with pytest.raises(NotModelledError, match="replace_with_linear blocks under fine-grained activation offloading"):
-        layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    # linear replacements: TransformerLayer calls TELayerNormColumnParallelLinearGathered outside any offload group and
+    # its input_layernorm / pre_mlp_layernorm is IdentityOp (_set_offload_modules skips it; transformer_layer.py 0.16.1
+    # to 0.19.2), so linear_blocks.json's linear layers 1 and 3 (their linear input and norm output, 2 x 524,288 each)
+    # offload nothing: the attention layers 0 and 2 offload as above, layer 2's attn_proj kept as the last group
+    L = layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    assert estimate(L, gpu=lookup_gpu("H100")).stages[0].host_bytes == 2 * per_layer - 524_288 == 5_537_792
 
 
 def test_moe_parameters_per_rank_match_megatron_core():

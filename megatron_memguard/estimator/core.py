@@ -18,7 +18,8 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MIXER_ATTENTION, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
+from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_LINEAR, MLP_MOE, LayerKind,
+                         after_mtp, uniform_kind)
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -208,7 +209,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
                 outside = offload_outside(L, set(selective_modules(L)))
-            groups_of.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
+            saved = la_k.saved
+            if kind is not None and MIXER_LINEAR in (kind.mixer, kind.mlp):
+                # a heterogeneous linear replacement (TELayerNormColumnParallelLinearGathered, the norm fused in) is
+                # called by TransformerLayer outside any offload group, and its layer's input_layernorm /
+                # pre_mlp_layernorm is IdentityOp, which _set_offload_modules skips (transformer_layer.py 0.16.1,
+                # 0.18.2, 0.19.2): what it saves (its input, the norm's output and statistics) stays on the GPU
+                drop = ({"layer_input", "qkv_input", "norm1_stats"} if kind.mixer == MIXER_LINEAR else set()) | (
+                    {"mlp_norm_input", "fc1_input", "norm2_stats"} if kind.mlp == MLP_LINEAR else set())
+                saved = {k: v for k, v in saved.items() if k not in drop}
+            groups_of.append(offload_layer_groups(saved, modules, L.act_bytes,
                                                   separate_input_norm=L.multi_latent_attention,
                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
         # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid

@@ -71,7 +71,7 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     # FP8 / FP4: each layer in get_fp8_context of its global index (TransformerBlock, 0.16.1 and 0.19.2), its TE GEMMs
     # those of its blocks (partition.model_kind_runs; a linear replacement is TELayerNormColumnParallelLinearGathered,
     # a TE LayerNormLinear: estimator/fp8_layers.py linear_attn / linear_mlp)
-    linear = kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L])
+    # (a linear replacement under fine-grained activation offloading: in no offload group, estimator/core.py)
     impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
     # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
     # per-layer graphs of whole layers (attention and a dense MLP of any width; every layer with MoE, whose block
@@ -84,11 +84,6 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     for bad, what in ((per_layer_graphs, "with no-op or replace_with_linear blocks under per-layer CUDA graphs "
                                          "(--cuda-graph-impl local / transformer_engine: which of those layers are "
                                          "captured; full_iteration is estimated)"),
-                      # Megatron's offload groups hook SelfAttention / MLP / the layer's norms
-                      # (TransformerLayer._set_offload_modules, 0.19.2): a linear replacement is none of them
-                      (kw.get("fine_grained_activation_offloading") and linear,
-                       "with replace_with_linear blocks under fine-grained activation offloading (which offload "
-                       "group holds a linear replacement's saved input)"),
                       (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
                        f"with multi-token prediction in megatron-core {ctx.version} (the 0.16 to 0.18 builders' MTP "
                        "layer spec, in Megatron-LM's gpt_builders.py outside the wheels, is not read)")):
