@@ -414,10 +414,7 @@ def test_offloading_and_full_iteration_graphs():
                                 "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
     io = _terms(L, "H100")["cuda_graph_static_io"]
     assert io.bytes == 2 * (2 * 256 * 28 + 2 * 256 * 256) == 290_816
-    # still refused: per-layer graphs with no-op / linear layers (which of them TE and the local manager capture)
-    with pytest.raises(NotModelledError, match="no-op or replace_with_linear blocks under per-layer CUDA graphs"):
-        layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path", BLOCKS],
-                          world_size=1)
+    # per-layer graphs with no-op / linear layers: test_per_layer_graphs_of_noop_and_linear_layers
     # linear replacements: TransformerLayer calls TELayerNormColumnParallelLinearGathered outside any offload group and
     # its input_layernorm / pre_mlp_layernorm is IdentityOp (_set_offload_modules skips it; transformer_layer.py 0.16.1
     # to 0.19.2), so linear_blocks.json's linear layers 1 and 3 (their linear input and norm output, 2 x 524,288 each)
@@ -513,3 +510,35 @@ def test_per_layer_graphs_of_whole_layers(tmp_path):
     plain = _terms(layout_from_flags(te + MOE + graphs, world_size=1), "H100")
     for name in ("cuda_graph_static_io", "cuda_graph_pool"):
         assert het[name].bytes == plain[name].bytes
+
+
+@pytest.mark.parametrize("impl,mods,path,version,layers,masked", [
+    # Transformer Engine's helper (_layer_is_graphable, cuda_graphs.py 0.16.1 and 0.19.2: isinstance checks of the
+    # built modules): every TransformerLayer without modules; attn: a self_attention that is not an IdentityOp
+    # (small_blocks.json's layers 0 and 2; every layer of linear_blocks.json, whose no-attention blocks are linear
+    # replacements); mlp: an MLP instance (the dense layers 0 and 1; a linear replacement is none)
+    ("transformer_engine", "", BLOCKS, "0.19.2", 4, 2),
+    ("transformer_engine", "attn", BLOCKS, "0.19.2", 2, 2),
+    ("transformer_engine", "mlp", BLOCKS, "0.19.2", 2, 0),
+    ("transformer_engine", "attn,mlp", BLOCKS, "0.19.2", 3, 2),
+    ("transformer_engine", "attn", LINEAR, "0.19.2", 4, 4),
+    ("transformer_engine", "mlp", LINEAR, "0.19.2", 2, 0),
+    # the local manager (TransformerLayer.create_mcore_cudagraph_manager) compares the submodule spec with the
+    # IdentityOp class: a no-op attention's ModuleSpec(IdentityOp) is not it (attn: every layer); a no-op MLP is
+    # IdentityOp itself from 0.18 (heterogeneous_layer_specs.py), ModuleSpec(IdentityOp) in 0.16.1 / 0.17.1
+    ("local", "attn", BLOCKS, "0.19.2", 4, 0),
+    ("local", "mlp", BLOCKS, "0.19.2", 2, 0),
+    ("local", "mlp", LINEAR, "0.19.2", 4, 0),
+    ("local", "mlp", BLOCKS, "0.17.1", 4, 0),
+])
+def test_per_layer_graphs_of_noop_and_linear_layers(impl, mods, path, version, layers, masked):
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    from megatron_memguard.gpus import lookup_gpu
+    spelled = (["--cuda-graph-modules", *mods.split(",")] if version >= "0.18" else ["--cuda-graph-scope", mods]) \
+        if mods else []
+    L = layout_from_flags(te + ["--cuda-graph-impl", impl, *spelled, "--heterogeneous-layers-config-path", path],
+                          world_size=1, megatron_version=version)
+    io = {t.name: t.bytes for t in estimate(L, gpu=lookup_gpu("H100")).stages[0].terms}["cuda_graph_static_io"]
+    # per graphed layer (PP 1: one sample set) its static input and grad-output [seq 256 x MBS 2, 512] bf16
+    # (1,048,576 bytes), and under TE a graphed attention's bool causal mask [2, 1, 256, 256] (131,072)
+    assert io == layers * 2 * 512 * 512 * 2 + masked * 2 * 256 * 256

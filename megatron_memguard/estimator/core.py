@@ -18,8 +18,8 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_LINEAR, MLP_MOE, LayerKind,
-                         after_mtp, uniform_kind)
+from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
+                         MLP_MOE, MLP_NONE, LayerKind, after_mtp, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -35,7 +35,7 @@ from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
-from .cuda_graphs import kind_graphed
+from .cuda_graphs import kind_graphed, layer_graphed
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -247,7 +247,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 seq.pop()
             if (L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes
                     and (kind is None or not L.hybrid_layer_pattern
-                         or kind_graphed(cuda_graph_spec(L), kind.mixer, kind.mlp))):
+                         or layer_graphed(L)(cuda_graph_spec(L), kind.mixer, kind.mlp))):
                 # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
                 # group reloaded ahead
                 staging = max(staging, sum(sizes) + max(sizes))
@@ -1251,12 +1251,14 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         if mtp_here:
             moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
-        kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
+        kinds = (_hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else
+                 _halved_graph_kinds(L, chunks, mtp_here) if het else None)
         if kinds is not None:
             # the pool's free blocks: the largest working memory of one graphed layer (of a kind the graphs take)
             spec = cuda_graph_spec(L)
+            graphed_kind = layer_graphed(L)
             las = [layer_activations(L, True, kind) for kind, k in kinds.items()
-                   if k and kind_graphed(spec, kind.mixer, kind.mlp)]
+                   if k and graphed_kind(spec, kind.mixer, kind.mlp)]
             region = max((max(la.fwd_transient, la.bwd_transient) for la in las), default=0)
             kinds = [(kind.mixer, kind.mlp, k) for kind, k in kinds.items()]
         else:
@@ -1287,6 +1289,24 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _halved_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int] | None:
+    """A heterogeneous stage's layers by kind for its per-layer CUDA graphs when some are no-op or linear-replacement
+    halves (estimator/cuda_graphs.py heterogeneous_kind_graphed: which of them each implementation graphs), with the
+    MTP depths' layers (full layers of the flags, graphed by both implementations); None when every layer of the
+    model is a whole one (graphed as a uniform model's)."""
+    if not any(kind.mixer in (MIXER_NONE, MIXER_LINEAR) or kind.mlp in (MLP_NONE, MLP_LINEAR)
+               for kind, _ in model_kind_runs(L)):
+        return None
+    out: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, k in c.kind_runs:
+            out[kind] = out.get(kind, 0) + k
+    if mtp_here:
+        for kind, k in mtp_stack_runs(L):
+            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
+    return out
 
 
 def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:

@@ -75,20 +75,20 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
     # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
     # per-layer graphs of whole layers (attention and a dense MLP of any width; every layer with MoE, whose block
-    # spec ignores no-op / linear blocks) are graphed as in a uniform model (the widest sets the pool); which no-op /
-    # linear layers are graphed differs between TE's _layer_is_graphable (isinstance checks) and the local
-    # CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares the submodule spec with IdentityOp,
-    # which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
+    # spec ignores no-op / linear blocks) are graphed as in a uniform model (the widest sets the pool); with no-op /
+    # linear blocks each layer by what the implementation graphs (estimator/cuda_graphs.py heterogeneous_kind_graphed:
+    # TE's _layer_is_graphable checks the built modules, the local CudaGraphManager the submodule spec)
     halves = kw.get("moe") is None and any((attn, mlp) != ("attention", "dense") for attn, mlp, _, _ in blocks[:L])
-    per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs and halves
-    for bad, what in ((per_layer_graphs, "with no-op or replace_with_linear blocks under per-layer CUDA graphs "
-                                         "(--cuda-graph-impl local / transformer_engine: which of those layers are "
-                                         "captured; full_iteration is estimated)"),
-                      (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
-                       f"with multi-token prediction in megatron-core {ctx.version} (the 0.16 to 0.18 builders' MTP "
-                       "layer spec, in Megatron-LM's gpt_builders.py outside the wheels, is not read)")):
-        if bad:
-            raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
+    if impl == "local" and halves and "full_iteration" not in graphs and set(graphs) & {"attn", "mlp"}:
+        a.notes.append(f"{a.key(PATH)}: the local CUDA graphs compare a layer's submodule spec with IdentityOp, and a "
+                       "no-op block's is ModuleSpec(IdentityOp) (a no-op MLP's IdentityOp itself from megatron-core "
+                       "0.18): " + ("every layer is graphed whole under attn"
+                       if "attn" in graphs else "the no-op MLP layers are graphed too" if ctx.version < Version("0.18")
+                       else "the no-op MLP layers are not graphed"))
+    if kw.get("mtp_num_layers") and ctx.version < Version("0.19"):
+        raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with multi-token prediction in megatron-core "
+                               f"{ctx.version} (the 0.16 to 0.18 builders' MTP layer spec, in Megatron-LM's "
+                               "gpt_builders.py outside the wheels, is not read)")
     if kw.get("moe") is not None:
         return _moe_layers(a, kw, ctx, blocks[:L], own)
     words = []
