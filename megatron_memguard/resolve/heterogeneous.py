@@ -88,7 +88,7 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     if kw.get("mtp_num_layers") and ctx.version < Version("0.19"):
         raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with multi-token prediction in megatron-core "
                                f"{ctx.version} (the 0.16 to 0.18 builders' MTP layer spec, in Megatron-LM's "
-                               "gpt_builders.py outside the wheels, is not read)")
+                               "gpt_builders.py, is not in the wheels read)")
     if kw.get("moe") is not None:
         return _moe_layers(a, kw, ctx, blocks[:L], own)
     words = []
@@ -155,8 +155,11 @@ def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list, own:
     megatron-core 0.19.2 built on CPU (tests/e2e/heterogeneous_param_count.py)."""
     if ctx.version < Version("0.19"):
         # the layer spec is chosen by Megatron-LM's gpt_builders.py, not in the 0.16 to 0.18 wheels read
+        # (checked: the megatron-core 0.17.1 and 0.18.2 wheels' megatron/training has no GPT builder, 0.18.2's
+        # models/ holds hybrid.py only; Megatron-LM's gpt_builders.py is not in any wheel)
         raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with mixture-of-experts layers in megatron-core "
-                               f"{ctx.version} (the 0.16 to 0.18 model builders, outside the wheels, are not read)")
+                               f"{ctx.version} (the 0.16 to 0.18 model builders, Megatron-LM's gpt_builders.py, are not "
+                               "in the wheels read)")
     tp, pattern, main = kw["tensor_model_parallel_size"], kw["moe"].moe_layer_pattern, kw["ffn_hidden_size"]
     words = []
     for i, ((attn, mlp, ffn, _), is_moe) in enumerate(zip(blocks, pattern)):
