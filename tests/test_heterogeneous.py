@@ -542,3 +542,17 @@ def test_per_layer_graphs_of_noop_and_linear_layers(impl, mods, path, version, l
     # per graphed layer (PP 1: one sample set) its static input and grad-output [seq 256 x MBS 2, 512] bf16
     # (1,048,576 bytes), and under TE a graphed attention's bool causal mask [2, 1, 256, 256] (131,072)
     assert io == layers * 2 * 512 * 512 * 2 + masked * 2 * 256 * 256
+
+
+def test_per_layer_graphs_with_mtp_depths():
+    # the 2 MTP depths are full layers of the flags (models/gpt.py mtp_block_spec, 0.19.2), graphed by both
+    # implementations under attn: TE the attention layers 0 and 2 and the 2 depths (each with its causal mask), the
+    # local managers every decoder layer (a no-op attention's ModuleSpec(IdentityOp)) and the 2 depths
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    from megatron_memguard.gpus import lookup_gpu
+    got = {}
+    for impl in ("transformer_engine", "local"):
+        L = layout_from_flags(te + ["--mtp-num-layers", "2", "--cuda-graph-impl", impl, "--cuda-graph-modules", "attn",
+                                    "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+        got[impl] = {t.name: t.bytes for t in estimate(L, gpu=lookup_gpu("H100")).stages[-1].terms}["cuda_graph_static_io"]
+    assert got == {"transformer_engine": 4 * 1_048_576 + 4 * 131_072, "local": 6 * 1_048_576}
