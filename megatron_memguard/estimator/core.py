@@ -446,8 +446,8 @@ def _hybrid_depth_block(L: Layout) -> int:
     "recompute_method == 'block' is not supported for MTP yet. Skipping recompute." and runs the depth plainly, but
     the depth's mtp_model_layer is a HybridStack with the model's config, whose forward (models/hybrid/hybrid_block.py)
     takes recompute.py checkpointed_forward: under block its first ``recompute_num_layers`` layers are checkpointed
-    one by one (``layer_idx < recompute_num_layers``; the FP8 / FP4 skip does not arise: hybrid FP8 is refused), the
-    others run plainly."""
+    one by one (``layer_idx < recompute_num_layers``; its FP8 / FP4 skip of layers whose input needs no grad does not
+    arise: a depth's stack input is eh_proj's output), the others run plainly."""
     if not (L.hybrid_mtp_pattern and L.recompute_granularity == "full" and L.recompute_method == "block"):
         return 0
     return L.recompute_num_layers if L.recompute_num_layers is not None else 1
