@@ -261,6 +261,29 @@ def test_own_query_groups_per_layer(tmp_path):
     assert estimate(L).stages[0].parameters == total_parameters(L)
 
 
+def test_referee_measures_own_query_groups(tmp_path):
+    # the CPU referee (megatron-core's own training step) on small_blocks.json with block 0's attention of 1 query
+    # group and block 2's of 8: parameters and the state after the step exact, the peak within the referee's 3%
+    pytest.importorskip("megatron.core")
+    from benchmarks.referee.compare import compare_entry
+    from benchmarks.referee.grid import COMMON, resolve_config
+    from benchmarks.referee.run import run_referee, unsupported_reason
+    if unsupported_reason():
+        pytest.skip(unsupported_reason())
+    path = _own_groups(tmp_path)
+    flags = COMMON + [f for f in FLAGS if f not in ("--tokenizer-type", "NullTokenizer", "--transformer-impl", "local")] \
+        + ["--heterogeneous-layers-config-path", path]
+    _, settings = resolve_config(flags, 1)
+    settings["heterogeneous_layers_config_path"] = path
+    settings["no_persist_layer_norm"] = True
+    rows = compare_entry({"name": "het-groups", "flags": flags, "world_size": 1,
+                          "ranks": run_referee(settings, world_size=1, timeout=600)})
+    for row in rows:
+        assert row.params_measured == row.params_predicted
+        assert abs(row.after_err) < 0.001
+        assert 0 <= row.peak_err < 0.03, row.peak_err
+
+
 def test_own_query_groups_match_megatron_core_on_cpu(tmp_path):
     # megatron-core's own model (get_config_for_layer per layer) of the same config, dense and with MoE layers
     path = _own_groups(tmp_path)
