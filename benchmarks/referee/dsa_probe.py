@@ -11,7 +11,8 @@ CUDA package). Storages are counted by the referee's LiveBytesTracker (livebytes
 
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe [--seq 64 --heads 4 ...] [--no-loss]
 
-Prints one JSON object: the shapes and {"saved", "fwd_peak", "bwd_peak"} in bytes (each above the inputs).
+Prints one JSON object: the shapes, the indexer's parameter count (its linears sized by DSAIndexer.__init__) and
+{"saved", "fwd_peak", "bwd_peak"} in bytes (each above the inputs).
 """
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
     return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
             "rope": rope, "v_head": v_head, "index_heads": index_heads, "index_dim": index_dim, "topk": topk,
             "loss_coeff": loss_coeff, "sparse_loss": sparse_loss,
+            "indexer_params": sum(p.numel() for p in core.parameters()),
             "saved": saved, "fwd_peak": fwd["peak_bytes"] - base, "bwd_peak": bwd["peak_bytes"] - after_grad}
 
 
