@@ -42,7 +42,7 @@ MIXER_MAMBA = "mamba"              # megatron-core MambaMixer (layers/mamba.py);
 # hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
 HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
-                "E": (MIXER_NONE, MLP_MOE)}
+                "E": (MIXER_NONE, MLP_MOE), "D": (MIXER_DSA, MLP_NONE)}
 
 
 class LayerKind(NamedTuple):
@@ -183,7 +183,7 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
 
 def _mixer(L: "Layout") -> str:
     """The token mixer of the model's attention layers."""
-    if L.experimental_attention_variant == "dsa":
+    if L.experimental_attention_variant == "dsa" or "D" in (L.hybrid_layer_pattern or ""):
         return MIXER_DSA
     return MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION
 

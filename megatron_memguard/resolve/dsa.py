@@ -24,22 +24,30 @@ VARIANTS = ("gated_delta_net", "dsa")
 def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The DSA settings, checked as megatron-core 0.19.2 checks them. Runs after the attention variant (MLA)."""
     variant = a.get(VARIANT)
-    if variant is None or variant == "":
-        return {}
-    variant = str(variant).strip().lower()
-    if variant not in VARIANTS:
+    variant = None if variant is None or variant == "" else str(variant).strip().lower()
+    if variant is not None and variant not in VARIANTS:
         a.fail(VARIANT, f"must be one of {', '.join(VARIANTS)}, got {variant[:40]!r}")
         return {}
-    if variant != "dsa":
-        return {}        # (the other variants are refused in refusals.py)
+    # a hybrid model's 'D' layers (hybrid_layer_specs.py dsa_layer: AbsorbedMLASelfAttention with DSAttention, its
+    # latent norms IdentityOp) read the same dsa_* settings; the variant's TransformerConfig rules need the flag
+    hybrid_d = "D" in (kw.get("hybrid_layer_pattern") or "") + (kw.get("hybrid_mtp_pattern") or "")
+    if variant != "dsa" and not hybrid_d:
+        return {}        # (the other variant is refused in refusals.py)
+    key = VARIANT if variant == "dsa" else "hybrid_layer_pattern"
+    if variant != "dsa" and kw.get("apply_rope_fusion"):
+        # AbsorbedMLA's fused rope path (fused_apply_mla_rope_for_q on the absorbed query and key) keeps other
+        # tensors than the unfused one modelled; with the variant flag TransformerConfig forbids it
+        raise NotModelledError(a.key("apply_rope_fusion"), "RoPE fusion in a hybrid model's DSA 'D' layers",
+                               "add --no-rope-fusion")
     if ctx.version < Version("0.19"):
         # 0.16.1 builds DSA on MLASelfAttention with a different sparse path (dsa.py unfused_dsa_fn over [b*heads,
         # s, s] scores, no absorbed latent); memguard models 0.19.2's
-        raise NotModelledError(a.key(VARIANT), "DSA before megatron-core 0.19 (MLASelfAttention with its first sparse "
+        raise NotModelledError(a.key(key), "DSA before megatron-core 0.19 (MLASelfAttention with its first sparse "
                                "attention path; memguard models 0.19.2's AbsorbedMLASelfAttention)",
                                "give --megatron-version 0.19 or later")
     if not kw.get("multi_latent_attention"):
-        a.fail(VARIANT, "dsa needs --multi-latent-attention (get_dsa_module_spec_for_backend asserts it)")
+        a.fail(key, "dsa needs --multi-latent-attention (get_dsa_module_spec_for_backend asserts it; a hybrid "
+                    "model's 'D' layers read MLATransformerConfig's latent sizes)")
     heads = a.int_arg("dsa_indexer_n_heads", required=True)
     head_dim = a.int_arg("dsa_indexer_head_dim", required=True)
     topk = a.int_arg("dsa_indexer_topk", required=True)
@@ -66,8 +74,8 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                "workspaces; memguard models the PyTorch path of --dsa-kernel-backend none)")
     if kw.get("add_bias_linear"):
         a.fail("add_bias_linear", "must be off with DSA: AbsorbedMLASelfAttention takes no linear bias "
-                                  "(TransformerConfig)", "add --disable-bias-linear")
-    if kw.get("apply_rope_fusion"):
+                                  "(TransformerConfig, AbsorbedMLASelfAttention.__init__)", "add --disable-bias-linear")
+    if variant == "dsa" and kw.get("apply_rope_fusion"):
         a.fail("apply_rope_fusion", "RoPE fusion is not supported for DSAttention (TransformerConfig)",
                "add --no-rope-fusion")
     if kw.get("tensor_model_parallel_size", 1) > 1 and not kw.get("sequence_parallel"):
@@ -86,7 +94,7 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     coeff = a.float_arg("dsa_indexer_loss_coeff", 0.0)
     if coeff < 0:
         a.fail("dsa_indexer_loss_coeff", f"must be non-negative, got {coeff}")
-    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=heads or 0,
+    return dict(experimental_attention_variant=variant, dsa_indexer_n_heads=heads or 0,
                 dsa_indexer_head_dim=head_dim or 0, dsa_indexer_topk=topk or 0,
                 dsa_indexer_loss_coeff=max(0.0, coeff),
                 dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False))

@@ -11,9 +11,9 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net), 'D' (DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
+(gated delta net) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
 FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers
-are the MoE layers (resolve/moe.py places them by the pattern).
+are the MoE layers (resolve/moe.py places them by the pattern); 'D' layers are DSA layers (resolve/dsa.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
 SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
            "-": "MLP", "E": "MoE"}
-MODELLED = frozenset("M*-E")
+MODELLED = frozenset("M*-ED")   # D: DSA layers (resolve/dsa.py, estimator/layers/dsa.py)
 MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --num-layers
 
 
@@ -166,7 +166,7 @@ def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> N
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
         raise NotModelledError(key, f"{names} layers in a hybrid {'MTP ' if mtp else ''}pattern (memguard models "
-                               "Mamba 'M', attention '*', MLP '-' and MoE 'E')")
+                               "Mamba 'M', attention '*', MLP '-', MoE 'E' and DSA 'D')")
 
 
 def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> tuple[str | None, int]:

@@ -21,9 +21,16 @@ from functools import lru_cache
 
 from ...layout import Layout
 from . import mla
-from .base import MixerActivations, Param, ParamRow, Step, norm_rows, norm_stats, param_objects, shapes, wgrad
+from .base import (MixerActivations, Param, ParamRow, Step, norm_rows, norm_stats, norms_per_layer_norm, param_objects,
+                   shapes, wgrad)
 
 INDEXER = "self_attention.core_attention.indexer."
+
+
+def latent_norms(L: Layout) -> bool:
+    """Whether the q and kv latents have norms: --qk-layernorm in the GPT spec; never in a hybrid model's 'D' layer
+    (hybrid_layer_specs.py dsa_layer: q_layernorm and kv_layernorm IdentityOp)."""
+    return L.qk_layernorm and not L.hybrid_layer_pattern
 
 
 def _qr_width(L: Layout) -> int:
@@ -62,7 +69,7 @@ def param_rows(L: Layout) -> list[ParamRow]:
         if name in sh:
             out, inp = sh[name]
             rows.append((f"self_attention.{name}.weight", out * inp, name.endswith("down_proj"), False, False, inp))
-    if L.qk_layernorm:
+    if latent_norms(L):
         if L.q_lora_rank is not None:
             rows += norm_rows("self_attention.q_layernorm", L.q_lora_rank, L)
         rows += norm_rows("self_attention.kv_layernorm", L.kv_lora_rank, L)
@@ -71,6 +78,11 @@ def param_rows(L: Layout) -> list[ParamRow]:
 
 def params(L: Layout, prefix: str = "") -> list[Param]:
     return param_objects(param_rows(L), prefix)
+
+
+def kvl_q(L: Layout) -> int:
+    """The latent norms' width: kv_lora_rank and q_lora_rank (MLA's param_count counts them with --qk-layernorm)."""
+    return L.kv_lora_rank + (L.q_lora_rank or 0)
 
 
 def indexer_param_count(L: Layout) -> int:
@@ -82,7 +94,10 @@ def indexer_param_count(L: Layout) -> int:
 def param_count(L: Layout) -> int:
     """Parameters of one layer's DSA attention in the whole model: MLA's (the same projections and norms; DSA
     takes no linear bias) and the indexer's."""
-    return mla.param_count(L) + indexer_param_count(L)
+    n = mla.param_count(L) + indexer_param_count(L)
+    if L.qk_layernorm and not latent_norms(L):
+        n -= norms_per_layer_norm(L) * (kvl_q(L))
+    return n
 
 
 def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd: int, topk: int, e: int,
@@ -192,7 +207,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         saved["norm1_stats"] = norm_stats(L, T)
         saved["qkv_input"] = T * h * e                       # norm output, kept by the down projections
     stats = 4 * (2 if L.normalization == "LayerNorm" else 1)
-    if L.qk_layernorm:
+    if latent_norms(L):
         # q_layernorm / kv_layernorm are TENorms of their own: each keeps its input (the kv one a view of the kv down
         # projection's [T, kv_lora + rope] output) and statistics
         saved["latent_norms"] = T * ((ql or 0) + kvl + pe) * e + (2 if ql else 1) * T * stats
