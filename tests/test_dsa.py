@@ -215,3 +215,37 @@ def test_megatron_016_is_refused_by_name():
     with pytest.raises(NotModelledError) as e:
         layout_from_flags(BASE, world_size=1, megatron_version="0.16.1")
     assert e.value.key == "--experimental-attention-variant"
+
+
+# ---------------------------------------------------------------- the hybrid pattern's 'D' layers
+
+HYBRID = ("--hybrid-layer-pattern MD-MD- --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+          "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 8 --bf16 --multi-latent-attention "
+          "--q-lora-rank 256 --kv-lora-rank 128 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64 "
+          "--dsa-indexer-n-heads 8 --dsa-indexer-head-dim 64 --dsa-indexer-topk 512 --disable-bias-linear "
+          "--vocab-size 32000 --normalization RMSNorm").split()
+
+
+def test_hybrid_d_layers_are_dsa_layers_without_latent_norms():
+    # hybrid_layer_specs.py dsa_layer (0.19.2): TENorm, AbsorbedMLASelfAttention (q_layernorm / kv_layernorm
+    # IdentityOp, whatever --qk-layernorm says) around DSAttention, no MLP
+    L = layout_from_flags(HYBRID + ["--qk-layernorm"], world_size=1)
+    kinds = [k for k in L.chunks[0].layer_kinds]
+    assert [k.mixer for k in kinds] == ["mamba", "dsa", "none", "mamba", "dsa", "none"]
+    rows = [p.name for p in chunk_params(L, L.chunks[0]) if ".layers.1." in p.name]
+    assert any(".core_attention.indexer.linear_wq_b." in n for n in rows)
+    assert not any("layernorm" in n and "input_layernorm" not in n for n in rows)
+    assert sum(p.numel for p in chunk_params(L, L.chunks[0])) == total_parameters(L)
+    dsa_layer = layer_activations(L, True, kinds[1])
+    assert dsa_layer.saved["dsa_masks"] == 3 * 16 * 2048 * 2048
+    assert "latent_norms" not in dsa_layer.saved and "fc1_input" not in dsa_layer.saved
+
+
+def test_hybrid_d_layers_need_mla_and_unfused_rope():
+    flags = [f for f in HYBRID if f != "--multi-latent-attention"]
+    with pytest.raises(ConfigError) as e:
+        layout_from_flags(flags, world_size=1)
+    assert "--hybrid-layer-pattern" in str(e.value) and "--multi-latent-attention" in str(e.value)
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(HYBRID + ["--position-embedding-type", "rope"], world_size=1)
+    assert "rope-fusion" in e.value.key
