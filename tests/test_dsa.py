@@ -249,3 +249,17 @@ def test_hybrid_d_layers_need_mla_and_unfused_rope():
     with pytest.raises(NotModelledError) as e:
         layout_from_flags(HYBRID + ["--position-embedding-type", "rope"], world_size=1)
     assert "rope-fusion" in e.value.key
+
+
+def test_offloading_dsa_layers_is_refused_by_name():
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(BASE + ["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
+                          world_size=1)
+    assert e.value.key == "--fine-grained-activation-offloading"
+
+
+def test_report_names_the_dsa_path():
+    from megatron_memguard.report.text import render
+    text = render(estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB")), detail=True)
+    assert "DSA indexer 8 x 64, top-k 512, loss 0.01" in text
+    assert "attention backend: DSA PyTorch path" in text and "dsa_softmax_fp32" in text

@@ -91,6 +91,11 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods:
         raise NotModelledError(a.key("recompute_modules"), "recomputing mla_up_proj with DSA (the absorbed "
                                "query's checkpoint)")
+    if a.bool_arg("fine_grained_activation_offloading", False):
+        # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
+        # DSAttention's
+        raise NotModelledError(a.key("fine_grained_activation_offloading"), "fine-grained activation offloading of "
+                               "DSA layers (which of DSAttention's saved tensors each offload group takes)")
     coeff = a.float_arg("dsa_indexer_loss_coeff", 0.0)
     if coeff < 0:
         a.fail("dsa_indexer_loss_coeff", f"must be non-negative, got {coeff}")
