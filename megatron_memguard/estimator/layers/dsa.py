@@ -159,6 +159,9 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
         if b > 1:
             saved["dsa_value_copy"] = b * a_t * s * kvl * e
         saved["dsa_latent_output"] = Tf * a_t * kvl * e
+        # DSAttention.forward makes the V up-projection weight (a strided view of linear_kv_up_proj's) contiguous:
+        # a copy [a_t, v, kv_lora] per micro-batch, kept by the einsum
+        saved["dsa_v_up_weight"] = a_t * v * kvl * e
     # at the masked softmax's last step: the scores plus mask, the masked logits, the division's output and its
     # masked copy (fp32, 16 N), the top-k index mask [b, s, s] fp32 and its validity (bool)
     sparse_fwd = 16 * N + 5 * I
@@ -179,9 +182,10 @@ def layer_items(L: Layout, recompute_core: bool) -> tuple:
                       L.dsa_indexer_head_dim, L.dsa_indexer_topk, x.e, loss, recompute_core)
 
 
-CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output"})
+CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
+                        "dsa_v_up_weight"})
 # made at the value matmul and V's up projection, after the masked softmax; the first freed by the backward
-LATE = frozenset({"dsa_probs", "dsa_value_copy", "dsa_latent_output"})
+LATE = frozenset({"dsa_probs", "dsa_value_copy", "dsa_latent_output", "dsa_v_up_weight"})
 LOSS_NAMES = frozenset({"indexer_qkw", "indexer_topk", "dsa_query", "indexer_inputs"})
 
 
