@@ -298,3 +298,13 @@ def test_report_names_the_dsa_path():
     text = render(estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB")), detail=True)
     assert "DSA indexer 8 x 64, top-k 512, loss 0.01" in text
     assert "attention backend: DSA PyTorch path" in text and "dsa_softmax_fp32" in text
+
+
+def test_fp32_key_norm_keeps_an_fp32_input():
+    # DSAIndexer.forward_before_topk: k_norm(k.float()) with --dsa-indexer-k-norm-fp32: the norm keeps [s b, head dim]
+    # in fp32 instead of bf16
+    base = _saved(_layout(*LOSS))["indexer_qkw"]
+    fp32 = _saved(_layout(*LOSS, "--dsa-indexer-k-norm-fp32"))["indexer_qkw"]
+    assert fp32 - base == 4096 * 64 * (4 - 2)
+    L = _layout("--no-dsa-indexer-scoring-relu")
+    assert any("--no-dsa-indexer-scoring-relu" in n for n in L.notes)

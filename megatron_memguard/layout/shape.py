@@ -71,3 +71,4 @@ class ModelShape:
     dsa_indexer_topk: int = 0
     dsa_indexer_loss_coeff: float = 0.0
     dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_k_norm_fp32: bool = False     # the indexer's key LayerNorm on an fp32 copy of its input

@@ -99,7 +99,11 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     coeff = a.float_arg("dsa_indexer_loss_coeff", 0.0)
     if coeff < 0:
         a.fail("dsa_indexer_loss_coeff", f"must be non-negative, got {coeff}")
+    if not a.bool_arg("dsa_indexer_scoring_relu", True):
+        a.notes.append(f"{a.key('dsa_indexer_scoring_relu')}: estimated with the indexer's ReLU (its loss backward's "
+                       "ReLU mask and its fp32 copy are counted: errs high)")
     return dict(experimental_attention_variant=variant, dsa_indexer_n_heads=heads or 0,
                 dsa_indexer_head_dim=head_dim or 0, dsa_indexer_topk=topk or 0,
                 dsa_indexer_loss_coeff=max(0.0, coeff),
-                dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False))
+                dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False),
+                dsa_indexer_k_norm_fp32=a.bool_arg("dsa_indexer_k_norm_fp32", False))

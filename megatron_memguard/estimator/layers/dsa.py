@@ -101,7 +101,7 @@ def param_count(L: Layout) -> int:
 
 
 def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd: int, topk: int, e: int,
-               loss: bool, recompute_core: bool) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
+               loss: bool, recompute_core: bool, k_norm_fp32: bool = False) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
     """DSAttention of one micro-batch on one TP rank (CP 1), PyTorch path, counted from megatron-core 0.19.2's
     dsa.py and dsa_masking.py and checked against the module on CPU (benchmarks/referee/dsa_probe.py).
 
@@ -120,7 +120,8 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     idx = Tf * (nh * hd + hd + nh) * e
     topk_b = b * s * topk * 8                      # int64 [b, s, topk]
     if loss:
-        saved["indexer_qkw"] = idx + Tf * hd * e + Tf * 8 + 4 * s * pe * e
+        # k_norm's input: the wk output, or its fp32 copy with --dsa-indexer-k-norm-fp32
+        saved["indexer_qkw"] = idx + Tf * hd * (4 if k_norm_fp32 else e) + Tf * 8 + 4 * s * pe * e
         saved["indexer_topk"] = topk_b
         # the loss function keeps the (detached) query; the latent key it keeps is the one the value view keeps
         saved["dsa_query"] = Tf * a_t * D * e
@@ -179,7 +180,7 @@ def layer_items(L: Layout, recompute_core: bool) -> tuple:
     x = shapes(L)
     loss = L.dsa_indexer_loss_coeff > 0
     return core_items(x.s, x.b, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim, L.v_head_dim, L.dsa_indexer_n_heads,
-                      L.dsa_indexer_head_dim, L.dsa_indexer_topk, x.e, loss, recompute_core)
+                      L.dsa_indexer_head_dim, L.dsa_indexer_topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32)
 
 
 CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
