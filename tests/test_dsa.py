@@ -308,3 +308,35 @@ def test_fp32_key_norm_keeps_an_fp32_input():
     assert fp32 - base == 4096 * 64 * (4 - 2)
     L = _layout("--no-dsa-indexer-scoring-relu")
     assert any("--no-dsa-indexer-scoring-relu" in n for n in L.notes)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3.2
+
+V32 = ["--qk-layernorm", "--no-rope-fusion", "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "64",
+       "--dsa-indexer-head-dim", "128", "--dsa-indexer-topk", "2048"]
+
+
+def test_deepseek_v32_parameters_are_v3s_and_61_indexers():
+    # DeepSeek-V3 is 671,026,404,352 (tests/test_moe_estimator.py: transformers' model on the meta device); V3.2 adds
+    # one indexer of 13,959,424 per layer (test_indexer_parameters_by_hand_deepseek_v32)
+    sys.path.insert(0, ROOT)
+    from benchmarks.estimate_speed import DEEPSEEK_V3
+    L = layout_from_flags(DEEPSEEK_V3 + V32, world_size=1024, megatron_version="0.19")
+    assert total_parameters(L) == 671_026_404_352 + 61 * 13_959_424
+
+
+def test_hugging_face_deepseek_v32_config_is_read_as_dsa():
+    # DeepSeek-V3.2-Exp's config.json: V3's fields with model_type deepseek_v32 and the indexer's index_n_heads,
+    # index_head_dim, index_topk (its inference/model.py ModelArgs names)
+    from megatron_memguard.readers.hf import read_hf_config
+    doc = json.load(open(os.path.join(ROOT, "tests", "data", "hf", "deepseek-v3.json")))
+    doc.update(model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048)
+    raw = read_hf_config(doc, "config.json")
+    a = raw.args
+    assert (a["experimental_attention_variant"], a["dsa_indexer_n_heads"], a["dsa_indexer_head_dim"],
+            a["dsa_indexer_topk"], a["multi_latent_attention"], a["apply_rope_fusion"]) == ("dsa", 64, 128, 2048, True, False)
+    assert raw.origin["dsa_indexer_n_heads"] == "index_n_heads"
+    del doc["index_topk"]
+    with pytest.raises(MemguardError) as e:
+        read_hf_config(doc, "config.json")
+    assert "index_topk" in str(e.value)
