@@ -127,7 +127,7 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
 def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
                       kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
                       index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01,
-                      qk_layernorm: bool = False) -> dict[str, Any]:
+                      qk_layernorm: bool = False, tp: int = 1) -> dict[str, Any]:
     """The whole AbsorbedMLASelfAttention (DSA's attention layer without its input norm) on one gloo rank, TP 1:
     megatron-core's local ColumnParallelLinear / RowParallelLinear for the projections, LayerNorms for the latent
     norms (with ``qk_layernorm``), the real DSAttention and DSAIndexer as in ``measure``. Input: the input norm's
@@ -149,7 +149,12 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
 
     Lin, Norm = _init_rank()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, 1)
+    down = ColumnParallelLinear
+    if tp > 1:
+        from megatron.core.transformer.experimental_attention_variant import absorbed_mla
+        absorbed_mla.TELinear = Lin
+        down = Lin
     cfg = MLATransformerConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
         qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
@@ -157,19 +162,25 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
         dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
         dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_rotate_activation=False, use_cpu_initialization=True,
         transformer_impl="local", qk_layernorm=qk_layernorm, gradient_accumulation_fusion=False,
-        normalization="LayerNorm")
+        normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
     core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
         module=DSAIndexer, submodules=DSAIndexerSubmodules(linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm,
                                                            linear_weights_proj=Lin))))
     qk_norm = Norm if qk_layernorm else IdentityOp
     sub = AbsorbedMLASelfAttentionSubmodules(
-        linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
-        linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+        linear_q_proj=ColumnParallelLinear, linear_q_down_proj=down,
+        linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=down,
         linear_kv_up_proj=ColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear,
         q_layernorm=qk_norm, kv_layernorm=qk_norm)
     att = AbsorbedMLASelfAttention(cfg, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
     att.train()
-    x = torch.randn(seq, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
+    if tp > 1:
+        x = torch.randn(seq // tp, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
+        out, _ = att(x, None)
+        out.backward(torch.ones_like(out))
+        for p in att.parameters():
+            p.grad = None
+    x = torch.randn(seq // tp, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
     tracker = LiveBytesTracker(keep_log=False)
     with tracker:
         base = tracker.current
@@ -182,9 +193,32 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
             out.backward(grad)
     return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
             "rope": rope, "v_head": v_head, "qk_head": qk_head, "index_heads": index_heads, "index_dim": index_dim,
-            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "saved": saved,
+            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp, "saved": saved,
             "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
             "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
+
+
+def _tp_rank(rank: int, tp: int, port: int, out: str, kw: dict[str, Any]) -> None:
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    r = measure_attention(tp=tp, **kw)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(r, f)
+    dist.destroy_process_group()
+
+
+def measure_attention_tp(tp: int = 2, **kw: Any) -> dict[str, Any]:
+    """``measure_attention`` on ``tp`` gloo ranks with sequence parallelism: rank 0's figures."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rank0.json")
+        mp.spawn(_tp_rank, args=(tp, _free_port(), out, kw), nprocs=tp)
+        with open(out) as f:
+            return json.load(f)
 
 
 # the stored grid (benchmarks/results/referee-dsa-measured.json, tests/test_dsa.py): the default shapes and one change
@@ -209,6 +243,13 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
 }
 
 
+# the same on two ranks, TP 2 with sequence parallelism (measure_attention_tp)
+ATTENTION_TP2_GRID: dict[str, dict[str, Any]] = {
+    "loss": {},
+    "noloss": {"loss_coeff": 0.0},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=64)
@@ -224,7 +265,8 @@ def main() -> None:
         import torch
         result = {"source": f"benchmarks/referee/dsa_probe.py, megatron-core {_core_version()}, torch {torch.__version__}, CPU",
                   "runs": {name: measure(**kw) for name, kw in GRID.items()},
-                  "attention": {name: measure_attention(**kw) for name, kw in ATTENTION_GRID.items()}}
+                  "attention": {name: measure_attention(**kw) for name, kw in ATTENTION_GRID.items()},
+                  "attention_tp2": {name: measure_attention_tp(2, **kw) for name, kw in ATTENTION_TP2_GRID.items()}}
         with open(o.grid, "w") as f:
             json.dump(result, f, indent=1)
         return
