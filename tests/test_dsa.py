@@ -360,3 +360,14 @@ def test_hugging_face_deepseek_v32_config_is_read_as_dsa():
     with pytest.raises(MemguardError) as e:
         read_hf_config(doc, "config.json")
     assert "index_topk" in str(e.value)
+
+
+def test_the_layout_round_trips_through_json_and_plain_layouts_keep_their_document():
+    from megatron_memguard.layout import Layout
+    L = _layout(*LOSS, "--dsa-indexer-k-norm-fp32")
+    d = L.to_dict()
+    assert (d["experimental_attention_variant"], d["dsa_indexer_n_heads"], d["dsa_indexer_loss_coeff"],
+            d["dsa_indexer_k_norm_fp32"]) == ("dsa", 8, 0.01, True)
+    assert Layout.from_dict(json.loads(json.dumps(d))) == L
+    plain = layout_from_flags(BASE[:BASE.index("--experimental-attention-variant")], world_size=1).to_dict()
+    assert not any(k.startswith("dsa_") or k == "experimental_attention_variant" for k in plain)
