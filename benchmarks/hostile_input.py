@@ -464,8 +464,8 @@ def hostile10_cases():
             yield f"check run_recipe.py --mode lora {opt} {v[:10]!r}", [*launch, "--model", "llama32_1b", "--mode", "lora",
                                                                         opt, v], {}
     # --cp-comm-type and --attention-backend
-    attn = ["--num-layers", "4", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "4096",
-            "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--global-batch-size", "16",
+    attn = ["--num-layers", "4", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "4800",
+            "--max-position-embeddings", "4800", "--micro-batch-size", "1", "--global-batch-size", "48",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--bf16", "--position-embedding-type", "rope"]
     for cp in ("2", "3", "4", "5", "8", "12", "16", "1"):
         for ct in (["a2a"], ["a2a+p2p"], ["A2A"], ["a2a", "p2p", "a2a", "all_gather"], ["a2a", "p2p"],
@@ -496,12 +496,10 @@ def hostile10_cases():
             {"c.yaml": FLAT}
     # heterogeneous block configs with MoE / MTP (megatron-core 0.19) and hostile JSON
     base = json.load(open(os.path.join(ROOT, "tests", "data", "heterogeneous", "small_blocks.json")))
-    hflags = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
-              "--ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope --use-rope-scaling "
-              "--disable-bias-linear --seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 --bf16 "
-              "--tokenizer-type NullTokenizer --vocab-size 1024 --untie-embeddings-and-output-weights "
-              "--global-batch-size 4 --megatron-version 0.19.2").split()
-    hmoe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256", "--moe-grouped-gemm"]
+    from test_heterogeneous import FLAGS as het_flags
+    hflags = [*het_flags, "--megatron-version", "0.19.2"]
+    hmoe = ["--num-experts", "4", "--moe-ffn-hidden-size", "256", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+            "alltoall"]
     docs: dict[str, object] = {"as is": base}
     # (deep nesting written as text: json.dumps recurses)
     docs["5,000 levels of block_configs"] = '{"block_configs":' * 5000 + json.dumps(base) + "}" * 5000
