@@ -173,7 +173,7 @@ def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace) -> GpuSpec:
             # (inf and 1e308 gave zero network time, 5e-324 step times of 10**300 s)
             raise ConfigError("--network-gbps", f"must be from {MIN_NETWORK_GBPS:g} to {MAX_NETWORK_GBPS:,} Gb/s per GPU "
                               f"(memguard's bounds: 1 Gb/s Ethernet; 10 x NVLink 5's 7,200 Gb/s per GPU and direction), "
-                              f"got {ns.network_gbps:g}")
+                              f"got {ns.network_gbps!r}")
         changes["network_bytes_per_s"] = ns.network_gbps * 1e9 / 8
     for flag, field in (("--gemm-efficiency", "gemm_efficiency"), ("--attention-efficiency", "attention_efficiency")):
         v = getattr(ns, field)
@@ -183,7 +183,7 @@ def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace) -> GpuSpec:
             if v < MIN_EFFICIENCY:
                 # (5e-324 divided by zero; 1e-308 printed 10**300-second steps)
                 raise ConfigError(flag, f"must be at least {MIN_EFFICIENCY:g} of peak (memguard's bound: an H100's fp32 "
-                                  f"CUDA cores alone reach 6.8% of its bf16 tensor-core peak), got {v:g}")
+                                  f"CUDA cores alone reach 6.8% of its bf16 tensor-core peak), got {v!r}")
             changes[field] = v
     return dataclasses.replace(gpu, **changes) if changes else gpu
 
