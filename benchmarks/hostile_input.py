@@ -35,6 +35,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -469,7 +470,7 @@ def hostile10_cases():
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--bf16", "--position-embedding-type", "rope"]
     for cp in ("2", "3", "4", "5", "8", "12", "16", "1"):
         for ct in (["a2a"], ["a2a+p2p"], ["A2A"], ["a2a", "p2p", "a2a", "all_gather"], ["a2a", "p2p"],
-                   ["a2a"] * 5, ["a2a,p2p"], [""], ["a2a+p2p", "--hierarchical-context-parallel-sizes", "2", cp],
+                   ["a2a"] * 5, ["a2a,p2p"], [""], ["a2a+p2p", "--hierarchical-context-parallel-sizes", "2", str(max(1, int(cp) // 2))],
                    ["a2a+p2p", "--hierarchical-context-parallel-sizes", "3", "1"]):
             for heads in (["--num-attention-heads", "12"], ["--num-attention-heads", "7", "--hidden-size", "896"],
                           ["--group-query-attention", "--num-query-groups", "3"]):
@@ -815,6 +816,124 @@ def hook_cases(n: int) -> tuple[int, list[str], float, str]:
     return n, broken, worst[0], worst[1]
 
 
+class _Refusing:
+    """A value that refuses str(), repr(), bool() and == (a framework's lazy or half-built config object)."""
+
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    __repr__ = __str__
+
+    def __bool__(self):
+        raise RuntimeError("no bool")
+
+    def __eq__(self, other):
+        raise RuntimeError("no ==")
+
+    __hash__ = object.__hash__
+
+
+def hook10_cases() -> tuple[int, list[str], float, str]:
+    """Issue hostile10: the hook's validate_args / validate_yaml wrappers on whole hostile namespaces (empty; None, 0,
+    'x', 10**30, NaN, [] or an object refusing str / bool / == at every field; --memguard* attributes that raise when
+    read), in warn and abort mode, and the runtime monitor fed by memory sources that raise or return garbage (NaN, inf,
+    negative, boolean, 2**64 or fractional byte counts, a dict, an int). The promise: Megatron's validation runs (or
+    the abort / argparse-style error the user asked for), at most one memguard error line, never a warning or a summary
+    built on a garbage reading. (runs, broken, worst CPU seconds, its case)."""
+    import copy
+    import time
+    import types
+
+    from mutate_util import hook_namespaces, run_hook
+    from megatron_memguard.runtime import MemoryMonitor, Prediction, Reading, StaticSource
+
+    class Raising(types.SimpleNamespace):
+        def __getattribute__(self, name):
+            if name.startswith("memguard"):
+                raise KeyError(name)
+            return super().__getattribute__(name)
+
+    cases: list[tuple[str, Any, str]] = []
+    for label, base in hook_namespaces().items():
+        def every(v, base=base):
+            ns = copy.deepcopy(base)
+            for k, sub in list(vars(ns).items()):
+                if k in ("rank", "world_size", "yaml_cfg"):
+                    continue
+                if isinstance(sub, types.SimpleNamespace):
+                    for kk in list(vars(sub)):
+                        setattr(sub, kk, v)
+                else:
+                    setattr(ns, k, v)
+            return ns
+        for mode in ("warn", "abort"):
+            spaces = {"empty": types.SimpleNamespace(), "rank and world only": types.SimpleNamespace(rank=0, world_size=8)}
+            for v_label, v in (("None", None), ("0", 0), ("'x'", "x"), ("10**30", 10**30), ("nan", float("nan")),
+                               ("[]", []), ("an object refusing str/bool/==", _Refusing())):
+                spaces[f"{v_label} everywhere"] = every(v)
+            spaces["--memguard* raising when read"] = Raising(**vars(copy.deepcopy(base)))
+            for s_label, ns in spaces.items():
+                try:
+                    object.__setattr__(ns, "memguard", mode) if not isinstance(ns, Raising) else None
+                except Exception:
+                    pass
+                cases.append((f"{label} {mode}: {s_label}", ns, mode))
+    broken, worst = [], (0.0, "")
+    for label, ns, mode in cases:
+        c0 = time.process_time()
+        o = run_hook(ns)
+        cpu = time.process_time() - c0
+        if cpu > worst[0]:
+            worst = (cpu, label)
+        p = []
+        if o.escaped or o.timed_out:
+            p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
+        if not (o.carried_on or o.aborted or o.exit2):
+            p.append("Megatron's validation was not called")
+        if o.exit2 and (len(o.exit2.splitlines()) != 1 or "memguard" not in o.exit2):
+            p.append("exit 2 message not one line naming the setting: " + o.exit2[:200])
+        if len(o.errors) > 1:
+            p.append(f"{len(o.errors)} error lines")
+        if p:
+            broken.append(f"hook {label}: {'; '.join(p)[:200]}")
+    # the runtime monitor with sources that raise or return garbage
+    from megatron_memguard import estimate, layout_from_flags
+    est = estimate(layout_from_flags(SMALL, world_size=8))
+    pred = Prediction.from_estimate(est, 0)
+    ok = dict(allocated=pred.persistent, max_allocated=2 * pred.peak_allocated, reserved=pred.persistent,
+              max_reserved=2 * pred.peak_reserved, device_used=2 * pred.device_total)   # twice the prediction: warns
+    sources: dict[str, Any] = {"raises": lambda: (_ for _ in ()).throw(RuntimeError("CUDA error")),
+                               "returns a dict": lambda: dict(ok), "returns an int": lambda: 5}
+    for field in ok:
+        for v_label, v in (("nan", float("nan")), ("inf", float("inf")), ("-1", -1), ("True", True), ("2**64", 2**64),
+                           ("1.5", 1.5), ("'x'", "x")):
+            sources[f"{field}={v_label}"] = (lambda field=field, v=v: Reading(**{**ok, field: v}))
+    for label, fn in sources.items():
+        lines: list[str] = []
+        c0 = time.process_time()
+        try:
+            m = MemoryMonitor(StaticSource(fn), pred, interval=1, emit=lines.append, emit_error=lines.append)
+            m.start()
+            for it in range(1, 101):
+                m.step(it)
+            s = m.finish() or {}
+            p = []
+            if m.warned is not None or any("WARNING" in x for x in lines):
+                p.append("a warning from a garbage reading")
+            if len([x for x in lines if "error" in x]) > 1:
+                p.append("more than one error line")
+            if any(v is not None for v in (s.get("max") or {}).values()):
+                p.append(f"a summary of garbage: {s.get('max')}")
+        except Exception as e:  # noqa: BLE001
+            p = [f"escaped: {type(e).__name__}: {e}"[:200]]
+        cpu = time.process_time() - c0
+        if cpu > worst[0]:
+            worst = (cpu, f"monitor {label}")
+        if p:
+            broken.append(f"monitor {label}: {'; '.join(p)}")
+    return len(cases) + len(sources), broken, worst[0], worst[1]
+
+
 def big_logs(d: str) -> None:
     """--big: logs far over 1 MB that a long run writes (10**6 memory lines; 10**6 JSONL samples), timed."""
     import resource
@@ -889,6 +1008,10 @@ def main(argv: list[str]) -> int:
     n, hook_broken, hook_cpu, hook_label = hook_cases(0 if "--group" in argv else 60 if step > 1 else 600)
     print(f"{'hook':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
     runs["hook"], broken["hook"], worst["hook"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
+    if "--group" not in argv or "hostile10" in argv:   # (the hook's and monitor's hostile10 cases: all of them, quick too)
+        n, hook_broken, hook_cpu, hook_label = hook10_cases()
+        print(f"{'hook10':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
+        runs["hook10"], broken["hook10"], worst["hook10"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())
     over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
     nbroken = sum(len(v) for v in broken.values())

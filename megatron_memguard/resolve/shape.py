@@ -109,8 +109,11 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
     cp = kw["context_parallel_size"]
     if cp == 1:
         return {}
-    comm = a.get("cp_comm_type") or ["p2p"]
-    comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
+    raw = a.get("cp_comm_type") or ["p2p"]
+    items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    if len(items) not in (1, kw.get("num_layers")) or any(c not in CP_COMM_TYPES for c in items):
+        return {}                                      # _check_cp_comm reports it
+    comm = set(items)
     if len(comm) > 1 and comm & {"a2a", "a2a+p2p"}:
         # per-layer communication types (TransformerConfig.cp_comm_type as a list): each layer would be sized by its own
         raise NotModelledError(a.key("cp_comm_type"), f"--cp-comm-type {' '.join(sorted(comm))} (one communication "
