@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hybrid, newest)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., newest, hostile10)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -24,7 +24,10 @@ Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, p
 hybrid Mamba patterns, Nemotron-H recipe fields, MTP stages, latent MoE / capacity / upcycling sizes (issue hostile5);
 hybrid MTP patterns, Bridge PEFT keys, heterogeneous block configs, MoE values, '???' / null outside Bridge's model section,
 at --yaml-cfg's top level and in NeMo 1 / NeMo 2's trainer, strategy, data, precision and optimizer sections, adversarial Megatron logs, plan over 10**18 GPUs (issue hostile8, the hostile9 round; --big
-adds 100 MB logs). Prints, per command, the number of runs, how many broke the
+adds 100 MB logs); NeMo 2 / Bridge PEFT, run_recipe.py modes, '*' target patterns, CP communication types, attention
+backends, heterogeneous MoE / MTP configs, module lists, emerging-optimizer values, plan's cluster speeds and NeMo 1
+optimizer nulls, plus (hook10) hostile namespaces through the hook and garbage memory sources through the runtime monitor
+(issue hostile10). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
