@@ -199,3 +199,22 @@ def test_a_memory_source_returning_garbage_gives_no_verdict(field, value, shown)
                           f"{shown}, not a byte count (0 to 2**63)); training continues without it, further memguard "
                           "errors are counted silently")
     assert m.errors == 3
+
+
+# --- NeMo 2 PEFT '???' ------------------------------------------------------------------------------------------
+def test_nemo2_peft_left_at_the_missing_marker():
+    # a checkpoint's model_transform: '???' was read as no PEFT: a full fine-tuning estimate of a LoRA run
+    ckpt = ("_target_: nemo.collections.llm.gpt.model.llama.LlamaModel\nconfig:\n  _target_: "
+            "nemo.collections.llm.gpt.model.llama.Llama3Config8B\n  seq_length: 2048\nmodel_transform: '???'\n")
+    one_error(run_memguard(["estimate", "--config", "model.yaml", "--world-size", "8", "--", "--micro-batch-size", "1",
+                            "--global-batch-size", "64"], {"model.yaml": ckpt}),
+              "model_transform: is ??? (OmegaConf's missing marker): NeMo 2 rebuilds the config with the text '???' as "
+              "the value, not a default (set model_transform=lora (or dora, none))")
+    # a field at '???' said 'is null'
+    one_error(_targets_text(LLAMA3_8B_LORA.replace("  dim: 8\n", "  dim: '???'\n")),
+              "peft.dim: is ??? (OmegaConf's missing marker): NeMo 2 rebuilds the config with the text '???' as the "
+              "value, not a default, and LoRA cannot build the adapters with it (drop peft.dim or give a value)")
+
+
+def _targets_text(text: str):
+    return run_memguard(["estimate", "--config", "ft.yaml"], {"ft.yaml": text})
