@@ -1583,6 +1583,13 @@ def estimate(
         bad = gpu_violation(layout.fp8_spec, gpu.name)
         if bad:
             raise ConfigError("--gpu", bad)
+        # the GPU as data for the layers' quantized tensors (fp8_layers.py: Blackwell's Float8 storage, the experts'
+        # GroupedLinear path under the op fuser)
+        from .fp8_layers import fused_experts_gpu_path
+        L = L.replace(fp8_gpu=gpu.name)
+        split = fused_experts_gpu_path(L, gpu.name)
+        if split:
+            notes.append(split)
     gpu_name = gpu.name if gpu else None
     # one _StagePrep per distinct stage shape (the middle of a deep pipeline shares one), looked up here
     # rather than once per stage; only the schedule's peak and its terms are made per stage
