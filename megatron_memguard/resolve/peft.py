@@ -71,17 +71,42 @@ _OTHER_MODULES = ("", "embedding", "embedding.word_embeddings", "embedding.posit
 _PREFIXES = ("", "module.", "module.module.", "0.module.", "0.module.module.")
 
 
+_REGEX_SYNTAX = frozenset("\\^$+?{}[]()|")
+_LONGEST_NAME = 256   # characters: the longest module name below ('0.module.module.decoder.layers.N.self_attention...')
+
+
+def _wildcard_regex(key: str, pattern: str) -> Any:
+    """The frameworks' regex for ``pattern``, matched without backtracking: with '*' -> '(.*)' Python's re takes time
+    exponential in the stars on a name that does not match ('*.*.*.*.*.*.*.*Z' ran past 60 s), so the pattern is
+    matched as the glob it is (fnmatch's translation, linear; '.' is any one character as in the regex). Other regex
+    syntax (a leading '^' and a trailing '$' aside, which the frameworks' anchors make redundant) is refused by name."""
+    import fnmatch
+    import re
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    body = body[:-1] if body.endswith("$") else body
+    syntax = sorted(set(body) & _REGEX_SYNTAX)
+    if syntax:
+        try:
+            re.compile("^" + pattern.replace("*", "(.*)") + "$")
+        except re.error as exc:   # (Bridge's own re.compile raises the same)
+            raise ConfigError(key, f"{shown(pattern)} is not a valid pattern ({exc})") from None
+        raise NotModelledError(key, f"PEFT target {shown(pattern)}: regular-expression syntax ({' '.join(syntax)}) "
+                               "beside '*' and '.'; memguard matches Bridge's '*' wildcards and '.' only")
+    if len(body) - body.count("*") > _LONGEST_NAME:
+        return None   # (more characters than any module name has: it matches none, without compiling 10**5 groups)
+    return re.compile(fnmatch.translate(body.replace(".", "?")))
+
+
 def wildcard_targets(a: Args, pattern: str, num_layers: int) -> list[str]:
     """The linears a ``*`` pattern of target_modules wraps, matched as Megatron-Bridge 0.6.2 and NeMo 2.5 match it
     (peft/utils.py wildcard_match: '^' + pattern with '*' -> '(.*)' + '$' on the module's full name, dots unescaped).
     memguard models a target wrapped in every layer: a pattern that matches a linear in some layers only, matches
     another module (the output layer, a norm, a whole layer), or depends on the wrappers' name prefix is refused."""
-    import re
     key = a.key("peft_target_modules")
-    try:
-        rx = re.compile("^" + pattern.replace("*", "(.*)") + "$")
-    except re.error as exc:   # (Bridge's own re.compile raises the same)
-        raise ConfigError(key, f"{shown(pattern)} is not a valid pattern ({exc})") from None
+    rx = _wildcard_regex(key, pattern)
+    if rx is None:
+        raise NotModelledError(key, f"PEFT target {shown(pattern)}: it matches none of linear_qkv, linear_proj, "
+                               "linear_fc1, linear_fc2")
     hit = lambda name: {bool(rx.match(p + name)) for p in _PREFIXES}   # noqa: E731
     found: list[str] = []
     layers = range(max(num_layers, 1))
