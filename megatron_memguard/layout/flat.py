@@ -62,6 +62,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
               "mamba_chunk_size"),
     ("shape", "hybrid_mtp_pattern"),
     ("parallel", "cp_a2a_size"),
+    ("batch", "eval_micro_batch_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -110,5 +111,6 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
     "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
     "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
+    "eval_micro_batch_size": None,   # the evaluation step's micro-batch (estimator/eval_step.py)
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }
