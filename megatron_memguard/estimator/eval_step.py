@@ -17,8 +17,8 @@ the forward moments: one layer's tensors with its working set (what training wou
 set: an upper bound, as for --freeze-all-layers' first chunk, core._chunk_activations), the embedding's output, or
 the output layer's logits with the loss's fp32 copy and targets (head.output_items: what the training step keeps
 for backward, plus its forward transient). Virtual chunks run one after another: the stage's figure is its largest
-chunk's. The evaluation step at the training micro-batch is not shown: the training step's forward of that
-micro-batch holds all of this and its saved activations besides.
+chunk's. An evaluation micro-batch no larger than the training one gets no figure (resolve/batch.py): the training
+step's forward of such a micro-batch holds all of this and its saved activations besides.
 """
 from __future__ import annotations
 

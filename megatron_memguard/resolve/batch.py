@@ -27,13 +27,14 @@ def batch(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    f"use a multiple of {mbs * dp}")
     num_microbatches = max(1, gbs // (mbs * dp))  # (a placeholder after the error above: checks go on)
     return dict(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=num_microbatches,
-                eval_micro_batch_size=_eval_micro_batch(a, gbs, dp))
+                eval_micro_batch_size=_eval_micro_batch(a, mbs, gbs, dp))
 
 
-def _eval_micro_batch(a: Args, gbs: int, dp: int) -> int | None:
-    """The evaluation step's micro-batch when one is given (--eval-micro-batch-size), else None: evaluate() runs
-    the training micro-batch then, whose forward-only peak the training step's forward of the same micro-batch
-    bounds (estimator/eval_step.py). ``--eval-iters 0`` runs no evaluation step."""
+def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
+    """The evaluation step's micro-batch when it is larger than the training one (--eval-micro-batch-size), else
+    None: the forward-only peak of a micro-batch no larger than the training one is bounded by the training step's
+    forward of it, which holds the same tensors and its saved activations besides (estimator/eval_step.py).
+    ``--eval-iters 0`` runs no evaluation step."""
     em = a.int_arg("eval_micro_batch_size")
     if em is None or a.int_arg("eval_iters", 100, minimum=0) == 0:
         return None
@@ -43,4 +44,4 @@ def _eval_micro_batch(a: Args, gbs: int, dp: int) -> int | None:
     if egbs is not None and egbs % (em * dp):
         a.fail("eval_global_batch_size", f"{egbs} is not divisible by eval micro-batch size x DP = {em}*{dp} = "
                f"{em * dp}", f"use a multiple of {em * dp}")
-    return em
+    return em if em > mbs else None
