@@ -37,6 +37,23 @@ def target_shapes(L: Layout) -> dict[str, tuple[int, int]]:
     return {t: shapes_[t] for t in _ORDER if t in L.peft.target_modules}
 
 
+def column_adapters(L: Layout, name: str, out: int) -> tuple[tuple[str, int], ...]:
+    """(name prefix, output rows per TP rank) of the adapters on a column-parallel target whose local output is
+    ``out``: one (fused), or NeMo 1's canonical variant's unfused ones (nemo_toolkit 2.2.1
+    nemo/collections/nlp/modules/common/megatron/adapters/parallel_adapters.py): LoraUnfusedKQVAdapter's q_adapter
+    (out_features = in_features = hidden), k_adapter and v_adapter (kv_channels x num_query_groups each), and
+    LoraUnfusedHto4HAdapter's gate_adapter and up_adapter (half of fc1's output each). Each is a
+    ParallelLinearAdapter: linear_in ColumnParallelLinear(in, r), linear_out ColumnParallelLinear(r, its out)."""
+    if L.peft.variant != "canonical" or name not in COLUMN_TARGETS:
+        return ((f"{name}.adapter.", out),)
+    t = L.tp
+    if name == "linear_qkv":
+        kv = (out - L.num_attention_heads * L.kv_channels // t) // 2     # k's (= v's) rows of the fused output
+        return ((f"{name}.adapter.q_adapter.", L.hidden_size // t), (f"{name}.adapter.k_adapter.", kv),
+                (f"{name}.adapter.v_adapter.", kv))
+    return ((f"{name}.adapter.gate_adapter.", out // 2), (f"{name}.adapter.up_adapter.", out // 2))
+
+
 @lru_cache(maxsize=256)
 def layer_adapter_rows(L: Layout) -> tuple[tuple[str, int, bool], ...]:
     """(name, numel per rank, tp_replicated) of one layer's adapter parameters in registration order."""
@@ -46,8 +63,9 @@ def layer_adapter_rows(L: Layout) -> tuple[tuple[str, int, bool], ...]:
     for name, (out, inp) in target_shapes(L).items():
         if name in COLUMN_TARGETS:
             # linear_in ColumnParallelLinear(in, r): [r/TP, in]; linear_out ColumnParallelLinear(r, out): [out/TP, r]
-            rows.append((f"{name}.adapter.linear_in.weight", (r // t) * inp, False))
-            rows.append((f"{name}.adapter.linear_out.weight", out * r, False))
+            for prefix, o in column_adapters(L, name, out):
+                rows.append((f"{prefix}linear_in.weight", (r // t) * inp, False))
+                rows.append((f"{prefix}linear_out.weight", o * r, False))
             if p.scheme == "dora":
                 rows.append((f"{name}.adapter.weight_magnitude", out, False))
         else:
@@ -67,7 +85,12 @@ def adapter_param_count(L: Layout) -> int:
     total = 0
     for name, (out, inp) in target_shapes(L).items():
         out_full, in_full = (out * L.tp, inp) if name in COLUMN_TARGETS else (out, inp * L.tp)
-        total += (in_full + out_full) * p.dim + (out_full if p.scheme == "dora" else 0)
+        if name in COLUMN_TARGETS:
+            # (canonical: each unfused adapter has its own linear_in [r, in] and its share of the outputs)
+            total += sum(in_full + o * L.tp for _, o in column_adapters(L, name, out)) * p.dim
+        else:
+            total += (in_full + out_full) * p.dim
+        total += out_full if p.scheme == "dora" else 0
     return total * L.num_layers
 
 
@@ -195,18 +218,21 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
         o, i = tg[name]
         column = name in COLUMN_TARGETS
         pre = p.dropout > 0 and p.dropout_position == "pre"
+        # NeMo 1's canonical variant: q / k / v (gate / up) adapters read the same input, each through its own
+        # dropout and linear_in, and each keeps its own [s b, r] intermediate
+        n_sub = len(column_adapters(L, name, o)) if column else 1
         if column:
             if pre:
-                out[_LORA_INPUT[name]] = Tf * i * (e + 1)            # dropped [s b, h] copy + its bool mask
+                out[_LORA_INPUT[name]] = n_sub * Tf * i * (e + 1)    # dropped [s b, h] copies + their bool masks
             elif L.sequence_parallel:
                 out[_LORA_INPUT[name]] = Tf * i * e                  # TE's gathered norm output, kept by linear_in
         elif pre:
             out[_LORA_INPUT[name]] = Tf * i * (e + 1)
             if not (name == "linear_proj" and core_keeps_proj_input):
                 out.pop(base, None)                                  # the base input is no longer kept
-        inter += Tf * p.dim * e
+        inter += n_sub * Tf * p.dim * e
         if p.dropout > 0 and p.dropout_position == "post":
-            masks += Tf * o if column else T * h
+            masks += Tf * sum(oo for _, oo in column_adapters(L, name, o)) if column else T * h
         if p.scheme == "dora":
             dora += (Tf * o if column else T * h) * e
             # _get_weight_norm: W0 + s B A, [out, in] per rank, made (and its product) and detached in the forward
@@ -237,7 +263,9 @@ def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, 
     x = shapes(L)
     e, Tf = x.e, x.Tf
     pre = 2 if p.dropout > 0 and p.dropout_position == "pre" else 1
-    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e for name, (_, i) in target_shapes(L).items()}
+    # (canonical: each unfused adapter's intermediate gradient; their input gradients add into one)
+    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e * len(column_adapters(L, name, o))
+             for name, (o, i) in target_shapes(L).items()}
 
     def plus(steps: tuple, at: dict[int, int]) -> tuple:
         n = len(steps)

@@ -26,13 +26,20 @@ class PeftSpec:
     dropout: float                      # adapter dropout probability
     dropout_position: str               # "pre" (on the adapter input) or "post" (on its output)
     target_modules: tuple[str, ...]     # the wrapped linears of every decoder layer
+    # "fused": one adapter per wrapped linear (Bridge, NeMo 1's default 'nemo' variant); "canonical": NeMo 1's
+    # unfused adapters, one each for q, k, v of linear_qkv and gate, up of linear_fc1 (estimator/peft.py)
+    variant: str = "fused"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "dim": self.dim, "alpha": self.alpha, "dropout": self.dropout,
-                "dropout_position": self.dropout_position, "target_modules": list(self.target_modules)}
+        d = {"scheme": self.scheme, "dim": self.dim, "alpha": self.alpha, "dropout": self.dropout,
+             "dropout_position": self.dropout_position, "target_modules": list(self.target_modules)}
+        if self.variant != "fused":     # (documents of the fused adapters read as before)
+            d["variant"] = self.variant
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PeftSpec":
         return cls(scheme=str(d["scheme"]), dim=int(d["dim"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
                    dropout_position=str(d.get("dropout_position", "pre")),
-                   target_modules=tuple(d.get("target_modules") or DEFAULT_TARGETS))
+                   target_modules=tuple(d.get("target_modules") or DEFAULT_TARGETS),
+                   variant=str(d.get("variant", "fused")))

@@ -691,11 +691,13 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
     block = get("model.peft.lora_tuning")
     if block is not None and not isinstance(block, Mapping):
         raise ConfigError(k("model.peft.lora_tuning"), f"must be a mapping of LoRA settings, got {shown(block)}")
-    if get(lt + "variant") == "canonical":
+    variant = get(lt + "variant")
+    if variant == "canonical":
         # LoraPEFTConfig (nemo_toolkit 2.2.1 nemo/collections/nlp/parts/peft_config.py: 'lora_cfg.get("variant",
         # "nemo") == "canonical"'): separate q / k / v (and fc1 gate / up) adapters, each with its own linear_in
-        raise NotModelledError(k(lt + "variant"), "NeMo 1's canonical LoRA variant (unfused q / k / v and gate / up "
-                               "adapters; memguard models 'nemo', the fused ones)")
+        # (adapters/parallel_adapters.py LoraUnfusedKQVAdapter, LoraUnfusedHto4HAdapter; estimator/peft.py)
+        b.set("peft_variant", "canonical", k(lt + "variant"))
+    # (any other value builds the fused adapters, as LoraPEFTConfig's test above does)
     targets = get(lt + "target_modules")
     if targets is not None:
         if not isinstance(targets, (str, list, tuple)):

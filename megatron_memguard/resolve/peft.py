@@ -160,4 +160,10 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         raise NotModelledError(a.key("peft_dropout"), "DoRA with dropout > 0 (a second base forward)")
     a.notes.append(f"{SCHEME_NAMES[scheme]} rank {dim} on {', '.join(targets)}: base weights frozen (no gradients, no "
                    "optimizer state); the adapters are the only trained parameters")
-    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets)}
+    variant = str(a.get("peft_variant", "fused")).strip().lower()
+    if variant not in ("fused", "canonical"):
+        a.fail("peft_variant", f"must be fused or canonical, got {shown(a.get('peft_variant'))}")
+        variant = "fused"
+    if variant == "canonical" and scheme != "lora":
+        a.fail("peft_variant", "the canonical (unfused) adapters are LoRA's (NeMo 1)")
+    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets, variant)}

@@ -1,0 +1,62 @@
+"""NeMo 1 LoRA corners: the canonical variant (unfused q / k / v and gate / up adapters).
+
+Source: nemo_toolkit 2.2.1 nemo/collections/nlp/parts/peft_config.py (LoraPEFTConfig: 'variant' == 'canonical' picks
+LoraUnfusedKQVAdapterConfig for attention_qkv and LoraUnfusedHto4HAdapterConfig for mlp_fc1) and
+nemo/collections/nlp/modules/common/megatron/adapters/parallel_adapters.py (LoraUnfusedKQVAdapter: q_adapter with
+out_features = in_features, k_adapter and v_adapter with kv_channels x num_query_groups; LoraUnfusedHto4HAdapter:
+gate_adapter and up_adapter with out_features // 2 each; every one a ParallelLinearAdapter with its own linear_in
+ColumnParallelLinear(in, dim) and linear_out ColumnParallelLinear(dim, out)).
+"""
+import pytest
+
+from megatron_memguard import estimate
+from megatron_memguard.estimator.peft import adapter_param_count, layer_adapter_rows
+from megatron_memguard.readers.detect import read_config_file
+from megatron_memguard import resolve
+
+from test_peft import NEMO1
+
+pytest.importorskip("omegaconf")
+
+
+def _layout(tmp_path, text):
+    p = tmp_path / "megatron_gpt_peft.yaml"
+    p.write_text(text)
+    return resolve(read_config_file(str(p)))
+
+
+CANONICAL = NEMO1.replace("adapter_dropout: 0.0}", "adapter_dropout: 0.0, variant: canonical}")
+
+
+def test_canonical_adapter_parameters_by_hand(tmp_path):
+    # NEMO1: h 512, 8 heads of 64 (8 query groups: k and v out 512 each), ffn 2048 (GELU: fc1 out 2048), rank 16,
+    # targets attention (qkv + dense) and mlp_fc1, 4 layers, TP 2
+    fused = _layout(tmp_path, NEMO1)
+    canon = _layout(tmp_path, CANONICAL)
+    assert (fused.peft.variant, canon.peft.variant) == ("fused", "canonical")
+    # fused, per layer: qkv (512 + 1536) x 16 + dense (512 + 512) x 16 + fc1 (512 + 2048) x 16 = 90,112
+    assert adapter_param_count(fused) == 4 * ((512 + 1536) * 16 + (512 + 512) * 16 + (512 + 2048) * 16) == 360_448
+    # canonical, per layer: q (512 + 512) + k (512 + 512) + v (512 + 512), dense (512 + 512), gate (512 + 1024)
+    # + up (512 + 1024), each x 16 = 114,688: two more linear_in [16, 512] on qkv, one more on fc1
+    assert adapter_param_count(canon) == 4 * 16 * (3 * 1024 + 1024 + 2 * 1536) == 458_752
+    # per TP rank: q / k / v linear_in [16/2, 512] and linear_out [512/2, 16]; dense linear_in [16, 512/2] and
+    # linear_out [512/2, 16]; gate / up linear_in [8, 512] and linear_out [1024/2, 16]
+    rows = layer_adapter_rows(canon)
+    assert [n for n, _, _ in rows][:6] == [
+        "linear_proj.adapter.linear_in.weight", "linear_proj.adapter.linear_out.weight",
+        "linear_qkv.adapter.q_adapter.linear_in.weight", "linear_qkv.adapter.q_adapter.linear_out.weight",
+        "linear_qkv.adapter.k_adapter.linear_in.weight", "linear_qkv.adapter.k_adapter.linear_out.weight"]
+    assert sum(n for _, n, _ in rows) == 2 * 4096 + 3 * (4096 + 4096) + 2 * (4096 + 8192) == 57_344
+    assert 4 * sum(n for _, n, _ in rows) * 2 == adapter_param_count(canon)     # TP 2: every row is split
+
+
+def test_canonical_keeps_one_intermediate_per_adapter(tmp_path):
+    # each unfused adapter keeps its own [s b, r] linear_out input: 3 on qkv, 2 on fc1 (vs 1 each fused)
+    fused = estimate(_layout(tmp_path, NEMO1), device="cpu").stages[0]
+    canon = estimate(_layout(tmp_path, CANONICAL), device="cpu").stages[0]
+    assert canon.peak_allocated_bytes > fused.peak_allocated_bytes
+    from megatron_memguard.estimator.activations import layer_activations
+    f = layer_activations(_layout(tmp_path, NEMO1)).saved["lora_intermediates"]
+    c = layer_activations(_layout(tmp_path, CANONICAL)).saved["lora_intermediates"]
+    tokens = 2048 * 1          # s x b (no SP: the adapters see the whole sequence)
+    assert f == 3 * tokens * 16 * 2 and c == (3 + 1 + 2) * tokens * 16 * 2
