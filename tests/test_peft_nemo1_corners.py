@@ -60,3 +60,44 @@ def test_canonical_keeps_one_intermediate_per_adapter(tmp_path):
     c = layer_activations(_layout(tmp_path, CANONICAL)).saved["lora_intermediates"]
     tokens = 2048 * 1          # s x b (no SP: the adapters see the whole sequence)
     assert f == 3 * tokens * 16 * 2 and c == (3 + 1 + 2) * tokens * 16 * 2
+
+
+# ----- layer_selection: adapters on some layers only (nemo_toolkit 2.2.1 nlp_adapter_mixins.py
+# _check_and_add_peft_cfg: 'layer.layer_number in (layer_selection or range(1, num_layers + 1))', 1-based global
+# layer numbers)
+
+def _selected(tmp_path, sel: str, pp: int = 1):
+    text = NEMO1.replace("adapter_dropout: 0.0}", f"adapter_dropout: 0.0, layer_selection: {sel}}}")
+    if pp > 1:
+        text = text.replace("tensor_model_parallel_size: 2", f"tensor_model_parallel_size: 2\n  pipeline_model_parallel_size: {pp}")
+    return _layout(tmp_path, text)
+
+
+def test_layer_selection_counts_the_selected_layers_adapters(tmp_path):
+    per_layer = (512 + 1536) * 16 + (512 + 512) * 16 + (512 + 2048) * 16     # 90,112 (fused, by hand above)
+    L = _selected(tmp_path, "[1, 3]")
+    assert L.peft.layers == (1, 3)
+    assert adapter_param_count(L) == 2 * per_layer
+    assert any("adapters on layers 1, 3 only" in n for n in L.notes)
+    # an empty list selects every layer (NeMo: 'layer_selection or range(...)'); all four is the same as none
+    assert _selected(tmp_path, "[]").peft.layers is None
+    assert _selected(tmp_path, "[1, 2, 3, 4]").peft.layers is None
+    with pytest.raises(Exception, match="layer_selection: selects none of the model's layers 1..4"):
+        _selected(tmp_path, "[7]")
+
+
+def test_layer_selection_per_pipeline_stage(tmp_path):
+    # PP 2 (TP 2, 8 GPUs: DP 2): stage 0 holds layers 1-2, stage 1 layers 3-4. Selecting 3 and 4 leaves stage 0 without
+    # adapters; stage 1's adapter state is the four-layer run's last stage's
+    L = _selected(tmp_path, "[3, 4]", pp=2)
+    full = _layout(tmp_path, NEMO1.replace("tensor_model_parallel_size: 2",
+                                           "tensor_model_parallel_size: 2\n  pipeline_model_parallel_size: 2"))
+    sel, every = estimate(L, device="cpu").stages, estimate(full, device="cpu").stages
+    t = [{x.name: x.bytes for x in s.terms} for s in sel]
+    f = [{x.name: x.bytes for x in s.terms} for s in every]
+    assert t[0].get("peft_adapters", 0) == 0 and t[0].get("adam_exp_avg", 0) == 0
+    for name in ("peft_adapters", "gradient_buffer", "adam_exp_avg", "adam_exp_avg_sq"):
+        assert t[1][name] == f[1][name], name
+    # per TP rank, per layer: qkv [8, 512] + [768, 16], dense [16, 256] + [256, 16], fc1 [8, 512] + [1024, 16]
+    per_rank = 8 * 512 + 768 * 16 + 16 * 256 + 256 * 16 + 8 * 512 + 1024 * 16
+    assert per_rank == 45_056 and t[1]["peft_adapters"] >= 2 * per_rank * 2      # bf16, 2 layers (+ padding)

@@ -907,9 +907,11 @@ class _StageShape:
 @lru_cache(maxsize=256)
 def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     """Each stage's shape. The middle stages of a deep pipeline share their chunk shapes, hence their states,
-    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon
+    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP, Muon and
     look at the chunks' positions, so they are keyed by rank."""
-    if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
+    if (L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L)
+            or (L.peft is not None and L.peft.layers is not None)):
+        # (NeMo 1's LoRA layer_selection: a stage's adapters follow the layer numbers it holds)
         return tuple([_StageShape((r,), r) for r in range(L.pp)])
     by_stage, last = L._chunks_by_stage, L.pp - 1
     # bucket_size_for: None but for the first chunk of rank 0 with --overlap-grad-reduce

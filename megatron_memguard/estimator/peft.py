@@ -91,7 +91,7 @@ def adapter_param_count(L: Layout) -> int:
         else:
             total += (in_full + out_full) * p.dim
         total += out_full if p.scheme == "dora" else 0
-    return total * L.num_layers
+    return total * p.adapted_layers(0, L.num_layers)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ def stage_peft_states(L: Layout, pp_rank: int, base_params: int) -> PeftStates:
     numel = unpadded = 0
     parts = []
     for c in L.stage_chunks(pp_rank):
-        plist = [(n, False) for n in per_layer] * c.num_layers
+        # (NeMo 1's layer_selection: only the chunk's selected layers carry adapters)
+        plist = [(n, False) for n in per_layer] * L.peft.adapted_layers(c.first_layer, c.num_layers)
         if not plist:
             continue
         buf = build_buffer(L, plist, bucket_size_for(L, c), ShardGroup.DENSE_DP)

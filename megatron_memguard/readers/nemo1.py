@@ -721,6 +721,8 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
     if get(lt + "adapter_dropout") not in (None, 0, 0.0) and get(lt + "dropout_position") is None:
         raise NotModelledError(k(lt + "adapter_dropout"), "NeMo 1 LoRA dropout without a dropout_position")
     if get(lt + "layer_selection") is not None:
-        raise NotModelledError(k(lt + "layer_selection"), "LoRA on some layers only")
+        # PEFTConfig reads it from the lora_tuning block (peft_config.py: peft_cfg.get("layer_selection", None))
+        sel = get(lt + "layer_selection")
+        b.set("peft_layers", list(sel) if isinstance(sel, (list, tuple)) else sel, k(lt + "layer_selection"))
     if get(lt + "weight_tying"):
         raise NotModelledError(k(lt + "weight_tying"), "LoRA weight tying across layers")

@@ -166,4 +166,32 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         variant = "fused"
     if variant == "canonical" and scheme != "lora":
         a.fail("peft_variant", "the canonical (unfused) adapters are LoRA's (NeMo 1)")
-    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets, variant)}
+    layers = _selected_layers(a, int(kw.get("num_layers") or 0))
+    if layers is not None:
+        a.notes.append(f"{a.key('peft_layers')}: adapters on layers {', '.join(map(str, layers))} only (their "
+                       "parameters, gradients and optimizer states there); activations are counted as if every layer "
+                       "had adapters (an upper bound: layers without them keep no adapter tensors, and those below "
+                       "the first one on the first stage keep none)")
+    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets, variant, layers)}
+
+
+def _selected_layers(a: Args, num_layers: int) -> tuple[int, ...] | None:
+    """NeMo 1's ``layer_selection``: the layer numbers (1-based, global) that get adapters, None for every layer.
+    NeMo 1 (nemo_toolkit 2.2.1 nlp_adapter_mixins.py _check_and_add_peft_cfg) adds them to a layer when
+    ``layer.layer_number in (layer_selection or range(1, num_layers + 1))``: an empty list selects every layer, a
+    number no layer has selects nothing."""
+    v = a.get("peft_layers")
+    if v is None:
+        return None
+    items = list(v) if isinstance(v, (list, tuple)) else None
+    if items is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in items):
+        a.fail("peft_layers", f"must be a list of layer numbers, got {shown(v)}")
+        return None
+    if not items:
+        return None
+    chosen = tuple(sorted({n for n in items if 1 <= n <= num_layers}))
+    if not chosen:
+        a.fail("peft_layers", f"selects none of the model's layers 1..{num_layers}: no parameter would be trained",
+               f"name layers between 1 and {num_layers}")
+        return None
+    return None if len(chosen) == num_layers else chosen
