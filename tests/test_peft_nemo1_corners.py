@@ -101,3 +101,42 @@ def test_layer_selection_per_pipeline_stage(tmp_path):
     # per TP rank, per layer: qkv [8, 512] + [768, 16], dense [16, 256] + [256, 16], fc1 [8, 512] + [1024, 16]
     per_rank = 8 * 512 + 768 * 16 + 16 * 256 + 256 * 16 + 8 * 512 + 1024 * 16
     assert per_rank == 45_056 and t[1]["peft_adapters"] >= 2 * per_rank * 2      # bf16, 2 layers (+ padding)
+
+
+# ----- Bridge / NeMo 2 exclude_modules with an empty target_modules: every linear not excluded gets an adapter
+# (Megatron-Bridge 0.6.2 peft/module_matcher.py ModuleMatcher.match: 'name not in self.exclude_modules and not any(
+# wildcard_match(pattern, full_name) ...)' over ColumnParallelLinear / RowParallelLinear / nn.Linear / TE linears)
+
+def _bridge(tmp_path, peft: str):
+    from test_peft import FLAT, layout
+    return layout(tmp_path, FLAT + "peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8\n" + peft)
+
+
+def test_exclude_modules_wrap_the_complement(tmp_path):
+    L = _bridge(tmp_path, "  target_modules: []\n  exclude_modules: [output_layer, linear_fc2]\n")
+    assert L.peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1")
+    # the same adapters as naming the three
+    same = _bridge(tmp_path, "  target_modules: [linear_qkv, linear_proj, linear_fc1]\n")
+    assert adapter_param_count(L) == adapter_param_count(same)
+    # FLAT: h 512, qkv out 768, fc1 out 3072 (SwiGLU), 8 heads of 64, rank 8, 4 layers:
+    # qkv (512 + 768) x 8 + proj (512 + 512) x 8 + fc1 (512 + 3072) x 8 = 39,040 a layer
+    assert adapter_param_count(L) == 4 * 8 * ((512 + 768) + (512 + 512) + (512 + 3072)) == 188_416
+    wild = _bridge(tmp_path, "  target_modules: []\n  exclude_modules: ['*output_layer', '*.mlp.*']\n")
+    assert wild.peft.target_modules == ("linear_qkv", "linear_proj")
+
+
+@pytest.mark.parametrize("exclude, match", [
+    ("[linear_fc2]", "peft.exclude_modules: PEFT whose exclude_modules leave the output layer wrapped"),
+    ("[output_layer, '*.layers.0.*']", "peft.exclude_modules: PEFT exclude_modules that keep linear_qkv out of some"),
+])
+def test_exclude_modules_memguard_does_not_model(tmp_path, exclude, match):
+    from megatron_memguard.errors import NotModelledError
+    with pytest.raises(NotModelledError, match=match.replace(".", r"\.")):
+        _bridge(tmp_path, f"  target_modules: []\n  exclude_modules: {exclude}\n")
+
+
+def test_exclude_modules_that_exclude_every_linear(tmp_path):
+    from megatron_memguard.errors import ConfigError
+    with pytest.raises(ConfigError, match="peft.exclude_modules: excludes every linear"):
+        _bridge(tmp_path, "  target_modules: []\n  exclude_modules: [output_layer, linear_qkv, linear_proj, "
+                          "linear_fc1, linear_fc2]\n")

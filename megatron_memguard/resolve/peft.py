@@ -102,6 +102,48 @@ def wildcard_targets(a: Args, pattern: str, num_layers: int) -> list[str]:
     return found
 
 
+def excluded_complement(a: Args, patterns: Any, num_layers: int) -> tuple[str, ...]:
+    """The linears an empty target_modules wraps: every linear module not in ``exclude_modules`` (Megatron-Bridge
+    0.6.2 / NeMo 2.5 peft/module_matcher.py: ``name not in exclude_modules`` and no pattern wildcard-matching the
+    full name, for ColumnParallelLinear, RowParallelLinear, nn.Linear and the TE linears). In a dense GPT model those
+    are each layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 and the output layer (a ColumnParallelLinear,
+    tied embeddings too). memguard models the four in every layer: the output layer must be excluded, and a pattern
+    excluding a linear in some layers (or under some wrapper prefixes) only is refused."""
+    import re
+    key = a.key("peft_exclude_modules")
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(x, str) for x in patterns):
+        a.fail("peft_exclude_modules", f"must be a list of module names, got {shown(patterns)}")
+        return ()
+    rxs = []
+    for pat in patterns:
+        try:
+            rxs.append(re.compile("^" + pat.replace("*", "(.*)") + "$"))
+        except re.error as exc:
+            raise ConfigError(key, f"{shown(pat)} is not a valid pattern ({exc})") from None
+
+    def excluded(local: str, full: str) -> set[bool]:
+        return {local in patterns or any(rx.match(p + full) for rx in rxs) for p in _PREFIXES}
+
+    if excluded("output_layer", "output_layer") != {True}:
+        if not patterns:
+            raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules (Bridge then "
+                                   "wraps every linear not excluded)")
+        raise NotModelledError(key, "PEFT whose exclude_modules leave the output layer wrapped (its adapter is not "
+                               "modelled: add output_layer to exclude_modules)")
+    kept: list[str] = []
+    for target, template in _TARGET_MODULES.items():
+        seen = set().union(*(excluded(target, template.format(i=i)) for i in range(max(num_layers, 1))))
+        if seen == {False}:
+            kept.append(target)
+        elif seen != {True}:
+            raise NotModelledError(key, f"PEFT exclude_modules that keep {target} out of some layers (or under some "
+                                   "module prefixes) only; memguard models a target wrapped in every layer")
+    if not kept:
+        a.fail("peft_exclude_modules", "excludes every linear: no adapter, nothing to train",
+               "leave at least one of linear_qkv, linear_proj, linear_fc1, linear_fc2 out of it")
+    return tuple(kept)
+
+
 def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     scheme_v = a.get("peft_scheme")
     if scheme_v is None:
@@ -110,8 +152,6 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if scheme not in SCHEMES:
         a.fail("peft_scheme", f"unknown PEFT scheme {shown(scheme_v)}", "lora or dora (other adapters are not modelled)")
         return {"peft": None}
-    if a.given("peft_exclude_modules"):
-        raise NotModelledError(a.key("peft_exclude_modules"), "PEFT exclude_modules (every other linear wrapped)")
     if a.bool_arg("peft_sp_input_regather", False):
         raise NotModelledError(a.key("peft_sp_input_regather"), "LoRA sequence_parallel_input_regather")
     dim = a.int_arg("peft_dim", 32)
@@ -136,9 +176,17 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("peft_target_modules", f"must be a list of module names, got {shown(targets_v)}")
             return {"peft": None}
         targets = tuple(dict.fromkeys(items))     # (no strip: Bridge matches " linear_qkv " to no module)
-        if not targets:
-            raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules "
-                                   "(Bridge then wraps every linear not excluded)")
+    if a.given("peft_exclude_modules") and (targets_v is None or targets):
+        # ModuleMatcher.match (Bridge 0.6.2 / NeMo 2.5 peft/module_matcher.py): "exclude_modules should be empty when
+        # using target_modules" (LoRA's default target_modules are the four linears)
+        a.fail("peft_exclude_modules", "must be empty when target_modules is set (Bridge's ModuleMatcher asserts it; "
+               "LoRA's default target_modules are linear_qkv, linear_proj, linear_fc1, linear_fc2)",
+               "give target_modules: [] with exclude_modules")
+        return {"peft": None}
+    if targets_v is not None and not targets:
+        # no target: every linear module not excluded gets an adapter
+        targets = excluded_complement(a, a.get("peft_exclude_modules") or [], int(kw.get("num_layers") or 1))
+    elif targets_v is not None:
         expanded: list[str] = []
         for t in targets:
             if t in COLUMN_TARGETS | ROW_TARGETS:
