@@ -41,7 +41,7 @@ MIXER_MAMBA = "mamba"              # megatron-core MambaMixer (layers/mamba.py);
 # hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
 HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
-                "E": (MIXER_NONE, MLP_MOE)}
+                "E": (MIXER_NONE, MLP_MOE), "+": (MIXER_MLA, MLP_NONE)}   # ('+': 0.19's mla_layer, MLP IdentityOp)
 
 
 class LayerKind(NamedTuple):
@@ -143,9 +143,19 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     het = L.heterogeneous_layers
     hybrid = L.hybrid_layer_pattern
     if hybrid:
-        # one symbol per layer ('|' only splits the pipeline; resolve/hybrid.py refuses FP8 with it)
-        made_h = {sym: LayerKind(*HYBRID_KINDS[sym]) for sym in set(hybrid) - {"|"}}
-        return kind_runs(tuple(made_h[sym] for sym in hybrid if sym != "|"))
+        # one symbol per layer ('|' only splits the pipeline). FP8 / FP4 per global layer index: HybridStack
+        # (0.19.2 hybrid_block.py) builds and runs layer i of its segment in get_fp8_context / get_fp4_context(config,
+        # i + pp_layer_offset), as TransformerBlock does (megatron-core builds the hybrid stack from TE modules only)
+        spec = L.fp8_spec
+        syms = tuple(sym for sym in hybrid if sym != "|")
+        if not spec.enabled:
+            made_h = {sym: LayerKind(*HYBRID_KINDS[sym]) for sym in set(syms)}
+            return kind_runs(tuple(made_h[sym] for sym in syms))
+        n = len(syms)
+        made_q: dict[tuple[str, str | None], LayerKind] = {}
+        return kind_runs(tuple(
+            made_q.setdefault((sym, q), LayerKind(*HYBRID_KINDS[sym], q)) for sym, q in zip(
+                syms, (spec.recipe if spec.layer_quantized(i, n) else None for i in range(n)))))
     if het:
         # one "mixer/mlp" word per layer; FP8 / FP4 per global layer index as below (TransformerBlock builds
         # each layer in get_fp8_context(layer_config, global index), get_config_for_layer keeping the recipe)

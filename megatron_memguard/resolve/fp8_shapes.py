@@ -59,6 +59,9 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
     if name == "output_layer":
         # [padded vocabulary / TP, hidden]: the vocabulary pads to --make-vocab-size-divisible-by x TP
         return "make_vocab_size_divisible_by"
+    if name.startswith("mixer."):
+        # a Mamba layer's in_proj [(2 d_inner + 2 G N + heads) / TP, h] and out_proj [h, d_inner / TP]
+        return "mamba_num_heads"
     if name in ("eh_proj", "linear_attn", "linear_mlp"):   # (a linear replacement's [h / TP, h])
         return "hidden_size"
     return "kv_channels"
