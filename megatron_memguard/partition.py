@@ -51,10 +51,13 @@ class LayerKind(NamedTuple):
     mixer: str
     mlp: str
     quantized: str | None = None   # the FP8 / FP4 recipe its GEMMs run in (estimator.fp8); None: BF16 / FP16
+    # a heterogeneous block's own attention num_query_groups (get_config_for_layer); None: the model's
+    query_groups: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.mixer}+{self.mlp}" + (f"+{self.quantized}" if self.quantized else "")
+        return (f"{self.mixer}" + (f":g{self.query_groups}" if self.query_groups else "") + f"+{self.mlp}"
+                + (f"+{self.quantized}" if self.quantized else ""))
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,13 @@ def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
     return kinds_from_runs(model_kind_runs(L))
 
 
+def _het_kind(word: str, quantized: str | None) -> LayerKind:
+    """A heterogeneous layer's word "mixer[:GROUPS]/mlp[:FFN]" (resolve/heterogeneous.py) as its kind."""
+    mixer, mlp = word.split("/")
+    mixer, _, groups = mixer.partition(":")
+    return LayerKind(mixer, mlp, quantized, int(groups) if groups else None)
+
+
 @lru_cache(maxsize=256)   # asked by the partition, the MTP and placeholder-gradient terms of one estimate
 def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
@@ -162,7 +172,7 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
         spec = L.fp8_spec
         te_quant = spec.enabled and L.transformer_impl == "transformer_engine"
         made: dict[tuple[str, str | None], LayerKind] = {}
-        kinds = tuple(made.setdefault((w, q), LayerKind(*w.split("/"), q)) for w, q in zip(
+        kinds = tuple(made.setdefault((w, q), _het_kind(w, q)) for w, q in zip(
             het.split(","), (spec.recipe if te_quant and spec.layer_quantized(i, L.num_layers) else None
                              for i in range(L.num_layers))))
         return kind_runs(kinds)

@@ -11,7 +11,7 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net) and 'D' (DSA) layers, block recompute of hybrid MTP layers, FP8 / FP4 with a '/' MTP
+(gated delta net) and 'D' (DSA) layers, FP8 / FP4 with a '/' MTP
 pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E'
 layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19
 (--multi-latent-attention inferred as validate_args does). Context parallelism follows MambaContextParallel's
@@ -363,13 +363,10 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
          "pattern without MoE ('E') layers"),
         (kw.get("mtp_num_layers") and ctx.version < Version("0.17"), "mtp_num_layers",
          "multi-token prediction with a hybrid model under megatron-core 0.16 (its MambaModel has no MTP block)"),
-        # MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints the depth around a HybridStack that
-        # checkpoints its own layers again (its recompute_granularity is the model's): estimated under uniform
-        # (estimator/core.py _checkpointed_hybrid_depth). Under block the depth skips its recompute (a warning)
-        # while its HybridStack checkpoints its first --recompute-num-layers layers: not read further
-        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full"
-         and kw.get("recompute_method") == "block", "recompute_method",
-         "block recomputation of hybrid MTP layers (the depth is not checkpointed, its HybridStack's first layers are)"),
+        # (full recompute of hybrid MTP depths: MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints
+        # the depth under uniform around a HybridStack that checkpoints its own layers again, estimator/core.py
+        # _checkpointed_hybrid_depth; under block the depth skips its recompute (a warning) while its HybridStack
+        # checkpoints its first --recompute-num-layers layers, _hybrid_depth_block)
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
         # HybridModel.preprocess_for_fine_grained_offloading sets up the offload manager from 0.18.2 on (hybrid_model.py);
