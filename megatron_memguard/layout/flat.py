@@ -64,6 +64,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "experimental_attention_variant dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk "
               "dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss dsa_indexer_k_norm_fp32"),
     ("parallel", "cp_a2a_size"),
+    ("batch", "eval_micro_batch_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -114,5 +115,6 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
     "experimental_attention_variant": None, "dsa_indexer_n_heads": 0, "dsa_indexer_head_dim": 0, "dsa_indexer_topk": 0,
     "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False, "dsa_indexer_k_norm_fp32": False,
+    "eval_micro_batch_size": None,   # the evaluation step's micro-batch (estimator/eval_step.py)
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

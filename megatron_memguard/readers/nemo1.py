@@ -701,11 +701,13 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
     block = get("model.peft.lora_tuning")
     if block is not None and not isinstance(block, Mapping):
         raise ConfigError(k("model.peft.lora_tuning"), f"must be a mapping of LoRA settings, got {shown(block)}")
-    if get(lt + "variant") == "canonical":
+    variant = get(lt + "variant")
+    if variant == "canonical":
         # LoraPEFTConfig (nemo_toolkit 2.2.1 nemo/collections/nlp/parts/peft_config.py: 'lora_cfg.get("variant",
         # "nemo") == "canonical"'): separate q / k / v (and fc1 gate / up) adapters, each with its own linear_in
-        raise NotModelledError(k(lt + "variant"), "NeMo 1's canonical LoRA variant (unfused q / k / v and gate / up "
-                               "adapters; memguard models 'nemo', the fused ones)")
+        # (adapters/parallel_adapters.py LoraUnfusedKQVAdapter, LoraUnfusedHto4HAdapter; estimator/peft.py)
+        b.set("peft_variant", "canonical", k(lt + "variant"))
+    # (any other value builds the fused adapters, as LoraPEFTConfig's test above does)
     targets = get(lt + "target_modules")
     if targets is not None:
         if not isinstance(targets, (str, list, tuple)):
@@ -729,6 +731,8 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
     if get(lt + "adapter_dropout") not in (None, 0, 0.0) and get(lt + "dropout_position") is None:
         raise NotModelledError(k(lt + "adapter_dropout"), "NeMo 1 LoRA dropout without a dropout_position")
     if get(lt + "layer_selection") is not None:
-        raise NotModelledError(k(lt + "layer_selection"), "LoRA on some layers only")
+        # PEFTConfig reads it from the lora_tuning block (peft_config.py: peft_cfg.get("layer_selection", None))
+        sel = get(lt + "layer_selection")
+        b.set("peft_layers", list(sel) if isinstance(sel, (list, tuple)) else sel, k(lt + "layer_selection"))
     if get(lt + "weight_tying"):
         raise NotModelledError(k(lt + "weight_tying"), "LoRA weight tying across layers")
