@@ -20,7 +20,8 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
     (["--world-size", "1"], ["--micro-batch-size", "x"], "--micro-batch-size", "must be an integer"),
     ([], [], "--world-size", "number of GPUs is unknown"),
     (["--world-size", "1"], ["--mtp-num-layers", "2", "--mtp-use-repeated-layer", "--position-embedding-type", "rope",
-                             "--cuda-graph-impl", "transformer_engine"], "--mtp-use-repeated-layer", "not modelled yet"),
+                             "--cuda-graph-impl", "transformer_engine"], "--mtp-use-repeated-layer",
+     "does not work with --cuda-graph-impl transformer_engine"),
     # Rules of validate_args / TransformerConfig / ModelParallelConfig / OptimizerConfig (megatron-core 0.19.2)
     (["--world-size", "1"], ["--fp16-lm-cross-entropy", "--bf16"], "--fp16-lm-cross-entropy", "needs --fp16"),
     (["--world-size", "1"], ["--fp32-residual-connection"], "--fp32-residual-connection", "needs --fp16 or --bf16"),
@@ -56,8 +57,9 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
      "--rotary-interleaved", "does not work with --multi-latent-attention"),
     (["--world-size", "1"], ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
      "--recompute-modules", "mla_up_proj needs --multi-latent-attention"),
+    # get_dsa_module_spec_for_backend asserts MLA (megatron-core 0.19.2)
     (["--world-size", "1"], ["--experimental-attention-variant", "dsa"], "--experimental-attention-variant",
-     "not modelled yet"),
+     "dsa needs --multi-latent-attention"),
 ])
 def test_bad_input(capsys, opts, extra, flag, rule):
     code = main(["estimate", *opts, "--", *BASE, *extra])

@@ -9,8 +9,7 @@ BASE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1
         "--micro-batch-size 4 --global-batch-size 32 --bf16 --position-embedding-type rope").split()
 
 CASES = [
-    # dsa.py _compute_index_scores: fp32 [b, sq, sk] index scores
-    (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant", "[b, s, s] index scores"),
+    # (DSA is modelled: tests/test_dsa.py)
     # ssm/gated_delta_net/common.py imports chunk_gated_delta_rule from fla (flash-linear-attention)
     (["--experimental-attention-variant", "gated_delta_net"], "--experimental-attention-variant",
      "flash-linear-attention"),

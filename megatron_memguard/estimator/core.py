@@ -18,7 +18,8 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import MIXER_ATTENTION, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, uniform_kind
+from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
+                         MLP_MOE, MLP_NONE, LayerKind, after_mtp, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -34,7 +35,7 @@ from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
-from .cuda_graphs import kind_graphed
+from .cuda_graphs import kind_graphed, layer_graphed
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -208,7 +209,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
                 outside = offload_outside(L, set(selective_modules(L)))
-            groups_of.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
+            saved = la_k.saved
+            if kind is not None and MIXER_LINEAR in (kind.mixer, kind.mlp):
+                # a heterogeneous linear replacement (TELayerNormColumnParallelLinearGathered, the norm fused in) is
+                # called by TransformerLayer outside any offload group, and its layer's input_layernorm /
+                # pre_mlp_layernorm is IdentityOp, which _set_offload_modules skips (transformer_layer.py 0.16.1,
+                # 0.18.2, 0.19.2): what it saves (its input, the norm's output and statistics) stays on the GPU
+                drop = ({"layer_input", "qkv_input", "norm1_stats"} if kind.mixer == MIXER_LINEAR else set()) | (
+                    {"mlp_norm_input", "fc1_input", "norm2_stats"} if kind.mlp == MLP_LINEAR else set())
+                saved = {k: v for k, v in saved.items() if k not in drop}
+            groups_of.append(offload_layer_groups(saved, modules, L.act_bytes,
                                                   separate_input_norm=L.multi_latent_attention,
                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
         # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid
@@ -237,7 +247,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 seq.pop()
             if (L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes
                     and (kind is None or not L.hybrid_layer_pattern
-                         or kind_graphed(cuda_graph_spec(L), kind.mixer, kind.mlp))):
+                         or layer_graphed(L)(cuda_graph_spec(L), kind.mixer, kind.mlp))):
                 # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
                 # group reloaded ahead
                 staging = max(staging, sum(sizes) + max(sizes))
@@ -343,6 +353,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 stack = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
                 if mtp_checkpointed(L):
                     f, b = _checkpointed_hybrid_depth(L, stack, ckpt_input)
+                elif _hybrid_depth_block(L):
+                    f, b = _block_hybrid_depths(stack, d, _hybrid_depth_block(L), ckpt_input, replay_out)
                 else:
                     f, b = _mixed_transients(stack * d)
                 fwd_extra = max(fwd_extra, f)
@@ -388,9 +400,13 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     d = L.mtp_num_layers
     x = shapes(L)
     # under full uniform recompute each depth's checkpoint keeps decoder_input (the rolled tokens' embedding) whole:
-    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py); a
-    # hybrid depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
-    kept = d * (x.T * x.h * x.r if L.distribute_saved_activations else ckpt_input)
+    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py), into a
+    # new 1/TP buffer (split_tensor_into_1d_equal_chunks(new_buffer=True), tensor_parallel/utils.py 0.16.1 / 0.19.2)
+    # while the tensor it shards, a viewless copy of a view of the decoder output (or of the received concatenation),
+    # leaves that storage referenced: the shard is one more (one depth: two fail at the first forward); a hybrid
+    # depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
+    whole = x.T * x.h * x.r
+    kept = d * whole + whole // L.tp if L.distribute_saved_activations else d * ckpt_input
     if L.hybrid_mtp_pattern:
         # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind; the layer with the
         # largest backward working set stands for the stack's
@@ -398,6 +414,12 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
         la = max((a for a, _ in per_kind), key=lambda a: (a.bwd_transient, a.fwd_transient))
         if mtp_checkpointed(L):
             return la, kept, 0
+        k = _hybrid_depth_block(L)
+        if k:
+            # block: each depth's HybridStack keeps the inputs of its first k layers and the others' saved tensors
+            n = sum(c for _, c in per_kind)
+            return (la, d * (min(k, n) * ckpt_input + _layers_bytes(per_kind, k)),
+                    d * _layers_bytes(per_kind, k, moe=True))
         return la, d * sum(a.total * k for a, k in per_kind), d * sum(a.moe_total * k for a, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
@@ -420,6 +442,40 @@ def _checkpointed_hybrid_depth(L: Layout, stack: list[tuple[LayerActivations, in
     fwd = max(la.fwd_transient + la.total for la, _ in stack)
     bwd = outside + layers * ckpt_input + max(la.total + la.bwd_transient for la, _ in stack)
     return fwd, bwd
+
+
+def _hybrid_depth_block(L: Layout) -> int:
+    """The layers each hybrid MTP depth's HybridStack checkpoints under full ``block`` recompute (0: not block).
+    MultiTokenPredictionLayer.forward (transformer/multi_token_prediction.py, megatron-core 0.18.2 and 0.19.2) warns
+    "recompute_method == 'block' is not supported for MTP yet. Skipping recompute." and runs the depth plainly, but
+    the depth's mtp_model_layer is a HybridStack with the model's config, whose forward (models/hybrid/hybrid_block.py)
+    takes recompute.py checkpointed_forward: under block its first ``recompute_num_layers`` layers are checkpointed
+    one by one (``layer_idx < recompute_num_layers``; its FP8 / FP4 skip of layers whose input needs no grad does not
+    arise: a depth's stack input is eh_proj's output), the others run plainly."""
+    if not (L.hybrid_mtp_pattern and L.recompute_granularity == "full" and L.recompute_method == "block"):
+        return 0
+    return L.recompute_num_layers if L.recompute_num_layers is not None else 1
+
+
+def _block_hybrid_depths(stack: list[tuple[LayerActivations, int]], d: int, k: int, ckpt_input: int,
+                         out: int) -> tuple[int, int]:
+    """The forward and backward working sets of ``d`` hybrid MTP depths (bottom to top) whose HybridStacks each
+    checkpoint their first ``k`` layers (_hybrid_depth_block), over what the chunk holds; composed layer by layer as
+    ``_block_replays``: a checkpointed layer keeps its input and replays before its backward (``_replay``, handed a
+    gradient of its own: the layer above's or the depth's final norm's), the others keep their saved tensors. In the
+    forward a checkpointed layer runs without grad: its tensors live until it returns (an upper bound: its saved
+    bytes on top of its working set, as _checkpointed_hybrid_depth)."""
+    depth = [la for la, c in stack for _ in range(c)]
+    layers = [(la, i < k) for _ in range(d) for i, la in enumerate(depth)]
+    fwd = bwd = None
+    above = 0
+    for la, replayed in reversed(layers):
+        f = la.fwd_transient + (la.total if replayed else 0) - above
+        b = (_replay([la], ckpt_input, out, out) if replayed else la.bwd_transient) - above
+        fwd = f if fwd is None else max(fwd, f)
+        bwd = b if bwd is None else max(bwd, b)
+        above += ckpt_input if replayed else la.total
+    return fwd or 0, bwd or 0
 
 
 def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
@@ -448,14 +504,21 @@ def _replay_transient(la: LayerActivations, grad: int, top: bool) -> int:
     ``_CheckpointFunction`` alike).
     In the block's top layer that tensor is the layer's own output gradient (each step's ``G``) until its residual
     gradients merge below the pre-MLP norm (the steps releasing ``mlp_norm_input``: the merge cannot reuse the held
-    tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step."""
+    tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step. A top layer
+    without a pre-MLP norm (a Mamba layer, an attention-only '*' layer, a heterogeneous block with a no-op MLP) has
+    one residual branch, merged at its input norm's backward, its last step (whose working set covers the merge:
+    the norm's input gradient, the sum and the held tensor): the held tensor is its output gradient throughout.
+    (Its steps' release sets name ``mlp_norm_input`` all the same, which it never saved.) CPU referee,
+    tests/test_referee_replay.py: an attention-only top layer replayed is within 0.0003% of its backward without
+    a replay plus the replayed output."""
     if not top:
         return la.bwd_transient + grad
     get = la.saved.get
     steps = []
     merged = False
+    has_mlp_norm = "mlp_norm_input" in la.saved
     for names, w in la.bwd_steps:
-        merged = merged or "mlp_norm_input" in names
+        merged = merged or (has_mlp_norm and "mlp_norm_input" in names)
         steps.append(w - sum(get(n, 0) for n in names) + (grad if merged else 0))
     return max(steps, default=0)   # (as LayerActivations.bwd_transient)
 
@@ -470,17 +533,26 @@ def _replay(block: list[LayerActivations], ckpt_input: int, out: int, grad: int)
     gradient (``_replay_transient``; ``grad``: 0 when the schedule holds it anyway) stay referenced until the
     block's backward has run; each layer's working set comes after the layers above it freed their tensors
     (``_mixed_transients``)."""
-    # (a layer that saves nothing is an identity, heterogeneous_layer_specs.py's no-op layer: the next one saves it)
+    # (a layer that saves nothing is an identity, heterogeneous_layer_specs.py's no-op layer: the next one saves it;
+    # identities above the block's top layer hand it the held gradient itself, so it is the top one)
     first = next((la.saved for la in block if la.saved), {})
     aliased = ckpt_input if ("layer_input" in first or "mlp_norm_input" in first) else 0
+    top = _top_layer(block)
     best = None
     above = 0
     for j in range(len(block) - 1, -1, -1):
         la = block[j]
-        b = _replay_transient(la, grad, j == len(block) - 1) - above
+        b = _replay_transient(la, grad, j >= top) - above
         best = b if best is None else max(best, b)
         above += la.total
     return above - aliased + out + (best or 0)
+
+
+def _top_layer(layers: list[LayerActivations]) -> int:
+    """Index of the highest layer that saves anything: the identity layers above it (a heterogeneous block with
+    both halves no-op returns its input: heterogeneous_layer_specs.py, megatron-core 0.16.1 / 0.19.2) pass the
+    output gradient down unchanged, no autograd node in between."""
+    return max((j for j, la in enumerate(layers) if la.saved), default=len(layers) - 1)
 
 
 def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out: int, top_grad: int) -> int:
@@ -506,10 +578,13 @@ def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
     bwd = None
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
+    top = _top_layer(layers)
     for i in range(len(layers) - 1, -1, -1):
         la = layers[i]
         replayed = i < k
-        grad = top_grad if i == len(layers) - 1 else out
+        # (a checkpointed layer under unreplayed identities is handed the chunk's top gradient itself; a replayed
+        # identity's checkpoint returns a copy: AccumulateGrad clones the gradient its caller still holds)
+        grad = top_grad if i >= top and (i == len(layers) - 1 or k <= top + 1) else out
         b = (_replay([la], ckpt_input, out, grad) if replayed else la.bwd_transient) - above
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
@@ -907,9 +982,11 @@ class _StageShape:
 @lru_cache(maxsize=256)
 def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     """Each stage's shape. The middle stages of a deep pipeline share their chunk shapes, hence their states,
-    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon
+    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP, Muon and
     look at the chunks' positions, so they are keyed by rank."""
-    if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
+    if (L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L)
+            or (L.peft is not None and L.peft.layers is not None)):
+        # (NeMo 1's LoRA layer_selection: a stage's adapters follow the layer numbers it holds)
         return tuple([_StageShape((r,), r) for r in range(L.pp)])
     by_stage, last = L._chunks_by_stage, L.pp - 1
     # bucket_size_for: None but for the first chunk of rank 0 with --overlap-grad-reduce
@@ -1199,12 +1276,14 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         if mtp_here:
             moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
-        kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
+        kinds = (_hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else
+                 _halved_graph_kinds(L, chunks, mtp_here) if het else None)
         if kinds is not None:
             # the pool's free blocks: the largest working memory of one graphed layer (of a kind the graphs take)
             spec = cuda_graph_spec(L)
+            graphed_kind = layer_graphed(L)
             las = [layer_activations(L, True, kind) for kind, k in kinds.items()
-                   if k and kind_graphed(spec, kind.mixer, kind.mlp)]
+                   if k and graphed_kind(spec, kind.mixer, kind.mlp)]
             region = max((max(la.fwd_transient, la.bwd_transient) for la in las), default=0)
             kinds = [(kind.mixer, kind.mlp, k) for kind, k in kinds.items()]
         else:
@@ -1235,6 +1314,24 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _halved_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int] | None:
+    """A heterogeneous stage's layers by kind for its per-layer CUDA graphs when some are no-op or linear-replacement
+    halves (estimator/cuda_graphs.py heterogeneous_kind_graphed: which of them each implementation graphs), with the
+    MTP depths' layers (full layers of the flags, graphed by both implementations); None when every layer of the
+    model is a whole one (graphed as a uniform model's)."""
+    if not any(kind.mixer in (MIXER_NONE, MIXER_LINEAR) or kind.mlp in (MLP_NONE, MLP_LINEAR)
+               for kind, _ in model_kind_runs(L)):
+        return None
+    out: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, k in c.kind_runs:
+            out[kind] = out.get(kind, 0) + k
+    if mtp_here:
+        for kind, k in mtp_stack_runs(L):
+            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
+    return out
 
 
 def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:
@@ -1510,6 +1607,36 @@ def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_
     return out
 
 
+def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, device: str, site: SiteConstants,
+                    notes: list[str]) -> tuple[StageEstimate, ...]:
+    """Each stage with its evaluation step's figure (estimator/eval_step.py), or a note naming what keeps it out."""
+    from .eval_step import eval_figure, eval_layout, eval_terms, unmodelled
+    why = unmodelled(L)
+    if why is not None:
+        notes.append(f"--eval-micro-batch-size: the evaluation step is not estimated ({why} is not modelled)")
+        return stages
+    E = eval_layout(L)
+    shapes_ = _stage_shapes(L)
+    out = []
+    for s in stages:
+        pr = preps[shapes_[s.pp_rank]]
+        chunks = L.stage_chunks(s.pp_rank)
+        runs = tuple(c.kind_runs for c in chunks)
+        nrecv = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
+        last = s.pp_rank == L.pp - 1
+        # the persistent buffers grown to the eval micro-batch's requests (they keep their largest size); the
+        # retained pipeline inputs are left out: the first received eval input replaces them
+        # (TransformerBlock.set_input_tensor) and is counted as eval_received_input
+        train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs)}
+        growth = sum(max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
+                     if name != "pipeline_inputs_retained")
+        static = (*pr.state_terms, *pr.buffers, *pr.fixed_alloc)
+        frag = site.allocator_fragmentation if device == "gpu" else None
+        terms = eval_terms(L, s.pp_rank, static, growth, frag, pr.device_only if device == "gpu" else ())
+        out.append(replace(s, eval_step=eval_figure(L, terms)))
+    return tuple(out)
+
+
 def estimate(
     layout: Layout,
     profile: str = "auto",
@@ -1583,6 +1710,13 @@ def estimate(
         bad = gpu_violation(layout.fp8_spec, gpu.name)
         if bad:
             raise ConfigError("--gpu", bad)
+        # the GPU as data for the layers' quantized tensors (fp8_layers.py: Blackwell's Float8 storage, the experts'
+        # GroupedLinear path under the op fuser)
+        from .fp8_layers import fused_experts_gpu_path
+        L = L.replace(fp8_gpu=gpu.name)
+        split = fused_experts_gpu_path(L, gpu.name)
+        if split:
+            notes.append(split)
     gpu_name = gpu.name if gpu else None
     # one _StagePrep per distinct stage shape (the middle of a deep pipeline shares one), looked up here
     # rather than once per stage; only the schedule's peak and its terms are made per stage
@@ -1594,6 +1728,8 @@ def estimate(
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site, expert_dp_rank)
         stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
+    if L.eval_micro_batch_size is not None:
+        stages = _with_eval_step(L, stages, preps, device, site, notes)
     if L.moe is not None and L.moe.moe_use_upcycling:
         # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
         from .upcycling import startup_figure, startup_terms

@@ -128,8 +128,9 @@ def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False
 # TE linears), those that take the whole sequence already split over TP (row-parallel) and MLA's down
 # projections (TE Linears in "duplicated" mode on the local sequence shard).
 _COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
-                     "linear_attn", "linear_mlp"})   # (the last two: a heterogeneous config's linear replacements)
-_ROW = frozenset({"linear_proj", "linear_fc2"})
+                     "linear_attn", "linear_mlp",   # (these two: a heterogeneous config's linear replacements)
+                     "mixer.in_proj"})              # a Mamba layer's TELayerNormColumnParallelLinear (layers/mamba.py)
+_ROW = frozenset({"linear_proj", "linear_fc2", "mixer.out_proj"})   # (out_proj: a Mamba layer's TERowParallelLinear)
 
 
 def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int, tp: int,
@@ -181,6 +182,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
       quantizes inside the norm kernel, ``with_quantized_norm``); under MLA the norm output feeds both
       down projections (or linear_q_proj), each keeping its own quantized copy.
     * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
+    * Mamba ``mamba_in_proj_input`` / ``mamba_out_proj_input``: in_proj's fused norm output and out_proj's input
+      (the gated norm's output, kept by out_proj only), quantized; the mixer's other tensors stay BF16 (the
+      conv1d, the chunk scan and the gated norm are mamba_ssm kernels outside TE).
     * ``fp8_proj_input`` (new, delayed scaling only): linear_proj quantizes the attention output and keeps
       that copy; the BF16 output stays saved (``proj_input``) only where the core attention keeps it
       (``layers.attention.attention_keeps_proj_input``; the caller drops it elsewhere). Every other recipe and FP4 keep the BF16
@@ -206,7 +210,11 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
                                "linear_attn") if n in g]
         if readers:
             out["qkv_input"] = sum(q(n) for n in readers)
-    for name, gemm in (("fc1_input", "linear_fc1"), ("fc1_input", "linear_mlp"), ("fc2_input", "linear_fc2")):
+    for name, gemm in (("fc1_input", "linear_fc1"), ("fc1_input", "linear_mlp"), ("fc2_input", "linear_fc2"),
+                       # a Mamba layer: in_proj keeps its fused norm's quantized output, out_proj a quantized
+                       # copy of the gated norm's output (MambaMixer makes neither save its original input,
+                       # 0.19.2 mamba_mixer.py)
+                       ("mamba_in_proj_input", "mixer.in_proj"), ("mamba_out_proj_input", "mixer.out_proj")):
         if name in saved and gemm in g:
             out[name] = q(gemm)
     if "linear_proj" in g and not proj_saves_original_input(spec):
@@ -252,7 +260,11 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
                               sequence_parallel=L.sequence_parallel)
     moe = getattr(L, "moe", None)
-    if moe is not None:
+    if moe is not None and moe.moe_use_legacy_grouped_gemm:
+        # the legacy GroupedMLP (core 0.16.1 experts.py) runs grouped_gemm's gmm on its BF16 weight1 / weight2: no TE
+        # module, so no quantized copy, recipe state or primary FP8 weight for the experts (resolve/moe.py)
+        gemms = tuple(g for g in gemms if not g.name.startswith("experts."))
+    elif moe is not None:
         # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}"); under
         # the op fuser the experts run as TE's GroupedLinear ops instead (resolve/moe.py experts_op_fuser), which
         # cache no workspace (fused_experts_overrides)
@@ -282,6 +294,10 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     latent projections keep quantized inputs (``moe_latent_projections``)."""
     if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
         return {}
+    if L.moe.moe_use_legacy_grouped_gemm:
+        # the legacy GroupedMLP's gmm keeps its BF16 inputs (no TE module, no Fp8Padding): only the shared experts
+        # and latent projections below are TE modules
+        saved = {k: v for k, v in saved.items() if k not in ("moe_expert_input", "moe_expert_activations")}
     from .layers.base import selective_modules
     from .layers.moe import expert_rows, router_bytes, tokens_per_rank
     m = L.moe
@@ -353,6 +369,13 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
     * delayed scaling: no fused kernel and no grouped-tensor path (``is_op_fuser_grouped_tensor_path_supported``):
       ``_fuser_forward_split_quantize`` keeps each expert's quantized input and weight copy column-wise only
       (``update_usage(rowwise_usage=False, columnwise_usage=True)``); ScaledSwiGLU keeps its BF16 input.
+    * tensorwise, blockwise, and MXFP8 with E5M2 gradients (no fused kernel): the GroupedLinear ops take the
+      grouped-tensor path where the GPU and cuBLASLt allow it (``is_op_fuser_grouped_tensor_path_supported``:
+      tensorwise on Blackwell with cuBLASLt >= 13.3 or Hopper with >= 13.5, blockwise on Hopper with >= 13.6, MXFP8
+      on Blackwell with >= 13.3), else the split-quantize path. memguard sees no cuBLASLt version: the grouped-tensor
+      path is sized, the one that keeps more (``_fuser_forward_grouped_tensor`` saves the weight copies with both
+      usages, no ``update_usage``; the inputs column-wise, ``grouped_x.rowwise_data = None``); the split-quantize
+      path keeps ``fused_experts_rowwise_weight_bytes`` less (resolve/moe.py says so in a note).
 
     Names: ``moe_expert_input`` (fc1's quantized input and the padded probs), ``moe_expert_activations`` (the GLU
     input and fc2's quantized input), ``fp8_op_fuser_weights`` (the weight copies of one micro-batch; none with
@@ -382,13 +405,55 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
         # the BF16 part without the fuser's padding: g F_r (the GLU input) + F_r (fc2's input) per row
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * (g + 1) * Fr
                                          + e * Np * g * Fr + x(Fr))
-    fused_kernel = r in ("mxfp8", "nvfp4")
+    # the split-quantize path: delayed scaling always; the other recipes where estimate()'s GPU rules the
+    # grouped-tensor path out (fused_experts_gpu_path)
+    gpu = getattr(L, "fp8_gpu", None)
+    split = r == "delayed" or (gpu is not None and fused_experts_gpu_path(L, gpu) is not None)
     w = sum(op_fuser_weight(spec, Gemm(n, rows, cols, count=El, op_fused=True), non_tn=non_tn,
-                            both_usages=fused_kernel)
+                            both_usages=not split)
             for n, (rows, cols) in (("experts.linear_fc1", (g * Fr, hx)), ("experts.linear_fc2", (hx, Fr))))
     if w and "moe_expert_input" in saved:
         out["fp8_op_fuser_weights"] = w
     return out
+
+
+def fused_experts_gpu_path(L: Any, gpu_name: str) -> str | None:
+    """Where the GPU alone sends the experts' GroupedLinear ops (the op fuser, no CuTe-DSL fused kernel) to TE
+    2.20.2's split-quantize path: a note saying so, or None where the grouped-tensor path stays sized (the GPU
+    allows it and only the cuBLASLt version, unseen, decides). ``ops/basic/grouped_linear.py``
+    ``is_op_fuser_grouped_tensor_path_supported`` (TE 2.20.2, lines 106-125): ``float8_block_scaling`` returns
+    ``device_capability < (10, 0) and cublaslt_version >= 130600``, so blockwise on Blackwell (SM 10.x) always
+    takes the split-quantize path. Tensorwise (SM 9.0 with cuBLASLt >= 13.5, SM 10.x / 11.0 with >= 13.3) and MXFP8
+    with E5M2 gradients (SM 10.x with >= 13.3) depend on the cuBLASLt version on every GPU that can run them; FP8
+    below SM 8.9 is refused (``fp8.gpu_violation``). Pure: the caller passes the GPU's name as data."""
+    from .fp8 import non_tn_gpu
+    moe = getattr(L, "moe", None)
+    if (moe is None or moe.moe_use_legacy_grouped_gemm or moe.local_experts <= 0
+            or not getattr(L, "use_transformer_engine_op_fuser", False)):
+        return None
+    spec = L.fp8_spec
+    if spec.fp4 or spec.recipe != "blockwise" or not non_tn_gpu(gpu_name):
+        return None
+    return (f"{gpu_name}: the experts' GroupedLinear ops under the blockwise recipe take Transformer Engine 2.20.2's "
+            "split-quantize path on Blackwell (the grouped-tensor path needs Hopper with cuBLASLt >= 13.6): each "
+            "expert's weight copy is kept column-wise only; --moe-single-grouped-weight would stop at the first "
+            "forward (RuntimeError)")
+
+
+def fused_experts_rowwise_weight_bytes(recipe: str, *, local_experts: int, ffn: int, width: int, glu: bool,
+                                      non_tn: bool = False) -> int:
+    """What the grouped-tensor GroupedLinear path keeps more than the split-quantize path per MoE layer and
+    micro-batch (TE 2.20.2 ``ops/basic/grouped_linear.py``): the row-wise data (and scales) of each local expert's fc1
+    [g F, width] and fc2 [width, F] weight copies, which ``_fuser_forward_split_quantize`` drops
+    (``update_usage(rowwise_usage=False)``); 0 where one copy serves both usages (Float8 on Blackwell)."""
+    from .fp8 import quantized_tensor
+    g = 2 if glu else 1
+    block_2d = recipe == "blockwise"
+    return local_experts * sum(
+        quantized_tensor(recipe, rows, cols, rowwise=True, columnwise=True, non_tn=non_tn, block_2d=block_2d).allocated
+        - quantized_tensor(recipe, rows, cols, rowwise=False, columnwise=True, non_tn=non_tn,
+                           block_2d=block_2d).allocated
+        for rows, cols in ((g * ffn, width), (width, ffn)))
 
 
 def cutedsl_fused_grouped_mlp(env: Mapping[str, Any] | None) -> bool:

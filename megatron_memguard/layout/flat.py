@@ -61,12 +61,15 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "hybrid_layer_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads "
               "mamba_chunk_size"),
     ("shape", "hybrid_mtp_pattern"),
+    ("shape", "experimental_attention_variant dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk "
+              "dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss dsa_indexer_k_norm_fp32"),
     ("parallel", "cp_a2a_size"),
+    ("batch", "eval_micro_batch_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
                   "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
-                  "fp8_output_proj fp8_dot_product_attention"),
+                  "fp8_output_proj fp8_dot_product_attention fp8_gpu"),
     ("", "peft"),    # Layout's own field: LoRA / DoRA adapters (layout/peft.py PeftSpec), None without PEFT
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -85,7 +88,8 @@ TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offl
 # document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "tp_comm_overlap_cfg": (),
-    "fp8_output_proj": False, "fp8_dot_product_attention": False, "cp_a2a_size": 1,
+    "fp8_output_proj": False, "fp8_dot_product_attention": False, "fp8_gpu": None,
+    "cp_a2a_size": 1,
     "symmetric_ar_type": None,
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,
@@ -109,5 +113,8 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
     "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
     "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
+    "experimental_attention_variant": None, "dsa_indexer_n_heads": 0, "dsa_indexer_head_dim": 0, "dsa_indexer_topk": 0,
+    "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False, "dsa_indexer_k_norm_fp32": False,
+    "eval_micro_batch_size": None,   # the evaluation step's micro-batch (estimator/eval_step.py)
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

@@ -41,7 +41,8 @@ class ModelShape:
     mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)
     attention_output_gate: bool = False   # a sigmoid gate per query head on the attention output (linear_qkv makes it)
     # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
-    # (resolve/heterogeneous.py: attention | none, dense | dense:FFN | none); None: every layer alike
+    # (resolve/heterogeneous.py: attention | attention:GROUPS | none | linear, dense | dense:FFN | none | linear | moe);
+    # None: every layer alike
     heterogeneous_layers: str | None = None
     # --mtp-use-repeated-layer (core 0.17+): one MTP layer built and applied at every depth
     mtp_use_repeated_layer: bool = False
@@ -62,3 +63,13 @@ class ModelShape:
     # MultiTokenPredictionLayer builds a HybridStack of them; None: an MTP depth is one layer of the last decoder
     # layer's kind (params.mtp_stack_runs)
     hybrid_mtp_pattern: str | None = None
+    # --experimental-attention-variant dsa (DeepSeek sparse attention, megatron-core 0.19.2 DSAttention on
+    # AbsorbedMLASelfAttention, layers/dsa.py): the lightning indexer's heads, head dim and top-k, and the indexer
+    # KL loss coefficient (0: no loss, the indexer runs without autograd); None: no variant
+    experimental_attention_variant: str | None = None
+    dsa_indexer_n_heads: int = 0
+    dsa_indexer_head_dim: int = 0
+    dsa_indexer_topk: int = 0
+    dsa_indexer_loss_coeff: float = 0.0
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_k_norm_fp32: bool = False     # the indexer's key LayerNorm on an fp32 copy of its input

@@ -44,6 +44,13 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Sequence[
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
+def _dsa_only(L: Any) -> bool:
+    """Whether every core attention of the model is DSA's (no Transformer Engine attention kernel to name): the GPT
+    variant, or a hybrid pattern whose attention layers are all 'D'."""
+    pattern = (L.hybrid_layer_pattern or "") + (L.hybrid_mtp_pattern or "")
+    return L.experimental_attention_variant == "dsa" and not pattern or "D" in pattern and not set("*+") & set(pattern)
+
+
 def describe_layout(est: Estimate) -> str:
     L = est.layout
     par = f"TP{L.tp} PP{L.pp}" + (f" (VPP {L.vpp})" if L.vpp > 1 else "") + f" CP{L.cp} DP{L.dp}"
@@ -58,6 +65,9 @@ def describe_layout(est: Estimate) -> str:
     model = (f"{L.num_layers} layers, hidden {L.hidden_size}, ffn {L.ffn_hidden_size}, {L.num_attention_heads} heads"
              + (f" / {L.num_query_groups} groups" if L.num_query_groups != L.num_attention_heads else "")
              + (f" (MLA, q rank {L.q_lora_rank or '-'}, kv rank {L.kv_lora_rank})" if L.multi_latent_attention else "")
+             + (f" (DSA indexer {L.dsa_indexer_n_heads} x {L.dsa_indexer_head_dim}, top-k {L.dsa_indexer_topk}"
+                + (f", loss {L.dsa_indexer_loss_coeff:g}" if L.dsa_indexer_loss_coeff else "") + ")"
+                if L.dsa_indexer_n_heads else "")
              + f", vocab {L.padded_vocab_size}")
     batch = f"seq {L.seq_length}, MBS {L.micro_batch_size}, GBS {L.global_batch_size} ({L.num_microbatches} micro-batches)"
     opts = [par, "SP" if L.sequence_parallel else "no SP", "dist-opt" if L.use_distributed_optimizer else "no dist-opt",
@@ -134,6 +144,8 @@ def layer_table(est: Estimate) -> str:
         L = L.replace(transformer_impl=est.profile)
     if est.attention is not None:
         L = est.attention.modelled_layout(L)   # the kernel the estimate modelled on this GPU
+    if est.gpu and (L.fp8 or L.fp4):
+        L = L.replace(fp8_gpu=est.gpu)         # the GPU's FP8 storage, as the estimate sized it (estimator/core.py)
     if L.moe is None and not L.hybrid_layer_pattern:
         kinds = [None]
     else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)
@@ -171,10 +183,15 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
             out.append(moe_line(s, est.gpu_memory_bytes, est.threshold))
         if s.startup is not None:
             out.append(startup_line(s))
+        if s.eval_step is not None:
+            out.append(eval_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
-        if est.attention is not None:
+        if est.attention is not None and not _dsa_only(est.layout):
             out.append(f"attention backend: {est.attention.selected} ({est.attention.why})")
+        elif est.attention is not None:
+            # DSAttention runs its own PyTorch path (--dsa-kernel-backend none), not Transformer Engine's attention
+            out.append("attention backend: DSA PyTorch path (--dsa-kernel-backend none)")
         out.append(layer_table(est))
         out.append("")
     out.append(verdict_line(est, colour))
@@ -226,12 +243,25 @@ def startup_line(s: Any) -> str:
             + ("above" if u["device_total_bytes"] > s.device_total_bytes else "below") + " the training peak")
 
 
+def eval_line(s: Any) -> str:
+    """The evaluation step's figure (estimator/eval_step.py): its total and its forward-only terms."""
+    e = s.eval_step
+    parts = ", ".join(f"{t['name']} {format_bytes(t['bytes'])}" for t in e["terms"] if t["name"].startswith("eval_"))
+    return (f"evaluation step (micro-batch {e['micro_batch_size']}, forward only): peak allocated "
+            f"{format_bytes(e['peak_allocated_bytes'])}, device total {format_bytes(e['device_total_bytes'])} "
+            f"({parts}); " + ("above" if e["device_total_bytes"] > s.device_total_bytes else "below")
+            + " the training peak")
+
+
 def verdict_line(est: Estimate, colour: bool = False) -> str:
     c = est.critical
     dom = max((t for t in c.terms if t.level == "allocated"), key=lambda t: t.bytes)
     v = _c(est.verdict.upper(), _COLOURS.get(est.verdict, "0"), colour)
     need = c.required_device_bytes
-    at = " at upcycling start-up" if need > c.device_total_bytes else ""
+    at = ""
+    if need > c.device_total_bytes:
+        at = (" at the evaluation step" if c.eval_step is not None and need == c.eval_step["device_total_bytes"]
+              else " at upcycling start-up")
     if est.gpu_memory_bytes:
         frac = need / est.gpu_memory_bytes
         head = est.gpu_memory_bytes * est.threshold - need

@@ -133,10 +133,20 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         a.notes.append(f"{key}: no effect with the {recipe} recipe (megatron-core {ctx.version} builds that recipe without "
                        "fp8_dpa): attention is estimated in BF16")
         return False
-    if recipe in ("mxfp8", "nvfp4"):
-        # TE 2.11 DotProductAttention.init_fp8_metadata: "DotProductAttention does not support ... recipe"
-        a.fail(dest, f"is not supported with the {recipe} recipe (Transformer Engine's DotProductAttention runs FP8 only "
-                    "with the per-tensor recipes delayed and tensorwise)")
+    if recipe == "mxfp8":
+        # megatron-core >= 0.17 is paired with TE 2.20.2, whose DotProductAttention keeps the MXFP8 recipe for the
+        # attention (dot_product_attention.py init_fp8_metadata, NVTE_DPA_FP8_RECIPE unset) and whose
+        # get_attention_backend (utils.py 774-791) runs it in cuDNN on SM 10.x with cuDNN >= 9.21 (not 9.23.0 / 9.23.1),
+        # without fp8_mha; elsewhere no backend runs it. Its tensors (MXFP8 q, k, v with E8M0 scales, BF16 copies the
+        # CP ring saves: context_parallel.py 2327-2328) are not sized
+        raise NotModelledError(key, "FP8 attention under the mxfp8 recipe (Transformer Engine 2.20.2, megatron-core "
+                                    ">= 0.17, runs MXFP8 attention in cuDNN >= 9.21 on Blackwell; its tensors are not "
+                                    "sized): estimate with --fp8-recipe tensorwise, or without FP8 attention")
+    if recipe == "nvfp4":
+        # TE 2.20.2 get_attention_backend (utils.py 792-794): "Disabling FusedAttention for NVFP4BlockScaling"; with
+        # fp8_dpa FlashAttention and the unfused backend are off too (718-744): no backend
+        a.fail(dest, "is not supported with the nvfp4 recipe (Transformer Engine 2.20.2 has no attention backend for "
+                     "FP8 attention under NVFP4BlockScaling)")
         return False
     if mha:
         # fp8_mha reaches TE only in the delayed recipe object. TE 2.11 DotProductAttention.forward forces fp8_dpa
@@ -210,19 +220,15 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
                        "parallelism runs BF16 attention): attention is estimated in BF16")
         return False
     if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
-        # per-layer communication types (a list of several): each layer's attention would be sized by its own type
+        # per-layer communication types (a list of several; with a2a or a2a+p2p among them resolve/shape.py refuses the
+        # list for BF16 attention too): p2p and all_gather layers would differ in more than the CP exchange, FP8 ring
+        # attention in the first, BF16 attention in the second, and memguard's layer kinds carry one attention
+        # precision per model part (partition.py), not one per CP type
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(one communication type per layer is not sized for FP8 attention; p2p, a2a and "
-                               "a2a+p2p are, and all_gather runs BF16 attention)")
-    a2a, cp = kw.get("cp_a2a_size", 1), kw["context_parallel_size"]
-    if 1 < a2a < cp and ctx.version >= Version("0.17"):
-        # TE 2.20.2 (paired with core >= 0.17) AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 saves a BF16 copy of
-        # the output before its exchange and exchanges only dO in the backward: not read far enough for FP8 (TE
-        # 2.11's, core 0.16's, is sized: estimator/layers/fp8_attention.py fp8_ring_attention)
-        raise NotModelledError(a.key("cp_comm_type"), "FP8 attention with --cp-comm-type a2a+p2p over two levels "
-                               f"with megatron-core {ctx.version} (Transformer Engine 2.20's hierarchical FP8 path "
-                               "is not sized; TE 2.11's, megatron-core 0.16's, is, and so is a2a+p2p with one rank "
-                               "on either level, which TE runs as a2a or p2p)")
+                               "(one communication type per layer: the all_gather layers run BF16 attention, the p2p "
+                               "ones FP8; each type alone is sized)")
+    # a2a+p2p over two levels: TE 2.11's (core 0.16) and TE 2.20.2's (core >= 0.17) AttnFuncWithCPAndKVP2P with
+    # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention)
     return True
 
 

@@ -25,21 +25,16 @@ def hybrid_stack_spec(value: Any) -> bool:
     parts = value.split() if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
     return tuple(str(p) for p in parts) in HYBRID_STACK_SPECS
 
-# --hybrid-attention-ratio and --hybrid-mlp-ratio: one rule (0, the default, derives no layers of that kind)
-_HYBRID_RATIO: tuple[Callable[[Any], bool], str] = (
-    lambda v: v not in (None, 0, 0.0, "0", "0.0"),
-    "hybrid layer ratios (megatron-core derives the pattern from them; give the pattern as --hybrid-layer-pattern)")
-
 NOT_MODELLED: list[Row] = [
-    ("hybrid_attention_ratio", *_HYBRID_RATIO),
-    ("hybrid_mlp_ratio", *_HYBRID_RATIO),
+    # (--hybrid-attention-ratio / --hybrid-mlp-ratio: resolve/hybrid.py derives the pattern as megatron-core does)
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
      "dtype come from the teacher checkpoint and --export-kd-cfg, not from the student's flags)"),
-    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (DSA: the lightning "
-     "indexer and its fp32 [b, s, s] index scores; gated delta net: flash-linear-attention's chunked delta-rule "
-     "kernel, whose saved tensors that library decides)"),
+    # one row per variant (DSA is modelled: resolve/dsa.py)
+    ("experimental_attention_variant", lambda v: str(v).strip().lower() == "gated_delta_net", "the gated delta net "
+     "attention variant (flash-linear-attention's chunked delta-rule kernel, whose saved tensors that library "
+     "decides)"),
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
      "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),
@@ -66,7 +61,6 @@ WARN_ONLY: list[Row] = [
     ("disable_jit_fuser", bool, "without the JIT fuser the fused bias/dropout/activation functions keep intermediates memguard does not count"),
     ("ddp_num_buckets", lambda v: bool(v), "bucket padding is computed for --ddp-bucket-size, not for a bucket count (a few KiB)"),
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
-    ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased routing (random logits plus a per-expert "
      "bias every rank shares) sends more tokens to some experts than balanced routing: the balanced estimate "
      "understates those ranks; plan with the worst-case figure (moe.worst_case), which bounds them"),
