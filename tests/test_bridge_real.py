@@ -615,6 +615,14 @@ def test_every_recipe_reads_as_bridge_finalizes_it(recipes, monkeypatch, tmp_pat
         assert {k: ours[k] for k in real} == real, how
 # --- PEFT: Bridge's real adapters vs memguard's count (estimator/peft.py)
 
+def _free_port() -> str:
+    """A port no process on this machine holds now (a fixed one collides with a run of another checkout)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 @functools.lru_cache(maxsize=None)
 def _real_adapters(tp: int) -> dict:
     """tests/bridge_real/peft_adapters.py on TP ranks: {"params": {scheme: {target: n}}, "saved": {dropout: ...}}
@@ -622,7 +630,8 @@ def _real_adapters(tp: int) -> dict:
     import subprocess
     script = os.path.join(STANDINS, "peft_adapters.py")
     env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), str(29560 + tp)], env=env,
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), port], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(tp)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:]
@@ -671,7 +680,7 @@ def _real_peft_model(fn: str, scheme: str, layers: int, targets: str | None = No
     """tests/bridge_real/peft_model.py: the recipe's model (LAYERS layers) with the recipe's PEFT object applied."""
     import subprocess
     env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, os.path.join(STANDINS, "peft_model.py"), fn, scheme, str(layers), "29581"] + (
+    argv = [sys.executable, os.path.join(STANDINS, "peft_model.py"), fn, scheme, str(layers), _free_port()] + (
         [targets] if targets else [])
     p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
