@@ -83,6 +83,10 @@ def test_eval_global_batch_must_divide():
         _layout(BASE + ["--eval-global-batch-size", "5"], 1)
     with pytest.raises(ConfigError, match="--eval-global-batch-size: 12 is not divisible by eval micro-batch size x DP"):
         _layout(BASE + "--eval-micro-batch-size 8 --eval-global-batch-size 12 --eval-iters 0".split(), 1)
+    # neither eval flag: the training global batch's own error, not a second one under an eval flag not given
+    with pytest.raises(ConfigError) as e:
+        _layout(BASE + ["--global-batch-size", "5"], 1)
+    assert "eval" not in str(e.value)
 
 
 def test_unmodelled_combinations_keep_the_note():
