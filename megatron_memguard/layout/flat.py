@@ -61,6 +61,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "hybrid_layer_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads "
               "mamba_chunk_size"),
     ("shape", "hybrid_mtp_pattern"),
+    ("shape", "linear_attention_pattern linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
+              "linear_num_key_heads linear_num_value_heads"),
     ("parallel", "cp_a2a_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
@@ -109,5 +111,7 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_use_repeated_layer": False, "mtp_moe_on_empty_chunk": False,
     "hybrid_layer_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
     "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
+    "linear_attention_pattern": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

@@ -62,3 +62,13 @@ class ModelShape:
     # MultiTokenPredictionLayer builds a HybridStack of them; None: an MTP depth is one layer of the last decoder
     # layer's kind (params.mtp_stack_runs)
     hybrid_mtp_pattern: str | None = None
+    # --experimental-attention-variant gated_delta_net (GPT) with --linear-attention-freq: one character per layer,
+    # '1' a gated delta net layer, '0' a standard attention layer (experimental_attention_variant_module_specs.py
+    # get_linear_attention_pattern, core 0.16.1 and 0.19.2); None: no GDN layers in a GPT model
+    linear_attention_pattern: str | None = None
+    # the GatedDeltaNet mixer of those layers and of a hybrid model's 'G' layers (TransformerConfig 0.19.2 defaults)
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32

@@ -10,8 +10,8 @@ groups divisible by TP, heads by groups). megatron-core 0.16.1 (ssm/mamba_hybrid
 virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
-``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net), 'D' (DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
+``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'D'
+(DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
 FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers
 are the MoE layers (resolve/moe.py places them by the pattern).
 """
@@ -30,7 +30,7 @@ PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
 SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
            "-": "MLP", "E": "MoE"}
-MODELLED = frozenset("M*-E")
+MODELLED = frozenset("M*-EG")      # 'G': the GatedDeltaNet mixer (resolve/gdn.py, estimator/layers/gdn.py)
 MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --num-layers
 
 
@@ -77,6 +77,11 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if bad is not None:
         a.fail(dest, f"{bad!r} is not a layer symbol (M Mamba, * attention, - MLP, E MoE, G, D, +; "
                "'|' between pipeline segments, '/' before MTP patterns)")
+        raise Stop
+    if old and "G" in s:
+        # 0.16.1 Symbols.VALID is {M, *, -, E} (ssm/mamba_hybrid_layer_allocation.py)
+        a.fail(dest, "'G' is not a layer symbol in megatron-core 0.16 (gated delta net layers in a hybrid pattern "
+               "came later)")
         raise Stop
     main, *mtp_parts = s.split("/")
     mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old)
@@ -166,7 +171,7 @@ def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> N
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
         raise NotModelledError(key, f"{names} layers in a hybrid {'MTP ' if mtp else ''}pattern (memguard models "
-                               "Mamba 'M', attention '*', MLP '-' and MoE 'E')")
+                               "Mamba 'M', attention '*', MLP '-', MoE 'E' and gated delta net 'G')")
 
 
 def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> tuple[str | None, int]:

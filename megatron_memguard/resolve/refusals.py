@@ -30,6 +30,12 @@ _HYBRID_RATIO: tuple[Callable[[Any], bool], str] = (
     lambda v: v not in (None, 0, 0.0, "0", "0.0"),
     "hybrid layer ratios (megatron-core derives the pattern from them; give the pattern as --hybrid-layer-pattern)")
 
+# --experimental-attention-variant values still refused, one line each (a variant that gets modelled leaves its line;
+# gated_delta_net: resolve/gdn.py)
+REFUSED_ATTENTION_VARIANTS: dict[str, str] = {
+    "dsa": "the lightning indexer and its fp32 [b, s, s] index scores",
+}
+
 NOT_MODELLED: list[Row] = [
     ("hybrid_attention_ratio", *_HYBRID_RATIO),
     ("hybrid_mlp_ratio", *_HYBRID_RATIO),
@@ -37,9 +43,8 @@ NOT_MODELLED: list[Row] = [
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
      "dtype come from the teacher checkpoint and --export-kd-cfg, not from the student's flags)"),
-    ("experimental_attention_variant", lambda v: bool(v), "experimental attention variants (DSA: the lightning "
-     "indexer and its fp32 [b, s, s] index scores; gated delta net: flash-linear-attention's chunked delta-rule "
-     "kernel, whose saved tensors that library decides)"),
+    ("experimental_attention_variant", lambda v: str(v) in REFUSED_ATTENTION_VARIANTS,
+     "the experimental attention variant " + "; ".join(f"{k} ({w})" for k, w in REFUSED_ATTENTION_VARIANTS.items())),
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
      "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),
