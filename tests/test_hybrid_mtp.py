@@ -172,8 +172,8 @@ def test_pattern_rules_name_the_flag():
 
 def test_unmodelled_mtp_settings_are_refused_by_name():
     with pytest.raises(NotModelledError) as e:
-        _layout("M*M-/MG")
-    assert str(e.value).startswith("--hybrid-layer-pattern") and "'G'" in str(e.value)
+        _layout("M*M-/MD")
+    assert str(e.value).startswith("--hybrid-layer-pattern") and "'D'" in str(e.value)
     # block recompute: the depth skips its own checkpoint while its HybridStack checkpoints its first layers (uniform
     # is estimated: tests/test_hybrid_mtp_recompute.py)
     with pytest.raises(NotModelledError) as e:

@@ -208,9 +208,9 @@ def test_megatron_016_rules():
 
 
 @pytest.mark.parametrize("flags, key", [
-    ("--hybrid-layer-pattern MGM-", "--hybrid-layer-pattern"),
+    ("--hybrid-layer-pattern MDM-", "--hybrid-layer-pattern"),     # a DSA layer ('G' is modelled: test_gdn.py)
     ("--hybrid-layer-pattern M*M- " + MOE, "--num-experts"),
-    ("--hybrid-layer-pattern M*M-/MG", "--hybrid-layer-pattern"),    # a gated delta net in the MTP pattern
+    ("--hybrid-layer-pattern M*M-/MD", "--hybrid-layer-pattern"),    # a DSA layer in the MTP pattern
     ("--hybrid-layer-pattern M*M- --context-parallel-size 2", "--context-parallel-size"),
     ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),
     ("--hybrid-layer-pattern M*M- --disable-mamba-mem-eff-path", "--disable-mamba-mem-eff-path"),

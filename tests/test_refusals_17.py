@@ -11,9 +11,6 @@ BASE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1
 CASES = [
     # dsa.py _compute_index_scores: fp32 [b, sq, sk] index scores
     (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant", "[b, s, s] index scores"),
-    # ssm/gated_delta_net/common.py imports chunk_gated_delta_rule from fla (flash-linear-attention)
-    (["--experimental-attention-variant", "gated_delta_net"], "--experimental-attention-variant",
-     "flash-linear-attention"),
     # pipeline_parallel/hybrid_cp_schedule.py: a CP group per sub-sample, sized from the data
     (["--hybrid-context-parallel"], "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
     # core/extensions/kitchen.py only wraps NVIDIA's kitchen package
