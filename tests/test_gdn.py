@@ -257,3 +257,21 @@ def test_hybrid_g_layers_are_the_same_mixer():
     # the heads split over TP there too (GatedDeltaNet divides them)
     assert _err(["--hybrid-layer-pattern", "G*G-", "--tensor-model-parallel-size", "4"], base=HYBRID).startswith(
         "--linear-num-key-heads")
+
+
+def test_megatrons_own_parser_and_validate_args_resolve_like_the_flags(monkeypatch, capsys):
+    # megatron-core 0.19.2's real parse_and_validate_args (Python 3.12 venv): la_freq_type turns the list expression
+    # into a list, validate_args keeps the variant; memguard's hook resolves that namespace as it resolves the flags
+    from conftest import container_era, validated_by_megatron
+    if not container_era():
+        pytest.skip("needs Python 3.12 with megatron-core >= 0.18 (megatron.training)")
+    flags = [f for f in GPT if f != "--vocab-size" and f != "1024"] + [
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--lr", "1e-4", "--train-iters", "10",
+        "--mock-data", "--linear-attention-freq", "([1]*3+[0]*1)*2"]
+    hook, args = validated_by_megatron(monkeypatch, "pretrain_gpt.py", flags)
+    capsys.readouterr()
+    assert args.experimental_attention_variant == "gated_delta_net" and args.linear_attention_freq == [1, 1, 1, 0] * 2
+    L = hook.STATE.decision.layout
+    assert L.linear_attention_pattern == "11101110" == layout_from_flags(flags, world_size=8).linear_attention_pattern
+    assert (L.linear_num_key_heads, L.linear_num_value_heads, L.linear_key_head_dim, L.linear_value_head_dim) == (
+        2, 4, 32, 48)
