@@ -222,12 +222,19 @@ def test_megatron_016_rules():
         ["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out"], "0.16")
     # and heads split over TP alone there
     assert "the tensor-model-parallel size (4)" in _err(["--tensor-model-parallel-size", "4"], "0.16")
+    # 0.17.1 still refuses CP; 0.18.2 splits the heads over TP x CP (transformer_config.py of each release)
+    assert "--context-parallel-size: must be 1" in _err(["--context-parallel-size", "2"], "0.17")
+    assert _layout(["--context-parallel-size", "2"], "0.18").cp == 2
+    assert "gdn_norm_out is not a module of megatron-core 0.18" in _err(
+        ["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out"], "0.18")
+    # 0.18.2 runs fla's conv on a view of in_proj's output, as 0.19.2; 0.17.1 causal_conv1d on a copy, as 0.16.1
+    assert "gdn_in_proj_output" in gdn.saved_items(_layout(version="0.18"), set())
+    assert "gdn_conv_input" in gdn.saved_items(_layout(version="0.17"), set())
 
 
 @pytest.mark.parametrize("extra, key", [
     (["--fp8-format", "hybrid"], "--fp8-format"),
     (["--deterministic-mode"], "--deterministic-mode"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:
@@ -275,3 +282,15 @@ def test_megatrons_own_parser_and_validate_args_resolve_like_the_flags(monkeypat
     assert L.linear_attention_pattern == "11101110" == layout_from_flags(flags, world_size=8).linear_attention_pattern
     assert (L.linear_num_key_heads, L.linear_num_value_heads, L.linear_key_head_dim, L.linear_value_head_dim) == (
         2, 4, 32, 48)
+
+
+def test_mtp_layer_is_the_standard_gpt_layer_on_019():
+    # megatron/training 0.19.2 models/gpt.py mtp_block_spec: get_gpt_decoder_layer_specs(...)[-1], attention with the
+    # last layer's MLP, even when the last decoder layer is a GDN layer
+    from megatron_memguard.estimator.params import mtp_layer_kind
+    L = _layout(["--mtp-num-layers", "1", "--linear-attention-freq", "([0]*1+[1]*7)"])
+    assert layer_kinds(L)[-1] == GDN and mtp_layer_kind(L) == ATTN
+    # the builders before 0.19 pass the block spec (its last layer): not read, refused by name
+    with pytest.raises(NotModelledError) as e:
+        _layout(["--mtp-num-layers", "1"], version="0.18")
+    assert str(e.value).startswith("--mtp-num-layers") and "gated delta net" in str(e.value)

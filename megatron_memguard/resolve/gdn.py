@@ -63,20 +63,21 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         return {}
     kh, vh = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
     tp, cp = kw["tensor_model_parallel_size"], kw.get("context_parallel_size", 1)
-    old = ctx.version < Version("0.19")
+    old = ctx.version < Version("0.18")     # 0.16.1 / 0.17.1: no CP for GDN (TransformerConfig asserts CP 1)
     if vh % kh:
         # TransformerConfig.__post_init__ asserts it with the variant set; GatedDeltaNet's repeat_interleave needs it
         a.fail("linear_num_value_heads", f"({vh}) must be a multiple of --linear-num-key-heads ({kh}) "
                "(TransformerConfig)")
-    # GatedDeltaNet splits the heads over TP (0.16.1) and over TP x CP (0.19.2: CP runs as an all-to-all of heads)
+    # GatedDeltaNet splits the heads over TP (0.16.1, 0.17.1) and over TP x CP (0.18.2+: CP runs as an all-to-all
+    # of heads)
     split, what = (tp, "tensor-model-parallel size") if old else (tp * cp, "tensor-model-parallel x context-parallel size")
     for dest, heads in (("linear_num_key_heads", kh), ("linear_num_value_heads", vh)):
         if heads % split:
             a.fail(dest, f"({heads}) must be a multiple of the {what} ({split}) (TransformerConfig)")
     if old and cp > 1:
-        # TransformerConfig.__post_init__ (core 0.16.1): "Gated delta net does not support context parallel for now"
+        # TransformerConfig.__post_init__ (core 0.16.1, 0.17.1): "Gated delta net does not support context parallel"
         a.fail("context_parallel_size", f"must be 1 with gated delta net layers under megatron-core "
-               f"{ctx.version.major}.{ctx.version.minor} (TransformerConfig; CP for GDN came in 0.19)")
+               f"{ctx.version.major}.{ctx.version.minor} (TransformerConfig; CP for GDN came in 0.18)")
     out: dict[str, Any] = dict(dims)
     if gpt:
         freq = a.get("linear_attention_freq")
@@ -97,9 +98,13 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if kw.get("heterogeneous_layers"):
             raise NotModelledError(a.key("heterogeneous_layers_config_path"), "a heterogeneous config with gated "
                                    "delta net layers")
-        if kw.get("mtp_num_layers"):
+        if kw.get("mtp_num_layers") and ctx.version < Version("0.19"):
+            # megatron/training 0.19.2 models/gpt.py mtp_block_spec builds the MTP layer from the standard GPT layer
+            # spec (estimator/params.py mtp_layer_kind); the builders before it pass the block spec, whose last layer
+            # may be a GDN layer: not read
             raise NotModelledError(a.key("mtp_num_layers"), "multi-token prediction in a GPT model with gated delta "
-                                   "net layers (the MTP layer's spec was not read)")
+                                   f"net layers under megatron-core {ctx.version.major}.{ctx.version.minor} (its "
+                                   "builder's MTP layer spec was not read; 0.19 is modelled)")
     _refuse(a, kw)
     return out
 

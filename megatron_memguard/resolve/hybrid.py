@@ -79,9 +79,9 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                "'|' between pipeline segments, '/' before MTP patterns)")
         raise Stop
     if old and "G" in s:
-        # 0.16.1 Symbols.VALID is {M, *, -, E} (ssm/mamba_hybrid_layer_allocation.py)
+        # 0.16.1 Symbols.VALID is {M, *, -, E} (ssm/mamba_hybrid_layer_allocation.py; 0.17.1 adds GDN = 'G')
         a.fail(dest, "'G' is not a layer symbol in megatron-core 0.16 (gated delta net layers in a hybrid pattern "
-               "came later)")
+               "came in 0.17)")
         raise Stop
     main, *mtp_parts = s.split("/")
     mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old)

@@ -80,7 +80,7 @@ def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
               and not a.bool_arg("multi_latent_attention", False)):
             a.fail("recompute_modules", "mla_up_proj needs --multi-latent-attention (TransformerConfig)")
         elif m == "gdn_norm_out" and ctx.version < Version("0.19"):
-            # TransformerConfig's allowed_modules (core 0.16.1) has no gdn_norm_out: its GatedDeltaNet checkpoints nothing
+            # TransformerConfig's allowed_modules (core 0.16.1, 0.17.1, 0.18.2) has no gdn_norm_out
             a.fail("recompute_modules", "gdn_norm_out is not a module of megatron-core "
                    f"{ctx.version.major}.{ctx.version.minor} (added in 0.19)")
         elif (m == "gdn_norm_out" and recompute_granularity == "selective"

@@ -2,8 +2,9 @@
 hybrid model's 'G' layers.
 
 Sources: megatron-core 0.19.2 ssm/gated_delta_net/common.py (_GDNBase.__init__, _prepare_input_for_gated_delta_rule,
-_compute_g_and_beta, _apply_gated_norm) and gdn.py (GatedDeltaNet: its in_proj sections and forward); 0.16.1
-ssm/gated_delta_net.py (the same module, with causal_conv1d's conv on a [b, d, s] copy and no CP);
+_compute_g_and_beta, _apply_gated_norm) and gdn.py (GatedDeltaNet: its in_proj sections and forward; 0.18.2's ssm/gated_delta_net.py keeps the same
+tensors); 0.16.1 and 0.17.1 ssm/gated_delta_net.py (the same module, with causal_conv1d's conv on a [b, d, s] copy,
+an eager decay and no CP);
 models/gpt/experimental_attention_variant_module_specs.py get_gated_delta_net_module_spec (in_proj =
 TELayerNormColumnParallelLinear with the layer's input norm fused in, out_norm = TE norm over value_head_dim,
 out_proj = TERowParallelLinear) and models/hybrid/hybrid_layer_specs.py (the same for 'G'). The kernels are
@@ -90,7 +91,9 @@ def reads_batch_mask(L: Any) -> bool:
 
 
 def _old(L: Any) -> bool:
-    return Version(str(L.megatron_version)) < Version("0.19")
+    """megatron-core 0.16.1 / 0.17.1 (ssm/gated_delta_net.py with causal_conv1d's conv on a [b, d, s] copy, the
+    decay eager); 0.18.2 moved to fla's conv on a view and torch.compile'd input preparation, as 0.19.2 has it."""
+    return Version(str(L.megatron_version)) < Version("0.18")
 
 
 def _chunk_states(L: Any) -> int:
@@ -115,11 +118,11 @@ def saved_items(L: Any, mods: set) -> dict[str, int]:
         "gdn_in_proj_input": T * h * e,               # the norm output, kept by in_proj (local shard under SP)
     }
     if old:
-        # 0.16.1: causal_conv1d_fn keeps its input, qkv.transpose(1, 2).contiguous() ([b, d, s]); in_proj's output
+        # 0.16.1 / 0.17.1: causal_conv1d_fn keeps its input, qkv.transpose(1, 2).contiguous() ([b, d, s]); in_proj's output
         # is freed (gate, beta and alpha are contiguous copies)
         items["gdn_conv_input"] = Tf * conv * e
     else:
-        # 0.19.2: fla's causal_conv1d keeps x, a strided view of in_proj's output (after the CP all-to-all): the
+        # 0.18.2 / 0.19.2: fla's causal_conv1d keeps x, a strided view of in_proj's output (after the CP all-to-all): the
         # whole [s, b, in_proj width] tensor stays, z, beta and alpha included
         items["gdn_in_proj_output"] = Tf * p * e
     # L2NormFunction on q and k (one call on [q, k] in 0.19.2, two in 0.16.1): output and fp32 rstd per head
@@ -137,7 +140,7 @@ def saved_items(L: Any, mods: set) -> dict[str, int]:
     items["gdn_kernel_g"] = Tf * heads * 4        # the kernel's chunk-local cumsum of g, fp32 (saved as g)
     items["gdn_kernel_A"] = Tf * heads * CHUNK * e   # A = (I + beta K K^T)^-1 per chunk, [T, Hv, 64], k's dtype
     items["gdn_core_output"] = Tf * v * e         # the kernel's output o, kept by out_norm
-    if not old and "gdn_norm_out" in mods:
+    if Version(str(L.megatron_version)) >= Version("0.19") and "gdn_norm_out" in mods:
         # CheckpointWithoutOutput around the gated norm (and the CP all-to-all): its inputs o and z stay (above),
         # its output is discarded after out_proj's forward and remade in the backward
         return items
@@ -157,7 +160,7 @@ def activations(L: Any, mods: set, has_batch_mask: bool, drop_norm: bool, after:
     qk, v, heads, p, conv = widths(L)
     saved = saved_items(L, mods)
     states = _chunk_states(L)
-    recomputed = "gdn_norm_out" in mods and not _old(L)
+    recomputed = "gdn_norm_out" in mods and Version(str(L.megatron_version)) >= Version("0.19")
     norm_names = frozenset({"gdn_out_norm_stats", "gdn_out_norm_output", "gdn_out_proj_input"})
     kernel_out = after | norm_names | {"gdn_core_output"}
     prep = kernel_out | {"gdn_qk_l2norm", "gdn_q_k", "gdn_v", "gdn_gate", "gdn_beta", "gdn_decay_input",
