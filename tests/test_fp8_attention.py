@@ -274,23 +274,26 @@ def test_context_parallel_comm_types():
     # TE 2.11 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels)
     L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True)
     assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
-    # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below); the hierarchical a2a+p2p path is not sized
+    # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below)
     L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
     assert L.fp8_spec.fp8_dot_product_attention and L.cp_a2a_size == 2
     assert lay(*fp8, fp8_dot_product_attention=True).cp_a2a_size == 1
     # a2a+p2p: megatron-core hands TE [a2a group, p2p group] in the order of --hierarchical-context-parallel-sizes
     # (parallel_state.create_hierarchical_groups); attn_forward_func_with_cp runs a2a when the p2p group has one
-    # rank, p2p when the a2a group has one; the two-level path is not sized
+    # rank, p2p when the a2a group has one
     for sizes, a2a in ((["2", "1"], 2), (["1", "2"], 1)):
         L = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", *sizes,
                 fp8_dot_product_attention=True)
         assert L.cp_a2a_size == a2a
     cp4 = fp8[:4] + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
-    # two levels: TE 2.11's (megatron-core 0.16) is sized (test_two_level_a2a_p2p_by_hand), TE 2.20.2's is not
-    with pytest.raises(NotModelledError, match="cp.comm.type.*a2a\\+p2p over two levels"):
-        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.19.2")
-    L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True, version="0.16.1")
-    assert L.cp_a2a_size == 2
+    # two levels: TE 2.11's (megatron-core 0.16) and TE 2.20.2's (>= 0.17) are sized (test_two_level_a2a_p2p_*)
+    for version in ("0.16.1", "0.19.2"):
+        L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True,
+                version=version)
+        assert L.cp_a2a_size == 2 and L.fp8_spec.fp8_dot_product_attention
+    # one type per layer: the all_gather layers would run BF16 attention, the p2p ones FP8
+    with pytest.raises(NotModelledError, match="cp.comm.type.*one communication type per layer"):
+        lay(*fp8, "--cp-comm-type", "p2p", "all_gather", fp8_dot_product_attention=True)
     # TE asserts "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
     with pytest.raises(ConfigError, match="hierarchical.context.parallel.sizes.*two sizes"):
         lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "1", "2", fp8_dot_product_attention=True)
@@ -531,3 +534,48 @@ def test_two_level_a2a_p2p_by_hand(recipe):
         assert ring_bwd == 118 * Mi + ST4 // 2 + 512
     bf16_ring = 2 * Q4 + 3 * 2 * Q4 + 10 * 2 * K4 + ST4   # attention.py _cp_attention_items' backward (dO + own)
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring_bwd - bf16_ring, 0, 0]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_two_level_a2a_p2p_te_2_20_by_hand(recipe):
+    # the same layout on megatron-core 0.19.2, paired with TE 2.20.2: AttnFuncWithCPAndKVP2P with cp_size_a2a 2
+    # (context_parallel.py) double-buffers the ring (two K/V buffers, two partial outputs), casts the fp32 output to
+    # a BF16 copy before its exchange (out_part = out.to(fwd_nominal_dtype)), saved under tensorwise
+    # (NVTE_DPA_FP8CS_O_in_F16: f16_tensors = (None, None, out_f16), out_f16 = out_part) and alive to the forward's
+    # end under delayed; its backward quantizes dO first (dout_fp8 = dO_quantizer(dout)) and exchanges only dO's
+    # FP8 bytes (the saved output is in the ring's layout already)
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "4"]
+    two = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
+              fp8_dot_product_attention=True, version="0.19.2")
+    ring = lay(*fp8, fp8_dot_product_attention=True, version="0.19.2")
+    Mi = 2 ** 20
+    Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
+    saved, ring_saved = layer_activations(two).saved, layer_activations(ring).saved
+    if recipe == "delayed":
+        assert saved == ring_saved
+    else:
+        # out_part: the BF16 output [2048, 16 x 128] before its exchange, next to the BF16 one linear_proj reads
+        assert saved == {**ring_saved, "cp_a2a_attention_output": 2 * Q4}
+    m = attention(two, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(two, m)
+    alive = 2 * Q4 + 2 * K4
+    # 3. the ring over 2 ranks (2 K/V buffers besides the saved one, 2 partial outputs in fp32 with their statistics),
+    #    out_part (8 Mi), then the fp32 output (16 Mi) and its exchange (48 Mi), next to the exchanged BF16 q (8 Mi)
+    assert [w for _, w in f.fwd_steps[:3]] == [alive + 36 * Mi, alive + 5 * W4 + 512,
+                                               alive + 2 * KV4 + 2 * (4 * Q4 + ST4) + 8 * Mi + 16 * Mi + 48 * Mi
+                                               + 2 * Q4]
+    # backward: the exchanged FP8 dO (4 Mi) kept through the ring instead of TE 2.11's exchanged out and dO; dO's
+    # exchange alone peaks at 16 Mi (send copy, receive buffer, reorder's two copies)
+    common = Q4 + 512 + 2 * Q4 + KV4 + 2 * 2 * KV4 + ST4 // 2
+    if recipe == "delayed":
+        ring_bwd = common + 2 * Q4 + max(Q4 + 72 * Mi, Q4 + 2 * W4 + 30 * Mi, 16 * Mi)
+        assert ring_bwd == 106 * Mi + ST4 // 2 + 512
+    else:
+        ring_bwd = common + 4 * W4 + max(Q4 + 6 * W4 + 2 * Q4, Q4 + 60 * Mi, 16 * Mi)
+        assert ring_bwd == 110 * Mi + ST4 // 2 + 512
+    bf16_ring = 2 * Q4 + 3 * 2 * Q4 + 10 * 2 * K4 + ST4   # attention.py _cp_attention_items' backward (dO + own)
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring_bwd - bf16_ring, 0, 0]
+    if recipe == "tensorwise":
+        assert "cp_a2a_attention_output" in f.bwd_steps[2][0]       # released with the attention's saved tensors

@@ -20,7 +20,6 @@ Hopper Float8 column-wise = the [cols, rows] transpose plus a 4-byte scale-inver
 import pytest
 
 from megatron_memguard import estimate, layout_from_flags
-from megatron_memguard.errors import NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.gpus import lookup_gpu
 from megatron_memguard.partition import model_kind_runs
@@ -120,17 +119,53 @@ def test_primary_weights_make_no_copies():
     assert "fp8_op_fuser_weights" not in s
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], "tensorwise recipe"),
-    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], "blockwise recipe"),
-    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "--fp8-format hybrid"),
-])
-def test_refused_recipes(flags, words):
-    # TE 2.20.2 picks the grouped-tensor or split-quantize GroupedLinear path by GPU and cuBLASLt version for
-    # these, and they keep different weight copies
-    with pytest.raises(NotModelledError) as e:
-        layout(*flags, *FUSER)
-    assert "--use-transformer-engine-op-fuser" in str(e.value) and words in str(e.value)
+TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+MXFP8_HYBRID = ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]
+
+
+def fuser_note(L):
+    return next(n for n in L.notes if n.startswith("--use-transformer-engine-op-fuser: the experts' GroupedLinear"))
+
+
+def test_tensorwise_grouped_tensor_path_by_hand():
+    # TE 2.20.2 is_op_fuser_grouped_tensor_path_supported: tensorwise takes the grouped-tensor path on Hopper with
+    # cuBLASLt >= 13.5 (Blackwell >= 13.3); _fuser_forward_grouped_tensor keeps the inputs column-wise (rowwise_data
+    # = None: the Hopper transpose + a 4-byte scale-inverse, 512 B) and the weight copies with both usages (data and
+    # transpose, one scale-inverse)
+    L = layout(*TENSORWISE, *FUSER)
+    s = moe_saved(L)
+    assert s["moe_expert_input"] == 4 * (1024 * 512 + 512) + PROBS
+    assert s["moe_expert_activations"] == GLU_IN + 4 * (1024 * 1024 + 512)
+    assert s["fp8_op_fuser_weights"] == 4 * (2 * 2048 * 512 + 512) + 4 * (2 * 512 * 1024 + 512)
+    # the split-quantize path (older cuBLASLt, Ada) keeps the transposes only: the row-wise data less
+    note = fuser_note(L)
+    assert "grouped-tensor path" in note and "cuBLASLt >= 13.5" in note
+    assert f"{4 * (2048 * 512 + 512 * 1024):,} B) less" in note
+
+
+def test_blockwise_grouped_tensor_path_by_hand():
+    # blockwise (Hopper with cuBLASLt >= 13.6): inputs column-wise with 1x128 fp32 scales, [ceil(rows/128),
+    # round4(cols)]; weights both usages with 128x128 block scales ([ceil(rows/128), round4(ceil(cols/128))] row-wise,
+    # transposed column-wise), each scale tensor under 512 B
+    s = moe_saved(layout(*BLOCKWISE, *FUSER))
+    assert s["moe_expert_input"] == 4 * (1024 * 512 + 8 * 512 * 4) + PROBS
+    assert s["moe_expert_activations"] == GLU_IN + 4 * (1024 * 1024 + 8 * 1024 * 4)
+    assert s["fp8_op_fuser_weights"] == 4 * (2 * 2048 * 512 + 2 * 512 + 2 * 512 * 1024 + 2 * 512)
+    assert "only on Hopper with cuBLASLt >= 13.6" in fuser_note(layout(*BLOCKWISE, *FUSER))
+
+
+def test_mxfp8_hybrid_sized_as_the_grouped_tensor_path():
+    # E5M2 gradients: fuse_grouped_mlp_ops declines the CuTe-DSL kernel; the unfused GroupedLinear ops' grouped-tensor
+    # path (Blackwell, cuBLASLt >= 13.3) keeps what the fused kernel keeps: inputs column-wise, weights both usages,
+    # the GLU's BF16 input (ScaledSwiGLU)
+    s = moe_saved(layout(*MXFP8_HYBRID, *FUSER))
+    assert s["moe_expert_input"] == 4 * mx_col(1024, 512) + PROBS
+    assert s["moe_expert_activations"] == GLU_IN + 4 * mx_col(1024, 1024)
+    assert s["fp8_op_fuser_weights"] == 4 * (mx_row(2048, 512) + mx_col(2048, 512) + mx_row(512, 1024)
+                                             + mx_col(512, 1024))
+    # the split-quantize path drops the row-wise data and E8M0 scales of the copies
+    assert f"{4 * (mx_row(2048, 512) + mx_row(512, 1024)):,} B) less" in fuser_note(layout(*MXFP8_HYBRID, *FUSER))
 
 
 def test_delayed_single_grouped_weight_is_an_error():

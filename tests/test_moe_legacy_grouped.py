@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from megatron_memguard import estimate, layout_from_flags
-from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.errors import ConfigError, ConfigErrors
 from megatron_memguard.estimator.layers.moe import moe_activations
 from megatron_memguard.estimator.params import chunk_params
 
@@ -109,9 +109,6 @@ def test_rules_name_the_flag():
         layout_from_flags(flags, world_size=2, megatron_version="0.16")
     assert "--moe-use-legacy-grouped-gemm: needs --disable-bias-linear" in str(e.value)
     assert "needs --bf16" in _err(LEGACY + ["--fp16"]) or "--bf16" in _err(LEGACY + ["--fp16"])
-    with pytest.raises(NotModelledError) as e:
-        _layout(LEGACY + ["--fp8-format", "hybrid"])
-    assert str(e.value).startswith("--moe-use-legacy-grouped-gemm:")
     assert "moe_act" in _err(LEGACY + ["--fp8-format", "hybrid", "--recompute-granularity", "selective",
                                        "--recompute-modules", "moe_act"])
 
@@ -122,3 +119,26 @@ def test_without_grouped_gemm_it_does_nothing():
     L = layout_from_flags(flags + LEGACY, world_size=2, megatron_version="0.16")
     assert not L.moe.moe_use_legacy_grouped_gemm and any("no effect" in n for n in L.notes)
     assert estimate(L).stages[0].peak_allocated_bytes == estimate(plain).stages[0].peak_allocated_bytes
+
+
+def _terms(extra):
+    return {t.name: t.bytes for t in estimate(_layout(extra)).stages[0].terms}
+
+
+def test_fp8_runs_the_experts_in_bf16():
+    """megatron-core 0.16.1 builds GroupedMLP under FP8 (nothing refuses it but moe_act recompute; config.bf16 holds
+    with --bf16 --fp8-format) and its grouped_gemm ``gmm`` is no TE module: the experts' GEMMs, inputs and weights
+    stay BF16, attention (and any shared expert) runs FP8."""
+    L = _layout(LEGACY + ["--fp8-format", "hybrid"])
+    assert any("legacy GroupedMLP runs its expert GEMMs in BF16" in n for n in L.notes)
+    fp8_legacy, bf16_legacy, fp8_te = _terms(LEGACY + ["--fp8-format", "hybrid"]), _terms(LEGACY), \
+        _terms(["--fp8-format", "hybrid"])
+    # the experts keep what the BF16 GroupedMLP keeps (BF16 gmm inputs, no Fp8Padding)
+    assert fp8_legacy["moe_layer_activations"] == bf16_legacy["moe_layer_activations"]
+    assert fp8_te["moe_layer_activations"] != bf16_legacy["moe_layer_activations"]
+    # TE's cached delayed-scaling copies of the experts' weights are gone: per layer E_l x (2F h + F h) elements,
+    # FP8 data + transpose on Hopper (2 B a element), and each of the 2 x E_l x 2 copies' fp32 scale-inverse in a
+    # 512-byte block of the caching allocator
+    assert fp8_te["fp8_weight_cache"] - fp8_legacy["fp8_weight_cache"] == 2 * EL * 3 * F * H * 2 + 2 * EL * 2 * 512
+    # what stays: the attention's qkv [3 h / TP, h] and proj [h, h / TP] of both layers, same storage
+    assert fp8_legacy["fp8_weight_cache"] == 2 * (3 * H // 2 * H + H * H // 2) * 2 + 2 * 2 * 512

@@ -7,14 +7,17 @@ of the routing map [T, E] become ones until each expert's count is a multiple) a
 128; 0.19.2: 256 under the op fuser); token_dispatcher.py ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``
 (pads on the source rank) and ``_DeepepManager._pad_routing_map`` (pads on the receiving rank, unless a target
 exceeds the rows it received); transformer_config.py ``__post_init__`` (needs fp8 / fp4, not allgather).
-The first test runs Megatron's own ``pad_routing_map`` on CPU against memguard's padded row count.
+With --moe-expert-capacity-factor the router drops first (``apply_router_token_dropping``, TopKRouter.routing), the
+dispatcher pads what is left (same order in 0.16.1 and 0.19.2).
+The first tests run Megatron's own ``pad_routing_map`` (and ``apply_router_token_dropping``) on CPU against
+memguard's padded row count.
 """
 from __future__ import annotations
 
 import pytest
 
 from megatron_memguard import layout_from_flags
-from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.errors import ConfigError, ConfigErrors
 from megatron_memguard.estimator.layers.moe import expert_rows, moe_activations, sent_rows, tokens_per_rank
 
 # TP 2 with SP, EP 2, 6 experts top-2, seq 1024 x micro-batch 4: T = 4096 / 2 = 2048 tokens a rank; T k / E = 682.7
@@ -99,6 +102,41 @@ def test_rules_name_the_flag():
         with pytest.raises((ConfigError, ConfigErrors)) as e:
             _layout(FP8 + PAD + ["--moe-token-dispatcher-type", "allgather"], era)
         assert "allgather" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(NotModelledError) as e:
-        _layout(FP8 + PAD + ["--moe-expert-capacity-factor", "1.0"])
-    assert str(e.value).startswith("--moe-router-padding-for-quantization:")
+
+
+CAP = ["--moe-expert-capacity-factor", "0.5", "--moe-router-load-balancing-type", "aux_loss"]
+
+
+def test_megatrons_drop_then_pad_gives_the_padded_rows():
+    torch = pytest.importorskip("torch")
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    # the balanced top-2 routing above; capacity ceil(2048 x 2 / 6 x 0.5) = 342 per expert: the router keeps 342
+    # of each expert's 683 / 682 tokens, the dispatcher pads each to 352 (22 x 16)
+    rmap = torch.zeros(T, E, dtype=torch.bool)
+    t = torch.arange(T)
+    rmap[t, 2 * (t % 3)] = True
+    rmap[t, 2 * (t % 3) + 1] = True
+    probs = torch.rand(T, E) * rmap
+    _, dropped = moe_utils.apply_router_token_dropping(probs, rmap, router_topk=K, capacity_factor=0.5)
+    padded = moe_utils.pad_routing_map(dropped.clone(), 16)
+    assert dropped.sum(dim=0).tolist() == [342] * E and padded.sum(dim=0).tolist() == [352] * E
+    L = _layout(FP8 + PAD + CAP)
+    assert sent_rows(L.moe, T) == int(padded.sum()) == 2_112
+
+
+def test_capacity_then_padding_by_hand():
+    L = _layout(FP8 + PAD + CAP)
+    er = expert_rows(L.moe, T)
+    # this rank's 3 experts get 352 rows from each of the 2 EP ranks, all-gathered over ETP 2: 2 x 6 x 352
+    assert er.balanced == ETP * E * 352 == 4_224
+    # worst: no source sends an expert more than its 342 kept rows padded to 352, so the bound is the balanced count
+    assert er.worst == ETP * EP * 3 * 352 == 4_224
+    # sending: at most 6 x 342 kept choices plus 15 padding rows per expert
+    assert sent_rows(L.moe, T, worst=True) == E * 342 + E * 15
+    # padded to capacity the dispatcher permutes C = 342 rows per expert whatever the padded map holds
+    Lp = _layout(FP8 + PAD + CAP + ["--moe-pad-expert-input-to-capacity"])
+    assert expert_rows(Lp.moe, T).balanced == expert_rows(Lp.moe, T).worst == ETP * E * 342
+    assert sent_rows(Lp.moe, T) == E * 342
+    # flex (DeepEP): the receiving rank pads each local expert's kept rows, 2 x 2 sources x 342 = 1,368, to 1,376
+    Lf = _layout(FP8 + PAD + CAP + ["--moe-token-dispatcher-type", "flex"])
+    assert expert_rows(Lf.moe, T).balanced == 3 * 1_376

@@ -72,11 +72,12 @@ def test_rules_and_refusals():
         layout_from_flags(no_glu + FUSER + ["--squared-relu"], world_size=8)
     assert "--use-transformer-engine-op-fuser" in str(e.value) and "squared ReLU" in str(e.value)
     # FP8 under the op fuser: a dense model's TEFusedMLP is sized (tests/test_fp8_op_fuser.py), the experts' fused
-    # grouped MLP under delayed scaling too (tests/test_fp8_moe_op_fuser.py); tensorwise is refused by name
+    # grouped MLP under delayed scaling too (tests/test_fp8_moe_op_fuser.py), and tensorwise
     assert _layout(FUSER + ["--fp8-format", "hybrid"]).use_transformer_engine_op_fuser
     assert _layout(FUSER + MOE + ["--fp8-format", "hybrid"], env=CUTEDSL).use_transformer_engine_op_fuser
-    msg = _err(FUSER + MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], env=CUTEDSL)
-    assert "--use-transformer-engine-op-fuser" in msg and "tensorwise recipe" in msg
+    # tensorwise: sized as TE's grouped-tensor GroupedLinear path, with a note (tests/test_fp8_moe_op_fuser.py)
+    L = _layout(FUSER + MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], env=CUTEDSL)
+    assert L.use_transformer_engine_op_fuser and any("tensorwise recipe take" in n for n in L.notes)
 
 
 def test_moe_experts_rules():

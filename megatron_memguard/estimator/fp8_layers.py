@@ -252,7 +252,11 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
                               sequence_parallel=L.sequence_parallel)
     moe = getattr(L, "moe", None)
-    if moe is not None:
+    if moe is not None and moe.moe_use_legacy_grouped_gemm:
+        # the legacy GroupedMLP (core 0.16.1 experts.py) runs grouped_gemm's gmm on its BF16 weight1 / weight2: no TE
+        # module, so no quantized copy, recipe state or primary FP8 weight for the experts (resolve/moe.py)
+        gemms = tuple(g for g in gemms if not g.name.startswith("experts."))
+    elif moe is not None:
         # a grouped linear's shape is one expert's: TE caches one workspace per local expert ("weight{i}"); under
         # the op fuser the experts run as TE's GroupedLinear ops instead (resolve/moe.py experts_op_fuser), which
         # cache no workspace (fused_experts_overrides)
@@ -282,6 +286,10 @@ def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_
     latent projections keep quantized inputs (``moe_latent_projections``)."""
     if "moe_expert_input" not in saved and "moe_shared_experts" not in saved:
         return {}
+    if L.moe.moe_use_legacy_grouped_gemm:
+        # the legacy GroupedMLP's gmm keeps its BF16 inputs (no TE module, no Fp8Padding): only the shared experts
+        # and latent projections below are TE modules
+        saved = {k: v for k, v in saved.items() if k not in ("moe_expert_input", "moe_expert_activations")}
     from .layers.base import selective_modules
     from .layers.moe import expert_rows, router_bytes, tokens_per_rank
     m = L.moe
@@ -353,6 +361,13 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
     * delayed scaling: no fused kernel and no grouped-tensor path (``is_op_fuser_grouped_tensor_path_supported``):
       ``_fuser_forward_split_quantize`` keeps each expert's quantized input and weight copy column-wise only
       (``update_usage(rowwise_usage=False, columnwise_usage=True)``); ScaledSwiGLU keeps its BF16 input.
+    * tensorwise, blockwise, and MXFP8 with E5M2 gradients (no fused kernel): the GroupedLinear ops take the
+      grouped-tensor path where the GPU and cuBLASLt allow it (``is_op_fuser_grouped_tensor_path_supported``:
+      tensorwise on Blackwell with cuBLASLt >= 13.3 or Hopper with >= 13.5, blockwise on Hopper with >= 13.6, MXFP8
+      on Blackwell with >= 13.3), else the split-quantize path. memguard sees no cuBLASLt version: the grouped-tensor
+      path is sized, the one that keeps more (``_fuser_forward_grouped_tensor`` saves the weight copies with both
+      usages, no ``update_usage``; the inputs column-wise, ``grouped_x.rowwise_data = None``); the split-quantize
+      path keeps ``fused_experts_rowwise_weight_bytes`` less (resolve/moe.py says so in a note).
 
     Names: ``moe_expert_input`` (fc1's quantized input and the padded probs), ``moe_expert_activations`` (the GLU
     input and fc2's quantized input), ``fp8_op_fuser_weights`` (the weight copies of one micro-batch; none with
@@ -382,13 +397,28 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
         # the BF16 part without the fuser's padding: g F_r (the GLU input) + F_r (fc2's input) per row
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * (g + 1) * Fr
                                          + e * Np * g * Fr + x(Fr))
-    fused_kernel = r in ("mxfp8", "nvfp4")
     w = sum(op_fuser_weight(spec, Gemm(n, rows, cols, count=El, op_fused=True), non_tn=non_tn,
-                            both_usages=fused_kernel)
+                            both_usages=r != "delayed")
             for n, (rows, cols) in (("experts.linear_fc1", (g * Fr, hx)), ("experts.linear_fc2", (hx, Fr))))
     if w and "moe_expert_input" in saved:
         out["fp8_op_fuser_weights"] = w
     return out
+
+
+def fused_experts_rowwise_weight_bytes(recipe: str, *, local_experts: int, ffn: int, width: int, glu: bool,
+                                      non_tn: bool = False) -> int:
+    """What the grouped-tensor GroupedLinear path keeps more than the split-quantize path per MoE layer and
+    micro-batch (TE 2.20.2 ``ops/basic/grouped_linear.py``): the row-wise data (and scales) of each local expert's fc1
+    [g F, width] and fc2 [width, F] weight copies, which ``_fuser_forward_split_quantize`` drops
+    (``update_usage(rowwise_usage=False)``); 0 where one copy serves both usages (Float8 on Blackwell)."""
+    from .fp8 import quantized_tensor
+    g = 2 if glu else 1
+    block_2d = recipe == "blockwise"
+    return local_experts * sum(
+        quantized_tensor(recipe, rows, cols, rowwise=True, columnwise=True, non_tn=non_tn, block_2d=block_2d).allocated
+        - quantized_tensor(recipe, rows, cols, rowwise=False, columnwise=True, non_tn=non_tn,
+                           block_2d=block_2d).allocated
+        for rows, cols in ((g * ffn, width), (width, ffn)))
 
 
 def cutedsl_fused_grouped_mlp(env: Mapping[str, Any] | None) -> bool:

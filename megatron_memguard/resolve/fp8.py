@@ -210,19 +210,15 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
                        "parallelism runs BF16 attention): attention is estimated in BF16")
         return False
     if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
-        # per-layer communication types (a list of several): each layer's attention would be sized by its own type
+        # per-layer communication types (a list of several; with a2a or a2a+p2p among them resolve/shape.py refuses the
+        # list for BF16 attention too): p2p and all_gather layers would differ in more than the CP exchange, FP8 ring
+        # attention in the first, BF16 attention in the second, and memguard's layer kinds carry one attention
+        # precision per model part (partition.py), not one per CP type
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(one communication type per layer is not sized for FP8 attention; p2p, a2a and "
-                               "a2a+p2p are, and all_gather runs BF16 attention)")
-    a2a, cp = kw.get("cp_a2a_size", 1), kw["context_parallel_size"]
-    if 1 < a2a < cp and ctx.version >= Version("0.17"):
-        # TE 2.20.2 (paired with core >= 0.17) AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 saves a BF16 copy of
-        # the output before its exchange and exchanges only dO in the backward: not read far enough for FP8 (TE
-        # 2.11's, core 0.16's, is sized: estimator/layers/fp8_attention.py fp8_ring_attention)
-        raise NotModelledError(a.key("cp_comm_type"), "FP8 attention with --cp-comm-type a2a+p2p over two levels "
-                               f"with megatron-core {ctx.version} (Transformer Engine 2.20's hierarchical FP8 path "
-                               "is not sized; TE 2.11's, megatron-core 0.16's, is, and so is a2a+p2p with one rank "
-                               "on either level, which TE runs as a2a or p2p)")
+                               "(one communication type per layer: the all_gather layers run BF16 attention, the p2p "
+                               "ones FP8; each type alone is sized)")
+    # a2a+p2p over two levels: TE 2.11's (core 0.16) and TE 2.20.2's (core >= 0.17) AttnFuncWithCPAndKVP2P with
+    # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention)
     return True
 
 

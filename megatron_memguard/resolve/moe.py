@@ -300,7 +300,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     if legacy_gg:
         ok = _legacy_grouped_mlp_rules(r, add_bias_linear=add_bias_linear, mods=mods, delay_wgrad=delay_wgrad,
                                        precision=precision or {}) and ok
-    pad_align = _router_padding(r, disp=disp, cf=cf, precision=precision or {})
+    pad_align = _router_padding(r, disp=disp, precision=precision or {})
     if pad_align is None:
         ok = False
     if not ok:
@@ -434,8 +434,8 @@ def _legacy_grouped_mlp_rules(r: Reader, *, add_bias_linear: bool, mods: set, de
                               precision: Mapping[str, Any]) -> bool:
     """GroupedMLP (megatron-core 0.16.1 transformer/moe/experts.py) asserts no bias at build and bf16 at the first
     forward, refuses moe_act recompute under FP8 / FP4 (ValueError), and TransformerConfig refuses it with
-    --delay-wgrad-compute. Its grouped_gemm kernels run in BF16 whatever the FP8 / FP4 recipe: refused as not
-    modelled (memguard's FP8 expert terms assume TE's grouped linears). Returns whether all rules hold."""
+    --delay-wgrad-compute. Its grouped_gemm kernels run in BF16 whatever the FP8 / FP4 recipe: estimated so,
+    with a note. Returns whether all rules hold."""
     key, ok = "moe_use_legacy_grouped_gemm", True
     if add_bias_linear:
         r.fail(key, "needs --disable-bias-linear (GroupedMLP: bias not supported in grouped GEMM)")
@@ -451,7 +451,14 @@ def _legacy_grouped_mlp_rules(r: Reader, *, add_bias_linear: bool, mods: set, de
         r.fail(key, "cannot recompute moe_act under FP8 / FP4 (GroupedMLP)")
         ok = False
     elif quantized and ok:
-        raise NotModelledError(r.key(key), "the legacy GroupedMLP under FP8 / FP4 (its grouped_gemm kernels stay BF16)")
+        # GroupedMLP is no TE module: nothing in megatron-core 0.16.1 refuses it under FP8 / FP4 (only the moe_act
+        # ValueError above; config.bf16 holds with --bf16 --fp8-format), and its gg.ops.gmm calls run in BF16 inside
+        # the layer's FP8 autocast (estimator/fp8_layers.py layer_gemms leaves its GEMMs out)
+        notes = getattr(r, "notes", None)
+        if notes is not None:
+            notes.append(f"{r.key(key)}: the legacy GroupedMLP runs its expert GEMMs in BF16 under FP8 / FP4 "
+                         "(grouped_gemm's gmm is no Transformer Engine module): estimated so, the rest of each layer "
+                         "(attention, router, shared experts) in FP8 / FP4")
     return ok
 
 
@@ -466,7 +473,7 @@ def router_padding_align(precision: Mapping[str, Any], op_fuser: bool = False) -
     return 128 if precision.get("fp4") else 0
 
 
-def _router_padding(r: Reader, *, disp: str, cf: float | None, precision: Mapping[str, Any]) -> int | None:
+def _router_padding(r: Reader, *, disp: str, precision: Mapping[str, Any]) -> int | None:
     """--moe-router-padding-for-quantization (--moe-router-padding-for-fp8 is its alias: TransformerConfig sets
     the first from the second). TransformerConfig.__post_init__ (0.16.1 and 0.19.2) needs FP8 or FP4 and
     refuses the allgather dispatcher. Returns the alignment (0 when off), None after a reported error."""
@@ -483,10 +490,8 @@ def _router_padding(r: Reader, *, disp: str, cf: float | None, precision: Mappin
         r.fail(dest, "does not work with the allgather token dispatcher (TransformerConfig)",
                "use --moe-token-dispatcher-type alltoall or flex")
         ok = False
-    if ok and cf is not None:
-        # pad_routing_map runs after the router dropped tokens to the capacity: how the padded rows meet the
-        # capacity (and --moe-pad-expert-input-to-capacity's fixed sizes) was not analysed
-        raise NotModelledError(r.key(dest), "router padding for quantization with --moe-expert-capacity-factor")
+    # with --moe-expert-capacity-factor pad_routing_map runs on the routing map the router already dropped to the
+    # capacity: estimator/layers/moe.py expert_rows pads the dropped counts (padded to capacity: C rows an expert)
     return align if ok else None
 
 
@@ -668,42 +673,65 @@ def experts_op_fuser(a: Args, kw: Mapping[str, Any], spec: MoeSpec, ctx: Context
         if not cutedsl_fused_grouped_mlp(a.raw.env):
             a.fail("use_transformer_engine_op_fuser", rule + "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 in the environment "
                    "with a GLU activation")
-    _refuse_quantized_fused_experts(a, kw)
+    _quantized_fused_experts(a, kw, spec)
     return True
 
 
-def _refuse_quantized_fused_experts(a: Args, kw: Mapping[str, Any]) -> None:
+def _quantized_fused_experts(a: Args, kw: Mapping[str, Any], spec: MoeSpec) -> None:
     """The experts' fused grouped MLP under FP8 / FP4, by recipe (TE 2.20.2 ops/fused/grouped_mlp.py
-    fuse_grouped_mlp_ops, ops/basic/grouped_linear.py is_op_fuser_grouped_tensor_path_supported). Sized
-    (estimator/fp8_layers.py fused_experts_overrides): MXFP8 with E4M3 gradients and NVFP4 with its Hadamard
-    transform (the CuTe-DSL fused kernel, SM 10), delayed scaling (always the split-quantize GroupedLinear path).
-    Refused: the path TE takes, and so the weight copies it keeps, depends on what memguard cannot see."""
+    fuse_grouped_mlp_ops, ops/basic/grouped_linear.py is_op_fuser_grouped_tensor_path_supported), sized by
+    estimator/fp8_layers.py fused_experts_overrides: MXFP8 with E4M3 gradients and NVFP4 with its Hadamard transform
+    (the CuTe-DSL fused kernel, SM 10), delayed scaling (always the split-quantize GroupedLinear path), and tensorwise,
+    blockwise and MXFP8 with --fp8-format hybrid, whose path depends on the GPU and the cuBLASLt version: the
+    grouped-tensor path (the one that keeps more) is sized, and a note gives what the other keeps less. Refused:
+    custom recipes (TE takes their quantizers from the factory, arbitrary Python)."""
     key = a.key("use_transformer_engine_op_fuser")
     if kw.get("fp4"):
         if kw.get("fp4_recipe", "nvfp4") != "nvfp4":
             raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP4 recipe (TE takes its "
-                                        "quantizers from the factory)")
+                                        "quantizers from the factory, Python code whose tensors are known only when "
+                                        "it runs)")
         return
     if not kw.get("fp8"):
         return
     recipe = kw.get("fp8_recipe", "delayed")
-    if recipe in ("tensorwise", "blockwise"):
-        raise NotModelledError(key, f"the experts' fused grouped MLP under the {recipe} recipe (TE 2.20.2 runs its "
-                                    "grouped-tensor GroupedLinear path, which keeps both usages of each weight copy, or "
-                                    "the split-quantize path, which keeps the column-wise one, by GPU and cuBLASLt version)")
-    if recipe == "mxfp8" and kw.get("fp8") != "e4m3":
-        raise NotModelledError(key, "the experts' fused grouped MLP under MXFP8 with --fp8-format hybrid (TE 2.20.2 "
-                                    "declines the CuTe-DSL fused kernel for E5M2 gradients; the unfused GroupedLinear "
-                                    "path it takes instead depends on the cuBLASLt version)")
     if recipe == "custom":
         raise NotModelledError(key, "the experts' fused grouped MLP under a custom FP8 recipe (TE takes its "
-                                    "quantizers from the factory)")
+                                    "quantizers from the factory, Python code whose tensors are known only when it runs)")
     if recipe == "delayed" and a.bool_arg("moe_single_grouped_weight", False):
         # TE 2.20.2 ops/basic/grouped_linear.py fuser_forward: delayed scaling never takes the grouped-tensor path,
         # which single grouped parameters require (RuntimeError at the first forward)
         a.fail("moe_single_grouped_weight", "the experts' fused grouped MLP (--use-transformer-engine-op-fuser) under "
                "delayed scaling cannot use one grouped weight (Transformer Engine's grouped-tensor path has no delayed "
                "scaling)")
+    if recipe == "delayed" or (recipe == "mxfp8" and kw.get("fp8") == "e4m3"):
+        return
+    # is_op_fuser_grouped_tensor_path_supported (TE 2.20.2): which GPUs and cuBLASLt versions take the grouped-tensor
+    # path; the rest run _fuser_forward_split_quantize, which keeps the weight copies column-wise only
+    where = {"tensorwise": "on Blackwell (SM 10.x, 11.0) with cuBLASLt >= 13.3 and on Hopper with cuBLASLt >= 13.5; "
+                           "on other GPUs (Ada) or older cuBLASLt it takes the split-quantize path",
+             "blockwise": "only on Hopper with cuBLASLt >= 13.6; on Blackwell, or older cuBLASLt, it takes the "
+                          "split-quantize path",
+             "mxfp8": "on Blackwell with cuBLASLt >= 13.3 (the CuTe-DSL fused kernel declines E5M2 gradients); with an "
+                      "older cuBLASLt it takes the split-quantize path"}[recipe]
+    if not spec.local_experts or kw.get("fp8_param_gather"):
+        less = ""       # primary FP8 weights are used as they are: no per-forward copy on either path
+    else:
+        from ..estimator.fp8_layers import fused_experts_rowwise_weight_bytes
+        b = fused_experts_rowwise_weight_bytes(recipe, local_experts=spec.local_experts,
+                                               ffn=spec.moe_ffn_hidden_size // spec.etp,
+                                               width=spec.moe_latent_size or kw["hidden_size"],
+                                               glu=bool(kw["gated_linear_unit"]))
+        less = (f"; the split-quantize path keeps {b / 2**20:,.2f} MiB ({b:,} B) less per MoE layer and micro-batch in flight (the row-wise "
+                "data of the experts' weight copies" + (", Hopper storage; none on Blackwell, where one Float8 copy "
+                                                        "serves both usages)" if recipe == "tensorwise" else ")"))
+    single = (" --moe-single-grouped-weight needs the grouped-tensor path (a RuntimeError on the split-quantize one)."
+              if a.bool_arg("moe_single_grouped_weight", False) else "")
+    a.notes.append(f"{key}: the experts' GroupedLinear ops under the {recipe} recipe"
+                   + (" with --fp8-format hybrid" if recipe == "mxfp8" else "")
+                   + f" take Transformer Engine 2.20.2's grouped-tensor path {where}. memguard cannot see the cuBLASLt "
+                   f"version and sizes the grouped-tensor path, which keeps each weight copy with both usages{less}."
+                   + single)
 
 
 def _deepep_instead(key: str) -> str:

@@ -44,7 +44,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     q, k ``[Tf, a, qk + rope dim]`` and v ``[Tf, a, v]`` (``combine_and_quantize``, qkv layout sbhd_sbhd_sbhd),
     an output of v's width."""
     if L.cp > 1:
-        # the all-to-all over every CP rank (a2a), or the ring (p2p); resolve/fp8.py refuses the two-level a2a+p2p
+        # the all-to-all over every CP rank (a2a), or the ring (p2p; a2a+p2p over two levels: the ring with a2a ranks)
         a2a = L.cp_a2a_size
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
@@ -138,13 +138,17 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
     results to fp32 and their sum (fp32, then BF16); tensorwise: fp32 dq and dK/dV accumulators, each step's
     BF16 dq/dk/dv and their fp32 casts, and the BF16 casts of the fp32 gradients returned.
 
-    ``a2a`` > 1: ``--cp-comm-type a2a+p2p`` over two levels, read in TE 2.11 only (resolve/fp8.py refuses it for
-    the TE 2.20.2 era): an all-to-all over ``a2a`` ranks around a ring over ``CP / a2a``. The saved tensors keep
-    their bytes (the exchange trades sequence for heads); the ring's working sets count ``CP / a2a`` steps, and the
-    exchanges add theirs (``a2a_peak``): forward, megatron's BF16 q, k, v exchanged before they are quantized (the
-    exchanged BF16 q stays until the forward returns, ``q_f16``), the fp32 corrected output exchanged before its BF16
-    cast; backward, the saved output and the FP8 dO exchanged together ([out, dout]) before the ring, the
-    gradients (BF16 under delayed scaling, the fp32 accumulators under tensorwise) after it."""
+    ``a2a`` > 1: ``--cp-comm-type a2a+p2p`` over two levels: an all-to-all over ``a2a`` ranks around a ring over
+    ``CP / a2a``. The saved tensors keep their bytes (the exchange trades sequence for heads); the ring's working
+    sets count ``CP / a2a`` steps, and the exchanges add theirs (``a2a_peak``): forward, megatron's BF16 q, k, v
+    exchanged before they are quantized (the exchanged BF16 q stays until the forward returns, ``q_f16``), the fp32
+    corrected output exchanged before its BF16 cast; backward, the gradients (BF16 under delayed scaling, the fp32
+    accumulators under tensorwise) exchanged after the ring. Before the ring's backward, TE 2.11 exchanges the saved
+    output and the FP8 dO together ([out, dout]). TE 2.20.2 (megatron-core >= 0.17) instead casts the fp32 output
+    to a BF16 copy before its exchange (``out_part = out.to(fwd_nominal_dtype)``), alive to the forward's end and
+    saved under tensorwise (``NVTE_DPA_FP8CS_O_in_F16``: ``f16_tensors = (None, None, out_f16)`` with ``out_f16 =
+    out_part``; ``cp_a2a_attention_output``, next to the BF16 output linear_proj reads), and its backward
+    quantizes dO first and exchanges only dO's FP8 bytes (the saved output is in the ring's layout already)."""
     from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
@@ -162,21 +166,29 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
     q, kv1 = Q * e, Tf * x.g_t * d * e
     rope = L.position_embedding_type in ("rope", "yarn")
     _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
-    n_ring, n_out = (cp - 1, cp) if _te_keeps_every_cp_step(L) else (2, 2)
+    te211 = _te_keeps_every_cp_step(L)
+    n_ring, n_out = (cp - 1, cp) if te211 else (2, 2)
+    # TE 2.20.2's two-level path: the BF16 copy of the output before its exchange (out_part), saved under
+    # tensorwise; the backward exchanges dO only
+    out_part = a2a > 1 and not te211
+    part_saved = out_part and not delayed
     combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
     # a2a+p2p: the exchanged BF16 q, k, v combine_and_quantize reads; the exchanged q kept to the forward's end
     a2a_in, a2a_q = (W * e, q) if a2a > 1 else (0, 0)
     # the output correction: partial outputs in fp32 with their statistics, the other ring buffers, the fp32
     # output, its BF16 cast and (delayed) the FP8 output
     out_end = 4 * Q + e * Q + (out8 if delayed else 0)
-    if a2a > 1:
+    if out_part:
+        # TE 2.20.2: out_part (BF16) first, then the fp32 output exchanged, its BF16 cast and (delayed) FP8 copy
+        out_end = e * Q + max(4 * Q + a2a_peak((4 * Q,), False), out_end)
+    elif a2a > 1:
         # the fp32 output exchanged (send copy, receive buffer, reordered copy) before its casts
         out_end = max(4 * Q + a2a_peak((4 * Q,), False), out_end)
     correction = n_ring * KV + n_out * (4 * Q + stats) + out_end
     common = out8 + e * Q + KV + 2 * cp * KV + stats // 2   # dO in FP8, dO, K/V receive, dK/dV send and receive
     ob = 1 if delayed else e                           # bytes per element of the saved output
-    # a2a+p2p: the saved output and the FP8 dO exchanged before the ring, kept through it
-    kept_a2a = ob * Q + Q if a2a > 1 else 0
+    # a2a+p2p: the saved output and the FP8 dO exchanged before the ring, kept through it (TE 2.20.2: dO only)
+    kept_a2a = (Q if out_part else ob * Q + Q) if a2a > 1 else 0
     if delayed:
         # each step: FP8 dq/dk/dv and contiguous halves of q, out, dO; the end: the steps' FP8 results
         # (dK/dV made contiguous), concatenated and dequantized to fp32, then summed over the steps one tensor
@@ -196,14 +208,15 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
             phases.append(kept_a2a + a2a_peak((4 * Q, 2 * KV, 2 * KV), False))
         ring_bwd = common + 4 * W
     if a2a > 1:
-        phases.append(a2a_peak((ob * Q, Q), True))     # the exchange of the saved output and dO
+        # the exchange of the saved output and dO (TE 2.20.2: of dO's FP8 bytes only)
+        phases.append(a2a_peak((Q,), True) if out_part else a2a_peak((ob * Q, Q), True))
     ring_bwd += max(phases)
     (names, _), *rest = mixer.fwd_steps
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad
         # forward makes the ring's transients, and the backward's replay keeps the ring's saved tensors (and
         # the BF16 output it returns) through the ring's backward
-        kept = qkv8 + KV + stats + e * Q + (out8 if delayed else 0)
+        kept = qkv8 + KV + stats + e * Q + (out8 if delayed else 0) + (e * Q if part_saved else 0)
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
         fwd = ((names, kv1 + combine + a2a_in), (names, kv1 + qkv8 + KV + stats + correction + a2a_q))
         if a2a > 1:
@@ -225,11 +238,14 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
             else:
                 b = out8
         new[name] = b
+    if part_saved:
+        new["cp_a2a_attention_output"] = e * Q         # TE 2.20.2's out_part (counted in out_end while made)
     alive = sum(dropped.values()) + kv1                # + v made contiguous
-    first = names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output"}
+    first = names | {"fp8_attention_qkv", "cp_kv_buffer", "softmax_stats", "fp8_attention_output",
+                     "cp_a2a_attention_output"}
     fwd = (
         (first, alive + combine + a2a_in),
-        (names | {"fp8_attention_output"}, alive + correction + a2a_q),
+        (names | {"fp8_attention_output", "cp_a2a_attention_output"}, alive + correction + a2a_q),
     )
     if a2a > 1:
         fwd = ((first, alive + a2a_peak((q, kv1, kv1), True)),) + fwd   # megatron's BF16 q, k, v exchanged
@@ -238,7 +254,7 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
         if i == core:
             w += ring_bwd - bf16_ring_bwd
         elif "softmax_stats" in rel:
-            rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer"}
+            rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer", "cp_a2a_attention_output"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
 

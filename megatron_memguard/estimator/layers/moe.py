@@ -208,7 +208,8 @@ def expert_rows(m: MoeSpec, T: int) -> ExpertRows:
     k, etp, ep, El = m.moe_router_topk, m.etp, m.ep, m.local_experts
     C = capacity(m, T)
     balanced = T * k * etp
-    if C is None and m.moe_router_padding_align:
+    if m.moe_router_padding_align and not (C is not None and m.moe_pad_expert_input_to_capacity):
+        # (padded to capacity, the dispatcher permutes C rows per expert whatever the routing map holds)
         return _padded_rows(m, T)
     if C is None:
         return ExpertRows(balanced, T * etp * ep * min(k, El), "dropless")
@@ -234,16 +235,19 @@ def sent_rows(m: MoeSpec, T: int, worst: bool = False) -> int:
     (apply_router_token_dropping) keeps at most C = capacity(m, T) of each expert's column of the routing map,
     so ``num_out_tokens = routing_map.sum()`` is at most min(T x k, E x C), exactly that under balanced routing;
     with --moe-pad-expert-input-to-capacity the dispatcher permutes ``capacity x num_experts`` rows
-    (token_dispatcher.py MoEAlltoAllTokenDispatcher.preprocess, drop_and_pad)."""
+    (token_dispatcher.py MoEAlltoAllTokenDispatcher.preprocess, drop_and_pad). Both: the router drops first
+    (TopKRouter.routing), the dispatcher pads the dropped map (dispatch_preprocess), so each expert's count c <=
+    min(C, T) becomes min(T, c rounded up to the alignment)."""
     k, E, a = m.moe_router_topk, m.num_experts, m.moe_router_padding_align
     C = capacity(m, T)
-    if C is not None and not a:
+    if C is not None and (not a or m.moe_pad_expert_input_to_capacity):
         return E * C if m.moe_pad_expert_input_to_capacity else min(T * k, E * min(C, T))
     if not a:
         return T * k
+    c = T if C is None else min(C, T)
     if worst:
-        return min(T * E, T * k + E * (a - 1))
-    return E * min(T, _round_up(-(-T * k // E), a))
+        return min(T * E, min(T * k, E * c) + E * (a - 1))
+    return E * min(T, _round_up(min(-(-T * k // E), c), a))
 
 
 def _padded_rows(m: MoeSpec, T: int) -> ExpertRows:
@@ -252,18 +256,26 @@ def _padded_rows(m: MoeSpec, T: int) -> ExpertRows:
     so N = ETP x E x the padded count per expert. flex (DeepEP, ``_DeepepManager._pad_routing_map``): the
     receiving rank pads each local expert's count up to the multiple, unless a target exceeds the R rows it
     received (then the experts pad inside, N unchanged). Worst: the unpadded worst case plus (a - 1) per
-    expert and source rank (flex: per local expert), capped by every row to every local expert."""
+    expert and source rank (flex: per local expert), capped by every row to every local expert.
+    With --moe-expert-capacity-factor (megatron-core 0.16.1 and 0.19.2): the router drops to C = capacity(m, T) per
+    expert and source rank first (apply_router_token_dropping), the dispatcher pads what is left: each count c <=
+    min(C, T) becomes at most min(T, c rounded up), so the dropped counts replace T x k and T above."""
     k, etp, ep, El, E, a = m.moe_router_topk, m.etp, m.ep, m.local_experts, m.num_experts, m.moe_router_padding_align
+    C = capacity(m, T)
+    c = T if C is None else min(C, T)      # an expert's rows from one source rank after the drop
     raw_worst = T * etp * ep * min(k, El)
-    how = f"dropless, each expert's rows padded to a multiple of {a} (router padding for quantization)"
+    if C is not None:
+        raw_worst = min(raw_worst, C * E * etp)
+    how = ("dropless" if C is None else f"capacity {C} per expert and source rank") + \
+        f", each expert's rows padded to a multiple of {a} (router padding for quantization)"
     if m.moe_token_dispatcher_type == "flex":
-        raw = T * k * etp
+        raw = T * k * etp if C is None else min(T * k * etp, C * E * etp)
         per = _round_up(-(-raw // El), a)
         balanced = El * per if per <= flex_rows(m, T) else raw
         return ExpertRows(balanced, max(balanced, min(raw_worst + El * (a - 1), El * T * etp * ep)), how)
-    per = min(T, _round_up(-(-T * k // E), a))
+    per = min(T, _round_up(min(-(-T * k // E), c), a))
     balanced = etp * E * per
-    worst = etp * ep * min(El * T, T * min(k, El) + El * (a - 1))
+    worst = etp * ep * min(El * min(T, _round_up(c, a)), min(T * min(k, El), El * c) + El * (a - 1))
     return ExpertRows(balanced, max(balanced, worst), how)
 
 
