@@ -294,3 +294,17 @@ def test_mtp_layer_is_the_standard_gpt_layer_on_019():
     with pytest.raises(NotModelledError) as e:
         _layout(["--mtp-num-layers", "1"], version="0.18")
     assert str(e.value).startswith("--mtp-num-layers") and "gated delta net" in str(e.value)
+
+
+def test_freq_one_is_the_gpt_model_without_gdn_layers():
+    # --linear-attention-freq 1: (i + 1) % 1 == 0 for every layer, all standard attention (get_linear_attention_pattern):
+    # every number equals the model without the variant
+    from megatron_memguard.gpus import lookup_gpu
+    i = GPT.index("--experimental-attention-variant")
+    plain = [f for f in GPT[:i]] + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--pipeline-model-parallel-size", "2"]
+    L = _layout(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                 "--linear-attention-freq", "1"])
+    assert L.linear_attention_pattern == "0" * 8 and set(layer_kinds(L)) == {ATTN}
+    a, b = estimate(L, gpu=lookup_gpu("H100")), estimate(_layout(base=plain), gpu=lookup_gpu("H100"))
+    assert [s.breakdown for s in a.stages] == [s.breakdown for s in b.stages]
