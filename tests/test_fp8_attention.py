@@ -151,12 +151,16 @@ def test_which_recipes_carry_it():
     # blockwise: Float8BlockScaling is built without fp8_dpa (both versions)
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "blockwise", fp8_dot_product_attention=True)
     assert not L.fp8_spec.fp8_dot_product_attention
-    # mxfp8: 0.16.1 drops it, 0.19.2 passes it and TE's DotProductAttention asserts
+    # mxfp8: 0.16.1 drops it; 0.19.2 passes it (fp8_utils.get_fp8_recipe) to TE 2.20.2, which runs MXFP8 attention
+    # in cuDNN >= 9.21 on Blackwell (attention/dot_product_attention/utils.py get_attention_backend): refused by name,
+    # not sized
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.16.1")
     assert not L.fp8_spec.fp8_dot_product_attention
-    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*per-tensor recipes"):
+    with pytest.raises(NotModelledError, match="fp8.dot.product.attention.*mxfp8 recipe"):
         lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
-    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*per-tensor recipes"):
+    # nvfp4 (fp4_utils.get_fp4_recipe passes fp8_dpa, 0.19.2): TE 2.20.2 disables FusedAttention for
+    # NVFP4BlockScaling and runs FP8 attention nowhere else
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*nvfp4 recipe.*no attention backend"):
         lay("--fp4-format", "e2m1", fp8_dot_product_attention=True, version="0.19.2")
 
 
@@ -200,14 +204,16 @@ W = Q + KV
 STATS = 1 * A_T * TC * 4             # fp32 log-sum-exp [b, a/t, s/CP]
 
 
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_ring_attention_saved_by_hand(recipe):
-    # TE 2.11 context_parallel.py AttnFuncWithCPAndKVP2P.forward, ctx.fp8 branch: saves q_fp8 (a view of
-    # combine_and_quantize's one FP8 buffer of q, k, v), kv_fp8 (p2p_comm_buffers[-1], FP8), softmax_lse (fp32,
-    # one statistic) and out_fp8 (delayed) or out_f16 (Float8CurrentScaling with NVTE_DPA_FP8CS_O_in_F16=1)
+def test_ring_attention_saved_by_hand(recipe, version):
+    # TE 2.11 context_parallel.py AttnFuncWithCPAndKVP2P.forward, ctx.fp8 branch (1930-1936): saves q_fp8 (a view
+    # of combine_and_quantize's one FP8 buffer of q, k, v), kv_fp8 (p2p_comm_buffers[-1], FP8), softmax_lse (fp32,
+    # one statistic) and out_fp8 (delayed) or out_f16 (Float8CurrentScaling with NVTE_DPA_FP8CS_O_in_F16=1), the
+    # very tensor it returns (1910: out_f16 = out.to(fwd_nominal_dtype), 1916: out_ret = out_f16)
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2"]
-    bf16_att = layer_activations(lay(*fp8)).saved
-    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    bf16_att = layer_activations(lay(*fp8, version=version)).saved
+    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True, version=version)).saved
     assert bf16_att["query_rope"] == 2 * Q and "query_rope" not in got      # the BF16 ring kept the rope'd q
     assert bf16_att["cp_kv_buffer"] == 2 * KV and got["cp_kv_buffer"] == KV
     assert got["fp8_attention_qkv"] == TC * QKV_W + 512 == W + 512
@@ -215,7 +221,17 @@ def test_ring_attention_saved_by_hand(recipe):
     assert got["proj_input"] == (Q + 512 if recipe == "delayed" else 2 * Q)
     delta = sum(got.values()) - sum(bf16_att.values())
     # delayed: W + KV + Q (+ two scales) instead of 2 Q + 2 KV + 2 Q: -2 Q; tensorwise keeps the BF16 output: -Q
-    assert delta == (-2 * Q + 1024 if recipe == "delayed" else -Q + 512)
+    te211 = version == "0.16.1"
+    if recipe == "delayed" or te211:
+        assert delta == (-2 * Q + 1024 if recipe == "delayed" else -Q + 512)
+        assert "cp_a2a_attention_output" not in got
+    else:
+        # TE 2.20.2 (megatron-core >= 0.17): the fp32 output is cast to BF16 twice, out_part (2255: out_part =
+        # out.to(fwd_nominal_dtype)) and the returned out_f16 (2298); the saved one is out_part (2321: out_f16 =
+        # out_part; 2325-2326: f16_tensors = (None, None, out_f16)), a second [s/CP, a d / TP] BF16 tensor next to
+        # the returned one linear_proj keeps: 16 MiB per layer here
+        assert got["cp_a2a_attention_output"] == 2 * Q == 16 * 2 ** 20
+        assert delta == -Q + 512 + 2 * Q
 
 
 @pytest.mark.parametrize("version,n_ring,n_out", [("0.16.1", 1, 2), ("0.19.2", 2, 2)])
@@ -232,8 +248,14 @@ def test_ring_attention_working_sets_by_hand(recipe, version, n_ring, n_out):
     # combine_and_quantize: BF16 concatenation [W] next to its FP8 copy
     assert f.fwd_steps[0][1] == alive + 2 * W + W + 512
     # output correction: TE 2.11 keeps every step's ring buffer (CP - 1 besides the saved one) and partial output,
-    # dequantized to fp32 with its fp32 statistic; TE 2.20.2 two of each; + fp32 output, BF16 cast, FP8 copy
-    assert f.fwd_steps[1][1] == alive + n_ring * KV + n_out * (4 * Q + STATS) + 4 * Q + 2 * Q + (Q + 512 if delayed else 0)
+    # dequantized to fp32 with its fp32 statistic; TE 2.20.2 two of each; + fp32 output, BF16 cast, FP8 copy;
+    # TE 2.20.2 casts the fp32 output to BF16 twice (out_part, 2255, then out_f16, 2298): one more 2 Q bytes,
+    # saved under tensorwise, a transient freed when the forward returns under delayed
+    part = 2 * Q if version != "0.16.1" else 0
+    assert f.fwd_steps[1][1] == (alive + n_ring * KV + n_out * (4 * Q + STATS) + 4 * Q + 2 * Q + part
+                                 + (Q + 512 if delayed else 0))
+    if version != "0.16.1" and not delayed:
+        assert "cp_a2a_attention_output" in f.fwd_steps[1][0]        # counted there while made, not twice
     # backward (AttnFuncWithCPAndKVP2P.backward, ctx.fp8): dO in FP8 and BF16, kv_recv_buffer, dkv_send_buffer and
     # dkv_recv_buffer of [CP, K+V] FP8, the second half of the statistics made contiguous
     common = Q + 512 + 2 * Q + KV + 2 * 2 * KV + STATS // 2
@@ -265,6 +287,27 @@ def test_ring_attention_with_core_attention_recompute():
     f = fp8_attention(L, m)
     kept = (W + 512) + KV + STATS + 2 * Q + (Q + 512)
     ring = Q + 512 + 2 * Q + KV + 4 * KV + STATS // 2 + 2 * Q + max(2 * KV + 10 * W, 8 * W + 6 * Q)
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring - bf16, 0, 0]
+
+
+def test_ring_attention_with_core_attention_recompute_te_2_20():
+    # megatron-core 0.19.2 (TE 2.20.2), tensorwise: the backward's replay of the ring forward keeps, besides TE
+    # 2.11's saved tensors and the BF16 output it returns, out_part (context_parallel.py 2255, 2321-2326: the BF16
+    # copy saved under NVTE_DPA_FP8CS_O_in_F16), 2 Q bytes more, through the ring's backward; no FP8 output
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--context-parallel-size", "2",
+            "--recompute-granularity", "selective"]
+    L = lay(*args, fp8_dot_product_attention=True, version="0.19.2")
+    assert layer_activations(L).saved == layer_activations(lay(*args, version="0.19.2")).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    kept = (W + 512) + KV + STATS + 2 * Q + 2 * Q
+    # tensorwise ring backward (test_ring_attention_working_sets_by_hand): FP8 dO, BF16 dO, K/V receive buffer,
+    # dK/dV send and receive [2, K+V] FP8, half the statistics; fp32 dq and dK/dV accumulators; each step's BF16
+    # dq/dk/dv, their fp32 casts and the BF16 halves of q, out, dO
+    ring = Q + 512 + 2 * Q + KV + 4 * KV + STATS // 2 + 4 * W + 6 * W + 2 * Q
     bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring - bf16, 0, 0]
 
@@ -553,11 +596,13 @@ def test_two_level_a2a_p2p_te_2_20_by_hand(recipe):
     Mi = 2 ** 20
     Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
     saved, ring_saved = layer_activations(two).saved, layer_activations(ring).saved
+    # the plain ring over 4 ranks saves out_part too (test_ring_attention_saved_by_hand): the same bytes
+    assert saved == ring_saved
     if recipe == "delayed":
-        assert saved == ring_saved
+        assert "cp_a2a_attention_output" not in saved
     else:
         # out_part: the BF16 output [2048, 16 x 128] before its exchange, next to the BF16 one linear_proj reads
-        assert saved == {**ring_saved, "cp_a2a_attention_output": 2 * Q4}
+        assert saved["cp_a2a_attention_output"] == 2 * Q4
     m = attention(two, set(), True, False, frozenset(), frozenset(), 0)
     f = fp8_attention(two, m)
     alive = 2 * Q4 + 2 * K4

@@ -155,6 +155,51 @@ def test_blockwise_grouped_tensor_path_by_hand():
     assert "only on Hopper with cuBLASLt >= 13.6" in fuser_note(layout(*BLOCKWISE, *FUSER))
 
 
+def _term_bytes(est, name):
+    return next(t for t in est.stages[0].terms if t.name == name).bytes
+
+
+def test_blockwise_on_blackwell_takes_the_split_quantize_path():
+    # TE 2.20.2 ops/basic/grouped_linear.py is_op_fuser_grouped_tensor_path_supported (lines 121-123):
+    # float8_block_scaling -> device_capability < (10, 0) and cublaslt_version >= 130600: on B200 / GB200 (SM 10.0) the
+    # GPU alone rules the grouped-tensor path out, and _fuser_forward_split_quantize (line 1286) keeps each weight
+    # copy column-wise only: 128x128 block scales, [cols, rows] data; the inputs are the same column-wise copies
+    from dataclasses import replace
+    from megatron_memguard.estimator.fp8_layers import fused_experts_gpu_path
+    L = layout(*BLOCKWISE, *FUSER)
+    assert fused_experts_gpu_path(L, "H100-80GB") is None      # Hopper: the cuBLASLt version decides (not seen)
+    for gpu in ("B200", "GB200"):
+        assert "split-quantize path" in fused_experts_gpu_path(L, gpu)
+    split = moe_saved(L.replace(fp8_gpu="B200"))
+    grouped = moe_saved(L)
+    # per expert: fc1 [2048, 512] column-wise 2048 x 512 B + scales [ceil(512/128), round4(ceil(2048/128))] fp32 = 4 x 16
+    # x 4 B (one 512 B allocation); fc2 [512, 1024] 512 x 1024 B + [8, 4] x 4 B (512 B)
+    assert split["fp8_op_fuser_weights"] == 4 * (2048 * 512 + 512 + 512 * 1024 + 512)
+    assert grouped["fp8_op_fuser_weights"] - split["fp8_op_fuser_weights"] == 4 * (2048 * 512 + 512 + 512 * 1024 + 512)
+    assert split["moe_expert_input"] == grouped["moe_expert_input"]
+    assert split["moe_expert_activations"] == grouped["moe_expert_activations"]
+    # estimate() hands the GPU in as data: on B200 the layer keeps 4 x 1.5 MiB (+ scales) less per micro-batch than
+    # without a GPU or on an H100, and says why
+    b200 = estimate(L, gpu=lookup_gpu("B200"))
+    h100 = estimate(L, gpu=lookup_gpu("H100-80GB"))
+    free = estimate(L)
+    assert any("split-quantize path on Blackwell" in n for n in b200.notes)
+    assert not any("split-quantize path on Blackwell" in n for n in h100.notes + free.notes)
+    acts = {k: _term_bytes(e, "layer_activations") for k, e in (("b200", b200), ("h100", h100), ("free", free))}
+    assert acts["h100"] == acts["free"] > acts["b200"]
+    # tensorwise: the cuBLASLt version decides on both Hopper and Blackwell (the grouped-tensor path stays sized);
+    # on Blackwell one Float8 copy serves both usages (is_non_tn_fp8_gemm_supported), so the weight copies are the
+    # FP8 data + a scale-inverse per expert linear, not data + transpose as on Hopper
+    T_ = layout(*TENSORWISE, *FUSER)
+    assert fused_experts_gpu_path(T_, "B200") is None
+    assert moe_saved(T_.replace(fp8_gpu="B200"))["fp8_op_fuser_weights"] == 4 * (2048 * 512 + 512) + 4 * (512 * 1024 + 512)
+    assert fused_experts_gpu_path(layout(*MXFP8_HYBRID, *FUSER), "B200") is None
+    # pre-Hopper: no FP8 at all (TE check_fp8_support: compute capability 8.9)
+    from megatron_memguard.errors import ConfigError
+    with pytest.raises(ConfigError, match="A100.*cannot run FP8"):
+        estimate(L, gpu=lookup_gpu("A100-80GB"))
+
+
 def test_mxfp8_hybrid_sized_as_the_grouped_tensor_path():
     # E5M2 gradients: fuse_grouped_mlp_ops declines the CuTe-DSL kernel; the unfused GroupedLinear ops' grouped-tensor
     # path (Blackwell, cuBLASLt >= 13.3) keeps what the fused kernel keeps: inputs column-wise, weights both usages,

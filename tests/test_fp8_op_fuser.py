@@ -74,6 +74,11 @@ def test_blackwell_keeps_one_fp8_copy():
     assert g["linear_fc1"].op_fused and g["linear_fc2"].op_fused and not g["linear_qkv"].op_fused
     assert op_fuser_weight(fused.fp8_spec, g["linear_fc1"], non_tn=True) == FC1 + 512
     assert op_fuser_saved_input(fused.fp8_spec, g["linear_fc1"], non_tn=True) == T * 512 + 512
+    # estimate() hands the GPU in as data (Layout.fp8_gpu): on B200 the 4 layers' fc1 input keeps no transpose
+    # [T, 512] (1 B/elem); the weight copies are column-wise only, 1 B/elem on both GPUs
+    b200, h100 = terms(fused, lookup_gpu("B200")), terms(fused)
+    assert h100["layer_activations"] - b200["layer_activations"] == 4 * T * 512
+    assert layer_activations(fused.replace(fp8_gpu="B200")).saved["fc1_input"] == T * 512 + 512
 
 
 def test_mxfp8_column_wise_copies():

@@ -68,10 +68,12 @@ def test_distributed_checkpoint_keeps_the_depths_decoder_input_whole():
     # --distribute-saved-activations at TP 2: CheckpointFunction.forward shards only its first input
     # (tensor_parallel/random.py, megatron-core 0.19.2), a decoder layer's hidden_states (4 layers x ROW / 2) and an MTP
     # depth's hidden_states, not the depth's decoder_input (MultiTokenPredictionLayer._checkpointed_forward hands it
-    # second), which stays one whole [s, b, h] bf16 tensor per depth, as for a GPT depth (estimator/mtp.py)
+    # second), which stays one whole [s, b, h] bf16 tensor per depth, as for a GPT depth (estimator/mtp.py); the depth's
+    # hidden_states shard is a new 1/TP buffer (split_tensor_into_1d_equal_chunks(new_buffer=True)) while the decoder
+    # output it shards stays referenced: ROW / 2 more
     extra = UNIFORM + " --tensor-model-parallel-size 2 --distribute-saved-activations"
 
     def acts(pattern: str) -> int:
         return {t.name: t.bytes for t in estimate(_layout(pattern, extra, world=2)).critical.terms}["layer_activations"]
     assert acts("M*M-") == 4 * ROW // 2 == 131_072
-    assert acts("M*M-/MM") - acts("M*M-") == ROW == 65_536
+    assert acts("M*M-/MM") - acts("M*M-") == ROW + ROW // 2 == 98_304

@@ -29,8 +29,9 @@ VERSION = {"0.16.1": "0.16.1", "0.19.2": "0.19"}   # megatron-core release -> me
 
 def _offsets(entry: dict, core: str) -> list[int]:
     """Estimated minus measured peak (bytes) of each rank of a stored entry, with the release's defaults."""
+    from benchmarks.referee.replay_grid import het_flags
     from megatron_memguard import estimate
-    layout, _ = resolve_config(entry["flags"], entry["world_size"], VERSION[core])
+    layout, _ = resolve_config(het_flags(entry["flags"], ROOT), entry["world_size"], VERSION[core])
     out = []
     for r in entry["ranks"]:
         assert "bwd" in r["peak_phase"], (entry["name"], r["peak_phase"])   # the peak this file is about
@@ -61,6 +62,28 @@ def test_a_replay_is_estimated_as_exactly_as_a_backward_without_one(measured, co
     # 1/TP shard is swapped for the gathered input at the replay: the shard is what is freed)
     for name in ("recomp_full_uniform1_tp2_sp_bwd", "recomp_full_uniform1_distributed_bwd"):
         assert _offsets(entries[name], core) == tp2, name
+
+
+@pytest.mark.parametrize("core", list(VERSION))
+@pytest.mark.parametrize("blocks", ["top_attention_only", "top_mlp_only", "top_identity"])
+def test_a_replayed_top_layer_without_a_pre_mlp_norm_is_estimated_as_exactly_as_without_a_replay(measured, core, blocks):
+    """Heterogeneous models (tests/data/heterogeneous/top_*.json: h 512, s 256, b 2, GQA, SwiGLU, RMSNorm, rope) whose
+    top layer has no pre-MLP norm (an attention-only block over three MLP-only ones: a Mamba or '*' hybrid layer's
+    structure, one residual branch merged at the input norm), no attention (an MLP-only block over attention-only
+    ones) or is an identity (both halves no-op) over an attention-only block. Block 3 of 4 leaves the top layer
+    unreplayed (the reference); uniform 1 and 2 and block 4 of 4 replay it, handed the final norm's gradient, and the
+    identity hands its gradient on unchanged (uniform 2: one block of the attention-only layer and the identity) or
+    copied (AccumulateGrad clones a gradient its caller holds: its own block). Each replay errs by the reference's
+    bytes exactly. Before, the attention-only layer (and the one under the identity) was estimated one [s, b, h] bf16
+    tensor (524,288 B) high: its steps' release sets name the pre-MLP norm's input it never saved, which counted the
+    handed gradient as a tensor of its own, and under uniform 2 the identity counted as the top layer."""
+    entries = measured[core]
+    ref = _offsets(entries[f"het_{blocks}_b3"], core)
+    # the reference itself: within 1% (524,068 B high for the attention-only top layer's core attention step: the unfused
+    # attention's backward there, not what this test checks)
+    assert abs(ref[0]) < 0.01 * entries[f"het_{blocks}_b3"]["ranks"][0]["peak_bytes"]
+    for r in ("u1", "b4", "u2"):
+        assert _offsets(entries[f"het_{blocks}_{r}"], core) == ref, r
 
 
 def test_the_replay_saves_its_kept_input_without_a_copy(measured):
@@ -106,3 +129,61 @@ def test_the_kept_input_is_subtracted_once_from_the_layer_that_saves_it():
     assert _replay([layer], 100, 100, 0) == 180
     assert _replay([LayerActivations(), layer], 100, 100, 0) == 180
     assert _replay([LayerActivations({"x": 150}, (), steps)], 100, 100, 0) == 280
+
+
+# CPU referee (benchmarks/referee/run.py, megatron-core 0.16.1, 4 ranks: TP 2 x PP 2) of COMMON + DIST_FLAGS (the model of
+# tests/test_mtp_recompute.py without MTP: h 128, s 64, b 2, one layer per stage, uniform full recompute of 1 layer),
+# with and without --distribute-saved-activations: each stage's measured peak (TP rank 0), vocabulary 1000 (both stages
+# peak in the backward) and 8000 (the last stage peaks in the forward, at the loss)
+DIST_FLAGS = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+              "--micro-batch-size 2 --global-batch-size 4 --pipeline-model-parallel-size 2 --bf16 "
+              "--tensor-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+              "--recompute-num-layers 1").split()
+DIST_MEASURED = {(1000, 0): (3_763_912, 3_747_528), (1000, 1): (3_608_548, 3_608_548),
+                 (8000, 0): (12_567_112, 12_550_728), (8000, 1): (14_593_108, 14_576_724)}
+
+
+@pytest.mark.parametrize("vocab, stage", sorted(DIST_MEASURED))
+def test_distributed_saved_activations_move_each_stage_by_the_measured_bytes(vocab, stage):
+    """CheckpointFunction.forward (tensor_parallel/random.py, 0.16.1 and 0.19.2) swaps the kept input for a new
+    1/TP buffer (split_tensor_into_1d_equal_chunks(new_buffer=True)) whose source is freed: the embedding's output
+    on the first stage, the received tensor (the schedule's list holds the same tensor object) on the last. A
+    dense stage then keeps [s b h] / 2 = 16,384 B less per micro-batch held, measured to the byte on both stages
+    wherever the peak lies (the last stage's backward peak is the replay's, where the gathered input is back: no
+    change), and estimated so: each stage errs by the same bytes with the flag as without it (vocabulary 1000:
+    -72 B and -100 B; 8000: -50,248 B and -7,252 B)."""
+    from benchmarks.referee.grid import COMMON
+    from megatron_memguard import estimate
+    base = COMMON + DIST_FLAGS + ["--vocab-size", str(vocab)]
+    est = [estimate(resolve_config(base + extra, 4)[0], profile="local", device="cpu").stages[stage]
+           .peak_allocated_bytes for extra in ([], ["--distribute-saved-activations"])]
+    without, with_flag = DIST_MEASURED[(vocab, stage)]
+    assert est[1] - est[0] == with_flag - without
+    assert abs(est[0] - without) < 0.005 * without
+
+
+def test_a_top_layer_without_a_pre_mlp_norm_holds_no_more_than_its_output_gradient():
+    """A hybrid model's Mamba layer (MambaLayer.forward: residual, norm, mixer, bias-dropout-add; megatron-core 0.16.1
+    and 0.19.2) and attention-only '*' layer have one residual branch: the gradient CheckpointFunction.backward holds
+    is the layer's own output gradient (each step's G) until the input norm's backward merges the residual, the
+    layer's last step. So the block's top layer of either kind adds nothing over its own backward working set, while a
+    layer below it, or a full layer above its pre-MLP norm's merge, holds one [s, b, h] tensor more (here [128, 1, 256]
+    bf16 = 65,536 B). (The replayed heterogeneous attention-only top layer on the referee: the test above.)"""
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.activations import layer_activations
+    from megatron_memguard.estimator.core import _replay_transient
+    from megatron_memguard.partition import layer_kinds
+    from test_mamba import SMALL
+    L = layout_from_flags(SMALL + ["--hybrid-layer-pattern", "M*-"], world_size=1)
+    grad = 128 * 1 * 256 * 2
+    for kind in layer_kinds(L):
+        la = layer_activations(L, True, kind)
+        assert _replay_transient(la, grad, False) == la.bwd_transient + grad == la.bwd_transient + 65_536
+        # the top layer: M and * merge at their last step, '-' (no attention) at its pre-MLP norm, its last step
+        assert _replay_transient(la, grad, True) == la.bwd_transient, kind
+    # a GPT layer (attention + MLP) on top holds the gradient from its pre-MLP norm's merge on: the attention steps
+    gpt = layout_from_flags(SMALL + ["--num-layers", "1"], world_size=1)
+    la = layer_activations(gpt)
+    get = la.saved.get
+    after_merge = max(w - sum(get(n, 0) for n in names) for names, w in la.bwd_steps if "mlp_norm_input" in names)
+    assert _replay_transient(la, grad, True) == max(la.bwd_transient, after_merge + grad)

@@ -280,11 +280,14 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
     (``layers.attention.attention_keeps_proj_input``). The working sets of the steps are those of the BF16 layer plus the quantized
     output gradients (``_quantized_grad_outputs``; docs/assumptions.md, FP8 and FP4)."""
     from .layers.attention import attention_keeps_proj_input
+    from .fp8 import non_tn_gpu
     from .fp8_layers import layer_gemms, module_gemms, moe_saved_overrides, saved_overrides
     e = shapes(L).e
+    # the GPU estimate() was given (None: Hopper storage): on Blackwell one Float8 copy serves both usages
+    non_tn = non_tn_gpu(getattr(L, "fp8_gpu", None) or "")
     over = saved_overrides(L.fp8_spec, module_gemms(L, layer_gemms(L, kind)), saved, act_bytes=e,
-                           fc1_output_elements=saved.get("fc1_output", 0) // e)
-    saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e)}
+                           fc1_output_elements=saved.get("fc1_output", 0) // e, non_tn=non_tn)
+    saved = {**saved, **over, **moe_saved_overrides(L.fp8_spec, L, saved, act_bytes=e, non_tn=non_tn)}
     if "fp8_proj_input" in saved and "proj_input" in saved and not attention_keeps_proj_input(saved):
         # delayed scaling: linear_proj keeps only its quantized copy (TE 2.11 linear.py saves the quantized
         # inputmat, not inp) and nothing else keeps the BF16 output it read

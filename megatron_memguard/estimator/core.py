@@ -389,9 +389,13 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
     d = L.mtp_num_layers
     x = shapes(L)
     # under full uniform recompute each depth's checkpoint keeps decoder_input (the rolled tokens' embedding) whole:
-    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py); a
-    # hybrid depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
-    kept = d * (x.T * x.h * x.r if L.distribute_saved_activations else ckpt_input)
+    # with --distribute-saved-activations only its first input, hidden_states, is sharded (estimator/mtp.py), into a
+    # new 1/TP buffer (split_tensor_into_1d_equal_chunks(new_buffer=True), tensor_parallel/utils.py 0.16.1 / 0.19.2)
+    # while the tensor it shards, a viewless copy of a view of the decoder output (or of the received concatenation),
+    # leaves that storage referenced: the shard is one more (one depth: two fail at the first forward); a hybrid
+    # depth's MultiTokenPredictionLayer._checkpointed_forward is the same (core 0.18.2 / 0.19.2)
+    whole = x.T * x.h * x.r
+    kept = d * whole + whole // L.tp if L.distribute_saved_activations else d * ckpt_input
     if L.hybrid_mtp_pattern:
         # a hybrid depth: its HybridStack's layers, each kept as the decoder's of its kind; the layer with the
         # largest backward working set stands for the stack's
@@ -449,14 +453,21 @@ def _replay_transient(la: LayerActivations, grad: int, top: bool) -> int:
     ``_CheckpointFunction`` alike).
     In the block's top layer that tensor is the layer's own output gradient (each step's ``G``) until its residual
     gradients merge below the pre-MLP norm (the steps releasing ``mlp_norm_input``: the merge cannot reuse the held
-    tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step."""
+    tensor in place, so it makes a new one); in the layers below it, it is one more tensor at every step. A top layer
+    without a pre-MLP norm (a Mamba layer, an attention-only '*' layer, a heterogeneous block with a no-op MLP) has
+    one residual branch, merged at its input norm's backward, its last step (whose working set covers the merge:
+    the norm's input gradient, the sum and the held tensor): the held tensor is its output gradient throughout.
+    (Its steps' release sets name ``mlp_norm_input`` all the same, which it never saved.) CPU referee,
+    tests/test_referee_replay.py: an attention-only top layer replayed is within 0.0003% of its backward without
+    a replay plus the replayed output."""
     if not top:
         return la.bwd_transient + grad
     get = la.saved.get
     steps = []
     merged = False
+    has_mlp_norm = "mlp_norm_input" in la.saved
     for names, w in la.bwd_steps:
-        merged = merged or "mlp_norm_input" in names
+        merged = merged or (has_mlp_norm and "mlp_norm_input" in names)
         steps.append(w - sum(get(n, 0) for n in names) + (grad if merged else 0))
     return max(steps, default=0)   # (as LayerActivations.bwd_transient)
 
@@ -471,17 +482,26 @@ def _replay(block: list[LayerActivations], ckpt_input: int, out: int, grad: int)
     gradient (``_replay_transient``; ``grad``: 0 when the schedule holds it anyway) stay referenced until the
     block's backward has run; each layer's working set comes after the layers above it freed their tensors
     (``_mixed_transients``)."""
-    # (a layer that saves nothing is an identity, heterogeneous_layer_specs.py's no-op layer: the next one saves it)
+    # (a layer that saves nothing is an identity, heterogeneous_layer_specs.py's no-op layer: the next one saves it;
+    # identities above the block's top layer hand it the held gradient itself, so it is the top one)
     first = next((la.saved for la in block if la.saved), {})
     aliased = ckpt_input if ("layer_input" in first or "mlp_norm_input" in first) else 0
+    top = _top_layer(block)
     best = None
     above = 0
     for j in range(len(block) - 1, -1, -1):
         la = block[j]
-        b = _replay_transient(la, grad, j == len(block) - 1) - above
+        b = _replay_transient(la, grad, j >= top) - above
         best = b if best is None else max(best, b)
         above += la.total
     return above - aliased + out + (best or 0)
+
+
+def _top_layer(layers: list[LayerActivations]) -> int:
+    """Index of the highest layer that saves anything: the identity layers above it (a heterogeneous block with
+    both halves no-op returns its input: heterogeneous_layer_specs.py, megatron-core 0.16.1 / 0.19.2) pass the
+    output gradient down unchanged, no autograd node in between."""
+    return max((j for j, la in enumerate(layers) if la.saved), default=len(layers) - 1)
 
 
 def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out: int, top_grad: int) -> int:
@@ -507,10 +527,13 @@ def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
     bwd = None
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
+    top = _top_layer(layers)
     for i in range(len(layers) - 1, -1, -1):
         la = layers[i]
         replayed = i < k
-        grad = top_grad if i == len(layers) - 1 else out
+        # (a checkpointed layer under unreplayed identities is handed the chunk's top gradient itself; a replayed
+        # identity's checkpoint returns a copy: AccumulateGrad clones the gradient its caller still holds)
+        grad = top_grad if i >= top and (i == len(layers) - 1 or k <= top + 1) else out
         b = (_replay([la], ckpt_input, out, grad) if replayed else la.bwd_transient) - above
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
@@ -1591,6 +1614,13 @@ def estimate(
         bad = gpu_violation(layout.fp8_spec, gpu.name)
         if bad:
             raise ConfigError("--gpu", bad)
+        # the GPU as data for the layers' quantized tensors (fp8_layers.py: Blackwell's Float8 storage, the experts'
+        # GroupedLinear path under the op fuser)
+        from .fp8_layers import fused_experts_gpu_path
+        L = L.replace(fp8_gpu=gpu.name)
+        split = fused_experts_gpu_path(L, gpu.name)
+        if split:
+            notes.append(split)
     gpu_name = gpu.name if gpu else None
     # one _StagePrep per distinct stage shape (the middle of a deep pipeline shares one), looked up here
     # rather than once per stage; only the schedule's peak and its terms are made per stage

@@ -397,12 +397,39 @@ def fused_experts_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, 
         # the BF16 part without the fuser's padding: g F_r (the GLU input) + F_r (fc2's input) per row
         out["moe_expert_activations"] = (saved["moe_expert_activations"] - e * N * (g + 1) * Fr
                                          + e * Np * g * Fr + x(Fr))
+    # the split-quantize path: delayed scaling always; the other recipes where estimate()'s GPU rules the
+    # grouped-tensor path out (fused_experts_gpu_path)
+    gpu = getattr(L, "fp8_gpu", None)
+    split = r == "delayed" or (gpu is not None and fused_experts_gpu_path(L, gpu) is not None)
     w = sum(op_fuser_weight(spec, Gemm(n, rows, cols, count=El, op_fused=True), non_tn=non_tn,
-                            both_usages=r != "delayed")
+                            both_usages=not split)
             for n, (rows, cols) in (("experts.linear_fc1", (g * Fr, hx)), ("experts.linear_fc2", (hx, Fr))))
     if w and "moe_expert_input" in saved:
         out["fp8_op_fuser_weights"] = w
     return out
+
+
+def fused_experts_gpu_path(L: Any, gpu_name: str) -> str | None:
+    """Where the GPU alone sends the experts' GroupedLinear ops (the op fuser, no CuTe-DSL fused kernel) to TE
+    2.20.2's split-quantize path: a note saying so, or None where the grouped-tensor path stays sized (the GPU
+    allows it and only the cuBLASLt version, unseen, decides). ``ops/basic/grouped_linear.py``
+    ``is_op_fuser_grouped_tensor_path_supported`` (TE 2.20.2, lines 106-125): ``float8_block_scaling`` returns
+    ``device_capability < (10, 0) and cublaslt_version >= 130600``, so blockwise on Blackwell (SM 10.x) always
+    takes the split-quantize path. Tensorwise (SM 9.0 with cuBLASLt >= 13.5, SM 10.x / 11.0 with >= 13.3) and MXFP8
+    with E5M2 gradients (SM 10.x with >= 13.3) depend on the cuBLASLt version on every GPU that can run them; FP8
+    below SM 8.9 is refused (``fp8.gpu_violation``). Pure: the caller passes the GPU's name as data."""
+    from .fp8 import non_tn_gpu
+    moe = getattr(L, "moe", None)
+    if (moe is None or moe.moe_use_legacy_grouped_gemm or moe.local_experts <= 0
+            or not getattr(L, "use_transformer_engine_op_fuser", False)):
+        return None
+    spec = L.fp8_spec
+    if spec.fp4 or spec.recipe != "blockwise" or not non_tn_gpu(gpu_name):
+        return None
+    return (f"{gpu_name}: the experts' GroupedLinear ops under the blockwise recipe take Transformer Engine 2.20.2's "
+            "split-quantize path on Blackwell (the grouped-tensor path needs Hopper with cuBLASLt >= 13.6): each "
+            "expert's weight copy is kept column-wise only; --moe-single-grouped-weight would stop at the first "
+            "forward (RuntimeError)")
 
 
 def fused_experts_rowwise_weight_bytes(recipe: str, *, local_experts: int, ffn: int, width: int, glu: bool,

@@ -145,10 +145,13 @@ def block_activations(spec: MtpSpec, checkpointed: bool = False) -> MtpActivatio
     embedding runs outside it (its ids stay), and so does the concatenation. With --distribute-saved-activations
     CheckpointFunction keeps only a 1-D TP shard of ``hidden_states`` (the first input; ``decoder_input`` stays
     whole): at depth 1 a viewless copy of the decoder output's chunk view, while GPTModel.forward's frame still
-    holds the decoder output itself until the forward returns. The decoder output is counted whole: at the last
-    stage's peak, the forward of its one micro-batch in flight, it is (CPU referee, megatron-core 0.16.1, TP 2:
-    the last stage's peak unchanged by the flag); a stage holding more micro-batches with the MTP block keeps the
-    earlier ones' shards only (errs high there by (1 - 1/TP) [rows, h] per earlier micro-batch).
+    holds the decoder output itself until the forward returns; the shard is a new buffer
+    (``split_tensor_into_1d_equal_chunks(new_buffer=True)``), counted with the depth's checkpointed input
+    (core._mtp_layers). The decoder output is counted whole: at the last stage's peak, the forward of its one
+    micro-batch in flight, it is (CPU referee, megatron-core 0.16.1, TP 2: the last stage's peak unchanged by the
+    flag, as the estimate: the decoder layer's input shard frees what the depth's shard takes); a stage holding more
+    micro-batches with the MTP block keeps the earlier ones' shards only (errs high there by [rows, h] per earlier
+    micro-batch).
     """
     d, a = spec.mtp_num_layers, spec.activation_bytes
     row_bytes = spec.rows * spec.hidden_size * a

@@ -68,7 +68,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
                   "reuse_grad_buf_for_mxfp8_param_ag disable_parameter_transpose_cache activation_func_fp8_input_store "
-                  "fp8_output_proj fp8_dot_product_attention"),
+                  "fp8_output_proj fp8_dot_product_attention fp8_gpu"),
     ("", "peft"),    # Layout's own field: LoRA / DoRA adapters (layout/peft.py PeftSpec), None without PEFT
     ("", "notes"),   # Layout's own field: not compared, not part of any part
 )
@@ -87,7 +87,8 @@ TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offl
 # document of the releases before it (CUDA graphs, activation offloading, MTP, Muon).
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "tp_comm_overlap_cfg": (),
-    "fp8_output_proj": False, "fp8_dot_product_attention": False, "cp_a2a_size": 1,
+    "fp8_output_proj": False, "fp8_dot_product_attention": False, "fp8_gpu": None,
+    "cp_a2a_size": 1,
     "symmetric_ar_type": None,
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,

@@ -135,6 +135,8 @@ def layer_table(est: Estimate) -> str:
         L = L.replace(transformer_impl=est.profile)
     if est.attention is not None:
         L = est.attention.modelled_layout(L)   # the kernel the estimate modelled on this GPU
+    if est.gpu and (L.fp8 or L.fp4):
+        L = L.replace(fp8_gpu=est.gpu)         # the GPU's FP8 storage, as the estimate sized it (estimator/core.py)
     if L.moe is None and not mixed_mixers(L):
         kinds = [None]
     else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)

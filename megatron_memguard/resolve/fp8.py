@@ -133,10 +133,20 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         a.notes.append(f"{key}: no effect with the {recipe} recipe (megatron-core {ctx.version} builds that recipe without "
                        "fp8_dpa): attention is estimated in BF16")
         return False
-    if recipe in ("mxfp8", "nvfp4"):
-        # TE 2.11 DotProductAttention.init_fp8_metadata: "DotProductAttention does not support ... recipe"
-        a.fail(dest, f"is not supported with the {recipe} recipe (Transformer Engine's DotProductAttention runs FP8 only "
-                    "with the per-tensor recipes delayed and tensorwise)")
+    if recipe == "mxfp8":
+        # megatron-core >= 0.17 is paired with TE 2.20.2, whose DotProductAttention keeps the MXFP8 recipe for the
+        # attention (dot_product_attention.py init_fp8_metadata, NVTE_DPA_FP8_RECIPE unset) and whose
+        # get_attention_backend (utils.py 774-791) runs it in cuDNN on SM 10.x with cuDNN >= 9.21 (not 9.23.0 / 9.23.1),
+        # without fp8_mha; elsewhere no backend runs it. Its tensors (MXFP8 q, k, v with E8M0 scales, BF16 copies the
+        # CP ring saves: context_parallel.py 2327-2328) are not sized
+        raise NotModelledError(key, "FP8 attention under the mxfp8 recipe (Transformer Engine 2.20.2, megatron-core "
+                                    ">= 0.17, runs MXFP8 attention in cuDNN >= 9.21 on Blackwell; its tensors are not "
+                                    "sized): estimate with --fp8-recipe tensorwise, or without FP8 attention")
+    if recipe == "nvfp4":
+        # TE 2.20.2 get_attention_backend (utils.py 792-794): "Disabling FusedAttention for NVFP4BlockScaling"; with
+        # fp8_dpa FlashAttention and the unfused backend are off too (718-744): no backend
+        a.fail(dest, "is not supported with the nvfp4 recipe (Transformer Engine 2.20.2 has no attention backend for "
+                     "FP8 attention under NVFP4BlockScaling)")
         return False
     if mha:
         # fp8_mha reaches TE only in the delayed recipe object. TE 2.11 DotProductAttention.forward forces fp8_dpa

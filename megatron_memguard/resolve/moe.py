@@ -711,7 +711,7 @@ def _quantized_fused_experts(a: Args, kw: Mapping[str, Any], spec: MoeSpec) -> N
     where = {"tensorwise": "on Blackwell (SM 10.x, 11.0) with cuBLASLt >= 13.3 and on Hopper with cuBLASLt >= 13.5; "
                            "on other GPUs (Ada) or older cuBLASLt it takes the split-quantize path",
              "blockwise": "only on Hopper with cuBLASLt >= 13.6; on Blackwell, or older cuBLASLt, it takes the "
-                          "split-quantize path",
+                          "split-quantize path (an estimate for a Blackwell --gpu sizes that path)",
              "mxfp8": "on Blackwell with cuBLASLt >= 13.3 (the CuTe-DSL fused kernel declines E5M2 gradients); with an "
                       "older cuBLASLt it takes the split-quantize path"}[recipe]
     if not spec.local_experts or kw.get("fp8_param_gather"):

@@ -66,6 +66,11 @@ if __name__ == "__main__":
         pretrain(example.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                  example.forward_step,
                  args_defaults={"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"})   # as the example
+        # tear gloo down while both ranks are alive: left to interpreter exit, its threads' destructors
+        # intermittently abort one rank ("terminate called without an active exception", SIGABRT)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     finally:
         out = os.environ.get("MEMGUARD_TEST_OUT")
         if out:

@@ -118,14 +118,17 @@ _BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
 
 def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> MixerActivations:
     """FP8 attention under context parallelism with cp_comm_type p2p (a2a: ``fp8_a2a_attention``):
-    Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; the same
-    tensors in TE 2.20.2, whose ring holds two buffers instead of one per step).
+    Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; TE 2.20.2, for
+    megatron-core >= 0.17, holds two ring buffers instead of one per step and casts the fp32 output to BF16 twice:
+    ``out_part`` (2255), which it saves, and the returned ``out_f16`` (2298)).
 
     Saved (forward's end, ``ctx.fp8``): ``q_fp8`` (a view of combine_and_quantize's one FP8 buffer of q, k, v:
     the whole ``[Tf, (a + 2 g) d]`` stays), ``kv_fp8`` (the last ring buffer, FP8 K and V), the merged fp32
     log-sum-exp ``[b, a, s]`` (one statistic: only M of each step's M / ZInv is kept), and the output: FP8 under
-    delayed scaling (``O_quantizer(out_f16)``), the BF16 one under tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``).
-    The BF16 q the BF16 ring kept is not saved.
+    delayed scaling (``O_quantizer(out_f16)``), the BF16 one under tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``): in
+    TE 2.11 the returned tensor linear_proj keeps too, in TE 2.20.2 ``out_part``, a second BF16 copy
+    (``cp_a2a_attention_output``; under delayed scaling a forward transient). The BF16 q the BF16 ring kept is not
+    saved.
 
     Forward working set at the output correction: each step's partial output dequantized to fp32 ``[Tf, a d]``
     and its fp32 statistic (TE 2.11: every step's, kept in ``out_per_step``; TE 2.20.2: two), the ring buffers
@@ -168,9 +171,12 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
     _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
     te211 = _te_keeps_every_cp_step(L)
     n_ring, n_out = (cp - 1, cp) if te211 else (2, 2)
-    # TE 2.20.2's two-level path: the BF16 copy of the output before its exchange (out_part), saved under
-    # tensorwise; the backward exchanges dO only
-    out_part = a2a > 1 and not te211
+    # TE 2.20.2 (context_parallel.py 2255, 2298, 2321-2326): the fp32 output is cast twice to BF16, out_part (made
+    # before the a2a exchange, if any) and out_f16 (returned): two copies even without an all-to-all. out_part is
+    # the one saved under tensorwise (NVTE_DPA_FP8CS_O_in_F16), next to the returned one linear_proj keeps; under
+    # delayed scaling (the FP8 output saved) it is a forward transient. TE 2.11 saves the returned out_f16 itself.
+    # The backward exchanges dO only (the saved output is in the ring's layout already)
+    out_part = not te211
     part_saved = out_part and not delayed
     combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
     # a2a+p2p: the exchanged BF16 q, k, v combine_and_quantize reads; the exchanged q kept to the forward's end
@@ -178,9 +184,12 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
     # the output correction: partial outputs in fp32 with their statistics, the other ring buffers, the fp32
     # output, its BF16 cast and (delayed) the FP8 output
     out_end = 4 * Q + e * Q + (out8 if delayed else 0)
-    if out_part:
+    if out_part and a2a > 1:
         # TE 2.20.2: out_part (BF16) first, then the fp32 output exchanged, its BF16 cast and (delayed) FP8 copy
         out_end = e * Q + max(4 * Q + a2a_peak((4 * Q,), False), out_end)
+    elif out_part:
+        # TE 2.20.2, no exchange: out_part next to the fp32 output, its second BF16 cast and (delayed) FP8 copy
+        out_end = e * Q + out_end
     elif a2a > 1:
         # the fp32 output exchanged (send copy, receive buffer, reordered copy) before its casts
         out_end = max(4 * Q + a2a_peak((4 * Q,), False), out_end)
