@@ -308,3 +308,14 @@ def test_freq_one_is_the_gpt_model_without_gdn_layers():
     assert L.linear_attention_pattern == "0" * 8 and set(layer_kinds(L)) == {ATTN}
     a, b = estimate(L, gpu=lookup_gpu("H100")), estimate(_layout(base=plain), gpu=lookup_gpu("H100"))
     assert [s.breakdown for s in a.stages] == [s.breakdown for s in b.stages]
+
+
+def test_layout_document_round_trips_and_omits_the_defaults():
+    from megatron_memguard.layout import Layout
+    L = _layout(["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"])
+    d = L.to_dict()
+    assert d["linear_attention_pattern"] == "11101110" and "linear_conv_kernel_dim" not in d   # (4: the default)
+    assert Layout.from_dict(d) == L
+    # a model without GDN layers writes none of the fields (its document reads as before)
+    i = GPT.index("--experimental-attention-variant")
+    assert not any(k.startswith("linear_") for k in _layout(base=GPT[:i]).to_dict())
