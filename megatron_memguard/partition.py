@@ -44,7 +44,8 @@ MIXER_GDN = "gdn"
 # hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
 HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
-                "E": (MIXER_NONE, MLP_MOE), "G": (MIXER_GDN, MLP_NONE)}
+                "E": (MIXER_NONE, MLP_MOE), "+": (MIXER_MLA, MLP_NONE),   # ('+': 0.19's mla_layer, MLP IdentityOp)
+                "G": (MIXER_GDN, MLP_NONE)}
 
 
 class LayerKind(NamedTuple):
@@ -54,10 +55,13 @@ class LayerKind(NamedTuple):
     mixer: str
     mlp: str
     quantized: str | None = None   # the FP8 / FP4 recipe its GEMMs run in (estimator.fp8); None: BF16 / FP16
+    # a heterogeneous block's own attention num_query_groups (get_config_for_layer); None: the model's
+    query_groups: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.mixer}+{self.mlp}" + (f"+{self.quantized}" if self.quantized else "")
+        return (f"{self.mixer}" + (f":g{self.query_groups}" if self.query_groups else "") + f"+{self.mlp}"
+                + (f"+{self.quantized}" if self.quantized else ""))
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,13 @@ def layer_kinds(L: "Layout") -> tuple[LayerKind, ...]:
     return kinds_from_runs(model_kind_runs(L))
 
 
+def _het_kind(word: str, quantized: str | None) -> LayerKind:
+    """A heterogeneous layer's word "mixer[:GROUPS]/mlp[:FFN]" (resolve/heterogeneous.py) as its kind."""
+    mixer, mlp = word.split("/")
+    mixer, _, groups = mixer.partition(":")
+    return LayerKind(mixer, mlp, quantized, int(groups) if groups else None)
+
+
 @lru_cache(maxsize=256)   # asked by the partition, the MTP and placeholder-gradient terms of one estimate
 def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
@@ -146,16 +157,26 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     het = L.heterogeneous_layers
     hybrid = L.hybrid_layer_pattern
     if hybrid:
-        # one symbol per layer ('|' only splits the pipeline; resolve/hybrid.py refuses FP8 with it)
-        made_h = {sym: LayerKind(*HYBRID_KINDS[sym]) for sym in set(hybrid) - {"|"}}
-        return kind_runs(tuple(made_h[sym] for sym in hybrid if sym != "|"))
+        # one symbol per layer ('|' only splits the pipeline). FP8 / FP4 per global layer index: HybridStack
+        # (0.19.2 hybrid_block.py) builds and runs layer i of its segment in get_fp8_context / get_fp4_context(config,
+        # i + pp_layer_offset), as TransformerBlock does (megatron-core builds the hybrid stack from TE modules only)
+        spec = L.fp8_spec
+        syms = tuple(sym for sym in hybrid if sym != "|")
+        if not spec.enabled:
+            made_h = {sym: LayerKind(*HYBRID_KINDS[sym]) for sym in set(syms)}
+            return kind_runs(tuple(made_h[sym] for sym in syms))
+        n = len(syms)
+        made_q: dict[tuple[str, str | None], LayerKind] = {}
+        return kind_runs(tuple(
+            made_q.setdefault((sym, q), LayerKind(*HYBRID_KINDS[sym], q)) for sym, q in zip(
+                syms, (spec.recipe if spec.layer_quantized(i, n) else None for i in range(n)))))
     if het:
         # one "mixer/mlp" word per layer; FP8 / FP4 per global layer index as below (TransformerBlock builds
         # each layer in get_fp8_context(layer_config, global index), get_config_for_layer keeping the recipe)
         spec = L.fp8_spec
         te_quant = spec.enabled and L.transformer_impl == "transformer_engine"
         made: dict[tuple[str, str | None], LayerKind] = {}
-        kinds = tuple(made.setdefault((w, q), LayerKind(*w.split("/"), q)) for w, q in zip(
+        kinds = tuple(made.setdefault((w, q), _het_kind(w, q)) for w, q in zip(
             het.split(","), (spec.recipe if te_quant and spec.layer_quantized(i, L.num_layers) else None
                              for i in range(L.num_layers))))
         return kind_runs(kinds)

@@ -221,10 +221,76 @@ def test_moe_rules(tmp_path):
     # a dense layer's MLP splits its own width over TP: block 1's 512 at TP 3 (the flags' 1024 too)
     msg = _err(FLAGS + MOE + [key, BLOCKS, "--tensor-model-parallel-size", "3", "--sequence-parallel"], world=3)
     assert "block 1: the dense layer's ffn size 512 must be divisible by tensor-model-parallel size 3" in msg
-    # a block that sets num_query_groups itself gives its layer another attention width: refused by name
-    other = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=1))
-    with pytest.raises(NotModelledError, match="block 0: num_query_groups 1"):
-        layout_from_flags(FLAGS + MOE + [key, other], world_size=1)
+    # a block's own num_query_groups follows the model's rules (TransformerConfig, the attention's head split)
+    three = _write(tmp_path, lambda d: d["block_configs"][0]["attention"].update(num_query_groups=3))
+    assert "block 0: num_query_groups 3 must divide num_attention_heads 8" in _err(FLAGS + MOE + [key, three])
+
+
+def _own_groups(tmp_path, groups=(1, 8)):
+    """small_blocks.json with block 0's attention of ``groups[0]`` query groups and block 2's of ``groups[1]``
+    (AttentionConfig takes num_query_groups over n_heads_in_group, which the flags' check still reads)."""
+    def change(d):
+        d["block_configs"][0]["attention"]["num_query_groups"] = groups[0]
+        d["block_configs"][2]["attention"]["num_query_groups"] = groups[1]
+    return _write(tmp_path, change)
+
+
+def test_own_query_groups_per_layer(tmp_path):
+    # get_config_for_layer gives a block's layer its own num_query_groups: linear_qkv [(heads + 2 g) x 64, 512]
+    # (heads 8, head dim 64): block 0 with 1 group (640 x 512), block 2 with 8 (1536 x 512), against the flags' 2
+    # (768 x 512)
+    path = _own_groups(tmp_path)
+    L = _layout(path=path)
+    assert [k.label for k in layer_kinds(L)] == ["attention:g1+dense", "none+dense:512", "attention:g8+none",
+                                                 "none+none"]
+    base = _layout()
+    assert total_parameters(L) - total_parameters(base) == (640 - 768) * 512 + (1536 - 768) * 512 == 327_680
+    names = {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])}
+    assert names["decoder.layers.0.self_attention.linear_qkv.weight"] == 640 * 512
+    assert names["decoder.layers.2.self_attention.linear_qkv.weight"] == 1536 * 512
+    # the activations under TE's fused attention (seq 256 x MBS 2 = 512 tokens, bf16): linear_qkv's output
+    # [tokens, (8 + 2 g) x 64] that the fused kernel reads, and the rotated key copy [tokens, g x 64]
+    # (apply_rotary_pos_emb, unfused rope): block 0 keeps (2 - 1) x (2 + 1) x 64 x 512 x 2 = 196,608 bytes less than
+    # with the flags' 2 groups, block 2 (8 - 2) x (2 + 1) x 64 x 512 x 2 = 1,179,648 more
+    te = ["--transformer-impl", "transformer_engine", "--attention-backend", "fused"]
+    L, base = _layout(te, path=path), _layout(te)
+    acts = lambda X, i: layer_activations(X, True, layer_kinds(X)[i])   # noqa: E731
+    assert acts(base, 0).total - acts(L, 0).total == 196_608
+    assert acts(L, 2).total - acts(base, 2).total == 1_179_648
+    assert acts(L, 2).saved["qkv_output"] == 512 * (8 + 2 * 8) * 64 * 2 == 1_572_864
+    assert estimate(L).stages[0].parameters == total_parameters(L)
+
+
+def test_referee_measures_own_query_groups(tmp_path):
+    # the CPU referee (megatron-core's own training step) on small_blocks.json with block 0's attention of 1 query
+    # group and block 2's of 8: parameters and the state after the step exact, the peak within the referee's 3%
+    pytest.importorskip("megatron.core")
+    from benchmarks.referee.compare import compare_entry
+    from benchmarks.referee.grid import COMMON, resolve_config
+    from benchmarks.referee.run import run_referee, unsupported_reason
+    if unsupported_reason():
+        pytest.skip(unsupported_reason())
+    path = _own_groups(tmp_path)
+    flags = COMMON + [f for f in FLAGS if f not in ("--tokenizer-type", "NullTokenizer", "--transformer-impl", "local")] \
+        + ["--heterogeneous-layers-config-path", path]
+    _, settings = resolve_config(flags, 1)
+    settings["heterogeneous_layers_config_path"] = path
+    settings["no_persist_layer_norm"] = True
+    rows = compare_entry({"name": "het-groups", "flags": flags, "world_size": 1,
+                          "ranks": run_referee(settings, world_size=1, timeout=600)})
+    for row in rows:
+        assert row.params_measured == row.params_predicted
+        assert abs(row.after_err) < 0.001
+        assert 0 <= row.peak_err < 0.03, row.peak_err
+
+
+def test_own_query_groups_match_megatron_core_on_cpu(tmp_path):
+    # megatron-core's own model (get_config_for_layer per layer) of the same config, dense and with MoE layers
+    path = _own_groups(tmp_path)
+    L = _layout(path=path)
+    assert {p.name: p.numel for p in chunk_params(L, partition_layers(L)[0])} == _real_params(path)
+    M = _layout(MOE, path=path)
+    assert {p.name: p.numel for p in chunk_params(M, partition_layers(M)[0])} == _real_params(path, **MOE_CFG)
 
 
 def _megatron_core_at_least(version: str) -> bool:
@@ -371,13 +437,13 @@ def test_offloading_and_full_iteration_graphs():
                                 "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
     io = _terms(L, "H100")["cuda_graph_static_io"]
     assert io.bytes == 2 * (2 * 256 * 28 + 2 * 256 * 256) == 290_816
-    # still refused: per-layer graphs with no-op / linear layers (which of them TE and the local manager capture),
-    # and linear replacements under offloading (outside Megatron's offload groups)
-    with pytest.raises(NotModelledError, match="no-op or replace_with_linear blocks under per-layer CUDA graphs"):
-        layout_from_flags(te + ["--cuda-graph-impl", "transformer_engine", "--heterogeneous-layers-config-path", BLOCKS],
-                          world_size=1)
-    with pytest.raises(NotModelledError, match="replace_with_linear blocks under fine-grained activation offloading"):
-        layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    # per-layer graphs with no-op / linear layers: test_per_layer_graphs_of_noop_and_linear_layers
+    # linear replacements: TransformerLayer calls TELayerNormColumnParallelLinearGathered outside any offload group and
+    # its input_layernorm / pre_mlp_layernorm is IdentityOp (_set_offload_modules skips it; transformer_layer.py 0.16.1
+    # to 0.19.2), so linear_blocks.json's linear layers 1 and 3 (their linear input and norm output, 2 x 524,288 each)
+    # offload nothing: the attention layers 0 and 2 offload as above, layer 2's attn_proj kept as the last group
+    L = layout_from_flags(te + off + ["--heterogeneous-layers-config-path", LINEAR], world_size=1)
+    assert estimate(L, gpu=lookup_gpu("H100")).stages[0].host_bytes == 2 * per_layer - 524_288 == 5_537_792
 
 
 def test_moe_parameters_per_rank_match_megatron_core():
@@ -467,3 +533,49 @@ def test_per_layer_graphs_of_whole_layers(tmp_path):
     plain = _terms(layout_from_flags(te + MOE + graphs, world_size=1), "H100")
     for name in ("cuda_graph_static_io", "cuda_graph_pool"):
         assert het[name].bytes == plain[name].bytes
+
+
+@pytest.mark.parametrize("impl,mods,path,version,layers,masked", [
+    # Transformer Engine's helper (_layer_is_graphable, cuda_graphs.py 0.16.1 and 0.19.2: isinstance checks of the
+    # built modules): every TransformerLayer without modules; attn: a self_attention that is not an IdentityOp
+    # (small_blocks.json's layers 0 and 2; every layer of linear_blocks.json, whose no-attention blocks are linear
+    # replacements); mlp: an MLP instance (the dense layers 0 and 1; a linear replacement is none)
+    ("transformer_engine", "", BLOCKS, "0.19.2", 4, 2),
+    ("transformer_engine", "attn", BLOCKS, "0.19.2", 2, 2),
+    ("transformer_engine", "mlp", BLOCKS, "0.19.2", 2, 0),
+    ("transformer_engine", "attn,mlp", BLOCKS, "0.19.2", 3, 2),
+    ("transformer_engine", "attn", LINEAR, "0.19.2", 4, 4),
+    ("transformer_engine", "mlp", LINEAR, "0.19.2", 2, 0),
+    # the local manager (TransformerLayer.create_mcore_cudagraph_manager) compares the submodule spec with the
+    # IdentityOp class: a no-op attention's ModuleSpec(IdentityOp) is not it (attn: every layer); a no-op MLP is
+    # IdentityOp itself from 0.18 (heterogeneous_layer_specs.py), ModuleSpec(IdentityOp) in 0.16.1 / 0.17.1
+    ("local", "attn", BLOCKS, "0.19.2", 4, 0),
+    ("local", "mlp", BLOCKS, "0.19.2", 2, 0),
+    ("local", "mlp", LINEAR, "0.19.2", 4, 0),
+    ("local", "mlp", BLOCKS, "0.17.1", 4, 0),
+])
+def test_per_layer_graphs_of_noop_and_linear_layers(impl, mods, path, version, layers, masked):
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    from megatron_memguard.gpus import lookup_gpu
+    spelled = (["--cuda-graph-modules", *mods.split(",")] if version >= "0.18" else ["--cuda-graph-scope", mods]) \
+        if mods else []
+    L = layout_from_flags(te + ["--cuda-graph-impl", impl, *spelled, "--heterogeneous-layers-config-path", path],
+                          world_size=1, megatron_version=version)
+    io = {t.name: t.bytes for t in estimate(L, gpu=lookup_gpu("H100")).stages[0].terms}["cuda_graph_static_io"]
+    # per graphed layer (PP 1: one sample set) its static input and grad-output [seq 256 x MBS 2, 512] bf16
+    # (1,048,576 bytes), and under TE a graphed attention's bool causal mask [2, 1, 256, 256] (131,072)
+    assert io == layers * 2 * 512 * 512 * 2 + masked * 2 * 256 * 256
+
+
+def test_per_layer_graphs_with_mtp_depths():
+    # the 2 MTP depths are full layers of the flags (models/gpt.py mtp_block_spec, 0.19.2), graphed by both
+    # implementations under attn: TE the attention layers 0 and 2 and the 2 depths (each with its causal mask), the
+    # local managers every decoder layer (a no-op attention's ModuleSpec(IdentityOp)) and the 2 depths
+    te = [f if f != "local" else "transformer_engine" for f in FLAGS]
+    from megatron_memguard.gpus import lookup_gpu
+    got = {}
+    for impl in ("transformer_engine", "local"):
+        L = layout_from_flags(te + ["--mtp-num-layers", "2", "--cuda-graph-impl", impl, "--cuda-graph-modules", "attn",
+                                    "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
+        got[impl] = {t.name: t.bytes for t in estimate(L, gpu=lookup_gpu("H100")).stages[-1].terms}["cuda_graph_static_io"]
+    assert got == {"transformer_engine": 4 * 1_048_576 + 4 * 131_072, "local": 6 * 1_048_576}

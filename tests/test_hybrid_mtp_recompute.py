@@ -5,10 +5,7 @@ backward runs the depth's HybridStack, whose checkpointed_forward (models/hybrid
 checkpoints each of its layers again. The small model of tests/test_mamba.py: seq 128, MBS 1, h 256, bf16."""
 from __future__ import annotations
 
-import pytest
-
 from megatron_memguard import estimate
-from megatron_memguard.errors import NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.core import _checkpointed_hybrid_depth
 from megatron_memguard.partition import LayerKind
@@ -58,10 +55,36 @@ def test_the_depths_replay():
     assert with_mtp > without
 
 
-def test_block_recompute_of_hybrid_mtp_depths_is_refused_by_name():
-    with pytest.raises(NotModelledError) as e:
-        _layout("M*M-/MM", "--recompute-granularity full --recompute-method block --recompute-num-layers 1")
-    assert str(e.value).startswith("--recompute-method")
+def test_block_recompute_checkpoints_the_first_layers_of_each_depths_stack():
+    # under block MultiTokenPredictionLayer.forward (multi_token_prediction.py, megatron-core 0.19.2) warns and runs
+    # the depth plainly, while its HybridStack (models/hybrid/hybrid_block.py, the model's config) takes recompute.py
+    # checkpointed_forward: its first --recompute-num-layers layers keep their [s, b, h] input, the others everything
+    block = "--recompute-granularity full --recompute-method block --recompute-num-layers "
+    mamba = 808_448             # one Mamba layer's saved bytes at MBS 1 (test_the_depths_replay, by hand)
+    for k, per_depth in ((1, ROW + mamba), (2, 2 * ROW), (5, 2 * ROW)):
+        base = _terms("M*M-", block + str(k))["layer_activations"]
+        assert _terms("M*M-/MM", block + str(k))["layer_activations"] - base == per_depth
+        assert _terms("M*M-/MM/MM", block + str(k))["layer_activations"] - base == 2 * per_depth
+    assert ROW + mamba == 873_984
+    # the depth keeps its own tensors (enorm, eh_proj and final norm inputs: not checkpointed) as without recompute
+    assert (_terms("M*M-/MM", block + "1")["mtp_block_activations"] == _terms("M*M-/MM", "")["mtp_block_activations"])
+
+
+def test_block_recompute_depth_working_sets():
+    # two depths of 'MM' with one checkpointed layer each, top to bottom: the plain Mamba layer's backward working set
+    # (707,584 by hand, test_the_depths_replay); then the checkpointed one replays over its kept input
+    # (CheckpointFunction.backward, tensor_parallel/random.py 0.19.2): its saved 808,448 less the kept input its norm
+    # saves again (65,536), the replayed output (65,536) and the gradient it was handed (65,536, held until its
+    # backward returns; the residual's gradient is a new tensor) beside its working set 707,584, less the plain layer
+    # above, already back-propagated (808,448); the depth below the same less what the top depth still keeps
+    from megatron_memguard.estimator.core import _block_hybrid_depths
+    L = _layout("M*M-/MM/MM", "--recompute-granularity full --recompute-method block --recompute-num-layers 1")
+    la = layer_activations(L, True, LayerKind("mamba", "none"))
+    fwd, bwd = _block_hybrid_depths([(la, 2)], 2, 1, ROW, ROW)
+    assert bwd == max(707_584, 808_448 - 65_536 + 65_536 + 65_536 + 707_584 - 808_448) == 773_120
+    # the forward, over the whole chunk's saved bytes (the layers above have not saved yet): the top depth's layers,
+    # the checkpointed one with its own tensors live until it returns (an upper bound) but not the plain layer's above
+    assert fwd == la.fwd_transient
 
 
 def test_distributed_checkpoint_keeps_the_depths_decoder_input_whole():

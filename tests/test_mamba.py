@@ -211,7 +211,6 @@ def test_megatron_016_rules():
     ("--hybrid-layer-pattern MDM-", "--hybrid-layer-pattern"),     # a DSA layer ('G' is modelled: test_gdn.py)
     ("--hybrid-layer-pattern M*M- " + MOE, "--num-experts"),
     ("--hybrid-layer-pattern M*M-/MD", "--hybrid-layer-pattern"),    # a DSA layer in the MTP pattern
-    ("--hybrid-layer-pattern M*M- --context-parallel-size 2", "--context-parallel-size"),
     ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),
     ("--hybrid-layer-pattern M*M- --disable-mamba-mem-eff-path", "--disable-mamba-mem-eff-path"),
     # torch FSDP2 does not wrap MambaLayer (torch_fully_sharded_data_parallel.py 0.19.2)
@@ -323,15 +322,27 @@ def test_megatron_lms_mamba_spec_flag_is_the_modelled_spec():
         layout_from_flags(SMALL + ["--num-layers", "2"] + spec.split(), world_size=1)
 
 
-def test_lora_on_a_hybrid_model_is_refused_by_name():
+def test_lora_on_a_hybrid_model_wraps_the_attention_and_mlp_layers():
+    # Megatron-Bridge 0.6.2 matches target_modules by the module's own name: the default linear_qkv, linear_proj
+    # (the '*' layer), linear_fc1, linear_fc2 (the '-' layer); the Mamba layers' in_proj / out_proj stay frozen
     from megatron_memguard.config import RawConfig
+    from megatron_memguard.estimator.peft import adapter_param_count
     from megatron_memguard.resolve import resolve
     args = dict(hybrid_layer_pattern="M*M-", hidden_size=256, num_attention_heads=4, seq_length=128,
                 max_position_embeddings=128, micro_batch_size=1, global_batch_size=8, bf16=True,
                 tokenizer_type="NullTokenizer", vocab_size=1024, mamba_head_dim=32, mamba_num_groups=2,
                 mamba_state_dim=16, position_embedding_type="none", peft_scheme="lora")
-    with pytest.raises(NotModelledError, match="LoRA / DoRA on a hybrid Mamba model"):
-        resolve(RawConfig(args=args, world_size=1))
+    L = resolve(RawConfig(args=args, world_size=1))
+    # rank 32: qkv (256 + 768) x 32, proj (256 + 256) x 32, fc1 (256 + 1024) x 32, fc2 (1024 + 256) x 32
+    assert adapter_param_count(L) == 32 * (1024 + 512 + 1280 + 1280) == 131_072
+    # a frozen Mamba layer: in_proj keeps no norm output, out_proj no input (TE: backward_needs_input is
+    # weight.requires_grad); the scan and the gated norm keep theirs
+    la = layer_activations(L, True, LayerKind("mamba", "none"))
+    assert "mamba_in_proj_input" not in la.saved and "mamba_out_proj_input" not in la.saved
+    assert la.saved["mamba_zxbcdt"] == 128 * 1104 * 2
+    # a pattern without '*' or '-' layers has nothing to wrap
+    with pytest.raises((ConfigError, ConfigErrors), match="wraps no linear of the pattern"):
+        resolve(RawConfig(args=dict(args, hybrid_layer_pattern="MMMM"), world_size=1))
 
 
 @pytest.mark.parametrize("version, conv", [("0.17", "nn.Conv1d"), ("0.18", "nn.Conv1d"), ("0.19", "own")])

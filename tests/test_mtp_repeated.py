@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from megatron_memguard import estimate, layout_from_flags
-from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.errors import ConfigError, ConfigErrors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,10 +86,42 @@ def test_repeated_layer_rules():
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout_from_flags(FLAGS + REPEATED, world_size=2, megatron_version="0.16")
     assert "--mtp-use-repeated-layer" in str(e.value) and "0.17" in str(e.value)
-    # one MTP layer run at 3 depths by one FSDP2 unit (not measured): refused by name, with the reason
-    with pytest.raises(NotModelledError) as e:
-        layout_from_flags(FLAGS + REPEATED + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], world_size=2)
-    assert str(e.value).startswith("--mtp-use-repeated-layer: one MTP layer run at 3 depths as one FSDP2 unit")
+
+
+def test_repeated_layer_as_one_fsdp2_unit():
+    # TorchFullyShardedDataParallel (core 0.19.2) fully_shards every TransformerLayer: the one MTP layer is one FSDP2
+    # unit called at the 3 depths (PP 1, DP 2: FSDP2 takes no pipeline). Its parameters once (2 depths' fewer than 3
+    # layers: 2 x 74,304), and one unit gathered at a time as for 3 separate layers (tests/e2e/fsdp2_repeated_unit.py)
+    fsdp2 = [a if not (a == "2" and FLAGS[i - 1] == "--pipeline-model-parallel-size") else "1"
+             for i, a in enumerate(FLAGS)] + ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
+    three, one = (estimate(layout_from_flags(fsdp2 + extra, world_size=2)).stages[0] for extra in ([], REPEATED))
+    assert three.parameters - one.parameters == 2 * DEPTH == 148_608
+    # each rank's bf16 shard of the parameters (one element = 2 bytes over 2 ranks)
+    assert three.breakdown["fsdp_parameters"] - one.breakdown["fsdp_parameters"] == 148_608
+    assert three.breakdown["fsdp_unsharded_parameters"] == one.breakdown["fsdp_unsharded_parameters"]
+    assert three.breakdown["layer_activations"] == one.breakdown["layer_activations"]
+    L = layout_from_flags(fsdp2 + REPEATED, world_size=2)
+    assert any("one FSDP2 unit for the 3 depths" in n for n in L.notes)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_fsdp2_unit_called_at_every_depth_on_cpu():
+    # torch FSDP2 on CPU with gloo (2 ranks): one fully_shard unit called at 3 depths is all-gathered at each call's
+    # forward and again at each depth's backward (6), and its gradient, which autograd accumulates over the 3 calls
+    # (the shared weight's AccumulateGrad runs once all of them are in), is reduce-scattered once, in the last
+    # depth's post-backward hook (the earlier two find no gradient yet): one unsharded gradient of the unit, equal to
+    # the sum of the 3 calls' (the eager model's)
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(port), os.path.join(ROOT, "tests", "e2e", "fsdp2_repeated_unit.py"), "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"all_gather": 6, "reduce_scatter": 1, "post_backward": 3, "reduced_at_post_backward": [3],
+                   "gradient_is_the_sum": True}
 
 
 FSDP_MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-fsdp-mtp-core019.json")
@@ -133,11 +165,14 @@ def test_repeated_layer_under_cuda_graphs():
     assert three[1].breakdown["cuda_graph_static_io"] == one[1].breakdown["cuda_graph_static_io"] == 4 * 8 * 2 * 8_192
     assert three[1].parameters - one[1].parameters == 2 * DEPTH
     # Transformer Engine's graphs: one callable for the one MTP layer, replayed at every depth (module.py
-    # cuda_graphs[current_microbatch % len]): refused by name
-    with pytest.raises(NotModelledError) as e:
+    # cuda_graphs[current_microbatch % len]), each replay overwriting the graph's static outputs and saved tensors
+    # (TE 2.20.2 graph.py Graphed.forward): the earlier depths' backward would run on the last depth's tensors, a
+    # rule error naming the flag
+    with pytest.raises(ConfigError) as e:
         _stages(REPEATED + ["--cuda-graph-impl", "transformer_engine"])
-    assert str(e.value).startswith("--mtp-use-repeated-layer: one MTP layer replayed at 3 depths from one graph "
-                                   "per micro-batch (--cuda-graph-impl transformer_engine")
+    assert str(e.value).startswith("--mtp-use-repeated-layer: does not work with --cuda-graph-impl transformer_engine "
+                                   "when the MTP layer is graphed")
+    assert "3 depths replay that graph" in str(e.value) and "--cuda-graph-impl local" in str(e.value)
     # an MTP layer the modules do not graph (its MoE MLP under --cuda-graph-modules mlp with a dense first layer:
     # _layer_is_graphable) is not captured: estimated
     dense_first = ["--moe-layer-freq", "[0,1]"]

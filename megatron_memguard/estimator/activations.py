@@ -144,7 +144,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     mlp_bwd, mixer_bwd = mlp.bwd_steps, mixer.bwd_steps
     if getattr(L, "peft", None) is not None:
         from .peft import backward_steps
-        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd)
+        mlp_bwd, mixer_bwd = backward_steps(L, mlp_bwd, mixer_bwd, kind)
     if kind.quantized:
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
@@ -158,7 +158,7 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if getattr(L, "peft", None) is not None:
         # LoRA / DoRA: frozen linears keep no input for a weight gradient, the adapters keep theirs (estimator/peft.py)
         from .peft import layer_items, tie_steps
-        saved, dora_fwd = layer_items(L, saved, mods)
+        saved, dora_fwd = layer_items(L, saved, mods, kind)
         fwd_steps = tie_steps(fwd_steps, saved) + (((frozenset(), dora_fwd),) if dora_fwd else ())
         bwd_steps = tie_steps(bwd_steps, saved)
     if kind.quantized:
@@ -200,16 +200,18 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     (``TransformerEngineBaseModule.grad_output_preprocess``, TE 2.11 module/base.py; row-parallel GEMMs under
     sequence parallelism quantize, then all-gather the quantized tensor). Added at the step of each GEMM:
     [s b, h] for linear_fc2 and linear_proj, [s b, out/TP] for linear_fc1 and linear_qkv (Hopper storage, as
-    the saved inputs). The dense MLP and standard attention recipes only: MLA and the MoE MLP keep their BF16
-    working sets (docs/assumptions.md)."""
+    the saved inputs). The dense MLP, standard attention and Mamba recipes only: MLA and the MoE MLP keep their
+    BF16 working sets (docs/assumptions.md)."""
     from ..partition import MIXER_ATTENTION, MLP_DENSE
-    from ..partition import MIXER_LINEAR, MLP_LINEAR
+    from ..partition import MIXER_LINEAR, MIXER_MAMBA, MLP_LINEAR
     dense = kind.mlp.split(":", 1)[0] == MLP_DENSE and len(mlp_bwd) >= 2   # (a heterogeneous "dense:FFN" too)
     attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
     # a heterogeneous config's linear replacement (TELayerNormColumnParallelLinearGathered): one column-parallel GEMM
     # whose [s b, h/TP] output gradient is quantized in its backward step (the first of its role's steps)
     lin_mixer, lin_mlp = kind.mixer == MIXER_LINEAR and mixer_bwd, kind.mlp == MLP_LINEAR and mlp_bwd
-    if not (dense or attention or lin_mixer or lin_mlp):
+    # a Mamba mixer (layers/mamba.py): out_proj's step first ([s b, h]), in_proj's the fourth ([s b, in_proj out/TP])
+    mamba = kind.mixer == MIXER_MAMBA and len(mixer_bwd) >= 4
+    if not (dense or attention or lin_mixer or lin_mlp or mamba):
         return mlp_bwd, mixer_bwd
     from .fp8 import quantized_tensor
     from .fp8_layers import layer_gemms
@@ -229,6 +231,11 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
         mixer_bwd = plus(mixer_bwd, {0: q(x.h), 2: q(g["linear_qkv"].rows)})
     if lin_mixer:
         mixer_bwd = plus(mixer_bwd, {0: q(g["linear_attn"].rows)})
+    if mamba:
+        # in_proj's step: the last with the scan's tensors released and in_proj's input still kept
+        in_proj = max(i for i, (rel, _) in enumerate(mixer_bwd)
+                      if "mamba_zxbcdt" in rel and "mamba_in_proj_input" not in rel)
+        mixer_bwd = plus(mixer_bwd, {0: q(x.h), in_proj: q(g["mixer.in_proj"].rows)})
     if lin_mlp:
         mlp_bwd = plus(mlp_bwd, {0: q(g["linear_mlp"].rows)})
     return mlp_bwd, mixer_bwd

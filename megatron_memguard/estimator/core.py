@@ -18,8 +18,8 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import (MIXER_ATTENTION, MIXER_MAMBA, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, after_mtp, mixed_mixers,
-                         uniform_kind)
+from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
+                         MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -35,7 +35,7 @@ from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
-from .cuda_graphs import kind_graphed
+from .cuda_graphs import kind_graphed, layer_graphed
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules
@@ -209,7 +209,16 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside
                 outside = offload_outside(L, set(selective_modules(L)))
-            groups_of.append(offload_layer_groups(la_k.saved, modules, L.act_bytes,
+            saved = la_k.saved
+            if kind is not None and MIXER_LINEAR in (kind.mixer, kind.mlp):
+                # a heterogeneous linear replacement (TELayerNormColumnParallelLinearGathered, the norm fused in) is
+                # called by TransformerLayer outside any offload group, and its layer's input_layernorm /
+                # pre_mlp_layernorm is IdentityOp, which _set_offload_modules skips (transformer_layer.py 0.16.1,
+                # 0.18.2, 0.19.2): what it saves (its input, the norm's output and statistics) stays on the GPU
+                drop = ({"layer_input", "qkv_input", "norm1_stats"} if kind.mixer == MIXER_LINEAR else set()) | (
+                    {"mlp_norm_input", "fc1_input", "norm2_stats"} if kind.mlp == MLP_LINEAR else set())
+                saved = {k: v for k, v in saved.items() if k not in drop}
+            groups_of.append(offload_layer_groups(saved, modules, L.act_bytes,
                                                   separate_input_norm=L.multi_latent_attention,
                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
         # the chunk's last group stays on the last stage: it belongs to the top layer that offloads any (a hybrid
@@ -238,7 +247,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 seq.pop()
             if (L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes
                     and (kind is None or not L.hybrid_layer_pattern
-                         or kind_graphed(cuda_graph_spec(L), kind.mixer, kind.mlp))):
+                         or layer_graphed(L)(cuda_graph_spec(L), kind.mixer, kind.mlp))):
                 # the offloads committed in a graph replay wait for its end: a layer's groups at once, and one
                 # group reloaded ahead
                 staging = max(staging, sum(sizes) + max(sizes))
@@ -344,6 +353,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 stack = [(layer_activations(L, has_batch, kind), k) for kind, k in mtp_stack_runs(L)]
                 if mtp_checkpointed(L):
                     f, b = _checkpointed_hybrid_depth(L, stack, ckpt_input)
+                elif _hybrid_depth_block(L):
+                    f, b = _block_hybrid_depths(stack, d, _hybrid_depth_block(L), ckpt_input, replay_out)
                 else:
                     f, b = _mixed_transients(stack * d)
                 fwd_extra = max(fwd_extra, f)
@@ -403,6 +414,12 @@ def _mtp_layers(L: Layout, has_batch: bool, ckpt_input: int) -> tuple[LayerActiv
         la = max((a for a, _ in per_kind), key=lambda a: (a.bwd_transient, a.fwd_transient))
         if mtp_checkpointed(L):
             return la, kept, 0
+        k = _hybrid_depth_block(L)
+        if k:
+            # block: each depth's HybridStack keeps the inputs of its first k layers and the others' saved tensors
+            n = sum(c for _, c in per_kind)
+            return (la, d * (min(k, n) * ckpt_input + _layers_bytes(per_kind, k)),
+                    d * _layers_bytes(per_kind, k, moe=True))
         return la, d * sum(a.total * k for a, k in per_kind), d * sum(a.moe_total * k for a, k in per_kind)
     la = layer_activations(L, has_batch, mtp_layer_kind(L))
     if mtp_checkpointed(L):
@@ -425,6 +442,40 @@ def _checkpointed_hybrid_depth(L: Layout, stack: list[tuple[LayerActivations, in
     fwd = max(la.fwd_transient + la.total for la, _ in stack)
     bwd = outside + layers * ckpt_input + max(la.total + la.bwd_transient for la, _ in stack)
     return fwd, bwd
+
+
+def _hybrid_depth_block(L: Layout) -> int:
+    """The layers each hybrid MTP depth's HybridStack checkpoints under full ``block`` recompute (0: not block).
+    MultiTokenPredictionLayer.forward (transformer/multi_token_prediction.py, megatron-core 0.18.2 and 0.19.2) warns
+    "recompute_method == 'block' is not supported for MTP yet. Skipping recompute." and runs the depth plainly, but
+    the depth's mtp_model_layer is a HybridStack with the model's config, whose forward (models/hybrid/hybrid_block.py)
+    takes recompute.py checkpointed_forward: under block its first ``recompute_num_layers`` layers are checkpointed
+    one by one (``layer_idx < recompute_num_layers``; its FP8 / FP4 skip of layers whose input needs no grad does not
+    arise: a depth's stack input is eh_proj's output), the others run plainly."""
+    if not (L.hybrid_mtp_pattern and L.recompute_granularity == "full" and L.recompute_method == "block"):
+        return 0
+    return L.recompute_num_layers if L.recompute_num_layers is not None else 1
+
+
+def _block_hybrid_depths(stack: list[tuple[LayerActivations, int]], d: int, k: int, ckpt_input: int,
+                         out: int) -> tuple[int, int]:
+    """The forward and backward working sets of ``d`` hybrid MTP depths (bottom to top) whose HybridStacks each
+    checkpoint their first ``k`` layers (_hybrid_depth_block), over what the chunk holds; composed layer by layer as
+    ``_block_replays``: a checkpointed layer keeps its input and replays before its backward (``_replay``, handed a
+    gradient of its own: the layer above's or the depth's final norm's), the others keep their saved tensors. In the
+    forward a checkpointed layer runs without grad: its tensors live until it returns (an upper bound: its saved
+    bytes on top of its working set, as _checkpointed_hybrid_depth)."""
+    depth = [la for la, c in stack for _ in range(c)]
+    layers = [(la, i < k) for _ in range(d) for i, la in enumerate(depth)]
+    fwd = bwd = None
+    above = 0
+    for la, replayed in reversed(layers):
+        f = la.fwd_transient + (la.total if replayed else 0) - above
+        b = (_replay([la], ckpt_input, out, out) if replayed else la.bwd_transient) - above
+        fwd = f if fwd is None else max(fwd, f)
+        bwd = b if bwd is None else max(bwd, b)
+        above += ckpt_input if replayed else la.total
+    return fwd or 0, bwd or 0
 
 
 def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
@@ -1223,12 +1274,14 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         if mtp_here:
             moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
-        kinds = _hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else None
+        kinds = (_hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else
+                 _halved_graph_kinds(L, chunks, mtp_here) if het else None)
         if kinds is not None:
             # the pool's free blocks: the largest working memory of one graphed layer (of a kind the graphs take)
             spec = cuda_graph_spec(L)
+            graphed_kind = layer_graphed(L)
             las = [layer_activations(L, True, kind) for kind, k in kinds.items()
-                   if k and kind_graphed(spec, kind.mixer, kind.mlp)]
+                   if k and graphed_kind(spec, kind.mixer, kind.mlp)]
             region = max((max(la.fwd_transient, la.bwd_transient) for la in las), default=0)
             kinds = [(kind.mixer, kind.mlp, k) for kind, k in kinds.items()]
         else:
@@ -1259,6 +1312,24 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     step_bytes = pr.step_bytes + sum(t.bytes for t in step_only) if step_only else pr.step_bytes
     return _stage_totals(L, pp_rank, pr, device, site, chunks, act_peak, phase, in_flight, parts, host_terms,
                          base, fixed_alloc, graph_pool, step_only, step_bytes)
+
+
+def _halved_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int] | None:
+    """A heterogeneous stage's layers by kind for its per-layer CUDA graphs when some are no-op or linear-replacement
+    halves (estimator/cuda_graphs.py heterogeneous_kind_graphed: which of them each implementation graphs), with the
+    MTP depths' layers (full layers of the flags, graphed by both implementations); None when every layer of the
+    model is a whole one (graphed as a uniform model's)."""
+    if not any(kind.mixer in (MIXER_NONE, MIXER_LINEAR) or kind.mlp in (MLP_NONE, MLP_LINEAR)
+               for kind, _ in model_kind_runs(L)):
+        return None
+    out: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, k in c.kind_runs:
+            out[kind] = out.get(kind, 0) + k
+    if mtp_here:
+        for kind, k in mtp_stack_runs(L):
+            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
+    return out
 
 
 def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:

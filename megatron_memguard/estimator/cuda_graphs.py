@@ -27,7 +27,7 @@ the optimizer step can then no longer reuse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -97,6 +97,27 @@ def kind_graphed(spec: CudaGraphSpec, mixer: str, mlp: str) -> bool:
     return mlp == "dense" and "mlp" in mods
 
 
+def heterogeneous_kind_graphed(spec: CudaGraphSpec, mixer: str, mlp: str, noop_mlp_spec: bool) -> bool:
+    """Whether a heterogeneous layer (``--heterogeneous-layers-config-path``: attention / none / linear, dense[:FFN] /
+    none / linear) is graphed per layer. Transformer Engine's helper (``_layer_is_graphable``, cuda_graphs.py
+    0.16.1 and 0.19.2) checks the built modules: ``attn`` takes a layer whose self_attention is not an IdentityOp
+    (a linear replacement is), ``mlp`` one whose MLP is an ``MLP`` (not a linear replacement). The local
+    implementation (TransformerLayer.create_mcore_cudagraph_manager, 0.16.1 to 0.19.2) compares the submodule
+    *spec* with the IdentityOp class: the heterogeneous spec gives a no-op attention ``ModuleSpec(IdentityOp)``, so
+    under ``attn`` every layer gets a manager (which runs the whole layer), and under ``mlp`` every layer but a
+    no-op MLP's from 0.18 on (``IdentityOp`` itself there; ``ModuleSpec(IdentityOp)`` before: ``noop_mlp_spec``).
+    Without modules every layer is graphed."""
+    if spec.impl not in ("local", "transformer_engine"):
+        return False
+    mods = set(spec.cuda_graph_modules)
+    if not mods:
+        return True
+    dense = mlp.split(":", 1)[0] == "dense"
+    if spec.impl == "transformer_engine":
+        return ("attn" in mods and mixer != "none") or ("mlp" in mods and dense)
+    return "attn" in mods or ("mlp" in mods and (mlp != "none" or noop_mlp_spec))
+
+
 def kind_masked(spec: CudaGraphSpec, mixer: str) -> bool:
     """Whether a graphed layer of this mixer gets the static causal mask (TE implementation):
     TransformerLayer.get_layer_static_inputs adds it when its self-attention is not an IdentityOp and attention
@@ -140,12 +161,15 @@ def static_io_bytes(spec: CudaGraphSpec, dense_layers: int, moe_layers: int = 0,
 
 
 def hybrid_static_io_bytes(spec: CudaGraphSpec, kinds: Sequence[tuple[str, str, int]], in_flight: int = 1,
-                           chunks: int = 1) -> tuple[int, int, int]:
-    """``cuda_graph_static_io`` of a hybrid stage, layer kind by layer kind (``kinds``: (mixer, MLP, layers)):
-    (bytes, graphed layers, of which with the causal mask). Every graphed layer keeps its static input and
-    grad-output ``[rows, b, h]`` bf16 per sample set; only graphed attention layers ('*') the mask as well."""
-    graphed = sum(k for mixer, mlp, k in kinds if kind_graphed(spec, mixer, mlp))
-    masked = sum(k for mixer, mlp, k in kinds if kind_graphed(spec, mixer, mlp) and kind_masked(spec, mixer))
+                           chunks: int = 1, graphed_kind: Callable[[CudaGraphSpec, str, str], bool] | None = None
+                           ) -> tuple[int, int, int]:
+    """``cuda_graph_static_io`` of a hybrid (or heterogeneous) stage, layer kind by layer kind (``kinds``: (mixer, MLP,
+    layers); ``graphed_kind``: which kinds are graphed, kind_graphed by default): (bytes, graphed layers, of which with
+    the causal mask). Every graphed layer keeps its static input and grad-output ``[rows, b, h]`` bf16 per sample
+    set; only graphed attention layers ('*', and a heterogeneous linear replacement) the mask as well."""
+    is_graphed = graphed_kind or kind_graphed
+    graphed = sum(k for mixer, mlp, k in kinds if is_graphed(spec, mixer, mlp))
+    masked = sum(k for mixer, mlp, k in kinds if is_graphed(spec, mixer, mlp) and kind_masked(spec, mixer))
     s_cp = spec.seq_length // spec.context_parallel_size
     per_set = graphed * 2 * spec.rows * spec.hidden_size * 2 + masked * spec.micro_batch_size * s_cp * spec.seq_length
     return int(sample_slots(spec, in_flight, chunks) * per_set), graphed, masked
@@ -185,6 +209,16 @@ def pool_bytes(spec: CudaGraphSpec, region_transient: int, step_transient: int =
     return 0
 
 
+def layer_graphed(L) -> Callable[[CudaGraphSpec, str, str], bool]:
+    """The graphed-kind test of a Layout's layers: heterogeneous_kind_graphed for a heterogeneous config, else
+    kind_graphed."""
+    if not getattr(L, "heterogeneous_layers", None):
+        return kind_graphed
+    from packaging.version import Version
+    old = Version(L.megatron_version) < Version("0.18")
+    return lambda spec, mixer, mlp: heterogeneous_kind_graphed(spec, mixer, mlp, old)
+
+
 def spec_of(L) -> CudaGraphSpec:
     """The CUDA-graph spec of a Layout (flat Megatron names; none when the layout has no graphs)."""
     return CudaGraphSpec(
@@ -207,7 +241,7 @@ def stage_terms(L, dense_layers: int, moe_layers: int, in_flight: int, region_tr
         return []
     out = []
     if kinds is not None and spec.impl != "full_iteration":
-        io, graphed, masked = hybrid_static_io_bytes(spec, kinds, in_flight, chunks)
+        io, graphed, masked = hybrid_static_io_bytes(spec, kinds, in_flight, chunks, layer_graphed(L))
         if io:
             det = (f"{graphed} graphed layers x {sample_slots(spec, in_flight, chunks):g} sample set(s) x static input "
                    f"and grad-output [{spec.rows}, {spec.hidden_size}] bf16"

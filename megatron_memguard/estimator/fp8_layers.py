@@ -128,8 +128,9 @@ def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False
 # TE linears), those that take the whole sequence already split over TP (row-parallel) and MLA's down
 # projections (TE Linears in "duplicated" mode on the local sequence shard).
 _COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
-                     "linear_attn", "linear_mlp"})   # (the last two: a heterogeneous config's linear replacements)
-_ROW = frozenset({"linear_proj", "linear_fc2"})
+                     "linear_attn", "linear_mlp",   # (these two: a heterogeneous config's linear replacements)
+                     "mixer.in_proj"})              # a Mamba layer's TELayerNormColumnParallelLinear (layers/mamba.py)
+_ROW = frozenset({"linear_proj", "linear_fc2", "mixer.out_proj"})   # (out_proj: a Mamba layer's TERowParallelLinear)
 
 
 def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int, tp: int,
@@ -181,6 +182,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
       quantizes inside the norm kernel, ``with_quantized_norm``); under MLA the norm output feeds both
       down projections (or linear_q_proj), each keeping its own quantized copy.
     * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
+    * Mamba ``mamba_in_proj_input`` / ``mamba_out_proj_input``: in_proj's fused norm output and out_proj's input
+      (the gated norm's output, kept by out_proj only), quantized; the mixer's other tensors stay BF16 (the
+      conv1d, the chunk scan and the gated norm are mamba_ssm kernels outside TE).
     * ``fp8_proj_input`` (new, delayed scaling only): linear_proj quantizes the attention output and keeps
       that copy; the BF16 output stays saved (``proj_input``) only where the core attention keeps it
       (``layers.attention.attention_keeps_proj_input``; the caller drops it elsewhere). Every other recipe and FP4 keep the BF16
@@ -206,7 +210,11 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
                                "linear_attn") if n in g]
         if readers:
             out["qkv_input"] = sum(q(n) for n in readers)
-    for name, gemm in (("fc1_input", "linear_fc1"), ("fc1_input", "linear_mlp"), ("fc2_input", "linear_fc2")):
+    for name, gemm in (("fc1_input", "linear_fc1"), ("fc1_input", "linear_mlp"), ("fc2_input", "linear_fc2"),
+                       # a Mamba layer: in_proj keeps its fused norm's quantized output, out_proj a quantized
+                       # copy of the gated norm's output (MambaMixer makes neither save its original input,
+                       # 0.19.2 mamba_mixer.py)
+                       ("mamba_in_proj_input", "mixer.in_proj"), ("mamba_out_proj_input", "mixer.out_proj")):
         if name in saved and gemm in g:
             out[name] = q(gemm)
     if "linear_proj" in g and not proj_saves_original_input(spec):

@@ -23,27 +23,39 @@ from functools import lru_cache
 
 from ..layout import Layout, ShardGroup, TensorKind
 from ..layout.peft import COLUMN_TARGETS, SCHEME_NAMES
+from ..partition import MIXER_ATTENTION, MIXER_MAMBA, MLP_DENSE, LayerKind
 from .layers.base import shapes
 
 # registration order inside a layer: SelfAttention registers linear_proj before linear_qkv (attention.py), then the MLP
 _ORDER = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")
 
 
+def _kind_has(kind: LayerKind | None, name: str) -> bool:
+    """Whether a layer of ``kind`` has the linear ``name`` (None: a GPT layer, attention and MLP). A hybrid model's
+    layers have half of them: '*' linear_qkv / linear_proj, '-' linear_fc1 / linear_fc2; a Mamba layer's in_proj /
+    out_proj are none of Bridge's target names (peft/module_matcher.py matches the module's own name exactly)."""
+    if kind is None:
+        return True
+    if name in ("linear_qkv", "linear_proj"):
+        return kind.mixer == MIXER_ATTENTION
+    return kind.mlp.split(":", 1)[0] == MLP_DENSE
+
+
 @lru_cache(maxsize=256)
-def target_shapes(L: Layout) -> dict[str, tuple[int, int]]:
-    """[out, in] per TP rank of each wrapped linear (the layer recipes' linear_shapes)."""
+def target_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank of each wrapped linear of a layer of ``kind`` (the layer recipes' linear_shapes)."""
     from .layers import attention, mlp
     shapes_ = {**attention.linear_shapes(L), **mlp.linear_shapes(L)}
-    return {t: shapes_[t] for t in _ORDER if t in L.peft.target_modules}
+    return {t: shapes_[t] for t in _ORDER if t in L.peft.target_modules and _kind_has(kind, t)}
 
 
 @lru_cache(maxsize=256)
-def layer_adapter_rows(L: Layout) -> tuple[tuple[str, int, bool], ...]:
+def layer_adapter_rows(L: Layout, kind: LayerKind | None = None) -> tuple[tuple[str, int, bool], ...]:
     """(name, numel per rank, tp_replicated) of one layer's adapter parameters in registration order."""
     p, t = L.peft, L.tp
     r = p.dim
     rows: list[tuple[str, int, bool]] = []
-    for name, (out, inp) in target_shapes(L).items():
+    for name, (out, inp) in target_shapes(L, kind).items():
         if name in COLUMN_TARGETS:
             # linear_in ColumnParallelLinear(in, r): [r/TP, in]; linear_out ColumnParallelLinear(r, out): [out/TP, r]
             rows.append((f"{name}.adapter.linear_in.weight", (r // t) * inp, False))
@@ -63,12 +75,19 @@ def layer_adapter_rows(L: Layout) -> tuple[tuple[str, int, bool], ...]:
 def adapter_param_count(L: Layout) -> int:
     """Trainable parameters of the whole model (every layer, no TP split): (in + out) x r per target, plus
     DoRA's magnitude (the wrapped weight's output rows)."""
+    from ..partition import model_kind_runs
     p = L.peft
     total = 0
-    for name, (out, inp) in target_shapes(L).items():
-        out_full, in_full = (out * L.tp, inp) if name in COLUMN_TARGETS else (out, inp * L.tp)
-        total += (in_full + out_full) * p.dim + (out_full if p.scheme == "dora" else 0)
-    return total * L.num_layers
+    for kind, n in model_kind_runs(L):
+        for name, (out, inp) in target_shapes(L, _target_kind(L, kind)).items():
+            out_full, in_full = (out * L.tp, inp) if name in COLUMN_TARGETS else (out, inp * L.tp)
+            total += n * ((in_full + out_full) * p.dim + (out_full if p.scheme == "dora" else 0))
+    return total
+
+
+def _target_kind(L: Layout, kind: LayerKind) -> LayerKind | None:
+    """The kind whose linears a layer has: a hybrid layer's own, a GPT layer's all four (None)."""
+    return kind if L.hybrid_layer_pattern else None
 
 
 @dataclass(frozen=True)
@@ -87,13 +106,14 @@ def stage_peft_states(L: Layout, pp_rank: int, base_params: int) -> PeftStates:
     """The adapters' DDP buffers (one per model chunk, as megatron-core wraps each chunk) and this rank's
     optimizer shard; ``base_params``: the stage's parameter count without adapters (stage_states)."""
     from .states import _buffer_gaps, bucket_size_for, build_buffer, largest_shard
-    per_layer = [n for _, n, _ in layer_adapter_rows(L)]
     shard = L.parallel.shard_size(ShardGroup.DENSE_DP)
     dist = L.use_distributed_optimizer
     numel = unpadded = 0
     parts = []
     for c in L.stage_chunks(pp_rank):
-        plist = [(n, False) for n in per_layer] * c.num_layers
+        # each layer's adapters in order (a hybrid layer has those of its kind only)
+        plist = [(n, False) for kind, k in c.kind_runs
+                 for n in [n for _, n, _ in layer_adapter_rows(L, _target_kind(L, kind))] * k]
         if not plist:
             continue
         buf = build_buffer(L, plist, bucket_size_for(L, c), ShardGroup.DENSE_DP)
@@ -151,7 +171,8 @@ _LORA_INPUT = {"linear_qkv": "lora_qkv_input", "linear_proj": "lora_proj_input",
                "linear_fc2": "lora_fc2_input"}
 
 
-def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, int], int]:
+def layer_items(L: Layout, saved: dict[str, int], mods: set,
+                kind: LayerKind | None = None) -> tuple[dict[str, int], int]:
     """A dense attention layer's saved tensors under PEFT, and DoRA's forward working set (bytes).
 
     * an unwrapped frozen linear keeps no input: linear_qkv's / linear_fc1's norm output (TE LayerNormLinear
@@ -165,13 +186,19 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set) -> tuple[dict[str, 
       after it: the bool mask of the adapter's output;
     * each adapter keeps its [s b, r] intermediate (``linear_out``'s input, gathered / all-reduced);
     * DoRA: ``mag_norm_scale * (base + adapter)`` keeps the sum, the wrapped linear's output;
-    * with 'mlp' recomputed the MLP's adapters are recomputed with it and keep nothing.
+    * with 'mlp' recomputed the MLP's adapters are recomputed with it and keep nothing;
+    * a hybrid Mamba layer (never wrapped): its frozen in_proj keeps no norm output, its frozen out_proj no input
+      (the same TE rule); the conv1d / scan and the gated norm keep theirs (they pass input gradients down).
     """
     p = L.peft
     x = shapes(L)
     Tf, T, h, e = x.Tf, x.T, x.h, x.e
-    tg = target_shapes(L)
+    kind = _target_kind(L, kind) if kind is not None else None
+    tg = target_shapes(L, kind)
     out = dict(saved)
+    if kind is not None and kind.mixer == MIXER_MAMBA:
+        out.pop("mamba_in_proj_input", None)
+        out.pop("mamba_out_proj_input", None)
     mlp_recomputed = "mlp" in mods
     inter = 0
     masks = 0
@@ -228,7 +255,8 @@ def tie_steps(steps: tuple, saved: dict[str, int]) -> tuple:
     return tuple((names | {k for k, v in extra if v in names}, w) for names, w in steps)
 
 
-def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, tuple]:
+def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple,
+                   kind: LayerKind | None = None) -> tuple[tuple, tuple]:
     """The dense MLP's and the attention's backward steps with each adapter's working set added at its linear's
     step (linear_fc2: the MLP's first, linear_fc1: its last; linear_proj: the mixer's first, linear_qkv: the one
     before the input norm): the gradient of the adapter's input ([s b, in], next to the base's; twice with dropout
@@ -237,7 +265,8 @@ def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple) -> tuple[tuple, 
     x = shapes(L)
     e, Tf = x.e, x.Tf
     pre = 2 if p.dropout > 0 and p.dropout_position == "pre" else 1
-    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e for name, (_, i) in target_shapes(L).items()}
+    tg = target_shapes(L, _target_kind(L, kind) if kind is not None else None)
+    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e for name, (_, i) in tg.items()}
 
     def plus(steps: tuple, at: dict[int, int]) -> tuple:
         n = len(steps)

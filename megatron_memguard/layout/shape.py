@@ -41,7 +41,8 @@ class ModelShape:
     mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)
     attention_output_gate: bool = False   # a sigmoid gate per query head on the attention output (linear_qkv makes it)
     # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
-    # (resolve/heterogeneous.py: attention | none, dense | dense:FFN | none); None: every layer alike
+    # (resolve/heterogeneous.py: attention | attention:GROUPS | none | linear, dense | dense:FFN | none | linear | moe);
+    # None: every layer alike
     heterogeneous_layers: str | None = None
     # --mtp-use-repeated-layer (core 0.17+): one MTP layer built and applied at every depth
     mtp_use_repeated_layer: bool = False

@@ -8,7 +8,6 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
-from ..errors import NotModelledError
 from .args import Args, Context
 
 MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -141,9 +140,9 @@ def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str, names: list[s
     graph captures the D calls as they run eagerly. Transformer Engine's graphs (TECudaGraphHelper) make one
     graphed callable per entry of mtp.layers, one here, and every call replays
     ``cuda_graphs[current_microbatch % len]`` (transformer/module.py): the D depths of a micro-batch replay the
-    same graph, sharing its static outputs and saved tensors. Megatron does not guard it; refused by name when the
-    MTP layer is graphed (_layer_is_graphable: every layer without --cuda-graph-modules, else attn, the MoE modules
-    on an MoE layer, mlp on a dense one)."""
+    same graph, sharing its static outputs and saved tensors, so the earlier depths' backward reads the last depth's
+    tensors. Megatron does not guard it: a rule error when the MTP layer is graphed (_layer_is_graphable: every layer
+    without --cuda-graph-modules, else attn, the MoE modules on an MoE layer, mlp on a dense one)."""
     d = kw.get("mtp_num_layers") or 0
     if not kw.get("mtp_use_repeated_layer") or d < 2 or impl == "none":
         return
@@ -159,11 +158,21 @@ def _repeated_mtp_layer(a: Args, kw: Mapping[str, Any], impl: str, names: list[s
     if impl == "transformer_engine" and not graphed:
         return
     if impl == "transformer_engine":
+        # TE 2.20.2 graph.py make_graphed_callables: Graphed.forward copies the call's inputs into the graph's static
+        # inputs, replays the forward graph and returns its static outputs detached (the same storage); its backward
+        # replays the backward graph on the tensors the last forward replay left in the graph's pool. The second
+        # depth's replay so overwrites the first depth's output (still saved by the eager final norm after it) and
+        # saved activations: every depth's backward but the last runs on the last depth's tensors. Megatron neither
+        # guards nor errors (core 0.17.1 to 0.19.2): a rule error rather than an estimate of a wrong run
         dest = "cuda_graph_impl" if a.given("cuda_graph_impl") else "external_cuda_graph"
-        raise NotModelledError(a.key("mtp_use_repeated_layer"), f"one MTP layer replayed at {d} depths from one "
-                               f"graph per micro-batch ({a.key(dest)} transformer_engine: TECudaGraphHelper captures "
-                               "it once, its depths share the graph's static outputs and saved tensors; local or "
-                               "full_iteration graphs capture each call)")
+        a.fail("mtp_use_repeated_layer", f"does not work with {a.key(dest)} transformer_engine when the MTP layer is "
+               f"graphed: TECudaGraphHelper captures the one layer once per micro-batch and its {d} depths replay "
+               "that graph (cuda_graphs[current_microbatch % len], transformer/module.py), each replay overwriting the "
+               "graph's static outputs and saved activations (Transformer Engine's Graphed.forward), so every depth's "
+               "backward but the last runs on the last depth's tensors (wrong gradients, no error)",
+               f"use --cuda-graph-impl local, leave the MTP layer's parts out of {a.key('cuda_graph_modules')}, or "
+               f"drop {a.key('mtp_use_repeated_layer')}")
+        return
     what = ("the full-iteration graph captures each of its calls" if impl == "full_iteration" else
             f"the local graphs give its {d} calls a runner each, as {d} layers")
     a.notes.append(f"{a.key('mtp_use_repeated_layer')}: {what}")

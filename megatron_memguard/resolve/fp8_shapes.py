@@ -59,6 +59,9 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
     if name == "output_layer":
         # [padded vocabulary / TP, hidden]: the vocabulary pads to --make-vocab-size-divisible-by x TP
         return "make_vocab_size_divisible_by"
+    if name.startswith("mixer."):
+        # a Mamba layer's in_proj [(2 d_inner + 2 G N + heads) / TP, h] and out_proj [h, d_inner / TP]
+        return "mamba_num_heads"
     if name in ("eh_proj", "linear_attn", "linear_mlp"):   # (a linear replacement's [h / TP, h])
         return "hidden_size"
     return "kv_channels"
@@ -66,7 +69,7 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
 
 def _gemms(L: Any) -> list[tuple[Any, bool]]:
     """The model's quantized GEMMs, each with whether a heterogeneous block's own MLP width ("dense:FFN", from the
-    JSON, not --ffn-hidden-size) sets it."""
+    JSON, not --ffn-hidden-size) or own query groups (the QKV projection's width) sets it."""
     from ..estimator.fp8_layers import layer_gemms, mtp_gemms, output_proj_gemm
     from ..partition import model_kind_runs
     out: list[tuple[Any, bool]] = []
@@ -74,7 +77,8 @@ def _gemms(L: Any) -> list[tuple[Any, bool]]:
     for kind, _n in model_kind_runs(L):
         if kind.quantized and kind not in seen:
             seen.add(kind)
-            out += [(g, ":" in kind.mlp and g.name in ("linear_fc1", "linear_fc2")) for g in layer_gemms(L, kind)]
+            out += [(g, ":" in kind.mlp and g.name in ("linear_fc1", "linear_fc2")
+                     or bool(kind.query_groups) and g.name == "linear_qkv") for g in layer_gemms(L, kind)]
     if getattr(L, "mtp_num_layers", 0):
         out += [(g, False) for g in mtp_gemms(L)]
     head = output_proj_gemm(L)

@@ -67,40 +67,30 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         a.fail(PATH, f"has {len(blocks)} block_configs for {L} layers (get_config_for_layer needs one per layer)")
         return dict(heterogeneous_layers=None)
     tp = kw["tensor_model_parallel_size"]
-    for i, (attn, _, _, groups) in enumerate(blocks[:L]):
-        if groups is not None and attn == "attention" and groups != kw["num_query_groups"]:
-            # AttentionConfig takes a block's num_query_groups over n_heads_in_group, and get_config_for_layer
-            # gives that layer its own attention width
-            raise NotModelledError(a.key(PATH), f"block {i}: num_query_groups {groups} other than --num-query-groups "
-                                   f"{kw['num_query_groups']} (one layer's own attention width)")
+    own = _own_groups(a, kw, blocks[:L])
     # FP8 / FP4: each layer in get_fp8_context of its global index (TransformerBlock, 0.16.1 and 0.19.2), its TE GEMMs
     # those of its blocks (partition.model_kind_runs; a linear replacement is TELayerNormColumnParallelLinearGathered,
     # a TE LayerNormLinear: estimator/fp8_layers.py linear_attn / linear_mlp)
-    linear = kw.get("moe") is None and any("linear" in (attn, mlp) for attn, mlp, _, _ in blocks[:L])
+    # (a linear replacement under fine-grained activation offloading: in no offload group, estimator/core.py)
     impl, graphs = kw.get("cuda_graph_impl", "none") or "none", tuple(kw.get("cuda_graph_modules") or ())
     # the full-iteration graph's static batches and pool do not depend on the layers (estimator/cuda_graphs.py);
     # per-layer graphs of whole layers (attention and a dense MLP of any width; every layer with MoE, whose block
-    # spec ignores no-op / linear blocks) are graphed as in a uniform model (the widest sets the pool); which no-op /
-    # linear layers are graphed differs between TE's _layer_is_graphable (isinstance checks) and the local
-    # CudaGraphManager (TransformerLayer.create_mcore_cudagraph_manager compares the submodule spec with IdentityOp,
-    # which a no-op attention's ModuleSpec(IdentityOp) is not), not modelled
+    # spec ignores no-op / linear blocks) are graphed as in a uniform model (the widest sets the pool); with no-op /
+    # linear blocks each layer by what the implementation graphs (estimator/cuda_graphs.py heterogeneous_kind_graphed:
+    # TE's _layer_is_graphable checks the built modules, the local CudaGraphManager the submodule spec)
     halves = kw.get("moe") is None and any((attn, mlp) != ("attention", "dense") for attn, mlp, _, _ in blocks[:L])
-    per_layer_graphs = impl in ("local", "transformer_engine") and "full_iteration" not in graphs and halves
-    for bad, what in ((per_layer_graphs, "with no-op or replace_with_linear blocks under per-layer CUDA graphs "
-                                         "(--cuda-graph-impl local / transformer_engine: which of those layers are "
-                                         "captured; full_iteration is estimated)"),
-                      # Megatron's offload groups hook SelfAttention / MLP / the layer's norms
-                      # (TransformerLayer._set_offload_modules, 0.19.2): a linear replacement is none of them
-                      (kw.get("fine_grained_activation_offloading") and linear,
-                       "with replace_with_linear blocks under fine-grained activation offloading (which offload "
-                       "group holds a linear replacement's saved input)"),
-                      (kw.get("mtp_num_layers") and ctx.version < Version("0.19"),
-                       f"with multi-token prediction in megatron-core {ctx.version} (the 0.16 to 0.18 builders' MTP "
-                       "layer spec, in Megatron-LM's gpt_builders.py outside the wheels, is not read)")):
-        if bad:
-            raise NotModelledError(a.key(PATH), "heterogeneous layer configs " + what)
+    if impl == "local" and halves and "full_iteration" not in graphs and set(graphs) & {"attn", "mlp"}:
+        a.notes.append(f"{a.key(PATH)}: the local CUDA graphs compare a layer's submodule spec with IdentityOp, and a "
+                       "no-op block's is ModuleSpec(IdentityOp) (a no-op MLP's IdentityOp itself from megatron-core "
+                       "0.18): " + ("every layer is graphed whole under attn"
+                       if "attn" in graphs else "the no-op MLP layers are graphed too" if ctx.version < Version("0.18")
+                       else "the no-op MLP layers are not graphed"))
+    if kw.get("mtp_num_layers") and ctx.version < Version("0.19"):
+        raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with multi-token prediction in megatron-core "
+                               f"{ctx.version} (the 0.16 to 0.18 builders' MTP layer spec, in Megatron-LM's "
+                               "gpt_builders.py, is not in the wheels read)")
     if kw.get("moe") is not None:
-        return _moe_layers(a, kw, ctx, blocks[:L])
+        return _moe_layers(a, kw, ctx, blocks[:L], own)
     words = []
     for i, (attn, mlp, ffn, _) in enumerate(blocks[:L]):
         if "linear" in (attn, mlp) and tp > 1 and kw["sequence_parallel"]:
@@ -113,8 +103,8 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         if mlp == "dense" and size % tp:
             # (a dense block without its own width takes the flags': MLP linear_fc2 splits it, megatron-core divide)
             a.fail(PATH, f"block {i}: ffn size {size} must be divisible by tensor-model-parallel size {tp}")
-        words.append(f"{attn}/" + (mlp if mlp in ("none", "linear") else "dense" if size == kw["ffn_hidden_size"]
-                                   else f"dense:{size}"))
+        words.append(f"{attn}{own.get(i, '')}/" + (mlp if mlp in ("none", "linear") else "dense"
+                                                    if size == kw["ffn_hidden_size"] else f"dense:{size}"))
     out: dict[str, Any] = dict(heterogeneous_layers=",".join(words))
     if kw.get("use_transformer_engine_op_fuser"):
         # get_gpt_heterogeneous_layer_spec (0.19.2) builds each MLP from TELayerNormColumnParallelLinear and
@@ -125,7 +115,36 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     return out
 
 
-def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list) -> dict[str, Any]:
+def _own_groups(a: Args, kw: Mapping[str, Any], blocks: list) -> dict[int, str]:
+    """The attention blocks whose own ``num_query_groups`` differs from --num-query-groups: {layer index: ":G"}.
+    AttentionConfig.build_config_from_dict takes a block's num_query_groups over n_heads_in_group, and
+    get_config_for_layer (transformer/heterogeneous/heterogeneous_config.py, megatron-core 0.16.1 and 0.19.2) builds
+    that layer's TransformerConfig with it: its SelfAttention's linear_qkv has kv_channels x (heads + 2 x groups)
+    columns and its core attention that many key / value heads (the layer kind's query_groups, estimator/layers
+    kind_layout). Its rules are the model's: TransformerConfig.__post_init__ (groups a multiple or a divisor of TP),
+    the attention's head split (groups dividing the heads) and the QKV projection's divide by TP."""
+    heads, tp, kv = kw["num_attention_heads"], kw["tensor_model_parallel_size"], kw["kv_channels"]
+    gate = 2 if kw.get("attention_output_gate") else 1
+    own: dict[int, str] = {}
+    for i, (attn, _, _, groups) in enumerate(blocks):
+        if groups is None or attn != "attention" or groups == kw["num_query_groups"]:
+            continue
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+            a.fail(PATH, f"block {i}: num_query_groups must be a positive integer, got {str(groups)[:60]!r}")
+        elif heads % groups:
+            a.fail(PATH, f"block {i}: num_query_groups {groups} must divide num_attention_heads {heads}")
+        elif groups % tp and tp % groups:
+            a.fail(PATH, f"block {i}: num_query_groups {groups} must be a multiple or a divisor of "
+                         f"tensor-model-parallel size {tp} (TransformerConfig)")
+        elif kv * (heads * gate + 2 * groups) % tp:
+            a.fail(PATH, f"block {i}: the QKV projection's {kv * (heads * gate + 2 * groups)} columns must be "
+                         f"divisible by tensor-model-parallel size {tp} (megatron-core divide)")
+        else:
+            own[i] = f":{groups}"
+    return own
+
+
+def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list, own: dict[int, str]) -> dict[str, Any]:
     """The layers of a mixture-of-experts model with a heterogeneous config. megatron/training 0.19.2
     (models/gpt.py default_layer_spec) takes the MoE decoder block spec
     (get_gpt_decoder_block_spec: a TransformerLayer with attention and an MoE or dense MLP by --moe-layer-freq)
@@ -136,19 +155,22 @@ def _moe_layers(a: Args, kw: Mapping[str, Any], ctx: Context, blocks: list) -> d
     megatron-core 0.19.2 built on CPU (tests/e2e/heterogeneous_param_count.py)."""
     if ctx.version < Version("0.19"):
         # the layer spec is chosen by Megatron-LM's gpt_builders.py, not in the 0.16 to 0.18 wheels read
+        # (checked: the megatron-core 0.17.1 and 0.18.2 wheels' megatron/training has no GPT builder, 0.18.2's
+        # models/ holds hybrid.py only; Megatron-LM's gpt_builders.py is not in any wheel)
         raise NotModelledError(a.key(PATH), f"heterogeneous layer configs with mixture-of-experts layers in megatron-core "
-                               f"{ctx.version} (the 0.16 to 0.18 model builders, outside the wheels, are not read)")
+                               f"{ctx.version} (the 0.16 to 0.18 model builders, Megatron-LM's gpt_builders.py, are not "
+                               "in the wheels read)")
     tp, pattern, main = kw["tensor_model_parallel_size"], kw["moe"].moe_layer_pattern, kw["ffn_hidden_size"]
     words = []
     for i, ((attn, mlp, ffn, _), is_moe) in enumerate(zip(blocks, pattern)):
         if is_moe:
-            words.append("attention/moe")
+            words.append(f"attention{own.get(i, '')}/moe")
             continue
         size = main if ffn is None else ffn
         if size % tp:
             a.fail(PATH, f"block {i}: the dense layer's ffn size {size} must be divisible by tensor-model-parallel "
                          f"size {tp} (MLP linear_fc2, megatron-core divide)")
-        words.append("attention/dense" if size == main else f"attention/dense:{size}")
+        words.append(f"attention{own.get(i, '')}/" + ("dense" if size == main else f"dense:{size}"))
     if any(attn != "attention" or mlp not in ("dense",) for attn, mlp, _, _ in blocks):
         a.notes.append(f"{a.key(PATH)}: with mixture-of-experts layers Megatron 0.19 builds the MoE block spec, so "
                        "no-op and replace_with_linear blocks are built as full attention and MLP layers")

@@ -11,9 +11,12 @@ virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
 ``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'D'
-(DSA) and '+' (MLA) layers, block recompute of hybrid MTP layers, context parallelism, FP8 /
-FP4, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E' layers
-are the MoE layers (resolve/moe.py places them by the pattern).
+(DSA) layers, FP8 / FP4 with a '/' MTP
+pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E'
+layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19
+(--multi-latent-attention inferred as validate_args does), 'G' the gated delta net layers (resolve/gdn.py). Context
+parallelism follows MambaContextParallel's asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's
+(the in_proj width a multiple of 16 under FP8).
 """
 from __future__ import annotations
 
@@ -24,13 +27,17 @@ from packaging.version import Version
 from ..errors import NotModelledError
 from ..numbers import BOUNDS, shown
 from .args import Args, Context, Stop
+from .hybrid_ratios import from_ratios
 from .refusals import hybrid_stack_spec
 
 PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
 SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
            "-": "MLP", "E": "MoE"}
-MODELLED = frozenset("M*-EG")      # 'G': the GatedDeltaNet mixer (resolve/gdn.py, estimator/layers/gdn.py)
+MODELLED = frozenset("M*-E+G")     # 'G': the GatedDeltaNet mixer (resolve/gdn.py, estimator/layers/gdn.py)
+# the release whose Symbols.VALID_LAYERS first holds a symbol (0.16.1 ssm/mamba_hybrid_layer_allocation.py: M * - E;
+# 0.17.1 adds G, 0.18.2 D (models/hybrid/hybrid_layer_allocation.py), 0.19.2 + (MLA))
+SINCE = {"G": Version("0.17"), "D": Version("0.18"), "+": Version("0.19")}
 MAX_PATTERN = 100_000   # as partition.MAX_LAYOUT: 10 x memguard's bound on --num-layers
 
 
@@ -53,6 +60,13 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    "give the layer symbols (e.g. M*M-), or drop the flag for a GPT model")
             raise Stop
     text, legacy = _given(a, PATTERN), _given(a, LEGACY)
+    derived = from_ratios(a, ctx, text, legacy)
+    if derived is not None:
+        # (the pattern megatron-core builds: read as if given, 0.16's legacy flag or 0.17+'s)
+        if old:
+            legacy = a.a[LEGACY] = derived
+        else:
+            text = a.a[PATTERN] = derived
     if text is None and legacy is None:
         return {}
     if text is not None and legacy is not None:
@@ -84,12 +98,14 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                "came in 0.17)")
         raise Stop
     main, *mtp_parts = s.split("/")
-    mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old)
+    mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old, ctx.version)
     layers = main.replace("|", "")
     if not layers:
         a.fail(dest, "has no layers before any '/'")
         raise Stop
-    _modelled_symbols(a, dest, key, layers, mtp=False)
+    _modelled_symbols(a, dest, key, layers, mtp=False, version=ctx.version)
+    if "+" in layers + (mtp or ""):
+        _mla_layers(a, layers + (mtp or ""))
     n = len(layers)
     bound, why = BOUNDS["num_layers"]
     if n > bound:
@@ -160,9 +176,15 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     return out
 
 
-def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> None:
-    """Megatron's rule on mixing attention with MLA / DSA layers (_validate_pattern), then memguard's refusal of
-    the layer kinds it does not model, for the main pattern or (``mtp``) the MTP pattern after '/'."""
+def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool, version: Version | None = None) -> None:
+    """A symbol the release does not know (its Symbols.VALID_LAYERS), Megatron's rule on mixing attention with MLA /
+    DSA layers (_validate_pattern), then memguard's refusal of the layer kinds it does not model, for the main pattern
+    or (``mtp``) the MTP pattern after '/'."""
+    young = next((sym for sym in layers if version is not None and sym in SINCE and version < SINCE[sym]), None)
+    if young == "+":
+        a.fail(dest, f"'+' (MLA) is not a layer symbol of megatron-core {version.major}.{version.minor} (its "
+               "hybrid_layer_allocation.Symbols gained it in 0.19)", "give --megatron-version 0.19 or later")
+        raise Stop
     if "*" in layers and ("D" in layers or "+" in layers):
         where = " in the MTP pattern" if mtp else ""
         a.fail(dest, f"cannot mix attention '*' with MLA '+' or DSA 'D' layers{where} (_validate_pattern)")
@@ -171,10 +193,23 @@ def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool) -> N
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
         raise NotModelledError(key, f"{names} layers in a hybrid {'MTP ' if mtp else ''}pattern (memguard models "
-                               "Mamba 'M', attention '*', MLP '-', MoE 'E' and gated delta net 'G')")
+                               "Mamba 'M', attention '*', MLA '+', MLP '-', MoE 'E' and gated delta net 'G')")
 
 
-def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> tuple[str | None, int]:
+def _mla_layers(a: Args, layers: str) -> None:
+    """'+' layers: validate_args (0.19.2) sets --multi-latent-attention for a pattern with MLA or DSA layers, so the
+    MLA section reads their shape (--q-lora-rank, --kv-lora-rank, ...). Their spec (hybrid_layer_specs.py mla_layer)
+    is GPT's TE MLA layer without latent norms: q_layernorm / kv_layernorm IdentityOp and plain TEColumnParallelLinear
+    up-projections, whatever --qk-layernorm says (GPT's spec makes them TELayerNormColumnParallelLinear with it)."""
+    a.a["multi_latent_attention"] = True
+    if "*" not in layers and a.get("qk_layernorm") is not None and a.bool_arg("qk_layernorm", False):
+        a.notes.append(f"{a.key('qk_layernorm')}: not applied to the hybrid MLA layers ('+': their spec has no latent "
+                       "norms, hybrid_layer_specs.py)")
+        a.a["qk_layernorm"] = False
+
+
+def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool,
+                 ctx_version: Version | None = None) -> tuple[str | None, int]:
     """The MTP layers of a hybrid model: (one depth's pattern, the number of depths), or (None, 0).
 
     parse_hybrid_pattern (megatron-core 0.17.1 ssm/mamba_hybrid_layer_allocation.py, 0.18.2 and 0.19.2
@@ -216,7 +251,7 @@ def _mtp_pattern(a: Args, dest: str, key: str, parts: list[str], old: bool) -> t
         a.fail(dest, f"{bad!r} is not a layer symbol of an MTP pattern (M, *, -, E, G, D, +; no '|': "
                "parse_hybrid_pattern)")
         raise Stop
-    _modelled_symbols(a, dest, key, mtp, mtp=True)
+    _modelled_symbols(a, dest, key, mtp, mtp=True, version=ctx_version)
     bound, why = BOUNDS["num_layers"]
     if len(mtp) * len(parts) > bound:   # (100 depths of 100,000 symbols ran past 60 s in the MTP estimate)
         a.fail(dest, f"has {len(parts)} MTP depth(s) of {len(mtp):,} layers; memguard's bound on the layer count is "
@@ -277,6 +312,23 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if heads % groups:
         a.fail("mamba_num_heads", f"{heads} Mamba heads must be divisible by --mamba-num-groups {groups} "
                "(MambaMixer asserts it)")
+    cp = kw.get("context_parallel_size", 1)
+    if cp > 1 and "M" in main + (kw.get("hybrid_mtp_pattern") or "") and not heads % tp and not groups % tp:
+        # MambaContextParallel.__init__ (0.16.1 and 0.19.2 ssm/mamba_context_parallel.py): the heads of a TP rank split
+        # over CP; its groups too, or CP a multiple of them (each group repeated on CP / groups ranks)
+        if (heads // tp) % cp:
+            a.fail("context_parallel_size", f"{cp} must divide the {heads // tp} Mamba heads of a tensor-parallel rank "
+                   f"(--mamba-num-heads {heads} / TP {tp}; MambaContextParallel asserts it)")
+        g_t = groups // tp
+        if (g_t < cp and cp % g_t) or (g_t >= cp and g_t % cp):
+            a.fail("context_parallel_size", f"{cp} and the {g_t} Mamba groups of a tensor-parallel rank (--mamba-num-"
+                   f"groups {groups} / TP {tp}) must divide one another (MambaContextParallel asserts it)")
+    if kw.get("fp8") and (2 * heads * head_dim + 2 * groups * state + heads) % 16:
+        # MambaMixer.__init__ (0.16.1 and 0.19.2) asserts it under FP8 (not FP4): the in_proj output's width
+        width = 2 * heads * head_dim + 2 * groups * state + heads
+        a.fail("mamba_num_heads", f"with --fp8-format the Mamba in_proj output width 2 x {heads * head_dim} (d_inner) "
+               f"+ 2 x {groups} x {state} (groups x state) + {heads} (heads) = {width} must be a multiple of 16 "
+               "(MambaMixer asserts it)")
     mtp = kw.get("hybrid_mtp_pattern") or ""
     if "E" in main + mtp and not a.get("num_experts"):
         a.fail(PATTERN if _given(a, PATTERN) is not None else LEGACY,
@@ -305,20 +357,21 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
         raise NotModelledError(a.key("transformer_impl"), f"{kw.get('transformer_impl')} with a hybrid model "
                                "(megatron-core builds its TE layer spec whatever the flag says)")
     checks = (
-        (kw.get("context_parallel_size", 1) > 1, "context_parallel_size",
-         "context parallelism in Mamba layers (MambaContextParallel's all-to-all of heads)"),
-        (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 Mamba layers"),
+        # MultiTokenPredictionLayer runs its depth in the global FP8 context and ignores FP4 (0.19.2
+        # multi_token_prediction.py); its HybridStack opens per-layer contexts again: not read for a '/' pattern
+        (kw.get("hybrid_mtp_pattern") and (kw.get("fp8") or kw.get("fp4")), "fp8" if kw.get("fp8") else "fp4",
+         "FP8 / FP4 with the MTP depths of a hybrid '/' pattern"),
+        # 0.16.1's MambaStack (ssm/mamba_block.py) builds and runs its layers in get_fp8_context only: no FP4 context
+        (kw.get("fp4") and ctx.version < Version("0.17"), "fp4", "FP4 in a hybrid model under megatron-core 0.16 (its "
+         "MambaStack opens no FP4 context)"),
         (kw.get("moe") is not None and "E" not in main, "num_experts", "mixture-of-experts settings with a hybrid "
          "pattern without MoE ('E') layers"),
         (kw.get("mtp_num_layers") and ctx.version < Version("0.17"), "mtp_num_layers",
          "multi-token prediction with a hybrid model under megatron-core 0.16 (its MambaModel has no MTP block)"),
-        # MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints the depth around a HybridStack that
-        # checkpoints its own layers again (its recompute_granularity is the model's): estimated under uniform
-        # (estimator/core.py _checkpointed_hybrid_depth). Under block the depth skips its recompute (a warning)
-        # while its HybridStack checkpoints its first --recompute-num-layers layers: not read further
-        (kw.get("hybrid_mtp_pattern") and kw.get("recompute_granularity") == "full"
-         and kw.get("recompute_method") == "block", "recompute_method",
-         "block recomputation of hybrid MTP layers (the depth is not checkpointed, its HybridStack's first layers are)"),
+        # (full recompute of hybrid MTP depths: MultiTokenPredictionLayer._checkpointed_forward (0.19.2) checkpoints
+        # the depth under uniform around a HybridStack that checkpoints its own layers again, estimator/core.py
+        # _checkpointed_hybrid_depth; under block the depth skips its recompute (a warning) while its HybridStack
+        # checkpoints its first --recompute-num-layers layers, _hybrid_depth_block)
         (kw.get("heterogeneous_layers"), "heterogeneous_layers_config_path", "a heterogeneous config with a hybrid "
          "pattern"),
         # HybridModel.preprocess_for_fine_grained_offloading sets up the offload manager from 0.18.2 on (hybrid_model.py);
@@ -348,8 +401,23 @@ def _refuse(a: Args, kw: Mapping[str, Any], ctx: Context, key: str, main: str) -
 
 
 def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
-    """After the PEFT section: LoRA / DoRA on a hybrid model is refused by name (the adapters' target modules
-    and the Mamba layers' frozen tensors were not read)."""
-    if kw.get("hybrid_layer_pattern") and kw.get("peft") is not None:
-        raise NotModelledError(a.key("peft_scheme"), "LoRA / DoRA on a hybrid Mamba model")
+    """After the PEFT section: LoRA / DoRA on a hybrid model. Megatron-Bridge 0.6.2 matches target_modules against
+    each module's own name (peft/module_matcher.py): linear_qkv / linear_proj exist in the '*' layers, linear_fc1 /
+    linear_fc2 in the '-' layers; a Mamba layer's in_proj / out_proj are not among memguard's target names, so Mamba
+    layers stay frozen and unwrapped (estimator/peft.py). MoE 'E' and MLA '+' layers are refused by the PEFT section.
+    A '*' pattern is matched over GPT layers' module names there: refused by name for a hybrid model."""
+    main = kw.get("hybrid_layer_pattern")
+    spec = kw.get("peft")
+    if not main or spec is None:
+        return {}
+    targets_v = a.get("peft_target_modules")
+    if targets_v is not None and any("*" in str(t) for t in ([targets_v] if isinstance(targets_v, str) else targets_v)):
+        raise NotModelledError(a.key("peft_target_modules"), "'*' target patterns on a hybrid model (matched over "
+                               "GPT layers' module names)")
+    wrapped = [t for t in spec.target_modules
+               if ("*" in main if t in ("linear_qkv", "linear_proj") else "-" in main)]
+    if not wrapped:
+        a.fail("peft_target_modules", f"wraps no linear of the pattern {main} ({', '.join(spec.target_modules)}: "
+               "linear_qkv / linear_proj are in '*' layers, linear_fc1 / linear_fc2 in '-' layers; Megatron-Bridge "
+               "would train no parameter)")
     return {}

@@ -5,7 +5,6 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
-from ..errors import NotModelledError
 from ..partition import parse_pipeline_layout
 from .args import Args, Context
 
@@ -86,12 +85,14 @@ def _repeated(a: Args, kw: Mapping[str, Any], ctx: Context, depth: int) -> bool:
         return False
     # (under CUDA graphs: resolve/cuda_graphs.py _repeated_mtp_layer)
     if depth > 1 and (kw.get("use_torch_fsdp2") or a.bool_arg("use_torch_fsdp2", False)):
-        # fully_shard's unshard, reshard and post-backward hooks run at each of the D calls while the weights'
-        # gradient is complete only after the last depth's backward; not measured (Megatron-FSDP's is, on the CPU
-        # referee: one unit, estimator/fsdp_layout.py chunk_groups)
-        raise NotModelledError(key, f"one MTP layer run at {depth} depths as one FSDP2 unit ({a.key('use_torch_fsdp2')}: "
-                               "gathered and released at each call, its gradient complete only after the last "
-                               "depth's backward)")
+        # TorchFullyShardedDataParallel (core 0.19.2) fully_shards every TransformerLayer, the repeated MTP layer's one
+        # too: one FSDP2 unit called D times. torch's FSDPParamGroup (torch 2.14 _fsdp_param_group.py) unshards it in
+        # each call's pre_forward and reshards it in its post_forward, registers a post-backward hook per call, and
+        # in backward unshards it again per depth (pre_backward) and reduce-scatters that depth's gradient into the
+        # sharded one in its post_backward: never more than one unsharded copy, as one unit (estimator/fsdp.py windows
+        # of layers_built units; the hook order and the summed gradient checked on CPU, tests/e2e/fsdp2_repeated_unit.py)
+        a.notes.append(f"{key}: one FSDP2 unit for the {depth} depths ({a.key('use_torch_fsdp2')}), gathered and "
+                       "released at each call, its gradient reduce-scattered after each depth's backward")
     if depth > 1:
         a.notes.append(f"{key}: one MTP layer's parameters for the {depth} depths; its activations are kept at "
                        "each depth")
@@ -117,6 +118,11 @@ def _full_recompute(a: Args, kw: Mapping[str, Any], depth: int, ctx: Context) ->
                fails_later="at the first forward step (MultiTokenPredictionLayer._checkpointed_forward asserts)")
     elif method == "uniform" and kw.get("distribute_saved_activations"):
         _distributed_checkpoint(a, kw, depth, ctx)
+    elif method == "block" and kw.get("hybrid_mtp_pattern"):
+        k = rnl if rnl is not None else 1
+        a.notes.append(f"{a.key('recompute_method')} block does not checkpoint the {depth} hybrid MTP depth(s) "
+                       "(Megatron warns \"not supported for MTP yet\"), but each depth's HybridStack checkpoints its "
+                       f"first {k} layer(s) (recompute.py checkpointed_forward, the model's settings)")
     elif method == "block":
         a.notes.append(f"{a.key('recompute_method')} block does not recompute the {depth} MTP layer(s) "
                        "(Megatron warns \"not supported for MTP yet\" and runs them plainly): they keep all their "

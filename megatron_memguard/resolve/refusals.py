@@ -25,11 +25,6 @@ def hybrid_stack_spec(value: Any) -> bool:
     parts = value.split() if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
     return tuple(str(p) for p in parts) in HYBRID_STACK_SPECS
 
-# --hybrid-attention-ratio and --hybrid-mlp-ratio: one rule (0, the default, derives no layers of that kind)
-_HYBRID_RATIO: tuple[Callable[[Any], bool], str] = (
-    lambda v: v not in (None, 0, 0.0, "0", "0.0"),
-    "hybrid layer ratios (megatron-core derives the pattern from them; give the pattern as --hybrid-layer-pattern)")
-
 # --experimental-attention-variant values still refused, one line each (a variant that gets modelled leaves its line;
 # gated_delta_net: resolve/gdn.py)
 REFUSED_ATTENTION_VARIANTS: dict[str, str] = {
@@ -37,8 +32,7 @@ REFUSED_ATTENTION_VARIANTS: dict[str, str] = {
 }
 
 NOT_MODELLED: list[Row] = [
-    ("hybrid_attention_ratio", *_HYBRID_RATIO),
-    ("hybrid_mlp_ratio", *_HYBRID_RATIO),
+    # (--hybrid-attention-ratio / --hybrid-mlp-ratio: resolve/hybrid.py derives the pattern as megatron-core does)
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "

@@ -3,7 +3,8 @@ and MLP-only TransformerLayers, final norm, embedding, output layer) built on CP
 
     python tests/e2e/mamba_param_count.py '{"pattern": "M*M-", "hidden_size": 256, ...}'
 
-prints {name: numel} as JSON (the last line). An optional "config" object adds TransformerConfig fields.
+prints {name: numel} as JSON (the last line). An optional "config" object adds TransformerConfig fields (with '+'
+layers, MLATransformerConfig's: q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim).
 
 Two stand-ins, because the CPU venv has neither library: ``einops`` (MambaMixer.__init__ only checks that it
 imports) and ``mamba_ssm``'s gated RMSNorm, whose parameters are one ``weight`` of the normalised width and no
@@ -101,6 +102,37 @@ def _layer_specs() -> dict:
                                                                 linear_fc2=RowParallelLinear)))))
 
 
+def _mla_layer_spec() -> dict:
+    """'+' (megatron-core 0.19.2 hybrid_layer_specs.py mla_layer): a TransformerLayer with a separate input norm,
+    MLASelfAttention with its TE linears (TELinear down-projections, TEColumnParallelLinear up-projections and
+    linear_q_proj, TERowParallelLinear linear_proj: here the local column / row-parallel linears, the same parameters
+    at TP 1) and IdentityOp latent norms, no MLP."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from torch import nn
+
+    class CoreAttention(nn.Module):
+        """TEDotProductAttention's place (it has no parameters; the local one does not take MLA's k_channels)."""
+
+        def __init__(self, *a, **k):
+            super().__init__()
+
+    return dict(mla_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=MLASelfAttentionSubmodules(
+                                      linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                                      linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                                      linear_kv_up_proj=ColumnParallelLinear, core_attention=CoreAttention,
+                                      linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
+                                      kv_layernorm=IdentityOp)))))
+
+
 def _mtp_block_spec() -> dict:
     """The MTP block of a '/' pattern (megatron-core 0.19.2 hybrid_layer_specs.py _hybrid_mtp_block_spec: TE norms
     and TEColumnParallelLinear; here torch norms and the local column-parallel linear, the same parameters): its
@@ -174,7 +206,7 @@ def build(cfg: dict):
     # MambaMixer allocates on torch.cuda.current_device(); on CPU that is the CPU
     torch.cuda.current_device = lambda: "cpu"
     spec = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        **_layer_specs(), **_mtp_block_spec(),
+        **_layer_specs(), **_mtp_block_spec(), **(_mla_layer_spec() if "+" in cfg["pattern"] else {}),
         # 'E': MoETransformerLayer with its own pre-MLP norm; local experts (SequentialMLP) for TE's grouped ones:
         # the same numbers of parameters per expert
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
@@ -182,6 +214,10 @@ def build(cfg: dict):
             mlp=get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)))))
     moe = dict(num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"], moe_ffn_hidden_size=cfg["moe_ffn"],
                moe_token_dispatcher_type="alltoall") if cfg.get("experts") else {}
+    if "+" in cfg["pattern"]:
+        # MLASelfAttention reads MLATransformerConfig's fields (validate_args sets multi_latent_attention for '+')
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig  # noqa: F811
+        cfg = dict(cfg, groups=cfg["heads"], config=dict(cfg.get("config", {}), multi_latent_attention=True))
     config = TransformerConfig(
         num_layers=len(cfg["pattern"].split("/")[0]), hidden_size=cfg["hidden_size"], num_attention_heads=cfg["heads"],
         num_query_groups=cfg["groups"], ffn_hidden_size=cfg["ffn"], normalization="RMSNorm", add_bias_linear=False,

@@ -34,10 +34,14 @@ def mlp_recipe(kind: LayerKind) -> ModuleType:
 def kind_layout(L: Any, kind: LayerKind) -> Any:
     """The layout a kind's recipes read: the model's, or for the dense MLP of another width
     ("dense:FFN", a heterogeneous layer config's ffn_mult) the model's with that ffn_hidden_size
-    (HeterogeneousTransformerConfig.get_config_for_layer overrides it per layer)."""
-    if ":" not in kind.mlp:
-        return L
-    return L.replace(ffn_hidden_size=int(kind.mlp.split(":", 1)[1]))
+    (HeterogeneousTransformerConfig.get_config_for_layer overrides it per layer), and for an attention of its
+    own query groups (a block's ``num_query_groups``, overridden the same way) the model's with those."""
+    own = {}
+    if ":" in kind.mlp:
+        own["ffn_hidden_size"] = int(kind.mlp.split(":", 1)[1])
+    if kind.query_groups:
+        own["num_query_groups"] = kind.query_groups
+    return L.replace(**own) if own else L
 
 
 __all__ = ["LayerKind", "MIXERS", "MLPS", "kind_layout", "mixer_recipe", "mlp_recipe"]

@@ -86,22 +86,39 @@ def reads_batch_mask(L: Any) -> bool:
     return False
 
 
+def scan_split(L: Any) -> tuple[int, int, int, int, int]:
+    """What the conv1d and the chunk scan of one rank see: (sequence length, heads, groups, d_inner, zxbcdt width).
+
+    Without context parallelism the rank's sequence and its heads / groups over TP. With CP, MambaContextParallel
+    (megatron-core 0.16.1 and 0.19.2 ssm/mamba_context_parallel.py, ``pre_conv_ssm``) all-to-alls in_proj's output
+    from [s/CP, b, .] to [s, b, ./CP]: the whole sequence, heads / (TP x CP), and groups / (TP x CP), or one group
+    repeated when a TP rank holds fewer groups than CP (``group_repeat_count``)."""
+    x = shapes(L)
+    di, nh, g, n, _ = dims(L)
+    t, cp = L.tp, L.cp
+    nh_s, di_s = nh // t // cp, di // t // cp
+    g_s = max(1, g // t // cp)
+    return x.s * cp, nh_s, g_s, di_s, 2 * di_s + 2 * g_s * n + nh_s
+
+
 def _chunk_states(L: Any) -> int:
     """Elements of the SSD kernel's per-chunk states [b, chunks, heads/t, head_dim, N]: made in fp32
     (_chunk_state_fwd with states_in_fp32), passed along the chunks into a copy in the activation dtype
-    (_state_passing_fwd's out_dtype=C.dtype), mamba_ssm 2.2.6 ssd_combined.py; again in the backward."""
+    (_state_passing_fwd's out_dtype=C.dtype), mamba_ssm 2.2.6 ssd_combined.py; again in the backward. Under CP:
+    the whole sequence, heads / (TP x CP) (``scan_split``)."""
     x = shapes(L)
-    _, nh, _, n, hd = dims(L)
-    return x.b * ceil(x.s / L.mamba_chunk_size) * (nh // L.tp) * hd * n
+    _, _, _, n, hd = dims(L)
+    seq, nh_s, *_ = scan_split(L)
+    return x.b * ceil(seq / L.mamba_chunk_size) * nh_s * hd * n
 
 
 def _chunk_scores(L: Any) -> int:
     """C^T B per chunk [b, chunks, groups/t, chunk, chunk] in fp32 (_bmm_chunk_fwd, ssd_combined.py); chunk
     128 by default (MambaMixer's chunk_size)."""
     x = shapes(L)
-    _, _, g, _, _ = dims(L)
+    seq, _, g_s, _, _ = scan_split(L)
     c = L.mamba_chunk_size
-    return x.b * ceil(x.s / c) * (g // L.tp) * c * c * 4
+    return x.b * ceil(seq / c) * g_s * c * c * 4
 
 
 def saved_items(L: Any) -> dict[str, int]:
@@ -110,11 +127,14 @@ def saved_items(L: Any) -> dict[str, int]:
     T, Tf, h, e = x.T, x.Tf, x.h, x.e
     di, _, g, _, _ = dims(L)
     di_t = di // L.tp
+    seq, _, _, di_s, P_s = scan_split(L)
+    Ts = x.b * seq          # the scan's tokens: Tf, or the whole sequence under CP
     return {
         "norm1_stats": norm_stats(L, T),               # in_proj's fused norm: fp32 rstd (and mean) per token
         "mamba_in_proj_input": T * h * e,              # the norm output, kept by in_proj (local shard under SP)
-        "mamba_zxbcdt": Tf * in_proj_out(L) * e,       # in_proj's output as the fused scan's (b, l, d) copy
-        "mamba_scan_output": Tf * di_t * e,            # out_x: the scan output before the z gate
+        "mamba_zxbcdt": Ts * P_s * e,                  # in_proj's output as the fused scan's (b, l, d) copy
+        "mamba_scan_output": Ts * di_s * e,            # out_x: the scan output before the z gate
+        # (under CP the scan's output is all-to-all'ed back to [s/CP, b, d_inner/TP] before the gated norm)
         "mamba_norm_input": Tf * di_t * e,             # the gated output, kept by the gated RMSNorm
         "mamba_norm_stats": Tf * (g // L.tp) * 4,      # its fp32 rstd per token and group
         "mamba_out_proj_input": Tf * di_t * e,         # the norm output, kept by out_proj
@@ -129,26 +149,41 @@ def activations(L: Any, mods: set, has_batch_mask: bool, drop_norm: bool, after:
     T, Tf, h, e = x.T, x.Tf, x.h, x.e
     di, nh, g, n, _ = dims(L)
     t = L.tp
-    di_t, P, conv_t = di // t, in_proj_out(L), (di + 2 * g * n) // t
+    di_t, P = di // t, in_proj_out(L)
     saved = saved_items(L)
     states, scores = _chunk_states(L), _chunk_scores(L)
-    dt_fp32 = 2 * Tf * (nh // t) * 4                  # dt after softplus and dA's cumulative sum, fp32
+    seq, nh_s, g_s, di_s, P_s = scan_split(L)
+    Ts, conv_s = x.b * seq, di_s + 2 * g_s * n       # the scan's tokens and conv channels (CP: scan_split)
+    dt_fp32 = 2 * Ts * nh_s * 4                       # dt after softplus and dA's cumulative sum, fp32
     # (with one sequence per micro-batch the [l, b] -> [b, l] rearrange is a view: no second copy)
-    orig = Tf * P * e if x.b > 1 else 0
-    base = orig + Tf * conv_t * e + dt_fp32           # in_proj's [l, b] output, the conv output, dt, dA_cumsum
+    orig = Ts * P_s * e if x.b > 1 else 0
+    base = orig + Ts * conv_s * e + dt_fp32           # in_proj's [l, b] output, the conv output, dt, dA_cumsum
     later = after | {"mamba_norm_input", "mamba_norm_stats", "mamba_out_proj_input"}
-    fwd_steps = (
+    cp_fwd: tuple = ()
+    if L.cp > 1:
+        # pre_conv_ssm: in_proj's output [s/CP, b, P/TP], its five pieces all-to-all'ed ([s, b, ./CP] each), their
+        # concatenation and its reordering out of the attention load balancing (_undo_attention_load_balancing: a
+        # new tensor, which the scan keeps); none of it is saved for backward (all_to_all_sp2hp, cat and split keep
+        # no tensor), in_proj's output is freed when pre_conv_ssm returns
+        cp_fwd = ((later | {"mamba_scan_output", "mamba_zxbcdt"}, Tf * P * e + 3 * Ts * P_s * e),)
+    fwd_steps = cp_fwd + (
         (later | {"mamba_scan_output"}, base + states * (4 + e)),                  # the states passed along
-        (later, base + states * e + scores + Tf * di_t * e),                       # the scan: C^T B, gated output
+        (later, base + states * e + scores + Ts * di_s * e),                       # the scan: C^T B, gated output
     )
     rel_out = released | {"mamba_out_proj_input"}
     rel_norm = rel_out | {"mamba_norm_input", "mamba_norm_stats"}
     rel_scan = rel_norm | {"mamba_zxbcdt", "mamba_scan_output"}
+    cp_bwd: tuple = ()
+    if L.cp > 1:
+        # pre_conv_ssm's backward: the reordered gradient [s, b, P_s], the five pieces all-to-all'ed back to
+        # [s/CP, b, .] and their concatenation as in_proj's output gradient [s/CP, b, P/TP]
+        cp_bwd = ((rel_scan, G + Ts * P_s * e + 2 * Tf * P * e),)
     bwd_steps = (
         (released, G + Tf * di_t * e + wgrad(L, h, di_t)),                                       # out_proj
         (rel_out, G + 2 * Tf * di_t * e),                                                         # gated norm
         # the scan's backward: dzxbcdt, the recomputed conv output and its gradient, the states again, dt's
-        (rel_norm, G + Tf * di_t * e + Tf * P * e + 2 * Tf * conv_t * e + states * (4 + e) + scores + dt_fp32),
+        (rel_norm, G + Ts * di_s * e + Ts * P_s * e + 2 * Ts * conv_s * e + states * (4 + e) + scores + dt_fp32),
+        *cp_bwd,
         (rel_scan, G + Tf * P * e + Tf * h * e + wgrad(L, P, h)),                                # in_proj
         (rel_scan | {"mamba_in_proj_input"}, G + Tf * h * e + T * h * e),                         # fused norm
     )
