@@ -261,6 +261,11 @@ def test_hybrid_g_layers_are_the_same_mixer():
     # 0.16.1's Symbols.VALID has no 'G'
     assert "'G' is not a layer symbol in megatron-core 0.16" in _err(
         ["--hybrid-override-pattern", "G*G-", "--num-layers", "4"], "0.16", base=HYBRID)
+    # context parallelism in a hybrid model (0.18+): the GDN heads split over TP x CP, as in a GPT model
+    assert _layout(["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "2"], base=HYBRID).cp == 2
+    with pytest.raises(NotModelledError) as e:
+        _layout(["--hybrid-layer-pattern", "G*G-", "--fp8-format", "hybrid"], base=HYBRID)
+    assert str(e.value).startswith("--fp8-format: FP8 / FP4 gated delta net layers")
     # the heads split over TP there too (GatedDeltaNet divides them)
     assert _err(["--hybrid-layer-pattern", "G*G-", "--tensor-model-parallel-size", "4"], base=HYBRID).startswith(
         "--linear-num-key-heads")
