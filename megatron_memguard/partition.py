@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # megatron_memguard/estimator/layers/ (MoE adds MLP "moe", Mamba adds mixer "mamba").
 MIXER_ATTENTION = "attention"     # megatron-core SelfAttention (standard / grouped-query)
 MIXER_MLA = "mla"                 # MLASelfAttention (multi-latent attention, DeepSeek-V2 style)
+MIXER_DSA = "dsa"                 # AbsorbedMLASelfAttention with DSAttention (DeepSeek sparse attention, V3.2 style)
 MLP_DENSE = "dense"               # megatron-core MLP (linear_fc1, activation, linear_fc2)
 MLP_MOE = "moe"                   # megatron-core MoELayer (router, experts, shared experts)
 # heterogeneous layer configs (resolve/heterogeneous.py): a no-op block (IdentityOp), and the dense MLP
@@ -45,7 +46,7 @@ MIXER_GDN = "gdn"
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
 HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
                 "E": (MIXER_NONE, MLP_MOE), "+": (MIXER_MLA, MLP_NONE),   # ('+': 0.19's mla_layer, MLP IdentityOp)
-                "G": (MIXER_GDN, MLP_NONE)}
+                "D": (MIXER_DSA, MLP_NONE), "G": (MIXER_GDN, MLP_NONE)}
 
 
 class LayerKind(NamedTuple):
@@ -221,6 +222,8 @@ def mixed_mixers(L: "Layout") -> bool:
 
 def _mixer(L: "Layout") -> str:
     """The token mixer of the model's attention layers."""
+    if L.experimental_attention_variant == "dsa" or "D" in (L.hybrid_layer_pattern or ""):
+        return MIXER_DSA
     return MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION
 
 

@@ -56,8 +56,9 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
      "--rotary-interleaved", "does not work with --multi-latent-attention"),
     (["--world-size", "1"], ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
      "--recompute-modules", "mla_up_proj needs --multi-latent-attention"),
+    # get_dsa_module_spec_for_backend asserts MLA (megatron-core 0.19.2)
     (["--world-size", "1"], ["--experimental-attention-variant", "dsa"], "--experimental-attention-variant",
-     "not modelled yet"),
+     "dsa needs --multi-latent-attention"),
 ])
 def test_bad_input(capsys, opts, extra, flag, rule):
     code = main(["estimate", *opts, "--", *BASE, *extra])

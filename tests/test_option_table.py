@@ -108,6 +108,10 @@ def _gate_outcome(gate: dict) -> str:
     if gate.get("hybrid_layer_pattern") or gate.get("hybrid_override_pattern"):
         # MambaMixer's asserts on the base job's hidden size 64 (heads 2 x 64 / 32 = 4, groups 2, TP 2)
         need = {"mamba_head_dim": 32, "mamba_num_groups": 2}
+    if gate.get("experimental_attention_variant") == "dsa":
+        # DSA sits on MLA and needs its indexer's shape and unfused rope (resolve/dsa.py)
+        need = {"multi_latent_attention": True, "dsa_indexer_n_heads": 2, "dsa_indexer_head_dim": 64,
+                "dsa_indexer_topk": 16, "apply_rope_fusion": False}
     raw = RawConfig(args={**BASE, **need, **gate}, world_size=8)
     # upcycling starts only in megatron/training 0.16 (0.17 to 0.19 raise a TypeError at start-up: resolve/moe.py)
     version = "0.16" if gate.get("moe_use_upcycling") else None

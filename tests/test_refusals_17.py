@@ -9,8 +9,7 @@ BASE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1
         "--micro-batch-size 4 --global-batch-size 32 --bf16 --position-embedding-type rope").split()
 
 CASES = [
-    # dsa.py _compute_index_scores: fp32 [b, sq, sk] index scores
-    (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant", "[b, s, s] index scores"),
+    # (DSA is modelled: tests/test_dsa.py; gated delta net: tests/test_gdn.py)
     # pipeline_parallel/hybrid_cp_schedule.py: a CP group per sub-sample, sized from the data
     (["--hybrid-context-parallel"], "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
     # core/extensions/kitchen.py only wraps NVIDIA's kitchen package

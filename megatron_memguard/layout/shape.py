@@ -63,6 +63,16 @@ class ModelShape:
     # MultiTokenPredictionLayer builds a HybridStack of them; None: an MTP depth is one layer of the last decoder
     # layer's kind (params.mtp_stack_runs)
     hybrid_mtp_pattern: str | None = None
+    # --experimental-attention-variant dsa (DeepSeek sparse attention, megatron-core 0.19.2 DSAttention on
+    # AbsorbedMLASelfAttention, layers/dsa.py): the lightning indexer's heads, head dim and top-k, and the indexer
+    # KL loss coefficient (0: no loss, the indexer runs without autograd); None: no variant
+    experimental_attention_variant: str | None = None
+    dsa_indexer_n_heads: int = 0
+    dsa_indexer_head_dim: int = 0
+    dsa_indexer_topk: int = 0
+    dsa_indexer_loss_coeff: float = 0.0
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_k_norm_fp32: bool = False     # the indexer's key LayerNorm on an fp32 copy of its input
     # --experimental-attention-variant gated_delta_net (GPT) with --linear-attention-freq: one character per layer,
     # '1' a gated delta net layer, '0' a standard attention layer (experimental_attention_variant_module_specs.py
     # get_linear_attention_pattern, core 0.16.1 and 0.19.2); None: no GDN layers in a GPT model

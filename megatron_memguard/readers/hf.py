@@ -5,8 +5,9 @@ The translation follows Megatron-Bridge's (0.6.2) ``MegatronModelBridge.CONFIG_M
 per-family bridges (``LlamaBridge``, ``Qwen2Bridge``, ``Qwen3Bridge``, ``MistralBridge``): HF field ->
 megatron-core / GPTModelProvider field, which ``map_mcore_fields`` then turns into Megatron args.
 Supported families: llama, mistral, qwen2, qwen3, gpt2, and the mixture-of-experts families mixtral,
-qwen2_moe (Qwen1.5-MoE, Qwen2-MoE), qwen3_moe, deepseek_v2 and deepseek_v3 (multi-latent attention,
-dense first layers, shared experts). For those the MoE fields follow the semantics of the Hugging Face
+qwen2_moe (Qwen1.5-MoE, Qwen2-MoE), qwen3_moe, deepseek_v2, deepseek_v3 and deepseek_v32 (multi-latent attention,
+dense first layers, shared experts; V3.2's lightning indexer as DSA, ``index_n_heads`` / ``index_head_dim`` /
+``index_topk``). For those the MoE fields follow the semantics of the Hugging Face
 modelling code (which layers are sparse, what the router computes), written as megatron-core config
 names (``moe_ffn_hidden_size``, ``moe_layer_freq``, ...). The vocabulary is config.json's ``vocab_size`` (the embedding rows the checkpoint
 has), padded like Megatron pads a tokenizer's vocabulary unless a Bridge/NeMo 2 recipe says otherwise.
@@ -21,8 +22,9 @@ from ..errors import ConfigError, ReaderError
 from ..numbers import shown
 from ._common import ArgsBuilder, map_mcore_fields, set_vocab
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+             "deepseek_v32"}
+DEEPSEEK = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
 def looks_like_hf(doc: Mapping) -> bool:
@@ -70,6 +72,11 @@ def hf_to_provider(hf: Mapping[str, Any]) -> dict[str, Any]:
     # LlamaBridge.provider_bridge (and the Qwen/Mistral bridges that copy it): Megatron-side fusions.
     p.update(bias_activation_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
              apply_rope_fusion=True, persist_layer_norm=True)
+    if mt == "deepseek_v32":
+        # DeepSeek-V3.2's lightning indexer (DeepSeek-V3.2-Exp inference/model.py ModelArgs index_n_heads,
+        # index_head_dim, index_topk): megatron-core's DSA, which forbids RoPE fusion (TransformerConfig)
+        p.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=hf["index_n_heads"],
+                 dsa_indexer_head_dim=hf["index_head_dim"], dsa_indexer_topk=hf["index_topk"], apply_rope_fusion=False)
     return p
 
 
@@ -177,7 +184,7 @@ def _moe_fields(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
     # norm_topk_prob false (Qwen1.5/2-MoE, DeepSeek-V2): softmax over all experts, then top-k, i.e.
     # megatron-core's --moe-router-pre-softmax; true (and Mixtral): softmax over the top-k scores.
     # Absent, transformers' config classes default to false, except DeepseekV3Config (true).
-    norm = _flag(hf, "norm_topk_prob", mt == "deepseek_v3")
+    norm = _flag(hf, "norm_topk_prob", mt in ("deepseek_v3", "deepseek_v32"))
     if mt != "mixtral" and not norm and hf.get("scoring_func", "softmax") == "softmax":
         p["moe_router_pre_softmax"] = True
     if hf.get("router_aux_loss_coef"):
@@ -209,7 +216,8 @@ def hf_key_names(model_type: Any) -> dict[str, str]:
 # The keys that differ in DeepSeek's config.json.
 DEEPSEEK_KEYS = {**HF_KEYS, "num_moe_experts": "n_routed_experts", "moe_layer_freq": "first_k_dense_replace",
                  "moe_shared_expert_intermediate_size": "n_shared_experts", "moe_aux_loss_coeff": "aux_loss_alpha",
-                 "moe_router_load_balancing_type": "seq_aux"}
+                 "moe_router_load_balancing_type": "seq_aux", "dsa_indexer_n_heads": "index_n_heads",
+                 "dsa_indexer_head_dim": "index_head_dim", "dsa_indexer_topk": "index_topk"}
 # Qwen-MoE's expert count is num_experts (Mixtral's num_local_experts)
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 QWEN_MOE_KEYS = {**HF_KEYS, "num_moe_experts": "num_experts"}

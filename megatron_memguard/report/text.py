@@ -45,6 +45,13 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Sequence[
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
+def _dsa_only(L: Any) -> bool:
+    """Whether every core attention of the model is DSA's (no Transformer Engine attention kernel to name): the GPT
+    variant, or a hybrid pattern whose attention layers are all 'D'."""
+    pattern = (L.hybrid_layer_pattern or "") + (L.hybrid_mtp_pattern or "")
+    return L.experimental_attention_variant == "dsa" and not pattern or "D" in pattern and not set("*+") & set(pattern)
+
+
 def describe_layout(est: Estimate) -> str:
     L = est.layout
     par = f"TP{L.tp} PP{L.pp}" + (f" (VPP {L.vpp})" if L.vpp > 1 else "") + f" CP{L.cp} DP{L.dp}"
@@ -59,6 +66,9 @@ def describe_layout(est: Estimate) -> str:
     model = (f"{L.num_layers} layers, hidden {L.hidden_size}, ffn {L.ffn_hidden_size}, {L.num_attention_heads} heads"
              + (f" / {L.num_query_groups} groups" if L.num_query_groups != L.num_attention_heads else "")
              + (f" (MLA, q rank {L.q_lora_rank or '-'}, kv rank {L.kv_lora_rank})" if L.multi_latent_attention else "")
+             + (f" (DSA indexer {L.dsa_indexer_n_heads} x {L.dsa_indexer_head_dim}, top-k {L.dsa_indexer_topk}"
+                + (f", loss {L.dsa_indexer_loss_coeff:g}" if L.dsa_indexer_loss_coeff else "") + ")"
+                if L.dsa_indexer_n_heads else "")
              + f", vocab {L.padded_vocab_size}")
     batch = f"seq {L.seq_length}, MBS {L.micro_batch_size}, GBS {L.global_batch_size} ({L.num_microbatches} micro-batches)"
     opts = [par, "SP" if L.sequence_parallel else "no SP", "dist-opt" if L.use_distributed_optimizer else "no dist-opt",
@@ -176,8 +186,11 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
             out.append(startup_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
-        if est.attention is not None:
+        if est.attention is not None and not _dsa_only(est.layout):
             out.append(f"attention backend: {est.attention.selected} ({est.attention.why})")
+        elif est.attention is not None:
+            # DSAttention runs its own PyTorch path (--dsa-kernel-backend none), not Transformer Engine's attention
+            out.append("attention backend: DSA PyTorch path (--dsa-kernel-backend none)")
         out.append(layer_table(est))
         out.append("")
     out.append(verdict_line(est, colour))

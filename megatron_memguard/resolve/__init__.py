@@ -21,7 +21,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
 from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, hybrid, kernels, moe, mtp, muon, offload, optimizer, parallel
-from . import gdn, peft, pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
+from . import dsa, gdn, peft, pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -90,6 +90,7 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("kernels", kernels.implementation),
     ("mixture of experts", moe.moe),
     ("attention variant", shape.attention_variant),
+    ("deepseek sparse attention", dsa.dsa),
     ("multi-token prediction", mtp.mtp),
     ("muon", muon.muon),
     ("activation offloading", offload.offload),

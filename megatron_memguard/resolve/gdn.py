@@ -22,7 +22,6 @@ from ..errors import ConfigError, NotModelledError
 from .args import Args, Context
 
 VARIANT = "gated_delta_net"
-VARIANTS = ("gated_delta_net", "dsa")     # TransformerConfig.experimental_attention_variant's Literal (0.16.1, 0.19.2)
 # TransformerConfig 0.19.2 (and 0.16.1) defaults of the mixer's shape
 DIMS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_num_key_heads": 16, "linear_num_value_heads": 32}
@@ -48,11 +47,8 @@ def linear_attention_pattern(value: Any, num_layers: int, key: str = "--linear-a
 def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The GDN layers' pattern and the mixer's shape, with TransformerConfig's rules."""
     variant = a.get("experimental_attention_variant")
-    variant = None if variant in (None, "", False, "None") else str(variant)
-    if variant is not None and variant not in VARIANTS:
-        a.fail("experimental_attention_variant", f"must be one of {', '.join(VARIANTS)}, got {variant[:40]!r} "
-               "(TransformerConfig)")
-        return {}
+    # (a value outside TransformerConfig's Literal is reported once, by the DSA section: resolve/dsa.py)
+    variant = None if variant in (None, "", False, "None") else str(variant).strip().lower()
     hybrid = kw.get("hybrid_layer_pattern") or ""
     mtp_hybrid = kw.get("hybrid_mtp_pattern") or ""
     gpt = variant == VARIANT and not hybrid

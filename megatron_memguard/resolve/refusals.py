@@ -25,20 +25,13 @@ def hybrid_stack_spec(value: Any) -> bool:
     parts = value.split() if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
     return tuple(str(p) for p in parts) in HYBRID_STACK_SPECS
 
-# --experimental-attention-variant values still refused, one line each (a variant that gets modelled leaves its line;
-# gated_delta_net: resolve/gdn.py)
-REFUSED_ATTENTION_VARIANTS: dict[str, str] = {
-    "dsa": "the lightning indexer and its fp32 [b, s, s] index scores",
-}
-
 NOT_MODELLED: list[Row] = [
     # (--hybrid-attention-ratio / --hybrid-mlp-ratio: resolve/hybrid.py derives the pattern as megatron-core does)
     ("perform_rl_step", bool, "RL training steps (the rollout's inference KV cache and CUDA graphs, sized by the "
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
      "dtype come from the teacher checkpoint and --export-kd-cfg, not from the student's flags)"),
-    ("experimental_attention_variant", lambda v: str(v) in REFUSED_ATTENTION_VARIANTS,
-     "the experimental attention variant " + "; ".join(f"{k} ({w})" for k, w in REFUSED_ATTENTION_VARIANTS.items())),
+    # (DSA is modelled: resolve/dsa.py; gated delta net: resolve/gdn.py)
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
      "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),

@@ -1,0 +1,278 @@
+"""Measure megatron-core 0.19.2's DSAttention (DeepSeek sparse attention, the PyTorch path of
+``--dsa-kernel-backend none``) on CPU: the bytes its forward keeps for the backward, and the peaks of its
+forward and backward above what was live before, per micro-batch.
+
+Runs the real ``DSAttention`` module (experimental_attention_variant/dsa.py) with its real ``DSAIndexer``, on one
+gloo rank (TP = CP = 1), in bf16, for the absorbed-MLA layout AbsorbedMLASelfAttention hands it: query
+[s, b, heads, kv_lora + rope], key [s, b, 1, kv_lora + rope], the per-head V up-projection weight, the hidden
+states x [s, b, h] and the query latent qr [s, b, q_lora]. The indexer's projections are plain bias-free linears
+(what TE's duplicated Linear computes); its key norm a LayerNorm; Hadamard rotation off (fast_hadamard_transform is a
+CUDA package). Storages are counted by the referee's LiveBytesTracker (livebytes.py). ``measure_attention`` runs
+the whole AbsorbedMLASelfAttention around it (megatron-core's local parallel linears for the MLA projections).
+
+    /work/venv312/bin/python -m benchmarks.referee.dsa_probe [--seq 64 --heads 4 ...] [--no-loss]
+    /work/venv312/bin/python -m benchmarks.referee.dsa_probe --grid benchmarks/results/referee-dsa-measured.json
+
+Prints one JSON object: the shapes, the indexer's parameter count (its linears sized by DSAIndexer.__init__) and
+{"saved", "fwd_peak", "bwd_peak"} in bytes (each above the inputs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from typing import Any
+
+
+def _core_version() -> str:
+    from importlib.metadata import version
+    return version("megatron-core")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_rank():
+    """One gloo rank on CPU, and the stand-ins for TE's duplicated Linear and its LayerNorm."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    # the indexer's RotaryEmbedding asks for the current CUDA device (it passes no use_cpu_initialization)
+    torch.cuda.current_device = lambda: "cpu"
+
+    class Lin(torch.nn.Module):
+        """A duplicated bias-free linear returning (output, bias) as TE's Linear does."""
+
+        def __init__(self, inp: int, out: int, **_: Any) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(out, inp, dtype=torch.bfloat16) * 0.02)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight), None
+
+    class Norm(torch.nn.Module):
+        def __init__(self, config: Any = None, hidden_size: int = 0, eps: float = 1e-5, **_: Any) -> None:
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.ln(x)
+
+    return Lin, Norm
+
+
+def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32, kv_lora: int = 32,
+            rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4, index_dim: int = 32,
+            topk: int = 16, loss_coeff: float = 0.01, sparse_loss: bool = False) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
+                                                                              DSAttention, DSAttentionSubmodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from .livebytes import LiveBytesTracker
+
+    Lin, Norm = _init_rank()
+    cfg = MLATransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+        qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
+        dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_use_sparse_loss=sparse_loss,
+        dsa_indexer_rotate_activation=False, use_cpu_initialization=True)
+    group = dist.group.WORLD
+    pgs = ProcessGroupCollection(tp=group, cp=group)
+    spec = DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm, linear_weights_proj=Lin)))
+    D = kv_lora + rope
+    core = DSAttention(cfg, spec, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                       softmax_scale=D ** -0.5, k_channels=D, v_channels=kv_lora, cp_comm_type="p2p",
+                       pg_collection=pgs)
+    core.train()
+    bf = torch.bfloat16
+    query = torch.randn(seq, batch, heads, D, dtype=bf, requires_grad=True)
+    key = torch.randn(seq, batch, 1, D, dtype=bf, requires_grad=True)
+    x = torch.randn(seq, batch, hidden, dtype=bf, requires_grad=True)
+    qr = torch.randn(seq, batch, q_lora, dtype=bf, requires_grad=True)
+    up_v = torch.randn(heads, v_head, kv_lora, dtype=bf, requires_grad=True)
+    tracker = LiveBytesTracker(keep_log=False)
+    with tracker:
+        base = tracker.current
+        with tracker.region("fwd"):
+            out = core(query, key, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v)
+        saved = tracker.current - base - out.untyped_storage().nbytes()
+        grad = torch.ones_like(out)
+        after_grad = tracker.current
+        with tracker.region("bwd"):
+            out.backward(grad)
+        fwd = tracker.region_result("fwd")
+        bwd = tracker.region_result("bwd")
+    return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
+            "rope": rope, "v_head": v_head, "index_heads": index_heads, "index_dim": index_dim, "topk": topk,
+            "loss_coeff": loss_coeff, "sparse_loss": sparse_loss,
+            "indexer_params": sum(p.numel() for p in core.parameters()),
+            "saved": saved, "fwd_peak": fwd["peak_bytes"] - base, "bwd_peak": bwd["peak_bytes"] - after_grad}
+
+
+def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
+                      kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
+                      index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01,
+                      qk_layernorm: bool = False, tp: int = 1) -> dict[str, Any]:
+    """The whole AbsorbedMLASelfAttention (DSA's attention layer without its input norm) on one gloo rank, TP 1:
+    megatron-core's local ColumnParallelLinear / RowParallelLinear for the projections, LayerNorms for the latent
+    norms (with ``qk_layernorm``), the real DSAttention and DSAIndexer as in ``measure``. Input: the input norm's
+    output [s, b, h]. Returns the bytes kept after the forward (without the output) and the two peaks."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttention, AbsorbedMLASelfAttentionSubmodules)
+    from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
+                                                                              DSAttention, DSAttentionSubmodules)
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from .livebytes import LiveBytesTracker
+
+    Lin, Norm = _init_rank()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, 1)
+    down = ColumnParallelLinear
+    if tp > 1:
+        from megatron.core.transformer.experimental_attention_variant import absorbed_mla
+        absorbed_mla.TELinear = Lin
+        down = Lin
+    cfg = MLATransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+        qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
+        dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_rotate_activation=False, use_cpu_initialization=True,
+        transformer_impl="local", qk_layernorm=qk_layernorm, gradient_accumulation_fusion=False,
+        normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
+        module=DSAIndexer, submodules=DSAIndexerSubmodules(linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm,
+                                                           linear_weights_proj=Lin))))
+    qk_norm = Norm if qk_layernorm else IdentityOp
+    sub = AbsorbedMLASelfAttentionSubmodules(
+        linear_q_proj=ColumnParallelLinear, linear_q_down_proj=down,
+        linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=down,
+        linear_kv_up_proj=ColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear,
+        q_layernorm=qk_norm, kv_layernorm=qk_norm)
+    att = AbsorbedMLASelfAttention(cfg, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    att.train()
+    if tp > 1:
+        x = torch.randn(seq // tp, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
+        out, _ = att(x, None)
+        out.backward(torch.ones_like(out))
+        for p in att.parameters():
+            p.grad = None
+    x = torch.randn(seq // tp, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
+    tracker = LiveBytesTracker(keep_log=False)
+    with tracker:
+        base = tracker.current
+        with tracker.region("fwd"):
+            out, _ = att(x, None)
+        saved = tracker.current - base - out.untyped_storage().nbytes()
+        grad = torch.ones_like(out)
+        after_grad = tracker.current
+        with tracker.region("bwd"):
+            out.backward(grad)
+    return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
+            "rope": rope, "v_head": v_head, "qk_head": qk_head, "index_heads": index_heads, "index_dim": index_dim,
+            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp, "saved": saved,
+            "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
+            "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
+
+
+def _tp_rank(rank: int, tp: int, port: int, out: str, kw: dict[str, Any]) -> None:
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    r = measure_attention(tp=tp, **kw)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(r, f)
+    dist.destroy_process_group()
+
+
+def measure_attention_tp(tp: int = 2, **kw: Any) -> dict[str, Any]:
+    """``measure_attention`` on ``tp`` gloo ranks with sequence parallelism: rank 0's figures."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rank0.json")
+        mp.spawn(_tp_rank, args=(tp, _free_port(), out, kw), nprocs=tp)
+        with open(out) as f:
+            return json.load(f)
+
+
+# the stored grid (benchmarks/results/referee-dsa-measured.json, tests/test_dsa.py): the default shapes and one change
+GRID: dict[str, dict[str, Any]] = {
+    "base_loss": {},
+    "base_noloss": {"loss_coeff": 0.0},
+    "seq128": {"seq": 128},
+    "heads8": {"heads": 8},
+    "batch2": {"batch": 2},
+    "indexer_heavy_loss": {"heads": 1, "index_heads": 32},
+    "indexer_heavy_noloss": {"heads": 1, "index_heads": 32, "loss_coeff": 0.0},
+    "seq128_topk64_sparse": {"seq": 128, "topk": 64, "sparse_loss": True},
+}
+
+
+# the whole absorbed-MLA attention layer (measure_attention)
+ATTENTION_GRID: dict[str, dict[str, Any]] = {
+    "loss": {},
+    "noloss": {"loss_coeff": 0.0},
+    "latent_norms": {"qk_layernorm": True},
+    "batch2_seq128": {"batch": 2, "seq": 128},
+}
+
+
+# the same on two ranks, TP 2 with sequence parallelism (measure_attention_tp)
+ATTENTION_TP2_GRID: dict[str, dict[str, Any]] = {
+    "loss": {},
+    "noloss": {"loss_coeff": 0.0},
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--index-heads", type=int, default=4)
+    p.add_argument("--no-loss", action="store_true")
+    p.add_argument("--sparse-loss", action="store_true")
+    p.add_argument("--grid", metavar="OUT", help="measure every GRID entry and write them to OUT (JSON)")
+    o = p.parse_args()
+    if o.grid:
+        import torch
+        result = {"source": f"benchmarks/referee/dsa_probe.py, megatron-core {_core_version()}, torch {torch.__version__}, CPU",
+                  "runs": {name: measure(**kw) for name, kw in GRID.items()},
+                  "attention": {name: measure_attention(**kw) for name, kw in ATTENTION_GRID.items()},
+                  "attention_tp2": {name: measure_attention_tp(2, **kw) for name, kw in ATTENTION_TP2_GRID.items()}}
+        with open(o.grid, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    print(json.dumps(measure(seq=o.seq, batch=o.batch, heads=o.heads, topk=o.topk, index_heads=o.index_heads,
+                             loss_coeff=0.0 if o.no_loss else 0.01, sparse_loss=o.sparse_loss)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2 style; ``--experimental-attention-variant dsa``).
+
+Recipe of the token mixer ``dsa`` (see ``base``), after megatron-core 0.19.2: AbsorbedMLASelfAttention
+(experimental_attention_variant/absorbed_mla.py) around DSAttention and its lightning indexer DSAIndexer
+(experimental_attention_variant/dsa.py), built by get_dsa_module_spec_for_backend
+(models/gpt/experimental_attention_variant_module_specs.py). Modelled: the PyTorch path of ``--dsa-kernel-backend
+none`` (the default), which materialises the "sparse" attention densely: fp32 scores [b, heads/TP, s, s] plus an
+additive top-k mask, a masked softmax whose autograd keeps two fp32 and three bool copies of that size, and the
+probabilities cast back for the value matmul (``_unfused_absorbed_dsa_fn``); with ``--dsa-indexer-loss-coeff`` > 0 the
+indexer loss (``FusedDSAIndexerLoss``) keeps the indexer's q, k, weights, the query, the key and the top-k indices,
+and recomputes everything in its backward. The byte counts of the core were measured on CPU with the real module
+(benchmarks/referee/dsa_probe.py, tests/test_dsa.py).
+
+The absorbed MLA around the core: the query's up projection stays per head and K's up projection is folded into
+it (an einsum that keeps the q up projection's output), the core attention runs as MQA on the latent key
+[s, b, 1, kv_lora + rope], and V's up projection follows the core (DSAttention consumes it: ``up_v_weight``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ...layout import Layout
+from . import mla
+from .base import (MixerActivations, Param, ParamRow, Step, norm_rows, norm_stats, norms_per_layer_norm, param_objects,
+                   shapes, wgrad)
+
+INDEXER = "self_attention.core_attention.indexer."
+
+
+def latent_norms(L: Layout) -> bool:
+    """Whether the q and kv latents have norms: --qk-layernorm in the GPT spec; never in a hybrid model's 'D' layer
+    (hybrid_layer_specs.py dsa_layer: q_layernorm and kv_layernorm IdentityOp)."""
+    return L.qk_layernorm and not L.hybrid_layer_pattern
+
+
+def _qr_width(L: Layout) -> int:
+    """The indexer query's input width: q_lora_rank, or the hidden size without a query latent (DSAIndexer)."""
+    return L.q_lora_rank if L.q_lora_rank is not None else L.hidden_size
+
+
+def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
+    """[out, in] per TP rank: MLA's projections and the indexer's, which are duplicated (whole on every TP rank)."""
+    sh = mla.linear_shapes(L)
+    nh, hd = L.dsa_indexer_n_heads, L.dsa_indexer_head_dim
+    sh["indexer_linear_wq_b"] = (nh * hd, _qr_width(L))
+    sh["indexer_linear_wk"] = (hd, L.hidden_size)
+    sh["indexer_linear_weights_proj"] = (nh, L.hidden_size)
+    return sh
+
+
+def param_rows(L: Layout) -> list[ParamRow]:
+    """Registration order of AbsorbedMLASelfAttention: the input norm (a separate TENorm, as for MLA), the core
+    attention's indexer (built before linear_proj), linear_proj, the q and kv projections, then the latent norms
+    q_layernorm / kv_layernorm (modules of their own with --qk-layernorm, IdentityOp without). The indexer: wq_b
+    [heads x head dim, q_lora], wk [head dim, h], k_norm (a LayerNorm whatever --normalization: DSAIndexer sets it),
+    weights_proj [heads, h]; all duplicated over TP (parallel_mode 'duplicated', gradients averaged over TP)."""
+    sh = linear_shapes(L)
+    rows = norm_rows("input_layernorm", L.hidden_size, L)
+    for name in ("linear_wq_b", "linear_wk"):
+        out, inp = sh["indexer_" + name]
+        rows.append((INDEXER + name + ".weight", out * inp, True, False, False, inp))
+    hd = L.dsa_indexer_head_dim
+    rows += [(INDEXER + "k_norm.weight", hd, True, False, False, 0), (INDEXER + "k_norm.bias", hd, True, False, False, 0)]
+    out, inp = sh["indexer_linear_weights_proj"]
+    rows.append((INDEXER + "linear_weights_proj.weight", out * inp, True, False, False, inp))
+    out, inp = sh["linear_proj"]
+    rows.append(("self_attention.linear_proj.weight", out * inp, False, False, False, inp))
+    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+        if name in sh:
+            out, inp = sh[name]
+            rows.append((f"self_attention.{name}.weight", out * inp, name.endswith("down_proj"), False, False, inp))
+    if latent_norms(L):
+        if L.q_lora_rank is not None:
+            rows += norm_rows("self_attention.q_layernorm", L.q_lora_rank, L)
+        rows += norm_rows("self_attention.kv_layernorm", L.kv_lora_rank, L)
+    return rows
+
+
+def params(L: Layout, prefix: str = "") -> list[Param]:
+    return param_objects(param_rows(L), prefix)
+
+
+def kvl_q(L: Layout) -> int:
+    """The latent norms' width: kv_lora_rank and q_lora_rank (MLA's param_count counts them with --qk-layernorm)."""
+    return L.kv_lora_rank + (L.q_lora_rank or 0)
+
+
+def indexer_param_count(L: Layout) -> int:
+    """Parameters of one layer's lightning indexer: wq_b, wk, k_norm (weight and bias), weights_proj."""
+    nh, hd, h = L.dsa_indexer_n_heads, L.dsa_indexer_head_dim, L.hidden_size
+    return nh * hd * _qr_width(L) + hd * h + 2 * hd + nh * h
+
+
+def param_count(L: Layout) -> int:
+    """Parameters of one layer's DSA attention in the whole model: MLA's (the same projections and norms; DSA
+    takes no linear bias) and the indexer's."""
+    n = mla.param_count(L) + indexer_param_count(L)
+    if L.qk_layernorm and not latent_norms(L):
+        n -= norms_per_layer_norm(L) * (kvl_q(L))
+    return n
+
+
+def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd: int, topk: int, e: int,
+               loss: bool, recompute_core: bool, k_norm_fp32: bool = False) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
+    """DSAttention of one micro-batch on one TP rank (CP 1), PyTorch path, counted from megatron-core 0.19.2's
+    dsa.py and dsa_masking.py and checked against the module on CPU (benchmarks/referee/dsa_probe.py).
+
+    Returns (saved, locals, indexer working set, loss forward working set, sparse forward working set, sparse
+    backward working set, sparse forward without autograd, the loss backward's indexer working set): ``saved`` what the core keeps for the backward (in creation order), ``locals`` the
+    tensors DSAttention.forward holds without autograd until it returns (the indexer's outputs and top-k without
+    the loss). Shapes: s tokens (query and key), b micro-batch, a_t heads, D = kv_lora + rope the absorbed head dim,
+    N = b a_t s^2 score elements, I = b s^2 index-score elements."""
+    Tf, D = s * b, kvl + pe
+    N, I = b * a_t * s * s, b * s * s
+    saved: dict[str, int] = {}
+    held: dict[str, int] = {}
+    # the indexer (forward_before_topk): q [s b, heads, head dim] after its rope, k [s b, head dim] after k_norm and
+    # rope, weights [s b, heads]; with the loss they are made with autograd and the loss function keeps them, with
+    # k_norm's input and statistics and the rope's cos/sin cast to bf16 (for q and for k)
+    idx = Tf * (nh * hd + hd + nh) * e
+    topk_b = b * s * topk * 8                      # int64 [b, s, topk]
+    if loss:
+        # k_norm's input: the wk output, or its fp32 copy with --dsa-indexer-k-norm-fp32
+        saved["indexer_qkw"] = idx + Tf * hd * (4 if k_norm_fp32 else e) + Tf * 8 + 4 * s * pe * e
+        saved["indexer_topk"] = topk_b
+        # the loss function keeps the (detached) query; the latent key it keeps is the one the value view keeps
+        saved["dsa_query"] = Tf * a_t * D * e
+    else:
+        held["indexer_qkw"] = idx
+        held["indexer_topk"] = topk_b
+    # the indexer's scores (_compute_index_scores, fp32): the einsum of q and k cast to fp32 into X = [s, b, heads, s],
+    # then its ReLU and the head weighting, each a new X while the previous one lives (2 X); topk's outputs are small
+    X = 4 * b * nh * s * s
+    indexer_ws = max(2 * X, X + 4 * Tf * hd * (nh + 1)) + b * s * topk * (4 + 8)
+    # the loss backward (bwd_fused_indexer_loss_naive) remakes the scores [s, b, heads, s] for the gradients: scores
+    # with ReLU, its bool mask, the weighted product, the score gradient and the mask cast to fp32 (3.25 X); then
+    # the gradients of q and k (einsums): the score gradient and its permuted copy (2 X), q in fp32, its permuted
+    # copy and q's fp32 gradient [s b, heads, head dim]; beside the [b, s, s] gradients of the index logits
+    loss_bwd_indexer = max(13 * X // 4, 2 * X + 12 * Tf * nh * hd) + 8 * I if loss else 0
+    # the loss forward (compute_dsa_indexer_loss): the fp32 index scores [b, s, s] (masked), the top-k mask, the
+    # validity masks, and the [b, a_t, s, s] fp32 attention scores through masked_softmax (scores, masked logits,
+    # the shifted logits and their exp alive at once, with the bool mask): 17 N
+    loss_ws = 17 * N + 14 * I if loss else 0
+    if recompute_core:
+        # tensor_parallel.checkpoint keeps the core's inputs (query, key, x, qr); the query is otherwise dropped
+        saved.setdefault("dsa_query", Tf * a_t * D * e)
+        for k in ("indexer_qkw", "indexer_topk"):
+            saved.pop(k, None)
+    else:
+        # _unfused_absorbed_dsa_fn: matmul keeps q.float() [b, a_t, s, D] and k.float() [b, 1, D, s]; masked_softmax
+        # keeps its exp and its division's input (fp32) and three ~valid_mask bool tensors, with small row
+        # statistics (any, max indices, sums); the value matmul keeps the probabilities cast to bf16; V's up
+        # projection (einsum) keeps the core's contiguous latent output [s, b, a_t, kv_lora]
+        # torch.matmul folds the broadcast [b, 1, ...] key (and value) into a view for b = 1, and copies it over the
+        # heads for b > 1 (its expand + reshape): the copy is what the bmm keeps
+        saved["dsa_qk_fp32"] = 4 * Tf * a_t * D + 4 * D * s * (b * a_t if b > 1 else 1)
+        saved["dsa_masks"] = 3 * N
+        saved["dsa_softmax_fp32"] = 8 * N + b * a_t * s * (1 + 8 + 4 + 4)
+        saved["dsa_probs"] = N * e
+        if b > 1:
+            saved["dsa_value_copy"] = b * a_t * s * kvl * e
+        saved["dsa_latent_output"] = Tf * a_t * kvl * e
+        # DSAttention.forward makes the V up-projection weight (a strided view of linear_kv_up_proj's) contiguous:
+        # a copy [a_t, v, kv_lora] per micro-batch, kept by the einsum
+        saved["dsa_v_up_weight"] = a_t * v * kvl * e
+    # at the masked softmax's last step: the scores plus mask, the masked logits, the division's output and its
+    # masked copy (fp32, 16 N), the top-k index mask [b, s, s] fp32 and its validity (bool)
+    sparse_fwd = 16 * N + 5 * I
+    # its backward: five fp32 [b, a_t, s, s] gradients of the softmax chain at once, less the bool mask and the bf16
+    # probabilities already freed (released names), the key's gradient through the value slice
+    sparse_bwd = 19 * N + Tf * D * e
+    # without autograd (the checkpointed core's forward): q and k in fp32, the scores, the masked logits, the
+    # softmax's output and its masked copy with one bool mask, the index mask and its validity
+    nograd_fwd = 4 * Tf * (a_t + 1) * D + 17 * N + 5 * I
+    return saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_indexer
+
+
+@lru_cache(maxsize=256)
+def layer_items(L: Layout, recompute_core: bool) -> tuple:
+    x = shapes(L)
+    loss = L.dsa_indexer_loss_coeff > 0
+    return core_items(x.s, x.b, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim, L.v_head_dim, L.dsa_indexer_n_heads,
+                      L.dsa_indexer_head_dim, L.dsa_indexer_topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32)
+
+
+CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
+                        "dsa_v_up_weight"})
+# made at the value matmul and V's up projection, after the masked softmax; the first freed by the backward
+LATE = frozenset({"dsa_probs", "dsa_value_copy", "dsa_latent_output", "dsa_v_up_weight"})
+LOSS_NAMES = frozenset({"indexer_qkw", "indexer_topk", "dsa_query", "indexer_inputs"})
+
+
+def reads_batch_mask(L: Layout) -> bool:
+    """DSAttention builds its causal bounds itself (attn_mask_type causal): the batch's mask is not read."""
+    return False
+
+
+def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, after: frozenset,
+                released: frozenset, G: int) -> MixerActivations:
+    """The input norm, the absorbed MLA's projections, DSAttention (indexer, indexer loss, sparse attention), V's up
+    projection and linear_proj's input (arguments as for ``attention.activations``)."""
+    x = shapes(L)
+    T, Tf, h, e, a_t = x.T, x.Tf, x.h, x.e, x.a_t
+    ql, kvl, pe = L.q_lora_rank, L.kv_lora_rank, L.qk_pos_emb_head_dim
+    D = kvl + pe
+    recompute_core = "core_attn" in mods
+    loss = L.dsa_indexer_loss_coeff > 0
+    sp = L.sequence_parallel and L.tp > 1
+    drop_norm1 = drop_norm or "layernorm" in mods
+    saved: dict[str, int] = {}
+    if not drop_norm1:
+        saved["norm1_stats"] = norm_stats(L, T)
+        saved["qkv_input"] = T * h * e                       # norm output, kept by the down projections
+    stats = 4 * (2 if L.normalization == "LayerNorm" else 1)
+    if latent_norms(L):
+        # q_layernorm / kv_layernorm are TENorms of their own: each keeps its input (the kv one a view of the kv down
+        # projection's [T, kv_lora + rope] output) and statistics
+        saved["latent_norms"] = T * ((ql or 0) + kvl + pe) * e + (2 if ql else 1) * T * stats
+    if ql:
+        saved["q_latent"] = T * ql * e                       # q_up_proj's input (the normalised latent)
+    # the q up projection's output [s b, a_t, qk + rope]: the einsum folding K's up projection into the query keeps
+    # its q_no_pe view
+    saved["query_up"] = Tf * a_t * (L.qk_head_dim + pe) * e
+    saved["rope_cos_sin"] = 4 * x.s * pe * e                 # unfused rope (DSA forbids rope fusion): cos, sin for q, k
+    # the latent key [s b, 1, kv_lora + rope]: the value is its first kv_lora channels, kept by the value matmul
+    saved["dsa_key"] = Tf * D * e
+    core_saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_ix = layer_items(L, recompute_core)
+    # the indexer's inputs gathered over TP under sequence parallelism (x [s b, h] and qr [s b, q_lora]): kept by
+    # its linears when the loss trains it, else freed after the indexer's forward
+    gathered = Tf * (h + _qr_width(L)) * e if sp else 0
+    if gathered and loss and not recompute_core:
+        saved["indexer_inputs"] = gathered
+    saved.update(core_saved)
+    ctx_w = a_t * L.v_head_dim
+    saved["proj_input"] = Tf * ctx_w * e                     # V up projection's output, kept by linear_proj
+    after_attn = after | {"proj_input"}
+    held_b = sum(held.values())
+    query_b = Tf * a_t * D * e                                # the absorbed query (alive through the core's forward)
+    query_live = 0 if "dsa_query" in saved else query_b
+    core_names = CORE_NAMES | LOSS_NAMES
+    fwd_steps: tuple[Step, ...] = (
+        # the absorbed query being made: the einsum's output [a_t, s b, kv_lora] and its contiguous copy
+        (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e),
+        # the indexer's scores and top-k (the gathered inputs, its q, k, weights alive)
+        (after_attn | (core_names - {"indexer_qkw", "dsa_query", "indexer_inputs"}),
+         query_live + (0 if loss and not recompute_core else gathered) + held_b + indexer_ws),
+    )
+    # with core_attn recomputed, the checkpoint's replay makes the core's saved tensors again before its backward
+    full = layer_items(L, False)[0] if recompute_core else {}
+    replay = sum(full.values())
+    if recompute_core:
+        # the checkpointed core's forward runs without autograd: its tensors are transient
+        fwd_steps += ((after_attn, held_b + max(loss_ws, nograd_fwd)),)
+    else:
+        if loss:
+            fwd_steps += ((after_attn | CORE_NAMES, loss_ws),)
+        fwd_steps += ((after_attn | LATE, query_live + held_b + sparse_fwd),)
+    rel_proj = released | {"proj_input"}
+    renorm = 2 * T * h * e + norm_stats(L, T) if drop_norm1 else 0
+    freed = sum(full.get(k, 0) for k in LATE)
+    bwd_steps: tuple[Step, ...] = (
+        (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w) + renorm),                   # linear_proj
+        # V's up projection (the latent output's gradient); with core_attn, first the replay's forward
+        (rel_proj, G + Tf * a_t * kvl * e + renorm + (replay - freed + max(indexer_ws, loss_ws, sparse_fwd)
+                                                      if recompute_core else 0)),
+        (rel_proj | LATE, G + sparse_bwd + renorm + replay - freed),                     # sparse attention
+    )
+    rel_core = rel_proj | CORE_NAMES
+    if loss:
+        # FusedDSAIndexerLoss.backward (after the sparse attention's: made earlier, it runs later): the index
+        # scores again, then the attention scores' softmax as in its forward
+        bwd_steps += ((rel_core, G + max(loss_bwd_ix, loss_ws)),)
+    rel_all = rel_core | LOSS_NAMES
+    # the absorbed query's and the key's gradients, the q up projection's and the latents'
+    qh = L.qk_head_dim + pe
+    up = Tf * a_t * D * e + Tf * D * e + Tf * a_t * qh * e + Tf * (kvl + pe) * e
+    bwd_steps += (
+        (rel_all, G + up + renorm + wgrad(L, a_t * qh, ql or h) + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
+        (rel_all | {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms"},
+         G + T * ((ql or 0) + kvl + pe) * e + 2 * T * h * e + renorm + wgrad(L, kvl + pe, h)
+         + (wgrad(L, ql, h) if ql else 0)),                                             # down projections
+        (rel_all | {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "qkv_input"},
+         G + 2 * T * h * e + renorm // 2),                                             # input norm
+    )
+    return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+    """Bytes one layer's DSA attention surely keeps per micro-batch (the planner's lower bound): the input norm's
+    output, the latent key, and (core_attn not recomputed) the dense score-sized tensors of the PyTorch path:
+    three bool masks, two fp32 softmax tensors and the bf16 probabilities, 11 + e bytes per score."""
+    e, h = L.act_bytes, L.hidden_size
+    a_t = L.num_attention_heads // tp
+    kept = 0 if "layernorm" in mods else (b * seq // tp if sp else b * seq) * h * e
+    kept += b * seq * (L.kv_lora_rank + L.qk_pos_emb_head_dim) * e
+    if "core_attn" not in mods:
+        kept += b * a_t * seq * seq * (11 + e)
+    return kept
+
+
+def qkv_gemms(L: Layout, tp: int, M: int, tok: int) -> list[tuple[int, int, int]]:
+    """MLA's projections and the indexer's (whole on every TP rank, on all M tokens under SP)."""
+    nh, hd = L.dsa_indexer_n_heads, L.dsa_indexer_head_dim
+    return mla.qkv_gemms(L, tp, M, tok) + [(M, nh * hd, _qr_width(L)), (M, hd, L.hidden_size), (M, nh, L.hidden_size)]
+
+
+def rope_elements(L: Layout, tp: int, M: int) -> int:
+    """MLA's rope elements and the indexer's (its q heads and its one key, over the rope part)."""
+    return mla.rope_elements(L, tp, M) + M * (L.dsa_indexer_n_heads + 1) * L.qk_pos_emb_head_dim
+
+
+def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
+    """The attention's rotary embedding and the indexer's own (DSAIndexer builds one like the attention's): two per
+    layer, MLA's tables and buffers (mla.mla_rotary_bytes) for twice the layers."""
+    if not layers:
+        return None
+    return mla.mla_rotary_bytes(L, 2 * layers), f"{L.rope_type} rotary tables of {layers} DSA layer(s) and their indexers"
+
+
+def head_dims(L: Layout) -> tuple[int, int]:
+    return mla.head_dims(L)

@@ -1,0 +1,109 @@
+"""Section: DeepSeek sparse attention (``--experimental-attention-variant dsa``, DeepSeek-V3.2 style).
+
+Mirrors megatron-core 0.19.2: TransformerConfig.__post_init__ (transformer/transformer_config.py lines 1383-1398: no
+linear bias, top-k frequency >= 1, skip offset >= 0; line 2837: no RoPE fusion, CP only with the allgather
+communication), get_dsa_module_spec_for_backend (models/gpt/experimental_attention_variant_module_specs.py: MLA only,
+no qk_l2_norm) and AbsorbedMLASelfAttention.__init__ (experimental_attention_variant/absorbed_mla.py: sequence
+parallelism when TP > 1, no MLA latent cache). What memguard models is the PyTorch path of ``--dsa-kernel-backend
+none`` (the default; estimator/layers/dsa.py); the rest is refused by name.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from packaging.version import Version
+
+from ..errors import NotModelledError
+from .args import Args, Context
+
+VARIANT = "experimental_attention_variant"
+# megatron-core 0.19.2 TransformerConfig.experimental_attention_variant: Literal['gated_delta_net', 'dsa']
+VARIANTS = ("gated_delta_net", "dsa")
+
+
+def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    """The DSA settings, checked as megatron-core 0.19.2 checks them. Runs after the attention variant (MLA)."""
+    variant = a.get(VARIANT)
+    variant = None if variant is None or variant == "" else str(variant).strip().lower()
+    if variant is not None and variant not in VARIANTS:
+        a.fail(VARIANT, f"must be one of {', '.join(VARIANTS)}, got {variant[:40]!r}")
+        return {}
+    # a hybrid model's 'D' layers (hybrid_layer_specs.py dsa_layer: AbsorbedMLASelfAttention with DSAttention, its
+    # latent norms IdentityOp) read the same dsa_* settings; the variant's TransformerConfig rules need the flag
+    hybrid_d = "D" in (kw.get("hybrid_layer_pattern") or "") + (kw.get("hybrid_mtp_pattern") or "")
+    if variant != "dsa" and not hybrid_d:
+        return {}        # (the other variant is refused in refusals.py)
+    key = VARIANT if variant == "dsa" else "hybrid_layer_pattern"
+    if variant != "dsa" and kw.get("apply_rope_fusion"):
+        # AbsorbedMLA's fused rope path (fused_apply_mla_rope_for_q on the absorbed query and key) keeps other
+        # tensors than the unfused one modelled; with the variant flag TransformerConfig forbids it
+        raise NotModelledError(a.key("apply_rope_fusion"), "RoPE fusion in a hybrid model's DSA 'D' layers",
+                               "add --no-rope-fusion")
+    if ctx.version < Version("0.19"):
+        # 0.16.1 builds DSA on MLASelfAttention with a different sparse path (dsa.py unfused_dsa_fn over [b*heads,
+        # s, s] scores, no absorbed latent); memguard models 0.19.2's
+        raise NotModelledError(a.key(key), "DSA before megatron-core 0.19 (MLASelfAttention with its first sparse "
+                               "attention path; memguard models 0.19.2's AbsorbedMLASelfAttention)",
+                               "give --megatron-version 0.19 or later")
+    if not kw.get("multi_latent_attention"):
+        a.fail(key, "dsa needs --multi-latent-attention (get_dsa_module_spec_for_backend asserts it; a hybrid "
+                    "model's 'D' layers read MLATransformerConfig's latent sizes)")
+    heads = a.int_arg("dsa_indexer_n_heads", required=True)
+    head_dim = a.int_arg("dsa_indexer_head_dim", required=True)
+    topk = a.int_arg("dsa_indexer_topk", required=True)
+    pe = kw.get("qk_pos_emb_head_dim", 64)
+    if head_dim is not None and head_dim < pe:
+        # DSAIndexer._apply_rope splits the head into [rope dim, head dim - rope dim]
+        a.fail("dsa_indexer_head_dim", f"({head_dim}) must be at least --qk-pos-emb-head-dim {pe} (the indexer "
+                                       "splits its head into the rotary part and the rest)")
+    freq = a.int_arg("dsa_indexer_topk_freq", 1, minimum=-(10 ** 9))
+    if freq is not None and freq < 1:
+        a.fail("dsa_indexer_topk_freq", f"must be positive, got {freq} (TransformerConfig)")
+    elif freq and freq > 1:
+        raise NotModelledError(a.key("dsa_indexer_topk_freq"), "DSA top-k sharing across layers (the layers that "
+                               "reuse a top-k build no indexer and keep the source layer's indices)")
+    offset = a.int_arg("dsa_indexer_skip_topk_offset", 0, minimum=-(10 ** 9))
+    if offset is not None and offset < 0:
+        a.fail("dsa_indexer_skip_topk_offset", f"must be non-negative, got {offset} (TransformerConfig)")
+    backend = str(a.get("dsa_kernel_backend", "none")).strip().lower()
+    if backend not in ("none", "tilelang", "cudnn"):
+        a.fail("dsa_kernel_backend", f"must be one of none, tilelang, cudnn, got {backend[:40]!r}")
+    elif backend != "none" and kw.get("attention_backend") != "unfused":
+        # dsa_kernels.use_fused_dsa_kernels: a fused backend unless --attention-backend unfused
+        raise NotModelledError(a.key("dsa_kernel_backend"), f"the {backend} DSA kernels (their saved tensors and "
+                               "workspaces; memguard models the PyTorch path of --dsa-kernel-backend none)")
+    if kw.get("add_bias_linear"):
+        a.fail("add_bias_linear", "must be off with DSA: AbsorbedMLASelfAttention takes no linear bias "
+                                  "(TransformerConfig, AbsorbedMLASelfAttention.__init__)", "add --disable-bias-linear")
+    if variant == "dsa" and kw.get("apply_rope_fusion"):
+        a.fail("apply_rope_fusion", "RoPE fusion is not supported for DSAttention (TransformerConfig)",
+               "add --no-rope-fusion")
+    if kw.get("tensor_model_parallel_size", 1) > 1 and not kw.get("sequence_parallel"):
+        a.fail("sequence_parallel", "AbsorbedMLA (DSA) requires --sequence-parallel when "
+                                    "tensor-model-parallel size > 1", "add --sequence-parallel")
+    if kw.get("context_parallel_size", 1) > 1:
+        raise NotModelledError(a.key("context_parallel_size"), "DSA with context parallelism (the allgather path "
+                               "gathers the key and the indexer key over CP)")
+    if kw.get("fp8") or kw.get("fp4"):
+        raise NotModelledError(a.key("fp8" if kw.get("fp8") else "fp4"), "FP8 / FP4 training with DSA "
+                               "(the absorbed MLA's quantized projections)")
+    mods = kw.get("recompute_modules") or ()
+    if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods:
+        raise NotModelledError(a.key("recompute_modules"), "recomputing mla_up_proj with DSA (the absorbed "
+                               "query's checkpoint)")
+    if a.bool_arg("fine_grained_activation_offloading", False):
+        # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
+        # DSAttention's
+        raise NotModelledError(a.key("fine_grained_activation_offloading"), "fine-grained activation offloading of "
+                               "DSA layers (which of DSAttention's saved tensors each offload group takes)")
+    coeff = a.float_arg("dsa_indexer_loss_coeff", 0.0)
+    if coeff < 0:
+        a.fail("dsa_indexer_loss_coeff", f"must be non-negative, got {coeff}")
+    if not a.bool_arg("dsa_indexer_scoring_relu", True):
+        a.notes.append(f"{a.key('dsa_indexer_scoring_relu')}: estimated with the indexer's ReLU (its loss backward's "
+                       "ReLU mask and its fp32 copy are counted: errs high)")
+    return dict(experimental_attention_variant=variant, dsa_indexer_n_heads=heads or 0,
+                dsa_indexer_head_dim=head_dim or 0, dsa_indexer_topk=topk or 0,
+                dsa_indexer_loss_coeff=max(0.0, coeff),
+                dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False),
+                dsa_indexer_k_norm_fp32=a.bool_arg("dsa_indexer_k_norm_fp32", False))

@@ -1,0 +1,373 @@
+"""DeepSeek sparse attention (--experimental-attention-variant dsa; megatron-core 0.19.2 DSAttention on
+AbsorbedMLASelfAttention, the PyTorch path of --dsa-kernel-backend none).
+
+The core's bytes are checked against the real module measured on CPU (benchmarks/referee/dsa_probe.py, stored in
+benchmarks/results/referee-dsa-measured.json and re-measured here when megatron-core 0.19 is installed); the
+parameters by hand from DSAIndexer.__init__ and against the module's own count; the rules against
+TransformerConfig / AbsorbedMLASelfAttention / get_dsa_module_spec_for_backend (0.19.2).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, MemguardError, NotModelledError
+from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.layers import dsa, mla
+from megatron_memguard.estimator.params import chunk_params, total_parameters
+from megatron_memguard.gpus import lookup_gpu
+from megatron_memguard.partition import MIXER_DSA, uniform_kind
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-dsa-measured.json")
+
+# a small DeepSeek-V3.2-like layer: q and kv latents, latent norms, RMSNorm, no biases, 8 indexer heads of 64
+BASE = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 4096 --max-position-embeddings 4096 "
+        "--micro-batch-size 1 --global-batch-size 8 --bf16 --multi-latent-attention --q-lora-rank 256 "
+        "--kv-lora-rank 128 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64 --normalization RMSNorm "
+        "--swiglu --qk-layernorm --disable-bias-linear --no-rope-fusion --vocab-size 32000 "
+        "--experimental-attention-variant dsa --dsa-indexer-n-heads 8 --dsa-indexer-head-dim 64 "
+        "--dsa-indexer-topk 512").split()
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LOSS = ["--dsa-indexer-loss-coeff", "0.01"]
+
+
+def _layout(*extra, world_size=2, **kw):
+    return layout_from_flags(BASE + TP2 + list(extra), world_size=world_size, **kw)
+
+
+def _saved(L):
+    return layer_activations(L, True, uniform_kind(L)).saved
+
+
+# ---------------------------------------------------------------- parameters
+
+def test_indexer_parameters_by_hand_deepseek_v32():
+    # DeepSeek-V3.2-Exp (config.json: hidden 7168, q_lora_rank 1536, index_n_heads 64, index_head_dim 128); DSAIndexer
+    # (dsa.py, 0.19.2): wq_b [64 x 128, 1536], wk [128, 7168], k_norm LayerNorm(128) weight + bias, weights_proj
+    # [64, 7168]: 12,582,912 + 917,504 + 256 + 458,752
+    L = _layout().replace(hidden_size=7168, q_lora_rank=1536, dsa_indexer_n_heads=64, dsa_indexer_head_dim=128)
+    assert dsa.indexer_param_count(L) == 13_959_424
+
+
+def test_layer_parameters_are_mla_plus_indexer_and_duplicated_over_tp():
+    L = _layout()
+    rows = {p.name: p for p in chunk_params(L, L.chunks[0]) if ".layers.0." in p.name}
+    idx = {n: p for n, p in rows.items() if ".core_attention.indexer." in n}
+    # wq_b 8*64 x 256, wk 64 x 1024, k_norm 2 x 64, weights_proj 8 x 1024: whole on each TP rank
+    assert sum(p.numel for p in idx.values()) == 131_072 + 65_536 + 128 + 8_192
+    assert all(p.tp_replicated for p in idx.values())
+    # the rest: MLA's projections split as for MLASelfAttention, the latent norms as modules of their own
+    attn = sum(p.numel for n, p in rows.items() if ".self_attention." in n and n not in idx)
+    mla_attn = sum(p.numel for p in mla.params(L, "") if p.name.startswith("self_attention."))
+    assert attn == mla_attn
+    assert any(n.endswith("self_attention.kv_layernorm.weight") for n in rows)
+    # whole model: 4 layers x (MLA + indexer) + the rest, as total_parameters counts
+    dense = L.replace(experimental_attention_variant=None)
+    assert total_parameters(L) - total_parameters(dense) == 4 * dsa.indexer_param_count(L)
+
+
+# ---------------------------------------------------------------- the core against the measured module
+
+def _predicted(r):
+    """The probe's three figures from the recipe's core_items: bytes kept after the forward, the forward's and the
+    backward's peaks above what was live before (the probe hands query, key, x, qr in: not counted)."""
+    s, b, H, kvl, pe, v = r["seq"], r["batch"], r["heads"], r["kv_lora"], r["rope"], r["v_head"]
+    nh, hd, K, e = r["index_heads"], r["index_dim"], r["topk"], 2
+    loss = r["loss_coeff"] > 0
+    saved, held, iw, lw, sf, sb, _, lbi = dsa.core_items(s, b, H, kvl, pe, v, nh, hd, K, e, loss, False)
+    saved.pop("dsa_query", None)
+    saved.pop("dsa_v_up_weight")         # the probe hands in a contiguous weight: DSAttention makes no copy of it
+    extra = 4 * s * pe + 16 * s          # the indexer's fp32 rotary table [s, rope] and the causal bounds (int64)
+    total = sum(saved.values())
+    late = sum(saved.get(k, 0) for k in dsa.LATE)
+    idx = saved.get("indexer_qkw", 0) + saved.get("indexer_topk", 0)
+    held_b = sum(held.values())
+    fwd = max(idx + held_b + iw, idx + lw, total - late + held_b + sf) + extra
+    # the backward also makes the V up-projection weight's gradient [heads, v, kv_lora]
+    bwd = max(sb - late + H * v * kvl * e, (max(lbi, lw) - (total - idx)) if loss else 0)
+    return total + extra, fwd, bwd
+
+
+with open(MEASURED) as _f:
+    RUNS = json.load(_f)["runs"]
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_core_bytes_match_the_measured_module(name):
+    r = RUNS[name]
+    saved, fwd, bwd = _predicted(r)
+    # within 2%: what is left are a few [s]-sized tensors and the key norm's statistics (torch's bf16 LayerNorm
+    # keeps bf16 mean and rstd in the probe, TE fp32)
+    assert saved == pytest.approx(r["saved"], rel=0.015)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.02)
+    assert bwd == pytest.approx(r["bwd_peak"], rel=0.01)
+    assert r["indexer_params"] == (r["index_heads"] * r["index_dim"] * r["q_lora"] + r["index_dim"] * r["hidden"]
+                                   + 2 * r["index_dim"] + r["index_heads"] * r["hidden"])
+
+
+with open(MEASURED) as _f:
+    ATTENTION = json.load(_f)["attention"]
+
+
+def _attention_flags(r):
+    f = (f"--num-layers 1 --hidden-size {r['hidden']} --num-attention-heads {r['heads']} --seq-length {r['seq']} "
+         f"--max-position-embeddings {r['seq']} --micro-batch-size {r['batch']} --global-batch-size {r['batch']} "
+         f"--bf16 --multi-latent-attention --q-lora-rank {r['q_lora']} --kv-lora-rank {r['kv_lora']} "
+         f"--qk-head-dim {r['qk_head']} --qk-pos-emb-head-dim {r['rope']} --v-head-dim {r['v_head']} "
+         f"--disable-bias-linear --no-rope-fusion --experimental-attention-variant dsa "
+         f"--dsa-indexer-n-heads {r['index_heads']} --dsa-indexer-head-dim {r['index_dim']} "
+         f"--dsa-indexer-topk {r['topk']} --dsa-indexer-loss-coeff {r['loss_coeff']} --vocab-size 128 "
+         "--no-gradient-accumulation-fusion").split()
+    return f + (["--qk-layernorm"] if r["qk_layernorm"] else [])
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_whole_attention_layer_matches_the_measured_module(name):
+    # the recipe's mixer (without the input norm, the probe's input) against AbsorbedMLASelfAttention measured on CPU
+    r = ATTENTION[name]
+    L = layout_from_flags(_attention_flags(r), world_size=1)
+    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
+    extra = 2 * 4 * r["seq"] * r["rope"] + 16 * r["seq"]   # two fp32 rotary tables (rotary_cache), causal bounds
+    saved = sum(kept.values()) + extra
+    fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps) + extra
+    bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
+    assert saved == pytest.approx(r["saved"], rel=0.005)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
+    # the probe's parameters get .grad tensors (linear_proj's and the V up-projection's exist at the peak); Megatron's
+    # go to main_grad (gradient_buffer): the recipe is below by those, within 5%
+    assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]
+
+
+with open(MEASURED) as _f:
+    ATTENTION_TP2 = json.load(_f)["attention_tp2"]
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_TP2))
+def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
+    # two gloo ranks, TP 2 with SP, the TE spec's duplicated down projections; a warm-up step made the rotary tables
+    # (rotary_cache) first, so no extra: the indexer's gathered inputs, the heads split, query and key whole
+    r = ATTENTION_TP2[name]
+    L = layout_from_flags(_attention_flags(r) + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2)
+    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
+    saved = sum(kept.values())
+    fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
+    bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
+    assert saved == pytest.approx(r["saved"], rel=0.005)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.015)
+    assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
+
+
+def test_the_stored_measurement_is_reproduced():
+    try:
+        from importlib.metadata import version
+        if not version("megatron-core").startswith("0.19"):
+            pytest.skip("megatron-core 0.19 not installed (the Python 3.12 environment has it)")
+        import torch  # noqa: F401
+    except Exception:  # noqa: BLE001
+        pytest.skip("megatron-core / torch not installed")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.referee.dsa_probe"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = RUNS["base_loss"]
+    assert {k: got[k] for k in ("saved", "fwd_peak", "bwd_peak", "indexer_params")} == \
+           {k: want[k] for k in ("saved", "fwd_peak", "bwd_peak", "indexer_params")}
+
+
+# ---------------------------------------------------------------- the layer's terms
+
+def test_dense_score_terms_by_hand():
+    L = _layout()
+    assert uniform_kind(L).mixer == MIXER_DSA
+    s = _saved(L)
+    N = 1 * (16 // 2) * 4096 * 4096       # b x heads per TP rank x s x s
+    assert s["dsa_masks"] == 3 * N                                   # three ~valid_mask bool tensors
+    assert s["dsa_softmax_fp32"] == 8 * N + 8 * 4096 * 17            # exp and the division's input, fp32
+    assert s["dsa_probs"] == 2 * N                                   # the probabilities cast to bf16
+    assert s["dsa_latent_output"] == 4096 * 8 * 128 * 2              # [s b, heads/TP, kv_lora] bf16
+    assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the latent key [s b, 1, kv_lora + rope]
+    assert s["proj_input"] == 4096 * 8 * 64 * 2
+    assert "indexer_qkw" not in s and "dsa_query" not in s           # no loss: the indexer runs without autograd
+
+
+def test_indexer_loss_keeps_the_indexer_the_query_and_the_gathered_inputs():
+    off, on = _saved(_layout()), _saved(_layout(*LOSS))
+    Tf, e = 4096, 2
+    extra = {k: on[k] for k in on if k not in off}
+    assert extra["indexer_topk"] == 4096 * 512 * 8                   # int64 [b, s, topk]
+    assert extra["dsa_query"] == Tf * 8 * (128 + 32) * e             # [s b, heads/TP, kv_lora + rope]
+    assert extra["indexer_inputs"] == Tf * (1024 + 256) * e          # x and qr gathered over TP (SP)
+    # q [s b, 8, 64], k twice (k_norm's input and the rope'd key), weights, k_norm's fp32 statistics, rope cos/sin
+    assert extra["indexer_qkw"] == Tf * (8 * 64 + 64 + 8) * e + Tf * 64 * e + Tf * 8 + 4 * 4096 * 32 * e
+    assert {k: on[k] for k in off} == off
+
+
+def test_recomputed_core_keeps_only_its_inputs():
+    s = _saved(_layout("--recompute-granularity", "selective", "--recompute-modules", "core_attn"))
+    assert not any(k.startswith("dsa_") and k not in ("dsa_key", "dsa_query") for k in s)
+    assert s["dsa_query"] == 4096 * 8 * 160 * 2
+    full = layer_activations(_layout(), True, uniform_kind(_layout()))
+    rec = layer_activations(_layout("--recompute-granularity", "selective", "--recompute-modules", "core_attn"), True,
+                            uniform_kind(_layout()))
+    assert rec.total < full.total
+    assert rec.bwd_transient > full.bwd_transient      # the replay remakes the core before its backward
+
+
+def test_estimate_runs_and_the_score_terms_dominate():
+    est = estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB"))
+    stage = est.stages[0]
+    assert stage.peak_allocated_bytes > 0
+    # 4 layers x (13 + 2 bytes of score per element) x 8 heads x s^2 at least
+    assert stage.peak_allocated_bytes > 4 * 13 * 8 * 4096 * 4096
+
+
+# ---------------------------------------------------------------- rules and refusals
+
+@pytest.mark.parametrize("drop, add, key, rule", [
+    (["--multi-latent-attention"], [], "--experimental-attention-variant", "--multi-latent-attention"),
+    (["--disable-bias-linear"], [], "--disable-bias-linear", "no linear bias"),
+    # validate_args keeps rope fusion (on by default) only with rope position embeddings
+    (["--no-rope-fusion"], ["--position-embedding-type", "rope"], "rope-fusion", "RoPE fusion is not supported"),
+    (["--dsa-indexer-topk"], [], "--dsa-indexer-topk", "is required"),
+])
+def test_rules(drop, add, key, rule):
+    flags = list(BASE)
+    for d in drop:
+        i = flags.index(d)
+        del flags[i:i + (1 if d.startswith("--multi") or d.startswith("--disable") or d.startswith("--no-") else 2)]
+    with pytest.raises(MemguardError) as e:
+        layout_from_flags(flags + add, world_size=1)
+    msg = str(e.value)
+    assert key in msg and rule in msg, msg
+    assert "Traceback" not in msg
+
+
+def test_tp_without_sequence_parallel_is_a_rule_error():
+    with pytest.raises(ConfigError) as e:
+        layout_from_flags(BASE + ["--tensor-model-parallel-size", "2"], world_size=2)
+    assert "--sequence-parallel" in str(e.value)
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "--context-parallel-size"),
+    (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
+    (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "--recompute-modules"),
+])
+def test_unmodelled_settings_are_refused_by_name(extra, key):
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(BASE + TP2 + extra, world_size=4)
+    assert e.value.key == key
+
+
+def test_megatron_016_is_refused_by_name():
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(BASE, world_size=1, megatron_version="0.16.1")
+    assert e.value.key == "--experimental-attention-variant"
+
+
+# ---------------------------------------------------------------- the hybrid pattern's 'D' layers
+
+HYBRID = ("--hybrid-layer-pattern MD-MD- --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+          "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 8 --bf16 --multi-latent-attention "
+          "--q-lora-rank 256 --kv-lora-rank 128 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64 "
+          "--dsa-indexer-n-heads 8 --dsa-indexer-head-dim 64 --dsa-indexer-topk 512 --disable-bias-linear "
+          "--vocab-size 32000 --normalization RMSNorm").split()
+
+
+def test_hybrid_d_layers_are_dsa_layers_without_latent_norms():
+    # hybrid_layer_specs.py dsa_layer (0.19.2): TENorm, AbsorbedMLASelfAttention (q_layernorm / kv_layernorm
+    # IdentityOp, whatever --qk-layernorm says) around DSAttention, no MLP
+    L = layout_from_flags(HYBRID + ["--qk-layernorm"], world_size=1)
+    kinds = [k for k in L.chunks[0].layer_kinds]
+    assert [k.mixer for k in kinds] == ["mamba", "dsa", "none", "mamba", "dsa", "none"]
+    rows = [p.name for p in chunk_params(L, L.chunks[0]) if ".layers.1." in p.name]
+    assert any(".core_attention.indexer.linear_wq_b." in n for n in rows)
+    assert not any("layernorm" in n and "input_layernorm" not in n for n in rows)
+    assert sum(p.numel for p in chunk_params(L, L.chunks[0])) == total_parameters(L)
+    dsa_layer = layer_activations(L, True, kinds[1])
+    assert dsa_layer.saved["dsa_masks"] == 3 * 16 * 2048 * 2048
+    assert "latent_norms" not in dsa_layer.saved and "fc1_input" not in dsa_layer.saved
+
+
+def test_hybrid_d_layers_need_mla_and_unfused_rope():
+    flags = [f for f in HYBRID if f != "--multi-latent-attention"]
+    with pytest.raises(ConfigError) as e:
+        layout_from_flags(flags, world_size=1)
+    assert "--hybrid-layer-pattern" in str(e.value) and "--multi-latent-attention" in str(e.value)
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(HYBRID + ["--position-embedding-type", "rope"], world_size=1)
+    assert "rope-fusion" in e.value.key
+
+
+def test_offloading_dsa_layers_is_refused_by_name():
+    with pytest.raises(NotModelledError) as e:
+        layout_from_flags(BASE + ["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
+                          world_size=1)
+    assert e.value.key == "--fine-grained-activation-offloading"
+
+
+def test_report_names_the_dsa_path():
+    from megatron_memguard.report.text import render
+    text = render(estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB")), detail=True)
+    assert "DSA indexer 8 x 64, top-k 512, loss 0.01" in text
+    assert "attention backend: DSA PyTorch path" in text and "dsa_softmax_fp32" in text
+
+
+def test_fp32_key_norm_keeps_an_fp32_input():
+    # DSAIndexer.forward_before_topk: k_norm(k.float()) with --dsa-indexer-k-norm-fp32: the norm keeps [s b, head dim]
+    # in fp32 instead of bf16
+    base = _saved(_layout(*LOSS))["indexer_qkw"]
+    fp32 = _saved(_layout(*LOSS, "--dsa-indexer-k-norm-fp32"))["indexer_qkw"]
+    assert fp32 - base == 4096 * 64 * (4 - 2)
+    L = _layout("--no-dsa-indexer-scoring-relu")
+    assert any("--no-dsa-indexer-scoring-relu" in n for n in L.notes)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3.2
+
+V32 = ["--qk-layernorm", "--no-rope-fusion", "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "64",
+       "--dsa-indexer-head-dim", "128", "--dsa-indexer-topk", "2048"]
+
+
+def test_deepseek_v32_parameters_are_v3s_and_61_indexers():
+    # DeepSeek-V3 is 671,026,404,352 (tests/test_moe_estimator.py: transformers' model on the meta device); V3.2 adds
+    # one indexer of 13,959,424 per layer (test_indexer_parameters_by_hand_deepseek_v32)
+    sys.path.insert(0, ROOT)
+    from benchmarks.estimate_speed import DEEPSEEK_V3
+    L = layout_from_flags(DEEPSEEK_V3 + V32, world_size=1024, megatron_version="0.19")
+    assert total_parameters(L) == 671_026_404_352 + 61 * 13_959_424
+
+
+def test_hugging_face_deepseek_v32_config_is_read_as_dsa():
+    # DeepSeek-V3.2-Exp's config.json: V3's fields with model_type deepseek_v32 and the indexer's index_n_heads,
+    # index_head_dim, index_topk (its inference/model.py ModelArgs names)
+    from megatron_memguard.readers.hf import read_hf_config
+    doc = json.load(open(os.path.join(ROOT, "tests", "data", "hf", "deepseek-v3.json")))
+    doc.update(model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048)
+    raw = read_hf_config(doc, "config.json")
+    a = raw.args
+    assert (a["experimental_attention_variant"], a["dsa_indexer_n_heads"], a["dsa_indexer_head_dim"],
+            a["dsa_indexer_topk"], a["multi_latent_attention"], a["apply_rope_fusion"]) == ("dsa", 64, 128, 2048, True, False)
+    assert raw.origin["dsa_indexer_n_heads"] == "index_n_heads"
+    del doc["index_topk"]
+    with pytest.raises(MemguardError) as e:
+        read_hf_config(doc, "config.json")
+    assert "index_topk" in str(e.value)
+
+
+def test_the_layout_round_trips_through_json_and_plain_layouts_keep_their_document():
+    from megatron_memguard.layout import Layout
+    L = _layout(*LOSS, "--dsa-indexer-k-norm-fp32")
+    d = L.to_dict()
+    assert (d["experimental_attention_variant"], d["dsa_indexer_n_heads"], d["dsa_indexer_loss_coeff"],
+            d["dsa_indexer_k_norm_fp32"]) == ("dsa", 8, 0.01, True)
+    assert Layout.from_dict(json.loads(json.dumps(d))) == L
+    plain = layout_from_flags(BASE[:BASE.index("--experimental-attention-variant")], world_size=1).to_dict()
+    assert not any(k.startswith("dsa_") or k == "experimental_attention_variant" for k in plain)
