@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hybrid, newest)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., newest, hostile10)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -24,7 +24,10 @@ Bridge model field set to a mapping or a word, argument-table lines of 64 KiB, p
 hybrid Mamba patterns, Nemotron-H recipe fields, MTP stages, latent MoE / capacity / upcycling sizes (issue hostile5);
 hybrid MTP patterns, Bridge PEFT keys, heterogeneous block configs, MoE values, '???' / null outside Bridge's model section,
 at --yaml-cfg's top level and in NeMo 1 / NeMo 2's trainer, strategy, data, precision and optimizer sections, adversarial Megatron logs, plan over 10**18 GPUs (issue hostile8, the hostile9 round; --big
-adds 100 MB logs). Prints, per command, the number of runs, how many broke the
+adds 100 MB logs); NeMo 2 / Bridge PEFT, run_recipe.py modes, '*' target patterns, CP communication types, attention
+backends, heterogeneous MoE / MTP configs, module lists, emerging-optimizer values, plan's cluster speeds and NeMo 1
+optimizer nulls, plus (hook10) hostile namespaces through the hook and garbage memory sources through the runtime monitor
+(issue hostile10). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -35,6 +38,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -391,6 +395,208 @@ def newest_cases():
                                                                "--global-batch-size", "1048576", "--", *dense, *more], {}
 
 
+def hostile10_cases():
+    """Issue hostile10 (the tenth round): NeMo 2 PEFT (a finetune export's `peft:`, a checkpoint's `model_transform`),
+    run_recipe.py --mode lora|dora (bad modes, unknown recipes, overrides of the wrong type), `*` patterns in
+    target_modules (10**5 stars, regex metacharacters, unicode, patterns matching nothing or everything), DoRA dropout,
+    --cp-comm-type a2a / per-layer lists / a2a+p2p with odd heads and CP sizes, --attention-backend spellings,
+    heterogeneous block configs with MoE / MTP, hybrid CUDA-graph scopes, offloaded module lists, Muon / Lion / SOAP
+    values, plan's cluster-speed and ranking options (0, -1, nan, inf, 1e308, unknown rules, --explain with nothing
+    fitting), and NeMo 1 optimizer keys set to null."""
+    from test_peft_nemo2 import LLAMA3_8B_LORA as NEMO2_LORA
+    from test_readers_bridge import FLAT
+    words = ["x", "", "null", "'???'", "-1", "0", "1e400", "nan", "[1, 2]", "{a: 1}", "true", "9" * 30]
+    # NeMo 2 finetune exports: every LoRA / DoRA field with hostile values, on both schemes
+    for scheme in ("lora.LoRA", "dora.DoRA"):
+        text = NEMO2_LORA.replace("lora.LoRA", scheme)
+        for key in ("dim", "alpha", "dropout", "dropout_position", "target_modules", "_target_", "lora_A_init_method",
+                    "dropout_recompute"):
+            for v in words + ["2", "0.5", "post", "pre", "1e-300", "-0.0"]:
+                body = text.replace("  dim: 8\n", "") if key == "dim" else text
+                yield (f"estimate NeMo 2 {scheme} {key}={v[:20]}", ["estimate", "--config", "ft.yaml"],
+                       {"ft.yaml": body + f"  {key}: {v}\n"})
+    pats = ["'*'", "'**'", "'*' * 3", "''", "'*.'", "'.*'", "'[a-z]*'", "'(.*)'", "'linear_q?v'", "'*.linear_qkv$'",
+            "'^*linear_qkv'", "'*линейный*'", "'*\\u0000*'", "'*linear_qkv*' ", "'" + "*" * 100_000 + "'",
+            "'" + "*a" * 50_000 + "b'", "'*" + "linear_" * 10_000 + "qkv'", "'*.layers.*.*.*.*.linear_qkv'",
+            "'*.layers.9999999999999999999.*'", "'*.layers.-1.*'", "'*[!x]inear_qkv'", "'*\\\\linear_qkv'",
+            "'*{linear_qkv,linear_proj}'", "'*linear_qkv|linear_proj'", "'*LINEAR_QKV'", "'* linear_qkv'", "5", "null",
+            "'*.experts.*'", "'*.mtp.*'", "'*.decoder.*'", "'*.embedding*'"]
+    for p in pats:
+        for shape in ("[{}]", "[{}, '*.linear_proj']"):
+            targets = shape.format(p)
+            yield (f"estimate NeMo 2 target_modules {targets[:40]}", ["estimate", "--config", "ft.yaml"],
+                   {"ft.yaml": NEMO2_LORA + f"  target_modules: {targets}\n"})
+            yield (f"estimate Bridge target_modules {targets[:40]}", ["estimate", "--config", "c.yaml", "--gpus", "8"],
+                   {"c.yaml": FLAT + "peft:\n  _target_: megatron.bridge.peft.dora.DoRA\n  dim: 8\n"
+                                     f"  target_modules: {targets}\n"})
+    yield ("estimate NeMo 2 target_modules 20,000 patterns", ["estimate", "--config", "ft.yaml"],
+           {"ft.yaml": NEMO2_LORA + "  target_modules: [" + ", ".join(f"'*.l{i}*'" for i in range(20_000)) + "]\n"})
+    # a checkpoint's context/model.yaml with a model_transform
+    ckpt = ("_target_: nemo.collections.llm.gpt.model.llama.LlamaModel\nconfig:\n  _target_: "
+            "nemo.collections.llm.gpt.model.llama.Llama3Config8B\n  seq_length: 2048\n")
+    for v in ("null", "'???'", "lora", "x", "[]", "{}", "5", "{_target_: nemo.collections.llm.peft.lora.LoRA, dim: x}",
+              "{_target_: nemo.collections.llm.peft.dora.DoRA, dropout: 2}", "{_target_: os.system}",
+              "{_target_: nemo.collections.llm.peft.lora.LoRA, target_modules: ['*']}",
+              "{_target_: nemo.collections.llm.peft.lora.LoRA, _partial_: true}", "{dim: 8}",
+              "{_target_: nemo.collections.llm.peft.lora.LoRA, dim: 1e400}"):
+        for more in ([], ["--", "--micro-batch-size", "1", "--global-batch-size", "64"]):
+            yield (f"estimate NeMo 2 model_transform: {v[:30]} {more[:1]}",
+                   ["estimate", "--config", "model.yaml", "--world-size", "8", *more], {"model.yaml": ckpt + f"model_transform: {v}\n"})
+    # run_recipe.py --mode / --recipe / overrides
+    launch = ["check", "--", "torchrun", "--nproc-per-node", "8", "run_recipe.py"]
+    for mode in ("lora", "dora", "LoRA", "DORA", "lora ", "", "peft", "sft", "pretrain", "lora,dora", "qlora", "x" * 10_000,
+                 "ло́ра", "None"):
+        for sel in (["--model", "llama32_1b"], ["--recipe", "llama32_1b_peft_config"], ["--recipe", "llama32_1b_pretrain_config"]):
+            yield f"check run_recipe.py {sel[1]} --mode {mode[:20]!r}", [*launch, *sel, "--mode", mode], {}
+    for name in ("llama32_1b_peft_config ", "LLAMA32_1B_PEFT_CONFIG", "llama32_1b_peft", "llama32_1b_peft_config_x", "../x",
+                 "a" * 100_000, "llama32_1b_peft_config\x00", "__import__('os')", "_peft_config", "peft", "qwen3_8b_peft_config",
+                 "llama3_70b_peft_config", "nemotronh_8b_peft_config", "llama32_1b_sft_config"):
+        for mode in ([], ["--mode", "lora"], ["--mode", "dora"]):
+            yield f"check run_recipe.py --recipe {name[:30]!r} {mode}", [*launch, "--recipe", name, *mode], {}
+    for ov in ("peft.dim=x", "peft.dim=0", "peft.dim=-8", "peft.dim=1e30", "peft.dim=null", "peft.alpha=nan",
+               "peft.dropout=2", "peft.dropout=-0.5", "peft.dropout=nan", "peft.dropout=0.1", "peft.dropout_position=x",
+               "peft.dropout_position=post", "peft.target_modules=[]", "peft.target_modules=x",
+               "peft.target_modules=['*']", "peft.target_modules=['*.linear_qkv']", "peft=null", "peft=x", "peft=lora",
+               "peft=dora", "peft={}", "peft.dim=[8]", "+peft.rank=8", "~peft", "~peft.dim", "model.num_layers=x",
+               "model.num_layers=[1]", "model.num_layers={a: 1}", "model.tensor_model_parallel_size=3",
+               "train.micro_batch_size=-1", "model.seq_length=1e400", "model=null", "peft.dim=8=8", "=8", "peft..dim=8",
+               "peft.dim.x=8", "model.num_layers=" + "9" * 5000, "peft.lora_dtype=x"):
+        for mode in ("lora", "dora"):
+            yield f"check run_recipe.py --mode {mode} {ov[:30]}", [*launch, "--model", "llama32_1b", "--mode", mode, ov], {}
+    for opt in ("-tp", "-pp", "-sl", "--gbs", "--mbs", "--dataset", "-cp", "--seq-length"):
+        for v in ("x", "0", "-1", "1e400", "nan", "9" * 30, ""):
+            yield f"check run_recipe.py --mode lora {opt} {v[:10]!r}", [*launch, "--model", "llama32_1b", "--mode", "lora",
+                                                                        opt, v], {}
+    # --cp-comm-type and --attention-backend
+    attn = ["--num-layers", "4", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "4800",
+            "--max-position-embeddings", "4800", "--micro-batch-size", "1", "--global-batch-size", "48",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--bf16", "--position-embedding-type", "rope"]
+    for cp in ("2", "3", "4", "5", "8", "12", "16", "1"):
+        for ct in (["a2a"], ["a2a+p2p"], ["A2A"], ["a2a", "p2p", "a2a", "all_gather"], ["a2a", "p2p"],
+                   ["a2a"] * 5, ["a2a,p2p"], [""], ["a2a+p2p", "--hierarchical-context-parallel-sizes", "2", str(max(1, int(cp) // 2))],
+                   ["a2a+p2p", "--hierarchical-context-parallel-sizes", "3", "1"]):
+            for heads in (["--num-attention-heads", "12"], ["--num-attention-heads", "7", "--hidden-size", "896"],
+                          ["--group-query-attention", "--num-query-groups", "3"]):
+                yield (f"estimate CP {cp} --cp-comm-type {' '.join(ct)[:30]} {heads[-1]}",
+                       ["estimate", "--world-size", "48", "--", *attn, *heads, "--context-parallel-size", cp,
+                        "--cp-comm-type", *ct], {})
+    for backend in ("flash", "FLASH", "Flash", "fused", "unfused", "local", "auto", "AttnBackend.flash", "flash,fused",
+                    "", "x", "None", "null", "0"):
+        for more in ([], ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--fp8-format", "hybrid",
+                                                                                    "--fp8-dot-product-attention"]):
+            yield f"estimate --attention-backend {backend!r} {more[:2]}", ["estimate", "--world-size", "8", "--", *attn,
+                                                                         "--attention-backend", backend, *more], {}
+    yield "estimate --attention-backend flash fused", ["estimate", "--world-size", "8", "--", *attn, "--attention-backend",
+                                                      "flash", "fused"], {}
+    for v in ("flash", "FLASH", "[flash]", "null", "5", "AttnBackend.flash", "{_target_: x}"):
+        yield f"estimate Bridge attention_backend={v}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                        f"model.attention_backend={v}"], {"c.yaml": FLAT}
+        yield f"estimate Bridge cp_comm_type={v}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                   "model.context_parallel_size=2", "--set", f"model.cp_comm_type={v}"],\
+            {"c.yaml": FLAT}
+    for v in ("a2a", "[a2a, p2p]", "[a2a]", "['a2a'] * 2", "[null]", "[]", "[a2a, a2a, a2a, a2a, a2a]", "A2A", "7"):
+        yield f"estimate Bridge cp_comm_type={v} CP 2", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                        "model.context_parallel_size=2", "--set", f"model.cp_comm_type={v}"],\
+            {"c.yaml": FLAT}
+    # heterogeneous block configs with MoE / MTP (megatron-core 0.19) and hostile JSON
+    base = json.load(open(os.path.join(ROOT, "tests", "data", "heterogeneous", "small_blocks.json")))
+    from test_heterogeneous import FLAGS as het_flags
+    hflags = [*het_flags, "--megatron-version", "0.19.2"]
+    hmoe = ["--num-experts", "4", "--moe-ffn-hidden-size", "256", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+            "alltoall"]
+    docs: dict[str, object] = {"as is": base}
+    # (deep nesting written as text: json.dumps recurses)
+    docs["5,000 levels of block_configs"] = '{"block_configs":' * 5000 + json.dumps(base) + "}" * 5000
+    docs["block_configs 3,000 lists deep"] = json.dumps(dict(base, block_configs=[])).replace(
+        '"block_configs": []', '"block_configs": ' + "[" * 3000 + "null" + "]" * 3000)
+    for label, blk in (("nulls", {"attention": None, "ffn": None}), ("nested nulls", {"attention": {"n_heads_in_group": None,
+                       "no_op": None, "replace_with_linear": None}, "ffn": {"ffn_mult": None, "no_op": None,
+                       "replace_with_linear": None}}), ("moe key", {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": 1,
+                       "moe": {"num_local_experts": 8}}}), ("mlp not ffn", {"attention": {"n_heads_in_group": 4},
+                       "mlp": {"ffn_mult": 1}}), ("strings", {"attention": {"n_heads_in_group": "4"}, "ffn": {"ffn_mult": "1"}}),
+                       ("bool mult", {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": True}}),
+                       ("no_op string", {"attention": {"n_heads_in_group": 4, "no_op": "false"}, "ffn": {"ffn_mult": 1}}),
+                       ("both no_op and linear", {"attention": {"n_heads_in_group": 4, "no_op": True,
+                                                                "replace_with_linear": True}, "ffn": {"ffn_mult": 1}})):
+        docs[f"4 blocks of {label}"] = dict(base, block_configs=[blk] * 4)
+    small = {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": 1}}
+    docs["100,000 blocks"] = dict(base, block_configs=[small] * 100_000)
+    docs["100,000 layers"] = dict(base, block_configs=[small] * 10, num_hidden_layers=100_000)
+    for k, v in (("num_hidden_layers", None), ("num_hidden_layers", "4"), ("hidden_size", 4.5), ("rope_scaling", None),
+                 ("rope_scaling", {"factor": None}), ("num_attention_heads", 0), ("hidden_act", None), ("block_configs", None)):
+        docs[f"{k}={v!r}"] = dict(base, **{k: v})
+    for label, doc in docs.items():
+        text = doc if isinstance(doc, str) else json.dumps(doc, separators=(",", ":"))
+        if len(text) > 900_000:
+            continue
+        for more_label, more in (("MoE", hmoe), ("MTP", ["--mtp-num-layers", "2"]), ("MoE+MTP", [*hmoe, "--mtp-num-layers", "1"]),
+                                 ("MoE freq", [*hmoe, "--moe-layer-freq", "[1,0,1,0]"])):
+            yield f"estimate heterogeneous {more_label} {label}", ["estimate", "--world-size", "1", "--", *hflags, *more,
+                                                                   "--heterogeneous-layers-config-path", "h.json"], {"h.json": text}
+    # hybrid CUDA-graph scopes, offloaded modules, Muon / Lion / SOAP values
+    hyb = [*HYBRID, "--hybrid-layer-pattern", "M*M-", "--megatron-version", "0.19.2"]
+    for impl in ("local", "transformer_engine", "full_iteration", "LOCAL", "x", ""):
+        for mods in (["mamba"], ["attn", "mamba", "mlp"], ["moe"], ["mamba", "mamba"], ["MAMBA"], ["x"], [""],
+                     ["mamba,attn"], ["full_iteration"], ["moe_router", "moe_preprocess"]):
+            for flag in ("--cuda-graph-modules", "--cuda-graph-scope"):
+                yield f"estimate hybrid --cuda-graph-impl {impl} {flag} {mods}", [
+                    "estimate", "--world-size", "8", "--", *hyb, "--cuda-graph-impl", impl, flag, *mods], {}
+    for mods in (["attn_norm"], ["core_attn", "mlp_norm", "expert_fc1", "moe_act"], ["mamba"], ["x"], [""], ["ATTN_NORM"],
+                 ["attn_norm"] * 50, ["qkv_linear,core_attn"], ["fused_group_mlp"], ["attn_proj"]):
+        for model in (("dense", SMALL), ("hybrid", hyb), ("moe", MOE)):
+            for inflight in ([], ["--fine-grained-offloading-max-inflight-offloads", "0"],
+                             ["--fine-grained-offloading-max-inflight-offloads", "-1"],
+                             ["--fine-grained-offloading-max-inflight-offloads", str(10**9)]):
+                yield f"estimate {model[0]} --offload-modules {' '.join(mods)[:20]} {inflight[1:]}", [
+                    "estimate", "--world-size", "8", "--megatron-version", "0.19.2", "--", *model[1],
+                    "--fine-grained-activation-offloading", "--offload-modules", *mods, *inflight], {}
+    opt_values = {"--muon-momentum": ["nan", "-1", "1e400", "x", "2"], "--muon-num-ns-steps": ["0", "-1", "1e9", "x", "2.5"],
+                  "--muon-tp-mode": ["BLOCKWISE", "x", "", "duplicated"], "--muon-scale-mode": ["x", "", "spectral"],
+                  "--muon-extra-scale-factor": ["nan", "-1", "inf"], "--muon-coefficient-type": ["x", "", "quintic"],
+                  "--muon-fp32-matmul-prec": ["HIGHEST", "x", ""], "--muon-scalar-optimizer": ["LION", "sgd", "", "muon"],
+                  "--lion-beta1": ["nan", "-1", "2", "x"], "--lion-beta2": ["inf", "0", "x"],
+                  "--soap-precondition-frequency": ["0", "-1", "x", "1e400"], "--soap-shampoo-beta": ["nan", "x"],
+                  "--optimizer": ["MUON", "Lion", "soap", "adamw", "", "x", "dist_muon"]}
+    for optimizer in ("muon", "lion", "soap", "adaptive_muon"):
+        for flag, vs in opt_values.items():
+            for v in vs:
+                yield f"estimate --optimizer {optimizer} {flag} {v!r}", [
+                    "estimate", "--world-size", "8", "--megatron-version", "0.19.2", "--", *SMALL, "--optimizer", optimizer,
+                    flag, v], {}
+    # plan's cluster speeds, ranking and --explain
+    plan = ["plan", "--gpus", "8", "--seq-length", "2048", "--global-batch-size", "64", "--model", "llama-3.2-1b"]
+    for opt in ("--network-gbps", "--tie-window", "--gemm-efficiency", "--attention-efficiency"):
+        for v in ("0", "-1", "nan", "inf", "-inf", "1e308", "1e-308", "5e-324", "x", "", "1.5", "100", "0x10", "1_0"):
+            yield f"plan {opt} {v!r}", [*plan, opt, v], {}
+            yield f"plan {opt} {v!r} --explain", [*plan, opt, v, "--explain"], {}
+    for rule in ("unknown", "", "TIME", "fujii2024 ", "time,fujii2024"):
+        yield f"plan --rule {rule!r}", [*plan, "--rule", rule], {}
+    nothing = ["plan", "--gpus", "1", "--seq-length", "131072", "--global-batch-size", "1", "--model", "llama3.1-70b"]
+    for extra in ([], ["--explain"], ["--explain", "tp=1,pp=1,vpp=1,cp=1,mbs=1,recompute=full"], ["--explain", "x"],
+                  ["--explain", "tp=8"], ["--rule", "fujii2024", "--explain"], ["--tie-window", "1e308", "--explain"],
+                  ["--json", "--explain"], ["--top", "0", "--explain"]):
+        yield f"plan nothing fits {' '.join(extra)[:40]}", [*nothing, *extra], {}
+    for extra in (["--explain", "tp=1,pp=1,vpp=1,cp=1,mbs=1,recompute=none"], ["--explain", "tp=1,tp=2"],
+                  ["--explain", "tp=999999999999999999999"], ["--explain", "tp=-1,pp=0"], ["--explain", "tp=nan"],
+                  ["--explain", "=,=,="], ["--explain", "tp=1," * 20_000], ["--explain", "recompute=x"],
+                  ["--tie-window", "1", "--rule", "fujii2024"], ["--network-gbps", "1e-300", "--tie-window", "0"]):
+        yield f"plan {' '.join(extra)[:50]}", [*plan, *extra], {}
+    # NeMo 1 optimizer keys set to null (and '???')
+    nemo1 = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
+    for key in ("model.optim.num_distributed_optimizer_instances", "model.optim.overlap_grad_sync",
+                "model.optim.overlap_param_sync", "model.optim.contiguous_grad_buffer", "model.optim.bucket_cap_mb",
+                "model.optim.grad_sync_dtype", "model.optim.betas", "model.optim.weight_decay", "model.optim.lr",
+                "model.optim.sched", "model.optim.ddp_bucket_size", "model.optim.distribute_within_nodes",
+                "model.optim.overlap_param_gather_with_optimizer_step", "model.optim.use_precision_aware_optimizer",
+                "model.optim.store_param_remainders", "model.optim.main_grads_dtype", "model.optim.exp_avg_dtype",
+                "model.optim.optimizer_cpu_offload", "model.optim.optimizer_offload_fraction",
+                "model.optim.use_distributed_optimizer", "model.optim.fp32_grad_accumulation"):
+        for name in ("distributed_fused_adam", "mcore_distributed_optim"):
+            for v in ("null", "'???'", "x", "[1]"):
+                yield f"estimate NeMo 1 {name} {key}={v}", ["estimate", "--config", "c.yaml", "--vocab-size", "32000", "--set",
+                                                          f"model.optim.name={name}", "--set", f"{key}={v}"], {"c.yaml": nemo1}
+
+
 def hostile_files(d: str) -> dict[str, str]:
     """Files no config is, made in ``d``: a named pipe nobody writes to, a directory, a symlink loop,
     UTF-16 text; and /dev/zero, /dev/urandom (endless)."""
@@ -613,6 +819,124 @@ def hook_cases(n: int) -> tuple[int, list[str], float, str]:
     return n, broken, worst[0], worst[1]
 
 
+class _Refusing:
+    """A value that refuses str(), repr(), bool() and == (a framework's lazy or half-built config object)."""
+
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    __repr__ = __str__
+
+    def __bool__(self):
+        raise RuntimeError("no bool")
+
+    def __eq__(self, other):
+        raise RuntimeError("no ==")
+
+    __hash__ = object.__hash__
+
+
+def hook10_cases() -> tuple[int, list[str], float, str]:
+    """Issue hostile10: the hook's validate_args / validate_yaml wrappers on whole hostile namespaces (empty; None, 0,
+    'x', 10**30, NaN, [] or an object refusing str / bool / == at every field; --memguard* attributes that raise when
+    read), in warn and abort mode, and the runtime monitor fed by memory sources that raise or return garbage (NaN, inf,
+    negative, boolean, 2**64 or fractional byte counts, a dict, an int). The promise: Megatron's validation runs (or
+    the abort / argparse-style error the user asked for), at most one memguard error line, never a warning or a summary
+    built on a garbage reading. (runs, broken, worst CPU seconds, its case)."""
+    import copy
+    import time
+    import types
+
+    from mutate_util import hook_namespaces, run_hook
+    from megatron_memguard.runtime import MemoryMonitor, Prediction, Reading, StaticSource
+
+    class Raising(types.SimpleNamespace):
+        def __getattribute__(self, name):
+            if name.startswith("memguard"):
+                raise KeyError(name)
+            return super().__getattribute__(name)
+
+    cases: list[tuple[str, Any, str]] = []
+    for label, base in hook_namespaces().items():
+        def every(v, base=base):
+            ns = copy.deepcopy(base)
+            for k, sub in list(vars(ns).items()):
+                if k in ("rank", "world_size", "yaml_cfg"):
+                    continue
+                if isinstance(sub, types.SimpleNamespace):
+                    for kk in list(vars(sub)):
+                        setattr(sub, kk, v)
+                else:
+                    setattr(ns, k, v)
+            return ns
+        for mode in ("warn", "abort"):
+            spaces = {"empty": types.SimpleNamespace(), "rank and world only": types.SimpleNamespace(rank=0, world_size=8)}
+            for v_label, v in (("None", None), ("0", 0), ("'x'", "x"), ("10**30", 10**30), ("nan", float("nan")),
+                               ("[]", []), ("an object refusing str/bool/==", _Refusing())):
+                spaces[f"{v_label} everywhere"] = every(v)
+            spaces["--memguard* raising when read"] = Raising(**vars(copy.deepcopy(base)))
+            for s_label, ns in spaces.items():
+                try:
+                    object.__setattr__(ns, "memguard", mode) if not isinstance(ns, Raising) else None
+                except Exception:
+                    pass
+                cases.append((f"{label} {mode}: {s_label}", ns, mode))
+    broken, worst = [], (0.0, "")
+    for label, ns, mode in cases:
+        c0 = time.process_time()
+        o = run_hook(ns)
+        cpu = time.process_time() - c0
+        if cpu > worst[0]:
+            worst = (cpu, label)
+        p = []
+        if o.escaped or o.timed_out:
+            p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
+        if not (o.carried_on or o.aborted or o.exit2):
+            p.append("Megatron's validation was not called")
+        if o.exit2 and (len(o.exit2.splitlines()) != 1 or "memguard" not in o.exit2):
+            p.append("exit 2 message not one line naming the setting: " + o.exit2[:200])
+        if len(o.errors) > 1:
+            p.append(f"{len(o.errors)} error lines")
+        if p:
+            broken.append(f"hook {label}: {'; '.join(p)[:200]}")
+    # the runtime monitor with sources that raise or return garbage
+    from megatron_memguard import estimate, layout_from_flags
+    est = estimate(layout_from_flags(SMALL, world_size=8))
+    pred = Prediction.from_estimate(est, 0)
+    ok = dict(allocated=pred.persistent, max_allocated=2 * pred.peak_allocated, reserved=pred.persistent,
+              max_reserved=2 * pred.peak_reserved, device_used=2 * pred.device_total)   # twice the prediction: warns
+    sources: dict[str, Any] = {"raises": lambda: (_ for _ in ()).throw(RuntimeError("CUDA error")),
+                               "returns a dict": lambda: dict(ok), "returns an int": lambda: 5}
+    for field in ok:
+        for v_label, v in (("nan", float("nan")), ("inf", float("inf")), ("-1", -1), ("True", True), ("2**64", 2**64),
+                           ("1.5", 1.5), ("'x'", "x")):
+            sources[f"{field}={v_label}"] = (lambda field=field, v=v: Reading(**{**ok, field: v}))
+    for label, fn in sources.items():
+        lines: list[str] = []
+        c0 = time.process_time()
+        try:
+            m = MemoryMonitor(StaticSource(fn), pred, interval=1, emit=lines.append, emit_error=lines.append)
+            m.start()
+            for it in range(1, 101):
+                m.step(it)
+            s = m.finish() or {}
+            p = []
+            if m.warned is not None or any("WARNING" in x for x in lines):
+                p.append("a warning from a garbage reading")
+            if len([x for x in lines if "error" in x]) > 1:
+                p.append("more than one error line")
+            if any(v is not None for v in (s.get("max") or {}).values()):
+                p.append(f"a summary of garbage: {s.get('max')}")
+        except Exception as e:  # noqa: BLE001
+            p = [f"escaped: {type(e).__name__}: {e}"[:200]]
+        cpu = time.process_time() - c0
+        if cpu > worst[0]:
+            worst = (cpu, f"monitor {label}")
+        if p:
+            broken.append(f"monitor {label}: {'; '.join(p)}")
+    return len(cases) + len(sources), broken, worst[0], worst[1]
+
+
 def big_logs(d: str) -> None:
     """--big: logs far over 1 MB that a long run writes (10**6 memory lines; 10**6 JSONL samples), timed."""
     import resource
@@ -653,7 +977,7 @@ def main(argv: list[str]) -> int:
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
-              ("newest", newest_cases())]
+              ("newest", newest_cases()), ("hostile10", hostile10_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]
@@ -687,6 +1011,10 @@ def main(argv: list[str]) -> int:
     n, hook_broken, hook_cpu, hook_label = hook_cases(0 if "--group" in argv else 60 if step > 1 else 600)
     print(f"{'hook':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
     runs["hook"], broken["hook"], worst["hook"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
+    if "--group" not in argv or "hostile10" in argv:   # (the hook's and monitor's hostile10 cases: all of them, quick too)
+        n, hook_broken, hook_cpu, hook_label = hook10_cases()
+        print(f"{'hook10':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
+        runs["hook10"], broken["hook10"], worst["hook10"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())
     over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
     nbroken = sum(len(v) for v in broken.values())

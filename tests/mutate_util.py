@@ -774,7 +774,11 @@ def run_hook(ns: Any, wall_limit: int = 10, reject: bool = False) -> HookOutcome
         calls.append(1)
         return args
 
-    wrap = hook._wrap_validate_yaml(validate) if is_yaml_namespace(ns) else hook._wrap_validate(validate)
+    try:
+        yaml_shaped = is_yaml_namespace(ns)
+    except Exception:     # (the wrapper asks again, and must survive it)
+        yaml_shaped = True
+    wrap = hook._wrap_validate_yaml(validate) if yaml_shaped else hook._wrap_validate(validate)
     state = hook.STATE
     saved = (state.emit, state.emit_error, state.error, state.decision, state.settings)
     from megatron_memguard.runtime.reporting import ErrorReporter
@@ -794,7 +798,11 @@ def run_hook(ns: Any, wall_limit: int = 10, reject: bool = False) -> HookOutcome
     prev = signal.signal(signal.SIGALRM, alarm)
     signal.alarm(wall_limit)
     try:
-        if not getattr(ns, "memguard_gpu_memory", None):
+        try:
+            known = bool(getattr(ns, "memguard_gpu_memory", None))
+        except Exception:     # (a namespace whose values raise when read: the hook's own reading is what is tested)
+            known = False
+        if not known:
             os.environ["MEMGUARD_GPU_MEMORY"] = "79.1GiB"    # (no GPU here: the device query would say unknown)
         wrap(ns, {"tokenizer_type": "GPT2BPETokenizer"})
     except MemguardAbort:

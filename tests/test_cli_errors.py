@@ -20,7 +20,8 @@ BASE = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 51
     (["--world-size", "1"], ["--micro-batch-size", "x"], "--micro-batch-size", "must be an integer"),
     ([], [], "--world-size", "number of GPUs is unknown"),
     (["--world-size", "1"], ["--mtp-num-layers", "2", "--mtp-use-repeated-layer", "--position-embedding-type", "rope",
-                             "--cuda-graph-impl", "transformer_engine"], "--mtp-use-repeated-layer", "not modelled yet"),
+                             "--cuda-graph-impl", "transformer_engine"], "--mtp-use-repeated-layer",
+     "does not work with --cuda-graph-impl transformer_engine"),
     # Rules of validate_args / TransformerConfig / ModelParallelConfig / OptimizerConfig (megatron-core 0.19.2)
     (["--world-size", "1"], ["--fp16-lm-cross-entropy", "--bf16"], "--fp16-lm-cross-entropy", "needs --fp16"),
     (["--world-size", "1"], ["--fp32-residual-connection"], "--fp32-residual-connection", "needs --fp16 or --bf16"),

@@ -145,9 +145,9 @@ def test_comm_type_rules():
     # the all-to-all splits heads and query groups per TP rank over its ranks: 4 groups per TP rank, CP 8
     with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
         resolve(parse_megatron_flags(BASE + ["--context-parallel-size", "8", "--cp-comm-type", "a2a"]), world_size=32)
-    # one type per layer with an all-to-all among them is not sized
+    # one type per layer with an all-to-all among them is not sized (TransformerConfig asserts one per layer: BASE's 32)
     with pytest.raises(NotModelledError, match="cp.comm.type"):
-        lay(*CP2, "--cp-comm-type", "p2p", "a2a")
+        lay(*CP2, "--cp-comm-type", "p2p", *["a2a"] * 31)
 
 
 def test_mla_refuses_a2a():

@@ -196,10 +196,11 @@ def test_nemo1_lora_settings_of_the_wrong_shape():
                              "model.global_batch_size=256"], {"c.yaml": text}, cpu_limit=2.0)
     # 'lora_tuning: 3' was read as no settings (rank 32 on linear_qkv)
     one_error(run("    lora_tuning: 3\n"), "model.peft.lora_tuning: must be a mapping of LoRA settings, got 3")
-    # nemo_toolkit 2.2.1 peft_config.py: variant 'canonical' builds unfused q / k / v and gate / up adapters
-    one_error(run("    lora_tuning:\n      variant: canonical\n"), "model.peft.lora_tuning.variant: NeMo 1's canonical LoRA")
-    o = run("    lora_tuning:\n      variant: nemo\n")
-    assert not o.problems and o.code in (0, 1), o.describe()
+    # nemo_toolkit 2.2.1 peft_config.py: variant 'canonical' builds unfused q / k / v and gate / up adapters, estimated
+    # (tests/test_peft_nemo1_corners.py counts them by hand)
+    for variant in ("nemo", "canonical"):
+        o = run(f"    lora_tuning:\n      variant: {variant}\n")
+        assert not o.problems and o.code in (0, 1), o.describe()
 
 
 @pytest.mark.parametrize("spec, rule", [

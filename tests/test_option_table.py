@@ -149,7 +149,7 @@ WALK_REFUSED = {"hybrid_context_parallel": True,
                 "spec": ["local"], "yaml_cfg": "run.yaml", "logits_load_dir": "/x",
                 "te_precision_config_file": "p.yaml"}
 WALK_NOTED = {"clone_scatter_output_in_embedding": False, "disable_jit_fuser": True, "create_all_gather_group": True,
-              "ddp_num_buckets": 4, "eval_micro_batch_size": 8}
+              "ddp_num_buckets": 4}
 
 
 @pytest.mark.parametrize("dest, value", sorted(WALK_REFUSED.items()))

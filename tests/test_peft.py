@@ -137,7 +137,8 @@ def test_dora_keeps_the_scaled_sum(tmp_path):
     ("  dropout: 1.5\n", "peft.dropout", ConfigErrors),
     ("  target_modules: [linear_q_proj]\n", "peft.target_modules", NotModelledError),
     ("  target_modules: ['*.layers.0.*.linear_qkv']\n", "peft.target_modules", NotModelledError),
-    ("  exclude_modules: [linear_fc2]\n", "peft.exclude_modules", NotModelledError),
+    # exclude_modules with LoRA's default target_modules: ModuleMatcher asserts exclude_modules is empty
+    ("  exclude_modules: [linear_fc2]\n", "peft.exclude_modules: must be empty when target_modules is set", ConfigError),
     ("  lora_dtype: float32\n", "peft.lora_dtype", NotModelledError),
     # Bridge 0.6.2 peft/module_matcher.py ModuleMatcher.match: 'assert len(self.exclude_modules) == 0' (with
     # target_modules) or 'name not in self.exclude_modules' (without) on every module: None is a TypeError

@@ -138,7 +138,8 @@ def test_wildcards_memguard_does_not_model_are_refused_by_name(tmp_path, targets
     ("  lora_dtype: {_target_: torch.float32, _call_: false}\n", "peft.lora_dtype", NotModelledError),
     ("  dropout_recompute: true\n", "peft.dropout_recompute", NotModelledError),
     ("  a2a_experimental: true\n", "peft.a2a_experimental", NotModelledError),
-    ("  exclude_modules: [linear_fc2]\n", "peft.exclude_modules", NotModelledError),
+    # exclude_modules with LoRA's default target_modules: ModuleMatcher asserts exclude_modules is empty
+    ("  exclude_modules: [linear_fc2]\n", "peft.exclude_modules: must be empty when target_modules is set", ConfigError),
     ("  dim: null\n", "peft.dim", ConfigError),
     # NeMo 2.5.0 peft/module_matcher.py ModuleMatcher.match: 'len(self.target_modules or []) > 0' is false for a null,
     # which then wraps every linear (the output layer too), not the default four; 'assert len(self.exclude_modules)

@@ -101,6 +101,10 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
     # path prefix: write every allocation record ([alloc seq, free seq, bytes, op, dtype, shape, phase])
     # to <prefix>.rank<R>.json, for replays such as benchmarks/referee/allocator_replay.py
     referee_allocation_log=None,
+    # the evaluation step after the training iterations (megatron/training evaluate(), core 0.19.2: eval mode,
+    # torch.no_grad, the schedule with forward_only=True at --eval-micro-batch-size): its micro-batch, None: none
+    referee_eval_micro_batch_size=None,
+    referee_eval_microbatches=2,
 )
 
 
@@ -309,6 +313,40 @@ def is_first_or_last_pipeline_stage(vp_stage):
     ignore_virtual = vp_stage is None
     return parallel_state.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage) or \
         parallel_state.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+
+
+def _eval_step(args, model, forward_step, forward_backward_func, tracker, data_seed) -> dict:
+    """One evaluation step as megatron/training evaluate() runs it (training.py, core 0.19.2): the model in eval
+    mode, torch.no_grad, the training schedule with forward_only=True at the eval micro-batch. The batch readers
+    take args.micro_batch_size (get_batch_on_this_tp_rank), which evaluate's callers set to the eval micro-batch
+    for its duration here."""
+    from megatron.core import parallel_state as mpu
+    train_mbs = args.micro_batch_size
+    args.micro_batch_size = args.referee_eval_micro_batch_size
+    try:
+        if len(model) > 1:
+            data = [iter(MockGPTData(args, data_seed + 1)) for _ in model]
+        else:
+            data = iter(MockGPTData(args, data_seed + 1))
+        if mpu.get_tensor_model_parallel_rank() != 0:
+            data = [None] * len(model) if len(model) > 1 else None
+        for m in model:
+            m.eval()
+        tracker.set_phase("eval")
+        with tracker.region("eval"), torch.no_grad():
+            out = forward_backward_func(
+                forward_step_func=forward_step, data_iterator=data, model=model,
+                num_microbatches=args.referee_eval_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=True)
+            del out
+        for m in model:
+            m.train()
+    finally:
+        args.micro_batch_size = train_mbs
+    r = tracker.region_result("eval")
+    return {"micro_batch_size": args.referee_eval_micro_batch_size, "start_bytes": r["start_bytes"],
+            "peak_bytes": r["peak_bytes"], "peak_phase": r["peak_phase"], "end_bytes": r["end_bytes"],
+            "peak_dump": tracker.dump(r["peak_seq"], top=15)}
 
 
 def make_forward_step(args, tracker, phase_state):
@@ -756,6 +794,8 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         if args.num_experts:
             result["after_step_dump_all"] = tracker.dump(None, top=None, by_phase=True)
         result["num_tracked_allocations"] = tracker.num_allocs
+        if args.referee_eval_micro_batch_size:
+            result["eval"] = _eval_step(args, model, forward_step, forward_backward_func, tracker, data_seed)
 
     timings["total_s"] = time.time() - t_start
     pos = {
@@ -806,6 +846,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         "num_tracked_allocations": result["num_tracked_allocations"],
         "timings": timings,
         "referee_adam_kernel": args.referee_adam_kernel,
+        **({"eval": result["eval"]} if "eval" in result else {}),
     })
     torch.distributed.barrier()
     mpu.destroy_model_parallel()

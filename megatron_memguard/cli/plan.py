@@ -159,18 +159,31 @@ def _constraints(ns: argparse.Namespace):
     )
 
 
+MIN_NETWORK_GBPS, MAX_NETWORK_GBPS = 1.0, 72_000
+MIN_EFFICIENCY = 0.01
+
+
 def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace) -> GpuSpec:
     """The GPU's row with the speeds the user measured on their cluster."""
     changes: dict[str, float] = {}
     if ns.network_gbps is not None:
         if not ns.network_gbps > 0:
             raise ConfigError("--network-gbps", f"must be > 0 Gb/s per GPU, got {ns.network_gbps}")
+        if not MIN_NETWORK_GBPS <= ns.network_gbps <= MAX_NETWORK_GBPS:
+            # (inf and 1e308 gave zero network time, 5e-324 step times of 10**300 s)
+            raise ConfigError("--network-gbps", f"must be from {MIN_NETWORK_GBPS:g} to {MAX_NETWORK_GBPS:,} Gb/s per GPU "
+                              f"(memguard's bounds: 1 Gb/s Ethernet; 10 x NVLink 5's 7,200 Gb/s per GPU and direction), "
+                              f"got {ns.network_gbps!r}")
         changes["network_bytes_per_s"] = ns.network_gbps * 1e9 / 8
     for flag, field in (("--gemm-efficiency", "gemm_efficiency"), ("--attention-efficiency", "attention_efficiency")):
         v = getattr(ns, field)
         if v is not None:
             if not 0 < v <= 1:
                 raise ConfigError(flag, f"must be a fraction of peak in (0, 1], got {v}")
+            if v < MIN_EFFICIENCY:
+                # (5e-324 divided by zero; 1e-308 printed 10**300-second steps)
+                raise ConfigError(flag, f"must be at least {MIN_EFFICIENCY:g} of peak (memguard's bound: an H100's fp32 "
+                                  f"CUDA cores alone reach 6.8% of its bf16 tensor-core peak), got {v!r}")
             changes[field] = v
     return dataclasses.replace(gpu, **changes) if changes else gpu
 

@@ -982,9 +982,11 @@ class _StageShape:
 @lru_cache(maxsize=256)
 def _stage_shapes(L: Layout) -> tuple[_StageShape, ...]:
     """Each stage's shape. The middle stages of a deep pipeline share their chunk shapes, hence their states,
-    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP and Muon
+    buffers and fixed terms: only the schedule differs. FP8/FP4 (first/last layers in bf16), FSDP, Muon and
     look at the chunks' positions, so they are keyed by rank."""
-    if L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L):
+    if (L.fp8 or L.fp4 or L.optimizer in EMERGING_OPTIMIZERS or fsdp_enabled(L)
+            or (L.peft is not None and L.peft.layers is not None)):
+        # (NeMo 1's LoRA layer_selection: a stage's adapters follow the layer numbers it holds)
         return tuple([_StageShape((r,), r) for r in range(L.pp)])
     by_stage, last = L._chunks_by_stage, L.pp - 1
     # bucket_size_for: None but for the first chunk of rank 0 with --overlap-grad-reduce
@@ -1605,6 +1607,36 @@ def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_
     return out
 
 
+def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, device: str, site: SiteConstants,
+                    notes: list[str]) -> tuple[StageEstimate, ...]:
+    """Each stage with its evaluation step's figure (estimator/eval_step.py), or a note naming what keeps it out."""
+    from .eval_step import eval_figure, eval_layout, eval_terms, unmodelled
+    why = unmodelled(L)
+    if why is not None:
+        notes.append(f"--eval-micro-batch-size: the evaluation step is not estimated ({why} is not modelled)")
+        return stages
+    E = eval_layout(L)
+    shapes_ = _stage_shapes(L)
+    out = []
+    for s in stages:
+        pr = preps[shapes_[s.pp_rank]]
+        chunks = L.stage_chunks(s.pp_rank)
+        runs = tuple(c.kind_runs for c in chunks)
+        nrecv = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
+        last = s.pp_rank == L.pp - 1
+        # the persistent buffers grown to the eval micro-batch's requests (they keep their largest size); the
+        # retained pipeline inputs are left out: the first received eval input replaces them
+        # (TransformerBlock.set_input_tensor) and is counted as eval_received_input
+        train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs)}
+        growth = sum(max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
+                     if name != "pipeline_inputs_retained")
+        static = (*pr.state_terms, *pr.buffers, *pr.fixed_alloc)
+        frag = site.allocator_fragmentation if device == "gpu" else None
+        terms = eval_terms(L, s.pp_rank, static, growth, frag, pr.device_only if device == "gpu" else ())
+        out.append(replace(s, eval_step=eval_figure(L, terms)))
+    return tuple(out)
+
+
 def estimate(
     layout: Layout,
     profile: str = "auto",
@@ -1703,6 +1735,8 @@ def estimate(
             pr = preps[shape] = _stage_prep(L, shape, device, gpu_name, dp_rank, site, expert_dp_rank)
         stages.append(_stage_estimate(L, r, pr, device, site))
     stages = tuple(stages)
+    if L.eval_micro_batch_size is not None:
+        stages = _with_eval_step(L, stages, preps, device, site, notes)
     if L.moe is not None and L.moe.moe_use_upcycling:
         # the start-up peak of upcycling (a dense model beside the MoE one), weighed with the training peak
         from .upcycling import startup_figure, startup_terms

@@ -49,6 +49,23 @@ def target_shapes(L: Layout, kind: LayerKind | None = None) -> dict[str, tuple[i
     return {t: shapes_[t] for t in _ORDER if t in L.peft.target_modules and _kind_has(kind, t)}
 
 
+def column_adapters(L: Layout, name: str, out: int) -> tuple[tuple[str, int], ...]:
+    """(name prefix, output rows per TP rank) of the adapters on a column-parallel target whose local output is
+    ``out``: one (fused), or NeMo 1's canonical variant's unfused ones (nemo_toolkit 2.2.1
+    nemo/collections/nlp/modules/common/megatron/adapters/parallel_adapters.py): LoraUnfusedKQVAdapter's q_adapter
+    (out_features = in_features = hidden), k_adapter and v_adapter (kv_channels x num_query_groups each), and
+    LoraUnfusedHto4HAdapter's gate_adapter and up_adapter (half of fc1's output each). Each is a
+    ParallelLinearAdapter: linear_in ColumnParallelLinear(in, r), linear_out ColumnParallelLinear(r, its out)."""
+    if L.peft.variant != "canonical" or name not in COLUMN_TARGETS:
+        return ((f"{name}.adapter.", out),)
+    t = L.tp
+    if name == "linear_qkv":
+        kv = (out - L.num_attention_heads * L.kv_channels // t) // 2     # k's (= v's) rows of the fused output
+        return ((f"{name}.adapter.q_adapter.", L.hidden_size // t), (f"{name}.adapter.k_adapter.", kv),
+                (f"{name}.adapter.v_adapter.", kv))
+    return ((f"{name}.adapter.gate_adapter.", out // 2), (f"{name}.adapter.up_adapter.", out // 2))
+
+
 @lru_cache(maxsize=256)
 def layer_adapter_rows(L: Layout, kind: LayerKind | None = None) -> tuple[tuple[str, int, bool], ...]:
     """(name, numel per rank, tp_replicated) of one layer's adapter parameters in registration order."""
@@ -58,8 +75,9 @@ def layer_adapter_rows(L: Layout, kind: LayerKind | None = None) -> tuple[tuple[
     for name, (out, inp) in target_shapes(L, kind).items():
         if name in COLUMN_TARGETS:
             # linear_in ColumnParallelLinear(in, r): [r/TP, in]; linear_out ColumnParallelLinear(r, out): [out/TP, r]
-            rows.append((f"{name}.adapter.linear_in.weight", (r // t) * inp, False))
-            rows.append((f"{name}.adapter.linear_out.weight", out * r, False))
+            for prefix, o in column_adapters(L, name, out):
+                rows.append((f"{prefix}linear_in.weight", (r // t) * inp, False))
+                rows.append((f"{prefix}linear_out.weight", o * r, False))
             if p.scheme == "dora":
                 rows.append((f"{name}.adapter.weight_magnitude", out, False))
         else:
@@ -78,10 +96,20 @@ def adapter_param_count(L: Layout) -> int:
     from ..partition import model_kind_runs
     p = L.peft
     total = 0
+    start = 0
     for kind, n in model_kind_runs(L):
+        per_layer = 0
         for name, (out, inp) in target_shapes(L, _target_kind(L, kind)).items():
             out_full, in_full = (out * L.tp, inp) if name in COLUMN_TARGETS else (out, inp * L.tp)
-            total += n * ((in_full + out_full) * p.dim + (out_full if p.scheme == "dora" else 0))
+            if name in COLUMN_TARGETS:
+                # (canonical: each unfused adapter has its own linear_in [r, in] and its share of the outputs)
+                per_layer += sum(in_full + o * L.tp for _, o in column_adapters(L, name, out)) * p.dim
+            else:
+                per_layer += (in_full + out_full) * p.dim
+            per_layer += out_full if p.scheme == "dora" else 0
+        # (NeMo 1's layer_selection: the run's selected layers only)
+        total += p.adapted_layers(start, n) * per_layer
+        start += n
     return total
 
 
@@ -111,9 +139,14 @@ def stage_peft_states(L: Layout, pp_rank: int, base_params: int) -> PeftStates:
     numel = unpadded = 0
     parts = []
     for c in L.stage_chunks(pp_rank):
-        # each layer's adapters in order (a hybrid layer has those of its kind only)
-        plist = [(n, False) for kind, k in c.kind_runs
-                 for n in [n for _, n, _ in layer_adapter_rows(L, _target_kind(L, kind))] * k]
+        # each layer's adapters in order (a hybrid layer has those of its kind only; NeMo 1's layer_selection: the
+        # chunk's selected layers only)
+        plist = []
+        start = c.first_layer
+        for kind, k in c.kind_runs:
+            rows = [n for _, n, _ in layer_adapter_rows(L, _target_kind(L, kind))]
+            plist += [(n, False) for n in rows] * L.peft.adapted_layers(start, k)
+            start += k
         if not plist:
             continue
         buf = build_buffer(L, plist, bucket_size_for(L, c), ShardGroup.DENSE_DP)
@@ -222,18 +255,21 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set,
         o, i = tg[name]
         column = name in COLUMN_TARGETS
         pre = p.dropout > 0 and p.dropout_position == "pre"
+        # NeMo 1's canonical variant: q / k / v (gate / up) adapters read the same input, each through its own
+        # dropout and linear_in, and each keeps its own [s b, r] intermediate
+        n_sub = len(column_adapters(L, name, o)) if column else 1
         if column:
             if pre:
-                out[_LORA_INPUT[name]] = Tf * i * (e + 1)            # dropped [s b, h] copy + its bool mask
+                out[_LORA_INPUT[name]] = n_sub * Tf * i * (e + 1)    # dropped [s b, h] copies + their bool masks
             elif L.sequence_parallel:
                 out[_LORA_INPUT[name]] = Tf * i * e                  # TE's gathered norm output, kept by linear_in
         elif pre:
             out[_LORA_INPUT[name]] = Tf * i * (e + 1)
             if not (name == "linear_proj" and core_keeps_proj_input):
                 out.pop(base, None)                                  # the base input is no longer kept
-        inter += Tf * p.dim * e
+        inter += n_sub * Tf * p.dim * e
         if p.dropout > 0 and p.dropout_position == "post":
-            masks += Tf * o if column else T * h
+            masks += Tf * sum(oo for _, oo in column_adapters(L, name, o)) if column else T * h
         if p.scheme == "dora":
             dora += (Tf * o if column else T * h) * e
             # _get_weight_norm: W0 + s B A, [out, in] per rank, made (and its product) and detached in the forward
@@ -266,7 +302,9 @@ def backward_steps(L: Layout, mlp_bwd: tuple, mixer_bwd: tuple,
     e, Tf = x.e, x.Tf
     pre = 2 if p.dropout > 0 and p.dropout_position == "pre" else 1
     tg = target_shapes(L, _target_kind(L, kind) if kind is not None else None)
-    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e for name, (_, i) in tg.items()}
+    # (canonical: each unfused adapter's intermediate gradient; their input gradients add into one)
+    extra = {name: Tf * i * e * pre + 2 * Tf * p.dim * e * len(column_adapters(L, name, o))
+             for name, (o, i) in tg.items()}
 
     def plus(steps: tuple, at: dict[int, int]) -> tuple:
         n = len(steps)

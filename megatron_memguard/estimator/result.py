@@ -112,12 +112,15 @@ class StageEstimate:
     host_terms: tuple[Term, ...] = ()  # host (CPU) memory of one rank: optimizer CPU offload
     # --moe-use-upcycling: the start-up figure (estimator/upcycling.py startup_figure), None otherwise
     startup: dict[str, Any] | None = None
+    # --eval-micro-batch-size: the evaluation step's figure (estimator/eval_step.py eval_figure), None otherwise
+    eval_step: dict[str, Any] | None = None
 
     def __init__(self, pp_rank: int, chunks: tuple[Chunk, ...], num_layers: int, parameters: int,
                  persistent_bytes: int, peak_allocated_bytes: int, peak_reserved_bytes: int, device_total_bytes: int,
                  peak_phase: str, in_flight: int, terms: tuple[Term, ...] | Callable[[], tuple[Term, ...]],
                  moe: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
-                 host_terms: tuple[Term, ...] = (), startup: dict[str, Any] | None = None) -> None:
+                 host_terms: tuple[Term, ...] = (), startup: dict[str, Any] | None = None,
+                 eval_step: dict[str, Any] | None = None) -> None:
         # one per stage of every estimate: the fields are stored directly (as Term's)
         d = self.__dict__
         d["pp_rank"] = pp_rank
@@ -142,12 +145,15 @@ class StageEstimate:
             d["moe"] = moe
         d["host_terms"] = host_terms
         d["startup"] = startup
+        d["eval_step"] = eval_step
 
     @property
     def required_device_bytes(self) -> int:
-        """The device total the verdict weighs: the training peak's, or a larger start-up figure (upcycling)."""
-        s = self.startup
-        return self.device_total_bytes if s is None else max(self.device_total_bytes, s["device_total_bytes"])
+        """The device total the verdict weighs: the training peak's, or a larger start-up figure (upcycling) or
+        evaluation step's (--eval-micro-batch-size)."""
+        s, e = self.startup, self.eval_step
+        need = self.device_total_bytes if s is None else max(self.device_total_bytes, s["device_total_bytes"])
+        return need if e is None else max(need, e["device_total_bytes"])
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling / deep copies carry the values, not the functions making them
@@ -193,6 +199,8 @@ class StageEstimate:
             d["moe"] = dict(self.moe)
         if self.startup is not None:
             d["upcycling_startup"] = dict(self.startup)
+        if self.eval_step is not None:
+            d["eval_step"] = dict(self.eval_step)
         return d
 
 

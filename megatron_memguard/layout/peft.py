@@ -26,13 +26,32 @@ class PeftSpec:
     dropout: float                      # adapter dropout probability
     dropout_position: str               # "pre" (on the adapter input) or "post" (on its output)
     target_modules: tuple[str, ...]     # the wrapped linears of every decoder layer
+    # "fused": one adapter per wrapped linear (Bridge, NeMo 1's default 'nemo' variant); "canonical": NeMo 1's
+    # unfused adapters, one each for q, k, v of linear_qkv and gate, up of linear_fc1 (estimator/peft.py)
+    variant: str = "fused"
+    # NeMo 1's layer_selection: the 1-based global layer numbers (TransformerLayer.layer_number) that get adapters;
+    # None: every layer
+    layers: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "dim": self.dim, "alpha": self.alpha, "dropout": self.dropout,
-                "dropout_position": self.dropout_position, "target_modules": list(self.target_modules)}
+        d: dict[str, Any] = {"scheme": self.scheme, "dim": self.dim, "alpha": self.alpha, "dropout": self.dropout,
+                             "dropout_position": self.dropout_position, "target_modules": list(self.target_modules)}
+        if self.variant != "fused":     # (documents of the fused adapters on every layer read as before)
+            d["variant"] = self.variant
+        if self.layers is not None:
+            d["layers"] = list(self.layers)
+        return d
+
+    def adapted_layers(self, first_layer: int, num_layers: int) -> int:
+        """How many of the global layers ``first_layer .. first_layer + num_layers - 1`` (0-based) get adapters."""
+        if self.layers is None:
+            return num_layers
+        return sum(1 for n in self.layers if first_layer < n <= first_layer + num_layers)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PeftSpec":
         return cls(scheme=str(d["scheme"]), dim=int(d["dim"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
                    dropout_position=str(d.get("dropout_position", "pre")),
-                   target_modules=tuple(d.get("target_modules") or DEFAULT_TARGETS))
+                   target_modules=tuple(d.get("target_modules") or DEFAULT_TARGETS),
+                   variant=str(d.get("variant", "fused")),
+                   layers=tuple(int(n) for n in d["layers"]) if d.get("layers") is not None else None)

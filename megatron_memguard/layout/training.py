@@ -9,6 +9,9 @@ class Batch:
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
+    # the evaluation step's micro-batch (--eval-micro-batch-size, megatron.training 0.18+): its forward-only peak is
+    # a second figure of the estimate (estimator/eval_step.py); None: no evaluation step estimated
+    eval_micro_batch_size: int | None = None
 
 
 @dataclass(frozen=True)

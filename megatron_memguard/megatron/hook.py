@@ -212,7 +212,15 @@ def _checked(original, args, defaults, a, k, settings: Settings, *, assign=setat
 def _wrap_validate(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}, *a, **k):  # noqa: B006 (Megatron's own signature)
-        return _checked(original, args, defaults, a, k, _read_settings(args))
+        try:
+            settings = _read_settings(args)
+        except SystemExit:   # a bad --memguard* value: Megatron's own kind of error
+            raise
+        except Exception as e:  # memguard's fault (an attribute that raises on reading): the run goes on unchecked
+            STATE.error("reading the --memguard settings", e)
+            STATE.decision = None
+            return original(args, defaults, *a, **k)
+        return _checked(original, args, defaults, a, k, settings)
     return validate_args
 
 
@@ -221,7 +229,12 @@ def _wrap_validate_yaml(original):
     returned, before ``validate_yaml`` builds the merged namespace Megatron uses next (yaml_args.py)."""
     @functools.wraps(original)
     def validate_yaml(args, defaults={}, *a, **k):  # noqa: B006
-        if not is_yaml_namespace(args):  # not load_yaml's shape: validate_yaml will say what is wrong
+        try:
+            shaped = is_yaml_namespace(args)
+        except Exception as e:  # (a section or yaml_cfg value that raises when read)
+            STATE.error("reading a --yaml-cfg namespace", e)
+            shaped = False
+        if not shaped:  # not load_yaml's shape: validate_yaml will say what is wrong
             STATE.decision = None
             return original(args, defaults, *a, **k)
         try:

@@ -33,6 +33,7 @@ _ON = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": 
 def parse_layout_spec(text: str) -> dict[str, Any]:
     """``tp=8,pp=4,...`` -> keyword arguments of :func:`make_candidate`."""
     out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
     for part in str(text).replace(" ", "").split(","):
         if not part:
             continue
@@ -40,6 +41,10 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             raise ConfigError("--explain", f"{part!r} is not key=value; write e.g. tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none")
         k, v = part.split("=", 1)
         k = k.lower()
+        name = _INT_KEYS.get(k) or _BOOL_KEYS.get(k) or ("recompute" if k == "rc" else k)
+        if name in seen:   # (the last one won silently: tp=1,tp=2 explained TP 2)
+            raise ConfigError("--explain", f"{name} is given twice ({seen[name]!r} and {part!r})")
+        seen[name] = part
         if k in _INT_KEYS:
             try:
                 iv = int(v)

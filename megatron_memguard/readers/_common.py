@@ -595,6 +595,9 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
         ab = _attention_backend(val("attention_backend"))
         if ab:
             b.set("attention_backend", ab, key("attention_backend"))
+        else:   # (a mapping that is no AttnBackend, or an enum number AttnBackend lacks, was dropped: auto)
+            raise ConfigError(key("attention_backend"), f"expects an AttnBackend (flash, fused, unfused, local, auto), "
+                              f"got {shown(val('attention_backend'))}")
     for flag in ("fp8", "fp4"):
         v = val(flag)
         if v not in (None, False, "", "none", "None"):

@@ -513,6 +513,13 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     for name in ("micro_batch_size", "global_batch_size", "decrease_batch_size_if_needed", "empty_unused_memory_level"):
         if has("train", name):
             b.set(name, v("train", name), k("train", name))
+    # the evaluation step (megatron-core 0.19.2 megatron/training/config/training_config.py ValidationConfig; older
+    # Bridge releases keep them in train): its micro-batch is estimated as a second figure (estimator/eval_step.py)
+    for name in ("eval_micro_batch_size", "eval_global_batch_size", "eval_iters"):
+        for sec in ("validation", "train"):
+            if has(sec, name):
+                b.set(name, v(sec, name), k(sec, name))
+                break
     if has("train", "rampup_batch_size"):
         b.warn(f"{k('train', 'rampup_batch_size')}: batch-size ramp-up is set; memguard estimates the final global batch size")
 

@@ -62,6 +62,8 @@ _CHOICES = {
     "--megatron-fsdp-grad-comm-dtype": ("fp32", "fp16", "bf16", "auto"),
     "--muon-scalar-optimizer": ("adam", "lion"),
     "--muon-tp-mode": ("blockwise", "duplicated", "distributed"),
+    "--muon-scale-mode": ("spectral", "unit_rms_norm", "shape_scaling"),
+    "--muon-fp32-matmul-prec": ("low", "medium", "high"),    # ('low' then fails in torch: resolve/muon.py)
     "--optimizer": ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
 }
 # digits beyond int()'s limit on a string's length (sys.get_int_max_str_digits, 4300): argparse refuses them too,

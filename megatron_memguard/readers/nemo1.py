@@ -29,7 +29,7 @@ from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import shown
 from ._common import (
     MISSING, ArgsBuilder, apply_overrides, as_bool, default_ffn_hidden_size, dtype_name, is_missing, map_mcore_fields,
-    null_not_default, typed_defaults, _number,
+    null_not_default, true_or_false, typed_defaults, _number,
 )
 
 # NeMo 1 ``model.*`` keys that are not megatron-core field names (read by NeMo itself, or harmless
@@ -449,6 +449,13 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
     if not isinstance(name, str):
         raise ConfigError(okey, f"expects an optimizer name (fused_adam, distributed_fused_adam, ...), got {name!r}")
     distributed = name in ("distributed_fused_adam", "mcore_distributed_optim")
+    ndoi = "model.optim.num_distributed_optimizer_instances"
+    if t.has(ndoi) and t.get(ndoi) is None:
+        # MegatronBaseModel.__init__ passes cfg.optim.get(key, 1) (None for a null) to initialize_model_parallel_for_nemo
+        # with every optimizer, and megatron-core's initialize_model_parallel fails on (DP x CP) % None (NeMo 2.5.0
+        # megatron_base_model.py; megatron-core 0.16.1 parallel_state.py)
+        raise ConfigError(k(ndoi), "is null: NeMo passes None to megatron-core's initialize_model_parallel, which fails "
+                          "at start-up ((DP x CP) % None), not its default 1", f"set {k(ndoi)}=1 or drop the key")
     if name in _ADAM:
         b.set("optimizer", "adam", okey)
     elif name == "sgd":
@@ -463,9 +470,12 @@ def _map(t: _Tree, b: ArgsBuilder, model_only: bool) -> None:  # noqa: C901 (one
         b.set("optimizer", name, okey)  # resolve() refuses optimizers it does not model
     if distributed:
         b.set("use_distributed_optimizer", True, okey)
+        # (strictly true / false: NeMo hands the value to DistributedDataParallelConfig as it is, where any word or list
+        # reads as true; as_bool read them as false)
         if get("model.optim.overlap_grad_sync") is not None:
-            b.set("overlap_grad_reduce", as_bool(get("model.optim.overlap_grad_sync")), k("model.optim.overlap_grad_sync"))
-        ops = as_bool(get("model.optim.overlap_param_sync", False))
+            b.set("overlap_grad_reduce", true_or_false(get("model.optim.overlap_grad_sync"), k("model.optim.overlap_grad_sync")),
+                  k("model.optim.overlap_grad_sync"))
+        ops = true_or_false(get("model.optim.overlap_param_sync", False), k("model.optim.overlap_param_sync"))
         if ops:
             if b.args.get("overlap_grad_reduce"):
                 b.set("overlap_param_gather", True, k("model.optim.overlap_param_sync"))
@@ -691,11 +701,13 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
     block = get("model.peft.lora_tuning")
     if block is not None and not isinstance(block, Mapping):
         raise ConfigError(k("model.peft.lora_tuning"), f"must be a mapping of LoRA settings, got {shown(block)}")
-    if get(lt + "variant") == "canonical":
+    variant = get(lt + "variant")
+    if variant == "canonical":
         # LoraPEFTConfig (nemo_toolkit 2.2.1 nemo/collections/nlp/parts/peft_config.py: 'lora_cfg.get("variant",
         # "nemo") == "canonical"'): separate q / k / v (and fc1 gate / up) adapters, each with its own linear_in
-        raise NotModelledError(k(lt + "variant"), "NeMo 1's canonical LoRA variant (unfused q / k / v and gate / up "
-                               "adapters; memguard models 'nemo', the fused ones)")
+        # (adapters/parallel_adapters.py LoraUnfusedKQVAdapter, LoraUnfusedHto4HAdapter; estimator/peft.py)
+        b.set("peft_variant", "canonical", k(lt + "variant"))
+    # (any other value builds the fused adapters, as LoraPEFTConfig's test above does)
     targets = get(lt + "target_modules")
     if targets is not None:
         if not isinstance(targets, (str, list, tuple)):
@@ -719,6 +731,8 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
     if get(lt + "adapter_dropout") not in (None, 0, 0.0) and get(lt + "dropout_position") is None:
         raise NotModelledError(k(lt + "adapter_dropout"), "NeMo 1 LoRA dropout without a dropout_position")
     if get(lt + "layer_selection") is not None:
-        raise NotModelledError(k(lt + "layer_selection"), "LoRA on some layers only")
+        # PEFTConfig reads it from the lora_tuning block (peft_config.py: peft_cfg.get("layer_selection", None))
+        sel = get(lt + "layer_selection")
+        b.set("peft_layers", list(sel) if isinstance(sel, (list, tuple)) else sel, k(lt + "layer_selection"))
     if get(lt + "weight_tying"):
         raise NotModelledError(k(lt + "weight_tying"), "LoRA weight tying across layers")

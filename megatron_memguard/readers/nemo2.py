@@ -435,8 +435,12 @@ def _peft(b: ArgsBuilder, doc: Mapping, model: Mapping, mprefix: str) -> None:
     checkpoint's ``context/model.yaml`` keeps. NeMo 2.5's LoRA / DoRA build the same adapters as Megatron-Bridge's
     (nemo/collections/llm/peft/utils.py ParallelLinearAdapter, get_adapter_attributes_from_linear), so they go to the
     same dests (resolve/peft.py). Fiddle writes only the arguments given: the rest are the class's defaults."""
-    found = [(v, k) for v, k in ((doc.get("peft"), "peft"), (model.get("model_transform"), f"{mprefix}model_transform"))
-             if v is not None and not is_missing(v)]
+    pairs = ((doc.get("peft"), "peft"), (model.get("model_transform"), f"{mprefix}model_transform"))
+    for v, k in pairs:
+        if is_missing(v):   # (read as no PEFT: a full fine-tuning estimate of a LoRA run)
+            raise ConfigError(k, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE['NeMo 2']}",
+                              f"set {k}=lora (or dora, none)")
+    found = [(v, k) for v, k in pairs if v is not None]
     if not found:
         return
     value, key = found[0]
@@ -464,7 +468,10 @@ def _peft(b: ArgsBuilder, doc: Mapping, model: Mapping, mprefix: str) -> None:
             if listed is not None:
                 b.set(_NEMO2_PEFT_FIELDS[name], listed, fkey)
         elif name in _NEMO2_PEFT_FIELDS:
-            if v is None or is_missing(v):
+            if is_missing(v):   # (said 'is null')
+                raise ConfigError(fkey, f"is ??? (OmegaConf's missing marker): {_MISSING_RULE['NeMo 2']}, and {cls} "
+                                  "cannot build the adapters with it", f"drop {fkey} or give a value")
+            if v is None:
                 raise ConfigError(fkey, f"is null: NeMo 2's {cls} takes it as None, not its default, and cannot "
                                   "build the adapters", f"drop {fkey} or give a value")
             b.set(_NEMO2_PEFT_FIELDS[name], v, fkey)

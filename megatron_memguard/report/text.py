@@ -184,6 +184,8 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
             out.append(moe_line(s, est.gpu_memory_bytes, est.threshold))
         if s.startup is not None:
             out.append(startup_line(s))
+        if s.eval_step is not None:
+            out.append(eval_line(s))
         out.append("")
     if detail and est.profile != "fujii2024":
         if est.attention is not None and not _dsa_only(est.layout):
@@ -242,12 +244,25 @@ def startup_line(s: Any) -> str:
             + ("above" if u["device_total_bytes"] > s.device_total_bytes else "below") + " the training peak")
 
 
+def eval_line(s: Any) -> str:
+    """The evaluation step's figure (estimator/eval_step.py): its total and its forward-only terms."""
+    e = s.eval_step
+    parts = ", ".join(f"{t['name']} {format_bytes(t['bytes'])}" for t in e["terms"] if t["name"].startswith("eval_"))
+    return (f"evaluation step (micro-batch {e['micro_batch_size']}, forward only): peak allocated "
+            f"{format_bytes(e['peak_allocated_bytes'])}, device total {format_bytes(e['device_total_bytes'])} "
+            f"({parts}); " + ("above" if e["device_total_bytes"] > s.device_total_bytes else "below")
+            + " the training peak")
+
+
 def verdict_line(est: Estimate, colour: bool = False) -> str:
     c = est.critical
     dom = max((t for t in c.terms if t.level == "allocated"), key=lambda t: t.bytes)
     v = _c(est.verdict.upper(), _COLOURS.get(est.verdict, "0"), colour)
     need = c.required_device_bytes
-    at = " at upcycling start-up" if need > c.device_total_bytes else ""
+    at = ""
+    if need > c.device_total_bytes:
+        at = (" at the evaluation step" if c.eval_step is not None and need == c.eval_step["device_total_bytes"]
+              else " at upcycling start-up")
     if est.gpu_memory_bytes:
         frac = need / est.gpu_memory_bytes
         head = est.gpu_memory_bytes * est.threshold - need

@@ -26,4 +26,22 @@ def batch(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("global_batch_size", f"{gbs} is not divisible by micro-batch size x DP = {mbs}*{dp} = {mbs * dp}",
                    f"use a multiple of {mbs * dp}")
     num_microbatches = max(1, gbs // (mbs * dp))  # (a placeholder after the error above: checks go on)
-    return dict(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=num_microbatches)
+    return dict(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=num_microbatches,
+                eval_micro_batch_size=_eval_micro_batch(a, mbs, gbs, dp))
+
+
+def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
+    """The evaluation step's micro-batch when it is larger than the training one (--eval-micro-batch-size), else
+    None: the forward-only peak of a micro-batch no larger than the training one is bounded by the training step's
+    forward of it, which holds the same tensors and its saved activations besides (estimator/eval_step.py).
+    ``--eval-iters 0`` runs no evaluation step."""
+    em = a.int_arg("eval_micro_batch_size")
+    if em is None or a.int_arg("eval_iters", 100, minimum=0) == 0:
+        return None
+    # validate_args (megatron/training/arguments.py, core 0.19.2): eval_global_batch_size (default: the global
+    # batch) % (eval_micro_batch_size x data_parallel_size) == 0
+    egbs = a.int_arg("eval_global_batch_size", gbs)
+    if egbs is not None and egbs % (em * dp):
+        a.fail("eval_global_batch_size", f"{egbs} is not divisible by eval micro-batch size x DP = {em}*{dp} = "
+               f"{em * dp}", f"use a multiple of {em * dp}")
+    return em if em > mbs else None

@@ -71,17 +71,42 @@ _OTHER_MODULES = ("", "embedding", "embedding.word_embeddings", "embedding.posit
 _PREFIXES = ("", "module.", "module.module.", "0.module.", "0.module.module.")
 
 
+_REGEX_SYNTAX = frozenset("\\^$+?{}[]()|")
+_LONGEST_NAME = 256   # characters: the longest module name below ('0.module.module.decoder.layers.N.self_attention...')
+
+
+def _wildcard_regex(key: str, pattern: str) -> Any:
+    """The frameworks' regex for ``pattern``, matched without backtracking: with '*' -> '(.*)' Python's re takes time
+    exponential in the stars on a name that does not match ('*.*.*.*.*.*.*.*Z' ran past 60 s), so the pattern is
+    matched as the glob it is (fnmatch's translation, linear; '.' is any one character as in the regex). Other regex
+    syntax (a leading '^' and a trailing '$' aside, which the frameworks' anchors make redundant) is refused by name."""
+    import fnmatch
+    import re
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    body = body[:-1] if body.endswith("$") else body
+    syntax = sorted(set(body) & _REGEX_SYNTAX)
+    if syntax:
+        try:
+            re.compile("^" + pattern.replace("*", "(.*)") + "$")
+        except re.error as exc:   # (Bridge's own re.compile raises the same)
+            raise ConfigError(key, f"{shown(pattern)} is not a valid pattern ({exc})") from None
+        raise NotModelledError(key, f"PEFT target {shown(pattern)}: regular-expression syntax ({' '.join(syntax)}) "
+                               "beside '*' and '.'; memguard matches Bridge's '*' wildcards and '.' only")
+    if len(body) - body.count("*") > _LONGEST_NAME:
+        return None   # (more characters than any module name has: it matches none, without compiling 10**5 groups)
+    return re.compile(fnmatch.translate(body.replace(".", "?")))
+
+
 def wildcard_targets(a: Args, pattern: str, num_layers: int) -> list[str]:
     """The linears a ``*`` pattern of target_modules wraps, matched as Megatron-Bridge 0.6.2 and NeMo 2.5 match it
     (peft/utils.py wildcard_match: '^' + pattern with '*' -> '(.*)' + '$' on the module's full name, dots unescaped).
     memguard models a target wrapped in every layer: a pattern that matches a linear in some layers only, matches
     another module (the output layer, a norm, a whole layer), or depends on the wrappers' name prefix is refused."""
-    import re
     key = a.key("peft_target_modules")
-    try:
-        rx = re.compile("^" + pattern.replace("*", "(.*)") + "$")
-    except re.error as exc:   # (Bridge's own re.compile raises the same)
-        raise ConfigError(key, f"{shown(pattern)} is not a valid pattern ({exc})") from None
+    rx = _wildcard_regex(key, pattern)
+    if rx is None:
+        raise NotModelledError(key, f"PEFT target {shown(pattern)}: it matches none of linear_qkv, linear_proj, "
+                               "linear_fc1, linear_fc2")
     hit = lambda name: {bool(rx.match(p + name)) for p in _PREFIXES}   # noqa: E731
     found: list[str] = []
     layers = range(max(num_layers, 1))
@@ -102,6 +127,48 @@ def wildcard_targets(a: Args, pattern: str, num_layers: int) -> list[str]:
     return found
 
 
+def excluded_complement(a: Args, patterns: Any, num_layers: int) -> tuple[str, ...]:
+    """The linears an empty target_modules wraps: every linear module not in ``exclude_modules`` (Megatron-Bridge
+    0.6.2 / NeMo 2.5 peft/module_matcher.py: ``name not in exclude_modules`` and no pattern wildcard-matching the
+    full name, for ColumnParallelLinear, RowParallelLinear, nn.Linear and the TE linears). In a dense GPT model those
+    are each layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 and the output layer (a ColumnParallelLinear,
+    tied embeddings too). memguard models the four in every layer: the output layer must be excluded, and a pattern
+    excluding a linear in some layers (or under some wrapper prefixes) only is refused."""
+    import re
+    key = a.key("peft_exclude_modules")
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(x, str) for x in patterns):
+        a.fail("peft_exclude_modules", f"must be a list of module names, got {shown(patterns)}")
+        return ()
+    rxs = []
+    for pat in patterns:
+        try:
+            rxs.append(re.compile("^" + pat.replace("*", "(.*)") + "$"))
+        except re.error as exc:
+            raise ConfigError(key, f"{shown(pat)} is not a valid pattern ({exc})") from None
+
+    def excluded(local: str, full: str) -> set[bool]:
+        return {local in patterns or any(rx.match(p + full) for rx in rxs) for p in _PREFIXES}
+
+    if excluded("output_layer", "output_layer") != {True}:
+        if not patterns:
+            raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules (Bridge then "
+                                   "wraps every linear not excluded)")
+        raise NotModelledError(key, "PEFT whose exclude_modules leave the output layer wrapped (its adapter is not "
+                               "modelled: add output_layer to exclude_modules)")
+    kept: list[str] = []
+    for target, template in _TARGET_MODULES.items():
+        seen = set().union(*(excluded(target, template.format(i=i)) for i in range(max(num_layers, 1))))
+        if seen == {False}:
+            kept.append(target)
+        elif seen != {True}:
+            raise NotModelledError(key, f"PEFT exclude_modules that keep {target} out of some layers (or under some "
+                                   "module prefixes) only; memguard models a target wrapped in every layer")
+    if not kept:
+        a.fail("peft_exclude_modules", "excludes every linear: no adapter, nothing to train",
+               "leave at least one of linear_qkv, linear_proj, linear_fc1, linear_fc2 out of it")
+    return tuple(kept)
+
+
 def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     scheme_v = a.get("peft_scheme")
     if scheme_v is None:
@@ -110,8 +177,6 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if scheme not in SCHEMES:
         a.fail("peft_scheme", f"unknown PEFT scheme {shown(scheme_v)}", "lora or dora (other adapters are not modelled)")
         return {"peft": None}
-    if a.given("peft_exclude_modules"):
-        raise NotModelledError(a.key("peft_exclude_modules"), "PEFT exclude_modules (every other linear wrapped)")
     if a.bool_arg("peft_sp_input_regather", False):
         raise NotModelledError(a.key("peft_sp_input_regather"), "LoRA sequence_parallel_input_regather")
     dim = a.int_arg("peft_dim", 32)
@@ -136,9 +201,17 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("peft_target_modules", f"must be a list of module names, got {shown(targets_v)}")
             return {"peft": None}
         targets = tuple(dict.fromkeys(items))     # (no strip: Bridge matches " linear_qkv " to no module)
-        if not targets:
-            raise NotModelledError(a.key("peft_target_modules"), "PEFT with an empty target_modules "
-                                   "(Bridge then wraps every linear not excluded)")
+    if a.given("peft_exclude_modules") and (targets_v is None or targets):
+        # ModuleMatcher.match (Bridge 0.6.2 / NeMo 2.5 peft/module_matcher.py): "exclude_modules should be empty when
+        # using target_modules" (LoRA's default target_modules are the four linears)
+        a.fail("peft_exclude_modules", "must be empty when target_modules is set (Bridge's ModuleMatcher asserts it; "
+               "LoRA's default target_modules are linear_qkv, linear_proj, linear_fc1, linear_fc2)",
+               "give target_modules: [] with exclude_modules")
+        return {"peft": None}
+    if targets_v is not None and not targets:
+        # no target: every linear module not excluded gets an adapter
+        targets = excluded_complement(a, a.get("peft_exclude_modules") or [], int(kw.get("num_layers") or 1))
+    elif targets_v is not None:
         expanded: list[str] = []
         for t in targets:
             if t in COLUMN_TARGETS | ROW_TARGETS:
@@ -160,4 +233,38 @@ def peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         raise NotModelledError(a.key("peft_dropout"), "DoRA with dropout > 0 (a second base forward)")
     a.notes.append(f"{SCHEME_NAMES[scheme]} rank {dim} on {', '.join(targets)}: base weights frozen (no gradients, no "
                    "optimizer state); the adapters are the only trained parameters")
-    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets)}
+    variant = str(a.get("peft_variant", "fused")).strip().lower()
+    if variant not in ("fused", "canonical"):
+        a.fail("peft_variant", f"must be fused or canonical, got {shown(a.get('peft_variant'))}")
+        variant = "fused"
+    if variant == "canonical" and scheme != "lora":
+        a.fail("peft_variant", "the canonical (unfused) adapters are LoRA's (NeMo 1)")
+    layers = _selected_layers(a, int(kw.get("num_layers") or 0))
+    if layers is not None:
+        a.notes.append(f"{a.key('peft_layers')}: adapters on layers {', '.join(map(str, layers))} only (their "
+                       "parameters, gradients and optimizer states there); activations are counted as if every layer "
+                       "had adapters (an upper bound: layers without them keep no adapter tensors, and those below "
+                       "the first one on the first stage keep none)")
+    return {"peft": PeftSpec(scheme, dim or 32, alpha, dropout, position, targets, variant, layers)}
+
+
+def _selected_layers(a: Args, num_layers: int) -> tuple[int, ...] | None:
+    """NeMo 1's ``layer_selection``: the layer numbers (1-based, global) that get adapters, None for every layer.
+    NeMo 1 (nemo_toolkit 2.2.1 nlp_adapter_mixins.py _check_and_add_peft_cfg) adds them to a layer when
+    ``layer.layer_number in (layer_selection or range(1, num_layers + 1))``: an empty list selects every layer, a
+    number no layer has selects nothing."""
+    v = a.get("peft_layers")
+    if v is None:
+        return None
+    items = list(v) if isinstance(v, (list, tuple)) else None
+    if items is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in items):
+        a.fail("peft_layers", f"must be a list of layer numbers, got {shown(v)}")
+        return None
+    if not items:
+        return None
+    chosen = tuple(sorted({n for n in items if 1 <= n <= num_layers}))
+    if not chosen:
+        a.fail("peft_layers", f"selects none of the model's layers 1..{num_layers}: no parameter would be trained",
+               f"name layers between 1 and {num_layers}")
+        return None
+    return None if len(chosen) == num_layers else chosen

@@ -58,7 +58,6 @@ WARN_ONLY: list[Row] = [
     ("disable_jit_fuser", bool, "without the JIT fuser the fused bias/dropout/activation functions keep intermediates memguard does not count"),
     ("ddp_num_buckets", lambda v: bool(v), "bucket padding is computed for --ddp-bucket-size, not for a bucket count (a few KiB)"),
     ("create_all_gather_group", bool, "the extra all-gather communicator's NCCL buffers are not counted"),
-    ("eval_micro_batch_size", lambda v: bool(v), "the evaluation step is not estimated (it peaks above training with a larger micro-batch)"),
     ("moe_router_force_biased", lambda v: v is not None, "forced biased routing (random logits plus a per-expert "
      "bias every rank shares) sends more tokens to some experts than balanced routing: the balanced estimate "
      "understates those ranks; plan with the worst-case figure (moe.worst_case), which bounds them"),

@@ -6,7 +6,7 @@ import math
 from typing import Any, Mapping
 
 from ..errors import ConfigError, NotModelledError
-from ..numbers import to_int
+from ..numbers import shown, to_int
 from .args import Args, Context, Stop
 
 
@@ -54,12 +54,32 @@ def sequence(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("max_position_embeddings", f"({max_pos}) must be >= seq_length ({seq})")
     if cp > 1 and seq % (2 * cp):
         a.fail("seq_length", f"{seq} must be a multiple of 2 * context-parallel-size = {2 * cp}")
-    _check_cp_comm(a, cp)
+    _check_cp_comm(a, cp, kw.get("num_layers"))
     return dict(seq_length=seq, position_embedding_type=position, max_position_embeddings=max_pos)
 
 
-def _check_cp_comm(a: Args, cp: int) -> None:
-    """validate_args: hierarchical CP sizes multiply to CP; a2a+p2p needs them."""
+# Transformer Engine's communication types for context parallelism (attn_forward_func_with_cp, TE 2.11 and 2.20.2:
+# "Unsupported communication type" for any other)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _check_cp_comm(a: Args, cp: int, num_layers: int | None = None) -> None:
+    """validate_args: hierarchical CP sizes multiply to CP; a2a+p2p needs them. With CP > 1, TransformerConfig's
+    __post_init__ (megatron-core 0.16.1 and 0.19.2) takes one type per layer or a single string, and Transformer
+    Engine only its four types (a word, a number, a list of the wrong length were read as p2p)."""
+    comm_v = a.get("cp_comm_type")
+    if cp > 1 and comm_v is not None:
+        items = list(comm_v) if isinstance(comm_v, (list, tuple)) else [comm_v]
+        if isinstance(comm_v, (list, tuple)) and len(items) != 1 and len(items) != num_layers:
+            a.fail("cp_comm_type", f"gives {len(items)} communication types for {num_layers} layers (megatron-core's "
+                   "TransformerConfig asserts one per layer, or a single type)")
+            return
+        bad = [c for c in items if not isinstance(c, str) or c not in CP_COMM_TYPES]
+        if bad:
+            # (Megatron's --help spells it 'allgather'; TE's name is 'all_gather')
+            a.fail("cp_comm_type", f"unknown communication type {shown(bad[0])} (Transformer Engine takes "
+                   f"{', '.join(CP_COMM_TYPES)})", "write all_gather" if bad[0] == "allgather" else None)
+            return
     sizes = a.get("hierarchical_context_parallel_sizes")
     if sizes:
         key = a.key("hierarchical_context_parallel_sizes")
@@ -89,8 +109,11 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
     cp = kw["context_parallel_size"]
     if cp == 1:
         return {}
-    comm = a.get("cp_comm_type") or ["p2p"]
-    comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
+    raw = a.get("cp_comm_type") or ["p2p"]
+    items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    if len(items) not in (1, kw.get("num_layers")) or any(c not in CP_COMM_TYPES for c in items):
+        return {}                                      # _check_cp_comm reports it
+    comm = set(items)
     if len(comm) > 1 and comm & {"a2a", "a2a+p2p"}:
         # per-layer communication types (TransformerConfig.cp_comm_type as a list): each layer would be sized by its own
         raise NotModelledError(a.key("cp_comm_type"), f"--cp-comm-type {' '.join(sorted(comm))} (one communication "

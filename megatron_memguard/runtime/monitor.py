@@ -106,6 +106,31 @@ def suspect_term(pred: Prediction, r: Reading, tolerance: float = 0.05) -> tuple
     return "none", "actual is within the prediction"
 
 
+_BYTES_BOUND = 2**63   # (torch's allocator counters are int64)
+
+
+def checked_reading(r: Any) -> Reading | None:
+    """``r`` if every field is None or a byte count (an int, or a whole float, from 0 to 2**63), else an error naming
+    the field: a source's NaN, inf, negative or boolean value gave warnings such as 'nan B exceeds the predicted ...' and
+    a negative or NaN peak in the summary."""
+    if r is None:
+        return None
+    if not isinstance(r, Reading):
+        raise TypeError(f"the memory source returned {type(r).__name__}, not a Reading")
+    out: dict[str, int | None] = {}
+    for name in ("allocated", "max_allocated", "reserved", "max_reserved", "device_used"):
+        v = getattr(r, name)
+        if v is not None:
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+            if ok and not isinstance(v, numbers.Integral):
+                ok = v == v and abs(v) != float("inf") and float(v).is_integer()
+            if not ok or not 0 <= v < _BYTES_BOUND:
+                raise ValueError(f"the memory source's {name} is {repr(v)[:40]}, not a byte count (0 to 2**63)")
+            v = int(v)
+        out[name] = v
+    return Reading(**out)
+
+
 class MemoryMonitor:
     def __init__(
         self,
@@ -180,7 +205,7 @@ class MemoryMonitor:
     def start(self) -> None:
         """Write the header record (prediction with its breakdown) and a first reading (after model build)."""
         try:
-            first = self.source.read()
+            first = checked_reading(self.source.read())
         except Exception as e:
             self._error("source read", e)
             first = None
@@ -212,7 +237,7 @@ class MemoryMonitor:
         reading: Reading | None = None
         record = None
         try:
-            reading = self.source.read()
+            reading = checked_reading(self.source.read())
         except Exception as e:
             self._error("source read", e)
         if reading is not None:
