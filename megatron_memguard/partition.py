@@ -38,12 +38,15 @@ MLP_NONE = "none"
 MIXER_LINEAR = "linear"            # replace_with_linear: one [h, h] column-parallel linear (layers/linear_block.py)
 MLP_LINEAR = "linear"
 MIXER_MAMBA = "mamba"              # megatron-core MambaMixer (layers/mamba.py); a hybrid model's 'M' layer
+# megatron-core GatedDeltaNet (layers/gdn.py): a GPT model's linear attention layers (--experimental-attention-variant
+# gated_delta_net, --linear-attention-freq) and a hybrid model's 'G' layers
+MIXER_GDN = "gdn"
 # A hybrid model's layer symbols (--hybrid-layer-pattern; megatron-core 0.19.2 models/hybrid/
 # hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
 HYBRID_KINDS = {"M": (MIXER_MAMBA, MLP_NONE), "*": (MIXER_ATTENTION, MLP_NONE), "-": (MIXER_NONE, MLP_DENSE),
                 "E": (MIXER_NONE, MLP_MOE), "+": (MIXER_MLA, MLP_NONE),   # ('+': 0.19's mla_layer, MLP IdentityOp)
-                "D": (MIXER_DSA, MLP_NONE)}
+                "D": (MIXER_DSA, MLP_NONE), "G": (MIXER_GDN, MLP_NONE)}
 
 
 class LayerKind(NamedTuple):
@@ -178,6 +181,15 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
             het.split(","), (spec.recipe if te_quant and spec.layer_quantized(i, L.num_layers) else None
                              for i in range(L.num_layers))))
         return kind_runs(kinds)
+    la = getattr(L, "linear_attention_pattern", None)
+    if la:
+        # --linear-attention-freq: a GDN or a standard attention mixer per layer, with the MLP of --moe-layer-freq
+        # (get_transformer_layer_with_experimental_attention_variant_spec, core 0.19.2; resolve/gdn.py refuses FP8)
+        mlps = (MLP_DENSE,) * L.num_layers if moe is None else tuple(
+            MLP_MOE if is_moe else MLP_DENSE for is_moe in moe.moe_layer_pattern)
+        made_g: dict[tuple[str, str], LayerKind] = {}
+        return kind_runs(tuple(made_g.setdefault((m, p), LayerKind(MIXER_GDN if m == "1" else mixer, p))
+                               for m, p in zip(la, mlps)))
     # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
     # modules quantize, so the local spec runs FP8 flags in BF16
     spec = L.fp8_spec
@@ -200,6 +212,12 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     made = {p: LayerKind(mixer, *p) for p in set(pairs)}
     # runs of equal (mlp, quantization) pairs are runs of equal kinds (made is one kind per pair)
     return tuple((made[p], sum(1 for _ in g)) for p, g in groupby(pairs))
+
+
+def mixed_mixers(L: "Layout") -> bool:
+    """Whether the model's layers have token mixers of more than one kind (a hybrid pattern, GDN layers among
+    attention layers): the places that take one layer shape refuse it or show one table per kind."""
+    return bool(L.hybrid_layer_pattern or getattr(L, "linear_attention_pattern", None))
 
 
 def _mixer(L: "Layout") -> str:

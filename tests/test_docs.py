@@ -64,7 +64,7 @@ GROUPS = {"weights", "gradients", "optimizer", "transients", "activations", "log
 # where a breakdown is assembled: stage terms, per-micro-batch items, their group table
 NAMED_DICTS = {"parts", "saved", "_END_GROUPS"}
 # pages that explain a feature or a share of another term, not a term of the breakdown
-OVERVIEW_PAGES = {"README", "dsa", "fp8", "fsdp", "mamba", "moe", "optimizer_offload", "eval_step"}
+OVERVIEW_PAGES = {"README", "dsa", "fp8", "fsdp", "gdn", "mamba", "moe", "optimizer_offload", "eval_step"}
 LAYER_ITEM_FILES = {"activations.py", "fp8_layers.py"}
 
 

@@ -77,6 +77,16 @@ def test_eval_global_batch_must_divide():
     # the eval global batch defaults to the training one (4 here)
     with pytest.raises(ConfigError, match="--eval-global-batch-size: 4 is not divisible by eval micro-batch size x DP"):
         _layout(BASE + ["--eval-micro-batch-size", "8"], 1)
+    # the assert runs whatever --eval-iters is and with the eval micro-batch defaulting to the training one (2 here):
+    # 5 % (2 x 1) and 12 % (8 x 1) fail it
+    with pytest.raises(ConfigError, match="--eval-global-batch-size: 5 is not divisible by eval micro-batch size x DP"):
+        _layout(BASE + ["--eval-global-batch-size", "5"], 1)
+    with pytest.raises(ConfigError, match="--eval-global-batch-size: 12 is not divisible by eval micro-batch size x DP"):
+        _layout(BASE + "--eval-micro-batch-size 8 --eval-global-batch-size 12 --eval-iters 0".split(), 1)
+    # neither eval flag: the training global batch's own error, not a second one under an eval flag not given
+    with pytest.raises(ConfigError) as e:
+        _layout(BASE + ["--global-batch-size", "5"], 1)
+    assert "eval" not in str(e.value)
 
 
 def test_unmodelled_combinations_keep_the_note():

@@ -235,6 +235,19 @@ def _own_groups(tmp_path, groups=(1, 8)):
     return _write(tmp_path, change)
 
 
+def test_own_query_groups_under_all_to_all_cp(tmp_path):
+    # TE's all-to-all CP splits each layer's key / value heads over the a2a ranks (flash_attn_a2a_communicate,
+    # TE 2.11 and 2.20.2: "The number of attention heads needs to be divisible by CP size!"): block 0's own single
+    # query group (1 key head) cannot split over CP 2 while the flags' 2 groups can
+    te = "--transformer-impl transformer_engine --attention-backend fused --context-parallel-size 2".split()
+    path = _own_groups(tmp_path, groups=(1, 8))
+    assert _layout(te, path=path, world=2).heterogeneous_layers is not None      # p2p: no head split
+    msg = _err(FLAGS + te + ["--cp-comm-type", "a2a", "--heterogeneous-layers-config-path", path], world=2)
+    assert "block 0: num_query_groups 1 gives 1 key/value head(s) per tensor-parallel rank" in msg
+    assert "block 2" not in msg          # 8 groups split over 2 ranks
+    assert _layout(te + ["--cp-comm-type", "a2a"], path=_own_groups(tmp_path, groups=(4, 8)), world=2)
+
+
 def test_own_query_groups_per_layer(tmp_path):
     # get_config_for_layer gives a block's layer its own num_query_groups: linear_qkv [(heads + 2 g) x 64, 512]
     # (heads 8, head dim 64): block 0 with 1 group (640 x 512), block 2 with 8 (1536 x 512), against the flags' 2

@@ -208,9 +208,7 @@ def test_megatron_016_rules():
 
 
 @pytest.mark.parametrize("flags, key", [
-    ("--hybrid-layer-pattern MGM-", "--hybrid-layer-pattern"),
     ("--hybrid-layer-pattern M*M- " + MOE, "--num-experts"),
-    ("--hybrid-layer-pattern M*M-/MG", "--hybrid-layer-pattern"),    # a gated delta net in the MTP pattern
     ("--hybrid-layer-pattern M*M- --transformer-impl local", "--transformer-impl"),
     ("--hybrid-layer-pattern M*M- --disable-mamba-mem-eff-path", "--disable-mamba-mem-eff-path"),
     # torch FSDP2 does not wrap MambaLayer (torch_fully_sharded_data_parallel.py 0.19.2)

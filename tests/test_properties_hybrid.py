@@ -169,14 +169,23 @@ def test_a_larger_micro_batch_or_sequence_never_lowers_a_hybrid_stage_peak(hs, w
 def test_full_recompute_of_every_layer_never_raises_a_hybrid_stage_peak(hs):
     """Full uniform recompute of one layer per block keeps each layer's input only and replays one layer at a
     time (recompute.py checkpointed_forward, 0.19.2, HybridStack's forward): with at least two layers on every
-    chunk it never raises a stage's peak (each layer keeps at least two tensors of its input's size, so the
-    replayed layer is paid back by the inputs of the others)."""
+    chunk it raises a stage's peak by at most the replayed layer's output and the gradient handed to it, two
+    [s, b, h] tensors (/TP under SP). CheckpointFunction.backward (tensor_parallel/random.py, megatron-core 0.16.1
+    and 0.19.2) holds both (``outputs``, ``args``) until ``torch.autograd.backward`` returns; a layer above the
+    replayed one pays them back with what it would have kept (at least two tensors of its input's size), but when
+    the chunk's peak is its bottom layer's own backward (a Mamba layer under a smaller MoE layer, 'ME' on a stage),
+    the layers above have freed their tensors by then in both runs: nothing pays them back. CPU referee
+    (tests/test_referee_replay.py::test_a_bottom_layers_replay_raises_the_peak_by_its_output): a wide dense layer
+    under an MoE layer, full uniform recompute of each layer, peaks one [s, b, h] tensor higher than without."""
     if any(len(seg) < 2 for seg in hs.segments) or (len(hs.segments) == 1 and hs.layers // hs.pp < 2):
         reject()
     plain = hs.with_(recompute=())
     rec = hs.with_(recompute=("full", "uniform", 1))
+    L = layout(rec)
+    tokens = L.seq_length // L.cp * L.micro_batch_size
+    held = 2 * tokens * L.hidden_size * L.act_bytes // (L.tp if L.sequence_parallel else 1)
     for a, b in zip(_peaks(plain), _peaks(rec)):
-        assert b <= a
+        assert b <= a + held
 
 
 @QUARTER

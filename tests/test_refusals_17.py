@@ -9,10 +9,7 @@ BASE = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1
         "--micro-batch-size 4 --global-batch-size 32 --bf16 --position-embedding-type rope").split()
 
 CASES = [
-    # (DSA is modelled: tests/test_dsa.py)
-    # ssm/gated_delta_net/common.py imports chunk_gated_delta_rule from fla (flash-linear-attention)
-    (["--experimental-attention-variant", "gated_delta_net"], "--experimental-attention-variant",
-     "flash-linear-attention"),
+    # (DSA is modelled: tests/test_dsa.py; gated delta net: tests/test_gdn.py)
     # pipeline_parallel/hybrid_cp_schedule.py: a CP group per sub-sample, sized from the data
     (["--hybrid-context-parallel"], "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
     # core/extensions/kitchen.py only wraps NVIDIA's kitchen package

@@ -19,7 +19,7 @@ from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
 from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
-                         MLP_MOE, MLP_NONE, LayerKind, after_mtp, model_kind_runs, uniform_kind)
+                         MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
@@ -168,7 +168,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             layers = k * ckpt_input + _layers_bytes(per_kind, k)
             recompute_group = 1 if k else 0
             detail = (f"{k} checkpointed layers x {format_bytes(ckpt_input)} + "
-                      + _layers_detail(per_kind, k, bool(L.hybrid_layer_pattern)))
+                      + _layers_detail(per_kind, k, mixed_mixers(L)))
     else:
         layers = _layers_bytes(per_kind, 0)
         detail = None                 # _layers_detail(per_kind, 0), made when first read
@@ -382,7 +382,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                                 fwd_extra=sum(ends.values()) + max(fwd_extra, one_layer), bwd_top_extra=0,
                                 bwd_bottom_extra=0)
     # (positional, in the fields' order: one per chunk shape of every cold estimate)
-    merge = bool(L.hybrid_layer_pattern)
+    merge = mixed_mixers(L)
     return ChunkActivations(layers, lambda: (_layers_detail(per_kind, 0, merge) if detail is None else detail)
                             + "".join(more),
                             ends, fwd_extra, bwd_top, bwd_bottom, moe_layers, staging, host, offload_groups,
@@ -1672,6 +1672,9 @@ def estimate(
         if layout.hybrid_layer_pattern:
             from ..errors import NotModelledError
             raise NotModelledError("--profile", "the fujii2024 closed form for hybrid Mamba models")
+        if layout.linear_attention_pattern:
+            from ..errors import NotModelledError
+            raise NotModelledError("--profile", "the fujii2024 closed form for gated delta net layers")
         from .fujii2024 import estimate_fujii2024
         return estimate_fujii2024(layout, gpu=gpu, gpu_memory=gpu_memory, threshold=threshold)
     L = layout
@@ -1679,6 +1682,10 @@ def estimate(
         # megatron-core builds a hybrid model from its TE layer spec only (models/hybrid/hybrid_layer_specs.py)
         from ..errors import NotModelledError
         raise NotModelledError("--profile", "the local profile for a hybrid Mamba model (built from TE modules only)")
+    if profile == "local" and layout.linear_attention_pattern:
+        # the experimental attention variant spec builds TE modules only (_get_backend_spec_provider asserts it)
+        from ..errors import NotModelledError
+        raise NotModelledError("--profile", "the local profile for gated delta net layers (built from TE modules only)")
     if profile in ("transformer_engine", "local") and profile != layout.transformer_impl:
         L = layout.replace(transformer_impl=profile)
         notes.append(f"profile {profile} overrides --transformer-impl {layout.transformer_impl}")

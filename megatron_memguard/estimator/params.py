@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
-from ..partition import HYBRID_KINDS, MIXER_ATTENTION, MLP_DENSE, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
+from ..partition import HYBRID_KINDS, MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param, ParamRow, param_objects
@@ -198,6 +198,12 @@ def mtp_layer_kind(L: Layout) -> LayerKind:
         # of the flags' widths, whatever the last block is
         moe = L.moe is not None and L.moe.moe_layer_pattern[-1]
         kind = LayerKind(MIXER_ATTENTION, MLP_MOE if moe else MLP_DENSE)
+    if getattr(L, "linear_attention_pattern", None):
+        # the same builder with --experimental-attention-variant gated_delta_net (resolve/gdn.py lets MTP through from
+        # 0.19 only): get_gpt_decoder_layer_specs(...)[-1] is the standard GPT layer spec, attention (or MLA) with the
+        # last layer's MLP, whether the last decoder layer is a GDN layer or not
+        moe = L.moe is not None and L.moe.moe_layer_pattern[-1]
+        kind = LayerKind(MIXER_MLA if L.multi_latent_attention else MIXER_ATTENTION, MLP_MOE if moe else MLP_DENSE)
     if getattr(L, "mtp_moe_on_empty_chunk", False) and L.moe is not None and kind.mlp != MLP_MOE and \
             not any(n for c in L.chunks if c.has_mtp for _, n in c.kind_runs):
         # megatron-core 0.19's GPT builder: the MTP layer on a chunk without decoder layers (a layout ending

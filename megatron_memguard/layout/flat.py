@@ -63,6 +63,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "hybrid_mtp_pattern"),
     ("shape", "experimental_attention_variant dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk "
               "dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss dsa_indexer_k_norm_fp32"),
+    ("shape", "linear_attention_pattern linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
+              "linear_num_key_heads linear_num_value_heads"),
     ("parallel", "cp_a2a_size"),
     ("batch", "eval_micro_batch_size"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
@@ -115,6 +117,8 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
     "experimental_attention_variant": None, "dsa_indexer_n_heads": 0, "dsa_indexer_head_dim": 0, "dsa_indexer_topk": 0,
     "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False, "dsa_indexer_k_norm_fp32": False,
+    "linear_attention_pattern": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "eval_micro_batch_size": None,   # the evaluation step's micro-batch (estimator/eval_step.py)
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

@@ -73,3 +73,13 @@ class ModelShape:
     dsa_indexer_loss_coeff: float = 0.0
     dsa_indexer_use_sparse_loss: bool = False
     dsa_indexer_k_norm_fp32: bool = False     # the indexer's key LayerNorm on an fp32 copy of its input
+    # --experimental-attention-variant gated_delta_net (GPT) with --linear-attention-freq: one character per layer,
+    # '1' a gated delta net layer, '0' a standard attention layer (experimental_attention_variant_module_specs.py
+    # get_linear_attention_pattern, core 0.16.1 and 0.19.2); None: no GDN layers in a GPT model
+    linear_attention_pattern: str | None = None
+    # the GatedDeltaNet mixer of those layers and of a hybrid model's 'G' layers (TransformerConfig 0.19.2 defaults)
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32

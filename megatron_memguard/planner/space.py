@@ -357,6 +357,9 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
         # the same: the planner's bounds and timing know one layer shape, not Mamba / attention / MLP layers
         from ..errors import NotModelledError
         raise NotModelledError("--hybrid-layer-pattern", "planning layouts of hybrid Mamba models")
+    if L.linear_attention_pattern:
+        from ..errors import NotModelledError
+        raise NotModelledError("--linear-attention-freq", "planning layouts of models with gated delta net layers")
     fixed_padded = raw.args.get("padded_vocab_size")
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):

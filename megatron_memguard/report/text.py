@@ -10,6 +10,7 @@ from typing import IO, Sequence
 
 from ..estimator.result import GROUPS, Estimate, StageEstimate
 from ..units import format_bytes
+from ..partition import mixed_mixers
 
 _COLOURS = {"fits": "32", "tight": "33", "will not fit": "31", "unknown": "0"}
 
@@ -146,7 +147,7 @@ def layer_table(est: Estimate) -> str:
         L = est.attention.modelled_layout(L)   # the kernel the estimate modelled on this GPU
     if est.gpu and (L.fp8 or L.fp4):
         L = L.replace(fp8_gpu=est.gpu)         # the GPU's FP8 storage, as the estimate sized it (estimator/core.py)
-    if L.moe is None and not L.hybrid_layer_pattern:
+    if L.moe is None and not mixed_mixers(L):
         kinds = [None]
     else:   # one table per kind of layer the model has (dense and MoE layers; a hybrid's Mamba, attention, MLP)
         from ..partition import layer_kinds
@@ -158,7 +159,7 @@ def layer_table(est: Estimate) -> str:
         rows.append(["= per layer and micro-batch", format_bytes(la.total)])
         rows.append(["forward working set (peak extra)", format_bytes(max(la.fwd_transient, 0))])
         rows.append(["backward working set (peak extra)", format_bytes(max(la.bwd_transient, 0))])
-        what = "one layer" if kind is None else (f"one {kind.mlp} layer" if not L.hybrid_layer_pattern else
+        what = "one layer" if kind is None else (f"one {kind.mlp} layer" if not mixed_mixers(L) else
                                                  f"one {kind.mixer if kind.mixer != 'none' else kind.mlp} layer")
         out.append(table(rows, [f"saved tensor ({what}, one micro-batch)", "bytes"], right=(1,)))
     return "\n\n".join(out)

@@ -21,7 +21,7 @@ from ..errors import ConfigError, ConfigErrors
 from ..layout import Layout
 from ..numbers import shown
 from . import batch, cuda_graphs, fp8, fsdp, heterogeneous, hybrid, kernels, moe, mtp, muon, offload, optimizer, parallel
-from . import dsa, peft, pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
+from . import dsa, gdn, peft, pipeline, precision, recompute, releases, runtime, shape, tp_overlap, vocab
 from .args import Args, Context, Stop
 from .refusals import refuse
 
@@ -97,12 +97,14 @@ SECTIONS: tuple[tuple[str, Section], ...] = (
     ("cuda graphs", cuda_graphs.cuda_graphs),
     ("numerics", kernels.numerics),
     ("heterogeneous layers", heterogeneous.heterogeneous),
+    ("gated delta net", gdn.gdn),      # GDN layers: a GPT model's --linear-attention-freq, a hybrid model's 'G'
     ("mamba", hybrid.mamba),
     ("tensor-parallel split", shape.tp_split),
     ("vocabulary", vocab.vocab),
     ("weight-gradient deferral", kernels.wgrad),
     ("peft", peft.peft),               # Bridge / NeMo only: Megatron-LM has no PEFT
     ("hybrid peft", hybrid.with_peft),
+    ("gdn peft", gdn.with_peft),
     ("runtime", runtime.runtime),
 )
 

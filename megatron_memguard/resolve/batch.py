@@ -35,13 +35,15 @@ def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
     None: the forward-only peak of a micro-batch no larger than the training one is bounded by the training step's
     forward of it, which holds the same tensors and its saved activations besides (estimator/eval_step.py).
     ``--eval-iters 0`` runs no evaluation step."""
-    em = a.int_arg("eval_micro_batch_size")
-    if em is None or a.int_arg("eval_iters", 100, minimum=0) == 0:
-        return None
+    given = a.int_arg("eval_micro_batch_size")
     # validate_args (megatron/training/arguments.py, core 0.19.2): eval_global_batch_size (default: the global
-    # batch) % (eval_micro_batch_size x data_parallel_size) == 0
+    # batch) % (eval_micro_batch_size (default: the training one) x data_parallel_size) == 0, asserted whatever
+    # --eval-iters is (neither given: the training batch's own check above covers it)
+    em = mbs if given is None else given
     egbs = a.int_arg("eval_global_batch_size", gbs)
-    if egbs is not None and egbs % (em * dp):
+    if (given is not None or a.given("eval_global_batch_size")) and egbs is not None and egbs % (em * dp):
         a.fail("eval_global_batch_size", f"{egbs} is not divisible by eval micro-batch size x DP = {em}*{dp} = "
                f"{em * dp}", f"use a multiple of {em * dp}")
+    if given is None or a.int_arg("eval_iters", 100, minimum=0) == 0:
+        return None
     return em if em > mbs else None

@@ -122,9 +122,11 @@ def _own_groups(a: Args, kw: Mapping[str, Any], blocks: list) -> dict[int, str]:
     that layer's TransformerConfig with it: its SelfAttention's linear_qkv has kv_channels x (heads + 2 x groups)
     columns and its core attention that many key / value heads (the layer kind's query_groups, estimator/layers
     kind_layout). Its rules are the model's: TransformerConfig.__post_init__ (groups a multiple or a divisor of TP),
-    the attention's head split (groups dividing the heads) and the QKV projection's divide by TP."""
+    the attention's head split (groups dividing the heads), the QKV projection's divide by TP and, under all-to-all
+    CP, TE's split of the key / value heads over the a2a ranks."""
     heads, tp, kv = kw["num_attention_heads"], kw["tensor_model_parallel_size"], kw["kv_channels"]
     gate = 2 if kw.get("attention_output_gate") else 1
+    a2a = kw.get("cp_a2a_size") or 1
     own: dict[int, str] = {}
     for i, (attn, _, _, groups) in enumerate(blocks):
         if groups is None or attn != "attention" or groups == kw["num_query_groups"]:
@@ -139,6 +141,12 @@ def _own_groups(a: Args, kw: Mapping[str, Any], blocks: list) -> dict[int, str]:
         elif kv * (heads * gate + 2 * groups) % tp:
             a.fail(PATH, f"block {i}: the QKV projection's {kv * (heads * gate + 2 * groups)} columns must be "
                          f"divisible by tensor-model-parallel size {tp} (megatron-core divide)")
+        elif a2a > 1 and max(1, groups // tp) % a2a:
+            # the all-to-all CP splits this layer's key / value heads too (resolve/shape.py cp_attention: TE's
+            # flash_attn_a2a_communicate, "The number of attention heads needs to be divisible by CP size!")
+            a.fail(PATH, f"block {i}: num_query_groups {groups} gives {max(1, groups // tp)} key/value head(s) per "
+                         f"tensor-parallel rank, not a multiple of the {a2a} all-to-all context-parallel ranks "
+                         "(--cp-comm-type a2a / a2a+p2p)")
         else:
             own[i] = f":{groups}"
     return own

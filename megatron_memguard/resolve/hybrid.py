@@ -10,13 +10,12 @@ groups divisible by TP, heads by groups). megatron-core 0.16.1 (ssm/mamba_hybrid
 virtual pipelines), and the flag is --hybrid-override-pattern.
 
 The parts after '/' are the MTP depths' pattern (0.17+: one HybridStack per depth, on the last stage;
-``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: the 'G'
-(gated delta net) layers, FP8 / FP4 with a '/' MTP
-pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state dtype. 'E'
-layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19
-(--multi-latent-attention inferred as validate_args does), 'D' the DSA layers (resolve/dsa.py). Context parallelism
-follows MambaContextParallel's asserts (heads and groups of a TP rank against CP); FP8 / FP4 MambaMixer's (the in_proj
-width a multiple of 16 under FP8).
+``hybrid_mtp_pattern`` and ``mtp_num_layers`` in the layout). What is not modelled is refused by name: FP8 / FP4
+with a '/' MTP pattern, the non-fused Mamba path, fine-grained activation offloading before 0.18, another Mamba state
+dtype. 'E' layers are the MoE layers (resolve/moe.py places them by the pattern), '+' the MLA layers of 0.19
+(--multi-latent-attention inferred as validate_args does), 'D' the DSA layers (resolve/dsa.py), 'G' the gated delta
+net layers (resolve/gdn.py). Context parallelism follows MambaContextParallel's asserts (heads and groups of a TP rank
+against CP); FP8 / FP4 MambaMixer's (the in_proj width a multiple of 16 under FP8).
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ PATTERN, LEGACY = "hybrid_layer_pattern", "hybrid_override_pattern"
 # megatron-core 0.19.2 hybrid_layer_allocation.Symbols.VALID_LAYERS, and what each is
 SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA attention", "+": "MLA attention",
            "-": "MLP", "E": "MoE"}
-MODELLED = frozenset("M*-E+D")   # D: DSA layers (resolve/dsa.py, estimator/layers/dsa.py)
+MODELLED = frozenset("M*-E+DG")   # D: DSA layers (resolve/dsa.py); G: gated delta net layers (resolve/gdn.py)
 # the release whose Symbols.VALID_LAYERS first holds a symbol (0.16.1 ssm/mamba_hybrid_layer_allocation.py: M * - E;
 # 0.17.1 adds G, 0.18.2 D (models/hybrid/hybrid_layer_allocation.py), 0.19.2 + (MLA))
 SINCE = {"G": Version("0.17"), "D": Version("0.18"), "+": Version("0.19")}
@@ -91,6 +90,11 @@ def pattern(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if bad is not None:
         a.fail(dest, f"{bad!r} is not a layer symbol (M Mamba, * attention, - MLP, E MoE, G, D, +; "
                "'|' between pipeline segments, '/' before MTP patterns)")
+        raise Stop
+    if old and "G" in s:
+        # 0.16.1 Symbols.VALID is {M, *, -, E} (ssm/mamba_hybrid_layer_allocation.py; 0.17.1 adds GDN = 'G')
+        a.fail(dest, "'G' is not a layer symbol in megatron-core 0.16 (gated delta net layers in a hybrid pattern "
+               "came in 0.17)")
         raise Stop
     main, *mtp_parts = s.split("/")
     mtp, depths = _mtp_pattern(a, dest, key, mtp_parts, old, ctx.version)
@@ -188,7 +192,7 @@ def _modelled_symbols(a: Args, dest: str, key: str, layers: str, mtp: bool, vers
     if other:
         names = ", ".join(f"{sym!r} ({SYMBOLS[sym]})" for sym in other)
         raise NotModelledError(key, f"{names} layers in a hybrid {'MTP ' if mtp else ''}pattern (memguard models "
-                               "Mamba 'M', attention '*', MLA '+', MLP '-', MoE 'E' and DSA 'D')")
+                               "Mamba 'M', attention '*', MLA '+', MLP '-', MoE 'E', DSA 'D' and gated delta net 'G')")
 
 
 def _mla_layers(a: Args, layers: str) -> None:

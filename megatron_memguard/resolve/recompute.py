@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from .args import Args, Context
 
-RECOMPUTE_MODULES = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj", "mhc"}
+RECOMPUTE_MODULES = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj", "mhc",
+                     "gdn_norm_out"}
 
 
 def granularity(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
@@ -76,6 +79,15 @@ def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         elif (m == "mla_up_proj" and recompute_granularity == "selective"
               and not a.bool_arg("multi_latent_attention", False)):
             a.fail("recompute_modules", "mla_up_proj needs --multi-latent-attention (TransformerConfig)")
+        elif m == "gdn_norm_out" and ctx.version < Version("0.19"):
+            # TransformerConfig's allowed_modules (core 0.16.1, 0.17.1, 0.18.2) has no gdn_norm_out
+            a.fail("recompute_modules", "gdn_norm_out is not a module of megatron-core "
+                   f"{ctx.version.major}.{ctx.version.minor} (added in 0.19)")
+        elif (m == "gdn_norm_out" and recompute_granularity == "selective"
+              and a.get("experimental_attention_variant") != "gated_delta_net"):
+            # TransformerConfig.__post_init__ (core 0.19.2) raises, also for a hybrid model's 'G' layers
+            a.fail("recompute_modules", "gdn_norm_out needs --experimental-attention-variant gated_delta_net "
+                   "(TransformerConfig)")
     distribute_saved = a.bool_arg("distribute_saved_activations", False)
     if distribute_saved and (tp == 1 or recompute_granularity != "full"):
         a.fail("distribute_saved_activations", "needs full recompute and tensor-model-parallel size > 1")

@@ -31,10 +31,7 @@ NOT_MODELLED: list[Row] = [
      "--inference-dynamic-batching-* and --rl-* settings and the generated lengths, share the GPU with training)"),
     ("export_kd_teacher_load", lambda v: bool(v), "knowledge distillation with a teacher model (its layers, size and "
      "dtype come from the teacher checkpoint and --export-kd-cfg, not from the student's flags)"),
-    # one row per variant (DSA is modelled: resolve/dsa.py)
-    ("experimental_attention_variant", lambda v: str(v).strip().lower() == "gated_delta_net", "the gated delta net "
-     "attention variant (flash-linear-attention's chunked delta-rule kernel, whose saved tensors that library "
-     "decides)"),
+    # (DSA is modelled: resolve/dsa.py; gated delta net: resolve/gdn.py)
     # found by the option-table walk (tests/test_option_table.py): memory-changing options nothing modelled
     ("hybrid_context_parallel", bool, "hybrid context parallelism (each packed sub-sample runs on a CP group "
      "sized from its length per global batch, up to --max-seqlen-per-dp-cp-rank tokens a rank)"),

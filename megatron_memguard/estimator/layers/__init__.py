@@ -11,12 +11,12 @@ from types import ModuleType
 from functools import lru_cache
 from typing import Any
 
-from ...partition import (MIXER_ATTENTION, MIXER_DSA, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR, MLP_MOE,
-                          MLP_NONE, LayerKind)
-from . import attention, dsa, linear_block, mamba, mla, mlp, moe, noop
+from ...partition import (MIXER_ATTENTION, MIXER_DSA, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE,
+                          MLP_LINEAR, MLP_MOE, MLP_NONE, LayerKind)
+from . import attention, dsa, gdn, linear_block, mamba, mla, mlp, moe, noop
 
 MIXERS: dict[str, Any] = {MIXER_ATTENTION: attention, MIXER_MLA: mla, MIXER_DSA: dsa, MIXER_NONE: noop,
-                          MIXER_LINEAR: linear_block.recipe("mixer"), MIXER_MAMBA: mamba}
+                          MIXER_LINEAR: linear_block.recipe("mixer"), MIXER_MAMBA: mamba, MIXER_GDN: gdn}
 MLPS: dict[str, Any] = {MLP_DENSE: mlp, MLP_MOE: moe, MLP_NONE: noop, MLP_LINEAR: linear_block.recipe("mlp")}
 
 
