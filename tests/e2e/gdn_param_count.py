@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 def build(cfg: dict):
     from single_rank import start   # beside this script (sys.path[0])
-    start(int(os.environ.get("MASTER_PORT", "29561")))
+    start()
     import torch
     import torch.nn.functional as F
     torch.cuda.current_device = lambda: "cpu"

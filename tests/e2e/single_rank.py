@@ -5,11 +5,12 @@ import shutil
 import tempfile
 
 
-def start() -> None:
+def start(port: int | None = None) -> None:
     """Install the shims, start a one-rank gloo process group and megatron's model-parallel state with its RNG.
 
     One rank needs no TCP rendezvous: the group meets in a file store in a private temporary directory (removed
-    at exit), so scripts run at once by parallel test workers (pytest -n) cannot collide on a port."""
+    at exit), so scripts run at once by parallel test workers (pytest -n) cannot collide on a port. ``port``: taken
+    and not used, for scripts written when the group met over TCP."""
     from benchmarks.referee import shims
     shims.install()
     import torch
