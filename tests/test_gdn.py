@@ -2,10 +2,7 @@
 gated_delta_net with --linear-attention-freq, and a hybrid model's 'G' layers. Parameters by hand (the Qwen3-Next
 layer shape) and against megatron-core's GatedDeltaNet built on CPU; saved bytes from flash-linear-attention 0.4.2's
 saved tensors (files named per case); Megatron's rules as one-line errors naming the flag."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -80,14 +77,9 @@ def test_tensor_parallel_shards_all_but_the_norms():
 def _real(python: str, port: int) -> dict:
     if not os.path.exists(python):
         pytest.skip(f"no {python}")
-    cfg = dict(hidden_size=256, key_heads=2, value_heads=4, key_dim=32, value_dim=48, conv=4)
-    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", "gdn_param_count.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
-    if out.returncode and "No module named" in out.stderr:
-        pytest.skip(out.stderr.strip().splitlines()[-1])
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from test_mamba import run_e2e
+    return run_e2e(python, "gdn_param_count.py",
+                   dict(hidden_size=256, key_heads=2, value_heads=4, key_dim=32, value_dim=48, conv=4), port)
 
 
 @pytest.mark.parametrize("version", ["0.16", "0.19"])

@@ -36,15 +36,21 @@ def _layout(extra, version=None):
     return L
 
 
+def _balanced_top2(torch):
+    """Token t picks experts 2(t mod 3) and 2(t mod 3) + 1."""
+    rmap = torch.zeros(T, E, dtype=torch.bool)
+    t = torch.arange(T)
+    rmap[t, 2 * (t % 3)] = True
+    rmap[t, 2 * (t % 3) + 1] = True
+    return rmap
+
+
 def test_megatrons_pad_routing_map_gives_the_padded_rows():
     torch = pytest.importorskip("torch")
     moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
     # balanced top-2 routing: token t picks experts 2(t mod 3) and 2(t mod 3) + 1, so experts 0-3 get 683
     # tokens and 4-5 get 682 (4,096 choices)
-    rmap = torch.zeros(T, E, dtype=torch.bool)
-    t = torch.arange(T)
-    rmap[t, 2 * (t % 3)] = True
-    rmap[t, 2 * (t % 3) + 1] = True
+    rmap = _balanced_top2(torch)
     for align in (16, 32, 128):
         padded = moe_utils.pad_routing_map(rmap.clone(), align)
         counts = padded.sum(dim=0)
@@ -112,10 +118,7 @@ def test_megatrons_drop_then_pad_gives_the_padded_rows():
     moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
     # the balanced top-2 routing above; capacity ceil(2048 x 2 / 6 x 0.5) = 342 per expert: the router keeps 342
     # of each expert's 683 / 682 tokens, the dispatcher pads each to 352 (22 x 16)
-    rmap = torch.zeros(T, E, dtype=torch.bool)
-    t = torch.arange(T)
-    rmap[t, 2 * (t % 3)] = True
-    rmap[t, 2 * (t % 3) + 1] = True
+    rmap = _balanced_top2(torch)
     probs = torch.rand(T, E) * rmap
     _, dropped = moe_utils.apply_router_token_dropping(probs, rmap, router_topk=K, capacity_factor=0.5)
     padded = moe_utils.pad_routing_map(dropped.clone(), 16)
