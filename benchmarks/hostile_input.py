@@ -964,8 +964,8 @@ def big_logs(d: str) -> None:
 def main(argv: list[str]) -> int:
     import tempfile
 
-    import megatron_memguard.files as files
-    files.PIPE_WAIT = 0.5
+    import megatron_memguard.files as mg_files
+    mg_files.PIPE_WAIT = 0.5
     step = 10 if "--quick" in argv else 1
     tmp = tempfile.TemporaryDirectory(prefix="memguard-hostile-")
     if "--big" in argv:

@@ -302,9 +302,6 @@ def after_mtp(L: "Layout", pp_rank: int, vpp_rank: int) -> bool:
     return vpp_rank * L.pipeline_model_parallel_size + pp_rank > i
 
 
-    return stages
-
-
 # Longest layout memguard expands: 10 x its bound on --num-layers (numbers.py), with room for E, L and '|'.
 MAX_LAYOUT = 100_000
 _LAYOUT_CHARS = frozenset("ELtm|()*0123456789,")

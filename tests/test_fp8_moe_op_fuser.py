@@ -164,7 +164,6 @@ def test_blockwise_on_blackwell_takes_the_split_quantize_path():
     # float8_block_scaling -> device_capability < (10, 0) and cublaslt_version >= 130600: on B200 / GB200 (SM 10.0) the
     # GPU alone rules the grouped-tensor path out, and _fuser_forward_split_quantize (line 1286) keeps each weight
     # copy column-wise only: 128x128 block scales, [cols, rows] data; the inputs are the same column-wise copies
-    from dataclasses import replace
     from megatron_memguard.estimator.fp8_layers import fused_experts_gpu_path
     L = layout(*BLOCKWISE, *FUSER)
     assert fused_experts_gpu_path(L, "H100-80GB") is None      # Hopper: the cuBLASLt version decides (not seen)

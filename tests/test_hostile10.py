@@ -184,7 +184,7 @@ def test_the_hook_goes_on_when_reading_its_settings_raises():
                                                  ("allocated", -5, "-5"), ("device_used", True, "True"),
                                                  ("reserved", 2**64, str(2**64)), ("max_reserved", 1.5, "1.5")])
 def test_a_memory_source_returning_garbage_gives_no_verdict(field, value, shown):
-    from test_runtime_monitor import PRED, Collect, monitor, reading
+    from test_runtime_monitor import Collect, monitor, reading
     from megatron_memguard.runtime import StaticSource
     r = reading(2.0)     # twice the predicted peak: a real reading like it warns
     c = Collect()

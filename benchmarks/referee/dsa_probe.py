@@ -133,7 +133,6 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
     norms (with ``qk_layernorm``), the real DSAttention and DSAIndexer as in ``measure``. Input: the input norm's
     output [s, b, h]. Returns the bytes kept after the forward (without the output) and the two peaks."""
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType

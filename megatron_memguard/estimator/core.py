@@ -35,7 +35,7 @@ from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
                         stage_fixed_terms)
-from .cuda_graphs import kind_graphed, layer_graphed
+from .cuda_graphs import layer_graphed
 from .cuda_graphs import spec_of as cuda_graph_spec
 from .cuda_graphs import stage_terms as cuda_graph_terms
 from .offload_activations import effective_modules as offload_effective_modules

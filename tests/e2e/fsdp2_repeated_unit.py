@@ -8,7 +8,6 @@ and at which of them its gradient was reduce-scattered, and whether its sharded 
 (the sum of the D calls' gradients).
 """
 import json
-import os
 import sys
 
 import torch
