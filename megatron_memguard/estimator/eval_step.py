@@ -28,7 +28,7 @@ from ..layout import Chunk, Layout
 from .activations import layer_activations
 from .head import batch_items, embedding_items, output_items
 from .overheads import p2p_tensor_bytes
-from .result import Term
+from .result import Term, phase_figure, slack_term
 
 PHASE = "evaluation step (forward only, torch.no_grad)"
 
@@ -119,17 +119,11 @@ def eval_terms(L: Layout, pp_rank: int, static: tuple[Term, ...], buffers_growth
             group = "logits_loss" if name == "eval_logits_loss" else "activations"
             rows.append(Term(name, v, group, "allocated", _DETAILS[name]))
     if fragmentation is not None:
-        allocated = sum(t.bytes for t in rows)
-        rows.append(Term("allocator_fragmentation", int(allocated * fragmentation), "allocator", "reserved",
-                         lambda: f"caching-allocator slack, {fragmentation:.0%} of peak allocated"))
+        rows.append(slack_term(sum(t.bytes for t in rows), fragmentation))
         rows += device_terms
     return tuple(rows)
 
 
 def eval_figure(L: Layout, terms: tuple[Term, ...]) -> dict[str, Any]:
     """The evaluation step's levels (allocated, reserved, device total) and terms, as the JSON shows them."""
-    allocated = sum(t.bytes for t in terms if t.level == "allocated")
-    reserved = allocated + sum(t.bytes for t in terms if t.level == "reserved")
-    device = reserved + sum(t.bytes for t in terms if t.level == "device")
-    return {"phase": PHASE, "micro_batch_size": L.eval_micro_batch_size, "peak_allocated_bytes": allocated,
-            "peak_reserved_bytes": reserved, "device_total_bytes": device, "terms": [t.to_dict() for t in terms]}
+    return phase_figure(PHASE, terms, micro_batch_size=L.eval_micro_batch_size)

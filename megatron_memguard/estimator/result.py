@@ -80,6 +80,22 @@ class Term:
         return {"name": self.name, "bytes": self.bytes, "group": self.group, "level": self.level, "detail": self.detail}
 
 
+def slack_term(allocated: int, fragmentation: float) -> Term:
+    """The caching allocator's slack over a phase's ``allocated`` bytes (a phase figure's reserved level)."""
+    return Term("allocator_fragmentation", int(allocated * fragmentation), "allocator", "reserved",
+                lambda: f"caching-allocator slack, {fragmentation:.0%} of peak allocated")
+
+
+def phase_figure(phase: str, terms: tuple[Term, ...], **extra: Any) -> dict[str, Any]:
+    """A phase beside the training step (the evaluation step, upcycling's start-up): its levels (allocated,
+    reserved, device total) and terms, as the JSON shows them; ``extra`` fields follow the phase's name."""
+    allocated = sum(t.bytes for t in terms if t.level == "allocated")
+    reserved = allocated + sum(t.bytes for t in terms if t.level == "reserved")
+    device = reserved + sum(t.bytes for t in terms if t.level == "device")
+    return {"phase": phase, **extra, "peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved,
+            "device_total_bytes": device, "terms": [t.to_dict() for t in terms]}
+
+
 def verdict_for(device_total: int, gpu_memory: int | None, threshold: float) -> str:
     """fits (at most ``threshold`` of the GPU), tight (up to all of it), will not fit, or unknown
     (no GPU memory given)."""

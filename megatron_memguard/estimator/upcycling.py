@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..layout import Layout
-from .result import Term
+from .result import Term, phase_figure, slack_term
 
 # device-level terms of the training estimate that exist before the first forward
 _STARTUP_DEVICE_TERMS = ("cuda_context", "nccl_buffers")
@@ -56,18 +56,11 @@ def startup_terms(L: Layout, pp_rank: int, dp_rank: int | str, device_terms: tup
         Term("upcycling_state_dict_copies", (dense.parameters + moe.parameters) * p, "transients", "allocated",
              lambda: "copy.deepcopy of the dense and the MoE model's state dicts (_convert_to_moe_state_dict)"),
     ]
-    allocated = sum(t.bytes for t in rows)
-    rows.append(Term("allocator_fragmentation", int(allocated * fragmentation), "allocator", "reserved",
-                     lambda: f"caching-allocator slack, {fragmentation:.0%} of peak allocated"))
+    rows.append(slack_term(sum(t.bytes for t in rows), fragmentation))
     rows += [t for t in device_terms if t.name in _STARTUP_DEVICE_TERMS]
     return tuple(rows)
 
 
 def startup_figure(terms: tuple[Term, ...]) -> dict[str, Any]:
     """The start-up levels of ``terms`` (allocated, reserved, device total) and the terms, as the JSON shows them."""
-    allocated = sum(t.bytes for t in terms if t.level == "allocated")
-    reserved = allocated + sum(t.bytes for t in terms if t.level == "reserved")
-    device = reserved + sum(t.bytes for t in terms if t.level == "device")
-    return {"phase": "upcycling start-up (_convert_to_moe_state_dict)", "peak_allocated_bytes": allocated,
-            "peak_reserved_bytes": reserved, "device_total_bytes": device,
-            "terms": [t.to_dict() for t in terms]}
+    return phase_figure("upcycling start-up (_convert_to_moe_state_dict)", terms)
