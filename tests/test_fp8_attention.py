@@ -533,6 +533,14 @@ def test_bridge_config_a2a_heads_rule(tmp_path):
         resolve(raw, world_size=8)
 
 
+def _two_level_and_ring(recipe: str, version: str):
+    """FP8 attention at CP 4 as an all-to-all over 2 ranks around a ring over 2, and as a plain ring over 4."""
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "4"]
+    two = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
+              fp8_dot_product_attention=True, version=version)
+    return two, lay(*fp8, fp8_dot_product_attention=True, version=version)
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_two_level_a2a_p2p_by_hand(recipe):
     # --cp-comm-type a2a+p2p, --hierarchical-context-parallel-sizes 2 2 (CP 4: an all-to-all over 2 ranks around a
@@ -540,10 +548,7 @@ def test_two_level_a2a_p2p_by_hand(recipe):
     # tokens per rank; in Mi: q 4 (and the output), k 1, v 1, W 6 elements; e = 2
     from megatron_memguard.estimator.layers.attention import activations as attention
     from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
-    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "4"]
-    two = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
-              fp8_dot_product_attention=True, version="0.16.1")
-    ring = lay(*fp8, fp8_dot_product_attention=True, version="0.16.1")
+    two, ring = _two_level_and_ring(recipe, "0.16.1")
     Mi = 2 ** 20
     Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
     # the exchange trades sequence for heads: the ring's saved tensors keep their bytes (the whole FP8 q, k, v
@@ -589,10 +594,7 @@ def test_two_level_a2a_p2p_te_2_20_by_hand(recipe):
     # FP8 bytes (the saved output is in the ring's layout already)
     from megatron_memguard.estimator.layers.attention import activations as attention
     from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
-    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "4"]
-    two = lay(*fp8, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
-              fp8_dot_product_attention=True, version="0.19.2")
-    ring = lay(*fp8, fp8_dot_product_attention=True, version="0.19.2")
+    two, ring = _two_level_and_ring(recipe, "0.19.2")
     Mi = 2 ** 20
     Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
     saved, ring_saved = layer_activations(two).saved, layer_activations(ring).saved
