@@ -29,7 +29,9 @@ step's excess over the smallest count's ratio (seconds per step): what grows wit
 node, 4-128 GPUs) over the A100 table's cells or Fujii et al.'s grid and prints, per GPU count, both rules' first
 choices, the Spearman between their orders and the terms behind each pair they order apart beyond the tie window.
 ``--aggregate`` ranks the targets with rank aggregations of the time rule and Fujii et al.'s key (Borda's count, the
-key as a prior; evaluated leaving one family out, not in the planner).
+key as a prior; evaluated leaving one family out, not in the planner). ``--gemm-curves`` ranks them with other GEMM
+efficiency curves (exact waves with cuBLAS-like tile choice, shorter wave tails) and compares the layouts at their
+framework's memory edge with the others (none in the planner).
 
 Sweeps
 ------
@@ -1007,6 +1009,67 @@ def cand_eager_elementwise(p: Planner, c: Candidate) -> float:
     return c.m * n * per_layer
 
 
+# Megatron's gradient-accumulation fusion (--gradient-accumulation-fusion, default on: the weight-gradient GEMM
+# accumulates into main_grad with beta = 1, reading and writing it, 2 x grad bytes) against a framework whose
+# weight-gradient GEMM writes a fresh bf16 gradient (2 B) that a separate add reads (2 B) into the buffer: 4 B more
+# per weight element and micro-batch whatever the buffer's dtype, and one add kernel per linear layer (4 a layer).
+UNFUSED_WGRAD_EXTRA_BYTES = 4
+UNFUSED_WGRAD_KERNELS = 4
+
+
+def cand_wgrad_unfused(p: Planner, c: Candidate) -> float:
+    """Gradient accumulation without Megatron's fusion: per micro-batch the critical stage's weights' gradients
+    written by the GEMM and added into the accumulation buffer by a separate kernel (bytes above)."""
+    from megatron_memguard.planner.kernels import memory_seconds
+    from megatron_memguard.planner.timing import KERNEL_GAP
+    t = p.timer
+    crit = p.step_time(c).critical_stage
+    per_mb = (memory_seconds(t.stage_params(c, crit) * UNFUSED_WGRAD_EXTRA_BYTES, t.gpu)
+              + UNFUSED_WGRAD_KERNELS * c.stage_layers[crit] * KERNEL_GAP)
+    return c.m * per_mb
+
+
+_PP_INNER: dict[int, tuple] = {}
+
+
+def _pp_inner_timer(p: Planner):
+    """The planner's time model with the ranks ordered tp-pp-dp (pipeline stages adjacent, data parallelism
+    outermost: the order of frameworks that place a model replica's stages in one node) instead of Megatron's
+    tp-cp-ep-dp-pp: a DP group has 8 / (TP x PP) members per node instead of 8 / TP."""
+    from megatron_memguard.planner.timing import TimeModel
+
+    class PPInner(TimeModel):
+        _pp = 1
+
+        def _dp_comm(self, c, *a, **k):
+            self._pp = c.pp
+            return super()._dp_comm(c, *a, **k)
+
+        def dpcp_per_domain(self, tp: int, n: int) -> int:
+            per = tp * self._pp
+            return max(1, min(n, self.domain // per)) if per < self.domain else 1
+
+    if id(p) not in _PP_INNER:
+        _PP_INNER[id(p)] = (p, PPInner(p.shape, p.cluster, p.gbs, tp_overlap=p.timer.tp_overlap))
+    return _PP_INNER[id(p)][1]
+
+
+def cand_rank_order_pp_inner(p: Planner, c: Candidate) -> float:
+    """Ranks ordered tp-pp-dp: the data-parallel reduction over fewer GPUs a node (fewer NICs for the same bytes;
+    dp_comm with the model's overlap), and the pipeline transfers on NVLink whenever a replica's TP x PP GPUs fit
+    one node (Megatron's order puts a stage boundary across nodes once TP x CP x DP x PP exceeds it; 1F1B without
+    interleaving, as the Hagemann sheets ran)."""
+    alt = _pp_inner_timer(p)
+    t = p.step_time(c).term_seconds
+    extra = alt.step_time(c).term_seconds["dp_comm"] - t["dp_comm"]
+    if c.pp > 1 and c.vpp == 1 and c.tp * c.cp * c.pp <= p.timer.domain < c.tp * c.cp * c.dp * c.pp:
+        s = p.timer.shape
+        nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
+        hops = 2 * c.m + 2 * (c.pp - 1)      # 1F1B: two blocking transfers a micro-batch, fill and drain
+        extra += hops * (p.timer.p2p(nbytes, True) - p.timer.p2p(nbytes, False))
+    return extra
+
+
 CANDIDATES = {
     "dp_exposed": cand_dp_exposed,
     "bucket_latency": cand_bucket_latency,
@@ -1020,6 +1083,8 @@ CANDIDATES = {
     "eager_elementwise": cand_eager_elementwise,
     "grad_rs_per_microbatch": cand_grad_rs_per_microbatch,
     "grad_rs_per_microbatch_sync": cand_grad_rs_per_microbatch_sync,
+    "wgrad_unfused": cand_wgrad_unfused,
+    "rank_order_pp_inner": cand_rank_order_pp_inner,
 }
 
 
@@ -1068,6 +1133,102 @@ def candidates_check(data: list[tuple[Sweep, list[Scored]]], families: tuple[str
             f"{a} of {b} / {_fmt_rho(m)} / {w}" for a, b, m, w in (fig["fujii"], fig["hagemann"]))
             + f" | {fig['pairs']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---- Issue 18, round 8: GEMM efficiency curves and the framework's memory edge (evaluated; none in the model) ----
+def _exact_waves(tiles: tuple[tuple[tuple[int, int], float], ...]) -> Callable:
+    """GEMM efficiency with the exact waves (W / ceil(W)) of the best of ``tiles`` ((rows, columns), that tile's
+    own efficiency relative to 256 x 128), either orientation: cuBLAS's heuristics pick a tile per shape."""
+    from megatron_memguard.planner.kernels import GEMM_HALF_K
+
+    def eff(M: int, N: int, K: int, gpu) -> float:
+        best = 0.0
+        for (a, b), e in tiles:
+            for big, small in ((max(M, N), min(M, N)), (min(M, N), max(M, N))):
+                n = math.ceil(big / a) * math.ceil(small / b)
+                w = n / gpu.sms
+                best = max(best, e * w / math.ceil(w) * (big * small) / (n * a * b))
+        return gpu.gemm_efficiency * best * K / (K + GEMM_HALF_K)
+    return eff
+
+
+def _averaged_waves(wave: Callable[[float], float]) -> Callable:
+    """GEMM efficiency with 256 x 128 tiles and ``wave`` (the busy share of the SMs for W waves) in place of the
+    model's W / (W + 1/2)."""
+    from megatron_memguard.planner.kernels import GEMM_HALF_K, GEMM_TILE
+
+    def eff(M: int, N: int, K: int, gpu) -> float:
+        big, small = max(M, N), min(M, N)
+        n = math.ceil(big / GEMM_TILE[0]) * math.ceil(small / GEMM_TILE[1])
+        fill = (big * small) / (n * GEMM_TILE[0] * GEMM_TILE[1])
+        return gpu.gemm_efficiency * wave(n / gpu.sms) * fill * K / (K + GEMM_HALF_K)
+    return eff
+
+
+GEMM_CURVES: dict[str, Callable] = {
+    "exact waves, 256 x 128": _exact_waves((((256, 128), 1.0),)),
+    "exact waves, best of 256 x 128 and 128 x 128 (0.9)": _exact_waves((((256, 128), 1.0), ((128, 128), 0.9))),
+    "exact waves, best of 256 x 128, 128 x 128 (0.95), 128 x 64 (0.85)":
+        _exact_waves((((256, 128), 1.0), ((128, 128), 0.95), ((128, 64), 0.85))),
+    "W / (W + 1/4)": _averaged_waves(lambda w: w if w <= 0.25 else w / (w + 0.25)),
+    "W / (W + 1/8)": _averaged_waves(lambda w: w if w <= 0.125 else w / (w + 0.125)),
+    "1 - exp(-W)": _averaged_waves(lambda w: 1.0 - math.exp(-w)),
+}
+
+
+def gemm_curves_check(data: list[tuple[Sweep, list[Scored]]]) -> str:
+    """The target figures with each GEMM efficiency curve of ``GEMM_CURVES`` in place of the model's (every family),
+    and the Hagemann sweeps whose Spearman moves by 0.02 or more."""
+    from megatron_memguard.planner import kernels
+    miss = ("LLaMA-13B s2048 32 x A100-80GB", "LLaMA-30B s2048 256 x A100-80GB")
+    lines = ["| GEMM efficiency | Megatron: within 3% / median / worse | Hagemann: within 3% / median / worse | "
+             + " | ".join(miss) + " | Hagemann sweeps that move |", "| --- | --- | --- | --- | --- | --- |"]
+    base = {sw.name: quality(sw, sc, "time").spearman for sw, sc in data}
+    model = kernels.gemm_efficiency
+    for name, fn in (("(the model) W / (W + 1/2)", None), *GEMM_CURVES.items()):
+        kernels.gemm_efficiency = fn or model
+        try:
+            rows = [(sw, quality(sw, sc2, "time"), quality(sw, sc2, "fujii2024"))
+                    for sw, sc2 in ((sw, score(sw)) for sw, _ in data)]
+        finally:
+            kernels.gemm_efficiency = model
+        cells = []
+        for fam in ("fujii", "hagemann"):
+            fr = [(t, f) for sw, t, f in rows if sw.family == fam]
+            worse = sum(t.first_rel < f.first_rel - 1e-9 or (not math.isnan(f.spearman) and t.spearman < f.spearman - 1e-9)
+                        for t, f in fr)
+            cells.append(f"{sum(t.first_ok for t, _ in fr)} of {len(fr)} / {_fmt_rho(_median([t.spearman for t, _ in fr]))}"
+                         f" / {worse}")
+        for target in miss:
+            t = next(t for sw, t, _ in rows if sw.name == target)
+            cells.append(f"{t.first_rel:.1%}, {_fmt_rho(t.spearman)}")
+        moved = [f"{sw.name.split(' x ')[0]} {_fmt_rho(base[sw.name])} -> {_fmt_rho(t.spearman)}" for sw, t, _ in rows
+                 if sw.family == "hagemann" and abs(t.spearman - base[sw.name]) >= 0.02 - 1e-9]
+        cells.append("; ".join(moved) or "none")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_edge_residuals(data: list[tuple[Sweep, list[Scored]]]) -> dict[str, tuple[int, float, int, float]]:
+    """Per family, the layouts that ran at their framework's memory edge (the same layout with twice the micro-batch
+    failed in that sweep) against the others: (count, mean log(measured / predicted step) about the sweep's mean)
+    for each. Allocator pressure (PyTorch's caching allocator freeing its cache and retrying near the capacity)
+    would make the former slower than modelled."""
+    out: dict[str, list[list[float]]] = {}
+    for sw, sc in data:
+        ran = _ran_kept(sw, sc)
+        if len(ran) < 3:
+            continue
+        res = {id(s): math.log(1.0 / s.run.throughput / s.seconds) for s in ran}
+        mu = statistics.fmean(res.values())
+        cells = {(r.tp, r.cp, r.pp, r.mbs, r.sp, r.recompute): r for r in sw.runs}
+        edge, rest = out.setdefault(sw.family, [[], []])
+        for s in ran:
+            r = s.run
+            twice = cells.get((r.tp, r.cp, r.pp, 2 * r.mbs, r.sp, r.recompute))
+            (edge if twice is not None and twice.failed else rest).append(res[id(s)] - mu)
+    return {fam: (len(e), statistics.fmean(e) if e else math.nan, len(r), statistics.fmean(r) if r else math.nan)
+            for fam, (e, r) in out.items()}
 
 
 # ---- Issue 18, blind: the same author's H100-94GB draft (TSUBAME 4.0), no measurements in the repository ----
@@ -1354,6 +1515,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blind", nargs="?", const="a100", choices=("a100", "paper"),
                     help="no measurements: the H100-94GB TSUBAME 4.0 sweeps of the same draft, both rules' first choices "
                          "and their agreement per GPU count (grid: the A100 table's cells, or the paper's)")
+    ap.add_argument("--gemm-curves", action="store_true",
+                    help="the target figures with other GEMM efficiency curves (exact waves, tile choice, a shorter "
+                         "wave tail) and the framework's memory edge against the model's error (docs/planner.md "
+                         "section 5.2; not in the planner)")
     ap.add_argument("--aggregate", action="store_true",
                     help="rank aggregations of the time rule and Fujii et al.'s key (Borda, the key as a prior), "
                          "leave one family out (docs/planner.md section 5.2; not in the planner)")
@@ -1405,6 +1570,18 @@ def main(argv: list[str] | None = None) -> int:
                     "docs/planner.md section 5.2; the planner keeps its 4% window.\n")
     if ns.aggregate:
         print(agg_text)
+    curves_text = ""
+    if (ns.gemm_curves or ns.write) and {sw.family for sw, _ in targets} >= {"fujii", "hagemann"}:
+        edge = memory_edge_residuals(targets)
+        curves_text = ("\n### GEMM efficiency curves and the memory edge (`--gemm-curves`)\n\n" + gemm_curves_check(targets)
+                       + "\n\nColumns as in the candidates' table; the last, the Hagemann sweeps whose Spearman moves "
+                         "by 0.02 or more. Layouts at their framework's memory edge (twice the micro-batch failed in "
+                         "the sweep) against the others, mean log(measured / predicted step) about the sweep's mean: "
+                       + "; ".join(f"{fam} {ne} at the edge {me:+.3f}, {nr} others {mr:+.3f}"
+                                   for fam, (ne, me, nr, mr) in sorted(edge.items()))
+                       + ". docs/planner.md section 5.2; the model keeps W / (W + 1/2).\n")
+    if ns.gemm_curves:
+        print(curves_text)
     if ns.pairs is not None:
         for sw, _, _, scored in results:
             print(discordant_pairs(sw, scored, ns.pairs))
@@ -1419,7 +1596,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(RESULTS, "w") as f:
             f.write("# Planner ranking against measured sweeps\n\n`python benchmarks/planner_quality.py --write` "
                     "(benchmarks/planner_quality.py says what each sweep is and how it is read).\n\n" + text + "\n"
-                    + scale_text + cand_text + bands_text + agg_text
+                    + scale_text + cand_text + bands_text + agg_text + curves_text
                     + "\n### Blind: the H100-94GB sweeps of the same draft, no measurements (`--blind`, `--blind paper`)\n\n"
                     + "Cells of the A100 table:\n\n" + blind_check("a100") + "\n\nFujii et al.'s grid (TP x CP within "
                     "a node of 4):\n\n" + blind_check("paper") + "\n\nLlama-3.1-8B s8192, GBS 1024, Megatron v0.8, 4 "
