@@ -484,3 +484,96 @@ def test_rank_aggregation_is_not_kept():
     w, s = acc["fujii"], pair_sigma(fams["fujii"])
     m, _ = med("hagemann", lambda k: aggregate_order(k, "prior", w, s))
     assert m < 0.89
+
+
+def test_candidate_wgrad_unfused_by_hand():
+    """Gradient accumulation without Megatron's fusion (the weight-gradient GEMM writes a fresh bf16 gradient, 2 B, a
+    separate add reads it, 2 B, 4 B per weight element and micro-batch more than the fused GEMM's accumulation), on
+    LLaMA-13B TP1 PP1 MBS1 at sequence 2048 on 32 A100-80GB (64 micro-batches): 40 x (4 x 5120^2 + 3 x 5120 x 13824 +
+    2 x 5120) + 2 x 32000 x 5120 + 5120 = 13,015,864,320 weights at 80% of 2.039 TB/s, and 4 add kernels of 2 us per
+    layer."""
+    from benchmarks.planner_quality import cand_wgrad_unfused
+    _, sc, P = _ratio("LLaMA-13B s2048 32 x A100-80GB", "TP1 CP1 PP1 MBS1")
+    assert P.timer.stage_params(sc.candidate, 0) == 13_015_864_320
+    per_mb = 13_015_864_320 * 4 / (0.8 * 2.039e12) + 4 * 40 * 2e-6
+    assert math.isclose(cand_wgrad_unfused(P, sc.candidate), 64 * per_mb, rel_tol=1e-9)
+
+
+def test_candidate_rank_order_pp_inner_by_hand():
+    """Ranks ordered tp-pp-dp on LLaMA-30B TP1 PP4 MBS1 at 256 GPUs: a node holds 2 pipeline replicas of 4 stages, so
+    the DP-64 group has 2 members a node (Megatron's order: 8) and the stage boundaries stay on NVLink. The transfers:
+    2048 x 6656 x 2 = 27,262,976 B, 10 us + that at 85% of 25 GB/s on the NIC or at 80% of 300 GB/s on NVLink, 2 x 32
+    micro-batches + 2 x 3 of the fill and drain; the reduction over fewer NICs can only take longer."""
+    from benchmarks.planner_quality import _pp_inner_timer, cand_rank_order_pp_inner
+    _, sc, P = _ratio("LLaMA-30B s2048 256 x A100-80GB", "TP1 CP1 PP4 MBS1")
+    c = sc.candidate
+    alt = _pp_inner_timer(P)
+    dp_model, dp_alt = P.step_time(c).term_seconds["dp_comm"], alt.step_time(c).term_seconds["dp_comm"]
+    assert (c.dp, c.m, P.timer.dpcp_per_domain(1, 64), alt.dpcp_per_domain(1, 64)) == (64, 32, 8, 2)
+    assert dp_alt > dp_model
+    nbytes = 2048 * 6656 * 2
+    p2p = 70 * ((10e-6 + nbytes / (0.8 * 300e9)) - (10e-6 + nbytes / (0.85 * 25e9)))
+    assert math.isclose(cand_rank_order_pp_inner(P, c), dp_alt - dp_model + p2p, rel_tol=1e-9)
+    assert -0.09 < p2p < -0.08
+
+
+def test_gemm_curves_trade_the_13b_miss_for_the_hagemann_median():
+    """Exact waves with cuBLAS-like tile choice (the best of 256 x 128 and 128 x 128 at 0.9 of its rate, either
+    orientation) lift LLaMA-13B s2048 on 32 GPUs above `--rule fujii2024` (0.74 against 0.69) but lower LLaMA-65B
+    s2048 on 64 GPUs (0.93 -> 0.90) and the Hagemann median below its 0.90 target: not kept (docs/planner.md 5.2)."""
+    from benchmarks.planner_quality import GEMM_CURVES
+    from megatron_memguard.planner import kernels
+    model = kernels.gemm_efficiency
+    curve = GEMM_CURVES["exact waves, best of 256 x 128 and 128 x 128 (0.9)"]
+    # a hand check of the curve: 2048 tokens x 7680 (LLaMA-13B's linear_qkv at TP2) on 108 SMs: 256 x 128 tiles give
+    # 30 x 16 = 480 (4.44 waves, 480 / 540 busy), 128 x 128 give 960 (8.89 waves, 960 / 972 busy, x 0.9)
+    gpu = planner_for(hagemann_sweeps()[0]).cluster.gpu
+    assert gpu.sms == 108
+    assert math.isclose(curve(2048, 7680, 5120, gpu), gpu.gemm_efficiency * (480 / 540) * 5120 / (5120 + 128))
+    kernels.gemm_efficiency = curve
+    try:
+        rows = [(sw, quality(sw, score(sw), "time")) for sw in hagemann_sweeps()]
+    finally:
+        kernels.gemm_efficiency = model
+    rho = {sw.name: q.spearman for sw, q in rows}
+    assert rho["LLaMA-13B s2048 32 x A100-80GB"] > 0.69 + 0.04
+    assert rho["LLaMA-65B s2048 64 x A100-80GB"] < 0.91
+    assert statistics.median(rho.values()) < 0.90
+
+
+def test_layouts_at_the_framework_memory_edge_are_not_slower_than_modelled():
+    """Allocator pressure would slow the layouts whose doubled micro-batch failed in their sweep. Over the Hagemann
+    sheets they sit where the others do (mean log(measured / predicted) about each sheet's mean within 0.01 of the
+    others'); over Megatron's they ran faster than modelled, not slower."""
+    from benchmarks.planner_quality import memory_edge_residuals
+    edge = memory_edge_residuals(_targets())
+    n_e, m_e, n_r, m_r = edge["hagemann"]
+    assert n_e > 50 and n_r > 50 and abs(m_e - m_r) < 0.01
+    n_e, m_e, n_r, m_r = edge["fujii"]
+    assert n_e > 15 and m_e < m_r
+
+
+def test_hagemann_256_gpu_excess_follows_the_gradient_bytes_a_node_holds():
+    """LLaMA-30B s2048: for the layouts run at 64 and 256 GPUs, the step at 256 beyond the model scaled by the 64-GPU
+    ratio grows with the bf16 gradient bytes the node's 8 GPUs hold (8 x parameters per GPU x 2 B: 33, 65 or 130 GB),
+    whatever the group's span (8, 16 or 32 nodes) and members per node (2, 4 or 8): 0.056-0.067 s per GB for 8 of the
+    10, 0.033-0.034 for TP1 PP4 MBS1 and TP2 PP4 MBS1 (the two fastest), i.e. about 16 GB/s a node. At that rate LLaMA-13B TP1 PP1 MBS1 on 64 GPUs (8 nodes, 208 GB a node) would lose over 10 s
+    of its 26 s step; it ran within 5% of the model: a rate of the 256-GPU job's fabric, not of the layout."""
+    per_gb, spans = [], set()
+    sw256 = next(s for s in hagemann_sweeps() if s.name == "LLaMA-30B s2048 256 x A100-80GB")
+    ran64 = {r.label for s in hagemann_sweeps() if s.name == "LLaMA-30B s2048 64 x A100-80GB" for r in s.runs
+             if not r.failed}
+    for r in sw256.runs:
+        if r.failed or r.label not in ran64:
+            continue
+        r64, _, _ = _ratio("LLaMA-30B s2048 64 x A100-80GB", r.label)
+        r256, sc, P = _ratio(sw256.name, r.label)
+        c = sc.candidate
+        node_gb = 8 * P.timer.stage_params(c, 0) * 2 / 1e9
+        per_gb.append((r256 - r64) * sc.seconds / node_gb)
+        spans.add((c.dp // (8 // c.tp), 8 // c.tp))
+    assert len(per_gb) >= 9 and {n for n, _ in spans} == {8, 16, 32} and {k for _, k in spans} == {2, 4, 8}
+    assert all(0.03 < x < 0.07 for x in per_gb) and sum(0.055 < x < 0.07 for x in per_gb) == 8
+    r13, s13, P13 = _ratio("LLaMA-13B s2048 64 x A100-80GB", "TP1 CP1 PP1 MBS1")
+    node_gb = 8 * P13.timer.stage_params(s13.candidate, 0) * 2 / 1e9
+    assert node_gb > 200 and min(per_gb) * node_gb > 0.25 * s13.seconds and r13 < 1.05
