@@ -1628,8 +1628,8 @@ def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, d
         # retained pipeline inputs are left out: the first received eval input replaces them
         # (TransformerBlock.set_input_tensor) and is counted as eval_received_input
         train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs)}
-        growth = sum(max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
-                     if name != "pipeline_inputs_retained")
+        growth = {name: max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
+                  if name != "pipeline_inputs_retained"}
         # (on a GPU the pipeline buffer NCCL holds is the eval micro-batch's)
         fixed = in_flight_terms(L, s.pp_rank, pr.fixed_alloc) if device == "gpu" else pr.fixed_alloc
         static = (*pr.state_terms, *pr.buffers, *fixed)

@@ -158,15 +158,27 @@ def in_flight_terms(L: Layout, pp_rank: int, fixed: tuple[Term, ...]) -> tuple[T
     return tuple(out)
 
 
-def eval_terms(L: Layout, pp_rank: int, static: tuple[Term, ...], buffers_growth: int, fragmentation: float | None,
+# the persistent buffers whose size follows the micro-batch, and the term naming each one's growth
+_GROWTH = {
+    "global_memory_buffer": ("eval_global_memory_buffer_growth",
+                             "megatron's GlobalMemoryBuffer grown to the eval micro-batch's request (it stays)"),
+    "moe_dispatcher_state": ("eval_moe_dispatcher_state_growth",
+                             "the MoE token dispatchers' routing maps and probs at the eval micro-batch (kept until "
+                             "each layer's next forward)"),
+}
+
+
+def eval_terms(L: Layout, pp_rank: int, static: tuple[Term, ...], buffers_growth: dict[str, int],
+               fragmentation: float | None,
                device_terms: tuple[Term, ...]) -> tuple[Term, ...]:
     """The evaluation step's terms on ``pp_rank``: the training's ``static`` allocated terms (state, persistent
     buffers, workspaces, retained pipeline inputs), the buffers' growth at the eval micro-batch, the forward-only
     parts, then on a GPU (``fragmentation`` not None) the allocator's slack and the ``device_terms``."""
     rows = list(static)
-    if buffers_growth:
-        rows.append(Term("eval_global_memory_buffer_growth", buffers_growth, "transients", "allocated",
-                         lambda: "megatron's GlobalMemoryBuffer grown to the eval micro-batch's request (it stays)"))
+    for buffer, grown in buffers_growth.items():
+        if grown:
+            name, detail = _GROWTH.get(buffer, (f"eval_{buffer}_growth", f"{buffer} grown to the eval micro-batch"))
+            rows.append(Term(name, grown, "transients", "allocated", detail))
     for name, v in stage_parts(L, pp_rank).items():
         if v:
             group = "logits_loss" if name == "eval_logits_loss" else "activations"
