@@ -120,6 +120,15 @@ def test_no_figure_when_the_training_step_bounds_it():
         assert estimate(L, device="cpu").stages[0].eval_step is None
 
 
+def test_skip_train_is_noted():
+    # setup_model_and_optimizer (megatron/training/training.py, core 0.19.2): has_normal_optimizer = not skip_train, and
+    # no DDP wrapper without an optimizer; pretrain only evaluates. The figures then count what is not allocated.
+    L = _layout(PP2_EVAL8 + ["--skip-train"], 2)
+    assert any(n.startswith("--skip-train: megatron.training builds neither the optimizer nor DDP's gradient buffer")
+               for n in estimate(L, device="cpu").notes)
+    assert not any("--skip-train" in n for n in estimate(_layout(PP2_EVAL8, 2), device="cpu").notes)
+
+
 def test_eval_global_batch_must_divide():
     # validate_args (megatron/training/arguments.py, core 0.19.2) asserts eval_global_batch_size % (eval MBS x DP) == 0;
     # the eval global batch defaults to the training one (4 here)
