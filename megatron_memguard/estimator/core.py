@@ -1625,8 +1625,9 @@ def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, d
         nrecv = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
         last = s.pp_rank == L.pp - 1
         # the persistent buffers grown to the eval micro-batch's requests (they keep their largest size); the
-        # retained pipeline inputs are left out: the first received eval input replaces them
-        # (TransformerBlock.set_input_tensor) and is counted as eval_received_input
+        # retained pipeline inputs are left out: the chunk's first received eval input replaces its pair
+        # (TransformerBlock.set_input_tensor) and is counted as eval_received_input, the other chunks' as
+        # eval_other_chunks_inputs
         train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs)}
         growth = {name: max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
                   if name != "pipeline_inputs_retained"}
