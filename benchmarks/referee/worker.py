@@ -344,9 +344,13 @@ def _eval_step(args, model, forward_step, forward_backward_func, tracker, data_s
     finally:
         args.micro_batch_size = train_mbs
     r = tracker.region_result("eval")
+    start_seq = tracker._regions["eval"].start_seq
+    # every storage the evaluation step made that is live at its peak (what the eval figure's own terms count)
+    made = [rec for rec in tracker.live_at(r["peak_seq"]) if rec[0] > start_seq]
     return {"micro_batch_size": args.referee_eval_micro_batch_size, "start_bytes": r["start_bytes"],
             "peak_bytes": r["peak_bytes"], "peak_phase": r["peak_phase"], "end_bytes": r["end_bytes"],
-            "peak_dump": tracker.dump(r["peak_seq"], top=15)}
+            "peak_dump": tracker.dump(r["peak_seq"], top=15),
+            "peak_dump_made": tracker.group(made, top=None)}
 
 
 def make_forward_step(args, tracker, phase_state):

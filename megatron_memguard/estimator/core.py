@@ -1610,7 +1610,7 @@ def _moe_worst_case(L: Layout, device: str, site: SiteConstants, held: int, has_
 def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, device: str, site: SiteConstants,
                     notes: list[str]) -> tuple[StageEstimate, ...]:
     """Each stage with its evaluation step's figure (estimator/eval_step.py), or a note naming what keeps it out."""
-    from .eval_step import eval_figure, eval_layout, eval_terms, unmodelled
+    from .eval_step import eval_figure, eval_layout, eval_terms, in_flight_terms, unmodelled
     why = unmodelled(L)
     if why is not None:
         notes.append(f"--eval-micro-batch-size: the evaluation step is not estimated ({why} is not modelled)")
@@ -1625,12 +1625,15 @@ def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, d
         nrecv = sum(1 for c in chunks if not (c.pp_rank == 0 and c.vpp_rank == 0))
         last = s.pp_rank == L.pp - 1
         # the persistent buffers grown to the eval micro-batch's requests (they keep their largest size); the
-        # retained pipeline inputs are left out: the first received eval input replaces them
-        # (TransformerBlock.set_input_tensor) and is counted as eval_received_input
+        # retained pipeline inputs are left out: the chunk's first received eval input replaces its pair
+        # (TransformerBlock.set_input_tensor) and is counted as eval_received_input, the other chunks' as
+        # eval_other_chunks_inputs
         train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs)}
-        growth = sum(max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
-                     if name != "pipeline_inputs_retained")
-        static = (*pr.state_terms, *pr.buffers, *pr.fixed_alloc)
+        growth = {name: max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
+                  if name != "pipeline_inputs_retained"}
+        # (on a GPU the pipeline buffer NCCL holds is the eval micro-batch's)
+        fixed = in_flight_terms(L, s.pp_rank, pr.fixed_alloc) if device == "gpu" else pr.fixed_alloc
+        static = (*pr.state_terms, *pr.buffers, *fixed)
         frag = site.allocator_fragmentation if device == "gpu" else None
         terms = eval_terms(L, s.pp_rank, static, growth, frag, pr.device_only if device == "gpu" else ())
         out.append(replace(s, eval_step=eval_figure(L, terms)))

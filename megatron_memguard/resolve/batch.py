@@ -26,6 +26,12 @@ def batch(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("global_batch_size", f"{gbs} is not divisible by micro-batch size x DP = {mbs}*{dp} = {mbs * dp}",
                    f"use a multiple of {mbs * dp}")
     num_microbatches = max(1, gbs // (mbs * dp))  # (a placeholder after the error above: checks go on)
+    if a.bool_arg("skip_train", False):
+        # setup_model_and_optimizer (megatron/training/training.py, core 0.19.2): has_normal_optimizer = not
+        # skip_train, and without an optimizer the model is not wrapped in DDP; pretrain then only evaluates
+        a.notes.append("--skip-train: megatron.training builds neither the optimizer nor DDP's gradient buffer and "
+                       "runs no training step: the training figure does not occur, and the evaluation step's figure "
+                       "counts gradient and optimizer terms that are not allocated (upper bounds)")
     return dict(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=num_microbatches,
                 eval_micro_batch_size=_eval_micro_batch(a, mbs, gbs, dp))
 
