@@ -8,9 +8,11 @@ ssm/gated_delta_net.py in 0.16.1): a GPT model with ``--experimental-attention-v
 MLP is an IdentityOp). The mixer's shape is TransformerConfig's linear_* fields (0.19.2 defaults: conv kernel 4,
 key / value head dim 128, 16 key heads, 32 value heads) and its rules are TransformerConfig.__post_init__'s.
 
-What memguard has not read is refused by name: FP8 / FP4 GDN layers (their in_proj / out_proj GEMMs), the
-deterministic path (a torch chunk loop in fp32), CUDA graphs, activation offloading, LoRA / DoRA and MTP of a GPT
-model with GDN layers, heterogeneous configs.
+CUDA graphs, activation offloading and LoRA / DoRA take GDN layers as megatron-core builds them (a TransformerLayer
+whose self_attention is GatedDeltaNet, input_layernorm IdentityOp): estimator/cuda_graphs.py, estimator/core.py and
+estimator/peft.py say what each does to them. What memguard has not read is refused by name: FP8 / FP4 GDN layers
+(their in_proj / out_proj GEMMs), the deterministic path (a torch chunk loop in fp32), MTP of a GPT model with GDN
+layers before 0.19, heterogeneous configs.
 """
 from __future__ import annotations
 
@@ -111,12 +113,6 @@ def _refuse(a: Args, kw: Mapping[str, Any]) -> None:
         (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 gated delta net layers (their in_proj / out_proj GEMMs)"),
         (a.bool_arg("deterministic_mode", False), "deterministic_mode", "gated delta net layers in deterministic mode "
          "(torch_chunk_gated_delta_rule: an fp32 chunk loop instead of flash-linear-attention's kernel)"),
-        (kw.get("cuda_graph_impl", "none") not in ("none", None), "cuda_graph_impl", "CUDA graphs of gated delta net "
-         "layers"),
-        (kw.get("cpu_offloading_num_layers"), "cpu_offloading_num_layers", "activation offloading of gated delta net "
-         "layers"),
-        (kw.get("fine_grained_activation_offloading"), "fine_grained_activation_offloading", "fine-grained activation "
-         "offloading of gated delta net layers"),
     )
     for bad, dest, what in checks:
         if bad:
@@ -124,8 +120,30 @@ def _refuse(a: Args, kw: Mapping[str, Any]) -> None:
 
 
 def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
-    """After the PEFT section: LoRA / DoRA with GDN layers is refused by name (the adapters' targets in a GDN layer,
-    in_proj / out_proj, and its frozen tensors were not read)."""
-    if kw.get("peft") is not None and (kw.get("linear_attention_pattern") or "G" in (kw.get("hybrid_layer_pattern") or "")):
-        raise NotModelledError(a.key("peft_scheme"), "LoRA / DoRA on a model with gated delta net layers")
+    """After the PEFT section: LoRA / DoRA on a model with GDN layers. Megatron-Bridge 0.6.2 matches target_modules
+    against each module's own name (peft/module_matcher.py): a GDN layer's in_proj / out_proj are none of linear_qkv,
+    linear_proj, linear_fc1, linear_fc2, so its mixer stays frozen and unwrapped (estimator/peft.py); a GPT model's GDN
+    layers have an MLP, whose linear_fc1 / linear_fc2 are wrapped as any layer's, and its attention layers' linear_qkv /
+    linear_proj. (A hybrid model's 'G' layers: hybrid.with_peft.) '*' patterns and exclude_modules are matched over
+    full module names, where Bridge would also wrap in_proj / out_proj (TE linears): refused unless both are excluded."""
+    pattern = kw.get("linear_attention_pattern") or ""
+    spec = kw.get("peft")
+    if spec is None or not (pattern or "G" in (kw.get("hybrid_layer_pattern") or "")):
+        return {}
+    targets_v = a.get("peft_target_modules")
+    targets_l = [targets_v] if isinstance(targets_v, str) else list(targets_v or [])
+    if any("*" in str(t) for t in targets_l):
+        raise NotModelledError(a.key("peft_target_modules"), "'*' target patterns on a model with gated delta net "
+                               "layers (a pattern can match their in_proj / out_proj, which memguard does not wrap)")
+    excluded = a.get("peft_exclude_modules")
+    if a.given("peft_exclude_modules") and isinstance(excluded, (list, tuple)) and not (
+            "in_proj" in excluded and "out_proj" in excluded):
+        # ModuleMatcher wraps every linear not excluded: the GDN layers' in_proj and out_proj too
+        raise NotModelledError(a.key("peft_exclude_modules"), "PEFT exclude_modules that leave the gated delta net "
+                               "layers' in_proj / out_proj wrapped (their adapters are not modelled: add in_proj and "
+                               "out_proj to exclude_modules)")
+    if pattern and "0" not in pattern and not {"linear_fc1", "linear_fc2"} & set(spec.target_modules):
+        a.fail("peft_target_modules", f"wraps no linear: every layer is a gated delta net layer, which has no "
+               f"{' / '.join(spec.target_modules)} (Megatron-Bridge would train no parameter)",
+               "target linear_fc1 / linear_fc2")
     return {}
