@@ -10,9 +10,9 @@ key / value head dim 128, 16 key heads, 32 value heads) and its rules are Transf
 
 CUDA graphs, activation offloading and LoRA / DoRA take GDN layers as megatron-core builds them (a TransformerLayer
 whose self_attention is GatedDeltaNet, input_layernorm IdentityOp): estimator/cuda_graphs.py, estimator/core.py and
-estimator/peft.py say what each does to them. What memguard has not read is refused by name: FP8 / FP4 GDN layers
-(their in_proj / out_proj GEMMs), the deterministic path (a torch chunk loop in fp32), MTP of a GPT model with GDN
-layers before 0.19, heterogeneous configs.
+estimator/peft.py say what each does to them; under FP8 / FP4 in_proj and out_proj are TE GEMMs (estimator/fp8_layers.py),
+the conv1d and the kernel BF16. What memguard has not read is refused by name: the deterministic path (a torch chunk
+loop in fp32), MTP of a GPT model with GDN layers before 0.19, heterogeneous configs.
 """
 from __future__ import annotations
 
@@ -103,6 +103,15 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             raise NotModelledError(a.key("mtp_num_layers"), "multi-token prediction in a GPT model with gated delta "
                                    f"net layers under megatron-core {ctx.version.major}.{ctx.version.minor} (its "
                                    "builder's MTP layer spec was not read; 0.19 is modelled)")
+    if kw.get("fp8"):
+        # _GDNBase.__init__ (core 0.19.2 common.py; 0.16.1 gated_delta_net.py) asserts it under FP8 (not FP4): in_proj's
+        # whole output width, 2 Hk dk + 2 Hv dv + 2 Hv, a multiple of get_fp8_align_size (32 for mxfp8, else 16)
+        width = 2 * kh * dims["linear_key_head_dim"] + 2 * vh * dims["linear_value_head_dim"] + 2 * vh
+        align = 32 if kw.get("fp8_recipe") == "mxfp8" else 16
+        if width % align:
+            a.fail("linear_num_value_heads", f"with --fp8-format the gated delta net in_proj output width {width} "
+                   f"(2 x {kh} x {dims['linear_key_head_dim']} + 2 x {vh} x {dims['linear_value_head_dim']} + 2 x {vh}) "
+                   f"must be a multiple of {align} (GatedDeltaNet asserts it)")
     _refuse(a, kw)
     return out
 
@@ -110,7 +119,6 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 def _refuse(a: Args, kw: Mapping[str, Any]) -> None:
     """Settings whose effect on a GDN layer memguard has not read."""
     checks = (
-        (kw.get("fp8") or kw.get("fp4"), "fp8", "FP8 / FP4 gated delta net layers (their in_proj / out_proj GEMMs)"),
         (a.bool_arg("deterministic_mode", False), "deterministic_mode", "gated delta net layers in deterministic mode "
          "(torch_chunk_gated_delta_rule: an fp32 chunk loop instead of flash-linear-attention's kernel)"),
     )
