@@ -3,6 +3,7 @@ gated_delta_net with --linear-attention-freq, and a hybrid model's 'G' layers. P
 layer shape) and against megatron-core's GatedDeltaNet built on CPU; saved bytes from flash-linear-attention 0.4.2's
 saved tensors (files named per case); Megatron's rules as one-line errors naming the flag."""
 import os
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ from megatron_memguard.estimator.params import chunk_params, total_parameters
 from megatron_memguard.partition import LayerKind, layer_kinds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GPT = ("--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 512 --max-position-embeddings 512 "
        "--micro-batch-size 2 --global-batch-size 16 --bf16 --normalization RMSNorm --swiglu --disable-bias-linear "
        "--ffn-hidden-size 512 --position-embedding-type rope --vocab-size 1024 "
@@ -468,3 +470,30 @@ def test_fp8_end_layers_in_bf16_stay_bf16():
     q = [(k.mixer, k.quantized) for k, n in model_kind_runs(L) for _ in range(n)]
     assert q[0] == ("gdn", None) and q[-1] == ("attention", None)
     assert all(r == "tensorwise" for _, r in q[1:-1])
+
+
+def test_heterogeneous_blocks_are_whole_gdn_and_attention_layers():
+    # megatron/training 0.19.2 models/gpt.py default_layer_spec takes the experimental variant's block spec before the
+    # heterogeneous one: layers 0 and 2 are GDN layers, 1 and 3 attention layers (--linear-attention-freq 2), each
+    # with a dense MLP; get_config_for_layer still sets each layer's ffn_hidden_size (block 1: 512; the no-op MLP of
+    # block 2 and block 3: the model's 1024) and num_query_groups (2 here, the model's)
+    from test_heterogeneous import BLOCKS, FLAGS
+    gdn_flags = ("--transformer-impl transformer_engine --experimental-attention-variant gated_delta_net "
+                 "--linear-attention-freq 2 --linear-num-key-heads 2 --linear-num-value-heads 4 "
+                 "--linear-key-head-dim 32 --linear-value-head-dim 48").split()
+    flags = FLAGS + ["--heterogeneous-layers-config-path", BLOCKS] + gdn_flags
+    L = layout_from_flags(flags, world_size=1)
+    assert [k.mixer + "/" + k.mlp for k in layer_kinds(L)] == ["gdn/dense", "attention/dense:512", "gdn/dense",
+                                                               "attention/dense"]
+    assert any("built as full GDN / attention and MLP layers" in n for n in L.notes)
+    # by hand (h 512, RMSNorm, no biases): attention = fused input norm + linear_qkv (8 + 2 x 2 heads of 64) +
+    # linear_proj; dense(F) = fused pre-MLP norm + fc1 [2F, h] + fc2 [h, F]; GDN = dt_bias, A_log (4 each) + fused
+    # norm + in_proj [2 x 64 + 2 x 192 + 8, 512] + conv [320, 1, 4] + out_norm 48 + out_proj [512, 192]
+    attn = 512 + 768 * 512 + 512 * 512
+    dense = lambda F: 512 + 3 * F * 512                     # noqa: E731
+    g = 8 + 512 + 520 * 512 + 320 * 4 + 48 + 512 * 192
+    expected = 2 * g + 2 * attn + 3 * dense(1024) + dense(512) + 2 * 1024 * 512 + 512   # + untied embedding, output, norm
+    assert total_parameters(L) == estimate(L).stages[0].parameters == expected == 8_600_688
+    # the builders before 0.19 (Megatron-LM's gpt_builders.py) are in no wheel: refused by name
+    with pytest.raises(NotModelledError, match="--heterogeneous-layers-config-path: a heterogeneous config with gated"):
+        layout_from_flags(flags, world_size=1, megatron_version="0.18")

@@ -12,7 +12,8 @@ CUDA graphs, activation offloading and LoRA / DoRA take GDN layers as megatron-c
 whose self_attention is GatedDeltaNet, input_layernorm IdentityOp): estimator/cuda_graphs.py, estimator/core.py and
 estimator/peft.py say what each does to them; under FP8 / FP4 in_proj and out_proj are TE GEMMs (estimator/fp8_layers.py),
 the conv1d and the kernel BF16. What memguard has not read is refused by name: the deterministic path (a torch chunk
-loop in fp32), MTP of a GPT model with GDN layers before 0.19, heterogeneous configs.
+loop in fp32), MTP of a GPT model with GDN layers before 0.19, heterogeneous configs before 0.19 (on 0.19 the
+variant's spec builds whole layers: _heterogeneous_layers).
 """
 from __future__ import annotations
 
@@ -94,8 +95,10 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             a.fail("transformer_impl", "must be transformer_engine with --experimental-attention-variant "
                    "(the experimental attention spec builds TE modules only)")
         if kw.get("heterogeneous_layers"):
-            raise NotModelledError(a.key("heterogeneous_layers_config_path"), "a heterogeneous config with gated "
-                                   "delta net layers")
+            het = _heterogeneous_layers(a, kw, ctx, out["linear_attention_pattern"])
+            if het is None:
+                return {}
+            out["heterogeneous_layers"] = het
         if kw.get("mtp_num_layers") and ctx.version < Version("0.19"):
             # megatron/training 0.19.2 models/gpt.py mtp_block_spec builds the MTP layer from the standard GPT layer
             # spec (estimator/params.py mtp_layer_kind); the builders before it pass the block spec, whose last layer
@@ -114,6 +117,36 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                    f"must be a multiple of {align} (GatedDeltaNet asserts it)")
     _refuse(a, kw)
     return out
+
+
+def _heterogeneous_layers(a: Args, kw: Mapping[str, Any], ctx: Context, pattern: str) -> str | None:
+    """The layers of a heterogeneous config with --experimental-attention-variant gated_delta_net. megatron/training
+    0.19.2 (models/gpt.py default_layer_spec) takes the experimental variant's block spec before the MoE and the
+    heterogeneous ones, so every layer is a GDN or a standard attention layer by --linear-attention-freq, with a dense
+    or MoE MLP by --moe-layer-freq: no-op and replace_with_linear blocks are built as whole layers. TransformerBlock
+    still builds each layer from get_config_for_layer (heterogeneous_block_specs), which overrides num_query_groups
+    (an attention layer's; GatedDeltaNet reads none) and ffn_hidden_size (a dense MLP's; the block's, or the model's
+    for a no-op / linear block), as resolve/heterogeneous.py's MoE case. Rewrites its "mixer/mlp" words."""
+    key = a.key("heterogeneous_layers_config_path")
+    if ctx.version < Version("0.19"):
+        # the 0.16 to 0.18 layer spec choice is Megatron-LM's gpt_builders.py, in no wheel read (as for MoE layers)
+        raise NotModelledError(key, f"a heterogeneous config with gated delta net layers in megatron-core "
+                               f"{ctx.version} (the model builders before 0.19, Megatron-LM's gpt_builders.py, are not "
+                               "in the wheels read)")
+    words = str(kw["heterogeneous_layers"]).split(",")
+    if len(words) != len(pattern):
+        return None      # (the heterogeneous section reported the block count)
+    out = []
+    for word, m in zip(words, pattern):
+        mixer, mlp = word.split("/")
+        mixer = "gdn" if m == "1" else (mixer if mixer.startswith("attention") else "attention")
+        mlp = mlp if mlp.startswith(("dense", "moe")) else "dense"
+        out.append(f"{mixer}/{mlp}")
+    if any(not w.split("/")[0].startswith("attention") or w.split("/")[1] in ("none", "linear") for w in words):
+        a.notes.append(f"{key}: with --experimental-attention-variant gated_delta_net Megatron 0.19 builds the variant's "
+                       "block spec, so no-op and replace_with_linear blocks are built as full GDN / attention and MLP "
+                       "layers")
+    return ",".join(out)
 
 
 def _refuse(a: Args, kw: Mapping[str, Any]) -> None:
