@@ -459,7 +459,7 @@ def test_fp8_in_proj_width_rule_names_the_flag(recipe, align):
     # _GDNBase.__init__ (core 0.19.2; 0.16.1 the same): in_proj_dim % get_fp8_align_size(recipe) == 0 under FP8;
     # the base shape's width is 2 x 2 x 32 + 2 x 4 x 48 + 2 x 4 = 520
     msg = _err(["--fp8-format", "hybrid", "--fp8-recipe", recipe])
-    assert msg.startswith("--linear-num-value-heads:") and f"width 520" in msg and f"multiple of {align}" in msg
+    assert msg.startswith("--linear-num-value-heads:") and "width 520" in msg and f"multiple of {align}" in msg
 
 
 def test_fp8_end_layers_in_bf16_stay_bf16():
