@@ -415,6 +415,14 @@ def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if targets_v is not None and any("*" in str(t) for t in ([targets_v] if isinstance(targets_v, str) else targets_v)):
         raise NotModelledError(a.key("peft_target_modules"), "'*' target patterns on a hybrid model (matched over "
                                "GPT layers' module names)")
+    excluded = a.get("peft_exclude_modules")
+    if ("M" in main and a.given("peft_exclude_modules") and isinstance(excluded, (list, tuple))
+            and not ("in_proj" in excluded and "out_proj" in excluded)):
+        # ModuleMatcher (Bridge 0.6.2 / NeMo 2.5 peft/module_matcher.py) wraps every linear not excluded: a Mamba layer's
+        # in_proj / out_proj (TE linears) too, whose adapters memguard does not size
+        raise NotModelledError(a.key("peft_exclude_modules"), "PEFT exclude_modules that leave the Mamba layers' "
+                               "in_proj / out_proj wrapped (their adapters are not modelled: add in_proj and out_proj "
+                               "to exclude_modules)")
     wrapped = [t for t in spec.target_modules
                if ("*" in main if t in ("linear_qkv", "linear_proj") else "-" in main)]
     if not wrapped:
