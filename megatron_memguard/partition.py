@@ -184,12 +184,16 @@ def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     la = getattr(L, "linear_attention_pattern", None)
     if la:
         # --linear-attention-freq: a GDN or a standard attention mixer per layer, with the MLP of --moe-layer-freq
-        # (get_transformer_layer_with_experimental_attention_variant_spec, core 0.19.2; resolve/gdn.py refuses FP8)
+        # (get_transformer_layer_with_experimental_attention_variant_spec, core 0.19.2); FP8 / FP4 per global layer
+        # index, as TransformerBlock builds and runs every layer of the spec (the variant's spec is TE's only)
         mlps = (MLP_DENSE,) * L.num_layers if moe is None else tuple(
             MLP_MOE if is_moe else MLP_DENSE for is_moe in moe.moe_layer_pattern)
-        made_g: dict[tuple[str, str], LayerKind] = {}
-        return kind_runs(tuple(made_g.setdefault((m, p), LayerKind(MIXER_GDN if m == "1" else mixer, p))
-                               for m, p in zip(la, mlps)))
+        spec = L.fp8_spec
+        quant = tuple(spec.recipe if spec.enabled and spec.layer_quantized(i, L.num_layers) else None
+                      for i in range(L.num_layers))
+        made_g: dict[tuple[str, str, str | None], LayerKind] = {}
+        return kind_runs(tuple(made_g.setdefault((m, p, q), LayerKind(MIXER_GDN if m == "1" else mixer, p, q))
+                               for m, p, q in zip(la, mlps, quant)))
     # FP8 / FP4 per global layer index (--first-last-layers-bf16 keeps the end layers in BF16); only TE
     # modules quantize, so the local spec runs FP8 flags in BF16
     spec = L.fp8_spec

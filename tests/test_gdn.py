@@ -3,6 +3,7 @@ gated_delta_net with --linear-attention-freq, and a hybrid model's 'G' layers. P
 layer shape) and against megatron-core's GatedDeltaNet built on CPU; saved bytes from flash-linear-attention 0.4.2's
 saved tensors (files named per case); Megatron's rules as one-line errors naming the flag."""
 import os
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ from megatron_memguard.estimator.params import chunk_params, total_parameters
 from megatron_memguard.partition import LayerKind, layer_kinds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GPT = ("--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 512 --max-position-embeddings 512 "
        "--micro-batch-size 2 --global-batch-size 16 --bf16 --normalization RMSNorm --swiglu --disable-bias-linear "
        "--ffn-hidden-size 512 --position-embedding-type rope --vocab-size 1024 "
@@ -225,7 +227,6 @@ def test_megatron_016_rules():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--fp8-format", "hybrid"], "--fp8-format"),
     (["--deterministic-mode"], "--deterministic-mode"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
@@ -255,9 +256,11 @@ def test_hybrid_g_layers_are_the_same_mixer():
         ["--hybrid-override-pattern", "G*G-", "--num-layers", "4"], "0.16", base=HYBRID)
     # context parallelism in a hybrid model (0.18+): the GDN heads split over TP x CP, as in a GPT model
     assert _layout(["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "2"], base=HYBRID).cp == 2
-    with pytest.raises(NotModelledError) as e:
-        _layout(["--hybrid-layer-pattern", "G*G-", "--fp8-format", "hybrid"], base=HYBRID)
-    assert str(e.value).startswith("--fp8-format: FP8 / FP4 gated delta net layers")
+    # FP8: GatedDeltaNet's in_proj width rule (520 here), then every 'G' layer in the global FP8 context (HybridStack)
+    assert _err(["--hybrid-layer-pattern", "G*G-", "--fp8-format", "hybrid"], base=HYBRID).startswith(
+        "--linear-num-value-heads: with --fp8-format the gated delta net in_proj output width 520")
+    q = _layout(["--hybrid-layer-pattern", "G*G-", "--fp8-format", "hybrid"] + FP8_HEADS, base=HYBRID)
+    assert layer_kinds(q)[0] == LayerKind("gdn", "none", "delayed")
     # the heads split over TP there too (GatedDeltaNet divides them)
     assert _err(["--hybrid-layer-pattern", "G*G-", "--tensor-model-parallel-size", "4"], base=HYBRID).startswith(
         "--linear-num-key-heads")
@@ -316,3 +319,181 @@ def test_layout_document_round_trips_and_omits_the_defaults():
     # a model without GDN layers writes none of the fields (its document reads as before)
     i = GPT.index("--experimental-attention-variant")
     assert not any(k.startswith("linear_") for k in _layout(base=GPT[:i]).to_dict())
+
+
+# ----- CUDA graphs, activation offloading and LoRA / DoRA of GDN layers -------------------------------------------
+
+def _terms(extra):
+    from megatron_memguard.gpus import lookup_gpu
+    return estimate(_layout(extra), gpu=lookup_gpu("H100")).stages[0].breakdown
+
+
+def test_cuda_graphs_take_gdn_layers_as_attention_layers():
+    # _layer_is_graphable (transformer/cuda_graphs.py, core 0.16.1 and 0.19.2): a GDN layer is a TransformerLayer
+    # whose self_attention (GatedDeltaNet) is no IdentityOp, so 'attn' (or no modules) graphs it, 'mlp' its dense MLP;
+    # TransformerLayer.get_layer_static_inputs gives it the bool causal mask [b, 1, s/CP, s] when attention is graphed.
+    # GPT: 8 layers (6 GDN, 2 attention), b 2, s 512, h 256, PP 1 (one sample set): static input + grad-output
+    # [s b, h] bf16 = 2 x 1024 x 256 x 2 B each
+    io = 2 * 1024 * 256 * 2
+    mask = 2 * 512 * 512
+    assert _terms(["--cuda-graph-impl", "transformer_engine"])["cuda_graph_static_io"] == 8 * (io + mask)
+    assert _terms(["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "mlp"])["cuda_graph_static_io"] \
+        == 8 * io
+    # the local implementation's runners keep no mask (CudaGraphManager records the layer's own inputs)
+    local = _terms(["--cuda-graph-impl", "local"])
+    assert local["cuda_graph_static_io"] == 8 * io
+    # the pool keeps the working memory of the largest graphed layer, a GDN or an attention layer's
+    L = _layout()
+    region = max(max(la.fwd_transient, la.bwd_transient) for la in
+                 (layer_activations(L, True, GDN), layer_activations(L, True, ATTN)))
+    assert local["cuda_graph_pool"] == region
+
+
+def test_layer_level_offloading_moves_the_bottom_gdn_layers():
+    # TE's cpu_offload context (TransformerBlock, PP 1) offloads every tensor saved inside layers 0..N-1 through
+    # saved_tensors_hooks, flash-linear-attention's autograd functions included: layers 0-2 are GDN layers
+    L = _layout()
+    base = _terms([])["layer_activations"]
+    assert _terms(["--cpu-offloading-num-layers", "3"])["layer_activations"] == \
+        base - 3 * layer_activations(L, True, GDN).total
+    # layer 3 is the first attention layer: the fourth layer offloaded is one of its kind
+    assert _terms(["--cpu-offloading-num-layers", "4"])["layer_activations"] == \
+        base - 3 * layer_activations(L, True, GDN).total - layer_activations(L, True, ATTN).total
+
+
+def test_fine_grained_offloading_leaves_the_gdn_mixer_on_the_gpu():
+    # core 0.19.2: a GDN layer's input_layernorm is IdentityOp (the norm fused into in_proj), which
+    # _set_offload_modules skips for attn_norm, and GatedDeltaNet opens no offload group (qkv_linear, core_attn and
+    # attn_proj wrap SelfAttention's calls): only the two attention layers offload; the top layer's (an attention
+    # layer's) last group, core_attn, stays on the last stage
+    L = _layout()
+    a = layer_activations(L, True, ATTN).saved
+    qkv = a["layer_input"] + a["qkv_input"]                      # saved inside linear_qkv's call (norm fused)
+    core = a["query_rope"] + a["key_rope"] + a["qkv_output"] + a["softmax_stats"] + a["proj_input"]
+    on = ["--fine-grained-activation-offloading", "--offload-modules", "qkv_linear", "core_attn",
+          "--min-offloaded-tensor-size", "0"]
+    assert _terms([])["layer_activations"] - _terms(on)["layer_activations"] == 2 * (qkv + core) - core
+
+
+def _peft_args(**extra):
+    args = dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=512, max_position_embeddings=512,
+                micro_batch_size=2, global_batch_size=16, bf16=True, normalization="RMSNorm", swiglu=True,
+                add_bias_linear=False, ffn_hidden_size=512, position_embedding_type="rope", vocab_size=1024,
+                tokenizer_type="NullTokenizer", experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                linear_value_head_dim=48, peft_scheme="lora")
+    return dict(args, **extra)
+
+
+def _peft(**extra):
+    from megatron_memguard.config import RawConfig
+    from megatron_memguard.resolve import resolve
+    return resolve(RawConfig(args=_peft_args(**extra), world_size=1))
+
+
+def test_lora_wraps_the_attention_layers_and_every_mlp_not_the_gdn_mixer():
+    # Megatron-Bridge 0.6.2 matches target_modules by the module's own name (peft/module_matcher.py): a GDN layer's
+    # in_proj / out_proj are none of linear_qkv, linear_proj, linear_fc1, linear_fc2; its MLP's fc1 / fc2 are
+    from megatron_memguard.estimator.peft import adapter_param_count
+    L = _peft()
+    # LoRA rank 32 (Bridge's default), (in + out) x r per target: attention layer qkv (256 + 768), proj (256 + 256),
+    # fc1 (256 + 1024: SwiGLU), fc2 (512 + 256); a GDN layer fc1 and fc2 only. 2 attention and 6 GDN layers
+    assert adapter_param_count(L) == 2 * 32 * (1024 + 512 + 1280 + 768) + 6 * 32 * (1280 + 768) == 622_592
+    # the frozen mixer: in_proj (TE LayerNormLinear, weight.requires_grad False) keeps no norm output and out_proj no
+    # input; the conv's input (in_proj's whole output in 0.19.2), the kernel's and the gated norm's tensors stay
+    frozen = layer_activations(L, True, GDN).saved
+    full = layer_activations(_layout(), True, GDN).saved
+    assert "gdn_in_proj_input" not in frozen and "gdn_out_proj_input" not in frozen
+    assert frozen["gdn_in_proj_output"] == full["gdn_in_proj_output"] and frozen["gdn_kernel_A"] == full["gdn_kernel_A"]
+
+
+def test_lora_rules_on_gdn_models_name_the_key():
+    # every layer GDN and only attention targets: nothing to train
+    with pytest.raises((ConfigError, ConfigErrors), match="wraps no linear: every layer is a gated delta net layer"):
+        _peft(linear_attention_freq="([1]*8)", peft_target_modules=["linear_qkv", "linear_proj"])
+    # '*' patterns and exclude_modules match full names, where Bridge would wrap in_proj / out_proj (TE linears)
+    with pytest.raises(NotModelledError, match="'\\*' target patterns on a model with gated delta net"):
+        _peft(peft_target_modules=["*.linear_qkv"])
+    with pytest.raises(NotModelledError, match="in_proj / out_proj wrapped"):
+        _peft(peft_target_modules=[], peft_exclude_modules=["output_layer"])
+    L = _peft(peft_target_modules=[], peft_exclude_modules=["output_layer", "in_proj", "out_proj"])
+    assert L.peft.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+# ----- FP8 / FP4 -------------------------------------------------------------------------------------------------
+
+# in_proj width 2 Hk dk + 2 Hv dv + 2 Hv = 2 x 2 x 32 + 2 x 16 x 32 + 2 x 16 = 1184 (= 37 x 32), out_proj's input 512
+FP8_HEADS = ["--linear-num-value-heads", "16", "--linear-value-head-dim", "32"]
+TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"] + FP8_HEADS
+
+
+def test_fp8_quantizes_in_proj_and_out_proj_only():
+    # get_gated_delta_net_module_spec: in_proj TELayerNormColumnParallelLinear, out_proj TERowParallelLinear run under
+    # the layer's fp8_autocast; conv1d (nn.Conv1d), the l2 norms, the chunked delta rule (fla Triton) and the gated
+    # norm's multiply are outside TE and stay BF16. GatedDeltaNet sets no save_original_input: both keep quantized
+    # inputs. Tensorwise on Hopper, TP 1, Tf = 1024 tokens: 1-byte data + the fp32 scale's 512-byte block
+    from megatron_memguard.partition import LayerKind
+    bf16 = layer_activations(_layout(FP8_HEADS), True, GDN)
+    fp8 = layer_activations(_layout(TENSORWISE), True, LayerKind("gdn", "dense", "tensorwise"))
+    assert fp8.saved["gdn_in_proj_input"] == 1024 * 256 + 512
+    assert fp8.saved["gdn_out_proj_input"] == 1024 * 512 + 512
+    changed = {k for k in bf16.saved if bf16.saved[k] != fp8.saved.get(k)}
+    assert changed == {"gdn_in_proj_input", "gdn_out_proj_input", "fc1_input", "fc2_input"}
+    # backward: out_proj and in_proj quantize their output gradients (row-wise and the Hopper transpose) next to the
+    # BF16 ones: [Tf, h] at out_proj's step, [Tf, 1184] at in_proj's
+    extra = [f - b for (_, f), (_, b) in zip(fp8.bwd_steps, bf16.bwd_steps)]
+    assert 1024 * 256 * 2 + 512 in extra and 1024 * 1184 * 2 + 512 in extra
+
+
+def test_fp8_weight_cache_counts_the_gdn_gemms():
+    # TE caches each BF16 weight's FP8 copy, data + transpose on Hopper (2 B / element) + one fp32 scale (a 512-byte
+    # block). GDN layer: in_proj [1184, 256], out_proj [256, 512], fc1 [1024, 256] (SwiGLU), fc2 [256, 512];
+    # attention layer: qkv [768, 256], proj [256, 256], fc1, fc2. 6 GDN and 2 attention layers, 32 GEMMs
+    gdn_w = 1184 * 256 + 256 * 512 + 1024 * 256 + 256 * 512
+    attn_w = 768 * 256 + 256 * 256 + 1024 * 256 + 256 * 512
+    assert _terms(TENSORWISE)["fp8_weight_cache"] == 2 * (6 * gdn_w + 2 * attn_w) + 32 * 512
+
+
+@pytest.mark.parametrize("recipe, align", [("tensorwise", 16), ("mxfp8", 32)])
+def test_fp8_in_proj_width_rule_names_the_flag(recipe, align):
+    # _GDNBase.__init__ (core 0.19.2; 0.16.1 the same): in_proj_dim % get_fp8_align_size(recipe) == 0 under FP8;
+    # the base shape's width is 2 x 2 x 32 + 2 x 4 x 48 + 2 x 4 = 520
+    msg = _err(["--fp8-format", "hybrid", "--fp8-recipe", recipe])
+    assert msg.startswith("--linear-num-value-heads:") and "width 520" in msg and f"multiple of {align}" in msg
+
+
+def test_fp8_end_layers_in_bf16_stay_bf16():
+    # --first-last-layers-bf16: TransformerBlock builds the first and last layers outside the FP8 context, GDN or not
+    from megatron_memguard.partition import model_kind_runs
+    L = _layout(TENSORWISE + ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
+                              "--num-layers-at-end-in-bf16", "1"])
+    q = [(k.mixer, k.quantized) for k, n in model_kind_runs(L) for _ in range(n)]
+    assert q[0] == ("gdn", None) and q[-1] == ("attention", None)
+    assert all(r == "tensorwise" for _, r in q[1:-1])
+
+
+def test_heterogeneous_blocks_are_whole_gdn_and_attention_layers():
+    # megatron/training 0.19.2 models/gpt.py default_layer_spec takes the experimental variant's block spec before the
+    # heterogeneous one: layers 0 and 2 are GDN layers, 1 and 3 attention layers (--linear-attention-freq 2), each
+    # with a dense MLP; get_config_for_layer still sets each layer's ffn_hidden_size (block 1: 512; the no-op MLP of
+    # block 2 and block 3: the model's 1024) and num_query_groups (2 here, the model's)
+    from test_heterogeneous import BLOCKS, FLAGS
+    gdn_flags = ("--transformer-impl transformer_engine --experimental-attention-variant gated_delta_net "
+                 "--linear-attention-freq 2 --linear-num-key-heads 2 --linear-num-value-heads 4 "
+                 "--linear-key-head-dim 32 --linear-value-head-dim 48").split()
+    flags = FLAGS + ["--heterogeneous-layers-config-path", BLOCKS] + gdn_flags
+    L = layout_from_flags(flags, world_size=1)
+    assert [k.mixer + "/" + k.mlp for k in layer_kinds(L)] == ["gdn/dense", "attention/dense:512", "gdn/dense",
+                                                               "attention/dense"]
+    assert any("built as full GDN / attention and MLP layers" in n for n in L.notes)
+    # by hand (h 512, RMSNorm, no biases): attention = fused input norm + linear_qkv (8 + 2 x 2 heads of 64) +
+    # linear_proj; dense(F) = fused pre-MLP norm + fc1 [2F, h] + fc2 [h, F]; GDN = dt_bias, A_log (4 each) + fused
+    # norm + in_proj [2 x 64 + 2 x 192 + 8, 512] + conv [320, 1, 4] + out_norm 48 + out_proj [512, 192]
+    attn = 512 + 768 * 512 + 512 * 512
+    dense = lambda F: 512 + 3 * F * 512                     # noqa: E731
+    g = 8 + 512 + 520 * 512 + 320 * 4 + 48 + 512 * 192
+    expected = 2 * g + 2 * attn + 3 * dense(1024) + dense(512) + 2 * 1024 * 512 + 512   # + untied embedding, output, norm
+    assert total_parameters(L) == estimate(L).stages[0].parameters == expected == 8_600_688
+    # the builders before 0.19 (Megatron-LM's gpt_builders.py) are in no wheel: refused by name
+    with pytest.raises(NotModelledError, match="--heterogeneous-layers-config-path: a heterogeneous config with gated"):
+        layout_from_flags(flags, world_size=1, megatron_version="0.18")

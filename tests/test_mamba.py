@@ -341,6 +341,12 @@ def test_lora_on_a_hybrid_model_wraps_the_attention_and_mlp_layers():
     # a pattern without '*' or '-' layers has nothing to wrap
     with pytest.raises((ConfigError, ConfigErrors), match="wraps no linear of the pattern"):
         resolve(RawConfig(args=dict(args, hybrid_layer_pattern="MMMM"), world_size=1))
+    # exclude_modules: ModuleMatcher wraps every linear not excluded, the Mamba in_proj / out_proj (TE linears) too
+    with pytest.raises(NotModelledError, match="Mamba layers' in_proj / out_proj wrapped"):
+        resolve(RawConfig(args=dict(args, peft_target_modules=[], peft_exclude_modules=["output_layer"]), world_size=1))
+    ok = resolve(RawConfig(args=dict(args, peft_target_modules=[],
+                                     peft_exclude_modules=["output_layer", "in_proj", "out_proj"]), world_size=1))
+    assert adapter_param_count(ok) == 131_072
 
 
 @pytest.mark.parametrize("version, conv", [("0.17", "nn.Conv1d"), ("0.18", "nn.Conv1d"), ("0.19", "own")])

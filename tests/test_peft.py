@@ -242,6 +242,22 @@ def test_nemo1_lora(tmp_path):
         read_config_file(str(p))
 
 
+def test_nemo1_lora_weight_tying_is_an_error_naming_the_key(tmp_path):
+    # nemo_toolkit 2.2.1 peft_config.py LoraPEFTConfig._create_lora_config: weight_tying adds num_position_embeddings /
+    # dim_position_embeddings / position_embedding_strategy to LoraKQVAdapterConfig(**config_args), a dataclass without
+    # those fields: TypeError at model setup (NeMo 1 cannot run it), so a rule error rather than a refusal
+    pytest.importorskip("omegaconf")
+    p = tmp_path / "megatron_gpt_peft.yaml"
+    p.write_text(NEMO1.replace("adapter_dropout: 0.0}", "adapter_dropout: 0.0, weight_tying: true}"))
+    with pytest.raises(ConfigError) as e:
+        resolve(read_config_file(str(p)))
+    assert not isinstance(e.value, NotModelledError)
+    assert str(e.value).startswith("model.peft.lora_tuning.weight_tying:") and "TypeError at model setup" in str(e.value)
+    # weight_tying: false builds the untied adapters
+    p.write_text(NEMO1.replace("adapter_dropout: 0.0}", "adapter_dropout: 0.0, weight_tying: false}"))
+    assert resolve(read_config_file(str(p))).peft.dim == 16
+
+
 @pytest.mark.parametrize("targets", ["5", "{attention: 1}"])
 def test_nemo1_lora_targets_of_the_wrong_kind_name_the_key(tmp_path, targets):
     # LoraPEFTConfig reads target_modules as a list of names: an int was an internal error (list(5)) and a

@@ -200,10 +200,10 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     (``TransformerEngineBaseModule.grad_output_preprocess``, TE 2.11 module/base.py; row-parallel GEMMs under
     sequence parallelism quantize, then all-gather the quantized tensor). Added at the step of each GEMM:
     [s b, h] for linear_fc2 and linear_proj, [s b, out/TP] for linear_fc1 and linear_qkv (Hopper storage, as
-    the saved inputs). The dense MLP, standard attention and Mamba recipes only: MLA and the MoE MLP keep their
+    the saved inputs). The dense MLP, standard attention, Mamba and GDN recipes only: MLA and the MoE MLP keep their
     BF16 working sets (docs/assumptions.md)."""
     from ..partition import MIXER_ATTENTION, MLP_DENSE
-    from ..partition import MIXER_LINEAR, MIXER_MAMBA, MLP_LINEAR
+    from ..partition import MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MLP_LINEAR
     dense = kind.mlp.split(":", 1)[0] == MLP_DENSE and len(mlp_bwd) >= 2   # (a heterogeneous "dense:FFN" too)
     attention = kind.mixer == MIXER_ATTENTION and len(mixer_bwd) >= 3
     # a heterogeneous config's linear replacement (TELayerNormColumnParallelLinearGathered): one column-parallel GEMM
@@ -211,7 +211,10 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
     lin_mixer, lin_mlp = kind.mixer == MIXER_LINEAR and mixer_bwd, kind.mlp == MLP_LINEAR and mlp_bwd
     # a Mamba mixer (layers/mamba.py): out_proj's step first ([s b, h]), in_proj's the fourth ([s b, in_proj out/TP])
     mamba = kind.mixer == MIXER_MAMBA and len(mixer_bwd) >= 4
-    if not (dense or attention or lin_mixer or lin_mlp or mamba):
+    # a GDN mixer (layers/gdn.py): out_proj's step first ([s b, h]), in_proj's the one after the conv's backward
+    # ([s b, in_proj out/TP]); the conv1d, the l2 norms, the kernel and the gated norm are not TE GEMMs
+    gdn_mixer = kind.mixer == MIXER_GDN and len(mixer_bwd) >= 5
+    if not (dense or attention or lin_mixer or lin_mlp or mamba or gdn_mixer):
         return mlp_bwd, mixer_bwd
     from .fp8 import quantized_tensor
     from .fp8_layers import layer_gemms
@@ -236,6 +239,11 @@ def _quantized_grad_outputs(L: Layout, kind: LayerKind, mlp_bwd: tuple, mixer_bw
         in_proj = max(i for i, (rel, _) in enumerate(mixer_bwd)
                       if "mamba_zxbcdt" in rel and "mamba_in_proj_input" not in rel)
         mixer_bwd = plus(mixer_bwd, {0: q(x.h), in_proj: q(g["mixer.in_proj"].rows)})
+    if gdn_mixer:
+        # in_proj's step: the last with the l2 norms' tensors released and in_proj's input still kept
+        in_proj = max(i for i, (rel, _) in enumerate(mixer_bwd)
+                      if "gdn_qk_l2norm" in rel and "gdn_in_proj_input" not in rel)
+        mixer_bwd = plus(mixer_bwd, {0: q(x.h), in_proj: q(g["in_proj"].rows)})
     if lin_mlp:
         mlp_bwd = plus(mlp_bwd, {0: q(g["linear_mlp"].rows)})
     return mlp_bwd, mixer_bwd

@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import (MIXER_ATTENTION, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
+from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import schedule_peak
@@ -218,6 +218,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
                 drop = ({"layer_input", "qkv_input", "norm1_stats"} if kind.mixer == MIXER_LINEAR else set()) | (
                     {"mlp_norm_input", "fc1_input", "norm2_stats"} if kind.mlp == MLP_LINEAR else set())
                 saved = {k: v for k, v in saved.items() if k not in drop}
+            if kind is not None and kind.mixer == MIXER_GDN:
+                # a GDN layer's input_layernorm is IdentityOp (the norm is fused into in_proj), which
+                # _set_offload_modules skips for attn_norm, and GatedDeltaNet opens no offload group (qkv_linear,
+                # core_attn, attn_proj are SelfAttention's; core 0.19.2 ssm/gated_delta_net/): its mixer keeps every
+                # tensor it saves, the layer input in_proj keeps included; its MLP offloads as any layer's
+                saved = {k: v for k, v in saved.items() if k != "layer_input"}
             groups_of.append(offload_layer_groups(saved, modules, L.act_bytes,
                                                   separate_input_norm=L.multi_latent_attention,
                                                   min_elements=L.min_offloaded_tensor_size, outside=outside))
@@ -1277,6 +1283,7 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
             moe += L.mtp_num_layers * sum(k for kind, k in mtp_stack_runs(L) if sparse(kind))
         graphed = n_layers + (L.mtp_num_layers * sum(k for _, k in mtp_stack_runs(L)) if mtp_here else 0)
         kinds = (_hybrid_graph_kinds(L, chunks, mtp_here) if L.hybrid_layer_pattern else
+                 _gdn_graph_kinds(L, chunks, mtp_here) if L.linear_attention_pattern else
                  _halved_graph_kinds(L, chunks, mtp_here) if het else None)
         if kinds is not None:
             # the pool's free blocks: the largest working memory of one graphed layer (of a kind the graphs take)
@@ -1344,6 +1351,22 @@ def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) ->
         for kind, k in c.kind_runs:
             out[kind] = out.get(kind, 0) + k
     if mtp_here and cuda_graph_spec(L).impl == "local":
+        for kind, k in mtp_stack_runs(L):
+            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
+    return out
+
+
+def _gdn_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:
+    """A GPT stage with gated delta net layers by kind, for its CUDA graphs: a GDN layer is a TransformerLayer whose
+    self_attention is GatedDeltaNet, graphed as an attention layer (_layer_is_graphable: ``attn`` takes a layer whose
+    self_attention is not an IdentityOp, ``mlp`` / ``moe`` its MLP) with the causal mask among its static inputs
+    (TransformerLayer.get_layer_static_inputs, core 0.16.1 and 0.19.2); the MTP layers (0.19: the standard attention
+    layer) are TransformerLayers that both implementations graph, as in a GPT model without GDN layers."""
+    out: dict[LayerKind, int] = {}
+    for c in chunks:
+        for kind, k in c.kind_runs:
+            out[kind] = out.get(kind, 0) + k
+    if mtp_here:
         for kind, k in mtp_stack_runs(L):
             out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
     return out

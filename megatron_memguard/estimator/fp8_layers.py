@@ -129,8 +129,10 @@ def saved_inputs(spec: Fp8Spec, gemms: tuple[Gemm, ...], *, non_tn: bool = False
 # projections (TE Linears in "duplicated" mode on the local sequence shard).
 _COLUMN = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
                      "linear_attn", "linear_mlp",   # (these two: a heterogeneous config's linear replacements)
-                     "mixer.in_proj"})              # a Mamba layer's TELayerNormColumnParallelLinear (layers/mamba.py)
-_ROW = frozenset({"linear_proj", "linear_fc2", "mixer.out_proj"})   # (out_proj: a Mamba layer's TERowParallelLinear)
+                     "mixer.in_proj",               # a Mamba layer's TELayerNormColumnParallelLinear (layers/mamba.py)
+                     "in_proj"})                    # a GDN layer's (layers/gdn.py)
+# (out_proj: a Mamba layer's TERowParallelLinear, and a GDN layer's)
+_ROW = frozenset({"linear_proj", "linear_fc2", "mixer.out_proj", "out_proj"})
 
 
 def gemms_from_shapes(shapes: Mapping[str, tuple[int, int]], *, T: int, Tf: int, tp: int,
@@ -184,7 +186,9 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
     * ``fc2_input``: the activation's output, kept by fc2 only, quantized.
     * Mamba ``mamba_in_proj_input`` / ``mamba_out_proj_input``: in_proj's fused norm output and out_proj's input
       (the gated norm's output, kept by out_proj only), quantized; the mixer's other tensors stay BF16 (the
-      conv1d, the chunk scan and the gated norm are mamba_ssm kernels outside TE).
+      conv1d, the chunk scan and the gated norm are mamba_ssm kernels outside TE); a GDN layer's
+      ``gdn_in_proj_input`` / ``gdn_out_proj_input`` alike (its conv1d, l2 norms, chunked delta-rule kernel and
+      gated norm are torch / flash-linear-attention code outside TE and stay BF16).
     * ``fp8_proj_input`` (new, delayed scaling only): linear_proj quantizes the attention output and keeps
       that copy; the BF16 output stays saved (``proj_input``) only where the core attention keeps it
       (``layers.attention.attention_keeps_proj_input``; the caller drops it elsewhere). Every other recipe and FP4 keep the BF16
@@ -214,7 +218,10 @@ def saved_overrides(spec: Fp8Spec, gemms: tuple[Gemm, ...], saved: Mapping[str, 
                        # a Mamba layer: in_proj keeps its fused norm's quantized output, out_proj a quantized
                        # copy of the gated norm's output (MambaMixer makes neither save its original input,
                        # 0.19.2 mamba_mixer.py)
-                       ("mamba_in_proj_input", "mixer.in_proj"), ("mamba_out_proj_input", "mixer.out_proj")):
+                       ("mamba_in_proj_input", "mixer.in_proj"), ("mamba_out_proj_input", "mixer.out_proj"),
+                       # a GDN layer the same (GatedDeltaNet sets no save_original_input, core 0.16.1 and 0.19.2):
+                       # in_proj's fused norm output, out_proj's input norm(o) silu(z), quantized
+                       ("gdn_in_proj_input", "in_proj"), ("gdn_out_proj_input", "out_proj")):
         if name in saved and gemm in g:
             out[name] = q(gemm)
     if "linear_proj" in g and not proj_saves_original_input(spec):

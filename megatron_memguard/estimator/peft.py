@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from ..layout import Layout, ShardGroup, TensorKind
 from ..layout.peft import COLUMN_TARGETS, SCHEME_NAMES
-from ..partition import MIXER_ATTENTION, MIXER_MAMBA, MLP_DENSE, LayerKind
+from ..partition import MIXER_ATTENTION, MIXER_GDN, MIXER_MAMBA, MLP_DENSE, LayerKind
 from .layers.base import shapes
 
 # registration order inside a layer: SelfAttention registers linear_proj before linear_qkv (attention.py), then the MLP
@@ -114,8 +114,9 @@ def adapter_param_count(L: Layout) -> int:
 
 
 def _target_kind(L: Layout, kind: LayerKind) -> LayerKind | None:
-    """The kind whose linears a layer has: a hybrid layer's own, a GPT layer's all four (None)."""
-    return kind if L.hybrid_layer_pattern else None
+    """The kind whose linears a layer has: a hybrid layer's own, a GPT model's GDN layer its MLP's (its mixer has
+    in_proj / out_proj, no linear_qkv / linear_proj), any other GPT layer all four (None)."""
+    return kind if L.hybrid_layer_pattern or kind.mixer == MIXER_GDN else None
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,8 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set,
     * DoRA: ``mag_norm_scale * (base + adapter)`` keeps the sum, the wrapped linear's output;
     * with 'mlp' recomputed the MLP's adapters are recomputed with it and keep nothing;
     * a hybrid Mamba layer (never wrapped): its frozen in_proj keeps no norm output, its frozen out_proj no input
-      (the same TE rule); the conv1d / scan and the gated norm keep theirs (they pass input gradients down).
+      (the same TE rule); the conv1d / scan and the gated norm keep theirs (they pass input gradients down); a gated
+      delta net mixer (never wrapped) the same: in_proj's norm output and out_proj's input go.
     """
     p = L.peft
     x = shapes(L)
@@ -232,6 +234,11 @@ def layer_items(L: Layout, saved: dict[str, int], mods: set,
     if kind is not None and kind.mixer == MIXER_MAMBA:
         out.pop("mamba_in_proj_input", None)
         out.pop("mamba_out_proj_input", None)
+    if kind is not None and kind.mixer == MIXER_GDN:
+        # GatedDeltaNet's frozen in_proj (TE LayerNormColumnParallelLinear) keeps no norm output, its frozen out_proj
+        # (TERowParallelLinear) no input; the conv, l2 norms, kernel and gated norm keep theirs (input gradients)
+        out.pop("gdn_in_proj_input", None)
+        out.pop("gdn_out_proj_input", None)
     mlp_recomputed = "mlp" in mods
     inter = 0
     masks = 0

@@ -735,4 +735,12 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
         sel = get(lt + "layer_selection")
         b.set("peft_layers", list(sel) if isinstance(sel, (list, tuple)) else sel, k(lt + "layer_selection"))
     if get(lt + "weight_tying"):
-        raise NotModelledError(k(lt + "weight_tying"), "LoRA weight tying across layers")
+        # nemo_toolkit 2.2.1 peft_config.py LoraPEFTConfig._create_lora_config: with weight_tying it adds
+        # num_position_embeddings / dim_position_embeddings / position_embedding_strategy to the arguments of the LoRA
+        # adapter config (LoraKQVAdapterConfig and the others: ParallelLinearAdapterConfig dataclasses without those
+        # fields; the weight-tying config classes are imported, never chosen for LoRA), so building the model raises
+        # TypeError (an unknown position_embedding_strategy a RuntimeError before it): NeMo cannot run it
+        raise ConfigError(k(lt + "weight_tying"), "NeMo 1 cannot build tied LoRA adapters: LoraPEFTConfig passes "
+                          "num_position_embeddings, dim_position_embeddings and position_embedding_strategy to the LoRA "
+                          "adapter configs, which have no such fields (TypeError at model setup, nemo_toolkit 2.2.1 "
+                          "peft_config.py _create_lora_config)", "set weight_tying: false")

@@ -62,6 +62,9 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
     if name.startswith("mixer."):
         # a Mamba layer's in_proj [(2 d_inner + 2 G N + heads) / TP, h] and out_proj [h, d_inner / TP]
         return "mamba_num_heads"
+    if name in ("in_proj", "out_proj"):
+        # a GDN layer's in_proj [(2 Hk dk + 2 Hv dv + 2 Hv) / TP, h] and out_proj [h, Hv dv / TP]
+        return "linear_num_value_heads"
     if name in ("eh_proj", "linear_attn", "linear_mlp"):   # (a linear replacement's [h / TP, h])
         return "hidden_size"
     return "kv_channels"

@@ -322,8 +322,10 @@ def mamba(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         if (g_t < cp and cp % g_t) or (g_t >= cp and g_t % cp):
             a.fail("context_parallel_size", f"{cp} and the {g_t} Mamba groups of a tensor-parallel rank (--mamba-num-"
                    f"groups {groups} / TP {tp}) must divide one another (MambaContextParallel asserts it)")
-    if kw.get("fp8") and (2 * heads * head_dim + 2 * groups * state + heads) % 16:
-        # MambaMixer.__init__ (0.16.1 and 0.19.2) asserts it under FP8 (not FP4): the in_proj output's width
+    has_m = "M" in main + (kw.get("hybrid_mtp_pattern") or "")
+    if kw.get("fp8") and has_m and (2 * heads * head_dim + 2 * groups * state + heads) % 16:
+        # MambaMixer.__init__ (0.16.1 and 0.19.2) asserts it under FP8 (not FP4): the in_proj output's width (only
+        # 'M' layers build a MambaMixer)
         width = 2 * heads * head_dim + 2 * groups * state + heads
         a.fail("mamba_num_heads", f"with --fp8-format the Mamba in_proj output width 2 x {heads * head_dim} (d_inner) "
                f"+ 2 x {groups} x {state} (groups x state) + {heads} (heads) = {width} must be a multiple of 16 "
@@ -413,6 +415,14 @@ def with_peft(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if targets_v is not None and any("*" in str(t) for t in ([targets_v] if isinstance(targets_v, str) else targets_v)):
         raise NotModelledError(a.key("peft_target_modules"), "'*' target patterns on a hybrid model (matched over "
                                "GPT layers' module names)")
+    excluded = a.get("peft_exclude_modules")
+    if ("M" in main and a.given("peft_exclude_modules") and isinstance(excluded, (list, tuple))
+            and not ("in_proj" in excluded and "out_proj" in excluded)):
+        # ModuleMatcher (Bridge 0.6.2 / NeMo 2.5 peft/module_matcher.py) wraps every linear not excluded: a Mamba layer's
+        # in_proj / out_proj (TE linears) too, whose adapters memguard does not size
+        raise NotModelledError(a.key("peft_exclude_modules"), "PEFT exclude_modules that leave the Mamba layers' "
+                               "in_proj / out_proj wrapped (their adapters are not modelled: add in_proj and out_proj "
+                               "to exclude_modules)")
     wrapped = [t for t in spec.target_modules
                if ("*" in main if t in ("linear_qkv", "linear_proj") else "-" in main)]
     if not wrapped:
