@@ -36,8 +36,8 @@ from .space import Candidate, ModelShape
 def stage_factor_bytes(shape: ModelShape, c: Candidate, stage: int,
                        moe_layers_on: Callable[[Candidate, int], int] | None = None) -> int:
     """SOAP's preconditioners of the stage's layers on one rank before DP sharding (0 for other optimizers)."""
-    if shape.optimizer != "soap":
-        return 0
+    if shape.optimizer != "soap" or shape.gdn_pattern:
+        return 0      # (GDN layers: their factors are left out, which keeps the bound a bound)
     n_moe = moe_layers_on(c, stage) if moe_layers_on is not None else 0
     return ((c.stage_layers[stage] - n_moe) * shape.soap_factor_bytes(c.tp)
             + n_moe * shape.soap_factor_bytes(c.tp, moe_layer=True))
@@ -97,7 +97,11 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
     # bound stays a lower bound whatever they count
     quant = c.fp8 not in (None, "off") or (c.fp8 is None and shape.layout.fp8_spec.enabled)
     q = 0.25 if quant else 1
-    kept += mixer_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods) * q
+    mixer = mixer_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods)
+    if shape.gdn_pattern:
+        # GDN layers among attention layers: the lighter of the two mixers keeps the bound below every layer
+        mixer = min(mixer, shape.gdn_activation_bound(c.tp, c.mbs, seq, c.sp, mods))
+    kept += mixer * q
     if mlp:
         kept += mlp_recipe(kind).bound_saved(shape.layout, c.tp, c.mbs, seq, c.sp, mods) * q
     elif shape.moe is not None:

@@ -202,8 +202,10 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
     out.append("")
     mm = s.matmul_params() + s.vocab * s.hidden
     out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights "
-               f"+ 12 x {s.num_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} attention; peak "
-               f"{cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
+               f"+ 12 x {s.num_layers - s.gdn_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} "
+               f"attention" + (f" + {s.gdn_layers} gated delta net layers' delta-rule kernels (forward and backward, "
+                               "linear in the sequence)" if s.gdn_layers else "")
+               + f"; peak {cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
     for tag, x in zip(names, xs):
         t, est = x.time, x.estimate
         mem = est.gpu_memory_bytes

@@ -325,13 +325,53 @@ class ModelShape:
 
     def matmul_params(self) -> int:
         """Weights a token multiplies in all the layers: the dense layers', and in an MoE layer the
-        attention, router, top-k experts and shared expert."""
+        attention, router, top-k experts and shared expert; a GDN layer's in_proj / out_proj instead of
+        linear_qkv / linear_proj."""
+        gdn = self.gdn_layers * (self.gdn_layer_matmul_params() - self.layer_matmul_params())
         if not self.moe:
-            return self.num_layers * self.layer_matmul_params()
+            return self.num_layers * self.layer_matmul_params() + gdn
         n_moe = self.moe.moe_layers
         dense = self.layer_matmul_params()
         moe = dense - self.dense_mlp_matmul_params() + moe_matmul_params(self.moe, self.hidden, self.gated)
-        return (self.num_layers - n_moe) * dense + n_moe * moe
+        return (self.num_layers - n_moe) * dense + n_moe * moe + gdn
+
+    # ---- gated delta net layers (--linear-attention-freq) ------------------------------------------
+    @property
+    def gdn_pattern(self) -> str:
+        """One character per layer, '1' a GDN layer, '0' standard attention; "" without GDN layers."""
+        return self.layout.linear_attention_pattern or ""
+
+    @property
+    def gdn_layers(self) -> int:
+        return self.gdn_pattern.count("1")
+
+    def gdn_layers_in(self, first: int, count: int) -> int:
+        """GDN layers among global layers [first, first + count)."""
+        return self.gdn_pattern[first:first + count].count("1")
+
+    @property
+    def _gdn_kind(self):
+        from ..partition import MIXER_GDN, MLP_DENSE, LayerKind
+        return LayerKind(MIXER_GDN, MLP_DENSE, None)
+
+    def gdn_layer_params_per_rank(self, tp: int) -> int:
+        """Parameters of one dense layer with a GDN mixer on one TP rank (the estimator's recipe)."""
+        from ..estimator.params import layer_params
+        key = ("gdn_params", tp)
+        hit = self._per_tp.get(key)
+        if hit is None:
+            hit = self._per_tp[key] = sum(p.numel for p in layer_params(self.layout_at_tp(tp), kind=self._gdn_kind))
+        return hit
+
+    def gdn_layer_matmul_params(self) -> int:
+        """Linear weights of one dense GDN layer, whole: in_proj, out_proj, fc1, fc2."""
+        from ..estimator.params import layer_linear_shapes
+        return sum(o * i for o, i in layer_linear_shapes(self.layout_at_tp(1), self._gdn_kind).values())
+
+    def gdn_activation_bound(self, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
+        """What a GDN mixer surely keeps per micro-batch (the estimator recipe's bound_saved)."""
+        from ..estimator.layers import mixer_recipe
+        return mixer_recipe(self._gdn_kind).bound_saved(self.layout, tp, b, seq, sp, mods)
 
     def dense_mlp_matmul_params(self) -> int:
         """The dense MLP's weights of one layer: fc1 [g f, h] and fc2 [h, f]."""
@@ -357,9 +397,6 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
         # the same: the planner's bounds and timing know one layer shape, not Mamba / attention / MLP layers
         from ..errors import NotModelledError
         raise NotModelledError("--hybrid-layer-pattern", "planning layouts of hybrid Mamba models")
-    if L.linear_attention_pattern:
-        from ..errors import NotModelledError
-        raise NotModelledError("--linear-attention-freq", "planning layouts of models with gated delta net layers")
     fixed_padded = raw.args.get("padded_vocab_size")
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):
@@ -632,6 +669,15 @@ def _allowed(values: Iterable[int], allowed: tuple[int, ...] | None) -> list[int
     return [v for v in values if allowed is None or v in allowed]
 
 
+def gdn_heads_ok(shape: ModelShape, tp: int, cp: int) -> bool:
+    """TransformerConfig's rules for GDN layers: key and value heads divide by TP (megatron-core 0.16, 0.17:
+    and CP = 1) or by TP x CP (0.18+, where CP is an all-to-all of heads; GatedDeltaNet splits them so)."""
+    from packaging.version import Version
+    from .gdn import gdn_shape
+    new = Version(str(shape.layout.megatron_version)) >= Version("0.18")
+    return gdn_shape(shape.layout).heads_split_ok(tp, cp, cp_splits_heads=new)
+
+
 def tp_values(shape: ModelShape, cluster: Cluster, cons: Constraints) -> list[int]:
     """TP sizes: divisors of the GPU count that the heads and query groups allow, inside a node
     (dividing the GPUs per node, or the NVLink domain) unless TP may span nodes."""
@@ -640,6 +686,8 @@ def tp_values(shape: ModelShape, cluster: Cluster, cons: Constraints) -> list[in
     for t in divisors(cluster.gpus):
         if shape.heads % t or (shape.groups % t and t % shape.groups):
             continue
+        if shape.gdn_pattern and not gdn_heads_ok(shape, t, 1):
+            continue                   # GatedDeltaNet splits its key and value heads over TP
         if cons.max_tp is not None and t > cons.max_tp:
             continue
         if t <= dom and dom % t:
@@ -703,6 +751,8 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
             if cons.cp is None and s // cp < MIN_TOKENS_PER_CP_RANK and cp > 1:
                 continue
             if cons.cp is not None and cp not in cons.cp:
+                continue
+            if shape.gdn_pattern and not gdn_heads_ok(shape, tp, cp):
                 continue
             if fujii and tp * cp > cluster.gpus_per_node:
                 continue

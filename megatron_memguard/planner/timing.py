@@ -73,7 +73,9 @@ from ..estimator.layers import mixer_recipe
 from ..partition import uniform_kind
 from .comm import HOST_LINK_EFFICIENCY, P2P_LATENCY, collective_seconds, host_copy_seconds, p2p_seconds
 from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
-from .moe import (MoeLayerCost, edp_per_domain, expert_params_per_rank, moe_layer_cost)
+from .gdn import ATTN_KERNELS_BWD, ATTN_KERNELS_FWD, KERNELS_BWD as GDN_KERNELS_BWD, KERNELS_FWD as GDN_KERNELS_FWD
+from .gdn import gdn_core, gdn_shape
+from .moe import (MoeLayerCost, all_to_all_seconds, edp_per_domain, expert_params_per_rank, moe_layer_cost)
 from .space import Candidate, Cluster, ModelShape
 
 # ---- constants (each documented in docs/planner.md) ----------------------------------------------
@@ -222,6 +224,8 @@ class LayerCost:
     ep_fwd: float = 0.0            # an MoE layer: exposed token dispatch + combine, forward
     ep_bwd: float = 0.0            # and backward
     moe_detail: str = ""
+    gdn: bool = False              # a gated delta net mixer (attn_*: its delta-rule kernel; cp_*: its all-to-alls)
+    gdn_norm_fwd: float = 0.0      # its gated output norm's forward (selective recompute of 'gdn_norm_out')
 
     @property
     def per_layer(self) -> tuple[float, float, float, float, float]:
@@ -358,8 +362,15 @@ class TimeModel:
         self._split_moe: dict[tuple, tuple] = {}
         self._opt: dict[tuple, float] = {}
         s = shape
+        self.gdn_cost: dict[tuple, LayerCost] = {}
         self.flops_per_token = (6.0 * (s.matmul_params() + s.vocab * s.hidden)
-                                + 6.0 * s.num_layers * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
+                                + 6.0 * (s.num_layers - s.gdn_layers) * s.heads * (s.qk_dim + s.v_dim) * s.seq_length)
+        if s.gdn_layers:
+            # a GDN layer's delta-rule kernel: its forward and backward FLOPs per token (planner/gdn.py), linear in s
+            from .gdn import delta_rule_flops_per_token
+            g = gdn_shape(s.layout)
+            f, bw = delta_rule_flops_per_token(g.key_dim, g.value_dim)
+            self.flops_per_token += s.gdn_layers * g.value_heads * (f + bw)
 
     # ---- primitives (kept for callers that time one collective) -------------------------------------
     def collective(self, kind: str, nbytes: float, n: int, per_domain: int) -> float:
@@ -509,13 +520,77 @@ class TimeModel:
         self._layer[key] = lc
         return lc
 
-    def moe_layers_on(self, c: Candidate, stage: int) -> int:
-        """MoE layers held by one rank of ``stage`` (its chunks' slices of the global pattern)."""
-        ms = self.shape.moe
-        if ms is None:
-            return 0
-        # (the split follows from PP, first, last, the account flags and the layout)
-        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, stage)
+    def gdn_layer(self, tp: int, cp: int, b: int, sp: bool, fp8: bool = False) -> LayerCost:
+        """One dense layer whose token mixer is a gated delta net (planner/gdn.py): :meth:`layer_cost` with
+        linear_qkv / linear_proj, the core attention, rope and the K/V ring replaced by in_proj / out_proj, the
+        delta-rule kernel, its conv1d and norms, and (CP) its two all-to-alls. The TP collectives are the
+        attention layer's (in_proj column-, out_proj row-parallel: the same pair). Only the difference to the
+        attention layer is used for a rank (an MoE layer's mixer is the same)."""
+        key = (tp, cp, b, sp, fp8)
+        hit = self.gdn_cost.get(key)
+        if hit is not None:
+            return hit
+        s, gpu = self.shape, self.gpu
+        lc = self.layer_cost(tp, cp, b, sp, fp8)
+        ggpu = replace(gpu, bf16_flops=FP8_PEAK_RATIO * gpu.bf16_flops) if fp8 else gpu
+        M = b * (s.seq_length // cp)
+        tok = M // tp if sp else M
+        gb, h, a_t = s.grad_bytes, s.hidden, s.heads // tp
+        # the attention mixer's parts of lc (as layer_cost computes them)
+        mixer = mixer_recipe(uniform_kind(s.layout))
+        shapes = mixer.qkv_gemms(s.layout, tp, M, tok)
+        qkv = [linear_seconds(*x, ggpu, gb) for x in shapes]
+        proj = linear_seconds(M, h, a_t * s.v_dim, ggpu, gb)
+        a_flops = sum(2.0 * x[0] * x[1] * x[2] for x in shapes) + 2.0 * M * h * a_t * s.v_dim
+        a_f = sum(x[0] for x in qkv) + proj[0]
+        a_b = sum(x[1] + x[2] for x in qkv) + proj[1] + proj[2]
+        scale = s.act_bytes / 2
+        rope_el = mixer.rope_elements(s.layout, tp, M)
+        rope_f = memory_seconds(ROPE_FWD * rope_el * scale, gpu)
+        rope_b = memory_seconds((ROPE_BYTES - ROPE_FWD) * rope_el * scale, gpu)
+        cp_merge_b = 0.0
+        if cp > 1:
+            g_t, d = s.kv_heads_per_rank(tp), s.kv_channels
+            cp_merge_b = memory_seconds(CP_GRAD_BYTES * (M * a_t * s.qk_dim + 2 * M * g_t * d) * (cp - 1), gpu)
+        # the GDN mixer
+        g = gdn_shape(s.layout)
+        inp = linear_seconds(M, g.in_proj_width(tp), h, ggpu, gb)
+        out = linear_seconds(M, h, g.value_width(tp), ggpu, gb)
+        g_flops = 2.0 * M * h * (g.in_proj_width(tp) + g.value_width(tp))
+        core = gdn_core(g, b=b, seq=s.seq_length, tp=tp, cp=cp, act_bytes=s.act_bytes, gpu=gpu)
+        gemm_fwd = lc.gemm_fwd - a_f + inp[0] + out[0]
+        gflops = lc.gemm_eff * lc.gemm_fwd * self.peak - a_flops + g_flops
+        # CP (core 0.18+): all-to-all of in_proj's output before the conv and of the norm's output before
+        # out_proj (common.py tensor_a2a_cp2hp / hp2cp), and both again in the backward; nothing overlaps them
+        a2a = 0.0
+        if cp > 1:
+            k = self.cp_per_domain(tp, cp)
+            a2a = sum(all_to_all_seconds(M * w * s.act_bytes, cp, k, gpu)
+                      for w in (g.in_proj_width(tp), g.value_width(tp)))
+        ring = CP_KERNELS_FWD * (cp - 1), CP_KERNELS_BWD * (cp - 1)
+        lg = replace(
+            lc, gemm_fwd=gemm_fwd, gemm_bwd=lc.gemm_bwd - a_b + inp[1] + inp[2] + out[1] + out[2],
+            gemm_eff=gflops / (gemm_fwd * self.peak),
+            col_dgrad=lc.col_dgrad - sum(x[1] for x in qkv) + inp[1] if tp > 1 else 0.0,
+            col_wgrad=lc.col_wgrad - sum(x[2] for x in qkv) + inp[2] if tp > 1 else 0.0,
+            attn_fwd=core.kernel_fwd, attn_bwd=core.kernel_bwd, attn_eff=core.kernel_eff,
+            elem_fwd=lc.elem_fwd - lc.cp_merge_fwd - rope_f + core.elem_fwd,
+            elem_bwd=lc.elem_bwd - cp_merge_b - rope_b + core.elem_bwd, cp_merge_fwd=0.0,
+            kernels_fwd=lc.kernels_fwd - ATTN_KERNELS_FWD - ring[0] + GDN_KERNELS_FWD,
+            kernels_bwd=lc.kernels_bwd - ATTN_KERNELS_BWD - ring[1] + GDN_KERNELS_BWD,
+            cp_fwd=a2a, cp_bwd=a2a, flops_fwd=gflops + core.kernel_flops_fwd, gdn=True, gdn_norm_fwd=core.norm_fwd)
+        self.gdn_cost[key] = lg
+        return lg
+
+    def gdn_layers_on(self, c: Candidate, stage: int) -> int:
+        """GDN layers held by one rank of ``stage``."""
+        s = self.shape
+        return self._layers_on(c, stage, s.gdn_layers_in, "gdn") if s.gdn_pattern else 0
+
+    def _layers_on(self, c: Candidate, stage: int, layers_in, tag: str) -> int:
+        """Layers of one kind (``layers_in(first, count)`` counts them in the global order) on one rank of
+        ``stage``: its chunks' slices of the global pattern."""
+        key = (tag, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, stage)
         n = self._moe_on.get(key)
         if n is not None:
             return n
@@ -523,14 +598,19 @@ class TimeModel:
             starts = [0]
             for k in c.chunks:
                 starts.append(starts[-1] + k)
-            n = sum(ms.layers_in(starts[i], c.chunks[i]) for i in range(stage, len(c.chunks), c.pp))
+            n = sum(layers_in(starts[i], c.chunks[i]) for i in range(stage, len(c.chunks), c.pp))
         elif c.vpp > 1 and c.first is None and c.last is None:
             ch = self.shape.num_layers // (c.pp * c.vpp)
-            n = sum(ms.layers_in((j * c.pp + stage) * ch, ch) for j in range(c.vpp))
+            n = sum(layers_in((j * c.pp + stage) * ch, ch) for j in range(c.vpp))
         else:
-            n = ms.layers_in(sum(c.stage_layers[:stage]), c.stage_layers[stage])
+            n = layers_in(sum(c.stage_layers[:stage]), c.stage_layers[stage])
         self._moe_on[key] = n
         return n
+
+    def moe_layers_on(self, c: Candidate, stage: int) -> int:
+        """MoE layers held by one rank of ``stage`` (its chunks' slices of the global pattern)."""
+        ms = self.shape.moe
+        return self._layers_on(c, stage, ms.layers_in, "moe") if ms is not None else 0
 
     def ends_cost(self, tp: int, cp: int, b: int, sp: bool) -> EndsCost:
         key = (tp, cp, b, sp)
@@ -592,12 +672,16 @@ class TimeModel:
         """Parameters one rank of ``stage`` holds (before DDP padding)."""
         first, last = stage == 0, stage == c.pp - 1
         n_moe = self.moe_layers_on(c, stage)
-        key = (c.tp, c.pp > 1, c.stage_layers[stage], first, last, n_moe)
+        n_gdn = self.gdn_layers_on(c, stage)
+        key = (c.tp, c.pp > 1, c.stage_layers[stage], first, last, n_moe, n_gdn)
         n = self._params.get(key)
         if n is not None:
             return n
         s = self.shape
         n = (c.stage_layers[stage] - n_moe) * s.layer_params_per_rank(c.tp)
+        if n_gdn:
+            # a GDN mixer instead of attention (in a dense or an MoE layer alike)
+            n += n_gdn * (s.gdn_layer_params_per_rank(c.tp) - s.layer_params_per_rank(c.tp))
         if n_moe:
             n += n_moe * s.moe_layer_params_per_rank(c.tp)
         v_rows = s.padded_vocab(c.tp) // c.tp
@@ -660,9 +744,13 @@ class TimeModel:
         if recompute == "selective":
             mods = self.shape.recompute_modules
             t, what = 0.0, []
-            if "core_attn" in mods:
+            if "core_attn" in mods and not lc.gdn:
+                # (a GDN mixer has no core_attention module: GatedDeltaNet checkpoints only its output norm)
                 t += lc.attn_fwd + lc.cp_fwd + lc.cp_merge_fwd + KERNEL_GAP
                 what.append("core attention")
+            if "gdn_norm_out" in mods and lc.gdn:
+                t += lc.gdn_norm_fwd + KERNEL_GAP
+                what.append("GDN output norm")
             if "mlp" in mods and not lc.moe_fwd:
                 t += lc.mlp_fwd + 3 * KERNEL_GAP
                 what.append("MLP")
@@ -676,15 +764,19 @@ class TimeModel:
         return 0.0, ""
 
     def _stage_work(self, c: Candidate, n: int, first: bool, last: bool, n_moe: int, lc: LayerCost, ec: EndsCost,
-                    lm: LayerCost | None = None) -> tuple[float, ...]:
-        """Per micro-batch on a rank of ``n`` layers (``n_moe`` of them MoE), the first and / or the last
-        stage: (gemm, attention, elementwise, kernel_gaps, input, tp_comm, ep_comm)."""
+                    lm: LayerCost | None = None, n_gdn: int = 0, lg: LayerCost | None = None) -> tuple[float, ...]:
+        """Per micro-batch on a rank of ``n`` layers (``n_moe`` of them MoE, ``n_gdn`` with a GDN mixer), the
+        first and / or the last stage: (gemm, attention, elementwise, kernel_gaps, input, tp_comm, ep_comm)."""
         n_dense = n - n_moe
         gemm, attn, elem, gaps, tpc = (n_dense * x for x in lc.per_layer)
         epc = 0.0
         if n_moe:
             gemm, attn, elem, gaps, tpc = (x + n_moe * y for x, y in zip((gemm, attn, elem, gaps, tpc), lm.per_layer))
             epc = n_moe * (lm.ep_fwd + lm.ep_bwd)
+        if n_gdn:
+            # a GDN mixer instead of attention, whatever the layer's MLP: the difference of the two dense layers
+            gemm, attn, elem, gaps, tpc = (x + n_gdn * (y - z) for x, y, z in
+                                           zip((gemm, attn, elem, gaps, tpc), lg.per_layer, lc.per_layer))
         # get_batch runs on the first and the last stage (once when they are the same)
         inp = ec.batch if first or last else 0.0
         if first:
@@ -697,16 +789,17 @@ class TimeModel:
             tpc += ec.out_tp
         return gemm, attn, elem, gaps, inp, tpc, epc
 
-    def rank_kinds(self, c: Candidate) -> tuple[tuple[tuple[int, bool, bool, int], ...], tuple[int, ...]]:
-        """The distinct kinds of pipeline rank of the split, (layers, first, last, MoE layers), and each
-        rank's kind."""
+    def rank_kinds(self, c: Candidate) -> tuple[tuple[tuple[int, bool, bool, int, int], ...], tuple[int, ...]]:
+        """The distinct kinds of pipeline rank of the split, (layers, first, last, MoE layers, GDN layers), and
+        each rank's kind."""
         key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
         hit = self._split_moe.get(key)
         if hit is None:
-            sigs: list[tuple[int, bool, bool, int]] = []
+            sigs: list[tuple[int, bool, bool, int, int]] = []
             index = []
             for i in range(c.pp):
-                sig = (c.stage_layers[i], i == 0, i == c.pp - 1, self.moe_layers_on(c, i) if self.shape.moe else 0)
+                sig = (c.stage_layers[i], i == 0, i == c.pp - 1, self.moe_layers_on(c, i) if self.shape.moe else 0,
+                       self.gdn_layers_on(c, i))
                 if sig not in sigs:
                     sigs.append(sig)
                 index.append(sigs.index(sig))
@@ -755,11 +848,17 @@ class TimeModel:
         layer_cp = lc.cp_fwd + lc.cp_bwd
         mtp = self.shape.layout.mtp_num_layers
         sigs, index = self.rank_kinds(c)
+        lg = self.gdn_layer(c.tp, c.cp, c.mbs, c.sp, fp8) if self.shape.gdn_pattern else None
+        rc_gdn = self._recompute_layer(lg, c.recompute)[0] - rc_layer if lg is not None else 0.0
         kinds = []
-        for n, first, last, n_moe in sigs:
-            gemm, attn, elem, gaps, inp, tpc, epc = self._stage_work(c, n, first, last, n_moe, lc, ec, lm)
+        for n, first, last, n_moe, n_gdn in sigs:
+            gemm, attn, elem, gaps, inp, tpc, epc = self._stage_work(c, n, first, last, n_moe, lc, ec, lm, n_gdn, lg)
             rc = (n - n_moe) * rc_layer + n_moe * rc_moe if n_moe else n * rc_layer
             cpc = n * layer_cp        # an MoE layer's attention half has the dense layer's ring
+            if n_gdn:
+                # a GDN mixer: its recompute and its all-to-alls instead of the attention's (MLP parts unchanged)
+                rc += n_gdn * rc_gdn
+                cpc += n_gdn * (lg.cp_fwd + lg.cp_bwd - layer_cp)
             if last and mtp:
                 mg, ma, me, mk, mr, mt, mc, mp = self.mtp_cost(c, lc, ec, lm, rc_layer, rc_moe)
                 gemm, attn, elem, gaps, rc, tpc, cpc, epc = (gemm + mg, attn + ma, elem + me, gaps + mk, rc + mr,
@@ -886,6 +985,17 @@ class TimeModel:
                 f"{elems / 1e6:,.1f}M parameters{' (a 1/' + str(shard) + ' shard)' if shard > 1 else ''} x {per:.0f} B "
                 f"read and written at {self.gpu.hbm_bytes_per_s * HBM_EFFICIENCY / 1e12:.2f} TB/s",
             )
+            n_gdn = self.gdn_layers_on(c, crit)
+            if n_gdn:
+                lg = self.gdn_layer(c.tp, c.cp, c.mbs, c.sp, fp8)
+                texts = (texts[:1] + (
+                    f"{m} x ({n - n_gdn} attention layers x {(lc.attn_fwd + lc.attn_bwd) * 1e3:.3f} ms at "
+                    f"{lc.attn_eff:.0%} of peak + {n_gdn} gated delta net layers x "
+                    f"{(lg.attn_fwd + lg.attn_bwd) * 1e3:.3f} ms of the chunked delta-rule kernel at "
+                    f"{lg.attn_eff:.0%} of peak)",) + texts[2:7] + (
+                    (f"{m} x ({n - n_gdn} attention layers x {layer_cp * 1e3:.3f} ms exposed K/V ring exchange + "
+                     f"{n_gdn} gated delta net layers x {(lg.cp_fwd + lg.cp_bwd) * 1e3:.3f} ms of all-to-alls of heads)"
+                     if c.cp > 1 else texts[7]),) + texts[8:])
             if s.moe:
                 n_moe = self.moe_layers_on(c, crit)
                 texts = texts[:8] + (
