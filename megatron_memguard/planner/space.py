@@ -17,7 +17,8 @@ schedule's micro-batch rule (``PP <= group <= m`` and a last group of 0 or >= PP
 megatron-core's scatter along the sequence asserts it); for MoE: EP divides the experts, ``world % (ETP*EP*PP) == 0``
 (``initialize_model_parallel``), ETP divides the expert FFN, sequence parallelism whenever TP > 1
 (``MoELayer.forward``), the EP x ETP group inside an NVLink domain unless ``allow_ep_across_nodes``
-(ETP in {1, TP} unless given). Every candidate the planner estimates or shows is then resolved by
+(ETP in {1, TP} unless given); with gated delta net layers both GDN head counts divide by TP (TP x CP from
+megatron-core 0.18, CP = 1 before: TransformerConfig). Every candidate the planner estimates or shows is then resolved by
 :func:`megatron_memguard.resolve.resolve`, which checks all of Megatron's rules again; a candidate
 it rejects is counted and dropped.
 """
