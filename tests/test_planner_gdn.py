@@ -134,3 +134,18 @@ def test_lower_bound_stays_below_the_estimate():
         assert p.lower_bound(c) <= est.peak_device_bytes, c.name
         checked += 1
     assert checked >= 20
+
+
+def test_interleaved_ranks_hold_the_pattern_they_get():
+    # --linear-attention-freq 4: layers 3 and 7 are attention (get_linear_attention_pattern). PP 2 x VPP 4 gives
+    # chunk j (one layer) to rank j % 2 (Megatron's interleaved order): rank 1 holds layers 1, 3, 5, 7, both
+    # attention layers, rank 0 only GDN layers; at 8k tokens its attention makes it the slower rank
+    p = make_planner(MODEL + ["--max-position-embeddings", "8192"], 16, 8192, 64)
+    c = next(c for c in enumerate_space(p.shape, p.cluster, 64, Constraints(pp=(2,), vpp=(4,), tp=(1,), cp=(1,),
+                                                                              mbs=(1,))) if c.first is None)
+    tm = p.timer
+    assert [tm.gdn_layers_on(c, i) for i in range(2)] == [4, 2]
+    st = tm.explain(c)
+    assert st.critical_stage == 1
+    text = dict(zip(st.names, st.details))["attention"]
+    assert "2 attention layers" in text and "2 gated delta net layers" in text

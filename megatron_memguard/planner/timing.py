@@ -1043,7 +1043,7 @@ class TimeModel:
         if n_dp <= 1 and (not psi_e or c.edp <= 1):
             return 0.0, "DP x CP = 1: nothing to reduce"
         key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp, self.fp8_on(c),
-               c.ep, c.etp)
+               c.ep, c.etp, (c.vpp, c.chunks) if s.gdn_pattern else 0)
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)
@@ -1055,6 +1055,13 @@ class TimeModel:
         if n_moe:
             w_b += n_moe * (lm.bwd + lm.tp_bwd + lm.cp_bwd + lm.ep_bwd + rc_moe)
             w_f += n_moe * (lm.fwd + lm.tp_fwd + lm.cp_fwd + lm.ep_fwd)
+        n_gdn = self.gdn_layers_on(c, 0)
+        if n_gdn:
+            # a GDN mixer instead of attention in those layers (planner/gdn.py)
+            lg = self.gdn_layer(c.tp, c.cp, c.mbs, c.sp, self.fp8_on(c))
+            rc_gdn = self._recompute_layer(lg, c.recompute)[0]
+            w_b += n_gdn * (lg.bwd + lg.cp_bwd + rc_gdn - lc.bwd - lc.cp_bwd - rc_layer)
+            w_f += n_gdn * (lg.fwd + lg.cp_fwd - lc.fwd - lc.cp_fwd)
         if c.pp == 1:
             w_b += ec.out_bwd
             w_f += ec.out_fwd
