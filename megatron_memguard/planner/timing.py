@@ -1043,7 +1043,7 @@ class TimeModel:
         if n_dp <= 1 and (not psi_e or c.edp <= 1):
             return 0.0, "DP x CP = 1: nothing to reduce"
         key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp, self.fp8_on(c),
-               c.ep, c.etp, (c.vpp, c.chunks) if s.gdn_pattern else 0)
+               c.ep, c.etp, (c.vpp, c.chunks) if s.gdn_pattern or lm is not None else 0)
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)
