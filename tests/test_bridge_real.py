@@ -401,6 +401,32 @@ def test_an_unknown_override_key_is_refused_as_bridge_refuses_it(recipes):
             read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
 
 
+
+@pytest.mark.parametrize("overrides", [
+    ["model.cuda_graph_impl=local"], ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]"],
+    ["model.cuda_graph_impl=local", "model.cuda_graph_scope=full_iteration"], ["model.cuda_graph_impl=full_iteration"],
+    ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn]"],
+], ids=" ".join)
+def test_a_local_cuda_graph_bridge_refuses_is_a_problem(recipes, overrides):
+    """Bridge's validate_cuda_graph_configuration (utils/cuda_graph.py, run by ConfigContainer.validate) on the recipe
+    with the overrides applied by Bridge's Hydra processing; memguard's reading of the same overrides has a problem
+    naming model.cuda_graph_impl exactly when Bridge raises."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.bridge.utils.cuda_graph import validate_cuda_graph_configuration
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=overrides)
+    try:
+        validate_cuda_graph_configuration(cfg.model)
+        refused = False
+    except ValueError as e:
+        refused = "only for full-iteration CUDA graphs" in str(e)
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(overrides), recipe="llama32_1b")
+    assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if refused else [])
+    assert refused == (overrides[0] == "model.cuda_graph_impl=local" and "full_iteration" not in overrides[-1])
+
 def test_an_unknown_file_key_is_skipped_with_a_warning_as_bridge_does(recipes, tmp_path, caplog):
     import logging
 

@@ -133,6 +133,22 @@ def test_seq_length_mismatch_is_a_problem(tmp_path):
     assert [p.key for p in raw.problems] == ["model.seq_length"]
 
 
+
+@pytest.mark.parametrize("graph, problem", [
+    ("cuda_graph_impl: local", True),                                        # whole layers: Bridge refuses
+    ("cuda_graph_impl: local\n  cuda_graph_modules: [attn]", True),         # scoped local graphs: Bridge refuses
+    ("cuda_graph_impl: local\n  cuda_graph_scope: full_iteration", False),  # the full-iteration graph
+    ("cuda_graph_impl: local\n  cuda_graph_scope: [{_target_: megatron.core.transformer.enums.CudaGraphScope, "
+     "_name_: full_iteration, _call_: true}]", False),                      # the same as Bridge dumps the enum
+    ("cuda_graph_impl: full_iteration", False),
+    ("cuda_graph_impl: transformer_engine\n  cuda_graph_modules: [attn]", False),
+])
+def test_a_local_cuda_graph_of_layers_is_a_problem_as_bridge_refuses_it(tmp_path, graph, problem):
+    # Megatron-Bridge 0.6.2 utils/cuda_graph.py validate_cuda_graph_configuration (ConfigContainer.validate):
+    # 'supports model.cuda_graph_impl="local" only for full-iteration CUDA graphs' (tests/test_bridge_real.py runs it)
+    raw = read(tmp_path, FLAT.replace("  bf16: true\n", f"  bf16: true\n  {graph}\n", 1))
+    assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if problem else [])
+
 def test_preset_vocab_is_not_padded_unless_should_pad_vocab(tmp_path):
     text = FLAT.replace("vocab_size: 32000\n", "vocab_size: 32001\n").replace(
         "tokenizer: {tokenizer_type: NullTokenizer, vocab_size: 32000}", "tokenizer: {tokenizer_type: HuggingFaceTokenizer}")

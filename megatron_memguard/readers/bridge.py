@@ -28,10 +28,10 @@ from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import shown
 from ._common import (
-    GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields,
-    default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
-    is_missing, map_mcore_fields, mcore_model_fields, peft_module_list, refuse_unset_section_field, section_typed_field,
-    set_vocab,
+    GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
+    config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
+    group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, peft_module_list,
+    refuse_unset_section_field, section_typed_field, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -115,6 +115,26 @@ _MP_FP8_DEFAULTS = {"fp8_recipe": "tensorwise", "first_last_layers_bf16": False,
                     "reuse_grad_buf_for_mxfp8_param_ag": False}
 _MP_DEFAULTS = {"bf16": False, "fp16": False, "params_dtype": None, "grad_reduce_in_fp32": True, "fp8": None, "fp4": None,
                 "autocast_enabled": False, "autocast_dtype": None, **_MP_FP8_DEFAULTS}
+
+
+def _graph_names(value: Any) -> set[str]:
+    """CUDA graph module / scope names however a config holds them: "attn,mlp", a list of names, megatron-core's
+    enum members or Bridge's dump of them ({_name_: attn, ...})."""
+    if value is None:
+        return set()
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    return {str(_member_name(x)).rsplit(".", 1)[-1] for x in items if x not in ("", None)}
+
+
+def _bridge_local_graph_ok(modules: Any, scope: Any, inference_scope: Any) -> bool:
+    """Whether Megatron-Bridge 0.6.2 takes ``cuda_graph_impl: local`` with these modules: only as the full-iteration
+    graph, or an inference graph of layers / blocks with no module named (utils/cuda_graph.py
+    validate_cuda_graph_configuration, which ConfigContainer.validate runs before the model is finalized)."""
+    named = _graph_names(modules) | _graph_names(scope)
+    if "full_iteration" in named:
+        return True
+    layer_modules = named - {"full_iteration_inference", "full"}
+    return not layer_modules and bool(_graph_names(inference_scope) & {"layer", "block"})
 
 
 def looks_like_bridge(doc: Mapping) -> bool:
@@ -497,6 +517,12 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     if "teacher" in model and model["teacher"][0]:
         b.warn(f"{model['teacher'][1]}: a knowledge-distillation teacher is not counted; memguard estimates "
                "the student's training memory only (add the teacher's weights and forward activations)")
+
+    if v("model", "cuda_graph_impl") == "local" and not _bridge_local_graph_ok(
+            *(v("model", name) for name in ("cuda_graph_modules", "cuda_graph_scope", "inference_cuda_graph_scope"))):
+        b.problem(k("model", "cuda_graph_impl"), "local is taken by Megatron-Bridge only for full-iteration CUDA graphs "
+                  "(ConfigContainer.validate raises ValueError at start-up)", "model.cuda_graph_impl=transformer_engine "
+                  "for graphs of layers or modules (attn, mlp, ...), or model.cuda_graph_impl=full_iteration")
 
     # Sequence length: model.seq_length (GPTModelProvider default 1024) must equal dataset.seq_length.
     ds_name = "seq_length" if has("dataset", "seq_length") else "sequence_length"
