@@ -427,6 +427,42 @@ def test_a_local_cuda_graph_bridge_refuses_is_a_problem(recipes, overrides):
     assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if refused else [])
     assert refused == (overrides[0] == "model.cuda_graph_impl=local" and "full_iteration" not in overrides[-1])
 
+
+@pytest.mark.parametrize("overrides", [
+    ["model.cuda_graph_impl=full_iteration"],
+    ["model.cuda_graph_impl=full_iteration", "rerun_state_machine.check_for_nan_in_loss=false"],
+    ["model.cuda_graph_impl=local", "model.cuda_graph_scope=full_iteration", "rerun_state_machine.check_for_nan_in_loss=false"],
+    ["model.cuda_graph_impl=local", "model.cuda_graph_scope=full_iteration"],
+    ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[attn]"],
+    ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,mlp]"],
+], ids=" ".join)
+def test_run_recipes_cuda_graphs_are_what_bridge_finalizes(recipes, monkeypatch, overrides):
+    """run_recipe.py with CUDA graph overrides, finalized by Bridge's runtime_config_update (ConfigContainer.validate:
+    the full-iteration graph asserts rerun_state_machine.check_for_nan_in_loss is off; megatron-core 0.19's
+    cuda_graph_config.py migrates the deprecated cuda_graph_scope to cuda_graph_modules): memguard check's reading
+    refuses what Bridge refuses, naming the key Bridge names, and reads the implementation and modules Bridge builds."""
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = run_recipe_main("v0.6.0", ["--recipe", "llama3_8b_pretrain_config", *overrides], monkeypatch)
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+        bridge = None
+    except AssertionError as e:
+        bridge = str(e)
+    _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
+    if bridge is not None:
+        assert "check_for_nan_in_loss must be disabled" in bridge
+        with pytest.raises(ConfigError, match="rerun_state_machine.check_for_nan_in_loss=false"):
+            resolve(raw, world_size=WORLD)
+        return
+    L = resolve(raw, world_size=WORLD)
+    m = cfg.model
+    modules = sorted(getattr(x, "name", x) for x in (m.cuda_graph_modules or []))
+    assert (L.cuda_graph_impl, sorted(L.cuda_graph_modules or ())) == (m.cuda_graph_impl, modules)
+
 def test_an_unknown_file_key_is_skipped_with_a_warning_as_bridge_does(recipes, tmp_path, caplog):
     import logging
 
@@ -526,8 +562,6 @@ def test_recipe_env_vars_are_applied_as_bridge_applies_them(recipes, monkeypatch
 def _finalized(recipes, key, monkeypatch, tmp_path):
     """(the finalized ConfigContainer, its world size, memguard's recipe overrides): a HybridEP recipe (refused by
     name: test_memguards_recipes_are_bridges) is taken with the alltoall dispatcher on both sides."""
-    from megatron.bridge.training.config import runtime_config_update
-
     from megatron_memguard.config import MEMORY_ENV_VARS
     from megatron_memguard.readers.models import presets
 
@@ -545,6 +579,14 @@ def _finalized(recipes, key, monkeypatch, tmp_path):
     if cfg.model.moe_token_dispatcher_type == "flex" and cfg.model.moe_flex_dispatcher_backend == "hybridep":
         cfg.model.moe_token_dispatcher_type = "alltoall"
         overrides = ["model.moe_token_dispatcher_type=alltoall"]
+    _runtime_config_update(cfg, monkeypatch)
+    return cfg, world, overrides
+
+
+def _runtime_config_update(cfg, monkeypatch) -> None:
+    """Bridge's runtime_config_update (mixed precision, data-parallel size, ConfigContainer.validate) on ``cfg``."""
+    from megatron.bridge.training.config import runtime_config_update
+
     # Transformer Engine and the GPU are stood in: OptimizerConfig's check that TE's FusedAdam takes the
     # precision-aware arguments (transformer-engine >= 2.x does), and validate_flex_dispatcher_backend's device (an
     # H100, the GPU the recipes are named for)
@@ -566,7 +608,6 @@ def _finalized(recipes, key, monkeypatch, tmp_path):
     finally:   # (it applies the recipe's env_vars to this process)
         os.environ.clear()
         os.environ.update(env)
-    return cfg, world, overrides
 
 
 def _bridge_values(cfg) -> dict:

@@ -149,6 +149,28 @@ def test_a_local_cuda_graph_of_layers_is_a_problem_as_bridge_refuses_it(tmp_path
     raw = read(tmp_path, FLAT.replace("  bf16: true\n", f"  bf16: true\n  {graph}\n", 1))
     assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if problem else [])
 
+
+def test_the_deprecated_cuda_graph_scope_is_read_as_the_modules(tmp_path):
+    # TransformerConfig.cuda_graph_scope, which megatron-core 0.19.2's cuda_graph_config.py migrates to
+    # cuda_graph_modules (it was dropped: whole layers were estimated for a graph of attention only)
+    def graphs(text):
+        L = resolve(read(tmp_path, FLAT.replace("  bf16: true\n", f"  bf16: true\n  {text}\n", 1)), world_size=8)
+        return L.cuda_graph_impl, tuple(L.cuda_graph_modules or ())
+    assert graphs("cuda_graph_impl: transformer_engine\n  cuda_graph_scope: [attn]") == ("transformer_engine", ("attn",))
+    assert graphs("cuda_graph_impl: transformer_engine\n  cuda_graph_modules: [attn]") == ("transformer_engine", ("attn",))
+    assert graphs("cuda_graph_impl: transformer_engine") == ("transformer_engine", ())
+
+
+def test_the_full_iteration_graph_needs_bridges_nan_check_off(tmp_path):
+    # Bridge 0.6.2 ConfigContainer.validate: 'check_for_nan_in_loss must be disabled when using full_iteration CUDA
+    # graph. Set rerun_state_machine.check_for_nan_in_loss=False.' (RerunStateMachineConfig default: true)
+    graph = FLAT.replace("  bf16: true\n", "  bf16: true\n  cuda_graph_impl: full_iteration\n", 1)
+    with pytest.raises(ConfigError, match=r"^model.cuda_graph_impl: full_iteration needs "
+                                          r"rerun_state_machine.check_for_nan_in_loss=false"):
+        resolve(read(tmp_path, graph), world_size=8)
+    off = graph + "rerun_state_machine: {check_for_nan_in_loss: false}\n"
+    assert resolve(read(tmp_path, off), world_size=8).cuda_graph_impl == "full_iteration"
+
 def test_preset_vocab_is_not_padded_unless_should_pad_vocab(tmp_path):
     text = FLAT.replace("vocab_size: 32000\n", "vocab_size: 32001\n").replace(
         "tokenizer: {tokenizer_type: NullTokenizer, vocab_size: 32000}", "tokenizer: {tokenizer_type: HuggingFaceTokenizer}")

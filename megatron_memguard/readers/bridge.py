@@ -524,6 +524,10 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                   "(ConfigContainer.validate raises ValueError at start-up)", "model.cuda_graph_impl=transformer_engine "
                   "for graphs of layers or modules (attn, mlp, ...), or model.cuda_graph_impl=full_iteration")
 
+    # RerunStateMachineConfig.check_for_nan_in_loss (default true): what the full-iteration CUDA graph needs off
+    b.set("check_for_nan_in_loss_and_grad", as_bool(v("rerun_state_machine", "check_for_nan_in_loss", True)),
+          k("rerun_state_machine", "check_for_nan_in_loss"))
+
     # Sequence length: model.seq_length (GPTModelProvider default 1024) must equal dataset.seq_length.
     ds_name = "seq_length" if has("dataset", "seq_length") else "sequence_length"
     if has("model", "seq_length"):
