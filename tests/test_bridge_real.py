@@ -127,6 +127,11 @@ def test_memguards_recipes_are_bridges(recipes, key, function):
     assert real == ours
     # the recipe's env_vars (training/config.py apply_environment_variables), the memory-relevant ones
     assert raw.env == read_model(key).env == memory_env({k: str(v) for k, v in cfg.env_vars.items()})
+    # no comm_overlap section in memguard's table only where the recipe leaves it None (read_bridge refuses an
+    # override that would make one: Bridge cannot start with it)
+    from megatron_memguard.readers.models import presets
+    if "comm_overlap" not in presets()["recipes"][key].get("config", {}):
+        assert cfg.comm_overlap is None
     if isinstance(real, tuple):
         # refused by a dispatcher memguard does not model yet (HybridEP, DeepEP across nodes): the rest of the
         # recipe must still be Bridge's, so compare both with the alltoall dispatcher
@@ -218,6 +223,8 @@ def test_run_recipe_gives_what_memguard_check_reads(recipes, monkeypatch, versio
     ["--model", "llama3_8b"],
     ["--recipe", "llama3_8b_pretrain_config", "--micro", "8"],
     ["--recipe", "llama3_8b_pretrain_config", "--config-file", "x.yaml"],
+    # the recipe's comm_overlap is None: Hydra cannot set a field of it
+    ["--recipe", "llama3_8b_pretrain_config", "-tp", "2", "model.sequence_parallel=true", "comm_overlap.tp_comm_overlap=true"],
 ], ids=lambda a: " ".join(a))
 def test_launches_run_recipe_refuses_are_refused(recipes, monkeypatch, argv):
     from megatron_memguard.errors import MemguardError

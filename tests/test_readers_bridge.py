@@ -171,6 +171,22 @@ def test_the_full_iteration_graph_needs_bridges_nan_check_off(tmp_path):
     off = graph + "rerun_state_machine: {check_for_nan_in_loss: false}\n"
     assert resolve(read(tmp_path, off), world_size=8).cuda_graph_impl == "full_iteration"
 
+
+@pytest.mark.parametrize("override", ["comm_overlap.tp_comm_overlap=true", "+comm_overlap.tp_comm_overlap=true",
+                                      "comm_overlap={tp_comm_overlap: true}"])
+def test_an_override_that_makes_a_recipes_missing_comm_overlap_is_refused(override):
+    # Bridge 0.6.2 recipes/common.py leave comm_overlap None: run_recipe.py stops on each form (Hydra's "Could not
+    # override 'comm_overlap.tp_comm_overlap'"; the others: "'dict' object has no attribute 'data_parallel_size'" in
+    # runtime_config_update), as tests/test_bridge_real.py sees
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    tp = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match=r"^comm_overlap(\.tp_comm_overlap)?: recipe llama3_8b has no comm_overlap"):
+        read_bridge({}, "recipe llama3_8b", parse_overrides([*tp, override]), recipe="llama3_8b")
+    # a recipe with the section (llama3_70b: CommOverlapConfig(tp_comm_overlap=True)) takes the override
+    raw = read_bridge({}, "recipe llama3_70b", parse_overrides(["comm_overlap.tp_comm_overlap=false"]), recipe="llama3_70b")
+    assert resolve(raw, world_size=64).tp_comm_overlap is False
+
 def test_preset_vocab_is_not_padded_unless_should_pad_vocab(tmp_path):
     text = FLAT.replace("vocab_size: 32000\n", "vocab_size: 32001\n").replace(
         "tokenizer: {tokenizer_type: NullTokenizer, vocab_size: 32000}", "tokenizer: {tokenizer_type: HuggingFaceTokenizer}")

@@ -247,6 +247,16 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
             given.add(key)      # (set on the object: an unknown field fails there)
         if op == "set":
             given.update((key, sec))
+        if (recipe and sec == "comm_overlap" and sec not in S and sec not in top and (rest or value is not None)
+                and (not rest or rest[0] in bridge_sections()[sec][1])):    # (a typo is refused as one, below)
+            # Bridge 0.6.2's recipes leave comm_overlap None unless they set one (recipes/common.py; memguard's recipe
+            # table has the section exactly then, tests/test_bridge_real.py): Hydra refuses a field of None, and
+            # +comm_overlap.FIELD or a whole mapping leaves a dict where CommOverlapConfig belongs, on which
+            # runtime_config_update fails ("'dict' object has no attribute 'data_parallel_size'")
+            raise ConfigError(key, f"recipe {recipe} has no comm_overlap section (None): Megatron-Bridge cannot start "
+                              "with one made by an override (a field of None: \"Could not override\"; with + or a "
+                              "mapping, a dict where CommOverlapConfig belongs)", "set cfg.comm_overlap = "
+                              "CommOverlapConfig(...) in Python, or choose a recipe that has one")
         if sec == "model" and rest[:1] == ["transformer"]:
             rest = rest[1:]
         if not rest:
