@@ -442,6 +442,7 @@ def test_a_local_cuda_graph_bridge_refuses_is_a_problem(recipes, overrides):
     ["model.cuda_graph_impl=local", "model.cuda_graph_scope=full_iteration"],
     ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[attn]"],
     ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,mlp]"],
+    ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,mlp]", "model.cuda_graph_scope=null"],
 ], ids=" ".join)
 def test_run_recipes_cuda_graphs_are_what_bridge_finalizes(recipes, monkeypatch, overrides):
     """run_recipe.py with CUDA graph overrides, finalized by Bridge's runtime_config_update (ConfigContainer.validate:
@@ -460,11 +461,18 @@ def test_run_recipes_cuda_graphs_are_what_bridge_finalizes(recipes, monkeypatch,
     except AssertionError as e:
         bridge = str(e)
     _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
+    if bridge is not None and "cuda_graph_scope and cuda_graph_modules cannot be set together" in bridge:
+        # (the recipe function sets cuda_graph_scope 'full'; TransformerConfig asserts the modules empty unless it is
+        # None): the container's reading has the problem (memguard's recipe table does not carry that 'full' yet)
+        from megatron_memguard.bridge import raw_config
+        assert [p.key for p in raw_config(cfg).problems] == ["model.cuda_graph_modules"]
+        return
     if bridge is not None:
         assert "check_for_nan_in_loss must be disabled" in bridge
         with pytest.raises(ConfigError, match="rerun_state_machine.check_for_nan_in_loss=false"):
             resolve(raw, world_size=WORLD)
         return
+    assert not raw.problems
     L = resolve(raw, world_size=WORLD)
     m = cfg.model
     modules = sorted(getattr(x, "name", x) for x in (m.cuda_graph_modules or []))

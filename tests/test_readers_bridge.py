@@ -159,6 +159,11 @@ def test_the_deprecated_cuda_graph_scope_is_read_as_the_modules(tmp_path):
     assert graphs("cuda_graph_impl: transformer_engine\n  cuda_graph_scope: [attn]") == ("transformer_engine", ("attn",))
     assert graphs("cuda_graph_impl: transformer_engine\n  cuda_graph_modules: [attn]") == ("transformer_engine", ("attn",))
     assert graphs("cuda_graph_impl: transformer_engine") == ("transformer_engine", ())
+    # megatron-core 0.19.2 TransformerConfig.__post_init__ asserts the modules empty under any cuda_graph_scope but
+    # None ('full' included, which Bridge's Llama H100 recipes set)
+    both = FLAT.replace("  bf16: true\n", "  bf16: true\n  cuda_graph_impl: transformer_engine\n  cuda_graph_scope: full\n"
+                        "  cuda_graph_modules: [attn]\n", 1)
+    assert [p.key for p in read(tmp_path, both).problems] == ["model.cuda_graph_modules"]
 
 
 def test_the_full_iteration_graph_needs_bridges_nan_check_off(tmp_path):

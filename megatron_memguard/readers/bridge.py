@@ -533,6 +533,11 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         b.problem(k("model", "cuda_graph_impl"), "local is taken by Megatron-Bridge only for full-iteration CUDA graphs "
                   "(ConfigContainer.validate raises ValueError at start-up)", "model.cuda_graph_impl=transformer_engine "
                   "for graphs of layers or modules (attn, mlp, ...), or model.cuda_graph_impl=full_iteration")
+    if v("model", "cuda_graph_scope") is not None and _graph_names(v("model", "cuda_graph_modules")) - {"full"}:
+        # megatron-core 0.19.2 TransformerConfig.__post_init__: any cuda_graph_scope but None ('full', which the
+        # Llama H100 recipes set, included) asserts cuda_graph_modules is empty
+        b.problem(k("model", "cuda_graph_modules"), "cannot be set together with model.cuda_graph_scope (megatron-core's "
+                  "TransformerConfig asserts it unless cuda_graph_scope is null)", "also set model.cuda_graph_scope=null")
 
     # RerunStateMachineConfig.check_for_nan_in_loss (default true): what the full-iteration CUDA graph needs off
     b.set("check_for_nan_in_loss_and_grad", as_bool(v("rerun_state_machine", "check_for_nan_in_loss", True)),
