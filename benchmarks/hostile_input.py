@@ -85,7 +85,8 @@ def reproductions():
     start = json.dumps({"schema": "memguard.runtime/1", "event": "start", "rank": 0})
     warning = json.dumps({"schema": "memguard.runtime/1", "event": "warning", "rank": 0, "iteration": 1,
                           "actual_bytes": 1, "predicted_bytes": 100}).replace('"actual_bytes": 1', '"actual_bytes": 1' + "0" * 400)
-    script = "A='$A$A'\n" + "A=$A$A\n" * 20 + "torchrun --nproc-per-node 8 pretrain_gpt.py " + " ".join(S) + ' --save "$A"\n'
+    script = "A='$A$A'\n" + "A=$A$A\n" * 20 + "torchrun --nproc-per-node 8 pretrain_gpt.py " + " ".join(S) + \
+        ' --save-interval 100 --save "$A"\n'   # (validate_args asserts an interval with --save, core >= 0.17)
     nemo_llama = os.path.join(SHARED, "configs", "nemo1", "megatron_llama_config.yaml")
     yield "1 --num-layers inf", ["estimate", "--world-size", "1", "--", *S, "--num-layers", "inf"], {}
     yield "1 --num-layers 5000 digits", ["estimate", "--world-size", "1", "--", *S, "--num-layers", digits], {}
@@ -185,7 +186,8 @@ def largest_cases():
     yield "check 950 kB script", ["check", "--file", "run.sh"], {"run.sh": script}
     yield "check 950 kB of $(", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "$(" * 475_000 + "\n"}
     yield "check 950 kB of ${A:-", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "${A:-x}" * 135_000 + "\n"}
-    yield "estimate 950 kB --save value", ["estimate", "--world-size", "8", "--", *SMALL, "--save", "x" * 950_000], {}
+    yield "estimate 950 kB --save value", ["estimate", "--world-size", "8", "--", *SMALL, "--save-interval", "1", "--save",
+                                            "x" * 950_000], {}
     sample = json.dumps(RUNLOG[1])
     log = "\n".join([json.dumps(RUNLOG[0])] + [sample.replace('"iteration": 10', f'"iteration": {10 * k}')
                                               for k in range(1, 950_000 // len(sample))])

@@ -41,4 +41,4 @@ PARALLEL_ARGS=(
 
 torchrun --nproc-per-node $GPUS_PER_NODE --nnodes $NNODES \
     pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
-    --data-path /data/my-corpus_text_document --save /checkpoints/llama3-8b
+    --data-path /data/my-corpus_text_document --save /checkpoints/llama3-8b --save-interval 500

@@ -145,7 +145,7 @@ MODEL_ARGS=(
 )
 OTHER="--micro-batch-size 2 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 1000"
 torchrun --nproc-per-node $GPUS_PER_NODE --nnodes ${NNODES:-2} pretrain_gpt.py \\
-    "${MODEL_ARGS[@]}" $OTHER --bf16 --tensor-model-parallel-size 2 --save "/ckpt/run 1" 2>&1 | tee log.txt
+    "${MODEL_ARGS[@]}" $OTHER --bf16 --tensor-model-parallel-size 2 --save "/ckpt/run 1" --save-interval 100 2>&1 | tee log.txt
 """
 HF = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
       "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 512,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -695,4 +694,8 @@ FOUND = [
            "--recompute-num-layers", "2"), 2, "--recompute-num-layers", ("0.16", "0.19"),
           "MultiTokenPredictionLayer._checkpointed_forward, transformer/multi_token_prediction.py line 1420 (0.16.1: "
           "847): one layer per checkpoint of an MTP depth under uniform (asserted at the first forward)"),
+    # found by running the bundled examples/llama3_8b_h100.sh through the real validate_args (the fuzz draws no --save)
+    Found(("--save", "/checkpoints/run"), 1, "--save-interval", ("0.19",),
+          "validate_args, megatron/training/arguments.py line 1322 (0.17.1: 1129): --save needs --save-interval "
+          "(0.16.1's wheel has no megatron.training to read: left alone there)"),
 ]

@@ -163,7 +163,9 @@ def test_11_plan_largest_bounded_counts_finish():
 
 # 12. A launch script whose variable holds '$A$A' and doubles 20 times: bash expands each line once.
 def test_12_self_referencing_variable_is_expanded_once():
-    script = "A='$A$A'\n" + "A=$A$A\n" * 20 + 'torchrun --nproc-per-node 8 pretrain_gpt.py ' + " ".join(S) + ' --save "$A"\n'
+    # (--save-interval: validate_args asserts one with --save, megatron-core >= 0.17)
+    script = "A='$A$A'\n" + "A=$A$A\n" * 20 + 'torchrun --nproc-per-node 8 pretrain_gpt.py ' + " ".join(S) + \
+        ' --save-interval 100 --save "$A"\n'
     o = run_memguard(["check", "--json", "--file", "s.sh"], {"s.sh": script})
     assert not o.problems and o.code == 0, o.describe()
     from megatron_memguard.readers.launch_command import parse_launch_script

@@ -142,3 +142,30 @@ def test_pp1_first_and_last_stage_layers_megatron_starts_a_model_of_other_than_n
     assert rejected and rejected.startswith("model build: the stages build"), rejected
     kind, why = classify(case, megatron_on_cpu)
     assert kind == "ok-reject", (kind, why)
+
+
+@pytest.mark.parametrize("script", ["examples/llama3_8b_h100.sh", "examples/slurm_preflight.sbatch"])
+def test_the_bundled_launch_scripts_pass_megatrons_validate_args(megatron_on_cpu, script):
+    """The README's launch scripts, as memguard check reads them, go through the real parser and validate_args of
+    megatron-core 0.19.2 (they once gave --save without --save-interval, which validate_args asserts on while
+    memguard said "OK to launch"); the world size is the launcher's."""
+    import copy
+    import inspect
+
+    from megatron.training.arguments import validate_args
+
+    from megatron_memguard.megatron.preflight import silenced
+    from megatron_memguard.readers.launch_command import parse_launch_script
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, script)) as f:
+        launch = parse_launch_script(f.read(), environ={})
+    world = launch.world_size
+    assert world == 16    # 2 nodes x 8 GPUs, as both scripts say
+    megatron_on_cpu.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    megatron_on_cpu.setenv("WORLD_SIZE", str(world))
+    with silenced():
+        ns = P.megatron_parser().parse_args(list(launch.script_args))
+        ns._is_global_batch_size_explicitly_specified = ns.global_batch_size is not None
+        ns.rank, ns.world_size = 0, world
+        inspect.unwrap(validate_args)(copy.deepcopy(ns), dict(P.DEFAULTS))   # raises on a broken rule
+    assert ns.save is None or ns.save_interval > 0

@@ -133,6 +133,65 @@ def test_seq_length_mismatch_is_a_problem(tmp_path):
     assert [p.key for p in raw.problems] == ["model.seq_length"]
 
 
+
+@pytest.mark.parametrize("graph, problem", [
+    ("cuda_graph_impl: local", True),                                        # whole layers: Bridge refuses
+    ("cuda_graph_impl: local\n  cuda_graph_modules: [attn]", True),         # scoped local graphs: Bridge refuses
+    ("cuda_graph_impl: local\n  cuda_graph_scope: full_iteration", False),  # the full-iteration graph
+    ("cuda_graph_impl: local\n  cuda_graph_scope: [{_target_: megatron.core.transformer.enums.CudaGraphScope, "
+     "_name_: full_iteration, _call_: true}]", False),                      # the same as Bridge dumps the enum
+    ("cuda_graph_impl: full_iteration", False),
+    ("cuda_graph_impl: transformer_engine\n  cuda_graph_modules: [attn]", False),
+])
+def test_a_local_cuda_graph_of_layers_is_a_problem_as_bridge_refuses_it(tmp_path, graph, problem):
+    # Megatron-Bridge 0.6.2 utils/cuda_graph.py validate_cuda_graph_configuration (ConfigContainer.validate):
+    # 'supports model.cuda_graph_impl="local" only for full-iteration CUDA graphs' (tests/test_bridge_real.py runs it)
+    raw = read(tmp_path, FLAT.replace("  bf16: true\n", f"  bf16: true\n  {graph}\n", 1))
+    assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if problem else [])
+
+
+def test_the_deprecated_cuda_graph_scope_is_read_as_the_modules(tmp_path):
+    # TransformerConfig.cuda_graph_scope, which megatron-core 0.19.2's cuda_graph_config.py migrates to
+    # cuda_graph_modules (it was dropped: whole layers were estimated for a graph of attention only)
+    def graphs(text):
+        L = resolve(read(tmp_path, FLAT.replace("  bf16: true\n", f"  bf16: true\n  {text}\n", 1)), world_size=8)
+        return L.cuda_graph_impl, tuple(L.cuda_graph_modules or ())
+    assert graphs("cuda_graph_impl: transformer_engine\n  cuda_graph_scope: [attn]") == ("transformer_engine", ("attn",))
+    assert graphs("cuda_graph_impl: transformer_engine\n  cuda_graph_modules: [attn]") == ("transformer_engine", ("attn",))
+    assert graphs("cuda_graph_impl: transformer_engine") == ("transformer_engine", ())
+    # megatron-core 0.19.2 TransformerConfig.__post_init__ asserts the modules empty under any cuda_graph_scope but
+    # None ('full' included, which Bridge's Llama H100 recipes set)
+    both = FLAT.replace("  bf16: true\n", "  bf16: true\n  cuda_graph_impl: transformer_engine\n  cuda_graph_scope: full\n"
+                        "  cuda_graph_modules: [attn]\n", 1)
+    assert [p.key for p in read(tmp_path, both).problems] == ["model.cuda_graph_modules"]
+
+
+def test_the_full_iteration_graph_needs_bridges_nan_check_off(tmp_path):
+    # Bridge 0.6.2 ConfigContainer.validate: 'check_for_nan_in_loss must be disabled when using full_iteration CUDA
+    # graph. Set rerun_state_machine.check_for_nan_in_loss=False.' (RerunStateMachineConfig default: true)
+    graph = FLAT.replace("  bf16: true\n", "  bf16: true\n  cuda_graph_impl: full_iteration\n", 1)
+    with pytest.raises(ConfigError, match=r"^model.cuda_graph_impl: full_iteration needs "
+                                          r"rerun_state_machine.check_for_nan_in_loss=false"):
+        resolve(read(tmp_path, graph), world_size=8)
+    off = graph + "rerun_state_machine: {check_for_nan_in_loss: false}\n"
+    assert resolve(read(tmp_path, off), world_size=8).cuda_graph_impl == "full_iteration"
+
+
+@pytest.mark.parametrize("override", ["comm_overlap.tp_comm_overlap=true", "+comm_overlap.tp_comm_overlap=true",
+                                      "comm_overlap={tp_comm_overlap: true}"])
+def test_an_override_that_makes_a_recipes_missing_comm_overlap_is_refused(override):
+    # Bridge 0.6.2 recipes/common.py leave comm_overlap None: run_recipe.py stops on each form (Hydra's "Could not
+    # override 'comm_overlap.tp_comm_overlap'"; the others: "'dict' object has no attribute 'data_parallel_size'" in
+    # runtime_config_update), as tests/test_bridge_real.py sees
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    tp = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match=r"^comm_overlap(\.tp_comm_overlap)?: recipe llama3_8b has no comm_overlap"):
+        read_bridge({}, "recipe llama3_8b", parse_overrides([*tp, override]), recipe="llama3_8b")
+    # a recipe with the section (llama3_70b: CommOverlapConfig(tp_comm_overlap=True)) takes the override
+    raw = read_bridge({}, "recipe llama3_70b", parse_overrides(["comm_overlap.tp_comm_overlap=false"]), recipe="llama3_70b")
+    assert resolve(raw, world_size=64).tp_comm_overlap is False
+
 def test_preset_vocab_is_not_padded_unless_should_pad_vocab(tmp_path):
     text = FLAT.replace("vocab_size: 32000\n", "vocab_size: 32001\n").replace(
         "tokenizer: {tokenizer_type: NullTokenizer, vocab_size: 32000}", "tokenizer: {tokenizer_type: HuggingFaceTokenizer}")

@@ -531,7 +531,9 @@ def map_mcore_fields(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], extr
             elif value not in ("", 0, 0.0):
                 b.set(name, value, path)
             continue
-        if name in dests and name in passthrough:
+        # (cuda_graph_scope: TransformerConfig's deprecated field, which megatron-core 0.19's cuda_graph_config.py
+        # migrates to cuda_graph_modules; the 0.19 parser's dest is cuda_graph_scope_deprecated, so it is no dest)
+        if (name in dests or name == "cuda_graph_scope") and name in passthrough:
             # (an object spec, ``{_target_: ...}``, is code Megatron calls, not a value; any other mapping is kept
             # so that resolve() refuses it under its key instead of the default being taken silently)
             if value is None or (isinstance(value, Mapping) and "_target_" in value) or is_missing(value):

@@ -28,10 +28,10 @@ from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import shown
 from ._common import (
-    GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, as_bool, bridge_sections, config_fields,
-    default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys, group_query_attention,
-    is_missing, map_mcore_fields, mcore_model_fields, peft_module_list, refuse_unset_section_field, section_typed_field,
-    set_vocab,
+    GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
+    config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
+    group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, peft_module_list,
+    refuse_unset_section_field, section_typed_field, set_vocab,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -115,6 +115,26 @@ _MP_FP8_DEFAULTS = {"fp8_recipe": "tensorwise", "first_last_layers_bf16": False,
                     "reuse_grad_buf_for_mxfp8_param_ag": False}
 _MP_DEFAULTS = {"bf16": False, "fp16": False, "params_dtype": None, "grad_reduce_in_fp32": True, "fp8": None, "fp4": None,
                 "autocast_enabled": False, "autocast_dtype": None, **_MP_FP8_DEFAULTS}
+
+
+def _graph_names(value: Any) -> set[str]:
+    """CUDA graph module / scope names however a config holds them: "attn,mlp", a list of names, megatron-core's
+    enum members or Bridge's dump of them ({_name_: attn, ...})."""
+    if value is None:
+        return set()
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    return {str(_member_name(x)).rsplit(".", 1)[-1] for x in items if x not in ("", None)}
+
+
+def _bridge_local_graph_ok(modules: Any, scope: Any, inference_scope: Any) -> bool:
+    """Whether Megatron-Bridge 0.6.2 takes ``cuda_graph_impl: local`` with these modules: only as the full-iteration
+    graph, or an inference graph of layers / blocks with no module named (utils/cuda_graph.py
+    validate_cuda_graph_configuration, which ConfigContainer.validate runs before the model is finalized)."""
+    named = _graph_names(modules) | _graph_names(scope)
+    if "full_iteration" in named:
+        return True
+    layer_modules = named - {"full_iteration_inference", "full"}
+    return not layer_modules and bool(_graph_names(inference_scope) & {"layer", "block"})
 
 
 def looks_like_bridge(doc: Mapping) -> bool:
@@ -227,6 +247,16 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
             given.add(key)      # (set on the object: an unknown field fails there)
         if op == "set":
             given.update((key, sec))
+        if (recipe and sec == "comm_overlap" and sec not in S and sec not in top and (rest or value is not None)
+                and (not rest or rest[0] in bridge_sections()[sec][1])):    # (a typo is refused as one, below)
+            # Bridge 0.6.2's recipes leave comm_overlap None unless they set one (recipes/common.py; memguard's recipe
+            # table has the section exactly then, tests/test_bridge_real.py): Hydra refuses a field of None, and
+            # +comm_overlap.FIELD or a whole mapping leaves a dict where CommOverlapConfig belongs, on which
+            # runtime_config_update fails ("'dict' object has no attribute 'data_parallel_size'")
+            raise ConfigError(key, f"recipe {recipe} has no comm_overlap section (None): Megatron-Bridge cannot start "
+                              "with one made by an override (a field of None: \"Could not override\"; with + or a "
+                              "mapping, a dict where CommOverlapConfig belongs)", "set cfg.comm_overlap = "
+                              "CommOverlapConfig(...) in Python, or choose a recipe that has one")
         if sec == "model" and rest[:1] == ["transformer"]:
             rest = rest[1:]
         if not rest:
@@ -497,6 +527,21 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     if "teacher" in model and model["teacher"][0]:
         b.warn(f"{model['teacher'][1]}: a knowledge-distillation teacher is not counted; memguard estimates "
                "the student's training memory only (add the teacher's weights and forward activations)")
+
+    if v("model", "cuda_graph_impl") == "local" and not _bridge_local_graph_ok(
+            *(v("model", name) for name in ("cuda_graph_modules", "cuda_graph_scope", "inference_cuda_graph_scope"))):
+        b.problem(k("model", "cuda_graph_impl"), "local is taken by Megatron-Bridge only for full-iteration CUDA graphs "
+                  "(ConfigContainer.validate raises ValueError at start-up)", "model.cuda_graph_impl=transformer_engine "
+                  "for graphs of layers or modules (attn, mlp, ...), or model.cuda_graph_impl=full_iteration")
+    if v("model", "cuda_graph_scope") is not None and _graph_names(v("model", "cuda_graph_modules")) - {"full"}:
+        # megatron-core 0.19.2 TransformerConfig.__post_init__: any cuda_graph_scope but None ('full', which the
+        # Llama H100 recipes set, included) asserts cuda_graph_modules is empty
+        b.problem(k("model", "cuda_graph_modules"), "cannot be set together with model.cuda_graph_scope (megatron-core's "
+                  "TransformerConfig asserts it unless cuda_graph_scope is null)", "also set model.cuda_graph_scope=null")
+
+    # RerunStateMachineConfig.check_for_nan_in_loss (default true): what the full-iteration CUDA graph needs off
+    b.set("check_for_nan_in_loss_and_grad", as_bool(v("rerun_state_machine", "check_for_nan_in_loss", True)),
+          k("rerun_state_machine", "check_for_nan_in_loss"))
 
     # Sequence length: model.seq_length (GPTModelProvider default 1024) must equal dataset.seq_length.
     ds_name = "seq_length" if has("dataset", "seq_length") else "sequence_length"

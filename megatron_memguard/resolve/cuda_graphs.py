@@ -79,7 +79,12 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if impl == "full_iteration" and names:
         a.fail(dest, "must be empty with --cuda-graph-impl full_iteration")
     if impl == "full_iteration" and new and a.bool_arg("check_for_nan_in_loss_and_grad", True):
-        a.fail("cuda_graph_impl", "full_iteration needs --no-check-for-nan-in-loss-and-grad (validate_args)")
+        # validate_args; Megatron-Bridge 0.6.2's ConfigContainer.validate asserts the same on its
+        # rerun_state_machine.check_for_nan_in_loss (the key a Bridge reader names)
+        key = a.key("check_for_nan_in_loss_and_grad").split(" ")[0]
+        off = ("--no-check-for-nan-in-loss-and-grad (validate_args)" if key.startswith("--") else
+               f"{key}=false (Megatron-Bridge's ConfigContainer.validate)")
+        a.fail("cuda_graph_impl", f"full_iteration needs {off}")
     if impl == "full_iteration" and a.int_arg("eval_iters", 100, minimum=0):
         a.notes.append(f"{a.key('cuda_graph_impl')} full_iteration: once validation ran, its graph keeps a second set of "
                        "static batch copies (not counted; --eval-iters 0 runs none)")

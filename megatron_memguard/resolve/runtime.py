@@ -15,12 +15,27 @@ def runtime(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if deterministic and cublas and cublas not in (":4096:8", ":16:8") and ctx.version >= Version("0.19"):
         # megatron/training/determinism.py (0.19): ACCEPTED_ENV_VAR_VALUES
         a.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
+    checkpoint_saving(a, ctx)
     hidden_dropout = a.float_arg("hidden_dropout", 0.1)
     attention_dropout = a.float_arg("attention_dropout", 0.1)
     graphed_recompute(a, kw, attention_dropout, hidden_dropout)
     env = tuple(sorted((str(k), str(v)) for k, v in a.raw.env.items()))
     return dict(deterministic_mode=deterministic, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                 env=env)
+
+
+def checkpoint_saving(a: Args, ctx: Context) -> None:
+    """A Megatron-LM command line with ``--save`` and no save interval never starts: validate_args asserts
+    ``args.save_interval is not None`` (megatron/training/arguments.py, core 0.17.1 line 1129, 0.19.2 line 1322;
+    0.16.1's wheel ships no megatron.training to check, so older releases are left alone). Bridge and NeMo
+    configs carry their own checkpoint defaults and are not Megatron command lines."""
+    if not (a.raw.megatron_command_line and a.given("save") and ctx.version >= Version("0.17")):
+        return
+    if a.given("save_interval"):
+        a.int_arg("save_interval")    # (validate_args: > 0; int_arg records a value below 1)
+    else:
+        a.fail("save_interval", "is required with --save (validate_args asserts it)",
+               "give --save-interval N, the iterations between checkpoints")
 
 
 def graphed_recompute(a: Args, kw: Mapping[str, Any], attention_dropout: float, hidden_dropout: float) -> None:
