@@ -1,0 +1,120 @@
+"""A fork server for the e2e scripts beside this file: imports torch and megatron-core once, then runs each
+requested script in a child forked from that state.
+
+    python tests/e2e/build_server.py        (started by tests/build_util.py, one per interpreter and test process)
+
+Most of an e2e script's run is importing torch and megatron-core (about 20 s of 25 on the 2-core CI machine).
+Each request is one line of JSON on stdin, {"argv": [script, arg, ...] (or ["-c", code, ...]), "env": {...}, "cwd": "...",
+"stdout": path, "stderr": path}; the server forks, and the child runs the script as ``python script arg ...``
+would (``__main__``, ``sys.argv``, ``sys.path[0]`` the script's directory, the request's environment and
+directory, its output to the two files), then its exit handlers, and exits. The server answers two lines of
+JSON, {"pid": the child's} when it starts and {"rc": its exit status} when it ends. A child starts from the server's state, which is a fresh interpreter's plus the
+modules imported here, so no build sees what another one did (process groups, parallel_state, RNG, patches).
+
+Only megatron.core's package import is done here: the e2e scripts' stand-ins (einops, mamba_ssm, the referee's
+shims) patch what the package import leaves untouched (tests/test_build_server.py compares the scripts' output
+under both). A venv without torch or megatron-core starts the server all the same: the script then fails in
+the child as it would alone (``No module named ...``).
+"""
+import atexit
+import importlib
+import json
+import os
+import runpy
+import sys
+import traceback
+import types
+import warnings
+
+
+_FRESH_FILTERS = list(warnings.filters)
+
+
+def _preload() -> None:
+    with warnings.catch_warnings():     # (the "Transformer Engine and Apex are not installed" notes, once per run)
+        warnings.simplefilter("ignore")
+        try:
+            importlib.import_module("torch")
+            importlib.import_module("megatron.core")
+        except ImportError:
+            pass
+
+
+def _fresh_randomness() -> None:
+    """The random state a new interpreter starts with: Python's, NumPy's and torch's global generators seeded from
+    the OS (torch seeds its CPU generator so at import), where forked children would all share the server's."""
+    import random
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+
+
+def _child(req: dict) -> int:
+    """Run the request's script as its own program would; return its exit status."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req.get("cwd") or os.getcwd())
+    if req["argv"][0] == "-c":      # python -c CODE ARG...: sys.argv[0] "-c", sys.path[0] the directory
+        code_text = req["argv"][1]
+        sys.argv = ["-c", *req["argv"][2:]]
+        sys.path[0] = ""
+    else:
+        code_text = None
+        script = os.path.abspath(req["argv"][0])
+        sys.argv = [script, *req["argv"][1:]]
+        sys.path[0] = os.path.dirname(script)
+    warnings.filters[:] = _FRESH_FILTERS    # the filters a fresh interpreter starts with
+    _fresh_randomness()
+    code = 0
+    try:
+        if code_text is None:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            main_module = types.ModuleType("__main__")
+            sys.modules["__main__"] = main_module
+            exec(compile(code_text, "<string>", "exec"), main_module.__dict__)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def main() -> None:
+    _preload()
+    requests = sys.stdin
+    answer = sys.stdout
+    for line in requests:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _child(req)
+            finally:
+                os._exit(code)
+        answer.write(json.dumps({"pid": pid}) + "\n")     # (the client kills it on a timeout)
+        answer.flush()
+        _, status = os.waitpid(pid, 0)
+        answer.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        answer.flush()
+
+
+if __name__ == "__main__":
+    main()
