@@ -33,11 +33,13 @@ def fork_enabled() -> bool:
 
 
 def _server(python: str, env: dict[str, str]) -> subprocess.Popen:
-    key = (python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP))))
+    # (PYTHONPATH is not one of them: the child sets sys.path from the request's, so one server serves all)
+    key = (python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP) and k != "PYTHONPATH")))
     proc = _servers.get(key)
     if proc is None or proc.poll() is not None:
+        start_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
         proc = subprocess.Popen([python, SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env, cwd=HERE, text=True, bufsize=1,
+                                stderr=subprocess.DEVNULL, env=start_env, cwd=HERE, text=True, bufsize=1,
                                 start_new_session=True)
         _servers[key] = proc
     return proc

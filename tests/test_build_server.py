@@ -55,6 +55,21 @@ def test_output_exit_status_and_errors_as_a_subprocess_gives_them(tmp_path, mode
     assert (r.returncode, r.stdout) == (0, "['-c', 'z']\n")
 
 
+def test_the_module_search_path_is_a_new_interpreters(tmp_path, monkeypatch):
+    """sys.path under a PYTHONPATH of a relative entry, a repeated one and an empty one (the directory): the fork
+    server's child and a new interpreter agree entry by entry."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["rel", str(tmp_path), str(tmp_path), ROOT, ""]))
+    show = ["-c", "import json, sys; print(json.dumps(sys.path))"]
+    got = {}
+    for fork in ("1", "0"):
+        monkeypatch.setenv("MEMGUARD_E2E_FORK", fork)
+        r = run_script([sys.executable, *show], env=env, cwd=str(tmp_path), timeout=120)
+        assert r.returncode == 0, r.stderr
+        got[fork] = json.loads(r.stdout)
+    assert got["1"] == got["0"]
+    assert got["0"][:4] == ["", str(tmp_path / "rel"), str(tmp_path), ROOT]
+
+
 def test_a_script_that_outruns_its_timeout_raises_and_the_next_one_runs(tmp_path, mode):
     slow = _script(tmp_path, "slow.py", "import time\ntime.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):

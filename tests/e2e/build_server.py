@@ -6,8 +6,8 @@ requested script in a child forked from that state.
 Most of an e2e script's run is importing torch and megatron-core (about 20 s of 25 on the 2-core CI machine).
 Each request is one line of JSON on stdin, {"argv": [script, arg, ...] (or ["-c", code, ...]), "env": {...}, "cwd": "...",
 "stdout": path, "stderr": path}; the server forks, and the child runs the script as ``python script arg ...``
-would (``__main__``, ``sys.argv``, ``sys.path[0]`` the script's directory, the request's environment and
-directory, its output to the two files), then its exit handlers, and exits. The server answers two lines of
+would (``__main__``, ``sys.argv``, ``sys.path`` from the script's directory and the request's PYTHONPATH, the
+request's environment and directory, its output to the two files), then its exit handlers, and exits. The server answers two lines of
 JSON, {"pid": the child's} when it starts and {"rc": its exit status} when it ends. A child starts from the server's state, which is a fresh interpreter's plus the
 modules imported here, so no build sees what another one did (process groups, parallel_state, RNG, patches).
 
@@ -28,6 +28,17 @@ import warnings
 
 
 _FRESH_FILTERS = list(warnings.filters)
+_BASE_PATH = sys.path[1:]       # (started without PYTHONPATH) what follows a request's PYTHONPATH entries
+
+
+def _path(script_dir: str, pythonpath: str) -> list:
+    """sys.path as the interpreter builds it for a script under PYTHONPATH: the script's directory, PYTHONPATH's
+    entries made absolute (in the current directory), then the rest, each entry once (site.removeduppaths)."""
+    entries = []
+    for p in [os.path.abspath(e) for e in pythonpath.split(os.pathsep)] if pythonpath else []:
+        if p not in entries:
+            entries.append(p)
+    return [script_dir, *entries, *(p for p in _BASE_PATH if p not in entries)]
 
 
 def _preload() -> None:
@@ -65,12 +76,12 @@ def _child(req: dict) -> int:
     if req["argv"][0] == "-c":      # python -c CODE ARG...: sys.argv[0] "-c", sys.path[0] the directory
         code_text = req["argv"][1]
         sys.argv = ["-c", *req["argv"][2:]]
-        sys.path[0] = ""
+        sys.path[:] = _path("", req["env"].get("PYTHONPATH", ""))
     else:
         code_text = None
         script = os.path.abspath(req["argv"][0])
         sys.argv = [script, *req["argv"][1:]]
-        sys.path[0] = os.path.dirname(script)
+        sys.path[:] = _path(os.path.dirname(script), req["env"].get("PYTHONPATH", ""))
     warnings.filters[:] = _FRESH_FILTERS    # the filters a fresh interpreter starts with
     _fresh_randomness()
     code = 0
