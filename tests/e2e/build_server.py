@@ -3,18 +3,22 @@ requested script in a child forked from that state.
 
     python tests/e2e/build_server.py        (started by tests/build_util.py, one per interpreter and test process)
 
-Most of an e2e script's run is importing torch and megatron-core (about 20 s of 25 on the 2-core CI machine).
-Each request is one line of JSON on stdin, {"argv": [script, arg, ...] (or ["-c", code, ...]), "env": {...}, "cwd": "...",
-"stdout": path, "stderr": path}; the server forks, and the child runs the script as ``python script arg ...``
-would (``__main__``, ``sys.argv``, ``sys.path`` from the script's directory and the request's PYTHONPATH, the
-request's environment and directory, its output to the two files), then its exit handlers, and exits. The server answers two lines of
-JSON, {"pid": the child's} when it starts and {"rc": its exit status} when it ends. A child starts from the server's state, which is a fresh interpreter's plus the
-modules imported here, so no build sees what another one did (process groups, parallel_state, RNG, patches).
+Most of an e2e script's run is importing torch and megatron-core: one mamba_param_count.py build took 48-129 s
+in a new interpreter on the loaded 2-core test machine, 1.6-2.8 s forked from here (docs/testing.md).
+Each request is one line of JSON on stdin, {"argv": [script, arg, ...] or ["-c", code, arg, ...], "env": {...},
+"cwd": "...", "stdout": path, "stderr": path}; the server forks, and the child runs the script as
+``python script arg ...`` would (``__main__``, ``sys.argv``, ``sys.path`` from the script's directory and the
+request's PYTHONPATH, the request's environment and directory, fresh seeds, its output to the two files), then
+its exit handlers, and exits. The server answers two lines of JSON, {"pid": the child's} when it starts and
+{"rc": its exit status} when it ends. A child starts from the server's state, a new interpreter's plus the
+modules imported here, so no build sees what another one did (process groups, parallel_state, patches, seeds:
+tests/test_build_server.py).
 
-Only megatron.core's package import is done here: the e2e scripts' stand-ins (einops, mamba_ssm, the referee's
-shims) patch what the package import leaves untouched (tests/test_build_server.py compares the scripts' output
-under both). A venv without torch or megatron-core starts the server all the same: the script then fails in
-the child as it would alone (``No module named ...``).
+The one difference from a new interpreter: megatron.core's package (about 150 modules) is imported before a
+script installs its stand-ins (the referee's shims, einops, mamba_ssm's norm). They patch attributes looked up
+at call time, and the builds' parameter counts, checked by hand in the tests, are the same either way.
+A venv without torch or megatron-core starts the server all the same: the script then fails in the child as it
+would alone (``No module named ...``).
 """
 import atexit
 import importlib
@@ -66,6 +70,7 @@ def _child(req: dict) -> int:
     """Run the request's script as its own program would; return its exit status."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    sys.stdin = open(os.devnull)    # (not the server's reader, which may hold the next request's bytes)
     for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
