@@ -33,8 +33,10 @@ def fork_enabled() -> bool:
 
 
 def _server(python: str, env: dict[str, str]) -> subprocess.Popen:
-    # (PYTHONPATH is not one of them: the child sets sys.path from the request's, so one server serves all)
-    key = (python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP) and k != "PYTHONPATH")))
+    # (not PYTHONPATH: the child sets sys.path from the request's; nor TORCHINDUCTOR_*, which torch's compiler sets
+    # in the test process when it first runs)
+    key = (python, tuple(sorted((k, v) for k, v in env.items()
+                                if k.startswith(_STARTUP) and k != "PYTHONPATH" and not k.startswith("TORCHINDUCTOR_"))))
     proc = _servers.get(key)
     if proc is None or proc.poll() is not None:
         start_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
