@@ -258,15 +258,14 @@ def test_parameter_names_are_megatron_cores():
     built on CPU in a subprocess (the names DDP's param_to_name takes from named_parameters())."""
     import json
     import random
-    import subprocess
     import sys
 
+    from build_util import run_script   # (through the fork server: torch and megatron-core imported once)
     pytest.importorskip("megatron.core")
     from megatron_memguard.estimator.ddp_extras import ddp_param_name
     from megatron_memguard.estimator.params import chunk_params
 
-    run = subprocess.run([sys.executable, "-c", _REAL_NAMES, str(random.randint(20000, 40000))], capture_output=True,
-                         text=True, timeout=300)
+    run = run_script([sys.executable, "-c", _REAL_NAMES, str(random.randint(20000, 40000))], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     real = json.loads(run.stdout.strip().splitlines()[-1])
     for experts in (None, 2):

@@ -229,10 +229,11 @@ def test_optimizer_offload_cannot_pin_fsdp_parameters():
     moves each offloaded parameter to the host as param.detach().clone().cpu().pin_memory(). Under Megatron-FSDP
     (make_fsdp_dtensor, param_and_grad_buffer.py) and torch FSDP2 the optimizer's parameters are DTensors, and
     torch's DTensor has no sharding rule for pinning: the optimizer cannot be built."""
-    import subprocess
     import sys
+
+    from build_util import run_script   # (through the fork server: torch imported once)
     pytest.importorskip("torch.distributed.tensor")
-    out = subprocess.run([sys.executable, "-c", _PIN_DTENSOR], capture_output=True, text=True, timeout=120)
+    out = run_script([sys.executable, "-c", _PIN_DTENSOR], timeout=120)
     assert "NYI: aten._pin_memory.default" in out.stdout, out.stderr[-500:]
     offload = ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
     fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
+
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
@@ -321,13 +323,12 @@ def _free_port() -> int:
 
 def _real_params(blocks, **cfg):
     """{name: numel} of megatron-core's own model (tests/e2e/heterogeneous_param_count.py), built on CPU."""
-    import subprocess
     import sys
     pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
     cfg = dict(num_layers=4, hidden_size=512, heads=8, groups=2, ffn=1024, vocab=1024, seq=256, **cfg)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
-                          json.dumps(cfg)], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
-                         env={**os.environ, "MASTER_PORT": str(_free_port())})
+    out = run_script([sys.executable, os.path.join(HERE, "e2e", "heterogeneous_param_count.py"), blocks,
+                      json.dumps(cfg)], timeout=300, cwd=os.path.dirname(HERE),
+                     env={**os.environ, "MASTER_PORT": str(_free_port())})
     assert out.returncode == 0, out.stderr[-2000:]
     # the MTP depth's transformer layer: "transformer_layer" up to core 0.16, "mtp_model_layer" from 0.17 (one name
     # in memguard)
@@ -464,7 +465,6 @@ def test_moe_parameters_per_rank_match_megatron_core():
     # builds that rank (tests/e2e/moe_rank_params.py: HeterogeneousTransformerConfig, the MoE block spec, the MTP
     # spec of megatron/training 0.19.2's builder where installed, else the last decoder layer's; model-parallel
     # ranks set in parallel_state)
-    import subprocess
     import sys
     pytest.importorskip("megatron.core.transformer.heterogeneous.heterogeneous_config")
     job = dict(num_layers=4, hidden_size=512, heads=8, kv_channels=None, groups=2, ffn=1024, bias=False, glu=True,
@@ -476,10 +476,10 @@ def test_moe_parameters_per_rank_match_megatron_core():
     # layer spec there (mtp_block_spec's _te_or_local_layer_spec for a chunk without decoder layers)
     alone = dict(job, tp=1, ep=1, layout="Etttt|mL", ranks=[[0, None, 0, 0, 0], [1, None, 0, 0, 0]])
     port = str(_free_port())
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "moe_rank_params.py"), json.dumps([job, alone])],
-                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE),
-                         env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "MEMGUARD_E2E_PORT": port,
-                              "MASTER_PORT": port})
+    out = run_script([sys.executable, os.path.join(HERE, "e2e", "moe_rank_params.py"), json.dumps([job, alone])],
+                     timeout=600, cwd=os.path.dirname(HERE),
+                     env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "MEMGUARD_E2E_PORT": port,
+                          "MASTER_PORT": port})
     assert out.returncode == 0, out.stderr[-2000:]
     real, real_alone = json.loads(out.stdout.strip().splitlines()[-1])
     L = _layout(MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",

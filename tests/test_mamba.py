@@ -4,9 +4,10 @@ Nemotron-H 8B total, and the Mamba mixer's saved tensors per micro-batch from th
 (megatron-core 0.19.2 ssm/mamba_mixer.py, mamba_ssm 2.2.6 ops/triton/ssd_combined.py and layernorm_gated.py)."""
 import json
 import os
-import subprocess
 
 import pytest
+
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
@@ -90,9 +91,9 @@ def real_hybrid_params(pattern: str, moe: bool, port: int, **extra) -> dict:
 def run_e2e(python: str, script: str, cfg: dict, port: int):
     """The last stdout line (JSON) of tests/e2e/SCRIPT run on ``cfg`` by ``python``; skips when that venv lacks a
     module the script needs."""
-    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", script), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
+    out = run_script([python, os.path.join(ROOT, "tests", "e2e", script), json.dumps(cfg)],
+                     timeout=300, cwd=ROOT,
+                     env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(port)})
     if out.returncode and "No module named" in out.stderr:
         pytest.skip(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0, out.stderr[-2000:]
@@ -128,9 +129,9 @@ def test_parameters_match_this_venvs_megatron_core():
     # (the vocabulary as memguard pads it for that release: 0.16's NullTokenizer adds the end-of-document token)
     cfg = dict(pattern="M*M-", hidden_size=256, heads=4, groups=2, ffn=512, state=16, head_dim=32, mamba_groups=2,
                vocab=L.padded_vocab_size, seq=128)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29652"})
+    out = run_script([sys.executable, os.path.join(ROOT, "tests", "e2e", "mamba_param_count.py"), json.dumps(cfg)],
+                     timeout=300, cwd=ROOT,
+                     env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": "29652"})
     assert out.returncode == 0, out.stderr[-2000:]
     real = json.loads(out.stdout.strip().splitlines()[-1])
     mine = {p.name: p.numel for p in chunk_params(L, L.chunks[0])}

@@ -13,6 +13,8 @@ only adds a random bias to the router logits).
 """
 import pytest
 
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
+
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 
@@ -254,7 +256,6 @@ def test_parameter_shapes_match_megatron_core(cfg):
     # (``Param.cols``, which SOAP's Kronecker factors depend on)
     import json
     import os
-    import subprocess
     import sys
     pytest.importorskip("megatron.core")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -262,9 +263,9 @@ def test_parameter_shapes_match_megatron_core(cfg):
     from benchmarks.referee.run import unsupported_reason
     if unsupported_reason() is not None:
         pytest.skip(unsupported_reason())
-    out = subprocess.run([sys.executable, os.path.join(root, "tests", "e2e", "gpt_param_shapes.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=root,
-                         env={**os.environ, "MASTER_PORT": str(29610 + SHAPE_CONFIGS.index(cfg))})
+    out = run_script([sys.executable, os.path.join(root, "tests", "e2e", "gpt_param_shapes.py"), json.dumps(cfg)],
+                     timeout=300, cwd=root,
+                     env={**os.environ, "MASTER_PORT": str(29610 + SHAPE_CONFIGS.index(cfg))})
     assert out.returncode == 0, out.stderr[-2000:]
     real = json.loads(out.stdout.strip().splitlines()[-1])
     flags = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", str(cfg["heads"]),

@@ -5,10 +5,11 @@ memory Megatron-LM's CI measured for gpt3_mcore_te_tp2_pp2_mla (shared/groundtru
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, MemguardError, NotModelledError
@@ -69,9 +70,9 @@ def test_parameters_match_megatron_core(cfg):
     from benchmarks.referee.run import unsupported_reason
     if unsupported_reason() is not None:
         pytest.skip(unsupported_reason())
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "mla_param_count.py"), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "MASTER_PORT": str(29600 + CONFIGS.index(cfg))})
+    out = run_script([sys.executable, os.path.join(ROOT, "tests", "e2e", "mla_param_count.py"), json.dumps(cfg)],
+                     timeout=300, cwd=ROOT,
+                     env={**os.environ, "MASTER_PORT": str(29600 + CONFIGS.index(cfg))})
     assert out.returncode == 0, out.stderr[-2000:]
     real = json.loads(out.stdout.strip().splitlines()[-1])
     L = layout_from_flags(_flags_for(cfg), world_size=1)

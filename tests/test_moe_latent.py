@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
@@ -52,8 +53,7 @@ def test_parameters_are_megatron_cores(which):
     if which >= len(pythons):
         pytest.skip("no second Python with megatron-core ($MEMGUARD_PY312, .venv312)")
     py = pythons[which]
-    ver = subprocess.run([py, "-c", "from megatron.core import package_info as p; print(p.__version__)"],
-                         capture_output=True, text=True)
+    ver = run_script([py, "-c", "from megatron.core import package_info as p; print(p.__version__)"])
     if ver.returncode:
         pytest.skip("megatron-core is not installed")
     era = "0.16" if ver.stdout.startswith("0.16") else "0.19"
@@ -64,8 +64,8 @@ def test_parameters_are_megatron_cores(which):
                first=None, last=None, acc_emb=False, acc_loss=False, layout=None, vocab=L.padded_vocab_size,
                latent=LAT, ranks=[[0, None, 0, 0, 0], [0, None, 1, 1, 0]])
     env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT=f"2959{6 + which}", MASTER_PORT=f"2959{6 + which}")
-    out = subprocess.run([py, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps([job])],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = run_script([py, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps([job])],
+                     env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     mine = chunk_params(L, L.stage_chunks(0)[0])
     for r in json.loads(out.stdout.strip().splitlines()[-1])[0]:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors
@@ -58,8 +59,8 @@ def test_parameters_are_megatron_cores_grouped_mlp():
                vocab=L.padded_vocab_size,     # as megatron.training pads it (NullTokenizer's EOD, TP x 128)
                ranks=[[0, None, 0, 0, 0], [0, None, 1, 1, 0]], legacy_grouped=True)
     env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT="29593", MASTER_PORT="29593")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps([job])],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = run_script([sys.executable, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps([job])],
+                     env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     built = json.loads(out.stdout.strip().splitlines()[-1])[0]
     mine = chunk_params(L, L.stage_chunks(0)[0])

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
 
 from megatron_memguard import layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors
@@ -51,8 +52,8 @@ def test_megatrons_sequential_mlp_keeps_what_memguard_counts():
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core.transformer.moe.experts")
     import megatron.core
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "e2e", "moe_probs_on_input.py")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = run_script([sys.executable, os.path.join(ROOT, "tests", "e2e", "moe_probs_on_input.py")],
+                     timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     era = "0.16" if megatron.core.__version__.startswith("0.16") else "0.19"

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
 
 from conftest import CONTAINER_ERA
 
@@ -44,8 +45,8 @@ def _free_port() -> int:
 
 def _drive(mode: str, *flags: str) -> dict:
     env = {**os.environ, "MASTER_PORT": str(_free_port()), "PYTHONPATH": os.path.dirname(HERE)}
-    out = subprocess.run([sys.executable, os.path.join(HERE, "e2e", "upcycling_models.py"), mode, *COMMON, *flags],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = run_script([sys.executable, os.path.join(HERE, "e2e", "upcycling_models.py"), mode, *COMMON, *flags],
+                     timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from build_util import run_script   # tests/e2e scripts through a fork server (torch and megatron imported once)
+
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors
 
@@ -52,8 +54,7 @@ def _core_python() -> str | None:
     for p in (os.environ.get("MEMGUARD_PY312"), os.path.join(ROOT, ".venv312", "bin", "python"), sys.executable):
         if not p or not os.path.exists(p):
             continue
-        out = subprocess.run([p, "-c", "from megatron.core import package_info as p; print(p.__version__)"],
-                             capture_output=True, text=True)
+        out = run_script([p, "-c", "from megatron.core import package_info as p; print(p.__version__)"])
         if out.returncode == 0 and tuple(int(x) for x in out.stdout.strip().split(".")[:2]) >= (0, 17):
             return p
     return None
@@ -72,8 +73,8 @@ def test_repeated_layer_parameters_are_megatron_cores():
                ranks=[[0, None, 0, 0, 0], [1, None, 0, 0, 0]])
     jobs = [dict(job, mtp_repeated=False), dict(job, mtp_repeated=True)]
     env = dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_E2E_PORT="29581", MASTER_PORT="29581")
-    out = subprocess.run([python, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps(jobs)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = run_script([python, os.path.join(ROOT, "tests", "e2e", "moe_rank_params.py"), json.dumps(jobs)],
+                     env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     built = json.loads(out.stdout.strip().splitlines()[-1])
     for records, extra in zip(built, ([], REPEATED)):
