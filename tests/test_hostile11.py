@@ -176,3 +176,37 @@ def test_config_error_keeps_the_key_for_each_case():
     with pytest.raises(ConfigError) as e:
         layout_from_flags([*DSA, *TP2, "--experimental-attention-variant", "DSA"], world_size=2)
     assert e.value.key == "--experimental-attention-variant"
+
+
+# --- the job's memory-relevant environment --------------------------------------------------------------------------
+def _script(env: str) -> dict[str, str]:
+    return {"s.sh": f"export {env}\ntorchrun --nproc-per-node 8 pretrain_gpt.py {' '.join(SMALL)}\n"}
+
+
+def test_nccl_buffsize_beyond_a_byte_count_is_an_error_naming_it():
+    # a 400-digit NCCL_BUFFSIZE was an internal error (OverflowError in calibrate, in the estimate's nccl_buffers), a
+    # 42-digit one 6.4e43 bytes of NCCL buffers ('will not fit'); a word or -1 was taken as the default silently
+    rule = ("NCCL_BUFFSIZE: must be a byte count from 1 to 1,073,741,824 (decimal or 0x hex; memguard's bound: 256 x "
+            "NCCL's 4 MiB default), got ")
+    for v, shown in (("9" * 42, "'" + "9" * 42 + "'"), ("0", "'0'"), ("-1", "'-1'"), ("x", "'x'")):
+        one_error(run_memguard(["estimate", "--config", "s.sh"], _script(f"NCCL_BUFFSIZE={v}")), rule + shown)
+    one_error(run_memguard(["calibrate", "a.log", "b.log", "c.log", "--env", "NCCL_BUFFSIZE=" + "9" * 400],
+                           {"a.log": _log(), "b.log": _log(), "c.log": _log()}),
+              "a.log: " + rule + "'" + "9" * 24 + "..." + "9" * 24 + "' (400 characters)")
+    # NCCL reads it with strtoll(..., 0): 0x800000 is 8 MiB, as 8388608 is (twice the 4 MiB default: 2 x the buffers)
+    from megatron_memguard.estimator.overheads import nccl_buffsize, nccl_bytes
+    assert nccl_buffsize("0x800000") == nccl_buffsize("8388608") == 8 * 2**20
+    base = layout_from_flags(SMALL, world_size=8)
+    doubled = layout_from_flags(SMALL, world_size=8, env={"NCCL_BUFFSIZE": "0x800000"})
+    assert nccl_bytes(doubled)[0] == 2 * nccl_bytes(base)[0]
+
+
+def test_cublas_workspace_config_beyond_pytorchs_parse_is_an_error_naming_it():
+    # PyTorch (CublasHandlePool.cpp parseChosenWorkspaceSize) reads each ':SIZE:COUNT' number with std::stoi, which
+    # throws beyond int32; memguard summed them into a workspace of 10^29 bytes
+    one_error(run_memguard(["estimate", "--config", "s.sh"], _script("CUBLAS_WORKSPACE_CONFIG=:4096:" + "9" * 23)),
+              "CUBLAS_WORKSPACE_CONFIG: has a number beyond 2,147,483,647 (PyTorch reads each with std::stoi, which "
+              "throws), got ':4096:" + "9" * 23 + "'")
+    one_error(run_memguard(["estimate", "--config", "s.sh"], _script("CUBLAS_WORKSPACE_CONFIG=:2147483647:2147483647")),
+              "CUBLAS_WORKSPACE_CONFIG: asks for more than 1 TiB of cuBLAS workspace (memguard's bound: beyond any GPU's "
+              "memory), got ':2147483647:2147483647'")
