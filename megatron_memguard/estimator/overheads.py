@@ -29,6 +29,13 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 # for each peer direction; Megatron uses TP, PP (p2p), DP-CP and CP communicators in training.
 NCCL_DEFAULT_BUFFSIZE = 4 * MiB
 NCCL_CHANNELS = 16
+# cuBLAS workspace per handle: PyTorch's default is ":4096:2:16:8" (2x4 MiB + 8x16 KiB), 32 MiB on
+# Hopper and newer (torch's getChosenWorkspaceSize); CUBLAS_WORKSPACE_CONFIG overrides it.
+CUBLAS_DEFAULT_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_HOPPER_BYTES = 32 * MiB
+# Caching-allocator slack on top of the peak of live tensors (reserved / allocated - 1).
+FRAGMENTATION = 0.05
+
 # memguard's bounds on the environment's sizes (resolve/runtime.py refuses what is beyond them): an NCCL buffer of 1 GiB
 # (256 x the default; x 16 channels x 2 directions = 32 GiB per communicator), and PyTorch's std::stoi on each number
 # of CUBLAS_WORKSPACE_CONFIG (CublasHandlePool.cpp parseChosenWorkspaceSize: beyond int32 it throws) with 1 TiB in all
@@ -61,7 +68,7 @@ def env_size_problems(env: dict[str, str]) -> list[tuple[str, str]]:
                     f"memguard's bound: 256 x NCCL's 4 MiB default), got {shown(v)}"))
     v = env.get("CUBLAS_WORKSPACE_CONFIG")
     if v:
-        pairs = re.findall(r":(\d+):(\d+)", v)
+        pairs = re.findall(r":([0-9]+):([0-9]+)", v)
         if any(len(x) > 10 or int(x) > MAX_CUBLAS_NUMBER for pair in pairs for x in pair):
             out.append(("CUBLAS_WORKSPACE_CONFIG", f"has a number beyond {MAX_CUBLAS_NUMBER:,} (PyTorch reads each with "
                         f"std::stoi, which throws), got {shown(v)}"))
@@ -69,12 +76,6 @@ def env_size_problems(env: dict[str, str]) -> list[tuple[str, str]]:
             out.append(("CUBLAS_WORKSPACE_CONFIG", f"asks for more than 1 TiB of cuBLAS workspace (memguard's bound: "
                         f"beyond any GPU's memory), got {shown(v)}"))
     return out
-# cuBLAS workspace per handle: PyTorch's default is ":4096:2:16:8" (2x4 MiB + 8x16 KiB), 32 MiB on
-# Hopper and newer (torch's getChosenWorkspaceSize); CUBLAS_WORKSPACE_CONFIG overrides it.
-CUBLAS_DEFAULT_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
-CUBLAS_HOPPER_BYTES = 32 * MiB
-# Caching-allocator slack on top of the peak of live tensors (reserved / allocated - 1).
-FRAGMENTATION = 0.05
 
 
 def _hopper_or_newer(gpu_name: str | None) -> bool:
@@ -92,7 +93,7 @@ def cublas_config_bytes(L: Layout) -> int | None:
     cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG") or (DETERMINISTIC_CUBLAS_CONFIG if L.deterministic_mode else None)
     if cfg:
         total = 0
-        for size_kib, count in re.findall(r":(\d+):(\d+)", cfg):
+        for size_kib, count in re.findall(r":([0-9]+):([0-9]+)", cfg):
             total += int(size_kib) * 1024 * int(count)
         if total:
             return total
