@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., newest, hostile10)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., newest, hostile10, hostile11)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -27,7 +27,9 @@ at --yaml-cfg's top level and in NeMo 1 / NeMo 2's trainer, strategy, data, prec
 adds 100 MB logs); NeMo 2 / Bridge PEFT, run_recipe.py modes, '*' target patterns, CP communication types, attention
 backends, heterogeneous MoE / MTP configs, module lists, emerging-optimizer values, plan's cluster speeds and NeMo 1
 optimizer nulls, plus (hook10) hostile namespaces through the hook and garbage memory sources through the runtime monitor
-(issue hostile10). Prints, per command, the number of runs, how many broke the
+(issue hostile10); DSA / GDN / eval-step flags, hybrid D / G / + patterns, heterogeneous JSON, NeMo 1 LoRA, FP8 / FP4 names,
+deepseek_v32 / qwen3_next config.json, calibrate on hostile Megatron logs, plan bounds and MEMGUARD_* variables (issue
+hostile11). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -599,6 +601,217 @@ def hostile10_cases():
                                                           f"model.optim.name={name}", "--set", f"{key}={v}"], {"c.yaml": nemo1}
 
 
+
+def hostile11_cases():
+    """Issue hostile11 (the eleventh round): DeepSeek sparse attention flags (the variant's spellings, dsa_* / indexer
+    values, a top-k above the sequence), gated delta net (--linear-attention-freq ints, lists and expressions, linear_*
+    values, the variant flag in hybrid models, hybrid patterns with D / G / +), the eval step's flags and Bridge's
+    validation section (a word where the section goes), heterogeneous layer JSON (wrong types, missing keys, BOM, NaN,
+    nesting, 50,000 keys), NeMo 1 LoRA target lists / variant / layer_selection, Bridge exclude_modules, MoE capacity and
+    router padding, FP8 / FP4 names in any case, Hugging Face deepseek_v32 / qwen3_next config.json, memguard calibrate
+    on hostile Megatron logs (binary, 900 KB lines, NaN / negative counts, spliced ranks, truncation, UTF-16),
+    memguard plan with hostile bounds, and the monitor's MEMGUARD_* variables around check / estimate."""
+    from megatron_logs import args_of, interleave, print_args, report_memory, training_log
+    from test_dsa import BASE as DSA, HYBRID as DSA_HYBRID, TP2
+    from test_eval_step import BASE as EVAL
+    from test_gdn import GPT as GDN
+    from test_heterogeneous import FLAGS as HET
+    from test_peft import NEMO1
+    from test_readers_bridge import FLAT
+    V = ["x", "", "0", "-1", "1e400", "nan", "inf", "9" * 30, "1.5", "-0", "0x10", "None", "[1,2]", "true"]
+    Y = ["null", "'???'", "x", "-1", "0", "1.5", "[1]", "{a: 1}", "true", "1e400", "9" * 40, ".nan", ".inf", "''", "2.0", "'4'"]
+    v19 = ["--megatron-version", "0.19.2"]
+    # DSA flags and the variant's spellings
+    for flag in ("--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-topk-freq",
+                 "--dsa-indexer-skip-topk-offset", "--dsa-indexer-loss-coeff", "--dsa-kernel-backend",
+                 "--dsa-indexer-use-sparse-loss", "--experimental-attention-variant"):
+        for v in V + ["100000000", "999999"]:
+            yield f"estimate DSA {flag} {v!r}", ["estimate", "--world-size", "2", *v19, "--", *DSA, *TP2, flag, v], {}
+    for v in ("DSA", " dsa", "Dsa", "dsa,gated_delta_net", "GATED_DELTA_NET", "None"):
+        yield f"estimate --experimental-attention-variant {v!r}", ["estimate", "--world-size", "2", *v19, "--", *DSA, *TP2,
+                                                                   "--experimental-attention-variant", v], {}
+    # gated delta net: --linear-attention-freq and the mixer's shape
+    for v in V + ["[1]*8", "([1]*3+[0])*2", "[1,1,1,0,1,1,1,0]", "[2,0,0,0,0,0,0,0]", "[-1]*8", "[1.5]*8", "'4'",
+                  "([1]*3+[0])*" + "9" * 20, "(" * 5000 + "1" + ")" * 5000, "[" * 5000 + "]" * 5000, "[1]*100000000", "4.0",
+                  "[[1]]*8", "[True]*8", "[None]*8", "lambda: 1", "__import__('os')", "[1]*8+", "100000000"]:
+        yield f"estimate GDN --linear-attention-freq {v[:30]!r}", ["estimate", "--world-size", "1", *v19, "--", *GDN,
+                                                                   "--linear-attention-freq", v], {}
+    for flag in ("--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads",
+                 "--linear-num-value-heads"):
+        for v in V:
+            yield f"estimate GDN {flag} {v!r}", ["estimate", "--world-size", "1", *v19, "--", *GDN, flag, v], {}
+    # hybrid patterns with D / G / +, the variant flags beside them
+    hd = list(DSA_HYBRID)
+    del hd[hd.index("--hybrid-layer-pattern"):hd.index("--hybrid-layer-pattern") + 2]
+    hd += [*v19, "--no-rope-fusion", "--mamba-state-dim", "16", "--mamba-head-dim", "32", "--mamba-num-groups", "2"]
+    for pat in ("MD-MD-", "MG-", "GGGG", "DDDD", "M+M-", "D+G-", "MDGE", "D|G", "MD-/D", "DG*-", "MD-/G", "MD-/+",
+                "MDMD|MDMD", "D", "G", "+", "GDGD", "D-" * 3000, "G-" * 3000, "MD-/" + "D" * 1000):
+        for extra in ([], ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--pipeline-model-parallel-size", "2"],
+                      ["--dsa-indexer-topk", "99999999"], ["--experimental-attention-variant", "gated_delta_net"],
+                      ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4"],
+                      ["--experimental-attention-variant", "dsa"]):
+            ws = "2" if "--tensor-model-parallel-size" in extra or "--pipeline-model-parallel-size" in extra else "1"
+            yield (f"estimate hybrid {pat[:20]} {' '.join(extra)[:50]}",
+                   ["estimate", "--world-size", ws, "--", *hd, "--hybrid-layer-pattern", pat, *extra], {})
+        yield f"plan hybrid {pat[:20]}", ["plan", "--gpus", "4", "--", *hd, "--hybrid-layer-pattern", pat], {}
+    # the eval step's flags
+    pp2 = ["--pipeline-model-parallel-size", "2", *EVAL]
+    for flag in ("--eval-micro-batch-size", "--eval-global-batch-size", "--eval-iters", "--eval-interval"):
+        for v in V + ["3", "7", "1000000000"]:
+            yield f"estimate {flag} {v!r}", ["estimate", "--world-size", "2", "--", *pp2, flag, v], {}
+    # MoE capacity, router padding, FP8 / FP4 names
+    moe = [*MOE, "--moe-token-dispatcher-type", "alltoall"]
+    for flag, vs in (("--moe-expert-capacity-factor", V + ["0.0001", "1e-300", "1e300"]), ("--moe-router-padding-for-fp8", ["x"]),
+                     ("--moe-pad-expert-input-to-capacity", ["x"]), ("--moe-token-drop-policy", ["x", "", "probs", "position"]),
+                     ("--fp8-recipe", ["x", "", "delayed", "mxfp8", "custom", "DELAYED"]), ("--fp4-recipe", ["x", "nvfp4", "NVFP4"]),
+                     ("--fp8-format", ["x", "", "e4m3", "HYBRID"]), ("--fp4-format", ["x", "E2M1"]),
+                     ("--num-layers-at-start-in-bf16", V)):
+        for v in vs:
+            for extra in ([], ["--fp8-format", "hybrid", "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity",
+                               "--moe-router-padding-for-fp8"]):
+                yield f"estimate MoE {flag} {v!r} {extra[:2]}", ["estimate", "--world-size", "8", *v19, "--", *moe, *extra,
+                                                                  flag, v], {}
+    # Hugging Face deepseek_v32 / qwen3_next
+    ds = json.load(open(os.path.join(ROOT, "tests", "data", "hf", "deepseek-v3.json")))
+    ds.update(model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048)
+    hf_cmd = ["estimate", "--config", "config.json", "--world-size", "64", *v19, "--", "--micro-batch-size", "1",
+              "--seq-length", "4096", "--global-batch-size", "64"]
+    for key in ("index_n_heads", "index_head_dim", "index_topk"):
+        for v in ["null", '"64"', "64.5", "true", "-1", "0", "1e400", "[64]", "{}", "9" * 40, '"x"', "NaN", "Infinity",
+                  "64.0", '""', "MISSING"]:
+            text = json.dumps({k: x for k, x in ds.items() if k != key}) if v == "MISSING" else \
+                json.dumps(ds).replace(f'"{key}": {ds[key]}', f'"{key}": {v}')
+            yield f"estimate HF deepseek_v32 {key}={v}", hf_cmd, {"config.json": text}
+            yield f"estimate --model HF deepseek_v32 {key}={v}", ["estimate", "--model", "config.json", "--gpus", "64", *v19], \
+                {"config.json": text}
+    for mt in ("DeepSeek_V32", "deepseek_v32 ", "qwen3_next", "Qwen3_Next", "deepseek-v32", None, 5, ["deepseek_v32"]):
+        yield f"estimate HF model_type {mt!r}", hf_cmd, {"config.json": json.dumps(dict(ds, model_type=mt))}
+    # Megatron-Bridge: validation / eval keys, sections that are words, model DSA / GDN / FP8 fields, exclude_modules
+    for key in ("eval_micro_batch_size", "eval_global_batch_size", "eval_iters", "eval_interval"):
+        for sec in ("validation", "train"):
+            for v in Y:
+                yield f"estimate Bridge {sec}.{key}={v}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                           f"{sec}.{key}={v}"], {"c.yaml": FLAT}
+    for sec in ("validation", "ddp", "train", "optimizer", "comm_overlap", "checkpoint", "logger", "mixed_precision"):
+        for v in ("x", "[1]", "5", "null", "'???'", "{}", "true"):
+            yield f"estimate Bridge {sec}: {v}", ["estimate", "--config", "c.yaml", "--gpus", "8"], {"c.yaml": FLAT + f"{sec}: {v}\n"}
+    flat_nomp = FLAT.replace("mixed_precision: bf16_mixed\n", "")
+    dsa_on = ["--set", "model.experimental_attention_variant=dsa", "--set", "model.multi_latent_attention=true"]
+    gdn_on = ["--set", "model.experimental_attention_variant=gated_delta_net", "--set", "model.linear_attention_freq=4"]
+    for key, vs, extra in (
+            ("experimental_attention_variant", ["DSA", "dsa", "' dsa'", "gated_delta_net", "Gated_Delta_Net", "x", "null", "''",
+                                                "[dsa]", "1"], []),
+            ("linear_attention_freq", Y + ["'[1,1,1,0]'", "[1,1,1,0]", "'([1]*3+[0])*1'", "[true, true, true, false]", "[2,1,1,0]"],
+             gdn_on[:2]),
+            ("dsa_indexer_topk", Y, dsa_on), ("dsa_kernel_backend", ["None", "none", "NONE", "x", "null"], dsa_on),
+            ("linear_num_key_heads", Y, gdn_on),
+            ("moe_expert_capacity_factor", Y, ["--set", "model.num_moe_experts=8", "--set", "model.moe_router_topk=2", "--set",
+                                               "model.moe_token_dispatcher_type=alltoall"]),
+            ("fp8", ["hybrid", "HYBRID", "e5m2", "x", "true", "null"], []), ("fp8_recipe", ["DELAYED", "Delayed", "x", "[delayed]"],
+                                                                           ["--set", "model.fp8=hybrid"]),
+            ("fp4", ["e2m1", "E2M1", "x"], []), ("fp4_recipe", ["NVFP4", "x"], ["--set", "model.fp4=e2m1"]),
+            ("cp_comm_type", ["[p2p, a2a, a2a, a2a]", "[p2p]", "[x]", "[null, null, null, null]"],
+             ["--set", "model.context_parallel_size=2"])):
+        for v in vs:
+            for label, text in (("", FLAT), (" no mixed_precision", flat_nomp)):
+                yield (f"estimate Bridge model.{key}={v}{label}", ["estimate", "--config", "c.yaml", "--gpus", "8", *extra, "--set",
+                                                                   f"model.{key}={v}"], {"c.yaml": text})
+    for v in ("[]", "[linear_qkv]", "[output_layer]", "x", "null", "[null]", "[5]", "['*']", "['*.linear_qkv']", "[LINEAR_QKV]",
+              "['']", "{a: 1}"):
+        yield f"estimate Bridge exclude_modules {v}", ["estimate", "--config", "c.yaml", "--gpus", "8"], {
+            "c.yaml": FLAT + f"peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8\n  target_modules: []\n  exclude_modules: {v}\n"}
+    # NeMo 1 LoRA: layer_selection, variant, targets
+    for v in Y + ["[1, 2]", "[0]", "[5]", "[1, 1, 1]", "[-1]", "[1.5]", "['1']", "[true]", "[[1]]", "[1, null]",
+                  "[" + ",".join(["1"] * 100_000) + "]", "{1: 2}"]:
+        yield f"estimate NeMo 1 layer_selection {v[:30]}", ["estimate", "--config", "c.yaml"], {
+            "c.yaml": NEMO1.replace("adapter_dropout: 0.0}", f"adapter_dropout: 0.0, layer_selection: {v}}}")}
+    for tgt in ("[all]", "[mlp_fc2]", "[]", "all", "[ALL]", "[null]", "[[attention]]", "[attention_qkv, attention_qkv]"):
+        for var in ("canonical", "CANONICAL", "nemo", "x", "null", "[canonical]"):
+            yield f"estimate NeMo 1 LoRA {var} {tgt}", ["estimate", "--config", "c.yaml"], {
+                "c.yaml": NEMO1.replace("target_modules: [attention, mlp_fc1]", f"target_modules: {tgt}, variant: {var}")}
+    # heterogeneous layer JSON
+    base = json.load(open(os.path.join(ROOT, "tests", "data", "heterogeneous", "small_blocks.json")))
+    blk = base["block_configs"][0]
+    het: dict[str, str] = {"top list": "[1,2]", "top string": '"x"', "top null": "null", "empty": "", "ws 900k": " " * 900_000,
+                           "BOM": "\ufeff" + json.dumps(base), "NaN": json.dumps(base).replace("2.625", "NaN"),
+                           "Infinity": json.dumps(base).replace("2.625", "Infinity"), "trailing garbage": json.dumps(base) + "x",
+                           "nested 2000": '{"block_configs":[' + '{"attention":' * 2000 + "1" + "}" * 2000 + "]}",
+                           "50,000 keys": json.dumps(dict(base, **{f"k{i}": i for i in range(50_000)}))}
+    for label, blocks in (("dict", {"0": blk}), ("string", "x"), ("empty", []), ("lists", [[1]] * 4), ("nulls", [None] * 4),
+                          ("no ffn", [{"attention": blk["attention"]}] * 4), ("empty blocks", [{}] * 4),
+                          ("3 of 4", base["block_configs"][:3]), ("5 of 4", base["block_configs"] + [blk])):
+        het[f"block_configs {label}"] = json.dumps(dict(base, block_configs=blocks))
+    for v in (0, -1, 3, 16, 1e308, 2**70, "4", 4.0, True, [4]):
+        het[f"n_heads_in_group {v!r}"[:40]] = json.dumps(dict(base, block_configs=[
+            {"attention": dict(blk["attention"], n_heads_in_group=v), "ffn": blk["ffn"]}] * 4))
+    for v in (0, -1, 1e308, 5e-324, 2**70, "2", True, 1000.0):
+        het[f"ffn_mult {v!r}"[:40]] = json.dumps(dict(base, block_configs=[
+            {"attention": blk["attention"], "ffn": dict(blk["ffn"], ffn_mult=v)}] * 4))
+    for v in (None, 0, 3, 8, "4", 4.0, 2**70):
+        het[f"num_hidden_layers {v!r}"] = json.dumps(dict(base, num_hidden_layers=v))
+    for label, text in het.items():
+        for ver in ("0.19.2", "0.16.1"):
+            yield f"estimate heterogeneous {ver} {label}", ["estimate", "--world-size", "1", "--megatron-version", ver, "--", *HET,
+                                                           "--heterogeneous-layers-config-path", "h.json"], {"h.json": text}
+        yield f"estimate heterogeneous encoded {label}", ["estimate", "--world-size", "1", "--", *HET,
+                                                         "--heterogeneous-layers-config-encoded-json", text[:100_000]], {}
+    # memguard calibrate on hostile Megatron logs
+    def log(flags, ws):
+        mem = "\n".join(report_memory(r, "(after 10 iterations)", 2**30, 2**31, 2**31 + 2**29, 2**31 + 2**30, device_used=2**32)
+                        for r in range(ws))
+        return "\n".join(print_args(args_of(flags, ws))) + "\n" + training_log(10, 100, 80, 8) + "\n" + mem + "\n"
+    good = [log(SMALL, 8), log([*SMALL, "--recompute-activations"], 8), log(SMALL[:-1], 8)]
+    runs = {"a.log": good[0], "b.log": good[1], "c.log": good[2]}
+    lines = good[2].splitlines()
+    spliced = "\n".join(line[:40] + lines[i - 1][20:] if "memory (MB)" in line and i % 2 else line for i, line in enumerate(lines))
+    bad: dict[str, str | bytes] = {
+        "binary": bytes(range(256)) * 3000, "binary tail": good[2].encode() + bytes(range(256)) * 1000,
+        "NUL": good[2].replace("allocated:", "allo\x00cated:"), "900 KB line": "x" * 900_000 + "\n" + good[2][:50_000],
+        "interleaved": "\n".join(interleave(good[0].splitlines(), good[1].splitlines())), "spliced ranks": spliced,
+        "CRLF": good[2].replace("\n", "\r\n"), "CR": good[2].replace("\n", "\r"), "two tables": good[2] + good[0],
+        "UTF-16": good[2].encode("utf-16"), "rank 10**9": good[2].replace("[Rank 0]", "[Rank 1000000000]"),
+        "rank 400 digits": good[2].replace("[Rank 0]", "[Rank " + "9" * 400 + "]")}
+    for cut in (100, 1000, len(good[2]) // 2, len(good[2]) - 30):
+        bad[f"cut at {cut}"] = good[2][:cut]
+    for v in ("nan", "inf", "-1", "-0.5", "1e400", "0", "1e-320", "9" * 400, "1,024.5", "0x10", "1_000"):
+        bad[f"allocated {v}"] = good[2].replace("allocated: 1024.00", f"allocated: {v}")
+        bad[f"max reserved {v}"] = good[2].replace("max reserved: 3072.00", f"max reserved: {v}")
+        bad[f"device used {v}"] = good[2].replace("total device memory used: 4096.00", f"total device memory used: {v}")
+    for label, text in bad.items():
+        yield f"calibrate log {label}", ["calibrate", "a.log", "b.log", "c.log", "--out", "site.yaml"], dict(runs, **{"c.log": text})
+        yield f"report log {label}", ["report", "c.log"], {"c.log": text}
+    yield "calibrate DSA runs", ["calibrate", "0.log", "1.log", "2.log", *v19], {f"{i}.log": log([*DSA, *TP2], 2) for i in range(3)}
+    yield "calibrate GDN runs", ["calibrate", "0.log", "1.log", "2.log", *v19], {f"{i}.log": log(GDN, 1) for i in range(3)}
+    for opt, vs in (("--min-runs", ["0", "1", "2", "-1", "x", "1e400", "9" * 40]), ("--fit", ["", "x", ",", ",".join(["cuda_context"] * 10_000)]),
+                    ("--env", ["X", "=", "NCCL_BUFFSIZE=x", "NCCL_BUFFSIZE=-1", "NCCL_BUFFSIZE=" + "9" * 400,
+                               "CUBLAS_WORKSPACE_CONFIG=:4096:" + "9" * 50]),
+                    ("--name", ["", "x" * 100_000, "\x00", "a\nb: c"]), ("--out", ["", ".", "/dev/null", "/nonexistent/dir/x.yaml"])):
+        for v in vs:
+            yield f"calibrate {opt} {v[:20]!r}", ["calibrate", "a.log", "b.log", "c.log", opt, v], runs
+    # memguard plan with hostile bounds
+    plan = ["plan", "--gpus", "8", "--seq-length", "2048", "--global-batch-size", "64", "--model", "llama-3.2-1b"]
+    for opt, vs in (("--tp", ["0", "-1", "x", "1,2,", "1,,2", "3", "1e400", "9" * 40, "1" * 5000, ",".join(str(i) for i in range(1, 20_000)),
+                              "nan", "2.0", " 2", "2-4"]),
+                    ("--pp", ["0", "16", "1,2,4,8,16,32", "9" * 40, ""]), ("--cp", ["0", "3", "9" * 40]),
+                    ("--vpp", ["0", "-1", "100000", "9" * 40]), ("--mbs", ["0", "-1", "100000", "9" * 40, "1,2,4,8,16,32,64,128"]),
+                    ("--max-tp", ["0", "-1", "9" * 40, "x"]), ("--ep", ["0", "3", "9" * 40]), ("--etp", ["0", "3", "9" * 40]),
+                    ("--recompute", ["x", "", "full,none", "FULL"]), ("--fsdp", ["x", "", "all"]),
+                    ("--fp8", ["x", "", "delayed,mxfp8", "DELAYED", "hybrid"]), ("--top", ["0", "-1", "9" * 40]),
+                    ("--threshold", ["0", "-1", "nan", "1.5", "inf"]), ("--gpu-memory", ["0", "-1GiB", "nan", "1e400GiB", "1B"]),
+                    ("--nnodes", ["0", "3", "9" * 40]), ("--seq-length", ["0", "-1", "9" * 40, "3"])):
+        for v in vs:
+            yield f"plan {opt} {v[:20]!r}", [*plan, opt, v], {}
+    yield "plan DSA", ["plan", "--gpus", "8", "--seq-length", "4096", "--global-batch-size", "16", *v19, "--", *DSA], {}
+    yield "plan GDN", ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "16", *v19, "--", *GDN], {}
+    # the runtime monitor's variables around check / estimate
+    for env, vs in (("MEMGUARD_THRESHOLD", ["x", "nan", "-1", "2", "inf", ""]), ("MEMGUARD_GPU_MEMORY", ["x", "0", "-1GiB", "1e400GiB"]),
+                    ("MEMGUARD_PROFILE", ["/nonexistent", "/dev/zero", ".", ""]), ("MEMGUARD_LOG_INTERVAL", ["0", "-1", "x", "9" * 40]),
+                    ("MEMGUARD_LOG_DIR", ["/dev/null", "/nonexistent/x", ""]), ("MEMGUARD_RESET_PEAK", ["maybe", ""]),
+                    ("MEMGUARD", ["x", "ABORT", ""]), ("MEMGUARD_ALLOW_RECOMPUTE", ["2", "x"])):
+        for v in vs:
+            yield f"check {env}={v[:20]!r}", ["check", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *SMALL], {}, {env: v}
+            yield f"estimate {env}={v[:20]!r}", ["estimate", "--world-size", "8", "--", *SMALL], {}, {env: v}
+
 def hostile_files(d: str) -> dict[str, str]:
     """Files no config is, made in ``d``: a named pipe nobody writes to, a directory, a symlink loop,
     UTF-16 text; and /dev/zero, /dev/urandom (endless)."""
@@ -979,7 +1192,7 @@ def main(argv: list[str]) -> int:
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
-              ("newest", newest_cases()), ("hostile10", hostile10_cases())]
+              ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]
@@ -988,12 +1201,12 @@ def main(argv: list[str]) -> int:
     broken: dict[str, list[str]] = defaultdict(list)
     rows = []
     for group, cases in groups:
-        for k, (label, args, files) in enumerate(cases):
+        for k, (label, args, files, *env) in enumerate(cases):   # (env: the MEMGUARD_* variables of a case, hostile11)
             if step > 1 and group not in ("reproductions", "largest", "features", "files", "structured regressions") and k % step:
                 continue
             size = sum(len(c) for c in files.values()) + sum(len(a) for a in args)
             assert size < LIMIT, (label, size)
-            o = run_memguard(args, files)
+            o = run_memguard(args, files, env=env[0] if env else None)
             cmd = args[0] if args else "(none)"
             runs[cmd] += 1
             if o.problems:

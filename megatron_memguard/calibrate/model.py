@@ -22,7 +22,7 @@ from typing import Sequence
 
 from ..estimator import estimate
 from ..estimator.overheads import (CUBLAS_DEFAULT_BYTES, CUBLAS_HOPPER_BYTES, NCCL_DEFAULT_BUFFSIZE, _hopper_or_newer,
-                                   nccl_communicators, te_workspace_bytes)
+                                   nccl_buffsize, nccl_communicators, te_workspace_bytes)
 from ..estimator.result import StageEstimate
 from ..estimator.site import DEFAULT_SITE, SPEC, SiteConstants
 from ..estimator.params import mtp_stack_runs
@@ -95,8 +95,8 @@ def stage(run: CalibrationRun, o: Observation, site: SiteConstants) -> StageEsti
 def communicators(L: Layout, stage_has_moe: bool = True) -> float:
     """NCCL communicators of a rank, scaled by the job's NCCL_BUFFSIZE (the constant is per default buffer size).
     ``stage_has_moe`` False: the rank's pipeline stage holds no MoE layer (no expert-parallel communicators)."""
-    buff = L.env_dict.get("NCCL_BUFFSIZE")
-    scale = int(buff) / NCCL_DEFAULT_BUFFSIZE if buff and buff.isdigit() else 1.0
+    buff = nccl_buffsize(L.env_dict.get("NCCL_BUFFSIZE"))
+    scale = buff / NCCL_DEFAULT_BUFFSIZE if buff else 1.0
     return len(nccl_communicators(L, stage_has_moe)) * scale
 
 

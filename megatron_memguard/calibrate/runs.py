@@ -16,7 +16,7 @@ from ..config import RawConfig
 from ..errors import MemguardError, ReaderError
 from ..gpus import GpuSpec, lookup_gpu
 from ..layout import FLAT, FLAT_REQUIRED, Layout
-from ..report.megatron_log import MegatronLog, read_megatron_logs
+from ..report.megatron_log import MegatronLog, read_megatron_logs, skipped_memory_lines
 from ..report.megatron_run import rank_position, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
 from ..resolve import resolve
@@ -138,7 +138,7 @@ def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[
     log = read_megatron_logs([path])
     if not log.memory:
         raise ReaderError(f"{path}: no Megatron memory lines ('[Rank N] (after K iterations) memory (MB) | ...') and no "
-                          "memguard-rank*.jsonl files")
+                          "memguard-rank*.jsonl files" + skipped_memory_lines(log))
     raw = raw_of(log)
     L = resolve(raw, world_size=resolve_kw.get("world_size") or raw.world_size,
                 megatron_version=resolve_kw.get("megatron_version"), vocab_size=resolve_kw.get("vocab_size"))

@@ -36,6 +36,47 @@ CUBLAS_HOPPER_BYTES = 32 * MiB
 # Caching-allocator slack on top of the peak of live tensors (reserved / allocated - 1).
 FRAGMENTATION = 0.05
 
+# memguard's bounds on the environment's sizes (resolve/runtime.py refuses what is beyond them): an NCCL buffer of 1 GiB
+# (256 x the default; x 16 channels x 2 directions = 32 GiB per communicator), and PyTorch's std::stoi on each number
+# of CUBLAS_WORKSPACE_CONFIG (CublasHandlePool.cpp parseChosenWorkspaceSize: beyond int32 it throws) with 1 TiB in all
+MAX_NCCL_BUFFSIZE = 1 << 30
+MAX_CUBLAS_NUMBER = 2**31 - 1
+MAX_CUBLAS_WORKSPACE = 1 << 40
+_NCCL_SIZE = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]+")
+
+
+def nccl_buffsize(text: str | None) -> int | None:
+    """NCCL_BUFFSIZE in bytes, decimal or 0x hex as NCCL's strtoll(..., 0) reads it; None when unset or not a byte
+    count within 1 B .. MAX_NCCL_BUFFSIZE (resolve/runtime.py refuses those, so NCCL's default is taken only for an
+    unset variable)."""
+    t = (text or "").strip()
+    if len(t) > 20 or not _NCCL_SIZE.fullmatch(t):
+        return None
+    n = int(t, 16) if t[:2] in ("0x", "0X") else int(t)
+    return n if 1 <= n <= MAX_NCCL_BUFFSIZE else None
+
+
+def env_size_problems(env: dict[str, str]) -> list[tuple[str, str]]:
+    """(variable, rule) for each memory size in the job's environment memguard cannot take: an NCCL_BUFFSIZE that is
+    not a byte count in its bounds, a CUBLAS_WORKSPACE_CONFIG number PyTorch's std::stoi throws on or a total beyond
+    MAX_CUBLAS_WORKSPACE."""
+    from ..numbers import shown
+    out = []
+    v = env.get("NCCL_BUFFSIZE")
+    if v is not None and nccl_buffsize(v) is None:
+        out.append(("NCCL_BUFFSIZE", f"must be a byte count from 1 to {MAX_NCCL_BUFFSIZE:,} (decimal or 0x hex; "
+                    f"memguard's bound: 256 x NCCL's 4 MiB default), got {shown(v)}"))
+    v = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if v:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", v)
+        if any(len(x) > 10 or int(x) > MAX_CUBLAS_NUMBER for pair in pairs for x in pair):
+            out.append(("CUBLAS_WORKSPACE_CONFIG", f"has a number beyond {MAX_CUBLAS_NUMBER:,} (PyTorch reads each with "
+                        f"std::stoi, which throws), got {shown(v)}"))
+        elif sum(int(k) * 1024 * int(c) for k, c in pairs) > MAX_CUBLAS_WORKSPACE:
+            out.append(("CUBLAS_WORKSPACE_CONFIG", f"asks for more than 1 TiB of cuBLAS workspace (memguard's bound: "
+                        f"beyond any GPU's memory), got {shown(v)}"))
+    return out
+
 
 def _hopper_or_newer(gpu_name: str | None) -> bool:
     return bool(gpu_name) and any(k in gpu_name for k in ("H100", "H200", "B200", "GB200"))
@@ -52,7 +93,7 @@ def cublas_config_bytes(L: Layout) -> int | None:
     cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG") or (DETERMINISTIC_CUBLAS_CONFIG if L.deterministic_mode else None)
     if cfg:
         total = 0
-        for size_kib, count in re.findall(r":(\d+):(\d+)", cfg):
+        for size_kib, count in re.findall(r":([0-9]+):([0-9]+)", cfg):
             total += int(size_kib) * 1024 * int(count)
         if total:
             return total
@@ -103,10 +144,7 @@ def nccl_communicators(L: Layout, stage_has_moe: bool = True) -> list[str]:
 
 
 def nccl_bytes(L: Layout, site: SiteConstants | None = None, stage_has_moe: bool = True) -> tuple[int, str]:
-    buff = NCCL_DEFAULT_BUFFSIZE
-    m = L.env_dict.get("NCCL_BUFFSIZE")
-    if m and m.isdigit():
-        buff = int(m)
+    buff = nccl_buffsize(L.env_dict.get("NCCL_BUFFSIZE")) or NCCL_DEFAULT_BUFFSIZE
     per = NCCL_CHANNELS * 2 * NCCL_DEFAULT_BUFFSIZE if site is None else site.nccl_per_communicator
     per = per * buff // NCCL_DEFAULT_BUFFSIZE
     comms = nccl_communicators(L, stage_has_moe)

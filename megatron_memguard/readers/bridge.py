@@ -719,6 +719,11 @@ def _refuse_unset_sections(S: dict[str, dict[str, Field]], top: dict[str, Field]
         if value is None and row["default"] == "required" and sec not in _NONEABLE_SECTIONS:
             raise ConfigError(key, f"is null: Megatron-Bridge's ConfigContainer declares {row['class']} (not Optional) "
                                    "and fails on None", f"give the {sec}: section or drop the key")
+        if value is not None and sec != "mixed_precision":
+            # (mixed_precision alone takes a preset's name) a word or a list where the section's fields go: Bridge
+            # fails on its attributes; read as absent it would give the section's defaults silently
+            raise ConfigError(key, f"must be a mapping of {row['class']} fields, got {shown(value)}",
+                              f"give the {sec}: section's fields or drop the key")
     for sec, fields in S.items():
         if sec in ("model", "peft", "env_vars"):
             continue

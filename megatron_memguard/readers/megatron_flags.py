@@ -65,6 +65,9 @@ _CHOICES = {
     "--muon-scale-mode": ("spectral", "unit_rms_norm", "shape_scaling"),
     "--muon-fp32-matmul-prec": ("low", "medium", "high"),    # ('low' then fails in torch: resolve/muon.py)
     "--optimizer": ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+    # TransformerConfig's Literals, made argparse choices by ArgumentGroupFactory (training/argument_utils.py)
+    "--experimental-attention-variant": ("gated_delta_net", "dsa"),
+    "--dsa-kernel-backend": ("none", "tilelang", "cudnn"),
 }
 # digits beyond int()'s limit on a string's length (sys.get_int_max_str_digits, 4300): argparse refuses them too,
 # memguard names the bound of the setting instead

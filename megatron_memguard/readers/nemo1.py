@@ -714,6 +714,11 @@ def _nemo1_lora(b: Any, get: Any, k: Any, scheme: str) -> None:
             # (an int or a mapping: list() raised or took the mapping's keys as target names)
             raise ConfigError(k(lt + "target_modules"), f"must be a target name or a list of them, got {shown(targets)}")
         names = [targets] if isinstance(targets, str) else list(targets)
+        if not names:
+            # LoraPEFTConfig adds one adapter per listed module (no Bridge-style 'every linear' for an empty list):
+            # nothing would be trained
+            raise ConfigError(k(lt + "target_modules"), "is empty: NeMo 1's LoraPEFTConfig adds an adapter per listed "
+                              "module, so no parameter would be trained", "name the modules, e.g. [attention_qkv]")
         out: list[str] = []
         for t in names:
             if str(t) not in _NEMO1_TARGETS:

@@ -107,7 +107,9 @@ _LIMIT = float(2**63)               # _bytes' bound, for _values' inlined check
 
 def _values(m: re.Match) -> tuple[int | None, ...] | None:
     """The five byte counts of a memory line whose rank and numbers a real run prints; None for a
-    5000-digit rank or 1e400 MB (skipped). Each number is parsed once (a log may hold 10**6 such lines)."""
+    5000-digit rank, 1e400 MB or a negative count (skipped: torch.cuda's counters are never below zero, and a
+    calibration or a report fed -1 MB reads a measurement no run made). Each number is parsed once (a log may hold
+    10**6 such lines)."""
     if len(m.group(1)) > 19:
         return None
     out: list[int | None] = []
@@ -116,7 +118,7 @@ def _values(m: re.Match) -> tuple[int | None, ...] | None:
             out.append(None)
             continue
         v = float(g) * MiB          # (_NUM matched: float() takes it)
-        if not -_LIMIT < v < _LIMIT:    # also inf and nan: what _bytes refuses
+        if not 0 <= v < _LIMIT:    # also inf and nan: what _bytes refuses; and below zero
             return None
         out.append(round(v))
     return tuple(out)
@@ -184,6 +186,7 @@ class MegatronLog:
     notes: list[str] = field(default_factory=list)
     _index: dict[int, list[MemoryLine]] | None = field(default=None, repr=False, compare=False)
     skipped_ranks: int = 0      # memory lines of ranks past MAX_RANKS, not read
+    bad_memory_lines: int = 0   # memory lines with numbers no GPU prints (_values), not read
     _counts: dict[int, int] = field(default_factory=dict, repr=False, compare=False)   # memory lines kept per rank
     _peaks: dict[int, tuple[int, int, int]] = field(default_factory=dict, repr=False, compare=False)
     _index_of: int = field(default=-1, repr=False, compare=False)
@@ -330,6 +333,11 @@ def _read_one(path: str, log: MegatronLog) -> None:
                 rank = int(m.group(1))
                 file_ranks.add(rank)
                 _keep(log, MemoryLine(rank, name, int(it.group(it.lastindex)) if it else None, *v, path, n), later)
+            elif m is not None:
+                if not log.bad_memory_lines:
+                    log.notes.append(f"memory lines with numbers no GPU reports (a negative or out-of-range count, a "
+                                     f"20-digit rank) are not read (first: {path} line {n})")
+                log.bad_memory_lines += 1
         elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None and len(m.group(0)) < 64:
             log.iterations.append(int(m.group(1)))
             log.train_iters = int(m.group(2))
@@ -356,6 +364,13 @@ def _read_one(path: str, log: MegatronLog) -> None:
         ev = parse_oom(text, path, n, prefix_rank if prefix_rank is not None else file_rank)
         if ev is not None:
             log.ooms.append(ev)
+
+
+def skipped_memory_lines(log: MegatronLog) -> str:
+    """What an error about a log without memory lines adds when it had some, all with numbers no GPU prints."""
+    n = log.bad_memory_lines
+    return (f" ({n:,} memory line(s) with numbers no GPU reports, a negative or out-of-range count, were not read)"
+            if n else "")
 
 
 def _keep(log: MegatronLog, m: MemoryLine, later: dict[tuple[int, bool], MemoryLine]) -> None:

@@ -21,7 +21,7 @@ from ..estimator.result import Estimate
 from ..layout import Layout
 from ..layout.parallelism import ShardGroup
 from ..runtime.monitor import Prediction
-from .megatron_log import MegatronLog
+from .megatron_log import MegatronLog, skipped_memory_lines
 from .runlog import RankRun, RunLog, Sample
 
 SOURCE = "megatron report_memory"
@@ -115,7 +115,7 @@ def megatron_runlog(log: MegatronLog, est: Estimate | None, tp_pp_dp: bool = Fal
         raise ReaderError(f"{', '.join(log.files[:3])}{' ...' if len(log.files) > 3 else ''}: no Megatron memory lines "
                           "('[Rank N] (after K iterations) memory (MB) | allocated: ...'); Megatron's report_memory "
                           "prints them at the first logged iterations on data-parallel rank 0 of each model-parallel "
-                          "position, and every --log-memory-interval")
+                          "position, and every --log-memory-interval" + skipped_memory_lines(log))
     ranks: list[RankRun] = []
     notes = list(log.notes)
     world = est.layout.world_size if est is not None else None

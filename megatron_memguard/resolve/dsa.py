@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from packaging.version import Version
 
 from ..errors import NotModelledError
+from ..numbers import shown
 from .args import Args, Context
 
 VARIANT = "experimental_attention_variant"
@@ -24,9 +25,12 @@ VARIANTS = ("gated_delta_net", "dsa")
 def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The DSA settings, checked as megatron-core 0.19.2 checks them. Runs after the attention variant (MLA)."""
     variant = a.get(VARIANT)
-    variant = None if variant is None or variant == "" else str(variant).strip().lower()
+    # (None, or a YAML's 'None' / false, is no variant; any other value is compared as written: megatron-core tests
+    # it with ==, so 'DSA' or ' dsa' builds no DSA and get_experimental_attention_variant_module_spec raises)
+    variant = None if variant in (None, False, "None") else str(variant)
     if variant is not None and variant not in VARIANTS:
-        a.fail(VARIANT, f"must be one of {', '.join(VARIANTS)}, got {variant[:40]!r}")
+        a.fail(VARIANT, f"must be one of {', '.join(VARIANTS)} (TransformerConfig's Literal, compared as written), "
+                        f"got {shown(variant)}")
         return {}
     # a hybrid model's 'D' layers (hybrid_layer_specs.py dsa_layer: AbsorbedMLASelfAttention with DSAttention, its
     # latent norms IdentityOp) read the same dsa_* settings; the variant's TransformerConfig rules need the flag
@@ -65,9 +69,10 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     offset = a.int_arg("dsa_indexer_skip_topk_offset", 0, minimum=-(10 ** 9))
     if offset is not None and offset < 0:
         a.fail("dsa_indexer_skip_topk_offset", f"must be non-negative, got {offset} (TransformerConfig)")
-    backend = str(a.get("dsa_kernel_backend", "none")).strip().lower()
+    backend = str(a.get("dsa_kernel_backend", "none"))
     if backend not in ("none", "tilelang", "cudnn"):
-        a.fail("dsa_kernel_backend", f"must be one of none, tilelang, cudnn, got {backend[:40]!r}")
+        # (compared as written: dsa_kernels.py tests the Literal with ==)
+        a.fail("dsa_kernel_backend", f"must be one of none, tilelang, cudnn, got {shown(backend)}")
     elif backend != "none" and kw.get("attention_backend") != "unfused":
         # dsa_kernels.use_fused_dsa_kernels: a fused backend unless --attention-backend unfused
         raise NotModelledError(a.key("dsa_kernel_backend"), f"the {backend} DSA kernels (their saved tensors and "

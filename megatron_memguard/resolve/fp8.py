@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from packaging.version import Version
 
 from ..errors import NO_TE_BACKEND, NotModelledError
+from ..numbers import shown
 from .args import Args, Context
 
 # argparse choices of core 0.19.2 (--fp8-recipe custom needs a quantizer factory: refused below)
@@ -50,15 +51,18 @@ def _word(v: Any) -> Any:
 
 
 def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    # formats and recipes are compared as written: megatron-core tests them with == (fp8_utils.get_fp8_recipe: 'E4M3
+    # and HYBRID are the only supported FP8 formats' for 'HYBRID'; fp4_utils.get_fp4_recipe), so 'HYBRID' or
+    # 'Delayed' fail at start-up and are refused here (rule_violations), not read as the lower-case value
     fmt = _word(a.get("fp8"))
-    fmt = None if fmt in (False, "", "none", "None") else (str(fmt).lower() if fmt is not None else None)
+    fmt = None if fmt in (False, "", "none", "None") else (str(fmt) if fmt is not None else None)
     fp4 = _word(a.get("fp4"))
-    fp4 = None if fp4 in (False, "", "none", "None") else (str(fp4).lower() if fp4 is not None else None)
+    fp4 = None if fp4 in (False, "", "none", "None") else (str(fp4) if fp4 is not None else None)
     v = dict(
         fp8=fmt,
-        fp8_recipe=str(_word(a.get("fp8_recipe", "delayed"))).lower(),
+        fp8_recipe=str(_word(a.get("fp8_recipe", "delayed"))),
         fp4=fp4,
-        fp4_recipe=str(_word(a.get("fp4_recipe", "nvfp4"))).lower(),
+        fp4_recipe=str(_word(a.get("fp4_recipe", "nvfp4"))),
         # TransformerConfig's names (the config-container era, and core 0.16's fp4 dest) mean the same
         fp8_param_gather=a.bool_arg("fp8_param_gather", False) or a.bool_arg("fp8_param", False),
         fp4_param_gather=a.bool_arg("fp4_param_gather", False) or a.bool_arg("fp4_param", False),
@@ -241,13 +245,13 @@ def rule_violations(a: Mapping[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     fp8, fp4 = a.get("fp8"), a.get("fp4")
     if fp8 is not None and fp8 not in FP8_FORMATS:
-        out.append(("fp8", f"must be one of {', '.join(FP8_FORMATS)}"))
+        out.append(("fp8", f"must be one of {', '.join(FP8_FORMATS)} (as written), got {shown(fp8)}"))
     if fp8 and a.get("fp8_recipe", "delayed") not in FP8_RECIPES:
-        out.append(("fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}"))
+        out.append(("fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)} (as written), got {shown(a.get('fp8_recipe'))}"))
     if fp4 is not None and fp4 not in FP4_FORMATS:
-        out.append(("fp4", f"must be one of {', '.join(FP4_FORMATS)}"))
+        out.append(("fp4", f"must be one of {', '.join(FP4_FORMATS)} (as written), got {shown(fp4)}"))
     if fp4 and a.get("fp4_recipe", "nvfp4") not in FP4_RECIPES:
-        out.append(("fp4_recipe", f"must be one of {', '.join(FP4_RECIPES)}"))
+        out.append(("fp4_recipe", f"must be one of {', '.join(FP4_RECIPES)} (as written), got {shown(a.get('fp4_recipe'))}"))
     if fp8 and fp4:
         out.append(("fp4", "--fp4-format and --fp8-format cannot be used together"))
     # TransformerConfig.__post_init__ (core 0.19.2): a custom recipe names its factory

@@ -51,11 +51,14 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """The GDN layers' pattern and the mixer's shape, with TransformerConfig's rules."""
     variant = a.get("experimental_attention_variant")
     # (a value outside TransformerConfig's Literal is reported once, by the DSA section: resolve/dsa.py)
-    variant = None if variant in (None, "", False, "None") else str(variant).strip().lower()
+    variant = None if variant in (None, False, "None") else str(variant)
     hybrid = kw.get("hybrid_layer_pattern") or ""
     mtp_hybrid = kw.get("hybrid_mtp_pattern") or ""
     gpt = variant == VARIANT and not hybrid
-    if not gpt and "G" not in hybrid + mtp_hybrid:
+    has_gdn = gpt or "G" in hybrid + mtp_hybrid
+    # (a hybrid model with the variant flag: its builder ignores the flag, but TransformerConfig.__post_init__ checks
+    # the GDN settings on it all the same, 'G' layers or not)
+    if not has_gdn and variant != VARIANT:
         return {}
     dims = {d: a.int_arg(d, default, minimum=1) for d, default in DIMS.items()}
     if None in dims.values():
@@ -77,6 +80,14 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # TransformerConfig.__post_init__ (core 0.16.1, 0.17.1): "Gated delta net does not support context parallel"
         a.fail("context_parallel_size", f"must be 1 with gated delta net layers under megatron-core "
                f"{ctx.version.major}.{ctx.version.minor} (TransformerConfig; CP for GDN came in 0.18)")
+    if variant == VARIANT and hybrid and a.get("linear_attention_freq") in (None, "", "None"):
+        # TransformerConfig.__post_init__ asserts it whenever the variant is gated_delta_net; the hybrid builder then
+        # takes its GDN layers from the pattern's 'G' and never reads the frequency
+        a.fail("linear_attention_freq", "must be set with --experimental-attention-variant gated_delta_net, in a "
+               "hybrid model too (TransformerConfig asserts it)", "drop --experimental-attention-variant: a hybrid "
+               "model's 'G' layers need no variant flag")
+    if not has_gdn:
+        return {}
     out: dict[str, Any] = dict(dims)
     if gpt:
         freq = a.get("linear_attention_freq")

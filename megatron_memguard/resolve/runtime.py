@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 from packaging.version import Version
 
+from ..errors import ConfigError
 from .args import Args, Context
 
 
@@ -16,6 +17,10 @@ def runtime(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # megatron/training/determinism.py (0.19): ACCEPTED_ENV_VAR_VALUES
         a.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
     checkpoint_saving(a, ctx)
+    from ..estimator.overheads import env_size_problems
+    for var, rule in env_size_problems({str(k): str(v) for k, v in a.raw.env.items()}):
+        # (a variable of the job's environment: the error names it, as it names a flag)
+        a.errors.append(ConfigError(var, rule))
     hidden_dropout = a.float_arg("hidden_dropout", 0.1)
     attention_dropout = a.float_arg("attention_dropout", 0.1)
     graphed_recompute(a, kw, attention_dropout, hidden_dropout)

@@ -179,8 +179,11 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
 def layer_items(L: Layout, recompute_core: bool) -> tuple:
     x = shapes(L)
     loss = L.dsa_indexer_loss_coeff > 0
+    # fused_qk_topk_naive (dsa.py, 0.19.2) takes min(index_topk, key length) indices: a top-k above the sequence
+    # (CP 1: the key is the whole sequence) keeps [b, s, s], not [b, s, topk]
+    topk = min(L.dsa_indexer_topk, x.s)
     return core_items(x.s, x.b, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim, L.v_head_dim, L.dsa_indexer_n_heads,
-                      L.dsa_indexer_head_dim, L.dsa_indexer_topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32)
+                      L.dsa_indexer_head_dim, topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32)
 
 
 CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
