@@ -168,7 +168,7 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
     cl, s = planner.cluster, planner.shape
     a = xs[0]
     names = "ABCD"
-    out = [f"memguard plan --explain" + (f" {a.candidate.name}" if a.role.startswith("asked") else ""),
+    out = ["memguard plan --explain" + (f" {a.candidate.name}" if a.role.startswith("asked") else ""),
            f"cluster: {cl.gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node), seq {s.seq_length}, GBS {planner.gbs}"]
     for tag, x in zip(names, xs):
         c = x.candidate

@@ -892,7 +892,6 @@ class TimeModel:
         # 2021 section 2.2.1: bubble (p - 1)/v of a stage when the ranks are equal).
         rows, crit, others = self.rank_work(c, lc, ec, lm, rc_layer, rc_moe, fp8)
         mb, gemm, attn, elem, gaps, inp, rc, tpc, cpc, epc = rows[crit]
-        work = m * mb
         bubble = others / v                   # pipeline_seconds(rank totals, m, v)[1], from the memoised sum
         # pipeline point-to-point: activations forward, gradients backward, once per chunk and micro-batch
         p2p = 0.0

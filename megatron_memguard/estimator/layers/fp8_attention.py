@@ -304,7 +304,6 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     qkv8 = quantized_tensor(recipe, Tf, W // Tf, rowwise=True, columnwise=False).allocated
     out8 = quantized_tensor(recipe, Tf, Q // Tf, rowwise=True, columnwise=False).allocated
     fp8_qkv = _alloc(Q) + 2 * _alloc(K) + scale        # the exchanged q, k, v (the buffer's scale shared)
-    out_b = 1 if delayed else e                        # bytes per element of the kernel's output
     saved_out = out8 if delayed else Q * e             # the output saved before its all-to-all
     q, kv1 = Q * e, K * e
     rope = L.position_embedding_type in ("rope", "yarn")

@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from ...errors import ConfigError
-from .base import selective_modules
+from .base import MlpActivations, selective_modules
 from ...layout.moe import (AUX_LOSS_TYPES, DISPATCHERS, MoeSpec, moe_layers_in,  # noqa: F401 (re-exported)
                            parse_moe_layer_freq)
 
