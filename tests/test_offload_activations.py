@@ -112,3 +112,48 @@ def test_plan_with_an_in_flight_cap():
     # a cap of 1 (or none) keeps the two groups of the largest module
     assert fine_grained_plan(groups, layers=4, last_stage=False, max_inflight=1).staging == 60
     assert fine_grained_plan(groups, layers=4, last_stage=False).staging == 60
+
+
+def test_layers_of_different_kinds_compose_what_the_layers_above_keep():
+    """Regression (props round, found by test_properties_features' offload property at 50 examples, core 0.19): a
+    chunk of an MoE layer under a dense one (--moe-layer-freq 2) took the largest layer's working set over the whole
+    chunk once offloading was on (an upper bound), above the composed one without offloading. A layer's forward
+    runs before the layers above it saved anything, its backward after they freed theirs: its working set comes
+    over the chunk's kept bytes less what the layers above keep on the GPU (their saved bytes less the groups
+    they send to the host)."""
+    from megatron_memguard.estimator.activations import LayerActivations
+    from megatron_memguard.estimator.core import _kept_transients, _mixed_transients
+    # bottom layer: saves 1000 B, forward working set 5000 B, backward 300 B; top layer: saves 3000 B, 100 B / 200 B
+    bottom = LayerActivations({"a": 1000}, fwd_steps=(((), 5000),), bwd_steps=(((), 300),))
+    top = LayerActivations({"b": 3000}, fwd_steps=(((), 100),), bwd_steps=(((), 200),))
+    runs = [(bottom, 1), (top, 1)]
+    # nothing sent: as without offloading, max(5000 - 3000, 100) and max(300 - 3000, 200)
+    assert _kept_transients(runs, [[], []], 0) == _mixed_transients(runs) == (2000, 200)
+    # the bottom layer sends 600 B, the top one 2000 B: the top keeps 1000 B, so the bottom layer's forward comes
+    # 5000 - 1000 = 4000 B over the chunk's 400 + 1000 kept bytes: 5400 B = its own 400 kept + 5000 working
+    assert _kept_transients(runs, [[600], [2000]], 0) == (4000, 200)
+    # --activation-offload-fraction keeps the chunk's last groups on the GPU: 2000 B kept, the top layer's group
+    assert _kept_transients(runs, [[600], [2000]], 2000) == (2000, 200)
+    # two top layers of 3000 B sending [1500, 500] each, the fraction keeping the last 700 B (the last layer's 500
+    # and 200 of its 1500): above the bottom layer 2 x 3000 - (2000 + 1300) = 2700 B stay
+    assert _kept_transients([(bottom, 1), (top, 2)], [[600], [1500, 500], [1500, 500]], 700) == (2300, 200)
+
+
+def test_offloading_a_module_the_te_layer_fuses_away_changes_nothing():
+    """--offload-modules attn_norm on the TE spec, whose input norm is fused into linear_qkv: the layer's
+    input_layernorm is an IdentityOp and _set_offload_modules leaves attn_norm off (transformer_layer.py, core
+    0.19.2), so offloading moves nothing and every stage's numbers are those of the run without it, on a chunk of an
+    MoE layer under a dense one too (before: pp1 and pp2 +640 B, the MoE layer's forward working set over the
+    dense layer's saved bytes)."""
+    from megatron_memguard import estimate, layout_from_flags
+    flags = ("--transformer-impl transformer_engine --num-layers 8 --hidden-size 16 --num-attention-heads 1 "
+             "--kv-channels 16 --ffn-hidden-size 8 --seq-length 8 --max-position-embeddings 8 --micro-batch-size 1 "
+             "--global-batch-size 1 --pipeline-model-parallel-size 4 --tokenizer-type NullTokenizer --vocab-size 1000 "
+             "--hidden-dropout 0.0 --attention-dropout 0.0 --bf16 --position-embedding-type rope --disable-bias-linear "
+             "--num-experts 2 --moe-router-topk 1 --moe-ffn-hidden-size 8 --moe-token-dispatcher-type allgather "
+             "--moe-router-pre-softmax --moe-layer-freq 2").split()
+
+    def numbers(extra):
+        est = estimate(layout_from_flags(flags + extra, world_size=4, megatron_version="0.19"))
+        return [(s.peak_allocated_bytes, s.peak_phase, s.breakdown) for s in est.stages]
+    assert numbers(["--fine-grained-activation-offloading", "--offload-modules", "attn_norm"]) == numbers([])

@@ -244,6 +244,11 @@ def test_mtp_layers_go_to_the_last_stage_only(spec, depth):
     if spec.recompute and spec.recompute[:2] == ("full", "uniform"):
         # MultiTokenPredictionLayer._checkpointed_forward asserts recompute_num_layers == 1 (0.16.1-0.19.2)
         spec = spec.with_(recompute=("full", "uniform", 1))
+        if depth > 1:
+            # and from the second depth on, --distribute-saved-activations shards the depth before's output, which
+            # MultiTokenPredictionBlock then concatenates (torch.cat fails at the first forward; refused by name,
+            # resolve/mtp.py _distributed_checkpoint; tests/test_mtp_recompute.py)
+            spec = spec.with_(distribute_saved=False)
     base = FeatureSpec(base=spec)
     a = _est(base.flags(), spec.world)
     b = _est(base.flags() + ["--mtp-num-layers", str(depth)], spec.world)

@@ -126,9 +126,15 @@ def test_full_recompute_of_every_layer_is_one_setting(fs, era):
     assume("--overlap-moe-expert-parallel-comm" not in fs.extra)
     most = max(_chunk_counts(b).values())
     assume(most >= 1)
-    a = _est(fs.with_base(recompute=("full", "uniform", 1)).flags(), fs.world, era)
-    m = _est(fs.with_base(recompute=("full", "block", most)).flags(), fs.world, era)
-    assert _numbers(m) == _numbers(a)
+    a = _numbers(_est(fs.with_base(recompute=("full", "uniform", 1)).flags(), fs.world, era))
+    m = _numbers(_est(fs.with_base(recompute=("full", "block", most)).flags(), fs.world, era))
+    if _mtp(fs):
+        # ... but not the MTP depths, on the last stage: MultiTokenPredictionLayer._checkpointed_forward
+        # (transformer/multi_token_prediction.py, megatron-core 0.16.1 and 0.19.2) checkpoints each depth under
+        # uniform and under block warns "not supported for MTP yet. Skipping recompute." and keeps it whole
+        # (counted by hand in tests/test_mtp_recompute.py); the other stages hold no MTP layer
+        a, m = a[:-1], m[:-1]
+    assert m == a
 
 
 # ---------------------------------------------------------------------------------------------------

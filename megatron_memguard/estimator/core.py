@@ -145,7 +145,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         per_layer = max(la.total for la, _ in per_kind)
         if L.recompute_granularity == "full" or L.cpu_offloading_num_layers or L.fine_grained_activation_offloading:
             # With layers of different kinds, the largest layer's saved bytes and working sets stand for
-            # the one whose backward runs first (an upper bound; uniform's replays: _mixed_replays).
+            # the one whose backward runs first (an upper bound; uniform's replays: _mixed_replays; fine-grained
+            # offloading composes them below, once it knows what each layer keeps: _kept_transients).
             fwd_transient = max(la.fwd_transient for la, _ in per_kind)
             bwd_transient = max(la.bwd_transient for la, _ in per_kind)
         else:
@@ -194,6 +195,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     elif L.fine_grained_activation_offloading and n and L.recompute_granularity != "full":
         names: set[str] = set()
         seq: list[int] = []
+        leaving: list[list[int]] = []     # the groups each layer sends to the host, bottom to top (as seq)
         groups_of: list[dict[str, int]] = []
         for i, (la_k, k) in enumerate(per_kind):
             kind = runs[i][0] if i < len(runs) else None
@@ -249,8 +251,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             names |= {g for g, b in groups.items() if b}
             sizes = ordered_sizes(groups)
             seq += sizes * k
+            leaving += [list(sizes) for _ in range(k)]
             if plan.kept_last_group:
                 seq.pop()
+                leaving[-1].pop()
             if (L.delay_offload_until_cuda_graph and L.cuda_graph_impl == "transformer_engine" and sizes
                     and (kind is None or not L.hybrid_layer_pattern
                          or layer_graphed(L)(cuda_graph_spec(L), kind.mixer, kind.mlp))):
@@ -265,6 +269,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         offload_groups = tuple(seq)
         if host:
             more.append(f"; {format_bytes(host)} offloaded to the host ({', '.join(sorted(names))})")
+        if len(per_kind) > 1:
+            # layers of different kinds: each one's working sets less what the layers above it keep on the GPU
+            fwd_transient, bwd_transient = _kept_transients(per_kind, leaving, kept)
 
     ends: dict[str, int] = {}
     fwd_extra = fwd_transient if n else 0
@@ -500,6 +507,35 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int
         fwd = f if fwd is None else max(fwd, f)
         bwd = b if bwd is None else max(bwd, b)
         above += k * la.total
+    return fwd or 0, bwd or 0
+
+
+def _kept_transients(per_kind: list[tuple[LayerActivations, int]], leaving: list[list[int]],
+                     kept_by_fraction: int) -> tuple[int, int]:
+    """``_mixed_transients`` of a chunk whose layers send groups of saved tensors to the host (fine-grained
+    activation offloading): the forward of a layer runs before the layers above it have saved anything, and its
+    backward after they freed theirs, so each layer's working set comes over the chunk's kept bytes less what the
+    layers above it keep on the GPU: their saved bytes less the groups they send (``leaving``, per layer bottom to
+    top, forward order), of which the chunk's last ``kept_by_fraction`` bytes stay (--activation-offload-fraction
+    keeps the chunk's last groups: offload_activations.fraction_kept). Subtracting a layer's whole saved bytes, as
+    without offloading, would take off bytes that are on the host, not the GPU."""
+    layers = [la for la, k in per_kind for _ in range(k)]
+    sent = [sum(g) for g in leaving]
+    # the fraction's groups are the last ones of the chunk: give them back to the top layers first
+    back = kept_by_fraction
+    for i in reversed(range(len(sent))):
+        if back <= 0:
+            break
+        b = min(back, sent[i])
+        sent[i] -= b
+        back -= b
+    fwd = bwd = None
+    above = 0
+    for la, off in zip(reversed(layers), reversed(sent)):
+        f, b = la.fwd_transient - above, la.bwd_transient - above
+        fwd = f if fwd is None else max(fwd, f)
+        bwd = b if bwd is None else max(bwd, b)
+        above += la.total - off
     return fwd or 0, bwd or 0
 
 
