@@ -111,11 +111,15 @@ def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
 @lru_cache(maxsize=1024)
 def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
                        has_output: bool, final_norm: bool | None = None,
-                       has_mtp: bool | None = None) -> ChunkActivations:
+                       has_mtp: bool | None = None, held_grad: bool = False) -> ChunkActivations:
     """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top). ``final_norm``: the chunk
     runs the decoder's final norm (None: with the loss; with MTP the chunk of the last decoder layer,
     params.holds_final_norm), so it keeps the norm's input and statistics. ``has_mtp``: it runs the MTP block
-    (None: with the loss; a layout's 'm' on an earlier stage: Megatron's mtp_standalone, params.holds_mtp)."""
+    (None: with the loss; a layout's 'm' on an earlier stage: Megatron's mtp_standalone, params.holds_mtp).
+    ``held_grad``: the output gradient the chunk receives from the next stage is a tensor of its own, which
+    backward_step (schedules.py, megatron-core 0.16.1 and 0.19.2) holds through the chunk's backward: beside the
+    top layer's gradients once its residual gradients merged, and beside every layer below (not on a GPU, where
+    p2p_buffers_in_flight counts the pipeline buffer NCCL holds, the last one received)."""
     if final_norm is None:
         final_norm = has_output
     mtp_depths = getattr(L, "mtp_num_layers", 0) or 0
@@ -131,7 +135,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     # chunk's top block is handed the gradient the schedule received and holds (p2p buffers), unless the chunk runs
     # the final norm (or the MTP block), whose backward makes it
     replay_out = x.T * x.h * x.r
-    top_grad = replay_out if (final_norm or mtp_here) else 0
+    held = replay_out if held_grad and not (final_norm or mtp_here) else 0
+    top_grad = replay_out if (final_norm or mtp_here) else held
     # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
     # (_block_replays; a chunk building MTP layers above its decoder layers (estimator/mtp.py) and activation
     # offloading keep the replay over everything the chunk holds: an upper bound)
@@ -140,6 +145,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if len(per_kind) == 1:                        # a uniform chunk (the common case)
         la, n = per_kind[0]
         per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
+        if held and n:
+            # (the layer below the top one runs its backward after the top one freed its tensors)
+            bwd_transient = max(_replay_transient(la, held, True),
+                                la.bwd_transient + held - la.total if n > 1 else 0)
     else:
         n = sum(k for _, k in runs)
         per_layer = max(la.total for la, _ in per_kind)
@@ -149,10 +158,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             fwd_transient = max(la.fwd_transient for la, _ in per_kind)
             bwd_transient = max(la.bwd_transient for la, _ in per_kind)
         else:
-            fwd_transient, bwd_transient = _mixed_transients(per_kind)
+            fwd_transient, bwd_transient = _mixed_transients(per_kind, held)
     if block and n:
         bwd_transient = _block_replays(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
-                                       ckpt_input, replay_out, top_grad)
+                                       ckpt_input, replay_out, top_grad, held)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
         # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
@@ -286,6 +295,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         bwd_bottom = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
+        bwd_bottom += held            # (backward_step still holds the received output gradient)
     if mtp_here and not has_output:
         # Megatron's mtp_standalone: the MTP block on a stage before the loss's, which it sends the concatenated
         # hidden states to (estimator/mtp.py); its layers as on the last stage
@@ -478,19 +488,26 @@ def _block_hybrid_depths(stack: list[tuple[LayerActivations, int]], d: int, k: i
     return fwd or 0, bwd or 0
 
 
-def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
+def _mixed_transients(per_kind: list[tuple[LayerActivations, int]], held: int = 0) -> tuple[int, int]:
     """A chunk of layers of different kinds (bottom to top): its forward and backward working sets over the
     whole chunk's saved bytes. A layer's forward runs before the layers above it have saved anything, and its
     backward after their saved tensors are freed (autograd releases a node's saved tensors once its backward
     has run), so layer i adds its own working set less what the layers above it keep: the largest over the
     layers. Within a run of one kind its top layer is the largest. (A hybrid model's attention layer under its
-    MLP layer: the attention's backward working set comes when the MLP layer above has freed its tensors.)"""
+    MLP layer: the attention's backward working set comes when the MLP layer above has freed its tensors.)
+    ``held``: a received output gradient held through the backward (_chunk_activations): beside the top layer's
+    steps after its residual merge (_replay_transient), and beside every layer below."""
     fwd = bwd = None
     above = 0
+    top = True
     for la, k in reversed(per_kind):
         if k <= 0:
             continue
         f, b = la.fwd_transient - above, la.bwd_transient - above
+        if held:
+            b = (max(_replay_transient(la, held, True), la.bwd_transient + held - la.total if k > 1 else 0)
+                 if top else b + held)
+        top = False
         fwd = f if fwd is None else max(fwd, f)
         bwd = b if bwd is None else max(bwd, b)
         above += k * la.total
@@ -567,14 +584,15 @@ def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out:
 
 
 def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int, out: int = 0,
-                   top_grad: int = 0) -> int:
+                   top_grad: int = 0, held: int = 0) -> int:
     """Full ``block`` recompute of a chunk (bottom to top): its backward working set over what the chunk holds. The
     first ``k`` layers are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1
     and 0.19.2: ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers
     above keep their saved tensors. Backward runs the top layers first and frees their tensors, then each
     checkpointed layer replays its forward (its saved bytes less its kept input, ``_replay``) before its own
     backward. Composed as ``_mixed_transients``: each layer's working set (a checkpointed one's with its replay) less
-    what the layers above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.)"""
+    what the layers above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.) ``held``:
+    a received output gradient held through the backward (_mixed_transients), beside the unreplayed layers."""
     bwd = None
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
@@ -585,7 +603,8 @@ def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
         # (a checkpointed layer under unreplayed identities is handed the chunk's top gradient itself; a replayed
         # identity's checkpoint returns a copy: AccumulateGrad clones the gradient its caller still holds)
         grad = top_grad if i >= top and (i == len(layers) - 1 or k <= top + 1) else out
-        b = (_replay([la], ckpt_input, out, grad) if replayed else la.bwd_transient) - above
+        b = (_replay([la], ckpt_input, out, grad) if replayed
+             else _replay_transient(la, held, i >= top) if held else la.bwd_transient) - above
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
     return bwd or 0
@@ -1110,13 +1129,16 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         final_norm = final_norm or norm_here
         runs_of.append(c.kind_runs)
         first = c.pp_rank == 0 and c.vpp_rank == 0
+        # (a chunk before the loss's receives its output gradient: a tensor of its own but on a GPU)
+        held_grad = device != "gpu" and not c.has_output
         if depths:
             chunk_mtp = holds_mtp(L, c)
             mtp_here = mtp_here or chunk_mtp
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp))
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp,
+                                           held_grad))
             receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
         else:
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here))
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad))
             receiving.append(0 if first else 1)
     widened = 1 + depths
     stage_runs = tuple(runs_of)
