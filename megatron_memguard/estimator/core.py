@@ -572,11 +572,39 @@ def _top_layer(layers: list[LayerActivations]) -> int:
     return max((j for j, la in enumerate(layers) if la.saved), default=len(layers) - 1)
 
 
+def _keeps_replay_graph(la: LayerActivations) -> bool:
+    """Whether a replayed layer's graph outlives its block's backward: an MoE layer's token dispatcher keeps a
+    tensor of the routing probabilities it was handed (alltoall ``self.probs``, allgather ``self.local_probs``,
+    flex ``self.token_probs``; token_dispatcher.py, megatron-core 0.16.1 and 0.19.2) until its next forward, and
+    that tensor's graph reaches the AccumulateGrad of CheckpointFunction.backward's detached input: the block's kept
+    input (the same storage) and its gradient (the detached input's ``.grad``) stay allocated while the blocks
+    below replay (CPU referee: benchmarks/referee/replay_bottom.py)."""
+    return la.moe_total > 0
+
+
+def _kept_above(blocks_above: list[list[LayerActivations]], ckpt_input: int, out: int) -> int:
+    """What the replayed blocks above a block (bottom to top) still hold at its replay, less the kept inputs they
+    freed: each freed its kept input unless its graph is kept (_keeps_replay_graph), which also keeps its input's
+    gradient, a tensor of its own but for the block right above (the gradient it hands this block, _replay)."""
+    held = 0
+    for j, block in enumerate(blocks_above):
+        if any(_keeps_replay_graph(la) for la in block):
+            held += out if j else 0
+        else:
+            held -= ckpt_input
+    return held
+
+
 def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out: int, top_grad: int) -> int:
     """Full uniform recompute of ``n`` layers of one kind in blocks of ``k``: the top block (``n % k`` layers when
     k does not divide n; handed the gradient ``top_grad``, _replay) replays first, a full block below it after the
-    top block freed its kept input."""
+    top block freed its kept input (an MoE layer's block keeps it, with its gradient: _kept_above, the lowest
+    block's replay the largest)."""
     top = n % k
+    if _keeps_replay_graph(la) and n > k:
+        groups = -(-n // k)
+        first = _replay([la] * (top or k), ckpt_input, out, top_grad)
+        return max(first, _replay([la] * k, ckpt_input, out, out) + _kept_above([[la]] * (groups - 1), ckpt_input, out))
     if not top:
         best = _replay([la] * k, ckpt_input, out, top_grad)
         return best if n == k else max(best, _replay([la] * k, ckpt_input, out, out) - ckpt_input)
@@ -597,6 +625,7 @@ def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
     top = _top_layer(layers)
+    replayed_above: list[list[LayerActivations]] = []      # the checkpointed layers above, bottom to top
     for i in range(len(layers) - 1, -1, -1):
         la = layers[i]
         replayed = i < k
@@ -605,6 +634,10 @@ def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
         grad = top_grad if i >= top and (i == len(layers) - 1 or k <= top + 1) else out
         b = (_replay([la], ckpt_input, out, grad) if replayed
              else _replay_transient(la, held, i >= top) if held else la.bwd_transient) - above
+        if replayed:
+            # (``above`` took the checkpointed layers' kept inputs as freed)
+            b += _kept_above(replayed_above, ckpt_input, out) + ckpt_input * len(replayed_above)
+            replayed_above.insert(0, [la])
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
     return bwd or 0
@@ -616,13 +649,13 @@ def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
     (recompute.py checkpointed_forward, megatron-core 0.19.2: TransformerBlock and HybridStack alike): the
     largest block replay in backward (``_replay``: its layers' saved bytes with the working set of its layers
     over what the chunk holds), less the checkpointed inputs of the blocks above it (freed when their backward
-    has run)."""
+    has run; an MoE layer's block keeps it: _kept_above)."""
     layers = [la for la, n in per_kind for _ in range(n)]
+    blocks = [layers[start:start + k] for start in range(0, len(layers), k)]
     best = None
-    for start in range(0, len(layers), k):
-        block = layers[start:start + k]
-        above = -(-(len(layers) - start - len(block)) // k)
-        v = _replay(block, ckpt_input, out, out if above else top_grad) - ckpt_input * above
+    for i, block in enumerate(blocks):
+        above = blocks[i + 1:]
+        v = _replay(block, ckpt_input, out, out if above else top_grad) + _kept_above(above, ckpt_input, out)
         best = v if best is None else max(best, v)
     return best or 0
 
