@@ -187,7 +187,8 @@ def test_distributed_saved_activations_move_each_stage_by_the_measured_bytes(voc
     dense stage then keeps [s b h] / 2 = 16,384 B less per micro-batch held, measured to the byte on both stages
     wherever the peak lies (the last stage's backward peak is the replay's, where the gathered input is back: no
     change), and estimated so: each stage errs by the same bytes with the flag as without it (vocabulary 1000:
-    -72 B and -100 B; 8000: -50,248 B and -7,252 B)."""
+    -72 B and -100 B; 8000: -17,480 B and -7,252 B; -50,248 B on the first stage before its end of
+    backward counted the received output gradient it holds)."""
     from benchmarks.referee.grid import COMMON
     from megatron_memguard import estimate
     base = COMMON + DIST_FLAGS + ["--vocab-size", str(vocab)]
