@@ -278,7 +278,9 @@ def test_own_query_groups_per_layer(tmp_path):
 
 def test_referee_measures_own_query_groups(tmp_path):
     # the CPU referee (megatron-core's own training step) on small_blocks.json with block 0's attention of 1 query
-    # group and block 2's of 8: parameters and the state after the step exact, the peak within the referee's 3%
+    # group and block 2's of 8: parameters and the state after the step exact, the peak (block 2's unfused softmax
+    # backward) within 256 B (before +1.7%: linear_qkv's output and the context's gradient counted there, both freed
+    # by the bmm's backward; stored on both cores: tests/test_referee_replay.py, het_own_query_groups)
     pytest.importorskip("megatron.core")
     from benchmarks.referee.compare import compare_entry
     from benchmarks.referee.grid import COMMON, resolve_config
@@ -296,7 +298,7 @@ def test_referee_measures_own_query_groups(tmp_path):
     for row in rows:
         assert row.params_measured == row.params_predicted
         assert abs(row.after_err) < 0.001
-        assert 0 <= row.peak_err < 0.03, row.peak_err
+        assert abs(row.peak_measured - row.peak_predicted) < 256, (row.peak_measured, row.peak_predicted)
 
 
 def test_own_query_groups_match_megatron_core_on_cpu(tmp_path):

@@ -175,8 +175,9 @@ def test_full_recompute_of_every_layer_never_raises_a_hybrid_stage_peak(hs):
     replayed one pays them back with what it would have kept (at least two tensors of its input's size), but when
     the chunk's peak is its bottom layer's own backward (a Mamba layer under a smaller MoE layer, 'ME' on a stage),
     the layers above have freed their tensors by then in both runs: nothing pays them back. CPU referee
-    (tests/test_referee_replay.py::test_a_bottom_layers_replay_raises_the_peak_by_its_output): a wide dense layer
-    under an MoE layer, full uniform recompute of each layer, peaks one [s, b, h] tensor higher than without."""
+    (tests/test_referee_replay.py::test_a_bottom_layers_replay_raises_the_peak_by_what_it_holds): a wide dense layer
+    under an MoE layer, full uniform recompute of each layer, peaks two [s, b, h] tensors higher than without (the
+    replayed output, and the MoE block's kept input, which its dispatcher's routing probabilities keep alive)."""
     if any(len(seg) < 2 for seg in hs.segments) or (len(hs.segments) == 1 and hs.layers // hs.pp < 2):
         reject()
     plain = hs.with_(recompute=())

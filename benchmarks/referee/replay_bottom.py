@@ -6,8 +6,11 @@ Two-layer models whose peak is the bottom layer's own backward (a wide FFN under
 above pays nothing back: without recompute and with ``--recompute-granularity full --recompute-method uniform
 --recompute-num-layers 1``. ``het_wide_bottom``: heterogeneous blocks (tests/data/heterogeneous/wide_bottom.json,
 FFN x32 under FFN x1, h 512); ``moe_wide_bottom``: a dense layer (FFN 16384) under an MoE layer (2 experts of 128,
-top-1, alltoall, EP1, h 256). tests/test_referee_replay.py reads the file
-(test_a_bottom_layers_replay_raises_the_peak_by_what_it_holds).
+top-1, alltoall, EP1, h 256); ``moe_wide_bottom3``: the same under two such dense layers (three layers, the MoE one
+on top), whose bottom layer's replay comes after the dense block above it freed its kept input while the MoE block's
+stays. tests/test_referee_replay.py reads the file (test_a_bottom_layers_replay_raises_the_peak_by_what_it_holds).
+
+    python -m benchmarks.referee.replay_bottom --only moe_wide_bottom3_none moe_wide_bottom3_u1   # keep the others
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ MOE_BASE = ("--num-layers 2 --hidden-size 256 --num-attention-heads 8 --group-qu
             "--untie-embeddings-and-output-weights --bf16 --num-experts 2 --moe-ffn-hidden-size 128 "
             "--moe-router-topk 1 --moe-router-pre-softmax --expert-model-parallel-size 1 "
             "--moe-token-dispatcher-type alltoall --moe-layer-freq [0,1]").split()
+MOE3_BASE = [("3" if MOE_BASE[i - 1] == "--num-layers" else "[0,0,1]" if MOE_BASE[i - 1] == "--moe-layer-freq" else f)
+             for i, f in enumerate(MOE_BASE)]
 
 
 def configs() -> list[dict]:
@@ -41,6 +46,7 @@ def configs() -> list[dict]:
         more = _RECOMPUTE[rec].split() if rec != "none" else []
         out.append({"name": f"het_wide_bottom_{rec}", "flags": COMMON + HET_BASE + more})
         out.append({"name": f"moe_wide_bottom_{rec}", "flags": COMMON + MOE_BASE + more})
+        out.append({"name": f"moe_wide_bottom3_{rec}", "flags": COMMON + MOE3_BASE + more})
     return out
 
 
@@ -61,17 +67,21 @@ def settings_of(cfg: dict, version: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "referee-replay-bottom-measured.json"))
+    p.add_argument("--only", nargs="*", default=None, help="measure these configurations, keep the file's others")
     args = p.parse_args()
     import megatron.core
     import torch
     core = megatron.core.__version__
     data = json.load(open(args.out)) if os.path.exists(args.out) else {}
     entries = []
-    for cfg in configs():
+    for cfg in [c for c in configs() if not args.only or c["name"] in args.only]:
         r = run_referee(settings_of(cfg, VERSION[core]), 1, timeout=900, cores=FSDP_MEGATRON_CORES)[0]
         entries.append({"name": cfg["name"], "flags": cfg["flags"], "peak_bytes": r["peak_bytes"],
                         "peak_phase": r["peak_phase"]})
         print(f"[ok] {cfg['name']}: {r['peak_bytes']} in {r['peak_phase']}", flush=True)
+    if args.only and core in data:
+        names = {e["name"] for e in entries}
+        entries = [e for e in data[core]["configs"] if e["name"] not in names] + entries
     data[core] = {"environment": {"torch": torch.__version__, "megatron_core": core,
                                   "python": platform.python_version()}, "configs": entries}
     with open(args.out, "w") as fh:

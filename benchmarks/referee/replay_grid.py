@@ -38,6 +38,9 @@ _RECOMPUTE = {"u1": "--recompute-granularity full --recompute-method uniform --r
               "b4": "--recompute-granularity full --recompute-method block --recompute-num-layers 4"}
 HET = [(f"het_{blocks}_{r}", f"tests/data/heterogeneous/{blocks}.json", _RECOMPUTE[r])
        for blocks in ("top_attention_only", "top_mlp_only", "top_identity") for r in ("b3", "u1", "b4", "u2")]
+# blocks with their own query groups (small_blocks.json with block 0's attention of 1 group and block 2's of 8, over
+# an identity), without recompute: the peak is block 2's unfused softmax backward
+HET.append(("het_own_query_groups", "tests/data/heterogeneous/own_query_groups.json", ""))
 VERSION = {"0.16.1": "0.16.1", "0.19.2": "0.19"}   # megatron-core release -> memguard's --megatron-version
 # what tests/test_referee_replay.py reads of a rank (the largest 30 live storages at the peak)
 KEEP = ("rank", "world_size", "tp_rank", "pp_rank", "dp_rank", "tp_size", "pp_size", "dp_size", "num_params",
@@ -47,7 +50,7 @@ KEEP = ("rank", "world_size", "tp_rank", "pp_rank", "dp_rank", "tp_size", "pp_si
 
 def het_configs() -> list[Dict[str, Any]]:
     """The HET configurations as grid entries (flags with the config file relative to the repository root)."""
-    return [{"name": name, "world_size": 1, "note": f"heterogeneous {path}, {rec}",
+    return [{"name": name, "world_size": 1, "note": f"heterogeneous {path}, {rec or 'no recompute'}",
              "flags": COMMON + HET_FLAGS + ["--heterogeneous-layers-config-path", path] + rec.split()}
             for name, path, rec in HET]
 

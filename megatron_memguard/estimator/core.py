@@ -111,11 +111,15 @@ def chunk_activations(L: Layout, c: Chunk) -> ChunkActivations:
 @lru_cache(maxsize=1024)
 def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_embedding: bool,
                        has_output: bool, final_norm: bool | None = None,
-                       has_mtp: bool | None = None) -> ChunkActivations:
+                       has_mtp: bool | None = None, held_grad: bool = False) -> ChunkActivations:
     """One chunk with layers of the kinds ``runs`` ((kind, count), bottom to top). ``final_norm``: the chunk
     runs the decoder's final norm (None: with the loss; with MTP the chunk of the last decoder layer,
     params.holds_final_norm), so it keeps the norm's input and statistics. ``has_mtp``: it runs the MTP block
-    (None: with the loss; a layout's 'm' on an earlier stage: Megatron's mtp_standalone, params.holds_mtp)."""
+    (None: with the loss; a layout's 'm' on an earlier stage: Megatron's mtp_standalone, params.holds_mtp).
+    ``held_grad``: the output gradient the chunk receives from the next stage is a tensor of its own, which
+    backward_step (schedules.py, megatron-core 0.16.1 and 0.19.2) holds through the chunk's backward: beside the
+    top layer's gradients once its residual gradients merged, and beside every layer below (not on a GPU, where
+    p2p_buffers_in_flight counts the pipeline buffer NCCL holds, the last one received)."""
     if final_norm is None:
         final_norm = has_output
     mtp_depths = getattr(L, "mtp_num_layers", 0) or 0
@@ -131,7 +135,8 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     # chunk's top block is handed the gradient the schedule received and holds (p2p buffers), unless the chunk runs
     # the final norm (or the MTP block), whose backward makes it
     replay_out = x.T * x.h * x.r
-    top_grad = replay_out if (final_norm or mtp_here) else 0
+    held = replay_out if held_grad and not (final_norm or mtp_here) else 0
+    top_grad = replay_out if (final_norm or mtp_here) else held
     # full block recompute: the first k layers checkpointed one by one, their replays composed layer by layer
     # (_block_replays; a chunk building MTP layers above its decoder layers (estimator/mtp.py) and activation
     # offloading keep the replay over everything the chunk holds: an upper bound)
@@ -140,6 +145,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     if len(per_kind) == 1:                        # a uniform chunk (the common case)
         la, n = per_kind[0]
         per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
+        if held and n:
+            # (the layer below the top one runs its backward after the top one freed its tensors)
+            bwd_transient = max(_replay_transient(la, held, True),
+                                la.bwd_transient + held - la.total if n > 1 else 0)
     else:
         n = sum(k for _, k in runs)
         per_layer = max(la.total for la, _ in per_kind)
@@ -150,10 +159,10 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             fwd_transient = max(la.fwd_transient for la, _ in per_kind)
             bwd_transient = max(la.bwd_transient for la, _ in per_kind)
         else:
-            fwd_transient, bwd_transient = _mixed_transients(per_kind)
+            fwd_transient, bwd_transient = _mixed_transients(per_kind, held)
     if block and n:
         bwd_transient = _block_replays(per_kind, L.recompute_num_layers if L.recompute_num_layers is not None else 1,
-                                       ckpt_input, replay_out, top_grad)
+                                       ckpt_input, replay_out, top_grad, held)
     recompute_group = 0
     if L.recompute_granularity == "full" and n:
         # block: the first k layers of the chunk are checkpointed, 0 = none (Megatron takes 0; resolve
@@ -299,6 +308,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         bwd_bottom = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
+        bwd_bottom += held            # (backward_step still holds the received output gradient)
     if mtp_here and not has_output:
         # Megatron's mtp_standalone: the MTP block on a stage before the loss's, which it sends the concatenated
         # hidden states to (estimator/mtp.py); its layers as on the last stage
@@ -491,19 +501,26 @@ def _block_hybrid_depths(stack: list[tuple[LayerActivations, int]], d: int, k: i
     return fwd or 0, bwd or 0
 
 
-def _mixed_transients(per_kind: list[tuple[LayerActivations, int]]) -> tuple[int, int]:
+def _mixed_transients(per_kind: list[tuple[LayerActivations, int]], held: int = 0) -> tuple[int, int]:
     """A chunk of layers of different kinds (bottom to top): its forward and backward working sets over the
     whole chunk's saved bytes. A layer's forward runs before the layers above it have saved anything, and its
     backward after their saved tensors are freed (autograd releases a node's saved tensors once its backward
     has run), so layer i adds its own working set less what the layers above it keep: the largest over the
     layers. Within a run of one kind its top layer is the largest. (A hybrid model's attention layer under its
-    MLP layer: the attention's backward working set comes when the MLP layer above has freed its tensors.)"""
+    MLP layer: the attention's backward working set comes when the MLP layer above has freed its tensors.)
+    ``held``: a received output gradient held through the backward (_chunk_activations): beside the top layer's
+    steps after its residual merge (_replay_transient), and beside every layer below."""
     fwd = bwd = None
     above = 0
+    top = True
     for la, k in reversed(per_kind):
         if k <= 0:
             continue
         f, b = la.fwd_transient - above, la.bwd_transient - above
+        if held:
+            b = (max(_replay_transient(la, held, True), la.bwd_transient + held - la.total if k > 1 else 0)
+                 if top else b + held)
+        top = False
         fwd = f if fwd is None else max(fwd, f)
         bwd = b if bwd is None else max(bwd, b)
         above += k * la.total
@@ -597,11 +614,39 @@ def _top_layer(layers: list[LayerActivations]) -> int:
     return max((j for j, la in enumerate(layers) if la.saved), default=len(layers) - 1)
 
 
+def _keeps_replay_graph(la: LayerActivations) -> bool:
+    """Whether a replayed layer's graph outlives its block's backward: an MoE layer's token dispatcher keeps a
+    tensor of the routing probabilities it was handed (alltoall ``self.probs``, allgather ``self.local_probs``,
+    flex ``self.token_probs``; token_dispatcher.py, megatron-core 0.16.1 and 0.19.2) until its next forward, and
+    that tensor's graph reaches the AccumulateGrad of CheckpointFunction.backward's detached input: the block's kept
+    input (the same storage) and its gradient (the detached input's ``.grad``) stay allocated while the blocks
+    below replay (CPU referee: benchmarks/referee/replay_bottom.py)."""
+    return la.moe_total > 0
+
+
+def _kept_above(blocks_above: list[list[LayerActivations]], ckpt_input: int, out: int) -> int:
+    """What the replayed blocks above a block (bottom to top) still hold at its replay, less the kept inputs they
+    freed: each freed its kept input unless its graph is kept (_keeps_replay_graph), which also keeps its input's
+    gradient, a tensor of its own but for the block right above (the gradient it hands this block, _replay)."""
+    held = 0
+    for j, block in enumerate(blocks_above):
+        if any(_keeps_replay_graph(la) for la in block):
+            held += out if j else 0
+        else:
+            held -= ckpt_input
+    return held
+
+
 def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out: int, top_grad: int) -> int:
     """Full uniform recompute of ``n`` layers of one kind in blocks of ``k``: the top block (``n % k`` layers when
     k does not divide n; handed the gradient ``top_grad``, _replay) replays first, a full block below it after the
-    top block freed its kept input."""
+    top block freed its kept input (an MoE layer's block keeps it, with its gradient: _kept_above, the lowest
+    block's replay the largest)."""
     top = n % k
+    if _keeps_replay_graph(la) and n > k:
+        groups = -(-n // k)
+        first = _replay([la] * (top or k), ckpt_input, out, top_grad)
+        return max(first, _replay([la] * k, ckpt_input, out, out) + _kept_above([[la]] * (groups - 1), ckpt_input, out))
     if not top:
         best = _replay([la] * k, ckpt_input, out, top_grad)
         return best if n == k else max(best, _replay([la] * k, ckpt_input, out, out) - ckpt_input)
@@ -609,25 +654,32 @@ def _uniform_replays(la: LayerActivations, n: int, k: int, ckpt_input: int, out:
 
 
 def _block_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_input: int, out: int = 0,
-                   top_grad: int = 0) -> int:
+                   top_grad: int = 0, held: int = 0) -> int:
     """Full ``block`` recompute of a chunk (bottom to top): its backward working set over what the chunk holds. The
     first ``k`` layers are checkpointed one by one (transformer_block.py _checkpointed_forward, megatron-core 0.16.1
     and 0.19.2: ``if l < recompute_num_layers: checkpoint(custom(l, l + 1))``), keeping their input; the layers
     above keep their saved tensors. Backward runs the top layers first and frees their tensors, then each
     checkpointed layer replays its forward (its saved bytes less its kept input, ``_replay``) before its own
     backward. Composed as ``_mixed_transients``: each layer's working set (a checkpointed one's with its replay) less
-    what the layers above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.)"""
+    what the layers above it keep. (All k layers checkpointed: ``_mixed_replays`` of blocks of one layer.) ``held``:
+    a received output gradient held through the backward (_mixed_transients), beside the unreplayed layers."""
     bwd = None
     above = 0
     layers = [la for la, n in per_kind for _ in range(n)]
     top = _top_layer(layers)
+    replayed_above: list[list[LayerActivations]] = []      # the checkpointed layers above, bottom to top
     for i in range(len(layers) - 1, -1, -1):
         la = layers[i]
         replayed = i < k
         # (a checkpointed layer under unreplayed identities is handed the chunk's top gradient itself; a replayed
         # identity's checkpoint returns a copy: AccumulateGrad clones the gradient its caller still holds)
         grad = top_grad if i >= top and (i == len(layers) - 1 or k <= top + 1) else out
-        b = (_replay([la], ckpt_input, out, grad) if replayed else la.bwd_transient) - above
+        b = (_replay([la], ckpt_input, out, grad) if replayed
+             else _replay_transient(la, held, i >= top) if held else la.bwd_transient) - above
+        if replayed:
+            # (``above`` took the checkpointed layers' kept inputs as freed)
+            b += _kept_above(replayed_above, ckpt_input, out) + ckpt_input * len(replayed_above)
+            replayed_above.insert(0, [la])
         bwd = b if bwd is None else max(bwd, b)
         above += ckpt_input if replayed else la.total
     return bwd or 0
@@ -639,13 +691,13 @@ def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
     (recompute.py checkpointed_forward, megatron-core 0.19.2: TransformerBlock and HybridStack alike): the
     largest block replay in backward (``_replay``: its layers' saved bytes with the working set of its layers
     over what the chunk holds), less the checkpointed inputs of the blocks above it (freed when their backward
-    has run)."""
+    has run; an MoE layer's block keeps it: _kept_above)."""
     layers = [la for la, n in per_kind for _ in range(n)]
+    blocks = [layers[start:start + k] for start in range(0, len(layers), k)]
     best = None
-    for start in range(0, len(layers), k):
-        block = layers[start:start + k]
-        above = -(-(len(layers) - start - len(block)) // k)
-        v = _replay(block, ckpt_input, out, out if above else top_grad) - ckpt_input * above
+    for i, block in enumerate(blocks):
+        above = blocks[i + 1:]
+        v = _replay(block, ckpt_input, out, out if above else top_grad) + _kept_above(above, ckpt_input, out)
         best = v if best is None else max(best, v)
     return best or 0
 
@@ -1152,13 +1204,16 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         final_norm = final_norm or norm_here
         runs_of.append(c.kind_runs)
         first = c.pp_rank == 0 and c.vpp_rank == 0
+        # (a chunk before the loss's receives its output gradient: a tensor of its own but on a GPU)
+        held_grad = device != "gpu" and not c.has_output
         if depths:
             chunk_mtp = holds_mtp(L, c)
             mtp_here = mtp_here or chunk_mtp
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp))
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp,
+                                           held_grad))
             receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
         else:
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here))
+            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad))
             receiving.append(0 if first else 1)
     widened = 1 + depths
     stage_runs = tuple(runs_of)

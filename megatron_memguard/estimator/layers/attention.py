@@ -311,10 +311,12 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         # get_full_mask's window mask, alive through the forward (the preallocated buffer is gone by the softmax)
         core_fwd += x.s * x.s
     # backward just after the softmax's (the probs are released by then): grads of probs and
-    # scores, the masked grad, the bmm's grad buffer, and the grads of the context and of v
-    # (TE's torch-softmax path runs the same torch ops as megatron's unfused one)
+    # scores, the masked grad, the bmm's grad buffer, and the grad of v, which waits for the scores' backward
+    # (TE's torch-softmax path runs the same torch ops as megatron's unfused one). The context's gradient is
+    # gone by then: the bmm's backward read it (a contiguous copy: the context was permuted) and freed it (CPU
+    # referee: the attention-only top layer's peak, tests/test_referee_replay.py)
     if kind == "local_unfused" or te_torch:
-        core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + 2 * q
+        core_bwd = scores * (4 * e if not soft32 else 2 * e + 8) + q
     else:
         core_bwd = 2 * scores * e + 2 * q
     if recompute_core:
@@ -400,6 +402,16 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         core_bwd += ctx
     # by the softmax's backward the bmm with V has run its backward: the probs and V's repeated copy are gone
     rel_softmax = rel_proj | {"attention_probs", "value_repeated"}
+    core_steps: tuple = ()
+    if (attention_kind(L) == "local_unfused" and not recompute_core and not gated and not L.qk_layernorm
+            and "qkv_output" in att and "query_rope" in att):
+        # megatron's unfused attention without GQA: rope made q and k new tensors, so linear_qkv's output is kept
+        # only through v, a view the bmm with the probs saves (dot_product_attention.py, megatron-core 0.16.1 and
+        # 0.19.2). The bmm's backward (its saved probs and v, the probs' gradient, the context's gradient and v's)
+        # frees it before the softmax's (CPU referee: a heterogeneous block with its own 8 query groups,
+        # tests/test_heterogeneous.py)
+        rel_softmax = rel_softmax | {"qkv_output"}
+        core_steps = ((rel_proj, G + x.b * x.a_t * x.s * x.s * e + 2 * Tf * ctx_w * e),)
     # (the core attention's autograd node frees what it saved: flash-attn's q, k, v copies and output, the ring's
     # last K/V buffer)
     rel_core = rel_proj | {"attention_probs", "softmax_stats", "causal_mask", "flash_qkv", "attention_output_bshd",
@@ -409,6 +421,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     bwd_steps = (
         (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w)),                                       # linear_proj
         *gate_steps,                                                                               # output gate
+        *core_steps,                                                                               # the bmm with v
         (rel_softmax if unfused else rel_proj, G + core_bwd),                                      # core attention
         (rel_core, G + Tf * qkv_w * e + Tf * h * e + wgrad(L, qkv_w, h)),                         # linear_qkv
         (rel_qkv, G + Tf * h * e + T * h * e + (T * h * e if drop_norm else 0)),                  # input norm
