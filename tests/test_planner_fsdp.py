@@ -58,3 +58,22 @@ def test_bad_fsdp_option_is_one_line(capsys):
     assert main(["plan", "--gpus", "16", "--fsdp", "zero3", "--", *LLAMA31_8B]) == 2
     err = capsys.readouterr().err
     assert "--fsdp" in err and "optim_grads_params" in err and len(err.strip().splitlines()) == 1
+
+
+def test_state_bound_memo_keeps_fsdp_apart_from_ddp():
+    """The MoE pre-filter's state bound was memoised without the FSDP strategy: an optim_grads layout got its DDP
+    sibling's model state and could be pruned. 8 GPUs, TP = PP = EP = 1 (DP = expert DP = 8), bf16 weights,
+    fp32 main gradients, Adam: DDP with the distributed optimizer keeps 2 + 4 + 12 / 8 = 7.5 B per parameter;
+    optim_grads keeps the weights whole and the bf16 gradients (core 0.19) and the optimizer state sharded,
+    2 + (2 + 12) / 8 = 3.75 B (bounds.stage_state_bytes), over all the model's parameters on one rank."""
+    from megatron_memguard.estimator.params import total_parameters
+    moe = ("--num-layers 12 --hidden-size 1024 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+           "--max-position-embeddings 4096 --bf16 --normalization RMSNorm --swiglu --disable-bias-linear "
+           "--ffn-hidden-size 2816 --position-embedding-type rope --untie-embeddings-and-output-weights "
+           "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512").split()
+    P = make_planner(moe, 8, 4096, 32)
+    ddp = make_candidate(P.shape, P.cluster, 32, ep=1, etp=1)
+    fsdp = make_candidate(P.shape, P.cluster, 32, ep=1, etp=1, fsdp="optim_grads")
+    n = total_parameters(P.layout(ddp))
+    assert P.state_bound(ddp) == 7.5 * n     # filled first, as enumerate_space orders them
+    assert P.state_bound(fsdp) == 3.75 * n

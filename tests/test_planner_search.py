@@ -201,3 +201,26 @@ def test_tie_break_by_hand():
     assert rank(0.03) == [1.02, 1.00, 1.05, 1.10]
     assert rank(0.10) == [1.05, 1.02, 1.10, 1.00]
     assert rank(0.0) == [1.00, 1.02, 1.05, 1.10]
+
+
+def test_the_bound_memo_keeps_vpp_siblings_apart():
+    """The lower-bound memo's key held VPP only for MoE models: a dense PP2 layout got its VPP 1 sibling's bound
+    (or the other way round, pruning a layout that fits). 12 layers on PP2 (6 a rank, 3 a chunk at VPP 2),
+    m = 32 / 4 = 8: rank 0 holds min(PP, m) = 2 micro-batches of 6 layers in 1F1B, 2 (PP-1) + (VPP-1) PP + 1 = 5
+    chunks of 3 layers interleaved (Megatron's warm-up, first_stage_layers_held)."""
+    from megatron_memguard.planner.bounds import layer_activation_bytes, stage_state_bytes
+    from megatron_memguard.planner.space import make_candidate
+    small = ("--num-layers 12 --hidden-size 1024 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+             "--max-position-embeddings 4096 --bf16 --normalization RMSNorm --swiglu --disable-bias-linear "
+             "--ffn-hidden-size 2816 --position-embedding-type rope --untie-embeddings-and-output-weights").split()
+    P = make_planner(small, 8, 4096, 32)
+    one = make_candidate(P.shape, P.cluster, 32, pp=2, vpp=1)
+    two = make_candidate(P.shape, P.cluster, 32, pp=2, vpp=2)
+    assert one.stage_layers == two.stage_layers == (6, 6) and one.m == two.m == 8
+    per_layer = layer_activation_bytes(P.shape, one)
+    first = stage_state_bytes(P.shape, two, P.timer.stage_params(two, 0))
+    P.lower_bound(one)                       # the VPP 1 sibling first, as the search may meet them
+    assert P.lower_bound(two) == first + 15 * per_layer
+    Q = make_planner(small, 8, 4096, 32)
+    Q.lower_bound(two)                       # and the other order: the VPP 1 layout keeps its own (smaller) bound
+    assert Q.lower_bound(one) == P.lower_bound(one) < P.lower_bound(two)

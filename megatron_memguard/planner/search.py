@@ -244,10 +244,10 @@ class Planner:
         return self.timer.step_time(c)
 
     def lower_bound(self, c: Candidate) -> float:
-        key = (c.tp, c.pp, c.cp, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, min(c.pp, c.m), c.fsdp, c.fp8,
-               c.ep, c.etp, c.vpp if self.shape.moe else 0,
-               # GDN layers: which layers a stage holds (its chunks) sets its parameters
-               (c.vpp, c.chunks) if self.shape.gdn_pattern else 0)
+        # everything memory_lower_bound reads of c: VPP and the chunks set the micro-batches in flight on every model
+        # (first_stage_layers_held, rank_layers_held), and which layers (MoE, GDN) a stage holds
+        key = (c.tp, c.pp, c.cp, c.dp, c.m, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, c.fsdp, c.fp8, c.ep,
+               c.etp, c.vpp, c.chunks)
         b = self._bounds.get(key)
         if b is None:
             b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
@@ -257,7 +257,7 @@ class Planner:
     def state_bound(self, c: Candidate) -> float:
         """The model-state part of :meth:`lower_bound` on the first and last stage (memoised per layout
         without the micro-batch, recomputation and sequence-parallel choices)."""
-        key = ("state", c.tp, c.pp, c.cp, c.stage_layers, c.dist_opt, c.ep, c.etp, c.vpp, c.chunks)
+        key = ("state", c.tp, c.pp, c.cp, c.dp, c.stage_layers, c.dist_opt, c.fsdp, c.ep, c.etp, c.vpp, c.chunks)
         b = self._bounds.get(key)
         if b is None:
             tm = self.timer
