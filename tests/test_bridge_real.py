@@ -125,6 +125,9 @@ def test_memguards_recipes_are_bridges(recipes, key, function):
     world = world_of(key)
     real, ours = resolved(raw, world), resolved(read_model(key), world)
     assert real == ours
+    # the deprecated cuda_graph_scope the recipe function sets ('full' in most H100 recipes): no memory of its own,
+    # but with it TransformerConfig asserts cuda_graph_modules empty, which memguard checks on an override
+    assert raw.args.get("cuda_graph_scope") == read_model(key).args.get("cuda_graph_scope")
     # the recipe's env_vars (training/config.py apply_environment_variables), the memory-relevant ones
     assert raw.env == read_model(key).env == memory_env({k: str(v) for k, v in cfg.env_vars.items()})
     # no comm_overlap section in memguard's table only where the recipe leaves it None (read_bridge refuses an
@@ -465,9 +468,10 @@ def test_run_recipes_cuda_graphs_are_what_bridge_finalizes(recipes, monkeypatch,
     _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
     if bridge is not None and "cuda_graph_scope and cuda_graph_modules cannot be set together" in bridge:
         # (the recipe function sets cuda_graph_scope 'full'; TransformerConfig asserts the modules empty unless it is
-        # None): the container's reading has the problem (memguard's recipe table does not carry that 'full' yet)
+        # None): the container's reading and memguard check's (its recipe table carries that 'full') have the problem
         from megatron_memguard.bridge import raw_config
         assert [p.key for p in raw_config(cfg).problems] == ["model.cuda_graph_modules"]
+        assert [p.key for p in raw.problems] == ["model.cuda_graph_modules"]
         return
     if bridge is not None:
         assert "check_for_nan_in_loss must be disabled" in bridge
