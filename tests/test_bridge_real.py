@@ -1019,3 +1019,32 @@ def test_a_field_of_a_recipes_mixed_precision_object_is_set_as_bridge_sets_it(re
     raw = read_bridge({}, "recipe qwen3_30b_a3b", parse_overrides(["mixed_precision.grad_reduce_in_fp32=true"]),
                       recipe="qwen3_30b_a3b")
     assert raw.args.get("accumulate_allreduce_grads_in_fp32") is True
+
+
+# --- audit2 item 3: optimizer CPU offload without the precision-aware optimizer, as Bridge 0.6.2 takes it ----------
+def test_optimizer_offload_without_precision_aware_optimizer_is_what_bridge_does(recipes, monkeypatch):
+    """Bridge's finalize (runtime_config_update: ConfigContainer.validate) runs no Megatron-LM validate_args and
+    accepts optimizer_cpu_offload without use_precision_aware_optimizer; megatron-core's OptimizerConfig then leaves
+    use_precision_aware_optimizer_no_fp8_or_ds_fp8 False, so the distributed optimizer keeps fp32 main shards of
+    its own under the HybridDeviceOptimizer (optimizer/__init__.py, distrib_optimizer.py 0.19.2). memguard models
+    only the precision-aware offload path: not modelled, naming Bridge's key (not validate_args' rule)."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    overrides = ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5"]
+    cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=overrides)
+    _runtime_config_update(cfg, monkeypatch)   # (no assertion: Bridge starts with it)
+    assert cfg.optimizer.optimizer_cpu_offload and not cfg.optimizer.use_precision_aware_optimizer
+    assert cfg.optimizer.use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(overrides), recipe="llama32_1b")
+    with pytest.raises(NotModelledError, match=r"^optimizer\.optimizer_cpu_offload: optimizer CPU offload without "
+                                               r"optimizer\.use_precision_aware_optimizer"):
+        resolve(raw, world_size=8)
+    # with the precision-aware optimizer (the path memguard estimates) Bridge and memguard both go on
+    on = overrides + ["optimizer.use_precision_aware_optimizer=true"]
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(on), recipe="llama32_1b")
+    assert resolve(raw, world_size=8).optimizer_cpu_offload is True
