@@ -125,6 +125,9 @@ def test_memguards_recipes_are_bridges(recipes, key, function):
     world = world_of(key)
     real, ours = resolved(raw, world), resolved(read_model(key), world)
     assert real == ours
+    # the deprecated cuda_graph_scope the recipe function sets ('full' in most H100 recipes): no memory of its own,
+    # but with it TransformerConfig asserts cuda_graph_modules empty, which memguard checks on an override
+    assert raw.args.get("cuda_graph_scope") == read_model(key).args.get("cuda_graph_scope")
     # the recipe's env_vars (training/config.py apply_environment_variables), the memory-relevant ones
     assert raw.env == read_model(key).env == memory_env({k: str(v) for k, v in cfg.env_vars.items()})
     # no comm_overlap section in memguard's table only where the recipe leaves it None (read_bridge refuses an
@@ -225,6 +228,8 @@ def test_run_recipe_gives_what_memguard_check_reads(recipes, monkeypatch, versio
     ["--recipe", "llama3_8b_pretrain_config", "--config-file", "x.yaml"],
     # the recipe's comm_overlap is None: Hydra cannot set a field of it
     ["--recipe", "llama3_8b_pretrain_config", "-tp", "2", "model.sequence_parallel=true", "comm_overlap.tp_comm_overlap=true"],
+    # the recipe's mixed_precision is the preset name bf16_mixed: Hydra cannot set a field of a string
+    ["--recipe", "llama3_8b_pretrain_config", "mixed_precision.grad_reduce_in_fp32=false"],
 ], ids=lambda a: " ".join(a))
 def test_launches_run_recipe_refuses_are_refused(recipes, monkeypatch, argv):
     from megatron_memguard.errors import MemguardError
@@ -431,7 +436,11 @@ def test_a_local_cuda_graph_bridge_refuses_is_a_problem(recipes, overrides):
     except ValueError as e:
         refused = "only for full-iteration CUDA graphs" in str(e)
     raw = read_bridge({}, "recipe llama32_1b", parse_overrides(overrides), recipe="llama32_1b")
-    assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if refused else [])
+    # and the recipe's own cuda_graph_scope 'full' (kept by these overrides) beside modules: megatron-core 0.19.2's
+    # TransformerConfig.__post_init__ asserts "cuda_graph_scope and cuda_graph_modules cannot be set together"
+    together = cfg.model.cuda_graph_scope is not None and cfg.model.cuda_graph_modules not in ("full", None, [])
+    assert [p.key for p in raw.problems] == (["model.cuda_graph_impl"] if refused else []) + (
+        ["model.cuda_graph_modules"] if together else [])
     assert refused == (overrides[0] == "model.cuda_graph_impl=local" and "full_iteration" not in overrides[-1])
 
 
@@ -463,9 +472,10 @@ def test_run_recipes_cuda_graphs_are_what_bridge_finalizes(recipes, monkeypatch,
     _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
     if bridge is not None and "cuda_graph_scope and cuda_graph_modules cannot be set together" in bridge:
         # (the recipe function sets cuda_graph_scope 'full'; TransformerConfig asserts the modules empty unless it is
-        # None): the container's reading has the problem (memguard's recipe table does not carry that 'full' yet)
+        # None): the container's reading and memguard check's (its recipe table carries that 'full') have the problem
         from megatron_memguard.bridge import raw_config
         assert [p.key for p in raw_config(cfg).problems] == ["model.cuda_graph_modules"]
+        assert [p.key for p in raw.problems] == ["model.cuda_graph_modules"]
         return
     if bridge is not None:
         assert "check_for_nan_in_loss must be disabled" in bridge
@@ -882,7 +892,8 @@ def test_hybrid_mtp_reads_as_bridge_finalizes_it(recipes, model):
     ("train=null", "fails"),                              # validate: 'NoneType' object has no attribute
     ("train.micro_batch_size='???'", "fails"),            # validate: int % str
     ("optimizer.optimizer=null", "not the default"),      # kept None: get_megatron_optimizer supports no None
-    ("mixed_precision.grad_reduce_in_fp32=null", "not the default"),   # None: gradients reduced in bf16
+    # the recipe's mixed_precision is the preset name bf16_mixed: Hydra refuses any field of it (test below)
+    ("mixed_precision.grad_reduce_in_fp32=null", "could not override"),
     ("ddp.num_distributed_optimizer_instances=null", "not the default"),
     ("optimizer.store_param_remainders=null", "not the default"),
     ("ddp.overlap_grad_reduce='???'", "not the default"),  # the text '???' kept (truthy)
@@ -898,8 +909,7 @@ def test_a_null_outside_the_model_is_refused_where_bridge_does_not_take_the_defa
 
     import torch
     from megatron.bridge.training.config import runtime_config_update
-    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
 
     from megatron_memguard.errors import ConfigError
     from megatron_memguard.readers._common import parse_overrides
@@ -909,11 +919,9 @@ def test_a_null_outside_the_model_is_refused_where_bridge_does_not_take_the_defa
                         lambda i=0: types.SimpleNamespace(major=9, minor=0, name="NVIDIA H100 80GB HBM3"))
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = recipes.llama32_1b_pretrain_config()
-    if isinstance(cfg.mixed_precision, str):   # (the recipe names a preset; an override of one field needs the object)
-        cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
     path = override.split("=")[0].split(".")
     default = None
-    if len(path) == 2:
+    if len(path) == 2 and dataclasses.is_dataclass(getattr(cfg, path[0])):
         default = {f.name: f.default for f in dataclasses.fields(getattr(cfg, path[0]))}[path[1]]
     env = dict(os.environ)
     try:
@@ -922,6 +930,8 @@ def test_a_null_outside_the_model_is_refused_where_bridge_does_not_take_the_defa
         value = getattr(getattr(cfg, path[0]), path[1]) if len(path) == 2 else getattr(cfg, path[0])
         seen = ("the default" if value is None and default in (None, False, dataclasses.MISSING) or value == default
                 else "not the default")
+    except OverridesError as e:
+        seen = "could not override" if "Could not override" in str(e) else "fails"
     except (AssertionError, TypeError, AttributeError, ValueError):
         seen = "fails"
     finally:
@@ -930,6 +940,9 @@ def test_a_null_outside_the_model_is_refused_where_bridge_does_not_take_the_defa
     assert seen == bridge
     if bridge == "the default":
         read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
+    elif bridge == "could not override":
+        with pytest.raises(ConfigError, match=rf"^{'.'.join(path)}: mixed_precision is the preset name 'bf16_mixed'"):
+            read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
     else:
         with pytest.raises(ConfigError, match=rf"^{'.'.join(path)}: is (null|\?\?\?)"):
             read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
@@ -970,3 +983,72 @@ def test_a_null_or_string_target_modules_is_what_bridges_module_matcher_makes_of
         read("peft.target_modules=linear_qkv")
     # a scheme name's fields set by overrides are that object's (peft.dim=8 was dropped: rank 32 estimated)
     assert read("peft.dim=8").peft.dim == 8
+
+
+# --- audit2 item 1: a field override of a mixed_precision preset NAME, as Bridge 0.6.2 takes it -------------------
+@pytest.mark.parametrize("override", ["mixed_precision.grad_reduce_in_fp32=false", "mixed_precision.fp8=hybrid",
+                                      "+mixed_precision.grad_reduce_in_fp32=false", "~mixed_precision.bf16"])
+def test_a_field_of_a_mixed_precision_preset_name_is_refused_as_bridge_refuses_it(recipes, monkeypatch, override):
+    """llama32_1b_pretrain_config sets mixed_precision="bf16_mixed" (recipes/common.py): Hydra cannot set or delete a
+    field of a string ("Could not override"); with + the section becomes a dict, which runtime_config_update
+    cannot finalize (training/config.py: cfg.mixed_precision.finalize()). memguard applied the field to the preset."""
+    from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
+
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    cfg = recipes.llama32_1b_pretrain_config()
+    assert cfg.mixed_precision == "bf16_mixed"
+    with pytest.raises((OverridesError, AttributeError)):
+        cfg = process_config_with_overrides(cfg, cli_overrides=[override])
+        _runtime_config_update(cfg, monkeypatch)
+    key = override.lstrip("+~").split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}: mixed_precision is the preset name 'bf16_mixed'"):
+        read_bridge({}, "recipe llama32_1b", parse_overrides([override]), recipe="llama32_1b")
+
+
+def test_a_field_of_a_recipes_mixed_precision_object_is_set_as_bridge_sets_it(recipes, monkeypatch):
+    """qwen3_30b_a3b_pretrain_config builds a MixedPrecisionConfig (grad_reduce_in_fp32=False): Hydra sets its field,
+    and setup() copies it into ddp (training/mixed_precision.py 0.6.2)."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    cfg = recipes.qwen3_30b_a3b_pretrain_config()
+    assert not isinstance(cfg.mixed_precision, str) and cfg.mixed_precision.grad_reduce_in_fp32 is False
+    cfg = process_config_with_overrides(cfg, cli_overrides=["mixed_precision.grad_reduce_in_fp32=true"])
+    assert cfg.mixed_precision.grad_reduce_in_fp32 is True
+    raw = read_bridge({}, "recipe qwen3_30b_a3b", parse_overrides(["mixed_precision.grad_reduce_in_fp32=true"]),
+                      recipe="qwen3_30b_a3b")
+    assert raw.args.get("accumulate_allreduce_grads_in_fp32") is True
+
+
+# --- audit2 item 3: optimizer CPU offload without the precision-aware optimizer, as Bridge 0.6.2 takes it ----------
+def test_optimizer_offload_without_precision_aware_optimizer_is_what_bridge_does(recipes, monkeypatch):
+    """Bridge's finalize (runtime_config_update: ConfigContainer.validate) runs no Megatron-LM validate_args and
+    accepts optimizer_cpu_offload without use_precision_aware_optimizer; megatron-core's OptimizerConfig then leaves
+    use_precision_aware_optimizer_no_fp8_or_ds_fp8 False, so the distributed optimizer keeps fp32 main shards of
+    its own under the HybridDeviceOptimizer (optimizer/__init__.py, distrib_optimizer.py 0.19.2). memguard models
+    only the precision-aware offload path: not modelled, naming Bridge's key (not validate_args' rule)."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    overrides = ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5"]
+    cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=overrides)
+    _runtime_config_update(cfg, monkeypatch)   # (no assertion: Bridge starts with it)
+    assert cfg.optimizer.optimizer_cpu_offload and not cfg.optimizer.use_precision_aware_optimizer
+    assert cfg.optimizer.use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(overrides), recipe="llama32_1b")
+    with pytest.raises(NotModelledError, match=r"^optimizer\.optimizer_cpu_offload: optimizer CPU offload without "
+                                               r"optimizer\.use_precision_aware_optimizer"):
+        resolve(raw, world_size=8)
+    # with the precision-aware optimizer (the path memguard estimates) Bridge and memguard both go on
+    on = overrides + ["optimizer.use_precision_aware_optimizer=true"]
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(on), recipe="llama32_1b")
+    assert resolve(raw, world_size=8).optimizer_cpu_offload is True

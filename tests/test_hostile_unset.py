@@ -192,10 +192,11 @@ def test_the_fields_read_are_the_mapped_ones():
     # 'store_param_remainders: bool = True': None is false, the remainders are not kept
     ("optimizer.store_param_remainders=null", "optimizer.store_param_remainders: is null: Megatron-Bridge passes None on, "
                                               "where OptimizerConfig declares bool with default True"),
-    # Bridge 0.6.2 training/mixed_precision.py 'grad_reduce_in_fp32: bool = True', copied into ddp by setup(): None
-    # reduces in bf16 where the default reduces in fp32
-    ("mixed_precision.grad_reduce_in_fp32=null", "mixed_precision.grad_reduce_in_fp32: is null: Megatron-Bridge passes "
-                                                 "None on, where MixedPrecisionConfig declares bool with default True"),
+    # FLAT's mixed_precision is the preset name bf16_mixed: Hydra cannot override a field of a string ("Could not
+    # override 'mixed_precision.grad_reduce_in_fp32'", Bridge 0.6.2 process_config_with_overrides; real Bridge in
+    # tests/test_bridge_real.py); the null rule for a MixedPrecisionConfig mapping is the test below
+    ("mixed_precision.grad_reduce_in_fp32=null", "mixed_precision.grad_reduce_in_fp32: mixed_precision is the preset "
+                                                 "name 'bf16_mixed'"),
     # megatron-core 0.19.2 datasets/gpt_dataset.py GPTDatasetConfig: 'create_attention_mask: bool = True'
     ("dataset.create_attention_mask=null", "dataset.create_attention_mask: is null: Megatron-Bridge passes None on, "
                                            "where GPTDatasetConfig declares bool with default True"),
@@ -227,6 +228,17 @@ def test_a_bridge_unset_value_in_a_non_model_section_is_refused(tmp_path, overri
     with pytest.raises(ConfigError) as e:
         _read(tmp_path, FLAT, override)
     assert str(e.value).startswith(rule), str(e.value)
+
+
+def test_a_null_field_of_a_mixed_precision_mapping_is_refused(tmp_path):
+    # Bridge 0.6.2 training/mixed_precision.py 'grad_reduce_in_fp32: bool = True', copied into ddp by setup(): None
+    # reduces in bf16 where the default reduces in fp32 (a MixedPrecisionConfig mapping: Hydra can set its fields)
+    text = FLAT.replace("mixed_precision: bf16_mixed\n", "mixed_precision: {bf16: true, params_dtype: bf16}\n")
+    assert text != FLAT
+    with pytest.raises(ConfigError) as e:
+        _read(tmp_path, text, "mixed_precision.grad_reduce_in_fp32=null")
+    assert str(e.value).startswith("mixed_precision.grad_reduce_in_fp32: is null: Megatron-Bridge passes None on, "
+                                   "where MixedPrecisionConfig declares bool with default True"), str(e.value)
 
 
 def test_a_bridge_unset_value_in_a_non_model_section_of_the_file_is_refused(tmp_path):

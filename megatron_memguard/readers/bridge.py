@@ -284,6 +284,17 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
             if cls is not None:
                 top.pop("peft")
                 S["peft"] = {"_target_": (f"megatron.bridge.peft.{cls.lower()}.{cls}", where)}
+        if sec == "mixed_precision" and isinstance(top.get("mixed_precision", (None,))[0], str):
+            # the section is a preset NAME (every 0.6.2 recipe's "bf16_mixed"): Hydra cannot set a field of a string
+            # ("Could not override 'mixed_precision.FIELD'"), and with +/++ the section becomes a dict, on which
+            # runtime_config_update's cfg.mixed_precision.finalize() fails (training/config.py 0.6.2; checked with
+            # real Bridge in tests/test_bridge_real.py). memguard applied the field to the expanded preset.
+            preset_name, where = top["mixed_precision"]
+            raise ConfigError(key, f"mixed_precision is the preset name {preset_name!r} ({where}): Megatron-Bridge "
+                              "cannot override a field of it (Hydra: \"Could not override\"; with + the section "
+                              "becomes a dict that runtime_config_update cannot finalize)", "choose another preset "
+                              "(mixed_precision=NAME), or set cfg.mixed_precision = "
+                              "get_mixed_precision_config(NAME) in Python and change the field there")
         if sec == "mixed_precision" and "mixed_precision" in top:
             preset = _mp_values(top.pop("mixed_precision"))
             S["mixed_precision"] = {k: (v, "mixed_precision") for k, v in preset.items()}

@@ -284,7 +284,20 @@ def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
     if not a.bool_arg("optimizer_cpu_offload", False):
         return {}
     if not kw.get("use_precision_aware_optimizer"):
-        a.fail("optimizer_cpu_offload", "needs --use-precision-aware-optimizer")
+        key = a.key("optimizer_cpu_offload")
+        if not key.startswith("optimizer."):
+            a.fail("optimizer_cpu_offload", "needs --use-precision-aware-optimizer")
+        else:
+            # Megatron-Bridge (0.6.2 ConfigContainer.validate / runtime_config_update) runs no validate_args and takes
+            # it: megatron-core 0.19.2's get_megatron_optimizer builds the HybridDeviceOptimizer anyway, but
+            # OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 stays False, so the distributed
+            # optimizer keeps its own fp32 main shards on the GPU and hands those to the hybrid optimizer
+            # (distrib_optimizer.py) - not the 16-bit shard views estimator/offload_optimizer.py models
+            raise NotModelledError(key, "optimizer CPU offload without optimizer.use_precision_aware_optimizer "
+                                   "(Megatron-Bridge accepts it; megatron-core then keeps the distributed optimizer's "
+                                   "fp32 main shards on the GPU under the hybrid optimizer)",
+                                   "set optimizer.use_precision_aware_optimizer=true, the offload path memguard "
+                                   "estimates")
     if a.bool_arg("fp8_param_gather", False) and str(a.get("fp8_recipe", "delayed")) != "delayed":
         a.fail("optimizer_cpu_offload", "with --fp8-param-gather needs --fp8-recipe delayed")
     fraction = a.float_arg("optimizer_offload_fraction", 1.0)
