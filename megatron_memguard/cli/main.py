@@ -229,9 +229,8 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     stream = None
     if ns.plot:  # fail before any output when the file name or matplotlib is wrong
         from ..report.plots import open_early, output_format, require_matplotlib
-        fmt = output_format(ns.plot)
-        require_matplotlib()
-        stream = open_early(ns.plot, fmt)   # a named pipe: opened now, refused at once if nobody reads it
+        stream = open_early(ns.plot, output_format(ns.plot))   # a named pipe: opened now, refused if nobody reads it
+        require_matplotlib()                                   # (after: importing matplotlib takes a second)
     raw = load_raw(ns, flags)
     if raw.problems:  # the config breaks a rule of its own format (memguard validate lists them with the rest)
         raise ConfigErrors(list(raw.problems))

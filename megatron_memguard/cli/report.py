@@ -135,8 +135,8 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     if ns.out:
         from ..report.plots import open_early, output_format, require_matplotlib
         fmt = output_format(ns.out, "--out")
-        require_matplotlib("--out")        # before reading: fail fast, one line
         stream = open_early(ns.out, fmt, "--out")   # a named pipe: opened now (nobody reading it: refused at once)
+        require_matplotlib("--out")        # before reading: fail fast, one line
 
     def warn(msg: str) -> None:
         print(f"memguard: warning: {msg}", file=sys.stderr)
