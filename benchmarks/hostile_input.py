@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., newest, hostile10, hostile11)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile10, hostile11, hostile12)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -29,7 +29,8 @@ backends, heterogeneous MoE / MTP configs, module lists, emerging-optimizer valu
 optimizer nulls, plus (hook10) hostile namespaces through the hook and garbage memory sources through the runtime monitor
 (issue hostile10); DSA / GDN / eval-step flags, hybrid D / G / + patterns, heterogeneous JSON, NeMo 1 LoRA, FP8 / FP4 names,
 deepseek_v32 / qwen3_next config.json, calibrate on hostile Megatron logs, plan bounds and MEMGUARD_* variables (issue
-hostile11). Prints, per command, the number of runs, how many broke the
+hostile11); BOM'd heterogeneous JSON, HF numbers as strings, eval flags with PP / VPP, --save, Bridge CUDA graph /
+comm_overlap overrides, NCCL / cuBLAS environment, output pipes and plan of GDN models (issue hostile12). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -600,6 +601,113 @@ def hostile10_cases():
                 yield f"estimate NeMo 1 {name} {key}={v}", ["estimate", "--config", "c.yaml", "--vocab-size", "32000", "--set",
                                                           f"model.optim.name={name}", "--set", f"{key}={v}"], {"c.yaml": nemo1}
 
+
+
+def hostile12_cases(d: str):
+    """Issue hostile12 (the twelfth round): the hostile11 leftovers (a heterogeneous JSON with a UTF-8 BOM, Hugging Face
+    numbers written as strings, --eval-iters / validation.eval_iters without an eval micro-batch, report --out / estimate
+    --plot at a named pipe nobody reads) and the surfaces changed this session: the eval step with PP / VPP, --save
+    without --save-interval, Bridge cuda_graph_scope / comm_overlap overrides, NCCL_BUFFSIZE / CUBLAS_WORKSPACE_CONFIG in
+    a launch script, report --env and calibrate --env, and memguard plan of gated delta net models with odd
+    --linear-attention-freq values. ``d``: a directory for the named pipes."""
+    from test_eval_step import BASE as EVAL
+    from test_heterogeneous import BLOCKS, FLAGS as HET
+    from test_planner_gdn import MODEL as GDN_PLAN
+    from test_readers_bridge import FLAT
+    V = ["x", "", "0", "-1", "1e400", "nan", "inf", "9" * 30, "1.5", "-0", "0x10", "None", "[1,2]", "true", "3", "7"]
+    Y = ["null", "'???'", "x", "-1", "0", "1.5", "[1]", "{a: 1}", "true", "1e400", "9" * 40, ".nan", ".inf", "''", "'4'"]
+    # heterogeneous layer JSON with a byte-order mark (file and encoded JSON), UTF-16, a BOM inside
+    blocks = open(BLOCKS, "rb").read()
+    het = ["estimate", "--world-size", "1", "--", *HET]
+    for label, data in (("UTF-8 BOM", b"\xef\xbb\xbf" + blocks), ("two BOMs", b"\xef\xbb\xbf" * 2 + blocks),
+                        ("BOM after a space", b" \xef\xbb\xbf" + blocks), ("UTF-16", blocks.decode().encode("utf-16")),
+                        ("BOM only", b"\xef\xbb\xbf"), ("zero-width space", "\u200b".encode() + blocks)):
+        yield f"estimate heterogeneous path {label}", [*het, "--heterogeneous-layers-config-path", "b.json"], {"b.json": data}
+        yield (f"estimate heterogeneous encoded {label}",
+               [*het, "--heterogeneous-layers-config-encoded-json", data.decode("utf-8", "replace")], {})
+    # Hugging Face numbers written as strings (every key the reader takes), in each family
+    hf_cmd = ["estimate", "--config", "config.json", "--world-size", "64", "--", "--micro-batch-size", "1",
+              "--seq-length", "4096", "--global-batch-size", "64"]
+    for name in ("mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b"):
+        doc = json.load(open(os.path.join(ROOT, "tests", "data", "hf", name + ".json")))
+        for key, v in doc.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                for text in (str(v), f" {v}", f"{v}x", "0x10", "1e3"):
+                    yield f"estimate HF {name} {key}={text!r}", hf_cmd, {"config.json": json.dumps(dict(doc, **{key: text}))}
+    # --eval-iters / validation.eval_iters without (and with) an eval micro-batch, with PP / VPP
+    pp2 = ["--pipeline-model-parallel-size", "2", *EVAL]
+    vpp = [*pp2, "--num-layers-per-virtual-pipeline-stage", "1"]
+    for v in V:
+        yield f"estimate --eval-iters {v!r}", ["estimate", "--world-size", "2", "--", *pp2, "--eval-iters", v], {}
+        for base, ws in ((pp2, "2"), (vpp, "2"), (vpp, "4")):
+            for flag in ("--eval-micro-batch-size", "--eval-global-batch-size"):
+                yield (f"estimate PP/VPP ws {ws} {flag} {v!r}",
+                       ["estimate", "--world-size", ws, "--", *base, flag, v, "--eval-iters", "1"], {})
+    for v in Y:
+        yield f"estimate Bridge validation.eval_iters={v}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                              f"validation.eval_iters={v}"], {"c.yaml": FLAT}
+    # --save without --save-interval, odd --save-interval values
+    for extra in ([], ["--save-interval", "x"], ["--save-interval", "0"], ["--save-interval", "-1"], ["--save-interval", "1e400"],
+                  ["--save-interval", ""], ["--save-interval", "9" * 30], ["--save-interval", "1"], ["--save", ""],
+                  ["--save", "/dev/null"], ["--save", "x" * 100_000], ["--save", "ckpt", "--save", "ckpt2"]):
+        yield f"estimate --save ckpt {extra[:2]}", ["estimate", "--world-size", "8", "--", *SMALL, "--save", "ckpt", *extra], {}
+        yield f"check --save ckpt {extra[:2]}", ["check", "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
+                                                   *SMALL, "--save", "ckpt", *extra], {}
+    # Bridge cuda_graph_scope / cuda_graph_modules / comm_overlap overrides
+    for v in ("full", "full_iteration", "null", "[attn]", "[full]", "[]", "x", "[x]", "'???'", "[attn, attn]", "FULL", "1",
+              "{a: 1}", "[null]", "attn"):
+        for impl in ("none", "local", "transformer_engine", "full_iteration"):
+            yield (f"estimate Bridge cuda_graph_scope={v} impl={impl}",
+                   ["estimate", "--config", "c.yaml", "--gpus", "8", "--set", f"model.cuda_graph_impl={impl}", "--set",
+                    f"model.cuda_graph_scope={v}", "--set", "rerun_state_machine.check_for_nan_in_loss=false"], {"c.yaml": FLAT})
+        yield (f"estimate Bridge cuda_graph_modules={v}",
+               ["estimate", "--config", "c.yaml", "--gpus", "8", "--set", "model.cuda_graph_impl=transformer_engine",
+                "--set", f"model.cuda_graph_modules={v}"], {"c.yaml": FLAT})
+    launch = ["check", "--", "torchrun", "--nproc-per-node", "8", "run_recipe.py"]
+    for recipe in ("llama3_8b", "llama3_70b"):
+        for ov in ("comm_overlap.tp_comm_overlap=true", "comm_overlap.tp_comm_overlap=x", "comm_overlap.tp_comm_overlap=null",
+                   "comm_overlap=null", "comm_overlap={}", "comm_overlap=x", "~comm_overlap", "+comm_overlap.x=1",
+                   "comm_overlap.data_parallel_size=0", "comm_overlap.data_parallel_size=x", "comm_overlap.data_parallel_size=-8",
+                   "comm_overlap.overlap_grad_reduce=1e400", "comm_overlap.tp_comm_overlap_cfg=x",
+                   "comm_overlap.tp_comm_overlap_cfg={a: 1}", "comm_overlap.defer_embedding_wgrad_compute=true",
+                   "comm_overlap.wgrad_deferral_limit=-1", "model.cuda_graph_scope=full", "model.cuda_graph_scope=[x]"):
+            yield f"check run_recipe.py {recipe} {ov}", [*launch, "--recipe", recipe + "_pretrain_config", ov], {}
+    # NCCL_BUFFSIZE / CUBLAS_WORKSPACE_CONFIG in a launch script, report --env, calibrate --env
+    run = {"memguard-rank00000.jsonl": json.dumps(RUNLOG[0]) + "\n" + json.dumps(RUNLOG[1]) + "\n"}
+    for key, vs in (("NCCL_BUFFSIZE", ["0x", "0x0", "0X400000", "4194304 ", " 4194304", "4MB", "4M", "+4194304", "010",
+                                        "1e6", "0b1", "", "'4194304'", '"0x400000"', "$X", "${NCCL_BUFFSIZE:-0}", "9" * 5000]),
+                    ("CUBLAS_WORKSPACE_CONFIG", [":4096:8", ":16:8", ":4096:8:16:8", ":0:0", ":-1:8", "4096:8", ":4096",
+                                                 ":4096:8:", "::", ":x:y", ":4096:8," * 1000, "", ":1e3:8",
+                                                 ":2147483648:1", ":4096:-8", "'  :4096:8'"])):
+        for v in vs:
+            yield f"estimate script {key}={v[:30]!r}", ["estimate", "--config", "s.sh"], {
+                "s.sh": f"export {key}={v}\ntorchrun --nproc-per-node 8 pretrain_gpt.py {' '.join(SMALL)}\n"}
+            yield (f"estimate script {key}={v[:30]!r} deterministic", ["estimate", "--config", "s.sh"], {
+                "s.sh": f"export {key}={v}\ntorchrun --nproc-per-node 8 pretrain_gpt.py {' '.join(SMALL)} --deterministic-mode\n"})
+            yield f"report --env {key}={v[:30]!r}", ["report", ".", "--env", f"{key}={v}"], run
+    for kv in ("", "=", "NCCL_BUFFSIZE", "=4194304", "NCCL_BUFFSIZE==1", "X=1", "NCCL_BUFFSIZE=1=2"):
+        yield f"report --env {kv!r}", ["report", ".", "--env", kv], run
+    # report --out / estimate --plot / plan --plot at a named pipe nobody reads (refused before any rendering)
+    for name in ("out12.html", "out12.png", "out12.svg"):
+        fifo = os.path.join(d, name)
+        if not os.path.exists(fifo):
+            os.mkfifo(fifo)
+        yield f"report --out pipe {name}", ["report", ".", "--out", fifo], run
+        yield f"estimate --plot pipe {name}", ["estimate", "--world-size", "8", "--plot", fifo, "--", *SMALL], {}
+        yield f"plan --plot pipe {name}", [*PLAN, "--plot", fifo, "--", *SMALL], {}
+    # memguard plan of gated delta net models, odd --linear-attention-freq values
+    gdn = list(GDN_PLAN)
+    i = gdn.index("--linear-attention-freq")
+    del gdn[i:i + 2]
+    for v in ["1", "2", "3", "5", "7", "8", "9", "0", "-1", "x", "1.5", "[1]*8", "[0]*8", "[1,0]*4", "[1,1,1,0,1,1,1]",
+              "[1]*9", "([1]*3+[0])*2", "[0,1,1,1]*2", "[2]*8", "[True]*8", "99999999", "([1]*3+[0])*" + "9" * 20, "[]",
+              "None", "(" * 500 + "4" + ")" * 500]:
+        yield f"plan GDN --linear-attention-freq {v[:30]!r}", ["plan", "--gpus", "8", "--seq-length", "1024",
+                                                                "--global-batch-size", "32", "--", *gdn,
+                                                                "--linear-attention-freq", v], {}
+        yield (f"plan GDN PP --linear-attention-freq {v[:30]!r}",
+               ["plan", "--gpus", "16", "--seq-length", "1024", "--global-batch-size", "64", "--top", "3", "--", *gdn,
+                "--linear-attention-freq", v, "--num-layers", "9"], {})
 
 
 def hostile11_cases():
@@ -1192,7 +1300,8 @@ def main(argv: list[str]) -> int:
               ("features", feature_cases()), ("files", file_cases(hostile_files(tmp.name))), ("logs", log_cases()),
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
-              ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases())]
+              ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
+              ("hostile12", hostile12_cases(tmp.name))]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

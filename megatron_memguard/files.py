@@ -201,6 +201,18 @@ def open_output(path: str, *, append: bool = False, binary: bool = False, block:
     return os.fdopen(fd, mode) if binary else os.fdopen(fd, mode, encoding="utf-8")
 
 
+def open_pipe_early(path: str, *, binary: bool = False) -> IO | None:
+    """``path`` opened for writing now when it is a named pipe (else None: a regular file is opened when its content
+    is ready, so a failed run leaves it untouched). A pipe nobody reads is refused at once (OSError ENXIO) instead
+    of after the report is rendered; one with a reader is held open, since closing it would end the reader."""
+    try:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            return None
+    except (OSError, ValueError):
+        return None
+    return open_output(path, binary=binary)
+
+
 def decode(data: bytes, where: str, limit: int = MAX_FILE_BYTES) -> str:
     """``data`` (at most ``limit`` bytes) as UTF-8 text; ReaderError naming ``where`` otherwise."""
     if len(data) > limit:

@@ -226,10 +226,11 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     from ..report.text import render
     from ..resolve import resolve
 
+    stream = None
     if ns.plot:  # fail before any output when the file name or matplotlib is wrong
-        from ..report.plots import output_format, require_matplotlib
-        output_format(ns.plot)
-        require_matplotlib()
+        from ..report.plots import open_early, output_format, require_matplotlib
+        stream = open_early(ns.plot, output_format(ns.plot))   # a named pipe: opened now, refused if nobody reads it
+        require_matplotlib()                                   # (after: importing matplotlib takes a second)
     raw = load_raw(ns, flags)
     if raw.problems:  # the config breaks a rule of its own format (memguard validate lists them with the rest)
         raise ConfigErrors(list(raw.problems))
@@ -243,7 +244,7 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
         print(render(est, detail=ns.detail, all_stages=ns.all_stages))
     if ns.plot:
         from ..report.plots import write_estimate_plot
-        write_estimate_plot(est, ns.plot)
+        write_estimate_plot(est, ns.plot, stream)
         print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
     return EXIT_FITS if est.verdict in ("fits", "unknown") else EXIT_PROBLEM
 

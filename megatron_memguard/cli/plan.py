@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import IO, TYPE_CHECKING, Any, Sequence
 
 from ..errors import ConfigError, ConfigErrors
 
@@ -364,12 +364,13 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     if not 1 <= ns.top <= MAX_TOP:
         raise ConfigError("--top", f"must be from 1 to {MAX_TOP} (memguard's bound: every layout listed is estimated in "
                                    f"full, a few milliseconds each), got {ns.top:,}")
-    fmt = None
+    fmt, stream = None, None
     if ns.plot:  # fail before searching when the file name or matplotlib is wrong
         if ns.explain is not None:
             raise ConfigError("--plot", "draws the ranked layouts; it does not combine with --explain")
-        from ..report.plots import output_format, require_matplotlib
+        from ..report.plots import open_early, output_format, require_matplotlib
         fmt = output_format(ns.plot)
+        stream = open_early(ns.plot, fmt)   # a named pipe: opened now, refused at once if nobody reads it
         require_matplotlib()
     planner = make_planner(ns, flags)
     if ns.explain is not None:
@@ -391,7 +392,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     else:
         print(render_plan(planner, res))
     if ns.plot:
-        plot_plan(planner, full, ns.plot, fmt)
+        plot_plan(planner, full, ns.plot, fmt, stream)
         print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
     return EXIT_FITS if res.entries else EXIT_PROBLEM
 
@@ -411,7 +412,7 @@ def plot_caption(res: PlanResult) -> str:
             f"{res.pruned_by_bound:,} ruled out by the memory bound")
 
 
-def plot_plan(planner: Planner, res: PlanResult, path: str, fmt: str) -> Plot:
+def plot_plan(planner: Planner, res: PlanResult, path: str, fmt: str, stream: IO | None = None) -> Plot:
     """Draw ``res.entries`` (throughput against memory) to ``path``; returns the Plot."""
     from ..report.plots import plan_figure, plan_html, plan_points, write
     cl, s = res.cluster, res.shape
@@ -420,7 +421,7 @@ def plot_plan(planner: Planner, res: PlanResult, path: str, fmt: str) -> Plot:
     caption = plot_caption(res)
     plot = plan_figure(plan_points(res.entries), cl.gpu_memory_bytes, res.threshold, title, caption)
     subtitle = render_plan(planner, dataclasses.replace(res, entries=res.entries[:1])).split("\n\n")[0]
-    write(plot, path, fmt, lambda p: plan_html(p, title, subtitle))
+    write(plot, path, fmt, lambda p: plan_html(p, title, subtitle), stream=stream)
     return plot
 
 

@@ -131,10 +131,11 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         return int(e.code or 0)
     from ..report.runreport import figure_table, metrics_of, render_text, report_html, to_json, verdict
 
-    fmt = None
+    fmt, stream = None, None
     if ns.out:
-        from ..report.plots import output_format, require_matplotlib
+        from ..report.plots import open_early, output_format, require_matplotlib
         fmt = output_format(ns.out, "--out")
+        stream = open_early(ns.out, fmt, "--out")   # a named pipe: opened now (nobody reading it: refused at once)
         require_matplotlib("--out")        # before reading: fail fast, one line
 
     def warn(msg: str) -> None:
@@ -187,7 +188,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         from ..report.plots import report_figure, write
         metrics = [m for m in metrics_of(log) if m != "device_used"] or ["max_allocated"]
         plot = report_figure(log, metrics=metrics, table_rows=None if fmt == "html" else figure_table(log))
-        write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out")
+        write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out", stream=stream)
         print(f"memguard: report written to {ns.out}", file=sys.stderr)
     return EXIT_FITS if verdict(log, metrics_of(log))["ok"] and not forensics else EXIT_PROBLEM
 

@@ -254,14 +254,49 @@ def hf_notes(hf: Mapping[str, Any], where: str) -> tuple[str, ...]:
     return ()
 
 
+class _Reads(dict):
+    """config.json that records the keys the translation reads (``[key]`` and ``.get``)."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        super().__init__(doc)
+        self.read: list[str] = []
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.append(key)
+        return super().get(key, default)
+
+
+def _numbers_as_text(doc: _Reads) -> None:
+    """Refuse a number written as a JSON string ("64") at a key the model shape is read from: transformers'
+    PretrainedConfig keeps the string as given (LlamaConfig's ``self.hidden_size = hidden_size``), and the model
+    build then fails on it (``nn.Embedding(vocab_size, hidden_size)`` takes no str; Megatron-Bridge's provider
+    divides it in TransformerConfig.__post_init__). memguard read it as the number."""
+    for key in dict.fromkeys(doc.read):
+        v = dict.get(doc, key)
+        if isinstance(v, str):
+            try:
+                float(v)
+            except ValueError:
+                continue
+            raise ConfigError(key, f"expects a JSON number, got the string {v!r} (transformers keeps it as text and "
+                                   "building the model fails on it); write it without quotes")
+
+
 def read_hf_config(doc: Mapping[str, Any], path: str) -> RawConfig:
     """A Hugging Face config.json as a RawConfig holding the model shape."""
+    seen = _Reads(doc)
     try:
-        p = hf_to_provider(doc)
+        p = hf_to_provider(seen)
     except KeyError as e:
+        _numbers_as_text(seen)
         raise ReaderError(f"{path}: Hugging Face config without {e.args[0]!r}") from None
     except ReaderError as e:
         raise ReaderError(f"{path}: {e}") from None
+    _numbers_as_text(seen)
     names = hf_key_names(doc.get("model_type"))
     for field, value in p.items():
         # every field taken from config.json is a number, a string, true/false or a layer list; the readers

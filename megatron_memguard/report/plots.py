@@ -12,7 +12,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import ConfigError
 from ..estimator.result import GROUPS
@@ -113,18 +113,30 @@ def _metadata(fmt: str) -> dict:
     return {"Date": None} if fmt == "svg" else {}
 
 
-def write(plot: Plot, path: str, fmt: str, html_page: Callable[[Plot], str], option: str = "--plot") -> None:
-    """Write a plot as PNG / SVG, or as the HTML page ``html_page(plot)`` returns."""
+def write(plot: Plot, path: str, fmt: str, html_page: Callable[[Plot], str], option: str = "--plot",
+          stream: IO | None = None) -> None:
+    """Write a plot as PNG / SVG, or as the HTML page ``html_page(plot)`` returns; into ``stream`` when the
+    caller opened ``path`` already (files.open_pipe_early: a named pipe)."""
     from ..files import open_output
 
+    doc = html_page(plot) if fmt == "html" else None     # (rendered before a regular file is truncated)
     try:
-        if fmt == "html":
-            doc = html_page(plot)
-            with open_output(path) as f:
+        with (stream if stream is not None else open_output(path, binary=doc is None)) as f:
+            if doc is not None:   # (a named pipe nobody reads: an error from open_output, not a hang)
                 f.write(doc)
-        else:
-            with open_output(path, binary=True) as f:   # (a named pipe nobody reads: an error, not a hang)
+            else:
                 plot.save(f, fmt)
+    except OSError as e:
+        raise ConfigError(option, f"cannot write {path}: {e.strerror or e}") from None
+
+
+def open_early(path: str, fmt: str, option: str = "--plot") -> IO | None:
+    """``path`` opened before the figure is drawn when it is a named pipe (files.open_pipe_early): one nobody reads
+    is refused in milliseconds, not after a second of rendering; ConfigError naming ``option``."""
+    from ..files import open_pipe_early
+
+    try:
+        return open_pipe_early(path, binary=fmt != "html")
     except OSError as e:
         raise ConfigError(option, f"cannot write {path}: {e.strerror or e}") from None
 
@@ -290,10 +302,10 @@ def estimate_html(est: Estimate, plot: Plot) -> str:
     return H.page(f"memguard estimate: {est.verdict}", body)
 
 
-def write_estimate_plot(est: Estimate, path: str) -> Plot:
+def write_estimate_plot(est: Estimate, path: str, stream: IO | None = None) -> Plot:
     fmt = output_format(path)
     plot = estimate_figure(est)
-    write(plot, path, fmt, lambda p: estimate_html(est, p))
+    write(plot, path, fmt, lambda p: estimate_html(est, p), stream=stream)
     return plot
 
 

@@ -42,6 +42,9 @@ def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
     forward of it, which holds the same tensors and its saved activations besides (estimator/eval_step.py).
     ``--eval-iters 0`` runs no evaluation step."""
     given = a.int_arg("eval_micro_batch_size")
+    # --eval-iters is an int argument (argparse type=int; Bridge's ValidationConfig.eval_iters: int | None), checked
+    # whatever else is given. A negative count runs no step, like 0 (training.py evaluate: 'while iteration < eval_iters')
+    iters = a.int_arg("eval_iters", 100, minimum=None)
     # validate_args (megatron/training/arguments.py, core 0.19.2): eval_global_batch_size (default: the global
     # batch) % (eval_micro_batch_size (default: the training one) x data_parallel_size) == 0, asserted whatever
     # --eval-iters is (neither given: the training batch's own check above covers it)
@@ -50,6 +53,6 @@ def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
     if (given is not None or a.given("eval_global_batch_size")) and egbs is not None and egbs % (em * dp):
         a.fail("eval_global_batch_size", f"{egbs} is not divisible by eval micro-batch size x DP = {em}*{dp} = "
                f"{em * dp}", f"use a multiple of {em * dp}")
-    if given is None or a.int_arg("eval_iters", 100, minimum=0) == 0:
+    if given is None or iters is None or iters <= 0:
         return None
     return em if em > mbs else None

@@ -85,7 +85,7 @@ def cuda_graphs(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         off = ("--no-check-for-nan-in-loss-and-grad (validate_args)" if key.startswith("--") else
                f"{key}=false (Megatron-Bridge's ConfigContainer.validate)")
         a.fail("cuda_graph_impl", f"full_iteration needs {off}")
-    if impl == "full_iteration" and a.int_arg("eval_iters", 100, minimum=0):
+    if impl == "full_iteration" and (a.int_arg("eval_iters", 100, minimum=None) or 0) > 0:
         a.notes.append(f"{a.key('cuda_graph_impl')} full_iteration: once validation ran, its graph keeps a second set of "
                        "static batch copies (not counted; --eval-iters 0 runs none)")
     if impl == "local" and ({"moe_router", "moe_preprocess"} & set(names)):

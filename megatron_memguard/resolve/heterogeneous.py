@@ -36,8 +36,17 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         if encoded:
             text = str(encoded)
         else:
-            from ..files import read_text
-            text = read_text(str(path))
+            from ..files import decode, read_bytes
+            data = read_bytes(str(path))
+            text = decode(data, str(path))
+            if data.startswith(b"\xef\xbb\xbf"):
+                text = "\ufeff" + text     # (decode drops it; Megatron's Path.read_text() keeps it)
+        if text.startswith("\ufeff"):
+            # validate_model_config_args_from_heterogeneous_config (megatron-core 0.19.2 training/arguments.py):
+            # json.loads(Path(path).read_text()) raises 'Unexpected UTF-8 BOM (decode using utf-8-sig)'
+            a.fail(dest, "starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; save it as UTF-8 "
+                         "without a BOM")
+            return dict(heterogeneous_layers=None)
         from ..files import load_json
         doc = load_json(text, a.key(dest))
     except ReaderError as e:
