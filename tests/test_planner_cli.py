@@ -219,7 +219,7 @@ def test_bare_explain_shows_the_chosen_layout_and_the_runner_up_side_by_side(cap
     ranked = [e["name"] for e in json.loads(out)["layouts"]]
     code, out, _ = run(capsys, *BASE, "--explain")
     assert code == 0
-    assert f"A: #1 (chosen): " in out and f"({ranked[0]})" in out and f"B: #2 (runner-up): " in out and f"({ranked[1]})" in out
+    assert "A: #1 (chosen): " in out and f"({ranked[0]})" in out and "B: #2 (runner-up): " in out and f"({ranked[1]})" in out
     terms = _explain_text_terms(out)
     step = terms.pop("= step")
     assert list(terms) == list(TERM_NAMES) and sum(terms.values()) == pytest.approx(step, abs=1e-3)

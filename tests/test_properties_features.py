@@ -73,7 +73,7 @@ def test_every_feature_estimate_sums_its_terms_and_orders_its_levels(fs, device)
         block = text.split(f"pp{s.pp_rank} at its peak: ", 1)[1].split("\npp", 1)[0]
         for t in s.terms:
             assert any(r.split()[:1] == [t.name] and format_bytes(t.bytes) in r for r in block.splitlines()), t.name
-        assert f"= peak allocated" in block and format_bytes(s.peak_allocated_bytes) in block
+        assert "= peak allocated" in block and format_bytes(s.peak_allocated_bytes) in block
         if L.moe is not None:
             assert format_bytes(s.moe["worst_case"]["peak_allocated_bytes"]) in block
             w = s.moe["worst_case"]

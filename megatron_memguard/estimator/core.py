@@ -1326,7 +1326,7 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
     """One stage from its shape's schedule-independent terms ``pr``: its schedule's peak and the terms there.
     Its MoE worst case is made when first read, from _moe_worst_inputs (the same for every stage)."""
     chunks = L.stage_chunks(pp_rank)
-    acts, ft, n_layers, has_output = pr.acts, pr.ft, pr.n_layers, pr.has_output
+    acts, ft, n_layers = pr.acts, pr.ft, pr.n_layers
     act_peak, phase, in_flight, parts = _simulate(L, pp_rank, acts, pr.sched)
     if pr.plain:
         # none of the features below: the stage's terms are the state's, the buffers' and those at the peak
@@ -1358,7 +1358,7 @@ def _stage_estimate(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: 
         # held from the first micro-batches to the end of the schedule: present at any fwd/bwd peak
         parts = {**parts, "deferred_output_wgrad_buffers": pr.deferred}
         act_peak += pr.deferred
-    state_terms, step_terms, buffers, fixed_alloc = pr.state_terms, pr.step_terms, pr.buffers, pr.fixed_alloc
+    fixed_alloc = pr.fixed_alloc
     base = pr.base
     graph_pool: list[Term] = []
     if device == "gpu" and L.cuda_graph_impl != "none":
