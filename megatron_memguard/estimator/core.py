@@ -1422,11 +1422,16 @@ def _halved_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) ->
     if not any(kind.mixer in (MIXER_NONE, MIXER_LINEAR) or kind.mlp in (MLP_NONE, MLP_LINEAR)
                for kind, _ in model_kind_runs(L)):
         return None
+    return _kinds_with_mtp(L, chunks, mtp_here)
+
+
+def _kinds_with_mtp(L: Layout, chunks: tuple[Chunk, ...], with_mtp: bool) -> dict[LayerKind, int]:
+    """The chunks' layers by kind and, when ``with_mtp``, the MTP depths' layers (each depth one stack of runs)."""
     out: dict[LayerKind, int] = {}
     for c in chunks:
         for kind, k in c.kind_runs:
             out[kind] = out.get(kind, 0) + k
-    if mtp_here:
+    if with_mtp:
         for kind, k in mtp_stack_runs(L):
             out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
     return out
@@ -1437,14 +1442,7 @@ def _hybrid_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) ->
     MTP block under the local implementation, the MTP depths' layers (each a GraphableMegatronModule with its own
     CudaGraphManager). TE's helper graphs none of them: it takes ``mtp.layers[i].mtp_model_layer``, a hybrid
     model's HybridStack, which is no GraphableMegatronModule (cuda_graphs.py _discover_layers, core 0.19.2)."""
-    out: dict[LayerKind, int] = {}
-    for c in chunks:
-        for kind, k in c.kind_runs:
-            out[kind] = out.get(kind, 0) + k
-    if mtp_here and cuda_graph_spec(L).impl == "local":
-        for kind, k in mtp_stack_runs(L):
-            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
-    return out
+    return _kinds_with_mtp(L, chunks, mtp_here and cuda_graph_spec(L).impl == "local")
 
 
 def _gdn_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> dict[LayerKind, int]:
@@ -1453,14 +1451,7 @@ def _gdn_graph_kinds(L: Layout, chunks: tuple[Chunk, ...], mtp_here: bool) -> di
     self_attention is not an IdentityOp, ``mlp`` / ``moe`` its MLP) with the causal mask among its static inputs
     (TransformerLayer.get_layer_static_inputs, core 0.16.1 and 0.19.2); the MTP layers (0.19: the standard attention
     layer) are TransformerLayers that both implementations graph, as in a GPT model without GDN layers."""
-    out: dict[LayerKind, int] = {}
-    for c in chunks:
-        for kind, k in c.kind_runs:
-            out[kind] = out.get(kind, 0) + k
-    if mtp_here:
-        for kind, k in mtp_stack_runs(L):
-            out[kind] = out.get(kind, 0) + k * L.mtp_num_layers
-    return out
+    return _kinds_with_mtp(L, chunks, mtp_here)
 
 
 def _stage_totals(L: Layout, pp_rank: int, pr: _StagePrep, device: str, site: SiteConstants,
