@@ -113,6 +113,7 @@ def test_functional_test_yaml(tmp_path, capsys):
           --seq-length: 1024
           --max-position-embeddings: 1024
           --save: ${CHECKPOINT_SAVE_PATH}
+          --save-interval: 10000
           --tensor-model-parallel-size: 2
           --pipeline-model-parallel-size: 2
           --bf16: true

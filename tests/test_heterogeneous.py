@@ -172,12 +172,14 @@ def test_referee_measures_the_heterogeneous_model(blocks, world, peak_bound):
     settings["no_persist_layer_norm"] = True
     rows = compare_entry({"name": "het", "flags": flags, "world_size": world,
                           "ranks": run_referee(settings, world_size=world, timeout=600)})
-    # parameters and the state after the step exact; the peak within the referee's 3% and on the high side
-    # (measured +0.45% and +0.48%: a chunk of mixed kinds takes its largest layer's backward working set)
+    # parameters and the state after the step exact; the peak within the referee's 3%, and never more than
+    # 0.001% low: since each layer of a mixed chunk is composed over what the layers above keep, and unfused
+    # attention's softmax step no longer holds the context's gradient, the no-op model is a few hundred bytes
+    # low (-2e-6 of its peak on megatron-core 0.16.1; it was +0.45% with the chunk's largest working set)
     for row in rows:
         assert row.params_measured == row.params_predicted
         assert abs(row.after_err) < 0.001
-        assert 0 <= row.peak_err < peak_bound
+        assert -1e-5 <= row.peak_err < peak_bound
 
 
 @pytest.mark.parametrize("blocks", [BLOCKS, LINEAR], ids=["noop", "linear"])
