@@ -146,9 +146,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         la, n = per_kind[0]
         per_layer, fwd_transient, bwd_transient = la.total, la.fwd_transient, la.bwd_transient
         if held and n:
-            # (the layer below the top one runs its backward after the top one freed its tensors)
-            bwd_transient = max(_replay_transient(la, held, True),
-                                la.bwd_transient + held - la.total if n > 1 else 0)
+            bwd_transient = _held_top_run(la, n, held)
     else:
         n = sum(k for _, k in runs)
         per_layer = max(la.total for la, _ in per_kind)
@@ -518,13 +516,19 @@ def _mixed_transients(per_kind: list[tuple[LayerActivations, int]], held: int = 
             continue
         f, b = la.fwd_transient - above, la.bwd_transient - above
         if held:
-            b = (max(_replay_transient(la, held, True), la.bwd_transient + held - la.total if k > 1 else 0)
-                 if top else b + held)
+            b = _held_top_run(la, k, held) if top else b + held
         top = False
         fwd = f if fwd is None else max(fwd, f)
         bwd = b if bwd is None else max(bwd, b)
         above += k * la.total
     return fwd or 0, bwd or 0
+
+
+def _held_top_run(la: LayerActivations, k: int, held: int) -> int:
+    """The backward working set of a chunk's top run of ``k`` layers of one kind while a received output gradient
+    ``held`` is held (_chunk_activations): the top layer's steps after its residual merge (_replay_transient), and
+    the layer below it, which runs its backward after the top one freed its tensors."""
+    return max(_replay_transient(la, held, True), la.bwd_transient + held - la.total if k > 1 else 0)
 
 
 def _kept_transients(per_kind: list[tuple[LayerActivations, int]], leaving: list[list[int]],

@@ -56,6 +56,12 @@ def nccl_buffsize(text: str | None) -> int | None:
     return n if 1 <= n <= MAX_NCCL_BUFFSIZE else None
 
 
+def cublas_config_pairs(cfg: str) -> list[tuple[str, str]]:
+    """CUBLAS_WORKSPACE_CONFIG's (size in KiB, count) pairs, ``:4096:8:16:8`` -> [("4096", "8"), ("16", "8")]: ASCII
+    digits only, as PyTorch's regex reads them (CublasHandlePool.cpp)."""
+    return re.findall(r":([0-9]+):([0-9]+)", cfg)
+
+
 def env_size_problems(env: dict[str, str]) -> list[tuple[str, str]]:
     """(variable, rule) for each memory size in the job's environment memguard cannot take: an NCCL_BUFFSIZE that is
     not a byte count in its bounds, a CUBLAS_WORKSPACE_CONFIG number PyTorch's std::stoi throws on or a total beyond
@@ -68,7 +74,7 @@ def env_size_problems(env: dict[str, str]) -> list[tuple[str, str]]:
                     f"memguard's bound: 256 x NCCL's 4 MiB default), got {shown(v)}"))
     v = env.get("CUBLAS_WORKSPACE_CONFIG")
     if v:
-        pairs = re.findall(r":([0-9]+):([0-9]+)", v)
+        pairs = cublas_config_pairs(v)
         if any(len(x) > 10 or int(x) > MAX_CUBLAS_NUMBER for pair in pairs for x in pair):
             out.append(("CUBLAS_WORKSPACE_CONFIG", f"has a number beyond {MAX_CUBLAS_NUMBER:,} (PyTorch reads each with "
                         f"std::stoi, which throws), got {shown(v)}"))
@@ -93,7 +99,7 @@ def cublas_config_bytes(L: Layout) -> int | None:
     cfg = L.env_dict.get("CUBLAS_WORKSPACE_CONFIG") or (DETERMINISTIC_CUBLAS_CONFIG if L.deterministic_mode else None)
     if cfg:
         total = 0
-        for size_kib, count in re.findall(r":([0-9]+):([0-9]+)", cfg):
+        for size_kib, count in cublas_config_pairs(cfg):
             total += int(size_kib) * 1024 * int(count)
         if total:
             return total

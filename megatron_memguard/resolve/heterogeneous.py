@@ -35,13 +35,13 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
     try:
         if encoded:
             text = str(encoded)
+            bom = text.startswith("\ufeff")
         else:
             from ..files import decode, read_bytes
             data = read_bytes(str(path))
-            text = decode(data, str(path))
-            if data.startswith(b"\xef\xbb\xbf"):
-                text = "\ufeff" + text     # (decode drops it; Megatron's Path.read_text() keeps it)
-        if text.startswith("\ufeff"):
+            text = decode(data, str(path))          # (drops a BOM, which Megatron's Path.read_text() keeps)
+            bom = data.startswith(b"\xef\xbb\xbf")
+        if bom:
             # validate_model_config_args_from_heterogeneous_config (megatron-core 0.19.2 training/arguments.py):
             # json.loads(Path(path).read_text()) raises 'Unexpected UTF-8 BOM (decode using utf-8-sig)'
             a.fail(dest, "starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; save it as UTF-8 "
