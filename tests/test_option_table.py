@@ -240,4 +240,8 @@ def test_memory_flag_choices_are_megatrons(monkeypatch):
     differ = {flag: (sorted(mine), sorted(real.get(flag) or ())) for flag, mine in _CHOICES.items()
               if (set(mine) != set(real.get(flag) or ()) if newest else not set(real.get(flag) or ()) <= set(mine))}
     assert not differ, differ
-    assert all(real.get(flag) for flag in _CHOICES), [flag for flag in _CHOICES if not real.get(flag)]
+    # every flag of the table has choices in Megatron's parser; an older release may lack a newer flag altogether
+    # (--dsa-kernel-backend came in 0.19: megatron_flag_releases.json), which its parser then refuses
+    present = {s for a in parser._actions for s in a.option_strings}
+    missing = [flag for flag in _CHOICES if not real.get(flag) and (newest or flag in present)]
+    assert not missing, missing
