@@ -1493,6 +1493,90 @@ def scaling(sweeps: list[Sweep]) -> str:
     return "\n".join(lines)
 
 
+# ---- Issue 18, round 9: the 256-GPU sheet's own noise, and what a fabric term can do for its first choice ----
+# Tokens per step of every Hagemann sweep (2048 x 2048 at 2k, 512 x 8192 at 8k; the README's inferred GBS).
+HAGEMANN_TOKENS = 2048 * 2048
+
+
+def norm_elements_per_gpu(model: str, tp: int, world: int) -> float:
+    """RMSNorm elements one GPU normalises per step without SP: two norms a layer over the hidden size, on the
+    tokens of its replica (GBS x s / DP) for the layers of its stage (L / PP): 2 L h x tokens x TP / world."""
+    L, h, _, _ = LLAMA1[model]
+    return 2 * L * h * HAGEMANN_TOKENS * tp / world
+
+
+def rmsnorm_saving_probe(path: str = HAGEMANN_CSV) -> tuple[float, list[tuple[str, str, float, float, float]],
+                                                              dict[str, tuple[int, float, float]]]:
+    """What the fused RMSNorm kernel saves, measured per cell: the step of the FlashAttention-2 sheet minus that of
+    the FlashAttention-2 + RMS kernel sheet (the same job's layout, no recomputation, SP not recorded). The saving
+    is physics the layout sets: the eager norm's extra HBM traffic on the elements a GPU normalises
+    (:func:`norm_elements_per_gpu`, proportional to TP, the same at any PP and MBS). One constant for all sheets,
+    kappa = the median saving per element, predicts every cell; what is left over is the two runs' noise.
+
+    Returns (kappa in seconds per element, cells (sheet, layout, saving, predicted saving, target step),
+    per sheet (cells, residual rms in seconds, one measurement's noise: rms / sqrt 2 / mean target step))."""
+    steps: dict[tuple, dict[str, list[float]]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if (r["status"] != "ok" or r["activation_checkpointing"] != "disabled"
+                    or r["sequence_parallel"] != "not_recorded"
+                    or r["kernel"] not in (HAGEMANN_KERNEL, OTHER_KERNELS["hagemann-fa2"])):
+                continue
+            key = (r["model"], int(r["seq_len"]), int(r["world_size"]), int(r["tp"]), int(r["pp"]),
+                   int(r["micro_batch_size"]))
+            steps.setdefault(key, {}).setdefault(r["kernel"], []).append(float(r["avg_step_time_s"]))
+    both = []
+    for (model, seq, world, tp, pp, mbs), k in sorted(steps.items()):
+        if len(k) == 2:
+            fused = statistics.fmean(k[HAGEMANN_KERNEL])
+            saving = statistics.fmean(k[OTHER_KERNELS["hagemann-fa2"]]) - fused
+            both.append((f"{model} s{seq} {world} x A100-80GB", f"TP{tp} PP{pp} MBS{mbs}", saving,
+                         norm_elements_per_gpu(model, tp, world), fused))
+    kappa = statistics.median(s / e for _, _, s, e, _ in both)
+    cells = [(sheet, lay, s, kappa * e, step) for sheet, lay, s, e, step in both]
+    sheets: dict[str, tuple[int, float, float]] = {}
+    for sheet in sorted({c[0] for c in cells}):
+        mine = [c for c in cells if c[0] == sheet]
+        rms = math.sqrt(statistics.fmean((s - p) ** 2 for _, _, s, p, _ in mine))
+        sheets[sheet] = (len(mine), rms, rms / math.sqrt(2) / statistics.fmean(c[4] for c in mine))
+    return kappa, cells, sheets
+
+
+def dp_bytes_per_nic(p: Planner, c: Candidate) -> tuple[float, int]:
+    """(gradient bytes each NIC carries in one pass of the data-parallel reduce-scatter, nodes the group spans):
+    the first stage's parameters x gradient bytes over the group's members in a node (each uses its own NIC,
+    planner/comm.py), and n / k nodes. Two layouts equal in both see the same cost from any fabric term that acts on
+    the NICs (bandwidth, oversubscription above the leaf switches, rail crossings, the ring / tree choice)."""
+    psi, n, k = _dp_group(p, c)
+    return psi * p.timer.shape.grad_bytes / k, n // k
+
+
+def round9_check() -> str:
+    """The text of ``--round9``: the RMSNorm probe's noise per sheet and the 30B 256-GPU pair's DP traffic."""
+    kappa, cells, sheets = rmsnorm_saving_probe()
+    hbm = lookup_gpu("A100-80GB").hbm_bytes_per_s * 0.80
+    lines = [f"One constant for every sheet: the fused RMSNorm kernel saves {kappa * 1e12:.0f} ps per element a GPU "
+             f"normalises (= {kappa * hbm:.0f} B of HBM traffic per element at 80% of the A100's bandwidth).", "",
+             "| sheet | cells | saving measured (predicted), s | residual rms | one measurement's noise |",
+             "| --- | ---: | --- | ---: | ---: |"]
+    for sheet, (n, rms, noise) in sheets.items():
+        mine = "; ".join(f"{lay} {s:.2f} ({pr:.2f})" for sh, lay, s, pr, _ in cells if sh == sheet)
+        lines.append(f"| {sheet} | {n} | {mine} | {rms:.2f} s | {noise:.1%} |")
+    sw = next(s for s in hagemann_sweeps() if s.name == "LLaMA-30B s2048 256 x A100-80GB")
+    p = planner_for(sw)
+    by = {s.run.label: s for s in score(sw, p) if not s.run.failed}
+    a, b = by["TP1 CP1 PP4 MBS1"], by["TP2 CP1 PP4 MBS1 noSP"]
+    gap = a.run.throughput and b.run.throughput / a.run.throughput - 1
+    lines += ["", f"LLaMA-30B s2048 on 256 GPUs: the measured best {b.run.label} ran {gap:.1%} faster than the first "
+              f"choice {a.run.label}; at that sheet's noise ({sheets[sw.name][2]:.1%} a measurement) the difference of "
+              f"two measurements has a standard deviation of {sheets[sw.name][2] * math.sqrt(2):.1%}."]
+    for s in (a, b):
+        nic, nodes = dp_bytes_per_nic(p, s.candidate)
+        lines.append(f"- {s.run.label}: DP {s.candidate.dp}, {nic / 1e9:.3f} GB of gradients per NIC and pass, "
+                     f"over {nodes} nodes")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--write", action="store_true", help=f"write {os.path.relpath(RESULTS, ROOT)}")
@@ -1522,7 +1606,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aggregate", action="store_true",
                     help="rank aggregations of the time rule and Fujii et al.'s key (Borda, the key as a prior), "
                          "leave one family out (docs/planner.md section 5.2; not in the planner)")
+    ap.add_argument("--round9", action="store_true",
+                    help="the 256-GPU sheet's own noise from what the fused RMSNorm kernel saves per cell, and the "
+                         "DP traffic per NIC of its first choice and best (docs/planner.md section 5.2)")
     ns = ap.parse_args(argv)
+    if ns.round9:
+        print(round9_check())
+        return 0
     if ns.blind:
         print(blind_check(ns.blind))
         return 0
