@@ -586,8 +586,9 @@ def test_rmsnorm_kernel_saving_measures_the_256_gpu_sheets_noise():
     the TP. LLaMA-65B on 128 GPUs shows it cleanly (CSV: TP4 PP4 MBS1 101.97 - 86.61 = 15.35 s, TP4 PP8 15.36 s,
     TP8 PP2 31.82 s); one constant for all sheets, about 89 ps per element (145 B of HBM traffic at 80% of the
     A100-80GB's 2.039 TB/s: an eager fp32 norm against the fused one), predicts every cell; what is left is the two
-    runs' noise: 0.5% a measurement on the 65B 128-GPU sheet, 3.9% on the LLaMA-30B 256-GPU sheet, where the first
-    choice (TP1 PP4 MBS1) ran 5.2% below the best (TP2 PP4 MBS1 noSP), within one standard deviation of the
+    runs' noise (an upper bound: anything else the kernel changes adds to it): 0.5% a measurement on the 65B 128-GPU
+    sheet, 3.9% on the LLaMA-30B 256-GPU sheet (2.2% without its largest residual, TP4 PP1 MBS1), where the first
+    choice (TP1 PP4 MBS1) ran 5.2% below the best (TP2 PP4 MBS1 noSP): 1.0 to 1.7 standard deviations of the
     difference of two measurements there."""
     from benchmarks.planner_quality import norm_elements_per_gpu, rmsnorm_saving_probe
     # 2 x 80 layers x 8192 x 2048 x 2048 tokens x TP 4 / 128 GPUs, by hand
@@ -600,8 +601,8 @@ def test_rmsnorm_kernel_saving_measures_the_256_gpu_sheets_noise():
     assert 80e-12 < kappa < 95e-12 and 130 < kappa * 2.039e12 * 0.80 < 160
     assert sheets[s65][2] < 0.01
     s30 = "LLaMA-30B s2048 256 x A100-80GB"
-    n, rms, noise = sheets[s30]
-    assert n == 7 and noise > 0.035
+    n, rms, noise, noise_1 = sheets[s30]
+    assert n == 7 and noise > 0.035 and 0.02 < noise_1 < 0.03     # TP4 PP1 MBS1 (8.04 s against 4.67) the largest
     sw, sc = _sweep(s30)
     by = {s.run.label: s for s in sc if not s.run.failed}
     gap = by["TP2 CP1 PP4 MBS1 noSP"].run.throughput / by["TP1 CP1 PP4 MBS1"].run.throughput - 1
@@ -627,3 +628,24 @@ def test_fabric_terms_cannot_split_the_256_gpu_first_choice_from_the_best():
     assert abs((cand_dp_exposed(P, a) + P.step_time(a).term_seconds["dp_comm"])
                - (cand_dp_exposed(P, b) + P.step_time(b).term_seconds["dp_comm"])) < 0.1
     assert P.step_time(a).seconds < P.step_time(b).seconds
+
+
+def test_candidate_spine_by_hand():
+    """Round 9, not in the model. An HDR leaf switch has 40 ports (QM8700); non-blocking, 20 face the nodes, so a
+    rail-optimised leaf serves 20 nodes. At LLaMA-30B s2048 on 256 GPUs TP4 PP1 MBS1's DP group (64 ranks, 2 a node)
+    spans 32 nodes and pays its reduce-scatter and all-gather at half the network bandwidth, exposed: the stage's 60
+    layers of (4h^2 + 3hf) / 4 + 2h parameters, a quarter of the embedding and of the output layer, 2 B each, 1/2 through
+    each of the 2 NICs a node in 31 of 32 steps at 100 Gb/s x 0.85, once for the gradients and once for the
+    parameters; TP2 PP2 (16 nodes) pays nothing."""
+    from benchmarks.planner_quality import cand_spine
+    sw, sc = _sweep("LLaMA-30B s2048 256 x A100-80GB")
+    P = planner_for(sw)
+    by = {s.run.label: s for s in sc if not s.run.failed}
+    a, b = by["TP4 CP1 PP1 MBS1 noSP"].candidate, by["TP2 CP1 PP2 MBS1 noSP"].candidate
+    assert cand_spine(P, b) == 0.0
+    # PP1: the embedding and the output layer of the vocabulary padded to 128 x TP (32000 -> 32256), the final norm
+    psi = 60 * ((4 * 6656 ** 2 + 3 * 6656 * 17920) // 4 + 2 * 6656) + 2 * 32256 * 6656 // 4 + 6656
+    assert P.timer.stage_params(a, 0) == psi
+    net = 2 * (31 / 32 * psi * 2 / 2 / (100e9 / 8 * 0.85) + 31 * 8e-6)
+    nvl = 2 * (1 / 2 * psi * 2 / (300e9 * 0.80) + 3e-6)
+    assert cand_spine(P, a) == pytest.approx(net + nvl - P.step_time(a).term_seconds["dp_comm"], rel=1e-9)
