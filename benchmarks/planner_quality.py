@@ -1575,6 +1575,34 @@ def cand_spine(p: Planner, c: Candidate) -> float:
     return full - p.step_time(c).term_seconds["dp_comm"]
 
 
+def kernel_edge_residuals(path: str = HAGEMANN_CSV) -> tuple[list[tuple[str, str, float]], float, int, float]:
+    """The framework's memory edge read from its own kernels: target layouts that ran with the fused RMSNorm kernel
+    and failed (OOM) in the same cell with FlashAttention-2 alone, which keeps more, against the other target
+    layouts that ran: log(measured / predicted step) about each sweep's mean. Returns (the edge layouts (sweep,
+    layout, residual), their mean, the others' count, their mean)."""
+    fa2: dict[tuple, set[str]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["kernel"] == OTHER_KERNELS["hagemann-fa2"]:
+                key = (r["model"], int(r["seq_len"]), int(r["world_size"]), int(r["tp"]), int(r["pp"]),
+                       int(r["micro_batch_size"]), r["activation_checkpointing"] == "every_layer")
+                fa2.setdefault(key, set()).add(r["status"])
+    edge, others = [], []
+    for sw in hagemann_sweeps():
+        model, seq = sw.name.split()[0], int(sw.name.split()[1][1:])
+        # measured step = FLOPs / (MFU x peak): log(measured / predicted) = -log(MFU x predicted) + a sweep constant
+        ran = [(s, -math.log(s.run.throughput * s.seconds)) for s in score(sw)
+               if s.candidate is not None and not s.run.failed]
+        mu = statistics.fmean(x for _, x in ran)
+        for s, x in ran:
+            st = fa2.get((model, seq, sw.world, s.run.tp, s.run.pp, s.run.mbs, s.run.recompute == "full"), set())
+            if "OOM" in st and "ok" not in st:
+                edge.append((sw.name, s.run.label, x - mu))
+            else:
+                others.append(x - mu)
+    return edge, statistics.fmean(x for _, _, x in edge), len(others), statistics.fmean(others)
+
+
 def round9_check() -> str:
     """The text of ``--round9``: the RMSNorm probe's noise per sheet and the 30B 256-GPU pair's DP traffic."""
     kappa, cells, sheets = rmsnorm_saving_probe()
@@ -1610,6 +1638,12 @@ def round9_check() -> str:
                  "on every target sweep (Megatron's too: ABCI's 256-GPU sweep spans 32 nodes):")
     lines += ["", candidates_check([(s, score(s)) for s in fujii_sweeps() + hagemann_sweeps()],
                                    families=("fujii", "hagemann"), cands={"spine": cand_spine})]
+    edge, m_edge, n_other, m_other = kernel_edge_residuals()
+    tp1 = next(x for name, lab, x in edge if name == sw.name and lab == a.run.label)
+    lines += ["", f"The framework's memory edge from its own kernels: {len(edge)} target layouts ran with the fused "
+              f"RMSNorm kernel and failed with FlashAttention-2 alone; log(measured / predicted step) about their "
+              f"sweep's mean {m_edge:+.3f}, against {m_other:+.3f} for the other {n_other} ({a.run.label} on 256 GPUs: "
+              f"{tp1:+.3f})."]
     return "\n".join(lines)
 
 
