@@ -588,7 +588,7 @@ def test_rmsnorm_kernel_saving_measures_the_256_gpu_sheets_noise():
     A100-80GB's 2.039 TB/s: an eager fp32 norm against the fused one), predicts every cell; what is left is the two
     runs' noise (an upper bound: anything else the kernel changes adds to it): 0.5% a measurement on the 65B 128-GPU
     sheet, 3.9% on the LLaMA-30B 256-GPU sheet (2.2% without its largest residual, TP4 PP1 MBS1), where the first
-    choice (TP1 PP4 MBS1) ran 5.2% below the best (TP2 PP4 MBS1 noSP): 1.0 to 1.7 standard deviations of the
+    choice (TP1 PP4 MBS1) ran 5.2% below the best (TP2 PP4 MBS1 noSP): 0.9 to 1.7 standard deviations of the
     difference of two measurements there."""
     from benchmarks.planner_quality import norm_elements_per_gpu, rmsnorm_saving_probe
     # 2 x 80 layers x 8192 x 2048 x 2048 tokens x TP 4 / 128 GPUs, by hand
