@@ -25,8 +25,10 @@ from .parallel import weight_shards
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
+    # (the stash first: it needs the rank capacity factor, and is what the user turned on)
+    ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash: its page buffers are sized from "
+                              "the first iteration's routed token counts, over the hybridep / ncclep dispatchers)"),
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
-    ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
 MAX_CAPACITY_FACTOR = 1_000
@@ -47,6 +49,28 @@ class Reader(Protocol):
     def int_arg(self, dest: str, default: int | None = None, required: bool = False, minimum: int = 1) -> int | None: ...
     def bool_arg(self, dest: str, default: bool) -> bool: ...
     def float_arg(self, dest: str, default: float) -> float: ...
+
+
+def _paged_stash_rules(r: Reader) -> bool:
+    """TransformerConfig.__post_init__ (core 0.19.2) on --moe-paged-stash; True when all hold. Its memory stays
+    refused: the stash pages only the TE op-fuser grouped MLP's saved tensors, and the rank capacity it needs
+    runs only over the hybridep / ncclep dispatchers, whose buffers memguard does not size."""
+    ok = True
+    if (r.get("cpu_offloading") is True or (r.get("cpu_offloading_num_layers") or 0) > 0):
+        r.fail("moe_paged_stash", "cannot be used with --cpu-offloading-num-layers (TransformerConfig: \"moe_paged_stash "
+                                  "cannot be enabled with cpu_offloading\")")
+        ok = False
+    if r.get("moe_expert_rank_capacity_factor") is None:
+        r.fail("moe_paged_stash", "needs --moe-expert-rank-capacity-factor (TransformerConfig: \"there is no need to use "
+                                  "paged stashing without it\")")
+        ok = False
+    mods = r.get("offload_modules") or ()
+    clash = sorted({"expert_fc1", "moe_act", "fused_group_mlp"} & set(mods if isinstance(mods, (list, tuple)) else [mods]))
+    if clash:
+        r.fail("offload_modules", f"must not include {', '.join(clash)} with --moe-paged-stash (the stash covers those "
+                                  "activations: TransformerConfig)")
+        ok = False
+    return ok
 
 
 def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
@@ -77,7 +101,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                 and not r.bool_arg("moe_grouped_gemm", False):
             r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
         return None
-    for dest, pred, what in NOT_MODELLED_MOE:
+    # a paged stash that breaks Megatron's own rules is the error Megatron stops on, not a refusal
+    stash_ok = not r.bool_arg("moe_paged_stash", False) or _paged_stash_rules(r)
+    for dest, pred, what in NOT_MODELLED_MOE if stash_ok else ():
         v = r.get(dest)
         if v is not None and pred(v):
             raise NotModelledError(r.key(dest), what)
