@@ -79,3 +79,14 @@ def test_without_the_distributed_optimizer_it_stays_refused(tmp_path):
     with pytest.raises(NotModelledError, match=r"^optimizer\.optimizer_cpu_offload: optimizer CPU offload without "
                                                r"optimizer\.use_precision_aware_optimizer under the non-distributed"):
         _layout(tmp_path, OFFLOAD, ddp_distopt=False)
+
+
+def test_under_megatron_fsdp_it_stays_refused(tmp_path):
+    # Megatron-FSDP's main weights are its own buffers, not the distributed optimizer's fp32 main shards
+    text = FLAT.replace("bf16: true}\nddp", "bf16: true" + OFFLOAD + "}\nddp").replace(
+        "overlap_grad_reduce: true}", "overlap_grad_reduce: true, use_megatron_fsdp: true, "
+        "data_parallel_sharding_strategy: optim_grads_params}")
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(text))
+    with pytest.raises(NotModelledError, match=r"^optimizer\.optimizer_cpu_offload: .* under Megatron-FSDP"):
+        resolve(read_config_file(str(p), overrides=[], model=None), world_size=8, megatron_version="0.19.2")
