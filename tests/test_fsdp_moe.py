@@ -72,6 +72,28 @@ def test_expert_parallel_overlap_under_fsdp_is_refused_by_name():
         layout_from_flags(flags + ["--fsdp-double-buffer"], world_size=8, megatron_version="0.19.2")
 
 
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim"])
+def test_expert_parallel_overlap_where_fsdp_gathers_no_weights(strategy):
+    """Core 0.19.2: only optim_grads_params shards the compute weights. Under optim / optim_grads the adapter builds
+    no FSDP units (mcore_fsdp_adapter.py: fsdp_unit_modules = [] and no backward unshard hook) and combined_1f1b.py
+    wires no reshard hooks: the overlap gathers nothing, so FSDP's sharded states are the ones without it and the
+    overlap adds what it adds without FSDP."""
+    flags = [strategy if f == "optim_grads_params" else f for f in ZP_Z3] + ["--moe-token-dispatcher-type", "alltoall"]
+    L, _, off = _stage(flags)
+    L, _, on = _stage(flags + ["--overlap-moe-expert-parallel-comm"])
+    assert any("nothing is gathered per sub-module" in n for n in L.notes)
+    # fp32 main weights and Adam moments over the sharded groups: 4 bytes x OPT (module docstring; every group
+    # but the one outside units is already a multiple of its padding, so the sum is the same without units)
+    assert on["main_parameters"] == off["main_parameters"] == on["adam_exp_avg"] == 4 * OPT
+    # the overlap's own terms: the same as under the plain distributed optimizer
+    plain = [f for f in flags if f not in ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+                                           "--ckpt-format", "fsdp_dtensor")]
+    _, _, plain_off = _stage(plain)
+    _, _, plain_on = _stage(plain + ["--overlap-moe-expert-parallel-comm"])
+    assert (on["moe_dispatcher_state"] - off["moe_dispatcher_state"]
+            == plain_on["moe_dispatcher_state"] - plain_off["moe_dispatcher_state"] > 0)
+
+
 def test_hsdp_shards_over_one_replica():
     """--num-distributed-optimizer-instances 2: FSDP shards over the partial DP x CP group (4 / 2 = 2
     ranks) and the partial expert DP group (2 / 2 = 1: the experts are not sharded), and all-reduces

@@ -634,17 +634,30 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # the overlap schedule (model_chunk_schedule_plan.py TransformerLayerSchedulePlan.run) runs one layer's
             # forward and another layer's backward together; each sub-module gathers its own weights
             # (enable_fine_grained_param_gather_hook) and the schedule releases a layer's at the end of its pass
-            # (set_fsdp_reshard_hooks): how many buckets are gathered at once depends on that interleaving
-            why = ("the expert all-to-all overlap under Megatron-FSDP (the overlap schedule holds a forward layer's "
-                   "and a backward layer's gathered weights at once, gathered per sub-module: not sized)")
+            # (set_fsdp_reshard_hooks): how many buckets are gathered at once depends on that interleaving.
+            # Only optim_grads_params shards the compute weights: under no_shard / optim / optim_grads they are whole
+            # on every rank (megatron_fsdp.py: "optim and optim_grads do not require FSDP units"), the adapter
+            # builds no units and no backward unshard hooks, combined_1f1b.py wires no reshard hooks, and the
+            # gradients reach their buckets through the per-parameter grad_acc hooks as without the overlap:
+            # nothing is gathered, the estimate is the overlap's schedule over FSDP's buffers
+            why = None
+            if kw.get("data_parallel_sharding_strategy") == "optim_grads_params":
+                why = ("the expert all-to-all overlap under Megatron-FSDP's optim_grads_params (the overlap schedule "
+                       "holds a forward layer's and a backward layer's gathered weights at once, gathered per "
+                       "sub-module: not sized; the no_shard / optim / optim_grads strategies, which gather no weights, "
+                       "are)")
         else:
             # 0.16.1: the adapter installs no fine-grained hooks for the overlap and the schedule no release
             # hooks, while the schedule calls sub-modules directly (not TransformerLayer.forward, where the FSDP
             # unit's gather hook sits)
             why = (f"the expert all-to-all overlap under Megatron-FSDP in megatron-core {ctx.version} (its overlap "
                    "schedule bypasses the FSDP unit hooks; when weights are gathered is not read)")
-        if len(a.errors) == before:   # (what Megatron stops on comes first)
+        if len(a.errors) == before and why:   # (what Megatron stops on comes first)
             raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"), why)
+        if not why:
+            a.notes.append(f"{a.key('overlap_moe_expert_parallel_comm')} under Megatron-FSDP's "
+                           f"{kw.get('data_parallel_sharding_strategy')}: the compute weights are whole on every rank, "
+                           "nothing is gathered per sub-module; estimated as the overlap's schedule over FSDP's buffers")
     if kw.get("use_megatron_fsdp"):
         a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
                        "fp32 gradient copies as Megatron's source keeps them (main_grad_copies); Megatron's CI run of "
