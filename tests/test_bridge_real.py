@@ -1030,11 +1030,12 @@ def test_optimizer_offload_without_precision_aware_optimizer_is_what_bridge_does
     """Bridge's finalize (runtime_config_update: ConfigContainer.validate) runs no Megatron-LM validate_args and
     accepts optimizer_cpu_offload without use_precision_aware_optimizer; megatron-core's OptimizerConfig then leaves
     use_precision_aware_optimizer_no_fp8_or_ds_fp8 False, so the distributed optimizer keeps fp32 main shards of
-    its own under the HybridDeviceOptimizer (optimizer/__init__.py, distrib_optimizer.py 0.19.2). memguard models
-    only the precision-aware offload path: not modelled, naming Bridge's key (not validate_args' rule)."""
+    its own under the HybridDeviceOptimizer (optimizer/__init__.py, distrib_optimizer.py 0.19.2). memguard
+    estimates that path: the fp32 main shards stay whole on the GPU (as without offload), the moments of the
+    offloaded half leave it."""
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
-    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.estimator.core import estimate
     from megatron_memguard.readers._common import parse_overrides
     from megatron_memguard.readers.bridge import read_bridge
     from megatron_memguard.resolve import resolve
@@ -1044,11 +1045,20 @@ def test_optimizer_offload_without_precision_aware_optimizer_is_what_bridge_does
     _runtime_config_update(cfg, monkeypatch)   # (no assertion: Bridge starts with it)
     assert cfg.optimizer.optimizer_cpu_offload and not cfg.optimizer.use_precision_aware_optimizer
     assert cfg.optimizer.use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False
-    raw = read_bridge({}, "recipe llama32_1b", parse_overrides(overrides), recipe="llama32_1b")
-    with pytest.raises(NotModelledError, match=r"^optimizer\.optimizer_cpu_offload: optimizer CPU offload without "
-                                               r"optimizer\.use_precision_aware_optimizer"):
-        resolve(raw, world_size=8)
-    # with the precision-aware optimizer (the path memguard estimates) Bridge and memguard both go on
+    assert cfg.optimizer.use_distributed_optimizer
+
+    def terms(extra):
+        L = resolve(read_bridge({}, "recipe llama32_1b", parse_overrides(extra), recipe="llama32_1b"), world_size=8)
+        return L, {t.name: t.bytes for t in estimate(L).stages[-1].terms}
+
+    L, off = terms(overrides)
+    assert L.optimizer_cpu_offload is True and not L.use_precision_aware_optimizer
+    _, plain = terms([])
+    # the distributed optimizer's fp32 main shards are the same with and without offload; Adam's moments halve
+    # (offload_bytes rounds fraction x shard)
+    assert off["main_parameters"] == plain["main_parameters"]
+    assert off["adam_exp_avg"] == round(plain["adam_exp_avg"] / 4 * 0.5) * 4
+    # with the precision-aware optimizer (Megatron-LM's path) Bridge and memguard both go on too
     on = overrides + ["optimizer.use_precision_aware_optimizer=true"]
     raw = read_bridge({}, "recipe llama32_1b", parse_overrides(on), recipe="llama32_1b")
     assert resolve(raw, world_size=8).optimizer_cpu_offload is True

@@ -96,8 +96,22 @@ def test_top1_is_fine_with_pre_softmax_or_sinkhorn():
 @pytest.mark.parametrize("dest", ["moe_paged_stash", "moe_expert_rank_capacity_factor"])   # upcycling: test_moe_upcycling.py
 def test_unmodelled_moe_settings_are_refused_by_name(dest):
     with pytest.raises(NotModelledError) as e:
-        _read(num_experts=4, **{dest: 1.0 if dest == "moe_expert_rank_capacity_factor" else True})
+        # (the paged stash needs the rank capacity factor: TransformerConfig.__post_init__, core 0.19.2)
+        _read(num_experts=4, moe_expert_rank_capacity_factor=1.0, **({dest: True} if dest == "moe_paged_stash" else {}))
     assert str(e.value).startswith("--" + dest.replace("_", "-") + ":")
+
+
+@pytest.mark.parametrize("args, flag, rule", [
+    # TransformerConfig.__post_init__ (core 0.19.2 transformer_config.py 1904-1921): three ValueErrors
+    ({}, "--moe-paged-stash", "needs --moe-expert-rank-capacity-factor"),
+    ({"moe_expert_rank_capacity_factor": 1.0, "cpu_offloading_num_layers": 1}, "--moe-paged-stash",
+     "cannot be used with --cpu-offloading-num-layers"),
+    ({"moe_expert_rank_capacity_factor": 1.0, "offload_modules": ["expert_fc1", "core_attn"]}, "--offload-modules",
+     "must not include expert_fc1"),
+])
+def test_paged_stash_rules_are_errors_not_refusals(args, flag, rule):
+    spec, errors = _read(num_experts=4, moe_paged_stash=True, **args)
+    assert len(errors) == 1 and errors[0].startswith(f"{flag}: {rule}"), errors
 
 
 def test_flex_dispatcher_deepep_group_sizes():

@@ -57,3 +57,15 @@ def test_per_node():
 def test_bad_fraction():
     with pytest.raises(ValueError, match="optimizer_offload_fraction"):
         O.OffloadSpec.from_flat(optimizer_offload_fraction=1.5)
+
+
+def test_without_the_precision_aware_optimizer_only_the_state_moves():
+    # Bridge's path (OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 False, core 0.16.1 / 0.19.2):
+    # the hybrid optimizer gets the distributed optimizer's fp32 main shards (distrib_optimizer.py
+    # shard_main_param = shard_model_param.clone().float()), so param_update_in_fp32 clones nothing on the GPU and
+    # casts no gradient (``param.dtype != torch.float32`` is False); the host master is the pinned fp32 clone itself
+    s = O.OffloadSpec.from_flat(optimizer_offload_fraction=0.5, grad_bytes=2, use_precision_aware_optimizer=False)
+    b = O.offload_bytes(s, shard_numel=1000)
+    assert (b.gpu_main_params, b.gpu_states, b.gpu_grad_copy) == (0, (2000, 2000), 0)
+    assert (b.host_main_params, b.host_states, b.host_grads) == (2000, 4000, 2000)
+    assert b.host_pinned == 2000 + 2000   # pinned fp32 masters + pinned grads

@@ -65,8 +65,11 @@ def test_not_modelled_exits_2(capsys):
     assert main(["validate", mixtral, "model.fp8=True"]) == 0
     assert main(["validate", mixtral, "model.moe_latent_size=128"]) == 0
     capsys.readouterr()
-    assert main(["validate", mixtral, "model.moe_paged_stash=True"]) == 2
+    assert main(["validate", mixtral, "model.moe_paged_stash=True", "model.moe_expert_rank_capacity_factor=1.5"]) == 2
     assert "not modelled" in capsys.readouterr().err
+    # without the rank capacity factor it breaks TransformerConfig's rule (core 0.19.2): exit 1, the rule named
+    assert main(["validate", mixtral, "model.moe_paged_stash=True"]) == 1
+    assert "model.moe_paged_stash: needs" in capsys.readouterr().out
     # delayed weight-gradient computation is modelled; without the expert all-to-all overlap it breaks
     # TransformerConfig's rule (exit 1, the problem listed)
     assert main(["validate", mixtral, "model.delay_wgrad_compute=True"]) == 1

@@ -84,12 +84,24 @@ FSDP_MTP = [
          note="one MTP layer (one unit) applied at both depths (core 0.17+)"),
 ]
 
-for _c in FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP:
+# --overlap-moe-expert-parallel-comm under optim_grads (core 0.19.2 only, stored in
+# benchmarks/results/referee-fsdp-overlap-core019.json, tests/test_fsdp_moe.py): whole weights, nothing gathered per
+# sub-module; with and without the overlap (2 micro-batches per iteration: global batch 8 over DP 4)
+_OPTIM_GRADS = [x if x != "optim_grads_params" else "optim_grads" for x in FSDP]
+FSDP_OVERLAP = [
+    _moe("fsdp_moe_ep2_optim_grads", 4, ["--moe-token-dispatcher-type", "alltoall"], _OPTIM_GRADS,
+         note="optim_grads: whole weights, sharded gradients and optimizer state"),
+    _moe("fsdp_moe_ep2_optim_grads_overlap", 4,
+         ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"], _OPTIM_GRADS,
+         note="the same with the combined 1F1B expert all-to-all overlap (CUDA streams are no-ops on CPU)"),
+]
+
+for _c in FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP:
     _c["requires"] = ["einops"]     # Megatron-FSDP's device-mesh helpers (mcore_fsdp_adapter.py)
 
 
 def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    return named(FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP, only) if only else named(FSDP_GRID, only)
+    return named(FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP, only) if only else named(FSDP_GRID, only)
 
 
 def resolve_version(core: str) -> str:

@@ -29,7 +29,7 @@ from .layers import mixer_recipe
 from .layers.base import selective_modules
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
-from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
+from .offload_layout import offload_enabled, offload_shard_numel, offload_terms
 from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
 from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
@@ -1264,8 +1264,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         if offload_enabled(L):
             # The hybrid optimizer's GPU part replaces the distributed optimizer's terms; the rest is host memory.
             ot = offload_terms(L, offload_shard_numel(L, st))
-            state_terms = tuple(t for t in state_terms if t.name not in OFFLOAD_REPLACED) + ot.state_terms
-            step_terms = tuple(t for t in step_terms if t.name not in OFFLOAD_REPLACED) + ot.step_terms
+            state_terms = tuple(t for t in state_terms if t.name not in ot.replaced) + ot.state_terms
+            step_terms = tuple(t for t in step_terms if t.name not in ot.replaced) + ot.step_terms
             host_terms = ot.host_terms
         fp32_grads = 4 * fp32_local_accumulation_numel(L, pp_rank) if ft is None else 0
         if fp32_grads:

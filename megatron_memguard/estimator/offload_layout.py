@@ -23,7 +23,8 @@ def offload_spec(L: Any) -> OffloadSpec:
     return OffloadSpec.from_flat(optimizer_offload_fraction=getattr(L, "optimizer_offload_fraction", 1.0),
                                  optimizer=L.optimizer, params_dtype=L.params_dtype, grad_bytes=g,
                                  pin_cpu_grads=bool(getattr(L, "pin_cpu_grads", True)),
-                                 overlap_cpu_optimizer_d2h_h2d=bool(getattr(L, "overlap_cpu_optimizer_d2h_h2d", False)))
+                                 overlap_cpu_optimizer_d2h_h2d=bool(getattr(L, "overlap_cpu_optimizer_d2h_h2d", False)),
+                                 use_precision_aware_optimizer=bool(L.use_precision_aware_optimizer))
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,14 @@ class OffloadTerms:
     step_terms: tuple[Term, ...]    # replace main_grad_copies
     host_terms: tuple[Term, ...]
     bytes: OffloadBytes
+    replaced: frozenset[str]        # the distributed optimizer's terms these replace
 
 
 # The distributed optimizer's terms the hybrid optimizer's replace.
 OFFLOAD_REPLACED = frozenset({"main_parameters", "adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum", "main_grad_copies"})
+# Without the precision-aware optimizer its fp32 main shards and gradient copies stay (offload_optimizer.py):
+# only the optimizer state moves.
+OFFLOAD_REPLACED_STATES = frozenset({"adam_exp_avg", "adam_exp_avg_sq", "sgd_momentum"})
 
 
 def offload_shard_numel(L: Any, st: Any) -> int:
@@ -66,9 +71,11 @@ def offload_terms(L: Any, shard_numel: int) -> OffloadTerms:
     host = []
     if b.host_total:
         pinned = "page-locked" if spec.pin_cpu_grads else "pageable"
+        where = "" if spec.precision_aware else "; their GPU fp32 main shards stay"
         host = [Term("host_main_parameters", b.host_main_params, "host", "host",
-                     f"fp32 masters of {b.offloaded_numel:,} offloaded elements"),
+                     f"fp32 masters of {b.offloaded_numel:,} offloaded elements{where}"),
                 Term("host_optimizer_states", b.host_states, "host", "host",
                      f"{L.optimizer} state of the offloaded elements"),
                 Term("host_gradients", b.host_grads, "host", "host", f"fp32 gradient copies ({pinned})")]
-    return OffloadTerms(tuple(st), step, tuple(host), b)
+    return OffloadTerms(tuple(st), step, tuple(host), b,
+                        OFFLOAD_REPLACED if spec.precision_aware else OFFLOAD_REPLACED_STATES)

@@ -18,6 +18,15 @@ buffer is fp32 already). The DDP parameter and gradient buffers stay on the GPU 
 copies to and from the host go straight between those buffers and the host tensors (no GPU
 staging buffer in the code). The hybrid optimizer is given fp32 states whatever
 ``--exp-avg-dtype`` says: it is not passed on.
+
+Without the precision-aware optimizer (Megatron-Bridge takes ``optimizer_cpu_offload`` without it; Megatron-LM's
+validate_args does not) ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` stays False: the distributed optimizer
+keeps its own fp32 main shards (``shard_main_param = shard_model_param.clone().float()``) and fp32 gradient views or
+copies (``_copy_model_grads_to_main_grads``: ``.grad = shard_model_grad.float()``) of the whole shard on the GPU,
+and hands the fp32 main shards to the hybrid optimizer. Those are fp32 already, so the hybrid optimizer makes no
+GPU clone and casts no gradient; the offloaded ones are cloned to the host as pinned fp32 tensors that are the CPU
+masters themselves (no ``.float()`` copy), and the GPU main shard stays (the step copies the host master back
+into it). Only the optimizer state of the offloaded part leaves the GPU.
 """
 from __future__ import annotations
 
@@ -36,13 +45,15 @@ class OffloadSpec:
     grad_bytes: int                 # the DDP gradient buffer per element (--main-grads-dtype / fp32 accumulation)
     pin_cpu_grads: bool = True      # --no-pin-cpu-grads
     overlap_d2h_h2d: bool = False   # --overlap-cpu-optimizer-d2h-h2d: one CPU optimizer per parameter
+    precision_aware: bool = True    # use_precision_aware_optimizer (False: Bridge's path over fp32 main shards)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
     def from_flat(cls, *, optimizer_offload_fraction: float = 1.0, optimizer: str = "adam",
                   params_dtype: str = "bf16", grad_bytes: int = 4, pin_cpu_grads: bool = True,
                   overlap_cpu_optimizer_d2h_h2d: bool = False,
-                  use_torch_optimizer_for_cpu_offload: bool = False) -> "OffloadSpec":
+                  use_torch_optimizer_for_cpu_offload: bool = False,
+                  use_precision_aware_optimizer: bool = True) -> "OffloadSpec":
         """``optimizer_offload_fraction``: Megatron's CLI default is 1.0 (OptimizerConfig's own
         default, 0.0, applies only to configs built without the CLI)."""
         if not 0.0 <= float(optimizer_offload_fraction) <= 1.0:
@@ -51,7 +62,8 @@ class OffloadSpec:
         # --use-torch-optimizer-for-cpu-offload changes which GPU class is named, but for Adam the
         # code overrides it with FusedAdam again; the bytes are the same either way.
         return cls(fraction=float(optimizer_offload_fraction), state_bytes=states, params_dtype=params_dtype,
-                   grad_bytes=grad_bytes, pin_cpu_grads=pin_cpu_grads, overlap_d2h_h2d=overlap_cpu_optimizer_d2h_h2d)
+                   grad_bytes=grad_bytes, pin_cpu_grads=pin_cpu_grads, overlap_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
+                   precision_aware=bool(use_precision_aware_optimizer))
 
 
 def offloaded_numel(fraction: float, shard_numels: list[int] | tuple[int, ...]) -> int:
@@ -97,10 +109,12 @@ def offload_bytes(spec: OffloadSpec, shard_numel: int, moved: int | None = None)
     cpu = int(round(spec.fraction * shard_numel)) if moved is None else min(moved, shard_numel)
     gpu = shard_numel - cpu
     # param_update_in_fp32: 16-bit shards get fp32 clones; fp32 shards are their own masters on the
-    # GPU and, on the host, the pinned clone itself is the master.
-    fp32_params = spec.params_dtype == "fp32"
+    # GPU and, on the host, the pinned clone itself is the master. Without the precision-aware optimizer
+    # every shard handed over is an fp32 main shard: the distributed optimizer's own main shards and
+    # gradient copies (its terms, not these) stay whole on the GPU.
+    fp32_params = spec.params_dtype == "fp32" or not spec.precision_aware
     gpu_main = 0 if fp32_params else 4 * gpu
-    grad_copy = 4 * gpu if spec.grad_bytes != 4 else 0
+    grad_copy = 4 * gpu if spec.grad_bytes != 4 and spec.precision_aware else 0
     host_main = 4 * cpu
     host_grads = 4 * cpu
     pinned = (host_grads if spec.pin_cpu_grads else 0) + (host_main if fp32_params else 0)

@@ -287,17 +287,27 @@ def optimizer_offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
         key = a.key("optimizer_cpu_offload")
         if not key.startswith("optimizer."):
             a.fail("optimizer_cpu_offload", "needs --use-precision-aware-optimizer")
-        else:
+        elif kw.get("use_distributed_optimizer") and not (kw.get("use_megatron_fsdp") or kw.get("use_torch_fsdp2")):
             # Megatron-Bridge (0.6.2 ConfigContainer.validate / runtime_config_update) runs no validate_args and takes
-            # it: megatron-core 0.19.2's get_megatron_optimizer builds the HybridDeviceOptimizer anyway, but
-            # OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 stays False, so the distributed
-            # optimizer keeps its own fp32 main shards on the GPU and hands those to the hybrid optimizer
-            # (distrib_optimizer.py) - not the 16-bit shard views estimator/offload_optimizer.py models
-            raise NotModelledError(key, "optimizer CPU offload without optimizer.use_precision_aware_optimizer "
-                                   "(Megatron-Bridge accepts it; megatron-core then keeps the distributed optimizer's "
-                                   "fp32 main shards on the GPU under the hybrid optimizer)",
-                                   "set optimizer.use_precision_aware_optimizer=true, the offload path memguard "
-                                   "estimates")
+            # it: megatron-core's get_megatron_optimizer (0.16.1 and 0.19.2) builds the HybridDeviceOptimizer anyway,
+            # OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 stays False, so the distributed optimizer
+            # keeps its fp32 main shards and gradient copies on the GPU and hands those to the hybrid optimizer
+            # (distrib_optimizer.py): estimator/offload_optimizer.py, only the optimizer state moves
+            pao = key[:-len("optimizer_cpu_offload")] + "use_precision_aware_optimizer"   # the config's own key
+            a.notes.append(f"{key}: without {pao} the distributed optimizer keeps its "
+                           "fp32 main shards (and gradient copies) of the whole shard on the GPU under the hybrid "
+                           "optimizer; only the offloaded part's optimizer state (and its pinned fp32 host masters) "
+                           "leave it")
+        else:
+            # without the distributed optimizer Float16OptimizerWithFloat16Params swaps its fp32 main params into the
+            # hybrid optimizer's groups after it built its sub-optimizers over the 16-bit ones (optimizer.py), and
+            # under FSDP the main weights are FSDP's: neither path is sized
+            what = "torch FSDP2" if kw.get("use_torch_fsdp2") else "Megatron-FSDP" if kw.get("use_megatron_fsdp") \
+                else "the non-distributed optimizer"
+            raise NotModelledError(key, "optimizer CPU offload without optimizer.use_precision_aware_optimizer under "
+                                   f"{what} (Megatron-Bridge accepts it; memguard sizes it only with the distributed "
+                                   "optimizer's fp32 main shards)",
+                                   "set optimizer.use_precision_aware_optimizer=true, or use the distributed optimizer")
     if a.bool_arg("fp8_param_gather", False) and str(a.get("fp8_recipe", "delayed")) != "delayed":
         a.fail("optimizer_cpu_offload", "with --fp8-param-gather needs --fp8-recipe delayed")
     fraction = a.float_arg("optimizer_offload_fraction", 1.0)

@@ -25,8 +25,10 @@ from .parallel import weight_shards
 
 # MoE settings whose memory memguard does not model: refused by name (dest, predicate, what).
 NOT_MODELLED_MOE: list[tuple[str, Any, str]] = [
+    # (the stash first: it needs the rank capacity factor, and is what the user turned on)
+    ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash: its page buffers are sized from "
+                              "the first iteration's routed token counts, over the hybridep / ncclep dispatchers)"),
     ("moe_expert_rank_capacity_factor", lambda v: v is not None, "per-rank expert capacity (HybridEP / NCCL-EP)"),
-    ("moe_paged_stash", bool, "paged expert-activation stashing (--moe-paged-stash)"),
 ]
 # memguard's bound on --moe-expert-capacity-factor (GShard / Switch use 1 to 2, Megatron's examples 1).
 MAX_CAPACITY_FACTOR = 1_000
@@ -47,6 +49,28 @@ class Reader(Protocol):
     def int_arg(self, dest: str, default: int | None = None, required: bool = False, minimum: int = 1) -> int | None: ...
     def bool_arg(self, dest: str, default: bool) -> bool: ...
     def float_arg(self, dest: str, default: float) -> float: ...
+
+
+def _paged_stash_rules(r: Reader) -> bool:
+    """TransformerConfig.__post_init__ (core 0.19.2) on --moe-paged-stash; True when all hold. Its memory stays
+    refused: the stash pages only the TE op-fuser grouped MLP's saved tensors, and the rank capacity it needs
+    runs only over the hybridep / ncclep dispatchers, whose buffers memguard does not size."""
+    ok = True
+    if (r.get("cpu_offloading") is True or (r.get("cpu_offloading_num_layers") or 0) > 0):
+        r.fail("moe_paged_stash", "cannot be used with --cpu-offloading-num-layers (TransformerConfig: \"moe_paged_stash "
+                                  "cannot be enabled with cpu_offloading\")")
+        ok = False
+    if r.get("moe_expert_rank_capacity_factor") is None:
+        r.fail("moe_paged_stash", "needs --moe-expert-rank-capacity-factor (TransformerConfig: \"there is no need to use "
+                                  "paged stashing without it\")")
+        ok = False
+    mods = r.get("offload_modules") or ()
+    clash = sorted({"expert_fc1", "moe_act", "fused_group_mlp"} & set(mods if isinstance(mods, (list, tuple)) else [mods]))
+    if clash:
+        r.fail("offload_modules", f"must not include {', '.join(clash)} with --moe-paged-stash (the stash covers those "
+                                  "activations: TransformerConfig)")
+        ok = False
+    return ok
 
 
 def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
@@ -77,7 +101,9 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                 and not r.bool_arg("moe_grouped_gemm", False):
             r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
         return None
-    for dest, pred, what in NOT_MODELLED_MOE:
+    # a paged stash that breaks Megatron's own rules is the error Megatron stops on, not a refusal
+    stash_ok = not r.bool_arg("moe_paged_stash", False) or _paged_stash_rules(r)
+    for dest, pred, what in NOT_MODELLED_MOE if stash_ok else ():
         v = r.get(dest)
         if v is not None and pred(v):
             raise NotModelledError(r.key(dest), what)
@@ -608,17 +634,30 @@ def moe(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # the overlap schedule (model_chunk_schedule_plan.py TransformerLayerSchedulePlan.run) runs one layer's
             # forward and another layer's backward together; each sub-module gathers its own weights
             # (enable_fine_grained_param_gather_hook) and the schedule releases a layer's at the end of its pass
-            # (set_fsdp_reshard_hooks): how many buckets are gathered at once depends on that interleaving
-            why = ("the expert all-to-all overlap under Megatron-FSDP (the overlap schedule holds a forward layer's "
-                   "and a backward layer's gathered weights at once, gathered per sub-module: not sized)")
+            # (set_fsdp_reshard_hooks): how many buckets are gathered at once depends on that interleaving.
+            # Only optim_grads_params shards the compute weights: under no_shard / optim / optim_grads they are whole
+            # on every rank (megatron_fsdp.py: "optim and optim_grads do not require FSDP units"), the adapter
+            # builds no units and no backward unshard hooks, combined_1f1b.py wires no reshard hooks, and the
+            # gradients reach their buckets through the per-parameter grad_acc hooks as without the overlap:
+            # nothing is gathered, the estimate is the overlap's schedule over FSDP's buffers
+            why = None
+            if kw.get("data_parallel_sharding_strategy") == "optim_grads_params":
+                why = ("the expert all-to-all overlap under Megatron-FSDP's optim_grads_params (the overlap schedule "
+                       "holds a forward layer's and a backward layer's gathered weights at once, gathered per "
+                       "sub-module: not sized; the no_shard / optim / optim_grads strategies, which gather no weights, "
+                       "are)")
         else:
             # 0.16.1: the adapter installs no fine-grained hooks for the overlap and the schedule no release
             # hooks, while the schedule calls sub-modules directly (not TransformerLayer.forward, where the FSDP
             # unit's gather hook sits)
             why = (f"the expert all-to-all overlap under Megatron-FSDP in megatron-core {ctx.version} (its overlap "
                    "schedule bypasses the FSDP unit hooks; when weights are gathered is not read)")
-        if len(a.errors) == before:   # (what Megatron stops on comes first)
+        if len(a.errors) == before and why:   # (what Megatron stops on comes first)
             raise NotModelledError(a.key("overlap_moe_expert_parallel_comm"), why)
+        if not why:
+            a.notes.append(f"{a.key('overlap_moe_expert_parallel_comm')} under Megatron-FSDP's "
+                           f"{kw.get('data_parallel_sharding_strategy')}: the compute weights are whole on every rank, "
+                           "nothing is gathered per sub-module; estimated as the overlap's schedule over FSDP's buffers")
     if kw.get("use_megatron_fsdp"):
         a.notes.append(f"{a.key('use_megatron_fsdp')} with experts: after the step memguard counts the expert groups' "
                        "fp32 gradient copies as Megatron's source keeps them (main_grad_copies); Megatron's CI run of "
