@@ -27,7 +27,7 @@ import heapq
 import time as _time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors, NotModelledError
@@ -282,11 +282,35 @@ class Planner:
         return self.cluster.gpu_memory_bytes * self.threshold
 
     # ---- the search ----------------------------------------------------------------------------------
-    def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
+    @staticmethod
+    def _order(rule: str) -> Callable[[Candidate, float], tuple]:
+        """The rule's order of a candidate whose step time is ``seconds``; it grows with ``seconds``."""
         if rule == "fujii2024":
-            return lambda c: (c.model_parallel, -c.mbs, self.step_time(c).seconds, c.tp, c.pp)
-        return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
-                          not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp)
+            return lambda c, seconds: (c.model_parallel, -c.mbs, seconds, c.tp, c.pp)
+        return lambda c, seconds: (seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
+                                   not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp)
+
+    def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
+        order = self._order(rule)
+        return lambda c: order(c, self.step_time(c).seconds)
+
+    def visit_order(self, cands: Sequence[Candidate], rule: str) -> Iterator[Candidate]:
+        """``cands`` in the order ``sorted(cands, key=self.order_key(rule))`` gives (equal keys in their order
+        in ``cands``), computing step times only as far as the caller reads: each candidate waits in a heap
+        under its key at the lower bound of its step time (TimeModel.step_time_bound) and is timed when that
+        comes first; a timed candidate comes out when its own key does. As the key grows with the time,
+        whatever comes out precedes every candidate still waiting, timed or not."""
+        order, bound = self._order(rule), self.timer.step_time_bound
+        heap = [(order(c, bound(c)), i, False) for i, c in enumerate(cands)]
+        heapq.heapify(heap)
+        while heap:
+            key, i, timed = heap[0]
+            c = cands[i]
+            if timed:
+                heapq.heappop(heap)
+                yield c
+            else:
+                heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, True))
 
     def tie_key(self) -> Callable[[Candidate], tuple]:
         """The order among layouts the time model cannot separate: Fujii et al.'s, then the time rule's."""
@@ -325,12 +349,11 @@ class Planner:
                 else:
                     kept.append(c)
             cands = kept
-        cands.sort(key=self.order_key(rule))
         window = (self.tie_window if window is None else window) if rule == "time" else 0.0
         horizon = None             # time rule: visit up to (1 + window) x the top-th fitting layout's time
         key = self.tie_key()
         worst = None               # the least preferred of the top fastest fitting layouts (by the tie key)
-        for c in cands:
+        for c in self.visit_order(cands, rule):
             if horizon is not None and self.step_time(c).seconds > horizon:
                 break
             res.visited += 1

@@ -408,7 +408,7 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
                       instances=int(inst) if inst not in (None, "") else L.num_distributed_optimizer_instances)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Candidate:
     tp: int
     pp: int
@@ -434,6 +434,37 @@ class Candidate:
     # layers of each virtual stage, index v * PP + rank (Megatron's global order); () when it follows from
     # stage_layers (one chunk per rank, or the even split)
     chunks: tuple[int, ...] = field(compare=False, hash=False, default=())
+
+    def __init__(self, tp: int, pp: int, cp: int, vpp: int, first: int | None, last: int | None, sp: bool, mbs: int,
+                 recompute: str, dist_opt: bool, dp: int, m: int, stage_layers: tuple[int, ...] = (), ep: int = 1,
+                 etp: int = 1, moe: bool = False, fsdp: str | None = None, fp8: str | None = None,
+                 acc_emb: bool = False, acc_loss: bool = False, pp_layout: str | None = None,
+                 chunks: tuple[int, ...] = ()) -> None:
+        # the fields in the instance dict directly: the generated frozen __init__ calls object.__setattr__ per
+        # field, and a search makes tens of thousands of candidates (a third of DeepSeek-V3's plan went there)
+        d = self.__dict__
+        d["tp"] = tp
+        d["pp"] = pp
+        d["cp"] = cp
+        d["vpp"] = vpp
+        d["first"] = first
+        d["last"] = last
+        d["sp"] = sp
+        d["mbs"] = mbs
+        d["recompute"] = recompute
+        d["dist_opt"] = dist_opt
+        d["dp"] = dp
+        d["m"] = m
+        d["stage_layers"] = stage_layers
+        d["ep"] = ep
+        d["etp"] = etp
+        d["moe"] = moe
+        d["fsdp"] = fsdp
+        d["fp8"] = fp8
+        d["acc_emb"] = acc_emb
+        d["acc_loss"] = acc_loss
+        d["pp_layout"] = pp_layout
+        d["chunks"] = chunks
 
     @property
     def model_parallel(self) -> int:
