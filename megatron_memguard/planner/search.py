@@ -283,25 +283,31 @@ class Planner:
 
     # ---- the search ----------------------------------------------------------------------------------
     @staticmethod
-    def _order(rule: str) -> Callable[[Candidate, float], tuple]:
-        """The rule's order of a candidate whose step time is ``seconds``; it grows with ``seconds``."""
+    def _order(rule: str) -> tuple[Callable[[Candidate, float], tuple], Callable[[Candidate, float], tuple]]:
+        """The rule's order of a candidate whose step time is ``seconds``, and the same key cut after the
+        time: a prefix, so it never comes after the whole key, and with a lower bound of the time never
+        after the key of the time."""
         if rule == "fujii2024":
-            return lambda c, seconds: (c.model_parallel, -c.mbs, seconds, c.tp, c.pp)
-        return lambda c, seconds: (seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
-                                   not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp)
+            return (lambda c, seconds: (c.model_parallel, -c.mbs, seconds, c.tp, c.pp),
+                    lambda c, seconds: (c.model_parallel, -c.mbs, seconds))
+        return (lambda c, seconds: (seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
+                                    not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp),
+                lambda c, seconds: (seconds,))
 
     def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
-        order = self._order(rule)
+        order = self._order(rule)[0]
         return lambda c: order(c, self.step_time(c).seconds)
 
     def visit_order(self, cands: Sequence[Candidate], rule: str) -> Iterator[Candidate]:
         """``cands`` in the order ``sorted(cands, key=self.order_key(rule))`` gives (equal keys in their order
         in ``cands``), computing step times only as far as the caller reads: each candidate waits in a heap
-        under its key at the lower bound of its step time (TimeModel.step_time_bound) and is timed when that
-        comes first; a timed candidate comes out when its own key does. As the key grows with the time,
-        whatever comes out precedes every candidate still waiting, timed or not."""
-        order, bound = self._order(rule), self.timer.step_time_bound
-        heap = [(order(c, bound(c)), i, False) for i, c in enumerate(cands)]
+        under the prefix of its key up to a lower bound of its step time (TimeModel.step_time_bound) and is
+        timed when that comes first; a timed candidate comes out when its whole key does. Every key waiting
+        is at most that candidate's own key, so whatever comes out precedes every candidate still waiting,
+        timed or not."""
+        order, prefix = self._order(rule)
+        bound = self.timer.step_time_bound
+        heap = [(prefix(c, bound(c)), i, False) for i, c in enumerate(cands)]
         heapq.heapify(heap)
         while heap:
             key, i, timed = heap[0]

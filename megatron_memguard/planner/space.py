@@ -757,6 +757,9 @@ def expert_sizes(shape: ModelShape, cluster: Cluster, cons: Constraints, tp: int
     return out
 
 
+_NO_SPLIT_FLAGS = (False, False, None, ())     # a candidate's acc_emb, acc_loss, pp_layout, chunks: none
+
+
 def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int, cons: Constraints,
                     rule: str = "time") -> list[Candidate]:
     """Every candidate allowed by the constraints and the rules known before an estimate.
@@ -818,8 +821,8 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             if not any(o[2] == x.stages and v in o[3] for o in options):
                                 options.append((x.first, x.last, x.stages, [v], x))
                 for first, last, stages, vpps, xs in options:
-                    extra = {} if xs is None else dict(acc_emb=xs.acc_emb, acc_loss=xs.acc_loss, pp_layout=xs.layout,
-                                                       chunks=xs.chunks)
+                    # (acc_emb, acc_loss, pp_layout, chunks), passed by position: tens of thousands of candidates
+                    extra = _NO_SPLIT_FLAGS if xs is None else (xs.acc_emb, xs.acc_loss, xs.layout, xs.chunks)
                     per_dp = global_batch_size // dp if global_batch_size % dp == 0 else 0
                     if not per_dp:
                         continue
@@ -827,9 +830,9 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                     mbss = _allowed(mbss, cons.mbs)
                     for vpp in vpps:
                         if xs is None and vpp > 1 and first is not None:
-                            extra = dict(chunks=flag_chunks(stages, vpp))
+                            extra = (False, False, None, flag_chunks(stages, vpp))
                         elif xs is None:
-                            extra = {}
+                            extra = _NO_SPLIT_FLAGS
                         for mbs in mbss:
                             m = per_dp // mbs
                             if vpp > 1 and (m < pp or m % pp):
@@ -846,12 +849,11 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                                         for dist in dist_opts:
                                             for f8 in cons.fp8:
                                                 out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
-                                                                     dp, m, stages, ep, etp, moe, fp8=f8, **extra))
+                                                                     dp, m, stages, ep, etp, moe, None, f8, *extra))
                                         for fs in fsdps:
                                             for f8 in cons.fp8:
                                                 out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True,
-                                                                     dp, m, stages, ep, etp, moe, fsdp=fs, fp8=f8,
-                                                                     **extra))
+                                                                     dp, m, stages, ep, etp, moe, fs, f8, *extra))
     return out
 
 

@@ -335,7 +335,7 @@ class TimeModel:
         in the model's config)."""
         if c.fp8 is not None:
             return c.fp8 != "off"
-        return self.shape.layout.fp8_spec.enabled
+        return self._fp8_config
 
     def __init__(self, shape: ModelShape, cluster: Cluster, global_batch_size: int, tp_overlap: bool = True):
         # tp_overlap: the backward TP collectives run asynchronously behind the GEMM that follows them, as
@@ -362,6 +362,8 @@ class TimeModel:
         self._split_moe: dict[tuple, tuple] = {}
         self._opt: dict[tuple, float] = {}
         self._work_sum: dict[tuple, float] = {}
+        self._bound: dict[tuple, float] = {}
+        self._fp8_config = shape.layout.fp8_spec.enabled
         s = shape
         self.gdn_cost: dict[tuple, LayerCost] = {}
         self.flops_per_token = (6.0 * (s.matmul_params() + s.vocab * s.hidden)
@@ -746,6 +748,10 @@ class TimeModel:
         exact with one chunk per rank and at least their latency with several; DP communication and the
         optimizer step count 0. The last factor keeps rounding (the sums taken in another order) from
         lifting it above the step time."""
+        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
+        hit = self._bound.get(bkey)
+        if hit is not None:
+            return hit
         fp8 = self.fp8_on(c)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp > 1)
         total = self._work_sum.get(key)
@@ -768,7 +774,8 @@ class TimeModel:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
             t1 = self.p2p(nbytes, c.tp * c.cp * c.dp * c.pp <= self.domain)
             t += 2 * (p - 1) * t1 + (2 * m * v * P2P_LATENCY if v > 1 else 2 * m * t1)
-        return t * (1 - 1e-9)
+        t = self._bound[bkey] = t * (1 - 1e-9)
+        return t
 
     def explain(self, c: Candidate) -> StepTime:
         """The same step time with a sentence per term saying how it is computed."""
