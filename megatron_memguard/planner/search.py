@@ -36,7 +36,7 @@ from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
 from .bounds import memory_lower_bound, stage_factor_bytes, stage_state_bytes
-from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_space, model_shape
+from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_pruned, model_shape
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
@@ -333,25 +333,36 @@ class Planner:
             raise ConfigError("--top", f"must be >= 1, got {top}")
         t0 = _time.perf_counter()
         cons = constraints or Constraints()
-        cands = enumerate_space(self.shape, self.cluster, self.gbs, cons, rule=rule)
-        if self.shape.layout.freeze_all_layers:
+        res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
+                         threshold=self.threshold, entries=[], notes=list(self.notes))
+        limit = self.limit
+        frozen = self.shape.layout.freeze_all_layers
+
+        def state_too_big(c: Candidate) -> bool:
+            sb = self.state_bound(c)
+            if sb <= limit:
+                return False
+            if res.smallest_bound is None or sb < res.smallest_bound[0]:
+                res.smallest_bound = (sb, c)
+            return True
+
+        # Mixture of experts: the layout space is many times larger (EP, ETP), and the model state alone rules most
+        # of it out; drop those before timing them (the same bound, its state part; they count as visited and
+        # bounded out). Not with frozen layers, whose candidates are merged first.
+        prune = state_too_big if self.shape.moe is not None and not frozen else None
+        cands, pruned = enumerate_pruned(self.shape, self.cluster, self.gbs, cons, rule=rule, prune=prune)
+        if frozen:
             # validate_args turns the distributed optimizer off with frozen layers: one layout, not two
             cands = list(dict.fromkeys(dataclasses.replace(c, dist_opt=False) if c.dist_opt and not c.fsdp else c
                                        for c in cands))
-        res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
-                         threshold=self.threshold, entries=[], considered=len(cands), notes=list(self.notes))
-        limit = self.limit
-        if self.shape.moe is not None:
-            # Mixture of experts: the layout space is many times larger (EP, ETP), and the model state alone
-            # rules most of it out; drop those before timing them (the same bound, its state part).
+        res.considered = len(cands) + pruned
+        res.visited = res.pruned_by_bound = pruned
+        if self.shape.moe is not None and frozen:
             kept = []
             for c in cands:
-                sb = self.state_bound(c)
-                if sb > limit:
+                if state_too_big(c):
                     res.pruned_by_bound += 1
                     res.visited += 1
-                    if res.smallest_bound is None or sb < res.smallest_bound[0]:
-                        res.smallest_bound = (sb, c)
                 else:
                     kept.append(c)
             cands = kept

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..config import RawConfig
 from ..divisors import divisors
@@ -767,14 +767,26 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
     ``rule='fujii2024'`` restricts to the space Fujii et al. searched: TP*CP within a node, even
     pipeline splits, plain 1F1B (no VPP), no recomputation, SP whenever TP > 1, the distributed
     optimizer (the constraints can still narrow it further)."""
+    return enumerate_pruned(shape, cluster, global_batch_size, cons, rule)[0]
+
+
+def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int, cons: Constraints,
+                     rule: str = "time", prune: Callable[[Candidate], bool] | None = None) -> tuple[list[Candidate], int]:
+    """:func:`enumerate_space` without the candidates ``prune`` refuses, and how many those are. ``prune`` sees
+    the first candidate (in the order of :func:`enumerate_space`) of each group that differs only in MBS, SP,
+    recomputation and FP8, and its answer holds for the whole group: the others of a refused group are counted,
+    not built (a mixture-of-experts space has tens of thousands of layouts whose model state alone does not fit:
+    Planner.state_bound reads nothing of the four)."""
     fujii = rule == "fujii2024"
     L, s, world = shape.num_layers, shape.seq_length, cluster.gpus
     out: list[Candidate] = []
+    pruned = 0
     recompute = [r for r in cons.recompute if r in RECOMPUTE_LEVELS]
     if fujii:
         recompute = [r for r in recompute if r == "none"]
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
     fsdps = [] if fujii else list(cons.fsdp)
+    dist_fsdp = [(d, None) for d in dist_opts] + [(True, f) for f in fsdps]     # DDP, then Megatron-FSDP
     moe = shape.moe is not None
     mtp = shape.layout.mtp_num_layers
     for tp in tp_values(shape, cluster, cons):
@@ -833,6 +845,7 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             extra = (False, False, None, flag_chunks(stages, vpp))
                         elif xs is None:
                             extra = _NO_SPLIT_FLAGS
+                        kept: dict[tuple, bool] = {}     # (EP, ETP, distributed optimizer, FSDP) -> prune's answer
                         for mbs in mbss:
                             m = per_dp // mbs
                             if vpp > 1 and (m < pp or m % pp):
@@ -846,15 +859,21 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             for ep, etp in experts:
                                 for sp in sps:
                                     for rc in recompute:
-                                        for dist in dist_opts:
+                                        for dist, fs in dist_fsdp:
+                                            ok = kept.get((ep, etp, dist, fs)) if prune is not None else True
+                                            if ok is False:
+                                                pruned += len(cons.fp8)
+                                                continue
                                             for f8 in cons.fp8:
-                                                out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
-                                                                     dp, m, stages, ep, etp, moe, None, f8, *extra))
-                                        for fs in fsdps:
-                                            for f8 in cons.fp8:
-                                                out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True,
-                                                                     dp, m, stages, ep, etp, moe, fs, f8, *extra))
-    return out
+                                                c = Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist, dp, m,
+                                                              stages, ep, etp, moe, fs, f8, *extra)
+                                                if ok is None:
+                                                    ok = kept[ep, etp, dist, fs] = not prune(c)
+                                                    if not ok:
+                                                        pruned += len(cons.fp8)
+                                                        break
+                                                out.append(c)
+    return out, pruned
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,
