@@ -1,8 +1,9 @@
 """Search the layout space: keep the layouts the estimator says fit, rank them.
 
 Rule ``time`` (default): rank by the predicted step time of :mod:`.timing`. The search is
-best-first: every candidate's step time is computed (cheap, memoised per (TP, CP, MBS, SP)), the
-candidates are visited fastest first, and each is (1) skipped when the memory lower bound of
+best-first: the candidates are visited fastest first (:meth:`Planner.visit_order`: a heap on a lower
+bound of each step time that ignores the pipeline split, the step time itself computed only when the
+bound comes first), and each is (1) skipped when the memory lower bound of
 :mod:`.bounds` already exceeds threshold x GPU memory, (2) resolved with Megatron's rules
 (``megatron_memguard.resolve``; a candidate that breaks one is dropped), (3) estimated. The search
 stops once ``top`` layouts fit and every candidate within the tie window (``TIE_WINDOW``) of the
