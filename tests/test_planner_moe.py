@@ -268,3 +268,26 @@ def test_memoised_step_terms_equal_a_fresh_computation_under_vpp():
         tm.step_time(c)
     for c in cands:
         assert tm.step_time(c).values == pytest.approx(tm.explain(c).values, rel=1e-12), c.name
+
+
+def test_enumerate_pruned_is_the_space_without_the_refused_groups():
+    """enumerate_pruned asks once per group of candidates alike but for MBS, SP, recomputation and FP8 (Mixtral on
+    64 GPUs, a limit at the median state bound so that about half the groups are refused), leaves out exactly the
+    candidates whose own state bound is over the limit, in enumeration order, and counts them."""
+    from megatron_memguard.planner.space import enumerate_pruned
+    p = mixtral_planner()
+    cons = Constraints(allow_ep_across_nodes=True, etp=(1, 2), fp8=(None, "tensorwise"), fsdp=("optim_grads",))
+    full = enumerate_space(p.shape, p.cluster, p.gbs, cons)
+    bounds = sorted(p.state_bound(c) for c in full)
+    limit = bounds[len(bounds) // 2]
+    asked = []
+
+    def prune(c):
+        asked.append(c)
+        return p.state_bound(c) > limit
+    kept, n = enumerate_pruned(p.shape, p.cluster, p.gbs, cons, prune=prune)
+    want = [c for c in full if p.state_bound(c) <= limit]
+    assert kept == want and n == len(full) - len(want) and 0 < n < len(full)
+    groups = {(c.tp, c.cp, c.pp, c.stage_layers, c.first, c.last, c.pp_layout, c.vpp, c.ep, c.etp, c.dist_opt, c.fsdp)
+              for c in full}
+    assert len(asked) <= len(groups) < len(full) / 4

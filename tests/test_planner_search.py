@@ -87,6 +87,32 @@ def test_best_first_search_finds_exactly_the_fastest_fitting_layouts():
     assert res.estimated < len(cands) / 4                 # the bound and best-first order saved most estimates
 
 
+def test_best_first_visit_is_the_sorted_order_and_times_few_candidates():
+    """The search visits candidates in the order a sort by the rule's key gives (equal keys in enumeration order),
+    with step times computed only as far as it reads (TimeModel.step_time_bound below each step time). fp8 None and
+    "off" on a bf16 model are two candidates with the same step time and key: exact ties, kept in their order."""
+    P = make_planner(LLAMA31_8B, 16, 4096, 64)
+    cons = Constraints(mbs=(1, 2), fp8=(None, "off"), recompute=("none", "selective", "full"))
+    cands = enumerate_space(P.shape, P.cluster, 64, cons)
+    head = []
+    for c in P.visit_order(cands, "time"):
+        head.append(c)
+        if len(head) == 20:
+            break
+    timed = len(P.timer._cache)
+    assert timed < len(cands) / 4, (timed, len(cands))       # 20 visited: most step times never computed
+    where = {id(c): i for i, c in enumerate(cands)}
+    for rule in ("time", "fujii2024"):
+        key = P.order_key(rule)
+        want = sorted(cands, key=key)
+        assert list(P.visit_order(cands, rule)) == want
+        assert want[:20] == head or rule != "time"
+        ties = [i for i in range(len(want) - 1) if key(want[i]) == key(want[i + 1])]
+        assert ties and all(where[id(want[i])] < where[id(want[i + 1])] for i in ties)
+    for c in cands:
+        assert P.timer.step_time_bound(c) <= P.step_time(c).seconds, c.name
+
+
 def test_memory_lower_bound_stays_below_the_estimate():
     for model, gpus, gbs in ((LLAMA31_70B, 256, 512), (LLAMA31_8B, 64, 256), (LLAMA2_7B, 32, 128),
                              (GPT_LOCAL, 32, 128), (MLA, 32, 128)):

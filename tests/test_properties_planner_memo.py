@@ -125,6 +125,7 @@ def _check_job(job) -> None:
     if not cands:
         reject()
     for c in cands:                      # fill every memo in enumeration order, siblings mixed
+        p.timer.step_time_bound(c)
         p.step_time(c)
         p.lower_bound(c)
         p.state_bound(c)
@@ -135,11 +136,17 @@ def _check_job(job) -> None:
         memo = tm.step_time(c).values
         assert _close(memo, fresh.step_time(c).values), c.name
         assert _close(memo, tm.explain(c).values), c.name
+        # the search's lower bound of the step time (memoised without the split): a fresh one, and below the time
+        assert tm.step_time_bound(c) == fresh.step_time_bound(c), c.name
+        assert tm.step_time_bound(c) <= tm.step_time(c).seconds, c.name
         assert p.lower_bound(c) == memory_lower_bound(s, c, fresh.stage_params, fresh.stage_expert_params,
                                                       fresh.moe_layers_on), c.name
         assert p.state_bound(c) == max(
             stage_state_bytes(s, c, fresh.stage_params(c, i), fresh.stage_expert_params(c, i),
                               stage_factor_bytes(s, c, i, fresh.moe_layers_on)) for i in {0, c.pp - 1}), c.name
+    # the best-first visit (step times computed lazily from the bound) in the order of the whole sort
+    for rule in ("time", "fujii2024"):
+        assert list(p.visit_order(cands, rule)) == sorted(cands, key=p.order_key(rule)), rule
     # the argument-keyed memos: every entry is what a new model computes from the key's arguments
     for key, lc in tm._layer.items():
         new = TimeModel(s, p.cluster, gbs, tp_overlap=tm.tp_overlap)

@@ -1,8 +1,9 @@
 """Search the layout space: keep the layouts the estimator says fit, rank them.
 
 Rule ``time`` (default): rank by the predicted step time of :mod:`.timing`. The search is
-best-first: every candidate's step time is computed (cheap, memoised per (TP, CP, MBS, SP)), the
-candidates are visited fastest first, and each is (1) skipped when the memory lower bound of
+best-first: the candidates are visited fastest first (:meth:`Planner.visit_order`: a heap on a lower
+bound of each step time that ignores the pipeline split, the step time itself computed only when the
+bound comes first), and each is (1) skipped when the memory lower bound of
 :mod:`.bounds` already exceeds threshold x GPU memory, (2) resolved with Megatron's rules
 (``megatron_memguard.resolve``; a candidate that breaks one is dropped), (3) estimated. The search
 stops once ``top`` layouts fit and every candidate within the tie window (``TIE_WINDOW``) of the
@@ -27,7 +28,7 @@ import heapq
 import time as _time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..config import RawConfig
 from ..errors import ConfigError, ConfigErrors, NotModelledError
@@ -36,7 +37,7 @@ from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
 from .bounds import memory_lower_bound, stage_factor_bytes, stage_state_bytes
-from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_space, model_shape
+from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_pruned, model_shape
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
@@ -282,11 +283,41 @@ class Planner:
         return self.cluster.gpu_memory_bytes * self.threshold
 
     # ---- the search ----------------------------------------------------------------------------------
-    def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
+    @staticmethod
+    def _order(rule: str) -> tuple[Callable[[Candidate, float], tuple], Callable[[Candidate, float], tuple]]:
+        """The rule's order of a candidate whose step time is ``seconds``, and the same key cut after the
+        time: a prefix, so it never comes after the whole key, and with a lower bound of the time never
+        after the key of the time."""
         if rule == "fujii2024":
-            return lambda c: (c.model_parallel, -c.mbs, self.step_time(c).seconds, c.tp, c.pp)
-        return lambda c: (self.step_time(c).seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
-                          not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp)
+            return (lambda c, seconds: (c.model_parallel, -c.mbs, seconds, c.tp, c.pp),
+                    lambda c, seconds: (c.model_parallel, -c.mbs, seconds))
+        return (lambda c, seconds: (seconds, c.model_parallel, _RC_ORDER[c.recompute], c.vpp, not c.sp,
+                                    not c.dist_opt, c.fsdp is not None, c.mbs, c.tp, c.pp),
+                lambda c, seconds: (seconds,))
+
+    def order_key(self, rule: str) -> Callable[[Candidate], tuple]:
+        order = self._order(rule)[0]
+        return lambda c: order(c, self.step_time(c).seconds)
+
+    def visit_order(self, cands: Sequence[Candidate], rule: str) -> Iterator[Candidate]:
+        """``cands`` in the order ``sorted(cands, key=self.order_key(rule))`` gives (equal keys in their order
+        in ``cands``), computing step times only as far as the caller reads: each candidate waits in a heap
+        under the prefix of its key up to a lower bound of its step time (TimeModel.step_time_bound) and is
+        timed when that comes first; a timed candidate comes out when its whole key does. Every key waiting
+        is at most that candidate's own key, so whatever comes out precedes every candidate still waiting,
+        timed or not."""
+        order, prefix = self._order(rule)
+        bound = self.timer.step_time_bound
+        heap = [(prefix(c, bound(c)), i, False) for i, c in enumerate(cands)]
+        heapq.heapify(heap)
+        while heap:
+            key, i, timed = heap[0]
+            c = cands[i]
+            if timed:
+                heapq.heappop(heap)
+                yield c
+            else:
+                heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, True))
 
     def tie_key(self) -> Callable[[Candidate], tuple]:
         """The order among layouts the time model cannot separate: Fujii et al.'s, then the time rule's."""
@@ -303,34 +334,44 @@ class Planner:
             raise ConfigError("--top", f"must be >= 1, got {top}")
         t0 = _time.perf_counter()
         cons = constraints or Constraints()
-        cands = enumerate_space(self.shape, self.cluster, self.gbs, cons, rule=rule)
-        if self.shape.layout.freeze_all_layers:
+        res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
+                         threshold=self.threshold, entries=[], notes=list(self.notes))
+        limit = self.limit
+        frozen = self.shape.layout.freeze_all_layers
+
+        def state_too_big(c: Candidate) -> bool:
+            sb = self.state_bound(c)
+            if sb <= limit:
+                return False
+            if res.smallest_bound is None or sb < res.smallest_bound[0]:
+                res.smallest_bound = (sb, c)
+            return True
+
+        # Mixture of experts: the layout space is many times larger (EP, ETP), and the model state alone rules most
+        # of it out; drop those before timing them (the same bound, its state part; they count as visited and
+        # bounded out). Not with frozen layers, whose candidates are merged first.
+        prune = state_too_big if self.shape.moe is not None and not frozen else None
+        cands, pruned = enumerate_pruned(self.shape, self.cluster, self.gbs, cons, rule=rule, prune=prune)
+        if frozen:
             # validate_args turns the distributed optimizer off with frozen layers: one layout, not two
             cands = list(dict.fromkeys(dataclasses.replace(c, dist_opt=False) if c.dist_opt and not c.fsdp else c
                                        for c in cands))
-        res = PlanResult(rule=rule, cluster=self.cluster, shape=self.shape, global_batch_size=self.gbs,
-                         threshold=self.threshold, entries=[], considered=len(cands), notes=list(self.notes))
-        limit = self.limit
-        if self.shape.moe is not None:
-            # Mixture of experts: the layout space is many times larger (EP, ETP), and the model state alone
-            # rules most of it out; drop those before timing them (the same bound, its state part).
+        res.considered = len(cands) + pruned
+        res.visited = res.pruned_by_bound = pruned
+        if self.shape.moe is not None and frozen:
             kept = []
             for c in cands:
-                sb = self.state_bound(c)
-                if sb > limit:
+                if state_too_big(c):
                     res.pruned_by_bound += 1
                     res.visited += 1
-                    if res.smallest_bound is None or sb < res.smallest_bound[0]:
-                        res.smallest_bound = (sb, c)
                 else:
                     kept.append(c)
             cands = kept
-        cands.sort(key=self.order_key(rule))
         window = (self.tie_window if window is None else window) if rule == "time" else 0.0
         horizon = None             # time rule: visit up to (1 + window) x the top-th fitting layout's time
         key = self.tie_key()
         worst = None               # the least preferred of the top fastest fitting layouts (by the tie key)
-        for c in cands:
+        for c in self.visit_order(cands, rule):
             if horizon is not None and self.step_time(c).seconds > horizon:
                 break
             res.visited += 1

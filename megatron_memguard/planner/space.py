@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..config import RawConfig
 from ..divisors import divisors
@@ -408,7 +408,7 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
                       instances=int(inst) if inst not in (None, "") else L.num_distributed_optimizer_instances)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Candidate:
     tp: int
     pp: int
@@ -434,6 +434,37 @@ class Candidate:
     # layers of each virtual stage, index v * PP + rank (Megatron's global order); () when it follows from
     # stage_layers (one chunk per rank, or the even split)
     chunks: tuple[int, ...] = field(compare=False, hash=False, default=())
+
+    def __init__(self, tp: int, pp: int, cp: int, vpp: int, first: int | None, last: int | None, sp: bool, mbs: int,
+                 recompute: str, dist_opt: bool, dp: int, m: int, stage_layers: tuple[int, ...] = (), ep: int = 1,
+                 etp: int = 1, moe: bool = False, fsdp: str | None = None, fp8: str | None = None,
+                 acc_emb: bool = False, acc_loss: bool = False, pp_layout: str | None = None,
+                 chunks: tuple[int, ...] = ()) -> None:
+        # the fields in the instance dict directly: the generated frozen __init__ calls object.__setattr__ per
+        # field, and a search makes tens of thousands of candidates (a third of DeepSeek-V3's plan went there)
+        d = self.__dict__
+        d["tp"] = tp
+        d["pp"] = pp
+        d["cp"] = cp
+        d["vpp"] = vpp
+        d["first"] = first
+        d["last"] = last
+        d["sp"] = sp
+        d["mbs"] = mbs
+        d["recompute"] = recompute
+        d["dist_opt"] = dist_opt
+        d["dp"] = dp
+        d["m"] = m
+        d["stage_layers"] = stage_layers
+        d["ep"] = ep
+        d["etp"] = etp
+        d["moe"] = moe
+        d["fsdp"] = fsdp
+        d["fp8"] = fp8
+        d["acc_emb"] = acc_emb
+        d["acc_loss"] = acc_loss
+        d["pp_layout"] = pp_layout
+        d["chunks"] = chunks
 
     @property
     def model_parallel(self) -> int:
@@ -726,6 +757,9 @@ def expert_sizes(shape: ModelShape, cluster: Cluster, cons: Constraints, tp: int
     return out
 
 
+_NO_SPLIT_FLAGS = (False, False, None, ())     # a candidate's acc_emb, acc_loss, pp_layout, chunks: none
+
+
 def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int, cons: Constraints,
                     rule: str = "time") -> list[Candidate]:
     """Every candidate allowed by the constraints and the rules known before an estimate.
@@ -733,14 +767,26 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
     ``rule='fujii2024'`` restricts to the space Fujii et al. searched: TP*CP within a node, even
     pipeline splits, plain 1F1B (no VPP), no recomputation, SP whenever TP > 1, the distributed
     optimizer (the constraints can still narrow it further)."""
+    return enumerate_pruned(shape, cluster, global_batch_size, cons, rule)[0]
+
+
+def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int, cons: Constraints,
+                     rule: str = "time", prune: Callable[[Candidate], bool] | None = None) -> tuple[list[Candidate], int]:
+    """:func:`enumerate_space` without the candidates ``prune`` refuses, and how many those are. ``prune`` sees
+    the first candidate (in the order of :func:`enumerate_space`) of each group that differs only in MBS, SP,
+    recomputation and FP8, and its answer holds for the whole group: the others of a refused group are counted,
+    not built (a mixture-of-experts space has tens of thousands of layouts whose model state alone does not fit:
+    Planner.state_bound reads nothing of the four)."""
     fujii = rule == "fujii2024"
     L, s, world = shape.num_layers, shape.seq_length, cluster.gpus
     out: list[Candidate] = []
+    pruned = 0
     recompute = [r for r in cons.recompute if r in RECOMPUTE_LEVELS]
     if fujii:
         recompute = [r for r in recompute if r == "none"]
     dist_opts = [d for d in cons.dist_opt if not fujii or d]
     fsdps = [] if fujii else list(cons.fsdp)
+    dist_fsdp = [(d, None) for d in dist_opts] + [(True, f) for f in fsdps]     # DDP, then Megatron-FSDP
     moe = shape.moe is not None
     mtp = shape.layout.mtp_num_layers
     for tp in tp_values(shape, cluster, cons):
@@ -787,8 +833,8 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             if not any(o[2] == x.stages and v in o[3] for o in options):
                                 options.append((x.first, x.last, x.stages, [v], x))
                 for first, last, stages, vpps, xs in options:
-                    extra = {} if xs is None else dict(acc_emb=xs.acc_emb, acc_loss=xs.acc_loss, pp_layout=xs.layout,
-                                                       chunks=xs.chunks)
+                    # (acc_emb, acc_loss, pp_layout, chunks), passed by position: tens of thousands of candidates
+                    extra = _NO_SPLIT_FLAGS if xs is None else (xs.acc_emb, xs.acc_loss, xs.layout, xs.chunks)
                     per_dp = global_batch_size // dp if global_batch_size % dp == 0 else 0
                     if not per_dp:
                         continue
@@ -796,9 +842,10 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                     mbss = _allowed(mbss, cons.mbs)
                     for vpp in vpps:
                         if xs is None and vpp > 1 and first is not None:
-                            extra = dict(chunks=flag_chunks(stages, vpp))
+                            extra = (False, False, None, flag_chunks(stages, vpp))
                         elif xs is None:
-                            extra = {}
+                            extra = _NO_SPLIT_FLAGS
+                        kept: dict[tuple, bool] = {}     # (EP, ETP, distributed optimizer, FSDP) -> prune's answer
                         for mbs in mbss:
                             m = per_dp // mbs
                             if vpp > 1 and (m < pp or m % pp):
@@ -812,16 +859,21 @@ def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int,
                             for ep, etp in experts:
                                 for sp in sps:
                                     for rc in recompute:
-                                        for dist in dist_opts:
+                                        for dist, fs in dist_fsdp:
+                                            ok = kept.get((ep, etp, dist, fs)) if prune is not None else True
+                                            if ok is False:
+                                                pruned += len(cons.fp8)
+                                                continue
                                             for f8 in cons.fp8:
-                                                out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist,
-                                                                     dp, m, stages, ep, etp, moe, fp8=f8, **extra))
-                                        for fs in fsdps:
-                                            for f8 in cons.fp8:
-                                                out.append(Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, True,
-                                                                     dp, m, stages, ep, etp, moe, fsdp=fs, fp8=f8,
-                                                                     **extra))
-    return out
+                                                c = Candidate(tp, pp, cp, vpp, first, last, sp, mbs, rc, dist, dp, m,
+                                                              stages, ep, etp, moe, fs, f8, *extra)
+                                                if ok is None:
+                                                    ok = kept[ep, etp, dist, fs] = not prune(c)
+                                                    if not ok:
+                                                        pruned += len(cons.fp8)
+                                                        break
+                                                out.append(c)
+    return out, pruned
 
 
 def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, tp: int = 1, pp: int = 1,

@@ -335,7 +335,7 @@ class TimeModel:
         in the model's config)."""
         if c.fp8 is not None:
             return c.fp8 != "off"
-        return self.shape.layout.fp8_spec.enabled
+        return self._fp8_config
 
     def __init__(self, shape: ModelShape, cluster: Cluster, global_batch_size: int, tp_overlap: bool = True):
         # tp_overlap: the backward TP collectives run asynchronously behind the GEMM that follows them, as
@@ -361,6 +361,9 @@ class TimeModel:
         self._ranks: dict[tuple, tuple[tuple[tuple[float, ...], ...], int, float]] = {}
         self._split_moe: dict[tuple, tuple] = {}
         self._opt: dict[tuple, float] = {}
+        self._work_sum: dict[tuple, float] = {}
+        self._bound: dict[tuple, float] = {}
+        self._fp8_config = shape.layout.fp8_spec.enabled
         s = shape
         self.gdn_cost: dict[tuple, LayerCost] = {}
         self.flops_per_token = (6.0 * (s.matmul_params() + s.vocab * s.hidden)
@@ -733,6 +736,47 @@ class TimeModel:
         self._cache[c] = st
         return st
 
+    def step_time_bound(self, c: Candidate) -> float:
+        """A lower bound on ``step_time(c).seconds`` that reads the pipeline split only through PP and VPP,
+        so that a search can leave the step times it never reaches uncomputed (planner/search.py).
+
+        The work terms and the bubble are ``m x W_max + (S - W_max) / v`` over the ranks' per-micro-batch
+        work W_i (:meth:`rank_work`; S their sum); as m >= 1 >= 1 / v it grows with W_max >= S / p, so it is
+        at least ``m S / p + S (p - 1) / (p v)``. S does not depend on the split: every layer sits on one
+        rank, the embedding on the first, the output layer, loss and MTP depths on the last, get_batch runs
+        on both; it is one rank holding all layers, plus the second get_batch. The pipeline transfers are
+        exact with one chunk per rank and at least their latency with several; DP communication and the
+        optimizer step count 0. The last factor keeps rounding (the sums taken in another order) from
+        lifting it above the step time."""
+        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
+        hit = self._bound.get(bkey)
+        if hit is not None:
+            return hit
+        fp8 = self.fp8_on(c)
+        key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp > 1)
+        total = self._work_sum.get(key)
+        s = self.shape
+        if total is None:
+            lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
+            ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
+            lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
+            rc_layer = self._recompute_layer(lc, c.recompute)[0]
+            rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
+            n = s.num_layers
+            every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
+            total = self._rank_rows(c, (every,), lc, ec, lm, rc_layer, rc_moe, fp8)[0][0]
+            if c.pp > 1:
+                total += ec.batch
+            self._work_sum[key] = total
+        p, v, m = c.pp, c.vpp, c.m
+        t = m * total / p + total * (p - 1) / (p * v)
+        if p > 1:
+            nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
+            t1 = self.p2p(nbytes, c.tp * c.cp * c.dp * c.pp <= self.domain)
+            t += 2 * (p - 1) * t1 + (2 * m * v * P2P_LATENCY if v > 1 else 2 * m * t1)
+        t = self._bound[bkey] = t * (1 - 1e-9)
+        return t
+
     def explain(self, c: Candidate) -> StepTime:
         """The same step time with a sentence per term saying how it is computed."""
         return self._step_time(c, True)
@@ -833,21 +877,12 @@ class TimeModel:
         tpc += ec.emb_tp + ec.out_tp
         return tuple(d * v for v in (gemm, attn, elem, gaps, rc, tpc, x.cp_fwd + x.cp_bwd, x.ep_fwd + x.ep_bwd))
 
-    def rank_work(self, c: Candidate, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
-                  rc_moe: float, fp8: bool) -> tuple[tuple[tuple[float, ...], ...], int, float]:
-        """Per micro-batch on every pipeline rank (all its chunks): (total, gemm, attention, elementwise,
-        kernel_gaps, input, recompute, tp_comm, cp_comm, ep_comm), from the layers each rank holds (dense
-        and MoE), the embedding on the first, the output layer, loss and MTP depths on the last; with the
-        slowest rank and the sum of the other ranks' totals."""
-        # (the split follows from PP, VPP, first, last, the account flags and the layout)
-        key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.first, c.last,
-               c.acc_emb, c.acc_loss, c.pp_layout)
-        hit = self._ranks.get(key)
-        if hit is not None:
-            return hit
+    def _rank_rows(self, c: Candidate, sigs, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
+                   rc_moe: float, fp8: bool) -> list[tuple[float, ...]]:
+        """Per micro-batch on a rank of each kind ``(layers, first, last, MoE layers, GDN layers)`` of ``sigs``:
+        (total, gemm, attention, elementwise, kernel_gaps, input, recompute, tp_comm, cp_comm, ep_comm)."""
         layer_cp = lc.cp_fwd + lc.cp_bwd
         mtp = self.shape.layout.mtp_num_layers
-        sigs, index = self.rank_kinds(c)
         lg = self.gdn_layer(c.tp, c.cp, c.mbs, c.sp, fp8) if self.shape.gdn_pattern else None
         rc_gdn = self._recompute_layer(lg, c.recompute)[0] - rc_layer if lg is not None else 0.0
         kinds = []
@@ -865,6 +900,22 @@ class TimeModel:
                                                              tpc + mt, cpc + mc, epc + mp)
             kinds.append((gemm + attn + elem + gaps + inp + rc + tpc + cpc + epc,
                           gemm, attn, elem, gaps, inp, rc, tpc, cpc, epc))
+        return kinds
+
+    def rank_work(self, c: Candidate, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
+                  rc_moe: float, fp8: bool) -> tuple[tuple[tuple[float, ...], ...], int, float]:
+        """Per micro-batch on every pipeline rank (all its chunks): (total, gemm, attention, elementwise,
+        kernel_gaps, input, recompute, tp_comm, cp_comm, ep_comm), from the layers each rank holds (dense
+        and MoE), the embedding on the first, the output layer, loss and MTP depths on the last; with the
+        slowest rank and the sum of the other ranks' totals."""
+        # (the split follows from PP, VPP, first, last, the account flags and the layout)
+        key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.first, c.last,
+               c.acc_emb, c.acc_loss, c.pp_layout)
+        hit = self._ranks.get(key)
+        if hit is not None:
+            return hit
+        sigs, index = self.rank_kinds(c)
+        kinds = self._rank_rows(c, sigs, lc, ec, lm, rc_layer, rc_moe, fp8)
         rows = [kinds[j] for j in index]
         # the slowest rank (the first of equals) and the others' sum
         crit = 0
