@@ -122,3 +122,28 @@ def run_script(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | 
     rc = json.loads(line)["rc"]
     with open(out, encoding="utf-8", errors="replace") as f_out, open(err, encoding="utf-8", errors="replace") as f_err:
         return subprocess.CompletedProcess(cmd, rc, f_out.read(), f_err.read())
+
+
+RANKS = os.path.join(HERE, "e2e", "referee_ranks.py")
+
+
+def run_referee_ranks(cmds: list[list[str]], env: dict[str, str], logs: list[str], timeout: float) -> int | None:
+    """benchmarks/referee/run.py's RankLauncher (tests/conftest.py sets it): the ranks forked together from the fork
+    server of their interpreter (tests/e2e/referee_ranks.py), each as ``python -m benchmarks.referee.worker`` would
+    run; MEMGUARD_E2E_FORK=0: run.py's launch_processes, a new interpreter per rank."""
+    from benchmarks.referee.run import _REPO_ROOT, launch_processes
+    if not fork_enabled():
+        return launch_processes(cmds, env, logs, timeout)
+    for log in logs:        # (run.py reads a log when a rank failed without a traceback file)
+        open(log, "w").close()
+    try:
+        r = run_script([cmds[0][0], RANKS, json.dumps({"cmds": cmds, "logs": logs})], env=env, cwd=_REPO_ROOT,
+                       timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1
+    for line in r.stdout.splitlines():
+        if line.startswith('{"failed"'):
+            return json.loads(line)["failed"]
+    with open(logs[0], "a") as f:       # the launcher itself failed: its output where run.py looks
+        f.write(r.stdout + r.stderr)
+    return 0

@@ -84,3 +84,27 @@ def test_a_wrong_estimate_fails_the_comparison():
     bad = compare_entry(entry, estimator=no_logits)
     assert not any(r.failures for r in good)
     assert all(any("peak" in f for f in r.failures) for r in bad)
+
+
+def _without_timings(o):
+    if isinstance(o, dict):
+        return {k: _without_timings(v) for k, v in o.items() if k not in ("timings", "time_s", "optimizer_time_s")}
+    if isinstance(o, list):
+        return [_without_timings(v) for v in o]
+    return o
+
+
+def test_forked_ranks_measure_what_new_interpreters_measure(monkeypatch):
+    """The ranks forked from the fork server (tests/build_util.py run_referee_ranks, what the tests use) and new
+    interpreters (MEMGUARD_E2E_FORK=0, run.py's launch_processes) give the same result, byte for byte: every live-byte
+    figure, allocation log summary, parameter count, loss and gradient norm of both ranks (only the wall times may
+    differ). pp2_mb1: the cheapest two-rank configuration of the subset."""
+    import build_util
+
+    forked = measured("pp2_mb1")["ranks"]
+    assert build_util.fork_enabled() or pytest.skip("MEMGUARD_E2E_FORK=0: both runs would be new interpreters")
+    monkeypatch.setenv("MEMGUARD_E2E_FORK", "0")
+    cfg = next(c for c in CI if c["name"] == "pp2_mb1")
+    fresh = run_referee(resolve_config(cfg["flags"], cfg["world_size"])[1], cfg["world_size"], timeout=900)
+    assert len(fresh) == 2 and fresh[0]["peak_bytes"] > 0
+    assert _without_timings(forked) == _without_timings(fresh)
