@@ -55,9 +55,13 @@ def pp2_run(tmp_path_factory):
     cmd = [sys.executable, SCRIPT, *MODEL, *RUN, "--pipeline-model-parallel-size", "2",
            "--memguard", "warn", "--memguard-gpu-memory", "80GiB", "--memguard-log-interval", "1"]
     if build_util.fork_enabled():     # both ranks forked from the fork server (no import of torch and megatron each)
-        paths = [str(tmp_path_factory.mktemp("memguard-e2e-stdout") / f"rank{rank}.log") for rank in range(2)]
+        stdout = tmp_path_factory.mktemp("memguard-e2e-stdout")     # (not in the log dir, which report reads)
+        paths = [str(stdout / f"rank{rank}.log") for rank in range(2)]
         failed = build_util.run_ranks([cmd, cmd], paths, envs=envs, cwd=os.getcwd(), timeout=600)
-        logs = [open(p, encoding="utf-8", errors="replace").read() for p in paths]
+        logs = []
+        for path in paths:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                logs.append(f.read())
         assert failed != -1, "the two ranks did not end within 600 s"
         assert failed is None, logs[failed][-4000:]
         return out, logs
