@@ -122,3 +122,39 @@ def run_script(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | 
     rc = json.loads(line)["rc"]
     with open(out, encoding="utf-8", errors="replace") as f_out, open(err, encoding="utf-8", errors="replace") as f_err:
         return subprocess.CompletedProcess(cmd, rc, f_out.read(), f_err.read())
+
+
+
+RANKS = os.path.join(HERE, "e2e", "ranks.py")
+
+
+def run_ranks(cmds: list[list[str]], logs: list[str], *, envs: list[dict[str, str]], cwd: str,
+              timeout: float) -> int | None:
+    """Run the ranks of one multi-process job at once, each command ([python, "-m", module, ...] or [python, script,
+    ...]) with its environment, its output and errors to its log, as ``subprocess.Popen`` would start them, forked
+    from the fork server of their interpreter (tests/e2e/ranks.py); the ranks' start-up environment (OMP_NUM_THREADS,
+    ...) must be the same. Returns the first failing rank (after giving the others two seconds to fail too and
+    stopping them), -1 past ``timeout``, None when all ended well."""
+    for log in logs:        # (each exists, even for a rank that never started)
+        open(log, "w").close()
+    try:
+        r = run_script([cmds[0][0], RANKS, json.dumps({"cmds": cmds, "logs": logs, "envs": envs})], env=envs[0],
+                       cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1
+    for line in r.stdout.splitlines():
+        if line.startswith('{"failed"'):
+            return json.loads(line)["failed"]
+    with open(logs[0], "a") as f:       # tests/e2e/ranks.py itself failed: its output where the caller looks
+        f.write(r.stdout + r.stderr)
+    return 0
+
+
+def run_referee_ranks(cmds: list[list[str]], env: dict[str, str], logs: list[str], timeout: float) -> int | None:
+    """benchmarks/referee/run.py's RankLauncher (tests/conftest.py sets it): its ranks through run_ranks, each as
+    ``python -m benchmarks.referee.worker`` would run; MEMGUARD_E2E_FORK=0: run.py's launch_processes, a new
+    interpreter per rank."""
+    from benchmarks.referee.run import _REPO_ROOT, launch_processes
+    if not fork_enabled():
+        return launch_processes(cmds, env, logs, timeout)
+    return run_ranks(cmds, logs, envs=[env] * len(cmds), cwd=_REPO_ROOT, timeout=timeout)

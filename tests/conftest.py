@@ -9,6 +9,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The CPU referee's ranks forked from the fork server (tests/build_util.py; MEMGUARD_E2E_FORK=0: new interpreters)
+import build_util  # noqa: E402
+from benchmarks.referee import run as _referee_run  # noqa: E402
+
+_referee_run.set_rank_launcher(build_util.run_referee_ranks)
+
 # Published model shapes, used across tests (Meta's model cards / Hugging Face config.json files).
 LLAMA31_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
               "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "

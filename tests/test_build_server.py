@@ -127,3 +127,78 @@ def test_no_script_sees_what_an_earlier_one_did(tmp_path, monkeypatch):
     assert seen[0]["random"] != seen[1]["random"]
     assert len({seen[0]["torch_seed"], seen[1]["torch_seed"], 1234}) == 3
     assert build_util.fork_enabled()
+
+
+def test_run_ranks_starts_them_together_each_as_its_own_program(tmp_path):
+    """tests/build_util.py run_ranks (the referee's and the hook e2e's ranks): the ranks run at the same time (each
+    waits for the other's file), each with its own environment, argv, sys.path and log, ``-m`` as well as a script."""
+    rank = _script(tmp_path, "rank.py", """
+        import os, sys, time
+        r, d = int(os.environ["RANK"]), sys.argv[1]
+        open(os.path.join(d, f"up{r}"), "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(d, f"up{1 - r}")):
+            if time.time() > deadline:
+                sys.exit(5)
+            time.sleep(0.05)
+        print("rank", r, sys.argv[2:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)), __name__)
+        print("to stderr", r, file=sys.stderr)
+    """)
+    (tmp_path / "rankmod.py").write_text("import os, sys\nprint('module', os.environ['RANK'], sys.argv[1:], "
+                                         "sys.path[0] == os.getcwd(), __name__)\n")
+    envs = [dict(os.environ, RANK=str(r)) for r in range(2)]
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
+    assert build_util.run_ranks([[sys.executable, rank, str(tmp_path), "a b"]] * 2, logs, envs=envs,
+                                cwd=str(tmp_path), timeout=600) is None
+    for r in range(2):
+        assert open(logs[r]).read().splitlines() == [f"rank {r} ['a b'] True __main__", f"to stderr {r}"]
+    assert build_util.run_ranks([[sys.executable, "-m", "rankmod", "z"]] * 2, logs, envs=envs, cwd=str(tmp_path),
+                                timeout=120) is None
+    assert [open(p).read() for p in logs] == [f"module {r} ['z'] True __main__\n" for r in range(2)]
+
+
+def _gone(pid_file, within: float) -> bool:
+    import time
+    pid = int(open(pid_file).read())
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:        # (a zombie not reaped yet has ended too)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_run_ranks_stops_the_others_when_one_fails_or_time_runs_out(tmp_path):
+    """A failing rank is named (its traceback in its log) and the other stopped two seconds later, as
+    benchmarks/referee/run.py's launch_processes does; past the timeout -1, and every rank is gone."""
+    import time
+    body = """
+        import os, sys, time
+        r = int(os.environ["RANK"])
+        open(os.path.join(sys.argv[1], f"pid{r}"), "w").write(str(os.getpid()))
+        if r == int(sys.argv[2]):
+            raise ValueError("rank %d breaks" % r)
+        time.sleep(600)
+    """
+    script = _script(tmp_path, "fail.py", body)
+    envs = [dict(os.environ, RANK=str(r)) for r in range(3)]
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(3)]
+    t = time.time()
+    assert build_util.run_ranks([[sys.executable, script, str(tmp_path), "1"]] * 3, logs, envs=envs,
+                                cwd=str(tmp_path), timeout=600) == 1
+    assert time.time() - t < 300
+    assert open(logs[1]).read().strip().splitlines()[-1] == "ValueError: rank 1 breaks"
+    assert _gone(tmp_path / "pid0", 10) and _gone(tmp_path / "pid2", 10)
+    # no rank fails: the timeout stops the launcher, and its ranks go with it (PR_SET_PDEATHSIG)
+    for r in range(3):
+        (tmp_path / f"pid{r}").unlink()
+    assert build_util.run_ranks([[sys.executable, script, str(tmp_path), "9"]] * 3, logs, envs=envs,
+                                cwd=str(tmp_path), timeout=20) == -1
+    for r in range(3):
+        assert (tmp_path / f"pid{r}").exists() and _gone(tmp_path / f"pid{r}", 30), r
+    r = build_util.run_script([sys.executable, "-c", "print(6 * 7)"], timeout=120)     # the server lives on
+    assert (r.returncode, r.stdout) == (0, "42\n")

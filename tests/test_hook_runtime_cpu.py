@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import build_util
 from conftest import legacy_training, megatron_core_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,15 +48,25 @@ def _free_port() -> int:
 def pp2_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("memguard-e2e")
     port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), MEMGUARD_TEST_OUT=str(out), PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-                   MEMGUARD_LOG_DIR=str(out),  # the log dir comes from the environment, the rest from flags
-                   MEMGUARD_E2E_TRAINING=LEGACY)
-        cmd = [sys.executable, SCRIPT, *MODEL, *RUN, "--pipeline-model-parallel-size", "2",
-               "--memguard", "warn", "--memguard-gpu-memory", "80GiB", "--memguard-log-interval", "1"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    envs = [dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), MEMGUARD_TEST_OUT=str(out), PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+                 MEMGUARD_LOG_DIR=str(out),  # the log dir comes from the environment, the rest from flags
+                 MEMGUARD_E2E_TRAINING=LEGACY) for rank in range(2)]
+    cmd = [sys.executable, SCRIPT, *MODEL, *RUN, "--pipeline-model-parallel-size", "2",
+           "--memguard", "warn", "--memguard-gpu-memory", "80GiB", "--memguard-log-interval", "1"]
+    if build_util.fork_enabled():     # both ranks forked from the fork server (no import of torch and megatron each)
+        stdout = tmp_path_factory.mktemp("memguard-e2e-stdout")     # (not in the log dir, which report reads)
+        paths = [str(stdout / f"rank{rank}.log") for rank in range(2)]
+        failed = build_util.run_ranks([cmd, cmd], paths, envs=envs, cwd=os.getcwd(), timeout=600)
+        logs = []
+        for path in paths:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                logs.append(f.read())
+        assert failed != -1, "the two ranks did not end within 600 s"
+        assert failed is None, logs[failed][-4000:]
+        return out, logs
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for env in envs]
     logs = []
     for p in procs:
         try:

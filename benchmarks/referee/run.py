@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,6 +81,53 @@ def run_referee(settings: Dict[str, Any], world_size: int, timeout: float = 600.
             raise
 
 
+# Runs the rank commands (each [python, "-m", "benchmarks.referee.worker", ...], run in the repository with
+# ``env``, output and errors to its log file) and returns the first failing rank, -1 on a timeout, None when all
+# ended well. tests/conftest.py sets one that forks the ranks from tests/e2e/build_server.py (no new interpreter
+# importing torch and megatron-core per rank).
+RankLauncher = Callable[[List[List[str]], Dict[str, str], List[str], float], Optional[int]]
+_rank_launcher: Optional[RankLauncher] = None
+
+
+def set_rank_launcher(launcher: Optional[RankLauncher]) -> Optional[RankLauncher]:
+    """Use ``launcher`` for the rank processes from now on (None: launch_processes); returns the previous one."""
+    global _rank_launcher
+    previous, _rank_launcher = _rank_launcher, launcher
+    return previous
+
+
+def launch_processes(cmds: List[List[str]], env: Dict[str, str], logs: List[str], timeout: float) -> Optional[int]:
+    """The default RankLauncher: one new interpreter per rank."""
+    procs = []
+    for cmd, log_path in zip(cmds, logs):
+        log = open(log_path, "w")
+        procs.append((subprocess.Popen(cmd, cwd=_REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.time() + timeout
+    failed = None
+    try:
+        while True:
+            states = [p.poll() for p, _ in procs]
+            bad = [r for r, s in enumerate(states) if s not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                # give the others a moment to fail too, then stop them
+                time.sleep(2)
+                break
+            if all(s == 0 for s in states):
+                break
+            if time.time() > deadline:
+                failed = -1
+                break
+            time.sleep(0.2)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    return failed
+
+
 def _run_once(settings, world_size, timeout, python, threads_per_rank):
     python = python or sys.executable
     if threads_per_rank is None:
@@ -96,37 +143,13 @@ def _run_once(settings, world_size, timeout, python, threads_per_rank):
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env["PYTHONWARNINGS"] = "ignore"
-        procs = []
+        cmds, logs, outs = [], [], []
         for r in range(world_size):
-            out = os.path.join(tmp, f"rank{r}.json")
-            log = open(os.path.join(tmp, f"rank{r}.log"), "w")
-            cmd = [python, "-m", "benchmarks.referee.worker", "--settings", spath, "--rank", str(r),
-                   "--world-size", str(world_size), "--port", str(port), "--out", out]
-            procs.append((subprocess.Popen(cmd, cwd=_REPO_ROOT, env=env, stdout=log,
-                                           stderr=subprocess.STDOUT), out, log))
-        deadline = time.time() + timeout
-        failed = None
-        try:
-            while True:
-                states = [p.poll() for p, _, _ in procs]
-                bad = [r for r, s in enumerate(states) if s not in (None, 0)]
-                if bad and failed is None:
-                    failed = bad[0]
-                    # give the others a moment to fail too, then stop them
-                    time.sleep(2)
-                    break
-                if all(s == 0 for s in states):
-                    break
-                if time.time() > deadline:
-                    failed = -1
-                    break
-                time.sleep(0.2)
-        finally:
-            for p, _, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
+            outs.append(os.path.join(tmp, f"rank{r}.json"))
+            logs.append(os.path.join(tmp, f"rank{r}.log"))
+            cmds.append([python, "-m", "benchmarks.referee.worker", "--settings", spath, "--rank", str(r),
+                         "--world-size", str(world_size), "--port", str(port), "--out", outs[r]])
+        failed = (_rank_launcher or launch_processes)(cmds, env, logs, timeout)
         if failed is not None:
             # Report the rank whose error is not a consequence of another rank dying (a gloo
             # connection error), falling back to the first failing rank, then to log tails.
@@ -152,7 +175,7 @@ def _run_once(settings, world_size, timeout, python, threads_per_rank):
             raise RefereeError(f"referee run {what} (world size {world_size})\n" + "\n".join(msgs),
                                root_cause_known=bool(primary))
         results = []
-        for r, (_, out, _) in enumerate(procs):
+        for out in outs:
             with open(out) as f:
                 results.append(json.load(f))
     return sorted(results, key=lambda d: d["rank"])
