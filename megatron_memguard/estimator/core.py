@@ -30,7 +30,7 @@ from .layers.base import selective_modules
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import OFFLOAD_REPLACED, offload_enabled, offload_shard_numel, offload_terms
-from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
+from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items, tied_wgrad_wait
 from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
@@ -307,6 +307,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
         bwd_bottom += held            # (backward_step still holds the received output gradient)
+    # tied weights on this chunk (PP 1): the output layer's weight gradient waits for the embedding's (head.py)
+    tied_wait, tied_sum = tied_wgrad_wait(L, has_embedding, has_output)
+    bwd_bottom += tied_sum
     if mtp_here and not has_output:
         # Megatron's mtp_standalone: the MTP block on a stage before the loss's, which it sends the concatenated
         # hidden states to (estimator/mtp.py); its layers as on the last stage
@@ -387,7 +390,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
-        bwd_top = max(o.bwd_transient, bwd_top - sum(o_saved.values()))
+        bwd_top = max(o.bwd_transient, bwd_top - sum(o_saved.values()) + tied_wait)
     elif final_norm:
         # the final norm of a stage without the loss (MTP with a layout string): its input and statistics
         ends.update({k: v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS})
