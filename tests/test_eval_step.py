@@ -246,3 +246,26 @@ def test_the_training_step_bounds_an_eval_micro_batch_no_larger(extra):
     est = estimate(L.replace(eval_micro_batch_size=L.micro_batch_size), device="cpu")
     for s in est.stages:
         assert s.eval_step["peak_allocated_bytes"] <= s.peak_allocated_bytes, (extra, s.pp_rank)
+
+
+def test_one_eval_micro_batch_keeps_no_previous_output():
+    """forward_backward_pipelining_without_interleaving (schedules.py, megatron-core 0.16.1 and 0.19.2) runs a
+    forward-only step's micro-batches as warm-up forwards, rebinding ``output_tensor`` as each forward_step returns:
+    with one eval micro-batch (eval global batch 8 = eval micro-batch 8 x DP 1, evaluate() in training.py 0.19.2) no
+    earlier output is live during its forward, so the first stage has no eval_previous_output. Measured on the
+    referee: the first stage's eval peak is one [s, b_eval, h] bf16 tensor (256 x 8 x 256 x 2 = 1,048,576 B) lower
+    with one eval micro-batch than with two, and memguard's figure moves by the same bytes (before, it counted the
+    previous output whatever the count: +1,048,576 B on the one-micro-batch run)."""
+    one = _layout(BASE + "--pipeline-model-parallel-size 2 --eval-micro-batch-size 8 --eval-global-batch-size 8".split(),
+                  2)
+    assert one.eval_num_microbatches == 1 and _layout(PP2_EVAL8, 2).eval_num_microbatches == 2
+    assert "eval_previous_output" not in _terms(estimate(one, device="cpu").stages[0])
+    L2, ranks2 = _measured(*CASES["pp2"][:3])
+    L1, ranks1 = _measured(("--pipeline-model-parallel-size", "2", "--eval-micro-batch-size", "8",
+                            "--eval-global-batch-size", "8"), 2, 1)
+    assert L1.eval_num_microbatches == 1
+    est1, est2 = (estimate(L, device="cpu").stages[0].eval_step["peak_allocated_bytes"] for L in (L1, L2))
+    measured_drop = ranks2[0]["eval"]["peak_bytes"] - ranks1[0]["eval"]["peak_bytes"]
+    assert measured_drop == est2 - est1 == 256 * 8 * 256 * 2
+    # and the one-micro-batch figure errs as the two-micro-batch one does (the layer bound: within 1.1%)
+    assert abs(est1 - ranks1[0]["eval"]["peak_bytes"]) < 0.011 * ranks1[0]["eval"]["peak_bytes"]

@@ -258,7 +258,11 @@ def test_a_bottom_layers_replay_raises_the_peak_by_what_it_holds(core):
             meas[rec] = e["peak_bytes"]
             layout, _ = resolve_config(flags_under(e["flags"], ROOT), 1, VERSION[core])
             est[rec] = estimate(layout, profile="local", device="cpu").stages[0].peak_allocated_bytes
-        assert abs(est["none"] - meas["none"]) < 0.001 * meas["none"], model   # the reference: the plain backward
+        # the reference: the plain backward, within 256 B (the loss's scalars) since the MoE dispatcher's permutation
+        # mapping is counted as held (test_referee_moe_stored.py test_the_alltoall_dispatchers_mapping_...; the MoE
+        # models were 4,292 / 4,320 B low before: 8 T k = 8 x 512 x 1 = 4,096 B, the int64 mapping of T = s b = 512
+        # tokens, top-1, which outlives the MoE layer's backward)
+        assert abs(est["none"] - meas["none"]) < 256, model
         assert est["u1"] - meas["u1"] == est["none"] - meas["none"], model
         if n:
             assert meas["u1"] - meas["none"] == n * tensor, model

@@ -341,13 +341,22 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             # concatenated input, the three norms' statistics, the final norm's input, and the replayed output it
             # holds until its torch.autograd.backward returns (one row more, as the final norm's input)
             top += mtp_la.total + (acts.eh_proj_inputs + 2 * acts.final_norm_inputs + acts.norm_stats) // d
+        # that received (1 + D)-fold gradient stays beside the decoder layers' backward and the embedding's weight
+        # gradient too: backward_step (schedules.py, 0.16.1 and 0.19.2) holds it until the chunk's backward returns
+        # (the layers' own output gradient is the final norm's, a tensor of its own; on a GPU the widened
+        # p2p_buffers_in_flight counts it)
+        held_concat = concat if held_grad else 0
+        if n:
+            bwd_top += held_concat
         bwd_top = max(bwd_top, top)
-        if not has_embedding:
+        if has_embedding:
+            bwd_bottom += held_concat
+        else:
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
             if n:
-                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()))
+                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()) + held_concat)
             else:
-                bwd_bottom = wgrad
+                bwd_bottom = wgrad + held_concat
     if has_output:
         o = output_items(L)
         o_saved = o.saved

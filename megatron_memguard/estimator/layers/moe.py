@@ -436,9 +436,12 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     if disp == "allgather":
         G = T * etp * ep                # tokens of the ETP x EP group, gathered
         # local_map [G, E_l] bool held; masked_select keeps local_probs transposed [E_l, G] and the
-        # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1])
-        held = G * El
-        saved["moe_permute_maps"] = p * G * El + G * El + (4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N)
+        # transposed mask; the permute's int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1]) are the
+        # dispatcher's reversed_local_input_permutation_mapping, an attribute like local_map (token_dispatcher.py, 0.16.1
+        # and 0.19.2) that outlives the layer's backward until its next forward: held, not saved (counted once)
+        mapping = 4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N
+        held = G * El + mapping
+        saved["moe_permute_maps"] = p * G * El + G * El
     elif disp == "flex":
         # DeepEP (_DeepepManager): token_probs fp32 and int64 token_indices [T, ETP*k] held as attributes;
         # each token reaches each destination rank once (R rows received), then is permuted to the local
@@ -465,14 +468,16 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
             # [T, h] and the gradient accumulated into it stay alive until the layer's next forward
             # (CPU referee: +2 [T, h] per MoE layer after the step, benchmarks/referee/MOE-NOTES.md)
             held += 2 * e * T * h
+        # the permute's mapping (reversed_local_input_permutation_mapping) is an attribute too: held, not saved
         if m.moe_permute_fusion:
-            perm = 4 * T * (2 * E + 1)             # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
+            mapping, perm = 4 * T * (2 * E + 1), 0  # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
         elif drop_pad:
-            perm = 16 * (N // etp)                 # int64 token and flat probs indices [E*C]
+            mapping = perm = 8 * (N // etp)        # int64 token indices [E*C] (the mapping), flat probs indices
         elif _before_017(L):
-            perm = p * T * E + T * E + 8 * sent    # 0.16 masked_select keeps probs.T and the mask
+            mapping, perm = 8 * sent, p * T * E + T * E   # 0.16 masked_select keeps probs.T and the mask
         else:
-            perm = 16 * sent                       # 0.19: int64 flat_sorted and sorted_indices [T*k]
+            mapping = perm = 8 * sent              # 0.19: int64 flat_sorted, and sorted_indices [T*k] (the mapping)
+        held += mapping
         saved["moe_permute_maps"] = perm
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
     saved["moe_expert_input"] = e * N * hx + p * N
