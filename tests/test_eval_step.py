@@ -266,6 +266,8 @@ def test_one_eval_micro_batch_keeps_no_previous_output():
     assert L1.eval_num_microbatches == 1
     est1, est2 = (estimate(L, device="cpu").stages[0].eval_step["peak_allocated_bytes"] for L in (L1, L2))
     measured_drop = ranks2[0]["eval"]["peak_bytes"] - ranks1[0]["eval"]["peak_bytes"]
-    assert measured_drop == est2 - est1 == 256 * 8 * 256 * 2
+    assert est2 - est1 == 256 * 8 * 256 * 2
+    # (measured 1,048,580 B: the tensor and one 4-byte scalar of the second micro-batch)
+    assert 0 <= measured_drop - (est2 - est1) <= 8
     # and the one-micro-batch figure errs as the two-micro-batch one does (the layer bound: within 1.1%)
     assert abs(est1 - ranks1[0]["eval"]["peak_bytes"]) < 0.011 * ranks1[0]["eval"]["peak_bytes"]

@@ -347,16 +347,24 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # p2p_buffers_in_flight counts it)
         held_concat = concat if held_grad else 0
         if n:
-            bwd_top += held_concat
+            # (the decoder layers' backward comes after the MTP block's and the final norm's: their saved tensors are
+            # released by then)
+            norm = sum(v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS) if final_norm else 0
+            bwd_top += held_concat - kept - sum(block_saved.values()) - norm
         bwd_top = max(bwd_top, top)
         if has_embedding:
             bwd_bottom += held_concat
         else:
+            # beside the embedding copy's dense gradient: the decoder output's gradient as it is made (hnorm's input
+            # gradient and its sum with the concatenation's slice: two rows); at the end of an MTP-only chunk's
+            # backward also, where the schedule's tensors are the chunk's own (held_grad: not a GPU's NCCL buffers),
+            # the received input backward_step still references (CPU referee, 'Et|tm|L' and 'Et|m|L', core 0.16.1)
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
+            row = p2p_tensor_bytes(L)
             if n:
-                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()) + held_concat)
+                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()) + held_concat + 2 * row)
             else:
-                bwd_bottom = wgrad + held_concat
+                bwd_bottom = wgrad + held_concat + 2 * row + (row if held_grad else 0)
     if has_output:
         o = output_items(L)
         o_saved = o.saved
