@@ -78,17 +78,19 @@ def test_the_other_chunks_inputs_under_interleaving_by_hand():
 
 
 def test_the_moe_dispatchers_state_at_the_eval_micro_batch_by_hand():
-    # the alltoall dispatcher keeps self.probs [T, E] (the router's dtype: bf16 here) and self.routing_map [T, E] bool
-    # until the layer's next forward (token_dispatcher.py, megatron-core 0.16.1 and 0.19.2): after an eval forward
-    # they are the eval micro-batch's; the figure adds the growth under its own name, not the GlobalMemoryBuffer's
+    # the alltoall dispatcher keeps self.probs [T, E] (the router's dtype: bf16 here), self.routing_map [T, E] bool
+    # and the permute's int64 mapping [T k] until the layer's next forward (token_dispatcher.py, megatron-core 0.16.1
+    # and 0.19.2): after an eval forward they are the eval micro-batch's; the figure adds the growth under its own
+    # name, not the GlobalMemoryBuffer's
     moe = ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
            "--pipeline-model-parallel-size 2 --eval-micro-batch-size 8 --eval-global-batch-size 16").split()
     L = _layout(BASE + moe, 4)
     for s in estimate(L, device="cpu").stages:
         t = _terms(s)
-        # 2 MoE layers per stage, (2 + 1) bytes per token and expert, T = s x b: 256 x 8 against 256 x 2
-        assert t["eval_moe_dispatcher_state_growth"] == 2 * 3 * (256 * 8 - 256 * 2) * 4 == 36_864
-        assert t["moe_dispatcher_state"] == 2 * 3 * 256 * 2 * 4       # the training's, in the static terms
+        # 2 MoE layers per stage, (2 + 1) bytes per token and expert and 8 per token and choice (k 2), T = s x b:
+        # 256 x 8 against 256 x 2
+        assert t["eval_moe_dispatcher_state_growth"] == 2 * (3 * 4 + 8 * 2) * (256 * 8 - 256 * 2) == 86_016
+        assert t["moe_dispatcher_state"] == 2 * (3 * 4 + 8 * 2) * 256 * 2   # the training's, in the static terms
         # the local attention's baddbmm score buffer [b x heads, s, s] bf16 in the GlobalMemoryBuffer, alone
         assert t["eval_global_memory_buffer_growth"] == (8 - 2) * 8 * 256 * 256 * 2
 
