@@ -42,9 +42,13 @@ def test_permuted_rows_with_a_capacity_factor_by_hand(factor, pad, rows):
     L = _layout(factor, pad)
     assert sent_rows(L.moe, tokens_per_rank(L)) == rows
     if not pad:
-        # core 0.19.2 unfused permute: int64 flat_sorted and sorted_indices [rows] (16 B per row)
+        # core 0.19.2 unfused permute: int64 flat_sorted and sorted_indices [rows] (16 B per row); sorted_indices is
+        # the dispatcher's reversed_local_input_permutation_mapping, held until the next forward (moe_dispatcher_state)
         (kind,) = [k for k in layer_kinds(L) if k.mlp == "moe"]
         assert layer_activations(L, True, kind).saved["moe_permute_maps"] == 16 * rows
+        from megatron_memguard.estimator.layers.moe import moe_activations
+        T, E = tokens_per_rank(L), 2
+        assert moe_activations(L, L.moe).held == 3 * T * E + 8 * rows      # bf16 probs and bool map [T, E], mapping
 
 
 @pytest.mark.parametrize("factor, pad", [(0.5, False), (1.0, False), (2.0, False), (0.5, True), (2.0, True),

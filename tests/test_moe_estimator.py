@@ -156,7 +156,8 @@ def test_saved_and_held_bytes_equal_the_referee_per_layer():
                     continue
                 assert rec["tokens"] == tokens_per_rank(L)
                 a = moe_activations(L, m, rows=rec["expert_input_rows"])
-                want = a.total + a.held
+                # (the permute's mapping is saved and held: one tensor while the micro-batch is in flight)
+                want = a.total + a.held - a.mapping
                 if m.moe_pad_expert_input_to_capacity:
                     want += 8 * m.num_experts * m.etp   # int64 chunk sizes: host memory on a GPU, counted on CPU
                 assert _measured_layer(r, phase, rec["layer"]) == want, (name, r["rank"], rec["layer"])
@@ -169,9 +170,10 @@ def test_recompute_moe_keeps_only_the_dispatcher_state():
     # layer (the int64 mapping is the checkpointed forward's, held by the dispatcher)
     L, m = _resolved("moe_ep2_recompute_moe")
     a = moe_activations(L, m)
-    # held: probs bf16 + bool map [T, E] = 3·512·4, and the checkpoint's input and its gradient after
-    # the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 = 4 layers x 524,288)
-    assert a.total == 0 and a.held == 3 * 512 * 4 + 4 * 512 * 256
+    # held: probs bf16 + bool map [T, E] = 3·512·4, the int64 mapping [T k] = 8·512·2, and the checkpoint's input
+    # and its gradient after the step, 2 x [s, b, h] bf16 = 2·2·512·256 (MOE-NOTES.md: 149,496,824 - 147,399,672 =
+    # 4 layers x 524,288)
+    assert a.total == 0 and a.held == 3 * 512 * 4 + 8 * 512 * 2 + 4 * 512 * 256
     assert (149_496_824 - 147_399_672) // 4 == 4 * 512 * 256
 
 
@@ -183,7 +185,8 @@ def test_a2a_overlap_keeps_each_moe_layers_input_and_its_gradient():
     # overlap: 149,496,824 - 147,399,672 B after the step on both ranks = 4 MoE layers x 2 x [s, b, h] bf16
     L, m = _resolved("moe_ep2_a2a_overlap")
     assert m.overlap_moe_expert_parallel_comm and m.moe_token_dispatcher_type == "alltoall"
-    assert moe_activations(L, m).held == 3 * 512 * 4 + 2 * 2 * 512 * 256
+    # (probs and bool map [T, E], the int64 mapping [T k], and the leaf input with its gradient)
+    assert moe_activations(L, m).held == 3 * 512 * 4 + 8 * 512 * 2 + 2 * 2 * 512 * 256
     plain, ovlp = _referee()["moe_ep2_alltoall"], _referee()["moe_ep2_a2a_overlap"]
     for a, b in zip(plain["ranks"], ovlp["ranks"]):
         assert b["live_bytes_after_step"] - a["live_bytes_after_step"] == 4 * 2 * 2 * 512 * 256

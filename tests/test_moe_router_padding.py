@@ -73,8 +73,10 @@ def test_alltoall_rows_by_hand():
     padded = moe_activations(L, L.moe).saved
     # the experts' input [N, h] and its probs [N] (the router dtype: bf16 here) grow by the 64 padded rows
     assert padded["moe_expert_input"] - plain["moe_expert_input"] == 64 * (2 * H + 2)
-    # 0.19's unfused permute keeps two int64 indices per sent row: 4,128 instead of 4,096
+    # 0.19's unfused permute keeps two int64 indices per sent row: 4,128 instead of 4,096; one of them is the
+    # dispatcher's mapping, held until the layer's next forward (moe_dispatcher_state)
     assert padded["moe_permute_maps"] - plain["moe_permute_maps"] == 16 * (4_128 - 4_096)
+    assert moe_activations(L, L.moe).held - moe_activations(_layout(FP8), _layout(FP8).moe).held == 8 * (4_128 - 4_096)
 
 
 def test_alias_and_mxfp8_alignment():

@@ -83,3 +83,27 @@ def test_loss_only_stage_without_mtp_against_the_referee():
         assert s.parameters == r["num_params"], s.pp_rank
         assert abs(s.peak_allocated_bytes / r["peak_bytes"] - 1) < 0.01, (s.pp_rank, s.peak_allocated_bytes,
                                                                            r["peak_bytes"], r["peak_phase"])
+
+
+# CPU referee (benchmarks/referee/run.py, megatron-core 0.16.1, 3 ranks) of _flags(layout, layers) with another
+# vocabulary: the MTP stage's (pp rank 1) measured peak, each in the backward of micro-batch 0 with micro-batch 1 held
+STANDALONE_MEASURED = {("Et|m|L", 1, 16000): 46_581_668, ("Et|tm|L", 2, 16000): 51_513_052,
+                       ("Et|tm|L", 2, 1000): 13_620_956}
+
+
+@pytest.mark.parametrize("layout, layers, vocab", sorted(STANDALONE_MEASURED))
+def test_the_mtp_stage_holds_its_received_gradient_through_its_backward(layout, layers, vocab):
+    """The MTP stage receives the gradient of the (1 + D)-fold concatenation it sent ([2 s, b, h] bf16 = 65,536 B
+    here), which backward_step (schedules.py, 0.16.1 and 0.19.2) references until the chunk's backward returns: beside
+    the MTP layers' backward (counted before), the embedding copy's dense weight gradient [V, h] and the decoder
+    layers' backward (not counted before). Where the embedding copy's gradient is made, the decoder output's gradient
+    is being formed too (hnorm's input gradient and its sum with the concatenation's slice: 2 x [s, b, h], 65,536 B;
+    the referee's dump at the 'Et|m|L' peak: fused:layer_norm_bwd and add [64, 2, 128], beside the received
+    [128, 2, 128] and, on the MTP-only stage, its own received input [64, 2, 128]). The decoder layers' backward comes
+    after the MTP block's and the final norm's, whose saved tensors are gone by then. With vocabulary 16,000 (padded
+    to 16,128) the peak is that weight gradient: 'Et|m|L' -165,028 -> -1,188 B, 'Et|tm|L' -132,316 -> -1,244 B; with
+    1,000 the MTP layers' backward, unchanged (-220 B)."""
+    f = _flags(layout, layers)
+    f[f.index("--vocab-size") + 1] = str(vocab)
+    st = estimate(layout_from_flags(f, world_size=3, megatron_version="0.16"), device="cpu").stages[1]
+    assert abs(st.peak_allocated_bytes - STANDALONE_MEASURED[(layout, layers, vocab)]) < 1300, st.peak_phase

@@ -53,9 +53,10 @@ def test_a_replay_is_estimated_as_exactly_as_a_backward_without_one(measured, co
     entries = measured[core]
     tp1 = _offsets(entries["recomp_full_block1_of4_bwd"], core)
     tp2 = _offsets(entries["recomp_full_block1_of4_tp2_sp_bwd"], core)
-    # the reference itself: the top layer's backward, within 0.3% (not what this file checks: the same offset
+    # the reference itself: the top layer's backward, within 256 B (the loss's scalars) since the tied output layer's
+    # weight gradient is counted (test_the_tied_output_weight_gradient_...; not what this test checks: the same offset
     # on both sides of the replay is)
-    assert abs(tp1[0]) < 0.003 * entries["recomp_full_block1_of4_bwd"]["ranks"][0]["peak_bytes"]
+    assert abs(tp1[0]) < 256 and all(abs(x) < 256 for x in tp2)
     for name in ("recomp_full_uniform1_bwd", "recomp_full_uniform2_bwd", "recomp_full_block3_of4_bwd"):
         assert _offsets(entries[name], core) == tp1, name
     # TP2 with SP (the kept input is the rank's sequence shard) and TP2 with --distribute-saved-activations (the kept
@@ -257,7 +258,54 @@ def test_a_bottom_layers_replay_raises_the_peak_by_what_it_holds(core):
             meas[rec] = e["peak_bytes"]
             layout, _ = resolve_config(flags_under(e["flags"], ROOT), 1, VERSION[core])
             est[rec] = estimate(layout, profile="local", device="cpu").stages[0].peak_allocated_bytes
-        assert abs(est["none"] - meas["none"]) < 0.001 * meas["none"], model   # the reference: the plain backward
+        # the reference: the plain backward, within 256 B (the loss's scalars) since the MoE dispatcher's permutation
+        # mapping is counted as held (test_referee_moe_stored.py test_the_alltoall_dispatchers_mapping_...; the MoE
+        # models were 4,292 / 4,320 B low before: 8 T k = 8 x 512 x 1 = 4,096 B, the int64 mapping of T = s b = 512
+        # tokens, top-1, which outlives the MoE layer's backward)
+        assert abs(est["none"] - meas["none"]) < 256, model
         assert est["u1"] - meas["u1"] == est["none"] - meas["none"], model
         if n:
             assert meas["u1"] - meas["none"] == n * tensor, model
+
+
+@pytest.mark.parametrize("core, vocab_rows", [("0.16.1", 256), ("0.19.2", 128)])
+def test_the_tied_output_weight_gradient_waits_for_the_embeddings(measured, core, vocab_rows):
+    """Tied embeddings at PP 1: the output layer multiplies by the word embedding's weight itself
+    (LanguageModule.shared_embedding_or_output_weight, 0.16.1 and 0.19.2), so autograd keeps its weight gradient in
+    the shared weight's AccumulateGrad input buffer until the embedding's backward. The referee (no
+    gradient-accumulation fusion) has the output layer's dense gradient, an ``mm`` [V/TP, h] bf16 made in the backward,
+    live at the top layer's backward peak: 0.16.1 pads the 128-word vocabulary (+1 EOD) to 256 rows, 0.19.2 keeps
+    128 (h 256, 2 B): 131,072 B / 65,536 B, by which memguard was low (-131,312 B / -65,776 B) until it counted it:
+    now -240 B (the loss's and the schedule's scalars), TP2 ranks too (vocabulary split in two, 65,536 B each)."""
+    from megatron_memguard.estimator.head import tied_wgrad_wait
+    entry = measured[core]["recomp_full_block1_of4_bwd"]
+    layout, _ = resolve_config(entry["flags"], 1, VERSION[core])
+    wait = vocab_rows * 256 * 2
+    assert layout.padded_vocab_size == vocab_rows and tied_wgrad_wait(layout, True, True) == (wait, wait)
+    assert _offsets(entry, core) == [-240]
+    tp2 = measured[core]["recomp_full_block1_of4_tp2_sp_bwd"]
+    assert _offsets(tp2, core) == [-240, -240]
+    # untied, or the two halves on different chunks (PP > 1: the last stage's copy is a parameter of its own): nothing
+    untied, _ = resolve_config(entry["flags"] + ["--untie-embeddings-and-output-weights"], 1, VERSION[core])
+    assert tied_wgrad_wait(untied, True, True) == (0, 0) and tied_wgrad_wait(layout, True, False) == (0, 0)
+
+
+def test_with_fused_weight_gradients_the_tied_wait_is_tes_placeholder_and_the_sum_is_new():
+    """On a GPU with gradient-accumulation fusion the output layer hands autograd Transformer Engine's cached
+    placeholder (tensor_parallel/layers.py get_dummy_wgrad, 0.16.1 and 0.19.2; counted by dummy_wgrads): nothing more
+    beside the layers' backward. At the embedding's backward torch's InputBuffer cannot add into it (the cache shares
+    its storage) and makes the sum out of place: one [V/TP, h] bf16 tensor more at the end of the backward. By hand:
+    vocabulary 32,000 (padded to 32,000 at TP 2: 16,000 rows) x h 1024 x 2 B = 32,768,000 B."""
+    from megatron_memguard import layout_from_flags
+    from megatron_memguard.estimator.core import _chunk_activations
+    flags = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+             "--micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 2 --bf16 --vocab-size 32000 "
+             "--tokenizer-type NullTokenizer --make-vocab-size-divisible-by 128").split()
+    acts = {}
+    for extra in ((), ("--untie-embeddings-and-output-weights",)):
+        L = layout_from_flags(flags + list(extra), world_size=2)
+        assert L.fused_wgrad and L.padded_vocab_size // L.tp == 16_000
+        c = L.stage_chunks(0)[0]
+        acts[bool(extra)] = _chunk_activations(L, c.kind_runs, True, True)
+    assert acts[False].bwd_top_extra == acts[True].bwd_top_extra
+    assert acts[False].bwd_bottom_extra - acts[True].bwd_bottom_extra == 16_000 * 1024 * 2 == 32_768_000

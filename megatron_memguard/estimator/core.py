@@ -30,7 +30,7 @@ from .layers.base import selective_modules
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
 from .layers.mla import MLA_YARN_ORIGINAL_MAX_POSITIONS, ROTARY_LRU_ENTRIES, mla_rotary_bytes  # noqa: F401
 from .offload_layout import offload_enabled, offload_shard_numel, offload_terms
-from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items
+from .head import batch_items, deferred_wgrad_buffers, embedding_items, output_items, tied_wgrad_wait
 from .attention_backend import explicit_blocked as explicit_attention_blocked
 from .attention_backend import select as select_attention_backend
 from .overheads import (dummy_wgrad_bytes, dummy_wgrad_shapes, gpu_fixed_terms, p2p_in_flight_bytes, p2p_tensor_bytes,
@@ -307,6 +307,9 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         if L.position_embedding_type == "learned_absolute":
             bwd_bottom += L.max_position_embeddings * L.hidden_size * L.act_bytes
         bwd_bottom += held            # (backward_step still holds the received output gradient)
+    # tied weights on this chunk (PP 1): the output layer's weight gradient waits for the embedding's (head.py)
+    tied_wait, tied_sum = tied_wgrad_wait(L, has_embedding, has_output)
+    bwd_bottom += tied_sum
     if mtp_here and not has_output:
         # Megatron's mtp_standalone: the MTP block on a stage before the loss's, which it sends the concatenated
         # hidden states to (estimator/mtp.py); its layers as on the last stage
@@ -338,13 +341,30 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             # concatenated input, the three norms' statistics, the final norm's input, and the replayed output it
             # holds until its torch.autograd.backward returns (one row more, as the final norm's input)
             top += mtp_la.total + (acts.eh_proj_inputs + 2 * acts.final_norm_inputs + acts.norm_stats) // d
+        # that received (1 + D)-fold gradient stays beside the decoder layers' backward and the embedding's weight
+        # gradient too: backward_step (schedules.py, 0.16.1 and 0.19.2) holds it until the chunk's backward returns
+        # (the layers' own output gradient is the final norm's, a tensor of its own; on a GPU the widened
+        # p2p_buffers_in_flight counts it)
+        held_concat = concat if held_grad else 0
+        if n:
+            # (the decoder layers' backward comes after the MTP block's and the final norm's: their saved tensors are
+            # released by then)
+            norm = sum(v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS) if final_norm else 0
+            bwd_top += held_concat - kept - sum(block_saved.values()) - norm
         bwd_top = max(bwd_top, top)
-        if not has_embedding:
+        if has_embedding:
+            bwd_bottom += held_concat
+        else:
+            # beside the embedding copy's dense gradient: the decoder output's gradient as it is made (hnorm's input
+            # gradient and its sum with the concatenation's slice: two rows); at the end of an MTP-only chunk's
+            # backward also, where the schedule's tensors are the chunk's own (held_grad: not a GPU's NCCL buffers),
+            # the received input backward_step still references (CPU referee, 'Et|tm|L' and 'Et|m|L', core 0.16.1)
             wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
+            row = p2p_tensor_bytes(L)
             if n:
-                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()))
+                bwd_top = max(bwd_top, wgrad - kept - sum(block_saved.values()) + held_concat + 2 * row)
             else:
-                bwd_bottom = wgrad
+                bwd_bottom = wgrad + held_concat + 2 * row + (row if held_grad else 0)
     if has_output:
         o = output_items(L)
         o_saved = o.saved
@@ -387,7 +407,7 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         fwd_extra = max(fwd_extra, o.fwd_transient + mtp_logits)
         # The loss and output layer are back-propagated first; the layers' working set comes once the
         # output items are released.
-        bwd_top = max(o.bwd_transient, bwd_top - sum(o_saved.values()))
+        bwd_top = max(o.bwd_transient, bwd_top - sum(o_saved.values()) + tied_wait)
     elif final_norm:
         # the final norm of a stage without the loss (MTP with a layout string): its input and statistics
         ends.update({k: v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS})

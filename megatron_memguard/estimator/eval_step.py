@@ -15,7 +15,7 @@ Per chunk the figure counts, at the eval micro-batch, the batch tensors of the m
 the previous stage (the schedule's ``input_tensor``, referenced until the chunk's forward returns), the previous
 micro-batch's output on a stage that sends one without interleaving (``forward_backward_pipelining_without_
 interleaving`` keeps it in ``output_tensor`` until the next ``forward_step`` returns: only the training path calls
-``deallocate_output_tensor``), under interleaving the stage's other receiving chunks' last inputs (each chunk's
+``deallocate_output_tensor``; with one eval micro-batch there is none), under interleaving the stage's other receiving chunks' last inputs (each chunk's
 ``TransformerBlock.input_tensor`` keeps its last received activation: the eval micro-batch's once the chunk has run,
 the training's input and gradient before), and the largest of
 the forward moments: one layer's tensors with its working set (what training would save plus its forward working
@@ -81,11 +81,12 @@ def chunk_parts(E: Layout, c: Chunk, others_inputs: int = 0) -> dict[str, int]:
     if _receives(c):
         # the received activation, referenced by the schedule until forward_step returns
         parts["eval_received_input"] = p2p_tensor_bytes(E)
-    if E.pp > 1 and E.vpp == 1 and not c.has_output:
+    if E.pp > 1 and E.vpp == 1 and not c.has_output and (E.eval_num_microbatches or 2) > 1:
         # forward_backward_pipelining_without_interleaving (schedules.py, 0.16.1 and 0.19.2) rebinds output_tensor
         # only when the next forward_step returns, and deallocate_output_tensor runs on the training path only: the
         # sent output of the previous micro-batch is live through this one's forward (the CPU referee's PP2 stage 0).
-        # Counted whatever the number of eval micro-batches (one: none; an upper bound by one activation).
+        # One eval micro-batch has no previous one: forward-only runs it as its only warm-up forward (the training's
+        # output_tensor was a local of the training call). (None: a layout made without resolve: counted.)
         parts["eval_previous_output"] = p2p_tensor_bytes(E)
     if others_inputs:
         parts["eval_other_chunks_inputs"] = others_inputs

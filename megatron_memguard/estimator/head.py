@@ -135,6 +135,25 @@ def output_items(L: Layout) -> EndItems:
     return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd, bwd_wgrad_moment=-kept + x.Tf * x.h * x.e + wgrad)
 
 
+def tied_wgrad_wait(L: Layout, has_embedding: bool, has_output: bool) -> tuple[int, int]:
+    """The output layer's weight gradient waiting for the embedding's, with tied weights on one chunk (PP 1).
+
+    The output layer's forward takes the word embedding's weight (LanguageModule.shared_embedding_or_output_weight,
+    megatron-core 0.16.1 and 0.19.2), so one AccumulateGrad node has two inputs, and autograd keeps the first
+    gradient in that node's input buffer until the embedding's backward hands it the second (torch's InputBuffer).
+    Without gradient-accumulation fusion that is the output layer's dense [V/TP, h] weight gradient
+    (tensor_parallel/layers.py ``grad_output.t().matmul(total_input)``), held through every layer's backward; the
+    embedding's dense gradient is then added into it in place. With the fusion it is TE's cached placeholder
+    (``get_dummy_wgrad``, counted by dummy_wgrads), which autograd cannot add into (the cache shares its storage):
+    the sum is a new [V/TP, h] tensor next to the embedding's gradient. Returns (bytes held during the layers'
+    backward, bytes more at the embedding's backward)."""
+    frozen = getattr(L, "peft", None) is not None or L.freeze_all_layers
+    if not (has_embedding and has_output) or L.untie_embeddings_and_output_weights or frozen:
+        return 0, 0
+    wgrad = L.padded_vocab_size // L.tp * L.hidden_size * L.act_bytes
+    return (0 if L.fused_wgrad else wgrad), wgrad
+
+
 def deferred_wgrad_buffers(L: Layout) -> int:
     """--defer-embedding-wgrad-compute: the last stage keeps the output layer's input and its
     gradient of the first ``--wgrad-deferral-limit`` micro-batches (all of them for 0) until the

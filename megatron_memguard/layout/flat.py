@@ -66,7 +66,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "linear_attention_pattern linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
               "linear_num_key_heads linear_num_value_heads"),
     ("parallel", "cp_a2a_size"),
-    ("batch", "eval_micro_batch_size"),
+    ("batch", "eval_micro_batch_size eval_num_microbatches"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
                   "num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp8_amax_history_len fp8_amax_compute_algo "
@@ -120,5 +120,6 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "linear_attention_pattern": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "eval_micro_batch_size": None,   # the evaluation step's micro-batch (estimator/eval_step.py)
+    "eval_num_microbatches": None,   # and its number of micro-batches
     "peft": None,   # LoRA / DoRA (layout/peft.py): written as its object when set
 }

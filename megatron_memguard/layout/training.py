@@ -12,6 +12,8 @@ class Batch:
     # the evaluation step's micro-batch (--eval-micro-batch-size, megatron.training 0.18+): its forward-only peak is
     # a second figure of the estimate (estimator/eval_step.py); None: no evaluation step estimated
     eval_micro_batch_size: int | None = None
+    # its number of micro-batches (evaluate(): eval_global_batch_size / (eval micro-batch x DP)); None with no figure
+    eval_num_microbatches: int | None = None
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,15 @@ def batch(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "runs no training step: the training figure does not occur, and the evaluation step's figure "
                        "counts gradient and optimizer terms that are not allocated (upper bounds)")
     return dict(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=num_microbatches,
-                eval_micro_batch_size=_eval_micro_batch(a, mbs, gbs, dp))
+                **_eval_micro_batch(a, mbs, gbs, dp))
 
 
-def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
+def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> dict[str, int | None]:
     """The evaluation step's micro-batch when it is larger than the training one (--eval-micro-batch-size), else
     None: the forward-only peak of a micro-batch no larger than the training one is bounded by the training step's
     forward of it, which holds the same tensors and its saved activations besides (estimator/eval_step.py).
-    ``--eval-iters 0`` runs no evaluation step."""
+    ``--eval-iters 0`` runs no evaluation step. With it, its number of micro-batches: evaluate() (training.py, core
+    0.19.2) runs eval_global_batch_size // (eval_micro_batch_size x DP)."""
     given = a.int_arg("eval_micro_batch_size")
     # --eval-iters is an int argument (argparse type=int; Bridge's ValidationConfig.eval_iters: int | None), checked
     # whatever else is given. A negative count runs no step, like 0 (training.py evaluate: 'while iteration < eval_iters')
@@ -53,6 +54,6 @@ def _eval_micro_batch(a: Args, mbs: int, gbs: int, dp: int) -> int | None:
     if (given is not None or a.given("eval_global_batch_size")) and egbs is not None and egbs % (em * dp):
         a.fail("eval_global_batch_size", f"{egbs} is not divisible by eval micro-batch size x DP = {em}*{dp} = "
                f"{em * dp}", f"use a multiple of {em * dp}")
-    if given is None or iters is None or iters <= 0:
-        return None
-    return em if em > mbs else None
+    if given is None or iters is None or iters <= 0 or em <= mbs:
+        return dict(eval_micro_batch_size=None, eval_num_microbatches=None)
+    return dict(eval_micro_batch_size=em, eval_num_microbatches=max(1, (egbs or gbs) // (em * dp)))

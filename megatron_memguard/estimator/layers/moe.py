@@ -290,16 +290,18 @@ class MoeActivations:
     """What one MoE layer's MLP half keeps for backward per micro-batch (``saved``, named terms), what
     its dispatcher holds as attributes until that layer's next forward (``held``: one copy per layer,
     whatever the number of micro-batches in flight), and its working sets: the largest extra during
-    its forward, and the backward steps as (saved names released so far, working bytes)."""
+    its forward, and the backward steps as (saved names released so far, working bytes). ``mapping``: the part of
+    ``held`` that is also saved (the permute's mapping), so counted twice while its micro-batch is in flight."""
 
     saved: dict[str, int]
     held: int
     fwd_transient: int
     bwd_steps: tuple[Step, ...]
     rows: int                      # N used
+    mapping: int = 0
 
     def __init__(self, saved: dict[str, int], held: int, fwd_transient: int, bwd_steps: tuple[Step, ...],
-                 rows: int) -> None:
+                 rows: int, mapping: int = 0) -> None:
         # made by every cold estimate (balanced routing; the worst case when read): stored directly (as Term's)
         d = self.__dict__
         d["saved"] = saved
@@ -307,6 +309,7 @@ class MoeActivations:
         d["fwd_transient"] = fwd_transient
         d["bwd_steps"] = bwd_steps
         d["rows"] = rows
+        d["mapping"] = mapping
 
     @property
     def total(self) -> int:
@@ -436,9 +439,13 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
     if disp == "allgather":
         G = T * etp * ep                # tokens of the ETP x EP group, gathered
         # local_map [G, E_l] bool held; masked_select keeps local_probs transposed [E_l, G] and the
-        # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1])
-        held = G * El
-        saved["moe_permute_maps"] = p * G * El + G * El + (4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N)
+        # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1]), the
+        # dispatcher's reversed_local_input_permutation_mapping, an attribute like local_map (token_dispatcher.py,
+        # 0.16.1 and 0.19.2) that outlives the layer's backward until its next forward: held too (while the
+        # micro-batch that made it is in flight an upper bound by one copy, as the rest of the held state)
+        mapping = 4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N
+        held = G * El + mapping
+        saved["moe_permute_maps"] = p * G * El + G * El + mapping
     elif disp == "flex":
         # DeepEP (_DeepepManager): token_probs fp32 and int64 token_indices [T, ETP*k] held as attributes;
         # each token reaches each destination rank once (R rows received), then is permuted to the local
@@ -446,6 +453,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # 0.16: masked_select's transposed probs and mask [E_l, R] and the int64 [N]), fused TE's int32
         # row_id_map [R, 2E_l + 1]
         held = 12 * T * etp * k
+        mapping = 0
         R = flex_rows(m, T, worst=rows is None and m.routing == "worst")
         if m.moe_permute_fusion:
             perm = 4 * R * (2 * El + 1)
@@ -465,14 +473,16 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
             # [T, h] and the gradient accumulated into it stay alive until the layer's next forward
             # (CPU referee: +2 [T, h] per MoE layer after the step, benchmarks/referee/MOE-NOTES.md)
             held += 2 * e * T * h
+        # the permute's mapping (reversed_local_input_permutation_mapping) is an attribute too: saved and held
         if m.moe_permute_fusion:
-            perm = 4 * T * (2 * E + 1)             # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
+            mapping = perm = 4 * T * (2 * E + 1)   # TE _moe_permute_mask_map: int32 row_id_map [T, 2E+1]
         elif drop_pad:
-            perm = 16 * (N // etp)                 # int64 token and flat probs indices [E*C]
+            mapping, perm = 8 * (N // etp), 16 * (N // etp)   # int64 token indices [E*C] (the mapping), probs indices
         elif _before_017(L):
-            perm = p * T * E + T * E + 8 * sent    # 0.16 masked_select keeps probs.T and the mask
+            mapping, perm = 8 * sent, p * T * E + T * E + 8 * sent   # 0.16 masked_select keeps probs.T and the mask
         else:
-            perm = 16 * sent                       # 0.19: int64 flat_sorted and sorted_indices [T*k]
+            mapping, perm = 8 * sent, 16 * sent    # 0.19: int64 flat_sorted and sorted_indices [T*k] (the mapping)
+        held += mapping
         saved["moe_permute_maps"] = perm
     # the experts' input (the dispatched tokens, kept by fc1 through split views) and its probs [N]
     saved["moe_expert_input"] = e * N * hx + p * N
@@ -540,6 +550,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # referenced until the layer's next forward (referee: 4·T·h bytes per MoE layer after the step)
         saved = {}
         held += 2 * e * T * h
+        mapping = 0                             # (held only: the checkpoint saved nothing)
     # forward working set at the combine (measured on the referee's first stage): the permuted tokens
     # still referenced by MoELayer.forward, the dispatched tokens, the experts' output and its copy
     if disp == "flex":
@@ -578,7 +589,7 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         (rel_in, G_out + e * N * hx + permuted),                                              # dispatch
         (frozenset(saved), 2 * G_out),                                                        # router
     )
-    return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N)
+    return MoeActivations(saved=saved, held=held, fwd_transient=fwd, bwd_steps=bwd, rows=N, mapping=mapping)
 
 
 @lru_cache(maxsize=256)
