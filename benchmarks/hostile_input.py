@@ -1399,6 +1399,70 @@ def hook10_cases() -> tuple[int, list[str], float, str]:
     return len(cases) + len(sources), broken, worst[0], worst[1]
 
 
+def hook13_cases() -> tuple[int, list[str], float, str]:
+    """Issue hostile13: the hook's validate_args wrapper on Megatron's own namespaces (core 0.16's stand-in parser, and
+    0.19.2's real one where installed) with one of the newer flags (eval step, --skip-train, --save, GDN and DSA shape,
+    rerun, CUDA graphs) set to a value of the wrong type: a str, a float, a negative, a list, a bool, NaN, inf, 10**30, a
+    dict, bytes, an object refusing int() / bool() / ==. The promise: Megatron's validation runs, at most one memguard
+    error line, no exception escapes. (runs, broken, worst CPU seconds, its case)."""
+    import copy
+    import time
+
+    from mutate_util import hook_namespaces, run_hook
+
+    class Refusing:
+        def __int__(self):
+            raise ValueError("no")
+        __index__ = __float__ = __int__
+
+        def __bool__(self):
+            raise ValueError("no")
+
+        def __eq__(self, other):
+            raise ValueError("no")
+        __hash__ = None  # type: ignore[assignment]
+
+    values = [("'8'", "8"), ("1.5", 1.5), ("-1", -1), ("[]", []), ("True", True), ("nan", float("nan")),
+              ("inf", float("inf")), ("10**30", 10**30), ("a dict", {"a": 1}), ("bytes", b"8"), ("Refusing", Refusing())]
+    fields = ["eval_micro_batch_size", "eval_global_batch_size", "eval_iters", "eval_interval", "skip_train", "save",
+              "save_interval", "experimental_attention_variant", "linear_attention_freq", "linear_num_key_heads",
+              "linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim", "dsa_indexer_topk",
+              "dsa_indexer_n_heads", "hybrid_layer_pattern", "rerun_mode", "check_for_nan_in_loss_and_grad",
+              "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"]
+    broken, worst, n = [], (0.0, ""), 0
+    for label, base in hook_namespaces().items():
+        if label == "yaml-cfg":
+            continue
+        for f in fields:
+            for v_label, v in values:
+                ns = copy.deepcopy(base)
+                setattr(ns, f, v)
+                if f.startswith("linear_"):      # (the GDN flags are read with the variant on)
+                    ns.experimental_attention_variant = "gated_delta_net"
+                    if f != "linear_attention_freq":
+                        ns.linear_attention_freq = 4
+                if f.startswith("dsa_"):
+                    ns.experimental_attention_variant = "dsa"
+                ns.memguard = "warn"
+                c0 = time.process_time()
+                o = run_hook(ns)
+                cpu = time.process_time() - c0
+                n += 1
+                case = f"{label} {f}={v_label}"
+                if cpu > worst[0]:
+                    worst = (cpu, case)
+                p = []
+                if o.escaped or o.timed_out:
+                    p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
+                if not (o.carried_on or o.aborted or o.exit2):
+                    p.append("Megatron's validation was not called")
+                if len(o.errors) > 1:
+                    p.append(f"{len(o.errors)} error lines")
+                if p:
+                    broken.append(f"hook13 {case}: {'; '.join(p)[:200]}")
+    return n, broken, worst[0], worst[1]
+
+
 def big_logs(d: str) -> None:
     """--big: logs far over 1 MB that a long run writes (10**6 memory lines; 10**6 JSONL samples), timed."""
     import resource
@@ -1478,6 +1542,10 @@ def main(argv: list[str]) -> int:
         n, hook_broken, hook_cpu, hook_label = hook10_cases()
         print(f"{'hook10':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
         runs["hook10"], broken["hook10"], worst["hook10"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
+    if "--group" not in argv or "hostile13" in argv:   # (the hook's hostile13 cases: all of them, quick too)
+        n, hook_broken, hook_cpu, hook_label = hook13_cases()
+        print(f"{'hook13':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
+        runs["hook13"], broken["hook13"], worst["hook13"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())
     over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
     nbroken = sum(len(v) for v in broken.values())

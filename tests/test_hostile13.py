@@ -110,3 +110,23 @@ def test_calibrate_out_with_a_nul_or_a_line_break(tmp_path):
     assert o.code == 0 and not o.problems, o.describe()
     assert o.err.splitlines() == [f"memguard: site profile written to {out!r}"]
     assert os.path.getsize(out) > 0
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("eval_micro_batch_size", 1.5, "--eval-micro-batch-size: must be an integer, got 1.5"),
+    ("linear_num_key_heads", [], "--linear-num-key-heads: must be an integer, got []"),
+    ("skip_train", float("nan"), "--skip-train: must be true or false, got nan"),
+])
+def test_hook_namespace_with_a_wrong_type_at_a_newer_flag(field, value, text):
+    # Megatron's argparse makes these int / bool (type=int, store_true); a launcher that sets the namespace in code can
+    # leave a float, a list or NaN there. The hook says it cannot estimate, naming the flag, and Megatron's own
+    # validation still runs (warn mode)
+    from mutate_util import hook_namespaces, run_hook
+    ns = hook_namespaces()["legacy 0.16"]
+    setattr(ns, field, value)
+    if field.startswith("linear_"):
+        ns.experimental_attention_variant, ns.linear_attention_freq = "gated_delta_net", 4
+    ns.memguard = "warn"
+    o = run_hook(ns)
+    assert o.carried_on and not o.escaped and not o.errors, o
+    assert o.emitted[-1] == f"[memguard] cannot estimate this configuration: {text}; training continues unchecked"
