@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile10, hostile11, hostile12)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile11, hostile12, hostile13)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -30,7 +30,9 @@ optimizer nulls, plus (hook10) hostile namespaces through the hook and garbage m
 (issue hostile10); DSA / GDN / eval-step flags, hybrid D / G / + patterns, heterogeneous JSON, NeMo 1 LoRA, FP8 / FP4 names,
 deepseek_v32 / qwen3_next config.json, calibrate on hostile Megatron logs, plan bounds and MEMGUARD_* variables (issue
 hostile11); BOM'd heterogeneous JSON, HF numbers as strings, eval flags with PP / VPP, --save, Bridge CUDA graph /
-comm_overlap overrides, NCCL / cuBLAS environment, output pipes and plan of GDN models (issue hostile12). Prints, per command, the number of runs, how many broke the
+comm_overlap overrides, NCCL / cuBLAS environment, output pipes and plan of GDN models (issue hostile12); plan of GDN
+models with --explain / --rule / --top, eval / save / rerun flags, Bridge bool fields and overrides, calibrate on damaged
+Megatron logs and every subcommand's file arguments (issue hostile13). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -710,6 +712,143 @@ def hostile12_cases(d: str):
                 "--linear-attention-freq", v, "--num-layers", "9"], {})
 
 
+def hostile13_cases(d: str):
+    """Issue hostile13 (the thirteenth round): memguard plan of gated delta net models (--explain, --rule, --top,
+    cluster constants, GDN head flags, hybrid G patterns), the eval-step / --skip-train / --save / rerun flags, Bridge
+    overrides (every bool field of optimizer / ddp / dist / comm_overlap / rerun_state_machine with words, numbers,
+    lists and unicode; cuda_graph_scope lists / strings / nulls; mixed_precision.* and optimizer offload keys; dotted
+    keys into scalars, duplicated and unicode keys), memguard calibrate on damaged Megatron logs (truncated lines,
+    spliced and mixed ranks) and every subcommand's file arguments (a directory, /dev/zero, /dev/full, /proc/self/mem,
+    a symlink loop, names with a line break, a NUL, 300 / 6,000 characters, an empty name). ``d``: a directory for the
+    files."""
+    from megatron_logs import args_of, print_args, report_memory
+    from test_eval_step import BASE as EVAL
+    from test_planner_gdn import MODEL as GDN, MOE
+    from test_readers_bridge import FLAT
+    PLANG = ["plan", "--gpus", "8", "--seq-length", "1024", "--global-batch-size", "32"]
+    # memguard plan of GDN models: --explain, --rule, --top, cluster constants, constraints
+    for extra in (["--explain"], ["--explain", "tp=2"], ["--explain", "tp=2,pp=1,vpp=1,cp=1,mbs=1,recompute=none"],
+                  ["--explain", "tp=3,pp=1"], ["--explain", "tp=1,tp=2"], ["--explain", "tp=8,pp=1,cp=1,mbs=1,recompute=none"],
+                  ["--explain", "tp=1,pp=2,vpp=4,cp=1,mbs=1,recompute=none"], ["--explain", "ep=2"], ["--explain", "tp=nan"],
+                  ["--explain", "fsdp=x"], ["--explain", "tp=1,pp=1,cp=2,mbs=1,recompute=full"], ["--rule", "fujii2024"],
+                  ["--rule", "memory"], ["--top", "0"], ["--top", "50"], ["--top", "9" * 30], ["--cp", "2,4,8"],
+                  ["--cp", "8", "--tp", "1"], ["--tp", "8"], ["--vpp", "2,8"], ["--fp8", "tensorwise"], ["--fp8", "mxfp8"],
+                  ["--network-gbps", "nan"], ["--network-gbps", "1e-300"], ["--gemm-efficiency", "inf"],
+                  ["--attention-efficiency", "5e-324"], ["--tie-window", "0.999999"], ["--json", "--explain"],
+                  ["--fsdp", "optim_grads_params"], ["--recompute", "selective"], ["--no-sp"], ["--max-tp", "0"],
+                  ["--ep", "2"], ["--etp", "2"], ["--gpu", "B200"], ["--gpu-memory", "1KiB"]):
+        yield f"plan GDN {' '.join(extra)[:40]}", [*PLANG, *extra, "--", *GDN], {}
+        yield f"plan GDN MoE {' '.join(extra)[:40]}", [*PLANG, *extra, "--", *GDN, *MOE], {}
+    for flag in ("--linear-num-key-heads", "--linear-num-value-heads", "--linear-key-head-dim", "--linear-value-head-dim",
+                 "--linear-conv-kernel-dim"):
+        for v in ("0", "-1", "1", "3", "x", "1e400", "1024", "nan", "9" * 30):
+            yield f"plan GDN {flag} {v[:20]}", [*PLANG, "--top", "2", "--", *GDN, flag, v], {}
+            yield (f"estimate GDN {flag} {v[:20]}", ["estimate", "--world-size", "8", "--", *GDN, "--seq-length", "1024",
+                                                     "--micro-batch-size", "1", flag, v], {})
+    hyb = [x for x in GDN]
+    for f in ("--experimental-attention-variant", "--linear-attention-freq"):
+        i = hyb.index(f)
+        del hyb[i:i + 2]
+    for pat in ("G*G*G*G*", "GGGGGGGG", "G-G-G-G-", "GEGEGEGE", "G", "M*G*", "G/G", "GGGGGGGG/*", "G" * 5000):
+        yield f"plan hybrid {pat[:20]}", [*PLANG, "--", *hyb, "--hybrid-layer-pattern", pat], {}
+        yield f"plan hybrid {pat[:20]} --explain", [*PLANG, "--explain", "--", *hyb, "--hybrid-layer-pattern", pat], {}
+    # the eval step, --skip-train, --save, rerun_state_machine flags
+    ev = ["estimate", "--world-size", "2", "--", *EVAL, "--eval-micro-batch-size", "8", "--eval-global-batch-size", "16",
+          "--save", "c", "--save-interval", "10"]
+    for flag, vals in (("--skip-train", [None, "x"]), ("--eval-interval", ["0", "-1", "x", "1.5", "1e400", ""]),
+                       ("--eval-iters", ["0", "-5", "9" * 21]), ("--rerun-mode", ["disabled", "validate_results", "x", ""]),
+                       ("--error-injection-rate", ["-1", "x"]), ("--check-for-nan-in-loss-and-grad", [None]),
+                       ("--no-check-for-nan-in-loss-and-grad", [None]), ("--check-for-spiky-loss", [None]),
+                       ("--non-persistent-save-interval", ["0", "x"]), ("--async-save", [None]),
+                       ("--ckpt-format", ["torch", "x"])):
+        for v in vals:
+            yield f"estimate eval {flag} {v!r}", [*ev, flag] + ([] if v is None else [v]), {}
+    # Bridge overrides
+    Y = ["null", "x", "[]", "[1]", "{}", "{a: 1}", "true", "0", "-1", "1e400", ".nan", "'???'", "\u00f1", "0.5", "2", "'1'"]
+    keys = ("optimizer.use_precision_aware_optimizer", "optimizer.optimizer_cpu_offload", "optimizer.store_param_remainders",
+            "optimizer.optimizer_offload_fraction", "optimizer.overlap_cpu_optimizer_d2h_h2d", "optimizer.main_params_dtype",
+            "optimizer.use_distributed_optimizer", "ddp.use_distributed_optimizer", "ddp.overlap_param_gather",
+            "dist.use_torch_fsdp2", "dist.use_megatron_fsdp", "comm_overlap.tp_comm_overlap",
+            "comm_overlap.overlap_grad_reduce", "comm_overlap.delay_wgrad_compute", "mixed_precision.bf16",
+            "mixed_precision.fp8", "mixed_precision", "rerun_state_machine.check_for_nan_in_loss",
+            "rerun_state_machine.rerun_mode", "rerun_state_machine", "validation.eval_iters", "validation.eval_interval",
+            "validation.eval_micro_batch_size", "validation.eval_global_batch_size", "train.skip_train",
+            "checkpoint.save", "checkpoint.save_interval", "model.cuda_graph_scope", "model.hidden_size.x",
+            "model.num_layers.a.b", "optimizer.optimizer_offload_fraction.x", "model.\u00f1", "\u00f1.x")
+    for key in keys:
+        for v in Y:
+            yield f"estimate Bridge {key}={v}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set", f"{key}={v}"], {
+                "c.yaml": FLAT}
+    te = ["--set", "model.cuda_graph_impl=transformer_engine"]
+    pao = ["--set", "optimizer.use_precision_aware_optimizer=true", "--set", "optimizer.optimizer_cpu_offload=true"]
+    for label, sets in (("dup", ["--set", "model.hidden_size=512", "--set", "model.hidden_size=1024"]),
+                        ("dotted into a scalar", ["--set", "model.hidden_size=512", "--set", "model.hidden_size.a=1"]),
+                        ("scalar then its field", ["--set", "optimizer=adam", "--set", "optimizer.lr=1"]),
+                        ("scope list", [*te, "--set", "model.cuda_graph_scope=[attn, 'mlp']"]),
+                        ("scope string list", [*te, "--set", "model.cuda_graph_scope='[attn]'"]),
+                        ("scope csv", [*te, "--set", "model.cuda_graph_scope=attn,mlp"]),
+                        ("scope null in a list", [*te, "--set", "model.cuda_graph_scope=[null, attn]"]),
+                        ("scope nested", [*te, "--set", "model.cuda_graph_scope=[[attn]]"]),
+                        ("scope moe_router", [*te, "--set", "model.cuda_graph_scope=[moe_router]"]),
+                        ("offload", pao), ("offload fraction 2", [*pao, "--set", "optimizer.optimizer_offload_fraction=2"]),
+                        ("offload fraction nan", [*pao, "--set", "optimizer.optimizer_offload_fraction=.nan"]),
+                        ("offload fraction x", [*pao, "--set", "optimizer.optimizer_offload_fraction=x"]),
+                        ("eval mbs 4 iters 0", ["--set", "validation.eval_micro_batch_size=4", "--set", "validation.eval_iters=0"]),
+                        ("eval mbs 4 skip", ["--set", "validation.eval_micro_batch_size=4", "--set", "train.skip_train=true"]),
+                        ("eval gbs 3", ["--set", "validation.eval_micro_batch_size=4", "--set", "validation.eval_global_batch_size=3"]),
+                        ("unicode key", ["--set", "mod\u00e8l.hidden_size=1"]), ("empty key", ["--set", "=1"]),
+                        ("dots", ["--set", "model..hidden_size=1"]), ("trailing dot", ["--set", "model.=1"]),
+                        ("no =", ["--set", "model.hidden_size"]), ("~", ["--set", "~model.hidden_size"]),
+                        ("++", ["--set", "++model.hidden_size=1"])):
+        yield f"estimate Bridge {label}", ["estimate", "--config", "c.yaml", "--gpus", "8", *sets], {"c.yaml": FLAT}
+    # memguard calibrate on damaged Megatron logs: truncated lines, spliced lines, mixed and huge ranks, no table end
+    flags = [*S, "--train-iters", "10"]
+    table = "\n".join(print_args(args_of(flags, 8)))
+    mem = [report_memory(r, f"(after {i} iterations)", 2**30, 2**31, 2**31 + 2**29, 2**31 + 2**30, 2**32)
+           for i in (1, 2) for r in range(8)]
+    body = "\n".join(mem)
+    for label, text in (("as printed", table + "\n" + body), ("every line cut in half", table + "\n" + "\n".join(m[:len(m) // 2] for m in mem)),
+                        ("two lines spliced", table + "\n" + "".join(mem)), ("no table end", table.rsplit("\n", 1)[0] + "\n" + body),
+                        ("rank 10**6", table + "\n" + body.replace("[Rank 3]", "[Rank 1000000]")),
+                        ("rank -1", table + "\n" + body.replace("[Rank 3]", "[Rank -1]")),
+                        ("ranks of another world", table + "\n" + body.replace("[Rank 1]", "[Rank 9]")),
+                        ("table twice", table + "\n" + table + "\n" + body), ("NUL mid-line", table + "\n" + body.replace("|", "\x00|", 3)),
+                        ("CR progress bars", table + "\n" + body.replace("\n", "\r")),
+                        ("1,500 x the same line", table + "\n" + "\n".join([mem[0]] * 1_500))):
+        files = {f"run{i}/stdout.log": text for i in range(3)}
+        yield f"calibrate damaged {label}", ["calibrate", "run0", "run1", "run2", "--gpu", "A100-80GB"], files
+        yield f"report damaged {label}", ["report", "run0/stdout.log"], files
+    # every subcommand's file arguments
+    os.makedirs(os.path.join(d, "dir13"), exist_ok=True)
+    loop = os.path.join(d, "loop13")
+    if not os.path.lexists(loop):
+        os.symlink("loop13", loop)
+    nl = os.path.join(d, "a\nb.yaml")
+    with open(nl, "w") as f:
+        f.write("x: 1\n")
+    paths = {"a directory": os.path.join(d, "dir13"), "/dev/zero": "/dev/zero", "/dev/full": "/dev/full",
+             "a symlink loop": loop, "a line break": nl, "300 characters": "/tmp/" + "a" * 300 + ".yaml",
+             "6,000 characters": "/tmp/" + "/".join(["d" * 200] * 30) + "/x.yaml", "an empty name": "", "/dev/null": "/dev/null",
+             "a NUL": "a\x00b", "a lone surrogate": "a\udcff.yaml", "-": "-"}
+    if os.path.exists("/proc/self/mem"):
+        paths["/proc/self/mem"] = "/proc/self/mem"
+    run = {"runs/memguard-rank00000.jsonl": json.dumps(RUNLOG[0]) + "\n" + json.dumps(RUNLOG[1]) + "\n"}
+    for label, p in paths.items():
+        for cmd, args in (("estimate --config", ["estimate", "--config", p]),
+                          ("estimate --site-profile", ["estimate", "--site-profile", p, "--world-size", "8", "--", *S]),
+                          ("estimate --model", ["estimate", "--model", p, "--world-size", "8"]),
+                          ("estimate --plot", ["estimate", "--plot", p, "--world-size", "8", "--", *S]),
+                          ("validate", ["validate", p]), ("check -f", ["check", "-f", p]),
+                          ("check --cwd", ["check", "--cwd", p, "--", "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py", *S]),
+                          ("plan --config", [*PLAN, "--config", p]), ("plan --plot", [*PLAN, "--plot", p, "--", *S]),
+                          ("report", ["report", p]), ("report --out", ["report", "runs", "--out", p]),
+                          ("calibrate", ["calibrate", p]), ("calibrate --out", ["calibrate", "runs", "--out", p]),
+                          ("estimate --heterogeneous-layers-config-path", ["estimate", "--world-size", "8", "--", *S,
+                                                                          "--heterogeneous-layers-config-path", p]),
+                          ("estimate --yaml-cfg", ["estimate", "--world-size", "8", "--", "--yaml-cfg", p])):
+            yield f"{cmd} {label}", args, run
+
+
 def hostile11_cases():
     """Issue hostile11 (the eleventh round): DeepSeek sparse attention flags (the variant's spellings, dsa_* / indexer
     values, a top-k above the sequence), gated delta net (--linear-attention-freq ints, lists and expressions, linear_*
@@ -1260,6 +1399,70 @@ def hook10_cases() -> tuple[int, list[str], float, str]:
     return len(cases) + len(sources), broken, worst[0], worst[1]
 
 
+def hook13_cases() -> tuple[int, list[str], float, str]:
+    """Issue hostile13: the hook's validate_args wrapper on Megatron's own namespaces (core 0.16's stand-in parser, and
+    0.19.2's real one where installed) with one of the newer flags (eval step, --skip-train, --save, GDN and DSA shape,
+    rerun, CUDA graphs) set to a value of the wrong type: a str, a float, a negative, a list, a bool, NaN, inf, 10**30, a
+    dict, bytes, an object refusing int() / bool() / ==. The promise: Megatron's validation runs, at most one memguard
+    error line, no exception escapes. (runs, broken, worst CPU seconds, its case)."""
+    import copy
+    import time
+
+    from mutate_util import hook_namespaces, run_hook
+
+    class Refusing:
+        def __int__(self):
+            raise ValueError("no")
+        __index__ = __float__ = __int__
+
+        def __bool__(self):
+            raise ValueError("no")
+
+        def __eq__(self, other):
+            raise ValueError("no")
+        __hash__ = None  # type: ignore[assignment]
+
+    values = [("'8'", "8"), ("1.5", 1.5), ("-1", -1), ("[]", []), ("True", True), ("nan", float("nan")),
+              ("inf", float("inf")), ("10**30", 10**30), ("a dict", {"a": 1}), ("bytes", b"8"), ("Refusing", Refusing())]
+    fields = ["eval_micro_batch_size", "eval_global_batch_size", "eval_iters", "eval_interval", "skip_train", "save",
+              "save_interval", "experimental_attention_variant", "linear_attention_freq", "linear_num_key_heads",
+              "linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim", "dsa_indexer_topk",
+              "dsa_indexer_n_heads", "hybrid_layer_pattern", "rerun_mode", "check_for_nan_in_loss_and_grad",
+              "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"]
+    broken, worst, n = [], (0.0, ""), 0
+    for label, base in hook_namespaces().items():
+        if label == "yaml-cfg":
+            continue
+        for f in fields:
+            for v_label, v in values:
+                ns = copy.deepcopy(base)
+                setattr(ns, f, v)
+                if f.startswith("linear_"):      # (the GDN flags are read with the variant on)
+                    ns.experimental_attention_variant = "gated_delta_net"
+                    if f != "linear_attention_freq":
+                        ns.linear_attention_freq = 4
+                if f.startswith("dsa_"):
+                    ns.experimental_attention_variant = "dsa"
+                ns.memguard = "warn"
+                c0 = time.process_time()
+                o = run_hook(ns)
+                cpu = time.process_time() - c0
+                n += 1
+                case = f"{label} {f}={v_label}"
+                if cpu > worst[0]:
+                    worst = (cpu, case)
+                p = []
+                if o.escaped or o.timed_out:
+                    p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
+                if not (o.carried_on or o.aborted or o.exit2):
+                    p.append("Megatron's validation was not called")
+                if len(o.errors) > 1:
+                    p.append(f"{len(o.errors)} error lines")
+                if p:
+                    broken.append(f"hook13 {case}: {'; '.join(p)[:200]}")
+    return n, broken, worst[0], worst[1]
+
+
 def big_logs(d: str) -> None:
     """--big: logs far over 1 MB that a long run writes (10**6 memory lines; 10**6 JSONL samples), timed."""
     import resource
@@ -1301,7 +1504,7 @@ def main(argv: list[str]) -> int:
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
               ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
-              ("hostile12", hostile12_cases(tmp.name))]
+              ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name))]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]
@@ -1339,6 +1542,10 @@ def main(argv: list[str]) -> int:
         n, hook_broken, hook_cpu, hook_label = hook10_cases()
         print(f"{'hook10':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
         runs["hook10"], broken["hook10"], worst["hook10"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
+    if "--group" not in argv or "hostile13" in argv:   # (the hook's hostile13 cases: all of them, quick too)
+        n, hook_broken, hook_cpu, hook_label = hook13_cases()
+        print(f"{'hook13':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
+        runs["hook13"], broken["hook13"], worst["hook13"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())
     over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
     nbroken = sum(len(v) for v in broken.values())

@@ -19,7 +19,7 @@ import sys
 from typing import Sequence
 
 from ..errors import ConfigError
-from .main import EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world, target_site
+from .main import EXIT_FITS, EXIT_PROBLEM, _Parser, file_name, path_text, add_target_options, load_raw, resolve_world, target_site
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +136,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     if ns.min_runs < 2:
         raise ConfigError("--min-runs", f"must be at least 2 (a leave-one-out check needs two runs), got {ns.min_runs}")
     fit_only = [x.strip() for x in ns.fit.split(",") if x.strip()] if ns.fit else None
+    file_name(ns.out, "--out")
     if ns.out:
         parent = os.path.dirname(os.path.abspath(ns.out))
         if not os.path.isdir(parent):
@@ -157,7 +158,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
             with open_output(ns.out) as f:
                 f.write(text)
         except OSError as e:
-            raise ConfigError("--out", f"cannot write {ns.out}: {e.strerror or e}") from None
+            raise ConfigError("--out", f"cannot write {path_text(ns.out)}: {e.strerror or e}") from None
     if ns.json:
         doc = res.to_dict()
         doc["profile"] = ns.out if ns.out and res.fitted else None
@@ -165,7 +166,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     else:
         print(render(res, ns.out))
     if ns.out and res.fitted:
-        print(f"memguard: site profile written to {ns.out}", file=sys.stderr)
+        print(f"memguard: site profile written to {path_text(ns.out)}", file=sys.stderr)
     return EXIT_FITS if res.fitted else EXIT_PROBLEM
 
 

@@ -213,11 +213,29 @@ def target_gpu(ns: argparse.Namespace) -> tuple[GpuSpec | None, int | None]:
     return gpu, mem
 
 
+def file_name(path: str | None, flag: str) -> str | None:
+    """``path`` as given to ``flag`` (None: not given). An empty name or one holding a NUL character names no file:
+    an error, where a plain ``if path:`` would silently skip the output or read memguard's defaults."""
+    if path is None:
+        return None
+    if not path:
+        raise ConfigError(flag, "is an empty file name", f"leave {flag} out, or give a file")
+    if "\x00" in path:
+        raise ConfigError(flag, f"{shown(path)} is not a file name (it holds a NUL character)")
+    return path
+
+
+def path_text(path: str) -> str:
+    """``path`` for a message line: as it is, or quoted with escapes when it holds a line break or another
+    control character (a file name may hold any but NUL and '/': printed raw it would break the line)."""
+    return path if path.isprintable() else repr(path)
+
+
 def target_site(ns: argparse.Namespace) -> SiteConstants | None:
     """The constants of --site-profile (or $MEMGUARD_PROFILE); None: memguard's defaults."""
     from ..site_profile import site_from
 
-    prof = site_from(getattr(ns, "site_profile", None))
+    prof = site_from(file_name(getattr(ns, "site_profile", None), "--site-profile"))
     return prof.constants if prof is not None else None
 
 
@@ -227,6 +245,7 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     from ..resolve import resolve
 
     stream = None
+    file_name(ns.plot, "--plot")
     if ns.plot:  # fail before any output when the file name or matplotlib is wrong
         from ..report.plots import open_early, output_format, require_matplotlib
         stream = open_early(ns.plot, output_format(ns.plot))   # a named pipe: opened now, refused if nobody reads it
@@ -245,7 +264,7 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     if ns.plot:
         from ..report.plots import write_estimate_plot
         write_estimate_plot(est, ns.plot, stream)
-        print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
+        print(f"memguard: plot written to {path_text(ns.plot)}", file=sys.stderr)
     return EXIT_FITS if est.verdict in ("fits", "unknown") else EXIT_PROBLEM
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..report.plots import Plot
 from .main import (
     EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
-    target_gpu, target_site,
+    target_gpu, target_site, file_name, path_text,
 )
 
 DEFAULT_TOP = 5
@@ -365,6 +365,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         raise ConfigError("--top", f"must be from 1 to {MAX_TOP} (memguard's bound: every layout listed is estimated in "
                                    f"full, a few milliseconds each), got {ns.top:,}")
     fmt, stream = None, None
+    file_name(ns.plot, "--plot")
     if ns.plot:  # fail before searching when the file name or matplotlib is wrong
         if ns.explain is not None:
             raise ConfigError("--plot", "draws the ranked layouts; it does not combine with --explain")
@@ -393,7 +394,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         print(render_plan(planner, res))
     if ns.plot:
         plot_plan(planner, full, ns.plot, fmt, stream)
-        print(f"memguard: plot written to {ns.plot}", file=sys.stderr)
+        print(f"memguard: plot written to {path_text(ns.plot)}", file=sys.stderr)
     return EXIT_FITS if res.entries else EXIT_PROBLEM
 
 

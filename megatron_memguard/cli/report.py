@@ -26,7 +26,7 @@ import sys
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .main import (EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world,
+from .main import (EXIT_BAD_INPUT, file_name, path_text, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, resolve_world,
                    target_gpu, target_site)
 
 FORMATS = ("auto", "jsonl", "megatron")
@@ -132,6 +132,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     from ..report.runreport import figure_table, metrics_of, render_text, report_html, to_json, verdict
 
     fmt, stream = None, None
+    file_name(ns.out, "--out")
     if ns.out:
         from ..report.plots import open_early, output_format, require_matplotlib
         fmt = output_format(ns.out, "--out")
@@ -189,7 +190,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         metrics = [m for m in metrics_of(log) if m != "device_used"] or ["max_allocated"]
         plot = report_figure(log, metrics=metrics, table_rows=None if fmt == "html" else figure_table(log))
         write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out", stream=stream)
-        print(f"memguard: report written to {ns.out}", file=sys.stderr)
+        print(f"memguard: report written to {path_text(ns.out)}", file=sys.stderr)
     return EXIT_FITS if verdict(log, metrics_of(log))["ok"] and not forensics else EXIT_PROBLEM
 
 

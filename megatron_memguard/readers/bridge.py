@@ -31,7 +31,7 @@ from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
     group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, peft_module_list,
-    refuse_unset_section_field, section_typed_field, set_vocab,
+    refuse_unset_section_field, section_typed_field, set_vocab, true_or_false,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -506,6 +506,11 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         f = S.get(sec, {}).get(name)
         return f is not None and f[0] is not None and not is_missing(f[0])
 
+    def on_off(sec: str, name: str, default: bool = False) -> bool:
+        # a bool field of Bridge's dataclasses, strictly: OmegaConf refuses 'x', 0.5 or a mapping there, which
+        # as_bool would read as false or bool() as true
+        return true_or_false(v(sec, name, default), k(sec, name))
+
     _refuse_unset_sections(S, top)
 
     for sec, fields in S.items():
@@ -551,7 +556,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                   "TransformerConfig asserts it unless cuda_graph_scope is null)", "also set model.cuda_graph_scope=null")
 
     # RerunStateMachineConfig.check_for_nan_in_loss (default true): what the full-iteration CUDA graph needs off
-    b.set("check_for_nan_in_loss_and_grad", as_bool(v("rerun_state_machine", "check_for_nan_in_loss", True)),
+    b.set("check_for_nan_in_loss_and_grad", on_off("rerun_state_machine", "check_for_nan_in_loss", True),
           k("rerun_state_machine", "check_for_nan_in_loss"))
 
     # Sequence length: model.seq_length (GPTModelProvider default 1024) must equal dataset.seq_length.
@@ -626,21 +631,21 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
             b.set("accumulate_allreduce_grads_in_fp32", False, grad_key)
 
     # Optimizer and DDP.
-    for flag in ("use_distributed_optimizer", "overlap_param_gather"):
-        on = [k(sec, flag) for sec in ("ddp", "optimizer") if as_bool(v(sec, flag, False))]
+    for name in ("use_distributed_optimizer", "overlap_param_gather"):
+        on = [k(sec, name) for sec in ("ddp", "optimizer") if on_off(sec, name)]
         if on:
-            b.set(flag, True, on[0])
-        elif has("ddp", flag) or has("optimizer", flag):
-            b.set(flag, False, k("ddp", flag) if has("ddp", flag) else k("optimizer", flag))
+            b.set(name, True, on[0])
+        elif has("ddp", name) or has("optimizer", name):
+            b.set(name, False, k("ddp", name) if has("ddp", name) else k("optimizer", name))
     if has("optimizer", "optimizer"):
         emerging_optimizer(b, str(v("optimizer", "optimizer")), k("optimizer", "optimizer"),
-                            as_bool(v("optimizer", "use_layer_wise_distributed_optimizer", False)))
+                            on_off("optimizer", "use_layer_wise_distributed_optimizer"))
     for name in ("muon_scalar_optimizer", "optimizer_cuda_graph", "overlap_param_gather_with_optimizer_step"):
         if has("optimizer", name):
             b.set(name, v("optimizer", name), k("optimizer", name))
     for name in ("use_precision_aware_optimizer", "store_param_remainders", "optimizer_cpu_offload"):
         if has("optimizer", name):
-            b.set(name, as_bool(v("optimizer", name)), k("optimizer", name))
+            b.set(name, on_off("optimizer", name), k("optimizer", name))
     for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if has("optimizer", name):
             b.set(name, dtype_name(v("optimizer", name), k("optimizer", name)), k("optimizer", name))
@@ -650,12 +655,12 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         if has("ddp", name):
             b.set(dest or name, v("ddp", name), k("ddp", name))
     for name in ("use_megatron_fsdp", "use_torch_fsdp2"):
-        if as_bool(v("dist", name, False)):
+        if on_off("dist", name):
             b.set(name, True, k("dist", name))
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if "comm_overlap" in S:
         _comm_overlap_model_fields(b, S, v, k)
-    if as_bool(v("comm_overlap", "tp_comm_overlap", False)):
+    if on_off("comm_overlap", "tp_comm_overlap"):
         # CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2) switches it off, with a warning, for
         # TP < 2 or without sequence parallelism
         try:
@@ -761,9 +766,9 @@ def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v
     turned off (a warning), a comm_overlap.* True turns the feature on."""
     for name in _COMM_OVERLAP_MODEL:
         mine = v("comm_overlap", name)
-        if mine is not None and (name != "tp_comm_overlap" or as_bool(mine)):
+        if mine is not None and (name != "tp_comm_overlap" or true_or_false(mine, k("comm_overlap", name))):
             if name != "tp_comm_overlap":      # (tp_comm_overlap on: its TP / SP conditions are applied below)
-                b.set(name, as_bool(mine), k("comm_overlap", name))
+                b.set(name, true_or_false(mine, k("comm_overlap", name)), k("comm_overlap", name))
             continue
         if as_bool(b.args.get(name, False)):
             b.warn(f"{b.origin.get(name, 'model.' + name)}: Megatron-Bridge's CommOverlapConfig.setup turns it off "

@@ -262,7 +262,10 @@ def _lines(path: str) -> Iterable[tuple[int, str]]:
     with f:
         n = 0
         while True:
-            line = f.readline(MAX_LINE)
+            try:
+                line = f.readline(MAX_LINE)
+            except OSError as e:   # (a file that opens but fails to read: /proc/self/mem, a disk error mid-file)
+                raise ReaderError(f"{path}: cannot read line {n + 1} ({e.strerror or e})") from None
             if not line:
                 return
             n += 1

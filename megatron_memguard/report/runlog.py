@@ -229,18 +229,24 @@ def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]
 _DECODER = json.JSONDecoder(parse_int=json_int)     # one for every line (json.loads builds one per call)
 
 
-def _lines(f: IO[str]) -> Iterator[str | None]:
-    """The lines of ``f``; None for a line longer than MAX_LINE characters (read past, not kept)."""
-    while True:
-        line = f.readline(MAX_LINE + 1)
-        if not line:
-            return
-        if len(line) > MAX_LINE:
-            while line and not line.endswith("\n"):
-                line = f.readline(MAX_LINE)
-            yield None
-            continue
-        yield line
+def _lines(f: IO[str], path: str = "") -> Iterator[str | None]:
+    """The lines of ``f``; None for a line longer than MAX_LINE characters (read past, not kept). ReaderError
+    naming ``path`` when a read fails (a file that opens but cannot be read: /proc/self/mem, a disk error)."""
+    n = 0
+    try:
+        while True:
+            line = f.readline(MAX_LINE + 1)
+            if not line:
+                return
+            n += 1
+            if len(line) > MAX_LINE:
+                while line and not line.endswith("\n"):
+                    line = f.readline(MAX_LINE)
+                yield None
+                continue
+            yield line
+    except OSError as e:
+        raise ReaderError(f"{path or f.name}: cannot read line {n + 1} ({e.strerror or e})") from None
 
 
 def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
@@ -264,7 +270,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
             warn(msg + "; skipped")
 
     with f:
-        for n, line in enumerate(_lines(f), 1):
+        for n, line in enumerate(_lines(f, path), 1):
             if line is None:
                 bad(n, f"longer than {MAX_LINE:,} characters (a memguard record is under 2 KiB)")
                 continue

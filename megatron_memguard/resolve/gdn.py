@@ -60,8 +60,10 @@ def gdn(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # the GDN settings on it all the same, 'G' layers or not)
     if not has_gdn and variant != VARIANT:
         return {}
+    before = len(a.errors)
     dims = {d: a.int_arg(d, default, minimum=1) for d, default in DIMS.items()}
-    if None in dims.values():
+    if None in dims.values() or len(a.errors) > before:
+        # (int_arg gives the default back with its error: the head rules below would name a count nobody wrote)
         return {}
     kh, vh = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
     tp, cp = kw["tensor_model_parallel_size"], kw.get("context_parallel_size", 1)

@@ -1,0 +1,132 @@
+"""Regressions of issue hostile13 (benchmarks/hostile_input.py's hostile13 group): inputs the twelfth round left
+accepted or broke on. Each is the smallest input of its class, with what the real framework does and what memguard
+does now."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from fuzz_util import run_memguard
+from test_calibrate import write_runs
+from test_planner_gdn import MODEL as GDN
+from test_readers_bridge import FLAT
+
+S = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+     "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16").split()
+BRIDGE = ["estimate", "--config", "c.yaml", "--gpus", "8"]
+
+
+def one_error(o, text: str) -> None:
+    assert not o.problems, o.describe()
+    lines = [line for line in o.err.splitlines() if line.strip()]
+    assert o.code == 2 and len(lines) == 1, (o.code, o.err)
+    assert lines[0] == "memguard: error: " + text, lines[0]
+
+
+def _peak(*sets: str) -> tuple[int, int]:
+    argv = [*BRIDGE, "--json", *[x for s in sets for x in ("--set", s)]]
+    o = run_memguard(argv, {"c.yaml": FLAT})
+    assert o.code == 0 and not o.problems, o.describe()
+    st = max(json.loads(o.out)["stages"], key=lambda s: s["device_total_bytes"])
+    return st["peak_allocated_bytes"], st["device_total_bytes"]
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("optimizer.use_precision_aware_optimizer", "x", "'x'"),          # read as false before
+    ("optimizer.use_precision_aware_optimizer", "0.5", "0.5"),        # read as true before
+    ("optimizer.optimizer_cpu_offload", "x", "'x'"),
+    ("optimizer.store_param_remainders", "[1]", "[1]"),
+    ("ddp.use_distributed_optimizer", "[1]", "[1]"),
+    ("ddp.overlap_param_gather", "2", "2"),
+    ("dist.use_torch_fsdp2", "x", "'x'"),
+    ("comm_overlap.tp_comm_overlap", "x", "'x'"),                     # read as false before
+    ("comm_overlap.delay_wgrad_compute", "x", "'x'"),
+    ("rerun_state_machine.check_for_nan_in_loss", "x", "'x'"),
+])
+def test_bridge_bool_fields_take_only_true_or_false(key, value, shown):
+    # Megatron-Bridge 0.6.2 declares these `bool` fields of its config dataclasses (OptimizerConfig,
+    # DistributedDataParallelConfig, DistributedInitConfig, CommOverlapConfig, RerunStateMachineConfig); an override
+    # goes through OmegaConf's structured config, whose BooleanNode refuses "x", 0.5, 2 or a list ("Value 'x' is not
+    # a valid bool"). memguard read any other word as false and a number or list as true, and estimated
+    one_error(run_memguard([*BRIDGE, "--set", f"{key}={value}"], {"c.yaml": FLAT}),
+              f"{key}: must be true or false, got {shown}")
+
+
+def test_bridge_bool_words_omegaconf_takes_keep_their_reading():
+    # OmegaConf's BooleanNode takes "1" / "true" (any case) as true: the same figure as a YAML true
+    base = _peak()
+    pao = _peak("optimizer.use_precision_aware_optimizer=true")
+    assert pao != base and _peak("optimizer.use_precision_aware_optimizer='1'") == pao
+    ub = _peak("comm_overlap.tp_comm_overlap=true")
+    assert ub[1] > base[1] and _peak("comm_overlap.tp_comm_overlap='1'") == ub
+
+
+@pytest.mark.parametrize("flag, value", [("--linear-num-key-heads", "0"), ("--linear-num-key-heads", "-1"),
+                                         ("--linear-num-value-heads", "0"), ("--linear-key-head-dim", "0")])
+def test_gdn_head_count_below_one_is_one_error(flag, value):
+    # TransformerConfig.__post_init__ (megatron-core 0.19.2) checks linear_num_value_heads % linear_num_key_heads:
+    # a key-head count of 0 raises ZeroDivisionError there. memguard said so, then added a second error about the
+    # value heads being no multiple of 16 key heads (the default it had put back in place of the 0)
+    argv = ["estimate", "--world-size", "8", "--", *GDN, "--seq-length", "1024", "--micro-batch-size", "1", flag, value]
+    one_error(run_memguard(argv), f"{flag}: must be >= 1, got {value}")
+    plan = ["plan", "--gpus", "8", "--seq-length", "1024", "--global-batch-size", "32", "--", *GDN, flag, value]
+    one_error(run_memguard(plan), f"{flag}: must be >= 1, got {value}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="Linux only")
+@pytest.mark.parametrize("cmd", ["report", "calibrate"])
+def test_a_log_that_opens_but_cannot_be_read(cmd, tmp_path):
+    # /proc/self/mem opens and fails at the first read (EIO at address 0): memguard stopped with an internal
+    # OSError; the same for a rank's JSONL file that fails mid-read (here a link to it)
+    one_error(run_memguard([cmd, "/proc/self/mem"]), "/proc/self/mem: cannot read line 1 (Input/output error)")
+    os.symlink("/proc/self/mem", tmp_path / "memguard-rank00000.jsonl")
+    one_error(run_memguard([cmd, str(tmp_path)]),
+              f"{tmp_path}/memguard-rank00000.jsonl: cannot read line 1 (Input/output error)")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["estimate", "--world-size", "8", "--plot", "", "--", *S], "--plot"),
+    (["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "64", "--plot", "", "--", *S], "--plot"),
+    (["estimate", "--world-size", "8", "--site-profile", "", "--", *S], "--site-profile"),
+    (["report", ".", "--out", ""], "--out"),
+    (["calibrate", ".", "--out", ""], "--out"),
+])
+def test_an_empty_file_name_is_refused(argv, flag):
+    # `--plot ""` drew nothing, `--out ""` wrote nothing and `--site-profile ""` took the defaults, all with exit 0
+    # and no word (a shell variable that was never set: --out "$OUT")
+    one_error(run_memguard(argv), f"{flag}: is an empty file name (leave {flag} out, or give a file)")
+
+
+def test_calibrate_out_with_a_nul_or_a_line_break(tmp_path):
+    # open() refuses a NUL (ValueError: an internal error before); a line break is legal in a file name, and the
+    # 'written to' line printed it raw: two lines, the second not memguard's
+    runs = str(write_runs(tmp_path / "runs"))
+    one_error(run_memguard(["calibrate", runs, "--gpu", "A100-80GB", "--out", "a\x00b"]),
+              "--out: 'a\\x00b' is not a file name (it holds a NUL character)")
+    out = str(tmp_path / "a\nb.yaml")
+    o = run_memguard(["calibrate", runs, "--gpu", "A100-80GB", "--out", out])
+    assert o.code == 0 and not o.problems, o.describe()
+    assert o.err.splitlines() == [f"memguard: site profile written to {out!r}"]
+    assert os.path.getsize(out) > 0
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("eval_micro_batch_size", 1.5, "--eval-micro-batch-size: must be an integer, got 1.5"),
+    ("linear_num_key_heads", [], "--linear-num-key-heads: must be an integer, got []"),
+    ("skip_train", float("nan"), "--skip-train: must be true or false, got nan"),
+])
+def test_hook_namespace_with_a_wrong_type_at_a_newer_flag(field, value, text):
+    # Megatron's argparse makes these int / bool (type=int, store_true); a launcher that sets the namespace in code can
+    # leave a float, a list or NaN there. The hook says it cannot estimate, naming the flag, and Megatron's own
+    # validation still runs (warn mode)
+    from mutate_util import hook_namespaces, run_hook
+    ns = hook_namespaces()["legacy 0.16"]
+    setattr(ns, field, value)
+    if field.startswith("linear_"):
+        ns.experimental_attention_variant, ns.linear_attention_freq = "gated_delta_net", 4
+    ns.memguard = "warn"
+    o = run_hook(ns)
+    assert o.carried_on and not o.escaped and not o.errors, o
+    assert o.emitted[-1] == f"[memguard] cannot estimate this configuration: {text}; training continues unchecked"
