@@ -279,25 +279,18 @@ def test_expert_parallel_overlap_under_optim_grads_against_the_referee():
     combined schedule's extra at the peak is 6.0-6.6 MB here against the 2.1 MB memguard adds
     (moe_dispatcher_state), as the 0.16.1 MoE grid's moe_ep2_a2a_overlap (no FSDP) measures 6.7-7.1 MB over
     moe_ep2_alltoall against the same 2.1 MB (-1.9% / -2.5% at the peak there)."""
-    import json
     import os
-    from benchmarks.referee.fsdp_grid import FSDP_OVERLAP, resolve_version
-    from benchmarks.referee.grid import resolve_config
+    from benchmarks.referee.fsdp_grid import FSDP_OVERLAP, stored_rank_layouts
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
                         "referee-fsdp-overlap-core019.json")
-    with open(path) as f:
-        res = json.load(f)
-    core = res["environment"]["megatron_core"]
-    by = {c["name"]: c for c in res["configs"] if c.get("status") == "ok"}
-    assert core == "0.19.2" and set(by) == {c["name"] for c in FSDP_OVERLAP}
+    core, by, rows = stored_rank_layouts(path, FSDP_OVERLAP)
+    assert core == "0.19.2"
     peaks = {}
-    for cfg in FSDP_OVERLAP:
-        L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(core))
-        for r in by[cfg["name"]]["ranks"]:
-            st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[0]
-            assert st.parameters == r["num_params"], (cfg["name"], r["rank"])
-            assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.01, (cfg["name"], r["rank"])
-            peaks[cfg["name"], r["rank"]] = (st.peak_allocated_bytes, r["peak_bytes"])
+    for cfg, r, L in rows:
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[0]
+        assert st.parameters == r["num_params"], (cfg["name"], r["rank"])
+        assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.01, (cfg["name"], r["rank"])
+        peaks[cfg["name"], r["rank"]] = (st.peak_allocated_bytes, r["peak_bytes"])
     plain, overlap = (c["name"] for c in FSDP_OVERLAP)
     for rank in range(4):
         (est0, got0), (est1, got1) = peaks[plain, rank], peaks[overlap, rank]

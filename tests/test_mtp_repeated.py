@@ -133,23 +133,16 @@ def test_repeated_layer_under_megatron_fsdp_against_the_referee():
     EP 2, the MoE grid's model with 2 MTP depths): the repeated layer is one FSDP unit (its parameters, gradient and
     optimizer shards once), gathered and released at each of its calls. Each rank: parameters exact, live bytes
     after the step within 1%, peak within 3% (the referee's bounds, compare.py)."""
-    import json
-    from benchmarks.referee.fsdp_grid import FSDP_MTP, resolve_version
-    from benchmarks.referee.grid import resolve_config
-    with open(FSDP_MEASURED) as f:
-        res = json.load(f)
-    core = res["environment"]["megatron_core"]
-    by = {c["name"]: c for c in res["configs"] if c.get("status") == "ok"}
-    assert core == "0.19.2" and set(by) == {c["name"] for c in FSDP_MTP}
+    from benchmarks.referee.fsdp_grid import FSDP_MTP, stored_rank_layouts
+    core, _, rows = stored_rank_layouts(FSDP_MEASURED, FSDP_MTP)
+    assert core == "0.19.2"
     after = {}
-    for cfg in FSDP_MTP:
-        L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(core))
-        for r in by[cfg["name"]]["ranks"]:
-            st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[0]
-            assert st.parameters == r["num_params"], (cfg["name"], r["rank"])
-            assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.01, (cfg["name"], r["rank"])
-            assert abs(st.peak_allocated_bytes / r["peak_bytes"] - 1) <= 0.03, (cfg["name"], r["rank"])
-            after[cfg["name"], r["rank"]] = (r["live_bytes_after_step"], st.persistent_bytes)
+    for cfg, r, L in rows:
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[0]
+        assert st.parameters == r["num_params"], (cfg["name"], r["rank"])
+        assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.01, (cfg["name"], r["rank"])
+        assert abs(st.peak_allocated_bytes / r["peak_bytes"] - 1) <= 0.03, (cfg["name"], r["rank"])
+        after[cfg["name"], r["rank"]] = (r["live_bytes_after_step"], st.persistent_bytes)
     # the one layer less: measured and estimated after the step alike (within 1% of the difference)
     for rank in range(4):
         (m2, e2), (m1, e1) = after["fsdp_moe_ep2_mtp2", rank], after["fsdp_moe_ep2_mtp2_repeated", rank]

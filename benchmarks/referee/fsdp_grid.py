@@ -16,8 +16,9 @@ local shard (livebytes.py). Megatron-FSDP needs ``einops``; without it the run f
 from __future__ import annotations
 
 import argparse
+import json
 import platform
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .moe_grid import MOE_BASE, _moe, moe_settings
 from .grid import COMMON, REFEREE_MEGATRON_VERSION, named, resolve_config, run_grid, save_results
@@ -108,6 +109,22 @@ def resolve_version(core: str) -> str:
     """The Megatron version memguard resolves a grid entry's flags with, for the installed megatron-core
     release ``core`` (its defaults, its NullTokenizer): "0.16.1", or "0.19" for 0.19.2."""
     return REFEREE_MEGATRON_VERSION if core == REFEREE_MEGATRON_VERSION else ".".join(core.split(".")[:2])
+
+
+def stored_rank_layouts(path: str, configs: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any], List[Tuple]]:
+    """A stored measurement file of ``configs``: its megatron-core release, its ok configs by name, and per config
+    and rank (config, rank record, memguard's layout of the config's flags under that release)."""
+    with open(path) as f:
+        res = json.load(f)
+    core = res["environment"]["megatron_core"]
+    by = {c["name"]: c for c in res["configs"] if c.get("status") == "ok"}
+    if set(by) != {c["name"] for c in configs}:
+        raise ValueError(f"{path}: holds {sorted(by)}, not the configs {sorted(c['name'] for c in configs)}")
+    rows = []
+    for cfg in configs:
+        layout, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(core))
+        rows += [(cfg, r, layout) for r in by[cfg["name"]]["ranks"]]
+    return core, by, rows
 
 
 def settings_of(entry: Dict[str, Any], core: str = REFEREE_MEGATRON_VERSION) -> Dict[str, Any]:
