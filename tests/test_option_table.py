@@ -112,6 +112,9 @@ def _gate_outcome(gate: dict) -> str:
         # DSA sits on MLA and needs its indexer's shape and unfused rope (resolve/dsa.py)
         need = {"multi_latent_attention": True, "dsa_indexer_n_heads": 2, "dsa_indexer_head_dim": 64,
                 "dsa_indexer_topk": 16, "apply_rope_fusion": False}
+    if gate.get("moe_paged_stash"):
+        # TransformerConfig (core 0.19.2): the stash needs a per-rank expert capacity (resolve/moe.py)
+        need = {"moe_expert_rank_capacity_factor": 1.5}
     raw = RawConfig(args={**BASE, **need, **gate}, world_size=8)
     # upcycling starts only in megatron/training 0.16 (0.17 to 0.19 raise a TypeError at start-up: resolve/moe.py)
     version = "0.16" if gate.get("moe_use_upcycling") else None

@@ -59,7 +59,7 @@ def _free_port() -> int:
 # Errors of the loopback transport itself (a port taken by another job, a peer killed from outside);
 # a run that fails with one of these is retried once on a fresh port.
 _TRANSPORT_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Address already in use",
-                     "Connection refused", "Socket Timeout")
+                     "address already in use", "EADDRINUSE", "Connection refused", "Socket Timeout")
 
 
 def run_referee(settings: Dict[str, Any], world_size: int, timeout: float = 600.0,

@@ -66,6 +66,16 @@ def _fresh_randomness() -> None:
         sys.modules["torch"].seed()
 
 
+def exit_status(e: SystemExit) -> int:
+    """The status the interpreter ends with on ``e``: an int code as is, None 0, anything else printed and 1."""
+    if isinstance(e.code, int):
+        return e.code
+    if e.code is None:
+        return 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+
 def _child(req: dict) -> int:
     """Run the request's script as its own program would; return its exit status."""
     null = os.open(os.devnull, os.O_RDONLY)
@@ -98,9 +108,7 @@ def _child(req: dict) -> int:
             sys.modules["__main__"] = main_module
             exec(compile(code_text, "<string>", "exec"), main_module.__dict__)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+        code = exit_status(e)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -53,9 +53,7 @@ def _rank(cmd: list, log: str, env, launcher: int) -> None:
             runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+        code = build_server.exit_status(e)
     except BaseException:
         import traceback
         traceback.print_exc()
