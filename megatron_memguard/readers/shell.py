@@ -234,9 +234,14 @@ class _Words:
         nxt = t[i + 1:i + 2]
         if nxt == "(":                                  # $(command), $((arithmetic)): kept as written
             end = self._matching(t, i + 1, "(", ")")
-            if end is None:                             # no closing parenthesis: a plain $
-                self._add("$")
-                return i + 1
+            if end is None:                             # no closing parenthesis: a plain $ and a (
+                # (with every unclosed "$(" right after it: one add for the run, not a pass of the loop per
+                # character; the scan above recorded them all)
+                j = i + 2
+                while t.startswith("$(", j) and self.matches.get((t, j + 1), 0) is None:
+                    j += 2
+                self._add(t[i:j])
+                return j
             self._add(t[i:end])
             return end
         if nxt == "'" and not quoted:                   # $'...': ANSI-C quoting, kept without its escapes
