@@ -1350,15 +1350,7 @@ def hook10_cases() -> tuple[int, list[str], float, str]:
         cpu = time.process_time() - c0
         if cpu > worst[0]:
             worst = (cpu, label)
-        p = []
-        if o.escaped or o.timed_out:
-            p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
-        if not (o.carried_on or o.aborted or o.exit2):
-            p.append("Megatron's validation was not called")
-        if o.exit2 and (len(o.exit2.splitlines()) != 1 or "memguard" not in o.exit2):
-            p.append("exit 2 message not one line naming the setting: " + o.exit2[:200])
-        if len(o.errors) > 1:
-            p.append(f"{len(o.errors)} error lines")
+        p = _hook_problems(o, exit_message=True)
         if p:
             broken.append(f"hook {label}: {'; '.join(p)[:200]}")
     # the runtime monitor with sources that raise or return garbage
@@ -1451,16 +1443,25 @@ def hook13_cases() -> tuple[int, list[str], float, str]:
                 case = f"{label} {f}={v_label}"
                 if cpu > worst[0]:
                     worst = (cpu, case)
-                p = []
-                if o.escaped or o.timed_out:
-                    p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
-                if not (o.carried_on or o.aborted or o.exit2):
-                    p.append("Megatron's validation was not called")
-                if len(o.errors) > 1:
-                    p.append(f"{len(o.errors)} error lines")
+                p = _hook_problems(o, exit_message=False)
                 if p:
                     broken.append(f"hook13 {case}: {'; '.join(p)[:200]}")
     return n, broken, worst[0], worst[1]
+
+
+def _hook_problems(o: Any, exit_message: bool) -> list[str]:
+    """What a hook run broke of the promise: it escaped or hung, Megatron's validation was never reached, more than
+    one error line, and (``exit_message``) an exit 2 whose message is not one line naming memguard's setting."""
+    p = []
+    if o.escaped or o.timed_out:
+        p.append(f"escaped: {o.escaped}" if o.escaped else "still running")
+    if not (o.carried_on or o.aborted or o.exit2):
+        p.append("Megatron's validation was not called")
+    if exit_message and o.exit2 and (len(o.exit2.splitlines()) != 1 or "memguard" not in o.exit2):
+        p.append("exit 2 message not one line naming the setting: " + o.exit2[:200])
+    if len(o.errors) > 1:
+        p.append(f"{len(o.errors)} error lines")
+    return p
 
 
 def big_logs(d: str) -> None:
