@@ -124,7 +124,6 @@ def run_script(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | 
         return subprocess.CompletedProcess(cmd, rc, f_out.read(), f_err.read())
 
 
-
 RANKS = os.path.join(HERE, "e2e", "ranks.py")
 
 
