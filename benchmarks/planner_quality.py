@@ -31,7 +31,10 @@ choices, the Spearman between their orders and the terms behind each pair they o
 ``--aggregate`` ranks the targets with rank aggregations of the time rule and Fujii et al.'s key (Borda's count, the
 key as a prior; evaluated leaving one family out, not in the planner). ``--gemm-curves`` ranks them with other GEMM
 efficiency curves (exact waves with cuBLAS-like tile choice, shorter wave tails) and compares the layouts at their
-framework's memory edge with the others (none in the planner).
+framework's memory edge with the others (none in the planner). ``--round10`` prints the LLaMA-13B s2048
+32-GPU sheet's two rankings side by side with the pairs only one rule orders wrong, what a second pipeline stage costs
+beyond the model in every sheet and, in the 13B 64-GPU sheet, with every attention kernel, and both misses re-measured
+under their sheets' trial noise.
 
 Sweeps
 ------
