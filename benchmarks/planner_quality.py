@@ -1765,6 +1765,10 @@ def round10_check() -> str:
               "steps; the model's ratio does not depend on the kernel):", ""]
     for kernel, mbs, s1, s2, ids in by_kernel:
         lines.append(f"- {kernel}, MBS {mbs}: {s1:.2f} s -> {s2:.2f} s ({s2 / s1 - 1:+.1%}; trial ids {ids[0]}, {ids[1]})")
+    lines += ["", "The same comparison where a layout effect is known (LLaMA-30B s2048 on 256 GPUs, TP4: PP 2 halves the "
+              "data-parallel bytes a node sends, round 9), across the same two batches of runs:", ""]
+    for kernel, mbs, s1, s2, ids in second_stage_by_kernel("LLaMA-30B", 2048, 256, 4):
+        lines.append(f"- {kernel}, MBS {mbs}: {s1:.2f} s -> {s2:.2f} s ({s2 / s1 - 1:+.1%}; trial ids {ids[0]}, {ids[1]})")
     _, _, sheets = rmsnorm_saving_probe()
     repeat_sd = trial_sd(repeated_cells())
     lines += ["", "Re-measured under a trial noise (both rules' orders fixed; 2,000 draws): the share where the time "
