@@ -442,9 +442,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1]), the
         # dispatcher's reversed_local_input_permutation_mapping, an attribute like local_map (token_dispatcher.py,
         # 0.16.1 and 0.19.2) that outlives the layer's backward until its next forward: held too (while the
-        # micro-batch that made it is in flight an upper bound by one copy, as the rest of the held state)
+        # micro-batch that made it is in flight an upper bound by one copy, as the rest of the held state); and
+        # self.local_probs, the masked_select of the transposed probs [N] (router dtype) it hands the experts, an
+        # attribute as well (CPU referee: after the step 4 x p N low on the allgather runs, -248 B now)
         mapping = 4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N
-        held = G * El + mapping
+        held = G * El + mapping + p * N
         saved["moe_permute_maps"] = p * G * El + G * El + mapping
     elif disp == "flex":
         # DeepEP (_DeepepManager): token_probs fp32 and int64 token_indices [T, ETP*k] held as attributes;
