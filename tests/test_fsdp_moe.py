@@ -275,10 +275,11 @@ def test_expert_parallel_overlap_under_optim_grads_against_the_referee():
     """benchmarks/referee/fsdp_grid.py FSDP_OVERLAP on megatron-core 0.19.2 (CPU, 4 ranks: the MoE grid's model, EP 2,
     optim_grads, 2 micro-batches; CUDA streams are no-ops), stored in benchmarks/results/referee-fsdp-overlap-
     core019.json. Both runs: parameters exact, live bytes after the step within 1%. Without the overlap the peak is
-    within the referee's 3%. With it the estimate is low by what the overlap model misses without FSDP too: the
-    combined schedule's extra at the peak is 6.0-6.6 MB here against the 2.1 MB memguard adds
-    (moe_dispatcher_state), as the 0.16.1 MoE grid's moe_ep2_a2a_overlap (no FSDP) measures 6.7-7.1 MB over
-    moe_ep2_alltoall against the same 2.1 MB (-1.9% / -2.5% at the peak there)."""
+    within the referee's 3%. With it the stored run's extra at the peak is 6.0-6.6 MB against the 2.1 MB memguard
+    adds (moe_dispatcher_state): measured by the tracker before it saw a storage's own resize_, which counted the
+    MoE nodes' inputs the combined schedule frees (untyped_storage().resize_(0)); the 0.16.1 MoE grid's
+    moe_ep2_a2a_overlap (no FSDP), re-measured with it, keeps 0.5-0.7 MB over moe_ep2_alltoall (6.7-7.1 MB before,
+    tests/test_moe_estimator.py). This run is not re-measured yet."""
     import os
     from benchmarks.referee.fsdp_grid import FSDP_OVERLAP, stored_rank_layouts
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",

@@ -142,6 +142,24 @@ def test_standalone_activations_by_hand(era):
     assert est.stages[1].breakdown["p2p_buffers_in_flight"] == row
 
 
+@pytest.mark.parametrize("layout, pp, depths, kw", [("Et|t|m|L", 4, 1, dict(tp=2, norm="LayerNorm")),
+                                                      ("Et|tt|tm|L", 4, 1, dict(untied=True))])
+def test_standalone_received_gradient_counted_once_on_a_gpu(layout, pp, depths, kw):
+    """The MTP stage's backward starts in its MTP layers beside the received gradient of the (1 + D)-fold
+    concatenation it sent. On a GPU that gradient is the receive buffer itself (p2p_communication.py _communicate's
+    torch.empty, returned as backward_step's output_tensor_grad, megatron-core 0.16.1 and 0.19.2), which the widened
+    p2p_buffers_in_flight counts: the GPU peak is the CPU's (where the schedule's received tensor is an activation,
+    CPU referee 'Et|tm|L' within 220 B) plus the GPU-only allocated terms, less that one tensor, (1 + D) rows. (It was
+    counted twice before: the GPU peak was the CPU's plus the GPU-only terms.)"""
+    L = _layout(_job(layout, pp, depths, **kw), "0.19")
+    from megatron_memguard.gpus import lookup_gpu
+    cpu, gpu = estimate(L, device="cpu").stages[2], estimate(L, gpu=lookup_gpu("H100-80GB")).stages[2]
+    assert cpu.peak_phase == gpu.peak_phase and cpu.peak_phase.startswith("backward")
+    assert gpu.breakdown["p2p_buffers_in_flight"] == (1 + depths) * _row(L)
+    gpu_only = sum(t.bytes for t in gpu.terms if t.level == "allocated" and t.name not in cpu.breakdown)
+    assert gpu.peak_allocated_bytes - gpu_only == cpu.peak_allocated_bytes - (1 + depths) * _row(L)
+
+
 def test_standalone_embedding_copy_by_hand():
     """The MTP stage of 'Et|tt|mm|L' (no decoder layer there) holds its embedding copy [V, h], D MTP depths of
     enorm + hnorm + final norm (RMSNorm: h each) + eh_proj [h, 2h] + one transformer layer, and no output layer;

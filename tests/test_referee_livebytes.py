@@ -72,3 +72,25 @@ def test_backward_and_resize_are_tracked():
         assert tr.current == 2 * 16384 + 4000
         del t, x, w
     assert tr.current == 0
+
+
+def test_a_storages_own_resize_is_tracked():
+    """megatron frees tensors whose Python objects live on with ``untyped_storage().resize_(0)`` (the combined 1F1B
+    schedule's node inputs, pipeline_parallel/utils.py ScheduleNode with free_input) and Megatron-FSDP with
+    TypedStorage ``_resize_`` (_free_storage / _alloc_storage): storage methods that no aten op reports. A GPU's
+    caching allocator frees and allocates the block; so does the tracker now (it kept the bytes before)."""
+    tr = LiveBytesTracker()
+    with tr:
+        x = torch.empty(1000, dtype=torch.float32)              # 4000 B
+        x.untyped_storage().resize_(0)
+        assert tr.current == 0
+        x._typed_storage()._resize_(500)                        # 500 float32 again: 2000 B
+        assert tr.current == 2000
+        y = torch.empty(0)                                      # made empty (0 B: not tracked), then grown
+        y.untyped_storage().resize_(4096)
+        assert tr.current == 2000 + 4096
+        del x, y
+        assert tr.current == 0
+    assert tr.peak == 6096            # 2000 + 4096 (the first 4000 B were freed before)
+    # (the patch is the mode's only: outside it the storage method is torch's own again)
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_

@@ -189,6 +189,41 @@ class LiveBytesTracker(TorchDispatchMode):
             ent[0] = len(self.records) - 1
             self._update_peaks()
 
+    def _on_storage_resize(self, storage) -> None:
+        """A storage resized by its own ``resize_`` (``untyped_storage().resize_(0)``, TypedStorage ``_resize_``),
+        which no aten op reports: megatron frees tensors that way while their Python objects live on (the
+        combined 1F1B schedule's node inputs, pipeline_parallel/utils.py ScheduleNode; Megatron-FSDP's buckets,
+        _free_storage / _alloc_storage; CheckpointWithoutOutput's output, tensor_parallel/random.py), as a GPU's
+        caching allocator frees (or allocates) the block."""
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        with self._lock:
+            if key in self._live:
+                self._on_resize(key, nbytes)
+                return
+        if nbytes:
+            # a storage created empty and grown in place: an allocation of its own
+            self._on_alloc(key, nbytes, "storage_resize_", torch.empty(0, dtype=torch.uint8), storage)
+
+    def __enter__(self):
+        # (the storage method, called directly or through TypedStorage._resize_, bypasses the dispatcher)
+        tracker, orig = self, torch.UntypedStorage.resize_
+        self._storage_resize_orig = orig
+
+        def resize_(storage, size):
+            out = orig(storage, size)
+            tracker._on_storage_resize(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._storage_resize_orig
+
     def _update_peaks(self) -> None:
         cur = self.current
         if self.current_r512 > self.peak_r512:

@@ -328,12 +328,15 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         fwd_extra = max(fwd_extra, concat)
         # the chunk's backward starts in the MTP layers (their working set, whose output gradient is the MTP final
         # norm's input gradient, beside the received gradient of the (1 + D)-fold output, which the schedule holds
-        # until the chunk's backward ends: measured by the CPU referee on 'Et|m|L') and ends the block in the
-        # embedding copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers' backward when it has
-        # none (the end of its backward), else before them, with the block's own tensors released by then
-        # (the last depth's final norm is back-propagated first: its input and statistics are gone by then)
+        # until the chunk's backward ends: measured by the CPU referee on 'Et|m|L'; on a GPU that gradient is the
+        # receive buffer the widened p2p_buffers_in_flight counts, the same tensor: _communicate's torch.empty,
+        # p2p_communication.py, returned as backward_step's output_tensor_grad, megatron-core 0.16.1 and 0.19.2) and
+        # ends the block in the embedding copy's dense weight gradient [V/TP, h]: after the chunk's decoder layers'
+        # backward when it has none (the end of its backward), else before them, with the block's own tensors
+        # released by then (the last depth's final norm is back-propagated first: its input and statistics are gone)
+        held_concat = concat if held_grad else 0
         acts = mtp_block_acts(mtp_spec_of(L))   # (as without recompute: one depth's tensors are 1/d of each term)
-        top = mtp_la.bwd_transient + concat - (acts.final_norm_inputs + acts.norm_stats // 3) // d
+        top = mtp_la.bwd_transient + held_concat - (acts.final_norm_inputs + acts.norm_stats // 3) // d
         if mtp_checkpointed(L):
             # full uniform recompute: the last depth kept only its checkpoint inputs (hidden_states, decoder_input), so
             # CheckpointFunction.backward (tensor_parallel/random.py) first replays _proj_and_transformer_layer
@@ -345,7 +348,6 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
         # gradient too: backward_step (schedules.py, 0.16.1 and 0.19.2) holds it until the chunk's backward returns
         # (the layers' own output gradient is the final norm's, a tensor of its own; on a GPU the widened
         # p2p_buffers_in_flight counts it)
-        held_concat = concat if held_grad else 0
         if n:
             # (the decoder layers' backward comes after the MTP block's and the final norm's: their saved tensors are
             # released by then)

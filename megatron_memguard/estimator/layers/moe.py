@@ -291,7 +291,8 @@ class MoeActivations:
     its dispatcher holds as attributes until that layer's next forward (``held``: one copy per layer,
     whatever the number of micro-batches in flight), and its working sets: the largest extra during
     its forward, and the backward steps as (saved names released so far, working bytes). ``mapping``: the part of
-    ``held`` that is also saved (the permute's mapping), so counted twice while its micro-batch is in flight."""
+    ``held`` that is also saved (the permute's mapping; allgather's local_probs, the experts' probs), so counted twice
+    while its micro-batch is in flight."""
 
     saved: dict[str, int]
     held: int
@@ -442,10 +443,13 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
         # transposed mask; the permute keeps int64 indices [N] (fused: TE's int32 row_id_map [G, 2E_l+1]), the
         # dispatcher's reversed_local_input_permutation_mapping, an attribute like local_map (token_dispatcher.py,
         # 0.16.1 and 0.19.2) that outlives the layer's backward until its next forward: held too (while the
-        # micro-batch that made it is in flight an upper bound by one copy, as the rest of the held state)
-        mapping = 4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N
-        held = G * El + mapping
-        saved["moe_permute_maps"] = p * G * El + G * El + mapping
+        # micro-batch that made it is in flight an upper bound by one copy, as the rest of the held state); and
+        # self.local_probs, the masked_select of the transposed probs [N] (router dtype) it hands the experts, an
+        # attribute as well (CPU referee: after the step 4 x p N low on the allgather runs, -248 B now)
+        perm_map = 4 * G * (2 * El + 1) if m.moe_permute_fusion else 8 * N
+        held = G * El + perm_map + p * N
+        mapping = perm_map + p * N      # (saved tensors too: the permute's mapping, the experts' probs)
+        saved["moe_permute_maps"] = p * G * El + G * El + perm_map
     elif disp == "flex":
         # DeepEP (_DeepepManager): token_probs fp32 and int64 token_indices [T, ETP*k] held as attributes;
         # each token reaches each destination rank once (R rows received), then is permuted to the local
