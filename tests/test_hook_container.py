@@ -463,6 +463,18 @@ def test_interleaved_micro_batch_groups_say_megatron_will_stop(run, hook, capsys
                          "interleaved pipeline schedule raises on its micro-batch groups) (change --global-batch-size)")
 
 
+def test_moe_with_tp_and_no_sequence_parallel_says_megatron_will_stop(run, hook, capsys):
+    # validate_args (0.19.2) lets MoE with TP > 1 and no --sequence-parallel through; MoELayer.forward raises ValueError
+    # in training (transformer/moe/moe_layer.py line 629)
+    moe = [f for f in MOE if f != "--moe-grouped-gemm"]
+    args = run("--micro-batch-size", 1, "--global-batch-size", 64, "--tensor-model-parallel-size", 2, *moe,
+               "--expert-model-parallel-size", 4, "--memguard", "autotune")
+    line = _refusal_line(capsys.readouterr().out)
+    assert hook.STATE.decision.action == "unsupported" and not args.sequence_parallel
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first forward step "
+                         "(MoELayer.forward raises) (change --sequence-parallel)")
+
+
 @pytest.mark.parametrize("extra, key", [(["--attention-backend", "flash"], "--attention-backend"),
                                         (["--context-parallel-size", 2], "--context-parallel-size")])
 def test_fp32_attention_without_a_te_backend_says_megatron_will_stop(run, hook, capsys, monkeypatch, extra, key):
