@@ -1105,21 +1105,23 @@ FINALIZED_LAUNCHES = [
     (8, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "-tp", "2", "model.sequence_parallel=true", "-ep", "4",
          "model.moe_token_dispatcher_type=alltoall"]),
     (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "model.recompute_granularity=selective",
-          "model.recompute_modules=[moe_act,layernorm]", "model.moe_shared_expert_overlap=false", "-ep", "4"]),
+          "model.recompute_method=null", "model.recompute_num_layers=null", "model.recompute_modules=[moe_act,layernorm]",
+          "model.moe_shared_expert_overlap=false", "-ep", "4"]),
     (16, ["--recipe", "olmoe_7b_pretrain_config", "model.moe_grouped_gemm=false", "model.moe_expert_capacity_factor=1.0",
           "model.moe_pad_expert_input_to_capacity=true"]),
-    (256, ["--recipe", "deepseek_v3_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "model.mtp_num_layers=2"]),
+    (256, ["--recipe", "deepseek_v3_pretrain_config_32nodes", "model.moe_token_dispatcher_type=alltoall"]),
     (16, ["--recipe", "llama3_8b_pretrain_config", "mixed_precision=bf16_with_fp8_delayed_scaling_mixed"]),
     # a model FP8 field under the recipe's bf16_mixed preset: MixedPrecisionConfig.setup writes fp8 None over it
     (16, ["--recipe", "llama3_8b_pretrain_config", "model.fp8=hybrid", "model.fp8_recipe=tensorwise"]),
     (16, ["--recipe", "llama3_8b_low_precision_pretrain_config", "model.fp8_param=false"]),
     (64, ["--recipe", "llama3_8b_128k_pretrain_config", "-cp", "8", "-tp", "4"]),
-    (16, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "model.moe_token_dispatcher_type=alltoall",
-          "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[attn,moe_router]"]),
+    # (the recipe's TE CUDA graphs of the router)
+    (16, ["--recipe", "qwen3_30b_a3b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-tp", "2",
+          "model.sequence_parallel=true", "model.expert_tensor_parallel_size=1", "-ep", "8"]),
     (16, ["--recipe", "llama3_8b_pretrain_config", "optimizer.optimizer_cpu_offload=true",
           "optimizer.optimizer_offload_fraction=0.5", "optimizer.use_precision_aware_optimizer=true"]),
     (16, ["--recipe", "llama3_8b_pretrain_config", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=4"]),
-    (32, ["--recipe", "llama3_70b_pretrain_config", "-pp", "4", "-vp", "5", "model.num_layers_in_first_pipeline_stage=16",
+    (32, ["--recipe", "llama3_70b_pretrain_config", "-pp", "4", "-vp", "4", "model.num_layers_in_first_pipeline_stage=16",
           "model.num_layers_in_last_pipeline_stage=24"]),
 ]
 
@@ -1158,7 +1160,7 @@ def _bridge_memory_fields(cfg) -> dict:
 
 def _memguard_memory_fields(L) -> dict:
     d = {**L.to_dict(), **(L.to_dict().get("moe") or {})}
-    d.update(fp8_recipe=L.fp8_recipe if L.fp8 else None, fp8_param_gather=L.fp8_param_gather if L.fp8 else None,
+    d.update(fp8=L.fp8, fp8_recipe=L.fp8_recipe if L.fp8 else None, fp8_param_gather=L.fp8_param_gather if L.fp8 else None,
              fp4=L.fp4, cuda_graph_impl=L.cuda_graph_impl, cuda_graph_modules=sorted(L.cuda_graph_modules or ()),
              recompute_modules=sorted(L.recompute_modules or ()) if L.recompute_granularity == "selective" else None,
              mtp_num_layers=L.mtp_num_layers or None, cpu_offloading_num_layers=L.cpu_offloading_num_layers or 0,
