@@ -32,6 +32,10 @@ def one_line(text: str) -> str:
 NO_TE_BACKEND = ("at the first forward step (Transformer Engine's DotProductAttention raises \"No dot product "
                  "attention backend is available\")")
 
+# the interleaved schedule's micro-batch group rule: validate_args does not check it, the schedule raises at the first
+# training step (megatron-core pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving)
+INTERLEAVED_GROUPS = "at the first training step (the interleaved pipeline schedule raises on its micro-batch groups)"
+
 
 class MemguardError(Exception):
     """Base class: a problem with the user's input that memguard reports in one line."""

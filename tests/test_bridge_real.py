@@ -1062,3 +1062,123 @@ def test_optimizer_offload_without_precision_aware_optimizer_is_what_bridge_does
     on = overrides + ["optimizer.use_precision_aware_optimizer=true"]
     raw = read_bridge({}, "recipe llama32_1b", parse_overrides(on), recipe="llama32_1b")
     assert resolve(raw, world_size=8).optimizer_cpu_offload is True
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-FSDP and the checkpoint format: ConfigContainer.validate asserts fsdp_dtensor with Megatron-FSDP (and
+# Megatron-FSDP with fsdp_dtensor) when the job saves or loads, as every recipe does (recipes/common.py)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, refused", [
+    (["ddp.use_megatron_fsdp=true"], True),
+    (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+      "checkpoint.ckpt_format=fsdp_dtensor"], False),
+    (["ddp.use_megatron_fsdp=true", "checkpoint.save=null", "checkpoint.load=null"], False),
+    (["checkpoint.ckpt_format=fsdp_dtensor"], True),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_megatron_fsdp_checkpoint_format_is_refused_as_bridge_refuses_it(recipes, monkeypatch, overrides, refused):
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = run_recipe_main("v0.6.0", ["--recipe", "llama3_8b_pretrain_config", *overrides], monkeypatch)
+    # (FSDP also asserts CUDA_DEVICE_MAX_CONNECTIONS is not 1, which the launch environment decides)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+        bridge = None
+    except AssertionError as e:
+        bridge = str(e)
+    _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
+    assert (bridge is not None) == refused, bridge
+    assert [p.key for p in raw.problems] == (["checkpoint.ckpt_format"] if refused else [])
+    if refused:
+        assert "fsdp_dtensor" in bridge and "checkpoint.ckpt_format=" in str(raw.problems[0])
+    else:
+        assert resolve(raw, world_size=WORLD).use_megatron_fsdp == cfg.ddp.use_megatron_fsdp
+
+
+# --------------------------------------------------------------------------------------------------
+# run_recipe.py with MoE / FP8 / long-context / CUDA-graph / offload overrides, finalized by Bridge itself
+# (runtime_config_update): every memory field memguard check reads equals the container's
+# --------------------------------------------------------------------------------------------------
+FINALIZED_LAUNCHES = [
+    (8, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "-tp", "2", "model.sequence_parallel=true", "-ep", "4",
+         "model.moe_token_dispatcher_type=alltoall"]),
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "model.recompute_granularity=selective",
+          "model.recompute_method=null", "model.recompute_num_layers=null", "model.recompute_modules=[moe_act,layernorm]",
+          "model.moe_shared_expert_overlap=false", "-ep", "4"]),
+    (16, ["--recipe", "olmoe_7b_pretrain_config", "model.moe_grouped_gemm=false", "model.moe_expert_capacity_factor=1.0",
+          "model.moe_pad_expert_input_to_capacity=true"]),
+    (256, ["--recipe", "deepseek_v3_pretrain_config_32nodes", "model.moe_token_dispatcher_type=alltoall"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "mixed_precision=bf16_with_fp8_delayed_scaling_mixed"]),
+    # a model FP8 field under the recipe's bf16_mixed preset: MixedPrecisionConfig.setup writes fp8 None over it
+    (16, ["--recipe", "llama3_8b_pretrain_config", "model.fp8=hybrid", "model.fp8_recipe=tensorwise"]),
+    (16, ["--recipe", "llama3_8b_low_precision_pretrain_config", "model.fp8_param=false"]),
+    (64, ["--recipe", "llama3_8b_128k_pretrain_config", "-cp", "8", "-tp", "4"]),
+    # (the recipe's TE CUDA graphs of the router)
+    (16, ["--recipe", "qwen3_30b_a3b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-tp", "2",
+          "model.sequence_parallel=true", "model.expert_tensor_parallel_size=1", "-ep", "8"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "optimizer.optimizer_cpu_offload=true",
+          "optimizer.optimizer_offload_fraction=0.5", "optimizer.use_precision_aware_optimizer=true"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=4"]),
+    (32, ["--recipe", "llama3_70b_pretrain_config", "-pp", "4", "-vp", "4", "model.num_layers_in_first_pipeline_stage=16",
+          "model.num_layers_in_last_pipeline_stage=24"]),
+]
+
+
+def _bridge_memory_fields(cfg) -> dict:
+    """_bridge_values and the MoE, FP8, CUDA-graph, offload, MTP and uneven-stage fields of the finalized container."""
+    m, o = cfg.model, cfg.optimizer
+    selective = m.recompute_granularity == "selective"
+    v = {**_bridge_values(cfg), "fp8": m.fp8, "fp8_recipe": m.fp8_recipe if m.fp8 else None,
+         "fp8_param_gather": bool(m.fp8_param) if m.fp8 else None, "fp4": m.fp4,
+         "cuda_graph_impl": m.cuda_graph_impl,
+         "cuda_graph_modules": sorted(getattr(x, "name", x) for x in (m.cuda_graph_modules or [])),
+         "recompute_modules": sorted(m.recompute_modules or []) if selective else None,
+         "mtp_num_layers": m.mtp_num_layers or None,
+         "decoder_first_pipeline_num_layers": m.num_layers_in_first_pipeline_stage,
+         "decoder_last_pipeline_num_layers": m.num_layers_in_last_pipeline_stage,
+         "cpu_offloading_num_layers": m.cpu_offloading_num_layers if m.cpu_offloading else 0,
+         "optimizer_cpu_offload": o.optimizer_cpu_offload,
+         "num_microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)}
+    if o.optimizer_cpu_offload:
+        v["optimizer_offload_fraction"] = o.optimizer_offload_fraction
+    if m.num_moe_experts:
+        freq = m.moe_layer_freq
+        v.update(num_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+                 moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                 moe_layer_pattern=[bool(x) for x in freq] if isinstance(freq, list) else
+                 [i % freq == 0 for i in range(m.num_layers)],
+                 expert_model_parallel_size=m.expert_model_parallel_size,
+                 expert_tensor_parallel_size=m.expert_tensor_parallel_size or m.tensor_model_parallel_size,
+                 moe_token_dispatcher_type=m.moe_token_dispatcher_type, moe_grouped_gemm=m.moe_grouped_gemm,
+                 moe_router_dtype=m.moe_router_dtype, moe_shared_expert_overlap=m.moe_shared_expert_overlap,
+                 moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+                 moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity)
+    return v
+
+
+def _memguard_memory_fields(L) -> dict:
+    d = {**L.to_dict(), **(L.to_dict().get("moe") or {})}
+    d.update(fp8=L.fp8, fp8_recipe=L.fp8_recipe if L.fp8 else None, fp8_param_gather=L.fp8_param_gather if L.fp8 else None,
+             fp4=L.fp4, cuda_graph_impl=L.cuda_graph_impl, cuda_graph_modules=sorted(L.cuda_graph_modules or ()),
+             recompute_modules=sorted(L.recompute_modules or ()) if L.recompute_granularity == "selective" else None,
+             mtp_num_layers=L.mtp_num_layers or None, cpu_offloading_num_layers=L.cpu_offloading_num_layers or 0,
+             optimizer_cpu_offload=L.optimizer_cpu_offload, optimizer_offload_fraction=L.optimizer_offload_fraction)
+    return d
+
+
+@pytest.mark.parametrize("world, argv", FINALIZED_LAUNCHES, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_run_recipe_overrides_read_as_bridge_finalizes_them(recipes, monkeypatch, world, argv):
+    from megatron_memguard.config import MEMORY_ENV_VARS
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+
+    for name in MEMORY_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg = run_recipe_main("v0.6.0", argv, monkeypatch)
+    _runtime_config_update(cfg, monkeypatch)
+    real = _bridge_memory_fields(cfg)
+    ours = _memguard_memory_fields(resolve(read_run_recipe(argv)[1], world_size=world))
+    assert {k: ours.get(k, "missing") for k in real} == real

@@ -448,6 +448,33 @@ def test_mtp_uniform_recompute_of_two_layers_says_megatron_will_stop(run, hook, 
                          "(MultiTokenPredictionLayer._checkpointed_forward asserts) (change --recompute-num-layers)")
 
 
+@pytest.mark.parametrize("gbs, vp", [(48, 2), (16, 2)])
+def test_interleaved_micro_batch_groups_say_megatron_will_stop(run, hook, capsys, gbs, vp):
+    # validate_args (0.19.2) does not check the interleaved schedule's micro-batch groups; the schedule raises at the
+    # first training step (pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving, lines
+    # 1133-1153): GBS 48 / (MBS 4 x DP 4) = 3 micro-batches in groups of PP 2 leave a last group of 1 < PP
+    # (RuntimeError); GBS 16: 1 micro-batch < the group size 2 (ValueError)
+    args = run("--micro-batch-size", 4, "--global-batch-size", gbs, "--tensor-model-parallel-size", 2,
+               "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", vp, "--memguard", "autotune")
+    line = _refusal_line(capsys.readouterr().out)
+    assert hook.STATE.decision.action == "unsupported" and args.virtual_pipeline_model_parallel_size == 8
+    assert "training continues unchecked" not in line
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first training step (the "
+                         "interleaved pipeline schedule raises on its micro-batch groups) (change --global-batch-size)")
+
+
+def test_moe_with_tp_and_no_sequence_parallel_says_megatron_will_stop(run, hook, capsys):
+    # validate_args (0.19.2) lets MoE with TP > 1 and no --sequence-parallel through; MoELayer.forward raises ValueError
+    # in training (transformer/moe/moe_layer.py line 629)
+    moe = [f for f in MOE if f != "--moe-grouped-gemm"]
+    args = run("--micro-batch-size", 1, "--global-batch-size", 64, "--tensor-model-parallel-size", 2, *moe,
+               "--expert-model-parallel-size", 4, "--memguard", "autotune")
+    line = _refusal_line(capsys.readouterr().out)
+    assert hook.STATE.decision.action == "unsupported" and not args.sequence_parallel
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first forward step "
+                         "(MoELayer.forward raises) (change --sequence-parallel)")
+
+
 @pytest.mark.parametrize("extra, key", [(["--attention-backend", "flash"], "--attention-backend"),
                                         (["--context-parallel-size", 2], "--context-parallel-size")])
 def test_fp32_attention_without_a_te_backend_says_megatron_will_stop(run, hook, capsys, monkeypatch, extra, key):

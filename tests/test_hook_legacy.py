@@ -524,6 +524,31 @@ def test_fp32_flash_attention_says_megatron_will_stop(legacy, capsys, monkeypatc
                          "raises \"No dot product attention backend is available\") (change --attention-backend)")
 
 
+def test_interleaved_micro_batch_groups_say_megatron_will_stop(legacy, capsys):
+    # validate_args does not check the interleaved schedule's micro-batch groups; the schedule raises at the first
+    # training step (pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving, core 0.16.1 lines
+    # 1006-1016, 0.17.1 1037-1047): GBS 48 / (MBS 4 x DP 4) = 3 micro-batches in groups of PP 2 leave a last group of 1
+    args = legacy.run("--micro-batch-size", 4, "--global-batch-size", 48, "--tensor-model-parallel-size", 2,
+                      "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 2,
+                      "--memguard", "autotune")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "cannot estimate this configuration" in ln)
+    assert legacy.hook.STATE.decision.action == "unsupported" and args.virtual_pipeline_model_parallel_size == 8
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first training step (the "
+                         "interleaved pipeline schedule raises on its micro-batch groups) (change --global-batch-size)")
+
+
+def test_moe_with_tp_and_no_sequence_parallel_says_megatron_will_stop(legacy, capsys):
+    # validate_args lets MoE with TP > 1 and no --sequence-parallel through; MoELayer.forward raises ValueError in
+    # training (transformer/moe/moe_layer.py, core 0.16.1 line 379, 0.17.1 546)
+    args = legacy.run("--micro-batch-size", 1, "--global-batch-size", 64, "--tensor-model-parallel-size", 2,
+                      "--num-experts", 8, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 3584,
+                      "--expert-model-parallel-size", 4, "--moe-token-dispatcher-type", "alltoall", "--memguard", "autotune")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "cannot estimate this configuration" in ln)
+    assert legacy.hook.STATE.decision.action == "unsupported" and not args.sequence_parallel
+    assert line.endswith("Megatron's validate_args accepts it but the run will stop at the first forward step "
+                         "(MoELayer.forward raises) (change --sequence-parallel)")
+
+
 def test_a_refusal_of_memguard_alone_still_says_training_continues(legacy, capsys):
     # a custom layer spec: memguard cannot model it, Megatron runs it
     legacy.run("--micro-batch-size", 1, "--tensor-model-parallel-size", 2, "--spec", "my_module", "my_spec")

@@ -223,3 +223,47 @@ def test_nemo2_half_parameters_without_mixed_precision_are_refused(tmp_path):
                  "params_dtype: torch.bfloat16}}\n")
     with pytest.raises(NotModelledError, match="trainer.plugins.params_dtype: bf16 parameters without mixed precision"):
         read_config_file(str(p))
+
+
+@pytest.mark.parametrize("config, plugin, want", [
+    # the model config's FP8 fields give way to the plugin's, written or default: MegatronStrategy.connect
+    # (NeMo 2.5.3 strategies/megatron_strategy.py:459-462) writes every DtypeConfig field onto the model config
+    # (plugins/mixed_precision.py:281-297, update_config_with_dtype_overrides), DtypeConfig.fp8 None when the plugin
+    # takes no fp8 (:108): FP8 off
+    ("fp8: hybrid, fp8_recipe: tensorwise, fp8_param: true", "", (None, None, None, None)),
+    # the plugin's fp8_recipe default is "delayed" (:109), fp8_param_gather False when neither fp8_params nor
+    # fp8_param_gather is given (:137-138): the config's tensorwise and fp8_param are overwritten
+    ("fp8: hybrid, fp8_recipe: tensorwise, fp8_param: true", "fp8: hybrid", ("hybrid", "delayed", False, None)),
+    ("fp8_recipe: delayed", "fp8: e4m3\n        fp8_recipe: tensorwise\n        fp8_params: true",
+     ("e4m3", "tensorwise", True, None)),
+    # first_last_layers_bf16 from the plugin keeps its num_layers_at_start/end_in_bf16 defaults, 0 (DtypeConfig :87-88),
+    # where TransformerConfig's own are 1
+    ("num_layers_at_start_in_bf16: 2", "fp8: hybrid\n        fp8_recipe: tensorwise\n        first_last_layers_bf16: true",
+     ("hybrid", "tensorwise", False, (0, 0))),
+])
+def test_nemo2_precision_plugin_overwrites_the_model_configs_fp8_fields(tmp_path, config, plugin, want):
+    text = f"""
+    _target_: nemo.collections.llm.api.pretrain
+    model:
+      _target_: nemo.collections.llm.gpt.model.llama.LlamaModel
+      config: {{_target_: nemo.collections.llm.gpt.model.llama.Llama31Config8B, {config}}}
+    trainer:
+      devices: 8
+      num_nodes: 1
+      strategy: {{tensor_model_parallel_size: 2}}
+      plugins:
+        _target_: nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision
+        precision: bf16-mixed
+        {plugin}
+    data: {{seq_length: 8192, global_batch_size: 64, micro_batch_size: 1}}
+    """
+    p = tmp_path / "pretrain.yaml"
+    p.write_text(textwrap.dedent(text))
+    from megatron_memguard.readers.detect import read_config_file
+
+    L = resolve(read_config_file(str(p)))
+    fp8, recipe, gather, bf16_ends = want
+    assert (L.fp8, L.fp8_recipe if fp8 else None, L.fp8_param_gather if fp8 else None) == (fp8, recipe, gather)
+    if bf16_ends is not None:
+        assert L.first_last_layers_bf16 and (L.num_layers_at_start_in_bf16, L.num_layers_at_end_in_bf16) == bf16_ends
+    assert L.params_dtype == "bf16"

@@ -157,4 +157,6 @@ def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None, raw: Raw
                   ("global_batch_size", L.global_batch_size), ("use_distributed_optimizer", L.use_distributed_optimizer),
                   ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
     o += _bridge(_recompute(L)) + _bridge(_fsdp(L)) + _bridge(_fp8(L))
+    if L.use_megatron_fsdp:   # Bridge asserts the fsdp_dtensor checkpoint format with Megatron-FSDP when it saves
+        o.append("checkpoint.ckpt_format=fsdp_dtensor")
     return o + _bridge(_cleared(L, raw, _values(L, experts) + _recompute(L)))

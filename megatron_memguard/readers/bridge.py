@@ -126,6 +126,36 @@ def _graph_names(value: Any) -> set[str]:
     return {str(_member_name(x)).rsplit(".", 1)[-1] for x in items if x not in ("", None)}
 
 
+def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
+    """ConfigContainer.validate (Megatron-Bridge 0.6.2 training/config.py, _validate_and_apply_megatron_fsdp_configs
+    :1097-1101, and :1389-1394), when the job saves or loads a checkpoint: Megatron-FSDP asserts the fsdp_dtensor
+    format, which asserts Megatron-FSDP. A recipe saves and loads (recipes/common.py: save = load = its checkpoint
+    directory) unless overrides make both null."""
+    def val(sec: str, name: str, default: Any = None) -> Any:
+        f = S.get(sec, {}).get(name)
+        return default if f is None or f[0] is None or is_missing(f[0]) else f[0]
+
+    def flag(sec: str, name: str) -> bool:
+        f = S.get(sec, {}).get(name)
+        return bool(f) and true_or_false(val(sec, name, False), f[1])
+
+    ckpt = S.get("checkpoint", {})
+    saves = any(val("checkpoint", n) is not None or (bool(recipe) and n not in ckpt) for n in ("save", "load"))
+    if not saves:
+        return
+    where = ckpt["ckpt_format"][1] if "ckpt_format" in ckpt else "checkpoint.ckpt_format"
+    fmt = str(val("checkpoint", "ckpt_format", "torch_dist"))
+    megatron_fsdp = flag("ddp", "use_megatron_fsdp") or flag("dist", "use_megatron_fsdp")
+    if megatron_fsdp and fmt != "fsdp_dtensor":
+        b.problem(where, f"{fmt} with Megatron-FSDP: Megatron-Bridge asserts the fsdp_dtensor checkpoint format when "
+                  "the job saves or loads a checkpoint (ConfigContainer.validate: \"Megatron-FSDP requires the "
+                  "fsdp_dtensor checkpointing format!\")", "checkpoint.ckpt_format=fsdp_dtensor")
+    elif fmt == "fsdp_dtensor" and (not megatron_fsdp or flag("dist", "use_torch_fsdp2")):
+        b.problem(where, "fsdp_dtensor needs Megatron-FSDP (ddp.use_megatron_fsdp, not torch FSDP2): Megatron-Bridge "
+                  "asserts it when the job saves or loads a checkpoint (ConfigContainer.validate)",
+                  "ddp.use_megatron_fsdp=true, or checkpoint.ckpt_format=torch_dist")
+
+
 def _bridge_local_graph_ok(modules: Any, scope: Any, inference_scope: Any) -> bool:
     """Whether Megatron-Bridge 0.6.2 takes ``cuda_graph_impl: local`` with these modules: only as the full-iteration
     graph, or an inference graph of layers / blocks with no module named (utils/cuda_graph.py
@@ -304,6 +334,7 @@ def read_bridge(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]], 
     env = _env_vars(S.pop("env_vars", {}), top.pop("env_vars", (None, "env_vars")))
     _unknown_keys(b, S, top, given)
     _map(b, S, top, has_target="_target_" in doc or bool(recipe), given=frozenset(given))
+    _fsdp_checkpoint_format(b, S, recipe)
     if b.args.get("peft_scheme") is not None and "checkpoint" in S and S["checkpoint"].get(
             "pretrained_checkpoint", (None,))[0] is None:
         # ConfigContainer.validate (training/config.py 0.6.2): the adapters train on a loaded base model

@@ -381,7 +381,7 @@ def _megatron_mixed_precision(b: ArgsBuilder, plug: Mapping, key: str) -> None:
         raise NotModelledError(f"{key}.params_dtype", f"{pd} parameters without mixed precision (precision {prec})")
     b.set("bf16", bf16, f"{key}.precision")
     b.set("fp16", fp16, f"{key}.precision")
-    _fp8_keys(b, plug, key)
+    _plugin_fp8(b, plug, key)
     g = plug.get("grad_reduce_in_fp32")
     _grad_reduce(b, True if g is None else g, "bf16" if bf16 else "fp16" if fp16 else "fp32", key)
 
@@ -398,6 +398,42 @@ _FP8_PLUGIN_KEYS = {
     "reuse_grad_buf_for_mxfp8_param_ag": "reuse_grad_buf_for_mxfp8_param_ag",
     "fp4_recipe": "fp4_recipe", "fp4_param": "fp4_param_gather", "fp4_param_gather": "fp4_param_gather",
 }
+
+
+# NeMo 2.5.3 (and 2.7.3) MegatronMixedPrecision.__init__'s defaults of the DtypeConfig FP8 fields: fp8_param_gather
+# False unless fp8_params / fp8_param_gather is given (plugins/mixed_precision.py:128-138), fp8_recipe "delayed" (:109).
+# MegatronStrategy.connect (strategies/megatron_strategy.py:459-462, :477-479) writes every DtypeConfig field onto the
+# model config and the DDP config (update_config_with_dtype_overrides, mixed_precision.py:281-297), so the model
+# config's own fp8 / fp8_recipe / fp8_param ... give way to the plugin's, written or default. (fp4 is no DtypeConfig
+# field in 2.5.3: the model config's stays.)
+_NEMO_PLUGIN_FP8 = {"fp8": None, "fp8_recipe": "delayed", "fp8_param_gather": False, "first_last_layers_bf16": False,
+                    "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0, "fp8_margin": 0,
+                    "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent", "fp8_wgrad": True,
+                    "fp8_dot_product_attention": False, "fp8_multi_head_attention": False,
+                    "reuse_grad_buf_for_mxfp8_param_ag": False}
+
+
+def _plugin_fp8(b: ArgsBuilder, plug: Mapping, key: str) -> None:
+    """MegatronMixedPrecision's FP8 fields over the model config's: the plugin's value, else its default."""
+    given = {dest: (plug[name], f"{key}.{name}") for name, dest in _FP8_PLUGIN_KEYS.items()
+             if plug.get(name) is not None and dest in _NEMO_PLUGIN_FP8}
+    for name in ("fp8", "fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if plug.get(name) is not None:
+            given[name] = (plug[name], f"{key}.{name}")
+    if not given.get("fp8", (None,))[0]:
+        # FP8 off whatever the model config says: its FP8 keys are dropped (Megatron's defaults, as without FP8)
+        for dest in _NEMO_PLUGIN_FP8:
+            if dest in b.args and dest not in given:
+                b.args.pop(dest)
+                b.origin.pop(dest, None)
+        for dest, (value, where) in given.items():
+            b.set(dest, value, where)
+        _fp8_keys(b, {k: v for k, v in plug.items() if k.startswith("fp4")}, key)
+        return
+    for dest, default in _NEMO_PLUGIN_FP8.items():
+        value, where = given.get(dest, (default, f"{key} (MegatronMixedPrecision's default {dest}={default!r})"))
+        b.set(dest, value, where)
+    _fp8_keys(b, {k: v for k, v in plug.items() if k.startswith("fp4")}, key)
 
 
 def _fp8_keys(b: ArgsBuilder, plug: Mapping, key: str) -> None:

@@ -122,8 +122,10 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         r.fail("moe_router_topk", f"must be at most --num-experts {n}, got {k}")
         ok = False
     if tp > 1 and not sequence_parallel:
+        # (validate_args does not check it: MoELayer.forward raises ValueError in training, moe_layer.py 0.19.2 line
+        # 629, 0.17.1 546, 0.16.1 379)
         r.fail("sequence_parallel", "is required for MoE training with tensor parallelism > 1 (MoELayer.forward)",
-               "add --sequence-parallel")
+               "add --sequence-parallel", fails_later="at the first forward step (MoELayer.forward raises)")
         ok = False
     disp = str(r.get("moe_token_dispatcher_type", "allgather"))
     if disp not in DISPATCHERS:

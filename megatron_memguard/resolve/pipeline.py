@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import INTERLEAVED_GROUPS, ConfigError
 from ..partition import parse_pipeline_layout
 from .args import Args, Context, Stop
 
@@ -122,14 +122,17 @@ def pipeline(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     group_size = a.int_arg("microbatch_group_size_per_vp_stage")
     if vpp is not None:
         g = group_size or pp
+        # (validate_args does not check it: forward_backward_pipelining_with_interleaving raises at the first step,
+        # schedules.py 0.19.2 lines 1133-1153, 0.17.1 1027-1047, 0.16.1 996-1016)
         if g > num_microbatches or g < pp:
             a.fail("global_batch_size",
                    f"the interleaved schedule needs PP ({pp}) <= micro-batch group size ({g}) <= number of "
-                   f"micro-batches ({num_microbatches} = GBS/(MBS*DP))", "raise the global batch size or lower MBS")
+                   f"micro-batches ({num_microbatches} = GBS/(MBS*DP))", "raise the global batch size or lower MBS",
+                   fails_later=INTERLEAVED_GROUPS)
         elif 0 < num_microbatches % g < pp:
             a.fail("global_batch_size",
                    f"{num_microbatches} micro-batches leave a last group of {num_microbatches % g} < PP = {pp} "
-                   "(Megatron's interleaved schedule refuses it)")
+                   "(Megatron's interleaved schedule refuses it)", fails_later=INTERLEAVED_GROUPS)
     return dict(decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
                 account_for_embedding_in_pipeline_split=acc_emb, account_for_loss_in_pipeline_split=acc_loss,
                 pipeline_model_parallel_layout=str(pp_layout) if pp_layout is not None else None,
