@@ -1,7 +1,7 @@
 """`--fp16-lm-cross-entropy` changes no byte of a megatron-core model: GPTModel stores the flag and never reads it
 (megatron/core/models/gpt/gpt_model.py), and _VocabParallelCrossEntropy.calculate_logits_max upcasts the logits
-with `.float()` on every path (megatron/core/tensor_parallel/cross_entropy.py), in core 0.16.1 and 0.19.2 alike;
-only Megatron's legacy model kept an fp16 softmax with it. The CPU referee measures it (grid `fp16_lm_ce`)."""
+with `.float()` on every path (megatron/core/tensor_parallel/cross_entropy.py), in core 0.16.1 and 0.19.2 alike.
+The CPU referee measures it (grid `fp16_lm_ce`)."""
 import json
 import os
 

@@ -111,7 +111,7 @@ def output_items(L: Layout) -> EndItems:
     logits = x.Tf * v_t * x.e
     # --fp16-lm-cross-entropy changes nothing here: megatron-core's GPTModel stores the flag and never reads it,
     # and _VocabParallelCrossEntropy.calculate_logits_max upcasts the logits to fp32 on every path
-    # (tensor_parallel/cross_entropy.py, core 0.16.1 and 0.19.2; only the legacy model honoured it)
+    # (tensor_parallel/cross_entropy.py, core 0.16.1 and 0.19.2)
     if x.e == 4:
         # fp32 logits: .float() is a no-op and the softmax is made in place
         saved["loss_softmax_fp32"] = logits
