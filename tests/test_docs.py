@@ -113,7 +113,7 @@ def readme_rows() -> set[str]:
 def test_the_static_scan_finds_terms_of_every_kind():
     # one name from each way a term is made: Term(...), a cuda-graph row, parts / saved keys, a {**parts, ...}
     names = emitted_term_names()
-    assert {"parameters", "cuda_graph_pool", "layer_activations", "backward_transient", "loss_softmax",
+    assert {"parameters", "cuda_graph_pool", "layer_activations", "backward_transient", "loss_softmax_fp32",
             "embedding_indices", "offload_staging", "fsdp_unsharded_gradients", "host_gradients",
             "mtp_loss_buffers"} <= names
 

@@ -194,5 +194,13 @@ def test_13_alias_bomb(levels):
 
 def test_no_command_is_one_error_line():
     o = run_memguard([])
-    one_error(o, "no command given; choose one of estimate, validate, check, plan, report, gpus")
+    one_error(o, "no command given; choose one of estimate, validate, check, plan, report, calibrate, gpus")
     assert o.out == ""
+
+
+def test_the_no_command_error_names_every_subcommand_of_the_help():
+    # the choices `memguard --help` lists (argparse's subparsers), each named in the error's list
+    import argparse
+    from megatron_memguard.cli.main import COMMANDS, build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(COMMANDS) == sorted(sub.choices)

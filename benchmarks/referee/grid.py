@@ -208,6 +208,9 @@ GRID: List[Dict[str, Any]] = [
                                        "--global-batch-size", "8"]),
     _cfg("fp16", 1, ["--fp16", "--initial-loss-scale", "4096"], base=[f for f in BASE if f != "--bf16"],
          note="fp16 params and fp16 grad buffer, dynamic loss scaler"),
+    _cfg("fp16_lm_ce", 1, ["--fp16", "--initial-loss-scale", "4096", "--fp16-lm-cross-entropy"],
+         base=[f for f in BASE if f != "--bf16"],
+         note="fp16 with --fp16-lm-cross-entropy, which megatron-core's GPTModel ignores: the same bytes as fp16"),
     _cfg("fp32", 1, [], base=[f for f in BASE if f != "--bf16"]),
     _cfg("sgd", 1, ["--optimizer", "sgd"]),
     # --- the attention output gate (--attention-output-gate): linear_qkv's gate rows, the tensors the gate keeps

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..gpus import GpuSpec
 
 EXIT_FITS, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
-COMMANDS = ("estimate", "validate", "check", "plan", "report", "gpus")
+COMMANDS = ("estimate", "validate", "check", "plan", "report", "calibrate", "gpus")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "threshold: FILE.png, FILE.svg or FILE.html (one offline page); "
                                                   "needs matplotlib: pip install 'megatron-memguard[plot]'")
     g = sub.add_parser("gpus", help="list the GPU table")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--json", action="store_true", help="the table as JSON (bytes, FLOP/s, bytes/s)")
     for name, helptext in (("validate", "check a config against Megatron's rules and the memory verdict"),
                            ("plan", "search layouts that fit and rank them"),
                            ("check", "pre-flight a launch command"),

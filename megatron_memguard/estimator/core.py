@@ -988,7 +988,7 @@ def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, 
 
 
 _END_GROUPS = {
-    "loss_softmax_fp32": "logits_loss", "loss_softmax": "logits_loss", "loss_targets": "logits_loss",
+    "loss_softmax_fp32": "logits_loss", "loss_targets": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "mtp_block_activations": "activations", "mtp_received_hidden": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",
@@ -1250,7 +1250,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         # allocated: the backward's top working set less the output layer's own at its weight gradient
         # (head.output_items); and when the first unit's is: the loss softmax, the output items and the
         # logits' gradient
-        softmax = [a.ends.get("loss_softmax_fp32", 0) + a.ends.get("loss_softmax", 0) for a in acts]
+        softmax = [a.ends.get("loss_softmax_fp32", 0) for a in acts]
         loss = [max(0, a.out_bwd_transient - a.out_wgrad_moment) if a.out_bwd_transient else x
                 for a, x in zip(acts, softmax)]
         out = [x + sum(a.ends.get(k, 0) for k in OUTPUT_ITEMS) + a.out_bwd_transient for a, x in zip(acts, softmax)]

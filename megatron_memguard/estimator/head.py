@@ -109,9 +109,12 @@ def output_items(L: Layout) -> EndItems:
         # (tensor_parallel/layers.py, core 0.16.1 and 0.19.2), no input for a weight gradient
         del saved["output_layer_input"]
     logits = x.Tf * v_t * x.e
-    if L.fp16_lm_cross_entropy or x.e == 4:
-        # fp16 cross entropy, or fp32 logits: .float() is a no-op and the softmax is made in place
-        saved["loss_softmax" if x.e == 2 else "loss_softmax_fp32"] = logits
+    # --fp16-lm-cross-entropy changes nothing here: megatron-core's GPTModel stores the flag and never reads it,
+    # and _VocabParallelCrossEntropy.calculate_logits_max upcasts the logits to fp32 on every path
+    # (tensor_parallel/cross_entropy.py, core 0.16.1 and 0.19.2)
+    if x.e == 4:
+        # fp32 logits: .float() is a no-op and the softmax is made in place
+        saved["loss_softmax_fp32"] = logits
         kept = logits
         fwd = 0
         cast = 0

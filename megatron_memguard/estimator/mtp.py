@@ -257,11 +257,11 @@ def chunk_params(spec: MtpSpec, layer_params: list[tuple[str, int]],
 
 
 def _head_loss_bytes(L: Layout) -> int:
-    """What the output head keeps for its loss per micro-batch (head.py output_items: the softmax, in fp32 or
-    not, and the targets); every MTP depth's loss keeps as much (loss_buffers)."""
+    """What the output head keeps for its loss per micro-batch (head.py output_items: the fp32 softmax and the
+    targets); every MTP depth's loss keeps as much (loss_buffers)."""
     from .head import output_items
     head = output_items(L).saved
-    return sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_softmax", "loss_targets"))
+    return sum(head.get(k, 0) for k in ("loss_softmax_fp32", "loss_targets"))
 
 
 def _eh_proj_fp8_change(L: Layout, spec: MtpSpec, acts: MtpActivations) -> int:

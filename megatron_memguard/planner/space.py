@@ -196,8 +196,9 @@ class ModelShape:
 
     @property
     def fp32_logits(self) -> bool:
-        """Cross entropy on an fp32 copy of the logits (not --fp16-lm-cross-entropy)."""
-        return not self.layout.fp16_lm_cross_entropy
+        """Cross entropy on an fp32 copy of the logits: always in megatron-core, which ignores
+        --fp16-lm-cross-entropy (estimator/head.py output_items)."""
+        return True
 
     @property
     def unfused_attention(self) -> bool:
