@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKERS=${MEMGUARD_TEST_WORKERS:-2}
-PARALLEL=(-n "$WORKERS" --dist loadfile --durations=15)
+PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=15)
 # each step's wall time, printed (stderr) when the script ends, so a suite that grows shows in every CI log
 T0=$SECONDS LAST=$SECONDS STEPS=()
 step() { STEPS+=("$1 $((SECONDS - LAST))s"); LAST=$SECONDS; }
