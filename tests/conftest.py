@@ -42,6 +42,32 @@ def pytest_configure(config):
                             ".venv312-bridge and runs these)")
 
 
+# The files that take longest in a suite run (CPU referee training runs, the hook's two-rank e2e training, fork-server
+# builds; ci22's slowest tests and the referee files' --durations after their bf16 products went fp32, 2026-11-30),
+# longest first. tests/run.sh runs `-n 2 --dist loadfile
+# --no-loadscope-reorder`: xdist then hands whole files to the workers in collection order, so these start first and
+# the many short files fill in at the end, and both workers end together (xdist's own order, most tests first, left
+# test_hook_runtime_cpu's 7 tests and their 150 s setup for the end of a worker). Only the order changes.
+SLOW_FILES_FIRST = (
+    "tests/test_referee_ci.py", "tests/test_mtp_repeated.py", "tests/test_heterogeneous.py", "tests/test_eval_step.py",
+    "tests/test_hook_runtime_cpu.py", "tests/test_dsa.py", "tests/test_properties_corners.py", "tests/test_fuzz_cli.py",
+    "tests/test_referee_attention_probe.py", "tests/test_referee_moe.py", "tests/test_referee_mtp.py",
+    "tests/test_gdn.py", "tests/test_examples.py", "tests/test_hybrid_graphs.py", "tests/test_mamba.py",
+)
+
+
+@pytest.hookimpl(trylast=True)   # after pytest's own reordering by fixture scope
+def pytest_collection_modifyitems(config, items):
+    """The slow files first (SLOW_FILES_FIRST), then the others by number of tests, most first (xdist's own order);
+    a stable sort, so each file's tests stay together and in their order."""
+    def path(item):
+        return item.nodeid.split("::", 1)[0]
+
+    counts = collections.Counter(path(item) for item in items)
+    rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: (rank.get(path(item), len(rank)), -counts[path(item)]))
+
+
 def megatron_training_era() -> str | None:
     """The era of the installed megatron.training, read from its files without importing megatron
     (test_planner_is_pure_python checks what a plan imports): "config-container" when arguments.py defines

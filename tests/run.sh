@@ -12,14 +12,15 @@
 # MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one, MEMGUARD_SKIP_RELEASES=1 the
 # 0.17.1 / 0.18.2 ones; PYTHON312=/path/to/python3.12 picks the interpreter.
 # The two main runs spread whole files over MEMGUARD_TEST_WORKERS pytest-xdist workers (default 2, one per core of
-# the CI machine; 0 runs in one process): each file's tests run in order in one process, and the tests share no
+# the CI machine; 0 runs in one process), slowest files first (tests/conftest.py SLOW_FILES_FIRST; xdist keeps that
+# order with --no-loadscope-reorder): each file's tests run in order in one process, and the tests share no
 # port, fixed temporary path or state across files. pip installs with --no-compile: byte-compiling torch and
 # transformers at install time is most of their install time, and a test run compiles only what it imports.
 # docs/testing.md has the layout and the timings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKERS=${MEMGUARD_TEST_WORKERS:-2}
-PARALLEL=(-n "$WORKERS" --dist loadfile --durations=15)
+PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=15)
 # each step's wall time, printed (stderr) when the script ends, so a suite that grows shows in every CI log
 T0=$SECONDS LAST=$SECONDS STEPS=()
 step() { STEPS+=("$1 $((SECONDS - LAST))s"); LAST=$SECONDS; }

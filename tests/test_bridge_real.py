@@ -719,15 +719,24 @@ def _free_port() -> str:
 def _real_adapters(tp: int) -> dict:
     """tests/bridge_real/peft_adapters.py on TP ranks: {"params": {scheme: {target: n}}, "saved": {dropout: ...}}
     (saved with TP 1 only). Once per TP for the whole file: each process imports Bridge."""
-    import subprocess
+    import tempfile
+
+    import build_util
     script = os.path.join(STANDINS, "peft_adapters.py")
     env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(tp), port], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(tp)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:]
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory(prefix="memguard-peft-") as d:
+        logs = [os.path.join(d, f"rank{r}.log") for r in range(tp)]
+        # the ranks forked from the fork server (tests/build_util.py: no import of torch and megatron-core each;
+        # MEMGUARD_E2E_FORK=0, new interpreters)
+        failed = build_util.run_ranks([[sys.executable, script, str(r), str(tp), port] for r in range(tp)], logs,
+                                      envs=[env] * tp, cwd=os.getcwd(), timeout=600)
+        texts = []
+        for log in logs:
+            with open(log, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+    assert failed is None, texts[failed if failed and failed > 0 else 0][-2000:]
+    return json.loads([line for line in texts[0].splitlines() if line.startswith("{")][-1])
 
 
 @pytest.mark.parametrize("tp,scheme", [(1, "lora"), (2, "lora"), (2, "dora")])

@@ -2,6 +2,7 @@
 
 import gc
 
+import pytest
 import torch
 
 from benchmarks.referee.livebytes import LiveBytesTracker
@@ -94,3 +95,51 @@ def test_a_storages_own_resize_is_tracked():
     assert tr.peak == 6096            # 2000 + 4096 (the first 4000 B were freed before)
     # (the patch is the mode's only: outside it the storage method is torch's own again)
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
+
+
+def _bf16_products():
+    """A bf16 linear layer's forward and backward (addmm, mm) and an attention's batched products (baddbmm, bmm)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(16, 32, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(16, generator=g).bfloat16()
+    q = torch.randn(4, 64, 8, generator=g).bfloat16()
+    k = torch.randn(4, 8, 64, generator=g).bfloat16()
+    y = torch.nn.functional.linear(x, w, b)            # addmm [64, 16]
+    y.sum().backward()                                  # mm: dx [64, 32], dw [16, 32]
+    s = torch.baddbmm(torch.zeros(4, 64, 64, dtype=torch.bfloat16), q, k, alpha=0.5)   # [4, 64, 64]
+    o = torch.bmm(s, q)                                 # [4, 64, 8]
+    return (q, k), (y, x.grad, w.grad, s, o)
+
+
+def test_fp32_products_keep_every_storage_of_the_bf16_kernels():
+    """bf16 products computed in fp32 and rounded once (the referee's default) make the same storages, op by op, as
+    the bf16 kernels: addmm's [64, 16] bf16 is 64 x 16 x 2 = 2048 B, baddbmm's [4, 64, 64] 32768 B, bmm's [4, 64, 8]
+    4096 B, the weight gradient's mm [16, 32] 1024 B; the values are the fp32 products rounded to bf16."""
+    runs = {}
+    for fp32 in (False, True):
+        tr = LiveBytesTracker(fp32_matmul=fp32)
+        with tr:
+            inputs, out = _bf16_products()
+        runs[fp32] = ([tuple(r[2:6]) for r in tr.records], tr.peak, inputs, out)
+    assert runs[True][:2] == runs[False][:2]
+    made = {(op, shape): n for n, op, dtype, shape in runs[True][0] if dtype == "bfloat16"}
+    assert made[("addmm", (64, 16))] == 2048 and made[("baddbmm", (4, 64, 64))] == 32768
+    assert made[("bmm", (4, 64, 8))] == 4096 and made[("mm", (16, 32))] == 1024
+    (q, k), (y, dx, dw, s, o) = runs[True][2:]
+    assert torch.equal(o, torch.bmm(s.float(), q.float()).bfloat16())
+    assert torch.equal(s, (0.5 * torch.bmm(q.float(), k.float())).bfloat16())
+    # and within bf16's rounding of what the bf16 kernels give
+    for a, b in zip(runs[True][3], runs[False][3]):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_exact_bf16_switch(monkeypatch):
+    """MEMGUARD_REFEREE_EXACT_BF16=1 keeps the bf16 kernels; another value is refused by name."""
+    monkeypatch.setenv("MEMGUARD_REFEREE_EXACT_BF16", "1")
+    assert LiveBytesTracker().fp32_matmul is False
+    monkeypatch.setenv("MEMGUARD_REFEREE_EXACT_BF16", "0")
+    assert LiveBytesTracker().fp32_matmul is True
+    monkeypatch.setenv("MEMGUARD_REFEREE_EXACT_BF16", "yes")
+    with pytest.raises(ValueError, match="MEMGUARD_REFEREE_EXACT_BF16='yes'"):
+        LiveBytesTracker()

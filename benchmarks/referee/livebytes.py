@@ -13,6 +13,12 @@ rounding. Not counted: storages that existed before the mode was entered, alloca
 kernel (scratch buffers of a CPU kernel, gloo's internal buffers) and tensors created on other
 threads (gloo work threads), because those do not pass through the Python dispatch key.
 
+bf16 matrix products (mm, addmm, bmm, baddbmm) are computed in fp32 and rounded to bf16 by default: a CPU without
+AVX-512 BF16 runs a bf16 GEMM about 40x slower than an fp32 one, and the product's storage (dtype, shape, the op
+that made it) is the same either way; only the last bit of some values may differ, which moves nothing but
+value-dependent choices (an MoE router's token counts per expert). MEMGUARD_REFEREE_EXACT_BF16=1 (or
+``LiveBytesTracker(fp32_matmul=False)``) runs the bf16 kernels themselves.
+
 Every allocation is logged with (sequence number of allocation, sequence number of free, nbytes,
 creating op, dtype, shape, phase label). From this log the exact set of live storages at any moment
 (e.g. the peak) is reconstructed afterwards, so no snapshot has to be taken while running.
@@ -21,6 +27,7 @@ creating op, dtype, shape, phase label). From this log the exact set of live sto
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections import defaultdict
@@ -30,7 +37,44 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytesTracker", "format_bytes"]
+__all__ = ["Bf16MatmulsInFp32", "LiveBytesTracker", "format_bytes", "fp32_matmul_default"]
+
+_aten = torch.ops.aten
+# The bf16 matrix products computed in fp32 (the ops megatron-core's linear layers, attention and their backward
+# reach on CPU; linear, matmul and einsum decompose into these before the dispatch mode sees them).
+_FP32_MATMULS = frozenset((_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default))
+
+
+def fp32_matmul_default() -> bool:
+    """bf16 matrix products in fp32 unless MEMGUARD_REFEREE_EXACT_BF16=1 (the bf16 kernels' own arithmetic)."""
+    value = os.environ.get("MEMGUARD_REFEREE_EXACT_BF16", "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"MEMGUARD_REFEREE_EXACT_BF16={value!r}: use 1 (bf16 kernels) or 0 (fp32 products, the default)")
+    return value != "1"
+
+
+def _fp32_product(func, args, kwargs):
+    """``func`` (a bf16 matrix product) computed in fp32, the result rounded once to bf16: a new contiguous
+    storage of the bf16 kernel's dtype and shape. The fp32 operands are made here, where the mode is off, so they
+    are not counted (a GPU's bf16 GEMM holds no fp32 copies either)."""
+    up = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+    return func(*up, **kwargs).to(torch.bfloat16)
+
+
+def _is_bf16_product(func, args) -> bool:
+    return func in _FP32_MATMULS and all(a.dtype == torch.bfloat16 for a in args if isinstance(a, torch.Tensor))
+
+
+class Bf16MatmulsInFp32(TorchDispatchMode):
+    """The tracker's fp32 arithmetic for bf16 matrix products on its own, for a run measured by another live-bytes
+    counter (the hook's CPU e2e run, tests/e2e/pretrain_gpt_cpu.py). Enter it before the counter's mode: the counter
+    then sees each product's bf16 result only, as it sees the bf16 kernel's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_bf16_product(func, args):
+            return _fp32_product(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def format_bytes(n: float) -> str:
@@ -88,8 +132,10 @@ class LiveBytesTracker(TorchDispatchMode):
     # size of an existing storage in place:
     _RESIZING_OPS = ("resize_", "set_", "resize_as_")
 
-    def __init__(self, keep_log: bool = True):
+    def __init__(self, keep_log: bool = True, fp32_matmul: Optional[bool] = None):
         super().__init__()
+        # see the module docstring; None: MEMGUARD_REFEREE_EXACT_BF16 decides
+        self.fp32_matmul = fp32_matmul_default() if fp32_matmul is None else fp32_matmul
         self._lock = threading.RLock()
         self.current = 0
         self.peak = 0
@@ -251,7 +297,10 @@ class LiveBytesTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.fp32_matmul and _is_bf16_product(func, args):
+            out = _fp32_product(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         flat_out, _ = tree_flatten(out)
         out_tensors = [o for o in flat_out if isinstance(o, torch.Tensor)]
         if not out_tensors:
