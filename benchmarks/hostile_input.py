@@ -953,7 +953,7 @@ def hostile14_cases():
                "A=(x)\n" + "A=(${A[@]} ${A[@]})\n" * 30 + f"{run}{s}\n", "A=(x)\n" + "A+=(\"${A[@]}\")\n" * 30 + f"{run}{s}\n",
                "set -- x\n" + "set -- \"$@\" \"$@\"\n" * 30 + f"{run}{s}\n", "ARGS=(" + " x" * 99_000 + ")\n" + f"{run}{s} \"${{ARGS[@]}}\"\n",
                "ARGS=(" + " x" * 470_000 + ")\n" + f"{run}{s} \"${{ARGS[@]}}\"\n", f"{run}{s}" + " x" * 470_000 + "\n",
-               f"{run}{s}" + " --bf16" * 130_000 + "\n", "A=(x)\n" + f"{run}{s}" + " \"${A[@]}\"" * 100_000 + "\n"]
+               f"{run}{s}" + " --bf16" * 130_000 + "\n", "A=(x)\n" + f"{run}{s}" + " \"${A[@]}\"" * 99_000 + "\n"]
     for text in scripts:
         label = text.replace("\n", "\\n")[:60]
         yield f"check script {label!r}", ["check", "--file", "run.sh"], {"run.sh": text}
