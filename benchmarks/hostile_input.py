@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile11, hostile12, hostile13)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile12, hostile13, hostile14)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -32,7 +32,10 @@ deepseek_v32 / qwen3_next config.json, calibrate on hostile Megatron logs, plan 
 hostile11); BOM'd heterogeneous JSON, HF numbers as strings, eval flags with PP / VPP, --save, Bridge CUDA graph /
 comm_overlap overrides, NCCL / cuBLAS environment, output pipes and plan of GDN models (issue hostile12); plan of GDN
 models with --explain / --rule / --top, eval / save / rerun flags, Bridge bool fields and overrides, calibrate on damaged
-Megatron logs and every subcommand's file arguments (issue hostile13). Prints, per command, the number of runs, how many broke the
+Megatron logs and every subcommand's file arguments (issue hostile13); the paged stash and rank capacity, FSDP with the
+EP overlap, Bridge offload fractions, FP8 attention CP types, eval counts, YAML keys that are not names and structure
+in every reader, launch-script arrays / appends / heredocs / 470,000 words, plan over 720,720 GPUs and hook values
+that are numpy scalars or tensors (issue hostile14). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -849,6 +852,187 @@ def hostile13_cases(d: str):
             yield f"{cmd} {label}", args, run
 
 
+def hostile14_cases():
+    """Issue hostile14 (the fourteenth round): --moe-paged-stash and its rules, --moe-expert-rank-capacity-factor,
+    --overlap-moe-expert-parallel-comm under Megatron-FSDP strategies, Bridge optimizer CPU offload fractions without
+    the precision-aware optimizer, FP8 attention with per-layer --cp-comm-type lists, eval micro-batch counts, YAML
+    structure in every reader (keys that are numbers / bools / null, interpolation cycles, resolvers, 4301 digits,
+    -0.0 / 1e309 / NaN, tags, merge keys), launch scripts (heredocs, exec, arrays and appends, doubling arrays, set --,
+    ${X:-4} / ${X:?}, CRLF, BOM, nested quotes, 470,000 words) and memguard plan over 720,720 GPUs (240 divisors)."""
+    from test_fsdp_moe import ZP_Z3
+    from test_readers_bridge import FLAT
+    seeds = {n: (t, o) for n, t, o in YAML_SEEDS}
+    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "8", "--moe-grouped-gemm",
+           "--moe-token-dispatcher-type", "alltoall"]
+    est = ["estimate", "--world-size", "8", "--megatron-version", "0.19.2", "--", *S]
+    rank = ["--moe-expert-rank-capacity-factor", "1.5"]
+    for extra in (["--moe-paged-stash"], ["--moe-paged-stash", *rank], ["--moe-paged-stash", "--cpu-offloading-num-layers", "1", *rank],
+                  ["--moe-paged-stash", *rank, "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"],
+                  ["--moe-paged-stash", *rank, "--offload-modules", "EXPERT_FC1"], ["--moe-paged-stash=1"],
+                  ["--moe-paged-stash", "--no-moe-paged-stash"], ["--moe-paged-stash-page-size", "0"],
+                  ["--moe-paged-stash-buffer-size-factor-cuda", "nan"], ["--moe-expert-rank-capacity-factor", "nan"],
+                  ["--moe-expert-rank-capacity-factor", "-5"], ["--moe-expert-rank-capacity-factor", "x"]):
+        yield f"estimate MoE {' '.join(extra)[:60]}", [*est, *moe, *extra], {}
+        yield f"estimate dense {' '.join(extra)[:60]}", [*est, *extra], {}
+    yield "estimate paged stash 0.16", ["estimate", "--world-size", "8", "--megatron-version", "0.16.1", "--", *S, *moe,
+                                        "--moe-paged-stash"], {}
+    for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params", "x", ""):
+        flags = [f for f in ZP_Z3]
+        if "--data-parallel-sharding-strategy" in flags:
+            flags[flags.index("--data-parallel-sharding-strategy") + 1] = strategy
+        for version in ("0.16.1", "0.19.2"):
+            yield (f"estimate FSDP {strategy!r} EP overlap {version}",
+                   ["estimate", "--world-size", "8", "--megatron-version", version, "--", *flags,
+                    "--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"], {})
+    bridge = ["estimate", "--config", "c.yaml", "--gpus", "8"]
+    off = ["--set", "optimizer.optimizer_cpu_offload=true"]
+    for v in ("0.5", "0", "1", "-0.1", "1.5", ".nan", "nan", ".inf", "x", "'0.5'", "[0.5]", "null", "1e309", "-0.0",
+              "true", "'???'", "{}", "1" * 5000):
+        yield f"estimate Bridge offload fraction {v[:20]}", [*bridge, *off, "--set", f"optimizer.optimizer_offload_fraction={v}"], {
+            "c.yaml": FLAT}
+        yield (f"estimate Bridge no offload, fraction {v[:20]}", [*bridge, "--set", f"optimizer.optimizer_offload_fraction={v}"],
+               {"c.yaml": FLAT})
+    fp8 = ["--gpus", "16", "--set", "mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "--set",
+           "model.fp8_dot_product_attention=true", "--set", "model.context_parallel_size=2"]
+    for v in ("p2p", "P2P", "[p2p, p2p, p2p, p2p]", "[p2p, all_gather, p2p, p2p]", "[p2p]", "[p2p, p2p]", "[P2P, p2p, p2p, p2p]",
+              "[1, 2, 3, 4]", "[[p2p], p2p, p2p, p2p]", "[null, p2p, p2p, p2p]", "null", "[]", "a2a", "'a2a '", "{a: 1}",
+              "[a2a, p2p, p2p, p2p]", "allgather", "[all_gather,all_gather,all_gather,all_gather]", "'p2p,p2p,p2p,p2p'", "1",
+              "true", "'???'", "[" + ", ".join(["p2p"] * 5000) + "]"):
+        yield f"estimate FP8 attention cp_comm_type={v[:30]}", ["estimate", "--config", "c.yaml", *fp8, "--set",
+                                                                 f"model.cp_comm_type={v}"], {"c.yaml": FLAT}
+    evs = [*S, "--global-batch-size", "16"]
+    for flag in ("--eval-micro-batch-size", "--eval-global-batch-size", "--eval-iters"):
+        for v in ("0", "-1", "-0", "1" + "0" * 30, "9" * 5000, "1e3", "0x10", "+4", "\u0664", "4_0", " 4", "4.0", str(2**62)):
+            yield f"estimate {flag} {v[:20]!r}", ["estimate", "--world-size", "2", "--", *evs, flag, v], {}
+    for v in ("0", "-1", "1e309", ".nan", "'4'", "4.0", "-0.0", "9" * 5000, str(2**62), "true", "[4]"):
+        for key in ("eval_micro_batch_size", "eval_iters", "eval_global_batch_size"):
+            yield (f"estimate Bridge validation.{key}={v[:20]}", [*bridge, "--set", "validation.eval_micro_batch_size=4",
+                                                                   "--set", f"validation.{key}={v}"], {"c.yaml": FLAT})
+    # YAML structure in every reader
+    values = ["${model.num_layers}", "${model.x1}\n  x1: ${model.num_layers}", "${nope:1}", "${oc.env:HOSTILE14_UNSET}",
+              "${oc.env:HOSTILE14_UNSET,4}", "${oc.select:model.nope,4}", "${oc.dict.keys:model}", "1" * 4301, "-0.0",
+              "1e309", "0x10", "0o17", "1_000", ".5", "!!python/object/apply:os.system ['true']", "!!python/name:os.system",
+              "!!set {a, b}", "2001-12-14", "!!int '4'", "!foo 4", "4\n  <<: {hidden_size: 4096}", "4\n  num_layers: 8",
+              "&x ${model.num_layers}"]
+    nemo, nemo_o = seeds["nemo1_llama.yaml"]
+    for v in values:
+        yield f"validate NeMo 1 num_layers: {v[:40]!r}", ["validate", "c.yaml", *nemo_o], {
+            "c.yaml": nemo.replace("  num_layers: 32 ", f"  num_layers: {v} ", 1)}
+    for key in ("1", "true", "on", "1.5", "null", "~", "'1'", "[a, b]", "? [a]\n  "):
+        for name, anchor in (("nemo1_llama.yaml", "model:\n"), ("nemo1_llama.yaml", "trainer:\n"), ("launcher.yaml", "model:\n"),
+                             ("functional.yaml", "MODEL_ARGS:\n"), ("functional.yaml", "ENV_VARS:\n"),
+                             ("bridge_override.yaml", "model:\n"), ("context_model.yaml", "config:\n")):
+            text, opts = seeds[name]
+            nxt = text[text.index(anchor) + len(anchor):].split("\n")[0]
+            indent = nxt[:len(nxt) - len(nxt.lstrip())]
+            files = {name: text.replace(anchor, f"{anchor}{indent}{key}: 4\n", 1)}
+            cmd = ["estimate", "--config", name, *opts] if name == "bridge_override.yaml" else ["validate", name, *opts]
+            yield f"{cmd[0]} {name} {anchor.strip()} key {key!r}", cmd, files
+            yield f"{cmd[0]} {name} top-level key {key!r}", cmd, {name: f"{key}: 4\n" + text}
+        yield f"estimate Bridge model key {key!r}", bridge, {"c.yaml": FLAT.replace("model:\n", f"model:\n  {key}: 4\n", 1)}
+        yield f"estimate Bridge top-level key {key!r}", bridge, {"c.yaml": f"{key}: 4\n" + FLAT}
+        yield (f"estimate --yaml-cfg key {key!r}", ["estimate", "--world-size", "8", "--", "--yaml-cfg", "y.yaml"],
+               {"y.yaml": f"{key}: 4\nlanguage_model: {{num_layers: 4}}\nmodel_parallel: {{{key}: 1}}\n"})
+    # launch scripts
+    s = " ".join(S) + " --global-batch-size 16"
+    run = "torchrun --nproc-per-node 8 pretrain_gpt.py "
+    scripts = [f"cat <<EOF > x\n--num-layers 99\nEOF\n{run}{s}\n", f"cat <<'EOF' > r.sh\n{run}{s}\nEOF\n{run}{s}\n",
+               f"cat <<-EOF\n\t{run}{s}\n", f"exec {run}{s}\n", f"ARGS=({s})\n{run}\"${{ARGS[@]}}\"\n",
+               f"ARGS=({s})\n{run}${{ARGS[*]}}\n", f"ARGS=({s})\nARGS+=(--num-layers 8)\n{run}\"${{ARGS[@]}}\"\n",
+               f"A=\"{s}\"\nA+=\" --num-layers 8\"\n{run}$A\n", f"ARGS=({s})\n{run}\"${{ARGS[@]:0:4}}\"\n",
+               f"declare -a ARGS=({s})\n{run}\"${{ARGS[@]}}\"\n", f"{run}{s} \"--num-layers\\\n\" 8\n",
+               f"{run}{s} '--num-\\\nlayers' 8\n", f"{run}\\\r\n {s}\r\n", f"{run}{s}\r\n", f"{run}\\\r {s}\r",
+               f"\ufeff{run}{s}\n", f"\ufeff#!/bin/bash\n{run}{s}\n", f"set -- {s}\n{run}\"$@\"\n",
+               f"torchrun --nproc-per-node ${{X:-4}} pretrain_gpt.py {s}\n", f"torchrun --nproc-per-node ${{X:?need X}} pretrain_gpt.py {s}\n",
+               f"torchrun --nproc-per-node ${{X:=4}} pretrain_gpt.py {s} --tensor-model-parallel-size $X\n",
+               f"X=8.5\ntorchrun --nproc-per-node ${{X%%.*}} pretrain_gpt.py {s}\n", f"{run}{s} --save \"a'b\"\"c'd\" --save-interval 1\n",
+               f"{run}{s} \"$(echo \"--num-layers\")\" 8\n", f"{run}{s} $'--num-layers' 8\n", f"{run}{s} --num-layers {{4,8}}\n",
+               f"torchrun --nproc-per-node $((2**62)) pretrain_gpt.py {s}\n", f"run() {{ {run}{s} \"$@\"; }}\nrun --num-layers 8\n",
+               f"{run}{s} --num-layers\x008\n", f"CMD=\"{run}{s}\"\neval \"$CMD\"\n", f"X=${{X:-${{X:-${{X}}}}}}\n{run}{s}\n",
+               "A=(x)\n" + "A=(\"${A[@]}\" \"${A[@]}\")\n" * 30 + f"{run}{s} --save \"${{A[*]}}\" --save-interval 1\n",
+               "A=(x)\n" + "A=(${A[@]} ${A[@]})\n" * 30 + f"{run}{s}\n", "A=(x)\n" + "A+=(\"${A[@]}\")\n" * 30 + f"{run}{s}\n",
+               "set -- x\n" + "set -- \"$@\" \"$@\"\n" * 30 + f"{run}{s}\n", "ARGS=(" + " x" * 99_000 + ")\n" + f"{run}{s} \"${{ARGS[@]}}\"\n",
+               "ARGS=(" + " x" * 470_000 + ")\n" + f"{run}{s} \"${{ARGS[@]}}\"\n", f"{run}{s}" + " x" * 470_000 + "\n",
+               f"{run}{s}" + " --bf16" * 130_000 + "\n", "A=(x)\n" + f"{run}{s}" + " \"${A[@]}\"" * 99_000 + "\n"]
+    for text in scripts:
+        label = text.replace("\n", "\\n")[:60]
+        yield f"check script {label!r}", ["check", "--file", "run.sh"], {"run.sh": text}
+        yield f"estimate script {label!r}", ["estimate", "--config", "run.sh"], {"run.sh": text}
+    # memguard plan over 720,720 GPUs (the most divisors, 240, under the 2**20 bound) and --top bounds
+    for model in ("llama-3.2-1b", "mixtral-8x7b", "qwen3-30b-a3b"):
+        yield f"plan 720720 GPUs {model}", ["plan", "--seq-length", "4096", "--gpus", "720720", "--global-batch-size", "720720",
+                                           "--model", model, "--top", "50"], {}
+    for top in ("0", "-1", "9" * 30, "1e3", "nan", "51", "2147483648"):
+        yield f"plan --top {top[:20]}", ["plan", "--seq-length", "4096", "--gpus", "720720", "--global-batch-size", "720720",
+                                         "--model", "llama-3.2-1b", "--top", top], {}
+    yield "plan 720720 GPUs --tp 1..1999", ["plan", "--seq-length", "4096", "--gpus", "720720", "--global-batch-size", "720720",
+                                             "--model", "llama-3.2-1b", "--tp", ",".join(str(i) for i in range(1, 2000))], {}
+    yield "plan 720720 GPUs --mbs 1..4999", ["plan", "--seq-length", "4096", "--gpus", "720720", "--global-batch-size", "720720",
+                                              "--model", "llama-3.2-1b", "--mbs", ",".join(str(i) for i in range(1, 5000))], {}
+
+
+def hook14_cases() -> tuple[int, list[str], float, str]:
+    """Issue hostile14: the hook's validate_args wrapper on Megatron's namespaces with a numpy scalar or array, a torch
+    tensor (0-d, 1-d, NaN), an int subclass whose __int__ raises or an object refusing str() / int() / bool() at the
+    shape, batch, parallelism, precision, eval, CP and paged-stash fields. (runs, broken, worst CPU seconds, its case)."""
+    import copy
+    import time
+
+    from mutate_util import hook_namespaces, run_hook
+    try:
+        import numpy as np
+        import torch
+    except ImportError:   # (both come with torch in the test venvs)
+        return 0, [], 0.0, ""
+
+    class RaisesStr:
+        def __str__(self):
+            raise RuntimeError("str")
+        __repr__ = __str__
+
+        def __int__(self):
+            raise RuntimeError("int")
+        __index__ = __float__ = __int__
+
+        def __bool__(self):
+            raise RuntimeError("bool")
+
+    class RaisesInt(int):
+        def __int__(self):
+            raise RuntimeError("int")
+
+        def __index__(self):
+            raise RuntimeError("index")
+
+    values = {"np.int64(8)": np.int64(8), "np.float32(8)": np.float32(8), "np.bool_": np.bool_(True),
+              "np.array([8])": np.array([8]), "np.int64(2**62)": np.int64(2**62), "np.nan": np.float64("nan"),
+              "tensor(8)": torch.tensor(8), "tensor([8, 8])": torch.tensor([8, 8]), "tensor(nan)": torch.tensor(float("nan")),
+              "RaisesStr": RaisesStr(), "RaisesInt(8)": RaisesInt(8)}
+    fields = ["num_layers", "hidden_size", "micro_batch_size", "global_batch_size", "seq_length", "num_attention_heads",
+              "tensor_model_parallel_size", "bf16", "sequence_parallel", "recompute_granularity", "num_experts",
+              "eval_micro_batch_size", "cp_comm_type", "moe_paged_stash", "memguard_gpu_memory"]
+    broken, worst, n = [], (0.0, ""), 0
+    for label, base in hook_namespaces().items():
+        if label == "yaml-cfg":
+            continue
+        for f in fields:
+            for v_label, v in values.items():
+                ns = copy.copy(base)
+                setattr(ns, f, v)
+                ns.memguard = "warn"
+                c0 = time.process_time()
+                o = run_hook(ns)
+                cpu = time.process_time() - c0
+                n += 1
+                case = f"{label} {f}={v_label}"
+                if cpu > worst[0]:
+                    worst = (cpu, case)
+                p = _hook_problems(o, exit_message=False)
+                if p:
+                    broken.append(f"hook14 {case}: {'; '.join(p)[:200]}")
+    return n, broken, worst[0], worst[1]
+
+
 def hostile11_cases():
     """Issue hostile11 (the eleventh round): DeepSeek sparse attention flags (the variant's spellings, dsa_* / indexer
     values, a top-k above the sequence), gated delta net (--linear-attention-freq ints, lists and expressions, linear_*
@@ -1505,7 +1689,8 @@ def main(argv: list[str]) -> int:
               ("structured regressions", structured_regressions()), ("surfaces", surface_cases()),
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
               ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
-              ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name))]
+              ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
+              ("hostile14", hostile14_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]
@@ -1547,6 +1732,10 @@ def main(argv: list[str]) -> int:
         n, hook_broken, hook_cpu, hook_label = hook13_cases()
         print(f"{'hook13':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
         runs["hook13"], broken["hook13"], worst["hook13"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
+    if "--group" not in argv or "hostile14" in argv:   # (the hook's hostile14 cases: all of them, quick too)
+        n, hook_broken, hook_cpu, hook_label = hook14_cases()
+        print(f"{'hook14':<10} {n:>6} {len(hook_broken):>7} {hook_cpu:>9.2f}s {'':>9}  {hook_label}")
+        runs["hook14"], broken["hook14"], worst["hook14"] = n, hook_broken, (hook_cpu, 0.0, hook_label)
     total = sum(runs.values())
     over = [cmd for cmd in runs if worst[cmd][0] > TARGET]
     nbroken = sum(len(v) for v in broken.values())

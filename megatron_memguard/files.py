@@ -19,7 +19,7 @@ import yaml
 import yaml.parser
 import yaml.scanner
 from yaml.composer import Composer, ComposerError
-from yaml.constructor import SafeConstructor
+from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.events import AliasEvent
 from yaml.parser import Parser as _PyParserBase
 from yaml.reader import Reader
@@ -55,6 +55,22 @@ class _BoundedConstructor(SafeConstructor):
         if len(digits) > _MAX_INT_DIGITS:
             return str(node.value)    # out of every range: resolve() refuses it under its key
         return super().construct_yaml_int(node)
+
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        # every key memguard's readers look up is a name; YAML reads `1:`, `true:` (and `on:`), `1.5:`, `~:` as a
+        # number, a bool or null, which no reader expects (an internal error before) and no framework takes as a
+        # field name (Bridge's instantiate: "keywords must be strings"; a functional test's MODEL_ARGS key becomes
+        # a stray argv word)
+        mapping = super().construct_mapping(node, deep=deep)
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node)
+            if not isinstance(key, str):
+                what = {bool: "a bool", int: "an integer", float: "a number", type(None): "null"}.get(type(key), "not text")
+                raise ConstructorError(None, None, f"the key {key_node.value!r} reads as {what}, not a name (a config's "
+                                       f"keys are field names; quote it if it is one: '{key_node.value}':)",
+                                       key_node.start_mark)
+        return mapping
 
 
 _BoundedConstructor.add_constructor("tag:yaml.org,2002:int", _BoundedConstructor.construct_yaml_int)

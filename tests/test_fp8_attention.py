@@ -334,8 +334,12 @@ def test_context_parallel_comm_types():
         L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True,
                 version=version)
         assert L.cp_a2a_size == 2 and L.fp8_spec.fp8_dot_product_attention
-    # one type per layer: the all_gather layers would run BF16 attention, the p2p ones FP8
+    # one type per layer (TransformerConfig asserts one for each of the 32 layers): the all_gather layers would run
+    # BF16 attention, the p2p ones FP8
     with pytest.raises(NotModelledError, match="cp.comm.type.*one communication type per layer"):
+        lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True)
+    # a list of another length is Megatron's assert, not a refusal (before: the refusal, as for 32 types)
+    with pytest.raises(ConfigError, match="gives 2 communication types for 32 layers"):
         lay(*fp8, "--cp-comm-type", "p2p", "all_gather", fp8_dot_product_attention=True)
     # TE asserts "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
     with pytest.raises(ConfigError, match="hierarchical.context.parallel.sizes.*two sizes"):

@@ -32,8 +32,8 @@ from .launchers import (
 from .script_args import ScriptArgs, hydra_config_file, hydra_defaults, split_script_args  # noqa: F401 (re-exported)
 from .shell import expand_word, logical_lines, sbatch_env, simple_commands, words
 
-_ASSIGN_TOKEN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-a\s+)?|local\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_ASSIGN_TOKEN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=")
+_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-a\s+)?|local\s+)?([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,19 @@ def _launch_kind(toks: Sequence[str]) -> str | None:
     return None
 
 
+def _assigned(token: str, vars: Mapping[str, object]) -> tuple[str, str | list[str]]:
+    """(name, value) of ``NAME=value``, or of ``NAME+=value`` appended to the variable's value as bash does (an
+    array's element 0)."""
+    name, value = token.split("=", 1)
+    if not name.endswith("+"):
+        return name, value
+    name = name[:-1]
+    old = vars.get(name)
+    if isinstance(old, list):
+        return name, [(old[0] if old else "") + value, *old[1:]]
+    return name, ("" if old is None else str(old)) + value
+
+
 def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> LaunchCommand:
     """Parse a command line or a shell script holding one launch command."""
     vars: dict[str, object] = dict(environ or {})
@@ -127,14 +140,16 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
     skipped_python: list[str] = []
     for line in logical_lines(text):
         m = _ASSIGN.match(line)
-        if m and m.group(2).strip().startswith("("):
-            # bash array: NAME=( items ... )
-            value = m.group(2).strip()
+        if m and m.group(3).strip().startswith("("):
+            # bash array: NAME=( items ... ), or NAME+=( items ... ) appending to it (a scalar is its element 0)
+            value = m.group(3).strip()
             if value.endswith(")"):
                 try:
-                    vars[m.group(1)] = words(value[1:-1], vars)
+                    items = words(value[1:-1], vars)
                 except ValueError as e:
                     raise ReaderError(f"cannot parse the array {m.group(1)}: {e}") from None
+                old = vars.get(m.group(1)) if m.group(2) else None
+                vars[m.group(1)] = (old if isinstance(old, list) else [] if old is None else [str(old)]) + items
                 continue
         for cmd in simple_commands(line):
             try:
@@ -148,16 +163,20 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
                 toks = [t for t in toks[1:] if not t.startswith("-")]
                 if all(_ASSIGN_TOKEN.match(t) for t in toks):
                     for t in toks:
-                        name, value = t.split("=", 1)
-                        vars[name] = env_assigned[name] = value
-                        if exported:
-                            exported_env[name] = value
+                        name, value = _assigned(t, vars)
+                        vars[name] = value
+                        if isinstance(value, str):
+                            env_assigned[name] = value
+                            if exported:
+                                exported_env[name] = value
                     continue
             if all(_ASSIGN_TOKEN.match(t) for t in toks):
                 # plain assignments (VAR=value ...): shell variables for later lines
                 for t in toks:
-                    name, value = t.split("=", 1)
-                    vars[name] = env_assigned[name] = value
+                    name, value = _assigned(t, vars)
+                    vars[name] = value
+                    if isinstance(value, str):
+                        env_assigned[name] = value
                 continue
             kind = _launch_kind(toks)
             if kind is not None:

@@ -160,6 +160,7 @@ def parse_megatron_flags(
     origin: dict[str, str] = {}
     warnings: list[str] = []
     unknown: list[str] = []
+    strays: list[str] = []
     i = 0
     while i < len(toks):
         tok = toks[i]
@@ -172,7 +173,7 @@ def parse_megatron_flags(
                     raise ConfigError(cut(tok), "a KEY=VALUE override applies to a NeMo / Megatron-Bridge / NeMo 2 YAML "
                                       "(--config FILE) or a Bridge recipe (--model RECIPE), not to Megatron flags",
                                       "give the Megatron flag instead, e.g. --micro-batch-size 2")
-            warnings.append(f"ignored stray argument {shown(tok)} (not after a flag that takes a value)")
+            strays.append(tok)
             continue
         inline = None
         if "=" in tok:
@@ -219,12 +220,26 @@ def parse_megatron_flags(
             if dest in _UNWRAP_SINGLE and len(args[dest]) == 1:
                 args[dest] = args[dest][0]
         origin[dest] = tok
+    # one note each, the first few named (a launch line of 470,000 stray words printed 470,000 notes)
+    if len(strays) == 1:
+        warnings.append(f"ignored stray argument {shown(strays[0])} (not after a flag that takes a value)")
+    elif strays:
+        warnings.append(f"ignored {len(strays)} stray arguments {_first(strays, shown)} (not after a flag that takes "
+                        "a value)")
     if unknown:
-        warnings.append("not Megatron flags (as of core 0.19), ignored: " + " ".join(cut(u) for u in unknown))
+        warnings.append("not Megatron flags (as of core 0.19), ignored: " + _first(unknown, cut, " "))
     if args.get("yaml_cfg"):
         return _read_yaml_cfg(str(args["yaml_cfg"]), [origin[d] for d in args if d != "yaml_cfg"], env, warnings)
     return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env),
                      megatron_command_line=True)
+
+
+def _first(items: list[str], show, sep: str = ", ", n: int = 10) -> str:
+    """``items`` shown; past ``n`` of them, the first ``n`` distinct ones and how many there are in all."""
+    if len(items) <= n:
+        return sep.join(show(x) for x in items)
+    distinct = list(dict.fromkeys(items))
+    return sep.join(show(x) for x in distinct[:n]) + f"{sep}... ({len(items):,} in all)"
 
 
 def _read_yaml_cfg(path: str, other_flags: list[str], env: Mapping[str, str] | None, warnings: list[str]) -> RawConfig:

@@ -26,6 +26,7 @@ _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 _BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(:?[-+=])?")
 MAX_NESTING = 32   # ${A:-${B:-...}} levels (scripts nest two or three)
 MAX_EXPANDED = 16 * 2**20   # characters of one command after expansion (4 x issue 14's 4 MiB re-expansion case)
+MAX_WORDS = 100_000   # words of one command after expansion (Megatron-LM's example scripts: a few hundred)
 _DECLARATIONS = ("export", "declare", "local", "readonly", "typeset")
 _BLANK = " \t\n"
 _PLAIN = re.compile(r"[^\s\\'\"$`#]+")
@@ -85,6 +86,8 @@ class _Words:
     # -- building words ----------------------------------------------------------------------------
     def _flush(self) -> None:
         if self.started:
+            if len(self.words) >= MAX_WORDS:
+                raise ValueError(f"the command has more than {MAX_WORDS:,} words")
             self.words.append("".join(self.cur))
         self.cur = []
         self.started = False
@@ -119,10 +122,7 @@ class _Words:
         """Add an expanded value: quoted or in an assignment as it is; otherwise split on blanks."""
         if isinstance(value, list):
             if quoted:  # "${A[@]}": one word per element
-                for k, v in enumerate(value):
-                    if k:
-                        self._flush()
-                    self._add(v)
+                self._words_of(value)
                 return
             value = " ".join(value)
         if quoted or self.in_assign:
@@ -130,15 +130,27 @@ class _Words:
             return
         if not value:
             return
-        parts = value.split()
         if value[0] in _BLANK:
             self._flush()
-        for k, p in enumerate(parts):
-            if k:
-                self._flush()
-            self._add(p)
+        self._words_of(value.split())
         if value[-1] in _BLANK:
             self._flush()
+
+    def _words_of(self, parts: list[str]) -> None:
+        """``parts`` as words, the first joining the word being built and the last left open, the middle ones
+        added at once (A=("${A[@]}" "${A[@]}") doubled 25 times is 2**25 words: one Python step each took over 16 s
+        of CPU before the MAX_EXPANDED bound stopped it; MAX_WORDS stops it at 100,000)."""
+        if not parts:
+            return
+        if len(self.words) + len(parts) > MAX_WORDS:
+            raise ValueError(f"the command has more than {MAX_WORDS:,} words")
+        self.grow(sum(map(len, parts)) + len(parts) - 1)
+        self.cur.append(parts[0])
+        self.started = True
+        if len(parts) > 1:
+            self._flush()
+            self.words.extend(parts[1:-1])
+            self.cur, self.started = [parts[-1]], True
 
     # -- the scan ----------------------------------------------------------------------------------
     def run(self) -> list[str]:

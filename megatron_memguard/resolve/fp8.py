@@ -12,6 +12,7 @@ from packaging.version import Version
 from ..errors import NO_TE_BACKEND, NotModelledError
 from ..numbers import shown
 from .args import Args, Context
+from .shape import CP_COMM_TYPES
 
 # argparse choices of core 0.19.2 (--fp8-recipe custom needs a quantizer factory: refused below)
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -210,8 +211,13 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
     hands ``fp8`` to the p2p and a2a paths only; ``utils.py`` ``get_attention_backend`` has no backend for FP8 MLA
     under CP."""
     key = a.key(dest)
-    comm = a.get("cp_comm_type") or ["p2p"]
-    comm = {str(c) for c in (comm if isinstance(comm, (list, tuple)) else [comm])}
+    raw = a.get("cp_comm_type") or ["p2p"]
+    items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    if len(items) not in (1, kw.get("num_layers")) or any(not isinstance(c, str) or c not in CP_COMM_TYPES for c in items):
+        # a word Transformer Engine does not take ('P2P', 'allgather', 1) or a list of the wrong length: the error
+        # resolve/shape.py's _check_cp_comm reports, not a refusal of per-layer types
+        return False
+    comm = set(items)
     if mla:
         # FusedAttention: "does not support context parallelism with FP8 MLA attention"; FlashAttention: no FP8
         # with CP; UnfusedDotProductAttention: no CP: TE finds no backend
