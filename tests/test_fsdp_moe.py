@@ -274,12 +274,12 @@ def test_params_norm_releases_the_regathered_units():
 def test_expert_parallel_overlap_under_optim_grads_against_the_referee():
     """benchmarks/referee/fsdp_grid.py FSDP_OVERLAP on megatron-core 0.19.2 (CPU, 4 ranks: the MoE grid's model, EP 2,
     optim_grads, 2 micro-batches; CUDA streams are no-ops), stored in benchmarks/results/referee-fsdp-overlap-
-    core019.json. Both runs: parameters exact, live bytes after the step within 1%. Without the overlap the peak is
-    within the referee's 3%. With it the stored run's extra at the peak is 6.0-6.6 MB against the 2.1 MB memguard
-    adds (moe_dispatcher_state): measured by the tracker before it saw a storage's own resize_, which counted the
-    MoE nodes' inputs the combined schedule frees (untyped_storage().resize_(0)); the 0.16.1 MoE grid's
-    moe_ep2_a2a_overlap (no FSDP), re-measured with it, keeps 0.5-0.7 MB over moe_ep2_alltoall (6.7-7.1 MB before,
-    tests/test_moe_estimator.py). This run is not re-measured yet."""
+    core019.json, measured by the tracker that sees a storage's own resize_ (the combined schedule frees the MoE
+    nodes' inputs with untyped_storage().resize_(0); before it, the overlap run's peak was 6.0-6.6 MB higher and the
+    plain run's the same byte for byte). Both runs: parameters exact, live bytes after the step within 1%, peak within
+    the referee's 3% (compare.py) without the overlap. With it the measured peak is 7.6-8.8 KB above the plain run's
+    (the same routing), under the 2 MiB memguard adds (moe_dispatcher_state: each MoE layer's input and its gradient
+    that the held probs keep, an upper bound at a forward peak, as without FSDP): the estimate is 0.1-3.2% high."""
     import os
     from benchmarks.referee.fsdp_grid import FSDP_OVERLAP, stored_rank_layouts
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
@@ -299,6 +299,6 @@ def test_expert_parallel_overlap_under_optim_grads_against_the_referee():
         # the overlap's moe_dispatcher_state, as without FSDP: 2 a T h per MoE layer (docs/assumptions.md), a = 2 B,
         # T = seq 256 x micro-batch 2, h 256, 4 layers
         assert est1 - est0 == 2 * 2 * (256 * 2) * 256 * 4 == 2_097_152
-        assert 6_000_000 <= got1 - got0 <= 6_700_000, rank    # measured: the same routing in both runs
         assert by[plain]["ranks"][rank]["routing_summary"] == by[overlap]["ranks"][rank]["routing_summary"]
-        assert -0.05 <= est1 / got1 - 1 < 0, rank
+        assert 0 < got1 - got0 < est1 - est0, rank      # measured: 7,626-8,758 B
+        assert 0 < est1 / got1 - 1 <= 0.035, rank
