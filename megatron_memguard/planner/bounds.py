@@ -26,7 +26,6 @@ candidate whose bound exceeds threshold x GPU memory cannot be 'fits' and is not
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from ..estimator.layers import mixer_recipe, mlp_recipe
@@ -75,20 +74,21 @@ def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_param
     return out
 
 
-def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
+def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True, recompute: str | None = None) -> float:
     """Bytes one layer surely keeps per micro-batch until its backward: what the backward of its
     GEMMs, attention and activation function needs, in every implementation Megatron has. The
     residual stream at the two norms, plus what the recipes of the layer's kind (its token mixer and
     its MLP, ``estimator.layers``) say they surely keep. ``mlp=False``: an MoE layer (its MoE block
-    instead of the dense MLP)."""
+    instead of the dense MLP); ``recompute``: in place of the candidate's (replay_bytes)."""
+    recompute = c.recompute if recompute is None else recompute
     seq = shape.seq_length // c.cp
     Tf = c.mbs * seq
     T = Tf // c.tp if c.sp else Tf
     e = shape.act_bytes
     h = shape.hidden
-    if c.recompute == "full":
+    if recompute == "full":
         return T * h * e                      # the checkpointed input of each layer (uniform, 1 layer)
-    mods = set(shape.recompute_modules) if c.recompute == "selective" else set()
+    mods = set(shape.recompute_modules) if recompute == "selective" else set()
     kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
     if shape.layout.peft is not None:
@@ -131,8 +131,7 @@ def replay_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
         # (PEFT: layer_activation_bytes keeps the residual stream only either way; frozen layers: the first stage
         # runs no backward through its layers)
         return 0
-    whole = layer_activation_bytes(shape, dataclasses.replace(c, recompute="none"), mlp)
-    return max(0.0, whole - layer_activation_bytes(shape, c, mlp))
+    return max(0.0, layer_activation_bytes(shape, c, mlp, "none") - layer_activation_bytes(shape, c, mlp))
 
 
 def first_stage_layers_held(c: Candidate) -> int:
