@@ -27,7 +27,7 @@ def test_replay_term_by_hand():
     assert replay_bytes(P.shape, none) == 0          # no replay without full recompute
     # PP 1 (one stage, 4 micro-batches of 2 sequences at DP 4: min(PP, m) = 1 held): the bound grows by the replay
     # or the logits, whichever is larger (the logits are freed before the first replay)
-    base = memory_lower_bound(P.shape, full, P.timer.stage_params)
+    base = memory_lower_bound(P.shape, full, P.timer.stage_params, replay=True)
     assert base >= 24 * ckpt + replay_bytes(P.shape, full)
 
 
@@ -40,7 +40,7 @@ def test_bound_with_the_replay_stays_below_the_estimate():
         cands = [c for c in enumerate_space(P.shape, P.cluster, gbs, Constraints()) if c.recompute == "full"]
         for c in rng.sample(cands, min(25, len(cands))):
             est = P.estimate(P.layout(c))
-            assert memory_lower_bound(P.shape, c, P.timer.stage_params) <= est.peak_device_bytes, c.name
+            assert memory_lower_bound(P.shape, c, P.timer.stage_params, replay=True) <= est.peak_device_bytes, c.name
     from test_planner_moe import mixtral_planner
     p = mixtral_planner(gpus=64, seq=8192, gbs=64)
     cands = [c for c in enumerate_space(p.shape, p.cluster, p.gbs, Constraints(allow_ep_across_nodes=True))
@@ -51,17 +51,20 @@ def test_bound_with_the_replay_stays_below_the_estimate():
         except Exception:
             continue
         est = p.estimate(L)
-        lb = memory_lower_bound(p.shape, c, p.timer.stage_params, p.timer.stage_expert_params, p.timer.moe_layers_on)
+        lb = memory_lower_bound(p.shape, c, p.timer.stage_params, p.timer.stage_expert_params, p.timer.moe_layers_on,
+                                replay=True)
         assert lb <= max(s.device_total_bytes for s in est.stages), c.name
 
 
 def _plain_visit(planner: Planner):
-    """The planner with visit_order ignoring `aside`: every candidate timed and met in order, as before."""
+    """The planner with visit_order ignoring `aside` and no replay bound: every candidate timed and met in order,
+    every layout the bound without the replay keeps estimated in its place, as before."""
     order = Planner.visit_order
 
     def visit(self, cands, rule, aside=None):
         return order(self, cands, rule)
     planner.visit_order = visit.__get__(planner)
+    planner.replay_bound = lambda c: 0.0
     return planner
 
 
@@ -73,7 +76,7 @@ def _summary(res):
 
 def test_setting_bounded_out_layouts_aside_changes_no_count():
     """The search counts, ranks, smallest bound and closest layouts are those of a visit in order that times
-    every candidate: a plan that fits (time rule with its window, and the fujii2024 rule that stops at the
+    every candidate and estimates what the bound without the replay keeps: a plan that fits (time rule with its window, and the fujii2024 rule that stops at the
     top-th fit) and one where nothing fits."""
     # (GPT_LOCAL at 4% of 80 GB: nothing fits, 1,024 of 1,044 bounded out; at 8%: fewer fit than the top asked)
     cases = [(LLAMA2_7B, 32, 4096, 64, 0.8), (LLAMA2_7B, 8, 4096, 64, 0.8), (GPT_LOCAL, 8, 2048, 16, 0.15),

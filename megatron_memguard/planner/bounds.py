@@ -168,22 +168,23 @@ def _heaviest_middle_rank(c: Candidate) -> int | None:
 
 def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int],
                        stage_expert_params: Callable[[Candidate, int], int] | None = None,
-                       moe_layers_on: Callable[[Candidate, int], int] | None = None) -> float:
+                       moe_layers_on: Callable[[Candidate, int], int] | None = None, replay: bool = False) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
     rank of stage i (TimeModel.stage_params); for MoE models ``stage_expert_params`` and
     ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i.
     Each stage's term: its model state, the activations it holds when its first backward starts, and on
     top the larger of two moments that need not overlap: the last stage's logits (the forward's end) and,
-    under full recompute, one layer's replay (replay_bytes) in the backward."""
+    with ``replay`` under full recompute, one layer's replay (replay_bytes) in the backward. (The search
+    checks the bound without the replay first: that one decides which layouts a plan estimates.)"""
     per_layer = layer_activation_bytes(shape, c)
-    replay = replay_bytes(shape, c)
+    replay_moe = replay_bytes(shape, c, mlp=False) if replay else 0
+    replay = replay_bytes(shape, c) if replay else 0
     # --freeze-all-layers: the first stage keeps no activations (nothing before it requires grad; with virtual
     # stages its later chunks do, left out here)
     first_held = 0 if shape.layout.freeze_all_layers else first_stage_layers_held(c)
     moe = shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None
     if moe:
         per_moe = layer_activation_bytes(shape, c, mlp=False)
-        replay_moe = replay_bytes(shape, c, mlp=False)
 
         def held(i: int, layers: int) -> float:
             n, n_moe = c.stage_layers[i], moe_layers_on(c, i)

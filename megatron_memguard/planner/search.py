@@ -255,6 +255,17 @@ class Planner:
                                                        self.timer.stage_expert_params, self.timer.moe_layers_on)
         return b
 
+    def replay_bound(self, c: Candidate) -> float:
+        """:meth:`lower_bound` with one layer's replay on top under full recompute (bounds.memory_lower_bound)."""
+        key = ("replay", c.tp, c.pp, c.cp, c.dp, c.m, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, c.fsdp,
+               c.fp8, c.ep, c.etp, c.vpp, c.chunks)
+        b = self._bounds.get(key)
+        if b is None:
+            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
+                                                       self.timer.stage_expert_params, self.timer.moe_layers_on,
+                                                       replay=True)
+        return b
+
     def state_bound(self, c: Candidate) -> float:
         """The model-state part of :meth:`lower_bound` on the first and last stage (memoised per layout
         without the micro-batch, recomputation and sequence-parallel choices)."""
@@ -426,6 +437,30 @@ class Planner:
         stop = None                # rule fujii2024 / window 0: (order key, index) of the last candidate visited
         worst_at = None            # (order key, index) of the candidate whose fit set `worst`
         index = {id(c): i for i, c in enumerate(cands)}
+        # Under full recompute the bound with one layer's replay (replay_bound) rules out more; such a layout is not
+        # estimated until the search knows a layout fits (then it is, in its place: the counts and the closest
+        # layouts of a plan that fits stay what they were), and counts as bounded out in a plan where none fits.
+        replayed: list[tuple[int, Candidate]] = []
+        events: list[tuple[int, str, Any]] = []     # (visit number, what, detail): rules broken, verdicts, misses
+
+        def judge(seq: int, c: Candidate):
+            try:
+                L = self.layout(c)
+            except ConfigErrors as e:
+                events.extend((seq, "rule", str(err)) for err in e.errors)
+                return None, None
+            except (ConfigError, NotModelledError) as e:
+                # NotModelledError: e.g. --fsdp with an optimizer or frozen layers FSDP is not modelled with;
+                # the layout is left out with the reason, like a broken rule
+                events.append((seq, "rule", str(e)))
+                return None, None
+            est = self.estimate(L)
+            res.estimated += 1
+            events.append((seq, "verdict", est.verdict))
+            if est.verdict != "fits" and est.gpu_memory_bytes:
+                events.append((seq, "miss", (est.peak_device_bytes / est.gpu_memory_bytes, c, est)))
+            return L, est
+
         for c in self.visit_order(cands, rule, aside=bounded_out):
             if horizon is not None and self.step_time(c).seconds > horizon:
                 break
@@ -440,21 +475,11 @@ class Planner:
                 if res.smallest_bound is None or lb < res.smallest_bound[0]:
                     res.smallest_bound = (lb, c)
                 continue
-            try:
-                L = self.layout(c)
-            except ConfigErrors as e:
-                for err in e.errors:
-                    res.rejected[str(err)] += 1
+            if c.recompute == "full" and self.replay_bound(c) > limit:
+                replayed.append((res.visited, c))
                 continue
-            except (ConfigError, NotModelledError) as e:
-                # NotModelledError: e.g. --fsdp with an optimizer or frozen layers FSDP is not modelled with;
-                # the layout is left out with the reason, like a broken rule
-                res.rejected[str(e)] += 1
-                continue
-            est = self.estimate(L)
-            res.estimated += 1
-            res.verdicts[est.verdict] += 1
-            if est.verdict == "fits":
+            L, est = judge(res.visited, c)
+            if est is not None and est.verdict == "fits":
                 res.entries.append(PlanEntry(len(res.entries) + 1, c, L, est, self.step_time(c)))
                 if len(res.entries) >= top:
                     if not window:
@@ -464,10 +489,24 @@ class Planner:
                         horizon = (1 + window) * self.step_time(c).seconds
                         worst = max(key(e.candidate) for e in res.entries)
                         worst_at = (order(c, self.step_time(c).seconds), index[id(c)])
-            elif est.gpu_memory_bytes:
-                res.closest.append((est.peak_device_bytes / est.gpu_memory_bytes, c, est))
-                res.closest.sort(key=lambda x: x[0])
-                del res.closest[3:]
+        for seq, c in replayed:
+            if res.entries:
+                judge(seq, c)          # (cannot fit: the bound is sound)
+            else:
+                res.pruned_by_bound += 1
+                rb = self.replay_bound(c)
+                if res.smallest_bound is None or rb < res.smallest_bound[0]:
+                    res.smallest_bound = (rb, c)
+        events.sort(key=lambda e: e[0])             # (stable: a layout's own events keep their order)
+        for _, what, detail in events:
+            if what == "rule":
+                res.rejected[detail] += 1
+            elif what == "verdict":
+                res.verdicts[detail] += 1
+            else:
+                res.closest.append(detail)
+        res.closest.sort(key=lambda x: x[0])        # the three nearest misses, the first met among equals
+        del res.closest[3:]
         self._place_bounded_out(res, dead, order, stop, horizon, worst, worst_at, key)
         if window and len(res.entries) > 1:
             ranked = tie_break(res.entries, lambda e: e.time.seconds, lambda e: key(e.candidate), window)
