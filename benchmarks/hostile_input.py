@@ -962,6 +962,11 @@ def hostile14_cases():
     for model in ("llama-3.2-1b", "mixtral-8x7b", "qwen3-30b-a3b"):
         yield f"plan 720720 GPUs {model}", ["plan", "--seq-length", "4096", "--gpus", "720720", "--global-batch-size", "720720",
                                            "--model", model, "--top", "50"], {}
+    # issue plancap: Mixtral in fp32 at 131,072 tokens where nothing fits (589 and 1,851 layouts were estimated)
+    for gpus in ("4096", "720720"):
+        yield f"plan {gpus} GPUs mixtral-8x7b fp32 seq 131072 --cp", [
+            "plan", "--seq-length", "131072", "--gpus", gpus, "--global-batch-size", gpus, "--model", "mixtral-8x7b",
+            "--cp", "1,2,4,8,16,32"], {}
     for top in ("0", "-1", "9" * 30, "1e3", "nan", "51", "2147483648"):
         yield f"plan --top {top[:20]}", ["plan", "--seq-length", "4096", "--gpus", "720720", "--global-batch-size", "720720",
                                          "--model", "llama-3.2-1b", "--top", top], {}

@@ -74,20 +74,21 @@ def stage_state_bytes(shape: ModelShape, c: Candidate, params: int, expert_param
     return out
 
 
-def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
+def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True, recompute: str | None = None) -> float:
     """Bytes one layer surely keeps per micro-batch until its backward: what the backward of its
     GEMMs, attention and activation function needs, in every implementation Megatron has. The
     residual stream at the two norms, plus what the recipes of the layer's kind (its token mixer and
     its MLP, ``estimator.layers``) say they surely keep. ``mlp=False``: an MoE layer (its MoE block
-    instead of the dense MLP)."""
+    instead of the dense MLP); ``recompute``: in place of the candidate's (replay_bytes)."""
+    recompute = c.recompute if recompute is None else recompute
     seq = shape.seq_length // c.cp
     Tf = c.mbs * seq
     T = Tf // c.tp if c.sp else Tf
     e = shape.act_bytes
     h = shape.hidden
-    if c.recompute == "full":
+    if recompute == "full":
         return T * h * e                      # the checkpointed input of each layer (uniform, 1 layer)
-    mods = set(shape.recompute_modules) if c.recompute == "selective" else set()
+    mods = set(shape.recompute_modules) if recompute == "selective" else set()
     kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
     if shape.layout.peft is not None:
@@ -118,6 +119,19 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) ->
             if "moe_act" not in mods:
                 kept += rows * f_e * e * q
     return kept
+
+
+def replay_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
+    """Under full recompute, what a layer's replay adds before its backward: CheckpointFunction.backward reruns
+    the layer's forward with grad enabled (tensor_parallel/random.py, megatron-core 0.16.1 / 0.19.2), which saves
+    everything the layer keeps without recomputation, its checkpointed input (already counted) aside. Every stage
+    runs a backward over the micro-batches it holds, so one replay sits on top of them (the estimator's
+    ``_replay``). 0 without full recompute. ``mlp=False``: an MoE layer."""
+    if c.recompute != "full" or shape.layout.peft is not None or shape.layout.freeze_all_layers:
+        # (PEFT: layer_activation_bytes keeps the residual stream only either way; frozen layers: the first stage
+        # runs no backward through its layers)
+        return 0
+    return max(0.0, layer_activation_bytes(shape, c, mlp, "none") - layer_activation_bytes(shape, c, mlp))
 
 
 def first_stage_layers_held(c: Candidate) -> int:
@@ -154,15 +168,22 @@ def _heaviest_middle_rank(c: Candidate) -> int | None:
 
 def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int],
                        stage_expert_params: Callable[[Candidate, int], int] | None = None,
-                       moe_layers_on: Callable[[Candidate, int], int] | None = None) -> float:
+                       moe_layers_on: Callable[[Candidate, int], int] | None = None, replay: bool = False) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
     rank of stage i (TimeModel.stage_params); for MoE models ``stage_expert_params`` and
-    ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i."""
+    ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i.
+    Each stage's term: its model state, the activations it holds when its first backward starts, and on
+    top the larger of two moments that need not overlap: the last stage's logits (the forward's end) and,
+    with ``replay`` under full recompute, one layer's replay (replay_bytes) in the backward. (The search
+    checks the bound without the replay first: that one decides which layouts a plan estimates.)"""
     per_layer = layer_activation_bytes(shape, c)
+    replay_moe = replay_bytes(shape, c, mlp=False) if replay else 0
+    replay = replay_bytes(shape, c) if replay else 0
     # --freeze-all-layers: the first stage keeps no activations (nothing before it requires grad; with virtual
     # stages its later chunks do, left out here)
     first_held = 0 if shape.layout.freeze_all_layers else first_stage_layers_held(c)
-    if shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None:
+    moe = shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None
+    if moe:
         per_moe = layer_activation_bytes(shape, c, mlp=False)
 
         def held(i: int, layers: int) -> float:
@@ -171,33 +192,38 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
                 return layers / n * ((n - n_moe) * per_layer + n_moe * per_moe)
             return layers * (min(per_moe, per_layer) if n_moe else per_layer)   # chunks: the lighter kind
 
-        first = stage_state_bytes(shape, c, stage_params(c, 0), stage_expert_params(c, 0),
-                                  stage_factor_bytes(shape, c, 0, moe_layers_on)) + held(0, first_held)
-        r = _heaviest_middle_rank(c)
-        if r is not None:
-            first = max(first, stage_state_bytes(shape, c, stage_params(c, r), stage_expert_params(c, r),
-                                                 stage_factor_bytes(shape, c, r, moe_layers_on)) + held(
-                r, 0 if shape.layout.freeze_all_layers else rank_layers_held(c, r)))
-        if c.pp == 1:
-            last = first
-        else:
-            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1), stage_expert_params(c, c.pp - 1),
-                                     stage_factor_bytes(shape, c, c.pp - 1, moe_layers_on)) + held(
-                c.pp - 1, c.stage_layers[-1])
+        def top(i: int, layers: int) -> float:
+            # the replayed layer is one of the stage's: the lighter kind it has
+            n, n_moe = c.stage_layers[i], moe_layers_on(c, i)
+            if not layers:
+                return 0
+            return replay_moe if n_moe == n else replay if not n_moe else min(replay, replay_moe)
+
+        def state(i: int) -> float:
+            return stage_state_bytes(shape, c, stage_params(c, i), stage_expert_params(c, i),
+                                     stage_factor_bytes(shape, c, i, moe_layers_on))
     else:
-        first = stage_state_bytes(shape, c, stage_params(c, 0), factors=stage_factor_bytes(shape, c, 0)) + (
-            first_held * per_layer)
-        r = _heaviest_middle_rank(c)
-        if r is not None:
-            first = max(first, stage_state_bytes(shape, c, stage_params(c, r), factors=stage_factor_bytes(shape, c, r))
-                        + (0 if shape.layout.freeze_all_layers else rank_layers_held(c, r)) * per_layer)
-        if c.pp == 1:
-            last = first                          # one stage holds everything
-        else:
-            last = stage_state_bytes(shape, c, stage_params(c, c.pp - 1),
-                                     factors=stage_factor_bytes(shape, c, c.pp - 1)) + c.stage_layers[-1] * per_layer
+        def held(i: int, layers: int) -> float:
+            return layers * per_layer
+
+        def top(i: int, layers: int) -> float:
+            return replay if layers else 0
+
+        def state(i: int) -> float:
+            return stage_state_bytes(shape, c, stage_params(c, i), factors=stage_factor_bytes(shape, c, i))
+
+    first = state(0) + held(0, first_held) + top(0, first_held)
+    r = _heaviest_middle_rank(c)
+    if r is not None:
+        held_r = 0 if shape.layout.freeze_all_layers else rank_layers_held(c, r)
+        first = max(first, state(r) + held(r, held_r) + top(r, held_r))
     seq = shape.seq_length // c.cp
     v_t = shape.padded_vocab(c.tp) // c.tp
     logits = c.mbs * seq * v_t * (4 if shape.fp32_logits else shape.act_bytes)
-    last += logits
+    if c.pp == 1:
+        # one stage holds everything (its term above without the replay, then the larger moment)
+        last = state(0) + held(0, first_held) + max(logits, top(0, first_held))
+    else:
+        n_last = c.stage_layers[-1]
+        last = state(c.pp - 1) + held(c.pp - 1, n_last) + max(logits, top(c.pp - 1, n_last))
     return max(first, last)

@@ -255,6 +255,17 @@ class Planner:
                                                        self.timer.stage_expert_params, self.timer.moe_layers_on)
         return b
 
+    def replay_bound(self, c: Candidate) -> float:
+        """:meth:`lower_bound` with one layer's replay on top under full recompute (bounds.memory_lower_bound)."""
+        key = ("replay", c.tp, c.pp, c.cp, c.dp, c.m, c.stage_layers, c.sp, c.mbs, c.recompute, c.dist_opt, c.fsdp,
+               c.fp8, c.ep, c.etp, c.vpp, c.chunks)
+        b = self._bounds.get(key)
+        if b is None:
+            b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
+                                                       self.timer.stage_expert_params, self.timer.moe_layers_on,
+                                                       replay=True)
+        return b
+
     def state_bound(self, c: Candidate) -> float:
         """The model-state part of :meth:`lower_bound` on the first and last stage (memoised per layout
         without the micro-batch, recomputation and sequence-parallel choices)."""
@@ -299,13 +310,15 @@ class Planner:
         order = self._order(rule)[0]
         return lambda c: order(c, self.step_time(c).seconds)
 
-    def visit_order(self, cands: Sequence[Candidate], rule: str) -> Iterator[Candidate]:
+    def visit_order(self, cands: Sequence[Candidate], rule: str,
+                    aside: Callable[[int, Candidate], bool] | None = None) -> Iterator[Candidate]:
         """``cands`` in the order ``sorted(cands, key=self.order_key(rule))`` gives (equal keys in their order
         in ``cands``), computing step times only as far as the caller reads: each candidate waits in a heap
         under the prefix of its key up to a lower bound of its step time (TimeModel.step_time_bound) and is
         timed when that comes first; a timed candidate comes out when its whole key does. Every key waiting
         is at most that candidate's own key, so whatever comes out precedes every candidate still waiting,
-        timed or not."""
+        timed or not. ``aside(i, c)``: called on a candidate before it is timed; True takes it out untimed
+        (the caller places it in the order later, if it needs to)."""
         order, prefix = self._order(rule)
         bound = self.timer.step_time_bound
         heap = [(prefix(c, bound(c)), i, False) for i, c in enumerate(cands)]
@@ -316,6 +329,8 @@ class Planner:
             if timed:
                 heapq.heappop(heap)
                 yield c
+            elif aside is not None and aside(i, c):
+                heapq.heappop(heap)
             else:
                 heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, True))
 
@@ -323,6 +338,40 @@ class Planner:
         """The order among layouts the time model cannot separate: Fujii et al.'s, then the time rule's."""
         t = self.order_key("time")
         return lambda c: tie_preference(c) + t(c)
+
+    def _place_bounded_out(self, res: PlanResult, dead: list[tuple[int, Candidate, float]],
+                           order: Callable[[Candidate, float], tuple], stop: tuple | None, horizon: float | None,
+                           worst: tuple | None, worst_at: tuple | None, key: Callable[[Candidate], tuple]) -> None:
+        """Count the candidates set aside as bounded out (index, candidate, bound) as the search in order would
+        have: visited unless the search stopped before them (at ``stop``, the last one visited, or at the first
+        step time above ``horizon``: the order is by step time first, so exactly those above it are not
+        visited), and bounded out unless they come after the fit that set ``worst`` (``worst_at``) and are less
+        preferred than it (then skipped unbounded); the smallest bound is the first met among equals. Step
+        times are computed only where the order decides something: a search that stopped early, or equal
+        smallest bounds."""
+        def place(i: int, c: Candidate) -> tuple:
+            return (order(c, self.step_time(c).seconds), i)
+
+        met = []
+        for i, c, lb in dead:
+            if horizon is not None and self.step_time(c).seconds > horizon:
+                continue
+            if stop is not None and place(i, c) > stop:
+                continue
+            if worst is not None and worst_at is not None and place(i, c) > worst_at and key(c) > worst:
+                res.visited += 1          # met after the fit that set `worst` and less preferred: skipped unbounded
+                continue
+            res.visited += 1
+            res.pruned_by_bound += 1
+            met.append((lb, i, c))
+        if not met:
+            return
+        least = min(lb for lb, _, _ in met)
+        if res.smallest_bound is not None and res.smallest_bound[0] <= least:
+            return
+        ties = [(i, c) for lb, i, c in met if lb == least]
+        i, c = min(ties, key=lambda t: place(*t)) if len(ties) > 1 else ties[0]
+        res.smallest_bound = (least, c)
 
     def plan(self, constraints: Constraints | None = None, top: int = 10, rule: str = "time",
              window: float | None = None) -> PlanResult:
@@ -371,7 +420,48 @@ class Planner:
         horizon = None             # time rule: visit up to (1 + window) x the top-th fitting layout's time
         key = self.tie_key()
         worst = None               # the least preferred of the top fastest fitting layouts (by the tie key)
-        for c in self.visit_order(cands, rule):
+        # A candidate whose memory lower bound exceeds the limit is only counted (visited, bounded out) where the
+        # search meets it; timing it just to place it in the order is most of a search where few or none fit.
+        # Such candidates are set aside untimed and placed afterwards (_place_bounded_out): the counts, the
+        # smallest bound and everything else come out as a visit in order gives them.
+        order = self._order(rule)[0]
+        dead: list[tuple[int, Candidate, float]] = []
+
+        def bounded_out(i: int, c: Candidate) -> bool:
+            lb = self.lower_bound(c)
+            if lb > limit:
+                dead.append((i, c, lb))
+                return True
+            return False
+
+        stop = None                # rule fujii2024 / window 0: (order key, index) of the last candidate visited
+        worst_at = None            # (order key, index) of the candidate whose fit set `worst`
+        index = {id(c): i for i, c in enumerate(cands)}
+        # Under full recompute the bound with one layer's replay (replay_bound) rules out more; such a layout is not
+        # estimated until the search knows a layout fits (then it is, in its place: the counts and the closest
+        # layouts of a plan that fits stay what they were), and counts as bounded out in a plan where none fits.
+        replayed: list[tuple[int, Candidate]] = []
+        events: list[tuple[int, str, Any]] = []     # (visit number, what, detail): rules broken, verdicts, misses
+
+        def judge(seq: int, c: Candidate):
+            try:
+                L = self.layout(c)
+            except ConfigErrors as e:
+                events.extend((seq, "rule", str(err)) for err in e.errors)
+                return None, None
+            except (ConfigError, NotModelledError) as e:
+                # NotModelledError: e.g. --fsdp with an optimizer or frozen layers FSDP is not modelled with;
+                # the layout is left out with the reason, like a broken rule
+                events.append((seq, "rule", str(e)))
+                return None, None
+            est = self.estimate(L)
+            res.estimated += 1
+            events.append((seq, "verdict", est.verdict))
+            if est.verdict != "fits" and est.gpu_memory_bytes:
+                events.append((seq, "miss", (est.peak_device_bytes / est.gpu_memory_bytes, c, est)))
+            return L, est
+
+        for c in self.visit_order(cands, rule, aside=bounded_out):
             if horizon is not None and self.step_time(c).seconds > horizon:
                 break
             res.visited += 1
@@ -380,37 +470,44 @@ class Planner:
                 # the top fastest, within the window and preferred to this one (docs/planner.md section 4).
                 continue
             lb = self.lower_bound(c)
-            if lb > limit:
+            if lb > limit:             # (set aside above; kept for a reader of the loop alone)
                 res.pruned_by_bound += 1
                 if res.smallest_bound is None or lb < res.smallest_bound[0]:
                     res.smallest_bound = (lb, c)
                 continue
-            try:
-                L = self.layout(c)
-            except ConfigErrors as e:
-                for err in e.errors:
-                    res.rejected[str(err)] += 1
+            if c.recompute == "full" and self.replay_bound(c) > limit:
+                replayed.append((res.visited, c))
                 continue
-            except (ConfigError, NotModelledError) as e:
-                # NotModelledError: e.g. --fsdp with an optimizer or frozen layers FSDP is not modelled with;
-                # the layout is left out with the reason, like a broken rule
-                res.rejected[str(e)] += 1
-                continue
-            est = self.estimate(L)
-            res.estimated += 1
-            res.verdicts[est.verdict] += 1
-            if est.verdict == "fits":
+            L, est = judge(res.visited, c)
+            if est is not None and est.verdict == "fits":
                 res.entries.append(PlanEntry(len(res.entries) + 1, c, L, est, self.step_time(c)))
                 if len(res.entries) >= top:
                     if not window:
+                        stop = (order(c, self.step_time(c).seconds), index[id(c)])
                         break
                     if horizon is None:
                         horizon = (1 + window) * self.step_time(c).seconds
                         worst = max(key(e.candidate) for e in res.entries)
-            elif est.gpu_memory_bytes:
-                res.closest.append((est.peak_device_bytes / est.gpu_memory_bytes, c, est))
-                res.closest.sort(key=lambda x: x[0])
-                del res.closest[3:]
+                        worst_at = (order(c, self.step_time(c).seconds), index[id(c)])
+        for seq, c in replayed:
+            if res.entries:
+                judge(seq, c)          # (cannot fit: the bound is sound)
+            else:
+                res.pruned_by_bound += 1
+                rb = self.replay_bound(c)
+                if res.smallest_bound is None or rb < res.smallest_bound[0]:
+                    res.smallest_bound = (rb, c)
+        events.sort(key=lambda e: e[0])             # (stable: a layout's own events keep their order)
+        for _, what, detail in events:
+            if what == "rule":
+                res.rejected[detail] += 1
+            elif what == "verdict":
+                res.verdicts[detail] += 1
+            else:
+                res.closest.append(detail)
+        res.closest.sort(key=lambda x: x[0])        # the three nearest misses, the first met among equals
+        del res.closest[3:]
+        self._place_bounded_out(res, dead, order, stop, horizon, worst, worst_at, key)
         if window and len(res.entries) > 1:
             ranked = tie_break(res.entries, lambda e: e.time.seconds, lambda e: key(e.candidate), window)
             res.entries = [dataclasses.replace(e, rank=i + 1) for i, e in enumerate(ranked[:top])]
