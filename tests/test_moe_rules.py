@@ -25,8 +25,8 @@ class _Reader:
     def key(self, dest):
         return "--" + dest.replace("_", "-")
 
-    def fail(self, dest, rule, fix=None):
-        self.errors.append(ConfigError(self.key(dest), rule, fix))
+    def fail(self, dest, rule, fix=None, *, fails_later=None):
+        self.errors.append(ConfigError(self.key(dest), rule, fix, fails_later=fails_later))
 
     def int_arg(self, dest, default=None, required=False, minimum=1):
         v = self.a.get(dest)
