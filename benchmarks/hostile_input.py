@@ -980,10 +980,6 @@ def hook14_cases() -> tuple[int, list[str], float, str]:
     """Issue hostile14: the hook's validate_args wrapper on Megatron's namespaces with a numpy scalar or array, a torch
     tensor (0-d, 1-d, NaN), an int subclass whose __int__ raises or an object refusing str() / int() / bool() at the
     shape, batch, parallelism, precision, eval, CP and paged-stash fields. (runs, broken, worst CPU seconds, its case)."""
-    import copy
-    import time
-
-    from mutate_util import hook_namespaces, run_hook
     try:
         import numpy as np
         import torch
@@ -1016,26 +1012,7 @@ def hook14_cases() -> tuple[int, list[str], float, str]:
     fields = ["num_layers", "hidden_size", "micro_batch_size", "global_batch_size", "seq_length", "num_attention_heads",
               "tensor_model_parallel_size", "bf16", "sequence_parallel", "recompute_granularity", "num_experts",
               "eval_micro_batch_size", "cp_comm_type", "moe_paged_stash", "memguard_gpu_memory"]
-    broken, worst, n = [], (0.0, ""), 0
-    for label, base in hook_namespaces().items():
-        if label == "yaml-cfg":
-            continue
-        for f in fields:
-            for v_label, v in values.items():
-                ns = copy.copy(base)
-                setattr(ns, f, v)
-                ns.memguard = "warn"
-                c0 = time.process_time()
-                o = run_hook(ns)
-                cpu = time.process_time() - c0
-                n += 1
-                case = f"{label} {f}={v_label}"
-                if cpu > worst[0]:
-                    worst = (cpu, case)
-                p = _hook_problems(o, exit_message=False)
-                if p:
-                    broken.append(f"hook14 {case}: {'; '.join(p)[:200]}")
-    return n, broken, worst[0], worst[1]
+    return _hook_field_cases("hook14", fields, list(values.items()), deep=False)
 
 
 def hostile11_cases():
@@ -1586,10 +1563,6 @@ def hook13_cases() -> tuple[int, list[str], float, str]:
     rerun, CUDA graphs) set to a value of the wrong type: a str, a float, a negative, a list, a bool, NaN, inf, 10**30, a
     dict, bytes, an object refusing int() / bool() / ==. The promise: Megatron's validation runs, at most one memguard
     error line, no exception escapes. (runs, broken, worst CPU seconds, its case)."""
-    import copy
-    import time
-
-    from mutate_util import hook_namespaces, run_hook
 
     class Refusing:
         def __int__(self):
@@ -1610,20 +1583,35 @@ def hook13_cases() -> tuple[int, list[str], float, str]:
               "linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim", "dsa_indexer_topk",
               "dsa_indexer_n_heads", "hybrid_layer_pattern", "rerun_mode", "check_for_nan_in_loss_and_grad",
               "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"]
+    def variant_on(ns: Any, f: str) -> None:
+        if f.startswith("linear_"):      # (the GDN flags are read with the variant on)
+            ns.experimental_attention_variant = "gated_delta_net"
+            if f != "linear_attention_freq":
+                ns.linear_attention_freq = 4
+        if f.startswith("dsa_"):
+            ns.experimental_attention_variant = "dsa"
+
+    return _hook_field_cases("hook13", fields, values, deep=True, prepare=variant_on)
+
+
+def _hook_field_cases(group: str, fields: list[str], values: list[tuple[str, Any]], deep: bool,
+                      prepare: Any = None) -> tuple[int, list[str], float, str]:
+    """The hook on each of Megatron's namespaces (but the --yaml-cfg one) with each field set to each value (after
+    ``prepare(ns, field)``), in warn mode, timed. (runs, broken, worst CPU seconds, its case)."""
+    import copy
+    import time
+
+    from mutate_util import hook_namespaces, run_hook
     broken, worst, n = [], (0.0, ""), 0
     for label, base in hook_namespaces().items():
         if label == "yaml-cfg":
             continue
         for f in fields:
             for v_label, v in values:
-                ns = copy.deepcopy(base)
+                ns = copy.deepcopy(base) if deep else copy.copy(base)
                 setattr(ns, f, v)
-                if f.startswith("linear_"):      # (the GDN flags are read with the variant on)
-                    ns.experimental_attention_variant = "gated_delta_net"
-                    if f != "linear_attention_freq":
-                        ns.linear_attention_freq = 4
-                if f.startswith("dsa_"):
-                    ns.experimental_attention_variant = "dsa"
+                if prepare is not None:
+                    prepare(ns, f)
                 ns.memguard = "warn"
                 c0 = time.process_time()
                 o = run_hook(ns)
@@ -1634,7 +1622,7 @@ def hook13_cases() -> tuple[int, list[str], float, str]:
                     worst = (cpu, case)
                 p = _hook_problems(o, exit_message=False)
                 if p:
-                    broken.append(f"hook13 {case}: {'; '.join(p)[:200]}")
+                    broken.append(f"{group} {case}: {'; '.join(p)[:200]}")
     return n, broken, worst[0], worst[1]
 
 
