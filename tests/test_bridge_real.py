@@ -459,17 +459,9 @@ def test_run_recipes_cuda_graphs_are_what_bridge_finalizes(recipes, monkeypatch,
     cuda_graph_config.py migrates the deprecated cuda_graph_scope to cuda_graph_modules): memguard check's reading
     refuses what Bridge refuses, naming the key Bridge names, and reads the implementation and modules Bridge builds."""
     from megatron_memguard.errors import ConfigError
-    from megatron_memguard.readers.run_recipe import read_run_recipe
     from megatron_memguard.resolve import resolve
 
-    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
-    cfg = run_recipe_main("v0.6.0", ["--recipe", "llama3_8b_pretrain_config", *overrides], monkeypatch)
-    try:
-        _runtime_config_update(cfg, monkeypatch)
-        bridge = None
-    except AssertionError as e:
-        bridge = str(e)
-    _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
+    cfg, bridge, raw = _llama3_8b_launch(overrides, monkeypatch)
     if bridge is not None and "cuda_graph_scope and cuda_graph_modules cannot be set together" in bridge:
         # (the recipe function sets cuda_graph_scope 'full'; TransformerConfig asserts the modules empty unless it is
         # None): the container's reading and memguard check's (its recipe table carries that 'full') have the problem
@@ -606,6 +598,24 @@ def _finalized(recipes, key, monkeypatch, tmp_path):
         overrides = ["model.moe_token_dispatcher_type=alltoall"]
     _runtime_config_update(cfg, monkeypatch)
     return cfg, world, overrides
+
+
+def _llama3_8b_launch(overrides, monkeypatch, unset_env=()):
+    """run_recipe.py's llama3_8b_pretrain_config with ``overrides``, finalized by Bridge (runtime_config_update), and
+    memguard's reading of the same launch: (Bridge's config, Bridge's assertion message or None, memguard's raw)."""
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = run_recipe_main("v0.6.0", ["--recipe", "llama3_8b_pretrain_config", *overrides], monkeypatch)
+    for name in unset_env:
+        monkeypatch.delenv(name, raising=False)
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+        bridge = None
+    except AssertionError as e:
+        bridge = str(e)
+    _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
+    return cfg, bridge, raw
 
 
 def _runtime_config_update(cfg, monkeypatch) -> None:
@@ -1085,19 +1095,10 @@ def test_optimizer_offload_without_precision_aware_optimizer_is_what_bridge_does
     (["checkpoint.ckpt_format=fsdp_dtensor"], True),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_megatron_fsdp_checkpoint_format_is_refused_as_bridge_refuses_it(recipes, monkeypatch, overrides, refused):
-    from megatron_memguard.readers.run_recipe import read_run_recipe
     from megatron_memguard.resolve import resolve
 
-    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
-    cfg = run_recipe_main("v0.6.0", ["--recipe", "llama3_8b_pretrain_config", *overrides], monkeypatch)
     # (FSDP also asserts CUDA_DEVICE_MAX_CONNECTIONS is not 1, which the launch environment decides)
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    try:
-        _runtime_config_update(cfg, monkeypatch)
-        bridge = None
-    except AssertionError as e:
-        bridge = str(e)
-    _, raw = read_run_recipe(["--recipe", "llama3_8b_pretrain_config", *overrides])
+    cfg, bridge, raw = _llama3_8b_launch(overrides, monkeypatch, unset_env=("CUDA_DEVICE_MAX_CONNECTIONS",))
     assert (bridge is not None) == refused, bridge
     assert [p.key for p in raw.problems] == (["checkpoint.ckpt_format"] if refused else [])
     if refused:
