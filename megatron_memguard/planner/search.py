@@ -470,7 +470,7 @@ class Planner:
                 # the top fastest, within the window and preferred to this one (docs/planner.md section 4).
                 continue
             lb = self.lower_bound(c)
-            if lb > limit:             # (set aside above; kept for a reader of the loop alone)
+            if lb > limit:             # (set aside above; met here only in a visit without `aside`: the tests' plain visit)
                 res.pruned_by_bound += 1
                 if res.smallest_bound is None or lb < res.smallest_bound[0]:
                     res.smallest_bound = (lb, c)
