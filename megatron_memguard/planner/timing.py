@@ -364,6 +364,7 @@ class TimeModel:
         self._work_sum: dict[tuple, float] = {}
         self._bound: dict[tuple, float] = {}
         self._floor: dict[tuple, float] = {}
+        self._ranks_params: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._fp8_config = shape.layout.fp8_spec.enabled
         s = shape
         self.gdn_cost: dict[tuple, LayerCost] = {}
@@ -1049,21 +1050,35 @@ class TimeModel:
         """The optimizer step's parameters on the largest stage (dense ones over the distributed optimizer's
         shard, routed-expert ones over the expert-DP shard), that shard, and the bytes read and written per
         parameter: the step is memory-bound over them."""
-        s, p = self.shape, c.pp
+        s = self.shape
         shard = max(1, c.dp * c.cp // s.dist_opt_instances) if c.dist_opt else 1
         e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt and s.moe else 1
         okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, shard, e_shard)
         elems = self._opt.get(okey)
         if elems is None:
-            mtp = self.mtp_params(c)
+            ranks = self._rank_params(c)
             if s.moe:
-                elems = max((self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0)) / shard
-                            + (self.stage_expert_params(c, i) + (mtp[1] if i == p - 1 else 0)) / e_shard
-                            for i in range(p))
+                elems = max(dense / shard + experts / e_shard for dense, experts in ranks)
             else:
-                elems = max(self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0) for i in range(p)) / shard
+                elems = max(dense for dense, _ in ranks) / shard
             self._opt[okey] = elems
         return elems, shard, 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
+
+    def _rank_params(self, c: Candidate) -> tuple[tuple[int, int], ...]:
+        """The distinct (dense, routed-expert) parameter counts of the pipeline ranks, the MTP depths on the
+        last (one list per split, whatever the DP shards the optimizer divides them by)."""
+        key = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
+        hit = self._ranks_params.get(key)
+        if hit is None:
+            p, moe = c.pp, self.shape.moe is not None
+            mtp = self.mtp_params(c)
+            _, index = self.rank_kinds(c)
+            # (one rank of each kind: the ranks of a kind hold the same layers, so the same parameters)
+            ranks = [index.index(j) for j in range(max(index) + 1)]
+            hit = self._ranks_params[key] = tuple(
+                (self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0),
+                 self.stage_expert_params(c, i) + (mtp[1] if i == p - 1 else 0) if moe else 0) for i in ranks)
+        return hit
 
     def step_tail_floor(self, c: Candidate) -> float:
         """A lower bound of the dp_comm and optimizer terms of ``c``'s step time, for step_time_bound: the
