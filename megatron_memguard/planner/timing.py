@@ -743,8 +743,9 @@ class TimeModel:
         and VPP, so that a search can leave the step times it never reaches uncomputed (planner/search.py).
 
         The work terms and the bubble are ``m x W_max + (S - W_max) / v`` over the ranks' per-micro-batch
-        work W_i (:meth:`rank_work`; S their sum); as m >= 1 >= 1 / v it grows with W_max >= S / p, so it is
-        at least ``m S / p + S (p - 1) / (p v)``. S does not depend on the split: every layer sits on one
+        work W_i (:meth:`rank_work`; S their sum); as m >= 1 >= 1 / v it grows with W_max, which is at least
+        S / p and at least the work of the ceil(L / p) cheapest layers (some rank holds that many), so it is at
+        least that with W_max the larger of the two. S does not depend on the split: every layer sits on one
         rank, the embedding on the first, the output layer, loss and MTP depths on the last, get_batch runs
         on both; it is one rank holding all layers, plus the second get_batch. The pipeline transfers are
         exact with one chunk per rank and at least their latency with several. On top, the optimizer step
@@ -761,22 +762,35 @@ class TimeModel:
         """step_time_bound's work, bubble and pipeline-transfer part (the same for every split)."""
         fp8 = self.fp8_on(c)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp > 1)
-        total = self._work_sum.get(key)
+        hit = self._work_sum.get(key)
         s = self.shape
-        if total is None:
+        n = s.num_layers
+        n_moe = s.moe.layers_in(0, n) if s.moe else 0
+        if hit is None:
             lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
             ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
             lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
             rc_layer = self._recompute_layer(lc, c.recompute)[0]
             rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
-            n = s.num_layers
-            every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
-            total = self._rank_rows(c, (every,), lc, ec, lm, rc_layer, rc_moe, fp8)[0][0]
+            every = (n, True, True, n_moe, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
+            # and one middle rank holding a single layer of each kind (dense, MoE): a layer's work wherever it sits
+            one = [(1, False, False, 0, 0)] + ([(1, False, False, 1, 0)] if n_moe else [])
+            rows = self._rank_rows(c, (every, *one), lc, ec, lm, rc_layer, rc_moe, fp8)
+            total = rows[0][0]
             if c.pp > 1:
                 total += ec.batch
-            self._work_sum[key] = total
+            hit = self._work_sum[key] = (total, rows[1][0], rows[-1][0])
+        total, dense, moe = hit
         p, v, m = c.pp, c.vpp, c.m
-        t = m * total / p + total * (p - 1) / (p * v)
+        w = total / p
+        if p > 1 and not s.gdn_pattern:
+            # the ranks share the layers out, so one holds at least ceil(L / p) of them: at least the work of the
+            # cheapest ceil(L / p) layers of the model (well above S / p where p does not divide L). (GDN layers
+            # mix into either kind: left at S / p.)
+            k = -(-n // p)
+            (lo, n_lo), (hi, _) = sorted(((dense, n - n_moe), (moe, n_moe)))
+            w = max(w, min(k, n_lo) * lo + max(0, k - n_lo) * hi)
+        t = m * w + (total - w) / v
         if p > 1:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
             t1 = self.p2p(nbytes, c.tp * c.cp * c.dp * c.pp <= self.domain)
