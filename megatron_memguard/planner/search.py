@@ -36,7 +36,7 @@ from ..estimator import Estimate, SiteConstants, estimate
 from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
-from .bounds import memory_lower_bound, stage_factor_bytes, stage_state_bytes
+from .bounds import layer_activation_bytes, memory_lower_bound, stage_factor_bytes, stage_state_bytes
 from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_pruned, model_shape
 from .timing import StepTime, TimeModel
 
@@ -252,7 +252,28 @@ class Planner:
         b = self._bounds.get(key)
         if b is None:
             b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
-                                                       self.timer.stage_expert_params, self.timer.moe_layers_on)
+                                                       self.timer.stage_expert_params, self.timer.moe_layers_on,
+                                                       activations=self._activation_bytes, state_bytes=self._state_bytes)
+        return b
+
+    def _activation_bytes(self, c: Candidate, mlp: bool, recompute: str | None) -> float:
+        """bounds.layer_activation_bytes, memoised by all it reads of the candidate."""
+        key = ("act", c.tp, c.cp, c.mbs, c.sp, c.recompute if recompute is None else recompute, c.fp8, c.etp, mlp)
+        b = self._bounds.get(key)
+        if b is None:
+            b = self._bounds[key] = layer_activation_bytes(self.shape, c, mlp, recompute)
+        return b
+
+    def _state_bytes(self, c: Candidate, stage: int) -> float:
+        """The model state of one rank of ``stage`` (bounds.stage_state_bytes), memoised by all it reads of the
+        candidate (as state_bound)."""
+        key = ("stage", c.tp, c.pp, c.cp, c.dp, c.stage_layers, c.dist_opt, c.fsdp, c.ep, c.etp, c.vpp, c.chunks, stage)
+        b = self._bounds.get(key)
+        if b is None:
+            tm = self.timer
+            b = self._bounds[key] = stage_state_bytes(self.shape, c, tm.stage_params(c, stage),
+                                                      tm.stage_expert_params(c, stage),
+                                                      stage_factor_bytes(self.shape, c, stage, tm.moe_layers_on))
         return b
 
     def replay_bound(self, c: Candidate) -> float:
@@ -263,7 +284,8 @@ class Planner:
         if b is None:
             b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
                                                        self.timer.stage_expert_params, self.timer.moe_layers_on,
-                                                       replay=True)
+                                                       replay=True, activations=self._activation_bytes,
+                                                       state_bytes=self._state_bytes)
         return b
 
     def state_bound(self, c: Candidate) -> float:
@@ -272,11 +294,7 @@ class Planner:
         key = ("state", c.tp, c.pp, c.cp, c.dp, c.stage_layers, c.dist_opt, c.fsdp, c.ep, c.etp, c.vpp, c.chunks)
         b = self._bounds.get(key)
         if b is None:
-            tm = self.timer
-            b = self._bounds[key] = max(
-                stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i),
-                                  stage_factor_bytes(self.shape, c, i, tm.moe_layers_on))
-                for i in {0, c.pp - 1})
+            b = self._bounds[key] = max(self._state_bytes(c, i) for i in {0, c.pp - 1})
         return b
 
     def layout(self, c: Candidate) -> Layout:

@@ -765,8 +765,8 @@ class TimeModel:
         hit = self._work_sum.get(key)
         s = self.shape
         n = s.num_layers
-        n_moe = s.moe.layers_in(0, n) if s.moe else 0
         if hit is None:
+            n_moe = s.moe.layers_in(0, n) if s.moe else 0
             lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
             ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
             lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
@@ -779,8 +779,8 @@ class TimeModel:
             total = rows[0][0]
             if c.pp > 1:
                 total += ec.batch
-            hit = self._work_sum[key] = (total, rows[1][0], rows[-1][0])
-        total, dense, moe = hit
+            hit = self._work_sum[key] = (total, rows[1][0], rows[-1][0], n_moe)
+        total, dense, moe, n_moe = hit
         p, v, m = c.pp, c.vpp, c.m
         w = total / p
         if p > 1 and not s.gdn_pattern:
