@@ -48,6 +48,7 @@ RULES = ("time", "fujii2024")
 # `benchmarks/planner_quality.py --windows` prints both).
 TIE_WINDOW = 0.04
 _RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
+ROUGH, BOUNDED, TIMED = 0, 1, 2      # what a candidate waits under in the best-first visit (Planner.visit_order)
 
 
 T = TypeVar("T")
@@ -332,25 +333,30 @@ class Planner:
                     aside: Callable[[int, Candidate], bool] | None = None) -> Iterator[Candidate]:
         """``cands`` in the order ``sorted(cands, key=self.order_key(rule))`` gives (equal keys in their order
         in ``cands``), computing step times only as far as the caller reads: each candidate waits in a heap
-        under the prefix of its key up to a lower bound of its step time (TimeModel.step_time_bound) and is
-        timed when that comes first; a timed candidate comes out when its whole key does. Every key waiting
+        under the prefix of its key up to a lower bound of its step time (first TimeModel.step_time_work_bound,
+        then, when that comes first, TimeModel.step_time_bound) and is timed when that comes first; a timed
+        candidate comes out when its whole key does. Every key waiting
         is at most that candidate's own key, so whatever comes out precedes every candidate still waiting,
         timed or not. ``aside(i, c)``: called on a candidate before it is timed; True takes it out untimed
         (the caller places it in the order later, if it needs to)."""
         order, prefix = self._order(rule)
-        bound = self.timer.step_time_bound
-        heap = [(prefix(c, bound(c)), i, False) for i, c in enumerate(cands)]
+        # each candidate waits under ever larger keys, never above its own: the bound of the work alone (memoised
+        # without the split: cheap for every candidate), then the whole bound, then its step time
+        rough, bound = self.timer.step_time_work_bound, self.timer.step_time_bound
+        heap = [(prefix(c, rough(c)), i, ROUGH) for i, c in enumerate(cands)]
         heapq.heapify(heap)
         while heap:
-            key, i, timed = heap[0]
+            key, i, state = heap[0]
             c = cands[i]
-            if timed:
+            if state == TIMED:
                 heapq.heappop(heap)
                 yield c
+            elif state == ROUGH:
+                heapq.heapreplace(heap, (prefix(c, bound(c)), i, BOUNDED))
             elif aside is not None and aside(i, c):
                 heapq.heappop(heap)
             else:
-                heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, True))
+                heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, TIMED))
 
     def tie_key(self) -> Callable[[Candidate], tuple]:
         """The order among layouts the time model cannot separate: Fujii et al.'s, then the time rule's."""

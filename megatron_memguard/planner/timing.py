@@ -365,6 +365,7 @@ class TimeModel:
         self._bound: dict[tuple, float] = {}
         self._floor: dict[tuple, float] = {}
         self._ranks_params: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        self._layer_work: dict[tuple, tuple[tuple[float, int], ...]] = {}
         self._fp8_config = shape.layout.fp8_spec.enabled
         s = shape
         self.gdn_cost: dict[tuple, LayerCost] = {}
@@ -758,44 +759,65 @@ class TimeModel:
             t = self._bound[bkey] = self._split_free_bound(c)
         return (t + self.step_tail_floor(c)) * (1 - 1e-9)
 
+    def step_time_work_bound(self, c: Candidate) -> float:
+        """:meth:`step_time_bound` without the DP and optimizer part: a lower bound too, memoised without the split
+        (the search's first, cheap look at a candidate)."""
+        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
+        t = self._bound.get(bkey)
+        if t is None:
+            t = self._bound[bkey] = self._split_free_bound(c)
+        return t * (1 - 1e-9)
+
     def _split_free_bound(self, c: Candidate) -> float:
         """step_time_bound's work, bubble and pipeline-transfer part (the same for every split)."""
         fp8 = self.fp8_on(c)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp > 1)
-        hit = self._work_sum.get(key)
+        total = self._work_sum.get(key)
         s = self.shape
         n = s.num_layers
-        if hit is None:
-            n_moe = s.moe.layers_in(0, n) if s.moe else 0
+        if total is None:
             lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
             ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
             lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
             rc_layer = self._recompute_layer(lc, c.recompute)[0]
             rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
-            every = (n, True, True, n_moe, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
-            # and one middle rank holding a single layer of each kind (dense, MoE): a layer's work wherever it sits
-            one = [(1, False, False, 0, 0)] + ([(1, False, False, 1, 0)] if n_moe else [])
-            rows = self._rank_rows(c, (every, *one), lc, ec, lm, rc_layer, rc_moe, fp8)
-            total = rows[0][0]
+            every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
+            total = self._rank_rows(c, (every,), lc, ec, lm, rc_layer, rc_moe, fp8)[0][0]
             if c.pp > 1:
                 total += ec.batch
-            hit = self._work_sum[key] = (total, rows[1][0], rows[-1][0], n_moe)
-        total, dense, moe, n_moe = hit
+            self._work_sum[key] = total
         p, v, m = c.pp, c.vpp, c.m
         w = total / p
-        if p > 1 and not s.gdn_pattern:
+        if n % p and not s.gdn_pattern:
             # the ranks share the layers out, so one holds at least ceil(L / p) of them: at least the work of the
-            # cheapest ceil(L / p) layers of the model (well above S / p where p does not divide L). (GDN layers
-            # mix into either kind: left at S / p.)
-            k = -(-n // p)
-            (lo, n_lo), (hi, _) = sorted(((dense, n - n_moe), (moe, n_moe)))
-            w = max(w, min(k, n_lo) * lo + max(0, k - n_lo) * hi)
+            # cheapest ceil(L / p) layers of the model, well above S / p where p does not divide L (where it does,
+            # at most S / p). (GDN layers mix into either kind: left at S / p.)
+            w = max(w, self._cheapest_layers(c, fp8, key, -(-n // p)))
         t = m * w + (total - w) / v
         if p > 1:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
             t1 = self.p2p(nbytes, c.tp * c.cp * c.dp * c.pp <= self.domain)
             t += 2 * (p - 1) * t1 + (2 * m * v * P2P_LATENCY if v > 1 else 2 * m * t1)
         return t
+
+    def _cheapest_layers(self, c: Candidate, fp8: bool, key: tuple, k: int) -> float:
+        """Per micro-batch, the work of the k cheapest layers of the model (dense or MoE, each as a middle rank
+        holding it alone would run it); ``key``: the work memo's (everything a layer's cost reads)."""
+        hit = self._layer_work.get(key)
+        s = self.shape
+        if hit is None:
+            n_moe = s.moe.layers_in(0, s.num_layers) if s.moe else 0
+            lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
+            ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
+            lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
+            rc_layer = self._recompute_layer(lc, c.recompute)[0]
+            rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
+            one = [(1, False, False, 0, 0)] + ([(1, False, False, 1, 0)] if n_moe else [])
+            rows = self._rank_rows(c, one, lc, ec, lm, rc_layer, rc_moe, fp8)
+            # (the cheaper kind first, with how many layers of it the model has)
+            hit = self._layer_work[key] = tuple(sorted(((rows[0][0], s.num_layers - n_moe), (rows[-1][0], n_moe))))
+        (lo, n_lo), (hi, _) = hit
+        return min(k, n_lo) * lo + max(0, k - n_lo) * hi
 
     def explain(self, c: Candidate) -> StepTime:
         """The same step time with a sentence per term saying how it is computed."""
