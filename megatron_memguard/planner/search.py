@@ -295,7 +295,12 @@ class Planner:
         key = ("state", c.tp, c.pp, c.cp, c.dp, c.stage_layers, c.dist_opt, c.fsdp, c.ep, c.etp, c.vpp, c.chunks)
         b = self._bounds.get(key)
         if b is None:
-            b = self._bounds[key] = max(self._state_bytes(c, i) for i in {0, c.pp - 1})
+            # (computed here, not through _state_bytes: the enumeration's prefilter meets most keys once)
+            tm = self.timer
+            b = self._bounds[key] = max(
+                stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i),
+                                  stage_factor_bytes(self.shape, c, i, tm.moe_layers_on))
+                for i in {0, c.pp - 1})
         return b
 
     def layout(self, c: Candidate) -> Layout:
