@@ -86,6 +86,18 @@ def recipes(tmp_path_factory, request):
         yield r
 
 
+@pytest.fixture(autouse=True)
+def _environ_kept():
+    """Each test leaves os.environ as it found it: Bridge's apply_environment_variables and runtime_config_update
+    set a recipe's env_vars in it directly, past monkeypatch (a variable absent before is not restored by its
+    delenv), and a later test's processes would start with them (and the PEFT scripts' fork server key change)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def fields(L):
     return {k: v for k, v in L.to_dict().items() if k not in ("notes", "env")}
 
