@@ -186,6 +186,11 @@ GRID: List[Dict[str, Any]] = [
                                                      "--global-batch-size", "2", "--tensor-model-parallel-size", "2",
                                                      "--distribute-saved-activations"],
          note="uniform 1, TP2, --distribute-saved-activations: a 1/TP shard kept, gathered at the replay"),
+    _cfg("recomp_full_uniform3_of4_bwd", 1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                             "--recompute-num-layers", "3", "--vocab-size", "128",
+                                             "--global-batch-size", "2"],
+         note="uniform 3 of 4 layers: a block of 3 and a last block of 1 (core >= 0.17 ends it at the chunk's end; "
+              "0.16.1 reads a layer past it, IndexError, and memguard refuses it there): replay_grid on 0.19.2 only"),
     _cfg("recomp_full_block3_of4_bwd", 1, ["--recompute-granularity", "full", "--recompute-method", "block",
                                            "--recompute-num-layers", "3", "--vocab-size", "128",
                                            "--global-batch-size", "2"],
