@@ -2,7 +2,7 @@
 
 The measurements are real megatron-core 0.16.1 training steps on CPU with every live tensor byte
 counted (benchmarks/referee/); scoring them again takes a second and catches an estimator change that
-moves any of the 141 measured ranks. The runs themselves are redone by tests/test_referee_ci.py (its
+moves any of the 145 measured ranks. The runs themselves are redone by tests/test_referee_ci.py (its
 subset) and `python -m benchmarks.referee.report` (all).
 """
 import json
