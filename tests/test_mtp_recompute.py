@@ -70,8 +70,15 @@ def test_uniform_with_more_than_one_layer_per_checkpoint_is_megatrons_assertion(
     text = str(e.value)
     assert text.startswith("--recompute-num-layers: must be 1 with --mtp-num-layers under --recompute-method uniform")
     assert "got 2" in text and "\n" not in text
-    # the same flags without MTP, and MTP with one layer per checkpoint, are estimated
-    assert _last(f"{pos} {_full('uniform', 2)}", version).peak_allocated_bytes > 0
+    # the same flags without MTP, and MTP with one layer per checkpoint, are estimated -- but on 0.16, where
+    # TransformerBlock's uniform loop reads a layer past a stage of one layer in groups of 2 (IndexError at the
+    # first forward, transformer_block.py 0.16.1; 0.17.1 ends the group at the stage's end), it is refused by name
+    if version == "0.16":
+        with pytest.raises(ConfigError) as e:
+            _last(f"{pos} {_full('uniform', 2)}", version)
+        assert "does not divide a model chunk of 1 layers" in str(e.value)
+    else:
+        assert _last(f"{pos} {_full('uniform', 2)}", version).peak_allocated_bytes > 0
     assert _last(f"--mtp-num-layers 1 {pos} {_full('uniform', 1)}", version).peak_allocated_bytes > 0
 
 

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.estimator.activations import attention_kind
 from megatron_memguard.estimator.attention_backend import select
+from megatron_memguard.estimator.layers.attention import te_softmax_kernel
+from megatron_memguard.estimator.layers.base import shapes
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.result import GROUPS, LEVELS
 from megatron_memguard.estimator.states import stage_states
@@ -166,11 +168,38 @@ def test_peak_does_not_decrease_with_micro_batch_size(spec, extra):
     """A larger micro-batch makes every activation, batch tensor and transient larger (Megatron's shapes
     are [s, b, ...]); nothing shrinks. Exception: the local implementation's fused softmax kernel
     applies only when b x heads/TP is a multiple of 4 (megatron fused_softmax.is_kernel_available), so
-    a larger b can switch the unfused torch softmax to the kernel; such pairs are skipped."""
+    a larger b can switch the unfused torch softmax to the kernel; such pairs are skipped. The same holds for
+    Transformer Engine's UnfusedDotProductAttention (--attention-backend unfused): its FusedScaleMaskSoftmax
+    kernel needs b x heads/TP a multiple of 4 too (TE 2.11 / 2.20.2 softmax.py is_kernel_available, memguard's
+    te_softmax_kernel), and where it runs it keeps only the bf16 probs instead of torch's fp32 softmax, its cast
+    and its mask (test_te_unfused_softmax_kernel_at_a_larger_micro_batch_by_hand)."""
     big = spec.with_(mbs=spec.mbs + extra)
-    assume(attention_kind(layout(spec)) == attention_kind(layout(big)))
+    Ls, Lb = layout(spec), layout(big)
+    assume(attention_kind(Ls) == attention_kind(Lb))
+    assume(te_softmax_kernel(Ls, shapes(Ls)) == te_softmax_kernel(Lb, shapes(Lb)))
     for small_peak, big_peak in zip(_peaks(spec), _peaks(big)):
         assert big_peak >= small_peak
+
+
+TE_UNFUSED_MBS3 = Spec(backend="unfused", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=64, mbs=3,
+                       vocab=8, bias=False)
+
+
+def test_te_unfused_softmax_kernel_at_a_larger_micro_batch_by_hand():
+    """The corner MEMGUARD_PROPERTY_EXAMPLES=300 with the new seed 20261130 drew for the property above
+    (2026-11-30): TE's unfused attention, one head, s = 64, bf16, micro-batch 3 -> 4. TE's FusedScaleMaskSoftmax
+    runs its kernel only when b x heads/TP is a multiple of 4 (TE 2.11 / 2.20.2 softmax.py is_kernel_available):
+    at b = 3 it falls back to torch's softmax in fp32 (UnfusedDotProductAttention builds it with
+    softmax_in_fp32=True) and keeps the fp32 probs, their bf16 cast and the OR'd bool mask of the data loader's
+    [b, 1, s, s] mask: 3 x 64 x 64 x (4 + 2) = 73,728 B and 3 x 64 x 64 = 12,288 B; at b = 4 the kernel keeps
+    only the bf16 probs, 4 x 64 x 64 x 2 = 32,768 B, so the larger micro-batch's layer keeps less."""
+    from megatron_memguard.estimator.activations import layer_activations
+    small, big = layout(TE_UNFUSED_MBS3), layout(TE_UNFUSED_MBS3.with_(mbs=4))
+    assert not te_softmax_kernel(small, shapes(small)) and te_softmax_kernel(big, shapes(big))
+    a, b = layer_activations(small).saved, layer_activations(big).saved
+    assert (a["attention_probs"], a["causal_mask"]) == (3 * 64 * 64 * 6, 3 * 64 * 64)
+    assert b["attention_probs"] == 4 * 64 * 64 * 2 and "causal_mask" not in b
+    assert layer_activations(big).total < layer_activations(small).total
 
 
 @PROPERTY

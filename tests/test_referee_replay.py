@@ -65,6 +65,19 @@ def test_a_replay_is_estimated_as_exactly_as_a_backward_without_one(measured, co
         assert _offsets(entries[name], core) == tp2, name
 
 
+def test_a_shorter_last_uniform_block_is_estimated_as_exactly_on_core_019(measured):
+    """Uniform 3 of 4 layers: megatron-core 0.19.2's checkpointed_forward (recompute.py, the group's end clamped to
+    min(i + 3, 4) since 0.17.1) checkpoints layers 0-2 and layer 3 alone; the peak is the 3-layer block's replay.
+    Measured 84,294,896 B (2026-11-30), the estimate 240 B below it, the reference's offset (the loss's scalars).
+    On 0.16.1 the same flags fail at the first forward (IndexError: the loop reads layer 4), which memguard refuses
+    (tests/test_recompute.py)."""
+    entries = measured["0.19.2"]
+    assert _offsets(entries["recomp_full_uniform3_of4_bwd"], "0.19.2") == _offsets(
+        entries["recomp_full_block1_of4_bwd"], "0.19.2") == [-240]
+    assert entries["recomp_full_uniform3_of4_bwd"]["ranks"][0]["peak_bytes"] == 84_294_896
+    assert "recomp_full_uniform3_of4_bwd" not in measured["0.16.1"]
+
+
 @pytest.mark.parametrize("core", list(VERSION))
 @pytest.mark.parametrize("blocks", ["top_attention_only", "top_mlp_only", "top_identity"])
 def test_a_replayed_top_layer_without_a_pre_mlp_norm_is_estimated_as_exactly_as_without_a_replay(measured, core, blocks):

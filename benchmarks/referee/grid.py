@@ -78,6 +78,36 @@ GRID: List[Dict[str, Any]] = [
     _cfg("pp2_uneven", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "5",
                            "--decoder-first-pipeline-num-layers", "2", "--global-batch-size", "8"],
          note="uneven split 2+3"),
+    # --- pipeline split corners (2026-11-30): the last stage's count, the embedding and loss counted in the split,
+    # a layout string, each with and without virtual stages
+    _cfg("pp2_last1", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+                          "--decoder-last-pipeline-num-layers", "1", "--global-batch-size", "8"],
+         note="uneven split 4+1 by the last stage's count"),
+    _cfg("pp2_acc_emb_loss", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "6",
+                                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                                 "--global-batch-size", "8"],
+         note="embedding and loss each count as a layer: (6 + 2) / 2 = 4 slots, 3 + 3 layers"),
+    _cfg("pp2_layout", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+                           "--pipeline-model-parallel-layout", "Et|ttttL", "--global-batch-size", "8"],
+         note="--pipeline-model-parallel-layout Et|ttttL: 1 + 4 layers"),
+    _cfg("vpp_pp2_first2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "6",
+                               "--decoder-first-pipeline-num-layers", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                               "--global-batch-size", "8"],
+         note="uneven with virtual stages: rank 0 holds 1 + 1 layers, rank 1 2 + 2 (the layout Et|tt|t|ttL)"),
+    _cfg("vpp_pp4_first2_last2", 4, ["--pipeline-model-parallel-size", "4", "--num-layers", "12",
+                                     "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers",
+                                     "2", "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"],
+         note="uneven first and last stages with virtual stages: chunks of 1, 2, 2, 1 layers per rank's virtual stage"),
+    _cfg("vpp_pp2_acc_emb_loss", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "6",
+                                     "--account-for-embedding-in-pipeline-split",
+                                     "--account-for-loss-in-pipeline-split",
+                                     "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"],
+         note="embedding and loss in the split with 2 virtual stages: rank 0 E+1 then 2 layers, rank 1 2 then 1+L"),
+    _cfg("vpp_pp2_group3_mb5", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                                   "--num-layers-per-virtual-pipeline-stage", "2",
+                                   "--microbatch-group-size-per-virtual-pipeline-stage", "3",
+                                   "--global-batch-size", "10"],
+         note="5 micro-batches, not a multiple of PP: groups of 3 leave a last group of 2 >= PP (schedules.py)"),
     # --- interleaved (virtual) pipeline
     _cfg("vpp_pp2_v2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                            "--num-layers-per-virtual-pipeline-stage", "2",
@@ -160,6 +190,11 @@ GRID: List[Dict[str, Any]] = [
                                                      "--global-batch-size", "2", "--tensor-model-parallel-size", "2",
                                                      "--distribute-saved-activations"],
          note="uniform 1, TP2, --distribute-saved-activations: a 1/TP shard kept, gathered at the replay"),
+    _cfg("recomp_full_uniform3_of4_bwd", 1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                             "--recompute-num-layers", "3", "--vocab-size", "128",
+                                             "--global-batch-size", "2"],
+         note="uniform 3 of 4 layers: a block of 3 and a last block of 1 (core >= 0.17 ends it at the chunk's end; "
+              "0.16.1 reads a layer past it, IndexError, and memguard refuses it there): replay_grid on 0.19.2 only"),
     _cfg("recomp_full_block3_of4_bwd", 1, ["--recompute-granularity", "full", "--recompute-method", "block",
                                            "--recompute-num-layers", "3", "--vocab-size", "128",
                                            "--global-batch-size", "2"],
@@ -179,6 +214,8 @@ GRID: List[Dict[str, Any]] = [
     _cfg("gqa_tp2", 2, ["--group-query-attention", "--num-query-groups", "2",
                         "--tensor-model-parallel-size", "2"]),
     _cfg("mqa", 1, ["--group-query-attention", "--num-query-groups", "1"]),
+    _cfg("gqa2_tp4_sp", 4, ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4",
+                            "--sequence-parallel"], note="2 KV groups under TP 4: each group replicated on 2 ranks"),
     _cfg("mqa_tp2_sp", 2, ["--group-query-attention", "--num-query-groups", "1",
                            "--tensor-model-parallel-size", "2", "--sequence-parallel"],
          note="fewer KV groups than TP ranks"),
@@ -213,6 +250,9 @@ GRID: List[Dict[str, Any]] = [
          note="fp16 with --fp16-lm-cross-entropy, which megatron-core's GPTModel ignores: the same bytes as fp16"),
     _cfg("fp32", 1, [], base=[f for f in BASE if f != "--bf16"]),
     _cfg("sgd", 1, ["--optimizer", "sgd"]),
+    _cfg("per_token_loss_pp2", 2, ["--calculate-per-token-loss", "--pipeline-model-parallel-size", "2",
+                                   "--global-batch-size", "8"],
+         note="--calculate-per-token-loss: the loss scaled by the token count at the step, no tensor kept"),
     # --- the attention output gate (--attention-output-gate): linear_qkv's gate rows, the tensors the gate keeps
     _cfg("gate", 1, ["--attention-output-gate"], note="gate a view of linear_qkv's output (one head per group)"),
     _cfg("gate_gqa_rope", 1, ["--attention-output-gate", "--group-query-attention", "--num-query-groups", "2",
@@ -312,6 +352,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--list", action="store_true")
     p.add_argument("--out", default=None, help="write all measurements to this JSON file")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--update", action="store_true",
+                   help="replace only the configurations run now in an existing --out file (the others kept)")
     a = p.parse_args(argv)
     cfgs = select(a.ci, a.only)
     if a.list:
@@ -330,10 +372,28 @@ def main(argv: Optional[List[str]] = None) -> None:
     n_fail = sum(1 for c in res["configs"] if c["status"] == "failed")
     print(f"grid: {len(res['configs'])} configurations, {n_fail} failed, "
           f"total {res['total_run_time_s']:.1f}s")
+    if a.out and a.update and os.path.exists(a.out):
+        res = merge_results(a.out, res)
     if a.out:
         save_results(res, a.out)
     if n_fail:
         sys.exit(1)
+
+
+def merge_results(path: str, res: Dict[str, Any], order: Optional[List[str]] = None) -> Dict[str, Any]:
+    """The stored results at ``path`` with the configurations of ``res`` replaced or added, in the grid's order
+    (``order``: the names, default GRID's); the stored environment kept (the new runs' is in ``res``)."""
+    with open(path) as f:
+        old = json.load(f)
+    order = order or [c["name"] for c in GRID]
+    merged = {c["name"]: c for c in old["configs"]}
+    merged.update({c["name"]: c for c in res["configs"]})
+    out = dict(old)
+    out["configs"] = sorted(merged.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else len(order))
+    out["total_run_time_s"] = round(sum(c.get("run_time_s", 0) for c in out["configs"]), 2)
+    out.setdefault("updates", []).append({"configs": [c["name"] for c in res["configs"]],
+                                          "environment": res.get("environment", {})})
+    return out
 
 
 def save_results(res: Dict[str, Any], path: str) -> None:

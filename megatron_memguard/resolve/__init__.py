@@ -126,6 +126,11 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
     kw.update(runtime.late_options(a, kw, ctx))
     kw.update(megatron_version=str(ctx.version), notes=tuple(a.notes))
     layout = Layout.from_flat(**kw)
+    # the layer count of each model chunk comes from the partition of the built layout
+    uniform = recompute.uniform_group_violation(layout)
+    if uniform:
+        a.fail(*uniform)
+        return None
     if layout.fp8 or layout.fp4:
         # the quantized GEMMs' shapes come from the layer recipes, so this rule reads the built layout
         from .fp8_shapes import shape_violations

@@ -97,3 +97,27 @@ def recompute(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     return dict(recompute_granularity=recompute_granularity, recompute_method=method, recompute_num_layers=rnl,
                 recompute_modules=tuple(modules),
                 distribute_saved_activations=distribute_saved)
+
+
+def uniform_group_violation(L: Any) -> tuple[str, str, str] | None:
+    """(flag, one-line rule, hint) when megatron-core 0.16's uniform full recompute runs past a chunk's layers, else None.
+
+    TransformerBlock._checkpointed_forward (core 0.16.1 transformer_block.py) checkpoints ``custom(layer_idx,
+    layer_idx + recompute_num_layers)`` while ``layer_idx`` < the chunk's layers, and ``custom`` reads
+    ``self.layers[index]`` for each index of the group: a chunk (pipeline stage or virtual stage) whose layer count
+    is not a multiple of --recompute-num-layers has a last group past its layers, an IndexError at the first
+    forward. From 0.17.1 the group ends at ``min(layer_idx + recompute_num_layers, layers)`` (transformer_block.py,
+    ``recompute.py`` from 0.18), which the estimate models. Hybrid Mamba stacks have their own forward."""
+    k = L.recompute_num_layers
+    if (L.recompute_granularity != "full" or L.recompute_method != "uniform" or not k or k == 1
+            or Version(L.megatron_version) >= Version("0.17") or L.hybrid_layer_pattern):
+        return None
+    from ..partition import partition_layers
+    bad = sorted({c.num_layers for c in partition_layers(L) if c.num_layers % k})
+    if not bad:
+        return None
+    return ("recompute_num_layers",
+            f"{k} under --recompute-method uniform does not divide a model chunk of {bad[0]} layers: megatron-core "
+            f"{L.megatron_version}'s uniform loop reads a layer past the chunk (IndexError at the first forward; "
+            "0.17 ends the last group at the chunk's end)",
+            "give a divisor of every chunk's layer count, or --recompute-method block")
