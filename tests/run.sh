@@ -4,13 +4,19 @@
 #            the legacy-era hook tests use the stand-in megatron.training in tests/legacy_standin.
 #   .venv312 Python 3.12: torch 2.14.1, megatron-core 0.19.2 with the real megatron.training of the
 #            config-container era. Runs the suite again, which now includes the tests marked
-#            megatron_training (they skip cleanly under 3.11).
+#            megatron_training (they skip cleanly under 3.11), without the framework-free files
+#            (MEMGUARD_SKIP_FRAMEWORK_FREE=1: tests/framework_free.py reads that they import no torch, megatron or
+#            other venv-dependent module, start no process and probe nothing installed, so the 3.11 run proved them).
 # Used by CI (.ci/run) and by the README's quick start. Arguments go to both pytest runs.
 #   .venv312-bridge  Megatron-Bridge 0.6.2 over .venv312 (tests/run_bridge.sh): tests/test_bridge_real.py.
 #   .venv312-core017 / -core018  megatron-core 0.17.1 / 0.18.2 over .venv312 (tests/run_releases.sh): the
 #            megatron_training tests against those releases' real megatron.training (0.17.1: the legacy era).
 # MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one, MEMGUARD_SKIP_RELEASES=1 the
 # 0.17.1 / 0.18.2 ones; PYTHON312=/path/to/python3.12 picks the interpreter.
+# pip runs in the background where it can: a first run's .venv312 while the 3.11 suite runs (installed as
+# .venv312-installing, renamed after that suite), the release and Bridge venvs while the 3.12 suite runs; a failed
+# background install fails the run with its output. The step list at the end gives each foreground step (a
+# "-pip-wait" step is the wait for a background install) and each background install's own time.
 # The two main runs spread whole files over MEMGUARD_TEST_WORKERS pytest-xdist workers (default 2, one per core of
 # the CI machine; 0 runs in one process), slowest files first (tests/conftest.py SLOW_FILES_FIRST; xdist keeps that
 # order with --no-loadscope-reorder): each file's tests run in order in one process, and the tests share no
