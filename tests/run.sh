@@ -124,7 +124,12 @@ if [ -z "$PY312" ]; then
 fi
 if [ "$PY312_BG" = 1 ]; then
     wait_bg py3.12-pip
+    rm -rf .venv312   # (a venv without its bin/python: not usable)
     mv .venv312-installing .venv312
+    # the console scripts' first lines (bin/pip, bin/memguard, ...) name the interpreter by the venv's path
+    { grep -lI "^#!$PWD/.venv312-installing/" .venv312/bin/* 2>/dev/null || true; } | while read -r f; do
+        sed -i "1s|^#!$PWD/.venv312-installing/|#!$PWD/.venv312/|" "$f"
+    done
     step "py3.12-pip-wait"
 else
     install_py312 .venv312
