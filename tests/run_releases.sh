@@ -29,5 +29,7 @@ for release in 0.17.1 0.18.2; do
     fi
     layer_step test || continue
     # shellcheck disable=SC2086
-    CUDA_DEVICE_MAX_CONNECTIONS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m megatron_training $FILES "$@"
+    # (whole files over two workers, slowest first, as in tests/run.sh)
+    CUDA_DEVICE_MAX_CONNECTIONS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${MEMGUARD_TEST_WORKERS:-2}" \
+        --dist loadfile --no-loadscope-reorder -m megatron_training $FILES "$@"
 done

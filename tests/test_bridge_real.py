@@ -749,6 +749,7 @@ def _real_adapters(tp: int) -> dict:
     return json.loads([line for line in texts[0].splitlines() if line.startswith("{")][-1])
 
 
+@pytest.mark.xdist_group("peft_adapters")   # (one worker: _real_adapters runs once per TP for the file)
 @pytest.mark.parametrize("tp,scheme", [(1, "lora"), (2, "lora"), (2, "dora")])
 def test_peft_adapter_parameters_are_bridges(tp, scheme, tmp_path):
     from megatron_memguard import resolve
@@ -842,6 +843,7 @@ def test_wildcard_targets_wrap_what_bridge_wraps(recipes, tmp_path):
         read(["*.layers.1*.linear_proj"])
 
 
+@pytest.mark.xdist_group("peft_adapters")
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_what_bridges_lora_adapters_save_for_backward(dropout):
     """Each real adapter's forward (TP 1, 128 tokens, r 32, bf16): with no dropout it keeps its input (the base
