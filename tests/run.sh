@@ -116,7 +116,7 @@ fi
 # torch is pinned to the CPU wheel on the CI machines (a looser pin pulls a multi-GB CUDA build).
 .venv/bin/python "${PIP[@]}" -e ".[test]"
 step "py3.11-pip"
-.venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"
+MEMGUARD_SKIP_FRAMEWORK_FREE=0 .venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"   # (every file, whatever the caller set)
 step "py3.11-tests"
 
 if [ -z "$PY312" ]; then
