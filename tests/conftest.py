@@ -72,21 +72,11 @@ SLOW_FILES_FIRST = (
 )
 
 
-# Within tests/test_bridge_real.py, which tests/run_bridge.sh spreads test by test over two workers: the tests that
-# start processes building a real Bridge model (tests/bridge_real/peft_model.py, peft_adapters.py: minutes each under
-# load, the file's other 260 tests a few seconds each) first, so that they go to both workers at the start instead of
-# queuing on one at the end (a `--dist load` run of 2026-11-30 left them all on one worker, the other idle).
-SLOW_TESTS_FIRST = tuple(f"tests/test_bridge_real.py::{name}" for name in (
-    "test_a_peft_recipes_trainable_parameters_are_bridges", "test_wildcard_targets_wrap_what_bridge_wraps",
-    "test_peft_adapter_parameters_are_bridges", "test_what_bridges_lora_adapters_save_for_backward",
-))
-
-
 @pytest.hookimpl(trylast=True)   # after pytest's own reordering by fixture scope
 def pytest_collection_modifyitems(config, items):
     """MEMGUARD_SKIP_FRAMEWORK_FREE=1 deselects the framework-free files' tests. Then the slow files first
-    (SLOW_FILES_FIRST), then the others by number of tests, most first (xdist's own order), and within a file the
-    SLOW_TESTS_FIRST; a stable sort, so each file's tests stay together and the others in their order."""
+    (SLOW_FILES_FIRST), then the others by number of tests, most first (xdist's own order); a stable sort, so each
+    file's tests stay together and in their order."""
     def path(item):
         return item.nodeid.split("::", 1)[0]
 
@@ -98,12 +88,7 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not item.get_closest_marker("framework_free")]
     counts = collections.Counter(path(item) for item in items)
     rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
-    slow = {t: i for i, t in enumerate(SLOW_TESTS_FIRST)}
-
-    def slow_rank(item):
-        return slow.get(item.nodeid.split("[", 1)[0], len(slow))
-
-    items.sort(key=lambda item: (rank.get(path(item), len(rank)), -counts[path(item)], slow_rank(item)))
+    items.sort(key=lambda item: (rank.get(path(item), len(rank)), -counts[path(item)]))
 
 
 def megatron_training_era() -> str | None:

@@ -25,9 +25,5 @@ if layer_step install; then
         tensorboard diffusers nvidia-modelopt "hydra-core>=1.3.4,<1.4" "omegaconf>=2.3"
 fi
 if layer_step test; then
-    # One file: its tests are spread over two workers one by one (--dist loadgroup), but for the xdist_group of the
-    # tests that share _real_adapters' processes; each worker imports Bridge's recipes once (the module fixture), and
-    # the tests share no fixed port or path.
-    CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312-bridge/bin/python -m pytest -q -p no:cacheprovider \
-        -n "${MEMGUARD_TEST_WORKERS:-2}" --dist loadgroup tests/test_bridge_real.py "$@"
+    CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312-bridge/bin/python -m pytest -q -p no:cacheprovider tests/test_bridge_real.py "$@"
 fi

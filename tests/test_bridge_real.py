@@ -68,17 +68,34 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 
 
 @pytest.fixture(scope="module")
-def recipes(tmp_path_factory):
+def recipes(tmp_path_factory, request):
     home = str(tmp_path_factory.mktemp("memguard-hf"))   # (pytest's own tmp tree: removed with its old runs)
     _hf_cache(home)
     with pytest.MonkeyPatch.context() as mp:   # (restored after the module)
         for k, v in (("HF_HOME", home), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
             mp.setenv(k, v)
+        if any(getattr(item, "originalname", None) in PEFT_SCRIPT_TESTS for item in request.session.items):
+            # the PEFT scripts' fork server imports Bridge on the other core while this process does (the
+            # server's key has these HF_* values, as the scripts' requests will)
+            import build_util
+            build_util.start_server(sys.executable, _peft_env(), **PEFT_SERVER)
         for p in (os.path.join(STANDINS, "te_standin"), os.path.join(STANDINS, "scripts_standin")):
             if p not in sys.path:
                 sys.path.insert(0, p)
         import megatron.bridge.recipes as r
         yield r
+
+
+@pytest.fixture(autouse=True)
+def _environ_kept():
+    """Each test leaves os.environ as it found it: Bridge's apply_environment_variables and runtime_config_update
+    set a recipe's env_vars in it directly, past monkeypatch (a variable absent before is not restored by its
+    delenv), and a later test's processes would start with them (and the PEFT scripts' fork server key change)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def fields(L):
@@ -725,6 +742,20 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
+# the tests that run tests/bridge_real's PEFT scripts (through _real_adapters, _real_peft_model)
+PEFT_SCRIPT_TESTS = ("test_peft_adapter_parameters_are_bridges", "test_a_peft_recipes_trainable_parameters_are_bridges",
+                     "test_wildcard_targets_wrap_what_bridge_wraps", "test_a_forked_peft_model_build_is_a_new_interpreters",
+                     "test_what_bridges_lora_adapters_save_for_backward")
+# The fork server of the PEFT scripts (tests/build_util.py): the Transformer Engine stand-in first on its path before
+# it imports megatron-core (as the scripts' PYTHONPATH puts it for a new interpreter: megatron-core's TE checks find
+# it, which the recipe's TransformerConfig needs) and Bridge's recipes imported once, not in each process.
+PEFT_SERVER = dict(server_path=(os.path.join(STANDINS, "te_standin"),), preload=("megatron.bridge.recipes",))
+
+
+def _peft_env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 @functools.lru_cache(maxsize=None)
 def _real_adapters(tp: int) -> dict:
     """tests/bridge_real/peft_adapters.py on TP ranks: {"params": {scheme: {target: n}}, "saved": {dropout: ...}}
@@ -733,14 +764,14 @@ def _real_adapters(tp: int) -> dict:
 
     import build_util
     script = os.path.join(STANDINS, "peft_adapters.py")
-    env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = _peft_env()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="memguard-peft-") as d:
         logs = [os.path.join(d, f"rank{r}.log") for r in range(tp)]
-        # the ranks forked from the fork server (tests/build_util.py: no import of torch and megatron-core each;
+        # the ranks forked from the PEFT fork server (no import of torch, megatron-core and Bridge each;
         # MEMGUARD_E2E_FORK=0, new interpreters)
         failed = build_util.run_ranks([[sys.executable, script, str(r), str(tp), port] for r in range(tp)], logs,
-                                      envs=[env] * tp, cwd=os.getcwd(), timeout=600)
+                                      envs=[env] * tp, cwd=os.getcwd(), timeout=600, **PEFT_SERVER)
         texts = []
         for log in logs:
             with open(log, encoding="utf-8", errors="replace") as f:
@@ -749,7 +780,6 @@ def _real_adapters(tp: int) -> dict:
     return json.loads([line for line in texts[0].splitlines() if line.startswith("{")][-1])
 
 
-@pytest.mark.xdist_group("peft_adapters")   # (one worker: _real_adapters runs once per TP for the file)
 @pytest.mark.parametrize("tp,scheme", [(1, "lora"), (2, "lora"), (2, "dora")])
 def test_peft_adapter_parameters_are_bridges(tp, scheme, tmp_path):
     from megatron_memguard import resolve
@@ -788,15 +818,18 @@ def test_a_real_peft_recipe_is_read_from_the_object_and_its_dump(recipes, tmp_pa
     assert fields(L) == fields(resolve(raw_config(cfg), world_size=8))
 
 
-def _real_peft_model(fn: str, scheme: str, layers: int, targets: str | None = None) -> dict:
-    """tests/bridge_real/peft_model.py: the recipe's model (LAYERS layers) with the recipe's PEFT object applied."""
-    import subprocess
-    env = {**os.environ, "PYTHONPATH": os.path.join(STANDINS, "te_standin") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _peft_model_run(fn: str, scheme: str, layers: int, targets: str | None = None) -> dict:
+    """tests/bridge_real/peft_model.py: the recipe's model (LAYERS layers) with the recipe's PEFT object applied,
+    forked from the PEFT fork server (MEMGUARD_E2E_FORK=0: a new interpreter)."""
+    import build_util
     argv = [sys.executable, os.path.join(STANDINS, "peft_model.py"), fn, scheme, str(layers), _free_port()] + (
         [targets] if targets else [])
-    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    p = build_util.run_script(argv, env=_peft_env(), timeout=900, **PEFT_SERVER)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+_real_peft_model = functools.lru_cache(maxsize=None)(_peft_model_run)   # (the fork check reuses a test's build)
 
 
 @pytest.mark.parametrize("fn, scheme", [("llama32_1b_peft_config", "lora"), ("llama32_1b_peft_config", "dora"),
@@ -843,7 +876,24 @@ def test_wildcard_targets_wrap_what_bridge_wraps(recipes, tmp_path):
         read(["*.layers.1*.linear_proj"])
 
 
-@pytest.mark.xdist_group("peft_adapters")
+def test_a_forked_peft_model_build_is_a_new_interpreters(recipes, monkeypatch):
+    """peft_model.py forked from the PEFT fork server (what the tests above use: Bridge and megatron-core imported
+    there, with the TE stand-in) and in a new interpreter (MEMGUARD_E2E_FORK=0) build the same model: every
+    parameter's name, shape, dtype and trainability, the counts and the wrapped modules. Llama-3.2-1B DoRA, 2 layers
+    (a test above builds it forked): 37,888 x 32 + 23,552 trainable a layer (its docstring)."""
+    import build_util
+
+    if not build_util.fork_enabled():
+        pytest.skip("MEMGUARD_E2E_FORK=0: both builds would be new interpreters")
+    forked = _real_peft_model("llama32_1b_peft_config", "dora", 2)
+    monkeypatch.setenv("MEMGUARD_E2E_FORK", "0")
+    fresh = _peft_model_run("llama32_1b_peft_config", "dora", 2)
+    assert fresh == forked
+    trainable = [n for n, shape, dtype, grad in fresh["parameters"] if grad]
+    assert len(trainable) == 2 * 4 * 3      # per wrapped linear: DoRA's linear_in, linear_out and weight_magnitude
+    assert fresh["trainable"] == 2 * (37_888 * 32 + 23_552)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_what_bridges_lora_adapters_save_for_backward(dropout):
     """Each real adapter's forward (TP 1, 128 tokens, r 32, bf16): with no dropout it keeps its input (the base

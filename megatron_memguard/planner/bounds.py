@@ -121,7 +121,11 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True, re
     return kept
 
 
-def replay_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
+# (candidate, mlp, recompute) -> layer_activation_bytes of that candidate (a caller's memo of it)
+Activations = Callable[[Candidate, bool, "str | None"], float]
+
+
+def replay_bytes(shape: ModelShape, c: Candidate, mlp: bool = True, activations: Activations | None = None) -> float:
     """Under full recompute, what a layer's replay adds before its backward: CheckpointFunction.backward reruns
     the layer's forward with grad enabled (tensor_parallel/random.py, megatron-core 0.16.1 / 0.19.2), which saves
     everything the layer keeps without recomputation, its checkpointed input (already counted) aside. Every stage
@@ -131,7 +135,8 @@ def replay_bytes(shape: ModelShape, c: Candidate, mlp: bool = True) -> float:
         # (PEFT: layer_activation_bytes keeps the residual stream only either way; frozen layers: the first stage
         # runs no backward through its layers)
         return 0
-    return max(0.0, layer_activation_bytes(shape, c, mlp, "none") - layer_activation_bytes(shape, c, mlp))
+    act = activations or (lambda c, mlp, recompute: layer_activation_bytes(shape, c, mlp, recompute))
+    return max(0.0, act(c, mlp, "none") - act(c, mlp, None))
 
 
 def first_stage_layers_held(c: Candidate) -> int:
@@ -168,23 +173,28 @@ def _heaviest_middle_rank(c: Candidate) -> int | None:
 
 def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[Candidate, int], int],
                        stage_expert_params: Callable[[Candidate, int], int] | None = None,
-                       moe_layers_on: Callable[[Candidate, int], int] | None = None, replay: bool = False) -> float:
+                       moe_layers_on: Callable[[Candidate, int], int] | None = None, replay: bool = False,
+                       activations: Activations | None = None,
+                       state_bytes: Callable[[Candidate, int], float] | None = None) -> float:
     """Lower bound of the critical stage's device total. ``stage_params(c, i)``: parameters on one
     rank of stage i (TimeModel.stage_params); for MoE models ``stage_expert_params`` and
     ``moe_layers_on`` (TimeModel's) give the routed-expert parameters and MoE layers of stage i.
     Each stage's term: its model state, the activations it holds when its first backward starts, and on
     top the larger of two moments that need not overlap: the last stage's logits (the forward's end) and,
     with ``replay`` under full recompute, one layer's replay (replay_bytes) in the backward. (The search
-    checks the bound without the replay first: that one decides which layouts a plan estimates.)"""
-    per_layer = layer_activation_bytes(shape, c)
-    replay_moe = replay_bytes(shape, c, mlp=False) if replay else 0
-    replay = replay_bytes(shape, c) if replay else 0
+    checks the bound without the replay first: that one decides which layouts a plan estimates.)
+    ``activations`` and ``state_bytes``: the caller's memos of layer_activation_bytes (candidate, mlp, recompute)
+    and of a stage's model state (stage_state_bytes of stage i); None: computed here."""
+    act = activations or (lambda c, mlp, recompute: layer_activation_bytes(shape, c, mlp, recompute))
+    per_layer = act(c, True, None)
+    replay_moe = replay_bytes(shape, c, False, act) if replay else 0
+    replay = replay_bytes(shape, c, True, act) if replay else 0
     # --freeze-all-layers: the first stage keeps no activations (nothing before it requires grad; with virtual
     # stages its later chunks do, left out here)
     first_held = 0 if shape.layout.freeze_all_layers else first_stage_layers_held(c)
     moe = shape.moe is not None and stage_expert_params is not None and moe_layers_on is not None
     if moe:
-        per_moe = layer_activation_bytes(shape, c, mlp=False)
+        per_moe = act(c, False, None)
 
         def held(i: int, layers: int) -> float:
             n, n_moe = c.stage_layers[i], moe_layers_on(c, i)
@@ -200,6 +210,8 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
             return replay_moe if n_moe == n else replay if not n_moe else min(replay, replay_moe)
 
         def state(i: int) -> float:
+            if state_bytes is not None:
+                return state_bytes(c, i)
             return stage_state_bytes(shape, c, stage_params(c, i), stage_expert_params(c, i),
                                      stage_factor_bytes(shape, c, i, moe_layers_on))
     else:
@@ -210,6 +222,8 @@ def memory_lower_bound(shape: ModelShape, c: Candidate, stage_params: Callable[[
             return replay if layers else 0
 
         def state(i: int) -> float:
+            if state_bytes is not None:
+                return state_bytes(c, i)
             return stage_state_bytes(shape, c, stage_params(c, i), factors=stage_factor_bytes(shape, c, i))
 
     first = state(0) + held(0, first_held) + top(0, first_held)

@@ -36,7 +36,7 @@ from ..estimator import Estimate, SiteConstants, estimate
 from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
-from .bounds import memory_lower_bound, stage_factor_bytes, stage_state_bytes
+from .bounds import layer_activation_bytes, memory_lower_bound, stage_factor_bytes, stage_state_bytes
 from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_pruned, model_shape
 from .timing import StepTime, TimeModel
 
@@ -48,6 +48,7 @@ RULES = ("time", "fujii2024")
 # `benchmarks/planner_quality.py --windows` prints both).
 TIE_WINDOW = 0.04
 _RC_ORDER = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}  # weakest first
+ROUGH, BOUNDED, TIMED = 0, 1, 2      # what a candidate waits under in the best-first visit (Planner.visit_order)
 
 
 T = TypeVar("T")
@@ -252,7 +253,28 @@ class Planner:
         b = self._bounds.get(key)
         if b is None:
             b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
-                                                       self.timer.stage_expert_params, self.timer.moe_layers_on)
+                                                       self.timer.stage_expert_params, self.timer.moe_layers_on,
+                                                       activations=self._activation_bytes, state_bytes=self._state_bytes)
+        return b
+
+    def _activation_bytes(self, c: Candidate, mlp: bool, recompute: str | None) -> float:
+        """bounds.layer_activation_bytes, memoised by all it reads of the candidate."""
+        key = ("act", c.tp, c.cp, c.mbs, c.sp, c.recompute if recompute is None else recompute, c.fp8, c.etp, mlp)
+        b = self._bounds.get(key)
+        if b is None:
+            b = self._bounds[key] = layer_activation_bytes(self.shape, c, mlp, recompute)
+        return b
+
+    def _state_bytes(self, c: Candidate, stage: int) -> float:
+        """The model state of one rank of ``stage`` (bounds.stage_state_bytes), memoised by all it reads of the
+        candidate (as state_bound)."""
+        key = ("stage", c.tp, c.pp, c.cp, c.dp, c.stage_layers, c.dist_opt, c.fsdp, c.ep, c.etp, c.vpp, c.chunks, stage)
+        b = self._bounds.get(key)
+        if b is None:
+            tm = self.timer
+            b = self._bounds[key] = stage_state_bytes(self.shape, c, tm.stage_params(c, stage),
+                                                      tm.stage_expert_params(c, stage),
+                                                      stage_factor_bytes(self.shape, c, stage, tm.moe_layers_on))
         return b
 
     def replay_bound(self, c: Candidate) -> float:
@@ -263,7 +285,8 @@ class Planner:
         if b is None:
             b = self._bounds[key] = memory_lower_bound(self.shape, c, self.timer.stage_params,
                                                        self.timer.stage_expert_params, self.timer.moe_layers_on,
-                                                       replay=True)
+                                                       replay=True, activations=self._activation_bytes,
+                                                       state_bytes=self._state_bytes)
         return b
 
     def state_bound(self, c: Candidate) -> float:
@@ -272,6 +295,7 @@ class Planner:
         key = ("state", c.tp, c.pp, c.cp, c.dp, c.stage_layers, c.dist_opt, c.fsdp, c.ep, c.etp, c.vpp, c.chunks)
         b = self._bounds.get(key)
         if b is None:
+            # (computed here, not through _state_bytes: the enumeration's prefilter meets most keys once)
             tm = self.timer
             b = self._bounds[key] = max(
                 stage_state_bytes(self.shape, c, tm.stage_params(c, i), tm.stage_expert_params(c, i),
@@ -314,25 +338,30 @@ class Planner:
                     aside: Callable[[int, Candidate], bool] | None = None) -> Iterator[Candidate]:
         """``cands`` in the order ``sorted(cands, key=self.order_key(rule))`` gives (equal keys in their order
         in ``cands``), computing step times only as far as the caller reads: each candidate waits in a heap
-        under the prefix of its key up to a lower bound of its step time (TimeModel.step_time_bound) and is
-        timed when that comes first; a timed candidate comes out when its whole key does. Every key waiting
+        under the prefix of its key up to a lower bound of its step time (first TimeModel.step_time_work_bound,
+        then, when that comes first, TimeModel.step_time_bound) and is timed when that comes first; a timed
+        candidate comes out when its whole key does. Every key waiting
         is at most that candidate's own key, so whatever comes out precedes every candidate still waiting,
         timed or not. ``aside(i, c)``: called on a candidate before it is timed; True takes it out untimed
         (the caller places it in the order later, if it needs to)."""
         order, prefix = self._order(rule)
-        bound = self.timer.step_time_bound
-        heap = [(prefix(c, bound(c)), i, False) for i, c in enumerate(cands)]
+        # each candidate waits under ever larger keys, never above its own: the bound of the work alone (memoised
+        # without the split: cheap for every candidate), then the whole bound, then its step time
+        rough, bound = self.timer.step_time_work_bound, self.timer.step_time_bound
+        heap = [(prefix(c, rough(c)), i, ROUGH) for i, c in enumerate(cands)]
         heapq.heapify(heap)
         while heap:
-            key, i, timed = heap[0]
+            key, i, state = heap[0]
             c = cands[i]
-            if timed:
+            if state == TIMED:
                 heapq.heappop(heap)
                 yield c
+            elif state == ROUGH:
+                heapq.heapreplace(heap, (prefix(c, bound(c)), i, BOUNDED))
             elif aside is not None and aside(i, c):
                 heapq.heappop(heap)
             else:
-                heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, True))
+                heapq.heapreplace(heap, (order(c, self.step_time(c).seconds), i, TIMED))
 
     def tie_key(self) -> Callable[[Candidate], tuple]:
         """The order among layouts the time model cannot separate: Fujii et al.'s, then the time rule's."""

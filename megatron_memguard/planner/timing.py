@@ -363,6 +363,9 @@ class TimeModel:
         self._opt: dict[tuple, float] = {}
         self._work_sum: dict[tuple, float] = {}
         self._bound: dict[tuple, float] = {}
+        self._floor: dict[tuple, float] = {}
+        self._ranks_params: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        self._layer_work: dict[tuple, tuple[tuple[float, int], ...]] = {}
         self._fp8_config = shape.layout.fp8_spec.enabled
         s = shape
         self.gdn_cost: dict[tuple, LayerCost] = {}
@@ -737,45 +740,84 @@ class TimeModel:
         return st
 
     def step_time_bound(self, c: Candidate) -> float:
-        """A lower bound on ``step_time(c).seconds`` that reads the pipeline split only through PP and VPP,
-        so that a search can leave the step times it never reaches uncomputed (planner/search.py).
+        """A lower bound on ``step_time(c).seconds`` whose work part reads the pipeline split only through PP
+        and VPP, so that a search can leave the step times it never reaches uncomputed (planner/search.py).
 
         The work terms and the bubble are ``m x W_max + (S - W_max) / v`` over the ranks' per-micro-batch
-        work W_i (:meth:`rank_work`; S their sum); as m >= 1 >= 1 / v it grows with W_max >= S / p, so it is
-        at least ``m S / p + S (p - 1) / (p v)``. S does not depend on the split: every layer sits on one
+        work W_i (:meth:`rank_work`; S their sum); as m >= 1 >= 1 / v it grows with W_max, which is at least
+        S / p and at least the work of the ceil(L / p) cheapest layers (some rank holds that many), so it is at
+        least that with W_max the larger of the two. S does not depend on the split: every layer sits on one
         rank, the embedding on the first, the output layer, loss and MTP depths on the last, get_batch runs
         on both; it is one rank holding all layers, plus the second get_batch. The pipeline transfers are
-        exact with one chunk per rank and at least their latency with several; DP communication and the
-        optimizer step count 0. The last factor keeps rounding (the sums taken in another order) from
-        lifting it above the step time."""
+        exact with one chunk per rank and at least their latency with several. On top, the optimizer step
+        and the part of the DP communication no overlap hides (:meth:`step_tail_floor`, memoised by the split
+        and the DP layout: they read the first stage's parameters). The last factor keeps rounding (the sums
+        taken in another order) from lifting it above the step time."""
         bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
-        hit = self._bound.get(bkey)
-        if hit is not None:
-            return hit
+        t = self._bound.get(bkey)
+        if t is None:
+            t = self._bound[bkey] = self._split_free_bound(c)
+        return (t + self.step_tail_floor(c)) * (1 - 1e-9)
+
+    def step_time_work_bound(self, c: Candidate) -> float:
+        """:meth:`step_time_bound` without the DP and optimizer part: a lower bound too, memoised without the split
+        (the search's first, cheap look at a candidate)."""
+        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
+        t = self._bound.get(bkey)
+        if t is None:
+            t = self._bound[bkey] = self._split_free_bound(c)
+        return t * (1 - 1e-9)
+
+    def _split_free_bound(self, c: Candidate) -> float:
+        """step_time_bound's work, bubble and pipeline-transfer part (the same for every split)."""
         fp8 = self.fp8_on(c)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp > 1)
         total = self._work_sum.get(key)
         s = self.shape
+        n = s.num_layers
         if total is None:
             lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
             ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
             lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
             rc_layer = self._recompute_layer(lc, c.recompute)[0]
             rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
-            n = s.num_layers
             every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
             total = self._rank_rows(c, (every,), lc, ec, lm, rc_layer, rc_moe, fp8)[0][0]
             if c.pp > 1:
                 total += ec.batch
             self._work_sum[key] = total
         p, v, m = c.pp, c.vpp, c.m
-        t = m * total / p + total * (p - 1) / (p * v)
+        w = total / p
+        if n % p and not s.gdn_pattern:
+            # the ranks share the layers out, so one holds at least ceil(L / p) of them: at least the work of the
+            # cheapest ceil(L / p) layers of the model, well above S / p where p does not divide L (where it does,
+            # at most S / p). (GDN layers mix into either kind: left at S / p.)
+            w = max(w, self._cheapest_layers(c, fp8, key, -(-n // p)))
+        t = m * w + (total - w) / v
         if p > 1:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
             t1 = self.p2p(nbytes, c.tp * c.cp * c.dp * c.pp <= self.domain)
             t += 2 * (p - 1) * t1 + (2 * m * v * P2P_LATENCY if v > 1 else 2 * m * t1)
-        t = self._bound[bkey] = t * (1 - 1e-9)
         return t
+
+    def _cheapest_layers(self, c: Candidate, fp8: bool, key: tuple, k: int) -> float:
+        """Per micro-batch, the work of the k cheapest layers of the model (dense or MoE, each as a middle rank
+        holding it alone would run it); ``key``: the work memo's (everything a layer's cost reads)."""
+        hit = self._layer_work.get(key)
+        s = self.shape
+        if hit is None:
+            n_moe = s.moe.layers_in(0, s.num_layers) if s.moe else 0
+            lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
+            ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
+            lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
+            rc_layer = self._recompute_layer(lc, c.recompute)[0]
+            rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
+            one = [(1, False, False, 0, 0)] + ([(1, False, False, 1, 0)] if n_moe else [])
+            rows = self._rank_rows(c, one, lc, ec, lm, rc_layer, rc_moe, fp8)
+            # (the cheaper kind first, with how many layers of it the model has)
+            hit = self._layer_work[key] = tuple(sorted(((rows[0][0], s.num_layers - n_moe), (rows[-1][0], n_moe))))
+        (lo, n_lo), (hi, _) = hit
+        return min(k, n_lo) * lo + max(0, k - n_lo) * hi
 
     def explain(self, c: Candidate) -> StepTime:
         """The same step time with a sentence per term saying how it is computed."""
@@ -972,23 +1014,7 @@ class TimeModel:
 
         dp_comm, dp_detail = self._dp_comm(c, lc, ec, rc_layer, details, lm, rc_moe)
 
-        # optimizer step: memory-bound over the (sharded) parameters of the largest stage; expert parameters
-        # are sharded over the expert-data-parallel group
-        n_dp = c.dp * c.cp
-        shard = max(1, n_dp // s.dist_opt_instances) if c.dist_opt else 1
-        e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt and s.moe else 1
-        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, shard, e_shard)
-        elems = self._opt.get(okey)
-        if elems is None:
-            mtp = self.mtp_params(c)
-            if s.moe:
-                elems = max((self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0)) / shard
-                            + (self.stage_expert_params(c, i) + (mtp[1] if i == p - 1 else 0)) / e_shard
-                            for i in range(p))
-            else:
-                elems = max(self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0) for i in range(p)) / shard
-            self._opt[okey] = elems
-        per = 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
+        elems, shard, per = self.optimizer_elems(c)
         optimizer = memory_seconds(elems * per, self.gpu)
         frozen = s.layout.freeze_all_layers
         if frozen:
@@ -1055,6 +1081,89 @@ class TimeModel:
                         tokens_per_step=self.gbs * s.seq_length, world=self.cluster.gpus, peak_flops=self.peak,
                         critical_stage=crit, names=TERM_NAMES_MOE if s.moe else TERM_NAMES,
                         stage_seconds=tuple(r[0] for r in rows))
+
+    def optimizer_elems(self, c: Candidate) -> tuple[float, int, int]:
+        """The optimizer step's parameters on the largest stage (dense ones over the distributed optimizer's
+        shard, routed-expert ones over the expert-DP shard), that shard, and the bytes read and written per
+        parameter: the step is memory-bound over them."""
+        s = self.shape
+        shard = max(1, c.dp * c.cp // s.dist_opt_instances) if c.dist_opt else 1
+        e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt and s.moe else 1
+        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, shard, e_shard)
+        elems = self._opt.get(okey)
+        if elems is None:
+            ranks = self._rank_params(c)
+            if s.moe:
+                elems = max(dense / shard + experts / e_shard for dense, experts in ranks)
+            else:
+                elems = max(dense for dense, _ in ranks) / shard
+            self._opt[okey] = elems
+        return elems, shard, 2 * s.optimizer_state_bytes + OPTIMIZER_BYTES_EXTRA
+
+    def _rank_params(self, c: Candidate) -> tuple[tuple[int, int], ...]:
+        """The distinct (dense, routed-expert) parameter counts of the pipeline ranks, the MTP depths on the
+        last (one list per split, whatever the DP shards the optimizer divides them by)."""
+        key = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
+        hit = self._ranks_params.get(key)
+        if hit is None:
+            p, moe = c.pp, self.shape.moe is not None
+            mtp = self.mtp_params(c)
+            _, index = self.rank_kinds(c)
+            # (one rank of each kind: the ranks of a kind hold the same layers, so the same parameters)
+            ranks = [index.index(j) for j in range(max(index) + 1)]
+            hit = self._ranks_params[key] = tuple(
+                (self.stage_params(c, i) + (mtp[0] if i == p - 1 else 0),
+                 self.stage_expert_params(c, i) + (mtp[1] if i == p - 1 else 0) if moe else 0) for i in ranks)
+        return hit
+
+    def step_tail_floor(self, c: Candidate) -> float:
+        """A lower bound of the dp_comm and optimizer terms of ``c``'s step time, for step_time_bound: the
+        optimizer step exactly, and of each DP collective the part no overlap hides (the last bucket: ``tail``
+        of it, one FSDP unit per micro-batch), which reads neither the micro-batch size nor recomputation nor
+        SP. At thousands of DP ranks the ring's latency alone is milliseconds, and leaving both out let the
+        search time most of a large plan's candidates to find them slower than the layouts it ranks."""
+        s = self.shape
+        key = (c.tp, c.cp, c.dp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.dist_opt, c.fsdp,
+               c.ep, c.etp, c.m if c.fsdp else 0)
+        hit = self._floor.get(key)
+        if hit is not None:
+            return hit
+        if s.layout.freeze_all_layers:
+            floor = 0.0           # (no gradients, no optimizer step: _step_time)
+        else:
+            elems, _, per = self.optimizer_elems(c)
+            floor = memory_seconds(elems * per, self.gpu) + self._dp_floor(c)
+        self._floor[key] = floor
+        return floor
+
+    def _dp_floor(self, c: Candidate) -> float:
+        """What _dp_comm charges at least whatever the compute it hides behind: max(x - w, tail x) >= tail x."""
+        s = self.shape
+        n_dp = c.dp * c.cp
+        psi_e = self.stage_expert_params(c, 0) if s.moe else 0
+        if n_dp <= 1 and (not psi_e or c.edp <= 1):
+            return 0.0
+        psi0 = self.stage_params(c, 0)
+        k = self.dpcp_per_domain(c.tp, n_dp)
+        tail = min(1.0, max(DDP_MIN_BUCKET, 1_000_000 * c.dp) / (psi0 + psi_e))
+        if c.fsdp in ("optim_grads_params", "optim_grads"):
+            rs = self.collective("rs", psi0 * min(s.grad_bytes, s.param_bytes), n_dp, k)
+            ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k)
+            unit = 1.0 / max(1, c.stage_layers[0])
+            if c.fsdp == "optim_grads_params":
+                return c.m * (unit * ag + unit * (ag + rs))
+            return c.m * (unit * rs) + tail * ag
+        e_rs = e_ag = e_ar = 0.0
+        if psi_e and c.edp > 1:
+            ke = edp_per_domain(c.edp, c.ep, c.etp, self.domain)
+            e_rs = self.collective("rs", psi_e * s.grad_bytes, c.edp, ke)
+            e_ag = self.collective("ag", psi_e * s.param_bytes, c.edp, ke)
+            e_ar = self.collective("ar", psi_e * s.grad_bytes, c.edp, ke)
+        if c.dist_opt:
+            rs = self.collective("rs", psi0 * s.grad_bytes, n_dp, k) + e_rs
+            ag = self.collective("ag", psi0 * s.param_bytes, n_dp, k) + e_ag
+            return tail * rs + tail * ag
+        return tail * (self.collective("ar", psi0 * s.grad_bytes, n_dp, k) + e_ar)
 
     def _fsdp_comm(self, c: Candidate, key: tuple, psi0: float, n_dp: int, k: int, n0: int, w_f: float, w_b: float,
                    tail: float, details: bool) -> tuple[float, str]:

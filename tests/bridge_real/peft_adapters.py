@@ -4,8 +4,9 @@ dora_layers.py ParallelLinearDoRAAdapter) for one layer of Llama-3.2-1B's shape 
 ``params``: per scheme (lora, dora), the trainable parameters of each target on this TP rank; with TP 1 also
 ``saved``: per dropout probability (0.0, 0.1), each LoRA adapter's forward on a [s, b, in] bf16 input and, per
 target, the bytes of what autograd saves for backward (torch.autograd.graph.saved_tensors_hooks; parameters left
-out, one count per storage) and whether the input itself is among them. One process per rank for everything:
-each start imports Bridge, which takes most of the time."""
+out, one count per storage) and whether the input itself is among them. One process per rank for everything: the
+tests fork them from a server that has imported Bridge (tests/test_bridge_real.py PEFT_SERVER), whose import took
+most of a new interpreter's time."""
 import json
 import os
 import sys

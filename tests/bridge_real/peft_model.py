@@ -2,7 +2,8 @@
 Bridge's training setup does (megatron/bridge/peft/base.py PEFT.__call__: freeze the model, wrap the targets);
 ``peft_model.py RECIPE_FUNCTION SCHEME LAYERS PORT [TARGETS]`` prints one JSON line: the trainable and frozen
 parameter counts of a model of LAYERS decoder layers (the recipe's shape otherwise; fewer layers keep the CPU build
-small: every layer is the same), the trainable count per layer and the names of the wrapped modules. TARGETS
+small: every layer is the same), the trainable count per layer, the names of the wrapped modules and every
+parameter's name, shape, dtype and trainability (what a forked build is compared by with a new interpreter's). TARGETS
 (comma-separated) replaces the PEFT object's target_modules. megatron-core's local layer spec stands in for
 Transformer Engine's (no GPU): the adapters take the same in / out features from either linear
 (peft/utils.py get_adapter_attributes_from_linear)."""
@@ -55,5 +56,6 @@ wrapped = sorted(n for n, mod in model.named_modules() if hasattr(mod, "adapter"
 train = sum(p.numel() for p in model.parameters() if p.requires_grad)
 frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
 print(json.dumps({"trainable": train, "frozen": frozen, "per_layer": train // layers,
-                  "dim": cfg.peft.dim, "class": type(cfg.peft).__name__, "wrapped": wrapped}))
+                  "dim": cfg.peft.dim, "class": type(cfg.peft).__name__, "wrapped": wrapped,
+                  "parameters": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()]}))
 torch.distributed.destroy_process_group()

@@ -17,6 +17,10 @@ tests/test_build_server.py).
 The one difference from a new interpreter: megatron.core's package (about 150 modules) is imported before a
 script installs its stand-ins (the referee's shims, einops, mamba_ssm's norm). They patch attributes looked up
 at call time, and the builds' parameter counts, checked by hand in the tests, are the same either way.
+A server started for the Bridge tests' PEFT scripts (MEMGUARD_E2E_SERVER_PATH: the Transformer Engine stand-in,
+first on its path as the scripts' PYTHONPATH puts it, so megatron-core imports with it as theirs does;
+MEMGUARD_E2E_PRELOAD: megatron.bridge.recipes) has imported Bridge too; their counts and bytes, forked and in new
+interpreters, are the same (tests/test_bridge_real.py).
 A venv without torch or megatron-core starts the server all the same: the script then fails in the child as it
 would alone (``No module named ...``).
 """
@@ -46,13 +50,29 @@ def _path(script_dir: str, pythonpath: str) -> list:
 
 
 def _preload() -> None:
-    with warnings.catch_warnings():     # (the "Transformer Engine and Apex are not installed" notes, once per run)
-        warnings.simplefilter("ignore")
-        try:
-            importlib.import_module("torch")
-            importlib.import_module("megatron.core")
-        except ImportError:
-            pass
+    """torch, megatron-core and the modules MEMGUARD_E2E_PRELOAD names (comma-separated), with the directories of
+    MEMGUARD_E2E_SERVER_PATH first on the path (tests/build_util.py sets both; a child's sys.path is its request's)."""
+    extra = [p for p in os.environ.get("MEMGUARD_E2E_SERVER_PATH", "").split(os.pathsep) if p]
+    sys.path[0:0] = extra
+    # fd 1 is the answer pipe: what an import prints (Bridge's log lines) goes nowhere, while sys.stdout stays the
+    # object a logging handler made now holds, which writes to a child's fd 1, its output, as in a new interpreter
+    sys.stdout.flush()
+    answer = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    try:
+        with warnings.catch_warnings():     # (the "Transformer Engine and Apex are not installed" notes, once per run)
+            warnings.simplefilter("ignore")
+            for name in ["torch", "megatron.core", *(m for m in os.environ.get("MEMGUARD_E2E_PRELOAD", "").split(",") if m)]:
+                try:
+                    importlib.import_module(name)
+                except Exception:       # (a child's own import then fails as it would alone)
+                    break
+    finally:
+        sys.stdout.flush()
+        os.dup2(answer, 1)
+        os.close(answer)
 
 
 def _fresh_randomness() -> None:
