@@ -40,6 +40,22 @@ def pytest_configure(config):
                             "megatron.training installed)")
     config.addinivalue_line("markers", "bridge: needs the real Megatron-Bridge 0.6.2 (tests/run_bridge.sh installs it into "
                             ".venv312-bridge and runs these)")
+    config.addinivalue_line("markers", "framework_free: set by tests/conftest.py on the tests of a file that imports no "
+                            "torch, megatron or other venv-dependent module (tests/framework_free.py); "
+                            "MEMGUARD_SKIP_FRAMEWORK_FREE=1 deselects them (tests/run.sh's 3.12 run)")
+
+
+def _framework_free_wanted(config) -> bool:
+    """Whether this run needs the framework_free marks (reading every file's imports costs a second or two)."""
+    return os.environ.get("MEMGUARD_SKIP_FRAMEWORK_FREE") == "1" or "framework_free" in (config.option.markexpr or "")
+
+
+def pytest_itemcollected(item):
+    # (during collection, so that `-m framework_free` and the deselection below see the mark)
+    if _framework_free_wanted(item.config):
+        import framework_free
+        if framework_free.is_framework_free(str(item.path)):
+            item.add_marker(pytest.mark.framework_free)
 
 
 # The files that take longest in a suite run (CPU referee training runs, the hook's two-rank e2e training, fork-server
@@ -58,11 +74,18 @@ SLOW_FILES_FIRST = (
 
 @pytest.hookimpl(trylast=True)   # after pytest's own reordering by fixture scope
 def pytest_collection_modifyitems(config, items):
-    """The slow files first (SLOW_FILES_FIRST), then the others by number of tests, most first (xdist's own order);
-    a stable sort, so each file's tests stay together and in their order."""
+    """MEMGUARD_SKIP_FRAMEWORK_FREE=1 deselects the framework-free files' tests. Then the slow files first
+    (SLOW_FILES_FIRST), then the others by number of tests, most first (xdist's own order); a stable sort, so each
+    file's tests stay together and in their order."""
     def path(item):
         return item.nodeid.split("::", 1)[0]
 
+    if os.environ.get("MEMGUARD_SKIP_FRAMEWORK_FREE") == "1":
+        # the 3.11 run ran them with the same code and inputs: nothing new is proved here
+        skipped = [item for item in items if item.get_closest_marker("framework_free")]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if not item.get_closest_marker("framework_free")]
     counts = collections.Counter(path(item) for item in items)
     rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: (rank.get(path(item), len(rank)), -counts[path(item)]))

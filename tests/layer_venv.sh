@@ -15,3 +15,14 @@ layer_over_venv312() {
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "import site; site.addsitedir('$base_site')" > "$site/_memguard_venv312.pth"
 }
+
+# MEMGUARD_LAYER_STEP: "install" (install only), "test" (run the tests only) or unset (both).
+layer_step_check() {
+    case "${MEMGUARD_LAYER_STEP:-}" in
+        ""|install|test) ;;
+        *) echo "tests: MEMGUARD_LAYER_STEP is '${MEMGUARD_LAYER_STEP}'; it must be install, test or unset (both)" >&2
+           exit 2 ;;
+    esac
+}
+# layer_step STEP: true when this run does STEP (install or test)
+layer_step() { [ -z "${MEMGUARD_LAYER_STEP:-}" ] || [ "$MEMGUARD_LAYER_STEP" = "$1" ]; }

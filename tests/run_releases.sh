@@ -7,22 +7,29 @@
 # appends .venv312's site-packages after the venv's own, so the megatron-core installed here (--no-deps: its
 # dependencies are .venv312's) shadows 0.19.2 and torch is neither downloaded nor copied. About 31-33 MB per venv;
 # the tests take about 3.5 minutes on 2 cores (0.17.1: 1.5 with the end-to-end CPU run, 0.18.2: 1.5; pip ~20 s).
-# Arguments go to pytest. MEMGUARD_SKIP_RELEASES=1 in tests/run.sh skips this.
+# Arguments go to pytest. MEMGUARD_SKIP_RELEASES=1 in tests/run.sh skips this. MEMGUARD_LAYER_STEP=install only
+# installs, =test only tests (what is installed is still checked); tests/run.sh installs while the 3.12 suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . tests/layer_venv.sh
+layer_step_check
 # the files with megatron_training tests (the marker selects them; the rest of each file is pure Python)
 FILES=$(grep -l "megatron_training\|CONTAINER_ERA\|container_era" tests/test_*.py)
 for release in 0.17.1 0.18.2; do
     tag=$(echo "$release" | awk -F. '{printf "%d%02d", $1, $2}')   # 0.17.1 -> 017
     venv=.venv312-core$tag
-    layer_over_venv312 "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-deps "megatron-core==$release"
+    if layer_step install; then
+        layer_over_venv312 "$venv"
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-deps "megatron-core==$release"
+    fi
     got=$("$venv/bin/python" -c 'from importlib import metadata; print(metadata.version("megatron-core"))')
     if [ "$got" != "$release" ]; then
         echo "tests/run_releases.sh: $venv has megatron-core $got, not $release" >&2
         exit 1
     fi
+    layer_step test || continue
     # shellcheck disable=SC2086
-    CUDA_DEVICE_MAX_CONNECTIONS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m megatron_training $FILES "$@"
+    # (whole files over two workers, slowest first, as in tests/run.sh)
+    CUDA_DEVICE_MAX_CONNECTIONS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${MEMGUARD_TEST_WORKERS:-2}" \
+        --dist loadfile --no-loadscope-reorder -m megatron_training $FILES "$@"
 done

@@ -1,0 +1,176 @@
+"""Which test files are framework-free: they prove the same thing in every venv, so tests/run.sh runs them once.
+
+A test file is framework-free when nothing it can import (the file's imports anywhere in it, at module level or in
+a function, followed through tests/ helpers, benchmarks/ and megatron_memguard/, module by module) is other than the
+standard library, this project and the pure-Python packages both main venvs install at the same constraint
+(ALLOWED_THIRD_PARTY), and when no module in that closure starts a process, imports by a computed name or probes
+the environment (the interpreter's version, installed packages, which megatron.training era: PROBES). Such a file
+runs the same code on the same inputs under .venv (3.11) and .venv312, so the 3.12 run skips it
+(MEMGUARD_SKIP_FRAMEWORK_FREE=1, tests/conftest.py) and loses no check. Anything the scan cannot follow counts as
+framework, so a file is only ever run in more venvs than it needs, never fewer. Read from the source with ast: no
+module is imported. tests/test_framework_free.py checks the rule on files written for it and on known suite files.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+CONFTEST = os.path.join(TESTS, "conftest.py")
+
+# Pure-Python packages both main venvs install with the same constraint (pyproject's test extra; tests/run.sh's
+# .venv312 line): the same release in each, so a file using them behaves alike. matplotlib, lightning and the
+# frameworks are not here: .venv312 lacks the first two, and torch / megatron-core differ by design.
+ALLOWED_THIRD_PARTY = frozenset({"pytest", "_pytest", "hypothesis", "yaml", "omegaconf", "packaging"})
+# Standard-library modules that start processes (what such a process imports is out of the scan's sight).
+PROCESS_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent", "pty", "runpy"})
+# Names whose use makes a file's outcome depend on the venv: process start-up (os.system, os.fork, the interpreter
+# path), imports by a computed name, the interpreter's version, installed-package lookups, and tests/conftest.py's
+# helpers that read which megatron.training is installed (and the markers that select on it).
+PROBES = frozenset({
+    "system", "popen", "fork", "forkpty", "execv", "execve", "execl", "execle", "execlp", "execvp", "execvpe",
+    "spawnl", "spawnv", "spawnve", "posix_spawn", "executable",
+    "find_spec", "version_info", "hexversion", "pkg_resources", "importlib_metadata",
+    "container_era", "megatron_training_era", "legacy_training", "megatron_core_version", "CONTAINER_ERA",
+    "validated_by_megatron", "LEGACY_STANDIN", "run_as_written",
+})
+# tests/conftest.py's markers of tests that need one venv's framework (``pytest.mark.NAME``)
+FRAMEWORK_MARKS = frozenset({"megatron_training", "legacy_standin", "bridge"})
+# calls that import the module their argument names (pytest.importorskip skips where it is missing: the module
+# then decides, as an import does)
+_IMPORT_CALLS = frozenset({"import_module", "__import__", "importorskip"})
+# importlib's submodules that read what is installed (importlib.metadata.version, importlib.util.find_spec)
+_IMPORTLIB_PROBES = frozenset({"importlib.metadata", "importlib.util"})
+_STDLIB = frozenset(sys.stdlib_module_names) - PROCESS_MODULES
+
+
+def _module_file(name: str) -> str | None:
+    """The source file of a project module by dotted name (tests/ helpers are top-level modules), or None."""
+    parts = name.split(".")
+    for base in (ROOT, TESTS):
+        stem = os.path.join(base, *parts)
+        for path in (stem + ".py", os.path.join(stem, "__init__.py")):
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _module_name(path: str) -> tuple[str, bool]:
+    """(dotted name, is a package) of a project file, for resolving its relative imports."""
+    rel = os.path.relpath(path, TESTS if os.path.dirname(path) == TESTS else ROOT)
+    parts = rel[:-3].split(os.sep)
+    is_pkg = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_pkg else parts), is_pkg
+
+
+def _called(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _imported_by_call(arg: ast.expr) -> list[str] | None:
+    """The modules ``import_module(arg)`` can import: the named one, or every module of the project package an
+    f-string names (``f"megatron_memguard.cli.{cmd}"``); None when that cannot be told from the source."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [arg.value]
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        prefix = str(arg.values[0].value)
+        pkg = prefix[:-1] if prefix.endswith(".") else None
+        init = _module_file(pkg) if pkg else None
+        if init and init.endswith("__init__.py"):
+            return [f"{pkg}.{f[:-3]}" for f in sorted(os.listdir(os.path.dirname(init)))
+                    if f.endswith(".py") and f != "__init__.py"]
+    return None
+
+
+def _imports(tree: ast.AST, path: str) -> tuple[set[str], str | None]:
+    """Every module name the source imports, anywhere in it (with each parent package and each ``from pkg import
+    name`` that is a submodule), and the first probe met (None when none)."""
+    own, is_pkg = _module_name(path)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = own.split(".")
+                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)   # (a name that is no module is told apart later)
+        elif isinstance(node, ast.Call) and _called(node) in _IMPORT_CALLS and node.args:
+            named = _imported_by_call(node.args[0])
+            if named is None:
+                return found, f"calls {_called(node)} with a computed name"
+            found.update(named)
+        elif (isinstance(node, ast.Attribute) and node.attr in FRAMEWORK_MARKS and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "mark"):
+            return found, f"is marked {node.attr}"
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "importlib"
+              and f"importlib.{node.attr}" in _IMPORTLIB_PROBES):
+            return found, f"uses importlib.{node.attr}"
+        elif isinstance(node, ast.Name) and node.id in PROBES:
+            return found, f"uses {node.id}"
+        elif isinstance(node, ast.Attribute) and node.attr in PROBES:
+            return found, f"uses .{node.attr}"
+    probes = sorted(m for m in found if m in _IMPORTLIB_PROBES or m.startswith(tuple(p + "." for p in _IMPORTLIB_PROBES)))
+    if probes:
+        return found, f"imports {probes[0]}"
+    with_parents = set()
+    for mod in found:
+        parts = mod.split(".")
+        with_parents.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return with_parents, None
+
+
+@functools.lru_cache(maxsize=None)
+def _own_reason(path: str) -> tuple[str | None, tuple[str, ...]]:
+    """(why this one file is not framework-free or None, the project modules it imports)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"unreadable ({e.__class__.__name__})", ()
+    mods, probe = _imports(tree, path)
+    if probe:
+        return probe, ()
+    project = []
+    for mod in sorted(mods):
+        top = mod.split(".")[0]
+        if _module_file(mod):
+            project.append(mod)
+        elif top in _STDLIB or top in ALLOWED_THIRD_PARTY or top == "__future__":
+            continue
+        elif _module_file(top):
+            continue   # a name inside a project module (`from pkg import function`), not a module
+        else:
+            return f"imports {mod}", ()
+    return None, tuple(project)
+
+
+@functools.lru_cache(maxsize=None)
+def framework_reason(path: str) -> str | None:
+    """Why the test file at ``path`` is not framework-free (the module and what it does), or None when it is."""
+    seen: set[str] = set()
+    todo = [os.path.abspath(path)]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        reason, project = _own_reason(p)
+        if reason:
+            return f"{os.path.relpath(p, ROOT)} {reason}"
+        # tests/conftest.py is imported in every test process anyway: what a file takes from it is a name, and its
+        # names that read the installed framework are in PROBES
+        todo.extend(f for f in map(_module_file, project) if f != CONFTEST)
+    return None
+
+
+def is_framework_free(path: str) -> bool:
+    return framework_reason(path) is None
