@@ -146,16 +146,11 @@ class _Run:
     calls: int = 0
 
 
-def _numbered(text: str, lines: list[str]) -> list[tuple[int, str]]:
-    """Each logical line with the number of the physical line it starts on (found by its first characters)."""
-    out, pos = [], 0
-    for line in lines:
-        head = re.split(r"[\\\n]", line, 1)[0][:24]
-        j = text.find(head, pos) if head else -1
-        if j >= 0:
-            pos = j + len(head)
-        out.append((text.count("\n", 0, max(j, 0) if j >= 0 else pos) + 1, line))
-    return out
+def _numbered(text: str) -> list[tuple[int, str]]:
+    """Each logical line with the number of the physical line it starts on."""
+    starts: list[int] = []
+    lines = logical_lines(text, starts)
+    return list(zip(starts, lines))
 
 
 def _function_body(lines: list[tuple[int, str]], k: int, rest: str) -> tuple[list[tuple[int, str]], int]:
@@ -255,14 +250,16 @@ def _run_lines(lines: list[tuple[int, str]], st: _Run) -> None:
                 continue
             if toks[0] in st.functions:
                 _, body = st.functions[toks[0]]
-                _call(st, num, toks[0], body, toks[1:])
+                # (a call passing the script's own "$@" gives the function arguments memguard does not know either)
+                _call(st, num, toks[0], body, None if unknown else toks[1:], unknown_args=bool(unknown))
                 continue
             kind = _launch_kind(toks)
             if kind is not None:
                 st.found.append((kind, toks, num, sorted(set(unknown))))
 
 
-def _call(st: _Run, num: int, what: str, body: list[tuple[int, str]], args: list[str] | None) -> None:
+def _call(st: _Run, num: int, what: str, body: list[tuple[int, str]], args: list[str] | None,
+          unknown_args: bool = False) -> None:
     """Run ``body`` (a function's, with ``args`` as its positional parameters, or an eval's text)."""
     st.calls += 1
     if st.calls > MAX_CALLS * 64:
@@ -274,12 +271,14 @@ def _call(st: _Run, num: int, what: str, body: list[tuple[int, str]], args: list
     saved = st.vars.get("@", _NO_ARGS)
     if args is not None:
         st.vars["@"] = list(args)
+    elif unknown_args:
+        st.vars.pop("@", None)
     st._depth = depth + 1       # type: ignore[attr-defined]
     try:
         _run_lines(body, st)
     finally:
         st._depth = depth       # type: ignore[attr-defined]
-        if args is not None:
+        if args is not None or unknown_args:
             if saved is _NO_ARGS:
                 st.vars.pop("@", None)
             else:
@@ -298,7 +297,7 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
     sbatch_used = {k: v for k, v in sbatch.items() if k not in vars}
     vars.update(sbatch_used)
     st = _Run(vars=vars)
-    lines = _numbered(text, logical_lines(text))
+    lines = _numbered(text)
     _run_lines(lines, st)
     env_assigned, exported_env, skipped_python = st.env_assigned, st.exported_env, []
     found = [(kind, toks) for kind, toks, _, _ in st.found]

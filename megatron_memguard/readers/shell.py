@@ -483,12 +483,14 @@ def _match_from(t: str, i: int, open_: str, close: str, found: dict) -> None:
 _HEREDOC = re.compile(r"""<<(-?)[ \t]*(?:'([^']*)'|"([^"]*)"|([^\s;&|<>()'"]+))""")
 
 
-def logical_lines(text: str) -> list[str]:
+def logical_lines(text: str, starts: list[int] | None = None) -> list[str]:
     """Bash's logical lines: continuations joined, comments dropped, quotes and ``( ... )`` arrays may
     span lines (a newline inside quotes is kept, one inside an array becomes a space), here-document
-    bodies (``cat > hosts <<EOF ... EOF``) dropped: they are a command's input, not commands."""
+    bodies (``cat > hosts <<EOF ... EOF``) dropped: they are a command's input, not commands. ``starts``
+    gets the number of the physical line each logical line starts on."""
     out: list[str] = []
     buf: list[str] = []
+    lineno, start = 1, 0      # the physical line at i; where the logical line being built starts (0: not yet)
     quote: str | None = None
     depth = 0
     heredocs: list[tuple[str, bool]] = []   # (delimiter, <<- strips leading tabs) waiting for the line's end
@@ -496,8 +498,11 @@ def logical_lines(text: str) -> list[str]:
     while i < n:
         c = text[i]
         if quote:
+            if c == "\n":
+                lineno += 1
             if c == "\\" and quote == '"' and i + 1 < n:
                 if text[i + 1] == "\n":   # continuation inside double quotes
+                    lineno += 1
                     i += 2
                     continue
                 buf.append(text[i:i + 2])
@@ -508,8 +513,11 @@ def logical_lines(text: str) -> list[str]:
                 quote = None
             i += 1
             continue
+        if not start and c not in " \t\r\n#" and not text.startswith("\\\n", i):
+            start = lineno
         if c == "\\" and i + 1 < n:
             if text[i + 1] == "\n":
+                lineno += 1
                 i += 2
                 continue
             buf.append(text[i:i + 2])
@@ -520,6 +528,8 @@ def logical_lines(text: str) -> list[str]:
             buf.append(c)
             i += 1
             continue
+        if c == "#" and buf and not start:
+            start = lineno
         if c == "#" and (not buf or buf[-1][-1:] in (" ", "\t", "\n", ";", "(")):
             while i < n and text[i] != "\n":
                 i += 1
@@ -540,13 +550,16 @@ def logical_lines(text: str) -> list[str]:
         elif c == ")" and depth:
             depth -= 1
         if c == "\n":
+            lineno += 1
             if depth:
                 buf.append(" ")
             else:
                 line = "".join(buf).strip()
                 if line:
                     out.append(line)
-                buf = []
+                    if starts is not None:
+                        starts.append(start or lineno - 1)
+                buf, start = [], 0
             i += 1
             for delim, strip_tabs in heredocs:
                 while i < n:
@@ -554,6 +567,7 @@ def logical_lines(text: str) -> list[str]:
                     end = n if end < 0 else end
                     body = text[i:end].rstrip("\r")
                     i = end + 1
+                    lineno += 1
                     if (body.lstrip("\t") if strip_tabs else body) == delim:
                         break
             heredocs = []
@@ -565,6 +579,8 @@ def logical_lines(text: str) -> list[str]:
     line = "".join(buf).strip()
     if line:
         out.append(line)
+        if starts is not None:
+            starts.append(start or lineno)
     return out
 
 
