@@ -135,6 +135,7 @@ def test_a_launch_script_form_is_read_as_bash_runs_it(script):
 @pytest.mark.parametrize("script, text", [
     (f'{RUN}{S} "$@"\n', "line 1: $@ is the script's own arguments, which memguard does not know"),
     (f'# run\n\n{RUN}{S} $*\n', "line 3: $* is the script's own arguments, which memguard does not know"),
+    (f'main() {{\n  {RUN}{S} "$@"\n}}\nmain "$@"\n', "line 2: $@ is the script's own arguments"),
     (f'{RUN}--num-layers 4 \\ \n  --hidden-size 256\n', "line 1: the backslash is followed by spaces, so it does not "
                                                         "continue the line"),
     (f'A=1\n{RUN}{S} \\\n  --bf16 \\\t\n  --num-layers 8\n', "line 3: the backslash is followed by spaces"),
