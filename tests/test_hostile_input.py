@@ -179,7 +179,7 @@ def test_12_a_value_doubled_40_times_is_refused():
     script = "A='$A$A'\n" + "A=$A$A\n" * 40 + 'torchrun --nproc-per-node 8 pretrain_gpt.py ' + " ".join(S) + ' --save "$A"\n'
     o = run_memguard(["check", "--file", "s.sh"], {"s.sh": script})
     lines = error_lines(o)
-    assert o.code == 2 and "s.sh: cannot parse line 'A=$A$A': the command expands to more than 16 MiB" in lines[0], o.err
+    assert o.code == 2 and "s.sh: line 21: cannot parse 'A=$A$A': the command expands to more than 16 MiB" in lines[0], o.err
 
 
 # 13. An alias bomb of about 1 KB used as a NeMo value.

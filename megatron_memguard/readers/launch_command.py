@@ -202,7 +202,7 @@ def _run_lines(lines: list[tuple[int, str]], st: _Run) -> None:
             try:
                 toks = words(cmd, st.vars, unknown)   # one expansion, as bash: an expanded value is not expanded again
             except ValueError as e:
-                raise ReaderError(f"line {num}: cannot parse {cmd[:200]!r}: {e}") from None
+                raise ReaderError(f"line {num}: cannot parse {cmd!r}: {e}") from None
             if not toks:
                 continue
             if toks[0] in ("export", "declare", "local", "readonly", "typeset"):
