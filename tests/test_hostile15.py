@@ -158,3 +158,12 @@ def test_a_launch_script_form_memguard_does_not_follow_is_one_error_naming_the_l
 def test_a_sourced_file_is_noted():
     o = run_memguard(["check", "--file", "run.sh"], {"run.sh": f"source ./env.sh\n{RUN}{S}\n"})
     assert o.code == 0 and "the script sources ./env.sh (line 1), which memguard does not read" in o.out, o.describe()
+
+
+def test_an_unset_variable_word_is_noted_as_bash_reads_it():
+    # bash expands an unset $EXTRA_ARGS to no word at all; memguard said "ignored stray argument '$EXTRA_ARGS'"
+    o = run_memguard(["check", "--file", "run.sh"], {"run.sh": f"{RUN}{S} $EXTRA_ARGS ${{MORE}}\n"})
+    assert o.code == 0 and not o.problems, o.describe()
+    assert ("'$EXTRA_ARGS', '${MORE}' not set in the script or its environment: read as nothing, as bash expands an "
+            "unset variable") in o.out, o.out
+    assert "stray" not in o.out
