@@ -143,7 +143,8 @@ class _Run:
     found: list = field(default_factory=list)
     functions: dict = field(default_factory=dict)
     sourced: list = field(default_factory=list)
-    calls: int = 0
+    calls: int = 0          # function calls and evals so far
+    depth: int = 0          # nested ones now
 
 
 def _numbered(text: str) -> list[tuple[int, str]]:
@@ -264,8 +265,7 @@ def _call(st: _Run, num: int, what: str, body: list[tuple[int, str]], args: list
     st.calls += 1
     if st.calls > MAX_CALLS * 64:
         raise ReaderError(f"line {num}: more than {MAX_CALLS * 64} function calls / evals; memguard stops there")
-    depth = getattr(st, "_depth", 0)
-    if depth >= MAX_CALLS:
+    if st.depth >= MAX_CALLS:
         raise ReaderError(f"line {num}: {what} nests calls deeper than {MAX_CALLS} levels (a function that calls itself "
                           "never ends in bash)")
     saved = st.vars.get("@", _NO_ARGS)
@@ -273,11 +273,11 @@ def _call(st: _Run, num: int, what: str, body: list[tuple[int, str]], args: list
         st.vars["@"] = list(args)
     elif unknown_args:
         st.vars.pop("@", None)
-    st._depth = depth + 1       # type: ignore[attr-defined]
+    st.depth += 1
     try:
         _run_lines(body, st)
     finally:
-        st._depth = depth       # type: ignore[attr-defined]
+        st.depth -= 1
         if args is not None or unknown_args:
             if saved is _NO_ARGS:
                 st.vars.pop("@", None)
