@@ -43,6 +43,8 @@ DENSE_MOE = [
      ("0.16.1", "0.19.2")),
     ("--moe-router-group-topk 2 --moe-router-num-groups 2", "--moe-router-group-topk", "needs --num-experts",
      dict(moe_router_group_topk=2, moe_router_num_groups=2), ("0.16.1", "0.19.2")),
+    ("--moe-single-grouped-weight", "--moe-single-grouped-weight", "needs --moe-grouped-gemm",
+     dict(moe_single_grouped_weight=True), ("0.19.2",)),
 ]
 
 
@@ -167,3 +169,13 @@ def test_an_unset_variable_word_is_noted_as_bash_reads_it():
     assert ("'$EXTRA_ARGS', '${MORE}' not set in the script or its environment: read as nothing, as bash expands an "
             "unset variable") in o.out, o.out
     assert "stray" not in o.out
+
+
+def test_a_single_grouped_weight_needs_grouped_gemm_in_a_moe_model_too():
+    # TransformerConfig.__post_init__ (core 0.19.2 lines 1556-1585) checks it whatever the experts: the MoE model with
+    # the op fuser and no --moe-grouped-gemm was accepted as well
+    o = run_memguard(["validate", "--world-size", "8", "--megatron-version", "0.19.2", "--", *S.split(), "--num-experts", "8",
+                      "--moe-router-topk", "2", "--moe-single-grouped-weight", "--use-transformer-engine-op-fuser",
+                      "--disable-bias-linear", "--swiglu"])
+    assert o.code == 1 and not o.problems, o.describe()
+    assert "--moe-single-grouped-weight: needs --moe-grouped-gemm (TransformerConfig)" in o.out, o.out

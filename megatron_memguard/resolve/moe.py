@@ -73,6 +73,36 @@ def _paged_stash_rules(r: Reader) -> bool:
     return ok
 
 
+def _single_grouped_rules(r: Reader, *, add_bias_linear: bool, precision: Mapping[str, Any]) -> bool:
+    """--moe-single-grouped-weight / --moe-single-grouped-bias (core 0.18+): TransformerConfig.__post_init__ (0.19.2
+    transformer_config.py lines 1556-1587, with no num_moe_experts guard) needs grouped GEMM, the TE op fuser, high
+    precision / MXFP8 / NVFP4 primary weights and biases for a single grouped bias. Returns whether all hold."""
+    weight = r.bool_arg("moe_single_grouped_weight", False)
+    bias = r.bool_arg("moe_single_grouped_bias", False)
+    if not (weight or bias):
+        return True
+    key = "moe_single_grouped_weight" if weight else "moe_single_grouped_bias"
+    ok = True
+    if not r.bool_arg("moe_grouped_gemm", False):
+        r.fail(key, "needs --moe-grouped-gemm (TransformerConfig)")
+        ok = False
+    if weight:
+        if (precision.get("fp8") and precision.get("fp8_recipe") != "mxfp8") or \
+                (precision.get("fp4") and precision.get("fp4_recipe") != "nvfp4"):
+            r.fail(key, "works with high-precision primary weights, --fp8-recipe mxfp8 or --fp4-recipe nvfp4 only "
+                        "(TransformerConfig)")
+            ok = False
+        if not r.bool_arg("use_transformer_engine_op_fuser", False):
+            r.fail(key, "needs --use-transformer-engine-op-fuser (TransformerConfig: TE's GroupedLinear without the op "
+                        "fuser splits the grouped parameter per expert)")
+            ok = False
+    if bias and not add_bias_linear:
+        r.fail("moe_single_grouped_bias", "needs biases (TransformerConfig: add_bias_linear=True; drop "
+                                          "--disable-bias-linear)")
+        ok = False
+    return ok
+
+
 def _dense_rules(r: Reader, *, legacy: bool, before_019: bool, precision: Mapping[str, Any]) -> None:
     """The rules of TransformerConfig.__post_init__ on MoE-only settings that no ``num_moe_experts`` guards, so
     that megatron-core stops a dense model that sets them (core 0.19.2 transformer_config.py lines 1538-1710,
@@ -182,6 +212,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                 and not r.bool_arg("moe_grouped_gemm", False):
             r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
         _dense_rules(r, legacy=legacy, before_019=before_019, precision=precision or {})
+        _single_grouped_rules(r, add_bias_linear=add_bias_linear, precision=precision or {})
         return None
     # a paged stash that breaks Megatron's own rules is the error Megatron stops on, not a refusal
     stash_ok = not r.bool_arg("moe_paged_stash", False) or _paged_stash_rules(r)
@@ -306,6 +337,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                "add --disable-bias-linear or --expert-tensor-parallel-size 1")
         ok = False
     grouped = r.bool_arg("moe_grouped_gemm", False)
+    ok = _single_grouped_rules(r, add_bias_linear=add_bias_linear, precision=precision or {}) and ok
     mods = set(recompute_modules) if recompute_granularity == "selective" else set()
     if "moe_act" in mods and not grouped:
         r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
