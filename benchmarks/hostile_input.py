@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile12, hostile13, hostile14)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile13, hostile14, hostile15)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -35,7 +35,8 @@ models with --explain / --rule / --top, eval / save / rerun flags, Bridge bool f
 Megatron logs and every subcommand's file arguments (issue hostile13); the paged stash and rank capacity, FSDP with the
 EP overlap, Bridge offload fractions, FP8 attention CP types, eval counts, YAML keys that are not names and structure
 in every reader, launch-script arrays / appends / heredocs / 470,000 words, plan over 720,720 GPUs and hook values
-that are numpy scalars or tensors (issue hostile14). Prints, per command, the number of runs, how many broke the
+that are numpy scalars or tensors (issue hostile14); launch-script positional parameters, functions, eval, slices,
+lengths and arithmetic, MoE-only flags on dense models and Bridge bool fields given any value (issue hostile15). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -976,6 +977,63 @@ def hostile14_cases():
                                               "--model", "llama-3.2-1b", "--mbs", ",".join(str(i) for i in range(1, 5000))], {}
 
 
+def hostile15_cases():
+    """Issue hostile15 (the fifteenth round): launch-script forms bash reads and memguard now follows (set -- / "$@" /
+    $N / $# / shift, ${#X}, ${A[@]:o:n} / ${X:o:n} slices, $((arithmetic)) with its overflow / division / precedence,
+    functions (one-line, multi-line, recursive, never called), eval, export lists, source, here-strings, backslashes
+    followed by spaces) with hostile values; MoE-only flags on a dense model (megatron-core's unguarded
+    TransformerConfig rules); and Bridge bool fields given any value, as Bridge's override path takes it."""
+    from test_readers_bridge import FLAT
+    s = " ".join(S) + " --global-batch-size 16"
+    run = "torchrun --nproc-per-node 8 pretrain_gpt.py "
+    arith = ["2**63", "2**64", "-2**63 / -1", "1/0", "5%0", "2**-1", "1<<64", "(" * 70 + "1" + ")" * 70, "-" * 70 + "1",
+             "9" * 30, "0x7fffffffffffffff + 1", "08", "N++", "a=4", "1 ? 2 : 3", "1,2", "2#101", "$1", "$(echo 4)", "",
+             " + ".join(["1"] * 20_000), "2**2**2**2**2**2", "X", "${X}*2", "N" * 5000]
+    scripts = [f"N=3\nX=abc\n{run}{s} --num-layers $(({a}))\n" for a in arith]
+    scripts += [f"{run}{s} --num-layers ${{#{v}}}\n" for v in ("X", "X[@]", "@", "*", "#", "1", "", "!", "X[", "9" * 5000)]
+    scripts += [f"X=abcdef\nA=(a b c)\n{run}{s} --save ${{{v}}} --save-interval 1\n"
+                for v in ("X:1:2", "X: -2", "X:-2", "X:1:-9", "X:9", "X:2**70", "X:1/0", "A[@]:1", "A[@]:-1:1", "A[@]:0:-1",
+                          "@:1", "@:0", "*:1", "X:" + "9" * 30, "X::", "X:1:2:3")]
+    scripts += [f"set -- {s}\n{run}\"$@\"\n", f"set -- {s}\n{run}${{@:1:4}}\n", f"set -- {s}\nshift 99\n{run}\"$@\"\n",
+                f"set -- {s}\nshift x\n{run}\"$@\"\n", f"set -e -- {s}\n{run}\"$@\"\n", f"set -x\n{run}{s} \"$@\"\n",
+                f"{run}{s} \"$@\"\n", f"{run}{s} $*\n", f"{run}{s} \"${{@:2}}\"\n", f"{run}{s} $0 $# $9 ${{10}}\n",
+                f"run() {{ {run}{s} \"$@\"; }}\nrun --num-layers 8\n", f"function run {{\n{run}\"$@\"\n}}\nrun {s}\n",
+                f"run() {{\n{run}{s}\n", f"run() {{ {run}{s}; }}\n", "f() { f; }\nf\n" + f"{run}{s}\n",
+                "f() { g; }\ng() { f; }\nf\n" + f"{run}{s}\n", "f() { f; f; }\nf\n",
+                "".join(f"f{i}() {{ f{i + 1}; f{i + 1}; }}\n" for i in range(15)) + f"f15() {{ :; }}\nf0\n{run}{s}\n",
+                f"CMD=\"{run}{s}\"\neval \"$CMD\"\n", f"CMD=\"{run}{s}\"\neval $CMD --num-layers 8\n",
+                "E='eval \"$E\"'\neval \"$E\"\n" + f"{run}{s}\n", f"eval\n{run}{s}\n",
+                f"export A=1 B C=$((2*3))\n{run}{s}\n", f"export\n{run}{s}\n", f"source\n{run}{s}\n",
+                f". /dev/zero\n{run}{s}\n", f"{run}{s} <<< \"$(cat /dev/zero)\"\n", f"{run}\\ \n{s}\n",
+                f"{run}\\\t\n{s}\n", f"{run}{s} '\\ '\n", f"{run}{s} \\\\ \n", f"{run}{s} \"\\ \n\" --bf16\n",
+                "set -- " + " x" * 99_000 + f"\n{run}{s} \"$@\"\n", f"{run}{s}" + " $((1+1))" * 20_000 + "\n",
+                f"{run}{s}" + " ${#X}" * 50_000 + "\n"]
+    for text in scripts:
+        label = text.replace("\n", "\\n")[:60]
+        yield f"check script {label!r}", ["check", "--file", "run.sh"], {"run.sh": text}
+        yield f"estimate script {label!r}", ["estimate", "--config", "run.sh"], {"run.sh": text}
+    # MoE-only flags on a dense model, in both releases
+    for extra in (["--moe-paged-stash"], ["--moe-expert-rank-capacity-factor", "1.5"], ["--moe-ffn-hidden-size", "512"],
+                  ["--moe-ffn-hidden-size", "512", "--moe-layer-freq", "[0,1,0,1]"], ["--moe-ffn-hidden-size", "x"],
+                  ["--moe-enable-deepep"], ["--moe-flex-dispatcher-backend", "ncclep"],
+                  ["--moe-shared-expert-intermediate-size", "0"],
+                  ["--moe-shared-expert-intermediate-size", "-" + "9" * 30],
+                  ["--moe-expert-capacity-factor", "nan", "--moe-router-load-balancing-type", "sinkhorn"],
+                  ["--moe-pad-expert-input-to-capacity"], ["--moe-router-enable-expert-bias"], ["--moe-router-topk", "1"],
+                  ["--moe-router-topk", "x"], ["--moe-router-group-topk", "2"], ["--moe-router-padding-for-quantization"],
+                  ["--moe-router-padding-for-fp8", "--fp8-format", "hybrid"]):
+        for version in ("0.16.1", "0.19.2"):
+            yield f"validate dense {version} {' '.join(extra)[:50]}", ["validate", "--world-size", "8", "--megatron-version",
+                                                                        version, "--", *S, *extra], {}
+    # Bridge bool fields given any value (a warning; comm_overlap's stay true / false)
+    bridge = ["estimate", "--config", "c.yaml", "--gpus", "8"]
+    for key in ("optimizer.use_precision_aware_optimizer", "optimizer.store_param_remainders", "ddp.overlap_grad_reduce",
+                "ddp.use_distributed_optimizer", "dist.use_torch_fsdp2", "rerun_state_machine.check_for_nan_in_loss",
+                "comm_overlap.tp_comm_overlap"):
+        for v in ("x", "no", "'false'", "'0'", "2", "0.5", "nan", ".nan", "[]", "[1]", "{}", "{a: 1}", "''", "1" * 5000, "null"):
+            yield f"estimate Bridge {key}={v[:20]}", [*bridge, "--set", f"{key}={v}"], {"c.yaml": FLAT}
+
+
 def hook14_cases() -> tuple[int, list[str], float, str]:
     """Issue hostile14: the hook's validate_args wrapper on Megatron's namespaces with a numpy scalar or array, a torch
     tensor (0-d, 1-d, NaN), an int subclass whose __int__ raises or an object refusing str() / int() / bool() at the
@@ -1683,7 +1741,7 @@ def main(argv: list[str]) -> int:
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
               ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
               ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
-              ("hostile14", hostile14_cases())]
+              ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

@@ -1244,3 +1244,27 @@ def test_run_recipe_overrides_read_as_bridge_finalizes_them(recipes, monkeypatch
     real = _bridge_memory_fields(cfg)
     ours = _memguard_memory_fields(resolve(read_run_recipe(argv)[1], world_size=world))
     assert {k: ours.get(k, "missing") for k in real} == real
+
+
+# --- issue hostile15 item 3: a bool field given a value that is not true / false, as Bridge 0.6.2 takes it ----------
+@pytest.mark.parametrize("value", ["true", "false", "1", "0", "2", "0.5", "x", "'false'", "'0'", "no", "off", "yes",
+                                   "[1]", "[]", "''", "{a: 1}"])   # (null: hostile8 test above)
+@pytest.mark.parametrize("field", ["optimizer.use_precision_aware_optimizer", "optimizer.store_param_remainders"])
+def test_a_bool_field_takes_what_bridges_override_path_takes(recipes, field, value):
+    """Bridge's override path (training/utils/omegaconf_utils.py) converts the config to a plain DictConfig, applies the
+    override with Hydra's grammar and setattr's the result: no type check, and the code reading the field tests its
+    truth. hostile13 refused 'x', 2 or 0.5 as OmegaConf's structured config would; Bridge sets them (and the text
+    'false' or the word no, which Hydra keeps a string, is true). memguard now reads the same truth, with a warning."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    sec, name = field.split(".")
+    cfg = process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=[f"{field}={value}"])
+    bridge = bool(getattr(getattr(cfg, sec), name))
+    raw = read_bridge({}, "recipe llama32_1b", parse_overrides([f"{field}={value}"]), recipe="llama32_1b")
+    assert bool(raw.args.get(name)) is bridge
+    plain = value in ("true", "false")
+    assert any(w.startswith(f"{field}: ") and "Megatron-Bridge 0.6.2 sets it unchecked" in w
+               for w in raw.warnings) is not plain, raw.warnings

@@ -175,11 +175,12 @@ def test_12_self_referencing_variable_is_expanded_once():
 
 
 def test_12_a_value_doubled_40_times_is_refused():
-    # 4 * 2**40 characters: bash would fill the memory; memguard stops at 16 MiB of expansion (readers/shell.py)
+    # 4 * 2**40 characters: bash would fill the memory; memguard stops at 16 MiB of expansion (readers/shell.py): line 23,
+    # the 22nd doubling, would expand to 2 + 4 * 2**22 = 16 MiB + 2 characters
     script = "A='$A$A'\n" + "A=$A$A\n" * 40 + 'torchrun --nproc-per-node 8 pretrain_gpt.py ' + " ".join(S) + ' --save "$A"\n'
     o = run_memguard(["check", "--file", "s.sh"], {"s.sh": script})
     lines = error_lines(o)
-    assert o.code == 2 and "s.sh: cannot parse line 'A=$A$A': the command expands to more than 16 MiB" in lines[0], o.err
+    assert o.code == 2 and "s.sh: line 23: cannot parse 'A=$A$A': the command expands to more than 16 MiB" in lines[0], o.err
 
 
 # 13. An alias bomb of about 1 KB used as a NeMo value.

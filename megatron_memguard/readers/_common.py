@@ -91,8 +91,13 @@ def parse_scalar(text: str) -> Any:
         v = load_yaml(text, "--set")
     except ReaderError:  # not YAML (or beyond the nesting / size limits): the text itself
         return text
+    t = text.strip()
+    if isinstance(v, bool) and t.lower() not in ("true", "false"):
+        # Hydra's override grammar has true / false only: yes, no, on, off (YAML 1.1 bools) stay words
+        return t
     if isinstance(v, str):
-        return _number(v)
+        # a quoted value is a string in Hydra's grammar ('1' stays the text '1'); an unquoted one may be a number
+        return v if t[:1] in ("'", '"') and t[-1:] == t[:1] else _number(v)
     return v
 
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
-from ..numbers import shown
+from ..numbers import python_scalar, shown
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
@@ -126,6 +126,21 @@ def _graph_names(value: Any) -> set[str]:
     return {str(_member_name(x)).rsplit(".", 1)[-1] for x in items if x not in ("", None)}
 
 
+def bridge_truth(b: ArgsBuilder, value: Any, key: str) -> bool:
+    """A bool field of Bridge's section dataclasses (optimizer, ddp, dist, rerun_state_machine) as Megatron-Bridge 0.6.2
+    takes it: its override path (training/utils/omegaconf_utils.py: OmegaConf.create of a plain dict, Hydra's override
+    grammar or OmegaConf.load, then setattr) checks no type, and the code that reads these fields tests their truth.
+    So any value is taken; one that is not true / false / null is read as Python reads it, with a warning (the text
+    'false' or 'no' given as an override is true there)."""
+    value = python_scalar(value)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    on = bool(value)
+    b.warn(f"{key}: {shown(value)} is not true or false; Megatron-Bridge 0.6.2 sets it unchecked and its code tests the "
+           f"value's truth, so it is {'on' if on else 'off'} (estimated so; write true or false)")
+    return on
+
+
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
     """ConfigContainer.validate (Megatron-Bridge 0.6.2 training/config.py, _validate_and_apply_megatron_fsdp_configs
     :1097-1101, and :1389-1394), when the job saves or loads a checkpoint: Megatron-FSDP asserts the fsdp_dtensor
@@ -137,7 +152,7 @@ def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]]
 
     def flag(sec: str, name: str) -> bool:
         f = S.get(sec, {}).get(name)
-        return bool(f) and true_or_false(val(sec, name, False), f[1])
+        return bool(f) and bridge_truth(b, val(sec, name, False), f[1])
 
     ckpt = S.get("checkpoint", {})
     saves = any(val("checkpoint", n) is not None or (bool(recipe) and n not in ckpt) for n in ("save", "load"))
@@ -538,9 +553,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         return f is not None and f[0] is not None and not is_missing(f[0])
 
     def on_off(sec: str, name: str, default: bool = False) -> bool:
-        # a bool field of Bridge's dataclasses, strictly: OmegaConf refuses 'x', 0.5 or a mapping there, which
-        # as_bool would read as false or bool() as true
-        return true_or_false(v(sec, name, default), k(sec, name))
+        # a bool field of Bridge's section dataclasses, as Bridge takes it (bridge_truth)
+        return bridge_truth(b, v(sec, name, default), k(sec, name))
 
     _refuse_unset_sections(S, top)
 
@@ -684,14 +698,17 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
                        ("bucket_size", "ddp_bucket_size"), ("pad_buckets_for_high_nccl_busbw", "ddp_pad_buckets_for_high_nccl_busbw"),
                        ("use_megatron_fsdp", None), ("use_custom_fsdp", None), ("nccl_ub", None), ("delay_wgrad_compute", None)):
         if has("ddp", name):
-            b.set(dest or name, v("ddp", name), k("ddp", name))
+            value = v("ddp", name)
+            if name not in ("num_distributed_optimizer_instances", "bucket_size"):   # (the bool fields)
+                value = on_off("ddp", name)
+            b.set(dest or name, value, k("ddp", name))
     for name in ("use_megatron_fsdp", "use_torch_fsdp2"):
         if on_off("dist", name):
             b.set(name, True, k("dist", name))
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if "comm_overlap" in S:
         _comm_overlap_model_fields(b, S, v, k)
-    if on_off("comm_overlap", "tp_comm_overlap"):
+    if true_or_false(v("comm_overlap", "tp_comm_overlap", False), k("comm_overlap", "tp_comm_overlap")):
         # CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2) switches it off, with a warning, for
         # TP < 2 or without sequence parallelism
         try:

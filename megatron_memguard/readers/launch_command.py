@@ -128,69 +128,204 @@ def _assigned(token: str, vars: Mapping[str, object]) -> tuple[str, str | list[s
     return name, ("" if old is None else str(old)) + value
 
 
-def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> LaunchCommand:
-    """Parse a command line or a shell script holding one launch command."""
-    vars: dict[str, object] = dict(environ or {})
-    sbatch = sbatch_env(text)
-    sbatch_used = {k: v for k, v in sbatch.items() if k not in vars}
-    vars.update(sbatch_used)
-    env_assigned: dict[str, str] = {}
-    exported_env: dict[str, str] = {}
-    found: list[tuple[str, list[str]]] = []
-    skipped_python: list[str] = []
-    for line in logical_lines(text):
+_FUNCTION = re.compile(r"^(?:function\s+([A-Za-z_][\w-]*)\s*(?:\(\s*\))?|([A-Za-z_][\w-]*)\s*\(\s*\))\s*\{(.*)$", re.S)
+_BACKSLASH_SPACE = re.compile(r"(?<!\\)\\[ \t]+\r?$")
+MAX_CALLS = 16      # nested function calls / evals (a recursive function would never end in bash)
+
+
+@dataclass
+class _Run:
+    """What reading a script has gathered so far: its variables (positional parameters under "@"), the environment it
+    exports, its functions, the launch-line candidates (kind, words, line, the script arguments they use)."""
+    vars: dict
+    env_assigned: dict = field(default_factory=dict)
+    exported_env: dict = field(default_factory=dict)
+    found: list = field(default_factory=list)
+    functions: dict = field(default_factory=dict)
+    sourced: list = field(default_factory=list)
+    calls: int = 0          # function calls and evals so far
+    depth: int = 0          # nested ones now
+
+
+def _numbered(text: str) -> list[tuple[int, str]]:
+    """Each logical line with the number of the physical line it starts on."""
+    starts: list[int] = []
+    lines = logical_lines(text, starts)
+    return list(zip(starts, lines))
+
+
+def _function_body(lines: list[tuple[int, str]], k: int, rest: str) -> tuple[list[tuple[int, str]], int]:
+    """The body of a function whose ``{`` opened on lines[k] (``rest``: what follows it there) and the index after it."""
+    n = lines[k][0]
+    if rest.rstrip().endswith("}"):
+        return [(n, rest.rstrip()[:-1])], k + 1           # name() { ...; } on one line
+    body = [(n, rest)] if rest.strip() else []
+    depth, j = 1, k + 1
+    while j < len(lines):
+        num, line = lines[j]
+        depth += len(re.findall(r"(?:^|\s)\{(?:\s|$)", line)) - (line.strip() == "}" or line.rstrip().endswith(" }")
+                                                                 or line.rstrip().endswith(";}"))
+        if depth <= 0:
+            tail = line.rstrip()[:-1].rstrip()
+            if tail:
+                body.append((num, tail))
+            return body, j + 1
+        body.append((num, line))
+        j += 1
+    raise ReaderError(f"line {n}: the function's '{{' is never closed by a '}}'")
+
+
+def _run_lines(lines: list[tuple[int, str]], st: _Run) -> None:
+    """Read ``lines`` as bash runs them, gathering variables, functions and launch-line candidates into ``st``."""
+    k = 0
+    while k < len(lines):
+        num, line = lines[k]
+        k += 1
+        fm = _FUNCTION.match(line)
+        if fm:
+            body, k = _function_body(lines, k - 1, fm.group(3))
+            st.functions[fm.group(1) or fm.group(2)] = (num, body)
+            continue
         m = _ASSIGN.match(line)
         if m and m.group(3).strip().startswith("("):
             # bash array: NAME=( items ... ), or NAME+=( items ... ) appending to it (a scalar is its element 0)
             value = m.group(3).strip()
             if value.endswith(")"):
                 try:
-                    items = words(value[1:-1], vars)
+                    items = words(value[1:-1], st.vars)
                 except ValueError as e:
-                    raise ReaderError(f"cannot parse the array {m.group(1)}: {e}") from None
-                old = vars.get(m.group(1)) if m.group(2) else None
-                vars[m.group(1)] = (old if isinstance(old, list) else [] if old is None else [str(old)]) + items
+                    raise ReaderError(f"line {num}: cannot parse the array {m.group(1)}: {e}") from None
+                old = st.vars.get(m.group(1)) if m.group(2) else None
+                st.vars[m.group(1)] = (old if isinstance(old, list) else [] if old is None else [str(old)]) + items
                 continue
         for cmd in simple_commands(line):
+            unknown: list[str] = []
             try:
-                toks = words(cmd, vars)   # one expansion, as bash: an expanded value is not expanded again
+                toks = words(cmd, st.vars, unknown)   # one expansion, as bash: an expanded value is not expanded again
             except ValueError as e:
-                raise ReaderError(f"cannot parse line {cmd!r}: {e}") from None
+                raise ReaderError(f"line {num}: cannot parse {cmd!r}: {e}") from None
             if not toks:
                 continue
             if toks[0] in ("export", "declare", "local", "readonly", "typeset"):
                 exported = toks[0] == "export"
-                toks = [t for t in toks[1:] if not t.startswith("-")]
-                if all(_ASSIGN_TOKEN.match(t) for t in toks):
-                    for t in toks:
-                        name, value = _assigned(t, vars)
-                        vars[name] = value
+                names = [t for t in toks[1:] if not t.startswith("-")]
+                if all(_ASSIGN_TOKEN.match(t) or _NAME_TOKEN.match(t) for t in names):
+                    for t in names:
+                        if not _ASSIGN_TOKEN.match(t):      # export NAME: the variable set before, exported
+                            if exported and isinstance(st.vars.get(t), str):
+                                st.exported_env[t] = st.vars[t]
+                            continue
+                        name, value = _assigned(t, st.vars)
+                        st.vars[name] = value
                         if isinstance(value, str):
-                            env_assigned[name] = value
+                            st.env_assigned[name] = value
                             if exported:
-                                exported_env[name] = value
+                                st.exported_env[name] = value
                     continue
             if all(_ASSIGN_TOKEN.match(t) for t in toks):
                 # plain assignments (VAR=value ...): shell variables for later lines
                 for t in toks:
-                    name, value = _assigned(t, vars)
-                    vars[name] = value
+                    name, value = _assigned(t, st.vars)
+                    st.vars[name] = value
                     if isinstance(value, str):
-                        env_assigned[name] = value
+                        st.env_assigned[name] = value
+                continue
+            if toks[0] == "set":
+                if "--" in toks:       # set -- words: the positional parameters ("$@")
+                    st.vars["@"] = toks[toks.index("--") + 1:]
+                elif len(toks) > 1 and not toks[1].startswith(("-", "+")):
+                    st.vars["@"] = toks[1:]
+                continue
+            if toks[0] == "shift":
+                args = st.vars.get("@")
+                count = toks[1] if len(toks) > 1 else "1"
+                if isinstance(args, list) and count.isdigit() and int(count) <= len(args):
+                    st.vars["@"] = args[int(count):]
+                continue
+            if toks[0] in ("source", "."):
+                st.sourced.append(f"{toks[1] if len(toks) > 1 else 'nothing'} (line {num})")
+                continue
+            if toks[0] == "eval":
+                # eval joins its words and reads them as a command line (bash(1), eval)
+                _call(st, num, "eval", [(num, x) for x in logical_lines(" ".join(toks[1:]))], None)
+                continue
+            if toks[0] in st.functions:
+                _, body = st.functions[toks[0]]
+                # (a call passing the script's own "$@" gives the function arguments memguard does not know either)
+                _call(st, num, toks[0], body, None if unknown else toks[1:], unknown_args=bool(unknown))
                 continue
             kind = _launch_kind(toks)
             if kind is not None:
-                found.append((kind, toks))
+                st.found.append((kind, toks, num, sorted(set(unknown))))
+
+
+def _call(st: _Run, num: int, what: str, body: list[tuple[int, str]], args: list[str] | None,
+          unknown_args: bool = False) -> None:
+    """Run ``body`` (a function's, with ``args`` as its positional parameters, or an eval's text)."""
+    st.calls += 1
+    if st.calls > MAX_CALLS * 64:
+        raise ReaderError(f"line {num}: more than {MAX_CALLS * 64} function calls / evals; memguard stops there")
+    if st.depth >= MAX_CALLS:
+        raise ReaderError(f"line {num}: {what} nests calls deeper than {MAX_CALLS} levels (a function that calls itself "
+                          "never ends in bash)")
+    saved = st.vars.get("@", _NO_ARGS)
+    if args is not None:
+        st.vars["@"] = list(args)
+    elif unknown_args:
+        st.vars.pop("@", None)
+    st.depth += 1
+    try:
+        _run_lines(body, st)
+    finally:
+        st.depth -= 1
+        if args is not None or unknown_args:
+            if saved is _NO_ARGS:
+                st.vars.pop("@", None)
+            else:
+                st.vars["@"] = saved
+
+
+_NO_ARGS = object()
+_NAME_TOKEN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> LaunchCommand:
+    """Parse a command line or a shell script holding one launch command."""
+    vars: dict[str, object] = dict(environ or {})
+    vars.pop("@", None)      # (not an environment variable: the positional parameters)
+    sbatch = sbatch_env(text)
+    sbatch_used = {k: v for k, v in sbatch.items() if k not in vars}
+    vars.update(sbatch_used)
+    st = _Run(vars=vars)
+    lines = _numbered(text)
+    _run_lines(lines, st)
+    env_assigned, exported_env, skipped_python = st.env_assigned, st.exported_env, []
+    found = [(kind, toks) for kind, toks, _, _ in st.found]
+    where = {id(toks): (num, unknown) for _, toks, num, unknown in st.found}
     launches = [f for f in found if f[0] != "python"] or [f for f in found if f[0] == "python"]
     if found and len(launches) < len(found):
         skipped_python = [" ".join(t[:3]) for k, t in found if k == "python"]
     if not launches:
+        held = [f"{name} (line {num})" for name, (num, body) in st.functions.items()
+                if any(_launch_kind(_safe_words(line)) for _, line in body)]
         raise ReaderError("no launch command found (expected torchrun, python -m torch.distributed.run, srun, mpirun "
-                          "or python SCRIPT.py)")
+                          "or python SCRIPT.py)" + (f"; the function {held[0]} holds one but the script never calls it"
+                                                    if held else ""))
     if len(launches) > 1:
         shown = "; ".join(" ".join(t[:4]) + " ..." for _, t in launches[:3])
         raise ReaderError(f"found {len(launches)} launch commands ({shown}); give memguard the one to check")
     kind, toks = launches[0]
+    num, unknown = where[id(toks)]
+    if unknown:
+        raise ReaderError(f"line {num}: {unknown[0]} is the script's own arguments, which memguard does not know (bash "
+                          "passes the words the script is run with); write them into the script with set -- WORDS, or "
+                          "give memguard the launch command itself")
+    nxt = min((n for n, _ in lines if n > num), default=text.count("\n") + 2)
+    cut = [i + 1 for i, raw in enumerate(text.split("\n")[num - 1:nxt - 1], start=num - 1) if _BACKSLASH_SPACE.search(raw)]
+    if cut:
+        raise ReaderError(f"line {cut[0]}: the backslash is followed by spaces, so it does not continue the line: bash "
+                          "ends the launch command there and runs the next line as a command of its own; remove the "
+                          "spaces after the backslash")
     if kind == "unsupported":
         word, _ = _command_word(toks)
         raise ReaderError(f"cannot understand the launcher {word!r} ({UNSUPPORTED[word]}); memguard reads torchrun, "
@@ -200,6 +335,9 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
     notes = list(cmd.notes)
     if skipped_python:
         notes.append("the script also runs " + ", ".join(skipped_python) + " ...; checked the distributed launch")
+    if st.sourced:
+        notes.append(f"the script sources {st.sourced[0]}, which memguard does not read: a variable it sets is unknown "
+                     "here (an unset $VAR is kept as written)")
     if sbatch_used and any(k in cmd.world_size_from for k in sbatch_used):
         notes.append("SLURM values from the script's #SBATCH directives: " +
                      ", ".join(f"{k}={v}" for k, v in sorted(sbatch_used.items()) if k in ("SLURM_NNODES", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS")))
@@ -208,6 +346,13 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
                          env={**exported_env, **cmd.env}, nnodes=cmd.nnodes, nproc_per_node=cmd.nproc_per_node,
                          world_size=cmd.world_size, notes=notes, world_size_from=cmd.world_size_from,
                          wrappers=cmd.wrappers, module=cmd.module)
+
+
+def _safe_words(line: str) -> list[str]:
+    try:
+        return words(line, {})
+    except ValueError:
+        return []
 
 
 def parse_launch_command(command: str | Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchCommand:

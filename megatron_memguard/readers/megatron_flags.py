@@ -73,6 +73,7 @@ _CHOICES = {
 # memguard names the bound of the setting instead
 _LONG_DIGITS = re.compile(r"\s*[+-]?[0-9][0-9_]{4000,}\s*")
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+_UNSET_REF = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")   # a whole word: $VAR, ${VAR}
 
 
 @lru_cache(maxsize=1)
@@ -220,6 +221,12 @@ def parse_megatron_flags(
             if dest in _UNWRAP_SINGLE and len(args[dest]) == 1:
                 args[dest] = args[dest][0]
         origin[dest] = tok
+    # an unset $VAR of a launch script stays as written: bash would expand it to nothing (one note, apart)
+    unset = [w for w in strays if _UNSET_REF.fullmatch(str(w))]
+    if unset:
+        strays = [w for w in strays if not _UNSET_REF.fullmatch(str(w))]
+        warnings.append(f"{_first(unset, shown)} not set in the script or its environment: read as nothing, as bash "
+                        "expands an unset variable (set it to check what it adds)")
     # one note each, the first few named (a launch line of 470,000 stray words printed 470,000 notes)
     if len(strays) == 1:
         warnings.append(f"ignored stray argument {shown(strays[0])} (not after a flag that takes a value)")

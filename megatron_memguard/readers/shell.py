@@ -20,10 +20,14 @@ import shlex
 from typing import Mapping, MutableMapping
 
 from ..errors import ReaderError
+from .shell_arith import ArithmeticUnfollowed, evaluate
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 _BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(:?[-+=])?")
+# ${#X}, ${#A[@]}, ${#}, ${@}, ${1}, and the slices ${X:1:2}, ${A[@]:0:4}, ${@:2} (an offset is an arithmetic expression;
+# one starting with '-', '+' or '=' right after the colon is the default operator instead, as in bash)
+_SPECIAL = re.compile(r"(#)?(@|\*|#|\d+|[A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(?::(?![-+=?])([^:]*)(?::(.*))?)?")
 MAX_NESTING = 32   # ${A:-${B:-...}} levels (scripts nest two or three)
 MAX_EXPANDED = 16 * 2**20   # characters of one command after expansion (4 x issue 14's 4 MiB re-expansion case)
 MAX_WORDS = 100_000   # words of one command after expansion (Megatron-LM's example scripts: a few hundred)
@@ -34,10 +38,15 @@ _PLAIN = re.compile(r"[^\s\\'\"$`#]+")
 Vars = MutableMapping[str, object]
 
 
-def words(text: str, vars: Vars) -> list[str]:
+def words(text: str, vars: Vars, unknown: list[str] | None = None) -> list[str]:
     """The words of one simple command ``text`` after expansion and quote removal (``NAME=value``
-    words included). Raises ValueError for an unterminated quote, as shlex does."""
-    return _Words(text, vars).run()
+    words included). Raises ValueError for an unterminated quote, as shlex does. ``unknown`` gets the
+    ``$@`` / ``$*`` that stand for the script's own arguments (kept as written)."""
+    w = _Words(text, vars)
+    out = w.run()
+    if unknown is not None:
+        unknown.extend(w.unknown)
+    return out
 
 
 def expand_word(word: str, vars: Mapping[str, object]) -> str:
@@ -82,6 +91,7 @@ class _Words:
         self.started = False         # a word is being built (possibly empty: "")
         self.assign_ok = True        # only assignments so far: NAME=value words are assignments
         self.in_assign = False       # the current word is an assignment (no field splitting)
+        self.unknown: list[str] = []  # "$@" / "$*" of the script's own arguments (unknown to memguard)
 
     # -- building words ----------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -244,8 +254,17 @@ class _Words:
     def _dollar(self, i: int, quoted: bool) -> int:
         t = self.text
         nxt = t[i + 1:i + 2]
-        if nxt == "(":                                  # $(command), $((arithmetic)): kept as written
+        if nxt == "(":                                  # $(command) kept as written; $((arithmetic)) evaluated
             end = self._matching(t, i + 1, "(", ")")
+            if end is not None and t.startswith("$((", i) and t[end - 2:end] == "))" \
+                    and self._matching(t, i + 2, "(", ")") == end - 1:
+                try:
+                    value = evaluate(t[i + 3:end - 2], self.vars)
+                except ArithmeticUnfollowed:
+                    value = None                        # (kept as written: the reader names the flag it reaches)
+                if value is not None:
+                    self._fields(str(value), quoted or self.quoted)
+                    return end
             if end is None:                             # no closing parenthesis: a plain $ and a (
                 # (with every unclosed "$(" right after it: one add for the run, not a pass of the loop per
                 # character; the scan above recorded them all)
@@ -295,6 +314,9 @@ class _Words:
             if end is None:                             # no closing brace: a plain $
                 return None
             inner = t[i + 2:end - 1]
+            special = self._special_braced(inner)
+            if special is not None:
+                return special, end
             m = _BRACED.match(inner)
             if not m or (m.end() != len(inner) and not m.group(4)):
                 return _UNSET, end                     # ${#VAR}, ${VAR%x}, ${1}: not evaluated
@@ -309,10 +331,80 @@ class _Words:
             if not unset:
                 return value, end
             return _Default(word, name if op.endswith("=") else None), end
+        c = t[i + 1:i + 2]
+        if c and c in "@*#" or c.isdigit():
+            return self._positional(c), i + 2
         m = _NAME.match(t, i + 1)
         if not m:
             return None
         return _lookup(self.vars.get(m.group(0)), None), m.end()
+
+    def _positional(self, name: str):
+        """``$@`` (a list: one word each when quoted), ``$*``, ``$#``, ``$1`` ... of the positional parameters (``set --``,
+        a function's arguments); _UNSET when the script's own arguments are meant (memguard does not know them)."""
+        args = self.vars.get("@")
+        if name == "0" or not isinstance(args, list):
+            if name in "@*":
+                self.unknown.append("$" + name)
+            return _UNSET
+        if name == "@":
+            return list(args)
+        if name == "*":
+            return " ".join(args)
+        if name == "#":
+            return str(len(args))
+        k = int(name)
+        return args[k - 1] if k <= len(args) else ""
+
+    def _special_braced(self, inner: str):
+        """``${#X}``, ``${#A[@]}``, ``${@}`` / ``${N}``, and the slices ``${X:off}``, ``${X:off:len}``, ``${A[@]:off:len}``,
+        ``${@:off:len}``; None when ``inner`` is none of them (or an offset is not an integer expression)."""
+        m = _SPECIAL.fullmatch(inner)
+        if not m:
+            return None
+        length, name, index, off, count = m.group(1), m.group(2), m.group(4), m.group(5), m.group(6)
+        positional = name in ("@", "*", "#") or name.isdigit()
+        if positional and index:
+            return None
+        value = self._positional(name) if positional else _lookup(self.vars.get(name), index)
+        if length:
+            if off is not None or name == "#":
+                return None
+            if value is _UNSET:
+                return None if positional else "0"     # bash: an unset variable's length is 0
+            return str(len(value))
+        if off is None:
+            return value if name in ("@", "*") or name.isdigit() else None
+        if value is _UNSET:
+            return None
+        try:
+            o = evaluate(off, self.vars)
+            n = None if count is None else evaluate(count, self.vars)
+        except ArithmeticUnfollowed:
+            return None
+        if name in ("@", "*"):
+            if o == 0:
+                return None                               # ${@:0} starts with $0, the script's name
+            o = o - 1 if o > 0 else o                     # ${@:1} is $1
+            value = value if isinstance(value, list) else value.split()
+        items = value if isinstance(value, list) else None
+        seq = items if items is not None else str(value)
+        size = len(seq)
+        start = o + size if o < 0 else o
+        if start < 0 or start > size:
+            return [] if items is not None else ""
+        if n is None:
+            stop = size
+        elif n < 0:
+            stop = size + n
+            if stop < start:
+                return None                               # bash: "substring expression < 0"
+        else:
+            stop = min(start + n, size)
+        part = seq[start:stop]
+        if name == "*":
+            return " ".join(part)
+        return list(part) if items is not None else part
 
     def _matching(self, t: str, i: int, open_: str, close: str) -> int | None:
         """The index after the ``close`` matching ``t[i] == open_``, None if there is none. Every scan's
@@ -391,12 +483,14 @@ def _match_from(t: str, i: int, open_: str, close: str, found: dict) -> None:
 _HEREDOC = re.compile(r"""<<(-?)[ \t]*(?:'([^']*)'|"([^"]*)"|([^\s;&|<>()'"]+))""")
 
 
-def logical_lines(text: str) -> list[str]:
+def logical_lines(text: str, starts: list[int] | None = None) -> list[str]:
     """Bash's logical lines: continuations joined, comments dropped, quotes and ``( ... )`` arrays may
     span lines (a newline inside quotes is kept, one inside an array becomes a space), here-document
-    bodies (``cat > hosts <<EOF ... EOF``) dropped: they are a command's input, not commands."""
+    bodies (``cat > hosts <<EOF ... EOF``) dropped: they are a command's input, not commands. ``starts``
+    gets the number of the physical line each logical line starts on."""
     out: list[str] = []
     buf: list[str] = []
+    lineno, start = 1, 0      # the physical line at i; where the logical line being built starts (0: not yet)
     quote: str | None = None
     depth = 0
     heredocs: list[tuple[str, bool]] = []   # (delimiter, <<- strips leading tabs) waiting for the line's end
@@ -404,8 +498,11 @@ def logical_lines(text: str) -> list[str]:
     while i < n:
         c = text[i]
         if quote:
+            if c == "\n":
+                lineno += 1
             if c == "\\" and quote == '"' and i + 1 < n:
                 if text[i + 1] == "\n":   # continuation inside double quotes
+                    lineno += 1
                     i += 2
                     continue
                 buf.append(text[i:i + 2])
@@ -416,8 +513,11 @@ def logical_lines(text: str) -> list[str]:
                 quote = None
             i += 1
             continue
+        if not start and c not in " \t\r\n#" and not text.startswith("\\\n", i):
+            start = lineno
         if c == "\\" and i + 1 < n:
             if text[i + 1] == "\n":
+                lineno += 1
                 i += 2
                 continue
             buf.append(text[i:i + 2])
@@ -428,6 +528,8 @@ def logical_lines(text: str) -> list[str]:
             buf.append(c)
             i += 1
             continue
+        if c == "#" and buf and not start:
+            start = lineno
         if c == "#" and (not buf or buf[-1][-1:] in (" ", "\t", "\n", ";", "(")):
             while i < n and text[i] != "\n":
                 i += 1
@@ -448,13 +550,16 @@ def logical_lines(text: str) -> list[str]:
         elif c == ")" and depth:
             depth -= 1
         if c == "\n":
+            lineno += 1
             if depth:
                 buf.append(" ")
             else:
                 line = "".join(buf).strip()
                 if line:
                     out.append(line)
-                buf = []
+                    if starts is not None:
+                        starts.append(start or lineno - 1)
+                buf, start = [], 0
             i += 1
             for delim, strip_tabs in heredocs:
                 while i < n:
@@ -462,6 +567,7 @@ def logical_lines(text: str) -> list[str]:
                     end = n if end < 0 else end
                     body = text[i:end].rstrip("\r")
                     i = end + 1
+                    lineno += 1
                     if (body.lstrip("\t") if strip_tabs else body) == delim:
                         break
             heredocs = []
@@ -473,6 +579,8 @@ def logical_lines(text: str) -> list[str]:
     line = "".join(buf).strip()
     if line:
         out.append(line)
+        if starts is not None:
+            starts.append(start or lineno)
     return out
 
 

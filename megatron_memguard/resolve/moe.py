@@ -73,6 +73,117 @@ def _paged_stash_rules(r: Reader) -> bool:
     return ok
 
 
+def _single_grouped_rules(r: Reader, *, add_bias_linear: bool, precision: Mapping[str, Any]) -> bool:
+    """--moe-single-grouped-weight / --moe-single-grouped-bias (core 0.18+): TransformerConfig.__post_init__ (0.19.2
+    transformer_config.py lines 1556-1587, with no num_moe_experts guard) needs grouped GEMM, the TE op fuser, high
+    precision / MXFP8 / NVFP4 primary weights and biases for a single grouped bias. Returns whether all hold."""
+    weight = r.bool_arg("moe_single_grouped_weight", False)
+    bias = r.bool_arg("moe_single_grouped_bias", False)
+    if not (weight or bias):
+        return True
+    key = "moe_single_grouped_weight" if weight else "moe_single_grouped_bias"
+    ok = True
+    if not r.bool_arg("moe_grouped_gemm", False):
+        r.fail(key, "needs --moe-grouped-gemm (TransformerConfig)")
+        ok = False
+    if weight:
+        if (precision.get("fp8") and precision.get("fp8_recipe") != "mxfp8") or \
+                (precision.get("fp4") and precision.get("fp4_recipe") != "nvfp4"):
+            r.fail(key, "works with high-precision primary weights, --fp8-recipe mxfp8 or --fp4-recipe nvfp4 only "
+                        "(TransformerConfig)")
+            ok = False
+        if not r.bool_arg("use_transformer_engine_op_fuser", False):
+            r.fail(key, "needs --use-transformer-engine-op-fuser (TransformerConfig: TE's GroupedLinear without the op "
+                        "fuser splits the grouped parameter per expert)")
+            ok = False
+    if bias and not add_bias_linear:
+        r.fail("moe_single_grouped_bias", "needs biases (TransformerConfig: add_bias_linear=True; drop "
+                                          "--disable-bias-linear)")
+        ok = False
+    return ok
+
+
+def _dense_rules(r: Reader, *, legacy: bool, before_019: bool, precision: Mapping[str, Any]) -> None:
+    """The rules of TransformerConfig.__post_init__ on MoE-only settings that no ``num_moe_experts`` guards, so
+    that megatron-core stops a dense model that sets them (core 0.19.2 transformer_config.py lines 1538-1710,
+    1904-1920, 2284-2360; core 0.16.1 lines 1058-1135, 1593-1660). The MoE branch of ``read_moe`` checks the
+    same rules with the experts' own."""
+    ffn = r.get("moe_ffn_hidden_size")
+    if ffn is not None:
+        freq = r.get("moe_layer_freq", 1)
+        mixed = (isinstance(freq, (list, tuple)) and 0 in freq) or (isinstance(freq, int) and freq > 1) \
+            or (isinstance(freq, str) and (freq.strip().isdigit() and int(freq) > 1 or "0" in freq.replace(" ", "")))
+        if legacy or not mixed:
+            # 0.16.1 asserts it with no exception; 0.19.2 lets a mixed --moe-layer-freq through (its dense layers)
+            r.fail("moe_ffn_hidden_size", "needs --num-experts (TransformerConfig: \"moe_ffn_hidden_size is set but "
+                                          "num_moe_experts is None\")", "remove --moe-ffn-hidden-size or add --num-experts")
+    disp = str(r.get("moe_token_dispatcher_type", "allgather"))
+    backend = str(r.get("moe_flex_dispatcher_backend", "deepep"))
+    deepep = r.bool_arg("moe_enable_deepep", False)
+    if deepep and disp != "flex":
+        r.fail("moe_enable_deepep", "needs --moe-token-dispatcher-type flex (TransformerConfig: \"DeepEP backend is only "
+                                    "supported with flex token dispatcher\")")
+    elif deepep and backend == "hybridep":
+        r.fail("moe_enable_deepep", "cannot be used with --moe-flex-dispatcher-backend hybridep (TransformerConfig: "
+                                    "\"Only one backend is supported for flex token dispatcher\")")
+    pad = r.bool_arg("moe_pad_expert_input_to_capacity", False)
+    if disp == "flex" and pad and (deepep or backend == "deepep"):
+        r.fail("moe_pad_expert_input_to_capacity", "is not supported by the flex dispatcher with DeepEP (TransformerConfig)")
+    if backend == "ncclep" and disp != "flex":
+        r.fail("moe_flex_dispatcher_backend", "ncclep needs --moe-token-dispatcher-type flex (TransformerConfig)")
+    fs = r.get("moe_shared_expert_intermediate_size")
+    if fs is not None:
+        fs = r.int_arg("moe_shared_expert_intermediate_size", None, minimum=-(2**63))
+        if fs is not None and fs <= 0:
+            r.fail("moe_shared_expert_intermediate_size", f"must be positive (num_shared_experts x the shared expert's FFN "
+                                                          f"size: TransformerConfig), got {fs}")
+        elif fs is not None and r.bool_arg("moe_shared_expert_overlap", False) and disp not in ("alltoall", "flex"):
+            r.fail("moe_shared_expert_overlap", "only works with the alltoall or flex token dispatcher (TransformerConfig)")
+    cf = r.get("moe_expert_capacity_factor")
+    cf = None if cf is None else r.float_arg("moe_expert_capacity_factor", -1.0)
+    if cf is not None and cf < 0:
+        cf = None   # TransformerConfig: a negative factor means dropless
+    lbt = r.get("moe_router_load_balancing_type", "aux_loss")
+    types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
+    if cf is not None and any(t not in _CAPACITY_BALANCING for t in types):
+        r.fail("moe_expert_capacity_factor", "only works with aux_loss, seq_aux_loss, global_aux_loss or none load "
+                                             "balancing (TransformerConfig)")
+    if pad and cf is None:
+        r.fail("moe_pad_expert_input_to_capacity", "needs --moe-expert-capacity-factor (TransformerConfig)")
+    if not before_019 and r.get("moe_expert_rank_capacity_factor") is not None:
+        if backend not in ("hybridep", "ncclep"):
+            r.fail("moe_expert_rank_capacity_factor", "needs --moe-flex-dispatcher-backend hybridep or ncclep "
+                                                      "(TransformerConfig, megatron-core 0.19.2)")
+        elif backend == "hybridep" and not r.bool_arg("use_transformer_engine_op_fuser", False):
+            r.fail("moe_expert_rank_capacity_factor", "with the hybridep backend needs --use-transformer-engine-op-fuser "
+                                                      "(TransformerConfig, megatron-core 0.19.2)")
+    if not before_019 and r.bool_arg("moe_paged_stash", False):
+        _paged_stash_rules(r)
+    score = str(r.get("moe_router_score_function", "softmax"))
+    if r.bool_arg("moe_router_enable_expert_bias", False) and score not in (
+            ("sigmoid",) if legacy else ("sigmoid", "sqrtsoftplus")):
+        r.fail("moe_router_enable_expert_bias", "needs --moe-router-score-function sigmoid"
+               + ("" if legacy else " or sqrtsoftplus") + " (TransformerConfig)")
+    if r.bool_arg("moe_router_padding_for_quantization", False) or r.bool_arg("moe_router_padding_for_fp8", False):
+        key = "moe_router_padding_for_quantization" if r.get("moe_router_padding_for_quantization") else \
+            "moe_router_padding_for_fp8"
+        if not precision.get("fp8") and not precision.get("fp4"):
+            r.fail(key, "needs --fp8-format or --fp4-format (TransformerConfig)")
+        elif disp in ("allgather", "alltoall_seq"):
+            r.fail(key, f"is not supported by the {disp} token dispatcher (TransformerConfig)")
+    k = r.int_arg("moe_router_topk", 2)
+    if k == 1 and score == "softmax" and not r.bool_arg("moe_router_pre_softmax", False) and "sinkhorn" not in types:
+        r.fail("moe_router_topk", "1 with the softmax score function needs --moe-router-pre-softmax (TransformerConfig "
+                                  "checks it for dense models too)", "add --moe-router-pre-softmax or leave out --moe-router-topk")
+    if r.int_arg("moe_router_group_topk", None):
+        if not r.int_arg("moe_router_num_groups", None):
+            r.fail("moe_router_group_topk", "needs --moe-router-num-groups (TransformerConfig)")
+        else:
+            # TransformerConfig computes num_moe_experts % moe_router_num_groups: None % groups raises TypeError
+            r.fail("moe_router_group_topk", "needs --num-experts (TransformerConfig divides the experts into "
+                                            "--moe-router-num-groups groups)")
+
+
 def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: int, world_size: int,
              sequence_parallel: bool, add_bias_linear: bool, recompute_modules: tuple[str, ...],
              recompute_granularity: str | None, vpp: int | None = None, recompute_method: str | None = None,
@@ -100,6 +211,8 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         if recompute_granularity == "selective" and "moe_act" in recompute_modules \
                 and not r.bool_arg("moe_grouped_gemm", False):
             r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
+        _dense_rules(r, legacy=legacy, before_019=before_019, precision=precision or {})
+        _single_grouped_rules(r, add_bias_linear=add_bias_linear, precision=precision or {})
         return None
     # a paged stash that breaks Megatron's own rules is the error Megatron stops on, not a refusal
     stash_ok = not r.bool_arg("moe_paged_stash", False) or _paged_stash_rules(r)
@@ -224,6 +337,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
                "add --disable-bias-linear or --expert-tensor-parallel-size 1")
         ok = False
     grouped = r.bool_arg("moe_grouped_gemm", False)
+    ok = _single_grouped_rules(r, add_bias_linear=add_bias_linear, precision=precision or {}) and ok
     mods = set(recompute_modules) if recompute_granularity == "selective" else set()
     if "moe_act" in mods and not grouped:
         r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
