@@ -182,7 +182,8 @@ class FsdpStageTerms:
 
 def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...],
                      loss_release: list[int] | tuple[int, ...] = (),
-                     output_release: list[int] | tuple[int, ...] = ()) -> FsdpStageTerms:
+                     output_release: list[int] | tuple[int, ...] = (),
+                     forward_release: list[int] | tuple[int, ...] = ()) -> FsdpStageTerms:
     """FSDP terms of one pipeline rank whose chunks save ``act_per_layer[i]`` bytes per layer and
     micro-batch (what each unit's backward releases).
 
@@ -192,7 +193,12 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     the first unit's once the output layer's items are gone too (``output_release[i]``, from the top).
     The gradient buckets of the window are counted only above what has left by then (the CPU referee's
     runs under Megatron-FSDP hold no gradient bucket at the backward's top, where the loss buffers and
-    the logits' gradient peak)."""
+    the logits' gradient peak).
+
+    From core 0.18 the units are not gathered at the loss (``FsdpSpec.units_gathered_at_loss``): the first unit's
+    weights of the backward are counted above ``output_release`` as its gradient bucket is, and the forward
+    window (a moment inside the last layers) above ``forward_release[i]``, what the end of the forward holds
+    that the last layer's forward does not (the loss's fp32 softmax)."""
     spec = fsdp_spec(L)
     total: FsdpStates | None = None
     after = double = 0
@@ -200,7 +206,8 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     n = len(chunks)
     loss = tuple(loss_release) + (0,) * (n - len(tuple(loss_release)))
     rest = tuple(output_release) + (0,) * (n - len(tuple(output_release)))
-    for c, a, rel, more in zip(chunks, act_per_layer, loss, rest):
+    at_end = tuple(forward_release) + (0,) * (n - len(tuple(forward_release)))
+    for c, a, rel, more, end in zip(chunks, act_per_layer, loss, rest, at_end):
         r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
                        holds_final_norm(L, c), holds_mtp(L, c))
         total = r.states if total is None else total + r.states
@@ -213,8 +220,26 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
             outside = min(back.grads, r.non_unit_grad_numel * spec.bucket_grad_bytes)
             grads = max(0, outside - rel, back.grads - more)
             back = replace(back, grads=grads)
+            if not spec.units_gathered_at_loss and back.weights and more:
+                # core 0.18+: nothing re-gathers the units before the loss (UNITS_REGATHERED_BEFORE_LOSS_UNTIL); the
+                # last unit's pre-backward hook gathers them with the first unit's gradient bucket, once the output
+                # layer's items have gone: counted above those, as that bucket is
+                at_units = r.backward.weights + r.backward.grads - more
+                if at_units > 0 and at_units >= outside - rel:
+                    w = min(r.backward.weights, at_units)
+                    back = replace(back, weights=w, grads=at_units - w)
+                else:                       # the output layer's gradient bucket alone, before any unit's
+                    back = replace(back, weights=0, grads=max(0, outside - rel))
+            # the worst moment of the backward may now be a later unit's (the output layer's items gone by then too)
+            later = r.backward_later
+            if later.total - later.step * int(a) - more > back.total:
+                back = later
         bw.append(back)
-        fwd.append(max(0, r.forward.weights - r.forward.step * int(a)))
+        f = max(0, r.forward.weights - r.forward.step * int(a))
+        if not spec.units_gathered_at_loss and end:
+            # core 0.18+: the units are released (_post_forward) before the loss; the window's moment lacks the loss's
+            f = max(0, f - end)
+        fwd.append(f)
         bwd.append(max(0, back.total - back.step * int(a)))
     assert total is not None
     impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
