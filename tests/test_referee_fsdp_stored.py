@@ -131,3 +131,32 @@ def test_a_one_rank_expert_group_keeps_its_weights_whole(core):
         rows = sum(x["expert_input_rows"] for x in r["routing"] if x["phase"] == r["peak_phase"])
         corrected = st.peak_allocated_bytes + per_row * (rows - 4 * balanced)
         assert abs(corrected / r["peak_bytes"] - 1) <= 0.001, (r["rank"], rows)
+
+
+@pytest.mark.parametrize("path", [MEASURED, MEASURED_CORE019], ids=["core0.16.1", "core0.19.2"])
+def test_unit_weights_at_the_loss_follow_the_release(path):
+    """fsdp_moe_ep2's peak is at the loss of iteration 2's first micro-batch. On core 0.16.1 the final norm's pre-forward
+    hook prefetches the buckets after its own (the group outside units is bucket 0), so every unit's gathered weights
+    are there again: the referee's peak holds the 4 dense unit buckets (198,656 bf16 elements each) and the 4 expert
+    unit buckets (786,432: 2 local experts of fc1 [1024, 256] + fc2 [256, 512]), 7,880,704 B, which memguard names
+    fsdp_unsharded_parameters. From core 0.18 a root pre-backward leaves the modules outside units in PRE_BACKWARD, whose
+    pre-forward hooks then prefetch nothing (megatron_fsdp.py _root_pre_backward, 0.18.2 and 0.19.2; estimator/fsdp.py
+    UNITS_REGATHERED_BEFORE_LOSS_UNTIL): the 0.19.2 peak holds none of them, and memguard names none."""
+    cfg, measured = [c for c in _configs(path) if c[0]["name"] == "fsdp_moe_ep2"][0]
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(measured["core"]))
+    units = {(198_656,): 0, (786_432,): 0}
+    assert 2 * (1024 * 256 + 256 * 512) == 786_432
+    for r in measured["ranks"]:
+        assert r["peak_phase"] == "it2 fwd mb0"
+        held = {k: 0 for k in units}
+        for d in r["peak_top_storages"]:
+            if d["dtype"] == "bfloat16" and d["op"].startswith("empty") and tuple(d["shape"]) in held:
+                held[tuple(d["shape"])] += d["bytes"]
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"]).stages[0]
+        named = st.breakdown.get("fsdp_unsharded_parameters", 0)
+        if measured["core"] == "0.16.1":
+            assert held == {(198_656,): 4 * 198_656 * 2, (786_432,): 4 * 786_432 * 2}, r["rank"]
+            assert named == sum(held.values()) == 7_880_704
+        else:
+            assert held == {(198_656,): 0, (786_432,): 0}, r["rank"]
+            assert named == 0
