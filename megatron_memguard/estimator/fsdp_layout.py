@@ -258,7 +258,6 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
             f = max(0, f - end, r.backward.weights - absent if r.backward.step == 0 else 0)
         fwd.append(f)
         bwd.append(max(0, extra))
-    assert total is not None
     impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
     dense = L.parallel.shard_size(ShardGroup.DENSE_DP)
     inst = getattr(L, "num_distributed_optimizer_instances", 1) or 1
