@@ -199,12 +199,38 @@ def test_backward_top_holds_every_unit_but_no_gradient_bucket():
     """At the backward's top the prefetch (limit 5e8 elements) has every unit's weights gathered; the first
     gradient bucket (the tied output layer's, outside units: 13,436,928 x 2 B) comes after the cross entropy
     frees its fp32 softmax (4 x 1024 x 25,216 x 4 B = 394 MiB), so it adds nothing at the peak (the CPU
-    referee's FSDP runs: no gradient bucket live at the backward's peak)."""
-    _, s, t = _stage(ZP_Z3)
-    assert s.peak_phase.startswith("backward")
-    assert t["fsdp_unsharded_parameters"] == 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
-    assert t["loss_softmax_fp32"] == 4 * 1024 * 25_216 * 4
-    assert "fsdp_unsharded_gradients" not in t
+    referee's FSDP runs: no gradient bucket live at the backward's peak). Core 0.16.1 and 0.17.1: the final norm's
+    pre-forward prefetch has gathered the units again before the loss."""
+    for version in ("0.16.1", "0.17.1"):
+        _, s, t = _stage(ZP_Z3, version)
+        assert s.peak_phase.startswith("backward")
+        assert t["fsdp_unsharded_parameters"] == 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
+        assert t["loss_softmax_fp32"] == 4 * 1024 * 25_216 * 4
+        assert "fsdp_unsharded_gradients" not in t
+
+
+def test_units_at_the_loss_from_core_0_18_only_in_the_first_micro_batch():
+    """From core 0.18 _root_pre_backward marks every module PRE_BACKWARD and the modules outside units stay so: the
+    final norm's pre-forward no longer prefetches the units (megatron_fsdp.py 0.18.2 and 0.19.2), whose weights are
+    then gathered only by the last unit's pre-backward hook, after the loss buffers have gone: none at the peak. The
+    run's first micro-batch (before any backward) still has them at its loss, but the first step has not made Adam's
+    states yet: 8 B x 30,116,352 optimizer elements = 240,930,816 B against 2 B x 12 x (530,432 + 4,194,304) =
+    113,393,664 B of units, so the steady state is the peak. With --load (ckpt-format fsdp_dtensor) Megatron-FSDP
+    makes the states before the first forward (a dummy step while building the loading state dict, as Megatron CI's
+    zp_z3 record does: its peak is set in iteration 1), and the first micro-batch's loss, with every unit, is the
+    peak; --no-load-optim skips those states."""
+    _, s, t = _stage(ZP_Z3, "0.19.2")
+    assert "fsdp_unsharded_parameters" not in t and t["adam_exp_avg"] + t["adam_exp_avg_sq"] == 8 * OPT
+    assert 8 * OPT > 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
+    L, s1, t1 = _stage(ZP_Z3 + ["--load", "/checkpoints"], "0.19.2")
+    assert L.fsdp_optimizer_states_at_start
+    assert t1["fsdp_unsharded_parameters"] == 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
+    assert s1.peak_allocated_bytes - s.peak_allocated_bytes == 2 * 12 * (DENSE_UNIT + EXPERT_UNIT)
+    _, s2, t2 = _stage(ZP_Z3 + ["--load", "/checkpoints", "--no-load-optim"], "0.19.2")
+    assert "fsdp_unsharded_parameters" not in t2 and s2.peak_allocated_bytes == s.peak_allocated_bytes
+    # 0.18.2 as 0.19.2 (its other differences, fp32 gradients under grad_reduce_in_fp32, aside)
+    _, _, t3 = _stage(ZP_Z3, "0.18.2")
+    assert "fsdp_unsharded_parameters" not in t3
 
 
 FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]

@@ -4,14 +4,18 @@
 DP 2, DP 4); the model without experts under optim_grads_params, HFSDP (2 replicas, optimizer state over all 4)
 and optim_grads; stored in benchmarks/results/referee-fsdp-measured.json
 by benchmarks/referee/fsdp_grid.py) against memguard's estimate of the same flags (--device cpu, local
-profile): parameters exact on every rank, live bytes after the optimizer step within 1% (with bf16
+profile): parameters exact on every rank, live bytes after the optimizer step within 0.5% (with bf16
 gradient buckets this includes the expert groups' fp32 gradient copies and every unit re-gathered by
-start_param_sync), peak within 3% (the referee's bounds, compare.py; 1.7% on every rank today).
+start_param_sync; 0.27% at most), peak within 3% (the referee's bound, compare.py; 2.5% at most, the ranks'
+routing: fsdp_moe_tp2_sp_ep2_etp2_2mb's ranks spread 1.7% on 0.19.2, all above the estimate).
 
 The same grid on megatron-core 0.19.2 (whose Megatron-FSDP is rewritten; the Megatron CI records ran a 0.19 dev
 build), stored in benchmarks/results/referee-fsdp-measured-core019.json, against memguard's estimate of the flags
-resolved with 0.19's defaults: the same bounds. It includes zp_z3 in the record's own shapes (hidden 512, seq 1024,
-micro-batch 4, GPT-2 vocabulary, 8 experts top-2, TP 2 + SP, EP 2, DP 4; 4 of its 12 layers)."""
+resolved with 0.19's defaults: the same bounds. Its peaks were measured with the tracker that sees a storage's own
+resize_ (Megatron-FSDP frees its buckets with _free_storage): they hold no unit's gathered weights at the loss, as
+memguard models from core 0.18 (test_unit_weights_at_the_loss_follow_the_release). It includes zp_z3 in the
+record's own shapes (hidden 512, seq 1024, micro-batch 4, GPT-2 vocabulary, 8 experts top-2, TP 2 + SP, EP 2, DP 4;
+4 of its 12 layers)."""
 from __future__ import annotations
 
 import json
@@ -49,6 +53,8 @@ def test_every_configuration_was_measured_on_both_cores():
                          ids=lambda x: x["name"] if isinstance(x, dict) and "flags" in x
                          else x["core"] if isinstance(x, dict) else "")
 def test_each_rank_of_the_fsdp_grid(cfg, measured):
+    if measured.get("stale"):
+        pytest.skip(measured["stale"])
     # the flags resolved with the defaults of the release the grid ran on (as fsdp_grid.settings_of did)
     L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(measured["core"]))
     assert L.use_megatron_fsdp and (L.moe is not None) == bool(cfg.get("moe_flags"))
@@ -57,7 +63,7 @@ def test_each_rank_of_the_fsdp_grid(cfg, measured):
         st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"] % L.dp_shard_size).stages[r["pp_rank"]]
         assert st.parameters == r["num_params"], r["rank"]
         after = st.persistent_bytes / r["live_bytes_after_step"] - 1
-        assert abs(after) <= 0.01, (r["rank"], after)
+        assert abs(after) <= 0.005, (r["rank"], after)
         peak = st.peak_allocated_bytes / r["peak_bytes"] - 1
         assert abs(peak) <= 0.03, (r["rank"], peak)
 
@@ -89,6 +95,8 @@ def test_zp_z3_shape_differs_from_the_estimate_by_its_routing_alone(path):
     2 B, and the routing maps) times the rows the run had over or under that, it lands within 0.05% of the
     measured peak on every rank of both releases, whose routings differ (0.93-1.08 times balanced)."""
     cfg, measured = [c for c in _configs(path) if c[0]["name"] == "fsdp_zp_z3_shape"][0]
+    if measured.get("stale"):
+        pytest.skip(measured["stale"])
     L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(measured["core"]))
     spread = []
     for r in measured["ranks"]:
@@ -131,3 +139,32 @@ def test_a_one_rank_expert_group_keeps_its_weights_whole(core):
         rows = sum(x["expert_input_rows"] for x in r["routing"] if x["phase"] == r["peak_phase"])
         corrected = st.peak_allocated_bytes + per_row * (rows - 4 * balanced)
         assert abs(corrected / r["peak_bytes"] - 1) <= 0.001, (r["rank"], rows)
+
+
+@pytest.mark.parametrize("path", [MEASURED, MEASURED_CORE019], ids=["core0.16.1", "core0.19.2"])
+def test_unit_weights_at_the_loss_follow_the_release(path):
+    """fsdp_moe_ep2's peak is at the loss of iteration 2's first micro-batch. On core 0.16.1 the final norm's pre-forward
+    hook prefetches the buckets after its own (the group outside units is bucket 0), so every unit's gathered weights
+    are there again: the referee's peak holds the 4 dense unit buckets (198,656 bf16 elements each) and the 4 expert
+    unit buckets (786,432: 2 local experts of fc1 [1024, 256] + fc2 [256, 512]), 7,880,704 B, which memguard names
+    fsdp_unsharded_parameters. From core 0.18 a root pre-backward leaves the modules outside units in PRE_BACKWARD, whose
+    pre-forward hooks then prefetch nothing (megatron_fsdp.py _root_pre_backward, 0.18.2 and 0.19.2; estimator/fsdp.py
+    UNITS_REGATHERED_BEFORE_LOSS_UNTIL): the 0.19.2 peak holds none of them, and memguard names none."""
+    cfg, measured = [c for c in _configs(path) if c[0]["name"] == "fsdp_moe_ep2"][0]
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"], resolve_version(measured["core"]))
+    units = {(198_656,): 0, (786_432,): 0}
+    assert 2 * (1024 * 256 + 256 * 512) == 786_432
+    for r in measured["ranks"]:
+        assert r["peak_phase"] == "it2 fwd mb0"
+        held = {k: 0 for k in units}
+        for d in r["peak_top_storages"]:
+            if d["dtype"] == "bfloat16" and d["op"].startswith("empty") and tuple(d["shape"]) in held:
+                held[tuple(d["shape"])] += d["bytes"]
+        st = estimate(L, profile="local", device="cpu", dp_rank=r["dp_rank"]).stages[0]
+        named = st.breakdown.get("fsdp_unsharded_parameters", 0)
+        if measured["core"] == "0.16.1":
+            assert held == {(198_656,): 4 * 198_656 * 2, (786_432,): 4 * 786_432 * 2}, r["rank"]
+            assert named == sum(held.values()) == 7_880_704
+        else:
+            assert held == {(198_656,): 0, (786_432,): 0}, r["rank"]
+            assert named == 0

@@ -1255,7 +1255,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
                 for a, x in zip(acts, softmax)]
         out = [x + sum(a.ends.get(k, 0) for k in OUTPUT_ITEMS) + a.out_bwd_transient for a, x in zip(acts, softmax)]
         ft = fsdp_stage_terms(L, chunks, [a.layers // max(1, c.num_layers) for a, c in zip(acts, chunks)],
-                              loss, out)
+                              loss, out, softmax)
         acts = [replace(a, fwd_extra=a.fwd_extra + f, bwd_top_extra=a.bwd_top_extra + b)
                 for a, f, b in zip(acts, ft.fwd_extra, ft.bwd_extra)]
     host_terms: tuple[Term, ...] = ()

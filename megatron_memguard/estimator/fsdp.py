@@ -54,6 +54,17 @@ GRAD_REDUCE_FP32_MAIN_GRADS_UNTIL = (0, 19)   # grandfathered grad_reduce_in_fp3
 # optimizer) from 0.18.2; 0.16.1 and 0.17.1 test getattr(self, "use_precision_aware_optimizer", False), which nothing
 # sets: the gradient is always cast to the main weights' dtype.
 DECOUPLED_GRAD_SINCE = (0, 18)
+# Which modules a root pre-backward marks PRE_BACKWARD (MegatronFSDP._register_fsdp_hooks, _root_pre_backward): every
+# sub-module of the root from 0.18.2 (0.19.2 the same), the FSDP units alone in 0.16.1 and 0.17.1; a unit's post-backward
+# hook sets only its own sub-modules back to IDLE. A module in PRE_BACKWARD runs its pre-forward unshard without forward
+# prefetch, so from 0.18.2 on, after the first backward, the modules outside units (embedding, final norm, output layer)
+# gather only their own bucket. Before, the final norm's pre-forward hook prefetches the buckets that follow its own
+# (the group outside units is bucket 0: the embedding's parameters come first, _get_parameter_groups step 1), i.e.
+# every unit up to the prefetch limit, each released by its _post_forward just before: they are whole again through
+# the loss and the top of the backward. From 0.18.2 they are gathered by the last unit's pre-backward hook, once the
+# output layer's and the final norm's backward are done (CPU referee on 0.19.2, fsdp_grid: the measured peaks at the
+# loss hold no unit bucket; on 0.16.1 they hold every one).
+UNITS_REGATHERED_BEFORE_LOSS_UNTIL = (0, 18)
 # validate_args switches --use-distributed-optimizer on under Megatron-FSDP and --data-parallel-sharding-strategy
 # defaults to optim_grads_params from 0.18.2 (0.17.1: no switch, default no_shard, as 0.16.1).
 FSDP_DEFAULTS_SINCE = (0, 18)
@@ -132,6 +143,9 @@ class FsdpSpec:
     # fetches for the backward and reduce-scatters (GradReducePipeline, fetch_bucket(dtype=grad_comm_dtype));
     # None = the main gradients' dtype
     comm_grad_bytes: int | None = None
+    # the final norm's pre-forward prefetch re-gathers the units before the loss (core < 0.18,
+    # UNITS_REGATHERED_BEFORE_LOSS_UNTIL); False: they are gathered after the output layer's backward
+    units_gathered_at_loss: bool = True
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -237,6 +251,7 @@ class FsdpSpec:
                    # (DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode: in the 0.18.2 and 0.19.2 wheels only)
                    cuda_graph_mode=v >= DECOUPLED_GRAD_SINCE and megatron_fsdp_cuda_graph_mode,
                    comm_grad_bytes=(DTYPE_BYTES[cdt] if new and cdt not in (None, "auto") else None),
+                   units_gathered_at_loss=v < UNITS_REGATHERED_BEFORE_LOSS_UNTIL,
                    notes=tuple(notes))
 
 
@@ -430,11 +445,12 @@ def _ahead(units: tuple[Unit, ...], idx: list[int], limit: int) -> int:
 
 
 def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_unit: int = 0,
-                          non_unit_grad_numel: int = 0) -> FsdpWindow:
+                          non_unit_grad_numel: int = 0, from_step: int = 0) -> FsdpWindow:
     """``backward_window`` over units of different sizes (given in forward order): the backward
     walks them from the last; the weights of the current unit and of those the prefetch reaches
     behind it, the gradient buckets the reduce-scatter queue keeps (it frees the oldest while it
-    holds more than the capacity), and the buckets outside units all along."""
+    holds more than the capacity), and the buckets outside units all along. ``from_step``: the worst
+    moment from that many units done on (an empty window when there are not that many units)."""
     if spec.impl != "megatron_fsdp" or not units or not (spec.shards_weights or spec.shards_grads):
         return FsdpWindow()
     cu = comm_unit_size(spec, tuple(u[0] for u in units))
@@ -463,9 +479,10 @@ def backward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], released_per_
                     queue.pop(0)
             queue.append(j)
             g, ng = pool * sum(units[x][2] for x in queue) + outside, len(queue)
-        cands.append((w + g - i * released_per_unit,
-                      FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=ng, step=i)))
-    return _worst(cands)
+        if i >= from_step:
+            cands.append((w + g - i * released_per_unit,
+                          FsdpWindow(weights=w, grads=g, units_weights=nw, units_grads=ng, step=i)))
+    return _worst(cands) if cands else FsdpWindow()
 
 
 def forward_window_units(spec: FsdpSpec, units: tuple[Unit, ...], added_per_unit: int = 0) -> FsdpWindow:
@@ -730,6 +747,7 @@ class StageFsdp:
     backward: FsdpWindow
     after_step: int              # unit weights gathered right after the optimizer step
     double_buffer: int           # persistent double buffers (--fsdp-double-buffer)
+    backward_later: FsdpWindow = FsdpWindow()   # the backward's worst moment after its first unit
 
 
 def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int = 0,
@@ -757,11 +775,13 @@ def stage_fsdp(spec: FsdpSpec, groups: tuple[FsdpGroup, ...], act_per_unit: int 
     per_unit = tuple((u[0], u[1], u[2]) for u in units.values())
     if spec.impl == "megatron_fsdp" and per_unit:
         bwd = backward_window_units(spec, per_unit, act_per_unit, non_unit)
+        later = backward_window_units(spec, per_unit, act_per_unit, non_unit, from_step=1)
         fwd = forward_window_units(spec, per_unit, act_per_unit)
     else:
+        later = FsdpWindow()
         bwd = backward_window(spec, n, unit, act_per_unit, non_unit, unit_list, big[1], big[2])
         fwd = forward_window(spec, n, unit, act_per_unit, unit_list, big[1])
     return StageFsdp(states=st, unit_numel=unit, units=n, non_unit_grad_numel=non_unit, forward=fwd, backward=bwd,
                      after_step=after_step_unsharded(spec, unit_list, tuple(u[1] for u in units.values()),
                                                      first_outside_units),
-                     double_buffer=double_buffer_bytes(spec, unit, big[1] + big[2]))
+                     double_buffer=double_buffer_bytes(spec, unit, big[1] + big[2]), backward_later=later)

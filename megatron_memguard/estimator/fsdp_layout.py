@@ -182,7 +182,8 @@ class FsdpStageTerms:
 
 def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, ...],
                      loss_release: list[int] | tuple[int, ...] = (),
-                     output_release: list[int] | tuple[int, ...] = ()) -> FsdpStageTerms:
+                     output_release: list[int] | tuple[int, ...] = (),
+                     forward_release: list[int] | tuple[int, ...] = ()) -> FsdpStageTerms:
     """FSDP terms of one pipeline rank whose chunks save ``act_per_layer[i]`` bytes per layer and
     micro-batch (what each unit's backward releases).
 
@@ -192,31 +193,71 @@ def fsdp_stage_terms(L: Any, chunks: Any, act_per_layer: list[int] | tuple[int, 
     the first unit's once the output layer's items are gone too (``output_release[i]``, from the top).
     The gradient buckets of the window are counted only above what has left by then (the CPU referee's
     runs under Megatron-FSDP hold no gradient bucket at the backward's top, where the loss buffers and
-    the logits' gradient peak)."""
+    the logits' gradient peak).
+
+    From core 0.18 the units are not gathered at the loss (``FsdpSpec.units_gathered_at_loss``) once a backward has
+    run: the first unit's weights of the backward are counted above ``output_release`` as its gradient bucket is,
+    and the forward window (a moment inside the last layers) above ``forward_release[i]``, what the end of the
+    forward holds that the last layer's forward does not (the loss's fp32 softmax). The run's first micro-batch
+    still gathers them at its loss, when the optimizer states do not exist yet (the first step makes them) unless
+    a checkpoint load has made them already (``fsdp_optimizer_states_at_start``): that moment counts too."""
     spec = fsdp_spec(L)
-    total: FsdpStates | None = None
     after = double = 0
     fwd, bwd, fw, bw = [], [], [], []
     n = len(chunks)
     loss = tuple(loss_release) + (0,) * (n - len(tuple(loss_release)))
     rest = tuple(output_release) + (0,) * (n - len(tuple(output_release)))
-    for c, a, rel, more in zip(chunks, act_per_layer, loss, rest):
-        r = chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
-                       holds_final_norm(L, c), holds_mtp(L, c))
-        total = r.states if total is None else total + r.states
+    at_end = tuple(forward_release) + (0,) * (n - len(tuple(forward_release)))
+    rs = [chunk_fsdp(L, c.kind_runs, c.has_embedding, c.has_output, c.has_tied_output_copy, int(a),
+                     holds_final_norm(L, c), holds_mtp(L, c)) for c, a in zip(chunks, act_per_layer)]
+    total: FsdpStates = rs[0].states
+    for r in rs[1:]:
+        total = total + r.states
+    # what the run's first micro-batch lacks of the steady state: the optimizer states, unless loaded before it
+    absent = 0 if _flag(L, "fsdp_optimizer_states_at_start", False) else sum(total.states)
+    for r, a, rel, more, end in zip(rs, act_per_layer, loss, rest, at_end):
         # (fsdp_all_gather_in_start_param_sync off: start_param_sync gathers nothing, megatron_fsdp.py core 0.17+)
         after += r.after_step if _flag(L, "fsdp_all_gather_in_start_param_sync", True) else 0
         double = max(double, r.double_buffer)
         fw.append(r.forward)
         back = r.backward
+        extra = max(0, back.total - back.step * int(a))
         if rel and back.grads and back.step == 0:
             outside = min(back.grads, r.non_unit_grad_numel * spec.bucket_grad_bytes)
             grads = max(0, outside - rel, back.grads - more)
             back = replace(back, grads=grads)
+            extra = back.total
+            if not spec.units_gathered_at_loss and back.weights and more:
+                # core 0.18+: after the first backward nothing re-gathers the units before the loss
+                # (UNITS_REGATHERED_BEFORE_LOSS_UNTIL); the last unit's pre-backward hook gathers them with the first
+                # unit's gradient bucket, once the output layer's items have gone: counted above those, as that
+                # bucket is; or a later unit's moment (the output layer's items gone by then too)
+                first, later = back, r.backward_later
+                at_units = r.backward.weights + r.backward.grads - more
+                if at_units > 0 and at_units >= outside - rel:
+                    w = min(r.backward.weights, at_units)
+                    back = replace(back, weights=w, grads=at_units - w)
+                else:                       # the output layer's gradient bucket alone, before any unit's
+                    back = replace(back, weights=0, grads=max(0, outside - rel))
+                extra = back.total
+                if later.total - later.step * int(a) - more > extra:
+                    back, extra = later, later.total - later.step * int(a) - more
+                # the run's first micro-batch: the units gathered at its loss as before 0.18, the optimizer states
+                # not there yet (``absent``)
+                if first.total - absent > extra:
+                    back, extra = replace(first, detail=(
+                        f"the run's first micro-batch, whose loss still finds every prefetched unit gathered, before "
+                        f"the first step makes the optimizer states ({absent:,} B less than the steady state)"
+                        if absent else "the run's first micro-batch, whose loss still finds every prefetched unit "
+                        "gathered (the optimizer states made before it by the checkpoint load)")), first.total - absent
         bw.append(back)
-        fwd.append(max(0, r.forward.weights - r.forward.step * int(a)))
-        bwd.append(max(0, back.total - back.step * int(a)))
-    assert total is not None
+        f = max(0, r.forward.weights - r.forward.step * int(a))
+        if not spec.units_gathered_at_loss and end:
+            # core 0.18+: the units are released (_post_forward) before the loss; the window's moment lacks the loss's;
+            # but the run's first micro-batch has them at its loss (the backward's first units), without ``absent``
+            f = max(0, f - end, r.backward.weights - absent if r.backward.step == 0 else 0)
+        fwd.append(f)
+        bwd.append(max(0, extra))
     impl = "torch FSDP2" if spec.impl == "torch_fsdp2" else f"Megatron-FSDP {spec.strategy}"
     dense = L.parallel.shard_size(ShardGroup.DENSE_DP)
     inst = getattr(L, "num_distributed_optimizer_instances", 1) or 1
@@ -320,7 +361,7 @@ def fsdp_window_detail(ft: FsdpStageTerms, name: str) -> str:
                 if name == "fsdp_unsharded_gradients" else "")
     if name == "fsdp_unsharded_parameters":
         return (f"all-gathered unit weights: {b.units_weights} unit(s) at the backward's worst moment "
-                f"({b.step} unit(s) done), {f.units_weights} at the forward's")
+                f"({b.step} unit(s) done), {f.units_weights} at the forward's" + (f"; {b.detail}" if b.detail else ""))
     if name == "fsdp_unsharded_gradients":
         return (f"{b.units_grads} unit(s) of full gradient buckets queued for reduce-scatter, with the buckets "
                 "outside units")

@@ -50,7 +50,8 @@ _RUNS: tuple[tuple[str, str], ...] = (
               "overlap_cpu_optimizer_d2h_h2d pin_cpu_grads outer_dp_sharding_strategy keep_fp8_transpose_cache "
               "log_params_norm"),
     ("provenance", "env"),
-    ("optim", "megatron_fsdp_cuda_graph_mode megatron_fsdp_grad_comm_dtype fsdp_all_gather_in_start_param_sync nccl_ub ddp_reduce_scatter_with_fp32_accumulation "
+    ("optim", "megatron_fsdp_cuda_graph_mode megatron_fsdp_grad_comm_dtype fsdp_all_gather_in_start_param_sync "
+              "fsdp_optimizer_states_at_start nccl_ub ddp_reduce_scatter_with_fp32_accumulation "
               "ddp_param_name_patterns_for_fp32_local_accumulation"),
     ("optim", "freeze_all_layers optimizer_cuda_graph"),
     ("shape", "attention_output_gate"),
@@ -106,7 +107,8 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "overlap_cpu_optimizer_d2h_h2d": False, "pin_cpu_grads": True, "outer_dp_sharding_strategy": "no_shard",
     "keep_fp8_transpose_cache": False, "log_params_norm": False,
     "megatron_fsdp_cuda_graph_mode": False, "megatron_fsdp_grad_comm_dtype": "auto", "nccl_ub": False,
-    "fsdp_all_gather_in_start_param_sync": True, "ddp_reduce_scatter_with_fp32_accumulation": False,
+    "fsdp_all_gather_in_start_param_sync": True, "fsdp_optimizer_states_at_start": False,
+    "ddp_reduce_scatter_with_fp32_accumulation": False,
     "ddp_param_name_patterns_for_fp32_local_accumulation": (),
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,

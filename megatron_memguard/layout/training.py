@@ -69,6 +69,9 @@ class Optimizer:
     megatron_fsdp_grad_comm_dtype: str = "auto"
     # DistributedDataParallelConfig.fsdp_all_gather_in_start_param_sync (core 0.17+): False = no all-gather after the step
     fsdp_all_gather_in_start_param_sync: bool = True
+    # Megatron-FSDP with --load (fsdp_dtensor): the optimizer states exist before the first forward (a dummy step while
+    # building the loading state dict, even from an empty directory), so the run's first micro-batch has them too
+    fsdp_optimizer_states_at_start: bool = False
     # --use-nccl-ub: DDP / Megatron-FSDP buffers from an NCCL memory pool (Megatron-FSDP: double buffers on)
     nccl_ub: bool = False
     # --ddp-reduce-scatter-with-fp32-accumulation: the all-to-all reduce-scatter's temporaries (estimator/ddp_extras.py)

@@ -22,7 +22,7 @@ OFF: dict[str, Any] = dict(
     optimizer_cpu_offload=False, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False,
     pin_cpu_grads=True, outer_dp_sharding_strategy="no_shard", keep_fp8_transpose_cache=False,
     log_params_norm=False, megatron_fsdp_cuda_graph_mode=False, megatron_fsdp_grad_comm_dtype="auto", nccl_ub=False,
-    fsdp_all_gather_in_start_param_sync=True)
+    fsdp_all_gather_in_start_param_sync=True, fsdp_optimizer_states_at_start=False)
 
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
@@ -157,6 +157,14 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # AllGatherPipeline.reset, megatron-core 0.19.2 training/utils/common_utils.py, megatron_fsdp.py), which
         # releases the unit buckets start_param_sync has just re-gathered: gone before Megatron logs memory
         out["log_params_norm"] = a.bool_arg("log_params_norm", False)
+        # --load under Megatron-FSDP (ckpt-format fsdp_dtensor): load_checkpoint builds the optimizer's loading state
+        # dict, for which Megatron-FSDP materialises the optimizer states with a dummy zero-gradient step
+        # (DistributedOptimizer._init_optimizer_states_with_dummy_values when is_loading; skipped by --no-load-optim and
+        # --finetune: megatron-core 0.19.2 training/checkpointing.py, optimizer/distrib_optimizer.py), whatever the
+        # directory holds: the run's first micro-batch already has them (estimator/fsdp_layout.py)
+        out["fsdp_optimizer_states_at_start"] = (megatron and a.get("load") is not None
+                                                 and not a.bool_arg("no_load_optim", False)
+                                                 and not a.bool_arg("finetune", False))
         out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, fsdp_double_buffer=double,
                    suggested_communication_unit_size=unit,
                    megatron_fsdp_main_params_dtype=_fsdp_dtype(a, "megatron_fsdp_main_params_dtype", "fp32"),
