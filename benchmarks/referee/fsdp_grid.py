@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 from typing import Any, Dict, List, Optional, Tuple
 
 from .moe_grid import MOE_BASE, _moe, moe_settings
-from .grid import COMMON, REFEREE_MEGATRON_VERSION, named, resolve_config, run_grid, save_results
+from .grid import COMMON, REFEREE_MEGATRON_VERSION, merge_results, named, resolve_config, run_grid, save_results
 from .run import FSDP_MEGATRON_CORES
 from .moe_ci_layouts import CI_BASE
 
@@ -141,6 +142,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--list", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--update", action="store_true",
+                   help="replace only the configurations run now in an existing --out file (the others kept)")
     a = p.parse_args(argv)
     cfgs = select(a.only)
     if a.list:
@@ -156,6 +159,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     res["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "megatron_core": megatron.core.__version__}
+    if a.out and a.update and os.path.exists(a.out):
+        res = merge_results(a.out, res, [c["name"] for c in FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP])
     if a.out:
         save_results(res, a.out)
 
