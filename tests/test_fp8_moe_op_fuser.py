@@ -213,8 +213,9 @@ def test_mxfp8_hybrid_sized_as_the_grouped_tensor_path():
 
 
 def test_delayed_single_grouped_weight_is_an_error():
-    # TE 2.20.2 GroupedLinear.fuser_forward: single grouped parameters need the grouped-tensor path, which delayed
-    # scaling never takes (is_op_fuser_grouped_tensor_path_supported): a RuntimeError at the first forward
+    # megatron-core 0.19.2 TransformerConfig.__post_init__ stops any FP8 recipe but mxfp8 with single grouped weights
+    # (before TE 2.20.2's GroupedLinear.fuser_forward would: delayed scaling never takes the grouped-tensor path,
+    # is_op_fuser_grouped_tensor_path_supported)
     from megatron_memguard.errors import ConfigError, ConfigErrors
     with pytest.raises((ConfigError, ConfigErrors)) as e:
         layout(*DELAYED, "--moe-single-grouped-weight", *FUSER)

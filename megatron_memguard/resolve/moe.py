@@ -89,7 +89,9 @@ def _single_grouped_rules(r: Reader, *, add_bias_linear: bool, precision: Mappin
     if weight:
         if (precision.get("fp8") and precision.get("fp8_recipe") != "mxfp8") or \
                 (precision.get("fp4") and precision.get("fp4_recipe") != "nvfp4"):
-            r.fail(key, "works with high-precision primary weights, --fp8-recipe mxfp8 or --fp4-recipe nvfp4 only "
+            recipe = (f"--fp8-recipe {precision.get('fp8_recipe')}" if precision.get("fp8")
+                      and precision.get("fp8_recipe") != "mxfp8" else f"--fp4-recipe {precision.get('fp4_recipe')}")
+            r.fail(key, f"works without FP8 / FP4 or with --fp8-recipe mxfp8 or --fp4-recipe nvfp4 only, not {recipe} "
                         "(TransformerConfig)")
             ok = False
         if not r.bool_arg("use_transformer_engine_op_fuser", False):

@@ -537,6 +537,11 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
             # a dense MLP of width F_s over the gathered sequence: fc1's output and fc2's input (the
             # unfused GLU adds silu's output and the offset copy); its input is the router's
             per_token = 5 * fs if (g == 2 and not L.bias_activation_fusion) else (g + 1) * fs
+            if per_token == 5 * fs and m.moe_shared_expert_overlap:
+                # the overlapped path's own unfused GLU (SharedExpertMLP.linear_fc1_forward_and_act, core 0.16.1 /
+                # 0.19.2 shared_experts.py) is silu(x0) * x1, x1 a view of fc1's output: no offset copy (CPU
+                # referee moe_ep2_shared_overlap: 393,216 B = 512 tokens x 384 x 2 B less per layer than moe_ep2_shared)
+                per_token = 4 * fs
             if m.use_grouped_gemm_for_shared_expert:
                 # FusedSharedExpertMLP (core 0.19.2): TE's GroupedLinear -> ScaledSwiGLU -> GroupedLinear ops,
                 # assumed to keep what TE's modules keep: the SwiGLU's input [Tf, 2 F_s/TP] and fc2's input
@@ -545,8 +550,12 @@ def moe_activations(L: Any, m: MoeSpec, rows: int | None = None, mods: set | fro
             saved["moe_shared_experts"] = e * Tf * per_token
         if m.moe_shared_expert_gate:
             saved["moe_shared_expert_gate"] = e * T * h + e * T     # shared output [T, h], sigmoid [T, 1]
-        if m.moe_shared_expert_overlap and L.tp > 1:
-            saved["moe_shared_expert_overlap_input"] = e * (L.tp - 1) * T * h
+        if m.moe_shared_expert_overlap and L.tp > 1 and L.sequence_parallel:
+            # SharedExpertMLP.pre_forward_comm (core 0.16.1 / 0.19.2 shared_experts.py) gathers the sequence-parallel
+            # input into a new [T x TP, h] tensor, which fc1 saves; the local input stays saved by the router (without
+            # SP the copy to the TP region is the input itself). CPU referee moe_tp2_sp_ep2_shared_overlap: the
+            # gathered [256, 2, 256] bf16 input, 262,144 B per layer
+            saved["moe_shared_expert_overlap_input"] = e * L.tp * T * h
     if "moe" in rec:
         # tensor_parallel.checkpoint around MoELayer.forward keeps only its input (the pre-MLP norm
         # output, counted with the layer); the forward still leaves the dispatcher's held state. After
