@@ -13,10 +13,12 @@
 #            megatron_training tests against those releases' real megatron.training (0.17.1: the legacy era).
 # MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one, MEMGUARD_SKIP_RELEASES=1 the
 # 0.17.1 / 0.18.2 ones; PYTHON312=/path/to/python3.12 picks the interpreter.
-# pip runs in the background where it can: a first run's .venv312 while the 3.11 suite runs (installed as
-# .venv312-installing, renamed after that suite), the release and Bridge venvs while the 3.12 suite runs; a failed
-# background install fails the run with its output. The step list at the end gives each foreground step (a
-# "-pip-wait" step is the wait for a background install) and each background install's own time.
+# MEMGUARD_BACKGROUND_PIP=1 runs pip in the background where it can: a first run's .venv312 while the 3.11 suite runs
+# (installed as .venv312-installing, renamed after that suite), the release and Bridge venvs while the 3.12 suite
+# runs; a failed background install fails the run with its output. The step list at the end gives each foreground
+# step (a "-pip-wait" step is the wait for a background install) and each background install's own time. Off by
+# default: on the 2-core CI machine pip's unpacking slowed the test steps beside it by more than it hid (fresh-clone
+# run of d360431: py3.11 tests 519 -> 750 s, py3.12 409 -> 604 s with 617 fewer tests, for ~110 s of pip hidden).
 # The two main runs spread whole files over MEMGUARD_TEST_WORKERS pytest-xdist workers (default 2, one per core of
 # the CI machine; 0 runs in one process), slowest files first (tests/conftest.py SLOW_FILES_FIRST; xdist keeps that
 # order with --no-loadscope-reorder): each file's tests run in order in one process, and the tests share no
@@ -106,7 +108,7 @@ install_py312() {
 # and must not meet one half installed (every command runs its `bin/python -m`, which a renamed venv keeps). An
 # existing .venv312 is brought up to date in the foreground as before.
 PY312_BG=0
-if [ -n "$PY312" ] && [ ! -x .venv312/bin/python ]; then
+if [ "${MEMGUARD_BACKGROUND_PIP:-0}" = "1" ] && [ -n "$PY312" ] && [ ! -x .venv312/bin/python ]; then
     PY312_BG=1
     bg py3.12-pip install_py312 .venv312-installing
 fi
@@ -141,26 +143,28 @@ LAYERS=()
 [ "${MEMGUARD_SKIP_RELEASES:-0}" != "1" ] && LAYERS+=(tests/run_releases.sh)
 [ "${MEMGUARD_SKIP_BRIDGE:-0}" != "1" ] && LAYERS+=(tests/run_bridge.sh)
 install_layers() { for script in "$@"; do MEMGUARD_LAYER_STEP=install bash "$script"; done; }
-if [ "${#LAYERS[@]}" -gt 0 ]; then
+LAYER_STEP=    # (unset: each layer script installs, then tests)
+if [ "${MEMGUARD_BACKGROUND_PIP:-0}" = "1" ] && [ "${#LAYERS[@]}" -gt 0 ]; then
     bg layers-pip install_layers "${LAYERS[@]}"
+    LAYER_STEP=test
 fi
 # The framework-free files (tests/framework_free.py: no torch, megatron or other venv-dependent import, process or
 # probe) ran in the 3.11 suite and would run the same code again here: skipped.
 MEMGUARD_SKIP_FRAMEWORK_FREE=1 CUDA_DEVICE_MAX_CONNECTIONS=1 .venv312/bin/python -m pytest -q "${PARALLEL[@]}" "$@"
 step "py3.12-tests"
-if [ "${#LAYERS[@]}" -gt 0 ]; then
+if [ "$LAYER_STEP" = test ]; then
     wait_bg layers-pip
     step "layers-pip-wait"
 fi
 
 # megatron-core 0.17.1 and 0.18.2, each layered over .venv312 (31-33 MB each, no torch; about 3.5 minutes).
 if [ "${MEMGUARD_SKIP_RELEASES:-0}" != "1" ]; then
-    MEMGUARD_LAYER_STEP=test bash tests/run_releases.sh "$@"
+    MEMGUARD_LAYER_STEP=$LAYER_STEP bash tests/run_releases.sh "$@"
     step "core-0.17.1+0.18.2"
 fi
 
 # Megatron-Bridge 0.6.2 itself, layered over .venv312 (MEMGUARD_SKIP_BRIDGE=1 skips it).
 if [ "${MEMGUARD_SKIP_BRIDGE:-0}" != "1" ]; then
-    MEMGUARD_LAYER_STEP=test bash tests/run_bridge.sh "$@"
+    MEMGUARD_LAYER_STEP=$LAYER_STEP bash tests/run_bridge.sh "$@"
     step "bridge-0.6.2"
 fi
