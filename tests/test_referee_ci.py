@@ -158,6 +158,32 @@ def _without_timings(o):
     return o
 
 
+# The live bytes at an iteration's boundary (its end, the next one's start) may differ by one scalar: the fresh-clone CI
+# run of eb52abd (2026-11-30) saw rank 1 of pp2_mb1 end iteration 1 with 68,221,048 B forked and 68,221,040 B in new
+# interpreters (twice), one 8-byte tensor released a moment later; every peak, log summary and the bytes after the
+# last step were equal. Such a figure is compared within BOUNDARY_SLACK bytes, all else exactly.
+BOUNDARY_SLACK = 64
+BOUNDARY_FIGURES = ("start_bytes", "end_bytes")
+
+
+def _boundary_rounded(ranks):
+    """``ranks`` without each iteration's boundary figures (compared within BOUNDARY_SLACK by _same_run)."""
+    return [dict(r, iterations=[{k: v for k, v in it.items() if k not in BOUNDARY_FIGURES}
+                                for it in r.get("iterations", [])]) for r in ranks]
+
+
+def _boundaries(ranks):
+    return [[(it.get(k) or 0) for it in r.get("iterations", []) for k in BOUNDARY_FIGURES] for r in ranks]
+
+
+def _same_run(want, got) -> bool:
+    if _boundary_rounded(want) != _boundary_rounded(got):
+        return False
+    a, b = _boundaries(want), _boundaries(got)
+    return len(a) == len(b) and all(len(x) == len(y) and all(abs(p - q) <= BOUNDARY_SLACK for p, q in zip(x, y))
+                                    for x, y in zip(a, b))
+
+
 def test_forked_ranks_measure_what_new_interpreters_measure(monkeypatch):
     """The ranks forked from the fork server (tests/build_util.py run_referee_ranks, what the tests use) and new
     interpreters (MEMGUARD_E2E_FORK=0, run.py's launch_processes) give the same result, byte for byte: every live-byte
@@ -178,7 +204,7 @@ def test_forked_ranks_measure_what_new_interpreters_measure(monkeypatch):
         fresh = run_referee(resolve_config(cfg["flags"], cfg["world_size"])[1], cfg["world_size"], timeout=900)
         assert len(fresh) == 2 and fresh[0]["peak_bytes"] > 0
         got = _without_timings(fresh)
-        if got == want:
+        if _same_run(want, got):
             return
         diffs = [(r, k, a.get(k), b.get(k)) for r, (a, b) in enumerate(zip(want, got))
                  for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
