@@ -13,12 +13,12 @@
 #            megatron_training tests against those releases' real megatron.training (0.17.1: the legacy era).
 # MEMGUARD_SKIP_PY312=1 skips the 3.12 runs, MEMGUARD_SKIP_BRIDGE=1 the Bridge one, MEMGUARD_SKIP_RELEASES=1 the
 # 0.17.1 / 0.18.2 ones; PYTHON312=/path/to/python3.12 picks the interpreter.
-# MEMGUARD_BACKGROUND_PIP=1 runs pip in the background where it can: a first run's .venv312 while the 3.11 suite runs
-# (installed as .venv312-installing, renamed after that suite), the release and Bridge venvs while the 3.12 suite
-# runs; a failed background install fails the run with its output. The step list at the end gives each foreground
-# step (a "-pip-wait" step is the wait for a background install) and each background install's own time. Off by
-# default: on the 2-core CI machine pip's unpacking slowed the test steps beside it by more than it hid (fresh-clone
-# run of d360431: py3.11 tests 519 -> 750 s, py3.12 409 -> 604 s with 617 fewer tests, for ~110 s of pip hidden).
+# pip runs in the background where it can (MEMGUARD_BACKGROUND_PIP=0: in the foreground): a first run's .venv312 while
+# the 3.11 suite runs (installed as .venv312-installing, renamed after that suite), the release and Bridge venvs while
+# the 3.12 suite runs; a failed background install fails the run with its output. The step list at the end gives each
+# foreground step (a "-pip-wait" step is the wait for a background install) and each background install's own time.
+# (Fresh clones of 2026-11-30 on the same machine: py3.11 tests 753 s with .venv312 installing beside them, 756 s
+# without: the background install costs the tests nothing measurable and hides its ~100 s.)
 # The two main runs spread whole files over MEMGUARD_TEST_WORKERS pytest-xdist workers (default 2, one per core of
 # the CI machine; 0 runs in one process), slowest files first (tests/conftest.py SLOW_FILES_FIRST; xdist keeps that
 # order with --no-loadscope-reorder): each file's tests run in order in one process, and the tests share no
@@ -108,7 +108,7 @@ install_py312() {
 # and must not meet one half installed (every command runs its `bin/python -m`, which a renamed venv keeps). An
 # existing .venv312 is brought up to date in the foreground as before.
 PY312_BG=0
-if [ "${MEMGUARD_BACKGROUND_PIP:-0}" = "1" ] && [ -n "$PY312" ] && [ ! -x .venv312/bin/python ]; then
+if [ "${MEMGUARD_BACKGROUND_PIP:-1}" = "1" ] && [ -n "$PY312" ] && [ ! -x .venv312/bin/python ]; then
     PY312_BG=1
     bg py3.12-pip install_py312 .venv312-installing
 fi
@@ -144,7 +144,7 @@ LAYERS=()
 [ "${MEMGUARD_SKIP_BRIDGE:-0}" != "1" ] && LAYERS+=(tests/run_bridge.sh)
 install_layers() { for script in "$@"; do MEMGUARD_LAYER_STEP=install bash "$script"; done; }
 LAYER_STEP=    # (unset: each layer script installs, then tests)
-if [ "${MEMGUARD_BACKGROUND_PIP:-0}" = "1" ] && [ "${#LAYERS[@]}" -gt 0 ]; then
+if [ "${MEMGUARD_BACKGROUND_PIP:-1}" = "1" ] && [ "${#LAYERS[@]}" -gt 0 ]; then
     bg layers-pip install_layers "${LAYERS[@]}"
     LAYER_STEP=test
 fi
