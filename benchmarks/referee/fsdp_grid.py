@@ -98,12 +98,13 @@ FSDP_OVERLAP = [
          note="the same with the combined 1F1B expert all-to-all overlap (CUDA streams are no-ops on CPU)"),
 ]
 
-for _c in FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP:
+FSDP_ALL = FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP   # every entry, in the stored files' order
+for _c in FSDP_ALL:
     _c["requires"] = ["einops"]     # Megatron-FSDP's device-mesh helpers (mcore_fsdp_adapter.py)
 
 
 def select(only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    return named(FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP, only) if only else named(FSDP_GRID, only)
+    return named(FSDP_ALL, only) if only else named(FSDP_GRID, only)
 
 
 def resolve_version(core: str) -> str:
@@ -160,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     res["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "megatron_core": megatron.core.__version__}
     if a.out and a.update and os.path.exists(a.out):
-        res = merge_results(a.out, res, [c["name"] for c in FSDP_GRID + [FSDP_ONE_RANK] + FSDP_MTP + FSDP_OVERLAP])
+        res = merge_results(a.out, res, [c["name"] for c in FSDP_ALL])
     if a.out:
         save_results(res, a.out)
 

@@ -12,13 +12,12 @@ micro-batch, see worker.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 from typing import Any, Dict, List, Optional
 
-from .grid import COMMON, REFEREE_MEGATRON_VERSION, named, resolve_config, run_grid, save_results
+from .grid import COMMON, REFEREE_MEGATRON_VERSION, merge_results, named, resolve_config, run_grid, save_results
 
 # A small Llama-style model: 4 layers, hidden 256, 8 heads (4 KV groups), SwiGLU, RMSNorm, RoPE, no
 # biases (shared experts refuse biases), untied; s=256, b=2.
@@ -165,14 +164,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     n_fail = sum(1 for c in res["configs"] if c["status"] == "failed")
     print(f"moe grid: {len(res['configs'])} configurations, {n_fail} failed, total {res['total_run_time_s']:.1f}s")
     if a.out and a.update and os.path.exists(a.out):
-        with open(a.out) as f:
-            old = json.load(f)
-        now = {c["name"]: c for c in res["configs"]}
-        order = [c["name"] for c in MOE_GRID]
-        merged = {c["name"]: c for c in old["configs"]}
-        merged.update(now)
-        res["configs"] = sorted(merged.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else 99)
-        res["total_run_time_s"] = round(sum(c.get("run_time_s", 0) for c in res["configs"]), 2)
+        res = merge_results(a.out, res, [c["name"] for c in MOE_GRID])
     if a.out:
         save_results(res, a.out)
     if n_fail:

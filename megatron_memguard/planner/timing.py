@@ -753,38 +753,30 @@ class TimeModel:
         and the part of the DP communication no overlap hides (:meth:`step_tail_floor`, memoised by the split
         and the DP layout: they read the first stage's parameters). The last factor keeps rounding (the sums
         taken in another order) from lifting it above the step time."""
-        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
-        t = self._bound.get(bkey)
-        if t is None:
-            t = self._bound[bkey] = self._split_free_bound(c)
-        return (t + self.step_tail_floor(c)) * (1 - 1e-9)
+        return (self._split_free_bound(c) + self.step_tail_floor(c)) * (1 - 1e-9)
 
     def step_time_work_bound(self, c: Candidate) -> float:
         """:meth:`step_time_bound` without the DP and optimizer part: a lower bound too, memoised without the split
         (the search's first, cheap look at a candidate)."""
-        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
-        t = self._bound.get(bkey)
-        if t is None:
-            t = self._bound[bkey] = self._split_free_bound(c)
-        return t * (1 - 1e-9)
+        return self._split_free_bound(c) * (1 - 1e-9)
 
     def _split_free_bound(self, c: Candidate) -> float:
-        """step_time_bound's work, bubble and pipeline-transfer part (the same for every split)."""
+        """step_time_bound's work, bubble and pipeline-transfer part (the same for every split), memoised."""
+        bkey = (c.tp, c.cp, c.mbs, c.sp, c.fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.dp)   # (m: GBS, MBS, DP)
+        hit = self._bound.get(bkey)
+        if hit is not None:
+            return hit
         fp8 = self.fp8_on(c)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp > 1)
         total = self._work_sum.get(key)
         s = self.shape
         n = s.num_layers
         if total is None:
-            lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
-            ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
-            lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
-            rc_layer = self._recompute_layer(lc, c.recompute)[0]
-            rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
+            costs = self._bound_costs(c, fp8)
             every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
-            total = self._rank_rows(c, (every,), lc, ec, lm, rc_layer, rc_moe, fp8)[0][0]
+            total = self._rank_rows(c, (every,), *costs, fp8)[0][0]
             if c.pp > 1:
-                total += ec.batch
+                total += costs[1].batch
             self._work_sum[key] = total
         p, v, m = c.pp, c.vpp, c.m
         w = total / p
@@ -798,7 +790,16 @@ class TimeModel:
             nbytes = c.mbs * (s.seq_length // c.cp) * s.hidden * s.act_bytes // (c.tp if c.sp else 1)
             t1 = self.p2p(nbytes, c.tp * c.cp * c.dp * c.pp <= self.domain)
             t += 2 * (p - 1) * t1 + (2 * m * v * P2P_LATENCY if v > 1 else 2 * m * t1)
+        self._bound[bkey] = t
         return t
+
+    def _bound_costs(self, c: Candidate, fp8: bool) -> tuple[LayerCost, EndsCost, LayerCost | None, float, float]:
+        """What _rank_rows reads for the bounds: the dense layer's, the ends' and the MoE layer's costs and the two
+        layers' recompute seconds."""
+        lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
+        lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if self.shape.moe else None
+        return (lc, self.ends_cost(c.tp, c.cp, c.mbs, c.sp), lm, self._recompute_layer(lc, c.recompute)[0],
+                self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0)
 
     def _cheapest_layers(self, c: Candidate, fp8: bool, key: tuple, k: int) -> float:
         """Per micro-batch, the work of the k cheapest layers of the model (dense or MoE, each as a middle rank
@@ -807,13 +808,8 @@ class TimeModel:
         s = self.shape
         if hit is None:
             n_moe = s.moe.layers_in(0, s.num_layers) if s.moe else 0
-            lc = self.layer_cost(c.tp, c.cp, c.mbs, c.sp, fp8)
-            ec = self.ends_cost(c.tp, c.cp, c.mbs, c.sp)
-            lm = self.moe_layer(c.tp, c.cp, c.mbs, c.sp, c.ep, c.etp) if s.moe else None
-            rc_layer = self._recompute_layer(lc, c.recompute)[0]
-            rc_moe = self._recompute_layer(lm, c.recompute)[0] if lm is not None else 0.0
             one = [(1, False, False, 0, 0)] + ([(1, False, False, 1, 0)] if n_moe else [])
-            rows = self._rank_rows(c, one, lc, ec, lm, rc_layer, rc_moe, fp8)
+            rows = self._rank_rows(c, one, *self._bound_costs(c, fp8), fp8)
             # (the cheaper kind first, with how many layers of it the model has)
             hit = self._layer_work[key] = tuple(sorted(((rows[0][0], s.num_layers - n_moe), (rows[-1][0], n_moe))))
         (lo, n_lo), (hi, _) = hit
