@@ -8,6 +8,8 @@
       cuda_context: 547356672       # bytes, or a size such as 522MiB
       nccl_per_communicator: 96MiB
       allocator_fragmentation: 0.071
+    time:                           # optional (schema memguard.site/2): the planner's step-time constants
+      gemm_efficiency: 0.71         #   fitted from measured step times on ``gpu``; the others keep its row's
     fit: {...}                      # optional: how they were fitted (informational)
 
 Read by ``estimate``, ``validate``, ``check``, ``plan`` and ``report`` (``--site-profile FILE``), the
@@ -32,8 +34,11 @@ from .numbers import shown
 from .units import format_bytes
 
 SCHEMA = "memguard.site/1"
+# A profile with a ``time:`` section is written as /2 (an older memguard would refuse the key anyway, by name);
+# one without it stays /1, readable by every version. This version reads both.
+SCHEMA_TIME = "memguard.site/2"
 _SCHEMA_RE = re.compile(r"^memguard\.site/(\d+)$")
-TOP_KEYS = ("schema", "memguard_version", "name", "gpu", "created", "constants", "fit")
+TOP_KEYS = ("schema", "memguard_version", "name", "gpu", "created", "constants", "time", "fit")
 ENV = "MEMGUARD_PROFILE"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -48,6 +53,8 @@ class SiteProfile:
     memguard_version: str = ""
     created: str = ""
     fit: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # the planner's step-time constants fitted on ``gpu`` (time_constants.TIME_CONSTANTS); empty: its row's
+    time: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -105,9 +112,10 @@ def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
     m = _SCHEMA_RE.match(str(schema)) if isinstance(schema, str) else None
     if not m:
         raise ConfigError(f"{source}: schema", f"expected {SCHEMA!r}, got {schema!r} (is this a memguard site profile?)")
-    if len(m.group(1)) > 3 or int(m.group(1)) > 1:
+    if len(m.group(1)) > 3 or int(m.group(1)) > 2:
         raise ConfigError(f"{source}: schema", f"{schema} was written by a newer memguard; this version ({_version()}) "
-                                               f"reads {SCHEMA}", "upgrade memguard or calibrate again with this version")
+                                               f"reads {SCHEMA} and {SCHEMA_TIME}",
+                          "upgrade memguard or calibrate again with this version")
     for k in doc:
         if k not in TOP_KEYS:
             raise ConfigError(f"{source}: {k}", f"unknown key in a {SCHEMA} profile (known: {', '.join(TOP_KEYS)})",
@@ -144,9 +152,34 @@ def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
     fit = doc.get("fit") or {}
     if not isinstance(fit, dict):
         raise ConfigError(f"{source}: fit", f"expects a mapping, got {type(fit).__name__}")
+    time = _time_section(doc, source, int(m.group(1)))
     return SiteProfile(constants=replace(DEFAULT_SITE, **values), name=str(doc.get("name") or ""),
                        gpu=doc.get("gpu"), memguard_version=written_by or "", created=str(doc.get("created") or ""),
-                       fit=fit)
+                       fit=fit, time=time)
+
+
+def _time_section(doc: dict, source: str, version: int) -> dict[str, float]:
+    """The ``time:`` section's constants, each checked against its bounds (plan's own option bounds)."""
+    from .time_constants import TIME_SPEC, check_time_constant
+
+    sec = doc.get("time")
+    if sec is None:
+        return {}
+    if version < 2:
+        raise ConfigError(f"{source}: time", f"a time section needs schema {SCHEMA_TIME} (this file says "
+                                             f"memguard.site/{version})")
+    if not isinstance(sec, dict):
+        raise ConfigError(f"{source}: time", f"expects a mapping of time constant to value, got {type(sec).__name__}")
+    if sec and not doc.get("gpu"):
+        raise ConfigError(f"{source}: time", "time constants hold for one GPU type: the profile needs 'gpu:'")
+    out = {}
+    for k, v in sec.items():
+        key = f"{source}: time.{k}"
+        if k not in TIME_SPEC:
+            raise ConfigError(key, f"unknown time constant (known: {', '.join(TIME_SPEC)})",
+                              "a profile from a newer memguard? upgrade memguard")
+        out[k] = check_time_constant(k, v, key)
+    return out
 
 
 def load_site_profile(path: str, key: str = "--site-profile") -> SiteProfile:
@@ -178,15 +211,20 @@ def site_from(path: str | None, environ: Mapping[str, str] | None = None,
 
 
 def dump_site_profile(constants: Mapping[str, Any], *, name: str = "", gpu: str | None = None,
-                      fit: Mapping[str, Any] | None = None) -> str:
-    """The YAML text of a profile holding ``constants`` (only those given), with a comment per constant."""
+                      fit: Mapping[str, Any] | None = None, time: Mapping[str, float] | None = None) -> str:
+    """The YAML text of a profile holding ``constants`` (only those given), with a comment per constant, and the
+    step-time constants ``time`` fitted on ``gpu`` (schema /2 then)."""
     import yaml
+
+    from .time_constants import TIME_CONSTANTS
+    if time and not gpu:
+        raise ValueError("time constants are written with the GPU they were fitted on")
 
     lines = ["# memguard site profile: physical constants of one site, fitted by `memguard calibrate`",
              "# (docs/calibrate.md). Use it with: memguard estimate|validate|check|plan|report --site-profile FILE;",
              "# in Megatron: --memguard-profile FILE or MEMGUARD_PROFILE=FILE; in the callbacks: site_profile=FILE.",
              "# Constants not listed keep memguard's defaults.",
-             f"schema: {SCHEMA}", f"memguard_version: {_version()}"]
+             f"schema: {SCHEMA_TIME if time else SCHEMA}", f"memguard_version: {_version()}"]
     if name:
         lines.append(f"name: {json.dumps(name)}")
     if gpu:
@@ -203,9 +241,16 @@ def dump_site_profile(constants: Mapping[str, Any], *, name: str = "", gpu: str 
             lines.append(f"  {s.name}: {int(v)}    # {format_bytes(v)}; default {s.format(default)}")
         else:
             lines.append(f"  {s.name}: {round(float(v), 5)}    # default {s.format(default)}")
+    if time:
+        from .gpus import lookup_gpu
+        row = lookup_gpu(gpu)
+        lines.append("time:    # memguard plan's step-time constants on this GPU (its --gemm-efficiency, ...; options win)")
+        for c in TIME_CONSTANTS:
+            if c.name in time:
+                lines.append(f"  {c.name}: {round(float(time[c.name]), 5)}    # default {c.format(c.default(row))}")
     if fit:
         lines.append(yaml.safe_dump({"fit": dict(fit)}, sort_keys=False, default_flow_style=None, width=120).rstrip())
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SCHEMA", "ENV", "SiteProfile", "parse_site_profile", "load_site_profile", "site_from", "dump_site_profile"]
+__all__ = ["SCHEMA", "SCHEMA_TIME", "ENV", "SiteProfile", "parse_site_profile", "load_site_profile", "site_from", "dump_site_profile"]

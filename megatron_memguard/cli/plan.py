@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from ..report.plots import Plot
 from .main import (
     EXIT_BAD_INPUT, EXIT_FITS, EXIT_PROBLEM, _Parser, add_target_options, load_raw, positive_int, resolve_world,
-    target_gpu, target_site, file_name, path_text,
+    target_gpu, file_name, path_text,
 )
+from ..time_constants import MAX_NETWORK_GBPS, MIN_EFFICIENCY, MIN_NETWORK_GBPS  # the bounds calibrate shares
 
 DEFAULT_TOP = 5
 MAX_TOP = 50
@@ -159,22 +160,33 @@ def _constraints(ns: argparse.Namespace):
     )
 
 
-MIN_NETWORK_GBPS, MAX_NETWORK_GBPS = 1.0, 72_000
-MIN_EFFICIENCY = 0.01
-
-
-def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace) -> GpuSpec:
-    """The GPU's row with the speeds the user measured on their cluster."""
+def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace, profile: Any = None,
+                   notes: list[str] | None = None) -> GpuSpec:
+    """The GPU's row with the speeds of the site profile's ``time:`` section (fitted by ``memguard calibrate`` on
+    this GPU type), then those the user gave on the command line (they win)."""
+    from ..time_constants import TIME_SPEC, with_speeds
     changes: dict[str, float] = {}
+    fitted = dict(getattr(profile, "time", None) or {})
+    if fitted:
+        if profile.gpu and profile.gpu != gpu.name:
+            if notes is not None:
+                notes.append(f"the site profile's time constants were fitted on {profile.gpu}; not applied to "
+                             f"{gpu.name}'s speeds")
+        else:
+            changes.update(fitted)
+            if notes is not None:
+                notes.append("step-time constants from the site profile " + ", ".join(
+                    f"{TIME_SPEC[k].flag[2:]} {TIME_SPEC[k].format(v)}" for k, v in fitted.items()
+                    if getattr(ns, k, None) is None) + " (memguard calibrate; options given on the command line win)")
     if ns.network_gbps is not None:
         if not ns.network_gbps > 0:
             raise ConfigError("--network-gbps", f"must be > 0 Gb/s per GPU, got {ns.network_gbps}")
         if not MIN_NETWORK_GBPS <= ns.network_gbps <= MAX_NETWORK_GBPS:
             # (inf and 1e308 gave zero network time, 5e-324 step times of 10**300 s)
-            raise ConfigError("--network-gbps", f"must be from {MIN_NETWORK_GBPS:g} to {MAX_NETWORK_GBPS:,} Gb/s per GPU "
+            raise ConfigError("--network-gbps", f"must be from {MIN_NETWORK_GBPS:g} to {MAX_NETWORK_GBPS:,g} Gb/s per GPU "
                               f"(memguard's bounds: 1 Gb/s Ethernet; 10 x NVLink 5's 7,200 Gb/s per GPU and direction), "
                               f"got {ns.network_gbps!r}")
-        changes["network_bytes_per_s"] = ns.network_gbps * 1e9 / 8
+        changes["network_gbps"] = ns.network_gbps
     for flag, field in (("--gemm-efficiency", "gemm_efficiency"), ("--attention-efficiency", "attention_efficiency")):
         v = getattr(ns, field)
         if v is not None:
@@ -185,12 +197,13 @@ def cluster_speeds(gpu: GpuSpec, ns: argparse.Namespace) -> GpuSpec:
                 raise ConfigError(flag, f"must be at least {MIN_EFFICIENCY:g} of peak (memguard's bound: an H100's fp32 "
                                   f"CUDA cores alone reach 6.8% of its bf16 tensor-core peak), got {v!r}")
             changes[field] = v
-    return dataclasses.replace(gpu, **changes) if changes else gpu
+    return with_speeds(gpu, changes)
 
 
 def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     from ..gpus import lookup_gpu
     from ..planner import Cluster, Planner
+    from ..site_profile import site_from
 
     raw = load_raw(ns, flags)  # --model, --config and/or flags
     if raw.problems:  # the config breaks a rule of its own format, refused as estimate and check refuse it
@@ -205,11 +218,16 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     if world < 1:
         raise ConfigError("--gpus", f"must be >= 1, got {world}")
     gpu, mem = target_gpu(ns)
-    notes = []
+    notes: list[str] = []
+    profile = site_from(file_name(getattr(ns, "site_profile", None), "--site-profile"))
+    if ns.gpu is None and profile is not None and profile.time and profile.gpu:
+        # the profile's step-time constants were fitted on its GPU: plan for that GPU unless --gpu says otherwise
+        gpu = lookup_gpu(profile.gpu)
+        notes.append(f"no --gpu given: the site profile's GPU, {profile.gpu}, is planned")
     if gpu is None:
         gpu = lookup_gpu("H100-80GB")
         notes.append("no --gpu given: H100-80GB's speeds are used for the step-time model")
-    gpu = cluster_speeds(gpu, ns)
+    gpu = cluster_speeds(gpu, ns, profile, notes)
     if getattr(ns, "fp8", None):
         from ..estimator.fp8 import Fp8Spec, gpu_violation
         bad = gpu_violation(Fp8Spec(fp8="hybrid", fp8_recipe=ns.fp8), gpu.name)
@@ -223,7 +241,7 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
                       gpu_memory_bytes=mem or gpu.memory_bytes)
     planner = Planner(raw, cluster, seq_length=ns.seq_length, global_batch_size=ns.global_batch_size,
                       threshold=ns.threshold, megatron_version=ns.megatron_version, vocab_size=ns.vocab_size,
-                      site=target_site(ns), tie_window=_tie_window(ns))
+                      site=profile.constants if profile is not None else None, tie_window=_tie_window(ns))
     planner.notes[:0] = notes
     if planner.shape.moe is None and (ns.ep or ns.etp or ns.allow_ep_across_nodes):
         planner.notes.append("--ep / --etp / --allow-ep-across-nodes apply to mixture-of-experts models; this model "

@@ -71,6 +71,10 @@ ARGS_END = re.compile(r"(?<!-)-{8,} end of arguments -{8,}")
 _ARG = re.compile(r"(?:^|[\s:>\]])([A-Za-z_][A-Za-z0-9_]*) (\.+) (.*)$")
 _ARG_LONG = re.compile(r"^(?:\s*\S*[:>\]])?\s+([A-Za-z_][A-Za-z0-9_]{47,})  (.*)$")   # names >= 48: no dots
 ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|")
+# training_log's timing fields (megatron/training/training.py, 0.8 to 0.19.2): the interval's mean wall time per
+# iteration, and with --log-throughput the model TFLOP/s per GPU over it
+ELAPSED_RE = re.compile(r"\| elapsed time per iteration \(ms\): ([0-9]{1,12}(?:\.[0-9]{1,6})?) \|")
+TFLOPS_RE = re.compile(r"\| throughput per GPU \(TFLOP/s/GPU\): ([0-9]{1,9}(?:\.[0-9]{1,6})?) \|")
 THEORY_RE = re.compile(r"Theoretical memory footprints: weight and optimizer=" + _NUM + r" MB, activation=" + _NUM
                        + r" MB, total=" + _NUM + " MB")
 _SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB|TiB)"
@@ -178,6 +182,8 @@ class MegatronLog:
     args_tables: int = 0
     args_complete: bool = True    # False: the table is cut off (no 'end of arguments' line)
     iterations: list[int] = field(default_factory=list)
+    # (iteration, ms per iteration over the interval ending there, TFLOP/s per GPU or None) of training_log's lines
+    iteration_times: list[tuple[int, float, float | None]] = field(default_factory=list)
     train_iters: int | None = None
     theoretical_mib: tuple[float, float, float] | None = None
     ooms: list[OomEvent] = field(default_factory=list)
@@ -344,6 +350,9 @@ def _read_one(path: str, log: MegatronLog) -> None:
         elif "iteration" in line and (m := ITERATION_RE.search(line)) is not None and len(m.group(0)) < 64:
             log.iterations.append(int(m.group(1)))
             log.train_iters = int(m.group(2))
+            if (t := ELAPSED_RE.search(line)) is not None and len(log.iteration_times) < 100_000:
+                tf = TFLOPS_RE.search(line)
+                log.iteration_times.append((int(m.group(1)), float(t.group(1)), float(tf.group(1)) if tf else None))
         elif "Theoretical memory" in line and (m := THEORY_RE.search(line)) is not None:
             log.theoretical_mib = (float(m.group(1)), float(m.group(2)), float(m.group(3)))
         elif "ran out of GPU memory" in line and (m := MEMGUARD_OOM_RE.search(line)) is not None and len(m.group(0)) < 80:
