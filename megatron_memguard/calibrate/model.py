@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..estimator import estimate
 from ..estimator.overheads import (CUBLAS_DEFAULT_BYTES, CUBLAS_HOPPER_BYTES, NCCL_DEFAULT_BUFFSIZE, _hopper_or_newer,
@@ -66,6 +66,9 @@ class CalibrationRun:
     device: str = "gpu"
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    # for the time constants (calibrate/timeruns.py): the run's configuration and Megatron's logged iteration times
+    raw: Any = None
+    iteration_times: list[tuple[int, float, float | None]] = field(default_factory=list)
 
     def has(self, metric: str) -> bool:
         return any(getattr(o, metric) is not None for o in self.observations)

@@ -136,7 +136,7 @@ def megatron_observations(log: MegatronLog, L: Layout, tp_pp_dp: bool) -> list[O
 def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[[MegatronLog], RawConfig],
                   resolve_kw: dict[str, Any]) -> CalibrationRun:
     log = read_megatron_logs([path])
-    if not log.memory:
+    if not log.memory and not log.iteration_times:
         raise ReaderError(f"{path}: no Megatron memory lines ('[Rank N] (after K iterations) memory (MB) | ...') and no "
                           "memguard-rank*.jsonl files" + skipped_memory_lines(log))
     raw = raw_of(log)
@@ -145,7 +145,8 @@ def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[
     obs = megatron_observations(log, L, tp_pp_dp_mapping(raw))
     return CalibrationRun(name=path, layout=L, gpu=gpu, observations=obs, device=device,
                           source="Megatron log (" + ("argument table" if raw.source.startswith("the argument table")
-                                                     else raw.source) + ")")
+                                                     else raw.source) + ")", raw=raw,
+                          iteration_times=list(log.iteration_times))
 
 
 def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str = "gpu",
