@@ -242,7 +242,11 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     if ns.out and (mem_fitted or time_fitted):
         text = dump_site_profile({**(base.changed() if base is not None else {}), **mem_fitted}, name=ns.name,
                                  gpu=gpus[0] if len(gpus) == 1 else None,
-                                 fit=profile_fit_section(res) if res is not None else None,
+                                 fit={**(profile_fit_section(res) if res is not None else {}),
+                                      **({"time": {"runs": len(tf.before),
+                                                   "median_abs_log_error": [round(tf.median_before, 4),
+                                                                            round(tf.median_after, 4)]}}
+                                         if time_fitted else {})},
                                  time={**base_time, **time_fitted} if len(gpus) == 1 else None)
         from ..files import open_output
         try:
