@@ -292,3 +292,4 @@ def test_calibrate_pages_profile_example_loads(tmp_path):
     path.write_text("\n".join(block) + "\n")
     prof = load_site_profile(str(path))
     assert prof.constants.changed() == {"allocator_fragmentation": 0.071, "cuda_context": 522 * 2**20}
+    assert prof.gpu == "H100-80GB" and prof.time == {"gemm_efficiency": 0.58}   # its time section (schema /2)
