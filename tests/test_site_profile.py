@@ -94,7 +94,7 @@ def test_profile_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("doc, key, text", [
-    ({**_doc(), "schema": "memguard.site/2"}, "schema", "written by a newer memguard"),
+    ({**_doc(), "schema": "memguard.site/3"}, "schema", "written by a newer memguard"),   # (/2: the time section)
     ({**_doc(), "memguard_version": "99.0"}, "memguard_version", "newer than this memguard"),
     ({**_doc(), "colour": "blue"}, "colour", "unknown key"),
     (_doc(nvlink_buffers=1), "constants.nvlink_buffers", "unknown site constant"),
