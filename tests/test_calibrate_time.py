@@ -235,3 +235,14 @@ def test_profile_time_section_round_trip_and_refusals():
             parse_site_profile(d, "p.yaml")
         assert e.value.key == f"p.yaml: {key}" and text in str(e.value), str(e.value)
     assert math.isclose(parse_site_profile(doc).time["network_gbps"], 100.0)
+
+
+def test_a_log_with_only_the_warm_up_line_is_named_not_a_traceback(tmp_path):
+    write_fujii_logs(tmp_path / "all")
+    runs = sorted(p for p in (tmp_path / "all").iterdir())[:3]
+    log = runs[0] / "stdout.log"
+    log.write_text("\n".join(line for line in log.read_text().splitlines()
+                             if "iteration       10/" not in line and "iteration       20/" not in line) + "\n")
+    r = _memguard("calibrate", *map(str, runs), "--gpu", "A100-40GB")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "fewer than 3 measured step times" in r.stderr and "only the first logged iteration (1)" in r.stderr

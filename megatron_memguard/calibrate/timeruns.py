@@ -92,16 +92,20 @@ def run_predictor(raw: Any, gpu: Any, world: int, gpus_per_node: int | None = No
 def timed_run(name: str, raw: Any, gpu: Any, world: int, times: list[tuple[int, float, float | None]],
               gpus_per_node: int | None = None) -> tuple[TimedRun | None, str | None]:
     """(the run for the time fit, None) or (None, why it cannot join)."""
-    seconds, tflops, n = measured_step(times, name)
+    try:
+        seconds, tflops, n = measured_step(times, name)
+    except ReaderError as e:         # (the run may still serve the memory fit)
+        return None, str(e)
     if seconds is None and tflops is None:
-        return None, None
+        return None, f"{name}: no iteration line after the first has a positive time: no step time"
     try:
         predict, label, fpt = run_predictor(raw, gpu, world, gpus_per_node)
     except (ConfigError, ConfigErrors) as e:
         return None, f"{name}: its step time is not used: the planner cannot time its layout ({e})"
     if seconds is None:
-        gbs = raw.args.get("global_batch_size")
-        seq = raw.args.get("seq_length")
+        gbs, seq = raw.args.get("global_batch_size"), raw.args.get("seq_length")
+        if not gbs or not seq:
+            return None, f"{name}: only TFLOP/s per GPU logged, and no global batch size / sequence length to convert it"
         seconds = gbs * seq * fpt / (world * tflops * 1e12)
     return TimedRun(name, seconds, predict, label), None
 

@@ -236,7 +236,8 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     elif tf is None:
         raise TooLittleData(f"too little data: {len(runs)} run(s) with " + ("no memory lines and " if not mem_runs else "")
                             + f"fewer than {ns.min_runs} measured step times ('elapsed time per iteration (ms)' after "
-                            "the first logged iteration) that the planner can time")
+                            "the first logged iteration) that the planner can time"
+                            + (f" ({len(time_notes)} not used; first: {time_notes[0]})" if time_notes else ""))
     mem_fitted = res.fitted if res is not None else {}
     time_fitted = tf.fitted if tf is not None else {}
     if ns.out and (mem_fitted or time_fitted):
