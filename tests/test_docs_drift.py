@@ -1,0 +1,135 @@
+"""The docs against what this tree does: every CLI option is documented, every relative link resolves, and the
+output lines and figures the pages quote are what the commands print (read from the page and recomputed, so a
+change that moves one fails here until the page is updated)."""
+import argparse
+import glob
+import importlib
+import os
+import re
+import shlex
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBCOMMANDS = ("estimate", "gpus", "validate", "plan", "check", "report", "calibrate")
+
+
+def _pages(*patterns: str) -> list[str]:
+    return [p for pat in patterns for p in sorted(glob.glob(os.path.join(ROOT, pat), recursive=True))]
+
+
+def _read(path: str) -> str:
+    return open(path, encoding="utf-8").read()
+
+
+def _folded(*parts: str) -> str:
+    """A page with its line breaks folded to spaces (prose wraps wherever it likes)."""
+    return " ".join(_read(os.path.join(ROOT, *parts)).split())
+
+
+def _parser(name: str) -> argparse.ArgumentParser:
+    # estimate and gpus are parsed by the top-level parser; the others by their own module's (cli/<name>.py)
+    if name in ("estimate", "gpus"):
+        from megatron_memguard.cli.main import build_parser
+        sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+        return sub.choices[name]
+    return importlib.import_module(f"megatron_memguard.cli.{name}").build_parser()
+
+
+def test_every_cli_option_is_named_in_the_docs():
+    text = "\n".join(_read(p) for p in _pages("README.md", "docs/**/*.md"))
+    missing = []
+    for name in SUBCOMMANDS:
+        for action in _parser(name)._actions:
+            strings = [s for s in action.option_strings if s not in ("-h", "--help")]
+            if strings and not any(re.search(re.escape(s) + r"(?![\w-])", text) for s in strings):
+                missing.append(f"memguard {name} {'/'.join(strings)}")
+    assert missing == []
+
+
+def _anchors(path: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-', repeats numbered."""
+    out, seen, fence = set(), {}, False
+    for line in _read(path).splitlines():
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        m = None if fence else re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    bad, count = [], 0
+    for page in _pages("README.md", "docs/**/*.md", "benchmarks/**/*.md", "examples/**/*.md"):
+        text = re.sub(r"^```.*?^```", "", _read(page), flags=re.M | re.S)
+        for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):          # http:, https:, mailto:
+                continue
+            count += 1
+            file, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(page), file)) if file else page
+            where = f"{os.path.relpath(page, ROOT)}: {target}"
+            if not os.path.exists(dest):
+                bad.append(where + " (no such file)")
+            elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
+                bad.append(where + " (no such heading)")
+    assert count > 200 and bad == []
+
+
+def test_reports_result_lines_are_what_memguard_report_prints(tmp_path, capsys):
+    # docs/reports.md "Terminal": the result lines of tests/test_report_runlog.py's runs (8 ranks in PP4 with rank
+    # 3 at 1.08 x its prediction; 4 ranks at 0.97 x), which write the JSONL files through the real MemoryMonitor
+    from megatron_memguard.cli.main import main
+    from runlog_util import make_estimate, write_run
+    page = _read(os.path.join(ROOT, "docs", "reports.md"))
+    quoted = re.findall(r"^result: .*$", page, flags=re.M)
+    assert [q.split()[1] for q in quoted] == ["OK", "OVER"]
+    est = make_estimate(pp=4, world=16)
+    write_run(tmp_path / "over", est, ranks_per_stage=2, iterations=5, scales={3: 1.08})
+    write_run(tmp_path / "ok", est, ranks_per_stage=1, iterations=3)
+    for run, line, code in (("ok", quoted[0], 0), ("over", quoted[1], 1)):
+        assert main(["report", str(tmp_path / run)]) == code
+        assert line in capsys.readouterr().out.splitlines(), line
+
+
+def test_hook_recompute_ladder_example_is_what_the_estimate_says():
+    # docs/hook.md "The recompute ladder": Bridge's DeepSeek-V3 recipe on its 1,024 H100s, tight without
+    # recomputation, fits with the two element-wise modules (tests/test_recompute_ladder.py finds that rung)
+    from megatron_memguard import estimate, lookup_gpu, resolve
+    from megatron_memguard.readers.models import read_model
+    m = re.search(r"DeepSeek-V3 recipe on its 1,024 H100s \(with `model\.moe_flex_dispatcher_backend=deepep`: [^)]*\), "
+                  r"tight at (\d+)% without recomputation, fits at (\d+)% with `layernorm` and `moe_act` "
+                  r"\(`model\.recompute_granularity=selective, model\.recompute_modules=\[layernorm,moe_act\]` from "
+                  r"`memguard check`\)", _folded("docs", "hook.md"))
+    assert m, "docs/hook.md no longer states the DeepSeek-V3 example"
+    raw = read_model("deepseek_v3").with_args(moe_flex_dispatcher_backend="deepep")
+    h100 = lookup_gpu("H100-80GB")
+    for want, verdict, extra in ((m.group(1), "tight", {}),
+                                 (m.group(2), "fits", dict(recompute_granularity="selective",
+                                                           recompute_modules=["layernorm", "moe_act"]))):
+        est = estimate(resolve(raw.with_args(**extra), world_size=1024), gpu=h100)
+        assert (f"{est.peak_device_bytes / est.gpu_memory_bytes:.0%}", est.verdict) == (f"{want}%", verdict)
+
+
+def test_planner_pages_search_counts_are_what_the_plan_prints(capsys):
+    # docs/planner.md section 4 "Speed": the search counts of the page's first command (Llama-3.1-70B on 1024 H100s),
+    # with the default 4% tie window, a 3% one and none, as its "search:" line prints them
+    from megatron_memguard.cli.main import main
+    text = _folded("docs", "planner.md")
+    m = re.search(r"1024 H100s: ([\d,]+) layouts considered, ([\d,]+) visited, ([\d,]+) bounded out, (\d+) estimated, "
+                  r"(\d+) fitting .*?: (\d+) estimated with a 3% window, (\d+) without one\)", text)
+    assert m, "docs/planner.md no longer states the plan's search counts"
+    considered, visited, bounded, estimated, fitting, at3, at0 = m.groups()
+    command = next(line.strip() for line in _read(os.path.join(ROOT, "docs", "planner.md")).splitlines()
+                   if line.startswith("memguard plan ") and "llama3.1-70b" in line)
+    searched = {}
+    for window in ("0.04", "0.03", "0"):
+        words = shlex.split(command)[1:]
+        assert main(words[:words.index("--")] + ["--tie-window", window] + words[words.index("--"):]) == 0
+        searched[window] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("search: "))
+    assert searched["0.04"].startswith(f"search: {considered} layouts, {visited} visited fastest first"), searched
+    assert f": {bounded} cannot fit" in searched["0.04"] and f", {estimated} estimated, {fitting} fit " in searched["0.04"]
+    assert f", {at3} estimated, " in searched["0.03"] and f", {at0} estimated, " in searched["0"], searched
