@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBCOMMANDS = ("estimate", "gpus", "validate", "plan", "check", "report", "calibrate")
 
@@ -133,3 +132,27 @@ def test_planner_pages_search_counts_are_what_the_plan_prints(capsys):
     assert searched["0.04"].startswith(f"search: {considered} layouts, {visited} visited fastest first"), searched
     assert f": {bounded} cannot fit" in searched["0.04"] and f", {estimated} estimated, {fitting} fit " in searched["0.04"]
     assert f", {at3} estimated, " in searched["0.03"] and f", {at0} estimated, " in searched["0"], searched
+
+
+def test_readme_moe_referee_figures_are_the_stored_grids():
+    # README "How accurate it is": the CPU referee's MoE grid as tests/test_referee_moe_stored.py scores it (its
+    # configurations, the largest whole-rank peak error) and as tests/test_moe_estimator.py checks it layer by layer
+    # (every configuration but those recomputing the MoE block or overlapping its all-to-all)
+    from benchmarks.referee.grid import resolve_config
+    from megatron_memguard import estimate
+    from test_referee_moe_stored import _configs
+    m = re.search(r"On the CPU referee, (\d+) MoE configurations: every MoE layer byte-exact at the peak \(in the (\d+) "
+                  r"that neither recompute the MoE block nor overlap its all-to-all\), peak within ([\d.]+)%",
+                  _folded("README.md"))
+    assert m, "README no longer states the MoE referee's figures"
+    configs = _configs()
+    worst = 0.0
+    for cfg, measured in configs:
+        L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+        for r in measured["ranks"]:
+            st = estimate(L, profile="local", device="cpu",
+                          dp_rank=r["dp_rank"] if L.use_distributed_optimizer else "max").stages[r["pp_rank"]]
+            worst = max(worst, abs(st.peak_allocated_bytes / r["peak_bytes"] - 1))
+    layered = [c for c, measured in configs if "moe" not in (measured["settings"].get("recompute_modules") or [])
+               and not measured["settings"].get("overlap_moe_expert_parallel_comm")]
+    assert (m.group(1), m.group(2), m.group(3)) == (str(len(configs)), str(len(layered)), f"{worst:.2%}"[:-1])
