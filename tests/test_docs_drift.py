@@ -156,3 +156,19 @@ def test_readme_moe_referee_figures_are_the_stored_grids():
     layered = [c for c, measured in configs if "moe" not in (measured["settings"].get("recompute_modules") or [])
                and not measured["settings"].get("overlap_moe_expert_parallel_comm")]
     assert (m.group(1), m.group(2), m.group(3)) == (str(len(configs)), str(len(layered)), f"{worst:.2%}"[:-1])
+
+
+def test_calibration_pages_muon_table_is_what_the_benchmark_prints():
+    # docs/calibration.md "The Muon records": each row's activation bytes (measured, memguard's; MiB) and peak
+    # error are benchmarks/muon_peak_evidence.py's for the record (Megatron's CI, shared/groundtruth)
+    from benchmarks.muon_peak_evidence import MiB, rows
+    page = _read(os.path.join(ROOT, "docs", "calibration.md"))
+    table = re.findall(r"^\| `\.\.\._(\w+)` \| (H100|GB200) \| (\d+) \| [^|]+ \| (\d+) \| (\d+) \| ([-+][\d.]+%) \|$",
+                       page, flags=re.M)
+    got = {(r["id"].split("/")[1].replace("gpt3_moe_mcore_te_ep8_resume_torch_dist_", ""),
+            r["platform"].replace("dgx_", "").upper()): r for r in rows()}
+    assert len(table) == len(got) == 5
+    for name, platform, ep, act, act_est, err in table:
+        r = got[(name, platform)]
+        assert (ep, act, act_est, err) == (str(r["ep"]), f"{r['act_measured'] / MiB:.0f}", f"{r['act_est'] / MiB:.0f}",
+                                           f"{(r['est_peak'] - r['peak']) / r['peak']:+.1%}"), (name, platform)
