@@ -172,3 +172,19 @@ def test_calibration_pages_muon_table_is_what_the_benchmark_prints():
         r = got[(name, platform)]
         assert (ep, act, act_est, err) == (str(r["ep"]), f"{r['act_measured'] / MiB:.0f}", f"{r['act_est'] / MiB:.0f}",
                                            f"{(r['est_peak'] - r['peak']) / r['peak']:+.1%}"), (name, platform)
+
+
+def test_attention_auto_a100_figures_are_the_ci_records():
+    # docs/terms/layer_activations.md: the clean A100 records of Megatron's CI (shared/groundtruth) that run
+    # --attention-backend auto (Transformer Engine, flash-attn 2 on sm80) without CP, scored as
+    # benchmarks/accuracy_megatron_ci.py scores them (estimated / measured peak - 1)
+    import statistics
+    from benchmarks.accuracy_megatron_ci import evaluate, load_records
+    m = re.search(r"On the (\d+) clean A100 records of Megatron's CI that run `auto` without CP .*? they are at "
+                  r"([-+][\d.]+)% \(mean \|error\| ([\d.]+)%\) today", _folded("docs", "terms", "layer_activations.md"))
+    assert m, "docs/terms/layer_activations.md no longer states the A100 figures"
+    rows = [row for row in map(evaluate, load_records()) if row.platform == "A100"]
+    errs = [r.est_peak / r.measured_peak - 1 for r in rows if r.layout is not None and r.layout.context_parallel_size == 1
+            and r.layout.attention_backend == "auto" and r.layout.transformer_impl == "transformer_engine"]
+    assert m.groups() == (str(len(errs)), f"{statistics.mean(errs):+.2%}"[:-1],
+                          f"{statistics.mean(abs(e) for e in errs):.2%}"[:-1])
