@@ -188,3 +188,21 @@ def test_attention_auto_a100_figures_are_the_ci_records():
             and r.layout.attention_backend == "auto" and r.layout.transformer_impl == "transformer_engine"]
     assert m.groups() == (str(len(errs)), f"{statistics.mean(errs):+.2%}"[:-1],
                           f"{statistics.mean(abs(e) for e in errs):.2%}"[:-1])
+
+
+def test_fsdp_pages_ci_table_is_what_the_accuracy_benchmark_gives():
+    # docs/terms/fsdp.md "Checked against": Megatron's CI records of MoE under Megatron-FSDP, peak and after-step
+    # errors as benchmarks/accuracy_megatron_ci.py --records moe scores them (estimated / measured - 1)
+    from benchmarks.accuracy_megatron_ci import evaluate, load_records
+    from benchmarks.shared_data import MOE_RECORDS
+    page = _read(os.path.join(ROOT, "docs", "terms", "fsdp.md"))
+    table = re.findall(r"^\| (`[^`]+`|same), (H100|GB200)[^|]* \| ([-+][\d.]+) % \| ([-+][\d.]+) % \|$", page, flags=re.M)
+    assert len(table) == 3
+    rows = {(row.id.split("/")[1], row.platform): row for row in map(evaluate, load_records(MOE_RECORDS))}
+    name = None
+    for cell, platform, peak, after in table:
+        name = name if cell == "same" else cell.strip("`")
+        pattern = re.escape(name).replace(r"\.\.\.", ".*")
+        row = next(r for (n, p), r in rows.items() if p == platform and re.fullmatch(pattern, n))
+        assert (peak, after) == (f"{row.est_peak / row.measured_peak - 1:+.1%}"[:-1],
+                                 f"{row.est_steady / row.measured_steady - 1:+.1%}"[:-1]), (name, platform)
