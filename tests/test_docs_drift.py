@@ -206,3 +206,22 @@ def test_fsdp_pages_ci_table_is_what_the_accuracy_benchmark_gives():
         row = next(r for (n, p), r in rows.items() if p == platform and re.fullmatch(pattern, n))
         assert (peak, after) == (f"{row.est_peak / row.measured_peak - 1:+.1%}"[:-1],
                                  f"{row.est_steady / row.measured_steady - 1:+.1%}"[:-1]), (name, platform)
+
+
+def test_fp8_pages_ci_table_is_what_the_accuracy_benchmark_gives():
+    # docs/terms/fp8.md "Against Megatron's CI": the FP8 records' first runs (flagged ones too, as
+    # `accuracy_megatron_ci.py --records moe --all` scores them), peak and after-step errors per GPU
+    from benchmarks.accuracy_megatron_ci import evaluate, load_records
+    from benchmarks.shared_data import MOE_RECORDS
+    section = _read(os.path.join(ROOT, "docs", "terms", "fp8.md")).split("## Against Megatron's CI")[1]
+    table = re.findall(r"^\| ([\w]+)( \(H100 / GB200\))?[^|]* \| [^|]*?(H100|GB200)? \| ([-+\d.% /]+) \| ([-+\d.% /]+) \|$",
+                       section, flags=re.M)
+    assert len(table) == 4
+    rows = {(row.id.split("/")[1], row.platform): row for r in load_records(MOE_RECORDS, include_flagged=True)
+            if not r.get("is_second_run") for row in [evaluate(r)]}
+    for name, both, gpu, peaks, afters in table:
+        gpus = ["H100", "GB200"] if both else [gpu]
+        for platform, peak, after in zip(gpus, peaks.split(" / "), afters.split(" / ")):
+            row = rows[(name, platform)]
+            assert (peak, after) == (f"{row.est_peak / row.measured_peak - 1:+.1%}",
+                                     f"{row.est_steady / row.measured_steady - 1:+.1%}"), (name, platform)
