@@ -225,3 +225,16 @@ def test_fp8_pages_ci_table_is_what_the_accuracy_benchmark_gives():
             row = rows[(name, platform)]
             assert (peak, after) == (f"{row.est_peak / row.measured_peak - 1:+.1%}",
                                      f"{row.est_steady / row.measured_steady - 1:+.1%}"), (name, platform)
+
+
+def test_hook_pages_e2e_prediction_is_the_estimate():
+    # docs/hook.md "Hook points per era": the PP2 CPU run of tests/test_hook_runtime_cpu.py through megatron-core
+    # 0.17.1's own pretrain(); the predicted peaks are memguard's for that run's flags (the measured ones are the
+    # run's, which needs 0.17.1's megatron.training: tests/run_releases.sh)
+    from megatron_memguard import estimate, layout_from_flags
+    from test_hook_runtime_cpu import MODEL
+    m = re.search(r"max allocated [\d.]+ / [\d.]+ MiB against predicted ([\d.]+) / ([\d.]+) MiB", _folded("docs", "hook.md"))
+    assert m, "docs/hook.md no longer states the end-to-end run's prediction"
+    layout = layout_from_flags(MODEL + ["--pipeline-model-parallel-size", "2"], world_size=2, megatron_version="0.17.1")
+    est = estimate(layout, device="cpu", gpu_memory=80 * 2**30, dp_rank=0)
+    assert m.groups() == tuple(f"{s.peak_allocated_bytes / 2**20:.1f}" for s in est.stages)
