@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 _DT = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 MODULES = ("router", "dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts",
@@ -24,7 +24,8 @@ MODULES = ("router", "dispatch_preprocess", "token_dispatch", "dispatch_postproc
 def formula(s: Dict[str, Any], rec: Dict[str, Any]) -> Dict[str, int]:
     """Bytes one MoE layer keeps per module after its forward (saved for backward or held by the
     dispatcher until the layer's next forward), megatron-core 0.16.1, local spec (SequentialMLP),
-    bf16, no recompute. `rec`: the layer's routing record (T, N, probs dtype)."""
+    bf16. `rec`: the layer's routing record (T, N, probs dtype). Only the modules the formulas speak
+    of are keys; a key with 0 is a claim that the module keeps nothing (checked like any other)."""
     T, N = rec["tokens"], rec["expert_input_rows"]
     p = _DT[rec["probs_dtype"]]  # router dtype: --moe-router-dtype, else the activation dtype
     k, E = s["moe_router_topk"], s["num_experts"]
@@ -35,63 +36,107 @@ def formula(s: Dict[str, Any], rec: Dict[str, Any]) -> Dict[str, int]:
     alltoall = s.get("moe_token_dispatcher_type", "allgather") == "alltoall"
     fused = bool(s.get("bias_activation_fusion"))
     drop_pad = bool(s.get("moe_pad_expert_input_to_capacity"))
-    out = {m: 0 for m in MODULES}
+    out: Dict[str, int] = {}
+
+    def add(module: str, nbytes: int) -> None:
+        out[module] = out.get(module, 0) + nbytes
 
     if s.get("moe_router_pre_softmax"):
         # softmax over all experts first (fp32 output saved), then topk (int64 indices saved)
-        out["router"] = 4 * T * E + 8 * T * k
+        add("router", 4 * T * E + 8 * T * k)
     else:
         # topk int64 indices [T,k] (shared with scatter's index) + fp32 softmax of the top-k
-        out["router"] = 8 * T * k + 4 * T * k
+        add("router", 8 * T * k + 4 * T * k)
+    if s.get("moe_input_jitter_eps") is not None:
+        # TopKRouter.apply_input_jitter (router.py): input * Uniform(1-eps, 1+eps).rsample(input.shape),
+        # low/high in the input's dtype. rsample = low + rand * (high - low): the `add` is the noise
+        # [T,h], saved by the product (the input needs a gradient); the product [T,h] is the gating's
+        # input, which RouterGatingLinearFunction saves as it comes (moe_utils.py: save_for_backward(inp)
+        # before any cast to the router dtype). Both in the activation dtype: 2·a·T·h
+        add("router", 2 * a * T * h)
     if s.get("moe_aux_loss_coeff"):
         # compute_routing_scores_for_aux_loss: fp32 softmax over all experts (saved by the sum), the
         # int64 tokens per expert [E] (saved by the mul), the fp32 loss scalar (MoEAuxLossAutoScaler)
-        out["router"] += 4 * T * E + 8 * E + 4
+        add("router", 4 * T * E + 8 * E + 4)
     if s.get("moe_z_loss_coeff") is not None:
         # logsumexp saves its input (the logits) and output [T], the scalar z-loss: router dtype
-        out["router"] += p * T * E + p * T + p
+        add("router", p * T * E + p * T + p)
     if alltoall:
         # held by MoEAlltoAllTokenDispatcher until the layer's next forward: self.probs [T,E] (router
         # dtype) and self.routing_map [T,E] bool (with a capacity factor: probs * mask and the mask,
         # the same sizes)
-        out["router"] += p * T * E + T * E
+        add("router", p * T * E + T * E)
         if drop_pad:
             # permute with drop_and_pad: int64 indices [E, C] (index_select of the tokens) and the
             # int64 flat indices of the probs [E·C] (index_select of probs.T); the transposed probs are
             # not saved; + the int64 [E·ETP] chunk sizes (host memory on a GPU, counted here)
-            out["dispatch_preprocess"] = 16 * (N // etp) + 8 * E * etp  # C·E rows = N / ETP
+            add("dispatch_preprocess", 16 * (N // etp) + 8 * E * etp)  # C·E rows = N / ETP
         else:
             # permute (0.16.1): masked_select saves its input probs.T.contiguous() [E,T] and the bool
             # mask [E,T]; index_select saves the int64 token indices [T·k]
-            out["dispatch_preprocess"] = p * T * E + T * E + 8 * T * k
+            add("dispatch_preprocess", p * T * E + T * E + 8 * T * k)
         # the expert input and its probs: after sort_chunks (E_l > 1) a fresh copy, else the
         # all-to-all / all-gather output itself
-        where = "dispatch_postprocess" if (El > 1 or etp > 1) else "token_dispatch"
-        out[where] += a * N * h + p * N
+        add("dispatch_postprocess" if (El > 1 or etp > 1) else "token_dispatch", a * N * h + p * N)
     else:
         # allgather: local_map [T·ETP·EP, E_l] bool (held), its transpose (saved by masked_select),
         # local_probs transposed [E_l, T·ETP·EP] (masked_select's input), int64 sorted indices [N],
         # the permuted tokens [N,h] and probs [N]
         G = T * etp * ep
-        out["dispatch_postprocess"] = 2 * G * El + p * G * El + 8 * N + a * N * h + p * N
+        add("dispatch_postprocess", 2 * G * El + p * G * El + 8 * N + a * N * h + p * N)
     if fused:
         # WeightedSwiGLUFunction saves fc1's output [N, 2F]; fc2 saves the activation output [N, F]
-        out["experts"] = a * N * (2 * F + F)
+        add("experts", a * N * (2 * F + F))
     else:
         # unfused GLU per expert: fc1 output [n,2F], silu(x1) [n,F], x2 + glu_linear_offset [n,F], the
         # product [n,F], the product times probs [n,F] (fc2's input)
-        out["experts"] = a * N * (2 * F + 4 * F)
+        add("experts", a * N * (2 * F + 4 * F))
     Fs = s.get("moe_shared_expert_intermediate_size")
     if Fs:
-        Fs //= tp
-        Ts = T * tp if s.get("sequence_parallel") else T  # fc1 output covers the gathered sequence
-        # fused: SwiGLUFunction saves fc1's output [Ts, 2Fs], fc2 its input [Ts, Fs]; unfused: fc1
-        # output, silu(x1), x2 + glu_linear_offset, the product (fc2's input): 5·Fs per token
-        out["shared_experts"] = a * Ts * (3 * Fs if fused else 5 * Fs)
-        if s.get("moe_shared_expert_gate"):
-            # output * sigmoid(x·w_gate): the shared output [T,h] and the gate [T,1]
-            out["shared_experts"] += a * T * h + a * T
+        for module, nbytes in _shared_experts(s, T, h, Fs // tp, tp, a, fused).items():
+            add(module, nbytes)
     return out
+
+
+def _shared_experts(s: Dict[str, Any], T: int, h: int, Fs: int, tp: int, a: int, fused: bool) -> Dict[str, int]:
+    """The shared experts' saved bytes, by the module label they are made under (Fs: F_s / TP)."""
+    sp = bool(s.get("sequence_parallel")) and tp > 1
+    Ts = T * tp if sp else T  # fc1's output covers the gathered sequence
+    gate = bool(s.get("moe_shared_expert_gate"))
+    if s.get("moe_shared_expert_overlap"):
+        # --moe-shared-expert-overlap (alltoall only: TransformerConfig; MoEAlltoAllTokenDispatcher,
+        # token_dispatcher.py 0.16.1): the dispatcher runs SharedExpertMLP's pieces (shared_experts.py), so the bytes carry
+        # the dispatcher's labels and MoELayer.shared_experts_compute runs nothing (nor its recompute).
+        out = {"shared_experts": 0, "dispatch_preprocess": 0, "dispatch_postprocess": 0}
+        # dispatch_preprocess -> pre_forward_comm: with SP, gather_from_sequence_parallel_region makes a new
+        # [T·TP, h] tensor (cached_fc1_input); fc1 runs with explicit_expert_comm (no gather of its own) and
+        # saves that gathered input. Without SP, copy_to_tensor_model_parallel_region returns the input itself.
+        if sp:
+            out["dispatch_preprocess"] += a * Ts * h
+        # dispatch_postprocess -> linear_fc1_forward_and_act: fc1's output [Ts, 2Fs]; its own unfused GLU is
+        # silu(x0) * x1 on chunk views (no glu_linear_offset add, unlike MLP.forward): silu's output [Ts, Fs]
+        # and the product [Ts, Fs] (fc2's input, saved by fc2 in combine_postprocess). Fused: bias_swiglu_impl
+        # saves fc1's output, fc2 its input
+        out["dispatch_postprocess"] += a * Ts * (3 * Fs if fused else 4 * Fs)
+        if gate:
+            # not in the grid: pre_forward_comm's sigmoid(x·w_gate) [T,1] (dispatch_preprocess) and
+            # get_output's product, which saves post_forward_comm's output [T,h] (combine_postprocess)
+            out["dispatch_preprocess"] += a * T
+            out["combine_postprocess"] = a * T * h
+        return out
+    if s.get("recompute_granularity") == "selective" and "shared_experts" in (s.get("recompute_modules") or []):
+        # MoELayer.shared_experts_compute (moe_layer.py 0.16.1): tensor_parallel.checkpoint(self.shared_experts,
+        # False, hidden_states) keeps only its input, the pre-MLP norm output (counted with the norms); the
+        # gate runs inside the checkpoint too
+        return {"shared_experts": 0}
+    # MLP.forward (mlp.py): fused, SwiGLUFunction saves fc1's output [Ts, 2Fs], fc2 its input [Ts, Fs];
+    # unfused: fc1 output, silu(x1), x2 + glu_linear_offset, the product (fc2's input): 5·Fs per token.
+    # With SP, ColumnParallelLinear saves its local input and gathers again in backward
+    nbytes = a * Ts * (3 * Fs if fused else 5 * Fs)
+    if gate:
+        # output * sigmoid(x·w_gate): the shared output [T,h] and the gate [T,1]
+        nbytes += a * T * h + a * T
+    return {"shared_experts": nbytes}
 
 
 def measured(rank: Dict[str, Any], phase: str, layer: int) -> Tuple[Dict[str, int], List[Dict[str, Any]]]:
@@ -105,30 +150,64 @@ def measured(rank: Dict[str, Any], phase: str, layer: int) -> Tuple[Dict[str, in
     return got, rows
 
 
-def check(result: Dict[str, Any], only: List[str] = ()) -> List[Dict[str, Any]]:
+def config_skip(c: Dict[str, Any]) -> Optional[str]:
+    """Why no module row of configuration `c` can be checked against the formulas (None: it can)."""
+    s = c["settings"]
+    if s.get("recompute_granularity") == "selective" and "moe" in (s.get("recompute_modules") or []):
+        return "--recompute-modules moe: the whole MoE layer is recomputed, nothing of its modules stays saved"
+    if s.get("overlap_moe_expert_parallel_comm"):
+        return "combined 1F1B bypasses schedules.forward_step: no per-micro-batch phase labels"
+    return None
+
+
+def rank_skip(r: Dict[str, Any]) -> Optional[str]:
+    """Why no module row of rank `r` can be checked (None: it can)."""
+    if " L" in r["peak_phase"]:
+        return "peak inside a layer: that layer's transients are live too (MOE-NOTES.md)"
+    if " bwd " in f" {r['peak_phase']} ":
+        return "peak in a backward: the layers whose backward ran have freed their saved tensors"
+    return None
+
+
+def _peak_phase(r: Dict[str, Any]) -> str:
+    words = r["peak_phase"].split()
+    return " ".join(words[:3 if words[2].startswith("mb") else 4])
+
+
+def skipped(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """Every (config, rank) of the run that check() cannot compare, and why."""
     out = []
     for c in result["configs"]:
         if c.get("status") != "ok" or (only and c["name"] not in only):
             continue
-        s = c["settings"]
-        if s.get("recompute_granularity") == "selective" and "moe" in (s.get("recompute_modules") or []):
-            continue  # the whole MoE layer is recomputed: nothing of 1.5-1.9 stays saved
-        if s.get("overlap_moe_expert_parallel_comm"):
-            continue  # combined 1F1B bypasses schedules.forward_step: no per-micro-batch phase labels
+        why = config_skip(c)
         for r in c["ranks"]:
-            if " L" in r["peak_phase"]:
-                continue  # the peak is inside a layer: its transients are live too (see MOE-NOTES.md)
-            phase = " ".join(r["peak_phase"].split()[:3 if r["peak_phase"].split()[2].startswith("mb") else 4])
+            reason = why or rank_skip(r)
+            if reason:
+                out.append({"config": c["name"], "rank": r["rank"], "reason": reason})
+    return out
+
+
+def check(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """One row per (config, rank, MoE layer, module) the formulas speak of or the run measured."""
+    out = []
+    for c in result["configs"]:
+        if c.get("status") != "ok" or (only and c["name"] not in only) or config_skip(c):
+            continue
+        for r in c["ranks"]:
+            if rank_skip(r):
+                continue
+            phase = _peak_phase(r)
             for rec in r["routing"]:
                 if rec["phase"] != phase:
                     continue
-                want = formula(s, rec)
+                want = formula(c["settings"], rec)
                 got, _ = measured(r, phase, rec["layer"])
                 for m in MODULES:
-                    if want[m] or got[m]:
+                    if m in want or got[m]:
                         out.append({"config": c["name"], "rank": r["rank"], "layer": rec["layer"], "module": m,
                                     "T": rec["tokens"], "N": rec["expert_input_rows"],
-                                    "measured": got[m], "formula": want[m]})
+                                    "measured": got[m], "formula": want.get(m, 0)})
     return out
 
 
@@ -138,13 +217,18 @@ def main(argv=None) -> int:
     p.add_argument("--config", nargs="*", default=())
     a = p.parse_args(argv)
     with open(a.path) as f:
-        rows = check(json.load(f), a.config)
+        result = json.load(f)
+    rows = check(result, a.config)
     bad = [r for r in rows if r["measured"] != r["formula"]]
     for r in rows:
         flag = "" if r["measured"] == r["formula"] else "   <-- differs"
         print(f"{r['config']:<30} r{r['rank']} L{r['layer']} {r['module']:<20} T={r['T']:<5} N={r['N']:<5} "
               f"measured {r['measured']:>10,}  formula {r['formula']:>10,}{flag}")
-    print(f"{len(rows)} module rows, {len(rows) - len(bad)} exact, {len(bad)} differ")
+    skips = skipped(result, a.config)
+    for r in skips:
+        print(f"{r['config']:<30} r{r['rank']} not checked: {r['reason']}")
+    print(f"{len(rows)} module rows, {len(rows) - len(bad)} exact, {len(bad)} differ; "
+          f"{len(skips)} (config, rank) pairs not checked")
     return 1 if bad else 0
 
 
