@@ -41,6 +41,23 @@ def formula(s: Dict[str, Any], rec: Dict[str, Any]) -> Dict[str, int]:
     def add(module: str, nbytes: int) -> None:
         out[module] = out.get(module, 0) + nbytes
 
+    if s.get("recompute_granularity") == "selective" and "moe" in (s.get("recompute_modules") or []):
+        # MoELayer.forward under tensor_parallel.checkpoint (moe_layer.py 0.16.1): the checkpoint keeps only
+        # its input (the pre-MLP norm output, counted with the norms); what stays is what the dispatcher
+        # keeps as attributes until the layer's next forward, made by the checkpointed forward
+        if alltoall:
+            # MoEAlltoAllTokenDispatcher.dispatch_preprocess: self.probs [T,E] (router dtype; with a capacity
+            # factor probs * mask, the same size) and self.routing_map [T,E] bool, made under the router's
+            # label; self.reversed_local_input_permutation_mapping, permute's int64 indices: [T·k], with
+            # drop_and_pad [E·C] = N / ETP
+            add("router", p * T * E + T * E)
+            add("dispatch_preprocess", 8 * (N // etp if drop_pad else T * k))
+        else:
+            # not in the grid: MoEAllGatherTokenDispatcher.dispatch_postprocess keeps self.local_map
+            # [T·ETP·EP, E_l] bool, self.local_probs [N] (router dtype) and the int64 mapping [N]
+            add("dispatch_postprocess", T * etp * ep * El + p * N + 8 * N)
+        return out
+
     if s.get("moe_router_pre_softmax"):
         # softmax over all experts first (fp32 output saved), then topk (int64 indices saved)
         add("router", 4 * T * E + 8 * T * k)
@@ -153,25 +170,41 @@ def measured(rank: Dict[str, Any], phase: str, layer: int) -> Tuple[Dict[str, in
 def config_skip(c: Dict[str, Any]) -> Optional[str]:
     """Why no module row of configuration `c` can be checked against the formulas (None: it can)."""
     s = c["settings"]
-    if s.get("recompute_granularity") == "selective" and "moe" in (s.get("recompute_modules") or []):
-        return "--recompute-modules moe: the whole MoE layer is recomputed, nothing of its modules stays saved"
     if s.get("overlap_moe_expert_parallel_comm"):
         return "combined 1F1B bypasses schedules.forward_step: no per-micro-batch phase labels"
     return None
 
 
+def forward_phases(r: Dict[str, Any]) -> List[Tuple[str, int]]:
+    """(forward phase, first layer not to check) of rank `r`: the MoE layers that hold all they saved at
+    the peak. Peak between layers of a forward: every layer of that forward. Peak inside layer n of a
+    forward (`itI fwd mbJ Ln.module`): the layers before n (layer n's transients are live too, its
+    later modules have not run). Peak in the backward of micro-batch K (`itI bwd mbK`): every layer of
+    the later micro-batches of the iteration whose forward ran (their labels are in the peak dump): 1F1B
+    runs the backwards in micro-batch order, so none of theirs has started. A backward of an interleaved
+    schedule: none."""
+    words = r["peak_phase"].split()
+    every = 1 << 30
+    inside = [w for w in words[2:] if w.startswith("L") and "." in w]
+    if words[1] == "fwd":
+        fwd = " ".join(words[:3 if words[2].startswith("mb") else 4])
+        return [(fwd, int(inside[0][1:].split(".")[0]) if inside else every)]
+    if words[1] != "bwd" or len(words) != 3 or not words[2].startswith("mb"):
+        return []
+    k = int(words[2][2:])
+    held = {g["phase"].split()[2] for g in r["peak_all_storages"]
+            if g["phase"].startswith(f"{words[0]} fwd mb") and " L" in g["phase"]}
+    return [(f"{words[0]} fwd {mb}", every) for mb in sorted(held, key=lambda m: int(m[2:])) if int(mb[2:]) > k]
+
+
 def rank_skip(r: Dict[str, Any]) -> Optional[str]:
     """Why no module row of rank `r` can be checked (None: it can)."""
+    phases = dict(forward_phases(r))
+    if any(rec["phase"] in phases and rec["layer"] < phases[rec["phase"]] for rec in r["routing"]):
+        return None
     if " L" in r["peak_phase"]:
-        return "peak inside a layer: that layer's transients are live too (MOE-NOTES.md)"
-    if " bwd " in f" {r['peak_phase']} ":
-        return "peak in a backward: the layers whose backward ran have freed their saved tensors"
-    return None
-
-
-def _peak_phase(r: Dict[str, Any]) -> str:
-    words = r["peak_phase"].split()
-    return " ".join(words[:3 if words[2].startswith("mb") else 4])
+        return "peak inside the first MoE layer of a forward: its transients are live too (MOE-NOTES.md)"
+    return "peak in a backward with no later micro-batch's forward held"
 
 
 def skipped(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, Any]]:
@@ -195,17 +228,17 @@ def check(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, An
         if c.get("status") != "ok" or (only and c["name"] not in only) or config_skip(c):
             continue
         for r in c["ranks"]:
-            if rank_skip(r):
-                continue
-            phase = _peak_phase(r)
+            phases = dict(forward_phases(r))
             for rec in r["routing"]:
-                if rec["phase"] != phase:
+                if rec["phase"] not in phases or rec["layer"] >= phases[rec["phase"]]:
                     continue
+                phase = rec["phase"]
                 want = formula(c["settings"], rec)
                 got, _ = measured(r, phase, rec["layer"])
                 for m in MODULES:
                     if m in want or got[m]:
-                        out.append({"config": c["name"], "rank": r["rank"], "layer": rec["layer"], "module": m,
+                        out.append({"config": c["name"], "rank": r["rank"], "phase": phase,
+                                    "layer": rec["layer"], "module": m,
                                     "T": rec["tokens"], "N": rec["expert_input_rows"],
                                     "measured": got[m], "formula": want.get(m, 0)})
     return out
@@ -222,7 +255,7 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["measured"] != r["formula"]]
     for r in rows:
         flag = "" if r["measured"] == r["formula"] else "   <-- differs"
-        print(f"{r['config']:<30} r{r['rank']} L{r['layer']} {r['module']:<20} T={r['T']:<5} N={r['N']:<5} "
+        print(f"{r['config']:<30} r{r['rank']} {r['phase']} L{r['layer']} {r['module']:<20} T={r['T']:<5} N={r['N']:<5} "
               f"measured {r['measured']:>10,}  formula {r['formula']:>10,}{flag}")
     skips = skipped(result, a.config)
     for r in skips:
