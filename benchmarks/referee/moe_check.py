@@ -41,7 +41,10 @@ def formula(s: Dict[str, Any], rec: Dict[str, Any]) -> Dict[str, int]:
     def add(module: str, nbytes: int) -> None:
         out[module] = out.get(module, 0) + nbytes
 
-    if s.get("recompute_granularity") == "selective" and "moe" in (s.get("recompute_modules") or []):
+    combined = bool(s.get("overlap_moe_expert_parallel_comm"))
+    if (s.get("recompute_granularity") == "selective" and "moe" in (s.get("recompute_modules") or [])
+            and not combined):
+        # (the combined 1F1B schedule calls the layer's parts, never MoELayer.forward, where the checkpoint is)
         # MoELayer.forward under tensor_parallel.checkpoint (moe_layer.py 0.16.1): the checkpoint keeps only
         # its input (the pre-MLP norm output, counted with the norms); what stays is what the dispatcher
         # keeps as attributes until the layer's next forward, made by the checkpointed forward
@@ -95,6 +98,13 @@ def formula(s: Dict[str, Any], rec: Dict[str, Any]) -> Dict[str, int]:
         # the expert input and its probs: after sort_chunks (E_l > 1) a fresh copy, else the
         # all-to-all / all-gather output itself
         add("dispatch_postprocess" if (El > 1 or etp > 1) else "token_dispatch", a * N * h + p * N)
+        if combined:
+            # --overlap-moe-expert-parallel-comm (combined 1F1B, fine_grained_callables.py 0.16.1):
+            # submodule_dispatch_forward passes node.detach(dispatched_probs) on, and ScheduleNode.detach
+            # keeps the original, the all-to-all's probs output [N], in node.before_detached until the
+            # node's backward. (The all-to-all's token output, the mlp node's input, is freed by free_input:
+            # resize_(0) after the node's forward; the permuted tokens and probs likewise by moe_dispatch.)
+            add("token_dispatch", p * N)
     else:
         # allgather: local_map [T·ETP·EP, E_l] bool (held), its transpose (saved by masked_select),
         # local_probs transposed [E_l, T·ETP·EP] (masked_select's input), int64 sorted indices [N],
@@ -170,20 +180,29 @@ def measured(rank: Dict[str, Any], phase: str, layer: int) -> Tuple[Dict[str, in
 def config_skip(c: Dict[str, Any]) -> Optional[str]:
     """Why no module row of configuration `c` can be checked against the formulas (None: it can)."""
     s = c["settings"]
-    if s.get("overlap_moe_expert_parallel_comm"):
-        return "combined 1F1B bypasses schedules.forward_step: no per-micro-batch phase labels"
+    if s.get("overlap_moe_expert_parallel_comm") and s.get("pipeline_model_parallel_size", 1) > 1:
+        return "combined 1F1B with PP > 1: where the peak falls in the schedule is not derived"
+    if (s.get("overlap_moe_expert_parallel_comm")
+            and s["num_experts"] == s["expert_model_parallel_size"] and s["expert_tensor_parallel_size"] == 1):
+        return ("combined 1F1B with one local expert: the experts' input is the all-to-all output, which "
+                "free_input resizes to 0; not derived")
     return None
 
 
-def forward_phases(r: Dict[str, Any]) -> List[Tuple[str, int]]:
+def forward_phases(s: Dict[str, Any], r: Dict[str, Any]) -> List[Tuple[str, int]]:
     """(forward phase, first layer not to check) of rank `r`: the MoE layers that hold all they saved at
     the peak. Peak between layers of a forward: every layer of that forward. Peak inside layer n of a
     forward (`itI fwd mbJ Ln.module`): the layers before n (layer n's transients are live too, its
     later modules have not run). Peak in the backward of micro-batch K (`itI bwd mbK`): every layer of
     the later micro-batches of the iteration whose forward ran (their labels are in the peak dump): 1F1B
     runs the backwards in micro-batch order, so none of theirs has started. A backward of an interleaved
-    schedule: none."""
+    schedule: none. The combined 1F1B schedule (--overlap-moe-expert-parallel-comm, PP = 1) labels the
+    whole iteration `itI schedule`: its peak is at the last micro-batch's loss (MOE-NOTES.md), after
+    the other micro-batches' layers ran their backward (interleaved with that forward), so the layers
+    of the last forward (the last routing record of each layer) are whole."""
     words = r["peak_phase"].split()
+    if words[1:] == ["schedule"] and s.get("overlap_moe_expert_parallel_comm"):
+        return [(r["peak_phase"], 1 << 30)]
     every = 1 << 30
     inside = [w for w in words[2:] if w.startswith("L") and "." in w]
     if words[1] == "fwd":
@@ -197,9 +216,9 @@ def forward_phases(r: Dict[str, Any]) -> List[Tuple[str, int]]:
     return [(f"{words[0]} fwd {mb}", every) for mb in sorted(held, key=lambda m: int(m[2:])) if int(mb[2:]) > k]
 
 
-def rank_skip(r: Dict[str, Any]) -> Optional[str]:
-    """Why no module row of rank `r` can be checked (None: it can)."""
-    phases = dict(forward_phases(r))
+def rank_skip(s: Dict[str, Any], r: Dict[str, Any]) -> Optional[str]:
+    """Why no module row of rank `r` (settings `s`) can be checked (None: it can)."""
+    phases = dict(forward_phases(s, r))
     if any(rec["phase"] in phases and rec["layer"] < phases[rec["phase"]] for rec in r["routing"]):
         return None
     if " L" in r["peak_phase"]:
@@ -215,7 +234,7 @@ def skipped(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, 
             continue
         why = config_skip(c)
         for r in c["ranks"]:
-            reason = why or rank_skip(r)
+            reason = why or rank_skip(c["settings"], r)
             if reason:
                 out.append({"config": c["name"], "rank": r["rank"], "reason": reason})
     return out
@@ -228,11 +247,11 @@ def check(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, An
         if c.get("status") != "ok" or (only and c["name"] not in only) or config_skip(c):
             continue
         for r in c["ranks"]:
-            phases = dict(forward_phases(r))
-            for rec in r["routing"]:
-                if rec["phase"] not in phases or rec["layer"] >= phases[rec["phase"]]:
+            phases = dict(forward_phases(c["settings"], r))
+            last = {(rec["phase"], rec["layer"]): rec for rec in r["routing"]}  # one per forward but combined 1F1B's
+            for (phase, layer), rec in last.items():
+                if phase not in phases or layer >= phases[phase]:
                     continue
-                phase = rec["phase"]
                 want = formula(c["settings"], rec)
                 got, _ = measured(r, phase, rec["layer"])
                 for m in MODULES:
