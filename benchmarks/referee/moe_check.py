@@ -2,12 +2,15 @@
 
     python -m benchmarks.referee.moe_check [benchmarks/results/referee-moe-measured.json] [--config NAME]
 
-For every MoE configuration and rank, take the micro-batch whose forward holds the peak, and for each
+For every MoE configuration and rank, take the forwards whose MoE layers are whole at the peak
+(forward_phases: the peak's own forward, the layers before the one the peak is inside, the later
+micro-batches of a backward peak, the last micro-batch of the combined 1F1B schedule), and for each such
 MoE layer sum the live storages the layer's modules made in that forward (labels `` L<n>.<module>``
 from moe_probe.py). Compare each module's bytes with the formula of what megatron-core 0.16.1 saves
 (derived in MOE-NOTES.md), evaluated with the layer's real routing (T tokens in, N rows to the local
-experts, from the run's routing records). Prints one row per (config, rank, layer, module) and the
-totals; exits 1 when any module differs from its formula.
+experts, from the run's routing records). Prints one row per (config, rank, layer, module), the (config, rank)
+pairs it cannot check and why (none on the stored grid), and the totals; exits 1 when any module differs
+from its formula.
 """
 from __future__ import annotations
 
@@ -132,8 +135,8 @@ def _shared_experts(s: Dict[str, Any], T: int, h: int, Fs: int, tp: int, a: int,
     gate = bool(s.get("moe_shared_expert_gate"))
     if s.get("moe_shared_expert_overlap"):
         # --moe-shared-expert-overlap (alltoall only: TransformerConfig; MoEAlltoAllTokenDispatcher,
-        # token_dispatcher.py 0.16.1): the dispatcher runs SharedExpertMLP's pieces (shared_experts.py), so the bytes carry
-        # the dispatcher's labels and MoELayer.shared_experts_compute runs nothing (nor its recompute).
+        # token_dispatcher.py 0.16.1): the dispatcher runs SharedExpertMLP's pieces (shared_experts.py), so
+        # the bytes carry the dispatcher's labels and MoELayer.shared_experts_compute runs nothing (nor its recompute).
         out = {"shared_experts": 0, "dispatch_preprocess": 0, "dispatch_postprocess": 0}
         # dispatch_preprocess -> pre_forward_comm: with SP, gather_from_sequence_parallel_region makes a new
         # [T·TP, h] tensor (cached_fc1_input); fc1 runs with explicit_expert_comm (no gather of its own) and
@@ -200,10 +203,9 @@ def forward_phases(s: Dict[str, Any], r: Dict[str, Any]) -> List[Tuple[str, int]
     whole iteration `itI schedule`: its peak is at the last micro-batch's loss (MOE-NOTES.md), after
     the other micro-batches' layers ran their backward (interleaved with that forward), so the layers
     of the last forward (the last routing record of each layer) are whole."""
-    words = r["peak_phase"].split()
+    words, every = r["peak_phase"].split(), 1 << 30
     if words[1:] == ["schedule"] and s.get("overlap_moe_expert_parallel_comm"):
-        return [(r["peak_phase"], 1 << 30)]
-    every = 1 << 30
+        return [(r["peak_phase"], every)]
     inside = [w for w in words[2:] if w.startswith("L") and "." in w]
     if words[1] == "fwd":
         fwd = " ".join(words[:3 if words[2].startswith("mb") else 4])
@@ -223,7 +225,9 @@ def rank_skip(s: Dict[str, Any], r: Dict[str, Any]) -> Optional[str]:
         return None
     if " L" in r["peak_phase"]:
         return "peak inside the first MoE layer of a forward: its transients are live too (MOE-NOTES.md)"
-    return "peak in a backward with no later micro-batch's forward held"
+    if " bwd " in r["peak_phase"]:
+        return "peak in a backward with no later micro-batch's forward held"
+    return f"peak phase {r['peak_phase']!r}: no forward whose MoE layers are whole is known"
 
 
 def skipped(result: Dict[str, Any], only: Sequence[str] = ()) -> List[Dict[str, Any]]:
@@ -274,8 +278,8 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["measured"] != r["formula"]]
     for r in rows:
         flag = "" if r["measured"] == r["formula"] else "   <-- differs"
-        print(f"{r['config']:<30} r{r['rank']} {r['phase']} L{r['layer']} {r['module']:<20} T={r['T']:<5} N={r['N']:<5} "
-              f"measured {r['measured']:>10,}  formula {r['formula']:>10,}{flag}")
+        print(f"{r['config']:<30} r{r['rank']} {r['phase']} L{r['layer']} {r['module']:<20} "
+              f"T={r['T']:<5} N={r['N']:<5} measured {r['measured']:>10,}  formula {r['formula']:>10,}{flag}")
     skips = skipped(result, a.config)
     for r in skips:
         print(f"{r['config']:<30} r{r['rank']} not checked: {r['reason']}")
