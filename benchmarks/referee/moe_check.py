@@ -136,7 +136,8 @@ def _shared_experts(s: Dict[str, Any], T: int, h: int, Fs: int, tp: int, a: int,
     if s.get("moe_shared_expert_overlap"):
         # --moe-shared-expert-overlap (alltoall only: TransformerConfig; MoEAlltoAllTokenDispatcher,
         # token_dispatcher.py 0.16.1): the dispatcher runs SharedExpertMLP's pieces (shared_experts.py), so
-        # the bytes carry the dispatcher's labels and MoELayer.shared_experts_compute runs nothing (nor its recompute).
+        # the bytes carry the dispatcher's labels and MoELayer.shared_experts_compute runs nothing
+        # (TransformerConfig refuses `shared_experts` recompute with the overlap).
         out = {"shared_experts": 0, "dispatch_preprocess": 0, "dispatch_postprocess": 0}
         # dispatch_preprocess -> pre_forward_comm: with SP, gather_from_sequence_parallel_region makes a new
         # [T·TP, h] tensor (cached_fc1_input); fc1 runs with explicit_expert_comm (no gather of its own) and
