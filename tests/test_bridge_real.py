@@ -1206,8 +1206,8 @@ FINALIZED_LAUNCHES = [
           "model.sequence_parallel=true"]),
     (16, ["--recipe", "llama31_8b_pretrain_config", "ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor",
           "ddp.data_parallel_sharding_strategy=optim_grads_params"]),
-    # the 16k recipe's CommOverlapConfig(tp_comm_overlap=False) turned on; the TP-overlap recipe at TP 1 (switched off)
-    (16, ["--recipe", "llama3_8b_16k_pretrain_config", "-tp", "2", "model.sequence_parallel=true",
+    # Llama 2's CommOverlapConfig(tp_comm_overlap=False) turned on; the TP-overlap recipe at TP 1 (switched off)
+    (16, ["--recipe", "llama2_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true",
           "comm_overlap.tp_comm_overlap=true"]),
     (4, ["--recipe", "nemotronh_8b_pretrain_config", "-tp", "1"]),
     (32, ["--recipe", "llama3_70b_16k_pretrain_config", "-tp", "4"]),
@@ -1316,6 +1316,7 @@ MODEL_FLAGS = [
     ("model.qk_layernorm", [], "qk_layernorm"),
     ("model.add_bias_linear", [], "add_bias_linear"),
     ("model.cross_entropy_loss_fusion", [], "cross_entropy_loss_fusion"),
+    # (on: 32 layers + the embedding do not split over 2 stages, which Bridge's finalize refuses: memguard must too)
     ("model.account_for_embedding_in_pipeline_split", ["model.pipeline_model_parallel_size=2"],
      "account_for_embedding_in_pipeline_split"),
 ]
@@ -1337,13 +1338,23 @@ def test_a_model_flag_takes_what_bridge_builds(recipes, monkeypatch, field, extr
     overrides = [*extra, f"{field}={value}"]
     monkeypatch.setenv("WORLD_SIZE", str(WORLD))
     cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=overrides)
-    _runtime_config_update(cfg, monkeypatch)     # (finalize: the model's __post_init__ runs on the value)
-    bridge = bool(getattr(cfg.model, field.split(".")[1]))
     raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
-    assert getattr(resolve(raw, world_size=WORLD), dest) is bridge
     plain = value in ("true", "false")
     assert any(w.startswith(f"{field}: ") and "Megatron-Bridge 0.6.2 sets it unchecked" in w
                for w in raw.warnings) is not plain, raw.warnings
+    try:
+        _runtime_config_update(cfg, monkeypatch)     # (finalize: the model's __post_init__ runs on the value)
+    except ValueError as e:                          # (Bridge refuses the layout the value makes: so does memguard)
+        from megatron_memguard.errors import MemguardError
+        with pytest.raises(MemguardError):
+            resolve(raw, world_size=WORLD)
+        assert "divisible" in str(e)
+        return
+    bridge = bool(getattr(cfg.model, field.split(".")[1]))
+    assert getattr(resolve(raw, world_size=WORLD), dest) is bridge
+    # preflight() on the container Bridge built (the value as Bridge holds it) reads the same
+    from megatron_memguard.bridge import raw_config
+    assert getattr(resolve(raw_config(cfg), world_size=WORLD), dest) is bridge
 
 
 # --- issue bridge17 item 2: comm_overlap flags Bridge tests with `is True` ----------------------------------------------
@@ -1364,15 +1375,15 @@ def test_tp_comm_overlap_is_read_as_bridges_is_true_takes_it(recipes, monkeypatc
 
     overrides = [f"model.tensor_model_parallel_size={tp}", f"model.sequence_parallel={str(sp).lower()}",
                  f"comm_overlap.tp_comm_overlap={value}"]
-    # (the Llama 3 8B recipe has no comm_overlap: Bridge's 16k one sets CommOverlapConfig(tp_comm_overlap=False))
+    # (the Llama 3 8B recipe has no comm_overlap: Llama 2 7B's is CommOverlapConfig(tp_comm_overlap=False))
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
     monkeypatch.setenv("WORLD_SIZE", str(WORLD))
-    base = recipes.llama3_8b_16k_pretrain_config()
+    base = recipes.llama2_7b_pretrain_config()
     assert isinstance(base.comm_overlap, CommOverlapConfig)
     cfg = process_config_with_overrides(base, cli_overrides=overrides)
     _runtime_config_update(cfg, monkeypatch)
     bridge = bool(cfg.model.tp_comm_overlap)
-    raw = read_bridge({}, "recipe llama3_8b_16k", parse_overrides(overrides), recipe="llama3_8b_16k")
+    raw = read_bridge({}, "recipe llama2_7b", parse_overrides(overrides), recipe="llama2_7b")
     key = "comm_overlap.tp_comm_overlap"
     if value in ("true", "false") or not bridge or (tp >= 2 and sp):
         assert not raw.problems, raw.problems
@@ -1389,7 +1400,7 @@ def test_tp_comm_overlap_is_read_as_bridges_is_true_takes_it(recipes, monkeypatc
 def test_comm_overlap_and_mixed_precision_flags_take_their_truth(recipes, monkeypatch, tmp_path, field, value):
     """CommOverlapConfig's other flags and MixedPrecisionConfig's are copied into the model / DDP configs unchecked
     (_override_user_cfgs, update_config_with_precision_overrides) and read by truth there. A run_config.yaml whose
-    mixed_precision is a mapping (the Llama 3 8B 16k recipe's dump, which has a comm_overlap section) with the value,
+    mixed_precision is a mapping (the Llama 2 7B recipe's dump, which has a comm_overlap section) with the value,
     loaded by Bridge as run_recipe.py's --config-file merges it; memguard reads the same file."""
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
@@ -1398,7 +1409,7 @@ def test_comm_overlap_and_mixed_precision_flags_take_their_truth(recipes, monkey
 
     monkeypatch.setenv("WORLD_SIZE", str(WORLD))
     sec, name = field.split(".")
-    base = recipes.llama3_8b_16k_pretrain_config()
+    base = recipes.llama2_7b_pretrain_config()
     from megatron.bridge.training.mixed_precision import get_mixed_precision_config
     base.mixed_precision = get_mixed_precision_config(base.mixed_precision)   # (a mapping in the dump)
     dump = tmp_path / "run_config.yaml"

@@ -571,6 +571,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         return bridge_truth(b, v(sec, name, default), k(sec, name))
 
     _refuse_unset_sections(S, top)
+    # (Megatron-LM's validate_args rules that Bridge, which runs none of it, does not apply: resolve/optimizer.py)
+    b.set("bridge_config", True, "Megatron-Bridge ConfigContainer")
     # flags given another value than true / false (model.sequence_parallel=1, =yes, ='false'): what Bridge builds
     _bridge_bools(b, S.get("model", {}), model_bool_fields())
     _bridge_bools(b, S.get("mixed_precision", {}), _MP_BOOLS)
