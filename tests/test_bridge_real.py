@@ -1430,3 +1430,22 @@ def test_comm_overlap_and_mixed_precision_flags_take_their_truth(recipes, monkey
     else:
         assert L.overlap_grad_reduce is bool(cfg.ddp.overlap_grad_reduce)
     assert any(w.startswith(f"{field}: ") and "sets it unchecked" in w for w in raw.warnings), raw.warnings
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "'false'", "x"])
+def test_a_model_precision_flag_the_mixed_precision_preset_overwrites_is_the_presets(recipes, monkeypatch, value):
+    """MixedPrecisionConfig.setup (Bridge 0.6.2 training/mixed_precision.py) writes every field it has over the model's:
+    model.fp16=x under the recipe's bf16_mixed is fp16 off, as Bridge builds it, without the truth warning."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=[f"model.fp16={value}"])
+    _runtime_config_update(cfg, monkeypatch)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides([f"model.fp16={value}"]), recipe="llama3_8b")
+    L = resolve(raw, world_size=WORLD)
+    assert (L.fp16, L.bf16) == (cfg.model.fp16, cfg.model.bf16) == (False, True)
+    assert not any(w.startswith("model.fp16: ") for w in raw.warnings), raw.warnings

@@ -141,18 +141,20 @@ def bridge_truth(b: ArgsBuilder, value: Any, key: str) -> bool:
     return on
 
 
-def _bridge_bools(b: ArgsBuilder, fields: dict[str, Field], names: Iterable[str]) -> None:
+def _bridge_bools(b: ArgsBuilder, fields: dict[str, Field], names: Iterable[str],
+                  overwritten: frozenset[str] = frozenset()) -> None:
     """In place: each of ``names`` (bool fields of a section's dataclass) holding another value than true / false / null
     / '???' is given that value's truth, as Megatron-Bridge 0.6.2 builds it (bridge_truth, with its warning): its
     override path and instantiate set the value unchecked (a model flag too: GPTModelProvider.finalize and
-    TransformerConfig.__post_init__ keep it), and the code that reads the flag tests its truth."""
+    TransformerConfig.__post_init__ keep it), and the code that reads the flag tests its truth. ``overwritten``:
+    fields another section writes over (MixedPrecisionConfig.setup), whose own value changes nothing: no warning."""
     for name in names:
         f = fields.get(name)
         if f is None or is_missing(f[0]):
             continue
         value = python_scalar(f[0])
         if value is not None and not isinstance(value, bool):
-            fields[name] = (bridge_truth(b, value, f[1]), f[1])
+            fields[name] = (bool(value) if name in overwritten else bridge_truth(b, value, f[1]), f[1])
 
 
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
@@ -574,7 +576,8 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     # (Megatron-LM's validate_args rules that Bridge, which runs none of it, does not apply: resolve/optimizer.py)
     b.set("bridge_config", True, "Megatron-Bridge ConfigContainer")
     # flags given another value than true / false (model.sequence_parallel=1, =yes, ='false'): what Bridge builds
-    _bridge_bools(b, S.get("model", {}), model_bool_fields())
+    mp_given = top.get("mixed_precision", (None,))[0] is not None or bool(S.get("mixed_precision"))
+    _bridge_bools(b, S.get("model", {}), model_bool_fields(), frozenset(_MP_BOOLS) if mp_given else frozenset())
     _bridge_bools(b, S.get("mixed_precision", {}), _MP_BOOLS)
     _bridge_bools(b, S.get("comm_overlap", {}), _COMM_OVERLAP_TRUTH)
 
