@@ -1215,6 +1215,15 @@ FINALIZED_LAUNCHES = [
            "model.recompute_granularity=selective", "model.recompute_method=null", "model.recompute_num_layers=null",
            "model.recompute_modules=[mla_up_proj,layernorm]"]),
     (256, ["--recipe", "qwen3_235b_a22b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-cp", "1"]),
+    # the expert all-to-all overlap with delayed weight gradients (CommOverlapConfig's `is True` checks, then core's)
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "comm_overlap.overlap_moe_expert_parallel_comm=true",
+          "comm_overlap.delay_wgrad_compute=true", "model.recompute_granularity=null", "model.recompute_method=null",
+          "model.recompute_num_layers=null", "model.moe_shared_expert_overlap=false", "-ep", "4"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor",
+          "ddp.data_parallel_sharding_strategy=optim_grads", "ddp.fsdp_double_buffer=true"]),
+    (16, ["--recipe", "olmoe_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true",
+          "model.expert_tensor_parallel_size=2", "-ep", "4"]),
+    (256, ["--recipe", "qwen3_235b_a22b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-pp", "8"]),
 ]
 
 
@@ -1251,7 +1260,11 @@ def _bridge_memory_fields(cfg) -> dict:
                  moe_token_dispatcher_type=m.moe_token_dispatcher_type, moe_grouped_gemm=m.moe_grouped_gemm,
                  moe_router_dtype=m.moe_router_dtype, moe_shared_expert_overlap=m.moe_shared_expert_overlap,
                  moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-                 moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity)
+                 moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+                 overlap_moe_expert_parallel_comm=bool(m.overlap_moe_expert_parallel_comm),
+                 delay_wgrad_compute=bool(m.delay_wgrad_compute))
+    if cfg.ddp.use_megatron_fsdp:
+        v["fsdp_double_buffer"] = bool(cfg.ddp.fsdp_double_buffer)
     return v
 
 
@@ -1263,6 +1276,9 @@ def _memguard_memory_fields(L) -> dict:
              mtp_num_layers=L.mtp_num_layers or None, cpu_offloading_num_layers=L.cpu_offloading_num_layers or 0,
              optimizer_cpu_offload=L.optimizer_cpu_offload, optimizer_offload_fraction=L.optimizer_offload_fraction,
              fine_grained_activation_offloading=L.fine_grained_activation_offloading, use_megatron_fsdp=L.use_megatron_fsdp,
+             fsdp_double_buffer=L.fsdp_double_buffer,
+             overlap_moe_expert_parallel_comm=bool(L.moe and L.moe.overlap_moe_expert_parallel_comm),
+             delay_wgrad_compute=bool(L.moe and L.moe.delay_wgrad_compute),
              offload_modules=sorted(L.offload_modules or ()) if L.fine_grained_activation_offloading else [],
              data_parallel_sharding_strategy=L.data_parallel_sharding_strategy if L.use_megatron_fsdp else None)
     return d
