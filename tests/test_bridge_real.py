@@ -1224,6 +1224,13 @@ FINALIZED_LAUNCHES = [
     (16, ["--recipe", "olmoe_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true",
           "model.expert_tensor_parallel_size=2", "-ep", "4"]),
     (256, ["--recipe", "qwen3_235b_a22b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-pp", "8"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "model.cuda_graph_impl=full_iteration",
+          "rerun_state_machine.check_for_nan_in_loss=false"]),
+    (16, ["--recipe", "qwen3_8b_pretrain_config", "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=null",
+          "model.cuda_graph_modules=[attn,mlp]"]),
+    (8, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "model.moe_token_dispatcher_type=alltoall",
+         "mixed_precision=bf16_with_fp8_current_scaling_mixed", "model.moe_router_padding_for_quantization=true"]),
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"]),
 ]
 
 
