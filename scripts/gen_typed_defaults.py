@@ -20,7 +20,9 @@ MLAModelProvider, HybridModelProvider, MambaModelProvider. A field some class or
 (``Optional[int]``, ``int | None``, ``= None``) is left out: there None has a meaning; so is a field the code of
 any of these releases tests against None (``config.q_lora_rank is None``: MLATransformerConfig declares
 ``q_lora_rank: int = 512`` but DeepSeek-V2-Lite's None means no query compression). Megatron-Bridge hands a
-YAML null to the dataclass as None (no type check), so for these fields a null is not the default.
+YAML null to the dataclass as None (no type check), so for these fields a null is not the default. ``bool_fields``:
+the fields of these classes annotated ``bool`` or ``Optional[bool]``, whatever their default (readers/bridge.py reads a
+value of another kind there as Bridge does: by its truth).
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ FILES = (
     ("megatron/bridge/models/mamba/mamba_provider.py", ("MambaModelProvider",)),
 )
 TYPES = ("int", "float", "bool", "str")
+# the annotations of a model-config flag (``bool_fields``: Megatron-Bridge's override path sets any value on them
+# unchecked, and the code tests its truth)
+_BOOL_ANNOTATIONS = ("bool", "Optional[bool]", "typing.Optional[bool]", "bool|None", "None|bool")
 
 
 def tested_against_none(roots: list[str]) -> set[str]:
@@ -64,6 +69,7 @@ def tested_against_none(roots: list[str]) -> set[str]:
 def main(roots: list[str]) -> None:
     typed: dict[str, dict] = {}
     noneable: set[str] = set()
+    bools: set[str] = set()
     for root in roots:
         for rel, classes in FILES:
             path = os.path.join(root, rel)
@@ -76,6 +82,8 @@ def main(roots: list[str]) -> None:
                     if not (isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)):
                         continue
                     name, ann = s.target.id, ast.unparse(s.annotation)
+                    if ann.replace(" ", "") in _BOOL_ANNOTATIONS:
+                        bools.add(name)
                     if isinstance(s.annotation, ast.Subscript) and ast.unparse(s.annotation.value) in ("Literal", "typing.Literal"):
                         elts = s.annotation.slice.elts if isinstance(s.annotation.slice, ast.Tuple) else [s.annotation.slice]
                         if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts):
@@ -98,7 +106,7 @@ def main(roots: list[str]) -> None:
     fields = {k: v for k, v in sorted(typed.items()) if k not in noneable}
     doc = {"source": "scripts/gen_typed_defaults.py over megatron-core 0.16.1 and 0.19.2 and Megatron-Bridge 0.6.2 "
                      "model-config dataclasses: int/float/bool/str fields whose default is a value",
-           "fields": fields}
+           "fields": fields, "bool_fields": sorted(bools)}
     if os.path.exists(OUT):   # (keep what --sections and --yaml-cfg wrote)
         with open(OUT) as f:
             doc = {**json.load(f), **doc}

@@ -1185,6 +1185,52 @@ FINALIZED_LAUNCHES = [
     (16, ["--recipe", "llama3_8b_pretrain_config", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=4"]),
     (32, ["--recipe", "llama3_70b_pretrain_config", "-pp", "4", "-vp", "4", "model.num_layers_in_first_pipeline_stage=16",
           "model.num_layers_in_last_pipeline_stage=24"]),
+    # issue bridge17 item 3: recipe families and finalize paths the launches above leave out
+    (16, ["--recipe", "llama2_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true", "-pp", "2", "-vp", "4"]),
+    # TransformerConfig.finalize (Bridge models/transformer_config.py) switches sequence parallelism off at TP 1
+    (8, ["--recipe", "qwen2_1p5b_pretrain_config", "model.sequence_parallel=true"]),
+    (16, ["--recipe", "qwen3_600m_pretrain_config", "model.recompute_granularity=full", "model.recompute_method=block",
+          "model.recompute_num_layers=4"]),
+    (512, ["--recipe", "llama3_70b_64k_pretrain_config", "-cp", "16", "-mb", "1"]),
+    (32, ["--recipe", "llama3_8b_64k_pretrain_config", "-cp", "4", "-tp", "2", "model.sequence_parallel=false"]),
+    (256, ["--recipe", "llama31_405b_pretrain_config", "model.virtual_pipeline_model_parallel_size=null"]),
+    (16, ["--recipe", "llama3_8b_pretrain_2gpu_h100_fp8mx_config", "-tp", "2", "model.sequence_parallel=true"]),
+    (16, ["--recipe", "llama3_8b_pretrain_2gpu_h100_nvfp4_config", "-mb", "2"]),
+    # the recipe's TP communication overlap, which CommOverlapConfig switches off without sequence parallelism
+    (4, ["--recipe", "nemotronh_8b_pretrain_config", "model.sequence_parallel=false"]),
+    (32, ["--recipe", "qwen25_32b_pretrain_config", "-tp", "4", "-pp", "2", "model.sequence_parallel=true",
+          "model.fine_grained_activation_offloading=true", "model.offload_modules=[core_attn]"]),
+    (16, ["--recipe", "olmoe_7b_pretrain_config", "model.moe_token_dispatcher_type=allgather", "model.moe_router_dtype=fp32",
+          "-ep", "4"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "mixed_precision=bf16_with_fp8_subchannel_scaling_mixed", "-tp", "2",
+          "model.sequence_parallel=true"]),
+    (16, ["--recipe", "llama31_8b_pretrain_config", "ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor",
+          "ddp.data_parallel_sharding_strategy=optim_grads_params"]),
+    # Llama 2's CommOverlapConfig(tp_comm_overlap=False) turned on; the TP-overlap recipe at TP 1 (switched off)
+    (16, ["--recipe", "llama2_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true",
+          "comm_overlap.tp_comm_overlap=true"]),
+    (4, ["--recipe", "nemotronh_8b_pretrain_config", "-tp", "1"]),
+    (32, ["--recipe", "llama3_70b_16k_pretrain_config", "-tp", "4"]),
+    (128, ["--recipe", "deepseek_v2_pretrain_config", "model.moe_token_dispatcher_type=alltoall",
+           "model.recompute_granularity=selective", "model.recompute_method=null", "model.recompute_num_layers=null",
+           "model.recompute_modules=[mla_up_proj,layernorm]"]),
+    (256, ["--recipe", "qwen3_235b_a22b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-cp", "1"]),
+    # the expert all-to-all overlap with delayed weight gradients (CommOverlapConfig's `is True` checks, then core's)
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "comm_overlap.overlap_moe_expert_parallel_comm=true",
+          "comm_overlap.delay_wgrad_compute=true", "model.recompute_granularity=null", "model.recompute_method=null",
+          "model.recompute_num_layers=null", "model.moe_shared_expert_overlap=false", "-ep", "4"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor",
+          "ddp.data_parallel_sharding_strategy=optim_grads", "ddp.fsdp_double_buffer=true"]),
+    (16, ["--recipe", "olmoe_7b_pretrain_config", "-tp", "2", "model.sequence_parallel=true",
+          "model.expert_tensor_parallel_size=2", "-ep", "4"]),
+    (256, ["--recipe", "qwen3_235b_a22b_pretrain_config", "model.moe_token_dispatcher_type=alltoall", "-pp", "8"]),
+    (16, ["--recipe", "llama3_8b_pretrain_config", "model.cuda_graph_impl=full_iteration",
+          "rerun_state_machine.check_for_nan_in_loss=false"]),
+    (16, ["--recipe", "qwen3_8b_pretrain_config", "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=null",
+          "model.cuda_graph_modules=[attn,mlp]"]),
+    (8, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "model.moe_token_dispatcher_type=alltoall",
+         "mixed_precision=bf16_with_fp8_current_scaling_mixed", "model.moe_router_padding_for_quantization=true"]),
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"]),
 ]
 
 
@@ -1202,6 +1248,11 @@ def _bridge_memory_fields(cfg) -> dict:
          "decoder_last_pipeline_num_layers": m.num_layers_in_last_pipeline_stage,
          "cpu_offloading_num_layers": m.cpu_offloading_num_layers if m.cpu_offloading else 0,
          "optimizer_cpu_offload": o.optimizer_cpu_offload,
+         "fine_grained_activation_offloading": bool(m.fine_grained_activation_offloading),
+         "offload_modules": sorted(m.offload_modules or []) if m.fine_grained_activation_offloading else [],
+         "use_megatron_fsdp": bool(cfg.ddp.use_megatron_fsdp),
+         "data_parallel_sharding_strategy": (cfg.ddp.data_parallel_sharding_strategy if cfg.ddp.use_megatron_fsdp
+                                             else None),
          "num_microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)}
     if o.optimizer_cpu_offload:
         v["optimizer_offload_fraction"] = o.optimizer_offload_fraction
@@ -1216,7 +1267,11 @@ def _bridge_memory_fields(cfg) -> dict:
                  moe_token_dispatcher_type=m.moe_token_dispatcher_type, moe_grouped_gemm=m.moe_grouped_gemm,
                  moe_router_dtype=m.moe_router_dtype, moe_shared_expert_overlap=m.moe_shared_expert_overlap,
                  moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-                 moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity)
+                 moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+                 overlap_moe_expert_parallel_comm=bool(m.overlap_moe_expert_parallel_comm),
+                 delay_wgrad_compute=bool(m.delay_wgrad_compute))
+    if cfg.ddp.use_megatron_fsdp:
+        v["fsdp_double_buffer"] = bool(cfg.ddp.fsdp_double_buffer)
     return v
 
 
@@ -1226,7 +1281,13 @@ def _memguard_memory_fields(L) -> dict:
              fp4=L.fp4, cuda_graph_impl=L.cuda_graph_impl, cuda_graph_modules=sorted(L.cuda_graph_modules or ()),
              recompute_modules=sorted(L.recompute_modules or ()) if L.recompute_granularity == "selective" else None,
              mtp_num_layers=L.mtp_num_layers or None, cpu_offloading_num_layers=L.cpu_offloading_num_layers or 0,
-             optimizer_cpu_offload=L.optimizer_cpu_offload, optimizer_offload_fraction=L.optimizer_offload_fraction)
+             optimizer_cpu_offload=L.optimizer_cpu_offload, optimizer_offload_fraction=L.optimizer_offload_fraction,
+             fine_grained_activation_offloading=L.fine_grained_activation_offloading, use_megatron_fsdp=L.use_megatron_fsdp,
+             fsdp_double_buffer=L.fsdp_double_buffer,
+             overlap_moe_expert_parallel_comm=bool(L.moe and L.moe.overlap_moe_expert_parallel_comm),
+             delay_wgrad_compute=bool(L.moe and L.moe.delay_wgrad_compute),
+             offload_modules=sorted(L.offload_modules or ()) if L.fine_grained_activation_offloading else [],
+             data_parallel_sharding_strategy=L.data_parallel_sharding_strategy if L.use_megatron_fsdp else None)
     return d
 
 
@@ -1268,3 +1329,146 @@ def test_a_bool_field_takes_what_bridges_override_path_takes(recipes, field, val
     plain = value in ("true", "false")
     assert any(w.startswith(f"{field}: ") and "Megatron-Bridge 0.6.2 sets it unchecked" in w
                for w in raw.warnings) is not plain, raw.warnings
+
+
+# --- issue bridge17 item 1: a model flag given a value that is not true / false, as Bridge 0.6.2 builds it -----------
+# (field, the recipe overrides that make it matter, the Layout field memguard estimates it under)
+MODEL_FLAGS = [
+    ("model.sequence_parallel", ["model.tensor_model_parallel_size=2"], "sequence_parallel"),
+    ("model.gradient_accumulation_fusion", [], "gradient_accumulation_fusion"),
+    ("model.qk_layernorm", [], "qk_layernorm"),
+    ("model.add_bias_linear", [], "add_bias_linear"),
+    ("model.cross_entropy_loss_fusion", [], "cross_entropy_loss_fusion"),
+    # (on: 32 layers + the embedding do not split over 2 stages, which Bridge's finalize refuses: memguard must too)
+    ("model.account_for_embedding_in_pipeline_split", ["model.pipeline_model_parallel_size=2"],
+     "account_for_embedding_in_pipeline_split"),
+]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "1", "0", "2", "yes", "no", "'false'", "x", "[1]", "''"])
+@pytest.mark.parametrize("field, extra, dest", MODEL_FLAGS, ids=[f[0] for f in MODEL_FLAGS])
+def test_a_model_flag_takes_what_bridge_builds(recipes, monkeypatch, field, extra, dest, value):
+    """Bridge's override path setattr's the Hydra value on the provider unchecked (training/utils/omegaconf_utils.py),
+    GPTModelProvider.finalize / TransformerConfig.__post_init__ keep it, and the model code tests its truth: '1', 'yes'
+    and the text 'false' or the word no are on, 0 and '' off. memguard read 'false' and no as off and refused 2 or x;
+    now it reads the truth Bridge builds with, with a warning naming the key."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    overrides = [*extra, f"{field}={value}"]
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=overrides)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
+    plain = value in ("true", "false")
+    assert any(w.startswith(f"{field}: ") and "Megatron-Bridge 0.6.2 sets it unchecked" in w
+               for w in raw.warnings) is not plain, raw.warnings
+    try:
+        _runtime_config_update(cfg, monkeypatch)     # (finalize: the model's __post_init__ runs on the value)
+    except ValueError as e:                          # (Bridge refuses the layout the value makes: so does memguard)
+        from megatron_memguard.errors import MemguardError
+        with pytest.raises(MemguardError):
+            resolve(raw, world_size=WORLD)
+        assert "divisible" in str(e)
+        return
+    bridge = bool(getattr(cfg.model, field.split(".")[1]))
+    assert getattr(resolve(raw, world_size=WORLD), dest) is bridge
+    # preflight() on the container Bridge built (the value as Bridge holds it) reads the same
+    from megatron_memguard.bridge import raw_config
+    assert getattr(resolve(raw_config(cfg), world_size=WORLD), dest) is bridge
+
+
+# --- issue bridge17 item 2: comm_overlap flags Bridge tests with `is True` ----------------------------------------------
+@pytest.mark.parametrize("tp, sp", [(2, True), (2, False), (1, False)])
+@pytest.mark.parametrize("value", ["true", "false", "1", "0", "yes", "''"])
+def test_tp_comm_overlap_is_read_as_bridges_is_true_takes_it(recipes, monkeypatch, tp, sp, value):
+    """CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2 comm_overlap.py) switches TP communication overlap
+    off at TP < 2 or without sequence parallelism only when ``tp_comm_overlap is True``; _override_user_cfgs then
+    copies any other value into the model config, whose truth starts the userbuffers (initialize.py). memguard read 1
+    as true and switched it off like true. Now: the same on / off where Bridge's check runs, and where a true value
+    that is not True skips it, a problem naming the key (Bridge would start the userbuffers without sequence
+    parallelism)."""
+    from megatron.bridge.training.comm_overlap import CommOverlapConfig
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    overrides = [f"model.tensor_model_parallel_size={tp}", f"model.sequence_parallel={str(sp).lower()}",
+                 f"comm_overlap.tp_comm_overlap={value}"]
+    # (the Llama 3 8B recipe has no comm_overlap: Llama 2 7B's is CommOverlapConfig(tp_comm_overlap=False))
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    base = recipes.llama2_7b_pretrain_config()
+    assert isinstance(base.comm_overlap, CommOverlapConfig)
+    cfg = process_config_with_overrides(base, cli_overrides=overrides)
+    _runtime_config_update(cfg, monkeypatch)
+    bridge = bool(cfg.model.tp_comm_overlap)
+    raw = read_bridge({}, "recipe llama2_7b", parse_overrides(overrides), recipe="llama2_7b")
+    key = "comm_overlap.tp_comm_overlap"
+    if value in ("true", "false") or not bridge or (tp >= 2 and sp):
+        assert not raw.problems, raw.problems
+        assert resolve(raw, world_size=WORLD).tp_comm_overlap is bridge
+        assert any(w.startswith(f"{key}: ") and "sets it unchecked" in w for w in raw.warnings) is (value not in ("true", "false"))
+    else:
+        # Bridge leaves the overlap on where `true` would be switched off: a problem naming the key, estimate stops
+        assert [p.key for p in raw.problems] == [key], raw.problems
+        assert "only for a value that `is True`" in str(raw.problems[0])
+
+
+@pytest.mark.parametrize("field", ["comm_overlap.overlap_grad_reduce", "mixed_precision.grad_reduce_in_fp32"])
+@pytest.mark.parametrize("value", ["1", "0", "'false'", "x"])
+def test_comm_overlap_and_mixed_precision_flags_take_their_truth(recipes, monkeypatch, tmp_path, field, value):
+    """CommOverlapConfig's other flags and MixedPrecisionConfig's are copied into the model / DDP configs unchecked
+    (_override_user_cfgs, update_config_with_precision_overrides) and read by truth there. A run_config.yaml whose
+    mixed_precision is a mapping (the Llama 2 7B recipe's dump, which has a comm_overlap section) with the value,
+    loaded by Bridge as run_recipe.py's --config-file merges it; memguard reads the same file."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    sec, name = field.split(".")
+    base = recipes.llama2_7b_pretrain_config()
+    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+    base.mixed_precision = get_mixed_precision_config(base.mixed_precision)   # (a mapping in the dump)
+    dump = tmp_path / "run_config.yaml"
+    base.to_yaml(str(dump))
+    text = dump.read_text()
+    import yaml
+    doc = yaml.safe_load(text)
+    doc[sec][name] = yaml.safe_load(value)
+    dump.write_text(yaml.safe_dump(doc))
+    over = tmp_path / "over.yaml"
+    over.write_text(yaml.safe_dump({sec: {name: yaml.safe_load(value)}}))
+    cfg = process_config_with_overrides(base, config_filepath=str(over))
+    _runtime_config_update(cfg, monkeypatch)
+    raw = read_config_file(str(dump))
+    L = resolve(raw, world_size=WORLD)
+    if name == "grad_reduce_in_fp32":
+        assert L.grad_reduce_in_bf16 is (not bool(cfg.ddp.grad_reduce_in_fp32))
+    else:
+        assert L.overlap_grad_reduce is bool(cfg.ddp.overlap_grad_reduce)
+    assert any(w.startswith(f"{field}: ") and "sets it unchecked" in w for w in raw.warnings), raw.warnings
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "'false'", "x"])
+def test_a_model_precision_flag_the_mixed_precision_preset_overwrites_is_the_presets(recipes, monkeypatch, value):
+    """MixedPrecisionConfig.setup (Bridge 0.6.2 training/mixed_precision.py) writes every field it has over the model's:
+    model.fp16=x under the recipe's bf16_mixed is fp16 off, as Bridge builds it, without the truth warning."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=[f"model.fp16={value}"])
+    _runtime_config_update(cfg, monkeypatch)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides([f"model.fp16={value}"]), recipe="llama3_8b")
+    L = resolve(raw, world_size=WORLD)
+    assert (L.fp16, L.bf16) == (cfg.model.fp16, cfg.model.bf16) == (False, True)
+    assert not any(w.startswith("model.fp16: ") for w in raw.warnings), raw.warnings

@@ -380,6 +380,12 @@ def _typed_defaults_doc() -> dict[str, Any]:
     return json.loads(resources.files("megatron_memguard").joinpath("data/typed_defaults.json").read_text())
 
 
+def model_bool_fields() -> frozenset[str]:
+    """Model-config fields annotated ``bool`` or ``Optional[bool]`` in megatron-core 0.16.1 / 0.19.2 and Megatron-Bridge
+    0.6.2's providers, whatever their default (data/typed_defaults.json ``bool_fields``)."""
+    return frozenset(_typed_defaults_doc().get("bool_fields", ()))
+
+
 def section_typed_field(section: str, name: str) -> dict[str, Any] | None:
     """A Megatron-Bridge 0.6.2 non-model section field typed int / float / bool / str / torch.dtype whose default is
     a value or that has none ('required'): {type, default, class}; None for a None-able or unknown field

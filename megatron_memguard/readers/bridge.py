@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
@@ -30,7 +30,7 @@ from ..numbers import python_scalar, shown
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
-    group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, peft_module_list,
+    group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, model_bool_fields, peft_module_list,
     refuse_unset_section_field, section_typed_field, set_vocab, true_or_false,
 )
 
@@ -139,6 +139,22 @@ def bridge_truth(b: ArgsBuilder, value: Any, key: str) -> bool:
     b.warn(f"{key}: {shown(value)} is not true or false; Megatron-Bridge 0.6.2 sets it unchecked and its code tests the "
            f"value's truth, so it is {'on' if on else 'off'} (estimated so; write true or false)")
     return on
+
+
+def _bridge_bools(b: ArgsBuilder, fields: dict[str, Field], names: Iterable[str],
+                  overwritten: frozenset[str] = frozenset()) -> None:
+    """In place: each of ``names`` (bool fields of a section's dataclass) holding another value than true / false / null
+    / '???' is given that value's truth, as Megatron-Bridge 0.6.2 builds it (bridge_truth, with its warning): its
+    override path and instantiate set the value unchecked (a model flag too: GPTModelProvider.finalize and
+    TransformerConfig.__post_init__ keep it), and the code that reads the flag tests its truth. ``overwritten``:
+    fields another section writes over (MixedPrecisionConfig.setup), whose own value changes nothing: no warning."""
+    for name in names:
+        f = fields.get(name)
+        if f is None or is_missing(f[0]):
+            continue
+        value = python_scalar(f[0])
+        if value is not None and not isinstance(value, bool):
+            fields[name] = (bool(value) if name in overwritten else bridge_truth(b, value, f[1]), f[1])
 
 
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
@@ -557,6 +573,13 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
         return bridge_truth(b, v(sec, name, default), k(sec, name))
 
     _refuse_unset_sections(S, top)
+    # (Megatron-LM's validate_args rules that Bridge, which runs none of it, does not apply: resolve/optimizer.py)
+    b.set("bridge_config", True, "Megatron-Bridge ConfigContainer")
+    # flags given another value than true / false (model.sequence_parallel=1, =yes, ='false'): what Bridge builds
+    mp_given = top.get("mixed_precision", (None,))[0] is not None or bool(S.get("mixed_precision"))
+    _bridge_bools(b, S.get("model", {}), model_bool_fields(), frozenset(_MP_BOOLS) if mp_given else frozenset())
+    _bridge_bools(b, S.get("mixed_precision", {}), _MP_BOOLS)
+    _bridge_bools(b, S.get("comm_overlap", {}), _COMM_OVERLAP_TRUTH)
 
     for sec, fields in S.items():
         for name, (val, key) in fields.items():
@@ -708,15 +731,25 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     fsdp_and_offload_keys(b, v, k, "ddp", "optimizer")
     if "comm_overlap" in S:
         _comm_overlap_model_fields(b, S, v, k)
-    if true_or_false(v("comm_overlap", "tp_comm_overlap", False), k("comm_overlap", "tp_comm_overlap")):
+    tp_overlap, tp_overlap_key = python_scalar(v("comm_overlap", "tp_comm_overlap", False)), k("comm_overlap", "tp_comm_overlap")
+    if bridge_truth(b, tp_overlap, tp_overlap_key):
         # CommOverlapConfig._get_model_comm_overlap_cfgs (Bridge 0.6.2) switches it off, with a warning, for
-        # TP < 2 or without sequence parallelism
+        # TP < 2 or without sequence parallelism, when it ``is True``; another true value (1, 'yes') skips that
+        # check and _override_user_cfgs copies it into the model config, where its truth turns the overlap on
         try:
             tp = int(b.args.get("tensor_model_parallel_size") or 1)
         except (TypeError, ValueError):
             tp = 2   # (a bad value is reported by resolve)
-        if tp < 2 or not as_bool(b.args.get("sequence_parallel", False)):
-            b.warn(f"{k('comm_overlap', 'tp_comm_overlap')}: Megatron-Bridge switches TP communication overlap off "
+        if (tp < 2 or not as_bool(b.args.get("sequence_parallel", False))) and tp_overlap is not True:
+            b.problem(tp_overlap_key, f"{shown(tp_overlap)} is not true: Megatron-Bridge 0.6.2's CommOverlapConfig "
+                      "switches TP communication overlap off at TP < 2 or without sequence parallelism only for a "
+                      "value that `is True`, so it starts Transformer Engine's userbuffers here (TP "
+                      f"{tp}{'' if as_bool(b.args.get('sequence_parallel', False)) else ', no sequence parallelism'}), "
+                      "which Megatron-LM refuses and memguard does not model", "write true (Bridge switches it off) "
+                      "or false")
+            b.args.pop("tp_comm_overlap", None)
+        elif tp < 2 or not as_bool(b.args.get("sequence_parallel", False)):
+            b.warn(f"{tp_overlap_key}: Megatron-Bridge switches TP communication overlap off "
                    "with TP < 2 or without sequence parallelism")
             b.args.pop("tp_comm_overlap", None)
         else:
@@ -813,8 +846,8 @@ def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v
     these model fields with the section's values, False where the section leaves them None: a model.* True is
     turned off (a warning), a comm_overlap.* True turns the feature on."""
     for name in _COMM_OVERLAP_MODEL:
-        mine = v("comm_overlap", name)
-        if mine is not None and (name != "tp_comm_overlap" or true_or_false(mine, k("comm_overlap", name))):
+        mine = python_scalar(v("comm_overlap", name))
+        if mine is not None and (name != "tp_comm_overlap" or bool(mine)):   # (the others are bools: _bridge_bools)
             if name != "tp_comm_overlap":      # (tp_comm_overlap on: its TP / SP conditions are applied below)
                 b.set(name, true_or_false(mine, k("comm_overlap", name)), k("comm_overlap", name))
             continue
@@ -833,6 +866,18 @@ def _comm_overlap_model_fields(b: ArgsBuilder, S: dict[str, dict[str, Field]], v
         if v("comm_overlap", name) is not None:
             b.set(dest, v("comm_overlap", name), k("comm_overlap", name))
     b.set("bridge_comm_overlap_ddp", True, "comm_overlap")
+
+
+# CommOverlapConfig's flags memguard reads but tp_comm_overlap (Bridge 0.6.2 comm_overlap.py: Optional[bool], copied into
+# the model / DDP config by _override_user_cfgs whatever their value, and read there by their truth; the `is True` tests
+# of overlap_moe_expert_parallel_comm and delay_wgrad_compute guard asserts that TransformerConfig repeats by truth)
+_COMM_OVERLAP_TRUTH = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "defer_embedding_wgrad_compute",
+                       "overlap_grad_reduce", "overlap_param_gather")
+# MixedPrecisionConfig's bool fields (Bridge 0.6.2 training/mixed_precision.py; its setup copies each into the model,
+# optimizer and DDP configs, which test their truth)
+_MP_BOOLS = ("bf16", "fp16", "fp32", "grad_reduce_in_fp32", "autocast_enabled", "first_last_layers_bf16", "fp8_wgrad",
+             "fp8_param_gather", "fp8_param", "fp4_param_gather", "fp4_param", "fp8_dot_product_attention",
+             "fp8_multi_head_attention", "reuse_grad_buf_for_mxfp8_param_ag")
 
 
 # CommOverlapConfig fields _get_optimizer_overlap_cfgs writes into the DDP config (Bridge 0.6.2 comm_overlap.py)

@@ -52,7 +52,9 @@ def optimizer(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         overlap_grad, overlap_param, bucket = _bridge_dp_overlap(a, dp, overlap_grad, overlap_param, bucket)
     if overlap_param and not (dist_opt or kw["optimizer"] == "dist_muon"):   # validate_args: or dist_muon
         a.fail("overlap_param_gather", "needs --use-distributed-optimizer")
-    if overlap_param and not overlap_grad:
+    if overlap_param and not overlap_grad and not a.get("bridge_config"):
+        # validate_args' rule; Megatron-Bridge 0.6.2 (no validate_args) and megatron-core's DDP do not assert it, and
+        # CommOverlapConfig itself leaves the pair so when comm_overlap.overlap_grad_reduce is false at DP > 1
         a.fail("overlap_param_gather", "needs --overlap-grad-reduce")
     graph = a.bool_arg("optimizer_cuda_graph", False)
     if graph and ctx.version < Version("0.17"):
