@@ -355,7 +355,20 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
     return LaunchCommand(launcher=cmd.launcher, script=cmd.script, script_args=cmd.script_args,
                          env={**exported_env, **cmd.env}, nnodes=cmd.nnodes, nproc_per_node=cmd.nproc_per_node,
                          world_size=cmd.world_size, notes=notes, world_size_from=cmd.world_size_from,
-                         wrappers=cmd.wrappers, module=cmd.module, kept=dict(st.kept))
+                         wrappers=cmd.wrappers, module=cmd.module, kept=_physical_lines(text, st.kept))
+
+
+def _physical_lines(text: str, kept: Mapping[str, int]) -> dict[str, int]:
+    """``kept`` with each construct's own line: where it is written in or after its logical line's first one (a
+    continued launch line spans many); the first 1,000 (the others keep their logical line's)."""
+    import bisect
+    starts = [0] + [m.end() for m in re.finditer("\n", text)]
+    out = dict(kept)
+    for c, num in list(kept.items())[:1000]:
+        k = text.find(c, starts[num - 1]) if 0 < num <= len(starts) else -1
+        if k >= 0:
+            out[c] = bisect.bisect_right(starts, k)
+    return out
 
 
 def _safe_words(line: str) -> list[str]:
