@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 STAR = "*"
 MAX_STEPS = 2_000_000     # characters compared by one expansion (a launch script's values are short)
+MAX_OUTPUT = 16 * 2**20   # characters one substitution makes (shell.MAX_EXPANDED: ${B//?/$B} of 100,000 is 10**10)
 
 Piece = object            # STAR or a one-character matcher (a compiled regex of one character)
 _CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z", "lower": "a-z",
@@ -195,7 +196,7 @@ def replace(s: str, pieces: Sequence[Piece], rep: Callable[[str], str], op: str)
         end = match_at(r, 0, _reversed(pieces), True, budget)     # the longest suffix
         return s[:n - end] + rep(s[n - end:]) if end >= 0 else s
     out: list[str] = []
-    i = done = 0
+    i = done = size = 0
     while i < n:
         end = match_at(s, i, pieces, True, budget)
         if end == _FAILED_LATER:
@@ -205,6 +206,9 @@ def replace(s: str, pieces: Sequence[Piece], rep: Callable[[str], str], op: str)
             continue
         out.append(s[done:i])
         out.append(rep(s[i:end]))
+        size += len(out[-1]) + len(out[-2])
+        if size > MAX_OUTPUT:
+            raise ValueError(f"a pattern substitution makes more than {MAX_OUTPUT // 2**20} MiB; memguard stops there")
         done = i = end if end > i else i + 1
         if op == "/":
             break
