@@ -93,6 +93,13 @@ def test_a_command_substitution_memguard_ignores_does_not_break_the_read():
     assert o.code == 0 and not o.problems, o.describe()
 
 
+def test_a_refused_feature_named_by_a_command_substitution_is_the_refusal():
+    # the refusal holds whatever the directory's name is (a value given); it is not the unevaluated-value error
+    o = run_memguard(["estimate", "--config", "run.sh"], {"run.sh": f"{RUN}{S} --logits-load-dir $(cat dir.txt)\n"})
+    assert o.code == 2 and not o.problems and "--logits-load-dir" in o.err and "distillation from stored logits" in o.err \
+        and "command substitution" not in o.err, o.describe()
+
+
 def test_the_value_given_after_the_double_dash_replaces_the_command_substitution():
     script = f"{RUN}{S} --micro-batch-size $(nproc)\n"
     o = run_memguard(["estimate", "--config", "run.sh", "--", "--micro-batch-size", "2"], {"run.sh": script})
