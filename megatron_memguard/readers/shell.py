@@ -350,12 +350,10 @@ class _Words:
             special = self._special_braced(inner)
             if special is not None:
                 return special, end
-            operated = self._operated(inner)
-            if operated is not None:
-                return operated, end
             m = _BRACED.match(inner)
             if not m or (m.end() != len(inner) and not m.group(4)):
-                return _UNSET, end                     # ${#VAR}, ${VAR%x}, ${1}: not evaluated
+                operated = self._operated(inner)       # ${X/a/b}, ${X^^}, ${!N}, ...
+                return (_UNSET if operated is None else operated), end    # ${1x}, ${X@Q}: not evaluated
             name, index, op = m.group(1), m.group(3), m.group(4)
             value = _lookup(self.vars.get(name), index)
             if not op:
