@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile13, hostile14, hostile15)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile14, hostile15, hostile16)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -36,7 +36,9 @@ Megatron logs and every subcommand's file arguments (issue hostile13); the paged
 EP overlap, Bridge offload fractions, FP8 attention CP types, eval counts, YAML keys that are not names and structure
 in every reader, launch-script arrays / appends / heredocs / 470,000 words, plan over 720,720 GPUs and hook values
 that are numpy scalars or tensors (issue hostile14); launch-script positional parameters, functions, eval, slices,
-lengths and arithmetic, MoE-only flags on dense models and Bridge bool fields given any value (issue hostile15). Prints, per command, the number of runs, how many broke the
+lengths and arithmetic, MoE-only flags on dense models and Bridge bool fields given any value (issue hostile15); bash's
+pattern / case / indirection operators and command substitutions, NeMo 1 / Bridge YAML with nesting, alias bombs, NaN /
+inf, BOM, CRLF, tabs and look-alike keys, unicode dashes in flags and plan's options (issue hostile16). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -1034,6 +1036,96 @@ def hostile15_cases():
             yield f"estimate Bridge {key}={v[:20]}", [*bridge, "--set", f"{key}={v}"], {"c.yaml": FLAT}
 
 
+def hostile16_cases():
+    """Issue hostile16 (the sixteenth round): bash's pattern / case / indirection operators and command substitutions in
+    launch scripts with hostile values (patterns that backtrack, 100,000-character values, '&' replacements that grow,
+    nesting, unicode case mappings, unclosed forms); the NeMo 1 and Megatron-Bridge YAML readers under deep nesting,
+    alias bombs, huge ints, NaN / inf spellings, byte-order marks, CRLF, tabs and unicode look-alike keys; Megatron flags
+    written with unicode dashes; and memguard plan's options with hostile values."""
+    from test_readers_bridge import FLAT
+    s = " ".join(S) + " --global-batch-size 16"
+    run = "torchrun --nproc-per-node 8 pretrain_gpt.py "
+    big = "a" * 100_000
+    pre = f"X=hello_world\nB={big}\nA=(one two)\nN=X\nM=@\nI=A[@]\nS=ß\nT=ǅ\nset -- p q\n"
+    forms = ["${B//*a*a*a*a*b/}", "${B//a/&&&&&&&&}", "${B//?/${B}}", "${B/%a*b/x}", "${B##*a*a*a*c}", "${B%%a*a*b}",
+             "${B^^}", "${B~~[a]}", "${X/[/x}", "${X//[!/x}", "${X//[[:bogus:]]/x}", "${X//\\/x}", "${X/#}", "${X/%}",
+             "${X//}", "${X^^[}", "${X,,[[:upper:]]}", "${S^^}", "${T,,}${T^}", "${!N}", "${!M}", "${!I}", "${!I^^}",
+             "${!}", "${!#}", "${!X}", "${!N/#/&}", "${!A[@]}", "${!A[*]}", "${!XYZ*}", "${!*}", "${@/p/P}", "${*^^}",
+             "${1/p/&&}", "${A[@]/#/--}", "${A[*]//o/ }", "${X/$(nproc)/y}", "${X/\"$(a)\"/`b`}", "${X/'/x}", '${X/"/x}',
+             "${X/" + "${X/" * 40 + "l" + "}" * 40 + "/y}", "${X" + "//a" * 5000 + "}", "${X/" + "*" * 20_000 + "/y}",
+             "${X/" + "[a]" * 5000 + "/y}", "${X//&/&}", "${X/hello/\\&\\\\&}"]
+    scripts = [f"{pre}{run}{s} --save {f} --save-interval 1\n" for f in forms]
+    subst = ["$(nproc)", "`nproc`", "$(( $(nproc) * 2 ))", "$((`nproc` + 1))", "$( \"a)\" )", "$(echo \"$(echo ')')\")",
+             "$(", "`", "$((", "$(" * 5000, "`" * 5001, "$(printf '%s' \"$(hostname)\")", "$(<file)", "$(( N++ ))",
+             "$(cat <<EOF\n4\nEOF\n)", "$(echo $(echo $(echo 4)))", "\"$(nproc)\"", "'$(nproc)'", "\\$(nproc)"]
+    for v in subst:
+        scripts += [f"{run}{s} --micro-batch-size {v}\n", f"{run}{s} --seed {v} --lr {v}\n",
+                    f"MBS={v}\n{run}{s} --micro-batch-size $MBS\n", f"ARGS=(--tensor-model-parallel-size {v})\n{run}{s} "
+                    "\"${ARGS[@]}\"\n", f"torchrun --nproc-per-node {v} pretrain_gpt.py {s}\n"]
+    scripts += [f"{run}{s}" + " --seed $(date)" * 20_000 + "\n", f"{run}{s}" + " $(x)" * 30_000 + "\n",
+                "X=$(a)\n" * 20_000 + f"{run}{s} --micro-batch-size $X\n"]
+    for text in scripts:
+        label = text.replace("\n", "\\n")[:70]
+        yield f"check script {label!r}", ["check", "--file", "run.sh"], {"run.sh": text}
+        yield f"estimate script {label!r}", ["estimate", "--config", "run.sh"], {"run.sh": text}
+    # unicode dashes and look-alikes in Megatron flags (after --, in a launch script, in a --yaml-cfg mapping)
+    for dash in ("\u2013-", "\u2014", "\u2212\u2212", "\uff0d\uff0d", "\u2010\u2010", "-\u2013", "\u2011-", "\ufe63\ufe63"):
+        flag = dash + "micro-batch-size"
+        yield f"estimate {flag!r}", ["estimate", "--world-size", "8", "--", *S, flag, "2"], {}
+        yield f"estimate {flag!r}=2", ["estimate", "--world-size", "8", "--", *S, flag + "=2"], {}
+        yield f"check script {flag!r}", ["check", "--file", "run.sh"], {"run.sh": f"{run}{s} {flag} 2\n"}
+    for flag in ("--micro\u2010batch-size", "--micro-batch-size\u200b", "--micro-batch-size\u00a02", "--\u200bbf16",
+                 "--ｍicro-batch-size", "--micro_batch\u2013size"):
+        yield f"estimate {flag!r}", ["estimate", "--world-size", "8", "--", *S, flag, "2"], {}
+    # NeMo 1 and Bridge YAML: values at a shape key, and whole-file mutations
+    nemo = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
+    values = ["[" * 10_000 + "]" * 10_000, "{a: " * 3000 + "1" + "}" * 3000, alias_bomb(6), alias_bomb(8, 12),
+              "9" * 5000, "-" + "9" * 5000, "1e400", "-1e400", ".nan", ".NaN", "NaN", "nan", "'nan'", ".inf", "-.inf", "inf",
+              "'inf'", "'Infinity'", "0x7fffffffffffffff", "0x" + "f" * 40, "1_000", "0o17", "0b1010", "+12", "12.0",
+              "!!float 4", "!!int '4'", "!!binary aGk=", "!!python/object:os.system x", "*undefined", "&a 4", "~", "''",
+              "'\u0664'", "\u0664", "\uff14", "'4\u200b'", "4 # comment", "|\n    4", ">-\n    4"]
+    for v in values:
+        yield f"validate NeMo 1 num_layers {v[:30]!r}", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": _nemo(v)}
+        yield f"estimate Bridge num_layers={v[:30]!r}", ["estimate", "--config", "c.yaml", "--gpus", "8", "--set",
+                                                        f"model.num_layers={v}"], {"c.yaml": FLAT}
+    look = {"BOM": lambda x: "\ufeff" + x, "2 BOMs": lambda x: "\ufeff\ufeff" + x, "CRLF": lambda x: x.replace("\n", "\r\n"),
+            "CR": lambda x: x.replace("\n", "\r"), "tabs": lambda x: x.replace("  ", "\t"),
+            "tab after colon": lambda x: x.replace(": ", ":\t"), "NEL": lambda x: x.replace("\n", "\u0085"),
+            "LS": lambda x: x.replace("\n", "\u2028"), "NUL": lambda x: x.replace("\n", "\n\0", 3),
+            "look-alike key": lambda x: x.replace("num_layers", "num_lаyers"),     # a Cyrillic 'а'
+            "fullwidth key": lambda x: x.replace("num_layers", "ｎum_layers"), "zero-width key": lambda x:
+            x.replace("num_layers", "num_\u200blayers"), "duplicated key": lambda x: x.replace("num_layers: ", "num_layers: 2\n  num_layers: ", 1),
+            "deep doc": lambda x: x + "\nextra: " + "[" * 20_000 + "]" * 20_000 + "\n",
+            "alias bomb doc": lambda x: x + "\nextra: " + alias_bomb(9, 10) + "\n",
+            "anchored model": lambda x: x.replace("model:", "model: &m", 1) + "\nother: *m\n",
+            "merge key loop": lambda x: x + "\nbase: &b {a: 1}\nloop: {<<: [*b, *b, *b, *b]}\n"}
+    for name, f in look.items():
+        yield f"validate NeMo 1 {name}", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": f(nemo)}
+        yield f"estimate Bridge {name}", ["estimate", "--config", "c.yaml", "--gpus", "8"], {"c.yaml": f(FLAT)}
+        yield f"check script {name}", ["check", "--file", "run.sh"], {"run.sh": f(f"#!/bin/bash\n{run}{s}\n")}
+    # memguard plan's options
+    plan = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "64"]
+    model = ["--", *S]
+    for opt, vals in (("--gpus", ["0", "-8", "1e400", "nan", "9" * 5000, "8.5", "0x10", "\u0668"]),
+                      ("--seq-length", ["0", "-1", "inf", "2**70", "9" * 400, "\uff15\uff11\uff12"]),
+                      ("--global-batch-size", ["0", "nan", "1e30", "7", "-" + "9" * 30]),
+                      ("--tp", ["0", "3", "1,2", "9" * 40]), ("--pp", ["-1", "8", "nan"]), ("--cp", ["0", "16"]),
+                      ("--vpp", ["0", "99999999999"]), ("--mbs", ["0", "1e9", "x"]), ("--max-tp", ["0", "-1", "1e3"]),
+                      ("--recompute", ["", "x", "full,full", "selective," * 2000]), ("--fsdp", ["", "x", "optim," * 5000]),
+                      ("--fp8", ["", "x", "tensorwise\u200b", "TENSORWISE"]), ("--ep", ["0", "3", "9" * 30]),
+                      ("--etp", ["0", "-2"]), ("--network-gbps", ["0", "-1", "nan", "inf", "1e400"]),
+                      ("--gemm-efficiency", ["0", "1.5", "nan", "-0.0"]), ("--attention-efficiency", ["2", "inf"]),
+                      ("--top", ["0", "-1", "10**9", "9" * 5000]), ("--tie-window", ["-1", "nan", "2"]),
+                      ("--threshold", ["0", "1.6", "nan"]), ("--gpu-memory", ["0", "1e400GiB", "-80GiB", "80 GiB GiB"]),
+                      ("--explain", ["x", "TP1 PP1", "\u2013"]), ("--plot-layouts", ["0", "-1", "x", "all"]),
+                      ("--megatron-version", ["", "0.16.1\u200b", "99", "0.19.2" * 1000])):
+        for v in vals:
+            yield f"plan {opt} {v[:30]!r}", [*plan, opt, v, *model], {}
+    yield "plan --config run.sh with $(nproc)", [*plan, "--config", "run.sh"], {
+        "run.sh": f"{run}{s} --seq-length $(nproc) --micro-batch-size $(nproc) --tensor-model-parallel-size `x`\n"}
+    yield "plan --config run.sh with ${X^^}", [*plan, "--config", "run.sh"], {"run.sh": f"X=bf16\n{run}{s} --${{X,,}}\n"}
+
+
 def hook14_cases() -> tuple[int, list[str], float, str]:
     """Issue hostile14: the hook's validate_args wrapper on Megatron's namespaces with a numpy scalar or array, a torch
     tensor (0-d, 1-d, NaN), an int subclass whose __int__ raises or an object refusing str() / int() / bool() at the
@@ -1741,7 +1833,7 @@ def main(argv: list[str]) -> int:
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
               ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
               ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
-              ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases())]
+              ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases()), ("hostile16", hostile16_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

@@ -45,6 +45,9 @@ class RawConfig:
     # a Megatron-LM script's command line (or its argument namespace): its validate_args applies whole, e.g.
     # --max-position-embeddings is required; a model preset or a Bridge / NeMo config merged in lifts that
     megatron_command_line: bool = False
+    # settings whose value is shell text memguard does not evaluate (a launch script's ``$(nproc)``): dest -> what it
+    # is and where, for the error raised when a rule reads it (resolve/args.py); a flag nothing reads is no error
+    unevaluated: Mapping[str, str] = field(default_factory=dict)
 
     def key(self, dest: str) -> str:
         """How the user wrote ``dest`` (flag or key path); the Megatron flag spelling otherwise."""
@@ -61,7 +64,8 @@ class RawConfig:
         for k, v in updates.items():
             args[k] = v
             origin.setdefault(k, flag_of(k))
-        return replace(self, args=args, origin=origin)
+        unevaluated = {k: v for k, v in self.unevaluated.items() if k not in updates}
+        return replace(self, args=args, origin=origin, unevaluated=unevaluated)
 
     def merged(self, other: "RawConfig") -> "RawConfig":
         """``other`` on top of this one (later sources win), warnings concatenated."""
@@ -74,4 +78,5 @@ class RawConfig:
             warnings=self.warnings + other.warnings, best_effort=self.best_effort or other.best_effort,
             problems=self.problems + other.problems,
             megatron_command_line=self.megatron_command_line and other.megatron_command_line,
+            unevaluated={**{k: v for k, v in self.unevaluated.items() if k not in other.args}, **other.unevaluated},
         )

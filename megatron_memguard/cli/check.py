@@ -163,7 +163,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
                 ns.site_profile = here(hook["--memguard-profile"])
                 notes.append(f"site profile {ns.site_profile} from the launch's --memguard-profile")
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags",
-                                   expand=False)
+                                   expand=False, kept=cmd.kept)
         if ns.model:
             from ..readers.models import read_model
             raw = read_model(ns.model).merged(raw)

@@ -41,7 +41,7 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expects an integer or a comma-separated list of integers, got {text!r}")
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expects positive integers, got {text!r}")
-    return vals
+    return tuple(dict.fromkeys(vals))     # (a value listed twice is one candidate: the search runs it once)
 
 
 def _recompute_list(text: str) -> tuple[str, ...]:
@@ -50,7 +50,7 @@ def _recompute_list(text: str) -> tuple[str, ...]:
     bad = [v for v in vals if v not in RECOMPUTE_LEVELS]
     if bad or not vals:
         raise argparse.ArgumentTypeError(f"expects a comma-separated list of {', '.join(RECOMPUTE_LEVELS)}, got {text!r}")
-    return vals
+    return tuple(dict.fromkeys(vals))     # ('selective,' x 2000 searched each layout 2000 times: 3.5 s of CPU)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,10 +55,11 @@ def read_config_file(path: str, environ: Mapping[str, str] | None = None, overri
         raise ReaderError(f"{path}: this launch runs {cmd.script} with a {'NeMo 1 (Hydra)' if kind == 'hydra' else 'Megatron-Bridge'} "
                           f"config and overrides; check it with memguard check --file {path}")
     raw = parse_megatron_flags(cmd.script_args, env={**(environ or {}), **cmd.env}, source=f"launch command in {path}",
-                               expand=False)
+                               expand=False, kept=cmd.kept)
     return RawConfig(args=raw.args, origin=raw.origin, source=raw.source, world_size=cmd.world_size,
                      nodes=cmd.nnodes, gpus_per_node=cmd.nproc_per_node, env=memory_env(cmd.env),
-                     warnings=raw.warnings + tuple(cmd.notes), megatron_command_line=raw.megatron_command_line)
+                     warnings=raw.warnings + tuple(cmd.notes), megatron_command_line=raw.megatron_command_line,
+                     unevaluated=raw.unevaluated)
 
 
 def _no_overrides(path: str, overrides: list[str] | None) -> None:

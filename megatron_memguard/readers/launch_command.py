@@ -49,6 +49,8 @@ class LaunchCommand:
     world_size_from: str = ""      # how the world size was found ("torchrun --nnodes 2 x --nproc-per-node 8")
     wrappers: tuple[str, ...] = ()  # srun, numactl, bash -c, ... around the launcher
     module: bool = False            # the script is a module (python -m / torchrun -m)
+    # the command substitutions / arithmetic expansions memguard kept as written, with the line each is written on
+    kept: dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,6 +146,7 @@ class _Run:
     functions: dict = field(default_factory=dict)
     sourced: list = field(default_factory=list)
     calls: int = 0          # function calls and evals so far
+    kept: dict = field(default_factory=dict)   # $(...) / `...` / $((...)) kept as written -> the line written on
     depth: int = 0          # nested ones now
 
 
@@ -191,8 +194,10 @@ def _run_lines(lines: list[tuple[int, str]], st: _Run) -> None:
             # bash array: NAME=( items ... ), or NAME+=( items ... ) appending to it (a scalar is its element 0)
             value = m.group(3).strip()
             if value.endswith(")"):
+                kept: list[str] = []
                 try:
-                    items = words(value[1:-1], st.vars)
+                    items = words(value[1:-1], st.vars, kept=kept)
+                    st.kept.update(dict.fromkeys(kept, num))
                 except ValueError as e:
                     raise ReaderError(f"line {num}: cannot parse the array {m.group(1)}: {e}") from None
                 old = st.vars.get(m.group(1)) if m.group(2) else None
@@ -200,10 +205,12 @@ def _run_lines(lines: list[tuple[int, str]], st: _Run) -> None:
                 continue
         for cmd in simple_commands(line):
             unknown: list[str] = []
+            kept: list[str] = []
             try:
-                toks = words(cmd, st.vars, unknown)   # one expansion, as bash: an expanded value is not expanded again
+                toks = words(cmd, st.vars, unknown, kept)   # one expansion, as bash: an expanded value is not expanded again
             except ValueError as e:
                 raise ReaderError(f"line {num}: cannot parse {cmd!r}: {e}") from None
+            st.kept.update(dict.fromkeys(kept, num))    # (written again later: the later line, nearer the launch)
             if not toks:
                 continue
             if toks[0] in ("export", "declare", "local", "readonly", "typeset"):
@@ -331,7 +338,10 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
         raise ReaderError(f"cannot understand the launcher {word!r} ({UNSUPPORTED[word]}); memguard reads torchrun, "
                           "python -m torch.distributed.run, srun, mpirun and python SCRIPT.py commands")
     shell_vars = {k: str(v) for k, v in vars.items() if not isinstance(v, list)}
-    cmd = parse_launch_tokens(toks, {**shell_vars, **env_assigned})
+    try:
+        cmd = parse_launch_tokens(toks, {**shell_vars, **env_assigned})
+    except ReaderError as e:     # (a launcher option it cannot read: the line it is on)
+        raise ReaderError(str(e) if str(e).startswith("line ") else f"line {num}: {e}") from None
     notes = list(cmd.notes)
     if skipped_python:
         notes.append("the script also runs " + ", ".join(skipped_python) + " ...; checked the distributed launch")
@@ -345,7 +355,20 @@ def parse_launch_script(text: str, environ: Mapping[str, str] | None = None) -> 
     return LaunchCommand(launcher=cmd.launcher, script=cmd.script, script_args=cmd.script_args,
                          env={**exported_env, **cmd.env}, nnodes=cmd.nnodes, nproc_per_node=cmd.nproc_per_node,
                          world_size=cmd.world_size, notes=notes, world_size_from=cmd.world_size_from,
-                         wrappers=cmd.wrappers, module=cmd.module)
+                         wrappers=cmd.wrappers, module=cmd.module, kept=_physical_lines(text, st.kept))
+
+
+def _physical_lines(text: str, kept: Mapping[str, int]) -> dict[str, int]:
+    """``kept`` with each construct's own line: where it is written in or after its logical line's first one (a
+    continued launch line spans many); the first 1,000 (the others keep their logical line's)."""
+    import bisect
+    starts = [0] + [m.end() for m in re.finditer("\n", text)]
+    out = dict(kept)
+    for c, num in list(kept.items())[:1000]:
+        k = text.find(c, starts[num - 1]) if 0 < num <= len(starts) else -1
+        if k >= 0:
+            out[c] = bisect.bisect_right(starts, k)
+    return out
 
 
 def _safe_words(line: str) -> list[str]:

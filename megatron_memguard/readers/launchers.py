@@ -101,8 +101,10 @@ def _int(val: object, opt: str) -> int:
         return int(str(val))
     except (TypeError, ValueError):
         if isinstance(val, str) and val.startswith(("$", "`")):
+            # (the launch line is read before memguard's --world-size could stand in for it: write the number)
             raise ReaderError(f"launcher option {opt} is {val!r}, which memguard cannot evaluate (an unset variable or "
-                              "a command substitution); set the variable in the environment or give --world-size") from None
+                              "a command substitution, whose program bash runs when the job starts); write the number "
+                              "into the script or set the variable in the environment") from None
         raise ReaderError(f"launcher option {opt} expects a number, got {val!r}") from None
 
 

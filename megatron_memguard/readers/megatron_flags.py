@@ -72,6 +72,13 @@ _CHOICES = {
 # digits beyond int()'s limit on a string's length (sys.get_int_max_str_digits, 4300): argparse refuses them too,
 # memguard names the bound of the setting instead
 _LONG_DIGITS = re.compile(r"\s*[+-]?[0-9][0-9_]{4000,}\s*")
+
+
+def unevaluated_fix(flag: str) -> str:
+    """How to give memguard a value a launch script computes with a program (resolve/args.py's error too)."""
+    return (f"write the value into the script, or give it after memguard's --: memguard estimate --config SCRIPT -- "
+            f"{flag} VALUE overrides the script's")
+
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _UNSET_REF = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")   # a whole word: $VAR, ${VAR}
 
@@ -150,11 +157,15 @@ def parse_megatron_flags(
     source: str = "megatron flags",
     expand: bool = True,
     refuse_overrides: bool = False,
+    kept: Mapping[str, int] | None = None,
 ) -> RawConfig:
     """Read Megatron flags into a RawConfig. ``env`` fills ``${VAR}`` placeholders where given, unless
     ``expand`` is False: the flags of a launch command, which the shell reader expanded already (bash
     expands once; a value is not expanded again). With ``refuse_overrides`` (the CLI's flags after ``--``)
-    a stray ``KEY=VALUE`` token is an error: the user meant an override, which Megatron flags do not take."""
+    a stray ``KEY=VALUE`` token is an error: the user meant an override, which Megatron flags do not take.
+    ``kept``: a launch script's command substitutions / arithmetic expansions kept as written, with their lines; a flag
+    whose value holds one is taken as text and listed in ``RawConfig.unevaluated`` (an error only where a rule reads it:
+    bash runs ``--seed $(date +%s)``'s program, and memguard needs no seed)."""
     table = flag_table()
     toks = [str(t) for t in argv]
     args: dict[str, Any] = {}
@@ -162,6 +173,7 @@ def parse_megatron_flags(
     warnings: list[str] = []
     unknown: list[str] = []
     strays: list[str] = []
+    unevaluated: dict[str, str] = {}
     i = 0
     while i < len(toks):
         tok = toks[i]
@@ -210,12 +222,21 @@ def parse_megatron_flags(
                     raise ConfigError(tok, "expects a value")
                 inline = toks[i]
                 i += 1
-            args[dest] = _choice(_convert(_substitute(inline, env if expand else None, tok), typ, tok), name, tok)
+            shell = _unevaluated(inline, kept)
+            if shell:
+                args[dest], unevaluated[dest] = inline, shell
+            else:
+                args[dest] = _choice(_convert(_substitute(inline, env if expand else None, tok), typ, tok), name, tok)
         else:  # list
             vals = [] if inline is None else [inline]
             while inline is None and i < len(toks) and not _is_flag(toks[i]):
                 vals.append(toks[i])
                 i += 1
+            shell = next(filter(None, (_unevaluated(v, kept) for v in vals)), None)
+            if shell:
+                args[dest], unevaluated[dest] = vals, shell
+                origin[dest] = tok
+                continue
             args[dest] = [_choice(_convert(_substitute(v, env if expand else None, tok), typ, tok), name, tok)
                           for v in vals]
             if dest in _UNWRAP_SINGLE and len(args[dest]) == 1:
@@ -236,9 +257,27 @@ def parse_megatron_flags(
     if unknown:
         warnings.append("not Megatron flags (as of core 0.19), ignored: " + _first(unknown, cut, " "))
     if args.get("yaml_cfg"):
+        if "yaml_cfg" in unevaluated:
+            raise ConfigError(origin["yaml_cfg"], f"is {unevaluated['yaml_cfg']}", unevaluated_fix(origin["yaml_cfg"]))
         return _read_yaml_cfg(str(args["yaml_cfg"]), [origin[d] for d in args if d != "yaml_cfg"], env, warnings)
     return RawConfig(args=args, origin=origin, source=source, warnings=tuple(warnings), env=memory_env(env),
-                     megatron_command_line=True)
+                     megatron_command_line=True, unevaluated=unevaluated)
+
+
+def _unevaluated(value: str, kept: Mapping[str, int] | None) -> str | None:
+    """What the shell text in a launch script's flag value is and where (``kept``: construct -> line), None when the
+    value holds none (or the flags are not a launch script's)."""
+    if kept is None or ("$(" not in value and "`" not in value):
+        return None
+    from .shell import kept_construct
+    c = kept_construct(value)
+    if c is None:
+        return None
+    line = kept.get(c)
+    where = f" (line {line})" if line else ""
+    if c.startswith("$((") and "$(" not in c[3:] and "`" not in c:
+        return f"{shown(c)}{where}, an arithmetic expansion memguard does not evaluate (++, =, ?:, a comma or base#)"
+    return f"{shown(c)}{where}, a command substitution: bash runs the program when the job starts, memguard does not"
 
 
 def _first(items: list[str], show, sep: str = ", ", n: int = 10) -> str:

@@ -2,12 +2,15 @@
 
 One pass over the command's text, as bash does it (bash(1), "EXPANSION"): ``$VAR``, ``${VAR}``,
 ``${VAR:-word}`` / ``${VAR-word}``, ``${VAR:+word}``, ``${VAR:=word}``, ``${ARR[@]}``, ``${ARR[*]}``,
-``${ARR[n]}`` are replaced by their values, and a value is never scanned again: ``A='$A$A'`` holds
+``${ARR[n]}``, the pattern and case operators ``${VAR#pat}`` / ``${VAR%%pat}`` / ``${VAR/pat/rep}`` / ``${VAR//pat/rep}`` /
+``${VAR^^}`` / ``${VAR,,}`` (``shell_pattern``) and the indirections ``${!VAR}`` / ``${!ARR[@]}`` / ``${!PREFIX*}`` are
+replaced by their values, and a value is never scanned again: ``A='$A$A'`` holds
 the four characters ``$A$A``, and ``A=$A$A`` doubles it once (a re-scanning expander grows it
 exponentially). Single quotes keep everything; double quotes keep spaces and expand; an unquoted
 value is split into words on whitespace (not in ``NAME=value`` assignments, as in bash). What memguard
 cannot evaluate is kept as written: an unset ``$VAR`` (the reader reports it where it matters),
-``$(command)``, backquotes, ``$((arithmetic))``, ``$1``, and the rarer ``${VAR...}`` operators.
+``$(command)`` and backquotes (bash runs a program there; ``words`` lists them so that the reader can name the line
+where a flag memguard needs takes one), a ``$((arithmetic))`` it does not follow, and the rarer ``${VAR...}`` operators.
 
 A script's text is cut first into bash's logical lines (continuations, comments, quotes and arrays
 spanning lines, here-documents) and simple commands (``;`` ``&&`` ``|``, redirections dropped), and
@@ -21,6 +24,7 @@ from typing import Mapping, MutableMapping
 
 from ..errors import ReaderError
 from .shell_arith import ArithmeticUnfollowed, evaluate
+from .shell_pattern import STAR, bracket, case, glob_pieces, literal, remove, replace
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
@@ -32,21 +36,43 @@ MAX_NESTING = 32   # ${A:-${B:-...}} levels (scripts nest two or three)
 MAX_EXPANDED = 16 * 2**20   # characters of one command after expansion (4 x issue 14's 4 MiB re-expansion case)
 MAX_WORDS = 100_000   # words of one command after expansion (Megatron-LM's example scripts: a few hundred)
 _DECLARATIONS = ("export", "declare", "local", "readonly", "typeset")
+# ${X/p/r}, ${X#p}, ${X^^}, ${A[@]/p/r}, ${@#p}, ${!N}, ${!A[@]}, ${!PREFIX*} (bash(1), "Parameter Expansion")
+_OPERATED = re.compile(r"(!)?(@|\*|\d+|[A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(//|/#|/%|/|##|#|%%|%|\^\^|\^|,,|,|~~|~)?(.*)",
+                       re.S)
+_INDIRECT = re.compile(r"(@|\*|\d+|[A-Za-z_][A-Za-z0-9_]*)(?:\[(@|\*|\d+)\])?")
+_AMP = object()   # bash 5.2's '&' in a replacement: the matched text (patsub_replacement, on by default)
 _BLANK = " \t\n"
 _PLAIN = re.compile(r"[^\s\\'\"$`#]+")
 
 Vars = MutableMapping[str, object]
 
 
-def words(text: str, vars: Vars, unknown: list[str] | None = None) -> list[str]:
+def words(text: str, vars: Vars, unknown: list[str] | None = None, kept: list[str] | None = None) -> list[str]:
     """The words of one simple command ``text`` after expansion and quote removal (``NAME=value``
     words included). Raises ValueError for an unterminated quote, as shlex does. ``unknown`` gets the
-    ``$@`` / ``$*`` that stand for the script's own arguments (kept as written)."""
+    ``$@`` / ``$*`` that stand for the script's own arguments (kept as written); ``kept`` the command substitutions
+    and arithmetic expansions kept as written (each as it stands in the words)."""
     w = _Words(text, vars)
     out = w.run()
     if unknown is not None:
         unknown.extend(w.unknown)
+    if kept is not None:
+        kept.extend(w.kept)
     return out
+
+
+def kept_construct(value: str) -> str | None:
+    """The first ``$(...)`` / ``$((...))`` / backquoted text in ``value`` (as ``words`` keeps them), None without one."""
+    i = min((k for k in (value.find("$("), value.find("`")) if k >= 0), default=-1)
+    if i < 0:
+        return None
+    if value[i] == "`":
+        end = value.find("`", i + 1)
+        return value[i:end + 1] if end > 0 else value[i:]
+    found: dict = {}
+    _match_from(value, i + 1, "(", ")", found)
+    end = found.get((value, i + 1))
+    return value[i:end] if end else value[i:]
 
 
 def expand_word(word: str, vars: Mapping[str, object]) -> str:
@@ -77,7 +103,7 @@ def expand_word(word: str, vars: Mapping[str, object]) -> str:
 
 
 class _Words:
-    def __init__(self, text: str, vars: Vars, quoted: bool = False, depth: int = 0):
+    def __init__(self, text: str, vars: Vars, quoted: bool = False, depth: int = 0, kept: list[str] | None = None):
         if depth > MAX_NESTING:
             raise ValueError(f"parameter expansions nested deeper than {MAX_NESTING} levels")
         self.text = text
@@ -92,6 +118,7 @@ class _Words:
         self.assign_ok = True        # only assignments so far: NAME=value words are assignments
         self.in_assign = False       # the current word is an assignment (no field splitting)
         self.unknown: list[str] = []  # "$@" / "$*" of the script's own arguments (unknown to memguard)
+        self.kept: list[str] = [] if kept is None else kept   # $(...), `...`, $((...)) kept as written
 
     # -- building words ----------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -248,8 +275,14 @@ class _Words:
         end = self.text.find(close, i + 1)
         if end < 0:
             raise ValueError("No closing quotation")
-        self._add(self.text[i:end + 1])
+        self._keep(self.text[i:end + 1])
         return end + 1
+
+    def _keep(self, text: str) -> None:
+        """A command substitution or arithmetic expansion memguard does not evaluate: kept as written, and listed."""
+        self._add(text)
+        if len(self.kept) < MAX_WORDS:
+            self.kept.append(text)
 
     def _dollar(self, i: int, quoted: bool) -> int:
         t = self.text
@@ -273,7 +306,7 @@ class _Words:
                     j += 2
                 self._add(t[i:j])
                 return j
-            self._add(t[i:end])
+            self._keep(t[i:end])
             return end
         if nxt == "'" and not quoted:                   # $'...': ANSI-C quoting, kept without its escapes
             end = t.find("'", i + 2)
@@ -319,7 +352,8 @@ class _Words:
                 return special, end
             m = _BRACED.match(inner)
             if not m or (m.end() != len(inner) and not m.group(4)):
-                return _UNSET, end                     # ${#VAR}, ${VAR%x}, ${1}: not evaluated
+                operated = self._operated(inner)       # ${X/a/b}, ${X^^}, ${!N}, ...
+                return (_UNSET if operated is None else operated), end    # ${1x}, ${X@Q}: not evaluated
             name, index, op = m.group(1), m.group(3), m.group(4)
             value = _lookup(self.vars.get(name), index)
             if not op:
@@ -406,6 +440,184 @@ class _Words:
             return " ".join(part)
         return list(part) if items is not None else part
 
+    # -- ${X/p/r}, ${X#p}, ${X^^}, ${!N} ------------------------------------------------------------------------------
+    def _operated(self, inner: str):
+        """The value of a pattern / case operator or an indirection (``inner``: the text inside ``${ }``); _UNSET for an
+        unset variable (kept as written); None when ``inner`` is none of these."""
+        m = _OPERATED.fullmatch(inner)
+        if not m:
+            return None
+        bang, name, index, op, rest = m.group(1), m.group(2), m.group(4), m.group(5), m.group(6)
+        if op is None:
+            if not bang:
+                return None
+            if rest in ("*", "@") and not index and not name[0].isdigit():     # ${!PREFIX*}: the names it starts
+                names = sorted(k for k in self.vars if k.startswith(name) and _NAME.fullmatch(k))
+                return names if rest == "@" else " ".join(names)
+            if rest:
+                return None
+        positional = name in ("@", "*") or name.isdigit()
+        if positional and index:
+            return None
+        if bang and index in ("@", "*") and op is None:                          # ${!A[@]}: the array's indices
+            v = self.vars.get(name)
+            keys = [] if v is None else [str(k) for k in range(len(v))] if isinstance(v, list) else ["0"]
+            return keys if index == "@" else " ".join(keys)
+        each = index in ("@", "*") or name in ("@", "*")
+        value = self._positional("@" if name == "*" else name) if positional else \
+            _lookup(self.vars.get(name), "@" if index == "*" else index)
+        if bang:
+            if value is _UNSET:
+                raise ValueError(f"{name}: invalid indirect expansion")
+            target = " ".join(value) if isinstance(value, list) else value
+            t = _INDIRECT.fullmatch(target)
+            if not t:
+                raise ValueError(f"{target}: invalid variable name")
+            each = t.group(2) in ("@", "*") or t.group(1) in ("@", "*")
+            positional = t.group(1) in ("@", "*") or t.group(1).isdigit()
+            if positional and t.group(2):
+                return None
+            value = self._positional("@" if t.group(1) == "*" else t.group(1)) if positional else \
+                _lookup(self.vars.get(t.group(1)), "@" if t.group(2) == "*" else t.group(2))
+            joined = t.group(1) == "*" or t.group(2) == "*"
+        else:
+            joined = name == "*" or index == "*"
+        if value is _UNSET:
+            return _UNSET
+        if op is not None:
+            f = self._operator(op, rest)
+            value = [f(x) for x in value] if isinstance(value, list) else f(value)
+        if isinstance(value, list) and (joined or not each):
+            return " ".join(value)
+        return value
+
+    def _operator(self, op: str, rest: str):
+        """The function of one value that ``${X<op><rest>}`` applies."""
+        if op[0] in "#%":
+            pieces = self._pattern(rest)
+            return lambda s: remove(s, pieces, op)
+        if op[0] in "^,~":
+            pieces = self._pattern(rest) if rest else None
+            return lambda s: case(s, pieces, op)
+        cut = _split_slash(rest)
+        pattern, repl = (rest, None) if cut is None else (rest[:cut], rest[cut + 1:])
+        pieces = self._pattern(pattern)
+        parts = self._replacement(repl) if repl is not None else []
+
+        def rep(matched: str) -> str:
+            return "".join(matched if p is _AMP else p for p in parts)
+        return lambda s: replace(s, pieces, rep, op)
+
+    def _sub(self, text: str) -> "_Words":
+        return _Words(text, self.vars, quoted=True, depth=self.depth + 1, kept=self.kept)
+
+    def _quoted_end(self, text: str, i: int) -> int:
+        """The index of the '"' closing the double quotes opened at ``text[i]``."""
+        j = i + 1
+        while j < len(text):
+            c = text[j]
+            if c == "\\":
+                j += 2
+                continue
+            if c == '"':
+                return j
+            if text.startswith("${", j) or text.startswith("$(", j):
+                end = self._matching(text, j + 1, text[j + 1], "}" if text[j + 1] == "{" else ")")
+                if end is not None:
+                    j = end
+                    continue
+            j += 1
+        raise ValueError("No closing quotation")
+
+    def _expansion(self, text: str, i: int) -> tuple[str | None, int]:
+        """The value of the expansion at ``text[i] == '$'`` inside a pattern or replacement, and where it ends; (None,
+        ``i + 1``) for a plain '$'; a command substitution is kept as written."""
+        if text.startswith("$(", i):
+            end = self._matching(text, i + 1, "(", ")")
+            if end is not None:
+                if text.startswith("$((", i):
+                    try:
+                        return str(evaluate(text[i + 3:end - 2], self.vars)), end
+                    except ArithmeticUnfollowed:
+                        pass
+                self.kept.append(text[i:end])
+                return text[i:end], end
+            return None, i + 1
+        sub = self._sub(text)
+        ref = sub.reference(i)
+        if ref is None:
+            return None, i + 1
+        value, end = ref
+        if isinstance(value, _Default):
+            value = sub.default_value(value)
+        if value is _UNSET:
+            return text[i:end], end
+        return (" ".join(value) if isinstance(value, list) else value), end
+
+    def _pattern(self, text: str) -> list:
+        """The glob pieces of a pattern as bash reads it: quoted and backslashed characters match themselves, an unquoted
+        expansion's value is a pattern itself."""
+        out: list = []
+        i, n = 0, len(text)
+        while i < n:
+            c = text[i]
+            if c == "\\" and i + 1 < n:
+                out.append(literal(text[i + 1]))
+                i += 2
+            elif c == "'":
+                end = text.find("'", i + 1)
+                if end < 0:
+                    raise ValueError("No closing quotation")
+                out.extend(literal(x) for x in text[i + 1:end])
+                i = end + 1
+            elif c == '"':
+                end = self._quoted_end(text, i)
+                out.extend(literal(x) for x in "".join(self._sub(text[i:end + 1]).run()))
+                i = end + 1
+            elif c == "$":
+                value, i = self._expansion(text, i)
+                out.extend([literal("$")] if value is None else glob_pieces(value))
+            elif c == "[" and bracket(text, i) is not None:
+                piece, i = bracket(text, i)   # type: ignore[misc]
+                out.append(piece)
+            else:
+                out.extend(glob_pieces(c))
+                i += 1
+            self.grow(0)
+        while len(out) > 1 and out[-1] is STAR and out[-2] is STAR:
+            out.pop()
+        return out
+
+    def _replacement(self, text: str) -> list:
+        """A replacement's parts: text, or _AMP for an unquoted '&' (the matched text, bash 5.2)."""
+        out: list = []
+        i, n = 0, len(text)
+        while i < n:
+            c = text[i]
+            if c == "\\" and i + 1 < n:
+                out.append(text[i + 1])
+                i += 2
+            elif c == "'":
+                end = text.find("'", i + 1)
+                if end < 0:
+                    raise ValueError("No closing quotation")
+                out.append(text[i + 1:end])
+                i = end + 1
+            elif c == '"':
+                end = self._quoted_end(text, i)
+                out.append("".join(self._sub(text[i:end + 1]).run()))
+                i = end + 1
+            elif c == "$":
+                value, i = self._expansion(text, i)
+                out.append("$" if value is None else value)
+            elif c == "&":
+                out.append(_AMP)
+                i += 1
+            else:
+                out.append(c)
+                i += 1
+        return out
+
     def _matching(self, t: str, i: int, open_: str, close: str) -> int | None:
         """The index after the ``close`` matching ``t[i] == open_``, None if there is none. Every scan's
         results are kept: a line of 100,000 unclosed ``$(`` is read in one pass, not 100,000."""
@@ -416,13 +628,42 @@ class _Words:
 
     def default_value(self, d: "_Default") -> str:
         """The word of ``${VAR:-word}`` as one string (``${VAR:=word}`` also assigns it)."""
-        value = "".join(_Words(d.word, self.vars, quoted=True, depth=self.depth + 1).run())
+        value = "".join(_Words(d.word, self.vars, quoted=True, depth=self.depth + 1, kept=self.kept).run())
         if d.assign:
             self.vars[d.assign] = value
         return value
 
 
 _UNSET = object()
+
+
+def _split_slash(text: str) -> int | None:
+    """Where the pattern of ``${X/pattern/replacement}`` ends: the first '/' not escaped, quoted or inside ``${ }`` /
+    ``$( )`` (bash splits there, brackets or not: ``${P/[/]/-}`` is the pattern '[')."""
+    i, n, depth = 0, len(text), 0
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c in "'\"" and not depth:
+            end = text.find(c, i + 1)
+            if end < 0:
+                return None
+            i = end + 1
+            continue
+        if c == "$" and text[i + 1:i + 2] in ("{", "("):
+            depth += 1
+            i += 2
+            continue
+        if depth and c in "})":
+            depth -= 1
+        elif depth and c in "{(":
+            depth += 1
+        elif c == "/" and not depth:
+            return i
+        i += 1
+    return None
 
 
 class _Default:
@@ -620,15 +861,15 @@ def simple_commands(line: str) -> list[str]:
             cur.append(c)
             i += 1
             continue
-        if c == "$" and line[i + 1:i + 2] == "(":
-            sub += 1
-            cur.append("$(")
+        if c == "$" and line[i + 1:i + 2] in ("(", "{"):
+            sub += 1                  # (a '&' or ';' inside ${X/a/&} or $(...) separates nothing)
+            cur.append(line[i:i + 2])
             i += 2
             continue
         if sub:
-            if c == "(":
+            if c in "({":
                 sub += 1
-            elif c == ")":
+            elif c in ")}":
                 sub -= 1
             cur.append(c)
             i += 1

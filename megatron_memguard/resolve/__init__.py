@@ -119,11 +119,11 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
     try:
         for _name, section in SECTIONS:
             kw.update(section(a, kw, ctx))
+        if a.errors:
+            return None
+        kw.update(runtime.late_options(a, kw, ctx))
     except Stop:
         return None
-    if a.errors:
-        return None
-    kw.update(runtime.late_options(a, kw, ctx))
     kw.update(megatron_version=str(ctx.version), notes=tuple(a.notes))
     layout = Layout.from_flat(**kw)
     # the layer count of each model chunk comes from the partition of the built layout
@@ -144,7 +144,7 @@ def _run(a: Args, world_size: int | None, version_text: str, vocab_size: int | N
 def _version_text(a: Args, megatron_version: str | None) -> str:
     if megatron_version is not None:   # ('' is a version given and unreadable, not the default)
         return megatron_version
-    return a.a.get("megatron_version") or DEFAULT_MEGATRON_VERSION
+    return dict.get(a.a, "megatron_version") or DEFAULT_MEGATRON_VERSION
 
 
 def resolve(

@@ -60,17 +60,48 @@ class Stop(Exception):
     """A section cannot go on (a required value is missing or broken); its error is already recorded."""
 
 
+class _Watched(dict):
+    """The raw arguments, reporting the first read of a value memguard cannot know (``RawConfig.unevaluated``: a launch
+    script's ``$(nproc)``) as one error and stopping there: only a setting a rule needs is an error."""
+
+    def __init__(self, args: Mapping[str, Any], unevaluated: Mapping[str, str], stop: Any):
+        super().__init__(args)
+        self.unevaluated = dict(unevaluated)
+        self.stop = stop
+
+    def get(self, dest: Any, default: Any = None) -> Any:
+        if dest in self.unevaluated:
+            self.stop(dest)
+        return super().get(dest, default)
+
+    def __getitem__(self, dest: Any) -> Any:
+        if dest in self.unevaluated:
+            self.stop(dest)
+        return super().__getitem__(dest)
+
+    def __setitem__(self, dest: Any, value: Any) -> None:
+        self.unevaluated.pop(dest, None)      # (a value a section derived replaces the text)
+        super().__setitem__(dest, value)
+
+
 class Args:
     """The raw arguments of one config (flat Megatron dests), with the errors and notes found so far."""
 
     def __init__(self, raw: RawConfig):
         self.raw = raw
-        self.a = dict(raw.args)
+        self.a: dict[str, Any] = _Watched(raw.args, raw.unevaluated, self._unevaluated) if raw.unevaluated \
+            else dict(raw.args)
         self.errors: list[ConfigError] = []
         self.notes: list[str] = list(raw.warnings)
 
+    def _unevaluated(self, dest: str) -> None:
+        from ..readers.megatron_flags import unevaluated_fix
+        self.fail(dest, f"is {self.raw.unevaluated[dest]}", unevaluated_fix(self.key(dest)))
+        raise Stop
+
     def given(self, dest: str) -> bool:
-        return self.a.get(dest) is not None
+        # (presence only: a --save $(pwd)/ckpt is given whatever the program prints)
+        return dict.get(self.a, dest) is not None
 
     def get(self, dest: str, default: Any = None) -> Any:
         v = self.a.get(dest)

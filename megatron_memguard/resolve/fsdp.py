@@ -162,7 +162,7 @@ def fsdp(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # (DistributedOptimizer._init_optimizer_states_with_dummy_values when is_loading; skipped by --no-load-optim and
         # --finetune: megatron-core 0.19.2 training/checkpointing.py, optimizer/distrib_optimizer.py), whatever the
         # directory holds: the run's first micro-batch already has them (estimator/fsdp_layout.py)
-        out["fsdp_optimizer_states_at_start"] = (megatron and a.get("load") is not None
+        out["fsdp_optimizer_states_at_start"] = (megatron and a.given("load")
                                                  and not a.bool_arg("no_load_optim", False)
                                                  and not a.bool_arg("finetune", False))
         out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, fsdp_double_buffer=double,

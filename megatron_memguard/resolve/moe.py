@@ -105,7 +105,50 @@ def _single_grouped_rules(r: Reader, *, add_bias_linear: bool, precision: Mappin
     return ok
 
 
-def _dense_rules(r: Reader, *, legacy: bool, before_019: bool, precision: Mapping[str, Any]) -> None:
+def _every_model_rules(r: Reader, *, before_019: bool) -> bool:
+    """TransformerConfig.__post_init__'s rules on the router's lists and the SM counts, which no ``num_moe_experts``
+    guards (dense and MoE models alike); False when one broke."""
+    ok = True
+    lbt = r.get("moe_router_load_balancing_type")
+    if isinstance(lbt, (list, tuple)):
+        # core 0.16.1 transformer_config.py line 1097, 0.19.2 line 1652 (validate_args of 0.19.2 first makes a
+        # one-element list its value: arguments.py line 1606; memguard's flag reader does the same)
+        coeff = r.get("moe_aux_loss_coeff", 0.0)
+        if not isinstance(coeff, (list, tuple)) or len(coeff) != len(lbt):
+            got = f"{len(coeff)} values" if isinstance(coeff, (list, tuple)) else "one value"
+            r.fail("moe_aux_loss_coeff", f"must be a list of as many values as --moe-router-load-balancing-type has "
+                                         f"({len(lbt)}), got {got} (TransformerConfig: \"moe_aux_loss_coeff must be a "
+                                         "list of the same length as moe_router_load_balancing_type\")")
+            ok = False
+    if not before_019 and r.get("moe_flex_dispatcher_num_sms") is None:
+        # core 0.19.2 transformer_config.py line 1619: the deprecated per-backend SM counts route to
+        # moe_flex_dispatcher_num_sms, and two different ones raise (0.16.1-0.18.2: plain fields, default 20)
+        deprecated = {d: r.int_arg(d, None) for d in ("moe_deepep_num_sms", "moe_hybridep_num_sms")
+                      if r.get(d) is not None}
+        if len(set(deprecated.values())) > 1:
+            r.fail("moe_hybridep_num_sms", f"{deprecated['moe_hybridep_num_sms']} conflicts with --moe-deepep-num-sms "
+                                           f"{deprecated['moe_deepep_num_sms']}: both are deprecated and route to one "
+                                           "SM count (TransformerConfig, megatron-core 0.19.2: \"Conflicting deprecated "
+                                           "SM-count knobs\")", "give one --moe-flex-dispatcher-num-sms instead")
+            ok = False
+    return ok
+
+
+def _flex_num_sms(r: Reader, *, before_019: bool) -> int:
+    """The SMs DeepEP's buffers are sized for: --moe-flex-dispatcher-num-sms (0.19), else the deprecated
+    --moe-deepep-num-sms or (0.19: routed there too) --moe-hybridep-num-sms; DeepEP's 20 by default."""
+    flex = r.int_arg("moe_flex_dispatcher_num_sms", None)
+    if flex:
+        return flex
+    deepep = r.int_arg("moe_deepep_num_sms", None)
+    if deepep or before_019:
+        return deepep or 20
+    # (core 0.19.2 transformer_config.py line 1635 routes --moe-hybridep-num-sms to the flex dispatcher's count)
+    return r.int_arg("moe_hybridep_num_sms", None) or 20
+
+
+def _dense_rules(r: Reader, *, legacy: bool, before_019: bool, precision: Mapping[str, Any],
+                 before_017: bool = True) -> None:
     """The rules of TransformerConfig.__post_init__ on MoE-only settings that no ``num_moe_experts`` guards, so
     that megatron-core stops a dense model that sets them (core 0.19.2 transformer_config.py lines 1538-1710,
     1904-1920, 2284-2360; core 0.16.1 lines 1058-1135, 1593-1660). The MoE branch of ``read_moe`` checks the
@@ -119,6 +162,17 @@ def _dense_rules(r: Reader, *, legacy: bool, before_019: bool, precision: Mappin
             # 0.16.1 asserts it with no exception; 0.19.2 lets a mixed --moe-layer-freq through (its dense layers)
             r.fail("moe_ffn_hidden_size", "needs --num-experts (TransformerConfig: \"moe_ffn_hidden_size is set but "
                                           "num_moe_experts is None\")", "remove --moe-ffn-hidden-size or add --num-experts")
+    raw = getattr(r, "raw", None)
+    if r.get("moe_latent_size") is not None and raw is not None and raw.megatron_command_line and not before_017:
+        # validate_args (arguments.py: core 0.17.1 line 1599, 0.19.2 line 1899) asserts a positive size, then experts;
+        # TransformerConfig has no such rule (a Bridge / NeMo dense config's latent size builds nothing). 0.16.1's
+        # validate_args is not installed here to check, so its command lines are not held to it
+        lat = r.int_arg("moe_latent_size", None, minimum=-(2**63))
+        if lat is not None and lat <= 0:
+            r.fail("moe_latent_size", f"must be greater than zero (validate_args), got {lat}")
+        elif lat is not None:
+            r.fail("moe_latent_size", "needs --num-experts (validate_args: \"MoE latent projections are applicable only "
+                                      "for MoE models\")", "remove --moe-latent-size or add --num-experts")
     disp = str(r.get("moe_token_dispatcher_type", "allgather"))
     backend = str(r.get("moe_flex_dispatcher_backend", "deepep"))
     deepep = r.bool_arg("moe_enable_deepep", False)
@@ -213,7 +267,8 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         if recompute_granularity == "selective" and "moe_act" in recompute_modules \
                 and not r.bool_arg("moe_grouped_gemm", False):
             r.fail("recompute_modules", "moe_act is only supported with --moe-grouped-gemm")
-        _dense_rules(r, legacy=legacy, before_019=before_019, precision=precision or {})
+        _every_model_rules(r, before_019=before_019)
+        _dense_rules(r, legacy=legacy, before_019=before_019, precision=precision or {}, before_017=before_017)
         _single_grouped_rules(r, add_bias_linear=add_bias_linear, precision=precision or {})
         return None
     # a paged stash that breaks Megatron's own rules is the error Megatron stops on, not a refusal
@@ -225,7 +280,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
     etp = r.int_arg("expert_tensor_parallel_size", None) or tp
     weight_shards(r, "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size", etp, "expert TP")
     k = r.int_arg("moe_router_topk", 2) or 2
-    ok = True
+    ok = _every_model_rules(r, before_019=before_019)
     if n % ep:
         r.fail("expert_model_parallel_size", f"must divide --num-experts {n}, got {ep}")
         ok = False
@@ -269,8 +324,7 @@ def read_moe(r: Reader, *, num_layers: int, ffn_hidden_size: int, tp: int, pp: i
         if r.bool_arg("moe_pad_expert_input_to_capacity", False):
             r.fail("moe_pad_expert_input_to_capacity", "is not supported by the flex dispatcher with DeepEP")
             ok = False
-        # --moe-flex-dispatcher-num-sms (0.19), --moe-deepep-num-sms (0.16, deprecated): DeepEP's 20 by default
-        num_sms = r.int_arg("moe_flex_dispatcher_num_sms", None) or r.int_arg("moe_deepep_num_sms", None) or 20
+        num_sms = _flex_num_sms(r, before_019=before_019)
     lbt = r.get("moe_router_load_balancing_type", "aux_loss")
     types = [str(t) for t in (lbt if isinstance(lbt, (list, tuple)) else [lbt])]
     for t in types:

@@ -70,11 +70,15 @@ OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon", "lion", "soap
 def refuse(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     """Raise NotModelledError for the first refused setting; note the warn-only ones. Returns the
     optimizer (the one refusal that is also a value of the Layout)."""
+    # (dict.get: a launch script's $(...) text is a value given, so --logits-load-dir $(cat dir) is the refusal, not
+    # the unevaluated-value error a rule reading its value gets)
     for dest, pred, what in NOT_MODELLED:
-        if dest in a.a and a.a[dest] is not None and pred(a.a[dest]):
+        v = dict.get(a.a, dest)
+        if v is not None and pred(v):
             raise NotModelledError(a.key(dest), what)
     for dest, pred, what in WARN_ONLY:
-        if dest in a.a and a.a[dest] is not None and pred(a.a[dest]):
+        v = dict.get(a.a, dest)
+        if v is not None and pred(v):
             a.notes.append(f"{a.key(dest)}: {what}")
     optimizer = str(a.get("optimizer", "adam")).lower()
     if optimizer not in OPTIMIZERS:
