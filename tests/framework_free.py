@@ -16,6 +16,8 @@ import ast
 import functools
 import os
 import sys
+from dataclasses import dataclass
+from typing import Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -86,21 +88,16 @@ def _imported_by_call(arg: ast.expr) -> list[str] | None:
     return None
 
 
-def _imports(tree: ast.AST, path: str) -> tuple[set[str], str | None]:
-    """Every module name the source imports, anywhere in it (with each parent package and each ``from pkg import
-    name`` that is a submodule), and the first probe met (None when none)."""
+def _imports(nodes: Iterable[ast.AST], path: str) -> tuple[set[str], str | None]:
+    """Every module name the nodes import (with each parent package and each ``from pkg import name`` that is a
+    submodule), and the first probe met (None when none)."""
     own, is_pkg = _module_name(path)
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = own.split(".")
-                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, own, is_pkg)
             found.add(mod)
             found.update(f"{mod}.{a.name}" for a in node.names)   # (a name that is no module is told apart later)
         elif isinstance(node, ast.Call) and _called(node) in _IMPORT_CALLS and node.args:
@@ -128,15 +125,17 @@ def _imports(tree: ast.AST, path: str) -> tuple[set[str], str | None]:
     return with_parents, None
 
 
-@functools.lru_cache(maxsize=None)
-def _own_reason(path: str) -> tuple[str | None, tuple[str, ...]]:
-    """(why this one file is not framework-free or None, the project modules it imports)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError) as e:
-        return f"unreadable ({e.__class__.__name__})", ()
-    mods, probe = _imports(tree, path)
+def _from_module(node: ast.ImportFrom, own: str, is_pkg: bool) -> str:
+    """The absolute module name of ``from MODULE import ...`` in the module ``own``."""
+    if not node.level:
+        return node.module or ""
+    base = own.split(".")
+    base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _classify(mods: set[str], probe: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """(why these imports are not framework-free or None, the project modules among them)."""
     if probe:
         return probe, ()
     project = []
@@ -153,22 +152,120 @@ def _own_reason(path: str) -> tuple[str | None, tuple[str, ...]]:
     return None, tuple(project)
 
 
+@dataclass(frozen=True)
+class _Scan:
+    """What one file's source says. ``lazy_*``: a module-level ``__getattr__`` (PEP 562) imports only when one of
+    ``lazy_names`` is looked up on the module, which the closure is searched for (``mentions``, ``binds``,
+    ``dynamic``) before its imports are followed."""
+    reason: str | None
+    project: tuple[str, ...]
+    lazy_names: frozenset[str] = frozenset()
+    lazy_reason: str | None = None
+    lazy_project: tuple[str, ...] = ()
+    mentions: frozenset[str] = frozenset()   # every identifier, attribute and identifier-like string; "*" for import *
+    binds: frozenset[str] = frozenset()      # the modules an import statement binds to a name here
+    dynamic: bool = False                    # looks up attributes by a computed name (getattr, vars, dir, __dict__)
+
+
+_DYNAMIC_CALLS = frozenset({"getattr", "hasattr", "vars", "dir", "getmembers"})
+
+
+def _lazy_getattr(tree: ast.Module) -> ast.FunctionDef | None:
+    """The module-level ``__getattr__`` whose imports run only for the names it names: every name it can return
+    is bound by an import in it or written as a string in it (no computed ``getattr`` / ``import_module``)."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            if any(isinstance(n, ast.Call) and _called(n) in _DYNAMIC_CALLS | _IMPORT_CALLS for n in ast.walk(node)):
+                return None
+            return node
+    return None
+
+
+def _mentions(nodes: Iterable[ast.AST], path: str) -> tuple[frozenset[str], frozenset[str], bool]:
+    own, is_pkg = _module_name(path)
+    names: set[str] = set()
+    binds: set[str] = set()
+    dynamic = False
+    for node in nodes:
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+            dynamic = dynamic or node.attr in ("__dict__", "__all__")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names.add(node.value)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                binds.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        elif isinstance(node, ast.ImportFrom):
+            mod = _from_module(node, own, is_pkg)
+            for a in node.names:
+                names.add(a.name)   # ("*" for a star import)
+                binds.add(f"{mod}.{a.name}")
+        elif isinstance(node, ast.Call) and _called(node) in _DYNAMIC_CALLS:
+            dynamic = dynamic or not (len(node.args) > 1 and isinstance(node.args[1], ast.Constant))
+    return frozenset(names), frozenset(binds), dynamic
+
+
+@functools.lru_cache(maxsize=None)
+def _own_reason(path: str) -> _Scan:
+    """What this one file imports and why it is not framework-free itself (None when it is)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return _Scan(f"unreadable ({e.__class__.__name__})", ())
+    lazy = _lazy_getattr(tree)
+    inside = {id(n) for n in ast.walk(lazy)} if lazy else set()
+    nodes = [n for n in ast.walk(tree) if id(n) not in inside]
+    reason, project = _classify(*_imports(nodes, path))
+    # (the strings of ``__all__`` name what ``import *`` takes, which counts as "*" where it is written)
+    exports = {id(n) for node in tree.body if isinstance(node, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) for n in ast.walk(node.value)}
+    mentions, binds, dynamic = _mentions([n for n in nodes if id(n) not in exports], path)
+    if reason or lazy is None:
+        return _Scan(reason, project, mentions=mentions, binds=binds, dynamic=dynamic)
+    lazy_nodes = list(ast.walk(lazy))
+    lazy_reason, lazy_project = _classify(*_imports(lazy_nodes, path))
+    lazy_names = {a.asname or a.name for n in lazy_nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    lazy_names |= {n.value for n in lazy_nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and n.value.isidentifier()}
+    return _Scan(None, project, frozenset(lazy_names), lazy_reason, lazy_project, mentions, binds, dynamic)
+
+
+def _asks_for(scan: _Scan, module: str, names: frozenset[str]) -> bool:
+    """Whether a file could look up one of a module's lazy names: it writes one of them, imports ``*``, or looks up
+    attributes by a computed name in a file that binds the module to a name."""
+    return bool(names & scan.mentions) or "*" in scan.mentions or (scan.dynamic and module in scan.binds)
+
+
 @functools.lru_cache(maxsize=None)
 def framework_reason(path: str) -> str | None:
     """Why the test file at ``path`` is not framework-free (the module and what it does), or None when it is."""
-    seen: set[str] = set()
+    seen: dict[str, _Scan] = {}
     todo = [os.path.abspath(path)]
+    opened: set[str] = set()   # modules whose lazy imports are followed
     while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        reason, project = _own_reason(p)
-        if reason:
-            return f"{os.path.relpath(p, ROOT)} {reason}"
-        # tests/conftest.py is imported in every test process anyway: what a file takes from it is a name, and its
-        # names that read the installed framework are in PROBES
-        todo.extend(f for f in map(_module_file, project) if f != CONFTEST)
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            scan = seen[p] = _own_reason(p)
+            if scan.reason:
+                return f"{os.path.relpath(p, ROOT)} {scan.reason}"
+            # tests/conftest.py is imported in every test process anyway: what a file takes from it is a name, and its
+            # names that read the installed framework are in PROBES
+            todo.extend(f for f in map(_module_file, scan.project) if f != CONFTEST)
+        for p, scan in list(seen.items()):
+            if p in opened or not scan.lazy_names:
+                continue
+            module = _module_name(p)[0]
+            if any(_asks_for(other, module, scan.lazy_names) for q, other in seen.items() if q != p):
+                opened.add(p)
+                if scan.lazy_reason:
+                    return f"{os.path.relpath(p, ROOT)} {scan.lazy_reason} (for a name its __getattr__ gives)"
+                todo.extend(f for f in map(_module_file, scan.lazy_project) if f != CONFTEST)
     return None
 
 

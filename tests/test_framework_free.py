@@ -36,9 +36,17 @@ def _reason(tmp_path, source: str) -> str | None:
     ("from importlib import metadata\n", "imports importlib.metadata"),
     ("from conftest import CONTAINER_ERA\npytestmark = CONTAINER_ERA\n", "uses CONTAINER_ERA"),
     ("import pytest\n@pytest.mark.megatron_training\ndef test_x():\n    pass\n", "is marked megatron_training"),
-    # through a project module: megatron_memguard.runtime.sources imports torch inside its functions
+    # through a project module's lazy name (runtime/sources.py's __getattr__ imports torch_sources.py, whose
+    # methods import torch), whichever way the name is looked up
     ("from megatron_memguard.runtime.sources import LiveBytesSource\n",
-     "megatron_memguard/runtime/sources.py imports torch"),
+     "megatron_memguard/runtime/torch_sources.py imports torch"),
+    ("import megatron_memguard.runtime as rt\nsrc = rt.CudaMemorySource()\n",
+     "megatron_memguard/runtime/torch_sources.py imports torch"),
+    ("from megatron_memguard import runtime\ngather = getattr(runtime, 'torch_stage_gather')\n",
+     "megatron_memguard/runtime/torch_gather.py imports torch"),
+    # a name computed at run time, or every name: either torch-backed module may be the one reported
+    ("from megatron_memguard import runtime\nthing = getattr(runtime, NAME)\n", "imports torch"),
+    ("from megatron_memguard.runtime import *\n", "imports torch"),
     # through a tests/ helper that starts the fork server's processes
     ("import build_util\n", "tests/build_util.py imports subprocess"),
 ])
@@ -54,6 +62,8 @@ def test_a_file_that_depends_on_its_venv_is_not_framework_free(tmp_path, source,
     "import pytest\nimport yaml\nfrom hypothesis import given, strategies as st\n",
     "import pytest\nOmegaConf = pytest.importorskip('omegaconf').OmegaConf\n",   # both venvs install omegaconf>=2.1
     "from conftest import LLAMA31_8B\n",   # a name from conftest.py, which every test process imports anyway
+    # the runtime monitor without its torch-backed names (those load through the package's __getattr__)
+    "from megatron_memguard.runtime import JsonlSink, MemoryMonitor, Prediction, StaticSource\n",
 ])
 def test_a_file_of_the_project_and_pure_packages_is_framework_free(tmp_path, source):
     assert _reason(tmp_path, source) is None
