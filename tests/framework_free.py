@@ -27,6 +27,13 @@ CONFTEST = os.path.join(TESTS, "conftest.py")
 # .venv312 line): the same release in each, so a file using them behaves alike. matplotlib, lightning and the
 # frameworks are not here: .venv312 lacks the first two, and torch / megatron-core differ by design.
 ALLOWED_THIRD_PARTY = frozenset({"pytest", "_pytest", "hypothesis", "yaml", "omegaconf", "packaging"})
+# Optional extras the project imports only where a user asks for them (the plot extra: matplotlib, imported by
+# megatron_memguard/report/plots.py for --plot and the report's plots), which .venv312 lacks. A reading by module cannot
+# tell the CLI's --plot from the rest of the CLI, so a file that reaches them only through megatron_memguard/ counts as
+# framework-free and runs, in every venv, with them hidden (hidden_extras, tests/conftest.py): the same code as in a
+# venv without them. A test or helper that imports one itself is not framework-free.
+OPTIONAL_EXTRAS = frozenset({"matplotlib"})
+PACKAGE = os.path.join(ROOT, "megatron_memguard")
 # Standard-library modules that start processes (what such a process imports is out of the scan's sight).
 PROCESS_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent", "pty", "runpy"})
 # Names whose use makes a file's outcome depend on the venv: process start-up (os.system, os.fork, the interpreter
@@ -134,11 +141,12 @@ def _from_module(node: ast.ImportFrom, own: str, is_pkg: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _classify(mods: set[str], probe: str | None) -> tuple[str | None, tuple[str, ...]]:
-    """(why these imports are not framework-free or None, the project modules among them)."""
+def _classify(mods: set[str], probe: str | None, path: str) -> tuple[str | None, tuple[str, ...], frozenset[str]]:
+    """(why these imports of the file at ``path`` are not framework-free or None, the project modules among them,
+    the optional extras among them that the package imports)."""
     if probe:
-        return probe, ()
-    project = []
+        return probe, (), frozenset()
+    project, extras = [], set()
     for mod in sorted(mods):
         top = mod.split(".")[0]
         if _module_file(mod):
@@ -147,9 +155,11 @@ def _classify(mods: set[str], probe: str | None) -> tuple[str | None, tuple[str,
             continue
         elif _module_file(top):
             continue   # a name inside a project module (`from pkg import function`), not a module
+        elif top in OPTIONAL_EXTRAS and path.startswith(PACKAGE + os.sep):
+            extras.add(top)
         else:
-            return f"imports {mod}", ()
-    return None, tuple(project)
+            return f"imports {mod}", (), frozenset()
+    return None, tuple(project), frozenset(extras)
 
 
 @dataclass(frozen=True)
@@ -159,9 +169,11 @@ class _Scan:
     ``dynamic``) before its imports are followed."""
     reason: str | None
     project: tuple[str, ...]
+    extras: frozenset[str] = frozenset()     # the optional extras it imports (OPTIONAL_EXTRAS)
     lazy_names: frozenset[str] = frozenset()
     lazy_reason: str | None = None
     lazy_project: tuple[str, ...] = ()
+    lazy_extras: frozenset[str] = frozenset()
     mentions: frozenset[str] = frozenset()   # every identifier, attribute and identifier-like string; "*" for import *
     binds: frozenset[str] = frozenset()      # the modules an import statement binds to a name here
     dynamic: bool = False                    # looks up attributes by a computed name (getattr, vars, dir, __dict__)
@@ -219,19 +231,20 @@ def _own_reason(path: str) -> _Scan:
     lazy = _lazy_getattr(tree)
     inside = {id(n) for n in ast.walk(lazy)} if lazy else set()
     nodes = [n for n in ast.walk(tree) if id(n) not in inside]
-    reason, project = _classify(*_imports(nodes, path))
+    reason, project, extras = _classify(*_imports(nodes, path), path)
     # (the strings of ``__all__`` name what ``import *`` takes, which counts as "*" where it is written)
     exports = {id(n) for node in tree.body if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) for n in ast.walk(node.value)}
     mentions, binds, dynamic = _mentions([n for n in nodes if id(n) not in exports], path)
     if reason or lazy is None:
-        return _Scan(reason, project, mentions=mentions, binds=binds, dynamic=dynamic)
+        return _Scan(reason, project, extras, mentions=mentions, binds=binds, dynamic=dynamic)
     lazy_nodes = list(ast.walk(lazy))
-    lazy_reason, lazy_project = _classify(*_imports(lazy_nodes, path))
+    lazy_reason, lazy_project, lazy_extras = _classify(*_imports(lazy_nodes, path), path)
     lazy_names = {a.asname or a.name for n in lazy_nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     lazy_names |= {n.value for n in lazy_nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)
                    and n.value.isidentifier()}
-    return _Scan(None, project, frozenset(lazy_names), lazy_reason, lazy_project, mentions, binds, dynamic)
+    return _Scan(None, project, extras, frozenset(lazy_names), lazy_reason, lazy_project, lazy_extras, mentions, binds,
+                 dynamic)
 
 
 def _asks_for(scan: _Scan, module: str, names: frozenset[str]) -> bool:
@@ -241,11 +254,12 @@ def _asks_for(scan: _Scan, module: str, names: frozenset[str]) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def framework_reason(path: str) -> str | None:
-    """Why the test file at ``path`` is not framework-free (the module and what it does), or None when it is."""
+def _closure(path: str) -> tuple[str | None, frozenset[str]]:
+    """(why the test file at ``path`` is not framework-free or None, the optional extras its closure imports)."""
     seen: dict[str, _Scan] = {}
     todo = [os.path.abspath(path)]
     opened: set[str] = set()   # modules whose lazy imports are followed
+    extras: set[str] = set()
     while todo:
         while todo:
             p = todo.pop()
@@ -253,7 +267,8 @@ def framework_reason(path: str) -> str | None:
                 continue
             scan = seen[p] = _own_reason(p)
             if scan.reason:
-                return f"{os.path.relpath(p, ROOT)} {scan.reason}"
+                return f"{os.path.relpath(p, ROOT)} {scan.reason}", frozenset()
+            extras |= scan.extras
             # tests/conftest.py is imported in every test process anyway: what a file takes from it is a name, and its
             # names that read the installed framework are in PROBES
             todo.extend(f for f in map(_module_file, scan.project) if f != CONFTEST)
@@ -264,9 +279,22 @@ def framework_reason(path: str) -> str | None:
             if any(_asks_for(other, module, scan.lazy_names) for q, other in seen.items() if q != p):
                 opened.add(p)
                 if scan.lazy_reason:
-                    return f"{os.path.relpath(p, ROOT)} {scan.lazy_reason} (for a name its __getattr__ gives)"
+                    return f"{os.path.relpath(p, ROOT)} {scan.lazy_reason} (for a name its __getattr__ gives)", frozenset()
+                extras |= scan.lazy_extras
                 todo.extend(f for f in map(_module_file, scan.lazy_project) if f != CONFTEST)
-    return None
+    return None, frozenset(extras)
+
+
+def framework_reason(path: str) -> str | None:
+    """Why the test file at ``path`` is not framework-free (the module and what it does), or None when it is."""
+    return _closure(path)[0]
+
+
+def hidden_extras(path: str) -> frozenset[str]:
+    """The optional extras a framework-free file's tests run without (OPTIONAL_EXTRAS its closure imports through
+    megatron_memguard/); empty for a file that is not framework-free."""
+    reason, extras = _closure(path)
+    return frozenset() if reason else extras
 
 
 def is_framework_free(path: str) -> bool:

@@ -69,6 +69,48 @@ def test_a_file_of_the_project_and_pure_packages_is_framework_free(tmp_path, sou
     assert _reason(tmp_path, source) is None
 
 
+def test_a_file_that_reaches_an_optional_extra_through_the_package_runs_without_it(tmp_path):
+    """The CLI imports matplotlib only for --plot (megatron_memguard/report/plots.py): a file using the CLI is
+    framework-free with matplotlib hidden; a file or tests/ helper that imports it itself is not."""
+    path = tmp_path / "test_written.py"
+    path.write_text("from megatron_memguard.cli.main import main\n")
+    assert framework_reason(str(path)) is None
+    assert framework_free.hidden_extras(str(path)) == {"matplotlib"}
+    helper = tmp_path / "test_helper.py"   # (another name: the reading is cached by path)
+    helper.write_text("import plot_util\n")
+    assert framework_reason(str(helper)) == "tests/plot_util.py imports matplotlib"
+    assert framework_free.hidden_extras(os.path.join(ROOT, "tests", "test_fp8.py")) == frozenset()
+
+
+def test_a_without_extras_test_meets_no_matplotlib_and_the_next_file_meets_it_again(tmp_path):
+    """tests/conftest.py (as a plugin) runs a written framework-free file's test, fixtures included, with matplotlib
+    unimportable: the project's plot path then refuses as without the plot extra; a later file that is not
+    framework-free imports matplotlib as before (where it is installed)."""
+    (tmp_path / "test_a_cli.py").write_text(
+        "import pytest\n"
+        "from megatron_memguard.report.plots import PlotUnavailable, require_matplotlib\n"
+        "@pytest.fixture(scope='module')\n"
+        "def refused():\n"
+        "    with pytest.raises(PlotUnavailable):\n"
+        "        require_matplotlib()\n"
+        "def test_plot_refused(request, refused):\n"
+        "    assert request.node.get_closest_marker('without_extras').args == ('matplotlib',)\n"
+        "    with pytest.raises(PlotUnavailable):\n"
+        "        require_matplotlib()\n")
+    (tmp_path / "test_b_plots.py").write_text(
+        "import pytest\n"
+        "def test_matplotlib_back(request):\n"
+        "    assert request.node.get_closest_marker('without_extras') is None\n"
+        "    pytest.importorskip('matplotlib.figure')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]),
+           "MEMGUARD_SKIP_FRAMEWORK_FREE": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-o",
+                          "addopts=", "test_a_cli.py", "test_b_plots.py"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 passed" in out.stdout or "1 passed, 1 skipped" in out.stdout, out.stdout[-1000:]
+
+
 @pytest.mark.parametrize("name, free", [
     ("test_bridge_real.py", False),        # Megatron-Bridge itself
     ("test_hook_container.py", False),     # the real megatron.training (CONTAINER_ERA)
@@ -76,6 +118,9 @@ def test_a_file_of_the_project_and_pure_packages_is_framework_free(tmp_path, sou
     ("test_fp8.py", True),                 # the estimator's fp8 terms by hand
     ("test_properties.py", True),          # hypothesis over the pure estimator
     ("test_planner_search.py", True),      # the planner (pure Python: test_planner_is_pure_python)
+    ("test_cli.py", True),                 # the CLI in-process (matplotlib hidden; the monitor without torch)
+    ("test_runtime_monitor.py", True),     # the runtime monitor with StaticSource readings
+    ("test_report_runlog.py", False),      # LiveBytesSource: torch's dispatch mode
 ])
 def test_suite_files_are_classified_by_what_they_import(name, free):
     assert (framework_reason(os.path.join(ROOT, "tests", name)) is None) is free
