@@ -56,6 +56,7 @@ _IMPORTLIB_PROBES = frozenset({"importlib.metadata", "importlib.util"})
 _STDLIB = frozenset(sys.stdlib_module_names) - PROCESS_MODULES
 
 
+@functools.lru_cache(maxsize=None)
 def _module_file(name: str) -> str | None:
     """The source file of a project module by dotted name (tests/ helpers are top-level modules), or None."""
     parts = name.split(".")
@@ -229,13 +230,15 @@ def _own_reason(path: str) -> _Scan:
     except (OSError, SyntaxError, ValueError) as e:
         return _Scan(f"unreadable ({e.__class__.__name__})", ())
     lazy = _lazy_getattr(tree)
-    inside = {id(n) for n in ast.walk(lazy)} if lazy else set()
-    nodes = [n for n in ast.walk(tree) if id(n) not in inside]
+    nodes = list(ast.walk(tree))
+    if lazy:
+        inside = {id(n) for n in ast.walk(lazy)}
+        nodes = [n for n in nodes if id(n) not in inside]
     reason, project, extras = _classify(*_imports(nodes, path), path)
     # (the strings of ``__all__`` name what ``import *`` takes, which counts as "*" where it is written)
     exports = {id(n) for node in tree.body if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) for n in ast.walk(node.value)}
-    mentions, binds, dynamic = _mentions([n for n in nodes if id(n) not in exports], path)
+    mentions, binds, dynamic = _mentions([n for n in nodes if id(n) not in exports] if exports else nodes, path)
     if reason or lazy is None:
         return _Scan(reason, project, extras, mentions=mentions, binds=binds, dynamic=dynamic)
     lazy_nodes = list(ast.walk(lazy))
