@@ -401,7 +401,7 @@ def default_source() -> Any:
         return None
     try:
         if torch.cuda.is_available():
-            from .runtime.sources import CudaMemorySource
+            from .runtime.torch_sources import CudaMemorySource
             return CudaMemorySource()
     except Exception:
         pass

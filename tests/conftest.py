@@ -43,6 +43,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "framework_free: set by tests/conftest.py on the tests of a file that imports no "
                             "torch, megatron or other venv-dependent module (tests/framework_free.py); "
                             "MEMGUARD_SKIP_FRAMEWORK_FREE=1 deselects them (tests/run.sh's 3.12 run)")
+    config.addinivalue_line("markers", "without_extras(*names): set by tests/conftest.py on the tests of a framework-free "
+                            "file that reaches an optional extra (matplotlib) through megatron_memguard/ only: they run "
+                            "with it hidden, as in .venv312, which lacks it (tests/framework_free.py OPTIONAL_EXTRAS)")
 
 
 def _framework_free_wanted(config) -> bool:
@@ -52,10 +55,33 @@ def _framework_free_wanted(config) -> bool:
 
 def pytest_itemcollected(item):
     # (during collection, so that `-m framework_free` and the deselection below see the mark)
-    if _framework_free_wanted(item.config):
-        import framework_free
-        if framework_free.is_framework_free(str(item.path)):
-            item.add_marker(pytest.mark.framework_free)
+    import framework_free
+    if _framework_free_wanted(item.config) and framework_free.is_framework_free(str(item.path)):
+        item.add_marker(pytest.mark.framework_free)
+    # in every run: the 3.12 run skips such a file because this one ran it as a venv without the extra would
+    extras = framework_free.hidden_extras(str(item.path))
+    if extras:
+        item.add_marker(pytest.mark.without_extras(*sorted(extras)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A without_extras test (with its fixtures' setup and teardown) runs with those packages unimportable: each
+    one's entries in sys.modules are None (an import of it or of a submodule raises ImportError), put back after."""
+    marker = item.get_closest_marker("without_extras")
+    if marker is None:
+        yield
+        return
+    def ours(name):
+        return name.split(".")[0] in marker.args
+    saved = {name: mod for name, mod in sys.modules.items() if ours(name)}
+    sys.modules.update(dict.fromkeys([*saved, *marker.args]))
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 # The files that take longest in a suite run (CPU referee training runs, the hook's two-rank e2e training, fork-server

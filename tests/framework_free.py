@@ -16,6 +16,8 @@ import ast
 import functools
 import os
 import sys
+from dataclasses import dataclass
+from typing import Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -25,6 +27,13 @@ CONFTEST = os.path.join(TESTS, "conftest.py")
 # .venv312 line): the same release in each, so a file using them behaves alike. matplotlib, lightning and the
 # frameworks are not here: .venv312 lacks the first two, and torch / megatron-core differ by design.
 ALLOWED_THIRD_PARTY = frozenset({"pytest", "_pytest", "hypothesis", "yaml", "omegaconf", "packaging"})
+# Optional extras the project imports only where a user asks for them (the plot extra: matplotlib, imported by
+# megatron_memguard/report/plots.py for --plot and the report's plots), which .venv312 lacks. A reading by module cannot
+# tell the CLI's --plot from the rest of the CLI, so a file that reaches them only through megatron_memguard/ counts as
+# framework-free and runs, in every venv, with them hidden (hidden_extras, tests/conftest.py): the same code as in a
+# venv without them. A test or helper that imports one itself is not framework-free.
+OPTIONAL_EXTRAS = frozenset({"matplotlib"})
+PACKAGE = os.path.join(ROOT, "megatron_memguard")
 # Standard-library modules that start processes (what such a process imports is out of the scan's sight).
 PROCESS_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent", "pty", "runpy"})
 # Names whose use makes a file's outcome depend on the venv: process start-up (os.system, os.fork, the interpreter
@@ -47,6 +56,7 @@ _IMPORTLIB_PROBES = frozenset({"importlib.metadata", "importlib.util"})
 _STDLIB = frozenset(sys.stdlib_module_names) - PROCESS_MODULES
 
 
+@functools.lru_cache(maxsize=None)
 def _module_file(name: str) -> str | None:
     """The source file of a project module by dotted name (tests/ helpers are top-level modules), or None."""
     parts = name.split(".")
@@ -86,21 +96,16 @@ def _imported_by_call(arg: ast.expr) -> list[str] | None:
     return None
 
 
-def _imports(tree: ast.AST, path: str) -> tuple[set[str], str | None]:
-    """Every module name the source imports, anywhere in it (with each parent package and each ``from pkg import
-    name`` that is a submodule), and the first probe met (None when none)."""
+def _imports(nodes: Iterable[ast.AST], path: str) -> tuple[set[str], str | None]:
+    """Every module name the nodes import (with each parent package and each ``from pkg import name`` that is a
+    submodule), and the first probe met (None when none)."""
     own, is_pkg = _module_name(path)
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = own.split(".")
-                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, own, is_pkg)
             found.add(mod)
             found.update(f"{mod}.{a.name}" for a in node.names)   # (a name that is no module is told apart later)
         elif isinstance(node, ast.Call) and _called(node) in _IMPORT_CALLS and node.args:
@@ -128,18 +133,21 @@ def _imports(tree: ast.AST, path: str) -> tuple[set[str], str | None]:
     return with_parents, None
 
 
-@functools.lru_cache(maxsize=None)
-def _own_reason(path: str) -> tuple[str | None, tuple[str, ...]]:
-    """(why this one file is not framework-free or None, the project modules it imports)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError) as e:
-        return f"unreadable ({e.__class__.__name__})", ()
-    mods, probe = _imports(tree, path)
+def _from_module(node: ast.ImportFrom, own: str, is_pkg: bool) -> str:
+    """The absolute module name of ``from MODULE import ...`` in the module ``own``."""
+    if not node.level:
+        return node.module or ""
+    base = own.split(".")
+    base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _classify(mods: set[str], probe: str | None, path: str) -> tuple[str | None, tuple[str, ...], frozenset[str]]:
+    """(why these imports of the file at ``path`` are not framework-free or None, the project modules among them,
+    the optional extras among them that the package imports)."""
     if probe:
-        return probe, ()
-    project = []
+        return probe, (), frozenset()
+    project, extras = [], set()
     for mod in sorted(mods):
         top = mod.split(".")[0]
         if _module_file(mod):
@@ -148,28 +156,148 @@ def _own_reason(path: str) -> tuple[str | None, tuple[str, ...]]:
             continue
         elif _module_file(top):
             continue   # a name inside a project module (`from pkg import function`), not a module
+        elif top in OPTIONAL_EXTRAS and path.startswith(PACKAGE + os.sep):
+            extras.add(top)
         else:
-            return f"imports {mod}", ()
-    return None, tuple(project)
+            return f"imports {mod}", (), frozenset()
+    return None, tuple(project), frozenset(extras)
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """What one file's source says. ``lazy_*``: a module-level ``__getattr__`` (PEP 562) imports only when one of
+    ``lazy_names`` is looked up on the module, which the closure is searched for (``mentions``, ``binds``,
+    ``dynamic``) before its imports are followed."""
+    reason: str | None
+    project: tuple[str, ...]
+    extras: frozenset[str] = frozenset()     # the optional extras it imports (OPTIONAL_EXTRAS)
+    lazy_names: frozenset[str] = frozenset()
+    lazy_reason: str | None = None
+    lazy_project: tuple[str, ...] = ()
+    lazy_extras: frozenset[str] = frozenset()
+    mentions: frozenset[str] = frozenset()   # every identifier, attribute and identifier-like string; "*" for import *
+    binds: frozenset[str] = frozenset()      # the modules an import statement binds to a name here
+    dynamic: bool = False                    # looks up attributes by a computed name (getattr, vars, dir, __dict__)
+
+
+_DYNAMIC_CALLS = frozenset({"getattr", "hasattr", "vars", "dir", "getmembers"})
+
+
+def _lazy_getattr(tree: ast.Module) -> ast.FunctionDef | None:
+    """The module-level ``__getattr__`` whose imports run only for the names it names: every name it can return
+    is bound by an import in it or written as a string in it (no computed ``getattr`` / ``import_module``)."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            if any(isinstance(n, ast.Call) and _called(n) in _DYNAMIC_CALLS | _IMPORT_CALLS for n in ast.walk(node)):
+                return None
+            return node
+    return None
+
+
+def _mentions(nodes: Iterable[ast.AST], path: str) -> tuple[frozenset[str], frozenset[str], bool]:
+    own, is_pkg = _module_name(path)
+    names: set[str] = set()
+    binds: set[str] = set()
+    dynamic = False
+    for node in nodes:
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+            dynamic = dynamic or node.attr in ("__dict__", "__all__")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names.add(node.value)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                binds.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        elif isinstance(node, ast.ImportFrom):
+            mod = _from_module(node, own, is_pkg)
+            for a in node.names:
+                names.add(a.name)   # ("*" for a star import)
+                binds.add(f"{mod}.{a.name}")
+        elif isinstance(node, ast.Call) and _called(node) in _DYNAMIC_CALLS:
+            dynamic = dynamic or not (len(node.args) > 1 and isinstance(node.args[1], ast.Constant))
+    return frozenset(names), frozenset(binds), dynamic
 
 
 @functools.lru_cache(maxsize=None)
+def _own_reason(path: str) -> _Scan:
+    """What this one file imports and why it is not framework-free itself (None when it is)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return _Scan(f"unreadable ({e.__class__.__name__})", ())
+    lazy = _lazy_getattr(tree)
+    nodes = list(ast.walk(tree))
+    if lazy:
+        inside = {id(n) for n in ast.walk(lazy)}
+        nodes = [n for n in nodes if id(n) not in inside]
+    reason, project, extras = _classify(*_imports(nodes, path), path)
+    # (the strings of ``__all__`` name what ``import *`` takes, which counts as "*" where it is written)
+    exports = {id(n) for node in tree.body if isinstance(node, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) for n in ast.walk(node.value)}
+    mentions, binds, dynamic = _mentions([n for n in nodes if id(n) not in exports] if exports else nodes, path)
+    if reason or lazy is None:
+        return _Scan(reason, project, extras, mentions=mentions, binds=binds, dynamic=dynamic)
+    lazy_nodes = list(ast.walk(lazy))
+    lazy_reason, lazy_project, lazy_extras = _classify(*_imports(lazy_nodes, path), path)
+    lazy_names = {a.asname or a.name for n in lazy_nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    lazy_names |= {n.value for n in lazy_nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and n.value.isidentifier()}
+    return _Scan(None, project, extras, frozenset(lazy_names), lazy_reason, lazy_project, lazy_extras, mentions, binds,
+                 dynamic)
+
+
+def _asks_for(scan: _Scan, module: str, names: frozenset[str]) -> bool:
+    """Whether a file could look up one of a module's lazy names: it writes one of them, imports ``*``, or looks up
+    attributes by a computed name in a file that binds the module to a name."""
+    return bool(names & scan.mentions) or "*" in scan.mentions or (scan.dynamic and module in scan.binds)
+
+
+@functools.lru_cache(maxsize=None)
+def _closure(path: str) -> tuple[str | None, frozenset[str]]:
+    """(why the test file at ``path`` is not framework-free or None, the optional extras its closure imports)."""
+    seen: dict[str, _Scan] = {}
+    todo = [os.path.abspath(path)]
+    opened: set[str] = set()   # modules whose lazy imports are followed
+    extras: set[str] = set()
+    while todo:
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            scan = seen[p] = _own_reason(p)
+            if scan.reason:
+                return f"{os.path.relpath(p, ROOT)} {scan.reason}", frozenset()
+            extras |= scan.extras
+            # tests/conftest.py is imported in every test process anyway: what a file takes from it is a name, and its
+            # names that read the installed framework are in PROBES
+            todo.extend(f for f in map(_module_file, scan.project) if f != CONFTEST)
+        for p, scan in list(seen.items()):
+            if p in opened or not scan.lazy_names:
+                continue
+            module = _module_name(p)[0]
+            if any(_asks_for(other, module, scan.lazy_names) for q, other in seen.items() if q != p):
+                opened.add(p)
+                if scan.lazy_reason:
+                    return f"{os.path.relpath(p, ROOT)} {scan.lazy_reason} (for a name its __getattr__ gives)", frozenset()
+                extras |= scan.lazy_extras
+                todo.extend(f for f in map(_module_file, scan.lazy_project) if f != CONFTEST)
+    return None, frozenset(extras)
+
+
 def framework_reason(path: str) -> str | None:
     """Why the test file at ``path`` is not framework-free (the module and what it does), or None when it is."""
-    seen: set[str] = set()
-    todo = [os.path.abspath(path)]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        reason, project = _own_reason(p)
-        if reason:
-            return f"{os.path.relpath(p, ROOT)} {reason}"
-        # tests/conftest.py is imported in every test process anyway: what a file takes from it is a name, and its
-        # names that read the installed framework are in PROBES
-        todo.extend(f for f in map(_module_file, project) if f != CONFTEST)
-    return None
+    return _closure(path)[0]
+
+
+def hidden_extras(path: str) -> frozenset[str]:
+    """The optional extras a framework-free file's tests run without (OPTIONAL_EXTRAS its closure imports through
+    megatron_memguard/); empty for a file that is not framework-free."""
+    reason, extras = _closure(path)
+    return frozenset() if reason else extras
 
 
 def is_framework_free(path: str) -> bool:

@@ -194,10 +194,13 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-LEAVES = {name: list(_leaves(yaml.safe_load(text))) for name, text, _ in YAML_SEEDS}
+# each seed parsed once (PyYAML's pure-Python parser: parsing again for every path took 17 s of CPU at every import of
+# this module, in every test process that collects a file using it); read only, never changed
+_SEED_DOCS = {name: yaml.safe_load(text) for name, text, _ in YAML_SEEDS}
+LEAVES = {name: list(_leaves(doc)) for name, doc in _SEED_DOCS.items()}
 # the paths of numbers (counts, sizes): where most of the damage is done
-NUMBER_LEAVES = {name: [p for p in LEAVES[name] if _is_number(_value_at(yaml.safe_load(text), p))] or LEAVES[name]
-                 for name, text, _ in YAML_SEEDS}
+NUMBER_LEAVES = {name: [p for p in LEAVES[name] if _is_number(_value_at(_SEED_DOCS[name], p))] or LEAVES[name]
+                 for name in LEAVES}
 SENTINEL = "memguard-fuzz-sentinel"
 
 

@@ -8,6 +8,7 @@ asks for is within its own scatter (two bootstrap standard errors), confounded w
 leave CUBLAS_WORKSPACE_CONFIG unset in the even half), or contradicted by its own runs (GB200: the 46 MiB group),
 so every half keeps the defaults. The previous fit moved H100's cuBLAS workspace to 33 MiB from the even half and
 made an odd record 0.80 points worse (1.15% -> 1.95%)."""
+import functools
 import os
 import sys
 
@@ -21,8 +22,14 @@ from megatron_memguard.calibrate.model import errors  # noqa: E402
 from megatron_memguard.estimator.overheads import cublas_config_bytes  # noqa: E402
 from megatron_memguard.estimator.site import DEFAULT_SITE  # noqa: E402
 
-ROWS = evaluate()
 PLATFORMS = platforms()
+
+
+@functools.lru_cache(maxsize=None)
+def rows() -> list:
+    """evaluate()'s rows, fitted once per test process when a test first asks: not at import, where every xdist worker
+    collecting the file paid the fits (16 s of CPU) whether or not it ran the file."""
+    return evaluate()
 
 
 def _train(plat: str, split: str):
@@ -31,8 +38,8 @@ def _train(plat: str, split: str):
 
 
 def test_no_held_out_record_gets_worse_than_the_guard_and_no_median_worse():
-    assert {p for p, _, _ in ROWS} == {"A100", "GB200", "H100"} and len(ROWS) == 6
-    for plat, split, r in ROWS:
+    assert {p for p, _, _ in rows()} == {"A100", "GB200", "H100"} and len(rows()) == 6
+    for plat, split, r in rows():
         for m in ("steady", "peak_allocated"):
             x = r[m]
             assert x["worse_than_guard"] == 0 and x["worst_change"] <= GUARD, (plat, split, m, x["worst_change"])
@@ -41,7 +48,7 @@ def test_no_held_out_record_gets_worse_than_the_guard_and_no_median_worse():
 
 
 def test_gb200_gap_records_are_reported_and_neither_move_nor_veto_the_constants():
-    for plat, split, r in ROWS:
+    for plat, split, r in rows():
         if plat != "GB200":
             continue
         train = _train(plat, split)
@@ -57,7 +64,7 @@ def test_gb200_gap_records_are_reported_and_neither_move_nor_veto_the_constants(
 
 
 def test_h100_even_cublas_default_is_confounded_with_context_parallelism():
-    r = next(r for p, s, r in ROWS if p == "H100" and s.startswith("fit on even"))
+    r = next(r for p, s, r in rows() if p == "H100" and s.startswith("fit on even"))
     cublas = next(c for c in r["constants"] if c.name == "cublas_workspace")
     assert cublas.status == "not identifiable" and "CP 2" in cublas.reason
     shows = [run for run in _train("H100", "fit on even") if cublas_config_bytes(run.layout) is None]
@@ -65,7 +72,7 @@ def test_h100_even_cublas_default_is_confounded_with_context_parallelism():
 
 
 def test_kept_constants_say_why_and_the_oracles_bound_what_was_left():
-    for plat, split, r in ROWS:
+    for plat, split, r in rows():
         for c in r["constants"]:
             if not c.fitted:
                 assert c.status in ("within noise", "inconsistent", "not identifiable") and c.reason, (plat, split, c.name)

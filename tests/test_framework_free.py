@@ -36,9 +36,17 @@ def _reason(tmp_path, source: str) -> str | None:
     ("from importlib import metadata\n", "imports importlib.metadata"),
     ("from conftest import CONTAINER_ERA\npytestmark = CONTAINER_ERA\n", "uses CONTAINER_ERA"),
     ("import pytest\n@pytest.mark.megatron_training\ndef test_x():\n    pass\n", "is marked megatron_training"),
-    # through a project module: megatron_memguard.runtime.sources imports torch inside its functions
+    # through a project module's lazy name (runtime/sources.py's __getattr__ imports torch_sources.py, whose
+    # methods import torch), whichever way the name is looked up
     ("from megatron_memguard.runtime.sources import LiveBytesSource\n",
-     "megatron_memguard/runtime/sources.py imports torch"),
+     "megatron_memguard/runtime/torch_sources.py imports torch"),
+    ("import megatron_memguard.runtime as rt\nsrc = rt.CudaMemorySource()\n",
+     "megatron_memguard/runtime/torch_sources.py imports torch"),
+    ("from megatron_memguard import runtime\ngather = getattr(runtime, 'torch_stage_gather')\n",
+     "megatron_memguard/runtime/torch_gather.py imports torch"),
+    # a name computed at run time, or every name: either torch-backed module may be the one reported
+    ("from megatron_memguard import runtime\nthing = getattr(runtime, NAME)\n", "imports torch"),
+    ("from megatron_memguard.runtime import *\n", "imports torch"),
     # through a tests/ helper that starts the fork server's processes
     ("import build_util\n", "tests/build_util.py imports subprocess"),
 ])
@@ -54,9 +62,53 @@ def test_a_file_that_depends_on_its_venv_is_not_framework_free(tmp_path, source,
     "import pytest\nimport yaml\nfrom hypothesis import given, strategies as st\n",
     "import pytest\nOmegaConf = pytest.importorskip('omegaconf').OmegaConf\n",   # both venvs install omegaconf>=2.1
     "from conftest import LLAMA31_8B\n",   # a name from conftest.py, which every test process imports anyway
+    # the runtime monitor without its torch-backed names (those load through the package's __getattr__)
+    "from megatron_memguard.runtime import JsonlSink, MemoryMonitor, Prediction, StaticSource\n",
 ])
 def test_a_file_of_the_project_and_pure_packages_is_framework_free(tmp_path, source):
     assert _reason(tmp_path, source) is None
+
+
+def test_a_file_that_reaches_an_optional_extra_through_the_package_runs_without_it(tmp_path):
+    """The CLI imports matplotlib only for --plot (megatron_memguard/report/plots.py): a file using the CLI is
+    framework-free with matplotlib hidden; a file or tests/ helper that imports it itself is not."""
+    path = tmp_path / "test_written.py"
+    path.write_text("from megatron_memguard.cli.main import main\n")
+    assert framework_reason(str(path)) is None
+    assert framework_free.hidden_extras(str(path)) == {"matplotlib"}
+    helper = tmp_path / "test_helper.py"   # (another name: the reading is cached by path)
+    helper.write_text("import plot_util\n")
+    assert framework_reason(str(helper)) == "tests/plot_util.py imports matplotlib"
+    assert framework_free.hidden_extras(os.path.join(ROOT, "tests", "test_fp8.py")) == frozenset()
+
+
+def test_a_without_extras_test_meets_no_matplotlib_and_the_next_file_meets_it_again(tmp_path):
+    """tests/conftest.py (as a plugin) runs a written framework-free file's test, fixtures included, with matplotlib
+    unimportable: the project's plot path then refuses as without the plot extra; a later file that is not
+    framework-free imports matplotlib as before (where it is installed)."""
+    (tmp_path / "test_a_cli.py").write_text(
+        "import pytest\n"
+        "from megatron_memguard.report.plots import PlotUnavailable, require_matplotlib\n"
+        "@pytest.fixture(scope='module')\n"
+        "def refused():\n"
+        "    with pytest.raises(PlotUnavailable):\n"
+        "        require_matplotlib()\n"
+        "def test_plot_refused(request, refused):\n"
+        "    assert request.node.get_closest_marker('without_extras').args == ('matplotlib',)\n"
+        "    with pytest.raises(PlotUnavailable):\n"
+        "        require_matplotlib()\n")
+    (tmp_path / "test_b_plots.py").write_text(
+        "import pytest\n"
+        "def test_matplotlib_back(request):\n"
+        "    assert request.node.get_closest_marker('without_extras') is None\n"
+        "    pytest.importorskip('matplotlib.figure')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]),
+           "MEMGUARD_SKIP_FRAMEWORK_FREE": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-o",
+                          "addopts=", "test_a_cli.py", "test_b_plots.py"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 passed" in out.stdout or "1 passed, 1 skipped" in out.stdout, out.stdout[-1000:]
 
 
 @pytest.mark.parametrize("name, free", [
@@ -66,6 +118,9 @@ def test_a_file_of_the_project_and_pure_packages_is_framework_free(tmp_path, sou
     ("test_fp8.py", True),                 # the estimator's fp8 terms by hand
     ("test_properties.py", True),          # hypothesis over the pure estimator
     ("test_planner_search.py", True),      # the planner (pure Python: test_planner_is_pure_python)
+    ("test_cli.py", True),                 # the CLI in-process (matplotlib hidden; the monitor without torch)
+    ("test_runtime_monitor.py", True),     # the runtime monitor with StaticSource readings
+    ("test_report_runlog.py", False),      # LiveBytesSource: torch's dispatch mode
 ])
 def test_suite_files_are_classified_by_what_they_import(name, free):
     assert (framework_reason(os.path.join(ROOT, "tests", name)) is None) is free

@@ -283,7 +283,7 @@ def _stage_gather(ranks: dict[str, int]):
         return None
     import torch
     import torch.distributed as dist
-    from ..runtime.monitor import torch_stage_gather
+    from ..runtime.torch_gather import torch_stage_gather
     if not (dist.is_available() and dist.is_initialized()):
         return None
     mpu = _import("megatron.core.parallel_state")

@@ -415,19 +415,9 @@ class MemoryMonitor:
         return rec
 
 
-def torch_stage_gather(group: Any = None, device: Any = None) -> Callable[[list[float]], list[list[float]] | None]:
-    """An all-gather of each rank's sample vector over ``group`` (e.g. the pipeline group of rank 0).
-
-    Every member must call it at the same iterations. Returns the rows on every member.
-    """
-    import torch
-    import torch.distributed as dist
-
-    def gather(vec: list[float]) -> list[list[float]]:
-        t = torch.tensor(vec, dtype=torch.float64, device=device)
-        n = dist.get_world_size(group=group)
-        out = [torch.empty_like(t) for _ in range(n)]
-        dist.all_gather(out, t, group=group)
-        return [o.cpu().tolist() for o in out]
-
-    return gather
+# torch_stage_gather lives in torch_gather.py (loaded on first use of the name, see runtime/__init__.py)
+def __getattr__(name: str) -> Any:
+    if name == "torch_stage_gather":
+        from .torch_gather import torch_stage_gather
+        return torch_stage_gather
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

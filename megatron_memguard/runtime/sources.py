@@ -15,12 +15,12 @@ at the end.
   storage is freed (no allocator, so reserved equals allocated and there is no device total).
 * ``StaticSource``: fixed or scripted readings (benchmarks, unit tests).
 
-Nothing here imports torch until a torch-backed source is used.
+The two torch-backed sources live in ``runtime/torch_sources.py`` and are loaded on first use of their name
+(``__getattr__`` below), so that this module, like the package, has no torch import anywhere in it:
+``tests/framework_free.py`` reads that from the source.
 """
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
@@ -56,59 +56,6 @@ class MemorySource:
         """Stop measuring (called once training has ended)."""
 
 
-class CudaMemorySource(MemorySource):
-    name = "cuda"
-    device = "gpu"
-
-    def __init__(self, device: Any = None, device_used: bool = True):
-        self._device = device
-        self._want_device_used = device_used
-        self._device_used_fn: Callable[[], int | None] | None = None
-
-    def _dev(self):
-        import torch
-        return torch.cuda.current_device() if self._device is None else self._device
-
-    def _pick_device_used(self) -> Callable[[], int | None]:
-        import torch
-        dev = self._dev()
-        fn = getattr(torch.cuda, "device_memory_used", None)
-        if fn is not None:
-            try:
-                fn(dev)
-                return lambda: int(fn(dev))
-            except Exception:
-                pass
-
-        def via_mem_get_info() -> int | None:
-            free, total = torch.cuda.mem_get_info(dev)
-            return int(total - free)
-        return via_mem_get_info
-
-    def read(self) -> Reading:
-        import torch
-        dev = self._dev()
-        used = None
-        if self._want_device_used:
-            if self._device_used_fn is None:
-                self._device_used_fn = self._pick_device_used()
-            try:
-                used = self._device_used_fn()
-            except Exception:
-                used = None
-        return Reading(
-            allocated=int(torch.cuda.memory_allocated(dev)),
-            max_allocated=int(torch.cuda.max_memory_allocated(dev)),
-            reserved=int(torch.cuda.memory_reserved(dev)),
-            max_reserved=int(torch.cuda.max_memory_reserved(dev)),
-            device_used=used,
-        )
-
-    def reset_peak(self) -> None:
-        import torch
-        torch.cuda.reset_peak_memory_stats(self._dev())
-
-
 class StaticSource(MemorySource):
     """Readings from a list (the last one repeats) or from a callable; for tests and benchmarks."""
 
@@ -136,119 +83,10 @@ class StaticSource(MemorySource):
         self.resets += 1
 
 
-class LiveBytesSource(MemorySource):
-    """Bytes of live tensor storages created while started (CPU analogue of memory_allocated).
-
-    Storages are keyed by their C++ StorageImpl and released through ``weakref.finalize`` on the
-    storage object; views and in-place results share their input's storage and are not counted
-    twice. Not counted: storages that existed before ``start()`` (``track()`` adds them), memory a
-    kernel allocates internally, tensors created on other threads outside the dispatch mode.
-    """
-
-    name = "cpu-live-bytes"
-    device = "cpu"
-
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
-        self.allocations = 0
-        self._live: dict[int, tuple[object, int]] = {}
-        self._lock = threading.RLock()
-        self._mode = None
-
-    # -- accounting ------------------------------------------------------------------------------
-    def _add(self, storage) -> None:
-        key = storage._cdata
-        nbytes = int(storage.nbytes())
-        with self._lock:
-            ent = self._live.get(key)
-            if ent is not None:
-                if ent[1] != nbytes:  # resized in place
-                    self.current += nbytes - ent[1]
-                    self._live[key] = (ent[0], nbytes)
-                    self.peak = max(self.peak, self.current)
-                return
-            if nbytes == 0:
-                return
-            token = object()
-            self._live[key] = (token, nbytes)
-            self.current += nbytes
-            self.allocations += 1
-            if self.current > self.peak:
-                self.peak = self.current
-        weakref.finalize(storage, self._free, key, token)
-
-    def _free(self, key: int, token: object) -> None:
-        with self._lock:
-            ent = self._live.get(key)
-            if ent is None or ent[0] is not token:
-                return
-            del self._live[key]
-            self.current -= ent[1]
-
-    def track(self, *tensors) -> None:
-        """Count tensors that existed before ``start()``."""
-        for t in tensors:
-            s = _storage(t)
-            if s is not None:
-                self._add(s)
-
-    # -- MemorySource ----------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._mode is not None:
-            return
-        self._mode = _live_bytes_mode(self)
-        self._mode.__enter__()
-
-    def stop(self) -> None:
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
-
-    def read(self) -> Reading:
-        with self._lock:
-            return Reading(allocated=self.current, max_allocated=self.peak, reserved=self.current,
-                           max_reserved=self.peak, device_used=None)
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak = self.current
-
-
-def _storage(t):
-    try:
-        if t.is_meta or t.is_sparse or t.is_nested:
-            return None
-        return t.untyped_storage()
-    except Exception:
-        return None
-
-
-def _live_bytes_mode(src: LiveBytesSource):
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class _LiveBytesMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            if not outs:
-                return out
-            inputs = set()
-            for a in tree_flatten((args, kwargs))[0]:
-                if isinstance(a, torch.Tensor):
-                    s = _storage(a)
-                    if s is not None:
-                        inputs.add(s._cdata)
-            for o in outs:
-                s = _storage(o)
-                if s is None:
-                    continue
-                key = s._cdata
-                if key in inputs and key not in src._live:
-                    continue  # a view of / in-place on a storage made before start()
-                src._add(s)
-            return out
-
-    return _LiveBytesMode()
+# names served by torch_sources.py (tests/framework_free.py follows an import in this __getattr__ only for a file
+# that names one of them)
+def __getattr__(name: str) -> Any:
+    if name in ("CudaMemorySource", "LiveBytesSource"):
+        from .torch_sources import CudaMemorySource, LiveBytesSource
+        return CudaMemorySource if name == "CudaMemorySource" else LiveBytesSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
