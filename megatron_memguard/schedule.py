@@ -372,14 +372,11 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
     - a steady backward runs with its pair's forward output not yet deallocated (deallocate_output_tensor in the
       next pre-forward, or after the send without overlap), unless that chunk is the last stage's last one, and,
       with ``overlap_p2p_comm`` (Megatron's default under VPP), the next forward's input already received
-      (pp_post_forward), unless the pair is the last steady one.
-    A first pair's values recur one period (VPP x group positions) later in the full groups with the previous
-    backward's gradient: the larger is taken."""
+      (pp_post_forward), unless the pair is the last steady one."""
     fwd, c, held, nth = probe
     warm = _warmup(pp, vpp, group, pp_rank, m)
     total = m * vpp
     steady = total - warm
-    full = (m // group) * vpp * group
 
     def recv(ch: int) -> int:
         return receiving[ch] if 0 <= ch < len(receiving) else 0
@@ -436,11 +433,7 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
     else:
         y = _table_position(vpp, m, group, vpp - 1 - c, nth)
         k, section = y, (1 if y < steady else 2)
-    got = units(fwd, k, section)
-    P = vpp * group
-    if section == 1 and k + P < steady and k + P + warm < full:
-        got = max(got, units(fwd, k + P, 1))
-    return got
+    return units(fwd, k, section)
 
 
 def steady_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, k: int, fwd: bool) -> Probe | None:
@@ -503,8 +496,10 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
-    sampled. The steady state's skipped periods repeat the first one's passes, with that input released once
-    past it: the first period's samples are also taken one or more periods later, after the release."""
+    sampled. The steady state's skipped periods repeat the first one's passes, with the previous backward's
+    gradient and, once past its release, without the warm-up's last input: the first period's samples are also taken
+    one period later and the first period after the release. The warm-up and cool-down (at most about
+    2 x PP + VPP x group passes, queued receives that change pass by pass on the first stage) are taken whole."""
     warm = _warmup(pp, vpp, group, pp_rank, m)
     total = m * vpp
     steady = total - warm
@@ -518,23 +513,32 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
 
     for section, k, n, _cf, _cb, _fresh in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
-            for x in {k, k + n - 1}:
+            for x in range(k, k + n):
                 held = tuple(_counts(x + 1, vpp, m, group))
                 c = _chunk_at(vpp, m, group, x)
                 out[x] = ((True, c, held, held[c]), 0)
         elif section == 1:
             js = near(k, n)
-            if yw >= 0:
-                for j in list(js):
-                    if j < P and j <= yw + 1:
-                        q = (yw + 1 - j) // P + 1
-                        if j + q * P < steady and j + q * P + warm < full:
-                            js.add(j + q * P)
+            # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
+            js.update(range(max(k, full - group - pp - warm), k + n))
+            if pp_rank == 0:
+                # the first stage's queue of inputs received ahead grows and shrinks evenly between the group
+                # boundaries of its receives (pp - 1 steps behind) and of its forwards: both ends of each stretch
+                edge = (0, 1, group - 1)
+                js.update(j for j in range(k, k + n)
+                          if (j + warm) % group in edge or (j + warm - pp + 1) % group in edge)
+            for j in list(js):
+                if j < P:
+                    # one period later (after a first backward), and after the warm-up's last input is released
+                    q = max(1, (yw + 1 - j) // P + 1 if yw >= 0 else 1)
+                    for jj in (j + P, j + q * P):
+                        if jj < steady and jj + warm < full:
+                            js.add(jj)
             for j in js:
                 for f in (True, False):
                     out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 0)
         else:
-            for y in near(k, n):
+            for y in range(k, k + n):
                 done = _counts(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)
