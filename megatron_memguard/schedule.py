@@ -374,7 +374,7 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
       with ``overlap_p2p_comm`` (Megatron's default under VPP), the next forward's input already received
       (pp_post_forward), unless the pair is the last steady one."""
     fwd, c, held, nth = probe
-    warm = _warmup(pp, vpp, group, pp_rank, m)
+    warm, lw, cw, nw, yw = _lingering(pp, vpp, m, group, pp_rank, overlap)
     total = m * vpp
     steady = total - warm
 
@@ -384,17 +384,12 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
     def bwd_chunk(y: int) -> int:
         return vpp - 1 - _chunk_at(vpp, m, group, y)
 
-    # with overlap_p2p_comm the warm-up's last receive stays in the loop's ``input_tensor`` to the schedule's end
-    # (the steady and cool-down loops receive into other buffers)
-    lw = _received_for(pp, vpp, m, group, pp_rank, warm - 1) if overlap and steady > 0 else -1
-    cw = _chunk_at(vpp, m, group, lw) if lw >= 0 else -1
-    nw = _counts(lw + 1, vpp, m, group)[cw] if cw >= 0 else 0
-    yw = _table_position(vpp, m, group, vpp - 1 - cw, nw) if cw >= 0 else total
-
     def queued(done: int, steps: int) -> int:
         # inputs received after the first ``steps`` forward steps for forwards past the first ``done`` positions
+        # (done >= steps; a receive brings the input of a position at most ``group`` ahead on the first stage, the
+        # next one on the others)
         n = 0
-        for s in range(max(0, steps - vpp * group - 1), steps):
+        for s in range(max(0, steps - (group + 1 if pp_rank == 0 else 1)), steps):
             x = _received_for(pp, vpp, m, group, pp_rank, s)
             if x >= done:
                 n += recv(_chunk_at(vpp, m, group, x))
@@ -462,6 +457,22 @@ def steady_index(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Pro
     return k if 0 <= k < m * vpp - warm else -1
 
 
+@lru_cache(maxsize=1024)
+def _lingering(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[int, int, int, int, int]:
+    """(warm-up, and with overlap_p2p_comm the warm-up's last receive, which the loop's ``input_tensor`` keeps to the
+    schedule's end (the steady and cool-down loops receive into other buffers): its forward position, chunk, ordinal
+    in the chunk and backward position; -1, -1, 0, m x VPP without it)."""
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    total = m * vpp
+    lw = _received_for(pp, vpp, m, group, pp_rank, warm - 1) if overlap and total > warm else -1
+    if lw < 0:
+        return warm, -1, -1, 0, total
+    cw = _chunk_at(vpp, m, group, lw)
+    nw = _counts(lw + 1, vpp, m, group)[cw]
+    return warm, lw, cw, nw, _table_position(vpp, m, group, vpp - 1 - cw, nw)
+
+
+@lru_cache(maxsize=4096)
 def _received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -> int:
     """The forward position whose input the receive after forward step ``s`` brings (-1: none): the next one's on
     a later stage; on the first, the output the last stage made pp - 1 steps before, for the next chunk
@@ -498,8 +509,8 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
     sampled. The steady state's skipped periods repeat the first one's passes, with the previous backward's
     gradient and, once past its release, without the warm-up's last input: the first period's samples are also taken
-    one period later and the first period after the release. The warm-up and cool-down (at most about
-    2 x PP + VPP x group passes, queued receives that change pass by pass on the first stage) are taken whole."""
+    one period later and the first period after the release. The first stage's warm-up and cool-down (at most about
+    2 x PP + VPP x group passes each, its queue of inputs received ahead changing pass by pass) are taken whole."""
     warm = _warmup(pp, vpp, group, pp_rank, m)
     total = m * vpp
     steady = total - warm
@@ -513,7 +524,8 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
 
     for section, k, n, _cf, _cb, _fresh in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
-            for x in range(k, k + n):
+            # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
+            for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
                 held = tuple(_counts(x + 1, vpp, m, group))
                 c = _chunk_at(vpp, m, group, x)
                 out[x] = ((True, c, held, held[c]), 0)
@@ -529,16 +541,16 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
                           if (j + warm) % group in edge or (j + warm - pp + 1) % group in edge)
             for j in list(js):
                 if j < P:
-                    # one period later (after a first backward), and after the warm-up's last input is released
-                    q = max(1, (yw + 1 - j) // P + 1 if yw >= 0 else 1)
-                    for jj in (j + P, j + q * P):
+                    # one period later (after a first backward), the first period after the warm-up's last input
+                    # is released
+                    for jj in ((j + P,) if j == 0 else ()) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
                         if jj < steady and jj + warm < full:
                             js.add(jj)
             for j in js:
                 for f in (True, False):
                     out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 0)
         else:
-            for y in range(k, k + n):
+            for y in (range(k, k + n) if pp_rank == 0 else near(k, n)):
                 done = _counts(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)

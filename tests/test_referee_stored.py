@@ -29,8 +29,9 @@ def test_every_stored_rank_within_the_bounds(rows):
         assert r.params_predicted == r.params_measured, key
         assert abs(r.after_err) <= BOUNDS["after_step"], (key, r.after_err)
         assert not r.failures, (key, r.failures)
-        # the bound the estimator holds today (issue 13): every peak within 1%
-        assert abs(r.peak_err) <= 0.01, (key, r.peak_err, r.peak_phase_measured, r.peak_phase_predicted)
+        # the bound the estimator holds today (since the interleaved schedule's pipeline tensors are counted pass by
+        # pass, corners5): every peak within 0.1% (the largest: gqa2_tp4_sp, -0.068%)
+        assert abs(r.peak_err) <= 0.001, (key, r.peak_err, r.peak_phase_measured, r.peak_phase_predicted)
 
 
 @pytest.mark.parametrize("config, ranks", [
@@ -67,6 +68,26 @@ def test_layout_corners_match_to_a_quarter_percent(rows, config):
         assert r.params_predicted == r.params_measured, (config, r.rank)
         assert abs(r.after_err) <= 1e-5, (config, r.rank, r.after_err)
         assert abs(r.peak_err) <= 0.0025, (config, r.rank, r.peak_measured, r.peak_predicted)
+
+
+def test_interleaved_ranks_match_to_a_fiftieth_of_a_percent(rows):
+    """Every rank of every VPP configuration: the schedule's own activation-sized tensors at the peak's pass
+    (schedule.p2p_tensors_at: idle chunks' input and gradient, the loop's last input gradient, the pair's forward
+    output, inputs received ahead, the warm-up's last receive) are what megatron-core 0.16.1 keeps there, so the
+    peak is within 0.02% (scalars: the loss and grad-norm temporaries). Counting every receiving chunk's pair at every
+    pass was -0.97% (vpp_pp4_v2 rank 2, 3 tensors short in a steady backward with chunk 1 idle) to +0.64%
+    (vpp_pp4_first2_last2 rank 1, 4 tensors over at its first backward, where no backward had run)."""
+    ranks = [r for (c, _), r in rows.items() if c.startswith("vpp_")]
+    assert len(ranks) >= 16
+    for r in ranks:
+        assert abs(r.peak_err) <= 0.0002, (r.config, r.rank, r.peak_measured, r.peak_predicted,
+                                           r.peak_phase_measured, r.peak_phase_predicted)
+    # the first backward of vpp_pp4_first2_last2's middle stages (the brief's corner): no pair at all (every chunk holds
+    # micro-batches, no backward ran); rank 1 runs every forward in its warm-up and keeps nothing more, rank 2 keeps its
+    # steady forward's output and the next forward's input received ahead (2 tensors): to the scalars
+    for rank in (1, 2):
+        r = rows[("vpp_pp4_first2_last2", rank)]
+        assert 0 <= r.peak_measured - r.peak_predicted < 1024, (rank, r.peak_measured, r.peak_predicted)
 
 
 def test_merge_results_replaces_and_adds_in_the_grid_order(tmp_path):

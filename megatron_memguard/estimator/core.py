@@ -1626,6 +1626,9 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         elif name == "offload_pp_balance_kept":
             det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
                    "of whole offload groups kept on the GPU, from the first micro-batch in flight")
+        elif name == "pipeline_inputs_retained" and L.vpp > 1:
+            det = ("the schedule's own tensors at this pass: idle chunks' last input and gradient, the last input "
+                   "gradient, the pair's forward output or received output gradient, inputs received ahead")
         elif name == "pipeline_inputs_retained":
             det = "last received input and its gradient of the chunks not started yet or already done"
         elif ft is not None and name.startswith("fsdp_"):
