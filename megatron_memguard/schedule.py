@@ -14,7 +14,10 @@ micro-batch k and the forward of k + warm-up together, which in memory order is 
 The estimator uses ``peak_probes`` (``schedule_peak``), the passes at which the bytes held can first
 peak, whatever each chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py
 checks it against a replay of every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py
-checks against megatron-core's own schedule table).
+checks against megatron-core's own schedule table). The estimator takes the interleaved (not combined) peak from
+``p2p_probes`` up to 8 virtual stages: the same runs sampled where the schedule's own activation-sized tensors
+(``p2p_tensors_at``) change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's
+references pass by pass).
 """
 from __future__ import annotations
 
