@@ -398,6 +398,15 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
                 n += recv(_chunk_at(vpp, m, group, x))
         return n
 
+    def grads_queued(done: int, steps: int) -> int:
+        # output gradients received after the first ``steps`` backward steps (and at the warm-up's end, for the
+        # first backward) for backwards from position ``done`` on
+        n = 1 if done == 0 and steady > 0 and pp_rank != pp - 1 else 0
+        for s in range(max(0, steps - (group + 1 if pp_rank == pp - 1 else 1)), steps):
+            if _grad_received_for(pp, vpp, m, group, pp_rank, s) >= done:
+                n += 1
+        return n
+
     def units(fwd: bool, k: int, section: int) -> int:
         # k: the steady pair (section 1), the backward position (2) or the forward position (0)
         n = sum(2 * recv(ch) for ch, h in enumerate(held) if h == 0)
@@ -416,10 +425,11 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
             p = bwd_chunk(y - 1)
             if held[p] != 0 and not (lingering and y - 1 == yw):
                 n += recv(p)
-        if section == 2:
+        # output gradients received ahead: a steady forward's include its pair's (counted in the backward's
+        # working set once that backward runs)
+        n += grads_queued(k if fwd else k + 1, y)
+        if section == 2 or fwd:
             return n
-        if fwd:
-            return n + (0 if pp_rank == pp - 1 and bwd_chunk(k) == vpp - 1 else 1)
         cf = _chunk_at(vpp, m, group, k + warm)
         return n + (0 if pp_rank == pp - 1 and cf == vpp - 1 else 1)
 
@@ -458,6 +468,25 @@ def steady_index(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Pro
     else:
         k = _table_position(vpp, m, group, vpp - 1 - c, nth)
     return k if 0 <= k < m * vpp - warm else -1
+
+
+@lru_cache(maxsize=4096)
+def _grad_received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -> int:
+    """The backward position whose output gradient the receive after backward step ``s`` brings (-1: none): the next
+    one's on an earlier stage; on the last, the first stage's input gradient of pp - 1 steps before, for the previous
+    chunk (recv_tensor_from_previous_stage(forward=False), megatron-core 0.16.1 / 0.19.2). None after the last."""
+    total = m * vpp
+    if not 0 <= s < total - 1:
+        return -1
+    if pp_rank != pp - 1:
+        return s + 1
+    if s < pp - 1:
+        return -1
+    x = s - pp + 1
+    c = _chunk_at(vpp, m, group, x)         # the forward-table chunk of that position: backward chunk vpp - 1 - c
+    if c == vpp - 1:                         # backward chunk 0 sends nothing back to this stage
+        return -1
+    return _table_position(vpp, m, group, c + 1, _counts(x + 1, vpp, m, group)[c])
 
 
 @lru_cache(maxsize=1024)
@@ -536,9 +565,10 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
             js = near(k, n)
             # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
             js.update(range(max(k, full - group - pp - warm), k + n))
-            if pp_rank == 0:
-                # the first stage's queue of inputs received ahead grows and shrinks evenly between the group
-                # boundaries of its receives (pp - 1 steps behind) and of its forwards: both ends of each stretch
+            if pp_rank in (0, pp - 1):
+                # the first stage's queue of inputs received ahead (the last stage's of output gradients) grows and
+                # shrinks evenly between the group boundaries of its receives (pp - 1 steps behind) and of its
+                # passes: both ends of each stretch
                 edge = (0, 1, group - 1)
                 js.update(j for j in range(k, k + n)
                           if (j + warm) % group in edge or (j + warm - pp + 1) % group in edge)
@@ -553,7 +583,7 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
                 for f in (True, False):
                     out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 0)
         else:
-            for y in (range(k, k + n) if pp_rank == 0 else near(k, n)):
+            for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
                 done = _counts(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)

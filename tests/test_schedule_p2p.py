@@ -61,6 +61,20 @@ def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: 
         mb, c = table[step + 1]
         return (c, mb)
 
+    def grad_received(step: int) -> tuple[int, int] | None:
+        # recv_tensor_from_previous_stage(step, forward=False): the (chunk, micro-batch) whose output gradient
+        # arrives after backward step ``step`` (the last stage leads the backward: the first stage's input gradient of
+        # pp - 1 steps before, for the previous chunk)
+        if step + 1 >= total:
+            return None
+        if last:
+            if step < pp - 1:
+                return None
+            mb, c = table[step - (pp - 1)]
+            return None if vpp - 1 - c == 0 else (vpp - 2 - c, mb)
+        mb, c = table[step + 1]
+        return (vpp - 1 - c, mb)
+
     queue: set = set()                       # received inputs not yet forwarded
     block = {c: ("prev", c) for c in range(vpp) if receives(c)}   # TransformerBlock.input_tensor per chunk
     done_bwd: set = set()                    # (chunk, mb) whose backward ran (their input has its .grad)
@@ -140,9 +154,9 @@ def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: 
                         queue.add(r)
                 if step == steady - 1:
                     out_alive = None                 # deallocated after the steady loop
-                nxt = step + 1
-                if nxt < steady and not (last and vpp - 1 - table[nxt][1] == vpp - 1):
-                    grads.add((vpp - 1 - table[nxt][1], table[nxt][0]))
+            g = grad_received(step)                  # post_backward, the steady comm or the cool-down's receive
+            if g is not None:
+                grads.add(g)
         i += 1
     return out
 
