@@ -339,6 +339,12 @@ def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: li
     return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)
 
 
+@lru_cache(maxsize=8192)
+def _counts_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
+    """_counts as a tuple, cached: the pipeline tensors' probes ask for the same positions again and again."""
+    return tuple(_counts(a, vpp, m, group))
+
+
 def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
     """The forward-table position of the ``nth`` (1-based) forward of ``chunk`` (get_schedule_table: groups of
     ``group`` micro-batches per chunk, the last group of m % group)."""
@@ -418,7 +424,7 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
             n += queued(warm + k + 1, warm + k + (overlap and not fwd and k < steady - 1))
         y = k                               # the pass's backward position (the pair's for a steady forward)
         lingering = cw >= 0 and yw < y and recv(cw) and not (
-            held[cw] == 0 and (m if section == 2 else _counts(k + warm + 1, vpp, m, group)[cw]) == nw)
+            held[cw] == 0 and (m if section == 2 else _counts_t(k + warm + 1, vpp, m, group)[cw]) == nw)
         if lingering:
             n += 2 * recv(cw)
         if y >= 1:
@@ -450,13 +456,13 @@ def steady_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, k: int, fwd
     warm = _warmup(pp, vpp, group, pp_rank, m)
     if not 0 <= k < m * vpp - warm:
         return None
-    after = _counts(k + warm + 1, vpp, m, group)
-    held = tuple(map(sub, after, _counts(k, vpp, m, group)[::-1]))
+    after = _counts_t(k + warm + 1, vpp, m, group)
+    held = tuple(map(sub, after, _counts_t(k, vpp, m, group)[::-1]))
     if fwd:
         cf = _chunk_at(vpp, m, group, k + warm)
         return (True, cf, held, after[cf])
     cb = vpp - 1 - _chunk_at(vpp, m, group, k)
-    return (False, cb, held, _counts(k, vpp, m, group)[::-1][cb] + 1)
+    return (False, cb, held, _counts_t(k, vpp, m, group)[::-1][cb] + 1)
 
 
 def steady_index(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Probe) -> int:
@@ -486,7 +492,7 @@ def _grad_received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: i
     c = _chunk_at(vpp, m, group, x)         # the forward-table chunk of that position: backward chunk vpp - 1 - c
     if c == vpp - 1:                         # backward chunk 0 sends nothing back to this stage
         return -1
-    return _table_position(vpp, m, group, c + 1, _counts(x + 1, vpp, m, group)[c])
+    return _table_position(vpp, m, group, c + 1, _counts_t(x + 1, vpp, m, group)[c])
 
 
 @lru_cache(maxsize=1024)
@@ -500,7 +506,7 @@ def _lingering(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: boo
     if lw < 0:
         return warm, -1, -1, 0, total
     cw = _chunk_at(vpp, m, group, lw)
-    nw = _counts(lw + 1, vpp, m, group)[cw]
+    nw = _counts_t(lw + 1, vpp, m, group)[cw]
     return warm, lw, cw, nw, _table_position(vpp, m, group, vpp - 1 - cw, nw)
 
 
@@ -519,7 +525,7 @@ def _received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -
     c = _chunk_at(vpp, m, group, s - pp + 1)
     if c == vpp - 1:
         return -1
-    return _table_position(vpp, m, group, c + 1, _counts(s - pp + 2, vpp, m, group)[c])
+    return _table_position(vpp, m, group, c + 1, _counts_t(s - pp + 2, vpp, m, group)[c])
 
 
 def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
@@ -529,7 +535,7 @@ def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> i
     if x < 0:
         return -1
     c = _chunk_at(vpp, m, group, x)
-    return _table_position(vpp, m, group, vpp - 1 - c, _counts(x + 1, vpp, m, group)[c])
+    return _table_position(vpp, m, group, vpp - 1 - c, _counts_t(x + 1, vpp, m, group)[c])
 
 @lru_cache(maxsize=512)
 def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
@@ -558,7 +564,7 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
             for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
-                held = tuple(_counts(x + 1, vpp, m, group))
+                held = tuple(_counts_t(x + 1, vpp, m, group))
                 c = _chunk_at(vpp, m, group, x)
                 out[x] = ((True, c, held, held[c]), 0)
         elif section == 1:
@@ -576,7 +582,9 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
                 if j < P:
                     # one period later (after a first backward), the first period after the warm-up's last input
                     # is released
-                    for jj in ((j + P,) if j == 0 else ()) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
+                    # (and the period after: until the warm-up's last input's chunk runs a later forward, that
+                    # input is also its TransformerBlock's, counted once)
+                    for jj in (j + P, j + 2 * P) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
                         if jj < steady and jj + warm < full:
                             js.add(jj)
             for j in js:
@@ -584,12 +592,18 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
                     out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 0)
         else:
             for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
-                done = _counts(y, vpp, m, group)[::-1]
+                done = _counts_t(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)
                 out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 0)
-    return tuple((p, p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap))
-                 for _, (p, _u) in sorted(out.items()))
+    # passes with the same direction, chunk and held counts differ only in their units: the first with the most
+    best: dict = {}
+    for i, (_, (p, _u)) in enumerate(sorted(out.items())):
+        u = p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap)
+        key = p[:3]
+        if key not in best or u > best[key][2]:
+            best[key] = (i, p, u)
+    return tuple((p, u) for _, p, u in sorted(best.values()))
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:

@@ -897,6 +897,19 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
     return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts])
 
 
+@lru_cache(maxsize=1024)
+def _p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple, overlap: bool, sizes: tuple,
+              fwd_extra: tuple, bwd_extra: tuple, t: int) -> tuple[int, int, tuple]:
+    """The first pass of schedule.p2p_probes with the most held bytes plus pipeline tensors: (held bytes with the
+    pass's transient, the pipeline tensors' bytes, its probe)."""
+    best, retained, probe = -1, 0, None
+    for p, units in p2p_probes(pp, vpp, m, group, pp_rank, receiving, overlap):
+        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * units
+        if v > best:
+            best, retained, probe = v, t * units, p
+    return best - retained, retained, probe
+
+
 def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
               sched: tuple | None) -> tuple[int, str, int, dict[str, int]]:
     """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
@@ -920,12 +933,8 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
         retained = 2 * t * sum(receiving)
     else:
         # the held bytes plus the pipeline's own tensors at each pass that can peak (schedule.p2p_probes)
-        best, retained, probe = -1, 0, None
-        for p, units in p2p_probes(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving, L.overlap_p2p_comm):
-            v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * units
-            if v > best:
-                best, retained, probe = v, t * units, p
-        best -= retained
+        best, retained, probe = _p2p_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
+                                          L.overlap_p2p_comm, tuple(sizes), tuple(fwd_extra), tuple(bwd_extra), t)
         in_flight = peak_in_flight(L.pp, L.vpp, L.num_microbatches, group, pp_rank)
     fwd, ci, counts, nth = probe
     best += retained
