@@ -14,7 +14,10 @@ micro-batch k and the forward of k + warm-up together, which in memory order is 
 The estimator uses ``peak_probes`` (``schedule_peak``), the passes at which the bytes held can first
 peak, whatever each chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py
 checks it against a replay of every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py
-checks against megatron-core's own schedule table).
+checks against megatron-core's own schedule table). The estimator takes the interleaved (not combined) peak from
+``p2p_probes`` up to 8 virtual stages: the same runs sampled where the schedule's own activation-sized tensors
+(``p2p_tensors_at``) change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's
+references pass by pass).
 """
 from __future__ import annotations
 
@@ -334,3 +337,275 @@ def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: li
         best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
         return best, at, in_flight
     return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)
+
+
+@lru_cache(maxsize=8192)
+def _counts_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
+    """_counts as a tuple, cached: the pipeline tensors' probes ask for the same positions again and again."""
+    return tuple(_counts(a, vpp, m, group))
+
+
+def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
+    """The forward-table position of the ``nth`` (1-based) forward of ``chunk`` (get_schedule_table: groups of
+    ``group`` micro-batches per chunk, the last group of m % group)."""
+    j = nth - 1
+    whole = (m // group) * group
+    if j < whole:
+        g, o = divmod(j, group)
+        return g * vpp * group + chunk * group + o
+    q = m - whole
+    return (m // group) * vpp * group + chunk * q + (j - whole)
+
+
+def _chunk_at(vpp: int, m: int, group: int, x: int) -> int:
+    """The chunk of forward-table position ``x``."""
+    P = vpp * group
+    full = (m // group) * P
+    return (x % P) // group if x < full else (x - full) // (m - (m // group) * group)
+
+
+def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Probe, receiving: tuple[int, ...],
+                   overlap: bool) -> int:
+    """The pipeline's own activation-sized tensors live at the probe's pass besides the held micro-batches' inputs
+    and the backward's received output gradient, in [s/CP, b, h] units (a chunk's input counted ``receiving[c]``
+    times, 0 for the first stage's first chunk), in megatron-core's interleaved schedule (0.16.1 and 0.19.2,
+    forward_backward_pipelining_with_interleaving, not the combined one):
+
+    - TransformerBlock.set_input_tensor keeps a chunk's last input, with the .grad backward_step retained, until
+      its next forward: a pair for each receiving chunk holding no micro-batch (not started in this iteration:
+      the previous one's, or done);
+    - the loop's ``input_tensor_grad`` keeps the last backward's input gradient until the next backward returns
+      (after the first backward of the iteration);
+    - a steady forward runs with its pair's output gradient already received (post_backward / the warm-up's last
+      receive), unless that backward is the last stage's last chunk;
+    - a steady backward runs with its pair's forward output not yet deallocated (deallocate_output_tensor in the
+      next pre-forward, or after the send without overlap), unless that chunk is the last stage's last one, and,
+      with ``overlap_p2p_comm`` (Megatron's default under VPP), the next forward's input already received
+      (pp_post_forward), unless the pair is the last steady one."""
+    fwd, c, held, nth = probe
+    warm, lw, cw, nw, yw = _lingering(pp, vpp, m, group, pp_rank, overlap)
+    total = m * vpp
+    steady = total - warm
+
+    def recv(ch: int) -> int:
+        return receiving[ch] if 0 <= ch < len(receiving) else 0
+
+    def bwd_chunk(y: int) -> int:
+        return vpp - 1 - _chunk_at(vpp, m, group, y)
+
+    def queued(done: int, steps: int) -> int:
+        # inputs received after the first ``steps`` forward steps for forwards past the first ``done`` positions
+        # (done >= steps; a receive brings the input of a position at most ``group`` ahead on the first stage, the
+        # next one on the others)
+        n = 0
+        for s in range(max(0, steps - (group + 1 if pp_rank == 0 else 1)), steps):
+            x = _received_for(pp, vpp, m, group, pp_rank, s)
+            if x >= done:
+                n += recv(_chunk_at(vpp, m, group, x))
+        return n
+
+    def grads_queued(done: int, steps: int) -> int:
+        # output gradients received after the first ``steps`` backward steps (and at the warm-up's end, for the
+        # first backward) for backwards from position ``done`` on
+        n = 1 if done == 0 and steady > 0 and pp_rank != pp - 1 else 0
+        for s in range(max(0, steps - (group + 1 if pp_rank == pp - 1 else 1)), steps):
+            if _grad_received_for(pp, vpp, m, group, pp_rank, s) >= done:
+                n += 1
+        return n
+
+    def units(fwd: bool, k: int, section: int) -> int:
+        # k: the steady pair (section 1), the backward position (2) or the forward position (0)
+        n = sum(2 * recv(ch) for ch, h in enumerate(held) if h == 0)
+        if section == 0:
+            return n + queued(k + 1, k)
+        if section == 1:
+            # a steady pair's receive follows its forward (pp_post_forward), or both its passes without overlap;
+            # the last steady pair receives nothing
+            n += queued(warm + k + 1, warm + k + (overlap and not fwd and k < steady - 1))
+        y = k                               # the pass's backward position (the pair's for a steady forward)
+        lingering = cw >= 0 and yw < y and recv(cw) and not (
+            held[cw] == 0 and (m if section == 2 else _counts_t(k + warm + 1, vpp, m, group)[cw]) == nw)
+        if lingering:
+            n += 2 * recv(cw)
+        if y >= 1:
+            p = bwd_chunk(y - 1)
+            if held[p] != 0 and not (lingering and y - 1 == yw):
+                n += recv(p)
+        # output gradients received ahead: a steady forward's include its pair's (counted in the backward's
+        # working set once that backward runs)
+        n += grads_queued(k if fwd else k + 1, y)
+        if section == 2 or fwd:
+            return n
+        cf = _chunk_at(vpp, m, group, k + warm)
+        return n + (0 if pp_rank == pp - 1 and cf == vpp - 1 else 1)
+
+    if fwd:
+        x = _table_position(vpp, m, group, c, nth)
+        if x < warm:
+            return units(True, x, 0)
+        k, section = x - warm, 1
+    else:
+        y = _table_position(vpp, m, group, vpp - 1 - c, nth)
+        k, section = y, (1 if y < steady else 2)
+    return units(fwd, k, section)
+
+
+def steady_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, k: int, fwd: bool) -> Probe | None:
+    """The forward (``fwd``) or backward pass of steady pair ``k`` of the interleaved schedule as a probe; None when
+    there is no such pair."""
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    if not 0 <= k < m * vpp - warm:
+        return None
+    after = _counts_t(k + warm + 1, vpp, m, group)
+    held = tuple(map(sub, after, _counts_t(k, vpp, m, group)[::-1]))
+    if fwd:
+        cf = _chunk_at(vpp, m, group, k + warm)
+        return (True, cf, held, after[cf])
+    cb = vpp - 1 - _chunk_at(vpp, m, group, k)
+    return (False, cb, held, _counts_t(k, vpp, m, group)[::-1][cb] + 1)
+
+
+def steady_index(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Probe) -> int:
+    """The steady pair of a probe's pass (-1 in the warm-up or the cool-down)."""
+    fwd, c, _, nth = probe
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    if fwd:
+        k = _table_position(vpp, m, group, c, nth) - warm
+    else:
+        k = _table_position(vpp, m, group, vpp - 1 - c, nth)
+    return k if 0 <= k < m * vpp - warm else -1
+
+
+@lru_cache(maxsize=4096)
+def _grad_received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -> int:
+    """The backward position whose output gradient the receive after backward step ``s`` brings (-1: none): the next
+    one's on an earlier stage; on the last, the first stage's input gradient of pp - 1 steps before, for the previous
+    chunk (recv_tensor_from_previous_stage(forward=False), megatron-core 0.16.1 / 0.19.2). None after the last."""
+    total = m * vpp
+    if not 0 <= s < total - 1:
+        return -1
+    if pp_rank != pp - 1:
+        return s + 1
+    if s < pp - 1:
+        return -1
+    x = s - pp + 1
+    c = _chunk_at(vpp, m, group, x)         # the forward-table chunk of that position: backward chunk vpp - 1 - c
+    if c == vpp - 1:                         # backward chunk 0 sends nothing back to this stage
+        return -1
+    return _table_position(vpp, m, group, c + 1, _counts_t(x + 1, vpp, m, group)[c])
+
+
+@lru_cache(maxsize=1024)
+def _lingering(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[int, int, int, int, int]:
+    """(warm-up, and with overlap_p2p_comm the warm-up's last receive, which the loop's ``input_tensor`` keeps to the
+    schedule's end (the steady and cool-down loops receive into other buffers): its forward position, chunk, ordinal
+    in the chunk and backward position; -1, -1, 0, m x VPP without it)."""
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    total = m * vpp
+    lw = _received_for(pp, vpp, m, group, pp_rank, warm - 1) if overlap and total > warm else -1
+    if lw < 0:
+        return warm, -1, -1, 0, total
+    cw = _chunk_at(vpp, m, group, lw)
+    nw = _counts_t(lw + 1, vpp, m, group)[cw]
+    return warm, lw, cw, nw, _table_position(vpp, m, group, vpp - 1 - cw, nw)
+
+
+@lru_cache(maxsize=4096)
+def _received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -> int:
+    """The forward position whose input the receive after forward step ``s`` brings (-1: none): the next one's on
+    a later stage; on the first, the output the last stage made pp - 1 steps before, for the next chunk
+    (recv_tensor_from_previous_stage, megatron-core 0.16.1 / 0.19.2). None after the last step."""
+    total = m * vpp
+    if not 0 <= s < total - 1:
+        return -1
+    if pp_rank:
+        return s + 1
+    if s < pp - 1:
+        return -1
+    c = _chunk_at(vpp, m, group, s - pp + 1)
+    if c == vpp - 1:
+        return -1
+    return _table_position(vpp, m, group, c + 1, _counts_t(s - pp + 2, vpp, m, group)[c])
+
+
+def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
+    """The backward position of the micro-batch whose input the warm-up's last receive got (-1: none)."""
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    x = _received_for(pp, vpp, m, group, pp_rank, warm - 1) if m * vpp > warm else -1
+    if x < 0:
+        return -1
+    c = _chunk_at(vpp, m, group, x)
+    return _table_position(vpp, m, group, vpp - 1 - c, _counts_t(x + 1, vpp, m, group)[c])
+
+@lru_cache(maxsize=512)
+def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
+               overlap: bool) -> tuple[tuple[Probe, int], ...]:
+    """The interleaved (not combined) schedule's passes where the bytes held plus the pipeline's own tensors
+    (p2p_tensors_at, in [s/CP, b, h] units) can first peak, each with its units, in schedule order.
+
+    Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
+    last two passes and around the warm-up's last input's release (lingering_backward): those passes are
+    sampled. The steady state's skipped periods repeat the first one's passes, with the previous backward's
+    gradient and, once past its release, without the warm-up's last input: the first period's samples are also taken
+    one period later and the first period after the release. The first stage's warm-up and cool-down (at most about
+    2 x PP + VPP x group passes each, its queue of inputs received ahead changing pass by pass) are taken whole."""
+    warm = _warmup(pp, vpp, group, pp_rank, m)
+    total = m * vpp
+    steady = total - warm
+    P = vpp * group
+    full = (m // group) * P
+    yw = lingering_backward(pp, vpp, m, group, pp_rank) if overlap else -1
+    out: dict[int, tuple[Probe, int]] = {}   # pass ordinal -> (probe, units)
+
+    def near(k: int, n: int) -> set[int]:
+        return {j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}
+
+    for section, k, n, _cf, _cb, _fresh in _runs(pp, vpp, m, group, pp_rank):
+        if section == 0:
+            # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
+            for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
+                held = tuple(_counts_t(x + 1, vpp, m, group))
+                c = _chunk_at(vpp, m, group, x)
+                out[x] = ((True, c, held, held[c]), 0)
+        elif section == 1:
+            js = near(k, n)
+            # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
+            js.update(range(max(k, full - group - pp - warm), k + n))
+            if pp_rank in (0, pp - 1):
+                # the first stage's queue of inputs received ahead (the last stage's of output gradients) grows and
+                # shrinks evenly between the group boundaries of its receives (pp - 1 steps behind) and of its
+                # passes: both ends of each stretch
+                edge = (0, 1, group - 1)
+                js.update(j for j in range(k, k + n)
+                          if (j + warm) % group in edge or (j + warm - pp + 1) % group in edge)
+            for j in list(js):
+                if j < P:
+                    # one period later (after a first backward), the first period after the warm-up's last input
+                    # is released
+                    # (and the period after: until the warm-up's last input's chunk runs a later forward, that
+                    # input is also its TransformerBlock's, counted once)
+                    for jj in (j + P, j + 2 * P) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
+                        if jj < steady and jj + warm < full:
+                            js.add(jj)
+            for j in js:
+                for f in (True, False):
+                    out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 0)
+        else:
+            for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
+                done = _counts_t(y, vpp, m, group)[::-1]
+                cb = vpp - 1 - _chunk_at(vpp, m, group, y)
+                held = tuple(m - d for d in done)
+                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 0)
+    # passes with the same direction, chunk and held counts differ only in their units: the first with the most
+    best: dict = {}
+    for i, (_, (p, _u)) in enumerate(sorted(out.items())):
+        u = p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap)
+        key = p[:3]
+        if key not in best or u > best[key][2]:
+            best[key] = (i, p, u)
+    return tuple((p, u) for _, p, u in sorted(best.values()))
+
+
+def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
+    """The most micro-batches in flight on a rank of the interleaved (not combined) schedule."""
+    return _in_flight(_warmup(pp, vpp, group, pp_rank, m), m * vpp)

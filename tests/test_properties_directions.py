@@ -134,15 +134,42 @@ def test_fp8_never_keeps_more_of_a_layers_saved_tensor_than_bf16(fs, recipe):
     La = _layout(fs.flags(), fs.world)
     Lb = _layout(fs.flags() + ["--fp8-format", recipe[0], "--fp8-recipe", recipe[1]], fs.world)
     kinds_b = {(k.mixer, k.mlp): k for k in layer_kinds(Lb)}
+    # under delayed scaling the shared expert's fc1 keeps its own quantized copy of its input (the BF16 one is the
+    # router's), inside moe_shared_experts (docs/terms/fp8.md): a new tensor as FP8_NEW's, [T, h] at one byte an
+    # element (T: the layer's tokens, at most s b / CP) with its rounding
+    new_in_shared = (La.seq_length * La.micro_batch_size // La.context_parallel_size * La.hidden_size + FP8_ROUNDING
+                     if recipe[1] == "delayed" else 0)
     for k in dict.fromkeys(layer_kinds(La)):
         a = layer_activations(La, True, k).saved
         b = layer_activations(Lb, True, kinds_b[k.mixer, k.mlp]).saved
         assert set(b) - set(a) <= FP8_NEW, set(b) - set(a)
         for name, v in a.items():
             if name not in FP8_PADDED:
-                assert b.get(name, 0) <= v + FP8_ROUNDING, (k, name, v, b.get(name))
+                assert b.get(name, 0) <= v + FP8_ROUNDING + (name == "moe_shared_experts") * new_in_shared, (
+                    k, name, v, b.get(name))
         allowed = sum(b.get(n, 0) for n in FP8_NEW) + sum(max(0, b.get(n, 0) - a.get(n, 0)) for n in FP8_PADDED)
+        allowed += new_in_shared if "moe_shared_experts" in a else 0
         assert sum(b.values()) <= sum(a.values()) + allowed + FP8_ROUNDING * len(a), k
+
+
+def test_fp8_delayed_shared_expert_keeps_its_fc1_copy_by_hand():
+    """The case MEMGUARD_PROPERTY_EXAMPLES=300 MEMGUARD_PROPERTY_SEED=20261201 drew for the property above (corners5):
+    one MoE layer, h = 16, s = 8, b = 1, a shared expert of 16 (TP 1), delayed scaling. BF16: fc1's output (the GELU's
+    input) and fc2's input, 8 x 16 x 2 B each = 512 B (fc1's input is the router's). Delayed: the GELU's input still
+    BF16 (256 B); fc2's input quantized column-wise, 128 B of data and a 4-byte scale, each rounded to 512 B by the
+    allocator (1,024 B); fc1's own quantized copy of its input [8, 16], the same 1,024 B: 2,304 B."""
+    from megatron_memguard.partition import MLP_MOE
+    from property_space import Spec
+    fs = FeatureSpec(base=Spec(impl="transformer_engine", backend="auto", layers=1, heads=1, kv_channels=16, hidden=16,
+                               ffn=8, seq=8, mbs=1, microbatches=1, vocab=1000, rope=True, bias=False),
+                     experts=2, topk=1, ep=1, etp=1, moe_ffn=8, shared_ffn=16, dispatcher="allgather")
+    flags = fs.flags()
+    La = _layout(flags, fs.world)
+    Lb = _layout(flags + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], fs.world)
+    moe_a = next(k for k in layer_kinds(La) if k.mlp == MLP_MOE)
+    moe_b = next(k for k in layer_kinds(Lb) if k.mlp == MLP_MOE)
+    assert layer_activations(La, True, moe_a).saved["moe_shared_experts"] == 2 * 8 * 16 * 2
+    assert layer_activations(Lb, True, moe_b).saved["moe_shared_experts"] == 8 * 16 * 2 + 2 * (512 + 512)
 
 
 # ---------------------------------------------------------------------------------------------------

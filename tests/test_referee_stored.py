@@ -29,8 +29,9 @@ def test_every_stored_rank_within_the_bounds(rows):
         assert r.params_predicted == r.params_measured, key
         assert abs(r.after_err) <= BOUNDS["after_step"], (key, r.after_err)
         assert not r.failures, (key, r.failures)
-        # the bound the estimator holds today (issue 13): every peak within 1%
-        assert abs(r.peak_err) <= 0.01, (key, r.peak_err, r.peak_phase_measured, r.peak_phase_predicted)
+        # the bound the estimator holds today (since the interleaved schedule's pipeline tensors are counted pass by
+        # pass, corners5): every peak within 0.1% (the largest: gqa2_tp4_sp, -0.068%)
+        assert abs(r.peak_err) <= 0.001, (key, r.peak_err, r.peak_phase_measured, r.peak_phase_predicted)
 
 
 @pytest.mark.parametrize("config, ranks", [
@@ -57,16 +58,40 @@ def test_issue_13_ranks_match_to_a_tenth_of_a_percent(rows, config, ranks):
     # of 3 (not a multiple of PP), 2 KV groups under TP 4, --calculate-per-token-loss under PP 2
     "pp2_last1", "pp2_acc_emb_loss", "pp2_layout", "vpp_pp2_first2", "vpp_pp2_acc_emb_loss", "vpp_pp2_group3_mb5",
     "gqa2_tp4_sp", "per_token_loss_pp2",
+    # corners5 (2026-11-30): VPP without p2p overlap, groups of 6 over PP 4 (the first stage's queue of inputs and the
+    # last stage's of output gradients received ahead), TP 2 with untied output weights at PP 1
+    "vpp_pp4_v2_no_overlap", "vpp_pp4_group6_mb12", "untied_tp2",
 ])
 def test_layout_corners_match_to_a_quarter_percent(rows, config):
     """Each rank of the corner: parameters exact, the bytes after the step within 0.001% (the step counters and
-    scalars), the peak within 0.25% (the largest: vpp_pp2_first2's rank 0, -0.247%, its backward's transient)."""
+    scalars), the peak within 0.25% (the largest today: gqa2_tp4_sp, -0.068%)."""
     ranks = [r for (c, _), r in rows.items() if c == config]
     assert ranks, config
     for r in ranks:
         assert r.params_predicted == r.params_measured, (config, r.rank)
         assert abs(r.after_err) <= 1e-5, (config, r.rank, r.after_err)
         assert abs(r.peak_err) <= 0.0025, (config, r.rank, r.peak_measured, r.peak_predicted)
+
+
+def test_interleaved_ranks_match_to_three_hundredths_of_a_percent(rows):
+    """Every rank of every VPP configuration: the schedule's own activation-sized tensors at the peak's pass
+    (schedule.p2p_tensors_at: idle chunks' input and gradient, the loop's last input gradient, the pair's forward
+    output, inputs received ahead, the warm-up's last receive) are what megatron-core 0.16.1 keeps there, so the
+    peak is within 0.03% (a few hundred bytes of scalars; 29-31 KB more at the last stage's last forward of
+    vpp_pp2_group3_mb5 and vpp_pp4_v2_no_overlap, not a pipeline tensor: -0.016%, -0.023%). Counting every receiving chunk's pair at every
+    pass was -0.97% (vpp_pp4_v2 rank 2, 3 tensors short in a steady backward with chunk 1 idle) to +0.64%
+    (vpp_pp4_first2_last2 rank 1, 4 tensors over at its first backward, where no backward had run)."""
+    ranks = [r for (c, _), r in rows.items() if c.startswith("vpp_")]
+    assert len(ranks) >= 16
+    for r in ranks:
+        assert abs(r.peak_err) <= 0.0003, (r.config, r.rank, r.peak_measured, r.peak_predicted,
+                                           r.peak_phase_measured, r.peak_phase_predicted)
+    # the first backward of vpp_pp4_first2_last2's middle stages (the brief's corner): no pair at all (every chunk holds
+    # micro-batches, no backward ran); rank 1 runs every forward in its warm-up and keeps nothing more, rank 2 keeps its
+    # steady forward's output and the next forward's input received ahead (2 tensors): to the scalars
+    for rank in (1, 2):
+        r = rows[("vpp_pp4_first2_last2", rank)]
+        assert 0 <= r.peak_measured - r.peak_predicted < 1024, (rank, r.peak_measured, r.peak_predicted)
 
 
 def test_merge_results_replaces_and_adds_in_the_grid_order(tmp_path):

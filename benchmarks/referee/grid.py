@@ -108,6 +108,20 @@ GRID: List[Dict[str, Any]] = [
                                    "--microbatch-group-size-per-virtual-pipeline-stage", "3",
                                    "--global-batch-size", "10"],
          note="5 micro-batches, not a multiple of PP: groups of 3 leave a last group of 2 >= PP (schedules.py)"),
+    # interleaved schedule corners (2026-11-30, corners5): without p2p overlap (the steady pair's receive after its
+    # backward, no warm-up input kept), micro-batch groups above PP on 4 stages (the first stage's queue of inputs
+    # received ahead), and TP 2 with untied output weights at PP 1
+    _cfg("vpp_pp4_v2_no_overlap", 4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                                      "--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication",
+                                      "--global-batch-size", "16"],
+         note="vpp_pp4_v2 with --no-overlap-p2p-communication"),
+    _cfg("vpp_pp4_group6_mb12", 4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                                    "--num-layers-per-virtual-pipeline-stage", "1",
+                                    "--microbatch-group-size-per-virtual-pipeline-stage", "6",
+                                    "--global-batch-size", "24"],
+         note="12 micro-batches in groups of 6 over PP 4: the first stage receives up to 3 inputs ahead"),
+    _cfg("untied_tp2", 2, ["--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2"],
+         note="TP 2 with untied output weights at PP 1"),
     # --- interleaved (virtual) pipeline
     _cfg("vpp_pp2_v2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                            "--num-layers-per-virtual-pipeline-stage", "2",

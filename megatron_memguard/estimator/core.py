@@ -12,6 +12,7 @@ Adam's moments are created at the first step, so the peak is that of the second 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from operator import mul
 from functools import lru_cache, partial
 from typing import Callable
 
@@ -21,7 +22,7 @@ from ..layout import Chunk, Layout
 from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
-from ..schedule import schedule_peak
+from ..schedule import PROBE_MAX_VPP, p2p_probes, peak_in_flight, schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
@@ -877,10 +878,9 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
     input from a previous stage."""
     if len(acts) == 1:
         return None
-    # Interleaved schedules keep each receiving chunk's last input and its gradient through the
-    # schedule (with received inputs and gradients queued ahead of their passes, which this does not
-    # count separately): the retained pairs are present at every pass.
-    retained = 2 * p2p_tensor_bytes(L) * sum(receiving)
+    # the pipeline's own tensors at a pass (retained pairs, queued inputs and gradients) depend on the pass:
+    # _simulate counts them at the peak from each chunk's received folds (schedule.p2p_tensors_at)
+    retained = tuple([int(r) for r in receiving])
     sizes: list[int] = []
     fwd: list[int] = []
     top: list[int] = []
@@ -897,6 +897,19 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
     return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts])
 
 
+@lru_cache(maxsize=1024)
+def _p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple, overlap: bool, sizes: tuple,
+              fwd_extra: tuple, bwd_extra: tuple, t: int) -> tuple[int, int, tuple]:
+    """The first pass of schedule.p2p_probes with the most held bytes plus pipeline tensors: (held bytes with the
+    pass's transient, the pipeline tensors' bytes, its probe)."""
+    best, retained, probe = -1, 0, None
+    for p, units in p2p_probes(pp, vpp, m, group, pp_rank, receiving, overlap):
+        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * units
+        if v > best:
+            best, retained, probe = v, t * units, p
+    return best - retained, retained, probe
+
+
 def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list[ChunkActivations],
               sched: tuple | None) -> tuple[int, str, int, dict[str, int]]:
     """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
@@ -907,12 +920,23 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     every pass gives (tests/test_schedule.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, retained, alike = sched
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, receiving, alike = sched
     # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
     combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
-    best, (fwd, ci, counts, nth), in_flight = schedule_peak(
-        L.pp, L.vpp, L.num_microbatches, L.microbatch_group_size_per_vp_stage or L.pp, pp_rank, sizes, fwd_extra,
-        bwd_extra, combined)
+    group = L.microbatch_group_size_per_vp_stage or L.pp
+    t = p2p_tensor_bytes(L)
+    if combined or L.vpp > PROBE_MAX_VPP:
+        # (the combined schedule's queues and the walked long schedules are not modelled pass by pass: every
+        # receiving chunk's last input and its gradient counted at every pass)
+        best, probe, in_flight = schedule_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, sizes, fwd_extra,
+                                               bwd_extra, combined)
+        retained = 2 * t * sum(receiving)
+    else:
+        # the held bytes plus the pipeline's own tensors at each pass that can peak (schedule.p2p_probes)
+        best, retained, probe = _p2p_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
+                                          L.overlap_p2p_comm, tuple(sizes), tuple(fwd_extra), tuple(bwd_extra), t)
+        in_flight = peak_in_flight(L.pp, L.vpp, L.num_microbatches, group, pp_rank)
+    fwd, ci, counts, nth = probe
     best += retained
     held = list(counts)
     if fwd:
@@ -1611,6 +1635,9 @@ def _part_terms(L: Layout, pp_rank: int, pr: _StagePrep, in_flight: int, parts: 
         elif name == "offload_pp_balance_kept":
             det = (f"--delta-offload-bytes-across-pp-ranks: {pp_rank} x {L.delta_offload_bytes_across_pp_ranks:,} B "
                    "of whole offload groups kept on the GPU, from the first micro-batch in flight")
+        elif name == "pipeline_inputs_retained" and L.vpp > 1:
+            det = ("the schedule's own tensors at this pass: idle chunks' last input and gradient, the last input "
+                   "gradient, the pair's forward output or received output gradient, inputs received ahead")
         elif name == "pipeline_inputs_retained":
             det = "last received input and its gradient of the chunks not started yet or already done"
         elif ft is not None and name.startswith("fsdp_"):

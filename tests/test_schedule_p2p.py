@@ -1,0 +1,261 @@
+"""The interleaved schedule's own activation-sized tensors (schedule.p2p_tensors_at, p2p_probes) against a replay that
+follows megatron-core's objects pass by pass.
+
+The replay (``pipeline_tensors``) keeps the references forward_backward_pipelining_with_interleaving keeps
+(megatron-core 0.16.1 and 0.19.2, overlap_p2p_comm with and without, no warm-up flush):
+* received inputs queued in ``input_tensors`` before their forward (recv_tensor_from_previous_stage: the first stage
+  receives the last stage's output of pp - 1 steps before, for the next chunk; a later stage the next position's);
+* TransformerBlock.input_tensor: each chunk's latest forward input, with the .grad backward_step retained once that
+  micro-batch's backward ran;
+* the loop's ``input_tensor_grad`` (the last backward's, until the next backward returns);
+* a steady pair's forward output until the next forward (deallocate_output_tensor in pp_pre_forward, or after the
+  send without overlap) and the output gradient its backward will use, received before its forward;
+* with overlap, the warm-up's last receive in ``input_tensor`` to the schedule's end.
+The tensors counted in the held micro-batches (their inputs) and in the backward's working set (its output gradient)
+are left out. The CPU referee measures the same tensors on real megatron-core 0.16.1 runs
+(tests/test_referee_stored.py: every interleaved rank within 0.02%).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from megatron_memguard.schedule import p2p_probes, p2p_tensors_at
+from schedule_reference import megatron_passes
+
+EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
+
+
+def _table(vpp: int, m: int, group: int) -> list[tuple[int, int]]:
+    out = []
+    for lo in range(0, m, group):
+        out += [(mb, c) for c in range(vpp) for mb in range(lo, min(lo + group, m))]
+    return out
+
+
+def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: bool, folds: int = 1) -> list[int]:
+    """Per pass of megatron_passes: the pipeline tensors live besides the held inputs and the backward's output
+    gradient, in [s, b, h] units (a received input and its gradient ``folds`` units, as after a standalone MTP stage;
+    the first stage's chunk 0 receives nothing)."""
+    table = _table(vpp, m, group)
+    total = m * vpp
+    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+    steady = total - warm
+    first, last = rank == 0, rank == pp - 1
+
+    def receives(c: int) -> bool:
+        return not (first and c == 0)
+
+    def received(step: int) -> tuple[int, int] | None:
+        # recv_tensor_from_previous_stage(step, forward=True): the (chunk, micro-batch) whose input arrives
+        if first:
+            if step < pp - 1:
+                return None
+            mb, c = table[step - (pp - 1)]
+            return None if c == vpp - 1 else (c + 1, mb)
+        if step + 1 >= total:
+            return None
+        mb, c = table[step + 1]
+        return (c, mb)
+
+    def grad_received(step: int) -> tuple[int, int] | None:
+        # recv_tensor_from_previous_stage(step, forward=False): the (chunk, micro-batch) whose output gradient
+        # arrives after backward step ``step`` (the last stage leads the backward: the first stage's input gradient of
+        # pp - 1 steps before, for the previous chunk)
+        if step + 1 >= total:
+            return None
+        if last:
+            if step < pp - 1:
+                return None
+            mb, c = table[step - (pp - 1)]
+            return None if vpp - 1 - c == 0 else (vpp - 2 - c, mb)
+        mb, c = table[step + 1]
+        return (vpp - 1 - c, mb)
+
+    queue: set = set()                       # received inputs not yet forwarded
+    block = {c: ("prev", c) for c in range(vpp) if receives(c)}   # TransformerBlock.input_tensor per chunk
+    done_bwd: set = set()                    # (chunk, mb) whose backward ran (their input has its .grad)
+    loop_grad = None                         # the loop's input_tensor_grad
+    warm_input = None                        # overlap: the warm-up's last receive, kept in ``input_tensor``
+    out_alive = None                         # a steady pair's forward output
+    grads: set = set()                       # received output gradients not yet used
+    in_flight: set = set()
+    out: list[int] = []
+
+    def live(fwd: bool, cur: tuple[int, int]) -> int:
+        ids = set()
+        for x in queue:
+            ids.add(("X", x))
+        for c, x in block.items():
+            if x[0] == "prev" or x in done_bwd:
+                ids |= {("X", x), ("dX", x)}
+        if loop_grad is not None:
+            ids.add(("dX", loop_grad))
+        if warm_input is not None:
+            ids.add(("X", warm_input))
+            if warm_input in done_bwd:
+                ids.add(("dX", warm_input))
+        if out_alive is not None:
+            ids.add(("O", out_alive))
+        ids |= {("G", g) for g in grads}
+        ids -= {("X", x) for x in in_flight}
+        if not fwd:
+            ids.discard(("G", cur))
+        return sum(folds if kind in ("X", "dX") else 1 for kind, _ in ids)
+
+    passes = megatron_passes(pp, vpp, m, group, rank)
+    k_f = 0                                  # forward steps done
+    k_b = 0                                  # backward steps done
+    i = 0
+    while i < len(passes):
+        fwd, c, mb = passes[i]
+        if fwd:
+            # pre-forward (steady, overlap): the previous steady forward's output is deallocated
+            if overlap:
+                out_alive = None
+            queue.discard((c, mb))
+            in_flight.add((c, mb))
+            if receives(c):
+                block[c] = (c, mb)
+            out.append(live(True, (c, mb)))
+            step = k_f
+            k_f += 1
+            if step < warm:
+                r = received(step) if step != total - 1 else None
+                if r is not None:
+                    queue.add(r)
+                    if step == warm - 1 and steady > 0 and overlap:
+                        warm_input = r
+                if step == warm - 1 and steady > 0 and not last:
+                    grads.add((vpp - 1, table[0][0]))          # the first backward's output gradient
+            else:
+                if not (last and c == vpp - 1):
+                    out_alive = (c, mb)
+                if overlap:
+                    r = received(step) if step - warm != steady - 1 else None
+                    if r is not None:
+                        queue.add(r)
+        else:
+            out.append(live(False, (c, mb)))
+            in_flight.discard((c, mb))
+            grads.discard((c, mb))
+            done_bwd.add((c, mb))
+            loop_grad = (c, mb) if receives(c) else None
+            step = k_b
+            k_b += 1
+            if step < steady:
+                if not overlap:
+                    out_alive = None
+                    r = received(warm + step) if step != steady - 1 else None
+                    if r is not None:
+                        queue.add(r)
+                if step == steady - 1:
+                    out_alive = None                 # deallocated after the steady loop
+            g = grad_received(step)                  # post_backward, the steady comm or the cool-down's receive
+            if g is not None:
+                grads.add(g)
+        i += 1
+    return out
+
+
+def probes_of(pp: int, vpp: int, m: int, group: int, rank: int):
+    """The probe (forward?, chunk, held counts, ordinal) of every pass, in order."""
+    held = [0] * vpp
+    seen: dict = {}
+    out = []
+    for fwd, c, _mb in megatron_passes(pp, vpp, m, group, rank):
+        seen[fwd, c] = seen.get((fwd, c), 0) + 1
+        if fwd:
+            held[c] += 1
+        out.append((fwd, c, tuple(held), seen[fwd, c]))
+        if not fwd:
+            held[c] -= 1
+    return out
+
+
+def valid(pp: int, m: int, group: int, overlap: bool) -> bool:
+    """The schedules megatron-core runs: PP <= G <= m, a last partial group of at least PP (schedules.py raises
+    otherwise), PP > 2 without overlap_p2p_comm (validate_args)."""
+    return pp <= group <= m and (m % group == 0 or m % group >= pp) and (overlap or pp > 2)
+
+
+def test_pipeline_tensors_every_pass_small_schedules():
+    """Every pass of every rank with PP 2-4, VPP 2-3, m up to 12, G from PP to PP + 2, with and without
+    overlap_p2p_comm: p2p_tensors_at equals the replay."""
+    for pp, vpp, m, extra in itertools.product(range(2, 5), range(2, 4), range(2, 13), range(3)):
+        group = pp + extra
+        for rank in range(pp):
+            recv = tuple(0 if rank == 0 and c == 0 else 1 for c in range(vpp))
+            for overlap in (True, False):
+                if not valid(pp, m, group, overlap):
+                    continue
+                ref = pipeline_tensors(pp, vpp, m, group, rank, overlap)
+                got = [p2p_tensors_at(pp, vpp, m, group, rank, p, recv, overlap)
+                       for p in probes_of(pp, vpp, m, group, rank)]
+                assert got == ref, (pp, vpp, m, group, rank, overlap)
+
+
+def test_p2p_probes_find_the_replays_peak():
+    """The sampled passes (p2p_probes) reach the same largest value as every pass, for random bytes per chunk and an
+    activation-sized tensor of 3 (small, so that the pipeline tensors decide between passes)."""
+    rng = random.Random(5)
+    for pp, vpp, m, extra in itertools.product(range(2, 5), range(2, 4), (3, 4, 6, 8, 11, 16), range(3)):
+        group = pp + extra
+        for rank in range(pp):
+            recv = tuple(0 if rank == 0 and c == 0 else 1 for c in range(vpp))
+            for overlap in (True, False):
+                if not valid(pp, m, group, overlap):
+                    continue
+                sizes = [rng.randint(0, 5) for _ in range(vpp)]
+                fx = [rng.randint(0, 6) for _ in range(vpp)]
+                bx = [rng.randint(0, 6) for _ in range(vpp)]
+                units = pipeline_tensors(pp, vpp, m, group, rank, overlap)
+                full = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + 3 * u
+                           for p, u in zip(probes_of(pp, vpp, m, group, rank), units))
+                fast = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + 3 * u
+                           for p, u in p2p_probes(pp, vpp, m, group, rank, recv, overlap))
+                assert fast == full, (pp, vpp, m, group, rank, overlap, sizes, fx, bx)
+
+
+def test_pipeline_tensors_by_hand_pp4_vpp2_rank2():
+    """vpp_pp4_v2's third rank (PP 4, VPP 2, 8 micro-batches, groups of 4; the CPU referee's measured peak, the
+    backward of chunk 0's micro-batch 1 in steady pair 5), from megatron-core 0.16.1's schedule by hand: chunk 1 is
+    idle (its 4 micro-batches done), so its TransformerBlock keeps micro-batch 3's input and gradient (2); the warm-up's
+    last receive (chunk 1 micro-batch 2's input) and its gradient stay in the loop's ``input_tensor`` (2); the loop's
+    input gradient of chunk 0 micro-batch 0 (1); the pair's forward output, chunk 0 micro-batch 7 (1); chunk 1 micro-
+    batch 4's input received after that forward (1): 7 tensors (measured: 7 [256, 2, 256] bf16 storages beyond the
+    held inputs and the output gradient, benchmarks/results/referee-measured.json)."""
+    probe = (False, 0, (7, 0), 2)
+    assert p2p_tensors_at(4, 2, 8, 4, 2, probe, (1, 1), True) == 7
+    # without overlap_p2p_comm the next input is received after the backward and the loop's input_tensor is replaced
+    assert p2p_tensors_at(4, 2, 8, 4, 2, probe, (1, 1), False) == 4
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=EXAMPLES // 2,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.integers(2, 8), vpp=st.integers(2, 5), groups=st.integers(1, 6), extra=st.integers(0, 6),
+       more=st.integers(0, 8), rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), overlap=st.booleans(),
+       folds=st.integers(1, 3))
+def test_p2p_probes_match_replay_property(pp, vpp, groups, extra, more, rank_frac, seed, overlap, folds):
+    """Any schedule Megatron runs (G = PP + extra, m a multiple of G plus a last group of PP or more): the sampled
+    passes reach the replay's largest value, with random bytes and a chunk's input counted ``folds`` times."""
+    group = pp + extra
+    m = groups * group + (pp + more if pp + more < group else 0)
+    if not valid(pp, m, group, overlap):
+        return
+    rank = min(pp - 1, int(rank_frac * pp))
+    rng = random.Random(seed)
+    recv = tuple(0 if rank == 0 and c == 0 else 1 for c in range(vpp))
+    sizes = [rng.randint(0, 9) for _ in range(vpp)]
+    fx = [rng.randint(0, 9) for _ in range(vpp)]
+    bx = [rng.randint(0, 9) for _ in range(vpp)]
+    t = rng.randint(1, 4)
+    units = pipeline_tensors(pp, vpp, m, group, rank, overlap, folds)
+    full = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
+               for p, u in zip(probes_of(pp, vpp, m, group, rank), units))
+    fast = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
+               for p, u in p2p_probes(pp, vpp, m, group, rank, tuple(folds * r for r in recv), overlap))
+    assert fast == full, (pp, vpp, m, group, rank, overlap, sizes, fx, bx, t, folds)
