@@ -541,7 +541,21 @@ def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> i
 def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
                overlap: bool) -> tuple[tuple[Probe, int], ...]:
     """The interleaved (not combined) schedule's passes where the bytes held plus the pipeline's own tensors
-    (p2p_tensors_at, in [s/CP, b, h] units) can first peak, each with its units, in schedule order.
+    (p2p_tensors_at, in [s/CP, b, h] units) can first peak, each with its units, in schedule order: of the sampled
+    passes (p2p_passes), those with the same direction, chunk and held counts differ only in their units, so the
+    first with the most stands for them."""
+    best: dict = {}
+    for i, p in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
+        u = p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap)
+        key = p[:3]
+        if key not in best or u > best[key][2]:
+            best[key] = (i, p, u)
+    return tuple((p, u) for _, p, u in sorted(best.values()))
+
+
+@lru_cache(maxsize=512)
+def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[Probe, ...]:
+    """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order.
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
@@ -596,14 +610,43 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)
                 out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 0)
-    # passes with the same direction, chunk and held counts differ only in their units: the first with the most
-    best: dict = {}
-    for i, (_, (p, _u)) in enumerate(sorted(out.items())):
-        u = p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap)
-        key = p[:3]
-        if key not in best or u > best[key][2]:
-            best[key] = (i, p, u)
-    return tuple((p, u) for _, p, u in sorted(best.values()))
+    return tuple(p for _, (p, _u) in sorted(out.items()))
+
+
+def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+             sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
+             t: int) -> tuple[int, int, Probe] | None:
+    """The first of p2p_probes with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] + t x units:
+    (that value, t x units, the probe); None when t <= 0 (then the probes' own choice between equal passes stands).
+
+    With t > 0 that is the first sampled pass (p2p_passes) with the most: the value of a pass grows with its units,
+    so the first pass of a direction, chunk and held counts with the most units is its first with the largest value.
+    Units are counted only where they can still matter: a pass's units are at most its idle chunks' pairs plus
+    ``rest`` (the queue window, the lingering input, the previous backward's gradient, the queued output gradients
+    and the pair's output, p2p_tensors_at's terms at their largest), so passes whose value with that bound stays
+    below the best found are skipped, the most promising first."""
+    if t <= 0:
+        return None
+    passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
+    r = max(receiving, default=0)
+    rest = ((group + 1 if pp_rank == 0 else 1) + 3) * r + (group + 1 if pp_rank == pp - 1 else 1) + 2
+    scored = []
+    for i, p in enumerate(passes):
+        held = p[2]
+        v = sum(map(mul, held, sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]]
+        idle = 2 * sum([x for h, x in zip(held, receiving) if not h])
+        scored.append((v + t * (idle + rest), i, v))
+    scored.sort(key=lambda e: (-e[0], e[1]))
+    best, at, retained = -1, -1, 0
+    for bound, i, v in scored:
+        if bound < best:
+            break
+        u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i], receiving, overlap)
+        if v + u > best or (v + u == best and i < at):
+            best, at, retained = v + u, i, u
+    if at < 0:
+        return None
+    return best, retained, passes[at]
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:

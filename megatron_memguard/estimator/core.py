@@ -22,7 +22,7 @@ from ..layout import Chunk, Layout
 from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
-from ..schedule import PROBE_MAX_VPP, p2p_probes, peak_in_flight, schedule_peak
+from ..schedule import PROBE_MAX_VPP, p2p_peak, p2p_probes, peak_in_flight, schedule_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
@@ -902,6 +902,9 @@ def _p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tu
               fwd_extra: tuple, bwd_extra: tuple, t: int) -> tuple[int, int, tuple]:
     """The first pass of schedule.p2p_probes with the most held bytes plus pipeline tensors: (held bytes with the
     pass's transient, the pipeline tensors' bytes, its probe)."""
+    got = p2p_peak(pp, vpp, m, group, pp_rank, receiving, overlap, sizes, fwd_extra, bwd_extra, t)
+    if got is not None:                     # (the units counted only where they can still decide)
+        return got[0] - got[1], got[1], got[2]
     best, retained, probe = -1, 0, None
     for p, units in p2p_probes(pp, vpp, m, group, pp_rank, receiving, overlap):
         v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * units
