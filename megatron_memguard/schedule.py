@@ -545,7 +545,7 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
     passes (p2p_passes), those with the same direction, chunk and held counts differ only in their units, so the
     first with the most stands for them."""
     best: dict = {}
-    for i, p in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
+    for i, (p, _, _) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
         u = p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap)
         key = p[:3]
         if key not in best or u > best[key][2]:
@@ -554,8 +554,11 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
 
 
 @lru_cache(maxsize=512)
-def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[Probe, ...]:
-    """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order.
+def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+               overlap: bool) -> tuple[tuple[Probe, int, int], ...]:
+    """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order,
+    each as (probe, section, k): section 0, a warm-up forward of table position k; 1, a pass of steady pair k; 2, a
+    cool-down backward of position k.
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
@@ -580,7 +583,7 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: boo
             for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
                 held = tuple(_counts_t(x + 1, vpp, m, group))
                 c = _chunk_at(vpp, m, group, x)
-                out[x] = ((True, c, held, held[c]), 0)
+                out[x] = ((True, c, held, held[c]), 0, x)
         elif section == 1:
             js = near(k, n)
             # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
@@ -603,14 +606,42 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: boo
                             js.add(jj)
             for j in js:
                 for f in (True, False):
-                    out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 0)
+                    out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 1, j)
         else:
             for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
                 done = _counts_t(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)
-                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 0)
-    return tuple(p for _, (p, _u) in sorted(out.items()))
+                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 2, y)
+    return tuple(v for _, v in sorted(out.items()))
+
+
+def p2p_units_bound(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
+                    overlap: bool, fwd: bool, held: tuple[int, ...], section: int, k: int) -> int:
+    """An upper bound on p2p_tensors_at at a pass of p2p_passes (``section``, ``k``), each of its terms at its
+    largest: the idle chunks' pairs as they are; the inputs queued (a later stage receives one, for the next
+    position, only after a steady backward with overlap_p2p_comm; the first stage at most one per step of its window
+    of ``group`` + 1); the warm-up's last input only past its release; the previous backward's gradient; the output
+    gradients queued (an earlier stage than the last one holds one, before a steady forward, the last stage one per
+    step of its window and the warm-up's); the steady backward's pair output."""
+    n = 2 * sum([x for h, x in zip(held, receiving) if not h])
+    r = max(receiving, default=0)
+    if pp_rank == 0:
+        q = (group + 1) * r if section < 2 else 0
+    else:
+        q = r if section == 1 and overlap and not fwd and k < m * vpp - _warmup(pp, vpp, group, pp_rank, m) - 1 else 0
+    if section == 0:
+        return n + q
+    warm, lw, cw, nw, yw = _lingering(pp, vpp, m, group, pp_rank, overlap)
+    if cw >= 0 and yw < k:
+        n += 2 * (receiving[cw] if cw < len(receiving) else 0)
+    if k >= 1:
+        n += r
+    if pp_rank == pp - 1:
+        n += group + 2
+    elif fwd:
+        n += 1
+    return n + q + (section == 1 and not fwd)
 
 
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
@@ -621,32 +652,29 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
 
     With t > 0 that is the first sampled pass (p2p_passes) with the most: the value of a pass grows with its units,
     so the first pass of a direction, chunk and held counts with the most units is its first with the largest value.
-    Units are counted only where they can still matter: a pass's units are at most its idle chunks' pairs plus
-    ``rest`` (the queue window, the lingering input, the previous backward's gradient, the queued output gradients
-    and the pair's output, p2p_tensors_at's terms at their largest), so passes whose value with that bound stays
-    below the best found are skipped, the most promising first."""
+    Units are counted only where they can still matter: passes are taken by their value with p2p_units_bound, the
+    largest (then the earliest) first, until that bound can no longer beat the best found."""
     if t <= 0:
         return None
     passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
-    r = max(receiving, default=0)
-    rest = ((group + 1 if pp_rank == 0 else 1) + 3) * r + (group + 1 if pp_rank == pp - 1 else 1) + 2
     scored = []
-    for i, p in enumerate(passes):
-        held = p[2]
-        v = sum(map(mul, held, sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]]
-        idle = 2 * sum([x for h, x in zip(held, receiving) if not h])
-        scored.append((v + t * (idle + rest), i, v))
-    scored.sort(key=lambda e: (-e[0], e[1]))
+    for i, (p, section, k) in enumerate(passes):
+        fwd, c, held, _ = p
+        v = sum(map(mul, held, sizes)) + (fwd_extra if fwd else bwd_extra)[c]
+        u = p2p_units_bound(pp, vpp, m, group, pp_rank, receiving, overlap, fwd, held, section, k)
+        scored.append((-v - t * u, i, v))
+    scored.sort()
     best, at, retained = -1, -1, 0
     for bound, i, v in scored:
-        if bound < best:
+        # (sorted by bound, then schedule order: a pass that can at most tie with an earlier best cannot win)
+        if -bound < best or (-bound == best and i > at):
             break
-        u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i], receiving, overlap)
+        u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i][0], receiving, overlap)
         if v + u > best or (v + u == best and i < at):
             best, at, retained = v + u, i, u
     if at < 0:
         return None
-    return best, retained, passes[at]
+    return best, retained, passes[at][0]
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
