@@ -545,7 +545,7 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
     passes (p2p_passes), those with the same direction, chunk and held counts differ only in their units, so the
     first with the most stands for them."""
     best: dict = {}
-    for i, (p, _, _) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
+    for i, (p, *_) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
         u = p2p_tensors_at(pp, vpp, m, group, pp_rank, p, receiving, overlap)
         key = p[:3]
         if key not in best or u > best[key][2]:
@@ -555,10 +555,10 @@ def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: t
 
 @lru_cache(maxsize=512)
 def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
-               overlap: bool) -> tuple[tuple[Probe, int, int], ...]:
+               overlap: bool) -> tuple[tuple[Probe, int, int, int, int, int], ...]:
     """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order,
-    each as (probe, section, k): section 0, a warm-up forward of table position k; 1, a pass of steady pair k; 2, a
-    cool-down backward of position k.
+    each as (probe, section, k, a, l, c): section 0, a warm-up forward of table position k; 1, a pass of steady pair
+    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms.
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
@@ -572,7 +572,7 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     P = vpp * group
     full = (m // group) * P
     yw = lingering_backward(pp, vpp, m, group, pp_rank) if overlap else -1
-    out: dict[int, tuple[Probe, int]] = {}   # pass ordinal -> (probe, units)
+    out: dict[int, tuple] = {}              # pass ordinal -> (probe, section, k)
 
     def near(k: int, n: int) -> set[int]:
         return {j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}
@@ -604,44 +604,54 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                     for jj in (j + P, j + 2 * P) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
                         if jj < steady and jj + warm < full:
                             js.add(jj)
-            for j in js:
-                for f in (True, False):
-                    out[warm + 2 * j + (not f)] = (steady_pass(pp, vpp, m, group, pp_rank, j, f), 1, j)
+            top = vpp - 1
+            for j in js:                    # steady_pass, both passes of the pair at once
+                after = _counts_t(j + warm + 1, vpp, m, group)
+                before = _counts_t(j, vpp, m, group)[::-1]
+                held = tuple(map(sub, after, before))
+                cf = _chunk_at(vpp, m, group, j + warm)
+                cb = top - _chunk_at(vpp, m, group, j)
+                out[warm + 2 * j] = ((True, cf, held, after[cf]), 1, j)
+                out[warm + 2 * j + 1] = ((False, cb, held, before[cb] + 1), 1, j)
         else:
             for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
                 done = _counts_t(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
                 held = tuple(m - d for d in done)
                 out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 2, y)
-    return tuple(v for _, v in sorted(out.items()))
+    # each pass's p2p_units_bound less its idle chunks' pairs, as a x max(receiving) + l x 2 x receiving[the warm-up's
+    # last input's chunk] + c: the terms of p2p_tensors_at, each at its largest (the pass's section and direction
+    # leave some out):
+    # - inputs queued: a later stage receives one, for the next position, only after a steady backward with
+    #   overlap_p2p_comm (the last steady one excepted); the first stage at most one per step of its window (group + 1);
+    # - the warm-up's last input only past its release (lingering_backward); the previous backward's gradient;
+    # - output gradients queued: an earlier stage than the last holds one before a steady forward (none before a
+    #   backward), the last stage at most one per step of its window (group + 1) and the warm-up's;
+    # - a steady backward's pair output.
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    cw, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)[2::2]
+    passes = []
+    for _, (p, section, k) in sorted(out.items()):
+        fwd = p[0]
+        if section == 0:
+            passes.append((p, section, k, group + 1 if first else 0, 0, 0))
+            continue
+        if first:
+            a = group + 1 if section == 1 else 0
+        else:
+            a = 1 if section == 1 and overlap and not fwd and k < steady - 1 else 0
+        c = (group + 2 if last else 1 if fwd else 0) + (section == 1 and not fwd)
+        passes.append((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c))
+    return tuple(passes)
 
 
-def p2p_units_bound(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
-                    overlap: bool, fwd: bool, held: tuple[int, ...], section: int, k: int) -> int:
-    """An upper bound on p2p_tensors_at at a pass of p2p_passes (``section``, ``k``), each of its terms at its
-    largest: the idle chunks' pairs as they are; the inputs queued (a later stage receives one, for the next
-    position, only after a steady backward with overlap_p2p_comm; the first stage at most one per step of its window
-    of ``group`` + 1); the warm-up's last input only past its release; the previous backward's gradient; the output
-    gradients queued (an earlier stage than the last one holds one, before a steady forward, the last stage one per
-    step of its window and the warm-up's); the steady backward's pair output."""
-    n = 2 * sum([x for h, x in zip(held, receiving) if not h])
+def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: int) -> int:
+    """An upper bound on p2p_tensors_at at one of p2p_passes (``lingering_chunk``: _lingering's chunk of the warm-up's
+    last input, -1 for none): the idle chunks' pairs as they are, the other terms at their largest."""
+    p, _, _, a, l, c = entry
     r = max(receiving, default=0)
-    if pp_rank == 0:
-        q = (group + 1) * r if section < 2 else 0
-    else:
-        q = r if section == 1 and overlap and not fwd and k < m * vpp - _warmup(pp, vpp, group, pp_rank, m) - 1 else 0
-    if section == 0:
-        return n + q
-    warm, lw, cw, nw, yw = _lingering(pp, vpp, m, group, pp_rank, overlap)
-    if cw >= 0 and yw < k:
-        n += 2 * (receiving[cw] if cw < len(receiving) else 0)
-    if k >= 1:
-        n += r
-    if pp_rank == pp - 1:
-        n += group + 2
-    elif fwd:
-        n += 1
-    return n + q + (section == 1 and not fwd)
+    rl = 2 * receiving[lingering_chunk] if 0 <= lingering_chunk < len(receiving) else 0
+    return 2 * sum([x for h, x in zip(p[2], receiving) if not h]) + a * r + l * rl + c
 
 
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
@@ -657,12 +667,16 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     if t <= 0:
         return None
     passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
+    cw = _lingering(pp, vpp, m, group, pp_rank, overlap)[2]
+    r = max(receiving, default=0)
+    rl = 2 * receiving[cw] if 0 <= cw < len(receiving) else 0
     scored = []
-    for i, (p, section, k) in enumerate(passes):
-        fwd, c, held, _ = p
+    add = scored.append
+    for i, ((fwd, c, held, _), _s, _k, a, l, c0) in enumerate(passes):
         v = sum(map(mul, held, sizes)) + (fwd_extra if fwd else bwd_extra)[c]
-        u = p2p_units_bound(pp, vpp, m, group, pp_rank, receiving, overlap, fwd, held, section, k)
-        scored.append((-v - t * u, i, v))
+        # (p2p_units_bound, inline)
+        u = 2 * sum([x for h, x in zip(held, receiving) if not h]) + a * r + l * rl + c0
+        add((-v - t * u, i, v))
     scored.sort()
     best, at, retained = -1, -1, 0
     for bound, i, v in scored:
