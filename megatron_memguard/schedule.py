@@ -654,6 +654,25 @@ def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: i
     return 2 * sum([x for h, x in zip(p[2], receiving) if not h]) + a * r + l * rl + c
 
 
+@lru_cache(maxsize=512)
+def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[tuple, ...]:
+    """p2p_passes by direction, chunk and held counts (the same held bytes and transient): (forward?, chunk, held,
+    the first pass's index, the largest a, l and c of its passes' p2p_units_bound terms, its passes as
+    (index, a, l, c) in schedule order)."""
+    keys: dict = {}
+    for i, ((fwd, c, held, _), _s, _k, a, l, c0) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
+        key = (fwd, c, held)
+        got = keys.get(key)
+        if got is None:
+            keys[key] = [fwd, c, held, i, a, l, c0, [(i, a, l, c0)]]
+        else:
+            got[4] = max(got[4], a)
+            got[5] = max(got[5], l)
+            got[6] = max(got[6], c0)
+            got[7].append((i, a, l, c0))
+    return tuple((*k[:7], tuple(k[7])) for k in keys.values())
+
+
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
              sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
              t: int) -> tuple[int, int, Probe] | None:
@@ -662,8 +681,9 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
 
     With t > 0 that is the first sampled pass (p2p_passes) with the most: the value of a pass grows with its units,
     so the first pass of a direction, chunk and held counts with the most units is its first with the largest value.
-    Units are counted only where they can still matter: passes are taken by their value with p2p_units_bound, the
-    largest (then the earliest) first, until that bound can no longer beat the best found."""
+    Units are counted only where they can still matter: the passes of one direction, chunk and held counts (one
+    held value) are taken by that value with the largest of their p2p_units_bound, the largest (then the earliest)
+    first, until it can no longer beat the best found; within them, only the passes whose own bound can."""
     if t <= 0:
         return None
     passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
@@ -672,20 +692,24 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     rl = 2 * receiving[cw] if 0 <= cw < len(receiving) else 0
     scored = []
     add = scored.append
-    for i, ((fwd, c, held, _), _s, _k, a, l, c0) in enumerate(passes):
+    for fwd, c, held, i0, a, l, c0, members in _p2p_keys(pp, vpp, m, group, pp_rank, overlap):
         v = sum(map(mul, held, sizes)) + (fwd_extra if fwd else bwd_extra)[c]
-        # (p2p_units_bound, inline)
-        u = 2 * sum([x for h, x in zip(held, receiving) if not h]) + a * r + l * rl + c0
-        add((-v - t * u, i, v))
+        # (p2p_units_bound's idle chunks' pairs, inline)
+        v_idle = v + t * 2 * sum([x for h, x in zip(held, receiving) if not h])
+        add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
     scored.sort()
     best, at, retained = -1, -1, 0
-    for bound, i, v in scored:
-        # (sorted by bound, then schedule order: a pass that can at most tie with an earlier best cannot win)
-        if -bound < best or (-bound == best and i > at):
+    for bound, i0, v, v_idle, members in scored:
+        # (sorted by bound, then schedule order: passes that can at most tie with an earlier best cannot win)
+        if -bound < best or (-bound == best and i0 > at):
             break
-        u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i][0], receiving, overlap)
-        if v + u > best or (v + u == best and i < at):
-            best, at, retained = v + u, i, u
+        for i, a, l, c0 in members:
+            b = v_idle + t * (a * r + l * rl + c0)
+            if b < best or (b == best and i > at):
+                continue
+            u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i][0], receiving, overlap)
+            if v + u > best or (v + u == best and i < at):
+                best, at, retained = v + u, i, u
     if at < 0:
         return None
     return best, retained, passes[at][0]
