@@ -631,17 +631,20 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     first, last = pp_rank == 0, pp_rank == pp - 1
     cw, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)[2::2]
     passes = []
-    for _, (p, section, k) in sorted(out.items()):
-        fwd = p[0]
+    add = passes.append
+    warm_a = group + 1 if first else 0
+    for x in sorted(out):
+        p, section, k = out[x]
         if section == 0:
-            passes.append((p, section, k, group + 1 if first else 0, 0, 0))
+            add((p, 0, k, warm_a, 0, 0))
             continue
+        bwd1 = section == 1 and not p[0]
         if first:
             a = group + 1 if section == 1 else 0
         else:
-            a = 1 if section == 1 and overlap and not fwd and k < steady - 1 else 0
-        c = (group + 2 if last else 1 if fwd else 0) + (section == 1 and not fwd)
-        passes.append((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c))
+            a = 1 if bwd1 and overlap and k < steady - 1 else 0
+        c = (group + 2 if last else 0 if bwd1 or section == 2 else 1) + bwd1
+        add((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c))
     return tuple(passes)
 
 
@@ -665,11 +668,15 @@ def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool
         got = keys.get(key)
         if got is None:
             keys[key] = [fwd, c, held, i, a, l, c0, [(i, a, l, c0)]]
-        else:
-            got[4] = max(got[4], a)
-            got[5] = max(got[5], l)
-            got[6] = max(got[6], c0)
-            got[7].append((i, a, l, c0))
+            continue
+        # (conditionals: max() calls cost more)
+        if a > got[4]:
+            got[4] = a
+        if l > got[5]:
+            got[5] = l
+        if c0 > got[6]:
+            got[6] = c0
+        got[7].append((i, a, l, c0))
     return tuple((*k[:7], tuple(k[7])) for k in keys.values())
 
 

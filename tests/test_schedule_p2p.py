@@ -23,7 +23,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import p2p_probes, p2p_tensors_at
+from megatron_memguard.schedule import _lingering, p2p_passes, p2p_peak, p2p_probes, p2p_tensors_at, p2p_units_bound
 from schedule_reference import megatron_passes
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -259,3 +259,58 @@ def test_p2p_probes_match_replay_property(pp, vpp, groups, extra, more, rank_fra
     fast = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
                for p, u in p2p_probes(pp, vpp, m, group, rank, tuple(folds * r for r in recv), overlap))
     assert fast == full, (pp, vpp, m, group, rank, overlap, sizes, fx, bx, t, folds)
+
+
+def test_p2p_units_bound_holds_at_every_sampled_pass():
+    """p2p_units_bound (p2p_peak skips the passes whose bound cannot win) is at least p2p_tensors_at, which equals the
+    replay on every pass (test_pipeline_tensors_every_pass_small_schedules), at every sampled pass of PP 2-5, VPP 2-4,
+    m up to 16, with a chunk's input counted once or twice; and it is reached somewhere (not a vacuous bound)."""
+    reached = 0
+    for pp, vpp, m, extra in itertools.product(range(2, 6), range(2, 5), range(2, 17), range(3)):
+        group = pp + extra
+        for rank in range(pp):
+            for overlap in (True, False):
+                if not valid(pp, m, group, overlap):
+                    continue
+                cw = _lingering(pp, vpp, m, group, rank, overlap)[2]
+                for folds in (1, 2):
+                    recv = tuple(0 if rank == 0 and c == 0 else folds for c in range(vpp))
+                    for entry in p2p_passes(pp, vpp, m, group, rank, overlap):
+                        units = p2p_tensors_at(pp, vpp, m, group, rank, entry[0], recv, overlap)
+                        bound = p2p_units_bound(entry, recv, cw)
+                        assert bound >= units, (pp, vpp, m, group, rank, overlap, folds, entry, units)
+                        reached += bound == units
+    assert reached > 1000
+
+
+def test_p2p_peak_is_the_probes_first_peak():
+    """p2p_peak (the units counted only where they can still win) picks what a scan of every p2p_probes probe picks
+    (the first with the largest value: the estimator's choice before), and its value is the replay's largest, for
+    random bytes, transients and tensor sizes (some alike chunks, as in the middle of a pipeline)."""
+    rng = random.Random(11)
+    for pp, vpp, m, extra in itertools.product(range(2, 5), range(2, 4), (3, 4, 6, 8, 11, 16), range(3)):
+        group = pp + extra
+        for rank in range(pp):
+            for overlap in (True, False):
+                if not valid(pp, m, group, overlap):
+                    continue
+                for trial in range(3):
+                    folds = rng.randint(1, 2)
+                    recv = tuple(0 if rank == 0 and c == 0 else folds for c in range(vpp))
+                    if trial == 0:                          # alike chunks
+                        sizes, fx, bx = [rng.randint(0, 9)] * vpp, [rng.randint(0, 9)] * vpp, [rng.randint(0, 9)] * vpp
+                    else:
+                        sizes = [rng.randint(0, 9) for _ in range(vpp)]
+                        fx = [rng.randint(0, 9) for _ in range(vpp)]
+                        bx = [rng.randint(0, 9) for _ in range(vpp)]
+                    t = rng.randint(1, 4)
+                    want, want_u, want_p = -1, 0, None
+                    for p, u in p2p_probes(pp, vpp, m, group, rank, recv, overlap):
+                        v = sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
+                        if v > want:
+                            want, want_u, want_p = v, t * u, p
+                    got = p2p_peak(pp, vpp, m, group, rank, recv, overlap, tuple(sizes), tuple(fx), tuple(bx), t)
+                    assert got == (want, want_u, want_p), (pp, vpp, m, group, rank, overlap, sizes, fx, bx, t)
+                    units = pipeline_tensors(pp, vpp, m, group, rank, overlap, folds)
+                    assert got[0] == max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
+                                         for p, u in zip(probes_of(pp, vpp, m, group, rank), units))
