@@ -572,6 +572,8 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     P = vpp * group
     full = (m // group) * P
     yw = lingering_backward(pp, vpp, m, group, pp_rank) if overlap else -1
+    top = vpp - 1
+    made: dict[int, tuple] = {}             # steady pair -> (its chunks, held counts and ordinals)
     out: dict[int, tuple] = {}              # pass ordinal -> (probe, section, k)
 
     def near(k: int, n: int) -> set[int]:
@@ -604,15 +606,24 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                     for jj in (j + P, j + 2 * P) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
                         if jj < steady and jj + warm < full:
                             js.add(jj)
-            top = vpp - 1
-            for j in js:                    # steady_pass, both passes of the pair at once
-                after = _counts_t(j + warm + 1, vpp, m, group)
-                before = _counts_t(j, vpp, m, group)[::-1]
-                held = tuple(map(sub, after, before))
-                cf = _chunk_at(vpp, m, group, j + warm)
-                cb = top - _chunk_at(vpp, m, group, j)
-                out[warm + 2 * j] = ((True, cf, held, after[cf]), 1, j)
-                out[warm + 2 * j + 1] = ((False, cb, held, before[cb] + 1), 1, j)
+            for j in sorted(js):            # steady_pass, both passes of the pair at once
+                prev = made.get(j - P) if j + warm < full else None
+                if prev is not None:
+                    # a period after a pair within the full groups: the same chunks and held counts, each chunk's
+                    # forwards and backwards ``group`` more (_counts)
+                    cf, cb, held, nf, nb = prev
+                    nf += group
+                    nb += group
+                else:
+                    after = _counts_t(j + warm + 1, vpp, m, group)
+                    before = _counts_t(j, vpp, m, group)[::-1]
+                    held = tuple(map(sub, after, before))
+                    cf = _chunk_at(vpp, m, group, j + warm)
+                    cb = top - _chunk_at(vpp, m, group, j)
+                    nf, nb = after[cf], before[cb] + 1
+                made[j] = (cf, cb, held, nf, nb)
+                out[warm + 2 * j] = ((True, cf, held, nf), 1, j)
+                out[warm + 2 * j + 1] = ((False, cb, held, nb), 1, j)
         else:
             for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
                 done = _counts_t(y, vpp, m, group)[::-1]
