@@ -637,24 +637,24 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     #   overlap_p2p_comm (the last steady one excepted); the first stage at most one per step of its window (group + 1);
     # - the warm-up's last input only past its release (lingering_backward); the previous backward's gradient;
     # - output gradients queued: an earlier stage than the last holds one before a steady forward (none before a
-    #   backward), the last stage at most one per step of its window (group + 1) and the warm-up's;
+    #   backward), the last stage at most one per step of its window (group + 1);
     # - a steady backward's pair output.
     first, last = pp_rank == 0, pp_rank == pp - 1
     cw, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)[2::2]
+    # (the first stage's receives and the last stage's gradient receives bring nothing in their first pp - 1 steps)
     passes = []
     add = passes.append
-    warm_a = group + 1 if first else 0
     for x in sorted(out):
         p, section, k = out[x]
         if section == 0:
-            add((p, 0, k, warm_a, 0, 0))
+            add((p, 0, k, max(0, min(group + 1, k - pp + 1)) if first else 0, 0, 0))
             continue
         bwd1 = section == 1 and not p[0]
         if first:
-            a = group + 1 if section == 1 else 0
+            a = max(0, min(group + 1, warm + k + (bwd1 and overlap and k < steady - 1) - pp + 1)) if section == 1 else 0
         else:
             a = 1 if bwd1 and overlap and k < steady - 1 else 0
-        c = (group + 2 if last else 0 if bwd1 or section == 2 else 1) + bwd1
+        c = (max(0, min(group + 1, k - pp + 1)) if last else 0 if bwd1 or section == 2 else 1) + bwd1
         add((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c))
     return tuple(passes)
 
