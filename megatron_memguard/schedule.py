@@ -17,7 +17,8 @@ checks it against a replay of every pass of tests/schedule_reference.py, which t
 checks against megatron-core's own schedule table). The estimator takes the interleaved (not combined) peak from
 ``p2p_probes`` up to 8 virtual stages: the same runs sampled where the schedule's own activation-sized tensors
 (``p2p_tensors_at``) change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's
-references pass by pass).
+references pass by pass); ``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound
+(``p2p_units_bound``) can still win.
 """
 from __future__ import annotations
 
