@@ -48,6 +48,14 @@ DENSE_MOE = [
 ]
 
 
+def validate_stops(flags: str, flag: str, rule: str, releases: tuple[str, ...]) -> None:
+    """`memguard validate` on each release ends in exit 1 with one line naming `flag` and the rule's words."""
+    for version in releases:
+        o = run_memguard(["validate", "--world-size", "8", "--megatron-version", version, "--", *S.split(), *flags.split()])
+        assert o.code == 1 and not o.problems, o.describe()
+        assert any(line.strip().startswith(f"{flag}: ") and rule in line for line in o.out.splitlines()), o.out
+
+
 def _megatron_version() -> str | None:
     try:
         from megatron.core.package_info import __version__
@@ -61,10 +69,7 @@ def test_moe_only_settings_on_a_dense_model_break_megatrons_rule(flags, flag, ru
     # TransformerConfig.__post_init__ checks these with no num_moe_experts guard (core 0.19.2 transformer_config.py
     # lines 1538-1710, 1904-1920, 2284-2360; 0.16.1 lines 1058-1135, 1593-1660), so megatron-core stops a dense
     # model that sets them; memguard accepted every one (its MoE rules ran only with --num-experts)
-    for version in releases:
-        o = run_memguard(["validate", "--world-size", "8", "--megatron-version", version, "--", *S.split(), *flags.split()])
-        assert o.code == 1 and not o.problems, o.describe()
-        assert any(line.strip().startswith(f"{flag}: ") and rule in line for line in o.out.splitlines()), o.out
+    validate_stops(flags, flag, rule, releases)
     have = _megatron_version()
     if have is None or have not in releases:
         pytest.skip("the real megatron-core of this venv does not have these fields")

@@ -9,11 +9,8 @@ import time
 import pytest
 
 from fuzz_util import run_memguard
-from test_hostile15 import _bash_argv
+from test_hostile15 import RUN, S, _bash_argv, _megatron_version, validate_stops
 
-S = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
-     "--micro-batch-size 1 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16")
-RUN = "torchrun --nproc-per-node 8 pretrain_gpt.py "
 VARS = "X=hello_world_hello\nP=ab/cd/ef.txt\nA=(one two three)\nN=X\nY='l*'\nXY_A=1\nXY_B=2\nU=mIxEd\n"
 
 # -- bash's operators, read as bash runs them --------------------------------------------------------------------------
@@ -123,14 +120,6 @@ def test_nested_substitutions_and_quotes_end_in_no_traceback_and_no_hang(text):
 
 
 # -- MoE-only settings megatron-core checks on every model -------------------------------------------------------------
-def _megatron_version() -> str | None:
-    try:
-        from megatron.core.package_info import __version__
-    except ImportError:
-        return None
-    return __version__
-
-
 MOE = "--num-experts 8 --moe-router-topk 2"
 RULES = [
     # (flags, the flag named, the rule's words, TransformerConfig's fields, releases where it holds)
@@ -150,10 +139,7 @@ RULES = [
 def test_a_rule_megatron_core_checks_on_every_model_is_an_error(flags, flag, rule, fields, releases):
     # TransformerConfig.__post_init__ checks the lists' lengths (core 0.16.1 line 1097, 0.19.2 line 1652) and the
     # deprecated SM counts (0.19.2 line 1619) with no num_moe_experts guard; memguard accepted them
-    for version in releases:
-        o = run_memguard(["validate", "--world-size", "8", "--megatron-version", version, "--", *S.split(), *flags.split()])
-        assert o.code == 1 and not o.problems, o.describe()
-        assert any(line.strip().startswith(f"{flag}: ") and rule in line for line in o.out.splitlines()), o.out
+    validate_stops(flags, flag, rule, releases)
     have = _megatron_version()
     if have is None or have not in releases:
         pytest.skip("the real megatron-core of this venv does not have this rule")
