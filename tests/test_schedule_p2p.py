@@ -182,42 +182,41 @@ def valid(pp: int, m: int, group: int, overlap: bool) -> bool:
     return pp <= group <= m and (m % group == 0 or m % group >= pp) and (overlap or pp > 2)
 
 
-def test_pipeline_tensors_every_pass_small_schedules():
-    """Every pass of every rank with PP 2-4, VPP 2-3, m up to 12, G from PP to PP + 2, with and without
-    overlap_p2p_comm: p2p_tensors_at equals the replay."""
-    for pp, vpp, m, extra in itertools.product(range(2, 5), range(2, 4), range(2, 13), range(3)):
+def small_schedules(micro_batches):
+    """(pp, vpp, m, group, rank, receiving chunks, overlap) of every valid schedule with PP 2-4, VPP 2-3, groups
+    from PP to PP + 2, with and without overlap_p2p_comm (the first rank's first chunk receives nothing)."""
+    for pp, vpp, m, extra in itertools.product(range(2, 5), range(2, 4), micro_batches, range(3)):
         group = pp + extra
         for rank in range(pp):
             recv = tuple(0 if rank == 0 and c == 0 else 1 for c in range(vpp))
             for overlap in (True, False):
-                if not valid(pp, m, group, overlap):
-                    continue
-                ref = pipeline_tensors(pp, vpp, m, group, rank, overlap)
-                got = [p2p_tensors_at(pp, vpp, m, group, rank, p, recv, overlap)
-                       for p in probes_of(pp, vpp, m, group, rank)]
-                assert got == ref, (pp, vpp, m, group, rank, overlap)
+                if valid(pp, m, group, overlap):
+                    yield pp, vpp, m, group, rank, recv, overlap
+
+
+def test_pipeline_tensors_every_pass_small_schedules():
+    """Every pass of every rank with PP 2-4, VPP 2-3, m up to 12, G from PP to PP + 2, with and without
+    overlap_p2p_comm: p2p_tensors_at equals the replay."""
+    for pp, vpp, m, group, rank, recv, overlap in small_schedules(range(2, 13)):
+        ref = pipeline_tensors(pp, vpp, m, group, rank, overlap)
+        got = [p2p_tensors_at(pp, vpp, m, group, rank, p, recv, overlap) for p in probes_of(pp, vpp, m, group, rank)]
+        assert got == ref, (pp, vpp, m, group, rank, overlap)
 
 
 def test_p2p_probes_find_the_replays_peak():
     """The sampled passes (p2p_probes) reach the same largest value as every pass, for random bytes per chunk and an
     activation-sized tensor of 3 (small, so that the pipeline tensors decide between passes)."""
     rng = random.Random(5)
-    for pp, vpp, m, extra in itertools.product(range(2, 5), range(2, 4), (3, 4, 6, 8, 11, 16), range(3)):
-        group = pp + extra
-        for rank in range(pp):
-            recv = tuple(0 if rank == 0 and c == 0 else 1 for c in range(vpp))
-            for overlap in (True, False):
-                if not valid(pp, m, group, overlap):
-                    continue
-                sizes = [rng.randint(0, 5) for _ in range(vpp)]
-                fx = [rng.randint(0, 6) for _ in range(vpp)]
-                bx = [rng.randint(0, 6) for _ in range(vpp)]
-                units = pipeline_tensors(pp, vpp, m, group, rank, overlap)
-                full = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + 3 * u
-                           for p, u in zip(probes_of(pp, vpp, m, group, rank), units))
-                fast = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + 3 * u
-                           for p, u in p2p_probes(pp, vpp, m, group, rank, recv, overlap))
-                assert fast == full, (pp, vpp, m, group, rank, overlap, sizes, fx, bx)
+    for pp, vpp, m, group, rank, recv, overlap in small_schedules((3, 4, 6, 8, 11, 16)):
+        sizes = [rng.randint(0, 5) for _ in range(vpp)]
+        fx = [rng.randint(0, 6) for _ in range(vpp)]
+        bx = [rng.randint(0, 6) for _ in range(vpp)]
+        units = pipeline_tensors(pp, vpp, m, group, rank, overlap)
+        full = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + 3 * u
+                   for p, u in zip(probes_of(pp, vpp, m, group, rank), units))
+        fast = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + 3 * u
+                   for p, u in p2p_probes(pp, vpp, m, group, rank, recv, overlap))
+        assert fast == full, (pp, vpp, m, group, rank, overlap, sizes, fx, bx)
 
 
 def test_pipeline_tensors_by_hand_pp4_vpp2_rank2():
