@@ -107,7 +107,8 @@ def test_config_json_indented_with_tabs(capsys, tmp_path):
 @pytest.mark.parametrize("text, needle", [
     ("", "empty.sh: no launch command found"),
     ('torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers "2\n', 'empty.sh: unterminated " quote'),
-    ("torchrun --nproc-per-node 8\n", "empty.sh: the launch command names no training script"),
+    # (hostile16: a launch script's errors name the line)
+    ("torchrun --nproc-per-node 8\n", "empty.sh: line 1: the launch command names no training script"),
 ])
 def test_launch_script_errors_name_the_file(capsys, tmp_path, text, needle):
     code, err = run(capsys, tmp_path, text, name="empty.sh")
