@@ -64,20 +64,26 @@ def _megatron_version() -> str | None:
     return __version__
 
 
+def real_config_stops(fields: dict, releases: tuple[str, ...], errors: tuple[type[Exception], ...]) -> None:
+    """This venv's real TransformerConfig refuses `fields` on the tests' dense model (skipped where its release
+    is not one of `releases`)."""
+    have = _megatron_version()
+    if have is None or have not in releases:
+        pytest.skip("the real megatron-core of this venv does not have this rule")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    with pytest.raises(errors):
+        TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, **fields)
+
+
 @pytest.mark.parametrize("flags, flag, rule, fields, releases", DENSE_MOE, ids=[c[0][:50] for c in DENSE_MOE])
 def test_moe_only_settings_on_a_dense_model_break_megatrons_rule(flags, flag, rule, fields, releases):
     # TransformerConfig.__post_init__ checks these with no num_moe_experts guard (core 0.19.2 transformer_config.py
     # lines 1538-1710, 1904-1920, 2284-2360; 0.16.1 lines 1058-1135, 1593-1660), so megatron-core stops a dense
     # model that sets them; memguard accepted every one (its MoE rules ran only with --num-experts)
     validate_stops(flags, flag, rule, releases)
-    have = _megatron_version()
-    if have is None or have not in releases:
-        pytest.skip("the real megatron-core of this venv does not have these fields")
-    from megatron.core.transformer.transformer_config import TransformerConfig
     # the real rule, on the same dense model (an error of any kind stops the run: group-limited routing divides
     # num_moe_experts None and raises TypeError)
-    with pytest.raises((ValueError, AssertionError, TypeError)):
-        TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, **fields)
+    real_config_stops(fields, releases, (ValueError, AssertionError, TypeError))
 
 
 def test_a_dense_model_with_satisfied_moe_settings_is_accepted():

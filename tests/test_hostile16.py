@@ -9,7 +9,7 @@ import time
 import pytest
 
 from fuzz_util import run_memguard
-from test_hostile15 import RUN, S, _bash_argv, _megatron_version, validate_stops
+from test_hostile15 import RUN, S, _bash_argv, _megatron_version, real_config_stops, validate_stops
 
 VARS = "X=hello_world_hello\nP=ab/cd/ef.txt\nA=(one two three)\nN=X\nY='l*'\nXY_A=1\nXY_B=2\nU=mIxEd\n"
 
@@ -140,12 +140,7 @@ def test_a_rule_megatron_core_checks_on_every_model_is_an_error(flags, flag, rul
     # TransformerConfig.__post_init__ checks the lists' lengths (core 0.16.1 line 1097, 0.19.2 line 1652) and the
     # deprecated SM counts (0.19.2 line 1619) with no num_moe_experts guard; memguard accepted them
     validate_stops(flags, flag, rule, releases)
-    have = _megatron_version()
-    if have is None or have not in releases:
-        pytest.skip("the real megatron-core of this venv does not have this rule")
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    with pytest.raises((ValueError, AssertionError)):
-        TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, **fields)
+    real_config_stops(fields, releases, (ValueError, AssertionError))
 
 
 def test_settings_megatron_core_lets_through_are_accepted():
