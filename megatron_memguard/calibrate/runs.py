@@ -20,6 +20,7 @@ from ..report.megatron_log import MegatronLog, read_megatron_logs, skipped_memor
 from ..report.megatron_run import rank_position, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
 from ..resolve import resolve
+from .gpu_evidence import FALLBACK, Evidence, from_capacity, from_mention, infer_gpu
 from .model import CalibrationRun, Observation
 
 
@@ -74,13 +75,53 @@ def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] |
     else:
         raise ReaderError(f"{path}: the JSONL start records carry no layout (written by an older memguard); give the "
                           "run's configuration with --config")
-    if gpu is None:
-        name = (ctx.get("decision") or {}).get("gpu")
-        gpu = lookup_gpu(name) if name else None
+    gpu, note = infer_gpu(path, jsonl_evidence(log, path, decision=gpu is None), gpu)
     obs = [_jsonl_observation(r, layout) for r in log.ranks if r.samples and r.pp_rank is not None and 0 <= r.pp_rank < layout.pp]
     if not obs:
         raise ReaderError(f"{path}: no rank with samples and a pipeline stage")
-    return CalibrationRun(name=path, layout=layout, gpu=gpu, observations=obs, device=device, source=source)
+    return CalibrationRun(name=path, layout=layout, gpu=gpu, observations=obs, device=device, source=source,
+                          notes=[note] if note and device == "gpu" else [])
+
+
+def jsonl_evidence(log: Any, path: str, decision: bool = True) -> list[Evidence]:
+    """What a run's JSONL says about its GPU: each rank's measured device (the ``start`` record's ``gpu_device``,
+    written since this version), else (``decision``) the GPU its pre-flight decision named (given by the user or
+    read from the device); one piece per distinct statement."""
+    seen: dict[tuple[Any, ...], Evidence] = {}
+    for r in log.ranks:
+        start = r.start or {}
+        dev = start.get("gpu_device") if isinstance(start.get("gpu_device"), dict) else None
+        name, total = (dev or {}).get("name"), _int((dev or {}).get("total_memory"))
+        if isinstance(name, str) or total:
+            key = ("device", name if isinstance(name, str) else None, total)
+            where = f"the JSONL's device of rank {r.rank}"
+            text = f"{where}: " + (f"'{name}'" if isinstance(name, str) else "") + \
+                (f" {total / 2**30:.2f} GiB" if total else "") + f" ({path})"
+            seen.setdefault(key, Evidence.of(key[1], total, text))
+    if seen or not decision:
+        return list(seen.values())
+    for r in log.ranks:
+        name = ((((r.start or {}).get("context") or {}).get("decision")) or {}).get("gpu")
+        if isinstance(name, str) and name:
+            try:
+                spec = lookup_gpu(name)
+            except MemguardError:
+                raise ReaderError(f"{path}: the JSONL's decision names GPU {name!r}, which this memguard does not "
+                                  "know; give --gpu") from None
+            seen.setdefault(("decision", spec.name), Evidence(f"the JSONL's pre-flight decision: {spec.name} ({path})",
+                                                               frozenset([spec.name]), spec.name))
+    return list(seen.values())
+
+
+def megatron_evidence(log: MegatronLog) -> list[Evidence]:
+    """What a Megatron run's log files say about its GPU: lines naming it, PyTorch's out-of-memory capacity (one
+    piece per distinct statement: nvidia-smi prints a row per GPU)."""
+    seen: dict[tuple[Any, ...], Evidence] = {}
+    for m in log.devices:
+        seen.setdefault((m.what, m.name, m.total_bytes), from_mention(m))
+    for ev in log.ooms:
+        seen.setdefault(("oom", ev.capacity), from_capacity(ev.capacity, ev.file, ev.line))
+    return list(seen.values())
 
 
 def _int(v: Any) -> int | None:
@@ -143,7 +184,10 @@ def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[
     L = resolve(raw, world_size=resolve_kw.get("world_size") or raw.world_size,
                 megatron_version=resolve_kw.get("megatron_version"), vocab_size=resolve_kw.get("vocab_size"))
     obs = megatron_observations(log, L, tp_pp_dp_mapping(raw))
-    return CalibrationRun(name=path, layout=L, gpu=gpu, observations=obs, device=device,
+    note = ""
+    if device == "gpu":
+        gpu, note = infer_gpu(path, megatron_evidence(log), gpu)
+    return CalibrationRun(name=path, layout=L, gpu=gpu, observations=obs, device=device, notes=[note] if note else [],
                           source="Megatron log (" + ("argument table" if raw.source.startswith("the argument table")
                                                      else raw.source) + ")", raw=raw,
                           iteration_times=list(log.iteration_times))
@@ -178,11 +222,16 @@ def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str =
         except MemguardError as e:
             text = str(e)
             raise ReaderError(text if text.startswith(p) else f"{p}: {text}") from None
-    default = lookup_gpu("H100-80GB")
+    # runs whose files do not name their GPU take the one the others name (one GPU type per profile), else H100
+    named = sorted({r.gpu.name for r in runs if r.gpu is not None and r.device == "gpu"})
     for r in runs:
         if r.gpu is None and r.device == "gpu":
-            r.gpu = default
-            r.notes.append("GPU not recorded: H100-80GB assumed (--gpu names it)")
+            if gpu is None and len(named) == 1:
+                r.gpu = lookup_gpu(named[0])
+                r.notes.append(f"GPU not recorded in some runs: {named[0]}, as the other runs' files name it")
+            else:
+                r.gpu = lookup_gpu(FALLBACK)
+                r.notes.append(f"GPU not recorded: {FALLBACK} assumed (--gpu names it)")
     return runs
 
 

@@ -169,8 +169,8 @@ def fit_times(runs, base_time: dict, fit_only: list[str] | None, min_runs: int, 
             timed.append(t)
     if not timed:
         return None, notes
-    # (a GPU the logs do not name was assumed: the time constants are that GPU's, so the output says so again)
-    notes.extend(sorted({n for r in runs if r.iteration_times for n in r.notes if n.startswith("GPU not recorded")}))
+    # (the GPU assumed or read from the files: the time constants are that GPU's, so the output says so again)
+    notes.extend(sorted({n for r in runs if r.iteration_times for n in r.notes if n.startswith("GPU ")}))
     if len(timed) < min_runs:
         notes.append(f"time constants: {len(timed)} run(s) with measured step times; at least {min_runs} needed")
         return None, notes

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..errors import ReaderError
+from .device_mentions import DeviceMention, device_mention, smi_board_memory
 
 MiB = 1024 * 1024
 MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlines) are cut, not read whole
@@ -55,6 +56,7 @@ MAX_LINES_PER_RANK = 100_000
 # ranks whose memory lines are read: Megatron prints them on data-parallel rank 0 of each model-parallel position (TP x
 # PP x CP; 65,536 is TP 8 x PP 128 x CP 64); a log of 10**6 ranks' lines took 1.7 GB in report
 MAX_RANKS = 65_536
+MAX_DEVICE_LINES = 256            # lines naming the GPU kept (nvidia-smi prints one row per GPU of each node)
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt", ".stdout", ".stderr")
 
 _NUM = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
@@ -190,6 +192,7 @@ class MegatronLog:
     oom_messages: int = 0        # "CUDA out of memory" lines, analysed or not (MAX_OOMS are)
     memguard_oom_ranks: dict[int, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    devices: list[DeviceMention] = field(default_factory=list)   # lines naming the GPU (report/device_mentions.py)
     _index: dict[int, list[MemoryLine]] | None = field(default=None, repr=False, compare=False)
     skipped_ranks: int = 0      # memory lines of ranks past MAX_RANKS, not read
     bad_memory_lines: int = 0   # memory lines with numbers no GPU prints (_values), not read
@@ -305,6 +308,7 @@ def _read_one(path: str, log: MegatronLog) -> None:
     names: dict[str, str] = {}
     ooms: list[tuple[int, str, int | None]] = []
     later: dict[tuple[int, bool], MemoryLine] = {}   # a rank's last line past MAX_LINES_PER_RANK not yet kept
+    smi_row = -1                                      # line of the last nvidia-smi device row (its memory is on the next)
     for n, line in _lines(path):
         if in_args:
             cut_off = "memory (MB)" in line and MEMORY_RE.search(line) is not None   # training began: the table ended
@@ -362,6 +366,11 @@ def _read_one(path: str, log: MegatronLog) -> None:
             log.oom_messages += 1
             if len(ooms) + len(log.ooms) < MAX_OOMS:
                 ooms.append((n, line, _rank_of_prefix(line)))
+        elif smi_row == n - 1 and (board := smi_board_memory(line)) is not None:
+            log.devices[-1] = dataclasses.replace(log.devices[-1], total_bytes=board, board=True)
+        elif len(log.devices) < MAX_DEVICE_LINES and (d := device_mention(line, path, n)) is not None:
+            log.devices.append(d)
+            smi_row = n if d.what == "nvidia-smi" else -1
     log.memory.extend(sorted(later.values(), key=lambda m: m.line))
     if later:
         log.notes.append(f"{path}: more than {MAX_LINES_PER_RANK:,} memory lines of a rank: past them only those that "

@@ -209,11 +209,17 @@ class MemoryMonitor:
         except Exception as e:
             self._error("source read", e)
             first = None
+        try:   # the GPU, read once here; optional: a source that cannot tell (or fails to) leaves it out, silently
+            describe = getattr(self.source, "describe", None)
+            device = describe() if describe is not None else None
+        except Exception:
+            device = None
         try:
             self._write(self._base("start", source=self.source.name, interval=self.interval, tolerance=self.tolerance,
                                    reset_peak=self.reset_peak,
                                    predicted=self.prediction.to_dict() if self.prediction else None,
-                                   actual=first.to_dict() if first else None, context=self.context))
+                                   actual=first.to_dict() if first else None, context=self.context,
+                                   **({"gpu_device": device} if device else {})))
         except Exception as e:
             self._error("start", e)
 

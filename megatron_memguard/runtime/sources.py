@@ -49,6 +49,10 @@ class MemorySource:
     def read(self) -> Reading:
         raise NotImplementedError
 
+    def describe(self) -> dict[str, Any] | None:
+        """The device measured (name, total memory), for the run log's ``start`` record; None when not a GPU."""
+        return None
+
     def reset_peak(self) -> None:
         """Make the next reading's peaks start from now."""
 

@@ -64,6 +64,15 @@ class CudaMemorySource(MemorySource):
             device_used=used,
         )
 
+    def describe(self) -> dict[str, Any] | None:
+        """The device's name and total memory as PyTorch reports them (``memguard calibrate`` reads the GPU from
+        them; Megatron's logs do not name it)."""
+        import torch
+        dev = self._dev()
+        props = torch.cuda.get_device_properties(dev)
+        return {"name": str(props.name), "total_memory": int(props.total_memory),
+                "index": dev if isinstance(dev, int) else getattr(dev, "index", None)}
+
     def reset_peak(self) -> None:
         import torch
         torch.cuda.reset_peak_memory_stats(self._dev())
