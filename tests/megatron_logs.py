@@ -107,3 +107,43 @@ def interleave(*streams: Iterable[str], seed: int = 0) -> list[str]:
         out.append(its[i][pos[i]])
         pos[i] += 1
     return out
+
+
+# nvidia-smi's summary table as drivers print it (the layout of NVIDIA's nvidia-smi; names and board memory of real
+# parts): 550 (2024: full names, 3 rows per GPU) and 515 (2022: names cut to 18 characters)
+NVIDIA_SMI_550 = """\
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 550.54.15              Driver Version: 550.54.15      CUDA Version: 12.4     |
+|-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |
+|                                         |                        |               MIG M. |
+|=========================================+========================+======================|
+|   0  NVIDIA H100 80GB HBM3          On  |   00000000:18:00.0 Off |                    0 |
+| N/A   31C    P0             71W /  700W |       1MiB /  81559MiB |      0%      Default |
+|                                         |                        |             Disabled |
++-----------------------------------------+------------------------+----------------------+
+|   1  NVIDIA H100 80GB HBM3          On  |   00000000:2A:00.0 Off |                    0 |
+| N/A   33C    P0             72W /  700W |       1MiB /  81559MiB |      0%      Default |
+|                                         |                        |             Disabled |
++-----------------------------------------+------------------------+----------------------+"""
+NVIDIA_SMI_515 = """\
++-----------------------------------------------------------------------------+
+| NVIDIA-SMI 515.65.01    Driver Version: 515.65.01    CUDA Version: 11.7     |
+|-------------------------------+----------------------+----------------------+
+| GPU  Name        Persistence-M| Bus-Id        Disp.A | Volatile Uncorr. ECC |
+| Fan  Temp  Perf  Pwr:Usage/Cap|         Memory-Usage | GPU-Util  Compute M. |
+|                               |                      |               MIG M. |
+|===============================+======================+======================|
+|   0  NVIDIA A100-SXM...  On   | 00000000:07:00.0 Off |                    0 |
+| N/A   30C    P0    61W / 400W |      0MiB / {board}MiB |      0%      Default |
+|                               |                      |             Disabled |
++-------------------------------+----------------------+----------------------+"""
+
+
+def lightning_tensor_cores(name: str) -> str:
+    """Lightning's hint (lightning 2.6 ``fabric/accelerators/cuda.py``, ``_check_cuda_matmul_precision``), printed
+    by NeMo 2 and Lightning jobs on a GPU with Tensor Cores; ``name`` is ``torch.cuda.get_device_name()``."""
+    return (f"You are using a CUDA device ({name!r}) that has Tensor Cores. To properly utilize them, you should set "
+            "`torch.set_float32_matmul_precision('medium' | 'high')` which will trade-off precision for performance. "
+            "For more details, read https://pytorch.org/docs/stable/generated/torch.set_float32_matmul_precision.html#torch.set_float32_matmul_precision")

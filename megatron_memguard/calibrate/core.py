@@ -130,6 +130,7 @@ class CalibrationResult:
         return {"schema": "memguard.calibrate/1", "fitted": self.fitted, "site": self.site.to_dict(),
                 "constants": [c.to_dict() for c in self.constants], "levels": [lv.summary() for lv in self.levels],
                 "runs": [{"name": r.name, "source": r.source, "ranks": len(r.observations), "gpu": r.gpu.name if r.gpu else None,
+                          "notes": list(r.notes),
                           "before": self.before[r.name], "after": self.after[r.name]} for r in self.runs],
                 "gaps": [{"metric": g.metric, "runs": [{"run": n, "error": e} for n, e in g.runs], "what": g.what}
                          for g in self.gaps],

@@ -222,6 +222,13 @@ def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str =
         except MemguardError as e:
             text = str(e)
             raise ReaderError(text if text.startswith(p) else f"{p}: {text}") from None
+    # one note for the runs whose files named the same GPU (the first run's evidence, and how many more)
+    for name in {r.gpu.name for r in runs if r.gpu is not None}:
+        said = [(r, n) for r in runs for n in r.notes if n.startswith(f"GPU {name}, from ")]
+        if len(said) > 1:
+            summary = said[0][1] + f", and the files of {len(said) - 1} more run(s)"
+            for r, n in said:
+                r.notes[r.notes.index(n)] = summary
     # runs whose files do not name their GPU take the one the others name (one GPU type per profile), else H100
     named = sorted({r.gpu.name for r in runs if r.gpu is not None and r.device == "gpu"})
     for r in runs:

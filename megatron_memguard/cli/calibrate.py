@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="cpu: runs on CPU (no GPU-only terms)")
     p.add_argument("--json", action="store_true", help="the results as JSON (schema memguard.calibrate/1)")
     add_target_options(p)
+    for a in p._actions:   # (calibrate reads the GPU from the runs' files first: docs/calibrate.md)
+        if a.dest == "gpu":
+            a.help = ("GPU model from the table (memguard gpus); default: the one the runs' files name (nvidia-smi, "
+                      "device names, OOM capacity, the JSONL's device), else H100-80GB")
     return p
 
 

@@ -23,6 +23,7 @@ core_v0.16):
   memory in use. Of the allocated memory X is allocated by PyTorch, and X is reserved by PyTorch but
   unallocated.``; torch 1.x / 2.0: ``(GPU 0; X total capacity; X already allocated; X free; X reserved
   in total by PyTorch)``), and memguard's own ``[memguard] rank N (ppK) ran out of GPU memory`` line.
+* Lines of other tools that name the GPU (nvidia-smi's table, Lightning's hint, ...: ``report/device_mentions.py``).
 
 Lines may carry launcher prefixes (``[default3]:``, ``3:``, ``[1,3]<stdout>:``), timestamps, and be
 interleaved with other ranks' output, warnings and progress bars: every pattern is searched for
