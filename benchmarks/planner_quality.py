@@ -35,6 +35,8 @@ framework's memory edge with the others (none in the planner). ``--round10`` pri
 32-GPU sheet's two rankings side by side with the pairs only one rule orders wrong, what a second pipeline stage costs
 beyond the model in every sheet and, in the 13B 64-GPU sheet, with every attention kernel, and both misses re-measured
 under their sheets' trial noise.
+``--round12`` adds to every Megatron and Hagemann layout the compute that overlapped data-parallel collectives slow
+(the SMs NCCL's thread blocks hold, bracketed at 8, 16 and 32 blocks; not in the model).
 
 Sweeps
 ------
@@ -1073,6 +1075,26 @@ def cand_rank_order_pp_inner(p: Planner, c: Candidate) -> float:
     return extra
 
 
+def cand_nccl_sm_share(blocks: int) -> Callable[[Planner, Candidate], float]:
+    """Issue 18, round 12: the SMs an overlapped collective's kernels hold. NCCL runs one thread block per channel,
+    each resident on an SM for the whole collective, so the compute it hides behind runs on SMs - ``blocks`` of them
+    (compute-bound kernels slow in proportion): the hidden part of the data-parallel reduce-scatter and all-gather
+    (the whole collective less the exposed ``dp_comm``) costs ``blocks / SMs`` of itself. ``blocks`` is bracketed
+    (8, 16, 32), not measured: the bracket shows whether any plausible channel count helps."""
+    def extra(p: Planner, c: Candidate) -> float:
+        psi, n, k = _dp_group(p, c)
+        if n <= 1:
+            return 0.0
+        s = p.timer.shape
+        full = p.timer.collective("rs", psi * s.grad_bytes, n, k) + p.timer.collective("ag", psi * s.param_bytes, n, k)
+        hidden = max(0.0, full - p.step_time(c).term_seconds["dp_comm"])
+        return hidden * blocks / p.timer.gpu.sms
+    return extra
+
+
+ROUND12 = {f"nccl_sm_share_{b}": cand_nccl_sm_share(b) for b in (8, 16, 32)}
+
+
 CANDIDATES = {
     "dp_exposed": cand_dp_exposed,
     "bucket_latency": cand_bucket_latency,
@@ -1820,6 +1842,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round9", action="store_true",
                     help="the 256-GPU sheet's own noise from what the fused RMSNorm kernel saves per cell, and the "
                          "DP traffic per NIC of its first choice and best (docs/planner.md section 5.2)")
+    ap.add_argument("--round12", action="store_true",
+                    help="issue 18 round 12: the SMs NCCL's kernels hold during overlapped data-parallel collectives, "
+                         "added to every Megatron and Hagemann layout (docs/planner.md section 5.2; not in the model)")
     ap.add_argument("--round10", action="store_true",
                     help="LLaMA-13B s2048 on 32 GPUs: both rules' rankings side by side and the pairs that split them; "
                          "the second pipeline stage's cost beyond the model in every sheet; both misses re-measured "
@@ -1860,6 +1885,9 @@ def main(argv: list[str] | None = None) -> int:
                      "section 5.2. None is in the model.\n")
     if ns.candidates:
         print(cand_text)
+    if ns.round12 and {sw.family for sw, _ in targets} >= {"fujii", "hagemann"}:
+        print("\n### Round 12: SMs held by overlapped collectives, added to every Megatron and Hagemann layout\n\n"
+              + candidates_check(targets, families=("fujii", "hagemann"), cands=ROUND12))
     bands_text = ""
     if (ns.bands or ns.write) and {sw.family for sw, _ in targets} >= {"fujii", "hagemann"}:
         bands_text = ("\n### The two misses: noise, the model's error band and ranking policies (`--bands`)\n\n"
