@@ -36,6 +36,12 @@ def test_device_names_as_tools_print_them():
     # megatron-core 0.19.2 training/gpu_sniff_test.py: logger.info(f"CUDA device: {torch.cuda.get_device_name()}")
     assert _fits("CUDA device: NVIDIA GB200") == ["GB200"]
     assert _fits("torch.cuda.get_device_name(0) = 'AMD Instinct MI300X'") == ["MI300X"]
+    # memguard's own line where it read the device (megatron/preflight.py _settings_line; the callbacks add a label)
+    assert _fits("[memguard] mode warn, threshold 90%, H100-80GB 79.11 GiB (torch.cuda.get_device_properties(0))") == \
+        ["H100-80GB"]
+    assert _fits("[memguard] Lightning pre-flight: mode warn, threshold 90%, GPU 39.59 GiB (NVML device 2); 8 ranks") == \
+        ["A100-40GB"]
+    assert device_mention("[memguard] mode warn, threshold 90%, H100-80GB 79.11 GiB (gpu=H100-80GB)", "x", 1) is None
     # a GH200 is not an H200, a B200 not a GB200; no size in the name: every entry of the model
     assert _fits("CUDA device: NVIDIA GH200 480GB") == []
     assert _fits("CUDA device: NVIDIA B200") == ["B200"]

@@ -9,8 +9,9 @@ Megatron's logs do not name the device, but what else a job prints often does:
   ``fabric/accelerators/cuda.py``: ``You are using a CUDA device ('NVIDIA H100 80GB HBM3') that has Tensor
   Cores``), Megatron's GPU sniff test (0.19 ``training/gpu_sniff_test.py``: ``CUDA device: NAME``), and lines
   that print ``torch.cuda.get_device_name()`` after ``device name:`` or the call itself;
-* memguard's own pre-flight line when it read the device (``[memguard] pre-flight: mode warn, threshold 90%,
-  H100-80GB 79.11 GiB (torch.cuda.get_device_properties(0)); ...``).
+* memguard's own pre-flight line when it read the device (the Megatron hook's ``[memguard] mode warn, threshold
+  90%, H100-80GB 79.11 GiB (torch.cuda.get_device_properties(0))``, the callbacks' ``[memguard] Lightning
+  pre-flight: mode ...``).
 
 PyTorch's out-of-memory message gives the device's total memory (``report/megatron_log.py`` reads it). Each
 pattern is bounded in length so a 64 KiB line costs time linear in it. Pure Python.
@@ -31,7 +32,7 @@ SMI_LIST = re.compile(r"\bGPU (\d{1,3}): " + _NAME + r" \(UUID: GPU-")
 LIGHTNING = re.compile(r"You are using a CUDA device \('" + _NAME + r"'\) that has Tensor Cores")
 NAMED = re.compile(r"(?:\bCUDA device|[Dd]evice[ _]name|get_device_name\([^)]{0,24}\))\s{0,4}[:=]\s{0,4}['\"]?" + _NAME
                    + r"['\"]?\s*$")
-MEMGUARD = re.compile(r"\[memguard\] [a-z -]{1,24}: mode \w{1,12}, threshold \d{1,3}%, ([A-Za-z0-9-]{2,16}) "
+MEMGUARD = re.compile(r"\[memguard\] (?:[A-Za-z -]{1,32}: )?mode \w{1,12}, threshold \d{1,3}%, ([A-Za-z0-9-]{2,16}) "
                       r"([\d.]{1,10}) (GiB|TiB) \((torch\.cuda\.get_device_properties\(\d{1,3}\)|NVML device \d{1,3})\)")
 
 
@@ -79,7 +80,8 @@ def _device_mention(text: str, file: str, line: int) -> DeviceMention | None:
         return DeviceMention(file, line, "device name", name=m.group(1).strip())
     if "[memguard]" in text and (m := MEMGUARD.search(text)) is not None:
         scale = GiB if m.group(3) == "GiB" else GiB * 1024
-        return DeviceMention(file, line, "memguard", name=m.group(1), total_bytes=int(float(m.group(2)) * scale))
+        name = None if m.group(1) == "GPU" else m.group(1)     # ('GPU': a device outside memguard's table)
+        return DeviceMention(file, line, "memguard", name=name, total_bytes=int(float(m.group(2)) * scale))
     return None
 
 
