@@ -124,6 +124,15 @@ def test_conflicts_are_errors_naming_the_files(tmp_path):
         read_runs([str(root)])
 
 
+def test_runs_on_two_gpus_are_refused_naming_both(tmp_path):
+    root = write_runs(tmp_path / "runs", layouts=LAYOUTS[:2])
+    _add(root / "run0" / "stdout.log", NVIDIA_SMI_550)
+    _add(root / "run1" / "stdout.log", "CUDA device: NVIDIA A100-SXM4-80GB")
+    with pytest.raises(MemguardError, match=r"the runs' files name A100-80GB \(GPU A100-80GB, from device name .*run1"
+                       r"/stdout.log.*\) and H100-80GB \(GPU H100-80GB, from nvidia-smi .*run0/stdout.log.*one GPU type"):
+        read_runs([str(root)])
+
+
 def test_a_name_that_leaves_two_entries_without_the_fallback_is_refused():
     ev = [Evidence.of("NVIDIA A100-SXM...", None, "nvidia-smi 'NVIDIA A100-SXM...' (x:1)")]
     with pytest.raises(MemguardError, match="fits A100-40GB or A100-80GB, not one GPU; give --gpu"):

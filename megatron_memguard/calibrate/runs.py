@@ -231,6 +231,11 @@ def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str =
                 r.notes[r.notes.index(n)] = summary
     # runs whose files do not name their GPU take the one the others name (one GPU type per profile), else H100
     named = sorted({r.gpu.name for r in runs if r.gpu is not None and r.device == "gpu"})
+    if len(named) > 1 and gpu is None:
+        first = {n: next(r for r in runs if r.gpu is not None and r.gpu.name == n) for n in named}
+        raise ReaderError("the runs' files name " + " and ".join(
+            f"{n} ({r.notes[0] if r.notes else r.name})" for n, r in first.items())
+            + ": a site profile holds one GPU type; calibrate each GPU's runs on their own")
     for r in runs:
         if r.gpu is None and r.device == "gpu":
             if gpu is None and len(named) == 1:
