@@ -76,7 +76,7 @@ def _device_mention(text: str, file: str, line: int) -> DeviceMention | None:
         return DeviceMention(file, line, "nvidia-smi -L", name=m.group(2).strip())
     if "Tensor Cores" in text and (m := LIGHTNING.search(text)) is not None:
         return DeviceMention(file, line, "Lightning", name=m.group(1).strip())
-    if ("device" in text or "get_device_name" in text) and (m := NAMED.search(text)) is not None:
+    if ("CUDA device" in text or "evice name" in text or "evice_name" in text) and (m := NAMED.search(text)) is not None:
         return DeviceMention(file, line, "device name", name=m.group(1).strip())
     if "[memguard]" in text and (m := MEMGUARD.search(text)) is not None:
         scale = GiB if m.group(3) == "GiB" else GiB * 1024
