@@ -10,7 +10,7 @@ import pytest
 
 from megatron_logs import NVIDIA_SMI_515, NVIDIA_SMI_550, lightning_tensor_cores, oom_message
 from megatron_memguard import estimate, layout_from_flags, lookup_gpu
-from megatron_memguard.calibrate.gpu_evidence import Evidence, fits_memory, fits_name, from_mention, infer_gpu
+from megatron_memguard.calibrate.gpu_evidence import Evidence, fits_memory, fits_name, from_mention, infer_gpu, settle
 from megatron_memguard.calibrate.runs import read_runs
 from megatron_memguard.errors import MemguardError
 from megatron_memguard.report.device_mentions import device_mention
@@ -135,9 +135,27 @@ def test_runs_on_two_gpus_are_refused_naming_both(tmp_path):
 
 def test_a_name_that_leaves_two_entries_without_the_fallback_is_refused():
     ev = [Evidence.of("NVIDIA A100-SXM...", None, "nvidia-smi 'NVIDIA A100-SXM...' (x:1)")]
+    f = infer_gpu("run", ev, None)
+    assert f.gpu is None and f.fits == {"A100-40GB", "A100-80GB"}
     with pytest.raises(MemguardError, match="fits A100-40GB or A100-80GB, not one GPU; give --gpu"):
-        infer_gpu("run", ev, None)
-    assert infer_gpu("run", ev, lookup_gpu("A100-40GB")) == (lookup_gpu("A100-40GB"), "")
+        settle({"run": f}, None)
+    # another run that names its GPU settles it; --gpu does too
+    named = infer_gpu("other", [Evidence.of("NVIDIA A100-SXM4-40GB", None, "nvidia-smi -L (y:1)")], None)
+    assert settle({"run": f, "other": named}, None)["run"] == (
+        lookup_gpu("A100-40GB"), "GPU A100-40GB: nvidia-smi 'NVIDIA A100-SXM...' (x:1) fits A100-40GB or A100-80GB, "
+        "and the other runs' files name A100-40GB")
+    assert settle({"run": infer_gpu("run", ev, lookup_gpu("A100-40GB"))}, lookup_gpu("A100-40GB")) == \
+        {"run": (lookup_gpu("A100-40GB"), "")}
+
+
+def test_an_oom_capacity_fits_the_gpu_another_run_names(tmp_path):
+    root = write_runs(tmp_path / "runs", layouts=LAYOUTS[:2])
+    _add(root / "run0" / "stdout.log", oom_message(2 * GiB, int(79.35 * GiB), GiB, 78 * GiB, 70 * GiB, 77 * GiB))
+    _add(root / "run1" / "stdout.log", "CUDA device: NVIDIA A100-SXM4-80GB")
+    runs = read_runs([str(root)])
+    # 79.35 GiB fits A100-80GB and H100-80GB: the other run's name settles it (no H100 assumed, no two-GPU error)
+    assert [r.gpu.name for r in runs] == ["A100-80GB", "A100-80GB"]
+    assert runs[0].notes[0].startswith("GPU A100-80GB: out-of-memory message: total capacity 79.35 GiB")
 
 
 class _Described(StaticSource):

@@ -8,7 +8,8 @@ entry's ``total_memory``. A100-80GB and H100-80GB (79.35 and 79.11 GiB) are clos
 79 GiB alone names neither.
 
 Evidence that fits no common entry is a conflict (an error naming both lines), as is evidence that
-contradicts ``--gpu``. Runs without evidence take the GPU the other runs name, else the fallback
+contradicts ``--gpu``, and runs whose files name two GPUs. Runs without evidence, or whose evidence leaves
+several entries, take the GPU the other runs name (when it is one of those entries), else the fallback
 (H100-80GB) with a note; a name outside the table, or evidence that leaves several entries none of which is
 the fallback, is an error asking for ``--gpu``.
 """
@@ -77,17 +78,28 @@ def _list(names: frozenset[str]) -> str:
     return " or ".join(sorted(names))
 
 
-def infer_gpu(run: str, evidence: Sequence[Evidence], given: GpuSpec | None) -> tuple[GpuSpec | None, str]:
-    """(the run's GPU, a note saying how it was found) from ``evidence``: None when there is none and ``--gpu`` is
-    not given; ReaderError on a conflict."""
+@dataclass(frozen=True)
+class Finding:
+    """What one run's evidence settles: its GPU (or ``--gpu``) and how it was found, or, when several entries
+    remain, the entries (``fits``) for :func:`settle` to choose among with the other runs."""
+
+    gpu: GpuSpec | None
+    note: str = ""
+    fits: frozenset[str] = frozenset()
+    said: str = ""
+
+
+def infer_gpu(run: str, evidence: Sequence[Evidence], given: GpuSpec | None) -> Finding:
+    """The run's GPU from ``evidence`` (``Finding(None)`` when there is none and ``--gpu`` is not given);
+    ReaderError when its statements conflict, with each other or with ``--gpu``."""
     if not evidence:
-        return given, ""
+        return Finding(given)
     if given is not None:
         against = [e for e in evidence if e.fits and given.name not in e.fits]
         if against:
             raise ReaderError(f"{run}: --gpu {given.name} conflicts with the run's own files: {against[0].text} is "
                               f"{_list(against[0].fits)}; give the GPU the run used")
-        return given, ""
+        return Finding(given)
     unknown = [e for e in evidence if not e.fits]
     if unknown:
         raise ReaderError(f"{run}: {unknown[0].text}: a GPU memguard's table does not have ({', '.join(GPUS)}); give "
@@ -102,11 +114,49 @@ def infer_gpu(run: str, evidence: Sequence[Evidence], given: GpuSpec | None) -> 
     said = evidence[0].text + (f" and {len(evidence) - 1} more line(s)" if len(evidence) > 1 else "")
     if len(common) == 1:
         name = next(iter(common))
-        return GPUS[name], f"GPU {name}, from {said}"
-    if FALLBACK in common:
-        return GPUS[FALLBACK], f"GPU not recorded: {said} fits {_list(common)}; {FALLBACK} assumed (--gpu names it)"
-    raise ReaderError(f"{run}: {said} fits {_list(common)}, not one GPU; give --gpu")
+        return Finding(GPUS[name], f"GPU {name}, from {said}")
+    return Finding(None, fits=common, said=said)
 
 
-__all__ = ["Evidence", "infer_gpu", "from_mention", "from_capacity", "fits_name", "fits_memory",
+def settle(found: dict[str, Finding], given: GpuSpec | None) -> dict[str, tuple[GpuSpec, str]]:
+    """Each run's (GPU, note), over all runs (``found``: each GPU run's finding, ``Finding(None)`` for a run whose
+    files say nothing): one GPU type for all (ReaderError naming a run of each when their files name two); a run
+    whose statements leave several entries, or none, takes the one the others name, else FALLBACK when it fits."""
+    if given is not None:
+        return {run: (given, "") for run in found}
+    named: dict[str, str] = {}
+    for run, f in found.items():
+        if f.gpu is not None:
+            named.setdefault(f.gpu.name, f.note)
+    if len(named) > 1:
+        raise ReaderError("the runs' files name " + " and ".join(f"{n} ({why})" for n, why in sorted(named.items()))
+                          + ": a site profile holds one GPU type; calibrate each GPU's runs on their own")
+    out: dict[str, tuple[GpuSpec, str]] = {}
+    # one note for the runs whose files name the GPU: the first run's evidence, and how many more
+    direct = [run for run, f in found.items() if f.gpu is not None]
+    for run in direct:
+        more = f", and the files of {len(direct) - 1} more run(s)" if len(direct) > 1 else ""
+        out[run] = (found[run].gpu, found[direct[0]].note + more)
+    other = next(iter(named), None)
+    for run, f in found.items():
+        if f.gpu is not None:
+            continue
+        if f.fits and other is not None:
+            if other not in f.fits:
+                raise ReaderError(f"{run}: {f.said} is {_list(f.fits)}, but the other runs' files name {other} "
+                                  f"({named[other]}); calibrate each GPU's runs on their own, or give --gpu")
+            out[run] = (GPUS[other], f"GPU {other}: {f.said} fits {_list(f.fits)}, and the other runs' files name {other}")
+        elif f.fits:
+            if FALLBACK not in f.fits:
+                raise ReaderError(f"{run}: {f.said} fits {_list(f.fits)}, not one GPU; give --gpu")
+            out[run] = (GPUS[FALLBACK], f"GPU not recorded: {f.said} fits {_list(f.fits)}; {FALLBACK} assumed "
+                                        "(--gpu names it)")
+        elif other is not None:
+            out[run] = (GPUS[other], f"GPU not recorded in some runs: {other}, as the other runs' files name it")
+        else:
+            out[run] = (GPUS[FALLBACK], f"GPU not recorded: {FALLBACK} assumed (--gpu names it)")
+    return out
+
+
+__all__ = ["Evidence", "Finding", "infer_gpu", "settle", "from_mention", "from_capacity", "fits_name", "fits_memory",
            "MEMORY_TOLERANCE", "FALLBACK"]

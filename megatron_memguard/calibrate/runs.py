@@ -20,7 +20,7 @@ from ..report.megatron_log import MegatronLog, read_megatron_logs, skipped_memor
 from ..report.megatron_run import rank_position, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
 from ..resolve import resolve
-from .gpu_evidence import FALLBACK, Evidence, from_capacity, from_mention, infer_gpu
+from .gpu_evidence import Evidence, Finding, from_capacity, from_mention, infer_gpu, settle
 from .model import CalibrationRun, Observation
 
 
@@ -60,7 +60,7 @@ def layout_from_dict(d: dict[str, Any], where: str) -> Layout:
         raise ReaderError(f"{where}: the recorded layout cannot be read ({e}); give the run's configuration with --config") from None
 
 
-def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] | None) -> CalibrationRun:
+def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] | None) -> tuple[CalibrationRun, Finding]:
     log = read_run([path])
     starts = [r.start for r in log.ranks if r.start]
     ctx = (starts[0] or {}).get("context") or {} if starts else {}
@@ -75,12 +75,11 @@ def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] |
     else:
         raise ReaderError(f"{path}: the JSONL start records carry no layout (written by an older memguard); give the "
                           "run's configuration with --config")
-    gpu, note = infer_gpu(path, jsonl_evidence(log, path, decision=gpu is None), gpu)
+    found = infer_gpu(path, jsonl_evidence(log, path, decision=gpu is None), gpu)
     obs = [_jsonl_observation(r, layout) for r in log.ranks if r.samples and r.pp_rank is not None and 0 <= r.pp_rank < layout.pp]
     if not obs:
         raise ReaderError(f"{path}: no rank with samples and a pipeline stage")
-    return CalibrationRun(name=path, layout=layout, gpu=gpu, observations=obs, device=device, source=source,
-                          notes=[note] if note and device == "gpu" else [])
+    return CalibrationRun(name=path, layout=layout, gpu=found.gpu, observations=obs, device=device, source=source), found
 
 
 def jsonl_evidence(log: Any, path: str, decision: bool = True) -> list[Evidence]:
@@ -175,7 +174,7 @@ def megatron_observations(log: MegatronLog, L: Layout, tp_pp_dp: bool) -> list[O
 
 
 def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[[MegatronLog], RawConfig],
-                  resolve_kw: dict[str, Any]) -> CalibrationRun:
+                  resolve_kw: dict[str, Any]) -> tuple[CalibrationRun, Finding]:
     log = read_megatron_logs([path])
     if not log.memory and not log.iteration_times:
         raise ReaderError(f"{path}: no Megatron memory lines ('[Rank N] (after K iterations) memory (MB) | ...') and no "
@@ -184,13 +183,11 @@ def _megatron_run(path: str, gpu: GpuSpec | None, device: str, raw_of: Callable[
     L = resolve(raw, world_size=resolve_kw.get("world_size") or raw.world_size,
                 megatron_version=resolve_kw.get("megatron_version"), vocab_size=resolve_kw.get("vocab_size"))
     obs = megatron_observations(log, L, tp_pp_dp_mapping(raw))
-    note = ""
-    if device == "gpu":
-        gpu, note = infer_gpu(path, megatron_evidence(log), gpu)
-    return CalibrationRun(name=path, layout=L, gpu=gpu, observations=obs, device=device, notes=[note] if note else [],
+    found = infer_gpu(path, megatron_evidence(log), gpu) if device == "gpu" else Finding(gpu)
+    return CalibrationRun(name=path, layout=L, gpu=found.gpu, observations=obs, device=device,
                           source="Megatron log (" + ("argument table" if raw.source.startswith("the argument table")
                                                      else raw.source) + ")", raw=raw,
-                          iteration_times=list(log.iteration_times))
+                          iteration_times=list(log.iteration_times)), found
 
 
 def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str = "gpu",
@@ -212,38 +209,24 @@ def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str =
         return resolve(r, world_size=resolve_kw.get("world_size") or r.world_size,
                        megatron_version=resolve_kw.get("megatron_version"), vocab_size=resolve_kw.get("vocab_size"))
 
-    runs = []
+    runs, found = [], {}
     for p in expand(paths):
         try:
-            if _is_jsonl(p):
-                runs.append(_jsonl_run(p, gpu, layout_of if raw is not None else None))
-            else:
-                runs.append(_megatron_run(p, gpu, device, raw_of, resolve_kw))
+            run, f = (_jsonl_run(p, gpu, layout_of if raw is not None else None) if _is_jsonl(p)
+                      else _megatron_run(p, gpu, device, raw_of, resolve_kw))
         except MemguardError as e:
             text = str(e)
             raise ReaderError(text if text.startswith(p) else f"{p}: {text}") from None
-    # one note for the runs whose files named the same GPU (the first run's evidence, and how many more)
-    for name in {r.gpu.name for r in runs if r.gpu is not None}:
-        said = [(r, n) for r in runs for n in r.notes if n.startswith(f"GPU {name}, from ")]
-        if len(said) > 1:
-            summary = said[0][1] + f", and the files of {len(said) - 1} more run(s)"
-            for r, n in said:
-                r.notes[r.notes.index(n)] = summary
-    # runs whose files do not name their GPU take the one the others name (one GPU type per profile), else H100
-    named = sorted({r.gpu.name for r in runs if r.gpu is not None and r.device == "gpu"})
-    if len(named) > 1 and gpu is None:
-        first = {n: next(r for r in runs if r.gpu is not None and r.gpu.name == n) for n in named}
-        raise ReaderError("the runs' files name " + " and ".join(
-            f"{n} ({r.notes[0] if r.notes else r.name})" for n, r in first.items())
-            + ": a site profile holds one GPU type; calibrate each GPU's runs on their own")
+        runs.append(run)
+        if run.device == "gpu":
+            found[run.name] = f
+    # the GPU over all runs: one type for all, the runs whose files do not settle it take the others' (gpu_evidence)
+    settled = settle(found, gpu)
     for r in runs:
-        if r.gpu is None and r.device == "gpu":
-            if gpu is None and len(named) == 1:
-                r.gpu = lookup_gpu(named[0])
-                r.notes.append(f"GPU not recorded in some runs: {named[0]}, as the other runs' files name it")
-            else:
-                r.gpu = lookup_gpu(FALLBACK)
-                r.notes.append(f"GPU not recorded: {FALLBACK} assumed (--gpu names it)")
+        if r.name in settled:
+            r.gpu, note = settled[r.name]
+            if note:
+                r.notes.append(note)
     return runs
 
 
