@@ -23,7 +23,7 @@ from ..errors import ReaderError
 from ..gpus import GPUS, GpuSpec
 from ..report.device_mentions import DeviceMention
 
-# nvidia-smi's board memory lies 0.4-1.0% above the total_memory PyTorch reports (81559 MiB vs 79.11 GiB on H100
+# nvidia-smi's board memory lies up to about 1% above the total_memory PyTorch reports (81559 MiB vs 79.11 GiB on H100
 # 80GB, 81920 MiB vs 79.35 GiB on A100 80GB); drivers and ECC move PyTorch's figure by a few hundred MiB. The
 # closest entries the tolerance must keep apart: B200 and GB200, 3.1%.
 MEMORY_TOLERANCE = 0.015
