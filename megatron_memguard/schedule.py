@@ -11,14 +11,14 @@ reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved
 combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
 megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
 micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
-The estimator uses ``peak_probes`` (``schedule_peak``), the passes at which the bytes held can first
-peak, whatever each chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py
-checks it against a replay of every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py
-checks against megatron-core's own schedule table). The estimator takes the interleaved (not combined) peak from
-``p2p_probes`` up to 8 virtual stages: the same runs sampled where the schedule's own activation-sized tensors
-(``p2p_tensors_at``) change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's
-references pass by pass); ``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound
-(``p2p_units_bound``) can still win.
+``peak_probes`` (``schedule_peak``) are the passes at which the bytes held alone can first peak, whatever each
+chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py checks it against a replay of
+every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own
+schedule table). The estimator takes the interleaved peak with the schedule's own activation-sized tensors
+(``p2p_tensors_at``) from ``p2p_probes``, at any number of virtual stages: the same runs sampled where those tensors
+change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's references pass by pass);
+``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound (``p2p_units_bound``) can
+still win. The combined 1F1B schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
 """
 from __future__ import annotations
 
