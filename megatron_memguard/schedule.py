@@ -11,14 +11,14 @@ reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved
 combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
 megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
 micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
-The estimator uses ``peak_probes`` (``schedule_peak``), the passes at which the bytes held can first
-peak, whatever each chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py
-checks it against a replay of every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py
-checks against megatron-core's own schedule table). The estimator takes the interleaved (not combined) peak from
-``p2p_probes`` up to 8 virtual stages: the same runs sampled where the schedule's own activation-sized tensors
-(``p2p_tensors_at``) change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's
-references pass by pass); ``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound
-(``p2p_units_bound``) can still win.
+``peak_probes`` (``schedule_peak``) are the passes at which the bytes held alone can first peak, whatever each
+chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py checks it against a replay of
+every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own
+schedule table). The estimator takes the interleaved peak with the schedule's own activation-sized tensors
+(``p2p_tensors_at``) from ``p2p_probes``, at any number of virtual stages: the same runs sampled where those tensors
+change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's references pass by pass);
+``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound (``p2p_units_bound``) can
+still win. The combined 1F1B schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
 """
 from __future__ import annotations
 
@@ -734,6 +734,148 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     return best, retained, passes[at][0]
 
 
-def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
-    """The most micro-batches in flight on a rank of the interleaved (not combined) schedule."""
-    return _in_flight(_warmup(pp, vpp, group, pp_rank, m), m * vpp)
+def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined: bool = False) -> int:
+    """The most micro-batches in flight on a rank of the interleaved (``combined``: combined 1F1B) schedule."""
+    return _in_flight(_warmup(pp, vpp, group, pp_rank, m, combined), m * vpp, combined)
+
+
+@lru_cache(maxsize=256)
+def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+                   combined: bool = False) -> tuple[tuple[Probe, int], ...]:
+    """Every pass of one rank's interleaved schedule, in order, with the pipeline's own activation-sized tensors live
+    at it (in [s/CP, b, h] units, as p2p_tensors_at counts them). Used for the combined 1F1B schedule
+    (``combined``: --overlap-moe-expert-parallel-comm), whose order p2p_passes does not sample.
+
+    The combined schedule keeps the interleaved one's tensors (TransformerBlock pairs of idle chunks, the loop's
+    input gradient, the queues of received inputs and output gradients, the warm-up's last receive with
+    overlap_p2p_comm) with three differences, megatron-core 0.16.1 / 0.19.2 (schedules.py
+    forward_backward_pipelining_with_interleaving's steady loop; combined_1f1b.py
+    combined_1f1b_schedule_for_interleaved_pipelining / combined_forward_backward_step;
+    model_chunk_schedule_plan.py TransformerModelChunkSchedulePlan.run):
+    - combined_forward_backward_step calls set_input_tensor with the step's forward input before the backward runs,
+      so that chunk's previous pair is gone at the step's backward (its new input counted as received, not held);
+    - no forward output is live at a pass: pp_pre_forward deallocates the previous step's before the step's backward
+      (overlap_p2p_comm), or it is deallocated after the step's send;
+    - the backward's input (the local b_input_tensor) and its .grad live until the step returns, through its forward;
+      the next input and output gradient are received after both passes.
+    Cost O(m x VPP x VPP) per rank (cached per schedule shape)."""
+    total = m * vpp
+    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    steady = total - warm
+    last = pp_rank == pp - 1
+    recv = [receiving[c] if c < len(receiving) else 0 for c in range(vpp)]
+    chunk = [_chunk_at(vpp, m, group, x) for x in range(total)]
+    nth = [0] * total                       # 1-based ordinal of position x among its chunk's positions
+    seen = [0] * vpp
+    for x in range(total):
+        seen[chunk[x]] += 1
+        nth[x] = seen[chunk[x]]
+    top = vpp - 1
+    # the forward position of backward position y's micro-batch: chunk top - chunk[y], ordinal nth[y]
+    fpos = [_table_position(vpp, m, group, top - chunk[y], nth[y]) for y in range(total)]
+
+    queue: set[int] = set()                 # forward positions received ahead, not yet forwarded
+    block = [-1] * vpp                      # TransformerBlock.input_tensor per chunk (-1: the previous iteration's)
+    held = [0] * vpp
+    fdone = [0] * vpp
+    bdone = [0] * vpp
+    grads: set[int] = set()                 # backward positions whose output gradient is received, not yet used
+    lg = wi = sl = -1                       # the loop's input gradient, the warm-up's last receive, the step's input
+    out_alive = False
+    out: list[tuple[Probe, int]] = []
+    add = out.append
+
+    def done(x: int) -> bool:
+        return nth[x] <= bdone[chunk[x]]
+
+    def units(cur: int) -> int:
+        # cur: the backward position of a backward pass (its output gradient is in its working set), -1 for a forward
+        u = sum([recv[chunk[x]] for x in queue])
+        covered = set()                     # positions whose input and gradient a chunk's pair counts
+        for c in range(vpp):
+            x = block[c]
+            if recv[c] and (x < 0 or done(x)):
+                u += 2 * recv[c]
+                covered.add(x)
+        extra = set()                       # (kind, position) of the other references, each tensor once
+        if lg >= 0 and lg not in covered:
+            extra.add((1, lg))
+        for x in (wi, sl):
+            if x >= 0 and x not in covered and done(x):
+                extra.add((0, x))
+                extra.add((1, x))
+        u += sum([recv[chunk[x]] for _, x in extra])
+        return u + out_alive + len(grads) - (cur in grads)
+
+    def forward(x: int) -> None:
+        c = chunk[x]
+        queue.discard(x)
+        held[c] += 1
+        fdone[c] += 1
+        if recv[c]:
+            block[c] = x
+        add(((True, c, tuple(held), fdone[c]), units(-1)))
+
+    def backward(y: int) -> int:
+        b = top - chunk[y]
+        add(((False, b, tuple(held), bdone[b] + 1), units(y)))
+        held[b] -= 1
+        bdone[b] += 1
+        grads.discard(y)
+        return fpos[y] if recv[b] else -1
+
+    for x in range(warm):
+        forward(x)
+        r = _received_for(pp, vpp, m, group, pp_rank, x)
+        if r >= 0:
+            queue.add(r)
+            if x == warm - 1 and steady > 0 and overlap:
+                wi = r
+        if x == warm - 1 and steady > 0 and not last:
+            grads.add(0)                    # the first backward's output gradient, received with the last warm-up send
+    for k in range(steady):
+        x = warm + k
+        if combined:
+            if recv[chunk[x]]:
+                block[chunk[x]] = x         # set_input_tensor before the backward
+            sl = backward(k)
+            forward(x)
+            lg, sl = sl, -1
+        else:
+            if overlap:
+                out_alive = False           # pp_pre_forward: the previous output deallocated
+            forward(x)
+            out_alive = not (last and chunk[x] == top)
+            if overlap and k != steady - 1:
+                r = _received_for(pp, vpp, m, group, pp_rank, x)
+                if r >= 0:
+                    queue.add(r)
+            lg = backward(k)
+            if not overlap or k == steady - 1:
+                out_alive = False
+        if (combined or not overlap) and k != steady - 1:
+            r = _received_for(pp, vpp, m, group, pp_rank, x)
+            if r >= 0:
+                queue.add(r)
+        g = _grad_received_for(pp, vpp, m, group, pp_rank, k)
+        if g >= 0:
+            grads.add(g)
+    for y in range(steady, total):
+        lg = backward(y)
+        g = _grad_received_for(pp, vpp, m, group, pp_rank, y)
+        if g >= 0:
+            grads.add(g)
+    return tuple(out)
+
+
+def p2p_walk_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+                  combined: bool, sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
+                  t: int) -> tuple[int, int, Probe]:
+    """The first pass of p2p_every_pass with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] +
+    t x units: (that value, t x units, its probe)."""
+    best, retained, probe = -1, 0, None
+    for p, u in p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, combined):
+        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * u
+        if v > best or probe is None:
+            best, retained, probe = v, t * u, p
+    return best, retained, probe

@@ -309,3 +309,36 @@ def test_cuda_graphs_under_the_overlap():
     assert "--cuda-graph-scope: must not contain moe or mlp under --overlap-moe-expert-parallel-comm" in str(e.value)
     L = _resolve(vpp + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router"])
     assert L.cuda_graph_modules == ("attn", "moe_router")
+
+
+# ----- the CPU referee: the combined 1F1B schedule under PP 2 x VPP 2 (its own pipeline tensors) ------------
+
+def test_referee_combined_schedule_pp2_vpp2():
+    """benchmarks/results/referee-moe-combined-vpp.json (real megatron-core 0.16.1 on CPU, moe_grid.py's
+    moe_pp2_vpp2_a2a_overlap: PP 2 x VPP 2, DP 2, EP 2, 4 micro-batches, --overlap-moe-expert-parallel-comm; kept apart
+    from referee-moe-measured.json because moe_check.py derives no per-module rows for the combined schedule under
+    PP): parameters exact, the state after the step within 1%, each rank's peak within 2% (the two DP ranks of a
+    stage route differently: 1.5 MB apart on the first stage)."""
+    import json
+    from benchmarks.referee.grid import resolve_config
+    from benchmarks.referee.moe_grid import MOE_GRID
+    from megatron_memguard import estimate
+    with open(os.path.join(os.path.dirname(HERE), "benchmarks", "results", "referee-moe-combined-vpp.json")) as f:
+        got = {c["name"]: c for c in json.load(f)["configs"]}["moe_pp2_vpp2_a2a_overlap"]
+    cfg = next(c for c in MOE_GRID if c["name"] == "moe_pp2_vpp2_a2a_overlap")
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+    assert (L.pp, L.vpp, L.num_microbatches) == (2, 2, 4)
+    est = estimate(L, profile="local", device="cpu")
+    for r in got["ranks"]:
+        st = est.stages[r["pp_rank"]]
+        assert st.parameters == r["num_params"], r["rank"]
+        assert abs(st.persistent_bytes / r["live_bytes_after_step"] - 1) <= 0.01, r["rank"]
+        assert abs(st.peak_allocated_bytes / r["peak_bytes"] - 1) <= 0.02, (r["rank"], st.peak_allocated_bytes)
+    # The last stage's peak, the forward of chunk 1's micro-batch 2 (combined step 3, after the backward of chunk 0's
+    # micro-batch 1), by hand from the source: the loop's input_tensor_grad of step 2 (chunk 0 micro-batch 0: 1), the
+    # step's backward input and its .grad (chunk 0 micro-batch 1, b_input_tensor: 2), the warm-up's last receive
+    # (chunk 1 micro-batch 1, done: input and gradient, 2): 5 tensors of [s, b, h] bf16 = 256 x 2 x 256 x 2 B
+    # (counting every receiving chunk's pair at every pass gave 4)
+    last = est.stages[1]
+    assert last.peak_phase == "forward of micro-batch 3, chunk 1 (3 held)"
+    assert {t.name: t.bytes for t in last.terms}["pipeline_inputs_retained"] == 5 * 256 * 2 * 256 * 2

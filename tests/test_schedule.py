@@ -109,8 +109,10 @@ def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac
 
 
 def test_many_virtual_stages_walk_the_schedule():
-    """Beyond PROBE_MAX_VPP the estimator walks the schedule (a probe holds VPP counts: memory would
-    grow as VPP squared). 200 virtual stages (400 layers at PP 2, one layer per virtual stage)."""
+    """Beyond PROBE_MAX_VPP schedule_peak walks the schedule for the held bytes alone (a probe holds VPP counts:
+    memory would grow as VPP squared; the estimator's count with the pipeline tensors is p2p_peak's, checked beyond
+    8 virtual stages in tests/test_schedule_p2p.py). 200 virtual stages (400 layers at PP 2, one per virtual
+    stage)."""
     rng = random.Random(200)
     for m, group in ((2, 2), (4, 2), (5, 2), (6, 3)):
         for rank in range(2):

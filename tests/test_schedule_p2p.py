@@ -23,7 +23,8 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import _lingering, p2p_passes, p2p_peak, p2p_probes, p2p_tensors_at, p2p_units_bound
+from megatron_memguard.schedule import (_lingering, p2p_every_pass, p2p_passes, p2p_peak, p2p_probes, p2p_tensors_at,
+                                       p2p_units_bound, p2p_walk_peak)
 from schedule_reference import megatron_passes
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -36,13 +37,26 @@ def _table(vpp: int, m: int, group: int) -> list[tuple[int, int]]:
     return out
 
 
-def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: bool, folds: int = 1) -> list[int]:
+def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: bool, folds: int = 1,
+                     combined: bool = False) -> list[int]:
     """Per pass of megatron_passes: the pipeline tensors live besides the held inputs and the backward's output
     gradient, in [s, b, h] units (a received input and its gradient ``folds`` units, as after a standalone MTP stage;
-    the first stage's chunk 0 receives nothing)."""
+    the first stage's chunk 0 receives nothing).
+
+    ``combined``: --overlap-moe-expert-parallel-comm's combined 1F1B schedule (megatron-core 0.16.1 / 0.19.2
+    schedules.py forward_backward_pipelining_with_interleaving's steady loop calling
+    combined_1f1b.py combined_1f1b_schedule_for_interleaved_pipelining, model_chunk_schedule_plan.py
+    TransformerModelChunkSchedulePlan.run). A steady step is its backward, then its forward (memory order), and:
+    * pp_pre_forward (overlap) deallocates the previous step's output before either pass, and without overlap it is
+      deallocated after the step's send: no forward output is live at a pass;
+    * combined_forward_backward_step calls set_input_tensor with the forward's input before the backward runs: the
+      forward's chunk's TransformerBlock pair is replaced (that input counted as received, not yet held);
+    * the backward's input (the local b_input_tensor) and its .grad stay until the step returns: live at the forward;
+    * both the next input and the next backward's output gradient are received after both passes (post_forward /
+      post_backward, or send_forward_backward_recv_forward_backward): none ahead at the forward."""
     table = _table(vpp, m, group)
     total = m * vpp
-    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group + combined, total)
     steady = total - warm
     first, last = rank == 0, rank == pp - 1
 
@@ -83,6 +97,7 @@ def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: 
     out_alive = None                         # a steady pair's forward output
     grads: set = set()                       # received output gradients not yet used
     in_flight: set = set()
+    step_local = None                        # combined: the backward's input (and .grad) until the step returns
     out: list[int] = []
 
     def live(fwd: bool, cur: tuple[int, int]) -> int:
@@ -104,14 +119,43 @@ def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: 
         ids -= {("X", x) for x in in_flight}
         if not fwd:
             ids.discard(("G", cur))
+        if step_local is not None:
+            ids |= {("X", step_local), ("dX", step_local)}
         return sum(folds if kind in ("X", "dX") else 1 for kind, _ in ids)
 
-    passes = megatron_passes(pp, vpp, m, group, rank)
+    passes = megatron_passes(pp, vpp, m, group, rank, combined)
     k_f = 0                                  # forward steps done
     k_b = 0                                  # backward steps done
     i = 0
     while i < len(passes):
         fwd, c, mb = passes[i]
+        if combined and not fwd and k_b < steady:
+            # a combined steady step: the backward, then the forward, then the step's receives
+            _, cf, mbf = passes[i + 1]
+            if receives(cf):
+                block[cf] = (cf, mbf)          # set_input_tensor before the backward runs
+            out.append(live(False, (c, mb)))
+            in_flight.discard((c, mb))
+            grads.discard((c, mb))
+            done_bwd.add((c, mb))
+            if receives(c):
+                step_local = (c, mb)
+            queue.discard((cf, mbf))
+            in_flight.add((cf, mbf))
+            out.append(live(True, (cf, mbf)))
+            step_local = None
+            loop_grad = (c, mb) if receives(c) else None
+            s = k_b
+            k_f += 1
+            k_b += 1
+            r = received(warm + s) if s != steady - 1 else None
+            if r is not None:
+                queue.add(r)
+            g = grad_received(s)
+            if g is not None:
+                grads.add(g)
+            i += 2
+            continue
         if fwd:
             # pre-forward (steady, overlap): the previous steady forward's output is deallocated
             if overlap:
@@ -161,12 +205,12 @@ def pipeline_tensors(pp: int, vpp: int, m: int, group: int, rank: int, overlap: 
     return out
 
 
-def probes_of(pp: int, vpp: int, m: int, group: int, rank: int):
+def probes_of(pp: int, vpp: int, m: int, group: int, rank: int, combined: bool = False):
     """The probe (forward?, chunk, held counts, ordinal) of every pass, in order."""
     held = [0] * vpp
     seen: dict = {}
     out = []
-    for fwd, c, _mb in megatron_passes(pp, vpp, m, group, rank):
+    for fwd, c, _mb in megatron_passes(pp, vpp, m, group, rank, combined):
         seen[fwd, c] = seen.get((fwd, c), 0) + 1
         if fwd:
             held[c] += 1
@@ -313,3 +357,72 @@ def test_p2p_peak_is_the_probes_first_peak():
                     units = pipeline_tensors(pp, vpp, m, group, rank, overlap, folds)
                     assert got[0] == max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
                                          for p, u in zip(probes_of(pp, vpp, m, group, rank), units))
+
+
+def test_every_pass_walk_equals_the_replay_both_schedules():
+    """p2p_every_pass (the estimator's count for the combined 1F1B schedule) gives every pass's probe and pipeline
+    tensors as the replay, for the combined schedule (--overlap-moe-expert-parallel-comm) and the plain interleaved
+    one, PP 2-4, VPP 2-3, m up to 12, G from PP to PP + 2, with and without overlap_p2p_comm, a chunk's input counted
+    once or twice."""
+    for combined in (True, False):
+        for pp, vpp, m, group, rank, recv, overlap in small_schedules(range(2, 13)):
+            for folds in (1, 2):
+                ref = pipeline_tensors(pp, vpp, m, group, rank, overlap, folds, combined)
+                got = p2p_every_pass(pp, vpp, m, group, rank, tuple(folds * r for r in recv), overlap, combined)
+                assert [p for p, _ in got] == probes_of(pp, vpp, m, group, rank, combined)
+                assert [u for _, u in got] == ref, (combined, pp, vpp, m, group, rank, overlap, folds)
+
+
+def test_combined_schedule_tensors_by_hand_pp2_vpp2_rank0():
+    """PP 2, VPP 2, 4 micro-batches in groups of 2, the first rank, combined 1F1B with overlap_p2p_comm (warm-up 5:
+    chunk 0's micro-batches 0-2 and chunk 1's 0-1; tests/test_ep_overlap.py's hand-derived table). Only chunk 1
+    receives (from the last stage, one step behind: chunk 1's micro-batches 0 and 1 arrive after forward steps 1 and 2
+    and are forwarded at steps 2 and 3; nothing is queued at the warm-up's end).
+    Step 0: the backward of chunk 1's micro-batch 0 has nothing besides its own tensors (0), its forward (chunk 0's
+    micro-batch 3) runs with that backward's input and its .grad still referenced by combined_forward_backward_step's
+    b_input_tensor (2). Step 1: the backward of chunk 1's micro-batch 1 runs with chunk 1's micro-batch 2's input
+    received after step 0 (1) and the loop's input_tensor_grad of step 0 (1): 2."""
+    got = p2p_every_pass(2, 2, 4, 2, 0, (0, 1), True, True)
+    assert got[5] == ((False, 1, (3, 2), 1), 0)
+    assert got[6] == ((True, 0, (4, 1), 4), 2)
+    assert got[7] == ((False, 1, (4, 1), 2), 2)
+
+
+def test_combined_walk_peak_is_the_replays_first_peak():
+    """p2p_walk_peak picks the replay's first pass with the largest held bytes + transient + tensors, for random
+    bytes (the combined schedule)."""
+    rng = random.Random(17)
+    for pp, vpp, m, group, rank, recv, overlap in small_schedules((3, 4, 6, 8, 11)):
+        sizes = tuple(rng.randint(0, 9) for _ in range(vpp))
+        fx = tuple(rng.randint(0, 9) for _ in range(vpp))
+        bx = tuple(rng.randint(0, 9) for _ in range(vpp))
+        t = rng.randint(1, 4)
+        units = pipeline_tensors(pp, vpp, m, group, rank, overlap, 1, True)
+        values = [sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
+                  for p, u in zip(probes_of(pp, vpp, m, group, rank, True), units)]
+        i = values.index(max(values))
+        got = p2p_walk_peak(pp, vpp, m, group, rank, recv, overlap, True, sizes, fx, bx, t)
+        assert got == (values[i], t * units[i], probes_of(pp, vpp, m, group, rank, True)[i])
+
+
+def test_more_than_eight_virtual_stages():
+    """Beyond 8 virtual stages (the estimator used to count every receiving chunk's pair there) the sampled count is
+    the replay's: p2p_tensors_at at every pass and p2p_peak's value, VPP 9-11, PP 2-4, m up to 16."""
+    rng = random.Random(9)
+    for pp, vpp, m, extra in itertools.product(range(2, 5), range(9, 12), (4, 6, 9, 12, 16), range(2)):
+        group = pp + extra
+        for rank in range(pp):
+            for overlap in (True, False):
+                if not valid(pp, m, group, overlap):
+                    continue
+                recv = tuple(0 if rank == 0 and c == 0 else 1 for c in range(vpp))
+                ref = pipeline_tensors(pp, vpp, m, group, rank, overlap)
+                probes = probes_of(pp, vpp, m, group, rank)
+                assert [p2p_tensors_at(pp, vpp, m, group, rank, p, recv, overlap) for p in probes] == ref
+                sizes = tuple(rng.randint(0, 9) for _ in range(vpp))
+                fx = tuple(rng.randint(0, 9) for _ in range(vpp))
+                bx = tuple(rng.randint(0, 9) for _ in range(vpp))
+                t = rng.randint(1, 4)
+                want = max(sum(h * s for h, s in zip(p[2], sizes)) + (fx if p[0] else bx)[p[1]] + t * u
+                           for p, u in zip(probes, ref))
+                assert p2p_peak(pp, vpp, m, group, rank, recv, overlap, sizes, fx, bx, t)[0] == want

@@ -1,6 +1,6 @@
 """Put the pieces together: per pipeline stage, persistent state plus the worst moment of the schedule.
 
-For each stage, the pipeline schedule (``schedule.schedule_peak``) is evaluated with the activation
+For each stage, the pipeline schedule (``schedule.p2p_peak``, 1F1B in closed form) is evaluated with the activation
 bytes each (micro-batch, chunk) forward leaves behind; the peak is the largest of
 * a forward: what earlier micro-batches hold + this one's saved tensors + the transient at its end
   (the logits and the cross-entropy's fp32 copy on the last stage);
@@ -22,7 +22,7 @@ from ..layout import Chunk, Layout
 from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
-from ..schedule import PROBE_MAX_VPP, p2p_peak, p2p_probes, peak_in_flight, schedule_peak
+from ..schedule import p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
@@ -918,9 +918,9 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     """The schedule's peak; return (activation peak, phase, in-flight count, terms at the peak).
     ``sched``: _schedule_bytes of the chunks (None for a single chunk).
 
-    The interleaved schedule is evaluated at its probes (schedule.schedule_peak: the passes where the
-    first maximum can be, whatever the chunks' bytes), which give the peak, pass and counts a replay of
-    every pass gives (tests/test_schedule.py)."""
+    The interleaved schedule is evaluated at the passes where the held bytes plus the schedule's own tensors can
+    first peak (schedule.p2p_peak; the combined 1F1B one pass by pass, schedule.p2p_walk_peak), which give the
+    peak, pass and counts a replay of every pass gives (tests/test_schedule_p2p.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
     sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, receiving, alike = sched
@@ -928,17 +928,17 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
     group = L.microbatch_group_size_per_vp_stage or L.pp
     t = p2p_tensor_bytes(L)
-    if combined or L.vpp > PROBE_MAX_VPP:
-        # (the combined schedule's queues and the walked long schedules are not modelled pass by pass: every
-        # receiving chunk's last input and its gradient counted at every pass)
-        best, probe, in_flight = schedule_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, sizes, fwd_extra,
-                                               bwd_extra, combined)
-        retained = 2 * t * sum(receiving)
+    if combined:
+        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass)
+        best, retained, probe = p2p_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
+                                              L.overlap_p2p_comm, True, tuple(sizes), tuple(fwd_extra),
+                                              tuple(bwd_extra), t)
+        best -= retained
     else:
         # the held bytes plus the pipeline's own tensors at each pass that can peak (schedule.p2p_probes)
         best, retained, probe = _p2p_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
                                           L.overlap_p2p_comm, tuple(sizes), tuple(fwd_extra), tuple(bwd_extra), t)
-        in_flight = peak_in_flight(L.pp, L.vpp, L.num_microbatches, group, pp_rank)
+    in_flight = peak_in_flight(L.pp, L.vpp, L.num_microbatches, group, pp_rank, combined)
     fwd, ci, counts, nth = probe
     best += retained
     held = list(counts)
