@@ -17,6 +17,7 @@ from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, s
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
+from property_spelling import _drop, _numbers, _read, bridge_run_config
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
@@ -29,26 +30,6 @@ def _est(flags: list[str], world: int):
 
 def layout(spec):
     return layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
-
-
-def _numbers(est) -> list[tuple]:
-    """Everything an estimate says per stage: its terms (allocated, reserved, device), levels, phase."""
-    return [(s.pp_rank, s.num_layers, s.parameters, s.persistent_bytes, s.peak_allocated_bytes,
-             s.peak_reserved_bytes, s.device_total_bytes, s.peak_phase, s.in_flight,
-             tuple((t.name, t.bytes, str(t.level)) for t in s.terms)) for s in est.stages]
-
-
-def _drop(flags: list[str], *names: str, values: int = 1) -> list[str]:
-    out, skip = [], 0
-    for f in flags:
-        if skip:
-            skip -= 1
-            continue
-        if f in names:
-            skip = values
-            continue
-        out.append(f)
-    return out
 
 
 def _chunk_counts(spec: Spec) -> dict[tuple[int, int], int]:
@@ -315,47 +296,6 @@ def test_embedding_and_loss_slots_equal_their_layout_string(spec, slots):
 # ---------------------------------------------------------------------------------------------------
 # The same job through the readers
 
-_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
-
-
-def bridge_run_config(s: Spec) -> dict:
-    """The job as a Megatron-Bridge ConfigContainer dump (flat GPTModelProvider fields, Bridge 0.6.2), with
-    the fields whose Bridge default differs from Megatron-LM's argument default written out (the fusions,
-    the attention mask, vocabulary padding: docs/readers.md)."""
-    m = dict(num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
-             kv_channels=s.kv_channels, num_query_groups=s.groups or s.heads, seq_length=s.seq,
-             max_position_embeddings=s.seq, vocab_size=s.vocab, should_pad_vocab=True, make_vocab_size_divisible_by=128,
-             tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, context_parallel_size=s.cp,
-             virtual_pipeline_model_parallel_size=s.vpp, num_layers_in_first_pipeline_stage=s.first,
-             num_layers_in_last_pipeline_stage=s.last, sequence_parallel=s.sp, gated_linear_unit=s.swiglu,
-             activation_func={"_target_": "torch.nn.functional." + ("silu" if s.swiglu else "gelu"), "_call_": False},
-             normalization="RMSNorm" if s.rmsnorm else "LayerNorm", add_bias_linear=s.bias,
-             position_embedding_type="rope" if s.rope else "learned_absolute",
-             share_embeddings_and_output_weights=not s.untied, hidden_dropout=s.dropout, attention_dropout=s.dropout,
-             fp32_residual_connection=s.fp32_residual, distribute_saved_activations=s.distribute_saved,
-             transformer_impl=s.impl, attention_backend=s.backend, bias_activation_fusion=s.swiglu or s.bias,
-             bias_dropout_fusion=True, apply_rope_fusion=True, cross_entropy_loss_fusion=False,
-             masked_softmax_fusion=True, gradient_accumulation_fusion=True,
-             bf16=s.precision == "bf16", fp16=s.precision == "fp16",
-             params_dtype={"_target_": _DTYPE[s.precision], "_call_": False})
-    if s.recompute:
-        m["recompute_granularity"] = s.recompute[0]
-        if s.recompute[0] == "selective":
-            m["recompute_modules"] = list(s.recompute[1])
-        else:
-            m["recompute_method"], m["recompute_num_layers"] = s.recompute[1], s.recompute[2]
-    doc = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": m,
-           "train": {"micro_batch_size": s.mbs, "global_batch_size": s.mbs * s.dp * s.microbatches},
-           "dataset": {"seq_length": s.seq, "create_attention_mask": True, "skip_getting_attention_mask_from_dataset": False},
-           "optimizer": {"optimizer": s.optimizer, "use_distributed_optimizer": s.dist_opt},
-           "ddp": {"use_distributed_optimizer": s.dist_opt, "num_distributed_optimizer_instances": s.instances,
-                   "overlap_grad_reduce": s.overlap_grad_reduce, "grad_reduce_in_fp32": s.precision != "fp16"},
-           "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": s.vocab}}
-    if s.precision != "fp32":
-        doc["mixed_precision"] = s.precision + "_mixed"
-    return doc
-
-
 def nemo1_config(s: Spec, padded_vocab: int) -> dict:
     """The job as a NeMo 1 megatron_gpt_config.yaml (NeMo 2.5.0's keys: docs/readers.md), with NeMo's
     defaults that differ from Megatron-LM's written out; the vocabulary as override_vocab_size (padded)."""
@@ -420,15 +360,6 @@ def nemo2_config(s: Spec, padded_vocab: int) -> dict:
             "optim": {"_target_": "nemo.lightning.pytorch.optim.megatron.MegatronOptimizerModule", "config": {
                 "_target_": "megatron.core.optimizer.optimizer_config.OptimizerConfig", "optimizer": s.optimizer,
                 "use_distributed_optimizer": s.dist_opt, "bf16": s.precision == "bf16", "fp16": s.precision == "fp16"}}}
-
-
-def _read(tmp_path_factory, doc: dict, name: str, world: int):
-    import yaml
-    from megatron_memguard import resolve
-    from megatron_memguard.readers.detect import read_config_file
-    p = tmp_path_factory.mktemp("cfg") / name
-    p.write_text(yaml.safe_dump(doc))
-    return estimate(resolve(read_config_file(str(p)), world_size=world, megatron_version="0.19"))
 
 
 @PROPERTY
