@@ -11,9 +11,10 @@ import math
 import os
 import re
 
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import attention_kind
 from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.layers.attention import te_softmax_kernel
@@ -211,6 +212,58 @@ def test_peak_does_not_decrease_with_sequence_length(spec):
     long = spec.with_(seq=2 * spec.seq)
     for short_peak, long_peak in zip(_peaks(spec), _peaks(long)):
         assert long_peak >= short_peak
+
+
+@st.composite
+def interleaved_specs(draw) -> Spec:
+    """A drawn job re-split as an interleaved pipeline: PP 2-6 ranks of 2-4 virtual stages of 1-3 layers each,
+    whole groups of PP micro-batches (the interleaved schedule refuses a partial last group), even split."""
+    spec = draw(specs())
+    pp, v, per = draw(st.integers(2, 6)), draw(st.integers(2, 4)), draw(st.integers(1, 3))
+    layers = pp * v * per
+    rec = spec.recompute
+    if rec and rec[0] == "full":
+        rec = (rec[0], rec[1], min(rec[2], per))   # (at most a chunk's layers)
+    return spec.with_(pp=pp, vpp=v, layers=layers, first=None, last=None, recompute=rec,
+                      microbatches=pp * draw(st.integers(1, 3)))
+
+
+def _peaks_or_reject(spec: Spec) -> list[int]:
+    try:
+        return _peaks(spec)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+
+
+# (an interleaved layout holds up to 72 layers: half the common count)
+INTERLEAVED = settings(PROPERTY, max_examples=max(1, EXAMPLES // 2))
+
+
+@INTERLEAVED
+@given(interleaved_specs(), st.integers(1, 8))
+def test_every_interleaved_ranks_peak_does_not_decrease_with_micro_batch_size(spec, extra):
+    """test_peak_does_not_decrease_with_micro_batch_size on interleaved layouts only, rank by rank: the
+    interleaved schedule's pipeline tensors, counted pass by pass (schedule.py p2p), are [s, b, h] each, so a
+    larger b grows every one of them and changes no pass's count (the schedule depends on PP, VPP and the number
+    of micro-batches only). The same exceptions: the fused softmax kernels' b x heads/TP rule."""
+    big = spec.with_(mbs=spec.mbs + extra)
+    small_peaks = _peaks_or_reject(spec)
+    Ls, Lb = layout(spec), layout(big)
+    assume(attention_kind(Ls) == attention_kind(Lb))
+    assume(te_softmax_kernel(Ls, shapes(Ls)) == te_softmax_kernel(Lb, shapes(Lb)))
+    for rank, (small_peak, big_peak) in enumerate(zip(small_peaks, _peaks(big))):
+        assert big_peak >= small_peak, rank
+
+
+@INTERLEAVED
+@given(interleaved_specs())
+def test_every_interleaved_ranks_peak_does_not_decrease_with_sequence_length(spec):
+    """test_peak_does_not_decrease_with_sequence_length on interleaved layouts only, rank by rank: every
+    pipeline tensor of the interleaved schedule is [s/CP(/TP under SP), b, h], so doubling s grows each of them at
+    every pass."""
+    short = _peaks_or_reject(spec)
+    for rank, (short_peak, long_peak) in enumerate(zip(short, _peaks(spec.with_(seq=2 * spec.seq)))):
+        assert long_peak >= short_peak, rank
 
 
 def _ckpt_input(L) -> int:
