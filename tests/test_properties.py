@@ -343,16 +343,23 @@ def test_recomputation_does_not_raise_the_peak(spec, recompute):
             allowance += qkv + rope_qk + (3 if gqa else 2) * q
         if "mlp" in recompute[1]:
             allowance += 2 * tokens * Lr.hidden_size * Lr.act_bytes // (Lr.tp if Lr.sequence_parallel else 1)
-    per_layer = 0
-    if ("core_attn" in recompute[1] and recompute[0] == "selective" and Lr.cp == 1
-            and Lr.position_embedding_type == "rope" and select(Lr, None).selected == "flash"):
-        # K (one rank's key groups; megatron-core replicates a group under TP > groups) minus the fp32
-        # log-sum-exp [b, a/TP, s] flash-attn keeps (flash_attn_interface.py _flash_attn_forward)
-        k = tokens * max(1, Lr.num_query_groups // Lr.tp) * Lr.kv_channels * Lr.act_bytes
-        per_layer = max(0, k - Lr.micro_batch_size * Lr.num_attention_heads // Lr.tp * Lr.seq_length * 4)
+    per_layer = flash_rope_core_attn_excess(Lr)
     for a, b in zip(estimate(Lb).stages, estimate(Lr).stages):
         held = b.in_flight * max(c.num_layers for c in b.chunks)
         assert b.peak_allocated_bytes <= a.peak_allocated_bytes + allowance + held * per_layer
+
+
+def flash_rope_core_attn_excess(L) -> int:
+    """What recomputing 'core_attn' keeps per layer beyond no recompute under TE's flash backend with rope at CP 1
+    (test_recomputation_does_not_raise_the_peak's docstring): K (one rank's key groups; megatron-core replicates a
+    group under TP > groups) minus the fp32 log-sum-exp [b, a/TP, s] flash-attn keeps (flash_attn_interface.py
+    _flash_attn_forward); 0 where that recompute is off or another backend runs."""
+    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules and L.cp == 1
+            and L.position_embedding_type == "rope" and select(L, None).selected == "flash"):
+        return 0
+    tokens = L.seq_length // L.cp * L.micro_batch_size
+    k = tokens * max(1, L.num_query_groups // L.tp) * L.kv_channels * L.act_bytes
+    return max(0, k - L.micro_batch_size * L.num_attention_heads // L.tp * L.seq_length * 4)
 
 
 FLASH_ROPE = Spec(backend="flash", pp=3, layers=9, vpp=3, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16,

@@ -11,13 +11,16 @@ from hypothesis import HealthCheck, assume, given, reject, settings, strategies 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.core import chunk_activations
+from megatron_memguard.estimator.layers.attention import attention_kind
 from megatron_memguard.estimator.params import chunk_numels
 from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
 from property_spelling import _drop, _numbers, _read, bridge_run_config
+from test_properties import flash_rope_core_attn_excess
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
@@ -160,7 +163,16 @@ def test_recompute_orders_what_a_layer_keeps(spec):
     """Per micro-batch, the layers of a chunk keep: full recompute of every layer (uniform, 1 layer per
     group: only each layer's input, tensor_parallel.checkpoint) == full block recompute of all layers
     <= any selective module set <= no recompute. (Under CP, recomputing 'core_attn' keeps q, k, v that TE's
-    ring attention would not; test_properties documents that exception, so CP 1 here.)"""
+    ring attention would not; test_properties documents that exception, so CP 1 here.) Exception, as Megatron
+    does it: under TE's flash backend with rope, a set with 'core_attn' keeps K minus flash-attn's fp32
+    log-sum-exp more per layer than no recompute (its checkpoint holds the qkv projection and the rope'd q and k,
+    where flash-attn alone keeps its contiguous q, k, v, output and the log-sum-exp: test_properties.py
+    test_recomputation_does_not_raise_the_peak), allowed per layer of the chunk
+    (test_recompute_orders_core_attn_under_flash_and_rope_by_hand); and so does it, by up to 3 K - Q, where the
+    attention repeats K and V for grouped queries (megatron-core's DotProductAttention, TE's unfused attention)
+    with rope: the checkpoint's v is a view of the qkv projection (Q + 2 K), held whole with the rope'd q and k,
+    where without it the repeated K and V (Q each) and the probs are kept and the projection is freed
+    (_repeat_rope_core_attn_excess; test_recompute_orders_core_attn_under_gqa_and_rope_by_hand)."""
     spec = spec.with_(distribute_saved=False, cp=1, seq=spec.seq // spec.cp, instances=1)
     none = layout(spec.with_(recompute=()))
     full = layout(spec.with_(recompute=("full", "uniform", 1)))
@@ -176,7 +188,70 @@ def test_recompute_orders_what_a_layer_keeps(spec):
         assert kept_full == cf.num_layers * (spec.seq * spec.mbs * spec.hidden * (
             4 if spec.fp32_residual or spec.precision == "fp32" else 2)) // split
         for L, c in zip(sels, cs):
-            assert kept_full <= chunk_activations(L, c).layers <= kept_none
+            excess = c.num_layers * (flash_rope_core_attn_excess(L) + _repeat_rope_core_attn_excess(L))
+            assert kept_full <= chunk_activations(L, c).layers <= kept_none + excess
+
+
+def _repeat_rope_core_attn_excess(L) -> int:
+    """The bound 3 K - Q per layer (one rank's heads and key groups; a group replicated under TP > groups) of what
+    recomputing 'core_attn' keeps beyond no recompute where K and V are repeated for grouped queries and rope makes
+    q and k new tensors (the probs the checkpoint drops only lower it); 0 elsewhere."""
+    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules
+            and L.position_embedding_type == "rope"
+            and (attention_kind(L).startswith("local") or select(L, None).selected == "unfused")):
+        return 0
+    tokens = L.seq_length // L.cp * L.micro_batch_size
+    heads, groups = L.num_attention_heads // L.tp, max(1, L.num_query_groups // L.tp)
+    if groups >= heads:
+        return 0
+    q, k = tokens * heads * L.kv_channels * L.act_bytes, tokens * groups * L.kv_channels * L.act_bytes
+    return max(0, 3 * k - q)
+
+
+ONE_GQA_ROPE_LAYER = Spec(impl="local", layers=1, heads=2, groups=1, kv_channels=64, hidden=128, ffn=8, seq=16, mbs=1,
+                          vocab=8, precision="fp32", rope=True, bias=False)
+
+
+def test_recompute_orders_core_attn_under_gqa_and_rope_by_hand():
+    """The corner the derandomized run drew for the property above (2026-11-30): the local spec, one layer,
+    h = 128, 2 heads of d = 64 in one key group, s = 16, b = 1, fp32, rope. Q = 16 x 2 x 64 x 4 = 8,192 B, K = V =
+    4,096 B. Without recompute megatron-core's DotProductAttention keeps the rope'd q (8,192 B), K and V repeated
+    to both heads (8,192 B each) and the fp32 probs [1, 2, 16, 16] (2,048 B): 26,624 B, the qkv projection freed
+    (rope and repeat_interleave make new tensors). Recomputing core_attn, the checkpoint keeps the rope'd q and k
+    (8,192 + 4,096 B) and v, a view of the projection Q + 2 K = 16,384 B: 28,672 B. So 2,048 B more
+    (68,864 -> 70,912 B per layer), within 3 K - Q = 4,096 B."""
+    none = layout(ONE_GQA_ROPE_LAYER)
+    core = layout(ONE_GQA_ROPE_LAYER.with_(recompute=("selective", ("core_attn",))))
+    a, b = layer_activations(none).saved, layer_activations(core).saved
+    assert a["query"] + a["key_repeated"] + a["value_repeated"] + a["attention_probs"] == 3 * 8192 + 2048
+    assert b["qkv_output"] + b["query_rope"] + b["key_rope"] == 16384 + 8192 + 4096
+    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
+    assert (kept_none, kept_core) == (68864, 70912)
+    assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 3 * 4096 - 8192
+
+
+ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,
+                            rope=True, bias=False)
+
+
+def test_recompute_orders_core_attn_under_flash_and_rope_by_hand():
+    """The corner MEMGUARD_PROPERTY_EXAMPLES=300 with seed 20261130 drew for the property above (2026-11-30): one
+    layer, h = 8, one head of d = 8, s = 16, b = 1, bf16, GELU, rope, --attention-backend flash. Each [s, b, 8]
+    bf16 tensor is 16 x 8 x 2 = 256 B. Without recompute the attention keeps flash-attn's contiguous q, k, v
+    (TE 2.11 backends.py FlashAttention.forward, 3 x 256 B), its output (256 B) and the fp32 log-sum-exp [1, 1, 16]
+    (64 B): 1088 B; recomputing core_attn, the checkpoint keeps the qkv projection [16, 1, 24] through v's view
+    (768 B) and the rope'd q and k (2 x 256 B): 1280 B, so the layer keeps 192 B more (3136 -> 3328 B) and
+    every other selective set keeps no more than without recompute."""
+    none = layout(ONE_FLASH_ROPE_LAYER)
+    core = layout(ONE_FLASH_ROPE_LAYER.with_(recompute=("selective", ("core_attn",))))
+    a, b = layer_activations(none).saved, layer_activations(core).saved
+    assert a["flash_qkv"] + a["attention_output_bshd"] + a["softmax_stats"] == 3 * 256 + 256 + 64
+    assert b["qkv_output"] + b["query_rope"] + b["key_rope"] == 768 + 2 * 256
+    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
+    assert (kept_none, kept_core) == (3136, 3328) and kept_core - kept_none == flash_rope_core_attn_excess(core) == 192
+    for mods in (("mlp",), ("layernorm",)):
+        sel = layout(ONE_FLASH_ROPE_LAYER.with_(recompute=("selective", mods)))
+        assert chunk_activations(sel, sel.chunks[0]).layers <= kept_none
 
 
 @PROPERTY

@@ -19,7 +19,7 @@ import math
 import os
 
 import yaml
-from hypothesis import HealthCheck, given, reject, settings, strategies as st
+from hypothesis import HealthCheck, event, given, reject, settings, strategies as st
 
 from megatron_memguard.calibrate.timefit import TimedRun, fit_time_constants
 from megatron_memguard.calibrate.timeruns import run_predictor
@@ -107,6 +107,7 @@ def test_calibrate_recovers_the_time_constants_that_made_the_step_times(job, mov
     for c in fit.constants:
         if not c.fitted:
             assert c.value == defaults[c.name] and c.reason, c
+    event("fitted: " + ", ".join(sorted(fit.fitted)) + "; moved: " + ", ".join(sorted(moved)))
     if all(got[n].fitted for n in moved):
         for c in fit.constants:
             if c.fitted:
