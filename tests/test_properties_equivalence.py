@@ -445,6 +445,27 @@ def test_bridge_run_config_estimates_as_the_flags(tmp_path_factory, spec):
     assert _numbers(b) == _numbers(_est(spec.flags(), spec.world))
 
 
+# values Python reads as true / false that are not bools (a YAML number; text is left out: how a string reaches
+# Bridge depends on its override path, docs/readers.md)
+TRUE_VALUES, FALSE_VALUES = (1, 2, -1, 0.5, 1e9), (0, 0.0)
+
+
+@PROPERTY
+@given(specs(), st.data())
+def test_bridge_bool_fields_are_read_by_their_truth(tmp_path_factory, spec, data):
+    """A bool field of the Bridge run_config (model, ddp, optimizer sections) given a number instead of true / false
+    gives the numbers of the bool Python reads it as: Megatron-Bridge 0.6.2 sets such a field unchecked and its code
+    tests the value's truth (readers/bridge.py bridge_truth), so 0 / 0.0 are off and any other number on."""
+    doc = bridge_run_config(spec)
+    fields = [(sec, k) for sec in ("model", "ddp", "optimizer") for k, v in doc[sec].items() if isinstance(v, bool)]
+    chosen = data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=6, unique=True))
+    for sec, k in chosen:
+        doc[sec][k] = data.draw(st.sampled_from(TRUE_VALUES if doc[sec][k] else FALSE_VALUES))
+    a = _read(tmp_path_factory, bridge_run_config(spec), "run_config.yaml", spec.world)
+    b = _read(tmp_path_factory, doc, "run_config.yaml", spec.world)
+    assert _numbers(b) == _numbers(a), chosen
+
+
 @PROPERTY
 @given(specs())
 def test_nemo1_config_estimates_as_the_flags(tmp_path_factory, spec):
