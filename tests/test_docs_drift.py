@@ -138,7 +138,7 @@ def test_readme_moe_referee_figures_are_the_stored_grids():
     # README "How accurate it is": the CPU referee's MoE grid as tests/test_referee_moe_stored.py scores it (its
     # configurations, the largest whole-rank peak error) and as tests/test_moe_estimator.py checks it layer by layer
     # (every configuration but those recomputing the MoE block or overlapping its all-to-all)
-    from benchmarks.referee.grid import resolve_config
+    from benchmarks.referee.grids.dense import resolve_config
     from megatron_memguard import estimate
     from test_referee_moe_stored import _configs
     m = re.search(r"On the CPU referee, (\d+) MoE configurations: every MoE layer byte-exact at the peak \(in the (\d+) "

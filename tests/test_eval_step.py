@@ -162,7 +162,7 @@ def _referee():
     from benchmarks.referee.run import unsupported_reason
     if unsupported_reason() is not None:
         pytest.skip(str(unsupported_reason()))
-    from benchmarks.referee.grid import COMMON, resolve_config
+    from benchmarks.referee.grids.dense import COMMON, resolve_config
     from benchmarks.referee.run import run_referee
     return COMMON, resolve_config, run_referee
 
@@ -170,7 +170,7 @@ def _referee():
 @functools.lru_cache(maxsize=None)
 def _measured(extra: tuple, world: int, microbatches: int = 2) -> tuple:
     common, resolve_config, run_referee = _referee()
-    from benchmarks.referee.grid import BASE as GRID_BASE
+    from benchmarks.referee.grids.dense import BASE as GRID_BASE
     flags = common + GRID_BASE + list(extra)
     L, settings = resolve_config(flags, world)
     settings["referee_eval_micro_batch_size"] = L.eval_micro_batch_size

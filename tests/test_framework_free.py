@@ -49,6 +49,9 @@ def _reason(tmp_path, source: str) -> str | None:
     ("from megatron_memguard.runtime import *\n", "imports torch"),
     # through a tests/ helper that starts the fork server's processes
     ("import build_util\n", "tests/build_util.py imports subprocess"),
+    # the referee's runners: fsdp_grid.py reads the installed megatron-core release, moe_grid.py imports megatron in main
+    ("from benchmarks.referee.fsdp_grid import FSDP_GRID\n", "benchmarks/referee/fsdp_grid.py imports importlib.metadata"),
+    ("from benchmarks.referee.moe_grid import MOE_GRID\n", "benchmarks/referee/moe_grid.py imports megatron"),
 ])
 def test_a_file_that_depends_on_its_venv_is_not_framework_free(tmp_path, source, why):
     reason = _reason(tmp_path, source)
@@ -64,6 +67,10 @@ def test_a_file_that_depends_on_its_venv_is_not_framework_free(tmp_path, source,
     "from conftest import LLAMA31_8B\n",   # a name from conftest.py, which every test process imports anyway
     # the runtime monitor without its torch-backed names (those load through the package's __getattr__)
     "from megatron_memguard.runtime import JsonlSink, MemoryMonitor, Prediction, StaticSource\n",
+    # the referee's grid definitions without their runners (benchmarks/referee/grids/)
+    "from benchmarks.referee.grids.fsdp import FSDP_GRID, stored_rank_layouts\n",
+    "from benchmarks.referee.grids.moe import MOE_GRID, moe_settings\n",
+    "from benchmarks.referee.grids.moe_ci import CI_LAYOUTS\n",
 ])
 def test_a_file_of_the_project_and_pure_packages_is_framework_free(tmp_path, source):
     assert _reason(tmp_path, source) is None
@@ -117,6 +124,9 @@ def test_a_without_extras_test_meets_no_matplotlib_and_the_next_file_meets_it_ag
     ("test_referee_ci.py", False),         # the CPU referee's torch training runs
     ("test_fp8.py", True),                 # the estimator's fp8 terms by hand
     ("test_properties.py", True),          # hypothesis over the pure estimator
+    ("test_properties_corners.py", True),  # the same, with the referee's grid definitions (benchmarks/referee/grids/)
+    ("test_properties_equivalence.py", False),   # its hook properties run megatron.training (CONTAINER_ERA)
+    ("test_referee_moe_stored.py", True),  # stored referee measurements against the pure estimator
     ("test_planner_search.py", True),      # the planner (pure Python: test_planner_is_pure_python)
     ("test_cli.py", True),                 # the CLI in-process (matplotlib hidden; the monitor without torch)
     ("test_runtime_monitor.py", True),     # the runtime monitor with StaticSource readings

@@ -307,7 +307,7 @@ def test_expert_parallel_overlap_under_optim_grads_against_the_referee():
     (the same routing), under the 2 MiB memguard adds (moe_dispatcher_state: each MoE layer's input and its gradient
     that the held probs keep, an upper bound at a forward peak, as without FSDP): the estimate is 0.1-3.2% high."""
     import os
-    from benchmarks.referee.fsdp_grid import FSDP_OVERLAP, stored_rank_layouts
+    from benchmarks.referee.grids.fsdp import FSDP_OVERLAP, stored_rank_layouts
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
                         "referee-fsdp-overlap-core019.json")
     core, by, rows = stored_rank_layouts(path, FSDP_OVERLAP)

@@ -161,7 +161,7 @@ def test_rules(tmp_path):
 def test_referee_measures_the_heterogeneous_model(blocks, world, peak_bound):
     pytest.importorskip("megatron.core")
     from benchmarks.referee.compare import compare_entry
-    from benchmarks.referee.grid import COMMON, resolve_config
+    from benchmarks.referee.grids.dense import COMMON, resolve_config
     from benchmarks.referee.run import run_referee, unsupported_reason
     if unsupported_reason():
         pytest.skip(unsupported_reason())
@@ -285,7 +285,7 @@ def test_referee_measures_own_query_groups(tmp_path):
     # by the bmm's backward; stored on both cores: tests/test_referee_replay.py, het_own_query_groups)
     pytest.importorskip("megatron.core")
     from benchmarks.referee.compare import compare_entry
-    from benchmarks.referee.grid import COMMON, resolve_config
+    from benchmarks.referee.grids.dense import COMMON, resolve_config
     from benchmarks.referee.run import run_referee, unsupported_reason
     if unsupported_reason():
         pytest.skip(unsupported_reason())

@@ -13,8 +13,8 @@ from megatron_memguard.estimator.layers.moe import (
     MoeSpec, expert_data_parallel_size, expert_rows, experts_use_expert_buffer, moe_activations,
     moe_layers_in, moe_mlp_params, parse_moe_layer_freq, tokens_per_rank,
 )
-from benchmarks.referee.grid import resolve_config
-from benchmarks.referee.moe_grid import MOE_GRID
+from benchmarks.referee.grids.dense import resolve_config
+from benchmarks.referee.grids.moe import MOE_GRID
 from megatron_memguard.estimator.params import chunk_params
 from megatron_memguard.layout import Layout
 

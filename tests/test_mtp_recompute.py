@@ -128,7 +128,7 @@ REFEREE_LAST_STAGE_PEAK = 7_507_764
 
 
 def test_distributed_saved_activations_with_mtp_against_the_referee():
-    from benchmarks.referee.grid import COMMON, resolve_config
+    from benchmarks.referee.grids.dense import COMMON, resolve_config
     flags = [f for f in FLAGS if f not in ("--transformer-impl", "local", "--no-masked-softmax-fusion",
                                            "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
                                            "--no-gradient-accumulation-fusion", "--hidden-dropout", "0",

@@ -139,7 +139,7 @@ def test_repeated_layer_under_megatron_fsdp_against_the_referee():
     them: estimator/fsdp.py UNITS_REGATHERED_BEFORE_LOSS_UNTIL), so the peak holds no unit's weights and memguard
     names none there (it did, 11,821,056 / 9,850,880 B, and was 3.9-7.4% high). The estimate is within 1.5% of
     every rank's peak, which the ranks' routing spreads (-1.4..+1.4%)."""
-    from benchmarks.referee.fsdp_grid import FSDP_MTP, stored_rank_layouts
+    from benchmarks.referee.grids.fsdp import FSDP_MTP, stored_rank_layouts
     core, _, rows = stored_rank_layouts(FSDP_MEASURED, FSDP_MTP)
     assert core == "0.19.2"
     after = {}

@@ -11,9 +11,10 @@ import math
 import os
 import re
 
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, reject, settings, strategies as st
 
 from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import attention_kind
 from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.layers.attention import te_softmax_kernel
@@ -213,6 +214,58 @@ def test_peak_does_not_decrease_with_sequence_length(spec):
         assert long_peak >= short_peak
 
 
+@st.composite
+def interleaved_specs(draw) -> Spec:
+    """A drawn job re-split as an interleaved pipeline: PP 2-6 ranks of 2-4 virtual stages of 1-3 layers each,
+    whole groups of PP micro-batches (the interleaved schedule refuses a partial last group), even split."""
+    spec = draw(specs())
+    pp, v, per = draw(st.integers(2, 6)), draw(st.integers(2, 4)), draw(st.integers(1, 3))
+    layers = pp * v * per
+    rec = spec.recompute
+    if rec and rec[0] == "full":
+        rec = (rec[0], rec[1], min(rec[2], per))   # (at most a chunk's layers)
+    return spec.with_(pp=pp, vpp=v, layers=layers, first=None, last=None, recompute=rec,
+                      microbatches=pp * draw(st.integers(1, 3)))
+
+
+def _peaks_or_reject(spec: Spec) -> list[int]:
+    try:
+        return _peaks(spec)
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+
+
+# (an interleaved layout holds up to 72 layers: half the common count)
+INTERLEAVED = settings(PROPERTY, max_examples=max(1, EXAMPLES // 2))
+
+
+@INTERLEAVED
+@given(interleaved_specs(), st.integers(1, 8))
+def test_every_interleaved_ranks_peak_does_not_decrease_with_micro_batch_size(spec, extra):
+    """test_peak_does_not_decrease_with_micro_batch_size on interleaved layouts only, rank by rank: the
+    interleaved schedule's pipeline tensors, counted pass by pass (schedule.py p2p), are [s, b, h] each, so a
+    larger b grows every one of them and changes no pass's count (the schedule depends on PP, VPP and the number
+    of micro-batches only). The same exceptions: the fused softmax kernels' b x heads/TP rule."""
+    big = spec.with_(mbs=spec.mbs + extra)
+    small_peaks = _peaks_or_reject(spec)
+    Ls, Lb = layout(spec), layout(big)
+    assume(attention_kind(Ls) == attention_kind(Lb))
+    assume(te_softmax_kernel(Ls, shapes(Ls)) == te_softmax_kernel(Lb, shapes(Lb)))
+    for rank, (small_peak, big_peak) in enumerate(zip(small_peaks, _peaks(big))):
+        assert big_peak >= small_peak, rank
+
+
+@INTERLEAVED
+@given(interleaved_specs())
+def test_every_interleaved_ranks_peak_does_not_decrease_with_sequence_length(spec):
+    """test_peak_does_not_decrease_with_sequence_length on interleaved layouts only, rank by rank: every
+    pipeline tensor of the interleaved schedule is [s/CP(/TP under SP), b, h], so doubling s grows each of them at
+    every pass."""
+    short = _peaks_or_reject(spec)
+    for rank, (short_peak, long_peak) in enumerate(zip(short, _peaks(spec.with_(seq=2 * spec.seq)))):
+        assert long_peak >= short_peak, rank
+
+
 def _ckpt_input(L) -> int:
     """One checkpointed layer input: [s/CP, b, h] in the residual dtype, /TP under SP or
     --distribute-saved-activations (tensor_parallel.random.CheckpointFunction)."""
@@ -290,16 +343,23 @@ def test_recomputation_does_not_raise_the_peak(spec, recompute):
             allowance += qkv + rope_qk + (3 if gqa else 2) * q
         if "mlp" in recompute[1]:
             allowance += 2 * tokens * Lr.hidden_size * Lr.act_bytes // (Lr.tp if Lr.sequence_parallel else 1)
-    per_layer = 0
-    if ("core_attn" in recompute[1] and recompute[0] == "selective" and Lr.cp == 1
-            and Lr.position_embedding_type == "rope" and select(Lr, None).selected == "flash"):
-        # K (one rank's key groups; megatron-core replicates a group under TP > groups) minus the fp32
-        # log-sum-exp [b, a/TP, s] flash-attn keeps (flash_attn_interface.py _flash_attn_forward)
-        k = tokens * max(1, Lr.num_query_groups // Lr.tp) * Lr.kv_channels * Lr.act_bytes
-        per_layer = max(0, k - Lr.micro_batch_size * Lr.num_attention_heads // Lr.tp * Lr.seq_length * 4)
+    per_layer = flash_rope_core_attn_excess(Lr)
     for a, b in zip(estimate(Lb).stages, estimate(Lr).stages):
         held = b.in_flight * max(c.num_layers for c in b.chunks)
         assert b.peak_allocated_bytes <= a.peak_allocated_bytes + allowance + held * per_layer
+
+
+def flash_rope_core_attn_excess(L) -> int:
+    """What recomputing 'core_attn' keeps per layer beyond no recompute under TE's flash backend with rope at CP 1
+    (test_recomputation_does_not_raise_the_peak's docstring): K (one rank's key groups; megatron-core replicates a
+    group under TP > groups) minus the fp32 log-sum-exp [b, a/TP, s] flash-attn keeps (flash_attn_interface.py
+    _flash_attn_forward); 0 where that recompute is off or another backend runs."""
+    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules and L.cp == 1
+            and L.position_embedding_type == "rope" and select(L, None).selected == "flash"):
+        return 0
+    tokens = L.seq_length // L.cp * L.micro_batch_size
+    k = tokens * max(1, L.num_query_groups // L.tp) * L.kv_channels * L.act_bytes
+    return max(0, k - L.micro_batch_size * L.num_attention_heads // L.tp * L.seq_length * 4)
 
 
 FLASH_ROPE = Spec(backend="flash", pp=3, layers=9, vpp=3, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16,

@@ -14,7 +14,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs
-from test_properties_equivalence import _drop, _numbers, _read, bridge_run_config
+from property_spelling import _drop, _numbers, _read, bridge_run_config
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 8),
@@ -439,8 +439,8 @@ def test_fsdp_optim_grads_params_holds_more_after_the_step_than_optim_grads():
     [691,200]: 5,529,600 B, the whole model being within the prefetch limit) until each unit's forward;
     optim_grads keeps the whole bf16 weights once (13,772,800 B). memguard counts these terms byte for byte
     (the storages the referee lists after the step) and its persistent bytes keep the measured order."""
-    from benchmarks.referee.fsdp_grid import FSDP_GRID
-    from benchmarks.referee.grid import resolve_config
+    from benchmarks.referee.grids.fsdp import FSDP_GRID
+    from benchmarks.referee.grids.dense import resolve_config
     from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "benchmarks", "results", "referee-fsdp-measured.json")

@@ -11,12 +11,16 @@ from hypothesis import HealthCheck, assume, given, reject, settings, strategies 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
+from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.core import chunk_activations
+from megatron_memguard.estimator.layers.attention import attention_kind
 from megatron_memguard.estimator.params import chunk_numels
 from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
+from property_spelling import _drop, _numbers, _read, bridge_run_config
+from test_properties import flash_rope_core_attn_excess
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
@@ -29,26 +33,6 @@ def _est(flags: list[str], world: int):
 
 def layout(spec):
     return layout_from_flags(spec.flags(), world_size=spec.world, megatron_version="0.19")
-
-
-def _numbers(est) -> list[tuple]:
-    """Everything an estimate says per stage: its terms (allocated, reserved, device), levels, phase."""
-    return [(s.pp_rank, s.num_layers, s.parameters, s.persistent_bytes, s.peak_allocated_bytes,
-             s.peak_reserved_bytes, s.device_total_bytes, s.peak_phase, s.in_flight,
-             tuple((t.name, t.bytes, str(t.level)) for t in s.terms)) for s in est.stages]
-
-
-def _drop(flags: list[str], *names: str, values: int = 1) -> list[str]:
-    out, skip = [], 0
-    for f in flags:
-        if skip:
-            skip -= 1
-            continue
-        if f in names:
-            skip = values
-            continue
-        out.append(f)
-    return out
 
 
 def _chunk_counts(spec: Spec) -> dict[tuple[int, int], int]:
@@ -179,7 +163,16 @@ def test_recompute_orders_what_a_layer_keeps(spec):
     """Per micro-batch, the layers of a chunk keep: full recompute of every layer (uniform, 1 layer per
     group: only each layer's input, tensor_parallel.checkpoint) == full block recompute of all layers
     <= any selective module set <= no recompute. (Under CP, recomputing 'core_attn' keeps q, k, v that TE's
-    ring attention would not; test_properties documents that exception, so CP 1 here.)"""
+    ring attention would not; test_properties documents that exception, so CP 1 here.) Exception, as Megatron
+    does it: under TE's flash backend with rope, a set with 'core_attn' keeps K minus flash-attn's fp32
+    log-sum-exp more per layer than no recompute (its checkpoint holds the qkv projection and the rope'd q and k,
+    where flash-attn alone keeps its contiguous q, k, v, output and the log-sum-exp: test_properties.py
+    test_recomputation_does_not_raise_the_peak), allowed per layer of the chunk
+    (test_recompute_orders_core_attn_under_flash_and_rope_by_hand); and so does it, by up to 3 K - Q, where the
+    attention repeats K and V for grouped queries (megatron-core's DotProductAttention, TE's unfused attention)
+    with rope: the checkpoint's v is a view of the qkv projection (Q + 2 K), held whole with the rope'd q and k,
+    where without it the repeated K and V (Q each) and the probs are kept and the projection is freed
+    (_repeat_rope_core_attn_excess; test_recompute_orders_core_attn_under_gqa_and_rope_by_hand)."""
     spec = spec.with_(distribute_saved=False, cp=1, seq=spec.seq // spec.cp, instances=1)
     none = layout(spec.with_(recompute=()))
     full = layout(spec.with_(recompute=("full", "uniform", 1)))
@@ -195,7 +188,70 @@ def test_recompute_orders_what_a_layer_keeps(spec):
         assert kept_full == cf.num_layers * (spec.seq * spec.mbs * spec.hidden * (
             4 if spec.fp32_residual or spec.precision == "fp32" else 2)) // split
         for L, c in zip(sels, cs):
-            assert kept_full <= chunk_activations(L, c).layers <= kept_none
+            excess = c.num_layers * (flash_rope_core_attn_excess(L) + _repeat_rope_core_attn_excess(L))
+            assert kept_full <= chunk_activations(L, c).layers <= kept_none + excess
+
+
+def _repeat_rope_core_attn_excess(L) -> int:
+    """The bound 3 K - Q per layer (one rank's heads and key groups; a group replicated under TP > groups) of what
+    recomputing 'core_attn' keeps beyond no recompute where K and V are repeated for grouped queries and rope makes
+    q and k new tensors (the probs the checkpoint drops only lower it); 0 elsewhere."""
+    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules
+            and L.position_embedding_type == "rope"
+            and (attention_kind(L).startswith("local") or select(L, None).selected == "unfused")):
+        return 0
+    tokens = L.seq_length // L.cp * L.micro_batch_size
+    heads, groups = L.num_attention_heads // L.tp, max(1, L.num_query_groups // L.tp)
+    if groups >= heads:
+        return 0
+    q, k = tokens * heads * L.kv_channels * L.act_bytes, tokens * groups * L.kv_channels * L.act_bytes
+    return max(0, 3 * k - q)
+
+
+ONE_GQA_ROPE_LAYER = Spec(impl="local", layers=1, heads=2, groups=1, kv_channels=64, hidden=128, ffn=8, seq=16, mbs=1,
+                          vocab=8, precision="fp32", rope=True, bias=False)
+
+
+def test_recompute_orders_core_attn_under_gqa_and_rope_by_hand():
+    """The corner the derandomized run drew for the property above (2026-11-30): the local spec, one layer,
+    h = 128, 2 heads of d = 64 in one key group, s = 16, b = 1, fp32, rope. Q = 16 x 2 x 64 x 4 = 8,192 B, K = V =
+    4,096 B. Without recompute megatron-core's DotProductAttention keeps the rope'd q (8,192 B), K and V repeated
+    to both heads (8,192 B each) and the fp32 probs [1, 2, 16, 16] (2,048 B): 26,624 B, the qkv projection freed
+    (rope and repeat_interleave make new tensors). Recomputing core_attn, the checkpoint keeps the rope'd q and k
+    (8,192 + 4,096 B) and v, a view of the projection Q + 2 K = 16,384 B: 28,672 B. So 2,048 B more
+    (68,864 -> 70,912 B per layer), within 3 K - Q = 4,096 B."""
+    none = layout(ONE_GQA_ROPE_LAYER)
+    core = layout(ONE_GQA_ROPE_LAYER.with_(recompute=("selective", ("core_attn",))))
+    a, b = layer_activations(none).saved, layer_activations(core).saved
+    assert a["query"] + a["key_repeated"] + a["value_repeated"] + a["attention_probs"] == 3 * 8192 + 2048
+    assert b["qkv_output"] + b["query_rope"] + b["key_rope"] == 16384 + 8192 + 4096
+    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
+    assert (kept_none, kept_core) == (68864, 70912)
+    assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 3 * 4096 - 8192
+
+
+ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,
+                            rope=True, bias=False)
+
+
+def test_recompute_orders_core_attn_under_flash_and_rope_by_hand():
+    """The corner MEMGUARD_PROPERTY_EXAMPLES=300 with seed 20261130 drew for the property above (2026-11-30): one
+    layer, h = 8, one head of d = 8, s = 16, b = 1, bf16, GELU, rope, --attention-backend flash. Each [s, b, 8]
+    bf16 tensor is 16 x 8 x 2 = 256 B. Without recompute the attention keeps flash-attn's contiguous q, k, v
+    (TE 2.11 backends.py FlashAttention.forward, 3 x 256 B), its output (256 B) and the fp32 log-sum-exp [1, 1, 16]
+    (64 B): 1088 B; recomputing core_attn, the checkpoint keeps the qkv projection [16, 1, 24] through v's view
+    (768 B) and the rope'd q and k (2 x 256 B): 1280 B, so the layer keeps 192 B more (3136 -> 3328 B) and
+    every other selective set keeps no more than without recompute."""
+    none = layout(ONE_FLASH_ROPE_LAYER)
+    core = layout(ONE_FLASH_ROPE_LAYER.with_(recompute=("selective", ("core_attn",))))
+    a, b = layer_activations(none).saved, layer_activations(core).saved
+    assert a["flash_qkv"] + a["attention_output_bshd"] + a["softmax_stats"] == 3 * 256 + 256 + 64
+    assert b["qkv_output"] + b["query_rope"] + b["key_rope"] == 768 + 2 * 256
+    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
+    assert (kept_none, kept_core) == (3136, 3328) and kept_core - kept_none == flash_rope_core_attn_excess(core) == 192
+    for mods in (("mlp",), ("layernorm",)):
+        sel = layout(ONE_FLASH_ROPE_LAYER.with_(recompute=("selective", mods)))
+        assert chunk_activations(sel, sel.chunks[0]).layers <= kept_none
 
 
 @PROPERTY
@@ -315,47 +371,6 @@ def test_embedding_and_loss_slots_equal_their_layout_string(spec, slots):
 # ---------------------------------------------------------------------------------------------------
 # The same job through the readers
 
-_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
-
-
-def bridge_run_config(s: Spec) -> dict:
-    """The job as a Megatron-Bridge ConfigContainer dump (flat GPTModelProvider fields, Bridge 0.6.2), with
-    the fields whose Bridge default differs from Megatron-LM's argument default written out (the fusions,
-    the attention mask, vocabulary padding: docs/readers.md)."""
-    m = dict(num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
-             kv_channels=s.kv_channels, num_query_groups=s.groups or s.heads, seq_length=s.seq,
-             max_position_embeddings=s.seq, vocab_size=s.vocab, should_pad_vocab=True, make_vocab_size_divisible_by=128,
-             tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, context_parallel_size=s.cp,
-             virtual_pipeline_model_parallel_size=s.vpp, num_layers_in_first_pipeline_stage=s.first,
-             num_layers_in_last_pipeline_stage=s.last, sequence_parallel=s.sp, gated_linear_unit=s.swiglu,
-             activation_func={"_target_": "torch.nn.functional." + ("silu" if s.swiglu else "gelu"), "_call_": False},
-             normalization="RMSNorm" if s.rmsnorm else "LayerNorm", add_bias_linear=s.bias,
-             position_embedding_type="rope" if s.rope else "learned_absolute",
-             share_embeddings_and_output_weights=not s.untied, hidden_dropout=s.dropout, attention_dropout=s.dropout,
-             fp32_residual_connection=s.fp32_residual, distribute_saved_activations=s.distribute_saved,
-             transformer_impl=s.impl, attention_backend=s.backend, bias_activation_fusion=s.swiglu or s.bias,
-             bias_dropout_fusion=True, apply_rope_fusion=True, cross_entropy_loss_fusion=False,
-             masked_softmax_fusion=True, gradient_accumulation_fusion=True,
-             bf16=s.precision == "bf16", fp16=s.precision == "fp16",
-             params_dtype={"_target_": _DTYPE[s.precision], "_call_": False})
-    if s.recompute:
-        m["recompute_granularity"] = s.recompute[0]
-        if s.recompute[0] == "selective":
-            m["recompute_modules"] = list(s.recompute[1])
-        else:
-            m["recompute_method"], m["recompute_num_layers"] = s.recompute[1], s.recompute[2]
-    doc = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": m,
-           "train": {"micro_batch_size": s.mbs, "global_batch_size": s.mbs * s.dp * s.microbatches},
-           "dataset": {"seq_length": s.seq, "create_attention_mask": True, "skip_getting_attention_mask_from_dataset": False},
-           "optimizer": {"optimizer": s.optimizer, "use_distributed_optimizer": s.dist_opt},
-           "ddp": {"use_distributed_optimizer": s.dist_opt, "num_distributed_optimizer_instances": s.instances,
-                   "overlap_grad_reduce": s.overlap_grad_reduce, "grad_reduce_in_fp32": s.precision != "fp16"},
-           "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": s.vocab}}
-    if s.precision != "fp32":
-        doc["mixed_precision"] = s.precision + "_mixed"
-    return doc
-
-
 def nemo1_config(s: Spec, padded_vocab: int) -> dict:
     """The job as a NeMo 1 megatron_gpt_config.yaml (NeMo 2.5.0's keys: docs/readers.md), with NeMo's
     defaults that differ from Megatron-LM's written out; the vocabulary as override_vocab_size (padded)."""
@@ -422,21 +437,33 @@ def nemo2_config(s: Spec, padded_vocab: int) -> dict:
                 "use_distributed_optimizer": s.dist_opt, "bf16": s.precision == "bf16", "fp16": s.precision == "fp16"}}}
 
 
-def _read(tmp_path_factory, doc: dict, name: str, world: int):
-    import yaml
-    from megatron_memguard import resolve
-    from megatron_memguard.readers.detect import read_config_file
-    p = tmp_path_factory.mktemp("cfg") / name
-    p.write_text(yaml.safe_dump(doc))
-    return estimate(resolve(read_config_file(str(p)), world_size=world, megatron_version="0.19"))
-
-
 @PROPERTY
 @given(specs())
 def test_bridge_run_config_estimates_as_the_flags(tmp_path_factory, spec):
     """A Megatron-Bridge run_config.yaml of the job gives every stage the numbers of the flags."""
     b = _read(tmp_path_factory, bridge_run_config(spec), "run_config.yaml", spec.world)
     assert _numbers(b) == _numbers(_est(spec.flags(), spec.world))
+
+
+# values Python reads as true / false that are not bools (a YAML number; text is left out: how a string reaches
+# Bridge depends on its override path, docs/readers.md)
+TRUE_VALUES, FALSE_VALUES = (1, 2, -1, 0.5, 1e9), (0, 0.0)
+
+
+@PROPERTY
+@given(specs(), st.data())
+def test_bridge_bool_fields_are_read_by_their_truth(tmp_path_factory, spec, data):
+    """A bool field of the Bridge run_config (model, ddp, optimizer sections) given a number instead of true / false
+    gives the numbers of the bool Python reads it as: Megatron-Bridge 0.6.2 sets such a field unchecked and its code
+    tests the value's truth (readers/bridge.py bridge_truth), so 0 / 0.0 are off and any other number on."""
+    doc = bridge_run_config(spec)
+    fields = [(sec, k) for sec in ("model", "ddp", "optimizer") for k, v in doc[sec].items() if isinstance(v, bool)]
+    chosen = data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=6, unique=True))
+    for sec, k in chosen:
+        doc[sec][k] = data.draw(st.sampled_from(TRUE_VALUES if doc[sec][k] else FALSE_VALUES))
+    a = _read(tmp_path_factory, bridge_run_config(spec), "run_config.yaml", spec.world)
+    b = _read(tmp_path_factory, doc, "run_config.yaml", spec.world)
+    assert _numbers(b) == _numbers(a), chosen
 
 
 @PROPERTY

@@ -18,9 +18,10 @@ from megatron_memguard.estimator.states import stage_states
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, feature_specs, moe_specs
+from property_spelling import _drop, _numbers, bridge_run_config
 from test_properties import _ckpt_input
 from test_properties_corners import bridge_moe_config
-from test_properties_equivalence import _chunk_counts, _drop, _numbers, bridge_run_config
+from test_properties_equivalence import _chunk_counts
 from test_properties_moe_identities import (Job, _layout, _mla_and_pipeline_flags, _mla_core, _owned,  # noqa: F401
                                             _padded_buffer, _pipeline, _with, core, corner_jobs)   # (core: the megatron-core builder fixture)
 

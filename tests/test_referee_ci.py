@@ -24,7 +24,7 @@ from benchmarks.referee.run import unsupported_reason  # noqa: E402
 pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
 
 from benchmarks.referee.compare import BOUNDS, compare_entry  # noqa: E402
-from benchmarks.referee.grid import resolve_config, select  # noqa: E402
+from benchmarks.referee.grids.dense import resolve_config, select  # noqa: E402
 from benchmarks.referee.run import run_referee  # noqa: E402
 
 CI = select(ci=True)

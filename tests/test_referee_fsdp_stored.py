@@ -23,8 +23,8 @@ import os
 
 import pytest
 
-from benchmarks.referee.fsdp_grid import FSDP_GRID, FSDP_ONE_RANK, resolve_version
-from benchmarks.referee.grid import resolve_config
+from benchmarks.referee.grids.fsdp import FSDP_GRID, FSDP_ONE_RANK, resolve_version
+from benchmarks.referee.grids.dense import resolve_config
 from megatron_memguard import estimate
 from megatron_memguard.estimator.fsdp_layout import fsdp_stage_terms
 

@@ -18,7 +18,7 @@ from benchmarks.referee.run import unsupported_reason  # noqa: E402
 pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
 
 from benchmarks.referee.moe_check import check  # noqa: E402
-from benchmarks.referee.moe_grid import MOE_GRID, moe_settings  # noqa: E402
+from benchmarks.referee.grids.moe import MOE_GRID, moe_settings  # noqa: E402
 from benchmarks.referee.run import run_referee  # noqa: E402
 
 NAME = "moe_ep2_alltoall"

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from benchmarks.referee.compare import compare_entry
-from benchmarks.referee.moe_ci_layouts import CI_LAYOUTS
+from benchmarks.referee.grids.moe_ci import CI_LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-moe-ci-layouts.json")

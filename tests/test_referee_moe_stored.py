@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from benchmarks.referee.grid import resolve_config
-from benchmarks.referee.moe_grid import MOE_GRID
+from benchmarks.referee.grids.dense import resolve_config
+from benchmarks.referee.grids.moe import MOE_GRID
 from megatron_memguard import estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

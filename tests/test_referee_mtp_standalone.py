@@ -17,7 +17,7 @@ from benchmarks.referee.run import unsupported_reason  # noqa: E402
 
 pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
 
-from benchmarks.referee.grid import COMMON, resolve_config  # noqa: E402
+from benchmarks.referee.grids.dense import COMMON, resolve_config  # noqa: E402
 from benchmarks.referee.run import run_referee  # noqa: E402
 from megatron_memguard import estimate, layout_from_flags  # noqa: E402
 

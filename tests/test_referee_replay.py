@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from benchmarks.referee.grid import resolve_config
+from benchmarks.referee.grids.dense import resolve_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURED = os.path.join(ROOT, "benchmarks", "results", "referee-replay-measured.json")
@@ -203,7 +203,7 @@ def test_distributed_saved_activations_move_each_stage_by_the_measured_bytes(voc
     change), and estimated so: each stage errs by the same bytes with the flag as without it (vocabulary 1000:
     -72 B and -100 B; 8000: -17,480 B and -7,252 B; -50,248 B on the first stage before its end of
     backward counted the received output gradient it holds)."""
-    from benchmarks.referee.grid import COMMON
+    from benchmarks.referee.grids.dense import COMMON
     from megatron_memguard import estimate
     base = COMMON + DIST_FLAGS + ["--vocab-size", str(vocab)]
     est = [estimate(resolve_config(base + extra, 4)[0], profile="local", device="cpu").stages[stage]

@@ -63,7 +63,7 @@ def default_estimator(layout: Any, dp_rank: int) -> Any:
 
 def compare_entry(entry: dict[str, Any], estimator: Callable = default_estimator) -> list[RankComparison]:
     """One grid entry (flags + per-rank measurements) against the estimate."""
-    from .grid import resolve_config
+    from .grids.dense import resolve_config
 
     layout, _ = resolve_config(entry["flags"], entry["world_size"])
     cache: dict[int | str, Any] = {}
