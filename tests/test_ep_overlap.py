@@ -314,14 +314,14 @@ def test_cuda_graphs_under_the_overlap():
 # ----- the CPU referee: the combined 1F1B schedule under PP 2 x VPP 2 (its own pipeline tensors) ------------
 
 def test_referee_combined_schedule_pp2_vpp2():
-    """benchmarks/results/referee-moe-combined-vpp.json (real megatron-core 0.16.1 on CPU, moe_grid.py's
+    """benchmarks/results/referee-moe-combined-vpp.json (real megatron-core 0.16.1 on CPU, grids/moe.py's
     moe_pp2_vpp2_a2a_overlap: PP 2 x VPP 2, DP 2, EP 2, 4 micro-batches, --overlap-moe-expert-parallel-comm; kept apart
     from referee-moe-measured.json because moe_check.py derives no per-module rows for the combined schedule under
     PP): parameters exact, the state after the step within 1%, each rank's peak within 2% (the two DP ranks of a
     stage route differently: 1.5 MB apart on the first stage)."""
     import json
-    from benchmarks.referee.grid import resolve_config
-    from benchmarks.referee.moe_grid import MOE_GRID
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
     from megatron_memguard import estimate
     with open(os.path.join(os.path.dirname(HERE), "benchmarks", "results", "referee-moe-combined-vpp.json")) as f:
         got = {c["name"]: c for c in json.load(f)["configs"]}["moe_pp2_vpp2_a2a_overlap"]
