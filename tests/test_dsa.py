@@ -122,7 +122,12 @@ def _attention_flags(r):
          f"--dsa-indexer-n-heads {r['index_heads']} --dsa-indexer-head-dim {r['index_dim']} "
          f"--dsa-indexer-topk {r['topk']} --dsa-indexer-loss-coeff {r['loss_coeff']} --vocab-size 128 "
          "--no-gradient-accumulation-fusion").split()
+    f += ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"] if r.get("recompute_up") else []
     return f + (["--qk-layernorm"] if r["qk_layernorm"] else [])
+
+
+def _mods(r):
+    return {"mla_up_proj"} if r.get("recompute_up") else set()
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION))
@@ -130,7 +135,7 @@ def test_whole_attention_layer_matches_the_measured_module(name):
     # the recipe's mixer (without the input norm, the probe's input) against AbsorbedMLASelfAttention measured on CPU
     r = ATTENTION[name]
     L = layout_from_flags(_attention_flags(r), world_size=1)
-    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
     extra = 2 * 4 * r["seq"] * r["rope"] + 16 * r["seq"]   # two fp32 rotary tables (rotary_cache), causal bounds
     saved = sum(kept.values()) + extra
@@ -153,7 +158,7 @@ def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
     # (rotary_cache) first, so no extra: the indexer's gathered inputs, the heads split, query and key whole
     r = ATTENTION_TP2[name]
     L = layout_from_flags(_attention_flags(r) + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2)
-    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
     saved = sum(kept.values())
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
@@ -219,6 +224,34 @@ def test_recomputed_core_keeps_only_its_inputs():
     assert rec.bwd_transient > full.bwd_transient      # the replay remakes the core before its backward
 
 
+UP = ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]
+
+
+def test_recomputed_up_projections_keep_the_checkpoint_inputs_instead_of_query_and_key():
+    # megatron-core 0.19.2 absorbed_mla.py: qkv_up_proj_and_rope_apply under CheckpointWithoutOutput, its outputs freed
+    # after the core; the checkpoint keeps q_compressed (q_up_proj's input, as before), kv_compressed and k_pos_emb,
+    # both gathered over TP under sequence parallelism ([s b, kv_lora] and [s b, rope])
+    off, on = _saved(_layout()), _saved(_layout(*UP))
+    Tf, e = 4096, 2
+    assert set(off) - set(on) == {"query_up", "rope_cos_sin", "dsa_key"}
+    assert off["query_up"] == Tf * 8 * (64 + 32) * e                 # q_up_proj's output [s b, heads/TP, qk + rope]
+    assert on["up_checkpoint_inputs"] == Tf * (128 + 32) * e
+    assert {k: on[k] for k in off if k in on} == {k: off[k] for k in off if k in on}
+    # with the indexer loss its detached query shares the freed storage: no longer kept either
+    assert "dsa_query" in _saved(_layout(*LOSS)) and "dsa_query" not in _saved(_layout(*LOSS, *UP))
+    full = layer_activations(_layout(), True, uniform_kind(_layout()))
+    rec = layer_activations(_layout(*UP), True, uniform_kind(_layout()))
+    assert rec.total < full.total
+    assert rec.bwd_transient > full.bwd_transient      # the replay remakes query and key before V's up projection
+
+
+def test_recomputed_up_projections_under_fp8_are_megatrons_assertion():
+    # AbsorbedMLASelfAttention asserts "FP8/FP4 is not supported for AbsorbedMLA" when mla_up_proj is recomputed
+    with pytest.raises(ConfigError) as e:
+        _layout(*UP, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert "--recompute-modules" in str(e.value) and "FP8/FP4 is not supported for AbsorbedMLA" in str(e.value)
+
+
 def test_estimate_runs_and_the_score_terms_dominate():
     est = estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB"))
     stage = est.stages[0]
@@ -258,7 +291,7 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
     (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "--context-parallel-size"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "--recompute-modules"),
+    (["--fp8-format", "hybrid"], "--fp8-format"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:

@@ -46,6 +46,11 @@ def _init_rank():
         dist.init_process_group("gloo", rank=0, world_size=1)
     # the indexer's RotaryEmbedding asks for the current CUDA device (it passes no use_cpu_initialization)
     torch.cuda.current_device = lambda: "cpu"
+    # CheckpointWithoutOutput (mla_up_proj recompute) saves and restores the CUDA generator's state: a CPU one
+    import megatron.core.tensor_parallel.random as mrandom
+    gen = torch.Generator()
+    mrandom._get_cuda_rng_state = lambda *_, **__: gen.get_state()
+    mrandom._set_cuda_rng_state = lambda state, *_, **__: gen.set_state(state)
 
     class Lin(torch.nn.Module):
         """A duplicated bias-free linear returning (output, bias) as TE's Linear does."""
@@ -127,11 +132,13 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
 def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
                       kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
                       index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01,
-                      qk_layernorm: bool = False, tp: int = 1) -> dict[str, Any]:
+                      qk_layernorm: bool = False, tp: int = 1, recompute_up: bool = False) -> dict[str, Any]:
     """The whole AbsorbedMLASelfAttention (DSA's attention layer without its input norm) on one gloo rank, TP 1:
     megatron-core's local ColumnParallelLinear / RowParallelLinear for the projections, LayerNorms for the latent
     norms (with ``qk_layernorm``), the real DSAttention and DSAIndexer as in ``measure``. Input: the input norm's
-    output [s, b, h]. Returns the bytes kept after the forward (without the output) and the two peaks."""
+    output [s, b, h]. ``recompute_up``: ``--recompute-modules mla_up_proj`` (the query and key made under
+    CheckpointWithoutOutput, freed after the core and remade in the backward). Returns the bytes kept after the forward
+    (without the output) and the two peaks."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -161,7 +168,8 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
         dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
         dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_rotate_activation=False, use_cpu_initialization=True,
         transformer_impl="local", qk_layernorm=qk_layernorm, gradient_accumulation_fusion=False,
-        normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+        normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+        **(dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]) if recompute_up else {}))
     core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
         module=DSAIndexer, submodules=DSAIndexerSubmodules(linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm,
                                                            linear_weights_proj=Lin))))
@@ -192,7 +200,8 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
             out.backward(grad)
     return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
             "rope": rope, "v_head": v_head, "qk_head": qk_head, "index_heads": index_heads, "index_dim": index_dim,
-            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp, "saved": saved,
+            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp,
+            **({"recompute_up": True} if recompute_up else {}), "saved": saved,
             "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
             "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
 
@@ -239,6 +248,11 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
     "noloss": {"loss_coeff": 0.0},
     "latent_norms": {"qk_layernorm": True},
     "batch2_seq128": {"batch": 2, "seq": 128},
+    # --recompute-modules mla_up_proj (CheckpointWithoutOutput around the up projections and the rope)
+    "up_recompute_loss": {"recompute_up": True},
+    "up_recompute_noloss": {"loss_coeff": 0.0, "recompute_up": True},
+    "up_recompute_latent_norms": {"qk_layernorm": True, "recompute_up": True},
+    "up_recompute_batch2_seq128": {"batch": 2, "seq": 128, "recompute_up": True},
 }
 
 
@@ -246,7 +260,23 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
 ATTENTION_TP2_GRID: dict[str, dict[str, Any]] = {
     "loss": {},
     "noloss": {"loss_coeff": 0.0},
+    "up_recompute_loss": {"recompute_up": True},
+    "up_recompute_noloss": {"loss_coeff": 0.0, "recompute_up": True},
 }
+
+
+def _add_missing(path: str) -> None:
+    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID entries ``path`` lacks and add them to it (the stored
+    ones stay as they are)."""
+    with open(path) as f:
+        result = json.load(f)
+    for part, grid, run in (("runs", GRID, measure), ("attention", ATTENTION_GRID, measure_attention),
+                            ("attention_tp2", ATTENTION_TP2_GRID, lambda **kw: measure_attention_tp(2, **kw))):
+        for name, kw in grid.items():
+            if name not in result[part]:
+                result[part][name] = run(**kw)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main() -> None:
@@ -259,7 +289,11 @@ def main() -> None:
     p.add_argument("--no-loss", action="store_true")
     p.add_argument("--sparse-loss", action="store_true")
     p.add_argument("--grid", metavar="OUT", help="measure every GRID entry and write them to OUT (JSON)")
+    p.add_argument("--grid-add", metavar="FILE", help="measure the grid entries FILE (JSON) lacks and add them to it")
     o = p.parse_args()
+    if o.grid_add:
+        _add_missing(o.grid_add)
+        return
     if o.grid:
         import torch
         result = {"source": f"benchmarks/referee/dsa_probe.py, megatron-core {_core_version()}, torch {torch.__version__}, CPU",

@@ -89,13 +89,16 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if kw.get("context_parallel_size", 1) > 1:
         raise NotModelledError(a.key("context_parallel_size"), "DSA with context parallelism (the allgather path "
                                "gathers the key and the indexer key over CP)")
-    if kw.get("fp8") or kw.get("fp4"):
-        raise NotModelledError(a.key("fp8" if kw.get("fp8") else "fp4"), "FP8 / FP4 training with DSA "
-                               "(the absorbed MLA's quantized projections)")
     mods = kw.get("recompute_modules") or ()
-    if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods:
-        raise NotModelledError(a.key("recompute_modules"), "recomputing mla_up_proj with DSA (the absorbed "
-                               "query's checkpoint)")
+    quantized = "fp8" if kw.get("fp8") else "fp4" if kw.get("fp4") else None
+    if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods and quantized:
+        # AbsorbedMLASelfAttention.get_query_key_value_tensors asserts it at the first forward (absorbed_mla.py)
+        a.fail("recompute_modules", f"mla_up_proj does not work with DSA under --{quantized}-format (AbsorbedMLA "
+                                    "asserts \"FP8/FP4 is not supported for AbsorbedMLA\" when it recomputes the up "
+                                    "projections)", "drop mla_up_proj from --recompute-modules")
+    elif quantized:
+        raise NotModelledError(a.key(quantized), "FP8 / FP4 training with DSA "
+                               "(the absorbed MLA's quantized projections)")
     if a.bool_arg("fine_grained_activation_offloading", False):
         # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
         # DSAttention's

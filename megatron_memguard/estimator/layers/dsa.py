@@ -239,11 +239,15 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     after_attn = after | {"proj_input"}
     held_b = sum(held.values())
     query_b = Tf * a_t * D * e                                # the absorbed query (alive through the core's forward)
+    # --recompute-modules mla_up_proj: the query and key are made under CheckpointWithoutOutput and freed after the
+    # core (up_proj_checkpoint); remade before V's up projection's backward, they live until the checkpoint's backward
+    remade, key_live, up_fwd = up_proj_checkpoint(L, saved) if "mla_up_proj" in mods else (0, 0, 0)
     query_live = 0 if "dsa_query" in saved else query_b
     core_names = CORE_NAMES | LOSS_NAMES
+    query_live += key_live
     fwd_steps: tuple[Step, ...] = (
         # the absorbed query being made: the einsum's output [a_t, s b, kv_lora] and its contiguous copy
-        (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e),
+        (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e + up_fwd),
         # the indexer's scores and top-k (the gathered inputs, its q, k, weights alive)
         (after_attn | (core_names - {"indexer_qkw", "dsa_query", "indexer_inputs"}),
          query_live + (0 if loss and not recompute_core else gathered) + held_b + indexer_ws),
@@ -263,29 +267,59 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     freed = sum(full.get(k, 0) for k in LATE)
     bwd_steps: tuple[Step, ...] = (
         (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w) + renorm),                   # linear_proj
+    )
+    if remade:
+        # the checkpoint's replay, run by the hook on linear_proj's input gradient: the forward's first step again
+        # beside that gradient, with the query and key it makes
+        bwd_steps += ((rel_proj, G + Tf * ctx_w * e + renorm + remade + 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e),)
+    bwd_steps += (
         # V's up projection (the latent output's gradient); with core_attn, first the replay's forward
-        (rel_proj, G + Tf * a_t * kvl * e + renorm + (replay - freed + max(indexer_ws, loss_ws, sparse_fwd)
-                                                      if recompute_core else 0)),
-        (rel_proj | LATE, G + sparse_bwd + renorm + replay - freed),                     # sparse attention
+        (rel_proj, G + Tf * a_t * kvl * e + renorm + remade + (replay - freed + max(indexer_ws, loss_ws, sparse_fwd)
+                                                               if recompute_core else 0)),
+        (rel_proj | LATE, G + sparse_bwd + renorm + remade + replay - freed),            # sparse attention
     )
     rel_core = rel_proj | CORE_NAMES
     if loss:
         # FusedDSAIndexerLoss.backward (after the sparse attention's: made earlier, it runs later): the index
         # scores again, then the attention scores' softmax as in its forward
-        bwd_steps += ((rel_core, G + max(loss_bwd_ix, loss_ws)),)
+        bwd_steps += ((rel_core, G + max(loss_bwd_ix, loss_ws) + remade),)
     rel_all = rel_core | LOSS_NAMES
     # the absorbed query's and the key's gradients, the q up projection's and the latents'
     qh = L.qk_head_dim + pe
     up = Tf * a_t * D * e + Tf * D * e + Tf * a_t * qh * e + Tf * (kvl + pe) * e
+    up_names = {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "up_checkpoint_inputs"}
     bwd_steps += (
-        (rel_all, G + up + renorm + wgrad(L, a_t * qh, ql or h) + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
-        (rel_all | {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms"},
+        (rel_all, G + up + renorm + remade + wgrad(L, a_t * qh, ql or h)
+         + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
+        (rel_all | up_names,
          G + T * ((ql or 0) + kvl + pe) * e + 2 * T * h * e + renorm + wgrad(L, kvl + pe, h)
          + (wgrad(L, ql, h) if ql else 0)),                                             # down projections
-        (rel_all | {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "qkv_input"},
-         G + 2 * T * h * e + renorm // 2),                                             # input norm
+        (rel_all | up_names | {"qkv_input"}, G + 2 * T * h * e + renorm // 2),          # input norm
     )
     return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def up_proj_checkpoint(L: Layout, saved: dict[str, int]) -> tuple[int, int, int]:
+    """``--recompute-modules mla_up_proj`` (megatron-core 0.19.2 absorbed_mla.py: qkv_up_proj_and_rope_apply under
+    tensor_parallel.CheckpointWithoutOutput, its outputs' storage freed after V's up projection and shared with the
+    replay's outputs, random.py ``share_storage``: the remade tensors exist once). Changes ``saved`` in place: the up
+    projection's output, the rope tables and the latent key (and the query the indexer loss or a checkpointed core
+    keeps) go; the checkpoint keeps its inputs instead (``up_checkpoint_inputs``): the kv latent and the key's rope
+    part, gathered over TP under sequence parallelism, else the kv down projection's output (views of it; with
+    --qk-layernorm its kv part is the norm's new output, the rest kept by the norm already). The q latent it keeps is
+    q_up_proj's input, counted already. Returns (the bytes the replay makes again, alive from it to the checkpoint's
+    backward; the key, alive through the core's forward; the up projection's output and rope tables, alive while the
+    query is made)."""
+    x = shapes(L)
+    Tf, e, a_t, kvl, pe = x.Tf, x.e, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim
+    query = saved.pop("dsa_query", 0) or Tf * a_t * (kvl + pe) * e
+    graph = saved.pop("query_up") + saved.pop("rope_cos_sin")
+    key = saved.pop("dsa_key")
+    if L.sequence_parallel and L.tp > 1:
+        saved["up_checkpoint_inputs"] = Tf * (kvl + pe) * e
+    else:
+        saved["up_checkpoint_inputs"] = x.T * (kvl if latent_norms(L) else kvl + pe) * e
+    return graph + query + key, key, graph
 
 
 def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
