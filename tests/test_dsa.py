@@ -252,6 +252,77 @@ def test_recomputed_up_projections_under_fp8_are_megatrons_assertion():
     assert "--recompute-modules" in str(e.value) and "FP8/FP4 is not supported for AbsorbedMLA" in str(e.value)
 
 
+# ---------------------------------------------------------------- FP8 / FP4
+# TE's quantized GEMM inputs (estimator/fp8.py saved_input): FP8 data at 1 B/element plus its fp32 scale-inverse, one
+# 512-byte allocator block; the einsums and DSAttention stay BF16 (absorbed_mla.py, dsa.py: torch ops, no TE module)
+TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+SCALE = 512
+
+
+def test_fp8_quantizes_the_te_linears_inputs_only():
+    bf16, fp8 = _saved(_layout()), _saved(_layout(*TENSORWISE))
+    T, Tf = 2048, 4096                                          # s b / TP under sequence parallelism, s b
+    # the input norm's output: a quantized copy each in linear_q_down_proj and linear_kv_down_proj (TE Linears)
+    assert fp8["qkv_input"] == 2 * (T * 1024 + SCALE)
+    # q_up_proj's input: the q norm's output, quantized; the latent norms (TENorms of their own) keep BF16 inputs
+    assert fp8["q_latent"] == T * 256 + SCALE
+    assert fp8["latent_norms"] == bf16["latent_norms"]
+    # linear_proj keeps its BF16 input under every recipe but delayed (set_save_original_input, absorbed_mla.py)
+    assert fp8["proj_input"] == bf16["proj_input"] == Tf * 8 * 64 * 2
+    for k in ("query_up", "dsa_key", "dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_latent_output"):
+        assert fp8[k] == bf16[k], k
+
+
+def test_fp8_indexer_loss_keeps_quantized_copies_of_the_gathered_inputs():
+    # linear_wq_b keeps qr [Tf, q_lora], linear_wk and linear_weights_proj x [Tf, h] each, quantized (BF16: x and qr
+    # gathered, shared by the three)
+    Tf = 4096
+    assert _saved(_layout(*LOSS))["indexer_inputs"] == Tf * (1024 + 256) * 2
+    assert _saved(_layout(*LOSS, *TENSORWISE))["indexer_inputs"] == Tf * 256 + 2 * Tf * 1024 + 3 * SCALE
+
+
+def test_fp8_delayed_scaling_keeps_linear_projs_quantized_copy_only():
+    s = _saved(_layout("--fp8-format", "hybrid", "--fp8-recipe", "delayed"))
+    assert s["fp8_proj_input"] == 4096 * 8 * 64 + SCALE and "proj_input" not in s
+
+
+def test_fp8_checkpointed_core_keeps_its_bf16_inputs():
+    # tensor_parallel.checkpoint saves DSAttention's x [T, h] and qr [T, q_lora] (BF16), which the quantizing down and
+    # up projections no longer keep
+    s = _saved(_layout(*TENSORWISE, "--recompute-granularity", "selective", "--recompute-modules", "core_attn"))
+    assert s["dsa_core_inputs"] == 2048 * (1024 + 256) * 2
+
+
+def test_fp8_gemms_leave_out_the_absorbed_kv_up_projection():
+    from megatron_memguard.estimator.fp8_layers import layer_gemms
+    L = _layout(*TENSORWISE)
+    g = {x.name: x for x in layer_gemms(L, uniform_kind(L))}
+    assert "linear_kv_up_proj" not in g                         # its weight goes into the einsums only
+    assert g["indexer_linear_wk"].tokens == 4096 and not g["indexer_linear_wk"].sp_gathered
+    est = estimate(L, gpu=lookup_gpu("H100-80GB"))
+    assert any(t.name == "fp8_weight_cache" for t in est.stages[0].terms)
+
+
+def test_fp8_indexer_shapes_are_te_rules_naming_the_indexer_flags():
+    # an mxfp8 weight needs both dimensions divisible by 32 (TE's MXFP8 block): weights_proj is [indexer heads, h]
+    with pytest.raises(ConfigError) as e:
+        _layout("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8")
+    assert "--dsa-indexer-n-heads" in str(e.value) and "indexer_linear_weights_proj" in str(e.value)
+    assert _indexer_heads_32("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8").fp8_spec.recipe == "mxfp8"
+
+
+def _indexer_heads_32(*extra):
+    i = BASE.index("--dsa-indexer-n-heads")
+    return layout_from_flags(BASE[:i + 1] + ["32"] + BASE[i + 2:] + TP2 + list(extra), world_size=2)
+
+
+def test_fp4_estimate_runs():
+    # nvfp4's 16-element block: 32 indexer heads (8 is refused as above)
+    L = _indexer_heads_32("--fp4-format", "e2m1")
+    assert _saved(L)["q_latent"] < _saved(_indexer_heads_32())["q_latent"]
+    assert estimate(L, gpu=lookup_gpu("B200")).stages[0].peak_allocated_bytes > 0
+
+
 def test_estimate_runs_and_the_score_terms_dominate():
     est = estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB"))
     stage = est.stages[0]
@@ -291,7 +362,7 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
     (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "--context-parallel-size"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
-    (["--fp8-format", "hybrid"], "--fp8-format"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "--fp8-param-gather"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:

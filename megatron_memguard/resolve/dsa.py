@@ -97,8 +97,13 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                     "asserts \"FP8/FP4 is not supported for AbsorbedMLA\" when it recomputes the up "
                                     "projections)", "drop mla_up_proj from --recompute-modules")
     elif quantized:
-        raise NotModelledError(a.key(quantized), "FP8 / FP4 training with DSA "
-                               "(the absorbed MLA's quantized projections)")
+        # estimated (estimator/fp8_layers.py dsa_saved_overrides): the TE linears quantize, the einsums and DSAttention
+        # stay BF16. Primary quantized weights are not: AbsorbedMLA reads linear_kv_up_proj's weight in its einsums
+        # (_get_kv_up_weights' view and slices of a QuantizedTensor), a path not read
+        for dest in ("fp8_param_gather", "fp4_param_gather"):
+            if kw.get(dest):
+                raise NotModelledError(a.key(dest), "primary FP8 / FP4 weights with DSA (AbsorbedMLA's einsums read "
+                                       "linear_kv_up_proj's quantized weight)")
     if a.bool_arg("fine_grained_activation_offloading", False):
         # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
         # DSAttention's
