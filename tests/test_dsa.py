@@ -477,3 +477,22 @@ def test_the_layout_round_trips_through_json_and_plain_layouts_keep_their_docume
     assert Layout.from_dict(json.loads(json.dumps(d))) == L
     plain = layout_from_flags(BASE[:BASE.index("--experimental-attention-variant")], world_size=1).to_dict()
     assert not any(k.startswith("dsa_") or k == "experimental_attention_variant" for k in plain)
+
+
+def test_deepseek_v32_in_fp8_estimates_and_keeps_less_than_bf16():
+    # DeepSeek-V3.2-style training in FP8 (blockwise, DeepSeek's 1x128 / 128x128 scaling): the TE linears' inputs at
+    # 1 B/element plus fp32 scales per 128 elements (4/128 B) instead of 2 B, the PyTorch path's score tensors unchanged
+    from megatron_memguard.partition import model_kind_runs
+    sys.path.insert(0, ROOT)
+    from benchmarks.estimate_speed import DEEPSEEK_V3
+    bf16 = layout_from_flags(DEEPSEEK_V3 + V32, world_size=1024, megatron_version="0.19")
+    fp8 = layout_from_flags(DEEPSEEK_V3 + V32 + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], world_size=1024,
+                            megatron_version="0.19")
+    kind = next(k for k, _ in model_kind_runs(fp8) if k.mixer == MIXER_DSA and k.quantized)
+    a = layer_activations(bf16, True, kind._replace(quantized=None)).saved
+    b = layer_activations(fp8, True, kind).saved
+    assert a["dsa_masks"] == b["dsa_masks"] and a["dsa_probs"] == b["dsa_probs"]
+    assert b["q_latent"] == pytest.approx(a["q_latent"] * (1 + 4 / 128) / 2, rel=0.01)
+    # two quantized copies (q and kv down projections) of the norm output instead of one BF16 tensor
+    assert b["qkv_input"] == pytest.approx(a["qkv_input"] * (1 + 4 / 128), rel=0.01)
+    assert estimate(fp8, gpu=lookup_gpu("H100-80GB")).stages[0].peak_allocated_bytes > 0
