@@ -316,6 +316,16 @@ def _indexer_heads_32(*extra):
     return layout_from_flags(BASE[:i + 1] + ["32"] + BASE[i + 2:] + TP2 + list(extra), world_size=2)
 
 
+def test_fp8_attention_flag_says_it_does_not_reach_dsa_layers():
+    # fp8_dot_product_attention (a TransformerConfig field, Bridge's mixed_precision key): DSAttention is PyTorch code
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.resolve import resolve
+    raw = parse_megatron_flags(BASE + TP2 + TENSORWISE).with_args(fp8_dot_product_attention=True)
+    L = resolve(raw, world_size=2)
+    assert any("no effect on DSA layers" in n for n in L.notes)
+    assert _saved(L)["dsa_softmax_fp32"] == _saved(_layout(*TENSORWISE))["dsa_softmax_fp32"]
+
+
 def test_fp4_estimate_runs():
     # nvfp4's 16-element block: 32 indexer heads (8 is refused as above)
     L = _indexer_heads_32("--fp4-format", "e2m1")

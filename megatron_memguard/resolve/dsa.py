@@ -104,6 +104,10 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             if kw.get(dest):
                 raise NotModelledError(a.key(dest), "primary FP8 / FP4 weights with DSA (AbsorbedMLA's einsums read "
                                        "linear_kv_up_proj's quantized weight)")
+        if kw.get("fp8_dot_product_attention"):
+            # get_dsa_module_spec_for_backend builds DSAttention whatever the backend: no TE DotProductAttention
+            a.notes.append(f"{a.key('fp8_dot_product_attention')}: no effect on DSA layers (DSAttention is PyTorch "
+                           "code, not Transformer Engine's attention): their attention is estimated in BF16")
     if a.bool_arg("fine_grained_activation_offloading", False):
         # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
         # DSAttention's
