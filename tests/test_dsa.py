@@ -168,6 +168,47 @@ def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
     assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
 
 
+with open(MEASURED) as _f:
+    ATTENTION_CP2 = json.load(_f).get("attention_cp2", {})
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CP2))
+def test_cp2_allgather_attention_matches_the_measured_rank(name):
+    # two gloo ranks with CP 2 (four with TP 2 and SP), --cp-comm-type all_gather: each rank's query [s/CP] against the
+    # key gathered over CP (DSAttention.forward); a warm-up step made the rotary tables first
+    r = ATTENTION_CP2[name]
+    tp = r["tp"]
+    flags = _attention_flags(r) + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+    flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
+    L = layout_from_flags(flags, world_size=2 * tp)
+    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
+    saved = sum(kept.values())
+    fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
+    bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
+    assert saved == pytest.approx(r["saved"], rel=0.005)
+    # (the forward's gap is the TP 1 layer's few KiB, at a quarter of its size here)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.02)
+    assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
+
+
+def test_cp_needs_the_allgather_communication():
+    # TransformerConfig: "DSAttention context parallelism currently supports cp_comm_type=allgather only"
+    with pytest.raises(ConfigError) as e:
+        _layout("--context-parallel-size", "2", world_size=4)
+    assert "--cp-comm-type" in str(e.value) and "all_gather" in str(e.value)
+
+
+def test_cp_scores_span_the_whole_key_by_hand():
+    # CP 2: each rank's 2048 query rows against the 4096 keys gathered over CP (allgather path)
+    s = _saved(_layout("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world_size=4))
+    N = 1 * 8 * 2048 * 4096                                          # b x heads/TP x s/CP x s
+    assert s["dsa_masks"] == 3 * N and s["dsa_probs"] == 2 * N
+    assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the gathered latent key [s, b, 1, D]
+    assert s["dsa_cp_key_order"] == 8 * 4096                         # index_select's int64 index, kept for backward
+    assert s["dsa_latent_output"] == 2048 * 8 * 128 * 2              # the local query rows
+
+
 def test_the_stored_measurement_is_reproduced():
     try:
         from importlib.metadata import version
@@ -369,7 +410,9 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "--context-parallel-size"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", *LOSS], "--dsa-indexer-loss-coeff"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--recompute-granularity", "selective",
+      "--recompute-modules", "core_attn"], "--recompute-modules"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "--fp8-param-gather"),

@@ -86,10 +86,9 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if kw.get("tensor_model_parallel_size", 1) > 1 and not kw.get("sequence_parallel"):
         a.fail("sequence_parallel", "AbsorbedMLA (DSA) requires --sequence-parallel when "
                                     "tensor-model-parallel size > 1", "add --sequence-parallel")
-    if kw.get("context_parallel_size", 1) > 1:
-        raise NotModelledError(a.key("context_parallel_size"), "DSA with context parallelism (the allgather path "
-                               "gathers the key and the indexer key over CP)")
     mods = kw.get("recompute_modules") or ()
+    if kw.get("context_parallel_size", 1) > 1:
+        _context_parallel(a, kw, mods)
     quantized = "fp8" if kw.get("fp8") else "fp4" if kw.get("fp4") else None
     if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods and quantized:
         # AbsorbedMLASelfAttention.get_query_key_value_tensors asserts it at the first forward (absorbed_mla.py)
@@ -124,3 +123,22 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                 dsa_indexer_loss_coeff=max(0.0, coeff),
                 dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False),
                 dsa_indexer_k_norm_fp32=a.bool_arg("dsa_indexer_k_norm_fp32", False))
+
+
+def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
+    """DSA under context parallelism: TransformerConfig asserts the allgather communication (each rank's query
+    against the whole key, gathered over CP and put in sequence order: DSAttention.forward, dsa.py 0.19.2), which
+    estimator/layers/dsa.py sizes. Its indexer loss (KL targets averaged or reduced over CP) and the recomputed core
+    or up projections under CP were not measured: refused by name."""
+    comm = a.get("cp_comm_type", "p2p")
+    if any(str(c).replace("_", "").lower() != "allgather" for c in (comm if isinstance(comm, (list, tuple)) else [comm])):
+        a.fail("cp_comm_type", "must be all_gather for DSA with context parallelism (TransformerConfig: \"DSAttention "
+                               "context parallelism currently supports cp_comm_type=allgather only\")",
+               "add --cp-comm-type all_gather")
+        return
+    if a.float_arg("dsa_indexer_loss_coeff", 0.0) > 0:
+        raise NotModelledError(a.key("dsa_indexer_loss_coeff"), "DSA's indexer loss under context parallelism (its "
+                               "targets reduced over the CP ranks)")
+    if kw.get("recompute_granularity") == "selective" and {"core_attn", "mla_up_proj"} & set(mods):
+        raise NotModelledError(a.key("recompute_modules"), "recomputing core_attn or mla_up_proj of DSA layers under "
+                               "context parallelism")
