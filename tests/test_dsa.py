@@ -189,7 +189,10 @@ def test_cp2_allgather_attention_matches_the_measured_rank(name):
     assert saved == pytest.approx(r["saved"], rel=0.005)
     # (the forward's gap is the TP 1 layer's few KiB, at a quarter of its size here)
     assert fwd == pytest.approx(r["fwd_peak"], rel=0.02)
-    assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
+    # the probe's .grad tensors at the sparse attention's backward, which Megatron keeps in main_grad or has not made:
+    # linear_proj's weight gradient [h, heads/TP x v] and the V up-projection copy's [heads/TP, v, kv_lora]
+    grads = (r["hidden"] * r["heads"] // tp * r["v_head"] + r["heads"] // tp * r["v_head"] * r["kv_lora"]) * 2
+    assert r["bwd_peak"] - grads <= bwd <= r["bwd_peak"]
 
 
 def test_cp_needs_the_allgather_communication():
@@ -410,7 +413,6 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", *LOSS], "--dsa-indexer-loss-coeff"),
     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--recompute-granularity", "selective",
       "--recompute-modules", "core_attn"], "--recompute-modules"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),

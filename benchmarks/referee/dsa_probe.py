@@ -285,6 +285,7 @@ ATTENTION_TP2_GRID: dict[str, dict[str, Any]] = {
 # context parallelism 2 (allgather), two gloo ranks (TP 1) or four (TP 2 with SP): rank 0's figures
 ATTENTION_CP2_GRID: dict[str, dict[str, Any]] = {
     "noloss": {"loss_coeff": 0.0, "cp": 2},
+    "loss": {"cp": 2},
     "batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2},
     "tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2},
 }

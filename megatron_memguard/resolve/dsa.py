@@ -128,17 +128,14 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
     """DSA under context parallelism: TransformerConfig asserts the allgather communication (each rank's query
     against the whole key, gathered over CP and put in sequence order: DSAttention.forward, dsa.py 0.19.2), which
-    estimator/layers/dsa.py sizes. Its indexer loss (KL targets averaged or reduced over CP) and the recomputed core
-    or up projections under CP were not measured: refused by name."""
+    estimator/layers/dsa.py sizes, with or without the indexer loss. The recomputed core or up projections under CP
+    were not measured: refused by name."""
     comm = a.get("cp_comm_type", "p2p")
     if any(str(c).replace("_", "").lower() != "allgather" for c in (comm if isinstance(comm, (list, tuple)) else [comm])):
         a.fail("cp_comm_type", "must be all_gather for DSA with context parallelism (TransformerConfig: \"DSAttention "
                                "context parallelism currently supports cp_comm_type=allgather only\")",
                "add --cp-comm-type all_gather")
         return
-    if a.float_arg("dsa_indexer_loss_coeff", 0.0) > 0:
-        raise NotModelledError(a.key("dsa_indexer_loss_coeff"), "DSA's indexer loss under context parallelism (its "
-                               "targets reduced over the CP ranks)")
     if kw.get("recompute_granularity") == "selective" and {"core_attn", "mla_up_proj"} & set(mods):
         raise NotModelledError(a.key("recompute_modules"), "recomputing core_attn or mla_up_proj of DSA layers under "
                                "context parallelism")

@@ -233,11 +233,11 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     saved["rope_cos_sin"] = 4 * x.s * pe * e                 # unfused rope (DSA forbids rope fusion): cos, sin for q, k
     # the latent key [s b, 1, kv_lora + rope]: the value is its first kv_lora channels, kept by the value matmul
     # (under CP the value matmul keeps the key gathered over the CP ranks, [s_k b, 1, D], for b = 1; for b > 1 it
-    # keeps its copy over the heads, dsa_value_copy, and the gathered key lives through the core's forward only (CP
-    # runs without the indexer loss and the checkpointed core, which would keep it); the local key lives through the
-    # core's forward too)
+    # keeps its copy over the heads, dsa_value_copy, and without the indexer loss (which keeps the key too) the
+    # gathered key lives through the core's forward only (a checkpointed core is refused under CP); the local key
+    # lives through the core's forward too)
     cp_key = 0
-    if L.cp > 1 and x.b > 1:
+    if L.cp > 1 and x.b > 1 and not loss:
         cp_key = Tf * L.cp * D * e
     else:
         saved["dsa_key"] = Tf * L.cp * D * e
