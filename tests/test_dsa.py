@@ -122,7 +122,12 @@ def _attention_flags(r):
          f"--dsa-indexer-n-heads {r['index_heads']} --dsa-indexer-head-dim {r['index_dim']} "
          f"--dsa-indexer-topk {r['topk']} --dsa-indexer-loss-coeff {r['loss_coeff']} --vocab-size 128 "
          "--no-gradient-accumulation-fusion").split()
+    f += ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"] if r.get("recompute_up") else []
     return f + (["--qk-layernorm"] if r["qk_layernorm"] else [])
+
+
+def _mods(r):
+    return {"mla_up_proj"} if r.get("recompute_up") else set()
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION))
@@ -130,7 +135,7 @@ def test_whole_attention_layer_matches_the_measured_module(name):
     # the recipe's mixer (without the input norm, the probe's input) against AbsorbedMLASelfAttention measured on CPU
     r = ATTENTION[name]
     L = layout_from_flags(_attention_flags(r), world_size=1)
-    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
     extra = 2 * 4 * r["seq"] * r["rope"] + 16 * r["seq"]   # two fp32 rotary tables (rotary_cache), causal bounds
     saved = sum(kept.values()) + extra
@@ -153,7 +158,7 @@ def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
     # (rotary_cache) first, so no extra: the indexer's gathered inputs, the heads split, query and key whole
     r = ATTENTION_TP2[name]
     L = layout_from_flags(_attention_flags(r) + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2)
-    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
     saved = sum(kept.values())
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
@@ -161,6 +166,50 @@ def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
     assert saved == pytest.approx(r["saved"], rel=0.005)
     assert fwd == pytest.approx(r["fwd_peak"], rel=0.015)
     assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
+
+
+with open(MEASURED) as _f:
+    ATTENTION_CP2 = json.load(_f).get("attention_cp2", {})
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CP2))
+def test_cp2_allgather_attention_matches_the_measured_rank(name):
+    # two gloo ranks with CP 2 (four with TP 2 and SP), --cp-comm-type all_gather: each rank's query [s/CP] against the
+    # key gathered over CP (DSAttention.forward); a warm-up step made the rotary tables first
+    r = ATTENTION_CP2[name]
+    tp = r["tp"]
+    flags = _attention_flags(r) + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+    flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
+    L = layout_from_flags(flags, world_size=2 * tp)
+    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
+    saved = sum(kept.values())
+    fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
+    bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
+    assert saved == pytest.approx(r["saved"], rel=0.005)
+    # (the forward's gap is the TP 1 layer's few KiB, at a quarter of its size here)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.02)
+    # the probe's .grad tensors at the sparse attention's backward, which Megatron keeps in main_grad or has not made:
+    # linear_proj's weight gradient [h, heads/TP x v] and the V up-projection copy's [heads/TP, v, kv_lora]
+    grads = (r["hidden"] * r["heads"] // tp * r["v_head"] + r["heads"] // tp * r["v_head"] * r["kv_lora"]) * 2
+    assert r["bwd_peak"] - grads <= bwd <= r["bwd_peak"]
+
+
+def test_cp_needs_the_allgather_communication():
+    # TransformerConfig: "DSAttention context parallelism currently supports cp_comm_type=allgather only"
+    with pytest.raises(ConfigError) as e:
+        _layout("--context-parallel-size", "2", world_size=4)
+    assert "--cp-comm-type" in str(e.value) and "all_gather" in str(e.value)
+
+
+def test_cp_scores_span_the_whole_key_by_hand():
+    # CP 2: each rank's 2048 query rows against the 4096 keys gathered over CP (allgather path)
+    s = _saved(_layout("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world_size=4))
+    N = 1 * 8 * 2048 * 4096                                          # b x heads/TP x s/CP x s
+    assert s["dsa_masks"] == 3 * N and s["dsa_probs"] == 2 * N
+    assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the gathered latent key [s, b, 1, D]
+    assert s["dsa_cp_key_order"] == 8 * 4096                         # index_select's int64 index, kept for backward
+    assert s["dsa_latent_output"] == 2048 * 8 * 128 * 2              # the local query rows
 
 
 def test_the_stored_measurement_is_reproduced():
@@ -219,6 +268,115 @@ def test_recomputed_core_keeps_only_its_inputs():
     assert rec.bwd_transient > full.bwd_transient      # the replay remakes the core before its backward
 
 
+UP = ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]
+
+
+def test_recomputed_up_projections_keep_the_checkpoint_inputs_instead_of_query_and_key():
+    # megatron-core 0.19.2 absorbed_mla.py: qkv_up_proj_and_rope_apply under CheckpointWithoutOutput, its outputs freed
+    # after the core; the checkpoint keeps q_compressed (q_up_proj's input, as before), kv_compressed and k_pos_emb,
+    # both gathered over TP under sequence parallelism ([s b, kv_lora] and [s b, rope])
+    off, on = _saved(_layout()), _saved(_layout(*UP))
+    Tf, e = 4096, 2
+    assert set(off) - set(on) == {"query_up", "rope_cos_sin", "dsa_key"}
+    assert off["query_up"] == Tf * 8 * (64 + 32) * e                 # q_up_proj's output [s b, heads/TP, qk + rope]
+    assert on["up_checkpoint_inputs"] == Tf * (128 + 32) * e
+    assert {k: on[k] for k in off if k in on} == {k: off[k] for k in off if k in on}
+    # with the indexer loss its detached query shares the freed storage: no longer kept either
+    assert "dsa_query" in _saved(_layout(*LOSS)) and "dsa_query" not in _saved(_layout(*LOSS, *UP))
+    full = layer_activations(_layout(), True, uniform_kind(_layout()))
+    rec = layer_activations(_layout(*UP), True, uniform_kind(_layout()))
+    assert rec.total < full.total
+    assert rec.bwd_transient > full.bwd_transient      # the replay remakes query and key before V's up projection
+
+
+def test_recomputed_up_projections_under_fp8_are_megatrons_assertion():
+    # AbsorbedMLASelfAttention asserts "FP8/FP4 is not supported for AbsorbedMLA" when mla_up_proj is recomputed
+    with pytest.raises(ConfigError) as e:
+        _layout(*UP, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert "--recompute-modules" in str(e.value) and "FP8/FP4 is not supported for AbsorbedMLA" in str(e.value)
+
+
+# ---------------------------------------------------------------- FP8 / FP4
+# TE's quantized GEMM inputs (estimator/fp8.py saved_input): FP8 data at 1 B/element plus its fp32 scale-inverse, one
+# 512-byte allocator block; the einsums and DSAttention stay BF16 (absorbed_mla.py, dsa.py: torch ops, no TE module)
+TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+SCALE = 512
+
+
+def test_fp8_quantizes_the_te_linears_inputs_only():
+    bf16, fp8 = _saved(_layout()), _saved(_layout(*TENSORWISE))
+    T, Tf = 2048, 4096                                          # s b / TP under sequence parallelism, s b
+    # the input norm's output: a quantized copy each in linear_q_down_proj and linear_kv_down_proj (TE Linears)
+    assert fp8["qkv_input"] == 2 * (T * 1024 + SCALE)
+    # q_up_proj's input: the q norm's output, quantized; the latent norms (TENorms of their own) keep BF16 inputs
+    assert fp8["q_latent"] == T * 256 + SCALE
+    assert fp8["latent_norms"] == bf16["latent_norms"]
+    # linear_proj keeps its BF16 input under every recipe but delayed (set_save_original_input, absorbed_mla.py)
+    assert fp8["proj_input"] == bf16["proj_input"] == Tf * 8 * 64 * 2
+    for k in ("query_up", "dsa_key", "dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_latent_output"):
+        assert fp8[k] == bf16[k], k
+
+
+def test_fp8_indexer_loss_keeps_quantized_copies_of_the_gathered_inputs():
+    # linear_wq_b keeps qr [Tf, q_lora], linear_wk and linear_weights_proj x [Tf, h] each, quantized (BF16: x and qr
+    # gathered, shared by the three)
+    Tf = 4096
+    assert _saved(_layout(*LOSS))["indexer_inputs"] == Tf * (1024 + 256) * 2
+    assert _saved(_layout(*LOSS, *TENSORWISE))["indexer_inputs"] == Tf * 256 + 2 * Tf * 1024 + 3 * SCALE
+
+
+def test_fp8_delayed_scaling_keeps_linear_projs_quantized_copy_only():
+    s = _saved(_layout("--fp8-format", "hybrid", "--fp8-recipe", "delayed"))
+    assert s["fp8_proj_input"] == 4096 * 8 * 64 + SCALE and "proj_input" not in s
+
+
+def test_fp8_checkpointed_core_keeps_its_bf16_inputs():
+    # tensor_parallel.checkpoint saves DSAttention's x [T, h] and qr [T, q_lora] (BF16), which the quantizing down and
+    # up projections no longer keep
+    s = _saved(_layout(*TENSORWISE, "--recompute-granularity", "selective", "--recompute-modules", "core_attn"))
+    assert s["dsa_core_inputs"] == 2048 * (1024 + 256) * 2
+
+
+def test_fp8_gemms_leave_out_the_absorbed_kv_up_projection():
+    from megatron_memguard.estimator.fp8_layers import layer_gemms
+    L = _layout(*TENSORWISE)
+    g = {x.name: x for x in layer_gemms(L, uniform_kind(L))}
+    assert "linear_kv_up_proj" not in g                         # its weight goes into the einsums only
+    assert g["indexer_linear_wk"].tokens == 4096 and not g["indexer_linear_wk"].sp_gathered
+    est = estimate(L, gpu=lookup_gpu("H100-80GB"))
+    assert any(t.name == "fp8_weight_cache" for t in est.stages[0].terms)
+
+
+def test_fp8_indexer_shapes_are_te_rules_naming_the_indexer_flags():
+    # an mxfp8 weight needs both dimensions divisible by 32 (TE's MXFP8 block): weights_proj is [indexer heads, h]
+    with pytest.raises(ConfigError) as e:
+        _layout("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8")
+    assert "--dsa-indexer-n-heads" in str(e.value) and "indexer_linear_weights_proj" in str(e.value)
+    assert _indexer_heads_32("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8").fp8_spec.recipe == "mxfp8"
+
+
+def _indexer_heads_32(*extra):
+    i = BASE.index("--dsa-indexer-n-heads")
+    return layout_from_flags(BASE[:i + 1] + ["32"] + BASE[i + 2:] + TP2 + list(extra), world_size=2)
+
+
+def test_fp8_attention_flag_says_it_does_not_reach_dsa_layers():
+    # fp8_dot_product_attention (a TransformerConfig field, Bridge's mixed_precision key): DSAttention is PyTorch code
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from megatron_memguard.resolve import resolve
+    raw = parse_megatron_flags(BASE + TP2 + TENSORWISE).with_args(fp8_dot_product_attention=True)
+    L = resolve(raw, world_size=2)
+    assert any("no effect on DSA layers" in n for n in L.notes)
+    assert _saved(L)["dsa_softmax_fp32"] == _saved(_layout(*TENSORWISE))["dsa_softmax_fp32"]
+
+
+def test_fp4_estimate_runs():
+    # nvfp4's 16-element block: 32 indexer heads (8 is refused as above)
+    L = _indexer_heads_32("--fp4-format", "e2m1")
+    assert _saved(L)["q_latent"] < _saved(_indexer_heads_32())["q_latent"]
+    assert estimate(L, gpu=lookup_gpu("B200")).stages[0].peak_allocated_bytes > 0
+
+
 def test_estimate_runs_and_the_score_terms_dominate():
     est = estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB"))
     stage = est.stages[0]
@@ -255,10 +413,11 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "--context-parallel-size"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--recompute-granularity", "selective",
+      "--recompute-modules", "core_attn"], "--recompute-modules"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "--recompute-modules"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "--fp8-param-gather"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:
@@ -373,3 +532,22 @@ def test_the_layout_round_trips_through_json_and_plain_layouts_keep_their_docume
     assert Layout.from_dict(json.loads(json.dumps(d))) == L
     plain = layout_from_flags(BASE[:BASE.index("--experimental-attention-variant")], world_size=1).to_dict()
     assert not any(k.startswith("dsa_") or k == "experimental_attention_variant" for k in plain)
+
+
+def test_deepseek_v32_in_fp8_estimates_and_keeps_less_than_bf16():
+    # DeepSeek-V3.2-style training in FP8 (blockwise, DeepSeek's 1x128 / 128x128 scaling): the TE linears' inputs at
+    # 1 B/element plus fp32 scales per 128 elements (4/128 B) instead of 2 B, the PyTorch path's score tensors unchanged
+    from megatron_memguard.partition import model_kind_runs
+    sys.path.insert(0, ROOT)
+    from benchmarks.estimate_speed import DEEPSEEK_V3
+    bf16 = layout_from_flags(DEEPSEEK_V3 + V32, world_size=1024, megatron_version="0.19")
+    fp8 = layout_from_flags(DEEPSEEK_V3 + V32 + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], world_size=1024,
+                            megatron_version="0.19")
+    kind = next(k for k, _ in model_kind_runs(fp8) if k.mixer == MIXER_DSA and k.quantized)
+    a = layer_activations(bf16, True, kind._replace(quantized=None)).saved
+    b = layer_activations(fp8, True, kind).saved
+    assert a["dsa_masks"] == b["dsa_masks"] and a["dsa_probs"] == b["dsa_probs"]
+    assert b["q_latent"] == pytest.approx(a["q_latent"] * (1 + 4 / 128) / 2, rel=0.01)
+    # two quantized copies (q and kv down projections) of the norm output instead of one BF16 tensor
+    assert b["qkv_input"] == pytest.approx(a["qkv_input"] * (1 + 4 / 128), rel=0.01)
+    assert estimate(fp8, gpu=lookup_gpu("H100-80GB")).stages[0].peak_allocated_bytes > 0

@@ -46,6 +46,22 @@ def _init_rank():
         dist.init_process_group("gloo", rank=0, world_size=1)
     # the indexer's RotaryEmbedding asks for the current CUDA device (it passes no use_cpu_initialization)
     torch.cuda.current_device = lambda: "cpu"
+    # CheckpointWithoutOutput (mla_up_proj recompute) saves and restores the CUDA generator's state: a CPU one
+    import megatron.core.tensor_parallel.random as mrandom
+    gen = torch.Generator()
+    mrandom._get_cuda_rng_state = lambda *_, **__: gen.get_state()
+    mrandom._set_cuda_rng_state = lambda state, *_, **__: gen.set_state(state)
+    # context parallelism: the rotary tables' slice of this CP rank (rope_utils.get_pos_emb_on_this_cp_rank pins and
+    # moves its two chunk indices to the GPU): the same index_select on CPU
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        n, r = cp_group.size(), cp_group.rank()
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * n, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, torch.tensor([r, 2 * n - r - 1]))
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+    rope_utils.get_pos_emb_on_this_cp_rank = rotary.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
     class Lin(torch.nn.Module):
         """A duplicated bias-free linear returning (output, bias) as TE's Linear does."""
@@ -127,11 +143,14 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
 def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
                       kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
                       index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01,
-                      qk_layernorm: bool = False, tp: int = 1) -> dict[str, Any]:
+                      qk_layernorm: bool = False, tp: int = 1, recompute_up: bool = False,
+                      cp: int = 1) -> dict[str, Any]:
     """The whole AbsorbedMLASelfAttention (DSA's attention layer without its input norm) on one gloo rank, TP 1:
     megatron-core's local ColumnParallelLinear / RowParallelLinear for the projections, LayerNorms for the latent
     norms (with ``qk_layernorm``), the real DSAttention and DSAIndexer as in ``measure``. Input: the input norm's
-    output [s, b, h]. Returns the bytes kept after the forward (without the output) and the two peaks."""
+    output [s, b, h]. ``recompute_up``: ``--recompute-modules mla_up_proj`` (the query and key made under
+    CheckpointWithoutOutput, freed after the core and remade in the backward). Returns the bytes kept after the forward
+    (without the output) and the two peaks."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -148,7 +167,7 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
 
     Lin, Norm = _init_rank()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, 1)
+        parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
     down = ColumnParallelLinear
     if tp > 1:
         from megatron.core.transformer.experimental_attention_variant import absorbed_mla
@@ -161,7 +180,9 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
         dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
         dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_rotate_activation=False, use_cpu_initialization=True,
         transformer_impl="local", qk_layernorm=qk_layernorm, gradient_accumulation_fusion=False,
-        normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+        normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+        context_parallel_size=cp, cp_comm_type="allgather" if cp > 1 else "p2p",
+        **(dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]) if recompute_up else {}))
     core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
         module=DSAIndexer, submodules=DSAIndexerSubmodules(linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm,
                                                            linear_weights_proj=Lin))))
@@ -171,9 +192,11 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
         linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=down,
         linear_kv_up_proj=ColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear,
         q_layernorm=qk_norm, kv_layernorm=qk_norm)
-    att = AbsorbedMLASelfAttention(cfg, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    att = AbsorbedMLASelfAttention(cfg, sub, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                   **({"cp_comm_type": "allgather"} if cp > 1 else {}))
     att.train()
-    if tp > 1:
+    seq //= cp                                  # the rank's share of the sequence
+    if tp > 1 or cp > 1:
         x = torch.randn(seq // tp, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
         out, _ = att(x, None)
         out.backward(torch.ones_like(out))
@@ -192,7 +215,9 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
             out.backward(grad)
     return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
             "rope": rope, "v_head": v_head, "qk_head": qk_head, "index_heads": index_heads, "index_dim": index_dim,
-            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp, "saved": saved,
+            "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp,
+            **({"cp": cp, "seq": seq * cp} if cp > 1 else {}),
+            **({"recompute_up": True} if recompute_up else {}), "saved": saved,
             "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
             "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
 
@@ -200,7 +225,7 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
 def _tp_rank(rank: int, tp: int, port: int, out: str, kw: dict[str, Any]) -> None:
     import torch.distributed as dist
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * kw.get("cp", 1))
     r = measure_attention(tp=tp, **kw)
     if rank == 0:
         with open(out, "w") as f:
@@ -209,13 +234,14 @@ def _tp_rank(rank: int, tp: int, port: int, out: str, kw: dict[str, Any]) -> Non
 
 
 def measure_attention_tp(tp: int = 2, **kw: Any) -> dict[str, Any]:
-    """``measure_attention`` on ``tp`` gloo ranks with sequence parallelism: rank 0's figures."""
+    """``measure_attention`` on ``tp`` gloo ranks with sequence parallelism (``tp`` x ``cp`` ranks with ``cp`` in
+    ``kw``: context parallelism, allgather): rank 0's figures."""
     import tempfile
 
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.json")
-        mp.spawn(_tp_rank, args=(tp, _free_port(), out, kw), nprocs=tp)
+        mp.spawn(_tp_rank, args=(tp, _free_port(), out, kw), nprocs=tp * kw.get("cp", 1))
         with open(out) as f:
             return json.load(f)
 
@@ -239,6 +265,11 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
     "noloss": {"loss_coeff": 0.0},
     "latent_norms": {"qk_layernorm": True},
     "batch2_seq128": {"batch": 2, "seq": 128},
+    # --recompute-modules mla_up_proj (CheckpointWithoutOutput around the up projections and the rope)
+    "up_recompute_loss": {"recompute_up": True},
+    "up_recompute_noloss": {"loss_coeff": 0.0, "recompute_up": True},
+    "up_recompute_latent_norms": {"qk_layernorm": True, "recompute_up": True},
+    "up_recompute_batch2_seq128": {"batch": 2, "seq": 128, "recompute_up": True},
 }
 
 
@@ -246,7 +277,34 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
 ATTENTION_TP2_GRID: dict[str, dict[str, Any]] = {
     "loss": {},
     "noloss": {"loss_coeff": 0.0},
+    "up_recompute_loss": {"recompute_up": True},
+    "up_recompute_noloss": {"loss_coeff": 0.0, "recompute_up": True},
 }
+
+
+# context parallelism 2 (allgather), two gloo ranks (TP 1) or four (TP 2 with SP): rank 0's figures
+ATTENTION_CP2_GRID: dict[str, dict[str, Any]] = {
+    "noloss": {"loss_coeff": 0.0, "cp": 2},
+    "loss": {"cp": 2},
+    "batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2},
+    "tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2},
+}
+
+
+def _add_missing(path: str) -> None:
+    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID entries ``path`` lacks and add them to it (the stored
+    ones stay as they are)."""
+    with open(path) as f:
+        result = json.load(f)
+    for part, grid, run in (("runs", GRID, measure), ("attention", ATTENTION_GRID, measure_attention),
+                            ("attention_tp2", ATTENTION_TP2_GRID, lambda **kw: measure_attention_tp(2, **kw)),
+                            ("attention_cp2", ATTENTION_CP2_GRID,
+                             lambda tp=1, **kw: measure_attention_tp(tp, **kw))):
+        for name, kw in grid.items():
+            if name not in result.setdefault(part, {}):
+                result[part][name] = run(**kw)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main() -> None:
@@ -259,7 +317,11 @@ def main() -> None:
     p.add_argument("--no-loss", action="store_true")
     p.add_argument("--sparse-loss", action="store_true")
     p.add_argument("--grid", metavar="OUT", help="measure every GRID entry and write them to OUT (JSON)")
+    p.add_argument("--grid-add", metavar="FILE", help="measure the grid entries FILE (JSON) lacks and add them to it")
     o = p.parse_args()
+    if o.grid_add:
+        _add_missing(o.grid_add)
+        return
     if o.grid:
         import torch
         result = {"source": f"benchmarks/referee/dsa_probe.py, megatron-core {_core_version()}, torch {torch.__version__}, CPU",

@@ -266,6 +266,9 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
                               sequence_parallel=L.sequence_parallel)
+    from ..partition import MIXER_DSA
+    if kind.mixer == MIXER_DSA:
+        gemms = dsa_gemms(gemms, x.Tf)
     moe = getattr(L, "moe", None)
     if moe is not None and moe.moe_use_legacy_grouped_gemm:
         # the legacy GroupedMLP (core 0.16.1 experts.py) runs grouped_gemm's gmm on its BF16 weight1 / weight2: no TE
@@ -288,6 +291,52 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
         gemms = tuple(replace(g, op_fused=True, op_keeps_both=both) if g.name in ("linear_fc1", "linear_fc2") else g
                       for g in gemms)
     return gemms
+
+
+def dsa_gemms(gemms: tuple[Gemm, ...], Tf: int) -> tuple[Gemm, ...]:
+    """A DSA layer's TE GEMMs (megatron-core 0.19.2 get_dsa_module_spec_for_backend, absorbed_mla.py, dsa.py):
+    AbsorbedMLA never runs linear_kv_up_proj as a module (its weight goes into the einsums, _get_kv_up_weights), so it
+    has no weight workspace, recipe state or saved input; the indexer's duplicated linears (linear_wq_b, linear_wk,
+    linear_weights_proj) take x and qr already gathered over TP by DSAIndexer (all Tf tokens, no gather inside)."""
+    return tuple(replace(g, tokens=Tf, sp_gathered=False) if g.name.startswith("indexer_") else g
+                 for g in gemms if g.name != "linear_kv_up_proj")
+
+
+def dsa_saved_overrides(spec: Fp8Spec, L: Any, gemms: tuple[Gemm, ...], saved: Mapping[str, int], *,
+                        act_bytes: int, non_tn: bool = False) -> dict[str, int]:
+    """A DSA layer's saved tensors that differ from ``saved_overrides``' MLA reading (estimator/layers/dsa.py names):
+
+    * ``latent_norms`` stays BF16: the latent norms are TENorms of their own (DSA's spec does not fuse them into the
+      up projections), keeping their BF16 inputs; q_up_proj keeps a quantized copy of the q norm's output
+      (``q_latent``, quantized whatever --qk-layernorm says).
+    * ``indexer_inputs`` (the indexer loss trains the indexer, core_attn not recomputed): linear_wq_b keeps a
+      quantized copy of qr, linear_wk and linear_weights_proj one of x each (TE quantizes each module's BF16 input),
+      on all Tf tokens (DSAIndexer gathers them under sequence parallelism); with or without SP.
+    * ``dsa_core_inputs`` (core_attn recomputed): tensor_parallel.checkpoint keeps DSAttention's inputs x (the input
+      norm's output, unless 'layernorm' recompute discards it) and qr (q_compressed) in BF16, which the quantizing
+      projections no longer keep (qr is x without --q-lora-rank)."""
+    from .layers.base import selective_modules, shapes
+    g = {x.name: x for x in gemms}
+
+    def q(name: str) -> int:
+        x = g[name]
+        return x.count * saved_input(spec, x.tokens, x.cols, sp_gathered=x.sp_gathered, non_tn=non_tn).allocated
+
+    out: dict[str, int] = {}
+    if "latent_norms" in saved:
+        out["latent_norms"] = saved["latent_norms"]
+    if "q_latent" in saved and "linear_q_up_proj" in g:
+        out["q_latent"] = q("linear_q_up_proj")
+    mods = selective_modules(L)
+    if L.dsa_indexer_loss_coeff > 0 and "core_attn" not in mods:
+        out["indexer_inputs"] = sum(q(n) for n in ("indexer_linear_wq_b", "indexer_linear_wk",
+                                                   "indexer_linear_weights_proj"))
+    if "core_attn" in mods:
+        x = shapes(L)
+        ql = L.q_lora_rank
+        out["dsa_core_inputs"] = (x.T * x.h * act_bytes if "qkv_input" in saved else 0) + (x.T * ql * act_bytes
+                                                                                           if ql else 0)
+    return out
 
 
 def moe_saved_overrides(spec: Fp8Spec, L: Any, saved: Mapping[str, int], *, act_bytes: int,

@@ -86,16 +86,27 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if kw.get("tensor_model_parallel_size", 1) > 1 and not kw.get("sequence_parallel"):
         a.fail("sequence_parallel", "AbsorbedMLA (DSA) requires --sequence-parallel when "
                                     "tensor-model-parallel size > 1", "add --sequence-parallel")
-    if kw.get("context_parallel_size", 1) > 1:
-        raise NotModelledError(a.key("context_parallel_size"), "DSA with context parallelism (the allgather path "
-                               "gathers the key and the indexer key over CP)")
-    if kw.get("fp8") or kw.get("fp4"):
-        raise NotModelledError(a.key("fp8" if kw.get("fp8") else "fp4"), "FP8 / FP4 training with DSA "
-                               "(the absorbed MLA's quantized projections)")
     mods = kw.get("recompute_modules") or ()
-    if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods:
-        raise NotModelledError(a.key("recompute_modules"), "recomputing mla_up_proj with DSA (the absorbed "
-                               "query's checkpoint)")
+    if kw.get("context_parallel_size", 1) > 1:
+        _context_parallel(a, kw, mods)
+    quantized = "fp8" if kw.get("fp8") else "fp4" if kw.get("fp4") else None
+    if kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods and quantized:
+        # AbsorbedMLASelfAttention.get_query_key_value_tensors asserts it at the first forward (absorbed_mla.py)
+        a.fail("recompute_modules", f"mla_up_proj does not work with DSA under --{quantized}-format (AbsorbedMLA "
+                                    "asserts \"FP8/FP4 is not supported for AbsorbedMLA\" when it recomputes the up "
+                                    "projections)", "drop mla_up_proj from --recompute-modules")
+    elif quantized:
+        # estimated (estimator/fp8_layers.py dsa_saved_overrides): the TE linears quantize, the einsums and DSAttention
+        # stay BF16. Primary quantized weights are not: AbsorbedMLA reads linear_kv_up_proj's weight in its einsums
+        # (_get_kv_up_weights' view and slices of a QuantizedTensor), a path not read
+        for dest in ("fp8_param_gather", "fp4_param_gather"):
+            if kw.get(dest):
+                raise NotModelledError(a.key(dest), "primary FP8 / FP4 weights with DSA (AbsorbedMLA's einsums read "
+                                       "linear_kv_up_proj's quantized weight)")
+        if kw.get("fp8_dot_product_attention"):
+            # get_dsa_module_spec_for_backend builds DSAttention whatever the backend: no TE DotProductAttention
+            a.notes.append(f"{a.key('fp8_dot_product_attention')}: no effect on DSA layers (DSAttention is PyTorch "
+                           "code, not Transformer Engine's attention): their attention is estimated in BF16")
     if a.bool_arg("fine_grained_activation_offloading", False):
         # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
         # DSAttention's
@@ -112,3 +123,19 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                 dsa_indexer_loss_coeff=max(0.0, coeff),
                 dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False),
                 dsa_indexer_k_norm_fp32=a.bool_arg("dsa_indexer_k_norm_fp32", False))
+
+
+def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
+    """DSA under context parallelism: TransformerConfig asserts the allgather communication (each rank's query
+    against the whole key, gathered over CP and put in sequence order: DSAttention.forward, dsa.py 0.19.2), which
+    estimator/layers/dsa.py sizes, with or without the indexer loss. The recomputed core or up projections under CP
+    were not measured: refused by name."""
+    comm = a.get("cp_comm_type", "p2p")
+    if any(str(c).replace("_", "").lower() != "allgather" for c in (comm if isinstance(comm, (list, tuple)) else [comm])):
+        a.fail("cp_comm_type", "must be all_gather for DSA with context parallelism (TransformerConfig: \"DSAttention "
+                               "context parallelism currently supports cp_comm_type=allgather only\")",
+               "add --cp-comm-type all_gather")
+        return
+    if kw.get("recompute_granularity") == "selective" and {"core_attn", "mla_up_proj"} & set(mods):
+        raise NotModelledError(a.key("recompute_modules"), "recomputing core_attn or mla_up_proj of DSA layers under "
+                               "context parallelism")

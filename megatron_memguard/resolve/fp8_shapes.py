@@ -52,6 +52,12 @@ def _weight_flag(L: Any, name: str, value: int, unsharded_hidden: bool) -> str:
         return "moe_shared_expert_intermediate_size"
     if "fc1" in name or "fc2" in name:
         return "ffn_hidden_size"
+    if name == "indexer_linear_wq_b" and value == L.q_lora_rank:
+        return "q_lora_rank"        # a DSA indexer's wq_b [heads x head dim, q_lora]
+    if name in ("indexer_linear_wq_b", "indexer_linear_weights_proj"):
+        return "dsa_indexer_n_heads"
+    if name == "indexer_linear_wk":
+        return "dsa_indexer_head_dim"
     if name in ("linear_q_down_proj", "linear_q_up_proj"):
         return "q_lora_rank"
     if name in ("linear_kv_down_proj", "linear_kv_up_proj"):

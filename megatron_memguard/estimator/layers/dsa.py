@@ -101,23 +101,27 @@ def param_count(L: Layout) -> int:
 
 
 def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd: int, topk: int, e: int,
-               loss: bool, recompute_core: bool, k_norm_fp32: bool = False) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
+               loss: bool, recompute_core: bool, k_norm_fp32: bool = False,
+               s_k: int | None = None) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
     """DSAttention of one micro-batch on one TP rank (CP 1), PyTorch path, counted from megatron-core 0.19.2's
     dsa.py and dsa_masking.py and checked against the module on CPU (benchmarks/referee/dsa_probe.py).
 
     Returns (saved, locals, indexer working set, loss forward working set, sparse forward working set, sparse
     backward working set, sparse forward without autograd, the loss backward's indexer working set): ``saved`` what the core keeps for the backward (in creation order), ``locals`` the
     tensors DSAttention.forward holds without autograd until it returns (the indexer's outputs and top-k without
-    the loss). Shapes: s tokens (query and key), b micro-batch, a_t heads, D = kv_lora + rope the absorbed head dim,
-    N = b a_t s^2 score elements, I = b s^2 index-score elements."""
+    the loss). Shapes: s query tokens, s_k key tokens (s, or the whole sequence gathered over CP: the allgather
+    path), b micro-batch, a_t heads, D = kv_lora + rope the absorbed head dim, N = b a_t s s_k score elements,
+    I = b s s_k index-score elements."""
+    s_k = s if s_k is None else s_k
     Tf, D = s * b, kvl + pe
-    N, I = b * a_t * s * s, b * s * s
+    N, I = b * a_t * s * s_k, b * s * s_k
     saved: dict[str, int] = {}
     held: dict[str, int] = {}
     # the indexer (forward_before_topk): q [s b, heads, head dim] after its rope, k [s b, head dim] after k_norm and
     # rope, weights [s b, heads]; with the loss they are made with autograd and the loss function keeps them, with
     # k_norm's input and statistics and the rope's cos/sin cast to bf16 (for q and for k)
-    idx = Tf * (nh * hd + hd + nh) * e
+    # (under CP the indexer's k is gathered over the CP ranks and put in sequence order: [s_k b, head dim])
+    idx = (Tf * (nh * hd + nh) + b * s_k * hd) * e
     topk_b = b * s * topk * 8                      # int64 [b, s, topk]
     if loss:
         # k_norm's input: the wk output, or its fp32 copy with --dsa-indexer-k-norm-fp32
@@ -130,8 +134,8 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
         held["indexer_topk"] = topk_b
     # the indexer's scores (_compute_index_scores, fp32): the einsum of q and k cast to fp32 into X = [s, b, heads, s],
     # then its ReLU and the head weighting, each a new X while the previous one lives (2 X); topk's outputs are small
-    X = 4 * b * nh * s * s
-    indexer_ws = max(2 * X, X + 4 * Tf * hd * (nh + 1)) + b * s * topk * (4 + 8)
+    X = 4 * b * nh * s * s_k
+    indexer_ws = max(2 * X, X + 4 * hd * (Tf * nh + b * s_k)) + b * s * topk * (4 + 8)
     # the loss backward (bwd_fused_indexer_loss_naive) remakes the scores [s, b, heads, s] for the gradients: scores
     # with ReLU, its bool mask, the weighted product, the score gradient and the mask cast to fp32 (3.25 X); then
     # the gradients of q and k (einsums): the score gradient and its permuted copy (2 X), q in fp32, its permuted
@@ -153,12 +157,12 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
         # projection (einsum) keeps the core's contiguous latent output [s, b, a_t, kv_lora]
         # torch.matmul folds the broadcast [b, 1, ...] key (and value) into a view for b = 1, and copies it over the
         # heads for b > 1 (its expand + reshape): the copy is what the bmm keeps
-        saved["dsa_qk_fp32"] = 4 * Tf * a_t * D + 4 * D * s * (b * a_t if b > 1 else 1)
+        saved["dsa_qk_fp32"] = 4 * Tf * a_t * D + 4 * D * s_k * (b * a_t if b > 1 else 1)
         saved["dsa_masks"] = 3 * N
         saved["dsa_softmax_fp32"] = 8 * N + b * a_t * s * (1 + 8 + 4 + 4)
         saved["dsa_probs"] = N * e
         if b > 1:
-            saved["dsa_value_copy"] = b * a_t * s * kvl * e
+            saved["dsa_value_copy"] = b * a_t * s_k * kvl * e
         saved["dsa_latent_output"] = Tf * a_t * kvl * e
         # DSAttention.forward makes the V up-projection weight (a strided view of linear_kv_up_proj's) contiguous:
         # a copy [a_t, v, kv_lora] per micro-batch, kept by the einsum
@@ -168,10 +172,10 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     sparse_fwd = 16 * N + 5 * I
     # its backward: five fp32 [b, a_t, s, s] gradients of the softmax chain at once, less the bool mask and the bf16
     # probabilities already freed (released names), the key's gradient through the value slice
-    sparse_bwd = 19 * N + Tf * D * e
+    sparse_bwd = 19 * N + b * s_k * D * e
     # without autograd (the checkpointed core's forward): q and k in fp32, the scores, the masked logits, the
     # softmax's output and its masked copy with one bool mask, the index mask and its validity
-    nograd_fwd = 4 * Tf * (a_t + 1) * D + 17 * N + 5 * I
+    nograd_fwd = 4 * (Tf * a_t + b * s_k) * D + 17 * N + 5 * I
     return saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_indexer
 
 
@@ -181,9 +185,11 @@ def layer_items(L: Layout, recompute_core: bool) -> tuple:
     loss = L.dsa_indexer_loss_coeff > 0
     # fused_qk_topk_naive (dsa.py, 0.19.2) takes min(index_topk, key length) indices: a top-k above the sequence
     # (CP 1: the key is the whole sequence) keeps [b, s, s], not [b, s, topk]
-    topk = min(L.dsa_indexer_topk, x.s)
+    # under CP (the allgather path) the key is the whole sequence, gathered over the CP ranks
+    s_k = x.s * L.cp
+    topk = min(L.dsa_indexer_topk, s_k)
     return core_items(x.s, x.b, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim, L.v_head_dim, L.dsa_indexer_n_heads,
-                      L.dsa_indexer_head_dim, topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32)
+                      L.dsa_indexer_head_dim, topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32, s_k)
 
 
 CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
@@ -226,7 +232,18 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     saved["query_up"] = Tf * a_t * (L.qk_head_dim + pe) * e
     saved["rope_cos_sin"] = 4 * x.s * pe * e                 # unfused rope (DSA forbids rope fusion): cos, sin for q, k
     # the latent key [s b, 1, kv_lora + rope]: the value is its first kv_lora channels, kept by the value matmul
-    saved["dsa_key"] = Tf * D * e
+    # (under CP the value matmul keeps the key gathered over the CP ranks, [s_k b, 1, D], for b = 1; for b > 1 it
+    # keeps its copy over the heads, dsa_value_copy, and without the indexer loss (which keeps the key too) the
+    # gathered key lives through the core's forward only (a checkpointed core is refused under CP); the local key
+    # lives through the core's forward too)
+    cp_key = 0
+    if L.cp > 1 and x.b > 1 and not loss:
+        cp_key = Tf * L.cp * D * e
+    else:
+        saved["dsa_key"] = Tf * L.cp * D * e
+    if L.cp > 1:
+        # the key's index_select keeps its index, the int64 sequence order of the gathered key [s_k]
+        saved["dsa_cp_key_order"] = 8 * x.s * L.cp
     core_saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_ix = layer_items(L, recompute_core)
     # the indexer's inputs gathered over TP under sequence parallelism (x [s b, h] and qr [s b, q_lora]): kept by
     # its linears when the loss trains it, else freed after the indexer's forward
@@ -239,11 +256,15 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     after_attn = after | {"proj_input"}
     held_b = sum(held.values())
     query_b = Tf * a_t * D * e                                # the absorbed query (alive through the core's forward)
+    # --recompute-modules mla_up_proj: the query and key are made under CheckpointWithoutOutput and freed after the
+    # core (up_proj_checkpoint); remade before V's up projection's backward, they live until the checkpoint's backward
+    remade, key_live, up_fwd = up_proj_checkpoint(L, saved) if "mla_up_proj" in mods else (0, 0, 0)
     query_live = 0 if "dsa_query" in saved else query_b
     core_names = CORE_NAMES | LOSS_NAMES
+    query_live += key_live + (Tf * D * e + cp_key if L.cp > 1 else 0)
     fwd_steps: tuple[Step, ...] = (
         # the absorbed query being made: the einsum's output [a_t, s b, kv_lora] and its contiguous copy
-        (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e),
+        (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e + up_fwd),
         # the indexer's scores and top-k (the gathered inputs, its q, k, weights alive)
         (after_attn | (core_names - {"indexer_qkw", "dsa_query", "indexer_inputs"}),
          query_live + (0 if loss and not recompute_core else gathered) + held_b + indexer_ws),
@@ -263,29 +284,59 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     freed = sum(full.get(k, 0) for k in LATE)
     bwd_steps: tuple[Step, ...] = (
         (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w) + renorm),                   # linear_proj
+    )
+    if remade:
+        # the checkpoint's replay, run by the hook on linear_proj's input gradient: the forward's first step again
+        # beside that gradient, with the query and key it makes
+        bwd_steps += ((rel_proj, G + Tf * ctx_w * e + renorm + remade + 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e),)
+    bwd_steps += (
         # V's up projection (the latent output's gradient); with core_attn, first the replay's forward
-        (rel_proj, G + Tf * a_t * kvl * e + renorm + (replay - freed + max(indexer_ws, loss_ws, sparse_fwd)
-                                                      if recompute_core else 0)),
-        (rel_proj | LATE, G + sparse_bwd + renorm + replay - freed),                     # sparse attention
+        (rel_proj, G + Tf * a_t * kvl * e + renorm + remade + (replay - freed + max(indexer_ws, loss_ws, sparse_fwd)
+                                                               if recompute_core else 0)),
+        (rel_proj | LATE, G + sparse_bwd + renorm + remade + replay - freed),            # sparse attention
     )
     rel_core = rel_proj | CORE_NAMES
     if loss:
         # FusedDSAIndexerLoss.backward (after the sparse attention's: made earlier, it runs later): the index
         # scores again, then the attention scores' softmax as in its forward
-        bwd_steps += ((rel_core, G + max(loss_bwd_ix, loss_ws)),)
+        bwd_steps += ((rel_core, G + max(loss_bwd_ix, loss_ws) + remade),)
     rel_all = rel_core | LOSS_NAMES
     # the absorbed query's and the key's gradients, the q up projection's and the latents'
     qh = L.qk_head_dim + pe
     up = Tf * a_t * D * e + Tf * D * e + Tf * a_t * qh * e + Tf * (kvl + pe) * e
+    up_names = {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "up_checkpoint_inputs"}
     bwd_steps += (
-        (rel_all, G + up + renorm + wgrad(L, a_t * qh, ql or h) + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
-        (rel_all | {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms"},
+        (rel_all, G + up + renorm + remade + wgrad(L, a_t * qh, ql or h)
+         + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
+        (rel_all | up_names,
          G + T * ((ql or 0) + kvl + pe) * e + 2 * T * h * e + renorm + wgrad(L, kvl + pe, h)
          + (wgrad(L, ql, h) if ql else 0)),                                             # down projections
-        (rel_all | {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "qkv_input"},
-         G + 2 * T * h * e + renorm // 2),                                             # input norm
+        (rel_all | up_names | {"qkv_input"}, G + 2 * T * h * e + renorm // 2),          # input norm
     )
     return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def up_proj_checkpoint(L: Layout, saved: dict[str, int]) -> tuple[int, int, int]:
+    """``--recompute-modules mla_up_proj`` (megatron-core 0.19.2 absorbed_mla.py: qkv_up_proj_and_rope_apply under
+    tensor_parallel.CheckpointWithoutOutput, its outputs' storage freed after V's up projection and shared with the
+    replay's outputs, random.py ``share_storage``: the remade tensors exist once). Changes ``saved`` in place: the up
+    projection's output, the rope tables and the latent key (and the query the indexer loss or a checkpointed core
+    keeps) go; the checkpoint keeps its inputs instead (``up_checkpoint_inputs``): the kv latent and the key's rope
+    part, gathered over TP under sequence parallelism, else the kv down projection's output (views of it; with
+    --qk-layernorm its kv part is the norm's new output, the rest kept by the norm already). The q latent it keeps is
+    q_up_proj's input, counted already. Returns (the bytes the replay makes again, alive from it to the checkpoint's
+    backward; the key, alive through the core's forward; the up projection's output and rope tables, alive while the
+    query is made)."""
+    x = shapes(L)
+    Tf, e, a_t, kvl, pe = x.Tf, x.e, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim
+    query = saved.pop("dsa_query", 0) or Tf * a_t * (kvl + pe) * e
+    graph = saved.pop("query_up") + saved.pop("rope_cos_sin")
+    key = saved.pop("dsa_key")
+    if L.sequence_parallel and L.tp > 1:
+        saved["up_checkpoint_inputs"] = Tf * (kvl + pe) * e
+    else:
+        saved["up_checkpoint_inputs"] = x.T * (kvl if latent_norms(L) else kvl + pe) * e
+    return graph + query + key, key, graph
 
 
 def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
