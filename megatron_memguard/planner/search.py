@@ -191,10 +191,15 @@ class Planner:
             self.notes.append("the planner chooses " + ", ".join(ignored) + " itself; the model config's values are "
                               "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
         for dest in ("hybrid_layer_pattern", "hybrid_override_pattern"):
-            if raw.args.get(dest):
-                # before the probe, whose TP 1 may break the config's own rules first (model_shape says it too)
-                from ..errors import NotModelledError
-                raise NotModelledError(raw.key(dest), "planning layouts of hybrid Mamba models")
+            text = raw.args.get(dest)
+            if isinstance(text, str) and "|" in text.split("/")[0]:
+                # the '|' segments fix PP and VPP (validate_args): the planner splits the pattern itself, as
+                # select_pipeline_segment does without them (even, or first / last stage sizes; megatron-core 0.19.2
+                # models/hybrid/hybrid_layer_allocation.py; 0.16.1 MambaStack._select_layers_for_pipeline_parallel)
+                raw = raw.with_args(**{dest: text.replace("|", "")})
+                self.raw = raw
+                self.notes.append(f"{raw.key(dest)}: its '|' pipeline segments are left out; the planner chooses the "
+                                  "pipeline split (even, or first / last stage sizes; no virtual stages)")
         # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
         probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
