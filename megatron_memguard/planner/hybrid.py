@@ -125,6 +125,18 @@ def mamba_core(m: MambaShape, *, b: int, seq: int, tp: int, cp: int, act_bytes: 
                      elem_fwd=memory_seconds(e_fwd, gpu), elem_bwd=memory_seconds(e_all - e_fwd, gpu))
 
 
+def kind_name(kind: Any) -> str:
+    """A layer kind as ``memguard plan --explain`` names it: Mamba / attention / MLP / MoE / GDN layers, or a
+    heterogeneous block's attention and MLP (its own width)."""
+    names = {"mamba": "Mamba", "attention": "attention", "mla": "MLA", "dsa": "DSA", "gdn": "GDN", "linear": "linear",
+             "none": "", "dense": "MLP", "moe": "MoE"}
+    mixer = names.get(kind.mixer, kind.mixer) + (f"(g{kind.query_groups})" if kind.query_groups else "")
+    mlp = kind.mlp.split(":", 1)
+    mlp_name = names.get(mlp[0], mlp[0]) + (f"({mlp[1]})" if len(mlp) > 1 else "")
+    both = "+".join(x for x in (mixer, mlp_name) if x) or "no-op"
+    return both + " layers"
+
+
 # LayerCost fields that add up over the parts of a layer (the efficiencies are FLOP-weighted, the flags any-of)
 _EFFS = ("gemm_eff", "attn_eff")
 _FLAGS = ("gdn", "ssm")

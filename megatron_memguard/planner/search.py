@@ -211,6 +211,11 @@ class Planner:
             # the EP overlap needs EP > 1 (TransformerConfig.__post_init__), which the one-GPU probe has not; it
             # changes no shape, and each candidate resolves with it (those with EP 1 break the rule and are dropped)
             probe_raw = probe_raw.with_args(overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
+        tp_comm_overlap = raw.args.get("tp_comm_overlap") not in (None, False, "", "false", "False")
+        if tp_comm_overlap:
+            # TP communication overlap needs SP (validate_args), which the probe's TP 1 has not; it changes no shape,
+            # and each candidate resolves with it (those with TP 1 or without SP break the rule and are dropped)
+            probe_raw = probe_raw.with_args(tp_comm_overlap=False)
         try:
             self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
         except (ConfigError, ConfigErrors):
@@ -241,7 +246,7 @@ class Planner:
         elif self.probe.attention_backend in ("unfused", "local"):
             self.notes.append(f"--attention-backend {self.probe.attention_backend}: context parallelism is left out "
                               "(only Transformer Engine's flash and fused attention implement it)")
-        if self.probe.tp_comm_overlap:
+        if self.probe.tp_comm_overlap or tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)
         self._bounds: dict[tuple, float] = {}

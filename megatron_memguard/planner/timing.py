@@ -794,6 +794,45 @@ class TimeModel:
                           kernels_bwd=4 + hyb.KERNELS_BWD, tp_fwd=tp_f, tp_bwd=tp_b, cp_fwd=a2a, cp_bwd=a2a,
                           flops_fwd=flops + core.kernel_flops_fwd, ssm=True)
 
+    def _mixed_texts(self, c: Candidate, crit: int, fp8: bool, texts: tuple, m: int, gemm: float,
+                     where: str) -> tuple:
+        """explain's sentences of the per-layer terms for a model with layers of several kinds: each kind on the
+        critical stage, how many, and its own numbers."""
+        s = self.shape
+        rows = [(hyb.kind_name(kind), k, x, r) for kind, k, (x, r) in
+                zip(s.kind_set, self.kinds_on(c, crit), self.kind_costs(c, fp8)) if k]
+
+        def each(f) -> str:
+            return " + ".join(f"{k} {name} x {f(x, r)}" for name, k, x, r in rows)
+
+        def core(x: LayerCost) -> str:
+            if not x.attn_fwd:
+                return "0"
+            what = "SSD scan" if x.ssm else "delta-rule kernel" if x.gdn else "attention"
+            return f"{(x.attn_fwd + x.attn_bwd) * 1e3:.3f} ms {what} at {x.attn_eff:.0%} of peak"
+
+        def cp(x: LayerCost) -> str:
+            if not x.cp_fwd + x.cp_bwd:
+                return "0"
+            what = "all-to-alls of heads" if x.ssm or x.gdn else "exposed K/V ring exchange"
+            return f"{(x.cp_fwd + x.cp_bwd) * 1e3:.3f} ms {what}"
+
+        rc_any = any(r for *_, r in rows)
+        return (
+            (f"{m} micro-batches x {gemm * 1e3:.2f} ms on {where}; per layer, forward + backward: "
+             + each(lambda x, r: f"{(x.gemm_fwd + x.gemm_bwd) * 1e3:.3f} ms at {x.gemm_eff:.0%} of peak (forward)")),
+            f"{m} x ({each(lambda x, r: core(x))})" + (f", {c.cp} ring steps per attention layer" if c.cp > 1 else ""),
+            texts[2],
+            f"{m} x ({each(lambda x, r: str(x.kernels_fwd + x.kernels_bwd))}) kernels x {KERNEL_GAP * 1e6:.0f} us",
+            texts[4],
+            (f"{m} x ({each(lambda x, r: f'{r * 1e3:.3f} ms')}): {self._recompute_layer(rows[0][2], c.recompute)[1]}"
+             if rc_any else "no recomputation"),
+            (f"{m} x ({each(lambda x, r: f'{(x.tp_fwd + x.tp_bwd) * 1e3:.3f} ms')} + embedding/output) exposed TP "
+             f"collectives, TP{c.tp}" + (" with sequence parallelism" if c.sp else " without sequence parallelism")
+             if c.tp > 1 else texts[6]),
+            f"{m} x ({each(lambda x, r: cp(x))})" if c.cp > 1 else texts[7],
+        ) + texts[8:]
+
     def _mixed_flops_per_token(self) -> float:
         """Model FLOPs per token of a model with layers of several kinds: 6 x every kind's matmul weights and the
         output layer's, plus per attention layer 6 heads (qk + v) s (the dense model's term), per Mamba layer its SSD
@@ -1283,6 +1322,8 @@ class TimeModel:
                     (f"{m} x ({n - n_gdn} attention layers x {layer_cp * 1e3:.3f} ms exposed K/V ring exchange + "
                      f"{n_gdn} gated delta net layers x {(lg.cp_fwd + lg.cp_bwd) * 1e3:.3f} ms of all-to-alls of heads)"
                      if c.cp > 1 else texts[7]),) + texts[8:])
+            if s.kinds:
+                texts = self._mixed_texts(c, crit, fp8, texts, m, gemm, where)
             if s.moe:
                 n_moe = self.moe_layers_on(c, crit)
                 texts = texts[:8] + (
