@@ -213,7 +213,7 @@ class Planner:
             probe_raw = probe_raw.with_args(overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
         v = raw.args.get("tp_comm_overlap")
         # (only a true value: anything else reaches the probe, whose rule names it)
-        tp_comm_overlap = v is True or (isinstance(v, str) and v.strip().lower() in ("true", "1", "yes", "on"))
+        tp_comm_overlap = v.strip().lower() in ("true", "1", "yes", "on") if isinstance(v, str) else v is True or v == 1
         if tp_comm_overlap:
             # TP communication overlap needs SP (validate_args), which the probe's TP 1 has not; it changes no shape,
             # and each candidate resolves with it (those with TP 1 or without SP break the rule and are dropped)
