@@ -192,7 +192,7 @@ class Planner:
                               "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
         for dest in ("hybrid_layer_pattern", "hybrid_override_pattern"):
             text = raw.args.get(dest)
-            if isinstance(text, str) and "|" in text.split("/")[0]:
+            if isinstance(text, str) and "|" in text.split("/")[0] and text.split("/")[0].replace("|", ""):
                 # the '|' segments fix PP and VPP (validate_args): the planner splits the pattern itself, as
                 # select_pipeline_segment does without them (even, or first / last stage sizes; megatron-core 0.19.2
                 # models/hybrid/hybrid_layer_allocation.py; 0.16.1 MambaStack._select_layers_for_pipeline_parallel)
