@@ -204,10 +204,13 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
     if s.kinds:
         from .hybrid import kind_name
         kinds = ", ".join(f"{n} {kind_name(k)}" for k, n in zip(s.kind_set, s.kinds_in(0, s.num_layers)))
+        mixers = {k.mixer for k in s.kind_set}
+        scans = " / ".join(x for m, x in (("mamba", "the Mamba layers' SSD scans"), ("gdn", "the GDN layers' delta-rule "
+                                          "kernels")) if m in mixers)
         out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul "
-                   f"weights + 12 x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} per attention layer + the "
-                   f"Mamba layers' SSD scans / GDN layers' delta-rule kernels (forward and backward, linear in the "
-                   f"sequence); layers: {kinds}; peak {cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
+                   f"weights + 12 x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} per attention layer"
+                   + (f" + {scans} (forward and backward, linear in the sequence)" if scans else "")
+                   + f"; layers: {kinds}; peak {cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
     else:
         out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul "
                    f"weights + 12 x {s.num_layers - s.gdn_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x "
